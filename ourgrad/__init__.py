@@ -1,0 +1,13 @@
+"""ourgrad: a small, fast, hackable lazy-tensor deep-learning library.
+
+    from ourgrad import Tensor, dtypes
+    x = Tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    (x @ x).relu().sum().backward()
+"""
+from ourgrad.device import Device
+from ourgrad.dtype import DType, dtypes
+from ourgrad.helpers import GlobalCounters
+from ourgrad.tensor import Tensor, no_grad
+
+__all__ = ["Tensor", "dtypes", "DType", "Device", "GlobalCounters", "no_grad"]
+__version__ = "0.1.0"

@@ -1,0 +1,191 @@
+"""Lower an optimized Kernel to a flat list of UOps.
+
+The loop nest is: global loops (or GPU thread indices), accumulators, reduce loops with the unrolled reduce
+lanes inside, then after the reduce the upcast outputs are computed and stored. Upcast and unroll axes never
+become loops: each combination of their indices (a "lane") is generated as straight-line code with the
+index fixed to a constant, which is what puts the tile in registers. Buffer indices come from each view's
+ShapeTracker as symbolic expressions, simplified, then turned into integer UOps.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Sequence
+
+from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.uops import UOp, UOpBuilder, UOps
+from ourgrad.dtype import DType, dtypes
+from ourgrad.ops import LazyOp, MemBuffer, Ops
+from ourgrad.shape.symbolic import AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, SumNode, Variable
+
+INDEX_DTYPE = dtypes.int32
+
+
+def reduce_identity(op: Ops, dtype: DType) -> float | int | bool:
+  """The start value of an accumulator."""
+  if op is Ops.SUM: return False if dtype == dtypes.bool else (0.0 if dtype.is_float else 0)
+  if dtype.is_float: return -math.inf
+  return dtype.min
+
+
+class Linearizer:
+  """Builds the UOps of one kernel. `linearize(kernel)` is the entry point."""
+
+  def __init__(self, kernel: Kernel):
+    self.kernel = kernel
+    self.builder = UOpBuilder()
+    self.loop_vars: dict[str, UOp] = {}
+    self.buffers: dict[int, UOp] = {}
+    self.leaf_index = {id(leaf): index for index, leaf in enumerate(kernel.leaves)}
+
+  # ---------------------------------------------------------------- symbolic index math -> UOps
+
+  def node_to_uop(self, node: Node) -> UOp:
+    build = self.builder
+    if isinstance(node, NumNode): return build.const(node.b, INDEX_DTYPE)
+    if isinstance(node, Variable): return self.loop_vars[node.expr]
+    if isinstance(node, MulNode): return build.alu(Ops.MUL, INDEX_DTYPE, self.node_to_uop(node.a), self._int(node.b))
+    if isinstance(node, DivNode): return build.alu(Ops.IDIV, INDEX_DTYPE, self.node_to_uop(node.a), self._int(node.b))
+    if isinstance(node, ModNode): return build.alu(Ops.MOD, INDEX_DTYPE, self.node_to_uop(node.a), self._int(node.b))
+    if isinstance(node, SumNode):
+      terms = sorted(node.nodes, key=lambda term: isinstance(term, NumNode))  # constant last: reads "x+1"
+      total = self.node_to_uop(terms[0])
+      for term in terms[1:]: total = build.alu(Ops.ADD, INDEX_DTYPE, total, self.node_to_uop(term))
+      return total
+    if isinstance(node, LtNode):
+      right = self._int(node.b) if isinstance(node.b, int) else self.node_to_uop(node.b)
+      return build.alu(Ops.CMPLT, dtypes.bool, self.node_to_uop(node.a), right)
+    if isinstance(node, AndNode):
+      result = self.node_to_uop(node.nodes[0])
+      for term in node.nodes[1:]: result = build.alu(Ops.AND, dtypes.bool, result, self.node_to_uop(term))
+      return result
+    raise NotImplementedError(f"cannot lower symbolic node {type(node).__name__}")
+
+  def _int(self, value: int) -> UOp: return self.builder.const(value, INDEX_DTYPE)
+
+  # ---------------------------------------------------------------- the loop nest
+
+  def linearize(self) -> list[UOp]:
+    kernel, build = self.kernel, self.builder
+    for leaf in kernel.leaves:
+      if isinstance(leaf.arg, MemBuffer) and leaf.arg.idx not in self.buffers:
+        self.buffers[leaf.arg.idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (leaf.arg.idx, leaf.op is Ops.STORE))
+    self.buffers = dict(sorted(self.buffers.items()))
+    shape = kernel.full_shape
+    axis_idxs: list[Node] = []
+    global_loops = []
+    for axis in range(kernel.first_reduce):
+      axis_idxs.append(Variable(f"gidx{axis}", 0, shape[axis] - 1))
+      global_loops.append(self._open_loop(f"gidx{axis}", shape[axis]))
+    for axis in range(kernel.first_reduce, kernel.first_upcast):
+      axis_idxs.append(Variable(f"ridx{axis}", 0, shape[axis] - 1))
+
+    upcast_axes, unroll_axes = kernel.upcast_axes, kernel.unroll_axes
+    output_lanes = list(itertools.product(*[range(shape[axis]) for axis in upcast_axes]))
+    accumulators: dict[tuple[int, ...], UOp] = {}
+    if kernel.reduceop is not None:
+      reduce = kernel.reduceop
+      accumulate_op = Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
+      for lane in output_lanes:
+        accumulators[lane] = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+      reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis])
+                      for axis in range(kernel.first_reduce, kernel.first_upcast)]
+      for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
+        for lane in output_lanes:
+          idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, unroll_lane)
+          value = self.compute(reduce.srcs[0], idxs, None)
+          build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[lane], value), accumulate_op)
+      for loop in reversed(reduce_loops): build.end_range(loop)
+
+    store = kernel.ast
+    for lane in output_lanes:
+      zero_unrolls = (0,) * len(unroll_axes)
+      idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, zero_unrolls)
+      value = self.compute(store.srcs[0], idxs, accumulators.get(lane))
+      index, valid = self._index(0, idxs)
+      srcs = (self.buffers[store.arg.idx], index, value) + ((valid,) if valid is not None else ())
+      build.add(UOps.STORE, None, srcs)
+    for loop in reversed(global_loops): build.end_range(loop)
+    return build.uops
+
+  def _open_loop(self, name: str, size: int) -> UOp:
+    loop = self.builder.add(UOps.RANGE, INDEX_DTYPE, (self._int(0), self._int(size)), name)
+    self.loop_vars[name] = loop
+    return loop
+
+  def _fill_lanes(self, axis_idxs: list[Node], upcast_axes: list[int], lane: Sequence[int],
+                  unroll_axes: list[int], unroll_lane: Sequence[int]) -> list[Node]:
+    """Per-axis indices: loop variables, with the upcast/unroll axes fixed to this lane's constants."""
+    idxs = list(axis_idxs) + [NumNode(0)] * (self.kernel.shape_len - len(axis_idxs))
+    for axis, value in zip(upcast_axes, lane): idxs[axis] = NumNode(value)
+    for axis, value in zip(unroll_axes, unroll_lane): idxs[axis] = NumNode(value)
+    return idxs
+
+  def _index(self, leaf_number: int, idxs: list[Node]) -> tuple[UOp, UOp | None]:
+    """(index, valid) uops of a leaf's view; valid is None where always true."""
+    st = self.kernel.sts[leaf_number]
+    # a view has size 1 where the full shape is reduced away: index 0 there
+    own_idxs = [idx if st.shape[axis] != 1 else NumNode(0) for axis, idx in enumerate(idxs)]
+    index_node, valid_node = st.expr_idxs(own_idxs)
+    valid = None if (isinstance(valid_node, NumNode) and valid_node.b == 1) else valid_node
+    if isinstance(valid_node, NumNode) and valid_node.b == 0: index_node = NumNode(0)
+    return self.node_to_uop(index_node), (self.node_to_uop(valid) if valid is not None else None)
+
+  # ---------------------------------------------------------------- the AST -> UOps
+
+  def compute(self, root: LazyOp, idxs: list[Node], reduce_value: UOp | None) -> UOp:
+    """UOps computing `root` at one lane; the kernel's reduce node stands for `reduce_value`."""
+    build, values = self.builder, {}
+    for node in _post_order(root, stop=self.kernel.reduceop if reduce_value is not None else None):
+      if node is self.kernel.reduceop and reduce_value is not None:
+        values[id(node)] = reduce_value
+      elif node.op is Ops.LOAD:
+        values[id(node)] = self._load(node, idxs)
+      elif node.op is Ops.CONST:
+        values[id(node)] = self._const(node, idxs)
+      elif node.op is Ops.CAST:
+        values[id(node)] = build.add(UOps.CAST, node.dtype, (values[id(node.srcs[0])],))
+      elif node.op is Ops.BITCAST:
+        values[id(node)] = build.add(UOps.BITCAST, node.dtype, (values[id(node.srcs[0])],))
+      elif node.op is Ops.MULACC:
+        a, b, c = (values[id(src)] for src in node.srcs)
+        values[id(node)] = build.alu(Ops.ADD, node.dtype, build.alu(Ops.MUL, node.dtype, a, b), c)
+      else:
+        values[id(node)] = build.alu(node.op, node.dtype, *(values[id(src)] for src in node.srcs))
+    return values[id(root)]
+
+  def _load(self, node: LazyOp, idxs: list[Node]) -> UOp:
+    index, valid = self._index(self.leaf_index[id(node)], idxs)
+    if valid is not None and valid.op is UOps.CONST and not valid.arg: return self.builder.const(_zero(node.dtype), node.dtype)
+    srcs = (self.buffers[node.arg.idx], index) + ((valid,) if valid is not None else ())
+    return self.builder.add(UOps.LOAD, node.dtype, srcs)
+
+  def _const(self, node: LazyOp, idxs: list[Node]) -> UOp:
+    value = self.builder.const(node.arg.val, node.dtype)
+    _, valid = self._index(self.leaf_index[id(node)], idxs)
+    if valid is None: return value
+    return self.builder.alu(Ops.WHERE, node.dtype, valid, value, self.builder.const(_zero(node.dtype), node.dtype))
+
+
+def _zero(dtype: DType) -> float | int | bool:
+  return False if dtype == dtypes.bool else (0.0 if dtype.is_float else 0)
+
+
+def _post_order(root: LazyOp, stop: LazyOp | None) -> list[LazyOp]:
+  """Nodes under `root`, sources first, not descending below `stop`. Iterative: fused chains can be long."""
+  order, seen = [], set()
+  stack: list[tuple[LazyOp, bool]] = [(root, False)]
+  while stack:
+    node, expanded = stack.pop()
+    if expanded:
+      order.append(node)
+      continue
+    if id(node) in seen: continue
+    seen.add(id(node))
+    stack.append((node, True))
+    if node is not stop: stack.extend((src, False) for src in reversed(node.srcs))
+  return order
+
+
+def linearize(kernel: Kernel) -> list[UOp]:
+  return Linearizer(kernel).linearize()

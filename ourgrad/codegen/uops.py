@@ -1,0 +1,108 @@
+"""UOps: the flat, typed, SSA-like program every renderer reads.
+
+A kernel becomes a list of `UOp`s in execution order. Values are defined once (CONST, LOAD, ALU, CAST, ...);
+RANGE/ENDRANGE open and close loops; DEFINE_ACC declares an accumulator that ACCUMULATE updates in place.
+`UOpBuilder` appends UOps with common-subexpression elimination (per loop scope) and constant folding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+from ourgrad.dtype import DType, dtypes
+from ourgrad.ops import Ops, exec_alu
+
+
+class UOps(Enum):
+  DEFINE_GLOBAL = auto()   # a kernel argument (buffer pointer); arg = (index, is_output)
+  SPECIAL = auto()         # a GPU thread/block index; arg = (name, size)
+  RANGE = auto()           # opens a loop; srcs = (start, end) consts; arg = loop variable name
+  ENDRANGE = auto()        # closes the loop opened by srcs[0]
+  CONST = auto()           # a literal
+  LOAD = auto()            # srcs = (buffer, index[, valid]); reads 0 where valid is false
+  STORE = auto()           # srcs = (buffer, index, value[, valid])
+  ALU = auto()             # arg = the Ops member
+  CAST = auto()            # value conversion to dtype
+  BITCAST = auto()         # reinterpret the bits as dtype
+  DEFINE_ACC = auto()      # an accumulator variable; arg = its start value
+  ACCUMULATE = auto()      # srcs = (acc, value); arg = Ops.ADD or Ops.MAX: acc = op(acc, value)
+
+
+@dataclass(eq=False)
+class UOp:
+  """One instruction. Identity-compared: equal computations are merged by the builder, not by __eq__."""
+  op: UOps
+  dtype: DType | None
+  srcs: tuple[UOp, ...] = ()
+  arg: Any = None
+  uses: int = field(default=0, compare=False)
+
+  def __repr__(self) -> str:
+    arg = self.arg.name if isinstance(self.arg, Ops) else self.arg
+    return f"{self.op.name:<14} {str(self.dtype):<16} srcs={[id(s) % 10000 for s in self.srcs]} arg={arg}"
+
+
+# uops that are never merged with an earlier identical one: they have effects or open/close scopes
+_NOT_CACHED = frozenset({UOps.RANGE, UOps.ENDRANGE, UOps.STORE, UOps.DEFINE_ACC, UOps.ACCUMULATE, UOps.SPECIAL})
+
+
+class UOpBuilder:
+  """Appends UOps in order with CSE and constant folding. Values defined inside a loop are only reused
+  inside it (a later use outside would be out of the C scope that declared it)."""
+
+  def __init__(self) -> None:
+    self.uops: list[UOp] = []
+    self._cache: dict[tuple, UOp] = {}
+    self._scopes: list[list[tuple]] = [[]]
+
+  def add(self, op: UOps, dtype: DType | None, srcs: tuple[UOp, ...] = (), arg: Any = None) -> UOp:
+    if op is UOps.ALU:
+      folded = self._fold(dtype, srcs, arg)
+      if folded is not None: return folded
+    key = (op, dtype, tuple(id(src) for src in srcs), _hashable(arg))
+    if op not in _NOT_CACHED and key in self._cache: return self._cache[key]
+    uop = UOp(op, dtype, srcs, arg)
+    for src in srcs: src.uses += 1
+    self.uops.append(uop)
+    if op is UOps.RANGE: self._scopes.append([])
+    if op not in _NOT_CACHED:
+      # constants and kernel arguments are visible everywhere: keep them in the outermost scope
+      scope = self._scopes[0] if op in (UOps.CONST, UOps.DEFINE_GLOBAL) else self._scopes[-1]
+      self._cache[key] = uop
+      scope.append(key)
+    return uop
+
+  def end_range(self, range_uop: UOp) -> None:
+    self.uops.append(UOp(UOps.ENDRANGE, None, (range_uop,)))
+    for key in self._scopes.pop(): self._cache.pop(key, None)
+
+  def const(self, value: Any, dtype: DType) -> UOp:
+    return self.add(UOps.CONST, dtype, (), value)
+
+  def alu(self, op: Ops, dtype: DType, *srcs: UOp) -> UOp:
+    return self.add(UOps.ALU, dtype, srcs, op)
+
+  def _fold(self, dtype: DType | None, srcs: tuple[UOp, ...], op: Ops) -> UOp | None:
+    """Constant folding and the identities that index math produces (x+0, x*1, x*0 on ints)."""
+    assert dtype is not None
+    if all(src.op is UOps.CONST for src in srcs):
+      return self.const(exec_alu(op, dtype, tuple(src.arg for src in srcs)), dtype)
+    if len(srcs) == 2 and srcs[1].op is UOps.CONST:
+      value = srcs[1].arg
+      if op is Ops.ADD and value == 0 and srcs[0].dtype == dtype: return srcs[0]
+      if op in (Ops.MUL, Ops.IDIV) and value == 1 and srcs[0].dtype == dtype: return srcs[0]
+      if op is Ops.MUL and value == 0 and not dtype.is_float: return self.const(0, dtype)
+    if op is Ops.WHERE and srcs[0].op is UOps.CONST: return srcs[1] if srcs[0].arg else srcs[2]
+    if op is Ops.AND and dtype == dtypes.bool:
+      if any(src.op is UOps.CONST and not src.arg for src in srcs): return self.const(False, dtype)
+      if srcs[0].op is UOps.CONST: return srcs[1]
+      if srcs[1].op is UOps.CONST: return srcs[0]
+    return None
+
+
+def _hashable(arg: Any) -> Any:
+  """Constants keyed by type too, so 1 (int) and 1.0 and True are different; NaN equal to itself."""
+  if isinstance(arg, float) and math.isnan(arg): return ("nan",)
+  return (type(arg), arg)

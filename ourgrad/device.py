@@ -1,0 +1,252 @@
+"""Devices, buffers and the pieces every runtime is made of.
+
+`Device[name]` returns the `Compiled` device of that name, importing `ourgrad.runtime.ops_<name>` on first
+use. A Compiled device is an `Allocator` (memory), a `Renderer` (UOps -> source), a `Compiler`
+(source -> binary, cached on disk) and a program class (binary -> callable kernel). `Buffer` is a
+typed, sized piece of memory on one device, allocated lazily and returned to the allocator's cache
+when garbage collected.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import pathlib
+import tempfile
+from typing import Any, Callable
+
+import numpy as np
+
+from ourgrad.dtype import DType, dtypes
+from ourgrad.errors import DeviceError, OutOfMemoryError
+from ourgrad.helpers import DEVICE, DISABLE_COMPILER_CACHE, GlobalCounters, cache_dir
+
+# user-facing aliases of device names
+DEVICE_ALIASES = {"CPU": "CLANG", "GPU": "OPENCL"}
+# what to install when a device cannot be opened
+DEVICE_INSTALL_HINTS = {
+  "LLVM": "pip install 'ourgrad[llvm]' (llvmlite)",
+  "OPENCL": "pip install 'ourgrad[opencl]' (pyopencl with PoCL) or an OpenCL driver",
+  "CUDA": "pip install 'ourgrad[cuda]' (cuda-python, nvidia-cuda-nvrtc) and an NVIDIA driver",
+  "CLANG": "a C compiler (clang or gcc) on PATH, or set CC",
+}
+# the preference order when no device is requested
+DEFAULT_DEVICE_ORDER = ("CUDA", "CLANG")
+
+
+# ---------------------------------------------------------------- memory
+
+class Allocator:
+  """Allocates raw device memory. Subclasses implement _alloc/_free/copyin/copyout."""
+
+  def alloc(self, nbytes: int) -> Any:
+    try:
+      return self._alloc(nbytes)
+    except MemoryError:
+      self.free_cache()
+      try:
+        return self._alloc(nbytes)
+      except MemoryError as error:
+        raise OutOfMemoryError(f"cannot allocate {nbytes} bytes on {type(self).__name__} "
+                               f"({GlobalCounters.mem_used} bytes in use); free tensors or use smaller batches") \
+          from error
+
+  def free(self, handle: Any, nbytes: int) -> None: self._free(handle, nbytes)
+  def free_cache(self) -> None: pass
+  def _alloc(self, nbytes: int) -> Any: raise NotImplementedError
+  def _free(self, handle: Any, nbytes: int) -> None: pass
+  def copyin(self, dest: Any, src: memoryview) -> None: raise NotImplementedError
+  def copyout(self, dest: memoryview, src: Any) -> None: raise NotImplementedError
+
+
+class LRUAllocator(Allocator):
+  """Keeps freed buffers by size and hands them out again instead of asking the device each time."""
+
+  def __init__(self) -> None:
+    self.cache: dict[int, list[Any]] = {}
+
+  def alloc(self, nbytes: int) -> Any:
+    if self.cache.get(nbytes): return self.cache[nbytes].pop()
+    return super().alloc(nbytes)
+
+  def free(self, handle: Any, nbytes: int) -> None:
+    self.cache.setdefault(nbytes, []).append(handle)
+
+  def free_cache(self) -> None:
+    for nbytes, handles in self.cache.items():
+      for handle in handles: self._free(handle, nbytes)
+    self.cache.clear()
+
+
+class HostAllocator(LRUAllocator):
+  """Host memory as numpy byte arrays (uninitialized, 64-byte aligned for vector loads)."""
+
+  def _alloc(self, nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64
+    return raw[start:start + nbytes]
+
+  def copyin(self, dest: np.ndarray, src: memoryview) -> None:
+    dest[:] = np.frombuffer(src, dtype=np.uint8)
+
+  def copyout(self, dest: memoryview, src: np.ndarray) -> None:
+    np.frombuffer(dest, dtype=np.uint8)[:] = src
+
+
+class Buffer:
+  """`size` elements of `dtype` on `device`. Memory is taken on first use (`allocate`)."""
+
+  def __init__(self, device: str, size: int, dtype: DType):
+    self.device, self.size, self.dtype = device, size, dtype
+    self._handle: Any = None
+
+  @property
+  def nbytes(self) -> int: return self.size * self.dtype.itemsize
+
+  @property
+  def is_allocated(self) -> bool: return self._handle is not None
+
+  @property
+  def handle(self) -> Any:
+    if self._handle is None: self.allocate()
+    return self._handle
+
+  def allocate(self) -> Buffer:
+    if self._handle is None:
+      self._handle = Device[self.device].allocator.alloc(max(self.nbytes, 1))
+      GlobalCounters.mem_used += self.nbytes
+    return self
+
+  def __del__(self) -> None:
+    handle = getattr(self, "_handle", None)
+    if handle is None: return
+    GlobalCounters.mem_used -= self.nbytes
+    try:
+      Device[self.device].allocator.free(handle, max(self.nbytes, 1))
+    except Exception:  # interpreter shutdown: the device module may be gone already
+      pass
+
+  def copyin(self, data: memoryview) -> Buffer:
+    if data.nbytes != self.nbytes:
+      raise ValueError(f"copyin of {data.nbytes} bytes into a buffer of {self.nbytes} bytes")
+    if self.nbytes: Device[self.device].allocator.copyin(self.handle, data)
+    return self
+
+  def copyout(self, dest: memoryview) -> memoryview:
+    if self.nbytes:
+      Device[self.device].synchronize()
+      Device[self.device].allocator.copyout(dest, self.handle)
+    return dest
+
+  def as_bytes(self) -> bytearray:
+    data = bytearray(self.nbytes)
+    self.copyout(memoryview(data))
+    return data
+
+  def numpy(self) -> np.ndarray:
+    """The contents as a numpy array (bfloat16 comes back as its raw uint16 bits)."""
+    np_dtype = np.uint16 if self.dtype == dtypes.bfloat16 else self.dtype.np
+    return np.frombuffer(self.as_bytes(), dtype=np_dtype)
+
+  def __repr__(self) -> str: return f"<Buffer {self.device} {self.size} {self.dtype}>"
+
+
+# ---------------------------------------------------------------- compilers
+
+class Compiler:
+  """Turns kernel source into a binary, caching the result on disk by a hash of (compiler, source)."""
+  cache_key: str = "compiler"
+
+  def compile(self, source: str) -> bytes: raise NotImplementedError
+
+  def compile_cached(self, source: str) -> bytes:
+    if DISABLE_COMPILER_CACHE: return self.compile(source)
+    digest = hashlib.sha256(f"{self.cache_key}\n{source}".encode()).hexdigest()
+    path = cache_dir() / "compile" / digest[:2] / digest
+    try:
+      return path.read_bytes()
+    except OSError:
+      pass
+    binary = self.compile(source)
+    write_atomic(path, binary)
+    return binary
+
+
+def write_atomic(path: pathlib.Path, data: bytes) -> None:
+  """Write to a temporary file beside `path`, then rename: readers see the old file or the whole new one."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+  try:
+    with os.fdopen(fd, "wb") as tmp_file: tmp_file.write(data)
+    os.replace(tmp_name, path)
+  except BaseException:
+    if os.path.exists(tmp_name): os.unlink(tmp_name)
+    raise
+
+
+# ---------------------------------------------------------------- devices
+
+class Compiled:
+  """A device that runs generated kernels: allocator + renderer + compiler + program class."""
+
+  def __init__(self, name: str, allocator: Allocator, renderer: Any, compiler: Compiler,
+               program: Callable[[str, bytes], Any]):
+    self.name, self.allocator, self.renderer, self.compiler, self.program = name, allocator, renderer, compiler, program
+
+  def synchronize(self) -> None:
+    """Wait until every launched kernel finished (host devices run synchronously)."""
+
+
+class _DeviceRegistry:
+  """`Device["CLANG"]` opens (once) and returns a device; `Device.DEFAULT` is the default's name."""
+
+  def __init__(self) -> None:
+    self._opened: dict[str, Compiled] = {}
+
+  @staticmethod
+  def canonicalize(name: str) -> str:
+    base = name.split(":")[0].upper()
+    return DEVICE_ALIASES.get(base, base)
+
+  def __getitem__(self, name: str) -> Compiled:
+    name = self.canonicalize(name)
+    if name not in self._opened: self._opened[name] = self._open(name)
+    return self._opened[name]
+
+  def _open(self, name: str) -> Compiled:
+    try:
+      module = importlib.import_module(f"ourgrad.runtime.ops_{name.lower()}")
+    except ModuleNotFoundError as error:
+      if error.name and error.name.startswith("ourgrad.runtime"):
+        raise DeviceError(f"unknown device {name!r}; available: {', '.join(self.available_names())}") from None
+      raise DeviceError(f"device {name} needs a package that is missing ({error.name}): "
+                        f"{DEVICE_INSTALL_HINTS.get(name, 'see docs/backends.md')}") from error
+    try:
+      return module.create_device(name)
+    except DeviceError:
+      raise
+    except Exception as error:
+      raise DeviceError(f"cannot open device {name}: {error}. "
+                        f"Needs {DEVICE_INSTALL_HINTS.get(name, 'see docs/backends.md')}") from error
+
+  @staticmethod
+  def available_names() -> list[str]:
+    """Device names that have a runtime module (whether or not they can be opened here)."""
+    runtime_dir = pathlib.Path(__file__).parent / "runtime"
+    return sorted(path.stem[len("ops_"):].upper() for path in runtime_dir.glob("ops_*.py"))
+
+  @property
+  def DEFAULT(self) -> str:  # noqa: N802 (reads as a constant, as in tinygrad)
+    if DEVICE.value: return self.canonicalize(DEVICE.value)
+    for name in self.available_names():  # NAME=1 selects a device too
+      if os.environ.get(name, "") not in ("", "0"): return name
+    for name in DEFAULT_DEVICE_ORDER:
+      try:
+        self[name]
+        return name
+      except DeviceError:
+        continue
+    return "CLANG"
+
+
+Device = _DeviceRegistry()

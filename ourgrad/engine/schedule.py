@@ -1,0 +1,217 @@
+"""The scheduler: cut the lazy graph into kernels.
+
+`create_schedule(outs)` walks the graph from the outputs and decides which bases get their own buffer
+("are realized"): the outputs, copies, `contiguous()`/`realize()` requests, assign targets, reduces whose
+result is used through anything but a plain reshape (as in `x - x.max()`) or by several users, and
+graphs that a padded view cannot be pushed through. Every other base is fused into its users: an
+elementwise op is inlined (recomputed) in each kernel that reads it, so a chain of elementwise ops, a
+reduce, and elementwise ops after it become one kernel. Each realized base becomes one `ScheduleItem`
+holding a kernel AST (`STORE(...)`) or a copy, in an order where every item runs after its inputs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+from ourgrad.device import Buffer
+from ourgrad.helpers import DEBUG
+from ourgrad.lazy import LazyBuffer, walk_bases
+from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
+from ourgrad.shape.shapetracker import ShapeTracker
+
+# bases that always get their own buffer
+ALWAYS_REALIZED_OPS = frozenset({Ops.EMPTY, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN, Ops.CUSTOM})
+
+
+@dataclass(frozen=True)
+class ScheduleItem:
+  """One kernel (ast is a STORE) or one copy (ast is a COPY) and the buffers it writes and reads."""
+  ast: LazyOp
+  outputs: tuple[Buffer, ...]
+  inputs: tuple[Buffer, ...]
+
+  @property
+  def bufs(self) -> tuple[Buffer, ...]: return self.outputs + self.inputs
+
+
+class _RefuseFusion(Exception):
+  """Raised while building a kernel when `base` must be realized on its own first."""
+
+  def __init__(self, base: LazyBuffer):
+    super().__init__()
+    self.base = base
+
+
+def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
+  """The kernels and copies that compute every base in `outs`, dependencies first."""
+  bases = walk_bases(outs)
+  if not bases: return []
+  order = {id(base): index for index, base in enumerate(bases)}
+  realizes = _choose_realizes(bases, outs)
+  items: dict[int, ScheduleItem] = {}
+  pending = [base for base in bases if id(base) in realizes]
+  for base in pending: _give_buffer(base)
+  while pending:
+    base = pending.pop()
+    if id(base) in items: continue
+    try:
+      items[id(base)] = _schedule_base(base, realizes)
+    except _RefuseFusion as refused:
+      # the kernel needs `refused.base` as an input buffer: realize it too, then build this kernel again
+      realizes.add(id(refused.base))
+      _give_buffer(refused.base)
+      pending.extend([base, refused.base])
+  schedule = [items[id(base)] for base in sorted((b for b in bases if id(b) in items), key=lambda b: order[id(b)])]
+  for base in bases:  # the graph behind a realized base is no longer needed: let it be freed
+    if id(base) in items: base.srcs = ()
+  if DEBUG >= 3: print(f"scheduled {len(schedule)} items for {len(bases)} lazy bases")
+  return schedule
+
+
+def _give_buffer(base: LazyBuffer) -> None:
+  if base.realized is not None: return
+  if base.op is Ops.ASSIGN:
+    base.realized = base.srcs[1].base.realized  # an assign writes into its target's memory
+  else:
+    base.realized = Buffer(base.device, base.size, base.dtype)
+
+
+def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set[int]:
+  """ids of the bases that get their own buffer before any kernel is built."""
+  realizes: set[int] = {id(out.base) for out in outs if out.base.realized is None}
+  users: dict[int, int] = defaultdict(int)
+  for base in bases:
+    if base.op in ALWAYS_REALIZED_OPS or base.forced_realize: realizes.add(id(base))
+    for src in base.srcs:
+      users[id(src.base)] += 1
+      if base.op is Ops.COPY or (base.op is Ops.ASSIGN and src is base.srcs[1]): realizes.add(id(src.base))
+      if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
+        realizes.add(id(src.base))
+  for base in bases:
+    # a reduce read by several users would be recomputed by each: compute it once
+    if base.op in REDUCE_OPS and users[id(base)] > 1: realizes.add(id(base))
+  return realizes
+
+
+def _has_unsafe_pad_op(base: LazyBuffer) -> bool:
+  """Whether the fused graph computing `base` (up to realized bases and reduces) holds an op with f(0) != 0."""
+  stack, seen = [base], set()
+  while stack:
+    node = stack.pop()
+    if id(node) in seen or node.realized is not None or node.op not in ELEMENTWISE_OPS: continue
+    seen.add(id(node))
+    if node.op in UNSAFE_PAD_OPS: return True
+    stack.extend(src.base for src in node.srcs)
+  return False
+
+
+def _schedule_base(base: LazyBuffer, realizes: set[int]) -> ScheduleItem:
+  """The ScheduleItem computing one realized base."""
+  assert base.realized is not None
+  if base.op is Ops.COPY:
+    source = base.srcs[0].base.realized
+    return ScheduleItem(LazyOp(Ops.COPY, (), base.realized.nbytes, base.dtype), (base.realized,), (source,))
+  builder = _KernelBuilder(base, realizes)
+  if base.op in (Ops.CONTIGUOUS, Ops.ASSIGN):
+    value = builder.build(base.srcs[0].base, base.srcs[0].st)
+  else:
+    value = builder.build_root()
+  out_st = builder.fit_to_reduce(ShapeTracker.from_shape(base.shape))
+  value = builder.reshape_post_reduce(value)
+  if base.op is Ops.ASSIGN: builder.check_assign_hazard(value, base.srcs[0].base)
+  store = LazyOp(Ops.STORE, (value,), MemBuffer(0, base.dtype, out_st), base.dtype)
+  return ScheduleItem(store, (base.realized,), tuple(builder.inputs))
+
+
+class _KernelBuilder:
+  """Builds the AST of the kernel that computes `root`, inlining every base that is not realized."""
+
+  def __init__(self, root: LazyBuffer, realizes: set[int]):
+    self.root, self.realizes = root, realizes
+    self.inputs: list[Buffer] = []
+    self.reduce: LazyOp | None = None
+    self.reduce_shape: tuple[int, ...] | None = None   # the reduce's output shape, if the kernel has a reduce
+    self.cache: dict[tuple[int, ShapeTracker], LazyOp] = {}
+    self.inside_reduce = False
+
+  def buffer_index(self, buffer: Buffer) -> int:
+    """Kernel argument number of an input buffer (0 is the output)."""
+    for index, known in enumerate(self.inputs):
+      if known is buffer: return index + 1
+    self.inputs.append(buffer)
+    return len(self.inputs)
+
+  def build_root(self) -> LazyOp:
+    identity = ShapeTracker.from_shape(self.root.shape)
+    if self.root.op is Ops.CONST:  # a constant the user asked to realize
+      return LazyOp(Ops.CONST, (), ConstBuffer(self.root.arg, self.root.dtype, identity), self.root.dtype)
+    return self._build_op(self.root, identity)
+
+  def build(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
+    """The AST reading `base` through `st` (st maps kernel coordinates to base coordinates)."""
+    key = (id(base), st)
+    if key not in self.cache: self.cache[key] = self._build_uncached(base, st)
+    return self.cache[key]
+
+  def _build_uncached(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
+    st = st.simplify()
+    if base.realized is not None and base is not self.root:
+      return LazyOp(Ops.LOAD, (), MemBuffer(self.buffer_index(base.realized), base.dtype, st), base.dtype)
+    if base.op is Ops.CONST:
+      return LazyOp(Ops.CONST, (), ConstBuffer(base.arg, base.dtype, st), base.dtype)
+    if base is self.root: raise AssertionError("a kernel cannot read the buffer it is computing")
+    return self._build_op(base, st)
+
+  def _build_op(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
+    if base.op in REDUCE_OPS: return self._build_reduce(base, st)
+    if base.op not in ELEMENTWISE_OPS: raise AssertionError(f"cannot fuse a {base.op} base")
+    srcs = tuple(self.build(src.base, src.st + st) for src in base.srcs)
+    arg = base.arg if base.op not in (Ops.CAST, Ops.BITCAST) else base.dtype
+    return LazyOp(base.op, srcs, arg, base.dtype)
+
+  def _build_reduce(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
+    # A reduce fuses only once per kernel, not inside another reduce, and only where the kernel reads it in its
+    # own element order (a plain reshape): then the whole kernel can loop in the reduce's input shape.
+    plain_reshape = st.contiguous and st.size == base.size
+    if base is not self.root and (self.reduce is not None or self.inside_reduce or not plain_reshape):
+      raise _RefuseFusion(base)
+    src = base.srcs[0]
+    self.inside_reduce = True
+    reduce_input = self.build(src.base, src.st)
+    self.inside_reduce = False
+    self.reduce = LazyOp(base.op, (reduce_input,), base.arg, base.dtype)
+    self.reduce_shape = base.shape
+    return self.reduce
+
+  # After building, the nodes outside the reduce still see the kernel in the output shape; the kernel loops
+  # in the reduce's shape, so their views are reshaped to it.
+  def fit_to_reduce(self, st: ShapeTracker) -> ShapeTracker:
+    if self.reduce_shape is None or st.shape == self.reduce_shape: return st
+    return st.reshape(self.reduce_shape)
+
+  def reshape_post_reduce(self, node: LazyOp) -> LazyOp:
+    if self.reduce_shape is None: return node
+    reduce_nodes = {id(node) for node in self.reduce.walk()} if self.reduce is not None else set()
+    rebuilt: dict[int, LazyOp] = {}
+    for current in node.walk():
+      if id(current) in reduce_nodes:  # the reduce and what it reads keep the reduce's input shape
+        rebuilt[id(current)] = current
+        continue
+      if current.op in (Ops.LOAD, Ops.CONST):
+        arg = current.arg
+        new_arg = type(arg)(arg.idx if isinstance(arg, MemBuffer) else arg.val, arg.dtype, self.fit_to_reduce(arg.st))
+        rebuilt[id(current)] = LazyOp(current.op, (), new_arg, current.dtype)
+      else:
+        rebuilt[id(current)] = LazyOp(current.op, tuple(rebuilt[id(src)] for src in current.srcs), current.arg,
+                                      current.dtype)
+    return rebuilt[id(node)]
+
+  def check_assign_hazard(self, value: LazyOp, value_base: LazyBuffer) -> None:
+    """An assign reading its own target through another view would read places it already overwrote."""
+    target = self.root.realized
+    in_place = self.fit_to_reduce(ShapeTracker.from_shape(self.root.shape))
+    for leaf in value.leaves():
+      if leaf.op is Ops.LOAD and self.inputs[leaf.arg.idx - 1] is target and leaf.arg.st.simplify() != in_place:
+        if value_base.realized is not None: raise AssertionError("assign hazard on a realized value")
+        raise _RefuseFusion(value_base)

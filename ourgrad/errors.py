@@ -1,0 +1,42 @@
+"""Every exception ourgrad raises on purpose lives here.
+
+Each class also derives from the built-in exception a Python user would expect (ValueError for a
+bad shape, TypeError for a bad dtype, IndexError for a bad axis or index), so `except ValueError`
+keeps working. Messages name the offending shapes, dtypes, axes or devices and say how to fix it.
+"""
+
+
+class OurgradError(Exception):
+  """Base class of all ourgrad errors."""
+
+
+class ShapeError(OurgradError, ValueError):
+  """Shapes that do not fit: broadcasting, reshape element counts, matmul inner dimensions."""
+
+
+class AxisError(OurgradError, IndexError):
+  """An axis (dimension) index outside the tensor's dimensions, or repeated."""
+
+
+class IndexOutOfRangeError(OurgradError, IndexError):
+  """A constant integer index outside a dimension's size."""
+
+
+class DTypeError(OurgradError, TypeError):
+  """An operation that the given dtype(s) do not support (bitwise ops on floats, bad casts)."""
+
+
+class DeviceError(OurgradError, RuntimeError):
+  """Tensors on different devices mixed in one op, or a device that is not available."""
+
+
+class CompileError(OurgradError, RuntimeError):
+  """A generated kernel failed to compile; the message holds the source and the compiler log."""
+
+
+class AutogradError(OurgradError, RuntimeError):
+  """backward() called where no gradient can be computed."""
+
+
+class OutOfMemoryError(OurgradError, MemoryError):
+  """A device allocation failed even after freeing the allocator's cache."""

@@ -1,0 +1,320 @@
+"""One autograd Function per primitive: `forward` and `backward` are both written with LazyBuffer ops,
+so the backward graph is lazy and fuses into kernels like the forward one.
+
+`Function.apply(*tensors, **kwargs)` runs forward and, when a gradient is needed, records itself as the
+result's `_ctx` so `Tensor.backward` can walk back. Backward returns one gradient per input (None where
+that input needs none).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from ourgrad.dtype import DType, dtypes
+from ourgrad.lazy import LazyBuffer
+from ourgrad.ops import Ops
+
+if TYPE_CHECKING:
+  from ourgrad.tensor import Tensor
+
+
+class Function:
+  """Base class: subclasses define forward(*lazybuffers, **kwargs) and backward(grad_output)."""
+
+  def __init__(self, device: str, *tensors: Tensor):
+    self.device = device
+    self.needs_input_grad = [tensor.requires_grad for tensor in tensors]
+    if any(self.needs_input_grad): self.requires_grad: bool | None = True
+    elif None in self.needs_input_grad: self.requires_grad = None
+    else: self.requires_grad = False
+    if self.requires_grad: self.parents = tensors
+
+  def forward(self, *args: Any, **kwargs: Any) -> LazyBuffer: raise NotImplementedError
+  def backward(self, grad_output: LazyBuffer) -> Any: raise NotImplementedError
+
+  @classmethod
+  def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
+    from ourgrad.tensor import Tensor
+    ctx = cls(tensors[0].device, *tensors)
+    result = Tensor(ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs), device=ctx.device,
+                    requires_grad=ctx.requires_grad)
+    if ctx.requires_grad and not Tensor.no_grad: result._ctx = ctx
+    return result
+
+
+# ---------------------------------------------------------------- lazy helpers used by the backward passes
+
+def _sub(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(Ops.ADD, b.elementwise(Ops.NEG))
+def _mul(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(Ops.MUL, b)
+def _div(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(Ops.MUL, b.elementwise(Ops.RECIP))
+def _scale(a: LazyBuffer, factor: float) -> LazyBuffer: return a.elementwise(Ops.MUL, a.const_like(factor))
+
+
+def _where(cond: LazyBuffer, a: LazyBuffer, b: LazyBuffer) -> LazyBuffer:
+  return cond.elementwise(Ops.WHERE, a, b)
+
+
+# ---------------------------------------------------------------- unary
+
+class Contiguous(Function):
+  def forward(self, x: LazyBuffer) -> LazyBuffer: return x.contiguous()
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output
+
+
+class Cast(Function):
+  def forward(self, x: LazyBuffer, dtype: DType, bitcast: bool = False) -> LazyBuffer:
+    self.input_dtype, self.bitcast = x.dtype, bitcast
+    return x.cast(dtype, bitcast)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    if self.bitcast: raise RuntimeError("bitcast is not differentiable")
+    return grad_output.cast(self.input_dtype)
+
+
+class Neg(Function):
+  def forward(self, x: LazyBuffer) -> LazyBuffer: return x.elementwise(Ops.NEG)
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.elementwise(Ops.NEG)
+
+
+class Reciprocal(Function):
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.result = x.elementwise(Ops.RECIP)
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    return _mul(grad_output.elementwise(Ops.NEG), _mul(self.result, self.result))
+
+
+class Sin(Function):
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.x = x
+    return x.elementwise(Ops.SIN)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    cos_x = _sub(self.x.const_like(math.pi / 2), self.x).elementwise(Ops.SIN)
+    return _mul(cos_x, grad_output)
+
+
+class Relu(Function):
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.result = x.elementwise(Ops.MAX, x.const_like(0))
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    positive = self.result.const_like(0).elementwise(Ops.CMPLT, self.result)
+    return _mul(positive.cast(grad_output.dtype), grad_output)
+
+
+class Log(Function):
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.x = x
+    return _scale(x.elementwise(Ops.LOG2), math.log(2))
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _div(grad_output, self.x)
+
+
+class Exp(Function):
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.result = _scale(x, 1 / math.log(2)).elementwise(Ops.EXP2)
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _mul(self.result, grad_output)
+
+
+class Sqrt(Function):
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.result = x.elementwise(Ops.SQRT)
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _div(grad_output, _scale(self.result, 2))
+
+
+class Sigmoid(Function):
+  """1 / (1 + exp(-x)), as one Function so its backward reuses the forward result."""
+
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    exp_neg = _scale(x, -1 / math.log(2)).elementwise(Ops.EXP2)
+    self.result = exp_neg.const_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP)
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    return _mul(_mul(self.result, _sub(self.result.const_like(1), self.result)), grad_output)
+
+
+# ---------------------------------------------------------------- binary and ternary
+
+class Less(Function):
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(Ops.CMPLT, y)
+  def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
+
+
+class NotEqual(Function):
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(Ops.CMPNE, y)
+  def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
+
+
+class BitwiseOp(Function):
+  """AND, OR, XOR, SHL, SHR: integer and bool only, not differentiable."""
+
+  def forward(self, x: LazyBuffer, y: LazyBuffer, op: Ops) -> LazyBuffer: return x.elementwise(op, y)
+  def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
+
+
+class IntDiv(Function):
+  """Integer division truncating toward zero and its remainder (C semantics); not differentiable."""
+
+  def forward(self, x: LazyBuffer, y: LazyBuffer, op: Ops) -> LazyBuffer: return x.elementwise(op, y)
+  def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
+
+
+class Add(Function):
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(Ops.ADD, y)
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    return (grad_output if self.needs_input_grad[0] else None, grad_output if self.needs_input_grad[1] else None)
+
+
+class Sub(Function):
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return _sub(x, y)
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    return (grad_output if self.needs_input_grad[0] else None,
+            grad_output.elementwise(Ops.NEG) if self.needs_input_grad[1] else None)
+
+
+class Mul(Function):
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
+    self.x, self.y = x, y
+    return _mul(x, y)
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    return (_mul(self.y, grad_output) if self.needs_input_grad[0] else None,
+            _mul(self.x, grad_output) if self.needs_input_grad[1] else None)
+
+
+class Div(Function):
+  """True division of floats."""
+
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
+    self.x, self.y = x, y
+    return _div(x, y)
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    grad_x = _div(grad_output, self.y) if self.needs_input_grad[0] else None
+    grad_y = None
+    if self.needs_input_grad[1]:
+      grad_y = _div(_mul(grad_output.elementwise(Ops.NEG), self.x), _mul(self.y, self.y))
+    return grad_x, grad_y
+
+
+class Maximum(Function):
+  """Elementwise max; where both are equal the gradient is split in half, as in PyTorch."""
+
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
+    self.x, self.y = x, y
+    return x.elementwise(Ops.MAX, y)
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    x_wins = self.y.elementwise(Ops.CMPLT, self.x).cast(grad_output.dtype)
+    y_wins = self.x.elementwise(Ops.CMPLT, self.y).cast(grad_output.dtype)
+    tie = _sub(_sub(x_wins.const_like(1), x_wins), y_wins)
+    x_share = x_wins.elementwise(Ops.ADD, _scale(tie, 0.5))
+    y_share = y_wins.elementwise(Ops.ADD, _scale(tie, 0.5))
+    return (_mul(x_share, grad_output) if self.needs_input_grad[0] else None,
+            _mul(y_share, grad_output) if self.needs_input_grad[1] else None)
+
+
+class Where(Function):
+  def forward(self, cond: LazyBuffer, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
+    self.cond = cond
+    return cond.elementwise(Ops.WHERE, x, y)
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[None, LazyBuffer | None, LazyBuffer | None]:
+    zeros = grad_output.const_like(0)
+    return (None,
+            _where(self.cond, grad_output, zeros) if self.needs_input_grad[1] else None,
+            _where(self.cond, zeros, grad_output) if self.needs_input_grad[2] else None)
+
+
+# ---------------------------------------------------------------- reduce
+
+class Sum(Function):
+  def forward(self, x: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
+    self.input_shape = x.shape
+    return x.reduce(Ops.SUM, axes)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.expand(self.input_shape)
+
+
+class Max(Function):
+  """Max reduce; the gradient is shared equally among the maximal elements, as in PyTorch's amax."""
+
+  def forward(self, x: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
+    self.x, self.axes = x, axes
+    self.result = x.reduce(Ops.MAX_REDUCE, axes)
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    is_max = self.x.elementwise(Ops.CMPNE, self.result.expand(self.x.shape)).elementwise(Ops.NEG)
+    is_max = is_max.cast(grad_output.dtype)
+    count = is_max.reduce(Ops.SUM, self.axes).expand(self.x.shape)
+    return _mul(_div(is_max, count), grad_output.expand(self.x.shape))
+
+
+# ---------------------------------------------------------------- movement
+
+class Reshape(Function):
+  def forward(self, x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+    self.input_shape = x.shape
+    return x.reshape(shape)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.reshape(self.input_shape)
+
+
+class Permute(Function):
+  def forward(self, x: LazyBuffer, order: tuple[int, ...]) -> LazyBuffer:
+    self.order = order
+    return x.permute(order)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    inverse = tuple(sorted(range(len(self.order)), key=self.order.__getitem__))
+    return grad_output.permute(inverse)
+
+
+class Expand(Function):
+  def forward(self, x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+    self.input_shape = x.shape
+    return x.expand(shape)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    axes = tuple(axis for axis, (old, new) in enumerate(zip(self.input_shape, grad_output.shape)) if old != new)
+    return grad_output.reduce(Ops.SUM, axes)
+
+
+class Pad(Function):
+  def forward(self, x: LazyBuffer, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
+    self.narrow = tuple((before, size + before) for size, (before, _) in zip(x.shape, arg))
+    return x.pad(arg)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.shrink(self.narrow)
+
+
+class Shrink(Function):
+  def forward(self, x: LazyBuffer, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
+    self.widen = tuple((start, size - end) for size, (start, end) in zip(x.shape, arg))
+    return x.shrink(arg)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.pad(self.widen)
+
+
+class Flip(Function):
+  def forward(self, x: LazyBuffer, axes_mask: tuple[bool, ...]) -> LazyBuffer:
+    self.axes_mask = axes_mask
+    return x.flip(axes_mask)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.flip(self.axes_mask)
+
+
+def float_dtype_of(dtype: DType) -> DType:
+  """The dtype float math on `dtype` gives: floats keep theirs, ints and bools get the default float."""
+  return dtype if dtype.is_float else dtypes.default_float

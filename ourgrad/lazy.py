@@ -1,0 +1,213 @@
+"""LazyBuffer: a node of the lazy graph that Tensor operations build.
+
+A LazyBuffer is either a *base*, which owns an operation (`op`, `srcs`, `arg`) and can be realized
+into a device `Buffer`, or a *view*: a ShapeTracker over a base. Movement ops only make views, so they
+cost nothing; elementwise and reduce ops make bases. Constants fold at construction (`x*1`, `x+0`,
+constant-constant arithmetic) so the graph stays small. Nothing runs here: the scheduler
+(ourgrad/engine/schedule.py) turns the graph into kernels when a value is needed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from ourgrad.device import Buffer, Device
+from ourgrad.dtype import DType, dtypes, truncate
+from ourgrad.errors import DeviceError, DTypeError
+from ourgrad.helpers import prod
+from ourgrad.ops import BINARY_OPS, Ops, REDUCE_OPS, exec_alu
+from ourgrad.shape.shapetracker import ShapeTracker
+
+# the value a reduce starts from, and what reducing an empty axis gives
+REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
+
+
+class LazyBuffer:
+  """A base (an op to compute) or a view (a ShapeTracker over a base). Build them with the class methods."""
+
+  def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
+               srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
+    self.device, self.st, self.dtype = device, st, dtype
+    self.shape: tuple[int, ...] = st.shape
+    self._base = base
+    if base is None:
+      self.op, self.arg, self.srcs = op, arg, srcs
+      self.realized: Buffer | None = None  # set when the scheduler gives this base a buffer
+      self.forced_realize = False          # realize even if it could be fused (contiguous(), realize())
+
+  # ---------------------------------------------------------------- construction
+
+  @staticmethod
+  def create_base(device: str, shape: tuple[int, ...], dtype: DType, op: Ops, arg: Any = None,
+                  srcs: tuple[LazyBuffer, ...] = ()) -> LazyBuffer:
+    return LazyBuffer(device, ShapeTracker.from_shape(shape), dtype, op, arg, srcs)
+
+  @staticmethod
+  def from_buffer(buffer: Buffer, shape: tuple[int, ...]) -> LazyBuffer:
+    """A realized base around an existing device buffer."""
+    lazy = LazyBuffer.create_base(buffer.device, shape, buffer.dtype, Ops.EMPTY)
+    lazy.realized = buffer
+    return lazy
+
+  @staticmethod
+  def from_numpy(array: np.ndarray, dtype: DType, device: str) -> LazyBuffer:
+    """Copy host data into a new device buffer (bfloat16 arrives as its uint16 bit pattern)."""
+    data = np.ascontiguousarray(array)
+    buffer = Buffer(device, data.size, dtype)
+    buffer.copyin(memoryview(data).cast("B"))
+    return LazyBuffer.from_buffer(buffer, tuple(array.shape))
+
+  @staticmethod
+  def empty(shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
+    return LazyBuffer.from_buffer(Buffer(device, prod(shape), dtype), shape)
+
+  @staticmethod
+  def full(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
+    """A constant: one scalar CONST base viewed (reshape + expand) as `shape`; no memory is used."""
+    const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, truncate(dtype, value))
+    return const_base.reshape((1,) * len(shape)).expand(shape)
+
+  def const_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
+    return LazyBuffer.full(value, self.shape, dtype or self.dtype, self.device)
+
+  # ---------------------------------------------------------------- properties
+
+  @property
+  def base(self) -> LazyBuffer: return self._base if self._base is not None else self
+
+  @property
+  def is_base(self) -> bool: return self._base is None
+
+  @property
+  def size(self) -> int: return prod(self.shape)
+
+  @property
+  def is_realized(self) -> bool: return self.base.realized is not None
+
+  def const_value(self) -> Any | None:
+    """The constant this buffer holds everywhere, or None if it is not an unpadded constant."""
+    base = self.base
+    if base.op is Ops.CONST and base.realized is None and all(view.mask is None for view in self.st.views):
+      return base.arg
+    return None
+
+  def __repr__(self) -> str:
+    if self.is_base: return f"<LB {self.device} {self.shape} {self.dtype} op={self.op} realized={self.is_realized}>"
+    return f"<LB view {self.shape} of {self.base!r}>"
+
+  # ---------------------------------------------------------------- views
+
+  def view(self, st: ShapeTracker) -> LazyBuffer:
+    """This buffer's base seen through `st` (the identity view of a base is the base itself)."""
+    if st == self.base.st and self.is_base: return self
+    if st.contiguous and st.shape == self.base.shape: return self.base
+    return LazyBuffer(self.device, st, self.dtype, base=self.base)
+
+  def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
+    return self if shape == self.shape else self.view(self.st.reshape(shape))
+
+  def permute(self, axes: tuple[int, ...]) -> LazyBuffer:
+    return self if axes == tuple(range(len(self.shape))) else self.view(self.st.permute(axes))
+
+  def expand(self, shape: tuple[int, ...]) -> LazyBuffer:
+    return self if shape == self.shape else self.view(self.st.expand(shape))
+
+  def pad(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
+    return self if all(pads == (0, 0) for pads in arg) else self.view(self.st.pad(arg))
+
+  def shrink(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
+    if all(bounds == (0, size) for bounds, size in zip(arg, self.shape)): return self
+    return self.view(self.st.shrink(arg))
+
+  def flip(self, axes_mask: tuple[bool, ...]) -> LazyBuffer:
+    return self if not any(axes_mask) else self.view(self.st.flip(axes_mask))
+
+  # ---------------------------------------------------------------- compute
+
+  def elementwise(self, op: Ops, *others: LazyBuffer, arg: Any = None, dtype: DType | None = None) -> LazyBuffer:
+    """`op` applied elementwise to self and `others` (same shape); folds constants where it can."""
+    srcs = (self, *others)
+    for src in others:
+      if src.device != self.device:
+        raise DeviceError(f"{op.name} got tensors on different devices: {self.device} and {src.device}; "
+                          f"move one with .to({self.device!r})")
+      if src.shape != self.shape: raise AssertionError(f"elementwise shapes differ: {self.shape} vs {src.shape}")
+    out_dtype = dtype or (dtypes.bool if op in (Ops.CMPLT, Ops.CMPNE) else srcs[-1].dtype)
+    folded = self._fold_constants(op, srcs, out_dtype)
+    if folded is not None: return folded
+    return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
+
+  def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
+    values = [src.const_value() for src in srcs]
+    if all(value is not None for value in values) and op not in (Ops.CAST, Ops.BITCAST):
+      return self.const_like(exec_alu(op, out_dtype, tuple(values)), out_dtype)
+    if op in BINARY_OPS and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
+      left, right = srcs
+      # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools)
+      if op is Ops.ADD and values[1] == 0: return left
+      if op is Ops.ADD and values[0] == 0: return right
+      if op is Ops.MUL and values[1] == 1: return left
+      if op is Ops.MUL and values[0] == 1: return right
+      if op is Ops.MUL and not out_dtype.is_float and 0 in (values[0], values[1]): return self.const_like(0, out_dtype)
+    return None
+
+  def cast(self, dtype: DType, bitcast: bool = False) -> LazyBuffer:
+    if dtype == self.dtype: return self
+    if bitcast and dtype.itemsize != self.dtype.itemsize:
+      raise DTypeError(f"bitcast needs dtypes of one size: {self.dtype} is {self.dtype.itemsize} bytes, "
+                       f"{dtype} is {dtype.itemsize}")
+    value = self.const_value()
+    if value is not None and not bitcast: return self.const_like(truncate(dtype, value), dtype)
+    return LazyBuffer.create_base(self.device, self.shape, dtype, Ops.BITCAST if bitcast else Ops.CAST, dtype, (self,))
+
+  def reduce(self, op: Ops, axes: tuple[int, ...]) -> LazyBuffer:
+    """Reduce over `axes`; the result keeps them as size-1 dimensions."""
+    if op not in REDUCE_OPS: raise AssertionError(f"{op} is not a reduce op")
+    axes = tuple(sorted(axis for axis in axes if self.shape[axis] != 1))
+    if not axes: return self
+    out_shape = tuple(1 if axis in axes else size for axis, size in enumerate(self.shape))
+    if any(self.shape[axis] == 0 for axis in axes):
+      return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
+    value = self.const_value()
+    if value is not None:
+      count = prod(self.shape[axis] for axis in axes)
+      return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
+    return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
+
+  def contiguous(self) -> LazyBuffer:
+    """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""
+    if self.is_base or (self.st.contiguous and self.shape == self.base.shape):
+      self.base.forced_realize = True
+      return self
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
+
+  def copy_to_device(self, device: str) -> LazyBuffer:
+    device = Device.canonicalize(device)
+    if device == self.device: return self
+    value = self.const_value()
+    if value is not None: return LazyBuffer.full(value, self.shape, self.dtype, device)
+    source = self.contiguous()
+    return LazyBuffer.create_base(device, self.shape, self.dtype, Ops.COPY, None, (source,))
+
+  def assign(self, value: LazyBuffer) -> LazyBuffer:
+    """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
+
+
+def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
+  """Every unrealized base reachable from `outs`, sources before users (explicit stack, no recursion)."""
+  order: list[LazyBuffer] = []
+  visited: set[int] = set()
+  stack: list[tuple[LazyBuffer, bool]] = [(out.base, False) for out in reversed(outs)]
+  while stack:
+    base, children_done = stack.pop()
+    if children_done:
+      order.append(base)
+      continue
+    if id(base) in visited or base.realized is not None: continue
+    visited.add(id(base))
+    stack.append((base, True))
+    stack.extend((src.base, False) for src in reversed(base.srcs))
+  return order

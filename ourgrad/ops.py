@@ -1,0 +1,178 @@
+"""The primitive operations and the kernel AST.
+
+`Ops` names every primitive; the frozensets group them (unary, binary, ...). A `LazyOp` is one node of
+a kernel's AST: `STORE(ALU(LOAD(buf, view), CONST, REDUCE(...)))`. LOAD/STORE/CONST nodes carry a
+`MemBuffer`/`ConstBuffer` argument holding the ShapeTracker through which the kernel sees the buffer.
+`exec_alu` evaluates one ALU op on Python scalars: constant folding and the PYTHON device use it.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any, Callable
+
+from ourgrad.dtype import DType, dtypes, truncate
+from ourgrad.shape.shapetracker import ShapeTracker
+
+
+class Ops(Enum):
+  """Every primitive. Comments give the group; the frozensets below are the groups as sets."""
+  # unary
+  EXP2 = auto()
+  LOG2 = auto()
+  SIN = auto()
+  SQRT = auto()
+  RECIP = auto()
+  NEG = auto()
+  CAST = auto()
+  BITCAST = auto()
+  # binary
+  ADD = auto()
+  MUL = auto()
+  IDIV = auto()
+  MOD = auto()
+  MAX = auto()
+  CMPLT = auto()
+  CMPNE = auto()
+  AND = auto()
+  OR = auto()
+  XOR = auto()
+  SHL = auto()
+  SHR = auto()
+  # ternary
+  WHERE = auto()
+  MULACC = auto()
+  # reduce
+  SUM = auto()
+  MAX_REDUCE = auto()
+  # movement (they only edit views; named so graphs and docs can show them)
+  RESHAPE = auto()
+  PERMUTE = auto()
+  EXPAND = auto()
+  PAD = auto()
+  SHRINK = auto()
+  FLIP = auto()
+  # buffer creation and meta ops of the lazy graph
+  EMPTY = auto()
+  CONST = auto()
+  COPY = auto()
+  CONTIGUOUS = auto()
+  ASSIGN = auto()
+  CUSTOM = auto()
+  # leaves and root of a kernel AST
+  LOAD = auto()
+  STORE = auto()
+
+UNARY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP, Ops.NEG, Ops.CAST, Ops.BITCAST})
+BINARY_OPS = frozenset({Ops.ADD, Ops.MUL, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CMPLT, Ops.CMPNE, Ops.AND, Ops.OR,
+                        Ops.XOR, Ops.SHL, Ops.SHR})
+TERNARY_OPS = frozenset({Ops.WHERE, Ops.MULACC})
+ALU_OPS = (UNARY_OPS | BINARY_OPS | TERNARY_OPS) - {Ops.CAST, Ops.BITCAST}
+ELEMENTWISE_OPS = UNARY_OPS | BINARY_OPS | TERNARY_OPS
+REDUCE_OPS = frozenset({Ops.SUM, Ops.MAX_REDUCE})
+MOVEMENT_OPS = frozenset({Ops.RESHAPE, Ops.PERMUTE, Ops.EXPAND, Ops.PAD, Ops.SHRINK, Ops.FLIP})
+BUFFER_OPS = frozenset({Ops.EMPTY, Ops.CONST, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN, Ops.CUSTOM})
+COMPARISON_OPS = frozenset({Ops.CMPLT, Ops.CMPNE})
+# ops with f(0) != 0 (or undefined at 0): a padded view cannot be pushed through them, because the padded
+# places read as 0 and must stay 0 after the op. A fused graph holding one of these is realized before padding.
+UNSAFE_PAD_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.RECIP, Ops.IDIV, Ops.MOD})
+
+
+@dataclass(frozen=True)
+class MemBuffer:
+  """A kernel argument: buffer number `idx` of the kernel, seen through `st`."""
+  idx: int
+  dtype: DType
+  st: ShapeTracker
+
+
+@dataclass(frozen=True)
+class ConstBuffer:
+  """A constant broadcast through `st` (the view's mask makes padded places 0)."""
+  val: Any
+  dtype: DType
+  st: ShapeTracker
+
+
+@dataclass(frozen=True)
+class LazyOp:
+  """One node of a kernel AST. `arg` is a MemBuffer/ConstBuffer for leaves, the reduced axes for reduces,
+  the target dtype for CAST/BITCAST."""
+  op: Ops
+  srcs: tuple[LazyOp, ...] = ()
+  arg: Any = None
+  dtype: DType = dtypes.float32
+
+  def walk(self) -> list[LazyOp]:
+    """Every node once, children before parents (explicit stack, no recursion)."""
+    order: list[LazyOp] = []
+    seen: set[int] = set()
+    stack: list[tuple[LazyOp, bool]] = [(self, False)]
+    while stack:
+      node, children_done = stack.pop()
+      if id(node) in seen: continue
+      if children_done:
+        seen.add(id(node))
+        order.append(node)
+        continue
+      stack.append((node, True))
+      stack.extend((src, False) for src in reversed(node.srcs))
+    return order
+
+  def leaves(self) -> list[LazyOp]:
+    return [node for node in self.walk() if node.op in (Ops.LOAD, Ops.CONST)]
+
+
+# ---------------------------------------------------------------- evaluating ALU ops on Python scalars
+
+def _safe_exp2(x: float) -> float:
+  try: return 2.0 ** x
+  except OverflowError: return math.inf
+
+
+def _safe_log2(x: float) -> float:
+  if x > 0: return math.log2(x) if not math.isinf(x) else math.inf
+  if x == 0: return -math.inf
+  return math.nan
+
+
+def _safe_sqrt(x: float) -> float: return math.sqrt(x) if x >= 0 else (x if math.isnan(x) else math.nan)
+def _safe_recip(x: float) -> float: return (1 / x) if x != 0 else math.copysign(math.inf, x)
+def _safe_sin(x: float) -> float: return math.sin(x) if math.isfinite(x) else math.nan
+
+
+def _int_div(a: int, b: int) -> int:
+  """C semantics: truncate toward zero (what every backend's integer '/' does). Division by 0 gives 0."""
+  if b == 0: return 0
+  quotient = abs(a) // abs(b)
+  return quotient if (a >= 0) == (b >= 0) else -quotient
+
+
+def _int_mod(a: int, b: int) -> int:
+  """C semantics: the remainder has the sign of the dividend."""
+  return a - _int_div(a, b) * b if b != 0 else 0
+
+
+def _nan_max(a: Any, b: Any) -> Any:
+  if isinstance(a, float) and math.isnan(a): return a
+  if isinstance(b, float) and math.isnan(b): return b
+  return max(a, b)
+
+
+PYTHON_ALU: dict[Ops, Callable[..., Any]] = {
+  Ops.EXP2: _safe_exp2, Ops.LOG2: _safe_log2, Ops.SIN: _safe_sin, Ops.SQRT: _safe_sqrt, Ops.RECIP: _safe_recip,
+  Ops.NEG: lambda x: (not x) if isinstance(x, bool) else -x,
+  Ops.ADD: operator.add, Ops.MUL: operator.mul, Ops.IDIV: _int_div, Ops.MOD: _int_mod, Ops.MAX: _nan_max,
+  Ops.CMPLT: operator.lt, Ops.CMPNE: operator.ne, Ops.AND: operator.and_, Ops.OR: operator.or_,
+  Ops.XOR: operator.xor, Ops.SHL: lambda a, b: a << b, Ops.SHR: lambda a, b: a >> b,
+  Ops.WHERE: lambda cond, a, b: a if cond else b, Ops.MULACC: lambda a, b, c: a * b + c,
+}
+
+
+def exec_alu(op: Ops, dtype: DType, operands: tuple[Any, ...]) -> Any:
+  """Evaluate `op` on Python scalars and round the result to what `dtype` holds."""
+  if op is Ops.RECIP and dtype.is_int: raise ValueError("RECIP of an integer dtype")
+  result = PYTHON_ALU[op](*operands)
+  return truncate(dtype, result)

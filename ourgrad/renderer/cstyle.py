@@ -1,0 +1,209 @@
+"""UOps -> C-like source. `CStyleLanguage` renders the common part; a dialect (here `ClangRenderer` for C on
+the CPU) fills in how kernels, buffers, math functions and types are spelled in its language.
+
+Every value gets a name (`val3`, `alu5`, `acc0`, `gidx0`); an ALU result used once is written inline into its
+user, so short chains read as one expression.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.dtype import DType, dtypes
+from ourgrad.ops import Ops
+from ourgrad.renderer import Renderer
+
+
+class CStyleLanguage(Renderer):
+  """The C family: C on the CPU; OpenCL C and CUDA C subclass this and change the spellings."""
+  kernel_prefix = ""
+  buffer_prefix = ""
+  buffer_suffix = " restrict"
+  float_suffix = {dtypes.float32: "f", dtypes.float16: "f", dtypes.bfloat16: "f"}
+  preamble = ""
+
+  # ---------------------------------------------------------------- spellings a dialect may change
+
+  def render_dtype(self, dtype: DType) -> str: return dtype.c_name
+
+  def math_call(self, name: str, dtype: DType, arg: str) -> str:
+    """exp2/log2/sin/sqrt for a dtype: float computes in float, double in double, halves through float."""
+    if dtype == dtypes.float64: return f"{name}({arg})"
+    return f"{name}f({arg})"
+
+  def render_const(self, value: float | int | bool, dtype: DType) -> str:
+    if dtype == dtypes.bool: return "1" if value else "0"
+    if dtype.is_float:
+      if math.isnan(value): text = "NAN"
+      elif math.isinf(value): text = "INFINITY" if value > 0 else "(-INFINITY)"
+      else: text = repr(float(value)) + ("" if dtype == dtypes.float64 else "f")
+      return text if dtype in (dtypes.float32, dtypes.float64) else f"(({self.render_dtype(dtype)}){text})"
+    if dtype == dtypes.int64: return f"{int(value)}ll"
+    if dtype == dtypes.uint64: return f"{int(value)}ull"
+    if dtype == dtypes.uint32: return f"{int(value)}u"
+    if dtype == dtypes.int32 and value == -2**31: return "(-2147483647-1)"
+    if dtype == dtypes.int32: return str(int(value))
+    return f"(({self.render_dtype(dtype)}){int(value)})"
+
+  def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    if to_dtype == dtypes.bool: return f"({value} != 0)"
+    return f"(({self.render_dtype(to_dtype)})({value}))"
+
+  def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    source, target = self.render_dtype(from_dtype), self.render_dtype(to_dtype)
+    return f"((union {{ {source} from; {target} to; }}){{ .from = {value} }}).to"
+
+  def render_load(self, buffer: str, index: str, valid: str | None, dtype: DType) -> str:
+    if valid is None: return f"{buffer}[{index}]"
+    return f"(({valid}) ? {buffer}[{index}] : {self.render_const(0, dtype)})"
+
+  def render_store(self, buffer: str, index: str, value: str, dtype: DType) -> str:
+    return f"{buffer}[{index}] = {value};"
+
+  def render_alu(self, op: Ops, dtype: DType, operands: list[str], operand_dtypes: list[DType]) -> str:
+    a = operands[0]
+    b = operands[1] if len(operands) > 1 else ""
+    if op is Ops.EXP2: return self.math_call("exp2", dtype, a)
+    if op is Ops.LOG2: return self.math_call("log2", dtype, a)
+    if op is Ops.SIN: return self.math_call("sin", dtype, a)
+    if op is Ops.SQRT: return self.math_call("sqrt", dtype, a)
+    if op is Ops.RECIP: return f"({self.render_const(1, dtype)}/{a})"
+    if op is Ops.NEG: return f"(!{a})" if dtype == dtypes.bool else f"(-{a})"
+    if op is Ops.MAX:
+      if dtype.is_float: return f"((({a})!=({a}) || ({a})>({b})) ? ({a}) : ({b}))"  # NaN wins, as in PyTorch
+      return f"((({a})>({b})) ? ({a}) : ({b}))"
+    if op is Ops.IDIV: return f"(({b}) == 0 ? 0 : ({a})/({b}))"  # integer x/0 would trap; PyTorch checks it apart
+    if op is Ops.MOD: return f"(({b}) == 0 ? 0 : ({a})%({b}))"
+    if op is Ops.WHERE: return f"({a} ? {b} : {operands[2]})"
+    symbols = {Ops.ADD: "+", Ops.MUL: "*", Ops.CMPLT: "<", Ops.CMPNE: "!=", Ops.AND: "&", Ops.OR: "|",
+               Ops.XOR: "^", Ops.SHL: "<<", Ops.SHR: ">>"}
+    if op in symbols:
+      if op in (Ops.AND, Ops.OR, Ops.XOR) and dtype == dtypes.bool: return f"(({a}){symbols[op]}({b}))"
+      return f"({a}{symbols[op]}{b})"
+    raise NotImplementedError(f"{type(self).__name__} cannot render {op}")
+
+  def render_kernel(self, name: str, params: list[str], body: list[str]) -> str:
+    return f"{self.preamble}{self.kernel_prefix}void {name}({', '.join(params)}) {{\n" + "\n".join(body) + "\n}\n"
+
+  def render_param(self, uop: UOp, name: str) -> str:
+    index, is_output = uop.arg
+    const = "" if is_output else "const "
+    return f"{self.buffer_prefix}{const}{self.render_dtype(uop.dtype)}*{self.buffer_suffix} {name}"
+
+  # ---------------------------------------------------------------- the walk over the UOps
+
+  def render(self, name: str, uops: list[UOp]) -> str:
+    names: dict[int, str] = {}
+    params: list[str] = []
+    body: list[str] = []
+    depth = 1
+    counters: dict[str, int] = {}
+
+    def new_name(prefix: str) -> str:
+      counters[prefix] = counters.get(prefix, 0) + 1
+      return f"{prefix}{counters[prefix] - 1}"
+
+    def ref(uop: UOp) -> str: return names[id(uop)]
+
+    def emit(line: str) -> None: body.append("  " * depth + line)
+
+    def define(uop: UOp, prefix: str, expression: str) -> None:
+      variable = new_name(prefix)
+      emit(f"{self.render_dtype(uop.dtype)} {variable} = {expression};")
+      names[id(uop)] = variable
+
+    for uop in uops:
+      if uop.op is UOps.DEFINE_GLOBAL:
+        names[id(uop)] = f"data{uop.arg[0]}"
+        params.append(self.render_param(uop, names[id(uop)]))
+      elif uop.op is UOps.CONST:
+        names[id(uop)] = self.render_const(uop.arg, uop.dtype)
+      elif uop.op is UOps.RANGE:
+        variable = uop.arg
+        names[id(uop)] = variable
+        emit(f"for (int {variable} = {ref(uop.srcs[0])}; {variable} < {ref(uop.srcs[1])}; {variable}++) {{")
+        depth += 1
+      elif uop.op is UOps.ENDRANGE:
+        depth -= 1
+        emit("}")
+      elif uop.op is UOps.SPECIAL:
+        names[id(uop)] = uop.arg[0]
+        emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};")
+      elif uop.op is UOps.LOAD:
+        valid = ref(uop.srcs[2]) if len(uop.srcs) > 2 else None
+        define(uop, "val", self.render_load(ref(uop.srcs[0]), ref(uop.srcs[1]), valid, uop.dtype))
+      elif uop.op is UOps.STORE:
+        store = self.render_store(ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), uop.srcs[2].dtype)
+        emit(store if len(uop.srcs) < 4 else f"if ({ref(uop.srcs[3])}) {{ {store} }}")
+      elif uop.op is UOps.DEFINE_ACC:
+        define(uop, "acc", self.render_const(uop.arg, uop.dtype))
+      elif uop.op is UOps.ACCUMULATE:
+        acc, value = uop.srcs
+        combined = self.render_alu(uop.arg, acc.dtype, [ref(acc), ref(value)], [acc.dtype, value.dtype])
+        emit(f"{ref(acc)} = {combined};")
+      elif uop.op in (UOps.ALU, UOps.CAST, UOps.BITCAST):
+        expression = self._expression(uop, ref)
+        if uop.uses == 1 and uop.op is not UOps.BITCAST: names[id(uop)] = expression  # used once: inline it
+        else: define(uop, "alu" if uop.op is UOps.ALU else "cast", expression)
+      else:
+        raise NotImplementedError(f"{type(self).__name__} cannot render {uop.op}")
+    return self.render_kernel(name, params, body)
+
+  def _expression(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
+    operands = [ref(src) for src in uop.srcs]
+    if uop.op is UOps.CAST: return self.render_cast(operands[0], uop.srcs[0].dtype, uop.dtype)
+    if uop.op is UOps.BITCAST: return self.render_bitcast(operands[0], uop.srcs[0].dtype, uop.dtype)
+    return self.render_alu(uop.arg, uop.dtype, operands, [src.dtype for src in uop.srcs])
+
+  def render_special(self, arg: tuple) -> str: raise NotImplementedError
+
+
+class ClangRenderer(CStyleLanguage):
+  """C for the CPU (gcc or clang): loops for every axis, `restrict` pointers, math.h functions.
+
+  C compilers do not all do arithmetic on bfloat16, so a bfloat16 value lives in a float register: loads
+  widen the stored 16 bits, casts to bfloat16 round to its precision, and stores keep the top 16 bits."""
+  device = "CLANG"
+  preamble = """#include <math.h>
+#include <stdbool.h>
+#include <string.h>
+static inline float bf16_to_float(unsigned short bits) {
+  unsigned int wide = (unsigned int)bits << 16; float value; memcpy(&value, &wide, 4); return value; }
+static inline unsigned short float_to_bf16(float value) {
+  unsigned int bits; memcpy(&bits, &value, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);  /* keep NaN quiet */
+  bits += 0x7fffu + ((bits >> 16) & 1u);  /* round to nearest even */
+  return (unsigned short)(bits >> 16); }
+static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16(value)); }
+"""
+
+  def render_dtype(self, dtype: DType) -> str:
+    return "float" if dtype == dtypes.bfloat16 else dtype.c_name
+
+  def render_param(self, uop: UOp, name: str) -> str:
+    if uop.dtype != dtypes.bfloat16: return super().render_param(uop, name)
+    const = "" if uop.arg[1] else "const "
+    return f"{const}unsigned short* restrict {name}"
+
+  def render_load(self, buffer: str, index: str, valid: str | None, dtype: DType) -> str:
+    if dtype != dtypes.bfloat16: return super().render_load(buffer, index, valid, dtype)
+    loaded = f"bf16_to_float({buffer}[{index}])"
+    return loaded if valid is None else f"(({valid}) ? {loaded} : 0.0f)"
+
+  def render_store(self, buffer: str, index: str, value: str, dtype: DType) -> str:
+    if dtype != dtypes.bfloat16: return super().render_store(buffer, index, value, dtype)
+    return f"{buffer}[{index}] = float_to_bf16({value});"
+
+  def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    if to_dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
+    return super().render_cast(value, from_dtype, to_dtype)
+
+  def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    if dtypes.bfloat16 in (from_dtype, to_dtype):
+      if from_dtype == dtypes.bfloat16: value = f"float_to_bf16({value})"
+      from_type = "unsigned short" if from_dtype == dtypes.bfloat16 else from_dtype.c_name
+      to_type = "unsigned short" if to_dtype == dtypes.bfloat16 else to_dtype.c_name
+      result = f"((union {{ {from_type} from; {to_type} to; }}){{ .from = {value} }}).to"
+      return f"bf16_to_float({result})" if to_dtype == dtypes.bfloat16 else result
+    return super().render_bitcast(value, from_dtype, to_dtype)

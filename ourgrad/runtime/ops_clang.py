@@ -1,0 +1,72 @@
+"""The CLANG device (alias CPU): C source -> shared object with the system C compiler -> ctypes call.
+
+Kernels run synchronously on the calling thread. The compiler is `CC` if set, else clang, else gcc.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+from ourgrad.device import Compiled, Compiler, HostAllocator
+from ourgrad.errors import CompileError, DeviceError
+from ourgrad.helpers import CC
+from ourgrad.renderer.cstyle import ClangRenderer
+
+COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", "-lm"]
+
+
+def find_c_compiler() -> str:
+  for candidate in ([CC.value] if CC.value else []) + ["clang", "gcc", "cc"]:
+    path = shutil.which(candidate)
+    if path: return path
+  raise DeviceError("the CLANG device needs a C compiler: install clang or gcc, or set CC=/path/to/compiler")
+
+
+class ClangCompiler(Compiler):
+  def __init__(self) -> None:
+    self.compiler = find_c_compiler()
+    # -march=native makes the binary specific to this CPU: it is part of the cache key
+    self.cache_key = f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(COMPILE_FLAGS)}"
+
+  def compile(self, source: str) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
+      source_path, library_path = os.path.join(folder, "kernel.c"), os.path.join(folder, "kernel.so")
+      with open(source_path, "w") as source_file: source_file.write(source)
+      result = subprocess.run([self.compiler, *COMPILE_FLAGS[:-1], source_path, "-o", library_path, COMPILE_FLAGS[-1]],
+                              capture_output=True, text=True)
+      if result.returncode != 0:
+        raise CompileError(f"{os.path.basename(self.compiler)} failed on this kernel:\n{source}\n--- compiler log ---\n"
+                           f"{result.stderr}")
+      with open(library_path, "rb") as library_file: return library_file.read()
+
+
+class ClangProgram:
+  """A compiled kernel: load the shared object from its bytes and call the named function."""
+
+  def __init__(self, name: str, library: bytes):
+    self.name = name
+    with tempfile.NamedTemporaryFile(suffix=".so", delete=False) as library_file:
+      library_file.write(library)
+      path = library_file.name
+    try:
+      self.library = ctypes.CDLL(path)
+    finally:
+      os.unlink(path)
+    self.function = getattr(self.library, name)
+
+  def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (), local_size: tuple[int, ...] = (),
+               wait: bool = False) -> float | None:
+    start = time.perf_counter()
+    self.function(*[ctypes.c_void_p(buffer.ctypes.data) for buffer in buffers])
+    return time.perf_counter() - start if wait else None
+
+
+def create_device(name: str) -> Compiled:
+  return Compiled(name, HostAllocator(), ClangRenderer(), ClangCompiler(), ClangProgram)

@@ -1,0 +1,272 @@
+"""ShapeTracker: the full record of movement ops applied to a buffer, as a stack of Views.
+
+`views[0]` indexes the real buffer; each later view indexes a *virtual contiguous buffer* shaped like the
+previous view. Evaluation runs from the last view backwards: the last view turns output indices into a flat
+offset, which is unraveled row-major into the previous view's indices, and so on. Validity is the AND of every
+view's mask test. Movement ops edit only the last view, and push a new view only when one cannot express the
+result (e.g. reshaping a transposed view). `simplify` folds views back together whenever that is exact.
+
+Main type: `ShapeTracker`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ourgrad.errors import AxisError, ShapeError
+from ourgrad.helpers import prod
+from ourgrad.shape.symbolic import AndNode, LtNode, MulNode, Node, NumNode, SumNode, Variable, sym_and
+from ourgrad.shape.view import View
+
+
+def _unravel(shape: tuple[int, ...], flat: Node) -> list[Node]:
+  """Row-major indices into shape of a flat index node (outermost dim without a mod: flat is in range)."""
+  if 0 in shape: return [NumNode(0)] * len(shape)  # no elements: any index will do
+  indices: list[Node] = []
+  block = 1
+  for dim in range(len(shape) - 1, -1, -1):
+    size = shape[dim]
+    if size == 1: indices.append(NumNode(0))
+    else:
+      digit = flat // block
+      indices.append(digit if dim == 0 else digit % size)
+    block *= size
+  indices.reverse()
+  return indices
+
+
+def _linear_coefficients(node: Node) -> tuple[dict[str, int], int] | None:
+  """node as ({variable name: coefficient}, constant) when it is exactly linear in Variables, else None."""
+  coefficients: dict[str, int] = {}
+  constant = 0
+  for term in (node.nodes if isinstance(node, SumNode) else (node,)):
+    if isinstance(term, NumNode): constant += term.b
+    elif isinstance(term, Variable): coefficients[term.expr] = coefficients.get(term.expr, 0) + 1
+    elif isinstance(term, MulNode) and isinstance(term.a, Variable):
+      coefficients[term.a.expr] = coefficients.get(term.a.expr, 0) + term.b
+    else: return None
+  return coefficients, constant
+
+
+def _variable_bounds(valid: Node) -> dict[str, tuple[float, float]] | None:
+  """A validity node that is an AND of single-variable bounds, as {name: (low, high)} meaning low <= v < high.
+
+  Returns None when the node has any other shape; {"": (0, 0)} when it is constant 0 (never valid)."""
+  bounds: dict[str, tuple[float, float]] = {}
+  for condition in (valid.nodes if isinstance(valid, AndNode) else (valid,)):
+    if isinstance(condition, NumNode):
+      if condition.b == 0: return {"": (0, 0)}
+      continue
+    if not isinstance(condition, LtNode) or not isinstance(condition.b, int): return None
+    low, high = bounds.get(_condition_var(condition) or "", (-math.inf, math.inf))
+    if isinstance(condition.a, Variable): high = min(high, condition.b)  # v < b
+    elif isinstance(condition.a, MulNode) and isinstance(condition.a.a, Variable) and condition.a.b == -1:
+      low = max(low, 1 - condition.b)  # -v < b  <=>  v >= 1 - b
+    else: return None
+    bounds[_condition_var(condition) or ""] = (low, high)
+  return bounds
+
+
+def _condition_var(condition: LtNode) -> str | None:
+  if isinstance(condition.a, Variable): return condition.a.expr
+  if isinstance(condition.a, MulNode) and isinstance(condition.a.a, Variable): return condition.a.a.expr
+  return None
+
+
+def _merge_views(first: View, second: View) -> View | None:
+  """One View equivalent to `second` applied to the contiguous output of `first`, or None."""
+  if second.size == 0: return View.create(second.shape)
+  if second.never_valid: return second if second.shape else None
+  if first.contiguous: return second  # first is the identity on its buffer
+  if second.contiguous and second.size == first.size:  # a contiguous view can also be a prefix (shrink from 0)
+    reshaped = first.reshape(second.shape)
+    if reshaped is not None: return reshaped
+  # general case: compute the composed index symbolically on second's valid region (variables restricted to its
+  # mask; outside it the element is invalid anyway) and accept it only if it is linear with box-shaped validity
+  dim_ranges = second.mask if second.mask is not None else tuple((0, size) for size in second.shape)
+  names = [f"_v{dim}" for dim in range(len(second.shape))]
+  idxs: list[Node] = [Variable(name, start, end - 1) if size != 1 else NumNode(0)
+                      for name, (start, end), size in zip(names, dim_ranges, second.shape)]
+  digits = _unravel(first.shape, second.expr_idxs(idxs))
+  linear = _linear_coefficients(first.expr_idxs(digits))
+  bounds = _variable_bounds(first.expr_valid(digits))
+  if linear is None or bounds is None: return None
+  if "" in bounds:
+    return View.create(second.shape, mask=((0, 0),) * len(second.shape)) if second.shape else None
+  coefficients, offset = linear
+  strides = [coefficients.get(name, 0) for name in names]
+  mask = None
+  if second.mask is not None or bounds:
+    mask = []
+    for name, (start, end) in zip(names, dim_ranges):
+      low, high = bounds.get(name, (start, end))
+      mask.append((max(start, int(max(low, start))), min(end, int(min(high, end)))))
+  merged = View.create(second.shape, strides, offset, mask)
+  if merged.never_valid and not second.shape: return None
+  return merged
+
+
+@dataclass(frozen=True)
+class ShapeTracker:
+  """A stack of Views describing how output indices map to a buffer; see the module docstring."""
+  views: tuple[View, ...]
+
+  @staticmethod
+  def from_shape(shape: Sequence[int]) -> ShapeTracker:
+    """The identity tracker of a contiguous buffer of this shape."""
+    return ShapeTracker((View.create(tuple(shape)),))
+
+  @property
+  def shape(self) -> tuple[int, ...]: return self.views[-1].shape
+
+  @property
+  def size(self) -> int: return prod(self.shape)
+
+  @property
+  def ndim(self) -> int: return len(self.shape)
+
+  @property
+  def contiguous(self) -> bool:
+    """True when the tracker is the identity on its buffer (one contiguous view)."""
+    return len(self.views) == 1 and self.views[0].contiguous
+
+  def _with_last(self, view: View) -> ShapeTracker:
+    return ShapeTracker(self.views[:-1] + (view,))
+
+  # ---------------------------------------------------------------- movement ops
+
+  def reshape(self, new_shape: Sequence[int]) -> ShapeTracker:
+    """Same elements in a new shape (same element count); pushes a second view when one cannot express it."""
+    new_shape = tuple(new_shape)
+    if any(not isinstance(size, int) or size < 0 for size in new_shape):
+      raise ShapeError(f"cannot reshape {self.shape} to {new_shape}: sizes must be non-negative ints")
+    if prod(new_shape) != self.size:
+      raise ShapeError(f"cannot reshape {self.shape} ({self.size} elements) to {new_shape} "
+                       f"({prod(new_shape)} elements): element counts differ")
+    reshaped = self.views[-1].reshape(new_shape)
+    if reshaped is not None: return self._with_last(reshaped)
+    return ShapeTracker(self.views + (View.create(new_shape),))
+
+  def permute(self, axes: Sequence[int]) -> ShapeTracker:
+    """Reorder dims: output dim k is input dim axes[k]."""
+    axes = tuple(axes)
+    if sorted(axes) != list(range(self.ndim)):
+      raise AxisError(f"permute axes {axes} are not a permutation of range({self.ndim}) for shape {self.shape}")
+    return self._with_last(self.views[-1].permute(axes))
+
+  def expand(self, new_shape: Sequence[int]) -> ShapeTracker:
+    """Broadcast size-1 dims to new sizes."""
+    new_shape = tuple(new_shape)
+    if len(new_shape) != self.ndim or any(old != new and old != 1 for old, new in zip(self.shape, new_shape)) \
+        or any(not isinstance(size, int) or size < 0 for size in new_shape):
+      raise ShapeError(f"cannot expand {self.shape} to {new_shape}: only size-1 dims can change")
+    return self._with_last(self.views[-1].expand(new_shape))
+
+  def pad(self, arg: Sequence[tuple[int, int]]) -> ShapeTracker:
+    """Add (before, after) zero-reading elements around each dim."""
+    arg = tuple((int(before), int(after)) for before, after in arg)
+    if len(arg) != self.ndim or any(before < 0 or after < 0 for before, after in arg):
+      raise ShapeError(f"bad pad {arg} for shape {self.shape}: need one non-negative (before, after) per dim")
+    return self._with_last(self.views[-1].pad(arg))
+
+  def shrink(self, arg: Sequence[tuple[int, int]]) -> ShapeTracker:
+    """Keep the [start, end) window of each dim."""
+    arg = tuple((int(start), int(end)) for start, end in arg)
+    if len(arg) != self.ndim or any(not 0 <= start <= end <= size for (start, end), size in zip(arg, self.shape)):
+      raise ShapeError(f"bad shrink {arg} for shape {self.shape}: need 0 <= start <= end <= size per dim")
+    return self._with_last(self.views[-1].shrink(arg))
+
+  def flip(self, axes_mask: Sequence[bool]) -> ShapeTracker:
+    """Reverse the dims where axes_mask is True."""
+    axes_mask = tuple(bool(flag) for flag in axes_mask)
+    if len(axes_mask) != self.ndim:
+      raise ShapeError(f"flip mask {axes_mask} needs one entry per dim of shape {self.shape}")
+    return self._with_last(self.views[-1].flip(axes_mask))
+
+  def __add__(self, other: ShapeTracker) -> ShapeTracker:
+    """Composition: `other` views the contiguous output of `self`."""
+    return ShapeTracker(self.views + other.views).simplify()
+
+  def simplify(self) -> ShapeTracker:
+    """Merge the last two views into one while that is exactly equivalent."""
+    views = self.views
+    while len(views) >= 2:
+      merged = _merge_views(views[-2], views[-1])
+      if merged is None: break
+      views = views[:-2] + (merged,)
+    return ShapeTracker(views)
+
+  # ---------------------------------------------------------------- index expressions
+
+  def default_idxs(self) -> list[Node]:
+    """One index node per output dim: Variable(f"idx{i}", 0, size-1), NumNode(0) for size-1 (or 0) dims."""
+    return [Variable(f"idx{dim}", 0, size - 1) if size > 1 else NumNode(0) for dim, size in enumerate(self.shape)]
+
+  def expr_idxs(self, idxs: Sequence[Node] | None = None) -> tuple[Node, Node]:
+    """(index into views[0]'s buffer, validity) for per-dim output index nodes."""
+    idxs = self.default_idxs() if idxs is None else list(idxs)
+    if len(idxs) != self.ndim: raise ShapeError(f"{len(idxs)} index nodes for shape {self.shape}")
+    last = self.views[-1]
+    index, valid = last.expr_idxs(idxs), last.expr_valid(idxs)
+    for view in reversed(self.views[:-1]):
+      digits = _unravel(view.shape, index)
+      valid = sym_and([valid, view.expr_valid(digits)])
+      index = view.expr_idxs(digits)
+    return index, valid
+
+  def expr_node(self, idx: Node | None = None) -> tuple[Node, Node]:
+    """(index, validity) from one flat row-major output index node (default Variable("idx", 0, size-1))."""
+    if idx is None: idx = Variable("idx", 0, self.size - 1) if self.size > 1 else NumNode(0)
+    return self.expr_idxs(_unravel(self.shape, idx))
+
+  # ---------------------------------------------------------------- analysis
+
+  def real_strides(self) -> tuple[int | None, ...]:
+    """Per output dim, the stride in the real buffer when the index is exactly dim_idx*stride + (terms without
+    dim_idx), else None (None is always safe)."""
+    if len(self.views) == 1: return tuple(0 if size == 1 else stride for size, stride in zip(self.shape, self.strides))
+    idxs = self.default_idxs()
+    index, _ = self.expr_idxs(idxs)
+    terms = index.nodes if isinstance(index, SumNode) else (index,)
+    strides: list[int | None] = []
+    for idx in idxs:
+      if not isinstance(idx, Variable):
+        strides.append(0)
+        continue
+      uses = [term for term in terms if idx in term.vars()]
+      if not uses: strides.append(0)
+      elif len(uses) == 1 and uses[0] == idx: strides.append(1)
+      elif len(uses) == 1 and isinstance(uses[0], MulNode) and uses[0].a == idx: strides.append(uses[0].b)
+      else: strides.append(None)
+    return tuple(strides)
+
+  @property
+  def strides(self) -> tuple[int, ...]:
+    """Strides of the last view (meaningful on the real buffer only when there is one view)."""
+    return self.views[-1].strides
+
+  def unit_stride_axes(self) -> list[int]:
+    """Output dims whose real stride is 1."""
+    return [dim for dim, stride in enumerate(self.real_strides()) if stride == 1]
+
+  def real_size(self) -> int:
+    """An upper bound of (largest buffer index touched by a valid element) + 1; 0 when nothing is valid."""
+    if self.size == 0: return 0
+    last = self.views[-1]
+    if last.never_valid: return 0
+    # restrict the index variables to the last view's mask: elements outside it never touch the buffer
+    ranges = last.mask if last.mask is not None else tuple((0, size) for size in self.shape)
+    idxs = [Variable(f"idx{dim}", start, end - 1) if end - start > 1 else NumNode(start)
+            for dim, (start, end) in enumerate(ranges)]
+    index, valid = self.expr_idxs(idxs)
+    if isinstance(valid, NumNode) and valid.b == 0: return 0
+    return max(index.max + 1, 0)
+
+  def axis_is_masked(self, axis: int) -> bool:
+    """Whether the validity expression depends on output dim `axis`."""
+    if not -self.ndim <= axis < self.ndim: raise AxisError(f"axis {axis} out of range for shape {self.shape}")
+    axis %= self.ndim
+    idxs = self.default_idxs()
+    _, valid = self.expr_idxs(idxs)
+    return isinstance(idxs[axis], Variable) and idxs[axis] in valid.vars()

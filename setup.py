@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+  name="ourgrad",
+  version="0.1.0",
+  description="A small, fast, hackable lazy-tensor deep-learning library",
+  long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+  long_description_content_type="text/markdown",
+  packages=find_packages(include=["ourgrad", "ourgrad.*"]),
+  python_requires=">=3.10",
+  install_requires=["numpy"],
+  extras_require={
+    "testing": ["pytest", "pytest-xdist", "hypothesis", "ruff", "torch==2.13.0", "safetensors", "tqdm"],
+    "llvm": ["llvmlite"],
+    "opencl": ["pyopencl[pocl]"],
+    "cuda": ["cuda-python", "nvidia-cuda-nvrtc"],
+  },
+)
