@@ -124,6 +124,36 @@ class LazyOp:
   def leaves(self) -> list[LazyOp]:
     return [node for node in self.walk() if node.op in (Ops.LOAD, Ops.CONST)]
 
+  def __str__(self) -> str: return format_ast(self)
+
+
+def _describe_view(st: ShapeTracker) -> str:
+  parts = []
+  for view in st.views:
+    mask = f" mask={view.mask}" if view.mask is not None else ""
+    offset = f" offset={view.offset}" if view.offset else ""
+    parts.append(f"shape={view.shape} strides={view.strides}{offset}{mask}")
+  return " | ".join(parts)
+
+
+def format_ast(ast: LazyOp) -> str:
+  """The AST as an indented tree, one node per line (DEBUG=3). Shared subtrees are printed each time."""
+  lines: list[str] = []
+  stack: list[tuple[LazyOp, int]] = [(ast, 0)]
+  while stack:
+    node, depth = stack.pop()
+    if isinstance(node.arg, MemBuffer):
+      detail = f" data{node.arg.idx} {_describe_view(node.arg.st)}"
+    elif isinstance(node.arg, ConstBuffer):
+      detail = f" {node.arg.val} {_describe_view(node.arg.st)}"
+    elif node.arg is not None:
+      detail = f" {node.arg}"
+    else:
+      detail = ""
+    lines.append(f"{'  ' * depth}{node.op.name} {node.dtype.name}{detail}")
+    stack.extend((src, depth + 1) for src in reversed(node.srcs))
+  return "\n".join(lines)
+
 
 # ---------------------------------------------------------------- evaluating ALU ops on Python scalars
 

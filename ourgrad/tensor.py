@@ -12,6 +12,7 @@ dropout, losses) live in ourgrad/nn/functional.py and are attached here as metho
 from __future__ import annotations
 
 import math
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -147,9 +148,13 @@ class Tensor:
     """Compute this tensor (and `others`) now, in one schedule."""
     from ourgrad.engine.realize import run_schedule
     from ourgrad.engine.schedule import create_schedule
+    start = time.perf_counter()
     schedule = create_schedule([tensor.lazydata for tensor in (self, *others)])
-    if DEBUG >= 1 and schedule: print(f"realize: {len(schedule)} scheduled items")
+    scheduled = time.perf_counter()
     run_schedule(schedule)
+    if DEBUG >= 1 and schedule:
+      print(f"realize: {len(schedule)} items, scheduled in {(scheduled - start) * 1e3:.2f} ms, "
+            f"ran in {(time.perf_counter() - scheduled) * 1e3:.2f} ms")
     return self
 
   @staticmethod
@@ -159,10 +164,8 @@ class Tensor:
   def _buffer(self) -> Buffer:
     """The realized, contiguous buffer of this tensor's values."""
     lazy = self.lazydata
-    if not (lazy.st.contiguous and lazy.shape == lazy.base.shape and lazy.is_realized):
-      lazy = lazy.contiguous()
-      if not lazy.is_realized or not lazy.is_base:
-        Tensor(lazy).realize()
+    # a contiguous view of the whole base (the base or a reshape of it) reads the base's memory as it is: no copy
+    if not (lazy.st.contiguous and lazy.size == lazy.base.size): lazy = lazy.contiguous()
     if lazy.base.realized is None: Tensor(lazy).realize()
     return lazy.base.realized
 
@@ -215,9 +218,13 @@ class Tensor:
     if value.device != self.device:
       raise DeviceError(f"cannot assign a tensor on {value.device} to one on {self.device}; use .to({self.device!r})")
     if value.shape != self.shape:
-      value = value.expand(self.shape) if len(value.shape) <= len(self.shape) else value
-      if value.shape != self.shape:
-        raise ShapeError(f"assign of a tensor of shape {value.shape} to one of shape {self.shape}")
+      # check first, so the error names the assign and both shapes rather than failing inside expand
+      broadcastable = len(value.shape) <= len(self.shape) and all(
+        size in (1, target) for size, target in zip(value.shape[::-1], self.shape[::-1]))
+      if not broadcastable:
+        raise ShapeError(f"assign of a tensor of shape {value.shape} to one of shape {self.shape}: the value must "
+                         f"have the target's shape or broadcast to it")
+      value = value.expand(self.shape)
     value = value.cast(self.dtype)
     target = self.lazydata
     if target.is_base and target.realized is not None and target.op is not Ops.CONST:
@@ -560,7 +567,8 @@ class Tensor:
     if ellipsis_count:
       position = items.index(Ellipsis)
       items[position:position + 1] = [slice(None)] * (self.ndim - used)
-    return items + [slice(None)] * (self.ndim - used - (0 if ellipsis_count else 0))
+      return items
+    return items + [slice(None)] * (self.ndim - used)  # unindexed trailing dims are kept whole
 
   def _basic_index_steps(self, items: list[Any]) -> tuple[list[tuple[Any, Any]], list[tuple[int, Tensor]]]:
     """The view steps of basic indexing as (forward, inverse) pairs of functions on Tensors, plus the integer
@@ -569,7 +577,7 @@ class Tensor:
     steps: list[tuple[Any, Any]] = []
     tensor_dims: list[tuple[int, Tensor]] = []
     shape, dim = list(self.shape), 0
-    for item in items:
+    for item_number, item in enumerate(items):
       if item is None:
         steps.append((lambda t, d=dim: t.unsqueeze(d), lambda t, d=dim: t.squeeze(d)))
         shape.insert(dim, 1)
@@ -586,7 +594,10 @@ class Tensor:
         size = shape[dim]
         position = int(item) + size if item < 0 else int(item)
         if not 0 <= position < size:
-          raise IndexOutOfRangeError(f"index {item} is out of range for dimension {dim} with size {size}")
+          # name the dimension of the indexed tensor, not of the partly indexed view `dim` counts in
+          source_dim = sum(1 for earlier in items[:item_number] if earlier is not None)
+          raise IndexOutOfRangeError(f"index {item} is out of range for dimension {source_dim} with size {size} "
+                                     f"(tensor shape {self.shape})")
         steps.append(_narrow_step(dim, position, position + 1, size))
         steps.append((lambda t, d=dim: t.squeeze(d), lambda t, d=dim: t.unsqueeze(d)))
         shape.pop(dim)

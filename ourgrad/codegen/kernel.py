@@ -18,7 +18,7 @@ from enum import Enum, auto
 from typing import Any
 
 from ourgrad.helpers import DEBUG, prod
-from ourgrad.ops import REDUCE_OPS, LazyOp, Ops
+from ourgrad.ops import REDUCE_OPS, LazyOp, Ops, format_ast
 from ourgrad.shape.shapetracker import ShapeTracker
 
 
@@ -238,6 +238,6 @@ class Kernel:
 
   def print_debug(self) -> None:
     if DEBUG >= 3:
-      print(self.ast)
+      print(format_ast(self.ast))
       print(f"{self.name}: {self.colored_shape()} opts={self.applied_opts}")
 

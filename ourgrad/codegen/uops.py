@@ -41,7 +41,18 @@ class UOp:
 
   def __repr__(self) -> str:
     arg = self.arg.name if isinstance(self.arg, Ops) else self.arg
-    return f"{self.op.name:<14} {str(self.dtype):<16} srcs={[id(s) % 10000 for s in self.srcs]} arg={arg}"
+    return f"UOp({self.op.name}, {self.dtype}, {len(self.srcs)} srcs, arg={arg})"
+
+
+def format_uops(uops: list[UOp]) -> str:
+  """One line per UOp: its position, op, dtype, the positions of its sources, and its argument (DEBUG=5)."""
+  position = {id(uop): index for index, uop in enumerate(uops)}
+  lines = []
+  for index, uop in enumerate(uops):
+    arg = uop.arg.name if isinstance(uop.arg, Ops) else uop.arg
+    srcs = [position.get(id(src), "?") for src in uop.srcs]
+    lines.append(f"{index:4d} {uop.op.name:<14} {str(uop.dtype):<16} {str(srcs):<16} {arg}")
+  return "\n".join(lines)
 
 
 # uops that are never merged with an earlier identical one: they have effects or open/close scopes

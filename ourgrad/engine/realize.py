@@ -11,7 +11,7 @@ from typing import Any
 
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
-from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.codegen.uops import UOp, UOps, format_uops
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.helpers import DEBUG, NOOPT, GlobalCounters, colored, prod
@@ -56,8 +56,7 @@ def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
 
 def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
   uops = linearize(kernel)
-  if DEBUG >= 5:
-    for uop in uops: print(uop)
+  if DEBUG >= 5: print(format_uops(uops))
   name = kernel.name
   source = Device[device].renderer.render(name, uops)
   if DEBUG >= 4: print(source)

@@ -165,9 +165,8 @@ class ClangRenderer(CStyleLanguage):
   C compilers do not all do arithmetic on bfloat16, so a bfloat16 value lives in a float register: loads
   widen the stored 16 bits, casts to bfloat16 round to its precision, and stores keep the top 16 bits."""
   device = "CLANG"
-  preamble = """#include <math.h>
-#include <stdbool.h>
-#include <string.h>
+  preamble = "#include <math.h>\n#include <stdbool.h>\n"
+  bfloat16_helpers = """#include <string.h>
 static inline float bf16_to_float(unsigned short bits) {
   unsigned int wide = (unsigned int)bits << 16; float value; memcpy(&value, &wide, 4); return value; }
 static inline unsigned short float_to_bf16(float value) {
@@ -180,6 +179,11 @@ static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16
 
   def render_dtype(self, dtype: DType) -> str:
     return "float" if dtype == dtypes.bfloat16 else dtype.c_name
+
+  def render_kernel(self, name: str, params: list[str], body: list[str]) -> str:
+    source = super().render_kernel(name, params, body)
+    if "bf16_" not in source: return source
+    return source.replace(self.preamble, self.preamble + self.bfloat16_helpers, 1)
 
   def render_param(self, uop: UOp, name: str) -> str:
     if uop.dtype != dtypes.bfloat16: return super().render_param(uop, name)
