@@ -36,8 +36,10 @@ class Function:
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     from ourgrad.tensor import Tensor
     ctx = cls(tensors[0].device, *tensors)
-    result = Tensor(ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs), device=ctx.device,
-                    requires_grad=ctx.requires_grad)
+    output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
+    # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch
+    if not output.dtype.is_float: ctx.requires_grad = False
+    result = Tensor(output, device=ctx.device, requires_grad=ctx.requires_grad)
     if ctx.requires_grad and not Tensor.no_grad: result._ctx = ctx
     return result
 
