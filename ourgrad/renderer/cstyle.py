@@ -113,6 +113,7 @@ class CStyleLanguage(Renderer):
       emit(f"{self.render_dtype(uop.dtype)} {variable} = {expression};")
       names[id(uop)] = variable
 
+    parallel_loops = self.parallel_loop_count(uops)
     for uop in uops:
       if uop.op is UOps.DEFINE_GLOBAL:
         names[id(uop)] = f"data{uop.arg[0]}"
@@ -122,6 +123,7 @@ class CStyleLanguage(Renderer):
       elif uop.op is UOps.RANGE:
         variable = uop.arg
         names[id(uop)] = variable
+        if parallel_loops and variable == "gidx0": emit(self.parallel_pragma(parallel_loops))
         emit(f"for (int {variable} = {ref(uop.srcs[0])}; {variable} < {ref(uop.srcs[1])}; {variable}++) {{")
         depth += 1
       elif uop.op is UOps.ENDRANGE:
@@ -158,6 +160,12 @@ class CStyleLanguage(Renderer):
 
   def render_special(self, arg: tuple) -> str: raise NotImplementedError
 
+  def parallel_loop_count(self, uops: list[UOp]) -> int:
+    """How many outer global loops to run on several threads (0: none). Only CPU dialects parallelize."""
+    return 0
+
+  def parallel_pragma(self, loop_count: int) -> str: return ""
+
 
 class ClangRenderer(CStyleLanguage):
   """C for the CPU (gcc or clang): loops for every axis, `restrict` pointers, math.h functions.
@@ -176,6 +184,22 @@ static inline unsigned short float_to_bf16(float value) {
   return (unsigned short)(bits >> 16); }
 static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16(value)); }
 """
+
+  # below this many loop iterations times instructions, starting threads costs more than it saves
+  parallel_min_work = 1 << 17
+
+  def parallel_loop_count(self, uops: list[UOp]) -> int:
+    """The global loops come first and are perfectly nested: collapse them all into one parallel loop when the
+    kernel does enough work. Each iteration writes its own outputs, so threads never share a store."""
+    global_loops = [uop for uop in uops if uop.op is UOps.RANGE and uop.arg.startswith("gidx")]
+    iterations = 1
+    for uop in uops:
+      if uop.op is UOps.RANGE: iterations *= uop.srcs[1].arg - uop.srcs[0].arg
+    if not global_loops or iterations * len(uops) < self.parallel_min_work: return 0
+    return len(global_loops)
+
+  def parallel_pragma(self, loop_count: int) -> str:
+    return "#pragma omp parallel for" + (f" collapse({loop_count})" if loop_count > 1 else "")
 
   def render_dtype(self, dtype: DType) -> str:
     return "float" if dtype == dtypes.bfloat16 else dtype.c_name

@@ -19,7 +19,8 @@ from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CC
 from ourgrad.renderer.cstyle import ClangRenderer
 
-COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", "-lm"]
+# -fopenmp: large kernels run their outer loops on all cores (OMP_NUM_THREADS limits the threads)
+COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-lm"]
 
 
 def find_c_compiler() -> str:
