@@ -34,7 +34,8 @@ def _numpy_to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
   bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
   is_nan = np.isnan(array.astype(np.float32))
   rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-  return np.where(is_nan, np.uint16(0x7FC0), rounded)
+  # ascontiguousarray makes a 0-d array 1-d: reshape, so a 0-d bfloat16 tensor keeps shape ()
+  return np.where(is_nan, np.uint16(0x7FC0), rounded).reshape(np.shape(array))
 
 
 def _bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -171,7 +172,8 @@ class Tensor:
 
   def numpy(self) -> np.ndarray:
     """The values as a numpy array (bfloat16 comes back as float32, which holds it exactly)."""
-    if self.numel() == 0: return np.zeros(self.shape, dtype=np.float32 if self.dtype == dtypes.bfloat16 else self.dtype.np)
+    if self.numel() == 0:
+      return np.zeros(self.shape, dtype=np.float32 if self.dtype == dtypes.bfloat16 else self.dtype.np)
     values = self._buffer().numpy()
     if self.dtype == dtypes.bfloat16: values = _bfloat16_bits_to_float32(values)
     return values.reshape(self.shape).copy()
@@ -804,7 +806,8 @@ class Tensor:
     if rounding_mode == "trunc":
       if not x.dtype.is_float: return F.IntDiv.apply(x, y, op=Ops.IDIV)
       return F.Div.apply(x, y).trunc()
-    if rounding_mode is not None: raise ValueError(f"rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode}")
+    if rounding_mode is not None:
+      raise ValueError(f"rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode}")
     return F.Div.apply(x._float_operand(), y._float_operand())
 
   def floor_divide(self, other: Any, reverse: bool = False) -> Tensor:
@@ -1256,6 +1259,47 @@ class Tensor:
     """Zero each element with probability p and scale the rest by 1/(1-p), only while Tensor.training."""
     from ourgrad.nn import functional
     return functional.dropout(self, p)
+
+  def cross_entropy(self, target: Tensor, reduction: str = "mean", label_smoothing: float = 0.0,
+                    ignore_index: int = -100) -> Tensor:
+    """Cross entropy of these logits (classes on axis 1, or 0 if 1-D) against class indices or probabilities,
+    like torch.nn.functional.cross_entropy (see ourgrad/nn/losses.py)."""
+    from ourgrad.nn import losses
+    return losses.cross_entropy(self, target, reduction, label_smoothing, ignore_index)
+
+  def sparse_categorical_crossentropy(self, target: Tensor, ignore_index: int = -1, label_smoothing: float = 0.0,
+                                      reduction: str = "mean") -> Tensor:
+    """tinygrad's cross entropy of these logits (classes on the LAST axis) against integer class indices."""
+    from ourgrad.nn import losses
+    return losses.sparse_categorical_crossentropy(self, target, ignore_index, label_smoothing, reduction)
+
+  def nll_loss(self, target: Tensor, reduction: str = "mean", ignore_index: int = -100) -> Tensor:
+    """Negative log-likelihood of these log-probabilities at the class indices `target`."""
+    from ourgrad.nn import losses
+    return losses.nll_loss(self, target, reduction, ignore_index)
+
+  def binary_cross_entropy(self, target: Tensor, reduction: str = "mean") -> Tensor:
+    """Binary cross entropy of these probabilities against `target`."""
+    from ourgrad.nn import losses
+    return losses.binary_cross_entropy(self, target, reduction)
+
+  def binary_cross_entropy_with_logits(self, target: Tensor, reduction: str = "mean",
+                                       pos_weight: Tensor | None = None) -> Tensor:
+    """Binary cross entropy of sigmoid(self) against `target`, computed stably from the logits."""
+    from ourgrad.nn import losses
+    return losses.binary_cross_entropy_with_logits(self, target, reduction, pos_weight)
+
+  def mse_loss(self, target: Tensor, reduction: str = "mean") -> Tensor:
+    """Mean (or summed, or per-element) squared error against `target`."""
+    from ourgrad.nn import losses
+    return losses.mse_loss(self, target, reduction)
+
+  def scaled_dot_product_attention(self, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                   dropout_p: float = 0.0, is_causal: bool = False,
+                                   scale: float | None = None) -> Tensor:
+    """Attention with this tensor as the query, like torch.nn.functional.scaled_dot_product_attention."""
+    from ourgrad.nn import attention
+    return attention.scaled_dot_product_attention(self, key, value, attn_mask, dropout_p, is_causal, scale)
 
   def outer(self, other: Tensor) -> Tensor: return self.reshape(-1, 1) * other.reshape(1, -1)
 

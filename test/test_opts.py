@@ -73,7 +73,8 @@ def test_random_opts_match_plain(name, seed):
   item = _last_item(_graphs()[name])
   plain = _plain(item)
   chooser = random.Random(seed)
-  opts = [Opt(chooser.choice([OptOps.UPCAST, OptOps.UNROLL]), chooser.randint(0, 2), chooser.choice([0, 2, 3, 4, 8]))
+  kinds = [OptOps.UPCAST, OptOps.UNROLL, OptOps.LOCAL]  # LOCAL is refused on devices without thread blocks
+  opts = [Opt(chooser.choice(kinds), chooser.randint(0, 2), chooser.choice([0, 2, 3, 4, 8]))
           for _ in range(4)]
   optimized, applied = _run(item, opts)
   print(f"seed {seed}: applied {applied}")

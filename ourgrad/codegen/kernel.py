@@ -148,14 +148,17 @@ class Kernel:
   # ---------------------------------------------------------------- opts
 
   def shift_to(self, axis: int, amount: int, insert_before: int | None = None) -> None:
-    """Split `axis` into (size/amount, amount) and move the `amount` part to `insert_before` (default: last)."""
-    move_to = self.shape_len + 1 if insert_before is None else insert_before
-    new_axes = list(range(self.shape_len + 1))
-    new_axes.insert(move_to if move_to <= axis else move_to - 1, new_axes.pop(axis + 1))
+    """Split `axis` into (size/amount, amount) and move the `amount` part so it sits just before the dimension
+    that was at `insert_before` (default: after the last dimension)."""
+    inner = axis + 1  # position of the `amount` part once the axis is split
+    target = self.shape_len if insert_before is None else insert_before
+    if inner <= target: target += 1  # positions after the split moved right by one
+    order = [a for a in range(target) if a != inner] + [inner] + [a for a in range(target, self.shape_len + 1)
+                                                                  if a != inner]
     self.reshape_and_permute(
       lambda shape: [*shape[:axis], shape[axis] // amount if shape[axis] != 1 else 1,
                      amount if shape[axis] != 1 else 1, *shape[axis + 1:]],
-      new_axes)
+      order)
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -164,21 +167,37 @@ class Kernel:
       if not 0 <= axis < self.first_reduce: raise KernelOptError(f"UPCAST needs an output axis, got {axis}")
     elif opt.op is OptOps.UNROLL:
       axis = self.first_reduce + opt.axis
-      if not self.first_reduce <= axis < self.first_upcast: raise KernelOptError(f"UNROLL needs a reduce axis, got {opt.axis}")
+      if not self.first_reduce <= axis < self.first_upcast:
+        raise KernelOptError(f"UNROLL needs a reduce axis, got {opt.axis}")
+    elif opt.op is OptOps.LOCAL:
+      axis = opt.axis
+      if not self.renderer.has_threads: raise KernelOptError("LOCAL needs a device with thread groups")
+      if not 0 <= axis < self.global_dims: raise KernelOptError(f"LOCAL needs a global axis, got {axis}")
     else:
       raise KernelOptError(f"{opt.op.name} is not supported on {self.renderer.device}")
     size = self.full_shape[axis]
     amount = opt.amount if opt.amount != 0 else size
     if amount <= 1 or size % amount != 0: raise KernelOptError(f"{amount} does not divide axis {axis} of size {size}")
-    if self.upcast_lanes() * amount > MAX_UPCAST_LANES: raise KernelOptError("too many registers")
-    self.shift_to(axis, amount)
-    self.upcasted += 1
+    if opt.op is OptOps.LOCAL:
+      if self.local_threads() * amount > self.renderer.max_threads: raise KernelOptError("too many threads")
+      # a new local axis goes in front of the existing ones: thread blocks are picked innermost axis first, and
+      # the innermost local axis becomes the launch's x dimension (consecutive threads, coalesced memory)
+      self.shift_to(axis, amount, insert_before=self.global_dims)
+      self.local_dims += 1
+    else:
+      if self.upcast_lanes() * amount > MAX_UPCAST_LANES: raise KernelOptError("too many registers")
+      self.shift_to(axis, amount)
+      self.upcasted += 1
     self.applied_opts.append(opt)
     self._drop_finished_axis(axis)
 
+  def local_threads(self) -> int:
+    return prod(self.full_shape[self.global_dims:self.first_reduce])
+
   def _drop_finished_axis(self, axis: int) -> None:
-    """An axis split entirely into an upcast leaves a size-1 axis behind: remove it."""
+    """An axis split entirely into an upcast or local leaves a size-1 axis behind: remove it."""
     if self.full_shape[axis] == 1:
+      if axis < self.global_dims + self.local_dims and axis >= self.global_dims: self.local_dims -= 1
       keep = [a for a in range(self.shape_len) if a != axis]
       self.reshape_and_permute(lambda shape: [shape[a] for a in keep], None)
 
@@ -186,8 +205,23 @@ class Kernel:
     return prod(self.full_shape[self.first_upcast:])
 
   def hand_coded_optimizations(self) -> None:
-    """A good default for CPUs: register-tile matmul-like reduces (upcast the output axes that some input
-    broadcasts, so each loaded value is reused from registers) and unroll the reduce a little."""
+    """A good default: register-tile matmul-like reduces (upcast the output axes that some input broadcasts,
+    so each loaded value is reused from registers) and unroll the reduce a little; on GPUs, then group the
+    innermost output axes into thread blocks."""
+    self._register_tiling()
+    if self.renderer.has_threads: self._pick_thread_blocks()
+
+  def _pick_thread_blocks(self) -> None:
+    """Give each block up to `threads_per_block` threads from the innermost global axes (the ones whose
+    neighbouring elements are adjacent in memory, so a block's loads coalesce)."""
+    budget = 128
+    for axis in reversed(range(self.global_dims)):
+      for amount in (32, 16, 8, 4, 2):
+        if self.local_threads() * amount <= budget and self.full_shape[axis] % amount == 0:
+          if self._try(Opt(OptOps.LOCAL, axis, amount)): break
+      if self.local_threads() >= budget: break
+
+  def _register_tiling(self) -> None:
     if self.reduceop is None:
       # elementwise: unroll 4 neighbouring outputs so the C compiler sees straight-line vectorizable code
       last = self.first_reduce - 1

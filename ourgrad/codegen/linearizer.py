@@ -74,9 +74,14 @@ class Linearizer:
     shape = kernel.full_shape
     axis_idxs: list[Node] = []
     global_loops = []
-    for axis in range(kernel.first_reduce):
-      axis_idxs.append(Variable(f"gidx{axis}", 0, shape[axis] - 1))
-      global_loops.append(self._open_loop(f"gidx{axis}", shape[axis]))
+    if kernel.renderer.has_threads:
+      renderer = kernel.renderer
+      axis_idxs += self._thread_indices(shape[:kernel.global_dims], "gidx", renderer.global_max)
+      axis_idxs += self._thread_indices(shape[kernel.global_dims:kernel.first_reduce], "lidx", renderer.local_max)
+    else:
+      for axis in range(kernel.first_reduce):
+        axis_idxs.append(Variable(f"gidx{axis}", 0, shape[axis] - 1))
+        global_loops.append(self._open_loop(f"gidx{axis}", shape[axis]))
     for axis in range(kernel.first_reduce, kernel.first_upcast):
       axis_idxs.append(Variable(f"ridx{axis}", 0, shape[axis] - 1))
 
@@ -107,6 +112,30 @@ class Linearizer:
       build.add(UOps.STORE, None, srcs)
     for loop in reversed(global_loops): build.end_range(loop)
     return build.uops
+
+  def _thread_indices(self, sizes: Sequence[int], prefix: str, limits: Sequence[int]) -> list[Node]:
+    """Index nodes for axes that become GPU block or thread indices. Up to three axes map to the launch's
+    dimensions, the innermost axis on x; otherwise (more axes, or a size over a dimension's limit) all
+    axes share one x index and are recovered with div/mod."""
+    if not sizes: return []
+    innermost_first = list(reversed(sizes))
+    if len(sizes) <= len(limits) and all(size <= limit for size, limit in zip(innermost_first, limits)):
+      nodes: list[Node] = []
+      for axis, size in enumerate(sizes):
+        name = f"{prefix}{axis}"
+        self.loop_vars[name] = self.builder.add(UOps.SPECIAL, INDEX_DTYPE, (), (name, size, len(sizes) - 1 - axis))
+        nodes.append(Variable(name, 0, size - 1))
+      return nodes
+    total = 1
+    for size in sizes: total *= size
+    name = f"{prefix}0"
+    self.loop_vars[name] = self.builder.add(UOps.SPECIAL, INDEX_DTYPE, (), (name, total, 0))
+    flat = Variable(name, 0, total - 1)
+    nodes, inner = [], 1
+    for size in reversed(sizes):
+      nodes.append((flat // inner) % size)
+      inner *= size
+    return list(reversed(nodes))
 
   def _open_loop(self, name: str, size: int) -> UOp:
     loop = self.builder.add(UOps.RANGE, INDEX_DTYPE, (self._int(0), self._int(size)), name)
@@ -156,7 +185,8 @@ class Linearizer:
 
   def _load(self, node: LazyOp, idxs: list[Node]) -> UOp:
     index, valid = self._index(self.leaf_index[id(node)], idxs)
-    if valid is not None and valid.op is UOps.CONST and not valid.arg: return self.builder.const(_zero(node.dtype), node.dtype)
+    if valid is not None and valid.op is UOps.CONST and not valid.arg:
+      return self.builder.const(_zero(node.dtype), node.dtype)
     srcs = (self.buffers[node.arg.idx], index) + ((valid,) if valid is not None else ())
     return self.builder.add(UOps.LOAD, node.dtype, srcs)
 

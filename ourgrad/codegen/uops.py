@@ -17,7 +17,7 @@ from ourgrad.ops import Ops, exec_alu
 
 class UOps(Enum):
   DEFINE_GLOBAL = auto()   # a kernel argument (buffer pointer); arg = (index, is_output)
-  SPECIAL = auto()         # a GPU thread/block index; arg = (name, size)
+  SPECIAL = auto()         # a GPU block ("gidx") or thread ("lidx") index; arg = (name, size, launch dimension)
   RANGE = auto()           # opens a loop; srcs = (start, end) consts; arg = loop variable name
   ENDRANGE = auto()        # closes the loop opened by srcs[0]
   CONST = auto()           # a literal

@@ -63,15 +63,25 @@ def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
   library = Device[device].compiler.compile_cached(source)
   program = Device[device].program(name, library)
   op_count, byte_count = estimate_cost(kernel, uops)
-  global_size = tuple(kernel.full_shape[:kernel.global_dims])
-  local_size = tuple(kernel.full_shape[kernel.global_dims:kernel.first_reduce])
+  global_size, local_size = launch_dims(uops)
   return CompiledRunner(name, kernel.colored_shape(), source, program, global_size, local_size, op_count, byte_count)
+
+
+def launch_dims(uops: list[UOp]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(blocks, threads per block) along x, y, z from a kernel's SPECIAL uops; CPU kernels launch once."""
+  blocks, threads = [1, 1, 1], [1, 1, 1]
+  for uop in uops:
+    if uop.op is UOps.SPECIAL:
+      name, size, dimension = uop.arg
+      (blocks if name.startswith("gidx") else threads)[dimension] = size
+  return tuple(blocks), tuple(threads)
 
 
 def estimate_cost(kernel: Kernel, uops: list[UOp]) -> tuple[int, int]:
   """(arithmetic ops, bytes moved) of one launch: ALUs weighted by the loops around them; each buffer's
   bytes counted once over the elements its view can touch."""
-  op_count, multiplier, multipliers = 0, 1, []
+  blocks, threads = launch_dims(uops)
+  op_count, multiplier, multipliers = 0, prod(blocks) * prod(threads), []
   for uop in uops:
     if uop.op is UOps.RANGE:
       multipliers.append(multiplier)

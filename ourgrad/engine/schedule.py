@@ -10,6 +10,7 @@ holding a kernel AST (`STORE(...)`) or a copy, in an order where every item runs
 """
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
@@ -44,29 +45,64 @@ class _RefuseFusion(Exception):
 
 
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
-  """The kernels and copies that compute every base in `outs`, dependencies first."""
+  """The kernels and copies that compute every base in `outs`, each after the items it depends on."""
   bases = walk_bases(outs)
   if not bases: return []
-  order = {id(base): index for index, base in enumerate(bases)}
   realizes = _choose_realizes(bases, outs)
   items: dict[int, ScheduleItem] = {}
+  reads: dict[int, list[LazyBuffer]] = {}   # base id -> the realized bases its item loads
   pending = [base for base in bases if id(base) in realizes]
   for base in pending: _give_buffer(base)
   while pending:
     base = pending.pop()
     if id(base) in items: continue
     try:
-      items[id(base)] = _schedule_base(base, realizes)
+      items[id(base)], reads[id(base)] = _schedule_base(base, realizes)
     except _RefuseFusion as refused:
       # the kernel needs `refused.base` as an input buffer: realize it too, then build this kernel again
       realizes.add(id(refused.base))
       _give_buffer(refused.base)
       pending.extend([base, refused.base])
-  schedule = [items[id(base)] for base in sorted((b for b in bases if id(b) in items), key=lambda b: order[id(b)])]
+  ordered = _order_items([base for base in bases if id(base) in items], reads)
+  schedule = [items[id(base)] for base in ordered]
   for base in bases:  # the graph behind a realized base is no longer needed: let it be freed
     if id(base) in items: base.srcs = ()
   if DEBUG >= 3: print(f"scheduled {len(schedule)} items for {len(bases)} lazy bases")
   return schedule
+
+
+def _order_items(scheduled: list[LazyBuffer], reads: dict[int, list[LazyBuffer]]) -> list[LazyBuffer]:
+  """A run order: every item after the items whose results it reads, and every assign after the items that
+  still read the old contents of the buffer it overwrites. `scheduled` is in graph order, kept where free."""
+  position = {id(base): index for index, base in enumerate(scheduled)}
+  assign_writers: dict[int, list[int]] = defaultdict(list)   # id(Buffer) -> ids of assigns overwriting it
+  for base in scheduled:
+    if base.op is Ops.ASSIGN: assign_writers[id(base.realized)].append(id(base))
+  must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
+  for base in scheduled:
+    for loaded in reads[id(base)]:
+      if id(loaded) in position and loaded is not base: must_precede[id(base)].add(id(loaded))
+      for writer in assign_writers.get(id(loaded.realized), []):
+        # `loaded` is the buffer's value before that assign (the assign base itself is a different base)
+        if writer != id(loaded) and writer != id(base): must_precede[writer].add(id(base))
+  # Kahn's algorithm, always taking the earliest ready item in graph order
+  waiting_on = {item: len(before) for item, before in must_precede.items()}
+  followers: dict[int, list[int]] = defaultdict(list)
+  for item, before in must_precede.items():
+    for earlier in before: followers[earlier].append(item)
+  ready = [position[item] for item, count in waiting_on.items() if count == 0]
+  heapq.heapify(ready)
+  ordered: list[LazyBuffer] = []
+  while ready:
+    base = scheduled[heapq.heappop(ready)]
+    ordered.append(base)
+    for follower in followers[id(base)]:
+      waiting_on[follower] -= 1
+      if waiting_on[follower] == 0: heapq.heappush(ready, position[follower])
+  if len(ordered) != len(scheduled):
+    raise RuntimeError("this graph reads a buffer both before and after an assign to it in one kernel; "
+                       "realize the old value (e.g. .contiguous().realize()) before assigning")
+  return ordered
 
 
 def _give_buffer(base: LazyBuffer) -> None:
@@ -106,12 +142,13 @@ def _has_unsafe_pad_op(base: LazyBuffer) -> bool:
   return False
 
 
-def _schedule_base(base: LazyBuffer, realizes: set[int]) -> ScheduleItem:
-  """The ScheduleItem computing one realized base."""
+def _schedule_base(base: LazyBuffer, realizes: set[int]) -> tuple[ScheduleItem, list[LazyBuffer]]:
+  """The ScheduleItem computing one realized base, and the realized bases it reads."""
   assert base.realized is not None
   if base.op is Ops.COPY:
-    source = base.srcs[0].base.realized
-    return ScheduleItem(LazyOp(Ops.COPY, (), base.realized.nbytes, base.dtype), (base.realized,), (source,))
+    source = base.srcs[0].base
+    item = ScheduleItem(LazyOp(Ops.COPY, (), base.realized.nbytes, base.dtype), (base.realized,), (source.realized,))
+    return item, [source]
   builder = _KernelBuilder(base, realizes)
   if base.op in (Ops.CONTIGUOUS, Ops.ASSIGN):
     value = builder.build(base.srcs[0].base, base.srcs[0].st)
@@ -121,7 +158,7 @@ def _schedule_base(base: LazyBuffer, realizes: set[int]) -> ScheduleItem:
   value = builder.reshape_post_reduce(value)
   if base.op is Ops.ASSIGN: builder.check_assign_hazard(value, base.srcs[0].base)
   store = LazyOp(Ops.STORE, (value,), MemBuffer(0, base.dtype, out_st), base.dtype)
-  return ScheduleItem(store, (base.realized,), tuple(builder.inputs))
+  return ScheduleItem(store, (base.realized,), tuple(builder.inputs)), builder.loaded_bases
 
 
 class _KernelBuilder:
@@ -130,6 +167,7 @@ class _KernelBuilder:
   def __init__(self, root: LazyBuffer, realizes: set[int]):
     self.root, self.realizes = root, realizes
     self.inputs: list[Buffer] = []
+    self.loaded_bases: list[LazyBuffer] = []
     self.reduce: LazyOp | None = None
     self.reduce_shape: tuple[int, ...] | None = None   # the reduce's output shape, if the kernel has a reduce
     self.cache: dict[tuple[int, ShapeTracker], LazyOp] = {}
@@ -157,6 +195,7 @@ class _KernelBuilder:
   def _build_uncached(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
     st = st.simplify()
     if base.realized is not None and base is not self.root:
+      self.loaded_bases.append(base)
       return LazyOp(Ops.LOAD, (), MemBuffer(self.buffer_index(base.realized), base.dtype, st), base.dtype)
     if base.op is Ops.CONST:
       return LazyOp(Ops.CONST, (), ConstBuffer(base.arg, base.dtype, st), base.dtype)

@@ -9,6 +9,9 @@ class Renderer:
   device: str = ""
   has_threads: bool = False       # GPU-style thread indices (SPECIAL) instead of loops for global axes
   has_local: bool = False         # workgroup/shared memory
-  max_upcast_lanes: int = 256
+  max_threads: int = 1            # threads per block (workgroup)
+  # per launch dimension (x, y, z): how many blocks and threads a launch may have
+  global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)
+  local_max: tuple[int, ...] = (1024, 1024, 64)
 
   def render(self, name: str, uops: list[UOp]) -> str: raise NotImplementedError

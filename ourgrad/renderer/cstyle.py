@@ -235,3 +235,85 @@ static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16
       result = f"((union {{ {from_type} from; {to_type} to; }}){{ .from = {value} }}).to"
       return f"bf16_to_float({result})" if to_dtype == dtypes.bfloat16 else result
     return super().render_bitcast(value, from_dtype, to_dtype)
+
+
+class OpenCLRenderer(CStyleLanguage):
+  """OpenCL C: one work-group per block, get_group_id/get_local_id as thread indices, overloaded math builtins.
+
+  Kernel arguments cannot be `bool*`, so bool buffers travel as uchar. Half-precision values live in float
+  registers: float16 buffers are read and written with the core vload_half/vstore_half_rte (no cl_khr_fp16
+  needed), bfloat16 travels as ushort as on the CPU."""
+  device = "OPENCL"
+  has_threads = True
+  max_threads = 256
+  kernel_prefix = "__kernel "
+  buffer_prefix = "__global "
+  buffer_suffix = " restrict"
+  preamble = ""
+  type_names = {"bool": "bool", "int8": "char", "uint8": "uchar", "int16": "short", "uint16": "ushort",
+                "int32": "int", "uint32": "uint", "int64": "long", "uint64": "ulong", "float16": "float",
+                "bfloat16": "float", "float32": "float", "float64": "double"}
+
+  def render_dtype(self, dtype: DType) -> str: return self.type_names[dtype.name]
+
+  def memory_type(self, dtype: DType) -> str:
+    """How a buffer of `dtype` is declared (what a kernel argument may point to)."""
+    return {"bool": "uchar", "bfloat16": "ushort", "float16": "half"}.get(dtype.name, self.render_dtype(dtype))
+
+  def math_call(self, name: str, dtype: DType, arg: str) -> str: return f"{name}({arg})"
+
+  def render_const(self, value: float | int | bool, dtype: DType) -> str:
+    if dtype == dtypes.float16: return super().render_const(value, dtypes.float32)
+    if dtype == dtypes.int64:
+      return f"((long){int(value)}l)" if value != -2**63 else "((long)(-9223372036854775807l-1))"
+    if dtype == dtypes.uint64: return f"((ulong){int(value)}ul)"
+    return super().render_const(value, dtype)
+
+  def render_param(self, uop: UOp, name: str) -> str:
+    const = "" if uop.arg[1] else "const "
+    return f"{self.buffer_prefix}{const}{self.memory_type(uop.dtype)}*{self.buffer_suffix} {name}"
+
+  def render_load(self, buffer: str, index: str, valid: str | None, dtype: DType) -> str:
+    loaded = f"{buffer}[{index}]"
+    if dtype == dtypes.bool: loaded = f"({loaded} != 0)"
+    if dtype == dtypes.float16: loaded = f"vload_half({index}, {buffer})"
+    if dtype == dtypes.bfloat16: loaded = f"as_float(((uint){loaded}) << 16)"
+    return loaded if valid is None else f"(({valid}) ? {loaded} : {self.render_const(0, dtype)})"
+
+  def render_store(self, buffer: str, index: str, value: str, dtype: DType) -> str:
+    if dtype == dtypes.bool: return f"{buffer}[{index}] = (uchar)({value});"
+    if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
+    if dtype == dtypes.float16: return f"vstore_half_rte({value}, {index}, {buffer});"
+    return f"{buffer}[{index}] = {value};"
+
+  def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    if to_dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
+    if to_dtype == dtypes.float16: return f"half_round((float)({value}))"
+    return super().render_cast(value, from_dtype, to_dtype)
+
+  def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    if {from_dtype, to_dtype} & {dtypes.bfloat16, dtypes.float16, dtypes.bool}:
+      raise NotImplementedError(f"bitcast between {from_dtype} and {to_dtype} on OpenCL")
+    return f"as_{self.render_dtype(to_dtype)}({value})"
+
+  def render_special(self, arg: tuple) -> str:
+    name, _, dimension = arg
+    return f"get_group_id({dimension})" if name.startswith("gidx") else f"get_local_id({dimension})"
+
+  def render_kernel(self, name: str, params: list[str], body: list[str]) -> str:
+    source = super().render_kernel(name, params, body)
+    extensions = []
+    if "half_round" in source:
+      extensions.append("float half_round(float value) {\n"
+                        "  ushort bits; vstore_half_rte(value, 0, (__private half*)&bits);\n"
+                        "  return vload_half(0, (__private const half*)&bits); }\n")
+    if "double" in source: extensions.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n")
+    if "bf16" in source:
+      extensions.append("float bf16_round(float value);\n"
+                        "ushort float_to_bf16(float value) {\n"
+                        "  uint bits = as_uint(value);\n"
+                        "  if ((bits & 0x7fffffffu) > 0x7f800000u) return (ushort)((bits >> 16) | 0x40u);\n"
+                        "  bits += 0x7fffu + ((bits >> 16) & 1u);\n"
+                        "  return (ushort)(bits >> 16); }\n"
+                        "float bf16_round(float value) { return as_float(((uint)float_to_bf16(value)) << 16); }\n")
+    return "".join(extensions) + source

@@ -1,0 +1,253 @@
+"""Optimizers: SGD (momentum, Nesterov, weight decay), Adam, AdamW and LAMB.
+
+Every optimizer updates its parameters *in place* and *in one schedule*: `step()` builds the new value of
+every parameter and every piece of state (momentum buffers, first/second moments, the step count) lazily
+with `Tensor.assign`, then realizes all of them with a single `Tensor.realize_all` call. The scheduler fuses
+each update into one kernel per written buffer, and the writes land in the buffers the tensors already own.
+`schedule_step()` returns those tensors unrealized, to realize other tensors (the loss) in the same schedule.
+
+Hyper-parameters that change during training live in device buffers, not in the kernels: the learning rate
+is `lr_tensor` (a realized one-element Tensor; `opt.lr = 0.01` writes into it) and Adam's step count `t` is
+a Tensor too. So the kernels of step n + 1 are the same as those of step n, and changing the learning rate
+(a schedule, a warm-up) never compiles a new kernel.
+
+The formulas are PyTorch's (`torch.optim.SGD` with dampening=0, `torch.optim.Adam`, `torch.optim.AdamW`);
+LAMB follows the paper (You et al., 2019, "Large Batch Optimization for Deep Learning") as tinygrad does.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ourgrad.dtype import dtypes
+from ourgrad.errors import AutogradError
+from ourgrad.ops import Ops
+from ourgrad.tensor import Tensor, no_grad
+
+
+def _state_like(param: Tensor) -> Tensor:
+  """A realized buffer of zeros shaped like `param` (a real buffer, not a constant, so it can be assigned to)."""
+  return Tensor(np.zeros(param.shape, dtype=np.float32), device=param.device, dtype=dtypes.float32)
+
+
+def _scalar_buffer(value: float, device: str) -> Tensor:
+  """A realized 0-d float32 Tensor holding `value` (kernels read it from memory: changing it recompiles nothing)."""
+  return Tensor(np.array(value, dtype=np.float32), device=device, dtype=dtypes.float32)
+
+
+def _is_assignable(tensor: Tensor) -> bool:
+  """Whether `tensor` owns a realized buffer that `assign` writes into in place."""
+  lazy = tensor.lazydata
+  return lazy.is_base and lazy.realized is not None and lazy.op is not Ops.CONST
+
+
+class Optimizer:
+  """Base class: holds the parameters and the learning rate; subclasses implement `_updates()`.
+
+  `params` must be a non-empty list of Tensors created with `requires_grad=True` (duplicates are dropped).
+  The learning rate is stored in `lr_tensor`, a realized 0-d Tensor read by the update kernels; the `lr`
+  property reads it and its setter writes a new value into the same buffer, which takes effect on the next
+  `step()` without compiling anything."""
+
+  def __init__(self, params: list[Tensor], lr: float):
+    params = list(params) if not isinstance(params, Tensor) else [params]
+    if not params:
+      raise AutogradError("optimizer got an empty parameter list: pass the model's weight tensors "
+                          "(created with requires_grad=True)")
+    unique: list[Tensor] = []
+    seen: set[int] = set()
+    for index, param in enumerate(params):
+      if not isinstance(param, Tensor):
+        raise TypeError(f"optimizer got a {type(param).__name__} at position {index}, expected a Tensor")
+      if not param.requires_grad:
+        raise AutogradError(f"optimizer got a tensor without requires_grad=True: parameter {index} {param!r}; "
+                            f"create it with requires_grad=True (or set param.requires_grad = True)")
+      if id(param) not in seen: unique.append(param); seen.add(id(param))
+    self.params: list[Tensor] = unique
+    self.device: str = self.params[0].device
+    for param in self.params:
+      # updates are written in place: every parameter needs its own realized buffer, not a constant or a view
+      if not _is_assignable(param):
+        param.lazydata = Tensor(param.detach().numpy(), device=param.device, dtype=param.dtype).lazydata
+    self.lr_tensor: Tensor = _scalar_buffer(lr, self.device)
+
+  # ---------------------------------------------------------------- learning rate
+
+  @property
+  def lr(self) -> float:
+    """The current learning rate (read from `lr_tensor`)."""
+    return float(self.lr_tensor.item())
+
+  @lr.setter
+  def lr(self, value: float) -> None:
+    # write into the existing buffer (no kernel, no recompile): the update kernels load lr from memory
+    if not _is_assignable(self.lr_tensor): self.lr_tensor.realize()
+    self.lr_tensor.lazydata.base.realized.copyin(memoryview(np.array([value], dtype=np.float32)).cast("B"))
+
+  # ---------------------------------------------------------------- stepping
+
+  def zero_grad(self) -> None:
+    """Forget the gradients (set every parameter's `.grad` to None), as `zero_grad(set_to_none=True)` does."""
+    for param in self.params: param.grad = None
+
+  def step(self) -> None:
+    """Update every parameter from its `.grad` (parameters without a gradient are skipped), in one schedule."""
+    Tensor.realize_all(*self.schedule_step())
+
+  def schedule_step(self) -> list[Tensor]:
+    """Build this step's updates lazily (assigns) and return the tensors to realize, without realizing them.
+
+    `step()` is `Tensor.realize_all(*opt.schedule_step())`. Realize a tensor that reads the old parameters, such
+    as the loss, in the same schedule: `Tensor.realize_all(loss, *opt.schedule_step())`.
+    (Realized later, a lazy loss would read the already updated parameters.)"""
+    with no_grad():
+      active = [(param, param.grad.detach()) for param in self.params if param.grad is not None]
+      if not active: return []
+      for param, grad in active:
+        if grad.shape != param.shape:
+          raise AutogradError(f"gradient of shape {grad.shape} does not match its parameter's shape {param.shape}")
+      updated = self._updates(active)
+    # the scheduler runs every kernel reading a parameter's old value (the gradients) before the assign to it
+    return updated
+
+  def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    """Assign the new values of the parameters in `active` (param, detached grad) and of the optimizer state;
+    return every tensor assigned to."""
+    raise NotImplementedError
+
+
+class SGD(Optimizer):
+  """Stochastic gradient descent, as `torch.optim.SGD` with dampening=0:
+
+    g = grad + weight_decay * p
+    if momentum: b = momentum * b + g            (b starts at 0, so b = g on the first step)
+                 g = g + momentum * b if nesterov else b
+    p = p - lr * g
+  """
+
+  def __init__(self, params: list[Tensor], lr: float = 0.001, momentum: float = 0.0, weight_decay: float = 0.0,
+               nesterov: bool = False):
+    if nesterov and momentum <= 0: raise ValueError("nesterov momentum needs momentum > 0")
+    super().__init__(params, lr)
+    self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
+    self.buffers: list[Tensor] = [_state_like(param) for param in self.params] if momentum else []
+
+  def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    updated: list[Tensor] = []
+    buffer_of = {id(param): buffer for param, buffer in zip(self.params, self.buffers)}
+    for param, grad in active:
+      weights = param.detach()
+      g = grad + self.weight_decay * weights if self.weight_decay else grad
+      if self.momentum:
+        buffer = buffer_of[id(param)]
+        buffer.assign(self.momentum * buffer + g)
+        g = g + self.momentum * buffer if self.nesterov else buffer
+        updated.append(buffer)
+      updated.append(param.assign(weights - self.lr_tensor * g))
+    return updated
+
+
+class _AdamBase(Optimizer):
+  """Shared state of Adam-like optimizers: the moments m and v, and the step count t (a Tensor)."""
+
+  def __init__(self, params: list[Tensor], lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+    super().__init__(params, lr)
+    self.b1, self.b2 = betas
+    self.eps, self.weight_decay = eps, weight_decay
+    if not 0.0 <= self.b1 < 1.0 or not 0.0 <= self.b2 < 1.0:
+      raise ValueError(f"betas must be in [0, 1), got {betas}")
+    self.m: list[Tensor] = [_state_like(param) for param in self.params]
+    self.v: list[Tensor] = [_state_like(param) for param in self.params]
+    self.t: Tensor = _scalar_buffer(0.0, self.device)  # steps taken (a buffer, so every step runs the same kernels)
+
+  def _bias_corrections(self) -> tuple[Tensor, Tensor]:
+    """(1 - b1**t, 1 - b2**t) for the step count t after this step's increment, as lazy 0-d Tensors."""
+    def one_minus_power(beta: float) -> Tensor:
+      if beta == 0.0: return Tensor.ones_like(self.t)
+      return 1.0 - (self.t * math.log(beta)).exp()  # beta**t with t read from memory
+    return one_minus_power(self.b1), one_minus_power(self.b2)
+
+  def _moments(self, index: int, g: Tensor) -> tuple[Tensor, Tensor]:
+    """m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g, assigned; returns (m, v)."""
+    m, v = self.m[index], self.v[index]
+    m.assign(self.b1 * m + (1.0 - self.b1) * g)
+    v.assign(self.b2 * v + (1.0 - self.b2) * (g * g))
+    return m, v
+
+
+class Adam(_AdamBase):
+  """Adam, as `torch.optim.Adam` (weight decay is an L2 term added to the gradient):
+
+    g = grad + weight_decay * p
+    m = b1 * m + (1 - b1) * g;   v = b2 * v + (1 - b2) * g^2;   t = t + 1
+    p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+  """
+
+  def __init__(self, params: list[Tensor], lr: float = 0.001, betas: tuple[float, float] = (0.9, 0.999),
+               eps: float = 1e-8, weight_decay: float = 0.0):
+    super().__init__(params, lr, betas, eps, weight_decay)
+
+  def _decay(self, weights: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """(decayed weights, gradient) before the Adam update: L2 adds weight_decay * p to the gradient."""
+    return weights, (g + self.weight_decay * weights if self.weight_decay else g)
+
+  def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    index_of = {id(param): index for index, param in enumerate(self.params)}
+    self.t.assign(self.t + 1.0)
+    correction1, correction2 = self._bias_corrections()
+    step_size = self.lr_tensor / correction1
+    sqrt_correction2 = correction2.sqrt()
+    updated: list[Tensor] = [self.t]
+    for param, grad in active:
+      weights, g = self._decay(param.detach(), grad)
+      m, v = self._moments(index_of[id(param)], g)
+      denominator = v.sqrt() / sqrt_correction2 + self.eps
+      updated += [m, v, param.assign(weights - step_size * m / denominator)]
+    return updated
+
+
+class AdamW(Adam):
+  """AdamW, as `torch.optim.AdamW` (decoupled weight decay): first p = p * (1 - lr * weight_decay), then the
+  Adam update above with the plain gradient."""
+
+  def __init__(self, params: list[Tensor], lr: float = 0.001, betas: tuple[float, float] = (0.9, 0.999),
+               eps: float = 1e-8, weight_decay: float = 0.01):
+    super().__init__(params, lr, betas, eps, weight_decay)
+
+  def _decay(self, weights: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    return (weights * (1.0 - self.lr_tensor * self.weight_decay) if self.weight_decay else weights), g
+
+
+class LAMB(_AdamBase):
+  """LAMB (layer-wise adaptive moments), as in the paper and tinygrad:
+
+    m = b1 * m + (1 - b1) * grad;   v = b2 * v + (1 - b2) * grad^2;   t = t + 1
+    u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * p
+    r = ||p|| / ||u|| if both norms are > 0 else 1      (r = 1 when adam=True)
+    p = p - lr * r * u
+  """
+
+  def __init__(self, params: list[Tensor], lr: float = 0.001, betas: tuple[float, float] = (0.9, 0.999),
+               eps: float = 1e-6, weight_decay: float = 0.0, adam: bool = False):
+    super().__init__(params, lr, betas, eps, weight_decay)
+    self.adam = adam
+
+  def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    index_of = {id(param): index for index, param in enumerate(self.params)}
+    self.t.assign(self.t + 1.0)
+    correction1, correction2 = self._bias_corrections()
+    updated: list[Tensor] = [self.t]
+    for param, grad in active:
+      weights = param.detach()
+      m, v = self._moments(index_of[id(param)], grad)
+      update = (m / correction1) / ((v / correction2).sqrt() + self.eps)
+      if self.weight_decay: update = update + self.weight_decay * weights
+      if self.adam:
+        param.assign(weights - self.lr_tensor * update)
+      else:
+        weight_norm, update_norm = weights.square().sum().sqrt(), update.square().sum().sqrt()
+        trust_ratio = ((weight_norm > 0) & (update_norm > 0)).where(weight_norm / update_norm, 1.0)
+        param.assign(weights - self.lr_tensor * trust_ratio * update)
+      updated += [m, v, param]
+    return updated

@@ -1,0 +1,97 @@
+"""The OPENCL device (alias GPU): OpenCL C built and launched with pyopencl.
+
+`pip install 'ourgrad[opencl]'` brings pyopencl with PoCL, an OpenCL implementation on the CPU, so this
+device works on any machine. On NVIDIA machines the driver's OpenCL library is used when registered
+(OCL_ICD_VENDORS pointing at a folder with an .icd file naming libnvidia-opencl.so).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ourgrad.device import Compiled, Compiler, LRUAllocator
+from ourgrad.errors import CompileError, DeviceError
+from ourgrad.renderer.cstyle import OpenCLRenderer
+
+try:
+  import pyopencl as cl
+except ImportError as error:  # the registry turns this into a DeviceError saying what to install
+  raise ModuleNotFoundError(str(error), name="pyopencl") from error
+
+
+def _pick_device() -> Any:
+  """A GPU if there is one, else the first device (PoCL's CPU device)."""
+  devices = [device for platform in cl.get_platforms() for device in platform.get_devices()]
+  if not devices: raise DeviceError("no OpenCL device found: install pocl (pip install 'pyopencl[pocl]') or a driver")
+  gpus = [device for device in devices if device.type & cl.device_type.GPU]
+  return (gpus or devices)[0]
+
+
+class OpenCLAllocator(LRUAllocator):
+  def __init__(self, context: Any, queue: Any):
+    super().__init__()
+    self.context, self.queue = context, queue
+
+  def _alloc(self, nbytes: int) -> Any:
+    try:
+      return cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes)
+    except cl.MemoryError as error:
+      raise MemoryError(str(error)) from error
+
+  def _free(self, handle: Any, nbytes: int) -> None: handle.release()
+
+  def copyin(self, dest: Any, src: memoryview) -> None:
+    cl.enqueue_copy(self.queue, dest, np.frombuffer(src, dtype=np.uint8), is_blocking=True)
+
+  def copyout(self, dest: memoryview, src: Any) -> None:
+    cl.enqueue_copy(self.queue, np.frombuffer(dest, dtype=np.uint8), src, is_blocking=True)
+
+
+class OpenCLCompiler(Compiler):
+  def __init__(self, context: Any, device: Any):
+    self.context = context
+    self.cache_key = f"opencl {device.platform.name} {device.name} {device.driver_version}"
+
+  def compile(self, source: str) -> bytes:
+    program = cl.Program(self.context, source)
+    try:
+      program.build()
+    except cl.RuntimeError as error:
+      raise CompileError(f"OpenCL build failed for this kernel:\n{source}\n--- build log ---\n{error}") from None
+    return program.get_info(cl.program_info.BINARIES)[0]
+
+
+class OpenCLProgram:
+  def __init__(self, device: "OpenCLDevice", name: str, binary: bytes):
+    self.device, self.name = device, name
+    self.program = cl.Program(device.context, [device.cl_device], [binary]).build()
+    self.kernel = getattr(self.program, name)
+
+  def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),
+               wait: bool = False) -> float | None:
+    # OpenCL counts work-items, not blocks: the global size is blocks * threads in each dimension
+    work_items = tuple(blocks * threads for blocks, threads in zip(global_size, local_size))
+    start = time.perf_counter()
+    event = self.kernel(self.device.queue, work_items, tuple(local_size), *buffers)
+    if not wait: return None
+    event.wait()
+    return time.perf_counter() - start
+
+
+class OpenCLDevice(Compiled):
+  def __init__(self, name: str):
+    self.cl_device = _pick_device()
+    self.context = cl.Context([self.cl_device])
+    self.queue = cl.CommandQueue(self.context, self.cl_device)
+    renderer = OpenCLRenderer()
+    renderer.max_threads = min(renderer.max_threads, self.cl_device.max_work_group_size)
+    super().__init__(name, OpenCLAllocator(self.context, self.queue), renderer,
+                     OpenCLCompiler(self.context, self.cl_device), lambda kernel_name, binary: OpenCLProgram(
+                       self, kernel_name, binary))
+
+  def synchronize(self) -> None: self.queue.finish()
+
+
+def create_device(name: str) -> Compiled: return OpenCLDevice(name)

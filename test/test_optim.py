@@ -1,0 +1,314 @@
+"""Tests of ourgrad.nn.optim: every optimizer step by step against torch.optim (LAMB against numpy), the
+learning rate as a buffer (changing it matches torch and compiles nothing), one schedule per step with the
+parameters updated in place, and the constructor's errors."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+import ourgrad.engine.realize as engine_realize
+import ourgrad.engine.schedule as engine_schedule
+from ourgrad.errors import AutogradError
+from ourgrad.helpers import GlobalCounters
+from ourgrad.nn.optim import LAMB, SGD, Adam, AdamW, Optimizer
+from ourgrad.tensor import Tensor
+
+STEPS = 10
+IN, HIDDEN, OUT, BATCH = 5, 7, 3, 6
+
+
+def _initial_weights(seed: int = 0) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return {"w1": (rng.standard_normal((IN, HIDDEN)) * 0.5).astype(np.float32),
+          "b1": (rng.standard_normal((HIDDEN,)) * 0.1).astype(np.float32),
+          "w2": (rng.standard_normal((HIDDEN, OUT)) * 0.5).astype(np.float32)}
+
+
+def _batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+  """Inputs and one-hot targets of step `step` (a new batch every step)."""
+  rng = np.random.default_rng(100 + step)
+  x = rng.standard_normal((BATCH, IN)).astype(np.float32)
+  labels = rng.integers(0, OUT, BATCH)
+  return x, np.eye(OUT, dtype=np.float32)[labels]
+
+
+def _loss(w1: Any, b1: Any, w2: Any, x: Any, target: Any) -> Any:
+  """A tanh MLP with a cross-entropy loss plus a small quadratic term, written the same way for both libraries."""
+  hidden = (x @ w1 + b1).tanh()
+  logits = hidden @ w2
+  log_probs = logits.log_softmax(-1) if isinstance(logits, Tensor) else torch.log_softmax(logits, -1)
+  return -(log_probs * target).sum(-1).mean() + 0.01 * (hidden * hidden).mean()
+
+
+class _Pair:
+  """The same model in ourgrad and in torch, with optimizers built by `make_ours` / `make_torch`."""
+
+  def __init__(self, make_ours: Callable[[list[Tensor]], Optimizer],
+               make_torch: Callable[[list[torch.Tensor]], torch.optim.Optimizer]):
+    weights = _initial_weights()
+    self.ours = [Tensor(value, requires_grad=True) for value in weights.values()]
+    self.theirs = [torch.tensor(value, requires_grad=True) for value in weights.values()]
+    self.opt, self.torch_opt = make_ours(self.ours), make_torch(self.theirs)
+
+  def step(self, step: int) -> None:
+    x, target = _batch(step)
+    self.opt.zero_grad()
+    _loss(*self.ours, Tensor(x), Tensor(target)).backward()
+    self.opt.step()
+    self.torch_opt.zero_grad()
+    _loss(*self.theirs, torch.tensor(x), torch.tensor(target)).backward()
+    self.torch_opt.step()
+
+  def check(self, step: int) -> None:
+    for index, (ours, theirs) in enumerate(zip(self.ours, self.theirs)):
+      np.testing.assert_allclose(ours.numpy(), theirs.detach().numpy(), rtol=1e-5, atol=1e-5,
+                                 err_msg=f"parameter {index} after step {step}")
+
+
+TORCH_CASES: dict[str, tuple[Callable[[list[Tensor]], Optimizer], Callable[[list[torch.Tensor]], Any]]] = {
+  "sgd": (lambda p: SGD(p, lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+  "sgd_momentum": (lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+  "sgd_nesterov": (lambda p: SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+                   lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True)),
+  "sgd_weight_decay": (lambda p: SGD(p, lr=0.1, weight_decay=0.05),
+                       lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.05)),
+  "sgd_all": (lambda p: SGD(p, lr=0.05, momentum=0.8, weight_decay=0.1, nesterov=True),
+              lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, weight_decay=0.1, nesterov=True)),
+  "adam": (lambda p: Adam(p, lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01)),
+  "adam_betas_eps": (lambda p: Adam(p, lr=0.02, betas=(0.8, 0.99), eps=1e-6),
+                     lambda p: torch.optim.Adam(p, lr=0.02, betas=(0.8, 0.99), eps=1e-6)),
+  "adam_weight_decay": (lambda p: Adam(p, lr=0.01, weight_decay=0.1),
+                        lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1)),
+  "adamw": (lambda p: AdamW(p, lr=0.01), lambda p: torch.optim.AdamW(p, lr=0.01)),
+  "adamw_weight_decay": (lambda p: AdamW(p, lr=0.01, betas=(0.85, 0.995), weight_decay=0.3),
+                         lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.85, 0.995), weight_decay=0.3)),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCH_CASES))
+def test_matches_torch_every_step(case: str) -> None:
+  pair = _Pair(*TORCH_CASES[case])
+  for step in range(STEPS):
+    pair.step(step)
+    pair.check(step)
+
+
+@pytest.mark.parametrize("case", ["sgd_nesterov", "adam", "adamw_weight_decay"])
+def test_changing_lr_matches_torch(case: str) -> None:
+  pair = _Pair(*TORCH_CASES[case])
+  for step, lr in enumerate([0.01, 0.01, 0.05, 0.002, 0.02, 0.02]):
+    pair.opt.lr = lr
+    for group in pair.torch_opt.param_groups: group["lr"] = lr
+    assert pair.opt.lr == pytest.approx(lr)
+    pair.step(step)
+    pair.check(step)
+
+
+@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: Adam(p), lambda p: AdamW(p),
+                                  lambda p: LAMB(p, weight_decay=0.01)], ids=["sgd", "adam", "adamw", "lamb"])
+def test_changing_lr_compiles_nothing(make: Callable[[list[Tensor]], Optimizer]) -> None:
+  params = [Tensor(value, requires_grad=True) for value in _initial_weights().values()]
+  opt = make(params)
+  x, target = Tensor(_batch(0)[0]), Tensor(_batch(0)[1])
+
+  def step() -> None:
+    opt.zero_grad()
+    _loss(*params, x, target).backward()
+    opt.step()
+
+  step()  # compiles the step's kernels
+  compiled = len(engine_realize._runner_cache)
+  for lr in (0.5, 0.0123):
+    opt.lr = lr  # writes into lr_tensor's buffer: no kernel, nothing to compile
+    step()
+    assert len(engine_realize._runner_cache) == compiled, f"a step after setting lr={lr} compiled new kernels"
+  assert opt.lr == pytest.approx(0.0123)
+
+
+@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1), lambda p: SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+                                  lambda p: Adam(p, weight_decay=0.01), lambda p: AdamW(p), lambda p: LAMB(p)],
+                         ids=["sgd", "sgd_nesterov", "adam", "adamw", "lamb"])
+def test_one_schedule_per_step_in_place(make: Callable[[list[Tensor]], Optimizer],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+  params = [Tensor(value, requires_grad=True) for value in _initial_weights().values()]
+  opt = make(params)
+  buffers = [param.lazydata.base.realized for param in params]
+  schedules: list[int] = []
+  original = engine_schedule.create_schedule
+
+  def counting_create_schedule(*args: Any, **kwargs: Any) -> Any:
+    schedule = original(*args, **kwargs)
+    schedules.append(len(schedule))
+    return schedule
+
+  monkeypatch.setattr(engine_schedule, "create_schedule", counting_create_schedule)
+  kernels_per_step: list[int] = []
+  for step in range(4):
+    x, target = _batch(step)
+    opt.zero_grad()
+    _loss(*params, Tensor(x), Tensor(target)).backward()  # lazy: forward and backward run inside step()
+    schedules.clear()
+    before = GlobalCounters.kernel_count
+    opt.step()
+    kernels_per_step.append(GlobalCounters.kernel_count - before)
+    assert len(schedules) == 1, f"step {step} realized {len(schedules)} schedules, expected one"
+    for index, (param, buffer) in enumerate(zip(params, buffers)):
+      assert param.lazydata.base.realized is buffer, f"parameter {index} got a new buffer in step {step}"
+  assert len(set(kernels_per_step)) == 1, f"kernels per step changed: {kernels_per_step}"
+
+
+def test_state_buffers_updated_in_place() -> None:
+  params = [Tensor(value, requires_grad=True) for value in _initial_weights().values()]
+  opt = Adam(params)
+  state = [*opt.m, *opt.v, opt.t, opt.lr_tensor]
+  buffers = [tensor.lazydata.base.realized for tensor in state]
+  for step in range(3):
+    x, target = _batch(step)
+    opt.zero_grad()
+    _loss(*params, Tensor(x), Tensor(target)).backward()
+    opt.step()
+    opt.lr = 0.001 * (step + 2)
+  assert all(tensor.lazydata.base.realized is buffer for tensor, buffer in zip(state, buffers))
+  assert opt.t.item() == 3
+
+
+# ---------------------------------------------------------------- LAMB against numpy
+
+def _lamb_reference(params: list[np.ndarray], grads_per_step: list[list[np.ndarray]], lr: float,
+                    betas: tuple[float, float], eps: float, weight_decay: float, adam: bool) -> list[list[np.ndarray]]:
+  """LAMB in float64 numpy (the paper's update, tinygrad's semantics); the parameters after every step."""
+  b1, b2 = betas
+  params = [p.astype(np.float64) for p in params]
+  m = [np.zeros_like(p) for p in params]
+  v = [np.zeros_like(p) for p in params]
+  history = []
+  for t, grads in enumerate(grads_per_step, start=1):
+    for i, g in enumerate(grads):
+      m[i] = b1 * m[i] + (1 - b1) * g
+      v[i] = b2 * v[i] + (1 - b2) * g * g
+      update = (m[i] / (1 - b1 ** t)) / (np.sqrt(v[i] / (1 - b2 ** t)) + eps) + weight_decay * params[i]
+      ratio = 1.0
+      if not adam:
+        weight_norm, update_norm = np.linalg.norm(params[i]), np.linalg.norm(update)
+        ratio = weight_norm / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
+      params[i] = params[i] - lr * ratio * update
+    history.append([p.copy() for p in params])
+  return history
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"weight_decay": 0.1}, {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-4},
+                                    {"adam": True}, {"adam": True, "weight_decay": 0.05}],
+                         ids=["default", "weight_decay", "hyper", "adam", "adam_weight_decay"])
+def test_lamb_matches_numpy(kwargs: dict[str, Any]) -> None:
+  rng = np.random.default_rng(3)
+  initial = [rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal((6,)).astype(np.float32),
+             np.zeros((3, 2), dtype=np.float32)]  # a zero parameter: ||w|| = 0 gives a trust ratio of 1
+  grads = [[rng.standard_normal(p.shape).astype(np.float32) for p in initial] for _ in range(STEPS)]
+  grads[2][1][:] = 0.0  # a zero gradient at step 3 (m, v still move the update)
+  settings = {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "adam": False, **kwargs}
+  expected = _lamb_reference(initial, grads, **settings)
+  params = [Tensor(p, requires_grad=True) for p in initial]
+  opt = LAMB(params, **kwargs)
+  for step in range(STEPS):
+    for param, grad in zip(params, grads[step]): param.grad = Tensor(grad)
+    opt.step()
+    for index, (param, reference) in enumerate(zip(params, expected[step])):
+      np.testing.assert_allclose(param.numpy(), reference, rtol=1e-5, atol=1e-6,
+                                 err_msg=f"LAMB parameter {index} after step {step}")
+
+
+def test_lamb_trust_ratio_is_one_for_zero_update() -> None:
+  # zero gradients from the start: m = v = 0, the update is 0 and the trust ratio falls back to 1 (no NaN)
+  param = Tensor(np.ones((2, 3), dtype=np.float32), requires_grad=True)
+  opt = LAMB([param], lr=0.1)
+  param.grad = Tensor(np.zeros((2, 3), dtype=np.float32))
+  opt.step()
+  np.testing.assert_array_equal(param.numpy(), np.ones((2, 3), dtype=np.float32))
+
+
+# ---------------------------------------------------------------- API
+
+def test_zero_grad_and_skipped_params() -> None:
+  used, unused = Tensor([1.0, 2.0], requires_grad=True), Tensor([3.0], requires_grad=True)
+  opt = SGD([used, unused], lr=0.5, momentum=0.9)
+  (used * used).sum().backward()
+  assert unused.grad is None
+  opt.step()  # a parameter without a gradient is left alone, as in torch
+  np.testing.assert_allclose(used.numpy(), [0.0, 0.0])
+  np.testing.assert_allclose(unused.numpy(), [3.0])
+  opt.zero_grad()
+  assert used.grad is None and unused.grad is None
+  opt.step()  # nothing to do
+  np.testing.assert_allclose(used.numpy(), [0.0, 0.0])
+
+
+def test_lr_property_reads_the_tensor() -> None:
+  opt = Adam([Tensor([1.0], requires_grad=True)], lr=0.003)
+  assert opt.lr == pytest.approx(0.003)
+  assert opt.lr_tensor.numel() == 1
+  opt.lr = 0.25
+  assert opt.lr_tensor.item() == pytest.approx(0.25)
+
+
+def test_step_builds_no_autograd_graph() -> None:
+  param = Tensor([1.0, -2.0], requires_grad=True)
+  opt = Adam([param], lr=0.1)
+  (param * param).sum().backward()
+  opt.step()
+  assert param._ctx is None and param.requires_grad
+  assert all(tensor._ctx is None for tensor in (*opt.m, *opt.v, opt.t))
+
+
+def test_unrealized_parameter_is_given_a_buffer() -> None:
+  param = Tensor.zeros(3, requires_grad=True)  # a constant, not a buffer: the optimizer realizes it once
+  opt = SGD([param], lr=1.0)
+  buffer = param.lazydata.base.realized
+  assert buffer is not None
+  (param - Tensor([1.0, 2.0, 3.0])).square().sum().backward()
+  opt.step()
+  np.testing.assert_allclose(param.numpy(), [2.0, 4.0, 6.0])
+  assert param.lazydata.base.realized is buffer
+
+
+def test_schedule_step_realizes_loss_with_the_update(monkeypatch: pytest.MonkeyPatch) -> None:
+  weights = _initial_weights()
+  params = [Tensor(value, requires_grad=True) for value in weights.values()]
+  opt = SGD(params, lr=0.5, momentum=0.9)
+  x, target = _batch(0)
+  loss = _loss(*params, Tensor(x), Tensor(target))
+  loss.backward()
+  schedules: list[int] = []
+  original = engine_schedule.create_schedule
+  monkeypatch.setattr(engine_schedule, "create_schedule", lambda outs: schedules.append(1) or original(outs))
+  Tensor.realize_all(loss, *opt.schedule_step())
+  assert len(schedules) == 1
+  expected = _loss(*[torch.tensor(value) for value in weights.values()], torch.tensor(x), torch.tensor(target))
+  assert loss.item() == pytest.approx(expected.item(), rel=1e-6)  # the loss of the weights before the step
+  assert not np.allclose(params[0].numpy(), weights["w1"])
+
+
+def test_read_before_assign_in_one_schedule() -> None:
+  """The scheduler runs a kernel reading a buffer's old value before the assign that overwrites it."""
+  a = Tensor(np.array([1.0, 2.0], dtype=np.float32))
+  b = a * 2  # reads a's current values
+  a.assign(a + 1)
+  Tensor.realize_all(a, b)  # `a` first in the outputs, yet b must still read the old values
+  np.testing.assert_allclose(a.numpy(), [2.0, 3.0])
+  np.testing.assert_allclose(b.numpy(), [2.0, 4.0])
+
+
+@pytest.mark.parametrize("make", [SGD, Adam, AdamW, LAMB])
+def test_param_without_requires_grad_raises(make: type[Optimizer]) -> None:
+  with pytest.raises(AutogradError, match="without requires_grad=True"):
+    make([Tensor([1.0], requires_grad=True), Tensor([2.0])])
+  with pytest.raises(AutogradError, match="without requires_grad=True"):
+    make([Tensor([2.0], requires_grad=False)])
+
+
+@pytest.mark.parametrize("make", [SGD, Adam, AdamW, LAMB])
+def test_empty_params_raises(make: type[Optimizer]) -> None:
+  with pytest.raises(AutogradError, match="empty parameter list"):
+    make([])
