@@ -73,8 +73,10 @@ class CStyleLanguage(Renderer):
     if op is Ops.MAX:
       if dtype.is_float: return f"((({a})!=({a}) || ({a})>({b})) ? ({a}) : ({b}))"  # NaN wins, as in PyTorch
       return f"((({a})>({b})) ? ({a}) : ({b}))"
-    if op is Ops.IDIV: return f"(({b}) == 0 ? 0 : ({a})/({b}))"  # integer x/0 would trap; PyTorch checks it apart
-    if op is Ops.MOD: return f"(({b}) == 0 ? 0 : ({a})%({b}))"
+    if op in (Ops.IDIV, Ops.MOD):
+      symbol = "/" if op is Ops.IDIV else "%"
+      if b.lstrip("-").isdigit() and int(b) != 0: return f"({a}{symbol}{b})"
+      return f"(({b}) == 0 ? 0 : ({a}){symbol}({b}))"  # integer x/0 would trap the process
     if op is Ops.WHERE: return f"({a} ? {b} : {operands[2]})"
     symbols = {Ops.ADD: "+", Ops.MUL: "*", Ops.CMPLT: "<", Ops.CMPNE: "!=", Ops.AND: "&", Ops.OR: "|",
                Ops.XOR: "^", Ops.SHL: "<<", Ops.SHR: ">>"}
@@ -83,7 +85,7 @@ class CStyleLanguage(Renderer):
       return f"({a}{symbols[op]}{b})"
     raise NotImplementedError(f"{type(self).__name__} cannot render {op}")
 
-  def render_kernel(self, name: str, params: list[str], body: list[str]) -> str:
+  def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     return f"{self.preamble}{self.kernel_prefix}void {name}({', '.join(params)}) {{\n" + "\n".join(body) + "\n}\n"
 
   def render_param(self, uop: UOp, name: str) -> str:
@@ -131,7 +133,7 @@ class CStyleLanguage(Renderer):
         emit("}")
       elif uop.op is UOps.SPECIAL:
         names[id(uop)] = uop.arg[0]
-        emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};")
+        emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};  /* 0..{uop.arg[1] - 1} */")
       elif uop.op is UOps.LOAD:
         valid = ref(uop.srcs[2]) if len(uop.srcs) > 2 else None
         define(uop, "val", self.render_load(ref(uop.srcs[0]), ref(uop.srcs[1]), valid, uop.dtype))
@@ -150,7 +152,7 @@ class CStyleLanguage(Renderer):
         else: define(uop, "alu" if uop.op is UOps.ALU else "cast", expression)
       else:
         raise NotImplementedError(f"{type(self).__name__} cannot render {uop.op}")
-    return self.render_kernel(name, params, body)
+    return self.render_kernel(name, params, body, uops)
 
   def _expression(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
     operands = [ref(src) for src in uop.srcs]
@@ -204,8 +206,8 @@ static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16
   def render_dtype(self, dtype: DType) -> str:
     return "float" if dtype == dtypes.bfloat16 else dtype.c_name
 
-  def render_kernel(self, name: str, params: list[str], body: list[str]) -> str:
-    source = super().render_kernel(name, params, body)
+  def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
+    source = super().render_kernel(name, params, body, uops)
     if "bf16_" not in source: return source
     return source.replace(self.preamble, self.preamble + self.bfloat16_helpers, 1)
 
@@ -300,8 +302,8 @@ class OpenCLRenderer(CStyleLanguage):
     name, _, dimension = arg
     return f"get_group_id({dimension})" if name.startswith("gidx") else f"get_local_id({dimension})"
 
-  def render_kernel(self, name: str, params: list[str], body: list[str]) -> str:
-    source = super().render_kernel(name, params, body)
+  def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
+    source = super().render_kernel(name, params, body, uops)
     extensions = []
     if "half_round" in source:
       extensions.append("float half_round(float value) {\n"
@@ -317,3 +319,83 @@ class OpenCLRenderer(CStyleLanguage):
                         "  return (ushort)(bits >> 16); }\n"
                         "float bf16_round(float value) { return as_float(((uint)float_to_bf16(value)) << 16); }\n")
     return "".join(extensions) + source
+
+
+class CUDARenderer(CStyleLanguage):
+  """CUDA C++ compiled by NVRTC: one thread block per block of local axes, blockIdx/threadIdx as thread indices.
+
+  NVRTC compiles without the toolkit's headers, so the kernel needs none: float16 and bfloat16 values live
+  in float registers and are converted with one PTX instruction (half) or a bit shift (bfloat16) at loads
+  and stores, and infinities are spelled through their bit patterns."""
+  device = "CUDA"
+  has_threads = True
+  max_threads = 1024
+  buffer_suffix = " __restrict__"
+  preamble = ""
+  storage_names = {"float16": "unsigned short", "bfloat16": "unsigned short"}
+
+  def render_dtype(self, dtype: DType) -> str:
+    return "float" if dtype in (dtypes.float16, dtypes.bfloat16) else dtype.c_name
+
+  def render_param(self, uop: UOp, name: str) -> str:
+    const = "" if uop.arg[1] else "const "
+    return f"{const}{self.storage_names.get(uop.dtype.name, uop.dtype.c_name)}*{self.buffer_suffix} {name}"
+
+  def render_const(self, value: float | int | bool, dtype: DType) -> str:
+    if dtype.is_float and not math.isfinite(value):
+      if dtype == dtypes.float64:
+        bits = {math.inf: "0x7ff0000000000000ll", -math.inf: "0xfff0000000000000ll"}.get(value, "0x7ff8000000000000ll")
+        return f"__longlong_as_double({bits})"
+      bits = {math.inf: "0x7f800000", -math.inf: "0xff800000"}.get(value, "0x7fc00000")
+      return f"__int_as_float({bits})"
+    if dtype in (dtypes.float16, dtypes.bfloat16): return super().render_const(value, dtypes.float32)
+    return super().render_const(value, dtype)
+
+  def render_load(self, buffer: str, index: str, valid: str | None, dtype: DType) -> str:
+    loaded = f"{buffer}[{index}]"
+    if dtype == dtypes.float16: loaded = f"half_to_float({loaded})"
+    if dtype == dtypes.bfloat16: loaded = f"__uint_as_float(((unsigned int){loaded}) << 16)"
+    return loaded if valid is None else f"(({valid}) ? {loaded} : {self.render_const(0, dtype)})"
+
+  def render_store(self, buffer: str, index: str, value: str, dtype: DType) -> str:
+    if dtype == dtypes.float16: return f"{buffer}[{index}] = float_to_half({value});"
+    if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
+    return f"{buffer}[{index}] = {value};"
+
+  def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    if to_dtype == dtypes.float16: return f"half_to_float(float_to_half((float)({value})))"
+    if to_dtype == dtypes.bfloat16: return f"__uint_as_float(((unsigned int)float_to_bf16((float)({value}))) << 16)"
+    return super().render_cast(value, from_dtype, to_dtype)
+
+  def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    if {from_dtype, to_dtype} & {dtypes.bfloat16, dtypes.float16, dtypes.bool}:
+      raise NotImplementedError(f"bitcast between {from_dtype} and {to_dtype} on CUDA")
+    return f"bitcast<{to_dtype.c_name}, {from_dtype.c_name}>({value})"
+
+  def render_special(self, arg: tuple) -> str:
+    name, _, dimension = arg
+    return f"{'blockIdx' if name.startswith('gidx') else 'threadIdx'}.{'xyz'[dimension]}"
+
+  def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
+    threads = 1
+    for uop in uops:
+      if uop.op is UOps.SPECIAL and uop.arg[0].startswith("lidx"): threads *= uop.arg[1]
+    helpers = []
+    if "half_to_float" in "".join(body) or "float_to_half" in "".join(body):
+      helpers.append('__device__ __forceinline__ float half_to_float(unsigned short h) {\n'
+                     '  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }\n'
+                     '__device__ __forceinline__ unsigned short float_to_half(float f) {\n'
+                     '  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }\n')
+    if "float_to_bf16" in "".join(body):
+      helpers.append('__device__ __forceinline__ unsigned short float_to_bf16(float value) {\n'
+                     '  unsigned int bits = __float_as_uint(value);\n'
+                     '  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);\n'
+                     '  bits += 0x7fffu + ((bits >> 16) & 1u);\n'
+                     '  return (unsigned short)(bits >> 16); }\n')
+    if "bitcast<" in "".join(body):
+      helpers.append("template <class To, class From> __device__ __forceinline__ To bitcast(From value) {\n"
+                     "  union { From from; To to; } u; u.from = value; return u.to; }\n")
+    launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""
+    signature = f'extern "C" __global__ void {launch_bounds}{name}({", ".join(params)}) {{\n'
+    return "".join(helpers) + signature + "\n".join(body) + "\n}\n"
+

@@ -1,0 +1,146 @@
+"""The CUDA device: CUDA C++ -> CUBIN with NVRTC, launched through the driver API (cuda-python's bindings).
+
+Kernels are compiled for the GPU's own architecture (sm_XX from its compute capability) straight to CUBIN, so
+the driver loads machine code and never has to JIT PTX from a newer NVRTC. Memory comes from plain cuMemAlloc;
+launches are asynchronous on one stream, and the host waits only when it needs data (copyout) or a timing.
+Host<->device copies go through a pinned staging buffer. Every driver call is checked: an error names the call.
+`pip install 'ourgrad[cuda]'` brings cuda-python and NVRTC; a driver must be installed.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from ourgrad.device import Compiled, Compiler, LRUAllocator
+from ourgrad.errors import CompileError, DeviceError
+from ourgrad.renderer.cstyle import CUDARenderer
+
+try:
+  from cuda.bindings import driver, nvrtc
+except ImportError as error:  # the registry turns this into a DeviceError saying what to install
+  raise ModuleNotFoundError(str(error), name="cuda.bindings") from error
+
+
+def check(result: tuple, call: str) -> Any:
+  """Unpack a cuda-python result tuple, raising DeviceError naming the call if it failed."""
+  status, *values = result
+  if isinstance(status, driver.CUresult) and status != driver.CUresult.CUDA_SUCCESS:
+    _, name = driver.cuGetErrorName(status)
+    _, text = driver.cuGetErrorString(status)
+    raise DeviceError(f"{call} failed: {name.decode() if name else status} ({text.decode() if text else ''})")
+  if isinstance(status, nvrtc.nvrtcResult) and status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+    raise DeviceError(f"{call} failed: {nvrtc.nvrtcGetErrorString(status)[1].decode()}")
+  if not values: return None
+  return values[0] if len(values) == 1 else tuple(values)
+
+
+class CUDAAllocator(LRUAllocator):
+  """Device memory with cuMemAlloc; copies through a pinned host buffer that grows as needed."""
+
+  def __init__(self, device: CUDADevice):
+    super().__init__()
+    self.device = device
+    self.staging, self.staging_size = None, 0
+
+  def _alloc(self, nbytes: int) -> Any:
+    self.device.make_current()
+    status, pointer = driver.cuMemAlloc(nbytes)
+    if status == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY: raise MemoryError(f"cuMemAlloc of {nbytes} bytes")
+    check((status,), "cuMemAlloc")
+    return pointer
+
+  def _free(self, handle: Any, nbytes: int) -> None: check(driver.cuMemFree(handle), "cuMemFree")
+
+  def _staging(self, nbytes: int) -> int:
+    if nbytes > self.staging_size:
+      if self.staging is not None: check(driver.cuMemFreeHost(self.staging), "cuMemFreeHost")
+      self.staging_size = max(nbytes, 1 << 20)
+      self.staging = check(driver.cuMemHostAlloc(self.staging_size, 0), "cuMemHostAlloc")
+    return self.staging
+
+  def copyin(self, dest: Any, src: memoryview) -> None:
+    staging = self._staging(src.nbytes)
+    self.device.synchronize()  # the staging buffer may still feed an earlier copy
+    ctypes.memmove(staging, (ctypes.c_char * src.nbytes).from_buffer_copy(src) if src.readonly else
+                   (ctypes.c_char * src.nbytes).from_buffer(src), src.nbytes)
+    check(driver.cuMemcpyHtoDAsync(dest, staging, src.nbytes, self.device.stream), "cuMemcpyHtoDAsync")
+
+  def copyout(self, dest: memoryview, src: Any) -> None:
+    staging = self._staging(dest.nbytes)
+    check(driver.cuMemcpyDtoHAsync(staging, src, dest.nbytes, self.device.stream), "cuMemcpyDtoHAsync")
+    self.device.synchronize()
+    ctypes.memmove((ctypes.c_char * dest.nbytes).from_buffer(dest), staging, dest.nbytes)
+
+
+class CUDACompiler(Compiler):
+  def __init__(self, arch: str):
+    self.arch = arch
+    version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    self.cache_key = f"cuda {arch} nvrtc {version}"
+
+  def compile(self, source: str) -> bytes:
+    program = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
+    options = [f"--gpu-architecture={self.arch}".encode(), b"-default-device", b"--std=c++17"]
+    status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
+    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+      log_size = check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+      log = b" " * log_size
+      check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
+      compiler_log = log.decode(errors="replace")
+      raise CompileError(f"NVRTC failed on this kernel:\n{source}\n--- compiler log ---\n{compiler_log}")
+    size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+    cubin = b" " * size
+    check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+    check(nvrtc.nvrtcDestroyProgram(program), "nvrtcDestroyProgram")
+    return cubin
+
+
+class CUDAProgram:
+  """A loaded kernel. Launches are asynchronous; `wait=True` times the launch with CUDA events."""
+
+  def __init__(self, device: CUDADevice, name: str, cubin: bytes):
+    self.device, self.name = device, name
+    device.make_current()
+    self.module = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+    self.function = check(driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+
+  def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),
+               wait: bool = False) -> float | None:
+    pointers = [ctypes.c_uint64(int(buffer)) for buffer in buffers]
+    params = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(pointer) for pointer in pointers])
+    stream = self.device.stream
+    if wait: check(driver.cuEventRecord(self.device.start_event, stream), "cuEventRecord")
+    check(driver.cuLaunchKernel(self.function, *global_size, *local_size, 0, stream, ctypes.addressof(params), 0),
+          f"cuLaunchKernel({self.name})")
+    if not wait: return None
+    check(driver.cuEventRecord(self.device.end_event, stream), "cuEventRecord")
+    check(driver.cuEventSynchronize(self.device.end_event), "cuEventSynchronize")
+    milliseconds = check(driver.cuEventElapsedTime(self.device.start_event, self.device.end_event),
+                         "cuEventElapsedTime")
+    return milliseconds / 1e3
+
+
+class CUDADevice(Compiled):
+  def __init__(self, name: str):
+    check(driver.cuInit(0), "cuInit")
+    ordinal = int(name.split(":")[1]) if ":" in name else 0
+    self.cu_device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
+    self.context = check(driver.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
+    self.make_current()
+    major = check(driver.cuDeviceGetAttribute(
+      driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device), "cuDeviceGetAttribute")
+    minor = check(driver.cuDeviceGetAttribute(
+      driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device), "cuDeviceGetAttribute")
+    self.arch = f"sm_{major}{minor}"
+    self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
+    self.start_event = check(driver.cuEventCreate(0), "cuEventCreate")
+    self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
+    super().__init__(name, CUDAAllocator(self), CUDARenderer(), CUDACompiler(self.arch),
+                     lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
+
+  def make_current(self) -> None: check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+  def synchronize(self) -> None: check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+
+def create_device(name: str) -> Compiled: return CUDADevice(name)
