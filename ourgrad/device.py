@@ -177,7 +177,10 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
   try:
-    with os.fdopen(fd, "wb") as tmp_file: tmp_file.write(data)
+    with os.fdopen(fd, "wb") as tmp_file:
+      tmp_file.write(data)
+      tmp_file.flush()
+      os.fsync(tmp_file.fileno())  # the bytes reach the disk before the rename makes them the file
     os.replace(tmp_name, path)
   except BaseException:
     if os.path.exists(tmp_name): os.unlink(tmp_name)

@@ -56,7 +56,7 @@ class LazyBuffer:
     """Copy host data into a new device buffer (bfloat16 arrives as its uint16 bit pattern)."""
     data = np.ascontiguousarray(array)
     buffer = Buffer(device, data.size, dtype)
-    buffer.copyin(memoryview(data).cast("B"))
+    if data.size: buffer.copyin(memoryview(data.reshape(-1)).cast("B"))
     return LazyBuffer.from_buffer(buffer, tuple(array.shape))
 
   @staticmethod

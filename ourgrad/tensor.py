@@ -44,9 +44,9 @@ def _bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
   """A LazyBuffer holding `data` (Python scalar, nested list, or numpy array)."""
-  if isinstance(data, (bool, int, float, np.generic)) and not isinstance(data, np.ndarray):
-    value = data.item() if isinstance(data, np.generic) else data
-    return LazyBuffer.full(value, (), dtype or dtypes.from_py(value), device)
+  if isinstance(data, np.generic): data = np.asarray(data)  # a numpy scalar keeps its dtype, as in PyTorch
+  if isinstance(data, (bool, int, float)):
+    return LazyBuffer.full(data, (), dtype or dtypes.from_py(data), device)
   if isinstance(data, (list, tuple)):
     dtype = dtype or dtypes.from_py(data)
     try:
