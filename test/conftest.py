@@ -1,0 +1,34 @@
+"""Test-session hooks.
+
+CHECK_CUDA_RENDER=1: every kernel the tests compile (on whatever device they run) is also optimized for CUDA,
+rendered as CUDA C++ and compiled with NVRTC for sm_90. NVRTC needs no GPU, so CI catches CUDA rendering bugs on a
+machine without one. A kernel NVRTC rejects fails the test that generated it, with the source and compiler log.
+"""
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _check_cuda_rendering():
+  if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):
+    yield
+    return
+  from ourgrad.codegen.kernel import Kernel
+  from ourgrad.codegen.linearizer import linearize
+  from ourgrad.engine import realize
+  from ourgrad.renderer.cstyle import CUDARenderer
+  from ourgrad.runtime.ops_cuda import CUDACompiler
+
+  renderer, compiler = CUDARenderer(), CUDACompiler("sm_90")
+  compile_for_device = realize.compile_kernel
+
+  def compile_and_check_cuda(kernel, device):
+    cuda_kernel = Kernel(kernel.ast, renderer)
+    cuda_kernel.hand_coded_optimizations()
+    compiler.compile_cached(renderer.render(cuda_kernel.name, linearize(cuda_kernel)))
+    return compile_for_device(kernel, device)
+
+  realize.compile_kernel = compile_and_check_cuda
+  yield
+  realize.compile_kernel = compile_for_device
