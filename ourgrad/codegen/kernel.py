@@ -216,14 +216,16 @@ class Kernel:
     neighbouring elements are adjacent in memory, so a block's loads coalesce)."""
     budget = 128
     for axis in reversed(range(self.global_dims)):
-      for amount in (32, 16, 8, 4, 2):
+      for amount in (128, 64, 32, 16, 8, 4, 2):
         if self.local_threads() * amount <= budget and self.full_shape[axis] % amount == 0:
           if self._try(Opt(OptOps.LOCAL, axis, amount)): break
       if self.local_threads() >= budget: break
 
   def _register_tiling(self) -> None:
     if self.reduceop is None:
-      # elementwise: unroll 4 neighbouring outputs so the C compiler sees straight-line vectorizable code
+      # elementwise: unroll 4 neighbouring outputs so the C compiler sees straight-line vectorizable code. Not on
+      # GPUs: there neighbouring threads must touch neighbouring addresses for loads to coalesce.
+      if self.renderer.has_threads: return
       last = self.first_reduce - 1
       if last >= 0 and self.full_shape[last] % 4 == 0 and self.full_shape[last] >= 16:
         self._try(Opt(OptOps.UPCAST, last, 4))
