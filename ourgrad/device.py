@@ -208,7 +208,12 @@ class _DeviceRegistry:
 
   @staticmethod
   def canonicalize(name: str) -> str:
-    base = name.split(":")[0].upper()
+    """The registry's name of a device: upper case, aliases resolved, an argument after ":" dropped, except for
+    DISK, whose argument is its file: "disk:weights.bin" -> "DISK:/abs/path/weights.bin"."""
+    base, _, argument = name.partition(":")
+    base = base.upper()
+    # the path is made absolute so that two spellings of one file are one device (one mapping)
+    if base == "DISK" and argument: return f"DISK:{os.path.abspath(os.path.expanduser(argument))}"
     return DEVICE_ALIASES.get(base, base)
 
   def __getitem__(self, name: str) -> Compiled:
@@ -218,7 +223,7 @@ class _DeviceRegistry:
 
   def _open(self, name: str) -> Compiled:
     try:
-      module = importlib.import_module(f"ourgrad.runtime.ops_{name.lower()}")
+      module = importlib.import_module(f"ourgrad.runtime.ops_{name.partition(':')[0].lower()}")
     except ModuleNotFoundError as error:
       if error.name and error.name.startswith("ourgrad.runtime"):
         raise DeviceError(f"unknown device {name!r}; available: {', '.join(self.available_names())}") from None

@@ -19,6 +19,8 @@ from ourgrad.errors import DeviceError, DTypeError
 from ourgrad.helpers import prod
 from ourgrad.ops import BINARY_OPS, Ops, REDUCE_OPS, exec_alu
 from ourgrad.shape.shapetracker import ShapeTracker
+from ourgrad.shape.symbolic import NumNode, Variable
+from ourgrad.shape.view import View, strides_for_shape
 
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
@@ -178,7 +180,8 @@ class LazyBuffer:
 
   def contiguous(self) -> LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""
-    if self.is_base or (self.st.contiguous and self.shape == self.base.shape):
+    # a base, or a plain reshape of one, already is row-major data: realize the base, no copy
+    if self.is_base or (self.st.contiguous and self.size == self.base.size):
       self.base.forced_realize = True
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
@@ -188,8 +191,56 @@ class LazyBuffer:
     if device == self.device: return self
     value = self.const_value()
     if value is not None: return LazyBuffer.full(value, self.shape, self.dtype, device)
+    if self.device.startswith("DISK:"): return self._copy_from_disk(device)
     source = self.contiguous()
     return LazyBuffer.create_base(device, self.shape, self.dtype, Ops.COPY, None, (source,))
+
+  # ---------------------------------------------------------------- copies out of DISK (memory-mapped files)
+
+  def base_range(self) -> tuple[int, int] | None:
+    """(first element, element count) of the base's memory that this buffer reads in row-major order, when that is
+    one contiguous run (the base itself, a reshape, a shrink of the leading axis, ...); None otherwise."""
+    if self.is_base: return 0, self.size
+    st = self.st.simplify()
+    view = st.views[-1]
+    if len(st.views) != 1 or view.mask is not None: return None
+    if self.size == 0: return 0, 0
+    return (view.offset, self.size) if view.strides == strides_for_shape(view.shape) else None
+
+  def _copy_from_disk(self, device: str) -> LazyBuffer:
+    """This DISK buffer (a window of a file) or view of one, copied to `device`. DISK runs no kernels, so a view is
+    never made contiguous on DISK: a view that is one contiguous run of the base (`base_range`) is copied as that
+    byte range of the file (the scheduler cuts the source buffer to it), and any other view (permute, flip, steps,
+    pad, expand) copies the smallest run of the file that covers every element it reads, then applies the view on
+    `device`. Computing on DISK first (`disk + 1`, a cast) raises DeviceError here."""
+    base = self.base
+    if base.realized is None and base.op is not Ops.COPY:
+      raise DeviceError(f"DISK tensors can only be copied to another device: use .to({device!r}) before computing "
+                        f"with them (got {base.op.name if base.op else 'an op'} on {self.device})")
+    span = self.base_range()
+    if span is not None:
+      source = base if span == (0, base.size) else self
+      return LazyBuffer.create_base(device, self.shape, self.dtype, Ops.COPY, None, (source,))
+    low, high = self._covered_range()
+    if low >= high: return LazyBuffer.full(0, self.shape, self.dtype, device)  # no valid element: all padding
+    covering = base if (low, high) == (0, base.size) else base.reshape((base.size,)).shrink(((low, high),))
+    chunk = LazyBuffer.create_base(device, (high - low,), self.dtype, Ops.COPY, None, (covering,))
+    # views[0] indexes the base from its element 0; the chunk holds the base from element `low` on
+    first = self.st.views[0]
+    shifted = View.create(first.shape, first.strides, first.offset - low, first.mask)
+    return chunk.view(ShapeTracker((shifted,) + self.st.views[1:]))
+
+  def _covered_range(self) -> tuple[int, int]:
+    """[low, high): base elements that the valid elements of this view can read (a superset where the index math
+    is not exact); an empty range when no element is valid."""
+    last = self.st.views[-1]
+    if self.size == 0 or last.never_valid: return 0, 0
+    ranges = last.mask if last.mask is not None else tuple((0, size) for size in self.shape)
+    idxs = [Variable(f"idx{dim}", start, end - 1) if end - start > 1 else NumNode(start)
+            for dim, (start, end) in enumerate(ranges)]
+    index, valid = self.st.expr_idxs(idxs)
+    if isinstance(valid, NumNode) and valid.b == 0: return 0, 0
+    return max(index.min, 0), min(index.max + 1, self.base.size)
 
   def assign(self, value: LazyBuffer) -> LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""

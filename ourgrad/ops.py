@@ -96,14 +96,37 @@ class ConstBuffer:
   st: ShapeTracker
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LazyOp:
   """One node of a kernel AST. `arg` is a MemBuffer/ConstBuffer for leaves, the reduced axes for reduces,
-  the target dtype for CAST/BITCAST."""
+  the target dtype for CAST/BITCAST.
+
+  ASTs key the compiled-kernel cache, and fused chains can be thousands of nodes deep, so hashing and equality
+  never recurse: the hash is computed once at construction from the sources' (already computed) hashes, and
+  equality walks both trees with an explicit stack."""
   op: Ops
   srcs: tuple[LazyOp, ...] = ()
   arg: Any = None
   dtype: DType = dtypes.float32
+
+  def __post_init__(self) -> None:
+    structure = (self.op, tuple(src._hash for src in self.srcs), _hashable_arg(self.arg), self.dtype)
+    object.__setattr__(self, "_hash", hash(structure))
+
+  def __hash__(self) -> int: return self._hash  # type: ignore[attr-defined]
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, LazyOp): return NotImplemented
+    pairs = [(self, other)]
+    compared: set[tuple[int, int]] = set()
+    while pairs:
+      left, right = pairs.pop()
+      if left is right or (id(left), id(right)) in compared: continue
+      compared.add((id(left), id(right)))
+      if left._hash != right._hash or left.op is not right.op or left.dtype != right.dtype: return False
+      if len(left.srcs) != len(right.srcs) or _hashable_arg(left.arg) != _hashable_arg(right.arg): return False
+      pairs.extend(zip(left.srcs, right.srcs))
+    return True
 
   def walk(self) -> list[LazyOp]:
     """Every node once, children before parents (explicit stack, no recursion)."""
@@ -125,6 +148,14 @@ class LazyOp:
     return [node for node in self.walk() if node.op in (Ops.LOAD, Ops.CONST)]
 
   def __str__(self) -> str: return format_ast(self)
+
+
+def _hashable_arg(arg: Any) -> Any:
+  """Constants compare by type and value (1 and 1.0 and True differ; NaN equals NaN)."""
+  if isinstance(arg, ConstBuffer):
+    value = ("nan",) if isinstance(arg.val, float) and math.isnan(arg.val) else (type(arg.val), arg.val)
+    return (value, arg.dtype, arg.st)
+  return arg
 
 
 def _describe_view(st: ShapeTracker) -> str:

@@ -896,8 +896,9 @@ class Tensor:
   def __gt__(self, other: Any) -> Tensor: return F.Less.apply(*self._broadcasted(other, reverse=True))
   def __ne__(self, other: Any) -> Tensor: return F.NotEqual.apply(*self._broadcasted(other))  # type: ignore[override]
   def __eq__(self, other: Any) -> Tensor: return (self != other).logical_not()  # type: ignore[override]
-  def __le__(self, other: Any) -> Tensor: return (self > other).logical_not()
-  def __ge__(self, other: Any) -> Tensor: return (self < other).logical_not()
+  # not `~(a > b)`: every comparison with NaN is False
+  def __le__(self, other: Any) -> Tensor: return (self < other) | (self == other)
+  def __ge__(self, other: Any) -> Tensor: return (self > other) | (self == other)
 
   def eq(self, other: Any) -> Tensor: return self == other
   def ne(self, other: Any) -> Tensor: return self != other
@@ -962,9 +963,10 @@ class Tensor:
 
   def clip(self, min_: Any = None, max_: Any = None) -> Tensor:
     if min_ is None and max_ is None: raise ValueError("clip needs at least one of min and max")
+    # where, not maximum/minimum: a value on a bound keeps its whole gradient, as in torch.clamp
     result = self
-    if min_ is not None: result = result.maximum(min_)
-    if max_ is not None: result = result.minimum(max_)
+    if min_ is not None: result = (result < min_).where(min_, result)
+    if max_ is not None: result = (result > max_).where(max_, result)
     return result
 
   def clamp(self, min: Any = None, max: Any = None) -> Tensor: return self.clip(min, max)  # noqa: A002
@@ -1041,7 +1043,8 @@ class Tensor:
   def _round_toward_zero(self) -> Tensor:
     """Drop the fraction, keeping values too large for int64 (which are integers already) as they are."""
     truncated = self.cast(dtypes.int64).cast(self.dtype)
-    return (self.abs() < 2.0 ** 52).where(truncated, self)
+    # detached: rounding has a zero gradient everywhere, as in PyTorch
+    return (self.abs() < 2.0 ** 52).where(truncated, self.detach())
 
   def trunc(self) -> Tensor: return self._round_toward_zero() if self.dtype.is_float else self
 
@@ -1142,8 +1145,9 @@ class Tensor:
     return result if keepdim else result.squeeze(dim)
 
   def any(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-    return self.bool().max(axis, keepdim) if self.numel() else Tensor.full(
-      (), False, dtypes.bool, device=self.device)
+    # max has no identity for an empty axis; a sum has (zero), and keeps the reduced shape
+    if self.numel() == 0: return self.bool().sum(axis, keepdim) != 0
+    return self.bool().max(axis, keepdim)
 
   def all(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     return self.logical_not().any(axis, keepdim).logical_not()
@@ -1177,11 +1181,13 @@ class Tensor:
 
   def softmax(self, axis: int = -1) -> Tensor:
     x = self._float_operand()
+    if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
     exps = (x - x.max(axis, keepdim=True)).exp()
     return exps / exps.sum(axis, keepdim=True)
 
   def log_softmax(self, axis: int = -1) -> Tensor:
     x = self._float_operand()
+    if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
     shifted = x - x.max(axis, keepdim=True)
     return shifted - shifted.exp().sum(axis, keepdim=True).log()
 

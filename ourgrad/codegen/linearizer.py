@@ -67,10 +67,10 @@ class Linearizer:
 
   def linearize(self) -> list[UOp]:
     kernel, build = self.kernel, self.builder
-    for leaf in kernel.leaves:
-      if isinstance(leaf.arg, MemBuffer) and leaf.arg.idx not in self.buffers:
-        self.buffers[leaf.arg.idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (leaf.arg.idx, leaf.op is Ops.STORE))
-    self.buffers = dict(sorted(self.buffers.items()))
+    # kernel arguments in argument order: the runtime passes the buffers in that order
+    memory_leaves = {leaf.arg.idx: leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)}
+    for idx, leaf in sorted(memory_leaves.items()):
+      self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, leaf.op is Ops.STORE))
     shape = kernel.full_shape
     axis_idxs: list[Node] = []
     global_loops = []

@@ -120,9 +120,15 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
 def _run_copy(item: ScheduleItem) -> None:
   destination, source = item.outputs[0], item.inputs[0]
   start = time.perf_counter()
-  staging = memoryview(bytearray(source.nbytes))
-  source.copyout(staging)
-  destination.copyin(staging)
+  mapped = getattr(Device[source.device].allocator, "as_memoryview", None)
+  if mapped is not None:
+    # the source is a memory-mapped file (DISK): its bytes go from the mapping straight into the destination, with
+    # no staging copy, and only the pages of this buffer's window are read
+    if source.nbytes: destination.copyin(mapped(source.handle))
+  else:
+    staging = memoryview(bytearray(source.nbytes))
+    source.copyout(staging)
+    destination.copyin(staging)
   GlobalCounters.global_mem += 2 * source.nbytes
   if DEBUG >= 2:
     elapsed = time.perf_counter() - start

@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from ourgrad.device import Buffer
+from ourgrad.device import Buffer, Device
 from ourgrad.helpers import DEBUG
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
@@ -116,17 +116,17 @@ def _give_buffer(base: LazyBuffer) -> None:
 def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set[int]:
   """ids of the bases that get their own buffer before any kernel is built."""
   realizes: set[int] = {id(out.base) for out in outs if out.base.realized is None}
-  users: dict[int, int] = defaultdict(int)
+  users: dict[int, set[int]] = defaultdict(set)   # base id -> ids of the distinct bases that read it
   for base in bases:
     if base.op in ALWAYS_REALIZED_OPS or base.forced_realize: realizes.add(id(base))
     for src in base.srcs:
-      users[id(src.base)] += 1
+      users[id(src.base)].add(id(base))
       if base.op is Ops.COPY or (base.op is Ops.ASSIGN and src is base.srcs[1]): realizes.add(id(src.base))
       if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
         realizes.add(id(src.base))
   for base in bases:
     # a reduce read by several users would be recomputed by each: compute it once
-    if base.op in REDUCE_OPS and users[id(base)] > 1: realizes.add(id(base))
+    if base.op in REDUCE_OPS and len(users[id(base)]) > 1: realizes.add(id(base))
   return realizes
 
 
@@ -147,7 +147,16 @@ def _schedule_base(base: LazyBuffer, realizes: set[int]) -> tuple[ScheduleItem, 
   assert base.realized is not None
   if base.op is Ops.COPY:
     source = base.srcs[0].base
-    item = ScheduleItem(LazyOp(Ops.COPY, (), base.realized.nbytes, base.dtype), (base.realized,), (source.realized,))
+    source_buffer = source.realized
+    assert source_buffer is not None
+    span = base.srcs[0].base_range()
+    if span is not None and span != (0, source.size):
+      # a view of a DISK file that is one contiguous byte range of it (LazyBuffer.copy_to_device copies such views
+      # as they are): the copy reads a buffer view of just that range, not the whole file
+      first, count = span
+      source_buffer = Device[source.device].buffer_view(source_buffer, first * source.dtype.itemsize, count,
+                                                        source.dtype)
+    item = ScheduleItem(LazyOp(Ops.COPY, (), base.realized.nbytes, base.dtype), (base.realized,), (source_buffer,))
     return item, [source]
   builder = _KernelBuilder(base, realizes)
   if base.op in (Ops.CONTIGUOUS, Ops.ASSIGN):
@@ -171,7 +180,7 @@ class _KernelBuilder:
     self.reduce: LazyOp | None = None
     self.reduce_shape: tuple[int, ...] | None = None   # the reduce's output shape, if the kernel has a reduce
     self.cache: dict[tuple[int, ShapeTracker], LazyOp] = {}
-    self.inside_reduce = False
+    self.reduce_base: LazyBuffer | None = None
 
   def buffer_index(self, buffer: Buffer) -> int:
     """Kernel argument number of an input buffer (0 is the output)."""
@@ -180,48 +189,68 @@ class _KernelBuilder:
     self.inputs.append(buffer)
     return len(self.inputs)
 
-  def build_root(self) -> LazyOp:
-    identity = ShapeTracker.from_shape(self.root.shape)
-    if self.root.op is Ops.CONST:  # a constant the user asked to realize
-      return LazyOp(Ops.CONST, (), ConstBuffer(self.root.arg, self.root.dtype, identity), self.root.dtype)
-    return self._build_op(self.root, identity)
-
   def build(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
-    """The AST reading `base` through `st` (st maps kernel coordinates to base coordinates)."""
-    key = (id(base), st)
-    if key not in self.cache: self.cache[key] = self._build_uncached(base, st)
-    return self.cache[key]
+    """The AST reading `base` through `st` (st maps kernel coordinates to base coordinates).
 
-  def _build_uncached(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
-    st = st.simplify()
+    An explicit-stack walk (fused chains can be thousands of ops deep): each (base, view) pair is visited once to
+    push its sources, and once more to build its node from theirs."""
+    stack: list[tuple[LazyBuffer, ShapeTracker, bool, bool]] = [(base, st, False, False)]
+    while stack:
+      node, view, under_reduce, sources_done = stack.pop()
+      if not sources_done: view = view.simplify()
+      key = (id(node), view)
+      if key in self.cache: continue
+      if sources_done:
+        self.cache[key] = self._node(node, view)
+        continue
+      leaf = self._leaf(node, view)
+      if leaf is not None:
+        self.cache[key] = leaf
+        continue
+      stack.append((node, view, under_reduce, True))
+      if node.op in REDUCE_OPS:
+        self._claim_reduce(node, view, under_reduce)
+        stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
+      elif node.op in ELEMENTWISE_OPS:
+        stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
+      else:
+        raise AssertionError(f"cannot fuse a {node.op} base")
+    return self.cache[(id(base), st.simplify())]
+
+  def _leaf(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp | None:
+    """A LOAD of a realized base or a CONST; None for a base this kernel computes."""
     if base.realized is not None and base is not self.root:
       self.loaded_bases.append(base)
       return LazyOp(Ops.LOAD, (), MemBuffer(self.buffer_index(base.realized), base.dtype, st), base.dtype)
     if base.op is Ops.CONST:
       return LazyOp(Ops.CONST, (), ConstBuffer(base.arg, base.dtype, st), base.dtype)
-    if base is self.root: raise AssertionError("a kernel cannot read the buffer it is computing")
-    return self._build_op(base, st)
+    return None
 
-  def _build_op(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
-    if base.op in REDUCE_OPS: return self._build_reduce(base, st)
-    if base.op not in ELEMENTWISE_OPS: raise AssertionError(f"cannot fuse a {base.op} base")
-    srcs = tuple(self.build(src.base, src.st + st) for src in base.srcs)
+  def _claim_reduce(self, base: LazyBuffer, st: ShapeTracker, under_reduce: bool) -> None:
+    """A reduce fuses only once per kernel, not inside another reduce, and only where the kernel reads it in its
+    own element order (a plain reshape): then the whole kernel can loop in the reduce's input shape."""
+    plain_reshape = st.contiguous and st.size == base.size
+    if base is not self.root and (self.reduce_base is not None or under_reduce or not plain_reshape):
+      raise _RefuseFusion(base)
+    self.reduce_base = base
+    self.reduce_shape = base.shape
+
+  def _node(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
+    """The AST node of a fused base, from its sources' nodes (already in the cache)."""
+    if base.op in REDUCE_OPS:
+      src = base.srcs[0]
+      reduce_input = self.cache[(id(src.base), src.st.simplify())]
+      self.reduce = LazyOp(base.op, (reduce_input,), base.arg, base.dtype)
+      return self.reduce
+    srcs = tuple(self.cache[(id(src.base), (src.st + st).simplify())] for src in base.srcs)
     arg = base.arg if base.op not in (Ops.CAST, Ops.BITCAST) else base.dtype
     return LazyOp(base.op, srcs, arg, base.dtype)
 
-  def _build_reduce(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
-    # A reduce fuses only once per kernel, not inside another reduce, and only where the kernel reads it in its
-    # own element order (a plain reshape): then the whole kernel can loop in the reduce's input shape.
-    plain_reshape = st.contiguous and st.size == base.size
-    if base is not self.root and (self.reduce is not None or self.inside_reduce or not plain_reshape):
-      raise _RefuseFusion(base)
-    src = base.srcs[0]
-    self.inside_reduce = True
-    reduce_input = self.build(src.base, src.st)
-    self.inside_reduce = False
-    self.reduce = LazyOp(base.op, (reduce_input,), base.arg, base.dtype)
-    self.reduce_shape = base.shape
-    return self.reduce
+  def build_root(self) -> LazyOp:
+    identity = ShapeTracker.from_shape(self.root.shape)
+    if self.root.op is Ops.CONST:  # a constant the user asked to realize
+      return LazyOp(Ops.CONST, (), ConstBuffer(self.root.arg, self.root.dtype, identity), self.root.dtype)
+    return self.build(self.root, identity)
 
   # After building, the nodes outside the reduce still see the kernel in the output shape; the kernel loops
   # in the reduce's shape, so their views are reshaped to it.

@@ -8,7 +8,8 @@
   (https://github.com/huggingface/safetensors): an 8-byte little-endian header length, a JSON header
   {name: {"dtype", "shape", "data_offsets"}, "__metadata__": {str: str}} padded with spaces to a multiple of 8
   bytes, then the raw little-endian tensor bytes. Saving is atomic (temporary file + rename) and loading
-  validates the whole header against the file before any tensor is made.
+  validates the whole header against the file before any tensor is made. Loaded tensors are windows of the
+  memory-mapped file on the `DISK:<path>` device (`disk_tensor`), read only when they are used.
 - `torch_load` reads PyTorch's zip checkpoints (torch.save's default since 1.6) without importing torch, with
   an unpickler that only knows the handful of functions and classes a tensor checkpoint needs.
 
@@ -37,6 +38,7 @@ from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import OurgradError
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
+from ourgrad.runtime.ops_disk import disk_buffer
 from ourgrad.tensor import Tensor
 
 PathLike = str | os.PathLike
@@ -347,13 +349,49 @@ def safe_load_metadata(path: PathLike) -> dict[str, str]:
   return dict(_read_safetensors_header(path).metadata)
 
 
-def safe_load(path: PathLike, device: str | None = None) -> dict[str, Tensor]:
-  """Load every tensor of a safetensors file, in file order, onto `device` (default: the default device).
+def disk_tensor(path: PathLike, dtype: DType | str, shape: tuple[int, ...], offset: int = 0) -> Tensor:
+  """A tensor of `shape` and `dtype` whose values are the bytes of file `path` from byte `offset`, in place: a
+  window of the memory-mapped file on the `DISK:<path>` device. Nothing is read until it is copied (`.to(device)`,
+  `.numpy()`), and then only its bytes (or, for a view, the bytes under the view). DISK tensors run no kernels:
+  move them with `.to(...)` before computing. DeviceError if the file is missing or shorter than the window."""
+  dtype = dtypes.as_dtype(dtype)
+  shape = tuple(int(size) for size in shape)
+  buffer = disk_buffer(f"DISK:{path}", int(offset), math.prod(shape), dtype)
+  return Tensor(LazyBuffer.from_buffer(buffer, shape))
 
-  The header is validated against the file first (CheckpointError names the file and the problem). The data is
-  memory-mapped, so only the bytes of each tensor are read, once, straight into its device buffer."""
+
+def _checked_bool(tensor: Tensor, device: str | None) -> Tensor:
+  """A bool DISK tensor as it is when its bytes are all 0 or 1. Other bytes (which the format does not allow but
+  some writers produce) read as True, so such a tensor is returned normalized, in memory on `device` (default: the
+  default device), instead of as a window of the file. Reads the tensor's bytes (bool tensors are small masks)."""
+  raw = tensor.numpy().view(np.uint8)
+  if raw.size == 0 or int(raw.max()) <= 1: return tensor
+  return Tensor(raw != 0, dtype=dtypes.bool, device=device or Device.DEFAULT)
+
+
+def safe_load(path: PathLike, device: str | None = None) -> dict[str, Tensor]:
+  """Load every tensor of a safetensors file, in file order, as windows of the memory-mapped file on the
+  `DISK:<path>` device, or, with `device`, as copies on `device`.
+
+  The header is validated against the file first (CheckpointError names the file and the problem); nothing else
+  is read here. A DISK tensor is read when it is used (`.to(device)`, `.numpy()`, `load_state_dict`), and only its
+  bytes, straight from the mapping into the device buffer; it runs no kernels, so move it with `.to(...)` before
+  computing with it. With `device`, each tensor is `.to(device)` of its DISK tensor: still lazy, the copies run on
+  the first realize. Bool tensors are checked now (see `_checked_bool`). On a big-endian host the little-endian
+  data cannot be used in place: there every tensor is byte-swapped into memory on `device` (or the default)."""
   path = pathlib.Path(path)
   header = _read_safetensors_header(path)
+  if sys.byteorder != "little": return _safe_load_swapped(path, header, device)
+  tensors: dict[str, Tensor] = {}
+  for entry in header.entries:
+    tensor = disk_tensor(path, entry.dtype, entry.shape, header.data_start + entry.begin)
+    if entry.dtype == dtypes.bool: tensor = _checked_bool(tensor, device)
+    tensors[entry.name] = tensor if device is None else tensor.to(device)
+  return tensors
+
+
+def _safe_load_swapped(path: pathlib.Path, header: _SafetensorsHeader, device: str | None) -> dict[str, Tensor]:
+  """safe_load for big-endian hosts: each tensor's bytes read through np.memmap and converted to native order."""
   device = Device.canonicalize(device or Device.DEFAULT)
   data = np.memmap(path, dtype=np.uint8, mode="r", offset=header.data_start, shape=(header.data_size,)) \
     if header.data_size else np.zeros(0, dtype=np.uint8)  # mmap cannot map zero bytes

@@ -22,6 +22,7 @@ class CStyleLanguage(Renderer):
   buffer_suffix = " restrict"
   float_suffix = {dtypes.float32: "f", dtypes.float16: "f", dtypes.bfloat16: "f"}
   preamble = ""
+  max_inline_length = 120
 
   # ---------------------------------------------------------------- spellings a dialect may change
 
@@ -148,7 +149,10 @@ class CStyleLanguage(Renderer):
         emit(f"{ref(acc)} = {combined};")
       elif uop.op in (UOps.ALU, UOps.CAST, UOps.BITCAST):
         expression = self._expression(uop, ref)
-        if uop.uses == 1 and uop.op is not UOps.BITCAST: names[id(uop)] = expression  # used once: inline it
+        # a value used once is written inline into its user, unless the expression is already long: long
+        # chains would otherwise nest without bound (and copying ever longer strings is quadratic)
+        if uop.uses == 1 and uop.op is not UOps.BITCAST and len(expression) <= self.max_inline_length:
+          names[id(uop)] = expression
         else: define(uop, "alu" if uop.op is UOps.ALU else "cast", expression)
       else:
         raise NotImplementedError(f"{type(self).__name__} cannot render {uop.op}")

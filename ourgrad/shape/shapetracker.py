@@ -186,10 +186,13 @@ class ShapeTracker:
 
   def __add__(self, other: ShapeTracker) -> ShapeTracker:
     """Composition: `other` views the contiguous output of `self`."""
+    # the common case in fused graphs: `other` is the identity on self's output
+    if len(other.views) == 1 and other.views[0].contiguous and other.shape == self.shape: return self
     return ShapeTracker(self.views + other.views).simplify()
 
   def simplify(self) -> ShapeTracker:
     """Merge the last two views into one while that is exactly equivalent."""
+    if len(self.views) == 1: return self
     views = self.views
     while len(views) >= 2:
       merged = _merge_views(views[-2], views[-1])
