@@ -30,8 +30,8 @@ DEVICE_INSTALL_HINTS = {
   "CUDA": "pip install 'ourgrad[cuda]' (cuda-python, nvidia-cuda-nvrtc) and an NVIDIA driver",
   "CLANG": "a C compiler (clang or gcc) on PATH, or set CC",
 }
-# the preference order when no device is requested
-DEFAULT_DEVICE_ORDER = ("CUDA", "CLANG")
+# the preference order when no device is requested (OPENCL only counts when it drives a GPU)
+DEFAULT_DEVICE_ORDER = ("CUDA", "OPENCL", "CLANG")
 
 
 # ---------------------------------------------------------------- memory
@@ -205,6 +205,7 @@ class _DeviceRegistry:
 
   def __init__(self) -> None:
     self._opened: dict[str, Compiled] = {}
+    self._best: str | None = None
 
   @staticmethod
   def canonicalize(name: str) -> str:
@@ -248,12 +249,16 @@ class _DeviceRegistry:
     if DEVICE.value: return self.canonicalize(DEVICE.value)
     for name in self.available_names():  # NAME=1 selects a device too
       if os.environ.get(name, "") not in ("", "0"): return name
+    if self._best is None: self._best = self._best_present()  # probing drivers is slow: once per process
+    return self._best
+
+  def _best_present(self) -> str:
     for name in DEFAULT_DEVICE_ORDER:
       try:
-        self[name]
-        return name
+        device = self[name]
       except DeviceError:
         continue
+      if getattr(device, "is_gpu", True): return name  # OpenCL on a CPU (PoCL) is slower than CLANG
     return "CLANG"
 
 

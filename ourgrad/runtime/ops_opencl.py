@@ -83,6 +83,7 @@ class OpenCLProgram:
 class OpenCLDevice(Compiled):
   def __init__(self, name: str):
     self.cl_device = _pick_device()
+    self.is_gpu = bool(self.cl_device.type & cl.device_type.GPU)
     self.context = cl.Context([self.cl_device])
     self.queue = cl.CommandQueue(self.context, self.cl_device)
     renderer = OpenCLRenderer()
