@@ -1301,11 +1301,12 @@ class Tensor:
     return losses.mse_loss(self, target, reduction)
 
   def scaled_dot_product_attention(self, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                                   dropout_p: float = 0.0, is_causal: bool = False,
-                                   scale: float | None = None) -> Tensor:
+                                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                   enable_gqa: bool = False) -> Tensor:
     """Attention with this tensor as the query, like torch.nn.functional.scaled_dot_product_attention."""
     from ourgrad.nn import attention
-    return attention.scaled_dot_product_attention(self, key, value, attn_mask, dropout_p, is_causal, scale)
+    return attention.scaled_dot_product_attention(self, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                  enable_gqa)
 
   def outer(self, other: Tensor) -> Tensor: return self.reshape(-1, 1) * other.reshape(1, -1)
 

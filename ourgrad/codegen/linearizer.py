@@ -45,8 +45,7 @@ class Linearizer:
     if isinstance(node, NumNode): return build.const(node.b, INDEX_DTYPE)
     if isinstance(node, Variable): return self.loop_vars[node.expr]
     if isinstance(node, MulNode): return build.alu(Ops.MUL, INDEX_DTYPE, self.node_to_uop(node.a), self._int(node.b))
-    if isinstance(node, DivNode): return build.alu(Ops.IDIV, INDEX_DTYPE, self.node_to_uop(node.a), self._int(node.b))
-    if isinstance(node, ModNode): return build.alu(Ops.MOD, INDEX_DTYPE, self.node_to_uop(node.a), self._int(node.b))
+    if isinstance(node, (DivNode, ModNode)): return self._floor_div_mod(node)
     if isinstance(node, SumNode):
       terms = sorted(node.nodes, key=lambda term: isinstance(term, NumNode))  # constant last: reads "x+1"
       total = self.node_to_uop(terms[0])
@@ -62,6 +61,19 @@ class Linearizer:
     raise NotImplementedError(f"cannot lower symbolic node {type(node).__name__}")
 
   def _int(self, value: int) -> UOp: return self.builder.const(value, INDEX_DTYPE)
+
+  def _floor_div_mod(self, node: DivNode | ModNode) -> UOp:
+    """Symbolic // and % are floor operations; every backend's integer / and % truncate toward zero. They agree
+    for non-negative numerators, so a numerator that can be negative is first shifted up by a multiple of the
+    divisor: floor(a/b) = (a + k*b)/b - k and a mod b = (a + k*b) % b, with k*b >= -min(a)."""
+    build, divisor = self.builder, node.b
+    numerator = self.node_to_uop(node.a)
+    shift = -(node.a.min // divisor) if node.a.min < 0 else 0   # k = ceil(-min(a) / b)
+    if shift: numerator = build.alu(Ops.ADD, INDEX_DTYPE, numerator, self._int(shift * divisor))
+    op = Ops.IDIV if isinstance(node, DivNode) else Ops.MOD
+    result = build.alu(op, INDEX_DTYPE, numerator, self._int(divisor))
+    if shift and op is Ops.IDIV: result = build.alu(Ops.ADD, INDEX_DTYPE, result, self._int(-shift))
+    return result
 
   # ---------------------------------------------------------------- the loop nest
 

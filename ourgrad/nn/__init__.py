@@ -272,8 +272,8 @@ class _InstanceNorm:
         detached = x.detach()
         mean = detached.mean(axes)
         var = (detached - mean.reshape(*mean.shape, *([1] * len(axes)))).square().sum(axes) / (count - 1)
-        self.num_batches_tracked.assign(self.num_batches_tracked + 1)
-        factor = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked.float()
+        # PyTorch's instance norm neither counts batches nor averages cumulatively: momentum None means 0.1
+        factor = self.momentum if self.momentum is not None else 0.1
         self.running_mean.assign((1.0 - factor) * self.running_mean + factor * mean.mean(0))
         self.running_var.assign((1.0 - factor) * self.running_var + factor * var.mean(0))
     else:
