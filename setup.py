@@ -13,6 +13,7 @@ setup(
     "testing": ["pytest", "pytest-xdist", "hypothesis", "ruff", "torch==2.13.0", "safetensors", "tqdm"],
     "llvm": ["llvmlite"],
     "opencl": ["pyopencl[pocl]"],
+    # NVRTC compiles CUDA without a GPU; cuda-python's driver bindings need one (and its driver) to run kernels
     "cuda": ["cuda-python", "nvidia-cuda-nvrtc"],
   },
 )
