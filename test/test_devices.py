@@ -1,0 +1,80 @@
+"""Devices: copies between every pair of available devices, device selection, and the errors for absent or
+mixed devices. Devices that cannot be opened here (no driver, no package) are skipped, so the same file runs on a
+CPU-only CI machine and on a GPU machine."""
+import itertools
+
+import numpy as np
+import pytest
+
+from ourgrad import Device, Tensor, dtypes
+from ourgrad.errors import DeviceError
+
+CANDIDATES = ["CLANG", "LLVM", "OPENCL", "PYTHON", "CUDA"]
+
+
+def _available() -> list[str]:
+  names = []
+  for name in CANDIDATES:
+    try:
+      Device[name]
+      names.append(name)
+    except DeviceError:
+      pass
+  return names
+
+
+AVAILABLE = _available()
+
+
+@pytest.mark.parametrize("source, target", list(itertools.permutations(AVAILABLE, 2)))
+def test_copy_between_devices(source, target):
+  values = np.arange(24, dtype=np.float32).reshape(2, 3, 4) - 5.5
+  moved = Tensor(values, device=source).to(target)
+  assert moved.device == target
+  np.testing.assert_array_equal(moved.numpy(), values)
+  # a computed, non-contiguous tensor is copied with its values, not its layout
+  computed = (Tensor(values, device=source).permute(2, 0, 1) * 2).to(target)
+  np.testing.assert_array_equal(computed.numpy(), values.transpose(2, 0, 1) * 2)
+
+
+@pytest.mark.parametrize("device", AVAILABLE)
+def test_each_device_computes_a_fused_kernel(device):
+  a = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+  x = Tensor(a, device=device)
+  result = ((x @ x.T).relu() + 1).sum(axis=1)
+  np.testing.assert_allclose(result.numpy(), (np.maximum(a @ a.T, 0) + 1).sum(axis=1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", AVAILABLE)
+@pytest.mark.parametrize("dtype", [dtypes.int8, dtypes.uint8, dtypes.int64, dtypes.bool, dtypes.float16,
+                                   dtypes.bfloat16, dtypes.float64])
+def test_dtypes_round_trip_through_each_device(device, dtype):
+  values = np.array([0, 1, 2, 100, 7], dtype=np.float32)
+  if dtype == dtypes.bool: values = values.astype(bool)
+  tensor = Tensor(values, dtype=dtype).to(device)
+  np.testing.assert_array_equal((tensor + tensor).to("CLANG").numpy(), (Tensor(values, dtype=dtype) * 2).numpy()
+                                if dtype != dtypes.bool else values)
+
+
+def test_mixing_devices_names_both_and_the_fix():
+  if len(AVAILABLE) < 2: pytest.skip("needs two devices")
+  first, second = AVAILABLE[:2]
+  with pytest.raises(DeviceError, match=rf"{first}.*{second}.*\.to\("):
+    Tensor([1.0], device=first) + Tensor([1.0], device=second)
+
+
+def test_unknown_device_lists_the_known_ones():
+  with pytest.raises(DeviceError, match="unknown device 'NOPE'.*CLANG"):
+    Tensor([1.0], device="NOPE")
+
+
+def test_aliases_and_default():
+  assert Device.canonicalize("cpu") == "CLANG"
+  assert Device.canonicalize("gpu") == "OPENCL"
+  assert Device.DEFAULT in AVAILABLE
+
+
+def test_device_env_var_selects_the_default(monkeypatch):
+  monkeypatch.setenv("DEVICE", "CLANG")
+  assert Device.DEFAULT == "CLANG"
+  assert Tensor([1.0]).device == "CLANG"
