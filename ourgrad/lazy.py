@@ -24,6 +24,8 @@ from ourgrad.shape.view import View, strides_for_shape
 
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
+# reduces of at least this many elements per output (and few outputs) are split in two kernels
+SPLIT_REDUCE_MIN_ELEMENTS = 1 << 16
 
 
 class LazyBuffer:
@@ -176,7 +178,26 @@ class LazyBuffer:
     if value is not None:
       count = prod(self.shape[axis] for axis in axes)
       return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
+    split = self._split_large_reduce(op, axes, out_shape)
+    if split is not None: return split
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
+
+  def _split_large_reduce(self, op: Ops, axes: tuple[int, ...], out_shape: tuple[int, ...]) -> LazyBuffer | None:
+    """A reduce of many elements into few outputs runs as two: first into `parts` partial results per output,
+    then over the parts. One output per thread would leave a GPU (or the CPU's other cores) idle; the partial
+    results give each output `parts` threads of work. None where the reduce is small or already parallel."""
+    if prod(out_shape) == 0: return None
+    elements_per_output = prod(self.shape) // prod(out_shape)
+    if elements_per_output < SPLIT_REDUCE_MIN_ELEMENTS or prod(out_shape) * 64 > elements_per_output: return None
+    axis = max(axes, key=lambda a: self.shape[a])
+    size = self.shape[axis]
+    parts = next((parts for parts in (256, 128, 64, 32, 16, 8) if size % parts == 0 and size // parts >= 8), None)
+    if parts is None: return None
+    split_shape = self.shape[:axis] + (parts, size // parts) + self.shape[axis + 1:]
+    # after the split, `axis` holds the parts and axis+1 the elements within a part
+    inner_axes = tuple(a + 1 if a >= axis else a for a in axes)
+    partials = self.reshape(split_shape).reduce(op, inner_axes)
+    return partials.reduce(op, (axis,)).reshape(out_shape)
 
   def contiguous(self) -> LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""

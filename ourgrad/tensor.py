@@ -782,6 +782,13 @@ class Tensor:
     if self.dtype.is_float:
       raise DTypeError(f"{name} is only defined for integer and bool tensors, got {self.dtype}")
 
+  @staticmethod
+  def _check_divisor(divisor: Any, dtype: DType, name: str) -> None:
+    """Integer division by a Python zero raises here, as in PyTorch. Kernels cannot raise: an integer division by a
+    zero inside a tensor divisor gives 0 (PyTorch raises on the CPU)."""
+    if not dtype.is_float and isinstance(divisor, (int, np.integer)) and divisor == 0:
+      raise ZeroDivisionError(f"integer {name} by zero ({dtype}); use a float tensor to get inf/nan")
+
   # ---------------------------------------------------------------- arithmetic
 
   def add(self, other: Any, reverse: bool = False) -> Tensor:
@@ -802,6 +809,7 @@ class Tensor:
   def div(self, other: Any, reverse: bool = False, rounding_mode: str | None = None) -> Tensor:
     """True division (ints promote to float); rounding_mode "trunc" or "floor" as in torch.div."""
     x, y = self._broadcasted(other, reverse)
+    if rounding_mode is not None and not reverse: self._check_divisor(other, x.dtype, "division")
     if rounding_mode == "floor": return x.floor_divide(y)
     if rounding_mode == "trunc":
       if not x.dtype.is_float: return F.IntDiv.apply(x, y, op=Ops.IDIV)
@@ -813,6 +821,7 @@ class Tensor:
   def floor_divide(self, other: Any, reverse: bool = False) -> Tensor:
     """a // b rounding toward minus infinity (PyTorch and Python semantics)."""
     x, y = self._broadcasted(other, reverse)
+    if not reverse: self._check_divisor(other, x.dtype, "division")
     if x.dtype.is_float: return F.Div.apply(x, y).floor()
     if x.dtype == dtypes.bool: raise DTypeError("floor division of bool tensors is not supported")
     quotient = F.IntDiv.apply(x, y, op=Ops.IDIV)
@@ -825,6 +834,7 @@ class Tensor:
   def remainder(self, other: Any, reverse: bool = False) -> Tensor:
     """a % b with the sign of b (PyTorch's remainder and Python's %)."""
     x, y = self._broadcasted(other, reverse)
+    if not reverse: self._check_divisor(other, x.dtype, "modulo")
     if x.dtype.is_float: return x - (x / y).floor() * y
     if x.dtype == dtypes.bool: raise DTypeError("remainder of bool tensors is not supported")
     remainder = F.IntDiv.apply(x, y, op=Ops.MOD)
@@ -835,6 +845,7 @@ class Tensor:
   def fmod(self, other: Any) -> Tensor:
     """Remainder with the sign of the dividend (C's fmod / torch.fmod)."""
     x, y = self._broadcasted(other)
+    self._check_divisor(other, x.dtype, "modulo")
     if x.dtype.is_float: return x - (x / y).trunc() * y
     return F.IntDiv.apply(x, y, op=Ops.MOD)
 

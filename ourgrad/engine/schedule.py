@@ -126,9 +126,18 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set
       if base.op is Ops.COPY or (base.op is Ops.ASSIGN and src is base.srcs[1]): realizes.add(id(src.base))
       if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
         realizes.add(id(src.base))
+  by_id = {id(base): base for base in bases}
+
+  def kernel_of(base_id: int) -> int:
+    """The base whose kernel `base_id` fuses into, following single-user elementwise chains forward."""
+    while (base_id not in realizes and len(users[base_id]) == 1 and by_id[base_id].op in ELEMENTWISE_OPS):
+      base_id = next(iter(users[base_id]))
+    return base_id
+
   for base in bases:
-    # a reduce read by several users would be recomputed by each: compute it once
-    if base.op in REDUCE_OPS and len(users[id(base)]) > 1: realizes.add(id(base))
+    # a reduce read by users that end up in different kernels would be recomputed by each: compute it once
+    if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
+      if len({kernel_of(user) for user in users[id(base)]}) > 1: realizes.add(id(base))
   return realizes
 
 
@@ -232,6 +241,7 @@ class _KernelBuilder:
     """A reduce fuses only once per kernel, not inside another reduce, and only where the kernel reads it in its
     own element order (a plain reshape): then the whole kernel can loop in the reduce's input shape."""
     plain_reshape = st.contiguous and st.size == base.size
+    if base is self.reduce_base and plain_reshape: return  # the same reduce read again, in the same element order
     if base is not self.root and (self.reduce_base is not None or under_reduce or not plain_reshape):
       raise _RefuseFusion(base)
     self.reduce_base = base
@@ -240,6 +250,7 @@ class _KernelBuilder:
   def _node(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
     """The AST node of a fused base, from its sources' nodes (already in the cache)."""
     if base.op in REDUCE_OPS:
+      if self.reduce is not None: return self.reduce  # read twice (through equivalent views): one reduce node
       src = base.srcs[0]
       reduce_input = self.cache[(id(src.base), src.st.simplify())]
       self.reduce = LazyOp(base.op, (reduce_input,), base.arg, base.dtype)

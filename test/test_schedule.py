@@ -1,0 +1,408 @@
+"""Pin how many kernels the scheduler makes, and how many bytes they move, for graphs that should fuse.
+
+Every check counts kernels two ways: `create_schedule` on one copy of the graph (what would run, nothing runs)
+and `GlobalCounters.kernel_count` after realizing a second copy (what ran). `create_schedule` gives buffers to
+the bases it schedules, so each copy is built fresh by a `build` function over already-realized inputs.
+Every test also compares the computed values with numpy: a kernel count is only worth pinning if the fused
+kernel is right. A count above the ideal that comes from a scheduler limitation is an `xfail(strict=True)`
+test, so fixing the scheduler makes it fail loudly and the pin gets tightened.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import pytest
+
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.helpers import GlobalCounters
+from ourgrad.ops import REDUCE_OPS
+from ourgrad.tensor import Tensor
+
+FLOAT32_BYTES = 4
+Outputs = Tensor | Sequence[Tensor]
+
+
+# ---------------------------------------------------------------- helpers
+
+def rand(*shape: int, seed: int = 0) -> np.ndarray:
+  """Standard-normal float32 data, the same for the same seed."""
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def as_list(outs: Outputs) -> list[Tensor]:
+  return [outs] if isinstance(outs, Tensor) else list(outs)
+
+
+def scheduled_kernels(build: Callable[[], Outputs]) -> int:
+  """How many ScheduleItems a fresh copy of the graph gets (nothing runs)."""
+  return len(create_schedule([tensor.lazydata for tensor in as_list(build())]))
+
+
+def check_kernels(build: Callable[[], Outputs], expected: int) -> list[Tensor]:
+  """Assert that scheduling one copy of the graph and realizing another both give `expected` kernels.
+
+  Returns the realized outputs; GlobalCounters still hold the realize's counts (bytes, ops) afterwards."""
+  assert scheduled_kernels(build) == expected, "create_schedule count"
+  outs = as_list(build())
+  GlobalCounters.reset()
+  Tensor.realize_all(*outs)
+  assert GlobalCounters.kernel_count == expected, "kernels launched by realize()"
+  return outs
+
+
+def assert_close(tensor: Tensor, expected: np.ndarray) -> None:
+  np.testing.assert_allclose(tensor.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def reduces_in(build: Callable[[], Outputs]) -> int:
+  """How many reduce ops all the scheduled kernels of a fresh copy of the graph compute."""
+  schedule = create_schedule([tensor.lazydata for tensor in as_list(build())])
+  return sum(1 for item in schedule for node in item.ast.walk() if node.op in REDUCE_OPS)
+
+
+# ---------------------------------------------------------------- fusion required by the issue
+
+def test_elementwise_chain_is_one_kernel():
+  a_np, b_np, c_np = rand(64, 32, seed=1), rand(64, 32, seed=2), rand(64, 32, seed=3)
+  a, b, c = Tensor(a_np), Tensor(b_np), Tensor(c_np)
+  (out,) = check_kernels(lambda: ((a + b) * c).exp(), 1)
+  assert_close(out, np.exp((a_np + b_np) * c_np))
+
+
+def test_multiply_then_sum_is_one_kernel():
+  a_np, b_np = rand(48, 40, seed=1), rand(48, 40, seed=2)
+  a, b = Tensor(a_np), Tensor(b_np)
+  (out,) = check_kernels(lambda: (a * b).sum(axis=1), 1)
+  assert_close(out, (a_np * b_np).sum(axis=1))
+
+
+def test_sum_then_add_is_one_kernel():
+  x_np = rand(30, 20)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.sum() + 1, 1)
+  np.testing.assert_allclose(out.numpy(), x_np.sum() + 1, rtol=1e-5)
+
+
+def test_matmul_is_one_kernel():
+  a_np, b_np = rand(16, 32, seed=1), rand(32, 24, seed=2)
+  a, b = Tensor(a_np), Tensor(b_np)
+  (out,) = check_kernels(lambda: a @ b, 1)
+  np.testing.assert_allclose(out.numpy(), a_np @ b_np, rtol=1e-4, atol=1e-5)
+
+
+def test_matmul_bias_relu_is_one_kernel():
+  a_np, b_np, bias_np = rand(16, 32, seed=1), rand(32, 24, seed=2), rand(24, seed=3)
+  a, b, bias = Tensor(a_np), Tensor(b_np), Tensor(bias_np)
+  (out,) = check_kernels(lambda: (a @ b + bias).relu(), 1)
+  np.testing.assert_allclose(out.numpy(), np.maximum(a_np @ b_np + bias_np, 0), rtol=1e-4, atol=1e-5)
+
+
+def test_softmax_is_three_kernels():
+  # max (realized: broadcast back), sum of exp (realized: broadcast back), then exp / sum; the issue allows <= 3
+  x_np = rand(32, 50)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.softmax(-1), 3)
+  exps = np.exp(x_np - x_np.max(-1, keepdims=True))
+  assert_close(out, exps / exps.sum(-1, keepdims=True))
+
+
+# ---------------------------------------------------------------- movement ops are free
+
+def test_movement_chain_on_a_realized_tensor_needs_no_kernel():
+  x_np = rand(16, 8)
+  x = Tensor(x_np)
+
+  def build() -> Tensor:
+    moved = x.reshape(8, 16).permute(1, 0).reshape(16, 8, 1).expand(16, 8, 3)
+    return moved.pad(((1, 1), (0, 0), (0, 0))).shrink(((1, 17), (2, 6), (0, 3))).flip(0)
+
+  out = check_kernels(build, 0)[0]
+  assert out.lazydata.base.realized is x.lazydata.base.realized, "a view must stay a view of the input's buffer"
+  moved_np = np.broadcast_to(x_np.reshape(8, 16).T.reshape(16, 8, 1), (16, 8, 3))
+  expected = np.pad(moved_np, ((1, 1), (0, 0), (0, 0)))[1:17, 2:6, :][::-1]
+  GlobalCounters.reset()
+  assert_close(out, expected)
+  assert GlobalCounters.kernel_count == 1, "reading a non-contiguous view back copies it once"
+
+
+def test_contiguous_of_a_permuted_view_is_one_kernel():
+  x_np = rand(12, 20)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.permute(1, 0).contiguous(), 1)
+  assert out.lazydata.base.realized is not x.lazydata.base.realized
+  assert_close(out, x_np.T)
+  assert GlobalCounters.global_mem == 2 * x_np.size * FLOAT32_BYTES
+
+
+def test_reading_a_plain_reshape_back_needs_no_kernel():
+  x_np = rand(12, 20)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.reshape(20, 12), 0)
+  GlobalCounters.reset()
+  assert_close(out, x_np.reshape(20, 12))
+  assert GlobalCounters.kernel_count == 0, "a reshape of a contiguous buffer is read as it is"
+
+
+def test_contiguous_of_a_plain_reshape_is_free():
+  x_np = rand(12, 20)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.reshape(20, 12).contiguous(), 0)
+  assert out.lazydata.base.realized is x.lazydata.base.realized
+  assert_close(out, x_np.reshape(20, 12))
+
+
+def test_realizing_twice_runs_nothing_the_second_time():
+  x_np = rand(10)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: (x * 2).exp(), 1)
+  GlobalCounters.reset()
+  out.realize()
+  assert GlobalCounters.kernel_count == 0
+  assert_close(out, np.exp(x_np * 2))
+
+
+# ---------------------------------------------------------------- reduces
+
+def test_reduce_broadcast_back_is_two_kernels():
+  x_np = rand(24, 16)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x - x.mean(), 2)
+  assert_close(out, x_np - x_np.mean())
+
+
+def test_reduce_broadcast_back_runs_in_dependency_order():
+  x = Tensor(rand(24, 16))
+  first, second = create_schedule([(x - x.mean()).lazydata])
+  assert first.outputs[0] in second.inputs
+
+
+def test_two_reduces_of_one_shape_added_are_two_kernels():
+  # one reduce fuses with the add, the other is realized first: a kernel holds one reduce
+  x_np = rand(32, 32)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.sum(0) + x.sum(1), 2)
+  assert_close(out, x_np.sum(0) + x_np.sum(1))
+
+
+def test_two_reduces_broadcast_to_an_outer_sum_are_three_kernels():
+  # both reduces are read through an expand, so both are realized, then one elementwise kernel
+  x_np = rand(16, 16)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.sum(0, keepdim=True) + x.sum(1, keepdim=True), 3)
+  assert_close(out, x_np.sum(0, keepdims=True) + x_np.sum(1, keepdims=True))
+
+
+def test_reduce_with_two_outputs_is_computed_once():
+  x_np = rand(20, 10)
+  x = Tensor(x_np)
+
+  def build() -> list[Tensor]:
+    total = x.sum(1)
+    return [total * 2, total + 1]
+
+  assert reduces_in(build) == 1
+  doubled, shifted = check_kernels(build, 3)  # the reduce, then one elementwise kernel per output
+  assert_close(doubled, x_np.sum(1) * 2)
+  assert_close(shifted, x_np.sum(1) + 1)
+
+
+def test_reduce_read_twice_by_one_kernel_is_computed_once():
+  x_np = rand(20, 10)
+  x = Tensor(x_np)
+
+  def build() -> Tensor:
+    total = x.sum(1)
+    return total * 2 + total
+
+  assert reduces_in(build) == 1
+  assert scheduled_kernels(build) <= 2  # 1 once test_reduce_read_by_two_ops_of_one_kernel_fuses passes
+  assert_close(build(), x_np.sum(1) * 3)
+
+
+def test_reduce_read_by_two_ops_of_one_kernel_fuses():
+  x_np = rand(20, 10)
+  x = Tensor(x_np)
+
+  def build() -> Tensor:
+    total = x.sum(1)
+    return total * 2 + total
+
+  (out,) = check_kernels(build, 1)
+  assert_close(out, x_np.sum(1) * 3)
+
+
+def test_reduce_read_twice_by_one_kernel_fuses():
+  x_np = rand(20, 10)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.sum(1).square(), 1)
+  assert_close(out, x_np.sum(1) ** 2)
+
+
+# ---------------------------------------------------------------- long chains and constants
+
+def _alternating_chain(x: Tensor, length: int) -> Tensor:
+  for step in range(length): x = x + 1.0 if step % 2 == 0 else x * 0.5
+  return x
+
+
+def _alternating_chain_np(x: np.ndarray, length: int) -> np.ndarray:
+  for step in range(length): x = x + np.float32(1.0) if step % 2 == 0 else x * np.float32(0.5)
+  return x
+
+
+def test_chain_of_200_elementwise_ops_is_one_kernel():
+  x_np = rand(100)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: _alternating_chain(x, 200), 1)
+  assert_close(out, _alternating_chain_np(x_np, 200))
+
+
+def test_chain_of_1000_elementwise_ops_is_one_kernel():
+  x_np = rand(100)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: _alternating_chain(x, 1000), 1)
+  assert_close(out, _alternating_chain_np(x_np, 1000))
+
+
+def test_realizing_ones_is_one_kernel_of_one_element():
+  (out,) = check_kernels(lambda: Tensor.ones(4), 1)
+  # the constant is stored once and viewed (expanded) as the shape: 4 bytes written, none read
+  assert GlobalCounters.global_mem == FLOAT32_BYTES
+  np.testing.assert_array_equal(out.numpy(), np.ones(4, np.float32))
+
+
+def test_constant_only_graph_folds_to_one_constant():
+  def build() -> Tensor: return Tensor.ones(4) * 3 + Tensor.full((4,), 2.0)
+
+  assert build().lazydata.const_value() == 5.0, "constant arithmetic folds while the graph is built"
+  (out,) = check_kernels(build, 1)
+  assert GlobalCounters.global_ops == 0
+  np.testing.assert_array_equal(out.numpy(), np.full(4, 5.0, np.float32))
+
+
+def test_constant_operand_fuses_into_the_kernel():
+  x_np = rand(8, 8)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x * Tensor.full((8, 8), 3.0) + Tensor.ones(8, 8), 1)
+  assert GlobalCounters.global_mem == 2 * x_np.size * FLOAT32_BYTES, "constants are not loaded from memory"
+  assert_close(out, x_np * 3 + 1)
+
+
+def test_several_outputs_in_one_realize():
+  a_np, b_np = rand(8, 8, seed=1), rand(8, 8, seed=2)
+  a, b = Tensor(a_np), Tensor(b_np)
+  total, product = check_kernels(lambda: [a + b, a * b], 2)
+  assert_close(total, a_np + b_np)
+  assert_close(product, a_np * b_np)
+
+
+# ---------------------------------------------------------------- padding
+
+PADDING = ((1, 2), (3, 0))
+
+
+def test_pad_of_exp_realizes_exp_first_and_stays_correct():
+  # exp(0) = 1: fusing exp after the pad would put ones where the pad must put zeros
+  x_np = rand(6, 5)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.exp().pad(PADDING).contiguous(), 2)
+  assert_close(out, np.pad(np.exp(x_np), PADDING))
+  assert_close(x.exp().pad(PADDING) + 1, np.pad(np.exp(x_np), PADDING) + 1)
+
+
+def test_pad_of_exp_with_a_value_stays_correct():
+  x_np = rand(6, 5)
+  x = Tensor(x_np)
+  assert_close(x.exp().pad(PADDING, value=3.0), np.pad(np.exp(x_np), PADDING, constant_values=3.0))
+
+
+def test_exp_after_pad_stays_correct():
+  x_np = rand(6, 5)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.pad(PADDING).exp(), 1)
+  assert_close(out, np.exp(np.pad(x_np, PADDING)))
+
+
+def test_pad_of_add_fuses_into_one_kernel():
+  # x + y is 0 where both are 0: the pad can be pushed through the add
+  a_np, b_np = rand(6, 5, seed=1), rand(6, 5, seed=2)
+  a, b = Tensor(a_np), Tensor(b_np)
+  (out,) = check_kernels(lambda: (a + b).pad(PADDING).contiguous(), 1)
+  assert_close(out, np.pad(a_np + b_np, PADDING))
+  (out,) = check_kernels(lambda: (a + b).pad(PADDING) * 2 + 1, 1)
+  assert_close(out, np.pad(a_np + b_np, PADDING) * 2 + 1)
+
+
+# ---------------------------------------------------------------- assign and aliasing
+
+def test_assign_writes_into_the_same_buffer_in_one_kernel():
+  w_np, g_np = rand(16, 8, seed=1), rand(16, 8, seed=2)
+  w, g = Tensor(w_np), Tensor(g_np)
+  buffer = w.lazydata.base.realized
+  GlobalCounters.reset()
+  w.assign(w - 0.1 * g).realize()
+  assert GlobalCounters.kernel_count == 1
+  assert GlobalCounters.global_mem == 3 * w_np.size * FLOAT32_BYTES, "read w and g, write w"
+  assert w.lazydata.base.realized is buffer
+  assert_close(w, w_np - np.float32(0.1) * g_np)
+
+
+def test_assign_schedule_writes_into_the_target():
+  w, g = Tensor(rand(4, 4, seed=1)), Tensor(rand(4, 4, seed=2))
+  buffer = w.lazydata.base.realized
+  (item,) = create_schedule([w.assign(w - g).lazydata])
+  assert item.outputs[0] is buffer
+
+
+@pytest.mark.parametrize("write, read", [(slice(1, None), slice(None, -1)), (slice(None, -1), slice(1, None)),
+                                         (slice(None, None, 2), slice(1, None, 2))])
+def test_setitem_from_an_overlapping_view_matches_numpy(write: slice, read: slice):
+  x_np = np.arange(10, dtype=np.float32)
+  x = Tensor(x_np.copy())
+  buffer = x.lazydata.base.realized
+  GlobalCounters.reset()
+  x[write] = x[read]
+  x.realize()
+  # the value is copied out first: writing in place while reading shifted places would read overwritten values
+  assert GlobalCounters.kernel_count == 2
+  assert x.lazydata.base.realized is buffer
+  x_np[write] = x_np[read]
+  np.testing.assert_array_equal(x.numpy(), x_np)
+
+
+# ---------------------------------------------------------------- bytes moved
+
+@pytest.mark.parametrize("size", [1, 1000, 12345])
+def test_fused_elementwise_chain_moves_three_reads_and_one_write(size: int):
+  a_np, b_np, c_np = rand(size, seed=1), rand(size, seed=2), rand(size, seed=3)
+  a, b, c = Tensor(a_np), Tensor(b_np), Tensor(c_np)
+  (out,) = check_kernels(lambda: ((a + b) * c).exp(), 1)
+  assert GlobalCounters.global_mem == 4 * size * FLOAT32_BYTES
+  assert_close(out, np.exp((a_np + b_np) * c_np))
+
+
+@pytest.mark.parametrize("rows, cols", [(37, 53), (64, 256)])
+def test_broadcast_input_is_counted_at_its_own_size(rows: int, cols: int):
+  x_np, bias_np = rand(rows, cols, seed=1), rand(cols, seed=2)
+  x, bias = Tensor(x_np), Tensor(bias_np)
+  (out,) = check_kernels(lambda: x + bias, 1)
+  assert GlobalCounters.global_mem == (2 * rows * cols + cols) * FLOAT32_BYTES
+  assert_close(out, x_np + bias_np)
+
+
+@pytest.mark.parametrize("rows, cols", [(37, 53), (64, 256)])
+def test_sum_reads_the_input_and_writes_one_value_per_row(rows: int, cols: int):
+  x_np = rand(rows, cols)
+  x = Tensor(x_np)
+  (out,) = check_kernels(lambda: x.sum(axis=1), 1)
+  assert GlobalCounters.global_mem == (rows * cols + rows) * FLOAT32_BYTES
+  np.testing.assert_allclose(out.numpy(), x_np.sum(axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_reads_each_input_once():
+  a_np, b_np = rand(16, 32, seed=1), rand(32, 24, seed=2)
+  a, b = Tensor(a_np), Tensor(b_np)
+  (out,) = check_kernels(lambda: a @ b, 1)
+  assert GlobalCounters.global_mem == (16 * 32 + 32 * 24 + 16 * 24) * FLOAT32_BYTES
+  np.testing.assert_allclose(out.numpy(), a_np @ b_np, rtol=1e-4, atol=1e-5)
