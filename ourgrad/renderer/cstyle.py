@@ -15,6 +15,9 @@ from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
 
 
+NARROW_INTS = frozenset({dtypes.int8, dtypes.uint8, dtypes.int16, dtypes.uint16})
+
+
 class CStyleLanguage(Renderer):
   """The C family: C on the CPU; OpenCL C and CUDA C subclass this and change the spellings."""
   kernel_prefix = ""
@@ -47,7 +50,18 @@ class CStyleLanguage(Renderer):
     if dtype == dtypes.int32: return str(int(value))
     return f"(({self.render_dtype(dtype)}){int(value)})"
 
+  # Dtypes a language cannot compute in (bfloat16 in C, halves in OpenCL and NVRTC without headers) live in float
+  # registers: `memory_type` says how buffers store them, `read_element`/`write_element` convert at loads and
+  # stores, and `round_to` rounds a cast result to their precision. The defaults are for dtypes the language has.
+  def memory_type(self, dtype: DType) -> str: return self.render_dtype(dtype)
+  def read_element(self, buffer: str, index: str, dtype: DType) -> str: return f"{buffer}[{index}]"
+  def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
+    return f"{buffer}[{index}] = {value};"
+  def round_to(self, dtype: DType, value: str) -> str | None: return None
+
   def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    rounded = self.round_to(to_dtype, value)
+    if rounded is not None: return rounded
     if to_dtype == dtypes.bool: return f"({value} != 0)"
     return f"(({self.render_dtype(to_dtype)})({value}))"
 
@@ -56,11 +70,11 @@ class CStyleLanguage(Renderer):
     return f"((union {{ {source} from; {target} to; }}){{ .from = {value} }}).to"
 
   def render_load(self, buffer: str, index: str, valid: str | None, dtype: DType) -> str:
-    if valid is None: return f"{buffer}[{index}]"
-    return f"(({valid}) ? {buffer}[{index}] : {self.render_const(0, dtype)})"
+    loaded = self.read_element(buffer, index, dtype)
+    return loaded if valid is None else f"(({valid}) ? {loaded} : {self.render_const(0, dtype)})"
 
   def render_store(self, buffer: str, index: str, value: str, dtype: DType) -> str:
-    return f"{buffer}[{index}] = {value};"
+    return self.write_element(buffer, index, value, dtype)
 
   def render_alu(self, op: Ops, dtype: DType, operands: list[str], operand_dtypes: list[DType]) -> str:
     a = operands[0]
@@ -75,9 +89,11 @@ class CStyleLanguage(Renderer):
       if dtype.is_float: return f"((({a})!=({a}) || ({a})>({b})) ? ({a}) : ({b}))"  # NaN wins, as in PyTorch
       return f"((({a})>({b})) ? ({a}) : ({b}))"
     if op in (Ops.IDIV, Ops.MOD):
+      # x/0 and MIN/-1 trap the process on x86: give 0 for a zero divisor, and negate (wrapping) for -1
       symbol = "/" if op is Ops.IDIV else "%"
-      if b.lstrip("-").isdigit() and int(b) != 0: return f"({a}{symbol}{b})"
-      return f"(({b}) == 0 ? 0 : ({a}){symbol}({b}))"  # integer x/0 would trap the process
+      if b.lstrip("-").isdigit() and int(b) not in (0, -1): return f"({a}{symbol}{b})"
+      minus_one = (f"({b}) == -1 ? " + (f"-({a}) : " if op is Ops.IDIV else "0 : ")) if not dtype.is_unsigned else ""
+      return f"(({b}) == 0 ? 0 : {minus_one}({a}){symbol}({b}))"
     if op is Ops.WHERE: return f"({a} ? {b} : {operands[2]})"
     symbols = {Ops.ADD: "+", Ops.MUL: "*", Ops.CMPLT: "<", Ops.CMPNE: "!=", Ops.AND: "&", Ops.OR: "|",
                Ops.XOR: "^", Ops.SHL: "<<", Ops.SHR: ">>"}
@@ -92,7 +108,7 @@ class CStyleLanguage(Renderer):
   def render_param(self, uop: UOp, name: str) -> str:
     index, is_output = uop.arg
     const = "" if is_output else "const "
-    return f"{self.buffer_prefix}{const}{self.render_dtype(uop.dtype)}*{self.buffer_suffix} {name}"
+    return f"{self.buffer_prefix}{const}{self.memory_type(uop.dtype)}*{self.buffer_suffix} {name}"
 
   # ---------------------------------------------------------------- the walk over the UOps
 
@@ -162,7 +178,10 @@ class CStyleLanguage(Renderer):
     operands = [ref(src) for src in uop.srcs]
     if uop.op is UOps.CAST: return self.render_cast(operands[0], uop.srcs[0].dtype, uop.dtype)
     if uop.op is UOps.BITCAST: return self.render_bitcast(operands[0], uop.srcs[0].dtype, uop.dtype)
-    return self.render_alu(uop.arg, uop.dtype, operands, [src.dtype for src in uop.srcs])
+    expression = self.render_alu(uop.arg, uop.dtype, operands, [src.dtype for src in uop.srcs])
+    # C computes narrow integers as int: wrap the result back to its own type before anything else reads it
+    if uop.dtype in NARROW_INTS: expression = f"(({self.render_dtype(uop.dtype)}){expression})"
+    return expression
 
   def render_special(self, arg: tuple) -> str: raise NotImplementedError
 
@@ -215,23 +234,19 @@ static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16
     if "bf16_" not in source: return source
     return source.replace(self.preamble, self.preamble + self.bfloat16_helpers, 1)
 
-  def render_param(self, uop: UOp, name: str) -> str:
-    if uop.dtype != dtypes.bfloat16: return super().render_param(uop, name)
-    const = "" if uop.arg[1] else "const "
-    return f"{const}unsigned short* restrict {name}"
+  def memory_type(self, dtype: DType) -> str:
+    return "unsigned short" if dtype == dtypes.bfloat16 else super().memory_type(dtype)
 
-  def render_load(self, buffer: str, index: str, valid: str | None, dtype: DType) -> str:
-    if dtype != dtypes.bfloat16: return super().render_load(buffer, index, valid, dtype)
-    loaded = f"bf16_to_float({buffer}[{index}])"
-    return loaded if valid is None else f"(({valid}) ? {loaded} : 0.0f)"
+  def read_element(self, buffer: str, index: str, dtype: DType) -> str:
+    if dtype == dtypes.bfloat16: return f"bf16_to_float({buffer}[{index}])"
+    return super().read_element(buffer, index, dtype)
 
-  def render_store(self, buffer: str, index: str, value: str, dtype: DType) -> str:
-    if dtype != dtypes.bfloat16: return super().render_store(buffer, index, value, dtype)
-    return f"{buffer}[{index}] = float_to_bf16({value});"
+  def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
+    if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
+    return super().write_element(buffer, index, value, dtype)
 
-  def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
-    if to_dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
-    return super().render_cast(value, from_dtype, to_dtype)
+  def round_to(self, dtype: DType, value: str) -> str | None:
+    return f"bf16_round((float)({value}))" if dtype == dtypes.bfloat16 else None
 
   def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     if dtypes.bfloat16 in (from_dtype, to_dtype):
@@ -275,27 +290,22 @@ class OpenCLRenderer(CStyleLanguage):
     if dtype == dtypes.uint64: return f"((ulong){int(value)}ul)"
     return super().render_const(value, dtype)
 
-  def render_param(self, uop: UOp, name: str) -> str:
-    const = "" if uop.arg[1] else "const "
-    return f"{self.buffer_prefix}{const}{self.memory_type(uop.dtype)}*{self.buffer_suffix} {name}"
+  def read_element(self, buffer: str, index: str, dtype: DType) -> str:
+    if dtype == dtypes.bool: return f"({buffer}[{index}] != 0)"
+    if dtype == dtypes.float16: return f"vload_half({index}, {buffer})"
+    if dtype == dtypes.bfloat16: return f"as_float(((uint){buffer}[{index}]) << 16)"
+    return super().read_element(buffer, index, dtype)
 
-  def render_load(self, buffer: str, index: str, valid: str | None, dtype: DType) -> str:
-    loaded = f"{buffer}[{index}]"
-    if dtype == dtypes.bool: loaded = f"({loaded} != 0)"
-    if dtype == dtypes.float16: loaded = f"vload_half({index}, {buffer})"
-    if dtype == dtypes.bfloat16: loaded = f"as_float(((uint){loaded}) << 16)"
-    return loaded if valid is None else f"(({valid}) ? {loaded} : {self.render_const(0, dtype)})"
-
-  def render_store(self, buffer: str, index: str, value: str, dtype: DType) -> str:
+  def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
     if dtype == dtypes.bool: return f"{buffer}[{index}] = (uchar)({value});"
-    if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
     if dtype == dtypes.float16: return f"vstore_half_rte({value}, {index}, {buffer});"
-    return f"{buffer}[{index}] = {value};"
+    if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
+    return super().write_element(buffer, index, value, dtype)
 
-  def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
-    if to_dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
-    if to_dtype == dtypes.float16: return f"half_round((float)({value}))"
-    return super().render_cast(value, from_dtype, to_dtype)
+  def round_to(self, dtype: DType, value: str) -> str | None:
+    if dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
+    if dtype == dtypes.float16: return f"half_round((float)({value}))"
+    return None
 
   def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     if {from_dtype, to_dtype} & {dtypes.bfloat16, dtypes.float16, dtypes.bool}:
@@ -341,9 +351,7 @@ class CUDARenderer(CStyleLanguage):
   def render_dtype(self, dtype: DType) -> str:
     return "float" if dtype in (dtypes.float16, dtypes.bfloat16) else dtype.c_name
 
-  def render_param(self, uop: UOp, name: str) -> str:
-    const = "" if uop.arg[1] else "const "
-    return f"{const}{self.storage_names.get(uop.dtype.name, uop.dtype.c_name)}*{self.buffer_suffix} {name}"
+  def memory_type(self, dtype: DType) -> str: return self.storage_names.get(dtype.name, dtype.c_name)
 
   def render_const(self, value: float | int | bool, dtype: DType) -> str:
     if dtype.is_float and not math.isfinite(value):
@@ -355,21 +363,20 @@ class CUDARenderer(CStyleLanguage):
     if dtype in (dtypes.float16, dtypes.bfloat16): return super().render_const(value, dtypes.float32)
     return super().render_const(value, dtype)
 
-  def render_load(self, buffer: str, index: str, valid: str | None, dtype: DType) -> str:
-    loaded = f"{buffer}[{index}]"
-    if dtype == dtypes.float16: loaded = f"half_to_float({loaded})"
-    if dtype == dtypes.bfloat16: loaded = f"__uint_as_float(((unsigned int){loaded}) << 16)"
-    return loaded if valid is None else f"(({valid}) ? {loaded} : {self.render_const(0, dtype)})"
+  def read_element(self, buffer: str, index: str, dtype: DType) -> str:
+    if dtype == dtypes.float16: return f"half_to_float({buffer}[{index}])"
+    if dtype == dtypes.bfloat16: return f"__uint_as_float(((unsigned int){buffer}[{index}]) << 16)"
+    return super().read_element(buffer, index, dtype)
 
-  def render_store(self, buffer: str, index: str, value: str, dtype: DType) -> str:
+  def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
     if dtype == dtypes.float16: return f"{buffer}[{index}] = float_to_half({value});"
     if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
-    return f"{buffer}[{index}] = {value};"
+    return super().write_element(buffer, index, value, dtype)
 
-  def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
-    if to_dtype == dtypes.float16: return f"half_to_float(float_to_half((float)({value})))"
-    if to_dtype == dtypes.bfloat16: return f"__uint_as_float(((unsigned int)float_to_bf16((float)({value}))) << 16)"
-    return super().render_cast(value, from_dtype, to_dtype)
+  def round_to(self, dtype: DType, value: str) -> str | None:
+    if dtype == dtypes.float16: return f"half_to_float(float_to_half((float)({value})))"
+    if dtype == dtypes.bfloat16: return f"__uint_as_float(((unsigned int)float_to_bf16((float)({value}))) << 16)"
+    return None
 
   def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     if {from_dtype, to_dtype} & {dtypes.bfloat16, dtypes.float16, dtypes.bool}:

@@ -24,7 +24,8 @@ from ourgrad.renderer.cstyle import ClangRenderer
 # thread it waits for needs (measured: a 256K-element kernel took 25-30 ms spinning, 4.5 ms passive, under load).
 # Set before the first kernel loads the OpenMP runtime; the user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", "-fopenmp", "-lm"]
+# -fwrapv: signed integer overflow wraps around (two's complement), as the UOp contract and PyTorch's CPU kernels do
+COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", "-fwrapv", "-fopenmp", "-lm"]
 
 
 def find_c_compiler() -> str:
