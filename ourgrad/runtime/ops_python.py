@@ -1,0 +1,544 @@
+"""The PYTHON device: no compiler; kernels are interpreted from their UOps with numpy.
+
+It lets CI run the GPU-only code paths (thread blocks now; shared memory, barriers and tensor cores later) on any
+machine, and it is an executable reference for what the UOps mean (the contract in `ourgrad/codegen/uops.py`).
+
+- `PythonRenderer` serializes a kernel's UOp list to JSON text, one UOp per line: the "source" (DEBUG=4 prints it).
+- `PythonCompiler` passes that text through as bytes: there is nothing to compile.
+- `PythonProgram` parses the text back (plain JSON, no eval) and runs the kernel for every (block, thread) at once:
+  each value is a numpy array with one entry per thread (or a 0-d array when it is the same in every thread).
+  RANGE loops run in Python, one iteration at a time; a reduce loop (its only effects are ACCUMULATEs) runs a chunk
+  of iterations at once and folds them in loop order, which gives the same numbers much faster. Loads and stores
+  are bounds-checked, so a bad index is an error, not a silent read.
+
+Numbers follow the contract exactly: C integer division and modulo (a zero divisor gives 0), two's-complement
+wraparound, NaN-propagating MAX, C casts. float16 values are numpy float16 (each op rounds to half); bfloat16
+values are float32 in registers, rounded to bfloat16 (nearest even) by CAST and STORE, and kept in memory as the
+upper 16 bits of a float32, as the C renderers do.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.device import Compiled, Compiler, HostAllocator
+from ourgrad.dtype import DType, dtypes, truncate
+from ourgrad.errors import CompileError, DeviceError
+from ourgrad.ops import Ops
+from ourgrad.renderer import Renderer
+
+PROGRAM_FORMAT = "ourgrad-python-uops-v1"
+DTYPES_BY_NAME: dict[str, DType] = {dtype.name: dtype for dtype in dtypes.all()}
+# reduce loops run this many (iteration, thread) values at a time; below 2 iterations per chunk they run one by one
+LOOP_CHUNK_ELEMENTS = 1 << 18
+
+
+# ---------------------------------------------------------------- serializing UOps (the "source")
+
+def encode_arg(arg: Any) -> Any:
+  """A UOp argument as JSON data: Ops members become {"alu": name}, non-finite floats {"float": "inf"|"-inf"|"nan"},
+  tuples become lists (no other argument is a list, so decoding turns every list back into a tuple)."""
+  if isinstance(arg, np.generic): arg = arg.item()
+  if isinstance(arg, Ops): return {"alu": arg.name}
+  if arg is None or isinstance(arg, (bool, int, str)): return arg
+  if isinstance(arg, float):
+    if math.isfinite(arg): return arg  # json writes repr(float), which reads back to the same float
+    return {"float": "nan" if math.isnan(arg) else ("inf" if arg > 0 else "-inf")}
+  if isinstance(arg, tuple): return [encode_arg(item) for item in arg]
+  raise NotImplementedError(f"the PYTHON renderer cannot serialize a UOp argument of type {type(arg).__name__}: "
+                            f"{arg!r}")
+
+
+def decode_arg(data: Any) -> Any:
+  """The inverse of `encode_arg`; rejects anything it did not produce."""
+  if data is None or isinstance(data, (bool, int, float, str)): return data
+  if isinstance(data, list): return tuple(decode_arg(item) for item in data)
+  if isinstance(data, dict) and len(data) == 1:
+    if "alu" in data and data["alu"] in Ops.__members__: return Ops[data["alu"]]
+    if "float" in data and data["float"] in ("inf", "-inf", "nan"): return float(data["float"])
+  raise CompileError(f"PYTHON program: cannot decode UOp argument {data!r}")
+
+
+class PythonRenderer(Renderer):
+  """Renders UOps as JSON, one UOp per line: `[position, op, dtype, [source positions], arg]`.
+
+  The text is deterministic (the compile cache keys on it) and is the whole program: the interpreter needs
+  nothing else. GPU-like: global axes become block indices and LOCAL opts become thread indices."""
+  device = "PYTHON"
+  has_threads = True
+  max_threads = 128
+
+  def render(self, name: str, uops: list[UOp]) -> str:
+    position = {id(uop): index for index, uop in enumerate(uops)}
+    lines = []
+    for index, uop in enumerate(uops):
+      srcs = [position[id(src)] for src in uop.srcs]
+      entry = [index, uop.op.name, uop.dtype.name if uop.dtype is not None else None, srcs, encode_arg(uop.arg)]
+      lines.append(json.dumps(entry, allow_nan=False))
+    header = json.dumps({"format": PROGRAM_FORMAT, "name": name})[:-1]  # left open: the uops follow
+    return header + ', "uops": [\n' + ",\n".join(lines) + "\n]}\n"
+
+
+class PythonCompiler(Compiler):
+  """Nothing to compile: the serialized UOps are the binary."""
+  cache_key = "python v1"
+
+  def compile(self, source: str) -> bytes: return source.encode()
+
+
+# ---------------------------------------------------------------- parsing the program back
+
+@dataclass(frozen=True)
+class Instruction:
+  """One decoded UOp: sources are positions of earlier instructions."""
+  op: UOps
+  dtype: DType | None
+  srcs: tuple[int, ...]
+  arg: Any
+
+
+def _reject_constant(name: str) -> Any:
+  raise CompileError(f"PYTHON program: non-standard JSON constant {name}")
+
+
+def parse_program(text: str) -> tuple[str, list[Instruction]]:
+  """(kernel name, instructions) from `PythonRenderer.render` output, checking that it is well formed."""
+  try:
+    document = json.loads(text, parse_constant=_reject_constant)
+  except json.JSONDecodeError as error:
+    raise CompileError(f"PYTHON program is not valid JSON: {error}") from None
+  if not isinstance(document, dict) or document.get("format") != PROGRAM_FORMAT:
+    raise CompileError(f"PYTHON program: expected format {PROGRAM_FORMAT!r}")
+  instructions: list[Instruction] = []
+  for index, entry in enumerate(document.get("uops", [])):
+    if not (isinstance(entry, list) and len(entry) == 5 and entry[0] == index):
+      raise CompileError(f"PYTHON program: malformed uop {index}: {entry!r}")
+    _, op_name, dtype_name, srcs, arg = entry
+    if op_name not in UOps.__members__: raise CompileError(f"PYTHON program: unknown uop {op_name!r}")
+    if dtype_name is not None and dtype_name not in DTYPES_BY_NAME:
+      raise CompileError(f"PYTHON program: unknown dtype {dtype_name!r}")
+    if not (isinstance(srcs, list) and all(isinstance(src, int) and 0 <= src < index for src in srcs)):
+      raise CompileError(f"PYTHON program: uop {index} has sources {srcs!r} that are not earlier uops")
+    dtype = DTYPES_BY_NAME[dtype_name] if dtype_name is not None else None
+    instructions.append(Instruction(UOps[op_name], dtype, tuple(srcs), decode_arg(arg)))
+  return str(document.get("name", "")), instructions
+
+
+def match_loops(instructions: list[Instruction]) -> dict[int, int]:
+  """Position of each RANGE -> position of its ENDRANGE; loops must nest properly."""
+  ends: dict[int, int] = {}
+  open_loops: list[int] = []
+  for index, instruction in enumerate(instructions):
+    if instruction.op is UOps.RANGE:
+      if len(instruction.srcs) != 2: raise CompileError(f"PYTHON program: RANGE at {index} needs (start, end)")
+      open_loops.append(index)
+    elif instruction.op is UOps.ENDRANGE:
+      if not open_loops or instruction.srcs[:1] != (open_loops[-1],):
+        raise CompileError(f"PYTHON program: ENDRANGE at {index} does not close the innermost open loop")
+      ends[open_loops.pop()] = index
+  if open_loops: raise CompileError(f"PYTHON program: loops opened at {open_loops} are never closed")
+  return ends
+
+
+def vectorizable_loops(instructions: list[Instruction], loop_ends: dict[int, int]) -> dict[int, list[int]]:
+  """RANGE position -> the chain of loops (outer to inner) that can run all iterations at once.
+
+  A loop whose only effects are ACCUMULATEs (a reduce loop) need not run one iteration at a time: its body can be
+  evaluated for a chunk of iterations together (each value gets an iteration axis) and the accumulated values
+  folded afterwards in iteration order, which gives the same numbers. That holds when the body stores nothing,
+  declares no accumulator, never reads an accumulator's running value, keeps its values to itself, and nests its
+  loops as one chain with every ACCUMULATE in the innermost body (so the order of the accumulations is the
+  flattened iteration order)."""
+  result: dict[int, list[int]] = {}
+  for start, end in loop_ends.items():
+    chain, closed, accumulate_ops = [start], False, {}
+    eligible = True
+    for position in range(start + 1, end):
+      instruction = instructions[position]
+      op = instruction.op
+      if op in (UOps.STORE, UOps.DEFINE_ACC, UOps.DEFINE_GLOBAL): eligible = False
+      elif op is UOps.RANGE:
+        # a loop after an inner one closed is a sibling, not a chain; bounds must be known before the block runs
+        eligible = not closed and all(instructions[src].op is UOps.CONST for src in instruction.srcs)
+        chain.append(position)
+      elif op is UOps.ENDRANGE: closed = True
+      elif op is UOps.ACCUMULATE:
+        accumulator = instruction.srcs[0]
+        # every accumulation in the innermost body, and one kind of accumulation per accumulator
+        eligible = not closed and instruction.arg in (Ops.ADD, Ops.MAX) and \
+          instruction.arg is accumulate_ops.setdefault(accumulator, instruction.arg)
+      for operand_number, src in enumerate(instruction.srcs):
+        src_op = instructions[src].op
+        reads_accumulator = src_op is UOps.DEFINE_ACC and not (op is UOps.ACCUMULATE and operand_number == 0)
+        if reads_accumulator or src_op is UOps.ACCUMULATE: eligible = False
+      if not eligible: break
+    # a value of the body used after the loop (constants excepted: they are loop-invariant and kept)
+    if eligible and any(start < src < end and instructions[src].op is not UOps.CONST
+                        for later in instructions[end + 1:] for src in later.srcs):
+      eligible = False
+    if eligible: result[start] = chain
+  return result
+
+
+# ---------------------------------------------------------------- value representation
+
+def compute_dtype(dtype: DType) -> np.dtype:
+  """The numpy dtype a value of `dtype` is held in while computing (bfloat16 computes in float32)."""
+  return np.dtype(np.float32 if dtype == dtypes.bfloat16 else dtype.np)
+
+
+def memory_dtype(dtype: DType) -> np.dtype:
+  """The numpy dtype a buffer of `dtype` is viewed as (bfloat16 as its raw uint16 bits)."""
+  return np.dtype(np.uint16 if dtype == dtypes.bfloat16 else dtype.np)
+
+
+def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+  """Round float32 values to bfloat16, nearest even, and return the 16 bits (NaN stays a quiet NaN)."""
+  bits = np.asarray(values, dtype=np.float32).view(np.uint32)
+  is_nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+  # adding 0x7fff plus the lowest kept bit rounds to nearest, ties to even; a carry correctly rounds up to inf
+  rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+  result = np.where(is_nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded >> np.uint32(16))
+  return result.astype(np.uint16)
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+  return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def round_to_bfloat16(values: np.ndarray) -> np.ndarray:
+  """float32 values rounded to the nearest bfloat16, still as float32."""
+  return bfloat16_bits_to_float32(float32_to_bfloat16_bits(values))
+
+
+def to_memory(values: np.ndarray, dtype: DType) -> np.ndarray:
+  """Register values of `dtype` -> what a buffer of `dtype` stores."""
+  if dtype == dtypes.bfloat16: return float32_to_bfloat16_bits(values)
+  return np.asarray(values).astype(memory_dtype(dtype), copy=False)
+
+
+def from_memory(values: np.ndarray, dtype: DType) -> np.ndarray:
+  """What a buffer of `dtype` stores -> register values."""
+  if dtype == dtypes.bfloat16: return bfloat16_bits_to_float32(values)
+  return values
+
+
+# ---------------------------------------------------------------- ALU semantics, vectorized
+
+def _c_divide(dtype: np.dtype, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """Integer a / b as in C: truncate toward zero; a zero divisor gives 0 (hardware would trap)."""
+  a, b = np.asarray(a, dtype), np.asarray(b, dtype)
+  zero = b == 0
+  safe_b = np.where(zero, np.ones((), dtype), b)
+  # a - fmod(a, b) is an exact multiple of b, so floor division of it truncates; INT_MIN / -1 wraps to INT_MIN
+  quotient = (a - np.fmod(a, safe_b)) // safe_b if dtype.kind == "i" else a // safe_b
+  return np.where(zero, np.zeros((), dtype), quotient)
+
+
+def _c_modulo(dtype: np.dtype, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """Integer a % b as in C: the remainder has the dividend's sign; a zero divisor gives 0."""
+  a, b = np.asarray(a, dtype), np.asarray(b, dtype)
+  zero = b == 0
+  return np.where(zero, np.zeros((), dtype), np.fmod(a, np.where(zero, np.ones((), dtype), b)))
+
+
+def _integer_only(op: Ops, function: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+  def checked(dtype: np.dtype, *operands: np.ndarray) -> np.ndarray:
+    if dtype.kind not in "iu": raise DeviceError(f"PYTHON device: {op.name} is defined on integers, not {dtype}")
+    return function(dtype, *operands)
+  return checked
+
+
+def _shift(function: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
+  # the shift amount takes the shifted value's dtype, as C converts it
+  return lambda dtype, a, b: function(np.asarray(a, dtype), np.asarray(b).astype(dtype))
+
+
+def _negate(dtype: np.dtype, a: np.ndarray) -> np.ndarray:
+  return np.logical_not(a) if dtype == np.bool_ else np.negative(np.asarray(a, dtype))
+
+
+def _add(dtype: np.dtype, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  return np.logical_or(a, b) if dtype == np.bool_ else np.add(a, b)
+
+
+def _multiply(dtype: np.dtype, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  return np.logical_and(a, b) if dtype == np.bool_ else np.multiply(a, b)
+
+
+def _float_only(op: Ops, function: Callable[[np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
+  def checked(dtype: np.dtype, a: np.ndarray) -> np.ndarray:
+    if dtype.kind != "f": raise DeviceError(f"PYTHON device: {op.name} is defined on floats, not {dtype}")
+    return function(np.asarray(a, dtype))
+  return checked
+
+
+# each takes (result numpy dtype, *operands) and returns values the caller converts to the result dtype
+ALU_FUNCTIONS: dict[Ops, Callable[..., np.ndarray]] = {
+  Ops.EXP2: _float_only(Ops.EXP2, np.exp2),
+  Ops.LOG2: _float_only(Ops.LOG2, np.log2),
+  Ops.SIN: _float_only(Ops.SIN, np.sin),
+  Ops.SQRT: _float_only(Ops.SQRT, np.sqrt),
+  Ops.RECIP: _float_only(Ops.RECIP, np.reciprocal),
+  Ops.NEG: _negate,
+  Ops.ADD: _add,
+  Ops.MUL: _multiply,
+  Ops.IDIV: _integer_only(Ops.IDIV, _c_divide),
+  Ops.MOD: _integer_only(Ops.MOD, _c_modulo),
+  Ops.MAX: lambda dtype, a, b: np.maximum(a, b),  # np.maximum propagates NaN, as the contract's MAX does
+  Ops.CMPLT: lambda dtype, a, b: np.less(a, b),
+  Ops.CMPNE: lambda dtype, a, b: np.not_equal(a, b),
+  Ops.AND: lambda dtype, a, b: np.bitwise_and(a, b),
+  Ops.OR: lambda dtype, a, b: np.bitwise_or(a, b),
+  Ops.XOR: lambda dtype, a, b: np.bitwise_xor(a, b),
+  Ops.SHL: _shift(np.left_shift),
+  Ops.SHR: _shift(np.right_shift),
+  Ops.WHERE: lambda dtype, cond, a, b: np.where(np.asarray(cond, bool), a, b),
+  Ops.MULACC: lambda dtype, a, b, c: _add(dtype, _multiply(dtype, a, b).astype(dtype, copy=False), c),
+}
+
+
+def execute_alu(op: Ops, dtype: DType, operands: list[np.ndarray]) -> np.ndarray:
+  """`op` on numpy operands, the result held in `dtype`'s compute dtype."""
+  if op not in ALU_FUNCTIONS: raise DeviceError(f"PYTHON device: no implementation of ALU op {op.name}")
+  result_dtype = compute_dtype(dtype)
+  # comparisons take their operands' dtype; everything else computes in the result dtype, as C converts operands
+  if op not in (Ops.CMPLT, Ops.CMPNE, Ops.WHERE):
+    operands = [np.asarray(operand).astype(result_dtype, copy=False) for operand in operands]
+  elif op is Ops.WHERE:
+    operands = [operands[0]] + [np.asarray(operand).astype(result_dtype, copy=False) for operand in operands[1:]]
+  return np.asarray(ALU_FUNCTIONS[op](result_dtype, *operands)).astype(result_dtype, copy=False)
+
+
+def cast(values: np.ndarray, from_dtype: DType, to_dtype: DType) -> np.ndarray:
+  """C value conversion: float -> int truncates toward zero, x -> bool is x != 0, float -> half/bfloat16 rounds
+  to nearest even (to bfloat16 through float32, as the C renderers do)."""
+  values = np.asarray(values)
+  if to_dtype == dtypes.bool: return values != 0
+  if to_dtype == dtypes.bfloat16: return round_to_bfloat16(values.astype(np.float32))
+  return values.astype(compute_dtype(to_dtype))  # numpy's float -> int conversion truncates, like C
+
+
+def bitcast(values: np.ndarray, from_dtype: DType, to_dtype: DType) -> np.ndarray:
+  """Reinterpret the bits; bfloat16 is rounded to its 16 bits first (its registers hold float32)."""
+  if from_dtype.itemsize != to_dtype.itemsize:
+    raise DeviceError(f"PYTHON device: BITCAST from {from_dtype.name} to {to_dtype.name} changes the size")
+  bits = to_memory(values, from_dtype)
+  return from_memory(np.ascontiguousarray(bits).view(memory_dtype(to_dtype)), to_dtype)
+
+
+# ---------------------------------------------------------------- the interpreter
+
+class PythonProgram:
+  """A kernel's UOps, run for all threads at once with numpy. Called like any device program:
+  `program(*buffers, global_size=(bx, by, bz), local_size=(tx, ty, tz), wait=False)`."""
+
+  def __init__(self, name: str, binary: bytes):
+    self.name = name
+    _, self.instructions = parse_program(binary.decode())
+    self.loop_ends = match_loops(self.instructions)
+    self.vectorizable = vectorizable_loops(self.instructions, self.loop_ends)
+
+  def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (1, 1, 1),
+               local_size: tuple[int, ...] = (1, 1, 1), wait: bool = False) -> float | None:
+    start = time.perf_counter()
+    with np.errstate(all="ignore"):  # wraparound, inf and NaN are intended results here, not accidents
+      Interpreter(self, buffers, tuple(global_size), tuple(local_size)).run()
+    return time.perf_counter() - start if wait else None
+
+
+def _pad3(sizes: tuple[int, ...]) -> tuple[int, int, int]:
+  padded = tuple(sizes) + (1,) * (3 - len(sizes))
+  return int(padded[0]), int(padded[1]), int(padded[2])
+
+
+class Interpreter:
+  """One launch of a PythonProgram. `values[i]` holds the current value of instruction i: a numpy array of one
+  entry per thread, or 0-d when uniform; DEFINE_GLOBAL holds the buffer's typed view; a RANGE holds its counter
+  and a DEFINE_ACC the accumulator's current value."""
+
+  def __init__(self, program: PythonProgram, buffers: tuple[np.ndarray, ...], global_size: tuple[int, ...],
+               local_size: tuple[int, ...]):
+    self.program, self.buffers = program, buffers
+    self.global_size, self.local_size = _pad3(global_size), _pad3(local_size)
+    self.threads_per_block = math.prod(self.local_size)
+    self.thread_count = math.prod(self.global_size) * self.threads_per_block
+    self.values: list[Any] = [None] * len(program.instructions)
+
+  def error(self, position: int, message: str) -> DeviceError:
+    instruction = self.program.instructions[position]
+    return DeviceError(f"PYTHON kernel {self.program.name}, uop {position} ({instruction.op.name}): {message}")
+
+  def run(self) -> None:
+    instructions, values, loop_ends = self.program.instructions, self.values, self.program.loop_ends
+    open_loops: list[tuple[int, int]] = []  # (RANGE position, end) of the loops being iterated, innermost last
+    position = 0
+    while position < len(instructions):
+      instruction = instructions[position]
+      op = instruction.op
+      if op is UOps.RANGE:
+        begin, end = (int(values[src]) for src in instruction.srcs)
+        if begin >= end:
+          position = loop_ends[position] + 1
+          continue
+        if self.run_loops_at_once(position):
+          position = loop_ends[position] + 1
+          continue
+        values[position] = np.asarray(begin, dtype=compute_dtype(instruction.dtype))
+        open_loops.append((position, end))
+      elif op is UOps.ENDRANGE:
+        loop_position, end = open_loops[-1]
+        counter = int(values[loop_position]) + 1
+        if counter < end:
+          values[loop_position] = np.asarray(counter, dtype=values[loop_position].dtype)
+          position = loop_position + 1
+          continue
+        open_loops.pop()
+      else:
+        values[position] = self.execute(position, instruction)
+      position += 1
+
+  def run_loops_at_once(self, start: int) -> bool:
+    """Run the loop chain opened at `start` a chunk of iterations at a time (see `vectorizable_loops`); False
+    when it is not eligible or one iteration's values are already as big as a chunk."""
+    chain = self.program.vectorizable.get(start)
+    chunk = LOOP_CHUNK_ELEMENTS // max(self.thread_count, 1)
+    if chain is None or chunk < 2: return False
+    instructions, values = self.program.instructions, self.values
+    block = range(start + 1, self.program.loop_ends[start])
+    for position in block:  # constants first: inner loop bounds may be declared inside the block
+      if instructions[position].op is UOps.CONST: values[position] = self.execute(position, instructions[position])
+    bounds = [tuple(int(values[src]) for src in instructions[loop].srcs) for loop in chain]
+    sizes = [max(end - begin, 0) for begin, end in bounds]
+    strides = [math.prod(sizes[depth + 1:]) for depth in range(len(sizes))]  # the innermost loop varies fastest
+    total = math.prod(sizes)
+    body = [position for position in block if instructions[position].op not in (UOps.RANGE, UOps.ENDRANGE, UOps.CONST)]
+    for first in range(0, total, chunk):
+      iterations = np.arange(first, min(first + chunk, total), dtype=np.int64)
+      for loop, (begin, _), size, stride in zip(chain, bounds, sizes, strides):
+        counter = begin + (iterations // stride) % size
+        values[loop] = counter.astype(compute_dtype(instructions[loop].dtype))[:, None]  # axes: (iteration, thread)
+      accumulated: dict[int, tuple[Ops, list[np.ndarray]]] = {}  # accumulator -> (operation, values in order)
+      for position in body:
+        instruction = instructions[position]
+        if instruction.op is UOps.ACCUMULATE:
+          accumulator, value = instruction.srcs
+          accumulated.setdefault(accumulator, (instruction.arg, []))[1].append(values[value])
+        else:
+          values[position] = self.execute(position, instruction)
+      for accumulator, (operation, parts) in accumulated.items():
+        values[accumulator] = self.fold(accumulator, operation, parts, len(iterations))
+    for position in chain + body: values[position] = None  # free the chunk-sized arrays
+    return True
+
+  def fold(self, accumulator: int, operation: Ops, parts: list[np.ndarray], iteration_count: int) -> np.ndarray:
+    """The accumulator after applying `parts` (per iteration, in body order) one after another."""
+    dtype = self.program.instructions[accumulator].dtype
+    element = compute_dtype(dtype)
+    current = np.asarray(self.values[accumulator])
+    shape = np.broadcast_shapes((iteration_count, 1), current.shape, *(np.shape(part) for part in parts))
+    # (iteration, accumulation in the body, thread) flattened to the order a sequential run applies them in
+    sequence = np.stack([np.broadcast_to(np.asarray(part).astype(element, copy=False), shape) for part in parts], 1)
+    sequence = sequence.reshape(-1, shape[-1])
+    if operation is Ops.ADD and element.kind == "f":
+      # float addition is not associative: add strictly in order, rounding after each step as the loop does
+      total = np.array(np.broadcast_to(current, shape[-1:]), dtype=element)
+      if shape[-1] >= 64:  # many threads: one vector add per step is faster than numpy's accumulate
+        for row in sequence: np.add(total, row, out=total)
+        return total
+      return np.add.accumulate(np.concatenate([total[None], sequence]), axis=0)[-1]
+    # integer addition (wrapping), logical or, and max give the same result in any order
+    if operation is Ops.MAX: reduced = np.maximum.reduce(sequence, axis=0)
+    elif element == np.bool_: reduced = np.logical_or.reduce(sequence, axis=0)
+    else: reduced = np.add.reduce(sequence, axis=0, dtype=element)
+    return execute_alu(operation, dtype, [current, reduced])
+
+  def execute(self, position: int, instruction: Instruction) -> Any:
+    op, dtype, values = instruction.op, instruction.dtype, self.values
+    operands = [values[src] for src in instruction.srcs]
+    if op is UOps.ALU: return execute_alu(instruction.arg, dtype, operands)
+    if op is UOps.CONST: return np.asarray(truncate(dtype, instruction.arg), dtype=compute_dtype(dtype))
+    if op is UOps.LOAD: return self.load(position, instruction, *operands)
+    if op is UOps.STORE:
+      self.store(position, instruction, *operands)
+      return None
+    if op is UOps.CAST: return cast(operands[0], self.src_dtype(instruction), dtype)
+    if op is UOps.BITCAST: return bitcast(operands[0], self.src_dtype(instruction), dtype)
+    if op is UOps.SPECIAL: return self.special(position, instruction.arg)
+    if op is UOps.DEFINE_ACC: return np.asarray(truncate(dtype, instruction.arg), dtype=compute_dtype(dtype))
+    if op is UOps.ACCUMULATE:
+      accumulator_position = instruction.srcs[0]
+      accumulator_dtype = self.program.instructions[accumulator_position].dtype
+      if instruction.arg not in (Ops.ADD, Ops.MAX): raise self.error(position, f"cannot accumulate {instruction.arg}")
+      values[accumulator_position] = execute_alu(instruction.arg, accumulator_dtype, operands)
+      return values[accumulator_position]
+    if op is UOps.DEFINE_GLOBAL: return self.buffer_view(position, instruction)
+    raise self.error(position, "the PYTHON device does not implement this uop")
+
+  def src_dtype(self, instruction: Instruction) -> DType:
+    return self.program.instructions[instruction.srcs[0]].dtype
+
+  def buffer_view(self, position: int, instruction: Instruction) -> np.ndarray:
+    index = instruction.arg[0]
+    if index >= len(self.buffers): raise self.error(position, f"kernel argument {index} was not passed")
+    raw = self.buffers[index]
+    element = memory_dtype(instruction.dtype)
+    usable = len(raw) - len(raw) % element.itemsize  # an empty buffer is allocated as 1 byte
+    return raw[:usable].view(element)
+
+  def special(self, position: int, arg: tuple) -> np.ndarray:
+    """Block or thread index along one launch dimension of every thread: the flat thread id runs over blocks
+    (major) then threads in a block (minor), x varying fastest in each."""
+    name, _, dimension = arg
+    flat = np.arange(self.thread_count, dtype=np.int64)
+    if name.startswith("gidx"): within, sizes = flat // self.threads_per_block, self.global_size
+    elif name.startswith("lidx"): within, sizes = flat % self.threads_per_block, self.local_size
+    else: raise self.error(position, f"unknown thread index {name!r}")
+    stride = math.prod(sizes[:dimension])
+    return ((within // stride) % sizes[dimension]).astype(np.int32)
+
+  def check_bounds(self, position: int, buffer: np.ndarray, index: np.ndarray, what: str) -> None:
+    if index.size == 0: return
+    low, high = int(index.min()), int(index.max())
+    if low < 0 or high >= buffer.size:
+      bad = low if low < 0 else high
+      raise self.error(position, f"{what} index {bad} outside the buffer of {buffer.size} elements")
+
+  def load(self, position: int, instruction: Instruction, buffer: np.ndarray, index: np.ndarray,
+           valid: np.ndarray | None = None) -> np.ndarray:
+    """Gather; where `valid` is false the result is 0 and memory is not touched (the index may be anything)."""
+    index = np.asarray(index, dtype=np.int64)
+    if valid is None:
+      self.check_bounds(position, buffer, index, "read at")
+      return from_memory(buffer[index], instruction.dtype)
+    valid = np.asarray(valid, dtype=bool)
+    safe_index = np.where(valid, index, 0)
+    if not valid.any(): gathered = np.zeros(safe_index.shape, buffer.dtype)
+    else:
+      self.check_bounds(position, buffer, safe_index, "read at")
+      gathered = np.where(valid, buffer[safe_index], np.zeros((), buffer.dtype))
+    return from_memory(gathered, instruction.dtype)
+
+  def store(self, position: int, instruction: Instruction, buffer: np.ndarray, index: np.ndarray, value: np.ndarray,
+            valid: np.ndarray | None = None) -> None:
+    """Scatter (where `valid`). Threads writing one address: the last thread wins, a GPU leaves it undefined."""
+    buffer_dtype = self.program.instructions[instruction.srcs[0]].dtype
+    value = to_memory(value, buffer_dtype)
+    index = np.asarray(index, dtype=np.int64)
+    if valid is None: index, value = (np.atleast_1d(array) for array in np.broadcast_arrays(index, value))
+    else:
+      index, value, valid = (np.atleast_1d(array) for array in np.broadcast_arrays(index, value, np.asarray(valid)))
+      valid = valid.astype(bool, copy=False)
+      index, value = index[valid], value[valid]
+    self.check_bounds(position, buffer, index, "write to")
+    buffer[index] = value
+
+
+def create_device(name: str) -> Compiled:
+  return Compiled(name, HostAllocator(), PythonRenderer(), PythonCompiler(), PythonProgram)
