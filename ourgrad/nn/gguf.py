@@ -1,0 +1,416 @@
+"""Reading GGUF files (llama.cpp's model format): `gguf_load(path)` -> (tensors, metadata).
+
+A GGUF file (versions 2 and 3; everything little-endian) is:
+
+- a header: the magic b"GGUF", the version (u32), the tensor count (u64) and the metadata key/value count (u64);
+- the metadata: key/value pairs, each a string key, a value type (u32) and a value. Value types are
+  u8/i8/u16/i16/u32/i32/u64/i64, f32/f64, bool (one byte, 0 or 1), string (u64 byte length + UTF-8 bytes) and
+  array (element type u32 + count u64 + the elements; arrays of arrays are allowed). Strings and the tensor names
+  below have the same layout;
+- the tensor infos: for each tensor its name, n_dims (u32), the dims (u64 each, innermost first, so the row-major
+  shape is their reverse), the ggml type (u32) and the byte offset of its data within the data section (u64, a
+  multiple of the alignment);
+- the data section, from the first multiple of the alignment (metadata `general.alignment`, default 32) at or after
+  the end of the tensor infos, to the end of the file.
+
+Tensors of type F32, F16 and BF16 load as windows of the memory-mapped file on the `DISK:<path>` device (see
+`ourgrad.nn.state.disk_tensor`): nothing is read until they are used. Block-quantized tensors are dequantized to
+float32 by ordinary Tensor ops on their raw bytes (a uint8 tensor copied from the file to a compute device), so
+the dequantization is lazy too and runs as a kernel on whatever device the tensors go to:
+
+- Q8_0: blocks of 32 values stored as 34 bytes, an f16 scale d and 32 int8 quants q; value = d * q;
+- Q4_1: blocks of 32 values stored as 20 bytes, an f16 scale d, an f16 minimum m and 16 bytes of 4-bit quants q;
+  value = d * q + m, where byte j holds element j in its low nibble and element j + 16 in its high nibble.
+
+The whole header is validated against the file before any tensor is made: every read is bounds-checked, counts
+and lengths are checked against the bytes left, and the tensors must be aligned, inside the data section and not
+overlap. Every problem raises `CheckpointError` naming the file.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import pathlib
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ourgrad.device import Device
+from ourgrad.dtype import DType, dtypes
+from ourgrad.nn.state import CheckpointError, disk_tensor
+from ourgrad.tensor import Tensor
+
+PathLike = str | os.PathLike
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+_MAX_NESTING = 64  # arrays of arrays deeper than this are corruption (and would exhaust the stack)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_HOST_LITTLE_ENDIAN = sys.byteorder == "little"  # F32/F16/BF16 data can then be used in place
+
+# metadata value types: id -> (name, little-endian numpy dtype of one value; None for string and array)
+_STRING, _ARRAY, _BOOL = 8, 9, 7
+_VALUE_TYPES: dict[int, tuple[str, np.dtype | None]] = {
+  0: ("UINT8", np.dtype("<u1")), 1: ("INT8", np.dtype("<i1")), 2: ("UINT16", np.dtype("<u2")),
+  3: ("INT16", np.dtype("<i2")), 4: ("UINT32", np.dtype("<u4")), 5: ("INT32", np.dtype("<i4")),
+  6: ("FLOAT32", np.dtype("<f4")), 7: ("BOOL", np.dtype("<u1")), 8: ("STRING", None), 9: ("ARRAY", None),
+  10: ("UINT64", np.dtype("<u8")), 11: ("INT64", np.dtype("<i8")), 12: ("FLOAT64", np.dtype("<f8")),
+}
+_INTEGER_TYPES = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
+
+# ggml tensor types by id, for error messages (ids 4 and 5 were Q4_2/Q4_3, removed from ggml)
+GGML_TYPE_NAMES: dict[int, str] = {
+  0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
+  12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
+  20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+  29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0",
+}
+GGML_F32, GGML_F16, GGML_Q4_1, GGML_Q8_0, GGML_BF16 = 0, 1, 3, 8, 30
+
+
+@dataclass(frozen=True)
+class _GGMLType:
+  """How a supported ggml type is stored: `block_size` values in `block_bytes` bytes (1 value per block for the
+  plain float types, whose `dtype` is the stored dtype)."""
+  name: str
+  block_size: int
+  block_bytes: int
+  dtype: DType | None = None  # None: quantized, dequantized to float32
+
+
+_SUPPORTED_TYPES: dict[int, _GGMLType] = {
+  GGML_F32: _GGMLType("F32", 1, 4, dtypes.float32),
+  GGML_F16: _GGMLType("F16", 1, 2, dtypes.float16),
+  GGML_BF16: _GGMLType("BF16", 1, 2, dtypes.bfloat16),
+  GGML_Q8_0: _GGMLType("Q8_0", 32, 34),
+  GGML_Q4_1: _GGMLType("Q4_1", 32, 20),
+}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+  """One tensor of a GGUF file: its row-major `shape` (the file's dims reversed), ggml type id, and byte range
+  [begin, end) within the data section."""
+  name: str
+  shape: tuple[int, ...]
+  ggml_type: int
+  begin: int
+  end: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+  """The validated header of a GGUF file."""
+  version: int
+  metadata: dict[str, Any]
+  tensors: list[GGUFTensorInfo]  # in file order
+  alignment: int
+  data_start: int  # absolute file offset of the data section
+  file_size: int
+
+
+def _type_name(type_id: int) -> str:
+  return f"{type_id} ({GGML_TYPE_NAMES[type_id]})" if type_id in GGML_TYPE_NAMES else f"{type_id} (unknown)"
+
+
+class _Reader:
+  """Bounds-checked little-endian reads from the start of a byte buffer (the memory-mapped file)."""
+
+  def __init__(self, path: pathlib.Path, data: Any, size: int):
+    self.path, self.data, self.size, self.pos = path, data, size, 0
+
+  def error(self, message: str) -> CheckpointError: return CheckpointError(f"{self.path}: {message}")
+
+  @property
+  def left(self) -> int: return self.size - self.pos
+
+  def take(self, nbytes: int, what: str) -> int:
+    """Claim the next `nbytes` bytes for `what`; returns their offset. CheckpointError if the file ends first."""
+    if nbytes > self.left:
+      raise self.error(f"truncated file: {what} needs {nbytes} bytes at byte {self.pos}, but the file has only "
+                       f"{self.left} bytes left ({self.size} in all)")
+    start = self.pos
+    self.pos += nbytes
+    return start
+
+  def bytes(self, nbytes: int, what: str) -> bytes:
+    """The next `nbytes` bytes, copied (so no view of the mapping outlives the read)."""
+    start = self.take(nbytes, what)
+    return bytes(self.data[start:start + nbytes])
+
+  def scalar(self, fmt: str, what: str) -> Any:
+    return struct.unpack_from("<" + fmt, self.data, self.take(struct.calcsize(fmt), what))[0]
+
+  def u32(self, what: str) -> int: return self.scalar("I", what)
+
+  def u64(self, what: str) -> int: return self.scalar("Q", what)
+
+  def string(self, what: str) -> str:
+    length = self.u64(f"the length of {what}")
+    if length > self.left:
+      raise self.error(f"{what} at byte {self.pos - 8} claims {length} bytes, but the file has only {self.left} "
+                       f"bytes left (corrupt or truncated file)")
+    start = self.pos
+    try:
+      return self.bytes(length, what).decode("utf-8")
+    except UnicodeDecodeError as error:
+      raise self.error(f"{what} at byte {start} is not valid UTF-8 ({error})") from None
+
+  def strings(self, count: int, what: str) -> list[str]:
+    """`count` strings in a row (a vocabulary: tens of thousands), read by a tight loop; an element that is not
+    well-formed is read again by `string`, which raises the error for it."""
+    data, end, pos = self.data, self.size, self.pos
+    unpack = struct.Struct("<Q").unpack_from
+    result: list[str] = []
+    try:
+      for _ in range(count):
+        if end - pos < 8: break
+        length = unpack(data, pos)[0]
+        if length > end - pos - 8: break
+        result.append(data[pos + 8:pos + 8 + length].decode("utf-8"))
+        pos += 8 + length
+    except UnicodeDecodeError:
+      pass
+    self.pos = pos
+    if len(result) < count:
+      self.string(f"{what}[{len(result)}]")  # raises the error for the element that stopped the loop
+      raise self.error(f"{what}[{len(result)}] cannot be read")  # not reached
+    return result
+
+  def value(self, type_id: int, what: str, depth: int = 0) -> Any:
+    """One metadata value of type `type_id` as a Python object (arrays as lists)."""
+    if type_id not in _VALUE_TYPES:
+      raise self.error(f"{what} has unknown metadata value type {type_id} (known: 0..12)")
+    dt = _VALUE_TYPES[type_id][1]
+    if type_id == _STRING: return self.string(what)
+    if type_id == _ARRAY: return self.array(what, depth + 1)
+    assert dt is not None
+    value = np.frombuffer(self.bytes(dt.itemsize, what), dtype=dt)[0].item()
+    if type_id == _BOOL:
+      if value > 1: raise self.error(f"{what} is a bool stored as byte {value}, not 0 or 1")
+      return bool(value)
+    return value
+
+  def array(self, what: str, depth: int) -> list[Any]:
+    if depth > _MAX_NESTING: raise self.error(f"{what}: arrays nested more than {_MAX_NESTING} deep")
+    start = self.pos
+    item_type = self.u32(f"the element type of {what}")
+    count = self.u64(f"the length of {what}")
+    if item_type not in _VALUE_TYPES:
+      raise self.error(f"{what} (array at byte {start}) has unknown element type {item_type} (known: 0..12)")
+    name, dt = _VALUE_TYPES[item_type]
+    # the least each element can take: its size, a string's length field, an array's type and count
+    least = dt.itemsize if dt is not None else 8 if item_type == _STRING else 12
+    if count * least > self.left:
+      raise self.error(f"{what} (array at byte {start}) claims {count} {name} elements, at least {count * least} "
+                       f"bytes, but the file has only {self.left} bytes left (corrupt or truncated file)")
+    if item_type == _STRING: return self.strings(count, what)
+    if dt is None:
+      return [self.value(item_type, f"{what}[{index}]", depth) for index in range(count)]
+    values = np.frombuffer(self.bytes(count * dt.itemsize, what), dtype=dt)
+    if item_type == _BOOL:
+      if count and int(values.max()) > 1:
+        raise self.error(f"{what}: a bool array holds byte {int(values.max())}, not 0 or 1")
+      return [bool(value) for value in values.tolist()]
+    return values.tolist()
+
+
+def _not_gguf_hint(head: bytes) -> str:
+  """A guess at what a file with the wrong magic is, for the error message."""
+  if head[:4] in (b"lmgg", b"fmgg", b"tjgg"): return "; it looks like a legacy GGML/GGJT file, which is not supported"
+  if len(head) >= 9 and head[8:9] == b"{": return "; it looks like a safetensors file (use ourgrad.nn.state.safe_load)"
+  if head[:2] == b"PK": return "; it looks like a zip archive (torch.save? use ourgrad.nn.state.torch_load)"
+  return ""
+
+
+def _parse_header(path: pathlib.Path, data: Any, size: int) -> GGUFHeader:
+  reader = _Reader(path, data, size)
+  head = bytes(data[:16])
+  if size < 4 and GGUF_MAGIC.startswith(head):
+    raise reader.error(f"truncated file: {size} bytes, fewer than the 4-byte magic {GGUF_MAGIC!r} of a GGUF file")
+  if size < 4 or head[:4] != GGUF_MAGIC:
+    raise reader.error(f"not a GGUF file: it starts with {head[:4]!r}, not the magic {GGUF_MAGIC!r}"
+                       f"{_not_gguf_hint(head)}")
+  reader.pos = 4
+  version = reader.u32("the version")
+  if version not in GGUF_VERSIONS:
+    if version == 1: detail = "GGUF v1 is not supported; re-convert the model with a recent llama.cpp"
+    elif int.from_bytes(version.to_bytes(4, "little"), "big") in GGUF_VERSIONS:
+      detail = "big-endian GGUF files are not supported"
+    else: detail = "unsupported GGUF version"
+    raise reader.error(f"GGUF version {version}: {detail} (supported: {', '.join(map(str, GGUF_VERSIONS))})")
+  tensor_count = reader.u64("the tensor count")
+  kv_count = reader.u64("the metadata key/value count")
+  # each key/value takes at least 13 bytes (key length, type, a one-byte value) and each tensor info 24 (name
+  # length, n_dims, type, offset): a larger count than the file can hold is corruption, not a reason to loop
+  if kv_count * 13 > reader.left:
+    raise reader.error(f"the header claims {kv_count} metadata key/value pairs, more than the {reader.left} bytes "
+                       f"left in the file can hold (corrupt or truncated file)")
+  if tensor_count * 24 > reader.left:
+    raise reader.error(f"the header claims {tensor_count} tensors, more than the {reader.left} bytes left in the "
+                       f"file can hold (corrupt or truncated file)")
+
+  metadata: dict[str, Any] = {}
+  value_types: dict[str, int] = {}
+  for index in range(kv_count):
+    key = reader.string(f"the key of metadata pair {index}")
+    if key in metadata: raise reader.error(f"metadata key {key!r} appears twice")
+    type_id = reader.u32(f"the value type of metadata {key!r}")
+    metadata[key] = reader.value(type_id, f"metadata {key!r}")
+    value_types[key] = type_id
+
+  alignment = DEFAULT_ALIGNMENT
+  if "general.alignment" in metadata:
+    alignment = metadata["general.alignment"]
+    if value_types["general.alignment"] not in _INTEGER_TYPES or alignment <= 0 or alignment & (alignment - 1):
+      raise reader.error(f"general.alignment must be a positive power of two (a UINT32), got {alignment!r} of type "
+                         f"{_VALUE_TYPES[value_types['general.alignment']][0]}")
+
+  infos: list[tuple[str, tuple[int, ...], int, int]] = []
+  names: set[str] = set()
+  for index in range(tensor_count):
+    name = reader.string(f"the name of tensor {index}")
+    if name in names: raise reader.error(f"tensor name {name!r} appears twice")
+    names.add(name)
+    n_dims = reader.u32(f"n_dims of tensor {name!r}")
+    if not 1 <= n_dims <= _MAX_DIMS:
+      raise reader.error(f"tensor {name!r} has n_dims {n_dims}; GGUF tensors have 1 to {_MAX_DIMS} dims")
+    dims = [reader.u64(f"dim {axis} of tensor {name!r}") for axis in range(n_dims)]
+    ggml_type = reader.u32(f"the type of tensor {name!r}")
+    offset = reader.u64(f"the data offset of tensor {name!r}")
+    infos.append((name, tuple(reversed(dims)), ggml_type, offset))
+
+  data_start = -(-reader.pos // alignment) * alignment
+  data_size = max(0, size - data_start)
+  tensors: list[GGUFTensorInfo] = []
+  for name, shape, ggml_type, offset in infos:
+    where = f"tensor {name!r}"
+    kind = _SUPPORTED_TYPES.get(ggml_type)
+    if kind is None:
+      supported = ", ".join(f"{t.name} ({type_id})" for type_id, t in _SUPPORTED_TYPES.items())
+      raise reader.error(f"{where} has ggml type {_type_name(ggml_type)}, which is not supported (supported: "
+                         f"{supported})")
+    if shape[-1] % kind.block_size:
+      raise reader.error(f"{where} of type {kind.name} has an innermost dim of {shape[-1]}, not a multiple of its "
+                         f"block size {kind.block_size}")
+    if offset % alignment:
+      raise reader.error(f"{where} has data offset {offset}, not a multiple of the alignment {alignment}")
+    nbytes = math.prod(shape) // kind.block_size * kind.block_bytes
+    if offset + nbytes > data_size:
+      raise reader.error(f"{where} ({kind.name}, shape {shape}) needs bytes [{offset}, {offset + nbytes}) of the "
+                         f"data section, which has {data_size} bytes (from byte {data_start} of the file): "
+                         f"truncated file or corrupt offset/shape")
+    tensors.append(GGUFTensorInfo(name, shape, ggml_type, offset, offset + nbytes))
+  previous: GGUFTensorInfo | None = None
+  for info in sorted((info for info in tensors if info.end > info.begin), key=lambda info: info.begin):
+    if previous is not None and info.begin < previous.end:
+      raise reader.error(f"tensors {previous.name!r} (bytes [{previous.begin}, {previous.end})) and {info.name!r} "
+                         f"(bytes [{info.begin}, {info.end})) overlap in the data section (corrupt offsets)")
+    previous = info
+  return GGUFHeader(version, metadata, tensors, alignment, data_start, size)
+
+
+def gguf_read_header(path: PathLike) -> GGUFHeader:
+  """Read and validate the header of the GGUF file at `path` (metadata and tensor infos; no tensor data is read).
+  CheckpointError names the file and the problem."""
+  path = pathlib.Path(path)
+  with open(path, "rb") as file:
+    size = os.fstat(file.fileno()).st_size
+    if size == 0: return _parse_header(path, b"", 0)  # mmap cannot map an empty file
+    with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+      return _parse_header(path, data, size)
+
+
+# ---------------------------------------------------------------- building tensors from raw bytes
+
+def _unsigned(raw: Tensor, nbytes: int) -> Tensor:
+  """(n, nbytes) uint8 little-endian bytes -> (n,) unsigned integers (uint16/uint32), assembled by shifts, so the
+  result does not depend on the host's byte order."""
+  unsigned = {2: dtypes.uint16, 4: dtypes.uint32}[nbytes]
+  value = raw[:, 0].cast(unsigned)
+  for index in range(1, nbytes): value = value | (raw[:, index].cast(unsigned) << (8 * index))
+  return value
+
+
+def half_bits_to_float(bits: Tensor) -> Tensor:
+  """IEEE half-precision bit patterns (an unsigned integer tensor) -> their float32 values, exactly (signed zeros,
+  subnormals, infinities and NaNs included). Built from integer ops and a uint32 -> float32 bitcast only, so it
+  compiles on every device (some renderers cannot bitcast to float16)."""
+  bits = bits.cast(dtypes.uint32)
+  exponent, magnitude = bits & 0x7C00, (bits & 0x7FFF) << 13  # the fields moved to float32's places
+  normal = magnitude + ((127 - 15) << 23)  # rebias the exponent
+  special = magnitude | 0x7F800000  # exponent 31: infinity (mantissa 0) or NaN
+  subnormal = ((bits & 0x3FF).cast(dtypes.float32) * 2.0 ** -24).bitcast(dtypes.uint32)  # exponent 0: m * 2^-24
+  magnitude = (exponent != 0).where((exponent != 0x7C00).where(normal, special), subnormal)
+  return (magnitude | ((bits & 0x8000) << 16)).bitcast(dtypes.float32)
+
+
+def _plain_values(raw: Tensor, dtype: DType) -> Tensor:
+  """(n, itemsize) uint8 little-endian bytes of F32/F16/BF16 values -> (n,) values of `dtype`, for hosts whose byte
+  order is not the file's."""
+  if dtype == dtypes.float32: return _unsigned(raw, 4).bitcast(dtypes.float32)
+  bits = _unsigned(raw, 2)
+  if dtype == dtypes.float16: return half_bits_to_float(bits).cast(dtypes.float16)  # exact: every half is a float
+  return (bits.cast(dtypes.uint32) << 16).bitcast(dtypes.float32).cast(dtypes.bfloat16)  # bfloat16: float's top half
+
+
+def dequantize_q8_0(raw: Tensor) -> Tensor:
+  """Q8_0 blocks as a (blocks, 34) uint8 tensor -> (blocks, 32) float32: the f16 scale times each int8 quant."""
+  scale = half_bits_to_float(_unsigned(raw[:, 0:2], 2))
+  quants = raw[:, 2:34].bitcast(dtypes.int8).cast(dtypes.float32)
+  return quants * scale.unsqueeze(1)
+
+
+def dequantize_q4_1(raw: Tensor) -> Tensor:
+  """Q4_1 blocks as a (blocks, 20) uint8 tensor -> (blocks, 32) float32: d * q + m, with the f16 scale d and
+  minimum m, and q the low nibbles (elements 0..15) then the high nibbles (elements 16..31) of the 16 quant bytes."""
+  # d and m decoded together: bytes 0..3 as two little-endian halves
+  scale_min = half_bits_to_float(_unsigned(raw[:, 0:4].reshape(-1, 2), 2)).reshape(-1, 2)
+  packed = raw[:, 4:20]
+  quants = Tensor.cat([packed & 0xF, packed >> 4], dim=1).cast(dtypes.float32)
+  return quants * scale_min[:, 0:1] + scale_min[:, 1:2]
+
+
+def _load_tensor(path: pathlib.Path, header: GGUFHeader, info: GGUFTensorInfo, device: str | None) -> Tensor:
+  kind = _SUPPORTED_TYPES[info.ggml_type]
+  offset = header.data_start + info.begin
+  if kind.dtype is not None and _HOST_LITTLE_ENDIAN:
+    tensor = disk_tensor(path, kind.dtype, info.shape, offset)
+    return tensor if device is None else tensor.to(device)
+  # quantized blocks (or, on a big-endian host, plain values): the raw bytes go to a compute device and are
+  # decoded there by tensor ops
+  blocks = math.prod(info.shape) // kind.block_size
+  raw = disk_tensor(path, dtypes.uint8, (blocks, kind.block_bytes), offset).to(device or Device.DEFAULT)
+  if info.ggml_type == GGML_Q8_0: values = dequantize_q8_0(raw)
+  elif info.ggml_type == GGML_Q4_1: values = dequantize_q4_1(raw)
+  else:
+    assert kind.dtype is not None
+    values = _plain_values(raw, kind.dtype)
+  return values.reshape(info.shape)
+
+
+def gguf_load(path: PathLike, device: str | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+  """Load a GGUF file (v2 or v3): returns (tensors by name in file order, metadata by key).
+
+  Metadata values are Python objects: ints, floats, bools, strs, and lists for arrays (nested for arrays of
+  arrays), e.g. metadata["tokenizer.ggml.tokens"] is the vocabulary as a list of str. Tensor shapes are row-major
+  (the reverse of the dims the file lists).
+
+  F32/F16/BF16 tensors keep their dtype and are, without `device`, windows of the memory-mapped file on the
+  `DISK:<path>` device, read only when used (move them with `.to(...)` before computing). Q8_0 and Q4_1 tensors
+  are dequantized to float32 lazily on `device` (default: the default device): the dequantization is a kernel run
+  at the first realize. With `device`, every tensor is on `device`.
+
+  The header is validated against the file first: CheckpointError names the file and the problem (not a GGUF
+  file, unsupported version, truncated or corrupt header, unsupported tensor type, tensor data out of range,
+  misaligned or overlapping)."""
+  path = pathlib.Path(path)
+  header = gguf_read_header(path)
+  if device is not None: device = Device.canonicalize(device)
+  tensors = {info.name: _load_tensor(path, header, info, device) for info in header.tensors}
+  return tensors, header.metadata
