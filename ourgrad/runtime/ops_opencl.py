@@ -7,6 +7,7 @@ device works on any machine. On NVIDIA machines the driver's OpenCL library is u
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,9 @@ class OpenCLCompiler(Compiler):
   def compile(self, source: str) -> bytes:
     program = cl.Program(self.context, source)
     try:
-      program.build()
+      with warnings.catch_warnings():  # some drivers print notes for every build; real failures raise below
+        warnings.simplefilter("ignore", cl.CompilerWarning)
+        program.build()
     except cl.RuntimeError as error:
       raise CompileError(f"OpenCL build failed for this kernel:\n{source}\n--- build log ---\n{error}") from None
     return program.get_info(cl.program_info.BINARIES)[0]
@@ -66,7 +69,9 @@ class OpenCLCompiler(Compiler):
 class OpenCLProgram:
   def __init__(self, device: "OpenCLDevice", name: str, binary: bytes):
     self.device, self.name = device, name
-    self.program = cl.Program(device.context, [device.cl_device], [binary]).build()
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", cl.CompilerWarning)
+      self.program = cl.Program(device.context, [device.cl_device], [binary]).build()
     self.kernel = getattr(self.program, name)
 
   def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),
