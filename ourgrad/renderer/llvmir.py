@@ -68,19 +68,40 @@ def render_const(value: float | int | bool, dtype: DType) -> str:
 
 
 class LLVMRenderer(Renderer):
-  """LLVM IR for the CPU: every axis is a loop (no threads); LLVM vectorizes and unrolls the loops itself."""
+  """LLVM IR for the CPU: every axis is a loop (no GPU threads); LLVM vectorizes and unrolls the loops itself.
+
+  With `parallel` on (the runtime turns it on when libgomp loads), a kernel with enough work runs its outermost
+  global loop on all cores, as CLANG does with `#pragma omp parallel for`: the loop nest becomes an internal
+  function over a slice of that loop, and `@name` hands it to GOMP_parallel, whose threads each take one slice.
+  `@name` keeps its signature either way."""
   device = "LLVM"
   has_threads = False
+  # below this many loop iterations times uops, starting threads costs more than it saves (CLANG's threshold)
+  parallel_min_work = 1 << 17
+
+  def __init__(self, parallel: bool = False):
+    self.parallel = parallel
 
   def render(self, name: str, uops: list[UOp]) -> str:
-    return _FunctionWriter(name, uops).write()
+    return _FunctionWriter(name, uops, self.parallel_loop(uops) if self.parallel else None).write()
+
+  def parallel_loop(self, uops: list[UOp]) -> UOp | None:
+    """The outermost global loop, if the kernel is worth splitting across threads. Global loops come first and
+    each of their iterations writes its own outputs, so threads never store to the same element."""
+    loops = [uop for uop in uops if uop.op is UOps.RANGE]
+    if not loops or not loops[0].arg.startswith("gidx"): return None
+    iterations = 1
+    for loop in loops: iterations *= loop.srcs[1].arg - loop.srcs[0].arg
+    outer = loops[0]
+    if outer.srcs[1].arg - outer.srcs[0].arg < 2 or iterations * len(uops) < self.parallel_min_work: return None
+    return outer
 
 
 class _FunctionWriter:
   """The state of rendering one kernel: the instructions so far, the current block, SSA names, allocas."""
 
-  def __init__(self, name: str, uops: list[UOp]):
-    self.name, self.uops = name, uops
+  def __init__(self, name: str, uops: list[UOp], parallel_loop: UOp | None = None):
+    self.name, self.uops, self.parallel_loop = name, uops, parallel_loop
     self.body: list[str] = []
     self.allocas: list[str] = []
     self.declarations: set[str] = set()
@@ -157,12 +178,65 @@ class _FunctionWriter:
     # the runtime passes buffers in index order, whatever order the DEFINE_GLOBALs come in (an index no uop
     # defines still takes its position)
     signature = [params.get(index, f"ptr %unused{index}") for index in range(max(params, default=-1) + 1)]
-    header = f"define void @{self.name}({', '.join(signature)}) #0 {{"
     # no-trapping-math is clang's default too: FP ops may be speculated (if-converted); results are unchanged
     attributes = 'attributes #0 = { nounwind "no-trapping-math"="true" }'
-    lines = [*sorted(self.declarations), "", header, "entry:", *self.allocas, "  br label %body", "body:",
-             *self.body, "  ret void", "}", "", attributes]
+    if self.parallel_loop is None:
+      header = f"define void @{self.name}({', '.join(signature)}) #0 {{"
+      wrappers: list[str] = []
+    else:
+      parameters = ", ".join(signature + ["i32 %range_start", "i32 %range_end"])
+      header = f"define internal void @{self.name}_slice({parameters}) #0 {{"
+      wrappers = self.parallel_wrappers(len(signature))
+    lines = [*sorted(self.declarations), "", header, "entry:", *self.allocas, "  br label %body", "body:", *self.body,
+             "  ret void", "}", "", *wrappers, attributes]
     return "\n".join(lines) + "\n"
+
+  def parallel_wrappers(self, buffer_count: int) -> list[str]:
+    """`@name(buffers...)` packs the buffer pointers into an array and calls GOMP_parallel with `@name_worker`,
+    which every thread of the team runs: thread t of n takes iterations [size*t/n, size*(t+1)/n) of the outer
+    loop (in i64: size*t may not fit in i32)."""
+    assert self.parallel_loop is not None
+    first, size = self.parallel_loop.srcs[0].arg, self.parallel_loop.srcs[1].arg - self.parallel_loop.srcs[0].arg
+    array = f"[{buffer_count} x ptr]"
+    slots = [f"  %slot{index} = getelementptr {array}, ptr %arguments, i64 0, i64 {index}"
+             for index in range(buffer_count)]
+    loads = [f"  %data{index} = load ptr, ptr %slot{index}" for index in range(buffer_count)]
+    stores = [f"  store ptr %data{index}, ptr %slot{index}" for index in range(buffer_count)]
+    buffers = ", ".join(f"ptr %data{index}" for index in range(buffer_count))
+    worker = f"""define internal void @{self.name}_worker(ptr %arguments) #0 {{
+entry:
+  %thread = call i32 @omp_get_thread_num()
+  %threads = call i32 @omp_get_num_threads()
+  %t = sext i32 %thread to i64
+  %n = sext i32 %threads to i64
+  %t_next = add i64 %t, 1
+  %low_scaled = mul i64 %t, {size}
+  %high_scaled = mul i64 %t_next, {size}
+  %low_offset = sdiv i64 %low_scaled, %n
+  %high_offset = sdiv i64 %high_scaled, %n
+  %low_32 = trunc i64 %low_offset to i32
+  %high_32 = trunc i64 %high_offset to i32
+  %low = add i32 %low_32, {first}
+  %high = add i32 %high_32, {first}
+{chr(10).join(slots + loads)}
+  call void @{self.name}_slice({buffers}, i32 %low, i32 %high)
+  ret void
+}}
+
+define void @{self.name}({buffers.replace("ptr ", "ptr noalias ")}) #0 {{
+entry:
+  %arguments = alloca {array}
+{chr(10).join(slots + stores)}
+  ; 0 threads: the team size OpenMP picks (OMP_NUM_THREADS, else one per core), as for CLANG's kernels
+  call void @GOMP_parallel(ptr @{self.name}_worker, ptr %arguments, i32 0, i32 0)
+  ret void
+}}
+
+declare i32 @omp_get_thread_num()
+declare i32 @omp_get_num_threads()
+declare void @GOMP_parallel(ptr, ptr, i32, i32)
+"""
+    return worker.split("\n")
 
   # ---------------------------------------------------------------- loops
 
@@ -174,6 +248,8 @@ class _FunctionWriter:
     self.loops[id(uop)] = label
     self.values[id(uop)] = counter
     start, end = self.values[id(uop.srcs[0])], self.values[id(uop.srcs[1])]
+    if uop is self.parallel_loop:  # each thread runs its own slice of this loop
+      start, end = "%range_start", "%range_end"
     entered_from = self.block
     self.emit_void(f"br label %{label}_head")
     self.start_block(f"{label}_head")
@@ -201,16 +277,16 @@ class _FunctionWriter:
     buffer, index_uop = uop.srcs[0], uop.srcs[1]
     index = self.operand(index_uop)
     valid = self.operand(uop.srcs[2]) if len(uop.srcs) > 2 else None
-    index_type = register_type(index_uop.dtype)
-    # a gated load reads element 0 (always in the buffer) where invalid: no branch, and no out-of-bounds read
-    if valid is not None and valid != "true": index = self.emit(f"select i1 {valid}, {index_type} {index}, {index_type} 0")
+    kind, index_kind = register_type(uop.dtype), register_type(index_uop.dtype)
+    gated = valid is not None and valid != "true"
+    # a gated load reads element 0 (always in the buffer) where invalid, then selects 0: no out-of-bounds read, and
+    # no branch, so the loop still vectorizes (measured faster than a branch LLVM turns into masked loads)
+    if gated: index = self.emit(f"select i1 {valid}, {index_kind} {index}, {index_kind} 0")
     pointer = self.element_pointer(buffer, index, index_uop.dtype)
-    stored_type = memory_type(uop.dtype)
-    value = self.emit(f"load {stored_type}, ptr {pointer}, align {uop.dtype.itemsize}")
+    value = self.emit(f"load {memory_type(uop.dtype)}, ptr {pointer}, align {uop.dtype.itemsize}")
     value = self.from_memory(value, uop.dtype)
-    if valid is None or valid == "true": return value
-    zero = render_const(0, uop.dtype)
-    return self.emit(f"select i1 {valid}, {register_type(uop.dtype)} {value}, {register_type(uop.dtype)} {zero}")
+    if not gated: return value
+    return self.emit(f"select i1 {valid}, {kind} {value}, {kind} {render_const(0, uop.dtype)}")
 
   def store(self, uop: UOp) -> None:
     buffer, index_uop, value_uop = uop.srcs[:3]
@@ -366,7 +442,7 @@ class _FunctionWriter:
     return self.emit(f"{'sext' if signed else 'zext'} {from_kind} {value} to {to_kind}")
 
   def cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
-    from_kind, to_kind = register_type(from_dtype), register_type(to_dtype)
+    from_kind = register_type(from_dtype)
     if from_dtype == to_dtype: return value
     if to_dtype == dtypes.bool:
       if from_dtype.is_float: return self.emit(f"fcmp une {from_kind} {value}, {render_const(0, from_dtype)}")
