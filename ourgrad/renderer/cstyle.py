@@ -86,7 +86,8 @@ class CStyleLanguage(Renderer):
     if op is Ops.RECIP: return f"({self.render_const(1, dtype)}/{a})"
     if op is Ops.NEG: return f"(!{a})" if dtype == dtypes.bool else f"(-{a})"
     if op is Ops.MAX:
-      if dtype.is_float: return f"((({a})!=({a}) || ({a})>({b})) ? ({a}) : ({b}))"  # NaN wins, as in PyTorch
+      # NaN wins, as in PyTorch; `|` rather than `||` keeps it branch-free (a select, not a jump)
+      if dtype.is_float: return f"(((({a})!=({a})) | (({a})>({b}))) ? ({a}) : ({b}))"
       return f"((({a})>({b})) ? ({a}) : ({b}))"
     if op in (Ops.IDIV, Ops.MOD):
       # x/0 and MIN/-1 trap the process on x86: give 0 for a zero divisor, and negate (wrapping) for -1
