@@ -13,13 +13,14 @@ import importlib
 import os
 import pathlib
 import tempfile
+import warnings
 from typing import Any, Callable
 
 import numpy as np
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import DeviceError, OutOfMemoryError
-from ourgrad.helpers import DEVICE, DISABLE_COMPILER_CACHE, GlobalCounters, cache_dir
+from ourgrad.helpers import DEVICE, DISABLE_COMPILER_CACHE, GlobalCounters, cache_dir, fmt_size
 
 # user-facing aliases of device names
 DEVICE_ALIASES = {"CPU": "CLANG", "GPU": "OPENCL"}
@@ -40,19 +41,27 @@ class Allocator:
   """Allocates raw device memory. Subclasses implement _alloc/_free/copyin/copyout."""
 
   def alloc(self, nbytes: int) -> Any:
+    """`nbytes` of device memory. When the device is out of memory, the buffers this allocator keeps for reuse are
+    given back to it and the allocation is tried once more; OutOfMemoryError if that fails too."""
     try:
       return self._alloc(nbytes)
     except MemoryError:
+      cached = self.cached_bytes()
       self.free_cache()
       try:
         return self._alloc(nbytes)
       except MemoryError as error:
-        raise OutOfMemoryError(f"cannot allocate {nbytes} bytes on {type(self).__name__} "
-                               f"({GlobalCounters.mem_used} bytes in use); free tensors or use smaller batches") \
-          from error
+        raise OutOfMemoryError(
+          f"cannot allocate {nbytes} bytes ({fmt_size(nbytes)}) on {type(self).__name__}: {GlobalCounters.mem_used} "
+          f"bytes ({fmt_size(GlobalCounters.mem_used)}) are in use by ourgrad buffers and the {cached} cached bytes "
+          f"were already freed ({error}). Free tensors you no longer need (del t), or use smaller batches or "
+          f"smaller dtypes") from error
 
   def free(self, handle: Any, nbytes: int) -> None: self._free(handle, nbytes)
   def free_cache(self) -> None: pass
+  def cached_bytes(self) -> int:
+    """Bytes held for reuse (freed by free_cache)."""
+    return 0
   def _alloc(self, nbytes: int) -> Any: raise NotImplementedError
   def _free(self, handle: Any, nbytes: int) -> None: pass
   def copyin(self, dest: Any, src: memoryview) -> None: raise NotImplementedError
@@ -76,6 +85,8 @@ class LRUAllocator(Allocator):
     for nbytes, handles in self.cache.items():
       for handle in handles: self._free(handle, nbytes)
     self.cache.clear()
+
+  def cached_bytes(self) -> int: return sum(nbytes * len(handles) for nbytes, handles in self.cache.items())
 
 
 class HostAllocator(LRUAllocator):
@@ -153,22 +164,62 @@ class Buffer:
 
 # ---------------------------------------------------------------- compilers
 
+# A cache entry is this header, the sha256 of the binary, then the binary. The digest catches a truncated or
+# overwritten entry before a loader sees it: dlopen of a truncated shared object can kill the process with SIGBUS.
+CACHE_ENTRY_MAGIC = b"ourgrad compiled binary v1\n"
+
+
 class Compiler:
   """Turns kernel source into a binary, caching the result on disk by a hash of (compiler, source)."""
   cache_key: str = "compiler"
 
   def compile(self, source: str) -> bytes: raise NotImplementedError
 
-  def compile_cached(self, source: str) -> bytes:
-    if DISABLE_COMPILER_CACHE: return self.compile(source)
-    digest = hashlib.sha256(f"{self.cache_key}\n{source}".encode()).hexdigest()
-    path = cache_dir() / "compile" / digest[:2] / digest
+  def cache_path(self, source: str) -> pathlib.Path:
+    digest = hashlib.sha256(CACHE_ENTRY_MAGIC + f"{self.cache_key}\n{source}".encode()).hexdigest()
+    return cache_dir() / "compile" / digest[:2] / digest
+
+  def load_cached(self, source: str) -> bytes | None:
+    """The cached binary of `source`, or None: not cached, or the cache is off. A damaged entry is deleted with a
+    warning and reads as not cached."""
+    if DISABLE_COMPILER_CACHE: return None
     try:
-      return path.read_bytes()
-    except OSError:
+      path = self.cache_path(source)
+      entry = path.read_bytes()
+    except OSError:  # not cached, or no cache folder can be made (read-only home): compile
+      return None
+    header_size = len(CACHE_ENTRY_MAGIC) + 32
+    binary = entry[header_size:]
+    if entry[:len(CACHE_ENTRY_MAGIC)] == CACHE_ENTRY_MAGIC and entry[len(CACHE_ENTRY_MAGIC):header_size] == \
+        hashlib.sha256(binary).digest():
+      return binary
+    warnings.warn(f"compile cache entry {path} is damaged (truncated or overwritten); deleted, the kernel is "
+                  f"recompiled", RuntimeWarning, stacklevel=2)
+    self.evict(source)
+    return None
+
+  def evict(self, source: str) -> None:
+    """Delete the cache entry of `source` if there is one."""
+    try:
+      self.cache_path(source).unlink()
+    except OSError:  # already gone (another process evicted it), or the folder cannot be written
       pass
+
+  def compile_cached(self, source: str, refresh: bool = False) -> bytes:
+    """The binary of `source`: from the disk cache, else compiled and cached. refresh=True skips the cached binary
+    (one the device could not load) and overwrites it."""
+    binary = None if refresh else self.load_cached(source)
+    if binary is not None: return binary
     binary = self.compile(source)
-    write_atomic(path, binary)
+    # concurrent writers of one entry each rename a complete file into place: readers see one whole entry
+    if not DISABLE_COMPILER_CACHE:
+      try:
+        write_atomic(self.cache_path(source), CACHE_ENTRY_MAGIC + hashlib.sha256(binary).digest() + binary)
+      except OSError as error:  # a full disk or a read-only cache folder costs recompiles, not the result
+        warnings.warn(f"cannot write the compile cache ({type(error).__name__}: {error.strerror}); kernels are "
+                      f"compiled again in each process. "
+                      f"Set OURGRAD_CACHE_DIR to a writable folder, or DISABLE_COMPILER_CACHE=1", RuntimeWarning,
+                      stacklevel=2)
     return binary
 
 

@@ -56,6 +56,12 @@ def _where(cond: LazyBuffer, a: LazyBuffer, b: LazyBuffer) -> LazyBuffer:
   return cond.elementwise(Ops.WHERE, a, b)
 
 
+def _widen(x: LazyBuffer) -> LazyBuffer:
+  """float16/bfloat16 as float32: their exp, log and sigmoid compute in float32 and round once, as in PyTorch. In 11
+  (or 8) bits the constant 1/ln 2 and the scaled argument would each be rounded: several ulps off for large |x|."""
+  return x.cast(dtypes.float32) if x.dtype in (dtypes.float16, dtypes.bfloat16) else x
+
+
 # ---------------------------------------------------------------- unary
 
 class Contiguous(Function):
@@ -110,14 +116,14 @@ class Relu(Function):
 class Log(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     self.x = x
-    return _scale(x.elementwise(Ops.LOG2), math.log(2))
+    return _scale(_widen(x).elementwise(Ops.LOG2), math.log(2)).cast(x.dtype)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _div(grad_output, self.x)
 
 
 class Exp(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = _scale(x, 1 / math.log(2)).elementwise(Ops.EXP2)
+    self.result = _scale(_widen(x), 1 / math.log(2)).elementwise(Ops.EXP2).cast(x.dtype)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _mul(self.result, grad_output)
@@ -135,8 +141,8 @@ class Sigmoid(Function):
   """1 / (1 + exp(-x)), as one Function so its backward reuses the forward result."""
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    exp_neg = _scale(x, -1 / math.log(2)).elementwise(Ops.EXP2)
-    self.result = exp_neg.const_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP)
+    exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(Ops.EXP2)
+    self.result = exp_neg.const_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:

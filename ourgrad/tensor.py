@@ -384,7 +384,9 @@ class Tensor:
                             f"shape {self.shape}; pass gradient=Tensor.ones_like(t) or reduce it first (.sum())")
       gradient = Tensor.full(self.shape, 1.0, self.dtype, device=self.device)
     if not self.requires_grad and self._ctx is None:
-      raise AutogradError("backward() on a tensor that does not require grad: set requires_grad=True on the inputs")
+      raise AutogradError("backward() on a tensor that does not require grad: no input has requires_grad=True, or "
+                          "every path to one goes through an op without a gradient (comparisons, argmax/argmin, "
+                          "casts to integer or bool, floor/ceil/round/trunc/sign, detach())")
     if gradient.shape != self.shape:
       raise ShapeError(f"backward gradient of shape {gradient.shape} does not match the tensor's shape {self.shape}")
     grads: dict[int, Tensor] = {id(self): gradient}
@@ -1193,12 +1195,15 @@ class Tensor:
   def softmax(self, axis: int = -1) -> Tensor:
     x = self._float_operand()
     if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
+    # half precision computes in float32 and rounds once, as in PyTorch (rounding exps and sum too: 2 ulps off)
+    if x.dtype in (dtypes.float16, dtypes.bfloat16): return x.float().softmax(axis).cast(x.dtype)
     exps = (x - x.max(axis, keepdim=True)).exp()
     return exps / exps.sum(axis, keepdim=True)
 
   def log_softmax(self, axis: int = -1) -> Tensor:
     x = self._float_operand()
     if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
+    if x.dtype in (dtypes.float16, dtypes.bfloat16): return x.float().log_softmax(axis).cast(x.dtype)
     shifted = x - x.max(axis, keepdim=True)
     return shifted - shifted.exp().sum(axis, keepdim=True).log()
 

@@ -6,6 +6,7 @@ same kernel is generated once per process and compiled once per machine.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
 from ourgrad.codegen.uops import UOp, UOps, format_uops
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.schedule import ScheduleItem
+from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import DEBUG, NOOPT, GlobalCounters, colored, prod
 from ourgrad.ops import LazyOp, Ops
 
@@ -45,13 +47,45 @@ def get_kernel(ast: LazyOp, device: str) -> Kernel:
   return kernel
 
 
+class OptimizationFallbackWarning(RuntimeWarning):
+  """An optimized kernel failed to compile or load, and its unoptimized version runs instead."""
+
+
 def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
+  """The compiled kernel of an AST. If the optimized kernel fails to compile or load (it may exceed a device limit
+  the heuristics do not model: registers, shared memory, code size), the unoptimized one is used instead."""
   key = (device, ast)
   if key not in _runner_cache:
     kernel = get_kernel(ast, device)
     kernel.print_debug()
-    _runner_cache[key] = compile_kernel(kernel, device)
+    try:
+      runner = compile_kernel(kernel, device)
+    except (CompileError, DeviceError) as error:
+      if not kernel.applied_opts: raise
+      reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+      # a warning, not a print: the test suite turns it into an error, so an optimizer bug cannot hide here
+      warnings.warn(f"{kernel.name} with opts {kernel.applied_opts} failed to compile or load ({reason}); "
+                    f"using the unoptimized kernel", OptimizationFallbackWarning, stacklevel=2)
+      plain = Kernel(ast, Device[device].renderer)
+      plain.print_debug()
+      runner = compile_kernel(plain, device)
+    _runner_cache[key] = runner
   return _runner_cache[key]
+
+
+def load_program(device: str, name: str, source: str) -> Any:
+  """Compile `source` (or take it from the disk cache) and load it. A cached binary that the device cannot load
+  (damaged, or written by another toolchain) is deleted with a warning, recompiled and rewritten."""
+  compiled = Device[device]
+  cached = compiled.compiler.load_cached(source)
+  if cached is None: return compiled.program(name, compiled.compiler.compile_cached(source))
+  try:
+    return compiled.program(name, cached)
+  except Exception as error:  # loaders raise whatever their library raises (OSError from dlopen, driver errors)
+    warnings.warn(f"the cached binary of kernel {name} failed to load ({type(error).__name__}: {error}); "
+                  f"deleted and recompiled", RuntimeWarning, stacklevel=2)
+    compiled.compiler.evict(source)
+    return compiled.program(name, compiled.compiler.compile_cached(source, refresh=True))
 
 
 def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
@@ -60,8 +94,7 @@ def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
   name = kernel.name
   source = Device[device].renderer.render(name, uops)
   if DEBUG >= 4: print(source)
-  library = Device[device].compiler.compile_cached(source)
-  program = Device[device].program(name, library)
+  program = load_program(device, name, source)
   op_count, byte_count = estimate_cost(kernel, uops)
   global_size, local_size = launch_dims(uops)
   return CompiledRunner(name, kernel.colored_shape(), source, program, global_size, local_size, op_count, byte_count)
