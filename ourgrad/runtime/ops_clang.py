@@ -35,17 +35,33 @@ def find_c_compiler() -> str:
   raise DeviceError("the CLANG device needs a C compiler: install clang or gcc, or set CC=/path/to/compiler")
 
 
+# gcc 13 with -march=native on CPUs with AVX512-FP16 (Sapphire Rapids) can emit masked `vmovsh` forms that its own
+# assembler rejects; float16 kernels then fail to build. Turning the extension off avoids it where the flag exists.
+OPTIONAL_FLAGS = ["-mno-avx512fp16"]
+
+
+def accepted_flags(compiler: str, flags: list[str]) -> list[str]:
+  """The flags this compiler accepts (an unknown -m flag is an error for gcc and clang)."""
+  accepted = []
+  for flag in flags:
+    probe = subprocess.run([compiler, flag, "-x", "c", "-c", "-o", os.devnull, "-"], input="int x;", text=True,
+                           capture_output=True)
+    if probe.returncode == 0: accepted.append(flag)
+  return accepted
+
+
 class ClangCompiler(Compiler):
   def __init__(self) -> None:
     self.compiler = find_c_compiler()
+    self.flags = COMPILE_FLAGS[:-1] + accepted_flags(self.compiler, OPTIONAL_FLAGS)
     # -march=native makes the binary specific to this CPU: it is part of the cache key
-    self.cache_key = f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(COMPILE_FLAGS)}"
+    self.cache_key = f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(self.flags)}"
 
   def compile(self, source: str) -> bytes:
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
       source_path, library_path = os.path.join(folder, "kernel.c"), os.path.join(folder, "kernel.so")
       with open(source_path, "w") as source_file: source_file.write(source)
-      result = subprocess.run([self.compiler, *COMPILE_FLAGS[:-1], source_path, "-o", library_path, COMPILE_FLAGS[-1]],
+      result = subprocess.run([self.compiler, *self.flags, source_path, "-o", library_path, COMPILE_FLAGS[-1]],
                               capture_output=True, text=True)
       if result.returncode != 0:
         raise CompileError(f"{os.path.basename(self.compiler)} failed on this kernel:\n{source}\n--- compiler log ---\n"
