@@ -11,6 +11,7 @@ setup(
   install_requires=["numpy"],
   extras_require={
     "testing": ["pytest", "pytest-xdist", "hypothesis", "ruff", "torch==2.13.0", "safetensors", "tqdm"],
+    "examples": ["tqdm"],  # progress bars in examples/
     "llvm": ["llvmlite"],
     "opencl": ["pyopencl[pocl]"],
     # NVRTC compiles CUDA without a GPU; cuda-python's driver bindings need one (and its driver) to run kernels
