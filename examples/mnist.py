@@ -26,8 +26,6 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ourgrad import Tensor, dtypes
-from ourgrad.function import Function
-from ourgrad.lazy import LazyBuffer
 from ourgrad.nn import BatchNorm2d, Conv2d, Linear
 from ourgrad.nn.datasets import mnist
 from ourgrad.nn.losses import cross_entropy
@@ -61,16 +59,6 @@ class PlainProgress:
   def __exit__(self, *exc_info: object) -> None: return None
 
 
-class ContiguousBackward(Function):
-  """Identity forward; the backward realizes the incoming gradient in its own buffer (tinygrad's
-  `contiguous_backward`). Placed on a convolution's output, it stops the scheduler from fusing the whole
-  batchnorm/relu/max-pool backward chain into the convolution's weight-gradient reduce, which reads every
-  gradient element kh*kw times and so would recompute that chain 25 times per element for a 5x5 kernel."""
-
-  def forward(self, x: LazyBuffer) -> LazyBuffer: return x
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.contiguous()
-
-
 class ConvNet:
   """Conv blocks (conv -> batchnorm -> relu, a 2x2 max-pool after each block) and one Linear layer on top.
 
@@ -82,8 +70,7 @@ class ConvNet:
     channels, size = 1, image_size
     for block in blocks:
       for out_channels, kernel in block:
-        self.layers += [Conv2d(channels, out_channels, kernel, bias=False), ContiguousBackward.apply,
-                        BatchNorm2d(out_channels), Tensor.relu]
+        self.layers += [Conv2d(channels, out_channels, kernel, bias=False), BatchNorm2d(out_channels), Tensor.relu]
         channels, size = out_channels, size - kernel + 1
       self.layers.append(Tensor.max_pool2d)
       size //= 2

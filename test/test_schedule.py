@@ -406,3 +406,14 @@ def test_matmul_reads_each_input_once():
   (out,) = check_kernels(lambda: a @ b, 1)
   assert GlobalCounters.global_mem == (16 * 32 + 32 * 24 + 16 * 24) * FLOAT32_BYTES
   np.testing.assert_allclose(out.numpy(), a_np @ b_np, rtol=1e-4, atol=1e-5)
+
+
+def test_costly_graph_read_many_times_is_computed_once():
+  """exp/sqrt chain broadcast into a matmul-like reduce: realized once (2 kernels) instead of recomputed 64 times;
+  a cheap one (x + 1) stays fused (1 kernel)."""
+  x_np, w_np = rand(32, 16), rand(16, 64, seed=1)
+  x, w = Tensor(x_np), Tensor(w_np)
+  [costly] = check_kernels(lambda: (x.exp() * 2 + 1).sqrt() @ w, 2)
+  np.testing.assert_allclose(costly.numpy(), np.sqrt(np.exp(x_np) * 2 + 1) @ w_np, rtol=1e-5, atol=1e-4)
+  [cheap] = check_kernels(lambda: (x + 1) @ w, 1)
+  np.testing.assert_allclose(cheap.numpy(), (x_np + 1) @ w_np, rtol=1e-5, atol=1e-4)

@@ -126,6 +126,7 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set
       if base.op is Ops.COPY or (base.op is Ops.ASSIGN and src is base.srcs[1]): realizes.add(id(src.base))
       if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
         realizes.add(id(src.base))
+      if _recomputation_is_costly(src): realizes.add(id(src.base))
   by_id = {id(base): base for base in bases}
 
   def kernel_of(base_id: int) -> int:
@@ -139,6 +140,28 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set
     if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
       if len({kernel_of(user) for user in users[id(base)]}) > 1: realizes.add(id(base))
   return realizes
+
+
+# An elementwise graph read through a view that visits each element several times (a broadcast into a matmul, the
+# windows of a convolution's weight gradient) would be recomputed at every visit if fused. Up to this cost per
+# element (transcendental ops weigh 4, others 1) recomputing is cheaper than a round trip through memory.
+RECOMPUTE_COST_LIMIT = 4
+TRANSCENDENTAL_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP})
+
+
+def _recomputation_is_costly(src: LazyBuffer) -> bool:
+  """Whether the view `src` reads its (unrealized, elementwise) base's elements at least twice each on average,
+  and the base's fused graph costs too much to compute again at every read."""
+  base = src.base
+  if base.realized is not None or base.op not in ELEMENTWISE_OPS or src.st.size < 2 * base.size: return False
+  cost, stack, seen = 0, [base], set()
+  while stack and cost < RECOMPUTE_COST_LIMIT:
+    node = stack.pop()
+    if id(node) in seen or node.realized is not None or node.op not in ELEMENTWISE_OPS: continue
+    seen.add(id(node))
+    cost += 4 if node.op in TRANSCENDENTAL_OPS else 1
+    stack.extend(src.base for src in node.srcs)
+  return cost >= RECOMPUTE_COST_LIMIT
 
 
 def _has_unsafe_pad_op(base: LazyBuffer) -> bool:

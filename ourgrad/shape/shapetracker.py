@@ -10,6 +10,7 @@ Main type: `ShapeTracker`.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -74,6 +75,9 @@ def _condition_var(condition: LtNode) -> str | None:
   return None
 
 
+# Views are immutable and merging is a pure function of them; training steps build the same graphs every step, so
+# the (symbolic, relatively slow) merge is computed once per pair of views.
+@functools.lru_cache(maxsize=1 << 14)
 def _merge_views(first: View, second: View) -> View | None:
   """One View equivalent to `second` applied to the contiguous output of `first`, or None."""
   if second.size == 0: return View.create(second.shape)
