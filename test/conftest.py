@@ -24,6 +24,8 @@ def _check_cuda_rendering():
   compile_for_device = realize.compile_kernel
 
   def compile_and_check_cuda(kernel, device):
+    if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):  # a test may switch the check off (monkeypatch.delenv)
+      return compile_for_device(kernel, device)
     cuda_kernel = Kernel(kernel.ast, renderer)
     cuda_kernel.hand_coded_optimizations()
     compiler.compile_cached(renderer.render(cuda_kernel.name, linearize(cuda_kernel)))

@@ -55,6 +55,7 @@ def cache_folder(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fresh_
   """A private, enabled on-disk compile cache."""
   monkeypatch.setenv("OURGRAD_CACHE_DIR", str(tmp_path))
   monkeypatch.delenv("DISABLE_COMPILER_CACHE", raising=False)
+  monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)  # only this test's own kernels go in the cache
   return tmp_path
 
 

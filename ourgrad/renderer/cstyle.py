@@ -65,9 +65,23 @@ class CStyleLanguage(Renderer):
     if to_dtype == dtypes.bool: return f"({value} != 0)"
     return f"(({self.render_dtype(to_dtype)})({value}))"
 
-  def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+  # the dtypes this dialect keeps in float registers (see memory_type): a bitcast goes through their 16-bit pattern
+  float_register_dtypes: frozenset[DType] = frozenset()
+
+  def bits_of(self, dtype: DType, value: str) -> str: raise NotImplementedError(f"bits of {dtype}")
+  def from_bits(self, dtype: DType, bits: str) -> str: raise NotImplementedError(f"{dtype} from bits")
+
+  def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    """A bitcast between two types the language has."""
     source, target = self.render_dtype(from_dtype), self.render_dtype(to_dtype)
     return f"((union {{ {source} from; {target} to; }}){{ .from = {value} }}).to"
+
+  def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    widened = self.float_register_dtypes
+    if from_dtype not in widened and to_dtype not in widened: return self.reinterpret(value, from_dtype, to_dtype)
+    bits = self.bits_of(from_dtype, value) if from_dtype in widened else \
+      self.reinterpret(value, from_dtype, dtypes.uint16)
+    return self.from_bits(to_dtype, bits) if to_dtype in widened else self.reinterpret(bits, dtypes.uint16, to_dtype)
 
   def render_load(self, buffer: str, index: str, valid: str | None, dtype: DType) -> str:
     loaded = self.read_element(buffer, index, dtype)
@@ -249,14 +263,10 @@ static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16
   def round_to(self, dtype: DType, value: str) -> str | None:
     return f"bf16_round((float)({value}))" if dtype == dtypes.bfloat16 else None
 
-  def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
-    if dtypes.bfloat16 in (from_dtype, to_dtype):
-      if from_dtype == dtypes.bfloat16: value = f"float_to_bf16({value})"
-      from_type = "unsigned short" if from_dtype == dtypes.bfloat16 else from_dtype.c_name
-      to_type = "unsigned short" if to_dtype == dtypes.bfloat16 else to_dtype.c_name
-      result = f"((union {{ {from_type} from; {to_type} to; }}){{ .from = {value} }}).to"
-      return f"bf16_to_float({result})" if to_dtype == dtypes.bfloat16 else result
-    return super().render_bitcast(value, from_dtype, to_dtype)
+  float_register_dtypes = frozenset({dtypes.bfloat16})
+
+  def bits_of(self, dtype: DType, value: str) -> str: return f"float_to_bf16({value})"
+  def from_bits(self, dtype: DType, bits: str) -> str: return f"bf16_to_float({bits})"
 
 
 class OpenCLRenderer(CStyleLanguage):
@@ -308,8 +318,16 @@ class OpenCLRenderer(CStyleLanguage):
     if dtype == dtypes.float16: return f"half_round((float)({value}))"
     return None
 
-  def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
-    if {from_dtype, to_dtype} & {dtypes.bfloat16, dtypes.float16, dtypes.bool}:
+  float_register_dtypes = frozenset({dtypes.float16, dtypes.bfloat16})
+
+  def bits_of(self, dtype: DType, value: str) -> str:
+    return f"half_bits({value})" if dtype == dtypes.float16 else f"float_to_bf16({value})"
+
+  def from_bits(self, dtype: DType, bits: str) -> str:
+    return f"half_from_bits({bits})" if dtype == dtypes.float16 else f"as_float(((uint)({bits})) << 16)"
+
+  def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    if dtypes.bool in (from_dtype, to_dtype):
       raise NotImplementedError(f"bitcast between {from_dtype} and {to_dtype} on OpenCL")
     return f"as_{self.render_dtype(to_dtype)}({value})"
 
@@ -320,10 +338,11 @@ class OpenCLRenderer(CStyleLanguage):
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
     extensions = []
-    if "half_round" in source:
-      extensions.append("float half_round(float value) {\n"
-                        "  ushort bits; vstore_half_rte(value, 0, (__private half*)&bits);\n"
-                        "  return vload_half(0, (__private const half*)&bits); }\n")
+    if "half_round" in source or "half_bits" in source or "half_from_bits" in source:
+      extensions.append("ushort half_bits(float value) {\n"
+                        "  ushort bits; vstore_half_rte(value, 0, (__private half*)&bits); return bits; }\n"
+                        "float half_from_bits(ushort bits) { return vload_half(0, (__private const half*)&bits); }\n"
+                        "float half_round(float value) { return half_from_bits(half_bits(value)); }\n")
     if "double" in source: extensions.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n")
     if "bf16" in source:
       extensions.append("float bf16_round(float value);\n"
@@ -379,9 +398,16 @@ class CUDARenderer(CStyleLanguage):
     if dtype == dtypes.bfloat16: return f"__uint_as_float(((unsigned int)float_to_bf16((float)({value}))) << 16)"
     return None
 
-  def render_bitcast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
-    if {from_dtype, to_dtype} & {dtypes.bfloat16, dtypes.float16, dtypes.bool}:
-      raise NotImplementedError(f"bitcast between {from_dtype} and {to_dtype} on CUDA")
+  float_register_dtypes = frozenset({dtypes.float16, dtypes.bfloat16})
+
+  def bits_of(self, dtype: DType, value: str) -> str:
+    return f"float_to_half({value})" if dtype == dtypes.float16 else f"float_to_bf16({value})"
+
+  def from_bits(self, dtype: DType, bits: str) -> str:
+    if dtype == dtypes.float16: return f"half_to_float({bits})"
+    return f"__uint_as_float(((unsigned int)({bits})) << 16)"
+
+  def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     return f"bitcast<{to_dtype.c_name}, {from_dtype.c_name}>({value})"
 
   def render_special(self, arg: tuple) -> str:
