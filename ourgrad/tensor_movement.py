@@ -1,0 +1,404 @@
+"""Movement, indexing, joining and splitting for Tensor (MovementMixin).
+
+Movement ops (reshape, permute, expand, pad, shrink, flip and the compositions of them: squeeze, flatten,
+repeat, ...) change how a tensor's elements are addressed, never the elements: each is a free view on the same
+LazyBuffer. Indexing with ints, slices, None and ... is a chain of such views (`_basic_index_steps`); indexing
+with integer tensors is a masked sum (one kernel, no gather op). `__setitem__` runs the view chain backwards and
+writes through `assign`. `cat` pads each input into place and adds them, so a join fuses into the consumer.
+
+The methods become Tensor's through `class Tensor(MovementMixin, ...)` in ourgrad/tensor.py; this module does not
+import that one at load time (it imports this one), so methods that make a Tensor import the class when called.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ourgrad import function as F
+from ourgrad.dtype import dtypes, least_upper_dtype
+from ourgrad.errors import AxisError, DeviceError, IndexOutOfRangeError, ShapeError
+from ourgrad.helpers import normalize_axis, prod
+from ourgrad.tensor_math import _broadcast_shape
+
+if TYPE_CHECKING:
+  from ourgrad.tensor import Scalar, Tensor
+
+
+class MovementMixin:
+  """Tensor's views (reshape, permute, expand, pad, shrink, flip, ...), indexing, and cat/stack/split/chunk."""
+  __slots__ = ()
+
+  # ---------------------------------------------------------------- movement
+
+  def _axis(self, axis: int) -> int: return normalize_axis(axis, self.ndim)
+
+  def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+    """A view with a new shape; one size may be -1 (inferred)."""
+    new_shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+    if sum(1 for size in new_shape if size == -1) > 1: raise ShapeError(f"reshape to {new_shape}: at most one -1")
+    if any(not isinstance(size, (int, np.integer)) or size < -1 for size in new_shape):
+      raise ShapeError(f"reshape to {new_shape}: sizes must be integers >= -1")
+    if -1 in new_shape:
+      known = prod(size for size in new_shape if size != -1)
+      if known == 0 or self.numel() % known != 0:
+        raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape}")
+      new_shape = tuple(self.numel() // known if size == -1 else size for size in new_shape)
+    new_shape = tuple(int(size) for size in new_shape)
+    if prod(new_shape) != self.numel():
+      raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape} "
+                       f"({prod(new_shape)} elements)")
+    return self if new_shape == self.shape else F.Reshape.apply(self, shape=new_shape)
+
+  def view(self, *shape: int | Sequence[int]) -> Tensor:
+    """The same as reshape: a lazy view, so unlike torch.view it also works on non-contiguous tensors."""
+    return self.reshape(*shape)
+
+  def permute(self, *order: int | Sequence[int]) -> Tensor:
+    """A view with the dimensions in the order `order` (a permutation of all of them)."""
+    axes = tuple(order[0]) if len(order) == 1 and isinstance(order[0], (tuple, list)) else tuple(order)
+    if len(axes) != self.ndim:
+      raise AxisError(f"permute of a tensor with {self.ndim} dimensions got {len(axes)} axes: {axes}")
+    axes = tuple(self._axis(axis) for axis in axes)
+    if sorted(axes) != list(range(self.ndim)): raise AxisError(f"permute axes {axes} are not a permutation")
+    return self if axes == tuple(range(self.ndim)) else F.Permute.apply(self, order=axes)
+
+  def expand(self, *shape: int | Sequence[int]) -> Tensor:
+    """Broadcast size-1 dimensions to `shape` (-1 keeps a size); no data is copied."""
+    new_shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+    if len(new_shape) < self.ndim:
+      raise ShapeError(f"cannot expand shape {self.shape} to {new_shape}: fewer dimensions")
+    padded = (1,) * (len(new_shape) - self.ndim) + self.shape
+    final = tuple(old if new == -1 else new for old, new in zip(padded, new_shape))
+    for old, new in zip(padded, final):
+      if old != new and old != 1: raise ShapeError(f"cannot expand shape {self.shape} to {new_shape}")
+    reshaped = self.reshape(padded)
+    return reshaped if final == padded else F.Expand.apply(reshaped, shape=final)
+
+  def broadcast_to(self, shape: Sequence[int]) -> Tensor:
+    """A view of this tensor broadcast to `shape` (the same as expand)."""
+    return self.expand(tuple(shape))
+
+  def transpose(self, dim0: int = -2, dim1: int = -1) -> Tensor:
+    """A view with dimensions `dim0` and `dim1` swapped (the last two by default; torch needs both)."""
+    order = list(range(self.ndim))
+    dim0, dim1 = self._axis(dim0), self._axis(dim1)
+    order[dim0], order[dim1] = order[dim1], order[dim0]
+    return self.permute(order)
+
+  @property
+  def T(self) -> Tensor:  # noqa: N802
+    """All dimensions reversed (the matrix transpose for 2-D tensors)."""
+    return self.permute(tuple(reversed(range(self.ndim))))
+
+  def flip(self, *dims: int | Sequence[int]) -> Tensor:
+    """The elements in reverse order along each of `dims`, as a view (torch.flip copies)."""
+    axes = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else tuple(dims)
+    axes = {self._axis(axis) for axis in axes}
+    return F.Flip.apply(self, axes_mask=tuple(axis in axes for axis in range(self.ndim)))
+
+  def shrink(self, arg: Sequence[tuple[int, int] | None]) -> Tensor:
+    """Keep [start, end) of each dimension (None keeps all)."""
+    if len(arg) != self.ndim: raise ShapeError(f"shrink of shape {self.shape} needs {self.ndim} ranges, got {arg}")
+    bounds = tuple((0, size) if bound is None else tuple(bound) for bound, size in zip(arg, self.shape))
+    for (start, end), size in zip(bounds, self.shape):
+      if not 0 <= start <= end <= size: raise ShapeError(f"shrink {bounds} is outside shape {self.shape}")
+    if all(bound == (0, size) for bound, size in zip(bounds, self.shape)): return self
+    return F.Shrink.apply(self, arg=bounds)
+
+  def pad(self, padding: Sequence[int] | Sequence[tuple[int, int] | None], value: Scalar = 0.0) -> Tensor:
+    """Pad with `value`. `padding` is PyTorch's flat form (last dim first: (left, right, top, bottom, ...)) or
+    one (before, after) pair (or None) per dimension. Negative amounts crop."""
+    from ourgrad.tensor import Tensor
+    if all(isinstance(amount, (int, np.integer)) for amount in padding):
+      if len(padding) % 2 or len(padding) // 2 > self.ndim:
+        raise ShapeError(f"pad {tuple(padding)} needs an even count of at most {2 * self.ndim} values")
+      pairs = [(0, 0)] * self.ndim
+      for index in range(len(padding) // 2): pairs[self.ndim - 1 - index] = (padding[2 * index], padding[2 * index + 1])
+    else:
+      if len(padding) != self.ndim: raise ShapeError(f"pad of shape {self.shape} needs {self.ndim} pairs: {padding}")
+      pairs = [(0, 0) if pair is None else tuple(pair) for pair in padding]
+    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in zip(pairs, self.shape)]
+    x = self.shrink(crop) if any(b < 0 or a < 0 for b, a in pairs) else self
+    grow = tuple((max(before, 0), max(after, 0)) for before, after in pairs)
+    if all(pair == (0, 0) for pair in grow): return x
+    padded = F.Pad.apply(x, arg=grow)
+    if value == 0: return padded
+    inside = F.Pad.apply(Tensor.ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
+    return inside.where(padded, value)
+
+  def squeeze(self, dim: int | None = None) -> Tensor:
+    """A view without dimension `dim` if its size is 1 (else unchanged); dim=None drops every size-1 dimension."""
+    if dim is None: return self.reshape(tuple(size for size in self.shape if size != 1))
+    if self.ndim == 0: return self
+    axis = self._axis(dim)
+    if self.shape[axis] != 1: return self
+    return self.reshape(self.shape[:axis] + self.shape[axis + 1:])
+
+  def unsqueeze(self, dim: int) -> Tensor:
+    """A view with a new dimension of size 1 at `dim` (negative counts from the end of the result)."""
+    axis = normalize_axis(dim, self.ndim + 1)
+    return self.reshape(self.shape[:axis] + (1,) + self.shape[axis:])
+
+  def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    """A view with dimensions `start_dim` to `end_dim` merged into one; a 0-d tensor becomes shape (1,)."""
+    if self.ndim == 0: return self.reshape(1)
+    start, end = self._axis(start_dim), self._axis(end_dim)
+    return self.reshape(self.shape[:start] + (prod(self.shape[start:end + 1]),) + self.shape[end + 1:])
+
+  def unflatten(self, dim: int, sizes: Sequence[int]) -> Tensor:
+    """A view with dimension `dim` split into `sizes` (one of them may be -1)."""
+    axis = self._axis(dim)
+    return self.reshape(self.shape[:axis] + tuple(sizes) + self.shape[axis + 1:])
+
+  def repeat(self, *repeats: int | Sequence[int]) -> Tensor:
+    """Tile the tensor `repeats[i]` times along dimension i (torch.Tensor.repeat)."""
+    counts = tuple(repeats[0]) if len(repeats) == 1 and isinstance(repeats[0], (tuple, list)) else tuple(repeats)
+    if len(counts) < self.ndim:
+      raise ShapeError(f"repeat needs at least {self.ndim} counts for shape {self.shape}, got {counts}")
+    base_shape = (1,) * (len(counts) - self.ndim) + self.shape
+    x = self.reshape(base_shape)
+    interleaved = tuple(size for pair in zip((1,) * len(counts), base_shape) for size in pair)
+    expanded = tuple(size for pair in zip(counts, base_shape) for size in pair)
+    return x.reshape(interleaved).expand(expanded).reshape(tuple(c * s for c, s in zip(counts, base_shape)))
+
+  def _stride_axis(self, axis: int, step: int) -> Tensor:
+    """Every `step`-th element along `axis`, starting at the first."""
+    size = self.shape[axis]
+    kept = math.ceil(size / step)
+    padded = self.pad([(0, kept * step - size) if a == axis else None for a in range(self.ndim)])
+    split = padded.reshape(self.shape[:axis] + (kept, step) + self.shape[axis + 1:])
+    picked = split.shrink([(0, 1) if a == axis + 1 else None for a in range(split.ndim)])
+    return picked.reshape(self.shape[:axis] + (kept,) + self.shape[axis + 1:])
+
+  # ---------------------------------------------------------------- indexing
+
+  def _normalize_index(self, index: Any) -> list[Any]:
+    from ourgrad.tensor import Tensor
+    items = list(index) if isinstance(index, tuple) else [index]
+    items = [Tensor(item, device=self.device) if isinstance(item, (list, np.ndarray)) else item for item in items]
+    ellipsis_count = sum(1 for item in items if item is Ellipsis)
+    if ellipsis_count > 1: raise IndexError("an index can only have a single ellipsis ('...')")
+    used = sum(1 for item in items if item is not None and item is not Ellipsis)
+    if used > self.ndim:
+      raise IndexOutOfRangeError(f"too many indices for a tensor of shape {self.shape}: {used} given")
+    if ellipsis_count:
+      position = items.index(Ellipsis)
+      items[position:position + 1] = [slice(None)] * (self.ndim - used)
+      return items
+    return items + [slice(None)] * (self.ndim - used)  # unindexed trailing dims are kept whole
+
+  def _basic_index_steps(self, items: list[Any]) -> tuple[list[tuple[Any, Any]], list[tuple[int, Tensor]]]:
+    """The view steps of basic indexing as (forward, inverse) pairs of functions on Tensors, plus the integer
+    tensor indices left for advanced indexing (with the dimension each applies to after the steps). The
+    inverses let __setitem__ put a value back where getitem would have read it."""
+    from ourgrad.tensor import Tensor
+    steps: list[tuple[Any, Any]] = []
+    tensor_dims: list[tuple[int, Tensor]] = []
+    shape, dim = list(self.shape), 0
+    for item_number, item in enumerate(items):
+      if item is None:
+        steps.append((lambda t, d=dim: t.unsqueeze(d), lambda t, d=dim: t.squeeze(d)))
+        shape.insert(dim, 1)
+        dim += 1
+      elif isinstance(item, Tensor):
+        if item.dtype.is_float: raise IndexError(f"tensors used as indices must be integers, got {item.dtype}")
+        if item.dtype == dtypes.bool:
+          raise IndexError("boolean mask indexing gives a data-dependent shape; use Tensor.where instead")
+        tensor_dims.append((dim, item))
+        dim += 1
+      elif isinstance(item, (bool, np.bool_)):
+        raise IndexError("a Python bool is not a valid index")
+      elif isinstance(item, (int, np.integer)):
+        size = shape[dim]
+        position = int(item) + size if item < 0 else int(item)
+        if not 0 <= position < size:
+          # name the dimension of the indexed tensor, not of the partly indexed view `dim` counts in
+          source_dim = sum(1 for earlier in items[:item_number] if earlier is not None)
+          raise IndexOutOfRangeError(f"index {item} is out of range for dimension {source_dim} with size {size} "
+                                     f"(tensor shape {self.shape})")
+        steps.append(_narrow_step(dim, position, position + 1, size))
+        steps.append((lambda t, d=dim: t.squeeze(d), lambda t, d=dim: t.unsqueeze(d)))
+        shape.pop(dim)
+        tensor_dims = [(d - 1 if d > dim else d, t) for d, t in tensor_dims]
+      elif isinstance(item, slice):
+        size = shape[dim]
+        start, stop, step = item.indices(size)
+        if step > 0:
+          low, high = start, max(stop, start)
+        else:
+          low, high = stop + 1, max(start + 1, stop + 1)  # a negative step walks high-1 down to low
+        steps.append(_narrow_step(dim, low, high, size))
+        if step < 0: steps.append((lambda t, d=dim: t.flip(d), lambda t, d=dim: t.flip(d)))
+        length = high - low
+        if abs(step) > 1 and length > 0:
+          steps.append(_stride_step(dim, abs(step), length))
+          length = math.ceil(length / abs(step))
+        shape[dim] = length
+        dim += 1
+      else:
+        raise IndexError(f"cannot index a tensor with {type(item).__name__}; use ints, slices, None, ... or tensors")
+    return steps, tensor_dims
+
+  def __getitem__(self, index: Any) -> Tensor:
+    """Basic indexing (ints, slices with steps, None, Ellipsis) as views, and integer-Tensor indexing."""
+    steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
+    x = self
+    for forward, _ in steps: x = forward(x)
+    return x._index_with_tensors(tensor_dims) if tensor_dims else x
+
+  def _index_with_tensors(self, tensor_dims: list[tuple[int, Tensor]]) -> Tensor:
+    """Advanced (integer tensor) indexing, numpy rules: the broadcast index shape replaces the indexed dims,
+    in place if they were adjacent, else at the front. Computed as a masked sum (one kernel), no gather op."""
+    from ourgrad.tensor import Tensor
+    dims = [dim for dim, _ in tensor_dims]
+    index_shape = _broadcast_shape(*(index.shape for _, index in tensor_dims))
+    rest = [axis for axis in range(self.ndim) if axis not in dims]
+    x = self.permute(rest + dims)  # (rest..., indexed...)
+    sizes = [self.shape[dim] for dim in dims]
+    batch = len(index_shape)
+    picked = None
+    for number, (dim, index) in enumerate(tensor_dims):
+      size = self.shape[dim]
+      index = index.cast(dtypes.int32).expand(index_shape)
+      index = (index < 0).where(index + size, index)
+      positions = Tensor.arange(size, device=self.device)
+      shape = (1,) * len(index_shape) + tuple(size if n == number else 1 for n in range(len(dims)))
+      one_hot = index.reshape(index_shape + (1,) * len(dims)) == positions.reshape(shape)
+      picked = one_hot if picked is None else (picked & one_hot)
+    assert picked is not None
+    values = x.reshape(tuple(x.shape[:len(rest)]) + (1,) * batch + tuple(sizes))
+    chosen = picked.where(values, 0) if self.dtype != dtypes.bool else picked.where(values.cast(dtypes.int32), 0)
+    summed = chosen.sum(axis=tuple(range(len(rest) + batch, len(rest) + batch + len(dims))), dtype=chosen.dtype)
+    result = summed.cast(self.dtype)
+    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
+    if adjacent and dims[0] > 0:
+      # move the index dims to where the indexed dims were
+      order = list(range(len(rest)))
+      order = order[:dims[0]] + list(range(len(rest), len(rest) + batch)) + order[dims[0]:]
+      result = result.permute(order)
+    elif not adjacent or dims[0] == 0:
+      order = list(range(len(rest), len(rest) + batch)) + list(range(len(rest)))
+      result = result.permute(order)
+    return result
+
+  def __setitem__(self, index: Any, value: Tensor | Scalar) -> None:
+    """`t[index] = value` for basic indices (ints, slices, None, ...). The value is put back into place by
+    the inverse view steps and merged with `where`: one fused elementwise kernel writing this tensor's buffer."""
+    from ourgrad.tensor import Tensor
+    steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
+    if tensor_dims:
+      raise NotImplementedError("assignment through tensor indices is not supported; build a mask and use where")
+    selected = self
+    for forward, _ in steps: selected = forward(selected)
+    value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
+    if value.device != self.device:
+      raise DeviceError(f"cannot assign a tensor on {value.device} into one on {self.device}; use .to()")
+    value = value.cast(self.dtype).expand(selected.shape)
+    inside = Tensor.full(selected.shape, True, dtypes.bool, device=self.device)
+    for _, inverse in reversed(steps): value, inside = inverse(value), inverse(inside)
+    self.assign(inside.where(value, self.detach()))
+
+  def gather(self, dim: int, index: Tensor) -> Tensor:
+    """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather)."""
+    from ourgrad.tensor import Tensor
+    axis = self._axis(dim)
+    if index.ndim != self.ndim:
+      raise ShapeError(f"gather index must have {self.ndim} dims like the input {self.shape}, got {index.shape}")
+    for a, (size, index_size) in enumerate(zip(self.shape, index.shape)):
+      if a != axis and index_size > size:
+        raise ShapeError(f"gather index shape {index.shape} exceeds input shape {self.shape} in dim {a}")
+    x = self.shrink([(0, index.shape[a]) if a != axis else None for a in range(self.ndim)])
+    x_last = x.transpose(axis, -1).unsqueeze(-2)            # (..., 1, n)
+    index_last = index.transpose(axis, -1).unsqueeze(-1)    # (..., k, 1)
+    size = self.shape[axis]
+    index_last = (index_last < 0).where(index_last + size, index_last)
+    one_hot = index_last == Tensor.arange(size, device=self.device)
+    values = x_last if self.dtype != dtypes.bool else x_last.cast(dtypes.int32)
+    picked = one_hot.where(values, 0).sum(-1, dtype=values.dtype).cast(self.dtype)
+    return picked.transpose(axis, -1)
+
+  # ---------------------------------------------------------------- joining and splitting
+
+  @staticmethod
+  def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """Join tensors along `dim` (pad each into place and add: one fused kernel)."""
+    if not tensors: raise ValueError("cat needs at least one tensor")
+    first = tensors[0]
+    axis = first._axis(dim)
+    for tensor in tensors[1:]:
+      if tensor.ndim != first.ndim or any(a != axis and s != t for a, (s, t) in enumerate(zip(first.shape,
+                                                                                            tensor.shape))):
+        raise ShapeError(f"cat along dim {axis} needs equal other sizes, got {first.shape} and {tensor.shape}")
+      if tensor.device != first.device:
+        raise DeviceError(f"cat of tensors on {first.device} and {tensor.device}; move them with .to()")
+    dtype = least_upper_dtype(*(tensor.dtype for tensor in tensors))
+    total = sum(tensor.shape[axis] for tensor in tensors)
+    result, offset = None, 0
+    for tensor in tensors:
+      pads = [(offset, total - offset - tensor.shape[axis]) if a == axis else None for a in range(first.ndim)]
+      piece = tensor.cast(dtype if dtype != dtypes.bool else dtypes.uint8).pad(pads)
+      result = piece if result is None else result + piece
+      offset += tensor.shape[axis]
+    assert result is not None
+    return result.cast(dtype)
+
+  def cat_with(self, *others: Tensor, dim: int = 0) -> Tensor:
+    """Tensor.cat([self, *others], dim): this tensor joined with `others` along `dim`."""
+    from ourgrad.tensor import Tensor
+    return Tensor.cat([self, *others], dim=dim)
+
+  @staticmethod
+  def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """Tensors of one shape joined along a new dimension `dim`."""
+    from ourgrad.tensor import Tensor
+    if not tensors: raise ValueError("stack needs at least one tensor")
+    for tensor in tensors[1:]:
+      if tensor.shape != tensors[0].shape:
+        raise ShapeError(f"stack needs tensors of one shape, got {tensors[0].shape} and {tensor.shape}")
+    axis = normalize_axis(dim, tensors[0].ndim + 1)
+    return Tensor.cat([tensor.unsqueeze(axis) for tensor in tensors], dim=axis)
+
+  def split(self, split_size: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
+    """Views of consecutive pieces along `dim`: `split_size` long each (the last may be shorter), or one per size in a
+    list that adds up to the dimension."""
+    axis = self._axis(dim)
+    size = self.shape[axis]
+    if isinstance(split_size, int):
+      if split_size <= 0: raise ValueError(f"split size must be positive, got {split_size}")
+      sizes = [min(split_size, size - start) for start in range(0, size, split_size)] or [0]
+    else:
+      sizes = list(split_size)
+      if sum(sizes) != size: raise ShapeError(f"split sizes {sizes} do not add up to dim {axis} of size {size}")
+    pieces, start = [], 0
+    for piece_size in sizes:
+      pieces.append(self.shrink([(start, start + piece_size) if a == axis else None for a in range(self.ndim)]))
+      start += piece_size
+    return tuple(pieces)
+
+  def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+    """`chunks` views of equal size along `dim` (the last may be smaller, and fewer come back from a short dimension),
+    as torch.chunk."""
+    if chunks <= 0: raise ValueError(f"chunk count must be positive, got {chunks}")
+    size = self.shape[self._axis(dim)]
+    return self.split(max(math.ceil(size / chunks), 1), dim)
+
+
+def _narrow_step(dim: int, start: int, end: int, size: int) -> tuple[Any, Any]:
+  """Keep [start, end) of `dim`; the inverse pads back to `size`."""
+  def forward(t: Tensor) -> Tensor: return t.shrink([(start, end) if a == dim else None for a in range(t.ndim)])
+  def inverse(t: Tensor) -> Tensor: return t.pad([(start, size - end) if a == dim else None for a in range(t.ndim)])
+  return forward, inverse
+
+
+def _stride_step(dim: int, step: int, length: int) -> tuple[Any, Any]:
+  """Keep every `step`-th element of `dim` (of size `length`); the inverse spreads them back out with zeros."""
+  def forward(t: Tensor) -> Tensor: return t._stride_axis(dim, step)
+
+  def inverse(t: Tensor) -> Tensor:
+    kept = t.shape[dim]
+    spread = t.unsqueeze(dim + 1).pad([(0, step - 1) if a == dim + 1 else None for a in range(t.ndim + 1)])
+    flat = spread.reshape(t.shape[:dim] + (kept * step,) + t.shape[dim + 1:])
+    return flat.shrink([(0, length) if a == dim else None for a in range(t.ndim)])
+  return forward, inverse

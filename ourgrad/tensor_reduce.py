@@ -1,0 +1,240 @@
+"""Reductions and linear algebra for Tensor (ReduceMixin).
+
+sum and max are the two reduce primitives (ourgrad/function.py); min, mean, var, std, any, all, argmax,
+logsumexp, softmax and cumsum are built from them, and prod halves its axis in log2(n) multiply steps. Integers
+and bools sum in int64 and float16/bfloat16 accumulate in float32, as in PyTorch. matmul is a broadcast
+multiply and a sum over the inner dimension, which the kernel optimizer turns into one tiled kernel; triu and
+tril are masks built from arange.
+
+The methods become Tensor's through `class Tensor(..., ReduceMixin, ...)` in ourgrad/tensor.py; this module does
+not import that one at load time (it imports this one), so methods that make a Tensor import the class when
+called.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from ourgrad import function as F
+from ourgrad.dtype import DType, dtypes, least_upper_dtype, sum_dtype
+from ourgrad.errors import AxisError, DeviceError, ShapeError
+from ourgrad.helpers import prod
+
+if TYPE_CHECKING:
+  from ourgrad.tensor import Tensor
+
+
+class ReduceMixin:
+  """Tensor's reductions (sum, max, mean, var, argmax, softmax, cumsum, ...) and linear algebra (matmul, ...)."""
+  __slots__ = ()
+
+  # ---------------------------------------------------------------- reductions
+
+  def _reduce_axes(self, axis: int | Sequence[int] | None) -> tuple[int, ...]:
+    if axis is None: return tuple(range(self.ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    normalized = tuple(self._axis(int(a)) for a in axes)
+    if len(set(normalized)) != len(normalized): raise AxisError(f"axis {axis} repeats a dimension")
+    return normalized
+
+  def _reduce(self, function: type[F.Function], axis: int | Sequence[int] | None, keepdim: bool) -> Tensor:
+    axes = self._reduce_axes(axis)
+    reduced = function.apply(self, axes=axes)
+    if keepdim: return reduced
+    return reduced.reshape(tuple(size for a, size in enumerate(self.shape) if a not in axes))
+
+  def sum(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, dtype: DType | None = None) -> Tensor:
+    """Sum over `axis` (all if None). Integers and bools sum in int64, as in PyTorch, unless `dtype` is given."""
+    target = dtypes.as_dtype(dtype) if dtype is not None else sum_dtype(self.dtype)
+    # half-precision floats accumulate in float32 and round once at the end
+    accumulate = dtypes.float32 if target in (dtypes.float16, dtypes.bfloat16) else target
+    return self.cast(accumulate)._reduce(F.Sum, axis, keepdim).cast(target)
+
+  def max(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """The largest value over `axis` (all if None): values only, where torch's max(dim) also gives indices (use argmax);
+    ShapeError for an empty axis."""
+    if self.numel() == 0 and any(self.shape[a] == 0 for a in self._reduce_axes(axis)):
+      raise ShapeError(f"max of an empty dimension of shape {self.shape} has no identity; give a non-empty axis")
+    if self.dtype == dtypes.bool: return self.cast(dtypes.uint8)._reduce(F.Max, axis, keepdim).cast(dtypes.bool)
+    return self._reduce(F.Max, axis, keepdim)
+
+  def min(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """The smallest value over `axis` (all if None): values only, where torch's min(dim) also gives indices (use
+    argmin); ShapeError for an empty axis."""
+    if self.dtype == dtypes.bool: return ~((~self).max(axis, keepdim))
+    if not self.dtype.is_float: return ~((~self).max(axis, keepdim))
+    return -((-self).max(axis, keepdim))
+
+  def amax(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """The same as max(axis, keepdim)."""
+    return self.max(axis, keepdim)
+
+  def amin(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """The same as min(axis, keepdim)."""
+    return self.min(axis, keepdim)
+
+  def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """The mean over `axis` (all if None); integers and bools promote to the default float; NaN over an empty axis."""
+    x = self._float_operand()
+    count = prod(self.shape[a] for a in self._reduce_axes(axis))
+    total = x.sum(axis, keepdim)
+    return total / count if count else total * math.nan
+
+  def var(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
+    """The variance over `axis` (all if None) with `correction` (1: unbiased, as torch.var); NaN when there are no more
+    elements than `correction`."""
+    x = self._float_operand()
+    count = prod(self.shape[a] for a in self._reduce_axes(axis))
+    squares = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
+    return squares / max(count - correction, 0) if count - correction > 0 else squares * math.nan
+
+  def std(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
+    """The standard deviation: sqrt(var(axis, keepdim, correction))."""
+    return self.var(axis, keepdim, correction).sqrt()
+
+  def prod(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
+    """Product over one axis (or all), by halving the axis repeatedly: log2(n) fused multiply steps."""
+    from ourgrad.tensor import Tensor
+    target = sum_dtype(self.dtype) if not self.dtype.is_float else self.dtype
+    if axis is None:
+      result = self.flatten().cast(target).prod(0)
+      return result.reshape((1,) * self.ndim) if keepdim else result
+    dim = self._axis(axis)
+    x = self.cast(target).transpose(dim, -1)
+    while x.shape[-1] > 1:
+      size = x.shape[-1]
+      if size % 2: x = x.pad([None] * (x.ndim - 1) + [(0, 1)], value=1)
+      halves = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+      x = (halves[..., 0] * halves[..., 1]).contiguous()
+    if x.shape[-1] == 0: x = Tensor.ones(*x.shape[:-1], 1, dtype=target, device=self.device)
+    result = x.transpose(dim, -1)
+    return result if keepdim else result.squeeze(dim)
+
+  def any(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """A bool tensor, True where any value over `axis` (all if None) is non-zero."""
+    # max has no identity for an empty axis; a sum has (zero), and keeps the reduced shape
+    if self.numel() == 0: return self.bool().sum(axis, keepdim) != 0
+    return self.bool().max(axis, keepdim)
+
+  def all(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """A bool tensor, True where every value over `axis` (all if None) is non-zero."""
+    return self.logical_not().any(axis, keepdim).logical_not()
+
+  def argmax(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
+    """Index of the first maximal element (flattened if axis is None), int64 as in PyTorch."""
+    from ourgrad.tensor import Tensor
+    if axis is None:
+      result = self.flatten().argmax(0)
+      return result.reshape((1,) * self.ndim) if keepdim else result
+    dim = self._axis(axis)
+    size = self.shape[dim]
+    if size == 0: raise ShapeError(f"argmax of an empty dimension {dim} of shape {self.shape}")
+    is_max = self == self.max(dim, keepdim=True)
+    if self.dtype.is_float: is_max = is_max | (self.isnan() & self.isnan().any(dim, keepdim=True))
+    # the first maximal index has the largest (size - index)
+    countdown = Tensor.arange(size, 0, -1, device=self.device).reshape((size,) + (1,) * (self.ndim - dim - 1))
+    best = is_max.where(countdown, 0).max(dim, keepdim)
+    return (size - best).cast(dtypes.int64)
+
+  def argmin(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
+    """Index of the first minimal element (flattened if axis is None), int64 as in PyTorch."""
+    if self.dtype.is_float: return (-self).argmax(axis, keepdim)
+    return (~self if self.dtype != dtypes.bool else self.logical_not()).argmax(axis, keepdim)
+
+  def logsumexp(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """log(sum(exp(self))) over `axis` (all if None), computed stably by subtracting the maximum first."""
+    x = self._float_operand()
+    peak = x.max(axis, keepdim=True)
+    peak = peak.isinf().where(0, peak)  # all -inf (or an inf) would give nan through x - peak
+    total = (x - peak).exp().sum(axis, keepdim=True).log() + peak
+    return total if keepdim else total.reshape(tuple(s for a, s in enumerate(self.shape)
+                                                     if a not in self._reduce_axes(axis)))
+
+  def softmax(self, axis: int = -1) -> Tensor:
+    """exp(self) normalized to sum to 1 along `axis` (the last by default); float16 and bfloat16 compute in float32."""
+    x = self._float_operand()
+    if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
+    # half precision computes in float32 and rounds once, as in PyTorch (rounding exps and sum too: 2 ulps off)
+    if x.dtype in (dtypes.float16, dtypes.bfloat16): return x.float().softmax(axis).cast(x.dtype)
+    exps = (x - x.max(axis, keepdim=True)).exp()
+    return exps / exps.sum(axis, keepdim=True)
+
+  def log_softmax(self, axis: int = -1) -> Tensor:
+    """log(softmax(self, axis)), computed stably; float16 and bfloat16 compute in float32."""
+    x = self._float_operand()
+    if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
+    if x.dtype in (dtypes.float16, dtypes.bfloat16): return x.float().log_softmax(axis).cast(x.dtype)
+    shifted = x - x.max(axis, keepdim=True)
+    return shifted - shifted.exp().sum(axis, keepdim=True).log()
+
+  def _cumsum_last(self) -> Tensor:
+    """Inclusive cumulative sum over the last axis: out[i] = sum of x[j] for j <= i, as one masked-sum kernel
+    (O(n^2) work per row: fine for the sizes cumsum meets in models)."""
+    from ourgrad.tensor import Tensor
+    size = self.shape[-1]
+    if size == 0: return self.cast(sum_dtype(self.dtype))
+    positions = Tensor.arange(size, device=self.device)
+    keep = positions.reshape(size, 1) >= positions.reshape(1, size)  # row i keeps columns j <= i
+    values = self.unsqueeze(-2).expand(self.shape[:-1] + (size, size))
+    return keep.where(values, 0).sum(-1)
+
+  def cumsum(self, axis: int = 0) -> Tensor:
+    """The inclusive running sum along `axis` (0 by default; torch needs it); integers and bools sum in int64."""
+    dim = self._axis(axis)
+    return self.transpose(dim, -1)._cumsum_last().transpose(dim, -1)
+
+  # ---------------------------------------------------------------- linear algebra
+
+  def dot(self, other: Tensor) -> Tensor:
+    """The same as matmul (torch.dot takes only 1-D tensors)."""
+    return self.matmul(other)
+
+  def matmul(self, other: Tensor) -> Tensor:
+    """Matrix product with PyTorch's rules for 1-D operands and batch broadcasting: a broadcast multiply and
+    a sum over the inner dimension, which the optimizer turns into one tiled kernel."""
+    other = self._to_tensor(other)
+    if self.ndim == 0 or other.ndim == 0:
+      raise ShapeError(f"matmul needs tensors with at least 1 dimension, got shapes {self.shape} and {other.shape}")
+    if self.device != other.device:
+      raise DeviceError(f"matmul of tensors on {self.device} and {other.device}; move one with .to()")
+    x = self.reshape(1, -1) if self.ndim == 1 else self
+    y = other.reshape(-1, 1) if other.ndim == 1 else other
+    if x.shape[-1] != y.shape[-2]:
+      raise ShapeError(f"matmul inner dimensions differ: {self.shape} @ {other.shape} "
+                       f"({x.shape[-1]} != {y.shape[-2]})")
+    dtype = least_upper_dtype(x.dtype, y.dtype)
+    accumulate = dtypes.float32 if dtype in (dtypes.float16, dtypes.bfloat16) else dtype
+    if dtype == dtypes.bool: accumulate = dtypes.int32
+    x, y = x.cast(accumulate), y.cast(accumulate)
+    product = x.unsqueeze(-2) * y.transpose(-1, -2).unsqueeze(-3)   # (..., n, m, k)
+    result = product.sum(-1, dtype=accumulate)
+    result = result.cast(dtype) if dtype != dtypes.bool else (result != 0)
+    if self.ndim == 1: result = result.squeeze(-2)
+    if other.ndim == 1: result = result.squeeze(-1)
+    return result
+
+  def linear(self, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias, with weight of shape (out_features, in_features) as in torch.nn.functional.linear."""
+    result = self.matmul(weight.T)
+    return result + bias if bias is not None else result
+
+  def outer(self, other: Tensor) -> Tensor:
+    """The outer product, shape (self.numel(), other.numel()); unlike torch.outer, inputs of more than one dimension are
+    flattened."""
+    return self.reshape(-1, 1) * other.reshape(1, -1)
+
+  def triu(self, diagonal: int = 0) -> Tensor:
+    """The upper triangle of the last two dimensions (column - row >= diagonal); other elements are 0."""
+    from ourgrad.tensor import Tensor
+    rows = Tensor.arange(self.shape[-2], device=self.device).reshape(-1, 1)
+    cols = Tensor.arange(self.shape[-1], device=self.device).reshape(1, -1)
+    return (cols - rows >= diagonal).where(self, 0).cast(self.dtype)
+
+  def tril(self, diagonal: int = 0) -> Tensor:
+    """The lower triangle of the last two dimensions (column - row <= diagonal); other elements are 0."""
+    from ourgrad.tensor import Tensor
+    rows = Tensor.arange(self.shape[-2], device=self.device).reshape(-1, 1)
+    cols = Tensor.arange(self.shape[-1], device=self.device).reshape(1, -1)
+    return (cols - rows <= diagonal).where(self, 0).cast(self.dtype)
