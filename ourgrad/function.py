@@ -69,6 +69,11 @@ class Contiguous(Function):
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output
 
 
+class Clone(Function):
+  def forward(self, x: LazyBuffer) -> LazyBuffer: return x.clone()
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output
+
+
 class Cast(Function):
   def forward(self, x: LazyBuffer, dtype: DType, bitcast: bool = False) -> LazyBuffer:
     self.input_dtype, self.bitcast = x.dtype, bitcast

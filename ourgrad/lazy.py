@@ -207,6 +207,10 @@ class LazyBuffer:
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
 
+  def clone(self) -> LazyBuffer:
+    """A copy in a buffer of its own (unlike contiguous(), never the same memory as this buffer)."""
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
+
   def copy_to_device(self, device: str) -> LazyBuffer:
     device = Device.canonicalize(device)
     if device == self.device: return self

@@ -249,9 +249,8 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
     return F.Contiguous.apply(self)
 
   def clone(self) -> Tensor:
-    """The same as contiguous(): unlike torch.clone, a realized tensor that is not a view shares its buffer, so in-place
-    writes to the clone (assign, +=, []=) change the original too."""
-    return F.Contiguous.apply(self)
+    """A copy with memory of its own, as torch.clone: in-place writes to either never change the other."""
+    return F.Clone.apply(self)
 
   def detach(self) -> Tensor:
     """A tensor with the same (lazy) data, cut from the autograd graph (requires_grad=False)."""

@@ -1232,3 +1232,16 @@ def test_backward_accumulates_and_detach() -> None:
   (detached.detach() * detached).sum().backward()
   assert detached.grad is not None
   np.testing.assert_allclose(detached.grad.numpy(), array, rtol=1e-6)
+
+
+def test_clone_has_its_own_memory() -> None:
+  """In-place writes to a clone never reach the original, and the clone's gradient flows to the original."""
+  original = Tensor([1.0, 2.0, 3.0]).realize()
+  copy = original.clone()
+  copy[0] = 5.0
+  copy += 1
+  np.testing.assert_array_equal(original.numpy(), [1.0, 2.0, 3.0])
+  np.testing.assert_array_equal(copy.numpy(), [6.0, 3.0, 4.0])
+  leaf = Tensor([1.0, 2.0], requires_grad=True)
+  (leaf.clone() * 3).sum().backward()
+  np.testing.assert_array_equal(leaf.grad.numpy(), [3.0, 3.0])
