@@ -26,6 +26,7 @@ class OptOps(Enum):
   UPCAST = auto()   # compute `amount` neighbouring outputs of an axis per thread, in registers
   UNROLL = auto()   # unroll `amount` iterations of a reduce axis
   LOCAL = auto()    # split a global axis into workgroup threads (GPU)
+  # Not implemented yet (apply_opt refuses them with KernelOptError); named so searches and fuzzers can ask:
   GROUP = auto()    # split a reduce axis across threads, combining in shared memory (GPU)
   PADTO = auto()    # pad an axis up to a multiple of `amount` so other opts fit
 
