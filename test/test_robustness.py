@@ -321,7 +321,8 @@ CONCURRENT_SCRIPT = textwrap.dedent("""
   start, value = float(sys.argv[1]), float(sys.argv[2])
   while time.time() < start: time.sleep(0.002)
   result = (Tensor.arange(1000, device="CLANG").float() * value - 2).numpy()
-  np.testing.assert_allclose(result, np.arange(1000) * value - 2, rtol=1e-6)
+  # float32: near the zero crossing (x * value ~ 2) only an absolute tolerance makes sense
+  np.testing.assert_allclose(result, np.arange(1000) * value - 2, rtol=1e-6, atol=1e-4)
   print("compiled", len(compiles))
 """)
 
