@@ -269,6 +269,9 @@ class LazyBuffer:
 
   def assign(self, value: LazyBuffer) -> LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
+    # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the
+    # kernel still reads it: copy it out first
+    if value.base is self.base and value.st != self.st: value = value.clone()
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
 
 

@@ -56,8 +56,7 @@ def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   while pending:
     base = pending.pop()
     if id(base) in items: continue
-    if base.size == 0 and base.op is not Ops.ASSIGN:
-      continue  # nothing to compute: the (empty) buffer is the result
+    if base.size == 0: continue  # nothing to compute: the (empty) buffer is the result
     try:
       items[id(base)], reads[id(base)] = _schedule_base(base, realizes)
     except _RefuseFusion as refused:

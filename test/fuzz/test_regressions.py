@@ -1,0 +1,51 @@
+"""Minimized repros of failures the fuzzers in test/fuzz found, as plain tests.
+
+A bug that is still open is marked `xfail(strict=True)`: when it gets fixed the test passes, strict xfail turns
+that into a failure, and whoever fixed it removes the mark, so the fix stays covered. All the bugs below are fixed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ourgrad import Tensor  # noqa: E402
+
+
+def test_assign_into_empty_buffer() -> None:
+  x = Tensor(np.zeros((2, 0), dtype=np.float32))
+  x.assign(x + 1)
+  x.realize()
+  assert x.numpy().shape == (2, 0)
+
+
+def test_setitem_into_empty_buffer() -> None:
+  x = Tensor(np.zeros((2, 0), dtype=np.float32))
+  x[0] = 3.0
+  x.realize()
+  assert x.numpy().shape == (2, 0)
+
+
+def test_assign_view_of_itself() -> None:
+  x = Tensor(np.arange(4, dtype=np.float32))
+  x.assign(x.flip(0))
+  np.testing.assert_array_equal(x.numpy(), [3, 2, 1, 0])
+
+
+def test_assign_broadcast_row_of_itself() -> None:
+  x = Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+  x.assign(x[1])
+  np.testing.assert_array_equal(x.numpy(), [[3, 4, 5], [3, 4, 5]])
+
+
+# gcc 12.2 at -O2 (its loop vectorizer) miscompiles this C, which is what CLANG renders for the kernel below; the
+# CLANG device now turns gcc 12's loop vectorizer off (runtime/ops_clang.py: known_bug_flags)
+# (Opt(UNROLL, 0, 2) on the reversed axis); -O0/-O1, or -O2 -fno-tree-loop-vectorize, give 615, -O3 gives 719:
+#   void f(float* restrict out, const float* restrict s, const float* restrict x) {
+#     float acc = 0.0f;
+#     for (int i = 0; i < 3; i++) { int j = i * -2; float v = s[0];
+#                                   acc = acc + (x[j + 5] + v); acc = acc + (x[j + 4] + v); }
+#     out[0] = acc;
+#   }   // x = {0, 1, 2, 3, 4, 5}, s = {100}: gives 921, want 615
+def test_clang_unrolled_reduce_of_flipped_view_plus_scalar() -> None:
+  x = Tensor(np.arange(6, dtype=np.float32), device="CLANG")
+  scalar = Tensor(np.array(100, dtype=np.float32), device="CLANG")
+  assert (x.flip(0) + scalar).sum().item() == 615
