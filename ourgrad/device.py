@@ -8,11 +8,13 @@ when garbage collected.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib
 import os
 import pathlib
 import tempfile
+import time
 import warnings
 from typing import Any, Callable
 
@@ -236,6 +238,20 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
   except BaseException:
     if os.path.exists(tmp_name): os.unlink(tmp_name)
     raise
+
+
+# ---------------------------------------------------------------- host programs
+
+class HostProgram:
+  """A kernel compiled to machine code for this CPU (CLANG, LLVM): `self.function` is a ctypes function that takes
+  one pointer per buffer; it runs synchronously on the calling thread."""
+  function: Callable[..., None]
+
+  def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (), local_size: tuple[int, ...] = (),
+               wait: bool = False) -> float | None:
+    start = time.perf_counter()
+    self.function(*[ctypes.c_void_p(buffer.ctypes.data) for buffer in buffers])
+    return time.perf_counter() - start if wait else None
 
 
 # ---------------------------------------------------------------- devices

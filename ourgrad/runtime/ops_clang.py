@@ -10,11 +10,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import time
 
-import numpy as np
 
-from ourgrad.device import Compiled, Compiler, HostAllocator
+from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CC
 from ourgrad.renderer.cstyle import ClangRenderer
@@ -81,7 +79,7 @@ class ClangCompiler(Compiler):
       with open(library_path, "rb") as library_file: return library_file.read()
 
 
-class ClangProgram:
+class ClangProgram(HostProgram):
   """A compiled kernel: load the shared object from its bytes and call the named function."""
 
   def __init__(self, name: str, library: bytes):
@@ -95,11 +93,6 @@ class ClangProgram:
       os.unlink(path)
     self.function = getattr(self.library, name)
 
-  def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (), local_size: tuple[int, ...] = (),
-               wait: bool = False) -> float | None:
-    start = time.perf_counter()
-    self.function(*[ctypes.c_void_p(buffer.ctypes.data) for buffer in buffers])
-    return time.perf_counter() - start if wait else None
 
 
 def create_device(name: str) -> Compiled:

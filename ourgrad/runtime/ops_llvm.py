@@ -11,12 +11,10 @@ import ctypes
 import ctypes.util
 import os
 import threading
-import time
 
 import llvmlite.binding as llvm
-import numpy as np
 
-from ourgrad.device import Compiled, Compiler, HostAllocator
+from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import DEBUG
 from ourgrad.renderer.llvmir import LLVMRenderer
@@ -95,7 +93,7 @@ class LLVMCompiler(Compiler):
     with _LLVM_LOCK: return self.target_machine.emit_assembly(self.optimized_module(source))
 
 
-class LLVMProgram:
+class LLVMProgram(HostProgram):
   """A compiled kernel: load the object code into its own MCJIT engine (kept alive with the program) and call the
   named function through ctypes with the buffers' addresses."""
 
@@ -110,11 +108,6 @@ class LLVMProgram:
     # no argtypes: the kernel takes one pointer per buffer, passed as c_void_p
     self.function = ctypes.CFUNCTYPE(None)(address)
 
-  def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (), local_size: tuple[int, ...] = (),
-               wait: bool = False) -> float | None:
-    start = time.perf_counter()
-    self.function(*[ctypes.c_void_p(buffer.ctypes.data) for buffer in buffers])
-    return time.perf_counter() - start if wait else None
 
 
 def create_device(name: str) -> Compiled:
