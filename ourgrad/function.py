@@ -326,8 +326,3 @@ class Flip(Function):
     return x.flip(axes_mask)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.flip(self.axes_mask)
-
-
-def float_dtype_of(dtype: DType) -> DType:
-  """The dtype float math on `dtype` gives: floats keep theirs, ints and bools get the default float."""
-  return dtype if dtype.is_float else dtypes.default_float

@@ -89,29 +89,16 @@ def prod(values: Iterable[int]) -> int:
   return functools.reduce(operator.mul, values, 1)
 
 
-def all_same(items: Sequence[Any]) -> bool:
-  return all(item == items[0] for item in items)
 
 
-def dedup(items: Iterable[T]) -> list[T]:
-  """Items in first-seen order without repeats."""
-  return list(dict.fromkeys(items))
 
 
-def flatten(nested: Iterable[Iterable[T]]) -> list[T]:
-  return [item for inner in nested for item in inner]
 
 
-def argsort(values: Sequence[Any]) -> list[int]:
-  return sorted(range(len(values)), key=values.__getitem__)
 
 
-def round_up(value: int, multiple: int) -> int:
-  return (value + multiple - 1) // multiple * multiple
 
 
-def ceildiv(num: int, den: int) -> int:
-  return -(-num // den)
 
 
 def make_tuple(value: int | Sequence[int], count: int) -> tuple[int, ...]:
@@ -128,8 +115,6 @@ def normalize_axis(axis: int, ndim: int) -> int:
   return axis + ndim if axis < 0 else axis
 
 
-def is_pow2(value: int) -> bool:
-  return value > 0 and value & (value - 1) == 0
 
 
 def fmt_size(num_bytes: float) -> str:

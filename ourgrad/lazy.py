@@ -17,7 +17,7 @@ from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError
 from ourgrad.helpers import prod
-from ourgrad.ops import BINARY_OPS, Ops, REDUCE_OPS, exec_alu
+from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable
 from ourgrad.shape.view import View, strides_for_shape
@@ -138,7 +138,7 @@ class LazyBuffer:
         raise DeviceError(f"{op.name} got tensors on different devices: {self.device} and {src.device}; "
                           f"move one with .to({self.device!r})")
       if src.shape != self.shape: raise AssertionError(f"elementwise shapes differ: {self.shape} vs {src.shape}")
-    out_dtype = dtype or (dtypes.bool if op in (Ops.CMPLT, Ops.CMPNE) else srcs[-1].dtype)
+    out_dtype = dtype or (dtypes.bool if op in COMPARISON_OPS else srcs[-1].dtype)
     folded = self._fold_constants(op, srcs, out_dtype)
     if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)

@@ -69,7 +69,6 @@ UNARY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP, Ops.NEG
 BINARY_OPS = frozenset({Ops.ADD, Ops.MUL, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CMPLT, Ops.CMPNE, Ops.AND, Ops.OR,
                         Ops.XOR, Ops.SHL, Ops.SHR})
 TERNARY_OPS = frozenset({Ops.WHERE, Ops.MULACC})
-ALU_OPS = (UNARY_OPS | BINARY_OPS | TERNARY_OPS) - {Ops.CAST, Ops.BITCAST}
 ELEMENTWISE_OPS = UNARY_OPS | BINARY_OPS | TERNARY_OPS
 REDUCE_OPS = frozenset({Ops.SUM, Ops.MAX_REDUCE})
 MOVEMENT_OPS = frozenset({Ops.RESHAPE, Ops.PERMUTE, Ops.EXPAND, Ops.PAD, Ops.SHRINK, Ops.FLIP})

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from ourgrad.dtype import DType, dtypes
+from ourgrad.helpers import make_tuple
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.nn import functional
 from ourgrad.tensor import Tensor
@@ -31,11 +32,6 @@ IntOrTuple = int | Sequence[int]
 __all__ = ["Linear", "Conv1d", "Conv2d", "ConvTranspose2d", "BatchNorm", "BatchNorm1d", "BatchNorm2d",
            "BatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "RMSNorm", "Embedding",
            "Dropout"]
-
-
-def _tuple(value: IntOrTuple, count: int) -> tuple[int, ...]:
-  """An int repeated `count` times, or the given sequence as a tuple."""
-  return (value,) * count if isinstance(value, int) else tuple(value)
 
 
 def _uniform_init(shape: tuple[int, ...], fan_in: int) -> Tensor:
@@ -74,18 +70,22 @@ class Linear:
 
 
 class _ConvNd:
-  """Shared constructor of the convolutions: the weight of shape `weight_shape`, initialized (with the bias) from
-  fan_in = weight_shape[1] * prod(kernel), which is PyTorch's rule for both Conv and ConvTranspose weights."""
+  """Shared constructor of the convolutions over `dims` spatial dimensions: int-or-tuple arguments become tuples,
+  and the weight (C_out, C_in/groups, *kernel), or (C_in, C_out/groups, *kernel) when `transposed`, is initialized
+  (with the bias) from fan_in = weight_shape[1] * prod(kernel), PyTorch's rule for both kinds."""
 
-  def __init__(self, in_channels: int, out_channels: int, kernel_size: tuple[int, ...], stride: tuple[int, ...],
-               padding: tuple[int, ...] | str, dilation: tuple[int, ...], groups: int, bias: bool,
-               weight_shape: tuple[int, ...]):
+  def __init__(self, dims: int, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple,
+               padding: IntOrTuple | str, dilation: IntOrTuple, groups: int, bias: bool, transposed: bool = False):
     if groups <= 0 or in_channels % groups or out_channels % groups:
       raise ValueError(f"groups={groups} must be positive and divide in_channels={in_channels} and "
                        f"out_channels={out_channels}")
     self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-    self.kernel_size, self.stride, self.padding, self.dilation = kernel_size, stride, padding, dilation
-    fan_in = weight_shape[1] * math.prod(kernel_size)
+    self.kernel_size, self.stride = make_tuple(kernel_size, dims), make_tuple(stride, dims)
+    self.padding = padding if isinstance(padding, str) else make_tuple(padding, dims)
+    self.dilation = make_tuple(dilation, dims)
+    channels = (in_channels, out_channels // groups) if transposed else (out_channels, in_channels // groups)
+    weight_shape = (*channels, *self.kernel_size)
+    fan_in = weight_shape[1] * math.prod(self.kernel_size)
     self.weight = _uniform_init(weight_shape, fan_in)
     self.bias = _uniform_init((out_channels,), fan_in) if bias else None
 
@@ -95,10 +95,7 @@ class Conv1d(_ConvNd):
 
   def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple = 1,
                padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1, bias: bool = True):
-    kernel = _tuple(kernel_size, 1)
-    super().__init__(in_channels, out_channels, kernel, _tuple(stride, 1),
-                     padding if isinstance(padding, str) else _tuple(padding, 1), _tuple(dilation, 1), groups, bias,
-                     (out_channels, in_channels // groups, *kernel))
+    super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
 
   def __call__(self, x: Tensor) -> Tensor:
     return functional.conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
@@ -110,10 +107,7 @@ class Conv2d(_ConvNd):
 
   def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple = 1,
                padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1, bias: bool = True):
-    kernel = _tuple(kernel_size, 2)
-    super().__init__(in_channels, out_channels, kernel, _tuple(stride, 2),
-                     padding if isinstance(padding, str) else _tuple(padding, 2), _tuple(dilation, 2), groups, bias,
-                     (out_channels, in_channels // groups, *kernel))
+    super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
 
   def __call__(self, x: Tensor) -> Tensor:
     return functional.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
@@ -126,10 +120,9 @@ class ConvTranspose2d(_ConvNd):
   def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple = 1,
                padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, groups: int = 1, bias: bool = True,
                dilation: IntOrTuple = 1):
-    kernel = _tuple(kernel_size, 2)
-    super().__init__(in_channels, out_channels, kernel, _tuple(stride, 2), _tuple(padding, 2), _tuple(dilation, 2),
-                     groups, bias, (in_channels, out_channels // groups, *kernel))
-    self.output_padding = _tuple(output_padding, 2)
+    super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                     transposed=True)
+    self.output_padding = make_tuple(output_padding, 2)
 
   def __call__(self, x: Tensor) -> Tensor:
     return functional.conv_transpose2d(x, self.weight, self.bias, self.stride, self.padding, self.output_padding,
@@ -200,7 +193,7 @@ class LayerNorm:
 
   def __init__(self, normalized_shape: IntOrTuple, eps: float = 1e-5, elementwise_affine: bool = True,
                bias: bool = True):
-    self.normalized_shape = _tuple(normalized_shape, 1)
+    self.normalized_shape = make_tuple(normalized_shape, 1)
     self.eps, self.elementwise_affine = eps, elementwise_affine
     self.weight = Tensor.ones(*self.normalized_shape, requires_grad=True) if elementwise_affine else None
     self.bias = Tensor.zeros(*self.normalized_shape, requires_grad=True) if elementwise_affine and bias else None
@@ -302,7 +295,7 @@ class RMSNorm:
   of the input dtype (torch.finfo(x.dtype).eps)."""
 
   def __init__(self, normalized_shape: IntOrTuple, eps: float | None = 1e-6, elementwise_affine: bool = True):
-    self.normalized_shape = _tuple(normalized_shape, 1)
+    self.normalized_shape = make_tuple(normalized_shape, 1)
     self.eps, self.elementwise_affine = eps, elementwise_affine
     self.weight = Tensor.ones(*self.normalized_shape, requires_grad=True) if elementwise_affine else None
 

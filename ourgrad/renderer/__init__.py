@@ -8,7 +8,6 @@ class Renderer:
   """What the optimizer needs to know about the target, and `render(name, uops) -> source`."""
   device: str = ""
   has_threads: bool = False       # GPU-style thread indices (SPECIAL) instead of loops for global axes
-  has_local: bool = False         # workgroup/shared memory
   max_threads: int = 1            # threads per block (workgroup)
   # per launch dimension (x, y, z): how many blocks and threads a launch may have
   global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)

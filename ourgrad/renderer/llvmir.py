@@ -18,7 +18,7 @@ import numpy as np
 
 from ourgrad.codegen.uops import UOp, UOps
 from ourgrad.dtype import DType, dtypes
-from ourgrad.ops import Ops
+from ourgrad.ops import COMPARISON_OPS, Ops
 from ourgrad.renderer import Renderer
 
 # the LLVM type of a value in registers
@@ -368,7 +368,7 @@ declare void @GOMP_parallel(ptr, ptr, i32, i32)
       if dtype == dtypes.bool: return self.emit(f"xor i1 {a}, true")
       return self.emit(f"fneg {kind} {a}" if dtype.is_float else f"sub {kind} 0, {a}")
     if op is Ops.WHERE: return self.emit(f"select i1 {a}, {kind} {b}, {kind} {operands[2]}")
-    if op in (Ops.CMPLT, Ops.CMPNE):
+    if op in COMPARISON_OPS:
       operand_kind = register_type(source)
       if source.is_float:
         return self.emit(f"fcmp {'olt' if op is Ops.CMPLT else 'une'} {operand_kind} {a}, {b}")
