@@ -6,8 +6,9 @@
 """
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
+from ourgrad.engine.profile import profile
 from ourgrad.helpers import GlobalCounters
 from ourgrad.tensor import Tensor, no_grad
 
-__all__ = ["Tensor", "dtypes", "DType", "Device", "GlobalCounters", "no_grad"]
+__all__ = ["Tensor", "dtypes", "DType", "Device", "GlobalCounters", "no_grad", "profile"]
 __version__ = "0.1.0"

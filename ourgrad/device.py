@@ -177,6 +177,10 @@ class Compiler:
 
   def compile(self, source: str) -> bytes: raise NotImplementedError
 
+  def disassemble(self, source: str) -> str:
+    """The device assembly of a kernel's source (what DEBUG=6 prints); a note where the toolchain gives none."""
+    return f"; DEBUG=6: {type(self).__name__} has no disassembler; DEBUG=4 shows the source"
+
   def cache_path(self, source: str) -> pathlib.Path:
     digest = hashlib.sha256(CACHE_ENTRY_MAGIC + f"{self.cache_key}\n{source}".encode()).hexdigest()
     return cache_dir() / "compile" / digest[:2] / digest

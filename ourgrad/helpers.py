@@ -49,12 +49,18 @@ def env_var(name: str, default: Any, help: str) -> EnvVar:
   return var
 
 
-DEBUG = env_var("DEBUG", 0, "1: a line per realize; 2: a line per kernel; 3: AST and opts; 4: kernel source; 5: UOps")
+DEBUG = env_var("DEBUG", 0, "1: a line per realize; 2: a line per kernel; 3: AST and opts; 4: kernel source; 5: UOps; "
+                "6: device assembly")
 NOOPT = env_var("NOOPT", 0, "1: apply no kernel optimizations (the plain loop nest)")
 DEVICE = env_var("DEVICE", "", "name of the default device (CLANG, CPU, PYTHON, ...); empty picks the best present")
 CACHE_DIR = env_var("OURGRAD_CACHE_DIR", "", "folder of the on-disk compile cache (default ~/.cache/ourgrad)")
 DISABLE_COMPILER_CACHE = env_var("DISABLE_COMPILER_CACHE", 0, "1: always recompile kernels, never read the disk cache")
 CC = env_var("CC", "", "C compiler for the CLANG device (default: clang if present, else gcc)")
+GRAPH = env_var("GRAPH", 0, "1: write the lazy graph and the schedule of each realize as Graphviz .dot (and .svg)")
+GRAPH_DIR = env_var("GRAPH_DIR", "", "folder of the GRAPH=1 files (default: ourgrad_graph in the system temp folder)")
+PROFILE = env_var("PROFILE", 0, "1: record kernels, copies and host phases; write a Chrome/Perfetto trace at exit")
+PROFILE_PATH = env_var("PROFILE_PATH", "", "file of the PROFILE=1 trace (default: ourgrad_trace.json in the system "
+                       "temp folder)")
 
 
 def cache_dir() -> pathlib.Path:

@@ -544,7 +544,7 @@ def test_vectorizes_elementwise_loops() -> None:
   kernel = Kernel(item.ast, Device["LLVM"].renderer)
   from ourgrad.codegen.linearizer import linearize
   source = Device["LLVM"].renderer.render(kernel.name, linearize(kernel))
-  assembly = Device["LLVM"].compiler.assembly(source)
+  assembly = Device["LLVM"].compiler.disassemble(source)
   assert re.search(r"\bv?(mul|fmadd\w*)ps\b", assembly), assembly
 
 

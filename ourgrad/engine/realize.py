@@ -14,6 +14,7 @@ from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
 from ourgrad.codegen.uops import UOp, UOps, format_uops
 from ourgrad.device import Buffer, Device
+from ourgrad.engine.profile import host_phase, profiler
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import DEBUG, NOOPT, GlobalCounters, colored, prod
@@ -73,6 +74,7 @@ def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
   return _runner_cache[key]
 
 
+@host_phase("compile", lambda device, name, source: name)
 def load_program(device: str, name: str, source: str) -> Any:
   """Compile `source` (or take it from the disk cache) and load it. A cached binary that the device cannot load
   (damaged, or written by another toolchain) is deleted with a warning, recompiled and rewritten."""
@@ -88,6 +90,7 @@ def load_program(device: str, name: str, source: str) -> Any:
     return compiled.program(name, compiled.compiler.compile_cached(source, refresh=True))
 
 
+@host_phase("codegen", lambda kernel, device: kernel.name)
 def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
   uops = linearize(kernel)
   if DEBUG >= 5: print(format_uops(uops))
@@ -95,6 +98,7 @@ def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
   source = Device[device].renderer.render(name, uops)
   if DEBUG >= 4: print(source)
   program = load_program(device, name, source)
+  if DEBUG >= 6: print(Device[device].compiler.disassemble(source))
   op_count, byte_count = estimate_cost(kernel, uops)
   global_size, local_size = launch_dims(uops)
   return CompiledRunner(name, kernel.colored_shape(), source, program, global_size, local_size, op_count, byte_count)
@@ -142,7 +146,8 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
       continue
     device = item.outputs[0].device
     runner = get_runner(device, item.ast)
-    timing = runner(item.bufs, wait=DEBUG >= 2)
+    timing = runner(item.bufs, wait=DEBUG >= 2 or profiler.active())
+    profiler.record_launch(runner.name, device, timing, "kernel", {"ops": runner.op_count, "bytes": runner.byte_count})
     GlobalCounters.kernel_count += 1
     GlobalCounters.global_ops += runner.op_count
     GlobalCounters.global_mem += runner.byte_count
@@ -163,8 +168,9 @@ def _run_copy(item: ScheduleItem) -> None:
     source.copyout(staging)
     destination.copyin(staging)
   GlobalCounters.global_mem += 2 * source.nbytes
+  elapsed = time.perf_counter() - start
+  profiler.record_launch(f"copy {source.device} -> {destination.device}", destination.device, elapsed, "copy")
   if DEBUG >= 2:
-    elapsed = time.perf_counter() - start
     print(f"{colored('copy', 'yellow'):>28} {source.nbytes:>10} bytes {source.device} -> {destination.device} "
           f"{elapsed * 1e6:9.2f} us")
 

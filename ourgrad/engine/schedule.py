@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ourgrad.device import Buffer, Device
-from ourgrad.helpers import DEBUG
+from ourgrad.engine import graph_viz
+from ourgrad.engine.profile import host_phase
+from ourgrad.helpers import DEBUG, GRAPH
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -44,11 +46,13 @@ class _RefuseFusion(Exception):
     self.base = base
 
 
+@host_phase("schedule", lambda outs: f"schedule {len(outs)} outputs")
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   """The kernels and copies that compute every base in `outs`, each after the items it depends on."""
   bases = walk_bases(outs)
   if not bases: return []
   realizes = _choose_realizes(bases, outs)
+  lazy_graph = graph_viz.capture_lazy_graph(outs) if GRAPH else None   # before scheduling cuts the sources
   items: dict[int, ScheduleItem] = {}
   reads: dict[int, list[LazyBuffer]] = {}   # base id -> the realized bases its item loads
   pending = [base for base in bases if id(base) in realizes]
@@ -69,6 +73,7 @@ def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   for base in bases:  # the graph behind a realized base is no longer needed: let it be freed
     if id(base) in items: base.srcs = ()
   if DEBUG >= 3: print(f"scheduled {len(schedule)} items for {len(bases)} lazy bases")
+  if lazy_graph is not None: graph_viz.write_graphs(lazy_graph, schedule)
   return schedule
 
 

@@ -78,6 +78,16 @@ class ClangCompiler(Compiler):
                            f"{result.stderr}")
       with open(library_path, "rb") as library_file: return library_file.read()
 
+  def disassemble(self, source: str) -> str:
+    """The compiler's assembly (`-S`) of the kernel, built with the same flags as the shared object."""
+    flags = [flag for flag in self.flags if flag != "-shared"]
+    with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
+      source_path = os.path.join(folder, "kernel.c")
+      with open(source_path, "w") as source_file: source_file.write(source)
+      result = subprocess.run([self.compiler, *flags, "-S", source_path, "-o", "-"], capture_output=True, text=True)
+    if result.returncode != 0: return f"; {os.path.basename(self.compiler)} -S failed:\n{result.stderr}"
+    return result.stdout
+
 
 class ClangProgram(HostProgram):
   """A compiled kernel: load the shared object from its bytes and call the named function."""

@@ -9,6 +9,10 @@ Host<->device copies go through a pinned staging buffer. Every driver call is ch
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
 from typing import Any
 
 from ourgrad.device import Compiled, Compiler, LRUAllocator
@@ -78,9 +82,10 @@ class CUDACompiler(Compiler):
     version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     self.cache_key = f"cuda {arch} nvrtc {version}"
 
-  def compile(self, source: str) -> bytes:
+  def _nvrtc_program(self, source: str, arch: str) -> Any:
+    """An NVRTC program of `source` compiled for `arch` (sm_XX gives CUBIN, compute_XX only PTX)."""
     program = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
-    options = [f"--gpu-architecture={self.arch}".encode(), b"-default-device", b"--std=c++17"]
+    options = [f"--gpu-architecture={arch}".encode(), b"-default-device", b"--std=c++17"]
     status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
     if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
       log_size = check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
@@ -88,11 +93,39 @@ class CUDACompiler(Compiler):
       check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
       compiler_log = log.decode(errors="replace")
       raise CompileError(f"NVRTC failed on this kernel:\n{source}\n--- compiler log ---\n{compiler_log}")
+    return program
+
+  def compile(self, source: str) -> bytes:
+    program = self._nvrtc_program(source, self.arch)
     size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
     cubin = b" " * size
     check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
     check(nvrtc.nvrtcDestroyProgram(program), "nvrtcDestroyProgram")
     return cubin
+
+  def ptx(self, source: str) -> str:
+    """The PTX of the kernel for this GPU's virtual architecture (compute_XX), from NVRTC."""
+    program = self._nvrtc_program(source, self.arch.replace("sm_", "compute_"))
+    size = check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
+    ptx = b" " * size
+    check(nvrtc.nvrtcGetPTX(program, ptx), "nvrtcGetPTX")
+    check(nvrtc.nvrtcDestroyProgram(program), "nvrtcDestroyProgram")
+    return ptx.rstrip(b"\x00").decode()
+
+  def sass(self, source: str) -> str:
+    """The SASS (machine code) of the compiled CUBIN, from cuobjdump or nvdisasm when one is on PATH."""
+    tool = shutil.which("cuobjdump") or shutil.which("nvdisasm")
+    if tool is None: return "// SASS: neither cuobjdump nor nvdisasm is on PATH (install the CUDA toolkit)"
+    with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
+      cubin_path = os.path.join(folder, "kernel.cubin")
+      with open(cubin_path, "wb") as cubin_file: cubin_file.write(self.compile_cached(source))
+      arguments = ["-sass", cubin_path] if os.path.basename(tool) == "cuobjdump" else [cubin_path]
+      result = subprocess.run([tool, *arguments], capture_output=True, text=True)
+    return result.stdout if result.returncode == 0 else f"// {tool} failed:\n{result.stderr}"
+
+  def disassemble(self, source: str) -> str:
+    """PTX from NVRTC, then SASS where the CUDA toolkit's disassembler is installed."""
+    return f"{self.ptx(source)}\n{self.sass(source)}"
 
 
 class CUDAProgram:

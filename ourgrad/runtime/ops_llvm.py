@@ -16,7 +16,6 @@ import llvmlite.binding as llvm
 
 from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import DEBUG
 from ourgrad.renderer.llvmir import LLVMRenderer
 
 llvm.initialize_native_target()
@@ -85,10 +84,9 @@ class LLVMCompiler(Compiler):
   def compile(self, source: str) -> bytes:
     with _LLVM_LOCK:
       module = self.optimized_module(source)
-      if DEBUG >= 6: print(self.target_machine.emit_assembly(module))
       return bytes(self.target_machine.emit_object(module))
 
-  def assembly(self, source: str) -> str:
+  def disassemble(self, source: str) -> str:
     """The host assembly of a kernel, as compile() would build it (what DEBUG=6 prints)."""
     with _LLVM_LOCK: return self.target_machine.emit_assembly(self.optimized_module(source))
 

@@ -65,6 +65,21 @@ class OpenCLCompiler(Compiler):
       raise CompileError(f"OpenCL build failed for this kernel:\n{source}\n--- build log ---\n{error}") from None
     return program.get_info(cl.program_info.BINARIES)[0]
 
+  def disassemble(self, source: str) -> str:
+    """The driver's program binary when it is text (NVIDIA's is PTX); PoCL and most others give an opaque one."""
+    return describe_program_binary(self.compile_cached(source))
+
+
+def describe_program_binary(binary: bytes) -> str:
+  """An OpenCL program binary as text when it is text, else a one-line note of what it is."""
+  try:
+    text = binary.rstrip(b"\x00").decode()
+  except UnicodeDecodeError:
+    text = None
+  if text is not None and all(char.isprintable() or char.isspace() for char in text): return text
+  return (f"// DEBUG=6: this OpenCL driver's program binary is not text ({len(binary)} bytes, starting "
+          f"{binary[:8]!r}); DEBUG=4 shows the source")
+
 
 class OpenCLProgram:
   def __init__(self, device: "OpenCLDevice", name: str, binary: bytes):
