@@ -299,3 +299,32 @@ def test_opencl_binary_description() -> None:
 
 def test_compiler_without_disassembler_says_so() -> None:
   assert "no disassembler" in Compiler().disassemble("void k() {}")
+
+
+# ---------------------------------------------------------------- the trace drawing tool and the docs' pictures
+
+def test_trace_to_svg_draws_one_bar_per_event(tmp_path: pathlib.Path) -> None:
+  sys.path.insert(0, str(REPO_ROOT / "extra" / "tools"))
+  try:
+    from trace_to_svg import load_events, render_svg
+  finally:
+    sys.path.pop(0)
+  x = Tensor(np.ones((6, 10), dtype=np.float32))
+  with ourgrad.profile(tmp_path / "trace.json") as trace:
+    (x.sum(1) * 4).realize()
+    (x - 1).realize()
+  events, rows = load_events(tmp_path / "trace.json")
+  svg = render_svg(events, rows, width=800)
+  assert len(events) == len([event for event in trace.events if event["ph"] == "X"])
+  assert svg.count("<title>") == len(events) and svg.startswith("<svg")
+  for kernel in trace.kernel_events(): assert kernel["name"] in svg
+  assert all(name in svg for name in set(rows.values()))
+
+
+def test_debugging_doc_pictures_exist() -> None:
+  doc = (REPO_ROOT / "docs" / "debugging.md").read_text()
+  pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", doc)
+  assert len(pictures) >= 3
+  for picture in pictures:
+    path = REPO_ROOT / "docs" / picture
+    assert path.exists() and path.read_text().lstrip().startswith(("<svg", "<?xml")), picture
