@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ourgrad.device import Buffer, Device
+from ourgrad.engine.snapshot import protect_lazy_readers
 from ourgrad.helpers import DEBUG
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
@@ -45,9 +46,17 @@ class _RefuseFusion(Exception):
 
 
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
-  """The kernels and copies that compute every base in `outs`, each after the items it depends on."""
+  """The kernels and copies that compute every base in `outs`, each after the items it depends on. Lazy readers
+  of a buffer that an assign in it overwrites, and that outlive it, keep the old contents (engine/snapshot.py)."""
+  schedule, assigns = _build_schedule(outs)
+  # after _build_schedule returned, the graph it fused is alive only where someone else holds it
+  return protect_lazy_readers(schedule, assigns) if assigns else schedule
+
+
+def _build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list[tuple[LazyBuffer, LazyBuffer]]]:
+  """The schedule, and (assign base, target base) for every assign it runs."""
   bases = walk_bases(outs)
-  if not bases: return []
+  if not bases: return [], []
   realizes = _choose_realizes(bases, outs)
   items: dict[int, ScheduleItem] = {}
   reads: dict[int, list[LazyBuffer]] = {}   # base id -> the realized bases its item loads
@@ -66,10 +75,11 @@ def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
       pending.extend([base, refused.base])
   ordered = _order_items([base for base in bases if id(base) in items], reads)
   schedule = [items[id(base)] for base in ordered]
+  assigns = [(base, base.srcs[1].base) for base in ordered if base.op is Ops.ASSIGN]
   for base in bases:  # the graph behind a realized base is no longer needed: let it be freed
     if id(base) in items: base.srcs = ()
   if DEBUG >= 3: print(f"scheduled {len(schedule)} items for {len(bases)} lazy bases")
-  return schedule
+  return schedule, assigns
 
 
 def _order_items(scheduled: list[LazyBuffer], reads: dict[int, list[LazyBuffer]]) -> list[LazyBuffer]:
