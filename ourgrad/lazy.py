@@ -9,6 +9,7 @@ constant-constant arithmetic) so the graph stays small. Nothing runs here: the s
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -22,6 +23,8 @@ from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable
 from ourgrad.shape.view import View, strides_for_shape
+
+_READERS_LOCK = threading.Lock()
 
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
@@ -110,13 +113,14 @@ class LazyBuffer:
   # ---------------------------------------------------------------- readers (for copy-on-write before an assign)
 
   def _add_reader(self, reader: LazyBuffer) -> None:
-    if self._readers is None: self._readers = []
-    self._readers.append(weakref.ref(reader))
-    # a long-lived base (a weight) gets new readers every step: drop the dead references now and then, so the list
-    # stays proportional to the live readers (amortized O(1) per reader)
-    if len(self._readers) > 2 * self._readers_pruned_at + 16:
-      self._readers = [ref for ref in self._readers if ref() is not None]
-      self._readers_pruned_at = len(self._readers)
+    with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
+      if self._readers is None: self._readers = []
+      self._readers.append(weakref.ref(reader))
+      # a long-lived base (a weight) gets new readers every step: drop the dead references now and then, so the
+      # list stays proportional to the live readers (amortized O(1) per reader)
+      if len(self._readers) > 2 * self._readers_pruned_at + 16:
+        self._readers = [ref for ref in self._readers if ref() is not None]
+        self._readers_pruned_at = len(self._readers)
 
   def live_readers(self) -> Iterator[LazyBuffer]:
     """The bases built from this one that are still alive (each at most once)."""

@@ -202,3 +202,141 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
   values = safe_load(path)["w"].numpy()
   assert values.shape == (size,) and values[0] in (1.0, 2.0)
   np.testing.assert_array_equal(values, np.full(size, values[0], dtype=np.float32))
+
+
+# ---------------------------------------------------------------- bounded kernels
+
+def _chain(values: np.ndarray, count: int) -> tuple[Tensor, np.ndarray]:
+  tensor, expected = Tensor(values), values.copy()
+  for step in range(count):
+    if step % 2 == 0: tensor, expected = tensor * 1.001, expected * np.float32(1.001)
+    else: tensor, expected = tensor + 0.01, expected + np.float32(0.01)
+  return tensor, expected
+
+
+class TestBoundedKernels:
+  def test_long_chain_is_split(self, monkeypatch):
+    monkeypatch.setenv("KERNEL_OPS_LIMIT", "100")
+    tensor, expected = _chain(np.linspace(-1, 1, 12, dtype=np.float32), 250)
+    GlobalCounters.reset()
+    tensor.realize()
+    assert GlobalCounters.kernel_count == 3   # ops 1-100, 101-200, 201-250
+    np.testing.assert_allclose(tensor.numpy(), expected, rtol=1e-5)
+
+  def test_no_limit_is_one_kernel(self, monkeypatch):
+    monkeypatch.setenv("KERNEL_OPS_LIMIT", "0")
+    tensor, expected = _chain(np.linspace(-1, 1, 12, dtype=np.float32), 250)
+    GlobalCounters.reset()
+    tensor.realize()
+    assert GlobalCounters.kernel_count == 1
+    np.testing.assert_allclose(tensor.numpy(), expected, rtol=1e-5)
+
+  def test_shared_subgraphs_count_once(self, monkeypatch):
+    """x = 0.5x + sin(0.1x) reads x twice per step: counted per path it would pass any limit after ~10 steps;
+    counted once per distinct op it is 4 ops a step."""
+    monkeypatch.setenv("KERNEL_OPS_LIMIT", "200")
+    values = np.linspace(-2, 2, 8, dtype=np.float32)
+    tensor, expected = Tensor(values), values.copy()
+    for _ in range(40): tensor, expected = tensor * 0.5 + (tensor * 0.1).sin(), expected * 0.5 + np.sin(expected * 0.1)
+    GlobalCounters.reset()
+    tensor.realize()
+    assert GlobalCounters.kernel_count == 1   # 160 ops
+    np.testing.assert_allclose(tensor.numpy(), expected, rtol=1e-4, atol=1e-6)
+
+  def test_split_inside_a_reduce(self, monkeypatch):
+    monkeypatch.setenv("KERNEL_OPS_LIMIT", "64")
+    values = np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6)
+    tensor, expected = _chain(values, 150)
+    total = tensor.sum(axis=1)
+    GlobalCounters.reset()
+    total.realize()
+    assert GlobalCounters.kernel_count == 3
+    np.testing.assert_allclose(total.numpy(), expected.sum(axis=1), rtol=1e-5)
+
+  def test_compile_timeout_names_the_kernel(self, monkeypatch):
+    from ourgrad import Device
+    from ourgrad.errors import CompileError
+    if Device.DEFAULT != "CLANG": pytest.skip("the compile timeout is the CLANG compiler's")
+    monkeypatch.setenv("COMPILE_TIMEOUT", "0.0001")
+    monkeypatch.setenv("NOOPT", "1")
+    monkeypatch.setenv("DISABLE_COMPILER_CACHE", "1")
+    unique = float(np.random.default_rng().integers(1, 1 << 20))   # a kernel no earlier test compiled
+    with pytest.raises(CompileError, match=r"compiling kernel E_\w+ .* COMPILE_TIMEOUT"):
+      (Tensor(np.ones(7, dtype=np.float32)).exp2() * unique).realize()
+
+
+# ---------------------------------------------------------------- threads
+
+def _train(steps: int, loader_batches: list[np.ndarray] | None = None) -> list[float]:
+  """A small regression trained with SGD; with `loader_batches`, a worker thread meanwhile builds, realizes and
+  copies tensors from them (a data loader) and checks each against numpy."""
+  import threading
+  rng = np.random.default_rng(7)
+  inputs, targets = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((16, 1)).astype(np.float32)
+  weight = Tensor(rng.standard_normal((8, 1)).astype(np.float32) * 0.1, requires_grad=True)
+  opt = SGD([weight], lr=0.05, momentum=0.9)
+  failures: list[BaseException] = []
+
+  def load() -> None:
+    try:
+      for batch in loader_batches or []:
+        tensor = Tensor(batch)
+        normalized = ((tensor - tensor.mean()) / (tensor.std() + 1e-5)).realize()
+        copied = normalized.to("PYTHON").numpy()
+        expected = (batch - batch.mean()) / (batch.std(ddof=1) + 1e-5)
+        np.testing.assert_allclose(copied, expected, rtol=1e-4, atol=1e-4)
+    except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
+      failures.append(error)
+
+  worker = threading.Thread(target=load)
+  worker.start()
+  losses = []
+  for _ in range(steps):
+    loss = ((Tensor(inputs) @ weight - Tensor(targets)) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    Tensor.realize_all(loss, *opt.schedule_step())
+    losses.append(loss.item())
+  worker.join()
+  if failures: raise failures[0]
+  return losses
+
+
+def test_data_loader_thread_beside_training():
+  rng = np.random.default_rng(3)
+  batches = [rng.standard_normal((int(rng.integers(2, 40)), 5)).astype(np.float32) for _ in range(40)]
+  alone = _train(30)
+  with_loader = _train(30, batches)
+  np.testing.assert_allclose(with_loader, alone, rtol=1e-6)
+  assert alone[-1] < alone[0]
+
+
+def test_threads_building_readers_of_one_weight():
+  """Several threads build lazy readers of one buffer and realize them while the main thread assigns to it: each
+  reader gives the value of the buffer when the reader was built."""
+  import threading
+  x = Tensor(np.zeros(64, dtype=np.float32)).realize()
+  failures: list[BaseException] = []
+  lock = threading.Lock()   # orders "read the current step" with "build the reader" against the writer
+  step = [0]
+
+  def reader() -> None:
+    try:
+      for _ in range(30):
+        with lock:
+          expected, lazy = float(step[0]), x * 2.0
+        lazy = lazy + 0.5
+        assert lazy.numpy()[0] == 2 * expected + 0.5
+    except BaseException as error:  # noqa: BLE001 - re-raised below
+      failures.append(error)
+
+  threads = [threading.Thread(target=reader) for _ in range(3)]
+  for thread in threads: thread.start()
+  for _ in range(40):
+    with lock:
+      x.assign(x + 1).realize()
+      step[0] += 1
+    time.sleep(0.001)
+  for thread in threads: thread.join()
+  if failures: raise failures[0]
+  assert x.numpy()[0] == 40

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import re
+import signal
 import shutil
 import subprocess
 import tempfile
@@ -14,7 +16,7 @@ import tempfile
 
 from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import CC
+from ourgrad.helpers import CC, COMPILE_TIMEOUT
 from ourgrad.renderer.cstyle import ClangRenderer
 
 # -fopenmp: large kernels run their outer loops on all cores (OMP_NUM_THREADS limits the threads)
@@ -71,12 +73,28 @@ class ClangCompiler(Compiler):
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
       source_path, library_path = os.path.join(folder, "kernel.c"), os.path.join(folder, "kernel.so")
       with open(source_path, "w") as source_file: source_file.write(source)
-      result = subprocess.run([self.compiler, *self.flags, source_path, "-o", library_path, COMPILE_FLAGS[-1]],
-                              capture_output=True, text=True)
-      if result.returncode != 0:
+      timeout = float(COMPILE_TIMEOUT.value) or None
+      # a session of its own, so that a timeout ends the compiler driver and the compiler proper (cc1) it started
+      process = subprocess.Popen([self.compiler, *self.flags, source_path, "-o", library_path, COMPILE_FLAGS[-1]],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+      try:
+        _, stderr = process.communicate(timeout=timeout)
+      except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise CompileError(f"compiling kernel {kernel_name(source)} ({len(source.splitlines())} lines of C) took "
+                           f"more than COMPILE_TIMEOUT={timeout:g} s; raise COMPILE_TIMEOUT, or lower "
+                           f"KERNEL_OPS_LIMIT to split big fused kernels") from None
+      if process.returncode != 0:
         raise CompileError(f"{os.path.basename(self.compiler)} failed on this kernel:\n{source}\n--- compiler log ---\n"
-                           f"{result.stderr}")
+                           f"{stderr}")
       with open(library_path, "rb") as library_file: return library_file.read()
+
+
+def kernel_name(source: str) -> str:
+  """The name of the kernel function a rendered C source defines (the last one: helpers come first)."""
+  names = re.findall(r"^void (\w+)\(", source, flags=re.MULTILINE)
+  return names[-1] if names else "<unnamed>"
 
 
 class ClangProgram(HostProgram):
