@@ -340,3 +340,35 @@ def test_threads_building_readers_of_one_weight():
   for thread in threads: thread.join()
   if failures: raise failures[0]
   assert x.numpy()[0] == 40
+
+
+# ---------------------------------------------------------------- bounded caches (long runs)
+
+def test_runner_cache_is_bounded(monkeypatch):
+  from ourgrad.engine import realize as realize_module
+  monkeypatch.setenv("RUNNER_CACHE_SIZE", "2")
+  values = np.arange(5, dtype=np.float32)
+  for scale in (3.0, 5.0, 7.0, 11.0):   # four different kernels
+    np.testing.assert_allclose((Tensor(values) * scale + 1).numpy(), values * scale + 1)
+  assert len(realize_module._runner_cache) == 2
+
+
+def test_allocator_cache_is_bounded(monkeypatch):
+  from ourgrad import Device
+  allocator = Device[Device.DEFAULT].allocator
+  if not hasattr(allocator, "cached_total"): pytest.skip("the default device's allocator keeps no cache")
+  monkeypatch.setenv("ALLOCATOR_CACHE_BYTES", str(4096))
+  allocator.free_cache()
+  for size in (100, 200, 300, 2000):   # freed at once: 400 + 800 + 1200 bytes are kept, 8000 would pass the bound
+    (Tensor(np.ones(size, dtype=np.float32)) + 1).numpy()
+  assert 0 < allocator.cached_bytes() <= 4096
+
+
+def test_clear_caches():
+  from ourgrad import Device
+  from ourgrad.engine import realize as realize_module
+  from ourgrad.helpers import clear_caches
+  (Tensor(np.ones(9, dtype=np.float32)) * 13).numpy()
+  clear_caches()
+  assert len(realize_module._runner_cache) == 0 and Device[Device.DEFAULT].allocator.cached_bytes() == 0
+  np.testing.assert_allclose((Tensor(np.ones(9, dtype=np.float32)) * 13).numpy(), np.full(9, 13.0))
