@@ -14,6 +14,7 @@ import importlib
 import os
 import pathlib
 import tempfile
+import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -22,7 +23,8 @@ import numpy as np
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import DeviceError, OutOfMemoryError
-from ourgrad.helpers import DEVICE, DISABLE_COMPILER_CACHE, GlobalCounters, cache_dir, fmt_size
+from ourgrad.helpers import (ALLOCATOR_CACHE_BYTES, DEVICE, DISABLE_COMPILER_CACHE, GlobalCounters, cache_dir,
+                             fmt_size, register_cache_clearer)
 
 # user-facing aliases of device names
 DEVICE_ALIASES = {"CPU": "CLANG", "GPU": "OPENCL"}
@@ -70,25 +72,44 @@ class Allocator:
   def copyout(self, dest: memoryview, src: Any) -> None: raise NotImplementedError
 
 
+# Buffers are allocated and freed from any thread (a data-loading thread, or the garbage collector running a
+# Buffer's __del__ in whichever thread drops the last reference): the allocators' caches and the byte counter are
+# changed under this lock. Re-entrant, because a __del__ can run inside a locked section of the same thread.
+MEMORY_LOCK = threading.RLock()
+
+
 class LRUAllocator(Allocator):
-  """Keeps freed buffers by size and hands them out again instead of asking the device each time."""
+  """Keeps freed buffers by size and hands them out again instead of asking the device each time. At most
+  `ALLOCATOR_CACHE_BYTES` bytes are kept; a freed buffer that would pass the bound goes back to the device."""
 
   def __init__(self) -> None:
     self.cache: dict[int, list[Any]] = {}
+    self.cached_total = 0
 
   def alloc(self, nbytes: int) -> Any:
-    if self.cache.get(nbytes): return self.cache[nbytes].pop()
-    return super().alloc(nbytes)
+    with MEMORY_LOCK:
+      if self.cache.get(nbytes):
+        self.cached_total -= nbytes
+        return self.cache[nbytes].pop()
+      return super().alloc(nbytes)
 
   def free(self, handle: Any, nbytes: int) -> None:
-    self.cache.setdefault(nbytes, []).append(handle)
+    with MEMORY_LOCK:
+      limit = int(ALLOCATOR_CACHE_BYTES.value)
+      if limit >= 0 and self.cached_total + nbytes > limit:
+        self._free(handle, nbytes)
+        return
+      self.cache.setdefault(nbytes, []).append(handle)
+      self.cached_total += nbytes
 
   def free_cache(self) -> None:
-    for nbytes, handles in self.cache.items():
-      for handle in handles: self._free(handle, nbytes)
-    self.cache.clear()
+    with MEMORY_LOCK:
+      for nbytes, handles in self.cache.items():
+        for handle in handles: self._free(handle, nbytes)
+      self.cache.clear()
+      self.cached_total = 0
 
-  def cached_bytes(self) -> int: return sum(nbytes * len(handles) for nbytes, handles in self.cache.items())
+  def cached_bytes(self) -> int: return self.cached_total
 
 
 class HostAllocator(LRUAllocator):
@@ -125,18 +146,20 @@ class Buffer:
     return self._handle
 
   def allocate(self) -> Buffer:
-    if self._handle is None:
-      self._handle = Device[self.device].allocator.alloc(max(self.nbytes, 1))
-      GlobalCounters.mem_used += self.nbytes
+    with MEMORY_LOCK:
+      if self._handle is None:
+        self._handle = Device[self.device].allocator.alloc(max(self.nbytes, 1))
+        GlobalCounters.mem_used += self.nbytes
     return self
 
   def __del__(self) -> None:
     handle = getattr(self, "_handle", None)
     if handle is None: return
-    GlobalCounters.mem_used -= self.nbytes
     try:
-      Device[self.device].allocator.free(handle, max(self.nbytes, 1))
-    except Exception:  # interpreter shutdown: the device module may be gone already
+      with MEMORY_LOCK:
+        GlobalCounters.mem_used -= self.nbytes
+        Device[self.device].allocator.free(handle, max(self.nbytes, 1))
+    except Exception:  # interpreter shutdown: the device module (or the lock) may be gone already
       pass
 
   def copyin(self, data: memoryview) -> Buffer:
@@ -271,6 +294,9 @@ class Compiled:
     """Wait until every launched kernel finished (host devices run synchronously)."""
 
 
+_OPEN_LOCK = threading.Lock()
+
+
 class _DeviceRegistry:
   """`Device["CLANG"]` opens (once) and returns a device; `Device.DEFAULT` is the default's name."""
 
@@ -290,8 +316,14 @@ class _DeviceRegistry:
 
   def __getitem__(self, name: str) -> Compiled:
     name = self.canonicalize(name)
-    if name not in self._opened: self._opened[name] = self._open(name)
+    if name not in self._opened:
+      with _OPEN_LOCK:  # two threads' first use of a device opens it once
+        if name not in self._opened: self._opened[name] = self._open(name)
     return self._opened[name]
+
+  def free_allocator_caches(self) -> None:
+    """Give the freed buffers every opened device keeps for reuse back to the device."""
+    for device in list(self._opened.values()): device.allocator.free_cache()
 
   def _open(self, name: str) -> Compiled:
     try:
@@ -334,3 +366,4 @@ class _DeviceRegistry:
 
 
 Device = _DeviceRegistry()
+register_cache_clearer(Device.free_allocator_caches)

@@ -10,7 +10,8 @@ import operator
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, TypeVar
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -61,6 +62,14 @@ GRAPH_DIR = env_var("GRAPH_DIR", "", "folder of the GRAPH=1 files (default: ourg
 PROFILE = env_var("PROFILE", 0, "1: record kernels, copies and host phases; write a Chrome/Perfetto trace at exit")
 PROFILE_PATH = env_var("PROFILE_PATH", "", "file of the PROFILE=1 trace (default: ourgrad_trace.json in the system "
                        "temp folder)")
+KERNEL_OPS_LIMIT = env_var("KERNEL_OPS_LIMIT", 1024, "most ops fused into one kernel; a bigger fused graph is split "
+                           "by realizing intermediates, so compile time grows linearly with graph size (0: no limit)")
+ALLOCATOR_CACHE_BYTES = env_var("ALLOCATOR_CACHE_BYTES", 2 << 30, "most bytes of freed buffers an allocator keeps for "
+                                "reuse per device; more are given back to the device (-1: no limit)")
+RUNNER_CACHE_SIZE = env_var("RUNNER_CACHE_SIZE", 4096, "most compiled kernels kept in memory; the least recently "
+                            "used is dropped past it (-1: no limit)")
+COMPILE_TIMEOUT = env_var("COMPILE_TIMEOUT", 300.0, "seconds one kernel may take to compile before a CompileError "
+                          "naming it (CLANG; 0: no limit)")
 
 
 def cache_dir() -> pathlib.Path:
@@ -86,6 +95,47 @@ class GlobalCounters:
     GlobalCounters.global_ops = 0
     GlobalCounters.global_mem = 0
     GlobalCounters.time_sum_s = 0.0
+
+
+# ---------------------------------------------------------------- bounded caches
+
+_CACHE_CLEARERS: list[Callable[[], None]] = []
+
+
+def register_cache_clearer(clear: Callable[[], None]) -> None:
+  """Have `clear_caches()` call `clear` (a module's function emptying a cache it owns)."""
+  _CACHE_CLEARERS.append(clear)
+
+
+def clear_caches() -> None:
+  """Empty every in-memory cache ourgrad keeps: compiled kernels, and freed buffers kept for reuse (given back to
+  the device). Nothing computed is lost; the next use recompiles (from the disk cache) and reallocates."""
+  for clear in _CACHE_CLEARERS: clear()
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class BoundedCache(OrderedDict[K, V]):
+  """A dict that keeps its `limit.value` most recently used entries (a limit below 0 keeps all), read afresh
+  at each insert so that tests and users can change it at run time. Registered with `clear_caches()`."""
+
+  def __init__(self, limit: EnvVar):
+    super().__init__()
+    self.limit = limit
+    register_cache_clearer(self.clear)
+
+  def __getitem__(self, key: K) -> V:
+    value = super().__getitem__(key)
+    self.move_to_end(key)
+    return value
+
+  def __setitem__(self, key: K, value: V) -> None:
+    super().__setitem__(key, value)
+    self.move_to_end(key)
+    limit = int(self.limit.value)
+    while 0 <= limit < len(self): self.popitem(last=False)
 
 
 # ---------------------------------------------------------------- small helpers

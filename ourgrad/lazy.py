@@ -9,7 +9,9 @@ constant-constant arithmetic) so the graph stays small. Nothing runs here: the s
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+import threading
+import weakref
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -21,6 +23,8 @@ from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable
 from ourgrad.shape.view import View, strides_for_shape
+
+_READERS_LOCK = threading.Lock()
 
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
@@ -40,6 +44,11 @@ class LazyBuffer:
       self.op, self.arg, self.srcs = op, arg, srcs
       self.realized: Buffer | None = None  # set when the scheduler gives this base a buffer
       self.forced_realize = False          # realize even if it could be fused (contiguous(), realize())
+      # weak references to the bases that read this one: an in-place write to this base's buffer finds the lazy
+      # readers that must still see the old contents (engine/snapshot.py); created on the first reader
+      self._readers: list[weakref.ref[LazyBuffer]] | None = None
+      self._readers_pruned_at = 0
+      for src in srcs: src.base._add_reader(self)
 
   # ---------------------------------------------------------------- construction
 
@@ -100,6 +109,27 @@ class LazyBuffer:
   def __repr__(self) -> str:
     if self.is_base: return f"<LB {self.device} {self.shape} {self.dtype} op={self.op} realized={self.is_realized}>"
     return f"<LB view {self.shape} of {self.base!r}>"
+
+  # ---------------------------------------------------------------- readers (for copy-on-write before an assign)
+
+  def _add_reader(self, reader: LazyBuffer) -> None:
+    with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
+      if self._readers is None: self._readers = []
+      self._readers.append(weakref.ref(reader))
+      # a long-lived base (a weight) gets new readers every step: drop the dead references now and then, so the
+      # list stays proportional to the live readers (amortized O(1) per reader)
+      if len(self._readers) > 2 * self._readers_pruned_at + 16:
+        self._readers = [ref for ref in self._readers if ref() is not None]
+        self._readers_pruned_at = len(self._readers)
+
+  def live_readers(self) -> Iterator[LazyBuffer]:
+    """The bases built from this one that are still alive (each at most once)."""
+    seen: set[int] = set()
+    for ref in self._readers or ():
+      reader = ref()
+      if reader is not None and id(reader) not in seen:
+        seen.add(id(reader))
+        yield reader
 
   # ---------------------------------------------------------------- views
 

@@ -160,11 +160,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
   def realize(self, *others: Tensor) -> Tensor:
     """Compute this tensor (and `others`) now, in one schedule."""
     from ourgrad.engine.realize import run_schedule
-    from ourgrad.engine.schedule import create_schedule
-    start = time.perf_counter()
-    schedule = create_schedule([tensor.lazydata for tensor in (self, *others)])
-    scheduled = time.perf_counter()
-    run_schedule(schedule)
+    from ourgrad.engine.schedule import REALIZE_LOCK, create_schedule
+    with REALIZE_LOCK:  # one thread at a time between scheduling and running (see REALIZE_LOCK)
+      start = time.perf_counter()
+      schedule = create_schedule([tensor.lazydata for tensor in (self, *others)])
+      scheduled = time.perf_counter()
+      run_schedule(schedule)
     if DEBUG >= 1 and schedule:
       print(f"realize: {len(schedule)} items, scheduled in {(scheduled - start) * 1e3:.2f} ms, "
             f"ran in {(time.perf_counter() - scheduled) * 1e3:.2f} ms")

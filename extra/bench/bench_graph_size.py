@@ -2,7 +2,10 @@
 
 (a) an elementwise chain of N ops (x = x * 1.0001 + 0.0001 ..., alternating) on a small tensor, realized once: it
     fuses into ONE kernel of N ops, so this measures graph building, the scheduler, codegen (Kernel, linearizer,
-    renderer) and the device compiler on one huge kernel;
+    renderer) and the device compiler. Past KERNEL_OPS_LIMIT ops the scheduler splits the chain into pieces
+    (identical here, so one compile);
+(a') the same chain with a different constant in every op: split into kernels of KERNEL_OPS_LIMIT ops (default
+    1024), none alike, so every piece is generated and compiled;
 (b) a network of N layers, each `x = (x @ w_i + b_i).relu()` with 16x16 weights, forward only, realized every 10
     layers or once at the end: N kernels (a layer's matmul reduce cannot fuse into the next one), all with the same
     AST, so after a warm-up this measures the scheduler on long chains of kernels and the per-kernel overhead.
@@ -12,7 +15,8 @@ compiler, and the whole realize (schedule + codegen + compile + run), plus the s
 growth shows as a flat per-N column. Each row runs in its own process with a time limit (--timeout); a
 RecursionError or any other error is reported in the table instead of a time.
 
-Run: `python extra/bench/bench_graph_size.py [--device CLANG] [--chain 1000,2000] [--layers 100,300] [--timeout 300]`.
+Run: `python extra/bench/bench_graph_size.py [--device CLANG] [--chain 1000,2000] [--distinct 1000,2000]
+[--layers 100,300] [--timeout 300]`.
 Kernels compile into a fresh temporary cache folder unless --keep-cache is given (so the compiler's time counts).
 """
 from __future__ import annotations
@@ -28,6 +32,9 @@ import time
 from typing import Any
 
 import numpy as np
+
+# run from any folder, the checkout's ourgrad (not an installed one) is measured
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # ---------------------------------------------------------------- one row, in a child process
@@ -54,12 +61,14 @@ def run_row(kind: str, count: int, every: int, device_name: str | None) -> dict[
   compiler.compile = timed(compiler.compile, "compile")  # type: ignore[method-assign]
 
   rng = np.random.default_rng(0)
-  if kind == "chain":
+  if kind in ("chain", "distinct"):
     values = rng.standard_normal((4, 16)).astype(np.float32)
+    # "distinct": every op has its own constant, so no two pieces of a split chain are the same kernel
+    scale = 1e-7 if kind == "distinct" else 0.0
 
     def build() -> Tensor:
       x = Tensor(values, device=device)
-      for step in range(count): x = x * 1.0001 if step % 2 == 0 else x + 0.0001
+      for step in range(count): x = x * (1.0001 + step * scale) if step % 2 == 0 else x + (0.0001 + step * scale)
       return x
   else:
     weights = [Tensor(rng.standard_normal((16, 16)).astype(np.float32) * 0.25, device=device) for _ in range(count)]
@@ -127,6 +136,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
   parser.add_argument("--device", default=None, help="device (default: ourgrad's default)")
   parser.add_argument("--chain", default="1000,2000,5000,10000,20000,50000", help="chain lengths N for (a)")
+  parser.add_argument("--distinct", default="1000,5000,20000,50000", help="chain lengths N for (a')")
   parser.add_argument("--layers", default="100,300,1000", help="layer counts N for (b)")
   parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per row")
   parser.add_argument("--keep-cache", action="store_true", help="use the normal compile cache (default: a fresh one)")
@@ -140,7 +150,7 @@ def main() -> None:
   print(f"Python {sys.version.split()[0]}, recursion limit {sys.getrecursionlimit()}, device "
         f"{args.device or 'default'}, {args.timeout:.0f} s allowed per row")
 
-  print("\n(a) elementwise chain of N ops on a (4, 16) float32 tensor, realized once (one fused kernel)")
+  print("\n(a) elementwise chain of N ops on a (4, 16) float32 tensor, realized once")
   print(f"{'N':>7} {'build s':>8} {'schedule s':>10} {'codegen s':>9} {'compile s':>9} {'realize s':>9} "
         f"{'sched us/op':>11} {'realize us/op':>13}")
   for count in [int(n) for n in args.chain.split(",") if n]:
@@ -150,6 +160,17 @@ def main() -> None:
       continue
     print(f"{count:>7} {row['build']:8.3f} {row['schedule']:10.3f} {row['codegen']:9.3f} {row['compile']:9.3f} "
           f"{row['realize']:9.3f} {row['schedule'] / count * 1e6:11.1f} {row['realize'] / count * 1e6:13.1f}")
+
+  print("\n(a') the same chain with a different constant in every op (no two kernels of a split chain alike)")
+  print(f"{'N':>7} {'build s':>8} {'schedule s':>10} {'codegen s':>9} {'compile s':>9} {'realize s':>9} "
+        f"{'kernels':>7} {'realize us/op':>13}")
+  for count in [int(n) for n in args.distinct.split(",") if n]:
+    row = run_row_in_child("distinct", count, 0, args)
+    if "error" in row:
+      print(f"{count:>7} {row['error']}")
+      continue
+    print(f"{count:>7} {row['build']:8.3f} {row['schedule']:10.3f} {row['codegen']:9.3f} {row['compile']:9.3f} "
+          f"{row['realize']:9.3f} {row['kernels']:>7} {row['realize'] / count * 1e6:13.1f}")
 
   print("\n(b) N layers x = (x @ w_i + b_i).relu(), x (8, 16), w_i (16, 16), forward only (after a warm-up)")
   print(f"{'N':>7} {'realize':>11} {'build s':>8} {'schedule s':>10} {'realize s':>9} {'sched ms/layer':>14} "

@@ -17,7 +17,7 @@ from ourgrad.device import Buffer, Device
 from ourgrad.engine.profile import host_phase, profiler
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import DEBUG, NOOPT, GlobalCounters, colored, prod
+from ourgrad.helpers import DEBUG, NOOPT, RUNNER_CACHE_SIZE, BoundedCache, GlobalCounters, colored, prod
 from ourgrad.ops import LazyOp, Ops
 
 
@@ -38,7 +38,8 @@ class CompiledRunner:
                         local_size=self.local_size, wait=wait)
 
 
-_runner_cache: dict[tuple[str, LazyOp], CompiledRunner] = {}
+# bounded: a long run that builds ever new kernels (changing shapes) must not keep every one (helpers.clear_caches)
+_runner_cache: BoundedCache[tuple[str, LazyOp], CompiledRunner] = BoundedCache(RUNNER_CACHE_SIZE)
 
 
 def get_kernel(ast: LazyOp, device: str) -> Kernel:

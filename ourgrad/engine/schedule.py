@@ -11,6 +11,7 @@ holding a kernel AST (`STORE(...)`) or a copy, in an order where every item runs
 from __future__ import annotations
 
 import heapq
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
@@ -18,10 +19,17 @@ from typing import Sequence
 from ourgrad.device import Buffer, Device
 from ourgrad.engine import graph_viz
 from ourgrad.engine.profile import host_phase
-from ourgrad.helpers import DEBUG, GRAPH
+from ourgrad.engine.snapshot import protect_lazy_readers
+from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
+
+# Scheduling gives bases their buffers (base.realized) before the kernels that fill them run: another thread that
+# scheduled in between would take them for computed. Tensor.realize holds this lock from create_schedule to the end
+# of run_schedule, so one thread at a time schedules and runs (building lazy graphs needs no lock). Re-entrant:
+# a realize can start another (a DISK copy, numpy() inside a custom op).
+REALIZE_LOCK = threading.RLock()
 
 # bases that always get their own buffer
 ALWAYS_REALIZED_OPS = frozenset({Ops.EMPTY, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN, Ops.CUSTOM})
@@ -48,9 +56,17 @@ class _RefuseFusion(Exception):
 
 @host_phase("schedule", lambda outs: f"schedule {len(outs)} outputs")
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
-  """The kernels and copies that compute every base in `outs`, each after the items it depends on."""
+  """The kernels and copies that compute every base in `outs`, each after the items it depends on. Lazy readers
+  of a buffer that an assign in it overwrites, and that outlive it, keep the old contents (engine/snapshot.py)."""
+  schedule, assigns = _build_schedule(outs)
+  # after _build_schedule returned, the graph it fused is alive only where someone else holds it
+  return protect_lazy_readers(schedule, assigns) if assigns else schedule
+
+
+def _build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list[tuple[LazyBuffer, LazyBuffer]]]:
+  """The schedule, and (assign base, target base) for every assign it runs."""
   bases = walk_bases(outs)
-  if not bases: return []
+  if not bases: return [], []
   realizes = _choose_realizes(bases, outs)
   lazy_graph = graph_viz.capture_lazy_graph(outs) if GRAPH else None   # before scheduling cuts the sources
   items: dict[int, ScheduleItem] = {}
@@ -70,11 +86,12 @@ def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
       pending.extend([base, refused.base])
   ordered = _order_items([base for base in bases if id(base) in items], reads)
   schedule = [items[id(base)] for base in ordered]
+  assigns = [(base, base.srcs[1].base) for base in ordered if base.op is Ops.ASSIGN]
   for base in bases:  # the graph behind a realized base is no longer needed: let it be freed
     if id(base) in items: base.srcs = ()
   if DEBUG >= 3: print(f"scheduled {len(schedule)} items for {len(bases)} lazy bases")
   if lazy_graph is not None: graph_viz.write_graphs(lazy_graph, schedule)
-  return schedule
+  return schedule, assigns
 
 
 def _order_items(scheduled: list[LazyBuffer], reads: dict[int, list[LazyBuffer]]) -> list[LazyBuffer]:
@@ -143,7 +160,57 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set
     # a reduce read by users that end up in different kernels would be recomputed by each: compute it once
     if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
       if len({kernel_of(user) for user in users[id(base)]}) > 1: realizes.add(id(base))
+  if KERNEL_OPS_LIMIT.value > 0: _bound_kernel_sizes(bases, realizes, int(KERNEL_OPS_LIMIT.value))
   return realizes
+
+
+# ---------------------------------------------------------------- bounded kernels
+
+FUSABLE_OPS = ELEMENTWISE_OPS | REDUCE_OPS
+
+
+def _fused_srcs(base: LazyBuffer, realizes: set[int]) -> list[LazyBuffer]:
+  """The distinct source bases that would be computed inside `base`'s kernel."""
+  srcs: dict[int, LazyBuffer] = {}
+  for src in base.srcs:
+    src_base = src.base
+    if src_base.realized is None and id(src_base) not in realizes and src_base.op in FUSABLE_OPS:
+      srcs[id(src_base)] = src_base
+  return list(srcs.values())
+
+
+def _count_fused_ops(base: LazyBuffer, realizes: set[int], limit: int) -> int:
+  """The number of distinct ops `base`'s kernel computes (each shared sub-graph once), counting up to limit+1."""
+  stack, seen = [base], {id(base)}
+  while stack and len(seen) <= limit:
+    for src in _fused_srcs(stack.pop(), realizes):
+      if id(src) not in seen:
+        seen.add(id(src))
+        stack.append(src)
+  return len(seen)
+
+
+def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: set[int], limit: int) -> None:
+  """Realize intermediates so that no kernel fuses more than `limit` ops. A C compiler's time grows faster than
+  linearly with a function's size (gcc -O2 on one basic block of 20,000 float ops: minutes), so one huge fused
+  kernel stalls the first call; kernels of at most `limit` ops keep compile time linear in the graph's size.
+
+  `bases` is in graph order (sources first). A base's size is 1 + its fused sources' sizes: an upper bound (a
+  shared sub-graph counts once per path), made exact by a bounded walk when it passes the limit. While it is over
+  the limit, the largest fused source is realized: its kernel is at most `limit` ops and it becomes a load here."""
+  sizes: dict[int, int] = {}
+  for base in bases:
+    if base.realized is not None or base.op not in FUSABLE_OPS: continue
+    srcs = _fused_srcs(base, realizes)
+    size = 1 + sum(sizes.get(id(src), 1) for src in srcs)
+    if size > limit: size = _count_fused_ops(base, realizes, limit)
+    while size > limit and srcs:
+      largest = max(srcs, key=lambda src: sizes.get(id(src), 1))
+      realizes.add(id(largest))
+      if DEBUG >= 3: print(f"realized {largest.op} {largest.shape}: the fused kernel passed {limit} ops")
+      srcs = _fused_srcs(base, realizes)
+      size = _count_fused_ops(base, realizes, limit)
+    sizes[id(base)] = size
 
 
 # An elementwise graph read through a view that visits each element several times (a broadcast into a matmul, the

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import re
+import signal
 import shutil
 import subprocess
 import tempfile
@@ -14,7 +16,7 @@ import tempfile
 
 from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import CC
+from ourgrad.helpers import CC, COMPILE_TIMEOUT
 from ourgrad.renderer.cstyle import ClangRenderer
 
 # -fopenmp: large kernels run their outer loops on all cores (OMP_NUM_THREADS limits the threads)
@@ -24,6 +26,10 @@ from ourgrad.renderer.cstyle import ClangRenderer
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 # -fwrapv: signed integer overflow wraps around (two's complement), as the UOp contract and PyTorch's CPU kernels do
 COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", "-fwrapv", "-fopenmp", "-lm"]
+
+
+# kernels of at least this many lines of C compile at -O1 (see ClangCompiler.flags_for)
+LARGE_KERNEL_LINES = 2500
 
 
 def find_c_compiler() -> str:
@@ -67,15 +73,33 @@ class ClangCompiler(Compiler):
     # -march=native makes the binary specific to this CPU: it is part of the cache key
     self.cache_key = f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(self.flags)}"
 
+  def flags_for(self, source: str) -> list[str]:
+    """The flags for one kernel: -O1 instead of -O2 for a big one. gcc -O2's time grows faster than linearly with
+    a function's size (a 3,400-line kernel: 18 s at -O2, 2.6 s at -O1); the scheduler keeps fused kernels under
+    KERNEL_OPS_LIMIT ops, but upcasting and unrolling can still multiply a kernel's code."""
+    if source.count("\n") < LARGE_KERNEL_LINES: return self.flags
+    return ["-O1" if flag == "-O2" else flag for flag in self.flags]
+
   def compile(self, source: str) -> bytes:
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
       source_path, library_path = os.path.join(folder, "kernel.c"), os.path.join(folder, "kernel.so")
       with open(source_path, "w") as source_file: source_file.write(source)
-      result = subprocess.run([self.compiler, *self.flags, source_path, "-o", library_path, COMPILE_FLAGS[-1]],
-                              capture_output=True, text=True)
-      if result.returncode != 0:
+      timeout = float(COMPILE_TIMEOUT.value) or None
+      # a session of its own, so that a timeout ends the compiler driver and the compiler proper (cc1) it started
+      process = subprocess.Popen([self.compiler, *self.flags_for(source), source_path, "-o", library_path,
+                                  COMPILE_FLAGS[-1]],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+      try:
+        _, stderr = process.communicate(timeout=timeout)
+      except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise CompileError(f"compiling kernel {kernel_name(source)} ({len(source.splitlines())} lines of C) took "
+                           f"more than COMPILE_TIMEOUT={timeout:g} s; raise COMPILE_TIMEOUT, or lower "
+                           f"KERNEL_OPS_LIMIT to split big fused kernels") from None
+      if process.returncode != 0:
         raise CompileError(f"{os.path.basename(self.compiler)} failed on this kernel:\n{source}\n--- compiler log ---\n"
-                           f"{result.stderr}")
+                           f"{stderr}")
       with open(library_path, "rb") as library_file: return library_file.read()
 
   def disassemble(self, source: str) -> str:
@@ -87,6 +111,12 @@ class ClangCompiler(Compiler):
       result = subprocess.run([self.compiler, *flags, "-S", source_path, "-o", "-"], capture_output=True, text=True)
     if result.returncode != 0: return f"; {os.path.basename(self.compiler)} -S failed:\n{result.stderr}"
     return result.stdout
+
+
+def kernel_name(source: str) -> str:
+  """The name of the kernel function a rendered C source defines (the last one: helpers come first)."""
+  names = re.findall(r"^void (\w+)\(", source, flags=re.MULTILINE)
+  return names[-1] if names else "<unnamed>"
 
 
 class ClangProgram(HostProgram):
