@@ -326,3 +326,26 @@ class Flip(Function):
     return x.flip(axes_mask)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.flip(self.axes_mask)
+
+
+# ---------------------------------------------------------------- indexed reads
+
+class GatherRows(Function):
+  """Rows of a (N, R) table picked by an (M,) int32 index -> (M, R), reading only those rows (LazyBuffer.gather_rows);
+  an index outside [0, N) gives zeros. The gradient scatter-adds each output row into the table row it came from,
+  written as a one-hot masked sum over (M, N, R) (`positions` is 0..N-1, needed only for it)."""
+
+  def forward(self, table: LazyBuffer, index: LazyBuffer, positions: LazyBuffer | None = None) -> LazyBuffer:
+    self.index, self.positions, self.rows = index, positions, table.shape[0]
+    return table.gather_rows(index)
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, None]:
+    if not self.needs_input_grad[0]: return None, None
+    assert self.positions is not None, "GatherRows needs positions for a table that requires grad"
+    count, width = grad_output.shape
+    spread = (count, self.rows, width)
+    index = self.index.reshape((count, 1, 1)).expand(spread)
+    other_row = index.elementwise(Ops.CMPNE, self.positions.reshape((1, self.rows, 1)).expand(spread))
+    grad = grad_output.reshape((count, 1, width)).expand(spread)
+    picked = _where(other_row, grad.const_like(0), grad)
+    return picked.reduce(Ops.SUM, (0,)).reshape((self.rows, width)), None

@@ -297,6 +297,20 @@ class LazyBuffer:
     if isinstance(valid, NumNode) and valid.b == 0: return 0, 0
     return max(index.min, 0), min(index.max + 1, self.base.size)
 
+  def gather_rows(self, index: LazyBuffer) -> LazyBuffer:
+    """Rows of this (N, R) table picked by the (M,) int32 `index` -> (M, R); an index outside [0, N) gives a row
+    of zeros. The kernel reads only the picked rows (the table is realized, row-major, and loaded at computed
+    offsets), not the whole table."""
+    if len(self.shape) != 2 or len(index.shape) != 1 or index.dtype != dtypes.int32:
+      raise AssertionError(f"gather_rows needs a (N, R) table and an (M,) int32 index, got {self.shape}, "
+                           f"{index.shape} {index.dtype}")
+    if index.device != self.device:
+      raise DeviceError(f"gather_rows: the index is on {index.device}, the table on {self.device}")
+    rows, width = self.shape
+    table = self.contiguous()  # row-major memory of its own: the kernel computes addresses into it
+    spread = index.reshape((index.shape[0], 1)).expand((index.shape[0], width))
+    return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, Ops.GATHER, rows, (table, spread))
+
   def assign(self, value: LazyBuffer) -> LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
     # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the

@@ -61,6 +61,9 @@ class Ops(Enum):
   CONTIGUOUS = auto()
   ASSIGN = auto()
   CUSTOM = auto()
+  # an indexed read: srcs (table (N, R), index (M, R) int32, the row number broadcast along R) -> (M, R) rows of table
+  # (0 where the index is outside [0, N)); in a kernel AST it becomes a LOAD whose srcs give the offset (see LazyOp)
+  GATHER = auto()
   # leaves and root of a kernel AST
   LOAD = auto()
   STORE = auto()
@@ -99,6 +102,10 @@ class ConstBuffer:
 class LazyOp:
   """One node of a kernel AST. `arg` is a MemBuffer/ConstBuffer for leaves, the reduced axes for reduces,
   the target dtype for CAST/BITCAST.
+
+  A LOAD normally has no srcs. A gathered LOAD (from Ops.GATHER) has two: an int32 element offset and a bool
+  validity, computed per element by the kernel (from other loads); it reads element `offset + view index` where
+  both its view and `valid` allow, and 0 elsewhere.
 
   ASTs key the compiled-kernel cache, and fused chains can be thousands of nodes deep, so hashing and equality
   never recurse: the hash is computed once at construction from the sources' (already computed) hashes, and

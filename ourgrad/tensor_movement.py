@@ -3,8 +3,10 @@
 Movement ops (reshape, permute, expand, pad, shrink, flip and the compositions of them: squeeze, flatten,
 repeat, ...) change how a tensor's elements are addressed, never the elements: each is a free view on the same
 LazyBuffer. Indexing with ints, slices, None and ... is a chain of such views (`_basic_index_steps`); indexing
-with integer tensors is a masked sum (one kernel, no gather op). `__setitem__` runs the view chain backwards and
-writes through `assign`. `cat` pads each input into place and adds them, so a join fuses into the consumer.
+with one integer tensor (and `gather`, and so Embedding) reads only the rows it needs (`_take_rows`: a load at
+computed offsets; an index outside [-n, n) reads zeros); several integer tensors are a masked sum (one kernel).
+`__setitem__` runs the view chain backwards and writes through `assign`. `cat` pads each input into place and adds
+them, so a join fuses into the consumer.
 
 The methods become Tensor's through `class Tensor(MovementMixin, ...)` in ourgrad/tensor.py; this module does not
 import that one at load time (it imports this one), so methods that make a Tensor import the class when called.
@@ -248,10 +250,34 @@ class MovementMixin:
     for forward, _ in steps: x = forward(x)
     return x._index_with_tensors(tensor_dims) if tensor_dims else x
 
+  def _take_rows(self, index: Tensor) -> Tensor:
+    """self[index] along dim 0 for an integer tensor `index` of any shape -> index.shape + self.shape[1:], reading
+    only the picked rows. Negative indices count from the end; an index outside [-n, n) gives a row of zeros."""
+    from ourgrad.tensor import Tensor
+    if index.device != self.device:
+      raise DeviceError(f"the index is on {index.device}, the indexed tensor on {self.device}; move one with .to()")
+    rows, rest = self.shape[0], self.shape[1:]
+    flat_index = index.reshape(-1).cast(dtypes.int32)
+    flat_index = (flat_index < 0).where(flat_index + rows, flat_index)
+    table = self.reshape(rows, prod(rest))
+    needs_positions = table.requires_grad and not Tensor.no_grad
+    positions = Tensor.arange(rows, device=self.device).lazydata if needs_positions else None
+    picked = F.GatherRows.apply(table, flat_index.detach(), positions=positions)
+    return picked.reshape(*index.shape, *rest)
+
   def _index_with_tensors(self, tensor_dims: list[tuple[int, Tensor]]) -> Tensor:
     """Advanced (integer tensor) indexing, numpy rules: the broadcast index shape replaces the indexed dims,
-    in place if they were adjacent, else at the front. Computed as a masked sum (one kernel), no gather op."""
+    in place if they were adjacent, else at the front. One index tensor reads only the rows it picks
+    (`_take_rows`); several are computed as a masked sum (one kernel)."""
     from ourgrad.tensor import Tensor
+    if len(tensor_dims) == 1:
+      dim, index = tensor_dims[0]
+      rest = [axis for axis in range(self.ndim) if axis != dim]
+      picked = self.permute([dim] + rest)._take_rows(index)  # (index..., rest...)
+      batch = index.ndim
+      # the index dims go where the indexed dim was
+      return picked.permute(list(range(batch, batch + dim)) + list(range(batch)) +
+                            list(range(batch + dim, batch + len(rest))))
     dims = [dim for dim, _ in tensor_dims]
     index_shape = _broadcast_shape(*(index.shape for _, index in tensor_dims))
     rest = [axis for axis in range(self.ndim) if axis not in dims]
@@ -301,23 +327,33 @@ class MovementMixin:
     self.assign(inside.where(value, self.detach()))
 
   def gather(self, dim: int, index: Tensor) -> Tensor:
-    """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather)."""
+    """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather); reads only the picked elements. An index
+    outside [-n, n) for the size n of `dim` reads 0."""
     from ourgrad.tensor import Tensor
     axis = self._axis(dim)
     if index.ndim != self.ndim:
       raise ShapeError(f"gather index must have {self.ndim} dims like the input {self.shape}, got {index.shape}")
+    if index.dtype.is_float or index.dtype == dtypes.bool:
+      raise IndexError(f"gather index must hold integers, got {index.dtype}")
     for a, (size, index_size) in enumerate(zip(self.shape, index.shape)):
       if a != axis and index_size > size:
         raise ShapeError(f"gather index shape {index.shape} exceeds input shape {self.shape} in dim {a}")
-    x = self.shrink([(0, index.shape[a]) if a != axis else None for a in range(self.ndim)])
-    x_last = x.transpose(axis, -1).unsqueeze(-2)            # (..., 1, n)
-    index_last = index.transpose(axis, -1).unsqueeze(-1)    # (..., k, 1)
+    if index.device != self.device:
+      raise DeviceError(f"the gather index is on {index.device}, the input on {self.device}; move one with .to()")
+    # each output element reads one element of the flattened input: its own coordinates, `index` along `axis`
     size = self.shape[axis]
-    index_last = (index_last < 0).where(index_last + size, index_last)
-    one_hot = index_last == Tensor.arange(size, device=self.device)
-    values = x_last if self.dtype != dtypes.bool else x_last.cast(dtypes.int32)
-    picked = one_hot.where(values, 0).sum(-1, dtype=values.dtype).cast(self.dtype)
-    return picked.transpose(axis, -1)
+    picked = index.cast(dtypes.int32)
+    picked = (picked < 0).where(picked + size, picked)
+    strides = [prod(self.shape[a + 1:]) for a in range(self.ndim)]
+    flat = picked * strides[axis]
+    for a in range(self.ndim):
+      if a == axis or index.shape[a] == 1: continue
+      shape = [-1 if b == a else 1 for b in range(self.ndim)]
+      coordinate = Tensor.arange(index.shape[a], device=self.device).reshape(shape)
+      flat = flat + coordinate * strides[a]
+    # out of range along `axis`: an index past the flattened input, which reads 0
+    flat = ((picked >= 0) & (picked < size)).where(flat, prod(self.shape))
+    return self.reshape(-1, 1)._take_rows(flat).reshape(index.shape)
 
   # ---------------------------------------------------------------- joining and splitting
 

@@ -406,7 +406,7 @@ def test_bad_alignment(tmp_path: pathlib.Path, alignment: int, type_id: int, fra
 def test_bad_tensor_infos(tmp_path: pathlib.Path) -> None:
   path = tmp_path / "t.gguf"
   f32 = np.zeros(32, np.float32).tobytes()
-  _raises(write_gguf(path, [], [("w", T_Q4_0, (32,), b"\0" * 18)]), "tensor 'w'", "ggml type 2 (Q4_0)",
+  _raises(write_gguf(path, [], [("w", 6, (32,), b"\0" * 22)]), "tensor 'w'", "ggml type 6 (Q5_0)",
           "not supported")
   _raises(write_gguf(path, [], [("w", 99, (32,), f32)]), "tensor 'w'", "ggml type 99 (unknown)")
   _raises(write_gguf(path, [], [("w", T_Q8_0, (2, 48), b"\0" * 102)]), "innermost dim of 48", "block size 32")

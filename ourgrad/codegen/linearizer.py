@@ -181,7 +181,7 @@ class Linearizer:
       if node is self.kernel.reduceop and reduce_value is not None:
         values[id(node)] = reduce_value
       elif node.op is Ops.LOAD:
-        values[id(node)] = self._load(node, idxs)
+        values[id(node)] = self._load(node, idxs, tuple(values[id(src)] for src in node.srcs))
       elif node.op is Ops.CONST:
         values[id(node)] = self._const(node, idxs)
       elif node.op is Ops.CAST:
@@ -195,8 +195,12 @@ class Linearizer:
         values[id(node)] = build.alu(node.op, node.dtype, *(values[id(src)] for src in node.srcs))
     return values[id(root)]
 
-  def _load(self, node: LazyOp, idxs: list[Node]) -> UOp:
+  def _load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:
     index, valid = self._index(self.leaf_index[id(node)], idxs)
+    if gathered:  # a gathered LOAD: (element offset, validity) computed from other loads (see ops.LazyOp)
+      offset, in_range = gathered
+      index = self.builder.alu(Ops.ADD, INDEX_DTYPE, index, offset)
+      valid = in_range if valid is None else self.builder.alu(Ops.AND, dtypes.bool, valid, in_range)
     if valid is not None and valid.op is UOps.CONST and not valid.arg:
       return self.builder.const(_zero(node.dtype), node.dtype)
     srcs = (self.buffers[node.arg.idx], index) + ((valid,) if valid is not None else ())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ourgrad.device import Buffer, Device
+from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.snapshot import protect_lazy_readers
@@ -145,6 +146,7 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set
     for src in base.srcs:
       users[id(src.base)].add(id(base))
       if base.op is Ops.COPY or (base.op is Ops.ASSIGN and src is base.srcs[1]): realizes.add(id(src.base))
+      if base.op is Ops.GATHER and src is base.srcs[0]: realizes.add(id(src.base))  # loaded at computed offsets
       if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
         realizes.add(id(src.base))
       if _recomputation_is_costly(src): realizes.add(id(src.base))
@@ -318,6 +320,9 @@ class _KernelBuilder:
         stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
       elif node.op in ELEMENTWISE_OPS:
         stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
+      elif node.op is Ops.GATHER:  # only the index is computed here; the table is a realized buffer
+        index = node.srcs[1]
+        stack.append((index.base, index.st + view, under_reduce, False))
       else:
         raise AssertionError(f"cannot fuse a {node.op} base")
     return self.cache[(id(base), st.simplify())]
@@ -349,9 +354,29 @@ class _KernelBuilder:
       reduce_input = self.cache[(id(src.base), src.st.simplify())]
       self.reduce = LazyOp(base.op, (reduce_input,), base.arg, base.dtype)
       return self.reduce
+    if base.op is Ops.GATHER: return self._gather(base, st)
     srcs = tuple(self.cache[(id(src.base), (src.st + st).simplify())] for src in base.srcs)
     arg = base.arg if base.op not in (Ops.CAST, Ops.BITCAST) else base.dtype
     return LazyOp(base.op, srcs, arg, base.dtype)
+
+  def _gather(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
+    """A gathered LOAD: row `index` of the (rows, width) table at the column the view gives, where
+    offset = index * width (index clamped to 0 when outside [0, rows), where valid is false and the load reads 0)."""
+    table, index_src = base.srcs
+    rows, width = table.shape
+    index = self.cache[(id(index_src.base), (index_src.st + st).simplify())]
+    flat = ShapeTracker.from_shape(()).reshape((1,) * len(st.shape)).expand(st.shape)
+
+    def const(value: int) -> LazyOp: return LazyOp(Ops.CONST, (), ConstBuffer(value, index.dtype, flat), index.dtype)
+    valid = LazyOp(Ops.AND, (LazyOp(Ops.CMPLT, (const(-1), index), None, dtypes.bool),
+                             LazyOp(Ops.CMPLT, (index, const(rows)), None, dtypes.bool)), None, dtypes.bool)
+    safe_index = LazyOp(Ops.WHERE, (valid, index, const(0)), None, index.dtype)
+    offset = LazyOp(Ops.MUL, (safe_index, const(width)), None, index.dtype)
+    # the column: the table seen as (rows of the gather output, width) with row stride 0
+    column = (ShapeTracker.from_shape((1, width)).expand(base.shape) + st).simplify()
+    self.loaded_bases.append(table.base)
+    buffer = MemBuffer(self.buffer_index(table.base.realized), base.dtype, column)
+    return LazyOp(Ops.LOAD, (offset, valid), buffer, base.dtype)
 
   def build_root(self) -> LazyOp:
     identity = ShapeTracker.from_shape(self.root.shape)
@@ -376,7 +401,8 @@ class _KernelBuilder:
       if current.op in (Ops.LOAD, Ops.CONST):
         arg = current.arg
         new_arg = type(arg)(arg.idx if isinstance(arg, MemBuffer) else arg.val, arg.dtype, self.fit_to_reduce(arg.st))
-        rebuilt[id(current)] = LazyOp(current.op, (), new_arg, current.dtype)
+        srcs = tuple(rebuilt[id(src)] for src in current.srcs)  # a gathered LOAD keeps its offset and validity
+        rebuilt[id(current)] = LazyOp(current.op, srcs, new_arg, current.dtype)
       else:
         rebuilt[id(current)] = LazyOp(current.op, tuple(rebuilt[id(src)] for src in current.srcs), current.arg,
                                       current.dtype)

@@ -19,8 +19,15 @@ float32 by ordinary Tensor ops on their raw bytes (a uint8 tensor copied from th
 the dequantization is lazy too and runs as a kernel on whatever device the tensors go to:
 
 - Q8_0: blocks of 32 values stored as 34 bytes, an f16 scale d and 32 int8 quants q; value = d * q;
+- Q4_0: blocks of 32 values stored as 18 bytes, an f16 scale d and 16 bytes of 4-bit quants q; value = d * (q - 8),
+  nibbles ordered as in Q4_1;
 - Q4_1: blocks of 32 values stored as 20 bytes, an f16 scale d, an f16 minimum m and 16 bytes of 4-bit quants q;
-  value = d * q + m, where byte j holds element j in its low nibble and element j + 16 in its high nibble.
+  value = d * q + m, where byte j holds element j in its low nibble and element j + 16 in its high nibble;
+- Q6_K: super-blocks of 256 values stored as 210 bytes: 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits),
+  16 int8 sub-block scales (one per 16 values) and an f16 super-scale d; value = d * scale * (q - 32) with the 6-bit
+  q = low | high << 4. Each half of 128 values uses 64 ql bytes and 32 qh bytes: value 32*g + l (g = 0..3,
+  l = 0..31) takes the low nibble (g even) or high nibble (g odd) of ql[l + 32 * (g & 1)] and bits 2g..2g+1 of
+  qh[l], and the scale of its 16-value run.
 
 The whole header is validated against the file before any tensor is made: every read is bounds-checked, counts
 and lengths are checked against the bytes left, and the tensors must be aligned, inside the data section and not
@@ -70,7 +77,7 @@ GGML_TYPE_NAMES: dict[int, str] = {
   20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
   29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0",
 }
-GGML_F32, GGML_F16, GGML_Q4_1, GGML_Q8_0, GGML_BF16 = 0, 1, 3, 8, 30
+GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q6_K, GGML_BF16 = 0, 1, 2, 3, 8, 14, 30
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,9 @@ _SUPPORTED_TYPES: dict[int, _GGMLType] = {
   GGML_F16: _GGMLType("F16", 1, 2, dtypes.float16),
   GGML_BF16: _GGMLType("BF16", 1, 2, dtypes.bfloat16),
   GGML_Q8_0: _GGMLType("Q8_0", 32, 34),
+  GGML_Q4_0: _GGMLType("Q4_0", 32, 18),
   GGML_Q4_1: _GGMLType("Q4_1", 32, 20),
+  GGML_Q6_K: _GGMLType("Q6_K", 256, 210),
 }
 
 
@@ -376,6 +385,36 @@ def dequantize_q4_1(raw: Tensor) -> Tensor:
   return quants * scale_min[:, 0:1] + scale_min[:, 1:2]
 
 
+def dequantize_q4_0(raw: Tensor) -> Tensor:
+  """Q4_0 blocks as a (blocks, 18) uint8 tensor -> (blocks, 32) float32: d * (q - 8), with the f16 scale d and q
+  the low nibbles (elements 0..15) then the high nibbles (elements 16..31) of the 16 quant bytes."""
+  scale = half_bits_to_float(_unsigned(raw[:, 0:2], 2))
+  packed = raw[:, 2:18]
+  quants = Tensor.cat([packed & 0xF, packed >> 4], dim=1).cast(dtypes.float32) - 8.0
+  return quants * scale.unsqueeze(1)
+
+
+def dequantize_q6_k(raw: Tensor) -> Tensor:
+  """Q6_K super-blocks as a (blocks, 210) uint8 tensor -> (blocks, 256) float32 (layout in the module docstring)."""
+  blocks = raw.shape[0]
+  low = raw[:, 0:128].reshape(blocks, 2, 2, 32)  # (block, half, which 32 bytes of the half's 64, l)
+  high = raw[:, 128:192].reshape(blocks, 2, 1, 32)  # (block, half, -, l)
+  scales = raw[:, 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # (block, 16): one per 16 values in order
+  d = half_bits_to_float(_unsigned(raw[:, 208:210], 2))
+  # group g = 0..3 of each half: nibble g // 2 of ql[.., g % 2, l], bits 2g..2g+1 of qh[l]
+  groups = []
+  for group in range(4):
+    nibble = low[:, :, group % 2] & 0xF if group < 2 else low[:, :, group % 2] >> 4
+    bits = (high[:, :, 0] >> (2 * group)) & 3
+    groups.append((nibble | (bits << 4)).cast(dtypes.float32) - 32.0)  # (block, half, 32)
+  quants = Tensor.stack(groups, dim=2).reshape(blocks, 16, 16)  # 16 runs of 16 values, in output order
+  return (quants * (scales * d.unsqueeze(1)).unsqueeze(2)).reshape(blocks, 256)
+
+
+_DEQUANTIZERS = {GGML_Q8_0: dequantize_q8_0, GGML_Q4_0: dequantize_q4_0, GGML_Q4_1: dequantize_q4_1,
+                 GGML_Q6_K: dequantize_q6_k}
+
+
 def _load_tensor(path: pathlib.Path, header: GGUFHeader, info: GGUFTensorInfo, device: str | None) -> Tensor:
   kind = _SUPPORTED_TYPES[info.ggml_type]
   offset = header.data_start + info.begin
@@ -386,8 +425,7 @@ def _load_tensor(path: pathlib.Path, header: GGUFHeader, info: GGUFTensorInfo, d
   # decoded there by tensor ops
   blocks = math.prod(info.shape) // kind.block_size
   raw = disk_tensor(path, dtypes.uint8, (blocks, kind.block_bytes), offset).to(device or Device.DEFAULT)
-  if info.ggml_type == GGML_Q8_0: values = dequantize_q8_0(raw)
-  elif info.ggml_type == GGML_Q4_1: values = dequantize_q4_1(raw)
+  if info.ggml_type in _DEQUANTIZERS: values = _DEQUANTIZERS[info.ggml_type](raw)
   else:
     assert kind.dtype is not None
     values = _plain_values(raw, kind.dtype)
@@ -402,9 +440,9 @@ def gguf_load(path: PathLike, device: str | None = None) -> tuple[dict[str, Tens
   (the reverse of the dims the file lists).
 
   F32/F16/BF16 tensors keep their dtype and are, without `device`, windows of the memory-mapped file on the
-  `DISK:<path>` device, read only when used (move them with `.to(...)` before computing). Q8_0 and Q4_1 tensors
-  are dequantized to float32 lazily on `device` (default: the default device): the dequantization is a kernel run
-  at the first realize. With `device`, every tensor is on `device`.
+  `DISK:<path>` device, read only when used (move them with `.to(...)` before computing). Q8_0, Q4_0, Q4_1 and
+  Q6_K tensors are dequantized to float32 lazily on `device` (default: the default device): the dequantization is
+  a kernel run at the first realize. With `device`, every tensor is on `device`.
 
   The header is validated against the file first: CheckpointError names the file and the problem (not a GGUF
   file, unsupported version, truncated or corrupt header, unsupported tensor type, tensor data out of range,

