@@ -55,17 +55,18 @@ class _RefuseFusion(Exception):
     self.base = base
 
 
-@host_phase("schedule", lambda outs: f"schedule {len(outs)} outputs")
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   """The kernels and copies that compute every base in `outs`, each after the items it depends on. Lazy readers
   of a buffer that an assign in it overwrites, and that outlive it, keep the old contents (engine/snapshot.py)."""
-  schedule, assigns = _build_schedule(outs)
-  # after _build_schedule returned, the graph it fused is alive only where someone else holds it
+  schedule, assigns = build_schedule(outs)
+  # after build_schedule returned, the graph it fused is alive only where someone else holds it
   return protect_lazy_readers(schedule, assigns) if assigns else schedule
 
 
-def _build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list[tuple[LazyBuffer, LazyBuffer]]]:
-  """The schedule, and (assign base, target base) for every assign it runs."""
+@host_phase("schedule", lambda outs: f"schedule {len(outs)} outputs")
+def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list[tuple[LazyBuffer, LazyBuffer]]]:
+  """The schedule, and (assign base, target base) for every assign it runs. Readers outside the schedule are not
+  protected yet: callers pass the assigns to protect_lazy_readers once they let go of the graph."""
   bases = walk_bases(outs)
   if not bases: return [], []
   realizes = _choose_realizes(bases, outs)
