@@ -12,11 +12,12 @@ from typing import Any
 
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
+from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOp, UOps, format_uops
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import DEBUG, NOOPT, GlobalCounters, colored, prod
+from ourgrad.helpers import BEAM, DEBUG, NOOPT, GlobalCounters, colored, prod
 from ourgrad.ops import LazyOp, Ops
 
 
@@ -41,9 +42,11 @@ _runner_cache: dict[tuple[str, LazyOp], CompiledRunner] = {}
 
 
 def get_kernel(ast: LazyOp, device: str) -> Kernel:
-  """The Kernel for an AST with the default optimizations applied (none with NOOPT=1)."""
+  """The Kernel for an AST with the default optimizations applied (none with NOOPT=1, searched with BEAM=n)."""
   kernel = Kernel(ast, Device[device].renderer)
-  if not NOOPT: kernel.hand_coded_optimizations()
+  if NOOPT: return kernel
+  if BEAM >= 1: return beam_optimize(kernel, device, BEAM.value)  # searched, verified and cached: codegen/opt/search.py
+  kernel.hand_coded_optimizations()
   return kernel
 
 
