@@ -395,13 +395,12 @@ class _Timer:
 # ---------------------------------------------------------------- the search
 
 def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: int, device: str | None = None,
-                min_progress: float | None = None, max_rounds: int = MAX_ROUNDS,
+                min_progress: float | None = None, max_rounds: int | None = None,
                 workers: int | None = None) -> Kernel:
   """The fastest kernel found by a beam search of width `beam_width` over Opts added to `kernel` (normally the
   unoptimized one), timed on `buffers` (the kernel's arguments in order; None: scratch buffers). The hand-coded
   heuristic's kernel competes in the first round, so the result is never slower than it as timed here. Returns
-  `kernel` itself, unchanged, when the device cannot time launches. Results are not verified here (see
-  beam_optimize)."""
+  the hand-coded kernel when the device cannot time launches. Results are not verified here (see beam_optimize)."""
   device = device or (buffers[0].device if buffers else kernel.renderer.device)
   if buffers is None:
     buffers = scratch_buffers(kernel.ast, device)
@@ -422,11 +421,11 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
     progress.add(len(seeds))
     # the first launches of a process pay for thread pools and first touches of memory: the seeds warm up first
     timed = timer.time_all(compiler.compile(seeds), warmup=True)
-    if timer.untimable or not timed: return kernel
+    if timer.untimable or not timed: return hand_coded  # nothing to compare: the heuristic's choice
     hand_seconds = next((c.seconds for c in timed if c.opts == hand_opts), None)
     beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
     best = beam[0]
-    for _ in range(max_rounds):
+    for _ in range(MAX_ROUNDS if max_rounds is None else max_rounds):
       candidates = _expand(kernel, beam, seen)
       if not candidates: break
       progress.add(len(candidates))
