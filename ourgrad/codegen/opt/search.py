@@ -8,7 +8,7 @@ The search starts from the kernel it is given (unoptimized) and, beside it, from
 Each round adds one Opt to every kernel of the beam in every legal way, drops candidates already seen (the same
 views and axis layout reached by another order of Opts), compiles the rest in a pool of worker processes (a compile
 that fails or runs past BEAM_COMPILE_TIMEOUT drops the candidate), times each on the device on scratch buffers
-(median of a few launches, cut short when far slower than the best so far) and keeps the `width` fastest. It stops
+(fastest of a few launches, cut short when far slower than the best so far) and keeps the `width` fastest. It stops
 when a round improves the best time by less than BEAM_MIN_PROGRESS, or when no Opt applies.
 
 The winner is run against the unoptimized kernel on random inputs before it is used; a mismatch falls back to the
@@ -28,7 +28,6 @@ import multiprocessing
 import os
 import signal
 import sqlite3
-import statistics
 import sys
 import threading
 import time
@@ -59,7 +58,8 @@ ACTION_AMOUNTS: dict[str, tuple[int, ...]] = {
 DEFAULT_AMOUNTS: tuple[int, ...] = (2, 4, 8, 16)
 
 MAX_ROUNDS = 10            # Opts added on top of the starting kernel, at most
-TIMING_RUNS = 3            # launches per candidate; the median is its time
+TIMING_RUNS = 3            # launches per candidate; the fastest is its time
+FINAL_RUNS = 4             # launches of the winner and the hand-coded kernel, alternating, before the final choice
 EARLY_CUT = 3.0            # a launch this many times slower than the best so far ends the candidate's timing
 VERIFY_RTOL = {dtypes.float16: 2e-2, dtypes.bfloat16: 5e-2}  # other floats: 1e-3
 CACHE_VERSION = 1          # bump when the meaning of cached opts changes
@@ -76,11 +76,13 @@ class BeamCounters:
   compiled: int = 0
   compile_failures: int = 0
   timed: int = 0
+  search_seconds: float = 0.0  # wall time in beam_optimize: cache look-ups, searches, verification
 
   @staticmethod
   def reset() -> None:
     BeamCounters.searches = BeamCounters.cache_hits = BeamCounters.compiled = 0
     BeamCounters.compile_failures = BeamCounters.timed = 0
+    BeamCounters.search_seconds = 0.0
 
 
 # ---------------------------------------------------------------- candidates
@@ -306,8 +308,9 @@ class CandidateCompiler:
 
 def time_program(program: Any, handles: Sequence[Any], candidate: CompiledCandidate, cutoff: float,
                  warmup: bool = False) -> float | None:
-  """Median seconds of TIMING_RUNS launches (fewer when one launch is slower than `cutoff`), after one untimed
-  launch if `warmup`; None when the device cannot time a launch."""
+  """Fastest of TIMING_RUNS launches (fewer when one launch is slower than `cutoff`), after one untimed launch if
+  `warmup`; None when the device cannot time a launch. The minimum, not the median: on a shared machine other work
+  only ever adds time to a launch."""
   if warmup: program(*handles, global_size=candidate.global_size, local_size=candidate.local_size, wait=True)
   times: list[float] = []
   for _ in range(TIMING_RUNS):
@@ -315,7 +318,7 @@ def time_program(program: Any, handles: Sequence[Any], candidate: CompiledCandid
     if seconds is None: return None
     times.append(seconds)
     if seconds > cutoff: break
-  return statistics.median(times)
+  return min(times)
 
 
 @dataclass
@@ -434,12 +437,29 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
       round_beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
       if round_beam[0].seconds >= best.seconds * (1 - progress_threshold): break
       beam, best = round_beam, round_beam[0]
+    if hand_seconds is not None and best.opts != hand_opts:
+      best, hand_seconds = _final_choice(timer, compiler.compile([best.opts, hand_opts]), best, hand_seconds)
   finally:
     compiler.close()
     progress.close()
   winner = apply_opts(kernel, best.opts)
   _report(kernel.name, winner, best.seconds, hand_seconds, time.perf_counter() - started)
   return winner
+
+
+def _final_choice(timer: _Timer, compiled: Sequence[CompiledCandidate], best: TimedCandidate,
+                  hand_seconds: float) -> tuple[TimedCandidate, float]:
+  """The search's best against the hand-coded kernel, launched in turns so that both see the same machine: the
+  hand-coded one wins unless the search's is faster. Returns the winner and the hand-coded kernel's time."""
+  if any(candidate.error for candidate in compiled): return best, hand_seconds
+  programs = [Device[timer.device].program(candidate.name, candidate.binary) for candidate in compiled]
+  times: list[list[float]] = [[], []]
+  for _ in range(FINAL_RUNS):
+    for index, (program, candidate) in enumerate(zip(programs, compiled)):
+      times[index].append(time_program(program, timer.handles, candidate, float("inf")) or 0.0)
+  searched, hand = min(times[0]), min(times[1])
+  if searched < hand: return TimedCandidate(best.opts, searched), hand
+  return TimedCandidate(compiled[1].opts, hand), hand
 
 
 def _expand(kernel: Kernel, beam: Sequence[TimedCandidate], seen: set) -> list[tuple[Opt, ...]]:
@@ -537,6 +557,14 @@ def cache_put(key: str, kernel_name: str, opts: Sequence[Opt]) -> None:
 
 def beam_optimize(kernel: Kernel, device: str, beam_width: int) -> Kernel:
   """`kernel` (unoptimized) with the Opts BEAM chose: from the cache, or searched, verified and cached."""
+  started = time.perf_counter()
+  try:
+    return _cached_or_searched(kernel, device, beam_width)
+  finally:
+    BeamCounters.search_seconds += time.perf_counter() - started
+
+
+def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
   key = cache_key(kernel.ast, device, beam_width)
   if not IGNORE_BEAM_CACHE:
     cached = cache_get(key)
