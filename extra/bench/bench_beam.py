@@ -41,10 +41,16 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
-try:
-  import torch
-except ImportError:  # torch is optional: its column stays empty
-  torch = None
+torch: Any = None  # imported by the main process only (the ourgrad worker processes need not pay for it)
+
+
+def load_torch() -> None:
+  global torch
+  try:
+    import torch as torch_module
+  except ImportError:  # torch is optional: its column stays empty
+    return
+  torch = torch_module
 
 WORKLOAD_NAMES = ("softmax", "layernorm", "matmul")
 
@@ -203,6 +209,7 @@ def main() -> None:
   if args.worker:
     print(json.dumps(worker(args.worker, size)))
     return
+  load_torch()
   devices = args.devices or default_devices()
   print(f"# BEAM=2 vs hand-coded, N={size}, float32; {os.cpu_count()} CPU cores; torch "
         f"{torch.__version__ if torch is not None else 'absent'}")
