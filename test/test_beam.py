@@ -250,3 +250,31 @@ def test_failed_verification_falls_back_to_hand_coded(monkeypatch):
   assert chosen.applied_opts == hand_coded.applied_opts
   assert search.cache_get(search.cache_key(item.ast, item.outputs[0].device, 2)) == hand_coded.applied_opts
   np.testing.assert_allclose(_run(chosen, item), _run(plain, item), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- CUDA candidates (NVRTC needs no GPU)
+
+def test_cuda_candidates_compile_in_the_process_pool():
+  """Candidates rendered for CUDA (LOCAL included) compile with NVRTC in forked workers, with launch sizes."""
+  pytest.importorskip("cuda.bindings")
+  from ourgrad.runtime.ops_cuda import CUDACompiler
+  try:
+    compiler = CUDACompiler("sm_90")
+  except Exception as error:  # cuda-python without NVRTC
+    pytest.skip(f"NVRTC is not usable here: {error}")
+  kernel = Kernel(_last_item(_matmul(16, 8, 32)).ast, CUDARenderer())
+  enumerated = [opt for opt, _ in search.candidate_opts(kernel)]
+  candidates = [(opt,) for kind in (OptOps.LOCAL, OptOps.UPCAST) for opt in enumerated if opt.op is kind][:3] + \
+    [(opt,) for opt in enumerated if opt.op is OptOps.UPCAST][:3]
+  assert any(opts[0].op is OptOps.LOCAL for opts in candidates)
+  pool = search.CandidateCompiler(search._CompileJob(kernel, compiler), "CUDA", workers=2)
+  try:
+    results = pool.compile(candidates)
+  finally:
+    pool.close()
+  assert [result.error for result in results] == [""] * len(candidates)
+  for opts, result in zip(candidates, results):
+    threads = 1
+    for size in result.local_size: threads *= size
+    assert threads == (opts[0].amount if opts[0].op is OptOps.LOCAL else 1)
+    assert result.binary
