@@ -245,8 +245,7 @@ def test_failed_verification_falls_back_to_hand_coded(monkeypatch):
     kernel, [search.Opt(OptOps.UPCAST, 0, 4)]))
   with pytest.warns(search.BeamVerificationWarning):
     chosen = search.beam_optimize(plain, item.outputs[0].device, 2)
-  hand_coded = _plain_kernel(item)
-  hand_coded.hand_coded_optimizations()
+  hand_coded = search.hand_coded(plain)
   assert chosen.applied_opts == hand_coded.applied_opts
   assert search.cache_get(search.cache_key(item.ast, item.outputs[0].device, 2)) == hand_coded.applied_opts
   np.testing.assert_allclose(_run(chosen, item), _run(plain, item), rtol=1e-5, atol=1e-5)

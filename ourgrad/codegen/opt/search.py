@@ -102,6 +102,13 @@ def apply_opts(kernel: Kernel, opts: Sequence[Opt]) -> Kernel:
   return new
 
 
+def hand_coded(kernel: Kernel) -> Kernel:
+  """A copy of `kernel` with the hand-coded heuristic's Opts added (the one place this module calls it)."""
+  new = copy_kernel(kernel)
+  new.hand_coded_optimizations()
+  return new
+
+
 def _within_search_limits(kernel: Kernel) -> bool:
   """Register and thread budgets of the search (on top of the Kernel's own legality checks)."""
   if kernel.upcast_lanes() > BEAM_UPCAST_MAX.value: return False
@@ -166,7 +173,8 @@ def random_fill(buffers: Sequence[Buffer], seed: int) -> None:
     if buffer.dtype == dtypes.bfloat16:
       values = (rng.standard_normal(buffer.size, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
     elif buffer.dtype.is_float:
-      values = rng.standard_normal(buffer.size).astype(buffer.dtype.np)
+      values = rng.standard_normal(buffer.size, dtype=np.float64 if buffer.dtype.itemsize == 8 else np.float32)
+      values = values.astype(buffer.dtype.np)
     elif buffer.dtype == dtypes.bool:
       values = rng.integers(0, 2, buffer.size).astype(np.bool_)
     else:
@@ -298,10 +306,12 @@ class CandidateCompiler:
     return results
 
   def close(self) -> None:
+    global _FORKED_JOB
     if self.pool is not None:
       self.pool.terminate()
       self.pool.join()
       self.pool = None
+    _FORKED_JOB = None
 
 
 # ---------------------------------------------------------------- timing
@@ -416,15 +426,14 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
   progress = _Progress(kernel.name)
   timer = _Timer(device, buffers, progress)
   try:
-    hand_coded = copy_kernel(kernel)
-    hand_coded.hand_coded_optimizations()
-    hand_opts = tuple(hand_coded.applied_opts[len(kernel.applied_opts):])
+    heuristic = hand_coded(kernel)
+    hand_opts = tuple(heuristic.applied_opts[len(kernel.applied_opts):])
     seeds = [hand_opts, ()] if hand_opts else [()]
     seen = {kernel_key(apply_opts(kernel, opts)) for opts in seeds}
     progress.add(len(seeds))
     # the first launches of a process pay for thread pools and first touches of memory: the seeds warm up first
     timed = timer.time_all(compiler.compile(seeds), warmup=True)
-    if timer.untimable or not timed: return hand_coded  # nothing to compare: the heuristic's choice
+    if timer.untimable or not timed: return heuristic  # nothing to compare: the heuristic's choice
     hand_seconds = next((c.seconds for c in timed if c.opts == hand_opts), None)
     beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
     best = beam[0]
@@ -582,7 +591,6 @@ def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
   if winner.applied_opts and not verify_kernel(winner, kernel, device):
     warnings.warn(f"BEAM's kernel for {kernel.name} with opts {winner.applied_opts} gives other results than the "
                   f"unoptimized kernel; using the hand-coded optimizations", BeamVerificationWarning, stacklevel=2)
-    winner = copy_kernel(kernel)
-    winner.hand_coded_optimizations()
+    winner = hand_coded(kernel)
   cache_put(key, kernel.name, winner.applied_opts)
   return winner
