@@ -231,6 +231,15 @@ def compile_candidate(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -
   """Lower, render and compile one candidate. Never raises: a failure comes back as `error`. On the main thread
   of a process (a pool worker) a compile past `timeout` seconds is interrupted; the compilers that run a
   subprocess (the C compiler) then kill it."""
+  try:
+    return _compile_with_alarm(job, opts, timeout)
+  except _CompileTimeout:  # also an alarm that fires while the inner function is disarming it
+    return CompiledCandidate(opts, error=f"compile took over {timeout:g} s")
+  except Exception as error:  # any failure drops the candidate (compilers raise their library's errors)
+    return CompiledCandidate(opts, error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+
+
+def _compile_with_alarm(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -> CompiledCandidate:
   from ourgrad.engine.realize import launch_dims  # the engine owns launching; it imports this module first
   use_alarm = timeout > 0 and threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
   if use_alarm:
@@ -243,10 +252,6 @@ def compile_candidate(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -
     binary = job.compiler.compile(source)
     global_size, local_size = launch_dims(uops)
     return CompiledCandidate(opts, kernel.name, binary, global_size, local_size)
-  except _CompileTimeout:
-    return CompiledCandidate(opts, error=f"compile took over {timeout:g} s")
-  except Exception as error:  # any failure drops the candidate (compilers raise their library's errors)
-    return CompiledCandidate(opts, error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
   finally:
     if use_alarm:
       signal.setitimer(signal.ITIMER_REAL, 0)
@@ -302,6 +307,8 @@ class CandidateCompiler:
       except multiprocessing.TimeoutError:
         results.append(CompiledCandidate(opts, error=f"compile took over {timeout:g} s (worker stuck)"))
         hung = True
+      except Exception as error:  # a worker that died (killed for memory, say) fails its candidate, not the search
+        results.append(CompiledCandidate(opts, error=f"compile worker failed: {type(error).__name__}: {error}"))
     if hung: self.close()  # a stuck worker is killed with its pool; the next round forks a fresh one
     return results
 
