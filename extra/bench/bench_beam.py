@@ -8,15 +8,17 @@ and on a second run (served by the cache), beside numpy and PyTorch in the same 
 Methodology
 - Workloads: softmax and layernorm (no affine) over the last axis of an (N, N) float32 matrix, and an N×N×N float32
   matmul; N = 1024 (256 with --quick). Inputs are seeded numpy arrays, the same for every library.
-- Each ourgrad measurement runs in its own process, so that what a user sees is what is measured: a process with
-  BEAM=0 (hand-coded), a process with BEAM=2 and an empty cache folder (the search runs), then a second BEAM=2
-  process on the same cache folder (no search: every kernel comes from the cache). OURGRAD_CACHE_DIR is a fresh
-  temporary folder per device, so earlier runs on this machine do not count.
-- "search s": BeamCounters.search_seconds of the process, i.e. the wall time spent choosing the Opts of all the
+- ourgrad runs in processes of its own, as a user would: a first process with BEAM=2 and an empty cache folder
+  (OURGRAD_CACHE_DIR, a fresh temporary folder per device and workload, so earlier runs on this machine do not
+  count) searches every kernel; a second BEAM=2 process on the same folder must find them all in the cache.
+- "search s": BeamCounters.search_seconds of a process, the wall time spent choosing the Opts of all the
   workload's kernels (cache look-ups, compiling and timing candidates, verifying the winner); "kernels" counts them.
-- "hand ms" and "BEAM ms": the sum of the workload's kernel times for one realize (the runtime's timing of each
-  launch, as DEBUG=2 prints it), median over runs; "BEAM wall ms": the median wall time of a whole realize with
-  BEAM's kernels (scheduling, launches, a device synchronize), comparable with numpy's and torch's wall times.
+- "hand ms" and "BEAM ms" (second process): for each kernel of the workload, the hand-coded and the BEAM version
+  are compiled and launched in turns, 10 times each, on the same scratch buffers, timed by the runtime (CUDA events
+  on CUDA, the clock around the call on CPUs); each keeps its fastest launch, and the table sums over the kernels.
+  Taking turns keeps the comparison fair on a busy machine, where load changes from second to second.
+- "BEAM wall ms": the median wall time of a whole realize with BEAM's kernels (scheduling, launches, a device
+  synchronize), comparable with numpy's and torch's wall times.
 - numpy and torch: the median wall time of the whole expression (torch on the GPU when the device is CUDA and
   torch sees one, with torch.cuda.synchronize()).
 - Every ourgrad result is checked against numpy before timing; a mismatch is reported in the "ok" column.
@@ -25,8 +27,6 @@ Methodology
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import statistics
@@ -100,8 +100,9 @@ def median_time(run: Callable[[], Any], min_runs: int = 3, max_runs: int = 20, b
 
 # ---------------------------------------------------------------- one ourgrad process
 
-def worker(name: str, size: int) -> dict[str, Any]:
-  """Run one workload in this process (DEVICE, BEAM and OURGRAD_CACHE_DIR come from the environment)."""
+def worker(name: str, size: int, compare: bool) -> dict[str, Any]:
+  """Run one workload in this process (DEVICE, BEAM and OURGRAD_CACHE_DIR come from the environment); with
+  `compare`, also time each kernel's hand-coded and BEAM versions in turns."""
   from ourgrad.codegen.opt.search import BeamCounters
   from ourgrad.device import Device
   from ourgrad.helpers import GlobalCounters
@@ -111,7 +112,9 @@ def worker(name: str, size: int) -> dict[str, Any]:
   inputs = [Tensor(array) for array in arrays]
   function = ourgrad_fn(name)
   device = Device[Device.DEFAULT]
+  GlobalCounters.reset()
   result = function(*inputs).numpy()  # schedules, searches (BEAM), compiles: the first run
+  kernels = GlobalCounters.kernel_count
   ok = bool(np.allclose(result, numpy_fn(name)(*arrays), rtol=1e-3, atol=1e-3))
   search_s, searches, hits = BeamCounters.search_seconds, BeamCounters.searches, BeamCounters.cache_hits
 
@@ -120,26 +123,45 @@ def worker(name: str, size: int) -> dict[str, Any]:
     device.synchronize()
 
   wall_s = median_time(realize)
-  kernel_times: list[float] = []
-  os.environ["DEBUG"] = "2"  # launches are timed on the device (and printed: thrown away)
-  with contextlib.redirect_stdout(io.StringIO()):
-    realize()
-    for _ in range(5):
-      GlobalCounters.reset()
-      realize()
-      kernel_times.append(GlobalCounters.time_sum_s)
-      kernels = GlobalCounters.kernel_count
+  hand_s, beam_s = interleaved_kernel_times(function(*inputs)) if compare else (0.0, 0.0)
   return {"ok": ok, "search_s": search_s, "searches": searches, "cache_hits": hits, "wall_s": wall_s,
-          "kernel_s": statistics.median(kernel_times), "kernels": kernels}
+          "kernels": kernels, "hand_s": hand_s, "beam_s": beam_s}
 
 
-def run_worker(device: str, name: str, size: int, beam: int, cache_dir: str) -> dict[str, Any]:
-  env = {**os.environ, "DEVICE": device, "BEAM": str(beam), "OURGRAD_CACHE_DIR": cache_dir, "DEBUG": "0"}
+def interleaved_kernel_times(graph: Any, rounds: int = 10) -> tuple[float, float]:
+  """Sum over the graph's kernels of (hand-coded, BEAM) kernel time. Each kernel's two versions run in turns on the
+  same scratch buffers and each keeps its fastest launch: on a busy machine both see the same load."""
+  from ourgrad.codegen.kernel import Kernel
+  from ourgrad.codegen.opt import search
+  from ourgrad.device import Device
+  from ourgrad.engine.realize import compile_kernel
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+
+  hand_total = beam_total = 0.0
+  for item in create_schedule([graph.lazydata]):
+    if item.ast.op is not Ops.STORE: continue
+    device = item.outputs[0].device
+    plain = Kernel(item.ast, Device[device].renderer)
+    kernels = (search.hand_coded(plain), search.beam_optimize(plain, device, int(os.environ["BEAM"])))
+    runners = [compile_kernel(kernel, device) for kernel in kernels]
+    buffers = tuple(search.scratch_buffers(item.ast, device))
+    search.random_fill(buffers, seed=0)
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+      for index, runner in enumerate(runners): best[index] = min(best[index], runner(buffers, wait=True))
+    hand_total, beam_total = hand_total + best[0], beam_total + best[1]
+  return hand_total, beam_total
+
+
+def run_worker(device: str, name: str, size: int, cache_dir: str, compare: bool) -> dict[str, Any]:
+  env = {**os.environ, "DEVICE": device, "BEAM": "2", "OURGRAD_CACHE_DIR": cache_dir, "DEBUG": "0"}
   env.pop("IGNORE_BEAM_CACHE", None)
-  done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name, "--size", str(size)],
-                        env=env, capture_output=True, text=True, cwd=REPO_ROOT)
+  command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--size", str(size)]
+  done = subprocess.run(command + (["--compare"] if compare else []), env=env, capture_output=True, text=True,
+                        cwd=REPO_ROOT)
   if done.returncode != 0:
-    raise RuntimeError(f"{device} {name} BEAM={beam} failed:\n{done.stderr[-3000:]}")
+    raise RuntimeError(f"{device} {name} BEAM=2 failed:\n{done.stderr[-3000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -172,17 +194,17 @@ HEADER = ("| device | workload | kernels | hand ms | BEAM ms | hand/BEAM | searc
 
 def row(device: str, name: str, size: int) -> str:
   with tempfile.TemporaryDirectory(prefix=f"bench_beam_{device}_") as cache_dir:
-    hand = run_worker(device, name, size, 0, os.path.join(cache_dir, "hand"))
-    first = run_worker(device, name, size, 2, os.path.join(cache_dir, "beam"))
-    second = run_worker(device, name, size, 2, os.path.join(cache_dir, "beam"))
+    first = run_worker(device, name, size, cache_dir, compare=False)
+    second = run_worker(device, name, size, cache_dir, compare=True)
   on_gpu = device == "CUDA" and torch is not None and torch.cuda.is_available()
   numpy_s, torch_s = bench_numpy(name, size), bench_torch(name, size, on_gpu)
   workload = f"{name} {size}^3" if name == "matmul" else f"{name} {size}^2"
-  ok = hand["ok"] and first["ok"] and second["ok"] and second["searches"] == 0
+  ok = first["ok"] and second["ok"] and second["searches"] == 0
   torch_text = f"{torch_s * 1e3:.3f}" if torch_s is not None else "-"
-  return (f"| {device} | {workload} | {first['kernels']} | {hand['kernel_s'] * 1e3:.3f} | "
-          f"{second['kernel_s'] * 1e3:.3f} | {hand['kernel_s'] / second['kernel_s']:.2f}x | "
-          f"{first['search_s']:.1f} ({first['searches']} searched) | "
+  return (f"| {device} | {workload} | {first['kernels']} | {second['hand_s'] * 1e3:.3f} | "
+          f"{second['beam_s'] * 1e3:.3f} | {second['hand_s'] / second['beam_s']:.2f}x | "
+          f"{first['search_s']:.1f} ({first['searches']} searched, "
+          f"{first['search_s'] / max(first['searches'], 1):.1f} s each) | "
           f"{second['search_s']:.2f} ({second['cache_hits']} cached) | {second['wall_s'] * 1e3:.3f} | "
           f"{numpy_s * 1e3:.3f} | {torch_text} | {'yes' if ok else 'NO'} |")
 
@@ -204,10 +226,11 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true", help="N=256 instead of 1024")
   parser.add_argument("--size", type=int, help="N (overrides --quick)")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
+  parser.add_argument("--compare", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   size = args.size or (256 if args.quick else 1024)
   if args.worker:
-    print(json.dumps(worker(args.worker, size)))
+    print(json.dumps(worker(args.worker, size, args.compare)))
     return
   load_torch()
   devices = args.devices or default_devices()
