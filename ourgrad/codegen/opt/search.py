@@ -9,7 +9,8 @@ Each round adds one Opt to every kernel of the beam in every legal way, drops ca
 views and axis layout reached by another order of Opts), compiles the rest in a pool of worker processes (a compile
 that fails or runs past BEAM_COMPILE_TIMEOUT drops the candidate), times each on the device on scratch buffers
 (fastest of a few launches, cut short when far slower than the best so far) and keeps the `width` fastest. It stops
-when a round improves the best time by less than BEAM_MIN_PROGRESS, or when no Opt applies.
+when a round improves the best time by less than BEAM_MIN_PROGRESS, or when no Opt applies. Last, the best kernel
+and the hand-coded one are launched in turns: the hand-coded one stays unless the searched one is faster.
 
 The winner is run against the unoptimized kernel on random inputs before it is used; a mismatch falls back to the
 hand-coded heuristic with a BeamVerificationWarning. Winners are kept in an sqlite file in the cache folder
