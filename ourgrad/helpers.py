@@ -70,6 +70,18 @@ RUNNER_CACHE_SIZE = env_var("RUNNER_CACHE_SIZE", 4096, "most compiled kernels ke
                             "used is dropped past it (-1: no limit)")
 COMPILE_TIMEOUT = env_var("COMPILE_TIMEOUT", 300.0, "seconds one kernel may take to compile before a CompileError "
                           "naming it (CLANG; 0: no limit)")
+BEAM = env_var("BEAM", 0, "n>0: pick each kernel's Opts by a beam search of width n, timed on the device and "
+               "cached on disk (docs/beam.md)")
+IGNORE_BEAM_CACHE = env_var("IGNORE_BEAM_CACHE", 0, "1: BEAM searches again even when its cache has the kernel")
+BEAM_MIN_PROGRESS = env_var("BEAM_MIN_PROGRESS", 0.02, "BEAM stops when a round makes the best kernel faster by less "
+                            "than this fraction")
+BEAM_COMPILE_TIMEOUT = env_var("BEAM_COMPILE_TIMEOUT", 10.0, "seconds a BEAM candidate may take to compile; a slower "
+                               "one is dropped")
+BEAM_WORKERS = env_var("BEAM_WORKERS", 0, "processes compiling BEAM candidates: 0 one per CPU core, 1 none (compile in "
+                       "this process)")
+BEAM_UPCAST_MAX = env_var("BEAM_UPCAST_MAX", 256, "BEAM considers no kernel with more upcast/unroll lanes than this")
+BEAM_LOCAL_MAX = env_var("BEAM_LOCAL_MAX", 1024, "BEAM considers no kernel with more threads per block than this "
+                         "(the device's own limit applies too)")
 
 
 def cache_dir() -> pathlib.Path:

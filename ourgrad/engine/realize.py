@@ -12,6 +12,7 @@ from typing import Any
 
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
+from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOp, UOps, format_uops
 from ourgrad.device import Device
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner  # noqa: F401 (re-exported)
@@ -19,7 +20,7 @@ from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import DEBUG, NOOPT, RUNNER_CACHE_SIZE, BoundedCache, env_var, prod
+from ourgrad.helpers import BEAM, DEBUG, NOOPT, RUNNER_CACHE_SIZE, BoundedCache, env_var, prod
 from ourgrad.ops import LazyOp, Ops
 
 
@@ -30,9 +31,11 @@ _runner_cache: BoundedCache[tuple[str, LazyOp], CompiledRunner] = BoundedCache(R
 
 
 def get_kernel(ast: LazyOp, device: str) -> Kernel:
-  """The Kernel for an AST with the default optimizations applied (none with NOOPT=1)."""
+  """The Kernel for an AST with the default optimizations applied (none with NOOPT=1, searched with BEAM=n)."""
   kernel = Kernel(ast, Device[device].renderer)
-  if not NOOPT: kernel.hand_coded_optimizations()
+  if NOOPT: return kernel
+  if BEAM >= 1: return beam_optimize(kernel, device, BEAM.value)  # searched, verified and cached: codegen/opt/search.py
+  kernel.hand_coded_optimizations()
   return kernel
 
 

@@ -1,0 +1,604 @@
+"""BEAM search: choose a kernel's Opts by compiling and timing candidates on the device (`BEAM=n`).
+
+    beam_optimize(kernel, device, width)   what the engine calls: the cache, then the search, then verification
+    beam_search(kernel, buffers, width)    the search itself: returns the fastest Kernel it found
+    candidate_opts(kernel)                 every legal Opt that can be added to a kernel (an action list × axes)
+
+The search starts from the kernel it is given (unoptimized) and, beside it, from the hand-coded heuristic's choice.
+Each round adds one Opt to every kernel of the beam in every legal way, drops candidates already seen (the same
+views and axis layout reached by another order of Opts), compiles the rest in a pool of worker processes (a compile
+that fails or runs past BEAM_COMPILE_TIMEOUT drops the candidate), times each on the device on scratch buffers
+(fastest of a few launches, cut short when far slower than the best so far) and keeps the `width` fastest. It stops
+when a round improves the best time by less than BEAM_MIN_PROGRESS, or when no Opt applies. Last, the best kernel
+and the hand-coded one are launched in turns: the hand-coded one stays unless the searched one is faster.
+
+The winner is run against the unoptimized kernel on random inputs before it is used; a mismatch falls back to the
+hand-coded heuristic with a BeamVerificationWarning. Winners are kept in an sqlite file in the cache folder
+(`ourgrad.helpers.cache_dir()`), keyed by the AST, the device and its compiler, and the width: another process
+running the same program does no search. IGNORE_BEAM_CACHE=1 searches again.
+
+Opts are enumerated from `OptOps` itself: an Opt kind the Kernel learns joins the search with no change here (with
+the amounts of ACTION_AMOUNTS, or DEFAULT_AMOUNTS for a kind that table does not name).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import multiprocessing
+import os
+import signal
+import sqlite3
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.device import Buffer, Device
+from ourgrad.dtype import DType, dtypes
+from ourgrad.helpers import (BEAM_COMPILE_TIMEOUT, BEAM_LOCAL_MAX, BEAM_MIN_PROGRESS, BEAM_UPCAST_MAX, BEAM_WORKERS,
+                             DEBUG, IGNORE_BEAM_CACHE, cache_dir)
+from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
+
+# The amounts tried for each kind of Opt, by OptOps name. 0 means "the whole axis". A kind missing here (one the
+# Kernel gained later) is tried with DEFAULT_AMOUNTS.
+ACTION_AMOUNTS: dict[str, tuple[int, ...]] = {
+  "UPCAST": (0, 2, 3, 4, 5, 7, 8),
+  "UNROLL": (0, 2, 3, 4, 5, 7, 8),
+  "LOCAL": (2, 3, 4, 8, 16, 32),
+  "GROUP": (4, 8, 16, 32, 64, 128, 256),
+  "GROUPTOP": (4, 8, 16, 32, 64, 128, 256),
+  "PADTO": (32,),
+}
+DEFAULT_AMOUNTS: tuple[int, ...] = (2, 4, 8, 16)
+
+MAX_ROUNDS = 10            # Opts added on top of the starting kernel, at most
+TIMING_RUNS = 3            # launches per candidate; the fastest is its time
+FINAL_RUNS = 4             # launches of the winner and the hand-coded kernel, alternating, before the final choice
+EARLY_CUT = 3.0            # a launch this many times slower than the best so far ends the candidate's timing
+VERIFY_RTOL = {dtypes.float16: 2e-2, dtypes.bfloat16: 5e-2}  # other floats: 1e-3
+CACHE_VERSION = 1          # bump when the meaning of cached opts changes
+
+
+class BeamVerificationWarning(RuntimeWarning):
+  """The kernel BEAM chose gave other results than the unoptimized kernel; the hand-coded one is used instead."""
+
+
+class BeamCounters:
+  """What BEAM did in this process since the last `reset()` (tests read these)."""
+  searches: int = 0
+  cache_hits: int = 0
+  compiled: int = 0
+  compile_failures: int = 0
+  timed: int = 0
+  search_seconds: float = 0.0  # wall time in beam_optimize: cache look-ups, searches, verification
+
+  @staticmethod
+  def reset() -> None:
+    BeamCounters.searches = BeamCounters.cache_hits = BeamCounters.compiled = 0
+    BeamCounters.compile_failures = BeamCounters.timed = 0
+    BeamCounters.search_seconds = 0.0
+
+
+# ---------------------------------------------------------------- candidates
+
+def copy_kernel(kernel: Kernel) -> Kernel:
+  """An independent copy: the AST, renderer and views are shared (immutable), lists and dicts are copied."""
+  new = copy.copy(kernel)
+  for name, value in vars(kernel).items():
+    if isinstance(value, (list, dict, set)): setattr(new, name, copy.copy(value))
+  return new
+
+
+def apply_opts(kernel: Kernel, opts: Sequence[Opt]) -> Kernel:
+  """A copy of `kernel` with `opts` applied in order; KernelOptError if one does not apply."""
+  new = copy_kernel(kernel)
+  for opt in opts: new.apply_opt(opt)
+  return new
+
+
+def hand_coded(kernel: Kernel) -> Kernel:
+  """A copy of `kernel` with the hand-coded heuristic's Opts added (the one place this module calls it)."""
+  new = copy_kernel(kernel)
+  new.hand_coded_optimizations()
+  return new
+
+
+def _within_search_limits(kernel: Kernel) -> bool:
+  """Register and thread budgets of the search (on top of the Kernel's own legality checks)."""
+  if kernel.upcast_lanes() > BEAM_UPCAST_MAX.value: return False
+  max_threads = min(BEAM_LOCAL_MAX.value, getattr(kernel.renderer, "max_threads", 1))
+  return kernel.local_threads() <= max(max_threads, 1)
+
+
+def _all_actions(kernel: Kernel) -> Iterator[Opt]:
+  for op in OptOps:
+    for axis in range(kernel.shape_len):
+      for amount in ACTION_AMOUNTS.get(op.name, DEFAULT_AMOUNTS): yield Opt(op, axis, amount)
+
+
+def candidate_opts(kernel: Kernel) -> list[tuple[Opt, Kernel]]:
+  """Every Opt that applies to `kernel` within the search limits, each with the kernel it gives."""
+  candidates = []
+  for opt in _all_actions(kernel):
+    try:
+      new = apply_opts(kernel, [opt])
+    except KernelOptError:
+      continue
+    if _within_search_limits(new): candidates.append((opt, new))
+  return candidates
+
+
+def kernel_key(kernel: Kernel) -> tuple:
+  """What makes two kernels the same loop nest, whatever order of Opts built them: the views, and the kernel's
+  integer layout fields (upcasted, local_dims, and any the Kernel adds)."""
+  layout = tuple(sorted((name, value) for name, value in vars(kernel).items()
+                        if isinstance(value, (bool, int)) or (isinstance(value, tuple) and
+                                                              all(isinstance(v, int) for v in value))))
+  return (tuple(kernel.sts), layout)
+
+
+def describe_opts(opts: Sequence[Opt]) -> str:
+  """Opts by name, as DEBUG=3 prints them: "UPCAST axis 0 by 4, UNROLL axis 0 by 4"."""
+  return ", ".join(f"{opt.op.name} axis {opt.axis} by {opt.amount or 'all'}" for opt in opts) or "none"
+
+
+# ---------------------------------------------------------------- scratch buffers and random inputs
+
+def buffer_specs(ast: LazyOp) -> list[tuple[int, DType]]:
+  """(elements, dtype) of each kernel argument, in argument order: enough elements for every index its views touch."""
+  specs: dict[int, tuple[int, DType]] = {}
+  for node in ast.walk():
+    if isinstance(node.arg, MemBuffer):
+      size = max(node.arg.st.real_size(), 1)
+      previous = specs.get(node.arg.idx, (0, node.arg.dtype))[0]
+      specs[node.arg.idx] = (max(size, previous), node.arg.dtype)
+  return [specs[idx] for idx in sorted(specs)]
+
+
+def scratch_buffers(ast: LazyOp, device: str) -> list[Buffer]:
+  """Freshly allocated (uninitialized) buffers for a kernel's arguments: what candidates are timed on."""
+  return [Buffer(device, size, dtype).allocate() for size, dtype in buffer_specs(ast)]
+
+
+def random_fill(buffers: Sequence[Buffer], seed: int) -> None:
+  """Fill every buffer with seeded random values: floats ~ N(0, 1), integers in 1..7 (no kernel divides by zero)."""
+  rng = np.random.default_rng(seed)
+  for buffer in buffers:
+    if buffer.dtype == dtypes.bfloat16:
+      values = (rng.standard_normal(buffer.size, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    elif buffer.dtype.is_float:
+      values = rng.standard_normal(buffer.size, dtype=np.float64 if buffer.dtype.itemsize == 8 else np.float32)
+      values = values.astype(buffer.dtype.np)
+    elif buffer.dtype == dtypes.bool:
+      values = rng.integers(0, 2, buffer.size).astype(np.bool_)
+    else:
+      values = rng.integers(1, 8, buffer.size).astype(buffer.dtype.np)
+    buffer.copyin(memoryview(np.ascontiguousarray(values)).cast("B"))
+
+
+def _as_numbers(buffer: Buffer) -> np.ndarray:
+  values = buffer.numpy()
+  if buffer.dtype == dtypes.bfloat16: return (values.astype(np.uint32) << 16).view(np.float32)
+  return values
+
+
+def outputs_match(expected: Buffer, actual: Buffer) -> bool:
+  """Equal for integers and bools; close for floats (the Opts reorder sums), NaN and inf where the reference has
+  them."""
+  want, got = _as_numbers(expected), _as_numbers(actual)
+  if not expected.dtype.is_float: return bool(np.array_equal(want, got))
+  rtol = VERIFY_RTOL.get(expected.dtype, 1e-3)
+  finite = np.abs(want[np.isfinite(want)])
+  scale = max(1.0, float(finite.max())) if finite.size else 1.0
+  return bool(np.allclose(got, want, rtol=rtol, atol=rtol * scale, equal_nan=True))
+
+
+# ---------------------------------------------------------------- compiling candidates
+
+@dataclass
+class CompiledCandidate:
+  """A candidate's binary and launch shape, or `error` (why it was dropped)."""
+  opts: tuple[Opt, ...]
+  name: str = ""
+  binary: bytes = b""
+  global_size: tuple[int, ...] = ()
+  local_size: tuple[int, ...] = ()
+  error: str = ""
+
+
+@dataclass
+class _CompileJob:
+  """What a worker needs to build any candidate: the starting kernel (its opts are added on top) and the compiler."""
+  base: Kernel
+  compiler: Any
+
+
+class _CompileTimeout(Exception):
+  pass
+
+
+def _raise_timeout(signum: int, frame: Any) -> None:
+  raise _CompileTimeout()
+
+
+def compile_candidate(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -> CompiledCandidate:
+  """Lower, render and compile one candidate. Never raises: a failure comes back as `error`. On the main thread
+  of a process (a pool worker) a compile past `timeout` seconds is interrupted; the compilers that run a
+  subprocess (the C compiler) then kill it."""
+  try:
+    return _compile_with_alarm(job, opts, timeout)
+  except _CompileTimeout:  # also an alarm that fires while the inner function is disarming it
+    return CompiledCandidate(opts, error=f"compile took over {timeout:g} s")
+  except Exception as error:  # any failure drops the candidate (compilers raise their library's errors)
+    return CompiledCandidate(opts, error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+
+
+def _compile_with_alarm(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -> CompiledCandidate:
+  from ourgrad.engine.realize import launch_dims  # the engine owns launching; it imports this module first
+  use_alarm = timeout > 0 and threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+  if use_alarm:
+    previous = signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+  try:
+    kernel = apply_opts(job.base, opts)
+    uops = linearize(kernel)
+    source = kernel.renderer.render(kernel.name, uops)
+    binary = job.compiler.compile(source)
+    global_size, local_size = launch_dims(uops)
+    return CompiledCandidate(opts, kernel.name, binary, global_size, local_size)
+  finally:
+    if use_alarm:
+      signal.setitimer(signal.ITIMER_REAL, 0)
+      signal.signal(signal.SIGALRM, previous)
+
+
+# The job of the pool being created: forked workers inherit it, so neither the kernel nor the compiler (which can
+# hold unpicklable handles) is ever pickled; only the opts of each candidate travel.
+_FORKED_JOB: _CompileJob | None = None
+
+
+def _compile_in_worker(opts: tuple[Opt, ...], timeout: float) -> CompiledCandidate:
+  assert _FORKED_JOB is not None, "a BEAM compile worker started without a job"
+  return compile_candidate(_FORKED_JOB, opts, timeout)
+
+
+# Devices whose compiler must not run in a forked child: its driver keeps threads and a context that a fork loses.
+COMPILE_IN_PROCESS = {"OPENCL"}
+
+
+class CandidateCompiler:
+  """Compiles candidates of one search in parallel: a pool of forked worker processes (BEAM_WORKERS), or this
+  process where fork is missing, BEAM_WORKERS=1, or the device's compiler cannot be forked."""
+
+  def __init__(self, job: _CompileJob, device: str, workers: int | None = None):
+    self.job = job
+    count = BEAM_WORKERS.value if workers is None else workers
+    self.workers = count if count > 0 else (os.cpu_count() or 1)
+    forkable = "fork" in multiprocessing.get_all_start_methods() and device.split(":")[0] not in COMPILE_IN_PROCESS
+    if not forkable: self.workers = 1
+    self.pool: Any = None
+
+  def _start_pool(self) -> None:
+    global _FORKED_JOB
+    _FORKED_JOB = self.job
+    with warnings.catch_warnings():  # Python 3.12 warns on fork in a threaded process; the workers only compile
+      warnings.simplefilter("ignore", DeprecationWarning)
+      self.pool = multiprocessing.get_context("fork").Pool(self.workers)
+
+  def compile(self, candidates: Sequence[tuple[Opt, ...]]) -> list[CompiledCandidate]:
+    timeout = BEAM_COMPILE_TIMEOUT.value
+    if self.workers <= 1 or len(candidates) <= 1:
+      return [compile_candidate(self.job, opts, timeout) for opts in candidates]
+    if self.pool is None: self._start_pool()
+    started = time.perf_counter()
+    pending = [self.pool.apply_async(_compile_in_worker, (opts, timeout)) for opts in candidates]
+    results, hung = [], False
+    for position, (opts, result) in enumerate(zip(candidates, pending)):
+      # a worker interrupts its own slow compile; this deadline only catches a compiler stuck in native code
+      deadline = started + (timeout + 5.0) * (position // self.workers + 1)
+      try:
+        results.append(result.get(timeout=max(deadline - time.perf_counter(), 0.01)))
+      except multiprocessing.TimeoutError:
+        results.append(CompiledCandidate(opts, error=f"compile took over {timeout:g} s (worker stuck)"))
+        hung = True
+      except Exception as error:  # a worker that died (killed for memory, say) fails its candidate, not the search
+        results.append(CompiledCandidate(opts, error=f"compile worker failed: {type(error).__name__}: {error}"))
+    if hung: self.close()  # a stuck worker is killed with its pool; the next round forks a fresh one
+    return results
+
+  def close(self) -> None:
+    global _FORKED_JOB
+    if self.pool is not None:
+      self.pool.terminate()
+      self.pool.join()
+      self.pool = None
+    _FORKED_JOB = None
+
+
+# ---------------------------------------------------------------- timing
+
+def time_program(program: Any, handles: Sequence[Any], candidate: CompiledCandidate, cutoff: float,
+                 warmup: bool = False) -> float | None:
+  """Fastest of TIMING_RUNS launches (fewer when one launch is slower than `cutoff`), after one untimed launch if
+  `warmup`; None when the device cannot time a launch. The minimum, not the median: on a shared machine other work
+  only ever adds time to a launch."""
+  if warmup: program(*handles, global_size=candidate.global_size, local_size=candidate.local_size, wait=True)
+  times: list[float] = []
+  for _ in range(TIMING_RUNS):
+    seconds = program(*handles, global_size=candidate.global_size, local_size=candidate.local_size, wait=True)
+    if seconds is None: return None
+    times.append(seconds)
+    if seconds > cutoff: break
+  return min(times)
+
+
+@dataclass
+class TimedCandidate:
+  opts: tuple[Opt, ...]
+  seconds: float
+
+
+class _Progress:
+  """A tqdm bar over the candidates (when tqdm is installed and DEBUG>=1 or stderr is a terminal), else nothing."""
+
+  def __init__(self, name: str):
+    self.name, self.bar = name, None
+    self.show = DEBUG >= 1 or sys.stderr.isatty()
+
+  def add(self, count: int) -> None:
+    if not self.show: return
+    if self.bar is None:
+      try:
+        from tqdm import tqdm
+      except ImportError:
+        self.show = False
+        return
+      self.bar = tqdm(total=0, desc=f"BEAM {self.name}", leave=DEBUG >= 2, unit="kernel")
+    self.bar.total += count
+    self.bar.refresh()
+
+  def step(self, best_seconds: float) -> None:
+    if self.bar is not None:
+      self.bar.set_postfix_str(f"best {best_seconds * 1e3:.3f} ms", refresh=False)
+      self.bar.update(1)
+
+  def close(self) -> None:
+    if self.bar is not None: self.bar.close()
+
+
+class _Timer:
+  """Loads compiled candidates and times them on one set of buffers, keeping the best time seen."""
+
+  def __init__(self, device: str, buffers: Sequence[Buffer], progress: _Progress):
+    self.device, self.progress = device, progress
+    self.handles = [buffer.handle for buffer in buffers]
+    self.best = float("inf")
+    self.untimable = False
+
+  def time_all(self, compiled: Sequence[CompiledCandidate], warmup: bool = False) -> list[TimedCandidate]:
+    timed: list[TimedCandidate] = []
+    for candidate in compiled:
+      seconds = self._time_one(candidate, warmup)
+      if seconds is not None:
+        timed.append(TimedCandidate(candidate.opts, seconds))
+        self.best = min(self.best, seconds)
+      self.progress.step(self.best)
+      if self.untimable: break
+    return timed
+
+  def _time_one(self, candidate: CompiledCandidate, warmup: bool) -> float | None:
+    if candidate.error:
+      BeamCounters.compile_failures += 1
+      if DEBUG >= 4: print(f"BEAM dropped [{describe_opts(candidate.opts)}]: {candidate.error}")
+      return None
+    BeamCounters.compiled += 1
+    try:
+      program = Device[self.device].program(candidate.name, candidate.binary)
+      seconds = time_program(program, self.handles, candidate, self.best * EARLY_CUT, warmup)
+    except Exception as error:  # a binary the device cannot load or launch drops the candidate
+      BeamCounters.compile_failures += 1
+      if DEBUG >= 4: print(f"BEAM dropped [{describe_opts(candidate.opts)}]: {type(error).__name__}: {error}")
+      return None
+    if seconds is None:
+      self.untimable = True
+      return None
+    BeamCounters.timed += 1
+    return seconds
+
+
+# ---------------------------------------------------------------- the search
+
+def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: int, device: str | None = None,
+                min_progress: float | None = None, max_rounds: int | None = None,
+                workers: int | None = None) -> Kernel:
+  """The fastest kernel found by a beam search of width `beam_width` over Opts added to `kernel` (normally the
+  unoptimized one), timed on `buffers` (the kernel's arguments in order; None: scratch buffers). The hand-coded
+  heuristic's kernel competes in the first round, so the result is never slower than it as timed here. Returns
+  the hand-coded kernel when the device cannot time launches. Results are not verified here (see beam_optimize)."""
+  device = device or (buffers[0].device if buffers else kernel.renderer.device)
+  if buffers is None:
+    buffers = scratch_buffers(kernel.ast, device)
+    random_fill(buffers, seed=0)  # not uninitialized memory: NaNs and denormals take slow paths on some CPUs
+  progress_threshold = BEAM_MIN_PROGRESS.value if min_progress is None else min_progress
+  BeamCounters.searches += 1
+  started = time.perf_counter()
+  job = _CompileJob(copy_kernel(kernel), Device[device].compiler)
+  compiler = CandidateCompiler(job, device, workers)
+  progress = _Progress(kernel.name)
+  timer = _Timer(device, buffers, progress)
+  try:
+    heuristic = hand_coded(kernel)
+    hand_opts = tuple(heuristic.applied_opts[len(kernel.applied_opts):])
+    seeds = [hand_opts, ()] if hand_opts else [()]
+    seen = {kernel_key(apply_opts(kernel, opts)) for opts in seeds}
+    progress.add(len(seeds))
+    # the first launches of a process pay for thread pools and first touches of memory: the seeds warm up first
+    timed = timer.time_all(compiler.compile(seeds), warmup=True)
+    if timer.untimable or not timed: return heuristic  # nothing to compare: the heuristic's choice
+    hand_seconds = next((c.seconds for c in timed if c.opts == hand_opts), None)
+    beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
+    best = beam[0]
+    for _ in range(MAX_ROUNDS if max_rounds is None else max_rounds):
+      candidates = _expand(kernel, beam, seen)
+      if not candidates: break
+      progress.add(len(candidates))
+      timed = timer.time_all(compiler.compile(candidates))
+      if not timed: break
+      round_beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
+      if round_beam[0].seconds >= best.seconds * (1 - progress_threshold): break
+      beam, best = round_beam, round_beam[0]
+    if hand_seconds is not None and best.opts != hand_opts:
+      best, hand_seconds = _final_choice(timer, compiler.compile([best.opts, hand_opts]), best, hand_seconds)
+  finally:
+    compiler.close()
+    progress.close()
+  winner = apply_opts(kernel, best.opts)
+  _report(kernel.name, winner, best.seconds, hand_seconds, time.perf_counter() - started)
+  return winner
+
+
+def _final_choice(timer: _Timer, compiled: Sequence[CompiledCandidate], best: TimedCandidate,
+                  hand_seconds: float) -> tuple[TimedCandidate, float]:
+  """The search's best against the hand-coded kernel, launched in turns so that both see the same machine: the
+  hand-coded one wins unless the search's is faster. Returns the winner and the hand-coded kernel's time."""
+  if any(candidate.error for candidate in compiled): return best, hand_seconds
+  programs = [Device[timer.device].program(candidate.name, candidate.binary) for candidate in compiled]
+  times: list[list[float]] = [[], []]
+  for _ in range(FINAL_RUNS):
+    for index, (program, candidate) in enumerate(zip(programs, compiled)):
+      times[index].append(time_program(program, timer.handles, candidate, float("inf")) or 0.0)
+  searched, hand = min(times[0]), min(times[1])
+  if searched < hand: return TimedCandidate(best.opts, searched), hand
+  return TimedCandidate(compiled[1].opts, hand), hand
+
+
+def _expand(kernel: Kernel, beam: Sequence[TimedCandidate], seen: set) -> list[tuple[Opt, ...]]:
+  """Each beam member with one more legal Opt, minus loop nests already seen (marked seen now)."""
+  candidates = []
+  for member in beam:
+    for opt, new in candidate_opts(apply_opts(kernel, member.opts)):
+      key = kernel_key(new)
+      if key in seen: continue
+      seen.add(key)
+      candidates.append(member.opts + (opt,))
+  return candidates
+
+
+def _report(name: str, winner: Kernel, seconds: float, hand_seconds: float | None, search_seconds: float) -> None:
+  if DEBUG >= 2:
+    gain = f"{hand_seconds * 1e3:.3f} ms -> {seconds * 1e3:.3f} ms, {hand_seconds / seconds:.2f}x" \
+      if hand_seconds else f"{seconds * 1e3:.3f} ms"
+    print(f"BEAM {name}: {gain} (hand-coded -> BEAM), opts {winner.applied_opts}, searched in {search_seconds:.2f} s")
+  if DEBUG >= 3: print(f"BEAM {name} opts: {describe_opts(winner.applied_opts)}")
+
+
+# ---------------------------------------------------------------- verification
+
+def verify_kernel(candidate: Kernel, reference: Kernel, device: str, seed: int = 0) -> bool:
+  """Whether `candidate` writes the same values as `reference` (same AST) from the same random inputs."""
+  results = []
+  for kernel in (reference, candidate):
+    compiled = compile_candidate(_CompileJob(kernel, Device[device].compiler), (), BEAM_COMPILE_TIMEOUT.value)
+    if compiled.error: return False
+    buffers = scratch_buffers(kernel.ast, device)
+    random_fill(buffers, seed)  # outputs too: places a kernel does not store keep the same values in both runs
+    program = Device[device].program(compiled.name, compiled.binary)
+    program(*[buffer.handle for buffer in buffers], global_size=compiled.global_size,
+            local_size=compiled.local_size, wait=True)
+    results.append(buffers)
+  stored = sorted({node.arg.idx for node in reference.ast.walk() if node.op is Ops.STORE})
+  return all(outputs_match(results[0][idx], results[1][idx]) for idx in stored)
+
+
+# ---------------------------------------------------------------- the cache
+
+def _ast_text(ast: LazyOp) -> str:
+  """A stable text of an AST (the same in every process): each node once, children first, sources by number."""
+  numbers: dict[int, int] = {}
+  lines = []
+  for node in ast.walk():
+    numbers[id(node)] = len(numbers)
+    arg = node.arg
+    if isinstance(arg, ConstBuffer): arg = (repr(arg.val), arg.dtype.name, arg.st)
+    elif isinstance(arg, MemBuffer): arg = (arg.idx, arg.dtype.name, arg.st)
+    sources = [numbers[id(src)] for src in node.srcs]
+    lines.append(f"{node.op.name} {node.dtype.name} {sources} {arg!r}")
+  return "\n".join(lines)
+
+
+def cache_key(ast: LazyOp, device: str, beam_width: int) -> str:
+  """The cache key of a search: the AST, the device and its compiler (which names the hardware), the width."""
+  compiler_key = getattr(Device[device].compiler, "cache_key", "")
+  text = f"beam v{CACHE_VERSION}\n{device}\n{compiler_key}\n{beam_width}\n{_ast_text(ast)}"
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _connect() -> sqlite3.Connection:
+  connection = sqlite3.connect(cache_dir() / "beam.sqlite", timeout=30)  # several processes may search at once
+  connection.execute("CREATE TABLE IF NOT EXISTS beam (key TEXT PRIMARY KEY, kernel TEXT, opts TEXT)")
+  return connection
+
+
+def cache_get(key: str) -> list[Opt] | None:
+  """The cached opts of a search, or None (not cached, or written by a version whose Opt kinds are gone)."""
+  try:
+    with _connect() as connection:
+      row = connection.execute("SELECT opts FROM beam WHERE key = ?", (key,)).fetchone()
+  except sqlite3.Error:  # an unreadable cache costs a search, not the result
+    return None
+  if row is None: return None
+  try:
+    return [Opt(OptOps[name], axis, amount) for name, axis, amount in json.loads(row[0])]
+  except (KeyError, ValueError, TypeError):
+    return None
+
+
+def cache_put(key: str, kernel_name: str, opts: Sequence[Opt]) -> None:
+  encoded = json.dumps([[opt.op.name, opt.axis, opt.amount] for opt in opts])
+  try:
+    with _connect() as connection:
+      connection.execute("INSERT OR REPLACE INTO beam VALUES (?, ?, ?)", (key, kernel_name, encoded))
+  except sqlite3.Error as error:
+    warnings.warn(f"cannot write the BEAM cache in {cache_dir()} ({error}); the search runs again in the next "
+                  f"process", RuntimeWarning, stacklevel=2)
+
+
+# ---------------------------------------------------------------- what the engine calls
+
+def beam_optimize(kernel: Kernel, device: str, beam_width: int) -> Kernel:
+  """`kernel` (unoptimized) with the Opts BEAM chose: from the cache, or searched, verified and cached."""
+  started = time.perf_counter()
+  try:
+    return _cached_or_searched(kernel, device, beam_width)
+  finally:
+    BeamCounters.search_seconds += time.perf_counter() - started
+
+
+def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
+  key = cache_key(kernel.ast, device, beam_width)
+  if not IGNORE_BEAM_CACHE:
+    cached = cache_get(key)
+    if cached is not None:
+      try:
+        optimized = apply_opts(kernel, cached)
+      except KernelOptError:  # cached under Opt rules that changed since: search again
+        optimized = None
+      if optimized is not None:
+        BeamCounters.cache_hits += 1
+        if DEBUG >= 2: print(f"BEAM {kernel.name}: cache hit, opts {optimized.applied_opts}")
+        if DEBUG >= 3: print(f"BEAM {kernel.name} opts: {describe_opts(optimized.applied_opts)}")
+        return optimized
+  winner = beam_search(kernel, None, beam_width, device=device)
+  if winner.applied_opts and not verify_kernel(winner, kernel, device):
+    warnings.warn(f"BEAM's kernel for {kernel.name} with opts {winner.applied_opts} gives other results than the "
+                  f"unoptimized kernel; using the hand-coded optimizations", BeamVerificationWarning, stacklevel=2)
+    winner = hand_coded(kernel)
+  cache_put(key, kernel.name, winner.applied_opts)
+  return winner

@@ -1,0 +1,281 @@
+"""BEAM search (ourgrad/codegen/opt/search.py): the kernel it picks computes what the unoptimized kernel (NOOPT)
+computes, a second process reuses the on-disk cache instead of searching, candidates that fail to compile or hang
+are dropped without failing the search, and candidate enumeration only yields Opts that apply.
+
+Shapes are tiny and searches short (width 2, one or two rounds): these tests check behaviour, never speed."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ourgrad import Tensor
+from ourgrad.codegen.kernel import Kernel, KernelOptError, OptOps
+from ourgrad.codegen.opt import search
+from ourgrad.device import Buffer, Device
+from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.renderer.cstyle import CUDARenderer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+rng = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+  """Each test gets its own cache folder (BEAM's sqlite file and the compile cache) and zeroed counters."""
+  monkeypatch.setenv("OURGRAD_CACHE_DIR", str(tmp_path / "cache"))
+  search.BeamCounters.reset()
+
+
+def _last_item(tensor: Tensor):
+  """The ScheduleItem computing `tensor`, with its inputs realized."""
+  schedule = create_schedule([tensor.lazydata])
+  run_schedule(schedule[:-1])
+  return schedule[-1]
+
+
+def _run(kernel: Kernel, item) -> np.ndarray:
+  """Run `kernel` on the item's real inputs into a fresh output buffer."""
+  device = item.outputs[0].device
+  runner = compile_kernel(kernel, device)
+  output = Buffer(device, item.outputs[0].size, item.outputs[0].dtype).allocate()
+  runner((output,) + item.inputs, wait=True)
+  return output.numpy()
+
+
+def _matmul(m: int, k: int, n: int) -> Tensor:
+  a = Tensor(rng.standard_normal((m, k)).astype(np.float32))
+  b = Tensor(rng.standard_normal((k, n)).astype(np.float32))
+  return a @ b
+
+
+def _plain_kernel(item) -> Kernel:
+  return Kernel(item.ast, Device[item.outputs[0].device].renderer)
+
+
+# ---------------------------------------------------------------- the search result is correct
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["in_process", "process_pool"])
+def test_beam_matmul_matches_noopt(workers):
+  item = _last_item(_matmul(16, 24, 8))
+  plain = _plain_kernel(item)
+  winner = search.beam_search(plain, None, 2, device=item.outputs[0].device, max_rounds=1, workers=workers)
+  assert search.BeamCounters.timed >= 2, "the search timed no candidates"
+  np.testing.assert_allclose(_run(winner, item), _run(plain, item), rtol=1e-5, atol=1e-5)
+  assert plain.applied_opts == [], "the search changed the kernel it was given"
+
+
+def test_beam_env_var_runs_search_and_matches_numpy(monkeypatch):
+  monkeypatch.setenv("BEAM", "2")
+  monkeypatch.setattr(search, "MAX_ROUNDS", 1)
+  a = rng.standard_normal((12, 20)).astype(np.float32)
+  b = rng.standard_normal((20, 28)).astype(np.float32)
+  result = (Tensor(a) @ Tensor(b)).numpy()
+  np.testing.assert_allclose(result, a @ b, rtol=1e-4, atol=1e-4)
+  assert search.BeamCounters.searches == 1
+  assert search.BeamCounters.cache_hits == 0
+
+
+def test_beam_with_given_buffers():
+  """beam_search can time on the caller's buffers (the kernel's arguments in order) instead of scratch ones."""
+  item = _last_item((Tensor(rng.standard_normal((32, 16)).astype(np.float32)) * 3).sum(axis=1))
+  plain = _plain_kernel(item)
+  winner = search.beam_search(plain, item.bufs, 2, max_rounds=1, workers=1)
+  np.testing.assert_allclose(_run(winner, item), _run(plain, item), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the cache
+
+CACHE_SCRIPT = """
+import json, numpy as np
+from ourgrad import Tensor
+from ourgrad.codegen.opt import search
+search.MAX_ROUNDS = 1
+a = np.arange(16 * 24, dtype=np.float32).reshape(16, 24) / 100
+b = np.arange(24 * 8, dtype=np.float32).reshape(24, 8) / 100
+ok = bool(np.allclose((Tensor(a) @ Tensor(b)).numpy(), a @ b, rtol=1e-4))
+c = search.BeamCounters
+print(json.dumps({"ok": ok, "searches": c.searches, "cache_hits": c.cache_hits, "compiled": c.compiled}))
+"""
+
+
+def _run_cache_script(env: dict[str, str]) -> dict:
+  done = subprocess.run([sys.executable, "-c", CACHE_SCRIPT], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stderr
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_hits_the_cache(tmp_path):
+  env = {**os.environ, "OURGRAD_CACHE_DIR": str(tmp_path / "shared_cache"), "BEAM": "2", "DEBUG": "0",
+         "DEVICE": Device.DEFAULT}
+  env.pop("IGNORE_BEAM_CACHE", None)
+  first = _run_cache_script(env)
+  assert first == {"ok": True, "searches": 1, "cache_hits": 0, "compiled": first["compiled"]}
+  assert first["compiled"] >= 2
+  second = _run_cache_script(env)
+  assert second == {"ok": True, "searches": 0, "cache_hits": 1, "compiled": 0}
+  # IGNORE_BEAM_CACHE=1 searches again even though the cache has the kernel
+  third = _run_cache_script({**env, "IGNORE_BEAM_CACHE": "1"})
+  assert (third["searches"], third["cache_hits"]) == (1, 0)
+
+
+def test_cache_key_depends_on_ast_device_and_width():
+  device = Device.DEFAULT
+  first = _last_item((Tensor(np.ones((8, 8), np.float32)) * 2).sum(axis=1)).ast
+  same = _last_item((Tensor(np.zeros((8, 8), np.float32)) * 2).sum(axis=1)).ast
+  other = _last_item((Tensor(np.ones((8, 8), np.float32)) * 3).sum(axis=1)).ast
+  assert search.cache_key(first, device, 2) == search.cache_key(same, device, 2)
+  assert search.cache_key(first, device, 2) != search.cache_key(first, device, 3)
+  assert search.cache_key(first, device, 2) != search.cache_key(other, device, 2)
+
+
+def test_cache_roundtrip_and_unknown_opt_kinds():
+  opts = [search.Opt(OptOps.UPCAST, 0, 4), search.Opt(OptOps.UNROLL, 0, 2)]
+  search.cache_put("k1", "r_8_8", opts)
+  assert search.cache_get("k1") == opts
+  assert search.cache_get("missing") is None
+  with search._connect() as connection:  # an entry naming an Opt kind this version lacks reads as not cached
+    connection.execute("INSERT INTO beam VALUES (?, ?, ?)", ("k2", "r_8_8", json.dumps([["NOT_AN_OPT", 0, 2]])))
+  assert search.cache_get("k2") is None
+
+
+# ---------------------------------------------------------------- bad candidates are dropped
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["in_process", "process_pool"])
+@pytest.mark.parametrize("failure", ["compile_error", "hang"])
+def test_bad_candidates_are_dropped(monkeypatch, workers, failure):
+  """Every candidate with an UNROLL by 2 fails to compile (or hangs past the compile timeout): the search still
+  finishes, counts the failures, and returns a working kernel without that Opt."""
+  real_linearize = search.linearize
+  sabotaged = search.Opt(OptOps.UNROLL, 0, 2)
+
+  def sabotaged_linearize(kernel):
+    if sabotaged in kernel.applied_opts:
+      if failure == "hang": time.sleep(60)
+      raise RuntimeError("sabotaged candidate")
+    return real_linearize(kernel)
+
+  monkeypatch.setattr(search, "linearize", sabotaged_linearize)  # forked workers inherit the patch
+  monkeypatch.setenv("BEAM_COMPILE_TIMEOUT", "5")  # generous: the healthy candidates compile on a busy machine too
+  item = _last_item(_matmul(8, 16, 8))
+  plain = _plain_kernel(item)
+  started = time.perf_counter()
+  winner = search.beam_search(plain, None, 2, device=item.outputs[0].device, max_rounds=1, workers=workers)
+  assert time.perf_counter() - started < 50, "a hanging compile was not cut off"
+  assert search.BeamCounters.compile_failures >= 1
+  assert search.BeamCounters.timed >= 2
+  assert sabotaged not in winner.applied_opts
+  monkeypatch.setattr(search, "linearize", real_linearize)
+  np.testing.assert_allclose(_run(winner, item), _run(plain, item), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- candidate enumeration
+
+def _enumeration_cases():
+  a = Tensor(rng.standard_normal((16, 24)).astype(np.float32))
+  b = Tensor(rng.standard_normal((24, 12)).astype(np.float32))
+  image = Tensor(rng.standard_normal((2, 3, 6, 6)).astype(np.float32))
+  return {
+    "matmul": a @ b,
+    "row_sum": a.sum(axis=1),
+    "elementwise": (a * 2 + 1).exp(),
+    "padded_window_sum": image.pad(((0, 0), (0, 0), (1, 1), (1, 1))).sum(axis=(2, 3)),
+  }
+
+
+@pytest.mark.parametrize("renderer_kind", ["device", "cuda"])
+@pytest.mark.parametrize("name", list(_enumeration_cases().keys()))
+def test_candidate_enumeration_only_yields_legal_opts(name, renderer_kind):
+  """Each enumerated Opt applies to a fresh copy without KernelOptError and stays in the search limits; every action
+  left out either raises or breaks a limit. Two levels deep, on this device and on the CUDA renderer (LOCAL)."""
+  item = _last_item(_enumeration_cases()[name])
+  renderer = Device[item.outputs[0].device].renderer if renderer_kind == "device" else CUDARenderer()
+  level = [Kernel(item.ast, renderer)]
+  for _ in range(2):
+    next_level = []
+    for kernel in level:
+      candidates = search.candidate_opts(kernel)
+      assert candidates, f"no candidate for {kernel.name}"
+      chosen = {opt for opt, _ in candidates}
+      for opt, expected in candidates:
+        applied = search.apply_opts(kernel, [opt])  # must not raise
+        assert applied.full_shape == expected.full_shape
+        assert search._within_search_limits(applied)
+      for opt in search._all_actions(kernel):
+        if opt in chosen: continue
+        try:
+          applied = search.apply_opts(kernel, [opt])
+        except KernelOptError:
+          continue
+        assert not search._within_search_limits(applied), f"{opt} applies but was not enumerated"
+      next_level += [new for _, new in candidates[::7]]
+    level = next_level[:6]
+  if renderer_kind == "cuda":
+    first = search.candidate_opts(Kernel(item.ast, renderer))
+    assert any(opt.op is OptOps.LOCAL for opt, _ in first), "LOCAL is not searched on a GPU renderer"
+
+
+def test_every_optops_kind_is_tried():
+  """Opt kinds come from OptOps itself: a kind the Kernel gains later is tried without editing the search."""
+  kernel = Kernel(_last_item(_matmul(8, 8, 8)).ast, CUDARenderer())
+  assert {opt.op for opt in search._all_actions(kernel)} == set(OptOps)
+
+
+# ---------------------------------------------------------------- verification
+
+def test_verify_kernel_detects_a_different_kernel():
+  x = Tensor(rng.standard_normal((16, 8)).astype(np.float32))
+  twice = _plain_kernel(_last_item((x * 2).sum(axis=1)))
+  thrice = _plain_kernel(_last_item((x * 3).sum(axis=1)))
+  device = Device.DEFAULT
+  optimized = search.apply_opts(twice, [search.Opt(OptOps.UPCAST, 0, 4), search.Opt(OptOps.UNROLL, 0, 2)])
+  assert search.verify_kernel(optimized, twice, device)
+  assert not search.verify_kernel(thrice, twice, device)
+
+
+def test_failed_verification_falls_back_to_hand_coded(monkeypatch):
+  """A winner that fails verification is not used: the hand-coded kernel is, with a warning, and that is cached."""
+  item = _last_item(_matmul(8, 12, 8))
+  plain = _plain_kernel(item)
+  monkeypatch.setattr(search, "verify_kernel", lambda *args, **kwargs: False)
+  monkeypatch.setattr(search, "beam_search", lambda kernel, *args, **kwargs: search.apply_opts(
+    kernel, [search.Opt(OptOps.UPCAST, 0, 4)]))
+  with pytest.warns(search.BeamVerificationWarning):
+    chosen = search.beam_optimize(plain, item.outputs[0].device, 2)
+  hand_coded = search.hand_coded(plain)
+  assert chosen.applied_opts == hand_coded.applied_opts
+  assert search.cache_get(search.cache_key(item.ast, item.outputs[0].device, 2)) == hand_coded.applied_opts
+  np.testing.assert_allclose(_run(chosen, item), _run(plain, item), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- CUDA candidates (NVRTC needs no GPU)
+
+def test_cuda_candidates_compile_in_the_process_pool():
+  """Candidates rendered for CUDA (LOCAL included) compile with NVRTC in forked workers, with launch sizes."""
+  pytest.importorskip("cuda.bindings")
+  from ourgrad.runtime.ops_cuda import CUDACompiler
+  try:
+    compiler = CUDACompiler("sm_90")
+  except Exception as error:  # cuda-python without NVRTC
+    pytest.skip(f"NVRTC is not usable here: {error}")
+  kernel = Kernel(_last_item(_matmul(16, 8, 32)).ast, CUDARenderer())
+  enumerated = [opt for opt, _ in search.candidate_opts(kernel)]
+  candidates = [(opt,) for kind in (OptOps.LOCAL, OptOps.UPCAST) for opt in enumerated if opt.op is kind][:3] + \
+    [(opt,) for opt in enumerated if opt.op is OptOps.UPCAST][:3]
+  assert any(opts[0].op is OptOps.LOCAL for opts in candidates)
+  pool = search.CandidateCompiler(search._CompileJob(kernel, compiler), "CUDA", workers=2)
+  try:
+    results = pool.compile(candidates)
+  finally:
+    pool.close()
+  assert [result.error for result in results] == [""] * len(candidates)
+  for opts, result in zip(candidates, results):
+    threads = 1
+    for size in result.local_size: threads *= size
+    assert threads == (opts[0].amount if opts[0].op is OptOps.LOCAL else 1)
+    assert result.binary
