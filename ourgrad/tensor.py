@@ -447,9 +447,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
     if not self.requires_grad and self._ctx is None:
       raise AutogradError("backward() on a tensor that does not require grad: no input has requires_grad=True, or "
                           "every path to one goes through an op without a gradient (comparisons, argmax/argmin, "
-                          "casts to integer or bool, floor/ceil/round/trunc/sign, detach())")
+                          "casts to integer or bool, detach())")
     if gradient.shape != self.shape:
       raise ShapeError(f"backward gradient of shape {gradient.shape} does not match the tensor's shape {self.shape}")
+    if self._ctx is None:  # a leaf: its own gradient is the one given
+      self.grad = gradient if self.grad is None else self.grad + gradient
+      return self
     grads: dict[int, Tensor] = {id(self): gradient}
     for tensor in reversed(self._toposort()):
       grad_output = grads.pop(id(tensor), None)
