@@ -10,7 +10,8 @@ cast, ...), realize, creation (zeros, arange, rand, ...) and autograd (backward,
 Tensor's methods come from mixins, one module per job:
   ourgrad/tensor_movement.py  MovementMixin     views (reshape, permute, pad, ...), indexing, cat/stack/split
   ourgrad/tensor_math.py      ElementwiseMixin  broadcasting, operators, unary math, activations, rounding
-  ourgrad/tensor_reduce.py    ReduceMixin       reductions (sum, max, softmax, ...) and matmul, triu, tril
+  ourgrad/tensor_reduce.py    ReduceMixin       reductions (sum, max, softmax, cumsum, ...) and matmul, triu, tril
+  ourgrad/tensor_sort.py      SortMixin         sort, argsort, topk, multinomial
   ourgrad/tensor_nn.py        NNMixin           conv2d, pooling, dropout, losses, attention: calls into ourgrad/nn
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ourgrad.tensor_math import ElementwiseMixin
 from ourgrad.tensor_movement import MovementMixin
 from ourgrad.tensor_nn import NNMixin
 from ourgrad.tensor_reduce import ReduceMixin
+from ourgrad.tensor_sort import SortMixin
 
 Scalar = bool | int | float
 
@@ -71,7 +73,7 @@ def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
                   f"array or a Tensor")
 
 
-class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
+class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, NNMixin):
   """A multi-dimensional array on a device, computed lazily, with automatic differentiation.
 
   `Tensor(data, device=None, dtype=None, requires_grad=None)` takes a number, a nested list, a numpy array,

@@ -351,6 +351,44 @@ class ElementwiseMixin:
     """The same as clip (PyTorch's name)."""
     return self.clip(min, max)
 
+  def clamp_min(self, min: Any) -> Tensor:  # noqa: A002
+    """clamp(min=min)."""
+    return self.clip(min, None)
+
+  def clamp_max(self, max: Any) -> Tensor:  # noqa: A002
+    """clamp(max=max)."""
+    return self.clip(None, max)
+
+  def addcmul(self, tensor1: Any, tensor2: Any, value: float = 1.0) -> Tensor:
+    """self + value * tensor1 * tensor2 (torch.addcmul)."""
+    return self + value * (self._to_tensor(tensor1) * tensor2)
+
+  def addcdiv(self, tensor1: Any, tensor2: Any, value: float = 1.0) -> Tensor:
+    """self + value * tensor1 / tensor2 (torch.addcdiv)."""
+    return self + value * (self._to_tensor(tensor1) / tensor2)
+
+  def masked_fill(self, mask: Tensor, value: Any) -> Tensor:
+    """`value` where the bool `mask` (broadcast to this shape) is True, else self; in this tensor's dtype."""
+    from ourgrad.tensor import Tensor
+    if mask.dtype != dtypes.bool: raise DTypeError(f"masked_fill needs a bool mask, got {mask.dtype}")
+    fill = value.cast(self.dtype) if isinstance(value, Tensor) else self._to_tensor(value).cast(self.dtype)
+    if fill.ndim != 0: raise ShapeError(f"masked_fill takes a number or a 0-d tensor, got shape {fill.shape}")
+    shape = _broadcast_shape(self.shape, mask.shape)
+    if shape != self.shape:
+      raise ShapeError(f"masked_fill mask of shape {mask.shape} does not broadcast to the tensor's {self.shape}")
+    return mask.expand(shape).where(fill.expand(shape), self)
+
+  def nan_to_num(self, nan: float = 0.0, posinf: float | None = None, neginf: float | None = None) -> Tensor:
+    """NaN replaced by `nan`, +inf by `posinf` and -inf by `neginf` (the dtype's largest and lowest finite values by
+    default), as torch.nan_to_num; integer tensors come back unchanged."""
+    if not self.dtype.is_float: return self
+    finite_max = float(np.finfo(np.float32 if self.dtype == dtypes.bfloat16 else self.dtype.np).max)
+    if self.dtype == dtypes.bfloat16: finite_max = 3.3895313892515355e38
+    posinf = finite_max if posinf is None else posinf
+    neginf = -finite_max if neginf is None else neginf
+    result = self.isnan().where(nan, self)
+    return (self == math.inf).where(posinf, (self == -math.inf).where(neginf, result))
+
   # ---------------------------------------------------------------- unary math
 
   def neg(self) -> Tensor:
@@ -391,12 +429,24 @@ class ElementwiseMixin:
     return self.log() / math.log(10)
 
   def log1p(self) -> Tensor:
-    """log(1 + self), computed as written: less precise than torch.log1p for tiny self."""
-    return (self._float_operand() + 1).log()
+    """log(1 + self), accurate for tiny self: log(u) * x / (u - 1) with u = 1 + x rounded cancels the rounding of
+    u (Goldberg's trick); the gradient is 1 / (1 + self)."""
+    x = self._float_operand()
+    value = x.detach()
+    u = value + 1
+    log_u = u.log()
+    corrected = (u == 1).where(value, log_u * (value / (u - 1)))
+    return x._with_derivative(u.isinf().where(log_u, corrected), u.reciprocal())
 
   def expm1(self) -> Tensor:
-    """exp(self) - 1, computed as written: less precise than torch.expm1 for tiny self."""
-    return self.exp() - 1
+    """exp(self) - 1, accurate for tiny self: (u - 1) * x / log(u) with u = exp(x) (Kahan's trick); the gradient is
+    exp(self)."""
+    x = self._float_operand()
+    value = x.detach()
+    u = value.exp()
+    corrected = (u == 1).where(value, (u - 1) * (value / u.log()))
+    result = (u - 1 == -1).where(-1.0, u.isinf().where(u, corrected))
+    return x._with_derivative(result, u)
 
   def sin(self) -> Tensor:
     """The sine (integers and bools promote to the default float)."""

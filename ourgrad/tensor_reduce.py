@@ -36,6 +36,8 @@ class ReduceMixin:
     if axis is None: return tuple(range(self.ndim))
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     normalized = tuple(self._axis(int(a)) for a in axes)
+    # a 0-d tensor takes axis 0 or -1 as PyTorch does (checked above) and has nothing to reduce over
+    if self.ndim == 0: return ()
     if len(set(normalized)) != len(normalized): raise AxisError(f"axis {axis} repeats a dimension")
     return normalized
 
@@ -102,6 +104,7 @@ class ReduceMixin:
       result = self.flatten().cast(target).prod(0)
       return result.reshape((1,) * self.ndim) if keepdim else result
     dim = self._axis(axis)
+    if self.ndim == 0: return self.cast(target)
     x = self.cast(target).transpose(dim, -1)
     while x.shape[-1] > 1:
       size = x.shape[-1]
@@ -129,6 +132,7 @@ class ReduceMixin:
       result = self.flatten().argmax(0)
       return result.reshape((1,) * self.ndim) if keepdim else result
     dim = self._axis(axis)
+    if self.ndim == 0: return Tensor.zeros((), dtype=dtypes.int64, device=self.device)
     size = self.shape[dim]
     if size == 0: raise ShapeError(f"argmax of an empty dimension {dim} of shape {self.shape}")
     is_max = self == self.max(dim, keepdim=True)
@@ -183,9 +187,79 @@ class ReduceMixin:
   def cumsum(self, axis: int = 0) -> Tensor:
     """The inclusive running sum along `axis` (0 by default; torch needs it); integers and bools sum in int64."""
     dim = self._axis(axis)
+    if self.ndim == 0: return self.cast(sum_dtype(self.dtype))
     return self.transpose(dim, -1)._cumsum_last().transpose(dim, -1)
 
+  def cumprod(self, axis: int = 0) -> Tensor:
+    """The inclusive running product along `axis` (integers and bools multiply in int64): a masked product per
+    position (O(n^2 log n) work per row), exact where values are 0 and with their gradient, as torch.cumprod."""
+    from ourgrad.tensor import Tensor
+    dim = self._axis(axis)
+    target = sum_dtype(self.dtype) if not self.dtype.is_float else self.dtype
+    if self.ndim == 0: return self.cast(target)
+    x = self.cast(target).transpose(dim, -1)
+    size = x.shape[-1]
+    if size == 0: return self.cast(target)
+    positions = Tensor.arange(size, device=self.device)
+    keep = positions.reshape(size, 1) >= positions.reshape(1, size)  # row i keeps columns j <= i
+    factors = keep.where(x.unsqueeze(-2).expand(x.shape[:-1] + (size, size)), 1)
+    return factors.prod(-1).transpose(dim, -1)
+
+  def diff(self, n: int = 1, dim: int = -1) -> Tensor:
+    """The n-th forward difference along `dim`: x[i + 1] - x[i], applied n times (torch.diff without prepend)."""
+    axis = self._axis(dim)
+    x = self
+    for _ in range(n):
+      size = x.shape[axis]
+      later = x.shrink([(1, size) if a == axis else None for a in range(x.ndim)])
+      earlier = x.shrink([(0, max(size - 1, 0)) if a == axis else None for a in range(x.ndim)])
+      x = later != earlier if x.dtype == dtypes.bool else later - earlier
+    return x
+
+  def var_mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False,
+               correction: int = 1) -> tuple[Tensor, Tensor]:
+    """(var, mean) over `axis`, as torch.var_mean."""
+    return self.var(axis, keepdim, correction), self.mean(axis, keepdim)
+
+  def std_mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False,
+               correction: int = 1) -> tuple[Tensor, Tensor]:
+    """(std, mean) over `axis`, as torch.std_mean."""
+    return self.std(axis, keepdim, correction), self.mean(axis, keepdim)
+
+  def norm(self, p: float = 2.0, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """The vector p-norm over `axis` (all if None): (sum |x|^p)^(1/p); p = inf is the largest |x|."""
+    magnitude = self._float_operand().abs()
+    if p == math.inf: return magnitude.max(axis, keepdim)
+    if p == 2: return magnitude.square().sum(axis, keepdim).sqrt()
+    if p == 1: return magnitude.sum(axis, keepdim)
+    return (magnitude ** p).sum(axis, keepdim) ** (1 / p)
+
   # ---------------------------------------------------------------- linear algebra
+
+  def trace(self) -> Tensor:
+    """The sum of the main diagonal of a 2-D tensor."""
+    if self.ndim != 2: raise ShapeError(f"trace takes a 2-D tensor, got shape {self.shape}")
+    return self.diagonal().sum()
+
+  def mm(self, other: Tensor) -> Tensor:
+    """Matrix product of two 2-D tensors (torch.mm)."""
+    if self.ndim != 2 or other.ndim != 2:
+      raise ShapeError(f"mm takes two 2-D tensors, got shapes {self.shape} and {other.shape}; use matmul")
+    return self.matmul(other)
+
+  def bmm(self, other: Tensor) -> Tensor:
+    """Batched matrix product of two 3-D tensors with the same batch size (torch.bmm)."""
+    if self.ndim != 3 or other.ndim != 3 or self.shape[0] != other.shape[0]:
+      raise ShapeError(f"bmm takes two 3-D tensors of one batch size, got shapes {self.shape} and {other.shape}")
+    return self.matmul(other)
+
+  def baddbmm(self, batch1: Tensor, batch2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta * self + alpha * bmm(batch1, batch2) (torch.baddbmm)."""
+    return beta * self + alpha * batch1.bmm(batch2)
+
+  def addmm(self, mat1: Tensor, mat2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta * self + alpha * mm(mat1, mat2) (torch.addmm)."""
+    return beta * self + alpha * mat1.mm(mat2)
 
   def dot(self, other: Tensor) -> Tensor:
     """The same as matmul (torch.dot takes only 1-D tensors)."""
