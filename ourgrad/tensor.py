@@ -245,6 +245,59 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, NNMixin):
     """Cast to float64."""
     return self.cast(dtypes.float64)
 
+  def type_as(self, other: Tensor) -> Tensor:
+    """This tensor cast to `other`'s dtype."""
+    return self.cast(other.dtype)
+
+  def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+    """Set requires_grad in place and return this tensor (torch.Tensor.requires_grad_)."""
+    if requires_grad and not self.dtype.is_float:
+      raise DTypeError(f"only floating point tensors can require gradients, got {self.dtype}")
+    self.requires_grad = requires_grad
+    return self
+
+  # in-place forms: each writes through assign, so the tensor keeps its buffer (optimizer-style updates)
+  def add_(self, other: Any, alpha: float = 1.0) -> Tensor:
+    """self += alpha * other, in place."""
+    return self.assign(self + (other * alpha if alpha != 1.0 else other))
+
+  def sub_(self, other: Any, alpha: float = 1.0) -> Tensor:
+    """self -= alpha * other, in place."""
+    return self.assign(self - (other * alpha if alpha != 1.0 else other))
+
+  def mul_(self, other: Any) -> Tensor:
+    """self *= other, in place."""
+    return self.assign(self * other)
+
+  def div_(self, other: Any) -> Tensor:
+    """self /= other, in place."""
+    return self.assign(self / other)
+
+  def clamp_(self, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002
+    """self.clamp(min, max), in place."""
+    return self.assign(self.clamp(min, max))
+
+  def fill_(self, value: Scalar) -> Tensor:
+    """Every element set to `value`, in place."""
+    return self.assign(self.full_like(value))
+
+  def zero_(self) -> Tensor:
+    """Every element set to 0, in place."""
+    return self.fill_(0)
+
+  def copy_(self, source: Tensor) -> Tensor:
+    """The values of `source` (broadcast, cast to this dtype, moved to this device) written in place."""
+    source = source if isinstance(source, Tensor) else Tensor(source, dtype=self.dtype)
+    return self.assign(source.detach().to(self.device).cast(self.dtype))
+
+  def uniform_(self, low: float = 0.0, high: float = 1.0) -> Tensor:
+    """Random values uniform in [low, high), in place."""
+    return self.assign(Tensor.uniform(*self.shape, low=low, high=high, dtype=self.dtype, device=self.device))
+
+  def normal_(self, mean: float = 0.0, std: float = 1.0) -> Tensor:
+    """Random values from a normal distribution, in place."""
+    return self.assign(Tensor.normal(*self.shape, mean=mean, std=std, dtype=self.dtype, device=self.device))
+
   def contiguous(self) -> Tensor:
     """The values in row-major order: a copy kernel for a view; a tensor that is not a view is returned as the same
     data, marked to be realized."""
@@ -327,6 +380,29 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, NNMixin):
   def ones_like(self, **kwargs: Any) -> Tensor:
     """A tensor of this one's shape, dtype and device (unless given) filled with 1."""
     return self.full_like(1, **kwargs)
+
+  def new_full(self, size: tuple[int, ...] | int, fill_value: Scalar, dtype: DType | str | None = None,
+               device: str | None = None, **kwargs: Any) -> Tensor:
+    """A tensor of `size` filled with `fill_value`, with this tensor's dtype and device unless given."""
+    return Tensor.full(size, fill_value, dtype or self.dtype, device=device or self.device, **kwargs)
+
+  def new_zeros(self, *size: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
+    """A tensor of `size` filled with 0, with this tensor's dtype and device unless given."""
+    return self.new_full(Tensor._shape_arg(size), 0, dtype, **kwargs)
+
+  def new_ones(self, *size: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
+    """A tensor of `size` filled with 1, with this tensor's dtype and device unless given."""
+    return self.new_full(Tensor._shape_arg(size), 1, dtype, **kwargs)
+
+  def new_empty(self, *size: int, dtype: DType | str | None = None, device: str | None = None,
+                **kwargs: Any) -> Tensor:
+    """A tensor of `size` with unspecified values, with this tensor's dtype and device unless given."""
+    return Tensor.empty(*Tensor._shape_arg(size), dtype=dtype or self.dtype, device=device or self.device, **kwargs)
+
+  def new_tensor(self, data: Any, dtype: DType | str | None = None, device: str | None = None,
+                 **kwargs: Any) -> Tensor:
+    """A tensor holding `data`, with this tensor's dtype and device unless given."""
+    return Tensor(data, dtype=dtype or self.dtype, device=device or self.device, **kwargs)
 
   @staticmethod
   def arange(start: Scalar, stop: Scalar | None = None, step: Scalar = 1, dtype: DType | str | None = None,

@@ -13,7 +13,9 @@ called.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -24,6 +26,37 @@ from ourgrad.helpers import prod
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
+
+
+def accepts_dim(method: Callable[..., Any]) -> Callable[..., Any]:
+  """Let a method that takes `axis` also take PyTorch's keyword `dim` (x.sum(dim=1) is x.sum(1))."""
+  axis_position = list(inspect.signature(method).parameters).index("axis") - 1  # without self
+  @functools.wraps(method)
+  def with_dim(self: Any, *args: Any, dim: Any = None, **kwargs: Any) -> Any:
+    if dim is not None:
+      if len(args) > axis_position or "axis" in kwargs:
+        raise TypeError(f"{method.__name__}() got both an axis and dim={dim}")
+      kwargs["axis"] = dim
+    return method(self, *args, **kwargs)
+  return with_dim
+
+
+class ValuesIndices(NamedTuple):
+  """max(dim=...) and min(dim=...) as in PyTorch: the values and the int64 indices of the first extreme elements."""
+  values: Tensor
+  indices: Tensor
+
+
+def _with_indices(method: Callable[..., Any], arg_method: str) -> Callable[..., Any]:
+  """max/min: values for an axis given positionally or as `axis` (tinygrad's form), (values, indices) for PyTorch's
+  keyword `dim`, so code written for either library gets what it expects."""
+  @functools.wraps(method)
+  def values_or_pair(self: Any, *args: Any, dim: Any = None, **kwargs: Any) -> Any:
+    if dim is None: return method(self, *args, **kwargs)
+    if args or "axis" in kwargs: raise TypeError(f"{method.__name__}() got both an axis and dim={dim}")
+    keepdim = kwargs.get("keepdim", False)
+    return ValuesIndices(method(self, dim, keepdim), getattr(self, arg_method)(dim, keepdim))
+  return values_or_pair
 
 
 class ReduceMixin:
@@ -47,6 +80,7 @@ class ReduceMixin:
     if keepdim: return reduced
     return reduced.reshape(tuple(size for a, size in enumerate(self.shape) if a not in axes))
 
+  @accepts_dim
   def sum(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, dtype: DType | None = None) -> Tensor:
     """Sum over `axis` (all if None). Integers and bools sum in int64, as in PyTorch, unless `dtype` is given."""
     target = dtypes.as_dtype(dtype) if dtype is not None else sum_dtype(self.dtype)
@@ -55,28 +89,34 @@ class ReduceMixin:
     return self.cast(accumulate)._reduce(F.Sum, axis, keepdim).cast(target)
 
   def max(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-    """The largest value over `axis` (all if None): values only, where torch's max(dim) also gives indices (use argmax);
-    ShapeError for an empty axis."""
+    """The largest value over `axis` (all if None); ShapeError for an empty axis. Given as `max(1)` or `max(axis=1)`
+    (tinygrad) it returns the values; given as `max(dim=1)` (PyTorch) it returns (values, indices)."""
     if self.numel() == 0 and any(self.shape[a] == 0 for a in self._reduce_axes(axis)):
       raise ShapeError(f"max of an empty dimension of shape {self.shape} has no identity; give a non-empty axis")
     if self.dtype == dtypes.bool: return self.cast(dtypes.uint8)._reduce(F.Max, axis, keepdim).cast(dtypes.bool)
     return self._reduce(F.Max, axis, keepdim)
 
   def min(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-    """The smallest value over `axis` (all if None): values only, where torch's min(dim) also gives indices (use
-    argmin); ShapeError for an empty axis."""
+    """The smallest value over `axis` (all if None); ShapeError for an empty axis. Given as `min(1)` or `min(axis=1)`
+    (tinygrad) it returns the values; given as `min(dim=1)` (PyTorch) it returns (values, indices)."""
     if self.dtype == dtypes.bool: return ~((~self).max(axis, keepdim))
     if not self.dtype.is_float: return ~((~self).max(axis, keepdim))
     return -((-self).max(axis, keepdim))
 
+  max = _with_indices(max, "argmax")  # type: ignore[assignment]
+  min = _with_indices(min, "argmin")  # type: ignore[assignment]
+
+  @accepts_dim
   def amax(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """The same as max(axis, keepdim)."""
     return self.max(axis, keepdim)
 
+  @accepts_dim
   def amin(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """The same as min(axis, keepdim)."""
     return self.min(axis, keepdim)
 
+  @accepts_dim
   def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """The mean over `axis` (all if None); integers and bools promote to the default float; NaN over an empty axis."""
     x = self._float_operand()
@@ -84,6 +124,7 @@ class ReduceMixin:
     total = x.sum(axis, keepdim)
     return total / count if count else total * math.nan
 
+  @accepts_dim
   def var(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
     """The variance over `axis` (all if None) with `correction` (1: unbiased, as torch.var); NaN when there are no more
     elements than `correction`."""
@@ -92,10 +133,12 @@ class ReduceMixin:
     squares = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
     return squares / max(count - correction, 0) if count - correction > 0 else squares * math.nan
 
+  @accepts_dim
   def std(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
     """The standard deviation: sqrt(var(axis, keepdim, correction))."""
     return self.var(axis, keepdim, correction).sqrt()
 
+  @accepts_dim
   def prod(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
     """Product over one axis (or all), by halving the axis repeatedly: log2(n) fused multiply steps."""
     from ourgrad.tensor import Tensor
@@ -115,16 +158,19 @@ class ReduceMixin:
     result = x.transpose(dim, -1)
     return result if keepdim else result.squeeze(dim)
 
+  @accepts_dim
   def any(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """A bool tensor, True where any value over `axis` (all if None) is non-zero."""
     # max has no identity for an empty axis; a sum has (zero), and keeps the reduced shape
     if self.numel() == 0: return self.bool().sum(axis, keepdim) != 0
     return self.bool().max(axis, keepdim)
 
+  @accepts_dim
   def all(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """A bool tensor, True where every value over `axis` (all if None) is non-zero."""
     return self.logical_not().any(axis, keepdim).logical_not()
 
+  @accepts_dim
   def argmax(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
     """Index of the first maximal element (flattened if axis is None), int64 as in PyTorch."""
     from ourgrad.tensor import Tensor
@@ -142,11 +188,13 @@ class ReduceMixin:
     best = is_max.where(countdown, 0).max(dim, keepdim)
     return (size - best).cast(dtypes.int64)
 
+  @accepts_dim
   def argmin(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
     """Index of the first minimal element (flattened if axis is None), int64 as in PyTorch."""
     if self.dtype.is_float: return (-self).argmax(axis, keepdim)
     return (~self if self.dtype != dtypes.bool else self.logical_not()).argmax(axis, keepdim)
 
+  @accepts_dim
   def logsumexp(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """log(sum(exp(self))) over `axis` (all if None), computed stably by subtracting the maximum first."""
     x = self._float_operand()
@@ -156,6 +204,7 @@ class ReduceMixin:
     return total if keepdim else total.reshape(tuple(s for a, s in enumerate(self.shape)
                                                      if a not in self._reduce_axes(axis)))
 
+  @accepts_dim
   def softmax(self, axis: int = -1) -> Tensor:
     """exp(self) normalized to sum to 1 along `axis` (the last by default); float16 and bfloat16 compute in float32."""
     x = self._float_operand()
@@ -165,6 +214,7 @@ class ReduceMixin:
     exps = (x - x.max(axis, keepdim=True)).exp()
     return exps / exps.sum(axis, keepdim=True)
 
+  @accepts_dim
   def log_softmax(self, axis: int = -1) -> Tensor:
     """log(softmax(self, axis)), computed stably; float16 and bfloat16 compute in float32."""
     x = self._float_operand()
@@ -184,12 +234,14 @@ class ReduceMixin:
     values = self.unsqueeze(-2).expand(self.shape[:-1] + (size, size))
     return keep.where(values, 0).sum(-1)
 
+  @accepts_dim
   def cumsum(self, axis: int = 0) -> Tensor:
     """The inclusive running sum along `axis` (0 by default; torch needs it); integers and bools sum in int64."""
     dim = self._axis(axis)
     if self.ndim == 0: return self.cast(sum_dtype(self.dtype))
     return self.transpose(dim, -1)._cumsum_last().transpose(dim, -1)
 
+  @accepts_dim
   def cumprod(self, axis: int = 0) -> Tensor:
     """The inclusive running product along `axis` (integers and bools multiply in int64): a masked product per
     position (O(n^2 log n) work per row), exact where values are 0 and with their gradient, as torch.cumprod."""
@@ -216,16 +268,19 @@ class ReduceMixin:
       x = later != earlier if x.dtype == dtypes.bool else later - earlier
     return x
 
+  @accepts_dim
   def var_mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False,
                correction: int = 1) -> tuple[Tensor, Tensor]:
     """(var, mean) over `axis`, as torch.var_mean."""
     return self.var(axis, keepdim, correction), self.mean(axis, keepdim)
 
+  @accepts_dim
   def std_mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False,
                correction: int = 1) -> tuple[Tensor, Tensor]:
     """(std, mean) over `axis`, as torch.std_mean."""
     return self.std(axis, keepdim, correction), self.mean(axis, keepdim)
 
+  @accepts_dim
   def norm(self, p: float = 2.0, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """The vector p-norm over `axis` (all if None): (sum |x|^p)^(1/p); p = inf is the largest |x|."""
     magnitude = self._float_operand().abs()
