@@ -55,7 +55,11 @@ def _with_indices(method: Callable[..., Any], arg_method: str) -> Callable[..., 
     if dim is None: return method(self, *args, **kwargs)
     if args or "axis" in kwargs: raise TypeError(f"{method.__name__}() got both an axis and dim={dim}")
     keepdim = kwargs.get("keepdim", False)
-    return ValuesIndices(method(self, dim, keepdim), getattr(self, arg_method)(dim, keepdim))
+    indices = getattr(self, arg_method)(dim, True)
+    if self.ndim == 0: return ValuesIndices(self, indices.reshape(()))
+    # the values picked at the indices, so the gradient goes to that one element (torch's rule; amax splits ties)
+    values = self.gather(self._axis(dim), indices)
+    return ValuesIndices(values, indices) if keepdim else ValuesIndices(values.squeeze(dim), indices.squeeze(dim))
   return values_or_pair
 
 
@@ -130,13 +134,20 @@ class ReduceMixin:
     elements than `correction`."""
     x = self._float_operand()
     count = prod(self.shape[a] for a in self._reduce_axes(axis))
-    squares = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
+    # the mean is a constant for the gradient: its share, sum(x - mean) * d(mean), is zero, and leaving it out keeps
+    # one infinite element from turning every gradient into NaN (torch's var_backward is 2 (x - mean) / (n - c))
+    squares = (x - x.detach().mean(axis, keepdim=True)).square().sum(axis, keepdim)
     return squares / max(count - correction, 0) if count - correction > 0 else squares * math.nan
 
   @accepts_dim
   def std(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
-    """The standard deviation: sqrt(var(axis, keepdim, correction))."""
-    return self.var(axis, keepdim, correction).sqrt()
+    """The standard deviation: sqrt(var(axis, keepdim, correction)); its gradient is 0 where it is 0, as in torch."""
+    return self.var(axis, keepdim, correction)._sqrt_flat_at_zero()
+
+  def _sqrt_flat_at_zero(self) -> Tensor:
+    """sqrt, with a zero gradient at 0 (where sqrt's own is infinite): the rule of torch's std and norm backward."""
+    value = self.detach().sqrt()
+    return self._with_derivative(value, (value == 0).where(0.0, 0.5 / value))
 
   @accepts_dim
   def prod(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
@@ -285,7 +296,7 @@ class ReduceMixin:
     """The vector p-norm over `axis` (all if None): (sum |x|^p)^(1/p); p = inf is the largest |x|."""
     magnitude = self._float_operand().abs()
     if p == math.inf: return magnitude.max(axis, keepdim)
-    if p == 2: return magnitude.square().sum(axis, keepdim).sqrt()
+    if p == 2: return magnitude.square().sum(axis, keepdim)._sqrt_flat_at_zero()
     if p == 1: return magnitude.sum(axis, keepdim)
     return (magnitude ** p).sum(axis, keepdim) ** (1 / p)
 

@@ -220,3 +220,33 @@ def test_sign_and_rounding_backward_give_zeros() -> None:
   """sign, floor, ceil, round and trunc have a zero gradient (they raised in backward before)."""
   for name in ("sign", "floor", "ceil", "round", "trunc"):
     check_special_points([[-1.5, 0.0, 0.5, 2.5]], lambda x: getattr(x, name)(), lambda x: getattr(x, name)())
+
+
+# ================================================================ reductions over rows of special values
+
+ROWS = [[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, -1.0, -1.0], [INF, 1.0, 2.0, 3.0], [-INF, -INF, -INF, -INF],
+        [NAN, 1.0, 2.0, 3.0], [INF, -INF, 0.0, 1.0], [3.0, 3.0, 3.0, 3.0], [-1.0, 0.0, 1.0, 2.0],
+        [INF, INF, 1.0, 0.0], [-0.0, 0.0, -2.0, 0.5]]
+REDUCES = [
+  same("sum", 1), same("mean", 1), same("amax", 1), same("amin", 1), same("prod", 1), same("logsumexp", 1),
+  same("softmax", 1), same("log_softmax", 1), same("cumsum", 1), same("std", 1),
+  same("var", 1), same("norm", dim=1), same("sum"), same("amax"), same("norm"),
+  param(lambda x: x.max(dim=1).values, lambda x: x.max(dim=1).values, name="max-dim-values"),
+  param(lambda x: x.min(dim=1).values, lambda x: x.min(dim=1).values, name="min-dim-values"),
+  param(lambda x: x.sort(dim=1).values, lambda x: x.sort(1)[0], name="sort-values"),
+  param(lambda x: x.norm(1, dim=1), lambda x: x.norm(1, dim=1), name="norm-1"),
+]
+
+
+@pytest.mark.parametrize("torch_fn, ourgrad_fn", REDUCES)
+def test_reduce_special_points(torch_fn: Any, ourgrad_fn: Any) -> None:
+  """Ties split the gradient of amax/amin evenly (as torch's amax); max(dim=) and sort route it to the index they
+  return (as torch)."""
+  check_special_points([ROWS], torch_fn, ourgrad_fn)
+
+
+def test_cumprod_special_points() -> None:
+  """Finite rows only: with an infinite or NaN element torch's cumprod gradient divides by it and gives NaN, where
+  ours is the sum of products that the derivative is (10 for d/dx0 of cumprod([inf, 1, 2, 3]))."""
+  finite_rows = [row for row in ROWS if all(math.isfinite(value) for value in row)]
+  check_special_points([finite_rows], lambda x: x.cumprod(1), lambda x: x.cumprod(1))
