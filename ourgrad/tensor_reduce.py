@@ -38,6 +38,7 @@ def accepts_dim(method: Callable[..., Any]) -> Callable[..., Any]:
         raise TypeError(f"{method.__name__}() got both an axis and dim={dim}")
       kwargs["axis"] = dim
     return method(self, *args, **kwargs)
+  with_dim.__doc__ = (method.__doc__ or "").rstrip() + " Takes PyTorch's `dim=` for `axis`."
   return with_dim
 
 
