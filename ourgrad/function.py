@@ -56,6 +56,10 @@ def _where(cond: LazyBuffer, a: LazyBuffer, b: LazyBuffer) -> LazyBuffer:
   return cond.elementwise(Ops.WHERE, a, b)
 
 
+def _not(mask: LazyBuffer) -> LazyBuffer: return mask.elementwise(Ops.CMPNE, mask.const_like(True))
+def _equal(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return _not(a.elementwise(Ops.CMPNE, b))
+
+
 def _widen(x: LazyBuffer) -> LazyBuffer:
   """float16/bfloat16 as float32: their exp, log and sigmoid compute in float32 and round once, as in PyTorch. In 11
   (or 8) bits the constant 1/ln 2 and the scaled argument would each be rounded: several ulps off for large |x|."""
@@ -114,8 +118,9 @@ class Relu(Function):
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    positive = self.result.const_like(0).elementwise(Ops.CMPLT, self.result)
-    return _mul(positive.cast(grad_output.dtype), grad_output)
+    # the result is >= 0 or NaN: the gradient passes where it is not 0 (at NaN too, as in torch)
+    passes = self.result.elementwise(Ops.CMPNE, self.result.const_like(0))
+    return _mul(passes.cast(grad_output.dtype), grad_output)
 
 
 class Log(Function):
@@ -140,6 +145,35 @@ class Sqrt(Function):
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _div(grad_output, _scale(self.result, 2))
+
+
+class ZeroGradient(Function):
+  """`value` as computed, with a zero gradient for `x`: the derivative of a step function (sign, floor, round, ...)
+  is zero almost everywhere, and PyTorch gives zeros rather than refusing backward."""
+
+  def forward(self, x: LazyBuffer, value: LazyBuffer) -> LazyBuffer:
+    self.input_shape = x.shape
+    return value
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
+    return grad_output.const_like(0).expand(self.input_shape), None
+
+
+class WithDerivatives(Function):
+  """`value` as computed, with closed-form partial derivatives: apply(value, d_1, ..., d_n, x_1, ..., x_n) gives
+  x_i the gradient d_i * upstream. The value and the derivatives are elementwise functions of the x_i computed
+  without a graph; this is for composite ops whose autograd through the pieces would be wrong at special points
+  (0 * inf through a `where` branch that was not taken) or would cost more than the closed form."""
+
+  def forward(self, value: LazyBuffer, *derivatives_and_inputs: LazyBuffer) -> LazyBuffer:
+    self.derivatives = derivatives_and_inputs[:len(derivatives_and_inputs) // 2]
+    return value
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
+    count = len(self.derivatives)
+    input_grads = tuple(_mul(derivative, grad_output) if needed else None
+                        for derivative, needed in zip(self.derivatives, self.needs_input_grad[count + 1:]))
+    return (None,) * (count + 1) + input_grads
 
 
 class Sigmoid(Function):
@@ -221,20 +255,55 @@ class Div(Function):
 
 
 class Maximum(Function):
-  """Elementwise max; where both are equal the gradient is split in half, as in PyTorch."""
+  """Elementwise max. As in PyTorch, equal inputs share the gradient in halves, and where either is NaN (so neither
+  is smaller) both get all of it."""
 
   def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.x, self.y = x, y
     return x.elementwise(Ops.MAX, y)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
-    x_wins = self.y.elementwise(Ops.CMPLT, self.x).cast(grad_output.dtype)
-    y_wins = self.x.elementwise(Ops.CMPLT, self.y).cast(grad_output.dtype)
-    tie = _sub(_sub(x_wins.const_like(1), x_wins), y_wins)
-    x_share = x_wins.elementwise(Ops.ADD, _scale(tie, 0.5))
-    y_share = y_wins.elementwise(Ops.ADD, _scale(tie, 0.5))
-    return (_mul(x_share, grad_output) if self.needs_input_grad[0] else None,
-            _mul(y_share, grad_output) if self.needs_input_grad[1] else None)
+    zero = grad_output.const_like(0)
+    shared = _where(_equal(self.x, self.y), _scale(grad_output, 0.5), grad_output)
+    return (_where(self.x.elementwise(Ops.CMPLT, self.y), zero, shared) if self.needs_input_grad[0] else None,
+            _where(self.y.elementwise(Ops.CMPLT, self.x), zero, shared) if self.needs_input_grad[1] else None)
+
+
+def _abs(x: LazyBuffer) -> LazyBuffer:
+  return _where(x.elementwise(Ops.CMPLT, x.const_like(0)), x.elementwise(Ops.NEG), x)
+
+
+def _magnitude_pow(x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
+  """|x| ** y as exp2(y * log2|x|), float16/bfloat16 computed in float32."""
+  log_base = _abs(_widen(x)).elementwise(Ops.LOG2)
+  return _mul(_widen(y), log_base).elementwise(Ops.EXP2).cast(x.dtype)
+
+
+class Pow(Function):
+  """x ** y for floats of one shape. The caller passes `sign` and `sign_below`, the signs (1, -1, or NaN where the
+  power is undefined) of x ** y and of x ** (y - 1), and `is_one` and `is_one_below`, where those are exactly 1
+  (y == 0, x == 1, (-1) ** inf). Gradients follow PyTorch at every special point: d/dx is 0 where y == 0 and
+  y * x ** (y - 1) elsewhere (so 3 at x = 1 for x ** 3, 0 at x = 0); d/dy is 0 where x == 0 and y >= 0 and
+  x ** y * ln x elsewhere (NaN for x < 0)."""
+
+  def forward(self, x: LazyBuffer, y: LazyBuffer, sign: LazyBuffer, is_one: LazyBuffer, sign_below: LazyBuffer,
+              is_one_below: LazyBuffer) -> LazyBuffer:
+    self.x, self.y, self.sign_below, self.is_one_below = x, y, sign_below, is_one_below
+    self.result = _where(is_one, x.const_like(1), _mul(sign, _magnitude_pow(x, y)))
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None, None, None, None, None]:
+    x, y, zero, one = self.x, self.y, self.x.const_like(0), self.x.const_like(1)
+    grad_x = grad_y = None
+    if self.needs_input_grad[0]:
+      power = _where(self.is_one_below, one, _mul(self.sign_below, _magnitude_pow(x, _sub(y, one))))
+      grad_x = _mul(_where(_equal(y, zero), zero, _mul(y, power)), grad_output)
+    if self.needs_input_grad[1]:
+      log_x = _scale(_widen(x).elementwise(Ops.LOG2), math.log(2)).cast(x.dtype)
+      y_not_negative = zero.elementwise(Ops.CMPLT, y).elementwise(Ops.OR, _equal(y, zero))  # False for NaN
+      no_slope = _equal(x, zero).elementwise(Ops.AND, y_not_negative)
+      grad_y = _mul(_where(no_slope, zero, _mul(self.result, log_x)), grad_output)
+    return grad_x, grad_y, None, None, None, None
 
 
 class Where(Function):

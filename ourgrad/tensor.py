@@ -10,7 +10,8 @@ cast, ...), realize, creation (zeros, arange, rand, ...) and autograd (backward,
 Tensor's methods come from mixins, one module per job:
   ourgrad/tensor_movement.py  MovementMixin     views (reshape, permute, pad, ...), indexing, cat/stack/split
   ourgrad/tensor_math.py      ElementwiseMixin  broadcasting, operators, unary math, activations, rounding
-  ourgrad/tensor_reduce.py    ReduceMixin       reductions (sum, max, softmax, ...) and matmul, triu, tril
+  ourgrad/tensor_reduce.py    ReduceMixin       reductions (sum, max, softmax, cumsum, ...) and matmul, triu, tril
+  ourgrad/tensor_sort.py      SortMixin         sort, argsort, topk, multinomial
   ourgrad/tensor_nn.py        NNMixin           conv2d, pooling, dropout, losses, attention: calls into ourgrad/nn
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ourgrad.tensor_math import ElementwiseMixin
 from ourgrad.tensor_movement import MovementMixin
 from ourgrad.tensor_nn import NNMixin
 from ourgrad.tensor_reduce import ReduceMixin
+from ourgrad.tensor_sort import SortMixin
 
 Scalar = bool | int | float
 
@@ -72,7 +74,7 @@ def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
                   f"array or a Tensor")
 
 
-class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
+class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, NNMixin):
   """A multi-dimensional array on a device, computed lazily, with automatic differentiation.
 
   `Tensor(data, device=None, dtype=None, requires_grad=None)` takes a number, a nested list, a numpy array,
@@ -249,6 +251,59 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
     """Cast to float64."""
     return self.cast(dtypes.float64)
 
+  def type_as(self, other: Tensor) -> Tensor:
+    """This tensor cast to `other`'s dtype."""
+    return self.cast(other.dtype)
+
+  def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+    """Set requires_grad in place and return this tensor (torch.Tensor.requires_grad_)."""
+    if requires_grad and not self.dtype.is_float:
+      raise DTypeError(f"only floating point tensors can require gradients, got {self.dtype}")
+    self.requires_grad = requires_grad
+    return self
+
+  # in-place forms: each writes through assign, so the tensor keeps its buffer (optimizer-style updates)
+  def add_(self, other: Any, alpha: float = 1.0) -> Tensor:
+    """self += alpha * other, in place."""
+    return self.assign(self + (other * alpha if alpha != 1.0 else other))
+
+  def sub_(self, other: Any, alpha: float = 1.0) -> Tensor:
+    """self -= alpha * other, in place."""
+    return self.assign(self - (other * alpha if alpha != 1.0 else other))
+
+  def mul_(self, other: Any) -> Tensor:
+    """self *= other, in place."""
+    return self.assign(self * other)
+
+  def div_(self, other: Any) -> Tensor:
+    """self /= other, in place."""
+    return self.assign(self / other)
+
+  def clamp_(self, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002
+    """self.clamp(min, max), in place."""
+    return self.assign(self.clamp(min, max))
+
+  def fill_(self, value: Scalar) -> Tensor:
+    """Every element set to `value`, in place."""
+    return self.assign(self.full_like(value))
+
+  def zero_(self) -> Tensor:
+    """Every element set to 0, in place."""
+    return self.fill_(0)
+
+  def copy_(self, source: Tensor) -> Tensor:
+    """The values of `source` (broadcast, cast to this dtype, moved to this device) written in place."""
+    source = source if isinstance(source, Tensor) else Tensor(source, dtype=self.dtype)
+    return self.assign(source.detach().to(self.device).cast(self.dtype))
+
+  def uniform_(self, low: float = 0.0, high: float = 1.0) -> Tensor:
+    """Random values uniform in [low, high), in place."""
+    return self.assign(Tensor.uniform(*self.shape, low=low, high=high, dtype=self.dtype, device=self.device))
+
+  def normal_(self, mean: float = 0.0, std: float = 1.0) -> Tensor:
+    """Random values from a normal distribution, in place."""
+    return self.assign(Tensor.normal(*self.shape, mean=mean, std=std, dtype=self.dtype, device=self.device))
+
   def contiguous(self) -> Tensor:
     """The values in row-major order: a copy kernel for a view; a tensor that is not a view is returned as the same
     data, marked to be realized."""
@@ -332,6 +387,29 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
   def ones_like(self, **kwargs: Any) -> Tensor:
     """A tensor of this one's shape, dtype and device (unless given) filled with 1."""
     return self.full_like(1, **kwargs)
+
+  def new_full(self, size: tuple[int, ...] | int, fill_value: Scalar, dtype: DType | str | None = None,
+               device: str | None = None, **kwargs: Any) -> Tensor:
+    """A tensor of `size` filled with `fill_value`, with this tensor's dtype and device unless given."""
+    return Tensor.full(size, fill_value, dtype or self.dtype, device=device or self.device, **kwargs)
+
+  def new_zeros(self, *size: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
+    """A tensor of `size` filled with 0, with this tensor's dtype and device unless given."""
+    return self.new_full(Tensor._shape_arg(size), 0, dtype, **kwargs)
+
+  def new_ones(self, *size: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
+    """A tensor of `size` filled with 1, with this tensor's dtype and device unless given."""
+    return self.new_full(Tensor._shape_arg(size), 1, dtype, **kwargs)
+
+  def new_empty(self, *size: int, dtype: DType | str | None = None, device: str | None = None,
+                **kwargs: Any) -> Tensor:
+    """A tensor of `size` with unspecified values, with this tensor's dtype and device unless given."""
+    return Tensor.empty(*Tensor._shape_arg(size), dtype=dtype or self.dtype, device=device or self.device, **kwargs)
+
+  def new_tensor(self, data: Any, dtype: DType | str | None = None, device: str | None = None,
+                 **kwargs: Any) -> Tensor:
+    """A tensor holding `data`, with this tensor's dtype and device unless given."""
+    return Tensor(data, dtype=dtype or self.dtype, device=device or self.device, **kwargs)
 
   @staticmethod
   def arange(start: Scalar, stop: Scalar | None = None, step: Scalar = 1, dtype: DType | str | None = None,
@@ -454,9 +532,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
     if not self.requires_grad and self._ctx is None:
       raise AutogradError("backward() on a tensor that does not require grad: no input has requires_grad=True, or "
                           "every path to one goes through an op without a gradient (comparisons, argmax/argmin, "
-                          "casts to integer or bool, floor/ceil/round/trunc/sign, detach())")
+                          "casts to integer or bool, detach())")
     if gradient.shape != self.shape:
       raise ShapeError(f"backward gradient of shape {gradient.shape} does not match the tensor's shape {self.shape}")
+    if self._ctx is None:  # a leaf: its own gradient is the one given
+      self.grad = gradient if self.grad is None else self.grad + gradient
+      return self
     grads: dict[int, Tensor] = {id(self): gradient}
     for tensor in reversed(self._toposort()):
       grad_output = grads.pop(id(tensor), None)

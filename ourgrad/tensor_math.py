@@ -43,6 +43,25 @@ def _broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
   return tuple(result)
 
 
+def _pow_sign(base: Tensor, power: Tensor) -> Tensor:
+  """The sign of base ** power by C's pow rules: -1 for a negative base (-0 included) to an odd integer power, NaN
+  for a finite negative base to a non-integer power, else 1."""
+  negative = (base < 0) | (base.reciprocal() < 0)  # the reciprocal tells -0.0 from 0.0
+  is_integer_power = power.floor() == power
+  odd = is_integer_power & ((power.abs() % 2) == 1)
+  undefined = (base < 0) & ~is_integer_power & ~base.isinf()
+  return (negative & odd).where(-1.0, undefined.where(math.nan, 1.0)).cast(base.dtype)
+
+
+def _with_derivatives(value: Tensor, *inputs_and_derivatives: tuple[Tensor, Tensor]) -> Tensor:
+  """`value` (computed from the inputs, detached) whose gradient for each input is its derivative (a tensor of the
+  value's shape) times the upstream gradient; the value itself when no input requires a gradient."""
+  if not any(tensor.requires_grad for tensor, _ in inputs_and_derivatives): return value
+  derivatives = [derivative.cast(value.dtype).expand(value.shape) for _, derivative in inputs_and_derivatives]
+  inputs = [tensor.expand(value.shape) for tensor, _ in inputs_and_derivatives]
+  return F.WithDerivatives.apply(value, *derivatives, *inputs)
+
+
 class ElementwiseMixin:
   """Tensor's operators (+ - * / // % ** == < & | ^ ~ ...), unary math, activations and rounding."""
   __slots__ = ()
@@ -156,23 +175,25 @@ class ElementwiseMixin:
         if power & 1: result = result * base
         base, power = base * base, power >> 1
       return result
-    if not reverse and isinstance(exponent, (int, float)) and exponent in (0, 1, 2, 0.5, -1):
-      x = self._float_operand() if exponent in (0.5, -1) or isinstance(exponent, float) else self
-      if exponent == 0: return x.ones_like()
+    if not reverse and isinstance(exponent, (int, float)) and exponent in (1, 2, 0.5, -0.5, -1):
+      # the forms torch also special-cases (the sign of a zero result and of -0.0 ** -0.5 follow from them)
+      x = self._float_operand() if exponent in (0.5, -0.5, -1) or isinstance(exponent, float) else self
       if exponent == 1: return x
       if exponent == 2: return x * x
       if exponent == 0.5: return x.sqrt()
+      if exponent == -0.5:  # torch: rsqrt forward (-inf at -0.0), pow's derivative (-0.5 * x ** -1.5)
+        value = x.detach()
+        return x._with_derivative(value.rsqrt(), value.pow(-1.5) * -0.5)
       return x.reciprocal()
     base, power = self._broadcasted(exponent, reverse)
     if not base.dtype.is_float: base, power = base._float_operand(), power._float_operand()
-    magnitude = (power * base.abs().log()).exp()
-    # a negative base with an odd integer power is negative; with a non-integer power it is NaN
-    is_integer_power = power.floor() == power
-    odd = is_integer_power & ((power.abs() % 2) == 1)
-    signed = ((base < 0) & odd).where(-magnitude, magnitude)
-    nan_case = (base < 0) & ~is_integer_power
-    result = nan_case.where(math.nan, signed)
-    return ((power == 0) | (base == 1)).where(1.0, result)
+    base_value, power_value = base.detach(), power.detach()
+    # exactly 1 (whatever the other side, NaN included): x ** 0, 1 ** y, and (-1) ** +-inf as in C's pow
+    def is_one(exponent: Tensor) -> Tensor:
+      return (exponent == 0) | (base_value == 1) | ((base_value == -1) & exponent.isinf())
+    power_below = power_value - 1
+    sign, sign_below = _pow_sign(base_value, power_value), _pow_sign(base_value, power_below)
+    return F.Pow.apply(base, power, sign, is_one(power_value), sign_below, is_one(power_below))
 
   def __add__(self, other: Any) -> Tensor: return self.add(other)
   def __radd__(self, other: Any) -> Tensor: return self.add(other, reverse=True)
@@ -310,18 +331,63 @@ class ElementwiseMixin:
     return -F.Maximum.apply(-x, -y)
 
   def clip(self, min_: Any = None, max_: Any = None) -> Tensor:
-    """The values limited to [min_, max_] (one bound may be None); a value on a bound keeps its gradient, as in
-    torch.clamp."""
+    """The values limited to [min_, max_] (one bound may be None), as torch.clamp: a value on a bound keeps its
+    gradient, NaN stays NaN with a zero gradient. Tensor bounds get the gradient where they win."""
+    from ourgrad.tensor import Tensor
     if min_ is None and max_ is None: raise ValueError("clip needs at least one of min and max")
-    # where, not maximum/minimum: a value on a bound keeps its whole gradient, as in torch.clamp
-    result = self
-    if min_ is not None: result = (result < min_).where(min_, result)
-    if max_ is not None: result = (result > max_).where(max_, result)
-    return result
+    if isinstance(min_, Tensor) or isinstance(max_, Tensor):
+      # NaN on either side gives NaN and no gradient to either side, as torch.clamp
+      result = self
+      if min_ is not None: result = (result >= min_).where(result, (result < min_).where(min_, math.nan))
+      if max_ is not None: result = (result <= max_).where(result, (result > max_).where(max_, math.nan))
+      return result
+    value = self.detach()
+    result, inside = value, value == value  # NaN is outside every range
+    if min_ is not None: result, inside = (result < min_).where(min_, result), inside & (value >= min_)
+    if max_ is not None: result, inside = (result > max_).where(max_, result), inside & (value <= max_)
+    return self._with_derivative(result, inside.cast(result.dtype)) if result.dtype.is_float else result
 
   def clamp(self, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002
     """The same as clip (PyTorch's name)."""
     return self.clip(min, max)
+
+  def clamp_min(self, min: Any) -> Tensor:  # noqa: A002
+    """clamp(min=min)."""
+    return self.clip(min, None)
+
+  def clamp_max(self, max: Any) -> Tensor:  # noqa: A002
+    """clamp(max=max)."""
+    return self.clip(None, max)
+
+  def addcmul(self, tensor1: Any, tensor2: Any, value: float = 1.0) -> Tensor:
+    """self + value * tensor1 * tensor2 (torch.addcmul)."""
+    return self + value * (self._to_tensor(tensor1) * tensor2)
+
+  def addcdiv(self, tensor1: Any, tensor2: Any, value: float = 1.0) -> Tensor:
+    """self + value * tensor1 / tensor2 (torch.addcdiv)."""
+    return self + value * (self._to_tensor(tensor1) / tensor2)
+
+  def masked_fill(self, mask: Tensor, value: Any) -> Tensor:
+    """`value` where the bool `mask` (broadcast to this shape) is True, else self; in this tensor's dtype."""
+    from ourgrad.tensor import Tensor
+    if mask.dtype != dtypes.bool: raise DTypeError(f"masked_fill needs a bool mask, got {mask.dtype}")
+    fill = value.cast(self.dtype) if isinstance(value, Tensor) else self._to_tensor(value).cast(self.dtype)
+    if fill.ndim != 0: raise ShapeError(f"masked_fill takes a number or a 0-d tensor, got shape {fill.shape}")
+    shape = _broadcast_shape(self.shape, mask.shape)
+    if shape != self.shape:
+      raise ShapeError(f"masked_fill mask of shape {mask.shape} does not broadcast to the tensor's {self.shape}")
+    return mask.expand(shape).where(fill.expand(shape), self)
+
+  def nan_to_num(self, nan: float = 0.0, posinf: float | None = None, neginf: float | None = None) -> Tensor:
+    """NaN replaced by `nan`, +inf by `posinf` and -inf by `neginf` (the dtype's largest and lowest finite values by
+    default), as torch.nan_to_num; integer tensors come back unchanged."""
+    if not self.dtype.is_float: return self
+    finite_max = float(np.finfo(np.float32 if self.dtype == dtypes.bfloat16 else self.dtype.np).max)
+    if self.dtype == dtypes.bfloat16: finite_max = 3.3895313892515355e38
+    posinf = finite_max if posinf is None else posinf
+    neginf = -finite_max if neginf is None else neginf
+    result = self.isnan().where(nan, self)
+    return (self == math.inf).where(posinf, (self == -math.inf).where(neginf, result))
 
   # ---------------------------------------------------------------- unary math
 
@@ -363,12 +429,24 @@ class ElementwiseMixin:
     return self.log() / math.log(10)
 
   def log1p(self) -> Tensor:
-    """log(1 + self), computed as written: less precise than torch.log1p for tiny self."""
-    return (self._float_operand() + 1).log()
+    """log(1 + self), accurate for tiny self: log(u) * x / (u - 1) with u = 1 + x rounded cancels the rounding of
+    u (Goldberg's trick); the gradient is 1 / (1 + self)."""
+    x = self._float_operand()
+    value = x.detach()
+    u = value + 1
+    log_u = u.log()
+    corrected = (u == 1).where(value, log_u * (value / (u - 1)))
+    return x._with_derivative(u.isinf().where(log_u, corrected), u.reciprocal())
 
   def expm1(self) -> Tensor:
-    """exp(self) - 1, computed as written: less precise than torch.expm1 for tiny self."""
-    return self.exp() - 1
+    """exp(self) - 1, accurate for tiny self: (u - 1) * x / log(u) with u = exp(x) (Kahan's trick); the gradient is
+    exp(self)."""
+    x = self._float_operand()
+    value = x.detach()
+    u = value.exp()
+    corrected = (u == 1).where(value, (u - 1) * (value / u.log()))
+    result = (u - 1 == -1).where(-1.0, u.isinf().where(u, corrected))
+    return x._with_derivative(result, u)
 
   def sin(self) -> Tensor:
     """The sine (integers and bools promote to the default float)."""
@@ -382,6 +460,41 @@ class ElementwiseMixin:
     """The tangent, computed as sin(self) / cos(self)."""
     return self.sin() / self.cos()
 
+  def sinh(self) -> Tensor:
+    """The hyperbolic sine, (exp(x) - exp(-x)) / 2; its gradient is cosh."""
+    x = self._float_operand()
+    value = x.detach()
+    up, down = value.exp(), (-value).exp()
+    return x._with_derivative((up - down) / 2, (up + down) / 2)
+
+  def cosh(self) -> Tensor:
+    """The hyperbolic cosine, (exp(x) + exp(-x)) / 2; its gradient is sinh."""
+    x = self._float_operand()
+    value = x.detach()
+    up, down = value.exp(), (-value).exp()
+    return x._with_derivative((up + down) / 2, (up - down) / 2)
+
+  def asinh(self) -> Tensor:
+    """The inverse hyperbolic sine, log(|x| + sqrt(x^2 + 1)) with the sign of x; gradient 1 / sqrt(x^2 + 1)."""
+    x = self._float_operand()
+    value = x.detach()
+    magnitude = value.abs()
+    positive = (magnitude + (magnitude * magnitude + 1).sqrt()).log()
+    return x._with_derivative((value < 0).where(-positive, positive), (value * value + 1).rsqrt())
+
+  def acosh(self) -> Tensor:
+    """The inverse hyperbolic cosine, log(x + sqrt(x^2 - 1)), NaN below 1; gradient 1 / sqrt(x^2 - 1)."""
+    x = self._float_operand()
+    value = x.detach()
+    root = (value * value - 1).sqrt()
+    return x._with_derivative((value + (value < 1).where(math.nan, root)).log(), root.reciprocal())
+
+  def atanh(self) -> Tensor:
+    """The inverse hyperbolic tangent, log((1 + x) / (1 - x)) / 2, NaN outside [-1, 1]; gradient 1 / (1 - x^2)."""
+    x = self._float_operand()
+    value = x.detach()
+    return x._with_derivative(((1 + value) / (1 - value)).log() / 2, (1 - value * value).reciprocal())
+
   def square(self) -> Tensor:
     """self * self, in this tensor's dtype."""
     return self * self
@@ -392,10 +505,21 @@ class ElementwiseMixin:
     return self.relu() + (-self).relu() if self.dtype.is_float else (self < 0).where(-self, self)
 
   def sign(self) -> Tensor:
-    """-1, 0 or 1 by the sign of each element, in this tensor's dtype; NaN gives 0 (torch gives NaN)."""
+    """-1, 0 or 1 by the sign of each element (0 for NaN, as torch on the CPU), in this tensor's dtype; the gradient
+    is zero."""
     if self.dtype == dtypes.bool: return self
-    zero = self.zeros_like()
-    return (self < 0).where(-1, (self > 0).where(1, zero)).cast(self.dtype)
+    value = self.detach()
+    signs = (value < 0).where(-1, (value > 0).where(1, value.zeros_like())).cast(self.dtype)
+    return self._zero_gradient(signs)
+
+  def _with_derivative(self, value: Tensor, derivative: Tensor) -> Tensor:
+    """`value` (computed from this tensor, detached) whose gradient is `derivative` times the upstream one."""
+    return _with_derivatives(value, (self, derivative))
+
+  def _zero_gradient(self, value: Tensor) -> Tensor:
+    """`value` (computed from this tensor, detached) with a zero gradient for this tensor: the derivative of a step
+    function, as PyTorch gives for sign, floor, ceil, round and trunc."""
+    return F.ZeroGradient.apply(self, value) if self.requires_grad else value
 
   def relu(self) -> Tensor:
     """max(self, 0), in this tensor's dtype (a bool tensor comes back unchanged)."""
@@ -419,47 +543,84 @@ class ElementwiseMixin:
     return self.silu()
 
   def relu6(self) -> Tensor:
-    """min(max(self, 0), 6)."""
-    return self.relu().minimum(6)
+    """min(max(self, 0), 6): hardtanh(0, 6)."""
+    return self.hardtanh(0.0, 6.0)
 
   def hardsigmoid(self) -> Tensor:
-    """clip(self / 6 + 0.5, 0, 1)."""
-    return (self / 6 + 0.5).clip(0, 1)
+    """clip(self / 6 + 0.5, 0, 1); the gradient is 1/6 strictly inside (-3, 3), else 0 (NaN included), as in torch."""
+    x = self._float_operand()
+    value = x.detach()
+    inside = (value > -3) & (value < 3)
+    return x._with_derivative((value / 6 + 0.5).clip(0, 1), inside.where(value.full_like(1 / 6), 0.0))
 
   def hardswish(self) -> Tensor:
-    """self * relu6(self + 3) / 6."""
-    return self * (self + 3).relu6() / 6
+    """self * relu6(self + 3) / 6; the gradient is 0 up to -3, x/3 + 1/2 inside (-3, 3), else 1 (NaN included)."""
+    x = self._float_operand()
+    value = x.detach()
+    slope = (value <= -3).where(0.0, (value < 3).where(value / 3 + 0.5, 1.0))
+    return x._with_derivative(value * (value + 3).clip(0, 6) / 6, slope)
 
   def hardtanh(self, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
-    """self clipped to [min_val, max_val]."""
-    return self.clip(min_val, max_val)
+    """self clipped to [min_val, max_val]; unlike clamp, the gradient is 0 on the bounds (as in torch)."""
+    x = self._float_operand()
+    value = x.detach()
+    outside = (value <= min_val) | (value >= max_val)
+    return x._with_derivative(value.clip(min_val, max_val), outside.where(0.0, 1.0))
+
+  def softsign(self) -> Tensor:
+    """self / (1 + |self|)."""
+    x = self._float_operand()
+    return x / (1 + x.abs())
+
+  def logsigmoid(self) -> Tensor:
+    """log(sigmoid(self)), computed stably as min(x, 0) - log(1 + exp(-|x|)); the gradient is sigmoid(-x)."""
+    x = self._float_operand()
+    value = x.detach()
+    return x._with_derivative(value.minimum(0) - ((-value.abs()).exp() + 1).log(), (-value).sigmoid())
 
   def mish(self) -> Tensor:
     """self * tanh(softplus(self))."""
     return self * self.softplus().tanh()
 
   def leaky_relu(self, negative_slope: float = 0.01) -> Tensor:
-    """self where it is >= 0, else self * negative_slope."""
-    return (self < 0).where(self * negative_slope, self)
+    """self where it is > 0, else self * negative_slope (also the slope at 0 and at NaN, as in torch)."""
+    x = self._float_operand()
+    value = x.detach()
+    positive = value > 0
+    slope = positive.where(1.0, value.full_like(negative_slope))
+    return x._with_derivative(positive.where(value, value * negative_slope), slope)
+
+  def _exponential_linear(self, scale: float, alpha: float, inner: float) -> Tensor:
+    """scale * (x if x > 0 else alpha * (exp(x * inner) - 1)): elu, celu and selu. The gradient takes the
+    exponential branch at 0 and the linear one at NaN, as torch's elu_backward does."""
+    x = self._float_operand()
+    value = x.detach()
+    exponential = (value * inner).exp()
+    negative = value <= 0
+    result = negative.where(alpha * (exponential - 1), value) * scale
+    return x._with_derivative(result, negative.where(exponential * (scale * alpha * inner), scale))
 
   def elu(self, alpha: float = 1.0) -> Tensor:
     """self where it is positive, else alpha * (exp(self) - 1)."""
-    return self.relu() - alpha * (1 - self.exp()).relu()
+    return self._exponential_linear(1.0, alpha, 1.0)
 
   def celu(self, alpha: float = 1.0) -> Tensor:
     """max(self, 0) + min(alpha * (exp(self / alpha) - 1), 0)."""
-    return self.maximum(0) + (alpha * ((self / alpha).exp() - 1)).minimum(0)
+    return self._exponential_linear(1.0, alpha, 1.0 / alpha)
 
   def selu(self) -> Tensor:
     """scale * elu(self, alpha) with PyTorch's constants alpha = 1.6733 and scale = 1.0507."""
-    alpha, scale = 1.6732632423543772, 1.0507009873554805
-    return scale * (self.relu() - alpha * (1 - self.exp()).relu())
+    return self._exponential_linear(1.0507009873554805, 1.6732632423543772, 1.0)
 
   def softplus(self, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
-    """log(1 + exp(beta*x)) / beta, linear above `threshold` (PyTorch's numerically safe form)."""
-    scaled = self._float_operand() * beta
+    """log(1 + exp(beta*x)) / beta, linear above `threshold` (PyTorch's numerically safe form); the gradient is
+    sigmoid(beta * x) below the threshold and 1 above."""
+    x = self._float_operand()
+    value = x.detach()
+    scaled = value * beta
+    linear = scaled > threshold
     safe = (scaled.minimum(threshold).exp() + 1).log() / beta
-    return (scaled > threshold).where(self._float_operand(), safe)
+    return x._with_derivative(linear.where(value, safe), linear.where(1.0, scaled.sigmoid()))
 
   def gelu(self, approximate: str = "none") -> Tensor:
     """Gaussian error linear unit: exact (erf) by default, "tanh" for the approximation."""
@@ -468,46 +629,70 @@ class ElementwiseMixin:
     return 0.5 * x * (1 + (x / math.sqrt(2)).erf())
 
   def erf(self) -> Tensor:
-    """Error function (Abramowitz-Stegun 7.1.26 refined: max abs error ~1.5e-7)."""
+    """Error function (Abramowitz-Stegun 7.1.26 refined: max abs error ~1.5e-7); the gradient is the exact
+    2 / sqrt(pi) * exp(-x^2)."""
     x = self._float_operand()
-    t = 1.0 / (1.0 + 0.3275911 * x.abs())
+    value = x.detach()
+    t = 1.0 / (1.0 + 0.3275911 * value.abs())
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    return x.sign() * (1.0 - poly * (-(x * x)).exp())
+    result = value.sign() * (1.0 - poly * (-(value * value)).exp())
+    return x._with_derivative(result, (-(value * value)).exp() * (2 / math.sqrt(math.pi)))
 
   def _round_toward_zero(self) -> Tensor:
     """Drop the fraction, keeping values too large for int64 (which are integers already) as they are."""
     truncated = self.cast(dtypes.int64).cast(self.dtype)
-    # detached: rounding has a zero gradient everywhere, as in PyTorch
-    return (self.abs() < 2.0 ** 52).where(truncated, self.detach())
+    return (self.abs() < 2.0 ** 52).where(truncated, self)
 
   def trunc(self) -> Tensor:
     """Each value rounded toward zero, in this tensor's dtype (integers unchanged); the gradient is zero."""
-    return self._round_toward_zero() if self.dtype.is_float else self
+    if not self.dtype.is_float: return self
+    return self._zero_gradient(self.detach()._round_toward_zero())
 
   def floor(self) -> Tensor:
     """Each value rounded down, in this tensor's dtype (integers unchanged); the gradient is zero."""
     if not self.dtype.is_float: return self
-    truncated = self.trunc()
-    return (truncated > self).where(truncated - 1, truncated)
+    value = self.detach()
+    truncated = value._round_toward_zero()
+    return self._zero_gradient((truncated > value).where(truncated - 1, truncated))
 
   def ceil(self) -> Tensor:
     """Each value rounded up, in this tensor's dtype (integers unchanged); the gradient is zero."""
     if not self.dtype.is_float: return self
-    truncated = self.trunc()
-    return (truncated < self).where(truncated + 1, truncated)
+    value = self.detach()
+    truncated = value._round_toward_zero()
+    return self._zero_gradient((truncated < value).where(truncated + 1, truncated))
 
   def round(self) -> Tensor:
-    """Round half to even, as torch.round."""
+    """Round half to even, as torch.round; the gradient is zero."""
     if not self.dtype.is_float: return self
-    floor = self.floor()
-    diff = self - floor
+    value = self.detach()
+    floor = value.floor()
+    diff = value - floor
     floor_is_even = (floor / 2).floor() * 2 == floor
     up = (diff > 0.5) | ((diff == 0.5) & ~floor_is_even)
-    return up.where(floor + 1, floor)
+    return self._zero_gradient(up.where(floor + 1, floor))
 
-  def lerp(self, end: Tensor, weight: Any) -> Tensor:
-    """self + (end - self) * weight: linear interpolation toward `end`."""
-    return self + (end - self) * weight
+  def lerp(self, end: Any, weight: Any) -> Tensor:
+    """Linear interpolation toward `end`: self + weight * (end - self) for weight < 0.5, else
+    end - (end - self) * (1 - weight), PyTorch's two forms (exact at weight 0 and 1)."""
+    start, end = self._broadcasted(end)
+    start, end = start._float_operand(), end._float_operand()
+    weight = start._to_tensor(weight).cast(start.dtype)
+    difference = end - start
+    return (weight.abs() < 0.5).where(start + weight * difference, end - difference * (1 - weight))
+
+  def logaddexp(self, other: Any) -> Tensor:
+    """log(exp(self) + exp(other)) without overflow: max + log(1 + exp(-|self - other|)); equal infinities give
+    themselves. The gradients are exp(self - result) and exp(other - result)."""
+    x, y = self._broadcasted(other)
+    x, y = x._float_operand(), y._float_operand()
+    x_value, y_value = x.detach(), y.detach()
+    peak = x_value.maximum(y_value)
+    result = peak + ((-(x_value - y_value).abs()).exp() + 1).log()
+    result = ((x_value == y_value) & x_value.isinf()).where(x_value, result)
+    # torch's form: 1 / (1 + exp(other - self)), NaN where both are the same infinity
+    return _with_derivatives(result, (x, ((y_value - x_value).exp() + 1).reciprocal()),
+                             (y, ((x_value - y_value).exp() + 1).reciprocal()))
 
   def isnan(self) -> Tensor:
     """A bool tensor, True where the value is NaN."""

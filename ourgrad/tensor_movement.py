@@ -20,7 +20,7 @@ import numpy as np
 
 from ourgrad import function as F
 from ourgrad.dtype import dtypes, least_upper_dtype
-from ourgrad.errors import AxisError, DeviceError, IndexOutOfRangeError, ShapeError
+from ourgrad.errors import AxisError, DeviceError, DTypeError, IndexOutOfRangeError, ShapeError
 from ourgrad.helpers import normalize_axis, prod
 from ourgrad.tensor_math import _broadcast_shape
 
@@ -133,8 +133,8 @@ class MovementMixin:
   def squeeze(self, dim: int | None = None) -> Tensor:
     """A view without dimension `dim` if its size is 1 (else unchanged); dim=None drops every size-1 dimension."""
     if dim is None: return self.reshape(tuple(size for size in self.shape if size != 1))
+    axis = self._axis(dim)  # AxisError for a dim out of range, 0-d tensors included (they take 0 and -1)
     if self.ndim == 0: return self
-    axis = self._axis(dim)
     if self.shape[axis] != 1: return self
     return self.reshape(self.shape[:axis] + self.shape[axis + 1:])
 
@@ -165,6 +165,113 @@ class MovementMixin:
     expanded = tuple(size for pair in zip(counts, base_shape) for size in pair)
     return x.reshape(interleaved).expand(expanded).reshape(tuple(c * s for c, s in zip(counts, base_shape)))
 
+  def repeat_interleave(self, repeats: int, dim: int | None = None) -> Tensor:
+    """Each element repeated `repeats` times along `dim` (flattened first if None), as torch.repeat_interleave with
+    an int count."""
+    if not isinstance(repeats, (int, np.integer)) or repeats < 0:
+      raise ValueError(f"repeat_interleave takes a non-negative int count, got {repeats!r}")
+    x = self.flatten() if dim is None else self
+    axis = 0 if dim is None else x._axis(dim)
+    spread = x.unsqueeze(axis + 1).expand(x.shape[:axis + 1] + (int(repeats),) + x.shape[axis + 1:])
+    return spread.reshape(x.shape[:axis] + (x.shape[axis] * int(repeats),) + x.shape[axis + 1:])
+
+  def narrow(self, dim: int, start: int, length: int) -> Tensor:
+    """The view of `length` elements of `dim` from `start` (negative counts from the end), as torch.narrow."""
+    axis = self._axis(dim)
+    size = self.shape[axis]
+    begin = start + size if start < 0 else start
+    if not 0 <= begin <= size or length < 0 or begin + length > size:
+      raise ShapeError(f"narrow of dim {axis} (size {size}) from {start} for {length} elements is out of range")
+    return self.shrink([(begin, begin + length) if a == axis else None for a in range(self.ndim)])
+
+  def movedim(self, source: int | Sequence[int], destination: int | Sequence[int]) -> Tensor:
+    """A view with the dimensions `source` moved to positions `destination` (the others keep their order)."""
+    sources = [self._axis(a) for a in ((source,) if isinstance(source, int) else source)]
+    destinations = [self._axis(a) for a in ((destination,) if isinstance(destination, int) else destination)]
+    if len(sources) != len(destinations):
+      raise AxisError(f"movedim needs as many destinations as sources, got {sources} and {destinations}")
+    rest = iter(a for a in range(self.ndim) if a not in sources)
+    placed = dict(zip(destinations, sources))
+    return self.permute([placed[position] if position in placed else next(rest) for position in range(self.ndim)])
+
+  def moveaxis(self, source: int | Sequence[int], destination: int | Sequence[int]) -> Tensor:
+    """The same as movedim."""
+    return self.movedim(source, destination)
+
+  def swapaxes(self, axis0: int, axis1: int) -> Tensor:
+    """The same as transpose(axis0, axis1)."""
+    return self.transpose(axis0, axis1)
+
+  def expand_as(self, other: Tensor) -> Tensor:
+    """expand(other.shape)."""
+    return self.expand(other.shape)
+
+  def view_as(self, other: Tensor) -> Tensor:
+    """reshape(other.shape)."""
+    return self.reshape(other.shape)
+
+  def reshape_as(self, other: Tensor) -> Tensor:
+    """reshape(other.shape)."""
+    return self.reshape(other.shape)
+
+  def roll(self, shifts: int | Sequence[int], dims: int | Sequence[int] | None = None) -> Tensor:
+    """Elements shifted by `shifts` along `dims`, wrapping around (flattened and restored if dims is None), as
+    torch.roll: two views joined with cat."""
+    if dims is None: return self.flatten().roll(shifts, 0).reshape(self.shape)
+    shift_list = [shifts] if isinstance(shifts, int) else list(shifts)
+    dim_list = [dims] if isinstance(dims, int) else list(dims)
+    if len(shift_list) != len(dim_list):
+      raise ValueError(f"roll needs one shift per dim, got shifts {shifts} and dims {dims}")
+    x = self
+    for shift, dim in zip(shift_list, dim_list):
+      axis = x._axis(dim)
+      size = x.shape[axis]
+      if size == 0 or shift % size == 0: continue
+      split = size - shift % size  # the last (shift mod size) elements come first
+      head, tail = x.split([split, size - split], axis)
+      x = tail.cat(head, dim=axis)
+    return x
+
+  def diagonal(self, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Tensor:
+    """The diagonal of dims `dim1` and `dim2` (above it for offset > 0) as the last dimension, as torch.diagonal;
+    a view: a flattened stride of size + 1 over the square part."""
+    axis1, axis2 = self._axis(dim1), self._axis(dim2)
+    if axis1 == axis2: raise AxisError(f"diagonal needs two different dims, got {dim1} and {dim2}")
+    rest = [a for a in range(self.ndim) if a not in (axis1, axis2)]
+    x = self.permute(rest + [axis1, axis2])
+    rows, cols = x.shape[-2], x.shape[-1]
+    if offset >= 0: x = x.shrink([None] * (x.ndim - 1) + [(min(offset, cols), cols)])
+    else: x = x.shrink([None] * (x.ndim - 2) + [(min(-offset, rows), rows), None])
+    length = max(min(x.shape[-2], x.shape[-1]), 0)
+    x = x.shrink([None] * (x.ndim - 2) + [(0, length), (0, length)])
+    batch = x.shape[:-2]
+    if length == 0: return x.reshape(batch + (0,))
+    flat = x.reshape(batch + (length * length,)).pad([None] * len(batch) + [(0, length)])
+    return flat.reshape(batch + (length, length + 1)).shrink([None] * len(batch) + [None, (0, 1)]).reshape(
+      batch + (length,))
+
+  def diag(self, diagonal: int = 0) -> Tensor:
+    """For a 1-D tensor, the square matrix with it on the `diagonal`; for a 2-D one, that diagonal (torch.diag)."""
+    from ourgrad.tensor import Tensor
+    if self.ndim == 2: return self.diagonal(diagonal)
+    if self.ndim != 1: raise ShapeError(f"diag takes a 1-D or 2-D tensor, got shape {self.shape}")
+    size = self.shape[0] + abs(diagonal)
+    rows = Tensor.arange(size, device=self.device).reshape(size, 1)
+    cols = Tensor.arange(size, device=self.device).reshape(1, size)
+    # the value on column c is self[c - diagonal] above the main diagonal and self[c] below it
+    values = self.pad([(diagonal, 0) if diagonal >= 0 else (0, -diagonal)]).reshape(1, size)
+    return (cols - rows == diagonal).where(values, 0).cast(self.dtype)
+
+  def one_hot(self, num_classes: int = -1) -> Tensor:
+    """An int64 tensor with a new last dimension of `num_classes` holding 1 at each value's class, as
+    torch.nn.functional.one_hot; -1 reads the number of classes from the data (max + 1: a realize)."""
+    from ourgrad.tensor import Tensor
+    if self.dtype.is_float or self.dtype == dtypes.bool:
+      raise DTypeError(f"one_hot needs an integer tensor of class indices, got {self.dtype}")
+    if num_classes == -1: num_classes = int(self.max().item()) + 1 if self.numel() else 0
+    classes = Tensor.arange(num_classes, device=self.device)
+    return (self.unsqueeze(-1) == classes).cast(dtypes.int64)
+
   def _stride_axis(self, axis: int, step: int) -> Tensor:
     """Every `step`-th element along `axis`, starting at the first."""
     size = self.shape[axis]
@@ -176,17 +283,26 @@ class MovementMixin:
 
   # ---------------------------------------------------------------- indexing
 
-  def _normalize_index(self, index: Any) -> list[Any]:
+  def _index_tensor(self, item: Any) -> Tensor:
+    """A list, tuple or array used as an index, as an integer tensor; the list may hold Tensors (`x[[i, 1]]`)."""
     from ourgrad.tensor import Tensor
+    if isinstance(item, Tensor): return item
+    if isinstance(item, (list, tuple)) and any(isinstance(part, (Tensor, list, tuple)) for part in item):
+      return Tensor.stack([self._index_tensor(part) for part in item]) if item else Tensor(item, device=self.device)
+    return Tensor(item, device=self.device)
+
+  def _normalize_index(self, index: Any) -> list[Any]:
     items = list(index) if isinstance(index, tuple) else [index]
-    items = [Tensor(item, device=self.device) if isinstance(item, (list, np.ndarray)) else item for item in items]
+    # a list, tuple or array inside the index is an integer-tensor index, as in PyTorch (x[i, (1, 2, 3)])
+    items = [self._index_tensor(item) if isinstance(item, (list, tuple, np.ndarray)) else item for item in items]
     ellipsis_count = sum(1 for item in items if item is Ellipsis)
     if ellipsis_count > 1: raise IndexError("an index can only have a single ellipsis ('...')")
     used = sum(1 for item in items if item is not None and item is not Ellipsis)
     if used > self.ndim:
       raise IndexOutOfRangeError(f"too many indices for a tensor of shape {self.shape}: {used} given")
     if ellipsis_count:
-      position = items.index(Ellipsis)
+      # by identity: list.index would compare Tensors with == (elementwise)
+      position = next(number for number, item in enumerate(items) if item is Ellipsis)
       items[position:position + 1] = [slice(None)] * (self.ndim - used)
       return items
     return items + [slice(None)] * (self.ndim - used)  # unindexed trailing dims are kept whole
@@ -357,22 +473,22 @@ class MovementMixin:
 
   # ---------------------------------------------------------------- joining and splitting
 
-  @staticmethod
-  def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
-    """Join tensors along `dim` (pad each into place and add: one fused kernel)."""
-    if not tensors: raise ValueError("cat needs at least one tensor")
-    first = tensors[0]
+  def cat(self: Tensor | Sequence[Tensor], *tensors: Tensor | int, dim: int = 0) -> Tensor:
+    """Join tensors along `dim` (pad each into place and add: one fused kernel). Every spelling works:
+    `Tensor.cat([a, b], dim)`, `Tensor.cat([a, b], dim=1)`, `Tensor.cat(a, b, dim=1)` and `a.cat(b, c, dim=1)`."""
+    joined, dim = _joined_tensors("cat", self, tensors, dim)
+    first = joined[0]
     axis = first._axis(dim)
-    for tensor in tensors[1:]:
+    for tensor in joined[1:]:
       if tensor.ndim != first.ndim or any(a != axis and s != t for a, (s, t) in enumerate(zip(first.shape,
                                                                                             tensor.shape))):
         raise ShapeError(f"cat along dim {axis} needs equal other sizes, got {first.shape} and {tensor.shape}")
       if tensor.device != first.device:
         raise DeviceError(f"cat of tensors on {first.device} and {tensor.device}; move them with .to()")
-    dtype = least_upper_dtype(*(tensor.dtype for tensor in tensors))
-    total = sum(tensor.shape[axis] for tensor in tensors)
+    dtype = least_upper_dtype(*(tensor.dtype for tensor in joined))
+    total = sum(tensor.shape[axis] for tensor in joined)
     result, offset = None, 0
-    for tensor in tensors:
+    for tensor in joined:
       pads = [(offset, total - offset - tensor.shape[axis]) if a == axis else None for a in range(first.ndim)]
       piece = tensor.cast(dtype if dtype != dtypes.bool else dtypes.uint8).pad(pads)
       result = piece if result is None else result + piece
@@ -382,19 +498,17 @@ class MovementMixin:
 
   def cat_with(self, *others: Tensor, dim: int = 0) -> Tensor:
     """Tensor.cat([self, *others], dim): this tensor joined with `others` along `dim`."""
-    from ourgrad.tensor import Tensor
-    return Tensor.cat([self, *others], dim=dim)
+    return self.cat(*others, dim=dim)
 
-  @staticmethod
-  def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
-    """Tensors of one shape joined along a new dimension `dim`."""
-    from ourgrad.tensor import Tensor
-    if not tensors: raise ValueError("stack needs at least one tensor")
-    for tensor in tensors[1:]:
-      if tensor.shape != tensors[0].shape:
-        raise ShapeError(f"stack needs tensors of one shape, got {tensors[0].shape} and {tensor.shape}")
-    axis = normalize_axis(dim, tensors[0].ndim + 1)
-    return Tensor.cat([tensor.unsqueeze(axis) for tensor in tensors], dim=axis)
+  def stack(self: Tensor | Sequence[Tensor], *tensors: Tensor | int, dim: int = 0) -> Tensor:
+    """Tensors of one shape joined along a new dimension `dim`; spelled like cat: `Tensor.stack([a, b], dim)`,
+    `Tensor.stack(a, b, dim=1)` or `a.stack(b, dim=1)`."""
+    joined, dim = _joined_tensors("stack", self, tensors, dim)
+    for tensor in joined[1:]:
+      if tensor.shape != joined[0].shape:
+        raise ShapeError(f"stack needs tensors of one shape, got {joined[0].shape} and {tensor.shape}")
+    axis = normalize_axis(dim, joined[0].ndim + 1)
+    return joined[0].unsqueeze(axis).cat(*[tensor.unsqueeze(axis) for tensor in joined[1:]], dim=axis)
 
   def split(self, split_size: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
     """Views of consecutive pieces along `dim`: `split_size` long each (the last may be shorter), or one per size in a
@@ -419,6 +533,22 @@ class MovementMixin:
     if chunks <= 0: raise ValueError(f"chunk count must be positive, got {chunks}")
     size = self.shape[self._axis(dim)]
     return self.split(max(math.ceil(size / chunks), 1), dim)
+
+
+def _joined_tensors(name: str, first: Any, rest: tuple[Any, ...], dim: int) -> tuple[list[Tensor], int]:
+  """The tensors and the dim of a cat/stack call in any spelling: a sequence of tensors (then an optional positional
+  dim), or tensors as separate arguments."""
+  if isinstance(first, (list, tuple)):
+    if len(rest) > 1 or (rest and not isinstance(rest[0], (int, np.integer))):
+      raise TypeError(f"{name}(tensors, dim): after a sequence of tensors only the dim may follow, got {rest}")
+    tensors, dim = list(first), int(rest[0]) if rest else dim
+  else:
+    tensors = [first, *rest]
+  if not tensors: raise ValueError(f"{name} needs at least one tensor")
+  for tensor in tensors:
+    if not hasattr(tensor, "lazydata"):
+      raise TypeError(f"{name} joins Tensors, got {type(tensor).__name__}; pass the dim as dim=")
+  return tensors, dim
 
 
 def _narrow_step(dim: int, start: int, end: int, size: int) -> tuple[Any, Any]:

@@ -13,7 +13,9 @@ called.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -26,6 +28,42 @@ if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
 
 
+def accepts_dim(method: Callable[..., Any]) -> Callable[..., Any]:
+  """Let a method that takes `axis` also take PyTorch's keyword `dim` (x.sum(dim=1) is x.sum(1))."""
+  axis_position = list(inspect.signature(method).parameters).index("axis") - 1  # without self
+  @functools.wraps(method)
+  def with_dim(self: Any, *args: Any, dim: Any = None, **kwargs: Any) -> Any:
+    if dim is not None:
+      if len(args) > axis_position or "axis" in kwargs:
+        raise TypeError(f"{method.__name__}() got both an axis and dim={dim}")
+      kwargs["axis"] = dim
+    return method(self, *args, **kwargs)
+  with_dim.__doc__ = (method.__doc__ or "").rstrip() + " Takes PyTorch's `dim=` for `axis`."
+  return with_dim
+
+
+class ValuesIndices(NamedTuple):
+  """max(dim=...) and min(dim=...) as in PyTorch: the values and the int64 indices of the first extreme elements."""
+  values: Tensor
+  indices: Tensor
+
+
+def _with_indices(method: Callable[..., Any], arg_method: str) -> Callable[..., Any]:
+  """max/min: values for an axis given positionally or as `axis` (tinygrad's form), (values, indices) for PyTorch's
+  keyword `dim`, so code written for either library gets what it expects."""
+  @functools.wraps(method)
+  def values_or_pair(self: Any, *args: Any, dim: Any = None, **kwargs: Any) -> Any:
+    if dim is None: return method(self, *args, **kwargs)
+    if args or "axis" in kwargs: raise TypeError(f"{method.__name__}() got both an axis and dim={dim}")
+    keepdim = kwargs.get("keepdim", False)
+    indices = getattr(self, arg_method)(dim, True)
+    if self.ndim == 0: return ValuesIndices(self, indices.reshape(()))
+    # the values picked at the indices, so the gradient goes to that one element (torch's rule; amax splits ties)
+    values = self.gather(self._axis(dim), indices)
+    return ValuesIndices(values, indices) if keepdim else ValuesIndices(values.squeeze(dim), indices.squeeze(dim))
+  return values_or_pair
+
+
 class ReduceMixin:
   """Tensor's reductions (sum, max, mean, var, argmax, softmax, cumsum, ...) and linear algebra (matmul, ...)."""
   __slots__ = ()
@@ -36,6 +74,8 @@ class ReduceMixin:
     if axis is None: return tuple(range(self.ndim))
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     normalized = tuple(self._axis(int(a)) for a in axes)
+    # a 0-d tensor takes axis 0 or -1 as PyTorch does (checked above) and has nothing to reduce over
+    if self.ndim == 0: return ()
     if len(set(normalized)) != len(normalized): raise AxisError(f"axis {axis} repeats a dimension")
     return normalized
 
@@ -45,6 +85,7 @@ class ReduceMixin:
     if keepdim: return reduced
     return reduced.reshape(tuple(size for a, size in enumerate(self.shape) if a not in axes))
 
+  @accepts_dim
   def sum(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, dtype: DType | None = None) -> Tensor:
     """Sum over `axis` (all if None). Integers and bools sum in int64, as in PyTorch, unless `dtype` is given."""
     target = dtypes.as_dtype(dtype) if dtype is not None else sum_dtype(self.dtype)
@@ -53,28 +94,34 @@ class ReduceMixin:
     return self.cast(accumulate)._reduce(F.Sum, axis, keepdim).cast(target)
 
   def max(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-    """The largest value over `axis` (all if None): values only, where torch's max(dim) also gives indices (use argmax);
-    ShapeError for an empty axis."""
+    """The largest value over `axis` (all if None); ShapeError for an empty axis. Given as `max(1)` or `max(axis=1)`
+    (tinygrad) it returns the values; given as `max(dim=1)` (PyTorch) it returns (values, indices)."""
     if self.numel() == 0 and any(self.shape[a] == 0 for a in self._reduce_axes(axis)):
       raise ShapeError(f"max of an empty dimension of shape {self.shape} has no identity; give a non-empty axis")
     if self.dtype == dtypes.bool: return self.cast(dtypes.uint8)._reduce(F.Max, axis, keepdim).cast(dtypes.bool)
     return self._reduce(F.Max, axis, keepdim)
 
   def min(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-    """The smallest value over `axis` (all if None): values only, where torch's min(dim) also gives indices (use
-    argmin); ShapeError for an empty axis."""
+    """The smallest value over `axis` (all if None); ShapeError for an empty axis. Given as `min(1)` or `min(axis=1)`
+    (tinygrad) it returns the values; given as `min(dim=1)` (PyTorch) it returns (values, indices)."""
     if self.dtype == dtypes.bool: return ~((~self).max(axis, keepdim))
     if not self.dtype.is_float: return ~((~self).max(axis, keepdim))
     return -((-self).max(axis, keepdim))
 
+  max = _with_indices(max, "argmax")  # type: ignore[assignment]
+  min = _with_indices(min, "argmin")  # type: ignore[assignment]
+
+  @accepts_dim
   def amax(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """The same as max(axis, keepdim)."""
     return self.max(axis, keepdim)
 
+  @accepts_dim
   def amin(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """The same as min(axis, keepdim)."""
     return self.min(axis, keepdim)
 
+  @accepts_dim
   def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """The mean over `axis` (all if None); integers and bools promote to the default float; NaN over an empty axis."""
     x = self._float_operand()
@@ -82,18 +129,28 @@ class ReduceMixin:
     total = x.sum(axis, keepdim)
     return total / count if count else total * math.nan
 
+  @accepts_dim
   def var(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
     """The variance over `axis` (all if None) with `correction` (1: unbiased, as torch.var); NaN when there are no more
     elements than `correction`."""
     x = self._float_operand()
     count = prod(self.shape[a] for a in self._reduce_axes(axis))
-    squares = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
+    # the mean is a constant for the gradient: its share, sum(x - mean) * d(mean), is zero, and leaving it out keeps
+    # one infinite element from turning every gradient into NaN (torch's var_backward is 2 (x - mean) / (n - c))
+    squares = (x - x.detach().mean(axis, keepdim=True)).square().sum(axis, keepdim)
     return squares / max(count - correction, 0) if count - correction > 0 else squares * math.nan
 
+  @accepts_dim
   def std(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
-    """The standard deviation: sqrt(var(axis, keepdim, correction))."""
-    return self.var(axis, keepdim, correction).sqrt()
+    """The standard deviation: sqrt(var(axis, keepdim, correction)); its gradient is 0 where it is 0, as in torch."""
+    return self.var(axis, keepdim, correction)._sqrt_flat_at_zero()
 
+  def _sqrt_flat_at_zero(self) -> Tensor:
+    """sqrt, with a zero gradient at 0 (where sqrt's own is infinite): the rule of torch's std and norm backward."""
+    value = self.detach().sqrt()
+    return self._with_derivative(value, (value == 0).where(0.0, 0.5 / value))
+
+  @accepts_dim
   def prod(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
     """Product over one axis (or all), by halving the axis repeatedly: log2(n) fused multiply steps."""
     from ourgrad.tensor import Tensor
@@ -102,6 +159,7 @@ class ReduceMixin:
       result = self.flatten().cast(target).prod(0)
       return result.reshape((1,) * self.ndim) if keepdim else result
     dim = self._axis(axis)
+    if self.ndim == 0: return self.cast(target)
     x = self.cast(target).transpose(dim, -1)
     while x.shape[-1] > 1:
       size = x.shape[-1]
@@ -112,16 +170,19 @@ class ReduceMixin:
     result = x.transpose(dim, -1)
     return result if keepdim else result.squeeze(dim)
 
+  @accepts_dim
   def any(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """A bool tensor, True where any value over `axis` (all if None) is non-zero."""
     # max has no identity for an empty axis; a sum has (zero), and keeps the reduced shape
     if self.numel() == 0: return self.bool().sum(axis, keepdim) != 0
     return self.bool().max(axis, keepdim)
 
+  @accepts_dim
   def all(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """A bool tensor, True where every value over `axis` (all if None) is non-zero."""
     return self.logical_not().any(axis, keepdim).logical_not()
 
+  @accepts_dim
   def argmax(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
     """Index of the first maximal element (flattened if axis is None), int64 as in PyTorch."""
     from ourgrad.tensor import Tensor
@@ -129,6 +190,7 @@ class ReduceMixin:
       result = self.flatten().argmax(0)
       return result.reshape((1,) * self.ndim) if keepdim else result
     dim = self._axis(axis)
+    if self.ndim == 0: return Tensor.zeros((), dtype=dtypes.int64, device=self.device)
     size = self.shape[dim]
     if size == 0: raise ShapeError(f"argmax of an empty dimension {dim} of shape {self.shape}")
     is_max = self == self.max(dim, keepdim=True)
@@ -138,11 +200,13 @@ class ReduceMixin:
     best = is_max.where(countdown, 0).max(dim, keepdim)
     return (size - best).cast(dtypes.int64)
 
+  @accepts_dim
   def argmin(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
     """Index of the first minimal element (flattened if axis is None), int64 as in PyTorch."""
     if self.dtype.is_float: return (-self).argmax(axis, keepdim)
     return (~self if self.dtype != dtypes.bool else self.logical_not()).argmax(axis, keepdim)
 
+  @accepts_dim
   def logsumexp(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """log(sum(exp(self))) over `axis` (all if None), computed stably by subtracting the maximum first."""
     x = self._float_operand()
@@ -152,6 +216,7 @@ class ReduceMixin:
     return total if keepdim else total.reshape(tuple(s for a, s in enumerate(self.shape)
                                                      if a not in self._reduce_axes(axis)))
 
+  @accepts_dim
   def softmax(self, axis: int = -1) -> Tensor:
     """exp(self) normalized to sum to 1 along `axis` (the last by default); float16 and bfloat16 compute in float32."""
     x = self._float_operand()
@@ -161,6 +226,7 @@ class ReduceMixin:
     exps = (x - x.max(axis, keepdim=True)).exp()
     return exps / exps.sum(axis, keepdim=True)
 
+  @accepts_dim
   def log_softmax(self, axis: int = -1) -> Tensor:
     """log(softmax(self, axis)), computed stably; float16 and bfloat16 compute in float32."""
     x = self._float_operand()
@@ -180,12 +246,87 @@ class ReduceMixin:
     values = self.unsqueeze(-2).expand(self.shape[:-1] + (size, size))
     return keep.where(values, 0).sum(-1)
 
+  @accepts_dim
   def cumsum(self, axis: int = 0) -> Tensor:
     """The inclusive running sum along `axis` (0 by default; torch needs it); integers and bools sum in int64."""
     dim = self._axis(axis)
+    if self.ndim == 0: return self.cast(sum_dtype(self.dtype))
     return self.transpose(dim, -1)._cumsum_last().transpose(dim, -1)
 
+  @accepts_dim
+  def cumprod(self, axis: int = 0) -> Tensor:
+    """The inclusive running product along `axis` (integers and bools multiply in int64): a masked product per
+    position (O(n^2 log n) work per row), exact where values are 0 and with their gradient, as torch.cumprod."""
+    from ourgrad.tensor import Tensor
+    dim = self._axis(axis)
+    target = sum_dtype(self.dtype) if not self.dtype.is_float else self.dtype
+    if self.ndim == 0: return self.cast(target)
+    x = self.cast(target).transpose(dim, -1)
+    size = x.shape[-1]
+    if size == 0: return self.cast(target)
+    positions = Tensor.arange(size, device=self.device)
+    keep = positions.reshape(size, 1) >= positions.reshape(1, size)  # row i keeps columns j <= i
+    factors = keep.where(x.unsqueeze(-2).expand(x.shape[:-1] + (size, size)), 1)
+    return factors.prod(-1).transpose(dim, -1)
+
+  def diff(self, n: int = 1, dim: int = -1) -> Tensor:
+    """The n-th forward difference along `dim`: x[i + 1] - x[i], applied n times (torch.diff without prepend)."""
+    axis = self._axis(dim)
+    x = self
+    for _ in range(n):
+      size = x.shape[axis]
+      later = x.shrink([(1, size) if a == axis else None for a in range(x.ndim)])
+      earlier = x.shrink([(0, max(size - 1, 0)) if a == axis else None for a in range(x.ndim)])
+      x = later != earlier if x.dtype == dtypes.bool else later - earlier
+    return x
+
+  @accepts_dim
+  def var_mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False,
+               correction: int = 1) -> tuple[Tensor, Tensor]:
+    """(var, mean) over `axis`, as torch.var_mean."""
+    return self.var(axis, keepdim, correction), self.mean(axis, keepdim)
+
+  @accepts_dim
+  def std_mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False,
+               correction: int = 1) -> tuple[Tensor, Tensor]:
+    """(std, mean) over `axis`, as torch.std_mean."""
+    return self.std(axis, keepdim, correction), self.mean(axis, keepdim)
+
+  @accepts_dim
+  def norm(self, p: float = 2.0, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+    """The vector p-norm over `axis` (all if None): (sum |x|^p)^(1/p); p = inf is the largest |x|."""
+    magnitude = self._float_operand().abs()
+    if p == math.inf: return magnitude.max(axis, keepdim)
+    if p == 2: return magnitude.square().sum(axis, keepdim)._sqrt_flat_at_zero()
+    if p == 1: return magnitude.sum(axis, keepdim)
+    return (magnitude ** p).sum(axis, keepdim) ** (1 / p)
+
   # ---------------------------------------------------------------- linear algebra
+
+  def trace(self) -> Tensor:
+    """The sum of the main diagonal of a 2-D tensor."""
+    if self.ndim != 2: raise ShapeError(f"trace takes a 2-D tensor, got shape {self.shape}")
+    return self.diagonal().sum()
+
+  def mm(self, other: Tensor) -> Tensor:
+    """Matrix product of two 2-D tensors (torch.mm)."""
+    if self.ndim != 2 or other.ndim != 2:
+      raise ShapeError(f"mm takes two 2-D tensors, got shapes {self.shape} and {other.shape}; use matmul")
+    return self.matmul(other)
+
+  def bmm(self, other: Tensor) -> Tensor:
+    """Batched matrix product of two 3-D tensors with the same batch size (torch.bmm)."""
+    if self.ndim != 3 or other.ndim != 3 or self.shape[0] != other.shape[0]:
+      raise ShapeError(f"bmm takes two 3-D tensors of one batch size, got shapes {self.shape} and {other.shape}")
+    return self.matmul(other)
+
+  def baddbmm(self, batch1: Tensor, batch2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta * self + alpha * bmm(batch1, batch2) (torch.baddbmm)."""
+    return beta * self + alpha * batch1.bmm(batch2)
+
+  def addmm(self, mat1: Tensor, mat2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta * self + alpha * mm(mat1, mat2) (torch.addmm)."""
+    return beta * self + alpha * mat1.mm(mat2)
 
   def dot(self, other: Tensor) -> Tensor:
     """The same as matmul (torch.dot takes only 1-D tensors)."""

@@ -246,7 +246,7 @@ static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
-    if "bf16_" not in source: return source
+    if "bf16" not in source: return source  # bf16_to_float, float_to_bf16, bf16_round
     return source.replace(self.preamble, self.preamble + self.bfloat16_helpers, 1)
 
   def memory_type(self, dtype: DType) -> str:
