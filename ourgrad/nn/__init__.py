@@ -1,9 +1,10 @@
 """Neural-network building blocks: layers (this module), `functional` ops, `losses`, `attention`, `optim`, `state`.
 
-Layers are plain classes, tinygrad style: the constructor creates the parameters, `__call__(x)` applies the layer,
-and there is no Module base class. Parameters and buffers are stored as attributes with PyTorch's names
-(`weight`, `bias`, `running_mean`, `running_var`, `num_batches_tracked`), so a state-dict walker that looks
-through attributes, lists and dicts finds them under the same keys as in a PyTorch checkpoint.
+Layers are `Module`s (ourgrad/nn/module.py): the constructor creates the parameters, `forward(x)` applies the
+layer, and calling the layer calls forward. Parameters and buffers are plain attributes with PyTorch's names
+(`weight`, `bias`, `running_mean`, `running_var`, `num_batches_tracked`), so both `model.state_dict()` and the
+attribute walker `get_state_dict(model)` (which also serves plain tinygrad-style classes) find them under the
+same keys as in a PyTorch checkpoint.
 
 Initialization follows PyTorch: Linear and convolution weights are kaiming_uniform(a=sqrt(5)), i.e. uniform in
 +-1/sqrt(fan_in), and so are their biases; norm weights are ones and biases zeros; Embedding is normal(0, 1). The
@@ -11,8 +12,12 @@ random numbers come from Tensor.uniform / Tensor.normal, so Tensor.manual_seed m
 values differ from PyTorch's, the distributions do not). Parameters have requires_grad=True; running statistics
 have requires_grad=False.
 
-Train/eval behaviour (BatchNorm, InstanceNorm with running stats, Dropout) follows the global `Tensor.training`
-flag (`with Tensor.train(): ...`) rather than a per-module mode.
+Train/eval behaviour (BatchNorm, InstanceNorm with running stats, Dropout) follows the module's `training`
+flag: what `model.train()` / `model.eval()` set, or, until one of them is called, the global `Tensor.training`
+flag (`with Tensor.train(): ...`).
+
+The submodules `functional`, `losses`, `attention`, `optim` and `state` are imported with this package, so
+`import ourgrad.nn as nn; nn.optim.Adam; nn.state.safe_save` work.
 """
 from __future__ import annotations
 
@@ -24,12 +29,14 @@ import numpy as np
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import make_tuple
 from ourgrad.errors import DTypeError, ShapeError
-from ourgrad.nn import functional
+from ourgrad.nn import attention, functional, losses, optim, state
+from ourgrad.nn.module import Module, ModuleDict, ModuleList, Sequential
 from ourgrad.tensor import Tensor
 
 IntOrTuple = int | Sequence[int]
 
-__all__ = ["Linear", "Conv1d", "Conv2d", "ConvTranspose2d", "BatchNorm", "BatchNorm1d", "BatchNorm2d",
+__all__ = ["attention", "functional", "losses", "optim", "state", "Module", "ModuleDict", "ModuleList",
+           "Sequential", "Linear", "Conv1d", "Conv2d", "ConvTranspose2d", "BatchNorm", "BatchNorm1d", "BatchNorm2d",
            "BatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "RMSNorm", "Embedding",
            "Dropout"]
 
@@ -54,7 +61,7 @@ def _machine_epsilon(dtype: DType) -> float:
 
 # ---------------------------------------------------------------- linear and convolutions
 
-class Linear:
+class Linear(Module):
   """y = x @ weight.T + bias, weight (out_features, in_features), like torch.nn.Linear."""
 
   def __init__(self, in_features: int, out_features: int, bias: bool = True):
@@ -62,14 +69,14 @@ class Linear:
     self.weight = _uniform_init((out_features, in_features), in_features)
     self.bias = _uniform_init((out_features,), in_features) if bias else None
 
-  def __call__(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     if x.ndim == 0 or x.shape[-1] != self.in_features:
       raise ShapeError(f"Linear({self.in_features}, {self.out_features}) got input of shape {x.shape}; its last "
                        f"dim must be {self.in_features}")
     return x.linear(self.weight, self.bias)
 
 
-class _ConvNd:
+class _ConvNd(Module):
   """Shared constructor of the convolutions over `dims` spatial dimensions: int-or-tuple arguments become tuples,
   and the weight (C_out, C_in/groups, *kernel), or (C_in, C_out/groups, *kernel) when `transposed`, is initialized
   (with the bias) from fan_in = weight_shape[1] * prod(kernel), PyTorch's rule for both kinds."""
@@ -97,7 +104,7 @@ class Conv1d(_ConvNd):
                padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1, bias: bool = True):
     super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
 
-  def __call__(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     return functional.conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
@@ -109,7 +116,7 @@ class Conv2d(_ConvNd):
                padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1, bias: bool = True):
     super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
 
-  def __call__(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     return functional.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
@@ -124,18 +131,18 @@ class ConvTranspose2d(_ConvNd):
                      transposed=True)
     self.output_padding = make_tuple(output_padding, 2)
 
-  def __call__(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     return functional.conv_transpose2d(x, self.weight, self.bias, self.stride, self.padding, self.output_padding,
                                        self.dilation, self.groups)
 
 
 # ---------------------------------------------------------------- normalization
 
-class BatchNorm:
+class BatchNorm(Module):
   """Batch normalization over every axis but the channel axis 1, like torch.nn.BatchNorm1d/2d/3d (one class
   serves all ranks: (N, C), (N, C, L), (N, C, H, W), ...).
 
-  While Tensor.training (or when track_running_stats=False) it normalizes with the batch mean and the biased
+  While training (or when track_running_stats=False) it normalizes with the batch mean and the biased
   batch variance; in training it also moves the running stats towards the batch's (the running variance takes
   the unbiased variance, as in PyTorch) with `momentum`, or with a cumulative average (factor
   1/num_batches_tracked) when momentum is None. At evaluation it normalizes with the running stats.
@@ -162,18 +169,18 @@ class BatchNorm:
     self.running_mean.assign((1.0 - factor) * self.running_mean + factor * mean)
     self.running_var.assign((1.0 - factor) * self.running_var + factor * unbiased_var)
 
-  def __call__(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     if x.ndim < 2 or x.shape[1] != self.num_features:
       raise ShapeError(f"BatchNorm({self.num_features}) expects input (N, {self.num_features}, ...), got {x.shape}")
     axes = (0, *range(2, x.ndim))
-    if Tensor.training or not self.track_running_stats:
+    if self.training or not self.track_running_stats:
       count = x.numel() // self.num_features
-      if Tensor.training and count <= 1:
+      if self.training and count <= 1:
         raise ValueError(f"BatchNorm needs more than 1 value per channel when training, got input {x.shape}")
       mean = x.mean(axes)
       centered = x - _channel_view(mean, x.ndim)
       var = centered.square().mean(axes)
-      if Tensor.training and self.track_running_stats: self._update_running_stats(mean, var, count)
+      if self.training and self.track_running_stats: self._update_running_stats(mean, var, count)
       normalized = centered * _channel_view((var + self.eps).rsqrt(), x.ndim)
     else:
       inv_std = (self.running_var + self.eps).rsqrt()
@@ -183,11 +190,21 @@ class BatchNorm:
     return normalized
 
 
-# PyTorch's names: the rank only differs in the input shape, which BatchNorm reads from x
-BatchNorm1d = BatchNorm2d = BatchNorm3d = BatchNorm
+# PyTorch's names (classes of their own, so reprs and type names match): the rank only differs in the input
+# shape, which BatchNorm reads from x
+class BatchNorm1d(BatchNorm):
+  """Batch normalization of (N, C) or (N, C, L) input, like torch.nn.BatchNorm1d (see BatchNorm)."""
 
 
-class LayerNorm:
+class BatchNorm2d(BatchNorm):
+  """Batch normalization of (N, C, H, W) input, like torch.nn.BatchNorm2d (see BatchNorm)."""
+
+
+class BatchNorm3d(BatchNorm):
+  """Batch normalization of (N, C, D, H, W) input, like torch.nn.BatchNorm3d (see BatchNorm)."""
+
+
+class LayerNorm(Module):
   """Layer normalization over the last len(normalized_shape) axes, with an elementwise affine weight and bias of
   shape normalized_shape, like torch.nn.LayerNorm."""
 
@@ -198,7 +215,7 @@ class LayerNorm:
     self.weight = Tensor.ones(*self.normalized_shape, requires_grad=True) if elementwise_affine else None
     self.bias = Tensor.zeros(*self.normalized_shape, requires_grad=True) if elementwise_affine and bias else None
 
-  def __call__(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     dims = len(self.normalized_shape)
     if x.shape[x.ndim - dims:] != self.normalized_shape or x.ndim < dims:
       raise ShapeError(f"LayerNorm{self.normalized_shape} expects input ending in {self.normalized_shape}, "
@@ -209,7 +226,7 @@ class LayerNorm:
     return y
 
 
-class GroupNorm:
+class GroupNorm(Module):
   """Group normalization like torch.nn.GroupNorm: the channels of (N, C, ...) are split into num_groups groups,
   each normalized over its channels and all spatial positions; the affine weight and bias are per channel."""
 
@@ -220,7 +237,7 @@ class GroupNorm:
     self.weight = Tensor.ones(num_channels, requires_grad=True) if affine else None
     self.bias = Tensor.zeros(num_channels, requires_grad=True) if affine else None
 
-  def __call__(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     if x.ndim < 2 or x.shape[1] != self.num_channels:
       raise ShapeError(f"GroupNorm({self.num_groups}, {self.num_channels}) expects input "
                        f"(N, {self.num_channels}, ...), got {x.shape}")
@@ -231,7 +248,7 @@ class GroupNorm:
     return y
 
 
-class _InstanceNorm:
+class _InstanceNorm(Module):
   """Instance normalization: each (sample, channel) is normalized over its spatial axes, like
   torch.nn.InstanceNorm1d/2d (affine=False and track_running_stats=False by default, as there). Unbatched input
   (C, ...) is accepted too. With track_running_stats, training updates the running stats with the batch average
@@ -249,19 +266,19 @@ class _InstanceNorm:
       self.running_var = Tensor.ones(num_features, requires_grad=False)
       self.num_batches_tracked = Tensor.zeros(dtype=dtypes.int64, requires_grad=False)
 
-  def __call__(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     name = type(self).__name__
     if x.ndim == self.spatial_dims + 1: return self(x.unsqueeze(0)).squeeze(0)
     if x.ndim != self.spatial_dims + 2 or x.shape[1] != self.num_features:
       raise ShapeError(f"{name}({self.num_features}) expects input (N, {self.num_features}, "
                        f"{self.spatial_dims} spatial dims), got {x.shape}")
     axes = tuple(range(2, x.ndim))
-    if Tensor.training or not self.track_running_stats:
+    if self.training or not self.track_running_stats:
       count = math.prod(x.shape[2:])
-      if Tensor.training and count <= 1:
+      if self.training and count <= 1:
         raise ValueError(f"{name} needs more than 1 spatial element when training, got input {x.shape}")
       y = functional.layernorm(x, axes, self.eps)
-      if Tensor.training and self.track_running_stats:
+      if self.training and self.track_running_stats:
         detached = x.detach()
         mean = detached.mean(axes)
         var = (detached - mean.reshape(*mean.shape, *([1] * len(axes)))).square().sum(axes) / (count - 1)
@@ -287,7 +304,7 @@ class InstanceNorm2d(_InstanceNorm):
   spatial_dims = 2
 
 
-class RMSNorm:
+class RMSNorm(Module):
   """Root-mean-square normalization over the last len(normalized_shape) axes with an elementwise weight:
   y = x / sqrt(mean(x^2) + eps) * weight, like torch.nn.RMSNorm (and tinygrad's RMSNorm(dim, eps)).
 
@@ -299,7 +316,7 @@ class RMSNorm:
     self.eps, self.elementwise_affine = eps, elementwise_affine
     self.weight = Tensor.ones(*self.normalized_shape, requires_grad=True) if elementwise_affine else None
 
-  def __call__(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     dims = len(self.normalized_shape)
     if x.ndim < dims or x.shape[x.ndim - dims:] != self.normalized_shape:
       raise ShapeError(f"RMSNorm{self.normalized_shape} expects input ending in {self.normalized_shape}, "
@@ -312,7 +329,7 @@ class RMSNorm:
 
 # ---------------------------------------------------------------- embedding and dropout
 
-class Embedding:
+class Embedding(Module):
   """A lookup table like torch.nn.Embedding: integer indices of any shape (...) -> (..., embedding_dim) rows of
   weight (num_embeddings, embedding_dim), initialized normal(0, 1). The lookup is integer-tensor indexing,
   which ourgrad computes as a one-hot masked sum (one fused kernel; the gradient scatters back the same way)."""
@@ -321,18 +338,18 @@ class Embedding:
     self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
     self.weight = Tensor.normal(num_embeddings, embedding_dim, mean=0.0, std=1.0, requires_grad=True)
 
-  def __call__(self, idx: Tensor) -> Tensor:
+  def forward(self, idx: Tensor) -> Tensor:
     if idx.dtype.is_float or idx.dtype == dtypes.bool:
       raise DTypeError(f"Embedding indices must be integers, got {idx.dtype}")
     return self.weight[idx]
 
 
-class Dropout:
-  """Zero each element with probability p and scale the rest by 1/(1-p) while Tensor.training, like
+class Dropout(Module):
+  """Zero each element with probability p and scale the rest by 1/(1-p) while training, like
   torch.nn.Dropout (identity at evaluation)."""
 
   def __init__(self, p: float = 0.5):
     if not 0.0 <= p <= 1.0: raise ValueError(f"dropout probability must be in [0, 1], got {p}")
     self.p = p
 
-  def __call__(self, x: Tensor) -> Tensor: return functional.dropout(x, self.p)
+  def forward(self, x: Tensor) -> Tensor: return functional.dropout(x, self.p, self.training)

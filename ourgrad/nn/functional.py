@@ -254,12 +254,12 @@ def layernorm(x: Tensor, axis: int | Sequence[int] = -1, eps: float = 1e-5) -> T
   return centered * (centered.square().mean(axes, keepdim=True) + eps).rsqrt()
 
 
-def dropout(x: Tensor, p: float = 0.5) -> Tensor:
-  """While Tensor.training, zero each element with probability p and scale the others by 1 / (1 - p), so the
-  expectation is unchanged; otherwise return x. The mask comes from Tensor.rand, so Tensor.manual_seed makes it
-  reproducible."""
+def dropout(x: Tensor, p: float = 0.5, training: bool | None = None) -> Tensor:
+  """While training, zero each element with probability p and scale the others by 1 / (1 - p), so the
+  expectation is unchanged; otherwise return x. `training` defaults to Tensor.training. The mask comes from
+  Tensor.rand, so Tensor.manual_seed makes it reproducible."""
   if not 0.0 <= p <= 1.0: raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-  if not Tensor.training or p == 0.0: return x
+  if not (Tensor.training if training is None else training) or p == 0.0: return x
   keep = Tensor.rand(*x.shape, device=x.device) >= p
   # p == 1 keeps nothing (rand < 1 always), and must not scale by 1/0
   return keep.where(x * (1.0 / (1.0 - p)) if p < 1.0 else x, 0)
