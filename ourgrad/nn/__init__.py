@@ -32,11 +32,13 @@ from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.nn import attention, functional, losses, optim, state
 from ourgrad.nn.module import Module, ModuleDict, ModuleList, Sequential
 from ourgrad.tensor import Tensor
+from ourgrad.tensor_conv import conv_padding
 
 IntOrTuple = int | Sequence[int]
 
 __all__ = ["attention", "functional", "losses", "optim", "state", "Module", "ModuleDict", "ModuleList",
-           "Sequential", "Linear", "Conv1d", "Conv2d", "ConvTranspose2d", "BatchNorm", "BatchNorm1d", "BatchNorm2d",
+           "Sequential", "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+           "ConvTranspose3d", "BatchNorm", "BatchNorm1d", "BatchNorm2d",
            "BatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "RMSNorm", "Embedding",
            "Dropout"]
 
@@ -77,63 +79,108 @@ class Linear(Module):
 
 
 class _ConvNd(Module):
-  """Shared constructor of the convolutions over `dims` spatial dimensions: int-or-tuple arguments become tuples,
-  and the weight (C_out, C_in/groups, *kernel), or (C_in, C_out/groups, *kernel) when `transposed`, is initialized
-  (with the bias) from fan_in = weight_shape[1] * prod(kernel), PyTorch's rule for both kinds."""
+  """Shared code of the convolutions over `dims` spatial dimensions: int-or-tuple arguments become tuples, and the
+  weight (C_out, C_in/groups, *kernel), or (C_in, C_out/groups, *kernel) when `transposed`, is initialized (with
+  the bias) from fan_in = weight_shape[1] * prod(kernel), PyTorch's rule for both kinds. `padding_mode` "zeros",
+  "reflect", "replicate" or "circular" says what the padding holds (convolutions only, as in PyTorch)."""
+  dims: int = 0
+  transposed: bool = False
 
-  def __init__(self, dims: int, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple,
-               padding: IntOrTuple | str, dilation: IntOrTuple, groups: int, bias: bool, transposed: bool = False):
+  def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple,
+               padding: IntOrTuple | str, dilation: IntOrTuple, groups: int, bias: bool,
+               padding_mode: str = "zeros"):
     if groups <= 0 or in_channels % groups or out_channels % groups:
       raise ValueError(f"groups={groups} must be positive and divide in_channels={in_channels} and "
                        f"out_channels={out_channels}")
+    if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
+      raise ValueError(f"padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', got {padding_mode!r}")
+    dims = self.dims
     self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
     self.kernel_size, self.stride = make_tuple(kernel_size, dims), make_tuple(stride, dims)
     self.padding = padding if isinstance(padding, str) else make_tuple(padding, dims)
-    self.dilation = make_tuple(dilation, dims)
-    channels = (in_channels, out_channels // groups) if transposed else (out_channels, in_channels // groups)
+    self.dilation, self.padding_mode = make_tuple(dilation, dims), padding_mode
+    channels = (in_channels, out_channels // groups) if self.transposed else (out_channels, in_channels // groups)
     weight_shape = (*channels, *self.kernel_size)
     fan_in = weight_shape[1] * math.prod(self.kernel_size)
     self.weight = _uniform_init(weight_shape, fan_in)
     self.bias = _uniform_init((out_channels,), fan_in) if bias else None
 
+  def forward(self, x: Tensor) -> Tensor:
+    padding = self.padding
+    if self.padding_mode != "zeros":
+      # pad with the mode first, then convolve without padding (PyTorch does the same)
+      pairs = conv_padding(type(self).__name__, padding, self.kernel_size, self.stride, self.dilation)
+      x = x.pad([None] * (x.ndim - self.dims) + pairs, mode=self.padding_mode)
+      padding = 0
+    return x._convolve(self.dims, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
+
+  def extra_repr(self) -> str:
+    return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}")
+
 
 class Conv1d(_ConvNd):
   """1-D convolution like torch.nn.Conv1d: (N, C_in, L) -> (N, C_out, L_out), weight (C_out, C_in/groups, K)."""
+  dims = 1
 
   def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple = 1,
-               padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1, bias: bool = True):
-    super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
-
-  def forward(self, x: Tensor) -> Tensor:
-    return functional.conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+               padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1, bias: bool = True,
+               padding_mode: str = "zeros"):
+    super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode)
 
 
 class Conv2d(_ConvNd):
   """2-D convolution like torch.nn.Conv2d: (N, C_in, H, W) -> (N, C_out, H_out, W_out), weight
-  (C_out, C_in/groups, kH, kW). padding is an int, a pair, "valid" or "same"."""
+  (C_out, C_in/groups, kH, kW). padding is an int, a pair, per side (left, right, top, bottom), "valid" or "same"."""
+  dims = 2
 
   def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple = 1,
-               padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1, bias: bool = True):
-    super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
-
-  def forward(self, x: Tensor) -> Tensor:
-    return functional.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+               padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1, bias: bool = True,
+               padding_mode: str = "zeros"):
+    super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode)
 
 
-class ConvTranspose2d(_ConvNd):
-  """Transposed 2-D convolution like torch.nn.ConvTranspose2d (same argument order), weight
-  (C_in, C_out/groups, kH, kW)."""
+class Conv3d(_ConvNd):
+  """3-D convolution like torch.nn.Conv3d: (N, C_in, D, H, W) -> (N, C_out, D_out, H_out, W_out), weight
+  (C_out, C_in/groups, kD, kH, kW)."""
+  dims = 3
+
+  def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple = 1,
+               padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1, bias: bool = True,
+               padding_mode: str = "zeros"):
+    super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode)
+
+
+class _ConvTransposeNd(_ConvNd):
+  """Shared code of the transposed convolutions (PyTorch's argument order: ..., output_padding, groups, bias,
+  dilation), weight (C_in, C_out/groups, *kernel)."""
+  transposed = True
 
   def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrTuple, stride: IntOrTuple = 1,
                padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, groups: int = 1, bias: bool = True,
                dilation: IntOrTuple = 1):
-    super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                     transposed=True)
-    self.output_padding = make_tuple(output_padding, 2)
+    super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
+    self.output_padding = make_tuple(output_padding, self.dims)
 
   def forward(self, x: Tensor) -> Tensor:
-    return functional.conv_transpose2d(x, self.weight, self.bias, self.stride, self.padding, self.output_padding,
-                                       self.dilation, self.groups)
+    return x._convolve_transposed(self.dims, self.weight, self.bias, self.stride, self.padding, self.output_padding,
+                                  self.groups, self.dilation)
+
+
+class ConvTranspose1d(_ConvTransposeNd):
+  """Transposed 1-D convolution like torch.nn.ConvTranspose1d, weight (C_in, C_out/groups, K)."""
+  dims = 1
+
+
+class ConvTranspose2d(_ConvTransposeNd):
+  """Transposed 2-D convolution like torch.nn.ConvTranspose2d (same argument order), weight
+  (C_in, C_out/groups, kH, kW)."""
+  dims = 2
+
+
+class ConvTranspose3d(_ConvTransposeNd):
+  """Transposed 3-D convolution like torch.nn.ConvTranspose3d, weight (C_in, C_out/groups, kD, kH, kW)."""
+  dims = 3
 
 
 # ---------------------------------------------------------------- normalization
