@@ -58,9 +58,10 @@ def _take_diagonals(x: Tensor, names: list[str]) -> tuple[Tensor, list[str]]:
       raise ShapeError(f"einsum index {name!r} repeated in one operand has sizes {size} and {x.shape[second]}")
     # move the pair last, flatten it to size*size and read every (size+1)-th element: the diagonal
     others = [index for index in range(x.ndim) if index not in (first, second)]
-    x = x.permute(*others, first, second).reshape(*(x.shape[i] for i in others), size * size)
-    x = x.pad([None] * len(others) + [(0, size)]).reshape(*(x.shape[i] for i in others), size, size + 1)
-    x = x.shrink([None] * len(others) + [None, (0, 1)]).reshape(*(x.shape[i] for i in others), size)
+    kept = tuple(x.shape[i] for i in others)
+    x = x.permute(*others, first, second).reshape(*kept, size * size)
+    x = x.pad([None] * len(others) + [(0, size)]).reshape(*kept, size, size + 1)
+    x = x.shrink([None] * len(others) + [None, (0, 1)]).reshape(*kept, size)
     names = [names[i] for i in others] + [name]
   return x, names
 
@@ -82,9 +83,10 @@ class EinsumMixin:
     batch_names = [f"...{index}" for index in range(batch_rank)]
     named = [_take_diagonals(t, _letters(term, t.ndim, batch_names)) for t, term in zip(tensors, terms)]
 
+    # how often each index is written in the formula: the implicit output keeps those written once
     counts: dict[str, int] = {}
-    for _, names in named:
-      for name in names: counts[name] = counts.get(name, 0) + 1
+    for tensor, term in zip(tensors, terms):
+      for name in _letters(term, tensor.ndim, batch_names): counts[name] = counts.get(name, 0) + 1
     if output is None:
       output_names = batch_names + sorted(n for n, c in counts.items() if c == 1 and n not in batch_names)
     else:
