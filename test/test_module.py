@@ -285,3 +285,44 @@ def test_repr() -> None:
 def test_submodules_import_with_nn() -> None:
   code = "import ourgrad.nn as nn; nn.optim.Adam; nn.state.safe_save; nn.functional.conv2d; nn.losses.mse_loss"
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("make", [
+  lambda m: m.ReLU(), lambda m: m.ReLU6(), lambda m: m.GELU(), lambda m: m.GELU("tanh"), lambda m: m.SiLU(),
+  lambda m: m.Sigmoid(), lambda m: m.Tanh(), lambda m: m.LeakyReLU(0.2), lambda m: m.ELU(0.5),
+  lambda m: m.Softplus(2.0), lambda m: m.Hardtanh(-0.5, 0.5), lambda m: m.Softmax(1), lambda m: m.LogSoftmax(-1),
+  lambda m: m.Flatten(), lambda m: m.Identity(), lambda m: m.MaxPool2d(2), lambda m: m.AvgPool2d(3, 1, 1),
+  lambda m: m.MaxPool1d(3, 2), lambda m: m.AvgPool3d(2), lambda m: m.Upsample(scale_factor=2),
+  lambda m: m.Upsample(size=(5, 3), mode="bilinear", align_corners=True),
+])
+def test_parameter_free_layers(make: Any) -> None:
+  ours, theirs = make(nn), make(torch.nn)
+  shape = {"MaxPool1d": (2, 3, 8), "AvgPool3d": (1, 2, 4, 4, 4)}.get(type(ours).__name__, (2, 3, 4, 4))
+  x = _random(shape, 7) * 3
+  xo, xt = Tensor(x, requires_grad=True), torch.tensor(x, requires_grad=True)
+  out, ref = ours(xo), theirs(xt)
+  np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=1e-5, rtol=1e-5)
+  upstream = _random(tuple(ref.shape), 8)
+  (out * Tensor(upstream)).sum().backward()
+  (ref * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(xo.grad.numpy(), xt.grad.numpy(), atol=1e-5, rtol=1e-5)
+  assert list(ours.state_dict()) == [] and not list(ours.parameters())
+
+
+def test_torch_style_cnn_end_to_end() -> None:
+  """A PyTorch-style CNN built from Sequential and the layer classes, loaded with torch's weights: same loss
+  and gradients after one backward in training mode."""
+  def build(m: Any) -> Any:
+    return m.Sequential(m.Conv2d(1, 4, 3, padding=1), m.BatchNorm2d(4), m.ReLU(), m.MaxPool2d(2),
+                        m.Conv2d(4, 6, 3), m.SiLU(), m.Flatten(), m.Linear(24, 10), m.LogSoftmax(-1))
+  ours, theirs = build(nn), build(torch.nn)
+  ours.load_state_dict({name: Tensor(value.numpy()) for name, value in theirs.state_dict().items()})
+  ours.train()
+  x, labels = _random((3, 1, 8, 8), 9), np.array([1, 7, 3])
+  loss = ours(Tensor(x)).nll_loss(Tensor(labels))
+  ref = torch.nn.functional.nll_loss(theirs(torch.tensor(x)), torch.tensor(labels))
+  loss.backward()
+  ref.backward()
+  np.testing.assert_allclose(loss.numpy(), ref.detach().numpy(), atol=1e-5, rtol=1e-5)
+  for (name, param), (_, tparam) in zip(ours.named_parameters(), theirs.named_parameters()):
+    np.testing.assert_allclose(param.grad.numpy(), tparam.grad.numpy(), atol=1e-4, rtol=1e-4, err_msg=name)

@@ -30,6 +30,9 @@ from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import make_tuple
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.nn import attention, functional, losses, optim, state
+from ourgrad.nn.activation import (ELU, GELU, AvgPool1d, AvgPool2d, AvgPool3d, Flatten, Hardtanh, Identity, LeakyReLU,
+                                   LogSoftmax, MaxPool1d, MaxPool2d, MaxPool3d, ReLU, ReLU6, Sigmoid, SiLU, Softmax,
+                                   Softplus, Tanh, Upsample)
 from ourgrad.nn.module import Module, ModuleDict, ModuleList, Sequential
 from ourgrad.tensor import Tensor
 from ourgrad.tensor_conv import conv_padding
@@ -40,7 +43,9 @@ __all__ = ["attention", "functional", "losses", "optim", "state", "Module", "Mod
            "Sequential", "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
            "ConvTranspose3d", "BatchNorm", "BatchNorm1d", "BatchNorm2d",
            "BatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "RMSNorm", "Embedding",
-           "Dropout"]
+           "Dropout", "ReLU", "ReLU6", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU", "Softplus", "Hardtanh",
+           "Softmax", "LogSoftmax", "Flatten", "Identity", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d",
+           "AvgPool2d", "AvgPool3d", "Upsample"]
 
 
 def _uniform_init(shape: tuple[int, ...], fan_in: int) -> Tensor:
