@@ -114,7 +114,6 @@ class MovementMixin:
     ourgrad/tensor_resize.py). `padding` is PyTorch's flat form (last dim first: (left, right, top, bottom, ...))
     or one (before, after) pair (or None) per dimension. Negative amounts crop. tinygrad's `x.pad(p, "reflect")`
     (the mode second) works too."""
-    from ourgrad.tensor import Tensor
     if isinstance(value, str): mode, value = value, 0.0
     if mode not in PAD_MODES: raise ValueError(f"pad mode must be one of {PAD_MODES}, got {mode!r}")
     if all(isinstance(amount, (int, np.integer)) for amount in padding):
@@ -132,7 +131,7 @@ class MovementMixin:
     if mode != "constant": return pad_with_mode(x, grow, mode)
     padded = F.Pad.apply(x, arg=grow)
     if value == 0: return padded
-    inside = F.Pad.apply(Tensor.ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
+    inside = F.Pad.apply(type(self).ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
     return inside.where(padded, value)
 
   def squeeze(self, dim: int | None = None) -> Tensor:

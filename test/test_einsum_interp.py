@@ -152,3 +152,19 @@ def test_pad_mode_forms_and_errors() -> None:
   with pytest.raises(ShapeError, match="smaller than its size"): Tensor(x).pad((5, 0), mode="reflect")
   with pytest.raises(ShapeError, match="at most its size"): Tensor(x).pad((6, 0), mode="circular")
   with pytest.raises(ValueError, match="pad mode"): Tensor(x).pad((1, 1), mode="symmetric")
+
+
+# ---------------------------------------------------------------- torch.nn.functional spellings
+
+@pytest.mark.parametrize("name,args,kwargs", [
+  ("layer_norm", ((5,),), {}), ("normalize", (), {}), ("normalize", (), {"p": 1.0, "dim": -1}),
+  ("gelu", (), {"approximate": "tanh"}), ("leaky_relu", (0.2,), {}), ("softmax", (1,), {}), ("log_softmax", (-1,), {}),
+])
+def test_functional_names(name: str, args: tuple, kwargs: dict[str, Any]) -> None:
+  _check(lambda x: getattr(F, name)(x, *args, **kwargs), lambda x: getattr(TF, name)(x, *args, **kwargs),
+         _random((3, 4, 5), 11))
+
+
+def test_functional_layer_norm_affine() -> None:
+  _check(lambda x, w, b: F.layer_norm(x, (4, 5), w, b), lambda x, w, b: TF.layer_norm(x, (4, 5), w, b),
+         _random((3, 4, 5), 12), _random((4, 5), 13), _random((4, 5), 14))

@@ -11,6 +11,13 @@ from typing import Sequence
 
 from ourgrad.tensor import Tensor
 
+__all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "avg_pool1d",
+           "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "interpolate", "layernorm",
+           "dropout", "cross_entropy", "nll_loss", "mse_loss", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits", "scaled_dot_product_attention", "relu", "relu6", "gelu", "silu", "mish",
+           "elu", "celu", "selu", "sigmoid", "tanh", "softplus", "leaky_relu", "hardtanh", "hardsigmoid", "hardswish",
+           "softmax", "log_softmax", "linear", "pad", "layer_norm", "normalize"]
+
 # convolutions and pooling
 conv1d, conv2d, conv3d = Tensor.conv1d, Tensor.conv2d, Tensor.conv3d
 conv_transpose1d, conv_transpose2d, conv_transpose3d = \
