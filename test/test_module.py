@@ -277,6 +277,20 @@ def test_plain_classes_keep_working() -> None:
     opt.step()
 
 
+def test_plain_object_inside_module() -> None:
+  """A tinygrad-style object held by a Module still has its tensors found (and trained)."""
+  class Plain:
+    def __init__(self) -> None: self.proj, self.gain = nn.Linear(2, 2), Tensor.ones(2, requires_grad=True)
+
+  class Mixed(nn.Module):
+    def __init__(self) -> None: self.plain, self.head, self.note = Plain(), nn.Linear(2, 1), "text"
+
+  model = Mixed()
+  names = ["plain.proj.weight", "plain.proj.bias", "plain.gain", "head.weight", "head.bias"]
+  assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == names
+  assert [n for n, _ in model.named_children()] == ["head"]
+
+
 def test_repr() -> None:
   text = repr(nn.Sequential(nn.Linear(2, 3), nn.ModuleList([nn.Dropout()])))
   assert text.splitlines()[0] == "Sequential(" and "(1): ModuleList(" in text and "(0): Dropout(" in text

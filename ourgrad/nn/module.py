@@ -6,7 +6,9 @@ walker does (ourgrad/nn/state.py) rather than through registration calls:
   running statistics); `register_buffer(name, tensor, persistent=False)` keeps a buffer out of the state dict;
 - a Module attribute is a *child*; lists, tuples and dicts of Tensors and Modules count too, named "name.0",
   "name.key" (a plain list of layers works like a ModuleList);
-- attributes whose name starts with "_" and everything else are ignored.
+- any other object (a plain tinygrad-style layer) contributes the tensors `get_state_dict` finds in it, as this
+  module's own parameters/buffers ("plain.weight"); it is not a child, so train()/eval() do not reach inside it;
+- attributes whose name starts with "_" are ignored.
 
 Names and order follow PyTorch for the same structure: `named_parameters()` walks the modules in pre-order and
 gives each module's own parameters in attribute order; `state_dict()` gives a module's own parameters, then its
@@ -47,7 +49,10 @@ def _expand(name: str, value: Any) -> list[tuple[str, Tensor | Module]]:
     if id(item) in ancestors: continue
     if isinstance(item, dict): entries = [(str(key), child) for key, child in item.items()]
     elif isinstance(item, (list, tuple)): entries = [(str(index), child) for index, child in enumerate(item)]
-    else: continue
+    else:
+      # a plain (tinygrad-style) object: its tensors belong to this module, named by the attribute walker
+      found.extend(get_state_dict(item, path).items())
+      continue
     inner = ancestors | {id(item)}
     stack.extend((_join(path, key), child, inner) for key, child in reversed(entries))
   return found
