@@ -6,7 +6,7 @@ written without data-dependent indexing:
   and join them with pad-and-add, axis by axis: movement ops and one fused add, gradients for free;
 - `interpolate` is separable: along each spatial axis the output is a fixed linear map of the input (nearest
   picks one source, linear mixes two), computed here in numpy as an (out, in) matrix and applied with a matmul.
-  Nearest upsampling by a whole factor, the common case, is an expand instead (no arithmetic at all).
+  Nearest resizing by a whole factor, the common case, is an expand (up) or a strided view (down) instead.
 Source positions follow PyTorch's rules (`align_corners`, scale from `scale_factor` or from the sizes), computed in
 float32 as PyTorch does, so the chosen neighbours agree at the rounding boundaries.
 
@@ -112,8 +112,17 @@ def _apply_along(x: Tensor, axis: int, matrix: np.ndarray) -> Tensor:
 
 def _take_along(x: Tensor, axis: int, sources: np.ndarray) -> Tensor:
   """x indexed by the static `sources` along `axis`: an expand when it repeats each index k times in order
-  (nearest upsampling by a whole factor), else a one-hot matrix product."""
-  in_size = x.shape[axis]
+  (nearest upsampling by a whole factor), a strided view when it steps by a whole number (downsampling), else a
+  one-hot matrix product."""
+  in_size, count = x.shape[axis], len(sources)
+  step = int(sources[1] - sources[0]) if count > 1 else 1
+  start = int(sources[0])
+  if step >= 1 and np.array_equal(sources, start + step * np.arange(count)):
+    # pad to a whole number of steps, split the axis into (count, step) and keep the first of each step
+    stop = start + count * step
+    x = x.pad(_axis_bounds(x.ndim, axis, (0, max(0, stop - in_size)))).shrink(_axis_bounds(x.ndim, axis, (start, stop)))
+    x = x.reshape(*x.shape[:axis], count, step, *x.shape[axis + 1:])
+    return x.shrink(_axis_bounds(x.ndim, axis + 1, (0, 1))).reshape(*x.shape[:axis], count, *x.shape[axis + 2:])
   factor = len(sources) // in_size if in_size else 0
   whole_factor = factor >= 1 and len(sources) == factor * in_size
   if whole_factor and np.array_equal(sources, np.repeat(np.arange(in_size), factor)):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from ourgrad import Tensor
+from ourgrad import GlobalCounters, Tensor
 from ourgrad import nn
 from ourgrad.errors import ShapeError
 from ourgrad.nn import functional as F
@@ -172,3 +172,22 @@ def test_conv_errors() -> None:
   with pytest.raises(ValueError, match="output_padding"):
     x[:, :, 0].conv_transpose1d(Tensor.zeros(2, 2, 3), stride=2, output_padding=2)
   with pytest.raises(ValueError, match="padding_mode"): nn.Conv2d(2, 2, 3, padding_mode="mirror")
+
+
+def _kernels(tensor: Tensor) -> int:
+  GlobalCounters.reset()
+  tensor.realize()
+  return GlobalCounters.kernel_count
+
+
+def test_kernel_counts() -> None:
+  """Every convolution, whatever its padding, stays one fused reduce kernel (bias and activation included)."""
+  x3, w3 = Tensor(_random((1, 2, 5, 5, 5), 0)).realize(), Tensor(_random((4, 2, 2, 3, 2), 1)).realize()
+  b = Tensor(_random((4,), 2)).realize()
+  assert _kernels(x3.conv3d(w3, b, stride=(1, 2, 1), padding=(1, 0, -1, 1, 0, 2)).relu()) == 1
+  x1, w1 = Tensor(_random((2, 4, 9), 3)).realize(), Tensor(_random((4, 2, 3), 4)).realize()
+  assert _kernels(x1.conv1d(w1, b, padding=(2, -1), groups=2, dilation=2).relu()) == 1
+  wt = Tensor(_random((4, 2, 3), 5)).realize()
+  assert _kernels(x1.conv_transpose1d(wt, stride=2, padding=1, output_padding=1)) == 1
+  x2, wt2 = Tensor(_random((1, 4, 4, 5), 6)).realize(), Tensor(_random((4, 3, 3, 3), 7)).realize()
+  assert _kernels(x2.conv_transpose2d(wt2, stride=2, dilation=2)) == 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from ourgrad import Tensor
+from ourgrad import GlobalCounters, Tensor
 from ourgrad.errors import ShapeError
 from ourgrad.nn import functional as F
 
@@ -100,7 +100,20 @@ INTERP_CASES = [
   ((2, 3, 7), dict(scale_factor=3, mode="nearest")),
   ((1, 2, 3, 4, 3), dict(size=(5, 2, 6), mode="trilinear", align_corners=False)),
   ((1, 2, 3, 4, 3), dict(scale_factor=2, mode="nearest")),
+  ((1, 2, 8, 6), dict(scale_factor=0.5, mode="nearest")),              # strided-view downsampling
+  ((1, 2, 8, 6), dict(scale_factor=0.5, mode="nearest-exact")),        # ... starting at 1
+  ((1, 2, 5, 7), dict(size=(3, 3), mode="nearest-exact")),             # ... padded to whole steps
 ]
+
+
+def test_interpolate_kernel_counts() -> None:
+  """Nearest resizing by whole factors is a view (one copy kernel when made contiguous); bilinear is two matmuls."""
+  x = Tensor(_random((1, 3, 16, 16), 0)).realize()
+  for kwargs, kernels in ((dict(scale_factor=2), 1), (dict(scale_factor=0.5), 1), (dict(size=(5, 7)), 1),
+                          (dict(scale_factor=2, mode="bilinear"), 2)):
+    GlobalCounters.reset()
+    x.interpolate(**kwargs).contiguous().realize()
+    assert GlobalCounters.kernel_count == kernels, kwargs
 
 
 @pytest.mark.parametrize("shape,kwargs", INTERP_CASES)
