@@ -159,15 +159,16 @@ class ResizeMixin:
                   align_corners: bool | None = None, recompute_scale_factor: bool | None = None) -> Tensor:
     """Resize the spatial dims of (N, C, *spatial) to `size` or by `scale_factor` (output floor(in * factor)),
     like torch.nn.functional.interpolate. mode: "nearest" (PyTorch's floor rule), "nearest-exact", "linear"
-    (1 spatial dim), "bilinear" (2) or "trilinear" (3); align_corners (linear modes only, default False) maps the
-    corner pixels' centres onto each other. As in PyTorch, a given scale_factor also sets the source step
-    (1 / factor) unless recompute_scale_factor=True."""
+    (1 spatial dim in PyTorch; any number here, as in tinygrad), "bilinear" (2) or "trilinear" (3);
+    align_corners (linear modes only, default False) maps the corner pixels' centres onto each other. As in
+    PyTorch, a given scale_factor also sets the source step (1 / factor) unless recompute_scale_factor=True."""
     if mode not in INTERPOLATE_MODES: raise ValueError(f"interpolate mode must be one of {INTERPOLATE_MODES}, "
                                                        f"got {mode!r}")
     dims = self.ndim - 2
     if dims < 1: raise ShapeError(f"interpolate needs input (N, C, *spatial), got shape {self.shape}")
     linear = mode in _LINEAR_DIMS
-    if linear and _LINEAR_DIMS[mode] != dims:
+    # "linear" on more than one spatial dim is tinygrad's meaning (linear along each); PyTorch only allows 1
+    if linear and _LINEAR_DIMS[mode] != dims and mode != "linear":
       raise ShapeError(f"interpolate mode {mode!r} needs {_LINEAR_DIMS[mode]} spatial dims, got input {self.shape}")
     if align_corners is not None and not linear:
       raise ValueError(f"align_corners only applies to the linear modes, not {mode!r}")

@@ -124,7 +124,11 @@ def test_interpolate(shape: tuple[int, ...], kwargs: dict[str, Any]) -> None:
 def test_interpolate_errors() -> None:
   x = Tensor.zeros(1, 1, 4, 4)
   with pytest.raises(ValueError, match="exactly one"): x.interpolate()
-  with pytest.raises(ShapeError, match="needs 1 spatial"): x.interpolate(size=3, mode="linear")
+  with pytest.raises(ShapeError, match="needs 3 spatial"): x.interpolate(size=3, mode="trilinear")
+  # "linear" over 2 spatial dims (tinygrad's meaning) is bilinear
+  x = Tensor(_random((1, 1, 4, 4), 1))
+  np.testing.assert_array_equal(x.interpolate(size=3, mode="linear").numpy(),
+                                x.interpolate(size=3, mode="bilinear").numpy())
   with pytest.raises(ValueError, match="align_corners"): x.interpolate(size=3, align_corners=True)
   with pytest.raises(ValueError, match="mode"): x.interpolate(size=3, mode="bicubic")
 

@@ -43,7 +43,7 @@ class OurNet(nn.Module):
     self.blocks = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 5)])
     self.heads = nn.ModuleDict({"a": nn.Linear(5, 3), "b": nn.Linear(5, 3, bias=False)})
     self.seq = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3), nn.Dropout(0.5))
-    self.scale = Tensor.ones(3, requires_grad=True)
+    self.scale = nn.Parameter(Tensor.ones(3))
 
   def forward(self, x: Tensor) -> Tensor:
     x = self.bn(self.conv(x)).relu().mean((2, 3))

@@ -33,13 +33,13 @@ from ourgrad.nn import attention, functional, losses, optim, state
 from ourgrad.nn.activation import (ELU, GELU, AvgPool1d, AvgPool2d, AvgPool3d, Flatten, Hardtanh, Identity, LeakyReLU,
                                    LogSoftmax, MaxPool1d, MaxPool2d, MaxPool3d, ReLU, ReLU6, Sigmoid, SiLU, Softmax,
                                    Softplus, Tanh, Upsample)
-from ourgrad.nn.module import Module, ModuleDict, ModuleList, Sequential
+from ourgrad.nn.module import Module, ModuleDict, ModuleList, Parameter, Sequential
 from ourgrad.tensor import Tensor
 from ourgrad.tensor_conv import conv_padding
 
 IntOrTuple = int | Sequence[int]
 
-__all__ = ["attention", "functional", "losses", "optim", "state", "Module", "ModuleDict", "ModuleList",
+__all__ = ["attention", "functional", "losses", "optim", "state", "Module", "ModuleDict", "ModuleList", "Parameter",
            "Sequential", "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
            "ConvTranspose3d", "BatchNorm", "BatchNorm1d", "BatchNorm2d",
            "BatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "RMSNorm", "Embedding",

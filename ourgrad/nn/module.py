@@ -58,6 +58,14 @@ def _expand(name: str, value: Any) -> list[tuple[str, Tensor | Module]]:
   return found
 
 
+def Parameter(data: Tensor, requires_grad: bool = True) -> Tensor:  # noqa: N802 (PyTorch's name)
+  """torch.nn.Parameter's spelling: `data` itself, marked requires_grad (a Module finds every Tensor attribute
+  without requires_grad=False as a parameter, so no wrapper class is needed)."""
+  if not isinstance(data, Tensor): raise TypeError(f"Parameter needs a Tensor, got {type(data).__name__}")
+  data.requires_grad = requires_grad
+  return data
+
+
 class Module:
   """Base class of layers and models, like torch.nn.Module: set Tensors and sub-Modules as attributes in
   `__init__`, write `forward`, and call the module. See the module docstring for how state is found."""
