@@ -150,9 +150,52 @@ def _output_sizes(x: Tensor, dims: int, size: int | Sequence[int] | None,
   return sizes, factors
 
 
+def _adaptive_matrix(in_size: int, out_size: int) -> np.ndarray:
+  """(out, in) weights of adaptive average pooling: bin j averages [floor(j*in/out), ceil((j+1)*in/out))."""
+  matrix = np.zeros((out_size, in_size), dtype=np.float32)
+  for j in range(out_size):
+    start, stop = (j * in_size) // out_size, -((-(j + 1) * in_size) // out_size)
+    matrix[j, start:stop] = 1.0 / (stop - start)
+  return matrix
+
+
 class ResizeMixin:
-  """Tensor methods that resample the spatial dims (interpolate); the padding modes are used by Tensor.pad."""
+  """Tensor methods that resample the spatial dims (interpolate, adaptive average pooling); the padding modes are
+  used by Tensor.pad."""
   __slots__ = ()
+
+  def _adaptive_avg_pool(self: Tensor, dims: int, output_size: int | Sequence[int | None]) -> Tensor:
+    name = f"adaptive_avg_pool{dims}d"
+    if self.ndim not in (dims + 1, dims + 2):
+      raise ShapeError(f"{name} expects a {dims + 1}-D or {dims + 2}-D input, got shape {self.shape}")
+    sizes = (output_size,) * dims if isinstance(output_size, int) or output_size is None else tuple(output_size)
+    if len(sizes) != dims: raise ShapeError(f"{name} output_size {output_size} needs {dims} values")
+    x = self
+    for index, out_size in enumerate(sizes):
+      axis = self.ndim - dims + index
+      in_size = self.shape[axis]
+      if out_size is None or out_size == in_size: continue  # None keeps the size, as in PyTorch
+      if out_size <= 0: raise ValueError(f"{name} output sizes must be positive, got {sizes}")
+      if in_size % out_size == 0:
+        # equal bins: a reshape and a mean (no matrix)
+        step = in_size // out_size
+        x = x.reshape(*x.shape[:axis], out_size, step, *x.shape[axis + 1:]).mean(axis + 1)
+      else:
+        x = _apply_along(x, axis, _adaptive_matrix(in_size, out_size))
+    return x
+
+  def adaptive_avg_pool1d(self: Tensor, output_size: int | Sequence[int | None]) -> Tensor:
+    """Average the last dim into `output_size` bins, like torch.nn.functional.adaptive_avg_pool1d."""
+    return self._adaptive_avg_pool(1, output_size)
+
+  def adaptive_avg_pool2d(self: Tensor, output_size: int | Sequence[int | None]) -> Tensor:
+    """Average the last two dims into `output_size` bins (int, pair, None keeps a size), like
+    torch.nn.functional.adaptive_avg_pool2d; bin j covers [floor(j*in/out), ceil((j+1)*in/out))."""
+    return self._adaptive_avg_pool(2, output_size)
+
+  def adaptive_avg_pool3d(self: Tensor, output_size: int | Sequence[int | None]) -> Tensor:
+    """Average the last three dims into `output_size` bins, like torch.nn.functional.adaptive_avg_pool3d."""
+    return self._adaptive_avg_pool(3, output_size)
 
   def interpolate(self: Tensor, size: int | Sequence[int] | None = None,
                   scale_factor: float | Sequence[float] | None = None, mode: str = "nearest",

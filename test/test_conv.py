@@ -191,3 +191,17 @@ def test_kernel_counts() -> None:
   assert _kernels(x1.conv_transpose1d(wt, stride=2, padding=1, output_padding=1)) == 1
   x2, wt2 = Tensor(_random((1, 4, 4, 5), 6)).realize(), Tensor(_random((4, 3, 3, 3), 7)).realize()
   assert _kernels(x2.conv_transpose2d(wt2, stride=2, dilation=2)) == 1
+
+
+@pytest.mark.parametrize("dims,shape,output_size", [
+  (2, (2, 3, 7, 9), (3, 4)), (2, (3, 8, 8), 4), (2, (1, 2, 5, 6), (None, 4)), (1, (2, 3, 10), 4),
+  (3, (1, 2, 5, 4, 6), (2, 3, 4))])
+def test_adaptive_avg_pool(dims: int, shape: tuple[int, ...], output_size: Any) -> None:
+  ours = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}[dims]
+  theirs = {1: TF.adaptive_avg_pool1d, 2: TF.adaptive_avg_pool2d, 3: TF.adaptive_avg_pool3d}[dims]
+  _check(lambda x: ours(x, output_size), lambda x: theirs(x, output_size), _random(shape, 22))
+
+
+def test_functional_embedding() -> None:
+  weight, indices = _random((6, 3), 23), np.array([[1, 5], [5, 0]])
+  _check(lambda w: F.embedding(Tensor(indices), w), lambda w: TF.embedding(torch.tensor(indices), w), weight)

@@ -308,10 +308,13 @@ def test_submodules_import_with_nn() -> None:
   lambda m: m.Flatten(), lambda m: m.Identity(), lambda m: m.MaxPool2d(2), lambda m: m.AvgPool2d(3, 1, 1),
   lambda m: m.MaxPool1d(3, 2), lambda m: m.AvgPool3d(2), lambda m: m.Upsample(scale_factor=2),
   lambda m: m.Upsample(size=(5, 3), mode="bilinear", align_corners=True),
+  lambda m: m.AdaptiveAvgPool2d(1), lambda m: m.AdaptiveAvgPool2d((3, None)), lambda m: m.AdaptiveAvgPool1d(3),
+  lambda m: m.AdaptiveAvgPool3d((2, 3, 1)),
 ])
 def test_parameter_free_layers(make: Any) -> None:
   ours, theirs = make(nn), make(torch.nn)
-  shape = {"MaxPool1d": (2, 3, 8), "AvgPool3d": (1, 2, 4, 4, 4)}.get(type(ours).__name__, (2, 3, 4, 4))
+  shape = {"MaxPool1d": (2, 3, 8), "AvgPool3d": (1, 2, 4, 4, 4), "AdaptiveAvgPool1d": (2, 3, 7),
+           "AdaptiveAvgPool3d": (1, 2, 5, 4, 3)}.get(type(ours).__name__, (2, 3, 4, 4))
   x = _random(shape, 7) * 3
   xo, xt = Tensor(x, requires_grad=True), torch.tensor(x, requires_grad=True)
   out, ref = ours(xo), theirs(xt)
@@ -340,3 +343,32 @@ def test_torch_style_cnn_end_to_end() -> None:
   np.testing.assert_allclose(loss.numpy(), ref.detach().numpy(), atol=1e-5, rtol=1e-5)
   for (name, param), (_, tparam) in zip(ours.named_parameters(), theirs.named_parameters()):
     np.testing.assert_allclose(param.grad.numpy(), tparam.grad.numpy(), atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("name,kwargs,target", [
+  ("CrossEntropyLoss", {}, "index"), ("CrossEntropyLoss", {"label_smoothing": 0.1, "ignore_index": 2}, "index"),
+  ("NLLLoss", {"reduction": "sum"}, "index"), ("MSELoss", {}, "float"), ("L1Loss", {"reduction": "none"}, "float"),
+  ("BCELoss", {}, "prob"), ("BCEWithLogitsLoss", {}, "prob"),
+])
+def test_loss_modules(name: str, kwargs: dict[str, Any], target: str) -> None:
+  x = _random((4, 5), 10)
+  if name == "BCELoss": x = 1 / (1 + np.exp(-x))
+  y = {"index": np.array([0, 2, 4, 1]), "float": _random((4, 5), 11),
+       "prob": np.random.default_rng(12).uniform(size=(4, 5)).astype(np.float32)}[target]
+  ours, theirs = getattr(nn, name)(**kwargs), getattr(torch.nn, name)(**kwargs)
+  xo, xt = Tensor(x, requires_grad=True), torch.tensor(x, requires_grad=True)
+  out, ref = ours(xo, Tensor(y)), theirs(xt, torch.tensor(y))
+  np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=1e-5, rtol=1e-5)
+  out.sum().backward()
+  ref.sum().backward()
+  np.testing.assert_allclose(xo.grad.numpy(), xt.grad.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_bce_with_logits_pos_weight_is_a_buffer() -> None:
+  weight = np.array([1.0, 2.0, 0.5], dtype=np.float32)
+  ours = nn.BCEWithLogitsLoss(pos_weight=Tensor(weight))
+  theirs = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(weight))
+  assert list(ours.state_dict()) == list(theirs.state_dict()) == ["pos_weight"]
+  x, y = _random((4, 3), 13), np.random.default_rng(14).uniform(size=(4, 3)).astype(np.float32)
+  np.testing.assert_allclose(ours(Tensor(x), Tensor(y)).numpy(), theirs(torch.tensor(x), torch.tensor(y)).numpy(),
+                             atol=1e-6)

@@ -30,9 +30,10 @@ from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import make_tuple
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.nn import attention, functional, losses, optim, state
-from ourgrad.nn.activation import (ELU, GELU, AvgPool1d, AvgPool2d, AvgPool3d, Flatten, Hardtanh, Identity, LeakyReLU,
-                                   LogSoftmax, MaxPool1d, MaxPool2d, MaxPool3d, ReLU, ReLU6, Sigmoid, SiLU, Softmax,
-                                   Softplus, Tanh, Upsample)
+from ourgrad.nn.stateless import (ELU, GELU, AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveAvgPool3d, AvgPool1d,
+                                   AvgPool2d, AvgPool3d, BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, Flatten,
+                                   Hardtanh, Identity, L1Loss, LeakyReLU, LogSoftmax, MaxPool1d, MaxPool2d, MaxPool3d,
+                                   MSELoss, NLLLoss, ReLU, ReLU6, Sigmoid, SiLU, Softmax, Softplus, Tanh, Upsample)
 from ourgrad.nn.module import Module, ModuleDict, ModuleList, Parameter, Sequential
 from ourgrad.tensor import Tensor
 from ourgrad.tensor_conv import conv_padding
@@ -45,7 +46,8 @@ __all__ = ["attention", "functional", "losses", "optim", "state", "Module", "Mod
            "BatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "RMSNorm", "Embedding",
            "Dropout", "ReLU", "ReLU6", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU", "Softplus", "Hardtanh",
            "Softmax", "LogSoftmax", "Flatten", "Identity", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d",
-           "AvgPool2d", "AvgPool3d", "Upsample"]
+           "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Upsample",
+           "CrossEntropyLoss", "NLLLoss", "MSELoss", "L1Loss", "BCELoss", "BCEWithLogitsLoss"]
 
 
 def _uniform_init(shape: tuple[int, ...], fan_in: int) -> Tensor:

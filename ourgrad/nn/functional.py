@@ -12,7 +12,8 @@ from typing import Sequence
 from ourgrad.tensor import Tensor
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "avg_pool1d",
-           "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "interpolate", "layernorm",
+           "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "interpolate", "adaptive_avg_pool1d",
+           "adaptive_avg_pool2d", "adaptive_avg_pool3d", "embedding", "layernorm",
            "dropout", "cross_entropy", "nll_loss", "mse_loss", "binary_cross_entropy",
            "binary_cross_entropy_with_logits", "scaled_dot_product_attention", "relu", "relu6", "gelu", "silu", "mish",
            "elu", "celu", "selu", "sigmoid", "tanh", "softplus", "leaky_relu", "hardtanh", "hardsigmoid", "hardswish",
@@ -27,6 +28,8 @@ max_pool1d, max_pool2d, max_pool3d = Tensor.max_pool1d, Tensor.max_pool2d, Tenso
 
 # resampling, padding, normalization, dropout
 interpolate = Tensor.interpolate
+adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_avg_pool3d = \
+  Tensor.adaptive_avg_pool1d, Tensor.adaptive_avg_pool2d, Tensor.adaptive_avg_pool3d
 layernorm = Tensor.layernorm
 dropout = Tensor.dropout
 
@@ -64,3 +67,8 @@ def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Te
   """torch.nn.functional.normalize: x / max(||x||_p over dim, eps)."""
   norm = x.abs().pow(p).sum(dim, keepdim=True).pow(1.0 / p) if p != 2.0 else x.square().sum(dim, keepdim=True).sqrt()
   return x / norm.maximum(eps)
+
+
+def embedding(indices: Tensor, weight: Tensor) -> Tensor:
+  """torch.nn.functional.embedding: the rows of `weight` at integer `indices` (any shape) -> (..., dim)."""
+  return weight[indices]

@@ -1,4 +1,4 @@
-"""Parameter-free layers as Modules, with torch.nn's names: activations, Flatten, Identity, pooling, Upsample.
+"""Parameter-free layers as Modules, with torch.nn's names: activations, Flatten, Identity, pooling, Upsample, losses.
 
 They hold only their arguments and call the Tensor method of the same job in `forward`, so that
 `nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(...))` reads as in
@@ -15,7 +15,8 @@ IntOrTuple = int | Sequence[int]
 
 __all__ = ["ReLU", "ReLU6", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU", "Softplus", "Hardtanh",
            "Softmax", "LogSoftmax", "Flatten", "Identity", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d",
-           "AvgPool2d", "AvgPool3d", "Upsample"]
+           "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Upsample",
+           "CrossEntropyLoss", "NLLLoss", "MSELoss", "L1Loss", "BCELoss", "BCEWithLogitsLoss"]
 
 
 class ReLU(Module):
@@ -177,3 +178,88 @@ class Upsample(Module):
 
   def forward(self, x: Tensor) -> Tensor:
     return x.interpolate(self.size, self.scale_factor, self.mode, self.align_corners)
+
+
+class _AdaptiveAvgPoolNd(Module):
+  dims = 0
+
+  def __init__(self, output_size: IntOrTuple): self.output_size = output_size
+
+  def forward(self, x: Tensor) -> Tensor: return x._adaptive_avg_pool(self.dims, self.output_size)
+
+
+class AdaptiveAvgPool1d(_AdaptiveAvgPoolNd):
+  """Average pooling of the last dim to `output_size` bins, like torch.nn.AdaptiveAvgPool1d."""
+  dims = 1
+
+
+class AdaptiveAvgPool2d(_AdaptiveAvgPoolNd):
+  """Average pooling of the last two dims to `output_size` bins, like torch.nn.AdaptiveAvgPool2d."""
+  dims = 2
+
+
+class AdaptiveAvgPool3d(_AdaptiveAvgPoolNd):
+  """Average pooling of the last three dims to `output_size` bins, like torch.nn.AdaptiveAvgPool3d."""
+  dims = 3
+
+
+# ---------------------------------------------------------------- losses as modules: criterion(input, target)
+
+class CrossEntropyLoss(Module):
+  """Tensor.cross_entropy as a module, like torch.nn.CrossEntropyLoss (no class weights)."""
+
+  def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
+    self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+
+  def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+    return logits.cross_entropy(target, self.reduction, self.label_smoothing, self.ignore_index)
+
+
+class NLLLoss(Module):
+  """Tensor.nll_loss as a module, like torch.nn.NLLLoss (no class weights)."""
+
+  def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
+    self.ignore_index, self.reduction = ignore_index, reduction
+
+  def forward(self, log_probs: Tensor, target: Tensor) -> Tensor:
+    return log_probs.nll_loss(target, self.reduction, self.ignore_index)
+
+
+class MSELoss(Module):
+  """Tensor.mse_loss as a module, like torch.nn.MSELoss."""
+
+  def __init__(self, reduction: str = "mean"): self.reduction = reduction
+
+  def forward(self, pred: Tensor, target: Tensor) -> Tensor: return pred.mse_loss(target, self.reduction)
+
+
+class L1Loss(Module):
+  """|pred - target| with a reduction ("mean", "sum", "none"), like torch.nn.L1Loss."""
+
+  def __init__(self, reduction: str = "mean"):
+    if reduction not in ("none", "mean", "sum"): raise ValueError(f"reduction must be none/mean/sum, got {reduction!r}")
+    self.reduction = reduction
+
+  def forward(self, pred: Tensor, target: Tensor) -> Tensor:
+    loss = (pred - target).abs()
+    return loss if self.reduction == "none" else loss.mean() if self.reduction == "mean" else loss.sum()
+
+
+class BCELoss(Module):
+  """Tensor.binary_cross_entropy as a module, like torch.nn.BCELoss (no weights)."""
+
+  def __init__(self, reduction: str = "mean"): self.reduction = reduction
+
+  def forward(self, probs: Tensor, target: Tensor) -> Tensor: return probs.binary_cross_entropy(target, self.reduction)
+
+
+class BCEWithLogitsLoss(Module):
+  """Tensor.binary_cross_entropy_with_logits as a module, like torch.nn.BCEWithLogitsLoss; pos_weight is kept as
+  a buffer."""
+
+  def __init__(self, reduction: str = "mean", pos_weight: Tensor | None = None):
+    self.reduction = reduction
+    self.register_buffer("pos_weight", pos_weight)
+
+  def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+    return logits.binary_cross_entropy_with_logits(target, self.reduction, self.pos_weight)
