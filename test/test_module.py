@@ -372,3 +372,39 @@ def test_bce_with_logits_pos_weight_is_a_buffer() -> None:
   x, y = _random((4, 3), 13), np.random.default_rng(14).uniform(size=(4, 3)).astype(np.float32)
   np.testing.assert_allclose(ours(Tensor(x), Tensor(y)).numpy(), theirs(torch.tensor(x), torch.tensor(y)).numpy(),
                              atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_first,masks,average", [
+  (False, "none", True), (False, "causal+padding", True), (True, "float", False), (True, "unbatched", True),
+  (False, "per-head", False),
+])
+def test_multihead_attention(batch_first: bool, masks: str, average: bool) -> None:
+  embed, heads, length, source, batch = 8, 2, 4, 5, 3
+  theirs = torch.nn.MultiheadAttention(embed, heads, batch_first=batch_first)
+  ours = nn.MultiheadAttention(embed, heads, batch_first=batch_first)
+  assert list(ours.state_dict()) == list(theirs.state_dict())
+  ours.load_state_dict({name: Tensor(value.numpy()) for name, value in theirs.state_dict().items()})
+  q_shape = (length, embed) if masks == "unbatched" else \
+    (batch, length, embed) if batch_first else (length, batch, embed)
+  kv_shape = (q_shape[0], source, embed) if batch_first and masks != "unbatched" else \
+    (source, embed) if masks == "unbatched" else (source, batch, embed)
+  q, k, v = _random(q_shape, 20), _random(kv_shape, 21), _random(kv_shape, 22)
+  kwargs: dict[str, Any] = {"average_attn_weights": average}
+  if masks == "causal+padding":
+    kwargs["attn_mask"] = np.triu(np.ones((length, source), dtype=bool), 1)
+    kwargs["key_padding_mask"] = np.array([[False] * 4 + [True], [False] * 5, [False, True] + [False] * 3])
+  elif masks == "float": kwargs["attn_mask"] = _random((length, source), 23)
+  elif masks == "per-head": kwargs["attn_mask"] = _random((batch * heads, length, source), 24)
+  ours_kwargs = {key: Tensor(value) if isinstance(value, np.ndarray) else value for key, value in kwargs.items()}
+  theirs_kwargs = {key: torch.tensor(v) if isinstance(v, np.ndarray) else v for key, v in kwargs.items()}
+  qo, qt = Tensor(q, requires_grad=True), torch.tensor(q, requires_grad=True)
+  out, weights = ours(qo, Tensor(k), Tensor(v), **ours_kwargs)
+  ref, ref_weights = theirs(qt, torch.tensor(k), torch.tensor(v), **theirs_kwargs)
+  np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(weights.numpy(), ref_weights.detach().numpy(), atol=1e-5, rtol=1e-5)
+  (out * Tensor(_random(tuple(ref.shape), 25))).sum().backward()
+  (ref * torch.tensor(_random(tuple(ref.shape), 25))).sum().backward()
+  np.testing.assert_allclose(qo.grad.numpy(), qt.grad.numpy(), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(ours.in_proj_weight.grad.numpy(), theirs.in_proj_weight.grad.numpy(), atol=1e-5,
+                             rtol=1e-5)
+  assert ours(qo, Tensor(k), Tensor(v), need_weights=False)[1] is None
