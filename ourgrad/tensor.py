@@ -12,7 +12,10 @@ Tensor's methods come from mixins, one module per job:
   ourgrad/tensor_math.py      ElementwiseMixin  broadcasting, operators, unary math, activations, rounding
   ourgrad/tensor_reduce.py    ReduceMixin       reductions (sum, max, softmax, cumsum, ...) and matmul, triu, tril
   ourgrad/tensor_sort.py      SortMixin         sort, argsort, topk, multinomial
-  ourgrad/tensor_nn.py        NNMixin           conv2d, pooling, dropout, losses, attention: calls into ourgrad/nn
+  ourgrad/tensor_nn.py        NNMixin           layernorm, dropout, losses, attention; and through its bases:
+  ourgrad/tensor_conv.py      ConvMixin         conv1d/2d/3d, conv_transpose1d/2d/3d, avg/max pooling
+  ourgrad/tensor_resize.py    ResizeMixin       interpolate (and the reflect/replicate/circular pad modes)
+  ourgrad/tensor_einsum.py    EinsumMixin       einsum
 """
 from __future__ import annotations
 

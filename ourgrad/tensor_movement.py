@@ -23,6 +23,7 @@ from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import AxisError, DeviceError, DTypeError, IndexOutOfRangeError, ShapeError
 from ourgrad.helpers import normalize_axis, prod
 from ourgrad.tensor_math import _broadcast_shape
+from ourgrad.tensor_resize import PAD_MODES, pad_with_mode
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Scalar, Tensor
@@ -109,10 +110,14 @@ class MovementMixin:
     if all(bound == (0, size) for bound, size in zip(bounds, self.shape)): return self
     return F.Shrink.apply(self, arg=bounds)
 
-  def pad(self, padding: Sequence[int] | Sequence[tuple[int, int] | None], value: Scalar = 0.0) -> Tensor:
-    """Pad with `value`. `padding` is PyTorch's flat form (last dim first: (left, right, top, bottom, ...)) or
-    one (before, after) pair (or None) per dimension. Negative amounts crop."""
-    from ourgrad.tensor import Tensor
+  def pad(self, padding: Sequence[int] | Sequence[tuple[int, int] | None], value: Scalar = 0.0,
+          mode: str = "constant") -> Tensor:
+    """Pad with `value`, or with PyTorch's border `mode` ("constant", "reflect", "replicate", "circular"; see
+    ourgrad/tensor_resize.py). `padding` is PyTorch's flat form (last dim first: (left, right, top, bottom, ...))
+    or one (before, after) pair (or None) per dimension. Negative amounts crop. tinygrad's `x.pad(p, "reflect")`
+    (the mode second) works too."""
+    if isinstance(value, str): mode, value = value, 0.0
+    if mode not in PAD_MODES: raise ValueError(f"pad mode must be one of {PAD_MODES}, got {mode!r}")
     if all(isinstance(amount, (int, np.integer)) for amount in padding):
       if len(padding) % 2 or len(padding) // 2 > self.ndim:
         raise ShapeError(f"pad {tuple(padding)} needs an even count of at most {2 * self.ndim} values")
@@ -125,9 +130,10 @@ class MovementMixin:
     x = self.shrink(crop) if any(b < 0 or a < 0 for b, a in pairs) else self
     grow = tuple((max(before, 0), max(after, 0)) for before, after in pairs)
     if all(pair == (0, 0) for pair in grow): return x
+    if mode != "constant": return pad_with_mode(x, grow, mode)
     padded = F.Pad.apply(x, arg=grow)
     if value == 0: return padded
-    inside = F.Pad.apply(Tensor.ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
+    inside = F.Pad.apply(type(self).ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
     return inside.where(padded, value)
 
   def squeeze(self, dim: int | None = None) -> Tensor:

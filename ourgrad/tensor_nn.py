@@ -1,89 +1,261 @@
-"""Neural-network operations as Tensor methods (NNMixin), for PyTorch's `x.conv2d(w)`-style calls.
+"""Neural-network operations as Tensor methods (NNMixin): normalization, dropout, losses and attention.
 
-Each method is one line that calls the function doing the work: ourgrad/nn/functional.py (conv2d, pooling,
-layernorm, dropout), ourgrad/nn/losses.py (cross entropy and the other losses) and ourgrad/nn/attention.py
-(scaled dot-product attention). Those modules import Tensor, so they are imported when a method is called.
+Every method is composed from Tensor ops, so it stays lazy, fuses with the layer before it and gets its gradient
+from the primitives. NNMixin also brings in the convolutions and pooling (ourgrad/tensor_conv.py, ConvMixin),
+resampling and padding modes (ourgrad/tensor_resize.py, ResizeMixin) and einsum (ourgrad/tensor_einsum.py,
+EinsumMixin), so `class Tensor(..., NNMixin)` gets all of them.
+
+Losses: class-index targets never use a gather: `target.unsqueeze(-1) == arange(C)` makes a one-hot mask that
+`where` + `sum` turn into one fused reduce, and log-probabilities come from the max-shifted (numerically stable)
+`log_softmax`. Layout conventions follow PyTorch: `cross_entropy` and `nll_loss` take the class dimension at
+axis 1 for batched input ((N, C) or (N, C, d1, ...)) and at axis 0 for a single unbatched sample (C,);
+`sparse_categorical_crossentropy` (tinygrad's name) takes it last.
+
+Attention: softmax(q @ k^T * scale + mask) @ v, a matmul reduce, a fused masked softmax and a second matmul.
+
+This module sits below ourgrad/nn (whose functional.py, losses.py and attention.py re-export these methods) and
+never imports it, nor the Tensor class: new tensors come from `type(self)`'s constructors.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from numbers import Integral
+from typing import TYPE_CHECKING, Sequence
+
+from ourgrad.dtype import dtypes
+from ourgrad.errors import DTypeError, ShapeError
+from ourgrad.tensor_conv import ConvMixin
+from ourgrad.tensor_einsum import EinsumMixin
+from ourgrad.tensor_resize import ResizeMixin
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
 
+REDUCTIONS = ("none", "mean", "sum")
 
-class NNMixin:
-  """Tensor methods that hand over to ourgrad.nn: conv2d, pooling, layernorm, dropout, losses, attention."""
+
+def _reduce(loss: Tensor, reduction: str) -> Tensor:
+  """Apply a torch-style `reduction` ("none", "mean" or "sum") to per-element losses."""
+  if reduction == "none": return loss
+  if reduction == "mean": return loss.mean()
+  if reduction == "sum": return loss.sum()
+  raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _check_reduction(reduction: str) -> None:
+  if reduction not in REDUCTIONS: raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _class_last(x: Tensor) -> Tensor:
+  """Move the PyTorch class axis (1 for batched input, 0 for an unbatched (C,) sample) to the end."""
+  if x.ndim == 0: raise ShapeError("a loss over classes needs input with at least 1 dimension (the classes), got ()")
+  if x.ndim <= 2: return x
+  return x.permute(0, *range(2, x.ndim), 1)
+
+
+def _check_index_target(scores: Tensor, target: Tensor, what: str) -> None:
+  """`scores` has the classes last; the index target must have its shape without the class axis."""
+  if target.dtype.is_float or target.dtype == dtypes.bool:
+    raise DTypeError(f"{what}: class-index targets must be integers, got {target.dtype}")
+  if target.shape != scores.shape[:-1]:
+    raise ShapeError(f"{what}: target of shape {target.shape} does not match input of shape {scores.shape} "
+                     f"(classes last); the target needs the input's shape without the class dimension")
+
+
+def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: int,
+               label_smoothing: float) -> Tensor:
+  """Negative log-likelihood of class indices, classes on the last axis of `log_probs`.
+
+  With label smoothing e the per-sample loss is (1-e) * -log p[target] + e * mean_c(-log p[c]), as in PyTorch.
+  Samples whose target is `ignore_index` contribute 0, and "mean" divides by the number of the other samples
+  (0/0 = nan when all are ignored, as in PyTorch)."""
+  _check_reduction(reduction)
+  classes = log_probs.shape[-1]
+  one_hot = target.unsqueeze(-1) == type(log_probs).arange(classes, device=log_probs.device)
+  loss = -one_hot.where(log_probs, 0).sum(-1)
+  if label_smoothing:
+    loss = (1.0 - label_smoothing) * loss - label_smoothing * log_probs.mean(-1)
+  keep = target != ignore_index
+  loss = keep.where(loss, 0)
+  if reduction == "mean": return loss.sum() / keep.sum().cast(loss.dtype)
+  return _reduce(loss, reduction)
+
+
+def _check_same_shape(a: Tensor, b: Tensor, what: str) -> None:
+  # PyTorch only warns on broadcasting here, and it is nearly always a bug ((N, 1) vs (N,)), so refuse it
+  if a.shape != b.shape: raise ShapeError(f"{what}: input of shape {a.shape} and target of shape {b.shape} differ")
+
+
+def _clamped_log(x: Tensor) -> Tensor:
+  """max(log(x), -100), PyTorch's clamp in binary_cross_entropy. The log only ever sees positive values (x <= 0
+  is replaced by 1 inside and by -100 outside), so the gradient at x = 0 is 0, never the nan of 0 * (1/0)."""
+  positive = x > 0
+  return positive.where(positive.where(x, 1.0).log().maximum(-100.0), -100.0)
+
+
+def _repeat_heads(x: Tensor, repeats: int) -> Tensor:
+  """(..., H, S, E) -> (..., H * repeats, S, E) with each head repeated `repeats` times in a row (GQA)."""
+  if repeats == 1: return x
+  expanded = x.unsqueeze(-3).expand(*x.shape[:-2], repeats, *x.shape[-2:])
+  return expanded.reshape(*x.shape[:-3], x.shape[-3] * repeats, *x.shape[-2:])
+
+
+def _masked_softmax(scores: Tensor) -> Tensor:
+  """softmax over the last axis that gives 0 (not nan) for a row masked out entirely (all -inf), as PyTorch's
+  sdpa does: the row maximum is then -inf, so it is replaced by 0, and the empty sum by 1."""
+  peak = scores.max(-1, keepdim=True)
+  peak = (peak == -math.inf).where(0.0, peak)
+  exps = (scores - peak).exp()
+  total = exps.sum(-1, keepdim=True)
+  return exps / (total == 0).where(1.0, total)
+
+
+class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
+  """Tensor methods for neural networks: layernorm, dropout, losses, attention (and, through the base mixins,
+  convolutions, pooling, interpolate, padding modes, einsum)."""
   __slots__ = ()
 
-  def conv2d(self, weight: Tensor, bias: Tensor | None = None, stride: int | tuple[int, int] = 1,
-             padding: int | tuple[int, int] = 0, dilation: int | tuple[int, int] = 1, groups: int = 1) -> Tensor:
-    """2-D convolution, torch.nn.functional.conv2d semantics (input NCHW, weight (out, in/groups, kh, kw))."""
-    from ourgrad.nn import functional
-    return functional.conv2d(self, weight, bias, stride, padding, dilation, groups)
+  # ---------------------------------------------------------------- normalization and dropout
 
-  def avg_pool2d(self, kernel_size: int | tuple[int, int] = 2, stride: int | tuple[int, int] | None = None,
-                 padding: int | tuple[int, int] = 0) -> Tensor:
-    """2-D average pooling of an (N, C, H, W) or (C, H, W) tensor, torch.nn.functional.avg_pool2d with its defaults
-    (count_include_pad=True, ceil_mode=False)."""
-    from ourgrad.nn import functional
-    return functional.avg_pool2d(self, kernel_size, stride, padding)
+  def layernorm(self: Tensor, axis: int | Sequence[int] = -1, eps: float = 1e-5) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over `axis` (an int or a tuple of axes), with the biased variance as in
+    torch.nn.functional.layer_norm; no affine weight or bias (nn.LayerNorm adds those)."""
+    axes = (int(axis),) if isinstance(axis, Integral) else tuple(axis)
+    centered = self - self.mean(axes, keepdim=True)
+    return centered * (centered.square().mean(axes, keepdim=True) + eps).rsqrt()
 
-  def max_pool2d(self, kernel_size: int | tuple[int, int] = 2, stride: int | tuple[int, int] | None = None,
-                 padding: int | tuple[int, int] = 0, dilation: int | tuple[int, int] = 1) -> Tensor:
-    """2-D max pooling of an (N, C, H, W) or (C, H, W) tensor, torch.nn.functional.max_pool2d without return_indices or
-    ceil_mode."""
-    from ourgrad.nn import functional
-    return functional.max_pool2d(self, kernel_size, stride, padding, dilation)
+  def dropout(self: Tensor, p: float = 0.5, training: bool | None = None) -> Tensor:
+    """While training, zero each element with probability p and scale the others by 1 / (1 - p), so the
+    expectation is unchanged; otherwise return the tensor. `training` defaults to the global Tensor.training
+    (nn.Dropout passes its module's mode). The mask comes from rand, so manual_seed makes it reproducible."""
+    if not 0.0 <= p <= 1.0: raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    if not (type(self).training if training is None else training) or p == 0.0: return self
+    keep = type(self).rand(*self.shape, device=self.device) >= p
+    # p == 1 keeps nothing (rand < 1 always), and must not scale by 1/0
+    return keep.where(self * (1.0 / (1.0 - p)) if p < 1.0 else self, 0)
 
-  def layernorm(self, axis: int | tuple[int, ...] = -1, eps: float = 1e-5) -> Tensor:
-    """Normalize over `axis` to zero mean and unit variance (no affine part; see nn.LayerNorm)."""
-    from ourgrad.nn import functional
-    return functional.layernorm(self, axis, eps)
+  # ---------------------------------------------------------------- losses
 
-  def dropout(self, p: float = 0.5) -> Tensor:
-    """Zero each element with probability p and scale the rest by 1/(1-p), only while Tensor.training."""
-    from ourgrad.nn import functional
-    return functional.dropout(self, p)
+  def nll_loss(self: Tensor, target: Tensor, reduction: str = "mean", ignore_index: int = -100) -> Tensor:
+    """Negative log-likelihood of these log-probabilities at the class indices `target`, like
+    torch.nn.functional.nll_loss (classes on axis 1 ((N, C, ...)) or 0 ((C,)))."""
+    scores = _class_last(self)
+    _check_index_target(scores, target, "nll_loss")
+    return _index_nll(scores, target, reduction, ignore_index, 0.0)
 
-  def cross_entropy(self, target: Tensor, reduction: str = "mean", label_smoothing: float = 0.0,
+  def cross_entropy(self: Tensor, target: Tensor, reduction: str = "mean", label_smoothing: float = 0.0,
                     ignore_index: int = -100) -> Tensor:
-    """Cross entropy of these logits (classes on axis 1, or 0 if 1-D) against class indices or probabilities,
-    like torch.nn.functional.cross_entropy (see ourgrad/nn/losses.py)."""
-    from ourgrad.nn import losses
-    return losses.cross_entropy(self, target, reduction, label_smoothing, ignore_index)
+    """Cross entropy of these logits like torch.nn.functional.cross_entropy: log_softmax over the class axis (1,
+    or 0 for unbatched (C,) input) and the negative log-likelihood of `target`.
 
-  def sparse_categorical_crossentropy(self, target: Tensor, ignore_index: int = -1, label_smoothing: float = 0.0,
-                                      reduction: str = "mean") -> Tensor:
-    """tinygrad's cross entropy of these logits (classes on the LAST axis) against integer class indices."""
-    from ourgrad.nn import losses
-    return losses.sparse_categorical_crossentropy(self, target, ignore_index, label_smoothing, reduction)
+    `target` is either integer class indices (the input's shape without the class axis; `ignore_index` samples
+    are skipped) or float class probabilities of the input's shape (smoothed towards uniform by
+    `label_smoothing`; "mean" then divides by the number of samples)."""
+    if not 0.0 <= label_smoothing <= 1.0:
+      raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    scores = _class_last(self)
+    log_probs = scores.log_softmax(-1)
+    if not target.dtype.is_float:
+      _check_index_target(scores, target, "cross_entropy")
+      return _index_nll(log_probs, target, reduction, ignore_index, label_smoothing)
+    if target.shape != self.shape:
+      raise ShapeError(f"cross_entropy: a probability target must have the input's shape {self.shape}, "
+                       f"got {target.shape}")
+    _check_reduction(reduction)
+    probs = _class_last(target)
+    if label_smoothing: probs = probs * (1.0 - label_smoothing) + label_smoothing / scores.shape[-1]
+    return _reduce(-(probs * log_probs).sum(-1), reduction)
 
-  def nll_loss(self, target: Tensor, reduction: str = "mean", ignore_index: int = -100) -> Tensor:
-    """Negative log-likelihood of these log-probabilities at the class indices `target`."""
-    from ourgrad.nn import losses
-    return losses.nll_loss(self, target, reduction, ignore_index)
+  def sparse_categorical_crossentropy(self: Tensor, target: Tensor, ignore_index: int = -1,
+                                      label_smoothing: float = 0.0, reduction: str = "mean") -> Tensor:
+    """tinygrad's cross entropy of these logits (classes on the LAST axis, any number of leading axes) against
+    integer class indices; samples equal to `ignore_index` are skipped."""
+    if not 0.0 <= label_smoothing <= 1.0:
+      raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if self.ndim == 0: raise ShapeError("sparse_categorical_crossentropy needs logits with a class axis, got ()")
+    _check_index_target(self, target, "sparse_categorical_crossentropy")
+    return _index_nll(self.log_softmax(-1), target, reduction, ignore_index, label_smoothing)
 
-  def binary_cross_entropy(self, target: Tensor, reduction: str = "mean") -> Tensor:
-    """Binary cross entropy of these probabilities against `target`."""
-    from ourgrad.nn import losses
-    return losses.binary_cross_entropy(self, target, reduction)
+  def binary_cross_entropy(self: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    """Binary cross entropy of these probabilities, like torch.nn.functional.binary_cross_entropy:
+    -(t log p + (1-t) log(1-p)), each log clamped to >= -100 as in PyTorch so that p = 0 or 1 gives a finite
+    loss. Where the clamp is active the gradient is 0 (PyTorch's hand-written backward gives +-1e12 at exactly
+    p = 0 or 1 instead)."""
+    _check_same_shape(self, target, "binary_cross_entropy")
+    _check_reduction(reduction)
+    probs, target = self._float_operand(), target._float_operand()
+    log_p, log_not_p = _clamped_log(probs), _clamped_log(1.0 - probs)
+    return _reduce(-(target * log_p + (1.0 - target) * log_not_p), reduction)
 
-  def binary_cross_entropy_with_logits(self, target: Tensor, reduction: str = "mean",
+  def binary_cross_entropy_with_logits(self: Tensor, target: Tensor, reduction: str = "mean",
                                        pos_weight: Tensor | None = None) -> Tensor:
-    """Binary cross entropy of sigmoid(self) against `target`, computed stably from the logits."""
-    from ourgrad.nn import losses
-    return losses.binary_cross_entropy_with_logits(self, target, reduction, pos_weight)
+    """Binary cross entropy of sigmoid(self) against `target`, like
+    torch.nn.functional.binary_cross_entropy_with_logits, computed without the sigmoid so large |logits| neither
+    overflow nor lose the gradient: with w = 1 + (pos_weight - 1) * t the loss is
+    (1 - t) * x + w * log(1 + exp(-x)), and log(1 + exp(-x)) = max(-x, 0) + log(1 + exp(-|x|))."""
+    _check_same_shape(self, target, "binary_cross_entropy_with_logits")
+    _check_reduction(reduction)
+    x, target = self._float_operand(), target._float_operand()
+    # relu(-x) and -|x| written with one `where` so that x = 0 takes the x >= 0 side in both: the gradient there
+    # is then sigmoid(0) - 1 = -0.5 exactly (separate relu/abs subgradients at 0 would give 0)
+    negative = x < 0
+    softplus_neg = negative.where(-x, 0.0) + negative.where(x, -x).exp().log1p()
+    weight = 1.0 if pos_weight is None else 1.0 + (pos_weight - 1.0) * target
+    return _reduce((1.0 - target) * x + weight * softplus_neg, reduction)
 
-  def mse_loss(self, target: Tensor, reduction: str = "mean") -> Tensor:
-    """Mean (or summed, or per-element) squared error against `target`."""
-    from ourgrad.nn import losses
-    return losses.mse_loss(self, target, reduction)
+  def mse_loss(self: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    """Mean (or summed, or per-element) squared error against `target`, like torch.nn.functional.mse_loss."""
+    _check_same_shape(self, target, "mse_loss")
+    _check_reduction(reduction)
+    return _reduce((self - target).square(), reduction)
 
-  def scaled_dot_product_attention(self, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+  # ---------------------------------------------------------------- attention
+
+  def scaled_dot_product_attention(self: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                                    enable_gqa: bool = False) -> Tensor:
-    """Attention with this tensor as the query, like torch.nn.functional.scaled_dot_product_attention."""
-    from ourgrad.nn import attention
-    return attention.scaled_dot_product_attention(self, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                  enable_gqa)
+    """softmax(q @ k^T * scale + mask) @ v with this tensor as the query q (..., L, E), k (..., S, E),
+    v (..., S, Ev) -> (..., L, Ev), like torch.nn.functional.scaled_dot_product_attention.
+
+    - `attn_mask` broadcasts to (..., L, S): a bool mask keeps the positions that are True, a float mask is added
+      to the scores. Query rows with every position masked out give 0, as in PyTorch.
+    - `is_causal` keeps key j for query i when j <= i (the top-left aligned lower triangle of (L, S), as in
+      PyTorch); it cannot be combined with `attn_mask`.
+    - `scale` defaults to 1 / sqrt(E).
+    - `dropout_p` > 0 drops attention weights with that probability and scales the rest by 1 / (1 - p) whenever
+      it is given, as PyTorch's functional form does (pass 0.0 at evaluation); independent of Tensor.training.
+    - `enable_gqa` lets k and v have fewer heads (axis -3) than q, each shared by q.heads / kv.heads query heads."""
+    q, k, v = self, key, value
+    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+      raise ShapeError(f"scaled_dot_product_attention needs q, k, v with at least 2 dims, got {q.shape}, {k.shape}, "
+                       f"{v.shape}")
+    if q.shape[-1] != k.shape[-1]:
+      raise ShapeError(f"q {q.shape} and k {k.shape} must have the same embedding size (last dim)")
+    if k.shape[-2] != v.shape[-2]:
+      raise ShapeError(f"k {k.shape} and v {v.shape} must have the same sequence length (dim -2)")
+    if is_causal and attn_mask is not None:
+      raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+    if not 0.0 <= dropout_p < 1.0: raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if enable_gqa and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+      if q.shape[-3] % k.shape[-3] or k.shape[-3] != v.shape[-3]:
+        raise ShapeError(f"enable_gqa needs the query heads ({q.shape[-3]}) to be a multiple of the key/value "
+                         f"heads ({k.shape[-3]}, {v.shape[-3]})")
+      k, v = _repeat_heads(k, q.shape[-3] // k.shape[-3]), _repeat_heads(v, q.shape[-3] // v.shape[-3])
+
+    length, source = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q.matmul(k.transpose(-2, -1)) * scale
+    if is_causal:
+      rows = type(q).arange(length, device=q.device).reshape(length, 1)
+      keep = type(q).arange(source, device=q.device).reshape(1, source) <= rows
+      scores = keep.where(scores, -math.inf)
+    if attn_mask is not None:
+      if attn_mask.dtype == dtypes.bool: scores = attn_mask.where(scores, -math.inf)
+      elif attn_mask.dtype.is_float: scores = scores + attn_mask
+      else: raise DTypeError(f"attn_mask must be bool (True = attend) or float (added), got {attn_mask.dtype}")
+    # only an explicit mask can empty a whole row (a causal row always keeps its first key)
+    weights = _masked_softmax(scores) if attn_mask is not None else scores.softmax(-1)
+    if dropout_p > 0.0:
+      dropped = type(q).rand(*weights.shape, device=weights.device) >= dropout_p
+      weights = dropped.where(weights / (1.0 - dropout_p), 0)
+    return weights.matmul(v)

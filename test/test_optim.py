@@ -301,10 +301,14 @@ def test_read_before_assign_in_one_schedule() -> None:
 
 
 @pytest.mark.parametrize("make", [SGD, Adam, AdamW, LAMB])
-def test_param_without_requires_grad_raises(make: type[Optimizer]) -> None:
-  with pytest.raises(AutogradError, match="without requires_grad=True"):
-    make([Tensor([1.0], requires_grad=True), Tensor([2.0])])
-  with pytest.raises(AutogradError, match="without requires_grad=True"):
+def test_params_without_requires_grad(make: type[Optimizer]) -> None:
+  """requires_grad=False tensors (running statistics) are skipped, unset ones become parameters (tinygrad's rule);
+  nothing left to optimize raises."""
+  trained, frozen, unset = Tensor([1.0], requires_grad=True), Tensor([3.0], requires_grad=False), Tensor([2.0])
+  opt = make([trained, frozen, unset])
+  assert [id(p) for p in opt.params] == [id(trained), id(unset)]
+  assert unset.requires_grad is True and frozen.requires_grad is False
+  with pytest.raises(AutogradError, match="requires_grad=False"):
     make([Tensor([2.0], requires_grad=False)])
 
 

@@ -11,7 +11,8 @@ import ourgrad
 from ourgrad import Tensor, nn
 from ourgrad.nn import functional, losses, optim, state
 
-SECTIONS = [("Tensor", Tensor), ("ourgrad.nn (layers)", nn), ("ourgrad.nn.functional", functional),
+SECTIONS = [("Tensor", Tensor), ("ourgrad.nn (layers)", nn), ("ourgrad.nn.Module", nn.Module),
+            ("ourgrad.nn.functional", functional),
             ("ourgrad.nn.losses", losses), ("ourgrad.nn.optim", optim), ("ourgrad.nn.state", state)]
 
 
@@ -42,7 +43,10 @@ def members(container: object) -> list[tuple[str, object]]:
   for name, value in namespace(container).items():
     if name.startswith("_") and name not in ("__getitem__", "__setitem__"): continue
     if isinstance(value, (staticmethod, classmethod)): value = value.__func__
-    if inspect.ismodule(container) and getattr(value, "__module__", None) != container.__name__: continue
+    # a module's own definitions, and what it re-exports on purpose (its __all__: nn.functional's names)
+    exported = getattr(container, "__all__", ())
+    if inspect.ismodule(container) and getattr(value, "__module__", None) != container.__name__ \
+        and name not in exported: continue
     if callable(value) or isinstance(value, property): found.append((name, value))
   return found
 

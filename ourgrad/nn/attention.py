@@ -1,76 +1,82 @@
-"""Scaled dot-product attention, with torch.nn.functional.scaled_dot_product_attention semantics.
-
-softmax(q @ k^T * scale + mask) @ v, composed from Tensor ops (a matmul reduce, a fused masked softmax, a
-second matmul reduce), so it stays lazy and differentiable like everything else.
+"""Attention: scaled_dot_product_attention with torch.nn.functional's name (the Tensor method of
+ourgrad/tensor_nn.py, so `attention.scaled_dot_product_attention(q, k, v)` is `q.scaled_dot_product_attention(k, v)`),
+and the MultiheadAttention module.
 """
 from __future__ import annotations
 
 import math
 
-from ourgrad.dtype import dtypes
+from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import DTypeError, ShapeError
+from ourgrad.nn.layers import Linear
+from ourgrad.nn.module import Module
 from ourgrad.tensor import Tensor
 
+__all__ = ["scaled_dot_product_attention", "MultiheadAttention"]
 
-def _repeat_heads(x: Tensor, repeats: int) -> Tensor:
-  """(..., H, S, E) -> (..., H * repeats, S, E) with each head repeated `repeats` times in a row (GQA)."""
-  if repeats == 1: return x
-  expanded = x.unsqueeze(-3).expand(*x.shape[:-2], repeats, *x.shape[-2:])
-  return expanded.reshape(*x.shape[:-3], x.shape[-3] * repeats, *x.shape[-2:])
+scaled_dot_product_attention = Tensor.scaled_dot_product_attention
 
 
-def _masked_softmax(scores: Tensor) -> Tensor:
-  """softmax over the last axis that gives 0 (not nan) for a row masked out entirely (all -inf), as PyTorch's
-  sdpa does: the row maximum is then -inf, so it is replaced by 0, and the empty sum by 1."""
-  peak = scores.max(-1, keepdim=True)
-  peak = (peak == -math.inf).where(0.0, peak)
-  exps = (scores - peak).exp()
-  total = exps.sum(-1, keepdim=True)
-  return exps / (total == 0).where(1.0, total)
+class MultiheadAttention(Module):
+  """Multi-head attention like torch.nn.MultiheadAttention (same parameters and state-dict keys:
+  in_proj_weight (3E, E), in_proj_bias (3E,), out_proj.weight, out_proj.bias), for kdim = vdim = embed_dim.
 
+  forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None, average_attn_weights=True,
+  is_causal=False) -> (output, weights or None). Inputs are (L, N, E) (or (N, L, E) with batch_first) or unbatched
+  (L, E). As in PyTorch's module (and unlike scaled_dot_product_attention), a bool mask marks with True the
+  positions NOT to attend; a float mask is added. attn_mask is (L, S) or (N * num_heads, L, S), key_padding_mask
+  (N, S). Attention dropout acts while the module is training."""
 
-def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
-                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False) -> Tensor:
-  """softmax(q @ k^T * scale + mask) @ v for q (..., L, E), k (..., S, E), v (..., S, Ev) -> (..., L, Ev).
+  def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+               batch_first: bool = False):
+    if num_heads <= 0 or embed_dim % num_heads:
+      raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
+    self.embed_dim, self.num_heads, self.dropout, self.batch_first = embed_dim, num_heads, dropout, batch_first
+    bound = math.sqrt(6.0 / (4 * embed_dim))  # xavier_uniform of a (3E, E) matrix, PyTorch's init
+    self.in_proj_weight = Tensor.uniform(3 * embed_dim, embed_dim, low=-bound, high=bound, requires_grad=True)
+    self.in_proj_bias = Tensor.zeros(3 * embed_dim, requires_grad=True) if bias else None
+    self.out_proj = Linear(embed_dim, embed_dim, bias=bias)
+    if bias: self.out_proj.bias = Tensor.zeros(embed_dim, requires_grad=True)
 
-  - `attn_mask` broadcasts to (..., L, S): a bool mask keeps the positions that are True, a float mask is added
-    to the scores. Query rows with every position masked out give 0, as in PyTorch.
-  - `is_causal` keeps key j for query i when j <= i (the top-left aligned lower triangle of (L, S), as in
-    PyTorch); it cannot be combined with `attn_mask`.
-  - `scale` defaults to 1 / sqrt(E).
-  - `dropout_p` > 0 drops attention weights with that probability and scales the rest by 1 / (1 - p) whenever it
-    is given, as PyTorch's functional form does (pass 0.0 at evaluation); it is independent of Tensor.training.
-  - `enable_gqa` lets k and v have fewer heads (axis -3) than q, each shared by q.heads / kv.heads query heads."""
-  if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
-    raise ShapeError(f"scaled_dot_product_attention needs q, k, v with at least 2 dims, got {q.shape}, {k.shape}, "
-                     f"{v.shape}")
-  if q.shape[-1] != k.shape[-1]:
-    raise ShapeError(f"q {q.shape} and k {k.shape} must have the same embedding size (last dim)")
-  if k.shape[-2] != v.shape[-2]:
-    raise ShapeError(f"k {k.shape} and v {v.shape} must have the same sequence length (dim -2)")
-  if is_causal and attn_mask is not None:
-    raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
-  if not 0.0 <= dropout_p < 1.0: raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-  if enable_gqa and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
-    if q.shape[-3] % k.shape[-3] or k.shape[-3] != v.shape[-3]:
-      raise ShapeError(f"enable_gqa needs the query heads ({q.shape[-3]}) to be a multiple of the key/value heads "
-                       f"({k.shape[-3]}, {v.shape[-3]})")
-    k, v = _repeat_heads(k, q.shape[-3] // k.shape[-3]), _repeat_heads(v, q.shape[-3] // v.shape[-3])
+  def _additive(self, mask: Tensor | None, dtype: DType) -> Tensor | None:
+    """A mask as something to add to the scores: True (bool) -> -inf, a float mask as it is."""
+    if mask is None: return None
+    if mask.dtype == dtypes.bool: return mask.where(-math.inf, 0.0).cast(dtype)
+    if not mask.dtype.is_float: raise DTypeError(f"attention masks must be bool or float, got {mask.dtype}")
+    return mask
 
-  length, source = q.shape[-2], k.shape[-2]
-  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-  scores = q.matmul(k.transpose(-2, -1)) * scale
-  if is_causal:
-    rows = Tensor.arange(length, device=q.device).reshape(length, 1)
-    keep = Tensor.arange(source, device=q.device).reshape(1, source) <= rows
-    scores = keep.where(scores, -math.inf)
-  if attn_mask is not None:
-    if attn_mask.dtype == dtypes.bool: scores = attn_mask.where(scores, -math.inf)
-    elif attn_mask.dtype.is_float: scores = scores + attn_mask
-    else: raise DTypeError(f"attn_mask must be bool (True = attend) or float (added), got {attn_mask.dtype}")
-  # only an explicit mask can empty a whole row (a causal row always keeps its first key)
-  weights = _masked_softmax(scores) if attn_mask is not None else scores.softmax(-1)
-  if dropout_p > 0.0:
-    weights = (Tensor.rand(*weights.shape, device=weights.device) >= dropout_p).where(weights / (1.0 - dropout_p), 0)
-  return weights.matmul(v)
+  def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
+              need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+              is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+    unbatched = query.ndim == 2
+    if unbatched: query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    elif self.batch_first: query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    if query.ndim != 3 or query.shape[-1] != self.embed_dim or key.shape[-1] != self.embed_dim \
+        or value.shape[-1] != self.embed_dim or key.shape[:2] != value.shape[:2]:
+      raise ShapeError(f"MultiheadAttention({self.embed_dim}, {self.num_heads}) got query {query.shape}, key "
+                       f"{key.shape}, value {value.shape} (sequence-first, embed_dim last)")
+    length, batch, embed = query.shape
+    source, heads = key.shape[0], self.num_heads
+    if is_causal and attn_mask is None:
+      attn_mask = Tensor.ones(length, source, dtype=dtypes.bool, device=query.device).triu(1)
+    size = embed // heads
+    bias = self.in_proj_bias
+    projected = [x.linear(self.in_proj_weight[i * embed:(i + 1) * embed],
+                          None if bias is None else bias[i * embed:(i + 1) * embed])
+                 for i, x in enumerate((query, key, value))]
+    # (T, N, E) -> (N, heads, T, size)
+    q, k, v = (x.reshape(x.shape[0], batch, heads, size).permute(1, 2, 0, 3) for x in projected)
+    scores = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(size))
+    mask = self._additive(attn_mask, scores.dtype)
+    if mask is not None: scores = scores + (mask.reshape(batch, heads, length, source) if mask.ndim == 3 else mask)
+    padding = self._additive(key_padding_mask, scores.dtype)
+    if padding is not None: scores = scores + padding.reshape(batch, 1, 1, source)
+    weights = scores.softmax(-1)
+    dropped = weights.dropout(self.dropout, self.training) if self.dropout > 0 else weights
+    out = dropped.matmul(v).permute(2, 0, 1, 3).reshape(length, batch, embed)
+    out = self.out_proj(out)
+    if unbatched: out = out.squeeze(1)
+    elif self.batch_first: out = out.transpose(0, 1)
+    if not need_weights: return out, None
+    weights = weights.mean(1) if average_attn_weights else weights
+    return out, weights.squeeze(0) if unbatched else weights

@@ -45,7 +45,10 @@ def _is_assignable(tensor: Tensor) -> bool:
 class Optimizer:
   """Base class: holds the parameters and the learning rate; subclasses implement `_updates()`.
 
-  `params` must be a non-empty list of Tensors created with `requires_grad=True` (duplicates are dropped).
+  `params` is a list of Tensors (an iterator such as `model.parameters()` works too). Tensors with
+  requires_grad=False (BatchNorm's running statistics) are skipped, so `Adam(get_parameters(model))` works for any
+  model; a tensor whose requires_grad is unset (None) becomes a parameter (requires_grad=True), as in tinygrad.
+  Duplicates are dropped; AutogradError if no tensor is left.
   The learning rate is stored in `lr_tensor`, a realized 0-d Tensor read by the update kernels; the `lr`
   property reads it and its setter writes a new value into the same buffer, which takes effect on the next
   `step()` without compiling anything."""
@@ -60,10 +63,12 @@ class Optimizer:
     for index, param in enumerate(params):
       if not isinstance(param, Tensor):
         raise TypeError(f"optimizer got a {type(param).__name__} at position {index}, expected a Tensor")
-      if not param.requires_grad:
-        raise AutogradError(f"optimizer got a tensor without requires_grad=True: parameter {index} {param!r}; "
-                            f"create it with requires_grad=True (or set param.requires_grad = True)")
+      if param.requires_grad is False: continue  # buffers (running statistics) are not optimized
+      if param.requires_grad is None: param.requires_grad = True
       if id(param) not in seen: unique.append(param); seen.add(id(param))
+    if not unique:
+      raise AutogradError(f"optimizer got {len(params)} tensors, all with requires_grad=False: there is nothing "
+                          f"to optimize; create the weights with requires_grad=True")
     self.params: list[Tensor] = unique
     self.device: str = self.params[0].device
     for param in self.params:

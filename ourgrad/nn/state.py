@@ -97,7 +97,9 @@ _OPAQUE_TYPES = (type, types.ModuleType, types.FunctionType, types.BuiltinFuncti
 
 
 def _children(obj: Any) -> list[tuple[str, Any]] | None:
-  """(name, child) pairs of an object, list/tuple or dict, in order; None for leaves."""
+  """(name, child) pairs of an object, list/tuple or dict, in order; None for leaves. An nn.Module names its own
+  items (`_state_items`: PyTorch's state-dict order, non-persistent buffers left out)."""
+  if callable(getattr(type(obj), "_state_items", None)) and not isinstance(obj, type): return obj._state_items()
   if isinstance(obj, dict): return [(str(key), value) for key, value in obj.items()]
   if isinstance(obj, (list, tuple)): return [(str(index), value) for index, value in enumerate(obj)]
   if isinstance(obj, (str, bytes, bytearray, int, float, complex, np.ndarray, np.generic) + _OPAQUE_TYPES):

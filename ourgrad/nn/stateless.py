@@ -1,0 +1,265 @@
+"""Parameter-free layers as Modules, with torch.nn's names: activations, Flatten, Identity, pooling, Upsample, losses.
+
+They hold only their arguments and call the Tensor method of the same job in `forward`, so that
+`nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(...))` reads as in
+PyTorch. (In tinygrad style the methods are used directly: `x.relu()`, `x.max_pool2d(2)`.)
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ourgrad.nn.module import Module
+from ourgrad.tensor import Tensor
+
+IntOrTuple = int | Sequence[int]
+
+__all__ = ["ReLU", "ReLU6", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU", "Softplus", "Hardtanh",
+           "Softmax", "LogSoftmax", "Flatten", "Identity", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d",
+           "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Upsample",
+           "CrossEntropyLoss", "NLLLoss", "MSELoss", "L1Loss", "BCELoss", "BCEWithLogitsLoss"]
+
+
+class ReLU(Module):
+  """max(x, 0), like torch.nn.ReLU."""
+
+  def forward(self, x: Tensor) -> Tensor: return x.relu()
+
+
+class ReLU6(Module):
+  """min(max(x, 0), 6), like torch.nn.ReLU6."""
+
+  def forward(self, x: Tensor) -> Tensor: return x.relu6()
+
+
+class GELU(Module):
+  """x * Phi(x), like torch.nn.GELU (approximate="none" or "tanh")."""
+
+  def __init__(self, approximate: str = "none"): self.approximate = approximate
+
+  def forward(self, x: Tensor) -> Tensor: return x.gelu(self.approximate)
+
+
+class SiLU(Module):
+  """x * sigmoid(x), like torch.nn.SiLU."""
+
+  def forward(self, x: Tensor) -> Tensor: return x.silu()
+
+
+class Sigmoid(Module):
+  """1 / (1 + exp(-x)), like torch.nn.Sigmoid."""
+
+  def forward(self, x: Tensor) -> Tensor: return x.sigmoid()
+
+
+class Tanh(Module):
+  """tanh(x), like torch.nn.Tanh."""
+
+  def forward(self, x: Tensor) -> Tensor: return x.tanh()
+
+
+class LeakyReLU(Module):
+  """x if x > 0 else negative_slope * x, like torch.nn.LeakyReLU."""
+
+  def __init__(self, negative_slope: float = 0.01): self.negative_slope = negative_slope
+
+  def forward(self, x: Tensor) -> Tensor: return x.leaky_relu(self.negative_slope)
+
+
+class ELU(Module):
+  """x if x > 0 else alpha * (exp(x) - 1), like torch.nn.ELU."""
+
+  def __init__(self, alpha: float = 1.0): self.alpha = alpha
+
+  def forward(self, x: Tensor) -> Tensor: return x.elu(self.alpha)
+
+
+class Softplus(Module):
+  """log(1 + exp(beta * x)) / beta (linear above threshold), like torch.nn.Softplus."""
+
+  def __init__(self, beta: float = 1.0, threshold: float = 20.0): self.beta, self.threshold = beta, threshold
+
+  def forward(self, x: Tensor) -> Tensor: return x.softplus(self.beta, self.threshold)
+
+
+class Hardtanh(Module):
+  """x clipped to [min_val, max_val], like torch.nn.Hardtanh."""
+
+  def __init__(self, min_val: float = -1.0, max_val: float = 1.0): self.min_val, self.max_val = min_val, max_val
+
+  def forward(self, x: Tensor) -> Tensor: return x.hardtanh(self.min_val, self.max_val)
+
+
+class Softmax(Module):
+  """softmax over `dim`, like torch.nn.Softmax."""
+
+  def __init__(self, dim: int = -1): self.dim = dim
+
+  def forward(self, x: Tensor) -> Tensor: return x.softmax(self.dim)
+
+
+class LogSoftmax(Module):
+  """log_softmax over `dim`, like torch.nn.LogSoftmax."""
+
+  def __init__(self, dim: int = -1): self.dim = dim
+
+  def forward(self, x: Tensor) -> Tensor: return x.log_softmax(self.dim)
+
+
+class Flatten(Module):
+  """Merge dims start_dim..end_dim (default: all but the batch dim), like torch.nn.Flatten."""
+
+  def __init__(self, start_dim: int = 1, end_dim: int = -1): self.start_dim, self.end_dim = start_dim, end_dim
+
+  def forward(self, x: Tensor) -> Tensor: return x.flatten(self.start_dim, self.end_dim)
+
+
+class Identity(Module):
+  """Returns its input, like torch.nn.Identity (a placeholder in a Sequential)."""
+
+  def forward(self, x: Tensor) -> Tensor: return x
+
+
+class _MaxPoolNd(Module):
+  dims = 0
+
+  def __init__(self, kernel_size: IntOrTuple, stride: IntOrTuple | None = None, padding: IntOrTuple = 0,
+               dilation: IntOrTuple = 1):
+    self.kernel_size, self.stride, self.padding, self.dilation = kernel_size, stride, padding, dilation
+
+  def forward(self, x: Tensor) -> Tensor:
+    return x._max_pool(self.dims, self.kernel_size, self.stride, self.padding, self.dilation)
+
+
+class MaxPool1d(_MaxPoolNd):
+  """Max pooling over the last dim, like torch.nn.MaxPool1d (no ceil_mode or return_indices)."""
+  dims = 1
+
+
+class MaxPool2d(_MaxPoolNd):
+  """Max pooling over the last two dims, like torch.nn.MaxPool2d (no ceil_mode or return_indices)."""
+  dims = 2
+
+
+class MaxPool3d(_MaxPoolNd):
+  """Max pooling over the last three dims, like torch.nn.MaxPool3d (no ceil_mode or return_indices)."""
+  dims = 3
+
+
+class _AvgPoolNd(Module):
+  dims = 0
+
+  def __init__(self, kernel_size: IntOrTuple, stride: IntOrTuple | None = None, padding: IntOrTuple = 0):
+    self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
+  def forward(self, x: Tensor) -> Tensor: return x._avg_pool(self.dims, self.kernel_size, self.stride, self.padding)
+
+
+class AvgPool1d(_AvgPoolNd):
+  """Average pooling over the last dim, like torch.nn.AvgPool1d (count_include_pad, no ceil_mode)."""
+  dims = 1
+
+
+class AvgPool2d(_AvgPoolNd):
+  """Average pooling over the last two dims, like torch.nn.AvgPool2d (count_include_pad, no ceil_mode)."""
+  dims = 2
+
+
+class AvgPool3d(_AvgPoolNd):
+  """Average pooling over the last three dims, like torch.nn.AvgPool3d (count_include_pad, no ceil_mode)."""
+  dims = 3
+
+
+class Upsample(Module):
+  """Resize the spatial dims with `Tensor.interpolate`, like torch.nn.Upsample."""
+
+  def __init__(self, size: IntOrTuple | None = None, scale_factor: float | Sequence[float] | None = None,
+               mode: str = "nearest", align_corners: bool | None = None):
+    self.size, self.scale_factor, self.mode, self.align_corners = size, scale_factor, mode, align_corners
+
+  def forward(self, x: Tensor) -> Tensor:
+    return x.interpolate(self.size, self.scale_factor, self.mode, self.align_corners)
+
+
+class _AdaptiveAvgPoolNd(Module):
+  dims = 0
+
+  def __init__(self, output_size: IntOrTuple): self.output_size = output_size
+
+  def forward(self, x: Tensor) -> Tensor: return x._adaptive_avg_pool(self.dims, self.output_size)
+
+
+class AdaptiveAvgPool1d(_AdaptiveAvgPoolNd):
+  """Average pooling of the last dim to `output_size` bins, like torch.nn.AdaptiveAvgPool1d."""
+  dims = 1
+
+
+class AdaptiveAvgPool2d(_AdaptiveAvgPoolNd):
+  """Average pooling of the last two dims to `output_size` bins, like torch.nn.AdaptiveAvgPool2d."""
+  dims = 2
+
+
+class AdaptiveAvgPool3d(_AdaptiveAvgPoolNd):
+  """Average pooling of the last three dims to `output_size` bins, like torch.nn.AdaptiveAvgPool3d."""
+  dims = 3
+
+
+# ---------------------------------------------------------------- losses as modules: criterion(input, target)
+
+class CrossEntropyLoss(Module):
+  """Tensor.cross_entropy as a module, like torch.nn.CrossEntropyLoss (no class weights)."""
+
+  def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
+    self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+
+  def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+    return logits.cross_entropy(target, self.reduction, self.label_smoothing, self.ignore_index)
+
+
+class NLLLoss(Module):
+  """Tensor.nll_loss as a module, like torch.nn.NLLLoss (no class weights)."""
+
+  def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
+    self.ignore_index, self.reduction = ignore_index, reduction
+
+  def forward(self, log_probs: Tensor, target: Tensor) -> Tensor:
+    return log_probs.nll_loss(target, self.reduction, self.ignore_index)
+
+
+class MSELoss(Module):
+  """Tensor.mse_loss as a module, like torch.nn.MSELoss."""
+
+  def __init__(self, reduction: str = "mean"): self.reduction = reduction
+
+  def forward(self, pred: Tensor, target: Tensor) -> Tensor: return pred.mse_loss(target, self.reduction)
+
+
+class L1Loss(Module):
+  """|pred - target| with a reduction ("mean", "sum", "none"), like torch.nn.L1Loss."""
+
+  def __init__(self, reduction: str = "mean"):
+    if reduction not in ("none", "mean", "sum"): raise ValueError(f"reduction must be none/mean/sum, got {reduction!r}")
+    self.reduction = reduction
+
+  def forward(self, pred: Tensor, target: Tensor) -> Tensor:
+    loss = (pred - target).abs()
+    return loss if self.reduction == "none" else loss.mean() if self.reduction == "mean" else loss.sum()
+
+
+class BCELoss(Module):
+  """Tensor.binary_cross_entropy as a module, like torch.nn.BCELoss (no weights)."""
+
+  def __init__(self, reduction: str = "mean"): self.reduction = reduction
+
+  def forward(self, probs: Tensor, target: Tensor) -> Tensor: return probs.binary_cross_entropy(target, self.reduction)
+
+
+class BCEWithLogitsLoss(Module):
+  """Tensor.binary_cross_entropy_with_logits as a module, like torch.nn.BCEWithLogitsLoss; pos_weight is kept as
+  a buffer."""
+
+  def __init__(self, reduction: str = "mean", pos_weight: Tensor | None = None):
+    self.reduction = reduction
+    self.register_buffer("pos_weight", pos_weight)
+
+  def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+    return logits.binary_cross_entropy_with_logits(target, self.reduction, self.pos_weight)

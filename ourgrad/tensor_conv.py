@@ -1,0 +1,339 @@
+"""Convolutions and pooling for Tensor (ConvMixin): conv1d/2d/3d, conv_transpose1d/2d/3d, avg/max pooling.
+
+Everything is composed from Tensor operations (movement ops, elementwise math and reduces), so the results stay
+lazy, fuse into few kernels and get their gradients from the primitives' autograd. The centre of the module is
+`_pool`, a zero-copy *pooling view* that turns the last spatial dims of a tensor into (output position, window
+offset) pairs with only reshape/expand/shrink/pad/permute: a convolution is then a broadcast multiply with the
+weight and one sum, which the scheduler fuses into a single reduce kernel (the bias add and an activation after
+it fuse into the same kernel). One implementation serves every number of spatial dims.
+
+Semantics follow torch.nn.functional: channels-first layout (N, C, *spatial), weights (C_out, C_in / groups, *k)
+for convolutions and (C_in, C_out / groups, *k) for transposed ones, int-or-tuple arguments, floor
+("ceil_mode=False") output sizes. Convolution padding also takes tinygrad's per-side form and negative amounts.
+
+This module sits below ourgrad/nn (nn/functional.py re-exports these methods) and never imports it, nor the
+Tensor class: the methods only call other Tensor methods on `self` and on their tensor arguments.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Integral
+from typing import TYPE_CHECKING, Sequence
+
+from ourgrad.errors import ShapeError
+
+if TYPE_CHECKING:
+  from ourgrad.tensor import Tensor
+
+IntOrTuple = int | Sequence[int]
+Padding = int | Sequence[int] | Sequence[tuple[int, int]] | str
+
+
+def _tuple(value: IntOrTuple, count: int, name: str) -> tuple[int, ...]:
+  """`value` repeated `count` times if it is an int (or a 1-sequence), else checked to hold `count` ints."""
+  if isinstance(value, Integral): return (int(value),) * count
+  values = tuple(int(v) for v in value)
+  if len(values) == 1: return values * count
+  if len(values) != count: raise ShapeError(f"{name} needs 1 or {count} values, got {tuple(value)}")
+  return values
+
+
+def _positive(values: tuple[int, ...], name: str) -> None:
+  if any(v <= 0 for v in values): raise ValueError(f"{name} must be positive, got {values}")
+
+
+def _pool(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
+  """Windows of the last len(kernel) dims of x, as a view: (..., i1, i2) -> (..., o1, o2, k1, k2) with
+  result[..., a, b, p, q] = x[..., a*s1 + p*d1, b*s2 + q*d2] and o = floor((i - d*(k-1) - 1) / s) + 1.
+
+  Nothing is copied: the window is built from movement ops only, so a consumer (a conv's multiply-and-sum, a
+  pool's max) reads x directly through the composed index expression. The caller pads x beforehand."""
+  spatial = len(kernel)
+  batch, sizes = x.shape[:-spatial], x.shape[-spatial:]
+  for k, d, i in zip(kernel, dilation, sizes):
+    if d * (k - 1) + 1 > i:
+      raise ShapeError(f"kernel {kernel} with dilation {dilation} is larger than the (padded) input {sizes} "
+                       f"of shape {x.shape}")
+  outs = tuple((i - d * (k - 1) - 1) // s + 1 for i, k, s, d in zip(sizes, kernel, stride, dilation))
+  keep = [None] * len(batch)
+
+  if all(k <= s for k, s in zip(kernel, stride)) and all(d == 1 for d in dilation):
+    # Windows do not overlap: pad/crop each dim to o*s, split it into (o, s) and keep the first k of each s.
+    x = x.pad(keep + [(0, o * s - i) for i, o, s in zip(sizes, outs, stride)])
+    x = x.reshape(batch + tuple(size for o, s in zip(outs, stride) for size in (o, s)))
+    x = x.shrink(keep + [bound for k in kernel for bound in (None, (0, k))])
+    order = [*range(len(batch)), *(len(batch) + 2 * a for a in range(spatial)),
+             *(len(batch) + 2 * a + 1 for a in range(spatial))]
+    return x.permute(order)
+
+  # Windows overlap (k > s) or are dilated. Along one dim of size i, tile x (expand a new axis, merge it) so
+  # y[j] = x[j mod i], and reshape a prefix of y into rows of length L = i*f + d: row p, column c holds
+  # x[(p*L + c) mod i] = x[(p*d + c) mod i], i.e. each row starts d elements (one dilation step) after the previous
+  # one. Column c = a*s is then output position a, and for valid (a, p) the index a*s + p*d < i, so the mod never
+  # wraps. f is the smallest whole number of tiles that makes a row long enough to hold the o*s columns we split
+  # off. The index math of the composed view folds back to plain a*s + p*d (no div/mod in the kernel).
+  rows = [i * max(0, math.ceil((o * s - d) / i)) + d for i, o, s, d in zip(sizes, outs, stride, dilation)]
+  tiles = [math.ceil(k * row / i) for k, row, i in zip(kernel, rows, sizes)]
+  x = x.reshape(batch + tuple(size for i in sizes for size in (1, i)))
+  x = x.expand(batch + tuple(size for r, i in zip(tiles, sizes) for size in (r, i)))
+  x = x.reshape(batch + tuple(r * i for r, i in zip(tiles, sizes)))
+  # rows of length L, one per kernel offset p: (k, L)
+  x = x.shrink(keep + [(0, k * row) for k, row in zip(kernel, rows)])
+  x = x.reshape(batch + tuple(size for k, row in zip(kernel, rows) for size in (k, row)))
+  # the first o*s columns, split into (o, s); column 0 of each stride step is output position a: (k, o, s)
+  x = x.shrink(keep + [bound for k, o, s in zip(kernel, outs, stride) for bound in ((0, k), (0, o * s))])
+  x = x.reshape(batch + tuple(size for k, o, s in zip(kernel, outs, stride) for size in (k, o, s)))
+  x = x.shrink(keep + [bound for k, o in zip(kernel, outs) for bound in ((0, k), (0, o), (0, 1))])
+  x = x.reshape(batch + tuple(size for k, o in zip(kernel, outs) for size in (k, o)))
+  # (..., k1, o1, k2, o2) -> (..., o1, o2, k1, k2): output positions first, window offsets last
+  order = [*range(len(batch)), *(len(batch) + 2 * a + 1 for a in range(spatial)),
+           *(len(batch) + 2 * a for a in range(spatial))]
+  return x.permute(order)
+
+
+def _check_rank(x: Tensor, name: str, ranks: tuple[int, ...]) -> None:
+  if x.ndim not in ranks:
+    expected = " or ".join(f"{r}-D" for r in ranks)
+    raise ShapeError(f"{name} expects a {expected} input, got shape {x.shape}")
+
+
+def _check_conv(name: str, x: Tensor, weight: Tensor, bias: Tensor | None, in_channels: int, out_channels: int,
+                groups: int) -> None:
+  """Channel and group checks shared by the convolutions; `in_channels`/`out_channels` are what the weight says."""
+  if not isinstance(groups, int) or groups <= 0:
+    raise ValueError(f"{name}: groups must be a positive int, got {groups}")
+  if x.shape[1] != in_channels:
+    raise ShapeError(f"{name}: input of shape {x.shape} has {x.shape[1]} channels but weight of shape {weight.shape} "
+                     f"with groups={groups} expects {in_channels}")
+  if in_channels % groups or out_channels % groups:
+    raise ShapeError(f"{name}: groups={groups} must divide the input channels ({in_channels}) and output channels "
+                     f"({out_channels}); weight shape {weight.shape}")
+  if bias is not None and bias.shape != (out_channels,):
+    raise ShapeError(f"{name}: bias of shape {bias.shape} does not match {out_channels} output channels "
+                     f"(weight shape {weight.shape})")
+
+
+def conv_padding(name: str, padding: Padding, kernel: tuple[int, ...], strides: tuple[int, ...],
+                 dilations: tuple[int, ...]) -> list[tuple[int, int]]:
+  """(before, after) amounts per spatial dim from a convolution's `padding` argument:
+  - an int, or one int per dim (PyTorch): the same amount on both sides;
+  - 2 ints per dim, last dim first ((left, right, top, bottom), tinygrad's and F.pad's order): per side;
+  - one (before, after) pair per dim, first dim first;
+  - "valid" (none) or "same" (stride 1 only; the output keeps the input's size, an odd total goes after).
+  Negative amounts crop the input."""
+  dims = len(kernel)
+  if isinstance(padding, str):
+    if padding == "valid": return [(0, 0)] * dims
+    if padding != "same": raise ValueError(f"{name}: padding must be ints, 'valid' or 'same', got {padding!r}")
+    if any(s != 1 for s in strides): raise ValueError(f"{name}: padding='same' needs stride 1, got stride {strides}")
+    totals = [d * (k - 1) for k, d in zip(kernel, dilations)]
+    return [(total // 2, total - total // 2) for total in totals]
+  if isinstance(padding, Integral): return [(int(padding), int(padding))] * dims
+  amounts = list(padding)
+  if len(amounts) == dims and all(isinstance(a, (tuple, list)) and len(a) == 2 for a in amounts):
+    return [(int(before), int(after)) for before, after in amounts]
+  if all(isinstance(a, Integral) for a in amounts):
+    if len(amounts) == 1: return [(int(amounts[0]), int(amounts[0]))] * dims
+    if len(amounts) == dims and dims != 1: return [(int(a), int(a)) for a in amounts]
+    if len(amounts) == 2 * dims:
+      return [(int(amounts[2 * (dims - 1 - a)]), int(amounts[2 * (dims - 1 - a) + 1])) for a in range(dims)]
+  raise ShapeError(f"{name}: padding {padding!r} needs an int, {dims} ints (one per dim), {2 * dims} ints (per "
+                   f"side, last dim first) or {dims} (before, after) pairs")
+
+
+def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ...], pads: list[tuple[int, int]],
+          dilations: tuple[int, ...], groups: int, name: str) -> Tensor:
+  """Convolution of a batched (N, C, *spatial) x with explicit (before, after) padding per spatial dim."""
+  batch, dims = x.shape[0], weight.ndim - 2
+  out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+  padded = tuple(size + before + after for size, (before, after) in zip(x.shape[2:], pads))
+  if any(d * (k - 1) + 1 > size for k, d, size in zip(kernel, dilations, padded)):
+    raise ShapeError(f"{name}: kernel of weight {weight.shape} with dilation {dilations} is larger than the input "
+                     f"{x.shape} padded by {pads} to {padded}")
+  windows = _pool(x.pad([None, None, *pads]), kernel, strides, dilations)   # (N, C, *out, *kernel), a view of x
+  outs = windows.shape[2:2 + dims]
+  per_group = out_channels // groups
+  # (N, groups, 1, *out, C/groups, *kernel) * (1, groups, C_out/groups, 1..., C/groups, *kernel), summed over the
+  # last 1 + dims axes: the reduce axes come last, so the product is never stored and the sum is one kernel.
+  windows = windows.reshape(batch, groups, group_channels, *outs, *kernel)
+  windows = windows.permute(0, 1, *range(3, 3 + dims), 2, *range(3 + dims, 3 + 2 * dims))
+  windows = windows.reshape(batch, groups, 1, *outs, group_channels, *kernel)
+  weight = weight.reshape(1, groups, per_group, *([1] * dims), group_channels, *kernel)
+  out = (windows * weight).sum(tuple(range(-1 - dims, 0))).reshape(batch, out_channels, *outs)
+  return out if bias is None else out + bias.reshape(1, out_channels, *([1] * dims))
+
+
+def _spread(x: Tensor, strides: tuple[int, ...]) -> Tensor:
+  """(N, C, *sizes) with stride - 1 zeros between neighbours along each spatial dim: (N, C, *((i-1)*s + 1))."""
+  batch, sizes = x.shape[:2], x.shape[2:]
+  x = x.reshape(*batch, *(size for i in sizes for size in (i, 1)))
+  x = x.pad([None, None, *(pair for s in strides for pair in (None, (0, s - 1)))])
+  x = x.reshape(*batch, *(i * s for i, s in zip(sizes, strides)))
+  return x.shrink([None, None, *((0, (i - 1) * s + 1) for i, s in zip(sizes, strides))])
+
+
+class ConvMixin:
+  """Tensor methods for convolutions and pooling over 1, 2 or 3 spatial dimensions."""
+  __slots__ = ()
+
+  # ---------------------------------------------------------------- convolutions
+
+  def _convolve(self: Tensor, dims: int, weight: Tensor, bias: Tensor | None, stride: IntOrTuple, padding: Padding,
+                dilation: IntOrTuple, groups: int) -> Tensor:
+    name = f"conv{dims}d"
+    _check_rank(self, name, (dims + 1, dims + 2))
+    if weight.ndim != dims + 2:
+      raise ShapeError(f"{name} expects a {dims + 2}-D weight (C_out, C_in/groups, {dims} kernel sizes), got "
+                       f"{weight.shape}")
+    if self.ndim == dims + 1:  # unbatched input
+      return self.unsqueeze(0)._convolve(dims, weight, bias, stride, padding, dilation, groups).squeeze(0)
+    _check_conv(name, self, weight, bias, weight.shape[1] * groups, weight.shape[0], groups)
+    strides, dilations = _tuple(stride, dims, "stride"), _tuple(dilation, dims, "dilation")
+    _positive(strides, f"{name} stride")
+    _positive(dilations, f"{name} dilation")
+    pads = conv_padding(name, padding, weight.shape[2:], strides, dilations)
+    return _conv(self, weight, bias, strides, pads, dilations, groups, name)
+
+  def conv1d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
+             padding: Padding = 0, dilation: IntOrTuple = 1, groups: int = 1) -> Tensor:
+    """1-D convolution (cross-correlation) like torch.nn.functional.conv1d: input (N, C_in, L) or (C_in, L), weight
+    (C_out, C_in / groups, K), bias (C_out,). padding: an int, (left, right), "valid" or "same"; negative crops."""
+    return self._convolve(1, weight, bias, stride, padding, dilation, groups)
+
+  def conv2d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
+             padding: Padding = 0, dilation: IntOrTuple = 1, groups: int = 1) -> Tensor:
+    """2-D convolution (cross-correlation) like torch.nn.functional.conv2d.
+
+    Input (N, C_in, H, W) or unbatched (C_in, H, W), weight (C_out, C_in / groups, kH, kW), bias (C_out,).
+    stride and dilation are ints or (h, w) pairs. padding is an int, an (h, w) pair, per side (left, right, top,
+    bottom) as in tinygrad, ((top, bottom), (left, right)), "valid" or "same" (stride 1; an odd total goes to the
+    bottom/right, as in PyTorch); negative amounts crop.
+    Returns (N, C_out, H_out, W_out) with H_out = floor((H + top + bottom - dilation*(kH-1) - 1) / stride) + 1."""
+    return self._convolve(2, weight, bias, stride, padding, dilation, groups)
+
+  def conv3d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
+             padding: Padding = 0, dilation: IntOrTuple = 1, groups: int = 1) -> Tensor:
+    """3-D convolution like torch.nn.functional.conv3d: input (N, C_in, D, H, W) or (C_in, D, H, W), weight
+    (C_out, C_in / groups, kD, kH, kW). padding as for conv2d, with 3 dims (6 per-side values, last dim first)."""
+    return self._convolve(3, weight, bias, stride, padding, dilation, groups)
+
+  def _convolve_transposed(self: Tensor, dims: int, weight: Tensor, bias: Tensor | None, stride: IntOrTuple,
+                           padding: IntOrTuple, output_padding: IntOrTuple, groups: int,
+                           dilation: IntOrTuple) -> Tensor:
+    name = f"conv_transpose{dims}d"
+    _check_rank(self, name, (dims + 1, dims + 2))
+    if weight.ndim != dims + 2:
+      raise ShapeError(f"{name} expects a {dims + 2}-D weight (C_in, C_out/groups, {dims} kernel sizes), got "
+                       f"{weight.shape}")
+    if self.ndim == dims + 1:
+      unbatched = self.unsqueeze(0)
+      return unbatched._convolve_transposed(dims, weight, bias, stride, padding, output_padding, groups,
+                                            dilation).squeeze(0)
+    in_channels, per_group, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+    _check_conv(name, self, weight, bias, in_channels, per_group * groups, groups)
+    strides, dilations = _tuple(stride, dims, "stride"), _tuple(dilation, dims, "dilation")
+    pads, extras = _tuple(padding, dims, "padding"), _tuple(output_padding, dims, "output_padding")
+    _positive(strides, f"{name} stride")
+    _positive(dilations, f"{name} dilation")
+    if any(p < 0 for p in pads): raise ValueError(f"{name}: padding must be >= 0, got {pads}")
+    if any(not 0 <= e < max(s, d) for e, s, d in zip(extras, strides, dilations)):
+      raise ValueError(f"{name}: output_padding {extras} must be >= 0 and smaller than stride {strides} or "
+                       f"dilation {dilations}")
+    # (C_in, C_out/g, *k) -> (g, C_in/g, C_out/g, *k) -> (C_out, C_in/g, *k), flipped in space: the transposed
+    # convolution is the convolution of the spread-out input with this kernel
+    w = weight.reshape(groups, in_channels // groups, per_group, *kernel).transpose(1, 2)
+    w = w.flip(*range(3, 3 + dims)).reshape(groups * per_group, in_channels // groups, *kernel)
+    x = _spread(self, strides) if any(s > 1 for s in strides) else self
+    # padding beyond dilation*(k-1) crops the spread input (negative pad)
+    conv_pads = [(d * (k - 1) - p, d * (k - 1) - p + e) for k, d, p, e in zip(kernel, dilations, pads, extras)]
+    return _conv(x, w, bias, (1,) * dims, conv_pads, dilations, groups, name)
+
+  def conv_transpose1d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
+                       padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, groups: int = 1,
+                       dilation: IntOrTuple = 1) -> Tensor:
+    """Transposed 1-D convolution like torch.nn.functional.conv_transpose1d (same argument order): input
+    (N, C_in, L), weight (C_in, C_out / groups, K); L_out = (L-1)*stride - 2*padding + dilation*(K-1) +
+    output_padding + 1."""
+    return self._convolve_transposed(1, weight, bias, stride, padding, output_padding, groups, dilation)
+
+  def conv_transpose2d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
+                       padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, groups: int = 1,
+                       dilation: IntOrTuple = 1) -> Tensor:
+    """Transposed 2-D convolution (the gradient of conv2d w.r.t. its input), like
+    torch.nn.functional.conv_transpose2d (same argument order): input (N, C_in, H, W), weight
+    (C_in, C_out / groups, kH, kW), bias (C_out,); H_out = (H-1)*stride - 2*padding + dilation*(kH-1) +
+    output_padding + 1. Computed as a conv2d of the input spread out by the stride, with the flipped kernel."""
+    return self._convolve_transposed(2, weight, bias, stride, padding, output_padding, groups, dilation)
+
+  def conv_transpose3d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
+                       padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, groups: int = 1,
+                       dilation: IntOrTuple = 1) -> Tensor:
+    """Transposed 3-D convolution like torch.nn.functional.conv_transpose3d: input (N, C_in, D, H, W), weight
+    (C_in, C_out / groups, kD, kH, kW)."""
+    return self._convolve_transposed(3, weight, bias, stride, padding, output_padding, groups, dilation)
+
+  # ---------------------------------------------------------------- pooling
+
+  def _pool_args(self: Tensor, name: str, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
+                 padding: IntOrTuple, dilation: IntOrTuple) -> tuple[tuple[int, ...], ...]:
+    _check_rank(self, name, (dims + 1, dims + 2))
+    kernel = _tuple(kernel_size, dims, "kernel_size")
+    # an empty stride (torch's default `stride=[]`) also means "stride = kernel_size"
+    strides = kernel if stride is None or (not isinstance(stride, Integral) and len(stride) == 0) \
+      else _tuple(stride, dims, "stride")
+    pads, dilations = _tuple(padding, dims, "padding"), _tuple(dilation, dims, "dilation")
+    _positive(kernel, f"{name} kernel_size")
+    _positive(strides, f"{name} stride")
+    _positive(dilations, f"{name} dilation")
+    # as in PyTorch: a window must never lie entirely in the padding
+    if any(not 0 <= p <= k // 2 for p, k in zip(pads, kernel)):
+      raise ValueError(f"{name}: padding {pads} must be >= 0 and at most half of kernel_size {kernel}")
+    return kernel, strides, pads, dilations
+
+  def _avg_pool(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
+                padding: IntOrTuple) -> Tensor:
+    kernel, strides, pads, _ = self._pool_args(f"avg_pool{dims}d", dims, kernel_size, stride, padding, 1)
+    padded = self.pad([None] * (self.ndim - dims) + [(p, p) for p in pads])
+    return _pool(padded, kernel, strides, (1,) * dims).mean(tuple(range(-dims, 0)))
+
+  def _max_pool(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None, padding: IntOrTuple,
+                dilation: IntOrTuple) -> Tensor:
+    kernel, strides, pads, dilations = self._pool_args(f"max_pool{dims}d", dims, kernel_size, stride, padding,
+                                                       dilation)
+    padded = self.pad([None] * (self.ndim - dims) + [(p, p) for p in pads], value=self.dtype.min)
+    return _pool(padded, kernel, strides, dilations).max(tuple(range(-dims, 0)))
+
+  def avg_pool1d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                 padding: IntOrTuple = 0) -> Tensor:
+    """Average over kernel_size windows of the last dim of (N, C, L) or (C, L), like
+    torch.nn.functional.avg_pool1d with its defaults (see avg_pool2d)."""
+    return self._avg_pool(1, kernel_size, stride, padding)
+
+  def avg_pool2d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                 padding: IntOrTuple = 0) -> Tensor:
+    """Average over kernel_size windows of the last two dims of (N, C, H, W) or (C, H, W), like
+    torch.nn.functional.avg_pool2d with its defaults: stride defaults to kernel_size, zero padding counts in the
+    average (count_include_pad=True), output sizes round down (ceil_mode=False)."""
+    return self._avg_pool(2, kernel_size, stride, padding)
+
+  def avg_pool3d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                 padding: IntOrTuple = 0) -> Tensor:
+    """Average over kernel_size windows of the last three dims, like torch.nn.functional.avg_pool3d."""
+    return self._avg_pool(3, kernel_size, stride, padding)
+
+  def max_pool1d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1) -> Tensor:
+    """Maximum over (dilated) kernel_size windows of the last dim, like torch.nn.functional.max_pool1d."""
+    return self._max_pool(1, kernel_size, stride, padding, dilation)
+
+  def max_pool2d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1) -> Tensor:
+    """Maximum over (dilated) kernel_size windows of the last two dims of (N, C, H, W) or (C, H, W), like
+    torch.nn.functional.max_pool2d without return_indices or ceil_mode: stride defaults to kernel_size, padding
+    counts as -inf (never the max)."""
+    return self._max_pool(2, kernel_size, stride, padding, dilation)
+
+  def max_pool3d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1) -> Tensor:
+    """Maximum over (dilated) kernel_size windows of the last three dims, like torch.nn.functional.max_pool3d."""
+    return self._max_pool(3, kernel_size, stride, padding, dilation)
