@@ -12,7 +12,7 @@ from typing import Any
 
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
-from ourgrad.codegen.uops import UOp, UOps, format_uops
+from ourgrad.codegen.uops import AxisType, UOp, UOps, format_uops
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
@@ -105,8 +105,8 @@ def launch_dims(uops: list[UOp]) -> tuple[tuple[int, ...], tuple[int, ...]]:
   blocks, threads = [1, 1, 1], [1, 1, 1]
   for uop in uops:
     if uop.op is UOps.SPECIAL:
-      name, size, dimension = uop.arg
-      (blocks if name.startswith("gidx") else threads)[dimension] = size
+      _, size, dimension, kind = uop.arg
+      (blocks if kind is AxisType.GLOBAL else threads)[dimension] = size
   return tuple(blocks), tuple(threads)
 
 

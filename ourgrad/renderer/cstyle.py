@@ -9,13 +9,21 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
 
 
 NARROW_INTS = frozenset({dtypes.int8, dtypes.uint8, dtypes.int16, dtypes.uint16})
+
+
+def block_threads(uops: list[UOp]) -> int:
+  """Threads per block of a GPU kernel: the product of its thread (not block) index sizes."""
+  threads = 1
+  for uop in uops:
+    if uop.op is UOps.SPECIAL and uop.arg[3] is not AxisType.GLOBAL: threads *= uop.arg[1]
+  return threads
 
 
 class CStyleLanguage(Renderer):
@@ -26,6 +34,8 @@ class CStyleLanguage(Renderer):
   float_suffix = {dtypes.float32: "f", dtypes.float16: "f", dtypes.bfloat16: "f"}
   preamble = ""
   max_inline_length = 120
+  local_prefix = ""     # how a block-shared array is declared (`__shared__ `, `__local `)
+  barrier = ""          # the statement that waits for every thread of the block
 
   # ---------------------------------------------------------------- spellings a dialect may change
 
@@ -155,9 +165,10 @@ class CStyleLanguage(Renderer):
       elif uop.op is UOps.CONST:
         names[id(uop)] = self.render_const(uop.arg, uop.dtype)
       elif uop.op is UOps.RANGE:
-        variable = uop.arg
+        variable, kind = uop.arg
         names[id(uop)] = variable
-        if parallel_loops and variable == "gidx0": emit(self.parallel_pragma(parallel_loops))
+        if parallel_loops and kind is AxisType.GLOBAL and depth == 1:
+          emit(self.parallel_pragma(parallel_loops))
         emit(f"for (int {variable} = {ref(uop.srcs[0])}; {variable} < {ref(uop.srcs[1])}; {variable}++) {{")
         depth += 1
       elif uop.op is UOps.ENDRANGE:
@@ -166,12 +177,31 @@ class CStyleLanguage(Renderer):
       elif uop.op is UOps.SPECIAL:
         names[id(uop)] = uop.arg[0]
         emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};  /* 0..{uop.arg[1] - 1} */")
+      elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL:
+        define(uop, "val", f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]")  # local memory holds register values
       elif uop.op is UOps.LOAD:
         valid = ref(uop.srcs[2]) if len(uop.srcs) > 2 else None
         define(uop, "val", self.render_load(ref(uop.srcs[0]), ref(uop.srcs[1]), valid, uop.dtype))
       elif uop.op is UOps.STORE:
-        store = self.render_store(ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), uop.srcs[2].dtype)
+        if uop.srcs[0].op is UOps.DEFINE_LOCAL: store = f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}] = {ref(uop.srcs[2])};"
+        else: store = self.render_store(ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), uop.srcs[2].dtype)
         emit(store if len(uop.srcs) < 4 else f"if ({ref(uop.srcs[3])}) {{ {store} }}")
+      elif uop.op is UOps.DEFINE_LOCAL:
+        names[id(uop)] = uop.arg[0]
+        emit(f"{self.local_prefix}{self.render_dtype(uop.dtype)} {uop.arg[0]}[{uop.arg[1]}];")
+      elif uop.op is UOps.BARRIER:
+        emit(self.barrier)
+      elif uop.op is UOps.IF:
+        emit(f"if ({ref(uop.srcs[0])}) {{")
+        depth += 1
+      elif uop.op is UOps.ENDIF:
+        depth -= 1
+        emit("}")
+      elif uop.op is UOps.WARP_REDUCE:
+        variable = new_name("warp")
+        names[id(uop)] = variable
+        emit(f"{self.render_dtype(uop.dtype)} {variable} = {ref(uop.srcs[0])};")
+        for line in self.render_warp_reduce(variable, uop, uops): emit(line)
       elif uop.op is UOps.DEFINE_ACC:
         define(uop, "acc", self.render_const(uop.arg, uop.dtype))
       elif uop.op is UOps.ACCUMULATE:
@@ -199,6 +229,9 @@ class CStyleLanguage(Renderer):
     return expression
 
   def render_special(self, arg: tuple) -> str: raise NotImplementedError
+
+  def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
+    raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """How many outer global loops to run on several threads (0: none). Only CPU dialects parallelize."""
@@ -231,7 +264,7 @@ static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """The global loops come first and are perfectly nested: collapse them all into one parallel loop when the
     kernel does enough work. Each iteration writes its own outputs, so threads never share a store."""
-    global_loops = [uop for uop in uops if uop.op is UOps.RANGE and uop.arg.startswith("gidx")]
+    global_loops = [uop for uop in uops if uop.op is UOps.RANGE and uop.arg[1] is AxisType.GLOBAL]
     iterations = 1
     for uop in uops:
       if uop.op is UOps.RANGE: iterations *= uop.srcs[1].arg - uop.srcs[0].arg
@@ -278,6 +311,10 @@ class OpenCLRenderer(CStyleLanguage):
   device = "OPENCL"
   has_threads = True
   max_threads = 256
+  has_local = True
+  local_memory_bytes = 32768  # the minimum OpenCL guarantees for a full-profile device
+  local_prefix = "__local "
+  barrier = "barrier(CLK_LOCAL_MEM_FENCE);"
   kernel_prefix = "__kernel "
   buffer_prefix = "__global "
   buffer_suffix = " restrict"
@@ -332,8 +369,8 @@ class OpenCLRenderer(CStyleLanguage):
     return f"as_{self.render_dtype(to_dtype)}({value})"
 
   def render_special(self, arg: tuple) -> str:
-    name, _, dimension = arg
-    return f"get_group_id({dimension})" if name.startswith("gidx") else f"get_local_id({dimension})"
+    _, _, dimension, kind = arg
+    return f"get_group_id({dimension})" if kind is AxisType.GLOBAL else f"get_local_id({dimension})"
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
@@ -364,6 +401,11 @@ class CUDARenderer(CStyleLanguage):
   device = "CUDA"
   has_threads = True
   max_threads = 1024
+  has_local = True
+  local_memory_bytes = 48 * 1024  # static __shared__ memory per block
+  warp_size = 32
+  local_prefix = "__shared__ "
+  barrier = "__syncthreads();"
   buffer_suffix = " __restrict__"
   preamble = ""
   storage_names = {"float16": "unsigned short", "bfloat16": "unsigned short"}
@@ -411,13 +453,26 @@ class CUDARenderer(CStyleLanguage):
     return f"bitcast<{to_dtype.c_name}, {from_dtype.c_name}>({value})"
 
   def render_special(self, arg: tuple) -> str:
-    name, _, dimension = arg
-    return f"{'blockIdx' if name.startswith('gidx') else 'threadIdx'}.{'xyz'[dimension]}"
+    _, _, dimension, kind = arg
+    return f"{'blockIdx' if kind is AxisType.GLOBAL else 'threadIdx'}.{'xyz'[dimension]}"
+
+  def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
+    """A butterfly over `width` neighbouring lanes with __shfl_xor_sync: after it every lane holds the result."""
+    op, width, stride = uop.arg
+    threads = block_threads(uops)
+    mask = "0xffffffffu" if threads >= self.warp_size else f"{(1 << threads) - 1:#x}u"
+    register = self.render_dtype(uop.dtype)
+    # shuffles move 32- and 64-bit values: narrower types travel as int
+    wide = "int" if uop.dtype.itemsize < 4 and register not in ("float", "double") else register
+    # every lane shuffles (no shuffle inside a conditional expression), then combines
+    combined = self.render_alu(op, uop.dtype, [variable, "other"], [uop.dtype, uop.dtype])
+    return [f"for (int offset = {width // 2 * stride}; offset >= {stride}; offset >>= 1) {{",
+            f"  {register} other = ({register})__shfl_xor_sync({mask}, ({wide}){variable}, offset);",
+            f"  {variable} = {combined};",
+            "}"]
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
-    threads = 1
-    for uop in uops:
-      if uop.op is UOps.SPECIAL and uop.arg[0].startswith("lidx"): threads *= uop.arg[1]
+    threads = block_threads(uops)
     helpers = []
     if "half_to_float" in "".join(body) or "float_to_half" in "".join(body):
       helpers.append('__device__ __forceinline__ float half_to_float(unsigned short h) {\n'
