@@ -69,8 +69,14 @@ class UOp:
   uses: int = field(default=0, compare=False)
 
   def __repr__(self) -> str:
-    arg = self.arg.name if isinstance(self.arg, Ops) else self.arg
-    return f"UOp({self.op.name}, {self.dtype}, {len(self.srcs)} srcs, arg={arg})"
+    return f"UOp({self.op.name}, {self.dtype}, {len(self.srcs)} srcs, arg={format_arg(self.arg)})"
+
+
+def format_arg(arg: Any) -> str:
+  """A UOp argument as DEBUG=5 prints it: enum members by name (ADD, GLOBAL), tuples without quotes."""
+  if isinstance(arg, Enum): return arg.name
+  if isinstance(arg, tuple): return "(" + ", ".join(format_arg(item) for item in arg) + ")"
+  return str(arg)
 
 
 def format_uops(uops: list[UOp]) -> str:
@@ -78,9 +84,8 @@ def format_uops(uops: list[UOp]) -> str:
   position = {id(uop): index for index, uop in enumerate(uops)}
   lines = []
   for index, uop in enumerate(uops):
-    arg = uop.arg.name if isinstance(uop.arg, Ops) else uop.arg
     srcs = [position.get(id(src), "?") for src in uop.srcs]
-    lines.append(f"{index:4d} {uop.op.name:<14} {str(uop.dtype):<16} {str(srcs):<16} {arg}")
+    lines.append(f"{index:4d} {uop.op.name:<14} {str(uop.dtype):<16} {str(srcs):<16} {format_arg(uop.arg)}")
   return "\n".join(lines)
 
 
