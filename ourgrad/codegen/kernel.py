@@ -241,8 +241,6 @@ class Kernel:
         raise KernelOptError(f"{opt.op.name} needs a reduce loop axis, got {opt.axis}")
       if opt.op is not OptOps.UNROLL and not getattr(renderer, "has_local", False):
         raise KernelOptError(f"{opt.op.name} needs a device with local memory, {renderer.device} has none")
-      if opt.op is not OptOps.UNROLL and self.upcasted and self.unroll_axes:
-        raise KernelOptError(f"{opt.op.name} after an UNROLL is not supported")
       return axis
     if opt.op is OptOps.LOCAL:
       if not renderer.has_threads:

@@ -18,6 +18,24 @@ from ourgrad.renderer import Renderer
 NARROW_INTS = frozenset({dtypes.int8, dtypes.uint8, dtypes.int16, dtypes.uint16})
 
 
+# bfloat16 <-> float, written once for every C-like dialect: a dialect fills in its function qualifier and how it
+# reinterprets a float's bits. Rounds to nearest even; a NaN keeps its sign and turns quiet, exactly as
+# dtype.float32_to_bfloat16_bits does on the host.
+BFLOAT16_HELPERS = """{qualifier}unsigned short float_to_bf16(float value) {{
+  unsigned int bits = {float_bits};
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);  /* NaN: quiet, sign kept */
+  bits += 0x7fffu + ((bits >> 16) & 1u);  /* round to nearest even */
+  return (unsigned short)(bits >> 16); }}
+{qualifier}float bf16_to_float(unsigned short bits) {{ return {float_from_bits}; }}
+{qualifier}float bf16_round(float value) {{ return bf16_to_float(float_to_bf16(value)); }}
+"""
+
+
+def kernel_dtypes(uops: list[UOp]) -> set[DType]:
+  """Every dtype a kernel's UOps hold: decides which helper functions its source needs."""
+  return {uop.dtype for uop in uops if uop.dtype is not None}
+
+
 def block_threads(uops: list[UOp]) -> int:
   """Threads per block of a GPU kernel: the product of its thread (not block) index sizes."""
   threads = 1
@@ -35,6 +53,14 @@ class CStyleLanguage(Renderer):
   preamble = ""
   max_inline_length = 120
   local_prefix = ""     # how a block-shared array is declared (`__shared__ `, `__local `)
+  # how this dialect spells BFLOAT16_HELPERS: function qualifier, a float's bits (of `value`), a float from 16 bits
+  bfloat16_spelling: tuple[str, str, str] = (
+    "static inline ", "((union { float f; unsigned int u; }){ .f = value }).u",
+    "((union { unsigned int u; float f; }){ .u = (unsigned int)bits << 16 }).f")
+
+  def bfloat16_helpers(self) -> str:
+    qualifier, float_bits, float_from_bits = self.bfloat16_spelling
+    return BFLOAT16_HELPERS.format(qualifier=qualifier, float_bits=float_bits, float_from_bits=float_from_bits)
   barrier = ""          # the statement that waits for every thread of the block
 
   # ---------------------------------------------------------------- spellings a dialect may change
@@ -247,17 +273,6 @@ class ClangRenderer(CStyleLanguage):
   widen the stored 16 bits, casts to bfloat16 round to its precision, and stores keep the top 16 bits."""
   device = "CLANG"
   preamble = "#include <math.h>\n#include <stdbool.h>\n"
-  bfloat16_helpers = """#include <string.h>
-static inline float bf16_to_float(unsigned short bits) {
-  unsigned int wide = (unsigned int)bits << 16; float value; memcpy(&value, &wide, 4); return value; }
-static inline unsigned short float_to_bf16(float value) {
-  unsigned int bits; memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);  /* keep NaN quiet */
-  bits += 0x7fffu + ((bits >> 16) & 1u);  /* round to nearest even */
-  return (unsigned short)(bits >> 16); }
-static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16(value)); }
-"""
-
   # below this many loop iterations times instructions, starting threads costs more than it saves
   parallel_min_work = 1 << 17
 
@@ -279,8 +294,8 @@ static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
-    if "bf16_" not in source: return source
-    return source.replace(self.preamble, self.preamble + self.bfloat16_helpers, 1)
+    if dtypes.bfloat16 not in kernel_dtypes(uops): return source
+    return source.replace(self.preamble, self.preamble + self.bfloat16_helpers(), 1)
 
   def memory_type(self, dtype: DType) -> str:
     return "unsigned short" if dtype == dtypes.bfloat16 else super().memory_type(dtype)
@@ -315,6 +330,7 @@ class OpenCLRenderer(CStyleLanguage):
   local_memory_bytes = 32768  # the minimum OpenCL guarantees for a full-profile device
   local_prefix = "__local "
   barrier = "barrier(CLK_LOCAL_MEM_FENCE);"
+  bfloat16_spelling = ("", "as_uint(value)", "as_float(((uint)bits) << 16)")
   kernel_prefix = "__kernel "
   buffer_prefix = "__global "
   buffer_suffix = " restrict"
@@ -341,7 +357,7 @@ class OpenCLRenderer(CStyleLanguage):
   def read_element(self, buffer: str, index: str, dtype: DType) -> str:
     if dtype == dtypes.bool: return f"({buffer}[{index}] != 0)"
     if dtype == dtypes.float16: return f"vload_half({index}, {buffer})"
-    if dtype == dtypes.bfloat16: return f"as_float(((uint){buffer}[{index}]) << 16)"
+    if dtype == dtypes.bfloat16: return f"bf16_to_float({buffer}[{index}])"
     return super().read_element(buffer, index, dtype)
 
   def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
@@ -361,7 +377,7 @@ class OpenCLRenderer(CStyleLanguage):
     return f"half_bits({value})" if dtype == dtypes.float16 else f"float_to_bf16({value})"
 
   def from_bits(self, dtype: DType, bits: str) -> str:
-    return f"half_from_bits({bits})" if dtype == dtypes.float16 else f"as_float(((uint)({bits})) << 16)"
+    return f"half_from_bits({bits})" if dtype == dtypes.float16 else f"bf16_to_float({bits})"
 
   def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     if dtypes.bool in (from_dtype, to_dtype):
@@ -374,21 +390,14 @@ class OpenCLRenderer(CStyleLanguage):
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
-    extensions = []
-    if "half_round" in source or "half_bits" in source or "half_from_bits" in source:
+    used, extensions = kernel_dtypes(uops), []
+    if dtypes.float16 in used:
       extensions.append("ushort half_bits(float value) {\n"
                         "  ushort bits; vstore_half_rte(value, 0, (__private half*)&bits); return bits; }\n"
                         "float half_from_bits(ushort bits) { return vload_half(0, (__private const half*)&bits); }\n"
                         "float half_round(float value) { return half_from_bits(half_bits(value)); }\n")
-    if "double" in source: extensions.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n")
-    if "bf16" in source:
-      extensions.append("float bf16_round(float value);\n"
-                        "ushort float_to_bf16(float value) {\n"
-                        "  uint bits = as_uint(value);\n"
-                        "  if ((bits & 0x7fffffffu) > 0x7f800000u) return (ushort)((bits >> 16) | 0x40u);\n"
-                        "  bits += 0x7fffu + ((bits >> 16) & 1u);\n"
-                        "  return (ushort)(bits >> 16); }\n"
-                        "float bf16_round(float value) { return as_float(((uint)float_to_bf16(value)) << 16); }\n")
+    if dtypes.float64 in used: extensions.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n")
+    if dtypes.bfloat16 in used: extensions.append(self.bfloat16_helpers())
     return "".join(extensions) + source
 
 
@@ -406,6 +415,8 @@ class CUDARenderer(CStyleLanguage):
   warp_size = 32
   local_prefix = "__shared__ "
   barrier = "__syncthreads();"
+  bfloat16_spelling = ("__device__ __forceinline__ ", "__float_as_uint(value)",
+                       "__uint_as_float(((unsigned int)bits) << 16)")
   buffer_suffix = " __restrict__"
   preamble = ""
   storage_names = {"float16": "unsigned short", "bfloat16": "unsigned short"}
@@ -427,7 +438,7 @@ class CUDARenderer(CStyleLanguage):
 
   def read_element(self, buffer: str, index: str, dtype: DType) -> str:
     if dtype == dtypes.float16: return f"half_to_float({buffer}[{index}])"
-    if dtype == dtypes.bfloat16: return f"__uint_as_float(((unsigned int){buffer}[{index}]) << 16)"
+    if dtype == dtypes.bfloat16: return f"bf16_to_float({buffer}[{index}])"
     return super().read_element(buffer, index, dtype)
 
   def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
@@ -437,7 +448,7 @@ class CUDARenderer(CStyleLanguage):
 
   def round_to(self, dtype: DType, value: str) -> str | None:
     if dtype == dtypes.float16: return f"half_to_float(float_to_half((float)({value})))"
-    if dtype == dtypes.bfloat16: return f"__uint_as_float(((unsigned int)float_to_bf16((float)({value}))) << 16)"
+    if dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
     return None
 
   float_register_dtypes = frozenset({dtypes.float16, dtypes.bfloat16})
@@ -447,7 +458,7 @@ class CUDARenderer(CStyleLanguage):
 
   def from_bits(self, dtype: DType, bits: str) -> str:
     if dtype == dtypes.float16: return f"half_to_float({bits})"
-    return f"__uint_as_float(((unsigned int)({bits})) << 16)"
+    return f"bf16_to_float({bits})"
 
   def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     return f"bitcast<{to_dtype.c_name}, {from_dtype.c_name}>({value})"
@@ -473,19 +484,14 @@ class CUDARenderer(CStyleLanguage):
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     threads = block_threads(uops)
-    helpers = []
-    if "half_to_float" in "".join(body) or "float_to_half" in "".join(body):
+    used, helpers = kernel_dtypes(uops), []
+    if dtypes.float16 in used:
       helpers.append('__device__ __forceinline__ float half_to_float(unsigned short h) {\n'
                      '  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }\n'
                      '__device__ __forceinline__ unsigned short float_to_half(float f) {\n'
                      '  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }\n')
-    if "float_to_bf16" in "".join(body):
-      helpers.append('__device__ __forceinline__ unsigned short float_to_bf16(float value) {\n'
-                     '  unsigned int bits = __float_as_uint(value);\n'
-                     '  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);\n'
-                     '  bits += 0x7fffu + ((bits >> 16) & 1u);\n'
-                     '  return (unsigned short)(bits >> 16); }\n')
-    if "bitcast<" in "".join(body):
+    if dtypes.bfloat16 in used: helpers.append(self.bfloat16_helpers())
+    if any(uop.op is UOps.BITCAST for uop in uops):
       helpers.append("template <class To, class From> __device__ __forceinline__ To bitcast(From value) {\n"
                      "  union { From from; To to; } u; u.from = value; return u.to; }\n")
     launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""

@@ -17,7 +17,7 @@ import struct
 import numpy as np
 
 from ourgrad.codegen.uops import AxisType, UOp, UOps
-from ourgrad.dtype import DType, dtypes
+from ourgrad.dtype import DType, dtypes, to_bfloat16
 from ourgrad.ops import COMPARISON_OPS, Ops
 from ourgrad.renderer import Renderer
 
@@ -42,11 +42,7 @@ def float_bits_f32(value: float) -> int: return struct.unpack("<I", struct.pack(
 
 def round_to_bfloat16(value: float) -> float:
   """A Python float rounded (nearest even) to bfloat16, as a Python float: what a bfloat16 register holds."""
-  if math.isnan(value) or math.isinf(value): return value
-  with np.errstate(over="ignore"):
-    bits = float_bits_f32(float(np.float32(value)))
-  bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-  return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+  return to_bfloat16(value)
 
 
 def render_const(value: float | int | bool, dtype: DType) -> str:

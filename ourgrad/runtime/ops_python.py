@@ -34,7 +34,8 @@ import numpy as np
 
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.device import Compiled, Compiler, HostAllocator
-from ourgrad.dtype import DType, dtypes, truncate
+from ourgrad.dtype import (DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits, round_to_bfloat16,
+                           truncate)
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import EMULATE
 from ourgrad.ops import Ops
@@ -220,25 +221,6 @@ def compute_dtype(dtype: DType) -> np.dtype:
 def memory_dtype(dtype: DType) -> np.dtype:
   """The numpy dtype a buffer of `dtype` is viewed as (bfloat16 as its raw uint16 bits)."""
   return np.dtype(np.uint16 if dtype == dtypes.bfloat16 else dtype.np)
-
-
-def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
-  """Round float32 values to bfloat16, nearest even, and return the 16 bits (NaN stays a quiet NaN)."""
-  bits = np.asarray(values, dtype=np.float32).view(np.uint32)
-  is_nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-  # adding 0x7fff plus the lowest kept bit rounds to nearest, ties to even; a carry correctly rounds up to inf
-  rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-  result = np.where(is_nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded >> np.uint32(16))
-  return result.astype(np.uint16)
-
-
-def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-  return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def round_to_bfloat16(values: np.ndarray) -> np.ndarray:
-  """float32 values rounded to the nearest bfloat16, still as float32."""
-  return bfloat16_bits_to_float32(float32_to_bfloat16_bits(values))
 
 
 def to_memory(values: np.ndarray, dtype: DType) -> np.ndarray:

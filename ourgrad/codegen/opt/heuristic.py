@@ -24,20 +24,40 @@ BLOCK_THREADS = 256
 # a GPU needs about this many blocks in flight to keep every multiprocessor busy (H100: 132 SMs x several blocks)
 ENOUGH_BLOCKS = 1024
 WARP_SIZE = 32
+# reduces shorter than this stay loops inside one thread when there are enough outputs to fill the GPU
+SHORT_REDUCE = 128
 
 
 def hand_coded_optimizations(kernel: Kernel) -> None:
   """Apply the default Opts for the kernel's device in place."""
   renderer = kernel.renderer
-  if renderer.has_threads and getattr(renderer, "has_local", False) and kernel.reduceop is not None:
+  gpu, has_local = renderer.has_threads, getattr(renderer, "has_local", False)
+  if gpu and has_local and kernel.reduceop is not None and not _matmul_like(kernel):
     if _group_reduce(kernel): return
+  if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
   _register_tiling(kernel)
-  if renderer.has_threads: _pick_thread_blocks(kernel)
+  if gpu: _pick_thread_blocks(kernel)
+  if gpu and has_local and kernel.reduceop is not None: _group_for_parallelism(kernel)
+
+
+def _loads(kernel: Kernel) -> list:
+  return [st for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
+
+
+def _matmul_like(kernel: Kernel) -> bool:
+  """Some input is reused across outputs while it varies along the reduce (a matmul or convolution operand):
+  register tiles pay off there. A per-output value (stride 0 on every reduce axis) does not count."""
+  for st in _loads(kernel):
+    strides = st.real_strides()
+    reused = any(strides[axis] == 0 for axis in range(kernel.first_reduce))
+    varies = any(strides[axis] != 0 for axis in range(kernel.first_reduce, kernel.shape_len))
+    if reused and varies: return True
+  return False
 
 
 def _contiguous_axis(kernel: Kernel) -> int | None:
   """The dimension along which the biggest input is contiguous (stride 1), if any."""
-  loads = [st for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
+  loads = _loads(kernel)
   if not loads: return None
   st = max(loads, key=lambda view: prod(size for size, stride in zip(view.shape, view.real_strides()) if stride != 0))
   strides = st.real_strides()
@@ -53,32 +73,71 @@ def _divisor_at_most(size: int, limit: int) -> int:
   return amount
 
 
+def _largest_divisor_at_most(size: int, limit: int) -> int:
+  """A power of two where one fits well (warp shuffles need them), else the largest divisor <= limit."""
+  power = _divisor_at_most(size, limit)
+  best = max(amount for amount in range(1, min(size, limit) + 1) if size % amount == 0)
+  return power if power * 2 > best else best
+
+
+def _group_reduce_axes(kernel: Kernel, budget: int) -> None:
+  """GROUP threads taken from the reduce loop axes, innermost first (neighbouring threads read neighbouring
+  elements), until the block has `budget` group threads or two axes were used."""
+  from_end = 1
+  for _ in range(2):
+    loop_count = kernel.first_upcast - kernel.first_loop_reduce
+    if loop_count < from_end: return
+    relative = loop_count - from_end
+    size = kernel.full_shape[kernel.first_loop_reduce + relative]
+    amount = _largest_divisor_at_most(size, budget // kernel.group_threads())
+    if amount < 2 or not kernel.try_opt(Opt(OptOps.GROUP, relative, amount)): return
+    if amount != size: from_end += 1  # the rest of this axis stays the innermost loop
+    if kernel.group_threads() * 2 > budget: return
+
+
 def _group_reduce(kernel: Kernel) -> bool:
   """GROUP-based defaults for reduces that are not matmul-like. False (kernel untouched) where they do not apply."""
-  loads = [st for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
-  if any(st.real_strides()[axis] == 0 for st in loads for axis in range(kernel.first_reduce)):
-    return False  # some input is broadcast along an output axis: matmul-like, register tiling fits better
   if kernel.first_upcast <= kernel.first_reduce: return False
   contiguous = _contiguous_axis(kernel)
   outputs = prod(kernel.full_shape[:kernel.first_reduce])
-  last_reduce = kernel.first_upcast - 1
-  reduce_size = kernel.full_shape[last_reduce]
-  if contiguous is not None and contiguous >= kernel.first_reduce:
-    # row reduction: the block's threads stride over the row together (coalesced)
-    threads = _divisor_at_most(reduce_size, BLOCK_THREADS if reduce_size >= 4 * BLOCK_THREADS else WARP_SIZE)
-    if threads < 2: return False
-    return kernel.try_opt(Opt(OptOps.GROUP, last_reduce - kernel.first_reduce, threads))
-  if contiguous is not None and contiguous < kernel.first_reduce:
-    # column reduction: neighbouring threads take neighbouring outputs; split the reduce when blocks are few
-    locals_ = _divisor_at_most(kernel.full_shape[contiguous], WARP_SIZE)
-    if locals_ < 2 or not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)): return False
-    blocks = outputs // locals_
-    first_reduce_size = kernel.full_shape[kernel.first_reduce]
-    if blocks < ENOUGH_BLOCKS:
-      group = _divisor_at_most(first_reduce_size, BLOCK_THREADS // locals_)
-      if group >= 2: kernel.try_opt(Opt(OptOps.GROUPTOP, 0, group))
-    return True
-  return False
+  reduce_total = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
+  # a short reduce (a pooling window) is cheaper as a loop in each thread than as threads that must meet
+  if reduce_total < SHORT_REDUCE and outputs >= ENOUGH_BLOCKS: return False
+  if contiguous is None or contiguous >= kernel.first_reduce:
+    # row reduction (or no stride-1 input): the block's threads stride over the row together (coalesced); a warp
+    # for short rows
+    _group_reduce_axes(kernel, BLOCK_THREADS if reduce_total >= 4 * BLOCK_THREADS else WARP_SIZE)
+    return kernel.group_dims > 0
+  # column reduction: neighbouring threads take neighbouring outputs; split the reduce when blocks are few
+  locals_ = _divisor_at_most(kernel.full_shape[contiguous], WARP_SIZE)
+  if locals_ < 2 or not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)): return False
+  blocks = outputs // locals_
+  first_reduce_size = kernel.full_shape[kernel.first_reduce]
+  if blocks < ENOUGH_BLOCKS:
+    group = _largest_divisor_at_most(first_reduce_size, BLOCK_THREADS // locals_)
+    if group >= 2: kernel.try_opt(Opt(OptOps.GROUPTOP, 0, group))
+  return True
+
+
+def _group_for_parallelism(kernel: Kernel) -> None:
+  """A matmul-like reduce with few threads (few outputs, long reduces: a convolution's weight gradient) splits its
+  reduce over GROUP threads too, so the GPU has enough threads in flight."""
+  threads = prod(kernel.full_shape[:kernel.first_reduce])
+  reduce_total = prod(kernel.full_shape[kernel.first_loop_reduce:kernel.first_upcast])
+  if threads >= ENOUGH_BLOCKS * BLOCK_THREADS // 2 or reduce_total < 64: return
+  budget = min(kernel.renderer.max_threads // max(kernel.block_threads(), 1), BLOCK_THREADS, reduce_total // 16)
+  if budget >= 2: _group_reduce_axes(kernel, budget)
+
+
+def _elementwise_rows(kernel: Kernel) -> None:
+  """GPU elementwise over several axes: each thread takes 4 outputs along an outer axis, so every load instruction of
+  a warp stays coalesced and each thread has 4 independent loads in flight."""
+  if kernel.first_reduce < 2: return
+  contiguous = _contiguous_axis(kernel)
+  for axis in range(kernel.first_reduce):
+    if axis != contiguous and kernel.full_shape[axis] % 4 == 0 and kernel.full_shape[axis] >= 16:
+      kernel.try_opt(Opt(OptOps.UPCAST, axis, 4))
+      return
 
 
 def _pick_thread_blocks(kernel: Kernel) -> None:
