@@ -342,19 +342,37 @@ def _exact_float(value: Any) -> float:
     return math.inf if value > 0 else -math.inf
 
 
-def _to_bfloat16(value: float) -> float:
-  """Round to the nearest bfloat16 (ties to even) via float32 bits: bfloat16 is the top half of a float32."""
+# ---------------------------------------------------------------- bfloat16 rounding: the one home
+# bfloat16 is the top half of a float32. Rounding is to nearest, ties to even; a NaN keeps its sign and becomes a quiet
+# NaN (payload truncated, quiet bit set, so it cannot turn into an infinity). The C helpers every C-like renderer emits
+# (renderer/cstyle.py `bfloat16_helpers`) and LLVM's rounding compute exactly this.
+
+def float32_to_bfloat16_bits(values: Any) -> np.ndarray:
+  """float values rounded to bfloat16, as uint16 bit patterns (the same shape)."""
+  array = np.asarray(values)
+  with np.errstate(over="ignore", invalid="ignore"):
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).reshape(array.shape)
+  is_nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+  # adding 0x7fff plus the lowest kept bit rounds to nearest, ties to even; a carry correctly rounds up to inf
+  rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+  return np.where(is_nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+def bfloat16_bits_to_float32(bits: Any) -> np.ndarray:
+  """uint16 bfloat16 bit patterns as float32 values (exact)."""
+  return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def round_to_bfloat16(values: Any) -> np.ndarray:
+  """float values rounded to the nearest bfloat16, held as float32."""
+  return bfloat16_bits_to_float32(float32_to_bfloat16_bits(values))
+
+
+def to_bfloat16(value: float) -> float:
+  """A Python float rounded to bfloat16 (see `float32_to_bfloat16_bits`), as a Python float."""
   with np.errstate(over="ignore"):
     as_float32 = np.float32(value)
-  bits = int(as_float32.view(np.uint32))
-  if math.isnan(as_float32):
-    # keep sign and payload top bits; set the quiet bit so truncating the payload cannot turn nan into inf
-    bits |= 0x00400000
-  else:
-    # adding 0x7fff plus the lowest kept bit rounds to nearest with ties to even; carries roll into the exponent,
-    # which correctly rounds the largest float32 values up to inf
-    bits += 0x7FFF + ((bits >> 16) & 1)
-  return float(np.uint32(bits & 0xFFFF0000).view(np.float32))
+  return float(round_to_bfloat16(as_float32))
 
 
 def truncate(dt: DType, value: Any) -> Any:
@@ -376,7 +394,7 @@ def truncate(dt: DType, value: Any) -> Any:
     value = _round_int_to_significand(int(value), _FLOAT_FORMATS[dt.name][0])
   as_float = _exact_float(value)
   if dt == dtypes.float64: return as_float
-  if dt == dtypes.bfloat16: return _to_bfloat16(as_float)
+  if dt == dtypes.bfloat16: return to_bfloat16(as_float)
   # float64 -> float32/float16 overflow to inf is the intended result, not an error worth a warning
   with np.errstate(over="ignore"):
     return float(dt.np(as_float))

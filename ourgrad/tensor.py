@@ -28,7 +28,7 @@ import numpy as np
 
 from ourgrad import function as F
 from ourgrad.device import Buffer, Device
-from ourgrad.dtype import DType, dtypes
+from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
 from ourgrad.engine.exec_item import jit_recording
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
@@ -41,19 +41,6 @@ from ourgrad.tensor_reduce import ReduceMixin
 from ourgrad.tensor_sort import SortMixin
 
 Scalar = bool | int | float
-
-
-def _numpy_to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
-  """float data rounded to bfloat16 (nearest even), returned as the uint16 bit patterns."""
-  bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
-  is_nan = np.isnan(array.astype(np.float32))
-  rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-  # ascontiguousarray makes a 0-d array 1-d: reshape, so a 0-d bfloat16 tensor keeps shape ()
-  return np.where(is_nan, np.uint16(0x7FC0), rounded).reshape(np.shape(array))
-
-
-def _bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-  return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
@@ -71,7 +58,7 @@ def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
     data = array
   if isinstance(data, np.ndarray):
     dtype = dtype or dtypes.from_numpy(data.dtype)
-    if dtype == dtypes.bfloat16: return LazyBuffer.from_numpy(_numpy_to_bfloat16_bits(data), dtype, device)
+    if dtype == dtypes.bfloat16: return LazyBuffer.from_numpy(float32_to_bfloat16_bits(data), dtype, device)
     return LazyBuffer.from_numpy(data.astype(dtype.np, copy=False), dtype, device)
   raise TypeError(f"cannot make a Tensor from {type(data).__name__}; pass a number, a (nested) list, a numpy "
                   f"array or a Tensor")
@@ -199,7 +186,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, NNMixin):
     if self.numel() == 0:
       return np.zeros(self.shape, dtype=np.float32 if self.dtype == dtypes.bfloat16 else self.dtype.np)
     values = self._buffer().numpy()
-    if self.dtype == dtypes.bfloat16: values = _bfloat16_bits_to_float32(values)
+    if self.dtype == dtypes.bfloat16: values = bfloat16_bits_to_float32(values)
     return values.reshape(self.shape).copy()
 
   def item(self) -> Scalar:

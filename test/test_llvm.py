@@ -22,7 +22,7 @@ pytest.importorskip("llvmlite")
 
 from ourgrad import Tensor  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps  # noqa: E402
-from ourgrad.codegen.uops import UOp, UOpBuilder, UOps  # noqa: E402
+from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps  # noqa: E402
 from ourgrad.device import Buffer, Device  # noqa: E402
 from ourgrad.dtype import DType, dtypes, truncate  # noqa: E402
 from ourgrad.engine.realize import compile_kernel, run_schedule  # noqa: E402
@@ -79,7 +79,7 @@ def elementwise_uops(kind: UOps, arg: Any, out_dtype: DType, in_dtypes: list[DTy
   build = UOpBuilder()
   out = build.add(UOps.DEFINE_GLOBAL, out_dtype, (), (0, True))
   inputs = [build.add(UOps.DEFINE_GLOBAL, dtype, (), (index + 1, False)) for index, dtype in enumerate(in_dtypes)]
-  loop = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(size, INT32)), "gidx0")
+  loop = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(size, INT32)), ("gidx0", AxisType.GLOBAL))
   values = tuple(build.add(UOps.LOAD, dtype, (buffer, loop)) for buffer, dtype in zip(inputs, in_dtypes))
   result = build.add(kind, out_dtype, values, arg if kind is UOps.ALU else None)
   build.add(UOps.STORE, None, (out, loop, result))
@@ -284,7 +284,7 @@ def test_gated_load_does_not_read_invalid_index() -> None:
   build = UOpBuilder()
   out = build.add(UOps.DEFINE_GLOBAL, dtypes.float32, (), (0, True))
   data = build.add(UOps.DEFINE_GLOBAL, dtypes.float32, (), (1, False))
-  loop = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(8, INT32)), "gidx0")
+  loop = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(8, INT32)), ("gidx0", AxisType.GLOBAL))
   valid = build.alu(Ops.CMPLT, dtypes.bool, loop, build.const(4, INT32))
   index = build.alu(Ops.WHERE, INT32, valid, loop, build.const(1 << 30, INT32))
   build.add(UOps.STORE, None, (out, loop, build.add(UOps.LOAD, dtypes.float32, (data, index, valid))))
@@ -299,9 +299,9 @@ def test_gated_store_and_nested_accumulator() -> None:
   build = UOpBuilder()
   out = build.add(UOps.DEFINE_GLOBAL, dtypes.float32, (), (0, True))
   data = build.add(UOps.DEFINE_GLOBAL, dtypes.float32, (), (1, False))
-  row = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(6, INT32)), "gidx0")
+  row = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(6, INT32)), ("gidx0", AxisType.GLOBAL))
   acc = build.add(UOps.DEFINE_ACC, dtypes.float32, (), -math.inf)
-  column = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(4, INT32)), "ridx1")
+  column = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(4, INT32)), ("ridx1", AxisType.REDUCE))
   index = build.alu(Ops.ADD, INT32, build.alu(Ops.MUL, INT32, row, build.const(4, INT32)), column)
   build.add(UOps.ACCUMULATE, dtypes.float32, (acc, build.add(UOps.LOAD, dtypes.float32, (data, index))), Ops.MAX)
   build.end_range(column)
@@ -325,7 +325,7 @@ def test_parameters_follow_buffer_index_order() -> None:
   second = build.add(UOps.DEFINE_GLOBAL, dtypes.int32, (), (2, False))
   out = build.add(UOps.DEFINE_GLOBAL, dtypes.int32, (), (0, True))
   first = build.add(UOps.DEFINE_GLOBAL, dtypes.int32, (), (1, False))
-  loop = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(3, INT32)), "gidx0")
+  loop = build.add(UOps.RANGE, INT32, (build.const(0, INT32), build.const(3, INT32)), ("gidx0", AxisType.GLOBAL))
   difference = build.alu(Ops.ADD, INT32, build.add(UOps.LOAD, INT32, (first, loop)),
                          build.alu(Ops.NEG, INT32, build.add(UOps.LOAD, INT32, (second, loop))))
   build.add(UOps.STORE, None, (out, loop, difference))

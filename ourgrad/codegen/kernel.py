@@ -3,13 +3,25 @@
 All buffers of the kernel (the output, the loads, the constants) are viewed in one shape, `full_shape`:
 the output's view has size 1 on the reduced dimensions. Dimensions are laid out as
 
-    [ global ... | local ... | reduce ... | upcast/unroll ... ]
-      0            global_dims  first_reduce  first_upcast      shape_len
+    [ global ... | local ... | group ... | reduce ... | upcast/unroll ... ]
+      0            global_dims  first_reduce             first_upcast      shape_len
+                                       first_reduce + group_dims
 
-Global (and on GPUs, local) dimensions are loops or thread indices over the output; reduce dimensions are
-loops inside; the last `upcasted` dimensions are unrolled into registers: "upcast" where the output has them
-(several outputs per thread), "unroll" where they are reduced. Opts edit this layout by splitting a dimension
-and moving the split part; every Opt is checked and leaves results unchanged.
+and `axis_types` names each dimension's kind (`AxisType`, from codegen/uops.py):
+- GLOBAL: over outputs; a loop on CPUs, the block index on GPUs;
+- LOCAL: over outputs; a thread index inside a block (GPU, opt LOCAL);
+- GROUP: over the reduce; a thread index inside a block (GPU, opt GROUP/GROUPTOP): each thread reduces its slice,
+  the partials meet in local memory (or warp shuffles) and are combined by a tree, one thread stores;
+- REDUCE: over the reduce; a loop in each thread;
+- UPCAST / UNROLL: the last `upcasted` dimensions, unrolled into registers: "upcast" where the output has them
+  (several outputs per thread), "unroll" where they are reduced.
+Opts edit this layout by splitting a dimension and moving the split part; every Opt is checked and leaves results
+unchanged.
+
+The API a search uses (codegen/opt/search.py): `Kernel.copy()` (an independent copy to try opts on),
+`apply_opt(opt)` (applies or raises KernelOptError, leaving the kernel unchanged) and `legal_opts()` (every Opt that
+applies to the kernel as it is now). `hand_coded_optimizations()` applies the default heuristic
+(codegen/opt/heuristic.py).
 """
 from __future__ import annotations
 
@@ -17,18 +29,20 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
 
-from ourgrad.helpers import DEBUG, prod
+from ourgrad.codegen.uops import AxisType
+from ourgrad.helpers import DEBUG, colored, prod
 from ourgrad.ops import REDUCE_OPS, LazyOp, Ops, format_ast
 from ourgrad.shape.shapetracker import ShapeTracker
 
 
 class OptOps(Enum):
   UPCAST = auto()   # compute `amount` neighbouring outputs of an axis per thread, in registers
-  UNROLL = auto()   # unroll `amount` iterations of a reduce axis
-  LOCAL = auto()    # split a global axis into workgroup threads (GPU)
-  # Not implemented yet (apply_opt refuses them with KernelOptError); named so searches and fuzzers can ask:
-  GROUP = auto()    # split a reduce axis across threads, combining in shared memory (GPU)
-  PADTO = auto()    # pad an axis up to a multiple of `amount` so other opts fit
+  UNROLL = auto()   # unroll `amount` iterations of a reduce axis (axis counts reduce axes after the group axes)
+  LOCAL = auto()    # split a global axis into threads of a block (GPU)
+  GROUP = auto()    # split a reduce axis (counted as for UNROLL) across threads of a block, neighbouring elements to
+  #                   neighbouring threads (coalesced); partials are combined in local memory (GPU)
+  GROUPTOP = auto() # as GROUP, but each thread reduces one contiguous slice of the axis
+  PADTO = auto()    # pad an axis up to a multiple of `amount` so other opts fit (not implemented: refused)
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,12 @@ class KernelOptError(Exception):
 
 # more registers than this per thread spills on every device we target
 MAX_UPCAST_LANES = 256
+# the amounts `legal_opts` tries for each axis (0 means the whole axis)
+OPT_AMOUNTS = (0, 2, 3, 4, 8, 16, 32, 64, 128, 256)
+
+# terminal colors of the axis kinds in kernel names (DEBUG=2)
+AXIS_COLORS = {AxisType.GLOBAL: "blue", AxisType.LOCAL: "cyan", AxisType.GROUP: "green", AxisType.REDUCE: "red",
+               AxisType.UPCAST: "yellow", AxisType.UNROLL: "magenta"}
 
 
 class Kernel:
@@ -63,10 +83,21 @@ class Kernel:
     self.full_shape_at_start = self._full_shape()
     self.upcasted = 0
     self.local_dims = 0
+    self.group_dims = 0
+    # GROUPTOP's threads are the outer thread dimensions (neighbouring threads take neighbouring outputs, so a column
+    # reduction coalesces); GROUP's the innermost (neighbouring threads take neighbouring reduce elements)
+    self.groups_outer = False
     self.applied_opts: list[Opt] = []
     self._move_reduce_axes_last()
     self._drop_size_one_axes()
     self._merge_axes()
+
+  def copy(self) -> Kernel:
+    """An independent copy (same AST and renderer) on which opts can be tried without touching this one."""
+    new = Kernel.__new__(Kernel)
+    new.__dict__.update(self.__dict__)
+    new.sts, new.applied_opts = list(self.sts), list(self.applied_opts)
+    return new
 
   # ---------------------------------------------------------------- shape bookkeeping
 
@@ -96,16 +127,34 @@ class Kernel:
   @property
   def global_dims(self) -> int: return self.first_reduce - self.local_dims
 
+  @property
+  def first_loop_reduce(self) -> int:
+    """The first reduce dimension that is a loop (after the group dimensions)."""
+    return self.first_reduce + self.group_dims
+
+  @property
+  def axis_types(self) -> list[AxisType]:
+    """The kind of each dimension of `full_shape` (see the module docstring)."""
+    kinds = []
+    for axis in range(self.shape_len):
+      if axis < self.global_dims: kinds.append(AxisType.GLOBAL)
+      elif axis < self.first_reduce: kinds.append(AxisType.LOCAL)
+      elif axis < self.first_loop_reduce: kinds.append(AxisType.GROUP)
+      elif axis < self.first_upcast: kinds.append(AxisType.REDUCE)
+      else: kinds.append(AxisType.UNROLL if self.is_reduce_axis(axis) else AxisType.UPCAST)
+    return kinds
+
+  def axes_of(self, kind: AxisType) -> list[int]:
+    return [axis for axis, axis_kind in enumerate(self.axis_types) if axis_kind is kind]
+
   def is_reduce_axis(self, axis: int) -> bool:
     return self.output_shape[axis] != self.full_shape[axis]
 
   @property
-  def upcast_axes(self) -> list[int]:
-    return [axis for axis in range(self.first_upcast, self.shape_len) if not self.is_reduce_axis(axis)]
+  def upcast_axes(self) -> list[int]: return self.axes_of(AxisType.UPCAST)
 
   @property
-  def unroll_axes(self) -> list[int]:
-    return [axis for axis in range(self.first_upcast, self.shape_len) if self.is_reduce_axis(axis)]
+  def unroll_axes(self) -> list[int]: return self.axes_of(AxisType.UNROLL)
 
   def reshape_and_permute(self, new_shape_fn: Any, axes: list[int] | None) -> None:
     """Apply the same reshape (a function of each view's shape) and permute to every view."""
@@ -148,105 +197,157 @@ class Kernel:
 
   # ---------------------------------------------------------------- opts
 
-  def shift_to(self, axis: int, amount: int, insert_before: int | None = None) -> None:
-    """Split `axis` into (size/amount, amount) and move the `amount` part so it sits just before the dimension
-    that was at `insert_before` (default: after the last dimension)."""
-    inner = axis + 1  # position of the `amount` part once the axis is split
+  def shift_to(self, axis: int, amount: int, insert_before: int | None = None, top: bool = False) -> None:
+    """Split `axis` into (size/amount, amount) — or (amount, size/amount) when `top` — and move the `amount` part
+    so it sits just before the dimension that was at `insert_before` (default: after the last dimension)."""
+    moved = axis if top else axis + 1  # position of the `amount` part once the axis is split
     target = self.shape_len if insert_before is None else insert_before
-    if inner <= target: target += 1  # positions after the split moved right by one
-    order = [a for a in range(target) if a != inner] + [inner] + [a for a in range(target, self.shape_len + 1)
-                                                                  if a != inner]
-    self.reshape_and_permute(
-      lambda shape: [*shape[:axis], shape[axis] // amount if shape[axis] != 1 else 1,
-                     amount if shape[axis] != 1 else 1, *shape[axis + 1:]],
-      order)
+    if axis < target: target += 1  # positions after the split moved right by one
+    order = [a for a in range(target) if a != moved] + [moved] + [a for a in range(target, self.shape_len + 1)
+                                                                  if a != moved]
+
+    def split(shape: tuple[int, ...]) -> list[int]:
+      if shape[axis] == 1: return [*shape[:axis], 1, 1, *shape[axis + 1:]]  # a view reduced away on this axis
+      parts = [amount, shape[axis] // amount] if top else [shape[axis] // amount, amount]
+      return [*shape[:axis], *parts, *shape[axis + 1:]]
+    self.reshape_and_permute(split, order)
+
+  def _state(self) -> tuple:
+    return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts))
+
+  def _restore(self, state: tuple) -> None:
+    self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
+    state = self._state()
+    try:
+      self._apply(opt)
+      self._check_limits()
+    except KernelOptError:
+      self._restore(state)
+      raise
+    self.applied_opts.append(opt)
+
+  def _axis_of(self, opt: Opt) -> int:
+    """The dimension an Opt splits, checking it has the kind the Opt needs."""
+    renderer = self.renderer
     if opt.op is OptOps.UPCAST:
-      axis = opt.axis
-      if not 0 <= axis < self.first_reduce: raise KernelOptError(f"UPCAST needs an output axis, got {axis}")
-    elif opt.op is OptOps.UNROLL:
-      axis = self.first_reduce + opt.axis
-      if not self.first_reduce <= axis < self.first_upcast:
-        raise KernelOptError(f"UNROLL needs a reduce axis, got {opt.axis}")
-    elif opt.op is OptOps.LOCAL:
-      axis = opt.axis
-      if not self.renderer.has_threads: raise KernelOptError("LOCAL needs a device with thread groups")
-      if not 0 <= axis < self.global_dims: raise KernelOptError(f"LOCAL needs a global axis, got {axis}")
-    else:
-      raise KernelOptError(f"{opt.op.name} is not supported on {self.renderer.device}")
+      if not 0 <= opt.axis < self.first_reduce: raise KernelOptError(f"UPCAST needs an output axis, got {opt.axis}")
+      return opt.axis
+    if opt.op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP):
+      axis = self.first_loop_reduce + opt.axis
+      if not (opt.axis >= 0 and axis < self.first_upcast):
+        raise KernelOptError(f"{opt.op.name} needs a reduce loop axis, got {opt.axis}")
+      if opt.op is not OptOps.UNROLL and not getattr(renderer, "has_local", False):
+        raise KernelOptError(f"{opt.op.name} needs a device with local memory, {renderer.device} has none")
+      return axis
+    if opt.op is OptOps.LOCAL:
+      if not renderer.has_threads:
+        raise KernelOptError(f"LOCAL needs a device with thread blocks, not {renderer.device}")
+      if not 0 <= opt.axis < self.global_dims: raise KernelOptError(f"LOCAL needs a global axis, got {opt.axis}")
+      return opt.axis
+    raise KernelOptError(f"{opt.op.name} is not supported on {renderer.device}")
+
+  def _apply(self, opt: Opt) -> None:
+    axis = self._axis_of(opt)
     size = self.full_shape[axis]
     amount = opt.amount if opt.amount != 0 else size
-    if amount <= 1 or size % amount != 0: raise KernelOptError(f"{amount} does not divide axis {axis} of size {size}")
+    if amount <= 1 or size % amount != 0:
+      raise KernelOptError(f"{opt.op.name}: {amount} does not divide axis {axis} of size {size}")
     if opt.op is OptOps.LOCAL:
-      if self.local_threads() * amount > self.renderer.max_threads: raise KernelOptError("too many threads")
       # a new local axis goes in front of the existing ones: thread blocks are picked innermost axis first, and
       # the innermost local axis becomes the launch's x dimension (consecutive threads, coalesced memory)
       self.shift_to(axis, amount, insert_before=self.global_dims)
       self.local_dims += 1
+    elif opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
+      top = opt.op is OptOps.GROUPTOP
+      if self.group_dims and top != self.groups_outer: raise KernelOptError("GROUP and GROUPTOP do not mix")
+      self.groups_outer = top
+      self.shift_to(axis, amount, insert_before=self.first_loop_reduce, top=opt.op is OptOps.GROUPTOP)
+      self.group_dims += 1
     else:
-      if self.upcast_lanes() * amount > MAX_UPCAST_LANES: raise KernelOptError("too many registers")
       self.shift_to(axis, amount)
       self.upcasted += 1
-    self.applied_opts.append(opt)
-    self._drop_finished_axis(axis)
+    self._drop_finished_axes()
+
+  def _check_limits(self) -> None:
+    """Registers, threads per block and local memory per block within what the device allows."""
+    if self.upcast_lanes() > MAX_UPCAST_LANES:
+      raise KernelOptError(f"{self.upcast_lanes()} upcast lanes is more than {MAX_UPCAST_LANES} registers")
+    if self.block_threads() > self.renderer.max_threads:
+      raise KernelOptError(f"{self.block_threads()} threads per block is more than {self.renderer.device}'s "
+                           f"{self.renderer.max_threads}")
+    local_bytes = self.local_memory_bytes()
+    if local_bytes > getattr(self.renderer, "local_memory_bytes", 0) and self.group_dims:
+      raise KernelOptError(f"{local_bytes} bytes of local memory per block is more than {self.renderer.device}'s "
+                           f"{self.renderer.local_memory_bytes}")
 
   def local_threads(self) -> int:
+    """Threads per block along the LOCAL axes (outputs)."""
     return prod(self.full_shape[self.global_dims:self.first_reduce])
 
-  def _drop_finished_axis(self, axis: int) -> None:
-    """An axis split entirely into an upcast or local leaves a size-1 axis behind: remove it."""
-    if self.full_shape[axis] == 1:
-      if axis < self.global_dims + self.local_dims and axis >= self.global_dims: self.local_dims -= 1
-      keep = [a for a in range(self.shape_len) if a != axis]
-      self.reshape_and_permute(lambda shape: [shape[a] for a in keep], None)
+  def group_threads(self) -> int:
+    """Threads per block along the GROUP axes (each output's reduce split across them)."""
+    return prod(self.full_shape[self.first_reduce:self.first_loop_reduce])
+
+  def block_threads(self) -> int: return self.local_threads() * self.group_threads()
+
+  def thread_axes(self) -> list[int]:
+    """The LOCAL and GROUP dimensions in thread-id order, outermost first (the last one is the launch's x)."""
+    local_axes = list(range(self.global_dims, self.first_reduce))
+    group_axes = list(range(self.first_reduce, self.first_loop_reduce))
+    return group_axes + local_axes if self.groups_outer else local_axes + group_axes
+
+  def output_lanes(self) -> int:
+    return prod(self.full_shape[axis] for axis in self.upcast_axes)
+
+  def local_memory_bytes(self) -> int:
+    """The block's local memory for GROUP partials: one value per thread and upcast output (0 without groups)."""
+    if not self.group_dims or self.reduceop is None: return 0
+    return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
+
+  def _drop_finished_axes(self) -> None:
+    """An axis split entirely into an upcast, local or group leaves a size-1 axis behind: remove it (and count
+    the kinds again)."""
+    kinds = self.axis_types
+    keep = [axis for axis, size in enumerate(self.full_shape) if size != 1]
+    if len(keep) == self.shape_len: return
+    self.reshape_and_permute(lambda shape: [shape[axis] for axis in keep], None)
+    kept = [kinds[axis] for axis in keep]
+    self.local_dims = kept.count(AxisType.LOCAL)
+    self.group_dims = kept.count(AxisType.GROUP)
+    self.upcasted = kept.count(AxisType.UPCAST) + kept.count(AxisType.UNROLL)
 
   def upcast_lanes(self) -> int:
     return prod(self.full_shape[self.first_upcast:])
 
+  def legal_opts(self) -> list[Opt]:
+    """Every Opt (over OPT_AMOUNTS) that applies to this kernel as it is now, each checked on a copy."""
+    candidates: list[Opt] = []
+    reduce_loops = self.first_upcast - self.first_loop_reduce
+    for op in OptOps:
+      axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
+      candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]
+    legal, seen_shapes = [], set()
+    for opt in candidates:
+      trial = self.copy()
+      try: trial.apply_opt(opt)
+      except KernelOptError: continue
+      # amount 0 and the axis size give the same kernel: keep one
+      layout = (opt.op, opt.axis, trial.full_shape)
+      if layout in seen_shapes: continue
+      seen_shapes.add(layout)
+      legal.append(opt)
+    return legal
+
   def hand_coded_optimizations(self) -> None:
-    """A good default: register-tile matmul-like reduces (upcast the output axes that some input broadcasts,
-    so each loaded value is reused from registers) and unroll the reduce a little; on GPUs, then group the
-    innermost output axes into thread blocks."""
-    self._register_tiling()
-    if self.renderer.has_threads: self._pick_thread_blocks()
+    """Apply the default heuristic for this device (codegen/opt/heuristic.py)."""
+    from ourgrad.codegen.opt.heuristic import hand_coded_optimizations  # the heuristic module builds on Kernel
+    hand_coded_optimizations(self)
 
-  def _pick_thread_blocks(self) -> None:
-    """Give each block up to `threads_per_block` threads from the innermost global axes (the ones whose
-    neighbouring elements are adjacent in memory, so a block's loads coalesce)."""
-    budget = 128
-    for axis in reversed(range(self.global_dims)):
-      for amount in (128, 64, 32, 16, 8, 4, 2):
-        if self.local_threads() * amount <= budget and self.full_shape[axis] % amount == 0:
-          if self._try(Opt(OptOps.LOCAL, axis, amount)): break
-      if self.local_threads() >= budget: break
-
-  def _register_tiling(self) -> None:
-    if self.reduceop is None:
-      # elementwise: unroll 4 neighbouring outputs so the C compiler sees straight-line vectorizable code. Not on
-      # GPUs: there neighbouring threads must touch neighbouring addresses for loads to coalesce.
-      if self.renderer.has_threads: return
-      last = self.first_reduce - 1
-      if last >= 0 and self.full_shape[last] % 4 == 0 and self.full_shape[last] >= 16:
-        self._try(Opt(OptOps.UPCAST, last, 4))
-      return
-    upcast_done: set[int] = set()
-    for _ in range(2):
-      for axis in reversed(range(self.first_reduce)):
-        if axis in upcast_done: continue
-        broadcast_by_some_input = any(st.real_strides()[axis] == 0 for st in self.sts[1:])
-        if broadcast_by_some_input and self.full_shape[axis] % 4 == 0 and self.full_shape[axis] >= 8:
-          if self._try(Opt(OptOps.UPCAST, axis, 4)):
-            upcast_done.add(axis)
-            break
-    if self.first_upcast > self.first_reduce:
-      last_reduce = self.first_upcast - 1 - self.first_reduce
-      size = self.full_shape[self.first_upcast - 1]
-      for amount in (4, 2):
-        if size % amount == 0 and self._try(Opt(OptOps.UNROLL, last_reduce, amount)): break
-
-  def _try(self, opt: Opt) -> bool:
+  def try_opt(self, opt: Opt) -> bool:
+    """Apply `opt` if it fits; True when it did."""
     try:
       self.apply_opt(opt)
       return True
@@ -257,24 +358,17 @@ class Kernel:
 
   @property
   def name(self) -> str:
-    """E_ for elementwise, r_ for reduce kernels, then the loop sizes (upcast sizes at the end)."""
+    """E_ for elementwise, r_ for reduce kernels, then the loop sizes in layout order (upcast sizes at the end)."""
     prefix = "r" if self.reduceop is not None else "E"
     sizes = "_".join(str(size) for size in self.full_shape) or "1"
     return f"{prefix}_{sizes}"
 
   def colored_shape(self) -> str:
-    from ourgrad.helpers import colored
-    kinds = []
-    for axis, size in enumerate(self.full_shape):
-      if axis < self.global_dims: color = "blue"
-      elif axis < self.first_reduce: color = "cyan"
-      elif axis < self.first_upcast: color = "red"
-      else: color = "magenta" if self.is_reduce_axis(axis) else "yellow"
-      kinds.append(colored(str(size), color))
-    return " ".join(kinds)
+    """The loop sizes, each colored by its axis kind (blue global, cyan local, green group, red reduce, yellow
+    upcast, magenta unroll)."""
+    return " ".join(colored(str(size), AXIS_COLORS[kind]) for size, kind in zip(self.full_shape, self.axis_types))
 
   def print_debug(self) -> None:
     if DEBUG >= 3:
       print(format_ast(self.ast))
-      print(f"{self.name}: {self.colored_shape()} opts={self.applied_opts}")
-
+      print(f"{self.name}: {self.colored_shape()} opts=[{', '.join(repr(opt) for opt in self.applied_opts)}]")

@@ -1,10 +1,16 @@
 """Lower an optimized Kernel to a flat list of UOps.
 
 The loop nest is: global loops (or GPU thread indices), accumulators, reduce loops with the unrolled reduce
-lanes inside, then after the reduce the upcast outputs are computed and stored. Upcast and unroll axes never
+lanes inside, then (with GROUP axes) the partials of a block's threads are combined, then the upcast outputs are
+computed and stored. Upcast and unroll axes never
 become loops: each combination of their indices (a "lane") is generated as straight-line code with the
 index fixed to a constant, which is what puts the tile in registers. Buffer indices come from each view's
 ShapeTracker as symbolic expressions, simplified, then turned into integer UOps.
+
+GROUP axes (GPU) are thread indices inside a block that split the reduce: each thread accumulates its slice, then
+the partials of one output are combined without a serial loop: a warp shuffle (WARP_REDUCE) where the device has
+one, and a tree in local memory (pairs combined in parallel, a BARRIER after each step) for what is left; thread 0
+of the group computes the rest of the kernel and stores (an IF block).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import math
 from typing import Sequence
 
 from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.uops import UOp, UOpBuilder, UOps
+from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.symbolic import AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, SumNode, Variable
@@ -88,13 +94,17 @@ class Linearizer:
     global_loops = []
     if kernel.renderer.has_threads:
       renderer = kernel.renderer
-      axis_idxs += self._thread_indices(shape[:kernel.global_dims], "gidx", renderer.global_max)
-      axis_idxs += self._thread_indices(shape[kernel.global_dims:kernel.first_reduce], "lidx", renderer.local_max)
+      axis_idxs += self._thread_indices(shape[:kernel.global_dims], "gidx", AxisType.GLOBAL, renderer.global_max)
+      thread_axes = kernel.thread_axes()
+      thread_idxs = self._thread_indices([shape[axis] for axis in thread_axes], "lidx", AxisType.LOCAL,
+                                         renderer.local_max)
+      axis_idxs += [thread_idxs[thread_axes.index(axis)]
+                    for axis in range(kernel.global_dims, kernel.first_loop_reduce)]
     else:
       for axis in range(kernel.first_reduce):
         axis_idxs.append(Variable(f"gidx{axis}", 0, shape[axis] - 1))
-        global_loops.append(self._open_loop(f"gidx{axis}", shape[axis]))
-    for axis in range(kernel.first_reduce, kernel.first_upcast):
+        global_loops.append(self._open_loop(f"gidx{axis}", shape[axis], AxisType.GLOBAL))
+    for axis in range(kernel.first_loop_reduce, kernel.first_upcast):
       axis_idxs.append(Variable(f"ridx{axis}", 0, shape[axis] - 1))
 
     upcast_axes, unroll_axes = kernel.upcast_axes, kernel.unroll_axes
@@ -105,8 +115,8 @@ class Linearizer:
       accumulate_op = Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
       for lane in output_lanes:
         accumulators[lane] = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
-      reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis])
-                      for axis in range(kernel.first_reduce, kernel.first_upcast)]
+      reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
+                      for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
       for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
         for lane in output_lanes:
           idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, unroll_lane)
@@ -114,18 +124,94 @@ class Linearizer:
           build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[lane], value), accumulate_op)
       for loop in reversed(reduce_loops): build.end_range(loop)
 
+    reduced: dict[tuple[int, ...], UOp] = dict(accumulators)
+    store_if = None
+    if kernel.group_dims:
+      reduced, group_index = self._combine_groups(accumulators, axis_idxs, accumulate_op)
+      # one thread per group finishes the kernel: the others hold partial or duplicate results
+      store_if = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, group_index, self._int(1)),))
     store = kernel.ast
     for lane in output_lanes:
       zero_unrolls = (0,) * len(unroll_axes)
       idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, zero_unrolls)
-      value = self.compute(store.srcs[0], idxs, accumulators.get(lane))
+      value = self.compute(store.srcs[0], idxs, reduced.get(lane))
       index, valid = self._index(0, idxs)
       srcs = (self.buffers[store.arg.idx], index, value) + ((valid,) if valid is not None else ())
       build.add(UOps.STORE, None, srcs)
+    if store_if is not None: build.end_if(store_if)
     for loop in reversed(global_loops): build.end_range(loop)
     return build.uops
 
-  def _thread_indices(self, sizes: Sequence[int], prefix: str, limits: Sequence[int]) -> list[Node]:
+  def _flat_index(self, axis_idxs: list[Node], axes: range) -> Node:
+    """The row-major flat index over `axes` (the last one varying fastest), as thread ids are numbered."""
+    flat: Node = NumNode(0)
+    for axis in axes: flat = flat * self.kernel.full_shape[axis] + axis_idxs[axis]
+    return flat
+
+  def _warp_shuffle(self, group_count: int) -> tuple[int, int]:
+    """(width, stride): a warp shuffle can combine `width` threads of a group whose thread ids are `stride` apart
+    (width 1: no shuffle). Group threads are consecutive ids when the GROUP axes are the innermost thread axes
+    (stride 1), and `local threads` apart when they are the outer ones (GROUPTOP); with powers of two, xor
+    partners then stay in the same output's group, inside one warp. The block must fill whole warps (or be one
+    partial warp)."""
+    kernel = self.kernel
+    warp_size = getattr(kernel.renderer, "warp_size", 0)
+    stride = kernel.local_threads() if kernel.groups_outer else 1
+    block_threads = kernel.block_threads()
+    if warp_size < 2 or group_count & (group_count - 1) or stride & (stride - 1): return 1, 1
+    if block_threads % warp_size != 0 and block_threads > warp_size: return 1, 1
+    return max(min(group_count, warp_size // stride), 1), stride
+
+  def _combine_groups(self, accumulators: dict[tuple[int, ...], UOp], axis_idxs: list[Node],
+                      op: Ops) -> tuple[dict[tuple[int, ...], UOp], UOp]:
+    """Combine the per-thread partials of each output across the GROUP threads; returns the combined values (valid
+    in thread 0 of each group) and the uop of the thread's index inside its group."""
+    kernel, build = self.kernel, self.builder
+    dtype = kernel.reduceop.dtype
+    local_count, group_count = kernel.local_threads(), kernel.group_threads()
+    local_index = self.node_to_uop(self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce)))
+    group_index = self.node_to_uop(self._flat_index(axis_idxs, range(kernel.first_reduce, kernel.first_loop_reduce)))
+    values = dict(accumulators)
+    width, stride = self._warp_shuffle(group_count)
+    if width > 1:
+      values = {lane: build.add(UOps.WARP_REDUCE, dtype, (value,), (op, width, stride))
+                for lane, value in values.items()}
+    slots = group_count // width  # partials per output left after the shuffle, one per warp-run of the group
+    if slots == 1: return values, group_index
+    lanes = list(values)
+    local = build.add(UOps.DEFINE_LOCAL, dtype, (), ("temp0", len(lanes) * local_count * slots))
+
+    def address(lane_number: int, slot: UOp) -> UOp:
+      output = build.alu(Ops.ADD, INDEX_DTYPE, local_index, self._int(lane_number * local_count))
+      row = build.alu(Ops.MUL, INDEX_DTYPE, output, self._int(slots))
+      return build.alu(Ops.ADD, INDEX_DTYPE, row, slot)
+
+    slot = group_index if width == 1 else build.alu(Ops.IDIV, INDEX_DTYPE, group_index, self._int(width))
+    writer = None
+    if width > 1:  # one thread per warp-run writes its run's total
+      position_in_run = build.alu(Ops.MOD, INDEX_DTYPE, group_index, self._int(width))
+      writer = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, position_in_run, self._int(1)),))
+    for number, lane in enumerate(lanes): build.add(UOps.STORE, None, (local, address(number, slot), values[lane]))
+    if writer is not None: build.end_if(writer)
+    build.add(UOps.BARRIER, None)
+    # a tree: while `count` partials are left, the first count//2 threads each combine a pair, in parallel
+    count = slots
+    while count > 1:
+      half = (count + 1) // 2
+      step = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, group_index, self._int(count // 2)),))
+      for number, _ in enumerate(lanes):
+        mine = build.add(UOps.LOAD, dtype, (local, address(number, group_index)))
+        other = build.add(UOps.LOAD, dtype, (local, address(number, build.alu(Ops.ADD, INDEX_DTYPE, group_index,
+                                                                             self._int(half)))))
+        build.add(UOps.STORE, None, (local, address(number, group_index), build.alu(op, dtype, mine, other)))
+      build.end_if(step)
+      build.add(UOps.BARRIER, None)
+      count = half
+    combined = {lane: build.add(UOps.LOAD, dtype, (local, address(number, self._int(0))))
+                for number, lane in enumerate(lanes)}
+    return combined, group_index
+
+  def _thread_indices(self, sizes: Sequence[int], prefix: str, kind: AxisType, limits: Sequence[int]) -> list[Node]:
     """Index nodes for axes that become GPU block or thread indices. Up to three axes map to the launch's
     dimensions, the innermost axis on x; otherwise (more axes, or a size over a dimension's limit) all
     axes share one x index and are recovered with div/mod."""
@@ -135,13 +221,14 @@ class Linearizer:
       nodes: list[Node] = []
       for axis, size in enumerate(sizes):
         name = f"{prefix}{axis}"
-        self.loop_vars[name] = self.builder.add(UOps.SPECIAL, INDEX_DTYPE, (), (name, size, len(sizes) - 1 - axis))
+        arg = (name, size, len(sizes) - 1 - axis, kind)
+        self.loop_vars[name] = self.builder.add(UOps.SPECIAL, INDEX_DTYPE, (), arg)
         nodes.append(Variable(name, 0, size - 1))
       return nodes
     total = 1
     for size in sizes: total *= size
     name = f"{prefix}0"
-    self.loop_vars[name] = self.builder.add(UOps.SPECIAL, INDEX_DTYPE, (), (name, total, 0))
+    self.loop_vars[name] = self.builder.add(UOps.SPECIAL, INDEX_DTYPE, (), (name, total, 0, kind))
     flat = Variable(name, 0, total - 1)
     nodes, inner = [], 1
     for size in reversed(sizes):
@@ -149,8 +236,8 @@ class Linearizer:
       inner *= size
     return list(reversed(nodes))
 
-  def _open_loop(self, name: str, size: int) -> UOp:
-    loop = self.builder.add(UOps.RANGE, INDEX_DTYPE, (self._int(0), self._int(size)), name)
+  def _open_loop(self, name: str, size: int, kind: AxisType) -> UOp:
+    loop = self.builder.add(UOps.RANGE, INDEX_DTYPE, (self._int(0), self._int(size)), (name, kind))
     self.loop_vars[name] = loop
     return loop
 

@@ -2,7 +2,14 @@
 
 A kernel becomes a list of `UOp`s in execution order. Values are defined once (CONST, LOAD, ALU, CAST, ...);
 RANGE/ENDRANGE open and close loops; DEFINE_ACC declares an accumulator that ACCUMULATE updates in place.
-`UOpBuilder` appends UOps with common-subexpression elimination (per loop scope) and constant folding.
+GPU kernels add thread indices (SPECIAL), block-shared memory (DEFINE_LOCAL, read and written with LOAD/STORE),
+BARRIER (every thread of a block waits until all reach it; local memory written before is visible after),
+IF/ENDIF (a block only the threads where the condition holds run) and WARP_REDUCE (a reduction across
+neighbouring threads of a warp, without memory). `UOpBuilder` appends UOps with common-subexpression
+elimination (per loop or `if` scope) and constant folding.
+
+`AxisType` names the kind of each loop-nest axis; kernels, the linearizer, renderers and the launcher read it
+from the SPECIAL and RANGE uops rather than from variable names.
 """
 from __future__ import annotations
 
@@ -15,10 +22,25 @@ from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import Ops, exec_alu
 
 
+class AxisType(Enum):
+  """The kind of an axis of a kernel's loop nest (see codegen/kernel.py for the layout)."""
+  GLOBAL = auto()   # over outputs: a loop on CPUs, the block index on GPUs
+  LOCAL = auto()    # over outputs: a thread index inside a block (GPU)
+  GROUP = auto()    # over a reduce: a thread index inside a block; partials are combined through local memory
+  REDUCE = auto()   # over a reduce: a loop inside each thread
+  UPCAST = auto()   # over outputs: unrolled into registers
+  UNROLL = auto()   # over a reduce: unrolled into registers
+
+
+# the axis kinds that become GPU thread indices inside a block
+THREAD_AXES = frozenset({AxisType.LOCAL, AxisType.GROUP})
+
+
 class UOps(Enum):
   DEFINE_GLOBAL = auto()   # a kernel argument (buffer pointer); arg = (index, is_output)
-  SPECIAL = auto()         # a GPU block ("gidx") or thread ("lidx") index; arg = (name, size, launch dimension)
-  RANGE = auto()           # opens a loop; srcs = (start, end) consts; arg = loop variable name
+  SPECIAL = auto()         # a GPU index; arg = (name, size, launch dimension, AxisType.GLOBAL for a block index
+  #                          or AxisType.LOCAL for a thread index inside the block)
+  RANGE = auto()           # opens a loop; srcs = (start, end) consts; arg = (loop variable name, AxisType)
   ENDRANGE = auto()        # closes the loop opened by srcs[0]
   CONST = auto()           # a literal
   LOAD = auto()            # srcs = (buffer, index[, valid]); reads 0 where valid is false
@@ -28,6 +50,13 @@ class UOps(Enum):
   BITCAST = auto()         # reinterpret the bits as dtype
   DEFINE_ACC = auto()      # an accumulator variable; arg = its start value
   ACCUMULATE = auto()      # srcs = (acc, value); arg = Ops.ADD or Ops.MAX: acc = op(acc, value)
+  DEFINE_LOCAL = auto()    # block-shared memory of `dtype`; arg = (name, element count). LOAD/STORE take it as buffer
+  BARRIER = auto()         # all threads of the block wait here; local memory stored before is visible after
+  IF = auto()              # srcs = (condition,): the uops up to the matching ENDIF run only where it holds
+  ENDIF = auto()           # closes the IF in srcs[0]
+  WARP_REDUCE = auto()     # srcs = (value,); arg = (Ops.ADD or Ops.MAX, width, stride): op over the `width`
+  #                          threads of a warp whose ids differ by multiples of `stride` in the bits xor reaches
+  #                          (width*stride <= warp size, both powers of two); every thread gets the result
 
 
 @dataclass(eq=False)
@@ -40,8 +69,14 @@ class UOp:
   uses: int = field(default=0, compare=False)
 
   def __repr__(self) -> str:
-    arg = self.arg.name if isinstance(self.arg, Ops) else self.arg
-    return f"UOp({self.op.name}, {self.dtype}, {len(self.srcs)} srcs, arg={arg})"
+    return f"UOp({self.op.name}, {self.dtype}, {len(self.srcs)} srcs, arg={format_arg(self.arg)})"
+
+
+def format_arg(arg: Any) -> str:
+  """A UOp argument as DEBUG=5 prints it: enum members by name (ADD, GLOBAL), tuples without quotes."""
+  if isinstance(arg, Enum): return arg.name
+  if isinstance(arg, tuple): return "(" + ", ".join(format_arg(item) for item in arg) + ")"
+  return str(arg)
 
 
 def format_uops(uops: list[UOp]) -> str:
@@ -49,14 +84,16 @@ def format_uops(uops: list[UOp]) -> str:
   position = {id(uop): index for index, uop in enumerate(uops)}
   lines = []
   for index, uop in enumerate(uops):
-    arg = uop.arg.name if isinstance(uop.arg, Ops) else uop.arg
     srcs = [position.get(id(src), "?") for src in uop.srcs]
-    lines.append(f"{index:4d} {uop.op.name:<14} {str(uop.dtype):<16} {str(srcs):<16} {arg}")
+    lines.append(f"{index:4d} {uop.op.name:<14} {str(uop.dtype):<16} {str(srcs):<16} {format_arg(uop.arg)}")
   return "\n".join(lines)
 
 
 # uops that are never merged with an earlier identical one: they have effects or open/close scopes
-_NOT_CACHED = frozenset({UOps.RANGE, UOps.ENDRANGE, UOps.STORE, UOps.DEFINE_ACC, UOps.ACCUMULATE, UOps.SPECIAL})
+_NOT_CACHED = frozenset({UOps.RANGE, UOps.ENDRANGE, UOps.STORE, UOps.DEFINE_ACC, UOps.ACCUMULATE, UOps.SPECIAL,
+                         UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF, UOps.ENDIF})
+# uops that open a scope: values defined inside are not reused after its end
+_SCOPE_OPENERS = frozenset({UOps.RANGE, UOps.IF})
 
 
 class UOpBuilder:
@@ -73,12 +110,14 @@ class UOpBuilder:
       folded = self._fold(dtype, srcs, arg)
       if folded is not None: return folded
     key = (op, dtype, tuple(id(src) for src in srcs), _hashable(arg))
-    if op not in _NOT_CACHED and key in self._cache: return self._cache[key]
+    # local memory changes between barriers: a load from it is never the same value as an earlier identical load
+    cacheable = op not in _NOT_CACHED and not (op is UOps.LOAD and srcs[0].op is UOps.DEFINE_LOCAL)
+    if cacheable and key in self._cache: return self._cache[key]
     uop = UOp(op, dtype, srcs, arg)
     for src in srcs: src.uses += 1
     self.uops.append(uop)
-    if op is UOps.RANGE: self._scopes.append([])
-    if op not in _NOT_CACHED:
+    if op in _SCOPE_OPENERS: self._scopes.append([])
+    if cacheable:
       # constants and kernel arguments are visible everywhere: keep them in the outermost scope
       scope = self._scopes[0] if op in (UOps.CONST, UOps.DEFINE_GLOBAL) else self._scopes[-1]
       self._cache[key] = uop
@@ -86,7 +125,13 @@ class UOpBuilder:
     return uop
 
   def end_range(self, range_uop: UOp) -> None:
-    self.uops.append(UOp(UOps.ENDRANGE, None, (range_uop,)))
+    self._close_scope(UOps.ENDRANGE, range_uop)
+
+  def end_if(self, if_uop: UOp) -> None:
+    self._close_scope(UOps.ENDIF, if_uop)
+
+  def _close_scope(self, op: UOps, opener: UOp) -> None:
+    self.uops.append(UOp(op, None, (opener,)))
     for key in self._scopes.pop(): self._cache.pop(key, None)
 
   def const(self, value: Any, dtype: DType) -> UOp:
@@ -103,6 +148,8 @@ class UOpBuilder:
     if len(srcs) == 2 and srcs[1].op is UOps.CONST:
       value = srcs[1].arg
       if op is Ops.ADD and value == 0 and srcs[0].dtype == dtype: return srcs[0]
+    if len(srcs) == 2 and srcs[0].op is UOps.CONST and op is Ops.ADD and srcs[0].arg == 0 and srcs[1].dtype == dtype:
+      return srcs[1]
       if op in (Ops.MUL, Ops.IDIV) and value == 1 and srcs[0].dtype == dtype: return srcs[0]
       if op is Ops.MUL and value == 0 and not dtype.is_float: return self.const(0, dtype)
     if op is Ops.WHERE and srcs[0].op is UOps.CONST: return srcs[1] if srcs[0].arg else srcs[2]
@@ -116,4 +163,5 @@ class UOpBuilder:
 def _hashable(arg: Any) -> Any:
   """Constants keyed by type too, so 1 (int) and 1.0 and True are different; NaN equal to itself."""
   if isinstance(arg, float) and math.isnan(arg): return ("nan",)
+  if isinstance(arg, tuple): return tuple(_hashable(item) for item in arg)
   return (type(arg), arg)

@@ -13,7 +13,7 @@ from typing import Any
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
 from ourgrad.codegen.opt.search import beam_optimize
-from ourgrad.codegen.uops import UOp, UOps, format_uops
+from ourgrad.codegen.uops import AxisType, UOp, UOps, format_uops
 from ourgrad.device import Device
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import held_only_by_items, plan_memory
@@ -100,8 +100,8 @@ def launch_dims(uops: list[UOp]) -> tuple[tuple[int, ...], tuple[int, ...]]:
   blocks, threads = [1, 1, 1], [1, 1, 1]
   for uop in uops:
     if uop.op is UOps.SPECIAL:
-      name, size, dimension = uop.arg
-      (blocks if name.startswith("gidx") else threads)[dimension] = size
+      _, size, dimension, kind = uop.arg
+      (blocks if kind is AxisType.GLOBAL else threads)[dimension] = size
   return tuple(blocks), tuple(threads)
 
 

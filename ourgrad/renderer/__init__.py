@@ -9,6 +9,9 @@ class Renderer:
   device: str = ""
   has_threads: bool = False       # GPU-style thread indices (SPECIAL) instead of loops for global axes
   max_threads: int = 1            # threads per block (workgroup)
+  has_local: bool = False         # block-shared local memory and barriers (DEFINE_LOCAL, BARRIER): GROUP opts need it
+  local_memory_bytes: int = 0     # local memory a block may use
+  warp_size: int = 0              # threads that WARP_REDUCE can combine with shuffles (0: no shuffles)
   # per launch dimension (x, y, z): how many blocks and threads a launch may have
   global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)
   local_max: tuple[int, ...] = (1024, 1024, 64)

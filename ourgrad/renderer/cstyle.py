@@ -9,13 +9,39 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
 
 
 NARROW_INTS = frozenset({dtypes.int8, dtypes.uint8, dtypes.int16, dtypes.uint16})
+
+
+# bfloat16 <-> float, written once for every C-like dialect: a dialect fills in its function qualifier and how it
+# reinterprets a float's bits. Rounds to nearest even; a NaN keeps its sign and turns quiet, exactly as
+# dtype.float32_to_bfloat16_bits does on the host.
+BFLOAT16_HELPERS = """{qualifier}unsigned short float_to_bf16(float value) {{
+  unsigned int bits = {float_bits};
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);  /* NaN: quiet, sign kept */
+  bits += 0x7fffu + ((bits >> 16) & 1u);  /* round to nearest even */
+  return (unsigned short)(bits >> 16); }}
+{qualifier}float bf16_to_float(unsigned short bits) {{ return {float_from_bits}; }}
+{qualifier}float bf16_round(float value) {{ return bf16_to_float(float_to_bf16(value)); }}
+"""
+
+
+def kernel_dtypes(uops: list[UOp]) -> set[DType]:
+  """Every dtype a kernel's UOps hold: decides which helper functions its source needs."""
+  return {uop.dtype for uop in uops if uop.dtype is not None}
+
+
+def block_threads(uops: list[UOp]) -> int:
+  """Threads per block of a GPU kernel: the product of its thread (not block) index sizes."""
+  threads = 1
+  for uop in uops:
+    if uop.op is UOps.SPECIAL and uop.arg[3] is not AxisType.GLOBAL: threads *= uop.arg[1]
+  return threads
 
 
 class CStyleLanguage(Renderer):
@@ -26,6 +52,16 @@ class CStyleLanguage(Renderer):
   float_suffix = {dtypes.float32: "f", dtypes.float16: "f", dtypes.bfloat16: "f"}
   preamble = ""
   max_inline_length = 120
+  local_prefix = ""     # how a block-shared array is declared (`__shared__ `, `__local `)
+  # how this dialect spells BFLOAT16_HELPERS: function qualifier, a float's bits (of `value`), a float from 16 bits
+  bfloat16_spelling: tuple[str, str, str] = (
+    "static inline ", "((union { float f; unsigned int u; }){ .f = value }).u",
+    "((union { unsigned int u; float f; }){ .u = (unsigned int)bits << 16 }).f")
+
+  def bfloat16_helpers(self) -> str:
+    qualifier, float_bits, float_from_bits = self.bfloat16_spelling
+    return BFLOAT16_HELPERS.format(qualifier=qualifier, float_bits=float_bits, float_from_bits=float_from_bits)
+  barrier = ""          # the statement that waits for every thread of the block
 
   # ---------------------------------------------------------------- spellings a dialect may change
 
@@ -155,9 +191,10 @@ class CStyleLanguage(Renderer):
       elif uop.op is UOps.CONST:
         names[id(uop)] = self.render_const(uop.arg, uop.dtype)
       elif uop.op is UOps.RANGE:
-        variable = uop.arg
+        variable, kind = uop.arg
         names[id(uop)] = variable
-        if parallel_loops and variable == "gidx0": emit(self.parallel_pragma(parallel_loops))
+        if parallel_loops and kind is AxisType.GLOBAL and depth == 1:
+          emit(self.parallel_pragma(parallel_loops))
         emit(f"for (int {variable} = {ref(uop.srcs[0])}; {variable} < {ref(uop.srcs[1])}; {variable}++) {{")
         depth += 1
       elif uop.op is UOps.ENDRANGE:
@@ -166,12 +203,31 @@ class CStyleLanguage(Renderer):
       elif uop.op is UOps.SPECIAL:
         names[id(uop)] = uop.arg[0]
         emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};  /* 0..{uop.arg[1] - 1} */")
+      elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL:
+        define(uop, "val", f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]")  # local memory holds register values
       elif uop.op is UOps.LOAD:
         valid = ref(uop.srcs[2]) if len(uop.srcs) > 2 else None
         define(uop, "val", self.render_load(ref(uop.srcs[0]), ref(uop.srcs[1]), valid, uop.dtype))
       elif uop.op is UOps.STORE:
-        store = self.render_store(ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), uop.srcs[2].dtype)
+        if uop.srcs[0].op is UOps.DEFINE_LOCAL: store = f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}] = {ref(uop.srcs[2])};"
+        else: store = self.render_store(ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), uop.srcs[2].dtype)
         emit(store if len(uop.srcs) < 4 else f"if ({ref(uop.srcs[3])}) {{ {store} }}")
+      elif uop.op is UOps.DEFINE_LOCAL:
+        names[id(uop)] = uop.arg[0]
+        emit(f"{self.local_prefix}{self.render_dtype(uop.dtype)} {uop.arg[0]}[{uop.arg[1]}];")
+      elif uop.op is UOps.BARRIER:
+        emit(self.barrier)
+      elif uop.op is UOps.IF:
+        emit(f"if ({ref(uop.srcs[0])}) {{")
+        depth += 1
+      elif uop.op is UOps.ENDIF:
+        depth -= 1
+        emit("}")
+      elif uop.op is UOps.WARP_REDUCE:
+        variable = new_name("warp")
+        names[id(uop)] = variable
+        emit(f"{self.render_dtype(uop.dtype)} {variable} = {ref(uop.srcs[0])};")
+        for line in self.render_warp_reduce(variable, uop, uops): emit(line)
       elif uop.op is UOps.DEFINE_ACC:
         define(uop, "acc", self.render_const(uop.arg, uop.dtype))
       elif uop.op is UOps.ACCUMULATE:
@@ -200,6 +256,9 @@ class CStyleLanguage(Renderer):
 
   def render_special(self, arg: tuple) -> str: raise NotImplementedError
 
+  def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
+    raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
+
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """How many outer global loops to run on several threads (0: none). Only CPU dialects parallelize."""
     return 0
@@ -214,24 +273,13 @@ class ClangRenderer(CStyleLanguage):
   widen the stored 16 bits, casts to bfloat16 round to its precision, and stores keep the top 16 bits."""
   device = "CLANG"
   preamble = "#include <math.h>\n#include <stdbool.h>\n"
-  bfloat16_helpers = """#include <string.h>
-static inline float bf16_to_float(unsigned short bits) {
-  unsigned int wide = (unsigned int)bits << 16; float value; memcpy(&value, &wide, 4); return value; }
-static inline unsigned short float_to_bf16(float value) {
-  unsigned int bits; memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);  /* keep NaN quiet */
-  bits += 0x7fffu + ((bits >> 16) & 1u);  /* round to nearest even */
-  return (unsigned short)(bits >> 16); }
-static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16(value)); }
-"""
-
   # below this many loop iterations times instructions, starting threads costs more than it saves
   parallel_min_work = 1 << 17
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """The global loops come first and are perfectly nested: collapse them all into one parallel loop when the
     kernel does enough work. Each iteration writes its own outputs, so threads never share a store."""
-    global_loops = [uop for uop in uops if uop.op is UOps.RANGE and uop.arg.startswith("gidx")]
+    global_loops = [uop for uop in uops if uop.op is UOps.RANGE and uop.arg[1] is AxisType.GLOBAL]
     iterations = 1
     for uop in uops:
       if uop.op is UOps.RANGE: iterations *= uop.srcs[1].arg - uop.srcs[0].arg
@@ -246,8 +294,8 @@ static inline float bf16_round(float value) { return bf16_to_float(float_to_bf16
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
-    if "bf16" not in source: return source  # bf16_to_float, float_to_bf16, bf16_round
-    return source.replace(self.preamble, self.preamble + self.bfloat16_helpers, 1)
+    if dtypes.bfloat16 not in kernel_dtypes(uops): return source
+    return source.replace(self.preamble, self.preamble + self.bfloat16_helpers(), 1)
 
   def memory_type(self, dtype: DType) -> str:
     return "unsigned short" if dtype == dtypes.bfloat16 else super().memory_type(dtype)
@@ -278,6 +326,11 @@ class OpenCLRenderer(CStyleLanguage):
   device = "OPENCL"
   has_threads = True
   max_threads = 256
+  has_local = True
+  local_memory_bytes = 32768  # the minimum OpenCL guarantees for a full-profile device
+  local_prefix = "__local "
+  barrier = "barrier(CLK_LOCAL_MEM_FENCE);"
+  bfloat16_spelling = ("", "as_uint(value)", "as_float(((uint)bits) << 16)")
   kernel_prefix = "__kernel "
   buffer_prefix = "__global "
   buffer_suffix = " restrict"
@@ -304,7 +357,7 @@ class OpenCLRenderer(CStyleLanguage):
   def read_element(self, buffer: str, index: str, dtype: DType) -> str:
     if dtype == dtypes.bool: return f"({buffer}[{index}] != 0)"
     if dtype == dtypes.float16: return f"vload_half({index}, {buffer})"
-    if dtype == dtypes.bfloat16: return f"as_float(((uint){buffer}[{index}]) << 16)"
+    if dtype == dtypes.bfloat16: return f"bf16_to_float({buffer}[{index}])"
     return super().read_element(buffer, index, dtype)
 
   def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
@@ -324,7 +377,7 @@ class OpenCLRenderer(CStyleLanguage):
     return f"half_bits({value})" if dtype == dtypes.float16 else f"float_to_bf16({value})"
 
   def from_bits(self, dtype: DType, bits: str) -> str:
-    return f"half_from_bits({bits})" if dtype == dtypes.float16 else f"as_float(((uint)({bits})) << 16)"
+    return f"half_from_bits({bits})" if dtype == dtypes.float16 else f"bf16_to_float({bits})"
 
   def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     if dtypes.bool in (from_dtype, to_dtype):
@@ -332,26 +385,19 @@ class OpenCLRenderer(CStyleLanguage):
     return f"as_{self.render_dtype(to_dtype)}({value})"
 
   def render_special(self, arg: tuple) -> str:
-    name, _, dimension = arg
-    return f"get_group_id({dimension})" if name.startswith("gidx") else f"get_local_id({dimension})"
+    _, _, dimension, kind = arg
+    return f"get_group_id({dimension})" if kind is AxisType.GLOBAL else f"get_local_id({dimension})"
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
-    extensions = []
-    if "half_round" in source or "half_bits" in source or "half_from_bits" in source:
+    used, extensions = kernel_dtypes(uops), []
+    if dtypes.float16 in used:
       extensions.append("ushort half_bits(float value) {\n"
                         "  ushort bits; vstore_half_rte(value, 0, (__private half*)&bits); return bits; }\n"
                         "float half_from_bits(ushort bits) { return vload_half(0, (__private const half*)&bits); }\n"
                         "float half_round(float value) { return half_from_bits(half_bits(value)); }\n")
-    if "double" in source: extensions.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n")
-    if "bf16" in source:
-      extensions.append("float bf16_round(float value);\n"
-                        "ushort float_to_bf16(float value) {\n"
-                        "  uint bits = as_uint(value);\n"
-                        "  if ((bits & 0x7fffffffu) > 0x7f800000u) return (ushort)((bits >> 16) | 0x40u);\n"
-                        "  bits += 0x7fffu + ((bits >> 16) & 1u);\n"
-                        "  return (ushort)(bits >> 16); }\n"
-                        "float bf16_round(float value) { return as_float(((uint)float_to_bf16(value)) << 16); }\n")
+    if dtypes.float64 in used: extensions.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n")
+    if dtypes.bfloat16 in used: extensions.append(self.bfloat16_helpers())
     return "".join(extensions) + source
 
 
@@ -364,6 +410,13 @@ class CUDARenderer(CStyleLanguage):
   device = "CUDA"
   has_threads = True
   max_threads = 1024
+  has_local = True
+  local_memory_bytes = 48 * 1024  # static __shared__ memory per block
+  warp_size = 32
+  local_prefix = "__shared__ "
+  barrier = "__syncthreads();"
+  bfloat16_spelling = ("__device__ __forceinline__ ", "__float_as_uint(value)",
+                       "__uint_as_float(((unsigned int)bits) << 16)")
   buffer_suffix = " __restrict__"
   preamble = ""
   storage_names = {"float16": "unsigned short", "bfloat16": "unsigned short"}
@@ -385,7 +438,7 @@ class CUDARenderer(CStyleLanguage):
 
   def read_element(self, buffer: str, index: str, dtype: DType) -> str:
     if dtype == dtypes.float16: return f"half_to_float({buffer}[{index}])"
-    if dtype == dtypes.bfloat16: return f"__uint_as_float(((unsigned int){buffer}[{index}]) << 16)"
+    if dtype == dtypes.bfloat16: return f"bf16_to_float({buffer}[{index}])"
     return super().read_element(buffer, index, dtype)
 
   def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
@@ -395,7 +448,7 @@ class CUDARenderer(CStyleLanguage):
 
   def round_to(self, dtype: DType, value: str) -> str | None:
     if dtype == dtypes.float16: return f"half_to_float(float_to_half((float)({value})))"
-    if dtype == dtypes.bfloat16: return f"__uint_as_float(((unsigned int)float_to_bf16((float)({value}))) << 16)"
+    if dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
     return None
 
   float_register_dtypes = frozenset({dtypes.float16, dtypes.bfloat16})
@@ -405,32 +458,40 @@ class CUDARenderer(CStyleLanguage):
 
   def from_bits(self, dtype: DType, bits: str) -> str:
     if dtype == dtypes.float16: return f"half_to_float({bits})"
-    return f"__uint_as_float(((unsigned int)({bits})) << 16)"
+    return f"bf16_to_float({bits})"
 
   def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     return f"bitcast<{to_dtype.c_name}, {from_dtype.c_name}>({value})"
 
   def render_special(self, arg: tuple) -> str:
-    name, _, dimension = arg
-    return f"{'blockIdx' if name.startswith('gidx') else 'threadIdx'}.{'xyz'[dimension]}"
+    _, _, dimension, kind = arg
+    return f"{'blockIdx' if kind is AxisType.GLOBAL else 'threadIdx'}.{'xyz'[dimension]}"
+
+  def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
+    """A butterfly over `width` neighbouring lanes with __shfl_xor_sync: after it every lane holds the result."""
+    op, width, stride = uop.arg
+    threads = block_threads(uops)
+    mask = "0xffffffffu" if threads >= self.warp_size else f"{(1 << threads) - 1:#x}u"
+    register = self.render_dtype(uop.dtype)
+    # shuffles move 32- and 64-bit values: narrower types travel as int
+    wide = "int" if uop.dtype.itemsize < 4 and register not in ("float", "double") else register
+    # every lane shuffles (no shuffle inside a conditional expression), then combines
+    combined = self.render_alu(op, uop.dtype, [variable, "other"], [uop.dtype, uop.dtype])
+    return [f"for (int offset = {width // 2 * stride}; offset >= {stride}; offset >>= 1) {{",
+            f"  {register} other = ({register})__shfl_xor_sync({mask}, ({wide}){variable}, offset);",
+            f"  {variable} = {combined};",
+            "}"]
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
-    threads = 1
-    for uop in uops:
-      if uop.op is UOps.SPECIAL and uop.arg[0].startswith("lidx"): threads *= uop.arg[1]
-    helpers = []
-    if "half_to_float" in "".join(body) or "float_to_half" in "".join(body):
+    threads = block_threads(uops)
+    used, helpers = kernel_dtypes(uops), []
+    if dtypes.float16 in used:
       helpers.append('__device__ __forceinline__ float half_to_float(unsigned short h) {\n'
                      '  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }\n'
                      '__device__ __forceinline__ unsigned short float_to_half(float f) {\n'
                      '  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }\n')
-    if "float_to_bf16" in "".join(body):
-      helpers.append('__device__ __forceinline__ unsigned short float_to_bf16(float value) {\n'
-                     '  unsigned int bits = __float_as_uint(value);\n'
-                     '  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);\n'
-                     '  bits += 0x7fffu + ((bits >> 16) & 1u);\n'
-                     '  return (unsigned short)(bits >> 16); }\n')
-    if "bitcast<" in "".join(body):
+    if dtypes.bfloat16 in used: helpers.append(self.bfloat16_helpers())
+    if any(uop.op is UOps.BITCAST for uop in uops):
       helpers.append("template <class To, class From> __device__ __forceinline__ To bitcast(From value) {\n"
                      "  union { From from; To to; } u; u.from = value; return u.to; }\n")
     launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""

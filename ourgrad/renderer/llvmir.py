@@ -16,8 +16,8 @@ import struct
 
 import numpy as np
 
-from ourgrad.codegen.uops import UOp, UOps
-from ourgrad.dtype import DType, dtypes
+from ourgrad.codegen.uops import AxisType, UOp, UOps
+from ourgrad.dtype import DType, dtypes, to_bfloat16
 from ourgrad.ops import COMPARISON_OPS, Ops
 from ourgrad.renderer import Renderer
 
@@ -42,11 +42,7 @@ def float_bits_f32(value: float) -> int: return struct.unpack("<I", struct.pack(
 
 def round_to_bfloat16(value: float) -> float:
   """A Python float rounded (nearest even) to bfloat16, as a Python float: what a bfloat16 register holds."""
-  if math.isnan(value) or math.isinf(value): return value
-  with np.errstate(over="ignore"):
-    bits = float_bits_f32(float(np.float32(value)))
-  bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-  return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+  return to_bfloat16(value)
 
 
 def render_const(value: float | int | bool, dtype: DType) -> str:
@@ -89,7 +85,7 @@ class LLVMRenderer(Renderer):
     """The outermost global loop, if the kernel is worth splitting across threads. Global loops come first and
     each of their iterations writes its own outputs, so threads never store to the same element."""
     loops = [uop for uop in uops if uop.op is UOps.RANGE]
-    if not loops or not loops[0].arg.startswith("gidx"): return None
+    if not loops or loops[0].arg[1] is not AxisType.GLOBAL: return None
     iterations = 1
     for loop in loops: iterations *= loop.srcs[1].arg - loop.srcs[0].arg
     outer = loops[0]
@@ -242,9 +238,9 @@ declare void @GOMP_parallel(ptr, ptr, i32, i32)
 
   def open_loop(self, uop: UOp) -> None:
     """for (i = start; i < end; i++): head tests, body runs, latch increments and jumps back to head."""
-    label = f"loop_{uop.arg}_{self.counter}"
+    label = f"loop_{uop.arg[0]}_{self.counter}"
     self.counter += 1
-    counter = f"%{uop.arg}_{self.counter}"
+    counter = f"%{uop.arg[0]}_{self.counter}"
     self.loops[id(uop)] = label
     self.values[id(uop)] = counter
     start, end = self.values[id(uop.srcs[0])], self.values[id(uop.srcs[1])]

@@ -1,12 +1,18 @@
 """The PYTHON device: no compiler; kernels are interpreted from their UOps with numpy.
 
-It lets CI run the GPU-only code paths (thread blocks now; shared memory, barriers and tensor cores later) on any
+It lets CI run the GPU-only code paths (thread blocks, local memory, barriers, `if` blocks, warp shuffles) on any
 machine, and it is an executable reference for what the UOps mean (the contract in `ourgrad/codegen/uops.py`).
+With `EMULATE=CUDA` the renderer reports CUDA's limits (threads per block, local memory, warp size), so the
+optimizer makes exactly the kernels it makes for CUDA, and the interpreter runs them.
 
 - `PythonRenderer` serializes a kernel's UOp list to JSON text, one UOp per line: the "source" (DEBUG=4 prints it).
 - `PythonCompiler` passes that text through as bytes: there is nothing to compile.
 - `PythonProgram` parses the text back (plain JSON, no eval) and runs the kernel for every (block, thread) at once:
   each value is a numpy array with one entry per thread (or a 0-d array when it is the same in every thread).
+  All threads step together (one uop for every thread, then the next), which is what a BARRIER guarantees on a GPU;
+  so that a kernel missing a barrier still fails here, local memory remembers which thread stored each element
+  since the last BARRIER, and a read of (or a store over) another thread's element before a barrier is an error.
+  IF blocks keep a mask of the threads that run them: loads, stores and accumulations inside are masked.
   RANGE loops run in Python, one iteration at a time; a reduce loop (its only effects are ACCUMULATEs) runs a chunk
   of iterations at once and folds them in loop order, which gives the same numbers much faster. Loads and stores
   are bounds-checked, so a bad index is an error, not a silent read.
@@ -26,12 +32,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.device import Compiled, Compiler, HostAllocator
-from ourgrad.dtype import DType, dtypes, truncate
+from ourgrad.dtype import (DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits, round_to_bfloat16,
+                           truncate)
 from ourgrad.errors import CompileError, DeviceError
+from ourgrad.helpers import EMULATE
 from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
+from ourgrad.renderer.cstyle import CUDARenderer
 
 PROGRAM_FORMAT = "ourgrad-python-uops-v1"
 DTYPES_BY_NAME: dict[str, DType] = {dtype.name: dtype for dtype in dtypes.all()}
@@ -46,6 +55,7 @@ def encode_arg(arg: Any) -> Any:
   tuples become lists (no other argument is a list, so decoding turns every list back into a tuple)."""
   if isinstance(arg, np.generic): arg = arg.item()
   if isinstance(arg, Ops): return {"alu": arg.name}
+  if isinstance(arg, AxisType): return {"axis": arg.name}
   if arg is None or isinstance(arg, (bool, int, str)): return arg
   if isinstance(arg, float):
     if math.isfinite(arg): return arg  # json writes repr(float), which reads back to the same float
@@ -61,6 +71,7 @@ def decode_arg(data: Any) -> Any:
   if isinstance(data, list): return tuple(decode_arg(item) for item in data)
   if isinstance(data, dict) and len(data) == 1:
     if "alu" in data and data["alu"] in Ops.__members__: return Ops[data["alu"]]
+    if "axis" in data and data["axis"] in AxisType.__members__: return AxisType[data["axis"]]
     if "float" in data and data["float"] in ("inf", "-inf", "nan"): return float(data["float"])
   raise CompileError(f"PYTHON program: cannot decode UOp argument {data!r}")
 
@@ -69,10 +80,20 @@ class PythonRenderer(Renderer):
   """Renders UOps as JSON, one UOp per line: `[position, op, dtype, [source positions], arg]`.
 
   The text is deterministic (the compile cache keys on it) and is the whole program: the interpreter needs
-  nothing else. GPU-like: global axes become block indices and LOCAL opts become thread indices."""
+  nothing else. GPU-like: global axes become block indices, LOCAL and GROUP opts become thread indices, GROUP
+  partials meet in local memory. `emulate="CUDA"` takes CUDA's limits instead of its own."""
   device = "PYTHON"
   has_threads = True
   max_threads = 128
+  has_local = True
+  local_memory_bytes = 16384
+  warp_size = 0
+
+  def __init__(self, emulate: str = "") -> None:
+    if emulate == "": return
+    if emulate.upper() != "CUDA": raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA")
+    for limit in ("max_threads", "has_local", "local_memory_bytes", "warp_size", "global_max", "local_max"):
+      setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:
     position = {id(uop): index for index, uop in enumerate(uops)}
@@ -131,18 +152,21 @@ def parse_program(text: str) -> tuple[str, list[Instruction]]:
 
 
 def match_loops(instructions: list[Instruction]) -> dict[int, int]:
-  """Position of each RANGE -> position of its ENDRANGE; loops must nest properly."""
+  """Position of each RANGE -> position of its ENDRANGE; loops and IF blocks must nest properly."""
   ends: dict[int, int] = {}
-  open_loops: list[int] = []
+  open_scopes: list[int] = []
+  closers = {UOps.ENDRANGE: UOps.RANGE, UOps.ENDIF: UOps.IF}
   for index, instruction in enumerate(instructions):
-    if instruction.op is UOps.RANGE:
-      if len(instruction.srcs) != 2: raise CompileError(f"PYTHON program: RANGE at {index} needs (start, end)")
-      open_loops.append(index)
-    elif instruction.op is UOps.ENDRANGE:
-      if not open_loops or instruction.srcs[:1] != (open_loops[-1],):
-        raise CompileError(f"PYTHON program: ENDRANGE at {index} does not close the innermost open loop")
-      ends[open_loops.pop()] = index
-  if open_loops: raise CompileError(f"PYTHON program: loops opened at {open_loops} are never closed")
+    if instruction.op is UOps.RANGE and len(instruction.srcs) != 2:
+      raise CompileError(f"PYTHON program: RANGE at {index} needs (start, end)")
+    if instruction.op in (UOps.RANGE, UOps.IF): open_scopes.append(index)
+    elif instruction.op in closers:
+      if not open_scopes or instruction.srcs[:1] != (open_scopes[-1],) or \
+          instructions[open_scopes[-1]].op is not closers[instruction.op]:
+        raise CompileError(f"PYTHON program: {instruction.op.name} at {index} does not close the innermost scope")
+      opened = open_scopes.pop()
+      if instruction.op is UOps.ENDRANGE: ends[opened] = index
+  if open_scopes: raise CompileError(f"PYTHON program: scopes opened at {open_scopes} are never closed")
   return ends
 
 
@@ -162,7 +186,8 @@ def vectorizable_loops(instructions: list[Instruction], loop_ends: dict[int, int
     for position in range(start + 1, end):
       instruction = instructions[position]
       op = instruction.op
-      if op in (UOps.STORE, UOps.DEFINE_ACC, UOps.DEFINE_GLOBAL): eligible = False
+      if op in (UOps.STORE, UOps.DEFINE_ACC, UOps.DEFINE_GLOBAL, UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF,
+                UOps.WARP_REDUCE): eligible = False
       elif op is UOps.RANGE:
         # a loop after an inner one closed is a sibling, not a chain; bounds must be known before the block runs
         eligible = not closed and all(instructions[src].op is UOps.CONST for src in instruction.srcs)
@@ -196,25 +221,6 @@ def compute_dtype(dtype: DType) -> np.dtype:
 def memory_dtype(dtype: DType) -> np.dtype:
   """The numpy dtype a buffer of `dtype` is viewed as (bfloat16 as its raw uint16 bits)."""
   return np.dtype(np.uint16 if dtype == dtypes.bfloat16 else dtype.np)
-
-
-def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
-  """Round float32 values to bfloat16, nearest even, and return the 16 bits (NaN stays a quiet NaN)."""
-  bits = np.asarray(values, dtype=np.float32).view(np.uint32)
-  is_nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-  # adding 0x7fff plus the lowest kept bit rounds to nearest, ties to even; a carry correctly rounds up to inf
-  rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-  result = np.where(is_nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded >> np.uint32(16))
-  return result.astype(np.uint16)
-
-
-def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-  return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def round_to_bfloat16(values: np.ndarray) -> np.ndarray:
-  """float32 values rounded to the nearest bfloat16, still as float32."""
-  return bfloat16_bits_to_float32(float32_to_bfloat16_bits(values))
 
 
 def to_memory(values: np.ndarray, dtype: DType) -> np.ndarray:
@@ -335,6 +341,18 @@ def bitcast(values: np.ndarray, from_dtype: DType, to_dtype: DType) -> np.ndarra
 
 # ---------------------------------------------------------------- the interpreter
 
+class LocalMemory:
+  """One DEFINE_LOCAL: an array per block, and which thread stored each element since the last BARRIER
+  (-1: none), to catch reads and stores that race on a GPU."""
+
+  def __init__(self, dtype: DType, size: int, blocks: int):
+    self.dtype, self.size = dtype, size
+    self.data = np.zeros(blocks * size, compute_dtype(dtype))
+    self.writer = np.full(blocks * size, -1, np.int64)
+
+  def barrier(self) -> None: self.writer[:] = -1
+
+
 class PythonProgram:
   """A kernel's UOps, run for all threads at once with numpy. Called like any device program:
   `program(*buffers, global_size=(bx, by, bz), local_size=(tx, ty, tz), wait=False)`."""
@@ -370,6 +388,14 @@ class Interpreter:
     self.threads_per_block = math.prod(self.local_size)
     self.thread_count = math.prod(self.global_size) * self.threads_per_block
     self.values: list[Any] = [None] * len(program.instructions)
+    self.thread_ids = np.arange(self.thread_count, dtype=np.int64)
+    self.masks: list[np.ndarray] = []  # the threads running each open IF block, innermost last
+    self.locals: list[LocalMemory] = []
+
+  @property
+  def active(self) -> np.ndarray | None:
+    """Which threads run the current uop (None: all)."""
+    return self.masks[-1] if self.masks else None
 
   def error(self, position: int, message: str) -> DeviceError:
     instruction = self.program.instructions[position]
@@ -392,6 +418,14 @@ class Interpreter:
           continue
         values[position] = np.asarray(begin, dtype=compute_dtype(instruction.dtype))
         open_loops.append((position, end))
+      elif op is UOps.IF:
+        condition = np.broadcast_to(np.asarray(values[instruction.srcs[0]], bool), (self.thread_count,))
+        self.masks.append(condition if self.active is None else condition & self.active)
+      elif op is UOps.ENDIF:
+        self.masks.pop()
+      elif op is UOps.BARRIER:
+        if self.active is not None: raise self.error(position, "a BARRIER inside an IF block (threads would hang)")
+        for memory in self.locals: memory.barrier()
       elif op is UOps.ENDRANGE:
         loop_position, end = open_loops[-1]
         counter = int(values[loop_position]) + 1
@@ -464,10 +498,19 @@ class Interpreter:
     operands = [values[src] for src in instruction.srcs]
     if op is UOps.ALU: return execute_alu(instruction.arg, dtype, operands)
     if op is UOps.CONST: return np.asarray(truncate(dtype, instruction.arg), dtype=compute_dtype(dtype))
+    if op is UOps.LOAD and isinstance(operands[0], LocalMemory): return self.load_local(position, *operands)
+    if op is UOps.STORE and isinstance(operands[0], LocalMemory):
+      self.store_local(position, *operands)
+      return None
     if op is UOps.LOAD: return self.load(position, instruction, *operands)
     if op is UOps.STORE:
       self.store(position, instruction, *operands)
       return None
+    if op is UOps.DEFINE_LOCAL:
+      memory = LocalMemory(dtype, int(instruction.arg[1]), math.prod(self.global_size))
+      self.locals.append(memory)
+      return memory
+    if op is UOps.WARP_REDUCE: return self.warp_reduce(position, instruction, operands[0])
     if op is UOps.CAST: return cast(operands[0], self.src_dtype(instruction), dtype)
     if op is UOps.BITCAST: return bitcast(operands[0], self.src_dtype(instruction), dtype)
     if op is UOps.SPECIAL: return self.special(position, instruction.arg)
@@ -476,8 +519,10 @@ class Interpreter:
       accumulator_position = instruction.srcs[0]
       accumulator_dtype = self.program.instructions[accumulator_position].dtype
       if instruction.arg not in (Ops.ADD, Ops.MAX): raise self.error(position, f"cannot accumulate {instruction.arg}")
-      values[accumulator_position] = execute_alu(instruction.arg, accumulator_dtype, operands)
-      return values[accumulator_position]
+      combined = execute_alu(instruction.arg, accumulator_dtype, operands)
+      if self.active is not None: combined = np.where(self.active, combined, operands[0])
+      values[accumulator_position] = combined
+      return combined
     if op is UOps.DEFINE_GLOBAL: return self.buffer_view(position, instruction)
     raise self.error(position, "the PYTHON device does not implement this uop")
 
@@ -495,13 +540,63 @@ class Interpreter:
   def special(self, position: int, arg: tuple) -> np.ndarray:
     """Block or thread index along one launch dimension of every thread: the flat thread id runs over blocks
     (major) then threads in a block (minor), x varying fastest in each."""
-    name, _, dimension = arg
-    flat = np.arange(self.thread_count, dtype=np.int64)
-    if name.startswith("gidx"): within, sizes = flat // self.threads_per_block, self.global_size
-    elif name.startswith("lidx"): within, sizes = flat % self.threads_per_block, self.local_size
-    else: raise self.error(position, f"unknown thread index {name!r}")
+    name, _, dimension, kind = arg
+    flat = self.thread_ids
+    if kind is AxisType.GLOBAL: within, sizes = flat // self.threads_per_block, self.global_size
+    elif kind is AxisType.LOCAL: within, sizes = flat % self.threads_per_block, self.local_size
+    else: raise self.error(position, f"thread index {name!r} of kind {kind}")
     stride = math.prod(sizes[:dimension])
     return ((within // stride) % sizes[dimension]).astype(np.int32)
+
+  def local_addresses(self, position: int, memory: LocalMemory, index: np.ndarray,
+                      valid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(threads, addresses in the memory's array) of the threads that access local memory here."""
+    index = np.broadcast_to(np.asarray(index, np.int64), (self.thread_count,))
+    running = np.ones(self.thread_count, bool) if self.active is None else self.active.copy()
+    if valid is not None: running &= np.broadcast_to(np.asarray(valid, bool), (self.thread_count,))
+    threads, index = self.thread_ids[running], index[running]
+    if index.size and (index.min() < 0 or index.max() >= memory.size):
+      bad = int(index.min()) if index.min() < 0 else int(index.max())
+      raise self.error(position, f"local memory index {bad} outside its {memory.size} elements")
+    return threads, threads // self.threads_per_block * memory.size + index
+
+  def load_local(self, position: int, memory: LocalMemory, index: np.ndarray,
+                 valid: np.ndarray | None = None) -> np.ndarray:
+    threads, addresses = self.local_addresses(position, memory, index, valid)
+    writers = memory.writer[addresses]
+    racing = (writers != -1) & (writers != threads)
+    if racing.any():
+      raise self.error(position, f"thread {int(threads[racing][0])} reads local memory that thread "
+                                 f"{int(writers[racing][0])} stored with no BARRIER between")
+    result = np.zeros(self.thread_count, memory.data.dtype)
+    result[threads] = memory.data[addresses]
+    return result
+
+  def store_local(self, position: int, memory: LocalMemory, index: np.ndarray, value: np.ndarray,
+                  valid: np.ndarray | None = None) -> None:
+    threads, addresses = self.local_addresses(position, memory, index, valid)
+    writers = memory.writer[addresses]
+    unique, counts = np.unique(addresses, return_counts=True)
+    racing = (writers != -1) & (writers != threads)
+    if racing.any() or (counts > 1).any():
+      raise self.error(position, f"two threads store to local memory element {int(unique[counts.argmax()])} "
+                                 f"with no BARRIER between")
+    value = np.broadcast_to(np.asarray(value).astype(memory.data.dtype, copy=False), (self.thread_count,))
+    memory.data[addresses] = value[threads]
+    memory.writer[addresses] = threads
+
+  def warp_reduce(self, position: int, instruction: Instruction, value: np.ndarray) -> np.ndarray:
+    """A butterfly over `width` neighbouring threads, as __shfl_xor_sync does: every thread gets the result."""
+    op, width, stride = instruction.arg
+    span = width * stride
+    if self.threads_per_block % span and self.threads_per_block > span:
+      raise self.error(position, f"a warp reduce over {span} thread ids in blocks of {self.threads_per_block}")
+    result = np.broadcast_to(np.asarray(value), (self.thread_count,))
+    offset = width // 2 * stride
+    while offset >= stride:
+      result = execute_alu(op, instruction.dtype, [result, result[self.thread_ids ^ offset]])
+      offset //= 2
+    return result
 
   def check_bounds(self, position: int, buffer: np.ndarray, index: np.ndarray, what: str) -> None:
     if index.size == 0: return
@@ -514,6 +609,7 @@ class Interpreter:
            valid: np.ndarray | None = None) -> np.ndarray:
     """Gather; where `valid` is false the result is 0 and memory is not touched (the index may be anything)."""
     index = np.asarray(index, dtype=np.int64)
+    if self.active is not None: valid = self.active if valid is None else np.asarray(valid, bool) & self.active
     if valid is None:
       self.check_bounds(position, buffer, index, "read at")
       return from_memory(buffer[index], instruction.dtype)
@@ -530,6 +626,7 @@ class Interpreter:
     """Scatter (where `valid`). Threads writing one address: the last thread wins, a GPU leaves it undefined."""
     buffer_dtype = self.program.instructions[instruction.srcs[0]].dtype
     value = to_memory(value, buffer_dtype)
+    if self.active is not None: valid = self.active if valid is None else np.asarray(valid, bool) & self.active
     index = np.asarray(index, dtype=np.int64)
     if valid is None: index, value = (np.atleast_1d(array) for array in np.broadcast_arrays(index, value))
     else:
@@ -541,4 +638,5 @@ class Interpreter:
 
 
 def create_device(name: str) -> Compiled:
-  return Compiled(name, HostAllocator(), PythonRenderer(), PythonCompiler(), PythonProgram)
+  return Compiled(name, HostAllocator(), PythonRenderer(EMULATE.value),
+                  PythonCompiler(), PythonProgram)

@@ -2,8 +2,9 @@
 
 Each case draws a random program with `graphgen` (reduce- and matmul-heavy), schedules its output and walks the
 schedule. For every kernel it compiles the plain loop nest (no Opts, as NOOPT=1) and several optimized variants
-of the same AST: the hand-coded heuristic and random sequences of UPCAST / UNROLL / LOCAL (now and then GROUP or
-PADTO, which this Kernel refuses) with random axes and amounts (mostly divisors of the axis, sometimes not). An
+of the same AST: the hand-coded heuristic and random sequences of UPCAST / UNROLL / LOCAL / GROUP / GROUPTOP (now
+and then PADTO, which this Kernel refuses) with random axes and amounts (mostly divisors of the axis, sometimes
+not); GROUP and LOCAL apply on devices with thread blocks and local memory (PYTHON, OPENCL). An
 Opt that raises KernelOptError is skipped, and must leave the kernel exactly as it was (views, upcasts, locals,
 applied opts). Each variant runs on the kernel's real inputs into a fresh output buffer and must match the plain
 kernel: exactly for integers, bools and max-reductions, to 1e-5 of the magnitude for float sums (an UNROLL
@@ -12,7 +13,8 @@ against the numpy mirror too.
 
 Bugs it found have minimized repros in test_regressions.py.
 
-Devices: CLANG, and OPENCL and PYTHON (which have thread blocks, so LOCAL applies) and LLVM when they open.
+Devices: CLANG, and OPENCL and PYTHON (which have thread blocks, so LOCAL and GROUP apply) and LLVM when they open.
+`DEVICE=PYTHON EMULATE=CUDA` fuzzes with CUDA's limits (1024 threads, warp shuffles), as CI does.
 Run: `python test/fuzz/fuzz_opts.py --iterations 500 --seed N [--devices PYTHON]`; `--case I` replays one case.
 """
 from __future__ import annotations
@@ -38,20 +40,23 @@ from ourgrad.engine.schedule import ScheduleItem, create_schedule  # noqa: E402
 from ourgrad.ops import Ops  # noqa: E402
 
 WEIGHTS = {"unary": 3, "binary": 4, "where": 1, "reduce": 5, "matmul": 3, "movement": 4}
-OPT_KINDS = [OptOps.UPCAST] * 8 + [OptOps.UNROLL] * 6 + [OptOps.LOCAL] * 5 + [OptOps.GROUP, OptOps.PADTO]
+OPT_KINDS = [OptOps.UPCAST] * 8 + [OptOps.UNROLL] * 6 + [OptOps.LOCAL] * 5 + [OptOps.GROUP] * 4 + \
+  [OptOps.GROUPTOP] * 3 + [OptOps.PADTO]
 
 
 def kernel_state(kernel: Kernel) -> tuple:
-  return (tuple(kernel.sts), kernel.upcasted, kernel.local_dims, tuple(kernel.applied_opts), kernel.full_shape)
+  return (tuple(kernel.sts), kernel.upcasted, kernel.local_dims, kernel.group_dims, kernel.groups_outer,
+          tuple(kernel.applied_opts), kernel.full_shape)
 
 
 def random_opt(rng: random.Random, kernel: Kernel) -> Opt:
   """A random Opt, biased toward ones that fit: an axis of the right kind and an amount that divides it."""
   op = rng.choice(OPT_KINDS)
-  if op is OptOps.UNROLL:
-    reduce_axes = kernel.first_upcast - kernel.first_reduce
+  if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP):
+    reduce_axes = kernel.first_upcast - kernel.first_loop_reduce
     axis = rng.randrange(max(reduce_axes, 1)) if rng.random() < 0.9 else rng.randint(-1, 4)
-    size = kernel.full_shape[kernel.first_reduce + axis] if 0 <= kernel.first_reduce + axis < kernel.shape_len else 1
+    position = kernel.first_loop_reduce + axis
+    size = kernel.full_shape[position] if 0 <= position < kernel.shape_len else 1
   else:
     axis = rng.randrange(max(kernel.first_reduce, 1)) if rng.random() < 0.9 else rng.randint(-1, 5)
     size = kernel.full_shape[axis] if 0 <= axis < kernel.shape_len else 1

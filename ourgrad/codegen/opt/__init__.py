@@ -1,2 +1,1 @@
-"""The optimizer: choosing a kernel's Opts. `search.py` is BEAM search (BEAM=n); the Opts themselves and the
-hand-coded heuristic live with the Kernel."""
+"""The optimizer: choosing Opts for a Kernel — the hand-coded heuristic (heuristic.py) and BEAM search (search.py)."""

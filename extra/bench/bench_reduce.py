@@ -1,0 +1,193 @@
+"""Reduction benchmark: row/column/full reductions, softmax, layernorm and a fused elementwise chain against the
+device's copy bandwidth, with ourgrad's hand-coded kernels (and BEAM=2 when ourgrad.codegen.opt.search exists)
+beside PyTorch eager and torch.compile in the same run; then the per-kernel table of one examples/mnist.py training
+step.
+
+Method: inputs are realized first; each ourgrad figure is the median over `--iters` runs (after 3 warm-up runs) of
+the summed device times of the kernels realizing the result (CUDA events, the timing DEBUG=2 prints). PyTorch is
+timed with torch.cuda events over the same runs. GB/s counts each input read once and each output written once;
+"% copy" compares with a device-to-device copy of the same bytes measured here.
+Run: `python extra/bench/bench_reduce.py` on a machine with an NVIDIA GPU (`--device PYTHON --scale 10` runs a
+tiny version anywhere, for checking the script).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from ourgrad import Tensor  # noqa: E402
+from ourgrad.engine import realize  # noqa: E402
+from ourgrad.engine.realize import get_runner  # noqa: E402
+from ourgrad.engine.schedule import create_schedule  # noqa: E402
+
+
+def kernel_seconds(device: str, build: Callable[[], Tensor], iters: int) -> tuple[float, list[tuple[str, float]]]:
+  """Median summed kernel time of realizing `build()`, and the (name, seconds) of each kernel of the last run."""
+  totals, kernels = [], []
+  for _ in range(iters + 3):
+    schedule = create_schedule([build().lazydata])
+    total, kernels = 0.0, []
+    for item in schedule:
+      for buffer in item.outputs: buffer.allocate()
+      runner = get_runner(device, item.ast)
+      seconds = runner(item.bufs, wait=True) or 0.0
+      total += seconds
+      kernels.append((runner.name, seconds))
+    totals.append(total)
+  return statistics.median(totals[3:]), kernels
+
+
+def torch_seconds(function: Callable[[], Any], iters: int, cuda: bool) -> float:
+  import torch
+  times = []
+  for _ in range(iters + 3):
+    if cuda:
+      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      start.record()
+      function()
+      end.record()
+      torch.cuda.synchronize()
+      times.append(start.elapsed_time(end) / 1e3)
+    else:
+      began = time.perf_counter()
+      function()
+      times.append(time.perf_counter() - began)
+  return statistics.median(times[3:])
+
+
+def workloads(scale: int) -> list[tuple[str, list[tuple[int, ...]], Callable[..., Any], int]]:
+  """(name, input shapes, function of the inputs (ourgrad and torch alike), output elements)."""
+  side = 8192 >> scale
+  full = 1 << max(28 - 2 * scale, 4)
+  flat = 1 << max(26 - 2 * scale, 4)
+  return [
+    ("row sum", [(side, side)], lambda x: x.sum(axis=1) if isinstance(x, Tensor) else x.sum(dim=1), side),
+    ("row max", [(side, side)], lambda x: x.max(axis=1) if isinstance(x, Tensor) else x.amax(dim=1), side),
+    ("column sum", [(side, side)], lambda x: x.sum(axis=0) if isinstance(x, Tensor) else x.sum(dim=0), side),
+    ("full sum", [(full,)], lambda x: x.sum(), 1),
+    ("softmax", [(side, side)], lambda x: x.softmax(-1), side * side),
+    ("layernorm", [(side, side)],
+     lambda x: x.layernorm(-1) if isinstance(x, Tensor) else _torch_layernorm(x), side * side),
+    ("elementwise (a+b)*c", [(flat,)] * 3, lambda a, b, c: (a + b) * c, flat),
+  ]
+
+
+def _torch_layernorm(x: Any) -> Any:
+  import torch
+  return torch.nn.functional.layer_norm(x, x.shape[-1:])
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--device", default="CUDA")
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--scale", type=int, default=0, help="halve each side this many times (for a quick check)")
+  parser.add_argument("--no-mnist", action="store_true")
+  parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+  args = parser.parse_args()
+  import torch
+  cuda = args.device.upper().startswith("CUDA")
+  torch_device = "cuda" if cuda else "cpu"
+  if cuda: print(f"device: {torch.cuda.get_device_name()}")
+  search_available = _search_available()
+
+  header = f"{'workload':<22} {'bytes':>9} {'ourgrad':>9} {'GB/s':>7} {'%copy':>6} {'kernels':>7}"
+  header += f" {'BEAM=2':>9} {'torch':>9} {'compile':>9}   (times in ms)"
+  print(header)
+  for name, shapes, function, outputs in workloads(args.scale):
+    host = [np.random.randn(*shape).astype(np.float32) for shape in shapes]
+    inputs = [Tensor(array, device=args.device).realize() for array in host]
+    moved = sum(array.nbytes for array in host) + outputs * 4
+    ours, kernels = kernel_seconds(args.device, lambda: function(*inputs), args.iters)
+    beam = _beam_seconds(args.device, lambda: function(*inputs), args.iters) if search_available else None
+    torch_inputs = [torch.tensor(array, device=torch_device) for array in host]
+    eager = torch_seconds(lambda: function(*torch_inputs), args.iters, cuda)
+    compiled = None
+    if not args.no_compile:
+      try:
+        compiled_function = torch.compile(function)
+        compiled = torch_seconds(lambda: compiled_function(*torch_inputs), args.iters, cuda)
+      except Exception as error:  # no compiler toolchain for inductor here
+        print(f"  torch.compile failed: {type(error).__name__}")
+    scratch = torch.empty(moved // 4, device=torch_device)
+    source = torch.randn(moved // 4, device=torch_device)
+    copy = torch_seconds(lambda: scratch.copy_(source), args.iters, cuda)
+    copy_gbs = 2 * moved / copy / 1e9  # the copy reads and writes `moved` bytes
+    gbs = moved / ours / 1e9
+
+    def ms(value: float | None) -> str: return f"{value * 1e3:9.3f}" if value is not None else f"{'-':>9}"
+    print(f"{name:<22} {moved / 1e6:8.0f}M {ms(ours)} {gbs:7.0f} {gbs / copy_gbs * 100:5.0f}% {len(kernels):7d}"
+          f" {ms(beam)} {ms(eager)} {ms(compiled)}   [{', '.join(f'{k} {s * 1e3:.3f}' for k, s in kernels)}]")
+  if not args.no_mnist: mnist_step(args.device, args.scale)
+
+
+def _search_available() -> bool:
+  try:
+    import ourgrad.codegen.opt.search  # noqa: F401
+    return True
+  except ImportError:
+    return False
+
+
+def _beam_seconds(device: str, build: Callable[[], Tensor], iters: int) -> float | None:
+  """Kernel time with BEAM=2 (the search runs on the first call, then its cache is used)."""
+  os.environ["BEAM"] = "2"
+  realize._runner_cache.clear()
+  try:
+    seconds, _ = kernel_seconds(device, build, iters)
+  except Exception as error:
+    print(f"  BEAM=2 failed: {type(error).__name__}: {error}")
+    seconds = None
+  finally:
+    del os.environ["BEAM"]
+    realize._runner_cache.clear()
+  return seconds
+
+
+def mnist_step(device: str, scale: int) -> None:
+  """One training step of examples/mnist.py's default model (batch 256) on random images: each kernel's time."""
+  sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+  import mnist
+  from ourgrad.nn.optim import Adam
+  from ourgrad.nn.state import get_parameters
+  os.environ["DEVICE"] = device  # the step makes its tensors on the default device
+  batch = 256 >> scale
+  model = mnist.ConvNet(mnist.MODELS["small"])
+  optimizer = Adam([p for p in get_parameters(model) if p.requires_grad], lr=2e-3)
+  buffers = mnist.batchnorm_buffers(model)
+  images = np.random.randint(0, 255, (batch, 1, 28, 28)).astype(np.uint8)
+  labels = np.random.randint(0, 10, batch).astype(np.int32)
+  launches: list[tuple[str, str, float, int]] = []
+  original = realize._print_launch
+
+  def record(runner: Any, device_name: str, timing: float | None) -> None:
+    launches.append((runner.name, runner.display_name, timing or 0.0, runner.byte_count))
+  with Tensor.train():
+    for _ in range(2): mnist.train_step(model, optimizer, images, labels, buffers)  # compile everything
+    os.environ["DEBUG"] = "2"
+    realize._print_launch = record
+    try:
+      began = time.perf_counter()
+      mnist.train_step(model, optimizer, images, labels, buffers)
+      wall = time.perf_counter() - began
+    finally:
+      realize._print_launch = original
+      del os.environ["DEBUG"]
+  total = sum(seconds for _, _, seconds, _ in launches)
+  print(f"\nmnist training step (batch {batch}): {len(launches)} kernels, sum of kernel times {total * 1e3:.3f} ms, "
+        f"wall {wall * 1e3:.1f} ms (with DEBUG=2's per-kernel synchronization)")
+  print(f"{'kernel':<36} {'ms':>8} {'GB/s':>8}")
+  for name, _, seconds, moved in sorted(launches, key=lambda launch: -launch[2]):
+    print(f"{name:<36} {seconds * 1e3:8.3f} {moved / max(seconds, 1e-12) / 1e9:8.1f}")
+
+
+if __name__ == "__main__":
+  main()

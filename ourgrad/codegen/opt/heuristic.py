@@ -1,0 +1,176 @@
+"""Hand-coded optimizations: a good default Opt list for a Kernel, without search.
+
+CPUs (no thread blocks): register-tile matmul-like reduces (upcast the output axes some input broadcasts, so each
+loaded value is reused from registers), unroll the reduce a little, and unroll 4 neighbouring elementwise outputs
+so the C compiler sees straight-line vectorizable code.
+
+GPUs (thread blocks and local memory):
+- a reduce whose input is contiguous along the reduce (a row reduction: sum, max, softmax, layernorm) gets a block
+  per output with the reduce split across its threads by GROUP (neighbouring threads read neighbouring elements);
+  a short row gets a warp;
+- a reduce whose input is contiguous along an output axis (a column reduction) puts that output axis on LOCAL
+  threads (coalesced) and, when that leaves too few blocks to fill the device, splits the reduce over GROUPTOP;
+- matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
+- elementwise kernels get thread blocks from the innermost output axes.
+"""
+from __future__ import annotations
+
+from ourgrad.codegen.kernel import Kernel, Opt, OptOps
+from ourgrad.helpers import prod
+from ourgrad.ops import MemBuffer
+
+# threads per block the heuristics aim for on GPUs
+BLOCK_THREADS = 256
+# a GPU needs about this many blocks in flight to keep every multiprocessor busy (H100: 132 SMs x several blocks)
+ENOUGH_BLOCKS = 1024
+WARP_SIZE = 32
+# reduces shorter than this stay loops inside one thread when there are enough outputs to fill the GPU
+SHORT_REDUCE = 128
+
+
+def hand_coded_optimizations(kernel: Kernel) -> None:
+  """Apply the default Opts for the kernel's device in place."""
+  renderer = kernel.renderer
+  gpu, has_local = renderer.has_threads, getattr(renderer, "has_local", False)
+  if gpu and has_local and kernel.reduceop is not None and not _matmul_like(kernel):
+    if _group_reduce(kernel): return
+  if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
+  _register_tiling(kernel)
+  if gpu: _pick_thread_blocks(kernel)
+  if gpu and has_local and kernel.reduceop is not None: _group_for_parallelism(kernel)
+
+
+def _loads(kernel: Kernel) -> list:
+  return [st for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
+
+
+def _matmul_like(kernel: Kernel) -> bool:
+  """Some input is reused across outputs while it varies along the reduce (a matmul or convolution operand):
+  register tiles pay off there. A per-output value (stride 0 on every reduce axis) does not count."""
+  for st in _loads(kernel):
+    strides = st.real_strides()
+    reused = any(strides[axis] == 0 for axis in range(kernel.first_reduce))
+    varies = any(strides[axis] != 0 for axis in range(kernel.first_reduce, kernel.shape_len))
+    if reused and varies: return True
+  return False
+
+
+def _contiguous_axis(kernel: Kernel) -> int | None:
+  """The dimension along which the biggest input is contiguous (stride 1), if any."""
+  loads = _loads(kernel)
+  if not loads: return None
+  st = max(loads, key=lambda view: prod(size for size, stride in zip(view.shape, view.real_strides()) if stride != 0))
+  strides = st.real_strides()
+  for axis in reversed(range(kernel.shape_len)):
+    if strides[axis] == 1 and kernel.full_shape[axis] > 1: return axis
+  return None
+
+
+def _divisor_at_most(size: int, limit: int) -> int:
+  """The largest power of two dividing `size` that is at most `limit` (1 if none)."""
+  amount = 1
+  while amount * 2 <= limit and size % (amount * 2) == 0: amount *= 2
+  return amount
+
+
+def _largest_divisor_at_most(size: int, limit: int) -> int:
+  """A power of two where one fits well (warp shuffles need them), else the largest divisor <= limit."""
+  power = _divisor_at_most(size, limit)
+  best = max(amount for amount in range(1, min(size, limit) + 1) if size % amount == 0)
+  return power if power * 2 > best else best
+
+
+def _group_reduce_axes(kernel: Kernel, budget: int) -> None:
+  """GROUP threads taken from the reduce loop axes, innermost first (neighbouring threads read neighbouring
+  elements), until the block has `budget` group threads or two axes were used."""
+  from_end = 1
+  for _ in range(2):
+    loop_count = kernel.first_upcast - kernel.first_loop_reduce
+    if loop_count < from_end: return
+    relative = loop_count - from_end
+    size = kernel.full_shape[kernel.first_loop_reduce + relative]
+    amount = _largest_divisor_at_most(size, budget // kernel.group_threads())
+    if amount < 2 or not kernel.try_opt(Opt(OptOps.GROUP, relative, amount)): return
+    if amount != size: from_end += 1  # the rest of this axis stays the innermost loop
+    if kernel.group_threads() * 2 > budget: return
+
+
+def _group_reduce(kernel: Kernel) -> bool:
+  """GROUP-based defaults for reduces that are not matmul-like. False (kernel untouched) where they do not apply."""
+  if kernel.first_upcast <= kernel.first_reduce: return False
+  contiguous = _contiguous_axis(kernel)
+  outputs = prod(kernel.full_shape[:kernel.first_reduce])
+  reduce_total = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
+  # a short reduce (a pooling window) is cheaper as a loop in each thread than as threads that must meet
+  if reduce_total < SHORT_REDUCE and outputs >= ENOUGH_BLOCKS: return False
+  if contiguous is None or contiguous >= kernel.first_reduce:
+    # row reduction (or no stride-1 input): the block's threads stride over the row together (coalesced); a warp
+    # for short rows
+    _group_reduce_axes(kernel, BLOCK_THREADS if reduce_total >= 4 * BLOCK_THREADS else WARP_SIZE)
+    return kernel.group_dims > 0
+  # column reduction: neighbouring threads take neighbouring outputs; split the reduce when blocks are few
+  locals_ = _divisor_at_most(kernel.full_shape[contiguous], WARP_SIZE)
+  if locals_ < 2 or not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)): return False
+  blocks = outputs // locals_
+  first_reduce_size = kernel.full_shape[kernel.first_reduce]
+  if blocks < ENOUGH_BLOCKS:
+    group = _largest_divisor_at_most(first_reduce_size, BLOCK_THREADS // locals_)
+    if group >= 2: kernel.try_opt(Opt(OptOps.GROUPTOP, 0, group))
+  return True
+
+
+def _group_for_parallelism(kernel: Kernel) -> None:
+  """A matmul-like reduce with few threads (few outputs, long reduces: a convolution's weight gradient) splits its
+  reduce over GROUP threads too, so the GPU has enough threads in flight."""
+  threads = prod(kernel.full_shape[:kernel.first_reduce])
+  reduce_total = prod(kernel.full_shape[kernel.first_loop_reduce:kernel.first_upcast])
+  if threads >= ENOUGH_BLOCKS * BLOCK_THREADS // 2 or reduce_total < 64: return
+  budget = min(kernel.renderer.max_threads // max(kernel.block_threads(), 1), BLOCK_THREADS, reduce_total // 16)
+  if budget >= 2: _group_reduce_axes(kernel, budget)
+
+
+def _elementwise_rows(kernel: Kernel) -> None:
+  """GPU elementwise over several axes: each thread takes 4 outputs along an outer axis, so every load instruction of
+  a warp stays coalesced and each thread has 4 independent loads in flight."""
+  if kernel.first_reduce < 2: return
+  contiguous = _contiguous_axis(kernel)
+  for axis in range(kernel.first_reduce):
+    if axis != contiguous and kernel.full_shape[axis] % 4 == 0 and kernel.full_shape[axis] >= 16:
+      kernel.try_opt(Opt(OptOps.UPCAST, axis, 4))
+      return
+
+
+def _pick_thread_blocks(kernel: Kernel) -> None:
+  """Give each block up to 128 threads from the innermost global axes (the ones whose neighbouring elements are
+  adjacent in memory, so a block's loads coalesce)."""
+  budget = 128
+  for axis in reversed(range(kernel.global_dims)):
+    for amount in (128, 64, 32, 16, 8, 4, 2):
+      if kernel.local_threads() * amount <= budget and kernel.full_shape[axis] % amount == 0:
+        if kernel.try_opt(Opt(OptOps.LOCAL, axis, amount)): break
+    if kernel.local_threads() >= budget: break
+
+
+def _register_tiling(kernel: Kernel) -> None:
+  if kernel.reduceop is None:
+    # elementwise: unroll 4 neighbouring outputs so the C compiler sees straight-line vectorizable code. Not on
+    # GPUs: there neighbouring threads must touch neighbouring addresses for loads to coalesce.
+    if kernel.renderer.has_threads: return
+    last = kernel.first_reduce - 1
+    if last >= 0 and kernel.full_shape[last] % 4 == 0 and kernel.full_shape[last] >= 16:
+      kernel.try_opt(Opt(OptOps.UPCAST, last, 4))
+    return
+  upcast_done: set[int] = set()
+  for _ in range(2):
+    for axis in reversed(range(kernel.first_reduce)):
+      if axis in upcast_done: continue
+      broadcast_by_some_input = any(st.real_strides()[axis] == 0 for st in kernel.sts[1:])
+      if broadcast_by_some_input and kernel.full_shape[axis] % 4 == 0 and kernel.full_shape[axis] >= 8:
+        if kernel.try_opt(Opt(OptOps.UPCAST, axis, 4)):
+          upcast_done.add(axis)
+          break
+  if kernel.first_upcast > kernel.first_reduce:
+    last_reduce = kernel.first_upcast - 1 - kernel.first_reduce
+    size = kernel.full_shape[kernel.first_upcast - 1]
+    for amount in (4, 2):
+      if size % amount == 0 and kernel.try_opt(Opt(OptOps.UNROLL, last_reduce, amount)): break

@@ -1,0 +1,277 @@
+"""GPU code generation: axis kinds, local memory, barriers, IF blocks, warp shuffles and the GROUP/GROUPTOP opts.
+
+Kernels are optimized for a GPU renderer (CUDA's limits through the PYTHON device's `EMULATE=CUDA` mode, the
+PYTHON device's own limits, OpenCL) and run on the PYTHON interpreter (and on OpenCL where PoCL opens); every
+optimized kernel must give the plain kernel's (NOOPT) results on random inputs. The same kernels rendered as CUDA C
+must compile with NVRTC when it is installed.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ourgrad import Tensor, dtypes
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.uops import AxisType, UOpBuilder, UOps
+from ourgrad.device import Buffer, Device
+from ourgrad.engine.realize import compile_kernel, launch_dims, run_schedule
+from ourgrad.engine.schedule import ScheduleItem, create_schedule
+from ourgrad.errors import DeviceError
+from ourgrad.renderer.cstyle import ClangRenderer, CUDARenderer, OpenCLRenderer
+from ourgrad.runtime.ops_python import PythonCompiler, PythonProgram, PythonRenderer
+
+rng = np.random.default_rng(7)
+INT32 = dtypes.int32
+
+
+def _nvrtc():
+  try:
+    from ourgrad.runtime.ops_cuda import CUDACompiler
+    compiler = CUDACompiler("sm_90")
+    compiler.compile('extern "C" __global__ void probe() {}')
+    return compiler
+  except Exception:  # no cuda-python or no NVRTC library here
+    return None
+
+
+NVRTC = _nvrtc()
+
+
+def _graphs(device: str) -> dict[str, Tensor]:
+  def tensor(*shape: int) -> Tensor: return Tensor(rng.standard_normal(shape).astype(np.float32), device=device)
+  rows, wide, small = tensor(12, 256), tensor(6, 1024), tensor(16, 24)
+  ints = Tensor(rng.integers(-50, 50, (8, 64)).astype(np.int32), device=device)
+  halves = Tensor(rng.standard_normal((4, 128)).astype(np.float16), device=device)
+  return {
+    "row_sum": rows.sum(axis=1),
+    "row_max": rows.max(axis=1),
+    "row_sum_exp_then_log": (rows.exp().sum(axis=1) + 1).log(),
+    "wide_row_mean": wide.mean(axis=1),
+    "column_sum": rows.sum(axis=0),
+    "column_max_of_transpose": rows.T.max(axis=1),
+    "full_sum": small.sum(),
+    "softmax_last": small.softmax(axis=1),
+    "matmul": small @ tensor(24, 8),
+    "int_sum": (ints * 3).sum(axis=1),
+    "int_max_all": ints.max(),
+    "half_row_sum": halves.sum(axis=1),
+    "padded_window_sum": tensor(2, 3, 8, 8).pad(((0, 0), (0, 0), (1, 1), (1, 1))).sum(axis=(2, 3)),
+  }
+
+
+def _last_item(tensor: Tensor) -> ScheduleItem:
+  schedule = create_schedule([tensor.lazydata])
+  run_schedule(schedule[:-1])
+  return schedule[-1]
+
+
+def _run(kernel: Kernel, item: ScheduleItem, device: str) -> np.ndarray:
+  if NVRTC is not None: NVRTC.compile(CUDARenderer().render(kernel.name, linearize(_for_cuda(kernel))))
+  runner = compile_kernel(kernel, device)
+  output = Buffer(device, item.outputs[0].size, item.outputs[0].dtype).allocate()
+  runner((output,) + item.inputs)
+  return output.numpy()
+
+
+def _for_cuda(kernel: Kernel) -> Kernel:
+  """The same opts applied for CUDA where they fit (so NVRTC sees the shapes the test ran)."""
+  cuda = Kernel(kernel.ast, CUDARenderer())
+  for opt in kernel.applied_opts: cuda.try_opt(opt)
+  return cuda
+
+
+def _close(got: np.ndarray, plain: np.ndarray) -> None:
+  if got.dtype.kind in "biu": np.testing.assert_array_equal(got, plain)
+  else:
+    tolerance = 2e-2 if got.dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(got, plain, rtol=tolerance, atol=tolerance)
+
+
+RENDERERS = {"emulate_cuda": lambda: PythonRenderer("CUDA"), "python": lambda: PythonRenderer()}
+
+
+# ================================================================ opts on the emulated GPU
+
+@pytest.mark.parametrize("renderer_name", list(RENDERERS))
+@pytest.mark.parametrize("name", list(_graphs("PYTHON")))
+def test_hand_coded_matches_plain(renderer_name: str, name: str) -> None:
+  item = _last_item(_graphs("PYTHON")[name])
+  plain = _run(Kernel(item.ast, RENDERERS[renderer_name]()), item, "PYTHON")
+  kernel = Kernel(item.ast, RENDERERS[renderer_name]())
+  kernel.hand_coded_optimizations()
+  _close(_run(kernel, item, "PYTHON"), plain)
+
+
+GROUP_KINDS = [OptOps.GROUP] * 4 + [OptOps.GROUPTOP] * 3 + [OptOps.LOCAL] * 3 + [OptOps.UPCAST] * 2 + [OptOps.UNROLL]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name", ["row_sum", "row_max", "column_sum", "full_sum", "softmax_last", "int_sum",
+                                  "matmul", "padded_window_sum", "half_row_sum"])
+def test_random_group_opts_match_plain(name: str, seed: int) -> None:
+  item = _last_item(_graphs("PYTHON")[name])
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item, "PYTHON")
+  chooser = random.Random(seed * 101 + len(name))
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  for _ in range(4):
+    op = chooser.choice(GROUP_KINDS)
+    kernel.try_opt(Opt(op, chooser.randint(0, 1), chooser.choice([0, 2, 4, 8, 16, 32, 64])))
+  print(f"{name} seed {seed}: {kernel.applied_opts}")
+  _close(_run(kernel, item, "PYTHON"), plain)
+
+
+@pytest.mark.parametrize("opts", [
+  [Opt(OptOps.GROUP, 0, 64)],                                 # two warps: shuffle, then a tree of 2
+  [Opt(OptOps.GROUP, 0, 128)],                                # four warps
+  [Opt(OptOps.GROUP, 0, 8)],                                  # a partial warp per output
+  [Opt(OptOps.GROUPTOP, 0, 16), Opt(OptOps.LOCAL, 0, 4)],     # strided shuffle partners (stride 4)
+  [Opt(OptOps.GROUP, 0, 16), Opt(OptOps.UPCAST, 0, 4)],       # four outputs per thread share the local buffer
+  [Opt(OptOps.GROUP, 0, 4), Opt(OptOps.GROUP, 0, 2), Opt(OptOps.UNROLL, 0, 2)],  # two group axes
+  [Opt(OptOps.GROUPTOP, 0, 32), Opt(OptOps.LOCAL, 0, 3)],     # 96 threads: no shuffle (not whole warps), a tree
+])
+@pytest.mark.parametrize("renderer_name", list(RENDERERS))
+def test_explicit_group_opts_match_plain(opts: list[Opt], renderer_name: str) -> None:
+  item = _last_item(_graphs("PYTHON")["row_sum"])
+  plain = _run(Kernel(item.ast, RENDERERS[renderer_name]()), item, "PYTHON")
+  kernel = Kernel(item.ast, RENDERERS[renderer_name]())
+  for opt in opts: kernel.apply_opt(opt)
+  assert AxisType.GROUP in kernel.axis_types
+  _close(_run(kernel, item, "PYTHON"), plain)
+
+
+def test_group_on_opencl_runs_with_local_memory_and_barriers() -> None:
+  try:
+    Device["OPENCL"].compiler.compile("__kernel void probe(__global float* out) { out[0] = 1.0f; }")
+  except Exception:
+    pytest.skip("no OpenCL device (or no working OpenCL compiler) here")
+  for name in ("row_sum", "column_sum", "softmax_last", "int_sum"):
+    item = _last_item(_graphs("OPENCL")[name])
+    plain = _run(Kernel(item.ast, Device["OPENCL"].renderer), item, "OPENCL")
+    kernel = Kernel(item.ast, Device["OPENCL"].renderer)
+    kernel.hand_coded_optimizations()
+    assert kernel.group_dims, f"{name}: {kernel.applied_opts}"
+    source = OpenCLRenderer().render(kernel.name, linearize(kernel))
+    assert "__local" in source and "barrier(CLK_LOCAL_MEM_FENCE);" in source
+    _close(_run(kernel, item, "OPENCL"), plain)
+
+
+# ================================================================ what the heuristics pick, and the lowering
+
+def test_row_reduction_gets_a_block_per_row_with_warp_shuffles() -> None:
+  item = _last_item(_graphs("PYTHON")["wide_row_mean"])
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert kernel.applied_opts == [Opt(OptOps.GROUP, 0, 256)]
+  assert kernel.axis_types == [AxisType.GLOBAL, AxisType.GROUP, AxisType.REDUCE]
+  uops = linearize(kernel)
+  ops = [uop.op for uop in uops]
+  assert ops.count(UOps.WARP_REDUCE) == 1 and ops.count(UOps.DEFINE_LOCAL) == 1
+  assert ops.count(UOps.BARRIER) == 1 + 3  # after the warp totals, then log2(256 / 32) tree steps
+  assert launch_dims(uops) == ((6, 1, 1), (256, 1, 1))
+  source = CUDARenderer().render(kernel.name, linearize(_for_cuda(kernel)))
+  assert "__shfl_xor_sync" in source and "__shared__ float temp0[8];" in source and "__syncthreads();" in source
+
+
+def test_column_reduction_puts_outputs_on_neighbouring_threads() -> None:
+  item = _last_item(_graphs("PYTHON")["column_sum"])
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert kernel.applied_opts[0].op is OptOps.LOCAL and kernel.groups_outer
+  # the x thread index (fastest) runs over the outputs: loads of neighbouring threads are neighbours in memory
+  specials = [uop for uop in linearize(kernel) if uop.op is UOps.SPECIAL and uop.arg[3] is AxisType.LOCAL]
+  x_index = next(uop for uop in specials if uop.arg[2] == 0)
+  assert x_index.arg[1] == kernel.local_threads()
+
+
+def test_cpu_heuristics_use_no_threads() -> None:
+  item = _last_item(_graphs("CLANG")["row_sum"])
+  kernel = Kernel(item.ast, ClangRenderer())
+  kernel.hand_coded_optimizations()
+  assert set(kernel.axis_types) <= {AxisType.GLOBAL, AxisType.REDUCE, AxisType.UPCAST, AxisType.UNROLL}
+  ranges = [uop for uop in linearize(kernel) if uop.op is UOps.RANGE]
+  assert [uop.arg[1] for uop in ranges] == [AxisType.GLOBAL, AxisType.REDUCE]
+
+
+# ================================================================ legality
+
+def test_group_is_refused_where_it_does_not_fit() -> None:
+  item = _last_item(_graphs("CLANG")["row_sum"])  # 12 x 256
+  with pytest.raises(KernelOptError, match="local memory"): Kernel(item.ast, ClangRenderer()).apply_opt(
+    Opt(OptOps.GROUP, 0, 4))
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  with pytest.raises(KernelOptError, match="divide"): kernel.apply_opt(Opt(OptOps.GROUP, 0, 3))
+  with pytest.raises(KernelOptError, match="reduce loop axis"): kernel.apply_opt(Opt(OptOps.GROUP, 1, 2))
+  kernel.apply_opt(Opt(OptOps.GROUP, 0, 128))
+  before = (list(kernel.sts), kernel.group_dims, kernel.local_dims, list(kernel.applied_opts))
+  with pytest.raises(KernelOptError, match="threads per block"): kernel.apply_opt(Opt(OptOps.LOCAL, 0, 12))
+  with pytest.raises(KernelOptError, match="do not mix"): kernel.apply_opt(Opt(OptOps.GROUPTOP, 0, 2))
+  assert (list(kernel.sts), kernel.group_dims, kernel.local_dims, list(kernel.applied_opts)) == before
+
+
+def test_local_memory_limit_is_checked() -> None:
+  item = _last_item(_graphs("PYTHON")["padded_window_sum"])  # 6 outputs of 100 elements
+  kernel = Kernel(item.ast, PythonRenderer())  # 16 KiB of local memory, 128 threads per block
+  kernel.apply_opt(Opt(OptOps.GROUP, 0, 2))
+  assert kernel.local_memory_bytes() == 2 * 4
+  small = PythonRenderer()
+  small.local_memory_bytes = 4
+  limited = Kernel(item.ast, small)
+  with pytest.raises(KernelOptError, match="local memory"): limited.apply_opt(Opt(OptOps.GROUP, 0, 2))
+
+
+def test_legal_opts_and_copy() -> None:
+  item = _last_item(_graphs("PYTHON")["row_sum"])
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  legal = kernel.legal_opts()
+  assert Opt(OptOps.GROUP, 0, 0) in legal and Opt(OptOps.GROUPTOP, 0, 16) in legal  # 0: the whole axis (256)
+  assert Opt(OptOps.GROUP, 0, 256) not in legal  # the same kernel as amount 0: listed once
+  assert all(opt.op is not OptOps.PADTO for opt in legal)
+  trial = kernel.copy()
+  trial.apply_opt(Opt(OptOps.GROUP, 0, 32))
+  assert kernel.applied_opts == [] and kernel.group_dims == 0 and trial.group_dims == 1
+  assert not any(opt.op in (OptOps.GROUP, OptOps.LOCAL) for opt in Kernel(item.ast, ClangRenderer()).legal_opts())
+
+
+# ================================================================ the interpreter's local memory model
+
+def _block_program(missing_barrier: bool) -> PythonProgram:
+  """out[block] = in[block*8 + 7 - thread] gathered through local memory: each thread reads another's slot."""
+  build = UOpBuilder()
+  output = build.add(UOps.DEFINE_GLOBAL, dtypes.float32, (), (0, True))
+  source = build.add(UOps.DEFINE_GLOBAL, dtypes.float32, (), (1, False))
+  block = build.add(UOps.SPECIAL, INT32, (), ("gidx0", 2, 0, AxisType.GLOBAL))
+  thread = build.add(UOps.SPECIAL, INT32, (), ("lidx0", 8, 0, AxisType.LOCAL))
+  local = build.add(UOps.DEFINE_LOCAL, dtypes.float32, (), ("temp0", 8))
+  flat = build.alu(build_op("ADD"), INT32, build.alu(build_op("MUL"), INT32, block, build.const(8, INT32)), thread)
+  build.add(UOps.STORE, None, (local, thread, build.add(UOps.LOAD, dtypes.float32, (source, flat))))
+  if not missing_barrier: build.add(UOps.BARRIER, None)
+  mirrored = build.alu(build_op("ADD"), INT32, build.alu(build_op("MUL"), INT32, thread, build.const(-1, INT32)),
+                       build.const(7, INT32))
+  value = build.add(UOps.LOAD, dtypes.float32, (local, mirrored))
+  first = build.add(UOps.IF, None, (build.alu(build_op("CMPLT"), dtypes.bool, thread, build.const(1, INT32)),))
+  build.add(UOps.STORE, None, (output, block, value))
+  build.end_if(first)
+  source_text = PythonRenderer().render("gather", build.uops)
+  return PythonProgram("gather", PythonCompiler().compile(source_text))
+
+
+def build_op(name: str):
+  from ourgrad.ops import Ops
+  return Ops[name]
+
+
+def test_local_memory_is_per_block_and_if_blocks_mask_stores() -> None:
+  values = np.arange(16, dtype=np.float32)
+  output = np.zeros(2, np.float32)
+  out_bytes, in_bytes = output.view(np.uint8).copy(), values.view(np.uint8).copy()
+  _block_program(False)(out_bytes, in_bytes, global_size=(2, 1, 1), local_size=(8, 1, 1))
+  np.testing.assert_array_equal(out_bytes.view(np.float32), [7, 15])
+
+
+def test_a_missing_barrier_is_an_error() -> None:
+  values = np.arange(16, dtype=np.float32).view(np.uint8).copy()
+  with pytest.raises(DeviceError, match="no BARRIER"):
+    _block_program(True)(np.zeros(8, np.uint8), values, global_size=(2, 1, 1), local_size=(8, 1, 1))
