@@ -237,6 +237,14 @@ class TestBoundedKernels:
     assert GlobalCounters.kernel_count == 3   # ops 1-100, 101-200, 201-250
     np.testing.assert_allclose(tensor.numpy(), expected, rtol=1e-5)
 
+  def test_default_limit_splits_a_huge_chain(self, monkeypatch):
+    monkeypatch.delenv("KERNEL_OPS_LIMIT", raising=False)
+    tensor, expected = _chain(np.linspace(-1, 1, 8, dtype=np.float32), 2100)
+    GlobalCounters.reset()
+    tensor.realize()
+    assert GlobalCounters.kernel_count == 3   # 1024 + 1024 + 52 ops
+    np.testing.assert_allclose(tensor.numpy(), expected, rtol=1e-4)
+
   def test_no_limit_is_one_kernel(self, monkeypatch):
     monkeypatch.setenv("KERNEL_OPS_LIMIT", "0")
     tensor, expected = _chain(np.linspace(-1, 1, 12, dtype=np.float32), 250)
