@@ -77,9 +77,10 @@ class Allocator:
   def copyout(self, dest: memoryview, src: Any) -> None: raise NotImplementedError
 
 
-# Buffers are allocated and freed from any thread (a data-loading thread, or the garbage collector running a
-# Buffer's __del__ in whichever thread drops the last reference): the allocators' caches and the byte counter are
-# changed under this lock. Re-entrant, because a __del__ can run inside a locked section of the same thread.
+# Buffers are allocated, filled, read and freed from any thread (a data-loading thread, or the garbage collector
+# running a Buffer's __del__ in whichever thread drops the last reference): the allocators' caches, their staging
+# buffers (copyin/copyout) and the byte counter are used under this lock. Re-entrant, because a __del__ can run
+# inside a locked section of the same thread.
 MEMORY_LOCK = threading.RLock()
 
 
@@ -186,13 +187,16 @@ class Buffer:
   def copyin(self, data: memoryview) -> Buffer:
     if data.nbytes != self.nbytes:
       raise ValueError(f"copyin of {data.nbytes} bytes into a buffer of {self.nbytes} bytes")
-    if self.nbytes: Device[self.device].allocator.copyin(self.handle, data)
+    # under the lock: a GPU allocator copies through one shared host staging buffer
+    if self.nbytes:
+      with MEMORY_LOCK: Device[self.device].allocator.copyin(self.handle, data)
     return self
 
   def copyout(self, dest: memoryview) -> memoryview:
     if self.nbytes:
-      Device[self.device].synchronize()
-      Device[self.device].allocator.copyout(dest, self.handle)
+      with MEMORY_LOCK:
+        Device[self.device].synchronize()
+        Device[self.device].allocator.copyout(dest, self.handle)
     return dest
 
   def as_bytes(self) -> bytearray:

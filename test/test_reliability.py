@@ -77,6 +77,20 @@ class TestLazyReaderSeesOldValue:
     np.testing.assert_allclose(second.numpy(), [10.25, 20.25])
     np.testing.assert_allclose(x.numpy(), [100, 200])
 
+  def test_readers_through_views_and_copies(self):
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    x = Tensor(values.copy()).realize()
+    transposed = x.permute(1, 0) + 1
+    padded = x.pad(((1, 0), (0, 2))).sum(axis=0)
+    flipped_max = x.flip(1).max(axis=1)
+    copied = (x * 3).to("PYTHON")
+    x.assign(x * -1).realize()
+    np.testing.assert_allclose(transposed.numpy(), values.T + 1)
+    np.testing.assert_allclose(padded.numpy(), np.pad(values, ((1, 0), (0, 2))).sum(axis=0))
+    np.testing.assert_allclose(flipped_max.numpy(), values[:, ::-1].max(axis=1))
+    np.testing.assert_allclose(copied.numpy(), values * 3)
+    np.testing.assert_allclose(x.numpy(), -values)
+
   def test_aliases_see_the_write(self):
     """A tensor holding the buffer itself (detach, a view) is an alias of it, as in PyTorch."""
     x = Tensor([1., 2., 3.]).realize()
@@ -237,6 +251,14 @@ class TestBoundedKernels:
     tensor.realize()
     assert GlobalCounters.kernel_count == 3   # ops 1-100, 101-200, 201-250
     np.testing.assert_allclose(tensor.numpy(), expected, rtol=1e-5)
+
+  def test_default_limit_splits_a_huge_chain(self, monkeypatch):
+    monkeypatch.delenv("KERNEL_OPS_LIMIT", raising=False)
+    tensor, expected = _chain(np.linspace(-1, 1, 8, dtype=np.float32), 2100)
+    GlobalCounters.reset()
+    tensor.realize()
+    assert GlobalCounters.kernel_count == 3   # 1024 + 1024 + 52 ops
+    np.testing.assert_allclose(tensor.numpy(), expected, rtol=1e-4)
 
   def test_no_limit_is_one_kernel(self, monkeypatch):
     monkeypatch.setenv("KERNEL_OPS_LIMIT", "0")
