@@ -148,10 +148,10 @@ class UOpBuilder:
     if len(srcs) == 2 and srcs[1].op is UOps.CONST:
       value = srcs[1].arg
       if op is Ops.ADD and value == 0 and srcs[0].dtype == dtype: return srcs[0]
-    if len(srcs) == 2 and srcs[0].op is UOps.CONST and op is Ops.ADD and srcs[0].arg == 0 and srcs[1].dtype == dtype:
-      return srcs[1]
       if op in (Ops.MUL, Ops.IDIV) and value == 1 and srcs[0].dtype == dtype: return srcs[0]
       if op is Ops.MUL and value == 0 and not dtype.is_float: return self.const(0, dtype)
+    if len(srcs) == 2 and srcs[0].op is UOps.CONST and op is Ops.ADD and srcs[0].arg == 0 and srcs[1].dtype == dtype:
+      return srcs[1]
     if op is Ops.WHERE and srcs[0].op is UOps.CONST: return srcs[1] if srcs[0].arg else srcs[2]
     if op is Ops.AND and dtype == dtypes.bool:
       if any(src.op is UOps.CONST and not src.arg for src in srcs): return self.const(False, dtype)

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from ourgrad.codegen.uops import UOp, UOpBuilder, UOps
+from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine.realize import launch_dims
@@ -40,8 +40,8 @@ class Program:
 
 def outer_index(build: UOpBuilder, size: int, threads: bool) -> tuple[UOp, UOp | None]:
   """The output index: a loop on CPUs (returned to be closed), a block index on GPUs."""
-  if threads: return build.add(UOps.SPECIAL, I32, (), ("gidx0", size, 0)), None
-  loop = build.add(UOps.RANGE, I32, (build.const(0, I32), build.const(size, I32)), "gidx0")
+  if threads: return build.add(UOps.SPECIAL, I32, (), ("gidx0", size, 0, AxisType.GLOBAL)), None
+  loop = build.add(UOps.RANGE, I32, (build.const(0, I32), build.const(size, I32)), ("gidx0", AxisType.GLOBAL))
   return loop, loop
 
 
@@ -65,7 +65,7 @@ def max_reduce_program(threads: bool) -> Program:
   out, x = (build.add(UOps.DEFINE_GLOBAL, F32, (), (index, index == 0)) for index in range(2))
   row, loop = outer_index(build, rows, threads)
   accumulator = build.add(UOps.DEFINE_ACC, F32, (), -math.inf)
-  column = build.add(UOps.RANGE, I32, (build.const(0, I32), build.const(columns, I32)), "ridx1")
+  column = build.add(UOps.RANGE, I32, (build.const(0, I32), build.const(columns, I32)), ("ridx1", AxisType.REDUCE))
   address = build.alu(Ops.ADD, I32, build.alu(Ops.MUL, I32, row, build.const(columns, I32)), column)
   build.add(UOps.ACCUMULATE, F32, (accumulator, build.add(UOps.LOAD, F32, (x, address))), Ops.MAX)
   build.end_range(column)
