@@ -2,7 +2,7 @@
 
 `capture_lazy_graph(outs)` snapshots the LazyBuffer graph when scheduling starts (the scheduler cuts the sources of
 the bases it realizes, so the graph must be read first); `write_graphs(snapshot, schedule)` then writes two files
-into `graph_dir()`, numbered per schedule:
+into `graph_dir()`, with the next number that no file in the folder has yet:
 
   lazy_NNNN.dot      one node per LazyBuffer: bases (op, shape, dtype, device; grey when already realized, bold when
                      this schedule gives them a kernel) and views (dashed, with their ShapeTracker); edges src -> dst
@@ -206,9 +206,23 @@ def render_svg(dot_path: pathlib.Path) -> pathlib.Path | None:
 
 def write_graphs(snapshot: LazyGraphSnapshot, schedule: Sequence[ScheduleItem]) -> tuple[pathlib.Path, pathlib.Path]:
   """Write (and render) lazy_NNNN.dot and schedule_NNNN.dot; returns the two .dot paths."""
-  folder, number = graph_dir(), next(_graph_numbers)
-  paths = (folder / f"lazy_{number:04d}.dot", folder / f"schedule_{number:04d}.dot")
-  for path, text in zip(paths, (lazy_graph_dot(snapshot), schedule_dot(schedule))):
-    path.write_text(text)
-    render_svg(path)
-  return paths
+  folder = graph_dir()
+  lazy_path, number = _reserve(folder)
+  schedule_path = folder / f"schedule_{number:04d}.dot"
+  lazy_path.write_text(lazy_graph_dot(snapshot))
+  schedule_path.write_text(schedule_dot(schedule))
+  for path in (lazy_path, schedule_path): render_svg(path)
+  return lazy_path, schedule_path
+
+
+def _reserve(folder: pathlib.Path) -> tuple[pathlib.Path, int]:
+  """Create the next free lazy_NNNN.dot. Creating it exclusively makes the number this process's own: several
+  processes (test workers, data loaders) can share one folder, and earlier runs' files are kept."""
+  while True:
+    number = next(_graph_numbers)
+    path = folder / f"lazy_{number:04d}.dot"
+    try:
+      path.open("x").close()
+    except FileExistsError:
+      continue
+    return path, number
