@@ -30,6 +30,19 @@ def _pick_device() -> Any:
   return (gpus or devices)[0]
 
 
+def _check_builds(context: Any, device: Any) -> None:
+  """Open only a device that can build programs. PoCL's bundled LLVM fails every build on a CPU model it does not
+  know ("unknown target CPU 'generic'", seen on virtual machines that hide the CPU generation); finding that out here
+  makes the device unavailable, with the reason, instead of failing each kernel later."""
+  try:
+    cl.Program(context, "__kernel void probe(__global int* x) { x[0] = 1; }").build()
+  except cl.Error as error:
+    log_errors = [line.strip() for line in str(error).splitlines() if "error:" in line]
+    reason = log_errors[-1] if log_errors else type(error).__name__
+    raise DeviceError(f"the OpenCL device {device.name!r} cannot build programs here ({reason}); use another device "
+                      f"(CLANG, LLVM) or an OpenCL driver that knows this CPU") from error
+
+
 class OpenCLAllocator(LRUAllocator):
   def __init__(self, context: Any, queue: Any):
     super().__init__()
@@ -106,6 +119,7 @@ class OpenCLDevice(Compiled):
     self.is_gpu = bool(self.cl_device.type & cl.device_type.GPU)
     self.context = cl.Context([self.cl_device])
     self.queue = cl.CommandQueue(self.context, self.cl_device)
+    _check_builds(self.context, self.cl_device)
     renderer = OpenCLRenderer()
     renderer.max_threads = min(renderer.max_threads, self.cl_device.max_work_group_size)
     super().__init__(name, OpenCLAllocator(self.context, self.queue), renderer,
