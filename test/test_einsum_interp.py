@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from ourgrad import GlobalCounters, Tensor
-from ourgrad.errors import ShapeError
+from ourgrad import GlobalCounters, Tensor, dtypes
+from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.nn import functional as F
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -185,3 +185,13 @@ def test_functional_names(name: str, args: tuple, kwargs: dict[str, Any]) -> Non
 def test_functional_layer_norm_affine() -> None:
   _check(lambda x, w, b: F.layer_norm(x, (4, 5), w, b), lambda x, w, b: TF.layer_norm(x, (4, 5), w, b),
          _random((3, 4, 5), 12), _random((4, 5), 13), _random((4, 5), 14))
+
+
+def test_interpolate_nearest_integers() -> None:
+  """Nearest resizing keeps an integer dtype and its values exactly (uint8 images), like PyTorch."""
+  x = np.random.default_rng(15).integers(0, 256, size=(2, 3, 5, 4)).astype(np.uint8)
+  for size in ((7, 3), (10, 8), (2, 2)):
+    ours = Tensor(x).interpolate(size=size)
+    assert ours.dtype == dtypes.uint8
+    np.testing.assert_array_equal(ours.numpy(), TF.interpolate(torch.tensor(x), size=size).numpy())
+  with pytest.raises(DTypeError): Tensor(x).interpolate(size=(3, 3), mode="bilinear")
