@@ -70,6 +70,20 @@ def test_einsum(formula: str, shapes: list[tuple[int, ...]]) -> None:
   _check(lambda *ts: Tensor.einsum(formula, *ts), lambda *ts: torch.einsum(formula, *ts), *arrays)
 
 
+def test_einsum_kernel_counts() -> None:
+  """A batched matmul is one fused reduce; a chain of three is contracted pairwise (two reduces), never as one
+  four-index product."""
+  a, b, c = (Tensor(_random(shape, seed)).realize() for seed, shape in enumerate([(2, 3, 4), (2, 4, 5), (5, 6)]))
+  GlobalCounters.reset()
+  Tensor.einsum("bij,bjk->bik", a, b).realize()
+  assert GlobalCounters.kernel_count == 1
+  GlobalCounters.reset()
+  result = Tensor.einsum("bij,bjk,kl->bil", a, b, c).realize()
+  assert GlobalCounters.kernel_count == 2
+  np.testing.assert_allclose(result.numpy(), np.einsum("bij,bjk,kl->bil", a.numpy(), b.numpy(), c.numpy()),
+                             atol=1e-5, rtol=1e-5)
+
+
 def test_einsum_list_operands_and_errors() -> None:
   a, b = Tensor(_random((2, 3), 0)), Tensor(_random((3, 2), 1))
   np.testing.assert_allclose(Tensor.einsum("ij,jk->ik", [a, b]).numpy(), a.numpy() @ b.numpy(), atol=1e-5)
