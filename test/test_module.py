@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor
+from ourgrad import Tensor, dtypes
 from ourgrad import nn
 from ourgrad.nn.optim import SGD, Adam
 from ourgrad.nn.state import StateDictError, get_parameters, get_state_dict, load_state_dict
@@ -196,6 +196,21 @@ def test_to_device() -> None:
   assert all(t.device == "PYTHON" for t in [*model.parameters(), *model.buffers()])
   assert model[0].weight is weight  # moved in place: optimizers holding the tensor still see it
   np.testing.assert_allclose(model(Tensor(x, device="PYTHON")).numpy(), before, atol=1e-6)
+
+
+def test_to_dtype_half_float() -> None:
+  model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+  weight = model[0].weight
+  x = _random((4, 3), 4)
+  before = model(Tensor(x)).numpy()
+  assert model.half() is model and model[0].weight is weight
+  assert {t.dtype for t in model.parameters()} == {dtypes.float16}
+  assert model[1].running_mean.dtype == dtypes.float16 and model[1].num_batches_tracked.dtype == dtypes.int64
+  np.testing.assert_allclose(model(Tensor(x).half()).float().numpy(), before, atol=1e-2, rtol=1e-2)
+  model.to(dtypes.float32)
+  assert {t.dtype for t in [*model.parameters(), *model.buffers()]} == {dtypes.float32, dtypes.int64}
+  model.float()
+  assert model[0].weight.dtype == dtypes.float32
 
 
 def test_containers() -> None:

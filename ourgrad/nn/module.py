@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ourgrad.device import Device
+from ourgrad.dtype import DType, dtypes
 from ourgrad.nn.state import LoadResult, get_state_dict, load_state_dict
 from ourgrad.tensor import Tensor
 
@@ -229,17 +230,31 @@ class Module:
     raises. Returns (missing_keys, unexpected_keys). See ourgrad.nn.state.load_state_dict."""
     return load_state_dict(self, dict(state_dict), strict)
 
-  def to(self, device: str) -> Module:
-    """Move every parameter and buffer (and their gradients) to `device`, in place; returns the module."""
-    device = Device.canonicalize(device)
-    moved: dict[int, Tensor] = {}
+  def to(self, device: str | DType | None = None, dtype: DType | None = None) -> Module:
+    """Move every parameter and buffer (and their gradients) to `device` and/or cast the floating-point ones to
+    `dtype`, in place (the tensors stay the same objects, so an optimizer holding them sees the change); returns
+    the module. `to(dtypes.float16)` casts only, as in PyTorch."""
+    if isinstance(device, DType): device, dtype = None, device
+    device = Device.canonicalize(device) if device is not None else None
+    changed: dict[int, Tensor] = {}
     for _, tensor in [*self.named_parameters(), *self.named_buffers()]:
-      if tensor.device == device or id(tensor) in moved: continue
-      tensor.lazydata = tensor.to(device).lazydata
-      if tensor.grad is not None: tensor.grad = tensor.grad.to(device)
-      moved[id(tensor)] = tensor
-    if moved: Tensor.realize_all(*moved.values())
+      if id(tensor) in changed: continue
+      value = tensor.to(device) if device is not None else tensor
+      if dtype is not None and tensor.dtype.is_float: value = value.detach().cast(dtype)
+      if value is tensor: continue
+      tensor.lazydata = value.lazydata
+      if tensor.grad is not None: tensor.grad = tensor.grad.to(tensor.device).cast(tensor.dtype)
+      changed[id(tensor)] = tensor
+    if changed: Tensor.realize_all(*changed.values())
     return self
+
+  def half(self) -> Module:
+    """Cast the floating-point parameters and buffers to float16, in place."""
+    return self.to(dtype=dtypes.float16)
+
+  def float(self) -> Module:
+    """Cast the floating-point parameters and buffers to float32, in place."""
+    return self.to(dtype=dtypes.float32)
 
   def zero_grad(self) -> None:
     """Forget every parameter's gradient (set `.grad` to None, as PyTorch's default set_to_none=True)."""
