@@ -301,12 +301,37 @@ def test_plain_object_inside_module() -> None:
     def __init__(self) -> None: self.plain, self.head, self.note = Plain(), nn.Linear(2, 1), "text"
 
   model = Mixed()
-  names = ["plain.proj.weight", "plain.proj.bias", "plain.gain", "head.weight", "head.bias"]
+  names = ["plain.gain", "plain.proj.weight", "plain.proj.bias", "head.weight", "head.bias"]
   assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == names
-  assert [n for n, _ in model.named_children()] == ["head"]
+  assert [n for n, _ in model.named_children()] == ["plain.proj", "head"]
+  model.eval()
+  assert not model.plain.proj.training
+
+
+def test_back_references_end() -> None:
+  """A helper object or child pointing back at its owner neither loops nor duplicates anything."""
+  class Helper:
+    def __init__(self, owner: nn.Module) -> None: self.owner = owner
+
+  class Owner(nn.Module):
+    def __init__(self) -> None:
+      self.layer, self.helper = nn.Linear(2, 2), None
+      self.helper = Helper(self)
+      self.layer.parent = self   # a child holding its parent
+
+  model = Owner()
+  assert "(parent): Owner(...)" in repr(model)
+  assert [n for n, _ in model.named_parameters()] == ["layer.weight", "layer.bias"]
+  assert list(model.state_dict()) == ["layer.weight", "layer.bias"]
+  assert [n for n, _ in model.named_modules()] == ["", "layer"]
+  model.train()
 
 
 def test_repr() -> None:
+  def build(m: Any) -> Any:
+    return m.Sequential(m.Linear(3, 2), m.BatchNorm2d(4), m.LayerNorm(3), m.Embedding(10, 4), m.Dropout(0.25),
+                        m.ReLU(), m.Flatten())
+  assert repr(build(nn)) == repr(build(torch.nn)).replace("Flatten(start_dim=1, end_dim=-1)", "Flatten()")
   text = repr(nn.Sequential(nn.Linear(2, 3), nn.ModuleList([nn.Dropout()])))
   assert text.splitlines()[0] == "Sequential(" and "(1): ModuleList(" in text and "(0): Dropout(" in text
 

@@ -6,8 +6,8 @@ walker does (ourgrad/nn/state.py) rather than through registration calls:
   running statistics); `register_buffer(name, tensor, persistent=False)` keeps a buffer out of the state dict;
 - a Module attribute is a *child*; lists, tuples and dicts of Tensors and Modules count too, named "name.0",
   "name.key" (a plain list of layers works like a ModuleList);
-- any other object (a plain tinygrad-style layer) contributes the tensors `get_state_dict` finds in it, as this
-  module's own parameters/buffers ("plain.weight"); it is not a child, so train()/eval() do not reach inside it;
+- any other object (a plain tinygrad-style layer) is looked through the same way: its tensors count as this
+  module's own parameters/buffers ("plain.gain") and its Modules as children ("plain.proj");
 - attributes whose name starts with "_" are ignored.
 
 Names and order follow PyTorch for the same structure: `named_parameters()` walks the modules in pre-order and
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
-from ourgrad.nn.state import LoadResult, get_state_dict, load_state_dict
+from ourgrad.nn.state import LoadResult, get_state_dict, load_state_dict, named_items
 from ourgrad.tensor import Tensor
 
 
@@ -39,7 +39,8 @@ def _join(prefix: str, name: str) -> str:
 
 def _expand(name: str, value: Any) -> list[tuple[str, Tensor | Module]]:
   """The Tensors and Modules inside one attribute value, with dotted names, in order: the value itself, or the
-  contents of (nested) lists, tuples and dicts. An explicit stack; containers already on the path are skipped."""
+  contents of (nested) lists, tuples, dicts and plain objects, never looking inside a Module. An explicit stack;
+  containers already on the path are skipped (so back-references end)."""
   found: list[tuple[str, Tensor | Module]] = []
   stack: list[tuple[str, Any, frozenset[int]]] = [(name, value, frozenset())]
   while stack:
@@ -48,12 +49,9 @@ def _expand(name: str, value: Any) -> list[tuple[str, Tensor | Module]]:
       found.append((path, item))
       continue
     if id(item) in ancestors: continue
-    if isinstance(item, dict): entries = [(str(key), child) for key, child in item.items()]
-    elif isinstance(item, (list, tuple)): entries = [(str(index), child) for index, child in enumerate(item)]
-    else:
-      # a plain (tinygrad-style) object: its tensors belong to this module, named by the attribute walker
-      found.extend(get_state_dict(item, path).items())
-      continue
+    # lists, tuples, dicts and plain (tinygrad-style) objects are looked through, as get_state_dict does
+    entries = named_items(item)
+    if not entries: continue
     inner = ancestors | {id(item)}
     stack.extend((_join(path, key), child, inner) for key, child in reversed(entries))
   return found
@@ -272,11 +270,31 @@ class Module:
     return ""
 
   def __repr__(self) -> str:
-    children = list(self.named_children())
-    if not children: return f"{type(self).__name__}({self.extra_repr()})"
-    lines = [f"{type(self).__name__}("] + ([f"  {self.extra_repr()}"] if self.extra_repr() else [])
-    for name, child in children: lines.append(f"  ({name}): " + repr(child).replace("\n", "\n  "))
-    return "\n".join(lines + [")"])
+    """PyTorch's layout: one line per module, children indented under their parent as "(name): Child(...)".
+    Walked with an explicit stack; a module inside itself prints as "Name(...)"."""
+    lines: list[str] = []
+    # (label, module or None for a closing parenthesis, depth, ids of the modules above)
+    stack: list[tuple[str, Module | None, int, frozenset[int]]] = [("", self, 0, frozenset())]
+    while stack:
+      label, module, depth, ancestors = stack.pop()
+      indent = "  " * depth
+      if module is None:
+        lines.append(f"{indent})")
+        continue
+      head = f"{indent}{label}{type(module).__name__}("
+      if id(module) in ancestors:
+        lines.append(f"{head}...)")
+        continue
+      children = list(module.named_children())
+      if not children:
+        lines.append(f"{head}{module.extra_repr()})")
+        continue
+      lines.append(head)
+      if module.extra_repr(): lines.append(f"{indent}  {module.extra_repr()}")
+      stack.append(("", None, depth, ancestors))
+      inner = ancestors | {id(module)}
+      stack.extend((f"({name}): ", child, depth + 1, inner) for name, child in reversed(children))
+    return "\n".join(lines)
 
 
 class Sequential(Module):
