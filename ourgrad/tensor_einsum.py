@@ -3,7 +3,8 @@
 `Tensor.einsum("bij,bjk->bik", a, b)`. The formula is parsed once; each operand is then brought to one common
 layout with movement ops only: a letter repeated within an operand ("ii") takes the diagonal (a strided view),
 the operand's axes are permuted into the order of all letters and size-1 axes are inserted for the letters it
-lacks. The operands are multiplied with broadcasting and the letters missing from the output are summed: one
+lacks. The operands are then contracted left to right: multiply the running result with the next operand
+(broadcasting) and sum the letters that neither a later operand nor the output uses. A two-operand einsum is one
 broadcast multiply and one reduce, which the scheduler fuses like a matmul (the product is never stored).
 
 Letters are a-z and A-Z; "..." stands for the broadcast batch dims (right-aligned, as numpy). Without "->" the
@@ -66,6 +67,25 @@ def _take_diagonals(x: Tensor, names: list[str]) -> tuple[Tensor, list[str]]:
   return x, names
 
 
+def _needed(rest: list[tuple[Tensor, list[str]]], output_names: list[str]) -> set[str]:
+  """The indices that the operands still to come or the output use."""
+  return set(output_names).union(*(names for _, names in rest))
+
+
+def _sum_unneeded(x: Tensor, names: list[str], needed: set[str]) -> tuple[Tensor, list[str]]:
+  """x summed over its indices not in `needed`, and the names of the dims left."""
+  axes = tuple(axis for axis, name in enumerate(names) if name not in needed)
+  if not axes: return x, names
+  return x.sum(axes), [name for name in names if name in needed]
+
+
+def _aligned(x: Tensor, names: list[str], order: list[str]) -> Tensor:
+  """x permuted into `order` (a subset of it), with a size-1 dim for every index of `order` it lacks."""
+  present = [n for n in order if n in names]
+  x = x.permute(*(names.index(n) for n in present))
+  return x.reshape(*(x.shape[present.index(n)] if n in names else 1 for n in order))
+
+
 class EinsumMixin:
   """Tensor.einsum."""
   __slots__ = ()
@@ -107,14 +127,12 @@ class EinsumMixin:
           raise ShapeError(f"einsum index {name!r} has size {sizes[name]} in one operand and {size} in another "
                            f"(formula {formula!r})")
         if size != 1 or name not in sizes: sizes[name] = size
-    summed = [n for n in sizes if n not in output_names]
-    order = output_names + summed
-    product = None
-    for tensor, names in named:
-      # permute into the common order, then a size-1 dim for every index this operand lacks
-      present = [n for n in order if n in names]
-      aligned = tensor.permute(*(names.index(n) for n in present))
-      aligned = aligned.reshape(*(aligned.shape[present.index(n)] if n in names else 1 for n in order))
-      product = aligned if product is None else product * aligned
-    product = product.expand(*(sizes[n] for n in order))
-    return product.sum(tuple(range(len(output_names), len(order)))) if summed else product
+    # contract left to right: multiply the running result with the next operand, then sum every index that no
+    # later operand and not the output needs (a chain "ij,jk,kl" never builds the (i, j, k, l) product)
+    result, result_names = _sum_unneeded(*named[0], _needed(named[1:], output_names))
+    for index, (tensor, names) in enumerate(named[1:], start=1):
+      order = result_names + [n for n in names if n not in result_names]
+      product = _aligned(result, result_names, order) * _aligned(tensor, names, order)
+      result, result_names = _sum_unneeded(product, order, _needed(named[index + 1:], output_names))
+    result = _aligned(result, result_names, output_names)
+    return result.expand(*(sizes[n] for n in output_names))

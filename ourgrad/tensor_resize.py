@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ourgrad.errors import ShapeError
+from ourgrad.errors import DTypeError, ShapeError
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -216,7 +216,7 @@ class ResizeMixin:
     if align_corners is not None and not linear:
       raise ValueError(f"align_corners only applies to the linear modes, not {mode!r}")
     if not self.dtype.is_float and linear:
-      raise TypeError(f"interpolate mode {mode!r} needs a float tensor, got {self.dtype}")
+      raise DTypeError(f"interpolate mode {mode!r} needs a float tensor, got {self.dtype}")
     sizes, factors = _output_sizes(self, dims, size, scale_factor)
     if recompute_scale_factor: factors = None
     x = self

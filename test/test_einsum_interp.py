@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from ourgrad import GlobalCounters, Tensor
-from ourgrad.errors import ShapeError
+from ourgrad import GlobalCounters, Tensor, dtypes
+from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.nn import functional as F
 
 ATOL, RTOL = 1e-5, 1e-5
@@ -68,6 +68,20 @@ def test_einsum(formula: str, shapes: list[tuple[int, ...]]) -> None:
                                atol=ATOL, rtol=RTOL)
     return
   _check(lambda *ts: Tensor.einsum(formula, *ts), lambda *ts: torch.einsum(formula, *ts), *arrays)
+
+
+def test_einsum_kernel_counts() -> None:
+  """A batched matmul is one fused reduce; a chain of three is contracted pairwise (two reduces), never as one
+  four-index product."""
+  a, b, c = (Tensor(_random(shape, seed)).realize() for seed, shape in enumerate([(2, 3, 4), (2, 4, 5), (5, 6)]))
+  GlobalCounters.reset()
+  Tensor.einsum("bij,bjk->bik", a, b).realize()
+  assert GlobalCounters.kernel_count == 1
+  GlobalCounters.reset()
+  result = Tensor.einsum("bij,bjk,kl->bil", a, b, c).realize()
+  assert GlobalCounters.kernel_count == 2
+  np.testing.assert_allclose(result.numpy(), np.einsum("bij,bjk,kl->bil", a.numpy(), b.numpy(), c.numpy()),
+                             atol=1e-5, rtol=1e-5)
 
 
 def test_einsum_list_operands_and_errors() -> None:
@@ -185,3 +199,13 @@ def test_functional_names(name: str, args: tuple, kwargs: dict[str, Any]) -> Non
 def test_functional_layer_norm_affine() -> None:
   _check(lambda x, w, b: F.layer_norm(x, (4, 5), w, b), lambda x, w, b: TF.layer_norm(x, (4, 5), w, b),
          _random((3, 4, 5), 12), _random((4, 5), 13), _random((4, 5), 14))
+
+
+def test_interpolate_nearest_integers() -> None:
+  """Nearest resizing keeps an integer dtype and its values exactly (uint8 images), like PyTorch."""
+  x = np.random.default_rng(15).integers(0, 256, size=(2, 3, 5, 4)).astype(np.uint8)
+  for size in ((7, 3), (10, 8), (2, 2)):
+    ours = Tensor(x).interpolate(size=size)
+    assert ours.dtype == dtypes.uint8
+    np.testing.assert_array_equal(ours.numpy(), TF.interpolate(torch.tensor(x), size=size).numpy())
+  with pytest.raises(DTypeError): Tensor(x).interpolate(size=(3, 3), mode="bilinear")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor
+from ourgrad import Tensor, dtypes
 from ourgrad import nn
 from ourgrad.nn.optim import SGD, Adam
 from ourgrad.nn.state import StateDictError, get_parameters, get_state_dict, load_state_dict
@@ -198,6 +198,21 @@ def test_to_device() -> None:
   np.testing.assert_allclose(model(Tensor(x, device="PYTHON")).numpy(), before, atol=1e-6)
 
 
+def test_to_dtype_half_float() -> None:
+  model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+  weight = model[0].weight
+  x = _random((4, 3), 4)
+  before = model(Tensor(x)).numpy()
+  assert model.half() is model and model[0].weight is weight
+  assert {t.dtype for t in model.parameters()} == {dtypes.float16}
+  assert model[1].running_mean.dtype == dtypes.float16 and model[1].num_batches_tracked.dtype == dtypes.int64
+  np.testing.assert_allclose(model(Tensor(x).half()).float().numpy(), before, atol=1e-2, rtol=1e-2)
+  model.to(dtypes.float32)
+  assert {t.dtype for t in [*model.parameters(), *model.buffers()]} == {dtypes.float32, dtypes.int64}
+  model.float()
+  assert model[0].weight.dtype == dtypes.float32
+
+
 def test_containers() -> None:
   layers = [nn.Linear(3, 4), nn.Linear(4, 2)]
   seq, tseq = nn.Sequential(*layers), torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
@@ -286,12 +301,37 @@ def test_plain_object_inside_module() -> None:
     def __init__(self) -> None: self.plain, self.head, self.note = Plain(), nn.Linear(2, 1), "text"
 
   model = Mixed()
-  names = ["plain.proj.weight", "plain.proj.bias", "plain.gain", "head.weight", "head.bias"]
+  names = ["plain.gain", "plain.proj.weight", "plain.proj.bias", "head.weight", "head.bias"]
   assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == names
-  assert [n for n, _ in model.named_children()] == ["head"]
+  assert [n for n, _ in model.named_children()] == ["plain.proj", "head"]
+  model.eval()
+  assert not model.plain.proj.training
+
+
+def test_back_references_end() -> None:
+  """A helper object or child pointing back at its owner neither loops nor duplicates anything."""
+  class Helper:
+    def __init__(self, owner: nn.Module) -> None: self.owner = owner
+
+  class Owner(nn.Module):
+    def __init__(self) -> None:
+      self.layer, self.helper = nn.Linear(2, 2), None
+      self.helper = Helper(self)
+      self.layer.parent = self   # a child holding its parent
+
+  model = Owner()
+  assert "(parent): Owner(...)" in repr(model)
+  assert [n for n, _ in model.named_parameters()] == ["layer.weight", "layer.bias"]
+  assert list(model.state_dict()) == ["layer.weight", "layer.bias"]
+  assert [n for n, _ in model.named_modules()] == ["", "layer"]
+  model.train()
 
 
 def test_repr() -> None:
+  def build(m: Any) -> Any:
+    return m.Sequential(m.Linear(3, 2), m.BatchNorm2d(4), m.LayerNorm(3), m.Embedding(10, 4), m.Dropout(0.25),
+                        m.ReLU(), m.Flatten())
+  assert repr(build(nn)) == repr(build(torch.nn)).replace("Flatten(start_dim=1, end_dim=-1)", "Flatten()")
   text = repr(nn.Sequential(nn.Linear(2, 3), nn.ModuleList([nn.Dropout()])))
   assert text.splitlines()[0] == "Sequential(" and "(1): ModuleList(" in text and "(0): Dropout(" in text
 

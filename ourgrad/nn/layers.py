@@ -65,6 +65,9 @@ class Linear(Module):
     self.weight = _uniform_init((out_features, in_features), in_features)
     self.bias = _uniform_init((out_features,), in_features) if bias else None
 
+  def extra_repr(self) -> str:
+    return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
   def forward(self, x: Tensor) -> Tensor:
     if x.ndim == 0 or x.shape[-1] != self.in_features:
       raise ShapeError(f"Linear({self.in_features}, {self.out_features}) got input of shape {x.shape}; its last "
@@ -210,6 +213,10 @@ class BatchNorm(Module):
     self.running_mean.assign((1.0 - factor) * self.running_mean + factor * mean)
     self.running_var.assign((1.0 - factor) * self.running_var + factor * unbiased_var)
 
+  def extra_repr(self) -> str:
+    return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+            f"bias={self.affine}, track_running_stats={self.track_running_stats}")
+
   def forward(self, x: Tensor) -> Tensor:
     if x.ndim < 2 or x.shape[1] != self.num_features:
       raise ShapeError(f"BatchNorm({self.num_features}) expects input (N, {self.num_features}, ...), got {x.shape}")
@@ -255,6 +262,10 @@ class LayerNorm(Module):
     self.eps, self.elementwise_affine = eps, elementwise_affine
     self.weight = Tensor.ones(*self.normalized_shape, requires_grad=True) if elementwise_affine else None
     self.bias = Tensor.zeros(*self.normalized_shape, requires_grad=True) if elementwise_affine and bias else None
+
+  def extra_repr(self) -> str:
+    return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+            f"bias={self.bias is not None}")
 
   def forward(self, x: Tensor) -> Tensor:
     dims = len(self.normalized_shape)
@@ -379,6 +390,8 @@ class Embedding(Module):
     self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
     self.weight = Tensor.normal(num_embeddings, embedding_dim, mean=0.0, std=1.0, requires_grad=True)
 
+  def extra_repr(self) -> str: return f"{self.num_embeddings}, {self.embedding_dim}"
+
   def forward(self, idx: Tensor) -> Tensor:
     if idx.dtype.is_float or idx.dtype == dtypes.bool:
       raise DTypeError(f"Embedding indices must be integers, got {idx.dtype}")
@@ -392,5 +405,7 @@ class Dropout(Module):
   def __init__(self, p: float = 0.5):
     if not 0.0 <= p <= 1.0: raise ValueError(f"dropout probability must be in [0, 1], got {p}")
     self.p = p
+
+  def extra_repr(self) -> str: return f"p={self.p}, inplace=False"
 
   def forward(self, x: Tensor) -> Tensor: return x.dropout(self.p, self.training)

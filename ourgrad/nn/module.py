@@ -6,8 +6,8 @@ walker does (ourgrad/nn/state.py) rather than through registration calls:
   running statistics); `register_buffer(name, tensor, persistent=False)` keeps a buffer out of the state dict;
 - a Module attribute is a *child*; lists, tuples and dicts of Tensors and Modules count too, named "name.0",
   "name.key" (a plain list of layers works like a ModuleList);
-- any other object (a plain tinygrad-style layer) contributes the tensors `get_state_dict` finds in it, as this
-  module's own parameters/buffers ("plain.weight"); it is not a child, so train()/eval() do not reach inside it;
+- any other object (a plain tinygrad-style layer) is looked through the same way: its tensors count as this
+  module's own parameters/buffers ("plain.gain") and its Modules as children ("plain.proj");
 - attributes whose name starts with "_" are ignored.
 
 Names and order follow PyTorch for the same structure: `named_parameters()` walks the modules in pre-order and
@@ -28,7 +28,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ourgrad.device import Device
-from ourgrad.nn.state import LoadResult, get_state_dict, load_state_dict
+from ourgrad.dtype import DType, dtypes
+from ourgrad.nn.state import LoadResult, get_state_dict, load_state_dict, named_items
 from ourgrad.tensor import Tensor
 
 
@@ -38,7 +39,8 @@ def _join(prefix: str, name: str) -> str:
 
 def _expand(name: str, value: Any) -> list[tuple[str, Tensor | Module]]:
   """The Tensors and Modules inside one attribute value, with dotted names, in order: the value itself, or the
-  contents of (nested) lists, tuples and dicts. An explicit stack; containers already on the path are skipped."""
+  contents of (nested) lists, tuples, dicts and plain objects, never looking inside a Module. An explicit stack;
+  containers already on the path are skipped (so back-references end)."""
   found: list[tuple[str, Tensor | Module]] = []
   stack: list[tuple[str, Any, frozenset[int]]] = [(name, value, frozenset())]
   while stack:
@@ -47,12 +49,9 @@ def _expand(name: str, value: Any) -> list[tuple[str, Tensor | Module]]:
       found.append((path, item))
       continue
     if id(item) in ancestors: continue
-    if isinstance(item, dict): entries = [(str(key), child) for key, child in item.items()]
-    elif isinstance(item, (list, tuple)): entries = [(str(index), child) for index, child in enumerate(item)]
-    else:
-      # a plain (tinygrad-style) object: its tensors belong to this module, named by the attribute walker
-      found.extend(get_state_dict(item, path).items())
-      continue
+    # lists, tuples, dicts and plain (tinygrad-style) objects are looked through, as get_state_dict does
+    entries = named_items(item)
+    if not entries: continue
     inner = ancestors | {id(item)}
     stack.extend((_join(path, key), child, inner) for key, child in reversed(entries))
   return found
@@ -229,17 +228,31 @@ class Module:
     raises. Returns (missing_keys, unexpected_keys). See ourgrad.nn.state.load_state_dict."""
     return load_state_dict(self, dict(state_dict), strict)
 
-  def to(self, device: str) -> Module:
-    """Move every parameter and buffer (and their gradients) to `device`, in place; returns the module."""
-    device = Device.canonicalize(device)
-    moved: dict[int, Tensor] = {}
+  def to(self, device: str | DType | None = None, dtype: DType | None = None) -> Module:
+    """Move every parameter and buffer (and their gradients) to `device` and/or cast the floating-point ones to
+    `dtype`, in place (the tensors stay the same objects, so an optimizer holding them sees the change); returns
+    the module. `to(dtypes.float16)` casts only, as in PyTorch."""
+    if isinstance(device, DType): device, dtype = None, device
+    device = Device.canonicalize(device) if device is not None else None
+    changed: dict[int, Tensor] = {}
     for _, tensor in [*self.named_parameters(), *self.named_buffers()]:
-      if tensor.device == device or id(tensor) in moved: continue
-      tensor.lazydata = tensor.to(device).lazydata
-      if tensor.grad is not None: tensor.grad = tensor.grad.to(device)
-      moved[id(tensor)] = tensor
-    if moved: Tensor.realize_all(*moved.values())
+      if id(tensor) in changed: continue
+      value = tensor.to(device) if device is not None else tensor
+      if dtype is not None and tensor.dtype.is_float: value = value.detach().cast(dtype)
+      if value is tensor: continue
+      tensor.lazydata = value.lazydata
+      if tensor.grad is not None: tensor.grad = tensor.grad.to(tensor.device).cast(tensor.dtype)
+      changed[id(tensor)] = tensor
+    if changed: Tensor.realize_all(*changed.values())
     return self
+
+  def half(self) -> Module:
+    """Cast the floating-point parameters and buffers to float16, in place."""
+    return self.to(dtype=dtypes.float16)
+
+  def float(self) -> Module:
+    """Cast the floating-point parameters and buffers to float32, in place."""
+    return self.to(dtype=dtypes.float32)
 
   def zero_grad(self) -> None:
     """Forget every parameter's gradient (set `.grad` to None, as PyTorch's default set_to_none=True)."""
@@ -257,11 +270,31 @@ class Module:
     return ""
 
   def __repr__(self) -> str:
-    children = list(self.named_children())
-    if not children: return f"{type(self).__name__}({self.extra_repr()})"
-    lines = [f"{type(self).__name__}("] + ([f"  {self.extra_repr()}"] if self.extra_repr() else [])
-    for name, child in children: lines.append(f"  ({name}): " + repr(child).replace("\n", "\n  "))
-    return "\n".join(lines + [")"])
+    """PyTorch's layout: one line per module, children indented under their parent as "(name): Child(...)".
+    Walked with an explicit stack; a module inside itself prints as "Name(...)"."""
+    lines: list[str] = []
+    # (label, module or None for a closing parenthesis, depth, ids of the modules above)
+    stack: list[tuple[str, Module | None, int, frozenset[int]]] = [("", self, 0, frozenset())]
+    while stack:
+      label, module, depth, ancestors = stack.pop()
+      indent = "  " * depth
+      if module is None:
+        lines.append(f"{indent})")
+        continue
+      head = f"{indent}{label}{type(module).__name__}("
+      if id(module) in ancestors:
+        lines.append(f"{head}...)")
+        continue
+      children = list(module.named_children())
+      if not children:
+        lines.append(f"{head}{module.extra_repr()})")
+        continue
+      lines.append(head)
+      if module.extra_repr(): lines.append(f"{indent}  {module.extra_repr()}")
+      stack.append(("", None, depth, ancestors))
+      inner = ancestors | {id(module)}
+      stack.extend((f"({name}): ", child, depth + 1, inner) for name, child in reversed(children))
+    return "\n".join(lines)
 
 
 class Sequential(Module):

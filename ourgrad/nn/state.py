@@ -96,7 +96,7 @@ _OPAQUE_TYPES = (type, types.ModuleType, types.FunctionType, types.BuiltinFuncti
                  types.CodeType, types.FrameType, types.GeneratorType)
 
 
-def _children(obj: Any) -> list[tuple[str, Any]] | None:
+def named_items(obj: Any) -> list[tuple[str, Any]] | None:
   """(name, child) pairs of an object, list/tuple or dict, in order; None for leaves. An nn.Module names its own
   items (`_state_items`: PyTorch's state-dict order, non-persistent buffers left out)."""
   if callable(getattr(type(obj), "_state_items", None)) and not isinstance(obj, type): return obj._state_items()
@@ -130,7 +130,7 @@ def get_state_dict(obj: Any, prefix: str = "") -> dict[str, Tensor]:
       state[name] = item
       continue
     if id(item) in ancestors: continue
-    children = _children(item)
+    children = named_items(item)
     if not children: continue
     path = ancestors | {id(item)}
     stack.extend((_join(name, child_name), child, path) for child_name, child in reversed(children))
