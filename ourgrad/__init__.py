@@ -8,6 +8,7 @@ from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import GlobalCounters
 from ourgrad.tensor import Tensor, no_grad
+from ourgrad.engine.jit import TinyJit  # noqa: E402 (after Tensor, which it wraps)
 
-__all__ = ["Tensor", "dtypes", "DType", "Device", "GlobalCounters", "no_grad"]
+__all__ = ["Tensor", "TinyJit", "dtypes", "DType", "Device", "GlobalCounters", "no_grad"]
 __version__ = "0.1.0"

@@ -60,6 +60,11 @@ class Allocator:
           f"smaller dtypes") from error
 
   def free(self, handle: Any, nbytes: int) -> None: self._free(handle, nbytes)
+  # whether buffers may run on a part of another buffer's memory (the memory planner's sharing)
+  shares_memory: bool = False
+  def shared_handle(self, handle: Any, nbytes: int) -> Any:
+    """The first `nbytes` of the memory behind `handle`, as a handle of its own (the handle itself by default)."""
+    return handle
   def free_cache(self) -> None: pass
   def cached_bytes(self) -> int:
     """Bytes held for reuse (freed by free_cache)."""
@@ -72,6 +77,8 @@ class Allocator:
 
 class LRUAllocator(Allocator):
   """Keeps freed buffers by size and hands them out again instead of asking the device each time."""
+
+  shares_memory = True
 
   def __init__(self) -> None:
     self.cache: dict[int, list[Any]] = {}
@@ -99,6 +106,8 @@ class HostAllocator(LRUAllocator):
     start = (-raw.ctypes.data) % 64
     return raw[start:start + nbytes]
 
+  def shared_handle(self, handle: np.ndarray, nbytes: int) -> np.ndarray: return handle[:nbytes]
+
   def copyin(self, dest: np.ndarray, src: memoryview) -> None:
     dest[:] = np.frombuffer(src, dtype=np.uint8)
 
@@ -112,6 +121,7 @@ class Buffer:
   def __init__(self, device: str, size: int, dtype: DType):
     self.device, self.size, self.dtype = device, size, dtype
     self._handle: Any = None
+    self._backing: Buffer | None = None  # set when the memory planner makes this buffer use another's memory
 
   @property
   def nbytes(self) -> int: return self.size * self.dtype.itemsize
@@ -130,9 +140,20 @@ class Buffer:
       GlobalCounters.mem_used += self.nbytes
     return self
 
+  def use_memory_of(self, backing: Buffer) -> None:
+    """Run on the first bytes of `backing`'s memory from now on (the memory planner gives buffers whose lifetimes
+    do not overlap one backing buffer). Memory this buffer held before goes back to its allocator."""
+    if backing.device != self.device or backing.nbytes < self.nbytes:
+      raise ValueError(f"{self!r} cannot use the memory of {backing!r}")
+    if self._handle is not None and self._backing is None:
+      GlobalCounters.mem_used -= self.nbytes
+      Device[self.device].allocator.free(self._handle, max(self.nbytes, 1))
+    self._handle = Device[self.device].allocator.shared_handle(backing.handle, max(self.nbytes, 1))
+    self._backing = backing
+
   def __del__(self) -> None:
     handle = getattr(self, "_handle", None)
-    if handle is None: return
+    if handle is None or getattr(self, "_backing", None) is not None: return
     GlobalCounters.mem_used -= self.nbytes
     try:
       Device[self.device].allocator.free(handle, max(self.nbytes, 1))

@@ -40,3 +40,7 @@ class AutogradError(OurgradError, RuntimeError):
 
 class OutOfMemoryError(OurgradError, MemoryError):
   """A device allocation failed even after freeing the allocator's cache."""
+
+
+class JitError(OurgradError, RuntimeError):
+  """A TinyJit function used in a way that replaying its captured kernels could not reproduce."""

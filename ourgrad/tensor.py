@@ -25,7 +25,8 @@ import numpy as np
 from ourgrad import function as F
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
-from ourgrad.errors import AutogradError, DeviceError, DTypeError, ShapeError
+from ourgrad.engine.exec_item import jit_recording
+from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
@@ -185,6 +186,9 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
 
   def numpy(self) -> np.ndarray:
     """The values as a numpy array (bfloat16 comes back as float32, which holds it exactly)."""
+    if jit_recording.active:
+      raise JitError(f"numpy()/item()/tolist() of a {self.shape} tensor inside a TinyJit function: the value would be "
+                     f"read once and frozen into every replay. Return the tensor and read it after the call")
     if self.numel() == 0:
       return np.zeros(self.shape, dtype=np.float32 if self.dtype == dtypes.bfloat16 else self.dtype.np)
     values = self._buffer().numpy()
@@ -270,6 +274,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
                          f"have the target's shape or broadcast to it")
       value = value.expand(self.shape)
     value = value.cast(self.dtype)
+    jit_recording.note_assign(self)  # a TinyJit call realizes the assigns it made when it ends
     target = self.lazydata
     if target.is_base and target.realized is not None and target.op is not Ops.CONST:
       self.lazydata = target.assign(value.lazydata)

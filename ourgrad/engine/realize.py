@@ -1,41 +1,28 @@
-"""Run a schedule: lower each ScheduleItem to a runner (a compiled kernel or a copy) and launch it.
+"""Run a schedule: lower each ScheduleItem to an ExecItem (a runner bound to buffers: ourgrad/engine/exec_item.py)
+and launch it. `get_kernel` is where a kernel's optimizations are chosen (the hand-coded heuristic; BEAM hooks in
+there); `run_schedule` plans the schedule's memory first (ourgrad/engine/memory.py).
 
 Compiled kernels are cached in memory by (device, AST) and on disk by source (see device.Compiler), so the
 same kernel is generated once per process and compiled once per machine.
 """
 from __future__ import annotations
 
-import time
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
 from ourgrad.codegen.uops import UOp, UOps, format_uops
-from ourgrad.device import Buffer, Device
+from ourgrad.device import Device
+from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner  # noqa: F401 (re-exported)
+from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import DEBUG, NOOPT, GlobalCounters, colored, prod
+from ourgrad.helpers import DEBUG, NOOPT, env_var, prod
 from ourgrad.ops import LazyOp, Ops
 
 
-@dataclass
-class CompiledRunner:
-  """A compiled kernel and what it costs: ops and bytes estimated from its UOps."""
-  name: str
-  display_name: str
-  source: str
-  program: Any
-  global_size: tuple[int, ...]
-  local_size: tuple[int, ...]
-  op_count: int
-  byte_count: int
-
-  def __call__(self, buffers: tuple[Buffer, ...], wait: bool = False) -> float | None:
-    return self.program(*[buffer.handle for buffer in buffers], global_size=self.global_size,
-                        local_size=self.local_size, wait=wait)
-
+NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedule gets memory of its own")
 
 _runner_cache: dict[tuple[str, LazyOp], CompiledRunner] = {}
 
@@ -133,44 +120,32 @@ def estimate_cost(kernel: Kernel, uops: list[UOp]) -> tuple[int, int]:
   return op_count, byte_count
 
 
+def lower_schedule_item(item: ScheduleItem) -> ExecItem:
+  """The ExecItem that runs one ScheduleItem: a copy, or the compiled kernel of its AST (from the cache)."""
+  buffers = [*item.outputs, *item.inputs]
+  if item.ast.op is Ops.COPY: return ExecItem(CopyRunner(item.inputs[0].nbytes), buffers, device=buffers[0].device)
+  device = item.outputs[0].device
+  return ExecItem(get_runner(device, item.ast), buffers, device=device)
+
+
+def lower_schedule(schedule: list[ScheduleItem]) -> list[ExecItem]:
+  """Every ScheduleItem lowered, in run order."""
+  return [lower_schedule_item(item) for item in schedule]
+
+
+def plan_schedule_memory(schedule: list[ScheduleItem]) -> None:
+  """Let the schedule's internal buffers (ones that only its items hold and that are not allocated yet) share
+  memory where their lifetimes do not overlap."""
+  if len(schedule) < 3 or NO_MEMORY_PLANNER: return
+  containers = [container for item in schedule for container in (item.outputs, item.inputs)]
+  internal = held_only_by_items(containers)
+  if len(internal) < 2: return
+  internal = {id(buffer) for item in schedule for buffer in item.outputs if id(buffer) in internal
+              and not buffer.is_allocated}
+  plan_memory([item.outputs + item.inputs for item in schedule], lambda buffer: id(buffer) in internal)
+
+
 def run_schedule(schedule: list[ScheduleItem]) -> None:
-  """Launch every item in order, counting kernels, ops and bytes in GlobalCounters."""
-  for item in schedule:
-    for buffer in item.outputs: buffer.allocate()
-    if item.ast.op is Ops.COPY:
-      _run_copy(item)
-      continue
-    device = item.outputs[0].device
-    runner = get_runner(device, item.ast)
-    timing = runner(item.bufs, wait=DEBUG >= 2)
-    GlobalCounters.kernel_count += 1
-    GlobalCounters.global_ops += runner.op_count
-    GlobalCounters.global_mem += runner.byte_count
-    if timing is not None: GlobalCounters.time_sum_s += timing
-    if DEBUG >= 2: _print_launch(runner, device, timing)
-
-
-def _run_copy(item: ScheduleItem) -> None:
-  destination, source = item.outputs[0], item.inputs[0]
-  start = time.perf_counter()
-  mapped = getattr(Device[source.device].allocator, "as_memoryview", None)
-  if mapped is not None:
-    # the source is a memory-mapped file (DISK): its bytes go from the mapping straight into the destination, with
-    # no staging copy, and only the pages of this buffer's window are read
-    if source.nbytes: destination.copyin(mapped(source.handle))
-  else:
-    staging = memoryview(bytearray(source.nbytes))
-    source.copyout(staging)
-    destination.copyin(staging)
-  GlobalCounters.global_mem += 2 * source.nbytes
-  if DEBUG >= 2:
-    elapsed = time.perf_counter() - start
-    print(f"{colored('copy', 'yellow'):>28} {source.nbytes:>10} bytes {source.device} -> {destination.device} "
-          f"{elapsed * 1e6:9.2f} us")
-
-
-def _print_launch(runner: CompiledRunner, device: str, timing: float | None) -> None:
-  seconds = timing or 1e-9
-  print(f"*** {device:<7} {GlobalCounters.kernel_count:4d} {runner.name:<28} {runner.display_name:<40} "
-        f"{seconds * 1e6:9.2f} us  {runner.op_count / seconds / 1e9:8.2f} GFLOP/s  "
-        f"{runner.byte_count / seconds / 1e9:8.2f} GB/s")
+  """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
+  plan_schedule_memory(schedule)
+  for item in schedule: lower_schedule_item(item).run()

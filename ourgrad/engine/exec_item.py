@@ -1,0 +1,144 @@
+"""What runs: `Runner`s (a compiled kernel, a copy, a replayed graph) bound to Buffers as `ExecItem`s.
+
+Lowering a schedule (ourgrad/engine/realize.py) gives a list of ExecItems. `ExecItem.run()` is the one place
+where anything is launched, so it is also the one place where
+  - the JIT records what a function launches (`capture_into`, used by ourgrad/engine/jit.py),
+  - counters (GlobalCounters) and DEBUG=2 lines are written, and
+  - a profiler can read each item's time (the `wait=True` launch returns device seconds).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ourgrad.device import Buffer, Device
+from ourgrad.helpers import DEBUG, GlobalCounters, colored
+
+
+class Runner:
+  """Something that runs on buffers: `runner(buffers, wait)` returns device seconds when `wait` (else None)."""
+  # plain class attributes, not dataclass fields: subclasses set them (name, display_name, op_count, byte_count)
+  name = display_name = "runner"
+  op_count = byte_count = 0
+
+  def __call__(self, buffers: list[Buffer], wait: bool = False) -> float | None: raise NotImplementedError
+
+
+class CompiledRunner(Runner):
+  """A compiled kernel and what it costs: ops and bytes estimated from its UOps."""
+
+  def __init__(self, name: str, display_name: str, source: str, program: Any, global_size: tuple[int, ...],
+               local_size: tuple[int, ...], op_count: int, byte_count: int):
+    self.name, self.display_name, self.source, self.program = name, display_name, source, program
+    self.global_size, self.local_size, self.op_count, self.byte_count = global_size, local_size, op_count, byte_count
+
+  def __call__(self, buffers: list[Buffer], wait: bool = False) -> float | None:
+    return self.program(*[buffer.handle for buffer in buffers], global_size=self.global_size,
+                        local_size=self.local_size, wait=wait)
+
+
+class CopyRunner(Runner):
+  """A copy of one buffer into another of the same size (buffers[0] <- buffers[1]), across devices."""
+  name = display_name = "copy"
+
+  def __init__(self, nbytes: int):
+    self.byte_count = 2 * nbytes
+
+  def __call__(self, buffers: list[Buffer], wait: bool = False) -> float | None:
+    destination, source = buffers[0], buffers[1]
+    start = time.perf_counter()
+    mapped = getattr(Device[source.device].allocator, "as_memoryview", None)
+    if mapped is not None:
+      # the source is a memory-mapped file (DISK): its bytes go from the mapping straight into the destination, with
+      # no staging copy, and only the pages of this buffer's window are read
+      if source.nbytes: destination.copyin(mapped(source.handle))
+    else:
+      staging = memoryview(bytearray(source.nbytes))
+      source.copyout(staging)
+      destination.copyin(staging)
+    return time.perf_counter() - start if wait else None
+
+
+# the lists that running ExecItems are appended to while a JIT records (innermost last)
+_capture_lists: list[list[ExecItem]] = []
+
+
+@contextmanager
+def capture_into(items: list[ExecItem]) -> Iterator[list[ExecItem]]:
+  """Append every ExecItem that runs inside this block to `items` (how TinyJit records a call)."""
+  _capture_lists.append(items)
+  try:
+    yield items
+  finally:
+    _capture_lists.remove(items)
+
+
+def is_capturing() -> bool: return bool(_capture_lists)
+
+
+class JitRecording:
+  """Whether a TinyJit function is running (its first or capture call), and the tensors it assigned to. Tensor
+  reads this to refuse `.numpy()`/`.item()` (a value read on the host would be frozen into the replay) and to
+  report assigns, which the JIT realizes at the end of the call so that they are captured."""
+
+  def __init__(self) -> None:
+    self.depth = 0
+    self.assigned: list[tuple[Any, Any]] = []   # (tensor, its lazydata before the assign)
+
+  @property
+  def active(self) -> bool: return self.depth > 0
+
+  @contextmanager
+  def scope(self) -> Iterator[None]:
+    self.depth += 1
+    try:
+      yield
+    finally:
+      self.depth -= 1
+      if not self.depth: self.assigned = []
+
+  def note_assign(self, tensor: Any) -> None:
+    """Called by Tensor.assign before the assign: keeps the tensor and the lazy data it had."""
+    if self.depth: self.assigned.append((tensor, tensor.lazydata))
+
+  def take_assigned(self) -> list[tuple[Any, Any]]:
+    assigned, self.assigned = self.assigned, []
+    return assigned
+
+
+jit_recording = JitRecording()
+
+
+@dataclass(eq=False)
+class ExecItem:
+  """A runner bound to its buffers (outputs first, then inputs) and the values of its symbolic variables."""
+  runner: Runner
+  bufs: list[Buffer]
+  var_vals: dict[str, int] = field(default_factory=dict)
+  device: str = ""
+
+  def run(self, wait: bool = False) -> float | None:
+    """Launch: allocate the buffers, run, count, print at DEBUG=2, and record the item if a JIT is capturing."""
+    for buffer in self.bufs: buffer.allocate()
+    wait = wait or DEBUG >= 2
+    seconds = self.runner(self.bufs, wait=wait)
+    if isinstance(self.runner, CompiledRunner): GlobalCounters.kernel_count += 1
+    GlobalCounters.global_ops += self.runner.op_count
+    GlobalCounters.global_mem += self.runner.byte_count
+    if seconds is not None: GlobalCounters.time_sum_s += seconds
+    if DEBUG >= 2: self._print(seconds)
+    if _capture_lists: _capture_lists[-1].append(self)
+    return seconds
+
+  def _print(self, seconds: float | None) -> None:
+    runner = self.runner
+    if isinstance(runner, CopyRunner):
+      print(f"{colored('copy', 'yellow'):>28} {self.bufs[1].nbytes:>10} bytes {self.bufs[1].device} -> "
+            f"{self.bufs[0].device} {(seconds or 0) * 1e6:9.2f} us")
+      return
+    seconds = seconds or 1e-9
+    print(f"*** {self.device:<7} {GlobalCounters.kernel_count:4d} {runner.name:<28} {runner.display_name:<40} "
+          f"{seconds * 1e6:9.2f} us  {runner.op_count / seconds / 1e9:8.2f} GFLOP/s  "
+          f"{runner.byte_count / seconds / 1e9:8.2f} GB/s")

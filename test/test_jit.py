@@ -1,0 +1,265 @@
+"""TinyJit: capture and replay against eager runs, the checks on inputs, and each known JIT trap (tinygrad's
+test/unit/test_jit_footguns.py lists them) as an error or a correct result."""
+import numpy as np
+import pytest
+
+from ourgrad import GlobalCounters, Tensor, TinyJit
+from ourgrad.errors import JitError
+from ourgrad.nn import BatchNorm2d, Conv2d, Linear
+from ourgrad.nn.losses import cross_entropy
+from ourgrad.nn.optim import Adam
+from ourgrad.nn.state import get_parameters
+
+
+def test_replay_matches_numpy_and_changes_with_inputs():
+  @TinyJit
+  def add(a, b): return (a + b).realize()
+  results = []
+  for _ in range(5):
+    a, b = Tensor.randn(10, 10), Tensor.randn(10, 10)
+    c = add(a, b)
+    np.testing.assert_allclose(c.numpy(), a.numpy() + b.numpy())
+    results.append(c.numpy())
+  assert add.captured is not None and len(add.captured.items) == 1
+  assert not np.array_equal(results[3], results[4])
+
+
+def test_replay_runs_no_python_function_and_counts_kernels():
+  calls = []
+
+  @TinyJit
+  def f(x):
+    calls.append(1)
+    y = (x + 1).exp()
+    return (y - (y * 2).sum()).relu(), (y * 2).sum()
+  for _ in range(4):
+    x = Tensor.randn(32)
+    GlobalCounters.reset()
+    w, z = f(x)
+    xn = x.numpy()
+    yn = np.exp(xn + 1)
+    np.testing.assert_allclose(z.numpy(), (yn * 2).sum(), rtol=1e-5)
+    np.testing.assert_allclose(w.numpy(), np.maximum(yn - (yn * 2).sum(), 0), rtol=1e-5)
+  assert len(calls) == 2  # the function body runs on the first two calls only
+  assert GlobalCounters.kernel_count == len(f.captured.items)
+
+
+def test_kwargs_positional_mix_and_containers():
+  @TinyJit
+  def f(first, second): return (first / second[0] + second[1]["c"]).realize()
+  for i in range(4):
+    a, b, c = Tensor.randn(6), Tensor.randn(6) + 3, Tensor.randn(6)
+    out = f(a, [b, {"c": c}]) if i % 2 else f(second=[b, {"c": c}], first=a)
+    np.testing.assert_allclose(out.numpy(), a.numpy() / b.numpy() + c.numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_wrong_input_raises_naming_it(bad):
+  @TinyJit
+  def f(a, b): return (a + b).realize()
+  for _ in range(3): f(Tensor.randn(4, 4), Tensor.randn(4, 4))
+  wrong = Tensor.randn(5, 4) if bad == "shape" else Tensor.randn(4, 4).cast("float16")
+  with pytest.raises(JitError, match="input b"):
+    f(Tensor.randn(4, 4), wrong)
+
+
+def test_wrong_device_raises():
+  @TinyJit
+  def f(a): return (a * 2).realize()
+  for _ in range(3): f(Tensor.randn(4))
+  with pytest.raises(JitError, match="input a"):
+    f(Tensor.randn(4, device="PYTHON"))
+
+
+def test_changed_python_argument_raises():
+  @TinyJit
+  def f(x, use_square):
+    return (x * x).realize() if use_square else (x * 2).realize()
+  f(Tensor([3.0]), True)
+  f(Tensor([3.0]), False)
+  assert f(Tensor([4.0]), False).item() == 8.0
+  with pytest.raises(JitError, match="use_square"):
+    f(Tensor([3.0]), True)
+
+
+def test_item_and_numpy_inside_raise():
+  @TinyJit
+  def f(x): return Tensor.zeros(int(x.sum().item()))
+  with pytest.raises(JitError, match="frozen"):
+    f(Tensor([1, 1, 1]))
+
+  @TinyJit
+  def g(x): return Tensor(x.numpy() * 2)
+  with pytest.raises(JitError):
+    g(Tensor([1.0]))
+
+
+def test_nothing_launched_raises():
+  @TinyJit
+  def f(a, b): return None
+  with pytest.raises(JitError, match="no kernels"):
+    for _ in range(3): f(Tensor([1]), Tensor([2]))
+
+
+def test_non_tensor_output_raises():
+  @TinyJit
+  def f(x, mult): return (x * 2).realize(), mult * 10
+  with pytest.raises(JitError, match="int"):
+    f(Tensor([1]), 2)
+
+
+def test_duplicate_inputs_raise():
+  @TinyJit
+  def f(a, b): return (a + b).realize()
+  x = Tensor([1, 2, 3]).realize()
+  with pytest.raises(JitError, match="same buffer"):
+    f(x, x)
+
+
+def test_random_inside_raises():
+  @TinyJit
+  def f(x): return (x + Tensor.rand(3)).realize()
+  f(Tensor([0.0, 0.0, 0.0]))
+  with pytest.raises(JitError, match="random"):
+    f(Tensor([0.0, 0.0, 0.0]))
+
+
+def test_outputs_are_not_overwritten_by_later_calls():
+  @TinyJit
+  def f(x): return x.sum().realize()
+  r1, r2, r3, r4 = (f(Tensor([float(i), float(i)])) for i in range(1, 5))
+  assert [r.item() for r in (r1, r2, r3, r4)] == [2.0, 4.0, 6.0, 8.0]
+
+
+def test_output_fed_back_as_input():
+  @TinyJit
+  def step(x): return ((x + 1).realize() * 2).realize()
+  step(Tensor([10.0]).contiguous().realize())
+  x = step(Tensor([20.0]).contiguous().realize())
+  for _ in range(3): x = step(x)
+  assert x.item() == 350.0
+  y = Tensor([100.0]).contiguous().realize()
+  for _ in range(3): y = step(y)
+  assert y.item() == 814.0
+
+
+def test_views_with_different_offsets_are_correct():
+  @TinyJit
+  def f(a): return (a + 1).realize()
+  base = Tensor.randn(10, 10).realize()
+  for i in range(1, 6):
+    np.testing.assert_allclose(f(base[:, i:i + 2]).numpy(), base.numpy()[:, i:i + 2] + 1, rtol=1e-6)
+
+
+def test_constant_input_is_realized():
+  @TinyJit
+  def f(a, b): return (a * b).realize()
+  for i in range(4):
+    np.testing.assert_array_equal(f(Tensor([1, 2, 3]), Tensor.full((3,), i)).numpy(), [i, 2 * i, 3 * i])
+
+
+def test_assign_not_returned_is_captured():
+  state = Tensor.zeros(4).contiguous().realize()
+
+  @TinyJit
+  def f(x):
+    state.assign(state + x)  # never realized by the function itself
+    return (x * 2).realize()
+  for i in range(5): f(Tensor.full((4,), float(i)).contiguous())
+  np.testing.assert_array_equal(state.numpy(), [10.0] * 4)
+
+
+def test_input_mutation():
+  @TinyJit
+  def f(x):
+    x += 1
+    return x.realize()
+  a = Tensor([0.0]).contiguous().realize()
+  for _ in range(5): f(a)
+  assert a.item() == 5.0
+
+
+def test_nested_jit_runs_inside_the_outer_capture():
+  @TinyJit
+  def inner(t): return (t + 1).realize()
+
+  @TinyJit
+  def outer(t): return (inner(t) * 3).realize()
+  assert [outer(Tensor([float(i)])).item() for i in range(4)] == [3.0, 6.0, 9.0, 12.0]
+
+
+def test_method_is_per_instance():
+  class Model:
+    def __init__(self, scale): self.scale = Tensor([scale]).realize()
+
+    @TinyJit
+    def forward(self, x): return (x * self.scale).realize()
+  m1, m2 = Model(2.0), Model(3.0)
+  for _ in range(3): m1.forward(Tensor([5.0]))
+  assert m1.forward(Tensor([5.0])).item() == 10.0
+  assert [m2.forward(Tensor([5.0])).item() for _ in range(3)] == [15.0, 15.0, 15.0]
+
+
+def test_unrealized_outputs_are_realized():
+  @TinyJit
+  def f(a, b): return a + b
+  for _ in range(4):
+    a, b = Tensor.randn(10), Tensor.randn(10)
+    np.testing.assert_allclose(f(a, b).numpy(), a.numpy() + b.numpy(), rtol=1e-6)
+
+
+def test_jit_off_runs_eagerly(monkeypatch):
+  monkeypatch.setenv("JIT", "0")
+  calls = []
+
+  @TinyJit
+  def f(x):
+    calls.append(1)
+    return (x * 2).realize()
+  for i in range(4): assert f(Tensor([float(i)])).item() == 2.0 * i
+  assert len(calls) == 4 and f.captured is None
+
+
+# ---------------------------------------------------------------- a whole training step
+
+class SmallNet:
+  def __init__(self):
+    self.conv = Conv2d(1, 4, 3, bias=False)
+    self.bn = BatchNorm2d(4)
+    self.fc = Linear(4 * 3 * 3, 10)
+
+  def __call__(self, x):
+    return self.fc(self.bn(self.conv(x)).relu().max_pool2d().flatten(1))
+
+
+def _make_training(seed):
+  Tensor.manual_seed(seed)
+  model = SmallNet()
+  optimizer = Adam([tensor for tensor in get_parameters(model) if tensor.requires_grad], lr=0.01)
+  stats = [tensor for tensor in get_parameters(model) if not tensor.requires_grad]
+
+  def step(x, y):
+    with Tensor.train():
+      optimizer.zero_grad()
+      loss = cross_entropy(model(x), y)
+      loss.backward()
+      Tensor.realize_all(loss, *optimizer.schedule_step(), *stats)
+    return loss
+  return model, step
+
+
+def test_jitted_training_step_is_bit_identical_to_eager():
+  rng = np.random.default_rng(0)
+  batches = [(rng.standard_normal((8, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(5)]
+  eager_model, eager_step = _make_training(1)
+  jit_model, plain_step = _make_training(1)
+  jit_step = TinyJit(plain_step)
+  for images, labels in batches:
+    eager_loss = eager_step(Tensor(images), Tensor(labels))
+    jit_loss = jit_step(Tensor(images), Tensor(labels))
+    assert eager_loss.numpy().tobytes() == jit_loss.numpy().tobytes()
+  assert jit_step.captured is not None
+  for eager, jitted in zip(get_parameters(eager_model), get_parameters(jit_model)):
+    assert eager.numpy().tobytes() == jitted.numpy().tobytes()
+  # the batchnorm running statistics moved, identically
+  assert not np.allclose(jit_model.bn.running_mean.numpy(), 0)
