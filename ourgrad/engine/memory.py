@@ -2,9 +2,10 @@
 
 A buffer's lifetime, inside one list of items (a schedule, or the items a JIT captured), runs from the first item
 that touches it to the last. `plan_memory` walks the items in order; when a planned buffer's last use has passed,
-its backing memory goes back to a free list, and a later buffer of the same device that fits takes it (best fit,
-else a new backing buffer). Only buffers the caller says are internal are planned: never one that is alive
-outside the items (an output, an input, model state, anything a Python object still holds).
+its backing memory goes back to a free list, and a later buffer of the same device takes the smallest free one
+that fits (else a new backing buffer of its exact size); sharing always starts at byte 0. Only buffers the caller
+says are internal are planned: never one that is alive outside the items (an output, an input, model state,
+anything a Python object still holds).
 """
 from __future__ import annotations
 
@@ -16,9 +17,6 @@ from typing import Callable, Sequence
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import DEBUG, fmt_size
-
-# backing buffers are rounded up to this many bytes, so that buffers of nearby sizes can share one
-ALIGNMENT = 256
 
 
 def plan_memory(buffer_lists: Sequence[Sequence[Buffer]], is_internal: Callable[[Buffer], bool],
@@ -43,7 +41,7 @@ def plan_memory(buffer_lists: Sequence[Sequence[Buffer]], is_internal: Callable[
   assigned: dict[Buffer, Buffer] = {}
   for index in range(len(buffer_lists)):
     for buffer in starts.get(index, ()):
-      needed = _rounded(buffer.nbytes)
+      needed = max(buffer.nbytes, 1)
       pool = free[buffer.device]
       position = bisect.bisect_left(pool, (needed, -1))
       if position < len(pool):
@@ -61,9 +59,6 @@ def plan_memory(buffer_lists: Sequence[Sequence[Buffer]], is_internal: Callable[
     print(f"memory planner ({label}): {len(assigned)} buffers in {len(set(assigned.values()))} backing buffers, "
           f"{fmt_size(planned)} planned vs {fmt_size(naive)} naive ({planned} vs {naive} bytes)")
   return assigned
-
-
-def _rounded(nbytes: int) -> int: return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
 
 
 def held_only_by_items(containers: Sequence[Sequence[Buffer]]) -> set[int]:
