@@ -263,3 +263,42 @@ def test_jitted_training_step_is_bit_identical_to_eager():
     assert eager.numpy().tobytes() == jitted.numpy().tobytes()
   # the batchnorm running statistics moved, identically
   assert not np.allclose(jit_model.bn.running_mean.numpy(), 0)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+def _has_cuda() -> bool:
+  from ourgrad.device import Device
+  from ourgrad.errors import DeviceError
+  try:
+    Device["CUDA"]
+  except DeviceError:
+    return False
+  return True
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+def test_cuda_replay_is_one_graph_updated_with_new_buffers():
+  from ourgrad.engine.jit import GraphReplay
+
+  @TinyJit
+  def f(a, b):
+    c = (a @ b).relu().realize()
+    return (c.sum(1) + a.max(1)).realize(), c
+  outputs = []
+  for _ in range(5):
+    a, b = Tensor.randn(32, 16, device="CUDA"), Tensor.randn(16, 8, device="CUDA")
+    s, c = f(a, b)
+    an, bn = a.numpy(), b.numpy()
+    cn = np.maximum(an @ bn, 0)
+    np.testing.assert_allclose(c.numpy(), cn, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(s.numpy(), cn.sum(1) + an.max(1), rtol=1e-4, atol=1e-4)
+    outputs.append((s, cn.sum(1) + an.max(1)))
+  assert isinstance(f.captured.replay_runner, GraphReplay)
+  for s, expected in outputs: np.testing.assert_allclose(s.numpy(), expected, rtol=1e-4, atol=1e-4)  # not overwritten
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+def test_cuda_jitted_training_step_is_bit_identical(monkeypatch):
+  monkeypatch.setenv("DEVICE", "CUDA")
+  test_jitted_training_step_is_bit_identical_to_eager()

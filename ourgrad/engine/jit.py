@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from ourgrad.device import Buffer, Device
+from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.exec_item import CompiledRunner, ExecItem, capture_into, jit_recording
 from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.errors import JitError
@@ -344,9 +344,9 @@ class ItemReplay:
     self.items = items
     self.host_calls: list[tuple[Callable[..., Any], list[Any]] | None] = []
     for item in items:
-      function = getattr(getattr(item.runner, "program", None), "function", None)
-      if isinstance(item.runner, CompiledRunner) and function is not None and DEBUG < 2:
-        self.host_calls.append((function, [_host_pointer(buffer) for buffer in item.bufs]))
+      program = getattr(item.runner, "program", None)
+      if isinstance(item.runner, CompiledRunner) and isinstance(program, HostProgram) and DEBUG < 2:
+        self.host_calls.append((program.function, [_host_pointer(buffer) for buffer in item.bufs]))
       else:
         self.host_calls.append(None)
     # what the pre-bound calls add to GlobalCounters (items run through ExecItem.run count themselves)

@@ -120,6 +120,58 @@ class CUDAProgram:
     return milliseconds / 1e3
 
 
+class CUDAGraph:
+  """Kernels replayed by the JIT as one CUDA graph: one kernel node per launch, each depending on the one before (they
+  ran in that order on one stream), instantiated once. `update` points one kernel at other buffers in place
+  (cuGraphExecKernelNodeSetParams: no re-instantiation); `launch` runs the whole graph with one cuGraphLaunch."""
+
+  def __init__(self, device: CUDADevice, launches: list[tuple[CUDAProgram, tuple[int, ...], tuple[int, ...], list]]):
+    self.device = device
+    device.make_current()
+    self.graph = check(driver.cuGraphCreate(0), "cuGraphCreate")
+    self.nodes: list[Any] = []
+    self.node_params: list[Any] = []
+    self.arguments: list[Any] = []   # per node: the kernel's pointer arguments (the memory kernelParams points into)
+    self.keep_alive: list[Any] = []  # per node: the array of pointers to those arguments
+    previous: list[Any] = []
+    for program, global_size, local_size, handles in launches:
+      arguments = (ctypes.c_uint64 * max(len(handles), 1))(*[int(handle) for handle in handles])
+      pointers = (ctypes.c_void_p * max(len(handles), 1))(
+        *[ctypes.addressof(arguments) + index * ctypes.sizeof(ctypes.c_uint64) for index in range(len(handles))])
+      params = driver.CUDA_KERNEL_NODE_PARAMS()
+      params.func = program.function
+      params.gridDimX, params.gridDimY, params.gridDimZ = global_size
+      params.blockDimX, params.blockDimY, params.blockDimZ = local_size
+      params.sharedMemBytes = 0
+      params.kernelParams = ctypes.addressof(pointers)
+      params.extra = 0
+      node = check(driver.cuGraphAddKernelNode(self.graph, previous, len(previous), params), "cuGraphAddKernelNode")
+      previous = [node]
+      self.nodes.append(node)
+      self.node_params.append(params)
+      self.arguments.append(arguments)
+      self.keep_alive.append(pointers)
+    self.graph_exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+
+  def update(self, index: int, handles: list) -> None:
+    """Kernel `index` reads and writes `handles` from the next launch on."""
+    arguments = self.arguments[index]
+    for position, handle in enumerate(handles): arguments[position] = int(handle)
+    # the driver copies the argument values when this is called, so they are written first
+    check(driver.cuGraphExecKernelNodeSetParams(self.graph_exec, self.nodes[index], self.node_params[index]),
+          "cuGraphExecKernelNodeSetParams")
+
+  def launch(self) -> None:
+    check(driver.cuGraphLaunch(self.graph_exec, self.device.stream), "cuGraphLaunch")
+
+  def __del__(self) -> None:
+    try:
+      driver.cuGraphExecDestroy(self.graph_exec)
+      driver.cuGraphDestroy(self.graph)
+    except Exception:  # interpreter shutdown: the bindings may be gone already
+      pass
+
+
 class CUDADevice(Compiled):
   def __init__(self, name: str):
     check(driver.cuInit(0), "cuInit")
@@ -137,6 +189,8 @@ class CUDADevice(Compiled):
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
     super().__init__(name, CUDAAllocator(self), CUDARenderer(), CUDACompiler(self.arch),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
+    # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
+    self.graph = lambda launches: CUDAGraph(self, launches)
 
   def make_current(self) -> None: check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 

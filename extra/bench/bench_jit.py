@@ -1,0 +1,210 @@
+"""Training-step benchmark: ourgrad eager vs ourgrad TinyJit vs PyTorch eager (and PyTorch with the whole step in
+one CUDA graph on CUDA), for an MLP (784-512-512-10, Adam) and the examples/mnist.py CNN (batch 256), plus the
+Python time of a replayed step, the launch cost of a 1-element kernel and the first result of a never-seen
+8-op elementwise expression (code generation and compilation included).
+
+Method: each step time is the mean of `--steps` steps after `--warmup` steps, synchronizing once at the end.
+"Python per replayed step" is the host time of a TinyJit call: on CUDA the call returns before the GPU is done,
+so it is its wall time; on the CPU, where kernels run on the calling thread, it is the call's wall time minus the
+time of its kernel loop alone. "Python per eager step" is likewise the eager step minus the replay's kernel time.
+Run: `python extra/bench/bench_jit.py` (CUDA when present, else the CPU); `--device CLANG` forces the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ourgrad import Device, Tensor, TinyJit
+from ourgrad.engine.realize import lower_schedule
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.nn import Linear
+from ourgrad.nn.losses import cross_entropy
+from ourgrad.nn.optim import Adam
+from ourgrad.nn.state import get_parameters
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load_mnist_example() -> Any:
+  spec = importlib.util.spec_from_file_location("mnist_example", ROOT / "examples" / "mnist.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def mean_seconds(step: Callable[[], Any], sync: Callable[[], None], steps: int, warmup: int) -> float:
+  for _ in range(warmup): step()
+  sync()
+  start = time.perf_counter()
+  for _ in range(steps): step()
+  sync()
+  return (time.perf_counter() - start) / steps
+
+
+# ---------------------------------------------------------------- ourgrad
+
+class MLP:
+  def __init__(self) -> None:
+    self.layers = [Linear(784, 512), Linear(512, 512), Linear(512, 10)]
+
+  def __call__(self, x: Tensor) -> Tensor:
+    for layer in self.layers[:-1]: x = layer(x).relu()
+    return self.layers[-1](x)
+
+
+def ourgrad_step(model: Any) -> tuple[Callable[[Tensor, Tensor], Tensor], Any]:
+  """One Adam training step of `model` (made on the default device, which main() sets)."""
+  trainable = [tensor for tensor in get_parameters(model) if tensor.requires_grad]
+  stats = [tensor for tensor in get_parameters(model) if not tensor.requires_grad]
+  optimizer = Adam(trainable, lr=1e-3)
+
+  def step(x: Tensor, y: Tensor) -> Tensor:
+    with Tensor.train():
+      optimizer.zero_grad()
+      loss = cross_entropy(model(x), y)
+      loss.backward()
+      Tensor.realize_all(loss, *optimizer.schedule_step(), *stats)
+    return loss
+  return step, optimizer
+
+
+def bench_ourgrad(name: str, make_model: Callable[[], Any], input_shape: tuple[int, ...], batch: int, device: str,
+                  args: argparse.Namespace) -> dict[str, float]:
+  rng = np.random.default_rng(0)
+  x = Tensor(rng.standard_normal((batch, *input_shape)).astype(np.float32), device=device).realize()
+  y = Tensor(rng.integers(0, 10, batch).astype(np.int32), device=device).realize()
+  sync = Device[device].synchronize
+  eager_step, _ = ourgrad_step(make_model())
+  eager = mean_seconds(lambda: eager_step(x, y), sync, args.steps, args.warmup)
+  jit_step = TinyJit(ourgrad_step(make_model())[0])
+  jitted = mean_seconds(lambda: jit_step(x, y), sync, args.steps, args.warmup)
+  runner = jit_step.captured.replay_runner
+  kernels_only = mean_seconds(runner.run, sync, args.steps, 2)
+  host_start = time.perf_counter()
+  for _ in range(args.steps): jit_step(x, y)
+  host = (time.perf_counter() - host_start) / args.steps
+  sync()
+  is_host = device != "CUDA"
+  return {"eager": eager, "jit": jitted, "replay_python": host - kernels_only if is_host else host,
+          "eager_python": eager - kernels_only, "kernels": len(jit_step.captured.items)}
+
+
+# ---------------------------------------------------------------- PyTorch
+
+def bench_torch(make_model: Callable[[], Any], input_shape: tuple[int, ...], batch: int, cuda: bool,
+                args: argparse.Namespace) -> dict[str, float]:
+  import torch
+  device = "cuda" if cuda else "cpu"
+  torch.manual_seed(0)
+  model = make_model().to(device)
+  optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=cuda)
+  x = torch.randn(batch, *input_shape, device=device)
+  y = torch.randint(0, 10, (batch,), device=device)
+  sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+  def step() -> Any:
+    optimizer.zero_grad(set_to_none=False)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+  model.train()
+  results = {"eager": mean_seconds(step, sync, args.steps, args.warmup)}
+  if cuda:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+      for _ in range(3): step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph): step()
+    results["graph"] = mean_seconds(graph.replay, sync, args.steps, args.warmup)
+  return results
+
+
+def torch_mlp() -> Any:
+  import torch
+  return torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                             torch.nn.Linear(512, 10))
+
+
+def torch_mnist() -> Any:
+  import torch
+  layers: list[Any] = []
+  channels = 1
+  for out_channels in (16, 32):
+    layers += [torch.nn.Conv2d(channels, out_channels, 5, bias=False), torch.nn.BatchNorm2d(out_channels),
+               torch.nn.ReLU(), torch.nn.MaxPool2d(2)]
+    channels = out_channels
+  return torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 10))
+
+
+# ---------------------------------------------------------------- small costs
+
+def launch_cost(device: str, iters: int) -> float:
+  """Seconds per launch of a lowered 1-element kernel through ExecItem.run (no scheduling), synchronized at the end."""
+  x = Tensor([1.0], device=device).realize()
+  (item,) = lower_schedule(create_schedule([(x + 1).lazydata]))
+  return mean_seconds(item.run, Device[device].synchronize, iters, 10)
+
+
+def torch_launch_cost(cuda: bool, iters: int) -> float:
+  import torch
+  x = torch.ones(1, device="cuda" if cuda else "cpu")
+  return mean_seconds(lambda: x.add_(1), torch.cuda.synchronize if cuda else (lambda: None), iters, 10)
+
+
+def first_result_seconds(device: str) -> float:
+  """Build, generate, compile and run an 8-op elementwise expression whose constants make its source new."""
+  constant = float(np.random.default_rng(int(time.time() * 1e6) % 2**32).random()) + 1.0
+  x = Tensor.randn(4096, device=device).realize()
+  start = time.perf_counter()
+  value = ((((x * constant + 1.5).exp2() - 0.25).sqrt() * x).relu() + constant).log2().numpy()
+  assert value.shape == (4096,)
+  return time.perf_counter() - start
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--device", default=Device.DEFAULT)
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--no-torch", action="store_true")
+  args = parser.parse_args()
+  device = Device.canonicalize(args.device)
+  os.environ["DEVICE"] = device  # models and optimizer state are made on the default device
+  cuda = device == "CUDA"
+  mnist = load_mnist_example()
+  workloads = [("MLP step", MLP, (784,), 512 if cuda else 256, torch_mlp),
+               ("MNIST CNN step", lambda: mnist.ConvNet(mnist.MODELS["small"]), (1, 28, 28), 256, torch_mnist)]
+  rows: list[tuple[str, str]] = []
+
+  def ms(seconds: float) -> str: return f"{seconds * 1e3:.3f} ms"
+  for name, make_model, shape, batch, make_torch in workloads:
+    ours = bench_ourgrad(name, make_model, shape, batch, device, args)
+    rows += [(f"{name} (batch {batch}), ourgrad eager", ms(ours["eager"])),
+             (f"{name} (batch {batch}), ourgrad TinyJit ({ours['kernels']} kernels)", ms(ours["jit"])),
+             (f"{name}, Python per replayed step", f"{ours['replay_python'] * 1e6:.1f} us"),
+             (f"{name}, Python per eager step (eager - replay kernels)", ms(ours["eager_python"]))]
+    if not args.no_torch:
+      theirs = bench_torch(make_torch, shape, batch, cuda, args)
+      rows.append((f"{name} (batch {batch}), PyTorch eager", ms(theirs["eager"])))
+      if "graph" in theirs: rows.append((f"{name} (batch {batch}), PyTorch CUDA graph", ms(theirs["graph"])))
+  rows.append(("launch of a 1-element kernel (ExecItem.run)", f"{launch_cost(device, 2000) * 1e6:.1f} us"))
+  if not args.no_torch:
+    rows.append(("launch of a 1-element kernel, PyTorch", f"{torch_launch_cost(cuda, 2000) * 1e6:.1f} us"))
+  rows.append(("first result of a new 8-op elementwise expression", ms(first_result_seconds(device))))
+  width = max(len(label) for label, _ in rows)
+  print(f"device: {device}")
+  print(f"| {'workload'.ljust(width)} | time |\n| {'-' * width} | --- |")
+  for label, value in rows: print(f"| {label.ljust(width)} | {value} |")
+
+
+if __name__ == "__main__":
+  main()
