@@ -161,7 +161,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, NNMixin):
   def realize(self, *others: Tensor) -> Tensor:
     """Compute this tensor (and `others`) now, in one schedule."""
     from ourgrad.engine.realize import run_schedule
-    from ourgrad.engine.schedule import create_schedule
+    from ourgrad.engine.schedule_cache import schedule as create_schedule  # cached by the graph's structure
     start = time.perf_counter()
     schedule = create_schedule([tensor.lazydata for tensor in (self, *others)])
     scheduled = time.perf_counter()

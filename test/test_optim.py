@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ourgrad.engine.realize as engine_realize
-import ourgrad.engine.schedule as engine_schedule
+import ourgrad.engine.schedule_cache as engine_schedule  # Tensor.realize schedules through its cache
 from ourgrad.errors import AutogradError
 from ourgrad.helpers import GlobalCounters
 from ourgrad.nn.optim import LAMB, SGD, Adam, AdamW, Optimizer
@@ -137,14 +137,14 @@ def test_one_schedule_per_step_in_place(make: Callable[[list[Tensor]], Optimizer
   opt = make(params)
   buffers = [param.lazydata.base.realized for param in params]
   schedules: list[int] = []
-  original = engine_schedule.create_schedule
+  original = engine_schedule.schedule
 
   def counting_create_schedule(*args: Any, **kwargs: Any) -> Any:
     schedule = original(*args, **kwargs)
     schedules.append(len(schedule))
     return schedule
 
-  monkeypatch.setattr(engine_schedule, "create_schedule", counting_create_schedule)
+  monkeypatch.setattr(engine_schedule, "schedule", counting_create_schedule)
   kernels_per_step: list[int] = []
   for step in range(4):
     x, target = _batch(step)
@@ -281,8 +281,8 @@ def test_schedule_step_realizes_loss_with_the_update(monkeypatch: pytest.MonkeyP
   loss = _loss(*params, Tensor(x), Tensor(target))
   loss.backward()
   schedules: list[int] = []
-  original = engine_schedule.create_schedule
-  monkeypatch.setattr(engine_schedule, "create_schedule", lambda outs: schedules.append(1) or original(outs))
+  original = engine_schedule.schedule
+  monkeypatch.setattr(engine_schedule, "schedule", lambda outs: schedules.append(1) or original(outs))
   Tensor.realize_all(loss, *opt.schedule_step())
   assert len(schedules) == 1
   expected = _loss(*[torch.tensor(value) for value in weights.values()], torch.tensor(x), torch.tensor(target))

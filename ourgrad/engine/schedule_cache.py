@@ -1,0 +1,139 @@
+"""A schedule cache keyed by the lazy graph's structure: a training step that builds the same graph every time (new
+LazyBuffers, new buffers, the same ops, views and dtypes) is scheduled once.
+
+`schedule(outs)` walks the unrealized bases behind `outs` (as the scheduler does) and writes down each base's op,
+arg, dtype, device, shape and forced-realize flag, and each source as a reference: another base of the walk by its
+position, or a realized buffer by its position among the leaves (its device, size and dtype are in the key, its
+identity is not), always with the view it is read through. Equal keys mean the scheduler would make the same
+decisions and the same kernel ASTs; only the buffers differ. On a hit the cached items are rebound to this graph's
+leaf buffers and to fresh buffers for what it realizes, and the bases are marked realized as create_schedule does.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ourgrad.device import Buffer
+from ourgrad.engine import schedule as scheduler
+from ourgrad.engine.schedule import ScheduleItem
+from ourgrad.helpers import env_var
+from ourgrad.lazy import LazyBuffer, walk_bases
+from ourgrad.ops import Ops
+
+SCHEDULE_CACHE = env_var("SCHEDULE_CACHE", 1, "0: schedule every realize from scratch (no structural schedule cache)")
+CACHE_SIZE = 64  # graphs remembered (least recently used dropped first)
+
+
+@dataclass
+class CacheStats:
+  hits: int = 0
+  misses: int = 0
+
+
+stats = CacheStats()
+
+# a buffer slot of a cached item: ("leaf", index into the leaves) or ("base", index into the walked bases)
+Slot = tuple[str, int]
+
+
+@dataclass
+class CachedSchedule:
+  asts: list[Any]
+  output_slots: list[tuple[Slot, ...]]
+  input_slots: list[tuple[Slot, ...]]
+  realized: list[tuple[int, Slot | None]]   # walked base index -> the leaf it shares (an assign) or None (fresh)
+  cleared: list[int]                        # walked bases whose sources create_schedule dropped
+
+
+_cache: OrderedDict[tuple, CachedSchedule] = OrderedDict()
+
+
+def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], list[Buffer]]:
+  """(the graph's structural key, the unrealized bases in walk order, the distinct realized leaf buffers)."""
+  bases = walk_bases(outs)
+  position = {id(base): index for index, base in enumerate(bases)}
+  leaves: list[Buffer] = []
+  leaf_position: dict[int, int] = {}
+  tokens: list[Any] = []
+
+  def reference(lazy: LazyBuffer) -> tuple:
+    base = lazy.base
+    if id(base) in position: return ("b", position[id(base)], lazy.st)
+    buffer = base.realized
+    if id(buffer) not in leaf_position:
+      leaf_position[id(buffer)] = len(leaves)
+      leaves.append(buffer)
+    # the scheduler reads a realized base only as memory (its op no longer matters), and its size (copies)
+    return ("r", leaf_position[id(buffer)], lazy.st, base.shape)
+
+  for base in bases:
+    tokens.append((base.op, _hashable(base.arg), base.dtype, base.device, base.shape, base.forced_realize,
+                   tuple(reference(src) for src in base.srcs)))
+  tokens.append(tuple(reference(out) for out in outs))
+  tokens.append(tuple((buffer.device, buffer.size, buffer.dtype, type(buffer)) for buffer in leaves))
+  return tuple(tokens), bases, leaves
+
+
+def _hashable(arg: Any) -> Any:
+  try:
+    hash(arg)
+  except TypeError:
+    return repr(arg)
+  return arg
+
+
+def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
+  """create_schedule(outs), from the cache where a graph of the same structure was scheduled before."""
+  # scheduler.create_schedule is looked up at each call, so tools that wrap it (benchmarks, tests) still see misses
+  if not SCHEDULE_CACHE: return scheduler.create_schedule(outs)
+  key, bases, leaves = _structure(outs)
+  if not bases: return []
+  cached = _cache.get(key)
+  if cached is not None:
+    _cache.move_to_end(key)
+    stats.hits += 1
+    return _replay(cached, bases, leaves)
+  stats.misses += 1
+  items = scheduler.create_schedule(outs)
+  entry = _record(items, bases, leaves)
+  if entry is not None:
+    _cache[key] = entry
+    if len(_cache) > CACHE_SIZE: _cache.popitem(last=False)
+  return items
+
+
+def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buffer]) -> CachedSchedule | None:
+  """The schedule in terms of slots; None if an item uses a buffer that is neither a leaf nor a walked base's (a
+  window of a DISK file), which a replay could not rebuild."""
+  slot_of: dict[int, Slot] = {id(buffer): ("leaf", index) for index, buffer in enumerate(leaves)}
+  realized: list[tuple[int, Slot | None]] = []
+  for index, base in enumerate(bases):
+    if base.realized is None: continue
+    shared = slot_of.get(id(base.realized))
+    if shared is None: slot_of[id(base.realized)] = ("base", index)
+    elif base.op is not Ops.ASSIGN: return None
+    realized.append((index, shared))
+  try:
+    outputs = [tuple(slot_of[id(buffer)] for buffer in item.outputs) for item in items]
+    inputs = [tuple(slot_of[id(buffer)] for buffer in item.inputs) for item in items]
+  except KeyError:
+    return None
+  cleared = [index for index, base in enumerate(bases) if base.realized is not None and not base.srcs]
+  return CachedSchedule([item.ast for item in items], outputs, inputs, realized, cleared)
+
+
+def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
+  fresh: dict[int, Buffer] = {}
+  for index, shared in cached.realized:
+    base = bases[index]
+    if shared is None:
+      fresh[index] = base.realized = Buffer(base.device, base.size, base.dtype)
+    else:
+      base.realized = leaves[shared[1]]
+
+  def buffer(slot: Slot) -> Buffer: return leaves[slot[1]] if slot[0] == "leaf" else fresh[slot[1]]
+  items = [ScheduleItem(ast, tuple(buffer(slot) for slot in outputs), tuple(buffer(slot) for slot in inputs))
+           for ast, outputs, inputs in zip(cached.asts, cached.output_slots, cached.input_slots)]
+  for index in cached.cleared: bases[index].srcs = ()
+  return items
