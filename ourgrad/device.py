@@ -122,6 +122,7 @@ class Buffer:
     self.device, self.size, self.dtype = device, size, dtype
     self._handle: Any = None
     self._backing: Buffer | None = None  # set when the memory planner makes this buffer use another's memory
+    self._pointer: ctypes.c_void_p | None = None  # host devices: the memory's address, made once (host_pointer)
 
   @property
   def nbytes(self) -> int: return self.size * self.dtype.itemsize
@@ -150,6 +151,13 @@ class Buffer:
       Device[self.device].allocator.free(self._handle, max(self.nbytes, 1))
     self._handle = Device[self.device].allocator.shared_handle(backing.handle, max(self.nbytes, 1))
     self._backing = backing
+    self._pointer = None
+
+  def host_pointer(self) -> ctypes.c_void_p:
+    """The address of a host buffer's memory (a numpy array) as a ctypes pointer, made once: kernels of host devices
+    take it as their argument, and `array.ctypes.data` costs microseconds per call."""
+    if self._pointer is None: self._pointer = ctypes.c_void_p(self.handle.ctypes.data)
+    return self._pointer
 
   def __del__(self) -> None:
     handle = getattr(self, "_handle", None)

@@ -15,7 +15,6 @@ Assigns made inside the function are realized at its end, with the outputs, so t
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import inspect
 from dataclasses import dataclass
@@ -346,7 +345,7 @@ class ItemReplay:
     for item in items:
       program = getattr(item.runner, "program", None)
       if isinstance(item.runner, CompiledRunner) and isinstance(program, HostProgram) and DEBUG < 2:
-        self.host_calls.append((program.function, [_host_pointer(buffer) for buffer in item.bufs]))
+        self.host_calls.append((program.function, [buffer.host_pointer() for buffer in item.bufs]))
       else:
         self.host_calls.append(None)
     # what the pre-bound calls add to GlobalCounters (items run through ExecItem.run count themselves)
@@ -358,7 +357,7 @@ class ItemReplay:
   def set_buffer(self, item_index: int, slot: int, buffer: Buffer) -> None:
     self.items[item_index].bufs[slot] = buffer
     call = self.host_calls[item_index]
-    if call is not None: call[1][slot] = _host_pointer(buffer)
+    if call is not None: call[1][slot] = buffer.host_pointer()
 
   def run(self) -> None:
     for item, call in zip(self.items, self.host_calls):
@@ -408,6 +407,3 @@ def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
       return GraphReplay(items, graph_class(launches))
   return ItemReplay(items)
 
-
-def _host_pointer(buffer: Buffer) -> Any:
-  return ctypes.c_void_p(buffer.handle.ctypes.data)
