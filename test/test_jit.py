@@ -198,6 +198,15 @@ def test_method_is_per_instance():
   for _ in range(3): m1.forward(Tensor([5.0]))
   assert m1.forward(Tensor([5.0])).item() == 10.0
   assert [m2.forward(Tensor([5.0])).item() for _ in range(3)] == [15.0, 15.0, 15.0]
+  assert m1.forward.captured is not None and m2.forward.captured is not None  # each instance replays its own
+
+  class Late:
+    def __init__(self, scale): self.scale = Tensor([scale]).realize()
+    def forward(self, x): return (x * self.scale).realize()
+  Late.forward = TinyJit(Late.forward)  # wrapped after the class body: no __set_name__
+  late = Late(4.0)
+  assert [late.forward(Tensor([float(i)])).item() for i in range(4)] == [0.0, 4.0, 8.0, 12.0]
+  assert late.forward.captured is not None
 
 
 def test_unrealized_outputs_are_realized():

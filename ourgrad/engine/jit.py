@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
@@ -49,22 +50,28 @@ class TinyJit(Generic[ReturnType]):
     self.fn = fn
     self.call_count = 0
     self.captured: CapturedJit | None = None
-    self.attribute_name: str | None = None
+    self._per_instance: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # method: instance -> its TinyJit
+    self._by_id: dict[int, TinyJit] = {}
     try:
       self.signature: inspect.Signature | None = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some callables have none: arguments are then taken as given
       self.signature = None
     functools.update_wrapper(self, fn)
 
-  def __set_name__(self, owner: type, name: str) -> None: self.attribute_name = name
-
   def __get__(self, instance: Any, owner: type | None = None) -> Any:
     """A method: each instance gets a TinyJit of its own (one shared by the class would replay the kernels of the
     first instance, reading its weights, for every other instance)."""
     if instance is None: return self
-    bound = TinyJit(self.fn.__get__(instance, owner))
-    if self.attribute_name is not None and hasattr(instance, "__dict__"):
-      instance.__dict__[self.attribute_name] = bound  # found before this descriptor from now on
+    try:
+      bound = self._per_instance.get(instance)
+    except TypeError:  # an instance that cannot be weakly referenced or hashed: kept by id
+      bound = self._by_id.get(id(instance))
+    if bound is None:
+      bound = TinyJit(self.fn.__get__(instance, owner))
+      try:
+        self._per_instance[instance] = bound
+      except TypeError:
+        self._by_id[id(instance)] = bound
     return bound
 
   def reset(self) -> None:
