@@ -311,3 +311,16 @@ def test_cuda_replay_is_one_graph_updated_with_new_buffers():
 def test_cuda_jitted_training_step_is_bit_identical(monkeypatch):
   monkeypatch.setenv("DEVICE", "CUDA")
   test_jitted_training_step_is_bit_identical_to_eager()
+
+
+@pytest.mark.parametrize("device", ["LLVM", "PYTHON"])
+def test_other_devices_replay(device):
+  """LLVM replays through pre-bound ctypes calls like CLANG; PYTHON (no ctypes function) through ExecItem.run."""
+  @TinyJit
+  def f(a, b): return ((a * b).sum(1) + a.max(1)).realize()
+  for _ in range(4):
+    a, b = Tensor.randn(6, 5, device=device), Tensor.randn(6, 5, device=device)
+    np.testing.assert_allclose(f(a, b).numpy(), (a.numpy() * b.numpy()).sum(1) + a.numpy().max(1), rtol=1e-5)
+  assert f.captured is not None
+  host_calls = [call is not None for call in f.captured.replay_runner.host_calls]
+  assert all(host_calls) == (device == "LLVM")
