@@ -282,7 +282,8 @@ class CapturedJit:
 
   def replay(self, inputs: dict[str, Tensor], input_buffers: list[Buffer], statics: dict[str, Any]) -> Any:
     self._check(inputs, statics)
-    for buffer, slots in zip(input_buffers, self.input_slots):
+    for buffer, previous, slots in zip(input_buffers, self.input_buffers, self.input_slots):
+      if buffer is previous: continue  # the same input as last call: its slots already hold it
       for item_index, slot in slots: self.replay_runner.set_buffer(item_index, slot, buffer)
     self.input_buffers = input_buffers
     for index in self.fresh_outputs:
