@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
@@ -24,7 +25,7 @@ from typing import Any, Callable, Generic, TypeVar
 from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.exec_item import CompiledRunner, ExecItem, capture_into, jit_recording
 from ourgrad.engine.memory import held_only_by_items, plan_memory
-from ourgrad.errors import JitError
+from ourgrad.errors import DeviceError, JitError
 from ourgrad.helpers import DEBUG, GlobalCounters, env_var
 from ourgrad.lazy import LazyBuffer
 from ourgrad.tensor import Tensor
@@ -412,6 +413,10 @@ def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
         for buffer in item.bufs: buffer.allocate()
       launches = [(item.runner.program, item.runner.global_size, item.runner.local_size,
                    [buffer.handle for buffer in item.bufs]) for item in items]
-      return GraphReplay(items, graph_class(launches))
+      try:
+        return GraphReplay(items, graph_class(launches))
+      except DeviceError as error:  # a driver that refuses the graph: replay item by item, still correct
+        warnings.warn(f"device graph failed ({error}); the JIT replays its kernels one by one", RuntimeWarning,
+                      stacklevel=2)
   return ItemReplay(items)
 
