@@ -324,3 +324,34 @@ def test_other_devices_replay(device):
   assert f.captured is not None
   host_calls = [call is not None for call in f.captured.replay_runner.host_calls]
   assert all(host_calls) == (device == "LLVM")
+
+
+def test_graph_replay_updates_arguments_in_place(monkeypatch):
+  """GraphReplay's bookkeeping, with a stand-in for a device graph on CLANG: built once from the launches, told
+  about each kernel whose buffers changed, launched once per call."""
+  from ourgrad.device import Device
+  from ourgrad.engine.jit import GraphReplay
+  built, updates, launches = [], [], []
+
+  class RecordingGraph:
+    def __init__(self, kernel_launches):
+      built.append(len(kernel_launches))
+      self.kernel_launches = [list(launch) for launch in kernel_launches]
+
+    def update(self, index, handles):
+      updates.append(index)
+      self.kernel_launches[index][3] = handles
+
+    def launch(self):
+      launches.append(1)
+      for program, global_size, local_size, handles in self.kernel_launches:
+        program(*handles, global_size=global_size, local_size=local_size)
+  monkeypatch.setattr(Device["CLANG"], "graph", RecordingGraph, raising=False)
+
+  @TinyJit
+  def f(a): return ((a + 1).realize() * 3).realize()
+  for i in range(5):
+    a = Tensor.full((4,), float(i), device="CLANG").contiguous().realize()
+    assert f(a).numpy().tolist() == [3.0 * (i + 1)] * 4
+  assert isinstance(f.captured.replay_runner, GraphReplay)
+  assert built == [2] and len(launches) == 3 and updates
