@@ -111,6 +111,9 @@ class TinyJit(Generic[ReturnType]):
     self.call_count = 2
     del items, outputs
     self.captured.plan_memory()
+    if DEBUG >= 1:
+      print(f"jit: captured {len(self.captured.items)} items of {self.fn.__name__} "
+            f"({len(specs)} inputs), replayed by {type(self.captured.replay_runner).__name__}")
     return result
 
   def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
