@@ -50,7 +50,7 @@ def test_kwargs_positional_mix_and_containers():
   for i in range(4):
     a, b, c = Tensor.randn(6), Tensor.randn(6) + 3, Tensor.randn(6)
     out = f(a, [b, {"c": c}]) if i % 2 else f(second=[b, {"c": c}], first=a)
-    np.testing.assert_allclose(out.numpy(), a.numpy() / b.numpy() + c.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(out.numpy(), a.numpy() / b.numpy() + c.numpy(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype"])
