@@ -90,6 +90,8 @@ class LRUAllocator(Allocator):
 
   shares_memory = True
 
+  shares_memory = True
+
   def __init__(self) -> None:
     self.cache: dict[int, list[Any]] = {}
     self.cached_total = 0
@@ -144,6 +146,7 @@ class Buffer:
     self.device, self.size, self.dtype = device, size, dtype
     self._handle: Any = None
     self._backing: Buffer | None = None  # set when the memory planner makes this buffer use another's memory
+    self._pointer: ctypes.c_void_p | None = None  # host devices: the memory's address, made once (host_pointer)
 
   @property
   def nbytes(self) -> int: return self.size * self.dtype.itemsize
@@ -168,11 +171,19 @@ class Buffer:
     do not overlap one backing buffer). Memory this buffer held before goes back to its allocator."""
     if backing.device != self.device or backing.nbytes < self.nbytes:
       raise ValueError(f"{self!r} cannot use the memory of {backing!r}")
-    if self._handle is not None and self._backing is None:
-      GlobalCounters.mem_used -= self.nbytes
-      Device[self.device].allocator.free(self._handle, max(self.nbytes, 1))
-    self._handle = Device[self.device].allocator.shared_handle(backing.handle, max(self.nbytes, 1))
-    self._backing = backing
+    with MEMORY_LOCK:
+      if self._handle is not None and self._backing is None:
+        GlobalCounters.mem_used -= self.nbytes
+        Device[self.device].allocator.free(self._handle, max(self.nbytes, 1))
+      self._handle = Device[self.device].allocator.shared_handle(backing.handle, max(self.nbytes, 1))
+      self._backing = backing
+      self._pointer = None
+
+  def host_pointer(self) -> ctypes.c_void_p:
+    """The address of a host buffer's memory (a numpy array) as a ctypes pointer, made once: kernels of host devices
+    take it as their argument, and `array.ctypes.data` costs microseconds per call."""
+    if self._pointer is None: self._pointer = ctypes.c_void_p(self.handle.ctypes.data)
+    return self._pointer
 
   def __del__(self) -> None:
     handle = getattr(self, "_handle", None)

@@ -4,23 +4,25 @@ Python time of a replayed step, the launch cost of a 1-element kernel and the fi
 8-op elementwise expression (code generation and compilation included).
 
 Method: each step time is the mean of `--steps` steps after `--warmup` steps, synchronizing once at the end.
-"Python per replayed step" is the host time of a TinyJit call: on CUDA the call returns before the GPU is done,
-so it is its wall time; on the CPU, where kernels run on the calling thread, it is the call's wall time minus the
-time of its kernel loop alone. "Python per eager step" is likewise the eager step minus the replay's kernel time.
+"Python per replayed/eager step" is the host time of a step: on CUDA the calls return before the GPU is done, so
+it is their wall time; on the CPU, where kernels run on the calling thread, it is the wall time of the same steps
+with every compiled kernel replaced by a no-op (graph building, scheduling, launching and the ctypes calls remain).
 Run: `python extra/bench/bench_jit.py` (CUDA when present, else the CPU); `--device CLANG` forces the CPU.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import pathlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ourgrad import Device, Tensor, TinyJit
+from ourgrad.engine import realize
 from ourgrad.engine.realize import lower_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.nn import Linear
@@ -84,15 +86,36 @@ def bench_ourgrad(name: str, make_model: Callable[[], Any], input_shape: tuple[i
   eager = mean_seconds(lambda: eager_step(x, y), sync, args.steps, args.warmup)
   jit_step = TinyJit(ourgrad_step(make_model())[0])
   jitted = mean_seconds(lambda: jit_step(x, y), sync, args.steps, args.warmup)
-  runner = jit_step.captured.replay_runner
-  kernels_only = mean_seconds(runner.run, sync, args.steps, 2)
-  host_start = time.perf_counter()
-  for _ in range(args.steps): jit_step(x, y)
-  host = (time.perf_counter() - host_start) / args.steps
-  sync()
-  is_host = device != "CUDA"
-  return {"eager": eager, "jit": jitted, "replay_python": host - kernels_only if is_host else host,
-          "eager_python": eager - kernels_only, "kernels": len(jit_step.captured.items)}
+  if device == "CUDA":  # launches are asynchronous: the host time of a call is its Python time
+    replay_python = mean_seconds(lambda: jit_step(x, y), lambda: None, args.steps, 0)
+    sync()
+    eager_python = mean_seconds(lambda: eager_step(x, y), lambda: None, args.steps, 0)
+    sync()
+  else:  # kernels run on the calling thread: time the same calls with every kernel replaced by a no-op
+    with host_kernels_disabled(jit_step):
+      replay_python = mean_seconds(lambda: jit_step(x, y), sync, args.steps, 1)
+      eager_python = mean_seconds(lambda: eager_step(x, y), sync, args.steps, 1)
+  return {"eager": eager, "jit": jitted, "replay_python": replay_python, "eager_python": eager_python,
+          "kernels": len(jit_step.captured.items)}
+
+
+@contextlib.contextmanager
+def host_kernels_disabled(jit_step: TinyJit) -> Iterator[None]:
+  """Every compiled host kernel (eager runners and the JIT's pre-bound calls) does nothing inside this block, so a
+  step's wall time is its Python time (plus the ctypes calls' cost, which is Python's too)."""
+  def nothing(*pointers: Any) -> None: return None
+  runners = [runner for runner in realize._runner_cache.values() if runner.host_function is not None]
+  saved = [runner.host_function for runner in runners]
+  calls = [call for call in jit_step.captured.replay_runner.host_calls if call is not None]
+  saved_calls = list(calls)
+  replay = jit_step.captured.replay_runner
+  try:
+    for runner in runners: runner.host_function = nothing
+    replay.host_calls = [(nothing, call[1]) if call is not None else None for call in replay.host_calls]
+    yield
+  finally:
+    for runner, function in zip(runners, saved): runner.host_function = function
+    replay.host_calls = [saved_calls.pop(0) if call is not None else None for call in replay.host_calls]
 
 
 # ---------------------------------------------------------------- PyTorch
@@ -191,7 +214,7 @@ def main() -> None:
     rows += [(f"{name} (batch {batch}), ourgrad eager", ms(ours["eager"])),
              (f"{name} (batch {batch}), ourgrad TinyJit ({ours['kernels']} kernels)", ms(ours["jit"])),
              (f"{name}, Python per replayed step", f"{ours['replay_python'] * 1e6:.1f} us"),
-             (f"{name}, Python per eager step (eager - replay kernels)", ms(ours["eager_python"]))]
+             (f"{name}, Python per eager step", ms(ours["eager_python"]))]
     if not args.no_torch:
       theirs = bench_torch(make_torch, shape, batch, cuda, args)
       rows.append((f"{name} (batch {batch}), PyTorch eager", ms(theirs["eager"])))

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ourgrad.device import Buffer, Device
+from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.profile import profiler
 from ourgrad.helpers import DEBUG, GlobalCounters, colored
 
@@ -34,8 +34,13 @@ class CompiledRunner(Runner):
                local_size: tuple[int, ...], op_count: int, byte_count: int):
     self.name, self.display_name, self.source, self.program = name, display_name, source, program
     self.global_size, self.local_size, self.op_count, self.byte_count = global_size, local_size, op_count, byte_count
+    # host kernels (CLANG, LLVM) are called straight through ctypes with each buffer's cached address
+    self.host_function = program.function if isinstance(program, HostProgram) else None
 
   def __call__(self, buffers: list[Buffer], wait: bool = False) -> float | None:
+    if self.host_function is not None and not wait:
+      self.host_function(*[buffer.host_pointer() for buffer in buffers])
+      return None
     return self.program(*[buffer.handle for buffer in buffers], global_size=self.global_size,
                         local_size=self.local_size, wait=wait)
 
@@ -122,19 +127,20 @@ class ExecItem:
 
   def run(self, wait: bool = False) -> float | None:
     """Launch: allocate the buffers, run, count, print at DEBUG=2, and record the item if a JIT is capturing."""
-    for buffer in self.bufs: buffer.allocate()
-    wait = wait or DEBUG >= 2 or profiler.active()
-    seconds = self.runner(self.bufs, wait=wait)
-    self._record_profile(seconds)
+    for buffer in self.bufs:
+      if buffer._handle is None: buffer.allocate()
+    debug = DEBUG.value  # read once: each read looks the environment up
+    seconds = self.runner(self.bufs, wait=wait or debug >= 2 or profiler.active())
+    if seconds is not None: self._record_profile(seconds)
     if isinstance(self.runner, CompiledRunner): GlobalCounters.kernel_count += 1
     GlobalCounters.global_ops += self.runner.op_count
     GlobalCounters.global_mem += self.runner.byte_count
     if seconds is not None: GlobalCounters.time_sum_s += seconds
-    if DEBUG >= 2: self._print(seconds)
+    if debug >= 2: self._print(seconds)
     if _capture_lists: _capture_lists[-1].append(self)
     return seconds
 
-  def _record_profile(self, seconds: float | None) -> None:
+  def _record_profile(self, seconds: float) -> None:
     if isinstance(self.runner, CopyRunner):
       source, destination = self.bufs[1].device, self.bufs[0].device
       profiler.record_launch(f"copy {source} -> {destination}", destination, seconds, "copy")

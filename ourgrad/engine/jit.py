@@ -15,16 +15,17 @@ Assigns made inside the function are realized at its end, with the outputs, so t
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import inspect
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
 from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.exec_item import CompiledRunner, ExecItem, capture_into, jit_recording
 from ourgrad.engine.memory import held_only_by_items, plan_memory
-from ourgrad.errors import JitError
+from ourgrad.errors import DeviceError, JitError
 from ourgrad.helpers import DEBUG, GlobalCounters, env_var
 from ourgrad.lazy import LazyBuffer
 from ourgrad.tensor import Tensor
@@ -50,22 +51,28 @@ class TinyJit(Generic[ReturnType]):
     self.fn = fn
     self.call_count = 0
     self.captured: CapturedJit | None = None
-    self.attribute_name: str | None = None
+    self._per_instance: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # method: instance -> its TinyJit
+    self._by_id: dict[int, TinyJit] = {}
     try:
       self.signature: inspect.Signature | None = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some callables have none: arguments are then taken as given
       self.signature = None
     functools.update_wrapper(self, fn)
 
-  def __set_name__(self, owner: type, name: str) -> None: self.attribute_name = name
-
   def __get__(self, instance: Any, owner: type | None = None) -> Any:
     """A method: each instance gets a TinyJit of its own (one shared by the class would replay the kernels of the
     first instance, reading its weights, for every other instance)."""
     if instance is None: return self
-    bound = TinyJit(self.fn.__get__(instance, owner))
-    if self.attribute_name is not None and hasattr(instance, "__dict__"):
-      instance.__dict__[self.attribute_name] = bound  # found before this descriptor from now on
+    try:
+      bound = self._per_instance.get(instance)
+    except TypeError:  # an instance that cannot be weakly referenced or hashed: kept by id
+      bound = self._by_id.get(id(instance))
+    if bound is None:
+      bound = TinyJit(self.fn.__get__(instance, owner))
+      try:
+        self._per_instance[instance] = bound
+      except TypeError:
+        self._by_id[id(instance)] = bound
     return bound
 
   def reset(self) -> None:
@@ -104,6 +111,9 @@ class TinyJit(Generic[ReturnType]):
     self.call_count = 2
     del items, outputs
     self.captured.plan_memory()
+    if DEBUG >= 1:
+      print(f"jit: captured {len(self.captured.items)} items of {self.fn.__name__} "
+            f"({len(specs)} inputs), replayed by {type(self.captured.replay_runner).__name__}")
     return result
 
   def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -276,7 +286,8 @@ class CapturedJit:
 
   def replay(self, inputs: dict[str, Tensor], input_buffers: list[Buffer], statics: dict[str, Any]) -> Any:
     self._check(inputs, statics)
-    for buffer, slots in zip(input_buffers, self.input_slots):
+    for buffer, previous, slots in zip(input_buffers, self.input_buffers, self.input_slots):
+      if buffer is previous: continue  # the same input as last call: its slots already hold it
       for item_index, slot in slots: self.replay_runner.set_buffer(item_index, slot, buffer)
     self.input_buffers = input_buffers
     for index in self.fresh_outputs:
@@ -346,7 +357,7 @@ class ItemReplay:
     for item in items:
       program = getattr(item.runner, "program", None)
       if isinstance(item.runner, CompiledRunner) and isinstance(program, HostProgram) and DEBUG < 2:
-        self.host_calls.append((program.function, [_host_pointer(buffer) for buffer in item.bufs]))
+        self.host_calls.append((program.function, [buffer.host_pointer() for buffer in item.bufs]))
       else:
         self.host_calls.append(None)
     # what the pre-bound calls add to GlobalCounters (items run through ExecItem.run count themselves)
@@ -358,7 +369,7 @@ class ItemReplay:
   def set_buffer(self, item_index: int, slot: int, buffer: Buffer) -> None:
     self.items[item_index].bufs[slot] = buffer
     call = self.host_calls[item_index]
-    if call is not None: call[1][slot] = _host_pointer(buffer)
+    if call is not None: call[1][slot] = buffer.host_pointer()
 
   def run(self) -> None:
     for item, call in zip(self.items, self.host_calls):
@@ -405,9 +416,10 @@ def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
         for buffer in item.bufs: buffer.allocate()
       launches = [(item.runner.program, item.runner.global_size, item.runner.local_size,
                    [buffer.handle for buffer in item.bufs]) for item in items]
-      return GraphReplay(items, graph_class(launches))
+      try:
+        return GraphReplay(items, graph_class(launches))
+      except DeviceError as error:  # a driver that refuses the graph: replay item by item, still correct
+        warnings.warn(f"device graph failed ({error}); the JIT replays its kernels one by one", RuntimeWarning,
+                      stacklevel=2)
   return ItemReplay(items)
 
-
-def _host_pointer(buffer: Buffer) -> Any:
-  return ctypes.c_void_p(buffer.handle.ctypes.data)

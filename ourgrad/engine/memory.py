@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import bisect
 import sys
+import sysconfig
 from collections import Counter, defaultdict
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
@@ -61,14 +62,31 @@ def plan_memory(buffer_lists: Sequence[Sequence[Buffer]], is_internal: Callable[
   return assigned
 
 
+def _references_beyond_slots(containers: Sequence[Sequence[Any]]) -> dict[int, int]:
+  """id -> (reference count - slots of `containers` holding it) for every object in `containers`."""
+  slots = Counter(id(value) for values in containers for value in values)
+  extra: dict[int, int] = {}
+  for values in containers:
+    for value in values: extra[id(value)] = sys.getrefcount(value) - slots[id(value)]
+  return extra
+
+
+def _calibrate() -> int | None:
+  """What `_references_beyond_slots` reports for an object that nothing but its one slot holds: the references of
+  the counting itself (its loop variable, getrefcount's argument), which differ between interpreter versions. None
+  where reference counts do not tell who holds an object (free-threaded builds, other interpreters)."""
+  if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"): return None
+  probe = [object()]
+  return _references_beyond_slots([probe])[id(probe[0])]
+
+
+_COUNTING_REFERENCES = _calibrate()
+
+
 def held_only_by_items(containers: Sequence[Sequence[Buffer]]) -> set[int]:
   """ids of the buffers that nothing but `containers` (every tuple or list of the items that holds buffers) holds:
   no LazyBuffer, no Tensor, no user variable. No one can read those after the items ran. CPython counts references
-  exactly, so a buffer's count minus the slots of `containers` that hold it tells whether anything else does."""
-  slots = Counter(id(buffer) for buffers in containers for buffer in buffers)
-  held: set[int] = set()
-  for buffers in containers:
-    for buffer in buffers:
-      # the two references beyond the slots: this loop's variable and getrefcount's argument
-      if sys.getrefcount(buffer) - 2 == slots[id(buffer)]: held.add(id(buffer))
-  return held
+  exactly, so a buffer's count minus the slots of `containers` that hold it tells whether anything else does (the
+  count's own references are measured once, on a probe). Empty where counts cannot tell: nothing is planned."""
+  if _COUNTING_REFERENCES is None: return set()
+  return {key for key, extra in _references_beyond_slots(containers).items() if extra == _COUNTING_REFERENCES}

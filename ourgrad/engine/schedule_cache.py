@@ -100,6 +100,7 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   else:
     stats.misses += 1
     items, assigns = scheduler.build_schedule(outs)
+    items = [_with_canonical_ast(item) for item in items]
     entry = _record(items, bases, leaves)
     if entry is not None:
       _cache[key] = entry
@@ -108,6 +109,17 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   # frame lets go of the walked graph: only readers someone else still holds may need the old contents
   del bases, leaves
   return scheduler.protect_lazy_readers(items, assigns) if assigns else items
+
+
+# One object for each distinct kernel AST seen here: the compiled-kernel cache (realize.get_runner) is keyed by ASTs,
+# and a lookup with the very object that was stored skips comparing two equal trees node by node.
+_canonical_asts: dict[Any, Any] = {}
+
+
+def _with_canonical_ast(item: ScheduleItem) -> ScheduleItem:
+  canonical = _canonical_asts.setdefault(item.ast, item.ast)
+  if len(_canonical_asts) > 16 * CACHE_SIZE: _canonical_asts.clear()  # bounded: kernels outlive few graphs
+  return item if canonical is item.ast else ScheduleItem(canonical, item.outputs, item.inputs)
 
 
 def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buffer]) -> CachedSchedule | None:
