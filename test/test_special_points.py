@@ -187,6 +187,8 @@ BINARY = [
   param(torch.logaddexp, lambda x, y: x.logaddexp(y), name="logaddexp"),
   param(lambda x, y: torch.where(x > y, x, y), lambda x, y: (x > y).where(x, y), name="where"),
   param(lambda x, y: torch.lerp(x, y, 0.25), lambda x, y: x.lerp(y, 0.25), name="lerp"),
+  param(lambda x, y: x % y, lambda x, y: x % y, name="remainder"),
+  param(torch.fmod, lambda x, y: x.fmod(y), name="fmod"),
   param(lambda x, y: torch.clamp(x, min=y), lambda x, y: x.clamp(min=y), name="clamp-tensor-min"),
   param(lambda x, y: torch.clamp(x, max=y), lambda x, y: x.clamp(max=y), name="clamp-tensor-max"),
 ]
@@ -239,10 +241,18 @@ REDUCES = [
 
 
 @pytest.mark.parametrize("torch_fn, ourgrad_fn", REDUCES)
-def test_reduce_special_points(torch_fn: Any, ourgrad_fn: Any) -> None:
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float64], ids=str)
+def test_reduce_special_points(torch_fn: Any, ourgrad_fn: Any, dtype: DType) -> None:
   """Ties split the gradient of amax/amin evenly (as torch's amax); max(dim=) and sort route it to the index they
   return (as torch)."""
-  check_special_points([ROWS], torch_fn, ourgrad_fn)
+  tolerance = 1e-5 if dtype == dtypes.float32 else 1e-10
+  check_special_points([ROWS], torch_fn, ourgrad_fn, dtype=dtype, atol=tolerance, rtol=tolerance * 10)
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin", "any", "all"])
+def test_reduce_special_points_without_gradient(name: str) -> None:
+  """First index of the extreme value (NaN counts as the extreme, as in torch); any/all of NaN are True."""
+  check_special_points([ROWS], lambda x: getattr(x, name)(1), lambda x: getattr(x, name)(1), backward=False)
 
 
 def test_cumprod_special_points() -> None:
@@ -250,3 +260,8 @@ def test_cumprod_special_points() -> None:
   ours is the sum of products that the derivative is (10 for d/dx0 of cumprod([inf, 1, 2, 3]))."""
   finite_rows = [row for row in ROWS if all(math.isfinite(value) for value in row)]
   check_special_points([finite_rows], lambda x: x.cumprod(1), lambda x: x.cumprod(1))
+
+
+def test_floor_divide_special_points() -> None:
+  """Forward only (torch's floor_divide has no gradient): Python's // at zeros, infinities and NaN."""
+  check_special_points([PAIRS_X, PAIRS_Y], torch.floor_divide, lambda x, y: x // y, backward=False)
