@@ -425,3 +425,86 @@ def test_in_place_methods() -> None:
   leaf = Tensor([1.0, 2.0]).requires_grad_()
   (leaf * leaf).sum().backward()
   assert leaf.grad is not None and leaf.grad.tolist() == [2.0, 4.0]
+
+
+# ================================================================ special functions (tensor_special.py) and aliases
+
+SPECIAL_UNARY = [
+  param(lambda x: x.atan(), None, {"low": -8, "high": 8}, name="atan"),
+  param(lambda x: x.asin(), None, {"low": -0.99, "high": 0.99}, name="asin"),
+  param(lambda x: x.acos(), None, {"low": -0.99, "high": 0.99}, name="acos"),
+  param(lambda x: x.logit(), None, {"low": 0.01, "high": 0.99}, name="logit"),
+  param(lambda x: x.logit(0.2), None, {"low": 0.0, "high": 1.0}, name="logit-eps"),
+  param(lambda x: x.erfc(), None, {}, name="erfc"), param(lambda x: x.frac(), None, {"low": -5, "high": 5}, name="frac"),
+  param(lambda x: x.deg2rad(), None, {}, name="deg2rad"), param(lambda x: x.rad2deg(), None, {}, name="rad2deg"),
+]
+
+
+@pytest.mark.parametrize("torch_fn, ourgrad_fn, options", SPECIAL_UNARY)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_special_unary(torch_fn: Any, ourgrad_fn: Any, options: dict[str, Any], shape: tuple[int, ...],
+                       dtype: DType) -> None:
+  approximate = any(name in str(torch_fn) for name in ("erfc",))  # erf's polynomial: 1.5e-7 absolute
+  atol = 2e-7 if approximate or dtype == dtypes.float32 else 1e-12
+  helper_test_op([shape], torch_fn, ourgrad_fn, dtype=dtype, atol=atol, rtol=1e-5, grad_atol=1e-6, grad_rtol=1e-5,
+                 **options)
+
+
+@pytest.mark.parametrize("torch_fn, ourgrad_fn, options", [
+  param(torch.atan2, lambda y, x: y.atan2(x), {"low": -3, "high": 3}, name="atan2"),
+  param(torch.hypot, lambda x, y: x.hypot(y), {"low": -3, "high": 3}, name="hypot"),
+  param(torch.xlogy, lambda x, y: x.xlogy(y), {"low": 0.1, "high": 3}, name="xlogy"),
+])
+@pytest.mark.parametrize("shapes", [[(3, 4), (3, 4)], [(3, 1), (4,)]], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_special_binary(torch_fn: Any, ourgrad_fn: Any, options: dict[str, Any], shapes: list[tuple[int, ...]],
+                        dtype: DType) -> None:
+  helper_test_op(shapes, torch_fn, ourgrad_fn, dtype=dtype, atol=1e-6, rtol=1e-5, **options)
+
+
+def test_nansum_nanmean() -> None:
+  values = [[1.0, float("nan"), 2.0], [float("nan"), float("nan"), float("nan")], [0.5, -1.0, 3.0]]
+  helper_test_op([values], lambda x: x.nansum(1), forward_only=True)
+  helper_test_op([values], lambda x: x.nanmean(1), forward_only=True)
+  helper_test_op([values], lambda x: torch.nansum(x), lambda x: x.nansum(), forward_only=True)
+
+
+ALIASES = [
+  param(lambda x, y: x.divide(y + 3), name="divide"), param(lambda x, y: x.true_divide(y + 3), name="true_divide"),
+  param(lambda x, y: x.multiply(y), name="multiply"), param(lambda x, y: x.subtract(y, alpha=2), name="subtract"),
+  param(lambda x, y: x.negative(), name="negative"), param(lambda x, y: x.positive(), name="positive"),
+  param(lambda x, y: x.absolute(), name="absolute"), param(lambda x, y: x.fix(), name="fix"),
+  param(lambda x, y: x.t(), name="t"), param(lambda x, y: x.ravel(), name="ravel"),
+  param(lambda x, y: x.swapdims(0, 1), name="swapdims"), param(lambda x, y: x.fliplr(), name="fliplr"),
+  param(lambda x, y: x.flipud(), name="flipud"), param(lambda x, y: x.tile(2), name="tile"),
+  param(lambda x, y: x.tile((2, 1, 3)), name="tile-more"), param(lambda x, y: x.unbind(1), name="unbind"),
+  param(lambda x, y: x.select(1, -1), name="select"),
+  param(lambda x, y: x.mv(y[0]), name="mv"), param(lambda x, y: x.inner(y), name="inner"),
+  param(lambda x, y: x[0].ger(y[1]), name="ger"), param(lambda x, y: x[0].vdot(y[1]), name="vdot"),
+]
+
+
+@pytest.mark.parametrize("fn", ALIASES)
+def test_aliases(fn: Any) -> None:
+  helper_test_op([(3, 4), (3, 4)], fn)
+
+
+def test_index_aliases() -> None:
+  index = np.array([2, 0, 2])
+  helper_test_op([(3, 4)], lambda x: x.index_select(1, torch.tensor(index)),
+                 lambda x: x.index_select(1, Tensor(index)))
+  gather_index = np.array([[0, 3], [1, 1], [2, 0]])
+  helper_test_op([(3, 4)], lambda x: x.take_along_dim(torch.tensor(gather_index), 1),
+                 lambda x: x.take_along_dim(Tensor(gather_index), 1))
+
+
+def test_alias_comparisons_and_casts() -> None:
+  values = np.array([[1.0, -2.5, 3.0], [0.0, 2.0, -1.0]], dtype=np.float32)
+  ours, theirs = Tensor(values), torch.tensor(values)
+  for name in ("greater", "greater_equal", "less", "less_equal", "not_equal"):
+    assert_same(getattr(ours, name)(1.0), getattr(theirs, name)(1.0), 0, 0)
+  for name in ("byte", "short", "bfloat16"):
+    assert_same(getattr(ours.abs(), name)(), getattr(theirs.abs(), name)(), 0, 0)
+  assert ours.is_floating_point() and not ours.int().is_floating_point() and ours.ndimension() == 2
+  assert_same(ours.sgn(), theirs.sgn(), 0, 0)  # torch's sgn backward is a ZeroTensor: forward only here

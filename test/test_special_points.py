@@ -79,6 +79,7 @@ UNARY = [
   same("log"), same("log2"), same("log10"), same("log1p"), same("expm1"), same("sqrt"), same("rsqrt"),
   same("reciprocal"), same("square"), same("trunc"), same("floor"), same("ceil"), same("round"),
   same("sinh"), same("cosh"), same("asinh"), same("erf"), same("isnan"), same("isinf"), same("isfinite"),
+  same("atan"), same("erfc"), same("frac"), same("deg2rad"), same("rad2deg"),
   same("clamp", -1.0, 2.0), same("clamp", min=0.5), same("clamp", max=-0.5),
   param(lambda x: x ** 3, lambda x: x ** 3, name="pow3"),
   param(lambda x: x ** 1.5, lambda x: x ** 1.5, name="pow1.5"),
@@ -119,7 +120,8 @@ FINITE_ONLY = [
 # arguments differs
 PERIODIC = [same("sin"), same("cos"), same("tan")]
 # functions of [-1, 1] (atanh), [1, inf) (acosh)
-UNIT_DOMAIN = [same("atanh"), same("acosh"), same("asinh")]
+UNIT_DOMAIN = [same("atanh"), same("acosh"), same("asinh"), same("asin"), same("acos"), same("atan"), same("logit"),
+               same("logit", 0.25)]
 
 
 # points where torch's answer comes from an internal special case we do not copy, documented at the op:
@@ -146,8 +148,8 @@ def test_unary_special_points(torch_fn: Any, ourgrad_fn: Any, request: Any) -> N
 @pytest.mark.parametrize("torch_fn, ourgrad_fn", UNARY)
 def test_unary_special_points_float64(torch_fn: Any, ourgrad_fn: Any, request: Any) -> None:
   backward = not _booleans(ourgrad_fn)
-  # erf is a polynomial approximation good to 1.5e-7 in every dtype (its gradient is exact)
-  tolerance = 2e-7 if request.node.callspec.id == "erf" else 1e-10
+  # erf (and erfc) is a polynomial approximation good to 1.5e-7 in every dtype (its gradient is exact)
+  tolerance = 2e-7 if request.node.callspec.id in ("erf", "erfc") else 1e-10
   # torch's float64 hardsigmoid gradient is the float32 constant 1/6; ours is the float64 one
   grad_rtol = 1e-7 if request.node.callspec.id == "hardsigmoid" else 1e-9
   check_special_points([_points(request, SPECIAL_POINTS)], torch_fn, ourgrad_fn, dtype=dtypes.float64,
@@ -188,6 +190,9 @@ BINARY = [
   param(lambda x, y: torch.where(x > y, x, y), lambda x, y: (x > y).where(x, y), name="where"),
   param(lambda x, y: torch.lerp(x, y, 0.25), lambda x, y: x.lerp(y, 0.25), name="lerp"),
   param(lambda x, y: x % y, lambda x, y: x % y, name="remainder"),
+  param(torch.atan2, lambda x, y: x.atan2(y), name="atan2"),
+  param(torch.hypot, lambda x, y: x.hypot(y), name="hypot"),
+  param(torch.xlogy, lambda x, y: x.xlogy(y), name="xlogy"),
   param(torch.fmod, lambda x, y: x.fmod(y), name="fmod"),
   param(lambda x, y: torch.clamp(x, min=y), lambda x, y: x.clamp(min=y), name="clamp-tensor-min"),
   param(lambda x, y: torch.clamp(x, max=y), lambda x, y: x.clamp(max=y), name="clamp-tensor-max"),
