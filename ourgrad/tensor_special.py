@@ -1,5 +1,6 @@
 """Special functions for Tensor (SpecialMixin): inverse trigonometry (atan, asin, acos, atan2), logit, xlogy,
-hypot, erfc, frac, angle conversions and the NaN-skipping sums.
+hypot, erfc, frac, angle conversions, the NaN-aware comparisons (fmax, fmin, isclose, signbit, ...) and the
+NaN-skipping sums.
 
 There is no ATAN primitive. atan halves its argument twice with atan(x) = 2 atan(x / (1 + sqrt(1 + x^2))), which
 brings |x| <= 1 down to |t| <= tan(pi/16) ~ 0.2, where 12 terms of the Taylor series are exact to float64's
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from ourgrad.dtype import dtypes
 from ourgrad.tensor_math import _with_derivatives
 
 if TYPE_CHECKING:
@@ -149,6 +151,56 @@ class SpecialMixin:
   def rad2deg(self) -> Tensor:
     """Radians to degrees."""
     return self._float_operand() * (180 / math.pi)
+
+  def logaddexp2(self, other: Any) -> Tensor:
+    """log2(2^self + 2^other), computed stably through logaddexp."""
+    x, y = self._broadcasted(other)
+    return (x._float_operand() * math.log(2)).logaddexp(y._float_operand() * math.log(2)) / math.log(2)
+
+  def fmax(self, other: Any) -> Tensor:
+    """The larger of self and other, ignoring a NaN on one side (NaN only where both are), as torch.fmax."""
+    x, y = self._broadcasted(other)
+    if not x.dtype.is_float: return x.maximum(y)
+    return x.isnan().where(y, y.isnan().where(x, x.maximum(y)))
+
+  def fmin(self, other: Any) -> Tensor:
+    """The smaller of self and other, ignoring a NaN on one side (NaN only where both are), as torch.fmin."""
+    x, y = self._broadcasted(other)
+    if not x.dtype.is_float: return x.minimum(y)
+    return x.isnan().where(y, y.isnan().where(x, x.minimum(y)))
+
+  def signbit(self) -> Tensor:
+    """True where the sign bit is set: negative values, -0.0 and -inf."""
+    if not self.dtype.is_float: return self < 0
+    return (self < 0) | ((self == 0) & (self.reciprocal() < 0))
+
+  def isposinf(self) -> Tensor:
+    """True where the value is +inf."""
+    return self == math.inf if self.dtype.is_float else self != self
+
+  def isneginf(self) -> Tensor:
+    """True where the value is -inf."""
+    return self == -math.inf if self.dtype.is_float else self != self
+
+  def isclose(self, other: Any, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> Tensor:
+    """|self - other| <= atol + rtol * |other| elementwise (equal infinities are close), as torch.isclose."""
+    x, y = self._broadcasted(other)
+    close = (x == y) | ((x - y).abs() <= atol + rtol * y.abs())
+    if x.dtype.is_float: close = close & ((x == y) | (x.isfinite() & y.isfinite()))  # inf is close only to itself
+    return close | (x.isnan() & y.isnan()) if equal_nan and x.dtype.is_float else close
+
+  def allclose(self, other: Any, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> bool:
+    """True if every element isclose (a realize)."""
+    return bool(self.isclose(other, rtol, atol, equal_nan).all().item())
+
+  def equal(self, other: Any) -> bool:
+    """True if the shapes match and every element is equal (a realize), as torch.equal."""
+    other_tensor = self._to_tensor(other)
+    return self.shape == other_tensor.shape and bool((self == other_tensor).all().item())
+
+  def count_nonzero(self, dim: Any = None) -> Tensor:
+    """The number of non-zero elements over `dim` (all if None), int64."""
+    return (self != 0).sum(dim, dtype=dtypes.int64)
 
   def nansum(self, axis: Any = None, keepdim: bool = False) -> Tensor:
     """sum, with NaN counted as 0."""

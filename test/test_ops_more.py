@@ -383,7 +383,10 @@ ZOO_METHODS = ["clamp_min", "clamp_max", "addcmul", "addcdiv", "expm1", "log1p",
                "masked_fill", "roll", "triu", "tril", "sort", "argsort", "topk", "cumprod", "cumsum", "lerp",
                "logaddexp", "sinh", "cosh", "asinh", "acosh", "atanh", "softsign", "expand_as", "view_as",
                "reshape_as", "movedim", "swapaxes", "diagonal", "norm", "requires_grad_", "add_", "sub_", "mul_",
-               "div_", "zero_", "fill_", "copy_", "clamp_", "uniform_", "normal_", "multinomial", "one_hot"]
+               "div_", "zero_", "fill_", "copy_", "clamp_", "uniform_", "normal_", "multinomial", "one_hot",
+               "atan", "asin", "acos", "atan2", "hypot", "logit", "xlogy", "erfc", "frac", "nansum", "nanmean", "t",
+               "tile", "unbind", "select", "index_select", "scatter", "scatter_add", "index_add", "fmax", "fmin",
+               "isclose", "allclose", "equal", "count_nonzero", "signbit", "divide", "multiply", "subtract"]
 
 
 def test_model_zoo_method_names_exist() -> None:
@@ -509,3 +512,58 @@ def test_alias_comparisons_and_casts() -> None:
     assert_same(getattr(ours.abs(), name)(), getattr(theirs.abs(), name)(), 0, 0)
   assert ours.is_floating_point() and not ours.int().is_floating_point() and ours.ndimension() == 2
   assert_same(ours.sgn(), theirs.sgn(), 0, 0)  # torch's sgn backward is a ZeroTensor: forward only here
+
+
+# ================================================================ scatter family and NaN-aware comparisons
+
+def test_scatter_add() -> None:
+  index = np.array([[0, 2, 1, 2], [1, 0, 2, 0]])
+  helper_test_op([(3, 5), (2, 4)], lambda x, s: x.scatter_add(0, torch.tensor(index), s),
+                 lambda x, s: x.scatter_add(0, Tensor(index), s))
+  index1 = np.array([[4, 0], [1, 3], [2, 2]])
+  helper_test_op([(3, 5), (3, 2)], lambda x, s: x.scatter_add(1, torch.tensor(index1), s),
+                 lambda x, s: x.scatter_add(1, Tensor(index1), s))
+
+
+def test_scatter_unique_indices() -> None:
+  index = np.array([[0, 2, 1], [1, 0, 4]])
+  # src larger than the index is legal; torch's backward rejects its own gradient then, so forward only
+  helper_test_op([(2, 5), (2, 4)], lambda x, s: x.scatter(1, torch.tensor(index), s),
+                 lambda x, s: x.scatter(1, Tensor(index), s), forward_only=True)
+  helper_test_op([(2, 5), (2, 3)], lambda x, s: x.scatter(1, torch.tensor(index), s),
+                 lambda x, s: x.scatter(1, Tensor(index), s))
+  helper_test_op([(2, 5)], lambda x: x.scatter(1, torch.tensor(index), 7.5), lambda x: x.scatter(1, Tensor(index), 7.5))
+  helper_test_op([(2, 5), (2, 3)], lambda x, s: x.scatter(1, torch.tensor(index), s, reduce="add"),
+                 lambda x, s: x.scatter(1, Tensor(index), s, reduce="add"), forward_only=True)  # torch: no derivative
+
+
+def test_index_add() -> None:
+  index = np.array([4, 0, 4])
+  helper_test_op([(3, 5), (3, 3)], lambda x, s: x.index_add(1, torch.tensor(index), s, alpha=2),
+                 lambda x, s: x.index_add(1, Tensor(index), s, alpha=2))
+  helper_test_op([(4, 2), (2, 2)], lambda x, s: x.index_add(0, torch.tensor([3, 1]), s),
+                 lambda x, s: x.index_add(0, Tensor([3, 1]), s))
+
+
+NAN_AWARE = [float("nan"), 1.0, -0.0, 0.0, float("inf"), -float("inf"), 2.0, 1.0 + 1e-7]
+
+
+@pytest.mark.parametrize("name", ["fmax", "fmin", "logaddexp2", "isclose"])
+def test_nan_aware_binary(name: str) -> None:
+  xs = [x for x in NAN_AWARE for _ in NAN_AWARE]
+  ys = [y for _ in NAN_AWARE for y in NAN_AWARE]
+  helper_test_op([xs, ys], lambda x, y: getattr(torch, name)(x, y), lambda x, y: getattr(x, name)(y),
+                 forward_only=True)
+
+
+def test_nan_aware_unary_and_bools() -> None:
+  values = np.array(NAN_AWARE, dtype=np.float32)
+  ours, theirs = Tensor(values), torch.tensor(values)
+  for name in ("signbit", "isposinf", "isneginf"):
+    assert_same(getattr(ours, name)(), getattr(theirs, name)(), 0, 0)
+  assert_same(ours.isclose(ours, equal_nan=True), theirs.isclose(theirs, equal_nan=True), 0, 0)
+  assert ours.allclose(ours + 1e-9, equal_nan=True) and not ours.allclose(ours) and ours.allclose(ours, equal_nan=True)
+  assert ours.equal(Tensor(values.copy() * 1)) is False  # NaN != NaN, as torch.equal
+  assert Tensor([1, 2]).equal(Tensor([1, 2])) and not Tensor([1, 2]).equal(Tensor([1, 2, 3]))
+  assert_same(Tensor([[0, 1, 2], [0, 0, 3]]).count_nonzero(1), torch.tensor([[0, 1, 2], [0, 0, 3]]).count_nonzero(1),
+              0, 0)
