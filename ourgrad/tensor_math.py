@@ -195,8 +195,9 @@ class ElementwiseMixin:
     return F.IntDiv.apply(x, y, op=Ops.MOD)
 
   def pow(self, exponent: Any, reverse: bool = False) -> Tensor:
-    """x ** y. Integer tensors to non-negative integer powers stay integers; otherwise float math with the
-    sign of negative bases handled for integer exponents, as in PyTorch."""
+    """x ** y. Integer tensors to non-negative integer powers stay integers (exact); floats follow C's pow (a negative
+    base to an odd integer power is negative, to a non-integer one NaN; x ** 0 and 1 ** y are 1) and PyTorch's
+    gradients at every special point (function.Pow; docs/gradients.md)."""
     if not reverse and isinstance(exponent, int) and not self.dtype.is_float and exponent >= 0:
       result, base, power = self.ones_like(), self, exponent
       while power:  # square-and-multiply: exact for integers
