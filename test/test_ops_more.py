@@ -386,7 +386,8 @@ ZOO_METHODS = ["clamp_min", "clamp_max", "addcmul", "addcdiv", "expm1", "log1p",
                "div_", "zero_", "fill_", "copy_", "clamp_", "uniform_", "normal_", "multinomial", "one_hot",
                "atan", "asin", "acos", "atan2", "hypot", "logit", "xlogy", "erfc", "frac", "nansum", "nanmean", "t",
                "tile", "unbind", "select", "index_select", "scatter", "scatter_add", "index_add", "fmax", "fmin",
-               "isclose", "allclose", "equal", "count_nonzero", "signbit", "divide", "multiply", "subtract"]
+               "isclose", "allclose", "equal", "count_nonzero", "signbit", "divide", "multiply", "subtract",
+               "median", "kthvalue", "quantile"]
 
 
 def test_model_zoo_method_names_exist() -> None:
@@ -567,3 +568,43 @@ def test_nan_aware_unary_and_bools() -> None:
   assert Tensor([1, 2]).equal(Tensor([1, 2])) and not Tensor([1, 2]).equal(Tensor([1, 2, 3]))
   assert_same(Tensor([[0, 1, 2], [0, 0, 3]]).count_nonzero(1), torch.tensor([[0, 1, 2], [0, 0, 3]]).count_nonzero(1),
               0, 0)
+
+
+# ================================================================ order statistics
+
+def _with_ties_and_nan() -> np.ndarray:
+  values = np.random.default_rng(0).integers(0, 6, (4, 7)).astype(np.float32)
+  values[1, 3] = values[1, 5] = np.nan
+  return values
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_median(keepdim: bool) -> None:
+  """Lower median; NaN (and the first NaN's index) for a row holding NaN; values and gradient as torch."""
+  values = _with_ties_and_nan()
+  ours, theirs = Tensor(values).median(1, keepdim), torch.tensor(values).median(1, keepdim)
+  assert_same(ours[0], theirs.values, 0, 0)
+  assert_same(ours[1], theirs.indices, 0, 0)
+  assert_same(Tensor(values).median(), torch.tensor(values).median(), 0, 0)
+  helper_test_op([(3, 6)], lambda x: x.median(dim=0)[0], lambda x: x.median(0)[0])
+  helper_test_op([(3, 5)], lambda x: x.median(), lambda x: x.median())
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_kthvalue(k: int) -> None:
+  """Values as torch (NaN sorts last); the index points at an element of that value (torch leaves ties open)."""
+  values = _with_ties_and_nan()
+  ours, theirs = Tensor(values).kthvalue(k, 1), torch.tensor(values).kthvalue(k, 1)
+  assert_same(ours[0], theirs.values, 0, 0)
+  picked = np.take_along_axis(values, ours[1].numpy()[:, None], 1)[:, 0]
+  np.testing.assert_array_equal(picked, theirs.values.numpy())
+  helper_test_op([(3, 6)], lambda x: x.kthvalue(k if k < 7 else 6, 1)[0])
+
+
+@pytest.mark.parametrize("q", [0.0, 0.3, 0.5, 1.0])
+def test_quantile(q: float) -> None:
+  helper_test_op([(3, 6)], lambda x: x.quantile(q, dim=1))
+  helper_test_op([(3, 6)], lambda x: x.quantile(q, dim=0, keepdim=True))
+  helper_test_op([(3, 6)], lambda x: x.quantile(q))
+  values = _with_ties_and_nan()
+  assert_same(Tensor(values).quantile(q, 1), torch.tensor(values).quantile(q, 1), 1e-6, 1e-6)
