@@ -12,6 +12,8 @@ Tensor's methods come from mixins, one module per job:
   ourgrad/tensor_math.py      ElementwiseMixin  broadcasting, operators, unary math, activations, rounding
   ourgrad/tensor_reduce.py    ReduceMixin       reductions (sum, max, softmax, cumsum, ...) and matmul, triu, tril
   ourgrad/tensor_sort.py      SortMixin         sort, argsort, topk, multinomial
+  ourgrad/tensor_special.py   SpecialMixin      atan, asin, acos, atan2, hypot, logit, xlogy, nansum, ...
+  ourgrad/tensor_aliases.py   AliasMixin        PyTorch's other names for existing ops (divide, t, ravel, ...)
   ourgrad/tensor_nn.py        NNMixin           layernorm, dropout, losses, attention; and through its bases:
   ourgrad/tensor_conv.py      ConvMixin         conv1d/2d/3d, conv_transpose1d/2d/3d, avg/max pooling
   ourgrad/tensor_resize.py    ResizeMixin       interpolate (and the reflect/replicate/circular pad modes)
@@ -34,11 +36,13 @@ from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, Sha
 from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
+from ourgrad.tensor_aliases import AliasMixin
 from ourgrad.tensor_math import ElementwiseMixin
 from ourgrad.tensor_movement import MovementMixin
 from ourgrad.tensor_nn import NNMixin
 from ourgrad.tensor_reduce import ReduceMixin
 from ourgrad.tensor_sort import SortMixin
+from ourgrad.tensor_special import SpecialMixin
 
 Scalar = bool | int | float
 
@@ -64,7 +68,7 @@ def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
                   f"array or a Tensor")
 
 
-class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, NNMixin):
+class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMixin, AliasMixin, NNMixin):
   """A multi-dimensional array on a device, computed lazily, with automatic differentiation.
 
   `Tensor(data, device=None, dtype=None, requires_grad=None)` takes a number, a nested list, a numpy array,

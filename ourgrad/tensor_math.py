@@ -53,6 +53,25 @@ def _pow_sign(base: Tensor, power: Tensor) -> Tensor:
   return (negative & odd).where(-1.0, undefined.where(math.nan, 1.0)).cast(base.dtype)
 
 
+def _float_fmod(x: Tensor, y: Tensor) -> Tensor:
+  """C's fmod for floats: x - trunc(x / y) * y, and x itself for a finite x over an infinite y."""
+  return (y.isinf() & x.isfinite()).where(x, x - (x / y).trunc() * y)
+
+
+def _sign_differs(remainder: Tensor, divisor: Tensor) -> Tensor:
+  """Where a non-zero C remainder and the divisor differ in sign: Python's % adds the divisor there, // steps down."""
+  return (remainder != 0) & ((remainder < 0) != (divisor < 0))
+
+
+def _float_floor_quotient(x: Tensor, y: Tensor) -> Tensor:
+  """Python's x // y for floats: floor(x / y), but -1 or 0 for a finite x over an infinite y (x / y is +-0 there,
+  and 1 // -inf is -1 in Python and PyTorch), and NaN for an infinite x over a finite non-zero y (PyTorch's answer:
+  the remainder is undefined there)."""
+  quotient = (x.isinf() & y.isfinite() & (y != 0)).where(math.nan, (x / y).floor())
+  by_infinity = _sign_differs(_float_fmod(x, y), y).where(-1.0, x.zeros_like())
+  return (y.isinf() & x.isfinite()).where(by_infinity, quotient)
+
+
 def _with_derivatives(value: Tensor, *inputs_and_derivatives: tuple[Tensor, Tensor]) -> Tensor:
   """`value` (computed from the inputs, detached) whose gradient for each input is its derivative (a tensor of the
   value's shape) times the upstream gradient; the value itself when no input requires a gradient."""
@@ -139,7 +158,7 @@ class ElementwiseMixin:
     """a // b rounding toward minus infinity (PyTorch and Python semantics)."""
     x, y = self._broadcasted(other, reverse)
     if not reverse: self._check_divisor(other, x.dtype, "division")
-    if x.dtype.is_float: return F.Div.apply(x, y).floor()
+    if x.dtype.is_float: return _float_floor_quotient(x.detach(), y.detach())
     if x.dtype == dtypes.bool: raise DTypeError("floor division of bool tensors is not supported")
     quotient = F.IntDiv.apply(x, y, op=Ops.IDIV)
     remainder = F.IntDiv.apply(x, y, op=Ops.MOD)
@@ -152,7 +171,12 @@ class ElementwiseMixin:
     """a % b with the sign of b (PyTorch's remainder and Python's %)."""
     x, y = self._broadcasted(other, reverse)
     if not reverse: self._check_divisor(other, x.dtype, "modulo")
-    if x.dtype.is_float: return x - (x / y).floor() * y
+    if x.dtype.is_float:
+      x_value, y_value = x.detach(), y.detach()
+      truncated = _float_fmod(x_value, y_value)
+      value = _sign_differs(truncated, y_value).where(truncated + y_value, truncated)
+      # torch's gradients: 1 for x, -(x // y) for y
+      return _with_derivatives(value, (x, x_value.ones_like()), (y, -_float_floor_quotient(x_value, y_value)))
     if x.dtype == dtypes.bool: raise DTypeError("remainder of bool tensors is not supported")
     remainder = F.IntDiv.apply(x, y, op=Ops.MOD)
     if x.dtype.is_unsigned: return remainder
@@ -163,12 +187,17 @@ class ElementwiseMixin:
     """Remainder with the sign of the dividend (C's fmod / torch.fmod)."""
     x, y = self._broadcasted(other)
     self._check_divisor(other, x.dtype, "modulo")
-    if x.dtype.is_float: return x - (x / y).trunc() * y
+    if x.dtype.is_float:
+      x_value, y_value = x.detach(), y.detach()
+      # torch's gradients: 1 for x, -trunc(x / y) for y
+      return _with_derivatives(_float_fmod(x_value, y_value), (x, x_value.ones_like()),
+                               (y, -(x_value / y_value).trunc()))
     return F.IntDiv.apply(x, y, op=Ops.MOD)
 
   def pow(self, exponent: Any, reverse: bool = False) -> Tensor:
-    """x ** y. Integer tensors to non-negative integer powers stay integers; otherwise float math with the
-    sign of negative bases handled for integer exponents, as in PyTorch."""
+    """x ** y. Integer tensors to non-negative integer powers stay integers (exact); floats follow C's pow (a negative
+    base to an odd integer power is negative, to a non-integer one NaN; x ** 0 and 1 ** y are 1) and PyTorch's
+    gradients at every special point (function.Pow; docs/gradients.md)."""
     if not reverse and isinstance(exponent, int) and not self.dtype.is_float and exponent >= 0:
       result, base, power = self.ones_like(), self, exponent
       while power:  # square-and-multiply: exact for integers

@@ -477,6 +477,57 @@ class MovementMixin:
     flat = ((picked >= 0) & (picked < size)).where(flat, prod(self.shape))
     return self.reshape(-1, 1)._take_rows(flat).reshape(index.shape)
 
+  def _scattered(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """The sum of `src` scattered into this tensor's shape along `dim` at `index` (as scatter_add adds it), and a
+    bool mask of the places written. One-hot over the target positions and a sum: one kernel, no scatter op."""
+    from ourgrad.tensor import Tensor
+    axis = self._axis(dim)
+    if index.ndim != self.ndim or src.ndim != self.ndim:
+      raise ShapeError(f"scatter needs index and src with {self.ndim} dims like the input {self.shape}, got "
+                       f"{index.shape} and {src.shape}")
+    if any(i > s for i, s in zip(index.shape, src.shape)) or \
+       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
+      raise ShapeError(f"scatter index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+    src = src.shrink([(0, size) for size in index.shape])
+    size = self.shape[axis]
+    index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
+    index_last = (index_last < 0).where(index_last + size, index_last)
+    hits = index_last == Tensor.arange(size, device=self.device)  # (..., k, n)
+    values = src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+    added = hits.where(values, 0).sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else dtypes.int32)
+    written = hits.any(-2)
+    # back to this tensor's shape: the index may be smaller than it in the other dims
+    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape, added.shape)]
+    return added.pad(grow).transpose(axis, -1).cast(self.dtype), written.pad(grow).transpose(axis, -1)
+
+  def scatter_add(self, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    """self with src[i][j] added at [index[i][j]][j] (for dim 0; likewise for other dims), as torch.scatter_add."""
+    added, _ = self._scattered(dim, index, src)
+    return self + added
+
+  def scatter(self, dim: int, index: Tensor, src: Tensor | float | int, reduce: str | None = None) -> Tensor:
+    """self with src (a tensor, or one number) written at `index` along `dim`, as torch.scatter; reduce="add" adds
+    instead. Where an index repeats, the written value is the sum of the sources (PyTorch keeps one of them,
+    unspecified which): keep indices unique."""
+    from ourgrad.tensor import Tensor
+    source = src if isinstance(src, Tensor) else Tensor.full(index.shape, src, self.dtype, device=self.device)
+    if reduce == "add": return self.scatter_add(dim, index, source)
+    if reduce is not None: raise ValueError(f"scatter reduce must be None or 'add', got {reduce!r}")
+    placed, written = self._scattered(dim, index, source)
+    return written.where(placed, self)
+
+  def index_add(self, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
+    """self with source's slices along `dim` added at the positions of the 1-D `index` (torch.index_add)."""
+    from ourgrad.tensor import Tensor
+    axis = self._axis(dim)
+    if index.ndim != 1: raise ShapeError(f"index_add takes a 1-D index, got shape {index.shape}")
+    size = self.shape[axis]
+    positions = (index < 0).where(index + size, index)
+    hits = positions.reshape(-1, 1) == Tensor.arange(size, device=self.device).reshape(1, -1)  # (k, n)
+    moved = source.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
+    added = hits.where(moved, 0).sum(-2).transpose(axis, -1)
+    return self + (added * alpha if alpha != 1.0 else added).cast(self.dtype)
+
   # ---------------------------------------------------------------- joining and splitting
 
   def cat(self: Tensor | Sequence[Tensor], *tensors: Tensor | int, dim: int = 0) -> Tensor:

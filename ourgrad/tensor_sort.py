@@ -1,4 +1,5 @@
-"""Ordering for Tensor (SortMixin): sort, argsort, topk, and sampling by order (multinomial).
+"""Ordering for Tensor (SortMixin): sort, argsort, topk, order statistics (kthvalue, median, quantile) and sampling
+by order (multinomial).
 
 There is no sort primitive: an element's place in sorted order is its rank, the number of elements of its row that
 come before it (smaller, or equal and earlier, so the sort is stable), computed with one broadcast comparison of the
@@ -13,7 +14,7 @@ import that one at load time (it imports this one), so methods that make a Tenso
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import dtypes
 from ourgrad.errors import DTypeError, ShapeError
@@ -35,7 +36,7 @@ def _same(a: Tensor, b: Tensor) -> Tensor:
 
 
 class SortMixin:
-  """Tensor's sort, argsort, topk and multinomial."""
+  """Tensor's sort, argsort, topk, multinomial, kthvalue, median and quantile."""
   __slots__ = ()
 
   def _ranks_last(self, descending: bool) -> Tensor:
@@ -109,3 +110,54 @@ class SortMixin:
       arrival = (weights > 0).where(arrival, math.inf)
       samples = arrival.topk(num_samples, dim=1, largest=False)[1]
     return samples if self.ndim == 2 else samples.squeeze(0)
+
+  # ---------------------------------------------------------------- order statistics
+
+  def _order_statistic(self, k: int, dim: int, keepdim: bool, nan_wins: bool = False) -> tuple[Tensor, Tensor]:
+    """(values, indices) of the k-th smallest element (0-based) along `dim` (NaN sorts last); with `nan_wins`, a row
+    holding NaN gives its first NaN, as torch.median does."""
+    if self.ndim == 0:
+      self._axis(dim)
+      return self.sort(dim)
+    axis = self._axis(dim)
+    values, indices = self.sort(axis)
+    position = values.zeros_like().cast(dtypes.int32).shrink(
+      [(0, 1) if a == axis else None for a in range(self.ndim)]) + k
+    if nan_wins and self.dtype.is_float:  # NaN sorts last: the first NaN sits at n - (number of NaN)
+      nan_count = self.isnan().cast(dtypes.int32).sum(axis, keepdim=True, dtype=dtypes.int32)
+      position = (nan_count > 0).where(self.shape[axis] - nan_count, position)
+    picked_values, picked_indices = values.gather(axis, position), indices.gather(axis, position)
+    if keepdim: return picked_values, picked_indices
+    return picked_values.squeeze(axis), picked_indices.squeeze(axis)
+
+  def kthvalue(self, k: int, dim: int = -1, keepdim: bool = False) -> tuple[Tensor, Tensor]:
+    """(values, indices) of the k-th smallest element (1-based) along `dim`, as torch.kthvalue."""
+    size = self.shape[self._axis(dim)] if self.ndim else 1
+    if not 1 <= k <= size: raise ShapeError(f"kthvalue k={k} is out of range for a dimension of size {size}")
+    return self._order_statistic(k - 1, dim, keepdim)
+
+  def median(self, dim: int | None = None, keepdim: bool = False) -> Any:
+    """The lower median (the ((n - 1) // 2)-th smallest; NaN if the values hold one), as torch.median: one value for
+    dim=None, (values, indices) along a dim."""
+    if dim is None:
+      flat = self.flatten()
+      return flat._order_statistic((flat.shape[0] - 1) // 2, 0, False, nan_wins=True)[0]
+    size = self.shape[self._axis(dim)] if self.ndim else 1
+    return self._order_statistic((size - 1) // 2, dim, keepdim, nan_wins=True)
+
+  def quantile(self, q: float, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """The q-th quantile (0 <= q <= 1) with linear interpolation between the two nearest ranks, as torch.quantile;
+    NaN where the values hold one."""
+    if not 0 <= q <= 1: raise ValueError(f"quantile q must be in [0, 1], got {q}")
+    x = self.flatten() if dim is None else self
+    axis = 0 if dim is None else x._axis(dim)
+    size = x.shape[axis]
+    rank = q * (size - 1)
+    below, above = math.floor(rank), math.ceil(rank)
+    values = x.sort(axis)[0]
+    low = values.shrink([(below, below + 1) if a == axis else None for a in range(x.ndim)])
+    high = values.shrink([(above, above + 1) if a == axis else None for a in range(x.ndim)])
+    result = low + (high - low) * (rank - below)
+    if x.dtype.is_float: result = x.isnan().any(axis, keepdim=True).where(math.nan, result)
+    if dim is None: return result.reshape((1,) * self.ndim) if keepdim else result.reshape(())
+    return result if keepdim else result.squeeze(axis)

@@ -383,7 +383,11 @@ ZOO_METHODS = ["clamp_min", "clamp_max", "addcmul", "addcdiv", "expm1", "log1p",
                "masked_fill", "roll", "triu", "tril", "sort", "argsort", "topk", "cumprod", "cumsum", "lerp",
                "logaddexp", "sinh", "cosh", "asinh", "acosh", "atanh", "softsign", "expand_as", "view_as",
                "reshape_as", "movedim", "swapaxes", "diagonal", "norm", "requires_grad_", "add_", "sub_", "mul_",
-               "div_", "zero_", "fill_", "copy_", "clamp_", "uniform_", "normal_", "multinomial", "one_hot"]
+               "div_", "zero_", "fill_", "copy_", "clamp_", "uniform_", "normal_", "multinomial", "one_hot",
+               "atan", "asin", "acos", "atan2", "hypot", "logit", "xlogy", "erfc", "frac", "nansum", "nanmean", "t",
+               "tile", "unbind", "select", "index_select", "scatter", "scatter_add", "index_add", "fmax", "fmin",
+               "isclose", "allclose", "equal", "count_nonzero", "signbit", "divide", "multiply", "subtract",
+               "median", "kthvalue", "quantile"]
 
 
 def test_model_zoo_method_names_exist() -> None:
@@ -425,3 +429,182 @@ def test_in_place_methods() -> None:
   leaf = Tensor([1.0, 2.0]).requires_grad_()
   (leaf * leaf).sum().backward()
   assert leaf.grad is not None and leaf.grad.tolist() == [2.0, 4.0]
+
+
+# ================================================================ special functions (tensor_special.py) and aliases
+
+SPECIAL_UNARY = [
+  param(lambda x: x.atan(), None, {"low": -8, "high": 8}, name="atan"),
+  param(lambda x: x.asin(), None, {"low": -0.99, "high": 0.99}, name="asin"),
+  param(lambda x: x.acos(), None, {"low": -0.99, "high": 0.99}, name="acos"),
+  param(lambda x: x.logit(), None, {"low": 0.01, "high": 0.99}, name="logit"),
+  param(lambda x: x.logit(0.2), None, {"low": 0.0, "high": 1.0}, name="logit-eps"),
+  param(lambda x: x.erfc(), None, {"atol": 2e-7}, name="erfc"),  # erf's polynomial: 1.5e-7 absolute in any dtype
+  param(lambda x: x.frac(), None, {"low": -5, "high": 5}, name="frac"),
+  param(lambda x: x.deg2rad(), None, {}, name="deg2rad"), param(lambda x: x.rad2deg(), None, {}, name="rad2deg"),
+]
+
+
+@pytest.mark.parametrize("torch_fn, ourgrad_fn, options", SPECIAL_UNARY)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_special_unary(torch_fn: Any, ourgrad_fn: Any, options: dict[str, Any], shape: tuple[int, ...],
+                       dtype: DType) -> None:
+  options = dict(options)
+  atol = options.pop("atol", 2e-7 if dtype == dtypes.float32 else 1e-12)
+  helper_test_op([shape], torch_fn, ourgrad_fn, dtype=dtype, atol=atol, rtol=1e-5, grad_atol=1e-6, grad_rtol=1e-5,
+                 **options)
+
+
+@pytest.mark.parametrize("torch_fn, ourgrad_fn, options", [
+  param(torch.atan2, lambda y, x: y.atan2(x), {"low": -3, "high": 3}, name="atan2"),
+  param(torch.hypot, lambda x, y: x.hypot(y), {"low": -3, "high": 3}, name="hypot"),
+  param(torch.xlogy, lambda x, y: x.xlogy(y), {"low": 0.1, "high": 3}, name="xlogy"),
+])
+@pytest.mark.parametrize("shapes", [[(3, 4), (3, 4)], [(3, 1), (4,)]], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_special_binary(torch_fn: Any, ourgrad_fn: Any, options: dict[str, Any], shapes: list[tuple[int, ...]],
+                        dtype: DType) -> None:
+  helper_test_op(shapes, torch_fn, ourgrad_fn, dtype=dtype, atol=1e-6, rtol=1e-5, **options)
+
+
+def test_nansum_nanmean() -> None:
+  values = [[1.0, float("nan"), 2.0], [float("nan"), float("nan"), float("nan")], [0.5, -1.0, 3.0]]
+  helper_test_op([values], lambda x: x.nansum(1), forward_only=True)
+  helper_test_op([values], lambda x: x.nanmean(1), forward_only=True)
+  helper_test_op([values], lambda x: torch.nansum(x), lambda x: x.nansum(), forward_only=True)
+
+
+ALIASES = [
+  param(lambda x, y: x.divide(y + 3), name="divide"), param(lambda x, y: x.true_divide(y + 3), name="true_divide"),
+  param(lambda x, y: x.multiply(y), name="multiply"), param(lambda x, y: x.subtract(y, alpha=2), name="subtract"),
+  param(lambda x, y: x.negative(), name="negative"), param(lambda x, y: x.positive(), name="positive"),
+  param(lambda x, y: x.absolute(), name="absolute"), param(lambda x, y: x.fix(), name="fix"),
+  param(lambda x, y: x.t(), name="t"), param(lambda x, y: x.ravel(), name="ravel"),
+  param(lambda x, y: x.swapdims(0, 1), name="swapdims"), param(lambda x, y: x.fliplr(), name="fliplr"),
+  param(lambda x, y: x.flipud(), name="flipud"), param(lambda x, y: x.tile(2), name="tile"),
+  param(lambda x, y: x.tile((2, 1, 3)), name="tile-more"), param(lambda x, y: x.unbind(1), name="unbind"),
+  param(lambda x, y: x.select(1, -1), name="select"),
+  param(lambda x, y: x.mv(y[0]), name="mv"), param(lambda x, y: x.inner(y), name="inner"),
+  param(lambda x, y: x[0].ger(y[1]), name="ger"), param(lambda x, y: x[0].vdot(y[1]), name="vdot"),
+]
+
+
+@pytest.mark.parametrize("fn", ALIASES)
+def test_aliases(fn: Any) -> None:
+  helper_test_op([(3, 4), (3, 4)], fn)
+
+
+def test_index_aliases() -> None:
+  index = np.array([2, 0, 2])
+  helper_test_op([(3, 4)], lambda x: x.index_select(1, torch.tensor(index)),
+                 lambda x: x.index_select(1, Tensor(index)))
+  gather_index = np.array([[0, 3], [1, 1], [2, 0]])
+  helper_test_op([(3, 4)], lambda x: x.take_along_dim(torch.tensor(gather_index), 1),
+                 lambda x: x.take_along_dim(Tensor(gather_index), 1))
+
+
+def test_alias_comparisons_and_casts() -> None:
+  values = np.array([[1.0, -2.5, 3.0], [0.0, 2.0, -1.0]], dtype=np.float32)
+  ours, theirs = Tensor(values), torch.tensor(values)
+  for name in ("greater", "greater_equal", "less", "less_equal", "not_equal"):
+    assert_same(getattr(ours, name)(1.0), getattr(theirs, name)(1.0), 0, 0)
+  for name in ("byte", "short", "bfloat16"):
+    assert_same(getattr(ours.abs(), name)(), getattr(theirs.abs(), name)(), 0, 0)
+  assert ours.is_floating_point() and not ours.int().is_floating_point() and ours.ndimension() == 2
+  assert_same(ours.sgn(), theirs.sgn(), 0, 0)  # torch's sgn backward is a ZeroTensor: forward only here
+
+
+# ================================================================ scatter family and NaN-aware comparisons
+
+def test_scatter_add() -> None:
+  index = np.array([[0, 2, 1, 2], [1, 0, 2, 0]])
+  helper_test_op([(3, 5), (2, 4)], lambda x, s: x.scatter_add(0, torch.tensor(index), s),
+                 lambda x, s: x.scatter_add(0, Tensor(index), s))
+  index1 = np.array([[4, 0], [1, 3], [2, 2]])
+  helper_test_op([(3, 5), (3, 2)], lambda x, s: x.scatter_add(1, torch.tensor(index1), s),
+                 lambda x, s: x.scatter_add(1, Tensor(index1), s))
+
+
+def test_scatter_unique_indices() -> None:
+  index = np.array([[0, 2, 1], [1, 0, 4]])
+  # src larger than the index is legal; torch's backward rejects its own gradient then, so forward only
+  helper_test_op([(2, 5), (2, 4)], lambda x, s: x.scatter(1, torch.tensor(index), s),
+                 lambda x, s: x.scatter(1, Tensor(index), s), forward_only=True)
+  helper_test_op([(2, 5), (2, 3)], lambda x, s: x.scatter(1, torch.tensor(index), s),
+                 lambda x, s: x.scatter(1, Tensor(index), s))
+  helper_test_op([(2, 5)], lambda x: x.scatter(1, torch.tensor(index), 7.5), lambda x: x.scatter(1, Tensor(index), 7.5))
+  helper_test_op([(2, 5), (2, 3)], lambda x, s: x.scatter(1, torch.tensor(index), s, reduce="add"),
+                 lambda x, s: x.scatter(1, Tensor(index), s, reduce="add"), forward_only=True)  # torch: no derivative
+
+
+def test_index_add() -> None:
+  index = np.array([4, 0, 4])
+  helper_test_op([(3, 5), (3, 3)], lambda x, s: x.index_add(1, torch.tensor(index), s, alpha=2),
+                 lambda x, s: x.index_add(1, Tensor(index), s, alpha=2))
+  helper_test_op([(4, 2), (2, 2)], lambda x, s: x.index_add(0, torch.tensor([3, 1]), s),
+                 lambda x, s: x.index_add(0, Tensor([3, 1]), s))
+
+
+NAN_AWARE = [float("nan"), 1.0, -0.0, 0.0, float("inf"), -float("inf"), 2.0, 1.0 + 1e-7]
+
+
+@pytest.mark.parametrize("name", ["fmax", "fmin", "logaddexp2", "isclose"])
+def test_nan_aware_binary(name: str) -> None:
+  xs = [x for x in NAN_AWARE for _ in NAN_AWARE]
+  ys = [y for _ in NAN_AWARE for y in NAN_AWARE]
+  helper_test_op([xs, ys], lambda x, y: getattr(torch, name)(x, y), lambda x, y: getattr(x, name)(y),
+                 forward_only=True)
+
+
+def test_nan_aware_unary_and_bools() -> None:
+  values = np.array(NAN_AWARE, dtype=np.float32)
+  ours, theirs = Tensor(values), torch.tensor(values)
+  for name in ("signbit", "isposinf", "isneginf"):
+    assert_same(getattr(ours, name)(), getattr(theirs, name)(), 0, 0)
+  assert_same(ours.isclose(ours, equal_nan=True), theirs.isclose(theirs, equal_nan=True), 0, 0)
+  assert ours.allclose(ours + 1e-9, equal_nan=True) and not ours.allclose(ours) and ours.allclose(ours, equal_nan=True)
+  assert ours.equal(Tensor(values.copy() * 1)) is False  # NaN != NaN, as torch.equal
+  assert Tensor([1, 2]).equal(Tensor([1, 2])) and not Tensor([1, 2]).equal(Tensor([1, 2, 3]))
+  assert_same(Tensor([[0, 1, 2], [0, 0, 3]]).count_nonzero(1), torch.tensor([[0, 1, 2], [0, 0, 3]]).count_nonzero(1),
+              0, 0)
+
+
+# ================================================================ order statistics
+
+def _with_ties_and_nan() -> np.ndarray:
+  values = np.random.default_rng(0).integers(0, 6, (4, 7)).astype(np.float32)
+  values[1, 3] = values[1, 5] = np.nan
+  return values
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_median(keepdim: bool) -> None:
+  """Lower median; NaN (and the first NaN's index) for a row holding NaN; values and gradient as torch."""
+  values = _with_ties_and_nan()
+  ours, theirs = Tensor(values).median(1, keepdim), torch.tensor(values).median(1, keepdim)
+  assert_same(ours[0], theirs.values, 0, 0)
+  assert_same(ours[1], theirs.indices, 0, 0)
+  assert_same(Tensor(values).median(), torch.tensor(values).median(), 0, 0)
+  helper_test_op([(3, 6)], lambda x: x.median(dim=0)[0], lambda x: x.median(0)[0])
+  helper_test_op([(3, 5)], lambda x: x.median(), lambda x: x.median())
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_kthvalue(k: int) -> None:
+  """Values as torch (NaN sorts last); the index points at an element of that value (torch leaves ties open)."""
+  values = _with_ties_and_nan()
+  ours, theirs = Tensor(values).kthvalue(k, 1), torch.tensor(values).kthvalue(k, 1)
+  assert_same(ours[0], theirs.values, 0, 0)
+  picked = np.take_along_axis(values, ours[1].numpy()[:, None], 1)[:, 0]
+  np.testing.assert_array_equal(picked, theirs.values.numpy())
+  helper_test_op([(3, 6)], lambda x: x.kthvalue(k if k < 7 else 6, 1)[0])
+
+
+@pytest.mark.parametrize("q", [0.0, 0.3, 0.5, 1.0])
+def test_quantile(q: float) -> None:
+  helper_test_op([(3, 6)], lambda x: x.quantile(q, dim=1))
+  helper_test_op([(3, 6)], lambda x: x.quantile(q, dim=0, keepdim=True))
+  helper_test_op([(3, 6)], lambda x: x.quantile(q))
+  values = _with_ties_and_nan()
+  assert_same(Tensor(values).quantile(q, 1), torch.tensor(values).quantile(q, 1), 1e-6, 1e-6)

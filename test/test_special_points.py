@@ -79,6 +79,7 @@ UNARY = [
   same("log"), same("log2"), same("log10"), same("log1p"), same("expm1"), same("sqrt"), same("rsqrt"),
   same("reciprocal"), same("square"), same("trunc"), same("floor"), same("ceil"), same("round"),
   same("sinh"), same("cosh"), same("asinh"), same("erf"), same("isnan"), same("isinf"), same("isfinite"),
+  same("atan"), same("erfc"), same("frac"), same("deg2rad"), same("rad2deg"),
   same("clamp", -1.0, 2.0), same("clamp", min=0.5), same("clamp", max=-0.5),
   param(lambda x: x ** 3, lambda x: x ** 3, name="pow3"),
   param(lambda x: x ** 1.5, lambda x: x ** 1.5, name="pow1.5"),
@@ -119,7 +120,8 @@ FINITE_ONLY = [
 # arguments differs
 PERIODIC = [same("sin"), same("cos"), same("tan")]
 # functions of [-1, 1] (atanh), [1, inf) (acosh)
-UNIT_DOMAIN = [same("atanh"), same("acosh"), same("asinh")]
+UNIT_DOMAIN = [same("atanh"), same("acosh"), same("asinh"), same("asin"), same("acos"), same("atan"), same("logit"),
+               same("logit", 0.25)]
 
 
 # points where torch's answer comes from an internal special case we do not copy, documented at the op:
@@ -146,8 +148,8 @@ def test_unary_special_points(torch_fn: Any, ourgrad_fn: Any, request: Any) -> N
 @pytest.mark.parametrize("torch_fn, ourgrad_fn", UNARY)
 def test_unary_special_points_float64(torch_fn: Any, ourgrad_fn: Any, request: Any) -> None:
   backward = not _booleans(ourgrad_fn)
-  # erf is a polynomial approximation good to 1.5e-7 in every dtype (its gradient is exact)
-  tolerance = 2e-7 if request.node.callspec.id == "erf" else 1e-10
+  # erf (and erfc) is a polynomial approximation good to 1.5e-7 in every dtype (its gradient is exact)
+  tolerance = 2e-7 if request.node.callspec.id in ("erf", "erfc") else 1e-10
   # torch's float64 hardsigmoid gradient is the float32 constant 1/6; ours is the float64 one
   grad_rtol = 1e-7 if request.node.callspec.id == "hardsigmoid" else 1e-9
   check_special_points([_points(request, SPECIAL_POINTS)], torch_fn, ourgrad_fn, dtype=dtypes.float64,
@@ -187,6 +189,11 @@ BINARY = [
   param(torch.logaddexp, lambda x, y: x.logaddexp(y), name="logaddexp"),
   param(lambda x, y: torch.where(x > y, x, y), lambda x, y: (x > y).where(x, y), name="where"),
   param(lambda x, y: torch.lerp(x, y, 0.25), lambda x, y: x.lerp(y, 0.25), name="lerp"),
+  param(lambda x, y: x % y, lambda x, y: x % y, name="remainder"),
+  param(torch.atan2, lambda x, y: x.atan2(y), name="atan2"),
+  param(torch.hypot, lambda x, y: x.hypot(y), name="hypot"),
+  param(torch.xlogy, lambda x, y: x.xlogy(y), name="xlogy"),
+  param(torch.fmod, lambda x, y: x.fmod(y), name="fmod"),
   param(lambda x, y: torch.clamp(x, min=y), lambda x, y: x.clamp(min=y), name="clamp-tensor-min"),
   param(lambda x, y: torch.clamp(x, max=y), lambda x, y: x.clamp(max=y), name="clamp-tensor-max"),
 ]
@@ -239,10 +246,18 @@ REDUCES = [
 
 
 @pytest.mark.parametrize("torch_fn, ourgrad_fn", REDUCES)
-def test_reduce_special_points(torch_fn: Any, ourgrad_fn: Any) -> None:
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float64], ids=str)
+def test_reduce_special_points(torch_fn: Any, ourgrad_fn: Any, dtype: DType) -> None:
   """Ties split the gradient of amax/amin evenly (as torch's amax); max(dim=) and sort route it to the index they
   return (as torch)."""
-  check_special_points([ROWS], torch_fn, ourgrad_fn)
+  tolerance = 1e-5 if dtype == dtypes.float32 else 1e-10
+  check_special_points([ROWS], torch_fn, ourgrad_fn, dtype=dtype, atol=tolerance, rtol=tolerance * 10)
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin", "any", "all"])
+def test_reduce_special_points_without_gradient(name: str) -> None:
+  """First index of the extreme value (NaN counts as the extreme, as in torch); any/all of NaN are True."""
+  check_special_points([ROWS], lambda x: getattr(x, name)(1), lambda x: getattr(x, name)(1), backward=False)
 
 
 def test_cumprod_special_points() -> None:
@@ -250,3 +265,8 @@ def test_cumprod_special_points() -> None:
   ours is the sum of products that the derivative is (10 for d/dx0 of cumprod([inf, 1, 2, 3]))."""
   finite_rows = [row for row in ROWS if all(math.isfinite(value) for value in row)]
   check_special_points([finite_rows], lambda x: x.cumprod(1), lambda x: x.cumprod(1))
+
+
+def test_floor_divide_special_points() -> None:
+  """Forward only (torch's floor_divide has no gradient): Python's // at zeros, infinities and NaN."""
+  check_special_points([PAIRS_X, PAIRS_Y], torch.floor_divide, lambda x, y: x // y, backward=False)
