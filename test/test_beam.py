@@ -279,3 +279,15 @@ def test_cuda_candidates_compile_in_the_process_pool():
     for size in result.local_size: threads *= size
     assert threads == (opts[0].amount if opts[0].op is OptOps.LOCAL else 1)
     assert result.binary
+
+
+def test_kernel_key_dedupes_equal_loop_nests():
+  kernel = Kernel(_last_item(_matmul(16, 16, 16)).ast, Device[Device.DEFAULT].renderer)
+  upcast, unroll = search.Opt(OptOps.UPCAST, 0, 4), search.Opt(OptOps.UNROLL, 0, 4)
+
+  def key(*opts):
+    return search.kernel_key(search.apply_opts(kernel, list(opts)))
+
+  assert key(upcast) == key(upcast)
+  assert key(upcast) != key()
+  assert key(upcast) != key(upcast, unroll)

@@ -34,6 +34,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -137,11 +138,14 @@ def candidate_opts(kernel: Kernel) -> list[tuple[Opt, Kernel]]:
 
 def kernel_key(kernel: Kernel) -> tuple:
   """What makes two kernels the same loop nest, whatever order of Opts built them: the views, and the kernel's
-  integer layout fields (upcasted, local_dims, and any the Kernel adds)."""
-  layout = tuple(sorted((name, value) for name, value in vars(kernel).items()
-                        if isinstance(value, (bool, int)) or (isinstance(value, tuple) and
-                                                              all(isinstance(v, int) for v in value))))
-  return (tuple(kernel.sts), layout)
+  plain layout fields (upcasted, local_dims, and any the Kernel adds: counts, flags, lists of axis kinds)."""
+  layout = []
+  for name, value in sorted(vars(kernel).items()):
+    if name == "applied_opts": continue
+    if isinstance(value, (bool, int, str, Enum)): layout.append((name, value))
+    elif isinstance(value, (list, tuple)) and all(isinstance(item, (bool, int, str, Enum)) for item in value):
+      layout.append((name, tuple(value)))
+  return (tuple(kernel.sts), tuple(layout))
 
 
 def describe_opts(opts: Sequence[Opt]) -> str:
