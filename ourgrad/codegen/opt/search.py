@@ -22,6 +22,7 @@ the amounts of ACTION_AMOUNTS, or DEFAULT_AMOUNTS for a kind that table does not
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -550,10 +551,16 @@ def cache_key(ast: LazyOp, device: str, beam_width: int) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _connect() -> sqlite3.Connection:
+@contextlib.contextmanager
+def _connect() -> Iterator[sqlite3.Connection]:
+  """A connection to the cache file, committed and closed on exit (sqlite's own `with` only commits)."""
   connection = sqlite3.connect(cache_dir() / "beam.sqlite", timeout=30)  # several processes may search at once
-  connection.execute("CREATE TABLE IF NOT EXISTS beam (key TEXT PRIMARY KEY, kernel TEXT, opts TEXT)")
-  return connection
+  try:
+    with connection:
+      connection.execute("CREATE TABLE IF NOT EXISTS beam (key TEXT PRIMARY KEY, kernel TEXT, opts TEXT)")
+      yield connection
+  finally:
+    connection.close()
 
 
 def cache_get(key: str) -> list[Opt] | None:
