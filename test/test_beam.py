@@ -59,11 +59,11 @@ def _plain_kernel(item) -> Kernel:
 
 # ---------------------------------------------------------------- the search result is correct
 
-@pytest.mark.parametrize("workers", [1, 2], ids=["in_process", "process_pool"])
-def test_beam_matmul_matches_noopt(workers):
+def test_beam_matmul_matches_noopt():
+  """A search compiling in the process pool (the in-process path is covered by test_bad_candidates_are_dropped)."""
   item = _last_item(_matmul(16, 24, 8))
   plain = _plain_kernel(item)
-  winner = search.beam_search(plain, None, 2, device=item.outputs[0].device, max_rounds=1, workers=workers)
+  winner = search.beam_search(plain, None, 2, device=item.outputs[0].device, max_rounds=1, workers=2)
   assert search.BeamCounters.timed >= 2, "the search timed no candidates"
   np.testing.assert_allclose(_run(winner, item), _run(plain, item), rtol=1e-5, atol=1e-5)
   assert plain.applied_opts == [], "the search changed the kernel it was given"
