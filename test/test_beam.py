@@ -4,6 +4,7 @@ are dropped without failing the search, and candidate enumeration only yields Op
 
 Shapes are tiny and searches short (width 2, one or two rounds): these tests check behaviour, never speed."""
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def test_beam_matmul_matches_noopt():
   assert search.BeamCounters.timed >= 2, "the search timed no candidates"
   np.testing.assert_allclose(_run(winner, item), _run(plain, item), rtol=1e-5, atol=1e-5)
   assert plain.applied_opts == [], "the search changed the kernel it was given"
+  assert not multiprocessing.active_children(), "the compile workers outlived the search"
 
 
 def test_beam_env_var_runs_search_and_matches_numpy(monkeypatch):
