@@ -4,6 +4,7 @@ are dropped without failing the search, and candidate enumeration only yields Op
 
 Shapes are tiny and searches short (width 2, one or two rounds): these tests check behaviour, never speed."""
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -59,14 +60,15 @@ def _plain_kernel(item) -> Kernel:
 
 # ---------------------------------------------------------------- the search result is correct
 
-@pytest.mark.parametrize("workers", [1, 2], ids=["in_process", "process_pool"])
-def test_beam_matmul_matches_noopt(workers):
+def test_beam_matmul_matches_noopt():
+  """A search compiling in the process pool (the in-process path is covered by test_bad_candidates_are_dropped)."""
   item = _last_item(_matmul(16, 24, 8))
   plain = _plain_kernel(item)
-  winner = search.beam_search(plain, None, 2, device=item.outputs[0].device, max_rounds=1, workers=workers)
+  winner = search.beam_search(plain, None, 2, device=item.outputs[0].device, max_rounds=1, workers=2)
   assert search.BeamCounters.timed >= 2, "the search timed no candidates"
   np.testing.assert_allclose(_run(winner, item), _run(plain, item), rtol=1e-5, atol=1e-5)
   assert plain.applied_opts == [], "the search changed the kernel it was given"
+  assert not multiprocessing.active_children(), "the compile workers outlived the search"
 
 
 def test_beam_env_var_runs_search_and_matches_numpy(monkeypatch):
@@ -279,3 +281,15 @@ def test_cuda_candidates_compile_in_the_process_pool():
     for size in result.local_size: threads *= size
     assert threads == (opts[0].amount if opts[0].op is OptOps.LOCAL else 1)
     assert result.binary
+
+
+def test_kernel_key_dedupes_equal_loop_nests():
+  kernel = Kernel(_last_item(_matmul(16, 16, 16)).ast, Device[Device.DEFAULT].renderer)
+  upcast, unroll = search.Opt(OptOps.UPCAST, 0, 4), search.Opt(OptOps.UNROLL, 0, 4)
+
+  def key(*opts):
+    return search.kernel_key(search.apply_opts(kernel, list(opts)))
+
+  assert key(upcast) == key(upcast)
+  assert key(upcast) != key()
+  assert key(upcast) != key(upcast, unroll)

@@ -22,6 +22,7 @@ the amounts of ACTION_AMOUNTS, or DEFAULT_AMOUNTS for a kind that table does not
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -34,6 +35,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -137,11 +139,14 @@ def candidate_opts(kernel: Kernel) -> list[tuple[Opt, Kernel]]:
 
 def kernel_key(kernel: Kernel) -> tuple:
   """What makes two kernels the same loop nest, whatever order of Opts built them: the views, and the kernel's
-  integer layout fields (upcasted, local_dims, and any the Kernel adds)."""
-  layout = tuple(sorted((name, value) for name, value in vars(kernel).items()
-                        if isinstance(value, (bool, int)) or (isinstance(value, tuple) and
-                                                              all(isinstance(v, int) for v in value))))
-  return (tuple(kernel.sts), layout)
+  plain layout fields (upcasted, local_dims, and any the Kernel adds: counts, flags, lists of axis kinds)."""
+  layout = []
+  for name, value in sorted(vars(kernel).items()):
+    if name == "applied_opts": continue
+    if isinstance(value, (bool, int, str, Enum)): layout.append((name, value))
+    elif isinstance(value, (list, tuple)) and all(isinstance(item, (bool, int, str, Enum)) for item in value):
+      layout.append((name, tuple(value)))
+  return (tuple(kernel.sts), tuple(layout))
 
 
 def describe_opts(opts: Sequence[Opt]) -> str:
@@ -455,7 +460,8 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
       if round_beam[0].seconds >= best.seconds * (1 - progress_threshold): break
       beam, best = round_beam, round_beam[0]
     if hand_seconds is not None and best.opts != hand_opts:
-      best, hand_seconds = _final_choice(timer, compiler.compile([best.opts, hand_opts]), best, hand_seconds)
+      best, hand_seconds = _final_choice(timer, compiler.compile([best.opts, hand_opts]), best, hand_seconds,
+                                         progress_threshold)
   finally:
     compiler.close()
     progress.close()
@@ -465,9 +471,10 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
 
 
 def _final_choice(timer: _Timer, compiled: Sequence[CompiledCandidate], best: TimedCandidate,
-                  hand_seconds: float) -> tuple[TimedCandidate, float]:
+                  hand_seconds: float, margin: float) -> tuple[TimedCandidate, float]:
   """The search's best against the hand-coded kernel, launched in turns so that both see the same machine: the
-  hand-coded one wins unless the search's is faster. Returns the winner and the hand-coded kernel's time."""
+  hand-coded one wins unless the search's is faster by more than `margin` (a fraction: where timings are noisy,
+  the heuristic's choice is the safer bet). Returns the winner and the hand-coded kernel's time."""
   if any(candidate.error for candidate in compiled): return best, hand_seconds
   programs = [Device[timer.device].program(candidate.name, candidate.binary) for candidate in compiled]
   times: list[list[float]] = [[], []]
@@ -475,14 +482,18 @@ def _final_choice(timer: _Timer, compiled: Sequence[CompiledCandidate], best: Ti
     for index, (program, candidate) in enumerate(zip(programs, compiled)):
       times[index].append(time_program(program, timer.handles, candidate, float("inf")) or 0.0)
   searched, hand = min(times[0]), min(times[1])
-  if searched < hand: return TimedCandidate(best.opts, searched), hand
+  if searched < hand * (1 - margin): return TimedCandidate(best.opts, searched), hand
   return TimedCandidate(compiled[1].opts, hand), hand
 
 
 def _expand(kernel: Kernel, beam: Sequence[TimedCandidate], seen: set) -> list[tuple[Opt, ...]]:
-  """Each beam member with one more legal Opt, minus loop nests already seen (marked seen now)."""
+  """Each beam member with one more legal Opt, minus loop nests already seen (marked seen now). A member over
+  EARLY_CUT times slower than the best is not expanded: its children are timed at its speed, and on a CPU a slow
+  kernel (an unoptimized matmul) costs seconds per launch."""
   candidates = []
+  fastest = min(member.seconds for member in beam)
   for member in beam:
+    if member.seconds > fastest * EARLY_CUT: continue
     for opt, new in candidate_opts(apply_opts(kernel, member.opts)):
       key = kernel_key(new)
       if key in seen: continue
@@ -540,10 +551,16 @@ def cache_key(ast: LazyOp, device: str, beam_width: int) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _connect() -> sqlite3.Connection:
+@contextlib.contextmanager
+def _connect() -> Iterator[sqlite3.Connection]:
+  """A connection to the cache file, committed and closed on exit (sqlite's own `with` only commits)."""
   connection = sqlite3.connect(cache_dir() / "beam.sqlite", timeout=30)  # several processes may search at once
-  connection.execute("CREATE TABLE IF NOT EXISTS beam (key TEXT PRIMARY KEY, kernel TEXT, opts TEXT)")
-  return connection
+  try:
+    with connection:
+      connection.execute("CREATE TABLE IF NOT EXISTS beam (key TEXT PRIMARY KEY, kernel TEXT, opts TEXT)")
+      yield connection
+  finally:
+    connection.close()
 
 
 def cache_get(key: str) -> list[Opt] | None:
