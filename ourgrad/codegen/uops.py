@@ -165,3 +165,13 @@ def _hashable(arg: Any) -> Any:
   if isinstance(arg, float) and math.isnan(arg): return ("nan",)
   if isinstance(arg, tuple): return tuple(_hashable(item) for item in arg)
   return (type(arg), arg)
+
+
+def launch_dims(uops: list[UOp]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(blocks, threads per block) along x, y, z from a kernel's SPECIAL uops; CPU kernels launch once."""
+  blocks, threads = [1, 1, 1], [1, 1, 1]
+  for uop in uops:
+    if uop.op is UOps.SPECIAL:
+      _, size, dimension, kind = uop.arg
+      (blocks if kind is AxisType.GLOBAL else threads)[dimension] = size
+  return tuple(blocks), tuple(threads)

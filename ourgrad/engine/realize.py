@@ -13,7 +13,7 @@ from typing import Any
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
 from ourgrad.codegen.opt.search import beam_optimize
-from ourgrad.codegen.uops import AxisType, UOp, UOps, format_uops
+from ourgrad.codegen.uops import UOp, UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.device import Device
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import held_only_by_items, plan_memory
@@ -93,16 +93,6 @@ def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
   op_count, byte_count = estimate_cost(kernel, uops)
   global_size, local_size = launch_dims(uops)
   return CompiledRunner(name, kernel.colored_shape(), source, program, global_size, local_size, op_count, byte_count)
-
-
-def launch_dims(uops: list[UOp]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """(blocks, threads per block) along x, y, z from a kernel's SPECIAL uops; CPU kernels launch once."""
-  blocks, threads = [1, 1, 1], [1, 1, 1]
-  for uop in uops:
-    if uop.op is UOps.SPECIAL:
-      _, size, dimension, kind = uop.arg
-      (blocks if kind is AxisType.GLOBAL else threads)[dimension] = size
-  return tuple(blocks), tuple(threads)
 
 
 def estimate_cost(kernel: Kernel, uops: list[UOp]) -> tuple[int, int]:

@@ -42,6 +42,7 @@ import numpy as np
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.uops import launch_dims
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import (BEAM_COMPILE_TIMEOUT, BEAM_LOCAL_MAX, BEAM_MIN_PROGRESS, BEAM_UPCAST_MAX, BEAM_WORKERS,
@@ -246,7 +247,6 @@ def compile_candidate(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -
 
 
 def _compile_with_alarm(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -> CompiledCandidate:
-  from ourgrad.engine.realize import launch_dims  # the engine owns launching; it imports this module first
   use_alarm = timeout > 0 and threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
   if use_alarm:
     previous = signal.signal(signal.SIGALRM, _raise_timeout)
