@@ -269,6 +269,56 @@ class ReduceMixin:
     factors = keep.where(x.unsqueeze(-2).expand(x.shape[:-1] + (size, size)), 1)
     return factors.prod(-1).transpose(dim, -1)
 
+  def _window_last(self) -> tuple[Tensor, Tensor]:
+    """For the last axis of size n: the (..., n, n) view where row i holds x[0..n-1] and the mask of j <= i."""
+    from ourgrad.tensor import Tensor
+    size = self.shape[-1]
+    positions = Tensor.arange(size, device=self.device)
+    keep = positions.reshape(size, 1) >= positions.reshape(1, size)  # row i keeps columns j <= i
+    return self.unsqueeze(-2).expand(self.shape[:-1] + (size, size)), keep
+
+  def _cumulative_extreme(self, axis: int, largest: bool) -> ValuesIndices:
+    """cummax/cummin: the running extreme and the index of its latest occurrence (NaN is the extreme once seen), as
+    PyTorch; the values are gathered at the indices, so the gradient goes to that element."""
+    from ourgrad.tensor import Tensor
+    dim = self._axis(axis)
+    if self.ndim == 0: return ValuesIndices(self, Tensor.zeros((), dtype=dtypes.int64, device=self.device))
+    x = self.detach().transpose(dim, -1)
+    key = x if largest else (-x if x.dtype.is_float else ~x)
+    if key.dtype == dtypes.bool: key = key.cast(dtypes.int32)
+    window, keep = key._window_last()
+    lowest = -math.inf if key.dtype.is_float else key.dtype.min
+    running = keep.where(window, lowest).max(-1, keepdim=True)  # (..., n, 1)
+    matches = window == running
+    if key.dtype.is_float: matches = matches | (window.isnan() & running.isnan())
+    size = x.shape[-1]
+    positions = Tensor.arange(size, device=self.device).reshape(1, size)
+    indices = (keep & matches).where(positions, -1).max(-1).cast(dtypes.int64).transpose(dim, -1)
+    return ValuesIndices(self.gather(dim, indices), indices)
+
+  @accepts_dim
+  def cummax(self, axis: int = 0) -> ValuesIndices:
+    """(values, indices) of the running maximum along `axis`, as torch.cummax."""
+    return self._cumulative_extreme(axis, largest=True)
+
+  @accepts_dim
+  def cummin(self, axis: int = 0) -> ValuesIndices:
+    """(values, indices) of the running minimum along `axis`, as torch.cummin."""
+    return self._cumulative_extreme(axis, largest=False)
+
+  @accepts_dim
+  def logcumsumexp(self, axis: int = 0) -> Tensor:
+    """log of the running sum of exp along `axis`, computed stably against the running maximum (exact for rows
+    spanning any range), as torch.logcumsumexp."""
+    dim = self._axis(axis)
+    if self.ndim == 0: return self._float_operand()
+    x = self._float_operand().transpose(dim, -1)
+    window, keep = x._window_last()
+    peak = keep.where(window.detach(), -math.inf).max(-1, keepdim=True)
+    peak = peak.isinf().where(0, peak)  # all -inf (or an inf) would give NaN through x - peak
+    total = keep.where((window - peak).exp(), 0).sum(-1, keepdim=True).log() + peak
+    return total.squeeze(-1).transpose(dim, -1)
+
   def diff(self, n: int = 1, dim: int = -1) -> Tensor:
     """The n-th forward difference along `dim`: x[i + 1] - x[i], applied n times (torch.diff without prepend)."""
     axis = self._axis(dim)

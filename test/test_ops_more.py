@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as torch_functional
-from helpers import assert_same, helper_test_op
+from helpers import TORCH_DTYPES, assert_same, helper_test_op
 
 from ourgrad import Tensor, dtypes
 from ourgrad.dtype import DType
@@ -387,7 +387,7 @@ ZOO_METHODS = ["clamp_min", "clamp_max", "addcmul", "addcdiv", "expm1", "log1p",
                "atan", "asin", "acos", "atan2", "hypot", "logit", "xlogy", "erfc", "frac", "nansum", "nanmean", "t",
                "tile", "unbind", "select", "index_select", "scatter", "scatter_add", "index_add", "fmax", "fmin",
                "isclose", "allclose", "equal", "count_nonzero", "signbit", "divide", "multiply", "subtract",
-               "median", "kthvalue", "quantile"]
+               "median", "kthvalue", "quantile", "cummax", "cummin", "logcumsumexp"]
 
 
 def test_model_zoo_method_names_exist() -> None:
@@ -608,3 +608,26 @@ def test_quantile(q: float) -> None:
   helper_test_op([(3, 6)], lambda x: x.quantile(q))
   values = _with_ties_and_nan()
   assert_same(Tensor(values).quantile(q, 1), torch.tensor(values).quantile(q, 1), 1e-6, 1e-6)
+
+
+# ================================================================ running extremes and logcumsumexp
+
+@pytest.mark.parametrize("name", ["cummax", "cummin"])
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.int32], ids=str)
+def test_cumulative_extremes(name: str, dtype: DType) -> None:
+  """Values and the latest index of ties (NaN wins once seen), as torch; gradients go to that index."""
+  values = _with_ties_and_nan() if dtype.is_float else np.random.default_rng(1).integers(-3, 3, (4, 7))
+  ours = getattr(Tensor(values, dtype=dtype), name)(dim=1)
+  theirs = getattr(torch.tensor(values).to(TORCH_DTYPES[dtype]), name)(dim=1)
+  assert_same(ours.values, theirs.values, 0, 0)
+  assert_same(ours.indices, theirs.indices, 0, 0)
+  if dtype.is_float:
+    helper_test_op([(3, 6)], lambda x: getattr(x, name)(dim=1)[0])
+    helper_test_op([(5, 2)], lambda x: getattr(x, name)(dim=0)[0])
+
+
+def test_logcumsumexp() -> None:
+  helper_test_op([(3, 6)], lambda x: x.logcumsumexp(dim=1), low=-30, high=30)
+  helper_test_op([(4, 2)], lambda x: x.logcumsumexp(dim=0), dtype=dtypes.float64)
+  wide = [[0.0, -float("inf"), -float("inf"), 1.0, -1000.0, 50.0], [-float("inf")] * 6]
+  helper_test_op([wide], lambda x: x.logcumsumexp(dim=1), forward_only=True)
