@@ -105,7 +105,8 @@ def test_hand_coded_matches_plain(renderer_name: str, name: str) -> None:
   _close(_run(kernel, item, "PYTHON"), plain)
 
 
-GROUP_KINDS = [OptOps.GROUP] * 4 + [OptOps.GROUPTOP] * 3 + [OptOps.LOCAL] * 3 + [OptOps.UPCAST] * 2 + [OptOps.UNROLL]
+GROUP_KINDS = [OptOps.GROUP] * 4 + [OptOps.GROUPTOP] * 3 + [OptOps.LOCAL] * 3 + [OptOps.UPCAST] * 2 + \
+  [OptOps.UNROLL, OptOps.PADTO]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -118,7 +119,7 @@ def test_random_group_opts_match_plain(name: str, seed: int) -> None:
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
   for _ in range(4):
     op = chooser.choice(GROUP_KINDS)
-    kernel.try_opt(Opt(op, chooser.randint(0, 1), chooser.choice([0, 2, 4, 8, 16, 32, 64])))
+    kernel.try_opt(Opt(op, chooser.randint(0, 1), chooser.choice([0, 2, 3, 4, 8, 16, 32, 64])))
   print(f"{name} seed {seed}: {kernel.applied_opts}")
   _close(_run(kernel, item, "PYTHON"), plain)
 
@@ -228,7 +229,7 @@ def test_legal_opts_and_copy() -> None:
   legal = kernel.legal_opts()
   assert Opt(OptOps.GROUP, 0, 0) in legal and Opt(OptOps.GROUPTOP, 0, 16) in legal  # 0: the whole axis (256)
   assert Opt(OptOps.GROUP, 0, 256) not in legal  # the same kernel as amount 0: listed once
-  assert all(opt.op is not OptOps.PADTO for opt in legal)
+  assert Opt(OptOps.PADTO, 0, 8) in legal and Opt(OptOps.PADTO, 0, 4) not in legal  # 12 rows: 16, not 12
   trial = kernel.copy()
   trial.apply_opt(Opt(OptOps.GROUP, 0, 32))
   assert kernel.applied_opts == [] and kernel.group_dims == 0 and trial.group_dims == 1
