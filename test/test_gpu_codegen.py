@@ -20,6 +20,7 @@ from ourgrad.device import Buffer, Device
 from ourgrad.engine.realize import compile_kernel, launch_dims, run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.errors import DeviceError
+from ourgrad.ops import Ops
 from ourgrad.renderer.cstyle import ClangRenderer, CUDARenderer, OpenCLRenderer
 from ourgrad.runtime.ops_python import PythonCompiler, PythonProgram, PythonRenderer
 
@@ -259,9 +260,7 @@ def _block_program(missing_barrier: bool) -> PythonProgram:
   return PythonProgram("gather", PythonCompiler().compile(source_text))
 
 
-def build_op(name: str):
-  from ourgrad.ops import Ops
-  return Ops[name]
+def build_op(name: str) -> Ops: return Ops[name]
 
 
 def test_local_memory_is_per_block_and_if_blocks_mask_stores() -> None:
@@ -276,3 +275,31 @@ def test_a_missing_barrier_is_an_error() -> None:
   values = np.arange(16, dtype=np.float32).view(np.uint8).copy()
   with pytest.raises(DeviceError, match="no BARRIER"):
     _block_program(True)(np.zeros(8, np.uint8), values, global_size=(2, 1, 1), local_size=(8, 1, 1))
+
+
+# ================================================================ a training step's kernels
+
+def test_conv_training_step_kernels_match_plain_with_groups() -> None:
+  """A small conv -> batchnorm -> relu step's kernels (convolution weight gradients, batchnorm
+  statistics: few outputs over many values) get GROUP threads under CUDA's limits and match the plain kernels."""
+  images = Tensor(rng.standard_normal((16, 2, 12, 12)).astype(np.float32), device="PYTHON")
+  weight = Tensor(rng.standard_normal((4, 2, 3, 3)).astype(np.float32), device="PYTHON", requires_grad=True)
+  features = images.conv2d(weight)
+  mean = features.mean(axis=(0, 2, 3), keepdim=True)
+  variance = ((features - mean) ** 2).mean(axis=(0, 2, 3), keepdim=True)
+  ((features - mean) / (variance + 1e-5).sqrt()).relu().sum().backward()
+  schedule = create_schedule([weight.grad.lazydata, mean.lazydata, variance.lazydata])
+  grouped = 0
+  for item in schedule:
+    if item.ast.op is not Ops.STORE:
+      run_schedule([item])
+      continue
+    for buffer in item.outputs: buffer.allocate()
+    kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+    kernel.hand_coded_optimizations()
+    grouped += kernel.group_dims > 0
+    optimized = _run(kernel, item, "PYTHON")
+    plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item, "PYTHON")
+    _close(optimized, plain)
+    run_schedule([item])
+  assert grouped >= 2, "the weight gradient and the batchnorm statistics split their reduces over GROUP threads"
