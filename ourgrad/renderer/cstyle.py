@@ -229,9 +229,19 @@ class CStyleLanguage(Renderer):
         emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};  /* 0..{uop.arg[1] - 1} */")
       elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL:
         define(uop, "val", f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]")  # local memory holds register values
+      elif uop.op is UOps.LOAD and uop.arg is not None:
+        variable = new_name("vec")
+        names[id(uop)] = variable
+        emit(f"{self.render_dtype(uop.dtype)}{uop.arg} {variable} = "
+             f"{self.render_vector_load(ref(uop.srcs[0]), ref(uop.srcs[1]), uop.arg, uop.dtype)};")
+      elif uop.op is UOps.GEP:
+        names[id(uop)] = f"{ref(uop.srcs[0])}.{'xyzw'[uop.arg]}"
       elif uop.op is UOps.LOAD:
         valid = ref(uop.srcs[2]) if len(uop.srcs) > 2 else None
         define(uop, "val", self.render_load(ref(uop.srcs[0]), ref(uop.srcs[1]), valid, uop.dtype))
+      elif uop.op is UOps.STORE and uop.arg is not None:
+        emit(self.render_vector_store(ref(uop.srcs[0]), ref(uop.srcs[1]), [ref(src) for src in uop.srcs[2:]],
+                                      uop.srcs[2].dtype))
       elif uop.op is UOps.STORE:
         if uop.srcs[0].op is UOps.DEFINE_LOCAL: store = f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}] = {ref(uop.srcs[2])};"
         else: store = self.render_store(ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), uop.srcs[2].dtype)
@@ -279,6 +289,12 @@ class CStyleLanguage(Renderer):
     return expression
 
   def render_special(self, arg: tuple) -> str: raise NotImplementedError
+
+  def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
+    raise NotImplementedError(f"{type(self).__name__} has no vector loads")
+
+  def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
+    raise NotImplementedError(f"{type(self).__name__} has no vector stores")
 
   def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
     raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
@@ -355,6 +371,14 @@ class OpenCLRenderer(CStyleLanguage):
   local_prefix = "__local "
   barrier = "barrier(CLK_LOCAL_MEM_FENCE);"
   bfloat16_spelling = ("", "as_uint(value)", "as_float(((uint)bits) << 16)")
+  vector_width = 4
+
+  def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
+    return f"vload{width}(0, {buffer}+({index}))"
+
+  def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
+    vector = f"({self.render_dtype(dtype)}{len(values)})({', '.join(values)})"
+    return f"vstore{len(values)}({vector}, 0, {buffer}+({index}));"
   kernel_prefix = "__kernel "
   buffer_prefix = "__global "
   buffer_suffix = " restrict"
@@ -441,6 +465,15 @@ class CUDARenderer(CStyleLanguage):
   barrier = "__syncthreads();"
   bfloat16_spelling = ("__device__ __forceinline__ ", "__float_as_uint(value)",
                        "__uint_as_float(((unsigned int)bits) << 16)")
+  vector_width = 4
+
+  def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
+    # the index is a multiple of the width (the linearizer checks), so the address is 16-byte aligned
+    return f"*((const {self.render_dtype(dtype)}{width}*)({buffer}+({index})))"
+
+  def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
+    vector = f"{self.render_dtype(dtype)}{len(values)}"
+    return f"*(({vector}*)({buffer}+({index}))) = make_{vector}({', '.join(values)});"
   buffer_suffix = " __restrict__"
   preamble = ""
   storage_names = {"float16": "unsigned short", "bfloat16": "unsigned short"}
