@@ -73,7 +73,8 @@ def test_random_opts_match_plain(name, seed):
   item = _last_item(_graphs()[name])
   plain = _plain(item)
   chooser = random.Random(seed)
-  kinds = [OptOps.UPCAST, OptOps.UNROLL, OptOps.LOCAL]  # LOCAL is refused on devices without thread blocks
+  # LOCAL and GROUP are refused on devices without thread blocks and local memory (CLANG, LLVM)
+  kinds = [OptOps.UPCAST, OptOps.UNROLL, OptOps.LOCAL, OptOps.GROUP, OptOps.GROUPTOP, OptOps.PADTO]
   opts = [Opt(chooser.choice(kinds), chooser.randint(0, 2), chooser.choice([0, 2, 3, 4, 8]))
           for _ in range(4)]
   optimized, applied = _run(item, opts)
@@ -88,3 +89,17 @@ def test_illegal_opts_are_refused():
   with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.UNROLL, 3, 2))      # no such reduce axis
   with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.UPCAST, 1, 2))      # axis 1 is the reduce
   assert kernel.applied_opts == []
+
+
+def test_padto_lets_other_opts_fit():
+  data = rng.standard_normal((10, 30)).astype(np.float32)
+  item = _last_item((Tensor(data).exp() * 2).sum(axis=1) + 1)  # 10 outputs: no UPCAST 4 fits before padding
+  device = item.outputs[0].device
+  kernel = Kernel(item.ast, Device[device].renderer)
+  with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.UPCAST, 0, 4))
+  with pytest.raises(KernelOptError, match="output axis"): kernel.apply_opt(Opt(OptOps.PADTO, 1, 32))  # not the sum
+  with pytest.raises(KernelOptError, match="over half"): kernel.apply_opt(Opt(OptOps.PADTO, 0, 32))
+  optimized, applied = _run(item, [Opt(OptOps.PADTO, 0, 4), Opt(OptOps.UPCAST, 0, 4)])
+  assert applied == [Opt(OptOps.PADTO, 0, 4), Opt(OptOps.UPCAST, 0, 4)]
+  np.testing.assert_allclose(optimized, np.exp(data.astype(np.float64) * 1).sum(axis=1) * 2 + 1, rtol=1e-5)
+  np.testing.assert_allclose(optimized, _plain(item), rtol=1e-6)

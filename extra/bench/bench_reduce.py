@@ -184,9 +184,9 @@ def mnist_step(device: str, scale: int) -> None:
   total = sum(seconds for _, _, seconds, _ in launches)
   print(f"\nmnist training step (batch {batch}): {len(launches)} kernels, sum of kernel times {total * 1e3:.3f} ms, "
         f"wall {wall * 1e3:.1f} ms (with DEBUG=2's per-kernel synchronization)")
-  print(f"{'kernel':<36} {'ms':>8} {'GB/s':>8}")
-  for name, _, seconds, moved in sorted(launches, key=lambda launch: -launch[2]):
-    print(f"{name:<36} {seconds * 1e3:8.3f} {moved / max(seconds, 1e-12) / 1e9:8.1f}")
+  print(f"{'kernel':<36} {'ms':>8} {'GB/s':>8}  axes (colored by kind)")
+  for name, shape, seconds, moved in sorted(launches, key=lambda launch: -launch[2]):
+    print(f"{name:<36} {seconds * 1e3:8.3f} {moved / max(seconds, 1e-12) / 1e9:8.1f}  {shape}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ class OptOps(Enum):
   GROUP = auto()    # split a reduce axis (counted as for UNROLL) across threads of a block, neighbouring elements to
   #                   neighbouring threads (coalesced); partials are combined in local memory (GPU)
   GROUPTOP = auto() # as GROUP, but each thread reduces one contiguous slice of the axis
-  PADTO = auto()    # pad an axis up to a multiple of `amount` so other opts fit (not implemented: refused)
+  PADTO = auto()    # pad an output axis up to a multiple of `amount` so other opts fit: loads read 0 and stores are
+  #                   masked beyond the real size
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,11 @@ class Kernel:
       if opt.op is not OptOps.UNROLL and not getattr(renderer, "has_local", False):
         raise KernelOptError(f"{opt.op.name} needs a device with local memory, {renderer.device} has none")
       return axis
+    if opt.op is OptOps.PADTO:
+      if not 0 <= opt.axis < self.first_upcast or self.is_reduce_axis(opt.axis):
+        # a padded reduce would add whatever the reduce's input is at the padding (exp(0) = 1), not 0
+        raise KernelOptError(f"PADTO needs a global or local output axis, got {opt.axis}")
+      return opt.axis
     if opt.op is OptOps.LOCAL:
       if not renderer.has_threads:
         raise KernelOptError(f"LOCAL needs a device with thread blocks, not {renderer.device}")
@@ -252,6 +258,9 @@ class Kernel:
   def _apply(self, opt: Opt) -> None:
     axis = self._axis_of(opt)
     size = self.full_shape[axis]
+    if opt.op is OptOps.PADTO:
+      self._pad_to(axis, size, opt.amount)
+      return
     amount = opt.amount if opt.amount != 0 else size
     if amount <= 1 or size % amount != 0:
       raise KernelOptError(f"{opt.op.name}: {amount} does not divide axis {axis} of size {size}")
@@ -270,6 +279,17 @@ class Kernel:
       self.shift_to(axis, amount)
       self.upcasted += 1
     self._drop_finished_axes()
+
+  def _pad_to(self, axis: int, size: int, amount: int) -> None:
+    """Pad every view of `axis` up to a multiple of `amount` (masked: loads give 0, stores beyond `size` are
+    skipped). Refused where nothing changes or where more than half the padded axis would be padding."""
+    if amount < 2: raise KernelOptError(f"PADTO needs a multiple of at least 2, got {amount}")
+    padded = -(-size // amount) * amount
+    if padded == size: raise KernelOptError(f"PADTO: axis {axis} of size {size} is already a multiple "
+                                                          f"of {amount}")
+    if padded > 2 * size: raise KernelOptError(f"PADTO: padding axis {axis} from {size} to {padded} wastes over half")
+    padding = tuple((0, padded - size) if number == axis else (0, 0) for number in range(self.shape_len))
+    self.sts = [st.pad(padding) for st in self.sts]
 
   def _check_limits(self) -> None:
     """Registers, threads per block and local memory per block within what the device allows."""

@@ -131,10 +131,16 @@ class Linearizer:
       # one thread per group finishes the kernel: the others hold partial or duplicate results
       store_if = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, group_index, self._int(1)),))
     store = kernel.ast
+    vector_axis = self._vector_store_axis()
+    pending: dict[tuple[int, ...], UOp] = {}  # the lanes of one vector store, by element
     for lane in output_lanes:
       zero_unrolls = (0,) * len(unroll_axes)
       idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, zero_unrolls)
       value = self.compute(store.srcs[0], idxs, reduced.get(lane))
+      if vector_axis is not None:
+        pending[lane] = value
+        self._emit_vector_store(pending, lane, idxs, vector_axis, upcast_axes)
+        continue
       index, valid = self._index(0, idxs)
       srcs = (self.buffers[store.arg.idx], index, value) + ((valid,) if valid is not None else ())
       build.add(UOps.STORE, None, srcs)
@@ -249,12 +255,15 @@ class Linearizer:
     for axis, value in zip(unroll_axes, unroll_lane): idxs[axis] = NumNode(value)
     return idxs
 
-  def _index(self, leaf_number: int, idxs: list[Node]) -> tuple[UOp, UOp | None]:
-    """(index, valid) uops of a leaf's view; valid is None where always true."""
+  def _index_nodes(self, leaf_number: int, idxs: list[Node]) -> tuple[Node, Node]:
     st = self.kernel.sts[leaf_number]
     # a view has size 1 where the full shape is reduced away: index 0 there
     own_idxs = [idx if st.shape[axis] != 1 else NumNode(0) for axis, idx in enumerate(idxs)]
-    index_node, valid_node = st.expr_idxs(own_idxs)
+    return st.expr_idxs(own_idxs)
+
+  def _index(self, leaf_number: int, idxs: list[Node]) -> tuple[UOp, UOp | None]:
+    """(index, valid) uops of a leaf's view; valid is None where always true."""
+    index_node, valid_node = self._index_nodes(leaf_number, idxs)
     valid = None if (isinstance(valid_node, NumNode) and valid_node.b == 1) else valid_node
     if isinstance(valid_node, NumNode) and valid_node.b == 0: index_node = NumNode(0)
     return self.node_to_uop(index_node), (self.node_to_uop(valid) if valid is not None else None)
@@ -283,6 +292,9 @@ class Linearizer:
     return values[id(root)]
 
   def _load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:
+    if not gathered:  # a gathered load's address depends on loaded data: never one vector access
+      vector_element = self._vector_load(node, idxs)
+      if vector_element is not None: return vector_element
     index, valid = self._index(self.leaf_index[id(node)], idxs)
     if gathered:  # a gathered LOAD: (element offset, validity) computed from other loads (see ops.LazyOp)
       offset, in_range = gathered
@@ -293,11 +305,74 @@ class Linearizer:
     srcs = (self.buffers[node.arg.idx], index) + ((valid,) if valid is not None else ())
     return self.builder.add(UOps.LOAD, node.dtype, srcs)
 
+  def _vector_store_axis(self) -> int | None:
+    """The upcast axis along which the output is stored as float4 vectors, if any: the renderer has them, the
+    output's view is contiguous and unmasked along it, and the axis splits into whole vectors."""
+    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
+    st = kernel.sts[0]
+    if width < 2 or kernel.ast.dtype != dtypes.float32 or len(st.views) != 1 or st.views[0].mask is not None:
+      return None
+    strides = st.real_strides()
+    return next((axis for axis in kernel.upcast_axes if strides[axis] == 1 and kernel.full_shape[axis] % width == 0),
+                None)
+
+  def _emit_vector_store(self, pending: dict[tuple[int, ...], UOp], lane: tuple[int, ...], idxs: list[Node],
+                         axis: int, upcast_axes: list[int]) -> None:
+    """Once the last element of a vector has its value, store the vector (aligned), or its elements one by one
+    (scalar fallback) when the first element's index is not provably a multiple of the width."""
+    width, position = self.kernel.renderer.vector_width, upcast_axes.index(axis)
+    if lane[position] % width != width - 1: return
+    lanes = [lane[:position] + (lane[position] - width + 1 + element,) + lane[position + 1:]
+             for element in range(width)]
+    first = list(idxs)
+    first[axis] = NumNode(idxs[axis].b - width + 1)
+    index_node, _ = self._index_nodes(0, first)
+    buffer = self.buffers[self.kernel.ast.arg.idx]
+    values = tuple(pending.pop(element_lane) for element_lane in lanes)
+    if _multiple_of(index_node, width):
+      self.builder.add(UOps.STORE, None, (buffer, self.node_to_uop(index_node)) + values, width)
+      return
+    for element, value in enumerate(values):
+      element_idxs = list(first)
+      element_idxs[axis] = NumNode(first[axis].b + element)
+      index, valid = self._index(0, element_idxs)
+      self.builder.add(UOps.STORE, None, (buffer, index, value) + ((valid,) if valid is not None else ()))
+
+  def _vector_load(self, node: LazyOp, idxs: list[Node]) -> UOp | None:
+    """One element of a vector load (float4) where the renderer has them, the view is contiguous along an upcast or
+    unroll axis and the first element's index is a multiple of the width (aligned); None for a scalar load. The
+    lanes of that axis share the vector LOAD (the builder merges the identical loads), each taking one element."""
+    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
+    if width < 2 or node.dtype != dtypes.float32: return None
+    leaf = self.leaf_index[id(node)]
+    st = kernel.sts[leaf]
+    if len(st.views) != 1 or st.views[0].mask is not None: return None
+    strides = st.real_strides()
+    axis = next((axis for axis in kernel.upcast_axes + kernel.unroll_axes
+                 if strides[axis] == 1 and kernel.full_shape[axis] % width == 0), None)
+    if axis is None or not isinstance(idxs[axis], NumNode): return None
+    element = idxs[axis].b % width
+    first = list(idxs)
+    first[axis] = NumNode(idxs[axis].b - element)
+    index_node, _ = self._index_nodes(leaf, first)
+    if not _multiple_of(index_node, width): return None
+    vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
+    return self.builder.add(UOps.GEP, node.dtype, (vector,), element)
+
   def _const(self, node: LazyOp, idxs: list[Node]) -> UOp:
     value = self.builder.const(node.arg.val, node.dtype)
     _, valid = self._index(self.leaf_index[id(node)], idxs)
     if valid is None: return value
     return self.builder.alu(Ops.WHERE, node.dtype, valid, value, self.builder.const(_zero(node.dtype), node.dtype))
+
+
+def _multiple_of(node: Node, divisor: int) -> bool:
+  """Whether an index expression is a multiple of `divisor` for every value of its variables (provably)."""
+  if isinstance(node, NumNode): return node.b % divisor == 0
+  if isinstance(node, MulNode):
+    return (isinstance(node.b, int) and node.b % divisor == 0) or _multiple_of(node.a, divisor)
+  if isinstance(node, SumNode): return all(_multiple_of(term, divisor) for term in node.nodes)
+  return False
 
 
 def _zero(dtype: DType) -> float | int | bool:

@@ -43,13 +43,16 @@ class UOps(Enum):
   RANGE = auto()           # opens a loop; srcs = (start, end) consts; arg = (loop variable name, AxisType)
   ENDRANGE = auto()        # closes the loop opened by srcs[0]
   CONST = auto()           # a literal
-  LOAD = auto()            # srcs = (buffer, index[, valid]); reads 0 where valid is false
-  STORE = auto()           # srcs = (buffer, index, value[, valid])
+  LOAD = auto()            # srcs = (buffer, index[, valid]); reads 0 where valid is false. arg = None, or a vector
+  #                          width n: n neighbouring elements from an index that is a multiple of n (float4 loads)
+  STORE = auto()           # srcs = (buffer, index, value[, valid]); with arg = a vector width n: srcs = (buffer,
+  #                          index, value 0, ..., value n-1), stored to n neighbouring elements (index a multiple of n)
   ALU = auto()             # arg = the Ops member
   CAST = auto()            # value conversion to dtype
   BITCAST = auto()         # reinterpret the bits as dtype
   DEFINE_ACC = auto()      # an accumulator variable; arg = its start value
   ACCUMULATE = auto()      # srcs = (acc, value); arg = Ops.ADD or Ops.MAX: acc = op(acc, value)
+  GEP = auto()             # srcs = (vector LOAD,); arg = the element taken from it
   DEFINE_LOCAL = auto()    # block-shared memory of `dtype`; arg = (name, element count). LOAD/STORE take it as buffer
   BARRIER = auto()         # all threads of the block wait here; local memory stored before is visible after
   IF = auto()              # srcs = (condition,): the uops up to the matching ENDIF run only where it holds

@@ -44,6 +44,51 @@ def block_threads(uops: list[UOp]) -> int:
   return threads
 
 
+AluRendering = Callable[["CStyleLanguage", list[str], DType], str]
+
+
+def _infix(symbol: str) -> AluRendering:
+  def render(renderer: CStyleLanguage, operands: list[str], dtype: DType) -> str:
+    a, b = operands
+    # bools computed with & | ^ keep their parentheses: `a & b == c` would bind the comparison first
+    if symbol in "&|^" and dtype == dtypes.bool: return f"(({a}){symbol}({b}))"
+    return f"({a}{symbol}{b})"
+  return render
+
+
+def _math(name: str) -> AluRendering:
+  return lambda renderer, operands, dtype: renderer.math_call(name, dtype, operands[0])
+
+
+def _max(renderer: CStyleLanguage, operands: list[str], dtype: DType) -> str:
+  a, b = operands
+  # NaN wins, as in PyTorch; `|` rather than `||` keeps it branch-free (a select, not a jump)
+  if dtype.is_float: return f"(((({a})!=({a})) | (({a})>({b}))) ? ({a}) : ({b}))"
+  return f"((({a})>({b})) ? ({a}) : ({b}))"
+
+
+def _divide(symbol: str) -> AluRendering:
+  def render(renderer: CStyleLanguage, operands: list[str], dtype: DType) -> str:
+    a, b = operands
+    # x/0 and MIN/-1 trap the process on x86: give 0 for a zero divisor, and negate (wrapping) for -1
+    if b.lstrip("-").isdigit() and int(b) not in (0, -1): return f"({a}{symbol}{b})"
+    minus_one = (f"({b}) == -1 ? " + (f"-({a}) : " if symbol == "/" else "0 : ")) if not dtype.is_unsigned else ""
+    return f"(({b}) == 0 ? 0 : {minus_one}({a}){symbol}({b}))"
+  return render
+
+
+# how the C family writes each ALU op; a dialect that spells one differently overrides that entry only
+C_CODE_FOR_OP: dict[Ops, AluRendering] = {
+  Ops.EXP2: _math("exp2"), Ops.LOG2: _math("log2"), Ops.SIN: _math("sin"), Ops.SQRT: _math("sqrt"),
+  Ops.RECIP: lambda renderer, x, dtype: f"({renderer.render_const(1, dtype)}/{x[0]})",
+  Ops.NEG: lambda renderer, x, dtype: f"(!{x[0]})" if dtype == dtypes.bool else f"(-{x[0]})",
+  Ops.MAX: _max, Ops.IDIV: _divide("/"), Ops.MOD: _divide("%"),
+  Ops.WHERE: lambda renderer, x, dtype: f"({x[0]} ? {x[1]} : {x[2]})",
+  Ops.ADD: _infix("+"), Ops.MUL: _infix("*"), Ops.CMPLT: _infix("<"), Ops.CMPNE: _infix("!="), Ops.AND: _infix("&"),
+  Ops.OR: _infix("|"), Ops.XOR: _infix("^"), Ops.SHL: _infix("<<"), Ops.SHR: _infix(">>"),
+}
+
+
 class CStyleLanguage(Renderer):
   """The C family: C on the CPU; OpenCL C and CUDA C subclass this and change the spellings."""
   kernel_prefix = ""
@@ -53,6 +98,7 @@ class CStyleLanguage(Renderer):
   preamble = ""
   max_inline_length = 120
   local_prefix = ""     # how a block-shared array is declared (`__shared__ `, `__local `)
+  code_for_op: dict[Ops, AluRendering] = C_CODE_FOR_OP
   # how this dialect spells BFLOAT16_HELPERS: function qualifier, a float's bits (of `value`), a float from 16 bits
   bfloat16_spelling: tuple[str, str, str] = (
     "static inline ", "((union { float f; unsigned int u; }){ .f = value }).u",
@@ -127,31 +173,9 @@ class CStyleLanguage(Renderer):
     return self.write_element(buffer, index, value, dtype)
 
   def render_alu(self, op: Ops, dtype: DType, operands: list[str], operand_dtypes: list[DType]) -> str:
-    a = operands[0]
-    b = operands[1] if len(operands) > 1 else ""
-    if op is Ops.EXP2: return self.math_call("exp2", dtype, a)
-    if op is Ops.LOG2: return self.math_call("log2", dtype, a)
-    if op is Ops.SIN: return self.math_call("sin", dtype, a)
-    if op is Ops.SQRT: return self.math_call("sqrt", dtype, a)
-    if op is Ops.RECIP: return f"({self.render_const(1, dtype)}/{a})"
-    if op is Ops.NEG: return f"(!{a})" if dtype == dtypes.bool else f"(-{a})"
-    if op is Ops.MAX:
-      # NaN wins, as in PyTorch; `|` rather than `||` keeps it branch-free (a select, not a jump)
-      if dtype.is_float: return f"(((({a})!=({a})) | (({a})>({b}))) ? ({a}) : ({b}))"
-      return f"((({a})>({b})) ? ({a}) : ({b}))"
-    if op in (Ops.IDIV, Ops.MOD):
-      # x/0 and MIN/-1 trap the process on x86: give 0 for a zero divisor, and negate (wrapping) for -1
-      symbol = "/" if op is Ops.IDIV else "%"
-      if b.lstrip("-").isdigit() and int(b) not in (0, -1): return f"({a}{symbol}{b})"
-      minus_one = (f"({b}) == -1 ? " + (f"-({a}) : " if op is Ops.IDIV else "0 : ")) if not dtype.is_unsigned else ""
-      return f"(({b}) == 0 ? 0 : {minus_one}({a}){symbol}({b}))"
-    if op is Ops.WHERE: return f"({a} ? {b} : {operands[2]})"
-    symbols = {Ops.ADD: "+", Ops.MUL: "*", Ops.CMPLT: "<", Ops.CMPNE: "!=", Ops.AND: "&", Ops.OR: "|",
-               Ops.XOR: "^", Ops.SHL: "<<", Ops.SHR: ">>"}
-    if op in symbols:
-      if op in (Ops.AND, Ops.OR, Ops.XOR) and dtype == dtypes.bool: return f"(({a}){symbols[op]}({b}))"
-      return f"({a}{symbols[op]}{b})"
-    raise NotImplementedError(f"{type(self).__name__} cannot render {op}")
+    """`op` on rendered operands, looked up in the dialect's `code_for_op` table."""
+    if op not in self.code_for_op: raise NotImplementedError(f"{type(self).__name__} cannot render {op}")
+    return self.code_for_op[op](self, operands, dtype)
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     return f"{self.preamble}{self.kernel_prefix}void {name}({', '.join(params)}) {{\n" + "\n".join(body) + "\n}\n"
@@ -205,9 +229,19 @@ class CStyleLanguage(Renderer):
         emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};  /* 0..{uop.arg[1] - 1} */")
       elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL:
         define(uop, "val", f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]")  # local memory holds register values
+      elif uop.op is UOps.LOAD and uop.arg is not None:
+        variable = new_name("vec")
+        names[id(uop)] = variable
+        emit(f"{self.render_dtype(uop.dtype)}{uop.arg} {variable} = "
+             f"{self.render_vector_load(ref(uop.srcs[0]), ref(uop.srcs[1]), uop.arg, uop.dtype)};")
+      elif uop.op is UOps.GEP:
+        names[id(uop)] = f"{ref(uop.srcs[0])}.{'xyzw'[uop.arg]}"
       elif uop.op is UOps.LOAD:
         valid = ref(uop.srcs[2]) if len(uop.srcs) > 2 else None
         define(uop, "val", self.render_load(ref(uop.srcs[0]), ref(uop.srcs[1]), valid, uop.dtype))
+      elif uop.op is UOps.STORE and uop.arg is not None:
+        emit(self.render_vector_store(ref(uop.srcs[0]), ref(uop.srcs[1]), [ref(src) for src in uop.srcs[2:]],
+                                      uop.srcs[2].dtype))
       elif uop.op is UOps.STORE:
         if uop.srcs[0].op is UOps.DEFINE_LOCAL: store = f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}] = {ref(uop.srcs[2])};"
         else: store = self.render_store(ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), uop.srcs[2].dtype)
@@ -255,6 +289,12 @@ class CStyleLanguage(Renderer):
     return expression
 
   def render_special(self, arg: tuple) -> str: raise NotImplementedError
+
+  def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
+    raise NotImplementedError(f"{type(self).__name__} has no vector loads")
+
+  def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
+    raise NotImplementedError(f"{type(self).__name__} has no vector stores")
 
   def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
     raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
@@ -331,6 +371,14 @@ class OpenCLRenderer(CStyleLanguage):
   local_prefix = "__local "
   barrier = "barrier(CLK_LOCAL_MEM_FENCE);"
   bfloat16_spelling = ("", "as_uint(value)", "as_float(((uint)bits) << 16)")
+  vector_width = 4
+
+  def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
+    return f"vload{width}(0, {buffer}+({index}))"
+
+  def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
+    vector = f"({self.render_dtype(dtype)}{len(values)})({', '.join(values)})"
+    return f"vstore{len(values)}({vector}, 0, {buffer}+({index}));"
   kernel_prefix = "__kernel "
   buffer_prefix = "__global "
   buffer_suffix = " restrict"
@@ -417,6 +465,15 @@ class CUDARenderer(CStyleLanguage):
   barrier = "__syncthreads();"
   bfloat16_spelling = ("__device__ __forceinline__ ", "__float_as_uint(value)",
                        "__uint_as_float(((unsigned int)bits) << 16)")
+  vector_width = 4
+
+  def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
+    # the index is a multiple of the width (the linearizer checks), so the address is 16-byte aligned
+    return f"*((const {self.render_dtype(dtype)}{width}*)({buffer}+({index})))"
+
+  def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
+    vector = f"{self.render_dtype(dtype)}{len(values)}"
+    return f"*(({vector}*)({buffer}+({index}))) = make_{vector}({', '.join(values)});"
   buffer_suffix = " __restrict__"
   preamble = ""
   storage_names = {"float16": "unsigned short", "bfloat16": "unsigned short"}

@@ -88,11 +88,13 @@ class PythonRenderer(Renderer):
   has_local = True
   local_memory_bytes = 16384
   warp_size = 0
+  vector_width = 4
 
   def __init__(self, emulate: str = "") -> None:
     if emulate == "": return
     if emulate.upper() != "CUDA": raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA")
-    for limit in ("max_threads", "has_local", "local_memory_bytes", "warp_size", "global_max", "local_max"):
+    for limit in ("max_threads", "has_local", "local_memory_bytes", "warp_size", "vector_width", "global_max",
+                  "local_max"):
       setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:
@@ -502,7 +504,14 @@ class Interpreter:
     if op is UOps.STORE and isinstance(operands[0], LocalMemory):
       self.store_local(position, *operands)
       return None
+    if op is UOps.LOAD and instruction.arg is not None: return self.vector_load(position, instruction, *operands)
+    if op is UOps.GEP: return operands[0][instruction.arg]
     if op is UOps.LOAD: return self.load(position, instruction, *operands)
+    if op is UOps.STORE and instruction.arg is not None:
+      buffer, index, values = operands[0], np.asarray(operands[1], dtype=np.int64), operands[2:]
+      if (index % instruction.arg).any(): raise self.error(position, "a vector store to an unaligned index")
+      for element, value in enumerate(values): self.store(position, instruction, buffer, index + element, value)
+      return None
     if op is UOps.STORE:
       self.store(position, instruction, *operands)
       return None
@@ -597,6 +606,15 @@ class Interpreter:
       result = execute_alu(op, instruction.dtype, [result, result[self.thread_ids ^ offset]])
       offset //= 2
     return result
+
+  def vector_load(self, position: int, instruction: Instruction, buffer: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """`width` neighbouring elements, stacked on a new first axis (GEP takes one); the index must be a multiple of
+    the width, as a GPU's aligned vector load needs."""
+    width, index = instruction.arg, np.asarray(index, dtype=np.int64)
+    if (index % width).any(): raise self.error(position, f"a {width}-wide vector load from an unaligned index")
+    self.check_bounds(position, buffer, index + (width - 1), "read at")
+    if self.active is not None: index = np.where(self.active, index, 0)
+    return np.stack([from_memory(buffer[index + element], instruction.dtype) for element in range(width)])
 
   def check_bounds(self, position: int, buffer: np.ndarray, index: np.ndarray, what: str) -> None:
     if index.size == 0: return

@@ -2,9 +2,9 @@
 
 Each case draws a random program with `graphgen` (reduce- and matmul-heavy), schedules its output and walks the
 schedule. For every kernel it compiles the plain loop nest (no Opts, as NOOPT=1) and several optimized variants
-of the same AST: the hand-coded heuristic and random sequences of UPCAST / UNROLL / LOCAL / GROUP / GROUPTOP (now
-and then PADTO, which this Kernel refuses) with random axes and amounts (mostly divisors of the axis, sometimes
-not); GROUP and LOCAL apply on devices with thread blocks and local memory (PYTHON, OPENCL). An
+of the same AST: the hand-coded heuristic and random sequences of UPCAST / UNROLL / LOCAL / GROUP / GROUPTOP /
+PADTO with random axes and amounts (mostly divisors of the axis, sometimes not; PADTO pads an output axis to a
+multiple); GROUP and LOCAL apply on devices with thread blocks and local memory (PYTHON, OPENCL). An
 Opt that raises KernelOptError is skipped, and must leave the kernel exactly as it was (views, upcasts, locals,
 applied opts). Each variant runs on the kernel's real inputs into a fresh output buffer and must match the plain
 kernel: exactly for integers, bools and max-reductions, to 1e-5 of the magnitude for float sums (an UNROLL
@@ -41,7 +41,7 @@ from ourgrad.ops import Ops  # noqa: E402
 
 WEIGHTS = {"unary": 3, "binary": 4, "where": 1, "reduce": 5, "matmul": 3, "movement": 4}
 OPT_KINDS = [OptOps.UPCAST] * 8 + [OptOps.UNROLL] * 6 + [OptOps.LOCAL] * 5 + [OptOps.GROUP] * 4 + \
-  [OptOps.GROUPTOP] * 3 + [OptOps.PADTO]
+  [OptOps.GROUPTOP] * 3 + [OptOps.PADTO] * 2
 
 
 def kernel_state(kernel: Kernel) -> tuple:

@@ -130,10 +130,15 @@ def _group_for_parallelism(kernel: Kernel) -> None:
 
 
 def _elementwise_rows(kernel: Kernel) -> None:
-  """GPU elementwise over several axes: each thread takes 4 outputs along an outer axis, so every load instruction of
-  a warp stays coalesced and each thread has 4 independent loads in flight."""
+  """GPU elementwise over several axes: each thread takes 4 outputs, so it has 4 loads in flight: along the
+  contiguous axis as one float4 load and store where the renderer has vector loads, else along an outer axis (every
+  scalar load instruction of a warp stays coalesced)."""
   if kernel.first_reduce < 2: return
   contiguous = _contiguous_axis(kernel)
+  width = getattr(kernel.renderer, "vector_width", 0)
+  if width and contiguous is not None and contiguous < kernel.first_reduce and \
+      kernel.full_shape[contiguous] % (width * 32) == 0 and kernel.try_opt(Opt(OptOps.UPCAST, contiguous, width)):
+    return
   for axis in range(kernel.first_reduce):
     if axis != contiguous and kernel.full_shape[axis] % 4 == 0 and kernel.full_shape[axis] >= 16:
       kernel.try_opt(Opt(OptOps.UPCAST, axis, 4))
