@@ -25,7 +25,7 @@ from ourgrad.nn.gguf import gguf_load
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
 from extra.models.bert import BertConfig, BertEncoder, mean_pool_normalize, minilm_path  # noqa: E402
 from extra.models.generate import Sampler, chatml, smollm2_path  # noqa: E402
-from extra.models.llama import Llama, LlamaConfig, apply_rope, rope_angles, rope_rows_to_halves  # noqa: E402
+from extra.models.llama import Llama, LlamaConfig, rope_angles, rope_rows_to_halves, swap_pairs  # noqa: E402
 
 # ---------------------------------------------------------------- GGUF: Q4_0 and Q6_K
 
@@ -161,20 +161,22 @@ def _tiny_llama(weights: dict[str, np.ndarray], max_context: int = 16) -> Llama:
 
 
 def test_rope_layouts_agree() -> None:
-  """Interleaved-pair rotation of GGUF-ordered rows == rotate_half rotation of the un-permuted rows."""
+  """RoPE as the model computes it on GGUF-ordered rows (x @ W.T * cos + x @ swap_pairs(W).T * sin) == rotate_half
+  rotation (Hugging Face's) of the un-permuted rows, brought back to interleaved order."""
   rng = np.random.default_rng(2)
   heads, head_dim, length = 3, 8, 5
   weight = rng.standard_normal((heads * head_dim, 4)).astype(np.float32)
   h = rng.standard_normal((length, 4)).astype(np.float32)
   cos, sin = rope_angles(np.arange(length), head_dim, 10000.0)
-  ours = apply_rope(Tensor((h @ weight.T).reshape(1, length, heads, head_dim)), Tensor(cos), Tensor(sin)).numpy()
+  cos2, sin2 = np.tile(np.repeat(cos, 2, axis=1), heads), np.tile(np.repeat(sin, 2, axis=1), heads)
+  ours = (Tensor(h) @ Tensor(weight).T * Tensor(cos2) + Tensor(h) @ swap_pairs(Tensor(weight)).T * Tensor(sin2))
   halves = (h @ rope_rows_to_halves(weight, heads).T).reshape(length, heads, head_dim)
   full_cos, full_sin = np.concatenate([cos, cos], -1)[:, None], np.concatenate([sin, sin], -1)[:, None]
   swapped = np.concatenate([-halves[..., head_dim // 2:], halves[..., :head_dim // 2]], -1)
   rotated = halves * full_cos + swapped * full_sin
   # back to interleaved order to compare: halves index i <-> pair index 2i, i + hd/2 <-> 2i + 1
-  interleaved = np.stack([rotated[..., :head_dim // 2], rotated[..., head_dim // 2:]], -1).reshape(rotated.shape)
-  np.testing.assert_allclose(ours[0], interleaved, rtol=1e-5, atol=1e-5)
+  interleaved = np.stack([rotated[..., :head_dim // 2], rotated[..., head_dim // 2:]], -1).reshape(length, -1)
+  np.testing.assert_allclose(ours.numpy(), interleaved, rtol=1e-5, atol=1e-5)
 
 
 def test_llama_prefill_matches_torch() -> None:
