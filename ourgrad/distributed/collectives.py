@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ourgrad.device import Device
 from ourgrad.errors import ShardingError
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops

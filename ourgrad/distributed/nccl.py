@@ -108,6 +108,17 @@ def unique_id() -> UniqueId:
   return new_id
 
 
+def id_to_bytes(shared_id: UniqueId) -> bytes:
+  """All 128 bytes of an id (its `internal` field would stop at the first zero byte, as a C string)."""
+  return bytes(shared_id)
+
+
+def id_from_bytes(raw: bytes) -> UniqueId:
+  """The id written by id_to_bytes; ValueError unless it is exactly 128 bytes."""
+  if len(raw) != UNIQUE_ID_BYTES: raise ValueError(f"an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+  return UniqueId.from_buffer_copy(raw)
+
+
 def comms_for_devices(ordinals: list[int]) -> list[int]:
   """One communicator per GPU of this process (ncclCommInitAll), in the order of `ordinals`."""
   comms = (ctypes.c_void_p * len(ordinals))()

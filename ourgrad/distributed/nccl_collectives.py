@@ -7,7 +7,6 @@ Untested in CI (no GPUs there): test/test_multi.py runs these only with two or m
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import Callable, Sequence
 
@@ -157,14 +156,11 @@ def read_or_create_unique_id(path: str, rank: int, timeout_s: float) -> nccl.Uni
                                   "python -m ourgrad.distributed.launch, or set it to a file every rank can read")
   if rank == 0:
     shared_id = nccl.unique_id()
-    with open(path + ".tmp", "wb") as id_file: id_file.write(bytes(shared_id.internal))
+    with open(path + ".tmp", "wb") as id_file: id_file.write(nccl.id_to_bytes(shared_id))
     os.replace(path + ".tmp", path)
     return shared_id
   deadline = time.monotonic() + timeout_s
   while not os.path.exists(path):
     if time.monotonic() > deadline: raise TimeoutError(f"rank {rank}: no NCCL id in {path} after {timeout_s:g} s")
     time.sleep(0.05)
-  with open(path, "rb") as id_file: raw = id_file.read()
-  shared_id = nccl.UniqueId()
-  ctypes.memmove(ctypes.byref(shared_id), raw, nccl.UNIQUE_ID_BYTES)
-  return shared_id
+  with open(path, "rb") as id_file: return nccl.id_from_bytes(id_file.read())
