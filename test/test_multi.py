@@ -208,6 +208,18 @@ def test_grad_buckets_group_by_size_and_dtype_last_first():
   assert grad_buckets(params, bucket_bytes=32) == [[4], [3], [2], [1, 0]]
 
 
+def test_process_group_of_one_keeps_gradients(monkeypatch):
+  from ourgrad.distributed.data_parallel import allreduce_gradients_across_processes
+  from ourgrad.distributed.nccl_collectives import ProcessGroup
+  monkeypatch.setenv("WORLD_SIZE", "1")
+  model = MLP()
+  params = list(get_state_dict(model).values())
+  mse(model, Tensor(values((4, 6))), Tensor(values((4, 3)))).backward()
+  before = [param.grad.numpy() for param in params]
+  allreduce_gradients_across_processes(params, ProcessGroup(), bucket_bytes=100)
+  for param, grad in zip(params, before): np.testing.assert_array_equal(param.grad.numpy(), grad)
+
+
 def test_save_only_from_rank_zero(tmp_path, monkeypatch):
   parallel = DataParallel(MLP, D2, lambda p: SGD(p, lr=0.1))
   monkeypatch.setenv("RANK", "1")
@@ -271,3 +283,29 @@ def test_nccl_collectives_on_two_gpus():
   pieces = np.split(arrays[0] + arrays[1], 2)
   for result, piece in zip(read(collectives.reduce_scatter(lazies)), pieces): np.testing.assert_allclose(result, piece,
                                                                                                           1e-6)
+
+
+# ---------------------------------------------------------------- launcher
+
+def test_launcher_gives_each_process_its_rank(tmp_path):
+  import subprocess
+  import sys
+  script = tmp_path / "report.py"
+  script.write_text("import os, sys\n"
+                    "out = os.path.join(sys.argv[1], 'rank' + os.environ['RANK'])\n"
+                    "open(out, 'w').write(','.join(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')) + "
+                    "'|' + os.path.basename(os.environ['OURGRAD_NCCL_ID_FILE']))\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  environment = dict(os.environ, PYTHONPATH=root)
+  result = subprocess.run([sys.executable, "-m", "ourgrad.distributed.launch", "--nproc", "3", str(script),
+                           str(tmp_path)], env=environment, cwd=root, timeout=60)
+  assert result.returncode == 0
+  assert sorted((tmp_path / f"rank{rank}").read_text() for rank in range(3)) == \
+    [f"{rank},3,{rank}|nccl_id" for rank in range(3)]
+
+
+def test_launcher_returns_the_failing_exit_code(tmp_path):
+  from ourgrad.distributed.launch import main
+  script = tmp_path / "fail.py"
+  script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+  assert main(["--nproc", "2", str(script)]) == 3

@@ -21,6 +21,7 @@ import os
 from typing import Any, Callable, Sequence
 
 from ourgrad.distributed.collectives import allreduce, even_split_sizes
+from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import canonical_devices
 from ourgrad.nn.state import get_state_dict, safe_save
 from ourgrad.tensor import Tensor
@@ -46,22 +47,32 @@ def grad_buckets(params: Sequence[Tensor], bucket_bytes: int) -> list[list[int]]
   return buckets
 
 
-def allreduce_gradients(replica_params: Sequence[Sequence[Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+def allreduce_gradients(replica_params: Sequence[Sequence[Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        reduce_buckets: Callable[[list[LazyBuffer]], list[LazyBuffer]] = allreduce) -> None:
   """Replace every replica's gradients by their sum over replicas (replica_params[r][i]: parameter i of replica r),
-  one allreduce per bucket. Parameters without a gradient on every replica are left alone."""
+  one `reduce_buckets` call (default: allreduce over this process's devices) per bucket. Parameters without a
+  gradient on every replica are left alone."""
   first = replica_params[0]
   with_grad = [i for i in range(len(first)) if all(params[i].grad is not None for params in replica_params)]
   for bucket in grad_buckets([first[i] for i in with_grad], bucket_bytes):
     indices = [with_grad[position] for position in bucket]
     flats = [Tensor.cat(*[params[i].grad.reshape(-1) for i in indices]) if len(indices) > 1
              else params[indices[0]].grad.reshape(-1) for params in replica_params]
-    summed = allreduce([flat.lazydata for flat in flats])
+    summed = reduce_buckets([flat.lazydata for flat in flats])
     for params, flat in zip(replica_params, summed):
       flat_tensor, start = Tensor(flat), 0
       for i in indices:
         count = params[i].numel()
         params[i].grad = flat_tensor[start:start + count].reshape(params[i].shape)
         start += count
+
+
+def allreduce_gradients_across_processes(params: Sequence[Tensor], group: Any,
+                                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+  """One process per GPU (ourgrad.distributed.launch): sum this process's gradients with every other process's, in
+  buckets, through `group` (a nccl_collectives.ProcessGroup). Every process must call it with the same parameters in
+  the same order. Divide the loss by WORLD_SIZE (or the gradients after) for a mean over all processes' batches."""
+  allreduce_gradients([params], bucket_bytes, lambda flats: [group.allreduce(flats[0])])
 
 
 class DataParallel:
