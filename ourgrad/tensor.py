@@ -35,6 +35,7 @@ from ourgrad.engine.exec_item import jit_recording
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
+from ourgrad.multi import MultiLazyBuffer, shard_lazy
 from ourgrad.ops import Ops
 from ourgrad.tensor_aliases import AliasMixin
 from ourgrad.tensor_math import ElementwiseMixin
@@ -45,6 +46,13 @@ from ourgrad.tensor_sort import SortMixin
 from ourgrad.tensor_special import SpecialMixin
 
 Scalar = bool | int | float
+Devices = str | tuple[str, ...]
+
+
+def _canonical(device: str | tuple[str, ...] | list[str] | None) -> Devices | None:
+  """A device name, or a tuple of them (a tensor spread over several devices), in canonical form."""
+  if device is None or isinstance(device, str): return Device.canonicalize(device) if device else None
+  return tuple(Device.canonicalize(name) for name in device)
 
 
 def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
@@ -87,15 +95,22 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   def __init__(self, data: Any, device: str | None = None, dtype: DType | str | None = None,
                requires_grad: bool | None = None):
     dtype = dtypes.as_dtype(dtype) if dtype is not None else None
-    device = Device.canonicalize(device) if device is not None else None
+    device = _canonical(device)
     if isinstance(data, Tensor): data = data.lazydata
-    if isinstance(data, LazyBuffer):
+    # several devices (ourgrad/multi.py): a constant made with a tuple of devices is replicated over them
+    if isinstance(data, LazyBuffer) and isinstance(data.device, tuple): data = MultiLazyBuffer.from_const(data)
+    if isinstance(device, tuple) and not isinstance(data, MultiLazyBuffer):
+      data = shard_lazy(data if isinstance(data, LazyBuffer) else _to_lazy(data, dtype, device[0]), device, None)
+    if isinstance(data, MultiLazyBuffer) and isinstance(device, str): data = data.gather(device)
+    if isinstance(data, MultiLazyBuffer):
+      lazy: LazyBuffer | MultiLazyBuffer = data.cast(dtype) if dtype is not None else data
+    elif isinstance(data, LazyBuffer):
       if device is not None and device != data.device: data = data.copy_to_device(device)
       if dtype is not None and dtype != data.dtype: data = data.cast(dtype)
       lazy = data
     else:
       lazy = _to_lazy(data, dtype, device or Device.DEFAULT)
-    self.lazydata: LazyBuffer = lazy
+    self.lazydata: LazyBuffer | MultiLazyBuffer = lazy  # type: ignore[assignment]
     self.requires_grad: bool | None = requires_grad
     self.grad: Tensor | None = None
     self._ctx: F.Function | None = None
@@ -115,9 +130,21 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     return self.lazydata.dtype
 
   @property
-  def device(self) -> str:
-    """The canonical name of the device that holds the values, e.g. "CLANG"."""
+  def device(self) -> str | tuple[str, ...]:  # type: ignore[override]
+    """The canonical name of the device that holds the values, e.g. "CLANG"; a tuple of names for a tensor spread
+    over several devices (`shard`)."""
     return self.lazydata.device
+
+  def shard(self, devices: tuple[str, ...] | list[str] | int, axis: int | None = None) -> Tensor:
+    """This tensor spread over `devices` (names, or n for the first n devices of the default kind): cut into one
+    piece per device along `axis` (uneven sizes as numpy.array_split), or copied whole to each when axis is None.
+    Ops keep the sharding where they can and raise ShardingError where they cannot (ourgrad/multi.py)."""
+    return Tensor(shard_lazy(self.lazydata, devices, axis), requires_grad=self.requires_grad)
+
+  def shard_(self, devices: tuple[str, ...] | list[str] | int, axis: int | None = None) -> Tensor:
+    """shard, in place: this tensor's data becomes the sharded data (for parameters, before an optimizer)."""
+    self.lazydata = shard_lazy(self.lazydata, devices, axis)
+    return self
 
   @property
   def ndim(self) -> int:
@@ -161,7 +188,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     from ourgrad.engine.schedule_cache import schedule as create_schedule  # cached by the graph's structure
     with REALIZE_LOCK:  # one thread at a time between scheduling and running (see REALIZE_LOCK)
       start = time.perf_counter()
-      schedule = create_schedule([tensor.lazydata for tensor in (self, *others)])
+      schedule = create_schedule([lazy for tensor in (self, *others) for lazy in _per_device(tensor.lazydata)])
       scheduled = time.perf_counter()
       run_schedule(schedule)
     if DEBUG >= 1 and schedule:
@@ -177,6 +204,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   def _buffer(self) -> Buffer:
     """The realized, contiguous buffer of this tensor's values."""
     lazy = self.lazydata
+    if isinstance(lazy, MultiLazyBuffer): lazy = lazy.gather(lazy.device[0])
     # a contiguous view of the whole base (the base or a reshape of it) reads the base's memory as it is: no copy
     if not (lazy.st.contiguous and lazy.size == lazy.base.size): lazy = lazy.contiguous()
     if lazy.base.realized is None: Tensor(lazy).realize()
@@ -202,10 +230,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     """The values as nested Python lists (a Python number for a 0-d tensor); bfloat16 gives floats."""
     return self.numpy().tolist()
 
-  def to(self, device: str) -> Tensor:
-    """This tensor on another device (the same tensor if already there)."""
-    device = Device.canonicalize(device)
+  def to(self, device: str | tuple[str, ...]) -> Tensor:
+    """This tensor on another device (the same tensor if already there). A sharded tensor is gathered; a tuple of
+    devices replicates (see shard)."""
+    device = _canonical(device)
     if device == self.device: return self
+    if isinstance(device, tuple): return self.shard(device)
     result = Tensor(self.lazydata.copy_to_device(device), requires_grad=self.requires_grad)
     if self.grad is not None: result.grad = self.grad.to(device)
     return result
@@ -327,6 +357,9 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     value = value.cast(self.dtype)
     jit_recording.note_assign(self)  # a TinyJit call realizes the assigns it made when it ends
     target = self.lazydata
+    if isinstance(target, MultiLazyBuffer):
+      self.lazydata = target.assign(value.lazydata)
+      return self
     if target.is_base and target.realized is not None and target.op is not Ops.CONST:
       self.lazydata = target.assign(value.lazydata)
     else:
@@ -347,6 +380,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   def empty(*shape: int, dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
     """A tensor of `shape` with unspecified values (float32 unless `dtype`)."""
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
+    if isinstance(device, (tuple, list)): return Tensor.empty(*shape, dtype=dtype, device=device[0]).shard(device)
     device = Device.canonicalize(device or Device.DEFAULT)
     return Tensor(LazyBuffer.empty(Tensor._shape_arg(shape), dtype, device), **kwargs)
 
@@ -357,6 +391,9 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     int64 for an int) unless given."""
     shape = Tensor._shape_arg((shape,) if isinstance(shape, int) else tuple(shape))
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.from_py(fill_value)
+    if isinstance(device, (tuple, list)):  # replicated: a constant on each device (nothing is copied)
+      constants = [LazyBuffer.full(fill_value, shape, dtype, name) for name in _canonical(device)]  # type: ignore
+      return Tensor(MultiLazyBuffer(constants, None), **kwargs)
     device = Device.canonicalize(device or Device.DEFAULT)
     return Tensor(LazyBuffer.full(fill_value, shape, dtype, device), **kwargs)
 
@@ -572,6 +609,11 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       yield
     finally:
       Tensor.training = previous
+
+
+def _per_device(lazy: LazyBuffer | MultiLazyBuffer) -> list[LazyBuffer]:
+  """The LazyBuffers behind a tensor's data: itself, or one per device of a multi-device tensor."""
+  return lazy.lbs if isinstance(lazy, MultiLazyBuffer) else [lazy]
 
 
 class no_grad:  # noqa: N801 (PyTorch's name)

@@ -208,7 +208,7 @@ class CUDAGraph:
 class CUDADevice(Compiled):
   def __init__(self, name: str):
     check(driver.cuInit(0), "cuInit")
-    ordinal = int(name.split(":")[1]) if ":" in name else 0
+    ordinal = int(name.split(":")[1]) if ":" in name else 0  # "CUDA:1" is GPU 1 with its own context and stream
     self.cu_device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
     self.context = check(driver.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
     self.make_current()
@@ -226,6 +226,11 @@ class CUDADevice(Compiled):
     self.graph = lambda launches: CUDAGraph(self, launches)
 
   def make_current(self) -> None: check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+  @property
+  def stream_handle(self) -> int:
+    """The address of the stream kernels run on (a cudaStream_t for NCCL, which must queue behind them)."""
+    return int(self.stream)
 
   def synchronize(self) -> None: check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
