@@ -239,6 +239,18 @@ def test_reduce_read_twice_by_one_kernel_fuses():
   assert_close(out, x_np.sum(1) ** 2)
 
 
+def test_debug_3_says_why_each_realized_reduce_is_not_fused(monkeypatch, capsys):
+  # decide, then build: every realized base carries one reason from the decision, printed at DEBUG=3
+  x = Tensor(rand(8, 16))
+  monkeypatch.setenv("DEBUG", "3")
+  create_schedule([x.softmax(-1).lazydata])
+  reasons = [line for line in capsys.readouterr().out.splitlines() if line.startswith("realize ")]
+  assert len(reasons) == 3, reasons
+  assert any("MAX_REDUCE" in line and "second reduce" in line for line in reasons)
+  assert any(line.startswith("realize SUM") and "broadcast" in line for line in reasons)
+  assert any("an output of this realize" in line for line in reasons)
+
+
 # ---------------------------------------------------------------- long chains and constants
 
 def _alternating_chain(x: Tensor, length: int) -> Tensor:

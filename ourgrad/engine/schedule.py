@@ -7,6 +7,10 @@ graphs that a padded view cannot be pushed through. Every other base is fused in
 elementwise op is inlined (recomputed) in each kernel that reads it, so a chain of elementwise ops, a
 reduce, and elementwise ops after it become one kernel. Each realized base becomes one `ScheduleItem`
 holding a kernel AST (`STORE(...)`) or a copy, in an order where every item runs after its inputs.
+
+Decide, then build: `_choose_realizes` and `_settle_fusion_groups` settle every realization first, each with one
+reason string (`Realizations`, printed at DEBUG=3 and listed in docs/fusion.md); only then is each kernel built,
+once, by `_KernelBuilder`, which never changes the decision.
 """
 from __future__ import annotations
 
@@ -47,12 +51,7 @@ class ScheduleItem:
   def bufs(self) -> tuple[Buffer, ...]: return self.outputs + self.inputs
 
 
-class _RefuseFusion(Exception):
-  """Raised while building a kernel when `base` must be realized on its own first."""
-
-  def __init__(self, base: LazyBuffer):
-    super().__init__()
-    self.base = base
+Realizations = dict  # base id -> why that base gets its own buffer (one reason string from the decision)
 
 
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
@@ -70,22 +69,16 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   bases = walk_bases(outs)
   if not bases: return [], []
   realizes = _choose_realizes(bases, outs)
+  _settle_fusion_groups(bases, realizes)
+  if DEBUG >= 3: _print_realize_reasons(bases, realizes)
   lazy_graph = graph_viz.capture_lazy_graph(outs) if GRAPH else None   # before scheduling cuts the sources
   items: dict[int, ScheduleItem] = {}
   reads: dict[int, list[LazyBuffer]] = {}   # base id -> the realized bases its item loads
-  pending = [base for base in bases if id(base) in realizes]
-  for base in pending: _give_buffer(base)
-  while pending:
-    base = pending.pop()
-    if id(base) in items: continue
-    if base.size == 0: continue  # nothing to compute: the (empty) buffer is the result
-    try:
-      items[id(base)], reads[id(base)] = _schedule_base(base, realizes)
-    except _RefuseFusion as refused:
-      # the kernel needs `refused.base` as an input buffer: realize it too, then build this kernel again
-      realizes.add(id(refused.base))
-      _give_buffer(refused.base)
-      pending.extend([base, refused.base])
+  for base in bases:
+    if id(base) in realizes: _give_buffer(base)
+  for base in bases:
+    if id(base) not in realizes or base.size == 0: continue  # an empty buffer is its own (empty) result
+    items[id(base)], reads[id(base)] = _schedule_base(base, realizes)
   ordered = _order_items([base for base in bases if id(base) in items], reads)
   schedule = [items[id(base)] for base in ordered]
   assigns = [(base, base.srcs[1].base) for base in ordered if base.op is Ops.ASSIGN]
@@ -138,19 +131,25 @@ def _give_buffer(base: LazyBuffer) -> None:
     base.realized = Buffer(base.device, base.size, base.dtype)
 
 
-def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set[int]:
-  """ids of the bases that get their own buffer before any kernel is built."""
-  realizes: set[int] = {id(out.base) for out in outs if out.base.realized is None}
+def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Realizations:
+  """The bases that get their own buffer before any kernel is built (by id), each with the reason: the rules that
+  need no kernel walk. `_settle_fusion_groups` adds those that come out of walking each kernel's fused region."""
+  realizes: Realizations = {id(out.base): "an output of this realize" for out in outs if out.base.realized is None}
   users: dict[int, set[int]] = defaultdict(set)   # base id -> ids of the distinct bases that read it
   for base in bases:
-    if base.op in ALWAYS_REALIZED_OPS or base.forced_realize: realizes.add(id(base))
+    if base.op in ALWAYS_REALIZED_OPS: realizes.setdefault(id(base), f"a {base.op.name} always has its own buffer")
+    if base.forced_realize: realizes.setdefault(id(base), "realize()/contiguous() asked for it")
     for src in base.srcs:
       users[id(src.base)].add(id(base))
-      if base.op is Ops.COPY or (base.op is Ops.ASSIGN and src is base.srcs[1]): realizes.add(id(src.base))
-      if base.op is Ops.GATHER and src is base.srcs[0]: realizes.add(id(src.base))  # loaded at computed offsets
+      if base.op is Ops.COPY: realizes.setdefault(id(src.base), "the source of a device copy")
+      if base.op is Ops.ASSIGN and src is base.srcs[1]: realizes.setdefault(id(src.base), "the target of an assign")
+      if base.op is Ops.GATHER and src is base.srcs[0]:  # loaded at computed offsets
+        realizes.setdefault(id(src.base), "the table of a gather (read at computed offsets)")
       if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
-        realizes.add(id(src.base))
-      if _recomputation_is_costly(src): realizes.add(id(src.base))
+        realizes.setdefault(id(src.base), "read through a pad, and computes an op with f(0) != 0")
+      if _recomputation_is_costly(src):
+        realizes.setdefault(id(src.base), f"recomputation: read {src.st.size // max(src.base.size, 1)}x per element "
+                                          f"and costs >= {RECOMPUTE_COST_LIMIT} ops per element")
   by_id = {id(base): base for base in bases}
 
   def kernel_of(base_id: int) -> int:
@@ -162,9 +161,99 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set
   for base in bases:
     # a reduce read by users that end up in different kernels would be recomputed by each: compute it once
     if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
-      if len({kernel_of(user) for user in users[id(base)]}) > 1: realizes.add(id(base))
+      if len({kernel_of(user) for user in users[id(base)]}) > 1:
+        realizes.setdefault(id(base), "a reduce read by several kernels: computed once, not once per kernel")
   if KERNEL_OPS_LIMIT.value > 0: _bound_kernel_sizes(bases, realizes, int(KERNEL_OPS_LIMIT.value))
   return realizes
+
+
+# ---------------------------------------------------------------- fusion groups
+
+def _settle_fusion_groups(bases: list[LazyBuffer], realizes: Realizations) -> None:
+  """Walk the fused region of every kernel (each realized base) as `_KernelBuilder` will, and realize what cannot
+  join it: a second reduce, a reduce inside a reduce, a reduce read out of its element order, the value of an
+  assign that reads its target elsewhere. Realizing one base only shrinks the regions of kernels already walked
+  (it becomes a load there), so each refusal re-walks just the kernel that refused and the new one."""
+  pending = [base for base in bases if id(base) in realizes]
+  while pending:
+    root = pending.pop()
+    refused = _refused_fusion(root, realizes)
+    if refused is None: continue
+    base, reason = refused
+    realizes[id(base)] = reason
+    pending.extend([root, base])
+
+
+def _kernel_value(root: LazyBuffer) -> tuple[LazyBuffer, ShapeTracker] | None:
+  """Where the kernel computing `root` starts its walk: the value it stores, or None for an item with no walk."""
+  if root.op is Ops.COPY or root.size == 0 or root.op is Ops.CONST: return None
+  if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN): return root.srcs[0].base, root.srcs[0].st
+  return root, ShapeTracker.from_shape(root.shape)
+
+
+def _reads_assign_target(node: LazyBuffer, target: LazyBuffer) -> bool:
+  if node is target or (node.op is Ops.ASSIGN and node.srcs[1].base is target): return True
+  return target.realized is not None and node.realized is target.realized
+
+
+def _refused_fusion(root: LazyBuffer, realizes: Realizations) -> tuple[LazyBuffer, str] | None:
+  """The first base (in the builder's walk order) that the kernel computing `root` cannot fuse, and why."""
+  start = _kernel_value(root)
+  if start is None: return None
+  target = root.srcs[1].base if root.op is Ops.ASSIGN else None
+  target_reads: list[tuple[ShapeTracker | None, bool]] = []   # (view, under a reduce) of each read of the target
+  reduce_base: LazyBuffer | None = None
+  stack: list[tuple[LazyBuffer, ShapeTracker, bool, bool]] = [(start[0], start[1], False, False)]
+  done: set[tuple[int, ShapeTracker]] = set()
+  while stack:
+    node, view, under_reduce, sources_done = stack.pop()
+    if not sources_done: view = view.simplify()
+    key = (id(node), view)
+    if key in done: continue
+    if sources_done or node.op is Ops.CONST:
+      done.add(key)
+      continue
+    if node is not root and (node.realized is not None or id(node) in realizes):  # a load
+      if target is not None and _reads_assign_target(node, target): target_reads.append((view, under_reduce))
+      done.add(key)
+      continue
+    stack.append((node, view, under_reduce, True))
+    if node.op in REDUCE_OPS:
+      plain_reshape = view.contiguous and view.size == node.size
+      if not (node is reduce_base and plain_reshape) and node is not root:
+        if reduce_base is not None: return node, "a second reduce in its consumer's kernel (one reduce per kernel)"
+        if under_reduce: return node, "a reduce read inside another reduce's input"
+        if not plain_reshape: return node, "a reduce read through a broadcast or permute (not in its own order)"
+      reduce_base = node
+      stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
+    elif node.op in ELEMENTWISE_OPS:
+      stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
+    elif node.op is Ops.GATHER:
+      if target is not None and _reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
+      stack.append((node.srcs[1].base, node.srcs[1].st + view, under_reduce, False))
+  if target is None or not target_reads: return None
+  return _assign_hazard(root, start[0], target_reads, reduce_base, realizes)
+
+
+def _assign_hazard(root: LazyBuffer, value: LazyBuffer, target_reads: list[tuple[ShapeTracker | None, bool]],
+                   reduce_base: LazyBuffer | None, realizes: Realizations) -> tuple[LazyBuffer, str] | None:
+  """An assign that reads its own target through another view than the one it writes would read elements it has
+  already overwritten: its value is computed in a kernel of its own first."""
+  if value.realized is not None or id(value) in realizes: return None   # nothing left to split off (builder checks)
+
+  def fit(st: ShapeTracker) -> ShapeTracker:   # the views outside the reduce, in the reduce's loop shape
+    return st if reduce_base is None or st.shape == reduce_base.shape else st.reshape(reduce_base.shape)
+  in_place = fit(ShapeTracker.from_shape(root.shape))
+  for view, under_reduce in target_reads:
+    if view is None or (view if under_reduce else fit(view)).simplify() != in_place:
+      return value, "the value of an assign that reads its target through another view"
+  return None
+
+
+def _print_realize_reasons(bases: list[LazyBuffer], realizes: Realizations) -> None:
+  """DEBUG=3: for each realized base, why it is not fused into its consumers."""
+  for base in bases:
+    if id(base) in realizes: print(f"realize {base.op.name:<10} {str(base.shape):<20} {realizes[id(base)]}")
 
 
 # ---------------------------------------------------------------- bounded kernels
@@ -172,7 +261,7 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set
 FUSABLE_OPS = ELEMENTWISE_OPS | REDUCE_OPS
 
 
-def _fused_srcs(base: LazyBuffer, realizes: set[int]) -> list[LazyBuffer]:
+def _fused_srcs(base: LazyBuffer, realizes: Realizations) -> list[LazyBuffer]:
   """The distinct source bases that would be computed inside `base`'s kernel."""
   srcs: dict[int, LazyBuffer] = {}
   for src in base.srcs:
@@ -182,7 +271,7 @@ def _fused_srcs(base: LazyBuffer, realizes: set[int]) -> list[LazyBuffer]:
   return list(srcs.values())
 
 
-def _count_fused_ops(base: LazyBuffer, realizes: set[int], limit: int) -> int:
+def _count_fused_ops(base: LazyBuffer, realizes: Realizations, limit: int) -> int:
   """The number of distinct ops `base`'s kernel computes (each shared sub-graph once), counting up to limit+1."""
   stack, seen = [base], {id(base)}
   while stack and len(seen) <= limit:
@@ -193,7 +282,7 @@ def _count_fused_ops(base: LazyBuffer, realizes: set[int], limit: int) -> int:
   return len(seen)
 
 
-def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: set[int], limit: int) -> None:
+def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: Realizations, limit: int) -> None:
   """Realize intermediates so that no kernel fuses more than `limit` ops. A C compiler's time grows faster than
   linearly with a function's size (gcc -O2 on one basic block of 20,000 float ops: minutes), so one huge fused
   kernel stalls the first call; kernels of at most `limit` ops keep compile time linear in the graph's size.
@@ -209,8 +298,7 @@ def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: set[int], limit: int)
     if size > limit: size = _count_fused_ops(base, realizes, limit)
     while size > limit and srcs:
       largest = max(srcs, key=lambda src: sizes.get(id(src), 1))
-      realizes.add(id(largest))
-      if DEBUG >= 3: print(f"realized {largest.op} {largest.shape}: the fused kernel passed {limit} ops")
+      realizes.setdefault(id(largest), f"KERNEL_OPS_LIMIT: its consumer's kernel passed {limit} ops")
       srcs = _fused_srcs(base, realizes)
       size = _count_fused_ops(base, realizes, limit)
     sizes[id(base)] = size
@@ -250,7 +338,7 @@ def _has_unsafe_pad_op(base: LazyBuffer) -> bool:
   return False
 
 
-def _schedule_base(base: LazyBuffer, realizes: set[int]) -> tuple[ScheduleItem, list[LazyBuffer]]:
+def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleItem, list[LazyBuffer]]:
   """The ScheduleItem computing one realized base, and the realized bases it reads."""
   assert base.realized is not None
   if base.op is Ops.COPY:
@@ -281,7 +369,7 @@ def _schedule_base(base: LazyBuffer, realizes: set[int]) -> tuple[ScheduleItem, 
 class _KernelBuilder:
   """Builds the AST of the kernel that computes `root`, inlining every base that is not realized."""
 
-  def __init__(self, root: LazyBuffer, realizes: set[int]):
+  def __init__(self, root: LazyBuffer, realizes: Realizations):
     self.root, self.realizes = root, realizes
     self.inputs: list[Buffer] = []
     self.loaded_bases: list[LazyBuffer] = []
@@ -343,7 +431,7 @@ class _KernelBuilder:
     plain_reshape = st.contiguous and st.size == base.size
     if base is self.reduce_base and plain_reshape: return  # the same reduce read again, in the same element order
     if base is not self.root and (self.reduce_base is not None or under_reduce or not plain_reshape):
-      raise _RefuseFusion(base)
+      raise AssertionError(f"_settle_fusion_groups let an unfusable {base.op} {base.shape} into a kernel")
     self.reduce_base = base
     self.reduce_shape = base.shape
 
@@ -416,4 +504,4 @@ class _KernelBuilder:
     for leaf in value.leaves():
       if leaf.op is Ops.LOAD and self.inputs[leaf.arg.idx - 1] is target and leaf.arg.st.simplify() != in_place:
         if value_base.realized is not None: raise AssertionError("assign hazard on a realized value")
-        raise _RefuseFusion(value_base)
+        raise AssertionError("_settle_fusion_groups missed an assign hazard")
