@@ -130,17 +130,23 @@ class Linearizer:
       reduced, group_index = self._combine_groups(accumulators, axis_idxs, accumulate_op)
       # one thread per group finishes the kernel: the others hold partial or duplicate results
       store_if = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, group_index, self._int(1)),))
-    store = kernel.ast
     for lane in output_lanes:
       zero_unrolls = (0,) * len(unroll_axes)
       idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, zero_unrolls)
-      value = self.compute(store.srcs[0], idxs, reduced.get(lane))
-      index, valid = self._index(0, idxs)
-      srcs = (self.buffers[store.arg.idx], index, value) + ((valid,) if valid is not None else ())
-      build.add(UOps.STORE, None, srcs)
+      self._store_outputs(idxs, reduced.get(lane))
     if store_if is not None: build.end_if(store_if)
     for loop in reversed(global_loops): build.end_range(loop)
     return build.uops
+
+  def _store_outputs(self, idxs: list[Node], reduce_value: UOp | None) -> None:
+    """Store every output of the kernel at one lane. All values are computed before the first store: an output may
+    overwrite (in place) a buffer that another output's value still loads (an optimizer's m and its parameter)."""
+    build, stores = self.builder, self.kernel.stores
+    values = [self.compute(store.srcs[0], idxs, reduce_value) for store in stores]
+    for number, (store, value) in enumerate(zip(stores, values)):
+      index, valid = self._index(number, idxs)   # leaf `number` is output `number` (stores lead kernel.leaves)
+      srcs = (self.buffers[store.arg.idx], index, value) + ((valid,) if valid is not None else ())
+      build.add(UOps.STORE, None, srcs)
 
   def _flat_index(self, axis_idxs: list[Node], axes: range) -> Node:
     """The row-major flat index over `axes` (the last one varying fastest), as thread ids are numbered."""
