@@ -67,6 +67,8 @@ class Ops(Enum):
   # leaves and root of a kernel AST
   LOAD = auto()
   STORE = auto()
+  # root of a kernel AST with several outputs over one iteration space: srcs are its STOREs (data0, data1, ...)
+  SINK = auto()
 
 UNARY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP, Ops.NEG, Ops.CAST, Ops.BITCAST})
 BINARY_OPS = frozenset({Ops.ADD, Ops.MUL, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CMPLT, Ops.CMPNE, Ops.AND, Ops.OR,
@@ -152,6 +154,10 @@ class LazyOp:
 
   def leaves(self) -> list[LazyOp]:
     return [node for node in self.walk() if node.op in (Ops.LOAD, Ops.CONST)]
+
+  def stores(self) -> list[LazyOp]:
+    """The STOREs of a kernel AST: itself, or the sources of a SINK (a kernel with several outputs)."""
+    return list(self.srcs) if self.op is Ops.SINK else [self]
 
   def __str__(self) -> str: return format_ast(self)
 

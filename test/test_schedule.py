@@ -202,7 +202,8 @@ def test_reduce_with_two_outputs_is_computed_once():
     return [total * 2, total + 1]
 
   assert reduces_in(build) == 1
-  doubled, shifted = check_kernels(build, 3)  # the reduce, then one elementwise kernel per output
+  # the reduce, then one kernel writing both outputs (was 3: one elementwise kernel per output)
+  doubled, shifted = check_kernels(build, 2)
   assert_close(doubled, x_np.sum(1) * 2)
   assert_close(shifted, x_np.sum(1) + 1)
 
@@ -237,6 +238,18 @@ def test_reduce_read_twice_by_one_kernel_fuses():
   x = Tensor(x_np)
   (out,) = check_kernels(lambda: x.sum(1).square(), 1)
   assert_close(out, x_np.sum(1) ** 2)
+
+
+def test_debug_3_says_why_each_realized_reduce_is_not_fused(monkeypatch, capsys):
+  # decide, then build: every realized base carries one reason from the decision, printed at DEBUG=3
+  x = Tensor(rand(8, 16))
+  monkeypatch.setenv("DEBUG", "3")
+  create_schedule([x.softmax(-1).lazydata])
+  reasons = [line for line in capsys.readouterr().out.splitlines() if line.startswith("realize ")]
+  assert len(reasons) == 3, reasons
+  assert any("MAX_REDUCE" in line and "second reduce" in line for line in reasons)
+  assert any(line.startswith("realize SUM") and "broadcast" in line for line in reasons)
+  assert any("an output of this realize" in line for line in reasons)
 
 
 # ---------------------------------------------------------------- long chains and constants
@@ -292,7 +305,8 @@ def test_constant_operand_fuses_into_the_kernel():
 def test_several_outputs_in_one_realize():
   a_np, b_np = rand(8, 8, seed=1), rand(8, 8, seed=2)
   a, b = Tensor(a_np), Tensor(b_np)
-  total, product = check_kernels(lambda: [a + b, a * b], 2)
+  # one kernel writes both (was 2 kernels before multi-output kernels)
+  total, product = check_kernels(lambda: [a + b, a * b], 1)
   assert_close(total, a_np + b_np)
   assert_close(product, a_np * b_np)
 

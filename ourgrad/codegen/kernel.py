@@ -69,17 +69,28 @@ AXIS_COLORS = {AxisType.GLOBAL: "blue", AxisType.LOCAL: "cyan", AxisType.GROUP: 
                AxisType.UPCAST: "yellow", AxisType.UNROLL: "magenta"}
 
 
+def _kernel_stores(ast: LazyOp) -> list[LazyOp]:
+  """The STOREs of a kernel AST (one, or several under a SINK), checked to share one output view."""
+  if ast.op not in (Ops.STORE, Ops.SINK): raise AssertionError(f"a kernel AST must be a STORE or SINK, not {ast.op}")
+  stores = ast.stores()
+  if any(store.op is not Ops.STORE for store in stores): raise AssertionError("a SINK holds only STOREs")
+  if len({store.arg.st for store in stores}) != 1: raise AssertionError("the outputs of a kernel share one view")
+  if [store.arg.idx for store in stores] != list(range(len(stores))): raise AssertionError("outputs are data0..")
+  return stores
+
+
 class Kernel:
   """Shape reasoning over all buffers of one AST, and the Opts that reshape its loop nest."""
 
   def __init__(self, ast: LazyOp, renderer: Any):
-    if ast.op is not Ops.STORE: raise AssertionError(f"a kernel AST must be a STORE, not {ast.op}")
     self.ast, self.renderer = ast, renderer
+    self.stores: list[LazyOp] = _kernel_stores(ast)
     reduces = [node for node in ast.walk() if node.op in REDUCE_OPS]
     if len(reduces) > 1: raise AssertionError("a kernel holds at most one reduce")
     self.reduceop: LazyOp | None = reduces[0] if reduces else None
-    # argument 0 is the output; loads and constants follow in AST order. Each has its view of the loop nest.
-    self.leaves: list[LazyOp] = [ast] + ast.leaves()
+    # the outputs come first (arguments 0 .. len(stores)-1, all in one view of the loop nest); loads and constants
+    # follow in AST order. Each has its view of the loop nest.
+    self.leaves: list[LazyOp] = self.stores + ast.leaves()
     self.sts: list[ShapeTracker] = [leaf.arg.st for leaf in self.leaves]
     self.full_shape_at_start = self._full_shape()
     self.upcasted = 0

@@ -130,23 +130,30 @@ class Linearizer:
       reduced, group_index = self._combine_groups(accumulators, axis_idxs, accumulate_op)
       # one thread per group finishes the kernel: the others hold partial or duplicate results
       store_if = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, group_index, self._int(1)),))
-    store = kernel.ast
-    vector_axis = self._vector_store_axis()
+    # float4 stores where the single output allows them; several outputs go through _store_outputs lane by lane
+    vector_axis = self._vector_store_axis() if len(kernel.stores) == 1 else None
     pending: dict[tuple[int, ...], UOp] = {}  # the lanes of one vector store, by element
     for lane in output_lanes:
       zero_unrolls = (0,) * len(unroll_axes)
       idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, zero_unrolls)
-      value = self.compute(store.srcs[0], idxs, reduced.get(lane))
       if vector_axis is not None:
-        pending[lane] = value
+        pending[lane] = self.compute(kernel.stores[0].srcs[0], idxs, reduced.get(lane))
         self._emit_vector_store(pending, lane, idxs, vector_axis, upcast_axes)
         continue
-      index, valid = self._index(0, idxs)
-      srcs = (self.buffers[store.arg.idx], index, value) + ((valid,) if valid is not None else ())
-      build.add(UOps.STORE, None, srcs)
+      self._store_outputs(idxs, reduced.get(lane))
     if store_if is not None: build.end_if(store_if)
     for loop in reversed(global_loops): build.end_range(loop)
     return build.uops
+
+  def _store_outputs(self, idxs: list[Node], reduce_value: UOp | None) -> None:
+    """Store every output of the kernel at one lane. All values are computed before the first store: an output may
+    overwrite (in place) a buffer that another output's value still loads (an optimizer's m and its parameter)."""
+    build, stores = self.builder, self.kernel.stores
+    values = [self.compute(store.srcs[0], idxs, reduce_value) for store in stores]
+    for number, (store, value) in enumerate(zip(stores, values)):
+      index, valid = self._index(number, idxs)   # leaf `number` is output `number` (stores lead kernel.leaves)
+      srcs = (self.buffers[store.arg.idx], index, value) + ((valid,) if valid is not None else ())
+      build.add(UOps.STORE, None, srcs)
 
   def _flat_index(self, axis_idxs: list[Node], axes: range) -> Node:
     """The row-major flat index over `axes` (the last one varying fastest), as thread ids are numbered."""
@@ -310,7 +317,7 @@ class Linearizer:
     output's view is contiguous and unmasked along it, and the axis splits into whole vectors."""
     kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
     st = kernel.sts[0]
-    if width < 2 or kernel.ast.dtype != dtypes.float32 or len(st.views) != 1 or st.views[0].mask is not None:
+    if width < 2 or kernel.stores[0].dtype != dtypes.float32 or len(st.views) != 1 or st.views[0].mask is not None:
       return None
     strides = st.real_strides()
     return next((axis for axis in kernel.upcast_axes if strides[axis] == 1 and kernel.full_shape[axis] % width == 0),
@@ -327,7 +334,7 @@ class Linearizer:
     first = list(idxs)
     first[axis] = NumNode(idxs[axis].b - width + 1)
     index_node, _ = self._index_nodes(0, first)
-    buffer = self.buffers[self.kernel.ast.arg.idx]
+    buffer = self.buffers[self.kernel.stores[0].arg.idx]
     values = tuple(pending.pop(element_lane) for element_lane in lanes)
     if _multiple_of(index_node, width):
       self.builder.add(UOps.STORE, None, (buffer, self.node_to_uop(index_node)) + values, width)

@@ -7,6 +7,10 @@ graphs that a padded view cannot be pushed through. Every other base is fused in
 elementwise op is inlined (recomputed) in each kernel that reads it, so a chain of elementwise ops, a
 reduce, and elementwise ops after it become one kernel. Each realized base becomes one `ScheduleItem`
 holding a kernel AST (`STORE(...)`) or a copy, in an order where every item runs after its inputs.
+
+Decide, then build: `_choose_realizes` and `_settle_fusion_groups` settle every realization first, each with one
+reason string (`Realizations`, printed at DEBUG=3 and listed in docs/fusion.md); only then is each kernel built,
+once, by `_KernelBuilder`, which never changes the decision.
 """
 from __future__ import annotations
 
@@ -47,12 +51,7 @@ class ScheduleItem:
   def bufs(self) -> tuple[Buffer, ...]: return self.outputs + self.inputs
 
 
-class _RefuseFusion(Exception):
-  """Raised while building a kernel when `base` must be realized on its own first."""
-
-  def __init__(self, base: LazyBuffer):
-    super().__init__()
-    self.base = base
+Realizations = dict  # base id -> why that base gets its own buffer (one reason string from the decision)
 
 
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
@@ -70,46 +69,46 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   bases = walk_bases(outs)
   if not bases: return [], []
   realizes = _choose_realizes(bases, outs)
+  _settle_fusion_groups(bases, realizes)
+  if DEBUG >= 3: _print_realize_reasons(bases, realizes)
   lazy_graph = graph_viz.capture_lazy_graph(outs) if GRAPH else None   # before scheduling cuts the sources
   items: dict[int, ScheduleItem] = {}
   reads: dict[int, list[LazyBuffer]] = {}   # base id -> the realized bases its item loads
-  pending = [base for base in bases if id(base) in realizes]
-  for base in pending: _give_buffer(base)
-  while pending:
-    base = pending.pop()
-    if id(base) in items: continue
-    if base.size == 0: continue  # nothing to compute: the (empty) buffer is the result
-    try:
-      items[id(base)], reads[id(base)] = _schedule_base(base, realizes)
-    except _RefuseFusion as refused:
-      # the kernel needs `refused.base` as an input buffer: realize it too, then build this kernel again
-      realizes.add(id(refused.base))
-      _give_buffer(refused.base)
-      pending.extend([base, refused.base])
-  ordered = _order_items([base for base in bases if id(base) in items], reads)
+  for base in bases:
+    if id(base) in realizes: _give_buffer(base)
+  groups = {id(group[0]): group for group in _group_outputs(bases, realizes)}   # an empty base has no kernel
+  for leader, group in groups.items():
+    items[leader], reads[leader] = _schedule_base(group[0], realizes) if len(group) == 1 else \
+        _schedule_group(group, realizes)
+  ordered = _order_items([base for base in bases if id(base) in items], groups, reads)
   schedule = [items[id(base)] for base in ordered]
-  assigns = [(base, base.srcs[1].base) for base in ordered if base.op is Ops.ASSIGN]
-  for base in bases:  # the graph behind a realized base is no longer needed: let it be freed
-    if id(base) in items: base.srcs = ()
+  assigns = [(base, base.srcs[1].base) for leader in ordered for base in groups[id(leader)] if base.op is Ops.ASSIGN]
+  for group in groups.values():  # the graph behind a realized base is no longer needed: let it be freed
+    for base in group: base.srcs = ()
   if DEBUG >= 3: print(f"scheduled {len(schedule)} items for {len(bases)} lazy bases")
   if lazy_graph is not None: graph_viz.write_graphs(lazy_graph, schedule)
   return schedule, assigns
 
 
-def _order_items(scheduled: list[LazyBuffer], reads: dict[int, list[LazyBuffer]]) -> list[LazyBuffer]:
+def _order_items(scheduled: list[LazyBuffer], groups: dict[int, list[LazyBuffer]],
+                 reads: dict[int, list[LazyBuffer]]) -> list[LazyBuffer]:
   """A run order: every item after the items whose results it reads, and every assign after the items that
-  still read the old contents of the buffer it overwrites. `scheduled` is in graph order, kept where free."""
+  still read the old contents of the buffer it overwrites. `scheduled` holds each item's first base (the id its
+  group and reads are keyed by), in graph order, kept where free."""
   position = {id(base): index for index, base in enumerate(scheduled)}
-  assign_writers: dict[int, list[int]] = defaultdict(list)   # id(Buffer) -> ids of assigns overwriting it
+  item_of = {id(member): id(base) for base in scheduled for member in groups[id(base)]}   # base id -> item id
+  assign_writers: dict[int, list[int]] = defaultdict(list)   # id(Buffer) -> items with an assign overwriting it
   for base in scheduled:
-    if base.op is Ops.ASSIGN: assign_writers[id(base.realized)].append(id(base))
+    for member in groups[id(base)]:
+      if member.op is Ops.ASSIGN: assign_writers[id(member.realized)].append(id(base))
   must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
   for base in scheduled:
     for loaded in reads[id(base)]:
-      if id(loaded) in position and loaded is not base: must_precede[id(base)].add(id(loaded))
+      loaded_item = item_of.get(id(loaded), id(loaded))
+      if loaded_item in position and loaded_item != id(base): must_precede[id(base)].add(loaded_item)
       for writer in assign_writers.get(id(loaded.realized), []):
         # `loaded` is the buffer's value before that assign (the assign base itself is a different base)
-        if writer != id(loaded) and writer != id(base): must_precede[writer].add(id(base))
+        if writer != loaded_item and writer != id(base): must_precede[writer].add(id(base))
   # Kahn's algorithm, always taking the earliest ready item in graph order
   waiting_on = {item: len(before) for item, before in must_precede.items()}
   followers: dict[int, list[int]] = defaultdict(list)
@@ -138,19 +137,25 @@ def _give_buffer(base: LazyBuffer) -> None:
     base.realized = Buffer(base.device, base.size, base.dtype)
 
 
-def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set[int]:
-  """ids of the bases that get their own buffer before any kernel is built."""
-  realizes: set[int] = {id(out.base) for out in outs if out.base.realized is None}
+def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Realizations:
+  """The bases that get their own buffer before any kernel is built (by id), each with the reason: the rules that
+  need no kernel walk. `_settle_fusion_groups` adds those that come out of walking each kernel's fused region."""
+  realizes: Realizations = {id(out.base): "an output of this realize" for out in outs if out.base.realized is None}
   users: dict[int, set[int]] = defaultdict(set)   # base id -> ids of the distinct bases that read it
   for base in bases:
-    if base.op in ALWAYS_REALIZED_OPS or base.forced_realize: realizes.add(id(base))
+    if base.op in ALWAYS_REALIZED_OPS: realizes.setdefault(id(base), f"a {base.op.name} always has its own buffer")
+    if base.forced_realize: realizes.setdefault(id(base), "realize()/contiguous() asked for it")
     for src in base.srcs:
       users[id(src.base)].add(id(base))
-      if base.op is Ops.COPY or (base.op is Ops.ASSIGN and src is base.srcs[1]): realizes.add(id(src.base))
-      if base.op is Ops.GATHER and src is base.srcs[0]: realizes.add(id(src.base))  # loaded at computed offsets
+      if base.op is Ops.COPY: realizes.setdefault(id(src.base), "the source of a device copy")
+      if base.op is Ops.ASSIGN and src is base.srcs[1]: realizes.setdefault(id(src.base), "the target of an assign")
+      if base.op is Ops.GATHER and src is base.srcs[0]:  # loaded at computed offsets
+        realizes.setdefault(id(src.base), "the table of a gather (read at computed offsets)")
       if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
-        realizes.add(id(src.base))
-      if _recomputation_is_costly(src): realizes.add(id(src.base))
+        realizes.setdefault(id(src.base), "read through a pad, and computes an op with f(0) != 0")
+      if _recomputation_is_costly(src):
+        realizes.setdefault(id(src.base), f"recomputation: read {src.st.size // max(src.base.size, 1)}x per element "
+                                          f"and costs >= {RECOMPUTE_COST_LIMIT} ops per element")
   by_id = {id(base): base for base in bases}
 
   def kernel_of(base_id: int) -> int:
@@ -162,9 +167,212 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set
   for base in bases:
     # a reduce read by users that end up in different kernels would be recomputed by each: compute it once
     if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
-      if len({kernel_of(user) for user in users[id(base)]}) > 1: realizes.add(id(base))
+      if len({kernel_of(user) for user in users[id(base)]}) > 1:
+        realizes.setdefault(id(base), "a reduce read by several kernels: computed once, not once per kernel")
   if KERNEL_OPS_LIMIT.value > 0: _bound_kernel_sizes(bases, realizes, int(KERNEL_OPS_LIMIT.value))
   return realizes
+
+
+# ---------------------------------------------------------------- fusion groups
+
+@dataclass
+class _KernelPlan:
+  """What the walk of one kernel's fused region found: the realized bases it loads (with the view, None for a gather
+  table read at computed offsets) and whether it holds a reduce."""
+  loads: list[tuple[LazyBuffer, ShapeTracker | None]]
+  has_reduce: bool
+
+
+def _settle_fusion_groups(bases: list[LazyBuffer], realizes: Realizations) -> None:
+  """Walk the fused region of every kernel (each realized base) as `_KernelBuilder` will, and realize what cannot
+  join it: a second reduce, a reduce inside a reduce, a reduce read out of its element order, the value of an
+  assign that reads its target elsewhere. Realizing one base only shrinks the regions of kernels already walked
+  (it becomes a load there), so each refusal re-walks just the kernel that refused and the new one."""
+  pending = [base for base in bases if id(base) in realizes]
+  while pending:
+    root = pending.pop()
+    refused, _ = _walk_kernel(root, realizes)
+    if refused is None: continue
+    base, reason = refused
+    realizes[id(base)] = reason
+    pending.extend([root, base])
+
+
+def _kernel_value(root: LazyBuffer) -> tuple[LazyBuffer, ShapeTracker] | None:
+  """Where the kernel computing `root` starts its walk: the value it stores, or None for an item with no walk."""
+  if root.op is Ops.COPY or root.size == 0 or root.op is Ops.CONST: return None
+  if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN): return root.srcs[0].base, root.srcs[0].st
+  return root, ShapeTracker.from_shape(root.shape)
+
+
+def _reads_assign_target(node: LazyBuffer, target: LazyBuffer) -> bool:
+  if node is target or (node.op is Ops.ASSIGN and node.srcs and node.srcs[1].base is target): return True
+  return target.realized is not None and node.realized is target.realized
+
+
+def _walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBuffer, str] | None, _KernelPlan | None]:
+  """The first base (in the builder's walk order) that the kernel computing `root` cannot fuse and why, else None;
+  and the plan of the kernel (None for an item that is not a kernel walk)."""
+  start = _kernel_value(root)
+  if start is None: return None, None
+  plan = _KernelPlan([], False)
+  target = root.srcs[1].base if root.op is Ops.ASSIGN else None
+  target_reads: list[tuple[ShapeTracker | None, bool]] = []   # (view, under a reduce) of each read of the target
+  reduce_base: LazyBuffer | None = None
+  stack: list[tuple[LazyBuffer, ShapeTracker, bool, bool]] = [(start[0], start[1], False, False)]
+  done: set[tuple[int, ShapeTracker]] = set()
+  while stack:
+    node, view, under_reduce, sources_done = stack.pop()
+    if not sources_done: view = view.simplify()
+    key = (id(node), view)
+    if key in done: continue
+    if sources_done or node.op is Ops.CONST:
+      done.add(key)
+      continue
+    if node is not root and (node.realized is not None or id(node) in realizes):  # a load
+      if target is not None and _reads_assign_target(node, target): target_reads.append((view, under_reduce))
+      plan.loads.append((node, view))
+      done.add(key)
+      continue
+    stack.append((node, view, under_reduce, True))
+    if node.op in REDUCE_OPS:
+      plain_reshape = view.contiguous and view.size == node.size
+      if not (node is reduce_base and plain_reshape) and node is not root:
+        if reduce_base is not None: return (node, "a second reduce in its consumer's kernel (one per kernel)"), plan
+        if under_reduce: return (node, "a reduce read inside another reduce's input"), plan
+        if not plain_reshape: return (node, "a reduce read through a broadcast or permute (not in its own order)"), plan
+      reduce_base, plan.has_reduce = node, True
+      stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
+    elif node.op in ELEMENTWISE_OPS:
+      stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
+    elif node.op is Ops.GATHER:
+      if target is not None and _reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
+      plan.loads.append((node.srcs[0].base, None))
+      stack.append((node.srcs[1].base, node.srcs[1].st + view, under_reduce, False))
+  if target is None or not target_reads: return None, plan
+  return _assign_hazard(root, start[0], target_reads, reduce_base, realizes), plan
+
+
+def _assign_hazard(root: LazyBuffer, value: LazyBuffer, target_reads: list[tuple[ShapeTracker | None, bool]],
+                   reduce_base: LazyBuffer | None, realizes: Realizations) -> tuple[LazyBuffer, str] | None:
+  """An assign that reads its own target through another view than the one it writes would read elements it has
+  already overwritten: its value is computed in a kernel of its own first."""
+  if value.realized is not None or id(value) in realizes: return None   # nothing left to split off (builder checks)
+
+  def fit(st: ShapeTracker) -> ShapeTracker:   # the views outside the reduce, in the reduce's loop shape
+    return st if reduce_base is None or st.shape == reduce_base.shape else st.reshape(reduce_base.shape)
+  in_place = fit(ShapeTracker.from_shape(root.shape))
+  for view, under_reduce in target_reads:
+    if view is None or (view if under_reduce else fit(view)).simplify() != in_place:
+      return value, "the value of an assign that reads its target through another view"
+  return None
+
+
+# ---------------------------------------------------------------- multi-output kernels
+
+# a kernel writing more outputs than this passes more pointers than some launchers like, and gains little more
+MAX_KERNEL_OUTPUTS = 16
+
+
+def _group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[LazyBuffer]]:
+  """The kernels to build, each a list of realized bases (graph order) written by one kernel. Needs the buffers.
+
+  Elementwise kernels over one iteration space (same device and shape, no reduce) become one multi-output kernel.
+  A member may read an earlier member only if that is an assign read in place: the read becomes the assign's
+  value, computed in the same kernel (an optimizer's parameter update reading the new m and v). A result of
+  contiguous() read by another kernel stays a kernel boundary, as asked. Grouping must leave a run order: when some
+  kernel outside a group both waits on it and must run before it, the grouping falls back to groups whose results
+  no kernel outside reads, which never wait on anything they feed."""
+  plans: dict[int, _KernelPlan] = {}
+  for base in bases:
+    if id(base) not in realizes: continue
+    _, plan = _walk_kernel(base, realizes)
+    if plan is not None: plans[id(base)] = plan
+  groupable = {id(base): base for base in bases if id(base) in plans and _is_groupable(base, plans[id(base)])}
+  groups = _bucket_outputs(bases, realizes, plans, groupable)
+  if _has_run_order(groups, plans): return groups
+  readers: dict[int, list[int]] = defaultdict(list)   # base id -> ids of the kernels that load it
+  for root_id, plan in plans.items():
+    for loaded, _ in plan.loads: readers[id(loaded)].append(root_id)
+  changed = True
+  while changed:  # keep the candidates read only by candidates of their own iteration space
+    changed = False
+    for base_id, base in list(groupable.items()):
+      if all(reader in groupable and _group_key(groupable[reader]) == _group_key(base) for reader in readers[base_id]):
+        continue
+      del groupable[base_id]
+      changed = True
+  return _bucket_outputs(bases, realizes, plans, groupable)
+
+
+def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict[int, _KernelPlan],
+                    groupable: dict[int, LazyBuffer]) -> list[list[LazyBuffer]]:
+  """Realized bases in graph order, each joining the open group of its iteration space where it may."""
+  groups: list[list[LazyBuffer]] = []
+  open_groups: dict[tuple, list[LazyBuffer]] = {}
+  for base in bases:
+    if id(base) not in realizes or base.size == 0: continue
+    if id(base) not in groupable:
+      groups.append([base])
+      continue
+    group = open_groups.get(_group_key(base))
+    if group is None or not _may_join(group, base, plans):
+      group = open_groups[_group_key(base)] = []
+      groups.append(group)
+    group.append(base)
+  return groups
+
+
+def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, _KernelPlan]) -> bool:
+  if len(group) >= MAX_KERNEL_OUTPUTS or _targets_clash(group, base, plans): return False
+  member_ids = {id(member) for member in group}
+  for loaded, view in plans[id(base)].loads:
+    if id(loaded) in member_ids and (loaded.op is not Ops.ASSIGN or view != _in_place(loaded)): return False
+  return True
+
+
+def _has_run_order(groups: list[list[LazyBuffer]], plans: dict[int, _KernelPlan]) -> bool:
+  """Whether the items of `groups` (loads as the plans say, in-group reads computed in place) can be ordered."""
+  by_leader = {id(group[0]): group for group in groups}
+  reads: dict[int, list[LazyBuffer]] = {}
+  for leader, group in by_leader.items():
+    member_ids = {id(member) for member in group}
+    reads[leader] = [loaded for member in group if id(member) in plans
+                     for loaded, _ in plans[id(member)].loads if id(loaded) not in member_ids]
+  try:
+    _order_items([group[0] for group in groups], by_leader, reads)
+  except RuntimeError:
+    return False
+  return True
+
+
+def _is_groupable(base: LazyBuffer, plan: _KernelPlan) -> bool:
+  if plan.has_reduce or base.size == 0: return False
+  return base.op in ELEMENTWISE_OPS or base.op in (Ops.ASSIGN, Ops.CONTIGUOUS)
+
+
+def _group_key(base: LazyBuffer) -> tuple:
+  return (base.device, base.shape)
+
+
+def _in_place(base: LazyBuffer) -> ShapeTracker:
+  return ShapeTracker.from_shape(base.shape).simplify()
+
+
+def _targets_clash(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, _KernelPlan]) -> bool:
+  """Whether one kernel writing `group` and `base` would read a buffer it overwrites anywhere but in place."""
+  members = group + [base]
+  targets = [member.srcs[1].base for member in members if member.op is Ops.ASSIGN]
+  for member in members:
+    for loaded, view in plans[id(member)].loads:
+      if any(_reads_assign_target(loaded, target) for target in targets) and view != _in_place(member): return True
+  return False
+
+
+def _print_realize_reasons(bases: list[LazyBuffer], realizes: Realizations) -> None:
+  """DEBUG=3: for each realized base, why it is not fused into its consumers."""
+  for base in bases:
+    if id(base) in realizes: print(f"realize {base.op.name:<10} {str(base.shape):<20} {realizes[id(base)]}")
 
 
 # ---------------------------------------------------------------- bounded kernels
@@ -172,7 +380,7 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> set
 FUSABLE_OPS = ELEMENTWISE_OPS | REDUCE_OPS
 
 
-def _fused_srcs(base: LazyBuffer, realizes: set[int]) -> list[LazyBuffer]:
+def _fused_srcs(base: LazyBuffer, realizes: Realizations) -> list[LazyBuffer]:
   """The distinct source bases that would be computed inside `base`'s kernel."""
   srcs: dict[int, LazyBuffer] = {}
   for src in base.srcs:
@@ -182,7 +390,7 @@ def _fused_srcs(base: LazyBuffer, realizes: set[int]) -> list[LazyBuffer]:
   return list(srcs.values())
 
 
-def _count_fused_ops(base: LazyBuffer, realizes: set[int], limit: int) -> int:
+def _count_fused_ops(base: LazyBuffer, realizes: Realizations, limit: int) -> int:
   """The number of distinct ops `base`'s kernel computes (each shared sub-graph once), counting up to limit+1."""
   stack, seen = [base], {id(base)}
   while stack and len(seen) <= limit:
@@ -193,7 +401,7 @@ def _count_fused_ops(base: LazyBuffer, realizes: set[int], limit: int) -> int:
   return len(seen)
 
 
-def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: set[int], limit: int) -> None:
+def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: Realizations, limit: int) -> None:
   """Realize intermediates so that no kernel fuses more than `limit` ops. A C compiler's time grows faster than
   linearly with a function's size (gcc -O2 on one basic block of 20,000 float ops: minutes), so one huge fused
   kernel stalls the first call; kernels of at most `limit` ops keep compile time linear in the graph's size.
@@ -209,8 +417,7 @@ def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: set[int], limit: int)
     if size > limit: size = _count_fused_ops(base, realizes, limit)
     while size > limit and srcs:
       largest = max(srcs, key=lambda src: sizes.get(id(src), 1))
-      realizes.add(id(largest))
-      if DEBUG >= 3: print(f"realized {largest.op} {largest.shape}: the fused kernel passed {limit} ops")
+      realizes.setdefault(id(largest), f"KERNEL_OPS_LIMIT: its consumer's kernel passed {limit} ops")
       srcs = _fused_srcs(base, realizes)
       size = _count_fused_ops(base, realizes, limit)
     sizes[id(base)] = size
@@ -250,7 +457,7 @@ def _has_unsafe_pad_op(base: LazyBuffer) -> bool:
   return False
 
 
-def _schedule_base(base: LazyBuffer, realizes: set[int]) -> tuple[ScheduleItem, list[LazyBuffer]]:
+def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleItem, list[LazyBuffer]]:
   """The ScheduleItem computing one realized base, and the realized bases it reads."""
   assert base.realized is not None
   if base.op is Ops.COPY:
@@ -278,11 +485,30 @@ def _schedule_base(base: LazyBuffer, realizes: set[int]) -> tuple[ScheduleItem, 
   return ScheduleItem(store, (base.realized,), tuple(builder.inputs)), builder.loaded_bases
 
 
+def _schedule_group(group: list[LazyBuffer], realizes: Realizations) -> tuple[ScheduleItem, list[LazyBuffer]]:
+  """One kernel writing every base of `group` (elementwise, one shape): a SINK of one STORE per base, output i in
+  argument i. A member read in place by a later member is that member's value, not a load (_group_outputs)."""
+  builder = _KernelBuilder(group[0], realizes, output_count=len(group))
+  stores = []
+  for number, base in enumerate(group):
+    assert base.realized is not None
+    builder.root = base
+    value = builder.build(*_kernel_value(base))   # _group_outputs took only bases with a kernel walk
+    builder.member_values[id(base)] = value
+    stores.append(LazyOp(Ops.STORE, (value,), MemBuffer(number, base.dtype, ShapeTracker.from_shape(base.shape)),
+                         base.dtype))
+  outputs = tuple(base.realized for base in group)
+  return ScheduleItem(LazyOp(Ops.SINK, tuple(stores), None, group[0].dtype), outputs, tuple(builder.inputs)), \
+      builder.loaded_bases
+
+
 class _KernelBuilder:
   """Builds the AST of the kernel that computes `root`, inlining every base that is not realized."""
 
-  def __init__(self, root: LazyBuffer, realizes: set[int]):
+  def __init__(self, root: LazyBuffer, realizes: Realizations, output_count: int = 1):
     self.root, self.realizes = root, realizes
+    self.output_count = output_count   # arguments 0 .. output_count-1 are the outputs, inputs follow
+    self.member_values: dict[int, LazyOp] = {}   # id of an output base already built in this kernel -> its value
     self.inputs: list[Buffer] = []
     self.loaded_bases: list[LazyBuffer] = []
     self.reduce: LazyOp | None = None
@@ -293,9 +519,9 @@ class _KernelBuilder:
   def buffer_index(self, buffer: Buffer) -> int:
     """Kernel argument number of an input buffer (0 is the output)."""
     for index, known in enumerate(self.inputs):
-      if known is buffer: return index + 1
+      if known is buffer: return index + self.output_count
     self.inputs.append(buffer)
-    return len(self.inputs)
+    return len(self.inputs) - 1 + self.output_count
 
   def build(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
     """The AST reading `base` through `st` (st maps kernel coordinates to base coordinates).
@@ -330,6 +556,8 @@ class _KernelBuilder:
 
   def _leaf(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp | None:
     """A LOAD of a realized base or a CONST; None for a base this kernel computes."""
+    if id(base) in self.member_values and st == ShapeTracker.from_shape(base.shape).simplify():
+      return self.member_values[id(base)]   # an output of this kernel read in place: its value
     if base.realized is not None and base is not self.root:
       self.loaded_bases.append(base)
       return LazyOp(Ops.LOAD, (), MemBuffer(self.buffer_index(base.realized), base.dtype, st), base.dtype)
@@ -343,7 +571,7 @@ class _KernelBuilder:
     plain_reshape = st.contiguous and st.size == base.size
     if base is self.reduce_base and plain_reshape: return  # the same reduce read again, in the same element order
     if base is not self.root and (self.reduce_base is not None or under_reduce or not plain_reshape):
-      raise _RefuseFusion(base)
+      raise AssertionError(f"_settle_fusion_groups let an unfusable {base.op} {base.shape} into a kernel")
     self.reduce_base = base
     self.reduce_shape = base.shape
 
@@ -416,4 +644,4 @@ class _KernelBuilder:
     for leaf in value.leaves():
       if leaf.op is Ops.LOAD and self.inputs[leaf.arg.idx - 1] is target and leaf.arg.st.simplify() != in_place:
         if value_base.realized is not None: raise AssertionError("assign hazard on a realized value")
-        raise _RefuseFusion(value_base)
+        raise AssertionError("_settle_fusion_groups missed an assign hazard")

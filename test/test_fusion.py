@@ -1,0 +1,134 @@
+"""Fusion beyond one output and one reduce per kernel (docs/fusion.md), checked against numpy and PyTorch.
+
+Each test pins a kernel count (scheduled and launched) and compares the values on random inputs with an independent
+reference. The tests run on the default device; `DEVICE=PYTHON EMULATE=CUDA` runs the same kernels lowered as for a
+GPU in the numpy interpreter, where the sizes shrink (`SMALL`) to keep the interpreter quick.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad.device import Device
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.helpers import GlobalCounters
+from ourgrad.nn.optim import SGD, Adam, AdamW
+from ourgrad.tensor import Tensor
+
+SMALL = Device.DEFAULT == "PYTHON"   # the interpreter runs every thread in numpy: keep the emulated runs small
+PARAM_SHAPES = [(3, 4), (4,), (5, 6), (6,), (7, 3), (2, 2, 2), (9,), (4, 4), (1,), (8, 5)]
+
+
+def rand(*shape: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def kernels_of(outs: Sequence[Tensor]) -> int:
+  return len(create_schedule([out.lazydata for out in outs]))
+
+
+def realize_counting(outs: Sequence[Tensor]) -> int:
+  GlobalCounters.reset()
+  Tensor.realize_all(*outs)
+  return GlobalCounters.kernel_count
+
+
+# ---------------------------------------------------------------- multi-output kernels
+
+def test_independent_outputs_over_one_shape_are_one_kernel():
+  a_np, b_np = rand(16, 24, seed=1), rand(16, 24, seed=2)
+  a, b = Tensor(a_np), Tensor(b_np)
+
+  def build() -> list[Tensor]: return [a + b, a * b, (a - b).exp()]
+
+  assert kernels_of(build()) == 1
+  outs = build()
+  assert realize_counting(outs) == 1
+  for out, expected in zip(outs, [a_np + b_np, a_np * b_np, np.exp(a_np - b_np)]):
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_outputs_of_different_shapes_stay_separate_kernels():
+  a = Tensor(rand(8, 8))
+  assert kernels_of([a + 1, a.reshape(64) * 2 + a.reshape(64)[::-1]]) == 2
+
+
+def test_an_assign_read_in_place_by_another_output_is_computed_once_in_one_kernel():
+  x_np, y_np = rand(32, seed=3), rand(32, seed=4)
+  x, y = Tensor(x_np), Tensor(y_np)
+  x.assign(x * 2 + 1)
+  y.assign(x * y)   # reads the new x in place: the same kernel computes it
+  assert realize_counting([x, y]) == 1
+  np.testing.assert_allclose(x.numpy(), x_np * 2 + 1, rtol=1e-6)
+  np.testing.assert_allclose(y.numpy(), (x_np * 2 + 1) * y_np, rtol=1e-6)
+
+
+def test_an_assign_read_through_another_view_is_not_fused_and_stays_correct():
+  x_np, y_np = rand(32, seed=5), rand(32, seed=6)
+  x, y = Tensor(x_np), Tensor(y_np)
+  x.assign(x + 1)
+  y.assign(x.flip(0) * y)   # reads other threads' new x: x must be complete first
+  assert realize_counting([x, y]) == 2
+  np.testing.assert_allclose(y.numpy(), (x_np + 1)[::-1] * y_np, rtol=1e-6)
+
+
+def test_an_old_value_read_through_another_view_keeps_the_overwrite_apart():
+  x_np, y_np = rand(32, seed=7), rand(32, seed=8)
+  x, y = Tensor(x_np), Tensor(y_np)
+  y.assign(x.flip(0) + y)   # reads the old x, reversed
+  x.assign(x * 3)           # overwrites x: it may not share a kernel with that read
+  assert realize_counting([x, y]) == 2
+  np.testing.assert_allclose(y.numpy(), x_np[::-1] + y_np, rtol=1e-6)
+  np.testing.assert_allclose(x.numpy(), x_np * 3, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- optimizer steps
+
+def _parameters(seed: int) -> list[np.ndarray]:
+  return [rand(*shape, seed=seed + index) for index, shape in enumerate(PARAM_SHAPES)]
+
+
+def _step_ours(make: Callable[[list[Tensor]], object], steps: int) -> tuple[list[np.ndarray], list[int]]:
+  """The parameters after `steps` steps with random gradients, and the kernels each step launched."""
+  params = [Tensor(value, requires_grad=True) for value in _parameters(0)]
+  optimizer = make(params)
+  counts = []
+  for step in range(steps):
+    for index, param in enumerate(params): param.grad = Tensor(rand(*param.shape, seed=1000 * step + index))
+    Tensor.realize_all(*[param.grad for param in params])
+    counts.append(realize_counting(optimizer.schedule_step()))   # type: ignore[attr-defined]
+  return [param.numpy() for param in params], counts
+
+
+def _step_torch(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], steps: int) -> list[np.ndarray]:
+  params = [torch.tensor(value, requires_grad=True) for value in _parameters(0)]
+  optimizer = make(params)
+  for step in range(steps):
+    for index, param in enumerate(params): param.grad = torch.tensor(rand(*param.shape, seed=1000 * step + index))
+    optimizer.step()
+  return [param.detach().numpy() for param in params]
+
+
+OPTIMIZERS = {
+  # name: (ours, torch's, kernels per step: one per parameter, plus Adam's step count and bias corrections)
+  "adam": (lambda ps: Adam(ps, lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01), len(PARAM_SHAPES) + 1),
+  "adamw": (lambda ps: AdamW(ps, lr=0.01, weight_decay=0.1),
+            lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), len(PARAM_SHAPES) + 1),
+  "sgd_momentum": (lambda ps: SGD(ps, lr=0.05, momentum=0.9), lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                   len(PARAM_SHAPES)),
+  "sgd_nesterov": (lambda ps: SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+                   lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), len(PARAM_SHAPES)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_step_is_one_kernel_per_parameter_and_matches_torch(name: str):
+  ours, theirs, kernels_per_step = OPTIMIZERS[name]
+  steps = 2 if SMALL else 3
+  got, counts = _step_ours(ours, steps)
+  assert counts == [kernels_per_step] * steps
+  for value, expected in zip(got, _step_torch(theirs, steps)):
+    np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
