@@ -138,7 +138,9 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   def shard(self, devices: tuple[str, ...] | list[str] | int, axis: int | None = None) -> Tensor:
     """This tensor spread over `devices` (names, or n for the first n devices of the default kind): cut into one
     piece per device along `axis` (uneven sizes as numpy.array_split), or copied whole to each when axis is None.
-    Ops keep the sharding where they can and raise ShardingError where they cannot (ourgrad/multi.py)."""
+    Ops keep the sharding where they can and raise ShardingError where they cannot (ourgrad/multi.py).
+    The result is a new leaf for autograd (gradients do not flow back into the unsharded tensor): shard inputs and
+    parameters before computing with them."""
     return Tensor(shard_lazy(self.lazydata, devices, axis), requires_grad=self.requires_grad)
 
   def shard_(self, devices: tuple[str, ...] | list[str] | int, axis: int | None = None) -> Tensor:

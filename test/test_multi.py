@@ -61,6 +61,17 @@ def test_allreduce(shape, dtype, op):
   for result in read(results): np.testing.assert_allclose(result, expected, rtol=1e-6)
 
 
+def test_cpu_allreduce_schedules_copies_and_one_fused_add():
+  """3 devices: 2 copies in, one kernel adding all three (fused), 2 copies out; the inputs' own math fuses too."""
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+  inputs = [(Tensor(values((4, 4)), device=device) * 2).lazydata for device in D3]
+  items = create_schedule(collectives.allreduce(inputs))
+  copies = [item for item in items if item.ast.op is Ops.COPY]
+  kernels = [item for item in items if item.ast.op is not Ops.COPY]
+  assert (len(copies), len(kernels)) == (4, 3)  # kernels: the *2 on CLANG:1 and CLANG:2, then *2 + adds on CLANG
+
+
 @pytest.mark.parametrize("axis", [0, 1])
 def test_allgather_uneven(axis):
   shapes = [(2, 3), (4, 3), (1, 3)] if axis == 0 else [(3, 1), (3, 4), (3, 2)]
