@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ourgrad import Tensor  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
+from ourgrad.engine.exec_item import CompiledRunner, ExecItem  # noqa: E402
 from ourgrad.engine.realize import get_runner  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 
@@ -166,20 +167,21 @@ def mnist_step(device: str, scale: int) -> None:
   images = np.random.randint(0, 255, (batch, 1, 28, 28)).astype(np.uint8)
   labels = np.random.randint(0, 10, batch).astype(np.int32)
   launches: list[tuple[str, str, float, int]] = []
-  original = realize._print_launch
+  original = ExecItem._print  # every launch passes here at DEBUG=2, with its device time
 
-  def record(runner: Any, device_name: str, timing: float | None) -> None:
-    launches.append((runner.name, runner.display_name, timing or 0.0, runner.byte_count))
+  def record(item: ExecItem, timing: float | None) -> None:
+    if isinstance(item.runner, CompiledRunner):
+      launches.append((item.runner.name, item.runner.display_name, timing or 0.0, item.runner.byte_count))
   with Tensor.train():
     for _ in range(2): mnist.train_step(model, optimizer, images, labels, buffers)  # compile everything
     os.environ["DEBUG"] = "2"
-    realize._print_launch = record
+    ExecItem._print = record  # type: ignore[method-assign]
     try:
       began = time.perf_counter()
       mnist.train_step(model, optimizer, images, labels, buffers)
       wall = time.perf_counter() - began
     finally:
-      realize._print_launch = original
+      ExecItem._print = original  # type: ignore[method-assign]
       del os.environ["DEBUG"]
   total = sum(seconds for _, _, seconds, _ in launches)
   print(f"\nmnist training step (batch {batch}): {len(launches)} kernels, sum of kernel times {total * 1e3:.3f} ms, "

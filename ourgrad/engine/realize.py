@@ -113,7 +113,8 @@ def estimate_cost(kernel: Kernel, uops: list[UOp]) -> tuple[int, int]:
   for leaf, st in zip(kernel.leaves, kernel.sts):
     if leaf.op not in (Ops.LOAD, Ops.STORE) or leaf.arg.idx in seen: continue
     seen.add(leaf.arg.idx)
-    touched = min(st.real_size(), prod(st.shape)) if leaf.op is Ops.LOAD else prod(st.shape)
+    # a gathered load (srcs: a computed offset) reads at most one table element per element of its view
+    touched = min(st.real_size(), prod(st.shape)) if leaf.op is Ops.LOAD and not leaf.srcs else prod(st.shape)
     byte_count += touched * leaf.dtype.itemsize
   return op_count, byte_count
 
