@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ourgrad import Tensor, dtypes
+from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.nn import BatchNorm2d, Conv2d, Linear
 from ourgrad.nn.datasets import mnist
 from ourgrad.nn.losses import cross_entropy
@@ -115,6 +115,26 @@ def train_step(model: ConvNet, optimizer: Adam, images: np.ndarray, labels: np.n
   # batchnorm running statistics must be computed now, or each step's lazy graph would hang on the next one.
   Tensor.realize_all(loss, correct, *optimizer.schedule_step(), *buffers)
   return float(loss.item()), float(correct.item()) / len(labels)
+
+
+def make_jit_train_step(model: ConvNet, optimizer: Adam,
+                        buffers: list[Tensor]) -> Callable[[np.ndarray, np.ndarray], tuple[float, float]]:
+  """`train_step` as a TinyJit: the first two calls run and capture the step's kernels, later calls replay them on the
+  new batch with no scheduling or code generation (JIT=0 runs every call eagerly). Same results as `train_step`."""
+  @TinyJit
+  def step(images: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    optimizer.zero_grad()
+    logits = model(normalize(images))
+    loss = cross_entropy(logits, labels)
+    correct = (logits.argmax(axis=1) == labels).sum()
+    loss.backward()
+    Tensor.realize_all(loss, correct, *optimizer.schedule_step(), *buffers)
+    return loss, correct
+
+  def run(images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    loss, correct = step(Tensor(images).realize(), Tensor(labels).realize())
+    return float(loss.item()), float(correct.item()) / len(labels)
+  return run
 
 
 def data_parallel_step(parallel: DataParallel, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
@@ -207,6 +227,7 @@ def main(argv: list[str] | None = None) -> float:
     model = ConvNet(MODELS[args.model])
     optimizer = Adam([p for p in get_parameters(model) if p.requires_grad], lr=args.lr)
   buffers = batchnorm_buffers(model)
+  jit_step = make_jit_train_step(model, optimizer, buffers) if parallel is None else None
   start_epoch = 0
   if args.resume and os.path.exists(args.checkpoint):
     replicas = zip(parallel.replicas, parallel.optimizers) if parallel else [(model, optimizer)]
@@ -227,7 +248,7 @@ def main(argv: list[str] | None = None) -> float:
         if parallel is not None:
           loss, batch_accuracy = data_parallel_step(parallel, x_train[batch], y_train[batch])
         else:
-          loss, batch_accuracy = train_step(model, optimizer, x_train[batch], y_train[batch], buffers)
+          loss, batch_accuracy = jit_step(x_train[batch], y_train[batch])
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{batch_accuracy:.3f}")
     train_time = time.perf_counter() - started
     accuracy = evaluate(model, x_test, y_test, args.eval_batch_size, parallel.devices[0] if parallel else None)

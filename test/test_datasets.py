@@ -279,6 +279,33 @@ def test_mnist_example_one_training_step() -> None:
   assert 0.0 <= test_accuracy <= 1.0
 
 
+def test_mnist_example_jitted_step_equals_eager() -> None:
+  """The TinyJit step examples/mnist.py trains with gives the eager step's losses and weights, step for step."""
+  example = load_example("mnist")
+  from ourgrad.nn.optim import Adam
+  from ourgrad.nn.state import get_parameters
+  arrays = fake_mnist(train=48)
+  images, labels = arrays["train_images"][:, None], arrays["train_labels"].astype(np.int32)
+  runs = []
+  for jitted in (False, True):
+    Tensor.manual_seed(0)
+    model = example.ConvNet(example.MODELS["small"])
+    optimizer = Adam([p for p in get_parameters(model) if p.requires_grad], lr=1e-3)
+    buffers = example.batchnorm_buffers(model)
+    jit_step = example.make_jit_train_step(model, optimizer, buffers)
+    losses = []
+    with Tensor.train():
+      for step in range(4):  # the jitted run captures at its second call and replays the third and fourth
+        batch = slice(step * 12, (step + 1) * 12)
+        if jitted: losses.append(jit_step(images[batch], labels[batch]))
+        else: losses.append(example.train_step(model, optimizer, images[batch], labels[batch], buffers))
+    runs.append((losses, [p.numpy() for p in get_parameters(model)]))
+  (eager_losses, eager_params), (jit_losses, jit_params) = runs
+  np.testing.assert_allclose(jit_losses, eager_losses, rtol=1e-6)
+  for eager_param, jit_param in zip(eager_params, jit_params):
+    np.testing.assert_allclose(jit_param, eager_param, rtol=1e-5, atol=1e-6)
+
+
 def test_mnist_example_progress_without_tqdm(capsys: pytest.CaptureFixture[str]) -> None:
   example = load_example("mnist")
   with example.PlainProgress(range(20), desc="epoch 1/1", unit="step") as bar:

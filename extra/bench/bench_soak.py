@@ -9,7 +9,8 @@ but the step count should stay flat: a growing one is a leak.
 MNIST comes from ourgrad.nn.datasets (the local cache, then the mirrors); with --synthetic, or when it cannot be
 had, random images and labels of MNIST's shapes stand in (the numbers to watch do not depend on the data).
 
-Run: `python extra/bench/bench_soak.py [--steps 2000] [--every 200] [--batch-size 64] [--model small] [--synthetic]`
+Run: `python extra/bench/bench_soak.py [--steps 2000] [--every 200] [--batch-size 64] [--model small] [--synthetic]
+[--no-jit]`
 (`--device` or DEVICE=... picks the device; on CUDA the same script measures GPU memory).
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # the checkout's ourgrad and examples, from any folder
 
-from examples.mnist import MODELS, ConvNet, batchnorm_buffers, train_step  # noqa: E402
+from examples.mnist import MODELS, ConvNet, batchnorm_buffers, make_jit_train_step, train_step  # noqa: E402
 from ourgrad import Device, GlobalCounters, Tensor  # noqa: E402
 from ourgrad.engine import realize as realize_module  # noqa: E402
 from ourgrad.engine.snapshot import SNAPSHOT_STATS  # noqa: E402
@@ -64,6 +65,7 @@ def main() -> None:
   parser.add_argument("--model", choices=sorted(MODELS), default="small")
   parser.add_argument("--synthetic", action="store_true", help="random data instead of MNIST")
   parser.add_argument("--device", default=None)
+  parser.add_argument("--no-jit", action="store_true", help="run each step eagerly instead of replaying a TinyJit")
   args = parser.parse_args()
   if args.device: os.environ["DEVICE"] = args.device
   images, labels, source = load_data(args.synthetic)
@@ -73,7 +75,9 @@ def main() -> None:
   optimizer = Adam([p for p in get_parameters(model) if p.requires_grad], lr=1e-3)
   buffers = batchnorm_buffers(model)
   allocator = Device[device].allocator
-  print(f"{args.model} model on {device}, {source} data, batch {args.batch_size}, {args.steps} steps; "
+  jit_step = None if args.no_jit else make_jit_train_step(model, optimizer, buffers)
+  print(f"{args.model} model on {device}, {source} data, batch {args.batch_size}, {args.steps} steps "
+        f"({'eager' if jit_step is None else 'TinyJit'}); "
         f"load average {os.getloadavg()[0]:.2f} at start")
   print(f"{'step':>6} {'loss':>7} {'dev MB in use':>13} {'dev MB cached':>13} {'host RSS MB':>11} "
         f"{'ms/step':>8} {'kernels kept':>12} {'snapshots':>9}")
@@ -82,7 +86,8 @@ def main() -> None:
   with Tensor.train():
     for step in range(1, args.steps + 1):
       batch = rng.integers(0, len(images), args.batch_size)
-      loss, _ = train_step(model, optimizer, images[batch], labels[batch], buffers)
+      if jit_step is not None: loss, _ = jit_step(images[batch], labels[batch])
+      else: loss, _ = train_step(model, optimizer, images[batch], labels[batch], buffers)
       if step % args.every == 0 or step == 1:
         elapsed = time.perf_counter() - window_start
         steps_in_window, last_printed = step - last_printed, step
