@@ -1,6 +1,8 @@
-"""Train a CNN on Fashion-MNIST (10 kinds of clothing, 28x28 grey images) with Adam: about 91% test accuracy.
+"""Train a CNN on Fashion-MNIST (10 kinds of clothing, 28x28 grey images) with Adam.
 
-    python examples/fashion_mnist.py                        # 2 epochs on the 60000 training images
+    python examples/fashion_mnist.py                        # 2 epochs on the 60000 training images: 88.1% test
+                                                            # accuracy (86.8% after one; 24 min on a shared 2-core CPU)
+    python examples/fashion_mnist.py --epochs 4             # more epochs for more accuracy (not measured here)
     python examples/fashion_mnist.py --limit 12000 --epochs 1   # a shorter run on the first 12000 images
     python examples/fashion_mnist.py --data /path/to/folder     # the four IDX files (plain or .gz)
 
