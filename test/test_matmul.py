@@ -81,3 +81,11 @@ def test_cache_block_is_searched_and_refused_where_void():
   kernel = Kernel(_matmul_item(a, b).ast, Device[DEVICE].renderer)
   assert any(opt.op is OptOps.BLOCK for opt in kernel.legal_opts())
   with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.BLOCK, 0, 2))  # axis 0 is already outermost
+
+
+@pytest.mark.parametrize("device", ["LLVM", "PYTHON"])
+def test_other_cpu_devices_take_the_tile(device: str):
+  """Devices without threads share the CPU heuristic; a renderer that names no SIMD width gets 16 bytes."""
+  a, b = _operands((16, 24), (24, 32), seed=5)
+  result = (Tensor(a, device=device) @ Tensor(b, device=device)).numpy()
+  np.testing.assert_allclose(result, a @ b, rtol=1e-4, atol=1e-4)

@@ -157,7 +157,8 @@ def _cpu_matmul_tiles(kernel: Kernel) -> bool:
   axes = _cpu_tile_axes(kernel)
   if axes is None: return False
   rows, columns = axes
-  lanes = min(max(kernel.renderer.vector_bytes // kernel.reduceop.dtype.itemsize, 1), CPU_MAX_TILE_COLUMNS)
+  vector_bytes = getattr(kernel.renderer, "vector_bytes", 16)  # renderers that do not say: SSE/NEON width
+  lanes = min(max(vector_bytes // kernel.reduceop.dtype.itemsize, 1), CPU_MAX_TILE_COLUMNS)
   if kernel.full_shape[rows] % CPU_TILE_ROWS or kernel.full_shape[columns] % lanes: return False
   start = kernel._state()
   # rows first: the upcast applied last varies fastest in the unrolled code, and the columns must be the fastest
