@@ -10,7 +10,9 @@ Method: inputs are realized first; each figure is the median over `--iters` runs
 the summed device times of the kernels (what DEBUG=2 prints); on the CPU: wall time of the kernels (they run
 synchronously). PyTorch on CUDA: torch.cuda events. "% torch" is PyTorch eager's time over ourgrad's.
 Run: `python extra/bench/bench_matmul.py` on a CUDA machine, `python extra/bench/bench_matmul.py --device CLANG`
-on the CPU (`--scale 4` divides every side by 16, to check the script quickly).
+on the CPU (`--scale 4` divides every side by 16, to check the script quickly). BEAM=2 and max-autotune each
+search for minutes per row: `--beam 0 --no-compile` gives the hand-coded and eager columns alone, and `--only f16`
+runs the rows whose name contains `f16`.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ CUDA_ROWS = [
   ("matmul 4096^3 f32", "mm", (4096, 4096, 4096), "float32"),
   ("matmul 4096^3 f16", "mm", (4096, 4096, 4096), "float16"),
   ("matmul 4096^3 bf16", "mm", (4096, 4096, 4096), "bfloat16"),
-  ("matmul 4097x4095x4096 f16", "mm", (4097, 4096, 4095), "float16"),
+  ("matmul 4097x4096 @ 4096x4095 f16", "mm", (4097, 4096, 4095), "float16"),
   ("conv 64x64x56x56 3x3 f32", "conv", (64, 64, 56, 56, 64, 1), "float32"),
   ("conv 64x64x56x56 3x3 f16", "conv", (64, 64, 56, 56, 64, 1), "float16"),
 ]
@@ -162,6 +164,7 @@ def main() -> None:
   parser.add_argument("--scale", type=int, default=0, help="divide every side by 2**scale (a quick check)")
   parser.add_argument("--beam", type=int, default=None, help="1: also BEAM=2 (default: on CUDA only)")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+  parser.add_argument("--only", default="", help="run only the rows whose name contains this")
   args = parser.parse_args()
   import torch
   cuda = args.device.upper().startswith("CUDA")
@@ -172,9 +175,10 @@ def main() -> None:
   with_beam = args.beam if args.beam is not None else cuda
   print(f"device: {torch.cuda.get_device_name() if cuda else args.device} (TF32 off)")
   rate_title = "TFLOP/s" if cuda else "GFLOP/s"
-  print(f"{'workload':<30} {'GFLOP':>8} {'ourgrad':>9} {rate_title:>8} {'BEAM=2':>9} {'torch':>9} {'compile':>9} "
+  print(f"{'workload':<34} {'GFLOP':>8} {'ourgrad':>9} {rate_title:>8} {'BEAM=2':>9} {'torch':>9} {'compile':>9} "
         f"{'numpy':>9} {'% torch':>8}   (times in ms)")
   for name, kind, sizes, dtype_name in CUDA_ROWS if cuda else CPU_ROWS:
+    if args.only not in name: continue
     sizes = scaled(kind, sizes, args.scale)
     host = host_inputs(kind, sizes)
     dtype = getattr(dtypes, dtype_name)
@@ -198,7 +202,7 @@ def main() -> None:
     def ms(value: float | None) -> str: return f"{value * 1e3:9.3f}" if value is not None else f"{'-':>9}"
     work = flops(kind, sizes)
     rate = f"{work / ours / 1e12:8.1f}" if cuda else f"{work / ours / 1e9:8.1f}"
-    print(f"{name:<30} {work / 1e9:8.1f} {ms(ours)} {rate} {ms(beam)} {ms(eager)} {ms(compiled)} "
+    print(f"{name:<34} {work / 1e9:8.1f} {ms(ours)} {rate} {ms(beam)} {ms(eager)} {ms(compiled)} "
           f"{ms(blas)} {eager / ours * 100:7.0f}%" + (f" ({blas / ours * 100:.0f}% of numpy)" if blas else "")
           + f"   [{', '.join(kernels)}]")
 
