@@ -130,10 +130,15 @@ def _group_for_parallelism(kernel: Kernel) -> None:
   if budget >= 2: _group_reduce_axes(kernel, budget)
 
 
-# rows of the CPU matmul register tile: 8 rows x one SIMD register of columns keeps 8 accumulator registers, the
-# column vector and a broadcast in flight (measured on AVX-512, 1024^3 float32: 8x16 ~2x faster than 4x16 or 8x32)
-CPU_TILE_ROWS = 8
+# CPU matmul register tile: rows x one SIMD register of columns, one accumulator register per row. With AVX-512's 32
+# vector registers 16 rows fit beside the column vector and the broadcasts (measured, 1024^3 and 2048^3 float32 on 2
+# cores: 16x16 about 1.5-2x faster than 8x16, which was about 2x faster than 4x16); 8 rows with 16 registers.
 CPU_MAX_TILE_COLUMNS = 16
+
+
+def cpu_tile_rows(vector_bytes: int) -> int:
+  """Rows of the CPU matmul register tile for a SIMD width: half the vector registers hold accumulators."""
+  return 16 if vector_bytes >= 64 else 8
 
 
 def _cpu_tile_axes(kernel: Kernel) -> tuple[int, int] | None:
@@ -150,20 +155,21 @@ def _cpu_tile_axes(kernel: Kernel) -> tuple[int, int] | None:
 
 
 def _cpu_matmul_tiles(kernel: Kernel) -> bool:
-  """CPU matmul register tile: CPU_TILE_ROWS rows x one SIMD register of columns, the columns innermost so the C
-  compiler packs each row's accumulators into one vector register and the column loads into vector loads. False
-  (kernel untouched) where the kernel is not matmul-shaped or its sizes do not divide."""
+  """CPU matmul register tile: cpu_tile_rows() rows (8 where that does not divide) x one SIMD register of columns,
+  the columns innermost so the C compiler packs each row's accumulators into one vector register and the column
+  loads into vector loads. False (kernel untouched) where the kernel is not matmul-shaped or its sizes do not divide."""
   if not _matmul_like(kernel) or kernel.reduceop.dtype.itemsize > 8: return False
   axes = _cpu_tile_axes(kernel)
   if axes is None: return False
   rows, columns = axes
   vector_bytes = getattr(kernel.renderer, "vector_bytes", 16)  # renderers that do not say: SSE/NEON width
   lanes = min(max(vector_bytes // kernel.reduceop.dtype.itemsize, 1), CPU_MAX_TILE_COLUMNS)
-  if kernel.full_shape[rows] % CPU_TILE_ROWS or kernel.full_shape[columns] % lanes: return False
+  row_count = next((count for count in (cpu_tile_rows(vector_bytes), 8) if kernel.full_shape[rows] % count == 0), 0)
+  if not row_count or kernel.full_shape[columns] % lanes: return False
   start = kernel._state()
   # rows first: the upcast applied last varies fastest in the unrolled code, and the columns must be the fastest
-  if not kernel.try_opt(Opt(OptOps.UPCAST, rows, CPU_TILE_ROWS)): return False
-  rows_dropped = kernel.shape_len < len(start[0][0].shape)  # a rows axis of exactly 8 is gone: later axes shift
+  if not kernel.try_opt(Opt(OptOps.UPCAST, rows, row_count)): return False
+  rows_dropped = kernel.shape_len < len(start[0][0].shape)  # a rows axis the tile used whole is gone
   columns_after = columns - (1 if rows_dropped and rows < columns else 0)
   if not kernel.try_opt(Opt(OptOps.UPCAST, columns_after, lanes)):
     kernel._restore(start)
