@@ -44,6 +44,9 @@ class OptOps(Enum):
   GROUPTOP = auto() # as GROUP, but each thread reduces one contiguous slice of the axis
   PADTO = auto()    # pad an output axis up to a multiple of `amount` so other opts fit: loads read 0 and stores are
   #                   masked beyond the real size
+  BLOCK = auto()    # cache block (CPU): split a global axis into (size/amount, amount) and make the outer part the
+  #                   outermost loop, so the loops in between revisit only `amount` slices of that axis (an operand's
+  #                   strip that stays in cache); see _apply_cache_block
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,10 @@ class Kernel:
         # a padded reduce would add whatever the reduce's input is at the padding (exp(0) = 1), not 0
         raise KernelOptError(f"PADTO needs a global or local output axis, got {opt.axis}")
       return opt.axis
+    if opt.op is OptOps.BLOCK:
+      if renderer.has_threads: raise KernelOptError(f"BLOCK is a CPU loop order, not for {renderer.device}")
+      if not 0 <= opt.axis < self.global_dims: raise KernelOptError(f"BLOCK needs a global axis, got {opt.axis}")
+      return opt.axis
     if opt.op is OptOps.LOCAL:
       if not renderer.has_threads:
         raise KernelOptError(f"LOCAL needs a device with thread blocks, not {renderer.device}")
@@ -280,6 +287,8 @@ class Kernel:
       # the innermost local axis becomes the launch's x dimension (consecutive threads, coalesced memory)
       self.shift_to(axis, amount, insert_before=self.global_dims)
       self.local_dims += 1
+    elif opt.op is OptOps.BLOCK:
+      self._apply_cache_block(axis, amount)
     elif opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       top = opt.op is OptOps.GROUPTOP
       if self.group_dims and top != self.groups_outer: raise KernelOptError("GROUP and GROUPTOP do not mix")
@@ -301,6 +310,12 @@ class Kernel:
     if padded > 2 * size: raise KernelOptError(f"PADTO: padding axis {axis} from {size} to {padded} wastes over half")
     padding = tuple((0, padded - size) if number == axis else (0, 0) for number in range(self.shape_len))
     self.sts = [st.pad(padding) for st in self.sts]
+  def _apply_cache_block(self, axis: int, amount: int) -> None:
+    """BLOCK: the outer part (size/amount) of a global axis becomes loop 0. Only a reorder when the axis is already
+    outermost and whole (amount == size): refused there, it would change nothing."""
+    size = self.full_shape[axis]
+    if amount == size or axis == 0: raise KernelOptError(f"BLOCK {amount} of axis {axis} leaves the loop order as is")
+    self.shift_to(axis, size // amount, insert_before=0, top=True)
 
   def _check_limits(self) -> None:
     """Registers, threads per block and local memory per block within what the device allows."""

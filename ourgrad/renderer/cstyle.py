@@ -315,6 +315,9 @@ class ClangRenderer(CStyleLanguage):
   preamble = "#include <math.h>\n#include <stdbool.h>\n"
   # below this many loop iterations times instructions, starting threads costs more than it saves
   parallel_min_work = 1 << 17
+  # the width of the SIMD registers the C compiler targets (16: SSE/NEON, 32: AVX2, 64: AVX-512); the runtime sets
+  # it from the compiler's -march=native macros. The CPU matmul heuristic sizes its register tiles by it.
+  vector_bytes = 16
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """The global loops come first and are perfectly nested: collapse them all into one parallel loop when the

@@ -66,6 +66,15 @@ def known_bug_flags(compiler: str) -> list[str]:
   return []
 
 
+def native_vector_bytes(compiler: str) -> int:
+  """The SIMD register width (bytes) that `compiler -march=native` targets, from its predefined macros."""
+  probe = subprocess.run([compiler, "-march=native", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                         text=True)
+  if "__AVX512F__" in probe.stdout: return 64
+  if "__AVX2__" in probe.stdout or "__AVX__" in probe.stdout: return 32
+  return 16
+
+
 class ClangCompiler(Compiler):
   def __init__(self) -> None:
     self.compiler = find_c_compiler()
@@ -136,4 +145,7 @@ class ClangProgram(HostProgram):
 
 
 def create_device(name: str) -> Compiled:
-  return Compiled(name, HostAllocator(), ClangRenderer(), ClangCompiler(), ClangProgram)
+  compiler = ClangCompiler()
+  renderer = ClangRenderer()
+  renderer.vector_bytes = native_vector_bytes(compiler.compiler)
+  return Compiled(name, HostAllocator(), renderer, compiler, ClangProgram)

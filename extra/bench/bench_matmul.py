@@ -1,0 +1,211 @@
+"""Matmul and convolution benchmark: ourgrad (hand-coded opts, and BEAM=2) beside PyTorch eager (cuBLAS/cuDNN on
+CUDA, its own BLAS/oneDNN on the CPU), torch.compile(mode="max-autotune") and, on the CPU, numpy's BLAS, in one run.
+
+Rows on CUDA: matmul 4096^3 float32 (TF32 off everywhere), float16 and bfloat16 (float32 accumulation), ragged
+4097x4095x4096 float16, conv2d 64x64x56x56 with 64 3x3 filters, pad 1, float32 and float16.
+Rows on the CPU (`--device CLANG`): matmul 1024^3 and 2048^3 float32, conv2d forward+backward of 32x16x64x64 with
+32 3x3 filters.
+
+Method: inputs are realized first; each figure is the median over `--iters` runs after 2 warm-ups. ourgrad on CUDA:
+the summed device times of the kernels (what DEBUG=2 prints); on the CPU: wall time of the kernels (they run
+synchronously). PyTorch on CUDA: torch.cuda events. "% torch" is PyTorch eager's time over ourgrad's.
+Run: `python extra/bench/bench_matmul.py` on a CUDA machine, `python extra/bench/bench_matmul.py --device CLANG`
+on the CPU (`--scale 4` divides every side by 16, to check the script quickly). BEAM=2 and max-autotune each
+search for minutes per row: `--beam 0 --no-compile` gives the hand-coded and eager columns alone, and `--only f16`
+runs the rows whose name contains `f16`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from ourgrad import Tensor  # noqa: E402
+from ourgrad.dtype import dtypes  # noqa: E402
+from ourgrad.engine import realize  # noqa: E402
+from ourgrad.engine.realize import get_runner  # noqa: E402
+from ourgrad.engine.schedule import create_schedule  # noqa: E402
+
+# (name, kind, shapes..., dtype name): kind "mm" takes (m, k, n); "conv" (batch, cin, height, width, cout, pad);
+# "conv_step" the same, forward and backward
+CUDA_ROWS = [
+  ("matmul 4096^3 f32", "mm", (4096, 4096, 4096), "float32"),
+  ("matmul 4096^3 f16", "mm", (4096, 4096, 4096), "float16"),
+  ("matmul 4096^3 bf16", "mm", (4096, 4096, 4096), "bfloat16"),
+  ("matmul 4097x4096 @ 4096x4095 f16", "mm", (4097, 4096, 4095), "float16"),
+  ("conv 64x64x56x56 3x3 f32", "conv", (64, 64, 56, 56, 64, 1), "float32"),
+  ("conv 64x64x56x56 3x3 f16", "conv", (64, 64, 56, 56, 64, 1), "float16"),
+]
+CPU_ROWS = [
+  ("matmul 1024^3 f32", "mm", (1024, 1024, 1024), "float32"),
+  ("matmul 2048^3 f32", "mm", (2048, 2048, 2048), "float32"),
+  ("conv 32x16x64x64 3x3 fwd+bwd", "conv_step", (32, 16, 64, 64, 32, 0), "float32"),
+]
+
+
+def scaled(kind: str, sizes: tuple[int, ...], scale: int) -> tuple[int, ...]:
+  if scale == 0: return sizes
+  if kind == "mm": return tuple(max(size >> scale, 8) + (size & 1) for size in sizes)
+  batch, cin, height, width, cout, pad = sizes
+  return (max(batch >> scale, 2), cin, max(height >> scale, 8), max(width >> scale, 8), cout, pad)
+
+
+def flops(kind: str, sizes: tuple[int, ...]) -> float:
+  if kind == "mm":
+    m, k, n = sizes
+    return 2.0 * m * k * n
+  batch, cin, height, width, cout, pad = sizes
+  out_h, out_w = height + 2 * pad - 2, width + 2 * pad - 2
+  forward = 2.0 * batch * cout * out_h * out_w * cin * 9
+  return forward * (3 if kind == "conv_step" else 1)  # backward: input and weight gradients, each a forward's work
+
+
+def host_inputs(kind: str, sizes: tuple[int, ...]) -> list[np.ndarray]:
+  rng = np.random.default_rng(0)
+  if kind == "mm":
+    m, k, n = sizes
+    return [rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)]
+  batch, cin, height, width, cout, pad = sizes
+  out_h, out_w = height + 2 * pad - 2, width + 2 * pad - 2
+  operands = [rng.standard_normal((batch, cin, height, width), dtype=np.float32),
+              rng.standard_normal((cout, cin, 3, 3), dtype=np.float32)]
+  # the output's gradient: random, as in training (a constant one, from out.sum(), would fold away the matmul)
+  if kind == "conv_step": operands.append(rng.standard_normal((batch, cout, out_h, out_w), dtype=np.float32))
+  return operands
+
+
+def ourgrad_function(kind: str, sizes: tuple[int, ...]) -> Callable[..., list[Tensor]]:
+  pad = sizes[-1] if kind != "mm" else 0
+  if kind == "mm": return lambda a, b: [a @ b]
+  if kind == "conv": return lambda x, w: [x.conv2d(w, padding=pad)]
+
+  def step(x: Tensor, w: Tensor, grad_out: Tensor) -> list[Tensor]:
+    x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    out = x.conv2d(w, padding=pad)
+    out.backward(grad_out)
+    return [out, x.grad, w.grad]
+  return step
+
+
+def torch_function(kind: str, sizes: tuple[int, ...]) -> Callable[..., Any]:
+  import torch
+  pad = sizes[-1] if kind != "mm" else 0
+  if kind == "mm": return lambda a, b: a @ b
+  if kind == "conv": return lambda x, w: torch.nn.functional.conv2d(x, w, padding=pad)
+
+  def step(x: Any, w: Any, grad_out: Any) -> Any:
+    x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    out = torch.nn.functional.conv2d(x, w, padding=pad)
+    out.backward(grad_out)
+    return out, x.grad, w.grad
+  return step
+
+
+def ourgrad_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, cuda: bool) -> tuple[float, list[str]]:
+  """Median kernel time of realizing what `build()` returns, and the kernel names of the last run."""
+  totals, names = [], []
+  for _ in range(iters + 2):
+    schedule = create_schedule([tensor.lazydata for tensor in build()])
+    total, names = 0.0, []
+    began = time.perf_counter()
+    for item in schedule:
+      for buffer in item.outputs: buffer.allocate()
+      runner = get_runner(device, item.ast)
+      seconds = runner(item.bufs, wait=True) or 0.0
+      total += seconds
+      names.append(runner.name)
+    totals.append(total if cuda else time.perf_counter() - began)
+  return statistics.median(totals[2:]), names
+
+
+def torch_seconds(function: Callable[[], Any], iters: int, cuda: bool) -> float:
+  import torch
+  times = []
+  for _ in range(iters + 2):
+    if cuda:
+      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      start.record()
+      function()
+      end.record()
+      torch.cuda.synchronize()
+      times.append(start.elapsed_time(end) / 1e3)
+    else:
+      began = time.perf_counter()
+      function()
+      times.append(time.perf_counter() - began)
+  return statistics.median(times[2:])
+
+
+def beam_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, cuda: bool) -> float | None:
+  """Kernel time with BEAM=2 (the search runs on the first call and is cached on disk)."""
+  os.environ["BEAM"] = "2"
+  realize._runner_cache.clear()
+  try:
+    return ourgrad_seconds(device, build, iters, cuda)[0]
+  except Exception as error:  # a search that fails is a row with a dash, not a failed benchmark
+    print(f"  BEAM=2 failed: {type(error).__name__}: {error}")
+    return None
+  finally:
+    del os.environ["BEAM"]
+    realize._runner_cache.clear()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--device", default="CUDA")
+  parser.add_argument("--iters", type=int, default=5)
+  parser.add_argument("--scale", type=int, default=0, help="divide every side by 2**scale (a quick check)")
+  parser.add_argument("--beam", type=int, default=None, help="1: also BEAM=2 (default: on CUDA only)")
+  parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+  parser.add_argument("--only", default="", help="run only the rows whose name contains this")
+  args = parser.parse_args()
+  import torch
+  cuda = args.device.upper().startswith("CUDA")
+  torch_device = "cuda" if cuda else "cpu"
+  # TF32 off: float32 rows compare full-precision matmuls
+  torch.backends.cuda.matmul.allow_tf32 = False
+  torch.backends.cudnn.allow_tf32 = False
+  with_beam = args.beam if args.beam is not None else cuda
+  print(f"device: {torch.cuda.get_device_name() if cuda else args.device} (TF32 off)")
+  rate_title = "TFLOP/s" if cuda else "GFLOP/s"
+  print(f"{'workload':<34} {'GFLOP':>8} {'ourgrad':>9} {rate_title:>8} {'BEAM=2':>9} {'torch':>9} {'compile':>9} "
+        f"{'numpy':>9} {'% torch':>8}   (times in ms)")
+  for name, kind, sizes, dtype_name in CUDA_ROWS if cuda else CPU_ROWS:
+    if args.only not in name: continue
+    sizes = scaled(kind, sizes, args.scale)
+    host = host_inputs(kind, sizes)
+    dtype = getattr(dtypes, dtype_name)
+    inputs = [Tensor(array, device=args.device).cast(dtype).realize() for array in host]
+    function = ourgrad_function(kind, sizes)
+    ours, kernels = ourgrad_seconds(args.device, lambda: function(*inputs), args.iters, cuda)
+    beam = beam_seconds(args.device, lambda: function(*inputs), args.iters, cuda) if with_beam else None
+    torch_inputs = [torch.tensor(array, device=torch_device).to(getattr(torch, dtype_name)) for array in host]
+    reference = torch_function(kind, sizes)
+    eager = torch_seconds(lambda: reference(*torch_inputs), args.iters, cuda)
+    compiled = None
+    if not args.no_compile:
+      try:
+        compiled_function = torch.compile(reference, mode="max-autotune")
+        compiled = torch_seconds(lambda: compiled_function(*torch_inputs), args.iters, cuda)
+      except Exception as error:  # no toolchain for inductor here
+        print(f"  torch.compile failed: {type(error).__name__}")
+    blas = None
+    if kind == "mm" and not cuda: blas = torch_seconds(lambda: host[0] @ host[1], args.iters, False)
+
+    def ms(value: float | None) -> str: return f"{value * 1e3:9.3f}" if value is not None else f"{'-':>9}"
+    work = flops(kind, sizes)
+    rate = f"{work / ours / 1e12:8.1f}" if cuda else f"{work / ours / 1e9:8.1f}"
+    print(f"{name:<34} {work / 1e9:8.1f} {ms(ours)} {rate} {ms(beam)} {ms(eager)} {ms(compiled)} "
+          f"{ms(blas)} {eager / ours * 100:7.0f}%" + (f" ({blas / ours * 100:.0f}% of numpy)" if blas else "")
+          + f"   [{', '.join(kernels)}]")
+
+
+if __name__ == "__main__":
+  main()

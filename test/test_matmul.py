@@ -1,0 +1,92 @@
+"""CPU matmul tiling (CLANG): the register tile the heuristic picks (rows x one SIMD register of columns) and the
+BLOCK cache-blocking opt give the same results as numpy, for tile-multiple, ragged and batched sizes."""
+import numpy as np
+import pytest
+
+from ourgrad import Tensor
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.opt.heuristic import CPU_MAX_TILE_COLUMNS, cpu_tile_rows
+from ourgrad.device import Buffer, Device
+from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.schedule import create_schedule
+
+DEVICE = "CLANG"
+
+
+def _matmul_item(a: np.ndarray, b: np.ndarray):
+  out = Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE)
+  schedule = create_schedule([out.lazydata])
+  run_schedule(schedule[:-1])
+  return schedule[-1]
+
+
+def _run(item, opts: list[Opt] | None) -> tuple[np.ndarray, Kernel]:
+  kernel = Kernel(item.ast, Device[DEVICE].renderer)
+  if opts is None: kernel.hand_coded_optimizations()
+  else:
+    for opt in opts: kernel.apply_opt(opt)
+  output = Buffer(DEVICE, item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, DEVICE)((output,) + item.inputs)
+  return output.numpy(), kernel
+
+
+def _operands(shape_a: tuple[int, ...], shape_b: tuple[int, ...], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return rng.standard_normal(shape_a).astype(np.float32), rng.standard_normal(shape_b).astype(np.float32)
+
+
+def _expected_tile(m: int) -> tuple[int, int]:
+  vector_bytes = Device[DEVICE].renderer.vector_bytes
+  rows = cpu_tile_rows(vector_bytes)
+  return (rows if m % rows == 0 else 8), min(vector_bytes // 4, CPU_MAX_TILE_COLUMNS)
+
+
+@pytest.mark.parametrize("m,k,n", [(64, 48, 32), (32, 8, 16), (40, 40, 64)])
+def test_register_tile_matches_numpy(m: int, k: int, n: int):
+  a, b = _operands((m, k), (k, n))
+  result, kernel = _run(_matmul_item(a, b), None)
+  rows, lanes = _expected_tile(m)
+  if m % rows == 0 and n % lanes == 0:
+    # the tile: rows first, then the contiguous columns (the fastest-varying upcast)
+    assert [kernel.full_shape[axis] for axis in kernel.upcast_axes] == [rows, lanes]
+  np.testing.assert_allclose(result.reshape(m, n), a @ b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,k,n", [(33, 17, 45), (7, 129, 5), (1, 64, 31)])
+def test_ragged_matches_numpy(m: int, k: int, n: int):
+  a, b = _operands((m, k), (k, n), seed=1)
+  result, _ = _run(_matmul_item(a, b), None)
+  np.testing.assert_allclose(result.reshape(m, n), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_matches_numpy():
+  a, b = _operands((3, 16, 24), (3, 24, 32), seed=2)
+  result, kernel = _run(_matmul_item(a, b), None)
+  assert kernel.upcast_axes, "a batched matmul gets the register tile too"
+  np.testing.assert_allclose(result.reshape(3, 16, 32), a @ b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", [2, 4])
+def test_cache_block_matches_numpy(block: int):
+  a, b = _operands((32, 40), (40, 128), seed=3)
+  item = _matmul_item(a, b)
+  opts = [Opt(OptOps.UPCAST, 0, 8), Opt(OptOps.UPCAST, 1, 16), Opt(OptOps.BLOCK, 1, block)]
+  result, kernel = _run(item, opts)
+  # the column tiles' outer part is now the outermost loop: (128/16)/block of them
+  assert kernel.full_shape[0] == 128 // 16 // block and kernel.global_dims == 3
+  np.testing.assert_allclose(result.reshape(32, 128), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_block_is_searched_and_refused_where_void():
+  a, b = _operands((32, 16), (16, 64), seed=4)
+  kernel = Kernel(_matmul_item(a, b).ast, Device[DEVICE].renderer)
+  assert any(opt.op is OptOps.BLOCK for opt in kernel.legal_opts())
+  with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.BLOCK, 0, 2))  # axis 0 is already outermost
+
+
+@pytest.mark.parametrize("device", ["LLVM", "PYTHON"])
+def test_other_cpu_devices_take_the_tile(device: str):
+  """Devices without threads share the CPU heuristic; a renderer that names no SIMD width gets 16 bytes."""
+  a, b = _operands((16, 24), (24, 32), seed=5)
+  result = (Tensor(a, device=device) @ Tensor(b, device=device)).numpy()
+  np.testing.assert_allclose(result, a @ b, rtol=1e-4, atol=1e-4)
