@@ -36,6 +36,7 @@ from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, Sha
 from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
+from ourgrad.shape.symbolic import Node, is_symbolic, sym_infer
 from ourgrad.tensor_aliases import AliasMixin
 from ourgrad.tensor_math import ElementwiseMixin
 from ourgrad.tensor_movement import MovementMixin
@@ -191,7 +192,9 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       return np.zeros(self.shape, dtype=np.float32 if self.dtype == dtypes.bfloat16 else self.dtype.np)
     values = self._buffer().numpy()
     if self.dtype == dtypes.bfloat16: values = bfloat16_bits_to_float32(values)
-    return values.reshape(self.shape).copy()
+    # a symbolic shape reads as its bound values; the buffer holds room for the largest ones
+    shape = tuple(sym_infer(size, {}) for size in self.shape)
+    return values[:prod(shape)].reshape(shape).copy()
 
   def item(self) -> Scalar:
     """The single value as a Python bool, int or float; ValueError unless the tensor has exactly one element."""
@@ -339,9 +342,10 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   def _shape_arg(shape: tuple) -> tuple[int, ...]:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)): shape = tuple(shape[0])
     for size in shape:
+      if is_symbolic(size): continue  # a bound Variable (or an expression of one): a symbolic size, docs/jit.md
       if not isinstance(size, (int, np.integer)) or size < 0:
         raise ShapeError(f"shape sizes must be non-negative integers, got {shape}")
-    return tuple(int(size) for size in shape)
+    return tuple(size if is_symbolic(size) else int(size) for size in shape)
 
   @staticmethod
   def empty(*shape: int, dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
@@ -355,7 +359,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
            device: str | None = None, **kwargs: Any) -> Tensor:
     """A tensor of `shape` filled with `fill_value`; the dtype follows the value (bool, int32 or float32; PyTorch gives
     int64 for an int) unless given."""
-    shape = Tensor._shape_arg((shape,) if isinstance(shape, int) else tuple(shape))
+    shape = Tensor._shape_arg((shape,) if isinstance(shape, (int, Node)) else tuple(shape))
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.from_py(fill_value)
     device = Device.canonicalize(device or Device.DEFAULT)
     return Tensor(LazyBuffer.full(fill_value, shape, dtype, device), **kwargs)

@@ -22,6 +22,8 @@ from ourgrad import function as F
 from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import AxisError, DeviceError, DTypeError, IndexOutOfRangeError, ShapeError
 from ourgrad.helpers import normalize_axis, prod
+from ourgrad.shape.shapetracker import valid_window
+from ourgrad.shape.symbolic import is_symbolic
 from ourgrad.tensor_math import _broadcast_shape
 from ourgrad.tensor_resize import PAD_MODES, pad_with_mode
 
@@ -41,14 +43,14 @@ class MovementMixin:
     """A view with a new shape; one size may be -1 (inferred)."""
     new_shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
     if sum(1 for size in new_shape if size == -1) > 1: raise ShapeError(f"reshape to {new_shape}: at most one -1")
-    if any(not isinstance(size, (int, np.integer)) or size < -1 for size in new_shape):
+    if any(not is_symbolic(size) and (not isinstance(size, (int, np.integer)) or size < -1) for size in new_shape):
       raise ShapeError(f"reshape to {new_shape}: sizes must be integers >= -1")
     if -1 in new_shape:
       known = prod(size for size in new_shape if size != -1)
       if known == 0 or self.numel() % known != 0:
         raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape}")
       new_shape = tuple(self.numel() // known if size == -1 else size for size in new_shape)
-    new_shape = tuple(int(size) for size in new_shape)
+    new_shape = tuple(size if is_symbolic(size) else int(size) for size in new_shape)
     if prod(new_shape) != self.numel():
       raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape} "
                        f"({prod(new_shape)} elements)")
@@ -106,7 +108,7 @@ class MovementMixin:
     if len(arg) != self.ndim: raise ShapeError(f"shrink of shape {self.shape} needs {self.ndim} ranges, got {arg}")
     bounds = tuple((0, size) if bound is None else tuple(bound) for bound, size in zip(arg, self.shape))
     for (start, end), size in zip(bounds, self.shape):
-      if not 0 <= start <= end <= size: raise ShapeError(f"shrink {bounds} is outside shape {self.shape}")
+      if not valid_window(start, end, size): raise ShapeError(f"shrink {bounds} is outside shape {self.shape}")
     if all(bound == (0, size) for bound, size in zip(bounds, self.shape)): return self
     return F.Shrink.apply(self, arg=bounds)
 
