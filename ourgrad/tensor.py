@@ -65,6 +65,10 @@ def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
     dtype = dtype or dtypes.from_numpy(data.dtype)
     if dtype == dtypes.bfloat16: return LazyBuffer.from_numpy(float32_to_bfloat16_bits(data), dtype, device)
     return LazyBuffer.from_numpy(data.astype(dtype.np, copy=False), dtype, device)
+  if is_symbolic(data):
+    # a bound Variable as a value (mean over a symbolic axis divides by it): its current value, a constant of the
+    # kernel, so such a kernel compiles once per value (docs/jit.md, symbolic shapes)
+    return LazyBuffer.full(sym_infer(data, {}), (), dtype or dtypes.int32, device)
   raise TypeError(f"cannot make a Tensor from {type(data).__name__}; pass a number, a (nested) list, a numpy "
                   f"array or a Tensor")
 

@@ -23,7 +23,7 @@ from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import AxisError, DeviceError, DTypeError, IndexOutOfRangeError, ShapeError
 from ourgrad.helpers import normalize_axis, prod
 from ourgrad.shape.shapetracker import valid_window
-from ourgrad.shape.symbolic import is_symbolic
+from ourgrad.shape.symbolic import is_symbolic, sym_infer
 from ourgrad.tensor_math import _broadcast_shape
 from ourgrad.tensor_resize import PAD_MODES, pad_with_mode
 
@@ -128,9 +128,11 @@ class MovementMixin:
     else:
       if len(padding) != self.ndim: raise ShapeError(f"pad of shape {self.shape} needs {self.ndim} pairs: {padding}")
       pairs = [(0, 0) if pair is None else tuple(pair) for pair in padding]
-    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in zip(pairs, self.shape)]
-    x = self.shrink(crop) if any(b < 0 or a < 0 for b, a in pairs) else self
-    grow = tuple((max(before, 0), max(after, 0)) for before, after in pairs)
+    # a symbolic amount (a bound Variable expression) only grows: its value is checked against 0 when bound
+    pairs = [tuple(_symbolic_pad_amount(amount) for amount in pair) for pair in pairs]
+    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in _concrete_pairs(pairs, self.shape)]
+    x = self.shrink(crop) if any(not is_symbolic(v) and v < 0 for pair in pairs for v in pair) else self
+    grow = tuple(tuple(v if is_symbolic(v) else max(v, 0) for v in pair) for pair in pairs)
     if all(pair == (0, 0) for pair in grow): return x
     if mode != "constant": return pad_with_mode(x, grow, mode)
     padded = F.Pad.apply(x, arg=grow)
@@ -627,3 +629,17 @@ def _stride_step(dim: int, step: int, length: int) -> tuple[Any, Any]:
     flat = spread.reshape(t.shape[:dim] + (kept * step,) + t.shape[dim + 1:])
     return flat.shrink([(0, length) if a == dim else None for a in range(t.ndim)])
   return forward, inverse
+
+
+def _symbolic_pad_amount(amount: Any) -> Any:
+  """A pad amount as given; a symbolic one must not be negative (for its bound value, or its whole range)."""
+  if not is_symbolic(amount): return amount
+  lowest = amount.min if amount.vars()[0].val is None else sym_infer(amount, {})
+  if lowest < 0: raise ShapeError(f"pad by the symbolic amount {amount.render()} = {lowest}: it must not be negative")
+  return amount
+
+
+def _concrete_pairs(pairs: list, shape: tuple) -> list:
+  """(pair, size) per dim, a symbolic pair or size read as 0-crop (it never crops)."""
+  return [((0, 0), 0) if any(is_symbolic(v) for v in (*pair, size)) else (pair, size)
+          for pair, size in zip(pairs, shape)]

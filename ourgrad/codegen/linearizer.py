@@ -22,8 +22,8 @@ from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
-from ourgrad.shape.symbolic import (AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, SumNode, Variable,
-                                    is_symbolic, sym_max)
+from ourgrad.shape.symbolic import (AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, ProdNode, SumNode,
+                                    Variable, is_symbolic, sym_max)
 
 INDEX_DTYPE = dtypes.int32
 
@@ -52,6 +52,8 @@ class Linearizer:
     if isinstance(node, NumNode): return build.const(node.b, INDEX_DTYPE)
     if isinstance(node, Variable): return self.loop_vars[node.expr]
     if isinstance(node, MulNode): return build.alu(Ops.MUL, INDEX_DTYPE, self.node_to_uop(node.a), self._int(node.b))
+    if isinstance(node, ProdNode):  # a symbolic stride or size times another node
+      return build.alu(Ops.MUL, INDEX_DTYPE, self.node_to_uop(node.a), self.node_to_uop(node.b))
     if isinstance(node, (DivNode, ModNode)): return self._floor_div_mod(node)
     if isinstance(node, SumNode):
       terms = sorted(node.nodes, key=lambda term: isinstance(term, NumNode))  # constant last: reads "x+1"

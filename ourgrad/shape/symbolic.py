@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Union
 
-__all__ = ["Node", "Variable", "NumNode", "MulNode", "DivNode", "ModNode", "SumNode", "LtNode", "AndNode",
+__all__ = ["Node", "Variable", "NumNode", "MulNode", "ProdNode", "DivNode", "ModNode", "SumNode", "LtNode", "AndNode",
            "sym_sum", "sym_and", "sym_int", "is_symbolic", "sym_max", "sym_infer", "bound_vars"]
 
 NodeLike = Union["Node", int]
@@ -116,7 +116,8 @@ class Node:
     factor = _const_of(other)
     if factor is not None: return _mul(self, factor)
     if isinstance(self, NumNode) and isinstance(other, Node): return _mul(other, self.b)
-    raise TypeError(f"symbolic multiplication needs a constant operand: {self.render()} * {other!r}")
+    if isinstance(other, Node): return _fold(ProdNode(self, other))  # a symbolic stride times an index or size
+    raise TypeError(f"symbolic multiplication needs an int or a Node operand: {self.render()} * {other!r}")
 
   def __rmul__(self, other: NodeLike) -> Node: return self.__mul__(other)
 
@@ -233,6 +234,24 @@ class MulNode(Node):
   def substitute(self, values: dict[Variable, Node]) -> Node: return self.a.substitute(values) * self.b
   def evaluate(self, values: dict[str, int]) -> int: return self.a.evaluate(values) * self.b
   def render(self) -> str: return f"({self.a.render()}*{self.b})"
+
+
+class ProdNode(Node):
+  """a * b of two non-constant nodes (a symbolic size or stride times an index): kept as it is, not simplified
+  further; sums, comparisons, div and mod treat it as one opaque term with its bounds."""
+  def __init__(self, a: Node, b: Node):
+    self.a, self.b = a, b
+    corners = (a.min * b.min, a.min * b.max, a.max * b.min, a.max * b.max)
+    self.min, self.max = min(corners), max(corners)
+    self._hash = hash(("ProdNode", a, b))
+
+  def _key(self) -> tuple: return (self.a, self.b)
+  def _children(self) -> tuple[Node, ...]: return (self.a, self.b)
+  def evaluate(self, values: dict[str, int]) -> int: return self.a.evaluate(values) * self.b.evaluate(values)
+  def render(self) -> str: return f"({self.a.render()}*{self.b.render()})"
+
+  def substitute(self, values: dict[Variable, Node]) -> Node:
+    return self.a.substitute(values) * self.b.substitute(values)
 
 
 class DivNode(Node):

@@ -127,9 +127,6 @@ class View:
       raise ShapeError(f"negative dimension in shape {shape}")
     strides = strides_for_shape(shape) if strides is None else tuple(_canonical_int(stride) for stride in strides)
     if len(strides) != len(shape): raise ShapeError(f"strides {strides} do not match shape {shape}")
-    if any(is_symbolic(stride) for stride in strides):
-      raise ShapeError(f"shape {shape} with strides {strides}: a symbolic size is supported as the outermost dim of "
-                       f"a contiguous buffer or as a window (shrink) of a fixed-size one, not inside another dim")
     if 0 in shape: return View(shape, strides_for_shape(shape), 0, None, True)  # nothing to index
     strides = tuple(0 if size == 1 else stride for size, stride in zip(shape, strides))
     canonical_mask: Mask | None = None
@@ -205,6 +202,9 @@ class View:
     """Reshape with symbolic sizes: any reshape of a contiguous view, otherwise only adding or removing size-1
     dims (the other dims keep their strides and masks); None (a second view) for anything else."""
     if self.contiguous: return View.create(new_shape)
+    if self.mask is None:
+      merged = self._merge_runs(new_shape)
+      if merged is not None: return merged
     if [size for size in self.shape if size != 1] != [size for size in new_shape if size != 1]: return None
     kept = iter([(stride, dim_mask) for size, stride, dim_mask in zip(self.shape, self.strides, self._full_mask())
                  if size != 1])
@@ -214,6 +214,28 @@ class View:
       strides.append(stride)
       mask.append(dim_mask)
     return View.create(new_shape, strides, self.offset, mask if self.mask is not None else None)
+
+  def _merge_runs(self, new_shape: tuple[sint, ...]) -> View | None:
+    """An unmasked view reshaped so that each new dim is a run of neighbouring old dims whose strides nest
+    (outer stride == inner stride * inner size, compared structurally), or None."""
+    old = [(size, stride) for size, stride in zip(self.shape, self.strides) if size != 1]
+    strides: list[sint] = []
+    position = 0
+    for size in new_shape:
+      if size == 1:
+        strides.append(0)
+        continue
+      if position >= len(old): return None
+      run_size, run_stride = old[position]
+      position += 1
+      while run_size != size and position < len(old):
+        inner_size, inner_stride = old[position]
+        if run_stride != inner_stride * inner_size: return None
+        run_size, run_stride = run_size * inner_size, inner_stride
+        position += 1
+      if run_size != size: return None
+      strides.append(run_stride)
+    return View.create(new_shape, strides, self.offset) if position == len(old) else None
 
   def permute(self, axes: Sequence[int]) -> View:
     """Reorder dims: output dim k is input dim axes[k]."""
