@@ -21,7 +21,8 @@ import math
 from typing import Any, Union
 
 __all__ = ["Node", "Variable", "NumNode", "MulNode", "ProdNode", "DivNode", "ModNode", "SumNode", "LtNode", "AndNode",
-           "sym_sum", "sym_and", "sym_int", "is_symbolic", "sym_max", "sym_infer", "bound_vars"]
+           "sym_sum", "sym_and", "sym_int", "is_symbolic", "sym_max", "sym_infer", "bound_vars",
+           "sym_unbind", "sym_bind"]
 
 NodeLike = Union["Node", int]
 
@@ -56,6 +57,20 @@ def bound_vars(nodes: Any) -> dict[str, int]:
 def sym_infer(value: NodeLike, var_vals: dict[str, int]) -> int:
   """The int value of an int or a Node for the given variable values."""
   return value.evaluate(var_vals) if isinstance(value, Node) else int(value)
+
+
+def sym_unbind(value: Any) -> tuple[Any, dict[str, int]]:
+  """(an int or Node with its bound Variables unbound, {name: value}); anything else comes back as it is."""
+  if not is_symbolic(value): return value, {}
+  bound = [var for var in value.vars() if var.val is not None]
+  if not bound: return value, {}
+  return value.substitute({var: var.unbind()[0] for var in bound}), {var.expr: var.val for var in bound}
+
+
+def sym_bind(value: Any, var_vals: dict[str, int]) -> Any:
+  """An unbound int or Node with each Variable named in var_vals bound to its value (a shape for this call)."""
+  if not is_symbolic(value): return value
+  return value.substitute({var: var.bind(var_vals[var.expr]) for var in value.vars() if var.expr in var_vals})
 
 
 def sym_int(value: NodeLike) -> Node:
