@@ -103,6 +103,11 @@ def _merge_views(first: View, second: View) -> View | None:
   if second.contiguous and second.size == first.size:  # a contiguous view can also be a prefix (shrink from 0)
     reshaped = first.reshape(second.shape)
     if reshaped is not None: return reshaped
+  if first.mask is None and all(stride == 0 for stride in first.strides):
+    # first reads one element everywhere (a broadcast constant): so does the composition, under second's mask
+    return View.create(second.shape, (0,) * len(second.shape), first.offset, second.mask)
+  expanded = _expand_of(first, second)
+  if expanded is not None: return expanded
   if any(is_symbolic(size) for size in first.shape + second.shape + second.strides + first.strides): return None
   # general case: compute the composed index symbolically on second's valid region (variables restricted to its
   # mask; outside it the element is invalid anyway) and accept it only if it is linear with box-shaped validity
@@ -127,6 +132,31 @@ def _merge_views(first: View, second: View) -> View | None:
   merged = View.create(second.shape, strides, offset, mask)
   if merged.never_valid and not second.shape: return None
   return merged
+
+
+def _expand_of(first: View, second: View) -> View | None:
+  """`second` as one view when it walks the contiguous output of `first` dim by dim (size-1 dims added, dropped or
+  broadcast; no mask, no offset): each walked dim takes first's stride, so no index arithmetic is needed (which
+  also holds for symbolic sizes)."""
+  if second.mask is not None or second.offset != 0: return None
+  contiguous = View.create(first.shape).strides
+  walked = [dim for dim, size in enumerate(first.shape) if size != 1]
+  strides: list = []
+  mask: list = []
+  position = 0
+  for size, stride in zip(second.shape, second.strides):
+    if stride == 0:  # a broadcast or size-1 dim of second
+      strides.append(0)
+      mask.append((0, size))
+      continue
+    if position >= len(walked): return None
+    dim = walked[position]
+    if first.shape[dim] != size or contiguous[dim] != stride: return None
+    strides.append(first.strides[dim])
+    mask.append(first.mask[dim] if first.mask is not None else (0, size))
+    position += 1
+  if position != len(walked): return None
+  return View.create(second.shape, strides, first.offset, mask if first.mask is not None else None)
 
 
 @dataclass(frozen=True)

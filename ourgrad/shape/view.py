@@ -202,6 +202,8 @@ class View:
     """Reshape with symbolic sizes: any reshape of a contiguous view, otherwise only adding or removing size-1
     dims (the other dims keep their strides and masks); None (a second view) for anything else."""
     if self.contiguous: return View.create(new_shape)
+    if self.mask is None and all(stride == 0 for stride in self.strides):  # one element broadcast: any shape
+      return View.create(new_shape, (0,) * len(new_shape), self.offset)
     if self.mask is None:
       merged = self._merge_runs(new_shape)
       if merged is not None: return merged
