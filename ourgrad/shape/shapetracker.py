@@ -138,7 +138,10 @@ def _expand_of(first: View, second: View) -> View | None:
   """`second` as one view when it walks the contiguous output of `first` dim by dim (size-1 dims added, dropped or
   broadcast; no mask, no offset): each walked dim takes first's stride, so no index arithmetic is needed (which
   also holds for symbolic sizes)."""
-  if second.mask is not None or second.offset != 0: return None
+  if second.mask is not None or second.offset != 0 or first.never_valid: return None
+  # a size-1 dim of first that is masked off cannot be dropped or broadcast
+  if first.mask is not None and any(size == 1 and dim_mask != (0, 1)
+                                    for size, dim_mask in zip(first.shape, first.mask)): return None
   contiguous = View.create(first.shape).strides
   walked = [dim for dim, size in enumerate(first.shape) if size != 1]
   strides: list = []
