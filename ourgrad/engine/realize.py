@@ -140,9 +140,20 @@ def ast_is_symbolic(ast: LazyOp) -> bool:
   return any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in ast.walk())
 
 
+# AST -> (unbound AST, values). Bound values are part of an AST's identity, so the entry is exact; a step that
+# builds the same graph (the schedule cache hands back the same AST objects) pays one dict lookup per kernel
+_unbound_asts: BoundedCache[LazyOp, tuple[LazyOp, dict[str, int]]] = BoundedCache(RUNNER_CACHE_SIZE)
+
+
 def unbind_ast(ast: LazyOp) -> tuple[LazyOp, dict[str, int]]:
   """(the AST with every bound Variable in its views unbound, {variable name: value}). The unbound AST is the
   compiled-kernel cache key, the same for every value; the values are the kernel's int arguments at launch."""
+  cached = _unbound_asts.get(ast)
+  if cached is None: cached = _unbound_asts[ast] = _unbind_ast(ast)
+  return cached
+
+
+def _unbind_ast(ast: LazyOp) -> tuple[LazyOp, dict[str, int]]:
   if not ast_is_symbolic(ast): return ast, {}
   rebuilt: dict[int, LazyOp] = {}
   var_vals: dict[str, int] = {}

@@ -324,10 +324,11 @@ class ShapeTracker:
 
   # ---------------------------------------------------------------- symbolic shapes
 
-  @property
+  @functools.cached_property
   def symbolic(self) -> bool:
-    """True when a size, stride, offset or mask bound holds a Variable."""
-    return any(is_symbolic(value) for value in _view_values(self))
+    """True when a size, stride, offset or mask bound holds a Variable (computed once: the engine asks per kernel
+    launch)."""
+    return any(view.symbolic for view in self.views)
 
   def var_vals(self) -> dict[str, int]:
     """{name: value} of the bound Variables in the views."""

@@ -9,6 +9,7 @@ Main types/functions: `View`, `strides_for_shape`, `merge_dims`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -121,7 +122,20 @@ class View:
   def create(shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0,
              mask: Sequence[tuple[int, int]] | None = None) -> View:
     """Canonical View: size-1 dims get stride 0, an all-covering mask becomes None, a mask that is empty in any dim
-    becomes the 'nothing valid' form (all dims (0, 0), strides 0, offset 0); strides=None means contiguous."""
+    becomes the 'nothing valid' form (all dims (0, 0), strides 0, offset 0); strides=None means contiguous.
+    Memoized: a View is a pure function of these arguments, and a training step builds the same views every step."""
+    return _create_view(tuple(shape), None if strides is None else tuple(strides), offset,
+                        None if mask is None else tuple(tuple(dim_mask) for dim_mask in mask))
+
+  @functools.cached_property
+  def symbolic(self) -> bool:
+    """True when a size, stride, offset or mask bound holds a Variable."""
+    values = (*self.shape, *self.strides, self.offset, *(bound for dim in (self.mask or ()) for bound in dim))
+    return any(is_symbolic(value) for value in values)
+
+  @staticmethod
+  def _create(shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0,
+              mask: Sequence[tuple[int, int]] | None = None) -> View:
     shape = tuple(_canonical_int(size) for size in shape)
     if any(not is_symbolic(size) and size < 0 for size in shape):
       raise ShapeError(f"negative dimension in shape {shape}")
@@ -141,6 +155,7 @@ class View:
   @property
   def size(self) -> int:
     return prod(self.shape)
+
 
   @property
   def never_valid(self) -> bool:
@@ -304,3 +319,7 @@ class View:
       if not _known_le(start, 0): conditions.append(idx.ge(start))
       if not _known_le(size, end): conditions.append(idx.lt(end))
     return sym_and(conditions)
+
+
+# bounded: long runs with ever new shapes must not keep every view (errors are not cached: they raise again)
+_create_view = functools.lru_cache(maxsize=1 << 16)(View._create)
