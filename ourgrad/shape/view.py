@@ -168,7 +168,10 @@ class View:
   # ---------------------------------------------------------------- movement
 
   def reshape(self, new_shape: Sequence[int]) -> View | None:
-    """Same elements in a new shape, or None when a single View cannot express it."""
+    """Same elements in a new shape, or None when a single View cannot express it (memoized, like create)."""
+    return _reshape_view(self, tuple(new_shape))
+
+  def _reshape(self, new_shape: tuple[int, ...]) -> View | None:
     new_shape = tuple(_canonical_int(size) for size in new_shape)
     if new_shape == self.shape: return self
     if any(is_symbolic(size) for size in self.shape + new_shape): return self._reshape_symbolic(new_shape)
@@ -323,3 +326,4 @@ class View:
 
 # bounded: long runs with ever new shapes must not keep every view (errors are not cached: they raise again)
 _create_view = functools.lru_cache(maxsize=1 << 16)(View._create)
+_reshape_view = functools.lru_cache(maxsize=1 << 16)(View._reshape)
