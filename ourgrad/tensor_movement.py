@@ -42,6 +42,17 @@ class MovementMixin:
   def reshape(self, *shape: int | Sequence[int]) -> Tensor:
     """A view with a new shape; one size may be -1 (inferred)."""
     new_shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+    if all(type(size) is int and size >= 0 for size in new_shape):
+      if new_shape == self.shape: return self  # the common no-op (expand and the reduces reshape to the same shape)
+    else:  # -1, numpy ints, symbolic sizes, errors
+      new_shape = self._resolve_reshape(new_shape)
+    if prod(new_shape) != self.numel():
+      raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape} "
+                       f"({prod(new_shape)} elements)")
+    return self if new_shape == self.shape else F.Reshape.apply(self, shape=new_shape)
+
+  def _resolve_reshape(self, new_shape: tuple) -> tuple:
+    """A reshape's sizes checked, with -1 inferred and numpy ints made ints (symbolic sizes kept)."""
     if sum(1 for size in new_shape if size == -1) > 1: raise ShapeError(f"reshape to {new_shape}: at most one -1")
     if any(not is_symbolic(size) and (not isinstance(size, (int, np.integer)) or size < -1) for size in new_shape):
       raise ShapeError(f"reshape to {new_shape}: sizes must be integers >= -1")
@@ -50,11 +61,7 @@ class MovementMixin:
       if known == 0 or self.numel() % known != 0:
         raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape}")
       new_shape = tuple(self.numel() // known if size == -1 else size for size in new_shape)
-    new_shape = tuple(size if is_symbolic(size) else int(size) for size in new_shape)
-    if prod(new_shape) != self.numel():
-      raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape} "
-                       f"({prod(new_shape)} elements)")
-    return self if new_shape == self.shape else F.Reshape.apply(self, shape=new_shape)
+    return tuple(size if is_symbolic(size) else int(size) for size in new_shape)
 
   def view(self, *shape: int | Sequence[int]) -> Tensor:
     """The same as reshape: a lazy view, so unlike torch.view it also works on non-contiguous tensors."""
