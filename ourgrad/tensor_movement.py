@@ -79,6 +79,7 @@ class MovementMixin:
   def expand(self, *shape: int | Sequence[int]) -> Tensor:
     """Broadcast size-1 dimensions to `shape` (-1 keeps a size); no data is copied."""
     new_shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+    if new_shape == self.shape: return self  # broadcasting already-equal shapes (most binary ops): nothing to do
     if len(new_shape) < self.ndim:
       raise ShapeError(f"cannot expand shape {self.shape} to {new_shape}: fewer dimensions")
     padded = (1,) * (len(new_shape) - self.ndim) + self.shape
