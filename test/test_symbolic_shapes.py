@@ -17,6 +17,13 @@ from ourgrad.renderer.llvmir import LLVMRenderer
 from ourgrad.shape import ShapeTracker, Variable
 
 
+@pytest.fixture(autouse=True)
+def _no_cuda_render_check(monkeypatch):
+  """CHECK_CUDA_RENDER (test/conftest.py) applies the hand-coded optimizations, which symbolic kernels skip; their
+  CUDA rendering is checked here by test_symbolic_shapes.py::test_cuda_source_compiles_with_nvrtc instead."""
+  monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)
+
+
 @pytest.fixture
 def compiles(monkeypatch):
   """A list that gets one entry per kernel compiled (generated and built, not taken from the cache)."""
