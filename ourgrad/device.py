@@ -23,6 +23,7 @@ import numpy as np
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import DeviceError, OutOfMemoryError
+from ourgrad.shape.symbolic import sym_max
 from ourgrad.helpers import (ALLOCATOR_CACHE_BYTES, DEVICE, DISABLE_COMPILER_CACHE, GlobalCounters, cache_dir,
                              fmt_size, register_cache_clearer)
 
@@ -143,7 +144,8 @@ class Buffer:
   """`size` elements of `dtype` on `device`. Memory is taken on first use (`allocate`)."""
 
   def __init__(self, device: str, size: int, dtype: DType):
-    self.device, self.size, self.dtype = device, size, dtype
+    # a symbolic size (a shape with a bound Variable) gets memory for the Variable's largest value
+    self.device, self.size, self.dtype = device, sym_max(size), dtype
     self._handle: Any = None
     self._backing: Buffer | None = None  # set when the memory planner makes this buffer use another's memory
     self._pointer: ctypes.c_void_p | None = None  # host devices: the memory's address, made once (host_pointer)
@@ -311,9 +313,10 @@ class HostProgram:
   function: Callable[..., None]
 
   def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (), local_size: tuple[int, ...] = (),
-               wait: bool = False) -> float | None:
+               wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
     start = time.perf_counter()
-    self.function(*[ctypes.c_void_p(buffer.ctypes.data) for buffer in buffers])
+    # vals: the symbolic Variables' values, int arguments after the buffers (ctypes passes a Python int as C int)
+    self.function(*[ctypes.c_void_p(buffer.ctypes.data) for buffer in buffers], *vals)
     return time.perf_counter() - start if wait else None
 
 

@@ -21,7 +21,7 @@ from ourgrad.errors import DeviceError, DTypeError
 from ourgrad.helpers import prod
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
 from ourgrad.shape.shapetracker import ShapeTracker
-from ourgrad.shape.symbolic import NumNode, Variable
+from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
 
 _READERS_LOCK = threading.Lock()
@@ -205,7 +205,7 @@ class LazyBuffer:
     if any(self.shape[axis] == 0 for axis in axes):
       return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
     value = self.const_value()
-    if value is not None:
+    if value is not None and not (op is Ops.SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
       return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
     split = self._split_large_reduce(op, axes, out_shape)
@@ -216,7 +216,7 @@ class LazyBuffer:
     """A reduce of many elements into few outputs runs as two: first into `parts` partial results per output,
     then over the parts. One output per thread would leave a GPU (or the CPU's other cores) idle; the partial
     results give each output `parts` threads of work. None where the reduce is small or already parallel."""
-    if prod(out_shape) == 0: return None
+    if prod(out_shape) == 0 or any(is_symbolic(size) for size in self.shape): return None
     elements_per_output = prod(self.shape) // prod(out_shape)
     if elements_per_output < SPLIT_REDUCE_MIN_ELEMENTS or prod(out_shape) * 64 > elements_per_output: return None
     axis = max(axes, key=lambda a: self.shape[a])

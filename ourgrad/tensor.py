@@ -37,6 +37,7 @@ from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import MultiLazyBuffer, shard_lazy
 from ourgrad.ops import Ops
+from ourgrad.shape.symbolic import Node, is_symbolic, sym_infer
 from ourgrad.tensor_aliases import AliasMixin
 from ourgrad.tensor_math import ElementwiseMixin
 from ourgrad.tensor_movement import MovementMixin
@@ -72,6 +73,10 @@ def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
     dtype = dtype or dtypes.from_numpy(data.dtype)
     if dtype == dtypes.bfloat16: return LazyBuffer.from_numpy(float32_to_bfloat16_bits(data), dtype, device)
     return LazyBuffer.from_numpy(data.astype(dtype.np, copy=False), dtype, device)
+  if is_symbolic(data):
+    # a bound Variable as a value (mean over a symbolic axis divides by it): its current value, a constant of the
+    # kernel, so such a kernel compiles once per value (docs/jit.md, symbolic shapes)
+    return LazyBuffer.full(sym_infer(data, {}), (), dtype or dtypes.int32, device)
   raise TypeError(f"cannot make a Tensor from {type(data).__name__}; pass a number, a (nested) list, a numpy "
                   f"array or a Tensor")
 
@@ -221,7 +226,9 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       return np.zeros(self.shape, dtype=np.float32 if self.dtype == dtypes.bfloat16 else self.dtype.np)
     values = self._buffer().numpy()
     if self.dtype == dtypes.bfloat16: values = bfloat16_bits_to_float32(values)
-    return values.reshape(self.shape).copy()
+    # a symbolic shape reads as its bound values; the buffer holds room for the largest ones
+    shape = tuple(sym_infer(size, {}) for size in self.shape)
+    return values[:prod(shape)].reshape(shape).copy()
 
   def item(self) -> Scalar:
     """The single value as a Python bool, int or float; ValueError unless the tensor has exactly one element."""
@@ -374,9 +381,10 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   def _shape_arg(shape: tuple) -> tuple[int, ...]:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)): shape = tuple(shape[0])
     for size in shape:
+      if is_symbolic(size): continue  # a bound Variable (or an expression of one): a symbolic size, docs/jit.md
       if not isinstance(size, (int, np.integer)) or size < 0:
         raise ShapeError(f"shape sizes must be non-negative integers, got {shape}")
-    return tuple(int(size) for size in shape)
+    return tuple(size if is_symbolic(size) else int(size) for size in shape)
 
   @staticmethod
   def empty(*shape: int, dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
@@ -391,7 +399,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
            device: str | None = None, **kwargs: Any) -> Tensor:
     """A tensor of `shape` filled with `fill_value`; the dtype follows the value (bool, int32 or float32; PyTorch gives
     int64 for an int) unless given."""
-    shape = Tensor._shape_arg((shape,) if isinstance(shape, int) else tuple(shape))
+    shape = Tensor._shape_arg((shape,) if isinstance(shape, (int, Node)) else tuple(shape))
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.from_py(fill_value)
     if isinstance(device, (tuple, list)):  # replicated: a constant on each device (nothing is copied)
       constants = [LazyBuffer.full(fill_value, shape, dtype, name) for name in _canonical(device)]  # type: ignore

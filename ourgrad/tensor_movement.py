@@ -22,6 +22,8 @@ from ourgrad import function as F
 from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import AxisError, DeviceError, DTypeError, IndexOutOfRangeError, ShapeError
 from ourgrad.helpers import normalize_axis, prod
+from ourgrad.shape.shapetracker import valid_window
+from ourgrad.shape.symbolic import is_symbolic, sym_infer
 from ourgrad.tensor_math import _broadcast_shape
 from ourgrad.tensor_resize import PAD_MODES, pad_with_mode
 
@@ -40,19 +42,26 @@ class MovementMixin:
   def reshape(self, *shape: int | Sequence[int]) -> Tensor:
     """A view with a new shape; one size may be -1 (inferred)."""
     new_shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+    if all(type(size) is int and size >= 0 for size in new_shape):
+      if new_shape == self.shape: return self  # the common no-op (expand and the reduces reshape to the same shape)
+    else:  # -1, numpy ints, symbolic sizes, errors
+      new_shape = self._resolve_reshape(new_shape)
+    if prod(new_shape) != self.numel():
+      raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape} "
+                       f"({prod(new_shape)} elements)")
+    return self if new_shape == self.shape else F.Reshape.apply(self, shape=new_shape)
+
+  def _resolve_reshape(self, new_shape: tuple) -> tuple:
+    """A reshape's sizes checked, with -1 inferred and numpy ints made ints (symbolic sizes kept)."""
     if sum(1 for size in new_shape if size == -1) > 1: raise ShapeError(f"reshape to {new_shape}: at most one -1")
-    if any(not isinstance(size, (int, np.integer)) or size < -1 for size in new_shape):
+    if any(not is_symbolic(size) and (not isinstance(size, (int, np.integer)) or size < -1) for size in new_shape):
       raise ShapeError(f"reshape to {new_shape}: sizes must be integers >= -1")
     if -1 in new_shape:
       known = prod(size for size in new_shape if size != -1)
       if known == 0 or self.numel() % known != 0:
         raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape}")
       new_shape = tuple(self.numel() // known if size == -1 else size for size in new_shape)
-    new_shape = tuple(int(size) for size in new_shape)
-    if prod(new_shape) != self.numel():
-      raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape} "
-                       f"({prod(new_shape)} elements)")
-    return self if new_shape == self.shape else F.Reshape.apply(self, shape=new_shape)
+    return tuple(size if is_symbolic(size) else int(size) for size in new_shape)
 
   def view(self, *shape: int | Sequence[int]) -> Tensor:
     """The same as reshape: a lazy view, so unlike torch.view it also works on non-contiguous tensors."""
@@ -70,6 +79,7 @@ class MovementMixin:
   def expand(self, *shape: int | Sequence[int]) -> Tensor:
     """Broadcast size-1 dimensions to `shape` (-1 keeps a size); no data is copied."""
     new_shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+    if new_shape == self.shape: return self  # broadcasting already-equal shapes (most binary ops): nothing to do
     if len(new_shape) < self.ndim:
       raise ShapeError(f"cannot expand shape {self.shape} to {new_shape}: fewer dimensions")
     padded = (1,) * (len(new_shape) - self.ndim) + self.shape
@@ -106,7 +116,7 @@ class MovementMixin:
     if len(arg) != self.ndim: raise ShapeError(f"shrink of shape {self.shape} needs {self.ndim} ranges, got {arg}")
     bounds = tuple((0, size) if bound is None else tuple(bound) for bound, size in zip(arg, self.shape))
     for (start, end), size in zip(bounds, self.shape):
-      if not 0 <= start <= end <= size: raise ShapeError(f"shrink {bounds} is outside shape {self.shape}")
+      if not valid_window(start, end, size): raise ShapeError(f"shrink {bounds} is outside shape {self.shape}")
     if all(bound == (0, size) for bound, size in zip(bounds, self.shape)): return self
     return F.Shrink.apply(self, arg=bounds)
 
@@ -126,9 +136,11 @@ class MovementMixin:
     else:
       if len(padding) != self.ndim: raise ShapeError(f"pad of shape {self.shape} needs {self.ndim} pairs: {padding}")
       pairs = [(0, 0) if pair is None else tuple(pair) for pair in padding]
-    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in zip(pairs, self.shape)]
-    x = self.shrink(crop) if any(b < 0 or a < 0 for b, a in pairs) else self
-    grow = tuple((max(before, 0), max(after, 0)) for before, after in pairs)
+    # a symbolic amount (a bound Variable expression) only grows: its value is checked against 0 when bound
+    pairs = [tuple(_symbolic_pad_amount(amount) for amount in pair) for pair in pairs]
+    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in _concrete_pairs(pairs, self.shape)]
+    x = self.shrink(crop) if any(not is_symbolic(v) and v < 0 for pair in pairs for v in pair) else self
+    grow = tuple(tuple(v if is_symbolic(v) else max(v, 0) for v in pair) for pair in pairs)
     if all(pair == (0, 0) for pair in grow): return x
     if mode != "constant": return pad_with_mode(x, grow, mode)
     padded = F.Pad.apply(x, arg=grow)
@@ -625,3 +637,17 @@ def _stride_step(dim: int, step: int, length: int) -> tuple[Any, Any]:
     flat = spread.reshape(t.shape[:dim] + (kept * step,) + t.shape[dim + 1:])
     return flat.shrink([(0, length) if a == dim else None for a in range(t.ndim)])
   return forward, inverse
+
+
+def _symbolic_pad_amount(amount: Any) -> Any:
+  """A pad amount as given; a symbolic one must not be negative (for its bound value, or its whole range)."""
+  if not is_symbolic(amount): return amount
+  lowest = amount.min if amount.vars()[0].val is None else sym_infer(amount, {})
+  if lowest < 0: raise ShapeError(f"pad by the symbolic amount {amount.render()} = {lowest}: it must not be negative")
+  return amount
+
+
+def _concrete_pairs(pairs: list, shape: tuple) -> list:
+  """(pair, size) per dim, a symbolic pair or size read as 0-crop (it never crops)."""
+  return [((0, 0), 0) if any(is_symbolic(v) for v in (*pair, size)) else (pair, size)
+          for pair, size in zip(pairs, shape)]

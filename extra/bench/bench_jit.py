@@ -193,12 +193,61 @@ def first_result_seconds(device: str) -> float:
   return time.perf_counter() - start
 
 
+# ---------------------------------------------------------------- LLM-style decode with a symbolic position
+
+def load_toy_decoder() -> Any:
+  """ToyDecoder from test/test_symbolic_jit.py (the model the test checks against numpy)."""
+  spec = importlib.util.spec_from_file_location("symbolic_jit_test", ROOT / "test" / "test_symbolic_jit.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.ToyDecoder
+
+
+@contextlib.contextmanager
+def counted_compiles() -> Iterator[list[str]]:
+  """Every kernel compiled inside the block (the in-memory kernel cache emptied first, so each one counts)."""
+  names: list[str] = []
+  original = realize.compile_kernel
+  realize._runner_cache.clear()
+
+  def counting(kernel: Any, device: str) -> Any:
+    names.append(kernel.name)
+    return original(kernel, device)
+
+  realize.compile_kernel = counting
+  try:
+    yield names
+  finally:
+    realize.compile_kernel = original
+
+
+def bench_decode(device: str, positions: int) -> dict[str, Any]:
+  """A 4-layer toy transformer decoding `positions` tokens with a KV cache: TinyJit with the position a bound
+  Variable, and eager with the position a plain int (new kernels at every position). Seconds per token (compiles
+  included: the point is what a new position costs) and kernels compiled."""
+  from ourgrad.shape import Variable
+  ToyDecoder = load_toy_decoder()  # noqa: N806 (a class)
+  tokens = np.random.default_rng(0).standard_normal((positions, 16)).astype(np.float32)
+  results: dict[str, Any] = {}
+  for mode in ("symbolic", "plain"):
+    model = ToyDecoder(max_len=positions)
+    step = TinyJit(model.step) if mode == "symbolic" else model.step
+    pos_var = Variable("pos", 0, positions - 1)
+    with counted_compiles() as compiled:
+      start = time.perf_counter()
+      for pos in range(positions):
+        step(Tensor(tokens[pos:pos + 1], device=device), pos_var.bind(pos) if mode == "symbolic" else pos).numpy()
+      results[mode] = ((time.perf_counter() - start) / positions, len(compiled))
+  return results
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--device", default=Device.DEFAULT)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--decode-positions", type=int, default=100)
   args = parser.parse_args()
   device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = device  # models and optimizer state are made on the default device
@@ -223,6 +272,11 @@ def main() -> None:
   if not args.no_torch:
     rows.append(("launch of a 1-element kernel, PyTorch", f"{torch_launch_cost(cuda, 2000) * 1e6:.1f} us"))
   rows.append(("first result of a new 8-op elementwise expression", ms(first_result_seconds(device))))
+  decode = bench_decode(device, args.decode_positions)
+  for mode, label in (("symbolic", "symbolic position, TinyJit"), ("plain", "position as int, eager")):
+    seconds, compiles = decode[mode]
+    rows.append((f"LLM-style decode (4-layer toy transformer, {args.decode_positions} positions), {label}",
+                 f"{ms(seconds)} per token, {compiles} kernels compiled"))
   width = max(len(label) for label, _ in rows)
   print(f"device: {device}")
   print(f"| {'workload'.ljust(width)} | time |\n| {'-' * width} | --- |")

@@ -33,6 +33,7 @@ from ourgrad.codegen.uops import AxisType
 from ourgrad.helpers import DEBUG, colored, prod
 from ourgrad.ops import REDUCE_OPS, LazyOp, Ops, format_ast
 from ourgrad.shape.shapetracker import ShapeTracker
+from ourgrad.shape.symbolic import sym_max
 
 
 class OptOps(Enum):
@@ -118,7 +119,8 @@ class Kernel:
 
   def _full_shape(self) -> tuple[int, ...]:
     shapes = [st.shape for st in self.sts]
-    return tuple(max(sizes) for sizes in zip(*shapes)) if shapes[0] else ()
+    # key=sym_max: a symbolic size (a Node) compares by its largest value; `>` on a Node builds a node, not a bool
+    return tuple(max(sizes, key=sym_max) for sizes in zip(*shapes)) if shapes[0] else ()
 
   @property
   def full_shape(self) -> tuple[int, ...]: return self._full_shape()

@@ -22,7 +22,8 @@ from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
-from ourgrad.shape.symbolic import AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, SumNode, Variable
+from ourgrad.shape.symbolic import (AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, ProdNode, SumNode,
+                                    Variable, is_symbolic, sym_max)
 
 INDEX_DTYPE = dtypes.int32
 
@@ -51,6 +52,8 @@ class Linearizer:
     if isinstance(node, NumNode): return build.const(node.b, INDEX_DTYPE)
     if isinstance(node, Variable): return self.loop_vars[node.expr]
     if isinstance(node, MulNode): return build.alu(Ops.MUL, INDEX_DTYPE, self.node_to_uop(node.a), self._int(node.b))
+    if isinstance(node, ProdNode):  # a symbolic stride or size times another node
+      return build.alu(Ops.MUL, INDEX_DTYPE, self.node_to_uop(node.a), self.node_to_uop(node.b))
     if isinstance(node, (DivNode, ModNode)): return self._floor_div_mod(node)
     if isinstance(node, SumNode):
       terms = sorted(node.nodes, key=lambda term: isinstance(term, NumNode))  # constant last: reads "x+1"
@@ -89,6 +92,7 @@ class Linearizer:
     memory_leaves = {leaf.arg.idx: leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)}
     for idx, leaf in sorted(memory_leaves.items()):
       self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, leaf.op is Ops.STORE))
+    self._define_vars()
     shape = kernel.full_shape
     axis_idxs: list[Node] = []
     global_loops = []
@@ -102,10 +106,10 @@ class Linearizer:
                     for axis in range(kernel.global_dims, kernel.first_loop_reduce)]
     else:
       for axis in range(kernel.first_reduce):
-        axis_idxs.append(Variable(f"gidx{axis}", 0, shape[axis] - 1))
+        axis_idxs.append(_loop_index(f"gidx{axis}", shape[axis]))
         global_loops.append(self._open_loop(f"gidx{axis}", shape[axis], AxisType.GLOBAL))
     for axis in range(kernel.first_loop_reduce, kernel.first_upcast):
-      axis_idxs.append(Variable(f"ridx{axis}", 0, shape[axis] - 1))
+      axis_idxs.append(_loop_index(f"ridx{axis}", shape[axis]))
 
     upcast_axes, unroll_axes = kernel.upcast_axes, kernel.unroll_axes
     output_lanes = list(itertools.product(*[range(shape[axis]) for axis in upcast_axes]))
@@ -230,27 +234,41 @@ class Linearizer:
     axes share one x index and are recovered with div/mod."""
     if not sizes: return []
     innermost_first = list(reversed(sizes))
-    if len(sizes) <= len(limits) and all(size <= limit for size, limit in zip(innermost_first, limits)):
+    if len(sizes) <= len(limits) and all(sym_max(size) <= limit for size, limit in zip(innermost_first, limits)):
       nodes: list[Node] = []
       for axis, size in enumerate(sizes):
         name = f"{prefix}{axis}"
         arg = (name, size, len(sizes) - 1 - axis, kind)
         self.loop_vars[name] = self.builder.add(UOps.SPECIAL, INDEX_DTYPE, (), arg)
-        nodes.append(Variable(name, 0, size - 1))
+        nodes.append(_loop_index(name, size))
       return nodes
     total = 1
     for size in sizes: total *= size
     name = f"{prefix}0"
     self.loop_vars[name] = self.builder.add(UOps.SPECIAL, INDEX_DTYPE, (), (name, total, 0, kind))
-    flat = Variable(name, 0, total - 1)
+    flat = _loop_index(name, total)
     nodes, inner = [], 1
     for size in reversed(sizes):
       nodes.append((flat // inner) % size)
       inner *= size
     return list(reversed(nodes))
 
-  def _open_loop(self, name: str, size: int, kind: AxisType) -> UOp:
-    loop = self.builder.add(UOps.RANGE, INDEX_DTYPE, (self._int(0), self._int(size)), (name, kind))
+  def _define_vars(self) -> None:
+    """One DEFINE_VAR per symbolic Variable in the kernel's views (sorted by name: the launch passes the values in
+    this order); index math and loop bounds then read the Variable as that kernel argument."""
+    variables: dict[str, Variable] = {}
+    for st in self.kernel.sts:
+      for view in st.views:
+        values = [*view.shape, *view.strides, view.offset, *(bound for dim in (view.mask or ()) for bound in dim)]
+        for value in values:
+          if is_symbolic(value): variables.update((var.expr, var) for var in value.vars())
+    for name in sorted(variables):
+      var = variables[name]
+      self.loop_vars[name] = self.builder.add(UOps.DEFINE_VAR, INDEX_DTYPE, (), (name, var.min, var.max))
+
+  def _open_loop(self, name: str, size: int | Node, kind: AxisType) -> UOp:
+    end = self.node_to_uop(size) if is_symbolic(size) else self._int(size)
+    loop = self.builder.add(UOps.RANGE, INDEX_DTYPE, (self._int(0), end), (name, kind))
     self.loop_vars[name] = loop
     return loop
 
@@ -380,6 +398,11 @@ def _multiple_of(node: Node, divisor: int) -> bool:
     return (isinstance(node.b, int) and node.b % divisor == 0) or _multiple_of(node.a, divisor)
   if isinstance(node, SumNode): return all(_multiple_of(term, divisor) for term in node.nodes)
   return False
+
+
+def _loop_index(name: str, size: int | Node) -> Variable:
+  """The index Variable of a loop or thread axis over [0, size); a symbolic size gives its largest range."""
+  return Variable(name, 0, sym_max(size) - 1)
 
 
 def _zero(dtype: DType) -> float | int | bool:

@@ -38,6 +38,8 @@ THREAD_AXES = frozenset({AxisType.LOCAL, AxisType.GROUP})
 
 class UOps(Enum):
   DEFINE_GLOBAL = auto()   # a kernel argument (buffer pointer); arg = (index, is_output)
+  DEFINE_VAR = auto()      # an int kernel argument after the buffers: a symbolic Variable's value; arg = (name, min,
+  #                          max); the DEFINE_VARs come right after the DEFINE_GLOBALs, in argument order
   SPECIAL = auto()         # a GPU index; arg = (name, size, launch dimension, AxisType.GLOBAL for a block index
   #                          or AxisType.LOCAL for a thread index inside the block)
   RANGE = auto()           # opens a loop; srcs = (start, end) consts; arg = (loop variable name, AxisType)
@@ -122,7 +124,7 @@ class UOpBuilder:
     if op in _SCOPE_OPENERS: self._scopes.append([])
     if cacheable:
       # constants and kernel arguments are visible everywhere: keep them in the outermost scope
-      scope = self._scopes[0] if op in (UOps.CONST, UOps.DEFINE_GLOBAL) else self._scopes[-1]
+      scope = self._scopes[0] if op in (UOps.CONST, UOps.DEFINE_GLOBAL, UOps.DEFINE_VAR) else self._scopes[-1]
       self._cache[key] = uop
       scope.append(key)
     return uop

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.profile import profiler
 from ourgrad.helpers import DEBUG, GlobalCounters, colored
+from ourgrad.shape.symbolic import sym_infer
 
 
 class Runner:
@@ -30,19 +31,36 @@ class Runner:
 class CompiledRunner(Runner):
   """A compiled kernel and what it costs: ops and bytes estimated from its UOps."""
 
-  def __init__(self, name: str, display_name: str, source: str, program: Any, global_size: tuple[int, ...],
-               local_size: tuple[int, ...], op_count: int, byte_count: int):
+  def __init__(self, name: str, display_name: str, source: str, program: Any, global_size: tuple[Any, ...],
+               local_size: tuple[Any, ...], op_count: int, byte_count: int, var_names: tuple[str, ...] = ()):
     self.name, self.display_name, self.source, self.program = name, display_name, source, program
     self.global_size, self.local_size, self.op_count, self.byte_count = global_size, local_size, op_count, byte_count
+    # the kernel's int arguments after the buffers: the values of these symbolic Variables, in this order
+    self.var_names = var_names
     # host kernels (CLANG, LLVM) are called straight through ctypes with each buffer's cached address
     self.host_function = program.function if isinstance(program, HostProgram) else None
 
-  def __call__(self, buffers: list[Buffer], wait: bool = False) -> float | None:
+  def __call__(self, buffers: list[Buffer], wait: bool = False, var_vals: dict[str, int] | None = None) -> float | None:
+    if self.var_names: return self._call_symbolic(buffers, wait, var_vals or {})
     if self.host_function is not None and not wait:
       self.host_function(*[buffer.host_pointer() for buffer in buffers])
       return None
     return self.program(*[buffer.handle for buffer in buffers], global_size=self.global_size,
                         local_size=self.local_size, wait=wait)
+
+  def _call_symbolic(self, buffers: list[Buffer], wait: bool, var_vals: dict[str, int]) -> float | None:
+    """A launch of a kernel with symbolic sizes: the Variables' values follow the buffers as int arguments, and
+    launch sizes that depend on them are computed now."""
+    missing = [name for name in self.var_names if name not in var_vals]
+    if missing: raise ValueError(f"kernel {self.name} needs values for the symbolic Variables {missing}")
+    values = [var_vals[name] for name in self.var_names]
+    if self.host_function is not None and not wait:
+      self.host_function(*[buffer.host_pointer() for buffer in buffers], *values)
+      return None
+    global_size = tuple(sym_infer(size, var_vals) for size in self.global_size)
+    local_size = tuple(sym_infer(size, var_vals) for size in self.local_size)
+    return self.program(*[buffer.handle for buffer in buffers], global_size=global_size, local_size=local_size,
+                        wait=wait, vals=tuple(values))
 
 
 class CopyRunner(Runner):
@@ -130,7 +148,9 @@ class ExecItem:
     for buffer in self.bufs:
       if buffer._handle is None: buffer.allocate()
     debug = DEBUG.value  # read once: each read looks the environment up
-    seconds = self.runner(self.bufs, wait=wait or debug >= 2 or profiler.active())
+    wait = wait or debug >= 2 or profiler.active()
+    seconds = self.runner(self.bufs, wait=wait, var_vals=self.var_vals) if self.var_vals else self.runner(self.bufs,
+                                                                                                          wait=wait)
     if seconds is not None: self._record_profile(seconds)
     if isinstance(self.runner, CompiledRunner): GlobalCounters.kernel_count += 1
     GlobalCounters.global_ops += self.runner.op_count

@@ -28,6 +28,7 @@ from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.errors import DeviceError, JitError
 from ourgrad.helpers import DEBUG, GlobalCounters, env_var
 from ourgrad.lazy import LazyBuffer
+from ourgrad.shape.symbolic import Node, sym_bind, sym_unbind
 from ourgrad.tensor import Tensor
 
 JIT = env_var("JIT", 1, "0: TinyJit functions run eagerly every call (no capture, no replay)")
@@ -85,12 +86,13 @@ class TinyJit(Generic[ReturnType]):
       return self.fn(*args, **kwargs)
     arguments = self._arguments(args, kwargs)
     tensors, statics = _split_arguments(arguments)
+    statics, var_vals = _symbolic_values(statics, tensors)
     input_tensors = _prepare_inputs(tensors)
     input_buffers = [_input_buffer(tensor) for tensor in input_tensors.values()]
     _check_distinct(list(input_tensors), input_buffers)
     if self.captured is not None:
       self.call_count += 1
-      return self.captured.replay(input_tensors, input_buffers, statics)
+      return self.captured.replay(input_tensors, input_buffers, statics, var_vals)
     args, kwargs = self._substitute(args, kwargs, tensors, input_tensors)
     if self.call_count == 0:
       self.call_count = 1
@@ -106,7 +108,8 @@ class TinyJit(Generic[ReturnType]):
     if not items:
       raise JitError(f"{self.fn.__name__} launched no kernels on its capture call (its outputs were already "
                      f"realized or it returns nothing computed): there is nothing to replay")
-    specs = [InputSpec(path, tensor.shape, tensor.dtype, tensor.device) for path, tensor in input_tensors.items()]
+    specs = [InputSpec(path, _unbound_shape(tensor.shape), tensor.dtype, tensor.device)
+             for path, tensor in input_tensors.items()]
     self.captured = CapturedJit(items, specs, input_buffers, statics, result, outputs)
     self.call_count = 2
     del items, outputs
@@ -133,6 +136,32 @@ class TinyJit(Generic[ReturnType]):
     if not replaced: return args, kwargs
     swap = functools.partial(_replace_tensors, replaced=replaced)
     return tuple(swap(value) for value in args), {name: swap(value) for name, value in kwargs.items()}
+
+
+def _unbound_shape(shape: tuple) -> tuple:
+  return tuple(sym_unbind(size)[0] for size in shape)
+
+
+def _symbolic_values(statics: dict[str, Any], tensors: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, int]]:
+  """(the non-Tensor arguments with bound Variables unbound, {name: value} of every bound Variable among the
+  arguments and in the input tensors' shapes). A replay compares the unbound statics and shapes, and launches the
+  captured kernels with this call's values: a new value recompiles nothing."""
+  var_vals: dict[str, int] = {}
+
+  def note(path: str, values: dict[str, int]) -> None:
+    for name, value in values.items():
+      if var_vals.setdefault(name, value) != value:
+        raise JitError(f"Variable {name!r} is bound to {var_vals[name]} and, at {path}, to {value}")
+
+  unbound_statics: dict[str, Any] = {}
+  for path, value in statics.items():
+    if isinstance(value, Node):
+      value, values = sym_unbind(value)
+      note(path, values)
+    unbound_statics[path] = value
+  for path, tensor in tensors.items():
+    for size in tensor.shape: note(path, sym_unbind(size)[1])
+  return unbound_statics, var_vals
 
 
 def _replace_tensors(value: Any, replaced: dict[int, Tensor]) -> Any:
@@ -251,7 +280,8 @@ class CapturedJit:
     # every (item, argument) slot holding each input buffer, and each output buffer that this capture made
     self.input_slots = [self._slots_of(buffer) for buffer in input_buffers]
     output_buffers = [tensor.lazydata.base.realized for tensor in outputs]
-    self.output_shapes = [tensor.shape for tensor in outputs]
+    self.output_shapes = [_unbound_shape(tensor.shape) for tensor in outputs]  # bound again per replay
+    self.var_vals: dict[str, int] = {}
     self.output_requires_grad = [tensor.requires_grad for tensor in outputs]
     self.output_buffers: list[Buffer] = output_buffers  # type: ignore[assignment]
     written = {id(item.bufs[0]) for item in items}
@@ -284,8 +314,11 @@ class CapturedJit:
     if plan_memory([item.bufs for item in self.items], lambda buffer: id(buffer) in internal, label="jit"):
       self.replay_runner = build_replay(self.items)  # the pre-bound arguments point at the old memory
 
-  def replay(self, inputs: dict[str, Tensor], input_buffers: list[Buffer], statics: dict[str, Any]) -> Any:
+  def replay(self, inputs: dict[str, Tensor], input_buffers: list[Buffer], statics: dict[str, Any],
+             var_vals: dict[str, int] | None = None) -> Any:
     self._check(inputs, statics)
+    self.var_vals = var_vals or {}
+    if self.var_vals: self.replay_runner.set_var_vals(self.var_vals)
     for buffer, previous, slots in zip(input_buffers, self.input_buffers, self.input_slots):
       if buffer is previous: continue  # the same input as last call: its slots already hold it
       for item_index, slot in slots: self.replay_runner.set_buffer(item_index, slot, buffer)
@@ -303,7 +336,7 @@ class CapturedJit:
       captured_paths = [spec.path for spec in self.specs]
       raise JitError(f"this call passes tensors as {list(inputs)}, the captured call passed {captured_paths}")
     for spec, tensor in zip(self.specs, inputs.values()):
-      if (tensor.shape, tensor.dtype, tensor.device) != (spec.shape, spec.dtype, spec.device):
+      if (_unbound_shape(tensor.shape), tensor.dtype, tensor.device) != (spec.shape, spec.dtype, spec.device):
         raise JitError(f"input {spec.path} is {tensor.shape} {tensor.dtype} on {tensor.device}; the jitted function "
                        f"was captured with {spec.shape} {spec.dtype} on {spec.device}. Use another TinyJit (or "
                        f"jit.reset()) for other shapes")
@@ -319,7 +352,8 @@ class CapturedJit:
     def visit(value: Any) -> Any:
       if value is _OUTPUT:
         index = next(outputs)
-        lazy = LazyBuffer.from_buffer(self.output_buffers[index], self.output_shapes[index])
+        shape = tuple(sym_bind(size, self.var_vals) for size in self.output_shapes[index])
+        lazy = LazyBuffer.from_buffer(self.output_buffers[index], shape)
         return Tensor(lazy, requires_grad=self.output_requires_grad[index])
       if isinstance(value, (list, tuple)): return type(value)(visit(item) for item in value)
       if isinstance(value, dict): return {key: visit(item) for key, item in value.items()}
@@ -357,7 +391,9 @@ class ItemReplay:
     for item in items:
       program = getattr(item.runner, "program", None)
       if isinstance(item.runner, CompiledRunner) and isinstance(program, HostProgram) and DEBUG < 2:
-        self.host_calls.append((program.function, [buffer.host_pointer() for buffer in item.bufs]))
+        # a kernel with symbolic sizes takes the Variables' values after the buffers (set_var_vals updates them)
+        values = [item.var_vals[name] for name in item.runner.var_names]
+        self.host_calls.append((program.function, [buffer.host_pointer() for buffer in item.bufs] + values))
       else:
         self.host_calls.append(None)
     # what the pre-bound calls add to GlobalCounters (items run through ExecItem.run count themselves)
@@ -370,6 +406,14 @@ class ItemReplay:
     self.items[item_index].bufs[slot] = buffer
     call = self.host_calls[item_index]
     if call is not None: call[1][slot] = buffer.host_pointer()
+
+  def set_var_vals(self, var_vals: dict[str, int]) -> None:
+    """This call's values of the symbolic Variables, for every kernel that takes them."""
+    for item, call in zip(self.items, self.host_calls):
+      names = getattr(item.runner, "var_names", ())
+      if not names: continue
+      item.var_vals = {name: var_vals[name] for name in names}
+      if call is not None: call[1][len(item.bufs):] = [var_vals[name] for name in names]
 
   def run(self) -> None:
     for item, call in zip(self.items, self.host_calls):
@@ -396,6 +440,9 @@ class GraphReplay:
     self.items[item_index].bufs[slot] = buffer
     self.dirty.add(item_index)
 
+  def set_var_vals(self, var_vals: dict[str, int]) -> None:
+    """Nothing to do: a capture with symbolic kernels replays item by item (build_replay)."""
+
   def run(self) -> None:
     for item_index in self.dirty:
       self.graph.update(item_index, [buffer.handle for buffer in self.items[item_index].bufs])
@@ -409,7 +456,10 @@ class GraphReplay:
 def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
   """A device graph when every item is a kernel of one device that has a graph class, else an item loop."""
   devices = {item.device for item in items}
-  if len(devices) == 1 and all(isinstance(item.runner, CompiledRunner) for item in items) and DEBUG < 2:
+  # kernels with symbolic sizes (int arguments, launch sizes computed per call) replay item by item
+  symbolic = any(getattr(item.runner, "var_names", ()) for item in items)
+  if len(devices) == 1 and all(isinstance(item.runner, CompiledRunner) for item in items) and DEBUG < 2 \
+      and not symbolic:
     graph_class = getattr(Device[next(iter(devices))], "graph", None)
     if graph_class is not None:
       for item in items:

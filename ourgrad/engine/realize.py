@@ -7,6 +7,7 @@ same kernel is generated once per process and compiled once per machine.
 """
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -21,7 +22,9 @@ from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import BEAM, DEBUG, NOOPT, RUNNER_CACHE_SIZE, BoundedCache, env_var, prod
-from ourgrad.ops import LazyOp, Ops
+from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
+from ourgrad.renderer.cstyle import loop_trip_bound
+from ourgrad.shape.symbolic import sym_max
 
 
 NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedule gets memory of its own")
@@ -33,7 +36,8 @@ _runner_cache: BoundedCache[tuple[str, LazyOp], CompiledRunner] = BoundedCache(R
 def get_kernel(ast: LazyOp, device: str) -> Kernel:
   """The Kernel for an AST with the default optimizations applied (none with NOOPT=1, searched with BEAM=n)."""
   kernel = Kernel(ast, Device[device].renderer)
-  if NOOPT: return kernel
+  # a symbolic kernel keeps its plain loop nest: the optimizations split and pad sizes they must know
+  if NOOPT or ast_is_symbolic(ast): return kernel
   if BEAM >= 1: return beam_optimize(kernel, device, BEAM.value)  # searched, verified and cached: codegen/opt/search.py
   kernel.hand_coded_optimizations()
   return kernel
@@ -85,25 +89,27 @@ def load_program(device: str, name: str, source: str) -> Any:
 def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
   uops = linearize(kernel)
   if DEBUG >= 5: print(format_uops(uops))
-  name = kernel.name
+  name = re.sub(r"[^A-Za-z0-9_]", "", kernel.name)  # a symbolic size in the name ("r_8_<n>") is not an identifier
   source = Device[device].renderer.render(name, uops)
   if DEBUG >= 4: print(source)
   if DEBUG >= 6: print(Device[device].compiler.disassemble(source))
   program = load_program(device, name, source)
   op_count, byte_count = estimate_cost(kernel, uops)
   global_size, local_size = launch_dims(uops)
-  return CompiledRunner(name, kernel.colored_shape(), source, program, global_size, local_size, op_count, byte_count)
+  var_names = tuple(uop.arg[0] for uop in uops if uop.op is UOps.DEFINE_VAR)
+  return CompiledRunner(name, kernel.colored_shape(), source, program, global_size, local_size, op_count, byte_count,
+                        var_names)
 
 
 def estimate_cost(kernel: Kernel, uops: list[UOp]) -> tuple[int, int]:
   """(arithmetic ops, bytes moved) of one launch: ALUs weighted by the loops around them; each buffer's
   bytes counted once over the elements its view can touch."""
   blocks, threads = launch_dims(uops)
-  op_count, multiplier, multipliers = 0, prod(blocks) * prod(threads), []
+  op_count, multiplier, multipliers = 0, prod(sym_max(size) for size in blocks + threads), []
   for uop in uops:
     if uop.op is UOps.RANGE:
       multipliers.append(multiplier)
-      multiplier *= uop.srcs[1].arg - uop.srcs[0].arg
+      multiplier *= loop_trip_bound(uop)
     elif uop.op is UOps.ENDRANGE:
       multiplier = multipliers.pop()
     elif uop.op in (UOps.ALU, UOps.ACCUMULATE) and uop.dtype is not None and uop.dtype != INDEX_DTYPE:
@@ -113,18 +119,55 @@ def estimate_cost(kernel: Kernel, uops: list[UOp]) -> tuple[int, int]:
   for leaf, st in zip(kernel.leaves, kernel.sts):
     if leaf.op not in (Ops.LOAD, Ops.STORE) or leaf.arg.idx in seen: continue
     seen.add(leaf.arg.idx)
+    elements = prod(sym_max(size) for size in st.shape)  # a symbolic size counts at its largest
     # a gathered load (srcs: a computed offset) reads at most one table element per element of its view
-    touched = min(st.real_size(), prod(st.shape)) if leaf.op is Ops.LOAD and not leaf.srcs else prod(st.shape)
+    touched = min(st.real_size(), elements) if leaf.op is Ops.LOAD and not leaf.srcs else elements
     byte_count += touched * leaf.dtype.itemsize
   return op_count, byte_count
 
 
+def ast_is_symbolic(ast: LazyOp) -> bool:
+  """Whether a leaf's view has a symbolic size, stride, offset or mask (a Variable: docs/jit.md)."""
+  return any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in ast.walk())
+
+
+# AST -> (unbound AST, values). Bound values are part of an AST's identity, so the entry is exact; a step that
+# builds the same graph (the schedule cache hands back the same AST objects) pays one dict lookup per kernel
+_unbound_asts: BoundedCache[LazyOp, tuple[LazyOp, dict[str, int]]] = BoundedCache(RUNNER_CACHE_SIZE)
+
+
+def unbind_ast(ast: LazyOp) -> tuple[LazyOp, dict[str, int]]:
+  """(the AST with every bound Variable in its views unbound, {variable name: value}). The unbound AST is the
+  compiled-kernel cache key, the same for every value; the values are the kernel's int arguments at launch."""
+  cached = _unbound_asts.get(ast)
+  if cached is None: cached = _unbound_asts[ast] = _unbind_ast(ast)
+  return cached
+
+
+def _unbind_ast(ast: LazyOp) -> tuple[LazyOp, dict[str, int]]:
+  if not ast_is_symbolic(ast): return ast, {}
+  rebuilt: dict[int, LazyOp] = {}
+  var_vals: dict[str, int] = {}
+  for node in ast.walk():
+    arg = node.arg
+    if isinstance(arg, (MemBuffer, ConstBuffer)) and arg.st.symbolic:
+      st, values = arg.st.unbind()
+      for name, value in values.items():
+        if var_vals.setdefault(name, value) != value:
+          raise ValueError(f"one kernel reads Variable {name!r} bound to both {var_vals[name]} and {value}")
+      arg = MemBuffer(arg.idx, arg.dtype, st) if isinstance(arg, MemBuffer) else ConstBuffer(arg.val, arg.dtype, st)
+    rebuilt[id(node)] = LazyOp(node.op, tuple(rebuilt[id(src)] for src in node.srcs), arg, node.dtype)
+  return rebuilt[id(ast)], var_vals
+
+
 def lower_schedule_item(item: ScheduleItem) -> ExecItem:
-  """The ExecItem that runs one ScheduleItem: a copy, or the compiled kernel of its AST (from the cache)."""
+  """The ExecItem that runs one ScheduleItem: a copy, or the compiled kernel of its AST (from the cache) with the
+  values of its bound Variables."""
   buffers = [*item.outputs, *item.inputs]
   if item.ast.op is Ops.COPY: return ExecItem(CopyRunner(item.inputs[0].nbytes), buffers, device=buffers[0].device)
   device = item.outputs[0].device
-  return ExecItem(get_runner(device, item.ast), buffers, device=device)
+  ast, var_vals = unbind_ast(item.ast)
+  return ExecItem(get_runner(device, ast), buffers, var_vals, device=device)
 
 
 def lower_schedule(schedule: list[ScheduleItem]) -> list[ExecItem]:

@@ -89,6 +89,14 @@ C_CODE_FOR_OP: dict[Ops, AluRendering] = {
 }
 
 
+def loop_trip_bound(loop: UOp) -> int:
+  """Iterations of a RANGE: exact for constant bounds; a bound that is a kernel int argument (DEFINE_VAR, a
+  symbolic size) counts as its largest value; any other expression as 1."""
+  start, end = loop.srcs
+  if end.op is UOps.CONST: return end.arg - start.arg
+  return end.arg[2] if end.op is UOps.DEFINE_VAR else 1
+
+
 class CStyleLanguage(Renderer):
   """The C family: C on the CPU; OpenCL C and CUDA C subclass this and change the spellings."""
   kernel_prefix = ""
@@ -185,6 +193,10 @@ class CStyleLanguage(Renderer):
     const = "" if is_output else "const "
     return f"{self.buffer_prefix}{const}{self.memory_type(uop.dtype)}*{self.buffer_suffix} {name}"
 
+  def render_var_param(self, name: str) -> str:
+    """A symbolic Variable's kernel argument (DEFINE_VAR): an int passed by value after the buffers."""
+    return f"const int {name}"
+
   # ---------------------------------------------------------------- the walk over the UOps
 
   def render(self, name: str, uops: list[UOp]) -> str:
@@ -212,6 +224,9 @@ class CStyleLanguage(Renderer):
       if uop.op is UOps.DEFINE_GLOBAL:
         names[id(uop)] = f"data{uop.arg[0]}"
         params.append(self.render_param(uop, names[id(uop)]))
+      elif uop.op is UOps.DEFINE_VAR:
+        names[id(uop)] = uop.arg[0]
+        params.append(self.render_var_param(uop.arg[0]))
       elif uop.op is UOps.CONST:
         names[id(uop)] = self.render_const(uop.arg, uop.dtype)
       elif uop.op is UOps.RANGE:
@@ -325,7 +340,7 @@ class ClangRenderer(CStyleLanguage):
     global_loops = [uop for uop in uops if uop.op is UOps.RANGE and uop.arg[1] is AxisType.GLOBAL]
     iterations = 1
     for uop in uops:
-      if uop.op is UOps.RANGE: iterations *= uop.srcs[1].arg - uop.srcs[0].arg
+      if uop.op is UOps.RANGE: iterations *= loop_trip_bound(uop)
     if not global_loops or iterations * len(uops) < self.parallel_min_work: return 0
     return len(global_loops)
 

@@ -86,6 +86,7 @@ class LLVMRenderer(Renderer):
     each of their iterations writes its own outputs, so threads never store to the same element."""
     loops = [uop for uop in uops if uop.op is UOps.RANGE]
     if not loops or loops[0].arg[1] is not AxisType.GLOBAL: return None
+    if any(uop.op is UOps.DEFINE_VAR for uop in uops): return None  # symbolic sizes: the wrapper passes no ints
     iterations = 1
     for loop in loops: iterations *= loop.srcs[1].arg - loop.srcs[0].arg
     outer = loops[0]
@@ -142,11 +143,15 @@ class _FunctionWriter:
 
   def write(self) -> str:
     params: dict[int, str] = {}
+    var_params: list[str] = []
     for uop in self.uops:
       if uop.op is UOps.DEFINE_GLOBAL:
         self.values[id(uop)] = f"%data{uop.arg[0]}"
         # ourgrad never passes one buffer twice to a kernel: noalias is what C's restrict says
         params[uop.arg[0]] = f"ptr noalias {'' if uop.arg[1] else 'readonly '}%data{uop.arg[0]}"
+      elif uop.op is UOps.DEFINE_VAR:  # a symbolic Variable's value: an i32 argument after the buffers
+        self.values[id(uop)] = f"%var_{uop.arg[0]}"
+        var_params.append(f"i32 %var_{uop.arg[0]}")
       elif uop.op is UOps.CONST:
         self.values[id(uop)] = render_const(uop.arg, uop.dtype)
       elif uop.op is UOps.RANGE: self.open_loop(uop)
@@ -174,6 +179,7 @@ class _FunctionWriter:
     # the runtime passes buffers in index order, whatever order the DEFINE_GLOBALs come in (an index no uop
     # defines still takes its position)
     signature = [params.get(index, f"ptr %unused{index}") for index in range(max(params, default=-1) + 1)]
+    signature += var_params
     # no-trapping-math is clang's default too: FP ops may be speculated (if-converted); results are unchanged
     attributes = 'attributes #0 = { nounwind "no-trapping-math"="true" }'
     if self.parallel_loop is None:

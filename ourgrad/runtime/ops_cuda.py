@@ -138,8 +138,9 @@ class CUDAProgram:
     self.function = check(driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
 
   def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),
-               wait: bool = False) -> float | None:
-    pointers = [ctypes.c_uint64(int(buffer)) for buffer in buffers]
+               wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
+    # vals: the symbolic Variables' values, int arguments after the buffer pointers
+    pointers = [ctypes.c_uint64(int(buffer)) for buffer in buffers] + [ctypes.c_int32(value) for value in vals]
     params = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(pointer) for pointer in pointers])
     stream = self.device.stream
     if wait: check(driver.cuEventRecord(self.device.start_event, stream), "cuEventRecord")

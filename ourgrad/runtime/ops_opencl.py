@@ -103,11 +103,12 @@ class OpenCLProgram:
     self.kernel = getattr(self.program, name)
 
   def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),
-               wait: bool = False) -> float | None:
+               wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
     # OpenCL counts work-items, not blocks: the global size is blocks * threads in each dimension
     work_items = tuple(blocks * threads for blocks, threads in zip(global_size, local_size))
     start = time.perf_counter()
-    event = self.kernel(self.device.queue, work_items, tuple(local_size), *buffers)
+    # vals: the symbolic Variables' values, int arguments after the buffers
+    event = self.kernel(self.device.queue, work_items, tuple(local_size), *buffers, *[np.int32(v) for v in vals])
     if not wait: return None
     event.wait()
     return time.perf_counter() - start

@@ -38,6 +38,7 @@ from ourgrad.dtype import (DType, bfloat16_bits_to_float32, dtypes, float32_to_b
                            truncate)
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import EMULATE
+from ourgrad.shape.symbolic import Node
 from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
 from ourgrad.renderer.cstyle import CUDARenderer
@@ -61,6 +62,8 @@ def encode_arg(arg: Any) -> Any:
     if math.isfinite(arg): return arg  # json writes repr(float), which reads back to the same float
     return {"float": "nan" if math.isnan(arg) else ("inf" if arg > 0 else "-inf")}
   if isinstance(arg, tuple): return [encode_arg(item) for item in arg]
+  # a symbolic launch size (SPECIAL over a Variable's range): kept as text, the launch passes the real size
+  if isinstance(arg, Node): return {"symbolic": arg.render()}
   raise NotImplementedError(f"the PYTHON renderer cannot serialize a UOp argument of type {type(arg).__name__}: "
                             f"{arg!r}")
 
@@ -73,6 +76,7 @@ def decode_arg(data: Any) -> Any:
     if "alu" in data and data["alu"] in Ops.__members__: return Ops[data["alu"]]
     if "axis" in data and data["axis"] in AxisType.__members__: return AxisType[data["axis"]]
     if "float" in data and data["float"] in ("inf", "-inf", "nan"): return float(data["float"])
+    if "symbolic" in data and isinstance(data["symbolic"], str): return data["symbolic"]
   raise CompileError(f"PYTHON program: cannot decode UOp argument {data!r}")
 
 
@@ -366,10 +370,14 @@ class PythonProgram:
     self.vectorizable = vectorizable_loops(self.instructions, self.loop_ends)
 
   def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (1, 1, 1),
-               local_size: tuple[int, ...] = (1, 1, 1), wait: bool = False) -> float | None:
+               local_size: tuple[int, ...] = (1, 1, 1), wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
     start = time.perf_counter()
     with np.errstate(all="ignore"):  # wraparound, inf and NaN are intended results here, not accidents
-      Interpreter(self, buffers, tuple(global_size), tuple(local_size)).run()
+      interpreter = Interpreter(self, buffers, tuple(global_size), tuple(local_size))
+      # vals: the symbolic Variables' values, one per DEFINE_VAR in program order (the kernel's int arguments)
+      var_names = [instruction.arg[0] for instruction in self.instructions if instruction.op is UOps.DEFINE_VAR]
+      interpreter.var_values = dict(zip(var_names, vals))
+      interpreter.run()
     return time.perf_counter() - start if wait else None
 
 
@@ -386,6 +394,7 @@ class Interpreter:
   def __init__(self, program: PythonProgram, buffers: tuple[np.ndarray, ...], global_size: tuple[int, ...],
                local_size: tuple[int, ...]):
     self.program, self.buffers = program, buffers
+    self.var_values: dict[str, int] = {}
     self.global_size, self.local_size = _pad3(global_size), _pad3(local_size)
     self.threads_per_block = math.prod(self.local_size)
     self.thread_count = math.prod(self.global_size) * self.threads_per_block
@@ -533,6 +542,7 @@ class Interpreter:
       values[accumulator_position] = combined
       return combined
     if op is UOps.DEFINE_GLOBAL: return self.buffer_view(position, instruction)
+    if op is UOps.DEFINE_VAR: return np.asarray(self.var_values[instruction.arg[0]], dtype=np.int32)
     raise self.error(position, "the PYTHON device does not implement this uop")
 
   def src_dtype(self, instruction: Instruction) -> DType:

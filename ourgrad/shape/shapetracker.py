@@ -17,8 +17,25 @@ from typing import Sequence
 
 from ourgrad.errors import AxisError, ShapeError
 from ourgrad.helpers import prod
-from ourgrad.shape.symbolic import AndNode, LtNode, MulNode, Node, NumNode, SumNode, Variable, sym_and
-from ourgrad.shape.view import View
+from ourgrad.shape.symbolic import (AndNode, LtNode, MulNode, Node, NumNode, SumNode, Variable, bound_vars,
+                                    is_symbolic, sym_and, sym_max)
+from ourgrad.shape.view import View, sint
+
+
+def index_variable(name: str, size: sint) -> Node:
+  """The loop index of a dim: Variable(name, 0, size-1), NumNode(0) when the dim has one (or no) element. A
+  symbolic size gives a Variable over its largest range."""
+  upper = sym_max(size)
+  return Variable(name, 0, upper - 1) if upper > 1 else NumNode(0)
+
+
+def _concrete(value: sint) -> int | None:
+  """The value of an int, or of a Node whose Variables are all bound; None for an unbound symbolic value."""
+  if not is_symbolic(value): return int(value)
+  try:
+    return value.evaluate({})
+  except KeyError:
+    return None
 
 
 def _unravel(shape: tuple[int, ...], flat: Node) -> list[Node]:
@@ -86,6 +103,12 @@ def _merge_views(first: View, second: View) -> View | None:
   if second.contiguous and second.size == first.size:  # a contiguous view can also be a prefix (shrink from 0)
     reshaped = first.reshape(second.shape)
     if reshaped is not None: return reshaped
+  if first.mask is None and all(stride == 0 for stride in first.strides):
+    # first reads one element everywhere (a broadcast constant): so does the composition, under second's mask
+    return View.create(second.shape, (0,) * len(second.shape), first.offset, second.mask)
+  expanded = _expand_of(first, second)
+  if expanded is not None: return expanded
+  if any(is_symbolic(size) for size in first.shape + second.shape + second.strides + first.strides): return None
   # general case: compute the composed index symbolically on second's valid region (variables restricted to its
   # mask; outside it the element is invalid anyway) and accept it only if it is linear with box-shaped validity
   dim_ranges = second.mask if second.mask is not None else tuple((0, size) for size in second.shape)
@@ -109,6 +132,34 @@ def _merge_views(first: View, second: View) -> View | None:
   merged = View.create(second.shape, strides, offset, mask)
   if merged.never_valid and not second.shape: return None
   return merged
+
+
+def _expand_of(first: View, second: View) -> View | None:
+  """`second` as one view when it walks the contiguous output of `first` dim by dim (size-1 dims added, dropped or
+  broadcast; no mask, no offset): each walked dim takes first's stride, so no index arithmetic is needed (which
+  also holds for symbolic sizes)."""
+  if second.mask is not None or second.offset != 0 or first.never_valid: return None
+  # a size-1 dim of first that is masked off cannot be dropped or broadcast
+  if first.mask is not None and any(size == 1 and dim_mask != (0, 1)
+                                    for size, dim_mask in zip(first.shape, first.mask)): return None
+  contiguous = View.create(first.shape).strides
+  walked = [dim for dim, size in enumerate(first.shape) if size != 1]
+  strides: list = []
+  mask: list = []
+  position = 0
+  for size, stride in zip(second.shape, second.strides):
+    if stride == 0:  # a broadcast or size-1 dim of second
+      strides.append(0)
+      mask.append((0, size))
+      continue
+    if position >= len(walked): return None
+    dim = walked[position]
+    if first.shape[dim] != size or contiguous[dim] != stride: return None
+    strides.append(first.strides[dim])
+    mask.append(first.mask[dim] if first.mask is not None else (0, size))
+    position += 1
+  if position != len(walked): return None
+  return View.create(second.shape, strides, first.offset, mask if first.mask is not None else None)
 
 
 @dataclass(frozen=True)
@@ -143,8 +194,8 @@ class ShapeTracker:
   def reshape(self, new_shape: Sequence[int]) -> ShapeTracker:
     """Same elements in a new shape (same element count); pushes a second view when one cannot express it."""
     new_shape = tuple(new_shape)
-    if any(not isinstance(size, int) or size < 0 for size in new_shape):
-      raise ShapeError(f"cannot reshape {self.shape} to {new_shape}: sizes must be non-negative ints")
+    if any(not isinstance(size, (int, Node)) or (not is_symbolic(size) and size < 0) for size in new_shape):
+      raise ShapeError(f"cannot reshape {self.shape} to {new_shape}: sizes must be non-negative ints or Variables")
     if prod(new_shape) != self.size:
       raise ShapeError(f"cannot reshape {self.shape} ({self.size} elements) to {new_shape} "
                        f"({prod(new_shape)} elements): element counts differ")
@@ -163,21 +214,21 @@ class ShapeTracker:
     """Broadcast size-1 dims to new sizes."""
     new_shape = tuple(new_shape)
     if len(new_shape) != self.ndim or any(old != new and old != 1 for old, new in zip(self.shape, new_shape)) \
-        or any(not isinstance(size, int) or size < 0 for size in new_shape):
+        or any(not isinstance(size, (int, Node)) or (not is_symbolic(size) and size < 0) for size in new_shape):
       raise ShapeError(f"cannot expand {self.shape} to {new_shape}: only size-1 dims can change")
     return self._with_last(self.views[-1].expand(new_shape))
 
   def pad(self, arg: Sequence[tuple[int, int]]) -> ShapeTracker:
     """Add (before, after) zero-reading elements around each dim."""
-    arg = tuple((int(before), int(after)) for before, after in arg)
-    if len(arg) != self.ndim or any(before < 0 or after < 0 for before, after in arg):
+    arg = tuple((_as_sint(before), _as_sint(after)) for before, after in arg)
+    if len(arg) != self.ndim or any(_known_negative(before) or _known_negative(after) for before, after in arg):
       raise ShapeError(f"bad pad {arg} for shape {self.shape}: need one non-negative (before, after) per dim")
     return self._with_last(self.views[-1].pad(arg))
 
   def shrink(self, arg: Sequence[tuple[int, int]]) -> ShapeTracker:
     """Keep the [start, end) window of each dim."""
-    arg = tuple((int(start), int(end)) for start, end in arg)
-    if len(arg) != self.ndim or any(not 0 <= start <= end <= size for (start, end), size in zip(arg, self.shape)):
+    arg = tuple((_as_sint(start), _as_sint(end)) for start, end in arg)
+    if len(arg) != self.ndim or any(not valid_window(start, end, size) for (start, end), size in zip(arg, self.shape)):
       raise ShapeError(f"bad shrink {arg} for shape {self.shape}: need 0 <= start <= end <= size per dim")
     return self._with_last(self.views[-1].shrink(arg))
 
@@ -208,7 +259,7 @@ class ShapeTracker:
 
   def default_idxs(self) -> list[Node]:
     """One index node per output dim: Variable(f"idx{i}", 0, size-1), NumNode(0) for size-1 (or 0) dims."""
-    return [Variable(f"idx{dim}", 0, size - 1) if size > 1 else NumNode(0) for dim, size in enumerate(self.shape)]
+    return [index_variable(f"idx{dim}", size) for dim, size in enumerate(self.shape)]
 
   def expr_idxs(self, idxs: Sequence[Node] | None = None) -> tuple[Node, Node]:
     """(index into views[0]'s buffer, validity) for per-dim output index nodes."""
@@ -224,7 +275,7 @@ class ShapeTracker:
 
   def expr_node(self, idx: Node | None = None) -> tuple[Node, Node]:
     """(index, validity) from one flat row-major output index node (default Variable("idx", 0, size-1))."""
-    if idx is None: idx = Variable("idx", 0, self.size - 1) if self.size > 1 else NumNode(0)
+    if idx is None: idx = index_variable("idx", self.size)
     return self.expr_idxs(_unravel(self.shape, idx))
 
   # ---------------------------------------------------------------- analysis
@@ -260,6 +311,7 @@ class ShapeTracker:
   def real_size(self) -> int:
     """An upper bound of (largest buffer index touched by a valid element) + 1; 0 when nothing is valid."""
     if self.size == 0: return 0
+    if self.symbolic: return self.unbind()[0]._real_size_at_max()
     last = self.views[-1]
     if last.never_valid: return 0
     # restrict the index variables to the last view's mask: elements outside it never touch the buffer
@@ -270,6 +322,33 @@ class ShapeTracker:
     if isinstance(valid, NumNode) and valid.b == 0: return 0
     return max(index.max + 1, 0)
 
+  # ---------------------------------------------------------------- symbolic shapes
+
+  @functools.cached_property
+  def symbolic(self) -> bool:
+    """True when a size, stride, offset or mask bound holds a Variable (computed once: the engine asks per kernel
+    launch)."""
+    return any(view.symbolic for view in self.views)
+
+  def var_vals(self) -> dict[str, int]:
+    """{name: value} of the bound Variables in the views."""
+    return bound_vars(_view_values(self))
+
+  def unbind(self) -> tuple[ShapeTracker, dict[str, int]]:
+    """(the same tracker with every bound Variable replaced by the unbound one, {name: value})."""
+    values = self.var_vals()
+    if not values: return self, values
+    mapping = {var: var.unbind()[0] for value in _view_values(self) if is_symbolic(value)
+               for var in value.vars() if var.val is not None}
+    return ShapeTracker(tuple(_substitute_view(view, mapping) for view in self.views)), values
+
+  def _real_size_at_max(self) -> int:
+    """real_size with every symbolic value taken at its largest (for an unbound tracker): an allocation bound."""
+    values = {var.expr: var.max for value in _view_values(self) if is_symbolic(value) for var in value.vars()}
+    concrete = ShapeTracker(tuple(_substitute_view(view, {Variable(name, *_range_of(self, name)): NumNode(top)
+                                                          for name, top in values.items()}) for view in self.views))
+    return concrete.real_size()
+
   def axis_is_masked(self, axis: int) -> bool:
     """Whether the validity expression depends on output dim `axis`."""
     if not -self.ndim <= axis < self.ndim: raise AxisError(f"axis {axis} out of range for shape {self.shape}")
@@ -277,3 +356,49 @@ class ShapeTracker:
     idxs = self.default_idxs()
     _, valid = self.expr_idxs(idxs)
     return isinstance(idxs[axis], Variable) and idxs[axis] in valid.vars()
+
+
+def _as_sint(value: sint) -> sint:
+  return value if is_symbolic(value) else int(value)
+
+
+def _known_negative(value: sint) -> bool:
+  return value.max < 0 if is_symbolic(value) else value < 0
+
+
+def valid_window(start: sint, end: sint, size: sint) -> bool:
+  """0 <= start <= end <= size, checked with the bound values where the window is symbolic (unbound: its ranges)."""
+  values = [_concrete(value) for value in (start, end, size)]
+  if all(value is not None for value in values): return 0 <= values[0] <= values[1] <= values[2]  # type: ignore
+  lows = [value.min if is_symbolic(value) else value for value in (start, end, size)]
+  highs = [sym_max(value) for value in (start, end, size)]
+  return lows[0] >= 0 and highs[0] <= highs[1] and lows[1] <= highs[2]
+
+
+def _view_values(st: ShapeTracker) -> list[sint]:
+  """Every size, stride, offset and mask bound of the tracker's views."""
+  values: list[sint] = []
+  for view in st.views:
+    values.extend(view.shape)
+    values.extend(view.strides)
+    values.append(view.offset)
+    if view.mask is not None: values.extend(bound for dim_mask in view.mask for bound in dim_mask)
+  return values
+
+
+def _range_of(st: ShapeTracker, name: str) -> tuple[int, int]:
+  for value in _view_values(st):
+    if is_symbolic(value):
+      for var in value.vars():
+        if var.expr == name: return var.min, var.max
+  raise KeyError(name)
+
+
+def _substitute_view(view: View, mapping: dict[Variable, Node]) -> View:
+  def sub(value: sint) -> sint:
+    if not is_symbolic(value): return value
+    result = value.substitute(mapping)
+    return result.b if isinstance(result, NumNode) else result
+  mask = tuple((sub(start), sub(end)) for start, end in view.mask) if view.mask is not None else None
+  return View.create(tuple(sub(size) for size in view.shape), tuple(sub(stride) for stride in view.strides),
+                     sub(view.offset), mask)

@@ -20,10 +20,57 @@ from __future__ import annotations
 import math
 from typing import Any, Union
 
-__all__ = ["Node", "Variable", "NumNode", "MulNode", "DivNode", "ModNode", "SumNode", "LtNode", "AndNode",
-           "sym_sum", "sym_and", "sym_int"]
+__all__ = ["Node", "Variable", "NumNode", "MulNode", "ProdNode", "DivNode", "ModNode", "SumNode", "LtNode", "AndNode",
+           "sym_sum", "sym_and", "sym_int", "is_symbolic", "sym_max", "sym_infer", "bound_vars",
+           "sym_unbind", "sym_bind"]
 
 NodeLike = Union["Node", int]
+
+
+def is_symbolic(value: Any) -> bool:
+  """True for a Node that is not a constant (a size or index that depends on a Variable)."""
+  return isinstance(value, Node) and not isinstance(value, NumNode)
+
+
+def sym_max(value: NodeLike) -> int:
+  """The largest value an int or a Node can take (an allocation or a loop bound for a symbolic size)."""
+  return value.max if isinstance(value, Node) else int(value)
+
+
+def bound_vars(nodes: Any) -> dict[str, int]:
+  """{name: value} of the bound Variables inside an iterable of ints and Nodes; raises ValueError when one name is
+  bound to two values."""
+  values: dict[str, int] = {}
+  for node in nodes:
+    if not isinstance(node, Node) or isinstance(node, NumNode): continue
+    stack = [node]
+    while stack:
+      current = stack.pop()
+      if isinstance(current, Variable):
+        if current.val is None: continue
+        if values.setdefault(current.expr, current.val) != current.val:
+          raise ValueError(f"Variable {current.expr!r} is bound to both {values[current.expr]} and {current.val}")
+      else: stack.extend(current._children())
+  return values
+
+
+def sym_infer(value: NodeLike, var_vals: dict[str, int]) -> int:
+  """The int value of an int or a Node for the given variable values."""
+  return value.evaluate(var_vals) if isinstance(value, Node) else int(value)
+
+
+def sym_unbind(value: Any) -> tuple[Any, dict[str, int]]:
+  """(an int or Node with its bound Variables unbound, {name: value}); anything else comes back as it is."""
+  if not is_symbolic(value): return value, {}
+  bound = [var for var in value.vars() if var.val is not None]
+  if not bound: return value, {}
+  return value.substitute({var: var.unbind()[0] for var in bound}), {var.expr: var.val for var in bound}
+
+
+def sym_bind(value: Any, var_vals: dict[str, int]) -> Any:
+  """An unbound int or Node with each Variable named in var_vals bound to its value (a shape for this call)."""
+  if not is_symbolic(value): return value
+  return value.substitute({var: var.bind(var_vals[var.expr]) for var in value.vars() if var.expr in var_vals})
 
 
 def sym_int(value: NodeLike) -> Node:
@@ -84,7 +131,8 @@ class Node:
     factor = _const_of(other)
     if factor is not None: return _mul(self, factor)
     if isinstance(self, NumNode) and isinstance(other, Node): return _mul(other, self.b)
-    raise TypeError(f"symbolic multiplication needs a constant operand: {self.render()} * {other!r}")
+    if isinstance(other, Node): return _fold(ProdNode(self, other))  # a symbolic stride times an index or size
+    raise TypeError(f"symbolic multiplication needs an int or a Node operand: {self.render()} * {other!r}")
 
   def __rmul__(self, other: NodeLike) -> Node: return self.__mul__(other)
 
@@ -132,16 +180,40 @@ class Node:
 
 
 class Variable(Node):
-  """A named integer in the inclusive range [min, max]. Stays a Variable even when min == max."""
+  """A named integer in the inclusive range [min, max]. Stays a Variable even when min == max.
+
+  `bind(value)` gives the same variable carrying a value (a symbolic shape: a batch size, a sequence position).
+  The value is part of the identity (a bound Variable is not equal to the unbound one), so every cache keyed by
+  views stays exact; the engine unbinds a kernel's AST before it looks the compiled kernel up, so every value
+  shares one compiled kernel and the values travel to the launch as `var_vals`."""
   def __init__(self, expr: str, min: int, max: int):
     if min > max: raise ValueError(f"Variable {expr!r} has an empty range [{min}, {max}]")
     self.expr, self.min, self.max = expr, int(min), int(max)
+    self.val: int | None = None
     self._hash = hash(("Variable", expr, self.min, self.max))
 
-  def _key(self) -> tuple: return (self.expr, self.min, self.max)
+  def bind(self, value: int) -> Variable:
+    """This variable bound to `value`, which must lie in [min, max]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise TypeError(f"Variable {self.expr!r} binds an int, got {type(value).__name__}: {value!r}")
+    if not self.min <= value <= self.max:
+      raise ValueError(f"Variable {self.expr!r} cannot bind {value}: outside its range [{self.min}, {self.max}]")
+    bound = Variable(self.expr, self.min, self.max)
+    bound.val, bound._hash = value, hash(("Variable", self.expr, self.min, self.max, value))
+    return bound
+
+  def unbind(self) -> tuple[Variable, int]:
+    """(the unbound variable, its value); raises ValueError when it is not bound."""
+    if self.val is None: raise ValueError(f"Variable {self.expr!r} is not bound to a value")
+    return Variable(self.expr, self.min, self.max), self.val
+
+  def _key(self) -> tuple: return (self.expr, self.min, self.max, self.val)
   def _collect_vars(self, seen: dict[Variable, None]) -> None: seen.setdefault(self, None)
   def substitute(self, values: dict[Variable, Node]) -> Node: return sym_int(values.get(self, self))
-  def evaluate(self, values: dict[str, int]) -> int: return values[self.expr]
+  def evaluate(self, values: dict[str, int]) -> int:
+    if self.expr in values or self.val is None: return values[self.expr]
+    return self.val
+
   def render(self) -> str: return self.expr
 
 
@@ -177,6 +249,24 @@ class MulNode(Node):
   def substitute(self, values: dict[Variable, Node]) -> Node: return self.a.substitute(values) * self.b
   def evaluate(self, values: dict[str, int]) -> int: return self.a.evaluate(values) * self.b
   def render(self) -> str: return f"({self.a.render()}*{self.b})"
+
+
+class ProdNode(Node):
+  """a * b of two non-constant nodes (a symbolic size or stride times an index): kept as it is, not simplified
+  further; sums, comparisons, div and mod treat it as one opaque term with its bounds."""
+  def __init__(self, a: Node, b: Node):
+    self.a, self.b = a, b
+    corners = (a.min * b.min, a.min * b.max, a.max * b.min, a.max * b.max)
+    self.min, self.max = min(corners), max(corners)
+    self._hash = hash(("ProdNode", a, b))
+
+  def _key(self) -> tuple: return (self.a, self.b)
+  def _children(self) -> tuple[Node, ...]: return (self.a, self.b)
+  def evaluate(self, values: dict[str, int]) -> int: return self.a.evaluate(values) * self.b.evaluate(values)
+  def render(self) -> str: return f"({self.a.render()}*{self.b.render()})"
+
+  def substitute(self, values: dict[Variable, Node]) -> Node:
+    return self.a.substitute(values) * self.b.substitute(values)
 
 
 class DivNode(Node):

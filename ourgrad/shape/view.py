@@ -9,18 +9,34 @@ Main types/functions: `View`, `strides_for_shape`, `merge_dims`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 from ourgrad.errors import ShapeError
 from ourgrad.helpers import prod
-from ourgrad.shape.symbolic import Node, NumNode, sym_and, sym_sum
+from ourgrad.shape.symbolic import Node, NumNode, is_symbolic, sym_and, sym_sum
 
 Mask = tuple[tuple[int, int], ...]
+# a size, stride, offset or mask bound: an int, or a Node for a symbolic shape (a bound Variable: docs/jit.md)
+sint = int | Node
 
 
-def strides_for_shape(shape: Sequence[int]) -> tuple[int, ...]:
-  """Contiguous row-major strides for shape, with 0 for size-1 dims."""
+def _canonical_int(value: sint) -> sint:
+  """ints and constant Nodes as int; other Nodes (symbolic sizes) as they are."""
+  return value if is_symbolic(value) else int(value)
+
+
+def _known_le(a: sint, b: sint) -> bool:
+  """True when a <= b for every value of their variables (decided from the bounds of a - b)."""
+  if not is_symbolic(a) and not is_symbolic(b): return int(a) <= int(b)
+  difference = sym_sum([a, -b if isinstance(b, Node) else -int(b)])
+  return difference.max <= 0
+
+
+def strides_for_shape(shape: Sequence[sint]) -> tuple[sint, ...]:
+  """Contiguous row-major strides for shape, with 0 for size-1 dims (a dim inside a symbolic one has a symbolic
+  stride)."""
   strides: list[int] = []
   running = 1
   for size in reversed(shape):
@@ -85,6 +101,14 @@ def _split_range(start: int, end: int, sizes: list[int]) -> list[tuple[int, int]
   return None
 
 
+def _canonical_mask_dim(start: sint, end: sint, size: sint) -> tuple[sint, sint]:
+  """A mask range clipped to [0, size] (symbolic bounds are kept where the clip cannot be decided)."""
+  start, end = _canonical_int(start), _canonical_int(end)
+  if _known_le(start, 0): start = 0
+  if _known_le(size, end): end = size
+  return start, end
+
+
 @dataclass(frozen=True)
 class View:
   """A strided window: shape, strides (elements), offset, optional validity mask; build with `View.create`."""
@@ -98,25 +122,40 @@ class View:
   def create(shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0,
              mask: Sequence[tuple[int, int]] | None = None) -> View:
     """Canonical View: size-1 dims get stride 0, an all-covering mask becomes None, a mask that is empty in any dim
-    becomes the 'nothing valid' form (all dims (0, 0), strides 0, offset 0); strides=None means contiguous."""
-    shape = tuple(int(size) for size in shape)
-    if any(size < 0 for size in shape): raise ShapeError(f"negative dimension in shape {shape}")
-    strides = strides_for_shape(shape) if strides is None else tuple(int(stride) for stride in strides)
+    becomes the 'nothing valid' form (all dims (0, 0), strides 0, offset 0); strides=None means contiguous.
+    Memoized: a View is a pure function of these arguments, and a training step builds the same views every step."""
+    return _create_view(tuple(shape), None if strides is None else tuple(strides), offset,
+                        None if mask is None else tuple(tuple(dim_mask) for dim_mask in mask))
+
+  @functools.cached_property
+  def symbolic(self) -> bool:
+    """True when a size, stride, offset or mask bound holds a Variable."""
+    values = (*self.shape, *self.strides, self.offset, *(bound for dim in (self.mask or ()) for bound in dim))
+    return any(is_symbolic(value) for value in values)
+
+  @staticmethod
+  def _create(shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0,
+              mask: Sequence[tuple[int, int]] | None = None) -> View:
+    shape = tuple(_canonical_int(size) for size in shape)
+    if any(not is_symbolic(size) and size < 0 for size in shape):
+      raise ShapeError(f"negative dimension in shape {shape}")
+    strides = strides_for_shape(shape) if strides is None else tuple(_canonical_int(stride) for stride in strides)
     if len(strides) != len(shape): raise ShapeError(f"strides {strides} do not match shape {shape}")
     if 0 in shape: return View(shape, strides_for_shape(shape), 0, None, True)  # nothing to index
     strides = tuple(0 if size == 1 else stride for size, stride in zip(shape, strides))
     canonical_mask: Mask | None = None
     if mask is not None:
-      canonical_mask = tuple((max(0, int(start)), min(size, int(end))) for (start, end), size in zip(mask, shape))
-      if any(start >= end for start, end in canonical_mask):
+      canonical_mask = tuple(_canonical_mask_dim(start, end, size) for (start, end), size in zip(mask, shape))
+      if any(not is_symbolic(start) and not is_symbolic(end) and start >= end for start, end in canonical_mask):
         return View(shape, (0,) * len(shape), 0, ((0, 0),) * len(shape), False)
       if all(start == 0 and end == size for (start, end), size in zip(canonical_mask, shape)): canonical_mask = None
     contiguous = offset == 0 and canonical_mask is None and strides == strides_for_shape(shape)
-    return View(shape, strides, int(offset), canonical_mask, contiguous)
+    return View(shape, strides, _canonical_int(offset), canonical_mask, contiguous)
 
   @property
   def size(self) -> int:
     return prod(self.shape)
+
 
   @property
   def never_valid(self) -> bool:
@@ -129,9 +168,13 @@ class View:
   # ---------------------------------------------------------------- movement
 
   def reshape(self, new_shape: Sequence[int]) -> View | None:
-    """Same elements in a new shape, or None when a single View cannot express it."""
-    new_shape = tuple(int(size) for size in new_shape)
+    """Same elements in a new shape, or None when a single View cannot express it (memoized, like create)."""
+    return _reshape_view(self, tuple(new_shape))
+
+  def _reshape(self, new_shape: tuple[int, ...]) -> View | None:
+    new_shape = tuple(_canonical_int(size) for size in new_shape)
     if new_shape == self.shape: return self
+    if any(is_symbolic(size) for size in self.shape + new_shape): return self._reshape_symbolic(new_shape)
     if prod(new_shape) != self.size:
       raise ShapeError(f"cannot reshape {self.shape} ({self.size} elements) to {new_shape} "
                        f"({prod(new_shape)} elements)")
@@ -173,6 +216,47 @@ class View:
     full_mask = [(0, 1) if size == 1 else next(masks_iter) for size in new_shape]
     return View.create(new_shape, full_strides, offset, full_mask if self.mask is not None else None)
 
+  def _reshape_symbolic(self, new_shape: tuple[sint, ...]) -> View | None:
+    """Reshape with symbolic sizes: any reshape of a contiguous view, otherwise only adding or removing size-1
+    dims (the other dims keep their strides and masks); None (a second view) for anything else."""
+    if self.contiguous: return View.create(new_shape)
+    if self.mask is None and all(stride == 0 for stride in self.strides):  # one element broadcast: any shape
+      return View.create(new_shape, (0,) * len(new_shape), self.offset)
+    if self.mask is None:
+      merged = self._merge_runs(new_shape)
+      if merged is not None: return merged
+    if [size for size in self.shape if size != 1] != [size for size in new_shape if size != 1]: return None
+    kept = iter([(stride, dim_mask) for size, stride, dim_mask in zip(self.shape, self.strides, self._full_mask())
+                 if size != 1])
+    strides, mask = [], []
+    for size in new_shape:
+      stride, dim_mask = next(kept) if size != 1 else (0, (0, 1))
+      strides.append(stride)
+      mask.append(dim_mask)
+    return View.create(new_shape, strides, self.offset, mask if self.mask is not None else None)
+
+  def _merge_runs(self, new_shape: tuple[sint, ...]) -> View | None:
+    """An unmasked view reshaped so that each new dim is a run of neighbouring old dims whose strides nest
+    (outer stride == inner stride * inner size, compared structurally), or None."""
+    old = [(size, stride) for size, stride in zip(self.shape, self.strides) if size != 1]
+    strides: list[sint] = []
+    position = 0
+    for size in new_shape:
+      if size == 1:
+        strides.append(0)
+        continue
+      if position >= len(old): return None
+      run_size, run_stride = old[position]
+      position += 1
+      while run_size != size and position < len(old):
+        inner_size, inner_stride = old[position]
+        if run_stride != inner_stride * inner_size: return None
+        run_size, run_stride = run_size * inner_size, inner_stride
+        position += 1
+      if run_size != size: return None
+      strides.append(run_stride)
+    return View.create(new_shape, strides, self.offset) if position == len(old) else None
+
   def permute(self, axes: Sequence[int]) -> View:
     """Reorder dims: output dim k is input dim axes[k]."""
     mask = tuple(self.mask[axis] for axis in axes) if self.mask is not None else None
@@ -180,7 +264,7 @@ class View:
 
   def expand(self, new_shape: Sequence[int]) -> View:
     """Broadcast size-1 dims to new sizes (stride 0)."""
-    new_shape = tuple(int(size) for size in new_shape)
+    new_shape = tuple(_canonical_int(size) for size in new_shape)
     if new_shape == self.shape: return self
     mask = None
     if self.mask is not None:
@@ -203,7 +287,7 @@ class View:
     new_shape = tuple(end - start for start, end in arg)
     mask = None
     if self.mask is not None:
-      mask = tuple((max(0, mask_start - start), min(end - start, mask_end - start))
+      mask = tuple(_canonical_mask_dim(mask_start - start, mask_end - start, end - start)
                    for (mask_start, mask_end), (start, end) in zip(self.mask, arg))
       if self.never_valid: mask = ((0, 0),) * len(new_shape)
     offset = self.offset + sum(start * stride for (start, _), stride in zip(arg, self.strides))
@@ -235,6 +319,11 @@ class View:
     if self.never_valid: return NumNode(0)
     conditions: list[Node] = []
     for idx, (start, end), size in zip(idxs, self.mask, self.shape):
-      if start > 0: conditions.append(idx.ge(start))
-      if end < size: conditions.append(idx.lt(end))
+      if not _known_le(start, 0): conditions.append(idx.ge(start))
+      if not _known_le(size, end): conditions.append(idx.lt(end))
     return sym_and(conditions)
+
+
+# bounded: long runs with ever new shapes must not keep every view (errors are not cached: they raise again)
+_create_view = functools.lru_cache(maxsize=1 << 16)(View._create)
+_reshape_view = functools.lru_cache(maxsize=1 << 16)(View._reshape)

@@ -190,7 +190,12 @@ def test_and_folding():
 def test_mul_node_by_node():
   assert x * NumNode(3) == x * 3
   assert NumNode(3) * x == x * 3
-  with pytest.raises(TypeError): x * a
+  # two non-constant nodes (a symbolic stride times an index) make an opaque product with the bounds' corners
+  product = x * a
+  assert product.min == min(x.min * a.min, x.min * a.max, x.max * a.min, x.max * a.max)
+  assert product.max == max(x.min * a.min, x.min * a.max, x.max * a.min, x.max * a.max)
+  assert product.evaluate({"x": 3, "a": 2}) == 6 and product.substitute({x: NumNode(2)}) == a * 2
+  with pytest.raises(TypeError): x * 1.5
 
 
 def test_structural_equality_and_hash():
