@@ -194,3 +194,23 @@ def test_softmax_backward_matches_torch():
   (t.softmax(-1) * torch.tensor(g_np)).sum().backward()
   assert x.grad is not None and t.grad is not None
   np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_conv_batchnorm_pool_gradients_match_torch():
+  # a reduce over leading and interleaved axes (batchnorm's (0, 2, 3)) in a CNN's backward: row kernels fuse only
+  # reduces over trailing axes (a wrong weight gradient came out of the interleaved case, docs/fusion.md)
+  torch.manual_seed(0)
+  conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+  x_np = rand(3, 1, 8, 8, seed=13)
+  t = torch.tensor(x_np)
+  weight = torch.tensor(conv.weight.detach().numpy(), requires_grad=True)
+  out_t = torch.nn.functional.conv2d(t, weight, conv.bias.detach(), padding=1)
+  out_t = torch.nn.functional.max_pool2d(torch.nn.functional.batch_norm(out_t, None, None, training=True), 2)
+  out_t.sum().backward()
+  w = Tensor(conv.weight.detach().numpy(), requires_grad=True)
+  out = Tensor(x_np).conv2d(w, Tensor(conv.bias.detach().numpy()), padding=1)
+  mean = out.mean((0, 2, 3), keepdim=True)
+  normalized = (out - mean) * ((out - mean).square().mean((0, 2, 3), keepdim=True) + 1e-5).rsqrt()
+  normalized.max_pool2d(2).sum().backward()
+  assert w.grad is not None and weight.grad is not None
+  np.testing.assert_allclose(w.grad.numpy(), weight.grad.numpy(), rtol=1e-4, atol=1e-4)

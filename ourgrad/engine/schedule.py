@@ -286,6 +286,10 @@ class _RowKernel:
     loop_shape = reduce.srcs[0].shape
     if prod(loop_shape[axis] for axis in reduce.arg) > MAX_ROW_FUSION_LENGTH:
       return f"its rows are longer than {MAX_ROW_FUSION_LENGTH}"
+    if tuple(reduce.arg) != tuple(range(len(loop_shape) - len(reduce.arg), len(loop_shape))):
+      # TODO: reduces over leading or interleaved axes (batchnorm's (0, 2, 3)) gave a wrong convolution weight
+      # gradient in test_module's CNN; only the trailing axes (softmax, layernorm over the last axes) fuse for now
+      return "it reduces axes other than the trailing ones"
     if self.loop_shape is not None and (loop_shape != self.loop_shape or reduce.arg != self.axes):
       return f"it reduces axes {reduce.arg} of {loop_shape}, the kernel {self.axes} of {self.loop_shape}"
     broadcast = view == ShapeTracker.from_shape(reduce.shape).expand(loop_shape).simplify()
