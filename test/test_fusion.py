@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import ourgrad.engine.schedule as scheduler
 from ourgrad.device import Device
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.helpers import GlobalCounters
@@ -132,3 +133,84 @@ def test_optimizer_step_is_one_kernel_per_parameter_and_matches_torch(name: str)
   assert counts == [kernels_per_step] * steps
   for value, expected in zip(got, _step_torch(theirs, steps)):
     np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- several reduces in one kernel (row kernels)
+
+def _torch_layernorm(t: torch.Tensor) -> torch.Tensor: return torch.nn.functional.layer_norm(t, t.shape[-1:])
+
+
+ROW_GRAPHS = {
+  # name: (ourgrad, torch)
+  "softmax": (lambda x: x.softmax(-1), lambda t: t.softmax(-1)),
+  "log_softmax": (lambda x: x.log_softmax(-1), lambda t: t.log_softmax(-1)),
+  "layernorm": (lambda x: x.layernorm(), _torch_layernorm),
+  "rmsnorm": (lambda x: x * (x.square().mean(-1, keepdim=True) + 1e-6).rsqrt(),
+              lambda t: t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6)),
+  "var": (lambda x: x.var(-1), lambda t: t.var(-1)),
+  "std": (lambda x: x.std(-1), lambda t: t.std(-1)),
+  "softmax_of_3d": (lambda x: x.reshape(2, -1, x.shape[-1]).softmax(-1),
+                    lambda t: t.reshape(2, -1, t.shape[-1]).softmax(-1)),
+  "layernorm_affine_relu": (lambda x: (x.layernorm() * 0.5 + 0.25).relu(),
+                            lambda t: (_torch_layernorm(t) * 0.5 + 0.25).relu()),
+  "whole_tensor_centered": (lambda x: x - x.mean(), lambda t: t - t.mean()),
+}
+ROW_SHAPES = [(4, 6), (6, 33)] if SMALL else [(4, 6), (64, 100), (34, 257)]
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("name", sorted(ROW_GRAPHS))
+def test_row_kernel_matches_torch(name: str, shape: tuple[int, int]):
+  ours, theirs = ROW_GRAPHS[name]
+  x_np = rand(*shape, seed=sum(shape)) * 3
+  x = Tensor(x_np)
+  assert kernels_of([ours(x)]) == 1
+  np.testing.assert_allclose(ours(x).numpy(), theirs(torch.tensor(x_np)).numpy(), rtol=2e-5, atol=2e-5)
+
+
+def test_rows_longer_than_the_limit_fall_back_to_one_reduce_kernels(monkeypatch):
+  monkeypatch.setattr(scheduler, "MAX_ROW_FUSION_LENGTH", 8)
+  x_np = rand(6, 16, seed=9)
+  x = Tensor(x_np)
+  assert kernels_of([x.softmax(-1)]) == 3
+  np.testing.assert_allclose(x.softmax(-1).numpy(), torch.tensor(x_np).softmax(-1).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_row_kernel_with_several_outputs_of_its_rows():
+  # a tensor and its statistics: the normalized rows (per element) and the row sums (per row) are two kernels
+  x_np = rand(8, 12, seed=10)
+  x = Tensor(x_np)
+  outs = [x.softmax(-1), x.sum(-1)]
+  assert realize_counting(outs) == 2
+  np.testing.assert_allclose(outs[0].numpy(), torch.tensor(x_np).softmax(-1).numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(outs[1].numpy(), x_np.sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_backward_matches_torch():
+  x_np, g_np = rand(8, 20, seed=11), rand(8, 20, seed=12)
+  x = Tensor(x_np, requires_grad=True)
+  (x.softmax(-1) * Tensor(g_np)).sum().backward()
+  t = torch.tensor(x_np, requires_grad=True)
+  (t.softmax(-1) * torch.tensor(g_np)).sum().backward()
+  assert x.grad is not None and t.grad is not None
+  np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_conv_batchnorm_pool_gradients_match_torch():
+  # a reduce over leading and interleaved axes (batchnorm's (0, 2, 3)) in a CNN's backward: row kernels fuse only
+  # reduces over trailing axes (a wrong weight gradient came out of the interleaved case, docs/fusion.md)
+  torch.manual_seed(0)
+  conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+  x_np = rand(3, 1, 8, 8, seed=13)
+  t = torch.tensor(x_np)
+  weight = torch.tensor(conv.weight.detach().numpy(), requires_grad=True)
+  out_t = torch.nn.functional.conv2d(t, weight, conv.bias.detach(), padding=1)
+  out_t = torch.nn.functional.max_pool2d(torch.nn.functional.batch_norm(out_t, None, None, training=True), 2)
+  out_t.sum().backward()
+  w = Tensor(conv.weight.detach().numpy(), requires_grad=True)
+  out = Tensor(x_np).conv2d(w, Tensor(conv.bias.detach().numpy()), padding=1)
+  mean = out.mean((0, 2, 3), keepdim=True)
+  normalized = (out - mean) * ((out - mean).square().mean((0, 2, 3), keepdim=True) + 1e-5).rsqrt()
+  normalized.max_pool2d(2).sum().backward()
+  assert w.grad is not None and weight.grad is not None
+  np.testing.assert_allclose(w.grad.numpy(), weight.grad.numpy(), rtol=1e-4, atol=1e-4)

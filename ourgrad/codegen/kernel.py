@@ -83,15 +83,26 @@ def _kernel_stores(ast: LazyOp) -> list[LazyOp]:
   return stores
 
 
+def _row_kernel_axes(reduces: list[LazyOp], store_st: ShapeTracker) -> tuple[int, ...] | None:
+  """The reduced axes of a row kernel, else None. A row kernel holds several reduces over the same axes of one loop
+  shape, or one reduce whose result is read back per element (softmax's `x - x.max()`): one thread owns a row and
+  runs each reduce's loop over it in turn, then the store (per element, or once per row)."""
+  if not reduces: return None
+  axes = reduces[0].arg
+  if any(reduce.arg != axes for reduce in reduces): raise AssertionError("a row kernel's reduces share their axes")
+  per_element = any(store_st.shape[axis] != 1 for axis in axes)
+  return tuple(axes) if len(reduces) > 1 or per_element else None
+
+
 class Kernel:
   """Shape reasoning over all buffers of one AST, and the Opts that reshape its loop nest."""
 
   def __init__(self, ast: LazyOp, renderer: Any):
     self.ast, self.renderer = ast, renderer
     self.stores: list[LazyOp] = _kernel_stores(ast)
-    reduces = [node for node in ast.walk() if node.op in REDUCE_OPS]
-    if len(reduces) > 1: raise AssertionError("a kernel holds at most one reduce")
-    self.reduceop: LazyOp | None = reduces[0] if reduces else None
+    # every reduce, sources first (a reduce inside another's input comes before it)
+    self.reduceops: list[LazyOp] = [node for node in ast.walk() if node.op in REDUCE_OPS]
+    self.reduceop: LazyOp | None = self.reduceops[0] if self.reduceops else None
     # the outputs come first (arguments 0 .. len(stores)-1, all in one view of the loop nest); loads and constants
     # follow in AST order. Each has its view of the loop nest.
     self.leaves: list[LazyOp] = self.stores + ast.leaves()
@@ -104,6 +115,8 @@ class Kernel:
     # reduction coalesces); GROUP's the innermost (neighbouring threads take neighbouring reduce elements)
     self.groups_outer = False
     self.applied_opts: list[Opt] = []
+    self.row_axes: tuple[int, ...] | None = _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
+    if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
     self._drop_size_one_axes()
     self._merge_axes()
@@ -237,6 +250,7 @@ class Kernel:
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
+    if self.row_axes is not None: raise KernelOptError("a row kernel (several reduces) takes no opts yet")
     state = self._state()
     try:
       self._apply(opt)
@@ -392,7 +406,7 @@ class Kernel:
   def hand_coded_optimizations(self) -> None:
     """Apply the default heuristic for this device (codegen/opt/heuristic.py)."""
     from ourgrad.codegen.opt.heuristic import hand_coded_optimizations  # the heuristic module builds on Kernel
-    hand_coded_optimizations(self)
+    if self.row_axes is None: hand_coded_optimizations(self)
 
   def try_opt(self, opt: Opt) -> bool:
     """Apply `opt` if it fits; True when it did."""

@@ -25,7 +25,7 @@ from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.snapshot import protect_lazy_readers
-from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT
+from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, prod
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -219,6 +219,8 @@ def _walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBu
   target = root.srcs[1].base if root.op is Ops.ASSIGN else None
   target_reads: list[tuple[ShapeTracker | None, bool]] = []   # (view, under a reduce) of each read of the target
   reduce_base: LazyBuffer | None = None
+  rows = _RowKernel()
+  one_reduce_kernel = False
   stack: list[tuple[LazyBuffer, ShapeTracker, bool, bool]] = [(start[0], start[1], False, False)]
   done: set[tuple[int, ShapeTracker]] = set()
   while stack:
@@ -237,11 +239,17 @@ def _walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBu
     stack.append((node, view, under_reduce, True))
     if node.op in REDUCE_OPS:
       plain_reshape = view.contiguous and view.size == node.size
-      if not (node is reduce_base and plain_reshape) and node is not root:
-        if reduce_base is not None: return (node, "a second reduce in its consumer's kernel (one per kernel)"), plan
-        if under_reduce: return (node, "a reduce read inside another reduce's input"), plan
-        if not plain_reshape: return (node, "a reduce read through a broadcast or permute (not in its own order)"), plan
-      reduce_base, plan.has_reduce = node, True
+      row_reason = rows.admit(node, view, under_reduce, plain_reshape) if not one_reduce_kernel else "closed"
+      if row_reason is None:
+        pass   # a reduce over the kernel's rows, kept in a register per row (several reduces in one kernel)
+      elif not (node is reduce_base and plain_reshape) and node is not root:
+        if reduce_base is not None: return (node, f"a second reduce, not sharing the kernel's rows: {row_reason}"), plan
+        if under_reduce: return (node, f"a reduce inside another reduce's input: {row_reason}"), plan
+        if not plain_reshape: return (node, f"a reduce read out of its own element order: {row_reason}"), plan
+      if row_reason is not None:
+        if rows.reduces and node not in rows.reduces: return (node, "a reduce over other rows than the kernel's"), plan
+        one_reduce_kernel = True   # claimed as the kernel's one reduce: no row reduces join it
+      reduce_base, plan.has_reduce = reduce_base or node, True
       stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
     elif node.op in ELEMENTWISE_OPS:
       stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
@@ -249,8 +257,59 @@ def _walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBu
       if target is not None and _reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
       plan.loads.append((node.srcs[0].base, None))
       stack.append((node.srcs[1].base, node.srcs[1].st + view, under_reduce, False))
+  if rows.is_row_kernel and not rows.fits_output(root):
+    first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
+    return (first_fused, "a row kernel's output must be per element or per row of its reduces"), plan
   if target is None or not target_reads: return None, plan
   return _assign_hazard(root, start[0], target_reads, reduce_base, realizes), plan
+
+
+# A row kernel (several reduces in one kernel, docs/fusion.md) gives each row to one thread, which loops over the
+# row once per reduce and once more for the store: rows longer than this are left to the one-reduce kernels.
+MAX_ROW_FUSION_LENGTH = 1 << 16
+
+
+class _RowKernel:
+  """The rows a kernel's reduces share: every reduce reads the same input shape (the kernel's loop shape) and
+  reduces the same axes, so one thread per row runs them one after another, each result in a register, and reads
+  the row again for the next reduce and for the store. A reduce is admitted when it is read per element of the
+  loop shape (broadcast back, as `x - x.max()`), inside another admitted reduce, or as the kernel's per-row result."""
+
+  def __init__(self) -> None:
+    self.loop_shape: tuple[int, ...] | None = None
+    self.axes: tuple[int, ...] | None = None
+    self.reduces: list[LazyBuffer] = []
+    self.broadcast_reads: list[LazyBuffer] = []   # the reduces read back per element (what makes a row kernel)
+
+  def admit(self, reduce: LazyBuffer, view: ShapeTracker, under_reduce: bool, plain_reshape: bool) -> str | None:
+    """None when `reduce` joins the rows (recorded), else why not."""
+    loop_shape = reduce.srcs[0].shape
+    if prod(loop_shape[axis] for axis in reduce.arg) > MAX_ROW_FUSION_LENGTH:
+      return f"its rows are longer than {MAX_ROW_FUSION_LENGTH}"
+    if tuple(reduce.arg) != tuple(range(len(loop_shape) - len(reduce.arg), len(loop_shape))):
+      # TODO: reduces over leading or interleaved axes (batchnorm's (0, 2, 3)) gave a wrong convolution weight
+      # gradient in test_module's CNN; only the trailing axes (softmax, layernorm over the last axes) fuse for now
+      return "it reduces axes other than the trailing ones"
+    if self.loop_shape is not None and (loop_shape != self.loop_shape or reduce.arg != self.axes):
+      return f"it reduces axes {reduce.arg} of {loop_shape}, the kernel {self.axes} of {self.loop_shape}"
+    broadcast = view == ShapeTracker.from_shape(reduce.shape).expand(loop_shape).simplify()
+    if not (broadcast or plain_reshape): return "read through a permute or pad, not broadcast back along its rows"
+    if under_reduce and not broadcast: return "read inside another reduce, not broadcast back along its rows"
+    self.loop_shape, self.axes = loop_shape, reduce.arg
+    if reduce not in self.reduces: self.reduces.append(reduce)
+    if broadcast or under_reduce: self.broadcast_reads.append(reduce)
+    return None
+
+  @property
+  def is_row_kernel(self) -> bool: return bool(self.broadcast_reads) or len(self.reduces) > 1
+
+  def fits_output(self, root: LazyBuffer) -> bool:
+    """The store is per element of the loop shape, or per row (the size of a reduce's result)."""
+    assert self.loop_shape is not None and self.axes is not None
+    per_row = prod(size for axis, size in enumerate(self.loop_shape) if axis not in self.axes)
+    value = root.srcs[0] if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN) else root
+    if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN) and not value.st.contiguous: return False
+    return value.shape == self.loop_shape or value.size == per_row
 
 
 def _assign_hazard(root: LazyBuffer, value: LazyBuffer, target_reads: list[tuple[ShapeTracker | None, bool]],
@@ -435,6 +494,7 @@ def _recomputation_is_costly(src: LazyBuffer) -> bool:
   and the base's fused graph costs too much to compute again at every read."""
   base = src.base
   if base.realized is not None or base.op not in ELEMENTWISE_OPS or src.st.size < 2 * base.size: return False
+  if _is_per_row_value(base): return False
   cost, stack, seen = 0, [base], set()
   while stack and cost < RECOMPUTE_COST_LIMIT:
     node = stack.pop()
@@ -443,6 +503,24 @@ def _recomputation_is_costly(src: LazyBuffer) -> bool:
     cost += 4 if node.op in TRANSCENDENTAL_OPS else 1
     stack.extend(src.base for src in node.srcs)
   return cost >= RECOMPUTE_COST_LIMIT
+
+
+def _is_per_row_value(base: LazyBuffer) -> bool:
+  """Whether `base` is elementwise math on unrealized reduce results and constants only (layernorm's
+  rsqrt(var + eps)): a row kernel computes it from registers, so fusing it moves no memory."""
+  stack, seen, reaches_reduce = [base], set(), False
+  while stack:
+    node = stack.pop()
+    if id(node) in seen: continue
+    seen.add(id(node))
+    if node.realized is not None: return False
+    if node.op in REDUCE_OPS:
+      reaches_reduce = True
+      continue
+    if node.op is Ops.CONST: continue
+    if node.op not in ELEMENTWISE_OPS: return False
+    stack.extend(src.base for src in node.srcs)
+  return reaches_reduce
 
 
 def _has_unsafe_pad_op(base: LazyBuffer) -> bool:
@@ -511,8 +589,9 @@ class _KernelBuilder:
     self.member_values: dict[int, LazyOp] = {}   # id of an output base already built in this kernel -> its value
     self.inputs: list[Buffer] = []
     self.loaded_bases: list[LazyBuffer] = []
-    self.reduce: LazyOp | None = None
-    self.reduce_shape: tuple[int, ...] | None = None   # the reduce's output shape, if the kernel has a reduce
+    self.reduces: dict[int, LazyOp] = {}   # id(reduce base) -> its node; several in a row kernel
+    self.reduce_shape: tuple[int, ...] | None = None   # the reduces' output shape, if the kernel has a reduce
+    self.loop_shape: tuple[int, ...] | None = None     # the reduces' input shape: the kernel loops in it
     self.cache: dict[tuple[int, ShapeTracker], LazyOp] = {}
     self.reduce_base: LazyBuffer | None = None
 
@@ -566,23 +645,21 @@ class _KernelBuilder:
     return None
 
   def _claim_reduce(self, base: LazyBuffer, st: ShapeTracker, under_reduce: bool) -> None:
-    """A reduce fuses only once per kernel, not inside another reduce, and only where the kernel reads it in its
-    own element order (a plain reshape): then the whole kernel can loop in the reduce's input shape."""
-    plain_reshape = st.contiguous and st.size == base.size
-    if base is self.reduce_base and plain_reshape: return  # the same reduce read again, in the same element order
-    if base is not self.root and (self.reduce_base is not None or under_reduce or not plain_reshape):
-      raise AssertionError(f"_settle_fusion_groups let an unfusable {base.op} {base.shape} into a kernel")
-    self.reduce_base = base
-    self.reduce_shape = base.shape
+    """Record the kernel's loop shape: a reduce's input shape. `_walk_kernel` decided that every reduce met here
+    fuses (one reduce read in its own order, or row reduces over one loop shape and axes, docs/fusion.md)."""
+    if self.reduce_base is None:
+      self.reduce_base, self.reduce_shape, self.loop_shape = base, base.shape, base.srcs[0].shape
+    elif base.srcs[0].shape != self.loop_shape or base.arg != self.reduce_base.arg:
+      raise AssertionError(f"_settle_fusion_groups let a {base.op} over other rows {base.shape} into a kernel")
 
   def _node(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp:
     """The AST node of a fused base, from its sources' nodes (already in the cache)."""
     if base.op in REDUCE_OPS:
-      if self.reduce is not None: return self.reduce  # read twice (through equivalent views): one reduce node
+      if id(base) in self.reduces: return self.reduces[id(base)]  # read twice (through other views): one node
       src = base.srcs[0]
       reduce_input = self.cache[(id(src.base), src.st.simplify())]
-      self.reduce = LazyOp(base.op, (reduce_input,), base.arg, base.dtype)
-      return self.reduce
+      self.reduces[id(base)] = LazyOp(base.op, (reduce_input,), base.arg, base.dtype)
+      return self.reduces[id(base)]
     if base.op is Ops.GATHER: return self._gather(base, st)
     srcs = tuple(self.cache[(id(src.base), (src.st + st).simplify())] for src in base.srcs)
     arg = base.arg if base.op not in (Ops.CAST, Ops.BITCAST) else base.dtype
@@ -616,12 +693,13 @@ class _KernelBuilder:
   # After building, the nodes outside the reduce still see the kernel in the output shape; the kernel loops
   # in the reduce's shape, so their views are reshaped to it.
   def fit_to_reduce(self, st: ShapeTracker) -> ShapeTracker:
-    if self.reduce_shape is None or st.shape == self.reduce_shape: return st
+    # a row kernel's per-element views are in the loop shape already (softmax stores per element)
+    if self.reduce_shape is None or st.shape in (self.reduce_shape, self.loop_shape): return st
     return st.reshape(self.reduce_shape)
 
   def reshape_post_reduce(self, node: LazyOp) -> LazyOp:
     if self.reduce_shape is None: return node
-    reduce_nodes = {id(node) for node in self.reduce.walk()} if self.reduce is not None else set()
+    reduce_nodes = {id(node) for reduce in self.reduces.values() for node in reduce.walk()}
     rebuilt: dict[int, LazyOp] = {}
     for current in node.walk():
       if id(current) in reduce_nodes:  # the reduce and what it reads keep the reduce's input shape
