@@ -22,6 +22,13 @@ from ourgrad.tensor import Tensor
 SMALL = Device.DEFAULT == "PYTHON"   # the interpreter runs every thread in numpy: keep the emulated runs small
 PARAM_SHAPES = [(3, 4), (4,), (5, 6), (6,), (7, 3), (2, 2, 2), (9,), (4, 4), (1,), (8, 5)]
 
+@pytest.fixture
+def row_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Row kernels on whatever the device: by default (ROW_KERNELS=-1) only CPUs form them, and CI also runs this file
+  on the emulated GPU, where the same pins and results must hold once they are on."""
+  monkeypatch.setenv("ROW_KERNELS", "1")
+
+
 
 def rand(*shape: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
@@ -158,6 +165,7 @@ ROW_GRAPHS = {
 ROW_SHAPES = [(4, 6), (6, 33)] if SMALL else [(4, 6), (64, 100), (34, 257)]
 
 
+@pytest.mark.usefixtures("row_kernels")
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 @pytest.mark.parametrize("name", sorted(ROW_GRAPHS))
 def test_row_kernel_matches_torch(name: str, shape: tuple[int, int]):
@@ -176,6 +184,7 @@ def test_rows_longer_than_the_limit_fall_back_to_one_reduce_kernels(monkeypatch)
   np.testing.assert_allclose(x.softmax(-1).numpy(), torch.tensor(x_np).softmax(-1).numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("row_kernels")
 def test_row_kernel_with_several_outputs_of_its_rows():
   # a tensor and its statistics: the normalized rows (per element) and the row sums (per row) are two kernels
   x_np = rand(8, 12, seed=10)
@@ -214,3 +223,16 @@ def test_conv_batchnorm_pool_gradients_match_torch():
   normalized.max_pool2d(2).sum().backward()
   assert w.grad is not None and weight.grad is not None
   np.testing.assert_allclose(w.grad.numpy(), weight.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_row_kernels_default_to_devices_without_thread_blocks(monkeypatch: pytest.MonkeyPatch):
+  """By default a CPU fuses softmax into one row kernel; a GPU-style device (thread blocks: PYTHON, CUDA) keeps the
+  grouped one-reduce kernels, which read rows coalesced; ROW_KERNELS forces either way."""
+  from ourgrad.engine.schedule import row_kernels_enabled
+  monkeypatch.delenv("ROW_KERNELS", raising=False)
+  assert row_kernels_enabled("CLANG") and not row_kernels_enabled("PYTHON")
+  x_np = np.random.default_rng(11).standard_normal((8, 24)).astype(np.float32)
+  assert kernels_of([Tensor(x_np, device="CLANG").softmax(-1)]) == 1
+  assert kernels_of([Tensor(x_np, device="PYTHON").softmax(-1)]) == 3
+  monkeypatch.setenv("ROW_KERNELS", "0")
+  assert kernels_of([Tensor(x_np, device="CLANG").softmax(-1)]) == 3

@@ -29,6 +29,13 @@ def rand(*shape: int, seed: int = 0) -> np.ndarray:
   """Standard-normal float32 data, the same for the same seed."""
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
+@pytest.fixture
+def row_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Row kernels on whatever the device: by default (ROW_KERNELS=-1) only CPUs form them, and CI also runs this file
+  on the emulated GPU, where the same pins and results must hold once they are on."""
+  monkeypatch.setenv("ROW_KERNELS", "1")
+
+
 
 def as_list(outs: Outputs) -> list[Tensor]:
   return [outs] if isinstance(outs, Tensor) else list(outs)
@@ -98,6 +105,7 @@ def test_matmul_bias_relu_is_one_kernel():
   np.testing.assert_allclose(out.numpy(), np.maximum(a_np @ b_np + bias_np, 0), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.usefixtures("row_kernels")
 def test_softmax_is_one_kernel():
   # was 3 (max and sum of exp realized, then exp / sum): a row kernel runs both reduces and the store per row
   x_np = rand(32, 50)
@@ -124,6 +132,7 @@ ROW_KERNELS = {
 }
 
 
+@pytest.mark.usefixtures("row_kernels")
 @pytest.mark.parametrize("name", sorted(ROW_KERNELS))
 def test_row_normalizations_are_one_kernel(name: str):
   ours, reference = ROW_KERNELS[name]
@@ -137,6 +146,7 @@ def _cross_entropy_np(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
   return -_log_softmax_np(x)[np.arange(len(labels)), labels]
 
 
+@pytest.mark.usefixtures("row_kernels")
 def test_cross_entropy_per_sample_is_one_kernel():
   x_np, labels = rand(16, 10, seed=4), np.random.default_rng(5).integers(0, 10, 16).astype(np.int32)
   x, target = Tensor(x_np), Tensor(labels)
@@ -144,6 +154,7 @@ def test_cross_entropy_per_sample_is_one_kernel():
   np.testing.assert_allclose(out.numpy(), _cross_entropy_np(x_np, labels), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("row_kernels")
 def test_cross_entropy_mean_is_two_kernels():
   # the per-sample losses, then their mean over the batch: a reduce across rows does not join a row kernel yet
   x_np, labels = rand(16, 10, seed=6), np.random.default_rng(7).integers(0, 10, 16).astype(np.int32)
@@ -209,6 +220,7 @@ def test_realizing_twice_runs_nothing_the_second_time():
 
 # ---------------------------------------------------------------- reduces
 
+@pytest.mark.usefixtures("row_kernels")
 def test_reduce_broadcast_back_is_one_kernel():
   # was 2: the mean is a row reduce (one row of all elements) read back per element in the same kernel
   x_np = rand(24, 16)
@@ -238,6 +250,7 @@ def test_two_reduces_of_one_shape_added_are_two_kernels():
   assert_close(out, x_np.sum(0) + x_np.sum(1))
 
 
+@pytest.mark.usefixtures("row_kernels")
 def test_two_reduces_broadcast_to_an_outer_sum_are_two_kernels():
   # was 3: the row sums join the output kernel as a row reduce; the column sums reduce other axes, so are realized
   x_np = rand(16, 16)
@@ -293,6 +306,7 @@ def test_reduce_read_twice_by_one_kernel_fuses():
   assert_close(out, x_np.sum(1) ** 2)
 
 
+@pytest.mark.usefixtures("row_kernels")
 def test_debug_3_says_why_each_realized_reduce_is_not_fused(monkeypatch, capsys):
   # decide, then build: every realized base carries one reason from the decision, printed at DEBUG=3
   x = Tensor(rand(16, 16))

@@ -25,7 +25,7 @@ from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.snapshot import protect_lazy_readers
-from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, prod
+from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, ROW_KERNELS, prod
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -269,6 +269,15 @@ def _walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBu
 MAX_ROW_FUSION_LENGTH = 1 << 16
 
 
+def row_kernels_enabled(device: str) -> bool:
+  """Whether reduces over the same rows may share a kernel on `device` (ROW_KERNELS). A row kernel gives each row to
+  one thread: fast on a CPU, but on a GPU a thread per long row reads uncoalesced memory with few threads, slower than
+  the grouped one-reduce kernels (a block per row with GROUP partials would fix that; docs/fusion.md)."""
+  setting = int(ROW_KERNELS.value)
+  if setting >= 0: return bool(setting)
+  return not Device[device].renderer.has_threads
+
+
 class _RowKernel:
   """The rows a kernel's reduces share: every reduce reads the same input shape (the kernel's loop shape) and
   reduces the same axes, so one thread per row runs them one after another, each result in a register, and reads
@@ -283,6 +292,8 @@ class _RowKernel:
 
   def admit(self, reduce: LazyBuffer, view: ShapeTracker, under_reduce: bool, plain_reshape: bool) -> str | None:
     """None when `reduce` joins the rows (recorded), else why not."""
+    if not row_kernels_enabled(reduce.device):
+      return f"row kernels are off on {reduce.device} (ROW_KERNELS: GPUs keep grouped one-reduce kernels for now)"
     loop_shape = reduce.srcs[0].shape
     if prod(loop_shape[axis] for axis in reduce.arg) > MAX_ROW_FUSION_LENGTH:
       return f"its rows are longer than {MAX_ROW_FUSION_LENGTH}"
