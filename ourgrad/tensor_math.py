@@ -88,7 +88,7 @@ class ElementwiseMixin:
   # ---------------------------------------------------------------- elementwise plumbing
 
   def _to_tensor(self, other: Any) -> Tensor:
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if isinstance(other, Tensor): return other
     if isinstance(other, (bool, int, float, np.generic)) and not isinstance(other, np.ndarray):
       value = other.item() if isinstance(other, np.generic) else other
@@ -335,7 +335,7 @@ class ElementwiseMixin:
 
   def where(self, x: Any, y: Any) -> Tensor:
     """self ? x : y, broadcasting all three (self is the condition)."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     cond = self if self.dtype == dtypes.bool else self != 0
     x_tensor, y_tensor = cond._to_tensor(x), cond._to_tensor(y)
     if isinstance(x, Tensor) and not isinstance(y, Tensor): y_tensor = x_tensor._to_tensor(y)
@@ -362,7 +362,7 @@ class ElementwiseMixin:
   def clip(self, min_: Any = None, max_: Any = None) -> Tensor:
     """The values limited to [min_, max_] (one bound may be None), as torch.clamp: a value on a bound keeps its
     gradient, NaN stays NaN with a zero gradient. Tensor bounds get the gradient where they win."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if min_ is None and max_ is None: raise ValueError("clip needs at least one of min and max")
     if isinstance(min_, Tensor) or isinstance(max_, Tensor):
       # NaN on either side gives NaN and no gradient to either side, as torch.clamp
@@ -398,7 +398,7 @@ class ElementwiseMixin:
 
   def masked_fill(self, mask: Tensor, value: Any) -> Tensor:
     """`value` where the bool `mask` (broadcast to this shape) is True, else self; in this tensor's dtype."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if mask.dtype != dtypes.bool: raise DTypeError(f"masked_fill needs a bool mask, got {mask.dtype}")
     fill = value.cast(self.dtype) if isinstance(value, Tensor) else self._to_tensor(value).cast(self.dtype)
     if fill.ndim != 0: raise ShapeError(f"masked_fill takes a number or a 0-d tensor, got shape {fill.shape}")

@@ -270,7 +270,7 @@ class MovementMixin:
 
   def diag(self, diagonal: int = 0) -> Tensor:
     """For a 1-D tensor, the square matrix with it on the `diagonal`; for a 2-D one, that diagonal (torch.diag)."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if self.ndim == 2: return self.diagonal(diagonal)
     if self.ndim != 1: raise ShapeError(f"diag takes a 1-D or 2-D tensor, got shape {self.shape}")
     size = self.shape[0] + abs(diagonal)
@@ -283,7 +283,7 @@ class MovementMixin:
   def one_hot(self, num_classes: int = -1) -> Tensor:
     """An int64 tensor with a new last dimension of `num_classes` holding 1 at each value's class, as
     torch.nn.functional.one_hot; -1 reads the number of classes from the data (max + 1: a realize)."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if self.dtype.is_float or self.dtype == dtypes.bool:
       raise DTypeError(f"one_hot needs an integer tensor of class indices, got {self.dtype}")
     if num_classes == -1: num_classes = int(self.max().item()) + 1 if self.numel() else 0
@@ -303,7 +303,7 @@ class MovementMixin:
 
   def _index_tensor(self, item: Any) -> Tensor:
     """A list, tuple or array used as an index, as an integer tensor; the list may hold Tensors (`x[[i, 1]]`)."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if isinstance(item, Tensor): return item
     if isinstance(item, (list, tuple)) and any(isinstance(part, (Tensor, list, tuple)) for part in item):
       return Tensor.stack([self._index_tensor(part) for part in item]) if item else Tensor(item, device=self.device)
@@ -329,7 +329,7 @@ class MovementMixin:
     """The view steps of basic indexing as (forward, inverse) pairs of functions on Tensors, plus the integer
     tensor indices left for advanced indexing (with the dimension each applies to after the steps). The
     inverses let __setitem__ put a value back where getitem would have read it."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     steps: list[tuple[Any, Any]] = []
     tensor_dims: list[tuple[int, Tensor]] = []
     shape, dim = list(self.shape), 0
@@ -387,7 +387,7 @@ class MovementMixin:
   def _take_rows(self, index: Tensor) -> Tensor:
     """self[index] along dim 0 for an integer tensor `index` of any shape -> index.shape + self.shape[1:], reading
     only the picked rows. Negative indices count from the end; an index outside [-n, n) gives a row of zeros."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if index.device != self.device:
       raise DeviceError(f"the index is on {index.device}, the indexed tensor on {self.device}; move one with .to()")
     rows, rest = self.shape[0], self.shape[1:]
@@ -403,7 +403,7 @@ class MovementMixin:
     """Advanced (integer tensor) indexing, numpy rules: the broadcast index shape replaces the indexed dims,
     in place if they were adjacent, else at the front. One index tensor reads only the rows it picks
     (`_take_rows`); several are computed as a masked sum (one kernel)."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if len(tensor_dims) == 1:
       dim, index = tensor_dims[0]
       rest = [axis for axis in range(self.ndim) if axis != dim]
@@ -446,7 +446,7 @@ class MovementMixin:
   def __setitem__(self, index: Any, value: Tensor | Scalar) -> None:
     """`t[index] = value` for basic indices (ints, slices, None, ...). The value is put back into place by
     the inverse view steps and merged with `where`: one fused elementwise kernel writing this tensor's buffer."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
     if tensor_dims:
       raise NotImplementedError("assignment through tensor indices is not supported; build a mask and use where")
@@ -463,7 +463,7 @@ class MovementMixin:
   def gather(self, dim: int, index: Tensor) -> Tensor:
     """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather); reads only the picked elements. An index
     outside [-n, n) for the size n of `dim` reads 0."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
     if index.ndim != self.ndim:
       raise ShapeError(f"gather index must have {self.ndim} dims like the input {self.shape}, got {index.shape}")
@@ -492,7 +492,7 @@ class MovementMixin:
   def _scattered(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
     """The sum of `src` scattered into this tensor's shape along `dim` at `index` (as scatter_add adds it), and a
     bool mask of the places written. One-hot over the target positions and a sum: one kernel, no scatter op."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
     if index.ndim != self.ndim or src.ndim != self.ndim:
       raise ShapeError(f"scatter needs index and src with {self.ndim} dims like the input {self.shape}, got "
@@ -521,7 +521,7 @@ class MovementMixin:
     """self with src (a tensor, or one number) written at `index` along `dim`, as torch.scatter; reduce="add" adds
     instead. Where an index repeats, the written value is the sum of the sources (PyTorch keeps one of them,
     unspecified which): keep indices unique."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     source = src if isinstance(src, Tensor) else Tensor.full(index.shape, src, self.dtype, device=self.device)
     if reduce == "add": return self.scatter_add(dim, index, source)
     if reduce is not None: raise ValueError(f"scatter reduce must be None or 'add', got {reduce!r}")
@@ -530,7 +530,7 @@ class MovementMixin:
 
   def index_add(self, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
     """self with source's slices along `dim` added at the positions of the 1-D `index` (torch.index_add)."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
     if index.ndim != 1: raise ShapeError(f"index_add takes a 1-D index, got shape {index.shape}")
     size = self.shape[axis]

@@ -153,7 +153,7 @@ class ReduceMixin:
   @accepts_dim
   def prod(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
     """Product over one axis (or all), by halving the axis repeatedly: log2(n) fused multiply steps."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     target = sum_dtype(self.dtype) if not self.dtype.is_float else self.dtype
     if axis is None:
       result = self.flatten().cast(target).prod(0)
@@ -185,7 +185,7 @@ class ReduceMixin:
   @accepts_dim
   def argmax(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
     """Index of the first maximal element (flattened if axis is None), int64 as in PyTorch."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if axis is None:
       result = self.flatten().argmax(0)
       return result.reshape((1,) * self.ndim) if keepdim else result
@@ -238,7 +238,7 @@ class ReduceMixin:
   def _cumsum_last(self) -> Tensor:
     """Inclusive cumulative sum over the last axis: out[i] = sum of x[j] for j <= i, as one masked-sum kernel
     (O(n^2) work per row: fine for the sizes cumsum meets in models)."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     size = self.shape[-1]
     if size == 0: return self.cast(sum_dtype(self.dtype))
     positions = Tensor.arange(size, device=self.device)
@@ -257,7 +257,7 @@ class ReduceMixin:
   def cumprod(self, axis: int = 0) -> Tensor:
     """The inclusive running product along `axis` (integers and bools multiply in int64): a masked product per
     position (O(n^2 log n) work per row), exact where values are 0 and with their gradient, as torch.cumprod."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     dim = self._axis(axis)
     target = sum_dtype(self.dtype) if not self.dtype.is_float else self.dtype
     if self.ndim == 0: return self.cast(target)
@@ -271,7 +271,7 @@ class ReduceMixin:
 
   def _window_last(self) -> tuple[Tensor, Tensor]:
     """For the last axis of size n: the (..., n, n) view where row i holds x[0..n-1] and the mask of j <= i."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     size = self.shape[-1]
     positions = Tensor.arange(size, device=self.device)
     keep = positions.reshape(size, 1) >= positions.reshape(1, size)  # row i keeps columns j <= i
@@ -280,7 +280,7 @@ class ReduceMixin:
   def _cumulative_extreme(self, axis: int, largest: bool) -> ValuesIndices:
     """cummax/cummin: the running extreme and the index of its latest occurrence (NaN is the extreme once seen), as
     PyTorch; the values are gathered at the indices, so the gradient goes to that element."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     dim = self._axis(axis)
     if self.ndim == 0: return ValuesIndices(self, Tensor.zeros((), dtype=dtypes.int64, device=self.device))
     x = self.detach().transpose(dim, -1)
@@ -418,14 +418,14 @@ class ReduceMixin:
 
   def triu(self, diagonal: int = 0) -> Tensor:
     """The upper triangle of the last two dimensions (column - row >= diagonal); other elements are 0."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     rows = Tensor.arange(self.shape[-2], device=self.device).reshape(-1, 1)
     cols = Tensor.arange(self.shape[-1], device=self.device).reshape(1, -1)
     return (cols - rows >= diagonal).where(self, 0).cast(self.dtype)
 
   def tril(self, diagonal: int = 0) -> Tensor:
     """The lower triangle of the last two dimensions (column - row <= diagonal); other elements are 0."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     rows = Tensor.arange(self.shape[-2], device=self.device).reshape(-1, 1)
     cols = Tensor.arange(self.shape[-1], device=self.device).reshape(1, -1)
     return (cols - rows <= diagonal).where(self, 0).cast(self.dtype)

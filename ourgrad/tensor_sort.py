@@ -41,7 +41,7 @@ class SortMixin:
 
   def _ranks_last(self, descending: bool) -> Tensor:
     """Each element's position in the stable sorted order of its row along the last axis (int32)."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     size = self.shape[-1]
     x = self.detach() if self.dtype != dtypes.bool else self.cast(dtypes.int32)
     mine, others = x.unsqueeze(-1), x.unsqueeze(-2)            # (..., n, 1) against (..., 1, n)
@@ -53,7 +53,7 @@ class SortMixin:
   def sort(self, dim: int = -1, descending: bool = False, stable: bool = True) -> tuple[Tensor, Tensor]:
     """(values, indices) sorted along `dim`, ascending unless `descending`; always stable (equal values keep their
     order; `stable` is accepted for PyTorch's signature). Indices are int64, as in PyTorch."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if self.ndim == 0:
       self._axis(dim)
       return self, Tensor.zeros((), dtype=dtypes.int64, device=self.device)
@@ -88,7 +88,7 @@ class SortMixin:
     """int64 indices drawn from the rows of this tensor of non-negative weights (1-D or 2-D), as torch.multinomial.
     With replacement: inverse-CDF sampling of one uniform number per draw. Without: the exponential race (each index
     draws -log(u) / weight and the smallest win), so each draw excludes earlier ones and zero weights never win."""
-    from ourgrad.tensor import Tensor
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if self.ndim not in (1, 2): raise ShapeError(f"multinomial takes a 1-D or 2-D tensor, got shape {self.shape}")
     if not self.dtype.is_float: raise DTypeError(f"multinomial needs float weights, got {self.dtype}")
     weights = self if self.ndim == 2 else self.unsqueeze(0)
