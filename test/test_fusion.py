@@ -236,3 +236,36 @@ def test_row_kernels_default_to_devices_without_thread_blocks(monkeypatch: pytes
   assert kernels_of([Tensor(x_np, device="PYTHON").softmax(-1)]) == 3
   monkeypatch.setenv("ROW_KERNELS", "0")
   assert kernels_of([Tensor(x_np, device="CLANG").softmax(-1)]) == 3
+
+
+def test_grouping_that_would_order_an_assign_in_a_cycle_is_dropped():
+  """Found by fuzz_schedule (seed 1, case 16): `a` reads v's old contents, so it must run before the assign into v;
+  `b` reads the result of that assign. Packing `a` and `b` (same shape) into one kernel has no run order."""
+  rng = np.random.default_rng(16)
+  first, second = rng.integers(-9, 9, (4, 5)).astype(np.int32), rng.integers(-9, 9, (4, 5)).astype(np.int32)
+  row = rng.integers(-9, 9, 4).astype(np.int32)
+  target, rows, v = Tensor(first), Tensor(second), Tensor(row)
+  target.assign(rows).realize()
+  a = Tensor(rows.lazydata)
+  a[-3, :4] = v                        # reads v's old contents
+  whole = Tensor(v.lazydata)
+  whole[:] = v[0].contiguous()         # overwrites v
+  b = Tensor(target.lazydata)
+  b[1, 1:] = whole.abs()               # reads v's new contents
+  Tensor.realize_all(a, whole, b)
+  expected_a, expected_v, expected_b = second.copy(), np.full(4, row[0]), second.copy()
+  expected_a[-3, :4] = row
+  expected_b[1, 1:] = np.abs(expected_v)
+  np.testing.assert_array_equal(a.numpy(), expected_a)
+  np.testing.assert_array_equal(whole.numpy(), expected_v)
+  np.testing.assert_array_equal(b.numpy(), expected_b)
+
+
+def test_assign_of_a_reduce_of_its_own_target_broadcast_back():
+  """Found by fuzz_schedule (seed 0, case 26): x.assign(x.sum()) broadcasts a reduce of the target back over it; as
+  a row kernel the assign's hazard check failed with a ShapeError."""
+  values = np.array([True, False, False])
+  x = Tensor(values)
+  x.assign(x.sum())
+  joined = Tensor.cat([x, Tensor(np.array([False]))], dim=0)
+  np.testing.assert_array_equal(joined.numpy(), np.append(np.full(3, values.sum() != 0), False))

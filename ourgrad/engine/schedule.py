@@ -261,6 +261,9 @@ def _walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBu
     first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
     return (first_fused, "a row kernel's output must be per element or per row of its reduces"), plan
   if target is None or not target_reads: return None, plan
+  if rows.is_row_kernel:  # the hazard check below reasons in one reduce's loop shape, not a row kernel's
+    first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
+    return (first_fused, "an assign reading its own target keeps to one reduce"), plan
   return _assign_hazard(root, start[0], target_reads, reduce_base, realizes), plan
 
 
@@ -372,7 +375,11 @@ def _group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list
         continue
       del groupable[base_id]
       changed = True
-  return _bucket_outputs(bases, realizes, plans, groupable)
+  groups = _bucket_outputs(bases, realizes, plans, groupable)
+  if _has_run_order(groups, plans): return groups
+  # assigns order kernels the filter above does not see: a member reading a buffer's old contents runs before the
+  # assign overwriting it, whose result may feed another member of the same group. No multi-output kernels then.
+  return _bucket_outputs(bases, realizes, plans, {})
 
 
 def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict[int, _KernelPlan],
