@@ -386,7 +386,8 @@ def test_reductions_sum_and_max_with_nan() -> None:
   check_graph(lambda a: a.max(axis=1), [x], x.max(axis=1))
   check_graph(lambda a: a.max(axis=0), [x], x.max(axis=0))
   clean = np.nan_to_num(x)
-  check_graph(lambda a: a.sum(), [clean], clean.sum(dtype=np.float64), rtol=1e-5)
+  # a full sum of 264 float32 values: the two devices add in different orders (CLANG's vector lanes), as numpy does
+  check_graph(lambda a: a.sum(), [clean], clean.sum(dtype=np.float64), rtol=1e-5, clang_rtol=1e-5)
   check_graph(lambda a: a.mean(axis=0, keepdim=True), [clean], clean.mean(axis=0, keepdims=True))
   ints = rng.integers(-1000, 1000, (5, 300)).astype(np.int32)
   check_graph(lambda a: a.sum(axis=1), [ints], ints.sum(axis=1))

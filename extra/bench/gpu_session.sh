@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device-machine call: CUDA test suites, then the benchmarks named in $BENCHES, each log under $OUT.
-# Usage on the device machine: BENCHES="reduce jit" bash extra/bench/gpu_session.sh
+# One device-machine call: the CUDA test suites in $TESTS, then the benchmarks in $BENCHES, each log under $OUT.
+# BENCHES is a ';'-separated list of "name args...", e.g. BENCHES="reduce; matmul --no-compile --beam 0".
+# Usage on the device machine: TESTS="test/test_ops.py" BENCHES="reduce; jit" bash extra/bench/gpu_session.sh
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OURGRAD_CACHE_DIR=/tmp/ourgrad_cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -8,9 +9,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import xdist" 2>/dev/null && PARALLEL="-n 8" || PARALLEL=""
 if [ -n "${TESTS:-}" ]; then
   DEVICE=CUDA timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q $PARALLEL -p no:cacheprovider $TESTS 2>&1 \
-    | tail -40 | tee "$OUT/cuda_tests.txt"
+    | tail -60 | tee "$OUT/cuda_tests.txt"
 fi
-for bench in ${BENCHES:-}; do
-  echo "=== bench_$bench ${BENCH_ARGS_:-}" | tee -a "$OUT/bench_$bench.txt"
-  timeout "${BENCH_TIMEOUT:-180}" python3 "extra/bench/bench_$bench.py" 2>&1 | tail -60 | tee -a "$OUT/bench_$bench.txt"
+IFS=';' read -ra specs <<< "${BENCHES:-}"
+for spec in "${specs[@]}"; do
+  read -ra words <<< "$spec"
+  [ ${#words[@]} -eq 0 ] && continue
+  name=${words[0]}
+  echo "=== bench_$name ${words[*]:1}" | tee -a "$OUT/bench_$name.txt"
+  timeout "${BENCH_TIMEOUT:-180}" python3 "extra/bench/bench_$name.py" "${words[@]:1}" 2>&1 | tail -80 \
+    | tee -a "$OUT/bench_$name.txt"
 done
