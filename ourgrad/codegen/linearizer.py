@@ -19,6 +19,7 @@ import math
 from typing import Sequence
 
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
@@ -89,6 +90,7 @@ class Linearizer:
     memory_leaves = {leaf.arg.idx: leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)}
     for idx, leaf in sorted(memory_leaves.items()):
       self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, leaf.op is Ops.STORE))
+    if kernel.tensor_core is not None: return self._linearize_tensor_core()
     shape = kernel.full_shape
     axis_idxs: list[Node] = []
     global_loops = []
@@ -144,6 +146,60 @@ class Linearizer:
     if store_if is not None: build.end_if(store_if)
     for loop in reversed(global_loops): build.end_range(loop)
     return build.uops
+
+  # ---------------------------------------------------------------- tensor cores (OptOps.TC)
+
+  def _linearize_tensor_core(self) -> list[UOp]:
+    """The loop nest of a TC kernel: block indices, then thread indices with the warp's lane innermost (x, 32
+    threads), per upcast tile four float accumulators (the C fragment), the reduce loops with one WMMA per tile and
+    unroll lane (its A and B fragments loaded at the positions tensor_cores.py maps to this lane), then each tile's
+    four outputs stored at the C fragment's positions. The last three dimensions are the instruction's m, n, k."""
+    kernel, build, shape = self.kernel, self.builder, self.kernel.full_shape
+    renderer, applied = kernel.renderer, kernel.tensor_core
+    tc = applied.tc
+    axis_idxs = self._thread_indices(shape[:kernel.global_dims], "gidx", AxisType.GLOBAL, renderer.global_max)
+    local_axes = kernel.thread_axes()   # LOCAL axes only: TC refuses GROUP
+    thread_idxs = self._thread_indices([shape[axis] for axis in local_axes] + [WARP_LANES], "lidx", AxisType.LOCAL,
+                                       renderer.local_max)
+    axis_idxs += thread_idxs[:-1]
+    lane = thread_idxs[-1]
+    group, quad = lane // 4, lane % 4
+    for axis in range(kernel.first_loop_reduce, kernel.first_upcast):
+      axis_idxs.append(Variable(f"ridx{axis}", 0, shape[axis] - 1))
+    m_axis, n_axis, k_axis = kernel.shape_len - 3, kernel.shape_len - 2, kernel.shape_len - 1
+    upcast_axes = [axis for axis in kernel.upcast_axes if axis < m_axis]
+    unroll_axes = [axis for axis in kernel.unroll_axes if axis < m_axis]
+    tiles = list(itertools.product(*[range(shape[axis]) for axis in upcast_axes]))
+    accumulators = {tile: [build.add(UOps.DEFINE_ACC, tc.dtype_out, (), 0.0) for _ in range(tc.c_elements)]
+                    for tile in tiles}
+    reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
+                    for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
+    for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
+      for tile in tiles:
+        idxs = self._fill_lanes(axis_idxs, upcast_axes, tile, unroll_axes, unroll_lane)
+        a_values = [self._fragment_value(applied.a, idxs, (m_axis, k_axis), a_position(element), group, quad)
+                    for element in range(tc.a_elements)]
+        b_values = [self._fragment_value(applied.b, idxs, (k_axis, n_axis), b_position(element), group, quad)
+                    for element in range(tc.b_elements)]
+        build.add(UOps.WMMA, tc.dtype_out, tuple(a_values + b_values + accumulators[tile]),
+                  (tc.dims, tc.dtype_in.name, tc.dtype_out.name))
+    for loop in reversed(reduce_loops): build.end_range(loop)
+    zero_unrolls = (0,) * len(unroll_axes)
+    for tile in tiles:
+      for element, accumulator in enumerate(accumulators[tile]):
+        idxs = self._fill_lanes(axis_idxs, upcast_axes, tile, unroll_axes, zero_unrolls)
+        row, column = c_position(element)
+        idxs[m_axis], idxs[n_axis] = evaluate(row, group, quad), evaluate(column, group, quad)
+        self._store_outputs(idxs, accumulator)
+    return build.uops
+
+  def _fragment_value(self, operand: LazyOp, idxs: list[Node], axes: tuple[int, int], position: tuple,
+                      group: Node, quad: Node) -> UOp:
+    """One fragment element of an operand: its (row, column) in the instruction's matrix are indices along `axes`
+    (the other tile axis is one the operand does not vary along: 0)."""
+    fragment_idxs = list(idxs)
+    for axis, coordinate in zip(axes, position): fragment_idxs[axis] = evaluate(coordinate, group, quad)
+    return self.compute(operand, fragment_idxs, None)
 
   def _store_outputs(self, idxs: list[Node], reduce_value: UOp | None) -> None:
     """Store every output of the kernel at one lane. All values are computed before the first store: an output may

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import Ops
@@ -262,6 +263,8 @@ class CStyleLanguage(Renderer):
         names[id(uop)] = variable
         emit(f"{self.render_dtype(uop.dtype)} {variable} = {ref(uop.srcs[0])};")
         for line in self.render_warp_reduce(variable, uop, uops): emit(line)
+      elif uop.op is UOps.WMMA:
+        emit(self.render_wmma(uop, [ref(src) for src in uop.srcs]))
       elif uop.op is UOps.DEFINE_ACC:
         define(uop, "acc", self.render_const(uop.arg, uop.dtype))
       elif uop.op is UOps.ACCUMULATE:
@@ -298,6 +301,9 @@ class CStyleLanguage(Renderer):
 
   def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
     raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
+
+  def render_wmma(self, uop: UOp, operands: list[str]) -> str:
+    raise NotImplementedError(f"{type(self).__name__} has no tensor cores")
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """How many outer global loops to run on several threads (0: none). Only CPU dialects parallelize."""
@@ -469,6 +475,8 @@ class CUDARenderer(CStyleLanguage):
   bfloat16_spelling = ("__device__ __forceinline__ ", "__float_as_uint(value)",
                        "__uint_as_float(((unsigned int)bits) << 16)")
   vector_width = 4
+  # mma.sync m16n8k16 (sm_80 and newer: A100, H100; the GPUs this renderer targets)
+  tensor_cores = CUDA_TENSOR_CORES
 
   def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
     # the index is a multiple of the width (the linearizer checks), so the address is 16-byte aligned
@@ -542,6 +550,39 @@ class CUDARenderer(CStyleLanguage):
             f"  {variable} = {combined};",
             "}"]
 
+  def render_wmma(self, uop: UOp, operands: list[str]) -> str:
+    """A call of the kernel's mma helper (render_mma_helper): the accumulators are passed by reference."""
+    (m, n, k), dtype_in, _ = uop.arg
+    return f"mma_m{m}n{n}k{k}_{dtype_in}({', '.join(operands)});"
+
+  @staticmethod
+  def render_mma_helper(arg: tuple) -> str:
+    """The device function for one tensor-core instruction (arg of a WMMA uop): halves live in float registers
+    here, so the A and B fragments are packed two per 32-bit register (cvt.rn.{f16,bf16}x2.f32 puts its first
+    operand in the upper half: the fragment's lower-numbered element goes in the lower half), and the C fragment is
+    updated in place."""
+    (m, n, k), dtype_in, dtype_out = arg
+    ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype_in]
+    a_count, b_count, c_count = m * k // 32, k * n // 32, m * n // 32
+    a_names, b_names = [f"a{i}" for i in range(a_count)], [f"b{i}" for i in range(b_count)]
+    c_names = [f"c{i}" for i in range(c_count)]
+    packed = [f"pack_{ptx_type}x2({low}, {high})" for names in (a_names, b_names)
+              for low, high in zip(names[::2], names[1::2])]
+    c_operands = ", ".join(f"%{i}" for i in range(c_count))
+    a_operands = ", ".join(f"%{c_count + i}" for i in range(a_count // 2))
+    b_operands = ", ".join(f"%{c_count + a_count // 2 + i}" for i in range(b_count // 2))
+    # in the WMMA uop's source order: A, B, then the accumulators (by reference)
+    params = ", ".join([f"float {name}" for name in a_names + b_names] + [f"float &{name}" for name in c_names])
+    outputs = ", ".join('"+f"(' + name + ")" for name in c_names)
+    inputs = ", ".join('"r"(' + value + ")" for value in packed)
+    instruction = (f"mma.sync.aligned.m{m}n{n}k{k}.row.col.f32.{ptx_type}.{ptx_type}.f32 "
+                   f"{{{c_operands}}}, {{{a_operands}}}, {{{b_operands}}}, {{{c_operands}}};")
+    pack = f"cvt.rn.{ptx_type}x2.f32 %0, %1, %2;"
+    return (f"__device__ __forceinline__ unsigned pack_{ptx_type}x2(float low, float high) {{\n"
+            f'  unsigned packed; asm("{pack}" : "=r"(packed) : "f"(high), "f"(low)); return packed; }}\n'
+            f"__device__ __forceinline__ void mma_m{m}n{n}k{k}_{dtype_in}({params}) {{\n"
+            f'  asm volatile("{instruction}"\n    : {outputs}\n    : {inputs});\n}}\n')
+
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     threads = block_threads(uops)
     used, helpers = kernel_dtypes(uops), []
@@ -554,6 +595,8 @@ class CUDARenderer(CStyleLanguage):
     if any(uop.op is UOps.BITCAST for uop in uops):
       helpers.append("template <class To, class From> __device__ __forceinline__ To bitcast(From value) {\n"
                      "  union { From from; To to; } u; u.from = value; return u.to; }\n")
+    for arg in dict.fromkeys(uop.arg for uop in uops if uop.op is UOps.WMMA):
+      helpers.append(self.render_mma_helper(arg))
     launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""
     signature = f'extern "C" __global__ void {launch_bounds}{name}({", ".join(params)}) {{\n'
     return "".join(helpers) + signature + "\n".join(body) + "\n}\n"
