@@ -1,0 +1,229 @@
+"""Tensor cores (OptOps.TC, the WMMA uop): mma.sync m16n8k16 with float16/bfloat16 inputs and float32 accumulation.
+
+TC kernels run on the PYTHON device with CUDA's limits (`PythonRenderer("CUDA")`, as `DEVICE=PYTHON EMULATE=CUDA`),
+whose interpreter gathers each warp's fragments with the PTX ISA's lane maps and multiplies in float32; they must
+give the plain kernel's (NOOPT) results, with an error against a float64 reference no worse than PyTorch's matmul in
+the same dtype. Every TC kernel is also rendered as CUDA C++ and compiled with NVRTC for sm_90 when it is installed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad import Tensor, dtypes
+from ourgrad.codegen import linearizer as linearizer_module
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.opt.search import candidate_opts
+from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES, a_position, b_position, c_position, evaluate
+from ourgrad.codegen.uops import UOps
+from ourgrad.device import Buffer
+from ourgrad.dtype import bfloat16_bits_to_float32
+from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.schedule import ScheduleItem, create_schedule
+from ourgrad.renderer.cstyle import ClangRenderer, CUDARenderer
+from ourgrad.runtime.ops_python import PythonRenderer
+
+DEVICE = "PYTHON"
+TC_CHOICE = {dtypes.float16: 0, dtypes.bfloat16: 1}
+TORCH_DTYPE = {dtypes.float16: torch.float16, dtypes.bfloat16: torch.bfloat16}
+
+
+def _nvrtc():
+  try:
+    from ourgrad.runtime.ops_cuda import CUDACompiler
+    compiler = CUDACompiler("sm_90")
+    compiler.compile('extern "C" __global__ void probe() {}')
+    return compiler
+  except Exception:  # no cuda-python or no NVRTC library here
+    return None
+
+
+NVRTC = _nvrtc()
+
+
+# ================================================================ the fragment maps against the PTX ISA's table
+
+def test_fragment_maps_follow_the_ptx_isa() -> None:
+  """The m16n8k16 .f16/.bf16 fragment layouts as the PTX ISA lists them, element by element, for every lane; and
+  each map covers its matrix exactly once over a warp."""
+  for lane in range(32):
+    group_id, thread_in_group = lane >> 2, lane % 4
+    for element in range(8):   # a0..a7: rows groupID (a0,a1,a4,a5) / groupID+8; cols +8 from a4 on
+      row = group_id + (8 if element in (2, 3, 6, 7) else 0)
+      column = thread_in_group * 2 + (element % 2) + (8 if element >= 4 else 0)
+      assert tuple(evaluate(c, group_id, thread_in_group) for c in a_position(element)) == (row, column)
+    for element in range(4):   # b0..b3: rows threadID_in_group*2 + (0,1), +8 for b2,b3; column groupID
+      row = thread_in_group * 2 + (element % 2) + (8 if element >= 2 else 0)
+      assert tuple(evaluate(c, group_id, thread_in_group) for c in b_position(element)) == (row, group_id)
+    for element in range(4):   # c0..c3: rows groupID (c0,c1) / groupID+8; cols threadID_in_group*2 + (0,1)
+      row, column = group_id + (8 if element >= 2 else 0), thread_in_group * 2 + (element % 2)
+      assert tuple(evaluate(c, group_id, thread_in_group) for c in c_position(element)) == (row, column)
+  for position_of, count, shape in ((a_position, 8, (16, 16)), (b_position, 4, (16, 8)), (c_position, 4, (16, 8))):
+    held = np.zeros(shape, int)
+    for lane in range(32):
+      for element in range(count):
+        held[tuple(evaluate(c, lane >> 2, lane % 4) for c in position_of(element))] += 1
+    assert (held == 1).all()
+
+
+# ================================================================ TC kernels against NOOPT and a float64 reference
+
+def _operands(dtype, shape_a: tuple[int, ...], shape_b: tuple[int, ...], seed: int) -> tuple[Tensor, Tensor]:
+  rng = np.random.default_rng(seed)
+  tensors = []
+  for shape in (shape_a, shape_b):
+    values = rng.standard_normal(shape).astype(np.float32)
+    tensors.append(Tensor(values, device=DEVICE).cast(dtype).realize())   # a kernel of its own: the matmul loads it
+  return tensors[0], tensors[1]
+
+
+def _matmul_item(a: Tensor, b: Tensor) -> ScheduleItem:
+  schedule = create_schedule([(a @ b).lazydata])
+  run_schedule(schedule[:-1])
+  return schedule[-1]
+
+
+def _run(kernel: Kernel, item: ScheduleItem) -> np.ndarray:
+  if NVRTC is not None and kernel.tensor_core is not None:
+    cuda = Kernel(kernel.ast, CUDARenderer())
+    for opt in kernel.applied_opts: cuda.apply_opt(opt)   # every opt that fits the emulation fits CUDA
+    NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
+  output = Buffer(DEVICE, item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, DEVICE)((output,) + item.inputs)
+  return _as_float64(output)
+
+
+def _as_float64(output: Buffer) -> np.ndarray:
+  """An output's values (a bfloat16 buffer reads back as its raw 16-bit patterns)."""
+  values = output.numpy()
+  if output.dtype == dtypes.bfloat16: values = bfloat16_bits_to_float32(values)
+  return values.astype(np.float64)
+
+
+def _check_against_reference(a: Tensor, b: Tensor, dtype, got: np.ndarray, plain: np.ndarray) -> None:
+  """Within the plain kernel's tolerance, and a relative error against float64 no worse than PyTorch's."""
+  a64, b64 = (torch.tensor(x.cast(dtypes.float32).numpy(), dtype=torch.float64) for x in (a, b))
+  reference = (a64 @ b64).numpy().reshape(-1)
+  torch_out = (a64.to(TORCH_DTYPE[dtype]) @ b64.to(TORCH_DTYPE[dtype])).to(torch.float64).numpy().reshape(-1)
+  tolerance = 2e-2 if dtype == dtypes.float16 else 1e-1
+  np.testing.assert_allclose(got, plain, rtol=tolerance, atol=tolerance)
+  error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
+  torch_error = np.linalg.norm(torch_out - reference) / np.linalg.norm(reference)
+  assert error <= 1.5 * torch_error + 1e-7, (error, torch_error)
+
+
+SHAPES = {"16x8x16": ((16, 16), (16, 8)), "32x32x32": ((32, 32), (32, 32)), "64x48x32": ((64, 32), (32, 48)),
+          "batched": ((3, 32, 16), (3, 16, 16))}
+
+
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tc_matches_noopt(dtype, shape: str) -> None:
+  a, b = _operands(dtype, *SHAPES[shape], seed=len(shape))
+  item = _matmul_item(a, b)
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.apply_opt(Opt(OptOps.TC, 0, TC_CHOICE[dtype]))
+  assert kernel.full_shape[-3:] == (16, 8, 16) and kernel.block_threads() == 32
+  _check_against_reference(a, b, dtype, _run(kernel, item), plain)
+
+
+@pytest.mark.parametrize("opts", [[Opt(OptOps.UPCAST, 0, 2), Opt(OptOps.UPCAST, 1, 2)],
+                                  [Opt(OptOps.LOCAL, 1, 2), Opt(OptOps.UNROLL, 0, 2)],
+                                  [Opt(OptOps.UPCAST, 1, 3), Opt(OptOps.LOCAL, 0, 2)]], ids=["tiles", "warps", "odd"])
+def test_tc_with_more_opts_matches_noopt(opts: list[Opt]) -> None:
+  """Several mma tiles per warp (UPCAST), several warps per block (LOCAL), an unrolled K step."""
+  a, b = _operands(dtypes.float16, (64, 32), (32, 48), seed=3)
+  item = _matmul_item(a, b)
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.apply_opt(Opt(OptOps.TC, 0, 0))
+  for opt in opts: kernel.apply_opt(opt)
+  assert kernel.full_shape[-3:] == (16, 8, 16)
+  _check_against_reference(a, b, dtypes.float16, _run(kernel, item), plain)
+
+
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("shapes", [((64, 32), (32, 48)), ((40, 32), (32, 20)), ((2, 32, 16), (2, 16, 64))],
+                         ids=["tiles", "ragged", "batched"])
+def test_heuristic_picks_tc(dtype, shapes) -> None:
+  """The GPU heuristic applies TC to float16/bfloat16 matmuls (padding ragged M/N first)."""
+  a, b = _operands(dtype, *shapes, seed=5)
+  item = _matmul_item(a, b)
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert Opt(OptOps.TC, 0, TC_CHOICE[dtype]) in kernel.applied_opts
+  _check_against_reference(a, b, dtype, _run(kernel, item), plain)
+
+
+def test_a_wrong_fragment_map_fails(monkeypatch) -> None:
+  """The interpreter keeps the true B map while the linearizer loads B with C's map (rows from the lane's group,
+  columns from its quad): the results must differ from the plain kernel's (the emulation checks the mapping, not
+  only agrees with itself)."""
+  a, b = _operands(dtypes.float16, (16, 16), (16, 8), seed=9)
+  item = _matmul_item(a, b)
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  monkeypatch.setattr(linearizer_module, "b_position", c_position)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.apply_opt(Opt(OptOps.TC, 0, 0))
+  output = Buffer(DEVICE, item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, DEVICE)((output,) + item.inputs)
+  assert not np.allclose(_as_float64(output), plain, rtol=2e-2, atol=2e-2)
+
+
+# ================================================================ rendering
+
+def test_cuda_renders_mma_sync() -> None:
+  a, b = _operands(dtypes.bfloat16, (32, 32), (32, 32), seed=1)
+  kernel = Kernel(_matmul_item(a, b).ast, CUDARenderer())
+  kernel.apply_opt(Opt(OptOps.TC, 0, 1))
+  uops = linearize(kernel)
+  assert sum(uop.op is UOps.WMMA for uop in uops) == 1
+  source = CUDARenderer().render(kernel.name, uops)
+  assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source and "cvt.rn.bf16x2.f32" in source
+  if NVRTC is not None: NVRTC.compile(source)
+
+
+# ================================================================ legality
+
+def _fp16_matmul_kernel(renderer, shape_a=(32, 32), shape_b=(32, 32), dtype=dtypes.float16) -> Kernel:
+  a, b = _operands(dtype, shape_a, shape_b, seed=2)
+  return Kernel(_matmul_item(a, b).ast, renderer)
+
+
+@pytest.mark.parametrize("case", ["float32", "bad_k", "bad_n", "clang", "python_without_emulate", "wrong_choice",
+                                  "bf16_choice_on_halves", "not_first", "axis"])
+def test_illegal_tc_raises(case: str) -> None:
+  renderer, opt = PythonRenderer("CUDA"), Opt(OptOps.TC, 0, 0)
+  shapes, dtype, before = ((32, 32), (32, 32)), dtypes.float16, []
+  if case == "float32": dtype = dtypes.float32
+  if case == "bad_k": shapes = ((32, 24), (24, 32))
+  if case == "bad_n": shapes = ((32, 32), (32, 12))
+  if case == "clang": renderer = ClangRenderer()
+  if case == "python_without_emulate": renderer = PythonRenderer()
+  if case == "wrong_choice": opt = Opt(OptOps.TC, 0, 2)
+  if case == "bf16_choice_on_halves": opt = Opt(OptOps.TC, 0, 1)
+  if case == "not_first": before = [Opt(OptOps.UPCAST, 0, 2)]
+  if case == "axis": opt = Opt(OptOps.TC, 1, 0)
+  kernel = _fp16_matmul_kernel(renderer, *shapes, dtype=dtype)
+  for applied in before: kernel.apply_opt(applied)
+  shape = kernel.full_shape
+  with pytest.raises(KernelOptError): kernel.apply_opt(opt)
+  assert kernel.full_shape == shape and kernel.tensor_core is None
+
+
+def test_group_after_tc_raises() -> None:
+  kernel = _fp16_matmul_kernel(PythonRenderer("CUDA"), (32, 64), (64, 32))
+  kernel.apply_opt(Opt(OptOps.TC, 0, 0))
+  with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.GROUP, 0, 2))
+
+
+def test_beam_sees_tc() -> None:
+  """TC is among the legal opts and BEAM's candidates, once per matching tensor core."""
+  kernel = _fp16_matmul_kernel(PythonRenderer("CUDA"))
+  assert Opt(OptOps.TC, 0, 0) in kernel.legal_opts() and Opt(OptOps.TC, 0, 1) not in kernel.legal_opts()
+  assert [opt for opt, _ in candidate_opts(kernel) if opt.op is OptOps.TC] == [Opt(OptOps.TC, 0, 0)]
+  assert CUDARenderer.tensor_cores == CUDA_TENSOR_CORES
