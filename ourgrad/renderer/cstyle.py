@@ -209,6 +209,7 @@ class CStyleLanguage(Renderer):
       names[id(uop)] = variable
 
     parallel_loops = self.parallel_loop_count(uops)
+    raw_loads = self.raw_fragment_loads(uops)
     for uop in uops:
       if uop.op is UOps.DEFINE_GLOBAL:
         names[id(uop)] = f"data{uop.arg[0]}"
@@ -230,6 +231,12 @@ class CStyleLanguage(Renderer):
         emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};  /* 0..{uop.arg[1] - 1} */")
       elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL:
         define(uop, "val", f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]")  # local memory holds register values
+      elif uop.op is UOps.LOAD and id(uop) in raw_loads:   # kept as stored (a tensor-core fragment element)
+        variable, loaded = new_name("val"), f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]"
+        memory = self.memory_type(uop.dtype)
+        if len(uop.srcs) > 2: loaded = f"(({ref(uop.srcs[2])}) ? {loaded} : ({memory})0)"
+        emit(f"{memory} {variable} = {loaded};")
+        names[id(uop)] = variable
       elif uop.op is UOps.LOAD and uop.arg is not None:
         variable = new_name("vec")
         names[id(uop)] = variable
@@ -264,7 +271,7 @@ class CStyleLanguage(Renderer):
         emit(f"{self.render_dtype(uop.dtype)} {variable} = {ref(uop.srcs[0])};")
         for line in self.render_warp_reduce(variable, uop, uops): emit(line)
       elif uop.op is UOps.WMMA:
-        emit(self.render_wmma(uop, [ref(src) for src in uop.srcs]))
+        emit(self.render_wmma(uop, [ref(src) for src in uop.srcs], [id(src) in raw_loads for src in uop.srcs]))
       elif uop.op is UOps.DEFINE_ACC:
         define(uop, "acc", self.render_const(uop.arg, uop.dtype))
       elif uop.op is UOps.ACCUMULATE:
@@ -302,8 +309,12 @@ class CStyleLanguage(Renderer):
   def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
     raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
 
-  def render_wmma(self, uop: UOp, operands: list[str]) -> str:
+  def render_wmma(self, uop: UOp, operands: list[str], raw: list[bool]) -> str:
     raise NotImplementedError(f"{type(self).__name__} has no tensor cores")
+
+  def raw_fragment_loads(self, uops: list[UOp]) -> set[int]:
+    """Ids of the LOADs a dialect renders as the bits they are stored as (for its tensor-core instructions)."""
+    return set()
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """How many outer global loops to run on several threads (0: none). Only CPU dialects parallelize."""
@@ -550,37 +561,49 @@ class CUDARenderer(CStyleLanguage):
             f"  {variable} = {combined};",
             "}"]
 
-  def render_wmma(self, uop: UOp, operands: list[str]) -> str:
-    """A call of the kernel's mma helper (render_mma_helper): the accumulators are passed by reference."""
+  def raw_fragment_loads(self, uops: list[UOp]) -> set[int]:
+    """Scalar float16/bfloat16 loads of kernel arguments read only by WMMAs: the mma takes their 16 bits as stored,
+    so they skip the round trip through a float register (a conversion there and one back)."""
+    wmma_uses: dict[int, int] = {}
+    for uop in uops:
+      if uop.op is UOps.WMMA:
+        for src in uop.srcs: wmma_uses[id(src)] = wmma_uses.get(id(src), 0) + 1
+    return {id(uop) for uop in uops if uop.op is UOps.LOAD and uop.arg is None and uop.srcs[0].op is UOps.DEFINE_GLOBAL
+            and uop.dtype in (dtypes.float16, dtypes.bfloat16) and wmma_uses.get(id(uop), 0) == uop.uses}
+
+  def render_wmma(self, uop: UOp, operands: list[str], raw: list[bool]) -> str:
+    """A call of the kernel's mma helper (render_mma_helper) on the fragments' 16-bit patterns (a value that lives
+    in a float register is converted); the accumulators are passed by reference."""
     (m, n, k), dtype_in, _ = uop.arg
-    return f"mma_m{m}n{n}k{k}_{dtype_in}({', '.join(operands)});"
+    fragment_count = (m * k + k * n) // 32
+    to_bits = "float_to_half" if dtype_in == "float16" else "float_to_bf16"
+    fragments = [operand if is_raw else f"{to_bits}({operand})"
+                 for operand, is_raw in zip(operands[:fragment_count], raw)]
+    return f"mma_m{m}n{n}k{k}_{dtype_in}({', '.join(fragments + operands[fragment_count:])});"
 
   @staticmethod
   def render_mma_helper(arg: tuple) -> str:
-    """The device function for one tensor-core instruction (arg of a WMMA uop): halves live in float registers
-    here, so the A and B fragments are packed two per 32-bit register (cvt.rn.{f16,bf16}x2.f32 puts its first
-    operand in the upper half: the fragment's lower-numbered element goes in the lower half), and the C fragment is
-    updated in place."""
+    """The device function for one tensor-core instruction (arg of a WMMA uop): it takes the A and B fragments'
+    16-bit patterns and packs them two per 32-bit register (the lower-numbered element in the lower half, as
+    mma.sync reads them); the C fragment is updated in place."""
     (m, n, k), dtype_in, dtype_out = arg
     ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype_in]
     a_count, b_count, c_count = m * k // 32, k * n // 32, m * n // 32
     a_names, b_names = [f"a{i}" for i in range(a_count)], [f"b{i}" for i in range(b_count)]
     c_names = [f"c{i}" for i in range(c_count)]
-    packed = [f"pack_{ptx_type}x2({low}, {high})" for names in (a_names, b_names)
+    packed = [f"((unsigned){low} | ((unsigned){high} << 16))" for names in (a_names, b_names)
               for low, high in zip(names[::2], names[1::2])]
     c_operands = ", ".join(f"%{i}" for i in range(c_count))
     a_operands = ", ".join(f"%{c_count + i}" for i in range(a_count // 2))
     b_operands = ", ".join(f"%{c_count + a_count // 2 + i}" for i in range(b_count // 2))
     # in the WMMA uop's source order: A, B, then the accumulators (by reference)
-    params = ", ".join([f"float {name}" for name in a_names + b_names] + [f"float &{name}" for name in c_names])
+    params = ", ".join([f"unsigned short {name}" for name in a_names + b_names] +
+                       [f"float &{name}" for name in c_names])
     outputs = ", ".join('"+f"(' + name + ")" for name in c_names)
     inputs = ", ".join('"r"(' + value + ")" for value in packed)
     instruction = (f"mma.sync.aligned.m{m}n{n}k{k}.row.col.f32.{ptx_type}.{ptx_type}.f32 "
                    f"{{{c_operands}}}, {{{a_operands}}}, {{{b_operands}}}, {{{c_operands}}};")
-    pack = f"cvt.rn.{ptx_type}x2.f32 %0, %1, %2;"
-    return (f"__device__ __forceinline__ unsigned pack_{ptx_type}x2(float low, float high) {{\n"
-            f'  unsigned packed; asm("{pack}" : "=r"(packed) : "f"(high), "f"(low)); return packed; }}\n'
-            f"__device__ __forceinline__ void mma_m{m}n{n}k{k}_{dtype_in}({params}) {{\n"
+    return (f"__device__ __forceinline__ void mma_m{m}n{n}k{k}_{dtype_in}({params}) {{\n"
             f'  asm volatile("{instruction}"\n    : {outputs}\n    : {inputs});\n}}\n')
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
