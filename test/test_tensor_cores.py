@@ -183,7 +183,9 @@ def test_cuda_renders_mma_sync() -> None:
   uops = linearize(kernel)
   assert sum(uop.op is UOps.WMMA for uop in uops) == 1
   source = CUDARenderer().render(kernel.name, uops)
-  assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source and "cvt.rn.bf16x2.f32" in source
+  assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
+  # the fragments are loaded as the 16-bit patterns the mma packs, not widened to float and narrowed back
+  assert "unsigned short val0 = data" in source and "bf16_to_float(data" not in source
   if NVRTC is not None: NVRTC.compile(source)
 
 
