@@ -159,6 +159,22 @@ def test_heuristic_picks_tc(dtype, shapes) -> None:
   _check_against_reference(a, b, dtype, _run(kernel, item), plain)
 
 
+@pytest.mark.parametrize("layout", ["a@b", "a@bT", "aT@b"])
+def test_operand_layouts(layout: str) -> None:
+  """Fragment elements 2j, 2j+1 are K neighbours: one 2-wide load where the operand is contiguous along K (A of a
+  row-major a, B of a transposed b), scalar loads otherwise; every layout gives the plain kernel's results."""
+  a, b = _operands(dtypes.float16, (32, 32), (32, 32), seed=4)
+  left, right = {"a@b": (a, b), "a@bT": (a, b.T), "aT@b": (a.T, b)}[layout]
+  item = _matmul_item(left, right)
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.apply_opt(Opt(OptOps.TC, 0, 0))
+  paired = sum(uop.op is UOps.LOAD and uop.arg == 2 for uop in linearize(kernel))
+  # per mma: A has 4 pairs, B 2; a.T and a row-major b are contiguous along M and N, not K
+  assert paired == {"a@b": 4, "a@bT": 6, "aT@b": 0}[layout]
+  _check_against_reference(left, right, dtypes.float16, _run(kernel, item), plain)
+
+
 def test_a_wrong_fragment_map_fails(monkeypatch) -> None:
   """The interpreter keeps the true B map while the linearizer loads B with C's map (rows from the lane's group,
   columns from its quad): the results must differ from the plain kernel's (the emulation checks the mapping, not

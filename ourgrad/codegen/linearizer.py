@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
@@ -177,10 +177,8 @@ class Linearizer:
     for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
       for tile in tiles:
         idxs = self._fill_lanes(axis_idxs, upcast_axes, tile, unroll_axes, unroll_lane)
-        a_values = [self._fragment_value(applied.a, idxs, (m_axis, k_axis), a_position(element), group, quad)
-                    for element in range(tc.a_elements)]
-        b_values = [self._fragment_value(applied.b, idxs, (k_axis, n_axis), b_position(element), group, quad)
-                    for element in range(tc.b_elements)]
+        a_values = self._fragment_values(applied.a, idxs, (m_axis, k_axis), a_position, tc.a_elements, group, quad)
+        b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), b_position, tc.b_elements, group, quad)
         build.add(UOps.WMMA, tc.dtype_out, tuple(a_values + b_values + accumulators[tile]),
                   (tc.dims, tc.dtype_in.name, tc.dtype_out.name))
     for loop in reversed(reduce_loops): build.end_range(loop)
@@ -193,13 +191,35 @@ class Linearizer:
         self._store_outputs(idxs, accumulator)
     return build.uops
 
-  def _fragment_value(self, operand: LazyOp, idxs: list[Node], axes: tuple[int, int], position: tuple,
-                      group: Node, quad: Node) -> UOp:
-    """One fragment element of an operand: its (row, column) in the instruction's matrix are indices along `axes`
-    (the other tile axis is one the operand does not vary along: 0)."""
-    fragment_idxs = list(idxs)
-    for axis, coordinate in zip(axes, position): fragment_idxs[axis] = evaluate(coordinate, group, quad)
-    return self.compute(operand, fragment_idxs, None)
+  def _fragment_values(self, operand: LazyOp, idxs: list[Node], axes: tuple[int, int], position_of: Callable,
+                       count: int, group: Node, quad: Node) -> list[UOp]:
+    """An operand's fragment: element i at (row, column) = position_of(i) of the instruction's matrix, indices
+    along `axes` (the other tile axis is one the operand does not vary along: 0). Elements 2j and 2j+1 are K
+    neighbours (the PTX layouts pair them in one register); where the operand is contiguous along K they are one
+    aligned 2-wide load."""
+    element_idxs = []
+    for element in range(count):
+      fragment_idxs = list(idxs)
+      for axis, coordinate in zip(axes, position_of(element)): fragment_idxs[axis] = evaluate(coordinate, group, quad)
+      element_idxs.append(fragment_idxs)
+    k_axis = self.kernel.shape_len - 1
+    values = []
+    for low, high in zip(element_idxs[::2], element_idxs[1::2]):
+      pair = self._fragment_pair(operand, low, k_axis)
+      values += pair if pair is not None else [self.compute(operand, low, None), self.compute(operand, high, None)]
+    return values
+
+  def _fragment_pair(self, operand: LazyOp, idxs: list[Node], k_axis: int) -> list[UOp] | None:
+    """Two K-neighbouring elements as one 2-wide LOAD (and its GEPs), or None where the view is not one unmasked
+    view contiguous along K or the first index is not provably even."""
+    leaf = self.kernel.leaf_number(operand)
+    st = self.kernel.sts[leaf]
+    if len(st.views) != 1 or st.views[0].mask is not None or st.real_strides()[k_axis] != 1: return None
+    index_node, _ = self._index_nodes(leaf, idxs)
+    if not _multiple_of(index_node, 2): return None
+    vector = self.builder.add(UOps.LOAD, operand.dtype, (self.buffers[operand.arg.idx], self.node_to_uop(index_node)),
+                              2)
+    return [self.builder.add(UOps.GEP, operand.dtype, (vector,), element) for element in range(2)]
 
   def _store_outputs(self, idxs: list[Node], reduce_value: UOp | None) -> None:
     """Store every output of the kernel at one lane. All values are computed before the first store: an output may

@@ -231,6 +231,12 @@ class CStyleLanguage(Renderer):
         emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};  /* 0..{uop.arg[1] - 1} */")
       elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL:
         define(uop, "val", f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]")  # local memory holds register values
+      elif uop.op is UOps.LOAD and uop.arg == 2 and id(uop) in raw_loads:   # two fragment elements in one register
+        variable = new_name("vec")
+        names[id(uop)] = variable
+        emit(f"unsigned {variable} = *((const unsigned*)({ref(uop.srcs[0])}+({ref(uop.srcs[1])})));")
+      elif uop.op is UOps.GEP and id(uop) in raw_loads:
+        names[id(uop)] = f"((unsigned short)({ref(uop.srcs[0])} >> {16 * uop.arg}))"
       elif uop.op is UOps.LOAD and id(uop) in raw_loads:   # kept as stored (a tensor-core fragment element)
         variable, loaded = new_name("val"), f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]"
         memory = self.memory_type(uop.dtype)
@@ -562,14 +568,24 @@ class CUDARenderer(CStyleLanguage):
             "}"]
 
   def raw_fragment_loads(self, uops: list[UOp]) -> set[int]:
-    """Scalar float16/bfloat16 loads of kernel arguments read only by WMMAs: the mma takes their 16 bits as stored,
-    so they skip the round trip through a float register (a conversion there and one back)."""
+    """float16/bfloat16 loads of kernel arguments read only by WMMAs: the mma takes their 16 bits as stored, so they
+    skip the round trip through a float register (a conversion there and one back). A 2-wide vector load of them
+    (two K-neighbouring fragment elements, see Linearizer._fragment_pair) is one 32-bit load whose GEPs are its two
+    halves."""
     wmma_uses: dict[int, int] = {}
     for uop in uops:
       if uop.op is UOps.WMMA:
         for src in uop.srcs: wmma_uses[id(src)] = wmma_uses.get(id(src), 0) + 1
-    return {id(uop) for uop in uops if uop.op is UOps.LOAD and uop.arg is None and uop.srcs[0].op is UOps.DEFINE_GLOBAL
-            and uop.dtype in (dtypes.float16, dtypes.bfloat16) and wmma_uses.get(id(uop), 0) == uop.uses}
+    raw: set[int] = set()
+    for uop in uops:
+      if uop.op is UOps.LOAD and uop.arg in (None, 2) and uop.srcs[0].op is UOps.DEFINE_GLOBAL and \
+          uop.dtype in (dtypes.float16, dtypes.bfloat16):
+        if uop.arg is None and wmma_uses.get(id(uop), 0) == uop.uses: raw.add(id(uop))
+        if uop.arg == 2: raw.add(id(uop))
+      elif uop.op is UOps.GEP and id(uop.srcs[0]) in raw:
+        if wmma_uses.get(id(uop), 0) != uop.uses: raise NotImplementedError("a paired half load read outside a WMMA")
+        raw.add(id(uop))
+    return raw
 
   def render_wmma(self, uop: UOp, operands: list[str], raw: list[bool]) -> str:
     """A call of the kernel's mma helper (render_mma_helper) on the fragments' 16-bit patterns (a value that lives
