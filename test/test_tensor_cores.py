@@ -175,6 +175,27 @@ def test_operand_layouts(layout: str) -> None:
   _check_against_reference(left, right, dtypes.float16, _run(kernel, item), plain)
 
 
+def test_heuristic_tc_on_a_float16_convolution() -> None:
+  """A padded 3x3 convolution in matmul form: K is the input channels (the filter's 3-wide axes are not a multiple
+  of 16), M/N the output positions and channels; the masked (padded) input view is loaded element by element."""
+  rng = np.random.default_rng(11)
+  x_values, w_values = rng.standard_normal((2, 16, 8, 8)), rng.standard_normal((16, 16, 3, 3))
+  x, w = (Tensor(values.astype(np.float32), device=DEVICE).cast(dtypes.float16).realize()
+          for values in (x_values, w_values))
+  schedule = create_schedule([x.conv2d(w, padding=1).lazydata])
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert Opt(OptOps.TC, 0, 0) in kernel.applied_opts
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=2e-2, atol=2e-2)
+  x64, w64 = (torch.tensor(values.astype(np.float16).astype(np.float64)) for values in (x_values, w_values))
+  reference = torch.nn.functional.conv2d(x64, w64, padding=1).numpy().reshape(-1)
+  assert np.linalg.norm(got - reference) / np.linalg.norm(reference) < 1e-3   # float16 output rounding: ~3e-4
+
+
 def test_a_wrong_fragment_map_fails(monkeypatch) -> None:
   """The interpreter keeps the true B map while the linearizer loads B with C's map (rows from the lane's group,
   columns from its quad): the results must differ from the plain kernel's (the emulation checks the mapping, not

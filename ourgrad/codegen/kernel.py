@@ -370,7 +370,7 @@ class Kernel:
     m_axes, n_axes, k_axes = self.matmul_axes(a, b)
     if not (m_axes and n_axes and k_axes):
       raise KernelOptError(f"TC: no M/N/K axes in {self.full_shape} (M {m_axes}, N {n_axes}, K {k_axes})")
-    axes = (m_axes[-1], n_axes[-1], k_axes[-1])   # the innermost of each
+    axes = tuple(self.tile_axis(candidates, tile) for candidates, tile in zip((m_axes, n_axes, k_axes), tc.dims))
     for axis, tile, name in zip(axes, tc.dims, "MNK"):
       if self.full_shape[axis] % tile != 0:
         raise KernelOptError(f"TC {tc}: {name} axis {axis} of size {self.full_shape[axis]} in {self.full_shape} is "
@@ -379,6 +379,11 @@ class Kernel:
     self.upcasted += 3
     self.tensor_core = AppliedTensorCore(tc, a, b)
     self._drop_finished_axes()
+
+  def tile_axis(self, candidates: list[int], tile: int) -> int:
+    """Of the M (N, K) candidates, the innermost whose size is a multiple of the tile, else the innermost (a
+    convolution's K: the input channels rather than the 3-wide filter column)."""
+    return next((axis for axis in reversed(candidates) if self.full_shape[axis] % tile == 0), candidates[-1])
 
   def matmul_axes(self, a: LazyOp, b: LazyOp) -> tuple[list[int], list[int], list[int]]:
     """(M, N, K) candidates before the upcasts: output axes only `a` varies along, output axes only `b` varies

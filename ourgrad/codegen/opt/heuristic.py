@@ -77,7 +77,8 @@ def _pad_for_tensor_core(kernel: Kernel, choice: int) -> bool:
   except KernelOptError: return False
   m_axes, n_axes, _ = kernel.matmul_axes(a, b)
   for axes, tile in ((m_axes, tc.dims[0]), (n_axes, tc.dims[1])):
-    if axes and kernel.full_shape[axes[-1]] % tile != 0 and not kernel.try_opt(Opt(OptOps.PADTO, axes[-1], tile)):
+    axis = kernel.tile_axis(axes, tile) if axes else None
+    if axis is not None and kernel.full_shape[axis] % tile != 0 and not kernel.try_opt(Opt(OptOps.PADTO, axis, tile)):
       return False
   return True
 
