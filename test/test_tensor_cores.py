@@ -4,6 +4,7 @@ TC kernels run on the PYTHON device with CUDA's limits (`PythonRenderer("CUDA")`
 whose interpreter gathers each warp's fragments with the PTX ISA's lane maps and multiplies in float32; they must
 give the plain kernel's (NOOPT) results, with an error against a float64 reference no worse than PyTorch's matmul in
 the same dtype. Every TC kernel is also rendered as CUDA C++ and compiled with NVRTC for sm_90 when it is installed.
+The shared-memory tiles of float32 matmuls (OptOps.SHARED) are tested the same way at the end.
 """
 from __future__ import annotations
 
@@ -266,3 +267,66 @@ def test_beam_sees_tc() -> None:
   assert Opt(OptOps.TC, 0, 0) in kernel.legal_opts() and Opt(OptOps.TC, 0, 1) not in kernel.legal_opts()
   assert [opt for opt, _ in candidate_opts(kernel) if opt.op is OptOps.TC] == [Opt(OptOps.TC, 0, 0)]
   assert CUDARenderer.tensor_cores == CUDA_TENSOR_CORES
+
+
+# ================================================================ shared-memory tiles (OptOps.SHARED)
+
+SHARED_CASES = {
+  "register_tile": [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 4),
+                    Opt(OptOps.LOCAL, 1, 8), Opt(OptOps.UNROLL, 0, 4), Opt(OptOps.SHARED, 0, 0)],
+  "partial_rounds": [Opt(OptOps.LOCAL, 1, 8), Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.SHARED, 0, 0),
+                     Opt(OptOps.UNROLL, 0, 3)],
+  "one_operand_shared": [Opt(OptOps.LOCAL, 1, 16), Opt(OptOps.UNROLL, 0, 2), Opt(OptOps.SHARED, 0, 0)],
+  "padded": [Opt(OptOps.PADTO, 0, 32), Opt(OptOps.LOCAL, 0, 8), Opt(OptOps.LOCAL, 1, 4), Opt(OptOps.SHARED, 0, 0)],
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED_CASES))
+def test_shared_tiles_match_noopt(case: str) -> None:
+  """Each reduce step the block loads the operands its threads share into local memory (cooperatively), waits at
+  a barrier, computes from local memory and waits again; the interpreter flags a missing barrier as a race."""
+  rng = np.random.default_rng(len(case))
+  m = 40 if case == "padded" else 64
+  a_values, b_values = rng.standard_normal((m, 48)).astype(np.float32), rng.standard_normal((48, 32)).astype(np.float32)
+  item = _matmul_item(Tensor(a_values, device=DEVICE), Tensor(b_values, device=DEVICE))
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  for opt in SHARED_CASES[case]: kernel.apply_opt(opt)
+  assert len(kernel.staged_loads()) == (1 if case == "one_operand_shared" else 2)
+  uops = linearize(kernel)
+  assert sum(uop.op is UOps.BARRIER for uop in uops) == 2 and any(uop.op is UOps.DEFINE_LOCAL for uop in uops)
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got.reshape(m, 32), a_values.astype(np.float64) @ b_values, rtol=1e-4, atol=1e-4)
+  if NVRTC is not None:
+    cuda = Kernel(item.ast, CUDARenderer())
+    for opt in kernel.applied_opts: cuda.apply_opt(opt)
+    source = CUDARenderer().render(cuda.name, linearize(cuda))
+    assert "__shared__ float tile0" in source and "__syncthreads();" in source
+    NVRTC.compile(source)
+
+
+@pytest.mark.parametrize("case", ["clang", "no_threads_share", "after_group", "twice", "with_tc", "too_big"])
+def test_illegal_shared_raises(case: str) -> None:
+  renderer = ClangRenderer() if case == "clang" else PythonRenderer("CUDA")
+  dtype = dtypes.float16 if case == "with_tc" else dtypes.float32
+  shapes = ((128, 256), (256, 128)) if case == "too_big" else ((32, 64), (64, 32))
+  kernel = _fp16_matmul_kernel(renderer, *shapes, dtype=dtype)
+  before = {"after_group": [Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.GROUP, 0, 4)],
+            "twice": [Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.SHARED, 0, 0)], "with_tc": [Opt(OptOps.TC, 0, 0)],
+            "too_big": [Opt(OptOps.LOCAL, 0, 64), Opt(OptOps.LOCAL, 1, 16), Opt(OptOps.SHARED, 0, 0),
+                        Opt(OptOps.UNROLL, 0, 128)]}.get(case, [])
+  for opt in before: kernel.apply_opt(opt)
+  shape = kernel.full_shape
+  with pytest.raises(KernelOptError):
+    # too_big: 40 KB of tiles fit in CUDA's 48 KB; two rows per thread make A's tile 64 KB
+    kernel.apply_opt(Opt(OptOps.UPCAST, 0, 2) if case == "too_big" else Opt(OptOps.SHARED, 0, 0))
+  assert kernel.full_shape == shape
+
+
+def test_beam_sees_shared() -> None:
+  kernel = _fp16_matmul_kernel(PythonRenderer("CUDA"), dtype=dtypes.float32)
+  assert Opt(OptOps.SHARED, 0, 0) not in kernel.legal_opts()   # no LOCAL axis yet: no thread shares a load
+  kernel.apply_opt(Opt(OptOps.LOCAL, 0, 4))
+  assert Opt(OptOps.SHARED, 0, 0) in kernel.legal_opts()
+  assert Opt(OptOps.SHARED, 0, 0) in [opt for opt, _ in candidate_opts(kernel)]

@@ -48,6 +48,8 @@ class OptOps(Enum):
   BLOCK = auto()    # cache block (CPU): split a global axis into (size/amount, amount) and make the outer part the
   #                   outermost loop, so the loops in between revisit only `amount` slices of that axis (an operand's
   #                   strip that stays in cache); see _apply_cache_block
+  SHARED = auto()   # shared-memory tiles (GPU): each reduce step, the block's threads load the loads they share (a
+  #                   matmul's operands) into local memory together, then compute from it; axis 0, amount 0
   TC = auto()       # tensor cores (GPU): the matmul-shaped reduce's 16x8x16 tiles go to one matrix instruction per
   #                   warp; `amount` picks the renderer's TensorCore (dtype), axis must be 0; see _apply_tensor_core
 
@@ -137,6 +139,7 @@ class Kernel:
     # after OptOps.TC: the instruction and its A and B operands (the LOADs under the reduce's MUL); the last three
     # dimensions are then the instruction's m, n, k (see _apply_tensor_core)
     self.tensor_core: AppliedTensorCore | None = None
+    self.shared_tiles = False   # OptOps.SHARED (see staged_loads)
     self._move_reduce_axes_last()
     self._drop_size_one_axes()
     self._merge_axes()
@@ -263,11 +266,11 @@ class Kernel:
 
   def _state(self) -> tuple:
     return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts),
-            self.tensor_core)
+            self.tensor_core, self.shared_tiles)
 
   def _restore(self, state: tuple) -> None:
     (self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts,
-     self.tensor_core) = state
+     self.tensor_core, self.shared_tiles) = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -286,8 +289,13 @@ class Kernel:
     if opt.op is OptOps.TC:
       if opt.axis != 0: raise KernelOptError(f"TC takes axis 0 (it finds the matmul's axes), got {opt.axis}")
       return 0
-    if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
+    if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP, OptOps.SHARED):
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
+    if opt.op is OptOps.SHARED:
+      if opt.axis != 0 or opt.amount != 0: raise KernelOptError(f"SHARED takes axis 0 and amount 0, got {opt}")
+      return 0
+    if self.shared_tiles and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
+      raise KernelOptError(f"{opt.op.name} does not combine with SHARED")
     if opt.op is OptOps.UPCAST:
       if not 0 <= opt.axis < self.first_reduce: raise KernelOptError(f"UPCAST needs an output axis, got {opt.axis}")
       return opt.axis
@@ -322,6 +330,9 @@ class Kernel:
       return
     if opt.op is OptOps.TC:
       self._apply_tensor_core(opt.amount)
+      return
+    if opt.op is OptOps.SHARED:
+      self._apply_shared_tiles()
       return
     amount = opt.amount if opt.amount != 0 else size
     if amount <= 1 or size % amount != 0:
@@ -396,6 +407,35 @@ class Kernel:
     k_axes = [axis for axis in reduces if varies(a_strides, axis) and varies(b_strides, axis)]
     return m_axes, n_axes, k_axes
 
+  def _apply_shared_tiles(self) -> None:
+    """SHARED: a flag the linearizer reads (Linearizer._stage_shared_tiles); the tiles follow the final shape."""
+    if not getattr(self.renderer, "has_local", False):
+      raise KernelOptError(f"SHARED needs a device with local memory, {self.renderer.device} has none")
+    if self.shared_tiles: raise KernelOptError("SHARED is already applied")
+    if self.group_dims: raise KernelOptError("SHARED does not combine with GROUP/GROUPTOP")
+    self.shared_tiles = True
+    if not self.staged_loads():
+      raise KernelOptError(f"SHARED: no load of {self.name} is shared by the block's threads along a reduce")
+
+  def staged_loads(self) -> list[tuple[int, list[int]]]:
+    """With SHARED: (leaf number, tile axes) of each load the block's threads share (stride 0 along some LOCAL
+    axis) while it varies along a reduce axis: its tile is every LOCAL, UPCAST and UNROLL axis it varies along,
+    ordered by stride (the smallest innermost, so neighbouring threads load neighbouring elements)."""
+    if not self.shared_tiles or self.reduceop is None: return []
+    local_axes = list(range(self.global_dims, self.first_reduce))
+    in_block = local_axes + list(range(self.first_upcast, self.shape_len))
+    reduce_axes = [axis for axis in range(self.first_reduce, self.shape_len) if self.is_reduce_axis(axis)]
+    staged = []
+    for number, leaf in enumerate(self.leaves):
+      if leaf.op is not Ops.LOAD or not isinstance(leaf.arg, MemBuffer) or leaf.srcs: continue
+      strides = self.sts[number].real_strides()
+      shared = any(strides[axis] == 0 for axis in local_axes)
+      if not shared or all(strides[axis] == 0 for axis in reduce_axes): continue
+      tile = [axis for axis in in_block if strides[axis] != 0]
+      tile.sort(key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
+      staged.append((number, tile))
+    return staged
+
   def leaf_number(self, leaf: LazyOp) -> int:
     """The position of a leaf (by identity: equal loads of one buffer may be different leaves) in `leaves`."""
     return next(number for number, candidate in enumerate(self.leaves) if candidate is leaf)
@@ -415,7 +455,7 @@ class Kernel:
       raise KernelOptError(f"{self.block_threads()} threads per block is more than {self.renderer.device}'s "
                            f"{self.renderer.max_threads}")
     local_bytes = self.local_memory_bytes()
-    if local_bytes > getattr(self.renderer, "local_memory_bytes", 0) and self.group_dims:
+    if local_bytes > getattr(self.renderer, "local_memory_bytes", 0) and (self.group_dims or self.shared_tiles):
       raise KernelOptError(f"{local_bytes} bytes of local memory per block is more than {self.renderer.device}'s "
                            f"{self.renderer.local_memory_bytes}")
 
@@ -440,7 +480,10 @@ class Kernel:
     return prod(self.full_shape[axis] for axis in self.upcast_axes)
 
   def local_memory_bytes(self) -> int:
-    """The block's local memory for GROUP partials: one value per thread and upcast output (0 without groups)."""
+    """The block's local memory: the SHARED tiles, or the GROUP partials (one value per thread and upcast output)."""
+    if self.shared_tiles:
+      return sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
+                 for leaf, axes in self.staged_loads())
     if not self.group_dims or self.reduceop is None: return 0
     return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
 
@@ -469,6 +512,9 @@ class Kernel:
     for op in OptOps:
       if op is OptOps.TC:
         candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
+        continue
+      if op is OptOps.SHARED:
+        candidates.append(Opt(op, 0, 0))
         continue
       axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
       candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]

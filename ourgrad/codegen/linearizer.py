@@ -44,6 +44,7 @@ class Linearizer:
     self.loop_vars: dict[str, UOp] = {}
     self.buffers: dict[int, UOp] = {}
     self.leaf_index = {id(leaf): index for index, leaf in enumerate(kernel.leaves)}
+    self.tiles: dict[int, tuple[UOp, list[int]]] = {}   # loads staged in local memory (OptOps.SHARED)
 
   # ---------------------------------------------------------------- symbolic index math -> UOps
 
@@ -117,13 +118,16 @@ class Linearizer:
       accumulate_op = Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
       for lane in output_lanes:
         accumulators[lane] = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+      tiles = self._define_shared_tiles()
       reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
                       for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
+      self._stage_shared_tiles(tiles, axis_idxs)
       for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
         for lane in output_lanes:
           idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, unroll_lane)
           value = self.compute(reduce.srcs[0], idxs, None)
           build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[lane], value), accumulate_op)
+      if tiles: build.add(UOps.BARRIER, None)   # every thread is done with the tiles before the next step's stores
       for loop in reversed(reduce_loops): build.end_range(loop)
 
     reduced: dict[tuple[int, ...], UOp] = dict(accumulators)
@@ -146,6 +150,50 @@ class Linearizer:
     if store_if is not None: build.end_if(store_if)
     for loop in reversed(global_loops): build.end_range(loop)
     return build.uops
+
+  # ---------------------------------------------------------------- shared-memory tiles (OptOps.SHARED)
+
+  def _define_shared_tiles(self) -> dict[int, tuple[UOp, list[int]]]:
+    """A DEFINE_LOCAL per staged load (Kernel.staged_loads): id of the load -> (local memory, tile axes)."""
+    kernel, tiles = self.kernel, {}
+    for number, (leaf, axes) in enumerate(kernel.staged_loads()):
+      node = kernel.leaves[leaf]
+      size = math.prod(kernel.full_shape[axis] for axis in axes)
+      tiles[id(node)] = (self.builder.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"tile{number}", size)), axes)
+    return tiles
+
+  def _tile_address(self, axes: list[int], idxs: list[Node]) -> Node:
+    address: Node = NumNode(0)
+    for axis in axes: address = address * self.kernel.full_shape[axis] + idxs[axis]
+    return address
+
+  def _stage_shared_tiles(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node]) -> None:
+    """At each reduce step, the block's threads load every staged tile together (element e by thread e mod the
+    block's threads: neighbouring threads, neighbouring elements), then wait at a BARRIER; `_load` then reads the
+    tiles. The tiles' elements are the loads' values at this step for every LOCAL/UPCAST/UNROLL index."""
+    if not tiles: return
+    kernel, build = self.kernel, self.builder
+    thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce))
+    threads = kernel.local_threads()
+    nodes = {id(leaf): leaf for leaf in kernel.leaves}
+    for node_id, (local, axes) in tiles.items():
+      sizes = [kernel.full_shape[axis] for axis in axes]
+      total = math.prod(sizes)
+      for first in range(0, total, threads):
+        element = thread + first
+        guard = None
+        if first + threads > total:   # the last round: only the threads with an element left
+          guard = build.add(UOps.IF, None, (self.node_to_uop(element < total),))
+        idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
+        inner = 1
+        for axis, size in reversed(list(zip(axes, sizes))):
+          idxs[axis] = (element // inner) % size
+          inner *= size
+        value = self._global_load(nodes[node_id], idxs, ())
+        build.add(UOps.STORE, None, (local, self.node_to_uop(element), value))
+        if guard is not None: build.end_if(guard)
+    build.add(UOps.BARRIER, None)
+    self.tiles = tiles
 
   # ---------------------------------------------------------------- tensor cores (OptOps.TC)
 
@@ -375,6 +423,12 @@ class Linearizer:
     return values[id(root)]
 
   def _load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:
+    if id(node) in self.tiles:   # staged in local memory (OptOps.SHARED)
+      local, axes = self.tiles[id(node)]
+      return self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(self._tile_address(axes, idxs))))
+    return self._global_load(node, idxs, gathered)
+
+  def _global_load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:
     if not gathered:  # a gathered load's address depends on loaded data: never one vector access
       vector_element = self._vector_load(node, idxs)
       if vector_element is not None: return vector_element
