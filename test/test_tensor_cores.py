@@ -306,6 +306,20 @@ def test_shared_tiles_match_noopt(case: str) -> None:
     NVRTC.compile(source)
 
 
+def test_shared_tiles_with_an_epilogue_load() -> None:
+  """x @ x + x: the epilogue's load of x reads global memory, not the last reduce step's tile."""
+  values = np.random.default_rng(12).standard_normal((16, 16)).astype(np.float32)
+  x = Tensor(values, device=DEVICE)
+  schedule = create_schedule([(x @ x + x).lazydata])
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  for opt in [Opt(OptOps.LOCAL, 0, 4), Opt(OptOps.LOCAL, 1, 4), Opt(OptOps.UNROLL, 0, 4), Opt(OptOps.SHARED, 0, 0)]:
+    kernel.apply_opt(opt)
+  np.testing.assert_allclose(_run(kernel, item).reshape(16, 16), values.astype(np.float64) @ values + values,
+                             rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("case", ["clang", "no_threads_share", "after_group", "twice", "with_tc", "too_big"])
 def test_illegal_shared_raises(case: str) -> None:
   renderer = ClangRenderer() if case == "clang" else PythonRenderer("CUDA")

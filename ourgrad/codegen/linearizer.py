@@ -128,6 +128,7 @@ class Linearizer:
           value = self.compute(reduce.srcs[0], idxs, None)
           build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[lane], value), accumulate_op)
       if tiles: build.add(UOps.BARRIER, None)   # every thread is done with the tiles before the next step's stores
+      self.tiles = {}   # a load the kernel's epilogue shares with the reduce reads global memory there
       for loop in reversed(reduce_loops): build.end_range(loop)
 
     reduced: dict[tuple[int, ...], UOp] = dict(accumulators)
