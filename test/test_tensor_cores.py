@@ -295,6 +295,11 @@ def test_shared_tiles_match_noopt(case: str) -> None:
   assert len(kernel.staged_loads()) == (1 if case == "one_operand_shared" else 2)
   uops = linearize(kernel)
   assert sum(uop.op is UOps.BARRIER for uop in uops) == 2 and any(uop.op is UOps.DEFINE_LOCAL for uop in uops)
+  # tiles contiguous along an innermost axis of a multiple of 4 are filled with float4 loads (not A's 2-wide K
+  # unroll in one_operand_shared, not through the padded view)
+  vector_fills = sum(uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_LOCAL and uop.srcs[2].op is UOps.GEP
+                     for uop in uops)
+  assert (vector_fills > 0) == (case in ("register_tile", "partial_rounds"))
   got = _run(kernel, item)
   np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got.reshape(m, 32), a_values.astype(np.float64) @ b_values, rtol=1e-4, atol=1e-4)

@@ -178,23 +178,43 @@ class Linearizer:
     threads = kernel.local_threads()
     nodes = {id(leaf): leaf for leaf in kernel.leaves}
     for node_id, (local, axes) in tiles.items():
-      sizes = [kernel.full_shape[axis] for axis in axes]
-      total = math.prod(sizes)
-      for first in range(0, total, threads):
-        element = thread + first
+      node, sizes = nodes[node_id], [kernel.full_shape[axis] for axis in axes]
+      total, width = math.prod(sizes), self._tile_load_width(nodes[node_id], axes)
+      for first in range(0, total // width, threads):
+        unit = thread + first   # this thread's unit (element, or float4) of the tile in this round
         guard = None
-        if first + threads > total:   # the last round: only the threads with an element left
-          guard = build.add(UOps.IF, None, (self.node_to_uop(element < total),))
+        if first + threads > total // width:   # the last round: only the threads with a unit left
+          guard = build.add(UOps.IF, None, (self.node_to_uop(unit < total // width),))
+        element = unit * width
         idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
         inner = 1
         for axis, size in reversed(list(zip(axes, sizes))):
           idxs[axis] = (element // inner) % size
           inner *= size
-        value = self._global_load(nodes[node_id], idxs, ())
-        build.add(UOps.STORE, None, (local, self.node_to_uop(element), value))
+        index_node, _ = self._index_nodes(self.leaf_index[node_id], idxs)
+        if width > 1 and _multiple_of(index_node, width):
+          vector = build.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
+          values = [build.add(UOps.GEP, node.dtype, (vector,), lane) for lane in range(width)]
+        else:   # not provably aligned: the unit's elements one by one
+          values = []
+          for lane in range(width):
+            lane_idxs = list(idxs)
+            lane_idxs[axes[-1]] = idxs[axes[-1]] + lane
+            values.append(self._global_load(node, lane_idxs, ()))
+        for lane, value in enumerate(values):
+          build.add(UOps.STORE, None, (local, self.node_to_uop(element + lane), value))
         if guard is not None: build.end_if(guard)
     build.add(UOps.BARRIER, None)
     self.tiles = tiles
+
+  def _tile_load_width(self, node: LazyOp, axes: list[int]) -> int:
+    """4 (float4 loads into the tile) where the renderer has them, the load is float32 through one unmasked view
+    contiguous along the tile's innermost axis and that axis splits into whole vectors; else 1."""
+    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
+    st = kernel.sts[self.leaf_index[id(node)]]
+    if width < 2 or node.dtype != dtypes.float32 or len(st.views) != 1 or st.views[0].mask is not None: return 1
+    if st.real_strides()[axes[-1]] != 1 or kernel.full_shape[axes[-1]] % width != 0: return 1
+    return width
 
   # ---------------------------------------------------------------- tensor cores (OptOps.TC)
 
