@@ -349,3 +349,39 @@ def test_beam_sees_shared() -> None:
   kernel.apply_opt(Opt(OptOps.LOCAL, 0, 4))
   assert Opt(OptOps.SHARED, 0, 0) in kernel.legal_opts()
   assert Opt(OptOps.SHARED, 0, 0) in [opt for opt, _ in candidate_opts(kernel)]
+
+
+# ================================================================ on a real GPU (skipped without one)
+
+def _has_cuda() -> bool:
+  from ourgrad.device import Device
+  from ourgrad.errors import DeviceError
+  try:
+    Device["CUDA"]
+  except DeviceError:
+    return False
+  return True
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("shapes", [((64, 32), (32, 48)), ((100, 64), (64, 72)), ((3, 128, 64), (3, 64, 256))],
+                         ids=["tiles", "ragged", "batched"])
+def test_tc_on_cuda(dtype, shapes) -> None:
+  """The hand-coded kernel (TC) on the GPU: the mma's real fragment layout, checked against float64 like the
+  emulated tests."""
+  from ourgrad.device import Device
+  rng = np.random.default_rng(21)
+  a, b = (Tensor(rng.standard_normal(shape).astype(np.float32), device="CUDA").cast(dtype).realize()
+          for shape in shapes)
+  schedule = create_schedule([(a @ b).lazydata])
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  kernel = Kernel(item.ast, Device["CUDA"].renderer)
+  kernel.hand_coded_optimizations()
+  assert Opt(OptOps.TC, 0, TC_CHOICE[dtype]) in kernel.applied_opts
+  output = Buffer("CUDA", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, "CUDA")((output,) + item.inputs)
+  plain = Buffer("CUDA", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(Kernel(item.ast, Device["CUDA"].renderer), "CUDA")((plain,) + item.inputs)
+  _check_against_reference(a, b, dtype, _as_float64(output), _as_float64(plain))
