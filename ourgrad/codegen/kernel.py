@@ -419,8 +419,9 @@ class Kernel:
 
   def staged_loads(self) -> list[tuple[int, list[int]]]:
     """With SHARED: (leaf number, tile axes) of each load the block's threads share (stride 0 along some LOCAL
-    axis) while it varies along a reduce axis: its tile is every LOCAL, UPCAST and UNROLL axis it varies along,
-    ordered by stride (the smallest innermost, so neighbouring threads load neighbouring elements)."""
+    axis) while it varies along a reduce axis: its tile is every LOCAL, UPCAST and UNROLL axis it varies along, laid
+    out UNROLL outermost, then LOCAL, then UPCAST innermost: a thread reads its upcast values as float4s, and
+    neighbouring threads neighbouring float4s (no bank conflicts)."""
     if not self.shared_tiles or self.reduceop is None: return []
     local_axes = list(range(self.global_dims, self.first_reduce))
     in_block = local_axes + list(range(self.first_upcast, self.shape_len))
@@ -432,8 +433,9 @@ class Kernel:
       shared = any(strides[axis] == 0 for axis in local_axes)
       if not shared or all(strides[axis] == 0 for axis in reduce_axes): continue
       tile = [axis for axis in in_block if strides[axis] != 0]
-      tile.sort(key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
-      staged.append((number, tile))
+      kinds = self.axis_types
+      order = {AxisType.UNROLL: 0, AxisType.LOCAL: 1, AxisType.UPCAST: 2}
+      staged.append((number, sorted(tile, key=lambda axis: order[kinds[axis]])))
     return staged
 
   def leaf_number(self, leaf: LazyOp) -> int:

@@ -45,6 +45,7 @@ class Linearizer:
     self.buffers: dict[int, UOp] = {}
     self.leaf_index = {id(leaf): index for index, leaf in enumerate(kernel.leaves)}
     self.tiles: dict[int, tuple[UOp, list[int]]] = {}   # loads staged in local memory (OptOps.SHARED)
+    self.tile_vectors: dict[tuple, UOp] = {}   # float4 reads of the tiles in this reduce step
 
   # ---------------------------------------------------------------- symbolic index math -> UOps
 
@@ -178,8 +179,13 @@ class Linearizer:
     threads = kernel.local_threads()
     nodes = {id(leaf): leaf for leaf in kernel.leaves}
     for node_id, (local, axes) in tiles.items():
-      node, sizes = nodes[node_id], [kernel.full_shape[axis] for axis in axes]
-      total, width = math.prod(sizes), self._tile_load_width(nodes[node_id], axes)
+      node = nodes[node_id]
+      # filled in the order of the load's strides (the smallest innermost: neighbouring threads read neighbouring
+      # addresses), each element stored at its place in the tile's layout
+      strides = kernel.sts[self.leaf_index[node_id]].real_strides()
+      fill_axes = sorted(axes, key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
+      sizes = [kernel.full_shape[axis] for axis in fill_axes]
+      total, width = math.prod(sizes), self._tile_load_width(node, fill_axes)
       for first in range(0, total // width, threads):
         unit = thread + first   # this thread's unit (element, or float4) of the tile in this round
         guard = None
@@ -188,24 +194,42 @@ class Linearizer:
         element = unit * width
         idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
         inner = 1
-        for axis, size in reversed(list(zip(axes, sizes))):
+        for axis, size in reversed(list(zip(fill_axes, sizes))):
           idxs[axis] = (element // inner) % size
           inner *= size
+        lane_idxs = []
+        for lane in range(width):
+          lane_idxs.append(list(idxs))
+          lane_idxs[-1][fill_axes[-1]] = idxs[fill_axes[-1]] + lane
         index_node, _ = self._index_nodes(self.leaf_index[node_id], idxs)
         if width > 1 and _multiple_of(index_node, width):
           vector = build.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
           values = [build.add(UOps.GEP, node.dtype, (vector,), lane) for lane in range(width)]
         else:   # not provably aligned: the unit's elements one by one
-          values = []
-          for lane in range(width):
-            lane_idxs = list(idxs)
-            lane_idxs[axes[-1]] = idxs[axes[-1]] + lane
-            values.append(self._global_load(node, lane_idxs, ()))
-        for lane, value in enumerate(values):
-          build.add(UOps.STORE, None, (local, self.node_to_uop(element + lane), value))
+          values = [self._global_load(node, lane_idx, ()) for lane_idx in lane_idxs]
+        for lane_idx, value in zip(lane_idxs, values):
+          build.add(UOps.STORE, None, (local, self.node_to_uop(self._tile_address(axes, lane_idx)), value))
         if guard is not None: build.end_if(guard)
     build.add(UOps.BARRIER, None)
     self.tiles = tiles
+
+  def _tile_load(self, node: LazyOp, local: UOp, axes: list[int], idxs: list[Node]) -> UOp:
+    """One element of a staged tile: from a float4 of the tile where its innermost axis is an UPCAST/UNROLL axis of
+    whole vectors and the first element's address is a multiple of 4, else a scalar read. The lanes of one vector
+    share its LOAD (local loads are not merged by the builder: they are remembered here, for this reduce step)."""
+    width, innermost = getattr(self.kernel.renderer, "vector_width", 0), axes[-1]
+    if width >= 2 and node.dtype == dtypes.float32 and isinstance(idxs[innermost], NumNode) and \
+        innermost >= self.kernel.first_upcast and self.kernel.full_shape[innermost] % width == 0:
+      lane = idxs[innermost].b % width
+      first = list(idxs)
+      first[innermost] = NumNode(idxs[innermost].b - lane)
+      address = self._tile_address(axes, first)
+      if _multiple_of(address, width):
+        key = (id(local), address.render())
+        if key not in self.tile_vectors:
+          self.tile_vectors[key] = self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)), width)
+        return self.builder.add(UOps.GEP, node.dtype, (self.tile_vectors[key],), lane)
+    return self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(self._tile_address(axes, idxs))))
 
   def _tile_load_width(self, node: LazyOp, axes: list[int]) -> int:
     """4 (float4 loads into the tile) where the renderer has them, the load is float32 through one unmasked view
@@ -446,7 +470,7 @@ class Linearizer:
   def _load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:
     if id(node) in self.tiles:   # staged in local memory (OptOps.SHARED)
       local, axes = self.tiles[id(node)]
-      return self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(self._tile_address(axes, idxs))))
+      return self._tile_load(node, local, axes, idxs)
     return self._global_load(node, idxs, gathered)
 
   def _global_load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:

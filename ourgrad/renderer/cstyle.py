@@ -99,6 +99,7 @@ class CStyleLanguage(Renderer):
   preamble = ""
   max_inline_length = 120
   local_prefix = ""     # how a block-shared array is declared (`__shared__ `, `__local `)
+  local_align = ""      # and how it is aligned to 16 bytes (float4 reads of SHARED tiles)
   code_for_op: dict[Ops, AluRendering] = C_CODE_FOR_OP
   # how this dialect spells BFLOAT16_HELPERS: function qualifier, a float's bits (of `value`), a float from 16 bits
   bfloat16_spelling: tuple[str, str, str] = (
@@ -229,6 +230,11 @@ class CStyleLanguage(Renderer):
       elif uop.op is UOps.SPECIAL:
         names[id(uop)] = uop.arg[0]
         emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};  /* 0..{uop.arg[1] - 1} */")
+      elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL and uop.arg is not None:   # a tile's float4
+        variable = new_name("vec")
+        names[id(uop)] = variable
+        emit(f"{self.render_dtype(uop.dtype)}{uop.arg} {variable} = "
+             f"{self.render_local_vector_load(ref(uop.srcs[0]), ref(uop.srcs[1]), uop.arg, uop.dtype)};")
       elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL:
         define(uop, "val", f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]")  # local memory holds register values
       elif uop.op is UOps.LOAD and uop.arg == 2 and id(uop) in raw_loads:   # two fragment elements in one register
@@ -262,7 +268,8 @@ class CStyleLanguage(Renderer):
         emit(store if len(uop.srcs) < 4 else f"if ({ref(uop.srcs[3])}) {{ {store} }}")
       elif uop.op is UOps.DEFINE_LOCAL:
         names[id(uop)] = uop.arg[0]
-        emit(f"{self.local_prefix}{self.render_dtype(uop.dtype)} {uop.arg[0]}[{uop.arg[1]}];")
+        # 16-byte aligned: a tile may be read as float4 (its vector indices are multiples of 4)
+        emit(f"{self.local_prefix}{self.local_align}{self.render_dtype(uop.dtype)} {uop.arg[0]}[{uop.arg[1]}];")
       elif uop.op is UOps.BARRIER:
         emit(self.barrier)
       elif uop.op is UOps.IF:
@@ -311,6 +318,9 @@ class CStyleLanguage(Renderer):
 
   def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
     raise NotImplementedError(f"{type(self).__name__} has no vector stores")
+
+  def render_local_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
+    return self.render_vector_load(buffer, index, width, dtype).replace("const ", "")
 
   def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
     raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
@@ -395,6 +405,7 @@ class OpenCLRenderer(CStyleLanguage):
   has_local = True
   local_memory_bytes = 32768  # the minimum OpenCL guarantees for a full-profile device
   local_prefix = "__local "
+  local_align = "__attribute__((aligned(16))) "
   barrier = "barrier(CLK_LOCAL_MEM_FENCE);"
   bfloat16_spelling = ("", "as_uint(value)", "as_float(((uint)bits) << 16)")
   vector_width = 4
@@ -488,6 +499,7 @@ class CUDARenderer(CStyleLanguage):
   local_memory_bytes = 48 * 1024  # static __shared__ memory per block
   warp_size = 32
   local_prefix = "__shared__ "
+  local_align = "__align__(16) "
   barrier = "__syncthreads();"
   bfloat16_spelling = ("__device__ __forceinline__ ", "__float_as_uint(value)",
                        "__uint_as_float(((unsigned int)bits) << 16)")

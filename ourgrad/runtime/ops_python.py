@@ -502,7 +502,11 @@ class Interpreter:
     operands = [values[src] for src in instruction.srcs]
     if op is UOps.ALU: return execute_alu(instruction.arg, dtype, operands)
     if op is UOps.CONST: return np.asarray(truncate(dtype, instruction.arg), dtype=compute_dtype(dtype))
-    if op is UOps.LOAD and isinstance(operands[0], LocalMemory): return self.load_local(position, *operands)
+    if op is UOps.LOAD and isinstance(operands[0], LocalMemory):
+      if instruction.arg is None: return self.load_local(position, *operands)
+      index = np.asarray(operands[1], np.int64)   # a vector from local memory: aligned, like a global one
+      if (index % instruction.arg).any(): raise self.error(position, "an unaligned vector load from local memory")
+      return np.stack([self.load_local(position, operands[0], index + lane) for lane in range(instruction.arg)])
     if op is UOps.STORE and isinstance(operands[0], LocalMemory):
       self.store_local(position, *operands)
       return None
