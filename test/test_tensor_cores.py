@@ -311,6 +311,23 @@ def test_shared_tiles_match_noopt(case: str) -> None:
     NVRTC.compile(source)
 
 
+def test_heuristic_picks_shared_for_float32_matmuls() -> None:
+  """A float32 matmul that divides the 64x64 block tile gets SHARED from the GPU heuristic (4x4 per thread, 16x16
+  threads, reduce steps of 8); one that does not keeps the register tiles."""
+  rng = np.random.default_rng(13)
+  a_values, b_values = (rng.standard_normal(shape).astype(np.float32) for shape in ((128, 64), (64, 64)))
+  item = _matmul_item(Tensor(a_values, device=DEVICE), Tensor(b_values, device=DEVICE))
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert kernel.shared_tiles and kernel.block_threads() == 256 and kernel.upcast_lanes() == 4 * 4 * 8
+  np.testing.assert_allclose(_run(kernel, item).reshape(128, 64), a_values.astype(np.float64) @ b_values,
+                             rtol=1e-4, atol=1e-4)
+  ragged = Kernel(_matmul_item(Tensor(a_values[:100], device=DEVICE), Tensor(b_values, device=DEVICE)).ast,
+                  PythonRenderer("CUDA"))
+  ragged.hand_coded_optimizations()
+  assert not ragged.shared_tiles
+
+
 def test_shared_tiles_with_an_epilogue_load() -> None:
   """x @ x + x: the epilogue's load of x reads global memory, not the last reduce step's tile."""
   values = np.random.default_rng(12).standard_normal((16, 16)).astype(np.float32)

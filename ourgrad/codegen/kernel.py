@@ -31,6 +31,7 @@ from typing import Any
 
 from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
 from ourgrad.codegen.uops import AxisType
+from ourgrad.dtype import DType
 from ourgrad.helpers import DEBUG, colored, prod
 from ourgrad.ops import REDUCE_OPS, LazyOp, MemBuffer, Ops, format_ast
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -76,22 +77,26 @@ class AppliedTensorCore:
 
 
 def tensor_core_operands(reduceop: LazyOp | None, tc: TensorCore) -> tuple[LazyOp, LazyOp]:
-  """The two loads a matmul-shaped reduce multiplies, when the instruction `tc` computes it: a SUM in
-  `tc.dtype_out` of MUL(x, y), each of x and y a `tc.dtype_in` LOAD, possibly cast to the accumulation dtype
-  (before or after the MUL). Raises KernelOptError naming what does not fit."""
+  """The two loads a matmul-shaped reduce multiplies, when the instruction `tc` computes it (see matmul_operands)."""
+  return matmul_operands(reduceop, tc.dtype_in, tc.dtype_out, f"TC {tc}")
+
+
+def matmul_operands(reduceop: LazyOp | None, dtype_in: DType, dtype_out: DType, what: str) -> tuple[LazyOp, LazyOp]:
+  """The two loads a matmul-shaped reduce multiplies: a SUM in `dtype_out` of MUL(x, y), each of x and y a
+  `dtype_in` LOAD, possibly cast to the accumulation dtype (before or after the MUL). Raises KernelOptError naming
+  what does not fit (`what`: the opt asking)."""
   if reduceop is None or reduceop.op is not Ops.SUM:
-    raise KernelOptError(f"TC needs a SUM reduce, not {reduceop.op if reduceop is not None else 'no reduce'}")
-  if reduceop.dtype != tc.dtype_out:
-    raise KernelOptError(f"TC {tc} accumulates in {tc.dtype_out.name}, the reduce is {reduceop.dtype.name}")
+    raise KernelOptError(f"{what} needs a SUM reduce, not {reduceop.op if reduceop is not None else 'no reduce'}")
+  if reduceop.dtype != dtype_out:
+    raise KernelOptError(f"{what} accumulates in {dtype_out.name}, the reduce is {reduceop.dtype.name}")
   product = reduceop.srcs[0]
   if product.op is Ops.CAST: product = product.srcs[0]
-  if product.op is not Ops.MUL: raise KernelOptError(f"TC needs a reduce of a MUL, not of {product.op}")
+  if product.op is not Ops.MUL: raise KernelOptError(f"{what} needs a reduce of a MUL, not of {product.op}")
   operands = [src.srcs[0] if src.op is Ops.CAST else src for src in product.srcs]
   for operand in operands:
     if operand.op is not Ops.LOAD or not isinstance(operand.arg, MemBuffer) or operand.srcs:
-      raise KernelOptError(f"TC needs the MUL's operands to be loads, got {operand.op}")
-    if operand.dtype != tc.dtype_in:
-      raise KernelOptError(f"TC {tc} takes {tc.dtype_in.name} inputs, got {operand.dtype.name}")
+      raise KernelOptError(f"{what} needs the MUL's operands to be loads, got {operand.op}")
+    if operand.dtype != dtype_in: raise KernelOptError(f"{what} takes {dtype_in.name} inputs, got {operand.dtype.name}")
   return operands[0], operands[1]
 
 

@@ -12,12 +12,15 @@ GPUs (thread blocks and local memory):
   threads (coalesced) and, when that leaves too few blocks to fill the device, splits the reduce over GROUPTOP;
 - float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first
   where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL);
+- a float32 matmul whose sizes divide the block tile (64x64 outputs, 8 reduce elements per step) gets shared-memory
+  tiles (SHARED): 16x16 threads of 4x4 outputs, both operands staged through local memory each step;
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
 - elementwise kernels get thread blocks from the innermost output axes.
 """
 from __future__ import annotations
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, tensor_core_operands
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands, tensor_core_operands
+from ourgrad.dtype import dtypes
 from ourgrad.helpers import prod
 from ourgrad.ops import MemBuffer
 
@@ -35,6 +38,7 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   renderer = kernel.renderer
   gpu, has_local = renderer.has_threads, getattr(renderer, "has_local", False)
   if gpu and kernel.reduceop is not None and _tensor_core_tiles(kernel): return
+  if gpu and has_local and kernel.reduceop is not None and _shared_matmul_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and not _matmul_like(kernel):
     if _group_reduce(kernel): return
   if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
@@ -66,6 +70,31 @@ def _tensor_core_tiles(kernel: Kernel) -> bool:
   for position, warps in ((1, TC_BLOCK_WARPS[1]), (0, TC_BLOCK_WARPS[0])):
     axis = _tensor_core_outer_axis(kernel, position)
     if axis is not None: kernel.try_opt(Opt(OptOps.LOCAL, axis, warps))
+  return True
+
+
+# the float32 shared-memory matmul: (threads, outputs per thread) along M and along N, and the reduce step
+SHARED_THREADS, SHARED_OUTPUTS, SHARED_STEP = 16, 4, 8
+
+
+def _shared_matmul_tiles(kernel: Kernel) -> bool:
+  """A float32 matmul (outputs M x N, one reduce axis, both operands plain loads) whose sizes divide the block tile:
+  each thread 4x4 outputs in registers, 16x16 threads per block (a 64x64 block tile), the reduce in steps of 8
+  staged through local memory (SHARED). False (the kernel untouched) otherwise."""
+  if kernel.reduceop.dtype != dtypes.float32 or kernel.first_reduce != 2 or kernel.shape_len != 3: return False
+  try: a, b = matmul_operands(kernel.reduceop, dtypes.float32, dtypes.float32, "SHARED")
+  except KernelOptError: return False
+  m_axes, n_axes, k_axes = kernel.matmul_axes(a, b)
+  if (m_axes, n_axes, k_axes) != ([0], [1], [2]) and (m_axes, n_axes, k_axes) != ([1], [0], [2]): return False
+  block = SHARED_THREADS * SHARED_OUTPUTS
+  m, n, k = kernel.full_shape
+  if m % block or n % block or k % SHARED_STEP: return False
+  trial = kernel.copy()
+  opts = [Opt(OptOps.UPCAST, 0, SHARED_OUTPUTS), Opt(OptOps.UPCAST, 1, SHARED_OUTPUTS),
+          Opt(OptOps.LOCAL, 0, SHARED_THREADS), Opt(OptOps.LOCAL, 1, SHARED_THREADS),
+          Opt(OptOps.UNROLL, 0, SHARED_STEP), Opt(OptOps.SHARED, 0, 0)]
+  if not all(trial.try_opt(opt) for opt in opts): return False
+  kernel.__dict__.update(trial.__dict__)
   return True
 
 
