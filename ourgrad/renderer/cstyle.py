@@ -211,6 +211,8 @@ class CStyleLanguage(Renderer):
 
     parallel_loops = self.parallel_loop_count(uops)
     raw_loads = self.raw_fragment_loads(uops)
+    vector_locals = {id(uop.srcs[0]) for uop in uops
+                     if uop.op is UOps.LOAD and uop.arg is not None and uop.srcs[0].op is UOps.DEFINE_LOCAL}
     for uop in uops:
       if uop.op is UOps.DEFINE_GLOBAL:
         names[id(uop)] = f"data{uop.arg[0]}"
@@ -268,8 +270,9 @@ class CStyleLanguage(Renderer):
         emit(store if len(uop.srcs) < 4 else f"if ({ref(uop.srcs[3])}) {{ {store} }}")
       elif uop.op is UOps.DEFINE_LOCAL:
         names[id(uop)] = uop.arg[0]
-        # 16-byte aligned: a tile may be read as float4 (its vector indices are multiples of 4)
-        emit(f"{self.local_prefix}{self.local_align}{self.render_dtype(uop.dtype)} {uop.arg[0]}[{uop.arg[1]}];")
+        # 16-byte aligned where it is read as float4 (a SHARED tile: its vector indices are multiples of 4)
+        align = self.local_align if id(uop) in vector_locals else ""
+        emit(f"{self.local_prefix}{align}{self.render_dtype(uop.dtype)} {uop.arg[0]}[{uop.arg[1]}];")
       elif uop.op is UOps.BARRIER:
         emit(self.barrier)
       elif uop.op is UOps.IF:
