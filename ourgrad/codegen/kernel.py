@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
 
+from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
 from ourgrad.codegen.uops import AxisType
+from ourgrad.dtype import DType
 from ourgrad.helpers import DEBUG, colored, prod
-from ourgrad.ops import REDUCE_OPS, LazyOp, Ops, format_ast
+from ourgrad.ops import REDUCE_OPS, LazyOp, MemBuffer, Ops, format_ast
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import sym_max
 
@@ -48,6 +50,10 @@ class OptOps(Enum):
   BLOCK = auto()    # cache block (CPU): split a global axis into (size/amount, amount) and make the outer part the
   #                   outermost loop, so the loops in between revisit only `amount` slices of that axis (an operand's
   #                   strip that stays in cache); see _apply_cache_block
+  SHARED = auto()   # shared-memory tiles (GPU): each reduce step, the block's threads load the loads they share (a
+  #                   matmul's operands) into local memory together, then compute from it; axis 0, amount 0
+  TC = auto()       # tensor cores (GPU): the matmul-shaped reduce's 16x8x16 tiles go to one matrix instruction per
+  #                   warp; `amount` picks the renderer's TensorCore (dtype), axis must be 0; see _apply_tensor_core
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,38 @@ class Opt:
 
 class KernelOptError(Exception):
   """An Opt that does not apply to this kernel."""
+
+
+@dataclass(frozen=True)
+class AppliedTensorCore:
+  """OptOps.TC on a kernel: the instruction, and the A (m x k) and B (k x n) operands it reads (LOADs of the AST)."""
+  tc: TensorCore
+  a: LazyOp
+  b: LazyOp
+
+
+def tensor_core_operands(reduceop: LazyOp | None, tc: TensorCore) -> tuple[LazyOp, LazyOp]:
+  """The two loads a matmul-shaped reduce multiplies, when the instruction `tc` computes it (see matmul_operands)."""
+  return matmul_operands(reduceop, tc.dtype_in, tc.dtype_out, f"TC {tc}")
+
+
+def matmul_operands(reduceop: LazyOp | None, dtype_in: DType, dtype_out: DType, what: str) -> tuple[LazyOp, LazyOp]:
+  """The two loads a matmul-shaped reduce multiplies: a SUM in `dtype_out` of MUL(x, y), each of x and y a
+  `dtype_in` LOAD, possibly cast to the accumulation dtype (before or after the MUL). Raises KernelOptError naming
+  what does not fit (`what`: the opt asking)."""
+  if reduceop is None or reduceop.op is not Ops.SUM:
+    raise KernelOptError(f"{what} needs a SUM reduce, not {reduceop.op if reduceop is not None else 'no reduce'}")
+  if reduceop.dtype != dtype_out:
+    raise KernelOptError(f"{what} accumulates in {dtype_out.name}, the reduce is {reduceop.dtype.name}")
+  product = reduceop.srcs[0]
+  if product.op is Ops.CAST: product = product.srcs[0]
+  if product.op is not Ops.MUL: raise KernelOptError(f"{what} needs a reduce of a MUL, not of {product.op}")
+  operands = [src.srcs[0] if src.op is Ops.CAST else src for src in product.srcs]
+  for operand in operands:
+    if operand.op is not Ops.LOAD or not isinstance(operand.arg, MemBuffer) or operand.srcs:
+      raise KernelOptError(f"{what} needs the MUL's operands to be loads, got {operand.op}")
+    if operand.dtype != dtype_in: raise KernelOptError(f"{what} takes {dtype_in.name} inputs, got {operand.dtype.name}")
+  return operands[0], operands[1]
 
 
 # more registers than this per thread spills on every device we target
@@ -115,6 +153,10 @@ class Kernel:
     # reduction coalesces); GROUP's the innermost (neighbouring threads take neighbouring reduce elements)
     self.groups_outer = False
     self.applied_opts: list[Opt] = []
+    # after OptOps.TC: the instruction and its A and B operands (the LOADs under the reduce's MUL); the last three
+    # dimensions are then the instruction's m, n, k (see _apply_tensor_core)
+    self.tensor_core: AppliedTensorCore | None = None
+    self.shared_tiles = False   # OptOps.SHARED (see staged_loads)
     self.row_axes: tuple[int, ...] | None = _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
@@ -243,10 +285,12 @@ class Kernel:
     self.reshape_and_permute(split, order)
 
   def _state(self) -> tuple:
-    return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts))
+    return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts),
+            self.tensor_core, self.shared_tiles)
 
   def _restore(self, state: tuple) -> None:
-    self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts = state
+    (self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts,
+     self.tensor_core, self.shared_tiles) = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -263,6 +307,16 @@ class Kernel:
   def _axis_of(self, opt: Opt) -> int:
     """The dimension an Opt splits, checking it has the kind the Opt needs."""
     renderer = self.renderer
+    if opt.op is OptOps.TC:
+      if opt.axis != 0: raise KernelOptError(f"TC takes axis 0 (it finds the matmul's axes), got {opt.axis}")
+      return 0
+    if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP, OptOps.SHARED):
+      raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
+    if opt.op is OptOps.SHARED:
+      if opt.axis != 0 or opt.amount != 0: raise KernelOptError(f"SHARED takes axis 0 and amount 0, got {opt}")
+      return 0
+    if self.shared_tiles and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
+      raise KernelOptError(f"{opt.op.name} does not combine with SHARED")
     if opt.op is OptOps.UPCAST:
       if not 0 <= opt.axis < self.first_reduce: raise KernelOptError(f"UPCAST needs an output axis, got {opt.axis}")
       return opt.axis
@@ -295,6 +349,12 @@ class Kernel:
     if opt.op is OptOps.PADTO:
       self._pad_to(axis, size, opt.amount)
       return
+    if opt.op is OptOps.TC:
+      self._apply_tensor_core(opt.amount)
+      return
+    if opt.op is OptOps.SHARED:
+      self._apply_shared_tiles()
+      return
     amount = opt.amount if opt.amount != 0 else size
     if amount <= 1 or size % amount != 0:
       raise KernelOptError(f"{opt.op.name}: {amount} does not divide axis {axis} of size {size}")
@@ -312,7 +372,8 @@ class Kernel:
       self.shift_to(axis, amount, insert_before=self.first_loop_reduce, top=opt.op is OptOps.GROUPTOP)
       self.group_dims += 1
     else:
-      self.shift_to(axis, amount)
+      # with tensor cores the instruction's m, n, k stay the last three dimensions: new upcasts go before them
+      self.shift_to(axis, amount, insert_before=self.shape_len - 3 if self.tensor_core is not None else None)
       self.upcasted += 1
     self._drop_finished_axes()
 
@@ -326,6 +387,82 @@ class Kernel:
     if padded > 2 * size: raise KernelOptError(f"PADTO: padding axis {axis} from {size} to {padded} wastes over half")
     padding = tuple((0, padded - size) if number == axis else (0, 0) for number in range(self.shape_len))
     self.sts = [st.pad(padding) for st in self.sts]
+  def _apply_tensor_core(self, choice: int) -> None:
+    """TC: split the matmul's output axes M (A varies, B does not) and N (the other way round) and its reduce axis K
+    (both vary) into (size/m, m), (size/n, n), (size/k, k) and move the m, n, k parts to the end, where the
+    linearizer maps them onto a warp's fragments (codegen/tensor_cores.py). Only as the first opt (after PADTO)."""
+    tensor_cores = getattr(self.renderer, "tensor_cores", ())
+    if not tensor_cores: raise KernelOptError(f"TC: {self.renderer.device} declares no tensor cores")
+    if not 0 <= choice < len(tensor_cores):
+      raise KernelOptError(f"TC {choice}: {self.renderer.device} has tensor cores 0..{len(tensor_cores) - 1}")
+    if any(opt.op is not OptOps.PADTO for opt in self.applied_opts):
+      raise KernelOptError(f"TC must come first (PADTO aside), after {self.applied_opts}")
+    tc = tensor_cores[choice]
+    a, b = tensor_core_operands(self.reduceop, tc)
+    m_axes, n_axes, k_axes = self.matmul_axes(a, b)
+    if not (m_axes and n_axes and k_axes):
+      raise KernelOptError(f"TC: no M/N/K axes in {self.full_shape} (M {m_axes}, N {n_axes}, K {k_axes})")
+    axes = tuple(self.tile_axis(candidates, tile) for candidates, tile in zip((m_axes, n_axes, k_axes), tc.dims))
+    for axis, tile, name in zip(axes, tc.dims, "MNK"):
+      if self.full_shape[axis] % tile != 0:
+        raise KernelOptError(f"TC {tc}: {name} axis {axis} of size {self.full_shape[axis]} in {self.full_shape} is "
+                             f"not a multiple of {tile} (PADTO an output axis first)")
+    for axis, tile in zip(axes, tc.dims): self.shift_to(axis, tile)   # each split keeps the other axes' positions
+    self.upcasted += 3
+    self.tensor_core = AppliedTensorCore(tc, a, b)
+    self._drop_finished_axes()
+
+  def tile_axis(self, candidates: list[int], tile: int) -> int:
+    """Of the M (N, K) candidates, the innermost whose size is a multiple of the tile, else the innermost (a
+    convolution's K: the input channels rather than the 3-wide filter column)."""
+    return next((axis for axis in reversed(candidates) if self.full_shape[axis] % tile == 0), candidates[-1])
+
+  def matmul_axes(self, a: LazyOp, b: LazyOp) -> tuple[list[int], list[int], list[int]]:
+    """(M, N, K) candidates before the upcasts: output axes only `a` varies along, output axes only `b` varies
+    along, reduce axes both vary along."""
+    a_strides, b_strides = (self.sts[self.leaf_number(operand)].real_strides() for operand in (a, b))
+    varies = lambda strides, axis: strides[axis] != 0   # noqa: E731  (None: not a plain stride, so it varies)
+    outputs, reduces = range(self.first_reduce), range(self.first_loop_reduce, self.first_upcast)
+    m_axes = [axis for axis in outputs if varies(a_strides, axis) and not varies(b_strides, axis)]
+    n_axes = [axis for axis in outputs if varies(b_strides, axis) and not varies(a_strides, axis)]
+    k_axes = [axis for axis in reduces if varies(a_strides, axis) and varies(b_strides, axis)]
+    return m_axes, n_axes, k_axes
+
+  def _apply_shared_tiles(self) -> None:
+    """SHARED: a flag the linearizer reads (Linearizer._stage_shared_tiles); the tiles follow the final shape."""
+    if not getattr(self.renderer, "has_local", False):
+      raise KernelOptError(f"SHARED needs a device with local memory, {self.renderer.device} has none")
+    if self.shared_tiles: raise KernelOptError("SHARED is already applied")
+    if self.group_dims: raise KernelOptError("SHARED does not combine with GROUP/GROUPTOP")
+    self.shared_tiles = True
+    if not self.staged_loads():
+      raise KernelOptError(f"SHARED: no load of {self.name} is shared by the block's threads along a reduce")
+
+  def staged_loads(self) -> list[tuple[int, list[int]]]:
+    """With SHARED: (leaf number, tile axes) of each load the block's threads share (stride 0 along some LOCAL
+    axis) while it varies along a reduce axis: its tile is every LOCAL, UPCAST and UNROLL axis it varies along, laid
+    out UNROLL outermost, then LOCAL, then UPCAST innermost: a thread reads its upcast values as float4s, and
+    neighbouring threads neighbouring float4s (no bank conflicts)."""
+    if not self.shared_tiles or self.reduceop is None: return []
+    local_axes = list(range(self.global_dims, self.first_reduce))
+    in_block = local_axes + list(range(self.first_upcast, self.shape_len))
+    reduce_axes = [axis for axis in range(self.first_reduce, self.shape_len) if self.is_reduce_axis(axis)]
+    staged = []
+    for number, leaf in enumerate(self.leaves):
+      if leaf.op is not Ops.LOAD or not isinstance(leaf.arg, MemBuffer) or leaf.srcs: continue
+      strides = self.sts[number].real_strides()
+      shared = any(strides[axis] == 0 for axis in local_axes)
+      if not shared or all(strides[axis] == 0 for axis in reduce_axes): continue
+      tile = [axis for axis in in_block if strides[axis] != 0]
+      kinds = self.axis_types
+      order = {AxisType.UNROLL: 0, AxisType.LOCAL: 1, AxisType.UPCAST: 2}
+      staged.append((number, sorted(tile, key=lambda axis: order[kinds[axis]])))
+    return staged
+
+  def leaf_number(self, leaf: LazyOp) -> int:
+    """The position of a leaf (by identity: equal loads of one buffer may be different leaves) in `leaves`."""
+    return next(number for number, candidate in enumerate(self.leaves) if candidate is leaf)
+
   def _apply_cache_block(self, axis: int, amount: int) -> None:
     """BLOCK: the outer part (size/amount) of a global axis becomes loop 0. Only a reorder when the axis is already
     outermost and whole (amount == size): refused there, it would change nothing."""
@@ -341,7 +478,7 @@ class Kernel:
       raise KernelOptError(f"{self.block_threads()} threads per block is more than {self.renderer.device}'s "
                            f"{self.renderer.max_threads}")
     local_bytes = self.local_memory_bytes()
-    if local_bytes > getattr(self.renderer, "local_memory_bytes", 0) and self.group_dims:
+    if local_bytes > getattr(self.renderer, "local_memory_bytes", 0) and (self.group_dims or self.shared_tiles):
       raise KernelOptError(f"{local_bytes} bytes of local memory per block is more than {self.renderer.device}'s "
                            f"{self.renderer.local_memory_bytes}")
 
@@ -353,7 +490,8 @@ class Kernel:
     """Threads per block along the GROUP axes (each output's reduce split across them)."""
     return prod(self.full_shape[self.first_reduce:self.first_loop_reduce])
 
-  def block_threads(self) -> int: return self.local_threads() * self.group_threads()
+  def block_threads(self) -> int:
+    return self.local_threads() * self.group_threads() * (WARP_LANES if self.tensor_core is not None else 1)
 
   def thread_axes(self) -> list[int]:
     """The LOCAL and GROUP dimensions in thread-id order, outermost first (the last one is the launch's x)."""
@@ -365,7 +503,10 @@ class Kernel:
     return prod(self.full_shape[axis] for axis in self.upcast_axes)
 
   def local_memory_bytes(self) -> int:
-    """The block's local memory for GROUP partials: one value per thread and upcast output (0 without groups)."""
+    """The block's local memory: the SHARED tiles, or the GROUP partials (one value per thread and upcast output)."""
+    if self.shared_tiles:
+      return sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
+                 for leaf, axes in self.staged_loads())
     if not self.group_dims or self.reduceop is None: return 0
     return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
 
@@ -382,13 +523,22 @@ class Kernel:
     self.upcasted = kept.count(AxisType.UPCAST) + kept.count(AxisType.UNROLL)
 
   def upcast_lanes(self) -> int:
-    return prod(self.full_shape[self.first_upcast:])
+    """Registers per thread the upcast and unroll axes take; a tensor-core tile counts its A, B and C fragments."""
+    if self.tensor_core is None: return prod(self.full_shape[self.first_upcast:])
+    tc = self.tensor_core.tc
+    return prod(self.full_shape[self.first_upcast:-3]) * (tc.a_elements + tc.b_elements + tc.c_elements)
 
   def legal_opts(self) -> list[Opt]:
     """Every Opt (over OPT_AMOUNTS) that applies to this kernel as it is now, each checked on a copy."""
     candidates: list[Opt] = []
     reduce_loops = self.first_upcast - self.first_loop_reduce
     for op in OptOps:
+      if op is OptOps.TC:
+        candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
+        continue
+      if op is OptOps.SHARED:
+        candidates.append(Opt(op, 0, 0))
+        continue
       axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
       candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]
     legal, seen_shapes = [], set()

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
@@ -44,6 +45,8 @@ class Linearizer:
     self.loop_vars: dict[str, UOp] = {}
     self.buffers: dict[int, UOp] = {}
     self.leaf_index = {id(leaf): index for index, leaf in enumerate(kernel.leaves)}
+    self.tiles: dict[int, tuple[UOp, list[int]]] = {}   # loads staged in local memory (OptOps.SHARED)
+    self.tile_vectors: dict[tuple, UOp] = {}   # float4 reads of the tiles in this reduce step
 
   # ---------------------------------------------------------------- symbolic index math -> UOps
 
@@ -93,6 +96,7 @@ class Linearizer:
     for idx, leaf in sorted(memory_leaves.items()):
       self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, leaf.op is Ops.STORE))
     self._define_vars()
+    if kernel.tensor_core is not None: return self._linearize_tensor_core()
     shape = kernel.full_shape
     axis_idxs: list[Node] = []
     global_loops = []
@@ -119,13 +123,17 @@ class Linearizer:
       accumulate_op = Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
       for lane in output_lanes:
         accumulators[lane] = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+      tiles = self._define_shared_tiles()
       reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
                       for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
+      self._stage_shared_tiles(tiles, axis_idxs)
       for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
         for lane in output_lanes:
           idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, unroll_lane)
           value = self.compute(reduce.srcs[0], idxs, None)
           build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[lane], value), accumulate_op)
+      if tiles: build.add(UOps.BARRIER, None)   # every thread is done with the tiles before the next step's stores
+      self.tiles = {}   # a load the kernel's epilogue shares with the reduce reads global memory there
       for loop in reversed(reduce_loops): build.end_range(loop)
 
     reduced: dict[tuple[int, ...], UOp] = dict(accumulators)
@@ -148,6 +156,167 @@ class Linearizer:
     if store_if is not None: build.end_if(store_if)
     for loop in reversed(global_loops): build.end_range(loop)
     return build.uops
+
+  # ---------------------------------------------------------------- shared-memory tiles (OptOps.SHARED)
+
+  def _define_shared_tiles(self) -> dict[int, tuple[UOp, list[int]]]:
+    """A DEFINE_LOCAL per staged load (Kernel.staged_loads): id of the load -> (local memory, tile axes)."""
+    kernel, tiles = self.kernel, {}
+    for number, (leaf, axes) in enumerate(kernel.staged_loads()):
+      node = kernel.leaves[leaf]
+      size = math.prod(kernel.full_shape[axis] for axis in axes)
+      tiles[id(node)] = (self.builder.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"tile{number}", size)), axes)
+    return tiles
+
+  def _tile_address(self, axes: list[int], idxs: list[Node]) -> Node:
+    address: Node = NumNode(0)
+    for axis in axes: address = address * self.kernel.full_shape[axis] + idxs[axis]
+    return address
+
+  def _stage_shared_tiles(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node]) -> None:
+    """At each reduce step, the block's threads load every staged tile together (element e by thread e mod the
+    block's threads: neighbouring threads, neighbouring elements), then wait at a BARRIER; `_load` then reads the
+    tiles. The tiles' elements are the loads' values at this step for every LOCAL/UPCAST/UNROLL index."""
+    if not tiles: return
+    kernel, build = self.kernel, self.builder
+    thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce))
+    threads = kernel.local_threads()
+    nodes = {id(leaf): leaf for leaf in kernel.leaves}
+    for node_id, (local, axes) in tiles.items():
+      node = nodes[node_id]
+      # filled in the order of the load's strides (the smallest innermost: neighbouring threads read neighbouring
+      # addresses), each element stored at its place in the tile's layout
+      strides = kernel.sts[self.leaf_index[node_id]].real_strides()
+      fill_axes = sorted(axes, key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
+      sizes = [kernel.full_shape[axis] for axis in fill_axes]
+      total, width = math.prod(sizes), self._tile_load_width(node, fill_axes)
+      for first in range(0, total // width, threads):
+        unit = thread + first   # this thread's unit (element, or float4) of the tile in this round
+        guard = None
+        if first + threads > total // width:   # the last round: only the threads with a unit left
+          guard = build.add(UOps.IF, None, (self.node_to_uop(unit < total // width),))
+        element = unit * width
+        idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
+        inner = 1
+        for axis, size in reversed(list(zip(fill_axes, sizes))):
+          idxs[axis] = (element // inner) % size
+          inner *= size
+        lane_idxs = []
+        for lane in range(width):
+          lane_idxs.append(list(idxs))
+          lane_idxs[-1][fill_axes[-1]] = idxs[fill_axes[-1]] + lane
+        index_node, _ = self._index_nodes(self.leaf_index[node_id], idxs)
+        if width > 1 and _multiple_of(index_node, width):
+          vector = build.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
+          values = [build.add(UOps.GEP, node.dtype, (vector,), lane) for lane in range(width)]
+        else:   # not provably aligned: the unit's elements one by one
+          values = [self._global_load(node, lane_idx, ()) for lane_idx in lane_idxs]
+        for lane_idx, value in zip(lane_idxs, values):
+          build.add(UOps.STORE, None, (local, self.node_to_uop(self._tile_address(axes, lane_idx)), value))
+        if guard is not None: build.end_if(guard)
+    build.add(UOps.BARRIER, None)
+    self.tiles = tiles
+
+  def _tile_load(self, node: LazyOp, local: UOp, axes: list[int], idxs: list[Node]) -> UOp:
+    """One element of a staged tile: from a float4 of the tile where its innermost axis is an UPCAST/UNROLL axis of
+    whole vectors and the first element's address is a multiple of 4, else a scalar read. The lanes of one vector
+    share its LOAD (local loads are not merged by the builder: they are remembered here, for this reduce step)."""
+    width, innermost = getattr(self.kernel.renderer, "vector_width", 0), axes[-1]
+    if width >= 2 and node.dtype == dtypes.float32 and isinstance(idxs[innermost], NumNode) and \
+        innermost >= self.kernel.first_upcast and self.kernel.full_shape[innermost] % width == 0:
+      lane = idxs[innermost].b % width
+      first = list(idxs)
+      first[innermost] = NumNode(idxs[innermost].b - lane)
+      address = self._tile_address(axes, first)
+      if _multiple_of(address, width):
+        key = (id(local), address.render())
+        if key not in self.tile_vectors:
+          self.tile_vectors[key] = self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)), width)
+        return self.builder.add(UOps.GEP, node.dtype, (self.tile_vectors[key],), lane)
+    return self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(self._tile_address(axes, idxs))))
+
+  def _tile_load_width(self, node: LazyOp, axes: list[int]) -> int:
+    """4 (float4 loads into the tile) where the renderer has them, the load is float32 through one unmasked view
+    contiguous along the tile's innermost axis and that axis splits into whole vectors; else 1."""
+    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
+    st = kernel.sts[self.leaf_index[id(node)]]
+    if width < 2 or node.dtype != dtypes.float32 or len(st.views) != 1 or st.views[0].mask is not None: return 1
+    if st.real_strides()[axes[-1]] != 1 or kernel.full_shape[axes[-1]] % width != 0: return 1
+    return width
+
+  # ---------------------------------------------------------------- tensor cores (OptOps.TC)
+
+  def _linearize_tensor_core(self) -> list[UOp]:
+    """The loop nest of a TC kernel: block indices, then thread indices with the warp's lane innermost (x, 32
+    threads), per upcast tile four float accumulators (the C fragment), the reduce loops with one WMMA per tile and
+    unroll lane (its A and B fragments loaded at the positions tensor_cores.py maps to this lane), then each tile's
+    four outputs stored at the C fragment's positions. The last three dimensions are the instruction's m, n, k."""
+    kernel, build, shape = self.kernel, self.builder, self.kernel.full_shape
+    renderer, applied = kernel.renderer, kernel.tensor_core
+    tc = applied.tc
+    axis_idxs = self._thread_indices(shape[:kernel.global_dims], "gidx", AxisType.GLOBAL, renderer.global_max)
+    local_axes = kernel.thread_axes()   # LOCAL axes only: TC refuses GROUP
+    thread_idxs = self._thread_indices([shape[axis] for axis in local_axes] + [WARP_LANES], "lidx", AxisType.LOCAL,
+                                       renderer.local_max)
+    axis_idxs += thread_idxs[:-1]
+    lane = thread_idxs[-1]
+    group, quad = lane // 4, lane % 4
+    for axis in range(kernel.first_loop_reduce, kernel.first_upcast):
+      axis_idxs.append(Variable(f"ridx{axis}", 0, shape[axis] - 1))
+    m_axis, n_axis, k_axis = kernel.shape_len - 3, kernel.shape_len - 2, kernel.shape_len - 1
+    upcast_axes = [axis for axis in kernel.upcast_axes if axis < m_axis]
+    unroll_axes = [axis for axis in kernel.unroll_axes if axis < m_axis]
+    tiles = list(itertools.product(*[range(shape[axis]) for axis in upcast_axes]))
+    accumulators = {tile: [build.add(UOps.DEFINE_ACC, tc.dtype_out, (), 0.0) for _ in range(tc.c_elements)]
+                    for tile in tiles}
+    reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
+                    for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
+    for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
+      for tile in tiles:
+        idxs = self._fill_lanes(axis_idxs, upcast_axes, tile, unroll_axes, unroll_lane)
+        a_values = self._fragment_values(applied.a, idxs, (m_axis, k_axis), a_position, tc.a_elements, group, quad)
+        b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), b_position, tc.b_elements, group, quad)
+        build.add(UOps.WMMA, tc.dtype_out, tuple(a_values + b_values + accumulators[tile]),
+                  (tc.dims, tc.dtype_in.name, tc.dtype_out.name))
+    for loop in reversed(reduce_loops): build.end_range(loop)
+    zero_unrolls = (0,) * len(unroll_axes)
+    for tile in tiles:
+      for element, accumulator in enumerate(accumulators[tile]):
+        idxs = self._fill_lanes(axis_idxs, upcast_axes, tile, unroll_axes, zero_unrolls)
+        row, column = c_position(element)
+        idxs[m_axis], idxs[n_axis] = evaluate(row, group, quad), evaluate(column, group, quad)
+        self._store_outputs(idxs, accumulator)
+    return build.uops
+
+  def _fragment_values(self, operand: LazyOp, idxs: list[Node], axes: tuple[int, int], position_of: Callable,
+                       count: int, group: Node, quad: Node) -> list[UOp]:
+    """An operand's fragment: element i at (row, column) = position_of(i) of the instruction's matrix, indices
+    along `axes` (the other tile axis is one the operand does not vary along: 0). Elements 2j and 2j+1 are K
+    neighbours (the PTX layouts pair them in one register); where the operand is contiguous along K they are one
+    aligned 2-wide load."""
+    element_idxs = []
+    for element in range(count):
+      fragment_idxs = list(idxs)
+      for axis, coordinate in zip(axes, position_of(element)): fragment_idxs[axis] = evaluate(coordinate, group, quad)
+      element_idxs.append(fragment_idxs)
+    k_axis = self.kernel.shape_len - 1
+    values = []
+    for low, high in zip(element_idxs[::2], element_idxs[1::2]):
+      pair = self._fragment_pair(operand, low, k_axis)
+      values += pair if pair is not None else [self.compute(operand, low, None), self.compute(operand, high, None)]
+    return values
+
+  def _fragment_pair(self, operand: LazyOp, idxs: list[Node], k_axis: int) -> list[UOp] | None:
+    """Two K-neighbouring elements as one 2-wide LOAD (and its GEPs), or None where the view is not one unmasked
+    view contiguous along K or the first index is not provably even."""
+    leaf = self.kernel.leaf_number(operand)
+    st = self.kernel.sts[leaf]
+    if len(st.views) != 1 or st.views[0].mask is not None or st.real_strides()[k_axis] != 1: return None
+    index_node, _ = self._index_nodes(leaf, idxs)
+    if not _multiple_of(index_node, 2): return None
+    vector = self.builder.add(UOps.LOAD, operand.dtype, (self.buffers[operand.arg.idx], self.node_to_uop(index_node)),
+                              2)
+    return [self.builder.add(UOps.GEP, operand.dtype, (vector,), element) for element in range(2)]
 
   def _store_outputs(self, idxs: list[Node], reduce_value: UOp | None) -> None:
     """Store every output of the kernel at one lane. All values are computed before the first store: an output may
@@ -322,6 +491,12 @@ class Linearizer:
     return {id(self.kernel.reduceop): reduce_value} if reduce_value is not None else {}
 
   def _load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:
+    if id(node) in self.tiles:   # staged in local memory (OptOps.SHARED)
+      local, axes = self.tiles[id(node)]
+      return self._tile_load(node, local, axes, idxs)
+    return self._global_load(node, idxs, gathered)
+
+  def _global_load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:
     if not gathered:  # a gathered load's address depends on loaded data: never one vector access
       vector_element = self._vector_load(node, idxs)
       if vector_element is not None: return vector_element

@@ -62,6 +62,10 @@ class UOps(Enum):
   WARP_REDUCE = auto()     # srcs = (value,); arg = (Ops.ADD or Ops.MAX, width, stride): op over the `width`
   #                          threads of a warp whose ids differ by multiples of `stride` in the bits xor reaches
   #                          (width*stride <= warp size, both powers of two); every thread gets the result
+  WMMA = auto()            # a warp's tensor-core instruction D = A @ B + C (codegen/tensor_cores.py): srcs = this
+  #                          lane's A fragment values, then its B fragment values (in dtype_in), then its C fragment's
+  #                          DEFINE_ACCs, which it updates in place with D (as ACCUMULATE does); arg = ((m, n, k),
+  #                          dtype_in name, dtype_out name). Every lane of each warp runs it together (no IF around it)
 
 
 @dataclass(eq=False)
@@ -96,7 +100,7 @@ def format_uops(uops: list[UOp]) -> str:
 
 # uops that are never merged with an earlier identical one: they have effects or open/close scopes
 _NOT_CACHED = frozenset({UOps.RANGE, UOps.ENDRANGE, UOps.STORE, UOps.DEFINE_ACC, UOps.ACCUMULATE, UOps.SPECIAL,
-                         UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF, UOps.ENDIF})
+                         UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF, UOps.ENDIF, UOps.WMMA})
 # uops that open a scope: values defined inside are not reused after its end
 _SCOPE_OPENERS = frozenset({UOps.RANGE, UOps.IF})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import Ops
@@ -106,6 +107,7 @@ class CStyleLanguage(Renderer):
   preamble = ""
   max_inline_length = 120
   local_prefix = ""     # how a block-shared array is declared (`__shared__ `, `__local `)
+  local_align = ""      # and how it is aligned to 16 bytes (float4 reads of SHARED tiles)
   code_for_op: dict[Ops, AluRendering] = C_CODE_FOR_OP
   # how this dialect spells BFLOAT16_HELPERS: function qualifier, a float's bits (of `value`), a float from 16 bits
   bfloat16_spelling: tuple[str, str, str] = (
@@ -220,6 +222,9 @@ class CStyleLanguage(Renderer):
       names[id(uop)] = variable
 
     parallel_loops = self.parallel_loop_count(uops)
+    raw_loads = self.raw_fragment_loads(uops)
+    vector_locals = {id(uop.srcs[0]) for uop in uops
+                     if uop.op is UOps.LOAD and uop.arg is not None and uop.srcs[0].op is UOps.DEFINE_LOCAL}
     for uop in uops:
       if uop.op is UOps.DEFINE_GLOBAL:
         names[id(uop)] = f"data{uop.arg[0]}"
@@ -242,8 +247,25 @@ class CStyleLanguage(Renderer):
       elif uop.op is UOps.SPECIAL:
         names[id(uop)] = uop.arg[0]
         emit(f"int {uop.arg[0]} = {self.render_special(uop.arg)};  /* 0..{uop.arg[1] - 1} */")
+      elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL and uop.arg is not None:   # a tile's float4
+        variable = new_name("vec")
+        names[id(uop)] = variable
+        emit(f"{self.render_dtype(uop.dtype)}{uop.arg} {variable} = "
+             f"{self.render_local_vector_load(ref(uop.srcs[0]), ref(uop.srcs[1]), uop.arg, uop.dtype)};")
       elif uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL:
         define(uop, "val", f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]")  # local memory holds register values
+      elif uop.op is UOps.LOAD and uop.arg == 2 and id(uop) in raw_loads:   # two fragment elements in one register
+        variable = new_name("vec")
+        names[id(uop)] = variable
+        emit(f"unsigned {variable} = *((const unsigned*)({ref(uop.srcs[0])}+({ref(uop.srcs[1])})));")
+      elif uop.op is UOps.GEP and id(uop) in raw_loads:
+        names[id(uop)] = f"((unsigned short)({ref(uop.srcs[0])} >> {16 * uop.arg}))"
+      elif uop.op is UOps.LOAD and id(uop) in raw_loads:   # kept as stored (a tensor-core fragment element)
+        variable, loaded = new_name("val"), f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}]"
+        memory = self.memory_type(uop.dtype)
+        if len(uop.srcs) > 2: loaded = f"(({ref(uop.srcs[2])}) ? {loaded} : ({memory})0)"
+        emit(f"{memory} {variable} = {loaded};")
+        names[id(uop)] = variable
       elif uop.op is UOps.LOAD and uop.arg is not None:
         variable = new_name("vec")
         names[id(uop)] = variable
@@ -263,7 +285,9 @@ class CStyleLanguage(Renderer):
         emit(store if len(uop.srcs) < 4 else f"if ({ref(uop.srcs[3])}) {{ {store} }}")
       elif uop.op is UOps.DEFINE_LOCAL:
         names[id(uop)] = uop.arg[0]
-        emit(f"{self.local_prefix}{self.render_dtype(uop.dtype)} {uop.arg[0]}[{uop.arg[1]}];")
+        # 16-byte aligned where it is read as float4 (a SHARED tile: its vector indices are multiples of 4)
+        align = self.local_align if id(uop) in vector_locals else ""
+        emit(f"{self.local_prefix}{align}{self.render_dtype(uop.dtype)} {uop.arg[0]}[{uop.arg[1]}];")
       elif uop.op is UOps.BARRIER:
         emit(self.barrier)
       elif uop.op is UOps.IF:
@@ -277,6 +301,8 @@ class CStyleLanguage(Renderer):
         names[id(uop)] = variable
         emit(f"{self.render_dtype(uop.dtype)} {variable} = {ref(uop.srcs[0])};")
         for line in self.render_warp_reduce(variable, uop, uops): emit(line)
+      elif uop.op is UOps.WMMA:
+        emit(self.render_wmma(uop, [ref(src) for src in uop.srcs], [id(src) in raw_loads for src in uop.srcs]))
       elif uop.op is UOps.DEFINE_ACC:
         define(uop, "acc", self.render_const(uop.arg, uop.dtype))
       elif uop.op is UOps.ACCUMULATE:
@@ -311,8 +337,18 @@ class CStyleLanguage(Renderer):
   def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
     raise NotImplementedError(f"{type(self).__name__} has no vector stores")
 
+  def render_local_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
+    return self.render_vector_load(buffer, index, width, dtype).replace("const ", "")
+
   def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
     raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
+
+  def render_wmma(self, uop: UOp, operands: list[str], raw: list[bool]) -> str:
+    raise NotImplementedError(f"{type(self).__name__} has no tensor cores")
+
+  def raw_fragment_loads(self, uops: list[UOp]) -> set[int]:
+    """Ids of the LOADs a dialect renders as the bits they are stored as (for its tensor-core instructions)."""
+    return set()
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """How many outer global loops to run on several threads (0: none). Only CPU dialects parallelize."""
@@ -387,6 +423,7 @@ class OpenCLRenderer(CStyleLanguage):
   has_local = True
   local_memory_bytes = 32768  # the minimum OpenCL guarantees for a full-profile device
   local_prefix = "__local "
+  local_align = "__attribute__((aligned(16))) "
   barrier = "barrier(CLK_LOCAL_MEM_FENCE);"
   bfloat16_spelling = ("", "as_uint(value)", "as_float(((uint)bits) << 16)")
   vector_width = 4
@@ -480,10 +517,13 @@ class CUDARenderer(CStyleLanguage):
   local_memory_bytes = 48 * 1024  # static __shared__ memory per block
   warp_size = 32
   local_prefix = "__shared__ "
+  local_align = "__align__(16) "
   barrier = "__syncthreads();"
   bfloat16_spelling = ("__device__ __forceinline__ ", "__float_as_uint(value)",
                        "__uint_as_float(((unsigned int)bits) << 16)")
   vector_width = 4
+  # mma.sync m16n8k16 (sm_80 and newer: A100, H100; the GPUs this renderer targets)
+  tensor_cores = CUDA_TENSOR_CORES
 
   def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
     # the index is a multiple of the width (the linearizer checks), so the address is 16-byte aligned
@@ -557,6 +597,61 @@ class CUDARenderer(CStyleLanguage):
             f"  {variable} = {combined};",
             "}"]
 
+  def raw_fragment_loads(self, uops: list[UOp]) -> set[int]:
+    """float16/bfloat16 loads of kernel arguments read only by WMMAs: the mma takes their 16 bits as stored, so they
+    skip the round trip through a float register (a conversion there and one back). A 2-wide vector load of them
+    (two K-neighbouring fragment elements, see Linearizer._fragment_pair) is one 32-bit load whose GEPs are its two
+    halves."""
+    wmma_uses: dict[int, int] = {}
+    for uop in uops:
+      if uop.op is UOps.WMMA:
+        for src in uop.srcs: wmma_uses[id(src)] = wmma_uses.get(id(src), 0) + 1
+    raw: set[int] = set()
+    for uop in uops:
+      if uop.op is UOps.LOAD and uop.arg in (None, 2) and uop.srcs[0].op is UOps.DEFINE_GLOBAL and \
+          uop.dtype in (dtypes.float16, dtypes.bfloat16):
+        if uop.arg is None and wmma_uses.get(id(uop), 0) == uop.uses: raw.add(id(uop))
+        if uop.arg == 2: raw.add(id(uop))
+      elif uop.op is UOps.GEP and id(uop.srcs[0]) in raw:
+        if wmma_uses.get(id(uop), 0) != uop.uses: raise NotImplementedError("a paired half load read outside a WMMA")
+        raw.add(id(uop))
+    return raw
+
+  def render_wmma(self, uop: UOp, operands: list[str], raw: list[bool]) -> str:
+    """A call of the kernel's mma helper (render_mma_helper) on the fragments' 16-bit patterns (a value that lives
+    in a float register is converted); the accumulators are passed by reference."""
+    (m, n, k), dtype_in, _ = uop.arg
+    fragment_count = (m * k + k * n) // 32
+    to_bits = "float_to_half" if dtype_in == "float16" else "float_to_bf16"
+    fragments = [operand if is_raw else f"{to_bits}({operand})"
+                 for operand, is_raw in zip(operands[:fragment_count], raw)]
+    return f"mma_m{m}n{n}k{k}_{dtype_in}({', '.join(fragments + operands[fragment_count:])});"
+
+  @staticmethod
+  def render_mma_helper(arg: tuple) -> str:
+    """The device function for one tensor-core instruction (arg of a WMMA uop): it takes the A and B fragments'
+    16-bit patterns and packs them two per 32-bit register (the lower-numbered element in the lower half, as
+    mma.sync reads them); the C fragment is updated in place."""
+    (m, n, k), dtype_in, dtype_out = arg
+    ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype_in]
+    a_count, b_count, c_count = m * k // 32, k * n // 32, m * n // 32
+    a_names, b_names = [f"a{i}" for i in range(a_count)], [f"b{i}" for i in range(b_count)]
+    c_names = [f"c{i}" for i in range(c_count)]
+    packed = [f"((unsigned){low} | ((unsigned){high} << 16))" for names in (a_names, b_names)
+              for low, high in zip(names[::2], names[1::2])]
+    c_operands = ", ".join(f"%{i}" for i in range(c_count))
+    a_operands = ", ".join(f"%{c_count + i}" for i in range(a_count // 2))
+    b_operands = ", ".join(f"%{c_count + a_count // 2 + i}" for i in range(b_count // 2))
+    # in the WMMA uop's source order: A, B, then the accumulators (by reference)
+    params = ", ".join([f"unsigned short {name}" for name in a_names + b_names] +
+                       [f"float &{name}" for name in c_names])
+    outputs = ", ".join('"+f"(' + name + ")" for name in c_names)
+    inputs = ", ".join('"r"(' + value + ")" for value in packed)
+    instruction = (f"mma.sync.aligned.m{m}n{n}k{k}.row.col.f32.{ptx_type}.{ptx_type}.f32 "
+                   f"{{{c_operands}}}, {{{a_operands}}}, {{{b_operands}}}, {{{c_operands}}};")
+    return (f"__device__ __forceinline__ void mma_m{m}n{n}k{k}_{dtype_in}({params}) {{\n"
+            f'  asm volatile("{instruction}"\n    : {outputs}\n    : {inputs});\n}}\n')
+
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     threads = block_threads(uops)
     used, helpers = kernel_dtypes(uops), []
@@ -569,6 +664,8 @@ class CUDARenderer(CStyleLanguage):
     if any(uop.op is UOps.BITCAST for uop in uops):
       helpers.append("template <class To, class From> __device__ __forceinline__ To bitcast(From value) {\n"
                      "  union { From from; To to; } u; u.from = value; return u.to; }\n")
+    for arg in dict.fromkeys(uop.arg for uop in uops if uop.op is UOps.WMMA):
+      helpers.append(self.render_mma_helper(arg))
     launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""
     signature = f'extern "C" __global__ void {launch_bounds}{name}({", ".join(params)}) {{\n'
     return "".join(helpers) + signature + "\n".join(body) + "\n}\n"

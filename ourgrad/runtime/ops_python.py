@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.device import Compiled, Compiler, HostAllocator
 from ourgrad.dtype import (DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits, round_to_bfloat16,
@@ -93,12 +94,13 @@ class PythonRenderer(Renderer):
   local_memory_bytes = 16384
   warp_size = 0
   vector_width = 4
+  tensor_cores: tuple = ()   # EMULATE=CUDA takes CUDA's (WMMA is interpreted as mma.sync, see Interpreter.wmma)
 
   def __init__(self, emulate: str = "") -> None:
     if emulate == "": return
     if emulate.upper() != "CUDA": raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA")
     for limit in ("max_threads", "has_local", "local_memory_bytes", "warp_size", "vector_width", "global_max",
-                  "local_max"):
+                  "local_max", "tensor_cores"):
       setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:
@@ -193,7 +195,7 @@ def vectorizable_loops(instructions: list[Instruction], loop_ends: dict[int, int
       instruction = instructions[position]
       op = instruction.op
       if op in (UOps.STORE, UOps.DEFINE_ACC, UOps.DEFINE_GLOBAL, UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF,
-                UOps.WARP_REDUCE): eligible = False
+                UOps.WARP_REDUCE, UOps.WMMA): eligible = False
       elif op is UOps.RANGE:
         # a loop after an inner one closed is a sibling, not a chain; bounds must be known before the block runs
         eligible = not closed and all(instructions[src].op is UOps.CONST for src in instruction.srcs)
@@ -509,7 +511,11 @@ class Interpreter:
     operands = [values[src] for src in instruction.srcs]
     if op is UOps.ALU: return execute_alu(instruction.arg, dtype, operands)
     if op is UOps.CONST: return np.asarray(truncate(dtype, instruction.arg), dtype=compute_dtype(dtype))
-    if op is UOps.LOAD and isinstance(operands[0], LocalMemory): return self.load_local(position, *operands)
+    if op is UOps.LOAD and isinstance(operands[0], LocalMemory):
+      if instruction.arg is None: return self.load_local(position, *operands)
+      index = np.asarray(operands[1], np.int64)   # a vector from local memory: aligned, like a global one
+      if (index % instruction.arg).any(): raise self.error(position, "an unaligned vector load from local memory")
+      return np.stack([self.load_local(position, operands[0], index + lane) for lane in range(instruction.arg)])
     if op is UOps.STORE and isinstance(operands[0], LocalMemory):
       self.store_local(position, *operands)
       return None
@@ -529,6 +535,9 @@ class Interpreter:
       self.locals.append(memory)
       return memory
     if op is UOps.WARP_REDUCE: return self.warp_reduce(position, instruction, operands[0])
+    if op is UOps.WMMA:
+      self.wmma(position, instruction, operands)
+      return None
     if op is UOps.CAST: return cast(operands[0], self.src_dtype(instruction), dtype)
     if op is UOps.BITCAST: return bitcast(operands[0], self.src_dtype(instruction), dtype)
     if op is UOps.SPECIAL: return self.special(position, instruction.arg)
@@ -616,6 +625,32 @@ class Interpreter:
       result = execute_alu(op, instruction.dtype, [result, result[self.thread_ids ^ offset]])
       offset //= 2
     return result
+
+  def wmma(self, position: int, instruction: Instruction, operands: list[np.ndarray]) -> None:
+    """mma.sync as the hardware does it: each warp's 32 lanes hand in their fragments, which are gathered into the
+    warp's A, B and C matrices with the PTX ISA's maps (codegen/tensor_cores.py), D = A @ B + C is computed in
+    float32, and each lane gets back its D fragment in its accumulators (the C sources)."""
+    if self.active is not None: raise self.error(position, "a WMMA inside an IF block (a warp must run it together)")
+    if self.threads_per_block % WARP_LANES:
+      raise self.error(position, f"a WMMA in blocks of {self.threads_per_block} threads (not whole warps)")
+    (m, n, k), _, _ = instruction.arg
+    a_count, b_count = m * k // WARP_LANES, k * n // WARP_LANES
+    fragments = [np.broadcast_to(np.asarray(value, np.float32), (self.thread_count,)) for value in operands]
+    warp, lane = self.thread_ids // WARP_LANES, self.thread_ids % WARP_LANES
+    group, quad = lane >> 2, lane & 3
+    warps = self.thread_count // WARP_LANES
+    matrices = {"a": np.zeros((warps, m, k), np.float32), "b": np.zeros((warps, k, n), np.float32),
+                "c": np.zeros((warps, m, n), np.float32)}
+    layout = [("a", a_position, fragments[:a_count]), ("b", b_position, fragments[a_count:a_count + b_count]),
+              ("c", c_position, fragments[a_count + b_count:])]
+    for name, position_of, values in layout:
+      for element, value in enumerate(values):
+        row, column = (evaluate(coordinate, group, quad) for coordinate in position_of(element))
+        matrices[name][warp, row, column] = value
+    result = np.matmul(matrices["a"], matrices["b"]) + matrices["c"]
+    for element, accumulator in enumerate(instruction.srcs[a_count + b_count:]):
+      row, column = (evaluate(coordinate, group, quad) for coordinate in c_position(element))
+      self.values[accumulator] = result[warp, row, column]
 
   def vector_load(self, position: int, instruction: Instruction, buffer: np.ndarray, index: np.ndarray) -> np.ndarray:
     """`width` neighbouring elements, stacked on a new first axis (GEP takes one); the index must be a multiple of

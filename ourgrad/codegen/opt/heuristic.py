@@ -10,12 +10,17 @@ GPUs (thread blocks and local memory):
   a short row gets a warp;
 - a reduce whose input is contiguous along an output axis (a column reduction) puts that output axis on LOCAL
   threads (coalesced) and, when that leaves too few blocks to fill the device, splits the reduce over GROUPTOP;
-- matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
+- float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first
+  where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL);
+- a float32 matmul whose sizes divide the block tile (64x64 outputs, 8 reduce elements per step) gets shared-memory
+  tiles (SHARED): 16x16 threads of 4x4 outputs, both operands staged through local memory each step;
+- other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
 - elementwise kernels get thread blocks from the innermost output axes.
 """
 from __future__ import annotations
 
-from ourgrad.codegen.kernel import Kernel, Opt, OptOps
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands, tensor_core_operands
+from ourgrad.dtype import dtypes
 from ourgrad.helpers import prod
 from ourgrad.ops import MemBuffer
 
@@ -32,6 +37,8 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   """Apply the default Opts for the kernel's device in place."""
   renderer = kernel.renderer
   gpu, has_local = renderer.has_threads, getattr(renderer, "has_local", False)
+  if gpu and kernel.reduceop is not None and _tensor_core_tiles(kernel): return
+  if gpu and has_local and kernel.reduceop is not None and _shared_matmul_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and not _matmul_like(kernel):
     if _group_reduce(kernel): return
   if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
@@ -39,6 +46,78 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   _register_tiling(kernel)
   if gpu: _pick_thread_blocks(kernel)
   if gpu and has_local and kernel.reduceop is not None: _group_for_parallelism(kernel)
+
+
+# a warp's tile of tensor-core instructions (m tiles x n tiles) and a block's warps (along m x along n)
+TC_WARP_TILES = (2, 4)
+TC_BLOCK_WARPS = (2, 2)
+
+
+def _tensor_core_tiles(kernel: Kernel) -> bool:
+  """TC where the kernel is a float16/bfloat16 matmul and the renderer has tensor cores (ragged M/N padded first),
+  then warp tiles and warps per block. False (the kernel untouched) where TC does not apply."""
+  for choice in range(len(getattr(kernel.renderer, "tensor_cores", ()))):
+    trial = kernel.copy()
+    if not _pad_for_tensor_core(trial, choice) or not trial.try_opt(Opt(OptOps.TC, 0, choice)): continue
+    kernel.__dict__.update(trial.__dict__)
+    break
+  else:
+    return False
+  for position, amounts in ((1, (TC_WARP_TILES[1], 2)), (0, (TC_WARP_TILES[0],))):   # n first, then m
+    for amount in amounts:
+      axis = _tensor_core_outer_axis(kernel, position)
+      if axis is not None and kernel.try_opt(Opt(OptOps.UPCAST, axis, amount)): break
+  for position, warps in ((1, TC_BLOCK_WARPS[1]), (0, TC_BLOCK_WARPS[0])):
+    axis = _tensor_core_outer_axis(kernel, position)
+    if axis is not None: kernel.try_opt(Opt(OptOps.LOCAL, axis, warps))
+  return True
+
+
+# the float32 shared-memory matmul: (threads, outputs per thread) along M and along N, and the reduce step
+SHARED_THREADS, SHARED_OUTPUTS, SHARED_STEP = 16, 4, 8
+
+
+def _shared_matmul_tiles(kernel: Kernel) -> bool:
+  """A float32 matmul (outputs M x N, one reduce axis, both operands plain loads) whose sizes divide the block tile:
+  each thread 4x4 outputs in registers, 16x16 threads per block (a 64x64 block tile), the reduce in steps of 8
+  staged through local memory (SHARED). False (the kernel untouched) otherwise."""
+  if kernel.reduceop.dtype != dtypes.float32 or kernel.first_reduce != 2 or kernel.shape_len != 3: return False
+  try: a, b = matmul_operands(kernel.reduceop, dtypes.float32, dtypes.float32, "SHARED")
+  except KernelOptError: return False
+  m_axes, n_axes, k_axes = kernel.matmul_axes(a, b)
+  if (m_axes, n_axes, k_axes) != ([0], [1], [2]) and (m_axes, n_axes, k_axes) != ([1], [0], [2]): return False
+  block = SHARED_THREADS * SHARED_OUTPUTS
+  m, n, k = kernel.full_shape
+  if m % block or n % block or k % SHARED_STEP: return False
+  trial = kernel.copy()
+  opts = [Opt(OptOps.UPCAST, 0, SHARED_OUTPUTS), Opt(OptOps.UPCAST, 1, SHARED_OUTPUTS),
+          Opt(OptOps.LOCAL, 0, SHARED_THREADS), Opt(OptOps.LOCAL, 1, SHARED_THREADS),
+          Opt(OptOps.UNROLL, 0, SHARED_STEP), Opt(OptOps.SHARED, 0, 0)]
+  if not all(trial.try_opt(opt) for opt in opts): return False
+  kernel.__dict__.update(trial.__dict__)
+  return True
+
+
+def _pad_for_tensor_core(kernel: Kernel, choice: int) -> bool:
+  """PADTO the matmul's M and N axes up to the instruction's tile where they are ragged; False where the kernel is
+  not a matmul the instruction computes (or K is ragged: a reduce axis is not padded)."""
+  tc = kernel.renderer.tensor_cores[choice]
+  try: a, b = tensor_core_operands(kernel.reduceop, tc)
+  except KernelOptError: return False
+  m_axes, n_axes, _ = kernel.matmul_axes(a, b)
+  for axes, tile in ((m_axes, tc.dims[0]), (n_axes, tc.dims[1])):
+    axis = kernel.tile_axis(axes, tile) if axes else None
+    if axis is not None and kernel.full_shape[axis] % tile != 0 and not kernel.try_opt(Opt(OptOps.PADTO, axis, tile)):
+      return False
+  return True
+
+
+def _tensor_core_outer_axis(kernel: Kernel, position: int) -> int | None:
+  """After TC: the global axis left of the matmul's M (position 0) or N (position 1) outside the instruction."""
+  applied = kernel.tensor_core
+  axes = kernel.matmul_axes(applied.a, applied.b)[position]
+  axes = [axis for axis in axes if axis < kernel.global_dims]
+  return axes[-1] if axes else None
 
 
 def _loads(kernel: Kernel) -> list:

@@ -58,6 +58,8 @@ ACTION_AMOUNTS: dict[str, tuple[int, ...]] = {
   "GROUP": (4, 8, 16, 32, 64, 128, 256),
   "GROUPTOP": (4, 8, 16, 32, 64, 128, 256),
   "PADTO": (32,),
+  "TC": (0, 1),   # which of the renderer's tensor cores (axis 0 only)
+  "SHARED": (0,),  # a flag (axis 0 only)
 }
 DEFAULT_AMOUNTS: tuple[int, ...] = (2, 4, 8, 16)
 
