@@ -92,8 +92,12 @@ def main() -> None:
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--scale", type=int, default=0, help="halve each side this many times (for a quick check)")
   parser.add_argument("--no-mnist", action="store_true")
+  parser.add_argument("--only-mnist", action="store_true", help="only the per-kernel table of one MNIST step")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
   args = parser.parse_args()
+  if args.only_mnist:
+    mnist_step(args.device, args.scale)
+    return
   import torch
   cuda = args.device.upper().startswith("CUDA")
   torch_device = "cuda" if cuda else "cpu"
