@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ourgrad import Tensor  # noqa: E402
+from timing import torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.engine.realize import get_runner  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 from ourgrad.helpers import GlobalCounters  # noqa: E402
@@ -46,22 +46,6 @@ def ourgrad_seconds(device: str, build: Callable[[], Tensor], iters: int) -> tup
   return statistics.median(totals[3:]), count
 
 
-def torch_seconds(function: Callable[[], Any], iters: int, cuda: bool) -> float:
-  import torch
-  times = []
-  for _ in range(iters + 3):
-    if cuda:
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      function()
-      end.record()
-      torch.cuda.synchronize()
-      times.append(start.elapsed_time(end) / 1e3)
-    else:
-      began = time.perf_counter()
-      function()
-      times.append(time.perf_counter() - began)
-  return statistics.median(times[3:])
 
 
 def _torch_layernorm(x: Any) -> Any:

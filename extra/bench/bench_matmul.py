@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ourgrad import Tensor  # noqa: E402
+from timing import torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.dtype import dtypes  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
 from ourgrad.engine.realize import get_runner  # noqa: E402
@@ -125,22 +126,6 @@ def ourgrad_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, 
   return statistics.median(totals[2:]), names
 
 
-def torch_seconds(function: Callable[[], Any], iters: int, cuda: bool) -> float:
-  import torch
-  times = []
-  for _ in range(iters + 2):
-    if cuda:
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      function()
-      end.record()
-      torch.cuda.synchronize()
-      times.append(start.elapsed_time(end) / 1e3)
-    else:
-      began = time.perf_counter()
-      function()
-      times.append(time.perf_counter() - began)
-  return statistics.median(times[2:])
 
 
 def beam_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, cuda: bool) -> float | None:
@@ -188,16 +173,16 @@ def main() -> None:
     beam = beam_seconds(args.device, lambda: function(*inputs), args.iters, cuda) if with_beam else None
     torch_inputs = [torch.tensor(array, device=torch_device).to(getattr(torch, dtype_name)) for array in host]
     reference = torch_function(kind, sizes)
-    eager = torch_seconds(lambda: reference(*torch_inputs), args.iters, cuda)
+    eager = torch_seconds(lambda: reference(*torch_inputs), args.iters, cuda, warmup=2)
     compiled = None
     if not args.no_compile:
       try:
         compiled_function = torch.compile(reference, mode="max-autotune")
-        compiled = torch_seconds(lambda: compiled_function(*torch_inputs), args.iters, cuda)
+        compiled = torch_seconds(lambda: compiled_function(*torch_inputs), args.iters, cuda, warmup=2)
       except Exception as error:  # no toolchain for inductor here
         print(f"  torch.compile failed: {type(error).__name__}")
     blas = None
-    if kind == "mm" and not cuda: blas = torch_seconds(lambda: host[0] @ host[1], args.iters, False)
+    if kind == "mm" and not cuda: blas = torch_seconds(lambda: host[0] @ host[1], args.iters, False, warmup=2)
 
     def ms(value: float | None) -> str: return f"{value * 1e3:9.3f}" if value is not None else f"{'-':>9}"
     work = flops(kind, sizes)

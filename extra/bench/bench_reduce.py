@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ourgrad import Tensor  # noqa: E402
+from timing import torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.engine import realize  # noqa: E402
 from ourgrad.engine.exec_item import CompiledRunner, ExecItem  # noqa: E402
 from ourgrad.engine.realize import get_runner  # noqa: E402
@@ -46,22 +47,6 @@ def kernel_seconds(device: str, build: Callable[[], Tensor], iters: int) -> tupl
   return statistics.median(totals[3:]), kernels
 
 
-def torch_seconds(function: Callable[[], Any], iters: int, cuda: bool) -> float:
-  import torch
-  times = []
-  for _ in range(iters + 3):
-    if cuda:
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      function()
-      end.record()
-      torch.cuda.synchronize()
-      times.append(start.elapsed_time(end) / 1e3)
-    else:
-      began = time.perf_counter()
-      function()
-      times.append(time.perf_counter() - began)
-  return statistics.median(times[3:])
 
 
 def workloads(scale: int) -> list[tuple[str, list[tuple[int, ...]], Callable[..., Any], int]]:

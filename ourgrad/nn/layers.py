@@ -49,6 +49,19 @@ def _channel_view(t: Tensor, ndim: int) -> Tensor:
   return t.reshape(1, t.shape[0], *([1] * (ndim - 2)))
 
 
+def _channel_affine(y: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+  """`y * weight + bias` per channel (either may be absent), for the normalizations over (N, C, ...) input."""
+  if weight is not None: y = y * _channel_view(weight, y.ndim)
+  if bias is not None: y = y + _channel_view(bias, y.ndim)
+  return y
+
+
+def _normalize_by_running_stats(x: Tensor, running_mean: Tensor, running_var: Tensor, eps: float) -> Tensor:
+  """(x - running mean) / sqrt(running var + eps) per channel: evaluation mode of batch and instance norms."""
+  inv_std = (running_var + eps).rsqrt()
+  return (x - _channel_view(running_mean, x.ndim)) * _channel_view(inv_std, x.ndim)
+
+
 def _machine_epsilon(dtype: DType) -> float:
   """torch.finfo(dtype).eps: the gap between 1 and the next representable float."""
   if dtype == dtypes.bfloat16: return 2.0 ** -7
@@ -231,11 +244,8 @@ class BatchNorm(Module):
       if self.training and self.track_running_stats: self._update_running_stats(mean, var, count)
       normalized = centered * _channel_view((var + self.eps).rsqrt(), x.ndim)
     else:
-      inv_std = (self.running_var + self.eps).rsqrt()
-      normalized = (x - _channel_view(self.running_mean, x.ndim)) * _channel_view(inv_std, x.ndim)
-    if self.weight is not None: normalized = normalized * _channel_view(self.weight, x.ndim)
-    if self.bias is not None: normalized = normalized + _channel_view(self.bias, x.ndim)
-    return normalized
+      normalized = _normalize_by_running_stats(x, self.running_mean, self.running_var, self.eps)
+    return _channel_affine(normalized, self.weight, self.bias)
 
 
 # PyTorch's names (classes of their own, so reprs and type names match): the rank only differs in the input
@@ -294,10 +304,7 @@ class GroupNorm(Module):
       raise ShapeError(f"GroupNorm({self.num_groups}, {self.num_channels}) expects input "
                        f"(N, {self.num_channels}, ...), got {x.shape}")
     grouped = x.reshape(x.shape[0], self.num_groups, -1)
-    y = grouped.layernorm(-1, self.eps).reshape(x.shape)
-    if self.weight is not None: y = y * _channel_view(self.weight, x.ndim)
-    if self.bias is not None: y = y + _channel_view(self.bias, x.ndim)
-    return y
+    return _channel_affine(grouped.layernorm(-1, self.eps).reshape(x.shape), self.weight, self.bias)
 
 
 class _InstanceNorm(Module):
@@ -339,11 +346,8 @@ class _InstanceNorm(Module):
         self.running_mean.assign((1.0 - factor) * self.running_mean + factor * mean.mean(0))
         self.running_var.assign((1.0 - factor) * self.running_var + factor * var.mean(0))
     else:
-      inv_std = (self.running_var + self.eps).rsqrt()
-      y = (x - _channel_view(self.running_mean, x.ndim)) * _channel_view(inv_std, x.ndim)
-    if self.weight is not None: y = y * _channel_view(self.weight, x.ndim)
-    if self.bias is not None: y = y + _channel_view(self.bias, x.ndim)
-    return y
+      y = _normalize_by_running_stats(x, self.running_mean, self.running_var, self.eps)
+    return _channel_affine(y, self.weight, self.bias)
 
 
 class InstanceNorm1d(_InstanceNorm):
