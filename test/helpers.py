@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import pytest
 import torch
 
-from ourgrad import Tensor, dtypes
+from ourgrad import Device, Tensor, dtypes
 from ourgrad.dtype import DType
+from ourgrad.errors import DeviceError
 
 # the dtypes both libraries have, ourgrad -> torch
 TORCH_DTYPES: dict[DType, torch.dtype] = {
@@ -36,6 +38,15 @@ DTYPE_TOLERANCES: dict[DType, tuple[float, float]] = {
   dtypes.float16: (1e-3, 1e-3), dtypes.bfloat16: (1e-2, 1e-2), dtypes.float32: (1e-6, 1e-5),
   dtypes.float64: (1e-12, 1e-10),
 }
+
+
+def skip_unless_device(name: str) -> None:
+  """Skip the calling test when device `name` cannot open here (its package or driver is absent: `pip install
+  -e '.[testing]'` alone has no llvmlite, pyopencl or CUDA)."""
+  try:
+    Device[name]
+  except DeviceError as error:
+    pytest.skip(f"{name} is not available here: {error}")
 
 
 def ourgrad_dtype_of(torch_dtype: torch.dtype) -> DType:

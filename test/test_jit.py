@@ -9,6 +9,7 @@ from ourgrad.nn import BatchNorm2d, Conv2d, Linear
 from ourgrad.nn.losses import cross_entropy
 from ourgrad.nn.optim import Adam
 from ourgrad.nn.state import get_parameters
+from helpers import skip_unless_device
 
 
 def test_replay_matches_numpy_and_changes_with_inputs():
@@ -315,6 +316,7 @@ def test_cuda_jitted_training_step_is_bit_identical(monkeypatch):
 
 @pytest.mark.parametrize("device", ["LLVM", "PYTHON"])
 def test_other_devices_replay(device):
+  skip_unless_device(device)
   """LLVM replays through pre-bound ctypes calls like CLANG; PYTHON (no ctypes function) through ExecItem.run."""
   @TinyJit
   def f(a, b): return ((a * b).sum(1) + a.max(1)).realize()

@@ -9,6 +9,7 @@ from ourgrad.codegen.opt.heuristic import CPU_MAX_TILE_COLUMNS, cpu_tile_rows
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
+from helpers import skip_unless_device
 
 DEVICE = "CLANG"
 
@@ -86,6 +87,7 @@ def test_cache_block_is_searched_and_refused_where_void():
 
 @pytest.mark.parametrize("device", ["LLVM", "PYTHON"])
 def test_other_cpu_devices_take_the_tile(device: str):
+  skip_unless_device(device)
   """Devices without threads share the CPU heuristic; a renderer that names no SIMD width gets 16 bytes."""
   a, b = _operands((16, 24), (24, 32), seed=5)
   result = (Tensor(a, device=device) @ Tensor(b, device=device)).numpy()
