@@ -24,8 +24,8 @@ import numpy as np
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import DeviceError, OutOfMemoryError
 from ourgrad.shape.symbolic import sym_max
-from ourgrad.helpers import (ALLOCATOR_CACHE_BYTES, DEVICE, DISABLE_COMPILER_CACHE, GlobalCounters, cache_dir,
-                             fmt_size, register_cache_clearer)
+from ourgrad.helpers import (ALLOCATOR_CACHE_BYTES, COMPILE_CACHE_BYTES, DEVICE, DISABLE_COMPILER_CACHE,
+                             GlobalCounters, cache_dir, fmt_size, register_cache_clearer)
 
 # user-facing aliases of device names
 DEVICE_ALIASES = {"CPU": "CLANG", "GPU": "OPENCL"}
@@ -253,6 +253,7 @@ class Compiler:
     try:
       path = self.cache_path(source)
       entry = path.read_bytes()
+      os.utime(path)  # a used entry is recent: the size bound deletes the least recently used ones first
     except OSError:  # not cached, or no cache folder can be made (read-only home): compile
       return None
     header_size = len(CACHE_ENTRY_MAGIC) + 32
@@ -282,12 +283,48 @@ class Compiler:
     if not DISABLE_COMPILER_CACHE:
       try:
         write_atomic(self.cache_path(source), CACHE_ENTRY_MAGIC + hashlib.sha256(binary).digest() + binary)
+        _count_cache_write()
       except OSError as error:  # a full disk or a read-only cache folder costs recompiles, not the result
         warnings.warn(f"cannot write the compile cache ({type(error).__name__}: {error.strerror}); kernels are "
                       f"compiled again in each process. "
                       f"Set OURGRAD_CACHE_DIR to a writable folder, or DISABLE_COMPILER_CACHE=1", RuntimeWarning,
                       stacklevel=2)
     return binary
+
+
+# the size bound is checked every this many writes of a process (a walk of the cache folder, so not at every write)
+PRUNE_EVERY_WRITES = 64
+_cache_writes = 0
+
+
+def _count_cache_write() -> None:
+  global _cache_writes
+  _cache_writes += 1
+  if _cache_writes % PRUNE_EVERY_WRITES == 0: prune_compile_cache()
+
+
+def prune_compile_cache(max_bytes: int | None = None) -> int:
+  """Delete the least recently used compiled binaries until the on-disk cache holds at most `max_bytes` (default
+  COMPILE_CACHE_BYTES; 0 empties it, -1 keeps everything). Returns the bytes deleted. Safe beside other processes:
+  an entry deleted under a reader is recompiled."""
+  limit = int(COMPILE_CACHE_BYTES.value) if max_bytes is None else max_bytes
+  if limit < 0: return 0
+  entries = []
+  for path in (cache_dir() / "compile").glob("*/*"):
+    try:
+      stat = path.stat()
+    except OSError:  # deleted by another process meanwhile
+      continue
+    entries.append((stat.st_mtime, stat.st_size, path))
+  total, deleted = sum(size for _, size, _ in entries), 0
+  for _, size, path in sorted(entries):  # oldest use first
+    if total - deleted <= limit: break
+    try:
+      path.unlink()
+      deleted += size
+    except OSError:
+      pass
+  return deleted
 
 
 def write_atomic(path: pathlib.Path, data: bytes) -> None:

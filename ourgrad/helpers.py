@@ -73,6 +73,8 @@ ALLOCATOR_CACHE_BYTES = env_var("ALLOCATOR_CACHE_BYTES", 2 << 30, "most bytes of
                                 "reuse per device; more are given back to the device (-1: no limit)")
 RUNNER_CACHE_SIZE = env_var("RUNNER_CACHE_SIZE", 4096, "most compiled kernels kept in memory; the least recently "
                             "used is dropped past it (-1: no limit)")
+COMPILE_CACHE_BYTES = env_var("COMPILE_CACHE_BYTES", 2 << 30, "most bytes the on-disk compile cache keeps; past it the "
+                              "least recently used binaries are deleted (-1: no limit)")
 COMPILE_TIMEOUT = env_var("COMPILE_TIMEOUT", 300.0, "seconds one kernel may take to compile before a CompileError "
                           "naming it (CLANG; 0: no limit)")
 BEAM = env_var("BEAM", 0, "n>0: pick each kernel's Opts by a beam search of width n, timed on the device and "

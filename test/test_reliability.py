@@ -390,6 +390,28 @@ def test_runner_cache_is_bounded(monkeypatch):
   assert len(realize_module._runner_cache) == 2
 
 
+def test_disk_compile_cache_is_bounded(tmp_path, monkeypatch):
+  """The on-disk compile cache keeps at most COMPILE_CACHE_BYTES: past it, the least recently used binaries go."""
+  from ourgrad import device as device_module
+  from ourgrad.device import Device, prune_compile_cache
+  monkeypatch.setenv("OURGRAD_CACHE_DIR", str(tmp_path))
+  compiler = Device["CLANG"].compiler
+  sources = [f'void k{number}(float* out) {{ out[0] = {number}.0f; }}' for number in range(4)]
+  for age, source in enumerate(sources):  # oldest first: distinct mtimes make the order certain
+    compiler.compile_cached(source)
+    os.utime(compiler.cache_path(source), (1000 + age, 1000 + age))
+  sizes = [compiler.cache_path(source).stat().st_size for source in sources]
+  compiler.load_cached(sources[0])  # used again: now the most recent
+  deleted = prune_compile_cache(sizes[0] + sizes[3] + 1)
+  assert deleted == sizes[1] + sizes[2]
+  assert [compiler.cache_path(source).exists() for source in sources] == [True, False, False, True]
+  # the bound is also applied by writes themselves, every PRUNE_EVERY_WRITES of them
+  monkeypatch.setattr(device_module, "PRUNE_EVERY_WRITES", 1)
+  monkeypatch.setenv("COMPILE_CACHE_BYTES", "0")
+  compiler.compile_cached("void k9(float* out) { out[0] = 9.0f; }")
+  assert not list((tmp_path / "compile").glob("*/*"))
+
+
 def test_allocator_cache_is_bounded(monkeypatch):
   from ourgrad import Device
   allocator = Device[Device.DEFAULT].allocator
