@@ -14,6 +14,7 @@ numpy, the whole step (forward, backward, Adam) is one realize.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from typing import Callable
 
@@ -78,6 +79,8 @@ def train(args: argparse.Namespace) -> float:
   print(f"{sum(p.numel() for p in parameters):,} parameters; {len(x_train)} training images, batch {batch_size}")
   accuracy = float("nan")
   for epoch in range(args.epochs):
+    # cosine decay over the run, one value per epoch: Adam's lr is a tensor, so changing it compiles nothing
+    if not args.constant_lr: optimizer.lr = args.lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
     order = np.random.default_rng([args.seed, epoch]).permutation(len(x_train))
     started = time.perf_counter()
     progress = tqdm(range(steps), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step") if tqdm else range(steps)
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> float:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--epochs", type=int, default=2)
   parser.add_argument("--batch-size", type=int, default=128)
-  parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+  parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the first epoch")
+  parser.add_argument("--constant-lr", action="store_true", help="keep --lr for every epoch (default: cosine decay)")
   parser.add_argument("--limit", type=int, metavar="N", help="train on the first N training images only")
   parser.add_argument("--eval-limit", type=int, metavar="N", help="evaluate on the first N test images only")
   parser.add_argument("--seed", type=int, default=0)

@@ -382,7 +382,7 @@ def test_reductions_sum_and_max_with_nan() -> None:
   x = rng.standard_normal((8, 33)).astype(np.float32)
   x[2, 5] = np.nan
   x[6, 0] = np.nan
-  check_graph(lambda a: a.sum(axis=1), [x], x.sum(axis=1))
+  check_graph(lambda a: a.sum(axis=1), [x], x.sum(axis=1), clang_rtol=1e-5)  # 33 values each, in other orders
   check_graph(lambda a: a.max(axis=1), [x], x.max(axis=1))
   check_graph(lambda a: a.max(axis=0), [x], x.max(axis=0))
   clean = np.nan_to_num(x)
@@ -474,7 +474,9 @@ def test_padded_convolution_and_pooling() -> None:
               rtol=1e-5, atol=1e-5, clang_rtol=1e-5)
   pooled = torch.nn.functional.max_pool2d(torch.from_numpy(image), 3, stride=2, padding=1)
   check_graph(lambda x: functional.max_pool2d(x, 3, stride=2, padding=1), [image], pooled.numpy())
-  check_graph(lambda x: x.pad(((0, 0), (0, 0), (2, 1), (1, 3))).sum(axis=(2, 3)), [image], image.sum(axis=(2, 3)))
+  # sums of 72 values that may nearly cancel: the devices add in different orders, so 1e-5 absolute between them
+  check_graph(lambda x: x.pad(((0, 0), (0, 0), (2, 1), (1, 3))).sum(axis=(2, 3)), [image], image.sum(axis=(2, 3)),
+              clang_rtol=1e-5)
 
 
 def test_integer_division_and_modulo_with_negatives_and_zero_divisors() -> None:
