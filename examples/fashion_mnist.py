@@ -1,8 +1,9 @@
 """Train a CNN on Fashion-MNIST (10 kinds of clothing, 28x28 grey images) with Adam.
 
-    python examples/fashion_mnist.py                        # 2 epochs on the 60000 training images: 88.1% test
-                                                            # accuracy (86.8% after one; 24 min on a shared 2-core CPU)
-    python examples/fashion_mnist.py --epochs 4             # more epochs for more accuracy (not measured here)
+    python examples/fashion_mnist.py                        # 5 epochs on the 60000 training images, the learning
+                                                            # rate decaying (cosine): 90.76% test accuracy (85.9,
+                                                            # 88.5, 88.8, 89.9 after epochs 1-4; 17 min on 2 cores)
+    python examples/fashion_mnist.py --epochs 2             # fewer epochs: less accuracy
     python examples/fashion_mnist.py --limit 12000 --epochs 1   # a shorter run on the first 12000 images
     python examples/fashion_mnist.py --data /path/to/folder     # the four IDX files (plain or .gz)
 
@@ -101,7 +102,7 @@ def train(args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> float:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--epochs", type=int, default=2)
+  parser.add_argument("--epochs", type=int, default=5)
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the first epoch")
   parser.add_argument("--constant-lr", action="store_true", help="keep --lr for every epoch (default: cosine decay)")
