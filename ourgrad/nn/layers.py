@@ -62,6 +62,20 @@ def _normalize_by_running_stats(x: Tensor, running_mean: Tensor, running_var: Te
   return (x - _channel_view(running_mean, x.ndim)) * _channel_view(inv_std, x.ndim)
 
 
+def _init_channel_norm(norm: Module, num_features: int, eps: float, momentum: float | None, affine: bool,
+                       track_running_stats: bool) -> None:
+  """The settings and state batch and instance norms share, set in PyTorch's order (state_dict keys follow it):
+  weight and bias when affine, running mean/var and the batch count when tracking running statistics."""
+  norm.num_features, norm.eps, norm.momentum = num_features, eps, momentum
+  norm.affine, norm.track_running_stats = affine, track_running_stats
+  norm.weight = Tensor.ones(num_features, requires_grad=True) if affine else None
+  norm.bias = Tensor.zeros(num_features, requires_grad=True) if affine else None
+  if track_running_stats:
+    norm.running_mean = Tensor.zeros(num_features, requires_grad=False)
+    norm.running_var = Tensor.ones(num_features, requires_grad=False)
+    norm.num_batches_tracked = Tensor.zeros(dtype=dtypes.int64, requires_grad=False)
+
+
 def _machine_epsilon(dtype: DType) -> float:
   """torch.finfo(dtype).eps: the gap between 1 and the next representable float."""
   if dtype == dtypes.bfloat16: return 2.0 ** -7
@@ -209,14 +223,7 @@ class BatchNorm(Module):
 
   def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                track_running_stats: bool = True):
-    self.num_features, self.eps, self.momentum = num_features, eps, momentum
-    self.affine, self.track_running_stats = affine, track_running_stats
-    self.weight = Tensor.ones(num_features, requires_grad=True) if affine else None
-    self.bias = Tensor.zeros(num_features, requires_grad=True) if affine else None
-    if track_running_stats:
-      self.running_mean = Tensor.zeros(num_features, requires_grad=False)
-      self.running_var = Tensor.ones(num_features, requires_grad=False)
-      self.num_batches_tracked = Tensor.zeros(dtype=dtypes.int64, requires_grad=False)
+    _init_channel_norm(self, num_features, eps, momentum, affine, track_running_stats)
 
   def _update_running_stats(self, mean: Tensor, var: Tensor, count: int) -> None:
     self.num_batches_tracked.assign(self.num_batches_tracked + 1)
@@ -316,14 +323,7 @@ class _InstanceNorm(Module):
 
   def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = False,
                track_running_stats: bool = False):
-    self.num_features, self.eps, self.momentum = num_features, eps, momentum
-    self.affine, self.track_running_stats = affine, track_running_stats
-    self.weight = Tensor.ones(num_features, requires_grad=True) if affine else None
-    self.bias = Tensor.zeros(num_features, requires_grad=True) if affine else None
-    if track_running_stats:
-      self.running_mean = Tensor.zeros(num_features, requires_grad=False)
-      self.running_var = Tensor.ones(num_features, requires_grad=False)
-      self.num_batches_tracked = Tensor.zeros(dtype=dtypes.int64, requires_grad=False)
+    _init_channel_norm(self, num_features, eps, momentum, affine, track_running_stats)
 
   def forward(self, x: Tensor) -> Tensor:
     name = type(self).__name__
