@@ -34,3 +34,19 @@ def _check_cuda_rendering():
   realize.compile_kernel = compile_and_check_cuda
   yield
   realize.compile_kernel = compile_for_device
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+  """A list that gets one entry (the kernel name) per kernel compiled, not taken from the in-memory cache."""
+  from ourgrad.engine import realize
+  names: list[str] = []
+  original = realize.compile_kernel
+  realize._runner_cache.clear()  # count every kernel this test needs, whatever ran before in this process
+
+  def counting(kernel, device):
+    names.append(kernel.name)
+    return original(kernel, device)
+
+  monkeypatch.setattr(realize, "compile_kernel", counting)
+  return names

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from ourgrad import Tensor, TinyJit
-from ourgrad.engine import realize
 from ourgrad.errors import JitError
 from ourgrad.shape import Variable
 
@@ -59,19 +58,6 @@ def _no_cuda_render_check(monkeypatch):
   CUDA rendering is checked here by test_symbolic_shapes.py::test_cuda_source_compiles_with_nvrtc instead."""
   monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)
 
-
-@pytest.fixture
-def compiles(monkeypatch):
-  names: list[str] = []
-  original = realize.compile_kernel
-  realize._runner_cache.clear()  # count every kernel this test needs, whatever ran before in this process
-
-  def counting(kernel, device):
-    names.append(kernel.name)
-    return original(kernel, device)
-
-  monkeypatch.setattr(realize, "compile_kernel", counting)
-  return names
 
 
 def _tokens(count: int, dim: int) -> np.ndarray:

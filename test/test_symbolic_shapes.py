@@ -25,20 +25,6 @@ def _no_cuda_render_check(monkeypatch):
   monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)
 
 
-@pytest.fixture
-def compiles(monkeypatch):
-  """A list that gets one entry per kernel compiled (generated and built, not taken from the cache)."""
-  names: list[str] = []
-  original = realize.compile_kernel
-  realize._runner_cache.clear()  # count every kernel this test needs, whatever ran before in this process
-
-  def counting(kernel, device):
-    names.append(kernel.name)
-    return original(kernel, device)
-
-  monkeypatch.setattr(realize, "compile_kernel", counting)
-  return names
-
 
 def _data(*shape: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
