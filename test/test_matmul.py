@@ -92,3 +92,36 @@ def test_other_cpu_devices_take_the_tile(device: str):
   a, b = _operands((16, 24), (24, 32), seed=5)
   result = (Tensor(a, device=device) @ Tensor(b, device=device)).numpy()
   np.testing.assert_allclose(result, a @ b, rtol=1e-4, atol=1e-4)
+
+
+def _rendered_source(tensor: Tensor) -> str:
+  from ourgrad.codegen.linearizer import linearize
+  item = create_schedule([tensor.lazydata])[-1]
+  kernel = Kernel(item.ast, Device[DEVICE].renderer)
+  kernel.hand_coded_optimizations()
+  return Device[DEVICE].renderer.render("k", linearize(kernel))
+
+
+def test_wrap_rule_dropped_only_where_integers_just_index():
+  """A float matmul's integers are all index math: its kernel is marked and built without -fwrapv (so gcc can
+  vectorize the tile); a kernel with integer data, or a cast between int and float, keeps the wrap rule."""
+  from ourgrad.renderer.cstyle import INDEX_MATH_ONLY
+  compiler = Device[DEVICE].compiler
+  a, b = _operands((16, 24), (24, 32), seed=6)
+  float_matmul = _rendered_source(Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE))
+  assert float_matmul.startswith(INDEX_MATH_ONLY) and "-fwrapv" not in compiler.flags_for(float_matmul)
+  ints = Tensor(np.arange(12, dtype=np.int32).reshape(3, 4), device=DEVICE)
+  for tensor in (ints * 7 + 1, (ints * 3).float(), Tensor(a, device=DEVICE).int() * 5):
+    source = _rendered_source(tensor)
+    assert not source.startswith(INDEX_MATH_ONLY) and "-fwrapv" in compiler.flags_for(source)
+
+
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("m,k,n", [(48, 40, 64), (33, 17, 45)])
+def test_transposed_layouts_match_numpy(layout: str, m: int, k: int, n: int):
+  """Every transpose layout an MLP's backward makes (A.B, A^T.B, A.B^T) gives numpy's result with the default opts."""
+  a, b = _operands((m, k) if layout[0] == "n" else (k, m), (k, n) if layout[1] == "n" else (n, k), seed=7)
+  left, right = Tensor(a, device=DEVICE), Tensor(b, device=DEVICE)
+  left, right = (left if layout[0] == "n" else left.T), (right if layout[1] == "n" else right.T)
+  expected = (a if layout[0] == "n" else a.T) @ (b if layout[1] == "n" else b.T)
+  np.testing.assert_allclose((left @ right).numpy(), expected, rtol=1e-4, atol=1e-4)
