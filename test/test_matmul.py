@@ -125,3 +125,13 @@ def test_transposed_layouts_match_numpy(layout: str, m: int, k: int, n: int):
   left, right = (left if layout[0] == "n" else left.T), (right if layout[1] == "n" else right.T)
   expected = (a if layout[0] == "n" else a.T) @ (b if layout[1] == "n" else b.T)
   np.testing.assert_allclose((left @ right).numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_tile_takes_a_whole_rows_axis():
+  """M equal to the tile's rows: the rows axis is upcast whole (it leaves its place), and the columns still get
+  one SIMD register (a convolution's input gradient with as many channels as the tile has rows is this case)."""
+  rows, lanes = _expected_tile(16)
+  a, b = _operands((rows, 40), (40, 4 * lanes), seed=8)
+  result, kernel = _run(_matmul_item(a, b), None)
+  assert [kernel.full_shape[axis] for axis in kernel.upcast_axes] == [rows, lanes]
+  np.testing.assert_allclose(result.reshape(rows, 4 * lanes), a @ b, rtol=1e-4, atol=1e-4)

@@ -248,7 +248,8 @@ def _cpu_matmul_tiles(kernel: Kernel) -> bool:
   start = kernel._state()
   # rows first: the upcast applied last varies fastest in the unrolled code, and the columns must be the fastest
   if not kernel.try_opt(Opt(OptOps.UPCAST, rows, row_count)): return False
-  rows_dropped = kernel.shape_len < len(start[0][0].shape)  # a rows axis the tile used whole is gone
+  # a rows axis the tile used whole leaves its place (the upcast lands at the end): no split, the length is kept
+  rows_dropped = kernel.shape_len <= len(start[0][0].shape)
   columns_after = columns - (1 if rows_dropped and rows < columns else 0)
   if not kernel.try_opt(Opt(OptOps.UPCAST, columns_after, lanes)):
     kernel._restore(start)
