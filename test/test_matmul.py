@@ -95,6 +95,8 @@ def test_other_cpu_devices_take_the_tile(device: str):
 
 
 def _rendered_source(tensor: Tensor) -> str:
+  """The C source of the kernel computing `tensor` with the default opts (scheduling consumes the tensor's graph:
+  realize a fresh copy of the expression, not this one)."""
   from ourgrad.codegen.linearizer import linearize
   item = create_schedule([tensor.lazydata])[-1]
   kernel = Kernel(item.ast, Device[DEVICE].renderer)
@@ -135,3 +137,59 @@ def test_tile_takes_a_whole_rows_axis():
   result, kernel = _run(_matmul_item(a, b), None)
   assert [kernel.full_shape[axis] for axis in kernel.upcast_axes] == [rows, lanes]
   np.testing.assert_allclose(result.reshape(rows, 4 * lanes), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def _noopt(tensor: Tensor) -> np.ndarray:
+  """The plain loop nest's (NOOPT) result of the kernel computing `tensor` (its inputs realized first)."""
+  schedule = create_schedule([tensor.lazydata])
+  run_schedule(schedule[:-1])
+  return _run(schedule[-1], [])[0]
+
+
+@pytest.mark.parametrize("layout", ["nn", "tn", "nt"])
+def test_tiles_render_as_explicit_vectors(layout: str):
+  """The register tile of every transpose layout is rendered with explicit SIMD vectors (renderer/cvector.py),
+  also with a fused epilogue (bias, ReLU) and a fused prologue on the column operand (a ReLU: the vector max), and
+  gives the plain loop nest's (NOOPT) result."""
+  rows, lanes = _expected_tile(64)
+  m, k, n = 2 * rows, 24, 3 * lanes
+  rng = np.random.default_rng(9)
+  a = rng.standard_normal((m, k) if layout[0] == "n" else (k, m)).astype(np.float32)
+  b = rng.standard_normal((k, n) if layout[1] == "n" else (n, k)).astype(np.float32)
+  bias = rng.standard_normal((n,)).astype(np.float32)
+
+  def operands() -> tuple[Tensor, Tensor]:
+    left, right = Tensor(a, device=DEVICE), Tensor(b, device=DEVICE)
+    return (left if layout[0] == "n" else left.T), (right if layout[1] == "n" else right.T)
+
+  def epilogue() -> Tensor:
+    left, right = operands()
+    return (left @ right + Tensor(bias, device=DEVICE)).relu()
+
+  def prologue() -> Tensor:
+    left, right = operands()
+    return left @ right.relu()
+
+  for make in (epilogue, prologue):
+    assert "vacc0 +=" in _rendered_source(make())
+    np.testing.assert_allclose(make().numpy(), _noopt(make()).reshape(m, n), rtol=1e-5, atol=1e-5)
+
+
+def test_vector_max_keeps_nan():
+  """A NaN in the column operand of a vectorized max (ReLU) propagates as the scalar max does: NaN wins."""
+  rows, lanes = _expected_tile(64)
+  a, b = _operands((rows, 8), (8, 2 * lanes), seed=10)
+  b[3, 5] = np.nan
+  result = (Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE).relu()).numpy()
+  expected = a @ np.where(np.isnan(b), np.nan, np.maximum(b, 0))
+  np.testing.assert_array_equal(np.isnan(result), np.isnan(expected))
+  np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_vectors_off_gives_scalar_tiles(monkeypatch):
+  """CPU_VECTORS=0 renders the same tile as scalar C (the compiler's own vectorizer) with the same result."""
+  a, b = _operands((32, 16), (16, 48), seed=11)
+  monkeypatch.setenv("CPU_VECTORS", "0")
+  assert "vacc" not in _rendered_source(Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE))
+  np.testing.assert_allclose((Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE)).numpy(), a @ b, rtol=1e-4,
+                             atol=1e-4)

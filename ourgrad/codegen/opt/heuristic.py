@@ -1,7 +1,7 @@
 """Hand-coded optimizations: a good default Opt list for a Kernel, without search.
 
 CPUs (no thread blocks): register-tile matmul-like reduces (upcast the output axes some input broadcasts, so each
-loaded value is reused from registers), unroll the reduce a little, and unroll 4 neighbouring elementwise outputs
+loaded value is reused from registers; the CLANG renderer writes the tile's columns as explicit SIMD vectors), unroll the reduce a little, and unroll 4 neighbouring elementwise outputs
 so the C compiler sees straight-line vectorizable code.
 
 GPUs (thread blocks and local memory):
@@ -223,13 +223,21 @@ def cpu_tile_rows(vector_bytes: int) -> int:
 def _cpu_tile_axes(kernel: Kernel) -> tuple[int, int] | None:
   """(rows axis, columns axis) of a matmul-shaped CPU reduce: the columns axis is one along which some input is
   contiguous (stride 1, vector loads) while another input broadcasts it; the rows axis is another output axis that
-  the contiguous input broadcasts (its value is reused across the columns from a register)."""
+  the contiguous input broadcasts (its value is reused across the columns from a register). Where no input is
+  contiguous along an output axis (A.B^T), the columns take a strided input instead."""
   loads = _loads(kernel)
   for columns in reversed(range(kernel.first_reduce)):
     streamed = [st for st in loads if st.real_strides()[columns] == 1]
     if not streamed or not any(st.real_strides()[columns] == 0 for st in loads): continue
     for rows in reversed(range(kernel.first_reduce)):
       if rows != columns and any(st.real_strides()[rows] == 0 for st in streamed): return rows, columns
+  # A.B^T: both operands are contiguous along the reduce. The columns then take a strided operand (the renderer
+  # builds its vector from scalar loads, once per reduce step, and reuses it across the rows).
+  for columns in reversed(range(kernel.first_reduce)):
+    strided = [st for st in loads if st.real_strides()[columns] not in (0, None)]
+    if not strided or not any(st.real_strides()[columns] == 0 for st in loads): continue
+    for rows in reversed(range(kernel.first_reduce)):
+      if rows != columns and any(st.real_strides()[rows] == 0 for st in strided): return rows, columns
   return None
 
 
