@@ -193,3 +193,26 @@ def test_vectors_off_gives_scalar_tiles(monkeypatch):
   assert "vacc" not in _rendered_source(Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE))
   np.testing.assert_allclose((Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE)).numpy(), a @ b, rtol=1e-4,
                              atol=1e-4)
+
+
+def test_tile_falls_back_to_a_pair_that_divides():
+  """A conv weight gradient: the first axes pair (columns along the 3-wide kernel, contiguous) does not divide the
+  tile, so the next pair (output x input channels, a strided column operand) takes it; same result as NOOPT."""
+  rows, lanes = _expected_tile(64)
+  rng = np.random.default_rng(12)
+  x = rng.standard_normal((2, lanes, 10, 10)).astype(np.float32)
+  weight = rng.standard_normal((rows, lanes, 3, 3)).astype(np.float32)
+  grad = rng.standard_normal((2, rows, 8, 8)).astype(np.float32)
+
+  def weight_gradient() -> Tensor:
+    w = Tensor(weight, device=DEVICE, requires_grad=True)
+    Tensor(x, device=DEVICE).conv2d(w).backward(Tensor(grad, device=DEVICE))
+    return w.grad
+
+  schedule = create_schedule([weight_gradient().lazydata])
+  run_schedule(schedule[:-1])
+  kernel = Kernel(schedule[-1].ast, Device[DEVICE].renderer)
+  kernel.hand_coded_optimizations()
+  assert sorted(kernel.full_shape[axis] for axis in kernel.upcast_axes) == sorted([rows, lanes])
+  np.testing.assert_allclose(weight_gradient().numpy(), _noopt(weight_gradient()).reshape(weight.shape), rtol=1e-4,
+                             atol=1e-4)
