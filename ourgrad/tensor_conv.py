@@ -6,6 +6,8 @@ lazy, fuse into few kernels and get their gradients from the primitives' autogra
 offset) pairs with only reshape/expand/shrink/pad/permute: a convolution is then a broadcast multiply with the
 weight and one sum, which the scheduler fuses into a single reduce kernel (the bias add and an activation after
 it fuse into the same kernel). One implementation serves every number of spatial dims.
+A stride-1 convolution is one autograd node (`StrideOneConv`) whose backward is two convolution-shaped reduces (the
+input gradient as a transposed convolution, the weight gradient); other strides differentiate through the view.
 
 Semantics follow torch.nn.functional: channels-first layout (N, C, *spatial), weights (C_out, C_in / groups, *k)
 for convolutions and (C_in, C_out / groups, *k) for transposed ones, int-or-tuple arguments, floor
