@@ -59,6 +59,8 @@ EMULATE = env_var("EMULATE", "", "with DEVICE=PYTHON: lower kernels exactly as f
 CACHE_DIR = env_var("OURGRAD_CACHE_DIR", "", "folder of the on-disk compile cache (default ~/.cache/ourgrad)")
 DISABLE_COMPILER_CACHE = env_var("DISABLE_COMPILER_CACHE", 0, "1: always recompile kernels, never read the disk cache")
 CC = env_var("CC", "", "C compiler for the CLANG device (default: clang if present, else gcc)")
+CPU_VECTORS = env_var("CPU_VECTORS", 1, "0: CLANG register tiles stay scalar C for the compiler to vectorize "
+                      "(1: explicit GCC vectors, renderer/cvector.py)")
 GRAPH = env_var("GRAPH", 0, "1: write the lazy graph and the schedule of each realize as Graphviz .dot (and .svg)")
 GRAPH_DIR = env_var("GRAPH_DIR", "", "folder of the GRAPH=1 files (default: ourgrad_graph in the system temp folder)")
 PROFILE = env_var("PROFILE", 0, "1: record kernels, copies and host phases; write a Chrome/Perfetto trace at exit")

@@ -6,6 +6,8 @@ lazy, fuse into few kernels and get their gradients from the primitives' autogra
 offset) pairs with only reshape/expand/shrink/pad/permute: a convolution is then a broadcast multiply with the
 weight and one sum, which the scheduler fuses into a single reduce kernel (the bias add and an activation after
 it fuse into the same kernel). One implementation serves every number of spatial dims.
+A stride-1 convolution is one autograd node (`StrideOneConv`) whose backward is two convolution-shaped reduces (the
+input gradient as a transposed convolution, the weight gradient); other strides differentiate through the view.
 
 Semantics follow torch.nn.functional: channels-first layout (N, C, *spatial), weights (C_out, C_in / groups, *k)
 for convolutions and (C_in, C_out / groups, *k) for transposed ones, int-or-tuple arguments, floor
@@ -21,6 +23,8 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Sequence
 
 from ourgrad.errors import ShapeError
+from ourgrad.function import Function
+from ourgrad.lazy import LazyBuffer
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -144,12 +148,24 @@ def conv_padding(name: str, padding: Padding, kernel: tuple[int, ...], strides: 
 def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ...], pads: list[tuple[int, int]],
           dilations: tuple[int, ...], groups: int, name: str) -> Tensor:
   """Convolution of a batched (N, C, *spatial) x with explicit (before, after) padding per spatial dim."""
-  batch, dims = x.shape[0], weight.ndim - 2
-  out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+  kernel = weight.shape[2:]
   padded = tuple(size + before + after for size, (before, after) in zip(x.shape[2:], pads))
   if any(d * (k - 1) + 1 > size for k, d, size in zip(kernel, dilations, padded)):
     raise ShapeError(f"{name}: kernel of weight {weight.shape} with dilation {dilations} is larger than the input "
                      f"{x.shape} padded by {pads} to {padded}")
+  if all(s == 1 for s in strides) and isinstance(x.lazydata, LazyBuffer) and isinstance(weight.lazydata, LazyBuffer):
+    out = StrideOneConv.apply(x, weight, pads=pads, dilations=dilations, groups=groups)
+  else:
+    out = _conv_sum(x, weight, strides, pads, dilations, groups)
+  dims = len(kernel)
+  return out if bias is None else out + bias.reshape(1, weight.shape[0], *([1] * dims))
+
+
+def _conv_sum(x: Tensor, weight: Tensor, strides: tuple[int, ...], pads: list[tuple[int, int]],
+              dilations: tuple[int, ...], groups: int) -> Tensor:
+  """The convolution as one multiply-and-sum over a pooling view of the padded x (no bias)."""
+  batch, dims = x.shape[0], weight.ndim - 2
+  out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
   windows = _pool(x.pad([None, None, *pads]), kernel, strides, dilations)   # (N, C, *out, *kernel), a view of x
   outs = windows.shape[2:2 + dims]
   per_group = out_channels // groups
@@ -159,8 +175,74 @@ def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ..
   windows = windows.permute(0, 1, *range(3, 3 + dims), 2, *range(3 + dims, 3 + 2 * dims))
   windows = windows.reshape(batch, groups, 1, *outs, group_channels, *kernel)
   weight = weight.reshape(1, groups, per_group, *([1] * dims), group_channels, *kernel)
-  out = (windows * weight).sum(tuple(range(-1 - dims, 0))).reshape(batch, out_channels, *outs)
-  return out if bias is None else out + bias.reshape(1, out_channels, *([1] * dims))
+  return (windows * weight).sum(tuple(range(-1 - dims, 0))).reshape(batch, out_channels, *outs)
+
+
+def _weight_gradient(x: Tensor, grad: Tensor, kernel: tuple[int, ...], pads: list[tuple[int, int]],
+                     dilations: tuple[int, ...], groups: int) -> Tensor:
+  """d(stride-1 conv)/d(weight): sum over the batch and output positions of the windows of x times the output
+  gradient; (C_out, C_in / groups, *kernel). One reduce kernel, as the forward."""
+  batch, channels, dims = x.shape[0], x.shape[1], len(kernel)
+  out_channels, outs = grad.shape[1], grad.shape[2:]
+  group_channels, per_group = channels // groups, out_channels // groups
+  windows = _pool(x.pad([None, None, *pads]), kernel, (1,) * dims, dilations)   # (N, C, *out, *kernel)
+  windows = windows.reshape(batch, groups, 1, group_channels, *outs, *kernel)
+  grad = grad.reshape(batch, groups, per_group, 1, *outs, *([1] * dims))
+  # the reduce axes (batch, output positions) moved last, so the sum is one kernel with no stored product
+  order = (1, 2, 3, *range(4 + dims, 4 + 2 * dims), 0, *range(4, 4 + dims))
+  product = (windows * grad).permute(*order)
+  return product.sum(tuple(range(-1 - dims, 0))).reshape(out_channels, group_channels, *kernel)
+
+
+def _input_gradient(grad: Tensor, weight: Tensor, input_shape: tuple[int, ...], pads: list[tuple[int, int]],
+                    dilations: tuple[int, ...], groups: int) -> Tensor:
+  """d(stride-1 conv)/d(input): the transposed convolution of the output gradient (a convolution with the flipped,
+  regrouped weight, padded by dilation*(k-1) on each side), then the input's padding taken back off. One reduce
+  kernel shaped like the forward, instead of every window's gradient stored and summed back (col2im)."""
+  kernel, dims = weight.shape[2:], weight.ndim - 2
+  padded = [size + before + after for size, (before, after) in zip(input_shape[2:], pads)]
+  # rows of the padded input past the last window get no gradient: pad the transposed conv's output up to them
+  used = [out + d * (k - 1) for out, k, d in zip(grad.shape[2:], kernel, dilations)]
+  transposed_pads = [(d * (k - 1), d * (k - 1) + size - reach)
+                     for k, d, size, reach in zip(kernel, dilations, padded, used)]
+  flipped = _transposed_weight(weight, groups)
+  # the padded gradient is stored once (a copy the size of the output gradient): the convolution then reads it
+  # without a bounds check per element, which keeps its register tile vectorizable on the CPU
+  grad = grad.pad([None, None, *transposed_pads]).contiguous()
+  grad_padded = _conv_sum(grad, flipped, (1,) * dims, [(0, 0)] * dims, dilations, groups)
+  return grad_padded.pad([None, None, *((-before, -after) for before, after in pads)])
+
+
+def _transposed_weight(weight: Tensor, groups: int) -> Tensor:
+  """A weight (A, B, *k) of `groups` groups (A/groups rows each) -> (groups*B, A/groups, *k), flipped in space: the
+  conv weight of the transposed convolution, which maps a conv's output back onto its input."""
+  first, per_group, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+  dims = len(kernel)
+  w = weight.reshape(groups, first // groups, per_group, *kernel).transpose(1, 2)
+  return w.flip(*range(3, 3 + dims)).reshape(groups * per_group, first // groups, *kernel)
+
+
+class StrideOneConv(Function):
+  """A stride-1 convolution (no bias) whose backward is two convolution-shaped reduces: the weight gradient and
+  the input gradient as a transposed convolution. The autograd of the pooling view would instead store the
+  gradient of every window (C_in * prod(kernel) values per output position) and sum the overlaps back, which
+  on the CPU cost more than the forward and the weight gradient together."""
+
+  def forward(self, x: LazyBuffer, weight: LazyBuffer, pads: list[tuple[int, int]] = (),
+              dilations: tuple[int, ...] = (), groups: int = 1) -> LazyBuffer:
+    from ourgrad.tensor import Tensor
+    self.x, self.weight, self.pads, self.dilations, self.groups = x, weight, pads, dilations, groups
+    dims = len(weight.shape) - 2
+    return _conv_sum(Tensor(x), Tensor(weight), (1,) * dims, pads, dilations, groups).lazydata
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    from ourgrad.tensor import Tensor
+    grad, x, weight = Tensor(grad_output), Tensor(self.x), Tensor(self.weight)
+    grad_x = _input_gradient(grad, weight, x.shape, self.pads, self.dilations, self.groups).lazydata \
+      if self.needs_input_grad[0] else None
+    grad_w = _weight_gradient(x, grad, weight.shape[2:], self.pads, self.dilations, self.groups).lazydata \
+      if self.needs_input_grad[1] else None
+    return grad_x, grad_w
 
 
 def _spread(x: Tensor, strides: tuple[int, ...]) -> Tensor:
@@ -241,8 +323,7 @@ class ConvMixin:
                        f"dilation {dilations}")
     # (C_in, C_out/g, *k) -> (g, C_in/g, C_out/g, *k) -> (C_out, C_in/g, *k), flipped in space: the transposed
     # convolution is the convolution of the spread-out input with this kernel
-    w = weight.reshape(groups, in_channels // groups, per_group, *kernel).transpose(1, 2)
-    w = w.flip(*range(3, 3 + dims)).reshape(groups * per_group, in_channels // groups, *kernel)
+    w = _transposed_weight(weight, groups)
     x = _spread(self, strides) if any(s > 1 for s in strides) else self
     # padding beyond dilation*(k-1) crops the spread input (negative pad)
     conv_pads = [(d * (k - 1) - p, d * (k - 1) - p + e) for k, d, p, e in zip(kernel, dilations, pads, extras)]

@@ -205,3 +205,42 @@ def test_adaptive_avg_pool(dims: int, shape: tuple[int, ...], output_size: Any) 
 def test_functional_embedding() -> None:
   weight, indices = _random((6, 3), 23), np.array([[1, 5], [5, 0]])
   _check(lambda w: F.embedding(Tensor(indices), w), lambda w: TF.embedding(torch.tensor(indices), w), weight)
+
+
+# stride-1 convolutions take StrideOneConv (backward: a transposed conv for the input, one reduce for the weight)
+STRIDE_ONE_CASES = [
+  (2, (9, 9), (3, 3), 1, 1, 1), (2, (10, 7), (3, 2), (1, 0), 1, 2), (2, (9, 9), (3, 3), "same", 2, 1),
+  (2, (8, 8), (3, 3), (-1, 2, 1, 0), 1, 1), (1, (11,), (4,), 2, 1, 2), (3, (5, 4, 6), (3, 2, 3), 1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("dims,size,kernel,padding,dilation,groups", STRIDE_ONE_CASES)
+def test_stride_one_gradients(dims: int, size: tuple[int, ...], kernel: tuple[int, ...], padding: Any,
+                              dilation: int, groups: int) -> None:
+  """The stride-1 backward (transposed convolution for the input, one reduce for the weight) matches PyTorch for
+  padding (symmetric, per dim, 'same', per side with cropping), dilation and groups, in 1, 2 and 3 dims."""
+  ours, theirs = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims], {1: TF.conv1d, 2: TF.conv2d, 3: TF.conv3d}[dims]
+  if isinstance(padding, tuple) and len(padding) == 4:   # per side, last dim first: torch pads first, then convolves
+    _check(lambda x, w: ours(x, w, padding=padding, dilation=dilation, groups=groups),
+           lambda x, w: theirs(TF.pad(x, padding), w, dilation=dilation, groups=groups),
+           _random((2, 4, *size), 10), _random((6, 4 // groups, *kernel), 11))
+    return
+  _check(lambda x, w, b: ours(x, w, b, padding=padding, dilation=dilation, groups=groups),
+         lambda x, w, b: theirs(x, w, b, padding=padding, dilation=dilation, groups=groups),
+         _random((2, 4, *size), 10), _random((6, 4 // groups, *kernel), 11), _random((6,), 12))
+
+
+def test_stride_one_backward_kernels() -> None:
+  """The backward of a stride-1 conv stores no per-window gradient: the padded output gradient (one copy), the
+  input gradient and the weight gradient are one kernel each, and no buffer is bigger than the padded gradient."""
+  x = Tensor(_random((2, 4, 12, 12), 13), requires_grad=True)
+  w = Tensor(_random((6, 4, 3, 3), 14), requires_grad=True)
+  out = x.conv2d(w, padding=1)
+  out.realize()
+  out.backward(Tensor(_random(out.shape, 15)).realize())
+  from ourgrad.engine.schedule import create_schedule
+  schedule = create_schedule([x.grad.lazydata, w.grad.lazydata])
+  assert len(schedule) == 3
+  padded_gradient = 2 * 6 * 16 * 16   # the output gradient (12x12) padded by 2 on each side
+  assert max(buffer.size for item in schedule for buffer in item.outputs) <= padded_gradient
+  assert x.grad.shape == x.shape and w.grad.shape == w.shape

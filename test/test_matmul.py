@@ -92,3 +92,127 @@ def test_other_cpu_devices_take_the_tile(device: str):
   a, b = _operands((16, 24), (24, 32), seed=5)
   result = (Tensor(a, device=device) @ Tensor(b, device=device)).numpy()
   np.testing.assert_allclose(result, a @ b, rtol=1e-4, atol=1e-4)
+
+
+def _rendered_source(tensor: Tensor) -> str:
+  """The C source of the kernel computing `tensor` with the default opts (scheduling consumes the tensor's graph:
+  realize a fresh copy of the expression, not this one)."""
+  from ourgrad.codegen.linearizer import linearize
+  item = create_schedule([tensor.lazydata])[-1]
+  kernel = Kernel(item.ast, Device[DEVICE].renderer)
+  kernel.hand_coded_optimizations()
+  return Device[DEVICE].renderer.render("k", linearize(kernel))
+
+
+def test_wrap_rule_dropped_only_where_integers_just_index():
+  """A float matmul's integers are all index math: its kernel is marked and built without -fwrapv (so gcc can
+  vectorize the tile); a kernel with integer data, or a cast between int and float, keeps the wrap rule."""
+  from ourgrad.renderer.cstyle import INDEX_MATH_ONLY
+  compiler = Device[DEVICE].compiler
+  a, b = _operands((16, 24), (24, 32), seed=6)
+  float_matmul = _rendered_source(Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE))
+  assert float_matmul.startswith(INDEX_MATH_ONLY) and "-fwrapv" not in compiler.flags_for(float_matmul)
+  ints = Tensor(np.arange(12, dtype=np.int32).reshape(3, 4), device=DEVICE)
+  for tensor in (ints * 7 + 1, (ints * 3).float(), Tensor(a, device=DEVICE).int() * 5):
+    source = _rendered_source(tensor)
+    assert not source.startswith(INDEX_MATH_ONLY) and "-fwrapv" in compiler.flags_for(source)
+
+
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("m,k,n", [(48, 40, 64), (33, 17, 45)])
+def test_transposed_layouts_match_numpy(layout: str, m: int, k: int, n: int):
+  """Every transpose layout an MLP's backward makes (A.B, A^T.B, A.B^T) gives numpy's result with the default opts."""
+  a, b = _operands((m, k) if layout[0] == "n" else (k, m), (k, n) if layout[1] == "n" else (n, k), seed=7)
+  left, right = Tensor(a, device=DEVICE), Tensor(b, device=DEVICE)
+  left, right = (left if layout[0] == "n" else left.T), (right if layout[1] == "n" else right.T)
+  expected = (a if layout[0] == "n" else a.T) @ (b if layout[1] == "n" else b.T)
+  np.testing.assert_allclose((left @ right).numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_tile_takes_a_whole_rows_axis():
+  """M equal to the tile's rows: the rows axis is upcast whole (it leaves its place), and the columns still get
+  one SIMD register (a convolution's input gradient with as many channels as the tile has rows is this case)."""
+  rows, lanes = _expected_tile(16)
+  a, b = _operands((rows, 40), (40, 4 * lanes), seed=8)
+  result, kernel = _run(_matmul_item(a, b), None)
+  assert [kernel.full_shape[axis] for axis in kernel.upcast_axes] == [rows, lanes]
+  np.testing.assert_allclose(result.reshape(rows, 4 * lanes), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def _noopt(tensor: Tensor) -> np.ndarray:
+  """The plain loop nest's (NOOPT) result of the kernel computing `tensor` (its inputs realized first)."""
+  schedule = create_schedule([tensor.lazydata])
+  run_schedule(schedule[:-1])
+  return _run(schedule[-1], [])[0]
+
+
+@pytest.mark.parametrize("layout", ["nn", "tn", "nt"])
+def test_tiles_render_as_explicit_vectors(layout: str):
+  """The register tile of every transpose layout is rendered with explicit SIMD vectors (renderer/cvector.py),
+  also with a fused epilogue (bias, ReLU) and a fused prologue on the column operand (a ReLU: the vector max), and
+  gives the plain loop nest's (NOOPT) result."""
+  rows, lanes = _expected_tile(64)
+  m, k, n = 2 * rows, 24, 3 * lanes
+  rng = np.random.default_rng(9)
+  a = rng.standard_normal((m, k) if layout[0] == "n" else (k, m)).astype(np.float32)
+  b = rng.standard_normal((k, n) if layout[1] == "n" else (n, k)).astype(np.float32)
+  bias = rng.standard_normal((n,)).astype(np.float32)
+
+  def operands() -> tuple[Tensor, Tensor]:
+    left, right = Tensor(a, device=DEVICE), Tensor(b, device=DEVICE)
+    return (left if layout[0] == "n" else left.T), (right if layout[1] == "n" else right.T)
+
+  def epilogue() -> Tensor:
+    left, right = operands()
+    return (left @ right + Tensor(bias, device=DEVICE)).relu()
+
+  def prologue() -> Tensor:
+    left, right = operands()
+    return left @ right.relu()
+
+  for make in (epilogue, prologue):
+    assert "vacc0 +=" in _rendered_source(make())
+    np.testing.assert_allclose(make().numpy(), _noopt(make()).reshape(m, n), rtol=1e-5, atol=1e-5)
+
+
+def test_vector_max_keeps_nan():
+  """A NaN in the column operand of a vectorized max (ReLU) propagates as the scalar max does: NaN wins."""
+  rows, lanes = _expected_tile(64)
+  a, b = _operands((rows, 8), (8, 2 * lanes), seed=10)
+  b[3, 5] = np.nan
+  result = (Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE).relu()).numpy()
+  expected = a @ np.where(np.isnan(b), np.nan, np.maximum(b, 0))
+  np.testing.assert_array_equal(np.isnan(result), np.isnan(expected))
+  np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_vectors_off_gives_scalar_tiles(monkeypatch):
+  """CPU_VECTORS=0 renders the same tile as scalar C (the compiler's own vectorizer) with the same result."""
+  a, b = _operands((32, 16), (16, 48), seed=11)
+  monkeypatch.setenv("CPU_VECTORS", "0")
+  assert "vacc" not in _rendered_source(Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE))
+  np.testing.assert_allclose((Tensor(a, device=DEVICE) @ Tensor(b, device=DEVICE)).numpy(), a @ b, rtol=1e-4,
+                             atol=1e-4)
+
+
+def test_tile_falls_back_to_a_pair_that_divides():
+  """A conv weight gradient: the first axes pair (columns along the 3-wide kernel, contiguous) does not divide the
+  tile, so the next pair (output x input channels, a strided column operand) takes it; same result as NOOPT."""
+  rows, lanes = _expected_tile(64)
+  rng = np.random.default_rng(12)
+  x = rng.standard_normal((2, lanes, 10, 10)).astype(np.float32)
+  weight = rng.standard_normal((rows, lanes, 3, 3)).astype(np.float32)
+  grad = rng.standard_normal((2, rows, 8, 8)).astype(np.float32)
+
+  def weight_gradient() -> Tensor:
+    w = Tensor(weight, device=DEVICE, requires_grad=True)
+    Tensor(x, device=DEVICE).conv2d(w).backward(Tensor(grad, device=DEVICE))
+    return w.grad
+
+  schedule = create_schedule([weight_gradient().lazydata])
+  run_schedule(schedule[:-1])
+  kernel = Kernel(schedule[-1].ast, Device[DEVICE].renderer)
+  kernel.hand_coded_optimizations()
+  assert sorted(kernel.full_shape[axis] for axis in kernel.upcast_axes) == sorted([rows, lanes])
+  np.testing.assert_allclose(weight_gradient().numpy(), _noopt(weight_gradient()).reshape(weight.shape), rtol=1e-4,
+                             atol=1e-4)

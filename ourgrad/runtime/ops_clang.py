@@ -17,7 +17,7 @@ import tempfile
 from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CC, COMPILE_TIMEOUT
-from ourgrad.renderer.cstyle import ClangRenderer
+from ourgrad.renderer.cstyle import INDEX_MATH_ONLY, ClangRenderer
 
 # -fopenmp: large kernels run their outer loops on all cores (OMP_NUM_THREADS limits the threads)
 # Idle OpenMP threads sleep instead of spinning: on a busy machine a spinning thread steals the core that the
@@ -83,11 +83,16 @@ class ClangCompiler(Compiler):
     self.cache_key = f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(self.flags)}"
 
   def flags_for(self, source: str) -> list[str]:
-    """The flags for one kernel: -O1 instead of -O2 for a big one. gcc -O2's time grows faster than linearly with
-    a function's size (a 3,400-line kernel: 18 s at -O2, 2.6 s at -O1); the scheduler keeps fused kernels under
-    KERNEL_OPS_LIMIT ops, but upcasting and unrolling can still multiply a kernel's code."""
-    if source.count("\n") < LARGE_KERNEL_LINES: return self.flags
-    return ["-O1" if flag == "-O2" else flag for flag in self.flags]
+    """The flags for one kernel: no -fwrapv where integers only index, -O1 instead of -O2 for a big one. gcc -O2's
+    time grows faster than linearly with a function's size (a 3,400-line kernel: 18 s at -O2, 2.6 s at -O1); the
+    scheduler keeps fused kernels under KERNEL_OPS_LIMIT ops, but upcasting and unrolling can still multiply a
+    kernel's code."""
+    flags = self.flags
+    # integer math only on indices (the renderer marks such kernels): the wrap rule is not needed (see
+    # cstyle.INDEX_MATH_ONLY) and costs the matmul tiles their vectorization
+    if source.startswith(INDEX_MATH_ONLY): flags = [flag for flag in flags if flag != "-fwrapv"]
+    if source.count("\n") < LARGE_KERNEL_LINES: return flags
+    return ["-O1" if flag == "-O2" else flag for flag in flags]
 
   def compile(self, source: str) -> bytes:
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
@@ -113,7 +118,7 @@ class ClangCompiler(Compiler):
 
   def disassemble(self, source: str) -> str:
     """The compiler's assembly (`-S`) of the kernel, built with the same flags as the shared object."""
-    flags = [flag for flag in self.flags if flag != "-shared"]
+    flags = [flag for flag in self.flags_for(source) if flag != "-shared"]
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
       source_path = os.path.join(folder, "kernel.c")
       with open(source_path, "w") as source_file: source_file.write(source)

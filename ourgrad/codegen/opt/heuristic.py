@@ -1,8 +1,9 @@
 """Hand-coded optimizations: a good default Opt list for a Kernel, without search.
 
 CPUs (no thread blocks): register-tile matmul-like reduces (upcast the output axes some input broadcasts, so each
-loaded value is reused from registers), unroll the reduce a little, and unroll 4 neighbouring elementwise outputs
-so the C compiler sees straight-line vectorizable code.
+loaded value is reused from registers; the CLANG renderer writes the tile's columns as explicit SIMD vectors),
+unroll the reduce a little, and unroll 4 neighbouring elementwise outputs so the C compiler sees straight-line
+vectorizable code.
 
 GPUs (thread blocks and local memory):
 - a reduce whose input is contiguous along the reduce (a row reduction: sum, max, softmax, layernorm) gets a block
@@ -18,6 +19,8 @@ GPUs (thread blocks and local memory):
 - elementwise kernels get thread blocks from the innermost output axes.
 """
 from __future__ import annotations
+
+from typing import Iterator
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands, tensor_core_operands
 from ourgrad.dtype import dtypes
@@ -220,40 +223,42 @@ def cpu_tile_rows(vector_bytes: int) -> int:
   return 16 if vector_bytes >= 64 else 8
 
 
-def _cpu_tile_axes(kernel: Kernel) -> tuple[int, int] | None:
-  """(rows axis, columns axis) of a matmul-shaped CPU reduce: the columns axis is one along which some input is
-  contiguous (stride 1, vector loads) while another input broadcasts it; the rows axis is another output axis that
-  the contiguous input broadcasts (its value is reused across the columns from a register)."""
+def _cpu_tile_axes(kernel: Kernel) -> Iterator[tuple[int, int]]:
+  """(rows axis, columns axis) pairs of a matmul-shaped CPU reduce, best first: the columns axis is one along which
+  some input is contiguous (stride 1, vector loads) while another input broadcasts it; the rows axis is another
+  output axis that the contiguous input broadcasts (its value is reused across the columns from a register). Then,
+  for A.B^T (both operands contiguous along the reduce only), columns along which an input is strided: the
+  renderer builds that vector from scalar loads once per reduce step and reuses it across the rows."""
   loads = _loads(kernel)
-  for columns in reversed(range(kernel.first_reduce)):
-    streamed = [st for st in loads if st.real_strides()[columns] == 1]
-    if not streamed or not any(st.real_strides()[columns] == 0 for st in loads): continue
-    for rows in reversed(range(kernel.first_reduce)):
-      if rows != columns and any(st.real_strides()[rows] == 0 for st in streamed): return rows, columns
-  return None
+  for column_strides in ((1,), None):
+    for columns in reversed(range(kernel.first_reduce)):
+      streamed = [st for st in loads if (st.real_strides()[columns] in column_strides if column_strides else
+                                         st.real_strides()[columns] not in (0, 1, None))]
+      if not streamed or not any(st.real_strides()[columns] == 0 for st in loads): continue
+      for rows in reversed(range(kernel.first_reduce)):
+        if rows != columns and any(st.real_strides()[rows] == 0 for st in streamed): yield rows, columns
 
 
 def _cpu_matmul_tiles(kernel: Kernel) -> bool:
   """CPU matmul register tile: cpu_tile_rows() rows (8 where that does not divide) x one SIMD register of columns,
   the columns innermost so the C compiler packs each row's accumulators into one vector register and the column
-  loads into vector loads. False (kernel untouched) where the kernel is not matmul-shaped or its sizes do not divide."""
+  loads into vector loads. The first axes pair (see _cpu_tile_axes) whose sizes divide the tile is taken. False
+  (kernel untouched) where the kernel is not matmul-shaped or no pair divides."""
   if not _matmul_like(kernel) or kernel.reduceop.dtype.itemsize > 8: return False
-  axes = _cpu_tile_axes(kernel)
-  if axes is None: return False
-  rows, columns = axes
   vector_bytes = getattr(kernel.renderer, "vector_bytes", 16)  # renderers that do not say: SSE/NEON width
   lanes = min(max(vector_bytes // kernel.reduceop.dtype.itemsize, 1), CPU_MAX_TILE_COLUMNS)
-  row_count = next((count for count in (cpu_tile_rows(vector_bytes), 8) if kernel.full_shape[rows] % count == 0), 0)
-  if not row_count or kernel.full_shape[columns] % lanes: return False
-  start = kernel._state()
-  # rows first: the upcast applied last varies fastest in the unrolled code, and the columns must be the fastest
-  if not kernel.try_opt(Opt(OptOps.UPCAST, rows, row_count)): return False
-  rows_dropped = kernel.shape_len < len(start[0][0].shape)  # a rows axis the tile used whole is gone
-  columns_after = columns - (1 if rows_dropped and rows < columns else 0)
-  if not kernel.try_opt(Opt(OptOps.UPCAST, columns_after, lanes)):
+  for rows, columns in _cpu_tile_axes(kernel):
+    row_count = next((count for count in (cpu_tile_rows(vector_bytes), 8) if kernel.full_shape[rows] % count == 0), 0)
+    if not row_count or kernel.full_shape[columns] % lanes: continue
+    start = kernel._state()
+    # rows first: the upcast applied last varies fastest in the unrolled code, and the columns must be the fastest
+    if not kernel.try_opt(Opt(OptOps.UPCAST, rows, row_count)): continue
+    # a rows axis the tile used whole leaves its place (the upcast lands at the end): no split, the length is kept
+    rows_dropped = kernel.shape_len <= len(start[0][0].shape)
+    columns_after = columns - (1 if rows_dropped and rows < columns else 0)
+    if kernel.try_opt(Opt(OptOps.UPCAST, columns_after, lanes)): return True
     kernel._restore(start)
-    return False
-  return True
+  return False
 
 
 def _elementwise_rows(kernel: Kernel) -> None:
