@@ -230,6 +230,24 @@ def test_llama_jitted_decode_matches_torch(symbolic: bool, compiles, _no_cuda_re
   np.testing.assert_allclose(np.stack(again), expected[1:6], rtol=1e-4, atol=1e-4)
 
 
+def test_llama_jitted_prefill_replays() -> None:
+  """Prompts of one length through the prefill TinyJit: the third call replays and still writes the cache (the
+  decode after it sees the prompt); another start or length gets its own capture."""
+  weights = _tiny_weights(TINY, seed=6)
+  prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]]
+  model = _tiny_llama(weights)
+  for prompt in prompts:
+    expected = torch_llama_logits(weights, TINY, prompt + [20])
+    np.testing.assert_allclose(model(Tensor([prompt], dtype=dtypes.int32), 0, jit=True).numpy()[0], expected[4],
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(model.decode(20, 5).numpy()[0], expected[5], rtol=1e-4, atol=1e-4)
+  assert model._prefill_jits[(0, 5)].captured is not None
+  expected = torch_llama_logits(weights, TINY, prompts[2] + prompts[1][:3])  # after the last prompt
+  got = model(Tensor([prompts[1][:3]], dtype=dtypes.int32), 5, jit=True).numpy()[0]
+  np.testing.assert_allclose(got, expected[-1], rtol=1e-4, atol=1e-4)
+  assert set(model._prefill_jits) == {(0, 5), (5, 3)}
+
+
 def test_llama_decode_outside_context() -> None:
   model = _tiny_llama(_tiny_weights(TINY), max_context=4)
   with pytest.raises(ValueError, match="context of 4"): model.decode(1, 4)
