@@ -241,11 +241,11 @@ def test_llama_jitted_prefill_replays() -> None:
     np.testing.assert_allclose(model(Tensor([prompt], dtype=dtypes.int32), 0, jit=True).numpy()[0], expected[4],
                                rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(model.decode(20, 5).numpy()[0], expected[5], rtol=1e-4, atol=1e-4)
-  assert model._prefill_jits[(0, 5)].captured is not None
+  assert model._prefill_jits.jits[(0, 5)].captured is not None
   expected = torch_llama_logits(weights, TINY, prompts[2] + prompts[1][:3])  # after the last prompt
   got = model(Tensor([prompts[1][:3]], dtype=dtypes.int32), 5, jit=True).numpy()[0]
   np.testing.assert_allclose(got, expected[-1], rtol=1e-4, atol=1e-4)
-  assert set(model._prefill_jits) == {(0, 5), (5, 3)}
+  assert set(model._prefill_jits.jits) == {(0, 5), (5, 3)}
 
 
 def test_llama_decode_outside_context() -> None:
@@ -341,6 +341,26 @@ def test_bert_matches_torch_with_padding() -> None:
   alone = mean_pool_normalize(model(Tensor(ids[:1, :5]), Tensor(mask[:1, :5])), Tensor(mask[:1, :5])).numpy()
   np.testing.assert_allclose(pooled[0], alone[0], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.linalg.norm(pooled, axis=1), 1.0, rtol=1e-6)
+
+
+def test_bert_jitted_sentence_embeddings() -> None:
+  """Batches of one shape through the jitted embeddings (captured on the second, replayed from the third) equal
+  torch's mean-pooled, normalised hidden states; a batch of another shape gets its own capture."""
+  model = BertEncoder(TINY_BERT)
+  from ourgrad.nn.state import get_state_dict
+  rng = np.random.default_rng(5)
+  weights = {name: (rng.standard_normal(t.shape) * 0.3).astype(np.float32) for name, t in get_state_dict(model).items()}
+  for name, tensor in get_state_dict(model).items(): tensor.assign(Tensor(weights[name])).realize()
+  for batch, length in [(3, 6)] * 4 + [(2, 4)]:
+    ids = rng.integers(1, TINY_BERT.vocab_size, (batch, length)).astype(np.int32)
+    mask = (np.arange(length)[None] < rng.integers(2, length + 1, (batch, 1))).astype(np.int32)
+    hidden = torch_bert(weights, TINY_BERT, ids, mask)
+    pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+    expected = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+    got = model.sentence_embeddings(Tensor(ids), Tensor(mask), jit=True).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+  jits = model._pooled_jits.jits
+  assert len(jits) == 2 and all(jit.captured is not None for key, jit in jits.items() if key[0] == (3, 6))
 
 
 # ---------------------------------------------------------------- the real checkpoints

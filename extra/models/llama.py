@@ -36,6 +36,8 @@ from ourgrad.nn.gguf import gguf_load
 from ourgrad.shape import Variable
 from ourgrad.shape.symbolic import Node
 
+from extra.models.shape_jits import ShapeJits
+
 
 PREFILL_CAPTURES = 4  # prompt shapes whose jitted prefill is kept (each holds its kernels' buffers)
 
@@ -205,7 +207,7 @@ class Llama:
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
     self._decode_jit = TinyJit(self._decode_graph)
-    self._prefill_jits: dict[tuple[int, int], TinyJit] = {}  # (start, length) -> its capture, least recent first
+    self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by (start, length)
 
   @staticmethod
   def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None,
@@ -249,11 +251,7 @@ class Llama:
       logits = self._prefill_graph(tokens, cos, sin, write, mask, start)
       Tensor.realize_all(logits, *(block.cache for block in self.blocks))
       return logits
-    key = (start, length)
-    step = self._prefill_jits.pop(key, None) or TinyJit(self._prefill_graph)
-    self._prefill_jits[key] = step  # most recently used last
-    while len(self._prefill_jits) > PREFILL_CAPTURES: self._prefill_jits.pop(next(iter(self._prefill_jits)))
-    return step(tokens, cos, sin, write, mask, start)
+    return self._prefill_jits((start, length), tokens, cos, sin, write, mask, start)
 
   def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor,
                      start: int) -> Tensor:
