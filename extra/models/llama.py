@@ -14,11 +14,16 @@ p, angle = p * base^(-2i/head_dim), (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 co
 permutation for comparisons with a rotate_half implementation.
 
 KV cache. Each block keeps K and V for `max_context` positions in realized buffers (zeros at first). A call with
-tokens at positions [start, start + L) writes their K and V there (an elementwise `where` over the cache, so a
-decode step, L = 1, has the same kernels at every position: nothing recompiles while generating) and attends to
-all cached positions with an additive mask that hides the future and the unwritten tail. The rotary angles and the
-mask are made on the host for each call and passed in as small input tensors, again so that the kernels do not
-depend on the position.
+tokens at positions [start, start + L) writes their K and V there (an elementwise `where` over the cache with
+host-made write marks) and attends to all cached positions with an additive mask that hides the future and the
+unwritten tail. The rotary angles, the marks and the mask are small host-made inputs.
+
+Decoding (`model.decode(token, position)`). One token's step runs through a TinyJit: captured on its second call,
+replayed (no graph building, scheduling or compiling) on every later one, whatever the position. With
+`symbolic=True` (the default) the position is a bound Variable and attention reads only `cache[:, :position + 1]`;
+with `symbolic=False` it reads the whole cache under the mask, so every kernel has a fixed shape (the optimizer
+handles them all and a CUDA graph replays the step as one launch). Prompts go through `model(tokens, start)`,
+eagerly or (`jit=True`) through a TinyJit per (start, length).
 """
 from __future__ import annotations
 
@@ -259,16 +264,13 @@ class Llama:
     for block in self.blocks: x = block(x, start, cos, sin, write, mask)
     return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(self.output)
 
-  def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor | None, mask: Tensor | None,
+  def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
                     position: Variable | None) -> Tensor:
-    """The logits (1, vocab) of one token (1, 1) at `position`: symbolic (a bound Variable; `write` and `mask` are
-    None and made here from it) or fixed-shape (`position` None; host-made `write` marks and additive `mask`)."""
-    if position is not None:
-      before, after = position, self.max_context - 1 - position
-      write = Tensor.ones(1, 1, 1, 1, dtype=dtypes.bool, device=self.device).pad((None, (before, after), None, None))
-      visible: int | Node = position + 1
-    else:
-      visible = self.max_context
+    """The logits (1, vocab) of one token (1, 1): symbolic (`position` a bound Variable, attention over the first
+    position + 1 cache slots, `mask` None) or fixed-shape (`position` None, attention over the whole cache with the
+    additive `mask`). Either way the cache write is the `where` of the host-made `write` marks: a kernel of fixed
+    shape that the optimizer handles (a symbolic write mask would make it a plain, unoptimized loop nest)."""
+    visible: int | Node = self.max_context if position is None else position + 1
     x = self.embedding[token]
     for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask)
     return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(self.output)
@@ -277,24 +279,22 @@ class Llama:
     """The logits (1, vocab) after feeding one `token` at `position` (its K and V are cached there).
 
     With `jit` the step runs through a TinyJit: the second call captures its kernels and every later one replays
-    them, whatever the position. `symbolic` (the constructor's) makes the position a bound Variable: the cache is
-    written through a mask padded to the position and attention reads only `cache[:, :position + 1]`. Without it
-    the position comes in as host-made inputs (write marks and a mask over the whole cache): fixed-shape kernels
-    that a CUDA graph can replay."""
+    them, whatever the position. `symbolic` (the constructor's) makes the position a bound Variable: attention
+    reads only `cache[:, :position + 1]` (kernels compiled once for every position). Without it attention reads
+    the whole cache under a host-made mask: only fixed-shape kernels, which a CUDA graph replays as one launch."""
     if not 0 <= position < self.max_context:
       raise ValueError(f"position {position} exceeds the context of {self.max_context} tokens")
     cos, sin = rope_angles(np.array([position]), self.config.head_dim, self.config.rope_theta)
     cos_t = Tensor(np.repeat(cos, 2, axis=1), device=self.device)
     sin_t = Tensor(np.repeat(sin, 2, axis=1), device=self.device)
     token_t = Tensor([[token]], dtype=dtypes.int32, device=self.device)
+    slots = np.arange(self.max_context)
+    write = Tensor((slots == position).reshape(1, self.max_context, 1, 1), device=self.device)
     if self.symbolic:
-      inputs: tuple = (None, None, self.position.bind(position))
+      mask, bound = None, self.position.bind(position)
     else:
-      slots = np.arange(self.max_context)
-      write = Tensor((slots == position).reshape(1, self.max_context, 1, 1), device=self.device)
-      mask = Tensor(np.where(slots <= position, 0.0, -np.inf).astype(np.float32), device=self.device)
-      inputs = (write, mask, None)
+      mask, bound = Tensor(np.where(slots <= position, 0.0, -np.inf).astype(np.float32), device=self.device), None
     step = self._decode_jit if jit else self._decode_graph
-    logits = step(token_t, cos_t, sin_t, *inputs)
+    logits = step(token_t, cos_t, sin_t, write, mask, bound)
     if not jit: Tensor.realize_all(logits, *(block.cache for block in self.blocks))
     return logits
