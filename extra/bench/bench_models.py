@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from typing import Callable
 
 import numpy as np
@@ -64,6 +65,21 @@ def median_seconds(function: Callable[[], None], iters: int) -> float:
     function()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def add_row(rows: list[Row], row: Row) -> None:
+  """Keep a table row, and print it at once on stderr (a run cut short still shows what it measured)."""
+  rows.append(row)
+  print("row: " + " | ".join(row), file=sys.stderr, flush=True)
+
+
+def guarded(label: str, rows: list[Row], run: Callable[[], None]) -> None:
+  """Run one workload; an exception becomes a 'failed' row and a traceback on stderr, and the next one runs."""
+  try:
+    run()
+  except Exception as error:  # one backend bug must not cost the figures of the other workloads
+    traceback.print_exc()
+    add_row(rows, (label, "failed", f"{type(error).__name__}: {str(error)[:60]}", ""))
 
 
 # ---------------------------------------------------------------- PyTorch references
@@ -215,7 +231,7 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
   device_weights = {name: Tensor(value, device=args.device) for name, value in weights.items()}
   Tensor.realize_all(*device_weights.values())
   models = {mode: Llama(config, device_weights, max_context, symbolic=mode == "symbolic")
-            for mode in ("symbolic", "fixed shapes")}
+            for mode in ("fixed shapes", "symbolic")}
   del weights
 
   def decode_ours(model: Llama, steps: int) -> tuple[list[int], list[np.ndarray]]:
@@ -237,24 +253,24 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
         all_logits.append(logits)
     return tokens, all_logits
 
-  # agreement first (it also compiles and captures ourgrad's steps)
   theirs_tokens, theirs_logits = decode_torch(args.decode_tokens)
-  for mode, model in models.items():
+  theirs = args.decode_tokens / median_seconds(lambda: decode_torch(args.decode_tokens), args.iters)
+
+  def decode_mode(mode: str, model: Llama) -> None:
+    # agreement first (it also compiles and captures ourgrad's steps)
     ours_tokens, ours_logits = decode_ours(model, args.decode_tokens)
     same = next((i for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens)) if a != b), len(ours_tokens))
     steps = min(4, len(ours_logits))
     diff = max(float(np.abs(a - b).max()) for a, b in zip(ours_logits[:steps], theirs_logits[:steps]))
     print(f"SmolLM2 decode ({mode}): max |ourgrad - torch| of the logits of the prompt and first {steps - 1} steps "
           f"= {diff:.2e}; greedy tokens identical for {same} of {len(ours_tokens)} steps", file=sys.stderr)
-
-  theirs = args.decode_tokens / median_seconds(lambda: decode_torch(args.decode_tokens), args.iters)
-  for mode, model in models.items():
     ours = args.decode_tokens / median_seconds(lambda: decode_ours(model, args.decode_tokens), args.iters)
-    rows.append((f"SmolLM2 decode, batch 1, {args.decode_tokens} tokens, TinyJit {mode}", "tokens/s", f"{ours:.2f}",
-                 f"{theirs:.2f}"))
+    add_row(rows, (f"SmolLM2 decode, batch 1, {args.decode_tokens} tokens, TinyJit {mode}", "tokens/s", f"{ours:.2f}",
+                   f"{theirs:.2f}"))
+  for mode, model in models.items(): guarded(f"SmolLM2 decode ({mode})", rows, lambda: decode_mode(mode, model))
 
   long_prompt = [int(t) for t in rng.integers(100, config.vocab_size, args.prefill)]
-  model = models["symbolic"]
+  model = models["fixed shapes"]
 
   def prefill_ours(jit: bool) -> np.ndarray:
     return model(Tensor([long_prompt], dtype=dtypes.int32, device=args.device), 0, jit=jit).numpy()
@@ -262,14 +278,16 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
   def prefill_torch() -> np.ndarray:
     with reference.torch.no_grad(): return reference(long_prompt, 0)
   theirs = median_seconds(prefill_torch, args.iters)
-  for jit, label in ((False, "eager"), (True, "TinyJit, same length again")):
+
+  def prefill_mode(jit: bool, label: str) -> None:
     ours = median_seconds(lambda: prefill_ours(jit), args.iters)
-    rows.append((f"SmolLM2 prefill, {args.prefill} tokens, {label}", "s to first token", f"{ours:.4f}",
-                 f"{theirs:.4f}"))
-  for jit in (False, True):
+    add_row(rows, (f"SmolLM2 prefill, {args.prefill} tokens, {label}", "s to first token", f"{ours:.4f}",
+                   f"{theirs:.4f}"))
     diff = np.abs(prefill_ours(jit)[0] - prefill_torch()).max()
-    print(f"SmolLM2 prefill of {args.prefill} tokens{' (jit)' if jit else ''}: max |ourgrad - torch| of the logits "
-          f"= {diff:.2e}", file=sys.stderr)
+    print(f"SmolLM2 prefill of {args.prefill} tokens ({label}): max |ourgrad - torch| of the logits = {diff:.2e}",
+          file=sys.stderr)
+  for jit, label in ((False, "eager"), (True, "TinyJit, same length again")):
+    guarded(f"SmolLM2 prefill ({label})", rows, lambda: prefill_mode(jit, label))
 
 
 def bench_minilm(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
@@ -292,11 +310,14 @@ def bench_minilm(args: argparse.Namespace, torch_device: str, rows: list[Row]) -
     import torch
     with torch.no_grad(): return reference(ids, mask)
   rate_theirs = 64 / median_seconds(theirs, args.iters)
-  for jit, label in ((False, "eager"), (True, "TinyJit")):
+
+  def minilm_mode(jit: bool, label: str) -> None:
     rate_ours = 64 / median_seconds(lambda: ours(jit), args.iters)
-    rows.append((f"MiniLM, batch 64 x 32 tokens, {label}", "sentences/s", f"{rate_ours:.1f}", f"{rate_theirs:.1f}"))
+    add_row(rows, (f"MiniLM, batch 64 x 32 tokens, {label}", "sentences/s", f"{rate_ours:.1f}", f"{rate_theirs:.1f}"))
     print(f"MiniLM embeddings ({label}): max |ourgrad - torch| = {np.abs(ours(jit) - theirs()).max():.2e}",
           file=sys.stderr)
+  for jit, label in ((False, "eager"), (True, "TinyJit")):
+    guarded(f"MiniLM ({label})", rows, lambda: minilm_mode(jit, label))
 
 
 def bench_embedding_bytes(args: argparse.Namespace, rows: list[Row]) -> None:
@@ -305,8 +326,8 @@ def bench_embedding_bytes(args: argparse.Namespace, rows: list[Row]) -> None:
   GlobalCounters.reset()
   table[tokens].realize()
   moved = GlobalCounters.global_mem
-  rows.append(("embedding lookup, 512 of 49152 x 576", "bytes moved", f"{moved:,}",
-               f"(table {49152 * 576 * 4:,}; 512 rows {512 * 576 * 4:,})"))
+  add_row(rows, ("embedding lookup, 512 of 49152 x 576", "bytes moved", f"{moved:,}",
+                 f"(table {49152 * 576 * 4:,}; 512 rows {512 * 576 * 4:,})"))
 
 
 def main() -> None:
@@ -326,9 +347,9 @@ def main() -> None:
   torch_device = "cuda" if args.device == "CUDA" else "cpu"
   rows: list[Row] = []
   only = set(args.only or ("embedding", "minilm", "smollm2"))
-  if "embedding" in only: bench_embedding_bytes(args, rows)
-  if "minilm" in only: bench_minilm(args, torch_device, rows)
-  if "smollm2" in only: bench_smollm2(args, torch_device, rows)
+  if "embedding" in only: guarded("embedding lookup", rows, lambda: bench_embedding_bytes(args, rows))
+  if "minilm" in only: guarded("MiniLM", rows, lambda: bench_minilm(args, torch_device, rows))
+  if "smollm2" in only: guarded("SmolLM2", rows, lambda: bench_smollm2(args, torch_device, rows))
   print(f"ourgrad on {args.device}, PyTorch {torch.__version__} on {torch_device} ({torch.get_num_threads()} CPU "
         f"threads), {'random' if args.random_weights else 'real'} weights")
   header = ("workload", "unit", "ourgrad", "PyTorch")
