@@ -115,7 +115,8 @@ class LlamaBlock:
     (x @ W.T) * rsqrt(mean(x^2) + eps) and never stores the normalised x;
   - Q, its rotation partner (`swap_pairs`), K, its partner and V are one (dim + dim + kv + kv + kv, dim) matrix: one
     matmul, after which RoPE is elementwise (q * cos + q_partner * sin);
-  - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step."""
+  - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step;
+  - the gate and up projections are one (2 * hidden, dim) matrix: one matmul, split after it."""
 
   def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], prefix: str, max_context: int):
     self.config = config
@@ -124,10 +125,10 @@ class LlamaBlock:
     projections = [wq, swap_pairs(wq), wk, swap_pairs(wk), weights[f"{prefix}.attn_v.weight"]]
     self.w_qkv = (Tensor.cat(projections, dim=0) * attn_norm).contiguous()
     self.wo = weights[f"{prefix}.attn_output.weight"]
-    self.w_gate = (weights[f"{prefix}.ffn_gate.weight"] * ffn_norm).contiguous()
-    self.w_up = (weights[f"{prefix}.ffn_up.weight"] * ffn_norm).contiguous()
+    gate_up = [weights[f"{prefix}.ffn_gate.weight"], weights[f"{prefix}.ffn_up.weight"]]
+    self.w_gate_up = (Tensor.cat(gate_up, dim=0) * ffn_norm).contiguous()
     self.w_down = weights[f"{prefix}.ffn_down.weight"]
-    Tensor.realize_all(self.w_qkv, self.w_gate, self.w_up)
+    Tensor.realize_all(self.w_qkv, self.w_gate_up)
     cache_shape = (1, max_context, 2 * config.n_kv_heads, config.head_dim)
     self.cache = Tensor.zeros(*cache_shape, device=wq.device).contiguous().realize()
 
@@ -163,7 +164,7 @@ class LlamaBlock:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
     x = x + attended.linear(self.wo)
     scale = self._inverse_rms(x)
-    gate, up = x.linear(self.w_gate) * scale, x.linear(self.w_up) * scale
+    gate, up = (x.linear(self.w_gate_up) * scale).chunk(2, dim=-1)
     return x + (gate.silu() * up).linear(self.w_down)
 
   def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
