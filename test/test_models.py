@@ -25,7 +25,8 @@ from ourgrad.nn.gguf import gguf_load
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
 from extra.models.bert import BertConfig, BertEncoder, mean_pool_normalize, minilm_path  # noqa: E402
 from extra.models.generate import Sampler, chatml, smollm2_path  # noqa: E402
-from extra.models.llama import Llama, LlamaConfig, rope_angles, rope_rows_to_halves, swap_pairs  # noqa: E402
+from extra.models.llama import (Llama, LlamaConfig, rope_angles, rope_inputs, rope_rows_to_halves,  # noqa: E402
+                                rotate_pairs)
 
 # ---------------------------------------------------------------- GGUF: Q4_0 and Q6_K
 
@@ -161,15 +162,16 @@ def _tiny_llama(weights: dict[str, np.ndarray], max_context: int = 16) -> Llama:
 
 
 def test_rope_layouts_agree() -> None:
-  """RoPE as the model computes it on GGUF-ordered rows (x @ W.T * cos + x @ swap_pairs(W).T * sin) == rotate_half
+  """RoPE as the model computes it on GGUF-ordered rows (`rotate_pairs` of x @ W.T: interleaved pairs) == rotate_half
   rotation (Hugging Face's) of the un-permuted rows, brought back to interleaved order."""
   rng = np.random.default_rng(2)
   heads, head_dim, length = 3, 8, 5
   weight = rng.standard_normal((heads * head_dim, 4)).astype(np.float32)
   h = rng.standard_normal((length, 4)).astype(np.float32)
   cos, sin = rope_angles(np.arange(length), head_dim, 10000.0)
-  cos2, sin2 = np.tile(np.repeat(cos, 2, axis=1), heads), np.tile(np.repeat(sin, 2, axis=1), heads)
-  ours = (Tensor(h) @ Tensor(weight).T * Tensor(cos2) + Tensor(h) @ swap_pairs(Tensor(weight)).T * Tensor(sin2))
+  cos2, signed_sin2 = (Tensor(a.reshape(length, 1, head_dim)) for a in rope_inputs(np.arange(length), head_dim, 1e4))
+  projected = (Tensor(h) @ Tensor(weight).T).reshape(length, heads, head_dim)
+  ours = rotate_pairs(projected, cos2, signed_sin2).reshape(length, heads * head_dim)
   halves = (h @ rope_rows_to_halves(weight, heads).T).reshape(length, heads, head_dim)
   full_cos, full_sin = np.concatenate([cos, cos], -1)[:, None], np.concatenate([sin, sin], -1)[:, None]
   swapped = np.concatenate([-halves[..., head_dim // 2:], halves[..., :head_dim // 2]], -1)

@@ -99,12 +99,20 @@ def rope_rows_to_halves(weight: np.ndarray, heads: int) -> np.ndarray:
   return weight.reshape(heads, head_dim // 2, 2, columns).transpose(0, 2, 1, 3).reshape(rows, columns)
 
 
-def swap_pairs(weight: Tensor) -> Tensor:
-  """Rows (2i, 2i+1) -> (-row 2i+1, row 2i): x @ swap_pairs(W).T is the rotation partner of x @ W.T, so RoPE becomes
-  q * cos + q_partner * sin with both products from one matmul."""
-  rows, columns = weight.shape
-  pairs = weight.reshape(rows // 2, 2, columns)
-  return Tensor.stack([-pairs[:, 1], pairs[:, 0]], dim=1).reshape(rows, columns)
+def rope_inputs(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+  """(cos, signed sin), each (len(positions), head_dim): every angle twice (for both dims of its pair), the sine
+  negative at the pair's first dim, so that `rotate_pairs` is two products and a sum."""
+  cos, sin = rope_angles(positions, head_dim, theta)
+  signs = np.tile(np.array([-1.0, 1.0], np.float32), head_dim // 2)
+  return np.repeat(cos, 2, axis=1), np.repeat(sin, 2, axis=1) * signs
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+  """RoPE on interleaved pairs of the last axis (head_dim): (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos), as
+  x * cos + (x with each pair swapped) * signed_sin (`rope_inputs`). The swap is a view: it fuses into the consumer."""
+  head_dim = x.shape[-1]
+  swapped = x.reshape(*x.shape[:-1], head_dim // 2, 2).flip(-1).reshape(x.shape)
+  return x * cos + swapped * signed_sin
 
 
 class LlamaBlock:
@@ -113,8 +121,7 @@ class LlamaBlock:
   For fewer, larger kernels the weights are rearranged once at construction (same math):
   - each RMSNorm weight is multiplied into the columns of the matrices it feeds, so a block computes
     (x @ W.T) * rsqrt(mean(x^2) + eps) and never stores the normalised x;
-  - Q, its rotation partner (`swap_pairs`), K, its partner and V are one (dim + dim + kv + kv + kv, dim) matrix: one
-    matmul, after which RoPE is elementwise (q * cos + q_partner * sin);
+  - Q, K and V are one (dim + kv + kv, dim) matrix: one matmul, after which RoPE is elementwise (`rotate_pairs`);
   - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step;
   - the gate and up projections are one (2 * hidden, dim) matrix: one matmul, split after it."""
 
@@ -122,7 +129,7 @@ class LlamaBlock:
     self.config = config
     attn_norm, ffn_norm = weights[f"{prefix}.attn_norm.weight"], weights[f"{prefix}.ffn_norm.weight"]
     wq, wk = weights[f"{prefix}.attn_q.weight"], weights[f"{prefix}.attn_k.weight"]
-    projections = [wq, swap_pairs(wq), wk, swap_pairs(wk), weights[f"{prefix}.attn_v.weight"]]
+    projections = [wq, wk, weights[f"{prefix}.attn_v.weight"]]
     self.w_qkv = (Tensor.cat(projections, dim=0) * attn_norm).contiguous()
     self.wo = weights[f"{prefix}.attn_output.weight"]
     gate_up = [weights[f"{prefix}.ffn_gate.weight"], weights[f"{prefix}.ffn_up.weight"]]
@@ -150,14 +157,10 @@ class LlamaBlock:
     batch, length, _ = x.shape
     heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
     projected = x.linear(self.w_qkv) * self._inverse_rms(x)
-    q, q_partner, k, k_partner, v = projected.split([config.dim, config.dim, kv_heads * head_dim,
-                                                     kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = projected.split([config.dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
-
-    def rotate(t: Tensor, partner: Tensor, count: int) -> Tensor:
-      shape = (batch, length, count, head_dim)
-      return t.reshape(shape) * cos + partner.reshape(shape) * sin
-    q, k = rotate(q, q_partner, heads), rotate(k, k_partner, kv_heads)
+    q = rotate_pairs(q.reshape(batch, length, heads, head_dim), cos, sin)
+    k = rotate_pairs(k.reshape(batch, length, kv_heads, head_dim), cos, sin)
     return q, Tensor.cat([k, v.reshape(batch, length, kv_heads, head_dim)], dim=2)
 
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
@@ -168,7 +171,7 @@ class LlamaBlock:
     return x + (gate.silu() * up).linear(self.w_down)
 
   def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
-    """x (1, L, dim) at positions [start, start + L); cos/sin (L, head_dim) with each angle twice (pairs)."""
+    """x (1, L, dim) at positions [start, start + L); cos/sin (L, head_dim) from `rope_inputs`."""
     batch, length, _ = x.shape
     kv_heads = self.config.n_kv_heads
     q, new = self._project(x, cos, sin)
@@ -233,8 +236,7 @@ class Llama:
   def _position_inputs(self, start: int, length: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Host-made inputs for positions [start, start + length): rope cos/sin, the cache-write marks and the mask."""
     positions = np.arange(start, start + length)
-    cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
-    cos, sin = np.repeat(cos, 2, axis=1), np.repeat(sin, 2, axis=1)  # each angle for both dims of its pair
+    cos, sin = rope_inputs(positions, self.config.head_dim, self.config.rope_theta)
     slots = np.arange(self.max_context)
     write = ((slots >= start) & (slots < start + length)).reshape(1, self.max_context, 1, 1)
     visible = slots.reshape(1, -1) <= positions.reshape(-1, 1)  # (length, max_context): the past and itself
@@ -285,9 +287,8 @@ class Llama:
     the whole cache under a host-made mask: only fixed-shape kernels, which a CUDA graph replays as one launch."""
     if not 0 <= position < self.max_context:
       raise ValueError(f"position {position} exceeds the context of {self.max_context} tokens")
-    cos, sin = rope_angles(np.array([position]), self.config.head_dim, self.config.rope_theta)
-    cos_t = Tensor(np.repeat(cos, 2, axis=1), device=self.device)
-    sin_t = Tensor(np.repeat(sin, 2, axis=1), device=self.device)
+    cos, sin = rope_inputs(np.array([position]), self.config.head_dim, self.config.rope_theta)
+    cos_t, sin_t = Tensor(cos, device=self.device), Tensor(sin, device=self.device)
     token_t = Tensor([[token]], dtype=dtypes.int32, device=self.device)
     slots = np.arange(self.max_context)
     write = Tensor((slots == position).reshape(1, self.max_context, 1, 1), device=self.device)
