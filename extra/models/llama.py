@@ -14,24 +14,37 @@ p, angle = p * base^(-2i/head_dim), (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 co
 permutation for comparisons with a rotate_half implementation.
 
 KV cache. Each block keeps K and V for `max_context` positions in realized buffers (zeros at first). A call with
-tokens at positions [start, start + L) writes their K and V there (an elementwise `where` over the cache, so a
-decode step, L = 1, has the same kernels at every position: nothing recompiles while generating) and attends to
-all cached positions with an additive mask that hides the future and the unwritten tail. The rotary angles and the
-mask are made on the host for each call and passed in as small input tensors, again so that the kernels do not
-depend on the position.
+tokens at positions [start, start + L) writes their K and V there (an elementwise `where` over the cache with
+host-made write marks) and attends to all cached positions with an additive mask that hides the future and the
+unwritten tail. The rotary angles, the marks and the mask are small host-made inputs.
+
+Decoding (`model.decode(token, position)`). One token's step runs through a TinyJit: captured on its second call,
+replayed (no graph building, scheduling or compiling) on every later one, whatever the position. With
+`symbolic=True` (the default) the position is a bound Variable and attention reads only `cache[:, :position + 1]`;
+with `symbolic=False` it reads the whole cache under the mask, so every kernel has a fixed shape (the optimizer
+handles them all and a CUDA graph replays the step as one launch). Prompts go through `model(tokens, start)`,
+eagerly or (`jit=True`) through a TinyJit per (start, length).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ourgrad import Tensor, dtypes
+from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.device import Device
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import gguf_load
+from ourgrad.shape import Variable
+from ourgrad.shape.symbolic import Node
+
+from extra.models.shape_jits import ShapeJits
+
+
+PREFILL_CAPTURES = 4  # prompt shapes whose jitted prefill is kept (each holds its kernels' buffers)
 
 
 @dataclass(frozen=True)
@@ -86,12 +99,20 @@ def rope_rows_to_halves(weight: np.ndarray, heads: int) -> np.ndarray:
   return weight.reshape(heads, head_dim // 2, 2, columns).transpose(0, 2, 1, 3).reshape(rows, columns)
 
 
-def swap_pairs(weight: Tensor) -> Tensor:
-  """Rows (2i, 2i+1) -> (-row 2i+1, row 2i): x @ swap_pairs(W).T is the rotation partner of x @ W.T, so RoPE becomes
-  q * cos + q_partner * sin with both products from one matmul."""
-  rows, columns = weight.shape
-  pairs = weight.reshape(rows // 2, 2, columns)
-  return Tensor.stack([-pairs[:, 1], pairs[:, 0]], dim=1).reshape(rows, columns)
+def rope_inputs(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+  """(cos, signed sin), each (len(positions), head_dim): every angle twice (for both dims of its pair), the sine
+  negative at the pair's first dim, so that `rotate_pairs` is two products and a sum."""
+  cos, sin = rope_angles(positions, head_dim, theta)
+  signs = np.tile(np.array([-1.0, 1.0], np.float32), head_dim // 2)
+  return np.repeat(cos, 2, axis=1), np.repeat(sin, 2, axis=1) * signs
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+  """RoPE on interleaved pairs of the last axis (head_dim): (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos), as
+  x * cos + (x with each pair swapped) * signed_sin (`rope_inputs`). The swap is a view: it fuses into the consumer."""
+  head_dim = x.shape[-1]
+  swapped = x.reshape(*x.shape[:-1], head_dim // 2, 2).flip(-1).reshape(x.shape)
+  return x * cos + swapped * signed_sin
 
 
 class LlamaBlock:
@@ -100,21 +121,21 @@ class LlamaBlock:
   For fewer, larger kernels the weights are rearranged once at construction (same math):
   - each RMSNorm weight is multiplied into the columns of the matrices it feeds, so a block computes
     (x @ W.T) * rsqrt(mean(x^2) + eps) and never stores the normalised x;
-  - Q, its rotation partner (`swap_pairs`), K, its partner and V are one (dim + dim + kv + kv + kv, dim) matrix: one
-    matmul, after which RoPE is elementwise (q * cos + q_partner * sin);
-  - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step."""
+  - Q, K and V are one (dim + kv + kv, dim) matrix: one matmul, after which RoPE is elementwise (`rotate_pairs`);
+  - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step;
+  - the gate and up projections are one (2 * hidden, dim) matrix: one matmul, split after it."""
 
   def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], prefix: str, max_context: int):
     self.config = config
     attn_norm, ffn_norm = weights[f"{prefix}.attn_norm.weight"], weights[f"{prefix}.ffn_norm.weight"]
     wq, wk = weights[f"{prefix}.attn_q.weight"], weights[f"{prefix}.attn_k.weight"]
-    projections = [wq, swap_pairs(wq), wk, swap_pairs(wk), weights[f"{prefix}.attn_v.weight"]]
+    projections = [wq, wk, weights[f"{prefix}.attn_v.weight"]]
     self.w_qkv = (Tensor.cat(projections, dim=0) * attn_norm).contiguous()
     self.wo = weights[f"{prefix}.attn_output.weight"]
-    self.w_gate = (weights[f"{prefix}.ffn_gate.weight"] * ffn_norm).contiguous()
-    self.w_up = (weights[f"{prefix}.ffn_up.weight"] * ffn_norm).contiguous()
+    gate_up = [weights[f"{prefix}.ffn_gate.weight"], weights[f"{prefix}.ffn_up.weight"]]
+    self.w_gate_up = (Tensor.cat(gate_up, dim=0) * ffn_norm).contiguous()
     self.w_down = weights[f"{prefix}.ffn_down.weight"]
-    Tensor.realize_all(self.w_qkv, self.w_gate, self.w_up)
+    Tensor.realize_all(self.w_qkv, self.w_gate_up)
     cache_shape = (1, max_context, 2 * config.n_kv_heads, config.head_dim)
     self.cache = Tensor.zeros(*cache_shape, device=wq.device).contiguous().realize()
 
@@ -130,49 +151,82 @@ class LlamaBlock:
     self.cache.assign(write.where(placed, self.cache))
     return self.cache  # attention reads the buffer after this write (one kernel writes the cache, none copies it)
 
-  def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
-    """x (1, L, dim) at positions [start, start + L); cos/sin (L, head_dim) with each angle twice (pairs)."""
+  def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(q (1, L, heads, hd) rotated, the new cache rows (1, L, 2 kv_heads, hd): rotated K then V) of x (1, L, dim)."""
     config = self.config
     batch, length, _ = x.shape
     heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
     projected = x.linear(self.w_qkv) * self._inverse_rms(x)
-    q, q_partner, k, k_partner, v = projected.split([config.dim, config.dim, kv_heads * head_dim,
-                                                     kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = projected.split([config.dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
+    q = rotate_pairs(q.reshape(batch, length, heads, head_dim), cos, sin)
+    k = rotate_pairs(k.reshape(batch, length, kv_heads, head_dim), cos, sin)
+    return q, Tensor.cat([k, v.reshape(batch, length, kv_heads, head_dim)], dim=2)
 
-    def rotate(t: Tensor, partner: Tensor, count: int) -> Tensor:
-      shape = (batch, length, count, head_dim)
-      return t.reshape(shape) * cos + partner.reshape(shape) * sin
-    q, k = rotate(q, q_partner, heads), rotate(k, k_partner, kv_heads)
-    cache = self._write_cache(Tensor.cat([k, v.reshape(batch, length, kv_heads, head_dim)], dim=2), write, start)
+  def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
+    """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
+    x = x + attended.linear(self.wo)
+    scale = self._inverse_rms(x)
+    gate, up = (x.linear(self.w_gate_up) * scale).chunk(2, dim=-1)
+    return x + (gate.silu() * up).linear(self.w_down)
+
+  def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
+    """x (1, L, dim) at positions [start, start + L); cos/sin (L, head_dim) from `rope_inputs`."""
+    batch, length, _ = x.shape
+    kv_heads = self.config.n_kv_heads
+    q, new = self._project(x, cos, sin)
+    cache = self._write_cache(new, write, start)
     keys, values = cache[:, :, :kv_heads].transpose(1, 2), cache[:, :, kv_heads:].transpose(1, 2)
     attended = q.transpose(1, 2).scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
-    x = x + attended.transpose(1, 2).reshape(batch, length, config.dim).linear(self.wo)
-    scale = self._inverse_rms(x)
-    gate, up = x.linear(self.w_gate) * scale, x.linear(self.w_up) * scale
-    return x + (gate.silu() * up).linear(self.w_down)
+    return self._feed_forward(x, attended.transpose(1, 2).reshape(batch, length, self.config.dim))
+
+  def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
+             mask: Tensor | None) -> Tensor:
+    """One token x (1, 1, dim): its K and V go to the cache where `write` (broadcast to the cache) is True, and it
+    attends to the first `visible` cached positions (a bound Variable `position + 1`, or the whole cache with an
+    additive `mask` hiding the unwritten tail). Grouped-query attention by folding the query heads that share a
+    KV head into one axis: the keys are read once per KV head, never repeated."""
+    config = self.config
+    kv_heads, head_dim = config.n_kv_heads, config.head_dim
+    group = config.n_heads // kv_heads
+    q, new = self._project(x, cos, sin)
+    self.cache.assign(write.where(new.expand(self.cache.shape), self.cache))
+    # shrink, not indexing: Python slices cannot hold a symbolic bound
+    keys = self.cache.shrink((None, (0, visible), (0, kv_heads), None)).reshape(visible, kv_heads, head_dim)
+    values = self.cache.shrink((None, (0, visible), (kv_heads, 2 * kv_heads), None)).reshape(visible, kv_heads,
+                                                                                              head_dim)
+    keys, values = keys.permute(1, 2, 0), values.permute(1, 0, 2)  # (kv, hd, visible), (kv, visible, hd)
+    scores = q.reshape(kv_heads, group, head_dim) @ keys * (1.0 / math.sqrt(head_dim))  # (kv, group, visible)
+    if mask is not None: scores = scores + mask.reshape(1, 1, -1)
+    attended = scores.softmax(-1) @ values  # (kv, group, hd)
+    return self._feed_forward(x, attended.reshape(1, 1, config.dim))
 
 
 class Llama:
   """The decoder with its KV caches; `model(tokens, start)` -> logits (1, vocab) of the last position, float32."""
 
-  def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], max_context: int = 1024):
+  def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], max_context: int = 1024,
+               symbolic: bool = True):
     self.config, self.max_context = config, max_context
     self.embedding = weights["token_embd.weight"]
     self.output = weights.get("output.weight", self.embedding)  # tied embeddings when the file has no head
     self.norm = weights["output_norm.weight"]
     self.blocks = [LlamaBlock(config, weights, f"blk.{n}", max_context) for n in range(config.n_layers)]
     self.device = self.embedding.device
+    self.symbolic = symbolic
+    self.position = Variable("position", 0, max_context - 1)
+    self._decode_jit = TinyJit(self._decode_graph)
+    self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by (start, length)
 
   @staticmethod
-  def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None
-                ) -> tuple["Llama", dict[str, Any]]:
+  def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None,
+                symbolic: bool = True) -> tuple["Llama", dict[str, Any]]:
     """The model from a GGUF file (weights dequantized once, on the device, to float32) and the file's metadata."""
     tensors, metadata = gguf_load(path, device or Device.DEFAULT)
     config = LlamaConfig.from_gguf_metadata(metadata)
     weights = {name: tensor.cast(dtypes.float32).contiguous() for name, tensor in tensors.items()}
     Tensor.realize_all(*weights.values())
-    return Llama(config, weights, min(max_context, config.context_length)), metadata
+    return Llama(config, weights, min(max_context, config.context_length), symbolic), metadata
 
   def reset(self) -> None:
     """Forget the cached keys and values (a new conversation). Positions already written are masked anyway when
@@ -182,8 +236,7 @@ class Llama:
   def _position_inputs(self, start: int, length: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Host-made inputs for positions [start, start + length): rope cos/sin, the cache-write marks and the mask."""
     positions = np.arange(start, start + length)
-    cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
-    cos, sin = np.repeat(cos, 2, axis=1), np.repeat(sin, 2, axis=1)  # each angle for both dims of its pair
+    cos, sin = rope_inputs(positions, self.config.head_dim, self.config.rope_theta)
     slots = np.arange(self.max_context)
     write = ((slots >= start) & (slots < start + length)).reshape(1, self.max_context, 1, 1)
     visible = slots.reshape(1, -1) <= positions.reshape(-1, 1)  # (length, max_context): the past and itself
@@ -191,15 +244,59 @@ class Llama:
     return (Tensor(cos, device=self.device), Tensor(sin, device=self.device), Tensor(write, device=self.device),
             Tensor(mask, device=self.device))
 
-  def __call__(self, tokens: Tensor, start: int) -> Tensor:
+  def __call__(self, tokens: Tensor, start: int, jit: bool = False) -> Tensor:
+    """The logits (1, vocab) of the last of `tokens` (1, L) fed at positions [start, start + L), K and V cached.
+
+    `jit`: run through a TinyJit kept for this (start, L) (the last `PREFILL_CAPTURES` of them), so that a prompt
+    of a length seen twice before (a benchmark, a fixed-size template, a re-run) replays its kernels without
+    scheduling; a new length runs eagerly, as without it."""
     batch, length = tokens.shape
     if batch != 1: raise ShapeError(f"Llama runs one sequence at a time (batch 1), got tokens of shape {tokens.shape}")
     if start + length > self.max_context:
       raise ValueError(f"positions {start}..{start + length - 1} exceed the context of {self.max_context} tokens")
     cos, sin, write, mask = self._position_inputs(start, length)
+    if not jit:
+      logits = self._prefill_graph(tokens, cos, sin, write, mask, start)
+      Tensor.realize_all(logits, *(block.cache for block in self.blocks))
+      return logits
+    return self._prefill_jits((start, length), tokens, cos, sin, write, mask, start)
+
+  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor,
+                     start: int) -> Tensor:
     x = self.embedding[tokens]
     for block in self.blocks: x = block(x, start, cos, sin, write, mask)
-    last = rms_norm(x[:, -1, :], self.norm, self.config.norm_eps)
-    logits = last.linear(self.output)
-    Tensor.realize_all(logits, *(block.cache for block in self.blocks))
+    return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(self.output)
+
+  def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
+                    position: Variable | None) -> Tensor:
+    """The logits (1, vocab) of one token (1, 1): symbolic (`position` a bound Variable, attention over the first
+    position + 1 cache slots, `mask` None) or fixed-shape (`position` None, attention over the whole cache with the
+    additive `mask`). Either way the cache write is the `where` of the host-made `write` marks: a kernel of fixed
+    shape that the optimizer handles (a symbolic write mask would make it a plain, unoptimized loop nest)."""
+    visible: int | Node = self.max_context if position is None else position + 1
+    x = self.embedding[token]
+    for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask)
+    return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(self.output)
+
+  def decode(self, token: int, position: int, jit: bool = True) -> Tensor:
+    """The logits (1, vocab) after feeding one `token` at `position` (its K and V are cached there).
+
+    With `jit` the step runs through a TinyJit: the second call captures its kernels and every later one replays
+    them, whatever the position. `symbolic` (the constructor's) makes the position a bound Variable: attention
+    reads only `cache[:, :position + 1]` (kernels compiled once for every position). Without it attention reads
+    the whole cache under a host-made mask: only fixed-shape kernels, which a CUDA graph replays as one launch."""
+    if not 0 <= position < self.max_context:
+      raise ValueError(f"position {position} exceeds the context of {self.max_context} tokens")
+    cos, sin = rope_inputs(np.array([position]), self.config.head_dim, self.config.rope_theta)
+    cos_t, sin_t = Tensor(cos, device=self.device), Tensor(sin, device=self.device)
+    token_t = Tensor([[token]], dtype=dtypes.int32, device=self.device)
+    slots = np.arange(self.max_context)
+    write = Tensor((slots == position).reshape(1, self.max_context, 1, 1), device=self.device)
+    if self.symbolic:
+      mask, bound = None, self.position.bind(position)
+    else:
+      mask, bound = Tensor(np.where(slots <= position, 0.0, -np.inf).astype(np.float32), device=self.device), None
+    step = self._decode_jit if jit else self._decode_graph
+    logits = step(token_t, cos_t, sin_t, write, mask, bound)
+    if not jit: Tensor.realize_all(logits, *(block.cache for block in self.blocks))
     return logits
