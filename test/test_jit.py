@@ -125,11 +125,58 @@ def test_random_inside_raises():
     f(Tensor([0.0, 0.0, 0.0]))
 
 
-def test_outputs_are_not_overwritten_by_later_calls():
+def test_outputs_are_the_jits_buffers_overwritten_by_the_next_replay():
+  """As a CUDA graph's static outputs in PyTorch: a replay returns Tensors backed by the capture's own output
+  buffers, so a Tensor returned earlier (from the capture call on) shows the latest replay's values. A clone, or a
+  value read to the host, keeps its values."""
   @TinyJit
   def f(x): return x.sum().realize()
-  r1, r2, r3, r4 = (f(Tensor([float(i), float(i)])) for i in range(1, 5))
-  assert [r.item() for r in (r1, r2, r3, r4)] == [2.0, 4.0, 6.0, 8.0]
+  r1 = f(Tensor([1.0, 1.0]))            # call 1 runs eagerly: a buffer of its own
+  r2 = f(Tensor([2.0, 2.0]))            # the capture call: the JIT's output buffer
+  kept, value = r2.clone().realize(), r2.item()
+  r3 = f(Tensor([3.0, 3.0]))
+  r4 = f(Tensor([4.0, 4.0]))
+  assert [r1.item(), r2.item(), r3.item(), r4.item()] == [2.0, 8.0, 8.0, 8.0]
+  assert (kept.item(), value) == (4.0, 4.0)
+  assert r2.lazydata.base.realized is r4.lazydata.base.realized is f.captured.output_buffers[0]
+
+
+def test_lazy_readers_of_an_earlier_output_keep_its_value():
+  """`total = total + loss` left lazy across replays reads each loss as it was when the line ran (the library's
+  rule for in-place writes, docs/reliability.md): the replay snapshots the old output for that lazy reader."""
+  @TinyJit
+  def f(x): return (x * 2).sum().realize()
+  total = Tensor(0.0)
+  scaled = []
+  for i in range(1, 7):
+    out = f(Tensor([float(i), 1.0]))
+    total = total + out
+    scaled.append(out * 10)
+  assert total.item() == sum(2.0 * (i + 1) for i in range(1, 7))
+  assert [s.item() for s in scaled] == [20.0 * (i + 1) for i in range(1, 7)]
+
+
+def test_replay_updates_only_changed_input_slots(monkeypatch):
+  """A replay with the same input buffers patches no kernel argument; a new input buffer patches only the slots
+  that read it; the output buffers never move."""
+  from ourgrad.engine.jit import ItemReplay
+  patched = []
+  original = ItemReplay.set_buffer
+  monkeypatch.setattr(ItemReplay, "set_buffer", lambda self, i, slot, buffer: (patched.append((i, slot)),
+                                                                             original(self, i, slot, buffer)))
+
+  @TinyJit
+  def f(a, b): return ((a + 1).realize() * b).realize()
+  a, b = Tensor([1.0, 2.0]).realize(), Tensor([3.0, 4.0]).realize()
+  for _ in range(3): f(a, b)
+  out_buffer = f.captured.output_buffers[0]
+  for _ in range(3): assert f(a, b).tolist() == [6.0, 12.0]
+  assert patched == []
+  b2 = Tensor([5.0, 6.0]).realize()
+  assert f(a, b2).tolist() == [10.0, 18.0]
+  (item_index, slot), = patched  # one slot: b's, in the second kernel
+  assert item_index == 1 and f.captured.items[1].bufs[slot] is b2.lazydata.realized
+  assert f.captured.output_buffers[0] is out_buffer
 
 
 def test_output_fed_back_as_input():
@@ -305,7 +352,8 @@ def test_cuda_replay_is_one_graph_updated_with_new_buffers():
     np.testing.assert_allclose(s.numpy(), cn.sum(1) + an.max(1), rtol=1e-4, atol=1e-4)
     outputs.append((s, cn.sum(1) + an.max(1)))
   assert isinstance(f.captured.replay_runner, GraphReplay)
-  for s, expected in outputs: np.testing.assert_allclose(s.numpy(), expected, rtol=1e-4, atol=1e-4)  # not overwritten
+  # replays write the capture's own output buffers: the last call's values, in every output returned since capture
+  for s, _ in outputs[1:]: np.testing.assert_allclose(s.numpy(), outputs[-1][1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
@@ -331,7 +379,7 @@ def test_other_devices_replay(device):
 
 def test_graph_replay_updates_arguments_in_place(monkeypatch):
   """GraphReplay's bookkeeping, with a stand-in for a device graph on CLANG: built once from the launches, told
-  about each kernel whose buffers changed, launched once per call."""
+  about each kernel argument whose buffer changed, launched once per call."""
   from ourgrad.device import Device
   from ourgrad.engine.jit import GraphReplay
   built, updates, launches = [], [], []
@@ -341,9 +389,9 @@ def test_graph_replay_updates_arguments_in_place(monkeypatch):
       built.append(len(kernel_launches))
       self.kernel_launches = [list(launch) for launch in kernel_launches]
 
-    def update(self, index, handles):
-      updates.append(index)
-      self.kernel_launches[index][3] = handles
+    def set_argument(self, index, position, handle):
+      updates.append((index, position))
+      self.kernel_launches[index][3][position] = handle
 
     def launch(self):
       launches.append(1)
@@ -357,4 +405,5 @@ def test_graph_replay_updates_arguments_in_place(monkeypatch):
     a = Tensor.full((4,), float(i), device="CLANG").contiguous().realize()
     assert f(a).numpy().tolist() == [3.0 * (i + 1)] * 4
   assert isinstance(f.captured.replay_runner, GraphReplay)
-  assert built == [2] and len(launches) == 3 and updates
+  # each replay has a new input: only its slot (kernel 0, argument 1) is patched; outputs and intermediates stay
+  assert built == [2] and len(launches) == 3 and updates == [(0, 1)] * 3

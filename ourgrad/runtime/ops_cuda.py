@@ -156,8 +156,10 @@ class CUDAProgram:
 
 class CUDAGraph:
   """Kernels replayed by the JIT as one CUDA graph: one kernel node per launch, each depending on the one before (they
-  ran in that order on one stream), instantiated once. `update` points one kernel at other buffers in place
-  (cuGraphExecKernelNodeSetParams: no re-instantiation); `launch` runs the whole graph with one cuGraphLaunch."""
+  ran in that order on one stream), instantiated once. Each node's parameter struct and its argument array stay
+  alive for the graph's life: `set_argument` writes one pointer into that array and marks the node, and `launch`
+  hands each marked node's struct to the driver (cuGraphExecKernelNodeSetParams: no re-instantiation, nothing
+  rebuilt) before one cuGraphLaunch."""
 
   def __init__(self, device: CUDADevice, launches: list[tuple[CUDAProgram, tuple[int, ...], tuple[int, ...], list]]):
     self.device = device
@@ -167,6 +169,7 @@ class CUDAGraph:
     self.node_params: list[Any] = []
     self.arguments: list[Any] = []   # per node: the kernel's pointer arguments (the memory kernelParams points into)
     self.keep_alive: list[Any] = []  # per node: the array of pointers to those arguments
+    self.changed: set[int] = set()   # nodes whose arguments changed since the last launch
     previous: list[Any] = []
     for program, global_size, local_size, handles in launches:
       arguments = (ctypes.c_uint64 * max(len(handles), 1))(*[int(handle) for handle in handles])
@@ -187,15 +190,22 @@ class CUDAGraph:
       self.keep_alive.append(pointers)
     self.graph_exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
 
+  def set_argument(self, index: int, position: int, handle: Any) -> None:
+    """Kernel `index` gets the buffer `handle` as its argument `position` from the next launch on."""
+    self.arguments[index][position] = int(handle)
+    self.changed.add(index)
+
   def update(self, index: int, handles: list) -> None:
     """Kernel `index` reads and writes `handles` from the next launch on."""
-    arguments = self.arguments[index]
-    for position, handle in enumerate(handles): arguments[position] = int(handle)
-    # the driver copies the argument values when this is called, so they are written first
-    check(driver.cuGraphExecKernelNodeSetParams(self.graph_exec, self.nodes[index], self.node_params[index]),
-          "cuGraphExecKernelNodeSetParams")
+    for position, handle in enumerate(handles): self.set_argument(index, position, handle)
 
   def launch(self) -> None:
+    if self.changed:
+      # the driver copies the argument values at this call, so the arrays may change again right after
+      for index in self.changed:
+        check(driver.cuGraphExecKernelNodeSetParams(self.graph_exec, self.nodes[index], self.node_params[index]),
+              "cuGraphExecKernelNodeSetParams")
+      self.changed.clear()
     check(driver.cuGraphLaunch(self.graph_exec, self.device.stream), "cuGraphLaunch")
 
   def __del__(self) -> None:
