@@ -407,3 +407,58 @@ def test_graph_replay_updates_arguments_in_place(monkeypatch):
   assert isinstance(f.captured.replay_runner, GraphReplay)
   # each replay has a new input: only its slot (kernel 0, argument 1) is patched; outputs and intermediates stay
   assert built == [2] and len(launches) == 3 and updates == [(0, 1)] * 3
+
+
+def test_cuda_graph_patches_cached_params_and_sets_them_once_per_launch(monkeypatch):
+  """CUDAGraph against a recording stand-in for the driver (no GPU needed): a changed argument is written into the
+  node's cached argument array, each changed node's parameter struct (the same object every time) is handed to the
+  driver once, at the next launch, and a launch with nothing changed sets no parameters."""
+  ops_cuda = pytest.importorskip("ourgrad.runtime.ops_cuda")
+  real = ops_cuda.driver
+  calls = []
+  success = real.CUresult.CUDA_SUCCESS
+
+  class FakeDriver:
+    CUresult, CUDA_KERNEL_NODE_PARAMS = real.CUresult, real.CUDA_KERNEL_NODE_PARAMS
+
+    def cuGraphCreate(self, flags): return success, "graph"
+    def cuGraphInstantiate(self, graph, flags): return success, "exec"
+    def cuGraphExecDestroy(self, graph_exec): return (success,)
+    def cuGraphDestroy(self, graph): return (success,)
+
+    def cuGraphAddKernelNode(self, graph, deps, count, params):
+      calls.append(("add", list(deps)))
+      return success, f"node{len([c for c in calls if c[0] == 'add'])}"
+
+    def cuGraphExecKernelNodeSetParams(self, graph_exec, node, params):
+      calls.append(("set", node, params))
+      return (success,)
+
+    def cuGraphLaunch(self, graph_exec, stream):
+      calls.append(("launch",))
+      return (success,)
+
+  class FakeDevice:
+    stream = "stream"
+    def make_current(self): pass
+
+  class FakeProgram:
+    function = None
+
+  monkeypatch.setattr(ops_cuda, "driver", FakeDriver())
+  graph = ops_cuda.CUDAGraph(FakeDevice(), [(FakeProgram(), (1, 1, 1), (1, 1, 1), [16, 32]),
+                                            (FakeProgram(), (2, 1, 1), (4, 1, 1), [48, 16, 64])])
+  assert [call[1] for call in calls] == [[], ["node1"]]  # a chain: each node after the one before
+  calls.clear()
+  graph.launch()
+  assert calls == [("launch",)]
+  calls.clear()
+  params_before = graph.node_params[1]
+  graph.set_argument(1, 2, 80)
+  graph.set_argument(1, 0, 96)
+  assert list(graph.arguments[1]) == [96, 16, 80] and list(graph.arguments[0]) == [16, 32]
+  graph.launch()
+  assert calls == [("set", "node2", params_before), ("launch",)]
+  calls.clear()
+  graph.launch()
+  assert calls == [("launch",)]
