@@ -117,9 +117,19 @@ def test_duplicate_inputs_raise():
     f(x, x)
 
 
-def test_random_inside_raises():
+def test_random_inside_draws_new_numbers_each_replay():
+  """rand inside a jitted function is computed on the device (ourgrad/tensor_random.py; statistics and seeding in
+  test/test_random_jit.py): no JitError, and every replay gives other numbers."""
   @TinyJit
   def f(x): return (x + Tensor.rand(3)).realize()
+  values = [f(Tensor([0.0, 0.0, 0.0])).numpy() for _ in range(5)]
+  assert f.captured is not None and len({value.tobytes() for value in values}) == 5
+
+
+def test_host_random_inside_capture_raises():
+  """Numbers drawn on the host inside a capture (numpy's generator) would be frozen into the replay: JitError."""
+  @TinyJit
+  def f(x): return (x + Tensor(Tensor._rng.random(3).astype(np.float32))).realize()
   f(Tensor([0.0, 0.0, 0.0]))
   with pytest.raises(JitError, match="random"):
     f(Tensor([0.0, 0.0, 0.0]))

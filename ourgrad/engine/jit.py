@@ -119,8 +119,9 @@ class TinyJit(Generic[ReturnType]):
     with jit_recording.scope(), capture_into(items):
       result, outputs = _finish_call(self.fn(*args, **kwargs), capturing=True)
     if Tensor._rng.bit_generator.state != rng_state:
-      raise JitError(f"{self.fn.__name__} drew random numbers (Tensor.rand, randn, dropout, ...): a replay would "
-                     f"reuse the captured values on every call. Draw them outside and pass them as inputs")
+      raise JitError(f"{self.fn.__name__} drew random numbers on the host (Tensor._rng, numpy's generator): a "
+                     f"replay would reuse the captured values on every call. Use Tensor.rand/randn/... (drawn on "
+                     f"the device inside a TinyJit), or draw them outside and pass them as inputs")
     if not items:
       raise JitError(f"{self.fn.__name__} launched no kernels on its capture call (its outputs were already "
                      f"realized or it returns nothing computed): there is nothing to replay")
