@@ -387,6 +387,29 @@ def test_other_devices_replay(device):
   assert all(host_calls) == (device == "LLVM")
 
 
+def _recording_graph(built: list, updates: list, launches: list, sizes: list | None = None) -> type:
+  """A stand-in for a device graph class on CLANG: it records what GraphReplay asks of it and runs the kernels
+  through their programs at each launch (buffer handles, then the symbolic Variables' values)."""
+  class RecordingGraph:
+    def __init__(self, kernel_launches):
+      built.append(len(kernel_launches))
+      self.kernels = [(program, len(handles), [*handles, *values])
+                      for program, _, _, handles, values in kernel_launches]
+
+    def set_argument(self, index, position, value):
+      updates.append((index, position))
+      self.kernels[index][2][position] = value
+
+    def set_launch_size(self, index, global_size, local_size):
+      if sizes is not None: sizes.append((index, global_size, local_size))
+
+    def launch(self):
+      launches.append(1)
+      for program, buffer_count, arguments in self.kernels:
+        program(*arguments[:buffer_count], vals=tuple(arguments[buffer_count:]))
+  return RecordingGraph
+
+
 def test_graph_replay_updates_arguments_in_place(monkeypatch):
   """GraphReplay's bookkeeping, with a stand-in for a device graph on CLANG: built once from the launches, told
   about each kernel argument whose buffer changed, launched once per call."""
@@ -394,20 +417,7 @@ def test_graph_replay_updates_arguments_in_place(monkeypatch):
   from ourgrad.engine.jit import GraphReplay
   built, updates, launches = [], [], []
 
-  class RecordingGraph:
-    def __init__(self, kernel_launches):
-      built.append(len(kernel_launches))
-      self.kernel_launches = [list(launch) for launch in kernel_launches]
-
-    def set_argument(self, index, position, handle):
-      updates.append((index, position))
-      self.kernel_launches[index][3][position] = handle
-
-    def launch(self):
-      launches.append(1)
-      for program, global_size, local_size, handles in self.kernel_launches:
-        program(*handles, global_size=global_size, local_size=local_size)
-  monkeypatch.setattr(Device["CLANG"], "graph", RecordingGraph, raising=False)
+  monkeypatch.setattr(Device["CLANG"], "graph", _recording_graph(built, updates, launches), raising=False)
 
   @TinyJit
   def f(a): return ((a + 1).realize() * 3).realize()
@@ -456,8 +466,8 @@ def test_cuda_graph_patches_cached_params_and_sets_them_once_per_launch(monkeypa
     function = None
 
   monkeypatch.setattr(ops_cuda, "driver", FakeDriver())
-  graph = ops_cuda.CUDAGraph(FakeDevice(), [(FakeProgram(), (1, 1, 1), (1, 1, 1), [16, 32]),
-                                            (FakeProgram(), (2, 1, 1), (4, 1, 1), [48, 16, 64])])
+  graph = ops_cuda.CUDAGraph(FakeDevice(), [(FakeProgram(), (1, 1, 1), (1, 1, 1), [16, 32], []),
+                                            (FakeProgram(), (2, 1, 1), (4, 1, 1), [48, 16, 64], [5])])
   assert [call[1] for call in calls] == [[], ["node1"]]  # a chain: each node after the one before
   calls.clear()
   graph.launch()
@@ -466,9 +476,39 @@ def test_cuda_graph_patches_cached_params_and_sets_them_once_per_launch(monkeypa
   params_before = graph.node_params[1]
   graph.set_argument(1, 2, 80)
   graph.set_argument(1, 0, 96)
-  assert list(graph.arguments[1]) == [96, 16, 80] and list(graph.arguments[0]) == [16, 32]
+  assert list(graph.arguments[1]) == [96, 16, 80, 5] and list(graph.arguments[0]) == [16, 32]
   graph.launch()
   assert calls == [("set", "node2", params_before), ("launch",)]
   calls.clear()
   graph.launch()
   assert calls == [("launch",)]
+  calls.clear()
+  graph.set_argument(1, 3, 9)  # a symbolic Variable's new value, and the launch size that follows it
+  graph.set_launch_size(1, (9, 1, 1), (4, 1, 1))
+  graph.launch()
+  assert list(graph.arguments[1]) == [96, 16, 80, 9] and graph.node_params[1].gridDimX == 9
+  assert calls == [("set", "node2", params_before), ("launch",)]
+
+
+def test_graph_replay_of_symbolic_kernels_sets_values_and_sizes(monkeypatch):
+  """A capture with symbolic kernels is one device graph too: each call writes the Variable's value into the int
+  argument of the kernels that take it (and their launch sizes); the same value as last call changes nothing."""
+  from ourgrad.device import Device
+  from ourgrad.engine.jit import GraphReplay
+  from ourgrad.shape import Variable
+  built, updates, launches, sizes = [], [], [], []
+  monkeypatch.setattr(Device["CLANG"], "graph", _recording_graph(built, updates, launches, sizes), raising=False)
+  data = np.arange(40, dtype=np.float32).reshape(10, 4)
+  table = Tensor(data, device="CLANG").realize()
+
+  @TinyJit
+  def window_sum(x, n):
+    return ((table.shrink(((0, n), None)) * x).sum(0) + 1).realize()
+  n = Variable("n", 1, 10)
+  x = Tensor(np.full(4, 2.0, dtype=np.float32), device="CLANG").realize()
+  for value in (3, 7, 7, 2, 10):
+    np.testing.assert_allclose(window_sum(x, n.bind(value)).numpy(), (data[:value] * 2).sum(0) + 1)
+  assert isinstance(window_sum.captured.replay_runner, GraphReplay) and built == [1] and len(launches) == 3
+  changed_values = [position for index, position in updates]
+  # 7 -> 7 patches nothing: replays with 7, 2 and 10 after the capture with 7: two changes of the one int argument
+  assert len(changed_values) == 2 and len(sizes) == 2

@@ -34,7 +34,7 @@ from ourgrad.engine.snapshot import redirect_reader, stale_readers
 from ourgrad.errors import DeviceError, JitError
 from ourgrad.helpers import DEBUG, GlobalCounters, env_var
 from ourgrad.lazy import LazyBuffer
-from ourgrad.shape.symbolic import Node, sym_bind, sym_unbind
+from ourgrad.shape.symbolic import Node, sym_bind, sym_infer, sym_unbind
 from ourgrad.tensor import Tensor
 
 JIT = env_var("JIT", 1, "0: TinyJit functions run eagerly every call (no capture, no replay)")
@@ -534,20 +534,34 @@ class ItemReplay:
 
 class GraphReplay:
   """Runs captured kernels of one device as one device graph (CUDA graphs): `set_buffer` patches one kernel
-  argument of the graph in place (the driver is told at the next launch), `run` launches it with one call."""
+  argument of the graph in place, `set_var_vals` the int arguments and launch sizes of the kernels with symbolic
+  sizes (the driver is told at the next launch), `run` launches it with one call."""
 
   def __init__(self, items: list[ExecItem], graph: Any):
     self.items, self.graph = items, graph
     self.kernel_count = len(items)
     self.op_count = sum(item.runner.op_count for item in items)
     self.byte_count = sum(item.runner.byte_count for item in items)
+    # the kernels that take symbolic Variables: (index, their names, symbolic global and local sizes)
+    self.symbolic = [(index, item.runner.var_names, item.runner.global_size, item.runner.local_size)
+                     for index, item in enumerate(items) if item.runner.var_names]
 
   def set_buffer(self, item_index: int, slot: int, buffer: Buffer) -> None:
     self.items[item_index].bufs[slot] = buffer
     self.graph.set_argument(item_index, slot, buffer.handle)
 
   def set_var_vals(self, var_vals: dict[str, int]) -> None:
-    """Nothing to do: a capture with symbolic kernels replays item by item (build_replay)."""
+    """This call's values of the symbolic Variables: the int arguments after the buffers, and the launch sizes
+    computed from them, of every kernel that takes them."""
+    for index, names, global_size, local_size in self.symbolic:
+      item = self.items[index]
+      values = {name: var_vals[name] for name in names}
+      if values == item.var_vals: continue
+      item.var_vals = values
+      for position, name in enumerate(names, start=len(item.bufs)): self.graph.set_argument(index, position,
+                                                                                            values[name])
+      self.graph.set_launch_size(index, tuple(sym_infer(size, values) for size in global_size),
+                                 tuple(sym_infer(size, values) for size in local_size))
 
   def run(self) -> None:
     self.graph.launch()
@@ -557,18 +571,17 @@ class GraphReplay:
 
 
 def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
-  """A device graph when every item is a kernel of one device that has a graph class, else an item loop."""
+  """A device graph when every item is a kernel of one device that has a graph class, else an item loop.
+
+  A graph launch is (program, global size, local size, buffer handles, int arguments): kernels with symbolic sizes
+  get their Variables' values at capture, and GraphReplay.set_var_vals changes them (and the sizes) per call."""
   devices = {item.device for item in items}
-  # kernels with symbolic sizes (int arguments, launch sizes computed per call) replay item by item
-  symbolic = any(getattr(item.runner, "var_names", ()) for item in items)
-  if len(devices) == 1 and all(isinstance(item.runner, CompiledRunner) for item in items) and DEBUG < 2 \
-      and not symbolic:
+  if len(devices) == 1 and all(isinstance(item.runner, CompiledRunner) for item in items) and DEBUG < 2:
     graph_class = getattr(Device[next(iter(devices))], "graph", None)
     if graph_class is not None:
       for item in items:
         for buffer in item.bufs: buffer.allocate()
-      launches = [(item.runner.program, item.runner.global_size, item.runner.local_size,
-                   [buffer.handle for buffer in item.bufs]) for item in items]
+      launches = [_graph_launch(item) for item in items]
       try:
         return GraphReplay(items, graph_class(launches))
       except DeviceError as error:  # a driver that refuses the graph: replay item by item, still correct
@@ -576,3 +589,11 @@ def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
                       stacklevel=2)
   return ItemReplay(items)
 
+
+def _graph_launch(item: ExecItem) -> tuple[Any, tuple[int, ...], tuple[int, ...], list[Any], list[int]]:
+  runner = item.runner
+  assert isinstance(runner, CompiledRunner)
+  values = [item.var_vals[name] for name in runner.var_names]
+  global_size = tuple(sym_infer(size, item.var_vals) for size in runner.global_size)
+  local_size = tuple(sym_infer(size, item.var_vals) for size in runner.local_size)
+  return runner.program, global_size, local_size, [buffer.handle for buffer in item.bufs], values

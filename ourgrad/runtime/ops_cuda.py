@@ -161,7 +161,8 @@ class CUDAGraph:
   hands each marked node's struct to the driver (cuGraphExecKernelNodeSetParams: no re-instantiation, nothing
   rebuilt) before one cuGraphLaunch."""
 
-  def __init__(self, device: CUDADevice, launches: list[tuple[CUDAProgram, tuple[int, ...], tuple[int, ...], list]]):
+  def __init__(self, device: CUDADevice,
+               launches: list[tuple[CUDAProgram, tuple[int, ...], tuple[int, ...], list, list[int]]]):
     self.device = device
     device.make_current()
     self.graph = check(driver.cuGraphCreate(0), "cuGraphCreate")
@@ -171,10 +172,13 @@ class CUDAGraph:
     self.keep_alive: list[Any] = []  # per node: the array of pointers to those arguments
     self.changed: set[int] = set()   # nodes whose arguments changed since the last launch
     previous: list[Any] = []
-    for program, global_size, local_size, handles in launches:
-      arguments = (ctypes.c_uint64 * max(len(handles), 1))(*[int(handle) for handle in handles])
-      pointers = (ctypes.c_void_p * max(len(handles), 1))(
-        *[ctypes.addressof(arguments) + index * ctypes.sizeof(ctypes.c_uint64) for index in range(len(handles))])
+    for program, global_size, local_size, handles, values in launches:
+      # one 8-byte slot per argument: a buffer's device pointer, or a symbolic Variable's value (the kernel's `int`
+      # reads the slot's low 4 bytes: little-endian)
+      words = [int(handle) for handle in handles] + [value & 0xFFFFFFFF for value in values]
+      arguments = (ctypes.c_uint64 * max(len(words), 1))(*words)
+      pointers = (ctypes.c_void_p * max(len(words), 1))(
+        *[ctypes.addressof(arguments) + index * ctypes.sizeof(ctypes.c_uint64) for index in range(len(words))])
       params = driver.CUDA_KERNEL_NODE_PARAMS()
       params.func = program.function
       params.gridDimX, params.gridDimY, params.gridDimZ = global_size
@@ -191,13 +195,17 @@ class CUDAGraph:
     self.graph_exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
 
   def set_argument(self, index: int, position: int, handle: Any) -> None:
-    """Kernel `index` gets the buffer `handle` as its argument `position` from the next launch on."""
-    self.arguments[index][position] = int(handle)
+    """Kernel `index` gets the buffer `handle` (or, after the buffers, the int value) as its argument `position`
+    from the next launch on."""
+    self.arguments[index][position] = int(handle) & 0xFFFFFFFFFFFFFFFF
     self.changed.add(index)
 
-  def update(self, index: int, handles: list) -> None:
-    """Kernel `index` reads and writes `handles` from the next launch on."""
-    for position, handle in enumerate(handles): self.set_argument(index, position, handle)
+  def set_launch_size(self, index: int, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> None:
+    """Kernel `index` runs with this grid and block from the next launch on (sizes that follow a Variable)."""
+    params = self.node_params[index]
+    params.gridDimX, params.gridDimY, params.gridDimZ = global_size
+    params.blockDimX, params.blockDimY, params.blockDimZ = local_size
+    self.changed.add(index)
 
   def launch(self) -> None:
     if self.changed:
