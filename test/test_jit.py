@@ -512,3 +512,23 @@ def test_graph_replay_of_symbolic_kernels_sets_values_and_sizes(monkeypatch):
   changed_values = [position for index, position in updates]
   # 7 -> 7 patches nothing: replays with 7, 2 and 10 after the capture with 7: two changes of the one int argument
   assert len(changed_values) == 2 and len(sizes) == 2
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+def test_cuda_symbolic_capture_is_one_graph():
+  """On a GPU: a capture with symbolic kernels replays as one CUDA graph, its int arguments and launch sizes
+  patched per value, with results equal to numpy's."""
+  from ourgrad.engine.jit import GraphReplay
+  from ourgrad.shape import Variable
+  data = np.random.default_rng(4).standard_normal((64, 8)).astype(np.float32)
+  table = Tensor(data, device="CUDA").realize()
+
+  @TinyJit
+  def window_sum(x, n):
+    return ((table.shrink(((0, n), None)) * x).sum(0) + 1).realize()
+  n = Variable("n", 1, 64)
+  x = Tensor(np.linspace(-1, 1, 8, dtype=np.float32), device="CUDA").realize()
+  for value in (5, 17, 17, 64, 1, 33):
+    np.testing.assert_allclose(window_sum(x, n.bind(value)).numpy(), (data[:value] * x.numpy()).sum(0) + 1,
+                               rtol=1e-5, atol=1e-5)
+  assert isinstance(window_sum.captured.replay_runner, GraphReplay)
