@@ -101,25 +101,25 @@ def bench_ourgrad(name: str, make_model: Callable[[], Any], input_shape: tuple[i
 
 
 def replay_host_seconds(jit_step: TinyJit, x: Tensor, y: Tensor, device: str, calls: int) -> tuple[float, float]:
-  """(host seconds per replayed call, the part of it spent in the launch itself). Each call is timed on its own and
-  the device is synchronized between batches of calls outside the timed part, so a full launch queue never blocks a
+  """(host seconds per replayed call, the part of it spent in the launch itself), medians over `calls` calls (a
+  call that the OS preempted on a busy machine does not move a median). Each call is timed on its own and the
+  device is synchronized between batches of calls outside the timed part, so a full launch queue never blocks a
   timed call. On CUDA launches are asynchronous, so the host time is the call's time; on CPU devices kernels run on
   the calling thread, so they are replaced by no-ops (the ctypes calls remain, and count as launch). The launch
   part is the graph launch on CUDA (argument patches included) and the loop of kernel calls on the CPU; the rest
   is TinyJit's Python (checking inputs, pointing input slots at new buffers, building the returned Tensors)."""
   while jit_step.captured is None: jit_step(x, y)  # run and capture
   runner = jit_step.captured.replay_runner
-  launch_seconds = 0.0
+  launch_times: list[float] = []
   original_run = runner.run
 
   def timed_run() -> None:
-    nonlocal launch_seconds
     start = time.perf_counter()
     original_run()
-    launch_seconds += time.perf_counter() - start
+    launch_times.append(time.perf_counter() - start)
 
   sync = Device[device].synchronize
-  total = 0.0
+  call_times: list[float] = []
   context = contextlib.nullcontext() if device == "CUDA" else host_kernels_disabled(jit_step)
   with context:
     for _ in range(3): jit_step(x, y)
@@ -129,12 +129,12 @@ def replay_host_seconds(jit_step: TinyJit, x: Tensor, y: Tensor, device: str, ca
       for call in range(calls):
         start = time.perf_counter()
         jit_step(x, y)
-        total += time.perf_counter() - start
+        call_times.append(time.perf_counter() - start)
         if call % 10 == 9: sync()
     finally:
       del runner.run
     sync()
-  return total / calls, launch_seconds / calls
+  return float(np.median(call_times)), float(np.median(launch_times))
 
 
 @contextlib.contextmanager
@@ -305,7 +305,7 @@ def main() -> None:
       jit_step = TinyJit(ourgrad_step(make_model())[0])
       seconds, launch = replay_host_seconds(jit_step, x, y, device, args.replay_steps)
       rows.append((f"{name} (batch {batch}, {len(jit_step.captured.items)} kernels), Python per replayed step",
-                   f"{seconds * 1e6:.1f} us (launch {launch * 1e6:.1f} us of it)"))
+                   f"{seconds * 1e6:.1f} us (launch {launch * 1e6:.1f} us of it; medians)"))
     print_rows(device, rows)
     return
   for name, make_model, shape, batch, make_torch in workloads:
@@ -313,7 +313,7 @@ def main() -> None:
     rows += [(f"{name} (batch {batch}), ourgrad eager", ms(ours["eager"])),
              (f"{name} (batch {batch}), ourgrad TinyJit ({ours['kernels']} kernels)", ms(ours["jit"])),
              (f"{name}, Python per replayed step", f"{ours['replay_python'] * 1e6:.1f} us (launch "
-              f"{ours['replay_launch'] * 1e6:.1f} us of it)"),
+              f"{ours['replay_launch'] * 1e6:.1f} us of it; medians)"),
              (f"{name}, Python per eager step", ms(ours["eager_python"]))]
     if not args.no_torch:
       theirs = bench_torch(make_torch, shape, batch, cuda, args)
