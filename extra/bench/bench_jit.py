@@ -90,6 +90,8 @@ def bench_ourgrad(name: str, make_model: Callable[[], Any], input_shape: tuple[i
   jit_step = TinyJit(ourgrad_step(make_model())[0])
   jitted = mean_seconds(lambda: jit_step(x, y), sync, args.steps, args.warmup)
   replay_python, replay_launch = replay_host_seconds(jit_step, x, y, device, max(args.steps, args.replay_steps))
+  replay_new_python, replay_new_launch = replay_host_seconds(jit_step, x, y, device,
+                                                             max(args.steps, args.replay_steps), new_inputs=True)
   if device == "CUDA":  # launches are asynchronous: the host time of a call is its Python time
     eager_python = mean_seconds(lambda: eager_step(x, y), lambda: None, args.steps, 0)
     sync()
@@ -97,18 +99,24 @@ def bench_ourgrad(name: str, make_model: Callable[[], Any], input_shape: tuple[i
     with host_kernels_disabled(jit_step):
       eager_python = mean_seconds(lambda: eager_step(x, y), sync, args.steps, 1)
   return {"eager": eager, "jit": jitted, "replay_python": replay_python, "replay_launch": replay_launch,
+          "replay_new_python": replay_new_python, "replay_new_launch": replay_new_launch,
           "eager_python": eager_python, "kernels": len(jit_step.captured.items)}
 
 
-def replay_host_seconds(jit_step: TinyJit, x: Tensor, y: Tensor, device: str, calls: int) -> tuple[float, float]:
+def replay_host_seconds(jit_step: TinyJit, x: Tensor, y: Tensor, device: str, calls: int,
+                        new_inputs: bool = False) -> tuple[float, float]:
   """(host seconds per replayed call, the part of it spent in the launch itself), medians over `calls` calls (a
   call that the OS preempted on a busy machine does not move a median). Each call is timed on its own and the
   device is synchronized between batches of calls outside the timed part, so a full launch queue never blocks a
   timed call. On CUDA launches are asynchronous, so the host time is the call's time; on CPU devices kernels run on
   the calling thread, so they are replaced by no-ops (the ctypes calls remain, and count as launch). The launch
   part is the graph launch on CUDA (argument patches included) and the loop of kernel calls on the CPU; the rest
-  is TinyJit's Python (checking inputs, pointing input slots at new buffers, building the returned Tensors)."""
+  is TinyJit's Python (checking inputs, pointing input slots at new buffers, building the returned Tensors).
+  `new_inputs`: calls alternate between two batches in other buffers, so every call patches the input slots (a
+  training loop with a new batch each step); otherwise every call passes the same buffers (nothing to patch)."""
   while jit_step.captured is None: jit_step(x, y)  # run and capture
+  batches = [(x, y), (Tensor(x.numpy(), device=device).realize(), Tensor(y.numpy(), device=device).realize())]
+  if not new_inputs: batches = batches[:1]
   runner = jit_step.captured.replay_runner
   launch_times: list[float] = []
   original_run = runner.run
@@ -127,8 +135,9 @@ def replay_host_seconds(jit_step: TinyJit, x: Tensor, y: Tensor, device: str, ca
     runner.run = timed_run
     try:
       for call in range(calls):
+        inputs = batches[call % len(batches)]
         start = time.perf_counter()
-        jit_step(x, y)
+        jit_step(*inputs)
         call_times.append(time.perf_counter() - start)
         if call % 10 == 9: sync()
     finally:
@@ -303,9 +312,10 @@ def main() -> None:
     for name, make_model, shape, batch, _ in workloads:
       x, y = Tensor.randn(batch, *shape).realize(), Tensor(np.arange(batch, dtype=np.int32) % 10).realize()
       jit_step = TinyJit(ourgrad_step(make_model())[0])
-      seconds, launch = replay_host_seconds(jit_step, x, y, device, args.replay_steps)
-      rows.append((f"{name} (batch {batch}, {len(jit_step.captured.items)} kernels), Python per replayed step",
-                   f"{seconds * 1e6:.1f} us (launch {launch * 1e6:.1f} us of it; medians)"))
+      for new_inputs, inputs_label in ((False, "same inputs"), (True, "new input buffers each call")):
+        seconds, launch = replay_host_seconds(jit_step, x, y, device, args.replay_steps, new_inputs)
+        rows.append((f"{name} (batch {batch}, {len(jit_step.captured.items)} kernels), Python per replayed step, "
+                     f"{inputs_label}", f"{seconds * 1e6:.1f} us (launch {launch * 1e6:.1f} us of it; medians)"))
     print_rows(device, rows)
     return
   for name, make_model, shape, batch, make_torch in workloads:
@@ -314,6 +324,9 @@ def main() -> None:
              (f"{name} (batch {batch}), ourgrad TinyJit ({ours['kernels']} kernels)", ms(ours["jit"])),
              (f"{name}, Python per replayed step", f"{ours['replay_python'] * 1e6:.1f} us (launch "
               f"{ours['replay_launch'] * 1e6:.1f} us of it; medians)"),
+             (f"{name}, Python per replayed step, new input buffers each call",
+              f"{ours['replay_new_python'] * 1e6:.1f} us (launch {ours['replay_new_launch'] * 1e6:.1f} us of it; "
+              f"medians)"),
              (f"{name}, Python per eager step", ms(ours["eager_python"]))]
     if not args.no_torch:
       theirs = bench_torch(make_torch, shape, batch, cuda, args)
