@@ -166,6 +166,15 @@ def test_lazy_readers_of_an_earlier_output_keep_its_value():
     scaled.append(out * 10)
   assert total.item() == sum(2.0 * (i + 1) for i in range(1, 7))
   assert [s.item() for s in scaled] == [20.0 * (i + 1) for i in range(1, 7)]
+  # a reader built from an old output after a later call reads that later call's value (the buffer's contents when
+  # the line ran), and keeps it through further replays
+  old = f(Tensor([1.0, 1.0]))
+  assert (old * 3).item() == 12.0  # a reader of the output's base, realized at once
+  f(Tensor([5.0, 1.0]))
+  built_late = old + 0.5
+  f(Tensor([9.0, 1.0]))
+  f(Tensor([3.0, 1.0]))
+  assert built_late.item() == 12.5 and old.item() == 8.0
 
 
 def test_replay_updates_only_changed_input_slots(monkeypatch):

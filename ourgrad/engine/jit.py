@@ -314,8 +314,10 @@ class CapturedJit:
     self.owned_outputs = [index for index, buffer in enumerate(self.output_buffers)
                           if self.output_inputs[index] is None and id(buffer) in made_here]
     self.owned_ids = {id(self.output_buffers[index]) for index in self.owned_outputs}
-    # the base each output was last returned with (its lazy readers are protected before a replay overwrites it)
-    self.output_lazies: list[LazyBuffer | None] = [tensor.lazydata.base for tensor in outputs]
+    # the base each output is returned with (reused while its buffer and shape stay), and every base given out for
+    # an owned output (weakly): their lazy readers are protected before a replay overwrites the buffer
+    self.output_lazies: list[LazyBuffer | None] = [None] * len(outputs)
+    self.given_out: list[list[weakref.ref[LazyBuffer]]] = [[weakref.ref(tensor.lazydata.base)] for tensor in outputs]
     # positional layout of the capture call for TinyJit's fast path (None: every replay takes the general path)
     self.fast_layout: list[tuple[InputSpec | None, Any]] | None = None
     self.replay_runner = build_replay(items)
@@ -387,13 +389,13 @@ class CapturedJit:
     total + loss`, still unrealized) keeps the value it was built from (a snapshot copy, as before an assign:
     engine/snapshot.py). A Tensor that is the earlier output itself is an alias of the buffer and sees new values."""
     for index in self.owned_outputs:
-      lazy = self.output_lazies[index]
-      if lazy is None or lazy._readers is None: continue
-      readers = stale_readers(lazy, lazy)
-      if not readers: continue
-      snapshot = Tensor(lazy.clone()).realize().lazydata.base
-      for reader in readers: redirect_reader(reader, lazy, snapshot)
-      self.output_lazies[index] = None  # readers of the old base are not readers of the next one
+      for ref in self.given_out[index]:
+        lazy = ref()
+        if lazy is None or lazy._readers is None: continue
+        readers = stale_readers(lazy, lazy)  # only readers whose sources still are this base (not redirected yet)
+        if not readers: continue
+        snapshot = Tensor(lazy.clone()).realize().lazydata.base
+        for reader in readers: redirect_reader(reader, lazy, snapshot)
 
   def _check(self, inputs: dict[str, Tensor], statics: dict[str, Any]) -> None:
     if len(inputs) != len(self.specs) or any(path != spec.path for path, spec in zip(inputs, self.specs)):
@@ -411,16 +413,19 @@ class CapturedJit:
                        f"baked into the captured kernels. Pass it as a Tensor, or use another TinyJit")
 
   def _output_tensor(self, index: int) -> Tensor:
-    """A Tensor backed by output `index` of this replay. The base is reused while nothing lazy reads it (a new
-    base per call would cost more and behave the same)."""
+    """A Tensor backed by output `index` of this replay. One base per output serves every call (a new base per
+    call would cost more and behave the same: the Tensors returned earlier alias the buffer either way)."""
     input_index = self.output_inputs[index]
     buffer = self.output_buffers[index] if input_index is None else self.input_buffers[input_index]
     lazy = self.output_lazies[index]
-    if lazy is None or lazy.realized is not buffer or lazy._readers is not None or self.output_symbolic[index] \
-        or lazy.shape != self.output_shapes[index]:  # the capture's base may be of another shape (a reshape of it)
+    if lazy is None or lazy.realized is not buffer or self.output_symbolic[index]:
       shape = tuple(sym_bind(size, self.var_vals) for size in self.output_shapes[index]) \
         if self.output_symbolic[index] else self.output_shapes[index]
       lazy = self.output_lazies[index] = LazyBuffer.from_buffer(buffer, shape)
+      if input_index is None:
+        given_out = self.given_out[index]
+        if len(given_out) > 8: given_out[:] = [ref for ref in given_out if ref() is not None]
+        given_out.append(weakref.ref(lazy))
     return Tensor(lazy, requires_grad=self.output_requires_grad[index])
 
   def _rebuild_result(self) -> Any:
