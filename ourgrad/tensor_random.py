@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ourgrad.dtype import dtypes
 
 if TYPE_CHECKING:
@@ -64,10 +66,14 @@ def device_state(device: str, seed: int) -> Tensor:
 
 
 def reseed(seed: int) -> None:
-  """Write (seed, 0) into every device's state buffer in place (captured kernels read those buffers)."""
-  from ourgrad.tensor import Tensor
-  for device, state in _states.items():
-    state.assign(Tensor([seed & UINT32_MASK, 0], dtype=dtypes.uint32, device=device)).realize()
+  """Write (seed, 0) into every device's state buffer in place (captured kernels read those buffers): the draws
+  still pending run first, then the buffer is overwritten with no kernel (as an optimizer's learning rate is)."""
+  words = np.array([seed & UINT32_MASK, 0], dtype=np.uint32)
+  for state in _states.values():
+    buffer = state.realize().lazydata.base.realized
+    assert buffer is not None
+    buffer.copyin(memoryview(words).cast("B"))
+  _pending.clear()
 
 
 def random_bits(shape: tuple[int, ...], device: str, seed: int) -> Tensor:
