@@ -348,7 +348,7 @@ class CapturedJit:
         continue
       if type(arg) is not Tensor: return None
       lazy = arg.lazydata
-      if not lazy.is_base: return None
+      if type(lazy) is not LazyBuffer or not lazy.is_base: return None  # a sharded tensor, a view
       buffer = lazy.realized
       if buffer is None or lazy.shape != spec.shape or lazy.dtype != spec.dtype or lazy.device != spec.device \
           or id(buffer) in self.owned_ids:
