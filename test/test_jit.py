@@ -180,11 +180,13 @@ def test_lazy_readers_of_an_earlier_output_keep_its_value():
 def test_replay_updates_only_changed_input_slots(monkeypatch):
   """A replay with the same input buffers patches no kernel argument; a new input buffer patches only the slots
   that read it; the output buffers never move."""
-  from ourgrad.engine.jit import ItemReplay
+  from ourgrad.engine.jit import GraphReplay, ItemReplay
   patched = []
-  original = ItemReplay.set_buffer
-  monkeypatch.setattr(ItemReplay, "set_buffer", lambda self, i, slot, buffer: (patched.append((i, slot)),
-                                                                             original(self, i, slot, buffer)))
+  for replay_class in (ItemReplay, GraphReplay):  # a loop of kernel calls on CPUs, a device graph on CUDA
+    original = replay_class.set_buffer
+    monkeypatch.setattr(replay_class, "set_buffer",
+                        lambda self, i, slot, buffer, original=original: (patched.append((i, slot)),
+                                                                          original(self, i, slot, buffer)))
 
   @TinyJit
   def f(a, b): return ((a + 1).realize() * b).realize()
