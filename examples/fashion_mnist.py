@@ -10,7 +10,9 @@
 The data: `--data`, else ourgrad.nn.datasets' search (OURGRAD_FASHION_MNIST, the cache, Debian's
 /usr/share/datasets/fashion-mnist from `apt-get install dataset-fashion-mnist`, the public mirror). The net: two conv
 blocks (a 3x3 convolution, batchnorm, ReLU, 2x2 max-pool), dropout, a hidden linear layer; minibatches are drawn in
-numpy, the whole step (forward, backward, Adam) is one realize.
+numpy, the whole step (forward, backward, Adam) is one realize, run through TinyJit: after two calls each step
+replays the captured kernels, and dropout draws a new mask on every replay from the device generator (JIT=0 runs
+every step eagerly, with numpy's generator).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from ourgrad import Tensor, dtypes
+from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.nn import BatchNorm2d, Conv2d, Dropout, Linear
 from ourgrad.nn.datasets import mnist
 from ourgrad.nn.losses import cross_entropy
@@ -65,6 +67,20 @@ def evaluate(model: FashionNet, images: np.ndarray, labels: np.ndarray, batch_si
   return correct / len(images)
 
 
+def make_train_step(model: FashionNet, optimizer: Adam, buffers: list[Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+  """One Adam step on a minibatch as a TinyJit (forward with dropout, backward, update, batchnorm statistics); it
+  returns the loss, backed by the JIT's own buffer: read it (`.item()`) before the next step overwrites it."""
+  @TinyJit
+  def step(images: Tensor, labels: Tensor) -> Tensor:
+    with Tensor.train():
+      optimizer.zero_grad()
+      loss = cross_entropy(model(normalize(images)), labels)
+      loss.backward()
+      Tensor.realize_all(loss, *optimizer.schedule_step(), *buffers)
+    return loss
+  return step
+
+
 def train(args: argparse.Namespace) -> float:
   """Train for args.epochs and return the test accuracy after the last one."""
   Tensor.manual_seed(args.seed)
@@ -77,6 +93,7 @@ def train(args: argparse.Namespace) -> float:
   parameters = [p for p in get_parameters(model) if p.requires_grad]
   buffers = [p for p in get_parameters(model) if not p.requires_grad]  # batchnorm running statistics
   optimizer = Adam(parameters, lr=args.lr)
+  train_step = make_train_step(model, optimizer, buffers)
   print(f"{sum(p.numel() for p in parameters):,} parameters; {len(x_train)} training images, batch {batch_size}")
   accuracy = float("nan")
   for epoch in range(args.epochs):
@@ -85,16 +102,11 @@ def train(args: argparse.Namespace) -> float:
     order = np.random.default_rng([args.seed, epoch]).permutation(len(x_train))
     started = time.perf_counter()
     progress = tqdm(range(steps), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step") if tqdm else range(steps)
-    with Tensor.train():
-      for step in progress:
-        batch = order[step * batch_size:(step + 1) * batch_size]
-        x, y = Tensor(x_train[batch]), Tensor(y_train[batch])
-        optimizer.zero_grad()
-        loss = cross_entropy(model(normalize(x)), y)
-        loss.backward()
-        Tensor.realize_all(loss, *optimizer.schedule_step(), *buffers)
-        if tqdm: progress.set_postfix(loss=f"{loss.item():.3f}")
-        elif step % max(steps // 10, 1) == 0: print(f"  step {step}/{steps}: loss {loss.item():.3f}", flush=True)
+    for step in progress:
+      batch = order[step * batch_size:(step + 1) * batch_size]
+      loss = train_step(Tensor(x_train[batch]), Tensor(y_train[batch]))
+      if tqdm: progress.set_postfix(loss=f"{loss.item():.3f}")
+      elif step % max(steps // 10, 1) == 0: print(f"  step {step}/{steps}: loss {loss.item():.3f}", flush=True)
     accuracy = evaluate(model, x_test, y_test)
     print(f"epoch {epoch + 1}: test accuracy {accuracy:.2%} ({time.perf_counter() - started:.0f} s)", flush=True)
   return accuracy

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ourgrad import function as F
+from ourgrad import tensor_random
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
 from ourgrad.engine.exec_item import jit_recording
@@ -486,13 +487,15 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     cols = Tensor.arange(m, device=device).reshape(1, m)
     return Tensor((rows == cols).cast(dtype or dtypes.default_float).lazydata, **kwargs)
 
-  # random numbers come from one numpy generator seeded by manual_seed, so runs are reproducible
+  # random numbers come from one numpy generator seeded by manual_seed, so runs are reproducible; inside a TinyJit
+  # function they are computed on the device instead (ourgrad/tensor_random.py), so that every replay draws anew
   @staticmethod
   def manual_seed(seed: int = 0) -> None:
     """Reseed the random generator behind rand, randn, randint, uniform, normal and dropout (numpy's, so a seed gives
-    other numbers than in PyTorch)."""
+    other numbers than in PyTorch), and the device generator used inside TinyJit functions."""
     Tensor._seed = seed
     Tensor._rng = np.random.default_rng(seed)
+    tensor_random.reseed(seed)
 
   @staticmethod
   def _from_random(values: np.ndarray, dtype: DType | str | None, device: str | None, **kwargs: Any) -> Tensor:
@@ -500,15 +503,29 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     return Tensor(values, device=device, dtype=dtype, **kwargs)
 
   @staticmethod
+  def _device_random(device: str | tuple[str, ...] | list[str] | None) -> str | None:
+    """The device to draw on with the device generator (inside a TinyJit function), or None to draw with numpy."""
+    if not jit_recording.active: return None
+    device = _canonical(device) or Device.DEFAULT
+    return device if isinstance(device, str) else None  # several devices: numpy (a JIT capture then refuses it)
+
+  @staticmethod
   def rand(*shape: int, dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
     """Uniform in [0, 1)."""
-    values = Tensor._rng.random(Tensor._shape_arg(shape), dtype=np.float32)
+    shape = Tensor._shape_arg(shape)
+    if (on_device := Tensor._device_random(device)) is not None:
+      return Tensor._from_random_tensor(tensor_random.uniform01(shape, on_device, Tensor._seed), dtype, **kwargs)
+    values = Tensor._rng.random(shape, dtype=np.float32)
     return Tensor._from_random(values, dtype, device, **kwargs)
 
   @staticmethod
   def randn(*shape: int, dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
     """Standard normal."""
-    values = Tensor._rng.standard_normal(Tensor._shape_arg(shape), dtype=np.float32)
+    shape = Tensor._shape_arg(shape)
+    if (on_device := Tensor._device_random(device)) is not None:
+      normal = tensor_random.standard_normal(shape, on_device, Tensor._seed)
+      return Tensor._from_random_tensor(normal, dtype, **kwargs)
+    values = Tensor._rng.standard_normal(shape, dtype=np.float32)
     return Tensor._from_random(values, dtype, device, **kwargs)
 
   @staticmethod
@@ -517,22 +534,40 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     """Integers in [low, high) (or [0, low) with one bound), like torch.randint."""
     if high is None: low, high = 0, low
     if high <= low: raise ValueError(f"randint needs low < high, got {low} and {high}")
-    values = Tensor._rng.integers(low, high, size=Tensor._shape_arg(tuple(size)))
+    shape = Tensor._shape_arg(tuple(size))
+    if (on_device := Tensor._device_random(device)) is not None:
+      uniform = tensor_random.uniform01(shape, on_device, Tensor._seed)
+      values = (uniform * (high - low)).floor().minimum(high - low - 1) + low  # float32 holds 24 bits: small ranges
+      return Tensor(values.cast(dtype or dtypes.default_int).lazydata, **kwargs)
+    values = Tensor._rng.integers(low, high, size=shape)
     return Tensor(values, device=device, dtype=dtype or dtypes.default_int, **kwargs)
 
   @staticmethod
   def uniform(*shape: int, low: float = 0.0, high: float = 1.0, dtype: DType | str | None = None,
               device: str | None = None, **kwargs: Any) -> Tensor:
     """Random values uniform in [low, high) (tinygrad's form; float32 unless `dtype`)."""
-    values = Tensor._rng.uniform(low, high, Tensor._shape_arg(shape)).astype(np.float32)
+    shape = Tensor._shape_arg(shape)
+    if (on_device := Tensor._device_random(device)) is not None:
+      uniform = tensor_random.uniform01(shape, on_device, Tensor._seed)
+      return Tensor._from_random_tensor(uniform * (high - low) + low, dtype, **kwargs)
+    values = Tensor._rng.uniform(low, high, shape).astype(np.float32)
     return Tensor._from_random(values, dtype, device, **kwargs)
 
   @staticmethod
   def normal(*shape: int, mean: float = 0.0, std: float = 1.0, dtype: DType | str | None = None,
              device: str | None = None, **kwargs: Any) -> Tensor:
     """Random values from a normal distribution with `mean` and `std` (tinygrad's form; float32 unless `dtype`)."""
-    values = Tensor._rng.normal(mean, std, Tensor._shape_arg(shape)).astype(np.float32)
+    shape = Tensor._shape_arg(shape)
+    if (on_device := Tensor._device_random(device)) is not None:
+      normal = tensor_random.standard_normal(shape, on_device, Tensor._seed)
+      return Tensor._from_random_tensor(normal * std + mean, dtype, **kwargs)
+    values = Tensor._rng.normal(mean, std, shape).astype(np.float32)
     return Tensor._from_random(values, dtype, device, **kwargs)
+
+  @staticmethod
+  def _from_random_tensor(values: Tensor, dtype: DType | str | None, **kwargs: Any) -> Tensor:
+    dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
+    return Tensor(values.cast(dtype).lazydata, **kwargs)
 
   def rand_like(self, **kwargs: Any) -> Tensor:
     """Tensor.rand with this tensor's shape, dtype and device (unless given)."""

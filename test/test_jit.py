@@ -68,8 +68,10 @@ def test_wrong_device_raises():
   @TinyJit
   def f(a): return (a * 2).realize()
   for _ in range(3): f(Tensor.randn(4))
+  from ourgrad.device import Device
+  other = "CLANG" if Device.DEFAULT == "PYTHON" else "PYTHON"  # a device other than the default (DEVICE=PYTHON runs)
   with pytest.raises(JitError, match="input a"):
-    f(Tensor.randn(4, device="PYTHON"))
+    f(Tensor.randn(4, device=other))
 
 
 def test_changed_python_argument_raises():
@@ -117,19 +119,87 @@ def test_duplicate_inputs_raise():
     f(x, x)
 
 
-def test_random_inside_raises():
+def test_random_inside_draws_new_numbers_each_replay():
+  """rand inside a jitted function is computed on the device (ourgrad/tensor_random.py; statistics and seeding in
+  test/test_random_jit.py): no JitError, and every replay gives other numbers."""
   @TinyJit
   def f(x): return (x + Tensor.rand(3)).realize()
+  values = [f(Tensor([0.0, 0.0, 0.0])).numpy() for _ in range(5)]
+  assert f.captured is not None and len({value.tobytes() for value in values}) == 5
+
+
+def test_host_random_inside_capture_raises():
+  """Numbers drawn on the host inside a capture (numpy's generator) would be frozen into the replay: JitError."""
+  @TinyJit
+  def f(x): return (x + Tensor(Tensor._rng.random(3).astype(np.float32))).realize()
   f(Tensor([0.0, 0.0, 0.0]))
   with pytest.raises(JitError, match="random"):
     f(Tensor([0.0, 0.0, 0.0]))
 
 
-def test_outputs_are_not_overwritten_by_later_calls():
+def test_outputs_are_the_jits_buffers_overwritten_by_the_next_replay():
+  """As a CUDA graph's static outputs in PyTorch: a replay returns Tensors backed by the capture's own output
+  buffers, so a Tensor returned earlier (from the capture call on) shows the latest replay's values. A clone, or a
+  value read to the host, keeps its values."""
   @TinyJit
   def f(x): return x.sum().realize()
-  r1, r2, r3, r4 = (f(Tensor([float(i), float(i)])) for i in range(1, 5))
-  assert [r.item() for r in (r1, r2, r3, r4)] == [2.0, 4.0, 6.0, 8.0]
+  r1 = f(Tensor([1.0, 1.0]))            # call 1 runs eagerly: a buffer of its own
+  r2 = f(Tensor([2.0, 2.0]))            # the capture call: the JIT's output buffer
+  kept, value = r2.clone().realize(), r2.item()
+  r3 = f(Tensor([3.0, 3.0]))
+  r4 = f(Tensor([4.0, 4.0]))
+  assert [r1.item(), r2.item(), r3.item(), r4.item()] == [2.0, 8.0, 8.0, 8.0]
+  assert (kept.item(), value) == (4.0, 4.0)
+  assert r2.lazydata.base.realized is r4.lazydata.base.realized is f.captured.output_buffers[0]
+
+
+def test_lazy_readers_of_an_earlier_output_keep_its_value():
+  """`total = total + loss` left lazy across replays reads each loss as it was when the line ran (the library's
+  rule for in-place writes, docs/reliability.md): the replay snapshots the old output for that lazy reader."""
+  @TinyJit
+  def f(x): return (x * 2).sum().realize()
+  total = Tensor(0.0)
+  scaled = []
+  for i in range(1, 7):
+    out = f(Tensor([float(i), 1.0]))
+    total = total + out
+    scaled.append(out * 10)
+  assert total.item() == sum(2.0 * (i + 1) for i in range(1, 7))
+  assert [s.item() for s in scaled] == [20.0 * (i + 1) for i in range(1, 7)]
+  # a reader built from an old output after a later call reads that later call's value (the buffer's contents when
+  # the line ran), and keeps it through further replays
+  old = f(Tensor([1.0, 1.0]))
+  assert (old * 3).item() == 12.0  # a reader of the output's base, realized at once
+  f(Tensor([5.0, 1.0]))
+  built_late = old + 0.5
+  f(Tensor([9.0, 1.0]))
+  f(Tensor([3.0, 1.0]))
+  assert built_late.item() == 12.5 and old.item() == 8.0
+
+
+def test_replay_updates_only_changed_input_slots(monkeypatch):
+  """A replay with the same input buffers patches no kernel argument; a new input buffer patches only the slots
+  that read it; the output buffers never move."""
+  from ourgrad.engine.jit import GraphReplay, ItemReplay
+  patched = []
+  for replay_class in (ItemReplay, GraphReplay):  # a loop of kernel calls on CPUs, a device graph on CUDA
+    original = replay_class.set_buffer
+    monkeypatch.setattr(replay_class, "set_buffer",
+                        lambda self, i, slot, buffer, original=original: (patched.append((i, slot)),
+                                                                          original(self, i, slot, buffer)))
+
+  @TinyJit
+  def f(a, b): return ((a + 1).realize() * b).realize()
+  a, b = Tensor([1.0, 2.0]).realize(), Tensor([3.0, 4.0]).realize()
+  for _ in range(3): f(a, b)
+  out_buffer = f.captured.output_buffers[0]
+  for _ in range(3): assert f(a, b).tolist() == [6.0, 12.0]
+  assert patched == []
+  b2 = Tensor([5.0, 6.0]).realize()
+  assert f(a, b2).tolist() == [10.0, 18.0]
+  (item_index, slot), = patched  # one slot: b's, in the second kernel
+  assert item_index == 1 and f.captured.items[1].bufs[slot] is b2.lazydata.realized
+  assert f.captured.output_buffers[0] is out_buffer
 
 
 def test_output_fed_back_as_input():
@@ -305,7 +375,8 @@ def test_cuda_replay_is_one_graph_updated_with_new_buffers():
     np.testing.assert_allclose(s.numpy(), cn.sum(1) + an.max(1), rtol=1e-4, atol=1e-4)
     outputs.append((s, cn.sum(1) + an.max(1)))
   assert isinstance(f.captured.replay_runner, GraphReplay)
-  for s, expected in outputs: np.testing.assert_allclose(s.numpy(), expected, rtol=1e-4, atol=1e-4)  # not overwritten
+  # replays write the capture's own output buffers: the last call's values, in every output returned since capture
+  for s, _ in outputs[1:]: np.testing.assert_allclose(s.numpy(), outputs[-1][1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
@@ -329,27 +400,61 @@ def test_other_devices_replay(device):
   assert all(host_calls) == (device == "LLVM")
 
 
+def _recording_graph(built: list, updates: list, launches: list, sizes: list | None = None) -> type:
+  """A stand-in for a device graph class on CLANG: it records what GraphReplay asks of it and runs the kernels
+  through their programs at each launch (buffer handles, then the symbolic Variables' values)."""
+  class RecordingGraph:
+    def __init__(self, kernel_launches):
+      built.append(len(kernel_launches))
+      self.kernels = [(program, len(handles), [*handles, *values])
+                      for program, _, _, handles, values in kernel_launches]
+
+    def set_argument(self, index, position, value):
+      updates.append((index, position))
+      self.kernels[index][2][position] = value
+
+    def set_launch_size(self, index, global_size, local_size):
+      if sizes is not None: sizes.append((index, global_size, local_size))
+
+    def launch(self):
+      launches.append(1)
+      for program, buffer_count, arguments in self.kernels:
+        program(*arguments[:buffer_count], vals=tuple(arguments[buffer_count:]))
+  return RecordingGraph
+
+
+def test_fast_and_general_replay_paths_agree():
+  """Positional calls like the capture take the fast path; keyword calls, views and outputs fed back take the
+  general one. Mixed in any order, each replay reads this call's inputs."""
+  @TinyJit
+  def f(a, b, scale=2.0): return (a * scale + b).realize()
+  rng = np.random.default_rng(1)
+  arrays = [rng.standard_normal(6).astype(np.float32) for _ in range(8)]
+  tensors = [Tensor(array).realize() for array in arrays]
+  f(tensors[0], tensors[1])
+  f(tensors[1], tensors[0])
+  view = Tensor(np.concatenate([arrays[0], arrays[1]]))[3:9]
+  calls = [(lambda: f(tensors[2], tensors[3]), arrays[2] * 2 + arrays[3]),
+           (lambda: f(a=tensors[4], b=tensors[5]), arrays[4] * 2 + arrays[5]),
+           (lambda: f(tensors[6], tensors[7]), arrays[6] * 2 + arrays[7]),
+           (lambda: f(tensors[6], view), arrays[6] * 2 + np.concatenate([arrays[0], arrays[1]])[3:9]),
+           (lambda: f(tensors[2], tensors[3]), arrays[2] * 2 + arrays[3])]
+  for call, expected in calls: np.testing.assert_allclose(call().numpy(), expected, rtol=1e-6)
+  fed_back = f(tensors[2], tensors[3])
+  np.testing.assert_allclose(f(fed_back, tensors[1]).numpy(), (arrays[2] * 2 + arrays[3]) * 2 + arrays[1],
+                             rtol=1e-6)
+  with pytest.raises(JitError, match="scale"):
+    f(tensors[2], tensors[3], 3.0)
+
+
 def test_graph_replay_updates_arguments_in_place(monkeypatch):
   """GraphReplay's bookkeeping, with a stand-in for a device graph on CLANG: built once from the launches, told
-  about each kernel whose buffers changed, launched once per call."""
+  about each kernel argument whose buffer changed, launched once per call."""
   from ourgrad.device import Device
   from ourgrad.engine.jit import GraphReplay
   built, updates, launches = [], [], []
 
-  class RecordingGraph:
-    def __init__(self, kernel_launches):
-      built.append(len(kernel_launches))
-      self.kernel_launches = [list(launch) for launch in kernel_launches]
-
-    def update(self, index, handles):
-      updates.append(index)
-      self.kernel_launches[index][3] = handles
-
-    def launch(self):
-      launches.append(1)
-      for program, global_size, local_size, handles in self.kernel_launches:
-        program(*handles, global_size=global_size, local_size=local_size)
-  monkeypatch.setattr(Device["CLANG"], "graph", RecordingGraph, raising=False)
+  monkeypatch.setattr(Device["CLANG"], "graph", _recording_graph(built, updates, launches), raising=False)
 
   @TinyJit
   def f(a): return ((a + 1).realize() * 3).realize()
@@ -357,4 +462,111 @@ def test_graph_replay_updates_arguments_in_place(monkeypatch):
     a = Tensor.full((4,), float(i), device="CLANG").contiguous().realize()
     assert f(a).numpy().tolist() == [3.0 * (i + 1)] * 4
   assert isinstance(f.captured.replay_runner, GraphReplay)
-  assert built == [2] and len(launches) == 3 and updates
+  # each replay has a new input: only its slot (kernel 0, argument 1) is patched; outputs and intermediates stay
+  assert built == [2] and len(launches) == 3 and updates == [(0, 1)] * 3
+
+
+def test_cuda_graph_patches_cached_params_and_sets_them_once_per_launch(monkeypatch):
+  """CUDAGraph against a recording stand-in for the driver (no GPU needed): a changed argument is written into the
+  node's cached argument array, each changed node's parameter struct (the same object every time) is handed to the
+  driver once, at the next launch, and a launch with nothing changed sets no parameters."""
+  ops_cuda = pytest.importorskip("ourgrad.runtime.ops_cuda")
+  real = ops_cuda.driver
+  calls = []
+  success = real.CUresult.CUDA_SUCCESS
+
+  class FakeDriver:
+    CUresult, CUDA_KERNEL_NODE_PARAMS = real.CUresult, real.CUDA_KERNEL_NODE_PARAMS
+
+    def cuGraphCreate(self, flags): return success, "graph"
+    def cuGraphInstantiate(self, graph, flags): return success, "exec"
+    def cuGraphExecDestroy(self, graph_exec): return (success,)
+    def cuGraphDestroy(self, graph): return (success,)
+
+    def cuGraphAddKernelNode(self, graph, deps, count, params):
+      calls.append(("add", list(deps)))
+      return success, f"node{len([c for c in calls if c[0] == 'add'])}"
+
+    def cuGraphExecKernelNodeSetParams(self, graph_exec, node, params):
+      calls.append(("set", node, params))
+      return (success,)
+
+    def cuGraphLaunch(self, graph_exec, stream):
+      calls.append(("launch",))
+      return (success,)
+
+  class FakeDevice:
+    stream = "stream"
+    def make_current(self): pass
+
+  class FakeProgram:
+    function = None
+
+  monkeypatch.setattr(ops_cuda, "driver", FakeDriver())
+  graph = ops_cuda.CUDAGraph(FakeDevice(), [(FakeProgram(), (1, 1, 1), (1, 1, 1), [16, 32], []),
+                                            (FakeProgram(), (2, 1, 1), (4, 1, 1), [48, 16, 64], [5])])
+  assert [call[1] for call in calls] == [[], ["node1"]]  # a chain: each node after the one before
+  calls.clear()
+  graph.launch()
+  assert calls == [("launch",)]
+  calls.clear()
+  params_before = graph.node_params[1]
+  graph.set_argument(1, 2, 80)
+  graph.set_argument(1, 0, 96)
+  assert list(graph.arguments[1]) == [96, 16, 80, 5] and list(graph.arguments[0]) == [16, 32]
+  graph.launch()
+  assert calls == [("set", "node2", params_before), ("launch",)]
+  calls.clear()
+  graph.launch()
+  assert calls == [("launch",)]
+  calls.clear()
+  graph.set_argument(1, 3, 9)  # a symbolic Variable's new value, and the launch size that follows it
+  graph.set_launch_size(1, (9, 1, 1), (4, 1, 1))
+  graph.launch()
+  assert list(graph.arguments[1]) == [96, 16, 80, 9] and graph.node_params[1].gridDimX == 9
+  assert calls == [("set", "node2", params_before), ("launch",)]
+
+
+def test_graph_replay_of_symbolic_kernels_sets_values_and_sizes(monkeypatch):
+  """A capture with symbolic kernels is one device graph too: each call writes the Variable's value into the int
+  argument of the kernels that take it (and their launch sizes); the same value as last call changes nothing."""
+  from ourgrad.device import Device
+  from ourgrad.engine.jit import GraphReplay
+  from ourgrad.shape import Variable
+  monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)  # symbolic kernels skip the opts it applies (docs/jit.md)
+  built, updates, launches, sizes = [], [], [], []
+  monkeypatch.setattr(Device["CLANG"], "graph", _recording_graph(built, updates, launches, sizes), raising=False)
+  data = np.arange(40, dtype=np.float32).reshape(10, 4)
+  table = Tensor(data, device="CLANG").realize()
+
+  @TinyJit
+  def window_sum(x, n):
+    return ((table.shrink(((0, n), None)) * x).sum(0) + 1).realize()
+  n = Variable("n", 1, 10)
+  x = Tensor(np.full(4, 2.0, dtype=np.float32), device="CLANG").realize()
+  for value in (3, 7, 7, 2, 10):
+    np.testing.assert_allclose(window_sum(x, n.bind(value)).numpy(), (data[:value] * 2).sum(0) + 1)
+  assert isinstance(window_sum.captured.replay_runner, GraphReplay) and built == [1] and len(launches) == 3
+  changed_values = [position for index, position in updates]
+  # 7 -> 7 patches nothing: replays with 7, 2 and 10 after the capture with 7: two changes of the one int argument
+  assert len(changed_values) == 2 and len(sizes) == 2
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+def test_cuda_symbolic_capture_is_one_graph():
+  """On a GPU: a capture with symbolic kernels replays as one CUDA graph, its int arguments and launch sizes
+  patched per value, with results equal to numpy's."""
+  from ourgrad.engine.jit import GraphReplay
+  from ourgrad.shape import Variable
+  data = np.random.default_rng(4).standard_normal((64, 8)).astype(np.float32)
+  table = Tensor(data, device="CUDA").realize()
+
+  @TinyJit
+  def window_sum(x, n):
+    return ((table.shrink(((0, n), None)) * x).sum(0) + 1).realize()
+  n = Variable("n", 1, 64)
+  x = Tensor(np.linspace(-1, 1, 8, dtype=np.float32), device="CUDA").realize()
+  for value in (5, 17, 17, 64, 1, 33):
+    np.testing.assert_allclose(window_sum(x, n.bind(value)).numpy(), (data[:value] * x.numpy()).sum(0) + 1,
+                               rtol=1e-5, atol=1e-5)
+  assert isinstance(window_sum.captured.replay_runner, GraphReplay)

@@ -7,7 +7,8 @@ Method: each step time is the mean of `--steps` steps after `--warmup` steps, sy
 "Python per replayed/eager step" is the host time of a step: on CUDA the calls return before the GPU is done, so
 it is their wall time; on the CPU, where kernels run on the calling thread, it is the wall time of the same steps
 with every compiled kernel replaced by a no-op (graph building, scheduling, launching and the ctypes calls remain).
-Run: `python extra/bench/bench_jit.py` (CUDA when present, else the CPU); `--device CLANG` forces the CPU.
+Run: `python extra/bench/bench_jit.py` (CUDA when present, else the CPU); `--device CLANG` forces the CPU;
+`--replay-only` prints only the Python per replayed step, split into TinyJit's Python and the launch.
 """
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ import contextlib
 import importlib.util
 import os
 import pathlib
+import sys
 import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ourgrad import Device, Tensor, TinyJit
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad, not an installed one
+from ourgrad import Device, Tensor, TinyJit  # noqa: E402
 from ourgrad.engine import realize
 from ourgrad.engine.realize import lower_schedule
 from ourgrad.engine.schedule import create_schedule
@@ -86,17 +89,61 @@ def bench_ourgrad(name: str, make_model: Callable[[], Any], input_shape: tuple[i
   eager = mean_seconds(lambda: eager_step(x, y), sync, args.steps, args.warmup)
   jit_step = TinyJit(ourgrad_step(make_model())[0])
   jitted = mean_seconds(lambda: jit_step(x, y), sync, args.steps, args.warmup)
+  replay_python, replay_launch = replay_host_seconds(jit_step, x, y, device, max(args.steps, args.replay_steps))
+  replay_new_python, replay_new_launch = replay_host_seconds(jit_step, x, y, device,
+                                                             max(args.steps, args.replay_steps), new_inputs=True)
   if device == "CUDA":  # launches are asynchronous: the host time of a call is its Python time
-    replay_python = mean_seconds(lambda: jit_step(x, y), lambda: None, args.steps, 0)
-    sync()
     eager_python = mean_seconds(lambda: eager_step(x, y), lambda: None, args.steps, 0)
     sync()
   else:  # kernels run on the calling thread: time the same calls with every kernel replaced by a no-op
     with host_kernels_disabled(jit_step):
-      replay_python = mean_seconds(lambda: jit_step(x, y), sync, args.steps, 1)
       eager_python = mean_seconds(lambda: eager_step(x, y), sync, args.steps, 1)
-  return {"eager": eager, "jit": jitted, "replay_python": replay_python, "eager_python": eager_python,
-          "kernels": len(jit_step.captured.items)}
+  return {"eager": eager, "jit": jitted, "replay_python": replay_python, "replay_launch": replay_launch,
+          "replay_new_python": replay_new_python, "replay_new_launch": replay_new_launch,
+          "eager_python": eager_python, "kernels": len(jit_step.captured.items)}
+
+
+def replay_host_seconds(jit_step: TinyJit, x: Tensor, y: Tensor, device: str, calls: int,
+                        new_inputs: bool = False) -> tuple[float, float]:
+  """(host seconds per replayed call, the part of it spent in the launch itself), medians over `calls` calls (a
+  call that the OS preempted on a busy machine does not move a median). Each call is timed on its own and the
+  device is synchronized between batches of calls outside the timed part, so a full launch queue never blocks a
+  timed call. On CUDA launches are asynchronous, so the host time is the call's time; on CPU devices kernels run on
+  the calling thread, so they are replaced by no-ops (the ctypes calls remain, and count as launch). The launch
+  part is the graph launch on CUDA (argument patches included) and the loop of kernel calls on the CPU; the rest
+  is TinyJit's Python (checking inputs, pointing input slots at new buffers, building the returned Tensors).
+  `new_inputs`: calls alternate between two batches in other buffers, so every call patches the input slots (a
+  training loop with a new batch each step); otherwise every call passes the same buffers (nothing to patch)."""
+  while jit_step.captured is None: jit_step(x, y)  # run and capture
+  batches = [(x, y), (Tensor(x.numpy(), device=device).realize(), Tensor(y.numpy(), device=device).realize())]
+  if not new_inputs: batches = batches[:1]
+  runner = jit_step.captured.replay_runner
+  launch_times: list[float] = []
+  original_run = runner.run
+
+  def timed_run() -> None:
+    start = time.perf_counter()
+    original_run()
+    launch_times.append(time.perf_counter() - start)
+
+  sync = Device[device].synchronize
+  call_times: list[float] = []
+  context = contextlib.nullcontext() if device == "CUDA" else host_kernels_disabled(jit_step)
+  with context:
+    for _ in range(3): jit_step(x, y)
+    sync()
+    runner.run = timed_run
+    try:
+      for call in range(calls):
+        inputs = batches[call % len(batches)]
+        start = time.perf_counter()
+        jit_step(*inputs)
+        call_times.append(time.perf_counter() - start)
+        if call % 10 == 9: sync()
+    finally:
+      del runner.run
+    sync()
+  return float(np.median(call_times)), float(np.median(launch_times))
 
 
 @contextlib.contextmanager
@@ -229,15 +276,20 @@ def bench_decode(device: str, positions: int) -> dict[str, Any]:
   ToyDecoder = load_toy_decoder()  # noqa: N806 (a class)
   tokens = np.random.default_rng(0).standard_normal((positions, 16)).astype(np.float32)
   results: dict[str, Any] = {}
+  outputs: dict[str, list[np.ndarray]] = {}
   for mode in ("symbolic", "plain"):
     model = ToyDecoder(max_len=positions)
     step = TinyJit(model.step) if mode == "symbolic" else model.step
     pos_var = Variable("pos", 0, positions - 1)
+    outputs[mode] = []
     with counted_compiles() as compiled:
       start = time.perf_counter()
       for pos in range(positions):
-        step(Tensor(tokens[pos:pos + 1], device=device), pos_var.bind(pos) if mode == "symbolic" else pos).numpy()
+        outputs[mode].append(step(Tensor(tokens[pos:pos + 1], device=device),
+                                  pos_var.bind(pos) if mode == "symbolic" else pos).numpy())
       results[mode] = ((time.perf_counter() - start) / positions, len(compiled))
+  # the jitted symbolic decode (one device graph on CUDA) checked against the eager one, token for token
+  results["max_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(outputs["symbolic"], outputs["plain"]))
   return results
 
 
@@ -248,6 +300,9 @@ def main() -> None:
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument("--decode-positions", type=int, default=100)
+  parser.add_argument("--replay-steps", type=int, default=200, help="calls timed for the Python per replayed step")
+  parser.add_argument("--replay-only", action="store_true",
+                      help="only the Python per replayed step (the host cost of TinyJit's replay) of both workloads")
   args = parser.parse_args()
   device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = device  # models and optimizer state are made on the default device
@@ -258,11 +313,25 @@ def main() -> None:
   rows: list[tuple[str, str]] = []
 
   def ms(seconds: float) -> str: return f"{seconds * 1e3:.3f} ms"
+  if args.replay_only:
+    for name, make_model, shape, batch, _ in workloads:
+      x, y = Tensor.randn(batch, *shape).realize(), Tensor(np.arange(batch, dtype=np.int32) % 10).realize()
+      jit_step = TinyJit(ourgrad_step(make_model())[0])
+      for new_inputs, inputs_label in ((False, "same inputs"), (True, "new input buffers each call")):
+        seconds, launch = replay_host_seconds(jit_step, x, y, device, args.replay_steps, new_inputs)
+        rows.append((f"{name} (batch {batch}, {len(jit_step.captured.items)} kernels), Python per replayed step, "
+                     f"{inputs_label}", f"{seconds * 1e6:.1f} us (launch {launch * 1e6:.1f} us of it; medians)"))
+    print_rows(device, rows)
+    return
   for name, make_model, shape, batch, make_torch in workloads:
     ours = bench_ourgrad(name, make_model, shape, batch, device, args)
     rows += [(f"{name} (batch {batch}), ourgrad eager", ms(ours["eager"])),
              (f"{name} (batch {batch}), ourgrad TinyJit ({ours['kernels']} kernels)", ms(ours["jit"])),
-             (f"{name}, Python per replayed step", f"{ours['replay_python'] * 1e6:.1f} us"),
+             (f"{name}, Python per replayed step", f"{ours['replay_python'] * 1e6:.1f} us (launch "
+              f"{ours['replay_launch'] * 1e6:.1f} us of it; medians)"),
+             (f"{name}, Python per replayed step, new input buffers each call",
+              f"{ours['replay_new_python'] * 1e6:.1f} us (launch {ours['replay_new_launch'] * 1e6:.1f} us of it; "
+              f"medians)"),
              (f"{name}, Python per eager step", ms(ours["eager_python"]))]
     if not args.no_torch:
       theirs = bench_torch(make_torch, shape, batch, cuda, args)
@@ -277,6 +346,11 @@ def main() -> None:
     seconds, compiles = decode[mode]
     rows.append((f"LLM-style decode (4-layer toy transformer, {args.decode_positions} positions), {label}",
                  f"{ms(seconds)} per token, {compiles} kernels compiled"))
+  rows.append(("LLM-style decode, TinyJit vs eager outputs", f"max |difference| {decode['max_diff']:.2e}"))
+  print_rows(device, rows)
+
+
+def print_rows(device: str, rows: list[tuple[str, str]]) -> None:
   width = max(len(label) for label, _ in rows)
   print(f"device: {device}")
   print(f"| {'workload'.ljust(width)} | time |\n| {'-' * width} | --- |")

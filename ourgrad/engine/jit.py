@@ -8,6 +8,11 @@ Call 1 runs the function normally (kernels compile). Call 2 runs it again and re
 (as one CUDA graph on CUDA, a loop over pre-bound ctypes calls on CPU devices) and the return value is rebuilt
 with Tensors backed by the outputs. docs/jit.md lists what is checked and what a replay cannot see.
 
+The outputs are the capture's own buffers, overwritten by the next replay (as a CUDA graph's static outputs in
+PyTorch): a Tensor returned earlier shows the latest call's values; `.clone()`, `.numpy()` or `.item()` keep a
+call's values. A lazy tensor built from an earlier output keeps the value it was built from (the replay copies the
+old contents for it first), and an output passed back in as an input is copied before the replay.
+
 Inputs are the Tensors among the arguments (positional or keyword, also inside lists, tuples and dicts); each is
 realized (a view becomes a contiguous copy) before the call. Everything else the function reads (model weights,
 optimizer state) is read from the same buffers on every replay, so in-place updates of it (assign) carry over.
@@ -25,10 +30,11 @@ from typing import Any, Callable, Generic, TypeVar
 from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.exec_item import CompiledRunner, ExecItem, capture_into, jit_recording
 from ourgrad.engine.memory import held_only_by_items, plan_memory
+from ourgrad.engine.snapshot import redirect_reader, stale_readers
 from ourgrad.errors import DeviceError, JitError
 from ourgrad.helpers import DEBUG, GlobalCounters, env_var
 from ourgrad.lazy import LazyBuffer
-from ourgrad.shape.symbolic import Node, sym_bind, sym_unbind
+from ourgrad.shape.symbolic import Node, sym_bind, sym_infer, sym_unbind
 from ourgrad.tensor import Tensor
 
 JIT = env_var("JIT", 1, "0: TinyJit functions run eagerly every call (no capture, no replay)")
@@ -46,7 +52,8 @@ class InputSpec:
 
 
 class TinyJit(Generic[ReturnType]):
-  """Capture the kernels a function launches on its second call and replay them on later calls (see module doc)."""
+  """Capture the kernels a function launches on its second call and replay them on later calls (see module doc).
+  A replay returns Tensors backed by the capture's own output buffers, which the next replay overwrites."""
 
   def __init__(self, fn: Callable[..., ReturnType]):
     self.fn = fn
@@ -81,6 +88,14 @@ class TinyJit(Generic[ReturnType]):
     self.call_count, self.captured = 0, None
 
   def __call__(self, *args: Any, **kwargs: Any) -> ReturnType:
+    captured = self.captured
+    if captured is not None and not kwargs and not jit_recording.active:
+      # the common replay: the same positional layout as the capture, every input a realized buffer of the
+      # captured shape, dtype and device (anything else takes the general path below, which explains errors)
+      input_buffers = captured.fast_input_buffers(args)
+      if input_buffers is not None and JIT:
+        self.call_count += 1
+        return captured.run(input_buffers, {})
     if not JIT or jit_recording.active:
       # JIT=0, or a jitted function called by one being captured: its kernels belong to the outer capture
       return self.fn(*args, **kwargs)
@@ -88,11 +103,12 @@ class TinyJit(Generic[ReturnType]):
     tensors, statics = _split_arguments(arguments)
     statics, var_vals = _symbolic_values(statics, tensors)
     input_tensors = _prepare_inputs(tensors)
+    if captured is not None: input_tensors = captured.unshare_outputs(input_tensors)
     input_buffers = [_input_buffer(tensor) for tensor in input_tensors.values()]
     _check_distinct(list(input_tensors), input_buffers)
-    if self.captured is not None:
+    if captured is not None:
       self.call_count += 1
-      return self.captured.replay(input_tensors, input_buffers, statics, var_vals)
+      return captured.replay(input_tensors, input_buffers, statics, var_vals)
     args, kwargs = self._substitute(args, kwargs, tensors, input_tensors)
     if self.call_count == 0:
       self.call_count = 1
@@ -103,14 +119,16 @@ class TinyJit(Generic[ReturnType]):
     with jit_recording.scope(), capture_into(items):
       result, outputs = _finish_call(self.fn(*args, **kwargs), capturing=True)
     if Tensor._rng.bit_generator.state != rng_state:
-      raise JitError(f"{self.fn.__name__} drew random numbers (Tensor.rand, randn, dropout, ...): a replay would "
-                     f"reuse the captured values on every call. Draw them outside and pass them as inputs")
+      raise JitError(f"{self.fn.__name__} drew random numbers on the host (Tensor._rng, numpy's generator): a "
+                     f"replay would reuse the captured values on every call. Use Tensor.rand/randn/... (drawn on "
+                     f"the device inside a TinyJit), or draw them outside and pass them as inputs")
     if not items:
       raise JitError(f"{self.fn.__name__} launched no kernels on its capture call (its outputs were already "
                      f"realized or it returns nothing computed): there is nothing to replay")
     specs = [InputSpec(path, _unbound_shape(tensor.shape), tensor.dtype, tensor.device)
              for path, tensor in input_tensors.items()]
     self.captured = CapturedJit(items, specs, input_buffers, statics, result, outputs)
+    if not kwargs and not var_vals: self.captured.fast_layout = _fast_layout(args, input_tensors, specs)
     self.call_count = 2
     del items, outputs
     self.captured.plan_memory()
@@ -270,27 +288,38 @@ def _finish_call(result: Any, capturing: bool = False) -> tuple[Any, list[Tensor
 
 
 class CapturedJit:
-  """The ExecItems of one capture and where a replay puts its inputs and fresh output buffers."""
+  """The ExecItems of one capture, where a replay puts its input buffers, and the output buffers it returns.
+
+  Every buffer the capture made (outputs and intermediates) stays the same across replays: a replay overwrites the
+  outputs of the one before, as a CUDA graph's static outputs do in PyTorch. Only the input slots of the kernels
+  change, and only when an input buffer differs from the previous call's."""
 
   def __init__(self, items: list[ExecItem], specs: list[InputSpec], input_buffers: list[Buffer],
                statics: dict[str, Any], result: Any, outputs: list[Tensor]):
     self.items, self.specs, self.statics = items, specs, statics
-    self.input_buffers = input_buffers
+    self.input_buffers = list(input_buffers)
     self.result_template = _template(result)  # the structure only: the capture call's tensors are not kept alive
-    # every (item, argument) slot holding each input buffer, and each output buffer that this capture made
+    # every (item, argument) slot holding each input buffer
     self.input_slots = [self._slots_of(buffer) for buffer in input_buffers]
-    output_buffers = [tensor.lazydata.base.realized for tensor in outputs]
     self.output_shapes = [_unbound_shape(tensor.shape) for tensor in outputs]  # bound again per replay
+    self.output_symbolic = [any(isinstance(size, Node) for size in shape) for shape in self.output_shapes]
     self.var_vals: dict[str, int] = {}
     self.output_requires_grad = [tensor.requires_grad for tensor in outputs]
-    self.output_buffers: list[Buffer] = output_buffers  # type: ignore[assignment]
-    written = {id(item.bufs[0]) for item in items}
-    input_ids = {id(buffer) for buffer in input_buffers}
-    # outputs computed here get a new buffer on every replay (a Tensor returned earlier keeps its values); an output
-    # that is an input or state made before (a weight updated in place) is returned as that same buffer
-    self.fresh_outputs = [index for index, buffer in enumerate(output_buffers)
-                          if id(buffer) in written and id(buffer) not in input_ids]
-    self.fresh_slots = {index: self._slots_of(output_buffers[index]) for index in self.fresh_outputs}
+    self.output_buffers: list[Buffer] = [tensor.lazydata.base.realized for tensor in outputs]  # type: ignore[misc]
+    input_index = {id(buffer): index for index, buffer in enumerate(input_buffers)}
+    # an output that is an input is returned as this call's input buffer; any other as the buffer of the capture
+    self.output_inputs = [input_index.get(id(buffer)) for buffer in self.output_buffers]
+    made_here = _first_written(items)
+    # outputs this capture computed into buffers of its own: the next replay overwrites them
+    self.owned_outputs = [index for index, buffer in enumerate(self.output_buffers)
+                          if self.output_inputs[index] is None and id(buffer) in made_here]
+    self.owned_ids = {id(self.output_buffers[index]) for index in self.owned_outputs}
+    # the base each output is returned with (reused while its buffer and shape stay), and every base given out for
+    # an owned output (weakly): their lazy readers are protected before a replay overwrites the buffer
+    self.output_lazies: list[LazyBuffer | None] = [None] * len(outputs)
+    self.given_out: list[list[weakref.ref[LazyBuffer]]] = [[weakref.ref(tensor.lazydata.base)] for tensor in outputs]
+    # positional layout of the capture call for TinyJit's fast path (None: every replay takes the general path)
+    self.fast_layout: list[tuple[InputSpec | None, Any]] | None = None
     self.replay_runner = build_replay(items)
 
   def _slots_of(self, buffer: Buffer) -> list[tuple[int, int]]:
@@ -302,37 +331,74 @@ class CapturedJit:
     never an input or an output) across all its schedules."""
     keep = {id(buffer) for buffer in self.input_buffers} | {id(buffer) for buffer in self.output_buffers}
     only_items = held_only_by_items([item.bufs for item in self.items])
-    first_use_is_write: set[int] = set()
-    seen: set[int] = set()
-    for item in self.items:
-      for slot, buffer in enumerate(item.bufs):
-        if id(buffer) in seen: continue
-        seen.add(id(buffer))
-        # a buffer read before it is written carries values from one call into the next: never shared
-        if slot == 0 and sum(known is buffer for known in item.bufs) == 1: first_use_is_write.add(id(buffer))
-    internal = (only_items & first_use_is_write) - keep
+    internal = (only_items & _first_written(self.items)) - keep
     if plan_memory([item.bufs for item in self.items], lambda buffer: id(buffer) in internal, label="jit"):
       self.replay_runner = build_replay(self.items)  # the pre-bound arguments point at the old memory
+
+  def fast_input_buffers(self, args: tuple) -> list[Buffer] | None:
+    """The input buffers of a call made like the capture call (the same positional layout, each input a realized
+    buffer of the captured shape, dtype and device, the same other values, no input that is one of this capture's
+    outputs, no buffer twice); None for any other call, which then takes the general path."""
+    layout = self.fast_layout
+    if layout is None or len(args) != len(layout): return None
+    buffers: list[Buffer] = []
+    for arg, (spec, static) in zip(args, layout):
+      if spec is None:
+        if not _same_static(arg, static): return None
+        continue
+      if type(arg) is not Tensor: return None
+      lazy = arg.lazydata
+      if type(lazy) is not LazyBuffer or not lazy.is_base: return None  # a sharded tensor, a view
+      buffer = lazy.realized
+      if buffer is None or lazy.shape != spec.shape or lazy.dtype != spec.dtype or lazy.device != spec.device \
+          or id(buffer) in self.owned_ids:
+        return None
+      buffers.append(buffer)
+    if len(buffers) > 1 and len({id(buffer) for buffer in buffers}) != len(buffers): return None
+    return buffers
+
+  def unshare_outputs(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`inputs` with each one backed by an output buffer of this capture (`x = step(x)`) replaced by a copy: the
+    replay writes that buffer while its kernels read the input."""
+    if not any(id(_input_buffer(tensor)) in self.owned_ids for tensor in inputs.values()): return inputs
+    return {path: Tensor(tensor.lazydata.clone(), requires_grad=tensor.requires_grad).realize()
+            if id(_input_buffer(tensor)) in self.owned_ids else tensor for path, tensor in inputs.items()}
 
   def replay(self, inputs: dict[str, Tensor], input_buffers: list[Buffer], statics: dict[str, Any],
              var_vals: dict[str, int] | None = None) -> Any:
     self._check(inputs, statics)
-    self.var_vals = var_vals or {}
-    if self.var_vals: self.replay_runner.set_var_vals(self.var_vals)
-    for buffer, previous, slots in zip(input_buffers, self.input_buffers, self.input_slots):
-      if buffer is previous: continue  # the same input as last call: its slots already hold it
-      for item_index, slot in slots: self.replay_runner.set_buffer(item_index, slot, buffer)
-    self.input_buffers = input_buffers
-    for index in self.fresh_outputs:
-      old = self.output_buffers[index]
-      fresh = Buffer(old.device, old.size, old.dtype)
-      for item_index, slot in self.fresh_slots[index]: self.replay_runner.set_buffer(item_index, slot, fresh)
-      self.output_buffers[index] = fresh
-    self.replay_runner.run()
+    return self.run(input_buffers, var_vals or {})
+
+  def run(self, input_buffers: list[Buffer], var_vals: dict[str, int]) -> Any:
+    """Point the input slots at `input_buffers` (where they changed), launch, and return the result."""
+    runner = self.replay_runner
+    if var_vals or self.var_vals:
+      self.var_vals = var_vals
+      runner.set_var_vals(var_vals)
+    previous = self.input_buffers
+    for index, buffer in enumerate(input_buffers):
+      if buffer is previous[index]: continue  # the same input as last call: its slots already hold it
+      for item_index, slot in self.input_slots[index]: runner.set_buffer(item_index, slot, buffer)
+      previous[index] = buffer
+    self._protect_lazy_readers()
+    runner.run()
     return self._rebuild_result()
 
+  def _protect_lazy_readers(self) -> None:
+    """Before the replay overwrites the outputs: a lazy tensor built from an output of an earlier call (`total =
+    total + loss`, still unrealized) keeps the value it was built from (a snapshot copy, as before an assign:
+    engine/snapshot.py). A Tensor that is the earlier output itself is an alias of the buffer and sees new values."""
+    for index in self.owned_outputs:
+      for ref in self.given_out[index]:
+        lazy = ref()
+        if lazy is None or lazy._readers is None: continue
+        readers = stale_readers(lazy, lazy)  # only readers whose sources still are this base (not redirected yet)
+        if not readers: continue
+        snapshot = Tensor(lazy.clone()).realize().lazydata.base
+        for reader in readers: redirect_reader(reader, lazy, snapshot)
+
   def _check(self, inputs: dict[str, Tensor], statics: dict[str, Any]) -> None:
-    if list(inputs) != [spec.path for spec in self.specs]:
+    if len(inputs) != len(self.specs) or any(path != spec.path for path, spec in zip(inputs, self.specs)):
       captured_paths = [spec.path for spec in self.specs]
       raise JitError(f"this call passes tensors as {list(inputs)}, the captured call passed {captured_paths}")
     for spec, tensor in zip(self.specs, inputs.values()):
@@ -346,20 +412,65 @@ class CapturedJit:
         raise JitError(f"argument {path} is {value!r}, the captured call had {captured!r}: non-Tensor arguments are "
                        f"baked into the captured kernels. Pass it as a Tensor, or use another TinyJit")
 
+  def _output_tensor(self, index: int) -> Tensor:
+    """A Tensor backed by output `index` of this replay. One base per output serves every call (a new base per
+    call would cost more and behave the same: the Tensors returned earlier alias the buffer either way)."""
+    input_index = self.output_inputs[index]
+    buffer = self.output_buffers[index] if input_index is None else self.input_buffers[input_index]
+    lazy = self.output_lazies[index]
+    if lazy is None or lazy.realized is not buffer or self.output_symbolic[index]:
+      shape = tuple(sym_bind(size, self.var_vals) for size in self.output_shapes[index]) \
+        if self.output_symbolic[index] else self.output_shapes[index]
+      lazy = self.output_lazies[index] = LazyBuffer.from_buffer(buffer, shape)
+      if input_index is None:
+        given_out = self.given_out[index]
+        if len(given_out) > 8: given_out[:] = [ref for ref in given_out if ref() is not None]
+        given_out.append(weakref.ref(lazy))
+    return Tensor(lazy, requires_grad=self.output_requires_grad[index])
+
   def _rebuild_result(self) -> Any:
+    if self.result_template is _OUTPUT: return self._output_tensor(0)  # the common case: one Tensor
     outputs = iter(range(len(self.output_buffers)))
 
     def visit(value: Any) -> Any:
-      if value is _OUTPUT:
-        index = next(outputs)
-        shape = tuple(sym_bind(size, self.var_vals) for size in self.output_shapes[index])
-        lazy = LazyBuffer.from_buffer(self.output_buffers[index], shape)
-        return Tensor(lazy, requires_grad=self.output_requires_grad[index])
+      if value is _OUTPUT: return self._output_tensor(next(outputs))
       if isinstance(value, (list, tuple)): return type(value)(visit(item) for item in value)
       if isinstance(value, dict): return {key: visit(item) for key, item in value.items()}
       return value
 
     return visit(self.result_template)
+
+
+def _first_written(items: list[ExecItem]) -> set[int]:
+  """ids of the buffers whose first use among `items` is a write (made inside the capture; a buffer read before it is
+  written carries values from one call into the next)."""
+  first_use_is_write: set[int] = set()
+  seen: set[int] = set()
+  for item in items:
+    for slot, buffer in enumerate(item.bufs):
+      if id(buffer) in seen: continue
+      seen.add(id(buffer))
+      if slot == 0 and sum(known is buffer for known in item.bufs) == 1: first_use_is_write.add(id(buffer))
+  return first_use_is_write
+
+
+def _fast_layout(args: tuple, inputs: dict[str, Tensor], specs: list[InputSpec]) -> list[tuple[InputSpec | None, Any]] \
+    | None:
+  """For each positional argument of the capture call: (its InputSpec, None) for an input that is a buffer of its own,
+  (None, value) for a plain Python value. None when the call had anything else (containers, Variables, views)."""
+  position = {id(tensor): index for index, tensor in enumerate(inputs.values())}
+  layout: list[tuple[InputSpec | None, Any]] = []
+  for arg in args:
+    if isinstance(arg, Tensor):
+      index = position.get(id(arg))
+      if index is None or type(arg) is not Tensor or not arg.lazydata.is_base: return None
+      layout.append((specs[index], None))
+    elif arg is None or type(arg) in (int, float, bool, str):
+      layout.append((None, arg))
+    else:
+      return None
+  tensor_order = [position[id(arg)] for arg in args if isinstance(arg, Tensor)]
+  return layout if tensor_order == list(range(len(inputs))) else None
 
 
 _MISSING = object()
@@ -427,45 +538,55 @@ class ItemReplay:
 
 
 class GraphReplay:
-  """Runs captured kernels of one device as one device graph (CUDA graphs): `set_buffer` updates the graph's
-  kernel arguments in place, `run` launches it with one call."""
+  """Runs captured kernels of one device as one device graph (CUDA graphs): `set_buffer` patches one kernel
+  argument of the graph in place, `set_var_vals` the int arguments and launch sizes of the kernels with symbolic
+  sizes (the driver is told at the next launch), `run` launches it with one call."""
 
   def __init__(self, items: list[ExecItem], graph: Any):
     self.items, self.graph = items, graph
-    self.dirty: set[int] = set()
+    self.kernel_count = len(items)
     self.op_count = sum(item.runner.op_count for item in items)
     self.byte_count = sum(item.runner.byte_count for item in items)
+    # the kernels that take symbolic Variables: (index, their names, symbolic global and local sizes)
+    self.symbolic = [(index, item.runner.var_names, item.runner.global_size, item.runner.local_size)
+                     for index, item in enumerate(items) if item.runner.var_names]
 
   def set_buffer(self, item_index: int, slot: int, buffer: Buffer) -> None:
     self.items[item_index].bufs[slot] = buffer
-    self.dirty.add(item_index)
+    self.graph.set_argument(item_index, slot, buffer.handle)
 
   def set_var_vals(self, var_vals: dict[str, int]) -> None:
-    """Nothing to do: a capture with symbolic kernels replays item by item (build_replay)."""
+    """This call's values of the symbolic Variables: the int arguments after the buffers, and the launch sizes
+    computed from them, of every kernel that takes them."""
+    for index, names, global_size, local_size in self.symbolic:
+      item = self.items[index]
+      values = {name: var_vals[name] for name in names}
+      if values == item.var_vals: continue
+      item.var_vals = values
+      for position, name in enumerate(names, start=len(item.bufs)): self.graph.set_argument(index, position,
+                                                                                            values[name])
+      self.graph.set_launch_size(index, tuple(sym_infer(size, values) for size in global_size),
+                                 tuple(sym_infer(size, values) for size in local_size))
 
   def run(self) -> None:
-    for item_index in self.dirty:
-      self.graph.update(item_index, [buffer.handle for buffer in self.items[item_index].bufs])
-    self.dirty.clear()
     self.graph.launch()
-    GlobalCounters.kernel_count += len(self.items)
+    GlobalCounters.kernel_count += self.kernel_count
     GlobalCounters.global_ops += self.op_count
     GlobalCounters.global_mem += self.byte_count
 
 
 def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
-  """A device graph when every item is a kernel of one device that has a graph class, else an item loop."""
+  """A device graph when every item is a kernel of one device that has a graph class, else an item loop.
+
+  A graph launch is (program, global size, local size, buffer handles, int arguments): kernels with symbolic sizes
+  get their Variables' values at capture, and GraphReplay.set_var_vals changes them (and the sizes) per call."""
   devices = {item.device for item in items}
-  # kernels with symbolic sizes (int arguments, launch sizes computed per call) replay item by item
-  symbolic = any(getattr(item.runner, "var_names", ()) for item in items)
-  if len(devices) == 1 and all(isinstance(item.runner, CompiledRunner) for item in items) and DEBUG < 2 \
-      and not symbolic:
+  if len(devices) == 1 and all(isinstance(item.runner, CompiledRunner) for item in items) and DEBUG < 2:
     graph_class = getattr(Device[next(iter(devices))], "graph", None)
     if graph_class is not None:
       for item in items:
         for buffer in item.bufs: buffer.allocate()
-      launches = [(item.runner.program, item.runner.global_size, item.runner.local_size,
-                   [buffer.handle for buffer in item.bufs]) for item in items]
+      launches = [_graph_launch(item) for item in items]
       try:
         return GraphReplay(items, graph_class(launches))
       except DeviceError as error:  # a driver that refuses the graph: replay item by item, still correct
@@ -473,3 +594,11 @@ def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
                       stacklevel=2)
   return ItemReplay(items)
 
+
+def _graph_launch(item: ExecItem) -> tuple[Any, tuple[int, ...], tuple[int, ...], list[Any], list[int]]:
+  runner = item.runner
+  assert isinstance(runner, CompiledRunner)
+  values = [item.var_vals[name] for name in runner.var_names]
+  global_size = tuple(sym_infer(size, item.var_vals) for size in runner.global_size)
+  local_size = tuple(sym_infer(size, item.var_vals) for size in runner.local_size)
+  return runner.program, global_size, local_size, [buffer.handle for buffer in item.bufs], values

@@ -156,10 +156,13 @@ class CUDAProgram:
 
 class CUDAGraph:
   """Kernels replayed by the JIT as one CUDA graph: one kernel node per launch, each depending on the one before (they
-  ran in that order on one stream), instantiated once. `update` points one kernel at other buffers in place
-  (cuGraphExecKernelNodeSetParams: no re-instantiation); `launch` runs the whole graph with one cuGraphLaunch."""
+  ran in that order on one stream), instantiated once. Each node's parameter struct and its argument array stay
+  alive for the graph's life: `set_argument` writes one pointer into that array and marks the node, and `launch`
+  hands each marked node's struct to the driver (cuGraphExecKernelNodeSetParams: no re-instantiation, nothing
+  rebuilt) before one cuGraphLaunch."""
 
-  def __init__(self, device: CUDADevice, launches: list[tuple[CUDAProgram, tuple[int, ...], tuple[int, ...], list]]):
+  def __init__(self, device: CUDADevice,
+               launches: list[tuple[CUDAProgram, tuple[int, ...], tuple[int, ...], list, list[int]]]):
     self.device = device
     device.make_current()
     self.graph = check(driver.cuGraphCreate(0), "cuGraphCreate")
@@ -167,11 +170,15 @@ class CUDAGraph:
     self.node_params: list[Any] = []
     self.arguments: list[Any] = []   # per node: the kernel's pointer arguments (the memory kernelParams points into)
     self.keep_alive: list[Any] = []  # per node: the array of pointers to those arguments
+    self.changed: set[int] = set()   # nodes whose arguments changed since the last launch
     previous: list[Any] = []
-    for program, global_size, local_size, handles in launches:
-      arguments = (ctypes.c_uint64 * max(len(handles), 1))(*[int(handle) for handle in handles])
-      pointers = (ctypes.c_void_p * max(len(handles), 1))(
-        *[ctypes.addressof(arguments) + index * ctypes.sizeof(ctypes.c_uint64) for index in range(len(handles))])
+    for program, global_size, local_size, handles, values in launches:
+      # one 8-byte slot per argument: a buffer's device pointer, or a symbolic Variable's value (the kernel's `int`
+      # reads the slot's low 4 bytes: little-endian)
+      words = [int(handle) for handle in handles] + [value & 0xFFFFFFFF for value in values]
+      arguments = (ctypes.c_uint64 * max(len(words), 1))(*words)
+      pointers = (ctypes.c_void_p * max(len(words), 1))(
+        *[ctypes.addressof(arguments) + index * ctypes.sizeof(ctypes.c_uint64) for index in range(len(words))])
       params = driver.CUDA_KERNEL_NODE_PARAMS()
       params.func = program.function
       params.gridDimX, params.gridDimY, params.gridDimZ = global_size
@@ -187,15 +194,26 @@ class CUDAGraph:
       self.keep_alive.append(pointers)
     self.graph_exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
 
-  def update(self, index: int, handles: list) -> None:
-    """Kernel `index` reads and writes `handles` from the next launch on."""
-    arguments = self.arguments[index]
-    for position, handle in enumerate(handles): arguments[position] = int(handle)
-    # the driver copies the argument values when this is called, so they are written first
-    check(driver.cuGraphExecKernelNodeSetParams(self.graph_exec, self.nodes[index], self.node_params[index]),
-          "cuGraphExecKernelNodeSetParams")
+  def set_argument(self, index: int, position: int, handle: Any) -> None:
+    """Kernel `index` gets the buffer `handle` (or, after the buffers, the int value) as its argument `position`
+    from the next launch on."""
+    self.arguments[index][position] = int(handle) & 0xFFFFFFFFFFFFFFFF
+    self.changed.add(index)
+
+  def set_launch_size(self, index: int, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> None:
+    """Kernel `index` runs with this grid and block from the next launch on (sizes that follow a Variable)."""
+    params = self.node_params[index]
+    params.gridDimX, params.gridDimY, params.gridDimZ = global_size
+    params.blockDimX, params.blockDimY, params.blockDimZ = local_size
+    self.changed.add(index)
 
   def launch(self) -> None:
+    if self.changed:
+      # the driver copies the argument values at this call, so the arrays may change again right after
+      for index in self.changed:
+        check(driver.cuGraphExecKernelNodeSetParams(self.graph_exec, self.nodes[index], self.node_params[index]),
+              "cuGraphExecKernelNodeSetParams")
+      self.changed.clear()
     check(driver.cuGraphLaunch(self.graph_exec, self.device.stream), "cuGraphLaunch")
 
   def __del__(self) -> None:
