@@ -31,7 +31,7 @@ from ourgrad import Tensor  # noqa: E402
 from timing import torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.dtype import dtypes  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
-from ourgrad.engine.realize import get_runner  # noqa: E402
+from ourgrad.engine.realize import get_kernel, get_runner  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 
 # (name, kind, shapes..., dtype name): kind "mm" takes (m, k, n); "conv" (batch, cin, height, width, cout, pad);
@@ -121,11 +121,17 @@ def ourgrad_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, 
       runner = get_runner(device, item.ast)
       seconds = runner(item.bufs, wait=True) or 0.0
       total += seconds
-      names.append(runner.name)
+      names.append(runner.name + kernel_opts(device, item.ast))
     totals.append(total if cuda else time.perf_counter() - began)
   return statistics.median(totals[2:]), names
 
 
+
+
+def kernel_opts(device: str, ast: Any) -> str:
+  """The hand-coded opts of a reduce kernel (what the heuristic chose: tiles, TC, SHARED), as " opts=[...]"."""
+  if os.environ.get("BEAM") or not any(node.op.name == "SUM" for node in ast.walk()): return ""
+  return f" opts={get_kernel(ast, device).applied_opts}"
 
 
 def beam_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, cuda: bool) -> float | None:

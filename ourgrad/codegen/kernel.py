@@ -101,6 +101,31 @@ def matmul_operands(reduceop: LazyOp | None, dtype_in: DType, dtype_out: DType, 
   return operands[0], operands[1]
 
 
+@dataclass(frozen=True)
+class TileLayout:
+  """A tensor-core operand's block tile in local memory (OptOps.SHARED after TC). The tile holds the operand at
+  every index of its tile axes (the in-block axes it varies along) for one reduce step, in the operand's own memory
+  order (`axes`, outermost first): the last `row_axes` axes are contiguous in global memory and form a row of
+  `row_length` elements, copied in 16-byte pieces; each row is followed by `padding` unused elements so that the
+  8 rows one ldmatrix matrix reads fall in different banks. `transposed`: a row runs along M (N) rather than K, so
+  the fragments are loaded with ldmatrix .trans. `stages` copies of the tile (double buffering)."""
+  axes: tuple[int, ...]
+  row_axes: int
+  row_length: int
+  rows: int
+  padding: int
+  transposed: bool
+  stages: int
+
+  @property
+  def stage_size(self) -> int: return self.rows * (self.row_length + self.padding)
+
+
+# elements of padding after each row of a tensor-core tile (16 bytes of float16) and its stages (cp.async double
+# buffering)
+TC_TILE_PADDING, TC_TILE_STAGES = 8, 2
+
+
 # more registers than this per thread spills on every device we target
 MAX_UPCAST_LANES = 256
 # the amounts `legal_opts` tries for each axis (0 means the whole axis)
@@ -310,7 +335,7 @@ class Kernel:
     if opt.op is OptOps.TC:
       if opt.axis != 0: raise KernelOptError(f"TC takes axis 0 (it finds the matmul's axes), got {opt.axis}")
       return 0
-    if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP, OptOps.SHARED):
+    if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
     if opt.op is OptOps.SHARED:
       if opt.axis != 0 or opt.amount != 0: raise KernelOptError(f"SHARED takes axis 0 and amount 0, got {opt}")
@@ -435,8 +460,44 @@ class Kernel:
     if self.shared_tiles: raise KernelOptError("SHARED is already applied")
     if self.group_dims: raise KernelOptError("SHARED does not combine with GROUP/GROUPTOP")
     self.shared_tiles = True
+    if self.tensor_core is not None:
+      self.tensor_core_tiles()   # raises where an operand's tile does not fit ldmatrix
+      return
     if not self.staged_loads():
       raise KernelOptError(f"SHARED: no load of {self.name} is shared by the block's threads along a reduce")
+
+  def tensor_core_tiles(self) -> tuple[TileLayout, TileLayout]:
+    """With TC and SHARED: the local-memory layouts of the A and B tiles (see TileLayout). Raises KernelOptError
+    where they do not fit the staged path: one reduce loop, each operand one view (masks allowed) whose contiguous
+    axis is the instruction's K axis or its M (N) axis, with plain strides."""
+    applied = self.tensor_core
+    assert applied is not None
+    if self.first_upcast - self.first_loop_reduce != 1:
+      raise KernelOptError(f"SHARED with TC needs one reduce loop, {self.name} has "
+                           f"{self.first_upcast - self.first_loop_reduce}")
+    m_axis, n_axis, k_axis = self.shape_len - 3, self.shape_len - 2, self.shape_len - 1
+    return (self._tensor_core_tile(applied.a, m_axis, k_axis), self._tensor_core_tile(applied.b, n_axis, k_axis))
+
+  def _tensor_core_tile(self, operand: LazyOp, row_axis: int, k_axis: int) -> TileLayout:
+    st = self.sts[self.leaf_number(operand)]
+    strides = st.real_strides()
+    in_block = list(range(self.global_dims, self.first_reduce)) + list(range(self.first_upcast, self.shape_len))
+    if any(strides[axis] is None for axis in in_block):
+      raise KernelOptError(f"SHARED with TC: the operand {st} has no plain strides inside the block")
+    axes = sorted((axis for axis in in_block if strides[axis] != 0), key=lambda axis: -strides[axis])
+    innermost = axes[-1]
+    if strides[innermost] != 1 or innermost not in (row_axis, k_axis):
+      raise KernelOptError(f"SHARED with TC: the operand {st} is not contiguous along the instruction's axes")
+    transposed = innermost != k_axis
+    # the row: the innermost axes while they stay contiguous and along the same matrix direction (K, or M/N)
+    row_axes, row_length = 1, self.full_shape[innermost]
+    for outer, inner in zip(reversed(axes[:-1]), reversed(axes[1:])):
+      if strides[outer] != strides[inner] * self.full_shape[inner]: break
+      if self.is_reduce_axis(outer) == transposed: break
+      row_axes, row_length = row_axes + 1, row_length * self.full_shape[outer]
+    if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
+    rows = prod(self.full_shape[axis] for axis in axes) // row_length
+    return TileLayout(tuple(axes), row_axes, row_length, rows, TC_TILE_PADDING, transposed, TC_TILE_STAGES)
 
   def staged_loads(self) -> list[tuple[int, list[int]]]:
     """With SHARED: (leaf number, tile axes) of each load the block's threads share (stride 0 along some LOCAL
@@ -477,6 +538,7 @@ class Kernel:
     if self.block_threads() > self.renderer.max_threads:
       raise KernelOptError(f"{self.block_threads()} threads per block is more than {self.renderer.device}'s "
                            f"{self.renderer.max_threads}")
+    if self.shared_tiles and self.tensor_core is not None: self.tensor_core_tiles()   # still fits after this opt
     local_bytes = self.local_memory_bytes()
     if local_bytes > getattr(self.renderer, "local_memory_bytes", 0) and (self.group_dims or self.shared_tiles):
       raise KernelOptError(f"{local_bytes} bytes of local memory per block is more than {self.renderer.device}'s "
@@ -504,6 +566,9 @@ class Kernel:
 
   def local_memory_bytes(self) -> int:
     """The block's local memory: the SHARED tiles, or the GROUP partials (one value per thread and upcast output)."""
+    if self.shared_tiles and self.tensor_core is not None:
+      return sum(tile.stage_size * tile.stages * self.tensor_core.tc.dtype_in.itemsize
+                 for tile in self.tensor_core_tiles())
     if self.shared_tiles:
       return sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
                  for leaf, axes in self.staged_loads())
@@ -525,8 +590,14 @@ class Kernel:
   def upcast_lanes(self) -> int:
     """Registers per thread the upcast and unroll axes take; a tensor-core tile counts its A, B and C fragments."""
     if self.tensor_core is None: return prod(self.full_shape[self.first_upcast:])
-    tc = self.tensor_core.tc
-    return prod(self.full_shape[self.first_upcast:-3]) * (tc.a_elements + tc.b_elements + tc.c_elements)
+    tc, sizes = self.tensor_core.tc, self.full_shape
+    applied = self.tensor_core
+    tiles = [axis for axis in self.upcast_axes if axis < self.shape_len - 3]
+    a_strides = self.sts[self.leaf_number(applied.a)].real_strides()
+    # the accumulators of every tile, and the fragments of one K step (A per M tile, B per N tile)
+    m_tiles = prod(sizes[axis] for axis in tiles if a_strides[axis] != 0)
+    n_tiles = prod(sizes[axis] for axis in tiles if a_strides[axis] == 0)
+    return prod(sizes[axis] for axis in tiles) * tc.c_elements + m_tiles * tc.a_elements + n_tiles * tc.b_elements
 
   def legal_opts(self) -> list[Opt]:
     """Every Opt (over OPT_AMOUNTS) that applies to this kernel as it is now, each checked on a copy."""

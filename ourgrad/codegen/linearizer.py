@@ -19,6 +19,7 @@ import math
 from typing import Callable, Sequence
 
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
 from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
@@ -36,7 +37,7 @@ def reduce_identity(op: Ops, dtype: DType) -> float | int | bool:
   return dtype.min
 
 
-class Linearizer:
+class Linearizer(TensorCoreTiles):
   """Builds the UOps of one kernel. `linearize(kernel)` is the entry point."""
 
   def __init__(self, kernel: Kernel):
@@ -47,6 +48,7 @@ class Linearizer:
     self.leaf_index = {id(leaf): index for index, leaf in enumerate(kernel.leaves)}
     self.tiles: dict[int, tuple[UOp, list[int]]] = {}   # loads staged in local memory (OptOps.SHARED)
     self.tile_vectors: dict[tuple, UOp] = {}   # float4 reads of the tiles in this reduce step
+    self.fragment_loads: dict[tuple, UOp] = {}   # LDMATRIX of the tensor-core tiles in this reduce step
 
   # ---------------------------------------------------------------- symbolic index math -> UOps
 
@@ -269,13 +271,32 @@ class Linearizer:
     tiles = list(itertools.product(*[range(shape[axis]) for axis in upcast_axes]))
     accumulators = {tile: [build.add(UOps.DEFINE_ACC, tc.dtype_out, (), 0.0) for _ in range(tc.c_elements)]
                     for tile in tiles}
+    staged = self._define_tensor_core_tiles() if kernel.shared_tiles else []
+    if staged:   # the first step's tiles, into stage 0 (see codegen/tensor_core_tiles.py)
+      thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce)) * WARP_LANES + lane
+      self._copy_tensor_core_tiles(staged, axis_idxs, thread, NumNode(0), NumNode(0))
     reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
                     for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
+    if staged:
+      step = axis_idxs[kernel.first_loop_reduce]
+      stage = step % 2
+      build.add(UOps.ASYNC_WAIT, None, (), 0)
+      build.add(UOps.BARRIER, None)
+      prefetch = build.add(UOps.IF, None, (self.node_to_uop(step < shape[kernel.first_loop_reduce] - 1),))
+      self._copy_tensor_core_tiles(staged, axis_idxs, thread, step + 1, (step + 1) % 2)
+      build.end_if(prefetch)
+      self.fragment_loads = {}
     for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
       for tile in tiles:
         idxs = self._fill_lanes(axis_idxs, upcast_axes, tile, unroll_axes, unroll_lane)
-        a_values = self._fragment_values(applied.a, idxs, (m_axis, k_axis), a_position, tc.a_elements, group, quad)
-        b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), b_position, tc.b_elements, group, quad)
+        if staged:
+          a_values = self._tile_fragment(staged[0], True, idxs, lane, stage)
+          b_values = self._tile_fragment(staged[1], False, idxs, lane, stage)
+        else:
+          a_values = self._fragment_values(applied.a, idxs, (m_axis, k_axis), a_position, tc.a_elements, group,
+                                           quad)
+          b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), b_position, tc.b_elements, group,
+                                           quad)
         build.add(UOps.WMMA, tc.dtype_out, tuple(a_values + b_values + accumulators[tile]),
                   (tc.dims, tc.dtype_in.name, tc.dtype_out.name))
     for loop in reversed(reduce_loops): build.end_range(loop)

@@ -112,6 +112,17 @@ class CUDACompiler(Compiler):
     check(nvrtc.nvrtcDestroyProgram(program), "nvrtcDestroyProgram")
     return ptx.rstrip(b"\x00").decode()
 
+  def ptxas_info(self, source: str) -> str:
+    """ptxas's resource report for the kernel (registers, spill stores and loads, shared memory), from NVRTC."""
+    program = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
+    options = [f"--gpu-architecture={self.arch}".encode(), b"-default-device", b"--std=c++17", b"--ptxas-options=-v"]
+    status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
+    log = b" " * check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+    check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
+    check(nvrtc.nvrtcDestroyProgram(program), "nvrtcDestroyProgram")
+    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS: raise CompileError(f"NVRTC failed:\n{log.decode(errors='replace')}")
+    return log.rstrip(b"\x00").decode(errors="replace")
+
   def sass(self, source: str) -> str:
     """The SASS (machine code) of the compiled CUBIN, from cuobjdump or nvdisasm when one is on PATH."""
     tool = shutil.which("cuobjdump") or shutil.which("nvdisasm")

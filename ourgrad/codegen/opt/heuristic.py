@@ -11,7 +11,8 @@ GPUs (thread blocks and local memory):
 - a reduce whose input is contiguous along an output axis (a column reduction) puts that output axis on LOCAL
   threads (coalesced) and, when that leaves too few blocks to fill the device, splits the reduce over GROUPTOP;
 - float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first
-  where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL);
+  where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
+  the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
 - a float32 matmul whose sizes divide the block tile (64x64 outputs, 8 reduce elements per step) gets shared-memory
   tiles (SHARED): 16x16 threads of 4x4 outputs, both operands staged through local memory each step;
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
@@ -57,6 +58,7 @@ def _tensor_core_tiles(kernel: Kernel) -> bool:
   """TC where the kernel is a float16/bfloat16 matmul and the renderer has tensor cores (ragged M/N padded first),
   then warp tiles and warps per block. False (the kernel untouched) where TC does not apply."""
   for choice in range(len(getattr(kernel.renderer, "tensor_cores", ()))):
+    if _staged_tensor_core_tiles(kernel, choice): return True
     trial = kernel.copy()
     if not _pad_for_tensor_core(trial, choice) or not trial.try_opt(Opt(OptOps.TC, 0, choice)): continue
     kernel.__dict__.update(trial.__dict__)
@@ -70,6 +72,34 @@ def _tensor_core_tiles(kernel: Kernel) -> bool:
   for position, warps in ((1, TC_BLOCK_WARPS[1]), (0, TC_BLOCK_WARPS[0])):
     axis = _tensor_core_outer_axis(kernel, position)
     if axis is not None: kernel.try_opt(Opt(OptOps.LOCAL, axis, warps))
+  return True
+
+
+# the staged tensor-core matmul (TC + SHARED): mma tiles per warp (m x n: a 64x64 warp tile), warps per block (a
+# 128x128 block tile), and K instructions per reduce step (32 elements)
+TC_STAGED_WARP_TILES = (4, 8)
+TC_STAGED_BLOCK_WARPS = (2, 2)
+TC_STAGED_K_STEPS = 2
+
+
+def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
+  """TC with the block tile staged through local memory (SHARED: cp.async copies, ldmatrix fragments) and the warp
+  and block tiles above, ragged M and N padded to the block tile; False (the kernel untouched) where it does not
+  fit (K not a multiple of the reduce step, or more than half padding)."""
+  trial = kernel.copy()
+  block = [TC_STAGED_WARP_TILES[position] * TC_STAGED_BLOCK_WARPS[position] for position in (0, 1)]
+  tc = kernel.renderer.tensor_cores[choice]
+  if not _pad_for_tensor_core(trial, choice, (block[0] * tc.dims[0], block[1] * tc.dims[1])): return False
+  if not trial.try_opt(Opt(OptOps.TC, 0, choice)): return False
+  for position, amount in ((1, TC_STAGED_WARP_TILES[1]), (0, TC_STAGED_WARP_TILES[0])):
+    axis = _tensor_core_outer_axis(trial, position)
+    if axis is None or not trial.try_opt(Opt(OptOps.UPCAST, axis, amount)): return False
+  for position, warps in ((1, TC_STAGED_BLOCK_WARPS[1]), (0, TC_STAGED_BLOCK_WARPS[0])):
+    axis = _tensor_core_outer_axis(trial, position)
+    if axis is None or not trial.try_opt(Opt(OptOps.LOCAL, axis, warps)): return False
+  if not trial.try_opt(Opt(OptOps.UNROLL, 0, TC_STAGED_K_STEPS)) or not trial.try_opt(Opt(OptOps.SHARED, 0, 0)):
+    return False
+  kernel.__dict__.update(trial.__dict__)
   return True
 
 
@@ -98,15 +128,16 @@ def _shared_matmul_tiles(kernel: Kernel) -> bool:
   return True
 
 
-def _pad_for_tensor_core(kernel: Kernel, choice: int) -> bool:
-  """PADTO the matmul's M and N axes up to the instruction's tile where they are ragged; False where the kernel is
-  not a matmul the instruction computes (or K is ragged: a reduce axis is not padded)."""
+def _pad_for_tensor_core(kernel: Kernel, choice: int, tiles: tuple[int, int] | None = None) -> bool:
+  """PADTO the matmul's M and N axes up to the instruction's tile (or `tiles`) where they are ragged; False where
+  the kernel is not a matmul the instruction computes (or K is ragged: a reduce axis is not padded)."""
   tc = kernel.renderer.tensor_cores[choice]
   try: a, b = tensor_core_operands(kernel.reduceop, tc)
   except KernelOptError: return False
   m_axes, n_axes, _ = kernel.matmul_axes(a, b)
-  for axes, tile in ((m_axes, tc.dims[0]), (n_axes, tc.dims[1])):
-    axis = kernel.tile_axis(axes, tile) if axes else None
+  tiles = tiles or (tc.dims[0], tc.dims[1])
+  for axes, instruction_tile, tile in ((m_axes, tc.dims[0], tiles[0]), (n_axes, tc.dims[1], tiles[1])):
+    axis = kernel.tile_axis(axes, instruction_tile) if axes else None
     if axis is not None and kernel.full_shape[axis] % tile != 0 and not kernel.try_opt(Opt(OptOps.PADTO, axis, tile)):
       return False
   return True
