@@ -313,16 +313,24 @@ def test_shared_tiles_match_noopt(case: str) -> None:
     NVRTC.compile(source)
 
 
-def test_heuristic_picks_shared_for_float32_matmuls() -> None:
-  """A float32 matmul that divides the 64x64 block tile gets SHARED from the GPU heuristic (4x4 per thread, 16x16
-  threads, reduce steps of 8); one that does not keeps the register tiles."""
+@pytest.mark.parametrize("n", [128, 64], ids=["8x8", "4x4"])
+def test_heuristic_picks_shared_for_float32_matmuls(n: int) -> None:
+  """A float32 matmul that divides the 128x128 block tile gets SHARED from the GPU heuristic with 8x8 outputs per
+  thread (two float4 runs 64 apart along M and N), one that divides 64x64 4x4; 16x16 threads, reduce steps of 8.
+  One that does not keeps the register tiles."""
   rng = np.random.default_rng(13)
-  a_values, b_values = (rng.standard_normal(shape).astype(np.float32) for shape in ((128, 64), (64, 64)))
+  a_values, b_values = (rng.standard_normal(shape).astype(np.float32) for shape in ((128, 64), (64, n)))
   item = _matmul_item(Tensor(a_values, device=DEVICE), Tensor(b_values, device=DEVICE))
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
   kernel.hand_coded_optimizations()
-  assert kernel.shared_tiles and kernel.block_threads() == 256 and kernel.upcast_lanes() == 4 * 4 * 8
-  np.testing.assert_allclose(_run(kernel, item).reshape(128, 64), a_values.astype(np.float64) @ b_values,
+  per_thread = 8 if n == 128 else 4
+  # registers: the outputs, and one reduce step's A and B values
+  assert kernel.shared_tiles and kernel.block_threads() == 256
+  assert kernel.upcast_lanes() == per_thread * per_thread + 2 * per_thread
+  uops = linearize(kernel)
+  tile_reads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL]
+  assert all(uop.arg == 4 for uop in tile_reads) and len(tile_reads) == 8 * 2 * per_thread // 4   # float4s
+  np.testing.assert_allclose(_run(kernel, item).reshape(128, n), a_values.astype(np.float64) @ b_values,
                              rtol=1e-4, atol=1e-4)
   ragged = Kernel(_matmul_item(Tensor(a_values[:100], device=DEVICE), Tensor(b_values, device=DEVICE)).ast,
                   PythonRenderer("CUDA"))

@@ -502,12 +502,14 @@ class Kernel:
   def staged_loads(self) -> list[tuple[int, list[int]]]:
     """With SHARED: (leaf number, tile axes) of each load the block's threads share (stride 0 along some LOCAL
     axis) while it varies along a reduce axis: its tile is every LOCAL, UPCAST and UNROLL axis it varies along, laid
-    out UNROLL outermost, then LOCAL, then UPCAST innermost: a thread reads its upcast values as float4s, and
-    neighbouring threads neighbouring float4s (no bank conflicts)."""
+    out UNROLL outermost, the output's innermost UPCAST axis innermost, and the LOCAL and other UPCAST axes in the
+    output's order between: a thread reads its upcast values as float4s, and neighbouring threads neighbouring
+    float4s (no bank conflicts), also where a thread's outputs are float4s strided by the block's threads."""
     if not self.shared_tiles or self.reduceop is None: return []
     local_axes = list(range(self.global_dims, self.first_reduce))
     in_block = local_axes + list(range(self.first_upcast, self.shape_len))
     reduce_axes = [axis for axis in range(self.first_reduce, self.shape_len) if self.is_reduce_axis(axis)]
+    output_strides = self.sts[0].real_strides()
     staged = []
     for number, leaf in enumerate(self.leaves):
       if leaf.op is not Ops.LOAD or not isinstance(leaf.arg, MemBuffer) or leaf.srcs: continue
@@ -516,8 +518,13 @@ class Kernel:
       if not shared or all(strides[axis] == 0 for axis in reduce_axes): continue
       tile = [axis for axis in in_block if strides[axis] != 0]
       kinds = self.axis_types
-      order = {AxisType.UNROLL: 0, AxisType.LOCAL: 1, AxisType.UPCAST: 2}
-      staged.append((number, sorted(tile, key=lambda axis: order[kinds[axis]])))
+      innermost = max((axis for axis in tile if kinds[axis] is AxisType.UPCAST),
+                      key=lambda axis: -abs(output_strides[axis] or 0), default=None)
+
+      def place(axis: int) -> tuple:
+        if kinds[axis] is AxisType.UNROLL: return (0, 0)
+        return (2, 0) if axis == innermost else (1, -abs(output_strides[axis] or 0))
+      staged.append((number, sorted(tile, key=place)))
     return staged
 
   def leaf_number(self, leaf: LazyOp) -> int:
@@ -588,7 +595,13 @@ class Kernel:
     self.upcasted = kept.count(AxisType.UPCAST) + kept.count(AxisType.UNROLL)
 
   def upcast_lanes(self) -> int:
-    """Registers per thread the upcast and unroll axes take; a tensor-core tile counts its A, B and C fragments."""
+    """Registers per thread the upcast and unroll axes take; a tensor-core tile counts its A, B and C fragments, and
+    a SHARED kernel its outputs and one reduce step's operand values (they are read from the tiles as used)."""
+    if self.tensor_core is None and self.shared_tiles:
+      upcasts = self.upcast_axes
+      operands = sum(prod(self.full_shape[axis] for axis in upcasts if self.sts[leaf].real_strides()[axis] != 0)
+                     for leaf, _ in self.staged_loads())
+      return prod(self.full_shape[axis] for axis in upcasts) + operands
     if self.tensor_core is None: return prod(self.full_shape[self.first_upcast:])
     tc, sizes = self.tensor_core.tc, self.full_shape
     applied = self.tensor_core

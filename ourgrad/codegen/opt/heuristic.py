@@ -13,8 +13,8 @@ GPUs (thread blocks and local memory):
 - float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first
   where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
   the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
-- a float32 matmul whose sizes divide the block tile (64x64 outputs, 8 reduce elements per step) gets shared-memory
-  tiles (SHARED): 16x16 threads of 4x4 outputs, both operands staged through local memory each step;
+- a float32 matmul whose sizes divide the block tile (128x128 or 64x64 outputs, 8 reduce elements per step) gets
+  shared-memory tiles (SHARED): 16x16 threads of 8x8 (or 4x4) outputs, both operands staged through local memory;
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
 - elementwise kernels get thread blocks from the innermost output axes.
 """
@@ -103,29 +103,37 @@ def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
   return True
 
 
-# the float32 shared-memory matmul: (threads, outputs per thread) along M and along N, and the reduce step
+# the float32 shared-memory matmul: threads along M and along N, outputs per thread along each (as `repeats` float4
+# runs strided by the block's threads: neighbouring threads read neighbouring float4s of the tiles), the reduce step
 SHARED_THREADS, SHARED_OUTPUTS, SHARED_STEP = 16, 4, 8
+SHARED_REPEATS = (2, 1)   # 8x8 outputs per thread (a 128x128 block tile) where the sizes allow, else 4x4 (64x64)
 
 
 def _shared_matmul_tiles(kernel: Kernel) -> bool:
   """A float32 matmul (outputs M x N, one reduce axis, both operands plain loads) whose sizes divide the block tile:
-  each thread 4x4 outputs in registers, 16x16 threads per block (a 64x64 block tile), the reduce in steps of 8
-  staged through local memory (SHARED). False (the kernel untouched) otherwise."""
+  16x16 threads per block, each 8x8 outputs (two float4 runs along M and N, 64 apart: a 128x128 block tile) or 4x4
+  (a 64x64 block tile), the reduce in steps of 8 staged through local memory (SHARED). False (the kernel
+  untouched) otherwise."""
   if kernel.reduceop.dtype != dtypes.float32 or kernel.first_reduce != 2 or kernel.shape_len != 3: return False
   try: a, b = matmul_operands(kernel.reduceop, dtypes.float32, dtypes.float32, "SHARED")
   except KernelOptError: return False
   m_axes, n_axes, k_axes = kernel.matmul_axes(a, b)
   if (m_axes, n_axes, k_axes) != ([0], [1], [2]) and (m_axes, n_axes, k_axes) != ([1], [0], [2]): return False
-  block = SHARED_THREADS * SHARED_OUTPUTS
   m, n, k = kernel.full_shape
-  if m % block or n % block or k % SHARED_STEP: return False
-  trial = kernel.copy()
-  opts = [Opt(OptOps.UPCAST, 0, SHARED_OUTPUTS), Opt(OptOps.UPCAST, 1, SHARED_OUTPUTS),
-          Opt(OptOps.LOCAL, 0, SHARED_THREADS), Opt(OptOps.LOCAL, 1, SHARED_THREADS),
-          Opt(OptOps.UNROLL, 0, SHARED_STEP), Opt(OptOps.SHARED, 0, 0)]
-  if not all(trial.try_opt(opt) for opt in opts): return False
-  kernel.__dict__.update(trial.__dict__)
-  return True
+  for repeats in SHARED_REPEATS:
+    block = SHARED_THREADS * SHARED_OUTPUTS * repeats
+    if m % block or n % block or k % SHARED_STEP: continue
+    trial = kernel.copy()
+    opts = [Opt(OptOps.UPCAST, 0, SHARED_OUTPUTS), Opt(OptOps.UPCAST, 1, SHARED_OUTPUTS),
+            Opt(OptOps.LOCAL, 0, SHARED_THREADS), Opt(OptOps.LOCAL, 1, SHARED_THREADS)]
+    # N first: an axis split whole is dropped, and M stays axis 0 whatever happens to N
+    if repeats > 1: opts += [Opt(OptOps.UPCAST, 1, repeats), Opt(OptOps.UPCAST, 0, repeats)]
+    # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
+    opts += [Opt(OptOps.SHARED, 0, 0), Opt(OptOps.UNROLL, 0, SHARED_STEP)]
+    if not all(trial.try_opt(opt) for opt in opts): continue
+    kernel.__dict__.update(trial.__dict__)
+    return True
+  return False
 
 
 def _pad_for_tensor_core(kernel: Kernel, choice: int, tiles: tuple[int, int] | None = None) -> bool:
