@@ -173,3 +173,20 @@ def test_staged_tc_on_cuda(shape) -> None:
   torch_out = (a64.half() @ b64.half()).double().numpy() if torch.cuda.is_available() else reference
   error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
   assert error <= 1.5 * np.linalg.norm(torch_out - reference) / np.linalg.norm(reference) + 1e-3
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("k", [32, 128], ids=["fewer_steps_than_stages", "more_steps"])
+def test_staged_tc_with_more_stages(stages: int, k: int) -> None:
+  """SHARED's amount sets the stages: stages - 1 steps are copied ahead (one cp.async group each, empty groups past
+  the last step) and each step waits for all but the newest stages - 2 groups; the interpreter lands a group only
+  when its wait says so, so a wrong count reads stale or unwritten tiles."""
+  a, b = _operands(dtypes.float16, (64, k), (k, 64), seed=29)
+  item = _matmul_item(a, b)
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  for opt in [Opt(OptOps.TC, 0, 0), *STAGED_OPTS[:-2], Opt(OptOps.SHARED, 0, stages)]: kernel.apply_opt(opt)
+  assert kernel.tensor_core_tiles()[0].stages == stages
+  waits = [uop.arg for uop in linearize(kernel) if uop.op is UOps.ASYNC_WAIT]
+  assert waits == [stages] * (stages - 2) + [stages - 2]
+  _check_against_reference(a, b, dtypes.float16, _run(kernel, item), plain)

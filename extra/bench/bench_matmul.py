@@ -145,6 +145,12 @@ VARIANTS = [
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
   ("f16", "staged 2x2 warps of 64x64, K step 16",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED"),
+  ("f16", "staged 2x2 warps of 64x64, K step 16, 3 stages",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED 0 3"),
+  ("f16", "staged 2x2 warps of 64x64, K step 16, 4 stages",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED 0 4"),
+  ("f16", "staged 2x4 warps of 64x32, K step 16, 4 stages",
+   "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;SHARED 0 4"),
   ("f16", "staged 2x4 warps of 64x32, K step 32",
    "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED"),
   ("f16", "staged 4x2 warps of 32x64, K step 32",
@@ -164,7 +170,7 @@ def parse_opts(text: str, tc_choice: int) -> list:
   for item in text.split(";"):
     op, *numbers = item.split()
     if op == "TC": opts.append(Opt(OptOps.TC, 0, tc_choice))
-    elif op == "SHARED": opts.append(Opt(OptOps.SHARED, 0, 0))
+    elif op == "SHARED": opts.append(Opt(OptOps.SHARED, 0, int(numbers[1]) if numbers else 0))
     else: opts.append(Opt(OptOps[op], int(numbers[0]), int(numbers[1])))
   return opts
 

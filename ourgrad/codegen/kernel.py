@@ -182,6 +182,7 @@ class Kernel:
     # dimensions are then the instruction's m, n, k (see _apply_tensor_core)
     self.tensor_core: AppliedTensorCore | None = None
     self.shared_tiles = False   # OptOps.SHARED (see staged_loads)
+    self.tile_stages = TC_TILE_STAGES   # with TC: the SHARED tiles' stages (OptOps.SHARED's amount, 0: the default)
     self.row_axes: tuple[int, ...] | None = _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
@@ -311,11 +312,11 @@ class Kernel:
 
   def _state(self) -> tuple:
     return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts),
-            self.tensor_core, self.shared_tiles)
+            self.tensor_core, self.shared_tiles, self.tile_stages)
 
   def _restore(self, state: tuple) -> None:
     (self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts,
-     self.tensor_core, self.shared_tiles) = state
+     self.tensor_core, self.shared_tiles, self.tile_stages) = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -338,7 +339,10 @@ class Kernel:
     if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
     if opt.op is OptOps.SHARED:
-      if opt.axis != 0 or opt.amount != 0: raise KernelOptError(f"SHARED takes axis 0 and amount 0, got {opt}")
+      # with tensor cores the amount is the number of stages (0: the default, 2)
+      stages = (0, 2, 3, 4) if self.tensor_core is not None else (0,)
+      if opt.axis != 0 or opt.amount not in stages:
+        raise KernelOptError(f"SHARED takes axis 0 and amount in {stages}, got {opt}")
       return 0
     if self.shared_tiles and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       raise KernelOptError(f"{opt.op.name} does not combine with SHARED")
@@ -378,7 +382,7 @@ class Kernel:
       self._apply_tensor_core(opt.amount)
       return
     if opt.op is OptOps.SHARED:
-      self._apply_shared_tiles()
+      self._apply_shared_tiles(opt.amount or TC_TILE_STAGES)
       return
     amount = opt.amount if opt.amount != 0 else size
     if amount <= 1 or size % amount != 0:
@@ -453,13 +457,13 @@ class Kernel:
     k_axes = [axis for axis in reduces if varies(a_strides, axis) and varies(b_strides, axis)]
     return m_axes, n_axes, k_axes
 
-  def _apply_shared_tiles(self) -> None:
+  def _apply_shared_tiles(self, stages: int) -> None:
     """SHARED: a flag the linearizer reads (Linearizer._stage_shared_tiles); the tiles follow the final shape."""
     if not getattr(self.renderer, "has_local", False):
       raise KernelOptError(f"SHARED needs a device with local memory, {self.renderer.device} has none")
     if self.shared_tiles: raise KernelOptError("SHARED is already applied")
     if self.group_dims: raise KernelOptError("SHARED does not combine with GROUP/GROUPTOP")
-    self.shared_tiles = True
+    self.shared_tiles, self.tile_stages = True, stages
     if self.tensor_core is not None:
       self.tensor_core_tiles()   # raises where an operand's tile does not fit ldmatrix
       return
@@ -497,7 +501,7 @@ class Kernel:
       row_axes, row_length = row_axes + 1, row_length * self.full_shape[outer]
     if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
     rows = prod(self.full_shape[axis] for axis in axes) // row_length
-    return TileLayout(tuple(axes), row_axes, row_length, rows, TC_TILE_PADDING, transposed, TC_TILE_STAGES)
+    return TileLayout(tuple(axes), row_axes, row_length, rows, TC_TILE_PADDING, transposed, self.tile_stages)
 
   def staged_loads(self) -> list[tuple[int, list[int]]]:
     """With SHARED: (leaf number, tile axes) of each load the block's threads share (stride 0 along some LOCAL
@@ -621,7 +625,7 @@ class Kernel:
         candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
         continue
       if op is OptOps.SHARED:
-        candidates.append(Opt(op, 0, 0))
+        candidates += [Opt(op, 0, 0)] + ([Opt(op, 0, 3), Opt(op, 0, 4)] if self.tensor_core is not None else [])
         continue
       axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
       candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]

@@ -272,18 +272,22 @@ class Linearizer(TensorCoreTiles):
     accumulators = {tile: [build.add(UOps.DEFINE_ACC, tc.dtype_out, (), 0.0) for _ in range(tc.c_elements)]
                     for tile in tiles}
     staged = self._define_tensor_core_tiles() if kernel.shared_tiles else []
-    if staged:   # the first step's tiles, into stage 0 (see codegen/tensor_core_tiles.py)
+    stages, steps = kernel.tile_stages, shape[kernel.first_loop_reduce]
+    if staged:   # the first stages - 1 steps' tiles, one commit group each (see codegen/tensor_core_tiles.py)
       thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce)) * WARP_LANES + lane
-      self._copy_tensor_core_tiles(staged, axis_idxs, thread, NumNode(0), NumNode(0))
-    reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
+      for first_step in range(stages - 1):   # always stages - 1 groups (empty past the last step): the waits count
+        if first_step: build.add(UOps.ASYNC_WAIT, None, (), stages)   # commits the group, waits for none
+        if first_step < steps:
+          self._copy_tensor_core_tiles(staged, axis_idxs, thread, NumNode(first_step), NumNode(first_step))
+    reduce_loops = [self._open_loop(f"ridx{axis}", steps, AxisType.REDUCE)
                     for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
     if staged:
       step = axis_idxs[kernel.first_loop_reduce]
-      stage = step % 2
-      build.add(UOps.ASYNC_WAIT, None, (), 0)
+      stage = step % stages
+      build.add(UOps.ASYNC_WAIT, None, (), stages - 2)   # this step's group has landed (the newer ones may not)
       build.add(UOps.BARRIER, None)
-      prefetch = build.add(UOps.IF, None, (self.node_to_uop(step < shape[kernel.first_loop_reduce] - 1),))
-      self._copy_tensor_core_tiles(staged, axis_idxs, thread, step + 1, (step + 1) % 2)
+      prefetch = build.add(UOps.IF, None, (self.node_to_uop(step < steps - (stages - 1)),))
+      self._copy_tensor_core_tiles(staged, axis_idxs, thread, step + (stages - 1), (step + (stages - 1)) % stages)
       build.end_if(prefetch)
       self.fragment_loads = {}
     for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
