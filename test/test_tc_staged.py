@@ -50,8 +50,9 @@ def test_staged_tc_matches_noopt(dtype, layout: str) -> None:
   assert (tile_a.transposed, tile_b.transposed) == ("aT" in layout, "bT" not in layout)
   uops = linearize(kernel)
   loads = [uop for uop in uops if uop.op is UOps.LDMATRIX]
-  # per reduce step: 2 K instructions x (2 A fragments (.x4) + 2 B fragments (.x2)); one wait and barrier
-  assert sorted(uop.arg[0] for uop in loads) == [2] * 4 + [4] * 4
+  # per reduce step: 2 K instructions x (2 A fragments (.x4) + the 2 neighbouring B fragments (one .x4)); one wait
+  # and barrier
+  assert [uop.arg[0] for uop in loads] == [4] * 6
   assert sum(uop.op is UOps.ASYNC_WAIT for uop in uops) == 1 and sum(uop.op is UOps.BARRIER for uop in uops) == 1
   assert all(uop.arg == (8, True) for uop in uops if uop.op is UOps.COPY)   # 16-byte asynchronous copies
   assert not any(uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL for uop in uops)
@@ -134,7 +135,7 @@ def test_illegal_staged_tc_raises(case: str) -> None:
 @pytest.mark.skipif(NVRTC is None, reason="needs NVRTC")
 @pytest.mark.parametrize("shape", [(4096, 4096, 4096), (4097, 4096, 4095)], ids=["4096", "ragged"])
 def test_cuda_staged_kernel_ptx_and_registers(shape) -> None:
-  """The heuristic's kernel for the benchmark's matmuls: ldmatrix (.x4 for A, .x2.trans for a row-major B),
+  """The heuristic's kernel for the benchmark's matmuls: ldmatrix (.x4 for A, .x4.trans for pairs of a row-major B),
   cp.async.cg, mma.sync in the PTX; no global loads in the 4096^3 one; no local-memory spills."""
   m, k, n = shape
   a, b = Tensor.empty(m, k, dtype=dtypes.float16), Tensor.empty(k, n, dtype=dtypes.float16)
@@ -143,8 +144,8 @@ def test_cuda_staged_kernel_ptx_and_registers(shape) -> None:
   assert kernel.shared_tiles and kernel.tensor_core is not None
   source = CUDARenderer().render(kernel.name, linearize(kernel))
   ptx = NVRTC.ptx(source)
-  assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 8
-  assert ptx.count("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16") == 16
+  assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 8   # A: 4 M tiles x 2 K instructions
+  assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 8   # B: 8 N tiles in pairs x 2
   assert ptx.count("mma.sync.aligned.m16n8k16") == 64 and "cp.async.cg.shared.global" in ptx
   assert ("ld.global" in ptx) == (shape[0] == 4097)   # B's ragged rows: element by element
   info = NVRTC.ptxas_info(source)
@@ -189,4 +190,17 @@ def test_staged_tc_with_more_stages(stages: int, k: int) -> None:
   assert kernel.tensor_core_tiles()[0].stages == stages
   waits = [uop.arg for uop in linearize(kernel) if uop.op is UOps.ASYNC_WAIT]
   assert waits == [stages] * (stages - 2) + [stages - 2]
+  _check_against_reference(a, b, dtypes.float16, _run(kernel, item), plain)
+
+
+def test_odd_n_tiles_use_x2() -> None:
+  """Three N tiles per warp do not pair: each B fragment is one ldmatrix .x2 (lanes 16..31 unused)."""
+  a, b = _operands(dtypes.float16, (32, 64), (64, 48), seed=30)
+  item = _matmul_item(a, b)
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  for opt in [Opt(OptOps.TC, 0, 0), Opt(OptOps.UPCAST, 1, 3), Opt(OptOps.LOCAL, 1, 2), Opt(OptOps.UNROLL, 0, 2),
+              Opt(OptOps.SHARED, 0, 0)]: kernel.apply_opt(opt)
+  counts = sorted(uop.arg[0] for uop in linearize(kernel) if uop.op is UOps.LDMATRIX)
+  assert counts == [2] * 6 + [4] * 2
   _check_against_reference(a, b, dtypes.float16, _run(kernel, item), plain)

@@ -25,7 +25,7 @@ rows, and .trans transposes each 8x8 matrix as it loads.
 from __future__ import annotations
 
 from ourgrad.codegen.kernel import TileLayout
-from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.ops import LazyOp
 from ourgrad.shape.symbolic import Node, NumNode
 
@@ -35,11 +35,12 @@ COPY_BYTES = 16
 
 def ldmatrix_row(lane: Node, operand_is_a: bool) -> tuple[Node, Node]:
   """(M or N, K) of the first element of the 8x8 matrix row that `lane` points ldmatrix at, in a 16x16 A fragment
-  (.x4: matrix j = lane // 8 covers M 8 (j % 2).., K 8 (j // 2)..) or a 16x8 B fragment (.x2: matrix j = lane // 8
-  % 2 covers K 8 j..; lanes 16..31 repeat 0..15, .x2 ignores them). Row r = lane % 8 of a matrix is M (N) r of it
-  where the tile's rows run along K, and K r where they run along M (N) (`transposed`, added by the caller)."""
+  (.x4: matrix j = lane // 8 covers M 8 (j % 2).., K 8 (j // 2)..) or two neighbouring 16x8 B fragments (.x4:
+  matrix j covers N 8 (j // 2).., K 8 (j % 2)..: b0b1, b2b3 of the first, then of the second; with one B fragment,
+  .x2 reads only lanes 0..15). Row r = lane % 8 of a matrix is M (N) r of it where the tile's rows run along K, and
+  K r where they run along M (N) (`transposed`, added by the caller)."""
   if operand_is_a: return (lane // 8) % 2 * 8, lane // 16 * 8
-  return NumNode(0), (lane // 8) % 2 * 8
+  return lane // 16 * 8, (lane // 8) % 2 * 8
 
 
 class TensorCoreTiles:
@@ -156,12 +157,18 @@ class TensorCoreTiles:
     kernel = self.kernel
     m_or_n_axis = kernel.shape_len - 3 if operand_is_a else kernel.shape_len - 2
     k_axis = kernel.shape_len - 1
-    count = 4 if operand_is_a else 2
+    count, first_element = 4, 0
+    pair_axis = None if operand_is_a else self._b_pair_axis(layout)
+    fragment_idxs = list(idxs)
+    if pair_axis is not None:   # one .x4 for this N tile and its neighbour: the even one's address, its half
+      tile_number = idxs[pair_axis].b
+      fragment_idxs[pair_axis], first_element = NumNode(tile_number - tile_number % 2), 4 * (tile_number % 2)
+    elif not operand_is_a: count = 2
     m_or_n, k = ldmatrix_row(lane, operand_is_a)
+    if count == 2: m_or_n = NumNode(0)   # .x2: lanes 16..31 point where lanes 0..15 do (unused)
     # a lane points at one row of 8 tile elements: along K (M/N rows), or along M/N (K rows) when transposed
     if layout.transposed: k = k + lane % 8
     else: m_or_n = m_or_n + lane % 8
-    fragment_idxs = list(idxs)
     fragment_idxs[m_or_n_axis], fragment_idxs[k_axis] = m_or_n, k
     address = stage * layout.stage_size + self._tile_offset(layout, fragment_idxs)
     key = (id(local), address.render())
@@ -169,4 +176,15 @@ class TensorCoreTiles:
       self.fragment_loads[key] = self.builder.add(UOps.LDMATRIX, tile[2].dtype, (local, self.node_to_uop(address)),
                                                   (count, layout.transposed))
     matrix = self.fragment_loads[key]
-    return [self.builder.add(UOps.GEP, tile[2].dtype, (matrix,), element) for element in range(2 * count)]
+    elements = range(first_element, first_element + (8 if operand_is_a else 4))
+    return [self.builder.add(UOps.GEP, tile[2].dtype, (matrix,), element) for element in elements]
+
+  def _b_pair_axis(self, layout: TileLayout) -> int | None:
+    """The UPCAST axis of B's N tiles right outside the instruction's n in the tile (tile t + 1 is 8 along N from
+    tile t), when it pairs them (even size): one ldmatrix .x4 then loads two B fragments."""
+    kernel = self.kernel
+    position = layout.axes.index(kernel.shape_len - 2)
+    if position == 0: return None
+    axis = layout.axes[position - 1]
+    if kernel.axis_types[axis] is not AxisType.UPCAST or kernel.full_shape[axis] % 2: return None
+    return axis
