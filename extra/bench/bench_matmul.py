@@ -138,29 +138,35 @@ def relative_error(ours: Tensor, theirs: Any) -> float:
   return float(np.linalg.norm(mine - reference) / max(np.linalg.norm(reference), 1e-30))
 
 
-# explicit opt lists for the 4096^3 matmuls, timed beside the heuristic's choice to pick tiles from one GPU run:
-# (row name part, label, opts); "TC" rows use the row's dtype's tensor core
+# explicit opt lists for the 4096^3 and ragged matmuls, timed beside the heuristic's choice to pick tiles from one GPU
+# run: (part of the row's name, label, opts); "TC" uses the row's dtype's tensor core
 VARIANTS = [
-  ("f16", "staged 2x2 warps of 64x64, K step 32 (heuristic)",
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 32 (heuristic)",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
-  ("f16", "staged 2x2 warps of 64x64, K step 16",
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 16",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED"),
-  ("f16", "staged 2x2 warps of 64x64, K step 16, 3 stages",
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 16, 3 stages",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED 0 3"),
-  ("f16", "staged 2x2 warps of 64x64, K step 16, 4 stages",
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 16, 4 stages",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED 0 4"),
-  ("f16", "staged 2x4 warps of 64x32, K step 16, 4 stages",
+  ("4096^3 f16", "staged 2x4 warps of 64x32, K step 16, 4 stages",
    "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;SHARED 0 4"),
-  ("f16", "staged 2x4 warps of 64x32, K step 32",
+  ("4096^3 f16", "staged 2x4 warps of 64x32, K step 32",
    "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED"),
-  ("f16", "staged 4x2 warps of 32x64, K step 32",
+  ("4096^3 f16", "staged 4x2 warps of 32x64, K step 32",
    "TC;UPCAST 1 8;UPCAST 0 2;LOCAL 1 2;LOCAL 0 4;UNROLL 0 2;SHARED"),
-  ("f16", "staged 2x2 warps of 32x32, K step 32",
+  ("4096^3 f16", "staged 2x2 warps of 32x32, K step 32",
    "TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
-  ("f16", "unstaged (before): 2x2 warps of 32x32", "TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
-  ("f32", "SHARED 8x8 per thread, 128x128 (heuristic)",
+  ("4096^3 f16", "unstaged (before): 2x2 warps of 32x32", "TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
+  ("4097x4096", "staged, M and N padded to 128 (heuristic)",
+   "PADTO 0 128;PADTO 1 128;TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
+  ("4097x4096", "staged, K step 16, 4 stages",
+   "PADTO 0 128;PADTO 1 128;TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED 0 4"),
+  ("4097x4096", "unstaged, 2x2 warps of 32x32",
+   "PADTO 0 64;PADTO 1 64;TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128 (heuristic)",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED;UNROLL 0 8"),
-  ("f32", "SHARED 4x4 per thread, 64x64 (before)", "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UNROLL 0 8;SHARED"),
+  ("4096^3 f32", "SHARED 4x4 per thread, 64x64 (before)", "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UNROLL 0 8;SHARED"),
 ]
 
 
@@ -170,6 +176,7 @@ def parse_opts(text: str, tc_choice: int) -> list:
   for item in text.split(";"):
     op, *numbers = item.split()
     if op == "TC": opts.append(Opt(OptOps.TC, 0, tc_choice))
+    elif op == "PADTO": opts.append(Opt(OptOps.PADTO, int(numbers[0]), int(numbers[1])))
     elif op == "SHARED": opts.append(Opt(OptOps.SHARED, 0, int(numbers[1]) if numbers else 0))
     else: opts.append(Opt(OptOps[op], int(numbers[0]), int(numbers[1])))
   return opts
@@ -271,9 +278,9 @@ def main() -> None:
     print(f"{name:<34} {work / 1e9:8.1f} {ms(ours)} {rate} {ms(beam)} {ms(eager)} {ms(compiled)} "
           f"{ms(blas)} {eager / ours * 100:7.0f}%" + (f" ({blas / ours * 100:.0f}% of numpy)" if blas else "")
           + f"  err {error:.1e} vs torch   [{', '.join(kernels)}]")
-    if cuda and args.variants and kind == "mm" and sizes[0] == sizes[1] == sizes[2]:
+    if cuda and args.variants and kind == "mm":
       for part, label, opts_text in VARIANTS:
-        if f" {part}" not in name or (part == "f16" and "bf16" in name): continue
+        if part not in name: continue
         try: print(f"  variant {label:<50} {variant_row(args.device, inputs, opts_text, dtype, args.iters)}")
         except Exception as variant_error:  # an opt list that does not fit (or compile): say so, go on
           print(f"  variant {label:<50} failed: {type(variant_error).__name__}: {str(variant_error)[:120]}")
