@@ -204,3 +204,14 @@ def test_odd_n_tiles_use_x2() -> None:
   counts = sorted(uop.arg[0] for uop in linearize(kernel) if uop.op is UOps.LDMATRIX)
   assert counts == [2] * 6 + [4] * 2
   _check_against_reference(a, b, dtypes.float16, _run(kernel, item), plain)
+
+
+def test_heuristic_stages_with_k_steps_of_16() -> None:
+  """K = 48 is not a multiple of the 32-element step: the heuristic stages with steps of 16 (3 steps)."""
+  a, b = _operands(dtypes.float16, (128, 48), (48, 128), seed=31)
+  item = _matmul_item(a, b)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert kernel.shared_tiles and Opt(OptOps.UNROLL, 0, 2) not in kernel.applied_opts
+  plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  _check_against_reference(a, b, dtypes.float16, _run(kernel, item), plain)

@@ -85,7 +85,7 @@ TC_STAGED_K_STEPS = 2
 def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
   """TC with the block tile staged through local memory (SHARED: cp.async copies, ldmatrix fragments) and the warp
   and block tiles above, ragged M and N padded to the block tile; False (the kernel untouched) where it does not
-  fit (K not a multiple of the reduce step, or more than half padding)."""
+  fit (K not a multiple of 32 nor of 16 twice over, or more than half padding)."""
   trial = kernel.copy()
   block = [TC_STAGED_WARP_TILES[position] * TC_STAGED_BLOCK_WARPS[position] for position in (0, 1)]
   tc = kernel.renderer.tensor_cores[choice]
@@ -97,8 +97,11 @@ def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
   for position, warps in ((1, TC_STAGED_BLOCK_WARPS[1]), (0, TC_STAGED_BLOCK_WARPS[0])):
     axis = _tensor_core_outer_axis(trial, position)
     if axis is None or not trial.try_opt(Opt(OptOps.LOCAL, axis, warps)): return False
-  if not trial.try_opt(Opt(OptOps.UNROLL, 0, TC_STAGED_K_STEPS)) or not trial.try_opt(Opt(OptOps.SHARED, 0, 0)):
-    return False
+  # reduce steps of 32 where K allows (16 otherwise)
+  with_unroll = trial.copy()
+  if with_unroll.try_opt(Opt(OptOps.UNROLL, 0, TC_STAGED_K_STEPS)) and with_unroll.try_opt(Opt(OptOps.SHARED, 0, 0)):
+    trial = with_unroll
+  elif not trial.try_opt(Opt(OptOps.SHARED, 0, 0)): return False
   kernel.__dict__.update(trial.__dict__)
   return True
 
