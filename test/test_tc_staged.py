@@ -215,3 +215,20 @@ def test_heuristic_stages_with_k_steps_of_16() -> None:
   assert kernel.shared_tiles and Opt(OptOps.UNROLL, 0, 2) not in kernel.applied_opts
   plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
   _check_against_reference(a, b, dtypes.float16, _run(kernel, item), plain)
+
+
+def test_tiles_over_48kb_use_dynamic_shared_memory() -> None:
+  """Three stages of 128x128x32 tiles (56 KB) fit the staged-TC limit (dynamic shared memory), not the static one:
+  CUDA renders one extern shared array the tiles point into, and exports its size for the launch."""
+  a, b = Tensor.empty(4096, 4096, dtype=dtypes.float16), Tensor.empty(4096, 4096, dtype=dtypes.float16)
+  kernel = Kernel(create_schedule([(a @ b).lazydata])[-1].ast, CUDARenderer())
+  for opt in [Opt(OptOps.TC, 0, 0), Opt(OptOps.UPCAST, 1, 8), Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.LOCAL, 1, 2),
+              Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.UNROLL, 0, 2), Opt(OptOps.SHARED, 0, 3)]: kernel.apply_opt(opt)
+  assert kernel.local_memory_bytes() == 3 * (128 * 40 + 32 * 136) * 2 > 48 * 1024
+  source = CUDARenderer().render(kernel.name, linearize(kernel))
+  assert "extern __shared__ __align__(16) unsigned char ourgrad_shared[];" in source
+  assert 'extern "C" __device__ unsigned int ourgrad_dynamic_shared_bytes = 56832;' in source
+  assert "unsigned short* tile_b = (unsigned short*)(ourgrad_shared + 30720);" in source
+  if NVRTC is not None:   # no static shared memory left; the 4-byte size is the module's global
+    info = NVRTC.ptxas_info(source)
+    assert "bytes smem" not in info and "4 bytes gmem" in info and "0 bytes spill stores" in info

@@ -172,6 +172,15 @@ VARIANTS = [
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 0 2;SHARED;UNROLL 0 8"),
   ("4096^3 f32", "SHARED 4x4 per thread, 64x64 (before)",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UNROLL 0 8;SHARED"),
+  # dynamic shared memory (over 48 KB of tiles): run after all others
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 32, 3 stages (dynamic smem)",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED 0 3"),
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 64 (dynamic smem)",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 4;SHARED"),
+  ("4096^3 f16", "staged 2x4 warps of 64x64 (128x256), K step 32 (dynamic smem)",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED"),
+  ("4096^3 f16", "staged 2x4 warps of 64x32, K step 32, 3 stages (dynamic smem)",
+   "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED 0 3"),
 ]
 
 
@@ -196,6 +205,9 @@ def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, i
   kernel = Kernel(item.ast, Device[device].renderer)
   for opt in parse_opts(opts_text, 0 if dtype == dtypes.float16 else 1): kernel.apply_opt(opt)
   runner = compile_kernel(kernel, device)
+  needed = kernel.local_memory_bytes()
+  if needed > 48 * 1024 and getattr(runner.program, "shared_bytes", 0) < needed:
+    raise RuntimeError("the dynamic shared memory size was not found in the module (not launched)")
   output = Buffer(device, item.outputs[0].size, item.outputs[0].dtype).allocate()
   seconds = statistics.median([runner([output, *item.inputs], wait=True) for _ in range(iters + 2)][2:])
   m, k = inputs[0].shape
@@ -252,6 +264,7 @@ def main() -> None:
   rate_title = "TFLOP/s" if cuda else "GFLOP/s"
   print(f"{'workload':<34} {'GFLOP':>8} {'ourgrad':>9} {rate_title:>8} {'BEAM=2':>9} {'torch':>9} {'compile':>9} "
         f"{'numpy':>9} {'% torch':>8}   (times in ms)")
+  variant_jobs: list[tuple] = []
   for name, kind, sizes, dtype_name in CUDA_ROWS if cuda else CPU_ROWS:
     if args.only not in name: continue
     sizes = scaled(kind, sizes, args.scale)
@@ -284,11 +297,13 @@ def main() -> None:
           f"{ms(blas)} {eager / ours * 100:7.0f}%" + (f" ({blas / ours * 100:.0f}% of numpy)" if blas else "")
           + f"  err {error:.1e} vs torch   [{', '.join(kernels)}]")
     if cuda and args.variants and kind == "mm":
-      for part, label, opts_text in VARIANTS:
-        if part not in name: continue
-        try: print(f"  variant {label:<50} {variant_row(args.device, inputs, opts_text, dtype, args.iters)}")
-        except Exception as variant_error:  # an opt list that does not fit (or compile): say so, go on
-          print(f"  variant {label:<50} failed: {type(variant_error).__name__}: {str(variant_error)[:120]}")
+      variant_jobs += [(name, label, opts_text, inputs, dtype) for part, label, opts_text in VARIANTS if part in name]
+  # after every row: a variant launch that went wrong would leave the CUDA context unusable; dynamic shared memory last
+  if variant_jobs: print("variants (explicit opts):")
+  for name, label, opts_text, inputs, dtype in sorted(variant_jobs, key=lambda job: "dynamic" in job[1]):
+    try: print(f"  {name:<34} {label:<62} {variant_row(args.device, inputs, opts_text, dtype, args.iters)}")
+    except Exception as variant_error:  # an opt list that does not fit (or compile): say so, go on
+      print(f"  {name:<34} {label:<62} failed: {type(variant_error).__name__}: {str(variant_error)[:120]}")
 
 
 if __name__ == "__main__":

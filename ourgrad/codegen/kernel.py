@@ -551,9 +551,13 @@ class Kernel:
                            f"{self.renderer.max_threads}")
     if self.shared_tiles and self.tensor_core is not None: self.tensor_core_tiles()   # still fits after this opt
     local_bytes = self.local_memory_bytes()
-    if local_bytes > getattr(self.renderer, "local_memory_bytes", 0) and (self.group_dims or self.shared_tiles):
+    limit = getattr(self.renderer, "local_memory_bytes", 0)
+    # staged tensor-core tiles may use dynamic shared memory beyond the static limit (CUDA)
+    if self.shared_tiles and self.tensor_core is not None: limit = getattr(self.renderer, "dynamic_local_memory_bytes",
+                                                                           limit)
+    if local_bytes > limit and (self.group_dims or self.shared_tiles):
       raise KernelOptError(f"{local_bytes} bytes of local memory per block is more than {self.renderer.device}'s "
-                           f"{self.renderer.local_memory_bytes}")
+                           f"{limit}")
 
   def local_threads(self) -> int:
     """Threads per block along the LOCAL axes (outputs)."""

@@ -16,6 +16,9 @@ from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
 
 
+# CUDA tiles over the 48 KB of static shared memory live in one dynamic array; the kernel's module exports its size
+# under this name, which the launch reads (runtime/ops_cuda.py)
+DYNAMIC_SHARED_SYMBOL, DYNAMIC_SHARED_ARRAY = "ourgrad_dynamic_shared_bytes", "ourgrad_shared"
 NARROW_INTS = frozenset({dtypes.int8, dtypes.uint8, dtypes.int16, dtypes.uint16})
 
 
@@ -226,6 +229,7 @@ class CStyleLanguage(Renderer):
     vector_locals = {id(uop.srcs[0]) for uop in uops
                      if uop.op is UOps.LOAD and uop.arg is not None and uop.srcs[0].op is UOps.DEFINE_LOCAL}
     copied_locals = {id(uop.srcs[0]) for uop in uops if uop.op is UOps.COPY}
+    dynamic_offsets = self.dynamic_local_offsets(uops, copied_locals)
     for uop in uops:
       if uop.op is UOps.DEFINE_GLOBAL:
         names[id(uop)] = f"data{uop.arg[0]}"
@@ -301,7 +305,9 @@ class CStyleLanguage(Renderer):
         align = self.local_align if id(uop) in vector_locals | copied_locals else ""
         # a tile that COPYs fill holds the bits as stored (16-bit halves), not register values
         element = self.memory_type(uop.dtype) if id(uop) in copied_locals else self.render_dtype(uop.dtype)
-        emit(f"{self.local_prefix}{align}{element} {uop.arg[0]}[{uop.arg[1]}];")
+        if id(uop) in dynamic_offsets:   # a pointer into the dynamic shared memory (tiles over the static limit)
+          emit(f"{element}* {uop.arg[0]} = ({element}*)({DYNAMIC_SHARED_ARRAY} + {dynamic_offsets[id(uop)]});")
+        else: emit(f"{self.local_prefix}{align}{element} {uop.arg[0]}[{uop.arg[1]}];")
       elif uop.op is UOps.BARRIER:
         emit(self.barrier)
       elif uop.op is UOps.IF:
@@ -356,6 +362,11 @@ class CStyleLanguage(Renderer):
 
   def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
     raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
+
+  def dynamic_local_offsets(self, uops: list[UOp], copied_locals: set[int]) -> dict[int, int]:
+    """Byte offsets in dynamic shared memory of the local memories, by id, where the renderer has it and the tiles
+    exceed the static limit (CUDA); none here."""
+    return {}
 
   def render_copy(self, uop: UOp, local: str, local_index: str, buffer: str, index: str, valid: str | None) -> str:
     raise NotImplementedError(f"{type(self).__name__} has no tile copies")
@@ -538,6 +549,8 @@ class CUDARenderer(CStyleLanguage):
   max_threads = 1024
   has_local = True
   local_memory_bytes = 48 * 1024  # static __shared__ memory per block
+  # staged tensor-core tiles may go beyond, in dynamic shared memory (H100: 227 KB per block)
+  dynamic_local_memory_bytes = 227 * 1024
   warp_size = 32
   local_prefix = "__shared__ "
   local_align = "__align__(16) "
@@ -619,6 +632,23 @@ class CUDARenderer(CStyleLanguage):
             f"  {register} other = ({register})__shfl_xor_sync({mask}, ({wide}){variable}, offset);",
             f"  {variable} = {combined};",
             "}"]
+
+  def dynamic_local_offsets(self, uops: list[UOp], copied_locals: set[int]) -> dict[int, int]:
+    """Over `local_memory_bytes` of tiles (only staged tensor-core tiles may be: their limit is
+    `dynamic_local_memory_bytes`), every local memory is a 16-byte aligned piece of one dynamic shared array."""
+    offsets, total = self.dynamic_local_layout(uops, copied_locals)
+    return offsets if total > self.local_memory_bytes else {}
+
+  @staticmethod
+  def dynamic_local_layout(uops: list[UOp], copied_locals: set[int]) -> tuple[dict[int, int], int]:
+    """(byte offset of each local memory by id, total bytes), each 16-byte aligned; a tile that COPYs fill holds
+    its dtype as stored, any other local memory 4-byte registers values."""
+    offsets, total = {}, 0
+    for uop in uops:
+      if uop.op is not UOps.DEFINE_LOCAL: continue
+      offsets[id(uop)] = total
+      total += -(-uop.arg[1] * (uop.dtype.itemsize if id(uop) in copied_locals else 4) // 16) * 16
+    return offsets, total
 
   # the integer type that moves a COPY's bytes in one access
   copy_types = {16: ("uint4", "make_uint4(0, 0, 0, 0)"), 8: ("uint2", "make_uint2(0, 0)"), 4: ("unsigned", "0u"),
@@ -727,6 +757,11 @@ class CUDARenderer(CStyleLanguage):
                      "  union { From from; To to; } u; u.from = value; return u.to; }\n")
     for arg in dict.fromkeys(uop.arg for uop in uops if uop.op is UOps.WMMA):
       helpers.append(self.render_mma_helper(arg))
+    copied = {id(uop.srcs[0]) for uop in uops if uop.op is UOps.COPY}
+    if self.dynamic_local_offsets(uops, copied):   # the size the launch reads back, and the array tiles point into
+      total = self.dynamic_local_layout(uops, copied)[1]
+      helpers.append(f'extern "C" __device__ unsigned int {DYNAMIC_SHARED_SYMBOL} = {total};\n'
+                     f"extern __shared__ __align__(16) unsigned char {DYNAMIC_SHARED_ARRAY}[];\n")
     launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""
     signature = f'extern "C" __global__ void {launch_bounds}{name}({", ".join(params)}) {{\n'
     return "".join(helpers) + signature + "\n".join(body) + "\n}\n"

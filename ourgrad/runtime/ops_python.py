@@ -92,6 +92,7 @@ class PythonRenderer(Renderer):
   max_threads = 128
   has_local = True
   local_memory_bytes = 16384
+  dynamic_local_memory_bytes = 16384
   warp_size = 0
   vector_width = 4
   tensor_cores: tuple = ()   # EMULATE=CUDA takes CUDA's (WMMA is interpreted as mma.sync, see Interpreter.wmma)
@@ -99,8 +100,8 @@ class PythonRenderer(Renderer):
   def __init__(self, emulate: str = "") -> None:
     if emulate == "": return
     if emulate.upper() != "CUDA": raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA")
-    for limit in ("max_threads", "has_local", "local_memory_bytes", "warp_size", "vector_width", "global_max",
-                  "local_max", "tensor_cores"):
+    for limit in ("max_threads", "has_local", "local_memory_bytes", "dynamic_local_memory_bytes", "warp_size",
+                  "vector_width", "global_max", "local_max", "tensor_cores"):
       setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:
