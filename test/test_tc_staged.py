@@ -232,3 +232,23 @@ def test_tiles_over_48kb_use_dynamic_shared_memory() -> None:
   if NVRTC is not None:   # no static shared memory left; the 4-byte size is the module's global
     info = NVRTC.ptxas_info(source)
     assert "bytes smem" not in info and "4 bytes gmem" in info and "0 bytes spill stores" in info
+
+
+def test_tc_convolution_with_several_reduce_loops() -> None:
+  """A float16 convolution whose K is several reduce loops (input channels / 16 = 2, and the 3x3 window): every loop
+  keeps its own extent (the H100 run caught the unstaged TC kernel opening each with the first loop's)."""
+  rng = np.random.default_rng(32)
+  x_values, w_values = rng.standard_normal((2, 32, 8, 8)), rng.standard_normal((16, 32, 3, 3))
+  x, w = (Tensor(values.astype(np.float32), device="PYTHON").cast(dtypes.float16).realize()
+          for values in (x_values, w_values))
+  schedule = create_schedule([x.conv2d(w, padding=1).lazydata])
+  from ourgrad.engine.realize import run_schedule
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert Opt(OptOps.TC, 0, 0) in kernel.applied_opts and kernel.first_upcast - kernel.first_loop_reduce == 3
+  got = _run(kernel, item)
+  x64, w64 = (torch.tensor(values.astype(np.float16).astype(np.float64)) for values in (x_values, w_values))
+  reference = torch.nn.functional.conv2d(x64, w64, padding=1).numpy().reshape(-1)
+  assert np.linalg.norm(got - reference) / np.linalg.norm(reference) < 1e-3

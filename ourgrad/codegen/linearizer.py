@@ -328,7 +328,7 @@ class Linearizer(TensorCoreTiles):
         if first_step: build.add(UOps.ASYNC_WAIT, None, (), stages)   # commits the group, waits for none
         if first_step < steps:
           self._copy_tensor_core_tiles(staged, axis_idxs, thread, NumNode(first_step), NumNode(first_step))
-    reduce_loops = [self._open_loop(f"ridx{axis}", steps, AxisType.REDUCE)
+    reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
                     for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
     if staged:
       step = axis_idxs[kernel.first_loop_reduce]
