@@ -144,9 +144,11 @@ def test_cuda_staged_kernel_ptx_and_registers(shape) -> None:
   assert kernel.shared_tiles and kernel.tensor_core is not None
   source = CUDARenderer().render(kernel.name, linearize(kernel))
   ptx = NVRTC.ptx(source)
-  assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 8   # A: 4 M tiles x 2 K instructions
-  assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 8   # B: 8 N tiles in pairs x 2
-  assert ptx.count("mma.sync.aligned.m16n8k16") == 64 and "cp.async.cg.shared.global" in ptx
+  # per reduce step of 64 (4 K instructions): A 4 M tiles x 4, B 8 N tiles in pairs x 4, 32 tiles x 4 mma
+  assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 16
+  assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 16
+  assert ptx.count("mma.sync.aligned.m16n8k16") == 128 and "cp.async.cg.shared.global" in ptx
+  assert kernel.local_memory_bytes() == 2 * (128 * 72 + 64 * 136) * 2   # 72 KB: dynamic shared memory
   assert ("ld.global" in ptx) == (shape[0] == 4097)   # B's ragged rows: element by element
   info = NVRTC.ptxas_info(source)
   assert "0 bytes spill stores, 0 bytes spill loads" in info, info
