@@ -141,7 +141,7 @@ def relative_error(ours: Tensor, theirs: Any) -> float:
 # explicit opt lists for the 4096^3 and ragged matmuls, timed beside the heuristic's choice to pick tiles from one GPU
 # run: (part of the row's name, label, opts); "TC" uses the row's dtype's tensor core
 VARIANTS = [
-  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 32 (heuristic)",
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 32",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
   ("4096^3 f16", "staged 2x2 warps of 64x64, K step 16",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED"),
@@ -158,15 +158,15 @@ VARIANTS = [
   ("4096^3 f16", "staged 2x2 warps of 32x32, K step 32",
    "TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
   ("4096^3 f16", "unstaged (before): 2x2 warps of 32x32", "TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
-  ("4097x4096", "staged, M and N padded to 128 (heuristic)",
+  ("4097x4096", "staged, M and N padded to 128, K step 32",
    "PADTO 0 128;PADTO 1 128;TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
   ("4097x4096", "staged, K step 16, 4 stages",
    "PADTO 0 128;PADTO 1 128;TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED 0 4"),
   ("4097x4096", "unstaged, 2x2 warps of 32x32",
    "PADTO 0 64;PADTO 1 64;TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
-  ("4096^3 f32", "SHARED 8x8 per thread, 128x128 (heuristic)",
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 8",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED;UNROLL 0 8"),
-  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16",
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16 (heuristic)",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED;UNROLL 0 16"),
   ("4096^3 f32", "SHARED 8x4 per thread, 128x64",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 0 2;SHARED;UNROLL 0 8"),
@@ -175,7 +175,7 @@ VARIANTS = [
   # dynamic shared memory (over 48 KB of tiles): run after all others
   ("4096^3 f16", "staged 2x2 warps of 64x64, K step 32, 3 stages (dynamic smem)",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED 0 3"),
-  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 64 (dynamic smem)",
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 64 (dynamic smem, heuristic)",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 4;SHARED"),
   ("4096^3 f16", "staged 2x4 warps of 64x64 (128x256), K step 32 (dynamic smem)",
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED"),
