@@ -313,16 +313,32 @@ def test_shared_tiles_match_noopt(case: str) -> None:
     NVRTC.compile(source)
 
 
-def test_heuristic_picks_shared_for_float32_matmuls() -> None:
-  """A float32 matmul that divides the 64x64 block tile gets SHARED from the GPU heuristic (4x4 per thread, 16x16
-  threads, reduce steps of 8); one that does not keeps the register tiles."""
+@pytest.mark.parametrize("n", [128, 64], ids=["8x8", "4x4"])
+def test_heuristic_picks_shared_for_float32_matmuls(n: int) -> None:
+  """A float32 matmul that divides the 128x128 block tile gets SHARED from the GPU heuristic with 8x8 outputs per
+  thread (two float4 runs 64 apart along M and N, reduce steps of 16), one that divides 64x64 4x4 (steps of 8);
+  16x16 threads, the 8x8 tiles double buffered (4 steps: the prefetch wraps to step 0 after the last). One that does
+  not keeps the register tiles."""
   rng = np.random.default_rng(13)
-  a_values, b_values = (rng.standard_normal(shape).astype(np.float32) for shape in ((128, 64), (64, 64)))
+  a_values, b_values = (rng.standard_normal(shape).astype(np.float32) for shape in ((128, 64), (64, n)))
   item = _matmul_item(Tensor(a_values, device=DEVICE), Tensor(b_values, device=DEVICE))
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
   kernel.hand_coded_optimizations()
-  assert kernel.shared_tiles and kernel.block_threads() == 256 and kernel.upcast_lanes() == 4 * 4 * 8
-  np.testing.assert_allclose(_run(kernel, item).reshape(128, 64), a_values.astype(np.float64) @ b_values,
+  per_thread = 8 if n == 128 else 4
+  # registers: the outputs, and one reduce step's A and B values
+  assert kernel.shared_tiles and kernel.block_threads() == 256
+  assert kernel.upcast_lanes() == per_thread * per_thread + 2 * per_thread
+  uops = linearize(kernel)
+  tile_reads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_LOCAL]
+  step = 16 if per_thread == 8 else 8   # the reduce step
+  assert all(uop.arg == 4 for uop in tile_reads)   # float4s
+  assert len(tile_reads) == step * 2 * per_thread // 4
+  # 8x8: double buffered, two stages per tile and one barrier per step (plus one after step 0's stores); 4x4: the
+  # 128 float4s of a tile fill half the 256 threads (a partial round), single stage, a barrier before and after
+  stages = 2 if per_thread == 8 else 1
+  assert [uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL] == [stages * step * 16 * per_thread] * 2
+  assert sum(uop.op is UOps.BARRIER for uop in uops) == 2
+  np.testing.assert_allclose(_run(kernel, item).reshape(128, n), a_values.astype(np.float64) @ b_values,
                              rtol=1e-4, atol=1e-4)
   ragged = Kernel(_matmul_item(Tensor(a_values[:100], device=DEVICE), Tensor(b_values, device=DEVICE)).ast,
                   PythonRenderer("CUDA"))
@@ -351,13 +367,15 @@ def test_illegal_shared_raises(case: str) -> None:
   shapes = ((128, 256), (256, 128)) if case == "too_big" else ((32, 64), (64, 32))
   kernel = _fp16_matmul_kernel(renderer, *shapes, dtype=dtype)
   before = {"after_group": [Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.GROUP, 0, 4)],
-            "twice": [Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.SHARED, 0, 0)], "with_tc": [Opt(OptOps.TC, 0, 0)],
+            "twice": [Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.SHARED, 0, 0)],
+            "with_tc": [Opt(OptOps.TC, 0, 0), Opt(OptOps.UNROLL, 0, 4)],
             "too_big": [Opt(OptOps.LOCAL, 0, 64), Opt(OptOps.LOCAL, 1, 16), Opt(OptOps.SHARED, 0, 0),
                         Opt(OptOps.UNROLL, 0, 128)]}.get(case, [])
   for opt in before: kernel.apply_opt(opt)
   shape = kernel.full_shape
   with pytest.raises(KernelOptError):
-    # too_big: 40 KB of tiles fit in CUDA's 48 KB; two rows per thread make A's tile 64 KB
+    # with_tc: staged tensor-core tiles need one reduce loop (the unroll took all of K); too_big: 40 KB of tiles
+    # fit in CUDA's 48 KB; two rows per thread make A's tile 64 KB
     kernel.apply_opt(Opt(OptOps.UPCAST, 0, 2) if case == "too_big" else Opt(OptOps.SHARED, 0, 0))
   assert kernel.full_shape == shape
 

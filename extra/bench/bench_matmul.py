@@ -9,6 +9,9 @@ Rows on the CPU (`--device CLANG`): matmul 1024^3 and 2048^3 float32, conv2d for
 Method: inputs are realized first; each figure is the median over `--iters` runs after 2 warm-ups. ourgrad on CUDA:
 the summed device times of the kernels (what DEBUG=2 prints); on the CPU: wall time of the kernels (they run
 synchronously). PyTorch on CUDA: torch.cuda events. "% torch" is PyTorch eager's time over ourgrad's.
+Each row also gives its relative error against PyTorch's output, and on CUDA the 4096^3 float16 and float32 rows are
+followed by variants: the same matmul with explicit opt lists (VARIANTS: warp and block tiles, K step, staged or
+not), to compare tile choices in one run (`--no-variants` skips them).
 Run: `python extra/bench/bench_matmul.py` on a CUDA machine, `python extra/bench/bench_matmul.py --device CLANG`
 on the CPU (`--scale 4` divides every side by 16, to check the script quickly). BEAM=2 and max-autotune each
 search for minutes per row: `--beam 0 --no-compile` gives the hand-coded and eager columns alone, and `--only f16`
@@ -31,7 +34,7 @@ from ourgrad import Tensor  # noqa: E402
 from timing import torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.dtype import dtypes  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
-from ourgrad.engine.realize import get_runner  # noqa: E402
+from ourgrad.engine.realize import get_kernel, get_runner  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 
 # (name, kind, shapes..., dtype name): kind "mm" takes (m, k, n); "conv" (batch, cin, height, width, cout, pad);
@@ -121,11 +124,108 @@ def ourgrad_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, 
       runner = get_runner(device, item.ast)
       seconds = runner(item.bufs, wait=True) or 0.0
       total += seconds
-      names.append(runner.name)
+      names.append(runner.name + kernel_opts(device, item.ast))
     totals.append(total if cuda else time.perf_counter() - began)
   return statistics.median(totals[2:]), names
 
 
+
+
+def relative_error(ours: Tensor, theirs: Any) -> float:
+  """||ours - theirs|| / ||theirs|| in float64 (the first output of a row against PyTorch's)."""
+  mine = ours.cast(dtypes.float32).numpy().astype(np.float64).reshape(-1)
+  reference = theirs.detach().float().cpu().numpy().astype(np.float64).reshape(-1)
+  return float(np.linalg.norm(mine - reference) / max(np.linalg.norm(reference), 1e-30))
+
+
+# explicit opt lists for the 4096^3 and ragged matmuls, timed beside the heuristic's choice to pick tiles from one GPU
+# run: (part of the row's name, label, opts); "TC" uses the row's dtype's tensor core
+VARIANTS = [
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 32",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 16",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED"),
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 16, 3 stages",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED 0 3"),
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 16, 4 stages",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED 0 4"),
+  ("4096^3 f16", "staged 2x4 warps of 64x32, K step 16, 4 stages",
+   "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;SHARED 0 4"),
+  ("4096^3 f16", "staged 2x4 warps of 64x32, K step 32",
+   "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED"),
+  ("4096^3 f16", "staged 4x2 warps of 32x64, K step 32",
+   "TC;UPCAST 1 8;UPCAST 0 2;LOCAL 1 2;LOCAL 0 4;UNROLL 0 2;SHARED"),
+  ("4096^3 f16", "staged 2x2 warps of 32x32, K step 32",
+   "TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
+  ("4096^3 f16", "unstaged (before): 2x2 warps of 32x32", "TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
+  ("4097x4096", "staged, M and N padded to 128, K step 32",
+   "PADTO 0 128;PADTO 1 128;TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED"),
+  ("4097x4096", "staged, K step 16, 4 stages",
+   "PADTO 0 128;PADTO 1 128;TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;SHARED 0 4"),
+  ("4097x4096", "unstaged, 2x2 warps of 32x32",
+   "PADTO 0 64;PADTO 1 64;TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 8",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED;UNROLL 0 8"),
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16 (heuristic)",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED;UNROLL 0 16"),
+  ("4096^3 f32", "SHARED 8x4 per thread, 128x64",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 0 2;SHARED;UNROLL 0 8"),
+  ("4096^3 f32", "SHARED 4x4 per thread, 64x64 (before)",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UNROLL 0 8;SHARED"),
+  # dynamic shared memory (over 48 KB of tiles): run after all others
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 32, 3 stages (dynamic smem)",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 2;SHARED 0 3"),
+  ("4096^3 f16", "staged 2x2 warps of 64x64, K step 64 (dynamic smem, heuristic)",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 4;SHARED"),
+  ("4096^3 f16", "staged 2x4 warps of 64x64 (128x256), K step 32 (dynamic smem)",
+   "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED"),
+  ("4096^3 f16", "staged 2x4 warps of 64x32, K step 32, 3 stages (dynamic smem)",
+   "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED 0 3"),
+]
+
+
+def parse_opts(text: str, tc_choice: int) -> list:
+  from ourgrad.codegen.kernel import Opt, OptOps
+  opts = []
+  for item in text.split(";"):
+    op, *numbers = item.split()
+    if op == "TC": opts.append(Opt(OptOps.TC, 0, tc_choice))
+    elif op == "PADTO": opts.append(Opt(OptOps.PADTO, int(numbers[0]), int(numbers[1])))
+    elif op == "SHARED": opts.append(Opt(OptOps.SHARED, 0, int(numbers[1]) if numbers else 0))
+    else: opts.append(Opt(OptOps[op], int(numbers[0]), int(numbers[1])))
+  return opts
+
+
+def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, iters: int) -> str:
+  """One matmul kernel with explicit opts: its time, rate and relative error (first rows) against float64."""
+  from ourgrad.codegen.kernel import Kernel
+  from ourgrad.device import Buffer, Device
+  from ourgrad.engine.realize import compile_kernel
+  item = create_schedule([(inputs[0] @ inputs[1]).lazydata])[-1]
+  kernel = Kernel(item.ast, Device[device].renderer)
+  for opt in parse_opts(opts_text, 0 if dtype == dtypes.float16 else 1): kernel.apply_opt(opt)
+  runner = compile_kernel(kernel, device)
+  needed = kernel.local_memory_bytes()
+  if needed > 48 * 1024 and getattr(runner.program, "shared_bytes", 0) < needed:
+    raise RuntimeError("the dynamic shared memory size was not found in the module (not launched)")
+  output = Buffer(device, item.outputs[0].size, item.outputs[0].dtype).allocate()
+  seconds = statistics.median([runner([output, *item.inputs], wait=True) for _ in range(iters + 2)][2:])
+  m, k = inputs[0].shape
+  n = inputs[1].shape[1]
+  rate = 2.0 * m * k * n / seconds / 1e12
+  # the first 64 rows against float64 (cheap on the host)
+  rows = min(m, 64)
+  got = output.numpy()[:rows * n].astype(np.float64).reshape(rows, n)
+  a64, b64 = (tensor.cast(dtypes.float32).numpy().astype(np.float64) for tensor in inputs)
+  reference = a64[:rows] @ b64
+  error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
+  return f"{seconds * 1e3:8.3f} ms {rate:7.1f} TFLOP/s  err {error:.1e}  {runner.name}"
+
+
+def kernel_opts(device: str, ast: Any) -> str:
+  """The hand-coded opts of a reduce kernel (what the heuristic chose: tiles, TC, SHARED), as " opts=[...]"."""
+  if os.environ.get("BEAM") or not any(node.op.name == "SUM" for node in ast.walk()): return ""
+  return f" opts={get_kernel(ast, device).applied_opts}"
 
 
 def beam_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, cuda: bool) -> float | None:
@@ -150,6 +250,8 @@ def main() -> None:
   parser.add_argument("--beam", type=int, default=None, help="1: also BEAM=2 (default: on CUDA only)")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
   parser.add_argument("--only", default="", help="run only the rows whose name contains this")
+  parser.add_argument("--no-variants", dest="variants", action="store_false",
+                      help="skip the explicit-opts variants of the 4096^3 rows (CUDA)")
   args = parser.parse_args()
   import torch
   cuda = args.device.upper().startswith("CUDA")
@@ -162,6 +264,7 @@ def main() -> None:
   rate_title = "TFLOP/s" if cuda else "GFLOP/s"
   print(f"{'workload':<34} {'GFLOP':>8} {'ourgrad':>9} {rate_title:>8} {'BEAM=2':>9} {'torch':>9} {'compile':>9} "
         f"{'numpy':>9} {'% torch':>8}   (times in ms)")
+  variant_jobs: list[tuple] = []
   for name, kind, sizes, dtype_name in CUDA_ROWS if cuda else CPU_ROWS:
     if args.only not in name: continue
     sizes = scaled(kind, sizes, args.scale)
@@ -170,6 +273,7 @@ def main() -> None:
     inputs = [Tensor(array, device=args.device).cast(dtype).realize() for array in host]
     function = ourgrad_function(kind, sizes)
     ours, kernels = ourgrad_seconds(args.device, lambda: function(*inputs), args.iters, cuda)
+    ours_output = function(*inputs)[0].realize()
     beam = beam_seconds(args.device, lambda: function(*inputs), args.iters, cuda) if with_beam else None
     torch_inputs = [torch.tensor(array, device=torch_device).to(getattr(torch, dtype_name)) for array in host]
     reference = torch_function(kind, sizes)
@@ -187,9 +291,19 @@ def main() -> None:
     def ms(value: float | None) -> str: return f"{value * 1e3:9.3f}" if value is not None else f"{'-':>9}"
     work = flops(kind, sizes)
     rate = f"{work / ours / 1e12:8.1f}" if cuda else f"{work / ours / 1e9:8.1f}"
+    error = relative_error(ours_output, reference(*torch_inputs)[0] if kind == "conv_step" else
+                           reference(*torch_inputs))
     print(f"{name:<34} {work / 1e9:8.1f} {ms(ours)} {rate} {ms(beam)} {ms(eager)} {ms(compiled)} "
           f"{ms(blas)} {eager / ours * 100:7.0f}%" + (f" ({blas / ours * 100:.0f}% of numpy)" if blas else "")
-          + f"   [{', '.join(kernels)}]")
+          + f"  err {error:.1e} vs torch   [{', '.join(kernels)}]")
+    if cuda and args.variants and kind == "mm":
+      variant_jobs += [(name, label, opts_text, inputs, dtype) for part, label, opts_text in VARIANTS if part in name]
+  # after every row: a variant launch that went wrong would leave the CUDA context unusable; dynamic shared memory last
+  if variant_jobs: print("variants (explicit opts):")
+  for name, label, opts_text, inputs, dtype in sorted(variant_jobs, key=lambda job: "dynamic" in job[1]):
+    try: print(f"  {name:<34} {label:<62} {variant_row(args.device, inputs, opts_text, dtype, args.iters)}")
+    except Exception as variant_error:  # an opt list that does not fit (or compile): say so, go on
+      print(f"  {name:<34} {label:<62} failed: {type(variant_error).__name__}: {str(variant_error)[:120]}")
 
 
 if __name__ == "__main__":

@@ -101,6 +101,31 @@ def matmul_operands(reduceop: LazyOp | None, dtype_in: DType, dtype_out: DType, 
   return operands[0], operands[1]
 
 
+@dataclass(frozen=True)
+class TileLayout:
+  """A tensor-core operand's block tile in local memory (OptOps.SHARED after TC). The tile holds the operand at
+  every index of its tile axes (the in-block axes it varies along) for one reduce step, in the operand's own memory
+  order (`axes`, outermost first): the last `row_axes` axes are contiguous in global memory and form a row of
+  `row_length` elements, copied in 16-byte pieces; each row is followed by `padding` unused elements so that the
+  8 rows one ldmatrix matrix reads fall in different banks. `transposed`: a row runs along M (N) rather than K, so
+  the fragments are loaded with ldmatrix .trans. `stages` copies of the tile (double buffering)."""
+  axes: tuple[int, ...]
+  row_axes: int
+  row_length: int
+  rows: int
+  padding: int
+  transposed: bool
+  stages: int
+
+  @property
+  def stage_size(self) -> int: return self.rows * (self.row_length + self.padding)
+
+
+# elements of padding after each row of a tensor-core tile (16 bytes of float16) and its stages (cp.async double
+# buffering)
+TC_TILE_PADDING, TC_TILE_STAGES = 8, 2
+
+
 # more registers than this per thread spills on every device we target
 MAX_UPCAST_LANES = 256
 # the amounts `legal_opts` tries for each axis (0 means the whole axis)
@@ -157,6 +182,7 @@ class Kernel:
     # dimensions are then the instruction's m, n, k (see _apply_tensor_core)
     self.tensor_core: AppliedTensorCore | None = None
     self.shared_tiles = False   # OptOps.SHARED (see staged_loads)
+    self.tile_stages = TC_TILE_STAGES   # with TC: the SHARED tiles' stages (OptOps.SHARED's amount, 0: the default)
     self.row_axes: tuple[int, ...] | None = _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
@@ -286,11 +312,11 @@ class Kernel:
 
   def _state(self) -> tuple:
     return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts),
-            self.tensor_core, self.shared_tiles)
+            self.tensor_core, self.shared_tiles, self.tile_stages)
 
   def _restore(self, state: tuple) -> None:
     (self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts,
-     self.tensor_core, self.shared_tiles) = state
+     self.tensor_core, self.shared_tiles, self.tile_stages) = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -310,10 +336,13 @@ class Kernel:
     if opt.op is OptOps.TC:
       if opt.axis != 0: raise KernelOptError(f"TC takes axis 0 (it finds the matmul's axes), got {opt.axis}")
       return 0
-    if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP, OptOps.SHARED):
+    if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
     if opt.op is OptOps.SHARED:
-      if opt.axis != 0 or opt.amount != 0: raise KernelOptError(f"SHARED takes axis 0 and amount 0, got {opt}")
+      # with tensor cores the amount is the number of stages (0: the default, 2)
+      stages = (0, 2, 3, 4) if self.tensor_core is not None else (0,)
+      if opt.axis != 0 or opt.amount not in stages:
+        raise KernelOptError(f"SHARED takes axis 0 and amount in {stages}, got {opt}")
       return 0
     if self.shared_tiles and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       raise KernelOptError(f"{opt.op.name} does not combine with SHARED")
@@ -353,7 +382,7 @@ class Kernel:
       self._apply_tensor_core(opt.amount)
       return
     if opt.op is OptOps.SHARED:
-      self._apply_shared_tiles()
+      self._apply_shared_tiles(opt.amount or TC_TILE_STAGES)
       return
     amount = opt.amount if opt.amount != 0 else size
     if amount <= 1 or size % amount != 0:
@@ -428,25 +457,63 @@ class Kernel:
     k_axes = [axis for axis in reduces if varies(a_strides, axis) and varies(b_strides, axis)]
     return m_axes, n_axes, k_axes
 
-  def _apply_shared_tiles(self) -> None:
+  def _apply_shared_tiles(self, stages: int) -> None:
     """SHARED: a flag the linearizer reads (Linearizer._stage_shared_tiles); the tiles follow the final shape."""
     if not getattr(self.renderer, "has_local", False):
       raise KernelOptError(f"SHARED needs a device with local memory, {self.renderer.device} has none")
     if self.shared_tiles: raise KernelOptError("SHARED is already applied")
     if self.group_dims: raise KernelOptError("SHARED does not combine with GROUP/GROUPTOP")
-    self.shared_tiles = True
+    self.shared_tiles, self.tile_stages = True, stages
+    if self.tensor_core is not None:
+      self.tensor_core_tiles()   # raises where an operand's tile does not fit ldmatrix
+      return
     if not self.staged_loads():
       raise KernelOptError(f"SHARED: no load of {self.name} is shared by the block's threads along a reduce")
+
+  def tensor_core_tiles(self) -> tuple[TileLayout, TileLayout]:
+    """With TC and SHARED: the local-memory layouts of the A and B tiles (see TileLayout). Raises KernelOptError
+    where they do not fit the staged path: one reduce loop, each operand one view (masks allowed) whose contiguous
+    axis is the instruction's K axis or its M (N) axis, with plain strides."""
+    applied = self.tensor_core
+    assert applied is not None
+    if self.first_upcast - self.first_loop_reduce != 1:
+      raise KernelOptError(f"SHARED with TC needs one reduce loop, {self.name} has "
+                           f"{self.first_upcast - self.first_loop_reduce}")
+    m_axis, n_axis, k_axis = self.shape_len - 3, self.shape_len - 2, self.shape_len - 1
+    return (self._tensor_core_tile(applied.a, m_axis, k_axis), self._tensor_core_tile(applied.b, n_axis, k_axis))
+
+  def _tensor_core_tile(self, operand: LazyOp, row_axis: int, k_axis: int) -> TileLayout:
+    st = self.sts[self.leaf_number(operand)]
+    strides = st.real_strides()
+    in_block = list(range(self.global_dims, self.first_reduce)) + list(range(self.first_upcast, self.shape_len))
+    if any(strides[axis] is None for axis in in_block):
+      raise KernelOptError(f"SHARED with TC: the operand {st} has no plain strides inside the block")
+    axes = sorted((axis for axis in in_block if strides[axis] != 0), key=lambda axis: -strides[axis])
+    innermost = axes[-1]
+    if strides[innermost] != 1 or innermost not in (row_axis, k_axis):
+      raise KernelOptError(f"SHARED with TC: the operand {st} is not contiguous along the instruction's axes")
+    transposed = innermost != k_axis
+    # the row: the innermost axes while they stay contiguous and along the same matrix direction (K, or M/N)
+    row_axes, row_length = 1, self.full_shape[innermost]
+    for outer, inner in zip(reversed(axes[:-1]), reversed(axes[1:])):
+      if strides[outer] != strides[inner] * self.full_shape[inner]: break
+      if self.is_reduce_axis(outer) == transposed: break
+      row_axes, row_length = row_axes + 1, row_length * self.full_shape[outer]
+    if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
+    rows = prod(self.full_shape[axis] for axis in axes) // row_length
+    return TileLayout(tuple(axes), row_axes, row_length, rows, TC_TILE_PADDING, transposed, self.tile_stages)
 
   def staged_loads(self) -> list[tuple[int, list[int]]]:
     """With SHARED: (leaf number, tile axes) of each load the block's threads share (stride 0 along some LOCAL
     axis) while it varies along a reduce axis: its tile is every LOCAL, UPCAST and UNROLL axis it varies along, laid
-    out UNROLL outermost, then LOCAL, then UPCAST innermost: a thread reads its upcast values as float4s, and
-    neighbouring threads neighbouring float4s (no bank conflicts)."""
+    out UNROLL outermost, the output's innermost UPCAST axis innermost, and the LOCAL and other UPCAST axes in the
+    output's order between: a thread reads its upcast values as float4s, and neighbouring threads neighbouring
+    float4s (no bank conflicts), also where a thread's outputs are float4s strided by the block's threads."""
     if not self.shared_tiles or self.reduceop is None: return []
     local_axes = list(range(self.global_dims, self.first_reduce))
     in_block = local_axes + list(range(self.first_upcast, self.shape_len))
     reduce_axes = [axis for axis in range(self.first_reduce, self.shape_len) if self.is_reduce_axis(axis)]
+    output_strides = self.sts[0].real_strides()
     staged = []
     for number, leaf in enumerate(self.leaves):
       if leaf.op is not Ops.LOAD or not isinstance(leaf.arg, MemBuffer) or leaf.srcs: continue
@@ -455,8 +522,13 @@ class Kernel:
       if not shared or all(strides[axis] == 0 for axis in reduce_axes): continue
       tile = [axis for axis in in_block if strides[axis] != 0]
       kinds = self.axis_types
-      order = {AxisType.UNROLL: 0, AxisType.LOCAL: 1, AxisType.UPCAST: 2}
-      staged.append((number, sorted(tile, key=lambda axis: order[kinds[axis]])))
+      innermost = max((axis for axis in tile if kinds[axis] is AxisType.UPCAST),
+                      key=lambda axis: -abs(output_strides[axis] or 0), default=None)
+
+      def place(axis: int) -> tuple:
+        if kinds[axis] is AxisType.UNROLL: return (0, 0)
+        return (2, 0) if axis == innermost else (1, -abs(output_strides[axis] or 0))
+      staged.append((number, sorted(tile, key=place)))
     return staged
 
   def leaf_number(self, leaf: LazyOp) -> int:
@@ -477,10 +549,15 @@ class Kernel:
     if self.block_threads() > self.renderer.max_threads:
       raise KernelOptError(f"{self.block_threads()} threads per block is more than {self.renderer.device}'s "
                            f"{self.renderer.max_threads}")
+    if self.shared_tiles and self.tensor_core is not None: self.tensor_core_tiles()   # still fits after this opt
     local_bytes = self.local_memory_bytes()
-    if local_bytes > getattr(self.renderer, "local_memory_bytes", 0) and (self.group_dims or self.shared_tiles):
+    limit = getattr(self.renderer, "local_memory_bytes", 0)
+    # staged tensor-core tiles may use dynamic shared memory beyond the static limit (CUDA)
+    if self.shared_tiles and self.tensor_core is not None: limit = getattr(self.renderer, "dynamic_local_memory_bytes",
+                                                                           limit)
+    if local_bytes > limit and (self.group_dims or self.shared_tiles):
       raise KernelOptError(f"{local_bytes} bytes of local memory per block is more than {self.renderer.device}'s "
-                           f"{self.renderer.local_memory_bytes}")
+                           f"{limit}")
 
   def local_threads(self) -> int:
     """Threads per block along the LOCAL axes (outputs)."""
@@ -504,6 +581,9 @@ class Kernel:
 
   def local_memory_bytes(self) -> int:
     """The block's local memory: the SHARED tiles, or the GROUP partials (one value per thread and upcast output)."""
+    if self.shared_tiles and self.tensor_core is not None:
+      return sum(tile.stage_size * tile.stages * self.tensor_core.tc.dtype_in.itemsize
+                 for tile in self.tensor_core_tiles())
     if self.shared_tiles:
       return sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
                  for leaf, axes in self.staged_loads())
@@ -523,10 +603,22 @@ class Kernel:
     self.upcasted = kept.count(AxisType.UPCAST) + kept.count(AxisType.UNROLL)
 
   def upcast_lanes(self) -> int:
-    """Registers per thread the upcast and unroll axes take; a tensor-core tile counts its A, B and C fragments."""
+    """Registers per thread the upcast and unroll axes take; a tensor-core tile counts its A, B and C fragments, and
+    a SHARED kernel its outputs and one reduce step's operand values (they are read from the tiles as used)."""
+    if self.tensor_core is None and self.shared_tiles:
+      upcasts = self.upcast_axes
+      operands = sum(prod(self.full_shape[axis] for axis in upcasts if self.sts[leaf].real_strides()[axis] != 0)
+                     for leaf, _ in self.staged_loads())
+      return prod(self.full_shape[axis] for axis in upcasts) + operands
     if self.tensor_core is None: return prod(self.full_shape[self.first_upcast:])
-    tc = self.tensor_core.tc
-    return prod(self.full_shape[self.first_upcast:-3]) * (tc.a_elements + tc.b_elements + tc.c_elements)
+    tc, sizes = self.tensor_core.tc, self.full_shape
+    applied = self.tensor_core
+    tiles = [axis for axis in self.upcast_axes if axis < self.shape_len - 3]
+    a_strides = self.sts[self.leaf_number(applied.a)].real_strides()
+    # the accumulators of every tile, and the fragments of one K step (A per M tile, B per N tile)
+    m_tiles = prod(sizes[axis] for axis in tiles if a_strides[axis] != 0)
+    n_tiles = prod(sizes[axis] for axis in tiles if a_strides[axis] == 0)
+    return prod(sizes[axis] for axis in tiles) * tc.c_elements + m_tiles * tc.a_elements + n_tiles * tc.b_elements
 
   def legal_opts(self) -> list[Opt]:
     """Every Opt (over OPT_AMOUNTS) that applies to this kernel as it is now, each checked on a copy."""
@@ -537,7 +629,7 @@ class Kernel:
         candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
         continue
       if op is OptOps.SHARED:
-        candidates.append(Opt(op, 0, 0))
+        candidates += [Opt(op, 0, 0)] + ([Opt(op, 0, 3), Opt(op, 0, 4)] if self.tensor_core is not None else [])
         continue
       axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
       candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]

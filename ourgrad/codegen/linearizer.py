@@ -19,6 +19,7 @@ import math
 from typing import Callable, Sequence
 
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
 from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
@@ -36,7 +37,7 @@ def reduce_identity(op: Ops, dtype: DType) -> float | int | bool:
   return dtype.min
 
 
-class Linearizer:
+class Linearizer(TensorCoreTiles):
   """Builds the UOps of one kernel. `linearize(kernel)` is the entry point."""
 
   def __init__(self, kernel: Kernel):
@@ -47,6 +48,8 @@ class Linearizer:
     self.leaf_index = {id(leaf): index for index, leaf in enumerate(kernel.leaves)}
     self.tiles: dict[int, tuple[UOp, list[int]]] = {}   # loads staged in local memory (OptOps.SHARED)
     self.tile_vectors: dict[tuple, UOp] = {}   # float4 reads of the tiles in this reduce step
+    self.tile_offsets: dict[int, Node] = {}   # the stage being read, by id of the local memory (double buffered)
+    self.fragment_loads: dict[tuple, UOp] = {}   # LDMATRIX of the tensor-core tiles in this reduce step
 
   # ---------------------------------------------------------------- symbolic index math -> UOps
 
@@ -123,17 +126,37 @@ class Linearizer:
       accumulate_op = Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
       for lane in output_lanes:
         accumulators[lane] = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
-      tiles = self._define_shared_tiles()
+      pipelined = self._tiles_double_buffered()
+      tiles = self._define_shared_tiles(2 if pipelined else 1)
+      if pipelined:   # step 0 into stage 0 before the loop (see _tiles_double_buffered)
+        first_idxs = list(axis_idxs)
+        first_idxs[kernel.first_loop_reduce] = NumNode(0)
+        for local, address, value in self._stage_shared_tiles(tiles, first_idxs, {}, defer=True):
+          build.add(UOps.STORE, None, (local, self.node_to_uop(address), value))
+        build.add(UOps.BARRIER, None)
       reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
                       for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
-      self._stage_shared_tiles(tiles, axis_idxs)
+      next_tiles = []
+      if pipelined:   # load step r + 1 now (wrapping to 0 at the end: in bounds, never read), store it after the math
+        step, steps = axis_idxs[kernel.first_loop_reduce], shape[kernel.first_loop_reduce]
+        next_idxs = list(axis_idxs)
+        next_idxs[kernel.first_loop_reduce] = (step + 1) % steps
+        sizes = {id(local): local.arg[1] // 2 for local, _ in tiles.values()}
+        next_tiles = self._stage_shared_tiles(tiles, next_idxs, {key: (step + 1) % 2 * size
+                                                                 for key, size in sizes.items()}, defer=True)
+        self.tile_offsets = {key: step % 2 * size for key, size in sizes.items()}
+        self.tiles = tiles
+      else: self._stage_shared_tiles(tiles, axis_idxs, {})
       for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
         for lane in output_lanes:
           idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, unroll_lane)
           value = self.compute(reduce.srcs[0], idxs, None)
           build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[lane], value), accumulate_op)
-      if tiles: build.add(UOps.BARRIER, None)   # every thread is done with the tiles before the next step's stores
-      self.tiles = {}   # a load the kernel's epilogue shares with the reduce reads global memory there
+      for local, address, value in next_tiles: build.add(UOps.STORE, None, (local, self.node_to_uop(address), value))
+      # every thread is done with the tiles before the next step's stores (double buffered: and has stored them)
+      if tiles: build.add(UOps.BARRIER, None)
+      # a load the kernel's epilogue shares with the reduce reads global memory there
+      self.tiles, self.tile_offsets = {}, {}
       for loop in reversed(reduce_loops): build.end_range(loop)
 
     reduced: dict[tuple[int, ...], UOp] = dict(accumulators)
@@ -159,26 +182,49 @@ class Linearizer:
 
   # ---------------------------------------------------------------- shared-memory tiles (OptOps.SHARED)
 
-  def _define_shared_tiles(self) -> dict[int, tuple[UOp, list[int]]]:
-    """A DEFINE_LOCAL per staged load (Kernel.staged_loads): id of the load -> (local memory, tile axes)."""
+  def _define_shared_tiles(self, stages: int = 1) -> dict[int, tuple[UOp, list[int]]]:
+    """A DEFINE_LOCAL per staged load (Kernel.staged_loads), `stages` tiles long: id of the load -> (local memory,
+    tile axes)."""
     kernel, tiles = self.kernel, {}
     for number, (leaf, axes) in enumerate(kernel.staged_loads()):
       node = kernel.leaves[leaf]
-      size = math.prod(kernel.full_shape[axis] for axis in axes)
+      size = math.prod(kernel.full_shape[axis] for axis in axes) * stages
       tiles[id(node)] = (self.builder.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"tile{number}", size)), axes)
     return tiles
+
+  def _tiles_double_buffered(self) -> bool:
+    """SHARED tiles in two stages (register prefetch): each step loads step r + 1's tile values into registers
+    before its math and stores them into the other stage after it, so the global loads' latency hides behind the
+    math and one BARRIER per step is enough (stage (r + 1) % 2 was last read in step r - 1, before that step's
+    barrier). Where there is one reduce loop, every tile fills in whole rounds of the block's threads, and the
+    tiles twice over still fit the device's local memory."""
+    kernel = self.kernel
+    staged = kernel.staged_loads()
+    if not staged or kernel.first_upcast - kernel.first_loop_reduce != 1: return False
+    threads = kernel.local_threads()
+    for leaf, axes in staged:
+      node = kernel.leaves[leaf]
+      strides = kernel.sts[leaf].real_strides()
+      fill_axes = sorted(axes, key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
+      if math.prod(kernel.full_shape[axis] for axis in axes) // self._tile_load_width(node, fill_axes) % threads:
+        return False
+    return 2 * kernel.local_memory_bytes() <= getattr(kernel.renderer, "local_memory_bytes", 0)
 
   def _tile_address(self, axes: list[int], idxs: list[Node]) -> Node:
     address: Node = NumNode(0)
     for axis in axes: address = address * self.kernel.full_shape[axis] + idxs[axis]
     return address
 
-  def _stage_shared_tiles(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node]) -> None:
+  def _stage_shared_tiles(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node],
+                          offsets: dict[int, Node], defer: bool = False) -> list[tuple[UOp, Node, UOp]]:
     """At each reduce step, the block's threads load every staged tile together (element e by thread e mod the
     block's threads: neighbouring threads, neighbouring elements), then wait at a BARRIER; `_load` then reads the
-    tiles. The tiles' elements are the loads' values at this step for every LOCAL/UPCAST/UNROLL index."""
-    if not tiles: return
+    tiles. The tiles' elements are the loads' values at this step for every LOCAL/UPCAST/UNROLL index, stored at
+    `offsets` (by id of the local memory) in it. `defer`: only the loads; returns the stores (local memory, address,
+    value) for the caller to emit (whole rounds only: no IF)."""
+    if not tiles: return []
     kernel, build = self.kernel, self.builder
+    deferred: list[tuple[UOp, Node, UOp]] = []
     thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce))
     threads = kernel.local_threads()
     nodes = {id(leaf): leaf for leaf in kernel.leaves}
@@ -212,10 +258,14 @@ class Linearizer:
         else:   # not provably aligned: the unit's elements one by one
           values = [self._global_load(node, lane_idx, ()) for lane_idx in lane_idxs]
         for lane_idx, value in zip(lane_idxs, values):
-          build.add(UOps.STORE, None, (local, self.node_to_uop(self._tile_address(axes, lane_idx)), value))
+          address = offsets.get(id(local), NumNode(0)) + self._tile_address(axes, lane_idx)
+          if defer: deferred.append((local, address, value))
+          else: build.add(UOps.STORE, None, (local, self.node_to_uop(address), value))
         if guard is not None: build.end_if(guard)
+    if defer: return deferred
     build.add(UOps.BARRIER, None)
     self.tiles = tiles
+    return []
 
   def _tile_load(self, node: LazyOp, local: UOp, axes: list[int], idxs: list[Node]) -> UOp:
     """One element of a staged tile: from a float4 of the tile where its innermost axis is an UPCAST/UNROLL axis of
@@ -227,13 +277,14 @@ class Linearizer:
       lane = idxs[innermost].b % width
       first = list(idxs)
       first[innermost] = NumNode(idxs[innermost].b - lane)
-      address = self._tile_address(axes, first)
+      address = self.tile_offsets.get(id(local), NumNode(0)) + self._tile_address(axes, first)
       if _multiple_of(address, width):
         key = (id(local), address.render())
         if key not in self.tile_vectors:
           self.tile_vectors[key] = self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)), width)
         return self.builder.add(UOps.GEP, node.dtype, (self.tile_vectors[key],), lane)
-    return self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(self._tile_address(axes, idxs))))
+    address = self.tile_offsets.get(id(local), NumNode(0)) + self._tile_address(axes, idxs)
+    return self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)))
 
   def _tile_load_width(self, node: LazyOp, axes: list[int]) -> int:
     """4 (float4 loads into the tile) where the renderer has them, the load is float32 through one unmasked view
@@ -269,13 +320,36 @@ class Linearizer:
     tiles = list(itertools.product(*[range(shape[axis]) for axis in upcast_axes]))
     accumulators = {tile: [build.add(UOps.DEFINE_ACC, tc.dtype_out, (), 0.0) for _ in range(tc.c_elements)]
                     for tile in tiles}
+    staged = self._define_tensor_core_tiles() if kernel.shared_tiles else []
+    stages, steps = kernel.tile_stages, shape[kernel.first_loop_reduce]
+    if staged:   # the first stages - 1 steps' tiles, one commit group each (see codegen/tensor_core_tiles.py)
+      thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce)) * WARP_LANES + lane
+      for first_step in range(stages - 1):   # always stages - 1 groups (empty past the last step): the waits count
+        if first_step: build.add(UOps.ASYNC_WAIT, None, (), stages)   # commits the group, waits for none
+        if first_step < steps:
+          self._copy_tensor_core_tiles(staged, axis_idxs, thread, NumNode(first_step), NumNode(first_step))
     reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
                     for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
+    if staged:
+      step = axis_idxs[kernel.first_loop_reduce]
+      stage = step % stages
+      build.add(UOps.ASYNC_WAIT, None, (), stages - 2)   # this step's group has landed (the newer ones may not)
+      build.add(UOps.BARRIER, None)
+      prefetch = build.add(UOps.IF, None, (self.node_to_uop(step < steps - (stages - 1)),))
+      self._copy_tensor_core_tiles(staged, axis_idxs, thread, step + (stages - 1), (step + (stages - 1)) % stages)
+      build.end_if(prefetch)
+      self.fragment_loads = {}
     for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
       for tile in tiles:
         idxs = self._fill_lanes(axis_idxs, upcast_axes, tile, unroll_axes, unroll_lane)
-        a_values = self._fragment_values(applied.a, idxs, (m_axis, k_axis), a_position, tc.a_elements, group, quad)
-        b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), b_position, tc.b_elements, group, quad)
+        if staged:
+          a_values = self._tile_fragment(staged[0], True, idxs, lane, stage)
+          b_values = self._tile_fragment(staged[1], False, idxs, lane, stage)
+        else:
+          a_values = self._fragment_values(applied.a, idxs, (m_axis, k_axis), a_position, tc.a_elements, group,
+                                           quad)
+          b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), b_position, tc.b_elements, group,
+                                           quad)
         build.add(UOps.WMMA, tc.dtype_out, tuple(a_values + b_values + accumulators[tile]),
                   (tc.dims, tc.dtype_in.name, tc.dtype_out.name))
     for loop in reversed(reduce_loops): build.end_range(loop)

@@ -66,6 +66,17 @@ class UOps(Enum):
   #                          lane's A fragment values, then its B fragment values (in dtype_in), then its C fragment's
   #                          DEFINE_ACCs, which it updates in place with D (as ACCUMULATE does); arg = ((m, n, k),
   #                          dtype_in name, dtype_out name). Every lane of each warp runs it together (no IF around it)
+  COPY = auto()            # global -> local memory, the bits as stored: srcs = (local, local index, buffer, index[,
+  #                          valid]); arg = (width, asynchronous): `width` neighbouring elements (both indices multiples
+  #                          of it), zeros where valid is false. Asynchronous (cp.async on CUDA): the data is visible
+  #                          only after the next ASYNC_WAIT and BARRIER
+  ASYNC_WAIT = auto()      # arg = n: the thread's asynchronous COPYs are complete except the last n commit groups
+  #                          (the copies since the previous ASYNC_WAIT are one group); a BARRIER follows
+  LDMATRIX = auto()        # a warp's fragment load from local memory (ldmatrix.m8n8.b16): srcs = (local, index of the
+  #                          row this lane points at); arg = (count, transposed); count 8x8 matrices, matrix j's rows
+  #                          from lanes 8j..8j+7 (8 neighbouring elements each); lane l gets elements 2j, 2j+1 of the
+  #                          result (GEP) from matrix j: row l // 4, columns 2 (l % 4) + (0, 1); transposed: rows
+  #                          2 (l % 4) + (0, 1), column l // 4. Every lane of each warp runs it together
 
 
 @dataclass(eq=False)
@@ -100,7 +111,8 @@ def format_uops(uops: list[UOp]) -> str:
 
 # uops that are never merged with an earlier identical one: they have effects or open/close scopes
 _NOT_CACHED = frozenset({UOps.RANGE, UOps.ENDRANGE, UOps.STORE, UOps.DEFINE_ACC, UOps.ACCUMULATE, UOps.SPECIAL,
-                         UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF, UOps.ENDIF, UOps.WMMA})
+                         UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF, UOps.ENDIF, UOps.WMMA, UOps.COPY,
+                         UOps.ASYNC_WAIT, UOps.LDMATRIX})
 # uops that open a scope: values defined inside are not reused after its end
 _SCOPE_OPENERS = frozenset({UOps.RANGE, UOps.IF})
 

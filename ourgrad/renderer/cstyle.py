@@ -18,6 +18,9 @@ from ourgrad.renderer import Renderer
 from ourgrad.renderer.cvector import VectorPlan, vector_typedefs
 
 
+# CUDA tiles over the 48 KB of static shared memory live in one dynamic array; the kernel's module exports its size
+# under this name, which the launch reads (runtime/ops_cuda.py)
+DYNAMIC_SHARED_SYMBOL, DYNAMIC_SHARED_ARRAY = "ourgrad_dynamic_shared_bytes", "ourgrad_shared"
 NARROW_INTS = frozenset({dtypes.int8, dtypes.uint8, dtypes.int16, dtypes.uint16})
 
 
@@ -245,6 +248,8 @@ class CStyleLanguage(Renderer):
     raw_loads = self.raw_fragment_loads(uops)
     vector_locals = {id(uop.srcs[0]) for uop in uops
                      if uop.op is UOps.LOAD and uop.arg is not None and uop.srcs[0].op is UOps.DEFINE_LOCAL}
+    copied_locals = {id(uop.srcs[0]) for uop in uops if uop.op is UOps.COPY}
+    dynamic_offsets = self.dynamic_local_offsets(uops, copied_locals)
     for uop in uops:
       if uop.op is UOps.DEFINE_GLOBAL:
         names[id(uop)] = f"data{uop.arg[0]}"
@@ -278,6 +283,17 @@ class CStyleLanguage(Renderer):
         variable = new_name("vec")
         names[id(uop)] = variable
         emit(f"unsigned {variable} = *((const unsigned*)({ref(uop.srcs[0])}+({ref(uop.srcs[1])})));")
+      elif uop.op is UOps.LDMATRIX:
+        variable = new_name("frag")
+        names[id(uop)] = variable
+        for line in self.render_ldmatrix(variable, uop, ref(uop.srcs[0]), ref(uop.srcs[1])): emit(line)
+      elif uop.op is UOps.GEP and uop.srcs[0].op is UOps.LDMATRIX:   # one 16-bit half of a fragment register
+        names[id(uop)] = f"((unsigned short)({ref(uop.srcs[0])}_{uop.arg // 2} >> {16 * (uop.arg % 2)}))"
+      elif uop.op is UOps.COPY:
+        valid = ref(uop.srcs[4]) if len(uop.srcs) > 4 else None
+        emit(self.render_copy(uop, ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), ref(uop.srcs[3]), valid))
+      elif uop.op is UOps.ASYNC_WAIT:
+        emit(self.render_async_wait(uop.arg))
       elif uop.op is UOps.GEP and id(uop) in raw_loads:
         names[id(uop)] = f"((unsigned short)({ref(uop.srcs[0])} >> {16 * uop.arg}))"
       elif uop.op is UOps.LOAD and id(uop) in raw_loads:   # kept as stored (a tensor-core fragment element)
@@ -306,8 +322,12 @@ class CStyleLanguage(Renderer):
       elif uop.op is UOps.DEFINE_LOCAL:
         names[id(uop)] = uop.arg[0]
         # 16-byte aligned where it is read as float4 (a SHARED tile: its vector indices are multiples of 4)
-        align = self.local_align if id(uop) in vector_locals else ""
-        emit(f"{self.local_prefix}{align}{self.render_dtype(uop.dtype)} {uop.arg[0]}[{uop.arg[1]}];")
+        align = self.local_align if id(uop) in vector_locals | copied_locals else ""
+        # a tile that COPYs fill holds the bits as stored (16-bit halves), not register values
+        element = self.memory_type(uop.dtype) if id(uop) in copied_locals else self.render_dtype(uop.dtype)
+        if id(uop) in dynamic_offsets:   # a pointer into the dynamic shared memory (tiles over the static limit)
+          emit(f"{element}* {uop.arg[0]} = ({element}*)({DYNAMIC_SHARED_ARRAY} + {dynamic_offsets[id(uop)]});")
+        else: emit(f"{self.local_prefix}{align}{element} {uop.arg[0]}[{uop.arg[1]}];")
       elif uop.op is UOps.BARRIER:
         emit(self.barrier)
       elif uop.op is UOps.IF:
@@ -375,6 +395,20 @@ class CStyleLanguage(Renderer):
 
   def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
     raise NotImplementedError(f"{type(self).__name__} has no warp shuffles")
+
+  def dynamic_local_offsets(self, uops: list[UOp], copied_locals: set[int]) -> dict[int, int]:
+    """Byte offsets in dynamic shared memory of the local memories, by id, where the renderer has it and the tiles
+    exceed the static limit (CUDA); none here."""
+    return {}
+
+  def render_copy(self, uop: UOp, local: str, local_index: str, buffer: str, index: str, valid: str | None) -> str:
+    raise NotImplementedError(f"{type(self).__name__} has no tile copies")
+
+  def render_async_wait(self, keep: int) -> str:
+    raise NotImplementedError(f"{type(self).__name__} has no asynchronous copies")
+
+  def render_ldmatrix(self, variable: str, uop: UOp, local: str, index: str) -> list[str]:
+    raise NotImplementedError(f"{type(self).__name__} has no ldmatrix")
 
   def render_wmma(self, uop: UOp, operands: list[str], raw: list[bool]) -> str:
     raise NotImplementedError(f"{type(self).__name__} has no tensor cores")
@@ -554,6 +588,8 @@ class CUDARenderer(CStyleLanguage):
   max_threads = 1024
   has_local = True
   local_memory_bytes = 48 * 1024  # static __shared__ memory per block
+  # staged tensor-core tiles may go beyond, in dynamic shared memory (H100: 227 KB per block)
+  dynamic_local_memory_bytes = 227 * 1024
   warp_size = 32
   local_prefix = "__shared__ "
   local_align = "__align__(16) "
@@ -636,6 +672,60 @@ class CUDARenderer(CStyleLanguage):
             f"  {variable} = {combined};",
             "}"]
 
+  def dynamic_local_offsets(self, uops: list[UOp], copied_locals: set[int]) -> dict[int, int]:
+    """Over `local_memory_bytes` of tiles (only staged tensor-core tiles may be: their limit is
+    `dynamic_local_memory_bytes`), every local memory is a 16-byte aligned piece of one dynamic shared array."""
+    offsets, total = self.dynamic_local_layout(uops, copied_locals)
+    return offsets if total > self.local_memory_bytes else {}
+
+  @staticmethod
+  def dynamic_local_layout(uops: list[UOp], copied_locals: set[int]) -> tuple[dict[int, int], int]:
+    """(byte offset of each local memory by id, total bytes), each 16-byte aligned; a tile that COPYs fill holds
+    its dtype as stored, any other local memory 4-byte registers values."""
+    offsets, total = {}, 0
+    for uop in uops:
+      if uop.op is not UOps.DEFINE_LOCAL: continue
+      offsets[id(uop)] = total
+      total += -(-uop.arg[1] * (uop.dtype.itemsize if id(uop) in copied_locals else 4) // 16) * 16
+    return offsets, total
+
+  # the integer type that moves a COPY's bytes in one access
+  copy_types = {16: ("uint4", "make_uint4(0, 0, 0, 0)"), 8: ("uint2", "make_uint2(0, 0)"), 4: ("unsigned", "0u"),
+                2: ("unsigned short", "(unsigned short)0")}
+
+  def render_copy(self, uop: UOp, local: str, local_index: str, buffer: str, index: str, valid: str | None) -> str:
+    """A tile COPY: cp.async (4, 8 or 16 bytes; .cg for 16: it bypasses L1) with a source size of 0 where not
+    valid (zero-filled, nothing read), else one plain vector load and store (2 bytes, or a synchronous COPY)."""
+    width, asynchronous = uop.arg
+    size = width * uop.srcs[0].dtype.itemsize
+    source = f"{buffer}+({index})" if valid is None else f"{buffer}+(({valid}) ? ({index}) : 0)"
+    if asynchronous and size in (4, 8, 16):
+      cache = "cg" if size == 16 else "ca"
+      operands = f'"r"((unsigned)__cvta_generic_to_shared({local}+({local_index}))), "l"({source})'
+      if valid is not None: operands += f', "r"(({valid}) ? {size} : 0)'
+      source_size = "" if valid is None else ", %2"
+      instruction = f"cp.async.{cache}.shared.global [%0], [%1], {size}{source_size};"
+      return f'asm volatile("{instruction}" :: {operands} : "memory");'
+    vector, zero = self.copy_types[size]
+    loaded = f"*((const {vector}*)({source}))"
+    if valid is not None: loaded = f"({valid}) ? {loaded} : {zero}"
+    return f"*(({vector}*)({local}+({local_index}))) = {loaded};"
+
+  def render_async_wait(self, keep: int) -> str:
+    return ('asm volatile("cp.async.commit_group;" ::: "memory"); '
+            f'asm volatile("cp.async.wait_group {keep};" ::: "memory");')
+
+  def render_ldmatrix(self, variable: str, uop: UOp, local: str, index: str) -> list[str]:
+    """ldmatrix into `count` 32-bit registers {variable}_0.. (each two 16-bit fragment elements)."""
+    count, transposed = uop.arg
+    registers = [f"{variable}_{number}" for number in range(count)]
+    outputs = ", ".join(f'"=r"({register})' for register in registers)
+    operands = ", ".join(f"%{number}" for number in range(count))
+    instruction = (f"ldmatrix.sync.aligned.m8n8.x{count}{'.trans' if transposed else ''}.shared.b16 "
+                   f"{{{operands}}}, [%{count}];")
+    address = f"(unsigned)__cvta_generic_to_shared({local}+({index}))"
+    return [f"unsigned {', '.join(registers)};", f'asm volatile("{instruction}" : {outputs} : "r"({address}));']
+
   def raw_fragment_loads(self, uops: list[UOp]) -> set[int]:
     """float16/bfloat16 loads of kernel arguments read only by WMMAs: the mma takes their 16 bits as stored, so they
     skip the round trip through a float register (a conversion there and one back). A 2-wide vector load of them
@@ -651,6 +741,7 @@ class CUDARenderer(CStyleLanguage):
           uop.dtype in (dtypes.float16, dtypes.bfloat16):
         if uop.arg is None and wmma_uses.get(id(uop), 0) == uop.uses: raw.add(id(uop))
         if uop.arg == 2: raw.add(id(uop))
+      elif uop.op is UOps.GEP and uop.srcs[0].op is UOps.LDMATRIX: raw.add(id(uop))
       elif uop.op is UOps.GEP and id(uop.srcs[0]) in raw:
         if wmma_uses.get(id(uop), 0) != uop.uses: raise NotImplementedError("a paired half load read outside a WMMA")
         raw.add(id(uop))
@@ -705,6 +796,11 @@ class CUDARenderer(CStyleLanguage):
                      "  union { From from; To to; } u; u.from = value; return u.to; }\n")
     for arg in dict.fromkeys(uop.arg for uop in uops if uop.op is UOps.WMMA):
       helpers.append(self.render_mma_helper(arg))
+    copied = {id(uop.srcs[0]) for uop in uops if uop.op is UOps.COPY}
+    if self.dynamic_local_offsets(uops, copied):   # the size the launch reads back, and the array tiles point into
+      total = self.dynamic_local_layout(uops, copied)[1]
+      helpers.append(f'extern "C" __device__ unsigned int {DYNAMIC_SHARED_SYMBOL} = {total};\n'
+                     f"extern __shared__ __align__(16) unsigned char {DYNAMIC_SHARED_ARRAY}[];\n")
     launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""
     signature = f'extern "C" __global__ void {launch_bounds}{name}({", ".join(params)}) {{\n'
     return "".join(helpers) + signature + "\n".join(body) + "\n}\n"

@@ -17,7 +17,7 @@ from typing import Any
 
 from ourgrad.device import Compiled, Compiler, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.renderer.cstyle import CUDARenderer
+from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL, CUDARenderer
 
 try:
   from cuda.bindings import driver, nvrtc
@@ -112,6 +112,17 @@ class CUDACompiler(Compiler):
     check(nvrtc.nvrtcDestroyProgram(program), "nvrtcDestroyProgram")
     return ptx.rstrip(b"\x00").decode()
 
+  def ptxas_info(self, source: str) -> str:
+    """ptxas's resource report for the kernel (registers, spill stores and loads, shared memory), from NVRTC."""
+    program = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
+    options = [f"--gpu-architecture={self.arch}".encode(), b"-default-device", b"--std=c++17", b"--ptxas-options=-v"]
+    status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
+    log = b" " * check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+    check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
+    check(nvrtc.nvrtcDestroyProgram(program), "nvrtcDestroyProgram")
+    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS: raise CompileError(f"NVRTC failed:\n{log.decode(errors='replace')}")
+    return log.rstrip(b"\x00").decode(errors="replace")
+
   def sass(self, source: str) -> str:
     """The SASS (machine code) of the compiled CUBIN, from cuobjdump or nvdisasm when one is on PATH."""
     tool = shutil.which("cuobjdump") or shutil.which("nvdisasm")
@@ -136,6 +147,18 @@ class CUDAProgram:
     device.make_current()
     self.module = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
     self.function = check(driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+    self.shared_bytes = self._dynamic_shared_bytes()
+
+  def _dynamic_shared_bytes(self) -> int:
+    """The dynamic shared memory the kernel declares (CUDARenderer: `ourgrad_dynamic_shared_bytes`, where its tiles
+    exceed the 48 KB of static shared memory), allowed on the function once; 0 for every other kernel."""
+    status, pointer, _ = driver.cuModuleGetGlobal(self.module, DYNAMIC_SHARED_SYMBOL.encode())
+    if status != driver.CUresult.CUDA_SUCCESS: return 0
+    value = ctypes.c_uint32(0)
+    check(driver.cuMemcpyDtoH(ctypes.addressof(value), pointer, 4), "cuMemcpyDtoH")
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    check(driver.cuFuncSetAttribute(self.function, attribute, value.value), "cuFuncSetAttribute")
+    return value.value
 
   def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),
                wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
@@ -144,8 +167,8 @@ class CUDAProgram:
     params = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(pointer) for pointer in pointers])
     stream = self.device.stream
     if wait: check(driver.cuEventRecord(self.device.start_event, stream), "cuEventRecord")
-    check(driver.cuLaunchKernel(self.function, *global_size, *local_size, 0, stream, ctypes.addressof(params), 0),
-          f"cuLaunchKernel({self.name})")
+    check(driver.cuLaunchKernel(self.function, *global_size, *local_size, self.shared_bytes, stream,
+                                ctypes.addressof(params), 0), f"cuLaunchKernel({self.name})")
     if not wait: return None
     check(driver.cuEventRecord(self.device.end_event, stream), "cuEventRecord")
     check(driver.cuEventSynchronize(self.device.end_event), "cuEventSynchronize")
@@ -183,7 +206,7 @@ class CUDAGraph:
       params.func = program.function
       params.gridDimX, params.gridDimY, params.gridDimZ = global_size
       params.blockDimX, params.blockDimY, params.blockDimZ = local_size
-      params.sharedMemBytes = 0
+      params.sharedMemBytes = program.shared_bytes
       params.kernelParams = ctypes.addressof(pointers)
       params.extra = 0
       node = check(driver.cuGraphAddKernelNode(self.graph, previous, len(previous), params), "cuGraphAddKernelNode")

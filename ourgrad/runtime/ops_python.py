@@ -92,6 +92,7 @@ class PythonRenderer(Renderer):
   max_threads = 128
   has_local = True
   local_memory_bytes = 16384
+  dynamic_local_memory_bytes = 16384
   warp_size = 0
   vector_width = 4
   tensor_cores: tuple = ()   # EMULATE=CUDA takes CUDA's (WMMA is interpreted as mma.sync, see Interpreter.wmma)
@@ -99,8 +100,8 @@ class PythonRenderer(Renderer):
   def __init__(self, emulate: str = "") -> None:
     if emulate == "": return
     if emulate.upper() != "CUDA": raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA")
-    for limit in ("max_threads", "has_local", "local_memory_bytes", "warp_size", "vector_width", "global_max",
-                  "local_max", "tensor_cores"):
+    for limit in ("max_threads", "has_local", "local_memory_bytes", "dynamic_local_memory_bytes", "warp_size",
+                  "vector_width", "global_max", "local_max", "tensor_cores"):
       setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:
@@ -195,7 +196,7 @@ def vectorizable_loops(instructions: list[Instruction], loop_ends: dict[int, int
       instruction = instructions[position]
       op = instruction.op
       if op in (UOps.STORE, UOps.DEFINE_ACC, UOps.DEFINE_GLOBAL, UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF,
-                UOps.WARP_REDUCE, UOps.WMMA): eligible = False
+                UOps.WARP_REDUCE, UOps.WMMA, UOps.COPY, UOps.ASYNC_WAIT, UOps.LDMATRIX): eligible = False
       elif op is UOps.RANGE:
         # a loop after an inner one closed is a sibling, not a chain; bounds must be known before the block runs
         eligible = not closed and all(instructions[src].op is UOps.CONST for src in instruction.srcs)
@@ -404,6 +405,8 @@ class Interpreter:
     self.thread_ids = np.arange(self.thread_count, dtype=np.int64)
     self.masks: list[np.ndarray] = []  # the threads running each open IF block, innermost last
     self.locals: list[LocalMemory] = []
+    # asynchronous COPYs not yet landed, in groups (one per ASYNC_WAIT): (position, memory, index, values, threads)
+    self.pending_copies: list[list[tuple]] = [[]]
 
   @property
   def active(self) -> np.ndarray | None:
@@ -538,6 +541,13 @@ class Interpreter:
     if op is UOps.WMMA:
       self.wmma(position, instruction, operands)
       return None
+    if op is UOps.COPY:
+      self.copy(position, instruction, operands)
+      return None
+    if op is UOps.ASYNC_WAIT:
+      self.async_wait(instruction.arg)
+      return None
+    if op is UOps.LDMATRIX: return self.ldmatrix(position, instruction, operands[0], operands[1])
     if op is UOps.CAST: return cast(operands[0], self.src_dtype(instruction), dtype)
     if op is UOps.BITCAST: return bitcast(operands[0], self.src_dtype(instruction), dtype)
     if op is UOps.SPECIAL: return self.special(position, instruction.arg)
@@ -651,6 +661,60 @@ class Interpreter:
     for element, accumulator in enumerate(instruction.srcs[a_count + b_count:]):
       row, column = (evaluate(coordinate, group, quad) for coordinate in c_position(element))
       self.values[accumulator] = result[warp, row, column]
+
+  def copy(self, position: int, instruction: Instruction, operands: list) -> None:
+    """COPY: `width` elements from global memory (0 where not valid) to local memory, as stored. Asynchronous copies
+    land at the ASYNC_WAIT that completes their group (stored then, by the thread that issued them)."""
+    memory, local_index, buffer, index = operands[:4]
+    valid = operands[4] if len(operands) > 4 else None
+    width, asynchronous = instruction.arg
+    index, local_index = (np.broadcast_to(np.asarray(value, np.int64), (self.thread_count,))
+                          for value in (index, local_index))
+    running = np.ones(self.thread_count, bool) if self.active is None else self.active.copy()
+    if ((index % width != 0) & running).any() or ((local_index % width != 0) & running).any():
+      raise self.error(position, f"a {width}-wide copy from or to an unaligned index")
+    loaded = np.broadcast_to(np.asarray(True if valid is None else valid, bool), (self.thread_count,)) & running
+    safe = np.where(loaded, index, 0)
+    self.check_bounds(position, buffer, safe[loaded] + (width - 1), "read at")
+    values = [np.where(loaded, buffer[np.where(loaded, safe + element, 0)], np.zeros((), buffer.dtype))
+              for element in range(width)]
+    copies = [(position, memory, local_index + element, from_memory(value, memory.dtype), running.copy())
+              for element, value in enumerate(values)]
+    if asynchronous: self.pending_copies[-1].extend(copies)
+    else: self._land(copies)
+
+  def _land(self, copies: list[tuple]) -> None:
+    saved = self.masks
+    for position, memory, local_index, value, running in copies:
+      self.masks = [running]
+      self.store_local(position, memory, local_index, value)
+    self.masks = saved
+
+  def async_wait(self, keep: int) -> None:
+    """ASYNC_WAIT keep: the copies since the last wait become a group; all but the last `keep` groups land."""
+    groups = self.pending_copies
+    landing, self.pending_copies = groups[:len(groups) - keep], groups[len(groups) - keep:] + [[]]
+    for group in landing: self._land(group)
+
+  def ldmatrix(self, position: int, instruction: Instruction, memory: LocalMemory, index: np.ndarray) -> np.ndarray:
+    """ldmatrix.m8n8.x{count}[.trans].b16 per warp: matrix j's 8 rows start at the addresses of lanes 8j..8j+7;
+    lane l gets, per matrix, row l // 4 columns 2 (l % 4) + (0, 1) (transposed: rows 2 (l % 4) + (0, 1), column
+    l // 4). Returns (2 count, threads): element 2j + e of each lane."""
+    if self.active is not None: raise self.error(position, "an LDMATRIX inside an IF block (a warp runs it together)")
+    if self.threads_per_block % WARP_LANES:
+      raise self.error(position, f"an LDMATRIX in blocks of {self.threads_per_block} threads (not whole warps)")
+    count, transposed = instruction.arg
+    index = np.broadcast_to(np.asarray(index, np.int64), (self.thread_count,))
+    if (index % 8).any(): raise self.error(position, "an LDMATRIX row address that is not 16-byte aligned")
+    warp_first = self.thread_ids // WARP_LANES * WARP_LANES
+    lane = self.thread_ids % WARP_LANES
+    result = np.zeros((2 * count, self.thread_count), memory.data.dtype)
+    for matrix in range(count):
+      for element in range(2):
+        if transposed: row_lane, column = 8 * matrix + 2 * (lane % 4) + element, lane // 4
+        else: row_lane, column = 8 * matrix + lane // 4, 2 * (lane % 4) + element
+        result[2 * matrix + element] = self.load_local(position, memory, index[warp_first + row_lane] + column)
+    return result
 
   def vector_load(self, position: int, instruction: Instruction, buffer: np.ndarray, index: np.ndarray) -> np.ndarray:
     """`width` neighbouring elements, stacked on a new first axis (GEP takes one); the index must be a multiple of
