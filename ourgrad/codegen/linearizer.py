@@ -483,8 +483,12 @@ class Linearizer:
         a, b, c = (values[id(src)] for src in node.srcs)
         values[id(node)] = build.alu(Ops.ADD, node.dtype, build.alu(Ops.MUL, node.dtype, a, b), c)
       else:
-        values[id(node)] = build.alu(node.op, node.dtype, *(values[id(src)] for src in node.srcs))
+        values[id(node)] = self._alu(node.op, node.dtype, tuple(values[id(src)] for src in node.srcs))
     return values[id(root)]
+
+  def _alu(self, op: Ops, dtype: DType, srcs: tuple[UOp, ...]) -> UOp:
+    """One ALU node of the AST (a subclass may lower an op to several, as the CPU row kernels' exp2)."""
+    return self.builder.alu(op, dtype, *srcs)
 
   def _known_reduces(self, reduce_value: UOp | None) -> dict[int, UOp]:
     """id(reduce node) -> the UOp holding its result, for the reduces `compute` does not descend into."""

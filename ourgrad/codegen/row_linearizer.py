@@ -22,15 +22,22 @@ import math
 from typing import Callable
 
 from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _multiple_of, reduce_identity
-from ourgrad.codegen.uops import AxisType, UOp, UOps
-from ourgrad.dtype import dtypes
+from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _multiple_of, _post_order, reduce_identity
+from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
+from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.symbolic import Node, NumNode, Variable
 
 # A GPU thread keeps at most this many units (float4s, or scalars) of its row in registers: 8 float4s = 32 floats,
 # enough for 8192-float rows with 256 threads and 32768-float rows with 1024, without spilling.
 PERSISTENT_UNITS = 8
+# A CPU row kernel keeps its transcendental per-element values (exp) for the store pass in stack arrays of at most
+# this many bytes a row (per thread; they stay in L1/L2).
+MAX_KEPT_BYTES = 64 * 1024
+TRANSCENDENTAL_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT})
+# ops whose integer results never wrap around (CPU lanes compile without -fwrapv)
+_NO_WRAP_OPS = frozenset({Ops.LOAD, Ops.CONST, Ops.CAST, Ops.BITCAST, Ops.STORE, Ops.SINK, Ops.MAX, Ops.CMPLT,
+                          Ops.CMPNE, Ops.WHERE, Ops.AND, Ops.OR, Ops.XOR})
 # The smallest block a row gets when the row has that many units: enough threads in flight per SM for short rows.
 MIN_ROW_THREADS = 128
 
@@ -48,11 +55,10 @@ class RowLinearizer(Linearizer):
   def __init__(self, kernel: Kernel):
     super().__init__(kernel)
     self.reduce_values: dict[int, UOp] = {}
+    self.kept_values: dict[int, UOp] = {}   # id(node) -> its value read back from a kept-value array (CPU)
     # while a GPU pass computes one element of a unit: (the unit's first element's indices, width, lane), which
     # _vector_load uses to read the unit as one vector
     self.vector_unit: tuple[list[Node], int, int] | None = None
-
-  def _known_reduces(self, reduce_value: UOp | None) -> dict[int, UOp]: return self.reduce_values
 
   def linearize(self) -> list[UOp]:
     kernel, build = self.kernel, self.builder
@@ -71,18 +77,37 @@ class RowLinearizer(Linearizer):
       for axis in row_dims:
         idxs[axis] = Variable(f"gidx{axis}", 0, shape[axis] - 1)
         row_loops.append(self._open_loop(f"gidx{axis}", shape[axis], AxisType.GLOBAL))
+    lanes = self._cpu_lanes()
+    kept = self._kept_values()
+    scratch = {id(node): build.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"kept{number}", self._row_length()))
+               for number, (node, _) in enumerate(kept)}
     for number, reduce in enumerate(kernel.reduceops):
-      accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
-      loops = self._open_row_loops(idxs, f"ridx{number}_")
-      value = self.compute(reduce.srcs[0], idxs, None)
-      build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
+      accumulators = _Accumulators(self, reduce, number, lanes)
+      loops = self._open_row_loops(idxs, f"ridx{number}_", lanes)
+      for node, keeper in kept:   # computed once here, read back by the store pass
+        if keeper is reduce:
+          build.add(UOps.STORE, None, (scratch[id(node)], self._row_position(idxs), self.compute(node, idxs, None)))
+      accumulators.add(self.compute(reduce.srcs[0], idxs, None), loops[-1])
       self._close_row_loops(idxs, loops)
-      self.reduce_values[id(reduce)] = accumulator
-    loops = self._open_row_loops(idxs, "sidx") if self._per_element() else []
-    self._store_outputs(idxs, None)
-    self._close_row_loops(idxs, loops)
+      self.reduce_values[id(reduce)] = accumulators.combined()
+    if not self._per_element():
+      self._store_outputs(idxs, None)
+    else:
+      loops = self._open_row_loops(idxs, "sidx", lanes)
+      position = self._row_position(idxs)
+      self.kept_values = {node_id: build.add(UOps.LOAD, local.dtype, (local, position))
+                          for node_id, local in scratch.items()}
+      self._store_outputs(idxs, None)
+      self.kept_values = {}
+      self._close_row_loops(idxs, loops)
     for loop in reversed(row_loops): build.end_range(loop)
     return build.uops
+
+  def _alu(self, op: Ops, dtype: DType, srcs: tuple[UOp, ...]) -> UOp:
+    # a CPU's libm exp2f is a call per element, which the C compiler cannot vectorize: arithmetic it can
+    if op is Ops.EXP2 and dtype == dtypes.float32 and not self.kernel.renderer.has_threads:
+      return vector_exp2(self.builder, srcs[0])
+    return super()._alu(op, dtype, srcs)
 
   def _per_element(self) -> bool:
     """Whether the outputs are per element of the rows (softmax), not once per row (var)."""
@@ -90,13 +115,65 @@ class RowLinearizer(Linearizer):
 
   # ---------------------------------------------------------------- CPU: a thread per row
 
-  def _open_row_loops(self, idxs: list[Node], prefix: str) -> list[UOp]:
-    """A loop over each reduced axis (a loop in the thread, never a GLOBAL loop the CPU renderer parallelizes)."""
+  def _cpu_lanes(self) -> int:
+    """Neighbouring elements of a row computed side by side, each reduce with an accumulator per lane, so that the C
+    compiler can vectorize the passes (a float sum in one accumulator is a serial chain it may not reorder): the
+    SIMD width in elements where the innermost row axis splits into whole vectors, else 1."""
+    kernel = self.kernel
+    vector_bytes = getattr(kernel.renderer, "vector_bytes", 0)
+    if kernel.renderer.has_threads or not vector_bytes or not kernel.renderer.has_stack_arrays: return 1
+    # lanes compile without -fwrapv and with the loop vectorizer (ops_clang.ClangCompiler.flags_for): one lane where
+    # integer arithmetic may wrap, or a flipped view (a negative stride: gcc 12's loop vectorizer miscompiles those)
+    if any(stride is not None and stride < 0 for st in kernel.sts for stride in st.real_strides()): return 1
+    if any(not node.dtype.is_float and node.dtype != dtypes.bool and node.op not in _NO_WRAP_OPS
+           for node in kernel.ast.walk()): return 1
+    itemsize = max((reduce.dtype.itemsize for reduce in kernel.reduceops), default=4)
+    innermost = kernel.full_shape[(kernel.row_axes or ())[-1]]
+    lanes = max(vector_bytes // itemsize, 1)
+    while lanes > 1 and innermost % lanes: lanes //= 2
+    return lanes
+
+  def _row_length(self) -> int: return math.prod(self.kernel.full_shape[axis] for axis in self.kernel.row_axes or ())
+
+  def _kept_values(self) -> list[tuple[LazyOp, LazyOp]]:
+    """(node, reduce) pairs: a transcendental per-element value (softmax's exp(x - max)) that both a reduce's input
+    and the store compute, kept in a per-row array (the CPU's stack: private to the thread, in L1/L2) by that
+    reduce's pass and read back by the store pass instead of being computed again. Only on renderers with stack
+    arrays, for rows that fit MAX_KEPT_BYTES."""
+    kernel = self.kernel
+    if not getattr(kernel.renderer, "has_stack_arrays", False) or not self._per_element(): return []
+    reduces = {id(reduce) for reduce in kernel.reduceops}
+    stored = {id(node) for store in kernel.stores for node in _post_order(store.srcs[0], reduces)}
+    kept: dict[int, tuple[LazyOp, LazyOp]] = {}
+    for reduce in kernel.reduceops:   # sources first: a value is kept by the last reduce that computes it
+      for node in _post_order(reduce.srcs[0], reduces):
+        if node.op in TRANSCENDENTAL_OPS and id(node) in stored: kept[id(node)] = (node, reduce)
+    if sum(node.dtype.itemsize for node, _ in kept.values()) * self._row_length() > MAX_KEPT_BYTES: return []
+    return list(kept.values())
+
+  def _known_reduces(self, reduce_value: UOp | None) -> dict[int, UOp]:
+    return {**self.reduce_values, **self.kept_values}
+
+  def _row_position(self, idxs: list[Node]) -> UOp:
+    """The element's position in its row (row-major over the row axes), the index into a kept-value array."""
+    position: Node = NumNode(0)
+    for axis in self.kernel.row_axes or (): position = position * self.kernel.full_shape[axis] + idxs[axis]
+    return self.node_to_uop(position)
+
+  def _open_row_loops(self, idxs: list[Node], prefix: str, lanes: int = 1) -> list[UOp]:
+    """A loop over each reduced axis (a loop in the thread, never a GLOBAL loop the CPU renderer parallelizes). With
+    `lanes`, the innermost axis is two loops: over groups of `lanes` elements, and over the lanes of a group (a loop
+    of a constant trip count the C compiler vectorizes, each lane's accumulator an element of an array)."""
     loops = []
-    for axis in self.kernel.row_axes or ():
-      size = self.kernel.full_shape[axis]
+    row_axes = self.kernel.row_axes or ()
+    for axis in row_axes:
+      size = self.kernel.full_shape[axis] // (lanes if axis == row_axes[-1] else 1)
       idxs[axis] = Variable(f"{prefix}{axis}", 0, size - 1)
       loops.append(self._open_loop(f"{prefix}{axis}", size, AxisType.REDUCE))
+    if lanes > 1:
+      name = f"{prefix}lane"
+      loops.append(self._open_loop(name, lanes, AxisType.UNROLL))   # a vector loop (renderer.vector_loop_pragma)
+      idxs[row_axes[-1]] = idxs[row_axes[-1]] * lanes + Variable(name, 0, lanes - 1)
     return loops
 
   def _close_row_loops(self, idxs: list[Node], loops: list[UOp]) -> None:
@@ -246,6 +323,38 @@ class RowLinearizer(Linearizer):
     return build.add(UOps.LOAD, dtype, (local, self._int(0)))
 
 
+class _Accumulators:
+  """A reduce's accumulator on a CPU: one register (DEFINE_ACC), or with lanes an array of one per lane (each lane
+  of the vectorized inner loop adds into its own element; combined in lane order after the loops)."""
+
+  def __init__(self, linearizer: RowLinearizer, reduce: LazyOp, number: int, lanes: int):
+    self.linearizer, self.build, self.reduce, self.lanes = linearizer, linearizer.builder, reduce, lanes
+    self.op, identity = _accumulate_op(reduce), reduce_identity(reduce.op, reduce.dtype)
+    if lanes == 1:
+      self.storage = self.build.add(UOps.DEFINE_ACC, reduce.dtype, (), identity)
+      return
+    self.storage = self.build.add(UOps.DEFINE_LOCAL, reduce.dtype, (), (f"acc{number}", lanes))
+    for lane in range(lanes):
+      self.build.add(UOps.STORE, None, (self.storage, linearizer._int(lane), self.build.const(identity, reduce.dtype)))
+
+  def add(self, value: UOp, lane: UOp) -> None:
+    """Accumulate `value`; with lanes, into the element of `lane` (the innermost loop)."""
+    build, dtype = self.build, self.reduce.dtype
+    if self.lanes == 1:
+      build.add(UOps.ACCUMULATE, dtype, (self.storage, value), self.op)
+      return
+    running = build.add(UOps.LOAD, dtype, (self.storage, lane))
+    build.add(UOps.STORE, None, (self.storage, lane, build.alu(self.op, dtype, running, value)))
+
+  def combined(self) -> UOp:
+    if self.lanes == 1: return self.storage
+    build, dtype = self.build, self.reduce.dtype
+    total = build.add(UOps.LOAD, dtype, (self.storage, self.linearizer._int(0)))
+    for lane in range(1, self.lanes):
+      total = build.alu(self.op, dtype, total, build.add(UOps.LOAD, dtype, (self.storage, self.linearizer._int(lane))))
+    return total
+
+
 class _RowPasses:
   """The passes of a block over its row: thread t takes units t, t + T, ... (a unit: `width` neighbouring elements).
   Persistent: the thread's units are unrolled (constant iteration numbers), so every pass emits the same loads and
@@ -293,3 +402,41 @@ def _unflatten(flat: Node, sizes: list[int]) -> list[Node]:
     nodes.append((flat // inner) % size)
     inner *= size
   return list(reversed(nodes))
+
+
+# 2**f for f in [-0.5, 0.5]: the Taylor series of exp(f ln 2) to degree 7 (truncation error < 6e-9, under half an ulp)
+_EXP2_COEFFICIENTS = tuple(math.log(2) ** power / math.factorial(power) for power in range(8))
+
+
+def vector_exp2(build: UOpBuilder, x: UOp) -> UOp:
+  """exp2(x) for float32 in plain arithmetic (a C compiler vectorizes it; libm's exp2f is a call per element):
+  x = n + f with n = round(x) (x clamped to [-252, 256], beyond which the result is 0 or inf anyway) and |f| <= 0.5,
+  2**f by a polynomial, 2**n as two float exponents (n split in halves, so that 2**128 overflows to inf and 2**-140
+  underflows gradually, as exp2f does). Within 1 ulp of the rounded exact result; NaN stays NaN.
+  Written for gcc's if-conversion: selects on one comparison each, and no float/int conversions (they may trap,
+  which keeps a loop with selects from vectorizing): n is rounded by adding 1.5 * 2**23 and read from the bits."""
+  f32, i32 = dtypes.float32, dtypes.int32
+
+  def const(value: float, dtype: DType = f32) -> UOp: return build.const(value, dtype)
+
+  def select(condition: UOp, yes: UOp, no: UOp) -> UOp: return build.alu(Ops.WHERE, f32, condition, yes, no)
+  low = select(build.alu(Ops.CMPLT, dtypes.bool, const(-252.0), x), x, const(-252.0))
+  clamped = select(build.alu(Ops.CMPLT, dtypes.bool, low, const(256.0)), low, const(256.0))
+  rounding = 1.5 * 2 ** 23   # adding it rounds a float of magnitude < 2**22 to an integer, kept in the low bits
+  shifted = build.alu(Ops.ADD, f32, clamped, const(rounding))
+  n = build.alu(Ops.ADD, i32, build.add(UOps.BITCAST, i32, (shifted,)), const(-0x4B400000, i32))
+  rounded = build.alu(Ops.ADD, f32, shifted, const(-rounding))
+  fraction = build.alu(Ops.ADD, f32, clamped, build.alu(Ops.NEG, f32, rounded))
+  power = const(_EXP2_COEFFICIENTS[-1])
+  for coefficient in reversed(_EXP2_COEFFICIENTS[:-1]):
+    power = build.alu(Ops.ADD, f32, build.alu(Ops.MUL, f32, power, fraction), const(coefficient))
+  # n = half + rest, each in [-126, 128]: (n + 256) >> 1 is a shift of a non-negative number
+  half = build.alu(Ops.ADD, i32, build.alu(Ops.SHR, i32, build.alu(Ops.ADD, i32, n, const(256, i32)), const(1, i32)),
+                   const(-128, i32))
+  rest = build.alu(Ops.ADD, i32, n, build.alu(Ops.NEG, i32, half))
+
+  def two_to(exponent: UOp) -> UOp:   # 2**e for e in [-126, 128] (128: inf), from the float's exponent bits
+    bits = build.alu(Ops.SHL, i32, build.alu(Ops.ADD, i32, exponent, const(127, i32)), const(23, i32))
+    return build.add(UOps.BITCAST, f32, (bits,))
+  result = build.alu(Ops.MUL, f32, build.alu(Ops.MUL, f32, power, two_to(half)), two_to(rest))
+  return select(build.alu(Ops.CMPNE, dtypes.bool, x, x), x, result)

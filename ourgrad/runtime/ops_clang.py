@@ -86,8 +86,16 @@ class ClangCompiler(Compiler):
     """The flags for one kernel: -O1 instead of -O2 for a big one. gcc -O2's time grows faster than linearly with
     a function's size (a 3,400-line kernel: 18 s at -O2, 2.6 s at -O1); the scheduler keeps fused kernels under
     KERNEL_OPS_LIMIT ops, but upcasting and unrolling can still multiply a kernel's code."""
-    if source.count("\n") < LARGE_KERNEL_LINES: return self.flags
-    return ["-O1" if flag == "-O2" else flag for flag in self.flags]
+    flags = self.flags
+    # A loop marked `omp simd` (the lanes of a CPU row kernel, codegen/row_linearizer.py) needs the loop vectorizer,
+    # which known_bug_flags may have turned off for gcc 12 (its miscompile is of a reduce over a flipped view, which a
+    # row kernel never splits into lanes), and no -fwrapv: with wrapping int indices gcc cannot prove `base + lane`
+    # contiguous and gathers. Such a kernel has no integer arithmetic but its index math, which never overflows
+    # (RowLinearizer._cpu_lanes checks).
+    if "#pragma omp simd" in source:
+      flags = [flag for flag in flags if flag not in ("-fno-tree-loop-vectorize", "-fwrapv")]
+    if source.count("\n") < LARGE_KERNEL_LINES: return flags
+    return ["-O1" if flag == "-O2" else flag for flag in flags]
 
   def compile(self, source: str) -> bytes:
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
@@ -113,7 +121,7 @@ class ClangCompiler(Compiler):
 
   def disassemble(self, source: str) -> str:
     """The compiler's assembly (`-S`) of the kernel, built with the same flags as the shared object."""
-    flags = [flag for flag in self.flags if flag != "-shared"]
+    flags = [flag for flag in self.flags_for(source) if flag != "-shared"]
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
       source_path = os.path.join(folder, "kernel.c")
       with open(source_path, "w") as source_file: source_file.write(source)
