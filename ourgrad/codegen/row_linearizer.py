@@ -5,7 +5,10 @@ exp(x - max)), each result kept on chip for the next reduce and for the store (p
 or once per row, as var). Who owns a row depends on the device:
 
 - CPU (no thread blocks): one iteration of the global loops owns a row and loops over it once per reduce and once
-  more for the store; each result is a register.
+  more for the store. The loops are split into lanes at SIMD width (an inner `omp simd` loop, an accumulator array
+  per reduce) so that the C compiler vectorizes them; a transcendental value both a reduce and the store need
+  (softmax's exp(x - max)) is computed once and kept in a per-row stack array; exp2 is plain arithmetic
+  (vector_exp2), which vectorizes where libm's exp2f would be a call per element.
 - GPU (thread blocks and local memory): a block owns a row. Thread t of T takes the row's elements in units of
   `width` neighbours (float4 where the loads allow it), units t, t + T, t + 2T, ... (neighbouring threads read
   neighbouring addresses). Each reduce accumulates a partial per thread, then the block combines them: a warp

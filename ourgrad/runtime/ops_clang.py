@@ -30,6 +30,8 @@ COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", 
 
 # kernels of at least this many lines of C compile at -O1 (see ClangCompiler.flags_for)
 LARGE_KERNEL_LINES = 2500
+# bumped when ClangCompiler.flags_for changes which flags a source gets (2: `omp simd` kernels)
+FLAGS_FOR_VERSION = 2
 
 
 def find_c_compiler() -> str:
@@ -79,8 +81,10 @@ class ClangCompiler(Compiler):
   def __init__(self) -> None:
     self.compiler = find_c_compiler()
     self.flags = COMPILE_FLAGS[:-1] + accepted_flags(self.compiler, OPTIONAL_FLAGS) + known_bug_flags(self.compiler)
-    # -march=native makes the binary specific to this CPU: it is part of the cache key
-    self.cache_key = f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(self.flags)}"
+    # -march=native makes the binary specific to this CPU: it is part of the cache key, and so is the version of the
+    # per-kernel flag rules (flags_for), which pick flags from the source: a binary built under older rules is stale
+    self.cache_key = (f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(self.flags)} "
+                      f"flags_for {FLAGS_FOR_VERSION}")
 
   def flags_for(self, source: str) -> list[str]:
     """The flags for one kernel: -O1 instead of -O2 for a big one. gcc -O2's time grows faster than linearly with
