@@ -157,7 +157,7 @@ def test_per_row_output_is_stored_by_one_thread():
 
 
 @pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("shape", [(64, 8192), (8, 32768), (1024, 1024), (7, 1000), (3, 100000)])
+@pytest.mark.parametrize("shape", [(64, 8192), (8, 32768), (1024, 1024), (7, 1000), (3, 50000)])
 @pytest.mark.parametrize("name", sorted(GRAPHS))
 def test_row_kernels_on_cuda(name: str, shape: tuple[int, int]):
   if name == "layernorm_of_two_axes" and shape[1] % 2: pytest.skip("two equal halves of the row")
