@@ -67,8 +67,8 @@ PROFILE = env_var("PROFILE", 0, "1: record kernels, copies and host phases; writ
 PROFILE_PATH = env_var("PROFILE_PATH", "", "file of the PROFILE=1 trace (default: ourgrad_trace.json in the system "
                        "temp folder)")
 ROW_KERNELS = env_var("ROW_KERNELS", -1, "1: fuse reduces over the same rows (softmax, layernorm) into one kernel on "
-                      "every device; 0: never; -1: only on devices without thread blocks (CPUs: one thread per row is "
-                      "fast there; a GPU keeps grouped one-reduce kernels until rows get a block each)")
+                      "every device; 0: never; -1: on CPUs (a thread per row) and on GPUs with local memory (a block "
+                      "per row)")
 KERNEL_OPS_LIMIT = env_var("KERNEL_OPS_LIMIT", 1024, "most ops fused into one kernel; a bigger fused graph is split "
                            "by realizing intermediates, so compile time grows linearly with graph size (0: no limit)")
 ALLOCATOR_CACHE_BYTES = env_var("ALLOCATOR_CACHE_BYTES", 2 << 30, "most bytes of freed buffers an allocator keeps for "

@@ -225,17 +225,18 @@ def test_conv_batchnorm_pool_gradients_match_torch():
   np.testing.assert_allclose(w.grad.numpy(), weight.grad.numpy(), rtol=1e-4, atol=1e-4)
 
 
-def test_row_kernels_default_to_devices_without_thread_blocks(monkeypatch: pytest.MonkeyPatch):
-  """By default a CPU fuses softmax into one row kernel; a GPU-style device (thread blocks: PYTHON, CUDA) keeps the
-  grouped one-reduce kernels, which read rows coalesced; ROW_KERNELS forces either way."""
+def test_row_kernels_default_to_devices_with_rows_owned_by_a_thread_or_a_block(monkeypatch: pytest.MonkeyPatch):
+  """By default a CPU fuses softmax into one row kernel (a thread per row) and so does a GPU-style device with local
+  memory (PYTHON, CUDA: a block per row, codegen/row_linearizer.py); ROW_KERNELS forces either way."""
   from ourgrad.engine.schedule import row_kernels_enabled
   monkeypatch.delenv("ROW_KERNELS", raising=False)
-  assert row_kernels_enabled("CLANG") and not row_kernels_enabled("PYTHON")
+  assert row_kernels_enabled("CLANG") and row_kernels_enabled("PYTHON")
   x_np = np.random.default_rng(11).standard_normal((8, 24)).astype(np.float32)
   assert kernels_of([Tensor(x_np, device="CLANG").softmax(-1)]) == 1
-  assert kernels_of([Tensor(x_np, device="PYTHON").softmax(-1)]) == 3
+  assert kernels_of([Tensor(x_np, device="PYTHON").softmax(-1)]) == 1
   monkeypatch.setenv("ROW_KERNELS", "0")
   assert kernels_of([Tensor(x_np, device="CLANG").softmax(-1)]) == 3
+  assert kernels_of([Tensor(x_np, device="PYTHON").softmax(-1)]) == 3
 
 
 def test_grouping_that_would_order_an_assign_in_a_cycle_is_dropped():

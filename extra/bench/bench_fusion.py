@@ -1,10 +1,12 @@
 """Fusion benchmark (docs/fusion.md): row kernels (softmax, layernorm) against PyTorch, and kernel counts of whole
 training steps.
 
-Part 1, kernel time: softmax and layernorm on float32 rows. Each ourgrad figure is the median over `--iters` runs
-(after 3 warm-ups) of the summed kernel times of the scheduled items (what DEBUG=2 prints), with their kernel count;
-PyTorch eager (and torch.compile on CUDA) is timed over the same runs (CUDA events on a GPU, wall clock on the CPU).
-GB/s counts the input read once and the output written once.
+Part 1, kernel time: softmax and layernorm on float32 rows (CUDA: 8192 x 8192, 8192 x 32768, 65536 x 1024). Each
+ourgrad figure is the median over `--iters` runs (after 3 warm-ups) of the summed kernel times of the scheduled items
+(what DEBUG=2 prints), with their kernel count: the row kernel (one kernel, codegen/row_linearizer.py) and, beside
+it, the unfused schedule (ROW_KERNELS=0). PyTorch eager (and torch.compile on CUDA) is timed over the same runs (CUDA
+events on a GPU, wall clock on the CPU). GB/s counts the input read once and the output written once; `max err` is
+the largest difference between ourgrad's and PyTorch's results.
 Part 2, kernel counts: one training step of an MLP (784-512-512-10, Adam) and of examples/mnist.py's small ConvNet
 (Adam), ourgrad's launched kernels (after a warm-up step) against PyTorch eager's (torch.profiler: CUDA kernels on a
 GPU; on the CPU, the aten ops that do work, which is only a rough stand-in).
@@ -15,6 +17,7 @@ Run: `python extra/bench/bench_fusion.py` on a CUDA machine (the coordinator's r
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -55,23 +58,37 @@ def _torch_layernorm(x: Any) -> Any:
 
 def row_workloads(cuda: bool) -> list[tuple[str, tuple[int, int]]]:
   if not cuda: return [("softmax", (4096, 4096)), ("layernorm", (4096, 4096))]
-  return [("softmax", (8192, 8192)), ("layernorm", (8192, 8192)), ("softmax", (8192, 32768)),
-          ("softmax", (65536, 1024))]
+  return [(name, shape) for shape in ((8192, 8192), (8192, 32768), (65536, 1024)) for name in ("softmax", "layernorm")]
+
+
+def _unfused_seconds(device: str, build: Callable[[], Tensor], iters: int) -> tuple[float, int]:
+  """ourgrad_seconds with row kernels off (ROW_KERNELS=0: each reduce read back per element is realized first)."""
+  previous = os.environ.get("ROW_KERNELS")
+  os.environ["ROW_KERNELS"] = "0"
+  try: return ourgrad_seconds(device, build, iters)
+  finally:
+    if previous is None: del os.environ["ROW_KERNELS"]
+    else: os.environ["ROW_KERNELS"] = previous
 
 
 def row_table(device: str, iters: int) -> None:
+  """One line per workload: ourgrad's row kernel (kernels, ms, GB/s), ourgrad without row kernels, PyTorch eager and
+  (CUDA) torch.compile, and the largest difference between ourgrad's and PyTorch's results."""
   import torch
   cuda = device.upper().startswith("CUDA")
   torch_device = "cuda" if cuda else "cpu"
-  print(f"{'workload':<26} {'kernels':>7} {'ourgrad ms':>10} {'GB/s':>7} {'torch ms':>9} {'GB/s':>7} "
-        f"{'compile ms':>10} {'ours/torch':>10}")
+  print(f"{'workload':<24} {'kernels':>7} {'ourgrad ms':>10} {'GB/s':>7} {'unfused ms':>10} {'(kernels)':>9} "
+        f"{'torch ms':>9} {'GB/s':>7} {'compile ms':>10} {'GB/s':>7} {'ours/torch':>10} {'ours/compile':>12} "
+        f"{'max err':>8}")
   for name, shape in row_workloads(cuda):
     x_np = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     x = Tensor(x_np, device=device).realize()
     ours = (lambda: x.softmax(-1)) if name == "softmax" else (lambda: x.layernorm(-1))
     seconds, kernels = ourgrad_seconds(device, ours, iters)
+    unfused_s, unfused_kernels = _unfused_seconds(device, ours, iters)
     t = torch.tensor(x_np, device=torch_device)
     torch_fn = (lambda: t.softmax(-1)) if name == "softmax" else (lambda: _torch_layernorm(t))
+    error = float(np.abs(ours().numpy() - torch_fn().cpu().numpy()).max())
     torch_s = torch_seconds(torch_fn, iters, cuda)
     compiled_s = None
     if cuda:
@@ -81,8 +98,10 @@ def row_table(device: str, iters: int) -> None:
 
     def gbs(value: float | None) -> str: return f"{moved / value / 1e9:7.1f}" if value else f"{'-':>7}"
     compiled_text = f"{compiled_s * 1e3:10.3f}" if compiled_s else f"{'-':>10}"
-    print(f"{name + ' ' + 'x'.join(map(str, shape)):<26} {kernels:>7} {seconds * 1e3:10.3f} {gbs(seconds)} "
-          f"{torch_s * 1e3:9.3f} {gbs(torch_s)} {compiled_text} {seconds / torch_s:10.2f}")
+    versus_compile = f"{seconds / compiled_s:12.2f}" if compiled_s else f"{'-':>12}"
+    print(f"{name + ' ' + 'x'.join(map(str, shape)):<24} {kernels:>7} {seconds * 1e3:10.3f} {gbs(seconds)} "
+          f"{unfused_s * 1e3:10.3f} {unfused_kernels:>9} {torch_s * 1e3:9.3f} {gbs(torch_s)} {compiled_text} "
+          f"{gbs(compiled_s)} {seconds / torch_s:10.2f} {versus_compile} {error:8.1e}", flush=True)
 
 
 # ---------------------------------------------------------------- kernel counts of training steps

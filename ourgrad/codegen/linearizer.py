@@ -557,8 +557,12 @@ class Linearizer(TensorCoreTiles):
         a, b, c = (values[id(src)] for src in node.srcs)
         values[id(node)] = build.alu(Ops.ADD, node.dtype, build.alu(Ops.MUL, node.dtype, a, b), c)
       else:
-        values[id(node)] = build.alu(node.op, node.dtype, *(values[id(src)] for src in node.srcs))
+        values[id(node)] = self._alu(node.op, node.dtype, tuple(values[id(src)] for src in node.srcs))
     return values[id(root)]
+
+  def _alu(self, op: Ops, dtype: DType, srcs: tuple[UOp, ...]) -> UOp:
+    """One ALU node of the AST (a subclass may lower an op to several, as the CPU row kernels' exp2)."""
+    return self.builder.alu(op, dtype, *srcs)
 
   def _known_reduces(self, reduce_value: UOp | None) -> dict[int, UOp]:
     """id(reduce node) -> the UOp holding its result, for the reduces `compute` does not descend into."""
@@ -680,80 +684,9 @@ def _post_order(root: LazyOp, stops: set[int]) -> list[LazyOp]:
   return order
 
 
-class RowLinearizer(Linearizer):
-  """A row kernel (Kernel.row_axes): several reduces over the same rows, then the store. Each row is owned by one
-  thread (a GPU thread, or one iteration of the CPU's global loops): for each reduce in turn (sources first) it opens
-  an accumulator and a loop over the row, computing the reduce's input with the earlier reduces' results from their
-  registers; then it stores, looping over the row once more when the output is per element (softmax), or once per
-  row (var). Rows are re-read from memory (or cache) at each pass."""
-
-  def __init__(self, kernel: Kernel):
-    super().__init__(kernel)
-    self.reduce_values: dict[int, UOp] = {}
-
-  def _known_reduces(self, reduce_value: UOp | None) -> dict[int, UOp]: return self.reduce_values
-
-  def linearize(self) -> list[UOp]:
-    kernel, build = self.kernel, self.builder
-    assert kernel.row_axes is not None
-    memory_leaves = {leaf.arg.idx: leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)}
-    for idx, leaf in sorted(memory_leaves.items()):
-      self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, leaf.op is Ops.STORE))
-    shape = kernel.full_shape
-    row_dims = [axis for axis in range(len(shape)) if axis not in kernel.row_axes]
-    idxs: list[Node] = [NumNode(0)] * len(shape)
-    row_loops = []
-    if kernel.renderer.has_threads:
-      for axis, node in zip(row_dims, self._row_threads([shape[axis] for axis in row_dims])): idxs[axis] = node
-    else:
-      for axis in row_dims:
-        idxs[axis] = Variable(f"gidx{axis}", 0, shape[axis] - 1)
-        row_loops.append(self._open_loop(f"gidx{axis}", shape[axis], AxisType.GLOBAL))
-    for number, reduce in enumerate(kernel.reduceops):
-      accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
-      loops = self._open_row_loops(idxs, f"ridx{number}_")
-      value = self.compute(reduce.srcs[0], idxs, None)
-      build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), Ops.ADD if reduce.op is Ops.SUM else Ops.MAX)
-      self._close_row_loops(idxs, loops)
-      self.reduce_values[id(reduce)] = accumulator
-    per_element = any(kernel.sts[0].shape[axis] != 1 for axis in kernel.row_axes)
-    loops = self._open_row_loops(idxs, "sidx") if per_element else []
-    self._store_outputs(idxs, None)
-    self._close_row_loops(idxs, loops)
-    for loop in reversed(row_loops): build.end_range(loop)
-    return build.uops
-
-  def _open_row_loops(self, idxs: list[Node], prefix: str) -> list[UOp]:
-    """A loop over each reduced axis (a loop in the thread, never a GLOBAL loop the CPU renderer parallelizes)."""
-    loops = []
-    for axis in self.kernel.row_axes or ():
-      size = self.kernel.full_shape[axis]
-      idxs[axis] = Variable(f"{prefix}{axis}", 0, size - 1)
-      loops.append(self._open_loop(f"{prefix}{axis}", size, AxisType.REDUCE))
-    return loops
-
-  def _close_row_loops(self, idxs: list[Node], loops: list[UOp]) -> None:
-    for loop in reversed(loops): self.builder.end_range(loop)
-    for axis in self.kernel.row_axes or (): idxs[axis] = NumNode(0)
-
-  def _row_threads(self, sizes: list[int]) -> list[Node]:
-    """Index nodes of the row axes on a GPU: blocks of up to 128 threads, one row per thread."""
-    total = 1
-    for size in sizes: total *= size
-    threads = next((count for count in (128, 64, 32) if total % count == 0), 1)
-    build = self.builder
-    self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", total // threads, 0, AxisType.GLOBAL))
-    flat: Node = Variable("gidx0", 0, total // threads - 1)
-    if threads > 1:
-      self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", threads, 0, AxisType.LOCAL))
-      flat = flat * threads + Variable("lidx0", 0, threads - 1)
-    nodes, inner = [], 1
-    for size in reversed(sizes):
-      nodes.append((flat // inner) % size)
-      inner *= size
-    return list(reversed(nodes))
-
-
 def linearize(kernel: Kernel) -> list[UOp]:
-  if kernel.row_axes is not None: return RowLinearizer(kernel).linearize()
+  if kernel.row_axes is not None:
+    # imported here: the row linearizer builds on Linearizer, so its module imports this one
+    from ourgrad.codegen.row_linearizer import RowLinearizer
+    return RowLinearizer(kernel).linearize()
   return Linearizer(kernel).linearize()

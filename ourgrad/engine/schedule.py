@@ -267,18 +267,19 @@ def _walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBu
   return _assign_hazard(root, start[0], target_reads, reduce_base, realizes), plan
 
 
-# A row kernel (several reduces in one kernel, docs/fusion.md) gives each row to one thread, which loops over the
-# row once per reduce and once more for the store: rows longer than this are left to the one-reduce kernels.
+# A row kernel (several reduces in one kernel, docs/fusion.md) loops over a row once per reduce and once more for
+# the store (a CPU thread, or a GPU block that keeps short rows in registers): longer rows keep one-reduce kernels.
 MAX_ROW_FUSION_LENGTH = 1 << 16
 
 
 def row_kernels_enabled(device: str) -> bool:
-  """Whether reduces over the same rows may share a kernel on `device` (ROW_KERNELS). A row kernel gives each row to
-  one thread: fast on a CPU, but on a GPU a thread per long row reads uncoalesced memory with few threads, slower than
-  the grouped one-reduce kernels (a block per row with GROUP partials would fix that; docs/fusion.md)."""
+  """Whether reduces over the same rows may share a kernel on `device` (ROW_KERNELS). On a CPU a thread owns a row;
+  on a GPU a block does (codegen/row_linearizer.py), which needs local memory for the block's partials: a GPU
+  without it keeps the grouped one-reduce kernels (one thread per long row would read uncoalesced memory)."""
   setting = int(ROW_KERNELS.value)
   if setting >= 0: return bool(setting)
-  return not Device[device].renderer.has_threads
+  renderer = Device[device].renderer
+  return not renderer.has_threads or renderer.has_local
 
 
 class _RowKernel:
@@ -296,7 +297,7 @@ class _RowKernel:
   def admit(self, reduce: LazyBuffer, view: ShapeTracker, under_reduce: bool, plain_reshape: bool) -> str | None:
     """None when `reduce` joins the rows (recorded), else why not."""
     if not row_kernels_enabled(reduce.device):
-      return f"row kernels are off on {reduce.device} (ROW_KERNELS: GPUs keep grouped one-reduce kernels for now)"
+      return f"row kernels are off on {reduce.device} (ROW_KERNELS, or a GPU without local memory)"
     loop_shape = reduce.srcs[0].shape
     if prod(loop_shape[axis] for axis in reduce.arg) > MAX_ROW_FUSION_LENGTH:
       return f"its rows are longer than {MAX_ROW_FUSION_LENGTH}"

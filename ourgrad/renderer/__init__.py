@@ -13,6 +13,7 @@ class Renderer:
   local_memory_bytes: int = 0     # local memory a block may use
   warp_size: int = 0              # threads that WARP_REDUCE can combine with shuffles (0: no shuffles)
   vector_width: int = 0           # float32 elements one vector LOAD reads (float4: 4; 0: scalar loads only)
+  has_stack_arrays: bool = False  # a CPU kernel may declare per-thread arrays (DEFINE_LOCAL inside its loops)
   # per launch dimension (x, y, z): how many blocks and threads a launch may have
   global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)
   local_max: tuple[int, ...] = (1024, 1024, 64)

@@ -129,6 +129,9 @@ class CStyleLanguage(Renderer):
   preamble = ""
   max_inline_length = 120
   local_prefix = ""     # how a block-shared array is declared (`__shared__ `, `__local `)
+  # put before a loop of kind UPCAST/UNROLL (lanes computed side by side, no dependence between iterations: the CPU
+  # row kernels' lanes, codegen/row_linearizer.py) so that the compiler vectorizes it
+  vector_loop_pragma = ""
   local_align = ""      # and how it is aligned to 16 bytes (float4 reads of SHARED tiles)
   code_for_op: dict[Ops, AluRendering] = C_CODE_FOR_OP
   # how this dialect spells BFLOAT16_HELPERS: function qualifier, a float's bits (of `value`), a float from 16 bits
@@ -264,6 +267,7 @@ class CStyleLanguage(Renderer):
         names[id(uop)] = variable
         if parallel_loops and kind is AxisType.GLOBAL and depth == 1:
           emit(self.parallel_pragma(parallel_loops))
+        if kind in (AxisType.UPCAST, AxisType.UNROLL) and self.vector_loop_pragma: emit(self.vector_loop_pragma)
         emit(f"for (int {variable} = {ref(uop.srcs[0])}; {variable} < {ref(uop.srcs[1])}; {variable}++) {{")
         depth += 1
       elif uop.op is UOps.ENDRANGE:
@@ -436,6 +440,10 @@ class ClangRenderer(CStyleLanguage):
   # the width of the SIMD registers the C compiler targets (16: SSE/NEON, 32: AVX2, 64: AVX-512); the runtime sets
   # it from the compiler's -march=native macros. The CPU matmul heuristic sizes its register tiles by it.
   vector_bytes = 16
+  # DEFINE_LOCAL is a plain C array where it is declared (inside a loop body: one per iteration, private to its thread)
+  has_stack_arrays = True
+  # vectorized even where the loop vectorizer is off (gcc 12, ops_clang.known_bug_flags); allows no reordering
+  vector_loop_pragma = "#pragma omp simd"
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """The global loops come first and are perfectly nested: collapse them all into one parallel loop when the

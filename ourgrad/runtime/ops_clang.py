@@ -30,6 +30,8 @@ COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", 
 
 # kernels of at least this many lines of C compile at -O1 (see ClangCompiler.flags_for)
 LARGE_KERNEL_LINES = 2500
+# bumped when ClangCompiler.flags_for changes which flags a source gets (2: `omp simd` kernels)
+FLAGS_FOR_VERSION = 2
 
 
 def find_c_compiler() -> str:
@@ -79,18 +81,27 @@ class ClangCompiler(Compiler):
   def __init__(self) -> None:
     self.compiler = find_c_compiler()
     self.flags = COMPILE_FLAGS[:-1] + accepted_flags(self.compiler, OPTIONAL_FLAGS) + known_bug_flags(self.compiler)
-    # -march=native makes the binary specific to this CPU: it is part of the cache key
-    self.cache_key = f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(self.flags)}"
+    # -march=native makes the binary specific to this CPU: it is part of the cache key, and so is the version of the
+    # per-kernel flag rules (flags_for), which pick flags from the source: a binary built under older rules is stale
+    self.cache_key = (f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(self.flags)} "
+                      f"flags_for {FLAGS_FOR_VERSION}")
 
   def flags_for(self, source: str) -> list[str]:
-    """The flags for one kernel: no -fwrapv where integers only index, -O1 instead of -O2 for a big one. gcc -O2's
-    time grows faster than linearly with a function's size (a 3,400-line kernel: 18 s at -O2, 2.6 s at -O1); the
-    scheduler keeps fused kernels under KERNEL_OPS_LIMIT ops, but upcasting and unrolling can still multiply a
-    kernel's code."""
+    """The flags for one kernel: no -fwrapv where integers only index, the loop vectorizer for `omp simd` lanes, -O1
+    instead of -O2 for a big one. gcc -O2's time grows faster than linearly with a function's size (a 3,400-line
+    kernel: 18 s at -O2, 2.6 s at -O1); the scheduler keeps fused kernels under KERNEL_OPS_LIMIT ops, but upcasting
+    and unrolling can still multiply a kernel's code."""
     flags = self.flags
     # integer math only on indices (the renderer marks such kernels): the wrap rule is not needed (see
     # cstyle.INDEX_MATH_ONLY) and costs the matmul tiles their vectorization
     if source.startswith(INDEX_MATH_ONLY): flags = [flag for flag in flags if flag != "-fwrapv"]
+    # A loop marked `omp simd` (the lanes of a CPU row kernel, codegen/row_linearizer.py) needs the loop vectorizer,
+    # which known_bug_flags may have turned off for gcc 12 (its miscompile is of a reduce over a flipped view, which a
+    # row kernel never splits into lanes), and no -fwrapv: with wrapping int indices gcc cannot prove `base + lane`
+    # contiguous and gathers. Such a kernel has no integer arithmetic but its index math, which never overflows
+    # (RowLinearizer._cpu_lanes checks).
+    if "#pragma omp simd" in source:
+      flags = [flag for flag in flags if flag not in ("-fno-tree-loop-vectorize", "-fwrapv")]
     if source.count("\n") < LARGE_KERNEL_LINES: return flags
     return ["-O1" if flag == "-O2" else flag for flag in flags]
 

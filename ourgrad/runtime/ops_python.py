@@ -527,7 +527,8 @@ class Interpreter:
     if op is UOps.LOAD: return self.load(position, instruction, *operands)
     if op is UOps.STORE and instruction.arg is not None:
       buffer, index, values = operands[0], np.asarray(operands[1], dtype=np.int64), operands[2:]
-      if (index % instruction.arg).any(): raise self.error(position, "a vector store to an unaligned index")
+      aligned_index = index if self.active is None else np.where(self.active, index, 0)
+      if (aligned_index % instruction.arg).any(): raise self.error(position, "a vector store to an unaligned index")
       for element, value in enumerate(values): self.store(position, instruction, buffer, index + element, value)
       return None
     if op is UOps.STORE:
@@ -720,9 +721,10 @@ class Interpreter:
     """`width` neighbouring elements, stacked on a new first axis (GEP takes one); the index must be a multiple of
     the width, as a GPU's aligned vector load needs."""
     width, index = instruction.arg, np.asarray(index, dtype=np.int64)
+    # threads outside the IF block they are in neither read nor are checked (a guard keeps them off the buffer's end)
+    if self.active is not None: index = np.where(self.active, index, 0)
     if (index % width).any(): raise self.error(position, f"a {width}-wide vector load from an unaligned index")
     self.check_bounds(position, buffer, index + (width - 1), "read at")
-    if self.active is not None: index = np.where(self.active, index, 0)
     return np.stack([from_memory(buffer[index + element], instruction.dtype) for element in range(width)])
 
   def check_bounds(self, position: int, buffer: np.ndarray, index: np.ndarray, what: str) -> None:

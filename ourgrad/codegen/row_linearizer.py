@@ -1,0 +1,445 @@
+"""Lower a row kernel (Kernel.row_axes: several reduces over the same rows, then the store) to UOps.
+
+A row kernel runs its reduces one after another over each row (sources first: softmax's max, then the sum of
+exp(x - max)), each result kept on chip for the next reduce and for the store (per element of the row, as softmax,
+or once per row, as var). Who owns a row depends on the device:
+
+- CPU (no thread blocks): one iteration of the global loops owns a row and loops over it once per reduce and once
+  more for the store. The loops are split into lanes at SIMD width (an inner `omp simd` loop, an accumulator array
+  per reduce) so that the C compiler vectorizes them; a transcendental value both a reduce and the store need
+  (softmax's exp(x - max)) is computed once and kept in a per-row stack array; exp2 is plain arithmetic
+  (vector_exp2), which vectorizes where libm's exp2f would be a call per element.
+- GPU (thread blocks and local memory): a block owns a row. Thread t of T takes the row's elements in units of
+  `width` neighbours (float4 where the loads allow it), units t, t + T, t + 2T, ... (neighbouring threads read
+  neighbouring addresses). Each reduce accumulates a partial per thread, then the block combines them: a warp
+  shuffle where the device has one, each warp's total through local memory and a BARRIER, after which every thread
+  sums the warps' totals itself (so every thread holds the result, no second broadcast); without shuffles a tree in
+  local memory, read back by all threads. When a thread's share of the row is small (PERSISTENT_UNITS), its units
+  are unrolled: every pass over the row is straight-line code over the same loads, which the builder merges, so the
+  row is read from memory once and stays in registers (a persistent reduction; exp(x - max) is computed once too).
+  Longer rows loop, re-reading the row (from L2) at each pass.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _multiple_of, _post_order, reduce_identity
+from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
+from ourgrad.dtype import DType, dtypes
+from ourgrad.ops import LazyOp, MemBuffer, Ops
+from ourgrad.shape.symbolic import Node, NumNode, Variable
+
+# A GPU thread keeps at most this many units (float4s, or scalars) of its row in registers: 8 float4s = 32 floats,
+# enough for 8192-float rows with 256 threads and 32768-float rows with 1024, without spilling.
+PERSISTENT_UNITS = 8
+# A CPU row kernel keeps its transcendental per-element values (exp) for the store pass in stack arrays of at most
+# this many bytes a row (per thread; they stay in L1/L2).
+MAX_KEPT_BYTES = 64 * 1024
+TRANSCENDENTAL_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT})
+# ops whose integer results never wrap around (CPU lanes compile without -fwrapv)
+_NO_WRAP_OPS = frozenset({Ops.LOAD, Ops.CONST, Ops.CAST, Ops.BITCAST, Ops.STORE, Ops.SINK, Ops.MAX, Ops.CMPLT,
+                          Ops.CMPNE, Ops.WHERE, Ops.AND, Ops.OR, Ops.XOR})
+# The smallest block a row gets when the row has that many units: enough threads in flight per SM for short rows.
+MIN_ROW_THREADS = 128
+
+
+def row_block_threads(units: int, max_threads: int, warp_size: int) -> int:
+  """Threads of the block owning a row of `units` units: a power of two, enough that each thread keeps at most
+  PERSISTENT_UNITS units (when the block limit allows), at least a warp, at most the device's block size."""
+  wanted = max(math.ceil(units / PERSISTENT_UNITS), min(MIN_ROW_THREADS, units), warp_size, 1)
+  return min(1 << (wanted - 1).bit_length(), max_threads)
+
+
+class RowLinearizer(Linearizer):
+  """Builds the UOps of a row kernel: a block per row on GPUs, a thread (loop iteration) per row on CPUs."""
+
+  def __init__(self, kernel: Kernel):
+    super().__init__(kernel)
+    self.reduce_values: dict[int, UOp] = {}
+    self.kept_values: dict[int, UOp] = {}   # id(node) -> its value read back from a kept-value array (CPU)
+    # while a GPU pass computes one element of a unit: (the unit's first element's indices, width, lane), which
+    # _vector_load uses to read the unit as one vector
+    self.vector_unit: tuple[list[Node], int, int] | None = None
+
+  def linearize(self) -> list[UOp]:
+    kernel, build = self.kernel, self.builder
+    assert kernel.row_axes is not None
+    memory_leaves = {leaf.arg.idx: leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)}
+    for idx, leaf in sorted(memory_leaves.items()):
+      self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, leaf.op is Ops.STORE))
+    if kernel.renderer.has_threads and kernel.renderer.has_local: return self._linearize_block_rows()
+    shape = kernel.full_shape
+    row_dims = [axis for axis in range(len(shape)) if axis not in kernel.row_axes]
+    idxs: list[Node] = [NumNode(0)] * len(shape)
+    row_loops = []
+    if kernel.renderer.has_threads:
+      for axis, node in zip(row_dims, self._row_threads([shape[axis] for axis in row_dims])): idxs[axis] = node
+    else:
+      for axis in row_dims:
+        idxs[axis] = Variable(f"gidx{axis}", 0, shape[axis] - 1)
+        row_loops.append(self._open_loop(f"gidx{axis}", shape[axis], AxisType.GLOBAL))
+    lanes = self._cpu_lanes()
+    kept = self._kept_values()
+    scratch = {id(node): build.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"kept{number}", self._row_length()))
+               for number, (node, _) in enumerate(kept)}
+    for number, reduce in enumerate(kernel.reduceops):
+      accumulators = _Accumulators(self, reduce, number, lanes)
+      loops = self._open_row_loops(idxs, f"ridx{number}_", lanes)
+      for node, keeper in kept:   # computed once here, read back by the store pass
+        if keeper is reduce:
+          build.add(UOps.STORE, None, (scratch[id(node)], self._row_position(idxs), self.compute(node, idxs, None)))
+      accumulators.add(self.compute(reduce.srcs[0], idxs, None), loops[-1])
+      self._close_row_loops(idxs, loops)
+      self.reduce_values[id(reduce)] = accumulators.combined()
+    if not self._per_element():
+      self._store_outputs(idxs, None)
+    else:
+      loops = self._open_row_loops(idxs, "sidx", lanes)
+      position = self._row_position(idxs)
+      self.kept_values = {node_id: build.add(UOps.LOAD, local.dtype, (local, position))
+                          for node_id, local in scratch.items()}
+      self._store_outputs(idxs, None)
+      self.kept_values = {}
+      self._close_row_loops(idxs, loops)
+    for loop in reversed(row_loops): build.end_range(loop)
+    return build.uops
+
+  def _alu(self, op: Ops, dtype: DType, srcs: tuple[UOp, ...]) -> UOp:
+    # a CPU's libm exp2f is a call per element, which the C compiler cannot vectorize: arithmetic it can
+    if op is Ops.EXP2 and dtype == dtypes.float32 and not self.kernel.renderer.has_threads:
+      return vector_exp2(self.builder, srcs[0])
+    return super()._alu(op, dtype, srcs)
+
+  def _per_element(self) -> bool:
+    """Whether the outputs are per element of the rows (softmax), not once per row (var)."""
+    return any(self.kernel.sts[0].shape[axis] != 1 for axis in self.kernel.row_axes or ())
+
+  # ---------------------------------------------------------------- CPU: a thread per row
+
+  def _cpu_lanes(self) -> int:
+    """Neighbouring elements of a row computed side by side, each reduce with an accumulator per lane, so that the C
+    compiler can vectorize the passes (a float sum in one accumulator is a serial chain it may not reorder): the
+    SIMD width in elements where the innermost row axis splits into whole vectors, else 1."""
+    kernel = self.kernel
+    vector_bytes = getattr(kernel.renderer, "vector_bytes", 0)
+    if kernel.renderer.has_threads or not vector_bytes or not kernel.renderer.has_stack_arrays: return 1
+    # lanes compile without -fwrapv and with the loop vectorizer (ops_clang.ClangCompiler.flags_for): one lane where
+    # integer arithmetic may wrap, or a flipped view (a negative stride: gcc 12's loop vectorizer miscompiles those)
+    if any(stride is not None and stride < 0 for st in kernel.sts for stride in st.real_strides()): return 1
+    if any(not node.dtype.is_float and node.dtype != dtypes.bool and node.op not in _NO_WRAP_OPS
+           for node in kernel.ast.walk()): return 1
+    itemsize = max((reduce.dtype.itemsize for reduce in kernel.reduceops), default=4)
+    innermost = kernel.full_shape[(kernel.row_axes or ())[-1]]
+    lanes = max(vector_bytes // itemsize, 1)
+    while lanes > 1 and innermost % lanes: lanes //= 2
+    return lanes
+
+  def _row_length(self) -> int: return math.prod(self.kernel.full_shape[axis] for axis in self.kernel.row_axes or ())
+
+  def _kept_values(self) -> list[tuple[LazyOp, LazyOp]]:
+    """(node, reduce) pairs: a transcendental per-element value (softmax's exp(x - max)) that both a reduce's input
+    and the store compute, kept in a per-row array (the CPU's stack: private to the thread, in L1/L2) by that
+    reduce's pass and read back by the store pass instead of being computed again. Only on renderers with stack
+    arrays, for rows that fit MAX_KEPT_BYTES."""
+    kernel = self.kernel
+    if not getattr(kernel.renderer, "has_stack_arrays", False) or not self._per_element(): return []
+    reduces = {id(reduce) for reduce in kernel.reduceops}
+    stored = {id(node) for store in kernel.stores for node in _post_order(store.srcs[0], reduces)}
+    kept: dict[int, tuple[LazyOp, LazyOp]] = {}
+    for reduce in kernel.reduceops:   # sources first: a value is kept by the last reduce that computes it
+      for node in _post_order(reduce.srcs[0], reduces):
+        if node.op in TRANSCENDENTAL_OPS and id(node) in stored: kept[id(node)] = (node, reduce)
+    if sum(node.dtype.itemsize for node, _ in kept.values()) * self._row_length() > MAX_KEPT_BYTES: return []
+    return list(kept.values())
+
+  def _known_reduces(self, reduce_value: UOp | None) -> dict[int, UOp]:
+    return {**self.reduce_values, **self.kept_values}
+
+  def _row_position(self, idxs: list[Node]) -> UOp:
+    """The element's position in its row (row-major over the row axes), the index into a kept-value array."""
+    position: Node = NumNode(0)
+    for axis in self.kernel.row_axes or (): position = position * self.kernel.full_shape[axis] + idxs[axis]
+    return self.node_to_uop(position)
+
+  def _open_row_loops(self, idxs: list[Node], prefix: str, lanes: int = 1) -> list[UOp]:
+    """A loop over each reduced axis (a loop in the thread, never a GLOBAL loop the CPU renderer parallelizes). With
+    `lanes`, the innermost axis is two loops: over groups of `lanes` elements, and over the lanes of a group (a loop
+    of a constant trip count the C compiler vectorizes, each lane's accumulator an element of an array)."""
+    loops = []
+    row_axes = self.kernel.row_axes or ()
+    for axis in row_axes:
+      size = self.kernel.full_shape[axis] // (lanes if axis == row_axes[-1] else 1)
+      idxs[axis] = Variable(f"{prefix}{axis}", 0, size - 1)
+      loops.append(self._open_loop(f"{prefix}{axis}", size, AxisType.REDUCE))
+    if lanes > 1:
+      name = f"{prefix}lane"
+      loops.append(self._open_loop(name, lanes, AxisType.UNROLL))   # a vector loop (renderer.vector_loop_pragma)
+      idxs[row_axes[-1]] = idxs[row_axes[-1]] * lanes + Variable(name, 0, lanes - 1)
+    return loops
+
+  def _close_row_loops(self, idxs: list[Node], loops: list[UOp]) -> None:
+    for loop in reversed(loops): self.builder.end_range(loop)
+    for axis in self.kernel.row_axes or (): idxs[axis] = NumNode(0)
+
+  def _row_threads(self, sizes: list[int]) -> list[Node]:
+    """Index nodes of the row axes on a GPU without local memory: blocks of up to 128 threads, one row per thread."""
+    total = math.prod(sizes)
+    threads = next((count for count in (128, 64, 32) if total % count == 0), 1)
+    build = self.builder
+    self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", total // threads, 0, AxisType.GLOBAL))
+    flat: Node = Variable("gidx0", 0, total // threads - 1)
+    if threads > 1:
+      self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", threads, 0, AxisType.LOCAL))
+      flat = flat * threads + Variable("lidx0", 0, threads - 1)
+    return _unflatten(flat, sizes)
+
+  # ---------------------------------------------------------------- GPU: a block per row
+
+  def _linearize_block_rows(self) -> list[UOp]:
+    kernel, build, shape = self.kernel, self.builder, self.kernel.full_shape
+    renderer, row_axes = kernel.renderer, list(kernel.row_axes or ())
+    row_dims = [axis for axis in range(len(shape)) if axis not in row_axes]
+    rows, length = math.prod(shape[axis] for axis in row_dims), math.prod(shape[axis] for axis in row_axes)
+    width = self._row_vector_width()
+    units = length // width
+    threads = row_block_threads(units, renderer.max_threads, renderer.warp_size)
+    self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", rows, 0, AxisType.GLOBAL))
+    self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", threads, 0, AxisType.LOCAL))
+    idxs: list[Node] = [NumNode(0)] * len(shape)
+    for axis, node in zip(row_dims, _unflatten(Variable("gidx0", 0, rows - 1), [shape[axis] for axis in row_dims])):
+      idxs[axis] = node
+    thread = Variable("lidx0", 0, threads - 1)
+    per_thread = math.ceil(units / threads)
+    passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    for number, reduce in enumerate(kernel.reduceops):
+      accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+
+      def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
+        value = self.compute(reduce.srcs[0], element_idxs, None)
+        build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
+      passes.run(f"ridx{number}", accumulate)
+      self.reduce_values[id(reduce)] = self._block_combine(accumulator, _accumulate_op(reduce), thread, threads, number)
+    if self._per_element():
+      passes.run("sidx", None, store=True)
+      return build.uops
+    first_thread = build.add(UOps.IF, None, (self.node_to_uop(thread < 1),))   # a per-row output: thread 0 stores
+    self._store_outputs(idxs, None)
+    build.end_if(first_thread)
+    return build.uops
+
+  def _row_vector_width(self) -> int:
+    """4 (float4 units) where the renderer has vectors and the innermost row axis splits into whole float4s; else 1.
+    Each load and store then checks its own view (contiguous along that axis, aligned) before reading a vector."""
+    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
+    innermost = (kernel.row_axes or ())[-1]
+    if width < 2 or kernel.full_shape[innermost] % width != 0: return 1
+    if not any(leaf.dtype == dtypes.float32 for leaf in kernel.leaves): return 1
+    return width
+
+  def unit_idxs(self, idxs: list[Node], unit: Node, width: int, lane: int) -> list[Node]:
+    """The indices of element `lane` of a unit: the unit's position in the row (row axes, the last fastest), its
+    innermost index written as `width * (...) + lane` so that a vector's first index is provably aligned."""
+    kernel = self.kernel
+    row_axes = list(kernel.row_axes or ())
+    sizes = [kernel.full_shape[axis] for axis in row_axes]
+    sizes[-1] //= width
+    element_idxs = list(idxs)
+    for axis, node in zip(row_axes, _unflatten(unit, sizes)): element_idxs[axis] = node
+    element_idxs[row_axes[-1]] = element_idxs[row_axes[-1]] * width + lane
+    return element_idxs
+
+  def _vector_load(self, node: LazyOp, idxs: list[Node]) -> UOp | None:
+    """One element of a unit's vector load: the view is one unmasked float32 view, contiguous along the innermost
+    row axis, and the unit's first element is provably aligned. The lanes share the LOAD (the builder merges it)."""
+    if self.vector_unit is None: return None
+    first, width, lane = self.vector_unit
+    if node.dtype != dtypes.float32: return None
+    leaf = self.leaf_index[id(node)]
+    st = self.kernel.sts[leaf]
+    innermost = (self.kernel.row_axes or ())[-1]
+    if len(st.views) != 1 or st.views[0].mask is not None or st.real_strides()[innermost] != 1: return None
+    index_node, _ = self._index_nodes(leaf, first)
+    if not _multiple_of(index_node, width): return None
+    vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
+    return self.builder.add(UOps.GEP, node.dtype, (vector,), lane)
+
+  def store_unit(self, lanes: list[list[Node]], width: int) -> None:
+    """Store every output at the `width` elements of one unit (indices per lane). All values are computed before
+    the first store (an output may overwrite a buffer another output still loads); an output whose view is one
+    unmasked float32 view contiguous along the innermost row axis, with an aligned first element, is stored as one
+    vector, the others element by element."""
+    build, stores = self.builder, self.kernel.stores
+    values = []
+    for lane, element_idxs in enumerate(lanes):
+      self.vector_unit = (lanes[0], width, lane) if width > 1 else None
+      values.append([self.compute(store.srcs[0], element_idxs, None) for store in stores])
+    self.vector_unit = None
+    innermost = (self.kernel.row_axes or ())[-1]
+    for number, store in enumerate(stores):
+      st = self.kernel.sts[number]
+      index_node, _ = self._index_nodes(number, lanes[0])
+      if width > 1 and store.dtype == dtypes.float32 and len(st.views) == 1 and st.views[0].mask is None and \
+          st.real_strides()[innermost] == 1 and _multiple_of(index_node, width):
+        lane_values = tuple(values[lane][number] for lane in range(width))
+        build.add(UOps.STORE, None, (self.buffers[store.arg.idx], self.node_to_uop(index_node)) + lane_values, width)
+        continue
+      for lane, element_idxs in enumerate(lanes):
+        index, valid = self._index(number, element_idxs)
+        srcs = (self.buffers[store.arg.idx], index, values[lane][number]) + ((valid,) if valid is not None else ())
+        build.add(UOps.STORE, None, srcs)
+
+  def _block_combine(self, partial: UOp, op: Ops, thread: Node, threads: int, number: int) -> UOp:
+    """The combination of every thread's partial, held by every thread of the block afterwards."""
+    build, warp_size = self.builder, self.kernel.renderer.warp_size
+    dtype = partial.dtype
+    if warp_size >= 2 and threads % warp_size == 0:
+      reduced = build.add(UOps.WARP_REDUCE, dtype, (partial,), (op, warp_size, 1))
+      warps = threads // warp_size
+      if warps == 1: return reduced
+      local = build.add(UOps.DEFINE_LOCAL, dtype, (), (f"row{number}", warps))
+      writer = build.add(UOps.IF, None, (self.node_to_uop(thread % warp_size < 1),))
+      build.add(UOps.STORE, None, (local, self.node_to_uop(thread // warp_size), reduced))
+      build.end_if(writer)
+      build.add(UOps.BARRIER, None)
+      total = build.add(UOps.LOAD, dtype, (local, self._int(0)))
+      for warp in range(1, warps):
+        total = build.alu(op, dtype, total, build.add(UOps.LOAD, dtype, (local, self._int(warp))))
+      return total
+    # no shuffles: a tree in local memory (pairs combined in parallel, a BARRIER after each step), read by all
+    local = build.add(UOps.DEFINE_LOCAL, dtype, (), (f"row{number}", threads))
+    thread_uop = self.node_to_uop(thread)
+    build.add(UOps.STORE, None, (local, thread_uop, partial))
+    build.add(UOps.BARRIER, None)
+    count = threads
+    while count > 1:
+      half = (count + 1) // 2
+      step = build.add(UOps.IF, None, (self.node_to_uop(thread < count // 2),))
+      other = build.alu(Ops.ADD, INDEX_DTYPE, thread_uop, self._int(half))
+      combined = build.alu(op, dtype, build.add(UOps.LOAD, dtype, (local, thread_uop)),
+                           build.add(UOps.LOAD, dtype, (local, other)))
+      build.add(UOps.STORE, None, (local, thread_uop, combined))
+      build.end_if(step)
+      build.add(UOps.BARRIER, None)
+      count = half
+    return build.add(UOps.LOAD, dtype, (local, self._int(0)))
+
+
+class _Accumulators:
+  """A reduce's accumulator on a CPU: one register (DEFINE_ACC), or with lanes an array of one per lane (each lane
+  of the vectorized inner loop adds into its own element; combined in lane order after the loops)."""
+
+  def __init__(self, linearizer: RowLinearizer, reduce: LazyOp, number: int, lanes: int):
+    self.linearizer, self.build, self.reduce, self.lanes = linearizer, linearizer.builder, reduce, lanes
+    self.op, identity = _accumulate_op(reduce), reduce_identity(reduce.op, reduce.dtype)
+    if lanes == 1:
+      self.storage = self.build.add(UOps.DEFINE_ACC, reduce.dtype, (), identity)
+      return
+    self.storage = self.build.add(UOps.DEFINE_LOCAL, reduce.dtype, (), (f"acc{number}", lanes))
+    for lane in range(lanes):
+      self.build.add(UOps.STORE, None, (self.storage, linearizer._int(lane), self.build.const(identity, reduce.dtype)))
+
+  def add(self, value: UOp, lane: UOp) -> None:
+    """Accumulate `value`; with lanes, into the element of `lane` (the innermost loop)."""
+    build, dtype = self.build, self.reduce.dtype
+    if self.lanes == 1:
+      build.add(UOps.ACCUMULATE, dtype, (self.storage, value), self.op)
+      return
+    running = build.add(UOps.LOAD, dtype, (self.storage, lane))
+    build.add(UOps.STORE, None, (self.storage, lane, build.alu(self.op, dtype, running, value)))
+
+  def combined(self) -> UOp:
+    if self.lanes == 1: return self.storage
+    build, dtype = self.build, self.reduce.dtype
+    total = build.add(UOps.LOAD, dtype, (self.storage, self.linearizer._int(0)))
+    for lane in range(1, self.lanes):
+      total = build.alu(self.op, dtype, total, build.add(UOps.LOAD, dtype, (self.storage, self.linearizer._int(lane))))
+    return total
+
+
+class _RowPasses:
+  """The passes of a block over its row: thread t takes units t, t + T, ... (a unit: `width` neighbouring elements).
+  Persistent: the thread's units are unrolled (constant iteration numbers), so every pass emits the same loads and
+  the builder reuses them: the row is read once. Otherwise a loop over the thread's units, re-read at each pass.
+  A unit past the row's end (the row's units not a multiple of T) is skipped under an IF."""
+
+  def __init__(self, linearizer: RowLinearizer, idxs: list[Node], thread: Node, threads: int, units: int, width: int,
+               persistent: bool):
+    self.linearizer, self.idxs, self.thread, self.threads = linearizer, idxs, thread, threads
+    self.units, self.width, self.persistent = units, width, persistent
+    self.per_thread = math.ceil(units / threads)
+
+  def run(self, name: str, element: Callable[[list[Node]], None] | None, store: bool = False) -> None:
+    """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store."""
+    linearizer = self.linearizer
+    build = linearizer.builder
+    loop = None
+    if self.persistent: iterations: list[Node] = [NumNode(number) for number in range(self.per_thread)]
+    else:
+      loop = linearizer._open_loop(name, self.per_thread, AxisType.REDUCE)
+      iterations = [Variable(name, 0, self.per_thread - 1)]
+    for iteration in iterations:
+      unit = iteration * self.threads + self.thread
+      ragged = self.units % self.threads != 0 and (loop is not None or iteration.b == self.per_thread - 1)
+      guard = build.add(UOps.IF, None, (linearizer.node_to_uop(unit < self.units),)) if ragged else None
+      lanes = [linearizer.unit_idxs(self.idxs, unit, self.width, lane) for lane in range(self.width)]
+      if store: linearizer.store_unit(lanes, self.width)
+      else:
+        for lane, element_idxs in enumerate(lanes):
+          linearizer.vector_unit = (lanes[0], self.width, lane) if self.width > 1 else None
+          element(element_idxs)
+        linearizer.vector_unit = None
+      if guard is not None: build.end_if(guard)
+    if loop is not None: build.end_range(loop)
+
+
+def _accumulate_op(reduce: LazyOp) -> Ops: return Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
+
+
+def _unflatten(flat: Node, sizes: list[int]) -> list[Node]:
+  """Per-axis indices of a row-major flat index over `sizes` (the last varying fastest)."""
+  if len(sizes) == 1: return [flat]
+  nodes, inner = [], 1
+  for size in reversed(sizes):
+    nodes.append((flat // inner) % size)
+    inner *= size
+  return list(reversed(nodes))
+
+
+# 2**f for f in [-0.5, 0.5]: the Taylor series of exp(f ln 2) to degree 7 (truncation error < 6e-9, under half an ulp)
+_EXP2_COEFFICIENTS = tuple(math.log(2) ** power / math.factorial(power) for power in range(8))
+
+
+def vector_exp2(build: UOpBuilder, x: UOp) -> UOp:
+  """exp2(x) for float32 in plain arithmetic (a C compiler vectorizes it; libm's exp2f is a call per element):
+  x = n + f with n = round(x) (x clamped to [-252, 256], beyond which the result is 0 or inf anyway) and |f| <= 0.5,
+  2**f by a polynomial, 2**n as two float exponents (n split in halves, so that 2**128 overflows to inf and 2**-140
+  underflows gradually, as exp2f does). Within 1 ulp of the rounded exact result; NaN stays NaN.
+  Written for gcc's if-conversion: selects on one comparison each, and no float/int conversions (they may trap,
+  which keeps a loop with selects from vectorizing): n is rounded by adding 1.5 * 2**23 and read from the bits."""
+  f32, i32 = dtypes.float32, dtypes.int32
+
+  def const(value: float, dtype: DType = f32) -> UOp: return build.const(value, dtype)
+
+  def select(condition: UOp, yes: UOp, no: UOp) -> UOp: return build.alu(Ops.WHERE, f32, condition, yes, no)
+  low = select(build.alu(Ops.CMPLT, dtypes.bool, const(-252.0), x), x, const(-252.0))
+  clamped = select(build.alu(Ops.CMPLT, dtypes.bool, low, const(256.0)), low, const(256.0))
+  rounding = 1.5 * 2 ** 23   # adding it rounds a float of magnitude < 2**22 to an integer, kept in the low bits
+  shifted = build.alu(Ops.ADD, f32, clamped, const(rounding))
+  n = build.alu(Ops.ADD, i32, build.add(UOps.BITCAST, i32, (shifted,)), const(-0x4B400000, i32))
+  rounded = build.alu(Ops.ADD, f32, shifted, const(-rounding))
+  fraction = build.alu(Ops.ADD, f32, clamped, build.alu(Ops.NEG, f32, rounded))
+  power = const(_EXP2_COEFFICIENTS[-1])
+  for coefficient in reversed(_EXP2_COEFFICIENTS[:-1]):
+    power = build.alu(Ops.ADD, f32, build.alu(Ops.MUL, f32, power, fraction), const(coefficient))
+  # n = half + rest, each in [-126, 128]: (n + 256) >> 1 is a shift of a non-negative number
+  half = build.alu(Ops.ADD, i32, build.alu(Ops.SHR, i32, build.alu(Ops.ADD, i32, n, const(256, i32)), const(1, i32)),
+                   const(-128, i32))
+  rest = build.alu(Ops.ADD, i32, n, build.alu(Ops.NEG, i32, half))
+
+  def two_to(exponent: UOp) -> UOp:   # 2**e for e in [-126, 128] (128: inf), from the float's exponent bits
+    bits = build.alu(Ops.SHL, i32, build.alu(Ops.ADD, i32, exponent, const(127, i32)), const(23, i32))
+    return build.add(UOps.BITCAST, f32, (bits,))
+  result = build.alu(Ops.MUL, f32, build.alu(Ops.MUL, f32, power, two_to(half)), two_to(rest))
+  return select(build.alu(Ops.CMPNE, dtypes.bool, x, x), x, result)

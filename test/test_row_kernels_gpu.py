@@ -1,0 +1,170 @@
+"""Row kernels on GPUs (codegen/row_linearizer.py): a block owns a row, partials meet through warp shuffles and local
+memory, short rows stay in registers.
+
+Each row kernel is lowered for a GPU renderer (CUDA's limits through the PYTHON device's `EMULATE=CUDA` mode, and the
+PYTHON device's own: 128 threads, no warp shuffles, so the local-memory tree) and run in the PYTHON interpreter
+against numpy/PyTorch on the CPU; the same kernel rendered as CUDA C must compile with NVRTC where it is installed.
+The shapes cover the persistent rows (unrolled, float4), long rows (a loop, re-read per pass), ragged rows (units not
+a multiple of the block) and rows over two axes. On a machine with an NVIDIA GPU the last tests run on CUDA.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad import Tensor
+from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.row_linearizer import PERSISTENT_UNITS, row_block_threads
+from ourgrad.codegen.uops import UOps, launch_dims
+from ourgrad.device import Buffer
+from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.schedule import ScheduleItem, create_schedule
+from ourgrad.helpers import GlobalCounters
+from ourgrad.ops import Ops
+from ourgrad.renderer.cstyle import CUDARenderer
+from ourgrad.runtime.ops_python import PythonRenderer
+
+
+def _nvrtc():
+  try:
+    from ourgrad.runtime.ops_cuda import CUDACompiler
+    compiler = CUDACompiler("sm_90")
+    compiler.compile('extern "C" __global__ void probe() {}')
+    return compiler
+  except Exception:  # no cuda-python or no NVRTC library here
+    return None
+
+
+NVRTC = _nvrtc()
+
+
+def _has_cuda() -> bool:
+  from ourgrad.device import Device
+  from ourgrad.errors import DeviceError
+  try:
+    Device["CUDA"]
+  except DeviceError:
+    return False
+  return True
+
+
+@pytest.fixture(autouse=True)
+def row_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+  monkeypatch.setenv("ROW_KERNELS", "1")
+
+
+def _torch_layernorm(t: torch.Tensor) -> torch.Tensor: return torch.nn.functional.layer_norm(t, t.shape[-1:])
+
+
+GRAPHS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+  "softmax": (lambda x: x.softmax(-1), lambda t: t.softmax(-1)),
+  "log_softmax": (lambda x: x.log_softmax(-1), lambda t: t.log_softmax(-1)),
+  "layernorm": (lambda x: x.layernorm(), _torch_layernorm),
+  "rmsnorm": (lambda x: x * (x.square().mean(-1, keepdim=True) + 1e-6).rsqrt(),
+              lambda t: t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6)),
+  "var": (lambda x: x.var(-1), lambda t: t.var(-1)),
+  "std": (lambda x: x.std(-1), lambda t: t.std(-1)),
+  "layernorm_of_two_axes": (lambda x: x.reshape(x.shape[0], 2, -1).layernorm(axis=(-2, -1)),
+                            lambda t: torch.nn.functional.layer_norm(t.reshape(t.shape[0], 2, -1),
+                                                                     (2, t.shape[1] // 2))),
+}
+# (rows, row length): ragged (10 float4 units in a warp), odd length (scalar units), persistent float4 rows, and a
+# row long enough that CUDA's 1024 threads keep more than PERSISTENT_UNITS units each (the looping pass)
+SHAPES = [(3, 40), (5, 37), (4, 2048), (2, 40960)]
+RENDERERS = {"emulate_cuda": lambda: PythonRenderer("CUDA"), "python": lambda: PythonRenderer()}
+
+
+def _row_item(out: Tensor) -> ScheduleItem:
+  schedule = create_schedule([out.lazydata])
+  run_schedule(schedule[:-1])   # inputs (copies) first
+  item = schedule[-1]
+  assert sum(1 for item in schedule if item.ast.op is not Ops.COPY) == 1, "one kernel"
+  return item
+
+
+def _run(kernel: Kernel, item: ScheduleItem) -> np.ndarray:
+  if NVRTC is not None:
+    cuda = Kernel(kernel.ast, CUDARenderer())
+    NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
+  runner = compile_kernel(kernel, "PYTHON")
+  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  runner((output,) + item.inputs)
+  return output.numpy()
+
+
+@pytest.mark.parametrize("renderer", sorted(RENDERERS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_block_row_kernel_matches_torch(name: str, shape: tuple[int, int], renderer: str):
+  if name == "layernorm_of_two_axes" and shape[1] % 2: pytest.skip("two equal halves of the row")
+  ours, theirs = GRAPHS[name]
+  x_np = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32) * 3
+  item = _row_item(ours(Tensor(x_np, device="PYTHON")))
+  got = _run(Kernel(item.ast, RENDERERS[renderer]()), item)
+  expected = theirs(torch.tensor(x_np)).numpy()
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_cross_entropy_per_sample_on_the_emulated_gpu():
+  x_np = np.random.default_rng(1).standard_normal((12, 100)).astype(np.float32)
+  labels = np.random.default_rng(2).integers(0, 100, 12).astype(np.int32)
+  out = Tensor(x_np, device="PYTHON").cross_entropy(Tensor(labels, device="PYTHON"), reduction="none")
+  item = _row_item(out)
+  got = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  expected = torch.nn.functional.cross_entropy(torch.tensor(x_np), torch.tensor(labels).long(), reduction="none")
+  np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _cuda_uops(out: Tensor) -> list:
+  item = create_schedule([out.lazydata])[-1]
+  return linearize(Kernel(item.ast, CUDARenderer()))
+
+
+def test_softmax_row_is_read_once_and_exp_computed_once():
+  # 8192 floats a row: 256 threads of 8 float4s each, kept in registers across the max, the sum and the store
+  rows, length = 8, 8192
+  uops = _cuda_uops(Tensor.empty(rows, length).softmax(-1))
+  threads = row_block_threads(length // 4, CUDARenderer.max_threads, CUDARenderer.warp_size)
+  assert launch_dims(uops) == ((rows, 1, 1), (threads, 1, 1))
+  per_thread = length // 4 // threads
+  assert per_thread <= PERSISTENT_UNITS
+  input_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL]
+  assert len(input_loads) == per_thread and all(uop.arg == 4 for uop in input_loads), "each float4 loaded once"
+  assert sum(1 for uop in uops if uop.op is UOps.ALU and uop.arg is Ops.EXP2) == per_thread * 4, "exp once each"
+  stores = [uop for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_GLOBAL]
+  assert len(stores) == per_thread and all(uop.arg == 4 for uop in stores), "float4 stores"
+  assert not any(uop.op is UOps.RANGE for uop in uops), "no loop: the row is unrolled"
+  assert sum(1 for uop in uops if uop.op is UOps.BARRIER) == 2, "one barrier per reduce"
+
+
+def test_long_rows_loop_and_reread():
+  uops = _cuda_uops(Tensor.empty(2, 40960).softmax(-1))   # 10 float4s a thread in blocks of 1024
+  assert launch_dims(uops) == ((2, 1, 1), (CUDARenderer.max_threads, 1, 1))
+  assert sum(1 for uop in uops if uop.op is UOps.RANGE) == 3, "a loop per pass: max, sum, store"
+
+
+def test_per_row_output_is_stored_by_one_thread():
+  uops = _cuda_uops(Tensor.empty(16, 512).var(-1))
+  stores = [uop for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_GLOBAL]
+  assert len(stores) == 1
+  opened = [uop for uop in uops[:uops.index(stores[0])] if uop.op is UOps.IF]
+  closed = [uop.srcs[0] for uop in uops[:uops.index(stores[0])] if uop.op is UOps.ENDIF]
+  assert [uop for uop in opened if uop not in closed], "the store is inside an IF (thread 0)"
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("shape", [(64, 8192), (8, 32768), (1024, 1024), (7, 1000), (3, 50000)])
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_row_kernels_on_cuda(name: str, shape: tuple[int, int]):
+  if name == "layernorm_of_two_axes" and shape[1] % 2: pytest.skip("two equal halves of the row")
+  ours, theirs = GRAPHS[name]
+  x_np = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+  x = Tensor(x_np, device="CUDA").realize()
+  GlobalCounters.reset()
+  out = ours(x).realize()
+  assert GlobalCounters.kernel_count == 1
+  np.testing.assert_allclose(out.numpy(), theirs(torch.tensor(x_np)).numpy(), rtol=1e-4, atol=1e-4)
