@@ -189,7 +189,7 @@ def mnist_step(device: str, scale: int, steps: int = 5) -> None:
   print(f"copy bandwidth: {peak / 1e9:.0f} GB/s (an ourgrad copy kernel of 2 x 256 MB, timed like the kernels "
         f"below). '%copy' = GB/s / that; '%same' = GB/s / the GB/s of a copy kernel moving the same bytes, timed "
         f"the same way (a small kernel cannot beat its launch and event overhead, neither can that copy)")
-  print(f"{'kernel':<36} {'ms':>8} {'MB':>7} {'GB/s':>8} {'%copy':>6} {'%same':>6} {'GFLOP/s':>8}  axes (colored by kind)")
+  print(f"{'kernel':<36} {'ms':>8} {'MB':>7} {'GB/s':>8} {'%copy':>6} {'%same':>6} {'GFLOP/s':>8}  axes (by kind)")
   same_cache: dict[int, float] = {}
   for name, shape, seconds, moved, ops in sorted(launches, key=lambda launch: -launch[2]):
     gbs = moved / max(seconds, 1e-12)
