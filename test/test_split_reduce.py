@@ -22,6 +22,7 @@ from ourgrad.engine.schedule import create_schedule
 from ourgrad.device import Buffer
 from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
+from helpers import skip_unless_device
 
 rng = np.random.default_rng(10)
 
@@ -131,3 +132,21 @@ def test_split_kernels_with_cuda_heuristics_match_plain(small_split: None) -> No
     np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-5)
     run_schedule([item])
   np.testing.assert_allclose(outputs[0].numpy(), data.sum(axis=(0, 2, 3)), rtol=1e-5, atol=1e-4)
+
+
+def test_split_reduces_on_cuda_match_torch() -> None:
+  """On a real GPU, with the real thresholds: MNIST's second batchnorm statistics and weight gradient."""
+  skip_unless_device("CUDA")
+  data = rng.standard_normal((256, 32, 8, 8)).astype(np.float32)
+  x = Tensor(data, device="CUDA")
+  assert len(_kernels(x.sum(axis=(0, 2, 3)))) == 2
+  np.testing.assert_allclose(x.sum(axis=(0, 2, 3)).numpy(), data.sum(axis=(0, 2, 3)), rtol=1e-4, atol=1e-2)
+  np.testing.assert_array_equal(x.max(axis=(0, 2, 3)).numpy(), data.max(axis=(0, 2, 3)))
+  images = rng.standard_normal((256, 16, 12, 12)).astype(np.float32)
+  weights = rng.standard_normal((32, 16, 5, 5)).astype(np.float32)
+  upstream = rng.standard_normal((256, 32, 8, 8)).astype(np.float32)
+  w = Tensor(weights, device="CUDA", requires_grad=True)
+  (Tensor(images, device="CUDA").conv2d(w) * Tensor(upstream, device="CUDA")).sum().backward()
+  tw = torch.tensor(weights, requires_grad=True)
+  (torch.nn.functional.conv2d(torch.tensor(images), tw) * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-3, atol=5e-2)  # sums of 16384 products

@@ -29,7 +29,7 @@ import mnist  # noqa: E402
 
 
 def main() -> None:
-  from cuda.bindings import driver
+  from cuda.bindings import driver  # cuProfilerStart/Stop: ncu --profile-from-start off records what lies between
   rng = np.random.default_rng(0)
   model = mnist.ConvNet(mnist.MODELS["small"])
   optimizer = Adam([p for p in get_parameters(model) if p.requires_grad], lr=2e-3)
@@ -43,6 +43,7 @@ def main() -> None:
     mnist.train_step(model, optimizer, images, labels, buffers)
     Device[Device.DEFAULT].synchronize()
     driver.cuProfilerStop()
+  print("profiled one mnist training step")
 
 
 if __name__ == "__main__":
