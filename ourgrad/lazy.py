@@ -249,7 +249,8 @@ class LazyBuffer:
     about GPU_SPLIT_TARGET_OUTPUTS partials of at least GPU_SPLIT_MIN_PART elements. The parts are a divisor of the
     longest reduce axis `axis` (the batch axis of a weight gradient or of batchnorm statistics). None where the
     device has no thread blocks or the reduce already fills the GPU."""
-    renderer = Device[self.device].renderer if not self.device.startswith("DISK") else None
+    if self.device.startswith("DISK"): return None
+    renderer = Device[self.device].renderer
     if not (getattr(renderer, "has_threads", False) and getattr(renderer, "has_local", False)): return None
     outputs = prod(out_shape)
     elements_per_output = prod(self.shape) // outputs
