@@ -267,7 +267,8 @@ class LazyBuffer:
     """The reduced value is a product in which some factor is broadcast along an output axis (stride 0 there) while
     it varies along a reduce axis: a matmul or a convolution's weight gradient."""
     base = self.base
-    if base is not self and base.shape != self.shape or base.op is not Ops.MUL: return False
+    # the axes of the base's sources are this buffer's axes only where this is the base or a plain view of it
+    if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or base.op is not Ops.MUL: return False
     for src in base.srcs:
       strides = src.st.views[-1].strides
       broadcast = any(strides[a] == 0 and self.shape[a] != 1 for a in range(len(strides)) if a not in axes)
