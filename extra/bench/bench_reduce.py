@@ -157,16 +157,19 @@ def mnist_step(device: str, scale: int, steps: int = 5) -> None:
   buffers = mnist.batchnorm_buffers(model)
   images = np.random.randint(0, 255, (batch, 1, 28, 28)).astype(np.uint8)
   labels = np.random.randint(0, 10, batch).astype(np.int32)
-  runs: list[list[tuple[str, str, float, int, int]]] = []
+  runs: list[list[tuple[str, str, float, int, int, str]]] = []
   original = ExecItem._print  # every launch passes here at DEBUG=2, with its device time
 
   def record(item: ExecItem, timing: float | None) -> None:
     runner = item.runner
     if isinstance(runner, CompiledRunner):
-      runs[-1].append((runner.name, runner.display_name, timing or 0.0, runner.byte_count, runner.op_count))
+      runs[-1].append((runner.name, runner.display_name, timing or 0.0, runner.byte_count, runner.op_count,
+                       kinds.get(id(runner), "")))
+  kinds = _KernelKinds(device)
   walls = []
   with Tensor.train():
     for _ in range(2): mnist.train_step(model, optimizer, images, labels, buffers)  # compile everything
+    kinds.update()
     os.environ["DEBUG"] = "2"
     ExecItem._print = record  # type: ignore[method-assign]
     try:
@@ -179,8 +182,8 @@ def mnist_step(device: str, scale: int, steps: int = 5) -> None:
       ExecItem._print = original  # type: ignore[method-assign]
       del os.environ["DEBUG"]
   # the same kernels launch in the same order every step: each launch's time is its median over the steps
-  launches = [(name, shape, statistics.median(run[index][2] for run in runs), moved, ops)
-              for index, (name, shape, _, moved, ops) in enumerate(runs[0])]
+  launches = [(name, shape, statistics.median(run[index][2] for run in runs), moved, ops, kind)
+              for index, (name, shape, _, moved, ops, kind) in enumerate(runs[0])]
   total = sum(launch[2] for launch in launches)
   print(f"\nmnist training step (batch {batch}): {len(launches)} kernels, sum of kernel times {total * 1e3:.3f} ms "
         f"(median of {steps} steps per kernel), wall {statistics.median(walls) * 1e3:.1f} ms (with DEBUG=2's "
@@ -189,14 +192,41 @@ def mnist_step(device: str, scale: int, steps: int = 5) -> None:
   print(f"copy bandwidth: {peak / 1e9:.0f} GB/s (an ourgrad copy kernel of 2 x 256 MB, timed like the kernels "
         f"below). '%copy' = GB/s / that; '%same' = GB/s / the GB/s of a copy kernel moving the same bytes, timed "
         f"the same way (a small kernel cannot beat its launch and event overhead, neither can that copy)")
-  print(f"{'kernel':<36} {'ms':>8} {'MB':>7} {'GB/s':>8} {'%copy':>6} {'%same':>6} {'GFLOP/s':>8}  axes (by kind)")
+  print("kind: outputs x values per output of a reduce ('matmul' where an input is reused across outputs: a weight "
+        "gradient or a convolution; 'reduce': batchnorm statistics, losses, the second kernel of a split)")
+  print(f"{'kernel':<36} {'ms':>8} {'MB':>7} {'GB/s':>8} {'%copy':>6} {'%same':>6} {'GFLOP/s':>8}  {'kind':<26} axes")
   same_cache: dict[int, float] = {}
-  for name, shape, seconds, moved, ops in sorted(launches, key=lambda launch: -launch[2]):
+  for name, shape, seconds, moved, ops, kind in sorted(launches, key=lambda launch: -launch[2]):
     gbs = moved / max(seconds, 1e-12)
     bucket = max(1 << max(moved - 1, 1).bit_length(), 1024)   # copies timed at powers of two of bytes
     if bucket not in same_cache: same_cache[bucket] = copy_bandwidth(device, bucket // 8)
     print(f"{name:<36} {seconds * 1e3:8.3f} {moved / 1e6:7.2f} {gbs / 1e9:8.1f} {gbs / peak * 100:5.1f}% "
-          f"{gbs / same_cache[bucket] * 100:5.0f}% {ops / max(seconds, 1e-12) / 1e9:8.0f}  {shape}")
+          f"{gbs / same_cache[bucket] * 100:5.0f}% {ops / max(seconds, 1e-12) / 1e9:8.0f}  {kind:<26} {shape}")
+
+
+class _KernelKinds:
+  """What each compiled kernel of the engine's runner cache computes, by the runner's id: 'matmul 12800x512',
+  'reduce 1024x512' (outputs x values per output) or 'elementwise 200704'."""
+
+  def __init__(self, device: str):
+    self.device, self.kinds = device, {}
+
+  def update(self) -> None:
+    from ourgrad.codegen.kernel import Kernel
+    from ourgrad.codegen.opt.heuristic import _matmul_like
+    from ourgrad.device import Device
+    from ourgrad.helpers import prod
+    for (device, ast), runner in list(realize._runner_cache.items()):
+      if device != self.device or id(runner) in self.kinds: continue
+      kernel = Kernel(ast, Device[device].renderer)
+      outputs = prod(kernel.full_shape[:kernel.first_reduce])
+      if kernel.reduceop is None:
+        self.kinds[id(runner)] = f"elementwise {outputs}"
+        continue
+      label = "matmul" if _matmul_like(kernel) else "reduce"
+      self.kinds[id(runner)] = f"{label} {outputs}x{prod(kernel.full_shape[kernel.first_reduce:])}"
+
+  def get(self, key: int, default: str) -> str: return self.kinds.get(key, default)
 
 
 def copy_bandwidth(device: str, elements: int, iters: int = 10) -> float:
