@@ -37,7 +37,10 @@ GPU_SPLIT_MIN_ELEMENTS = 1 << 14   # elements per output
 GPU_FEW_OUTPUTS = 1024             # a plain reduce with fewer outputs leaves SMs idle (132 SMs x ~8 blocks)
 GPU_SPLIT_TARGET_OUTPUTS = 1 << 18  # partial results wanted in the first kernel
 GPU_SPLIT_MAX_PARTS = 256          # parts per output at most (the second kernel reduces this many)
-GPU_SPLIT_MIN_PART = 512           # elements per part at least (each partial costs a store and a load)
+# elements per part at least: each partial costs a store and a load, and a plain reduce's part should fill a block
+# of GROUP threads (the row-reduction heuristic gives 256 threads to rows of 1024 or more, a warp to shorter ones)
+GPU_SPLIT_MIN_PART = 1024
+GPU_SPLIT_MIN_PART_MATMUL = 512    # a matmul-like part: its threads are register tiles of outputs, not the reduce
 
 
 class LazyBuffer:
@@ -258,7 +261,8 @@ class LazyBuffer:
     per_thread = 16 if self._matmul_like_reduce(axes) else 1
     if elements_per_output < GPU_SPLIT_MIN_ELEMENTS or outputs >= GPU_FEW_OUTPUTS * per_thread: return None
     target = GPU_SPLIT_TARGET_OUTPUTS * per_thread
-    wanted = min(GPU_SPLIT_MAX_PARTS, elements_per_output // GPU_SPLIT_MIN_PART, -(-target // outputs))
+    min_part = GPU_SPLIT_MIN_PART_MATMUL if per_thread > 1 else GPU_SPLIT_MIN_PART
+    wanted = min(GPU_SPLIT_MAX_PARTS, elements_per_output // min_part, -(-target // outputs))
     size = self.shape[axis]
     parts = max((parts for parts in range(1, min(wanted, size) + 1) if size % parts == 0), default=1)
     return parts if parts >= 4 else None

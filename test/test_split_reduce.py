@@ -32,6 +32,7 @@ def small_split(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
   """Split-K thresholds scaled down, so small shapes (fast on the PYTHON interpreter) are split too."""
   monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 64)
   monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART", 8)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART_MATMUL", 8)
   monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 64)
   yield
 
@@ -43,11 +44,12 @@ def _kernels(*tensors: Tensor) -> list:
 # ================================================================ when the split applies (kernel counts)
 
 def test_batchnorm_statistics_split_in_two_kernels_on_a_gpu() -> None:
-  """MNIST's second batchnorm: 32 channels of 256 x 8 x 8 values: 32 parts per channel, then the parts."""
+  """MNIST's second batchnorm: 32 channels of 256 x 8 x 8 values: 16 parts (of 16 images, 1024 values) per
+  channel, then the parts."""
   x = Tensor.empty(256, 32, 8, 8, device="PYTHON")
   kernels = _kernels(x.sum(axis=(0, 2, 3)))
   assert len(kernels) == 2
-  assert kernels[0].outputs[0].size == 32 * 32   # partial sums: 32 parts x 32 channels
+  assert kernels[0].outputs[0].size == 16 * 32   # partial sums: 16 parts x 32 channels
   assert kernels[1].outputs[0].size == 32
 
 

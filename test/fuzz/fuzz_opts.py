@@ -107,10 +107,10 @@ def same(got: np.ndarray, plain: np.ndarray, is_float: bool, inputs_scale: float
 def small_split_reduces(enabled: bool):
   """With `enabled`, the GPU split-K thresholds (LazyBuffer._gpu_split_parts) scaled down to the fuzzer's small
   shapes, so reduces with few outputs are built as partial sums plus a reduce over the parts on GPU devices."""
-  names = ("GPU_SPLIT_MIN_ELEMENTS", "GPU_SPLIT_MIN_PART", "GPU_SPLIT_TARGET_OUTPUTS")
+  names = ("GPU_SPLIT_MIN_ELEMENTS", "GPU_SPLIT_MIN_PART", "GPU_SPLIT_MIN_PART_MATMUL", "GPU_SPLIT_TARGET_OUTPUTS")
   saved = {name: getattr(lazy, name) for name in names}
   if enabled:
-    for name, value in zip(names, (8, 2, 64)): setattr(lazy, name, value)
+    for name, value in zip(names, (8, 2, 2, 64)): setattr(lazy, name, value)
   try:
     yield
   finally:
