@@ -152,3 +152,19 @@ def test_split_reduces_on_cuda_match_torch() -> None:
   tw = torch.tensor(weights, requires_grad=True)
   (torch.nn.functional.conv2d(torch.tensor(images), tw) * torch.tensor(upstream)).sum().backward()
   np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-3, atol=5e-2)  # sums of 16384 products
+
+
+@pytest.mark.parametrize("shape, width", [((256, 16, 24, 24), 24), ((256, 32, 8, 8), 8), ((256, 16, 24, 26), 24)])
+def test_partial_sums_read_neighbouring_elements_in_neighbouring_threads(shape: tuple[int, ...], width: int) -> None:
+  """Batchnorm statistics of MNIST's layers (NCHW, summed over N, H and W; the last case a slice of each row, so H
+  and W cannot merge into one axis and the GROUP threads span both): in the partial-sums kernel the launch's x
+  thread index (the innermost thread axis: neighbouring lanes of a warp) walks the contiguous W axis, so a warp's
+  loads coalesce."""
+  x = Tensor.empty(*shape, device="PYTHON")[..., :width]
+  first = _kernels(x.sum(axis=(0, 2, 3)))[0]
+  kernel = Kernel(first.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert kernel.group_dims >= 1
+  launch_x = kernel.thread_axes()[-1]
+  assert kernel.sts[1].real_strides()[launch_x] == 1
+  if width != shape[3]: assert kernel.group_dims == 2 and kernel.full_shape[launch_x] == width
