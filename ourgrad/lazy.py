@@ -40,7 +40,7 @@ GPU_SPLIT_MAX_PARTS = 256          # parts per output at most (the second kernel
 # elements per part at least: each partial costs a store and a load, and a plain reduce's part should fill a block
 # of GROUP threads (the row-reduction heuristic gives 256 threads to rows of 1024 or more, a warp to shorter ones)
 GPU_SPLIT_MIN_PART = 1024
-GPU_SPLIT_MIN_PART_MATMUL = 512    # a matmul-like part: its threads are register tiles of outputs, not the reduce
+GPU_SPLIT_MIN_PART_MATMUL = 128    # a matmul-like part: its threads are register tiles of outputs, not the reduce
 
 
 class LazyBuffer:
