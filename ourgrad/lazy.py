@@ -30,6 +30,17 @@ _READERS_LOCK = threading.Lock()
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
 # reduces of at least this many elements per output (and few outputs) are split in two kernels
 SPLIT_REDUCE_MIN_ELEMENTS = 1 << 16
+# On GPUs (renderers with thread blocks and local memory) a reduce is split earlier: one whose outputs cannot give
+# the GPU enough blocks (a block per output for a plain reduce; a matmul-like one packs 16 outputs into a thread and
+# hundreds into a block) and whose outputs are long, e.g. a convolution's weight gradient or batchnorm statistics.
+GPU_SPLIT_MIN_ELEMENTS = 1 << 14   # elements per output
+GPU_FEW_OUTPUTS = 1024             # a plain reduce with fewer outputs leaves SMs idle (132 SMs x ~8 blocks)
+GPU_SPLIT_TARGET_OUTPUTS = 1 << 18  # partial results wanted in the first kernel
+GPU_SPLIT_MAX_PARTS = 256          # parts per output at most (the second kernel reduces this many)
+# elements per part at least: each partial costs a store and a load, and a plain reduce's part should fill a block
+# of GROUP threads (the row-reduction heuristic gives 256 threads to rows of 1024 or more, a warp to shorter ones)
+GPU_SPLIT_MIN_PART = 1024
+GPU_SPLIT_MIN_PART_MATMUL = 128    # a matmul-like part: its threads are register tiles of outputs, not the reduce
 
 
 class LazyBuffer:
@@ -217,17 +228,56 @@ class LazyBuffer:
     then over the parts. One output per thread would leave a GPU (or the CPU's other cores) idle; the partial
     results give each output `parts` threads of work. None where the reduce is small or already parallel."""
     if prod(out_shape) == 0 or any(is_symbolic(size) for size in self.shape): return None
-    elements_per_output = prod(self.shape) // prod(out_shape)
-    if elements_per_output < SPLIT_REDUCE_MIN_ELEMENTS or prod(out_shape) * 64 > elements_per_output: return None
     axis = max(axes, key=lambda a: self.shape[a])
-    size = self.shape[axis]
-    parts = next((parts for parts in (256, 128, 64, 32, 16, 8) if size % parts == 0 and size // parts >= 8), None)
+    parts = self._gpu_split_parts(axes, out_shape, axis)
+    if parts is None: parts = self._cpu_split_parts(out_shape, axis)
     if parts is None: return None
+    size = self.shape[axis]
     split_shape = self.shape[:axis] + (parts, size // parts) + self.shape[axis + 1:]
     # after the split, `axis` holds the parts and axis+1 the elements within a part
     inner_axes = tuple(a + 1 if a >= axis else a for a in axes)
     partials = self.reshape(split_shape).reduce(op, inner_axes)
     return partials.reduce(op, (axis,)).reshape(out_shape)
+
+  def _cpu_split_parts(self, out_shape: tuple[int, ...], axis: int) -> int | None:
+    """Parts for a reduce of at least SPLIT_REDUCE_MIN_ELEMENTS per output into few outputs (a full sum): up to 256,
+    dividing the longest reduce axis `axis` into pieces of at least 8. None where the reduce is not split."""
+    elements_per_output = prod(self.shape) // prod(out_shape)
+    if elements_per_output < SPLIT_REDUCE_MIN_ELEMENTS or prod(out_shape) * 64 > elements_per_output: return None
+    size = self.shape[axis]
+    return next((parts for parts in (256, 128, 64, 32, 16, 8) if size % parts == 0 and size // parts >= 8), None)
+
+  def _gpu_split_parts(self, axes: tuple[int, ...], out_shape: tuple[int, ...], axis: int) -> int | None:
+    """Split-K for GPUs: parts for a few-output, long reduce (see GPU_FEW_OUTPUTS) so that the first kernel has
+    about GPU_SPLIT_TARGET_OUTPUTS partials of at least GPU_SPLIT_MIN_PART elements. The parts are a divisor of the
+    longest reduce axis `axis` (the batch axis of a weight gradient or of batchnorm statistics). None where the
+    device has no thread blocks or the reduce already fills the GPU."""
+    if self.device.startswith("DISK"): return None
+    renderer = Device[self.device].renderer
+    if not (getattr(renderer, "has_threads", False) and getattr(renderer, "has_local", False)): return None
+    outputs = prod(out_shape)
+    elements_per_output = prod(self.shape) // outputs
+    # a matmul-like reduce's thread computes a register tile of 16 outputs: it needs 16x the partials
+    per_thread = 16 if self._matmul_like_reduce(axes) else 1
+    if elements_per_output < GPU_SPLIT_MIN_ELEMENTS or outputs >= GPU_FEW_OUTPUTS * per_thread: return None
+    target = GPU_SPLIT_TARGET_OUTPUTS * per_thread
+    min_part = GPU_SPLIT_MIN_PART_MATMUL if per_thread > 1 else GPU_SPLIT_MIN_PART
+    wanted = min(GPU_SPLIT_MAX_PARTS, elements_per_output // min_part, -(-target // outputs))
+    size = self.shape[axis]
+    parts = max((parts for parts in range(1, min(wanted, size) + 1) if size % parts == 0), default=1)
+    return parts if parts >= 4 else None
+
+  def _matmul_like_reduce(self, axes: tuple[int, ...]) -> bool:
+    """The reduced value is a product in which some factor is broadcast along an output axis (stride 0 there) while
+    it varies along a reduce axis: a matmul or a convolution's weight gradient."""
+    base = self.base
+    # the axes of the base's sources are this buffer's axes only where this is the base or a plain view of it
+    if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or base.op is not Ops.MUL: return False
+    for src in base.srcs:
+      strides = src.st.views[-1].strides
+      broadcast = any(strides[a] == 0 and self.shape[a] != 1 for a in range(len(strides)) if a not in axes)
+      if broadcast and any(strides[a] != 0 for a in axes): return True
+    return False
 
   def contiguous(self) -> LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""

@@ -293,3 +293,64 @@ def test_kernel_key_dedupes_equal_loop_nests():
   assert key(upcast) == key(upcast)
   assert key(upcast) != key()
   assert key(upcast) != key(upcast, unroll)
+
+
+# ---------------------------------------------------------------- the final choice against the hand-coded kernel
+
+class _FakeClock:
+  """Stands in for search.time_program: a time per candidate from `search_time(opts)` during the search and from
+  `duel_time(opts, launch)` during the final duel; records the duel's times per opts."""
+
+  def __init__(self, monkeypatch, search_time, duel_time):
+    self.in_duel, self.duel_times, self.launches = False, {}, 0
+    self.search_time, self.duel_time = search_time, duel_time
+    real_final_choice = search._final_choice
+
+    def final_choice(*args, **kwargs):
+      self.in_duel = True
+      return real_final_choice(*args, **kwargs)
+    monkeypatch.setattr(search, "_final_choice", final_choice)
+    monkeypatch.setattr(search, "time_program", self)
+
+  def __call__(self, program, handles, candidate, cutoff, warmup=False):
+    if not self.in_duel: return self.search_time(candidate.opts)
+    self.launches += 1
+    seconds = self.duel_time(candidate.opts, self.launches)
+    self.duel_times.setdefault(candidate.opts, []).append(seconds)
+    return seconds
+
+
+def _hand_and_plain():
+  item = _last_item(_matmul(16, 32, 16))
+  plain = _plain_kernel(item)
+  return item, plain, tuple(search.hand_coded(plain).applied_opts)
+
+
+@pytest.mark.parametrize("duel_ratio, keeps_hand", [(0.99, True), (1.3, True), (0.5, False)])
+def test_final_duel_keeps_the_hand_coded_kernel_unless_clearly_faster(monkeypatch, duel_ratio, keeps_hand):
+  """Every searched candidate looks 2x faster during the search (noise); in the duel the searched kernel takes
+  `duel_ratio` of the hand-coded one's time: only a clear win (beyond FINAL_MARGIN) replaces the hand-coded kernel."""
+  item, plain, hand_opts = _hand_and_plain()
+  _FakeClock(monkeypatch, lambda opts: 1e-3 if opts == hand_opts else 5e-4,
+             lambda opts, launch: 1e-3 if opts == hand_opts else 1e-3 * duel_ratio)
+  winner = search.beam_search(plain, item.bufs, 2, max_rounds=1, workers=1)
+  assert (tuple(winner.applied_opts) == hand_opts) == keeps_hand
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_beam_never_returns_a_kernel_slower_than_hand_coded(monkeypatch, seed):
+  """Random noisy timings (outliers included): BEAM returns the hand-coded kernel, or one whose median duel time
+  beats the hand-coded kernel's median by FINAL_MARGIN. Medians of alternated rounds, not a single fastest launch."""
+  item, plain, hand_opts = _hand_and_plain()
+  noise = np.random.default_rng(seed)
+
+  def noisy(base):
+    return base * (1 + 0.05 * noise.standard_normal()) * (20 if noise.random() < 0.15 else 1)
+  clock = _FakeClock(monkeypatch, lambda opts: noisy(1e-3 if opts == hand_opts else 8e-4),
+                     lambda opts, launch: noisy(1e-3 if opts == hand_opts else 0.98e-3))
+  winner = search.beam_search(plain, item.bufs, 2, max_rounds=1, workers=1)
+  opts = tuple(winner.applied_opts)
+  assert clock.in_duel, "the search's best (timed faster) met the hand-coded kernel in a duel"
+  if opts != hand_opts:
+    assert np.median(clock.duel_times[opts]) < np.median(clock.duel_times[hand_opts]) * (1 - search.FINAL_MARGIN)
+  assert all(len(times) == search.FINAL_RUNS for times in clock.duel_times.values())

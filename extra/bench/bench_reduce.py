@@ -79,9 +79,10 @@ def main() -> None:
   parser.add_argument("--no-mnist", action="store_true")
   parser.add_argument("--only-mnist", action="store_true", help="only the per-kernel table of one MNIST step")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+  parser.add_argument("--mnist-steps", type=int, default=5, help="steps timed for the MNIST table (median per kernel)")
   args = parser.parse_args()
   if args.only_mnist:
-    mnist_step(args.device, args.scale)
+    mnist_step(args.device, args.scale, args.mnist_steps)
     return
   import torch
   cuda = args.device.upper().startswith("CUDA")
@@ -116,7 +117,7 @@ def main() -> None:
     def ms(value: float | None) -> str: return f"{value * 1e3:9.3f}" if value is not None else f"{'-':>9}"
     print(f"{name:<22} {moved / 1e6:8.0f}M {ms(ours)} {gbs:7.0f} {gbs / copy_gbs * 100:5.0f}% {len(kernels):7d}"
           f" {ms(beam)} {ms(eager)} {ms(compiled)}   [{', '.join(f'{k} {s * 1e3:.3f}' for k, s in kernels)}]")
-  if not args.no_mnist: mnist_step(args.device, args.scale)
+  if not args.no_mnist: mnist_step(args.device, args.scale, args.mnist_steps)
 
 
 def _search_available() -> bool:
@@ -142,8 +143,9 @@ def _beam_seconds(device: str, build: Callable[[], Tensor], iters: int) -> float
   return seconds
 
 
-def mnist_step(device: str, scale: int) -> None:
-  """One training step of examples/mnist.py's default model (batch 256) on random images: each kernel's time."""
+def mnist_step(device: str, scale: int, steps: int = 5) -> None:
+  """Training steps of examples/mnist.py's default model (batch 256) on random images: each kernel's time (median
+  over `steps` steps), bytes, GB/s against the copy bandwidth, and GFLOP/s (a weight gradient is matmul-like)."""
   sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
   import mnist
   from ourgrad.nn.optim import Adam
@@ -155,29 +157,106 @@ def mnist_step(device: str, scale: int) -> None:
   buffers = mnist.batchnorm_buffers(model)
   images = np.random.randint(0, 255, (batch, 1, 28, 28)).astype(np.uint8)
   labels = np.random.randint(0, 10, batch).astype(np.int32)
-  launches: list[tuple[str, str, float, int]] = []
+  runs: list[list[tuple[str, str, float, int, int, str]]] = []
   original = ExecItem._print  # every launch passes here at DEBUG=2, with its device time
 
   def record(item: ExecItem, timing: float | None) -> None:
-    if isinstance(item.runner, CompiledRunner):
-      launches.append((item.runner.name, item.runner.display_name, timing or 0.0, item.runner.byte_count))
+    runner = item.runner
+    if isinstance(runner, CompiledRunner):
+      runs[-1].append((runner.name, runner.display_name, timing or 0.0, runner.byte_count, runner.op_count,
+                       kinds.get(id(runner), "")))
+  kinds = _KernelKinds(device)
+  walls = []
   with Tensor.train():
     for _ in range(2): mnist.train_step(model, optimizer, images, labels, buffers)  # compile everything
+    kinds.update()
     os.environ["DEBUG"] = "2"
     ExecItem._print = record  # type: ignore[method-assign]
     try:
-      began = time.perf_counter()
-      mnist.train_step(model, optimizer, images, labels, buffers)
-      wall = time.perf_counter() - began
+      for _ in range(steps):
+        runs.append([])
+        began = time.perf_counter()
+        mnist.train_step(model, optimizer, images, labels, buffers)
+        walls.append(time.perf_counter() - began)
     finally:
       ExecItem._print = original  # type: ignore[method-assign]
       del os.environ["DEBUG"]
-  total = sum(seconds for _, _, seconds, _ in launches)
-  print(f"\nmnist training step (batch {batch}): {len(launches)} kernels, sum of kernel times {total * 1e3:.3f} ms, "
-        f"wall {wall * 1e3:.1f} ms (with DEBUG=2's per-kernel synchronization)")
-  print(f"{'kernel':<36} {'ms':>8} {'GB/s':>8}  axes (colored by kind)")
-  for name, shape, seconds, moved in sorted(launches, key=lambda launch: -launch[2]):
-    print(f"{name:<36} {seconds * 1e3:8.3f} {moved / max(seconds, 1e-12) / 1e9:8.1f}  {shape}")
+  # the same kernels launch in the same order every step: each launch's time is its median over the steps
+  launches = [(name, shape, statistics.median(run[index][2] for run in runs), moved, ops, kind)
+              for index, (name, shape, _, moved, ops, kind) in enumerate(runs[0])]
+  total = sum(launch[2] for launch in launches)
+  print(f"\nmnist training step (batch {batch}): {len(launches)} kernels, sum of kernel times {total * 1e3:.3f} ms "
+        f"(median of {steps} steps per kernel), wall {statistics.median(walls) * 1e3:.1f} ms (with DEBUG=2's "
+        f"per-kernel synchronization)")
+  ours, theirs = copy_bandwidth(device, 1 << 26), torch_copy_bandwidth(device, 1 << 26)
+  peak = max(ours, theirs or 0.0)
+  print(f"copy bandwidth: {peak / 1e9:.0f} GB/s, the faster of an ourgrad copy kernel of 2 x 256 MB timed like the "
+        f"kernels below ({ours / 1e9:.0f} GB/s) and torch's copy_ ("
+        f"{f'{theirs / 1e9:.0f} GB/s' if theirs else 'no CUDA torch'}). '%copy' = GB/s / that; '%same' = GB/s / the "
+        f"GB/s of the ourgrad copy kernel moving the same bytes, timed the same way (a small kernel cannot beat its "
+        f"launch and event overhead, neither can that copy)")
+  print("kind: outputs x values per output of a reduce ('matmul' where an input is reused across outputs: a weight "
+        "gradient or a convolution; 'reduce': batchnorm statistics, losses, the second kernel of a split)")
+  print(f"{'kernel':<36} {'ms':>8} {'MB':>7} {'GB/s':>8} {'%copy':>6} {'%same':>6} {'GFLOP/s':>8}  {'kind':<26} axes")
+  same_cache: dict[int, float] = {}
+  for name, shape, seconds, moved, ops, kind in sorted(launches, key=lambda launch: -launch[2]):
+    gbs = moved / max(seconds, 1e-12)
+    bucket = max(1 << max(moved - 1, 1).bit_length(), 1024)   # copies timed at powers of two of bytes
+    if bucket not in same_cache: same_cache[bucket] = copy_bandwidth(device, bucket // 8)
+    print(f"{name:<36} {seconds * 1e3:8.3f} {moved / 1e6:7.2f} {gbs / 1e9:8.1f} {gbs / peak * 100:5.1f}% "
+          f"{gbs / same_cache[bucket] * 100:5.0f}% {ops / max(seconds, 1e-12) / 1e9:8.0f}  {kind:<26} {shape}")
+
+
+class _KernelKinds:
+  """What each compiled kernel of the engine's runner cache computes, by the runner's id: 'matmul 12800x512',
+  'reduce 1024x512' (outputs x values per output) or 'elementwise 200704'."""
+
+  def __init__(self, device: str):
+    self.device, self.kinds = device, {}
+
+  def update(self) -> None:
+    from ourgrad.codegen.kernel import Kernel
+    from ourgrad.codegen.opt.heuristic import _matmul_like
+    from ourgrad.device import Device
+    from ourgrad.helpers import prod
+    for (device, ast), runner in list(realize._runner_cache.items()):
+      if device != self.device or id(runner) in self.kinds: continue
+      kernel = Kernel(ast, Device[device].renderer)
+      outputs = prod(kernel.full_shape[:kernel.first_reduce])
+      if kernel.reduceop is None:
+        self.kinds[id(runner)] = f"elementwise {outputs}"
+        continue
+      label = "matmul" if _matmul_like(kernel) else "reduce"
+      self.kinds[id(runner)] = f"{label} {outputs}x{prod(kernel.full_shape[kernel.first_reduce:])}"
+
+  def get(self, key: int, default: str) -> str: return self.kinds.get(key, default)
+
+
+def copy_bandwidth(device: str, elements: int, iters: int = 10) -> float:
+  """Bytes per second of an ourgrad kernel that reads `elements` float32 and writes as many (a copy with one add),
+  timed like every kernel here (median of the device times of `iters` launches). Where the size allows, rows of
+  1024 read out of rows of 1032 (so the two axes cannot merge into one): the elementwise heuristic then gives each
+  thread a float4 load and store. A 1-D copy moves one float per thread and reached 1613 GB/s on the H100 (too few
+  loads in flight)."""
+  if elements % 1024 == 0:
+    padded = Tensor(np.random.randn(elements // 1024, 1032).astype(np.float32), device=device).realize()
+    source = padded[:, :1024]
+  else:
+    source = Tensor(np.random.randn(elements).astype(np.float32), device=device).realize()
+  seconds, _ = kernel_seconds(device, lambda: source + 1.0, iters)
+  return 2 * elements * 4 / max(seconds, 1e-12)
+
+
+def torch_copy_bandwidth(device: str, elements: int, iters: int = 10) -> float | None:
+  """Bytes per second of torch's device-to-device copy_ of `elements` float32 (None without CUDA torch)."""
+  if not device.upper().startswith("CUDA"): return None
+  try:
+    import torch
+    if not torch.cuda.is_available(): return None
+  except ImportError:
+    return None
+  source, target = torch.randn(elements, device="cuda"), torch.empty(elements, device="cuda")
+  return 2 * elements * 4 / torch_seconds(lambda: target.copy_(source), iters, True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ kernel: exactly for integers, bools and max-reductions, to 1e-5 of the magnitude
 reorders the additions). The plain kernel's output feeds the next kernels, and the final output is checked
 against the numpy mirror too.
 
+Half the cases build their graph with the GPU split-K thresholds scaled down (`small_split_reduces`), so the
+partial-sum and reduce-over-parts kernels of few-output reduces are fuzzed too on the devices with thread blocks.
+
 Bugs it found have minimized repros in test_regressions.py.
 
 Devices: CLANG, and OPENCL and PYTHON (which have thread blocks, so LOCAL and GROUP apply) and LLVM when they open.
@@ -20,6 +23,7 @@ Run: `python test/fuzz/fuzz_opts.py --iterations 500 --seed N [--devices PYTHON]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 from pathlib import Path
@@ -33,6 +37,7 @@ from fuzz_graphs import ALL_DEVICES, device_available  # noqa: E402
 from fuzzing import Case, Check, main, random_seed, run_for_pytest  # noqa: E402
 from graphgen import compare, random_graph  # noqa: E402
 
+import ourgrad.lazy as lazy  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps  # noqa: E402
 from ourgrad.device import Buffer, Device  # noqa: E402
 from ourgrad.engine.realize import compile_kernel, run_schedule  # noqa: E402
@@ -98,6 +103,20 @@ def same(got: np.ndarray, plain: np.ndarray, is_float: bool, inputs_scale: float
   return bool(np.all(np.abs(got.astype(np.float64) - plain) <= 1e-5 * (1 + scale)))
 
 
+@contextlib.contextmanager
+def small_split_reduces(enabled: bool):
+  """With `enabled`, the GPU split-K thresholds (LazyBuffer._gpu_split_parts) scaled down to the fuzzer's small
+  shapes, so reduces with few outputs are built as partial sums plus a reduce over the parts on GPU devices."""
+  names = ("GPU_SPLIT_MIN_ELEMENTS", "GPU_SPLIT_MIN_PART", "GPU_SPLIT_MIN_PART_MATMUL", "GPU_SPLIT_TARGET_OUTPUTS")
+  saved = {name: getattr(lazy, name) for name in names}
+  if enabled:
+    for name, value in zip(names, (8, 2, 2, 64)): setattr(lazy, name, value)
+  try:
+    yield
+  finally:
+    for name, value in saved.items(): setattr(lazy, name, value)
+
+
 def make_check(devices: list[str], variants: int) -> Check:
   def check_case(case: Case) -> str:
     rng = case.rng
@@ -105,8 +124,10 @@ def make_check(devices: list[str], variants: int) -> Check:
     case.log(graph.program())
     output_node = graph.nodes[graph.outputs[0]]
     counts = {"cases": 1, "kernels": 0, "variants": 0, "opts applied": 0, "opts refused": 0}
+    split = rng.random() < 0.5
+    case.log(f"split-K thresholds scaled down: {split}")
     for device in devices:
-      output = graph.build(device)[output_node.name]
+      with small_split_reduces(split): output = graph.build(device)[output_node.name]
       schedule = create_schedule([output.lazydata])
       for number, item in enumerate(schedule):
         if item.ast.op is not Ops.STORE:

@@ -214,17 +214,34 @@ def _largest_divisor_at_most(size: int, limit: int) -> int:
 
 def _group_reduce_axes(kernel: Kernel, budget: int) -> None:
   """GROUP threads taken from the reduce loop axes, innermost first (neighbouring threads read neighbouring
-  elements), until the block has `budget` group threads or two axes were used."""
-  from_end = 1
-  for _ in range(2):
-    loop_count = kernel.first_upcast - kernel.first_loop_reduce
-    if loop_count < from_end: return
-    relative = loop_count - from_end
-    size = kernel.full_shape[kernel.first_loop_reduce + relative]
-    amount = _largest_divisor_at_most(size, budget // kernel.group_threads())
-    if amount < 2 or not kernel.try_opt(Opt(OptOps.GROUP, relative, amount)): return
-    if amount != size: from_end += 1  # the rest of this axis stays the innermost loop
-    if kernel.group_threads() * 2 > budget: return
+  elements), until the block has `budget` group threads or two axes were used. See _coalesced_group_plan for the
+  order in which they are applied (the first plan that applies whole; none: the kernel stays as it was)."""
+  for plan in _coalesced_group_plans(kernel, budget):
+    start = kernel._state()
+    if all(kernel.try_opt(Opt(OptOps.GROUP, relative, amount)) for relative, amount in plan): return
+    kernel._restore(start)
+
+
+def _coalesced_group_plans(kernel: Kernel, budget: int) -> list[list[tuple[int, int]]]:
+  """GROUP opts (relative reduce axis, amount) for up to `budget` threads over the innermost two reduce loop axes,
+  each plan in the order to apply it: both axes, then the innermost alone (where the block cannot take both). The
+  innermost axis gets the most threads (all of it, up to the budget), the next axis out what is left. The outer
+  GROUP goes first: each GROUP becomes the innermost thread dimension (the launch's x), and the innermost memory axis
+  must be the one that varies fastest across a warp's threads, or a warp's loads (batchnorm statistics over a 24x24
+  image, say) are a row apart instead of neighbours."""
+  loop_count = kernel.first_upcast - kernel.first_loop_reduce
+  if loop_count < 1: return []
+  inner_size = kernel.full_shape[kernel.first_upcast - 1]
+  inner = _largest_divisor_at_most(inner_size, budget)
+  if inner < 2: return []
+  plans = [[(loop_count - 1, inner)]]
+  if inner * 2 > budget or loop_count < 2: return plans
+  outer_size = kernel.full_shape[kernel.first_upcast - 2]
+  outer = _largest_divisor_at_most(outer_size, budget // inner)
+  if outer < 2: return plans
+  # a GROUP taking the whole outer axis removes it from the loops: the inner axis moves one place left
+  inner_after = loop_count - 2 if outer == outer_size else loop_count - 1
+  return [[(loop_count - 2, outer), (inner_after, inner)]] + plans
 
 
 def _group_reduce(kernel: Kernel) -> bool:

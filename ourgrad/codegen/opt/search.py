@@ -10,7 +10,8 @@ views and axis layout reached by another order of Opts), compiles the rest in a 
 that fails or runs past BEAM_COMPILE_TIMEOUT drops the candidate), times each on the device on scratch buffers
 (fastest of a few launches, cut short when far slower than the best so far) and keeps the `width` fastest. It stops
 when a round improves the best time by less than BEAM_MIN_PROGRESS, or when no Opt applies. Last, the best kernel
-and the hand-coded one are launched in turns: the hand-coded one stays unless the searched one is faster.
+and the hand-coded one are launched in turns (FINAL_RUNS rounds, medians compared): the hand-coded one stays unless
+the searched one is faster by a margin, so BEAM's choice is never slower than the hand-coded one as timed here.
 
 The winner is run against the unoptimized kernel on random inputs before it is used; a mismatch falls back to the
 hand-coded heuristic with a BeamVerificationWarning. Winners are kept in an sqlite file in the cache folder
@@ -65,7 +66,8 @@ DEFAULT_AMOUNTS: tuple[int, ...] = (2, 4, 8, 16)
 
 MAX_ROUNDS = 10            # Opts added on top of the starting kernel, at most
 TIMING_RUNS = 3            # launches per candidate; the fastest is its time
-FINAL_RUNS = 4             # launches of the winner and the hand-coded kernel, alternating, before the final choice
+FINAL_RUNS = 5             # rounds of the final duel: the winner and the hand-coded kernel, in alternating order
+FINAL_MARGIN = 0.03        # the searched kernel must beat the hand-coded one's median by this fraction (at least)
 EARLY_CUT = 3.0            # a launch this many times slower than the best so far ends the candidate's timing
 VERIFY_RTOL = {dtypes.float16: 2e-2, dtypes.bfloat16: 5e-2}  # other floats: 1e-3
 CACHE_VERSION = 1          # bump when the meaning of cached opts changes
@@ -474,18 +476,24 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
 
 def _final_choice(timer: _Timer, compiled: Sequence[CompiledCandidate], best: TimedCandidate,
                   hand_seconds: float, margin: float) -> tuple[TimedCandidate, float]:
-  """The search's best against the hand-coded kernel, launched in turns so that both see the same machine: the
-  hand-coded one wins unless the search's is faster by more than `margin` (a fraction: where timings are noisy,
-  the heuristic's choice is the safer bet). Returns the winner and the hand-coded kernel's time."""
-  if any(candidate.error for candidate in compiled): return best, hand_seconds
+  """The search's best (`compiled[0]`) against the hand-coded kernel (`compiled[1]`): FINAL_RUNS rounds, each
+  launching both in turns (which goes first alternates, so neither always finds the caches warm), then the medians
+  of the rounds are compared. The hand-coded kernel stays unless the searched one's median is faster by more than
+  `margin` (at least FINAL_MARGIN): a search that won by noise returns the heuristic's choice, so BEAM never picks
+  a kernel slower than the hand-coded one as timed here. Returns the winner and the hand-coded kernel's time."""
+  hand = TimedCandidate(compiled[1].opts, hand_seconds)
+  if compiled[0].error: return hand, hand_seconds
+  if compiled[1].error: return best, hand_seconds
   programs = [Device[timer.device].program(candidate.name, candidate.binary) for candidate in compiled]
   times: list[list[float]] = [[], []]
-  for _ in range(FINAL_RUNS):
-    for index, (program, candidate) in enumerate(zip(programs, compiled)):
-      times[index].append(time_program(program, timer.handles, candidate, float("inf")) or 0.0)
-  searched, hand = min(times[0]), min(times[1])
-  if searched < hand * (1 - margin): return TimedCandidate(best.opts, searched), hand
-  return TimedCandidate(compiled[1].opts, hand), hand
+  for round_number in range(FINAL_RUNS):
+    order = (0, 1) if round_number % 2 == 0 else (1, 0)
+    for index in order:
+      times[index].append(time_program(programs[index], timer.handles, compiled[index], float("inf")) or 0.0)
+  searched_median, hand_median = float(np.median(times[0])), float(np.median(times[1]))
+  if searched_median < hand_median * (1 - max(margin, FINAL_MARGIN)):
+    return TimedCandidate(best.opts, searched_median), hand_median
+  return TimedCandidate(hand.opts, hand_median), hand_median
 
 
 def _expand(kernel: Kernel, beam: Sequence[TimedCandidate], seen: set) -> list[tuple[Opt, ...]]:
