@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor
+from ourgrad import Tensor, lazy
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.row_linearizer import PERSISTENT_UNITS, row_block_threads
@@ -75,6 +75,14 @@ GRAPHS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[torch.Tensor], tor
 # (rows, row length): ragged (10 float4 units in a warp), odd length (scalar units), persistent float4 rows, and a
 # row long enough that CUDA's 1024 threads keep more than PERSISTENT_UNITS units each (the looping pass)
 SHAPES = [(3, 40), (5, 37), (4, 2048), (2, 40960)]
+
+
+@pytest.fixture(autouse=True)
+def no_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
+  """These tests pin the row kernel itself, long rows included. On a GPU a reduce with few outputs and long rows
+  (2 x 40960) is first split in two kernels by the lazy layer (split-K, test_split_reduce.py), which fills the SMs
+  better than 2 blocks would; here the split is off so the long-row path of the row kernel is what runs."""
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 1 << 62)
 RENDERERS = {"emulate_cuda": lambda: PythonRenderer("CUDA"), "python": lambda: PythonRenderer()}
 
 
