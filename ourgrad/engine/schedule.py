@@ -82,6 +82,8 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
         _schedule_group(group, realizes)
   ordered = _order_items([base for base in bases if id(base) in items], groups, reads)
   schedule = [items[id(base)] for base in ordered]
+  from ourgrad.engine.packing import pack_kernels   # packing.py builds ScheduleItems: imported here, not at the top
+  schedule = pack_kernels(schedule)   # independent elementwise kernels of different shapes: one launch (packing.py)
   assigns = [(base, base.srcs[1].base) for leader in ordered for base in groups[id(leader)] if base.op is Ops.ASSIGN]
   for group in groups.values():  # the graph behind a realized base is no longer needed: let it be freed
     for base in group: base.srcs = ()
