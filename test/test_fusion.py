@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ourgrad.engine.schedule as scheduler
+from ourgrad import TinyJit
 from ourgrad.device import Device
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.helpers import GlobalCounters
@@ -59,9 +60,19 @@ def test_independent_outputs_over_one_shape_are_one_kernel():
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_outputs_of_different_shapes_stay_separate_kernels():
-  a = Tensor(rand(8, 8))
-  assert kernels_of([a + 1, a.reshape(64) * 2 + a.reshape(64)[::-1]]) == 2
+def test_outputs_of_different_shapes_are_one_multi_output_kernel_only_when_packed(monkeypatch: pytest.MonkeyPatch):
+  a_np = rand(8, 8)
+  a = Tensor(a_np)
+
+  def build() -> list[Tensor]: return [a + 1, a.reshape(64) * 2 + a.reshape(64)[::-1]]
+
+  monkeypatch.setenv("PACK_KERNELS", "0")
+  assert kernels_of(build()) == 2   # a multi-output kernel shares one iteration space
+  monkeypatch.setenv("PACK_KERNELS", "1")
+  outs = build()
+  assert realize_counting(outs) == 1   # packed: one launch over 64 + 64 elements
+  np.testing.assert_allclose(outs[0].numpy(), a_np + 1, rtol=1e-6)
+  np.testing.assert_allclose(outs[1].numpy(), a_np.reshape(64) * 2 + a_np.reshape(64)[::-1], rtol=1e-6)
 
 
 def test_an_assign_read_in_place_by_another_output_is_computed_once_in_one_kernel():
@@ -146,6 +157,77 @@ def test_optimizer_step_over_ten_parameters_is_at_most_two_kernels_and_matches_t
   got, counts = _step_ours(ours, steps)
   assert counts == [kernels_per_step] * steps
   for value, expected in zip(got, _step_torch(theirs, steps)):
+    np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- packed kernels (engine/packing.py)
+
+def test_independent_kernels_of_different_shapes_pack_and_a_dependent_one_stays_apart():
+  a_np, b_np, c_np = rand(6, 5, seed=1), rand(3, 10, seed=2), rand(7, seed=3)
+  a, b, c = Tensor(a_np), Tensor(b_np), Tensor(c_np)
+  doubled = (a * 2).contiguous()   # read by `shifted`: a kernel of its own before the pack
+  shifted = doubled.reshape(3, 10) + b
+  scaled = c * 3 + 1               # independent of both: packs with `shifted`
+  assert kernels_of([doubled, shifted, scaled]) == 2
+  doubled = (a * 2).contiguous()
+  shifted, scaled = doubled.reshape(3, 10) + b, c * 3 + 1
+  assert realize_counting([doubled, shifted, scaled]) == 2
+  np.testing.assert_allclose(doubled.numpy(), a_np * 2, rtol=1e-6)
+  np.testing.assert_allclose(shifted.numpy(), (a_np * 2).reshape(3, 10) + b_np, rtol=1e-6)
+  np.testing.assert_allclose(scaled.numpy(), c_np * 3 + 1, rtol=1e-6)
+
+
+def test_a_read_of_the_old_value_does_not_share_a_pack_with_the_assign_overwriting_it():
+  w_np, other_np = rand(4, 6, seed=1), rand(5, seed=2)
+  w, other = Tensor(w_np).realize(), Tensor(other_np)
+  old_doubled = w.reshape(24) * 2   # reads w before the assign below overwrites it
+  w.assign(w + 1)
+  other_out = other - 1             # independent: packs with one of them
+  assert realize_counting([old_doubled, w, other_out]) == 2
+  np.testing.assert_allclose(old_doubled.numpy(), w_np.reshape(24) * 2, rtol=1e-6)
+  np.testing.assert_allclose(w.numpy(), w_np + 1, rtol=1e-6)
+  np.testing.assert_allclose(other_out.numpy(), other_np - 1, rtol=1e-6)
+
+
+def test_packs_split_at_the_buffer_cap(monkeypatch: pytest.MonkeyPatch):
+  inputs = [rand(index + 2, seed=index) for index in range(10)]
+
+  def build() -> list[Tensor]: return [Tensor(value) * (index + 2) for index, value in enumerate(inputs)]
+
+  assert kernels_of(build()) == 1   # 10 outputs and 10 inputs: within the default cap
+  monkeypatch.setenv("MAX_PACK_BUFFERS", "6")   # 3 kernels of 2 buffers each per pack
+  outs = build()
+  assert realize_counting(outs) == 4
+  for index, (out, value) in enumerate(zip(outs, inputs)):
+    np.testing.assert_allclose(out.numpy(), value * (index + 2), rtol=1e-6)
+
+
+def test_kernels_with_a_reduce_are_not_packed():
+  a_np, b_np = rand(4, 8, seed=1), rand(5, seed=2)
+  a, b = Tensor(a_np), Tensor(b_np)
+  assert kernels_of([a.sum(1), b * 2]) == 2
+
+
+def test_jitted_adam_step_replays_its_two_kernels_and_matches_torch():
+  params = [Tensor(value, requires_grad=True) for value in _parameters(0)]
+  optimizer = Adam(params, lr=0.01)
+
+  @TinyJit
+  def step(*grads: Tensor) -> Tensor:
+    for param, grad in zip(params, grads): param.grad = grad
+    doubled = grads[0] * 2   # independent of the updates: joins their pack
+    Tensor.realize_all(doubled, *optimizer.schedule_step())
+    return doubled
+
+  steps = 3
+  for number in range(steps):
+    grads = [Tensor(rand(*param.shape, seed=1000 * number + index)).realize() for index, param in enumerate(params)]
+    GlobalCounters.reset()
+    step(*grads)
+    assert GlobalCounters.kernel_count == 2
+  assert len(step.captured.items) == 2   # the step count's kernel and the packed update of all ten parameters
+  for value, expected in zip([param.numpy() for param in params],
+                             _step_torch(lambda ps: torch.optim.Adam(ps, lr=0.01), steps)):
     np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
 
 

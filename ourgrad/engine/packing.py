@@ -107,13 +107,14 @@ def _choose_packs(schedule: list[ScheduleItem], reasons: dict[int, str | None], 
         pack.append(position)
         open_packs[key] = (pack, pack_buffers | buffers, pack_ops + ops)
         continue
-      reasons[position] = f"the pack at height {heights[position]} is full (MAX_PACK_BUFFERS, KERNEL_OPS_LIMIT)"
+      reasons[position] = f"the pack at its height {heights[position]} was full (MAX_PACK_BUFFERS, KERNEL_OPS_LIMIT)"
     packs.append([position])
     open_packs[key] = (packs[-1], buffers, ops)
   for pack in packs:
-    if len(pack) == 1 and reasons[pack[0]] is None:
-      position = pack[0]
-      reasons[position] = f"no other packable kernel on its device at dependency height {heights[position]}"
+    if len(pack) > 1:
+      reasons[pack[0]] = None   # it started a pack when the previous one was full: packed all the same
+    elif reasons[pack[0]] is None:
+      reasons[pack[0]] = f"no other packable kernel on its device at dependency height {heights[pack[0]]}"
   return packs
 
 
