@@ -47,9 +47,10 @@ def pack_kernels(schedule: list[ScheduleItem]) -> list[ScheduleItem]:
 def why_not_packable(item: ScheduleItem) -> str | None:
   """None when `item` may join a packed kernel, else why not."""
   if item.ast.op not in (Ops.STORE, Ops.SINK): return f"a {item.ast.op.name}, not a kernel"
-  for node in item.ast.walk():
-    if node.op in REDUCE_OPS: return "it has a reduce"
-    if node.op is Ops.LOAD and node.srcs: return "it has a gathered load"
+  nodes = item.ast.walk()
+  if any(node.op in REDUCE_OPS for node in nodes): return "it has a reduce"
+  if any(node.op is Ops.LOAD and node.srcs for node in nodes): return "it has a gathered load"
+  for node in nodes:
     if isinstance(node.arg, (MemBuffer, ConstBuffer)):
       st = node.arg.st
       if st.symbolic: return "a view with a symbolic size"
