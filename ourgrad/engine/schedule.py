@@ -10,7 +10,8 @@ holding a kernel AST (`STORE(...)`) or a copy, in an order where every item runs
 
 Decide, then build: `_choose_realizes` and `_settle_fusion_groups` settle every realization first, each with one
 reason string (`Realizations`, printed at DEBUG=3 and listed in docs/fusion.md); only then is each kernel built,
-once, by `_KernelBuilder`, which never changes the decision.
+once, by `_KernelBuilder`, which never changes the decision. Last, independent elementwise kernels of different shapes
+are packed into single launches (engine/packing.py).
 """
 from __future__ import annotations
 
