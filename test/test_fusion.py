@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import ourgrad.engine.packing as scheduler_packing
 import ourgrad.engine.schedule as scheduler
 from ourgrad import TinyJit
 from ourgrad.device import Device
@@ -200,6 +201,16 @@ def test_packs_split_at_the_buffer_cap(monkeypatch: pytest.MonkeyPatch):
   assert realize_counting(outs) == 4
   for index, (out, value) in enumerate(zip(outs, inputs)):
     np.testing.assert_allclose(out.numpy(), value * (index + 2), rtol=1e-6)
+
+
+def test_a_cpu_keeps_kernels_it_would_run_on_several_cores_out_of_packs():
+  big_np, small_np = rand(scheduler_packing.CPU_PACK_MAX_ELEMENTS + 8, seed=1), rand(7, seed=2)
+  big, small = Tensor(big_np), Tensor(small_np)
+  packs_any_size = Device[Device.DEFAULT].renderer.has_threads   # a GPU packs it; a CPU's packs are serial loops
+  outs = [big * 2, small + 1]
+  assert realize_counting(outs) == (1 if packs_any_size else 2)
+  np.testing.assert_allclose(outs[0].numpy(), big_np * 2, rtol=1e-6)
+  np.testing.assert_allclose(outs[1].numpy(), small_np + 1, rtol=1e-6)
 
 
 def test_kernels_with_a_reduce_are_not_packed():

@@ -9,6 +9,7 @@
   one *height* (the longest chain of items depending on it) never depend on each other, so packs are taken among the
   kernels of one height and device: an optimizer's updates are the last items (height 0) and pack; a kernel that
   reads another's output is a height above it and stays apart (Adam's step count, read by every update);
+- on a CPU, no bigger than CPU_PACK_MAX_ELEMENTS: packed segments are serial loops, a big kernel alone is parallel;
 - within the caps: at most MAX_PACK_BUFFERS buffer arguments (CUDA passes at most 4 KB of them) and KERNEL_OPS_LIMIT
   ops per packed kernel; beyond them a new pack starts.
 A pack becomes one ScheduleItem whose AST is PACK(segments) (codegen/packed.py): its outputs are the members'
@@ -21,7 +22,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 
-from ourgrad.device import Buffer
+from ourgrad.device import Buffer, Device
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.helpers import DEBUG, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
@@ -44,9 +45,17 @@ def pack_kernels(schedule: list[ScheduleItem]) -> list[ScheduleItem]:
           for pack in _order_packs(packs, predecessors)]
 
 
+# A CPU runs a packed kernel's segments as serial loops, while a kernel of its own this big is spread over the cores
+# (the C renderer's OpenMP loop): on a CPU such a kernel stays alone. Its launch costs little next to its run time.
+CPU_PACK_MAX_ELEMENTS = 1 << 16
+
+
 def why_not_packable(item: ScheduleItem) -> str | None:
   """None when `item` may join a packed kernel, else why not."""
   if item.ast.op not in (Ops.STORE, Ops.SINK): return f"a {item.ast.op.name}, not a kernel"
+  device = item.outputs[0].device
+  if item.outputs[0].size > CPU_PACK_MAX_ELEMENTS and not Device[device].renderer.has_threads:
+    return f"over {CPU_PACK_MAX_ELEMENTS} elements on {device}, which runs it on several cores alone"
   nodes = item.ast.walk()
   if any(node.op in REDUCE_OPS for node in nodes): return "it has a reduce"
   if any(node.op is Ops.LOAD and node.srcs for node in nodes): return "it has a gathered load"
