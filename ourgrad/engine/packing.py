@@ -11,7 +11,8 @@
   reads another's output is a height above it and stays apart (Adam's step count, read by every update);
 - on a CPU, no bigger than CPU_PACK_MAX_ELEMENTS: packed segments are serial loops, a big kernel alone is parallel;
 - within the caps: at most MAX_PACK_BUFFERS buffer arguments (CUDA passes at most 4 KB of them) and KERNEL_OPS_LIMIT
-  ops per packed kernel; beyond them a new pack starts.
+  ops per packed kernel, and 2^31 - 1 elements in all (the flat index is an int32); beyond them a new pack
+  starts.
 A pack becomes one ScheduleItem whose AST is PACK(segments) (codegen/packed.py): its outputs are the members'
 outputs, its inputs their other buffers, each once. Merging kernels of one height keeps every dependency going from
 a higher height to a lower one, so the packed items still have a run order: Kahn's algorithm over the packs, taking
@@ -45,6 +46,8 @@ def pack_kernels(schedule: list[ScheduleItem]) -> list[ScheduleItem]:
           for pack in _order_packs(packs, predecessors)]
 
 
+# the flat index of a packed kernel is an int32, as every kernel's index is
+MAX_PACK_ELEMENTS = 2**31 - 1
 # A CPU runs a packed kernel's segments as serial loops, while a kernel of its own this big is spread over the cores
 # (the C renderer's OpenMP loop): on a CPU such a kernel stays alone. Its launch costs little next to its run time.
 CPU_PACK_MAX_ELEMENTS = 1 << 16
@@ -102,24 +105,26 @@ def _heights(predecessors: list[set[int]]) -> list[int]:
 def _choose_packs(schedule: list[ScheduleItem], reasons: dict[int, str | None], heights: list[int]) -> list[list[int]]:
   """Every item's position in exactly one pack (a pack of one is an item left as it is), in run order."""
   packs: list[list[int]] = []
-  open_packs: dict[tuple[str, int], tuple[list[int], set[int], int]] = {}   # key -> (pack, buffer ids, op count)
+  # (device, height) -> the open pack there: (positions, buffer ids, op count, elements)
+  open_packs: dict[tuple[str, int], tuple[list[int], set[int], int, int]] = {}
   for position, item in enumerate(schedule):
     if reasons[position] is not None:
       packs.append([position])
       continue
     key = (item.outputs[0].device, heights[position])
     buffers = {id(buffer) for buffer in item.bufs}
-    ops = _op_count(item.ast)
+    ops, elements = _op_count(item.ast), item.outputs[0].size
     current = open_packs.get(key)
     if current is not None:
-      pack, pack_buffers, pack_ops = current
-      if len(pack_buffers | buffers) <= int(MAX_PACK_BUFFERS.value) and _within_ops_limit(pack_ops + ops):
+      pack, pack_buffers, pack_ops, pack_elements = current
+      if len(pack_buffers | buffers) <= int(MAX_PACK_BUFFERS.value) and _within_ops_limit(pack_ops + ops) \
+          and pack_elements + elements <= MAX_PACK_ELEMENTS:
         pack.append(position)
-        open_packs[key] = (pack, pack_buffers | buffers, pack_ops + ops)
+        open_packs[key] = (pack, pack_buffers | buffers, pack_ops + ops, pack_elements + elements)
         continue
       reasons[position] = f"the pack at its height {heights[position]} was full (MAX_PACK_BUFFERS, KERNEL_OPS_LIMIT)"
     packs.append([position])
-    open_packs[key] = (packs[-1], buffers, ops)
+    open_packs[key] = (packs[-1], buffers, ops, elements)
   for pack in packs:
     if len(pack) > 1:
       reasons[pack[0]] = None   # it started a pack when the previous one was full: packed all the same
