@@ -219,6 +219,16 @@ def test_kernels_with_a_reduce_are_not_packed():
   assert kernels_of([a.sum(1), b * 2]) == 2
 
 
+def test_debug_3_names_each_pack_and_why_other_kernels_stay_alone(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]):
+  a, b, c = Tensor(rand(4, 8, seed=1)), Tensor(rand(5, seed=2)), Tensor(rand(3, 3, seed=3))
+  monkeypatch.setenv("DEBUG", "3")
+  kernels_of([a.sum(1), b * 2, c + 1])
+  printed = capsys.readouterr().out
+  assert "pack 2 independent elementwise kernels (output sizes [5, 9]) into one launch" in printed
+  assert "not packed: kernel writing 4 elements: it has a reduce" in printed
+
+
 def test_jitted_adam_step_replays_its_two_kernels_and_matches_torch():
   params = [Tensor(value, requires_grad=True) for value in _parameters(0)]
   optimizer = Adam(params, lr=0.01)
