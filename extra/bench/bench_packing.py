@@ -116,8 +116,9 @@ def main() -> None:
         except (TypeError, RuntimeError):   # an optimizer this PyTorch has no fused kernel for
           fused = None
 
+      fused_s, fused_k = fused if fused is not None else (None, None)
       print(f"{optimizer_name:<13} {set_name:<32} {cell(packed_k, packed_s, 8)} {cell(plain_k, plain_s, 10)} "
-            f"{cell(foreach_k, foreach_s, 15)} {cell(*(fused or (None, None)), 13)}")
+            f"{cell(foreach_k, foreach_s, 15)} {cell(fused_k, fused_s, 13)}")
 
 
 if __name__ == "__main__":
