@@ -69,6 +69,9 @@ class Ops(Enum):
   STORE = auto()
   # root of a kernel AST with several outputs over one iteration space: srcs are its STOREs (data0, data1, ...)
   SINK = auto()
+  # root of a packed kernel (several independent elementwise kernels of different shapes in one launch): srcs are the
+  # segments' roots (STORE or SINK), every view in them flat (one dimension); buffer numbers are the packed kernel's
+  PACK = auto()
 
 UNARY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP, Ops.NEG, Ops.CAST, Ops.BITCAST})
 BINARY_OPS = frozenset({Ops.ADD, Ops.MUL, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CMPLT, Ops.CMPNE, Ops.AND, Ops.OR,

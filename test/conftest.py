@@ -16,6 +16,7 @@ def _check_cuda_rendering():
     return
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.linearizer import linearize
+  from ourgrad.codegen.packed import PackedKernel
   from ourgrad.engine import realize
   from ourgrad.renderer.cstyle import CUDARenderer
   from ourgrad.runtime.ops_cuda import CUDACompiler
@@ -25,6 +26,10 @@ def _check_cuda_rendering():
 
   def compile_and_check_cuda(kernel, device):
     if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):  # a test may switch the check off (monkeypatch.delenv)
+      return compile_for_device(kernel, device)
+    if isinstance(kernel, PackedKernel):   # a packed kernel takes no opts (codegen/packed.py)
+      packed = PackedKernel(kernel.ast, renderer)
+      compiler.compile_cached(renderer.render(packed.name, packed.linearize()))
       return compile_for_device(kernel, device)
     cuda_kernel = Kernel(kernel.ast, renderer)
     cuda_kernel.hand_coded_optimizations()

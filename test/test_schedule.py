@@ -13,10 +13,16 @@ from typing import Callable, Sequence
 
 import numpy as np
 import pytest
+import torch
 
-from ourgrad.engine.schedule import create_schedule
+from ourgrad.codegen.kernel import Kernel, Opt, OptOps
+from ourgrad.device import Buffer
+from ourgrad.dtype import dtypes
+from ourgrad.engine.realize import compile_kernel
+from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.helpers import GlobalCounters
 from ourgrad.ops import REDUCE_OPS
+from ourgrad.runtime.ops_python import PythonRenderer
 from ourgrad.tensor import Tensor
 
 FLOAT32_BYTES = 4
@@ -103,6 +109,56 @@ def test_matmul_bias_relu_is_one_kernel():
   a, b, bias = Tensor(a_np), Tensor(b_np), Tensor(bias_np)
   (out,) = check_kernels(lambda: (a @ b + bias).relu(), 1)
   np.testing.assert_allclose(out.numpy(), np.maximum(a_np @ b_np + bias_np, 0), rtol=1e-4, atol=1e-5)
+
+
+def _torch_gelu(values: np.ndarray) -> np.ndarray:
+  return torch.nn.functional.gelu(torch.tensor(values, dtype=torch.float64)).numpy()
+
+
+def test_matmul_bias_gelu_is_one_kernel_and_matches_the_unfused_path():
+  a_np, b_np, bias_np = rand(16, 32, seed=1), rand(32, 24, seed=2), rand(24, seed=3)
+  a, b, bias = Tensor(a_np), Tensor(b_np), Tensor(bias_np)
+  (out,) = check_kernels(lambda: (a @ b + bias).gelu(), 1)
+  unfused = (a @ b + bias).contiguous().realize().gelu()   # the epilogue in a kernel of its own
+  np.testing.assert_allclose(out.numpy(), unfused.numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out.numpy(), _torch_gelu(a_np.astype(np.float64) @ b_np + bias_np), rtol=1e-3, atol=1e-3)
+
+
+def _fused_epilogue_item(a: Tensor, b: Tensor, bias: Tensor) -> ScheduleItem:
+  """The one kernel of (a @ b + bias).gelu() on the PYTHON device, its inputs realized."""
+  schedule = create_schedule([(a @ b + bias).gelu().lazydata])
+  assert len(schedule) == 1   # matmul, bias and gelu in one kernel
+  return schedule[0]
+
+
+def _run_on_python(kernel: Kernel, item: ScheduleItem) -> np.ndarray:
+  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, "PYTHON")((output,) + item.inputs)
+  return output.numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("opts", ["TC", "SHARED"])
+def test_matmul_bias_gelu_keeps_its_epilogue_under_gpu_matmul_opts(opts: str):
+  """On the emulated GPU (PYTHON with CUDA's limits) the fused epilogue survives tensor cores (float16 operands,
+  float32 accumulation) and shared-memory tiles: the results equal the plain kernel's."""
+  rng = np.random.default_rng(7)
+  a_np, b_np, bias_np = (rng.standard_normal(shape).astype(np.float32) for shape in ((64, 48), (48, 32), (32,)))
+  a, b, bias = (Tensor(values, device="PYTHON").realize() for values in (a_np, b_np, bias_np))
+  if opts == "TC":
+    a, b = (x.cast(dtypes.float16).realize().cast(dtypes.float32) for x in (a, b))
+    applied = [Opt(OptOps.TC, 0, 0)]
+  else:
+    applied = [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 4), Opt(OptOps.LOCAL, 1, 8),
+               Opt(OptOps.UNROLL, 0, 4), Opt(OptOps.SHARED, 0, 0)]
+  item = _fused_epilogue_item(a, b, bias)
+  plain = _run_on_python(Kernel(item.ast, PythonRenderer("CUDA")), item)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  for opt in applied: kernel.apply_opt(opt)
+  got = _run_on_python(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-4, atol=1e-4)
+  a64 = a_np.astype(np.float16).astype(np.float64) if opts == "TC" else a_np.astype(np.float64)
+  b64 = b_np.astype(np.float16).astype(np.float64) if opts == "TC" else b_np.astype(np.float64)
+  np.testing.assert_allclose(got.reshape(64, 32), _torch_gelu(a64 @ b64 + bias_np), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.usefixtures("row_kernels")

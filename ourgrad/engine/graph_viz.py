@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.packed import PackedKernel
 from ourgrad.device import Buffer, Device
 from ourgrad.helpers import GRAPH_DIR, NOOPT
 from ourgrad.lazy import LazyBuffer
@@ -140,6 +141,7 @@ def kernel_name(item: ScheduleItem) -> str:
   """The name a kernel item runs under: the Kernel with the default optimizations, as engine/realize.py builds it
   (the optimizations split axes, so they change the name)."""
   if item.ast.op is Ops.COPY: return f"copy {item.inputs[0].device} -> {item.outputs[0].device}"
+  if item.ast.op is Ops.PACK: return PackedKernel(item.ast, Device[item.outputs[0].device].renderer).name
   kernel = Kernel(item.ast, Device[item.outputs[0].device].renderer)
   if not NOOPT: kernel.hand_coded_optimizations()
   return kernel.name

@@ -13,6 +13,7 @@ from typing import Any
 
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
+from ourgrad.codegen.packed import PackedKernel
 from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOp, UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.device import Device
@@ -33,8 +34,10 @@ NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedu
 _runner_cache: BoundedCache[tuple[str, LazyOp], CompiledRunner] = BoundedCache(RUNNER_CACHE_SIZE)
 
 
-def get_kernel(ast: LazyOp, device: str) -> Kernel:
-  """The Kernel for an AST with the default optimizations applied (none with NOOPT=1, searched with BEAM=n)."""
+def get_kernel(ast: LazyOp, device: str) -> Kernel | PackedKernel:
+  """The Kernel for an AST with the default optimizations applied (none with NOOPT=1, searched with BEAM=n). A packed
+  kernel (PACK: several elementwise kernels in one launch) takes no opts (codegen/packed.py)."""
+  if ast.op is Ops.PACK: return PackedKernel(ast, Device[device].renderer)
   kernel = Kernel(ast, Device[device].renderer)
   # a symbolic kernel keeps its plain loop nest: the optimizations split and pad sizes they must know
   if NOOPT or ast_is_symbolic(ast): return kernel
@@ -86,8 +89,8 @@ def load_program(device: str, name: str, source: str) -> Any:
 
 
 @host_phase("codegen", lambda kernel, device: kernel.name)
-def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
-  uops = linearize(kernel)
+def compile_kernel(kernel: Kernel | PackedKernel, device: str) -> CompiledRunner:
+  uops = kernel.linearize() if isinstance(kernel, PackedKernel) else linearize(kernel)
   if DEBUG >= 5: print(format_uops(uops))
   name = re.sub(r"[^A-Za-z0-9_]", "", kernel.name)  # a symbolic size in the name ("r_8_<n>") is not an identifier
   source = Device[device].renderer.render(name, uops)
@@ -101,12 +104,12 @@ def compile_kernel(kernel: Kernel, device: str) -> CompiledRunner:
                         var_names)
 
 
-def estimate_cost(kernel: Kernel, uops: list[UOp]) -> tuple[int, int]:
+def estimate_cost(kernel: Kernel | PackedKernel, uops: list[UOp]) -> tuple[int, int]:
   """(arithmetic ops, bytes moved) of one launch: ALUs weighted by the loops around them; each buffer's
   bytes counted once over the elements its view can touch."""
   blocks, threads = launch_dims(uops)
   op_count, multiplier, multipliers = 0, prod(sym_max(size) for size in blocks + threads), []
-  for uop in uops:
+  for uop in (uops if not isinstance(kernel, PackedKernel) else ()):
     if uop.op is UOps.RANGE:
       multipliers.append(multiplier)
       multiplier *= loop_trip_bound(uop)
@@ -123,6 +126,7 @@ def estimate_cost(kernel: Kernel, uops: list[UOp]) -> tuple[int, int]:
     # a gathered load (srcs: a computed offset) reads at most one table element per element of its view
     touched = min(st.real_size(), elements) if leaf.op is Ops.LOAD and not leaf.srcs else elements
     byte_count += touched * leaf.dtype.itemsize
+  if isinstance(kernel, PackedKernel): op_count = kernel.op_count(uops)
   return op_count, byte_count
 
 

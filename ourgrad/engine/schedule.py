@@ -10,7 +10,8 @@ holding a kernel AST (`STORE(...)`) or a copy, in an order where every item runs
 
 Decide, then build: `_choose_realizes` and `_settle_fusion_groups` settle every realization first, each with one
 reason string (`Realizations`, printed at DEBUG=3 and listed in docs/fusion.md); only then is each kernel built,
-once, by `_KernelBuilder`, which never changes the decision.
+once, by `_KernelBuilder`, which never changes the decision. Last, independent elementwise kernels of different shapes
+are packed into single launches (engine/packing.py).
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
         _schedule_group(group, realizes)
   ordered = _order_items([base for base in bases if id(base) in items], groups, reads)
   schedule = [items[id(base)] for base in ordered]
+  from ourgrad.engine.packing import pack_kernels   # packing.py builds ScheduleItems: imported here, not at the top
+  schedule = pack_kernels(schedule)   # independent elementwise kernels of different shapes: one launch (packing.py)
   assigns = [(base, base.srcs[1].base) for leader in ordered for base in groups[id(leader)] if base.op is Ops.ASSIGN]
   for group in groups.values():  # the graph behind a realized base is no longer needed: let it be freed
     for base in group: base.srcs = ()

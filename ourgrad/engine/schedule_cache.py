@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
-from ourgrad.helpers import GRAPH, KERNEL_OPS_LIMIT, env_var
+from ourgrad.helpers import GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, env_var
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import Ops
 
@@ -89,7 +89,8 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   # GRAPH=1 draws each graph as the scheduler walks it, so it schedules every realize from scratch
   if not SCHEDULE_CACHE or GRAPH: return scheduler.create_schedule(outs)
   key, bases, leaves = _structure(outs)
-  key = (key, int(KERNEL_OPS_LIMIT))   # the scheduler's decisions depend on the bound, which may change at run time
+  # the scheduler's decisions depend on these settings, which may change at run time
+  key = (key, int(KERNEL_OPS_LIMIT), int(PACK_KERNELS), int(MAX_PACK_BUFFERS))
   if not bases: return []
   cached = _cache.get(key)
   if cached is not None:
