@@ -282,7 +282,8 @@ class Compiler:
     # concurrent writers of one entry each rename a complete file into place: readers see one whole entry
     if not DISABLE_COMPILER_CACHE:
       try:
-        write_atomic(self.cache_path(source), CACHE_ENTRY_MAGIC + hashlib.sha256(binary).digest() + binary)
+        write_atomic(self.cache_path(source), CACHE_ENTRY_MAGIC + hashlib.sha256(binary).digest() + binary,
+                     durable=False)
         _count_cache_write()
       except OSError as error:  # a full disk or a read-only cache folder costs recompiles, not the result
         warnings.warn(f"cannot write the compile cache ({type(error).__name__}: {error.strerror}); kernels are "
@@ -327,15 +328,19 @@ def prune_compile_cache(max_bytes: int | None = None) -> int:
   return deleted
 
 
-def write_atomic(path: pathlib.Path, data: bytes) -> None:
-  """Write to a temporary file beside `path`, then rename: readers see the old file or the whole new one."""
+def write_atomic(path: pathlib.Path, data: bytes, durable: bool = True) -> None:
+  """Write to a temporary file beside `path`, then rename: readers see the old file or the whole new one.
+  durable=True also waits until the bytes are on the disk before the rename (a checkpoint survives a power loss);
+  the compile cache skips that wait (milliseconds on a busy disk, on the path of every new kernel), because its
+  entries carry a digest that catches one cut short by a crash."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
   try:
     with os.fdopen(fd, "wb") as tmp_file:
       tmp_file.write(data)
-      tmp_file.flush()
-      os.fsync(tmp_file.fileno())  # the bytes reach the disk before the rename makes them the file
+      if durable:
+        tmp_file.flush()
+        os.fsync(tmp_file.fileno())  # the bytes reach the disk before the rename makes them the file
     os.replace(tmp_name, path)
   except BaseException:
     if os.path.exists(tmp_name): os.unlink(tmp_name)
