@@ -376,6 +376,7 @@ class Compiled:
 
 
 _OPEN_LOCK = threading.Lock()
+_CANONICAL_NAMES: dict[str, str] = {}   # device name as written -> canonical name (see canonicalize)
 
 
 class _DeviceRegistry:
@@ -390,13 +391,18 @@ class _DeviceRegistry:
     """The registry's name of a device: upper case, aliases resolved. An index after ":" names one of several
     devices of a kind ("CUDA:1", "CLANG:1"); index 0 is the bare name ("cuda:0" -> "CUDA"). Any other argument is
     dropped, except for DISK, whose argument is its file: "disk:weights.bin" -> "DISK:/abs/path/weights.bin"."""
+    # every tensor op and Device[...] lookup canonicalizes its device: names seen before are answered from a dict
+    known = _CANONICAL_NAMES.get(name)
+    if known is not None: return known
     base, _, argument = name.partition(":")
     base = base.upper()
-    # the path is made absolute so that two spellings of one file are one device (one mapping)
+    # the path is made absolute so that two spellings of one file are one device (one mapping); not remembered, since
+    # a relative path depends on the working folder
     if base == "DISK" and argument: return f"DISK:{os.path.abspath(os.path.expanduser(argument))}"
     base = DEVICE_ALIASES.get(base, base)
-    if argument.strip().isdigit() and int(argument) > 0: return f"{base}:{int(argument)}"
-    return base
+    canonical = f"{base}:{int(argument)}" if argument.strip().isdigit() and int(argument) > 0 else base
+    if len(_CANONICAL_NAMES) < 1024: _CANONICAL_NAMES[name] = canonical  # bounded: names are few in practice
+    return canonical
 
   @staticmethod
   def device_index(name: str) -> int:

@@ -32,6 +32,26 @@ REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
 SPLIT_REDUCE_MIN_ELEMENTS = 1 << 16
 
 
+# (dtype, value's type, value, sign) -> truncate(dtype, value). Every step makes the same constants again (learning
+# rates, betas, the 0s and 1s of gradients) and truncate's exact rounding costs microseconds. The type and the sign
+# are in the key because 1 == 1.0 == True and 0.0 == -0.0 would otherwise share an entry.
+_TRUNCATED: dict[tuple, Any] = {}
+_TRUNCATED_MAX = 4096
+
+
+def _truncated(dtype: DType, value: Any) -> Any:
+  """truncate(dtype, value), remembered for hashable scalars."""
+  try:
+    key = (dtype, type(value), value, math.copysign(1.0, value) if isinstance(value, (float, np.floating)) else 0)
+    cached = _TRUNCATED.get(key)
+  except TypeError:  # not a hashable scalar (a symbolic value): not remembered
+    return truncate(dtype, value)
+  if cached is None:
+    cached = truncate(dtype, value)
+    if len(_TRUNCATED) < _TRUNCATED_MAX: _TRUNCATED[key] = cached
+  return cached
+
+
 class LazyBuffer:
   """A base (an op to compute) or a view (a ShapeTracker over a base). Build them with the class methods."""
 
@@ -79,7 +99,7 @@ class LazyBuffer:
   @staticmethod
   def full(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
     """A constant: one scalar CONST base viewed (reshape + expand) as `shape`; no memory is used."""
-    const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, truncate(dtype, value))
+    const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, _truncated(dtype, value))
     return const_base.reshape((1,) * len(shape)).expand(shape)
 
   def const_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
@@ -193,7 +213,7 @@ class LazyBuffer:
       raise DTypeError(f"bitcast needs dtypes of one size: {self.dtype} is {self.dtype.itemsize} bytes, "
                        f"{dtype} is {dtype.itemsize}")
     value = self.const_value()
-    if value is not None and not bitcast: return self.const_like(truncate(dtype, value), dtype)
+    if value is not None and not bitcast: return self.const_like(_truncated(dtype, value), dtype)
     return LazyBuffer.create_base(self.device, self.shape, dtype, Ops.BITCAST if bitcast else Ops.CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...]) -> LazyBuffer:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 def _broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
   """The shape every input broadcasts to (numpy/PyTorch rules), or ShapeError naming the shapes."""
+  if all(shape == shapes[0] for shape in shapes[1:]): return shapes[0]  # the common case, without the walk below
   ndim = max(len(shape) for shape in shapes)
   padded = [(1,) * (ndim - len(shape)) + shape for shape in shapes]
   result = []
@@ -102,7 +103,7 @@ class ElementwiseMixin:
       raise DeviceError(f"tensors on different devices: {self.device} and {other_tensor.device}; move one with "
                         f".to({self.device!r})")
     x, y = (other_tensor, self) if reverse else (self, other_tensor)
-    dtype = least_upper_dtype(x.dtype, y.dtype)
+    dtype = x.dtype if x.dtype == y.dtype else least_upper_dtype(x.dtype, y.dtype)
     shape = _broadcast_shape(x.shape, y.shape)
     return x.cast(dtype).expand(shape), y.cast(dtype).expand(shape)
 

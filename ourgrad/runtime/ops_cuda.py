@@ -26,6 +26,9 @@ except ImportError as error:  # the registry turns this into a DeviceError sayin
   raise ModuleNotFoundError(str(error), name="cuda.bindings") from error
 
 
+CUDA_SUCCESS = driver.CUresult.CUDA_SUCCESS
+
+
 def check(result: tuple, call: str) -> Any:
   """Unpack a cuda-python result tuple, raising DeviceError naming the call if it failed."""
   status, *values = result
@@ -156,17 +159,47 @@ class CUDACompiler(Compiler):
 
 
 class CUDAProgram:
-  """A loaded kernel. Launches are asynchronous; `wait=True` times the launch with CUDA events."""
+  """A loaded kernel. Launches are asynchronous; `wait=True` times the launch with CUDA events.
+
+  cuLaunchKernel takes an array of pointers to the argument values and copies the values when it is called, so a
+  program keeps one such pair of arrays and rewrites the values at each launch (under a lock: two threads launching
+  one kernel must not interleave their values) instead of building ctypes objects per launch."""
 
   def __init__(self, device: CUDADevice, name: str, cubin: bytes):
     self.device, self.name = device, name
     device.make_current()
     self.module = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
     self.function = check(driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+    self._lock = threading.Lock()
+    self._arguments: Any = None   # (ctypes.c_uint64 * n): the buffer pointers of the launch being made
+    self._pointers: Any = None    # (ctypes.c_void_p * n): the address of each of those values (kernelParams)
+    self._params_address = 0
+
+  def _argument_arrays(self, count: int) -> Any:
+    """The argument values array for `count` buffer pointers, made on the first launch (and again if a launch passes
+    another count)."""
+    arguments = (ctypes.c_uint64 * max(count, 1))()
+    base, size = ctypes.addressof(arguments), ctypes.sizeof(ctypes.c_uint64)
+    pointers = (ctypes.c_void_p * max(count, 1))(*[base + index * size for index in range(count)])
+    self._arguments, self._pointers, self._params_address = arguments, pointers, ctypes.addressof(pointers)
+    return arguments
 
   def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),
                wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
-    # vals: the symbolic Variables' values, int arguments after the buffer pointers
+    if wait or vals: return self._launch_general(buffers, global_size, local_size, wait, vals)
+    with self._lock:
+      arguments = self._arguments
+      if arguments is None or len(buffers) != len(self._pointers) or not buffers:
+        arguments = self._argument_arrays(len(buffers))
+      for index, buffer in enumerate(buffers): arguments[index] = int(buffer)
+      (status,) = driver.cuLaunchKernel(self.function, *global_size, *local_size, 0, self.device.stream,
+                                        self._params_address, 0)
+    if status != CUDA_SUCCESS: check((status,), f"cuLaunchKernel({self.name})")
+    return None
+
+  def _launch_general(self, buffers: tuple, global_size: tuple[int, ...], local_size: tuple[int, ...], wait: bool,
+                      vals: tuple[int, ...]) -> float | None:
+    """A launch with int arguments (vals: the symbolic Variables' values, after the buffer pointers) or a timed one."""
     pointers = [ctypes.c_uint64(int(buffer)) for buffer in buffers] + [ctypes.c_int32(value) for value in vals]
     params = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(pointer) for pointer in pointers])
     stream = self.device.stream

@@ -167,6 +167,9 @@ class ShapeTracker:
   """A stack of Views describing how output indices map to a buffer; see the module docstring."""
   views: tuple[View, ...]
 
+  # trackers are made anew by every movement op, so their hash is not cached; their views (interned) cache theirs
+  def __hash__(self) -> int: return hash(self.views)
+
   @staticmethod
   def from_shape(shape: Sequence[int]) -> ShapeTracker:
     """The identity tracker of a contiguous buffer of this shape."""
