@@ -36,7 +36,7 @@ class Function:
   def __init__(self, device: str, *tensors: Tensor):
     self.device = device
     self.needs_input_grad = [tensor.requires_grad for tensor in tensors]
-    if any(self.needs_input_grad): self.requires_grad: bool | None = True
+    if True in self.needs_input_grad: self.requires_grad: bool | None = True
     elif None in self.needs_input_grad: self.requires_grad = None
     else: self.requires_grad = False
     if self.requires_grad: self.parents = tensors

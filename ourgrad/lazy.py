@@ -121,10 +121,11 @@ class LazyBuffer:
 
   def const_value(self) -> Any | None:
     """The constant this buffer holds everywhere, or None if it is not an unpadded constant."""
-    base = self.base
-    if base.op is Ops.CONST and base.realized is None and all(view.mask is None for view in self.st.views):
-      return base.arg
-    return None
+    base = self._base if self._base is not None else self
+    if base.op is not Ops.CONST or base.realized is not None: return None
+    for view in self.st.views:
+      if view.mask is not None: return None
+    return base.arg
 
   def __repr__(self) -> str:
     if self.is_base: return f"<LB {self.device} {self.shape} {self.dtype} op={self.op} realized={self.is_realized}>"
@@ -195,7 +196,7 @@ class LazyBuffer:
 
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
     values = [src.const_value() for src in srcs]
-    if all(value is not None for value in values) and op not in (Ops.CAST, Ops.BITCAST):
+    if None not in values and op not in (Ops.CAST, Ops.BITCAST):
       return self.const_like(exec_alu(op, out_dtype, tuple(values)), out_dtype)
     if op in BINARY_OPS and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
