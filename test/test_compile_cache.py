@@ -114,3 +114,20 @@ def test_cuda_warm_up_compiles_in_the_background_and_caches_nothing(cache_folder
   assert compiler.load_cached(WARM_UP_SOURCE) is None
   cubin = compiler.compile(CUDA_SOURCE.format(tag=6))
   assert cubin[:4] == b"\x7fELF"  # a CUBIN is an ELF file
+
+
+@pytest.mark.skipif(not HAS_NVRTC, reason="cuda-python with NVRTC is not installed")
+def test_cuda_ptx_mode_gives_loadable_ptx_under_its_own_key(monkeypatch):
+  from ourgrad.runtime.ops_cuda import CUDACompiler
+  source = CUDA_SOURCE.format(tag=7)
+  monkeypatch.setenv("CUDA_PTX", "1")
+  ptx_compiler = CUDACompiler("sm_90")
+  monkeypatch.delenv("CUDA_PTX")
+  cubin_compiler = CUDACompiler("sm_90")
+  assert ptx_compiler.emit_ptx and not cubin_compiler.emit_ptx
+  ptx = ptx_compiler.compile(source)
+  # a NUL-terminated PTX module for the GPU's virtual architecture, which cuModuleLoadData compiles when it loads it
+  assert ptx.endswith(b"\0") and ptx.count(b"\0") == 1
+  assert b".target sm_90" in ptx and b".entry cache_probe_7" in ptx
+  assert ptx_compiler.cache_path(source) != cubin_compiler.cache_path(source)
+  assert cubin_compiler.compile(source)[:4] == b"\x7fELF"

@@ -9,6 +9,8 @@ used before (so its kernel source is new: no in-memory or disk cache can answer)
   cache      writing the binary into the on-disk compile cache
   load       cuModuleLoadData + cuModuleGetFunction (CUDA only)
   run        launch, synchronize and copy the 4096 results back (CUDA only)
+  ptx: nvrtc / ptx: load   the other way to the same kernel (CUDA_PTX=1): NVRTC stops at PTX, and the driver
+                           compiles the PTX inside cuModuleLoadData (load only on CUDA)
 then, separately, `end to end`: the same expression with another new constant through the real path (`.numpy()`),
 which is the figure the issue's goal is about (bench_jit.py's "first result" row measures it the same way).
 `second process, cache hit` is a fresh Python process reading the first trials' binaries from the disk cache.
@@ -45,7 +47,8 @@ def new_constant(rng: random.Random) -> float:
   return float(np.float32(1.0 + rng.random()))
 
 
-def time_parts(x: Any, constant: float, device: str, renderer: Any, compiler: Any) -> tuple[dict[str, float], str]:
+def time_parts(x: Any, constant: float, device: str, renderer: Any, compiler: Any,
+               other_compiler: Any) -> tuple[dict[str, float], str]:
   """Seconds of each part of a first result (module docstring), and the kernel source."""
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.linearizer import linearize
@@ -83,6 +86,13 @@ def time_parts(x: Any, constant: float, device: str, renderer: Any, compiler: An
     result = item.outputs[0].numpy()
     parts["run"] = time.perf_counter() - start
     assert result.shape == (ELEMENTS,)
+  start = time.perf_counter()
+  other_binary = other_compiler.compile(source)
+  parts[f"{other_compiler.label}: nvrtc"] = time.perf_counter() - start
+  if device == "CUDA":
+    start = time.perf_counter()
+    Device["CUDA"].program(kernel.name, other_binary)
+    parts[f"{other_compiler.label}: load"] = time.perf_counter() - start
   return parts, source
 
 
@@ -133,6 +143,10 @@ def main() -> None:
     print(f"no CUDA device ({str(error).splitlines()[0][:100]}): NVRTC only, for {args.arch}")
     device, renderer, compiler, arch = "CLANG", CUDARenderer(), CUDACompiler(args.arch), args.arch
     compiler.warm_up()  # what opening a CUDA device does
+  # the way to a loaded kernel that this run does not use by default (CUDA_PTX flips it)
+  from ourgrad.runtime.ops_cuda import CUDACompiler
+  other_compiler = CUDACompiler(arch, ptx=not compiler.emit_ptx)
+  other_compiler.label = "cubin" if compiler.emit_ptx else "ptx"
   compiler_threads = [thread for thread in __import__("threading").enumerate() if "warm-up" in thread.name]
   for thread in compiler_threads: thread.join()
   rng = random.Random(time.time_ns())
@@ -140,7 +154,7 @@ def main() -> None:
   trials: list[dict[str, float]] = []
   sources: list[str] = []
   for _ in range(args.trials):
-    parts, source = time_parts(x, new_constant(rng), device, renderer, compiler)
+    parts, source = time_parts(x, new_constant(rng), device, renderer, compiler, other_compiler)
     trials.append(parts)
     sources.append(source)
   end_to_end = [end_to_end_seconds(x, new_constant(rng)) for _ in range(args.trials)] if device == "CUDA" else []
@@ -149,14 +163,16 @@ def main() -> None:
   print(f"device: {device}  arch: {arch}  compiler: {compiler.cache_key}  trials: {args.trials}")
   print("| part | median ms | min ms | first trial ms |\n| --- | --- | --- | --- |")
   python_parts = ("graph", "schedule", "codegen")
+  own_parts = [name for name in trials[0] if ":" not in name]  # the other compiler's parts are not summed
   for name in trials[0]:
     values = [trial[name] * 1e3 for trial in trials]
     print(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f} | {values[0]:.2f} |")
   python_ms = [sum(trial[name] for name in python_parts) * 1e3 for trial in trials]
-  total_ms = [sum(trial.values()) * 1e3 for trial in trials]
+  total_ms = [sum(trial[name] for name in own_parts) * 1e3 for trial in trials]
   print(f"| Python (graph + schedule + codegen) | {statistics.median(python_ms):.2f} | {min(python_ms):.2f} | "
         f"{python_ms[0]:.2f} |")
-  print(f"| sum of the parts | {statistics.median(total_ms):.2f} | {min(total_ms):.2f} | {total_ms[0]:.2f} |")
+  print(f"| sum of the parts (not the other way's) | {statistics.median(total_ms):.2f} | {min(total_ms):.2f} | "
+        f"{total_ms[0]:.2f} |")
   if end_to_end:
     values = [seconds * 1e3 for seconds in end_to_end]
     print(f"| end to end (.numpy() of a new expression) | {statistics.median(values):.2f} | {min(values):.2f} | "

@@ -18,6 +18,7 @@ from typing import Any
 
 from ourgrad.device import Compiled, Compiler, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
+from ourgrad.helpers import CUDA_PTX
 from ourgrad.renderer.cstyle import CUDARenderer
 
 try:
@@ -90,14 +91,17 @@ WARM_UP_SOURCE = 'extern "C" __global__ void ourgrad_warm_up(float* out) { out[t
 
 
 class CUDACompiler(Compiler):
-  """CUDA C++ -> CUBIN for one architecture with NVRTC. The options are part of the disk cache's key, beside the
-  architecture and NVRTC's version, so a binary is only reused by the compiler that would have produced it."""
+  """CUDA C++ -> CUBIN for one architecture with NVRTC, or only to PTX (`ptx=True`, default CUDA_PTX), which the
+  driver compiles to machine code when cuModuleLoadData loads it. The options and the output are part of the disk
+  cache's key, beside the architecture and NVRTC's version, so a binary is only reused by the compiler that would have
+  produced it."""
 
-  def __init__(self, arch: str):
+  def __init__(self, arch: str, ptx: bool | None = None):
     self.arch = arch
+    self.emit_ptx = bool(CUDA_PTX) if ptx is None else ptx
     version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     self.options = [b"-default-device", b"--std=c++17"] + ([b"--minimal"] if version >= NVRTC_MINIMAL_SINCE else [])
-    self.cache_key = f"cuda {arch} nvrtc {version} {b' '.join(self.options).decode()}"
+    self.cache_key = f"cuda {arch} nvrtc {version} {b' '.join(self.options).decode()}{' ptx' if self.emit_ptx else ''}"
     self._warm_up: threading.Thread | None = None
 
   def warm_up(self) -> None:
@@ -126,6 +130,8 @@ class CUDACompiler(Compiler):
     return program
 
   def compile(self, source: str) -> bytes:
+    # the PTX text ends with its NUL byte: cuModuleLoadData takes it as a C string
+    if self.emit_ptx: return (self.ptx(source) + "\0").encode()
     program = self._nvrtc_program(source, self.arch)
     size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
     cubin = b" " * size
@@ -144,6 +150,7 @@ class CUDACompiler(Compiler):
 
   def sass(self, source: str) -> str:
     """The SASS (machine code) of the compiled CUBIN, from cuobjdump or nvdisasm when one is on PATH."""
+    if self.emit_ptx: return "// SASS: with CUDA_PTX=1 the driver makes the machine code when it loads the PTX"
     tool = shutil.which("cuobjdump") or shutil.which("nvdisasm")
     if tool is None: return "// SASS: neither cuobjdump nor nvdisasm is on PATH (install the CUDA toolkit)"
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
