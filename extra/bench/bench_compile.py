@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import pathlib
 import random
 import statistics
 import subprocess
@@ -34,7 +35,10 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from anywhere: this checkout's ourgrad
+
 ELEMENTS = 4096
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def expression(x: Any, constant: float) -> Any:
@@ -120,8 +124,9 @@ def cache_hit_in_new_process(sources: list[str], arch: str) -> float:
     "  assert binary, 'not in the disk cache'\n"
     "print(statistics.median(times))\n")
   import json
+  environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
   done = subprocess.run([sys.executable, "-c", script], input=json.dumps(sources), capture_output=True, text=True,
-                        check=True, env=dict(os.environ))
+                        check=True, env=environment)
   return float(done.stdout.strip().splitlines()[-1])
 
 
