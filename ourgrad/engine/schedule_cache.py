@@ -37,6 +37,20 @@ stats = CacheStats()
 Slot = tuple[str, int]
 
 
+class _Key:
+  """A graph's structural key with its hash computed once: the key is a large nested tuple, and a hit looks it up
+  twice (get, then move_to_end with the stored key object, which compares by identity)."""
+  __slots__ = ("tokens", "hash")
+
+  def __init__(self, tokens: tuple):
+    self.tokens, self.hash = tokens, hash(tokens)
+
+  def __hash__(self) -> int: return self.hash
+
+  def __eq__(self, other: object) -> bool:
+    return self is other or (isinstance(other, _Key) and self.hash == other.hash and self.tokens == other.tokens)
+
+
 @dataclass
 class CachedSchedule:
   asts: list[Any]
@@ -44,9 +58,10 @@ class CachedSchedule:
   input_slots: list[tuple[Slot, ...]]
   realized: list[tuple[int, Slot | None]]   # walked base index -> the leaf it shares (an assign) or None (fresh)
   cleared: list[int]                        # walked bases whose sources create_schedule dropped
+  key: _Key | None = None                   # the key it is stored under
 
 
-_cache: OrderedDict[tuple, CachedSchedule] = OrderedDict()
+_cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
 
 
 def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], list[Buffer]]:
@@ -89,11 +104,12 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   # GRAPH=1 draws each graph as the scheduler walks it, so it schedules every realize from scratch
   if not SCHEDULE_CACHE or GRAPH: return scheduler.create_schedule(outs)
   key, bases, leaves = _structure(outs)
-  key = (key, int(KERNEL_OPS_LIMIT))   # the scheduler's decisions depend on the bound, which may change at run time
+  # the scheduler's decisions depend on the bound, which may change at run time
   if not bases: return []
+  key = _Key((key, int(KERNEL_OPS_LIMIT)))
   cached = _cache.get(key)
   if cached is not None:
-    _cache.move_to_end(key)
+    _cache.move_to_end(cached.key)
     stats.hits += 1
     assigns = [(base, base.srcs[1].base) for base in bases if base.op is Ops.ASSIGN]  # before _replay drops srcs
     items = _replay(cached, bases, leaves)
@@ -103,6 +119,7 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
     items = [_with_canonical_ast(item) for item in items]
     entry = _record(items, bases, leaves)
     if entry is not None:
+      entry.key = key
       _cache[key] = entry
       if len(_cache) > CACHE_SIZE: _cache.popitem(last=False)
   # copy-on-write for lazy readers of an assigned buffer is decided on every call, hit or miss, and only after this
