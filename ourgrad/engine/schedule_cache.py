@@ -10,6 +10,7 @@ leaf buffers and to fresh buffers for what it realizes, and the bases are marked
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -91,6 +92,8 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
 
 
 def _hashable(arg: Any) -> Any:
+  # 0.0 == -0.0 (and both hash alike), but constants of either sign make different kernels
+  if type(arg) is float and arg == 0: return (arg, math.copysign(1.0, arg))
   try:
     hash(arg)
   except TypeError:
