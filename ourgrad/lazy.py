@@ -353,5 +353,6 @@ def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
     if id(base) in visited or base.realized is not None: continue
     visited.add(id(base))
     stack.append((base, True))
-    stack.extend((src.base, False) for src in reversed(base.srcs))
+    for src in reversed(base.srcs):  # (src.base without the property call: this walk runs at every realize)
+      stack.append((src if src._base is None else src._base, False))
   return order
