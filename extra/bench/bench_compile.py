@@ -13,7 +13,9 @@ used before (so its kernel source is new: no in-memory or disk cache can answer)
                            compiles the PTX inside cuModuleLoadData (load only on CUDA)
 then, separately, `end to end`: the same expression with another new constant through the real path (`.numpy()`),
 which is the figure the issue's goal is about (bench_jit.py's "first result" row measures it the same way).
-`second process, cache hit` is a fresh Python process reading the first trials' binaries from the disk cache.
+`second process, cache hit` is a fresh Python process reading the first trials' binaries from the disk cache;
+`new process, first NVRTC compile` is a fresh process's first compile, cold and after the background warm-up that
+opening a CUDA device starts (NVRTC's one-time initialization).
 
 Without a CUDA device (no GPU) the kernels are generated for --arch and compiled with NVRTC only (NVRTC needs no
 GPU): the Python and NVRTC parts are measured, load/run/end to end are not.
@@ -130,6 +132,24 @@ def cache_hit_in_new_process(sources: list[str], arch: str) -> float:
   return float(done.stdout.strip().splitlines()[-1])
 
 
+def first_compile_in_new_process(source: str, arch: str, warm_up: bool) -> float:
+  """Seconds of the first NVRTC compile of a fresh process (NVRTC's one-time initialization included unless the
+  compiler's background warm-up, which opening a CUDA device starts, had half a second to run first)."""
+  script = (
+    "import sys, time\n"
+    "from ourgrad.runtime.ops_cuda import CUDACompiler\n"
+    f"compiler = CUDACompiler({arch!r})\n"
+    f"if {warm_up}: compiler.warm_up(); time.sleep(0.5)\n"
+    "source = sys.stdin.read()\n"
+    "start = time.perf_counter()\n"
+    "compiler.compile(source)\n"
+    "print(time.perf_counter() - start)\n")
+  environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+  done = subprocess.run([sys.executable, "-c", script], input=source, capture_output=True, text=True, check=True,
+                        env=environment)
+  return float(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--trials", type=int, default=10)
@@ -164,6 +184,10 @@ def main() -> None:
     sources.append(source)
   end_to_end = [end_to_end_seconds(x, new_constant(rng)) for _ in range(args.trials)] if device == "CUDA" else []
   cache_hit = cache_hit_in_new_process(sources, arch)
+  # a source no process compiled yet (NVRTC keeps no cache of its own, but be sure): its constant is changed
+  fresh = [sources[-1].replace("1.5f", f"{1.5 + index / 64:.6f}f") for index in range(2)]
+  first_cold = first_compile_in_new_process(fresh[0], arch, warm_up=False)
+  first_warmed = first_compile_in_new_process(fresh[1], arch, warm_up=True)
 
   print(f"device: {device}  arch: {arch}  compiler: {compiler.cache_key}  trials: {args.trials}")
   print("| part | median ms | min ms | first trial ms |\n| --- | --- | --- | --- |")
@@ -183,6 +207,8 @@ def main() -> None:
     print(f"| end to end (.numpy() of a new expression) | {statistics.median(values):.2f} | {min(values):.2f} | "
           f"{values[0]:.2f} |")
   print(f"| second process, cache hit (read + check) | {cache_hit * 1e3:.3f} | | |")
+  print(f"| new process, first NVRTC compile, cold | {first_cold * 1e3:.2f} | | |")
+  print(f"| new process, first NVRTC compile, after the warm-up | {first_warmed * 1e3:.2f} | | |")
 
 
 if __name__ == "__main__":
