@@ -25,7 +25,7 @@ CUDA_SOURCE = 'extern "C" __global__ void cache_probe_{tag}(float* out) {{ out[t
 def _cuda_compiler(arch: str = "sm_90"):
   try:
     from ourgrad.runtime.ops_cuda import CUDACompiler
-    return CUDACompiler(arch)
+    return CUDACompiler(arch, ptx=False)  # CUBIN, whatever CUDA_PTX says
   except Exception:  # no cuda-python or no NVRTC library here
     return None
 
@@ -39,7 +39,7 @@ import hashlib, json, sys
 kind, arch = sys.argv[1], sys.argv[2]
 if kind == "CUDA":
   from ourgrad.runtime.ops_cuda import CUDACompiler
-  compiler = CUDACompiler(arch)
+  compiler = CUDACompiler(arch, ptx=False)
 else:
   from ourgrad.device import Device
   compiler = Device["CLANG"].compiler
@@ -122,7 +122,7 @@ def test_cuda_ptx_mode_gives_loadable_ptx_under_its_own_key(monkeypatch):
   source = CUDA_SOURCE.format(tag=7)
   monkeypatch.setenv("CUDA_PTX", "1")
   ptx_compiler = CUDACompiler("sm_90")
-  monkeypatch.delenv("CUDA_PTX")
+  monkeypatch.setenv("CUDA_PTX", "0")
   cubin_compiler = CUDACompiler("sm_90")
   assert ptx_compiler.emit_ptx and not cubin_compiler.emit_ptx
   ptx = ptx_compiler.compile(source)
