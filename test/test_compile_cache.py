@@ -117,17 +117,40 @@ def test_cuda_warm_up_compiles_in_the_background_and_caches_nothing(cache_folder
 
 
 @pytest.mark.skipif(not HAS_NVRTC, reason="cuda-python with NVRTC is not installed")
-def test_cuda_ptx_mode_gives_loadable_ptx_under_its_own_key(monkeypatch):
+def test_cuda_ptx_mode_gives_loadable_ptx_under_its_own_key():
   from ourgrad.runtime.ops_cuda import CUDACompiler
   source = CUDA_SOURCE.format(tag=7)
-  monkeypatch.setenv("CUDA_PTX", "1")
-  ptx_compiler = CUDACompiler("sm_90")
-  monkeypatch.setenv("CUDA_PTX", "0")
-  cubin_compiler = CUDACompiler("sm_90")
-  assert ptx_compiler.emit_ptx and not cubin_compiler.emit_ptx
+  ptx_compiler, cubin_compiler = CUDACompiler("sm_90", ptx=True), CUDACompiler("sm_90")
   ptx = ptx_compiler.compile(source)
   # a NUL-terminated PTX module for the GPU's virtual architecture, which cuModuleLoadData compiles when it loads it
   assert ptx.endswith(b"\0") and ptx.count(b"\0") == 1
   assert b".target sm_90" in ptx and b".entry cache_probe_7" in ptx
   assert ptx_compiler.cache_path(source) != cubin_compiler.cache_path(source)
   assert cubin_compiler.compile(source)[:4] == b"\x7fELF"
+
+
+_FORKED_COMPILER = None  # inherited by the forked worker, as BEAM hands its compiler to its workers
+
+
+def _compile_with_forked_compiler(source: str) -> bytes: return _FORKED_COMPILER.compile(source)
+
+
+def _compile_in_fork(compiler, source: str) -> bytes:
+  import multiprocessing
+  global _FORKED_COMPILER
+  _FORKED_COMPILER = compiler
+  with multiprocessing.get_context("fork").Pool(1) as pool:
+    return pool.apply(_compile_with_forked_compiler, (source,))
+
+
+@pytest.mark.skipif(not HAS_NVRTC or not hasattr(os, "fork"), reason="needs NVRTC and fork")
+def test_cuda_ptx_compiler_in_a_forked_worker_compiles_cubin():
+  """BEAM's forked workers compile candidates for the parent to load: machine code, not PTX the driver would have to
+  compile candidate after candidate in the parent. The warm-up thread is finished before the fork."""
+  from ourgrad.runtime.ops_cuda import CUDACompiler
+  compiler = CUDACompiler("sm_90", ptx=True)
+  compiler.warm_up()
+  source = CUDA_SOURCE.format(tag=8)
+  assert _compile_in_fork(compiler, source)[:4] == b"\x7fELF"
+  assert compiler.compile(source).endswith(b"\0")
+  assert not compiler._warm_up.is_alive()

@@ -9,8 +9,9 @@ used before (so its kernel source is new: no in-memory or disk cache can answer)
   cache      writing the binary into the on-disk compile cache
   load       cuModuleLoadData + cuModuleGetFunction (CUDA only)
   run        launch, synchronize and copy the 4096 results back (CUDA only)
-  ptx: nvrtc / ptx: load   the other way to the same kernel (CUDA_PTX=1): NVRTC stops at PTX, and the driver
-                           compiles the PTX inside cuModuleLoadData (load only on CUDA)
+  cubin: nvrtc / cubin: load   the other way to the same kernel (ptx: ... with CUDA_PTX=0): by default (CUDA_PTX=1)
+                           NVRTC stops at PTX and the driver compiles the PTX inside cuModuleLoadData (load only on
+                           CUDA); the other way has NVRTC compile to CUBIN
 then, separately, `end to end`: the same expression with another new constant through the real path (`.numpy()`),
 which is the figure the issue's goal is about (bench_jit.py's "first result" row measures it the same way).
 `second process, cache hit` is a fresh Python process reading the first trials' binaries from the disk cache;
@@ -110,13 +111,13 @@ def end_to_end_seconds(x: Any, constant: float) -> float:
   return seconds
 
 
-def cache_hit_in_new_process(sources: list[str], arch: str) -> float:
+def cache_hit_in_new_process(sources: list[str], arch: str, ptx: bool) -> float:
   """Median seconds a fresh process takes to read one of `sources`' binaries from the disk cache (asserting that
   every one is there)."""
   script = (
     "import sys, time, statistics, json\n"
     "from ourgrad.runtime.ops_cuda import CUDACompiler\n"
-    f"compiler = CUDACompiler({arch!r})\n"
+    f"compiler = CUDACompiler({arch!r}, ptx={ptx})\n"
     "sources = json.loads(sys.stdin.read())\n"
     "times = []\n"
     "for source in sources:\n"
@@ -132,13 +133,13 @@ def cache_hit_in_new_process(sources: list[str], arch: str) -> float:
   return float(done.stdout.strip().splitlines()[-1])
 
 
-def first_compile_in_new_process(source: str, arch: str, warm_up: bool) -> float:
+def first_compile_in_new_process(source: str, arch: str, ptx: bool, warm_up: bool) -> float:
   """Seconds of the first NVRTC compile of a fresh process (NVRTC's one-time initialization included unless the
   compiler's background warm-up, which opening a CUDA device starts, had half a second to run first)."""
   script = (
     "import sys, time\n"
     "from ourgrad.runtime.ops_cuda import CUDACompiler\n"
-    f"compiler = CUDACompiler({arch!r})\n"
+    f"compiler = CUDACompiler({arch!r}, ptx={ptx})\n"
     f"if {warm_up}: compiler.warm_up(); time.sleep(0.5)\n"
     "source = sys.stdin.read()\n"
     "start = time.perf_counter()\n"
@@ -166,7 +167,8 @@ def main() -> None:
     from ourgrad.renderer.cstyle import CUDARenderer
     from ourgrad.runtime.ops_cuda import CUDACompiler
     print(f"no CUDA device ({str(error).splitlines()[0][:100]}): NVRTC only, for {args.arch}")
-    device, renderer, compiler, arch = "CLANG", CUDARenderer(), CUDACompiler(args.arch), args.arch
+    from ourgrad.helpers import CUDA_PTX
+    device, renderer, compiler, arch = "CLANG", CUDARenderer(), CUDACompiler(args.arch, ptx=bool(CUDA_PTX)), args.arch
     compiler.warm_up()  # what opening a CUDA device does
   # the way to a loaded kernel that this run does not use by default (CUDA_PTX flips it)
   from ourgrad.runtime.ops_cuda import CUDACompiler
@@ -183,11 +185,11 @@ def main() -> None:
     trials.append(parts)
     sources.append(source)
   end_to_end = [end_to_end_seconds(x, new_constant(rng)) for _ in range(args.trials)] if device == "CUDA" else []
-  cache_hit = cache_hit_in_new_process(sources, arch)
+  cache_hit = cache_hit_in_new_process(sources, arch, compiler.emit_ptx)
   # a source no process compiled yet (NVRTC keeps no cache of its own, but be sure): its constant is changed
   fresh = [sources[-1].replace("1.5f", f"{1.5 + index / 64:.6f}f") for index in range(2)]
-  first_cold = first_compile_in_new_process(fresh[0], arch, warm_up=False)
-  first_warmed = first_compile_in_new_process(fresh[1], arch, warm_up=True)
+  first_cold = first_compile_in_new_process(fresh[0], arch, compiler.emit_ptx, warm_up=False)
+  first_warmed = first_compile_in_new_process(fresh[1], arch, compiler.emit_ptx, warm_up=True)
 
   print(f"device: {device}  arch: {arch}  compiler: {compiler.cache_key}  trials: {args.trials}")
   print("| part | median ms | min ms | first trial ms |\n| --- | --- | --- | --- |")

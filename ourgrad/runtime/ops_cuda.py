@@ -90,19 +90,41 @@ NVRTC_MINIMAL_SINCE = (12, 4)
 WARM_UP_SOURCE = 'extern "C" __global__ void ourgrad_warm_up(float* out) { out[threadIdx.x] = 0.0f; }\n'
 
 
-class CUDACompiler(Compiler):
-  """CUDA C++ -> CUBIN for one architecture with NVRTC, or only to PTX (`ptx=True`, default CUDA_PTX), which the
-  driver compiles to machine code when cuModuleLoadData loads it. The options and the output are part of the disk
-  cache's key, beside the architecture and NVRTC's version, so a binary is only reused by the compiler that would have
-  produced it."""
+# warm-up threads that may still run: a fork (BEAM's workers) waits for them first, so that no child starts with
+# NVRTC's internal state held by a thread the fork did not copy
+_WARM_UPS: list[threading.Thread] = []
 
-  def __init__(self, arch: str, ptx: bool | None = None):
+
+def _finish_warm_ups() -> None:
+  for thread in _WARM_UPS: thread.join()
+  _WARM_UPS.clear()
+
+
+if hasattr(os, "register_at_fork"): os.register_at_fork(before=_finish_warm_ups)
+
+
+class CUDACompiler(Compiler):
+  """CUDA C++ -> CUBIN for one architecture with NVRTC, or only to PTX (`ptx=True`; the CUDA device's choice is
+  CUDA_PTX), which the driver compiles to machine code when cuModuleLoadData loads it. A PTX compiler used in a forked
+  child (BEAM's workers, which compile candidates in parallel for the parent to load) compiles CUBIN: the parent
+  then loads machine code at once instead of having the driver compile each candidate in turn. The options and the
+  output are part of the disk cache's key, beside the architecture and NVRTC's version, so a binary is only reused by
+  the compiler that would have produced it."""
+
+  def __init__(self, arch: str, ptx: bool = False):
     self.arch = arch
-    self.emit_ptx = bool(CUDA_PTX) if ptx is None else ptx
+    self.emit_ptx = ptx
+    self._owner_pid = os.getpid()  # PTX only in this process (see the class docstring)
     version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     self.options = [b"-default-device", b"--std=c++17"] + ([b"--minimal"] if version >= NVRTC_MINIMAL_SINCE else [])
     self.cache_key = f"cuda {arch} nvrtc {version} {b' '.join(self.options).decode()}{' ptx' if self.emit_ptx else ''}"
     self._warm_up: threading.Thread | None = None
+
+  def __getstate__(self) -> dict:
+    return {key: value for key, value in self.__dict__.items() if key != "_warm_up"}  # a thread does not pickle
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state, _warm_up=None)
 
   def warm_up(self) -> None:
     """Compile a trivial kernel on a background thread (NVRTC releases the GIL while it compiles), so that the
@@ -114,6 +136,7 @@ class CUDACompiler(Compiler):
       except Exception:  # a broken NVRTC reports itself at the first real compile, with the kernel's source
         pass
     self._warm_up = threading.Thread(target=compile_quietly, name="ourgrad-nvrtc-warm-up", daemon=True)
+    _WARM_UPS.append(self._warm_up)
     self._warm_up.start()
 
   def _nvrtc_program(self, source: str, arch: str) -> Any:
@@ -131,7 +154,7 @@ class CUDACompiler(Compiler):
 
   def compile(self, source: str) -> bytes:
     # the PTX text ends with its NUL byte: cuModuleLoadData takes it as a C string
-    if self.emit_ptx: return (self.ptx(source) + "\0").encode()
+    if self.emit_ptx and os.getpid() == self._owner_pid: return (self.ptx(source) + "\0").encode()
     program = self._nvrtc_program(source, self.arch)
     size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
     cubin = b" " * size
@@ -288,7 +311,7 @@ class CUDADevice(Compiled):
     self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
     self.start_event = check(driver.cuEventCreate(0), "cuEventCreate")
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
-    super().__init__(name, CUDAAllocator(self), CUDARenderer(), CUDACompiler(self.arch),
+    super().__init__(name, CUDAAllocator(self), CUDARenderer(), CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
     self.graph = lambda launches: CUDAGraph(self, launches)
