@@ -282,7 +282,8 @@ class Compiler:
     # concurrent writers of one entry each rename a complete file into place: readers see one whole entry
     if not DISABLE_COMPILER_CACHE:
       try:
-        write_atomic(self.cache_path(source), CACHE_ENTRY_MAGIC + hashlib.sha256(binary).digest() + binary)
+        write_atomic(self.cache_path(source), CACHE_ENTRY_MAGIC + hashlib.sha256(binary).digest() + binary,
+                     durable=False)
         _count_cache_write()
       except OSError as error:  # a full disk or a read-only cache folder costs recompiles, not the result
         warnings.warn(f"cannot write the compile cache ({type(error).__name__}: {error.strerror}); kernels are "
@@ -327,15 +328,19 @@ def prune_compile_cache(max_bytes: int | None = None) -> int:
   return deleted
 
 
-def write_atomic(path: pathlib.Path, data: bytes) -> None:
-  """Write to a temporary file beside `path`, then rename: readers see the old file or the whole new one."""
+def write_atomic(path: pathlib.Path, data: bytes, durable: bool = True) -> None:
+  """Write to a temporary file beside `path`, then rename: readers see the old file or the whole new one.
+  durable=True also waits until the bytes are on the disk before the rename (a checkpoint survives a power loss);
+  the compile cache skips that wait (milliseconds on a busy disk, on the path of every new kernel), because its
+  entries carry a digest that catches one cut short by a crash."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
   try:
     with os.fdopen(fd, "wb") as tmp_file:
       tmp_file.write(data)
-      tmp_file.flush()
-      os.fsync(tmp_file.fileno())  # the bytes reach the disk before the rename makes them the file
+      if durable:
+        tmp_file.flush()
+        os.fsync(tmp_file.fileno())  # the bytes reach the disk before the rename makes them the file
     os.replace(tmp_name, path)
   except BaseException:
     if os.path.exists(tmp_name): os.unlink(tmp_name)
@@ -371,6 +376,7 @@ class Compiled:
 
 
 _OPEN_LOCK = threading.Lock()
+_CANONICAL_NAMES: dict[str, str] = {}   # device name as written -> canonical name (see canonicalize)
 
 
 class _DeviceRegistry:
@@ -385,13 +391,18 @@ class _DeviceRegistry:
     """The registry's name of a device: upper case, aliases resolved. An index after ":" names one of several
     devices of a kind ("CUDA:1", "CLANG:1"); index 0 is the bare name ("cuda:0" -> "CUDA"). Any other argument is
     dropped, except for DISK, whose argument is its file: "disk:weights.bin" -> "DISK:/abs/path/weights.bin"."""
+    # every tensor op and Device[...] lookup canonicalizes its device: names seen before are answered from a dict
+    known = _CANONICAL_NAMES.get(name)
+    if known is not None: return known
     base, _, argument = name.partition(":")
     base = base.upper()
-    # the path is made absolute so that two spellings of one file are one device (one mapping)
+    # the path is made absolute so that two spellings of one file are one device (one mapping); not remembered, since
+    # a relative path depends on the working folder
     if base == "DISK" and argument: return f"DISK:{os.path.abspath(os.path.expanduser(argument))}"
     base = DEVICE_ALIASES.get(base, base)
-    if argument.strip().isdigit() and int(argument) > 0: return f"{base}:{int(argument)}"
-    return base
+    canonical = f"{base}:{int(argument)}" if argument.strip().isdigit() and int(argument) > 0 else base
+    if len(_CANONICAL_NAMES) < 1024: _CANONICAL_NAMES[name] = canonical  # bounded: names are few in practice
+    return canonical
 
   @staticmethod
   def device_index(name: str) -> int:

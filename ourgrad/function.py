@@ -18,13 +18,25 @@ if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
 
 
+# ourgrad.tensor imports this module, so Tensor is imported on first use; remembered, since an import statement in
+# apply would cost every op a module lookup
+_TENSOR_CLASS: Any = None
+
+
+def _tensor_class() -> Any:
+  global _TENSOR_CLASS
+  from ourgrad.tensor import Tensor
+  _TENSOR_CLASS = Tensor
+  return Tensor
+
+
 class Function:
   """Base class: subclasses define forward(*lazybuffers, **kwargs) and backward(grad_output)."""
 
   def __init__(self, device: str, *tensors: Tensor):
     self.device = device
     self.needs_input_grad = [tensor.requires_grad for tensor in tensors]
-    if any(self.needs_input_grad): self.requires_grad: bool | None = True
+    if True in self.needs_input_grad: self.requires_grad: bool | None = True
     elif None in self.needs_input_grad: self.requires_grad = None
     else: self.requires_grad = False
     if self.requires_grad: self.parents = tensors
@@ -34,7 +46,7 @@ class Function:
 
   @classmethod
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
-    from ourgrad.tensor import Tensor
+    Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = cls(tensors[0].device, *tensors)
     output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch

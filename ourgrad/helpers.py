@@ -18,6 +18,12 @@ T = TypeVar("T")
 
 # ---------------------------------------------------------------- environment variables
 
+# os.environ's own store (bytes -> bytes on POSIX), which every change through os.environ updates. Reading it directly
+# costs 0.1 us; os.environ.get of an unset variable raises and catches a KeyError inside (about 2 us), and the engine
+# reads DEBUG and PROFILE at every launch. None where the store is not that (Windows keys it differently).
+_ENVIRON_STORE: dict[bytes, bytes] | None = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
 @dataclass(frozen=True)
 class EnvVar:
   """One environment variable: read fresh on every use, so tests and users can change it at run time."""
@@ -25,9 +31,18 @@ class EnvVar:
   default: Any
   help: str
 
+  @functools.cached_property
+  def _key(self) -> bytes: return os.fsencode(self.name)
+
+  def raw(self) -> str | None:
+    """The variable's text, or None when it is not set."""
+    if _ENVIRON_STORE is None: return os.environ.get(self.name)
+    raw = _ENVIRON_STORE.get(self._key)
+    return None if raw is None else os.fsdecode(raw)
+
   @property
   def value(self) -> Any:
-    raw = os.environ.get(self.name)
+    raw = self.raw()
     if raw is None: return self.default
     return type(self.default)(raw) if not isinstance(self.default, bool) else raw not in ("", "0")
 
@@ -81,6 +96,10 @@ RUNNER_CACHE_SIZE = env_var("RUNNER_CACHE_SIZE", 4096, "most compiled kernels ke
                             "used is dropped past it (-1: no limit)")
 COMPILE_CACHE_BYTES = env_var("COMPILE_CACHE_BYTES", 2 << 30, "most bytes the on-disk compile cache keeps; past it the "
                               "least recently used binaries are deleted (-1: no limit)")
+CUDA_PTX = env_var("CUDA_PTX", 1, "1: the CUDA device has NVRTC compile kernels to PTX only and the driver compile the "
+                   "PTX when it loads it (compile + load of a new small kernel: 30 ms instead of 50 on an H100); "
+                   "BEAM's forked workers still compile machine code; 0: NVRTC compiles to the GPU's machine code "
+                   "(CUBIN)")
 COMPILE_TIMEOUT = env_var("COMPILE_TIMEOUT", 300.0, "seconds one kernel may take to compile before a CompileError "
                           "naming it (CLANG; 0: no limit)")
 BEAM = env_var("BEAM", 0, "n>0: pick each kernel's Opts by a beam search of width n, timed on the device and "

@@ -43,6 +43,26 @@ GPU_SPLIT_MIN_PART = 1024
 GPU_SPLIT_MIN_PART_MATMUL = 128    # a matmul-like part: its threads are register tiles of outputs, not the reduce
 
 
+# (dtype, value's type, value, sign) -> truncate(dtype, value). Every step makes the same constants again (learning
+# rates, betas, the 0s and 1s of gradients) and truncate's exact rounding costs microseconds. The type and the sign
+# are in the key because 1 == 1.0 == True and 0.0 == -0.0 would otherwise share an entry.
+_TRUNCATED: dict[tuple, Any] = {}
+_TRUNCATED_MAX = 4096
+
+
+def _truncated(dtype: DType, value: Any) -> Any:
+  """truncate(dtype, value), remembered for hashable scalars."""
+  try:
+    key = (dtype, type(value), value, math.copysign(1.0, value) if isinstance(value, (float, np.floating)) else 0)
+    cached = _TRUNCATED.get(key)
+  except TypeError:  # not a hashable scalar (a symbolic value): not remembered
+    return truncate(dtype, value)
+  if cached is None:
+    cached = truncate(dtype, value)
+    if len(_TRUNCATED) < _TRUNCATED_MAX: _TRUNCATED[key] = cached
+  return cached
+
+
 class LazyBuffer:
   """A base (an op to compute) or a view (a ShapeTracker over a base). Build them with the class methods."""
 
@@ -90,7 +110,7 @@ class LazyBuffer:
   @staticmethod
   def full(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
     """A constant: one scalar CONST base viewed (reshape + expand) as `shape`; no memory is used."""
-    const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, truncate(dtype, value))
+    const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, _truncated(dtype, value))
     return const_base.reshape((1,) * len(shape)).expand(shape)
 
   def const_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
@@ -112,10 +132,11 @@ class LazyBuffer:
 
   def const_value(self) -> Any | None:
     """The constant this buffer holds everywhere, or None if it is not an unpadded constant."""
-    base = self.base
-    if base.op is Ops.CONST and base.realized is None and all(view.mask is None for view in self.st.views):
-      return base.arg
-    return None
+    base = self._base if self._base is not None else self
+    if base.op is not Ops.CONST or base.realized is not None: return None
+    for view in self.st.views:
+      if view.mask is not None: return None
+    return base.arg
 
   def __repr__(self) -> str:
     if self.is_base: return f"<LB {self.device} {self.shape} {self.dtype} op={self.op} realized={self.is_realized}>"
@@ -186,7 +207,7 @@ class LazyBuffer:
 
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
     values = [src.const_value() for src in srcs]
-    if all(value is not None for value in values) and op not in (Ops.CAST, Ops.BITCAST):
+    if None not in values and op not in (Ops.CAST, Ops.BITCAST):
       return self.const_like(exec_alu(op, out_dtype, tuple(values)), out_dtype)
     if op in BINARY_OPS and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
@@ -204,7 +225,7 @@ class LazyBuffer:
       raise DTypeError(f"bitcast needs dtypes of one size: {self.dtype} is {self.dtype.itemsize} bytes, "
                        f"{dtype} is {dtype.itemsize}")
     value = self.const_value()
-    if value is not None and not bitcast: return self.const_like(truncate(dtype, value), dtype)
+    if value is not None and not bitcast: return self.const_like(_truncated(dtype, value), dtype)
     return LazyBuffer.create_base(self.device, self.shape, dtype, Ops.BITCAST if bitcast else Ops.CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...]) -> LazyBuffer:
@@ -382,5 +403,6 @@ def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
     if id(base) in visited or base.realized is not None: continue
     visited.add(id(base))
     stack.append((base, True))
-    stack.extend((src.base, False) for src in reversed(base.srcs))
+    for src in reversed(base.srcs):  # (src.base without the property call: this walk runs at every realize)
+      stack.append((src if src._base is None else src._base, False))
   return order

@@ -169,6 +169,8 @@ def _hashable_arg(arg: Any) -> Any:
   """Constants compare by type and value (1 and 1.0 and True differ; NaN equals NaN)."""
   if isinstance(arg, ConstBuffer):
     value = ("nan",) if isinstance(arg.val, float) and math.isnan(arg.val) else (type(arg.val), arg.val)
+    # 0.0 == -0.0, but x * -0.0 and x * 0.0 are different kernels
+    if isinstance(arg.val, float) and arg.val == 0: value = (float, arg.val, math.copysign(1.0, arg.val))
     return (value, arg.dtype, arg.st)
   return arg
 

@@ -100,6 +100,15 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
 
   def __init__(self, data: Any, device: str | None = None, dtype: DType | str | None = None,
                requires_grad: bool | None = None):
+    if dtype is None and type(data) is LazyBuffer and type(data.device) is str and \
+        (device is None or device == data.device):
+      # the result of an op (Function.apply): a single-device LazyBuffer that stays as it is; the general path below
+      # would come to the same, through a dozen checks that cost more than the rest of a small op's graph building
+      self.lazydata = data
+      self.requires_grad, self.grad, self._ctx = requires_grad, None, None
+      if requires_grad and not data.dtype.is_float:
+        raise DTypeError(f"only floating point tensors can require gradients, got {data.dtype}")
+      return
     dtype = dtypes.as_dtype(dtype) if dtype is not None else None
     device = _canonical(device)
     if isinstance(data, Tensor): data = data.lazydata

@@ -29,8 +29,12 @@ if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
 
 
+_PY_SCALARS = (bool, int, float)
+
+
 def _broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
   """The shape every input broadcasts to (numpy/PyTorch rules), or ShapeError naming the shapes."""
+  if all(shape == shapes[0] for shape in shapes[1:]): return shapes[0]  # the common case, without the walk below
   ndim = max(len(shape) for shape in shapes)
   padded = [(1,) * (ndim - len(shape)) + shape for shape in shapes]
   result = []
@@ -97,12 +101,19 @@ class ElementwiseMixin:
 
   def _broadcasted(self, other: Any, reverse: bool = False) -> tuple[Tensor, Tensor]:
     """Both operands as tensors of one dtype (promoted) and one shape (broadcast)."""
+    if type(other) in _PY_SCALARS and type(self.lazydata) is LazyBuffer:
+      # a Python scalar (x * 0.9, the learning rates and betas of every step): the constant is made at the tensor's
+      # shape at once. The general path below builds the same lazy graph through a Tensor reshape and expand
+      dtype = result_dtype(self.dtype, other)
+      x = self.cast(dtype)
+      constant = type(self)(LazyBuffer.full(other, x.shape, dtype, x.device))
+      return (constant, x) if reverse else (x, constant)
     other_tensor = self._to_tensor(other)
     if other_tensor.device != self.device:
       raise DeviceError(f"tensors on different devices: {self.device} and {other_tensor.device}; move one with "
                         f".to({self.device!r})")
     x, y = (other_tensor, self) if reverse else (self, other_tensor)
-    dtype = least_upper_dtype(x.dtype, y.dtype)
+    dtype = x.dtype if x.dtype == y.dtype else least_upper_dtype(x.dtype, y.dtype)
     shape = _broadcast_shape(x.shape, y.shape)
     return x.cast(dtype).expand(shape), y.cast(dtype).expand(shape)
 

@@ -230,6 +230,19 @@ def torch_launch_cost(cuda: bool, iters: int) -> float:
   return mean_seconds(lambda: x.add_(1), torch.cuda.synchronize if cuda else (lambda: None), iters, 10)
 
 
+def eager_op_cost(device: str, iters: int) -> float:
+  """Seconds per `(x + 1).realize()` of a 1-element tensor: the whole eager path of one small op (graph building, the
+  schedule cache, lowering, launch), synchronized at the end."""
+  x = Tensor([1.0], device=device).realize()
+  return mean_seconds(lambda: (x + 1).realize(), Device[device].synchronize, iters, 10)
+
+
+def torch_op_cost(cuda: bool, iters: int) -> float:
+  import torch
+  x = torch.ones(1, device="cuda" if cuda else "cpu")
+  return mean_seconds(lambda: x + 1, torch.cuda.synchronize if cuda else (lambda: None), iters, 10)
+
+
 def first_result_seconds(device: str) -> float:
   """Build, generate, compile and run an 8-op elementwise expression whose constants make its source new."""
   constant = float(np.random.default_rng(int(time.time() * 1e6) % 2**32).random()) + 1.0
@@ -340,6 +353,9 @@ def main() -> None:
   rows.append(("launch of a 1-element kernel (ExecItem.run)", f"{launch_cost(device, 2000) * 1e6:.1f} us"))
   if not args.no_torch:
     rows.append(("launch of a 1-element kernel, PyTorch", f"{torch_launch_cost(cuda, 2000) * 1e6:.1f} us"))
+  rows.append(("1-element op (x + 1).realize(), whole eager path", f"{eager_op_cost(device, 2000) * 1e6:.1f} us"))
+  if not args.no_torch:
+    rows.append(("1-element op x + 1, PyTorch", f"{torch_op_cost(cuda, 2000) * 1e6:.1f} us"))
   rows.append(("first result of a new 8-op elementwise expression", ms(first_result_seconds(device))))
   decode = bench_decode(device, args.decode_positions)
   for mode, label in (("symbolic", "symbolic position, TinyJit"), ("plain", "position as int, eager")):

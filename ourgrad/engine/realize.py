@@ -78,7 +78,8 @@ def load_program(device: str, name: str, source: str) -> Any:
   (damaged, or written by another toolchain) is deleted with a warning, recompiled and rewritten."""
   compiled = Device[device]
   cached = compiled.compiler.load_cached(source)
-  if cached is None: return compiled.program(name, compiled.compiler.compile_cached(source))
+  # a miss compiles at once (refresh: no second look into the cache) and writes the binary into the cache
+  if cached is None: return compiled.program(name, compiled.compiler.compile_cached(source, refresh=True))
   try:
     return compiled.program(name, cached)
   except Exception as error:  # loaders raise whatever their library raises (OSError from dlopen, driver errors)

@@ -10,6 +10,7 @@ leaf buffers and to fresh buffers for what it realizes, and the bases are marked
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -37,6 +38,20 @@ stats = CacheStats()
 Slot = tuple[str, int]
 
 
+class _Key:
+  """A graph's structural key with its hash computed once: the key is a large nested tuple, and a hit looks it up
+  twice (get, then move_to_end with the stored key object, which compares by identity)."""
+  __slots__ = ("tokens", "hash")
+
+  def __init__(self, tokens: tuple):
+    self.tokens, self.hash = tokens, hash(tokens)
+
+  def __hash__(self) -> int: return self.hash
+
+  def __eq__(self, other: object) -> bool:
+    return self is other or (isinstance(other, _Key) and self.hash == other.hash and self.tokens == other.tokens)
+
+
 @dataclass
 class CachedSchedule:
   asts: list[Any]
@@ -44,9 +59,10 @@ class CachedSchedule:
   input_slots: list[tuple[Slot, ...]]
   realized: list[tuple[int, Slot | None]]   # walked base index -> the leaf it shares (an assign) or None (fresh)
   cleared: list[int]                        # walked bases whose sources create_schedule dropped
+  key: _Key | None = None                   # the key it is stored under
 
 
-_cache: OrderedDict[tuple, CachedSchedule] = OrderedDict()
+_cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
 
 
 def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], list[Buffer]]:
@@ -76,6 +92,8 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
 
 
 def _hashable(arg: Any) -> Any:
+  # 0.0 == -0.0 (and both hash alike), but constants of either sign make different kernels
+  if type(arg) is float and arg == 0: return (arg, math.copysign(1.0, arg))
   try:
     hash(arg)
   except TypeError:
@@ -90,11 +108,11 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   if not SCHEDULE_CACHE or GRAPH: return scheduler.create_schedule(outs)
   key, bases, leaves = _structure(outs)
   # the scheduler's decisions depend on these settings, which may change at run time
-  key = (key, int(KERNEL_OPS_LIMIT), int(PACK_KERNELS), int(MAX_PACK_BUFFERS))
   if not bases: return []
+  key = _Key((key, int(KERNEL_OPS_LIMIT), int(PACK_KERNELS), int(MAX_PACK_BUFFERS)))
   cached = _cache.get(key)
   if cached is not None:
-    _cache.move_to_end(key)
+    _cache.move_to_end(cached.key)
     stats.hits += 1
     assigns = [(base, base.srcs[1].base) for base in bases if base.op is Ops.ASSIGN]  # before _replay drops srcs
     items = _replay(cached, bases, leaves)
@@ -104,6 +122,7 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
     items = [_with_canonical_ast(item) for item in items]
     entry = _record(items, bases, leaves)
     if entry is not None:
+      entry.key = key
       _cache[key] = entry
       if len(_cache) > CACHE_SIZE: _cache.popitem(last=False)
   # copy-on-write for lazy readers of an assigned buffer is decided on every call, hit or miss, and only after this

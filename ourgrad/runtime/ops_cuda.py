@@ -13,16 +13,21 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from typing import Any
 
 from ourgrad.device import Compiled, Compiler, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
+from ourgrad.helpers import CUDA_PTX
 from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL, CUDARenderer
 
 try:
   from cuda.bindings import driver, nvrtc
 except ImportError as error:  # the registry turns this into a DeviceError saying what to install
   raise ModuleNotFoundError(str(error), name="cuda.bindings") from error
+
+
+CUDA_SUCCESS = driver.CUresult.CUDA_SUCCESS
 
 
 def check(result: tuple, call: str) -> Any:
@@ -76,16 +81,68 @@ class CUDAAllocator(LRUAllocator):
     ctypes.memmove((ctypes.c_char * dest.nbytes).from_buffer(dest), staging, dest.nbytes)
 
 
+# NVRTC's --minimal (12.4 and newer) leaves out of its builtin header what generated kernels never use: textures
+# and surfaces, device-side runtime calls and launches, the runtime API's types. Parsing that header is a fixed
+# part of every compile; without those parts a small kernel compiles about 15% faster.
+NVRTC_MINIMAL_SINCE = (12, 4)
+# a kernel compiled once when the device opens: the first compile of a process also loads and initializes NVRTC's
+# builtins (tens of ms), which this moves off the first real kernel's path
+WARM_UP_SOURCE = 'extern "C" __global__ void ourgrad_warm_up(float* out) { out[threadIdx.x] = 0.0f; }\n'
+
+
+# warm-up threads that may still run: a fork (BEAM's workers) waits for them first, so that no child starts with
+# NVRTC's internal state held by a thread the fork did not copy
+_WARM_UPS: list[threading.Thread] = []
+
+
+def _finish_warm_ups() -> None:
+  for thread in _WARM_UPS: thread.join()
+  _WARM_UPS.clear()
+
+
+if hasattr(os, "register_at_fork"): os.register_at_fork(before=_finish_warm_ups)
+
+
 class CUDACompiler(Compiler):
-  def __init__(self, arch: str):
+  """CUDA C++ -> CUBIN for one architecture with NVRTC, or only to PTX (`ptx=True`; the CUDA device's choice is
+  CUDA_PTX), which the driver compiles to machine code when cuModuleLoadData loads it. A PTX compiler used in a forked
+  child (BEAM's workers, which compile candidates in parallel for the parent to load) compiles CUBIN: the parent
+  then loads machine code at once instead of having the driver compile each candidate in turn. The options and the
+  output are part of the disk cache's key, beside the architecture and NVRTC's version, so a binary is only reused by
+  the compiler that would have produced it."""
+
+  def __init__(self, arch: str, ptx: bool = False):
     self.arch = arch
+    self.emit_ptx = ptx
+    self._owner_pid = os.getpid()  # PTX only in this process (see the class docstring)
     version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
-    self.cache_key = f"cuda {arch} nvrtc {version}"
+    self.options = [b"-default-device", b"--std=c++17"] + ([b"--minimal"] if version >= NVRTC_MINIMAL_SINCE else [])
+    self.cache_key = f"cuda {arch} nvrtc {version} {b' '.join(self.options).decode()}{' ptx' if self.emit_ptx else ''}"
+    self._warm_up: threading.Thread | None = None
+
+  def __getstate__(self) -> dict:
+    return {key: value for key, value in self.__dict__.items() if key != "_warm_up"}  # a thread does not pickle
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state, _warm_up=None)
+
+  def warm_up(self) -> None:
+    """Compile a trivial kernel on a background thread (NVRTC releases the GIL while it compiles), so that the
+    process's first real compile does not also pay NVRTC's one-time initialization."""
+    if self._warm_up is not None: return
+    def compile_quietly() -> None:
+      try:
+        self.compile(WARM_UP_SOURCE)
+      except Exception:  # a broken NVRTC reports itself at the first real compile, with the kernel's source
+        pass
+    self._warm_up = threading.Thread(target=compile_quietly, name="ourgrad-nvrtc-warm-up", daemon=True)
+    _WARM_UPS.append(self._warm_up)
+    self._warm_up.start()
 
   def _nvrtc_program(self, source: str, arch: str) -> Any:
     """An NVRTC program of `source` compiled for `arch` (sm_XX gives CUBIN, compute_XX only PTX)."""
     program = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
-    options = [f"--gpu-architecture={arch}".encode(), b"-default-device", b"--std=c++17"]
+    options = [f"--gpu-architecture={arch}".encode(), *self.options]
     status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
     if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
       log_size = check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
@@ -96,6 +153,8 @@ class CUDACompiler(Compiler):
     return program
 
   def compile(self, source: str) -> bytes:
+    # the PTX text ends with its NUL byte: cuModuleLoadData takes it as a C string
+    if self.emit_ptx and os.getpid() == self._owner_pid: return (self.ptx(source) + "\0").encode()
     program = self._nvrtc_program(source, self.arch)
     size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
     cubin = b" " * size
@@ -125,6 +184,7 @@ class CUDACompiler(Compiler):
 
   def sass(self, source: str) -> str:
     """The SASS (machine code) of the compiled CUBIN, from cuobjdump or nvdisasm when one is on PATH."""
+    if self.emit_ptx: return "// SASS: with CUDA_PTX=1 the driver makes the machine code when it loads the PTX"
     tool = shutil.which("cuobjdump") or shutil.which("nvdisasm")
     if tool is None: return "// SASS: neither cuobjdump nor nvdisasm is on PATH (install the CUDA toolkit)"
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
@@ -140,7 +200,11 @@ class CUDACompiler(Compiler):
 
 
 class CUDAProgram:
-  """A loaded kernel. Launches are asynchronous; `wait=True` times the launch with CUDA events."""
+  """A loaded kernel. Launches are asynchronous; `wait=True` times the launch with CUDA events.
+
+  cuLaunchKernel takes an array of pointers to the argument values and copies the values when it is called, so a
+  program keeps one such pair of arrays and rewrites the values at each launch (under a lock: two threads launching
+  one kernel must not interleave their values) instead of building ctypes objects per launch."""
 
   def __init__(self, device: CUDADevice, name: str, cubin: bytes):
     self.device, self.name = device, name
@@ -148,6 +212,10 @@ class CUDAProgram:
     self.module = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
     self.function = check(driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
     self.shared_bytes = self._dynamic_shared_bytes()
+    self._lock = threading.Lock()
+    self._arguments: Any = None   # (ctypes.c_uint64 * n): the buffer pointers of the launch being made
+    self._pointers: Any = None    # (ctypes.c_void_p * n): the address of each of those values (kernelParams)
+    self._params_address = 0
 
   def _dynamic_shared_bytes(self) -> int:
     """The dynamic shared memory the kernel declares (CUDARenderer: `ourgrad_dynamic_shared_bytes`, where its tiles
@@ -160,9 +228,31 @@ class CUDAProgram:
     check(driver.cuFuncSetAttribute(self.function, attribute, value.value), "cuFuncSetAttribute")
     return value.value
 
+  def _argument_arrays(self, count: int) -> Any:
+    """The argument values array for `count` buffer pointers, made on the first launch (and again if a launch passes
+    another count)."""
+    arguments = (ctypes.c_uint64 * max(count, 1))()
+    base, size = ctypes.addressof(arguments), ctypes.sizeof(ctypes.c_uint64)
+    pointers = (ctypes.c_void_p * max(count, 1))(*[base + index * size for index in range(count)])
+    self._arguments, self._pointers, self._params_address = arguments, pointers, ctypes.addressof(pointers)
+    return arguments
+
   def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),
                wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
-    # vals: the symbolic Variables' values, int arguments after the buffer pointers
+    if wait or vals: return self._launch_general(buffers, global_size, local_size, wait, vals)
+    with self._lock:
+      arguments = self._arguments
+      if arguments is None or len(buffers) != len(self._pointers) or not buffers:
+        arguments = self._argument_arrays(len(buffers))
+      for index, buffer in enumerate(buffers): arguments[index] = int(buffer)
+      (status,) = driver.cuLaunchKernel(self.function, *global_size, *local_size, self.shared_bytes,
+                                        self.device.stream, self._params_address, 0)
+    if status != CUDA_SUCCESS: check((status,), f"cuLaunchKernel({self.name})")
+    return None
+
+  def _launch_general(self, buffers: tuple, global_size: tuple[int, ...], local_size: tuple[int, ...], wait: bool,
+                      vals: tuple[int, ...]) -> float | None:
+    """A launch with int arguments (vals: the symbolic Variables' values, after the buffer pointers) or a timed one."""
     pointers = [ctypes.c_uint64(int(buffer)) for buffer in buffers] + [ctypes.c_int32(value) for value in vals]
     params = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(pointer) for pointer in pointers])
     stream = self.device.stream
@@ -262,10 +352,11 @@ class CUDADevice(Compiled):
     self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
     self.start_event = check(driver.cuEventCreate(0), "cuEventCreate")
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
-    super().__init__(name, CUDAAllocator(self), CUDARenderer(), CUDACompiler(self.arch),
+    super().__init__(name, CUDAAllocator(self), CUDARenderer(), CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
     self.graph = lambda launches: CUDAGraph(self, launches)
+    self.compiler.warm_up()
 
   def make_current(self) -> None: check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 

@@ -167,6 +167,9 @@ class ShapeTracker:
   """A stack of Views describing how output indices map to a buffer; see the module docstring."""
   views: tuple[View, ...]
 
+  # trackers are made anew by every movement op, so their hash is not cached; their views (interned) cache theirs
+  def __hash__(self) -> int: return hash(self.views)
+
   @staticmethod
   def from_shape(shape: Sequence[int]) -> ShapeTracker:
     """The identity tracker of a contiguous buffer of this shape."""
@@ -191,9 +194,21 @@ class ShapeTracker:
 
   # ---------------------------------------------------------------- movement ops
 
+  # reshape, permute and expand are pure functions of (the views, the argument), and a training step makes the same
+  # ones every step: each is remembered (bounded), like the views themselves (view.py)
   def reshape(self, new_shape: Sequence[int]) -> ShapeTracker:
     """Same elements in a new shape (same element count); pushes a second view when one cannot express it."""
-    new_shape = tuple(new_shape)
+    return _reshape_tracker(self, tuple(new_shape))
+
+  def permute(self, axes: Sequence[int]) -> ShapeTracker:
+    """Reorder dims: output dim k is input dim axes[k]."""
+    return _permute_tracker(self, tuple(axes))
+
+  def expand(self, new_shape: Sequence[int]) -> ShapeTracker:
+    """Broadcast size-1 dims to new sizes."""
+    return _expand_tracker(self, tuple(new_shape))
+
+  def _reshape(self, new_shape: tuple[sint, ...]) -> ShapeTracker:
     if any(not isinstance(size, (int, Node)) or (not is_symbolic(size) and size < 0) for size in new_shape):
       raise ShapeError(f"cannot reshape {self.shape} to {new_shape}: sizes must be non-negative ints or Variables")
     if prod(new_shape) != self.size:
@@ -203,16 +218,12 @@ class ShapeTracker:
     if reshaped is not None: return self._with_last(reshaped)
     return ShapeTracker(self.views + (View.create(new_shape),))
 
-  def permute(self, axes: Sequence[int]) -> ShapeTracker:
-    """Reorder dims: output dim k is input dim axes[k]."""
-    axes = tuple(axes)
+  def _permute(self, axes: tuple[int, ...]) -> ShapeTracker:
     if sorted(axes) != list(range(self.ndim)):
       raise AxisError(f"permute axes {axes} are not a permutation of range({self.ndim}) for shape {self.shape}")
     return self._with_last(self.views[-1].permute(axes))
 
-  def expand(self, new_shape: Sequence[int]) -> ShapeTracker:
-    """Broadcast size-1 dims to new sizes."""
-    new_shape = tuple(new_shape)
+  def _expand(self, new_shape: tuple[sint, ...]) -> ShapeTracker:
     if len(new_shape) != self.ndim or any(old != new and old != 1 for old, new in zip(self.shape, new_shape)) \
         or any(not isinstance(size, (int, Node)) or (not is_symbolic(size) and size < 0) for size in new_shape):
       raise ShapeError(f"cannot expand {self.shape} to {new_shape}: only size-1 dims can change")
@@ -402,3 +413,8 @@ def _substitute_view(view: View, mapping: dict[Variable, Node]) -> View:
   mask = tuple((sub(start), sub(end)) for start, end in view.mask) if view.mask is not None else None
   return View.create(tuple(sub(size) for size in view.shape), tuple(sub(stride) for stride in view.strides),
                      sub(view.offset), mask)
+
+
+_reshape_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._reshape)
+_permute_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._permute)
+_expand_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._expand)

@@ -127,6 +127,16 @@ class View:
     return _create_view(tuple(shape), None if strides is None else tuple(strides), offset,
                         None if mask is None else tuple(tuple(dim_mask) for dim_mask in mask))
 
+  # hashed often (schedule-cache and kernel-cache keys hold views): the hash of the fields is computed once
+  @functools.cached_property
+  def _hash(self) -> int: return hash((self.shape, self.strides, self.offset, self.mask, self.contiguous))
+
+  def __hash__(self) -> int: return self._hash
+
+  def __getstate__(self) -> dict:
+    # the cached hash stays behind: a Variable's name hashes differently in another process
+    return {key: value for key, value in self.__dict__.items() if key != "_hash"}
+
   @functools.cached_property
   def symbolic(self) -> bool:
     """True when a size, stride, offset or mask bound holds a Variable."""

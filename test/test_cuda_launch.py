@@ -1,0 +1,114 @@
+"""CUDAProgram's launch path without a GPU: the driver calls are replaced by fakes, and the fake cuLaunchKernel reads
+the kernel parameters the way the driver does (kernelParams is an array of pointers, one per argument, each to the
+argument's value), so the test checks what a kernel would receive. Skips where cuda-python is not installed; the
+launches on a real GPU are covered by the CUDA runs of test_ops/test_jit."""
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+ops_cuda = pytest.importorskip("ourgrad.runtime.ops_cuda", exc_type=ImportError)
+driver = ops_cuda.driver
+SUCCESS = driver.CUresult.CUDA_SUCCESS
+
+
+class FakeDevice:
+  stream = "the stream"
+  start_event = end_event = "event"
+
+  def make_current(self) -> None: pass
+
+
+class LaunchRecorder:
+  """A cuLaunchKernel that records (grid, block, argument values) of each launch; `int_arguments` of the arguments
+  (the last ones) are read as int32, the others as 64-bit pointers."""
+
+  def __init__(self, count: int, int_arguments: int = 0, delay_s: float = 0.0, status=SUCCESS, shared: int = 0):
+    self.count, self.int_arguments, self.delay_s, self.status = count, int_arguments, delay_s, status
+    self.shared = shared
+    self.launches: list[tuple] = []
+
+  def __call__(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+    assert function == "function" and stream == FakeDevice.stream and shared == self.shared
+    if self.delay_s: time.sleep(self.delay_s)  # another thread may run here (the driver releases the GIL too)
+    pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+    values = []
+    for index in range(self.count):
+      kind = ctypes.c_int32 if index >= self.count - self.int_arguments else ctypes.c_uint64
+      values.append(kind.from_address(pointers[index]).value)
+    self.launches.append(((gx, gy, gz), (bx, by, bz), tuple(values)))
+    return (self.status,)
+
+
+@pytest.fixture
+def program(monkeypatch):
+  monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (SUCCESS, "module"))
+  monkeypatch.setattr(driver, "cuModuleGetFunction", lambda module, name: (SUCCESS, "function"))
+  # no dynamic shared memory symbol in the module: the kernel launches with 0 bytes of it
+  monkeypatch.setattr(driver, "cuModuleGetGlobal", lambda module, name: (driver.CUresult.CUDA_ERROR_NOT_FOUND, 0, 0))
+  return ops_cuda.CUDAProgram(FakeDevice(), "E_4", b"cubin")
+
+
+def pointers(*values: int) -> list:
+  return [driver.CUdeviceptr(value) for value in values]
+
+
+def test_each_launch_passes_its_own_buffers(program, monkeypatch):
+  recorder = LaunchRecorder(count=3)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+  program(*pointers(0x1000, 0x2000, 0x3000), global_size=(4, 2, 1), local_size=(32, 1, 1))
+  program(*pointers(0x7000, 0x8000, 0x9000), global_size=(1, 1, 1), local_size=(64, 2, 1))
+  assert recorder.launches == [((4, 2, 1), (32, 1, 1), (0x1000, 0x2000, 0x3000)),
+                               ((1, 1, 1), (64, 2, 1), (0x7000, 0x8000, 0x9000))]
+
+
+def test_another_argument_count_rebuilds_the_arrays(program, monkeypatch):
+  monkeypatch.setattr(driver, "cuLaunchKernel", LaunchRecorder(count=2))
+  program(*pointers(1, 2))
+  recorder = LaunchRecorder(count=4)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+  program(*pointers(5, 6, 7, 8))
+  assert recorder.launches[0][2] == (5, 6, 7, 8)
+
+
+def test_symbolic_values_follow_the_buffers_as_int32(program, monkeypatch):
+  recorder = LaunchRecorder(count=4, int_arguments=2)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+  program(*pointers(0xA000, 0xB000), global_size=(3, 1, 1), vals=(17, 2**31 - 1))
+  assert recorder.launches == [((3, 1, 1), (1, 1, 1), (0xA000, 0xB000, 17, 2**31 - 1))]
+
+
+def test_threads_launching_one_kernel_do_not_mix_arguments(program, monkeypatch):
+  recorder = LaunchRecorder(count=2, delay_s=1e-4)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+
+  def launch_many(first: int) -> None:
+    for _ in range(50): program(*pointers(first, first + 1))
+  threads = [threading.Thread(target=launch_many, args=(base,)) for base in (0x100, 0x900)]
+  for thread in threads: thread.start()
+  for thread in threads: thread.join()
+  # each launch got the values of the thread that made it: 50 of each pair, none mixed or taken from the other
+  assert Counter(launch[2] for launch in recorder.launches) == {(0x100, 0x101): 50, (0x900, 0x901): 50}
+
+
+def test_failed_launch_names_the_kernel(program, monkeypatch):
+  failure = driver.CUresult.CUDA_ERROR_INVALID_VALUE
+  monkeypatch.setattr(driver, "cuLaunchKernel", LaunchRecorder(count=1, status=failure))
+  monkeypatch.setattr(driver, "cuGetErrorName", lambda status: (SUCCESS, b"CUDA_ERROR_INVALID_VALUE"))
+  monkeypatch.setattr(driver, "cuGetErrorString", lambda status: (SUCCESS, b"invalid argument"))
+  with pytest.raises(ops_cuda.DeviceError, match=r"cuLaunchKernel\(E_4\).*CUDA_ERROR_INVALID_VALUE"):
+    program(*pointers(0x10))
+
+
+def test_fast_launch_passes_the_dynamic_shared_memory(program, monkeypatch):
+  """A kernel whose tiles exceed 48 KB (staged tensor cores) declares dynamic shared memory: the plain launch path
+  must pass that size too (a merge once dropped it to 0, which the driver rejects or which corrupts the tiles)."""
+  program.shared_bytes = 73728
+  recorder = LaunchRecorder(count=2, shared=73728)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+  program(*pointers(0x1000, 0x2000), global_size=(4, 1, 1), local_size=(128, 1, 1))
+  assert recorder.launches == [((4, 1, 1), (128, 1, 1), (0x1000, 0x2000))]

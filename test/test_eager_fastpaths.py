@@ -1,0 +1,86 @@
+"""The eager path's shortcuts give what the general paths give (numpy as the reference): a Python scalar operand made
+into a constant at the tensor's shape, remembered constant truncation (signed zeros, bool/int/float kept apart),
+remembered device names and ShapeTracker movement ops, and environment variables read from os.environ's store."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ourgrad import Tensor, dtypes
+from ourgrad.device import Device
+from ourgrad.helpers import DEBUG, env_var
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_])
+@pytest.mark.parametrize("scalar", [2, -0.0, 0.0, 1.5, True, 7])
+def test_scalar_operands_promote_and_broadcast_like_numpy(dtype, scalar):
+  values = np.array([[1, 0, 3], [4, 5, 0]]).astype(dtype)
+  x = Tensor(values)
+  pairs = [(x * scalar, values * scalar), (scalar * x, scalar * values)]
+  if dtype is not np.bool_: pairs.append((x - scalar, values - scalar))
+  for ours, theirs in pairs:
+    result = ours.numpy()
+    # the dtype follows PyTorch (an int scalar keeps an int32 tensor int32; a float scalar makes floats float32)
+    assert result.shape == theirs.shape
+    np.testing.assert_allclose(result.astype(np.float64), theirs.astype(np.float64))
+
+
+def test_signed_zero_constants_keep_their_sign():
+  x = Tensor([1.0, -2.0])
+  negative, positive = (x * -0.0).numpy(), (x * 0.0).numpy()
+  assert [math.copysign(1, value) for value in negative] == [-1, 1]
+  assert [math.copysign(1, value) for value in positive] == [1, -1]
+  # the same values asked again (now remembered) still differ by sign
+  assert math.copysign(1, (Tensor([1.0]) * -0.0).numpy()[0]) == -1
+  assert math.copysign(1, (Tensor([1.0]) * 0.0).numpy()[0]) == 1
+
+
+def test_bool_int_and_float_constants_are_not_confused():
+  x = Tensor(np.array([3, 4], dtype=np.int32))
+  assert (x + True).dtype == dtypes.int32 and (x + 1).dtype == dtypes.int32 and (x + 1.0).dtype == dtypes.float32
+  np.testing.assert_array_equal((x + True).numpy(), [4, 5])
+  np.testing.assert_allclose((x * 0.5).numpy(), [1.5, 2.0])
+  np.testing.assert_array_equal((x // 2).numpy(), [1, 2])
+
+
+def test_scalar_operand_gradient():
+  x = Tensor([1.0, 2.0], requires_grad=True)
+  (3.0 * x - 1.0).sum().backward()
+  np.testing.assert_allclose(x.grad.numpy(), [3.0, 3.0])
+
+
+def test_device_names_are_canonical_each_time():
+  for _ in range(2):  # the second round is answered from the remembered names
+    assert Device.canonicalize("cpu") == "CLANG" and Device.canonicalize("clang:0") == "CLANG"
+    assert Device.canonicalize("clang:1") == "CLANG:1"
+
+
+def test_disk_names_follow_the_working_folder(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  first = Device.canonicalize("disk:weights.bin")
+  (tmp_path / "other").mkdir()
+  monkeypatch.chdir(tmp_path / "other")
+  assert Device.canonicalize("disk:weights.bin") != first  # a relative path is not remembered
+
+
+def test_remembered_movement_ops_match_fresh_ones():
+  values = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+  for _ in range(2):
+    x = Tensor(values)
+    np.testing.assert_array_equal(x.reshape(4, 6).permute(1, 0).numpy(), values.reshape(4, 6).T)
+    np.testing.assert_array_equal(Tensor(values[:, :1]).expand(2, 5, 4).numpy(), np.broadcast_to(values[:, :1],
+                                                                                                   (2, 5, 4)))
+
+
+def test_env_vars_see_changes_and_unsets(monkeypatch):
+  flag = env_var("OURGRAD_TEST_FASTPATH_FLAG", 3, "a variable of this test")
+  monkeypatch.delenv("OURGRAD_TEST_FASTPATH_FLAG", raising=False)
+  assert flag.value == 3
+  monkeypatch.setenv("OURGRAD_TEST_FASTPATH_FLAG", "5")
+  assert flag.value == 5 and flag >= 5
+  monkeypatch.delenv("OURGRAD_TEST_FASTPATH_FLAG")
+  assert flag.value == 3
+  monkeypatch.setenv("DEBUG", "2")
+  assert DEBUG.value == 2
