@@ -501,6 +501,7 @@ def test_cuda_graph_patches_cached_params_and_sets_them_once_per_launch(monkeypa
 
   class FakeProgram:
     function = None
+    shared_bytes = 0   # no dynamic shared memory (staged tensor-core kernels set it)
 
   monkeypatch.setattr(ops_cuda, "driver", FakeDriver())
   graph = ops_cuda.CUDAGraph(FakeDevice(), [(FakeProgram(), (1, 1, 1), (1, 1, 1), [16, 32], []),
