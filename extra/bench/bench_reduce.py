@@ -219,8 +219,12 @@ class _KernelKinds:
     from ourgrad.codegen.opt.heuristic import _matmul_like
     from ourgrad.device import Device
     from ourgrad.helpers import prod
+    from ourgrad.ops import Ops
     for (device, ast), runner in list(realize._runner_cache.items()):
       if device != self.device or id(runner) in self.kinds: continue
+      if ast.op is Ops.PACK:   # a multi-tensor kernel: several elementwise segments in one launch
+        self.kinds[id(runner)] = f"packed {len(ast.srcs)} segments"
+        continue
       kernel = Kernel(ast, Device[device].renderer)
       outputs = prod(kernel.full_shape[:kernel.first_reduce])
       if kernel.reduceop is None:
