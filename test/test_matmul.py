@@ -186,6 +186,35 @@ def test_vector_max_keeps_nan():
   np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_scalar_selects_are_branch_free_and_keep_nan():
+  """A Linear layer's fused GELU (erf: max and sign selects) and ReLU epilogue on the A.B^T tile render their float
+  max/where as jump-free bit selects (fmax_nan, fsel) and match PyTorch, NaN rows and columns included (NaN wins
+  in max from either side), and the plain loop nest (NOOPT)."""
+  import torch
+  rows, lanes = _expected_tile(64)
+  m, k, n = 2 * rows, 24, 2 * lanes
+  rng = np.random.default_rng(12)
+  x, weight = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+  bias, floor = rng.standard_normal((n,)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
+  x[3, 2], weight[5, 0], floor[7, 9] = np.nan, np.nan, np.nan
+
+  def linear() -> Tensor:
+    return Tensor(x, device=DEVICE) @ Tensor(weight, device=DEVICE).T + Tensor(bias, device=DEVICE)
+  torch_linear = torch.from_numpy(x) @ torch.from_numpy(weight).T + torch.from_numpy(bias)
+  torch_floor = torch.from_numpy(floor)
+  cases = [(lambda: linear().gelu(), torch.nn.functional.gelu(torch_linear)),
+           (lambda: linear().relu(), torch.relu(torch_linear)),
+           (lambda: linear().maximum(Tensor(floor, device=DEVICE)), torch.maximum(torch_linear, torch_floor))]
+  for make, expected in cases:
+    source = _rendered_source(make())
+    assert "fmax_nan(" in source and "? (" not in source.split("void k(")[1]
+    result = make().numpy()
+    assert np.isnan(result).any()
+    np.testing.assert_array_equal(np.isnan(result), np.isnan(expected.numpy()))
+    np.testing.assert_allclose(result, expected.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result, _noopt(make()).reshape(m, n), rtol=1e-5, atol=1e-5)
+
+
 def test_vectors_off_gives_scalar_tiles(monkeypatch):
   """CPU_VECTORS=0 renders the same tile as scalar C (the compiler's own vectorizer) with the same result."""
   a, b = _operands((32, 16), (16, 48), seed=11)
