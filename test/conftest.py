@@ -32,8 +32,9 @@ def _check_cuda_rendering():
       compiler.compile_cached(renderer.render(packed.name, packed.linearize()))
       return compile_for_device(kernel, device)
     cuda_kernel = Kernel(kernel.ast, renderer)
-    cuda_kernel.hand_coded_optimizations()
-    compiler.compile_cached(renderer.render(cuda_kernel.name, linearize(cuda_kernel)))
+    # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device
+    if not realize.ast_is_symbolic(kernel.ast): cuda_kernel.hand_coded_optimizations()
+    compiler.compile_cached(renderer.render(realize.function_name(cuda_kernel), linearize(cuda_kernel)))
     return compile_for_device(kernel, device)
 
   realize.compile_kernel = compile_and_check_cuda

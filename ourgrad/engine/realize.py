@@ -89,11 +89,16 @@ def load_program(device: str, name: str, source: str) -> Any:
     return compiled.program(name, compiled.compiler.compile_cached(source, refresh=True))
 
 
+def function_name(kernel: Kernel) -> str:
+  """The kernel's name as a C identifier: a symbolic size in the name ("r_8_<n>") is not one."""
+  return re.sub(r"[^A-Za-z0-9_]", "", kernel.name)
+
+
 @host_phase("codegen", lambda kernel, device: kernel.name)
 def compile_kernel(kernel: Kernel | PackedKernel, device: str) -> CompiledRunner:
   uops = kernel.linearize() if isinstance(kernel, PackedKernel) else linearize(kernel)
   if DEBUG >= 5: print(format_uops(uops))
-  name = re.sub(r"[^A-Za-z0-9_]", "", kernel.name)  # a symbolic size in the name ("r_8_<n>") is not an identifier
+  name = function_name(kernel)
   source = Device[device].renderer.render(name, uops)
   if DEBUG >= 4: print(source)
   if DEBUG >= 6: print(Device[device].compiler.disassemble(source))
