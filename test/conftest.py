@@ -18,7 +18,7 @@ def _check_cuda_rendering():
   from ourgrad.codegen.linearizer import linearize
   from ourgrad.codegen.packed import PackedKernel
   from ourgrad.engine import realize
-  from ourgrad.renderer.cstyle import CUDARenderer
+  from ourgrad.renderer.cuda import CUDARenderer
   from ourgrad.runtime.ops_cuda import CUDACompiler
 
   renderer, compiler = CUDARenderer(), CUDACompiler("sm_90")

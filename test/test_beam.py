@@ -19,7 +19,7 @@ from ourgrad.codegen.opt import search
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
-from ourgrad.renderer.cstyle import CUDARenderer
+from ourgrad.renderer.cuda import CUDARenderer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 rng = np.random.default_rng(0)

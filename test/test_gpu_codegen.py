@@ -21,7 +21,8 @@ from ourgrad.engine.realize import compile_kernel, launch_dims, run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.errors import DeviceError
 from ourgrad.ops import Ops
-from ourgrad.renderer.cstyle import ClangRenderer, CUDARenderer, OpenCLRenderer
+from ourgrad.renderer.cstyle import ClangRenderer, OpenCLRenderer
+from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonCompiler, PythonProgram, PythonRenderer
 
 rng = np.random.default_rng(7)

@@ -25,7 +25,7 @@ from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.helpers import GlobalCounters
 from ourgrad.ops import Ops
-from ourgrad.renderer.cstyle import CUDARenderer
+from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
 

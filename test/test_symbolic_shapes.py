@@ -12,7 +12,8 @@ from ourgrad.codegen.uops import UOps
 from ourgrad.engine import realize
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.errors import ShapeError
-from ourgrad.renderer.cstyle import CUDARenderer, OpenCLRenderer
+from ourgrad.renderer.cstyle import OpenCLRenderer
+from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.renderer.llvmir import LLVMRenderer
 from ourgrad.shape import ShapeTracker, Variable
 from helpers import skip_unless_device

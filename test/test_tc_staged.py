@@ -18,7 +18,7 @@ from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.uops import UOps
 from ourgrad.engine.schedule import create_schedule
-from ourgrad.renderer.cstyle import CUDARenderer
+from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 from test_tensor_cores import NVRTC, TC_CHOICE, _check_against_reference, _matmul_item, _operands, _run
 

@@ -23,7 +23,8 @@ from ourgrad.device import Buffer
 from ourgrad.dtype import bfloat16_bits_to_float32
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
-from ourgrad.renderer.cstyle import ClangRenderer, CUDARenderer
+from ourgrad.renderer.cstyle import ClangRenderer
+from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
 DEVICE = "PYTHON"

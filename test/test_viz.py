@@ -289,7 +289,7 @@ def test_cuda_disassembly_is_ptx() -> None:
   pytest.importorskip("cuda.bindings")
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.linearizer import linearize
-  from ourgrad.renderer.cstyle import CUDARenderer
+  from ourgrad.renderer.cuda import CUDARenderer
   from ourgrad.runtime.ops_cuda import CUDACompiler
   item = create_schedule([(Tensor(np.ones(64, dtype=np.float32)) * 2).lazydata])[-1]
   kernel = Kernel(item.ast, CUDARenderer())

@@ -164,7 +164,7 @@ def main() -> None:
     cuda = Device["CUDA"]
     device, renderer, compiler, arch = "CUDA", cuda.renderer, cuda.compiler, cuda.arch
   except DeviceError as error:
-    from ourgrad.renderer.cstyle import CUDARenderer
+    from ourgrad.renderer.cuda import CUDARenderer
     from ourgrad.runtime.ops_cuda import CUDACompiler
     print(f"no CUDA device ({str(error).splitlines()[0][:100]}): NVRTC only, for {args.arch}")
     from ourgrad.helpers import CUDA_PTX

@@ -19,7 +19,7 @@ from typing import Any
 from ourgrad.device import Compiled, Compiler, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CUDA_PTX
-from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL, CUDARenderer
+from ourgrad.renderer.cuda import DYNAMIC_SHARED_SYMBOL, CUDARenderer
 
 try:
   from cuda.bindings import driver, nvrtc

@@ -42,7 +42,7 @@ from ourgrad.helpers import EMULATE
 from ourgrad.shape.symbolic import Node
 from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
-from ourgrad.renderer.cstyle import CUDARenderer
+from ourgrad.renderer.cuda import CUDARenderer
 
 PROGRAM_FORMAT = "ourgrad-python-uops-v1"
 DTYPES_BY_NAME: dict[str, DType] = {dtype.name: dtype for dtype in dtypes.all()}

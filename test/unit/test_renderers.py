@@ -21,7 +21,8 @@ from ourgrad.dtype import dtypes
 from ourgrad.engine.realize import launch_dims
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.ops import Ops
-from ourgrad.renderer.cstyle import ClangRenderer, CUDARenderer, OpenCLRenderer
+from ourgrad.renderer.cstyle import ClangRenderer, OpenCLRenderer
+from ourgrad.renderer.cuda import CUDARenderer
 
 I32, F32 = dtypes.int32, dtypes.float32
 SIZE = 37   # not a multiple of any vector width

@@ -1,0 +1,241 @@
+"""UOps -> CUDA C++ for NVRTC: the CUDA dialect of `CStyleLanguage` (renderer/cstyle.py): thread blocks, shared
+memory (static, and dynamic for staged tensor-core tiles), warp shuffles, cp.async, ldmatrix and mma.sync."""
+from __future__ import annotations
+
+import math
+
+from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
+from ourgrad.codegen.uops import AxisType, UOp, UOps
+from ourgrad.dtype import DType, dtypes
+from ourgrad.renderer.cstyle import (DYNAMIC_SHARED_ARRAY, DYNAMIC_SHARED_SYMBOL, CStyleLanguage, block_threads,
+                                     kernel_dtypes)
+
+
+class CUDARenderer(CStyleLanguage):
+  """CUDA C++ compiled by NVRTC: one thread block per block of local axes, blockIdx/threadIdx as thread indices.
+
+  NVRTC compiles without the toolkit's headers, so the kernel needs none: float16 and bfloat16 values live
+  in float registers and are converted with one PTX instruction (half) or a bit shift (bfloat16) at loads
+  and stores, and infinities are spelled through their bit patterns."""
+  device = "CUDA"
+  has_threads = True
+  max_threads = 1024
+  has_local = True
+  local_memory_bytes = 48 * 1024  # static __shared__ memory per block
+  # staged tensor-core tiles may go beyond, in dynamic shared memory (H100: 227 KB per block)
+  dynamic_local_memory_bytes = 227 * 1024
+  warp_size = 32
+  local_prefix = "__shared__ "
+  local_align = "__align__(16) "
+  barrier = "__syncthreads();"
+  bfloat16_spelling = ("__device__ __forceinline__ ", "__float_as_uint(value)",
+                       "__uint_as_float(((unsigned int)bits) << 16)")
+  vector_width = 4
+  # mma.sync m16n8k16 (sm_80 and newer: A100, H100; the GPUs this renderer targets)
+  tensor_cores = CUDA_TENSOR_CORES
+
+  def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
+    # the index is a multiple of the width (the linearizer checks), so the address is 16-byte aligned
+    return f"*((const {self.render_dtype(dtype)}{width}*)({buffer}+({index})))"
+
+  def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
+    vector = f"{self.render_dtype(dtype)}{len(values)}"
+    return f"*(({vector}*)({buffer}+({index}))) = make_{vector}({', '.join(values)});"
+  buffer_suffix = " __restrict__"
+  preamble = ""
+  storage_names = {"float16": "unsigned short", "bfloat16": "unsigned short"}
+
+  def render_dtype(self, dtype: DType) -> str:
+    return "float" if dtype in (dtypes.float16, dtypes.bfloat16) else dtype.c_name
+
+  def memory_type(self, dtype: DType) -> str: return self.storage_names.get(dtype.name, dtype.c_name)
+
+  def render_const(self, value: float | int | bool, dtype: DType) -> str:
+    if dtype.is_float and not math.isfinite(value):
+      if dtype == dtypes.float64:
+        bits = {math.inf: "0x7ff0000000000000ll", -math.inf: "0xfff0000000000000ll"}.get(value, "0x7ff8000000000000ll")
+        return f"__longlong_as_double({bits})"
+      bits = {math.inf: "0x7f800000", -math.inf: "0xff800000"}.get(value, "0x7fc00000")
+      return f"__int_as_float({bits})"
+    if dtype in (dtypes.float16, dtypes.bfloat16): return super().render_const(value, dtypes.float32)
+    return super().render_const(value, dtype)
+
+  def read_element(self, buffer: str, index: str, dtype: DType) -> str:
+    if dtype == dtypes.float16: return f"half_to_float({buffer}[{index}])"
+    if dtype == dtypes.bfloat16: return f"bf16_to_float({buffer}[{index}])"
+    return super().read_element(buffer, index, dtype)
+
+  def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
+    if dtype == dtypes.float16: return f"{buffer}[{index}] = float_to_half({value});"
+    if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
+    return super().write_element(buffer, index, value, dtype)
+
+  def round_to(self, dtype: DType, value: str) -> str | None:
+    if dtype == dtypes.float16: return f"half_to_float(float_to_half((float)({value})))"
+    if dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
+    return None
+
+  float_register_dtypes = frozenset({dtypes.float16, dtypes.bfloat16})
+
+  def bits_of(self, dtype: DType, value: str) -> str:
+    return f"float_to_half({value})" if dtype == dtypes.float16 else f"float_to_bf16({value})"
+
+  def from_bits(self, dtype: DType, bits: str) -> str:
+    if dtype == dtypes.float16: return f"half_to_float({bits})"
+    return f"bf16_to_float({bits})"
+
+  def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    return f"bitcast<{to_dtype.c_name}, {from_dtype.c_name}>({value})"
+
+  def render_special(self, arg: tuple) -> str:
+    _, _, dimension, kind = arg
+    return f"{'blockIdx' if kind is AxisType.GLOBAL else 'threadIdx'}.{'xyz'[dimension]}"
+
+  def render_warp_reduce(self, variable: str, uop: UOp, uops: list[UOp]) -> list[str]:
+    """A butterfly over `width` neighbouring lanes with __shfl_xor_sync: after it every lane holds the result."""
+    op, width, stride = uop.arg
+    threads = block_threads(uops)
+    mask = "0xffffffffu" if threads >= self.warp_size else f"{(1 << threads) - 1:#x}u"
+    register = self.render_dtype(uop.dtype)
+    # shuffles move 32- and 64-bit values: narrower types travel as int
+    wide = "int" if uop.dtype.itemsize < 4 and register not in ("float", "double") else register
+    # every lane shuffles (no shuffle inside a conditional expression), then combines
+    combined = self.render_alu(op, uop.dtype, [variable, "other"], [uop.dtype, uop.dtype])
+    return [f"for (int offset = {width // 2 * stride}; offset >= {stride}; offset >>= 1) {{",
+            f"  {register} other = ({register})__shfl_xor_sync({mask}, ({wide}){variable}, offset);",
+            f"  {variable} = {combined};",
+            "}"]
+
+  def dynamic_local_offsets(self, uops: list[UOp], copied_locals: set[int]) -> dict[int, int]:
+    """Over `local_memory_bytes` of tiles (only staged tensor-core tiles may be: their limit is
+    `dynamic_local_memory_bytes`), every local memory is a 16-byte aligned piece of one dynamic shared array."""
+    offsets, total = self.dynamic_local_layout(uops, copied_locals)
+    return offsets if total > self.local_memory_bytes else {}
+
+  @staticmethod
+  def dynamic_local_layout(uops: list[UOp], copied_locals: set[int]) -> tuple[dict[int, int], int]:
+    """(byte offset of each local memory by id, total bytes), each 16-byte aligned; a tile that COPYs fill holds
+    its dtype as stored, any other local memory 4-byte registers values."""
+    offsets, total = {}, 0
+    for uop in uops:
+      if uop.op is not UOps.DEFINE_LOCAL: continue
+      offsets[id(uop)] = total
+      total += -(-uop.arg[1] * (uop.dtype.itemsize if id(uop) in copied_locals else 4) // 16) * 16
+    return offsets, total
+
+  # the integer type that moves a COPY's bytes in one access
+  copy_types = {16: ("uint4", "make_uint4(0, 0, 0, 0)"), 8: ("uint2", "make_uint2(0, 0)"), 4: ("unsigned", "0u"),
+                2: ("unsigned short", "(unsigned short)0")}
+
+  def render_copy(self, uop: UOp, local: str, local_index: str, buffer: str, index: str, valid: str | None) -> str:
+    """A tile COPY: cp.async (4, 8 or 16 bytes; .cg for 16: it bypasses L1) with a source size of 0 where not
+    valid (zero-filled, nothing read), else one plain vector load and store (2 bytes, or a synchronous COPY)."""
+    width, asynchronous = uop.arg
+    size = width * uop.srcs[0].dtype.itemsize
+    source = f"{buffer}+({index})" if valid is None else f"{buffer}+(({valid}) ? ({index}) : 0)"
+    if asynchronous and size in (4, 8, 16):
+      cache = "cg" if size == 16 else "ca"
+      operands = f'"r"((unsigned)__cvta_generic_to_shared({local}+({local_index}))), "l"({source})'
+      if valid is not None: operands += f', "r"(({valid}) ? {size} : 0)'
+      source_size = "" if valid is None else ", %2"
+      instruction = f"cp.async.{cache}.shared.global [%0], [%1], {size}{source_size};"
+      return f'asm volatile("{instruction}" :: {operands} : "memory");'
+    vector, zero = self.copy_types[size]
+    loaded = f"*((const {vector}*)({source}))"
+    if valid is not None: loaded = f"({valid}) ? {loaded} : {zero}"
+    return f"*(({vector}*)({local}+({local_index}))) = {loaded};"
+
+  def render_async_wait(self, keep: int) -> str:
+    return ('asm volatile("cp.async.commit_group;" ::: "memory"); '
+            f'asm volatile("cp.async.wait_group {keep};" ::: "memory");')
+
+  def render_ldmatrix(self, variable: str, uop: UOp, local: str, index: str) -> list[str]:
+    """ldmatrix into `count` 32-bit registers {variable}_0.. (each two 16-bit fragment elements)."""
+    count, transposed = uop.arg
+    registers = [f"{variable}_{number}" for number in range(count)]
+    outputs = ", ".join(f'"=r"({register})' for register in registers)
+    operands = ", ".join(f"%{number}" for number in range(count))
+    instruction = (f"ldmatrix.sync.aligned.m8n8.x{count}{'.trans' if transposed else ''}.shared.b16 "
+                   f"{{{operands}}}, [%{count}];")
+    address = f"(unsigned)__cvta_generic_to_shared({local}+({index}))"
+    return [f"unsigned {', '.join(registers)};", f'asm volatile("{instruction}" : {outputs} : "r"({address}));']
+
+  def raw_fragment_loads(self, uops: list[UOp]) -> set[int]:
+    """float16/bfloat16 loads of kernel arguments read only by WMMAs: the mma takes their 16 bits as stored, so they
+    skip the round trip through a float register (a conversion there and one back). A 2-wide vector load of them
+    (two K-neighbouring fragment elements, see Linearizer._fragment_pair) is one 32-bit load whose GEPs are its two
+    halves."""
+    wmma_uses: dict[int, int] = {}
+    for uop in uops:
+      if uop.op is UOps.WMMA:
+        for src in uop.srcs: wmma_uses[id(src)] = wmma_uses.get(id(src), 0) + 1
+    raw: set[int] = set()
+    for uop in uops:
+      if uop.op is UOps.LOAD and uop.arg in (None, 2) and uop.srcs[0].op is UOps.DEFINE_GLOBAL and \
+          uop.dtype in (dtypes.float16, dtypes.bfloat16):
+        if uop.arg is None and wmma_uses.get(id(uop), 0) == uop.uses: raw.add(id(uop))
+        if uop.arg == 2: raw.add(id(uop))
+      elif uop.op is UOps.GEP and uop.srcs[0].op is UOps.LDMATRIX: raw.add(id(uop))
+      elif uop.op is UOps.GEP and id(uop.srcs[0]) in raw:
+        if wmma_uses.get(id(uop), 0) != uop.uses: raise NotImplementedError("a paired half load read outside a WMMA")
+        raw.add(id(uop))
+    return raw
+
+  def render_wmma(self, uop: UOp, operands: list[str], raw: list[bool]) -> str:
+    """A call of the kernel's mma helper (render_mma_helper) on the fragments' 16-bit patterns (a value that lives
+    in a float register is converted); the accumulators are passed by reference."""
+    (m, n, k), dtype_in, _ = uop.arg
+    fragment_count = (m * k + k * n) // 32
+    to_bits = "float_to_half" if dtype_in == "float16" else "float_to_bf16"
+    fragments = [operand if is_raw else f"{to_bits}({operand})"
+                 for operand, is_raw in zip(operands[:fragment_count], raw)]
+    return f"mma_m{m}n{n}k{k}_{dtype_in}({', '.join(fragments + operands[fragment_count:])});"
+
+  @staticmethod
+  def render_mma_helper(arg: tuple) -> str:
+    """The device function for one tensor-core instruction (arg of a WMMA uop): it takes the A and B fragments'
+    16-bit patterns and packs them two per 32-bit register (the lower-numbered element in the lower half, as
+    mma.sync reads them); the C fragment is updated in place."""
+    (m, n, k), dtype_in, dtype_out = arg
+    ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype_in]
+    a_count, b_count, c_count = m * k // 32, k * n // 32, m * n // 32
+    a_names, b_names = [f"a{i}" for i in range(a_count)], [f"b{i}" for i in range(b_count)]
+    c_names = [f"c{i}" for i in range(c_count)]
+    packed = [f"((unsigned){low} | ((unsigned){high} << 16))" for names in (a_names, b_names)
+              for low, high in zip(names[::2], names[1::2])]
+    c_operands = ", ".join(f"%{i}" for i in range(c_count))
+    a_operands = ", ".join(f"%{c_count + i}" for i in range(a_count // 2))
+    b_operands = ", ".join(f"%{c_count + a_count // 2 + i}" for i in range(b_count // 2))
+    # in the WMMA uop's source order: A, B, then the accumulators (by reference)
+    params = ", ".join([f"unsigned short {name}" for name in a_names + b_names] +
+                       [f"float &{name}" for name in c_names])
+    outputs = ", ".join('"+f"(' + name + ")" for name in c_names)
+    inputs = ", ".join('"r"(' + value + ")" for value in packed)
+    instruction = (f"mma.sync.aligned.m{m}n{n}k{k}.row.col.f32.{ptx_type}.{ptx_type}.f32 "
+                   f"{{{c_operands}}}, {{{a_operands}}}, {{{b_operands}}}, {{{c_operands}}};")
+    return (f"__device__ __forceinline__ void mma_m{m}n{n}k{k}_{dtype_in}({params}) {{\n"
+            f'  asm volatile("{instruction}"\n    : {outputs}\n    : {inputs});\n}}\n')
+
+  def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
+    threads = block_threads(uops)
+    used, helpers = kernel_dtypes(uops), []
+    if dtypes.float16 in used:
+      helpers.append('__device__ __forceinline__ float half_to_float(unsigned short h) {\n'
+                     '  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }\n'
+                     '__device__ __forceinline__ unsigned short float_to_half(float f) {\n'
+                     '  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }\n')
+    if dtypes.bfloat16 in used: helpers.append(self.bfloat16_helpers())
+    if any(uop.op is UOps.BITCAST for uop in uops):
+      helpers.append("template <class To, class From> __device__ __forceinline__ To bitcast(From value) {\n"
+                     "  union { From from; To to; } u; u.from = value; return u.to; }\n")
+    for arg in dict.fromkeys(uop.arg for uop in uops if uop.op is UOps.WMMA):
+      helpers.append(self.render_mma_helper(arg))
+    copied = {id(uop.srcs[0]) for uop in uops if uop.op is UOps.COPY}
+    if self.dynamic_local_offsets(uops, copied):   # the size the launch reads back, and the array tiles point into
+      total = self.dynamic_local_layout(uops, copied)[1]
+      helpers.append(f'extern "C" __device__ unsigned int {DYNAMIC_SHARED_SYMBOL} = {total};\n'
+                     f"extern __shared__ __align__(16) unsigned char {DYNAMIC_SHARED_ARRAY}[];\n")
+    launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""
+    signature = f'extern "C" __global__ void {launch_bounds}{name}({", ".join(params)}) {{\n'
+    return "".join(helpers) + signature + "\n".join(body) + "\n}\n"
+
