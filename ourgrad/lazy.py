@@ -40,7 +40,8 @@ GPU_SPLIT_MAX_PARTS = 256          # parts per output at most (the second kernel
 # elements per part at least: each partial costs a store and a load, and a plain reduce's part should fill a block
 # of GROUP threads (the row-reduction heuristic gives 256 threads to rows of 1024 or more, a warp to shorter ones)
 GPU_SPLIT_MIN_PART = 1024
-GPU_SPLIT_MIN_PART_MATMUL = 128    # a matmul-like part: its threads are register tiles of outputs, not the reduce
+GPU_SPLIT_MIN_PART_MATMUL = 512    # a matmul-like part: its threads are register tiles of outputs, not the reduce
+# (H100, MNIST conv2 weight gradient: 32 parts of 512 products 0.061 ms; 128 parts of 128 products 0.344 ms)
 
 
 # (dtype, value's type, value, sign) -> truncate(dtype, value). Every step makes the same constants again (learning

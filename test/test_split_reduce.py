@@ -55,7 +55,7 @@ def test_batchnorm_statistics_split_in_two_kernels_on_a_gpu() -> None:
 
 def test_weight_gradient_splits_its_batch_on_a_gpu() -> None:
   """MNIST's second convolution's weight gradient (12800 outputs of 16384 products, matmul-like): split over the
-  batch into 128 parts (of 2 images, 128 products), then one kernel over the parts."""
+  batch into 32 parts (of 8 images, 512 products), then one kernel over the parts."""
   images = Tensor.empty(256, 16, 12, 12, device="PYTHON")
   weight = Tensor.empty(32, 16, 5, 5, device="PYTHON", requires_grad=True)
   (images.conv2d(weight) * Tensor.empty(256, 32, 8, 8, device="PYTHON")).sum().backward()
@@ -63,7 +63,7 @@ def test_weight_gradient_splits_its_batch_on_a_gpu() -> None:
   last = kernels[-1]
   assert last.outputs[0].size == 32 * 16 * 5 * 5
   partials = max(buffer.size for buffer in last.inputs)
-  assert partials == 32 * 16 * 5 * 5 * 128, "the last kernel sums 128 partial results per weight"
+  assert partials == 32 * 16 * 5 * 5 * 32, "the last kernel sums 32 partial results per weight"
 
 
 def test_many_outputs_or_short_rows_are_not_split() -> None:
