@@ -77,6 +77,14 @@ def test_softmax_computes_exp_once_in_vector_lanes():
   assert source.count("#pragma omp simd") == 3, "max, sum of exp and store: one vector loop each"
   assert source.count("kept0[") == 3, "declared, written in the sum pass, read by the store pass"
   assert source.count("12582912.0f") == 2, "one exp2 (its rounding constant added and taken away once)"
+  # the lanes' max stays a `?:` gcc vectorizes; the scalar bit-select helper kept softmax scalar (2x PyTorch's time)
+  assert "fmax_nan" not in source and "fsel(" not in source
+
+
+def test_kernels_without_lanes_keep_branch_free_selects():
+  """The same renderer, right after a row kernel, still writes the bit-select max for a plain kernel."""
+  _c_source(Tensor.empty(8, 4096).softmax(-1))
+  assert "fmax_nan(" in _c_source(Tensor.empty(8, 64).maximum(Tensor.empty(8, 64)))
 
 
 def test_rows_with_integer_arithmetic_or_flipped_views_keep_one_lane():

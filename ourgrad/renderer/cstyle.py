@@ -127,7 +127,8 @@ CLANG_SCALAR_SELECTS = (
 
 def _clang_max(renderer: CStyleLanguage, operands: list[str], dtype: DType) -> str:
   """MAX for the CPU: NaN wins (the `_max` rule) without a jump for float32 (and bfloat16, computed in float)."""
-  if renderer.render_dtype(dtype) == "float": return f"fmax_nan({operands[0]}, {operands[1]})"
+  if renderer.render_dtype(dtype) == "float" and renderer.scalar_selects:
+    return f"fmax_nan({operands[0]}, {operands[1]})"
   return _max(renderer, operands, dtype)
 
 
@@ -135,7 +136,8 @@ def _clang_where(renderer: CStyleLanguage, operands: list[str], dtype: DType) ->
   """WHERE for the CPU: a float select without a jump. Both sides are computed: they are ALU expressions (loads
   are always statements of their own, gated there), so neither can fault."""
   condition, if_true, if_false = operands
-  if renderer.render_dtype(dtype) == "float": return f"fsel({condition}, {if_true}, {if_false})"
+  if renderer.render_dtype(dtype) == "float" and renderer.scalar_selects:
+    return f"fsel({condition}, {if_true}, {if_false})"
   return f"({condition} ? {if_true} : {if_false})"
 
 
@@ -159,6 +161,7 @@ class CStyleLanguage(Renderer):
   # put before a loop of kind UPCAST/UNROLL (lanes computed side by side, no dependence between iterations: the CPU
   # row kernels' lanes, codegen/row_linearizer.py) so that the compiler vectorizes it
   vector_loop_pragma = ""
+  scalar_selects = True   # ClangRenderer: float max/select as bit-select helpers (off in kernels with lane loops)
   local_align = ""      # and how it is aligned to 16 bytes (float4 reads of SHARED tiles)
   code_for_op: dict[Ops, AluRendering] = C_CODE_FOR_OP
   # how this dialect spells BFLOAT16_HELPERS: function qualifier, a float's bits (of `value`), a float from 16 bits
@@ -485,6 +488,14 @@ class ClangRenderer(CStyleLanguage):
 
   def parallel_pragma(self, loop_count: int) -> str:
     return "#pragma omp parallel for" + (f" collapse({loop_count})" if loop_count > 1 else "")
+
+  def render(self, name: str, uops: list[UOp]) -> str:
+    # A kernel with `omp simd` lane loops (a CPU row kernel) keeps the plain `?:` max and select: gcc if-converts them
+    # inside the vectorized loop, while the bit-select helpers are calls it leaves scalar (softmax 4096^2 on 2 cores:
+    # 40 ms with the helpers, PyTorch 20 ms). Elsewhere the helpers save mispredicted jumps (CLANG_SCALAR_SELECTS).
+    self.scalar_selects = not any(uop.op is UOps.RANGE and uop.arg[1] in (AxisType.UPCAST, AxisType.UNROLL)
+                                  for uop in uops)
+    return super().render(name, uops)
 
   def vector_plan(self, uops: list[UOp]) -> VectorPlan:
     """Register tiles as explicit vectors of one SIMD register (renderer/cvector.py: gcc's own vectorizer drops
