@@ -49,6 +49,27 @@ def skip_unless_device(name: str) -> None:
     pytest.skip(f"{name} is not available here: {error}")
 
 
+def device_opens(name: str) -> bool:
+  """Whether device `name` opens here (for `skipif` marks, decided when the module loads)."""
+  try:
+    Device[name]
+  except DeviceError:
+    return False
+  return True
+
+
+def nvrtc_compiler() -> Any:
+  """A CUDACompiler for sm_90 when cuda-python and its NVRTC library load here, else None: tests that compile CUDA
+  source without a GPU skip on None."""
+  try:
+    from ourgrad.runtime.ops_cuda import CUDACompiler
+    compiler = CUDACompiler("sm_90")
+    compiler.compile('extern "C" __global__ void probe() {}')
+    return compiler
+  except Exception:  # no cuda-python or no NVRTC library here
+    return None
+
+
 def ourgrad_dtype_of(torch_dtype: torch.dtype) -> DType:
   """The ourgrad dtype matching a torch dtype."""
   return OURGRAD_DTYPES[torch_dtype]

@@ -25,21 +25,13 @@ from ourgrad.renderer.cstyle import ClangRenderer, OpenCLRenderer
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonCompiler, PythonProgram, PythonRenderer
 
+from helpers import nvrtc_compiler
+
 rng = np.random.default_rng(7)
 INT32 = dtypes.int32
 
 
-def _nvrtc():
-  try:
-    from ourgrad.runtime.ops_cuda import CUDACompiler
-    compiler = CUDACompiler("sm_90")
-    compiler.compile('extern "C" __global__ void probe() {}')
-    return compiler
-  except Exception:  # no cuda-python or no NVRTC library here
-    return None
-
-
-NVRTC = _nvrtc()
+NVRTC = nvrtc_compiler()
 
 
 def _graphs(device: str) -> dict[str, Tensor]:

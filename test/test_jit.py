@@ -9,7 +9,7 @@ from ourgrad.nn import BatchNorm2d, Conv2d, Linear
 from ourgrad.nn.losses import cross_entropy
 from ourgrad.nn.optim import Adam
 from ourgrad.nn.state import get_parameters
-from helpers import skip_unless_device
+from helpers import device_opens, skip_unless_device
 
 
 def test_replay_matches_numpy_and_changes_with_inputs():
@@ -347,17 +347,9 @@ def test_jitted_training_step_is_bit_identical_to_eager():
 
 # ---------------------------------------------------------------- CUDA graphs
 
-def _has_cuda() -> bool:
-  from ourgrad.device import Device
-  from ourgrad.errors import DeviceError
-  try:
-    Device["CUDA"]
-  except DeviceError:
-    return False
-  return True
 
 
-@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(not device_opens("CUDA"), reason="needs an NVIDIA GPU")
 def test_cuda_replay_is_one_graph_updated_with_new_buffers():
   from ourgrad.engine.jit import GraphReplay
 
@@ -379,7 +371,7 @@ def test_cuda_replay_is_one_graph_updated_with_new_buffers():
   for s, _ in outputs[1:]: np.testing.assert_allclose(s.numpy(), outputs[-1][1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(not device_opens("CUDA"), reason="needs an NVIDIA GPU")
 def test_cuda_jitted_training_step_is_bit_identical(monkeypatch):
   monkeypatch.setenv("DEVICE", "CUDA")
   test_jitted_training_step_is_bit_identical_to_eager()
@@ -553,7 +545,7 @@ def test_graph_replay_of_symbolic_kernels_sets_values_and_sizes(monkeypatch):
   assert len(changed_values) == 2 and len(sizes) == 2
 
 
-@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(not device_opens("CUDA"), reason="needs an NVIDIA GPU")
 def test_cuda_symbolic_capture_is_one_graph():
   """On a GPU: a capture with symbolic kernels replays as one CUDA graph, its int arguments and launch sizes
   patched per value, with results equal to numpy's."""

@@ -28,28 +28,12 @@ from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-
-def _nvrtc():
-  try:
-    from ourgrad.runtime.ops_cuda import CUDACompiler
-    compiler = CUDACompiler("sm_90")
-    compiler.compile('extern "C" __global__ void probe() {}')
-    return compiler
-  except Exception:  # no cuda-python or no NVRTC library here
-    return None
+from helpers import device_opens, nvrtc_compiler
 
 
-NVRTC = _nvrtc()
+NVRTC = nvrtc_compiler()
 
 
-def _has_cuda() -> bool:
-  from ourgrad.device import Device
-  from ourgrad.errors import DeviceError
-  try:
-    Device["CUDA"]
-  except DeviceError:
-    return False
-  return True
 
 
 @pytest.fixture(autouse=True)
@@ -164,7 +148,7 @@ def test_per_row_output_is_stored_by_one_thread():
   assert [uop for uop in opened if uop not in closed], "the store is inside an IF (thread 0)"
 
 
-@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(not device_opens("CUDA"), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("shape", [(64, 8192), (8, 32768), (1024, 1024), (7, 1000), (3, 50000)])
 @pytest.mark.parametrize("name", sorted(GRAPHS))
 def test_row_kernels_on_cuda(name: str, shape: tuple[int, int]):

@@ -20,6 +20,8 @@ from ourgrad.codegen.uops import UOps
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
+
+from helpers import device_opens
 from test_tensor_cores import NVRTC, TC_CHOICE, _check_against_reference, _matmul_item, _operands, _run
 
 # 2x2 warps of 2x2 mma tiles (a 64x32 block tile), reduce steps of 32
@@ -154,16 +156,9 @@ def test_cuda_staged_kernel_ptx_and_registers(shape) -> None:
   assert "0 bytes spill stores, 0 bytes spill loads" in info, info
 
 
-def _has_cuda() -> bool:
-  try:
-    from ourgrad.device import Device
-    Device["CUDA"]
-    return True
-  except Exception:
-    return False
 
 
-@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(not device_opens("CUDA"), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("shape", [(256, 128, 256), (300, 96, 200)], ids=["tiles", "ragged"])
 def test_staged_tc_on_cuda(shape) -> None:
   m, k, n = shape

@@ -27,22 +27,14 @@ from ourgrad.renderer.cstyle import ClangRenderer
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
+from helpers import device_opens, nvrtc_compiler
+
 DEVICE = "PYTHON"
 TC_CHOICE = {dtypes.float16: 0, dtypes.bfloat16: 1}
 TORCH_DTYPE = {dtypes.float16: torch.float16, dtypes.bfloat16: torch.bfloat16}
 
 
-def _nvrtc():
-  try:
-    from ourgrad.runtime.ops_cuda import CUDACompiler
-    compiler = CUDACompiler("sm_90")
-    compiler.compile('extern "C" __global__ void probe() {}')
-    return compiler
-  except Exception:  # no cuda-python or no NVRTC library here
-    return None
-
-
-NVRTC = _nvrtc()
+NVRTC = nvrtc_compiler()
 
 
 # ================================================================ the fragment maps against the PTX ISA's table
@@ -391,17 +383,9 @@ def test_beam_sees_shared() -> None:
 
 # ================================================================ on a real GPU (skipped without one)
 
-def _has_cuda() -> bool:
-  from ourgrad.device import Device
-  from ourgrad.errors import DeviceError
-  try:
-    Device["CUDA"]
-  except DeviceError:
-    return False
-  return True
 
 
-@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(not device_opens("CUDA"), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("shapes", [((64, 32), (32, 48)), ((100, 64), (64, 72)), ((3, 128, 64), (3, 64, 256))],
                          ids=["tiles", "ragged", "batched"])
