@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -27,26 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ourgrad import Tensor  # noqa: E402
-from timing import torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
-from ourgrad.engine.realize import get_runner  # noqa: E402
-from ourgrad.engine.schedule import create_schedule  # noqa: E402
+from timing import ourgrad_kernel_seconds, torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.helpers import GlobalCounters  # noqa: E402
 from ourgrad.nn import Linear  # noqa: E402
 from ourgrad.nn.optim import Adam  # noqa: E402
-
-
-def ourgrad_seconds(device: str, build: Callable[[], Tensor], iters: int) -> tuple[float, int]:
-  """Median summed kernel seconds of realizing `build()`, and its kernel count."""
-  totals, count = [], 0
-  for _ in range(iters + 3):
-    schedule = create_schedule([build().lazydata])
-    total = 0.0
-    for item in schedule:
-      for buffer in item.outputs: buffer.allocate()
-      total += get_runner(device, item.ast)(item.bufs, wait=True) or 0.0
-    totals.append(total)
-    count = len(schedule)
-  return statistics.median(totals[3:]), count
 
 
 
@@ -62,10 +45,10 @@ def row_workloads(cuda: bool) -> list[tuple[str, tuple[int, int]]]:
 
 
 def _unfused_seconds(device: str, build: Callable[[], Tensor], iters: int) -> tuple[float, int]:
-  """ourgrad_seconds with row kernels off (ROW_KERNELS=0: each reduce read back per element is realized first)."""
+  """ourgrad_kernel_seconds with row kernels off (ROW_KERNELS=0: each reduce read back per element realized first)."""
   previous = os.environ.get("ROW_KERNELS")
   os.environ["ROW_KERNELS"] = "0"
-  try: return ourgrad_seconds(device, build, iters)
+  try: return ourgrad_kernel_seconds(device, build, iters)
   finally:
     if previous is None: del os.environ["ROW_KERNELS"]
     else: os.environ["ROW_KERNELS"] = previous
@@ -84,7 +67,7 @@ def row_table(device: str, iters: int) -> None:
     x_np = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     x = Tensor(x_np, device=device).realize()
     ours = (lambda: x.softmax(-1)) if name == "softmax" else (lambda: x.layernorm(-1))
-    seconds, kernels = ourgrad_seconds(device, ours, iters)
+    seconds, kernels = ourgrad_kernel_seconds(device, ours, iters)
     unfused_s, unfused_kernels = _unfused_seconds(device, ours, iters)
     t = torch.tensor(x_np, device=torch_device)
     torch_fn = (lambda: t.softmax(-1)) if name == "softmax" else (lambda: _torch_layernorm(t))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -21,9 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ourgrad import Tensor  # noqa: E402
-from timing import torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
-from ourgrad.engine.realize import get_runner  # noqa: E402
-from ourgrad.engine.schedule import create_schedule  # noqa: E402
+from timing import ourgrad_kernel_seconds, torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.nn.optim import SGD, Adam, AdamW  # noqa: E402
 
 
@@ -56,17 +53,10 @@ def ourgrad_step(device: str, shapes: list[tuple[int, ...]], make: Callable[[lis
             for shape in shapes]
   optimizer = make(params)
   for param in params: param.grad = Tensor(rng.standard_normal(param.shape, dtype=np.float32), device=device).realize()
-  totals, count = [], 0
-  for _ in range(iters + 3):
-    schedule = create_schedule([tensor.lazydata for tensor in optimizer.schedule_step()])
-    total = 0.0
-    for item in schedule:
-      for buffer in item.outputs: buffer.allocate()
-      total += get_runner(device, item.ast)(item.bufs, wait=True) or 0.0
-    totals.append(total)
-    count = len(schedule)
-  os.environ.pop("PACK_KERNELS", None)
-  return statistics.median(totals[3:]), count
+  try:
+    return ourgrad_kernel_seconds(device, optimizer.schedule_step, iters)
+  finally:
+    os.environ.pop("PACK_KERNELS", None)
 
 
 def torch_step(shapes: list[tuple[int, ...]], make: Callable[..., Any], iters: int, cuda: bool,

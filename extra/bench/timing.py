@@ -1,4 +1,5 @@
-"""Timing helpers the benchmarks share: PyTorch's side of a comparison, timed the same way everywhere."""
+"""Timing helpers the benchmarks share: PyTorch's side of a comparison and ourgrad's summed kernel times, each timed
+the same way everywhere."""
 from __future__ import annotations
 
 import statistics
@@ -24,3 +25,21 @@ def torch_seconds(function: Callable[[], Any], iters: int, cuda: bool, warmup: i
       function()
       times.append(time.perf_counter() - began)
   return statistics.median(times[warmup:])
+
+
+def ourgrad_kernel_seconds(device: str, build: Callable[[], Any], iters: int, warmup: int = 3) -> tuple[float, int]:
+  """Median summed kernel seconds (device-timed launches) of scheduling what `build()` returns (a Tensor or a list of
+  them) over `iters` runs after `warmup`, and the schedule's kernel count. Each run builds the graph anew."""
+  from ourgrad.engine.realize import get_runner
+  from ourgrad.engine.schedule import create_schedule
+  totals, count = [], 0
+  for _ in range(iters + warmup):
+    built = build()
+    schedule = create_schedule([tensor.lazydata for tensor in (built if isinstance(built, (list, tuple)) else [built])])
+    total = 0.0
+    for item in schedule:
+      for buffer in item.outputs: buffer.allocate()
+      total += get_runner(device, item.ast)(item.bufs, wait=True) or 0.0
+    totals.append(total)
+    count = len(schedule)
+  return statistics.median(totals[warmup:]), count
