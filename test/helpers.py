@@ -49,6 +49,23 @@ def skip_unless_device(name: str) -> None:
     pytest.skip(f"{name} is not available here: {error}")
 
 
+def torch_layernorm(t: torch.Tensor) -> torch.Tensor:
+  """PyTorch's layer norm over the last axis, without affine parameters (Tensor.layernorm's default)."""
+  return torch.nn.functional.layer_norm(t, t.shape[-1:])
+
+
+# the reduce -> broadcast -> reduce graphs a row kernel fuses, each with its PyTorch reference: (ourgrad, torch)
+ROW_NORMALIZATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+  "softmax": (lambda x: x.softmax(-1), lambda t: t.softmax(-1)),
+  "log_softmax": (lambda x: x.log_softmax(-1), lambda t: t.log_softmax(-1)),
+  "layernorm": (lambda x: x.layernorm(), torch_layernorm),
+  "rmsnorm": (lambda x: x * (x.square().mean(-1, keepdim=True) + 1e-6).rsqrt(),
+              lambda t: t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6)),
+  "var": (lambda x: x.var(-1), lambda t: t.var(-1)),
+  "std": (lambda x: x.std(-1), lambda t: t.std(-1)),
+}
+
+
 def device_opens(name: str) -> bool:
   """Whether device `name` opens here (for `skipif` marks, decided when the module loads)."""
   try:

@@ -21,6 +21,8 @@ from ourgrad.helpers import GlobalCounters
 from ourgrad.nn.optim import SGD, Adam, AdamW
 from ourgrad.tensor import Tensor
 
+from helpers import ROW_NORMALIZATIONS, torch_layernorm
+
 SMALL = Device.DEFAULT == "PYTHON"   # the interpreter runs every thread in numpy: keep the emulated runs small
 PARAM_SHAPES = [(3, 4), (4,), (5, 6), (6,), (7, 3), (2, 2, 2), (9,), (4, 4), (1,), (8, 5)]
 
@@ -254,22 +256,13 @@ def test_jitted_adam_step_replays_its_two_kernels_and_matches_torch():
 
 # ---------------------------------------------------------------- several reduces in one kernel (row kernels)
 
-def _torch_layernorm(t: torch.Tensor) -> torch.Tensor: return torch.nn.functional.layer_norm(t, t.shape[-1:])
-
-
 ROW_GRAPHS = {
   # name: (ourgrad, torch)
-  "softmax": (lambda x: x.softmax(-1), lambda t: t.softmax(-1)),
-  "log_softmax": (lambda x: x.log_softmax(-1), lambda t: t.log_softmax(-1)),
-  "layernorm": (lambda x: x.layernorm(), _torch_layernorm),
-  "rmsnorm": (lambda x: x * (x.square().mean(-1, keepdim=True) + 1e-6).rsqrt(),
-              lambda t: t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6)),
-  "var": (lambda x: x.var(-1), lambda t: t.var(-1)),
-  "std": (lambda x: x.std(-1), lambda t: t.std(-1)),
+  **ROW_NORMALIZATIONS,
   "softmax_of_3d": (lambda x: x.reshape(2, -1, x.shape[-1]).softmax(-1),
                     lambda t: t.reshape(2, -1, t.shape[-1]).softmax(-1)),
   "layernorm_affine_relu": (lambda x: (x.layernorm() * 0.5 + 0.25).relu(),
-                            lambda t: (_torch_layernorm(t) * 0.5 + 0.25).relu()),
+                            lambda t: (torch_layernorm(t) * 0.5 + 0.25).relu()),
   "whole_tensor_centered": (lambda x: x - x.mean(), lambda t: t - t.mean()),
 }
 ROW_SHAPES = [(4, 6), (6, 33)] if SMALL else [(4, 6), (64, 100), (34, 257)]

@@ -22,6 +22,8 @@ from ourgrad.engine.realize import load_program
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.renderer.cstyle import ClangRenderer
 
+from helpers import ROW_NORMALIZATIONS
+
 
 def _exp2_inputs() -> np.ndarray:
   rng = np.random.default_rng(0)
@@ -96,11 +98,8 @@ def test_rows_with_integer_arithmetic_or_flipped_views_keep_one_lane():
 
 
 ROW_GRAPHS = {
-  "softmax": (lambda x: x.softmax(-1), lambda t: t.softmax(-1)),
-  "log_softmax": (lambda x: x.log_softmax(-1), lambda t: t.log_softmax(-1)),
-  "layernorm": (lambda x: x.layernorm(), lambda t: torch.nn.functional.layer_norm(t, t.shape[-1:])),
+  **{name: ROW_NORMALIZATIONS[name] for name in ("softmax", "log_softmax", "layernorm", "std")},
   "logsumexp": (lambda x: x.logsumexp(-1), lambda t: t.logsumexp(-1)),
-  "std": (lambda x: x.std(-1), lambda t: t.std(-1)),
 }
 
 

@@ -28,7 +28,7 @@ from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from helpers import device_opens, nvrtc_compiler
+from helpers import ROW_NORMALIZATIONS, device_opens, nvrtc_compiler
 
 
 NVRTC = nvrtc_compiler()
@@ -41,17 +41,8 @@ def row_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
   monkeypatch.setenv("ROW_KERNELS", "1")
 
 
-def _torch_layernorm(t: torch.Tensor) -> torch.Tensor: return torch.nn.functional.layer_norm(t, t.shape[-1:])
-
-
 GRAPHS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
-  "softmax": (lambda x: x.softmax(-1), lambda t: t.softmax(-1)),
-  "log_softmax": (lambda x: x.log_softmax(-1), lambda t: t.log_softmax(-1)),
-  "layernorm": (lambda x: x.layernorm(), _torch_layernorm),
-  "rmsnorm": (lambda x: x * (x.square().mean(-1, keepdim=True) + 1e-6).rsqrt(),
-              lambda t: t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6)),
-  "var": (lambda x: x.var(-1), lambda t: t.var(-1)),
-  "std": (lambda x: x.std(-1), lambda t: t.std(-1)),
+  **ROW_NORMALIZATIONS,
   "layernorm_of_two_axes": (lambda x: x.reshape(x.shape[0], 2, -1).layernorm(axis=(-2, -1)),
                             lambda t: torch.nn.functional.layer_norm(t.reshape(t.shape[0], 2, -1),
                                                                      (2, t.shape[1] // 2))),
