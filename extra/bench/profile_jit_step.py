@@ -1,0 +1,52 @@
+"""Per-kernel device times of one replayed TinyJit training step (the MLP and the examples/mnist.py CNN of
+bench_jit.py), for finding which kernels keep a jitted step from its goal.
+
+Run under Nsight Compute on a CUDA machine; only the replay between cuProfilerStart and cuProfilerStop is profiled:
+  ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+      python extra/bench/profile_jit_step.py --model mlp
+`--model cnn` profiles the CNN step. Without ncu the script only runs the steps (a smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_jit import MLP, load_mnist_example, ourgrad_step  # noqa: E402
+
+from ourgrad import Device, Tensor, TinyJit  # noqa: E402
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp")
+  parser.add_argument("--device", default="CUDA")
+  args = parser.parse_args()
+  os.environ["DEVICE"] = args.device
+  if args.model == "mlp": make_model, shape, batch = MLP, (784,), 512
+  else:
+    mnist = load_mnist_example()
+    make_model, shape, batch = (lambda: mnist.ConvNet(mnist.MODELS["small"])), (1, 28, 28), 256
+  rng = np.random.default_rng(0)
+  x = Tensor(rng.standard_normal((batch, *shape)).astype(np.float32), device=args.device).realize()
+  y = Tensor(rng.integers(0, 10, batch).astype(np.int32), device=args.device).realize()
+  step = TinyJit(ourgrad_step(make_model())[0])
+  for _ in range(4): step(x, y)
+  Device[args.device].synchronize()
+  driver = ctypes.CDLL("libcuda.so.1") if args.device == "CUDA" else None
+  if driver is not None: driver.cuProfilerStart()
+  step(x, y)
+  Device[args.device].synchronize()
+  if driver is not None: driver.cuProfilerStop()
+  names = [getattr(item.runner, "name", type(item.runner).__name__) for item in step.captured.items]
+  print(f"{args.model}: {len(names)} captured items: {' '.join(names)}")
+
+
+if __name__ == "__main__":
+  main()
