@@ -122,7 +122,12 @@ CLANG_SCALAR_SELECTS = (
   "  return ((float1v)((keep & (int1v)va) | (~keep & (int1v)vb)))[0]; }\n"
   "static inline float fmax_nan(float a, float b) {\n"
   "  float1v va = {a}, vb = {b}; int1v keep = (va != va) | (va > vb);\n"
-  "  return ((float1v)((keep & (int1v)va) | (~keep & (int1v)vb)))[0]; }\n")
+  "  return ((float1v)((keep & (int1v)va) | (~keep & (int1v)vb)))[0]; }\n"
+  "static inline float fbool(bool c) {\n"
+  "  int1v keep = {-(int)c}; float1v one = {1.0f};\n"
+  "  return ((float1v)(keep & (int1v)one))[0]; }\n")
+# the helpers above, by the name a kernel calls them with: a kernel gets them when its body calls one
+CLANG_SELECT_HELPERS = ("fsel(", "fmax_nan(", "fbool(")
 
 
 def _clang_max(renderer: CStyleLanguage, operands: list[str], dtype: DType) -> str:
@@ -505,10 +510,17 @@ class ClangRenderer(CStyleLanguage):
   def render_dtype(self, dtype: DType) -> str:
     return "float" if dtype == dtypes.bfloat16 else dtype.c_name
 
+  def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    # a float compare cast to float (a ReLU's or max-pool's backward mask): gcc folds `(float)(a != b)` into
+    # `a != b ? 1.0f : 0.0f` and branches on it, which masks of random signs mispredict half the time (measured
+    # on the MNIST step's batchnorm backward: 15.4 ms with the jumps, 4.2 ms with the bit select, same data)
+    if from_dtype == dtypes.bool and to_dtype == dtypes.float32 and self.scalar_selects: return f"fbool({value})"
+    return super().render_cast(value, from_dtype, to_dtype)
+
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
     if index_math_only(uops): source = INDEX_MATH_ONLY + source
-    if "fsel(" in source or "fmax_nan(" in source:
+    if any(helper in source for helper in CLANG_SELECT_HELPERS):
       source = source.replace(self.preamble, self.preamble + CLANG_SCALAR_SELECTS, 1)
     if dtypes.bfloat16 not in kernel_dtypes(uops): return source
     return source.replace(self.preamble, self.preamble + self.bfloat16_helpers(), 1)
