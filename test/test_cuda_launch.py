@@ -112,3 +112,81 @@ def test_fast_launch_passes_the_dynamic_shared_memory(program, monkeypatch):
   monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
   program(*pointers(0x1000, 0x2000), global_size=(4, 1, 1), local_size=(128, 1, 1))
   assert recorder.launches == [((4, 1, 1), (128, 1, 1), (0x1000, 0x2000))]
+
+
+# ---------------------------------------------------------------- the ctypes launch (libcuda's own cuLaunchKernel)
+
+class RawDevice(FakeDevice):
+  stream = driver.CUstream(0x5100)
+
+
+RAW_FUNCTION = 0x7700
+
+
+class RawLaunchRecorder:
+  """A C function with cuLaunchKernel's signature (a ctypes callback, called the way libcuda's would be): records
+  (function, grid, block, shared, stream, argument values, extra) and returns `status` as the driver's int."""
+
+  def __init__(self, count: int, status: int = 0):
+    self.count, self.status, self.launches = count, status, []
+    self.function = ctypes.CFUNCTYPE(ctypes.c_int, *ops_cuda.LAUNCH_ARGUMENT_TYPES)(self._launch)
+
+  def _launch(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+    pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+    values = tuple(ctypes.c_uint64.from_address(pointers[index]).value for index in range(self.count))
+    self.launches.append((function, (gx, gy, gz), (bx, by, bz), shared, stream, values, extra))
+    return self.status
+
+
+@pytest.fixture
+def raw_program(monkeypatch):
+  monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (SUCCESS, "module"))
+  monkeypatch.setattr(driver, "cuModuleGetFunction", lambda module, name: (SUCCESS, driver.CUfunction(RAW_FUNCTION)))
+  monkeypatch.setattr(driver, "cuModuleGetGlobal", lambda module, name: (driver.CUresult.CUDA_ERROR_NOT_FOUND, 0, 0))
+  monkeypatch.setattr(driver, "cuLaunchKernel", lambda *args: pytest.fail("the ctypes path must not use the wrapper"))
+  recorder = RawLaunchRecorder(count=3)
+  monkeypatch.setattr(ops_cuda, "driver_launch", recorder.function)
+  program = ops_cuda.CUDAProgram(RawDevice(), "E_4", b"cubin")
+  program.recorder = recorder
+  return program
+
+
+def test_ctypes_launch_passes_handles_sizes_and_each_launchs_buffers(raw_program):
+  raw_program.shared_bytes = 4096
+  raw_program(*pointers(0x1000, 0x2000, 0x3000), global_size=(4, 2, 1), local_size=(32, 1, 1))
+  raw_program(*pointers(0x7000, 0x8000, 0x9000), global_size=(4, 2, 1), local_size=(32, 1, 1))
+  raw_program(*pointers(0x4000, 0x5000, 0x6000), global_size=(1, 1, 1), local_size=(64, 2, 1))
+  stream = int(RawDevice.stream)
+  assert raw_program.recorder.launches == [
+    (RAW_FUNCTION, (4, 2, 1), (32, 1, 1), 4096, stream, (0x1000, 0x2000, 0x3000), None),
+    (RAW_FUNCTION, (4, 2, 1), (32, 1, 1), 4096, stream, (0x7000, 0x8000, 0x9000), None),
+    (RAW_FUNCTION, (1, 1, 1), (64, 2, 1), 4096, stream, (0x4000, 0x5000, 0x6000), None)]
+  assert len(raw_program._bound_launches) == 2, "one bound launch per launch shape, reused"
+
+
+def test_ctypes_launch_with_another_argument_count_rebinds(raw_program, monkeypatch):
+  raw_program(*pointers(1, 2, 3))
+  recorder = RawLaunchRecorder(count=4)
+  monkeypatch.setattr(ops_cuda, "driver_launch", recorder.function)
+  raw_program(*pointers(5, 6, 7, 8))   # new arrays: the bound launch of the same shape must point at them
+  assert recorder.launches[0][5] == (5, 6, 7, 8)
+
+
+def test_ctypes_launch_failure_names_the_kernel(raw_program, monkeypatch):
+  failing = RawLaunchRecorder(count=3, status=int(driver.CUresult.CUDA_ERROR_INVALID_VALUE))
+  monkeypatch.setattr(ops_cuda, "driver_launch", failing.function)
+  raw_program._bound_launches.clear()
+  monkeypatch.setattr(driver, "cuGetErrorName", lambda status: (SUCCESS, b"CUDA_ERROR_INVALID_VALUE"))
+  monkeypatch.setattr(driver, "cuGetErrorString", lambda status: (SUCCESS, b"invalid argument"))
+  with pytest.raises(ops_cuda.DeviceError, match=r"cuLaunchKernel\(E_4\).*CUDA_ERROR_INVALID_VALUE"):
+    raw_program(*pointers(0x10, 0x20, 0x30))
+
+
+def test_ctypes_launch_threads_do_not_mix_arguments(raw_program):
+  def launch_many(first: int) -> None:
+    for _ in range(50): raw_program(*pointers(first, first + 1, first + 2))
+  threads = [threading.Thread(target=launch_many, args=(base,)) for base in (0x100, 0x900)]
+  for thread in threads: thread.start()
+  for thread in threads: thread.join()
+  assert Counter(launch[5] for launch in raw_program.recorder.launches) == {(0x100, 0x101, 0x102): 50,
+                                                                            (0x900, 0x901, 0x902): 50}
