@@ -245,3 +245,33 @@ def test_tile_falls_back_to_a_pair_that_divides():
   assert sorted(kernel.full_shape[axis] for axis in kernel.upcast_axes) == sorted([rows, lanes])
   np.testing.assert_allclose(weight_gradient().numpy(), _noopt(weight_gradient()).reshape(weight.shape), rtol=1e-4,
                              atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel_size,batch", [(5, 3), (3, 2)])
+def test_short_rows_axis_is_taken_whole(kernel_size: int, batch: int):
+  """MNIST's first conv weight gradient (1 input channel, 5x5 taps, a channel count of one SIMD register): no axes pair
+  divides the tile, so the tile is the kernel width whole (5 or 3 rows) x the channels as columns (a strided
+  operand); same result as PyTorch and as NOOPT."""
+  import torch
+  _, lanes = _expected_tile(64)
+  rng = np.random.default_rng(13)
+  x = rng.standard_normal((batch, 1, 13, 11)).astype(np.float32)
+  weight = rng.standard_normal((lanes, 1, kernel_size, kernel_size)).astype(np.float32)
+  grad = rng.standard_normal((batch, lanes, 13 - kernel_size + 1, 11 - kernel_size + 1)).astype(np.float32)
+
+  def weight_gradient() -> Tensor:
+    w = Tensor(weight, device=DEVICE, requires_grad=True)
+    Tensor(x, device=DEVICE).conv2d(w).backward(Tensor(grad, device=DEVICE))
+    return w.grad
+
+  schedule = create_schedule([weight_gradient().lazydata])
+  run_schedule(schedule[:-1])
+  kernel = Kernel(schedule[-1].ast, Device[DEVICE].renderer)
+  kernel.hand_coded_optimizations()
+  assert [kernel.full_shape[axis] for axis in kernel.upcast_axes][:2] == [kernel_size, lanes]
+  assert "vacc0 +=" in _rendered_source(weight_gradient())
+  torch_weight = torch.tensor(weight, requires_grad=True)
+  torch.nn.functional.conv2d(torch.tensor(x), torch_weight).backward(torch.tensor(grad))
+  np.testing.assert_allclose(weight_gradient().numpy(), torch_weight.grad.numpy(), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(weight_gradient().numpy(), _noopt(weight_gradient()).reshape(weight.shape), rtol=1e-4,
+                             atol=1e-4)

@@ -305,16 +305,30 @@ def _cpu_tile_axes(kernel: Kernel) -> Iterator[tuple[int, int]]:
         if rows != columns and any(st.real_strides()[rows] == 0 for st in streamed): yield rows, columns
 
 
+# a rows axis shorter than the tile (a 5x5 or 3x3 convolution's kernel width) may be the tile's rows whole, when no
+# axes pair divides the full tile: MNIST's first conv weight gradient (25 taps x 16 channels) as 5 rows x 16 columns
+# took 0.94 ms instead of 10.9 with 4 scalar accumulators (2 cores, one run)
+CPU_MIN_WHOLE_ROWS = 3
+
+
+def _cpu_tile_row_count(size: int, vector_bytes: int, whole: bool) -> int:
+  """Rows of the tile along an axis of `size`: cpu_tile_rows() or 8 where they divide it; with `whole`, a short axis
+  (CPU_MIN_WHOLE_ROWS up to the tile's rows) taken whole; 0 where none fits."""
+  if whole: return size if CPU_MIN_WHOLE_ROWS <= size < cpu_tile_rows(vector_bytes) else 0
+  return next((count for count in (cpu_tile_rows(vector_bytes), 8) if size % count == 0), 0)
+
+
 def _cpu_matmul_tiles(kernel: Kernel) -> bool:
   """CPU matmul register tile: cpu_tile_rows() rows (8 where that does not divide) x one SIMD register of columns,
   the columns innermost so the C compiler packs each row's accumulators into one vector register and the column
-  loads into vector loads. The first axes pair (see _cpu_tile_axes) whose sizes divide the tile is taken. False
-  (kernel untouched) where the kernel is not matmul-shaped or no pair divides."""
+  loads into vector loads. The first axes pair (see _cpu_tile_axes) whose sizes divide the tile is taken; where none
+  does, the first whose rows axis is short enough to be the rows whole. False (kernel untouched) where the kernel is
+  not matmul-shaped or no pair fits."""
   if not _matmul_like(kernel) or kernel.reduceop.dtype.itemsize > 8: return False
   vector_bytes = getattr(kernel.renderer, "vector_bytes", 16)  # renderers that do not say: SSE/NEON width
   lanes = min(max(vector_bytes // kernel.reduceop.dtype.itemsize, 1), CPU_MAX_TILE_COLUMNS)
-  for rows, columns in _cpu_tile_axes(kernel):
-    row_count = next((count for count in (cpu_tile_rows(vector_bytes), 8) if kernel.full_shape[rows] % count == 0), 0)
+  for whole, (rows, columns) in ((whole, pair) for whole in (False, True) for pair in _cpu_tile_axes(kernel)):
+    row_count = _cpu_tile_row_count(kernel.full_shape[rows], vector_bytes, whole)
     if not row_count or kernel.full_shape[columns] % lanes: continue
     start = kernel._state()
     # rows first: the upcast applied last varies fastest in the unrolled code, and the columns must be the fastest
