@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.dtype import dtypes
 from ourgrad.ops import Ops
 
@@ -167,3 +167,26 @@ def _base_and_offset(index: UOp) -> tuple[UOp | None, int]:
     if right.op is UOps.CONST: return left, right.arg
     if left.op is UOps.CONST: return right, left.arg
   return index, 0
+
+
+# what an elementwise kernel's innermost loop may not contain for `omp simd`: accumulators, local memory, branches,
+# barriers, symbolic sizes (kept to the plain loop nest)
+_NOT_SIMD = frozenset({UOps.DEFINE_ACC, UOps.DEFINE_LOCAL, UOps.IF, UOps.BARRIER, UOps.DEFINE_VAR})
+
+
+def elementwise_simd_loop(uops: list[UOp]) -> UOp | None:
+  """The innermost loop of a CPU elementwise kernel, for the C compiler to vectorize (`omp simd`: neighbouring
+  outputs side by side, loads along a contiguous axis as vector loads); None where the kernel is not one.
+
+  An elementwise kernel's iterations are independent (each writes its own output), so `omp simd` is always
+  correct; the caller also requires integer math to be index math only (the kernel compiles without -fwrapv).
+  A negative index constant (a flipped view, or padding) keeps the kernel scalar: gcc 12's loop vectorizer
+  miscompiles some loops over flipped views (ops_clang.known_bug_flags)."""
+  if any(uop.op in _NOT_SIMD for uop in uops): return None
+  ranges = [uop for uop in uops if uop.op is UOps.RANGE]
+  if not ranges or any(uop.arg[1] is not AxisType.GLOBAL for uop in ranges): return None
+  # perfectly nested: every loop opens before the first one closes
+  first_end = next((index for index, uop in enumerate(uops) if uop.op is UOps.ENDRANGE), len(uops))
+  if any(uop.op is UOps.RANGE for uop in uops[first_end:]): return None
+  if any(uop.op is UOps.CONST and uop.dtype == dtypes.int32 and uop.arg < 0 for uop in uops): return None
+  return ranges[-1]

@@ -30,8 +30,8 @@ COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", 
 
 # kernels of at least this many lines of C compile at -O1 (see ClangCompiler.flags_for)
 LARGE_KERNEL_LINES = 2500
-# bumped when ClangCompiler.flags_for changes which flags a source gets (2: `omp simd` kernels)
-FLAGS_FOR_VERSION = 2
+# bumped when ClangCompiler.flags_for changes which flags a source gets (2: `omp simd` kernels, 3: `parallel for simd`)
+FLAGS_FOR_VERSION = 3
 
 
 def find_c_compiler() -> str:
@@ -100,7 +100,7 @@ class ClangCompiler(Compiler):
     # row kernel never splits into lanes), and no -fwrapv: with wrapping int indices gcc cannot prove `base + lane`
     # contiguous and gathers. Such a kernel has no integer arithmetic but its index math, which never overflows
     # (RowLinearizer._cpu_lanes checks).
-    if "#pragma omp simd" in source:
+    if "#pragma omp simd" in source or "#pragma omp parallel for simd" in source:
       flags = [flag for flag in flags if flag not in ("-fno-tree-loop-vectorize", "-fwrapv")]
     if source.count("\n") < LARGE_KERNEL_LINES: return flags
     return ["-O1" if flag == "-O2" else flag for flag in flags]

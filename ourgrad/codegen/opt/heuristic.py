@@ -368,11 +368,23 @@ def _pick_thread_blocks(kernel: Kernel) -> None:
     if kernel.local_threads() >= budget: break
 
 
+def _cpu_simd_elementwise(kernel: Kernel) -> bool:
+  """Whether the renderer vectorizes this elementwise kernel's innermost loop itself (CLANG's `omp simd` loop,
+  renderer/cvector.elementwise_simd_loop): float buffers only, no flipped or masked (padded) view, whose index math
+  has negative constants. Unrolled outputs would make that loop's loads strided."""
+  if not getattr(kernel.renderer, "vector_loop_pragma", ""): return False
+  if any(not leaf.dtype.is_float for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)): return False
+  if any(view.mask is not None or not isinstance(view.offset, int) or view.offset < 0 for st in kernel.sts
+         for view in st.views): return False
+  return not any(stride is not None and stride < 0 for st in kernel.sts for stride in st.real_strides())
+
+
 def _register_tiling(kernel: Kernel) -> None:
   if kernel.reduceop is None:
     # elementwise: unroll 4 neighbouring outputs so the C compiler sees straight-line vectorizable code. Not on
-    # GPUs: there neighbouring threads must touch neighbouring addresses for loads to coalesce.
-    if kernel.renderer.has_threads: return
+    # GPUs: there neighbouring threads must touch neighbouring addresses for loads to coalesce; not where the C
+    # compiler vectorizes the innermost loop itself.
+    if kernel.renderer.has_threads or _cpu_simd_elementwise(kernel): return
     last = kernel.first_reduce - 1
     if last >= 0 and kernel.full_shape[last] % 4 == 0 and kernel.full_shape[last] >= 16:
       kernel.try_opt(Opt(OptOps.UPCAST, last, 4))
