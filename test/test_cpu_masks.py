@@ -16,6 +16,7 @@ from ourgrad.engine.schedule import create_schedule
 from ourgrad.ops import Ops
 
 DEVICE = "CLANG"
+FLOAT_ONE_BITS = "0x3f800000"   # a vector mask ANDed with 1.0f's bits: the mask cast to float in lanes
 
 
 def _sources(tensor: Tensor) -> list[str]:
@@ -98,3 +99,71 @@ def test_maximum_and_where_masks_match_torch(shape: tuple[int, ...]):
   theirs = _torch_grad(lambda t: torch.maximum(t, torch.tensor(y)) + torch.where(t > 0, t * 2, t * 0.5), x, upstream)
   # an exact tie of x and y: PyTorch gives each side half the gradient, as ourgrad does
   np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _kernel_sources_of(tensors: list[Tensor]) -> list[str]:
+  """The C sources of the kernels realizing `tensors` together, with the default opts (consumes their graphs)."""
+  sources = []
+  for item in create_schedule([tensor.lazydata for tensor in tensors]):
+    if item.ast.op is Ops.COPY: continue
+    kernel = Kernel(item.ast, Device[DEVICE].renderer)
+    kernel.hand_coded_optimizations()
+    sources.append(Device[DEVICE].renderer.render("k", linearize(kernel)))
+  return sources
+
+
+def test_batchnorm_relu_max_pool_backward_matches_torch():
+  """examples/mnist.py's block (conv -> batchnorm in training -> ReLU -> 2x2 max-pool): every gradient is
+  PyTorch's."""
+  from ourgrad.nn import BatchNorm2d
+  rng = np.random.default_rng(21)
+  x = rng.standard_normal((24, 1, 14, 14)).astype(np.float32)
+  weight = rng.standard_normal((16, 1, 3, 3)).astype(np.float32)
+  upstream = rng.standard_normal((24, 16, 6, 6)).astype(np.float32)
+  with Tensor.train():
+    w = Tensor(weight, device=DEVICE, requires_grad=True)
+    norm = BatchNorm2d(16)
+    norm(Tensor(x, device=DEVICE).conv2d(w)).relu().max_pool2d().backward(Tensor(upstream, device=DEVICE))
+  torch_w = torch.tensor(weight, requires_grad=True)
+  torch_norm = torch.nn.BatchNorm2d(16)
+  torch_out = torch.nn.functional.max_pool2d(torch_norm(torch.nn.functional.conv2d(torch.tensor(x), torch_w)).relu(), 2)
+  torch_out.backward(torch.tensor(upstream))
+  for got, expected in zip((w.grad, norm.weight.grad, norm.bias.grad),
+                           (torch_w.grad, torch_norm.weight.grad, torch_norm.bias.grad)):
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("parts,length", [(2, 64), (3, 50)])
+def test_heavy_masked_reduce_in_vector_lanes_matches_numpy(parts: int, length: int):
+  """A compute-heavy reduce shaped like the MNIST step's batchnorm backward (per-channel affine, ReLU and max-pool
+  masks, a division by the tie count, about 20 ops per element; outputs = parts x channels): the CPU heuristic puts
+  one SIMD register of parts in vector lanes (per-channel values stay scalars, the masks are vector compares and bit
+  ANDs), and the sums are numpy's, with NaN and ties in the masks; the reduce length need not divide anything."""
+  lanes, channels = Device[DEVICE].renderer.vector_bytes // 4, 3
+  rng = np.random.default_rng(parts)
+  shape = (parts * lanes, channels, length)
+  x, up = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+  mean, var, gamma, beta = (rng.standard_normal((1, channels, 1)).astype(np.float32) for _ in range(4))
+  var = np.abs(var) + 0.5
+
+  def relu_of(x_: Tensor, mean_: Tensor, var_: Tensor, gamma_: Tensor, beta_: Tensor) -> Tensor:
+    return ((x_ - mean_) * (var_ + 1e-5).rsqrt() * gamma_ + beta_).relu()
+  # the max-pool mask compares exactly: the "pooled" maxima are the ReLU values as ourgrad computes them (an
+  # elementwise kernel), except every third one (not the max: mask 0) and a NaN
+  relu = relu_of(*[Tensor(array, device=DEVICE) for array in (x, mean, var, gamma, beta)]).numpy()
+  pooled = relu.copy()
+  pooled[:, :, ::3] = rng.standard_normal(pooled[:, :, ::3].shape).astype(np.float32)
+  pooled[0, 0, 1] = np.nan
+  count = rng.integers(1, 5, shape).astype(np.float32)
+
+  def ours(arrays: list[np.ndarray]) -> Tensor:
+    tensors = [Tensor(array, device=DEVICE) for array in arrays]
+    x_, up_, mean_, var_, gamma_, beta_, pooled_, count_ = tensors
+    relu_ = relu_of(x_, mean_, var_, gamma_, beta_)
+    return ((x_ - mean_) * gamma_ * up_ * (pooled_ != 0).float() * (relu_ == pooled_).float() / count_).sum(-1)
+  arrays = [x, up, mean, var, gamma, beta, pooled, count]
+  source = _sources(ours([np.empty_like(array) for array in arrays]))[-1]   # the reduce (after any small kernels)
+  assert "vacc0 +=" in source and FLOAT_ONE_BITS in source and "fbool(" not in source.split("vacc0 +=")[1][:200]
+  with np.errstate(invalid="ignore"):
+    expected = ((x - mean) * gamma * up * (pooled != 0) * (relu == pooled) / count).sum(-1)
+  np.testing.assert_allclose(ours(arrays).numpy(), expected, rtol=1e-4, atol=1e-4)

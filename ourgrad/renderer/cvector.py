@@ -26,7 +26,12 @@ from ourgrad.ops import Ops
 # the ops a lane expression may use, and how a vector operand of each is written (GCC vector extensions: the
 # infix operators work lane by lane, and a scalar operand of + or * is broadcast)
 VECTOR_INFIX = {Ops.ADD: "+", Ops.MUL: "*"}
-VECTOR_OPS = frozenset({*VECTOR_INFIX, Ops.NEG, Ops.MAX})
+VECTOR_OPS = frozenset({*VECTOR_INFIX, Ops.NEG, Ops.MAX, Ops.RECIP, Ops.WHERE})
+# ops on lanes of bools, held as int vector masks (-1 true, 0 false: what a vector compare gives): float compares
+# and NOT (a backward pass's masks: ReLU's `x != 0`, max-pool's `x == max`)
+MASK_COMPARES = {Ops.CMPNE: "!=", Ops.CMPLT: "<"}
+MASK_LOGIC = {Ops.AND: "&", Ops.OR: "|"}
+FLOAT_BITS_OF_ONE = "0x3f800000"   # 1.0f: a mask ANDed with it is 1.0f or 0.0f in each lane
 
 
 def vector_typedefs(width: int) -> str:
@@ -79,11 +84,11 @@ class VectorPlan:
     stack = [values]
     while stack:
       lanes = stack.pop()
+      first = lanes[0]
       if _uniform(lanes): continue
       if _lane_load(lanes) is not None: continue
-      first = lanes[0]
-      if first.op is not UOps.ALU or first.arg not in VECTOR_OPS or first.dtype != dtypes.float32: return False
-      if any(uop.op is not UOps.ALU or uop.arg is not first.arg or len(uop.srcs) != len(first.srcs) for uop in lanes):
+      if not _lane_op(first): return False
+      if any(uop.op is not first.op or uop.arg is not first.arg or len(uop.srcs) != len(first.srcs) for uop in lanes):
         return False
       stack.extend([uop.srcs[position] for uop in lanes] for position in range(len(first.srcs)))
     return True
@@ -101,6 +106,8 @@ class VectorPlan:
   def _expression(self, lanes: list[UOp], ref: Callable[[UOp], str], vector: bool = False) -> str:
     """The C expression of a lane group. A uniform group is the lane 0 scalar (broadcast where `vector`: an
     operand of the max helper); a consecutive load is one unaligned vector load from lane 0's address."""
+    if _uniform(lanes) and lanes[0].dtype == dtypes.bool:   # a bool the same in every lane: its mask, -1 or 0
+      return f"((int{self.width}v){{0}} - (int)({ref(lanes[0])}))"
     if _uniform(lanes):
       # x - 0 broadcasts x and keeps the sign of a zero (x + 0 would turn -0 into +0)
       return f"(({ref(lanes[0])}) - ({self.type}){{0}})" if vector else ref(lanes[0])
@@ -114,11 +121,34 @@ class VectorPlan:
       return f"(({self.type}){{{elements}}})"
     first = lanes[0]
     operands = [[uop.srcs[position] for uop in lanes] for position in range(len(first.srcs))]
-    if first.arg is Ops.NEG: return f"(-{self._expression(operands[0], ref, True)})"
-    if first.arg is Ops.MAX:
-      return f"vmax{self.width}({self._expression(operands[0], ref, True)}, {self._expression(operands[1], ref, True)})"
-    left, right = (self._expression(operand, ref) for operand in operands)
-    return f"({left}{VECTOR_INFIX[first.arg]}{right})"
+    if first.op is UOps.ALU and first.arg in VECTOR_INFIX:   # a scalar operand of + or * is broadcast by C itself
+      left, right = (self._expression(operand, ref) for operand in operands)
+      return f"({left}{VECTOR_INFIX[first.arg]}{right})"
+    vectors = [self._expression(operand, ref, True) for operand in operands]
+    if first.op is UOps.CAST: return f"(({self.type})(({vectors[0]}) & {FLOAT_BITS_OF_ONE}))"   # mask -> 1.0f / 0.0f
+    if first.arg is Ops.NEG: return f"(~{vectors[0]})" if first.dtype == dtypes.bool else f"(-{vectors[0]})"
+    if first.arg in MASK_COMPARES: return f"({vectors[0]} {MASK_COMPARES[first.arg]} {vectors[1]})"
+    if first.arg in MASK_LOGIC: return f"({vectors[0]} {MASK_LOGIC[first.arg]} {vectors[1]})"
+    if first.arg is Ops.RECIP: return f"(1.0f/{vectors[0]})"
+    if first.arg is Ops.MAX: return f"vmax{self.width}({vectors[0]}, {vectors[1]})"
+    if first.arg is Ops.WHERE:
+      mask, if_true, if_false = vectors
+      mask_type = f"int{self.width}v"
+      return f"(({self.type})((({mask}) & ({mask_type}){if_true}) | (~({mask}) & ({mask_type}){if_false})))"
+    raise NotImplementedError(f"no vector form of {first.op} {first.arg}")   # _lane_op lets no other op through
+
+
+def _lane_op(first: UOp) -> bool:
+  """Whether lanes of this op (the others checked equal to it) have a vector form: float32 arithmetic of VECTOR_OPS,
+  a bool mask cast to float32, a compare of float32 lanes, or NOT of masks."""
+  if first.op is UOps.CAST: return first.dtype == dtypes.float32 and first.srcs[0].dtype == dtypes.bool
+  if first.op is not UOps.ALU: return False
+  if first.dtype == dtypes.float32: return first.arg in VECTOR_OPS
+  if first.dtype != dtypes.bool: return False
+  if first.arg in (Ops.NEG, Ops.AND, Ops.OR): return True
+  # masks compare as their -1/0 ints: != is right for them, < is not (true would be the smaller)
+  if first.arg is Ops.CMPNE and all(src.dtype == dtypes.bool for src in first.srcs): return True
+  return first.arg in MASK_COMPARES and all(src.dtype == dtypes.float32 for src in first.srcs)
 
 
 def _updates_and_scopes(uops: list[UOp]) -> tuple[dict[int, list[UOp]], dict[int, int]]:

@@ -26,7 +26,7 @@ from typing import Iterator
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands, tensor_core_operands
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import prod
-from ourgrad.ops import MemBuffer
+from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer
 
 # threads per block the heuristics aim for on GPUs
 BLOCK_THREADS = 256
@@ -47,6 +47,7 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
     if _group_reduce(kernel): return
   if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
   if not gpu and kernel.reduceop is not None and _cpu_matmul_tiles(kernel): return
+  if not gpu and kernel.reduceop is not None and _cpu_vector_lanes(kernel): return
   _register_tiling(kernel)
   if gpu: _pick_thread_blocks(kernel)
   if gpu and has_local and kernel.reduceop is not None: _group_for_parallelism(kernel)
@@ -339,6 +340,46 @@ def _cpu_matmul_tiles(kernel: Kernel) -> bool:
     if kernel.try_opt(Opt(OptOps.UPCAST, columns_after, lanes)): return True
     kernel._restore(start)
   return False
+
+
+# A CPU reduce with at least this many ALU ops per reduced element is compute-bound: its accumulators go in vector
+# lanes even where some operands must be gathered (see _cpu_vector_lanes)
+CPU_HEAVY_REDUCE_OPS = 16
+
+
+def _cpu_vector_lanes(kernel: Kernel) -> bool:
+  """A compute-heavy, not matmul-shaped CPU reduce (the MNIST step's batchnorm backward: ~30 ops per element through
+  ReLU and max-pool masks) gets one SIMD register of outputs along one axis, so the renderer computes the whole
+  element expression in vector lanes (renderer/cvector.py): lanes along the axis that the most loads broadcast
+  (per-channel values stay scalars), the reduce unrolled by 2. Kept only where the renderer's VectorPlan takes every
+  accumulator (checked on the linearized kernel); else the kernel is left as it was. One core, that kernel: 4.6 ms
+  instead of 6.6 with 4x4 scalar accumulators."""
+  vector_bytes = getattr(kernel.renderer, "vector_bytes", 0)
+  if not vector_bytes or not hasattr(kernel.renderer, "vector_plan") or kernel.reduceop.dtype != dtypes.float32:
+    return False
+  if sum(node.op in UNARY_OPS | BINARY_OPS | TERNARY_OPS for node in kernel.ast.walk()) < CPU_HEAVY_REDUCE_OPS:
+    return False
+  lanes, loads = vector_bytes // 4, _loads(kernel)
+  axes = [axis for axis in range(kernel.first_reduce) if kernel.full_shape[axis] % lanes == 0]
+  axes.sort(key=lambda axis: -sum(st.real_strides()[axis] == 0 for st in loads))
+  for axis in axes:
+    start = kernel._state()
+    if kernel.try_opt(Opt(OptOps.UPCAST, axis, lanes)):
+      last_reduce = kernel.first_upcast - 1 - kernel.first_reduce
+      if kernel.first_upcast > kernel.first_reduce and kernel.full_shape[kernel.first_upcast - 1] % 2 == 0:
+        kernel.try_opt(Opt(OptOps.UNROLL, last_reduce, 2))
+      if _vector_plan_takes_all(kernel): return True
+    kernel._restore(start)
+  return False
+
+
+def _vector_plan_takes_all(kernel: Kernel) -> bool:
+  """Whether the renderer writes every accumulator of the kernel as a lane of an explicit vector."""
+  from ourgrad.codegen.linearizer import linearize  # the linearizer builds on Kernel, as this module does
+  from ourgrad.codegen.uops import UOps
+  uops = linearize(kernel)
+  plan = kernel.renderer.vector_plan(uops)
+  return bool(plan) and all(id(uop) in plan.lane_of for uop in uops if uop.op is UOps.DEFINE_ACC)
 
 
 def _elementwise_rows(kernel: Kernel) -> None:
