@@ -114,22 +114,30 @@ def _kernel_sources_of(tensors: list[Tensor]) -> list[str]:
 
 def test_batchnorm_relu_max_pool_backward_matches_torch():
   """examples/mnist.py's block (conv -> batchnorm in training -> ReLU -> 2x2 max-pool): every gradient is
-  PyTorch's."""
+  PyTorch's. The max-pool backward's tie count (a mask of the recomputed batchnorm and ReLU, cast to float) is
+  computed with the batch in vector lanes (a batch of one SIMD register's multiple)."""
   from ourgrad.nn import BatchNorm2d
   rng = np.random.default_rng(21)
-  x = rng.standard_normal((24, 1, 14, 14)).astype(np.float32)
+  batch = 2 * Device[DEVICE].renderer.vector_bytes // 4
+  x = rng.standard_normal((batch, 1, 14, 14)).astype(np.float32)
   weight = rng.standard_normal((16, 1, 3, 3)).astype(np.float32)
-  upstream = rng.standard_normal((24, 16, 6, 6)).astype(np.float32)
-  with Tensor.train():
-    w = Tensor(weight, device=DEVICE, requires_grad=True)
-    norm = BatchNorm2d(16)
-    norm(Tensor(x, device=DEVICE).conv2d(w)).relu().max_pool2d().backward(Tensor(upstream, device=DEVICE))
+  upstream = rng.standard_normal((batch, 16, 6, 6)).astype(np.float32)
+
+  def gradients() -> tuple[Tensor, Tensor, Tensor]:
+    with Tensor.train():
+      w = Tensor(weight, device=DEVICE, requires_grad=True)
+      norm = BatchNorm2d(16)
+      norm(Tensor(x, device=DEVICE).conv2d(w)).relu().max_pool2d().backward(Tensor(upstream, device=DEVICE))
+    return w.grad, norm.weight.grad, norm.bias.grad
+  sources = _kernel_sources_of(list(gradients()))
+  assert any("vacc0 +=" in source and FLOAT_ONE_BITS in source for source in sources)
+  w_grad, weight_grad, bias_grad = gradients()
   torch_w = torch.tensor(weight, requires_grad=True)
   torch_norm = torch.nn.BatchNorm2d(16)
   torch_out = torch.nn.functional.max_pool2d(torch_norm(torch.nn.functional.conv2d(torch.tensor(x), torch_w)).relu(), 2)
   torch_out.backward(torch.tensor(upstream))
-  for got, expected in zip((w.grad, norm.weight.grad, norm.bias.grad),
-                           (torch_w.grad, torch_norm.weight.grad, torch_norm.bias.grad)):
+  expected_grads = (torch_w.grad, torch_norm.weight.grad, torch_norm.bias.grad)
+  for got, expected in zip((w_grad, weight_grad, bias_grad), expected_grads):
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=2e-4, atol=2e-4)
 
 
