@@ -168,10 +168,12 @@ def test_heavy_masked_reduce_in_vector_lanes_matches_numpy(parts: int, length: i
     tensors = [Tensor(array, device=DEVICE) for array in arrays]
     x_, up_, mean_, var_, gamma_, beta_, pooled_, count_ = tensors
     relu_ = relu_of(x_, mean_, var_, gamma_, beta_)
-    return ((x_ - mean_) * gamma_ * up_ * (pooled_ != 0).float() * (relu_ == pooled_).float() / count_).sum(-1)
+    masked = (x_ - mean_) * gamma_ * up_ * (pooled_ != 0).float() * (relu_ == pooled_).float() / count_
+    return (masked * (x_ * x_ + 0.5).sqrt()).sum(-1)   # a sqrt that differs between lanes: vsqrt
   arrays = [x, up, mean, var, gamma, beta, pooled, count]
   source = _sources(ours([np.empty_like(array) for array in arrays]))[-1]   # the reduce (after any small kernels)
-  assert "vacc0 +=" in source and FLOAT_ONE_BITS in source and "fbool(" not in source.split("vacc0 +=")[1][:200]
+  update = source.split("vacc0 +=")[1].split(";")[0] if "vacc0 +=" in source else ""
+  assert FLOAT_ONE_BITS in update and "vsqrt" in update and "fbool(" not in update, "the masks and sqrt in lanes"
   with np.errstate(invalid="ignore"):
-    expected = ((x - mean) * gamma * up * (pooled != 0) * (relu == pooled) / count).sum(-1)
+    expected = ((x - mean) * gamma * up * (pooled != 0) * (relu == pooled) / count * np.sqrt(x * x + 0.5)).sum(-1)
   np.testing.assert_allclose(ours(arrays).numpy(), expected, rtol=1e-4, atol=1e-4)

@@ -26,7 +26,7 @@ from ourgrad.ops import Ops
 # the ops a lane expression may use, and how a vector operand of each is written (GCC vector extensions: the
 # infix operators work lane by lane, and a scalar operand of + or * is broadcast)
 VECTOR_INFIX = {Ops.ADD: "+", Ops.MUL: "*"}
-VECTOR_OPS = frozenset({*VECTOR_INFIX, Ops.NEG, Ops.MAX, Ops.RECIP, Ops.WHERE})
+VECTOR_OPS = frozenset({*VECTOR_INFIX, Ops.NEG, Ops.MAX, Ops.RECIP, Ops.WHERE, Ops.SQRT})
 # ops on lanes of bools, held as int vector masks (-1 true, 0 false: what a vector compare gives): float compares
 # and NOT (a backward pass's masks: ReLU's `x != 0`, max-pool's `x == max`)
 MASK_COMPARES = {Ops.CMPNE: "!=", Ops.CMPLT: "<"}
@@ -43,7 +43,10 @@ def vector_typedefs(width: int) -> str:
           f"typedef int int{width}v __attribute__((vector_size({4 * width})));\n"
           f"static inline {name} vmax{width}({name} a, {name} b) {{\n"
           f"  int{width}v keep = (a != a) | (a > b);\n"
-          f"  return ({name})((keep & (int{width}v)a) | (~keep & (int{width}v)b)); }}\n")
+          f"  return ({name})((keep & (int{width}v)a) | (~keep & (int{width}v)b)); }}\n"
+          # GCC's vector extensions have no sqrt: the lanes' sqrtf side by side, which its SLP vectorizer packs
+          f"static inline {name} vsqrt{width}({name} a) {{\n"
+          f"  return ({name}){{{', '.join(f'sqrtf(a[{lane}])' for lane in range(width))}}}; }}\n")
 
 
 class VectorPlan:
@@ -130,6 +133,7 @@ class VectorPlan:
     if first.arg in MASK_COMPARES: return f"({vectors[0]} {MASK_COMPARES[first.arg]} {vectors[1]})"
     if first.arg in MASK_LOGIC: return f"({vectors[0]} {MASK_LOGIC[first.arg]} {vectors[1]})"
     if first.arg is Ops.RECIP: return f"(1.0f/{vectors[0]})"
+    if first.arg is Ops.SQRT: return f"vsqrt{self.width}({vectors[0]})"
     if first.arg is Ops.MAX: return f"vmax{self.width}({vectors[0]}, {vectors[1]})"
     if first.arg is Ops.WHERE:
       mask, if_true, if_false = vectors
