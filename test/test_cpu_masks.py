@@ -177,3 +177,26 @@ def test_heavy_masked_reduce_in_vector_lanes_matches_numpy(parts: int, length: i
   with np.errstate(invalid="ignore"):
     expected = ((x - mean) * gamma * up * (pooled != 0) * (relu == pooled) / count * np.sqrt(x * x + 0.5)).sum(-1)
   np.testing.assert_allclose(ours(arrays).numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("length", [64, 18])
+def test_heavy_max_reduce_in_vector_lanes_matches_numpy(length: int):
+  """A max-pool-like max over the last axis of a recomputed batchnorm + ReLU (and a sqrt: enough ops for vector
+  lanes): the accumulators are max lanes (vmaxN, NaN wins as in the scalar max), the results numpy's, NaN included."""
+  lanes, channels = Device[DEVICE].renderer.vector_bytes // 4, 3
+  rng = np.random.default_rng(length)
+  x = rng.standard_normal((2 * lanes, channels, length)).astype(np.float32)
+  x[1, 2, 5] = np.nan
+  mean, var, gamma, beta = (rng.standard_normal((1, channels, 1)).astype(np.float32) for _ in range(4))
+  var = np.abs(var) + 0.5
+
+  def ours(arrays: list[np.ndarray]) -> Tensor:
+    x_, mean_, var_, gamma_, beta_ = [Tensor(array, device=DEVICE) for array in arrays]
+    return (((x_ - mean_) * (var_ + 1e-5).rsqrt() * gamma_ + beta_).relu() * (x_ * x_ + 0.5).sqrt()).max(-1)
+  arrays = [x, mean, var, gamma, beta]
+  source = _sources(ours([np.empty_like(array) for array in arrays]))[-1]
+  assert "vacc0 = vmax" in source, "max accumulators in lanes"
+  with np.errstate(invalid="ignore"):
+    expected = (np.maximum((x - mean) / np.sqrt(var + 1e-5) * gamma + beta, 0) * np.sqrt(x * x + 0.5)).max(-1)
+  np.testing.assert_array_equal(np.isnan(ours(arrays).numpy()), np.isnan(expected))
+  np.testing.assert_allclose(ours(arrays).numpy(), expected, rtol=1e-5, atol=1e-5)

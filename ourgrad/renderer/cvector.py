@@ -73,13 +73,15 @@ class VectorPlan:
   def __bool__(self) -> bool: return bool(self.lane_of)
 
   def _take_run(self, run: list[UOp], lanes: list[list[UOp]], scopes: dict[int, int]) -> bool:
-    """A run of accumulators is taken when all are float32 sums from one start value, each updated the same number
-    of times in the same loops, and each update's lane values form one vector expression."""
+    """A run of accumulators is taken when all are float32 sums (or all maxima) from one start value, each updated
+    the same number of times in the same loops, and each update's lane values form one vector expression."""
     if any(acc.dtype != dtypes.float32 or acc.arg != run[0].arg for acc in run): return False
     if not lanes[0] or any(len(updates) != len(lanes[0]) for updates in lanes): return False
+    combine = lanes[0][0].arg
     for position in range(len(lanes[0])):
       group = [updates[position] for updates in lanes]
-      if any(update.arg is not Ops.ADD or scopes[id(update)] != scopes[id(group[0])] for update in group): return False
+      if any(update.arg is not combine or update.arg not in (Ops.ADD, Ops.MAX) or
+             scopes[id(update)] != scopes[id(group[0])] for update in group): return False
       if not self._vectorizable([update.srcs[1] for update in group]): return False
     return True
 
@@ -104,6 +106,8 @@ class VectorPlan:
   def update(self, accumulate: UOp, ref: Callable[[UOp], str]) -> str:
     """The vector update replacing lane 0's ACCUMULATE (and the other lanes' ones at the same position)."""
     name, values = self.updates[id(accumulate)]
+    # a max keeps the scalar rule lane by lane: the accumulator wins when it is NaN or larger (vmaxN)
+    if accumulate.arg is Ops.MAX: return f"{name} = vmax{self.width}({name}, {self._expression(values, ref, True)});"
     return f"{name} += {self._expression(values, ref)};"
 
   def _expression(self, lanes: list[UOp], ref: Callable[[UOp], str], vector: bool = False) -> str:

@@ -344,7 +344,7 @@ def _cpu_matmul_tiles(kernel: Kernel) -> bool:
 
 # A CPU reduce with at least this many ALU ops per reduced element is compute-bound: its accumulators go in vector
 # lanes even where some operands must be gathered (see _cpu_vector_lanes)
-CPU_HEAVY_REDUCE_OPS = 12
+CPU_HEAVY_REDUCE_OPS = 10
 
 
 def _cpu_vector_lanes(kernel: Kernel) -> bool:
