@@ -9,7 +9,6 @@ Host<->device copies go through a pinned staging buffer. Every driver call is ch
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import shutil
 import subprocess
@@ -29,26 +28,6 @@ except ImportError as error:  # the registry turns this into a DeviceError sayin
 
 
 CUDA_SUCCESS = driver.CUresult.CUDA_SUCCESS
-LAUNCH_ARGUMENT_TYPES = (ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-
-
-def open_driver_launch() -> Any:
-  """The driver library's own cuLaunchKernel through ctypes, or None where libcuda cannot be opened. cuda-python's
-  wrapper converts and checks each of its 11 arguments in Python-level code on every call (about 3 us); the plain
-  ctypes call of the same driver function in the same process (same contexts, modules and streams) costs a fraction
-  of that. Its arguments are all made once per launch shape (CUDAProgram.bound_launch)."""
-  for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
-    try:
-      launch = ctypes.CDLL(name).cuLaunchKernel
-    except (OSError, AttributeError):
-      continue
-    launch.restype = ctypes.c_int
-    return launch
-  return None
-
-
-# opened with the first CUDAProgram (tests replace it with a fake that has the same signature)
-driver_launch: Any = None
 
 
 def check(result: tuple, call: str) -> Any:
@@ -237,10 +216,6 @@ class CUDAProgram:
     self._arguments: Any = None   # (ctypes.c_uint64 * n): the buffer pointers of the launch being made
     self._pointers: Any = None    # (ctypes.c_void_p * n): the address of each of those values (kernelParams)
     self._params_address = 0
-    # launch sizes -> the driver's cuLaunchKernel with every argument bound (ctypes objects made once); empty when
-    # the function or stream is not a driver handle (a test's fake) or libcuda cannot be opened
-    self._bound_launches: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
-    self._raw_handles = self._driver_handles(device)
 
   def _dynamic_shared_bytes(self) -> int:
     """The dynamic shared memory the kernel declares (CUDARenderer: `ourgrad_dynamic_shared_bytes`, where its tiles
@@ -253,14 +228,6 @@ class CUDAProgram:
     check(driver.cuFuncSetAttribute(self.function, attribute, value.value), "cuFuncSetAttribute")
     return value.value
 
-  def _driver_handles(self, device: CUDADevice) -> tuple[int, int] | None:
-    """(function, stream) as the driver's raw handles, for the ctypes launch; None where either is not a driver
-    handle or the driver library cannot be opened (then launches go through cuda-python's wrapper)."""
-    global driver_launch
-    if not isinstance(self.function, driver.CUfunction) or not isinstance(device.stream, driver.CUstream): return None
-    if driver_launch is None: driver_launch = open_driver_launch()
-    return None if driver_launch is None else (int(self.function), int(device.stream))
-
   def _argument_arrays(self, count: int) -> Any:
     """The argument values array for `count` buffer pointers, made on the first launch (and again if a launch passes
     another count)."""
@@ -268,21 +235,7 @@ class CUDAProgram:
     base, size = ctypes.addressof(arguments), ctypes.sizeof(ctypes.c_uint64)
     pointers = (ctypes.c_void_p * max(count, 1))(*[base + index * size for index in range(count)])
     self._arguments, self._pointers, self._params_address = arguments, pointers, ctypes.addressof(pointers)
-    self._bound_launches.clear()   # they point at the old arrays
     return arguments
-
-  def bound_launch(self, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> Any:
-    """cuLaunchKernel of this kernel at these sizes with its arguments bound (functools.partial of ctypes objects):
-    a launch is one call with no argument to convert. kernelParams is the program's argument array, which each
-    launch rewrites before the call."""
-    key = (global_size, local_size)
-    launch = self._bound_launches.get(key)
-    if launch is None:
-      function, stream = self._raw_handles  # type: ignore[misc]
-      values = (function, *global_size, *local_size, self.shared_bytes, stream, self._params_address, None)
-      launch = functools.partial(driver_launch, *[kind(value) for kind, value in zip(LAUNCH_ARGUMENT_TYPES, values)])
-      self._bound_launches[key] = launch
-    return launch
 
   def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),
                wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
@@ -292,10 +245,6 @@ class CUDAProgram:
       if arguments is None or len(buffers) != len(self._pointers) or not buffers:
         arguments = self._argument_arrays(len(buffers))
       for index, buffer in enumerate(buffers): arguments[index] = int(buffer)
-      if self._raw_handles is not None:
-        code = self.bound_launch(global_size, local_size)()   # the driver's CUresult, as a plain int
-        if code: check((driver.CUresult(code),), f"cuLaunchKernel({self.name})")
-        return None
       (status,) = driver.cuLaunchKernel(self.function, *global_size, *local_size, self.shared_bytes,
                                         self.device.stream, self._params_address, 0)
     if status != CUDA_SUCCESS: check((status,), f"cuLaunchKernel({self.name})")
