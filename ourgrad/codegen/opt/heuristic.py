@@ -21,6 +21,7 @@ GPUs (thread blocks and local memory):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands, tensor_core_operands
@@ -43,6 +44,7 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   gpu, has_local = renderer.has_threads, getattr(renderer, "has_local", False)
   if gpu and kernel.reduceop is not None and _tensor_core_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and _shared_matmul_tiles(kernel): return
+  if gpu and has_local and kernel.reduceop is not None and shared_conv_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and not _matmul_like(kernel):
     if _group_reduce(kernel): return
   if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
@@ -147,6 +149,91 @@ def _shared_matmul_tiles(kernel: Kernel) -> bool:
     kernel.__dict__.update(trial.__dict__)
     return True
   return False
+
+
+@dataclass(frozen=True)
+class ConvTile:
+  """A block tile of a convolution staged through local memory (implicit GEMM): outputs per thread and threads per
+  block along the pixel side (the output axes only the input window varies along: batch, rows, columns) and the
+  channel side (the filter's output channels), and the reduce step (input channels per step)."""
+  pixel_upcast: int
+  pixel_threads: int
+  channel_upcast: int
+  channel_threads: int
+  reduce_step: int
+
+
+# largest first: 64 pixels x 64 channels (4x4 outputs per thread, 256 threads), then smaller channel or pixel sides
+CONV_TILES = (ConvTile(4, 16, 4, 16, 8), ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8), ConvTile(4, 16, 4, 4, 8))
+
+
+def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) -> bool:
+  """A float32 convolution (a reduce over input channels and the window of a SUM of input window x filter, every
+  output axis along one operand only) as an implicit GEMM: the first of `tiles` that divides the sizes, its output
+  tile UPCAST and LOCAL from the innermost axes of each side (pixels innermost: the launch's x), both operands staged
+  through local memory (SHARED; the window's loads keep their padding masks) and the first reduce axis (the input
+  channels) unrolled by the step. False (the kernel untouched) where no tile fits."""
+  sides = _conv_sides(kernel)
+  if sides is None: return False
+  pixel_axes, channel_axes = sides
+  for tile in tiles:
+    trial = kernel.copy()
+    plan = _side_plan(trial, pixel_axes, tile.pixel_upcast, tile.pixel_threads) + \
+      _side_plan(trial, channel_axes, tile.channel_upcast, tile.channel_threads)
+    if len(plan) < 4: continue
+    # the UPCASTs, then the pixel side's LOCALs (the first LOCAL applied is the innermost thread axis, the launch's
+    # x), then the channel side's
+    upcasts = [opt for opt in plan if opt.op is OptOps.UPCAST]
+    locals_ = sorted((opt for opt in plan if opt.op is OptOps.LOCAL), key=lambda opt: opt.axis not in pixel_axes)
+    if _apply_on_original_axes(trial, upcasts + locals_) and trial.try_opt(Opt(OptOps.SHARED, 0, 0)) and \
+        trial.try_opt(Opt(OptOps.UNROLL, 0, tile.reduce_step)):
+      kernel.__dict__.update(trial.__dict__)
+      return True
+  return False
+
+
+def _conv_sides(kernel: Kernel) -> tuple[list[int], list[int]] | None:
+  """(pixel axes, channel axes) of a float32 convolution-shaped reduce, or None: both MUL operands are loads, the
+  reduce has at least two axes (channels and window), every output axis is along exactly one operand, and the
+  output's innermost (stride 1) axis is on the pixel side (the operand with a window: several reduce axes)."""
+  if kernel.reduceop.dtype != dtypes.float32 or kernel.first_reduce < 3 or kernel.applied_opts: return None
+  try: a, b = matmul_operands(kernel.reduceop, dtypes.float32, dtypes.float32, "SHARED")
+  except KernelOptError: return None
+  m_axes, n_axes, k_axes = kernel.matmul_axes(a, b)
+  if len(k_axes) < 2 or len(m_axes) + len(n_axes) != kernel.first_reduce or not m_axes or not n_axes: return None
+  output_strides = kernel.sts[0].real_strides()
+  innermost = next((axis for axis in reversed(range(kernel.first_reduce)) if output_strides[axis] == 1), None)
+  if innermost is None: return None
+  return (m_axes, n_axes) if innermost in m_axes else (n_axes, m_axes)
+
+
+def _side_plan(kernel: Kernel, axes: list[int], upcast: int, threads: int) -> list[Opt]:
+  """UPCAST `upcast` on the innermost axis of `axes` it divides, then LOCAL threads from the innermost axes (the
+  largest power of two each has left) until the side has `threads`; [] where the side cannot take them all."""
+  sizes = {axis: kernel.full_shape[axis] for axis in axes}
+  upcast_axis = next((axis for axis in reversed(axes) if sizes[axis] % upcast == 0), None)
+  if upcast_axis is None: return []
+  sizes[upcast_axis] //= upcast
+  plan, left = [Opt(OptOps.UPCAST, upcast_axis, upcast)], threads
+  for axis in reversed(axes):
+    amount = _divisor_at_most(sizes[axis], left)
+    if amount >= 2:
+      plan.append(Opt(OptOps.LOCAL, axis, amount))
+      left //= amount
+    if left == 1: return plan
+  return []
+
+
+def _apply_on_original_axes(kernel: Kernel, opts: list[Opt]) -> bool:
+  """Apply output-axis opts whose axes number the kernel's global axes as they were before the first one; False (the
+  kernel part-way changed: apply on a copy) where one does not apply. A LOCAL or UPCAST leaves the other global axes
+  in place unless it uses its axis up, which is then dropped and the axes after it move down by one."""
+  current = list(range(kernel.first_reduce))
+  for opt in opts:
+    axis, before = current[opt.axis], kernel.shape_len
+    if not kernel.try_opt(Opt(opt.op, axis, opt.amount)): return False
+    if kernel.shape_len == before: current = [a - 1 if a > axis else a for a in current]
+  return True
 
 
 def _pad_for_tensor_core(kernel: Kernel, choice: int, tiles: tuple[int, int] | None = None) -> bool:

@@ -1,0 +1,117 @@
+"""Convolutions on GPUs: the hand-coded convolution choice (heuristic.shared_conv_tiles: an implicit GEMM with both
+operands staged through local memory) gives the unoptimized kernel's results on the emulated GPU (`PythonRenderer
+("CUDA")`: CUDA's limits, thread blocks, local memory and barriers interpreted), compiles with NVRTC, and is what the
+examples/mnist.py step's convolutions get. Forward and backward results against PyTorch on CLANG are in
+test_conv.py; the split-K weight gradient in test_split_reduce.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad import Tensor, dtypes
+from ourgrad.codegen.kernel import Kernel, OptOps
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.opt.heuristic import CONV_TILES, shared_conv_tiles
+from ourgrad.device import Buffer
+from ourgrad.engine.realize import compile_kernel, function_name, run_schedule
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.ops import LazyOp, Ops
+from ourgrad.runtime.ops_python import PythonRenderer
+from helpers import nvrtc_compiler, skip_unless_device
+
+rng = np.random.default_rng(12)
+
+# (input shape, weight shape, padding): small enough for the interpreter, large enough for a conv tile
+CONVS = [
+  ((2, 8, 8, 8), (64, 8, 3, 3), 1),       # the 56x56 benchmark conv's structure: 64 channels, 3x3, pad 1
+  ((3, 16, 12, 12), (32, 16, 5, 5), 0),   # MNIST's conv2 forward, 3 images
+  ((4, 8, 6, 14), (16, 8, 3, 3), (1, 2)),  # 6 rows (not a power of two), more padding on the columns
+]
+
+
+def _conv_ast(x_shape: tuple[int, ...], w_shape: tuple[int, ...], padding: object) -> tuple[LazyOp, list]:
+  """The convolution's kernel AST on PYTHON with its inputs realized, and the schedule items before it."""
+  x = Tensor(rng.standard_normal(x_shape).astype(np.float32), device="PYTHON")
+  w = Tensor(rng.standard_normal(w_shape).astype(np.float32), device="PYTHON")
+  schedule = create_schedule([x.conv2d(w, padding=padding).lazydata])
+  run_schedule([item for item in schedule if item.ast.op is not Ops.STORE])
+  item = next(item for item in schedule if item.ast.op is Ops.STORE)
+  return item.ast, list(item.inputs)
+
+
+def _run(kernel: Kernel, inputs: list, size: int) -> np.ndarray:
+  out = Buffer("PYTHON", size, dtypes.float32).allocate()
+  compile_kernel(kernel, "PYTHON")((out, *inputs))
+  return out.numpy()
+
+
+@pytest.mark.parametrize("x_shape, w_shape, padding", CONVS)
+def test_conv_tiles_match_the_plain_kernel_on_the_emulated_gpu(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                                                               padding: object) -> None:
+  ast, inputs = _conv_ast(x_shape, w_shape, padding)
+  plain = Kernel(ast, PythonRenderer("CUDA"))
+  tiled = Kernel(ast, PythonRenderer("CUDA"))
+  tiled.hand_coded_optimizations()
+  assert any(opt.op is OptOps.SHARED for opt in tiled.applied_opts), tiled.applied_opts
+  size = int(np.prod(plain.output_shape))
+  np.testing.assert_allclose(_run(tiled, inputs, size), _run(plain, inputs, size), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("tile", CONV_TILES)
+def test_every_conv_tile_matches_the_plain_kernel(tile: object) -> None:
+  """Each tile of the list on the 64-channel conv (each fits it), and torch's result."""
+  ast, inputs = _conv_ast((2, 16, 8, 8), (64, 16, 3, 3), 1)
+  plain, tiled = Kernel(ast, PythonRenderer("CUDA")), Kernel(ast, PythonRenderer("CUDA"))
+  assert shared_conv_tiles(tiled, (tile,)), f"{tile} does not fit {plain.full_shape}"
+  size = int(np.prod(plain.output_shape))
+  ours = _run(tiled, inputs, size)
+  np.testing.assert_allclose(ours, _run(plain, inputs, size), rtol=1e-5, atol=1e-4)
+  x, w = (torch.tensor(buffer.numpy()) for buffer in inputs[:2])
+  if x.numel() != 2 * 16 * 8 * 8: x, w = w, x
+  expected = torch.nn.functional.conv2d(x.reshape(2, 16, 8, 8), w.reshape(64, 16, 3, 3), padding=1)
+  np.testing.assert_allclose(ours, expected.numpy().reshape(-1), rtol=1e-4, atol=1e-4)
+
+
+def test_conv_tiles_leave_other_reduces_alone() -> None:
+  """A plain matmul, a float16 conv (tensor cores) and a pooling-shaped reduce do not take the conv tile."""
+  a, b = Tensor.empty(64, 64, device="PYTHON"), Tensor.empty(64, 64, device="PYTHON")
+  half = Tensor.empty(2, 16, 8, 8, device="PYTHON", dtype="float16").conv2d(
+    Tensor.empty(64, 16, 3, 3, device="PYTHON", dtype="float16"), padding=1)
+  pooled = Tensor.empty(2, 16, 8, 8, device="PYTHON").avg_pool2d(2)
+  for out in (a @ b, half, pooled):
+    item = next(item for item in create_schedule([out.lazydata]) if item.ast.op is Ops.STORE)
+    assert not shared_conv_tiles(Kernel(item.ast, PythonRenderer("CUDA")))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, padding", CONVS + [((64, 64, 56, 56), (64, 64, 3, 3), 1)])
+def test_conv_tiles_compile_with_nvrtc(x_shape: tuple[int, ...], w_shape: tuple[int, ...], padding: object) -> None:
+  compiler = nvrtc_compiler()
+  if compiler is None: pytest.skip("no NVRTC here")
+  from ourgrad.renderer.cuda import CUDARenderer
+  x, w = Tensor.empty(*x_shape, device="PYTHON"), Tensor.empty(*w_shape, device="PYTHON")
+  item = next(item for item in create_schedule([x.conv2d(w, padding=padding).lazydata]) if item.ast.op is Ops.STORE)
+  kernel = Kernel(item.ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert any(opt.op is OptOps.SHARED for opt in kernel.applied_opts)
+  compiler.compile(CUDARenderer().render(function_name(kernel), linearize(kernel)))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, padding", CONVS + [((8, 64, 56, 56), (64, 64, 3, 3), 1)])
+def test_convs_on_cuda_match_torch(x_shape: tuple[int, ...], w_shape: tuple[int, ...], padding: object) -> None:
+  """On a real GPU: forward, input and weight gradients against PyTorch on the CPU."""
+  skip_unless_device("CUDA")
+  x_data = rng.standard_normal(x_shape).astype(np.float32)
+  w_data = rng.standard_normal(w_shape).astype(np.float32)
+  x = Tensor(x_data, device="CUDA", requires_grad=True)
+  w = Tensor(w_data, device="CUDA", requires_grad=True)
+  out = x.conv2d(w, padding=padding)
+  (out * out).sum().backward()
+  tx, tw = torch.tensor(x_data, requires_grad=True), torch.tensor(w_data, requires_grad=True)
+  tout = torch.nn.functional.conv2d(tx, tw, padding=padding)
+  (tout * tout).sum().backward()
+  scale = float(np.abs(tout.detach().numpy()).max())
+  np.testing.assert_allclose(out.numpy(), tout.detach().numpy(), rtol=1e-4, atol=1e-4 * scale)
+  np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-3, atol=1e-3 * float(tx.grad.abs().max()))
+  np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-3, atol=1e-3 * float(tw.grad.abs().max()))
