@@ -115,3 +115,35 @@ def test_convs_on_cuda_match_torch(x_shape: tuple[int, ...], w_shape: tuple[int,
   np.testing.assert_allclose(out.numpy(), tout.detach().numpy(), rtol=1e-4, atol=1e-4 * scale)
   np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-3, atol=1e-3 * float(tx.grad.abs().max()))
   np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-3, atol=1e-3 * float(tw.grad.abs().max()))
+
+
+@pytest.mark.parametrize("size, padding, tiled_kernel", [(8, 1, "forward"), (12, 0, "input gradient")])
+def test_conv_backward_kernels_match_the_plain_kernels_on_the_emulated_gpu(size: int, padding: int,
+                                                                           tiled_kernel: str) -> None:
+  """Every kernel of a stride-1 conv's forward and backward (the input gradient is a conv over the padded output
+  gradient, the weight gradient a reduce over the batch and positions), optimized for CUDA, against its plain
+  version on the same inputs; then the gradients against torch. `tiled_kernel` takes the conv tile at least."""
+  x_data = rng.standard_normal((8, 16, size, size)).astype(np.float32)
+  w_data = rng.standard_normal((32, 16, 3, 3)).astype(np.float32)
+  x = Tensor(x_data, device="PYTHON", requires_grad=True)
+  w = Tensor(w_data, device="PYTHON", requires_grad=True)
+  out = x.conv2d(w, padding=padding)
+  (out * out).sum().backward()
+  tiled = 0
+  for item in create_schedule([x.grad.lazydata, w.grad.lazydata]):
+    if item.ast.op is not Ops.STORE:
+      run_schedule([item])
+      continue
+    optimized, plain = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))
+    optimized.hand_coded_optimizations()
+    tiled += any(opt.op is OptOps.SHARED for opt in optimized.applied_opts)
+    size = item.outputs[0].size
+    np.testing.assert_allclose(_run(optimized, list(item.inputs), size), _run(plain, list(item.inputs), size),
+                               rtol=1e-4, atol=1e-3)
+    run_schedule([item])
+  assert tiled >= 1, f"the {tiled_kernel} takes the conv tile"
+  tx, tw = torch.tensor(x_data, requires_grad=True), torch.tensor(w_data, requires_grad=True)
+  tout = torch.nn.functional.conv2d(tx, tw, padding=padding)
+  (tout * tout).sum().backward()
+  np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-3, atol=1e-2)
+  np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-3, atol=1e-1)
