@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import ourgrad.lazy as lazy  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps  # noqa: E402
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands  # noqa: E402
 from ourgrad.codegen.opt import heuristic  # noqa: E402
 from ourgrad.codegen.opt.heuristic import ConvTile, _matmul_like, shared_conv_tiles  # noqa: E402
 from ourgrad.codegen.opt.search import apply_opts, beam_search, random_fill, scratch_buffers, verify_kernel  # noqa
@@ -57,16 +57,41 @@ VARIANTS: dict[str, dict[str, list[Opt]]] = {
     "regs 4x4 16x16": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16)],
     "regs 4x4 16x16 unroll kw": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(R, 2, 3)],
   },
-  # MNIST conv2 weight gradient, first split-K kernel: (parts 32, cout 32, cin 16, 5, 5 | images 8, 8, 8)
-  "r_32_32_16_5_5_8_8_8": {
-    "group ow 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8), Opt(G, 2, 8)],
-    "group oh ow 64": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 4), Opt(G, 1, 8), Opt(G, 1, 8)],
-    "locals parts 4 cout 8 cin 4 (hand, no group)": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(R, 2, 4), Opt(L, 2, 4),
-                                                      Opt(L, 1, 8), Opt(L, 0, 4)],
+}
+
+
+# the first split-K kernel of a weight gradient, by rank of its plain shape: MNIST conv2's (parts, cout 32, cin 16,
+# 5, 5 | images per part, 8, 8) and conv1's (parts, cout 16, 5, 5 | 24, 24; cin 1 is dropped), for any part count
+WEIGHT_GRADIENT_VARIANTS: dict[int, dict[str, list[Opt]]] = {
+  8: {
+    "group ow": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8), Opt(G, 2, 0)],
+    "group oh ow": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 4), Opt(G, 1, 0), Opt(G, 1, 0)],
+    "group oh ow, cout 8 threads": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 1, 8), Opt(G, 1, 0), Opt(G, 1, 0)],
+    "no group, locals parts 4 cout 8 cin 4": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(R, 2, 4), Opt(L, 2, 4), Opt(L, 1, 8),
+                                              Opt(L, 0, 4)],
     "locals kw 5 cin 4 cout 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(R, 2, 4), Opt(L, 4, 5), Opt(L, 2, 4), Opt(L, 1, 8)],
     "upcast kw 5, locals cin 16 cout 8": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(R, 2, 4)],
+    "shared: locals kw 5 cin 4 cout 8, step ow 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 4, 5), Opt(L, 2, 4),
+                                                    Opt(L, 1, 8), Opt(S, 0, 0), Opt(R, 2, 8)],
+    "shared: locals kw 5 cin 4 cout 8 parts 2, step ow 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 4, 5), Opt(L, 2, 4),
+                                                            Opt(L, 1, 8), Opt(L, 0, 2), Opt(S, 0, 0), Opt(R, 2, 8)],
+  },
+  6: {
+    "upcast kw 5, group ow": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 1, 0)],
+    "upcast kw 5, group oh 4 ow": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 4), Opt(G, 1, 0)],
+    "group ow, locals parts 2": [Opt(U, 1, 4), Opt(L, 1, 4), Opt(L, 0, 2), Opt(G, 1, 0), Opt(R, 0, 4)],
+    "group oh 8 ow": [Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 8), Opt(G, 1, 0)],
+    "upcast kw 5 kh 5, group ow": [Opt(U, 3, 5), Opt(U, 2, 5), Opt(U, 1, 2), Opt(L, 1, 8), Opt(G, 1, 0)],
   },
 }
+
+
+def is_weight_gradient_part(plain: Kernel) -> bool:
+  """The first kernel of a split weight gradient: an output axis (the parts) along both operands of the product."""
+  try: a, b = matmul_operands(plain.reduceop, dtypes.float32, dtypes.float32, "bench")
+  except (KernelOptError, AttributeError): return False
+  m_axes, n_axes, _ = plain.matmul_axes(a, b)
+  return len(m_axes) + len(n_axes) < plain.first_reduce
 
 
 # conv tiles (heuristic.ConvTile: pixel upcast, pixel threads, channel upcast, channel threads, reduce step) tried on
@@ -149,11 +174,13 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str) -> No
   print(f"{label}: {plain.name} (plain shape {plain.full_shape})")
   candidates: list[tuple[str, Callable[[], Kernel]]] = [("hand-coded", lambda: hand),
                                                         ("no conv tiles", lambda: without_conv_tiles(plain.copy()))]
-  for tile in TILE_VARIANTS:
+  for tile in (TILE_VARIANTS if not is_weight_gradient_part(plain) else ()):
     label = f"tile px {tile.pixel_upcast}x{tile.pixel_threads} ch {tile.channel_upcast}x{tile.channel_threads} " \
             f"k{tile.reduce_step}"
     candidates.append((label, lambda tile=tile: tiled(plain, tile)))
-  for name, opts in VARIANTS.get(plain.name, {}).items():
+  variants = dict(VARIANTS.get(plain.name, {}))
+  if is_weight_gradient_part(plain): variants.update(WEIGHT_GRADIENT_VARIANTS.get(len(plain.full_shape), {}))
+  for name, opts in variants.items():
     candidates.append((name, lambda opts=opts: apply_opts(plain, opts)))
   if beam: candidates.append((f"BEAM={beam}", lambda: beam_search(plain, None, beam, device=device)))
   for name, make in candidates:
@@ -207,6 +234,10 @@ def parts_sweep(device: str, iters: int, scale: int) -> None:
           matmul += seconds
           names.append(f"{kernel.name} {seconds * 1e3:.4f}")
       print(f"  part {part:>5}: step {total * 1e3:.3f} ms, matmul-like {matmul * 1e3:.3f} ms: {', '.join(names)}")
+      for ast in mnist_step_asts(scale):
+        plain = Kernel(ast, Device[device].renderer)
+        if plain.reduceop is not None and is_weight_gradient_part(plain):
+          bench_ast(ast, device, iters, 0, f"  part {part}: weight gradient")
   finally:
     lazy.GPU_SPLIT_MIN_PART_MATMUL = original
 
