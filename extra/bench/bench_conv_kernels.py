@@ -54,6 +54,11 @@ VARIANTS: dict[str, dict[str, list[Opt]]] = {
                                   Opt(S, 0, 0), Opt(R, 0, 8)],
     "shared 64x64 k8 kw": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0), Opt(R, 0, 8),
                            Opt(R, 1, 3)],
+    # the window unrolled whole: one reduce loop, so the tiles are double buffered (register prefetch)
+    "shared 64x64 k4, kh kw unrolled": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0),
+                                        Opt(R, 0, 4), Opt(R, 1, 3), Opt(R, 1, 3)],
+    "shared 64x64 k2, kh kw unrolled": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0),
+                                        Opt(R, 0, 2), Opt(R, 1, 3), Opt(R, 1, 3)],
     "regs 4x4 16x16": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16)],
     "regs 4x4 16x16 unroll kw": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(R, 2, 3)],
   },
