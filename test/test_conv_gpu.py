@@ -147,3 +147,37 @@ def test_conv_backward_kernels_match_the_plain_kernels_on_the_emulated_gpu(size:
   (tout * tout).sum().backward()
   np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-3, atol=1e-2)
   np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-3, atol=1e-1)
+
+
+def _mnist_conv_kernels(images: tuple[int, ...], weights: tuple[int, ...], input_gradient: bool) -> dict[str, str]:
+  """{plain kernel name: the hand-coded kernel's name for CUDA} of a conv layer's forward and backward at MNIST's
+  batch 256 (scheduled only: nothing runs)."""
+  x = Tensor.empty(*images, device="PYTHON", requires_grad=input_gradient)
+  w = Tensor.empty(*weights, device="PYTHON", requires_grad=True)
+  out = x.conv2d(w)
+  (out * Tensor.empty(*out.shape, device="PYTHON")).sum().backward()
+  outputs = [out, w.grad] + ([x.grad] if input_gradient else [])
+  names = {}
+  for item in create_schedule([t.lazydata for t in outputs]):
+    if item.ast.op is not Ops.STORE: continue
+    kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+    plain = kernel.name
+    kernel.hand_coded_optimizations()
+    if kernel.reduceop is not None: names[plain] = kernel.name
+  return names
+
+
+def test_mnist_conv_kernel_choices() -> None:
+  """The kernels examples/mnist.py's convolutions get on CUDA (batch 256), pinned: a change here is a change of the
+  step's speed, to be measured (`python extra/bench/bench_conv_kernels.py`)."""
+  assert _mnist_conv_kernels((256, 16, 12, 12), (32, 16, 5, 5), True) == {
+    "r_256_32_8_8_16_5_5": "r_256_8_8_2_2_5_5_4_4_8",         # forward: conv tile, 64 pixels x 32 channels
+    "r_32_32_16_5_5_8_8_8": "r_8_5_5_4_8_4_2_8_8_4_4_4",      # weight gradient, 32 parts of 8 images
+    "r_12800_32": "r_100_128_8_4",                            # the parts summed
+    "r_256_16_12_12_32_5_5": "r_32_3_3_4_8_4_4_5_5_4_4_8",    # input gradient: conv tile over the padded gradient
+  }
+  assert _mnist_conv_kernels((256, 1, 28, 28), (16, 1, 5, 5), False) == {
+    "r_256_16_24_24_5_5": "r_128_3_3_2_16_2_2_5_5_4_4",       # forward: one input channel, no conv tile
+    "r_256_16_5_5_24_24": "r_8_5_5_32_4_6_24_4_4",            # weight gradient, 256 parts of 1 image
+    "r_400_256": "r_25_16_16_16",
+  }
