@@ -5,7 +5,8 @@ Rows: the convolution-shaped kernels of one examples/mnist.py training step (the
 input gradient, weight gradient and the weight gradient's second split-K kernel), and conv2d 64x64x56x56 with 64
 3x3 filters, pad 1, in float32 and float16 (issue 12's rows; PyTorch/cuDNN beside them where torch has CUDA).
 `--parts-sweep` also times every kernel of the MNIST step with the split-K part size of matmul-like reduces
-(lazy.GPU_SPLIT_MIN_PART_MATMUL) set to each of 128, 256, 512 and 1024 products.
+(lazy.GPU_SPLIT_MIN_PART_MATMUL) set to each of 128, 256, 512 and 1024 products, and with the input gradient's
+padded output gradient stored first (tensor_conv.store_padded_gradient, as on the CPU).
 
 Method: each kernel runs on scratch buffers filled with random values (codegen/opt/search.py's helpers); a figure is
 the fastest of `--iters` device-timed launches after one warm-up. Every variant and BEAM's winner is checked
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import ourgrad.lazy as lazy  # noqa: E402
+import ourgrad.tensor_conv as tensor_conv  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands  # noqa: E402
 from ourgrad.codegen.opt import heuristic  # noqa: E402
@@ -220,13 +222,15 @@ def torch_conv(dtype_name: str, iters: int) -> None:
 
 
 def parts_sweep(device: str, iters: int, scale: int) -> None:
-  """Every kernel of the MNIST step, hand-coded, with each split-K part size of matmul-like reduces: the summed
-  time of the matmul-like kernels (and of the second kernels of their splits) and of the whole step."""
-  original = lazy.GPU_SPLIT_MIN_PART_MATMUL
+  """Every kernel of the MNIST step, hand-coded, with each split-K part size of matmul-like reduces (and at 512, with
+  the stride-1 input gradient's padded output gradient stored first, as on the CPU): the summed time of the
+  matmul-like kernels and of the whole step, then the weight gradients' variants at that part size."""
+  original, original_store = lazy.GPU_SPLIT_MIN_PART_MATMUL, tensor_conv.store_padded_gradient
   print("\nsplit-K part size of matmul-like reduces (products per part): summed kernel ms of the MNIST step")
   try:
-    for part in (128, 256, 512, 1024):
-      lazy.GPU_SPLIT_MIN_PART_MATMUL = part
+    for part in (128, 256, 512, 1024, "512, padded gradient stored"):
+      lazy.GPU_SPLIT_MIN_PART_MATMUL = part if isinstance(part, int) else 512
+      tensor_conv.store_padded_gradient = original_store if isinstance(part, int) else lambda device: True
       total, matmul, names = 0.0, 0.0, []
       for ast in mnist_step_asts(scale):
         kernel = Kernel(ast, Device[device].renderer)
@@ -238,13 +242,13 @@ def parts_sweep(device: str, iters: int, scale: int) -> None:
         if kernel.reduceop is not None and _matmul_like(Kernel(ast, Device[device].renderer)):
           matmul += seconds
           names.append(f"{kernel.name} {seconds * 1e3:.4f}")
-      print(f"  part {part:>5}: step {total * 1e3:.3f} ms, matmul-like {matmul * 1e3:.3f} ms: {', '.join(names)}")
+      print(f"  part {part}: step {total * 1e3:.3f} ms, matmul-like {matmul * 1e3:.3f} ms: {', '.join(names)}")
       for ast in mnist_step_asts(scale):
         plain = Kernel(ast, Device[device].renderer)
         if plain.reduceop is not None and is_weight_gradient_part(plain):
           bench_ast(ast, device, iters, 0, f"  part {part}: weight gradient")
   finally:
-    lazy.GPU_SPLIT_MIN_PART_MATMUL = original
+    lazy.GPU_SPLIT_MIN_PART_MATMUL, tensor_conv.store_padded_gradient = original, original_store
 
 
 def main() -> None:
