@@ -78,6 +78,11 @@ WEIGHT_GRADIENT_VARIANTS: dict[int, dict[str, list[Opt]]] = {
                                               Opt(L, 0, 4)],
     "locals kw 5 cin 4 cout 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(R, 2, 4), Opt(L, 4, 5), Opt(L, 2, 4), Opt(L, 1, 8)],
     "upcast kw 5, locals cin 16 cout 8": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(R, 2, 4)],
+    # 80 outputs per thread (cout 4 x cin 4 x kw 5): each x value serves 4 couts and up to 5 kw, each g value 20
+    "upcast kw 5 cout 4 cin 4, unroll ow 2, locals cin 4 cout 8": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(U, 2, 4),
+                                                                   Opt(L, 2, 4), Opt(L, 1, 8), Opt(R, 2, 2)],
+    "upcast kw 5 cout 4 cin 4, group ow, locals cin 4 cout 4": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(U, 2, 4),
+                                                                Opt(L, 2, 4), Opt(L, 1, 4), Opt(G, 2, 0)],
     "shared: locals kw 5 cin 4 cout 8, step ow 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 4, 5), Opt(L, 2, 4),
                                                     Opt(L, 1, 8), Opt(S, 0, 0), Opt(R, 2, 8)],
     "shared: locals kw 5 cin 4 cout 8 parts 2, step ow 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 4, 5), Opt(L, 2, 4),
