@@ -61,6 +61,14 @@ VARIANTS: dict[str, dict[str, list[Opt]]] = {
                                         Opt(R, 0, 4), Opt(R, 1, 3), Opt(R, 1, 3)],
     "shared 64x64 k2, kh kw unrolled": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0),
                                         Opt(R, 0, 2), Opt(R, 1, 3), Opt(R, 1, 3)],
+    # float16 (tensor cores; the float32 conv reports these n/a): after TC the axes are (batch, cout/8, pixels/16 |
+    # cin/16, kh, kw); the hand-coded kernel is TC, UPCAST 1 4, UPCAST 2 2, LOCAL 1 2, LOCAL 1 2 (64x64 per block)
+    "tc hand + unroll kw": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2), Opt(R, 2, 3)],
+    "tc hand + unroll cin 2": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2), Opt(R, 0, 2)],
+    "tc warp 4x4 tiles, 2x2 warps (2 images)": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 4), Opt(L, 1, 2), Opt(L, 0, 2)],
+    "tc warp 2x8 tiles, 2x2 warps": [Opt(T, 0, 0), Opt(U, 1, 8), Opt(U, 1, 2), Opt(L, 1, 2), Opt(L, 0, 2)],
+    "tc warp 2x4 tiles, 4x2 warps": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2),
+                                     Opt(L, 0, 2)],
     "regs 4x4 16x16": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16)],
     "regs 4x4 16x16 unroll kw": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(R, 2, 3)],
   },
