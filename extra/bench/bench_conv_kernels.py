@@ -61,6 +61,12 @@ VARIANTS: dict[str, dict[str, list[Opt]]] = {
                                         Opt(R, 0, 4), Opt(R, 1, 3), Opt(R, 1, 3)],
     "shared 64x64 k2, kh kw unrolled": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0),
                                         Opt(R, 0, 2), Opt(R, 1, 3), Opt(R, 1, 3)],
+    # 8x8 outputs per thread (4 pixels x 2 images x 8 channels: 4 FMAs per float read from the tiles, twice the 4x4
+    # tile's), 16 x 8 threads: 128 pixels (of 2 images) x 64 channels per block
+    "shared 8x8 (2 images) k8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(U, 1, 2), Opt(U, 0, 2),
+                                 Opt(S, 0, 0), Opt(R, 0, 8)],
+    "shared 8x8 (2 images) k2, kh kw unrolled": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(U, 1, 2),
+                                                 Opt(U, 0, 2), Opt(S, 0, 0), Opt(R, 0, 2), Opt(R, 1, 3), Opt(R, 1, 3)],
     # float16 (tensor cores; the float32 conv reports these n/a): after TC the axes are (batch, cout/8, pixels/16 |
     # cin/16, kh, kw); the hand-coded kernel is TC, UPCAST 1 4, UPCAST 2 2, LOCAL 1 2, LOCAL 1 2 (64x64 per block)
     "tc hand + unroll kw": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2), Opt(R, 2, 3)],
