@@ -181,3 +181,41 @@ def test_mnist_conv_kernel_choices() -> None:
     "r_256_16_5_5_24_24": "r_8_5_5_32_4_6_24_4_4",            # weight gradient, 256 parts of 1 image
     "r_400_256": "r_25_16_16_16",
   }
+
+
+TC_CONV_OPTS = {   # float16 conv (batch, cout, pixels | cin, kh, kw) with tensor cores, both tiles staged
+  "hand warps": [(OptOps.TC, 0, 0), (OptOps.UPCAST, 1, 4), (OptOps.UPCAST, 2, 2), (OptOps.LOCAL, 1, 2),
+                 (OptOps.SHARED, 0, 0)],
+  "cin steps of 32": [(OptOps.TC, 0, 0), (OptOps.UPCAST, 1, 4), (OptOps.UPCAST, 2, 2), (OptOps.LOCAL, 1, 2),
+                      (OptOps.UNROLL, 0, 2), (OptOps.SHARED, 0, 0)],
+  "2 images per block": [(OptOps.TC, 0, 0), (OptOps.UPCAST, 1, 4), (OptOps.LOCAL, 1, 2), (OptOps.LOCAL, 0, 2),
+                         (OptOps.SHARED, 0, 0)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TC_CONV_OPTS))
+def test_staged_tensor_core_conv_matches_the_plain_kernel(name: str) -> None:
+  """TC + SHARED on a float16 conv: its three reduce loops (channel steps, window rows, window columns) walked as
+  one flat loop of staged steps; the window tile's copies masked at the padding, the filter's element by element
+  (not contiguous along the channels). Against the plain kernel on the emulated GPU, and NVRTC compiles it."""
+  from ourgrad.codegen.kernel import Opt
+  x = Tensor(rng.standard_normal((2, 32, 8, 8)).astype(np.float16), device="PYTHON")
+  w = Tensor(rng.standard_normal((64, 32, 3, 3)).astype(np.float16), device="PYTHON")
+  schedule = create_schedule([x.conv2d(w, padding=1).lazydata])
+  run_schedule([item for item in schedule if item.ast.op is not Ops.STORE])
+  item = next(item for item in schedule if item.ast.op is Ops.STORE)
+  plain, staged = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))
+  for op, axis, amount in TC_CONV_OPTS[name]: staged.apply_opt(Opt(op, axis, amount))
+  assert staged.first_upcast - staged.first_loop_reduce >= 2 and staged.shared_tiles   # several loops, one flat
+  results = []
+  for kernel in (plain, staged):
+    out = Buffer("PYTHON", item.outputs[0].size, dtypes.float16).allocate()
+    compile_kernel(kernel, "PYTHON")((out, *item.inputs))
+    results.append(out.numpy().astype(np.float32))
+  np.testing.assert_allclose(results[1], results[0], rtol=2e-3, atol=2e-2)
+  compiler = nvrtc_compiler()
+  if compiler is None: return
+  from ourgrad.renderer.cuda import CUDARenderer
+  cuda = Kernel(item.ast, CUDARenderer())
+  for op, axis, amount in TC_CONV_OPTS[name]: cuda.apply_opt(Opt(op, axis, amount))
+  compiler.compile(CUDARenderer().render(function_name(cuda), linearize(cuda)))

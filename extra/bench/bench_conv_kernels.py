@@ -75,6 +75,15 @@ VARIANTS: dict[str, dict[str, list[Opt]]] = {
     "tc warp 2x8 tiles, 2x2 warps": [Opt(T, 0, 0), Opt(U, 1, 8), Opt(U, 1, 2), Opt(L, 1, 2), Opt(L, 0, 2)],
     "tc warp 2x4 tiles, 4x2 warps": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2),
                                      Opt(L, 0, 2)],
+    # tensor cores with both tiles staged (cp.async where contiguous, else element by element; the reduce loops walked
+    # as one flat loop of steps)
+    "tc staged, hand warps": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2), Opt(S, 0, 0)],
+    "tc staged, hand warps, cin steps of 32": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2),
+                                               Opt(R, 0, 2), Opt(S, 0, 0)],
+    "tc staged, 8 warps (2 images), cin steps of 32": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2),
+                                                       Opt(L, 1, 2), Opt(L, 0, 2), Opt(R, 0, 2), Opt(S, 0, 0)],
+    "tc staged, warp 4x4 tiles (2 images), cin steps of 32": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 4), Opt(L, 1, 2),
+                                                              Opt(L, 0, 2), Opt(R, 0, 2), Opt(S, 0, 0)],
     "regs 4x4 16x16": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16)],
     "regs 4x4 16x16 unroll kw": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(R, 2, 3)],
   },

@@ -472,13 +472,15 @@ class Kernel:
 
   def tensor_core_tiles(self) -> tuple[TileLayout, TileLayout]:
     """With TC and SHARED: the local-memory layouts of the A and B tiles (see TileLayout). Raises KernelOptError
-    where they do not fit the staged path: one reduce loop, each operand one view (masks allowed) whose contiguous
-    axis is the instruction's K axis or its M (N) axis, with plain strides."""
+    where they do not fit the staged path: a reduce loop at least, each operand one view (masks allowed) with plain,
+    non-negative strides inside the block, its innermost axis there the instruction's K axis or its M (N) axis
+    (contiguous: 16-byte copies; else element by element, as a convolution's filter along its input channels).
+    Several reduce loops (a convolution's channels and window) are walked as one flat loop of steps."""
     applied = self.tensor_core
     assert applied is not None
-    if self.first_upcast - self.first_loop_reduce != 1:
-      raise KernelOptError(f"SHARED with TC needs one reduce loop, {self.name} has "
-                           f"{self.first_upcast - self.first_loop_reduce}")
+    if self.first_upcast == self.first_loop_reduce:
+      raise KernelOptError(f"SHARED with TC needs a reduce loop to stage along, {self.name} has none (an UNROLL took "
+                           f"all of it)")
     m_axis, n_axis, k_axis = self.shape_len - 3, self.shape_len - 2, self.shape_len - 1
     return (self._tensor_core_tile(applied.a, m_axis, k_axis), self._tensor_core_tile(applied.b, n_axis, k_axis))
 
@@ -486,12 +488,12 @@ class Kernel:
     st = self.sts[self.leaf_number(operand)]
     strides = st.real_strides()
     in_block = list(range(self.global_dims, self.first_reduce)) + list(range(self.first_upcast, self.shape_len))
-    if any(strides[axis] is None for axis in in_block):
-      raise KernelOptError(f"SHARED with TC: the operand {st} has no plain strides inside the block")
+    if any(strides[axis] is None or strides[axis] < 0 for axis in in_block):
+      raise KernelOptError(f"SHARED with TC: the operand {st} has no plain non-negative strides inside the block")
     axes = sorted((axis for axis in in_block if strides[axis] != 0), key=lambda axis: -strides[axis])
     innermost = axes[-1]
-    if strides[innermost] != 1 or innermost not in (row_axis, k_axis):
-      raise KernelOptError(f"SHARED with TC: the operand {st} is not contiguous along the instruction's axes")
+    if innermost not in (row_axis, k_axis):
+      raise KernelOptError(f"SHARED with TC: the operand {st} is not innermost along the instruction's axes")
     transposed = innermost != k_axis
     # the row: the innermost axes while they stay contiguous and along the same matrix direction (K, or M/N)
     row_axes, row_length = 1, self.full_shape[innermost]
