@@ -197,7 +197,7 @@ def row(label: str, kernel: Kernel | None, seconds: float | None, flops: int, ch
   print(f"  {label:<44} {name:<38} {ms} {rate} {check:<6} {opts}")
 
 
-def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str) -> None:
+def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_filter: str = "") -> None:
   """Hand-coded, each variant and BEAM's kernel of one AST: ms, GFLOP/s, checked against the plain kernel."""
   renderer = Device[device].renderer
   plain = Kernel(ast, renderer)
@@ -217,7 +217,8 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str) -> No
   if is_weight_gradient_part(plain): variants.update(WEIGHT_GRADIENT_VARIANTS.get(len(plain.full_shape), {}))
   for name, opts in variants.items():
     candidates.append((name, lambda opts=opts: apply_opts(plain, opts)))
-  if beam: candidates.append((f"BEAM={beam}", lambda: beam_search(plain, None, beam, device=device)))
+  if beam and beam_filter in plain.name:
+    candidates.append((f"BEAM={beam}", lambda: beam_search(plain, None, beam, device=device)))
   for name, make in candidates:
     try:
       kernel = make()
@@ -284,6 +285,7 @@ def main() -> None:
   parser.add_argument("--device", default="CUDA")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--beam", type=int, default=2, help="BEAM width per kernel (0: no search)")
+  parser.add_argument("--beam-filter", default="", help="BEAM only the kernels whose plain name contains this")
   parser.add_argument("--only", default="", help="rows whose label contains this: mnist, f32, f16")
   parser.add_argument("--scale", type=int, default=0, help="divide batch and image sizes by 2^scale (smoke tests)")
   parser.add_argument("--parts-sweep", action="store_true", help="time the MNIST step with several split-K parts")
@@ -295,11 +297,12 @@ def main() -> None:
       plain = Kernel(ast, Device[args.device].renderer)
       # convolution-shaped: a matmul-like reduce over a window (the Linear layer's kernels have 3 axes)
       if plain.reduceop is None or not _matmul_like(plain) or len(plain.full_shape) < 5: continue
-      bench_ast(ast, args.device, args.iters, args.beam, "mnist step")
+      bench_ast(ast, args.device, args.iters, args.beam, "mnist step", args.beam_filter)
   for dtype_name in ("float32", "float16"):
     label = f"conv 64x64x56x56 3x3 pad 1 {'f32' if dtype_name == 'float32' else 'f16'}"
     if args.only and args.only not in label: continue
-    bench_ast(conv_ast(args.device, dtype_name, args.scale), args.device, args.iters, args.beam, label)
+    bench_ast(conv_ast(args.device, dtype_name, args.scale), args.device, args.iters, args.beam, label,
+              args.beam_filter)
     if args.device.startswith("CUDA"): torch_conv(dtype_name, args.iters)
   if args.parts_sweep: parts_sweep(args.device, args.iters, args.scale)
 
