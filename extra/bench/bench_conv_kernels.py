@@ -285,7 +285,7 @@ def main() -> None:
   parser.add_argument("--device", default="CUDA")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--beam", type=int, default=2, help="BEAM width per kernel (0: no search)")
-  parser.add_argument("--beam-filter", default="", help="BEAM only the kernels whose plain name contains this")
+  parser.add_argument("--beam-filter", default="", help="only the kernels whose plain name contains this")
   parser.add_argument("--only", default="", help="rows whose label contains this: mnist, f32, f16")
   parser.add_argument("--scale", type=int, default=0, help="divide batch and image sizes by 2^scale (smoke tests)")
   parser.add_argument("--parts-sweep", action="store_true", help="time the MNIST step with several split-K parts")
@@ -297,6 +297,7 @@ def main() -> None:
       plain = Kernel(ast, Device[args.device].renderer)
       # convolution-shaped: a matmul-like reduce over a window (the Linear layer's kernels have 3 axes)
       if plain.reduceop is None or not _matmul_like(plain) or len(plain.full_shape) < 5: continue
+      if args.beam_filter not in plain.name: continue   # --beam-filter: those kernels alone
       bench_ast(ast, args.device, args.iters, args.beam, "mnist step", args.beam_filter)
   for dtype_name in ("float32", "float16"):
     label = f"conv 64x64x56x56 3x3 pad 1 {'f32' if dtype_name == 'float32' else 'f16'}"
