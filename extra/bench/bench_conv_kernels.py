@@ -80,6 +80,8 @@ VARIANTS: dict[str, dict[str, list[Opt]]] = {
     "tc staged, hand warps": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2), Opt(S, 0, 0)],
     "tc staged, hand warps, cin steps of 32": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2),
                                                Opt(R, 0, 2), Opt(S, 0, 0)],
+    "tc staged, hand warps, cin steps of 64": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2),
+                                               Opt(R, 0, 4), Opt(S, 0, 0)],
     "tc staged, 8 warps (2 images), cin steps of 32": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2),
                                                        Opt(L, 1, 2), Opt(L, 0, 2), Opt(R, 0, 2), Opt(S, 0, 0)],
     "tc staged, warp 4x4 tiles (2 images), cin steps of 32": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 4), Opt(L, 1, 2),
