@@ -219,3 +219,38 @@ def test_staged_tensor_core_conv_matches_the_plain_kernel(name: str) -> None:
   cuda = Kernel(item.ast, CUDARenderer())
   for op, axis, amount in TC_CONV_OPTS[name]: cuda.apply_opt(Opt(op, axis, amount))
   compiler.compile(CUDARenderer().render(function_name(cuda), linearize(cuda)))
+
+
+def test_float16_conv_takes_staged_tensor_cores_by_default() -> None:
+  """The hand-coded float16 conv (heuristic.tensor_core_conv_tiles): TC + SHARED, 8 warps (2 images) per block, on
+  the emulated GPU against the plain kernel."""
+  x = Tensor(rng.standard_normal((2, 32, 8, 8)).astype(np.float16), device="PYTHON")
+  w = Tensor(rng.standard_normal((64, 32, 3, 3)).astype(np.float16), device="PYTHON")
+  schedule = create_schedule([x.conv2d(w, padding=1).lazydata])
+  run_schedule([item for item in schedule if item.ast.op is not Ops.STORE])
+  item = next(item for item in schedule if item.ast.op is Ops.STORE)
+  plain, staged = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))
+  staged.hand_coded_optimizations()
+  assert staged.tensor_core is not None and staged.shared_tiles and staged.block_threads() == 256
+  results = []
+  for kernel in (plain, staged):
+    out = Buffer("PYTHON", item.outputs[0].size, dtypes.float16).allocate()
+    compile_kernel(kernel, "PYTHON")((out, *item.inputs))
+    results.append(out.numpy().astype(np.float32))
+  np.testing.assert_allclose(results[1], results[0], rtol=2e-3, atol=2e-2)
+
+
+def test_benchmark_conv_kernel_choices() -> None:
+  """conv2d 64x64x56x56 3x3 pad 1 (issue 12's rows) on CUDA, pinned. H100 (bench_conv_kernels.py, run 1): float32
+  8x8 outputs per thread 0.435 ms (the 4x4 tile 0.600, no tile 1.001, cuDNN 0.388); float16 staged tensor cores
+  0.134 ms (unstaged 0.407)."""
+  from ourgrad.renderer.cuda import CUDARenderer
+  names = {}
+  for dtype in (dtypes.float32, dtypes.float16):
+    x = Tensor.empty(64, 64, 56, 56, dtype=dtype, device="PYTHON")
+    w = Tensor.empty(64, 64, 3, 3, dtype=dtype, device="PYTHON")
+    item = next(item for item in create_schedule([x.conv2d(w, padding=1).lazydata]) if item.ast.op is Ops.STORE)
+    kernel = Kernel(item.ast, CUDARenderer())
+    kernel.hand_coded_optimizations()
+    names[dtype.name] = kernel.name
+  assert names == {"float32": "r_32_49_8_16_8_3_3_4_4_2_2_8", "float16": "r_32_49_2_2_2_2_3_3_4_2_2_16_8_16"}
