@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ourgrad import Tensor, dtypes
-from ourgrad.codegen.kernel import Kernel, OptOps
+from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import CONV_TILES, shared_conv_tiles
 from ourgrad.device import Buffer
@@ -172,13 +172,13 @@ def test_mnist_conv_kernel_choices() -> None:
   step's speed, to be measured (`python extra/bench/bench_conv_kernels.py`)."""
   assert _mnist_conv_kernels((256, 16, 12, 12), (32, 16, 5, 5), True) == {
     "r_256_32_8_8_16_5_5": "r_256_8_8_2_2_5_5_4_4_8",         # forward: conv tile, 64 pixels x 32 channels
-    "r_32_32_16_5_5_8_8_8": "r_8_5_5_4_8_4_2_8_8_4_4_4",      # weight gradient, 32 parts of 8 images
+    "r_32_32_16_5_5_8_8_8": "r_32_5_8_16_8_8_2_5_4_4",        # weight gradient, 32 parts of 8 images: filter rows
     "r_12800_32": "r_100_128_8_4",                            # the parts summed
     "r_256_16_12_12_32_5_5": "r_32_3_3_4_8_4_4_5_5_4_4_8",    # input gradient: conv tile over the padded gradient
   }
   assert _mnist_conv_kernels((256, 1, 28, 28), (16, 1, 5, 5), False) == {
     "r_256_16_24_24_5_5": "r_128_3_3_2_16_2_2_5_5_4_4",       # forward: one input channel, no conv tile
-    "r_256_16_5_5_24_24": "r_8_5_5_32_4_6_24_4_4",            # weight gradient, 256 parts of 1 image
+    "r_256_16_5_5_24_24": "r_256_5_4_24_24_5_4",              # weight gradient, 256 parts of 1 image, GROUP rows
     "r_400_256": "r_25_16_16_16",
   }
 
@@ -254,3 +254,38 @@ def test_benchmark_conv_kernel_choices() -> None:
     kernel.hand_coded_optimizations()
     names[dtype.name] = kernel.name
   assert names == {"float32": "r_32_49_8_16_8_3_3_4_4_2_2_8", "float16": "r_32_49_2_2_2_2_3_3_4_2_2_16_8_16"}
+
+
+@pytest.mark.parametrize("channels, size, kernel_size", [(4, 9, 3), (1, 10, 5)])
+def test_split_weight_gradient_tiles_match_the_plain_kernel(monkeypatch: pytest.MonkeyPatch, channels: int,
+                                                            size: int, kernel_size: int) -> None:
+  """heuristic.weight_gradient_tiles on the split-K weight gradient (thresholds scaled down so a small conv splits):
+  filter rows per thread, with LOCAL input channels and unrolled rows (4 input channels) or GROUP rows (1, as MNIST's
+  conv1); every kernel against its plain version on the emulated GPU, the gradient against torch."""
+  import ourgrad.lazy as lazy
+  for name, value in (("GPU_SPLIT_MIN_ELEMENTS", 64), ("GPU_SPLIT_MIN_PART", 8), ("GPU_SPLIT_MIN_PART_MATMUL", 8),
+                      ("GPU_SPLIT_TARGET_OUTPUTS", 64)):
+    monkeypatch.setattr(lazy, name, value)
+  x_data = rng.standard_normal((8, channels, size, size)).astype(np.float32)
+  w_data = rng.standard_normal((8, channels, kernel_size, kernel_size)).astype(np.float32)
+  x, w = Tensor(x_data, device="PYTHON"), Tensor(w_data, device="PYTHON", requires_grad=True)
+  out = x.conv2d(w)
+  upstream = rng.standard_normal(out.shape).astype(np.float32)   # a stored gradient, as a batchnorm backward gives
+  (out * Tensor(upstream, device="PYTHON")).sum().backward()
+  tiled = 0
+  for item in create_schedule([w.grad.lazydata]):
+    if item.ast.op is not Ops.STORE:
+      run_schedule([item])
+      continue
+    optimized, plain = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))
+    optimized.hand_coded_optimizations()
+    tiled += optimized.applied_opts[:1] == [Opt(OptOps.UPCAST, optimized.applied_opts[0].axis, kernel_size)]
+    size_out = item.outputs[0].size
+    np.testing.assert_allclose(_run(optimized, list(item.inputs), size_out), _run(plain, list(item.inputs), size_out),
+                               rtol=1e-4, atol=1e-3)
+    run_schedule([item])
+  assert tiled == 1, "the partial-sums kernel takes the filter-row tile"
+  tw = torch.tensor(w_data, requires_grad=True)
+  tout = torch.nn.functional.conv2d(torch.tensor(x_data), tw)
+  (tout * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-3, atol=1e-2)
