@@ -252,14 +252,17 @@ class LazyBuffer:
     if prod(out_shape) == 0 or any(is_symbolic(size) for size in self.shape): return None
     axis = max(axes, key=lambda a: self.shape[a])
     parts = self._gpu_split_parts(axes, out_shape, axis)
+    # on a GPU the parts become the outermost axis of the partial results (see _parts_outermost)
+    parts_axis = 0 if parts is not None else axis
     if parts is None: parts = self._cpu_split_parts(out_shape, axis)
     if parts is None: return None
     size = self.shape[axis]
-    split_shape = self.shape[:axis] + (parts, size // parts) + self.shape[axis + 1:]
+    split = self.reshape(self.shape[:axis] + (parts, size // parts) + self.shape[axis + 1:])
     # after the split, `axis` holds the parts and axis+1 the elements within a part
     inner_axes = tuple(a + 1 if a >= axis else a for a in axes)
-    partials = self.reshape(split_shape).reduce(op, inner_axes)
-    return partials.reduce(op, (axis,)).reshape(out_shape)
+    if parts_axis != axis: split, inner_axes = _parts_outermost(split, axis, inner_axes)
+    partials = split.reduce(op, inner_axes)
+    return partials.reduce(op, (parts_axis,)).reshape(out_shape)
 
   def _cpu_split_parts(self, out_shape: tuple[int, ...], axis: int) -> int | None:
     """Parts for a reduce of at least SPLIT_REDUCE_MIN_ELEMENTS per output into few outputs (a full sum): up to 256,
@@ -389,6 +392,18 @@ class LazyBuffer:
     # kernel still reads it: copy it out first
     if value.base is self.base and value.st != self.st: value = value.clone()
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
+
+
+def _parts_outermost(split: LazyBuffer, parts_axis: int, inner_axes: tuple[int, ...]) -> tuple[LazyBuffer,
+                                                                                                   tuple[int, ...]]:
+  """A split reduce's input with its parts axis moved first, and the reduce axes renumbered to match. The first
+  kernel's outputs are then (parts, outputs...): the output axes a GPU kernel tiles into registers and thread blocks
+  (a weight gradient's channels) stay the innermost ones, as without the split. With the parts innermost (a weight
+  gradient's batch comes after its channels and window offsets), the heuristic made the 32 parts a warp's threads,
+  each reading another image: MNIST's conv2 weight gradient took 0.180 ms on the H100 instead of 0.061."""
+  order = (parts_axis, *(a for a in range(len(split.shape)) if a != parts_axis))
+  moved = tuple(order.index(a) for a in inner_axes)
+  return split.permute(order), moved
 
 
 def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:

@@ -103,3 +103,21 @@ def test_padto_lets_other_opts_fit():
   assert applied == [Opt(OptOps.PADTO, 0, 4), Opt(OptOps.UPCAST, 0, 4)]
   np.testing.assert_allclose(optimized, np.exp(data.astype(np.float64) * 1).sum(axis=1) * 2 + 1, rtol=1e-5)
   np.testing.assert_allclose(optimized, _plain(item), rtol=1e-6)
+
+
+def test_unroll_of_the_whole_first_reduce_axis_keeps_the_locals() -> None:
+  """An UNROLL that takes all of the first reduce loop (no GROUP before it) leaves a size-1 reduce axis that the
+  output has too: it is dropped as a reduce axis, so the LOCAL axes stay LOCAL (the block keeps its threads) and the
+  results stay the plain kernel's."""
+  from ourgrad.runtime.ops_python import PythonRenderer
+  a = Tensor(np.random.default_rng(3).standard_normal((64, 4)).astype(np.float32), device="PYTHON")
+  b = Tensor(np.random.default_rng(4).standard_normal((4, 32)).astype(np.float32), device="PYTHON")
+  item = next(item for item in create_schedule([(a @ b).lazydata]) if item.ast.op.name == "STORE")
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  for opt in (Opt(OptOps.LOCAL, 0, 4), Opt(OptOps.LOCAL, 1, 8), Opt(OptOps.UNROLL, 0, 4)): kernel.apply_opt(opt)
+  assert kernel.local_dims == 2 and kernel.block_threads() == 32
+  assert kernel.first_loop_reduce == kernel.first_upcast   # no reduce loop left
+  out = Buffer("PYTHON", 64 * 32, a.dtype).allocate()
+  for buffer in item.inputs: assert buffer.is_allocated
+  compile_kernel(kernel, "PYTHON")((out, *item.inputs))
+  np.testing.assert_allclose(out.numpy().reshape(64, 32), a.numpy() @ b.numpy(), rtol=1e-5, atol=1e-5)

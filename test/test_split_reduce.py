@@ -66,6 +66,21 @@ def test_weight_gradient_splits_its_batch_on_a_gpu() -> None:
   assert partials == 32 * 16 * 5 * 5 * 32, "the last kernel sums 32 partial results per weight"
 
 
+def test_split_partials_put_the_parts_outermost() -> None:
+  """The first kernel of a GPU split stores (parts, outputs...): a weight gradient's channels stay the innermost
+  output axes, which the heuristic tiles (with the parts innermost, a warp's 32 threads each read another image:
+  MNIST's conv2 weight gradient took 0.180 ms on the H100 instead of 0.061). The second kernel sums over axis 0."""
+  images = Tensor.empty(256, 16, 12, 12, device="PYTHON")
+  weight = Tensor.empty(32, 16, 5, 5, device="PYTHON", requires_grad=True)
+  (images.conv2d(weight) * Tensor.empty(256, 32, 8, 8, device="PYTHON")).sum().backward()
+  first, last = _kernels(weight.grad)[-2:]
+  assert Kernel(first.ast, PythonRenderer("CUDA")).full_shape[:5] == (32, 32, 16, 5, 5)
+  assert Kernel(last.ast, PythonRenderer("CUDA")).full_shape == (32 * 16 * 5 * 5, 32)   # outputs, then the parts
+  assert Kernel(last.ast, PythonRenderer("CUDA")).first_reduce == 1
+  x = Tensor.empty(256, 32, 8, 8, device="PYTHON")
+  assert Kernel(_kernels(x.sum(axis=(0, 2, 3)))[0].ast, PythonRenderer("CUDA")).full_shape[:2] == (16, 32)
+
+
 def test_many_outputs_or_short_rows_are_not_split() -> None:
   rows = Tensor.empty(8192, 8192, device="PYTHON")
   assert len(_kernels(rows.sum(axis=1))) == 1     # a block per row already fills the GPU

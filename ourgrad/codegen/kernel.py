@@ -233,11 +233,14 @@ class Kernel:
   @property
   def axis_types(self) -> list[AxisType]:
     """The kind of each dimension of `full_shape` (see the module docstring)."""
+    return self._axis_types(self.first_reduce)
+
+  def _axis_types(self, first_reduce: int) -> list[AxisType]:
     kinds = []
     for axis in range(self.shape_len):
-      if axis < self.global_dims: kinds.append(AxisType.GLOBAL)
-      elif axis < self.first_reduce: kinds.append(AxisType.LOCAL)
-      elif axis < self.first_loop_reduce: kinds.append(AxisType.GROUP)
+      if axis < first_reduce - self.local_dims: kinds.append(AxisType.GLOBAL)
+      elif axis < first_reduce: kinds.append(AxisType.LOCAL)
+      elif axis < first_reduce + self.group_dims: kinds.append(AxisType.GROUP)
       elif axis < self.first_upcast: kinds.append(AxisType.REDUCE)
       else: kinds.append(AxisType.UNROLL if self.is_reduce_axis(axis) else AxisType.UPCAST)
     return kinds
@@ -404,7 +407,7 @@ class Kernel:
       # with tensor cores the instruction's m, n, k stay the last three dimensions: new upcasts go before them
       self.shift_to(axis, amount, insert_before=self.shape_len - 3 if self.tensor_core is not None else None)
       self.upcasted += 1
-    self._drop_finished_axes()
+    self._drop_finished_axes(split_reduce=opt.op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP))
 
   def _pad_to(self, axis: int, size: int, amount: int) -> None:
     """Pad every view of `axis` up to a multiple of `amount` (masked: loads give 0, stores beyond `size` are
@@ -472,13 +475,15 @@ class Kernel:
 
   def tensor_core_tiles(self) -> tuple[TileLayout, TileLayout]:
     """With TC and SHARED: the local-memory layouts of the A and B tiles (see TileLayout). Raises KernelOptError
-    where they do not fit the staged path: one reduce loop, each operand one view (masks allowed) whose contiguous
-    axis is the instruction's K axis or its M (N) axis, with plain strides."""
+    where they do not fit the staged path: a reduce loop at least, each operand one view (masks allowed) with plain,
+    non-negative strides inside the block, its innermost axis there the instruction's K axis or its M (N) axis
+    (contiguous: 16-byte copies; else element by element, as a convolution's filter along its input channels).
+    Several reduce loops (a convolution's channels and window) are walked as one flat loop of steps."""
     applied = self.tensor_core
     assert applied is not None
-    if self.first_upcast - self.first_loop_reduce != 1:
-      raise KernelOptError(f"SHARED with TC needs one reduce loop, {self.name} has "
-                           f"{self.first_upcast - self.first_loop_reduce}")
+    if self.first_upcast == self.first_loop_reduce:
+      raise KernelOptError(f"SHARED with TC needs a reduce loop to stage along, {self.name} has none (an UNROLL took "
+                           f"all of it)")
     m_axis, n_axis, k_axis = self.shape_len - 3, self.shape_len - 2, self.shape_len - 1
     return (self._tensor_core_tile(applied.a, m_axis, k_axis), self._tensor_core_tile(applied.b, n_axis, k_axis))
 
@@ -486,12 +491,12 @@ class Kernel:
     st = self.sts[self.leaf_number(operand)]
     strides = st.real_strides()
     in_block = list(range(self.global_dims, self.first_reduce)) + list(range(self.first_upcast, self.shape_len))
-    if any(strides[axis] is None for axis in in_block):
-      raise KernelOptError(f"SHARED with TC: the operand {st} has no plain strides inside the block")
+    if any(strides[axis] is None or strides[axis] < 0 for axis in in_block):
+      raise KernelOptError(f"SHARED with TC: the operand {st} has no plain non-negative strides inside the block")
     axes = sorted((axis for axis in in_block if strides[axis] != 0), key=lambda axis: -strides[axis])
     innermost = axes[-1]
-    if strides[innermost] != 1 or innermost not in (row_axis, k_axis):
-      raise KernelOptError(f"SHARED with TC: the operand {st} is not contiguous along the instruction's axes")
+    if innermost not in (row_axis, k_axis):
+      raise KernelOptError(f"SHARED with TC: the operand {st} is not innermost along the instruction's axes")
     transposed = innermost != k_axis
     # the row: the innermost axes while they stay contiguous and along the same matrix direction (K, or M/N)
     row_axes, row_length = 1, self.full_shape[innermost]
@@ -590,10 +595,16 @@ class Kernel:
     if not self.group_dims or self.reduceop is None: return 0
     return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
 
-  def _drop_finished_axes(self) -> None:
+  def _drop_finished_axes(self, split_reduce: bool = False) -> None:
     """An axis split entirely into an upcast, local or group leaves a size-1 axis behind: remove it (and count
-    the kinds again)."""
-    kinds = self.axis_types
+    the kinds again). `split_reduce`: the split axis was a reduce loop (UNROLL, GROUP): its size-1 remainder is a
+    reduce axis although the output has it too, and where it was the first one, the reduce starts there (else the
+    last LOCAL axis would be counted a GLOBAL one)."""
+    first_reduce = self.first_reduce
+    if split_reduce:
+      remainders = [axis for axis in range(self.first_upcast) if self.full_shape[axis] == 1]
+      first_reduce = min([first_reduce, *remainders])
+    kinds = self._axis_types(first_reduce)
     keep = [axis for axis, size in enumerate(self.full_shape) if size != 1]
     if len(keep) == self.shape_len: return
     self.reshape_and_permute(lambda shape: [shape[axis] for axis in keep], None)

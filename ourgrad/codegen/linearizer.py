@@ -312,8 +312,15 @@ class Linearizer(TensorCoreTiles):
     axis_idxs += thread_idxs[:-1]
     lane = thread_idxs[-1]
     group, quad = lane // 4, lane % 4
-    for axis in range(kernel.first_loop_reduce, kernel.first_upcast):
-      axis_idxs.append(Variable(f"ridx{axis}", 0, shape[axis] - 1))
+    loop_axes = range(kernel.first_loop_reduce, kernel.first_upcast)
+    # staged tiles copy one step ahead: several reduce loops (a convolution's channels and window) become one flat
+    # loop of steps, each loop's index taken from it (TensorCoreTiles._step_idxs)
+    flat_steps = kernel.shared_tiles and len(loop_axes) > 1
+    steps = math.prod(shape[axis] for axis in loop_axes) if kernel.shared_tiles else shape[kernel.first_loop_reduce]
+    flat_step = Variable(f"ridx{kernel.first_loop_reduce}", 0, steps - 1) if flat_steps else None
+    for axis in loop_axes:
+      axis_idxs.append(Variable(f"ridx{axis}", 0, shape[axis] - 1) if not flat_steps else NumNode(0))
+    if flat_steps: axis_idxs = self._step_idxs(axis_idxs, flat_step)
     m_axis, n_axis, k_axis = kernel.shape_len - 3, kernel.shape_len - 2, kernel.shape_len - 1
     upcast_axes = [axis for axis in kernel.upcast_axes if axis < m_axis]
     unroll_axes = [axis for axis in kernel.unroll_axes if axis < m_axis]
@@ -321,17 +328,17 @@ class Linearizer(TensorCoreTiles):
     accumulators = {tile: [build.add(UOps.DEFINE_ACC, tc.dtype_out, (), 0.0) for _ in range(tc.c_elements)]
                     for tile in tiles}
     staged = self._define_tensor_core_tiles() if kernel.shared_tiles else []
-    stages, steps = kernel.tile_stages, shape[kernel.first_loop_reduce]
+    stages = kernel.tile_stages
     if staged:   # the first stages - 1 steps' tiles, one commit group each (see codegen/tensor_core_tiles.py)
       thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce)) * WARP_LANES + lane
       for first_step in range(stages - 1):   # always stages - 1 groups (empty past the last step): the waits count
         if first_step: build.add(UOps.ASYNC_WAIT, None, (), stages)   # commits the group, waits for none
         if first_step < steps:
           self._copy_tensor_core_tiles(staged, axis_idxs, thread, NumNode(first_step), NumNode(first_step))
-    reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
-                    for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
+    if flat_steps: reduce_loops = [self._open_loop(f"ridx{kernel.first_loop_reduce}", steps, AxisType.REDUCE)]
+    else: reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE) for axis in loop_axes]
     if staged:
-      step = axis_idxs[kernel.first_loop_reduce]
+      step = flat_step if flat_steps else axis_idxs[kernel.first_loop_reduce]
       stage = step % stages
       build.add(UOps.ASYNC_WAIT, None, (), stages - 2)   # this step's group has landed (the newer ones may not)
       build.add(UOps.BARRIER, None)

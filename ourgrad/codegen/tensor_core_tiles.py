@@ -72,6 +72,7 @@ class TensorCoreTiles:
     leaf = kernel.leaf_number(operand)
     strides = kernel.sts[leaf].real_strides()
     offset, _ = self._index_nodes(leaf, [NumNode(0)] * kernel.shape_len)
+    if strides[innermost] != 1: return 1   # not contiguous along the tile's rows (a conv filter along its channels)
     width = COPY_BYTES // operand.dtype.itemsize
     while width > 1:
       strides_fit = all(stride is not None and stride % width == 0 for axis, stride in enumerate(strides)
@@ -89,7 +90,7 @@ class TensorCoreTiles:
     for axis in list(range(kernel.global_dims, kernel.first_reduce)) + list(range(kernel.first_upcast,
                                                                                   kernel.shape_len)):
       idxs[axis] = NumNode(0)
-    idxs[kernel.first_loop_reduce] = step
+    idxs = self._step_idxs(idxs, step)
     pieces_per_row = layout.row_length // width
     row, column = piece // pieces_per_row, piece % pieces_per_row * width
     for axes, flat in ((layout.axes[:-layout.row_axes], row), (layout.axes[-layout.row_axes:], column)):
@@ -97,6 +98,20 @@ class TensorCoreTiles:
       for axis in reversed(axes):
         idxs[axis] = (flat // inner) % kernel.full_shape[axis]
         inner *= kernel.full_shape[axis]
+    return idxs
+
+  def _step_idxs(self, idxs: list[Node], step: Node) -> list[Node]:
+    """`idxs` with the reduce loop axes at reduce step `step`: the loop index itself where there is one loop, else
+    the flat step split over the loops (the last varying fastest), as _linearize_tensor_core walks them."""
+    kernel, idxs = self.kernel, list(idxs)
+    loops = range(kernel.first_loop_reduce, kernel.first_upcast)
+    if len(loops) == 1:
+      idxs[kernel.first_loop_reduce] = step
+      return idxs
+    inner = 1
+    for axis in reversed(loops):
+      idxs[axis] = (step // inner) % kernel.full_shape[axis]
+      inner *= kernel.full_shape[axis]
     return idxs
 
   def _uniformly_valid(self, operand: LazyOp, idxs: list[Node], innermost: int, width: int) -> bool:

@@ -1,0 +1,314 @@
+"""Convolution kernels on a GPU, each timed alone: the hand-coded choice beside explicit opt lists (VARIANTS) and a
+BEAM search, to choose the hand-coded convolution opts from measurements.
+
+Rows: the convolution-shaped kernels of one examples/mnist.py training step (the "small" model, batch 256: forward,
+input gradient, weight gradient and the weight gradient's second split-K kernel), and conv2d 64x64x56x56 with 64
+3x3 filters, pad 1, in float32 and float16 (issue 12's rows; PyTorch/cuDNN beside them where torch has CUDA).
+`--parts-sweep` also times every kernel of the MNIST step with the split-K part size of matmul-like reduces
+(lazy.GPU_SPLIT_MIN_PART_MATMUL) set to each of 128, 256, 512 and 1024 products, and with the input gradient's
+padded output gradient stored first (tensor_conv.store_padded_gradient, as on the CPU).
+
+Method: each kernel runs on scratch buffers filled with random values (codegen/opt/search.py's helpers); a figure is
+the fastest of `--iters` device-timed launches after one warm-up. Every variant and BEAM's winner is checked
+against the unoptimized kernel on the same random inputs ("ok" / "WRONG"); a variant whose opts do not apply says
+why. Run on a CUDA machine from the repository root:
+  python extra/bench/bench_conv_kernels.py                 # mnist kernels, the 56x56 convs, BEAM=2 on each
+  python extra/bench/bench_conv_kernels.py --beam 0 --parts-sweep
+`--device PYTHON` (with EMULATE=CUDA) checks the script and the variants' results without a GPU (slow: use
+`--only mnist --scale 3`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import ourgrad.lazy as lazy  # noqa: E402
+import ourgrad.tensor_conv as tensor_conv  # noqa: E402
+from ourgrad import Tensor, dtypes  # noqa: E402
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands  # noqa: E402
+from ourgrad.codegen.opt import heuristic  # noqa: E402
+from ourgrad.codegen.opt.heuristic import ConvTile, _matmul_like, shared_conv_tiles  # noqa: E402
+from ourgrad.codegen.opt.search import apply_opts, beam_search, random_fill, scratch_buffers, verify_kernel  # noqa
+from ourgrad.device import Device  # noqa: E402
+from ourgrad.engine.realize import compile_kernel  # noqa: E402
+from ourgrad.engine.schedule import create_schedule  # noqa: E402
+from ourgrad.ops import LazyOp, Ops  # noqa: E402
+
+U, L, R, G, S, T = OptOps.UPCAST, OptOps.LOCAL, OptOps.UNROLL, OptOps.GROUP, OptOps.SHARED, OptOps.TC
+
+# explicit opt lists per unoptimized kernel name (Kernel.name before any opt)
+VARIANTS: dict[str, dict[str, list[Opt]]] = {
+  # conv2d 64x64x56x56, 64 3x3 filters, pad 1: (batch, cout, 56*56 | cin, kh, kw); a block of 64 cout x 64 output
+  # pixels (of 1 or 2 images), 4x4 (4x4x2) outputs per thread, both operands staged in local memory, cin steps of 8
+  # or 16; or register tiles alone
+  "r_64_64_3136_64_3_3": {
+    "shared 64x64 k8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0), Opt(R, 0, 8)],
+    "shared 64x64 k16": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0), Opt(R, 0, 16)],
+    "shared 64x64 x2 images k8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(U, 0, 2),
+                                  Opt(S, 0, 0), Opt(R, 0, 8)],
+    "shared 64x64 k8 kw": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0), Opt(R, 0, 8),
+                           Opt(R, 1, 3)],
+    # the window unrolled whole: one reduce loop, so the tiles are double buffered (register prefetch)
+    "shared 64x64 k4, kh kw unrolled": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0),
+                                        Opt(R, 0, 4), Opt(R, 1, 3), Opt(R, 1, 3)],
+    "shared 64x64 k2, kh kw unrolled": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(S, 0, 0),
+                                        Opt(R, 0, 2), Opt(R, 1, 3), Opt(R, 1, 3)],
+    # 8x8 outputs per thread (4 pixels x 2 images x 8 channels: 4 FMAs per float read from the tiles, twice the 4x4
+    # tile's), 16 x 8 threads: 128 pixels (of 2 images) x 64 channels per block
+    "shared 8x8 (2 images) k8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(U, 1, 2), Opt(U, 0, 2),
+                                 Opt(S, 0, 0), Opt(R, 0, 8)],
+    "shared 8x8 (2 images) k2, kh kw unrolled": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(U, 1, 2),
+                                                 Opt(U, 0, 2), Opt(S, 0, 0), Opt(R, 0, 2), Opt(R, 1, 3), Opt(R, 1, 3)],
+    # float16 (tensor cores; the float32 conv reports these n/a): after TC the axes are (batch, cout/8, pixels/16 |
+    # cin/16, kh, kw); the hand-coded kernel is TC, UPCAST 1 4, UPCAST 2 2, LOCAL 1 2, LOCAL 1 2 (64x64 per block)
+    "tc hand + unroll kw": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2), Opt(R, 2, 3)],
+    "tc hand + unroll cin 2": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2), Opt(R, 0, 2)],
+    "tc warp 4x4 tiles, 2x2 warps (2 images)": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 4), Opt(L, 1, 2), Opt(L, 0, 2)],
+    "tc warp 2x8 tiles, 2x2 warps": [Opt(T, 0, 0), Opt(U, 1, 8), Opt(U, 1, 2), Opt(L, 1, 2), Opt(L, 0, 2)],
+    "tc warp 2x4 tiles, 4x2 warps": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2),
+                                     Opt(L, 0, 2)],
+    # tensor cores with both tiles staged (cp.async where contiguous, else element by element; the reduce loops walked
+    # as one flat loop of steps)
+    "tc staged, hand warps": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2), Opt(S, 0, 0)],
+    "tc staged, hand warps, cin steps of 32": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2),
+                                               Opt(R, 0, 2), Opt(S, 0, 0)],
+    "tc staged, hand warps, cin steps of 64": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2), Opt(L, 1, 2),
+                                               Opt(R, 0, 4), Opt(S, 0, 0)],
+    "tc staged, 8 warps (2 images), cin steps of 32": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 2), Opt(L, 1, 2),
+                                                       Opt(L, 1, 2), Opt(L, 0, 2), Opt(R, 0, 2), Opt(S, 0, 0)],
+    "tc staged, warp 4x4 tiles (2 images), cin steps of 32": [Opt(T, 0, 0), Opt(U, 1, 4), Opt(U, 2, 4), Opt(L, 1, 2),
+                                                              Opt(L, 0, 2), Opt(R, 0, 2), Opt(S, 0, 0)],
+    "regs 4x4 16x16": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16)],
+    "regs 4x4 16x16 unroll kw": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 16), Opt(R, 2, 3)],
+  },
+}
+
+
+# the first split-K kernel of a weight gradient, by rank of its plain shape: MNIST conv2's (parts, cout 32, cin 16,
+# 5, 5 | images per part, 8, 8) and conv1's (parts, cout 16, 5, 5 | 24, 24; cin 1 is dropped), for any part count
+WEIGHT_GRADIENT_VARIANTS: dict[int, dict[str, list[Opt]]] = {
+  8: {
+    "group ow": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8), Opt(G, 2, 0)],
+    "group oh ow": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 4), Opt(G, 1, 0), Opt(G, 1, 0)],
+    "group oh ow, cout 8 threads": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 1, 8), Opt(G, 1, 0), Opt(G, 1, 0)],
+    "no group, locals parts 4 cout 8 cin 4": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(R, 2, 4), Opt(L, 2, 4), Opt(L, 1, 8),
+                                              Opt(L, 0, 4)],
+    "locals kw 5 cin 4 cout 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(R, 2, 4), Opt(L, 4, 5), Opt(L, 2, 4), Opt(L, 1, 8)],
+    "upcast kw 5, locals cin 16 cout 8": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(R, 2, 4)],
+    # 80 outputs per thread (cout 4 x cin 4 x kw 5): each x value serves 4 couts and up to 5 kw, each g value 20
+    "upcast kw 5 cout 4 cin 4, unroll ow 2, locals cin 4 cout 8": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(U, 2, 4),
+                                                                   Opt(L, 2, 4), Opt(L, 1, 8), Opt(R, 2, 2)],
+    "upcast kw 5 cout 4 cin 4, group ow, locals cin 4 cout 4": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(U, 2, 4),
+                                                                Opt(L, 2, 4), Opt(L, 1, 4), Opt(G, 2, 0)],
+    "shared: locals kw 5 cin 4 cout 8, step ow 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 4, 5), Opt(L, 2, 4),
+                                                    Opt(L, 1, 8), Opt(S, 0, 0), Opt(R, 2, 8)],
+    "shared: locals kw 5 cin 4 cout 8 parts 2, step ow 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 4, 5), Opt(L, 2, 4),
+                                                            Opt(L, 1, 8), Opt(L, 0, 2), Opt(S, 0, 0), Opt(R, 2, 8)],
+  },
+  6: {
+    "upcast kw 5, group ow": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 1, 0)],
+    "upcast kw 5, group oh 4 ow": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 4), Opt(G, 1, 0)],
+    "group ow, locals parts 2": [Opt(U, 1, 4), Opt(L, 1, 4), Opt(L, 0, 2), Opt(G, 1, 0), Opt(R, 0, 4)],
+    "group oh 8 ow": [Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 8), Opt(G, 1, 0)],
+    "upcast kw 5 kh 5, group ow": [Opt(U, 3, 5), Opt(U, 2, 5), Opt(U, 1, 2), Opt(L, 1, 8), Opt(G, 1, 0)],
+  },
+}
+
+
+def is_weight_gradient_part(plain: Kernel) -> bool:
+  """The first kernel of a split weight gradient: an output axis (the parts) along both operands of the product."""
+  try: a, b = matmul_operands(plain.reduceop, dtypes.float32, dtypes.float32, "bench")
+  except (KernelOptError, AttributeError): return False
+  m_axes, n_axes, _ = plain.matmul_axes(a, b)
+  return len(m_axes) + len(n_axes) < plain.first_reduce
+
+
+# conv tiles (heuristic.ConvTile: pixel upcast, pixel threads, channel upcast, channel threads, reduce step) tried on
+# every convolution kernel they fit, beside the heuristic's own list (heuristic.CONV_TILES)
+TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile(8, 16, 4, 16, 8),
+                 ConvTile(4, 16, 8, 8, 8), ConvTile(4, 32, 4, 8, 8), ConvTile(4, 16, 4, 8, 16), ConvTile(4, 8, 4, 8, 8),
+                 ConvTile(2, 16, 4, 8, 8), ConvTile(4, 16, 2, 16, 8))
+
+
+def without_conv_tiles(kernel: Kernel) -> Kernel:
+  """The heuristic's choice as it was before the convolution tiles (shared_conv_tiles switched off)."""
+  original = heuristic.shared_conv_tiles
+  heuristic.shared_conv_tiles = lambda kernel, tiles=(): False
+  try:
+    kernel.hand_coded_optimizations()
+  finally:
+    heuristic.shared_conv_tiles = original
+  return kernel
+
+
+def tiled(plain: Kernel, tile: ConvTile) -> Kernel:
+  kernel = plain.copy()
+  if not shared_conv_tiles(kernel, (tile,)): raise KernelOptError("the tile does not fit")
+  return kernel
+
+
+def mnist_step_asts(scale: int) -> list[LazyOp]:
+  """The kernel ASTs of one examples/mnist.py training step (nothing runs): the graph is built and scheduled."""
+  import mnist
+  from ourgrad.nn.losses import cross_entropy
+  from ourgrad.nn.optim import Adam
+  from ourgrad.nn.state import get_parameters
+  batch = 256 >> scale
+  model = mnist.ConvNet(mnist.MODELS["small"])
+  optimizer = Adam([p for p in get_parameters(model) if p.requires_grad], lr=2e-3)
+  rng = np.random.default_rng(0)
+  with Tensor.train():
+    images = Tensor(rng.integers(0, 255, (batch, 1, 28, 28)).astype(np.uint8))
+    labels = Tensor(rng.integers(0, 10, batch).astype(np.int32))
+    optimizer.zero_grad()
+    loss = cross_entropy(model(mnist.normalize(images)), labels)
+    loss.backward()
+    outs = [loss, *optimizer.schedule_step(), *mnist.batchnorm_buffers(model)]
+    schedule = create_schedule([t.lazydata for t in outs])
+  return [item.ast for item in schedule if item.ast.op is Ops.STORE]
+
+
+def conv_ast(device: str, dtype_name: str, scale: int) -> LazyOp:
+  """The forward kernel of conv2d 64x64x56x56 with 64 3x3 filters, pad 1."""
+  dtype = getattr(dtypes, dtype_name)
+  size = max(56 >> scale, 8)
+  x = Tensor.empty(max(64 >> scale, 2), 64, size, size, dtype=dtype, device=device)
+  w = Tensor.empty(64, 64, 3, 3, dtype=dtype, device=device)
+  return next(item.ast for item in create_schedule([x.conv2d(w, padding=1).lazydata]) if item.ast.op is Ops.STORE)
+
+
+def time_kernel(kernel: Kernel, device: str, buffers: list, iters: int) -> float:
+  runner = compile_kernel(kernel, device)
+  runner(buffers, wait=True)
+  return min(runner(buffers, wait=True) or 0.0 for _ in range(iters))
+
+
+def row(label: str, kernel: Kernel | None, seconds: float | None, flops: int, check: str, note: str = "") -> None:
+  name = kernel.name if kernel is not None else "-"
+  ms = f"{seconds * 1e3:8.4f}" if seconds else f"{'-':>8}"
+  rate = f"{flops / seconds / 1e9:8.0f}" if seconds else f"{'-':>8}"
+  opts = note or (str(kernel.applied_opts) if kernel is not None else "")
+  print(f"  {label:<44} {name:<38} {ms} {rate} {check:<6} {opts}")
+
+
+def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_filter: str = "") -> None:
+  """Hand-coded, each variant and BEAM's kernel of one AST: ms, GFLOP/s, checked against the plain kernel."""
+  renderer = Device[device].renderer
+  plain = Kernel(ast, renderer)
+  buffers = scratch_buffers(ast, device)
+  random_fill(buffers, seed=0)
+  hand = Kernel(ast, renderer)
+  hand.hand_coded_optimizations()
+  flops = compile_kernel(hand, device).op_count
+  print(f"{label}: {plain.name} (plain shape {plain.full_shape})")
+  candidates: list[tuple[str, Callable[[], Kernel]]] = [("hand-coded", lambda: hand),
+                                                        ("no conv tiles", lambda: without_conv_tiles(plain.copy()))]
+  for tile in (TILE_VARIANTS if not is_weight_gradient_part(plain) else ()):
+    label = f"tile px {tile.pixel_upcast}x{tile.pixel_threads} ch {tile.channel_upcast}x{tile.channel_threads} " \
+            f"k{tile.reduce_step}"
+    candidates.append((label, lambda tile=tile: tiled(plain, tile)))
+  variants = dict(VARIANTS.get(plain.name, {}))
+  if is_weight_gradient_part(plain): variants.update(WEIGHT_GRADIENT_VARIANTS.get(len(plain.full_shape), {}))
+  for name, opts in variants.items():
+    candidates.append((name, lambda opts=opts: apply_opts(plain, opts)))
+  if beam and beam_filter in plain.name:
+    candidates.append((f"BEAM={beam}", lambda: beam_search(plain, None, beam, device=device)))
+  for name, make in candidates:
+    try:
+      kernel = make()
+    except KernelOptError as error:
+      row(name, None, None, flops, "n/a", f"does not apply: {error}")
+      continue
+    try:
+      seconds = time_kernel(kernel, device, buffers, iters)
+      check = "ok" if not kernel.applied_opts or verify_kernel(kernel, plain, device) else "WRONG"
+    except Exception as error:  # a variant that fails to compile or launch is a row, not the end of the run
+      row(name, kernel, None, flops, "error", f"{type(error).__name__}: {str(error).splitlines()[0][:150]}")
+      continue
+    row(name, kernel, seconds, flops, check)
+
+
+def torch_conv(dtype_name: str, iters: int) -> None:
+  try:
+    import torch
+    if not torch.cuda.is_available(): return
+  except ImportError:
+    return
+  from timing import torch_seconds
+  dtype = getattr(torch, dtype_name)
+  x = torch.randn(64, 64, 56, 56, device="cuda", dtype=dtype)
+  w = torch.randn(64, 64, 3, 3, device="cuda", dtype=dtype)
+  torch.backends.cudnn.allow_tf32 = False
+  seconds = torch_seconds(lambda: torch.nn.functional.conv2d(x, w, padding=1), iters, cuda=True)
+  flops = 2 * 64 * 64 * 56 * 56 * 64 * 9
+  print(f"  {'PyTorch (cuDNN, TF32 off)':<44} {'-':<38} {seconds * 1e3:8.4f} {flops / seconds / 1e9:8.0f}")
+
+
+def parts_sweep(device: str, iters: int, scale: int) -> None:
+  """Every kernel of the MNIST step, hand-coded, with each split-K part size of matmul-like reduces (and at 512, with
+  the stride-1 input gradient's padded output gradient stored first, as on the CPU): the summed time of the
+  matmul-like kernels and of the whole step, then the weight gradients' variants at that part size."""
+  original, original_store = lazy.GPU_SPLIT_MIN_PART_MATMUL, tensor_conv.store_padded_gradient
+  print("\nsplit-K part size of matmul-like reduces (products per part): summed kernel ms of the MNIST step")
+  try:
+    for part in (128, 256, 512, 1024, "512, padded gradient stored"):
+      lazy.GPU_SPLIT_MIN_PART_MATMUL = part if isinstance(part, int) else 512
+      tensor_conv.store_padded_gradient = original_store if isinstance(part, int) else lambda device: True
+      total, matmul, names = 0.0, 0.0, []
+      for ast in mnist_step_asts(scale):
+        kernel = Kernel(ast, Device[device].renderer)
+        kernel.hand_coded_optimizations()
+        buffers = scratch_buffers(ast, device)
+        random_fill(buffers, seed=0)
+        seconds = time_kernel(kernel, device, buffers, iters)
+        total += seconds
+        if kernel.reduceop is not None and _matmul_like(Kernel(ast, Device[device].renderer)):
+          matmul += seconds
+          names.append(f"{kernel.name} {seconds * 1e3:.4f}")
+      print(f"  part {part}: step {total * 1e3:.3f} ms, matmul-like {matmul * 1e3:.3f} ms: {', '.join(names)}")
+      for ast in mnist_step_asts(scale):
+        plain = Kernel(ast, Device[device].renderer)
+        if plain.reduceop is not None and is_weight_gradient_part(plain):
+          bench_ast(ast, device, iters, 0, f"  part {part}: weight gradient")
+  finally:
+    lazy.GPU_SPLIT_MIN_PART_MATMUL, tensor_conv.store_padded_gradient = original, original_store
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--device", default="CUDA")
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--beam", type=int, default=2, help="BEAM width per kernel (0: no search)")
+  parser.add_argument("--beam-filter", default="", help="only the kernels whose plain name contains this")
+  parser.add_argument("--only", default="", help="rows whose label contains this: mnist, f32, f16")
+  parser.add_argument("--scale", type=int, default=0, help="divide batch and image sizes by 2^scale (smoke tests)")
+  parser.add_argument("--parts-sweep", action="store_true", help="time the MNIST step with several split-K parts")
+  args = parser.parse_args()
+  os.environ["DEVICE"] = args.device   # the MNIST step makes its tensors on the default device
+  print(f"{'':<46}{'kernel':<38} {'ms':>8} {'GFLOP/s':>8} {'check':<6} opts")
+  if "mnist".startswith(args.only) or args.only in "mnist":
+    for ast in mnist_step_asts(args.scale):
+      plain = Kernel(ast, Device[args.device].renderer)
+      # convolution-shaped: a matmul-like reduce over a window (the Linear layer's kernels have 3 axes)
+      if plain.reduceop is None or not _matmul_like(plain) or len(plain.full_shape) < 5: continue
+      if args.beam_filter not in plain.name: continue   # --beam-filter: those kernels alone
+      bench_ast(ast, args.device, args.iters, args.beam, "mnist step", args.beam_filter)
+  for dtype_name in ("float32", "float16"):
+    label = f"conv 64x64x56x56 3x3 pad 1 {'f32' if dtype_name == 'float32' else 'f16'}"
+    if args.only and args.only not in label: continue
+    bench_ast(conv_ast(args.device, dtype_name, args.scale), args.device, args.iters, args.beam, label,
+              args.beam_filter)
+    if args.device.startswith("CUDA"): torch_conv(dtype_name, args.iters)
+  if args.parts_sweep: parts_sweep(args.device, args.iters, args.scale)
+
+
+if __name__ == "__main__":
+  main()
