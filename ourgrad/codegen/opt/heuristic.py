@@ -220,6 +220,8 @@ GROUP_MAX_AXES = 3
 # many independent loads in flight instead of one per trip; long loops (a row of 8192) are left to the compiler
 GROUP_LOOP_UNROLL = 4
 GROUP_SHORT_LOOP = 16
+# a plain reduce's GROUP prefers powers of two (see _group_amounts)
+GROUP_POWERS_OF_TWO = True
 
 
 def _group_reduce_axes(kernel: Kernel, budget: int, max_axes: int = 2, powers_of_two: bool = False) -> None:
@@ -302,7 +304,7 @@ def _group_reduce(kernel: Kernel) -> bool:
     # row reduction (or no stride-1 input): the block's threads stride over the row together (coalesced); a warp
     # for short rows
     budget = BLOCK_THREADS if reduce_total >= 4 * BLOCK_THREADS else WARP_SIZE
-    _group_reduce_axes(kernel, budget, GROUP_MAX_AXES, powers_of_two=True)
+    _group_reduce_axes(kernel, budget, GROUP_MAX_AXES, GROUP_POWERS_OF_TWO)
     if kernel.group_dims: _unroll_group_loop(kernel)
     return kernel.group_dims > 0
   # column reduction: neighbouring threads take neighbouring outputs; split the reduce when blocks are few
