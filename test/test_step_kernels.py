@@ -168,3 +168,16 @@ def test_batchnorm_backward_second_stages_share_a_launch_and_match_torch(small_s
   for ours, unpacked, theirs in zip(packed, plain, (tx.grad, tw.grad, tb.grad)):
     np.testing.assert_allclose(ours, unpacked, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-3, atol=1e-3)
+
+
+def test_a_reduce_read_again_per_element_is_not_packed() -> None:
+  """A kernel that reduces a row and then uses the sum for every element of it (RMSNorm's input gradient) writes more
+  values than it has outputs of its reduce: it keeps its own kernel and its values."""
+  x_np, w_np = rng.standard_normal((3, 4, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+  upstream = rng.standard_normal((3, 4, 6)).astype(np.float32)
+  x, w = Tensor(x_np, device="PYTHON", requires_grad=True), Tensor(w_np, device="PYTHON", requires_grad=True)
+  ((x * (x.square().mean(-1, keepdim=True) + 1e-6).rsqrt()) * w * Tensor(upstream, device="PYTHON")).sum().backward()
+  tx, tw = torch.tensor(x_np, requires_grad=True), torch.tensor(w_np, requires_grad=True)
+  ((tx * torch.rsqrt(tx.square().mean(-1, keepdim=True) + 1e-6)) * tw * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-4, atol=1e-5)

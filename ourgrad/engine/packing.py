@@ -89,6 +89,9 @@ def _why_not_packable_reduce(item: ScheduleItem, reduces: list[LazyOp]) -> str |
   reduce = reduces[0]
   input_shape = next((node.arg.st.shape for node in reduce.walk() if isinstance(node.arg, MemBuffer)), None)
   if input_shape is None: return "it has a reduce of no buffer"
+  reduced_shape = tuple(1 if axis in reduce.arg else size for axis, size in enumerate(input_shape))
+  if item.ast.arg.st.shape != reduced_shape:   # the reduce's result is expanded again (a row's sum used per element)
+    return "it has a reduce whose result is read along the reduced axes"
   loop = prod(input_shape[axis] for axis in reduce.arg)
   if loop > PACK_REDUCE_MAX_LOOP: return f"it has a reduce of {loop} elements per output (packed: at most " \
                                          f"{PACK_REDUCE_MAX_LOOP})"
