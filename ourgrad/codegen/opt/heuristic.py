@@ -304,8 +304,11 @@ def _group_reduce(kernel: Kernel) -> bool:
     # row reduction (or no stride-1 input): the block's threads stride over the row together (coalesced); a warp
     # for short rows
     budget = BLOCK_THREADS if reduce_total >= 4 * BLOCK_THREADS else WARP_SIZE
+    reduce_axes = kernel.first_upcast - kernel.first_loop_reduce
     _group_reduce_axes(kernel, budget, GROUP_MAX_AXES, GROUP_POWERS_OF_TWO)
-    if kernel.group_dims: _unroll_group_loop(kernel)
+    # a reduce over several axes (N, H, W of batchnorm statistics) is left a short loop per thread: unrolled. A row
+    # reduction (one axis) keeps its loop (the row kernels' choice)
+    if kernel.group_dims and reduce_axes > 1: _unroll_group_loop(kernel)
     return kernel.group_dims > 0
   # column reduction: neighbouring threads take neighbouring outputs; split the reduce when blocks are few
   locals_ = _divisor_at_most(kernel.full_shape[contiguous], WARP_SIZE)
