@@ -8,9 +8,10 @@ per second.
         python extra/bench/bench_bnstats.py --iters 1 --warmup 0    # exact per-kernel times (launch order printed)
 
 Workloads: per-channel sums over N, H, W of MNIST's two batchnorm inputs, (256, 16, 24, 24) and (256, 32, 8, 8):
-the mean's sum, the variance's sum of squares around a mean, and the backward's sum of a product of two full-size
-tensors. Each variant's result is checked against numpy before it is timed. '%copy' is GB/s over the GB/s of an
-ourgrad copy kernel of 2 x 64 MB timed the same way.
+the mean's sum, the variance's sum of squares around a mean, the backward's sum of a product of two full-size
+tensors, and of the input with a 2x2 pool's gradient spread over its windows (H and W do not merge). Each
+variant's result is checked against numpy before it is timed. '%copy' is GB/s over the GB/s of an ourgrad copy
+kernel of 2 x 64 MB timed the same way.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ VARIANTS: dict[str, dict[tuple[Any, str], Any]] = {
   "threads128": {(heuristic, "BLOCK_THREADS"): 128},
   "threads512": {(heuristic, "BLOCK_THREADS"): 512, (lazy, "GPU_SPLIT_TARGET_BLOCKS"): 512},
   "part4096": {(lazy, "GPU_SPLIT_MIN_PART"): 4096},
+  "lanes8": {(heuristic, "GROUP_COALESCED_LANES"): 8},
 }
 
 
@@ -58,14 +60,25 @@ def workloads(shape: tuple[int, ...], rng: np.random.Generator, device: str) -> 
   """(name, build, numpy reference, bytes read) per statistic of one batchnorm input shape."""
   x_np = rng.standard_normal(shape).astype(np.float32)
   g_np = rng.standard_normal(shape).astype(np.float32)
+  pooled_shape = (shape[0], shape[1], shape[2] // 2, shape[3] // 2)
+  p_np = rng.standard_normal(pooled_shape).astype(np.float32)
   mean_np = x_np.mean(axis=(0, 2, 3), keepdims=True)
   x, g = Tensor(x_np, device=device).realize(), Tensor(g_np, device=device).realize()
+  p = Tensor(p_np, device=device).realize()
   mean = Tensor(mean_np, device=device).realize()
   axes = (0, 2, 3)
+  # a 2x2 max-pool's gradient seen at full size (each pooled value over its window): H and W cannot merge, as in the
+  # CNN step's batchnorm backward after a pool
+  def spread(pooled: Tensor) -> Tensor:
+    windows = pooled.reshape(*pooled_shape[:3], 1, pooled_shape[3], 1)
+    return windows.expand(*pooled_shape[:3], 2, pooled_shape[3], 2).reshape(*shape)
+  spread_np = np.repeat(np.repeat(p_np, 2, axis=2), 2, axis=3)
   return [
     ("sum", lambda: x.sum(axis=axes), x_np.sum(axis=axes), x_np.nbytes),
     ("sumsq", lambda: (x - mean).square().sum(axis=axes), np.square(x_np - mean_np).sum(axis=axes), x_np.nbytes),
     ("backward", lambda: (g * (x - mean)).sum(axis=axes), (g_np * (x_np - mean_np)).sum(axis=axes), 2 * x_np.nbytes),
+    ("bwd-pool", lambda: (spread(p) * (x - mean)).sum(axis=axes), (spread_np * (x_np - mean_np)).sum(axis=axes),
+     x_np.nbytes + p_np.nbytes),
   ]
 
 

@@ -220,8 +220,10 @@ GROUP_MAX_AXES = 3
 # many independent loads in flight instead of one per trip; long loops (a row of 8192) are left to the compiler
 GROUP_LOOP_UNROLL = 4
 GROUP_SHORT_LOOP = 16
-# a plain reduce's GROUP prefers powers of two (see _group_amounts)
+# a plain reduce's GROUP prefers powers of two (see _group_amounts) where the innermost axis keeps at least
+# min(GROUP_COALESCED_LANES, what any divisor would give) neighbouring lanes on neighbouring elements
 GROUP_POWERS_OF_TWO = True
+GROUP_COALESCED_LANES = WARP_SIZE
 
 
 def _group_reduce_axes(kernel: Kernel, budget: int, max_axes: int = 2, powers_of_two: bool = False) -> None:
@@ -257,7 +259,7 @@ def _group_amounts(kernel: Kernel, budget: int, max_axes: int, powers_of_two: bo
   powers = greedy(_divisor_at_most)
   if not powers or not any_divisor: return powers or any_divisor
   # ... and where the innermost axis keeps as many neighbouring threads (up to a warp) reading neighbouring elements
-  coalesced = powers[0] >= min(WARP_SIZE, any_divisor[0])
+  coalesced = powers[0] >= min(GROUP_COALESCED_LANES, any_divisor[0])
   return powers if coalesced and prod(powers) * 2 >= prod(any_divisor) else any_divisor
 
 
