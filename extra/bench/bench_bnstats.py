@@ -11,7 +11,9 @@ Workloads: per-channel sums over N, H, W of MNIST's two batchnorm inputs, (256, 
 the mean's sum, the variance's sum of squares around a mean, the backward's sum of a product of two full-size
 tensors, and of the input with a 2x2 pool's gradient spread over its windows (H and W do not merge). Each
 variant's result is checked against numpy before it is timed. '%copy' is GB/s over the GB/s of an ourgrad copy
-kernel of 2 x 64 MB timed the same way.
+kernel of 2 x 64 MB timed the same way. The event-timed runs read inputs the previous launch left in the L2 (50 MB
+on an H100; in the training step the convolution has just written them too); ncu flushes the caches before each
+kernel (DRAM-cold times), and each event time includes a few microseconds of launch.
 """
 from __future__ import annotations
 
