@@ -18,7 +18,9 @@ import torch
 import ourgrad.lazy as lazy
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import WARP_SIZE
+from ourgrad.codegen.uops import UOps
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
@@ -169,3 +171,18 @@ def test_batchnorm2d_forward_and_backward_match_torch(small_split: None, monkeyp
   np.testing.assert_allclose(ours.bias.grad.numpy(), theirs.bias.grad.numpy(), rtol=1e-3, atol=1e-3)
   np.testing.assert_allclose(ours.running_mean.numpy(), theirs.running_mean.numpy(), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(ours.running_var.numpy(), theirs.running_var.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_group_of_whole_warps_not_a_power_of_two_shuffles_each_warp() -> None:
+  """224 GROUP threads (a 1344-long row: 7 warps): each warp combines its lanes by shuffles, the 7 warp totals by a
+  tree in local memory; the sums equal the plain kernel's and numpy's, the max is exact."""
+  data = rng.standard_normal((6, 1344)).astype(np.float32)
+  x = Tensor(data, device="PYTHON")
+  outputs = [x.sum(axis=1), x.max(axis=1)]
+  kernels = _check_schedule_against_plain(outputs)
+  assert [kernel.group_threads() for kernel in kernels] == [224, 224]
+  uops = linearize(kernels[0])
+  assert [uop.arg[1:] for uop in uops if uop.op is UOps.WARP_REDUCE] == [(32, 1)]
+  assert next(uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL) == 7
+  np.testing.assert_allclose(outputs[0].numpy(), data.sum(axis=1), rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal(outputs[1].numpy(), data.max(axis=1))
