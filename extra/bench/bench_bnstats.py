@@ -9,7 +9,8 @@ per second.
 
 Workloads: per-channel sums over N, H, W of MNIST's two batchnorm inputs, (256, 16, 24, 24) and (256, 32, 8, 8):
 the mean's sum, the variance's sum of squares around a mean, the backward's sum of a product of two full-size
-tensors, and of the input with a 2x2 pool's gradient spread over its windows (H and W do not merge). Each
+tensors, and of the input with a 2x2 pool's gradient spread over its windows (H and W do not merge); then the
+column sums of a batch's gradient (the MLP step's bias gradients). Each
 variant's result is checked against numpy before it is timed. '%copy' is GB/s over the GB/s of an ourgrad copy
 kernel of 2 x 64 MB timed the same way. The event-timed runs read inputs the previous launch left in the L2 (50 MB
 on an H100; in the training step the convolution has just written them too); ncu flushes the caches before each
@@ -54,7 +55,11 @@ VARIANTS: dict[str, dict[tuple[Any, str], Any]] = {
   "threads512": {(heuristic, "BLOCK_THREADS"): 512, (lazy, "GPU_SPLIT_TARGET_BLOCKS"): 512},
   "part4096": {(lazy, "GPU_SPLIT_MIN_PART"): 4096},
   "lanes8": {(heuristic, "GROUP_COALESCED_LANES"): 8},
+  "col8": {(heuristic, "COLUMN_LOCALS"): 8},
+  "col16": {(heuristic, "COLUMN_LOCALS"): 16},
 }
+# column sums of a training step (the MLP's bias gradients over a batch of 512): few blocks of LOCAL x GROUPTOP
+COLUMN_SHAPES = ((512, 512), (256, 512))
 
 
 def workloads(shape: tuple[int, ...], rng: np.random.Generator, device: str) -> list[tuple[str, Callable[[], Tensor],
@@ -82,6 +87,14 @@ def workloads(shape: tuple[int, ...], rng: np.random.Generator, device: str) -> 
     ("bwd-pool", lambda: (spread(p) * (x - mean)).sum(axis=axes), (spread_np * (x_np - mean_np)).sum(axis=axes),
      x_np.nbytes + p_np.nbytes),
   ]
+
+
+def column_workloads(shape: tuple[int, ...], rng: np.random.Generator,
+                     device: str) -> list[tuple[str, Callable[[], Tensor], np.ndarray, int]]:
+  """The column sum of a (batch, features) gradient: a bias's gradient."""
+  g_np = rng.standard_normal(shape).astype(np.float32)
+  g = Tensor(g_np, device=device).realize()
+  return [("colsum", lambda: g.sum(axis=0), g_np.sum(axis=0), g_np.nbytes)]
 
 
 def apply_variant(settings: dict[tuple[Any, str], Any]) -> dict[tuple[Any, str], Any]:
@@ -133,8 +146,11 @@ def main() -> None:
   print(f"copy bandwidth (ourgrad copy kernel, 2 x {copy_elements * 4 >> 20} MB): {copy_bw / 1e9:.0f} GB/s")
   print(f"{'shape':18s} {'stat':9s} {'variant':11s} {'total us':>9s} {'GB/s':>7s} {'%copy':>6s}  kernels (us, blocks)")
   rng = np.random.default_rng(0)
-  for shape in ((args.batch, *shape[1:]) for shape in SHAPES):
-    for stat, build, reference, nbytes in workloads(shape, rng, args.device):
+  shapes = [(args.batch, *shape[1:]) for shape in SHAPES] + \
+    [shape if args.batch == 256 else (args.batch, *shape[1:]) for shape in COLUMN_SHAPES]
+  for shape in shapes:
+    for stat, build, reference, nbytes in (workloads(shape, rng, args.device) if len(shape) == 4 else
+                                           column_workloads(shape, rng, args.device)):
       for variant in args.variants.split(","):
         old = apply_variant(VARIANTS[variant])
         realize._runner_cache.clear()   # the same AST gets the variant's opts, not the cached kernel
@@ -142,7 +158,7 @@ def main() -> None:
           kernels, result = run_kernels(args.device, build, args.iters, args.warmup, launches)
         finally:
           apply_variant(old)
-        ok = np.allclose(result, reference, rtol=1e-3, atol=1e-2 * np.sqrt(np.prod(shape) / shape[1]))
+        ok = np.allclose(result, reference.reshape(-1), rtol=1e-3, atol=1e-2 * np.sqrt(np.prod(shape) / shape[1]))
         total = sum(seconds for _, seconds, _ in kernels)
         detail = " ".join(f"{name}({seconds * 1e6:.1f},{blocks})" for name, seconds, blocks in kernels)
         print(f"{str(shape):18s} {stat:9s} {variant:11s} {total * 1e6:9.1f} {nbytes / total / 1e9:7.0f} "

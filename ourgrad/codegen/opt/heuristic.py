@@ -220,6 +220,8 @@ GROUP_MAX_AXES = 3
 # many independent loads in flight instead of one per trip; long loops (a row of 8192) are left to the compiler
 GROUP_LOOP_UNROLL = 4
 GROUP_SHORT_LOOP = 16
+# a column reduction's LOCAL threads along its contiguous output axis (a warp reads that many neighbours)
+COLUMN_LOCALS = WARP_SIZE
 # a plain reduce's GROUP prefers powers of two (see _group_amounts) where the innermost axis keeps at least
 # min(GROUP_COALESCED_LANES, what any divisor would give) neighbouring lanes on neighbouring elements
 GROUP_POWERS_OF_TWO = True
@@ -313,7 +315,7 @@ def _group_reduce(kernel: Kernel) -> bool:
     if kernel.group_dims and reduce_axes > 1: _unroll_group_loop(kernel)
     return kernel.group_dims > 0
   # column reduction: neighbouring threads take neighbouring outputs; split the reduce when blocks are few
-  locals_ = _divisor_at_most(kernel.full_shape[contiguous], WARP_SIZE)
+  locals_ = _divisor_at_most(kernel.full_shape[contiguous], COLUMN_LOCALS)
   if locals_ < 2 or not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)): return False
   blocks = outputs // locals_
   first_reduce_size = kernel.full_shape[kernel.first_reduce]
