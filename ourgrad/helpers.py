@@ -87,7 +87,8 @@ ROW_KERNELS = env_var("ROW_KERNELS", -1, "1: fuse reduces over the same rows (so
 KERNEL_OPS_LIMIT = env_var("KERNEL_OPS_LIMIT", 1024, "most ops fused into one kernel; a bigger fused graph is split "
                            "by realizing intermediates, so compile time grows linearly with graph size (0: no limit)")
 PACK_KERNELS = env_var("PACK_KERNELS", 1, "1: pack independent elementwise kernels of different shapes (an optimizer's "
-                       "per-parameter updates) into one launch (engine/packing.py); 0: one launch per kernel")
+                       "per-parameter updates) and, on GPUs, small reduces (split reduces' second kernels) into one "
+                       "launch (engine/packing.py); 0: one launch per kernel")
 MAX_PACK_BUFFERS = env_var("MAX_PACK_BUFFERS", 128, "most buffer arguments of one packed kernel; more kernels are "
                            "split into several packs (CUDA passes at most 4 KB of kernel arguments)")
 ALLOCATOR_CACHE_BYTES = env_var("ALLOCATOR_CACHE_BYTES", 2 << 30, "most bytes of freed buffers an allocator keeps for "

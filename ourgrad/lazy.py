@@ -41,6 +41,10 @@ GPU_SPLIT_MAX_PARTS = 256          # parts per output at most (the second kernel
 # of GROUP threads (the row-reduction heuristic gives 256 threads to rows of 1024 or more, a warp to shorter ones)
 GPU_SPLIT_MIN_PART = 1024
 GPU_SPLIT_MIN_PART_MATMUL = 512    # a matmul-like part: its threads are register tiles of outputs, not the reduce
+# a plain reduce (batchnorm statistics, a full sum) is split into about this many blocks of parts: one wave of
+# 256-thread blocks on an H100 (132 SMs x 8), each thread several elements. More, smaller parts (MNIST's first
+# batchnorm: 128 parts of 1152 values) leave 2 waves of blocks that spend more time combining threads than loading.
+GPU_SPLIT_TARGET_BLOCKS = 1024
 # (H100, MNIST conv2 weight gradient: 32 parts of 512 products 0.061 ms; 128 parts of 128 products 0.344 ms)
 
 
@@ -285,9 +289,10 @@ class LazyBuffer:
     # a matmul-like reduce's thread computes a register tile of 16 outputs: it needs 16x the partials
     per_thread = 16 if self._matmul_like_reduce(axes) else 1
     if elements_per_output < GPU_SPLIT_MIN_ELEMENTS or outputs >= GPU_FEW_OUTPUTS * per_thread: return None
-    target = GPU_SPLIT_TARGET_OUTPUTS * per_thread
-    min_part = GPU_SPLIT_MIN_PART_MATMUL if per_thread > 1 else GPU_SPLIT_MIN_PART
-    wanted = min(GPU_SPLIT_MAX_PARTS, elements_per_output // min_part, -(-target // outputs))
+    if per_thread == 1: wanted = _plain_split_parts_wanted(outputs, elements_per_output)
+    else:
+      target = GPU_SPLIT_TARGET_OUTPUTS * per_thread
+      wanted = min(GPU_SPLIT_MAX_PARTS, elements_per_output // GPU_SPLIT_MIN_PART_MATMUL, -(-target // outputs))
     size = self.shape[axis]
     parts = max((parts for parts in range(1, min(wanted, size) + 1) if size % parts == 0), default=1)
     return parts if parts >= 4 else None
@@ -404,6 +409,13 @@ def _parts_outermost(split: LazyBuffer, parts_axis: int, inner_axes: tuple[int, 
   order = (parts_axis, *(a for a in range(len(split.shape)) if a != parts_axis))
   moved = tuple(order.index(a) for a in inner_axes)
   return split.permute(order), moved
+
+
+def _plain_split_parts_wanted(outputs: int, elements_per_output: int) -> int:
+  """Parts per output wanted for a GPU split of a plain (not matmul-like) reduce: about GPU_SPLIT_TARGET_BLOCKS
+  blocks in all, each part at least GPU_SPLIT_MIN_PART elements, at most GPU_SPLIT_MAX_PARTS parts."""
+  by_blocks = -(-min(GPU_SPLIT_TARGET_BLOCKS, GPU_SPLIT_TARGET_OUTPUTS) // outputs)
+  return min(GPU_SPLIT_MAX_PARTS, elements_per_output // GPU_SPLIT_MIN_PART, by_blocks)
 
 
 def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:

@@ -420,12 +420,17 @@ class Linearizer(TensorCoreTiles):
     (width 1: no shuffle). Group threads are consecutive ids when the GROUP axes are the innermost thread axes
     (stride 1), and `local threads` apart when they are the outer ones (GROUPTOP); with powers of two, xor
     partners then stay in the same output's group, inside one warp. The block must fill whole warps (or be one
-    partial warp)."""
+    partial warp). A group of consecutive ids that is a multiple of the warp (not a power of two) shuffles whole
+    warps."""
     kernel = self.kernel
     warp_size = getattr(kernel.renderer, "warp_size", 0)
     stride = kernel.local_threads() if kernel.groups_outer else 1
     block_threads = kernel.block_threads()
-    if warp_size < 2 or group_count & (group_count - 1) or stride & (stride - 1): return 1, 1
+    if warp_size < 2 or stride & (stride - 1): return 1, 1
+    if group_count & (group_count - 1):
+      # not a power of two, but whole warps of consecutive ids (192 threads over an image row: 6 warps): each warp
+      # is inside one output's group, so it shuffles; the tree then combines one partial per warp
+      return (warp_size, 1) if stride == 1 and group_count % warp_size == 0 else (1, 1)
     if block_threads % warp_size != 0 and block_threads > warp_size: return 1, 1
     return max(min(group_count, warp_size // stride), 1), stride
 

@@ -1,8 +1,10 @@
-"""Packed kernels: independent elementwise kernels of different shapes in one launch (multi-tensor apply).
+"""Packed kernels: independent small kernels of different shapes in one launch (multi-tensor apply).
 
 A packed AST is `PACK(segment_0, segment_1, ...)`. Each segment is an elementwise kernel AST (a STORE, or a SINK of
-STOREs) whose views are all flat, shape (size_i,), and whose buffer numbers are the packed kernel's. The kernel
-walks one flat index over total = size_0 + size_1 + ...; segment i owns [start_i, start_i + size_i):
+STOREs) whose views are all flat, shape (size_i,), or a small reduce (one STORE of one SUM or MAX, views as the
+scheduler made them: engine/packing.py), and whose buffer numbers are the packed kernel's. The kernel walks one flat
+index over total = size_0 + size_1 + ... (a reduce's size is its output count); segment i owns
+[start_i, start_i + size_i):
 
 - on a GPU, one thread per element (blocks of up to 128 threads): segment i is an IF block
   (start_i <= index < start_i + size_i) computing its values at index - start_i, so each thread runs the one
@@ -12,22 +14,27 @@ walks one flat index over total = size_0 + size_1 + ...; segment i owns [start_i
 
 Each segment is lowered by the ordinary `Linearizer` (its own `Kernel`, buffers renumbered from 0) into a shared
 UOp list. No opts (upcast, float4, locals): these kernels stream memory, and an opt would have to divide every
-segment. engine/packing.py decides which kernels form a pack.
+segment. A reduce segment's thread computes one output: its flat number split into the output axes, a loop over
+the reduce axes with the innermost unrolled by up to PACKED_REDUCE_UNROLL (that many loads in flight), then the
+store. engine/packing.py decides which kernels form a pack.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
-from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer
+from ourgrad.codegen.kernel import Kernel, Opt, OptOps
+from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, reduce_identity
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import dtypes
-from ourgrad.helpers import DEBUG
+from ourgrad.helpers import DEBUG, prod
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
-from ourgrad.shape.symbolic import Node, Variable
+from ourgrad.shape.symbolic import Node, NumNode, Variable
 
 # threads per block of a packed kernel on a GPU: one element per thread
 PACKED_BLOCK_THREADS = 128
+# a reduce segment's innermost reduce axis is unrolled by up to this much (a divisor of it)
+PACKED_REDUCE_UNROLL = 8
 
 
 class PackedKernel:
@@ -87,7 +94,8 @@ class PackedKernel:
       first = len(build.uops)
       block = build.add(UOps.IF, None, (inside,))
       index = build.alu(Ops.ADD, INDEX_DTYPE, flat, build.const(-start, INDEX_DTYPE)) if kernel.shape_len else None
-      _lower_segment(build, kernel, buffer_of, defines, f"pidx{number}", index)
+      lower = _lower_reduce_segment if kernel.reduceop is not None else _lower_segment
+      lower(build, kernel, buffer_of, defines, f"pidx{number}", index)
       build.end_if(block)
       self.segment_spans.append((first, len(build.uops)))
       start = end
@@ -95,22 +103,25 @@ class PackedKernel:
   def _linearize_loops(self, build: UOpBuilder, defines: dict[int, UOp]) -> None:
     for number, ((kernel, buffer_of), size) in enumerate(zip(self.segments, self.sizes)):
       name, first = f"pidx{number}", len(build.uops)
+      lower = _lower_reduce_segment if kernel.reduceop is not None else _lower_segment
       if kernel.shape_len == 0:   # one element: no loop
-        _lower_segment(build, kernel, buffer_of, defines, name, None)
+        lower(build, kernel, buffer_of, defines, name, None)
       else:
         loop = build.add(UOps.RANGE, INDEX_DTYPE, (build.const(0, INDEX_DTYPE), build.const(size, INDEX_DTYPE)),
                          (name, AxisType.REDUCE))   # REDUCE: a plain serial loop (see the module docstring)
-        _lower_segment(build, kernel, buffer_of, defines, name, loop)
+        lower(build, kernel, buffer_of, defines, name, loop)
         build.end_range(loop)
       self.segment_spans.append((first, len(build.uops)))
 
   def op_count(self, uops: list[UOp]) -> int:
     """Arithmetic ops of one launch: each segment's ALUs once per element of that segment (a GPU thread runs only
-    its own segment's IF block). `uops` is what `linearize` returned."""
+    its own segment's IF block; a reduce segment's loop body once per loop trip). `uops` is what `linearize`
+    returned."""
     count = 0
-    for (first, end), size in zip(self.segment_spans, self.sizes):
-      count += size * sum(uop.op is UOps.ALU and uop.dtype not in (None, INDEX_DTYPE, dtypes.bool)
-                          for uop in uops[first:end])
+    for (kernel, _), (first, end), size in zip(self.segments, self.segment_spans, self.sizes):
+      trips = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast]) if kernel.reduceop is not None else 1
+      count += size * trips * sum(uop.op is UOps.ALU and uop.dtype not in (None, INDEX_DTYPE, dtypes.bool)
+                                  for uop in uops[first:end])
     return count
 
 
@@ -127,6 +138,42 @@ def _lower_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int, int],
   linearizer._store_outputs(idxs, None)
 
 
+def _lower_reduce_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int, int], defines: dict[int, UOp],
+                          name: str, index: UOp | None) -> None:
+  """Append one output of a reduce segment at flat output number `index` (None: a one-output segment): the reduce
+  loops (the innermost unrolled, see _segment_kernel) into an accumulator, then the store."""
+  linearizer = Linearizer(kernel)
+  linearizer.builder = build
+  linearizer.buffers = {own: defines[packed] for own, packed in buffer_of.items()}
+  shape, outputs = kernel.full_shape, prod(kernel.full_shape[:kernel.first_reduce])
+  idxs: list[Node] = []
+  if index is not None and kernel.first_reduce:
+    linearizer.loop_vars[name] = index
+    flat: Node = Variable(name, 0, outputs - 1)
+    stride = outputs
+    for axis in range(kernel.first_reduce):   # row-major: the last output axis varies fastest
+      stride //= shape[axis]
+      idxs.append((flat // stride) % shape[axis])
+  else:
+    idxs = [NumNode(0) for _ in range(kernel.first_reduce)]
+  reduce = kernel.reduceop
+  accumulate_op = Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
+  accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+  loops = []
+  for axis in range(kernel.first_reduce, kernel.first_upcast):
+    loop_name = f"{name}r{axis}"
+    idxs.append(Variable(loop_name, 0, shape[axis] - 1))
+    loops.append(linearizer._open_loop(loop_name, shape[axis], AxisType.REDUCE))
+  unrolled = range(kernel.first_upcast, kernel.shape_len)
+  for lane in itertools.product(*[range(shape[axis]) for axis in unrolled]):
+    value = linearizer.compute(reduce.srcs[0], idxs + [NumNode(value) for value in lane], None)
+    build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), accumulate_op)
+  for loop in reversed(loops): build.end_range(loop)
+  # the output's views are size 1 along the reduce axes: index 0 there
+  linearizer._store_outputs(idxs[:kernel.first_reduce] + [NumNode(0)] * (kernel.shape_len - kernel.first_reduce),
+                            accumulator)
+
+
 def _segment_kernel(segment: LazyOp, renderer: Any) -> tuple[Kernel, dict[int, int]]:
   """The Kernel of one segment with its buffers renumbered as a kernel of its own (outputs 0.., then inputs), and
   the map from those numbers back to the packed kernel's."""
@@ -138,5 +185,10 @@ def _segment_kernel(segment: LazyOp, renderer: Any) -> tuple[Kernel, dict[int, i
     arg = node.arg
     if isinstance(arg, MemBuffer): arg = MemBuffer(order[arg.idx], arg.dtype, arg.st)
     rebuilt[id(node)] = LazyOp(node.op, tuple(rebuilt[id(src)] for src in node.srcs), arg, node.dtype)
-  return Kernel(rebuilt[id(segment)], renderer), {own: packed for packed, own in order.items()}
+  kernel = Kernel(rebuilt[id(segment)], renderer)
+  if kernel.reduceop is not None and kernel.first_upcast > kernel.first_reduce:
+    size = kernel.full_shape[kernel.first_upcast - 1]
+    amount = max(amount for amount in range(1, min(size, PACKED_REDUCE_UNROLL) + 1) if size % amount == 0)
+    if amount > 1: kernel.apply_opt(Opt(OptOps.UNROLL, kernel.first_upcast - 1 - kernel.first_reduce, amount))
+  return kernel, {own: packed for packed, own in order.items()}
 

@@ -1,8 +1,12 @@
-"""Kernel packing (multi-tensor apply): independent elementwise kernels of different shapes in one launch.
+"""Kernel packing (multi-tensor apply): independent small kernels of different shapes in one launch.
 
 `pack_kernels(schedule)` runs after the scheduler has built and ordered its items. It merges kernels that are
-- packable: elementwise (no reduce, no gathered load), no symbolic size, and every view flattens to one dimension
-  without a second view (`why_not_packable`);
+- packable (`why_not_packable`): no gathered load, no symbolic size, and either elementwise with every view
+  flattening to one dimension without a second view, or a *small reduce*: one SUM or MAX of at most
+  PACK_REDUCE_MAX_LOOP elements per output (a thread loops over them) and PACK_REDUCE_MAX_ELEMENTS in all: the second
+  kernel of a split reduce (batchnorm statistics over their parts), a loss's sum, a bias gradient over a few rows.
+  On a GPU these are launches of a few microseconds each that do almost nothing; the sibling ones (a batchnorm's two
+  backward sums, each layer's) share one launch;
 - independent: no chain of dependencies between any two of them. Dependencies come from buffers, in run order: an
   item depends on the last earlier writer of each buffer it reads or writes, and an item that writes a buffer on
   every earlier reader since that buffer's last write (an assign runs after the reads of the old contents). Items of
@@ -25,7 +29,7 @@ from collections import defaultdict
 
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.schedule import ScheduleItem
-from ourgrad.helpers import DEBUG, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS
+from ourgrad.helpers import DEBUG, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, prod
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 
@@ -60,13 +64,38 @@ def why_not_packable(item: ScheduleItem) -> str | None:
   if item.outputs[0].size > CPU_PACK_MAX_ELEMENTS and not Device[device].renderer.has_threads:
     return f"over {CPU_PACK_MAX_ELEMENTS} elements on {device}, which runs it on several cores alone"
   nodes = item.ast.walk()
-  if any(node.op in REDUCE_OPS for node in nodes): return "it has a reduce"
   if any(node.op is Ops.LOAD and node.srcs for node in nodes): return "it has a gathered load"
+  if any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in nodes):
+    return "a view with a symbolic size"
+  reduces = [node for node in nodes if node.op in REDUCE_OPS]
+  if reduces: return _why_not_packable_reduce(item, reduces)
   for node in nodes:
     if isinstance(node.arg, (MemBuffer, ConstBuffer)):
       st = node.arg.st
-      if st.symbolic: return "a view with a symbolic size"
       if len(_flat(st).views) != len(st.views): return f"a view of shape {st.shape} that does not flatten"
+  return None
+
+
+# a reduce joins a pack where each output sums at most this many elements (its thread loops over them, unrolled by
+# PACKED_REDUCE_UNROLL: a few dependent steps) and all its outputs at most PACK_REDUCE_MAX_ELEMENTS
+PACK_REDUCE_MAX_LOOP = 64
+PACK_REDUCE_MAX_ELEMENTS = 1 << 20
+
+
+def _why_not_packable_reduce(item: ScheduleItem, reduces: list[LazyOp]) -> str | None:
+  """None where a kernel with a reduce is a small reduce that may join a pack (module docstring), else why not."""
+  if len(reduces) > 1 or item.ast.op is not Ops.STORE: return "it has a reduce (packed only: one, one output)"
+  if not Device[item.outputs[0].device].renderer.has_threads: return "it has a reduce (packed only on GPUs)"
+  reduce = reduces[0]
+  input_shape = next((node.arg.st.shape for node in reduce.walk() if isinstance(node.arg, MemBuffer)), None)
+  if input_shape is None: return "it has a reduce of no buffer"
+  reduced_shape = tuple(1 if axis in reduce.arg else size for axis, size in enumerate(input_shape))
+  if item.ast.arg.st.shape != reduced_shape:   # the reduce's result is expanded again (a row's sum used per element)
+    return "it has a reduce whose result is read along the reduced axes"
+  loop = prod(input_shape[axis] for axis in reduce.arg)
+  if loop > PACK_REDUCE_MAX_LOOP: return f"it has a reduce of {loop} elements per output (packed: at most " \
+                                         f"{PACK_REDUCE_MAX_LOOP})"
+  if loop * item.outputs[0].size > PACK_REDUCE_MAX_ELEMENTS: return "it has a reduce of too many elements to pack"
   return None
 
 
@@ -178,13 +207,16 @@ def _packed_item(members: list[ScheduleItem]) -> ScheduleItem:
 
 
 def _flat_segment(member: ScheduleItem, number_of: dict[int, int]) -> LazyOp:
-  """The member's AST with every view flattened and its buffer numbers replaced by the packed kernel's."""
+  """The member's AST with its buffer numbers replaced by the packed kernel's and, for an elementwise kernel, every
+  view flattened (a reduce keeps its views: codegen/packed.py walks its outputs by their flat number)."""
   own_buffers = member.bufs
+  nodes = member.ast.walk()
+  flat = _flat if not any(node.op in REDUCE_OPS for node in nodes) else (lambda st: st)
   rebuilt: dict[int, LazyOp] = {}
-  for node in member.ast.walk():
+  for node in nodes:
     arg = node.arg
-    if isinstance(arg, MemBuffer): arg = MemBuffer(number_of[id(own_buffers[arg.idx])], arg.dtype, _flat(arg.st))
-    elif isinstance(arg, ConstBuffer): arg = ConstBuffer(arg.val, arg.dtype, _flat(arg.st))
+    if isinstance(arg, MemBuffer): arg = MemBuffer(number_of[id(own_buffers[arg.idx])], arg.dtype, flat(arg.st))
+    elif isinstance(arg, ConstBuffer): arg = ConstBuffer(arg.val, arg.dtype, flat(arg.st))
     rebuilt[id(node)] = LazyOp(node.op, tuple(rebuilt[id(src)] for src in node.srcs), arg, node.dtype)
   return rebuilt[id(member.ast)]
 
@@ -194,7 +226,9 @@ def _print_reasons(schedule: list[ScheduleItem], reasons: dict[int, str | None],
   for pack in packs:
     if len(pack) > 1:
       sizes = [schedule[position].outputs[0].size for position in pack]
-      print(f"pack {len(pack)} independent elementwise kernels (output sizes {sizes}) into one launch")
+      kinds = "elementwise" if not any(schedule[position].ast.op is Ops.STORE and any(
+        node.op in REDUCE_OPS for node in schedule[position].ast.walk()) for position in pack) else "small"
+      print(f"pack {len(pack)} independent {kinds} kernels (output sizes {sizes}) into one launch")
   for position, reason in reasons.items():
     if reason is not None and schedule[position].ast.op is not Ops.COPY:
       print(f"not packed: kernel writing {schedule[position].outputs[0].size} elements: {reason}")

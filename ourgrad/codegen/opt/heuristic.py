@@ -22,7 +22,7 @@ GPUs (thread blocks and local memory):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands, tensor_core_operands
 from ourgrad.dtype import DType, dtypes
@@ -404,36 +404,88 @@ def _largest_divisor_at_most(size: int, limit: int) -> int:
   return power if power * 2 > best else best
 
 
-def _group_reduce_axes(kernel: Kernel, budget: int) -> None:
+# the GROUP threads of a reduce may come from up to this many reduce loop axes: a batchnorm statistic over an 8x8 image
+# takes 8 x 8 threads from the image and 4 more from the images of its part (a block of 256, not 64)
+GROUP_MAX_AXES = 3
+# after GROUP, a short reduce loop left in each thread (at most GROUP_SHORT_LOOP trips: batchnorm statistics split
+# into parts of a few images) has its innermost axis unrolled by up to GROUP_LOOP_UNROLL, so each thread has that
+# many independent loads in flight instead of one per trip; long loops (a row of 8192) are left to the compiler
+GROUP_LOOP_UNROLL = 4
+GROUP_SHORT_LOOP = 16
+# a column reduction's LOCAL threads along its contiguous output axis (a warp reads that many neighbours)
+COLUMN_LOCALS = WARP_SIZE
+# a plain reduce's GROUP prefers powers of two (see _group_amounts) where the innermost axis keeps at least
+# min(GROUP_COALESCED_LANES, what any divisor would give) neighbouring lanes on neighbouring elements
+GROUP_POWERS_OF_TWO = True
+GROUP_COALESCED_LANES = WARP_SIZE
+
+
+def _group_reduce_axes(kernel: Kernel, budget: int, max_axes: int = 2, powers_of_two: bool = False) -> None:
   """GROUP threads taken from the reduce loop axes, innermost first (neighbouring threads read neighbouring
-  elements), until the block has `budget` group threads or two axes were used. See _coalesced_group_plan for the
-  order in which they are applied (the first plan that applies whole; none: the kernel stays as it was)."""
-  for plan in _coalesced_group_plans(kernel, budget):
+  elements), until the block has `budget` group threads or `max_axes` axes were used (see _group_amounts). See
+  _coalesced_group_plans for the order in which they are applied (the first plan that applies whole; none: the
+  kernel stays as it was)."""
+  for plan in _coalesced_group_plans(kernel, _group_amounts(kernel, budget, max_axes, powers_of_two)):
     start = kernel._state()
     if all(kernel.try_opt(Opt(OptOps.GROUP, relative, amount)) for relative, amount in plan): return
     kernel._restore(start)
 
 
-def _coalesced_group_plans(kernel: Kernel, budget: int) -> list[list[tuple[int, int]]]:
-  """GROUP opts (relative reduce axis, amount) for up to `budget` threads over the innermost two reduce loop axes,
-  each plan in the order to apply it: both axes, then the innermost alone (where the block cannot take both). The
-  innermost axis gets the most threads (all of it, up to the budget), the next axis out what is left. The outer
-  GROUP goes first: each GROUP becomes the innermost thread dimension (the launch's x), and the innermost memory axis
-  must be the one that varies fastest across a warp's threads, or a warp's loads (batchnorm statistics over a 24x24
-  image, say) are a row apart instead of neighbours."""
+def _group_amounts(kernel: Kernel, budget: int, max_axes: int, powers_of_two: bool) -> list[int]:
+  """Threads per reduce loop axis, innermost axis first: the innermost gets the most (all of it, up to the budget),
+  each next axis out what is left, while at least 2 are left and at most `max_axes` axes are used. With
+  `powers_of_two`, powers of two where they give at least half the threads (the group is then combined by warp
+  shuffles, not a tree of barriers) and the innermost axis keeps a warp's worth (or as many as otherwise) of
+  neighbouring threads: a 576-long image row takes 64 threads and 4 images of the part take 4 more, rather than 192
+  threads alone."""
+  loop_sizes = [kernel.full_shape[axis] for axis in range(kernel.first_upcast - 1, kernel.first_loop_reduce - 1, -1)]
+
+  def greedy(divisor: Callable[[int, int], int]) -> list[int]:
+    amounts: list[int] = []
+    for size in loop_sizes[:max_axes]:
+      amount = divisor(size, budget // prod(amounts))
+      if amount < 2: break
+      amounts.append(amount)
+      if prod(amounts) * 2 > budget: break
+    return amounts
+  any_divisor = greedy(_largest_divisor_at_most)
+  if not powers_of_two: return any_divisor
+  powers = greedy(_divisor_at_most)
+  if not powers or not any_divisor: return powers or any_divisor
+  # ... and where the innermost axis keeps as many neighbouring threads (up to a warp) reading neighbouring elements
+  coalesced = powers[0] >= min(GROUP_COALESCED_LANES, any_divisor[0])
+  return powers if coalesced and prod(powers) * 2 >= prod(any_divisor) else any_divisor
+
+
+def _coalesced_group_plans(kernel: Kernel, amounts: list[int]) -> list[list[tuple[int, int]]]:
+  """GROUP opts (relative reduce axis, amount) taking `amounts` threads from the innermost reduce loop axes
+  (innermost first, see _group_amounts), each plan in the order to apply it: every axis, then fewer (the innermost
+  ones; where the block cannot take them all). The outermost GROUP goes first: each GROUP becomes the innermost
+  thread dimension (the launch's x), and the innermost memory axis must be the one that varies fastest across a
+  warp's threads, or a warp's loads (batchnorm statistics over a 24x24 image, say) are a row apart instead of
+  neighbours."""
   loop_count = kernel.first_upcast - kernel.first_loop_reduce
-  if loop_count < 1: return []
-  inner_size = kernel.full_shape[kernel.first_upcast - 1]
-  inner = _largest_divisor_at_most(inner_size, budget)
-  if inner < 2: return []
-  plans = [[(loop_count - 1, inner)]]
-  if inner * 2 > budget or loop_count < 2: return plans
-  outer_size = kernel.full_shape[kernel.first_upcast - 2]
-  outer = _largest_divisor_at_most(outer_size, budget // inner)
-  if outer < 2: return plans
-  # a GROUP taking the whole outer axis removes it from the loops: the inner axis moves one place left
-  inner_after = loop_count - 2 if outer == outer_size else loop_count - 1
-  return [[(loop_count - 2, outer), (inner_after, inner)]] + plans
+  plans = []
+  for used in range(len(amounts), 0, -1):
+    plan, removed = [], 0
+    for depth in reversed(range(used)):   # outermost of the used axes first
+      relative = loop_count - 1 - depth - removed
+      plan.append((relative, amounts[depth]))
+      # a GROUP taking the whole axis removes it from the loops: the axes inside it move one place left
+      if amounts[depth] == kernel.full_shape[kernel.first_loop_reduce + loop_count - 1 - depth]: removed += 1
+    plans.append(plan)
+  return plans
+
+
+def _unroll_group_loop(kernel: Kernel) -> None:
+  """UNROLL the innermost reduce loop a GROUP reduce has left by up to GROUP_LOOP_UNROLL (a divisor of it), where
+  the loops left are short (GROUP_SHORT_LOOP)."""
+  loops = kernel.first_upcast - kernel.first_loop_reduce
+  if loops < 1 or kernel.first_upcast < kernel.shape_len: return   # no loop left, or already upcast/unrolled
+  if prod(kernel.full_shape[kernel.first_loop_reduce:kernel.first_upcast]) > GROUP_SHORT_LOOP: return
+  size = kernel.full_shape[kernel.first_upcast - 1]
+  amount = max((amount for amount in range(2, GROUP_LOOP_UNROLL + 1) if size % amount == 0), default=0)
+  if amount: kernel.try_opt(Opt(OptOps.UNROLL, loops - 1, amount))
 
 
 def _group_reduce(kernel: Kernel) -> bool:
@@ -447,10 +499,15 @@ def _group_reduce(kernel: Kernel) -> bool:
   if contiguous is None or contiguous >= kernel.first_reduce:
     # row reduction (or no stride-1 input): the block's threads stride over the row together (coalesced); a warp
     # for short rows
-    _group_reduce_axes(kernel, BLOCK_THREADS if reduce_total >= 4 * BLOCK_THREADS else WARP_SIZE)
+    budget = BLOCK_THREADS if reduce_total >= 4 * BLOCK_THREADS else WARP_SIZE
+    reduce_axes = kernel.first_upcast - kernel.first_loop_reduce
+    _group_reduce_axes(kernel, budget, GROUP_MAX_AXES, GROUP_POWERS_OF_TWO)
+    # a reduce over several axes (N, H, W of batchnorm statistics) is left a short loop per thread: unrolled. A row
+    # reduction (one axis) keeps its loop (the row kernels' choice)
+    if kernel.group_dims and reduce_axes > 1: _unroll_group_loop(kernel)
     return kernel.group_dims > 0
   # column reduction: neighbouring threads take neighbouring outputs; split the reduce when blocks are few
-  locals_ = _divisor_at_most(kernel.full_shape[contiguous], WARP_SIZE)
+  locals_ = _divisor_at_most(kernel.full_shape[contiguous], COLUMN_LOCALS)
   if locals_ < 2 or not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)): return False
   blocks = outputs // locals_
   first_reduce_size = kernel.full_shape[kernel.first_reduce]

@@ -1,0 +1,188 @@
+"""BatchNorm statistics on GPUs: the per-channel sums over N, H, W of a batchnorm's input (the mean's sum, the
+variance's sum of squares, the backward's sums of products) and the choices that make them fast on a GPU: the split
+into about a wave of blocks (lazy.py `_plain_split_parts_wanted`), GROUP threads from up to three reduce axes in
+powers of two (warp shuffles) with neighbouring lanes on neighbouring elements, and the short loop left in each
+thread unrolled (codegen/opt/heuristic.py `_group_reduce`).
+
+Every kernel optimized under CUDA's limits (`PythonRenderer("CUDA")`, interpreted by the PYTHON device) is checked
+against its plain (NOOPT) version on random inputs, and BatchNorm2d's forward and backward against PyTorch.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import ourgrad.lazy as lazy
+from ourgrad import Tensor
+from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.opt.heuristic import WARP_SIZE
+from ourgrad.codegen.uops import UOps
+from ourgrad.device import Buffer
+from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.nn import BatchNorm2d
+from ourgrad.ops import Ops
+from ourgrad.runtime.ops_python import PythonRenderer
+
+rng = np.random.default_rng(11)
+
+
+@pytest.fixture
+def small_split(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+  """Split thresholds scaled down, so small shapes (fast on the PYTHON interpreter) are split too."""
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 64)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART", 8)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 64)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_BLOCKS", 64)
+  yield
+
+
+def _kernel_items(*tensors: Tensor) -> list:
+  return [item for item in create_schedule([t.lazydata for t in tensors]) if item.ast.op is Ops.STORE]
+
+
+def _cuda_kernel(item) -> Kernel:
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  return kernel
+
+
+def _check_schedule_against_plain(outputs: list[Tensor]) -> list[Kernel]:
+  """Run the schedule of `outputs`; each kernel, optimized for CUDA's limits, must give the plain kernel's values.
+  Returns the optimized kernels."""
+  optimized = []
+  for item in create_schedule([t.lazydata for t in outputs]):
+    if item.ast.op is not Ops.STORE:
+      run_schedule([item])
+      continue
+    for buffer in item.outputs: buffer.allocate()
+    results = []
+    for kernel in (_cuda_kernel(item), Kernel(item.ast, PythonRenderer("CUDA"))):
+      fresh = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+      compile_kernel(kernel, "PYTHON")((fresh,) + item.inputs)
+      results.append(fresh.numpy())
+      if kernel.applied_opts: optimized.append(kernel)
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-4)
+    run_schedule([item])
+  return optimized
+
+
+# ================================================================ the choices, at MNIST's sizes (no kernel runs)
+
+def test_first_batchnorm_is_split_into_about_a_wave_of_blocks() -> None:
+  """MNIST's first batchnorm, 16 channels of 256 x 24 x 24: 64 parts of 4 images per channel (1024 blocks, one wave
+  of 256-thread blocks on an H100), not 128 parts of 2 images (2 waves of blocks that mostly combine threads)."""
+  x = Tensor.empty(256, 16, 24, 24, device="PYTHON")
+  partials, total = _kernel_items(x.sum(axis=(0, 2, 3)))
+  assert partials.outputs[0].size == 64 * 16
+  assert total.outputs[0].size == 16
+
+
+def test_second_batchnorm_keeps_parts_of_1024() -> None:
+  x = Tensor.empty(256, 32, 8, 8, device="PYTHON")
+  partials, _ = _kernel_items(x.sum(axis=(0, 2, 3)))
+  assert partials.outputs[0].size == 16 * 32
+
+
+@pytest.mark.parametrize("shape", [(256, 16, 24, 24), (256, 32, 8, 8)])
+def test_partial_sums_use_full_power_of_two_blocks_with_coalesced_lanes(shape: tuple[int, ...]) -> None:
+  """256 GROUP threads (a power of two: warp shuffles combine them), taken from the image and the images of the
+  part (8 x 8 x 4 for an 8x8 image: not 64 threads with a 16-trip loop each), the launch's x along the contiguous
+  axis, and the loop left in each thread unrolled."""
+  x = Tensor.empty(*shape, device="PYTHON")
+  g = Tensor.empty(*shape, device="PYTHON")
+  for statistic in (x.sum(axis=(0, 2, 3)), (x * g).sum(axis=(0, 2, 3))):
+    kernel = _cuda_kernel(_kernel_items(statistic)[0])
+    assert kernel.group_threads() == 256
+    assert kernel.group_threads() % WARP_SIZE == 0 and kernel.group_threads() & (kernel.group_threads() - 1) == 0
+    launch_x = kernel.thread_axes()[-1]
+    assert kernel.sts[1].real_strides()[launch_x] == 1
+    assert kernel.first_upcast == kernel.first_loop_reduce or kernel.unroll_axes, "the loop left is unrolled"
+
+
+def test_unmergeable_image_rows_keep_a_whole_row_on_neighbouring_lanes() -> None:
+  """24 of 26 columns (the rows cannot merge): 8 lanes of a power of two would read 32 bytes apart in rows; the
+  24 columns stay whole on the launch's x (see test_split_reduce's coalescing test)."""
+  x = Tensor.empty(256, 16, 24, 26, device="PYTHON")[..., :24]
+  kernel = _cuda_kernel(_kernel_items(x.sum(axis=(0, 2, 3)))[0])
+  assert kernel.full_shape[kernel.thread_axes()[-1]] == 24
+
+
+def test_a_long_row_keeps_its_loop() -> None:
+  """Rows of 8192 (a softmax's sum): 256 threads, each a 32-trip loop the compiler pipelines; no unroll added."""
+  kernel = _cuda_kernel(_kernel_items(Tensor.empty(64, 8192, device="PYTHON").sum(axis=1))[0])
+  assert kernel.group_threads() == 256 and not kernel.unroll_axes
+
+
+# ================================================================ results
+
+@pytest.mark.parametrize("shape", [(16, 4, 8, 8), (4, 2, 24, 24), (6, 3, 12, 10)])
+def test_statistics_kernels_match_plain_and_numpy(shape: tuple[int, ...]) -> None:
+  """Sums, sums of squares around the mean and sums of products, each one kernel of 3-axis GROUP threads and an
+  unrolled loop under CUDA's limits, equal the plain kernels and numpy."""
+  x_np, g_np = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+  x, g = Tensor(x_np, device="PYTHON"), Tensor(g_np, device="PYTHON")
+  mean = x.mean(axis=(0, 2, 3), keepdim=True).realize()
+  outputs = [x.sum(axis=(0, 2, 3)), (x - mean).square().sum(axis=(0, 2, 3)), (g * (x - mean)).sum(axis=(0, 2, 3))]
+  kernels = _check_schedule_against_plain(outputs)
+  assert kernels and all(kernel.group_dims >= 1 for kernel in kernels)
+  mean_np = x_np.mean(axis=(0, 2, 3), keepdims=True)
+  for ours, theirs in zip(outputs, [x_np.sum(axis=(0, 2, 3)), np.square(x_np - mean_np).sum(axis=(0, 2, 3)),
+                                    (g_np * (x_np - mean_np)).sum(axis=(0, 2, 3))]):
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-4, atol=1e-3)
+
+
+def test_unmergeable_rows_match_plain(small_split: None) -> None:
+  data = rng.standard_normal((8, 3, 12, 14)).astype(np.float32)
+  x = Tensor(data, device="PYTHON")[..., :12]
+  outputs = [x.sum(axis=(0, 2, 3)), (x * x).sum(axis=(0, 2, 3))]
+  _check_schedule_against_plain(outputs)
+  np.testing.assert_allclose(outputs[0].numpy(), data[..., :12].sum(axis=(0, 2, 3)), rtol=1e-4, atol=1e-3)
+
+
+def test_batchnorm2d_forward_and_backward_match_torch(small_split: None, monkeypatch: pytest.MonkeyPatch) -> None:
+  """Training-mode BatchNorm2d, its statistics split (small thresholds): the output, the input's, weight's and bias's
+  gradients and the running stats equal PyTorch's."""
+  monkeypatch.setenv("DEVICE", "PYTHON")   # the layer's parameters and state are made on the default device
+  data = rng.standard_normal((8, 4, 10, 10)).astype(np.float32)
+  upstream = rng.standard_normal((8, 4, 10, 10)).astype(np.float32)
+  ours = BatchNorm2d(4)
+  assert ours.weight.device == "PYTHON"
+  x = Tensor(data, device="PYTHON", requires_grad=True)
+  ours.weight = Tensor(np.linspace(0.5, 1.5, 4, dtype=np.float32), device="PYTHON", requires_grad=True)
+  ours.bias = Tensor(np.linspace(-0.2, 0.3, 4, dtype=np.float32), device="PYTHON", requires_grad=True)
+  with Tensor.train():
+    out = ours(x)
+    (out * Tensor(upstream, device="PYTHON")).sum().backward()
+  theirs = torch.nn.BatchNorm2d(4)
+  with torch.no_grad():
+    theirs.weight.copy_(torch.linspace(0.5, 1.5, 4))
+    theirs.bias.copy_(torch.linspace(-0.2, 0.3, 4))
+  tx = torch.tensor(data, requires_grad=True)
+  tout = theirs(tx)
+  (tout * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(out.numpy(), tout.detach().numpy(), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-3, atol=1e-3)
+  np.testing.assert_allclose(ours.weight.grad.numpy(), theirs.weight.grad.numpy(), rtol=1e-3, atol=1e-3)
+  np.testing.assert_allclose(ours.bias.grad.numpy(), theirs.bias.grad.numpy(), rtol=1e-3, atol=1e-3)
+  np.testing.assert_allclose(ours.running_mean.numpy(), theirs.running_mean.numpy(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(ours.running_var.numpy(), theirs.running_var.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_group_of_whole_warps_not_a_power_of_two_shuffles_each_warp() -> None:
+  """224 GROUP threads (a 1344-long row: 7 warps): each warp combines its lanes by shuffles, the 7 warp totals by a
+  tree in local memory; the sums equal the plain kernel's and numpy's, the max is exact."""
+  data = rng.standard_normal((6, 1344)).astype(np.float32)
+  x = Tensor(data, device="PYTHON")
+  outputs = [x.sum(axis=1), x.max(axis=1)]
+  kernels = _check_schedule_against_plain(outputs)
+  assert [kernel.group_threads() for kernel in kernels] == [224, 224]
+  uops = linearize(kernels[0])
+  assert [uop.arg[1:] for uop in uops if uop.op is UOps.WARP_REDUCE] == [(32, 1)]
+  assert next(uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL) == 7
+  np.testing.assert_allclose(outputs[0].numpy(), data.sum(axis=1), rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal(outputs[1].numpy(), data.max(axis=1))

@@ -1,0 +1,183 @@
+"""Kernel counts of whole training steps on a GPU device, and the small reduces that share launches there.
+
+On a GPU each launch costs a few microseconds even when it does almost nothing: the second kernel of a split reduce
+(batchnorm statistics over their parts), a loss's sum, a bias gradient over a few rows. engine/packing.py packs such
+small reduces (a thread per output, a short unrolled loop: codegen/packed.py) with the independent kernels of their
+dependency height. The pins below (examples/mnist.py's CNN step and bench_jit.py's MLP step, scheduled for the
+PYTHON device, a GPU renderer) keep a gain from silently regressing: a change that adds kernels must update them
+knowingly. Packed results are checked against numpy and, through a BatchNorm, PyTorch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import ourgrad.engine.packing as packing
+import ourgrad.lazy as lazy
+from ourgrad import Tensor
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.helpers import GlobalCounters
+from ourgrad.nn import Linear
+from ourgrad.nn.losses import cross_entropy
+from ourgrad.nn.optim import Adam
+from ourgrad.nn.state import get_parameters
+from ourgrad.ops import Ops
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+rng = np.random.default_rng(12)
+
+
+def _load_example(path: pathlib.Path, name: str) -> Any:
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _step_outputs(model: Any, x: Tensor, y: Tensor) -> list[Tensor]:
+  """What one jitted training step realizes (bench_jit.ourgrad_step): the loss, Adam's updates, the running stats."""
+  trainable = [tensor for tensor in get_parameters(model) if tensor.requires_grad]
+  stats = [tensor for tensor in get_parameters(model) if not tensor.requires_grad]
+  optimizer = Adam(trainable, lr=1e-3)
+  with Tensor.train():
+    optimizer.zero_grad()
+    loss = cross_entropy(model(x), y)
+    loss.backward()
+    return [loss, *optimizer.schedule_step(), *stats]
+
+
+def _launches(outputs: list[Tensor]) -> int:
+  return sum(item.ast.op in (Ops.STORE, Ops.SINK, Ops.PACK) for item in create_schedule([t.lazydata for t in outputs]))
+
+
+@pytest.fixture
+def on_python(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+  monkeypatch.setenv("DEVICE", "PYTHON")   # the models' parameters are made on the default device
+  yield
+
+
+class _MLP:
+  """bench_jit.py's MLP: 784-512-512-10."""
+
+  def __init__(self) -> None: self.layers = [Linear(784, 512), Linear(512, 512), Linear(512, 10)]
+
+  def __call__(self, x: Tensor) -> Tensor:
+    return self.layers[2](self.layers[1](self.layers[0](x).relu()).relu())
+
+
+# ================================================================ pins
+
+def test_mnist_cnn_step_kernel_count(on_python: None) -> None:
+  """examples/mnist.py's CNN, batch 256: 44 launches (50 before small reduces were packed: the 7 small reduces and
+  the step counter at the last-but-one dependency height share one)."""
+  mnist = _load_example(ROOT / "examples" / "mnist.py", "mnist_example_kernels")
+  model = mnist.ConvNet(mnist.MODELS["small"])
+  x, y = Tensor.empty(256, 1, 28, 28), Tensor.empty(256, dtype="int32")
+  assert _launches(_step_outputs(model, x, y)) == 44
+
+
+def test_mlp_step_kernel_count(on_python: None) -> None:
+  """bench_jit.py's MLP, batch 512: 18 launches (19 before: the loss's last small reduce shares the step counter's
+  launch)."""
+  x, y = Tensor.empty(512, 784), Tensor.empty(512, dtype="int32")
+  assert _launches(_step_outputs(_MLP(), x, y)) == 18
+
+
+# ================================================================ what packs
+
+def test_small_reduces_of_different_shapes_share_one_launch_and_match_numpy() -> None:
+  data = [rng.standard_normal(shape).astype(np.float32) for shape in ((16, 64), (32, 16), (3, 5, 4), (10,))]
+  a, b, c, d = (Tensor(value, device="PYTHON").realize() for value in data)
+
+  def build() -> list[Tensor]:
+    return [a.sum(1), b.max(1), c.mean((0, 2)), d * 2 + 1, (b.T * 3).sum(0, keepdim=True), c.sum()]
+  assert _launches(build()) == 1
+  outs = build()
+  GlobalCounters.reset()
+  Tensor.realize_all(*outs)
+  assert GlobalCounters.kernel_count == 1
+  x_a, x_b, x_c, x_d = data
+  for ours, theirs in zip(outs, [x_a.sum(1), x_b.max(1), x_c.mean((0, 2)), x_d * 2 + 1,
+                                 (x_b.T * 3).sum(0, keepdims=True), x_c.sum()]):
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_reduce_keeps_its_own_kernel() -> None:
+  """Over PACK_REDUCE_MAX_LOOP elements per output a reduce wants GROUP threads, not one serial thread."""
+  a = Tensor.empty(4, packing.PACK_REDUCE_MAX_LOOP + 1, device="PYTHON")
+  b = Tensor.empty(4, packing.PACK_REDUCE_MAX_LOOP, device="PYTHON")
+  assert _launches([a.sum(1), b.sum(1)]) == 2
+  assert _launches([b.sum(1), (b * 2).sum(1)]) == 1
+
+
+def test_a_reduce_reading_another_packed_reduce_stays_apart() -> None:
+  data = rng.standard_normal((8, 6)).astype(np.float32)
+  a = Tensor(data, device="PYTHON").realize()
+
+  def build() -> list[Tensor]:
+    row_sums = a.sum(1)
+    return [row_sums, row_sums.sum()]   # the total reads row_sums: a dependency height above it, never in its pack
+  assert _launches(build()) == 2
+  np.testing.assert_allclose(build()[1].numpy(), data.sum(), rtol=1e-5)
+
+
+@pytest.fixture
+def small_split(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+  """Split thresholds scaled down, so small shapes (fast on the PYTHON interpreter) are split too."""
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 64)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART", 8)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 64)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_BLOCKS", 64)
+  yield
+
+
+def test_batchnorm_backward_second_stages_share_a_launch_and_match_torch(small_split: None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+  """The weight's and the bias's gradients of a batchnorm are split reduces; their second kernels (independent,
+  one dependency height) run in one launch, and every gradient equals PyTorch's."""
+  data = rng.standard_normal((8, 4, 6, 6)).astype(np.float32)
+  upstream = rng.standard_normal((8, 4, 6, 6)).astype(np.float32)
+  weight_np, bias_np = np.linspace(0.5, 1.5, 4, dtype=np.float32), np.linspace(-0.2, 0.3, 4, dtype=np.float32)
+
+  def build() -> list[Tensor]:
+    x = Tensor(data, device="PYTHON", requires_grad=True)
+    weight = Tensor(weight_np, device="PYTHON", requires_grad=True)
+    bias = Tensor(bias_np, device="PYTHON", requires_grad=True)
+    mean = x.mean(axis=(0, 2, 3), keepdim=True)
+    variance = (x - mean).square().mean(axis=(0, 2, 3), keepdim=True)
+    out = (x - mean) * (variance + 1e-5).rsqrt() * weight.reshape(1, 4, 1, 1) + bias.reshape(1, 4, 1, 1)
+    (out * Tensor(upstream, device="PYTHON")).sum().backward()
+    return [x.grad, weight.grad, bias.grad]
+
+  def gradients(pack: bool) -> tuple[list[np.ndarray], int]:
+    monkeypatch.setenv("PACK_KERNELS", "1" if pack else "0")
+    launches = _launches(build())   # scheduling alone marks the buffers: the values come from a graph of their own
+    return [gradient.numpy() for gradient in build()], launches
+  packed, packed_launches = gradients(True)
+  plain, plain_launches = gradients(False)
+  assert packed_launches < plain_launches
+  tx = torch.tensor(data, requires_grad=True)
+  tw, tb = torch.tensor(weight_np, requires_grad=True), torch.tensor(bias_np, requires_grad=True)
+  tout = torch.nn.functional.batch_norm(tx, None, None, tw, tb, training=True, eps=1e-5)
+  (tout * torch.tensor(upstream)).sum().backward()
+  for ours, unpacked, theirs in zip(packed, plain, (tx.grad, tw.grad, tb.grad)):
+    np.testing.assert_allclose(ours, unpacked, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-3, atol=1e-3)
+
+
+def test_a_reduce_read_again_per_element_is_not_packed() -> None:
+  """A kernel that reduces a row and then uses the sum for every element of it (RMSNorm's input gradient) writes more
+  values than it has outputs of its reduce: it keeps its own kernel and its values."""
+  x_np, w_np = rng.standard_normal((3, 4, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+  upstream = rng.standard_normal((3, 4, 6)).astype(np.float32)
+  x, w = Tensor(x_np, device="PYTHON", requires_grad=True), Tensor(w_np, device="PYTHON", requires_grad=True)
+  ((x * (x.square().mean(-1, keepdim=True) + 1e-6).rsqrt()) * w * Tensor(upstream, device="PYTHON")).sum().backward()
+  tx, tw = torch.tensor(x_np, requires_grad=True), torch.tensor(w_np, requires_grad=True)
+  ((tx * torch.rsqrt(tx.square().mean(-1, keepdim=True) + 1e-6)) * tw * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-4, atol=1e-5)
