@@ -1,0 +1,245 @@
+"""Hopper warpgroup MMA (wgmma, sm_90a): the shared-memory tile layout its descriptors name, and a matmul kernel.
+
+`wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}` is issued by a warpgroup (4 consecutive warps, 128 threads)
+and computes D (64 x N, float32, in registers) += A (64 x 16) @ B (16 x N), both operands read by the tensor cores
+straight from shared memory. Each operand is named by a 64-bit matrix descriptor (`descriptor`): its start address,
+two byte strides and a swizzle mode. This module uses the 128-byte swizzle throughout:
+
+- The tile is stored in 128-byte rows (64 float16/bfloat16 elements), 8 rows to a 1024-byte "atom" (aligned to
+  1024 bytes). Inside an atom the 16-byte piece p of row r lies at piece p ^ r (`swizzled`): the 8 rows' pieces of one
+  column fall in 8 different bank groups, and so do a row's 8 pieces.
+- K-major operand (rows run along K: A of a row-major matmul, or B given as N x K): row = M (N) index, 64 K elements a
+  row; atoms follow each other every 8 rows (stride byte offset SBO = 1024); the leading byte offset is unused. The
+  instruction's k16 slice j starts 32 j bytes into the row (the swizzle applies to the absolute address, so the
+  start moves and the hardware swizzles what it reads).
+- MN-major operand (rows run along N: B of a row-major matmul, K x N with N contiguous; the instruction transposes it,
+  imm-trans-b = 1): row = K index, 64 N elements a row; a column of 64 N is `block_k` rows (8 K rows an atom, SBO =
+  1024 between them) and the next 64 N follow after it (leading byte offset LBO = 128 block_k). The k16 slice j starts
+  at row 16 j.
+
+Accumulators (float32, N/2 per thread; PTX ISA "Matrix Fragments for wgmma.mma_async.m64nNk16"): thread t of the
+warpgroup (warp w = t // 32, lane l) holds element i at row 16 w + l // 4 + 8 ((i >> 1) & 1), column 8 (i >> 2) +
+2 (l % 4) + (i & 1) (`accumulator_position`): per warp, the mma.sync m16n8 C layout repeated along N.
+
+The kernel (`render_wgmma_matmul`): C (M x N) = A (M x K, row-major) @ B (K x N, row-major, or N x K with
+`b_k_major`) for float16/bfloat16 inputs and output, float32 accumulation; sizes multiples of the block tile.
+One CTA computes a block_m x block_n tile with block_m / 64 warpgroups (each 64 rows, one m64n{block_n}k16 per k16
+step); all threads copy the tiles of a K step (block_k = 64) into shared memory with 16-byte cp.async, `stages` deep:
+
+    copy K steps 0 .. stages-3 (one commit group each)
+    for step s:
+      wait for my copies of step s; fence.proxy.async (the tensor cores read through the async proxy); BARRIER
+      wgmma.fence; 4 wgmma on stage s % stages; commit; wait until at most 1 wgmma group is in flight (step s - 1 done)
+      copy step s + stages - 2 into stage (s - 2) % stages; commit
+    wait for all wgmma; convert and store the accumulators
+
+The stage written in step s was last read by the wgmma of step s - 2: every warpgroup finished those before it passed
+the BARRIER of step s (it waited for them in step s - 1), so one barrier per step orders the reuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# one row of a swizzled tile: 128 bytes; 8 rows form one swizzle atom of 1024 bytes (aligned to 1024)
+ROW_BYTES, ATOM_BYTES, PIECE_BYTES = 128, 1024, 16
+WARPGROUP_THREADS = 128
+SWIZZLE_128B = 1   # the descriptor's swizzle mode field (bits 62-63)
+
+
+def swizzled(offset: int) -> int:
+  """The byte where the 128-byte-swizzled layout stores the byte at unswizzled `offset` (from a 1024-aligned base):
+  the 16-byte piece index (bits 4-6) XOR the row in the atom (bits 7-9)."""
+  return offset ^ (((offset >> 7) & 7) << 4)
+
+
+def descriptor(address: int, leading_bytes: int, stride_bytes: int) -> int:
+  """The 64-bit wgmma matrix descriptor of a 128-byte-swizzled operand at shared `address` (PTX ISA "Matrix
+  Descriptor Format": address, LBO and SBO each as (value & 0x3FFFF) >> 4 in 14 bits; base offset 0)."""
+  def encode(value: int) -> int: return (value & 0x3FFFF) >> 4
+  return encode(address) | encode(leading_bytes) << 16 | encode(stride_bytes) << 32 | SWIZZLE_128B << 62
+
+
+def accumulator_position(thread: int, element: int) -> tuple[int, int]:
+  """(row, column) in the 64 x N accumulator tile of float32 accumulator `element` of warpgroup thread `thread`."""
+  warp, lane = thread // 32, thread % 32
+  return 16 * warp + lane // 4 + 8 * ((element >> 1) & 1), 8 * (element >> 2) + 2 * (lane % 4) + (element & 1)
+
+
+@dataclass(frozen=True)
+class WgmmaMatmul:
+  """One wgmma matmul kernel's shape and tiling (see the module docstring)."""
+  m: int
+  n: int
+  k: int
+  dtype: str = "float16"         # of A, B and C: "float16" or "bfloat16"
+  block_m: int = 128             # rows per CTA: 64 per warpgroup
+  block_n: int = 256             # columns per CTA = the instruction's N (8..256, a multiple of 64 here)
+  block_k: int = 64              # K per stage: one 128-byte row of 64 elements
+  stages: int = 4                # shared-memory stages (>= 3: two are being read while the rest fill)
+  b_k_major: bool = False        # B given as N x K (K contiguous) instead of K x N
+  b_lbo_sbo_swapped: bool = False  # the MN-major B descriptor with LBO and SBO exchanged (a layout probe)
+  group_m: int = 8               # CTAs of neighbouring M rows run together (L2 reuse of B's columns)
+
+  def __post_init__(self):
+    if self.dtype not in ("float16", "bfloat16"): raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16")
+    if self.block_m % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k != 64 or self.stages < 3:
+      raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}x{self.block_k}, {self.stages} stages")
+    if self.m % self.block_m or self.n % self.block_n or self.k % self.block_k:
+      raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n} is not a multiple of its block tile "
+                       f"{self.block_m}x{self.block_k}x{self.block_n}")
+
+  @property
+  def warpgroups(self) -> int: return self.block_m // 64
+
+  @property
+  def threads(self) -> int: return self.warpgroups * WARPGROUP_THREADS
+
+  @property
+  def a_stage_bytes(self) -> int: return self.block_m * ROW_BYTES
+
+  @property
+  def b_stage_bytes(self) -> int: return self.block_n * self.block_k * 2
+
+  @property
+  def stage_bytes(self) -> int: return self.a_stage_bytes + self.b_stage_bytes
+
+  @property
+  def shared_bytes(self) -> int: return self.stages * self.stage_bytes + ATOM_BYTES  # + room to align the base
+
+  @property
+  def name(self) -> str:
+    major = "k" if self.b_k_major else "n"
+    return (f"wgmma_{self.dtype}_{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_s{self.stages}_{major}"
+            f"{'_swapped' if self.b_lbo_sbo_swapped else ''}")
+
+  @property
+  def global_size(self) -> tuple[int, int, int]: return ((self.m // self.block_m) * (self.n // self.block_n), 1, 1)
+
+  @property
+  def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
+
+  def b_leading_stride(self) -> tuple[int, int]:
+    """(LBO, SBO) of B's descriptor."""
+    if self.b_k_major: return PIECE_BYTES, ATOM_BYTES
+    pair = (self.block_k * ROW_BYTES, ATOM_BYTES)
+    return pair[::-1] if self.b_lbo_sbo_swapped else pair
+
+
+def _wgmma_instruction(plan: WgmmaMatmul) -> str:
+  """The inline-asm statement of one m64n{block_n}k16 wgmma on the accumulator array `acc` (descriptors a_desc,
+  b_desc): D += A @ B (scale-d = 1: the accumulators start at 0)."""
+  count = plan.block_n // 2
+  ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
+  registers = ", ".join(f"%{i}" for i in range(count))
+  transpose_b = 0 if plan.b_k_major else 1
+  instruction = (f"wgmma.mma_async.sync.aligned.m64n{plan.block_n}k16.f32.{ptx_type}.{ptx_type} "
+                 f"{{{registers}}}, %{count}, %{count + 1}, 1, 1, 1, 0, {transpose_b};")
+  outputs = ", ".join(f'"+f"(acc[{i}])' for i in range(count))
+  return f'asm volatile("{instruction}"\n      : {outputs}\n      : "l"(a_desc), "l"(b_desc));'
+
+
+def _copy_lines(plan: WgmmaMatmul) -> list[str]:
+  """The body of copy_step(step, stage): every thread's 16-byte cp.async pieces of A's and B's tiles of one K step."""
+  a_pieces, b_pieces = plan.block_m * plan.block_k // 8, plan.block_n * plan.block_k // 8
+  lines = [f"  for (int piece = threadIdx.x; piece < {a_pieces}; piece += {plan.threads}) {{",
+           "    int row = piece >> 3, column = piece & 7;",
+           f"    const unsigned short* source = a_block + row * {plan.k} + step * {plan.block_k} + column * 8;",
+           "    unsigned target = stage_base + row * 128 + ((column ^ (row & 7)) << 4);",
+           "    copy16(target, source);", "  }"]
+  b_base = f"stage_base + {plan.a_stage_bytes}"
+  if plan.b_k_major:   # B is N x K: like A, rows along N
+    lines += [f"  for (int piece = threadIdx.x; piece < {b_pieces}; piece += {plan.threads}) {{",
+              "    int row = piece >> 3, column = piece & 7;",
+              f"    const unsigned short* source = b_block + row * {plan.k} + step * {plan.block_k} + column * 8;",
+              f"    unsigned target = {b_base} + row * 128 + ((column ^ (row & 7)) << 4);",
+              "    copy16(target, source);", "  }"]
+  else:   # B is K x N: rows along K, 64 N elements a row, the next 64 N after block_k rows
+    per_row = plan.block_n // 8
+    lines += [f"  for (int piece = threadIdx.x; piece < {b_pieces}; piece += {plan.threads}) {{",
+              f"    int row = piece / {per_row}, along_n = piece % {per_row};",
+              "    int column = along_n & 7, chunk = along_n >> 3;",
+              f"    const unsigned short* source = b_block + (step * {plan.block_k} + row) * {plan.n} + along_n * 8;",
+              f"    unsigned target = {b_base} + chunk * {plan.block_k * ROW_BYTES} + row * 128 + "
+              "((column ^ (row & 7)) << 4);",
+              "    copy16(target, source);", "  }"]
+  return lines
+
+
+def render_wgmma_matmul(plan: WgmmaMatmul, dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes") -> str:
+  """CUDA C++ (for NVRTC, sm_90a) of the matmul kernel `plan.name`(c, a, b); launch with plan.global_size and
+  plan.local_size, plan.shared_bytes of dynamic shared memory (the kernel exports that size as
+  `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads back at load)."""
+  count = plan.block_n // 2
+  ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
+  b_lbo, b_sbo = plan.b_leading_stride()
+  tiles_m, tiles_n = plan.m // plan.block_m, plan.n // plan.block_n
+  group_m = min(plan.group_m, tiles_m)
+  b_block = "b + tile_n * " + (f"{plan.block_n * plan.k}" if plan.b_k_major else f"{plan.block_n}")
+  b_step = "32 * j" if plan.b_k_major else f"{16 * ROW_BYTES} * j"
+  lines = [
+    f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
+    "extern __shared__ __align__(1024) unsigned char wgmma_shared[];",
+    "__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned address, unsigned lbo, unsigned sbo) {",
+    "  return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |",
+    f"         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | ({SWIZZLE_128B}ull << 62);",
+    "}",
+    "__device__ __forceinline__ void copy16(unsigned target, const unsigned short* source) {",
+    '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(target), "l"(source) : "memory");',
+    "}",
+    f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1) {plan.name}(unsigned short* __restrict__ c, '
+    "const unsigned short* __restrict__ a, const unsigned short* __restrict__ b) {",
+    # the 128-byte swizzle is a function of address bits 7-9: the tiles start on a 1024-byte boundary
+    "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
+    # CTAs in groups of group_m M tiles down one column of N tiles, so B's block columns are reused from L2
+    f"  int block = blockIdx.x, group = block / ({group_m} * {tiles_n});",
+    f"  int first_m = group * {group_m}, group_rows = min({tiles_m} - first_m, {group_m});",
+    f"  int in_group = block - group * {group_m * tiles_n};",
+    "  int tile_m = first_m + in_group % group_rows, tile_n = in_group / group_rows;",
+    f"  const unsigned short* a_block = a + tile_m * {plan.block_m * plan.k};",
+    f"  const unsigned short* b_block = {b_block};",
+    "  int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;",
+    f"  float acc[{count}];",
+    "#pragma unroll",
+    f"  for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
+    f"  const int steps = {plan.k // plan.block_k};",
+    "  auto copy_step = [&](int step, int stage) {",
+    f"    unsigned stage_base = shared_base + stage * {plan.stage_bytes};",
+    *["  " + line for line in _copy_lines(plan)],
+    "  };",
+    f"  for (int step = 0; step < {plan.stages - 2}; step++) {{",
+    "    if (step < steps) copy_step(step, step);",
+    '    asm volatile("cp.async.commit_group;" ::: "memory");',
+    "  }",
+    "  for (int step = 0; step < steps; step++) {",
+    f'    asm volatile("cp.async.wait_group {plan.stages - 3};" ::: "memory");',
+    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    "    __syncthreads();",
+    f"    unsigned stage_base = shared_base + (step % {plan.stages}) * {plan.stage_bytes};",
+    '    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");',
+    "#pragma unroll",
+    f"    for (int j = 0; j < {plan.block_k // 16}; j++) {{",
+    "      unsigned long long a_desc = wgmma_descriptor(stage_base + warpgroup * 8192 + 32 * j, 16, 1024);",
+    f"      unsigned long long b_desc = wgmma_descriptor(stage_base + {plan.a_stage_bytes} + {b_step}, {b_lbo}, "
+    f"{b_sbo});",
+    "      " + _wgmma_instruction(plan),
+    "    }",
+    '    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");',
+    '    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
+    f"    int next = step + {plan.stages - 2};",
+    f"    if (next < steps) copy_step(next, next % {plan.stages});",
+    '    asm volatile("cp.async.commit_group;" ::: "memory");',
+    "  }",
+    '  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");',
+    # each thread's accumulator pairs (i, i + 1) are neighbouring columns: one 32-bit store of two halves
+    "  int lane = thread % 32, warp = thread / 32;",
+    f"  unsigned short* c_block = c + (tile_m * {plan.block_m} + warpgroup * 64 + warp * 16 + lane / 4) * {plan.n} + "
+    f"tile_n * {plan.block_n} + 2 * (lane % 4);",
+    "#pragma unroll",
+    f"  for (int i = 0; i < {count}; i += 2) {{",
+    "    unsigned packed;",
+    f'    asm("cvt.rn.{ptx_type}x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(acc[i + 1]), "f"(acc[i]));',
+    f"    *(unsigned*)(c_block + 8 * ((i >> 1) & 1) * {plan.n} + 8 * (i >> 2)) = packed;",
+    "  }",
+    "}",
+  ]
+  return "\n".join(lines) + "\n"
