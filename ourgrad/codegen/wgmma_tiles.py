@@ -71,7 +71,8 @@ class WgmmaMatmul:
   m: int
   n: int
   k: int
-  dtype: str = "float16"         # of A, B and C: "float16" or "bfloat16"
+  dtype: str = "float16"         # of A and B: "float16" or "bfloat16"
+  out_dtype: str = ""            # of C: the inputs' dtype (empty) or "float32"
   block_m: int = 128             # rows per CTA: 64 per warpgroup
   block_n: int = 256             # columns per CTA = the instruction's N (8..256, a multiple of 64 here)
   block_k: int = 64              # K per stage: one 128-byte row of 64 elements
@@ -82,6 +83,11 @@ class WgmmaMatmul:
 
   def __post_init__(self):
     if self.dtype not in ("float16", "bfloat16"): raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16")
+    if not self.out_dtype: object.__setattr__(self, "out_dtype", self.dtype)
+    if self.out_dtype not in (self.dtype, "float32"):
+      raise ValueError(f"wgmma matmul of {self.dtype} into {self.out_dtype}: {self.dtype} or float32")
+    if max(self.m * self.k, self.k * self.n, self.m * self.n) >= 2 ** 31:
+      raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n}: an operand of 2^31 elements or more (int indices)")
     if self.block_m % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k != 64 or self.stages < 3:
       raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}x{self.block_k}, {self.stages} stages")
     if self.m % self.block_m or self.n % self.block_n or self.k % self.block_k:
@@ -109,7 +115,8 @@ class WgmmaMatmul:
   @property
   def name(self) -> str:
     major = "k" if self.b_k_major else "n"
-    return (f"wgmma_{self.dtype}_{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_s{self.stages}_{major}"
+    out = "_f32" if self.out_dtype == "float32" else ""
+    return (f"wgmma_{self.dtype}{out}_{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_s{self.stages}_{major}"
             f"{'_swapped' if self.b_lbo_sbo_swapped else ''}")
 
   @property
@@ -138,31 +145,96 @@ def _wgmma_instruction(plan: WgmmaMatmul) -> str:
   return f'asm volatile("{instruction}"\n      : {outputs}\n      : "l"(a_desc), "l"(b_desc));'
 
 
+class CExpr:
+  """An integer expression of the kernel, built with Python's operators and rendered as C (non-negative values, so
+  // and % are C's / and %): the address formulas below evaluate on ints and numpy arrays (the emulator) and on
+  CExprs (the CUDA source) alike."""
+
+  def __init__(self, text: str): self.text = text
+
+  def _op(self, other, op: str, reflected: bool = False) -> CExpr:
+    other_text = other.text if isinstance(other, CExpr) else str(other)
+    return CExpr(f"({other_text} {op} {self.text})" if reflected else f"({self.text} {op} {other_text})")
+
+  def __add__(self, other): return self._op(other, "+")
+  def __radd__(self, other): return self._op(other, "+", True)
+  def __mul__(self, other): return self._op(other, "*")
+  def __rmul__(self, other): return self._op(other, "*", True)
+  def __floordiv__(self, other): return self._op(other, "/")
+  def __mod__(self, other): return self._op(other, "%")
+  def __xor__(self, other): return self._op(other, "^")
+  def __and__(self, other): return self._op(other, "&")
+  def __rshift__(self, other): return self._op(other, ">>")
+  def __lshift__(self, other): return self._op(other, "<<")
+
+  def __str__(self) -> str: return self.text
+
+
+def a_copy(plan: WgmmaMatmul, piece, step):
+  """(element offset in A from the block's first row, byte offset in the stage) of A's 16-byte piece `piece` (8
+  elements along K) of K step `step`: row piece // 8 of the tile, 128-byte swizzled rows."""
+  row, column = piece // 8, piece % 8
+  return row * plan.k + step * plan.block_k + column * 8, row * ROW_BYTES + ((column ^ (row & 7)) << 4)
+
+
+def b_copy(plan: WgmmaMatmul, piece, step):
+  """(element offset in B from the block's first column (row for N x K), byte offset in the stage) of B's piece
+  `piece`: K-major as A; MN-major: row = K index, 64 N a row, the next 64 N after block_k rows."""
+  if plan.b_k_major:
+    row, column = piece // 8, piece % 8
+    return (row * plan.k + step * plan.block_k + column * 8,
+            plan.a_stage_bytes + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
+  per_row = plan.block_n // 8
+  row, along_n = piece // per_row, piece % per_row
+  column, chunk = along_n % 8, along_n // 8
+  return ((step * plan.block_k + row) * plan.n + along_n * 8,
+          plan.a_stage_bytes + chunk * (plan.block_k * ROW_BYTES) + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
+
+
+def operand_starts(plan: WgmmaMatmul, warpgroup, j):
+  """Byte offsets in the stage where k16 slice `j`'s A (of `warpgroup`'s 64 rows) and B start (the descriptors'
+  start addresses, before the stage's base)."""
+  a_start = warpgroup * 64 * ROW_BYTES + 32 * j
+  b_start = plan.a_stage_bytes + (32 * j if plan.b_k_major else 16 * ROW_BYTES * j)
+  return a_start, b_start
+
+
+def tile_of_block(plan: WgmmaMatmul, block):
+  """(M tile, N tile) CTA `block` computes: CTAs run in groups of group_m M tiles down each column of N tiles (B's
+  block columns are then reused from L2 by the CTAs running together)."""
+  tiles_m, tiles_n = plan.m // plan.block_m, plan.n // plan.block_n
+  group_m = min(plan.group_m, tiles_m)
+  group = block // (group_m * tiles_n)
+  first_m = group * group_m
+  group_rows = _minimum((first_m * -1) + tiles_m, group_m)   # the last group may have fewer M tiles
+  in_group = block + group * -(group_m * tiles_n)
+  return first_m + in_group % group_rows, in_group // group_rows
+
+
+def _minimum(value, limit: int):
+  return CExpr(f"min({value}, {limit})") if isinstance(value, CExpr) else min(value, limit)
+
+
 def _copy_lines(plan: WgmmaMatmul) -> list[str]:
   """The body of copy_step(step, stage): every thread's 16-byte cp.async pieces of A's and B's tiles of one K step."""
-  a_pieces, b_pieces = plan.block_m * plan.block_k // 8, plan.block_n * plan.block_k // 8
-  lines = [f"  for (int piece = threadIdx.x; piece < {a_pieces}; piece += {plan.threads}) {{",
-           "    int row = piece >> 3, column = piece & 7;",
-           f"    const unsigned short* source = a_block + row * {plan.k} + step * {plan.block_k} + column * 8;",
-           "    unsigned target = stage_base + row * 128 + ((column ^ (row & 7)) << 4);",
-           "    copy16(target, source);", "  }"]
-  b_base = f"stage_base + {plan.a_stage_bytes}"
-  if plan.b_k_major:   # B is N x K: like A, rows along N
-    lines += [f"  for (int piece = threadIdx.x; piece < {b_pieces}; piece += {plan.threads}) {{",
-              "    int row = piece >> 3, column = piece & 7;",
-              f"    const unsigned short* source = b_block + row * {plan.k} + step * {plan.block_k} + column * 8;",
-              f"    unsigned target = {b_base} + row * 128 + ((column ^ (row & 7)) << 4);",
-              "    copy16(target, source);", "  }"]
-  else:   # B is K x N: rows along K, 64 N elements a row, the next 64 N after block_k rows
-    per_row = plan.block_n // 8
-    lines += [f"  for (int piece = threadIdx.x; piece < {b_pieces}; piece += {plan.threads}) {{",
-              f"    int row = piece / {per_row}, along_n = piece % {per_row};",
-              "    int column = along_n & 7, chunk = along_n >> 3;",
-              f"    const unsigned short* source = b_block + (step * {plan.block_k} + row) * {plan.n} + along_n * 8;",
-              f"    unsigned target = {b_base} + chunk * {plan.block_k * ROW_BYTES} + row * 128 + "
-              "((column ^ (row & 7)) << 4);",
-              "    copy16(target, source);", "  }"]
+  lines = []
+  piece, step = CExpr("piece"), CExpr("step")
+  for name, pieces, copy in (("a", plan.block_m * plan.block_k // 8, a_copy),
+                             ("b", plan.block_n * plan.block_k // 8, b_copy)):
+    source, target = copy(plan, piece, step)
+    lines += [f"  for (int piece = threadIdx.x; piece < {pieces}; piece += {plan.threads})",
+              f"    copy16(stage_base + {target}, {name}_block + {source});"]
   return lines
+
+
+def _store_lines(plan: WgmmaMatmul) -> list[str]:
+  """Store accumulators i and i + 1 (neighbouring columns) at C[index]: float32 as a float2, else converted and
+  packed two to a 32-bit word (cvt's first source goes to the upper half)."""
+  if plan.out_dtype == "float32": return ["    *(float2*)(c + index) = make_float2(acc[i], acc[i + 1]);"]
+  ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
+  return ["    unsigned packed;",
+          f'    asm("cvt.rn.{ptx_type}x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(acc[i + 1]), "f"(acc[i]));',
+          "    *(unsigned*)(c + index) = packed;"]
 
 
 def render_wgmma_matmul(plan: WgmmaMatmul, dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes") -> str:
@@ -170,12 +242,12 @@ def render_wgmma_matmul(plan: WgmmaMatmul, dynamic_shared_symbol: str = "ourgrad
   plan.local_size, plan.shared_bytes of dynamic shared memory (the kernel exports that size as
   `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads back at load)."""
   count = plan.block_n // 2
-  ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
   b_lbo, b_sbo = plan.b_leading_stride()
-  tiles_m, tiles_n = plan.m // plan.block_m, plan.n // plan.block_n
-  group_m = min(plan.group_m, tiles_m)
+  tile_m, tile_n = tile_of_block(plan, CExpr("(int)blockIdx.x"))
   b_block = "b + tile_n * " + (f"{plan.block_n * plan.k}" if plan.b_k_major else f"{plan.block_n}")
-  b_step = "32 * j" if plan.b_k_major else f"{16 * ROW_BYTES} * j"
+  a_start, b_start = operand_starts(plan, CExpr("warpgroup"), CExpr("j"))
+  row, column = accumulator_position(CExpr("thread"), CExpr("i"))
+  out_type = "float" if plan.out_dtype == "float32" else "unsigned short"
   lines = [
     f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
     "extern __shared__ __align__(1024) unsigned char wgmma_shared[];",
@@ -186,15 +258,12 @@ def render_wgmma_matmul(plan: WgmmaMatmul, dynamic_shared_symbol: str = "ourgrad
     "__device__ __forceinline__ void copy16(unsigned target, const unsigned short* source) {",
     '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(target), "l"(source) : "memory");',
     "}",
-    f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1) {plan.name}(unsigned short* __restrict__ c, '
+    f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1) {plan.name}({out_type}* __restrict__ c, '
     "const unsigned short* __restrict__ a, const unsigned short* __restrict__ b) {",
     # the 128-byte swizzle is a function of address bits 7-9: the tiles start on a 1024-byte boundary
     "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
     # CTAs in groups of group_m M tiles down one column of N tiles, so B's block columns are reused from L2
-    f"  int block = blockIdx.x, group = block / ({group_m} * {tiles_n});",
-    f"  int first_m = group * {group_m}, group_rows = min({tiles_m} - first_m, {group_m});",
-    f"  int in_group = block - group * {group_m * tiles_n};",
-    "  int tile_m = first_m + in_group % group_rows, tile_n = in_group / group_rows;",
+    f"  int tile_m = {tile_m}, tile_n = {tile_n};",
     f"  const unsigned short* a_block = a + tile_m * {plan.block_m * plan.k};",
     f"  const unsigned short* b_block = {b_block};",
     "  int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;",
@@ -218,9 +287,8 @@ def render_wgmma_matmul(plan: WgmmaMatmul, dynamic_shared_symbol: str = "ourgrad
     '    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");',
     "#pragma unroll",
     f"    for (int j = 0; j < {plan.block_k // 16}; j++) {{",
-    "      unsigned long long a_desc = wgmma_descriptor(stage_base + warpgroup * 8192 + 32 * j, 16, 1024);",
-    f"      unsigned long long b_desc = wgmma_descriptor(stage_base + {plan.a_stage_bytes} + {b_step}, {b_lbo}, "
-    f"{b_sbo});",
+    f"      unsigned long long a_desc = wgmma_descriptor(stage_base + {a_start}, {PIECE_BYTES}, {ATOM_BYTES});",
+    f"      unsigned long long b_desc = wgmma_descriptor(stage_base + {b_start}, {b_lbo}, {b_sbo});",
     "      " + _wgmma_instruction(plan),
     "    }",
     '    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");',
@@ -231,14 +299,11 @@ def render_wgmma_matmul(plan: WgmmaMatmul, dynamic_shared_symbol: str = "ourgrad
     "  }",
     '  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");',
     # each thread's accumulator pairs (i, i + 1) are neighbouring columns: one 32-bit store of two halves
-    "  int lane = thread % 32, warp = thread / 32;",
-    f"  unsigned short* c_block = c + (tile_m * {plan.block_m} + warpgroup * 64 + warp * 16 + lane / 4) * {plan.n} + "
-    f"tile_n * {plan.block_n} + 2 * (lane % 4);",
     "#pragma unroll",
     f"  for (int i = 0; i < {count}; i += 2) {{",
-    "    unsigned packed;",
-    f'    asm("cvt.rn.{ptx_type}x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(acc[i + 1]), "f"(acc[i]));',
-    f"    *(unsigned*)(c_block + 8 * ((i >> 1) & 1) * {plan.n} + 8 * (i >> 2)) = packed;",
+    f"    int row = {row}, column = {column};",
+    f"    int index = (tile_m * {plan.block_m} + warpgroup * 64 + row) * {plan.n} + tile_n * {plan.block_n} + column;",
+    *_store_lines(plan),
     "  }",
     "}",
   ]
