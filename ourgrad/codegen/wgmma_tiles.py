@@ -237,17 +237,32 @@ def _store_lines(plan: WgmmaMatmul) -> list[str]:
           "    *(unsigned*)(c + index) = packed;"]
 
 
-def render_wgmma_matmul(plan: WgmmaMatmul, dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes") -> str:
-  """CUDA C++ (for NVRTC, sm_90a) of the matmul kernel `plan.name`(c, a, b); launch with plan.global_size and
-  plan.local_size, plan.shared_bytes of dynamic shared memory (the kernel exports that size as
-  `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads back at load)."""
+def _signature(plan: WgmmaMatmul, name: str, arguments: dict[str, int] | None) -> list[str]:
+  """The kernel's first lines: its parameters in argument order (`arguments`: the position of C, A and B; A and B
+  may be one buffer), and c, a, b naming them."""
+  out_type = "float" if plan.out_dtype == "float32" else "unsigned short"
+  positions = arguments or {"c": 0, "a": 1, "b": 2}
+  params = {position: f"{out_type if operand == 'c' else 'const unsigned short'}* __restrict__ data{position}"
+            for operand, position in positions.items()}
+  return [f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1) {name}('
+          f'{", ".join(params[position] for position in sorted(params))}) {{',
+          f"  {out_type}* c = data{positions['c']};",
+          f"  const unsigned short* a = data{positions['a']};",
+          f"  const unsigned short* b = data{positions['b']};"]
+
+
+def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: dict[str, int] | None = None,
+                        dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes") -> str:
+  """CUDA C++ (for NVRTC, sm_90a) of the matmul kernel `name` (default plan.name) taking its buffers in the order
+  `arguments` gives (default c, a, b); launch with plan.global_size and plan.local_size, plan.shared_bytes of dynamic
+  shared memory (the kernel exports that size as `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads back at
+  load)."""
   count = plan.block_n // 2
   b_lbo, b_sbo = plan.b_leading_stride()
   tile_m, tile_n = tile_of_block(plan, CExpr("(int)blockIdx.x"))
   b_block = "b + tile_n * " + (f"{plan.block_n * plan.k}" if plan.b_k_major else f"{plan.block_n}")
   a_start, b_start = operand_starts(plan, CExpr("warpgroup"), CExpr("j"))
   row, column = accumulator_position(CExpr("thread"), CExpr("i"))
-  out_type = "float" if plan.out_dtype == "float32" else "unsigned short"
   lines = [
     f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
     "extern __shared__ __align__(1024) unsigned char wgmma_shared[];",
@@ -258,8 +273,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, dynamic_shared_symbol: str = "ourgrad
     "__device__ __forceinline__ void copy16(unsigned target, const unsigned short* source) {",
     '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(target), "l"(source) : "memory");',
     "}",
-    f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1) {plan.name}({out_type}* __restrict__ c, '
-    "const unsigned short* __restrict__ a, const unsigned short* __restrict__ b) {",
+    *_signature(plan, name or plan.name, arguments),
     # the 128-byte swizzle is a function of address bits 7-9: the tiles start on a 1024-byte boundary
     "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
     # CTAs in groups of group_m M tiles down one column of N tiles, so B's block columns are reused from L2
@@ -308,3 +322,43 @@ def render_wgmma_matmul(plan: WgmmaMatmul, dynamic_shared_symbol: str = "ourgrad
     "}",
   ]
   return "\n".join(lines) + "\n"
+
+
+def plan_for_kernel(kernel, block_n: int, stages: int) -> tuple[WgmmaMatmul, dict[str, int]]:
+  """The plan of a Kernel (codegen/kernel.py, no opts applied) that is a plain float16/bfloat16 matmul: C (M x N,
+  row-major, the inputs' dtype or float32) = A (M x K, row-major) @ B (K x N row-major, or its transpose stored
+  N x K), a SUM in float32 of the product of the two loads, stored as it is (or cast), unmasked views from offset 0;
+  and the argument positions of C, A and B. Raises ValueError (or the matmul check's KernelOptError) naming what
+  does not fit."""
+  from ourgrad.codegen.kernel import KernelOptError, matmul_operands   # kernel.py imports this module
+  from ourgrad.dtype import dtypes
+  from ourgrad.ops import Ops
+  if len(kernel.reduceops) != 1 or len(kernel.stores) != 1: raise ValueError("needs one reduce and one store")
+  store = kernel.stores[0]
+  value = store.srcs[0]
+  if value.op is Ops.CAST: value = value.srcs[0]
+  if value is not kernel.reduceop: raise ValueError("the matmul's result must be stored as it is (or cast)")
+  for dtype in (dtypes.float16, dtypes.bfloat16):
+    try:
+      a, b = matmul_operands(kernel.reduceop, dtype, dtypes.float32, "WGMMA")
+      break
+    except KernelOptError:
+      continue
+  else:
+    raise ValueError("needs a float32 SUM of the product of two float16 or bfloat16 loads")
+  if len(kernel.full_shape) != 3: raise ValueError(f"needs the loop nest (M, N, K), got {kernel.full_shape}")
+  m, n, k = kernel.full_shape
+  views = {}
+  for leaf in (store, a, b):
+    st = kernel.sts[kernel.leaf_number(leaf)]
+    if len(st.views) != 1 or st.views[0].mask is not None or st.views[0].offset != 0:
+      raise ValueError(f"needs plain views (one, unmasked, from offset 0), got {st}")
+    views[id(leaf)] = st.views[0].strides
+  if views[id(store)] != (n, 1, 0): raise ValueError(f"needs a row-major M x N output, strides {views[id(store)]}")
+  if views[id(a)] != (k, 0, 1): a, b = b, a
+  if views[id(a)] != (k, 0, 1): raise ValueError(f"needs a row-major M x K operand, strides {views[id(a)]}")
+  if views[id(b)] not in ((0, 1, n), (0, k, 1)): raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
+  out_dtype = store.dtype.name
+  plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_n=block_n, stages=stages,
+                     b_k_major=views[id(b)] == (0, k, 1))
+  return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}

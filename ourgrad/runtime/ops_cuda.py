@@ -362,7 +362,7 @@ class CUDADevice(Compiled):
     self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
     self.start_event = check(driver.cuEventCreate(0), "cuEventCreate")
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
-    super().__init__(name, CUDAAllocator(self), CUDARenderer(), CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
+    super().__init__(name, CUDAAllocator(self), CUDARenderer(self.arch), CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
     self.graph = lambda launches: CUDAGraph(self, launches)

@@ -15,6 +15,10 @@ last bits); the accumulators are held per thread in the PTX fragment order and s
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import time
+
 import numpy as np
 
 from ourgrad.codegen.wgmma_tiles import (ROW_BYTES, WARPGROUP_THREADS, WgmmaMatmul, a_copy, accumulator_position,
@@ -89,3 +93,37 @@ def emulate_wgmma_matmul(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.
       rows = tile_m * plan.block_m + warpgroup * 64 + fragment_rows
       columns = tile_n * plan.block_n + fragment_columns
       c[rows * plan.n + columns] = from_float(fragments[warpgroup], plan.out_dtype)
+
+
+# ---------------------------------------------------------------- the PYTHON device's wgmma program
+
+WGMMA_PROGRAM_FORMAT = "ourgrad-python-wgmma-v1"
+
+
+def wgmma_program_text(name: str, plan: WgmmaMatmul, arguments: dict[str, int]) -> str:
+  """The PYTHON device's "source" of an OptOps.WGMMA kernel: its plan and argument positions as JSON."""
+  return json.dumps({"format": WGMMA_PROGRAM_FORMAT, "name": name, "plan": dataclasses.asdict(plan),
+                     "arguments": arguments}) + "\n"
+
+
+def is_wgmma_program(binary: bytes) -> bool:
+  return binary.startswith(b'{"format": "' + WGMMA_PROGRAM_FORMAT.encode())
+
+
+class WgmmaProgram:
+  """An OptOps.WGMMA kernel on the PYTHON device: emulate_wgmma_matmul on its buffers (raw byte arrays)."""
+
+  def __init__(self, name: str, binary: bytes):
+    document = json.loads(binary.decode())
+    self.name, self.plan, self.arguments = name, WgmmaMatmul(**document["plan"]), document["arguments"]
+
+  def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (1, 1, 1),
+               local_size: tuple[int, ...] = (1, 1, 1), wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
+    start = time.perf_counter()
+    if tuple(global_size) != self.plan.global_size or tuple(local_size) != self.plan.local_size:
+      raise ValueError(f"{self.name} launched as {global_size}x{local_size}, its plan needs "
+                       f"{self.plan.global_size}x{self.plan.local_size}")
+    out = buffers[self.arguments["c"]].view(np.float32 if self.plan.out_dtype == "float32" else np.uint16)
+    emulate_wgmma_matmul(self.plan, out, buffers[self.arguments["a"]].view(np.uint16),
+                         buffers[self.arguments["b"]].view(np.uint16))
+    return time.perf_counter() - start if wait else None
