@@ -210,6 +210,21 @@ def test_wgmma_refuses_other_opts() -> None:
   with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.UPCAST, 0, 2))
 
 
+@pytest.mark.parametrize("widened", [False, True], ids=["float16_out", "float32_out"])
+def test_tensor_matmul_takes_wgmma_end_to_end(monkeypatch, compiles, widened: bool) -> None:
+  """Tensor @ Tensor on an emulated H100 goes through the heuristic's WGMMA (512^3: the smallest it takes); float16
+  operands widened to float32 in the same kernel give the float32-output kernel."""
+  from ourgrad.engine import realize
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA_SM90"))
+  realize._runner_cache.clear()
+  a, b = _operands("float16", (512, 512), (512, 512), seed=4)
+  result = (a.float() @ b.float() if widened else a @ b).realize()
+  realize._runner_cache.clear()   # the kernels made for the emulated H100 stay out of later tests
+  assert any("wgmma128x256" in name for name in compiles), compiles
+  assert result.dtype == (dtypes.float32 if widened else dtypes.float16)
+  _check(a, b, result.cast(dtypes.float32).numpy().astype(np.float64).reshape(-1), "float16")
+
+
 # ================================================================ on an H100
 
 CUDA = device_opens("CUDA") and getattr(Device["CUDA"].renderer, "has_wgmma", False)
