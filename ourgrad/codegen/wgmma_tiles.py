@@ -139,10 +139,12 @@ def _wgmma_instruction(plan: WgmmaMatmul) -> str:
   ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
   registers = ", ".join(f"%{i}" for i in range(count))
   transpose_b = 0 if plan.b_k_major else 1
-  instruction = (f"wgmma.mma_async.sync.aligned.m64n{plan.block_n}k16.f32.{ptx_type}.{ptx_type} "
-                 f"{{{registers}}}, %{count}, %{count + 1}, 1, 1, 1, 0, {transpose_b};")
+  # scale-d is a predicate (set from an int operand, as 1): D = A @ B + D
+  instruction = ("{ .reg .pred accumulate; setp.ne.b32 accumulate, %" + str(count + 2) + ", 0; "
+                 f"wgmma.mma_async.sync.aligned.m64n{plan.block_n}k16.f32.{ptx_type}.{ptx_type} "
+                 f"{{{registers}}}, %{count}, %{count + 1}, accumulate, 1, 1, 0, {transpose_b}; }}")
   outputs = ", ".join(f'"+f"(acc[{i}])' for i in range(count))
-  return f'asm volatile("{instruction}"\n      : {outputs}\n      : "l"(a_desc), "l"(b_desc));'
+  return f'asm volatile("{instruction}"\n      : {outputs}\n      : "l"(a_desc), "l"(b_desc), "r"(1));'
 
 
 class CExpr:
