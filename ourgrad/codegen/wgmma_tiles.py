@@ -29,12 +29,13 @@ step); all threads copy the tiles of a K step (block_k = 64) into shared memory 
     copy K steps 0 .. stages-3 (one commit group each)
     for step s:
       wait for my copies of step s; fence.proxy.async (the tensor cores read through the async proxy); BARRIER
-      wgmma.fence; 4 wgmma on stage s % stages; commit; wait until at most 1 wgmma group is in flight (step s - 1 done)
+      wgmma.fence; 4 wgmma on stage s % stages; commit
       copy step s + stages - 2 into stage (s - 2) % stages; commit
+      wait until at most 1 wgmma group is in flight (step s - 1 done)
     wait for all wgmma; convert and store the accumulators
 
 The stage written in step s was last read by the wgmma of step s - 2: every warpgroup finished those before it passed
-the BARRIER of step s (it waited for them in step s - 1), so one barrier per step orders the reuse.
+the BARRIER of step s (it waited for them at the end of step s - 1), so one barrier per step orders the reuse.
 """
 from __future__ import annotations
 
@@ -308,10 +309,11 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "      " + _wgmma_instruction(plan),
     "    }",
     '    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");',
-    '    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
+    # the copies go out while the tensor cores work: their stage's readers (step s - 2) finished before the barrier
     f"    int next = step + {plan.stages - 2};",
     f"    if (next < steps) copy_step(next, next % {plan.stages});",
     '    asm volatile("cp.async.commit_group;" ::: "memory");',
+    '    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
     "  }",
     '  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");',
     # each thread's accumulator pairs (i, i + 1) are neighbouring columns: one 32-bit store of two halves
