@@ -210,6 +210,33 @@ def test_wgmma_refuses_other_opts() -> None:
   with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.UPCAST, 0, 2))
 
 
+BATCHES = {"batched": ((3, 128, 64), (3, 64, 256)), "shared_b": ((2, 128, 64), (64, 128))}
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_batched_wgmma_matches_reference(name: str) -> None:
+  """A batch axis becomes the grid's y: each entry's operands from its own offset (B shared: batch stride 0, in which
+  case the batch merges into M)."""
+  a, b = _operands("bfloat16", *BATCHES[name], seed=5)
+  item = _matmul_ast(a, b)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA_SM90"))
+  kernel.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+  plan = kernel.wgmma[0]
+  assert (plan.batch, plan.m, plan.a_batch, plan.b_batch, plan.c_batch) == \
+    ((3, 128, 128 * 64, 64 * 256, 128 * 256) if name == "batched" else (1, 256, 0, 0, 0))
+  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, "PYTHON")((output,) + item.inputs)
+  a64, b64 = (torch.tensor(x.cast(dtypes.float32).numpy(), dtype=torch.float64) for x in (a, b))
+  reference = (a64 @ b64).numpy().reshape(-1)
+  torch_out = (a64.bfloat16() @ b64.bfloat16()).double().numpy().reshape(-1)
+  error, torch_error = (np.linalg.norm(x - reference) / np.linalg.norm(reference) for x in (_values(output), torch_out))
+  assert error <= 1.5 * torch_error + 1e-7, (error, torch_error)
+  if NVRTC is not None:
+    cuda = Kernel(item.ast, CUDARenderer("sm_90"))
+    cuda.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+    NVRTC.compile(CUDARenderer("sm_90").render_wgmma(cuda.name, *cuda.wgmma))
+
+
 @pytest.mark.parametrize("widened", [False, True], ids=["float16_out", "float32_out"])
 def test_tensor_matmul_takes_wgmma_end_to_end(monkeypatch, compiles, widened: bool) -> None:
   """Tensor @ Tensor on an emulated H100 goes through the heuristic's WGMMA (512^3: the smallest it takes); float16

@@ -81,6 +81,10 @@ class WgmmaMatmul:
   b_k_major: bool = False        # B given as N x K (K contiguous) instead of K x N
   b_lbo_sbo_swapped: bool = False  # the MN-major B descriptor with LBO and SBO exchanged (a layout probe)
   group_m: int = 8               # CTAs of neighbouring M rows run together (L2 reuse of B's columns)
+  batch: int = 1                 # independent matmuls (grid y), each operand `*_batch` elements after the previous
+  a_batch: int = 0               # (0: the same operand for every batch entry)
+  b_batch: int = 0
+  c_batch: int = 0
 
   def __post_init__(self):
     if self.dtype not in ("float16", "bfloat16"): raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16")
@@ -117,11 +121,13 @@ class WgmmaMatmul:
   def name(self) -> str:
     major = "k" if self.b_k_major else "n"
     out = "_f32" if self.out_dtype == "float32" else ""
-    return (f"wgmma_{self.dtype}{out}_{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_s{self.stages}_{major}"
-            f"{'_swapped' if self.b_lbo_sbo_swapped else ''}")
+    batched = f"{self.batch}x" if self.batch > 1 else ""
+    return (f"wgmma_{self.dtype}{out}_{batched}{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_"
+            f"s{self.stages}_{major}{'_swapped' if self.b_lbo_sbo_swapped else ''}")
 
   @property
-  def global_size(self) -> tuple[int, int, int]: return ((self.m // self.block_m) * (self.n // self.block_n), 1, 1)
+  def global_size(self) -> tuple[int, int, int]:
+    return ((self.m // self.block_m) * (self.n // self.block_n), self.batch, 1)
 
   @property
   def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
@@ -249,9 +255,9 @@ def _signature(plan: WgmmaMatmul, name: str, arguments: dict[str, int] | None) -
             for operand, position in positions.items()}
   return [f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1) {name}('
           f'{", ".join(params[position] for position in sorted(params))}) {{',
-          f"  {out_type}* c = data{positions['c']};",
-          f"  const unsigned short* a = data{positions['a']};",
-          f"  const unsigned short* b = data{positions['b']};"]
+          f"  {out_type}* c = data{positions['c']} + (size_t)blockIdx.y * {plan.c_batch};",
+          f"  const unsigned short* a = data{positions['a']} + (size_t)blockIdx.y * {plan.a_batch};",
+          f"  const unsigned short* b = data{positions['b']} + (size_t)blockIdx.y * {plan.b_batch};"]
 
 
 def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: dict[str, int] | None = None,
@@ -350,19 +356,22 @@ def plan_for_kernel(kernel, block_n: int, stages: int) -> tuple[WgmmaMatmul, dic
       continue
   else:
     raise ValueError("needs a float32 SUM of the product of two float16 or bfloat16 loads")
-  if len(kernel.full_shape) != 3: raise ValueError(f"needs the loop nest (M, N, K), got {kernel.full_shape}")
-  m, n, k = kernel.full_shape
-  views = {}
+  if len(kernel.full_shape) not in (3, 4):
+    raise ValueError(f"needs the loop nest (M, N, K) or (batch, M, N, K), got {kernel.full_shape}")
+  *batch, m, n, k = kernel.full_shape
+  views, batch_strides = {}, {}
   for leaf in (store, a, b):
     st = kernel.sts[kernel.leaf_number(leaf)]
     if len(st.views) != 1 or st.views[0].mask is not None or st.views[0].offset != 0:
       raise ValueError(f"needs plain views (one, unmasked, from offset 0), got {st}")
-    views[id(leaf)] = st.views[0].strides
+    strides = st.views[0].strides
+    views[id(leaf)], batch_strides[id(leaf)] = strides[-3:], strides[0] if batch else 0
   if views[id(store)] != (n, 1, 0): raise ValueError(f"needs a row-major M x N output, strides {views[id(store)]}")
   if views[id(a)] != (k, 0, 1): a, b = b, a
   if views[id(a)] != (k, 0, 1): raise ValueError(f"needs a row-major M x K operand, strides {views[id(a)]}")
   if views[id(b)] not in ((0, 1, n), (0, k, 1)): raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
   out_dtype = store.dtype.name
   plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_n=block_n, stages=stages,
-                     b_k_major=views[id(b)] == (0, k, 1))
+                     b_k_major=views[id(b)] == (0, k, 1), batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)],
+                     b_batch=batch_strides[id(b)], c_batch=batch_strides[id(store)])
   return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}

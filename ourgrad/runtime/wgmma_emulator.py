@@ -59,7 +59,14 @@ def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def emulate_wgmma_matmul(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
   """Run the kernel of `plan` on flat buffers: a, b as uint16 bit patterns, c as the output's (uint16 bits, or
-  float32 where plan.out_dtype is float32), written in place."""
+  float32 where plan.out_dtype is float32), written in place; batch entry e's operands start plan.*_batch e elements
+  in."""
+  for entry in range(plan.batch):
+    _emulate_one(plan, c[entry * plan.c_batch:], a[entry * plan.a_batch:], b[entry * plan.b_batch:])
+
+
+def _emulate_one(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+  """One batch entry (the CTAs of one grid row) of emulate_wgmma_matmul."""
   pieces_a = np.arange(plan.block_m * plan.block_k // 8)
   pieces_b = np.arange(plan.block_n * plan.block_k // 8)
   lanes = np.arange(8)
