@@ -107,6 +107,8 @@ PLANS = {
   "bf16_128x128_5stages": dict(dtype="bfloat16", block_n=128, stages=5),
   "f16_64x64_3stages_f32out": dict(dtype="float16", block_m=64, block_n=64, stages=3, out_dtype="float32"),
   "f16_256x192_3stages": dict(dtype="float16", block_m=256, block_n=192, stages=3),
+  "f16_specialized_128x256": dict(dtype="float16", specialized=True),
+  "bf16_specialized_128x128_b_nxk": dict(dtype="bfloat16", block_n=128, stages=6, specialized=True, b_k_major=True),
 }
 
 

@@ -6,7 +6,8 @@ canonical LBO/SBO and with them exchanged, B given as N x K), float16 and bfloat
 the same rounded inputs. Part 2 (speed, 4096^3): tile and stage choices of the variants that were correct, beside
 PyTorch's matmul (cuBLAS) when torch with CUDA is installed. Prints one table; times are the median of `--iters`
 launches timed with CUDA events. Needs an sm_90 GPU (H100/H200): `python extra/bench/wgmma_proto.py`
-(`--only NAME` keeps the rows whose kernel name contains NAME, `--layouts n,k` the B layouts named; `--no-speed`
+(`--only NAME` keeps the rows whose kernel name contains NAME, `--layouts n,k` the B layouts named, `--specialized`
+runs the kernels with a producer warpgroup instead of the cooperative ones; `--no-speed`
 skips part 2; `--profile` launches each part-2 kernel once more, untimed, for ncu: `ncu -k regex:wgmma python
 extra/bench/wgmma_proto.py --profile`).
 """
@@ -108,13 +109,14 @@ def main() -> None:
   parser.add_argument("--profile", action="store_true")
   parser.add_argument("--size", type=int, default=4096)
   parser.add_argument("--layouts", default=",".join(LAYOUTS), help="B layouts to run, of " + ",".join(LAYOUTS))
+  parser.add_argument("--specialized", action="store_true", help="the warp-specialized kernels (a producer warpgroup)")
   args = parser.parse_args()
   print(f"device: {Device['CUDA'].arch}")
   print(f"{'kernel':58s} {'regs':>5s} {'err':>9s} {'ms':>8s} {'TFLOP/s':>8s}")
   correct: dict[tuple[str, str], bool] = {}   # (dtype, layout) -> every checked case right (unchecked: tried)
   for dtype in ("float16", "bfloat16"):
     for layout in args.layouts.split(","):
-      options, ok = LAYOUTS[layout], True
+      options, ok = dict(LAYOUTS[layout], specialized=args.specialized), True
       for m, n, k, tile in ((512, 512, 512, dict()), (384, 256, 1024, dict(block_n=128, stages=5))):
         plan = WgmmaMatmul(m, n, k, dtype=dtype, **tile, **options)
         if args.only not in plan.name: continue
@@ -129,7 +131,7 @@ def main() -> None:
   for dtype in ("float16", "bfloat16"):
     print(f"torch {dtype} {size}^3: {torch_tflops(size, dtype, args.iters)} TFLOP/s", flush=True)
     for layout in args.layouts.split(","):
-      options = LAYOUTS[layout]
+      options = dict(LAYOUTS[layout], specialized=args.specialized)
       if not correct.get((dtype, layout), True): continue
       for tile in SPEED_TILES if layout == "n" else SPEED_TILES[:1]:
         plan = WgmmaMatmul(size, size, size, dtype=dtype, **tile, **options)

@@ -81,6 +81,7 @@ class WgmmaMatmul:
   b_k_major: bool = False        # B given as N x K (K contiguous) instead of K x N
   b_lbo_sbo_swapped: bool = False  # the MN-major B descriptor with LBO and SBO exchanged (a layout probe)
   group_m: int = 8               # CTAs of neighbouring M rows run together (L2 reuse of B's columns)
+  specialized: bool = False      # a producer warpgroup copies, the others only compute (mbarriers between them)
   batch: int = 1                 # independent matmuls (grid y), each operand `*_batch` elements after the previous
   a_batch: int = 0               # (0: the same operand for every batch entry)
   b_batch: int = 0
@@ -103,7 +104,7 @@ class WgmmaMatmul:
   def warpgroups(self) -> int: return self.block_m // 64
 
   @property
-  def threads(self) -> int: return self.warpgroups * WARPGROUP_THREADS
+  def threads(self) -> int: return (self.warpgroups + self.specialized) * WARPGROUP_THREADS
 
   @property
   def a_stage_bytes(self) -> int: return self.block_m * ROW_BYTES
@@ -115,7 +116,9 @@ class WgmmaMatmul:
   def stage_bytes(self) -> int: return self.a_stage_bytes + self.b_stage_bytes
 
   @property
-  def shared_bytes(self) -> int: return self.stages * self.stage_bytes + ATOM_BYTES  # + room to align the base
+  def shared_bytes(self) -> int:
+    # + room to align the base, + the specialized kernel's mbarriers (8 bytes, full and empty per stage)
+    return self.stages * self.stage_bytes + ATOM_BYTES + 16 * self.stages * self.specialized
 
   @property
   def name(self) -> str:
@@ -123,7 +126,7 @@ class WgmmaMatmul:
     out = "_f32" if self.out_dtype == "float32" else ""
     batched = f"{self.batch}x" if self.batch > 1 else ""
     return (f"wgmma_{self.dtype}{out}_{batched}{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_"
-            f"s{self.stages}_{major}{'_swapped' if self.b_lbo_sbo_swapped else ''}")
+            f"s{self.stages}_{major}{'_swapped' if self.b_lbo_sbo_swapped else ''}{'_ws' if self.specialized else ''}")
 
   @property
   def global_size(self) -> tuple[int, int, int]:
@@ -224,14 +227,15 @@ def _minimum(value, limit: int):
   return CExpr(f"min({value}, {limit})") if isinstance(value, CExpr) else min(value, limit)
 
 
-def _copy_lines(plan: WgmmaMatmul) -> list[str]:
-  """The body of copy_step(step, stage): every thread's 16-byte cp.async pieces of A's and B's tiles of one K step."""
+def _copy_lines(plan: WgmmaMatmul, thread: str, threads: int) -> list[str]:
+  """The body of copy_step(step, stage): the 16-byte cp.async pieces of A's and B's tiles of one K step that copying
+  thread `thread` (of `threads`) moves."""
   lines = []
   piece, step = CExpr("piece"), CExpr("step")
   for name, pieces, copy in (("a", plan.block_m * plan.block_k // 8, a_copy),
                              ("b", plan.block_n * plan.block_k // 8, b_copy)):
     source, target = copy(plan, piece, step)
-    lines += [f"  for (int piece = threadIdx.x; piece < {pieces}; piece += {plan.threads})",
+    lines += [f"  for (int piece = {thread}; piece < {pieces}; piece += {threads})",
               f"    copy16(stage_base + {target}, {name}_block + {source});"]
   return lines
 
@@ -272,6 +276,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
   b_block = "b + tile_n * " + (f"{plan.block_n * plan.k}" if plan.b_k_major else f"{plan.block_n}")
   a_start, b_start = operand_starts(plan, CExpr("warpgroup"), CExpr("j"))
   row, column = accumulator_position(CExpr("thread"), CExpr("i"))
+  copy_thread, copy_threads = ("thread", WARPGROUP_THREADS) if plan.specialized else ("threadIdx.x", plan.threads)
   lines = [
     f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
     "extern __shared__ __align__(1024) unsigned char wgmma_shared[];",
@@ -282,6 +287,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "__device__ __forceinline__ void copy16(unsigned target, const unsigned short* source) {",
     '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(target), "l"(source) : "memory");',
     "}",
+    *(_BARRIER_HELPERS if plan.specialized else []),
     *_signature(plan, name or plan.name, arguments),
     # the 128-byte swizzle is a function of address bits 7-9: the tiles start on a 1024-byte boundary
     "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
@@ -289,23 +295,14 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     f"  int tile_m = {tile_m}, tile_n = {tile_n};",
     f"  const unsigned short* a_block = a + tile_m * {plan.block_m * plan.k};",
     f"  const unsigned short* b_block = {b_block};",
-    "  int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;",
-    f"  float acc[{count}];",
-    "#pragma unroll",
-    f"  for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
+    # with a producer, warpgroup -1 copies and 0.. compute
+    f"  int warpgroup = threadIdx.x / 128{' - 1' if plan.specialized else ''}, thread = threadIdx.x % 128;",
     f"  const int steps = {plan.k // plan.block_k};",
     "  auto copy_step = [&](int step, int stage) {",
     f"    unsigned stage_base = shared_base + stage * {plan.stage_bytes};",
-    *["  " + line for line in _copy_lines(plan)],
+    *["  " + line for line in _copy_lines(plan, copy_thread, copy_threads)],
     "  };",
-    f"  for (int step = 0; step < {plan.stages - 2}; step++) {{",
-    "    if (step < steps) copy_step(step, step);",
-    '    asm volatile("cp.async.commit_group;" ::: "memory");',
-    "  }",
-    "  for (int step = 0; step < steps; step++) {",
-    f'    asm volatile("cp.async.wait_group {plan.stages - 3};" ::: "memory");',
-    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-    "    __syncthreads();",
+    "  auto compute_step = [&](float* acc, int step) {",
     f"    unsigned stage_base = shared_base + (step % {plan.stages}) * {plan.stage_bytes};",
     '    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");',
     "#pragma unroll",
@@ -315,23 +312,120 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "      " + _wgmma_instruction(plan),
     "    }",
     '    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");',
+    "  };",
+    "  auto store = [&](float* acc) {",
+    '    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");',
+    # each thread's accumulator pairs (i, i + 1) are neighbouring columns: one 32-bit store of two halves
+    "#pragma unroll",
+    f"    for (int i = 0; i < {count}; i += 2) {{",
+    f"      int row = {row}, column = {column};",
+    f"      int index = (tile_m * {plan.block_m} + warpgroup * 64 + row) * {plan.n} + tile_n * {plan.block_n} + "
+    "column;",
+    *["  " + line for line in _store_lines(plan)],
+    "    }",
+    "  };",
+    *(_specialized_loop(plan) if plan.specialized else _cooperative_loop(plan)),
+    "}",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def _cooperative_loop(plan: WgmmaMatmul) -> list[str]:
+  """Every thread copies and computes; one barrier per K step (see the module docstring)."""
+  count = plan.block_n // 2
+  return [
+    f"  float acc[{count}];",
+    "#pragma unroll",
+    f"  for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
+    f"  for (int step = 0; step < {plan.stages - 2}; step++) {{",
+    "    if (step < steps) copy_step(step, step);",
+    '    asm volatile("cp.async.commit_group;" ::: "memory");',
+    "  }",
+    "  for (int step = 0; step < steps; step++) {",
+    f'    asm volatile("cp.async.wait_group {plan.stages - 3};" ::: "memory");',
+    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    "    __syncthreads();",
+    "    compute_step(acc, step);",
     # the copies go out while the tensor cores work: their stage's readers (step s - 2) finished before the barrier
     f"    int next = step + {plan.stages - 2};",
     f"    if (next < steps) copy_step(next, next % {plan.stages});",
     '    asm volatile("cp.async.commit_group;" ::: "memory");',
     '    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
     "  }",
-    '  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");',
-    # each thread's accumulator pairs (i, i + 1) are neighbouring columns: one 32-bit store of two halves
-    "#pragma unroll",
-    f"  for (int i = 0; i < {count}; i += 2) {{",
-    f"    int row = {row}, column = {column};",
-    f"    int index = (tile_m * {plan.block_m} + warpgroup * 64 + row) * {plan.n} + tile_n * {plan.block_n} + column;",
-    *_store_lines(plan),
-    "  }",
-    "}",
+    "  store(acc);",
   ]
-  return "\n".join(lines) + "\n"
+
+
+# mbarriers of the specialized kernel: init, arrive (release), wait for a phase's parity (acquire), in a C loop
+_BARRIER_HELPERS = [
+  "__device__ __forceinline__ void barrier_init(unsigned barrier, unsigned count) {",
+  '  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(barrier), "r"(count) : "memory");',
+  "}",
+  "__device__ __forceinline__ void barrier_arrive(unsigned barrier) {",
+  '  asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" :: "r"(barrier) : "memory");',
+  "}",
+  "__device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) {",
+  "  unsigned done = 0;",
+  "  while (!done) {",
+  '    asm volatile("{ .reg .pred ready; mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2; '
+  'selp.u32 %0, 1, 0, ready; }" : "=r"(done) : "r"(barrier), "r"(parity) : "memory");',
+  "  }",
+  "}",
+]
+# registers per thread after setmaxnreg: the producer gives back what the 128 x 256 consumers need
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232
+
+
+def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
+  """Warpgroup -1 copies, the others compute; stage s's `full` barrier (128 producer arrivals) says its tiles are in,
+  its `empty` barrier (every consumer thread) that the wgmmas reading it finished:
+
+      producer, step s: wait empty[s % S] (phase s / S - 1) unless s < S; copy step s; commit
+                        then wait for step s - 1's copies; fence.proxy.async; arrive full[(s - 1) % S]
+      consumer, step s: wait full[s % S] (phase s / S); 4 wgmma; commit; wait for step s - 1's; arrive empty[(s-1) % S]
+  """
+  count, stages = plan.block_n // 2, plan.stages
+  consumers = plan.warpgroups * WARPGROUP_THREADS
+  registers = plan.block_n > 128   # 128 x 128 consumers fit the launch's cap of 168 registers
+  return [
+    f"  unsigned full = shared_base + {stages * plan.stage_bytes}, empty = full + {8 * stages};",
+    "  if (threadIdx.x == 0) {",
+    f"    for (int stage = 0; stage < {stages}; stage++) {{",
+    f"      barrier_init(full + 8 * stage, {WARPGROUP_THREADS});",
+    f"      barrier_init(empty + 8 * stage, {consumers});",
+    "    }",
+    "  }",
+    "  __syncthreads();",
+    "  if (warpgroup < 0) {",
+    *([f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGISTERS};");'] if registers else []),
+    "    for (int step = 0; step < steps; step++) {",
+    f"      int stage = step % {stages};",
+    f"      if (step >= {stages}) barrier_wait(empty + 8 * stage, (step / {stages} - 1) & 1);",
+    "      copy_step(step, stage);",
+    '      asm volatile("cp.async.commit_group;" ::: "memory");',
+    "      if (step > 0) {",
+    '        asm volatile("cp.async.wait_group 1;" ::: "memory");',
+    '        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    f"        barrier_arrive(full + 8 * ((step - 1) % {stages}));",
+    "      }",
+    "    }",
+    '    asm volatile("cp.async.wait_group 0;" ::: "memory");',
+    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    f"    barrier_arrive(full + 8 * ((steps - 1) % {stages}));",
+    "  } else {",
+    *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGISTERS};");'] if registers else []),
+    f"    float acc[{count}];",
+    "#pragma unroll",
+    f"    for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
+    "    for (int step = 0; step < steps; step++) {",
+    f"      barrier_wait(full + 8 * (step % {stages}), (step / {stages}) & 1);",
+    "      compute_step(acc, step);",
+    '      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
+    f"      if (step > 0) barrier_arrive(empty + 8 * ((step - 1) % {stages}));",
+    "    }",
+    "    store(acc);",
+    "  }",
+  ]
 
 
 def plan_for_kernel(kernel, block_n: int, stages: int) -> tuple[WgmmaMatmul, dict[str, int]]:
