@@ -126,7 +126,8 @@ class WgmmaMatmul:
     out = "_f32" if self.out_dtype == "float32" else ""
     batched = f"{self.batch}x" if self.batch > 1 else ""
     return (f"wgmma_{self.dtype}{out}_{batched}{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_"
-            f"s{self.stages}_{major}{'_swapped' if self.b_lbo_sbo_swapped else ''}{'_ws' if self.specialized else ''}")
+            f"s{self.stages}_{major}{'_swapped' if self.b_lbo_sbo_swapped else ''}{'_ws' if self.specialized else ''}"
+            f"{f'_g{self.group_m}' if self.group_m != 8 else ''}")
 
   @property
   def global_size(self) -> tuple[int, int, int]:
