@@ -59,9 +59,10 @@ TC_BLOCK_WARPS = (2, 2)
 
 
 # OptOps.WGMMA (CUDA sm_90): (block N tile, shared-memory stages) in the order tried, and the least work (M N K) that
-# takes it: a smaller matmul has too few 128 x 256 blocks for 132 multiprocessors and keeps mma.sync
+# takes it (a smaller matmul keeps mma.sync). The wide tile first only where it gives every multiprocessor a block.
 WGMMA_TILES = ((256, 4), (128, 6))
 WGMMA_MIN_WORK = 512 ** 3
+MULTIPROCESSORS = 132   # H100 SXM
 
 
 def _wgmma_tiles(kernel: Kernel) -> bool:
@@ -69,7 +70,9 @@ def _wgmma_tiles(kernel: Kernel) -> bool:
   multiples of a tile (codegen/wgmma_tiles.plan_for_kernel); ragged ones keep TC with PADTO."""
   if not getattr(kernel.renderer, "has_wgmma", False) or kernel.applied_opts: return False
   if prod(kernel.full_shape) < WGMMA_MIN_WORK: return False
-  return any(kernel.try_opt(Opt(OptOps.WGMMA, stages, block_n)) for block_n, stages in WGMMA_TILES)
+  wide_blocks = prod(kernel.full_shape[:-1]) // (128 * WGMMA_TILES[0][0])
+  tiles = WGMMA_TILES if wide_blocks >= MULTIPROCESSORS else WGMMA_TILES[::-1]
+  return any(kernel.try_opt(Opt(OptOps.WGMMA, stages, block_n)) for block_n, stages in tiles)
 
 
 def _tensor_core_tiles(kernel: Kernel) -> bool:
