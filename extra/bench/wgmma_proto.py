@@ -143,6 +143,10 @@ def main() -> None:
         if args.profile: case.launch()
         print(f"{plan.name:58s} {case.registers:>5s} {error:9.1e} {seconds * 1e3:8.3f} "
               f"{2 * size ** 3 / seconds / 1e12:8.1f}", flush=True)
+        if tile is SPEED_TILES[0]:   # the machine code: HGMMA (wgmma) and no HMMA (mma.sync) expected
+          sass = Device["CUDA"].compiler.sass(case.source)
+          print(f"  SASS: {sass.count('HGMMA')} HGMMA, {sass.count('HMMA')} HMMA, {sass.count('LDGSTS')} LDGSTS"
+                if "HGMMA" in sass or "HMMA" in sass else f"  SASS: {sass.splitlines()[0][:100]}", flush=True)
 
 
 if __name__ == "__main__":
