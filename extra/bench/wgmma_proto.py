@@ -62,6 +62,7 @@ class Case:
     self.program = device.program(plan.name, device.compiler.compile_cached(self.source))
     self.registers = next((line.split("Used ")[1].split(",")[0] for line in
                            device.compiler.ptxas_info(self.source).splitlines() if "Used " in line), "?")
+    self.seed = seed
     self.a_bits, self.b_bits = host_inputs(plan.m, plan.n, plan.k, plan.dtype, seed)
     stored_b = np.ascontiguousarray(self.b_bits.T) if plan.b_k_major else self.b_bits
     dtype = dtypes.float16 if plan.dtype == "float16" else dtypes.bfloat16
@@ -78,7 +79,7 @@ class Case:
     self.launch()
     result = from_bits(np.frombuffer(self.c.as_bytes(), dtype=np.uint16), self.plan.dtype).reshape(self.plan.m,
                                                                                                     self.plan.n)
-    reference = host_product(self.plan.m, self.plan.n, self.plan.k, self.plan.dtype, 0)
+    reference = host_product(self.plan.m, self.plan.n, self.plan.k, self.plan.dtype, self.seed)
     return float(np.linalg.norm(result - reference) / np.linalg.norm(reference))
 
   def seconds(self, iters: int) -> float:
