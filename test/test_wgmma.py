@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ourgrad import Tensor, dtypes
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.kernel import WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.opt import heuristic
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, accumulator_position, descriptor, render_wgmma_matmul, swizzled
 from ourgrad.device import Buffer, Device
@@ -212,6 +212,9 @@ def test_wgmma_refuses_other_opts() -> None:
   with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.WGMMA, 4, 192))   # 256 % 192
   kernel.apply_opt(Opt(OptOps.WGMMA, 4, 256))
   with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.UPCAST, 0, 2))
+  specialized = Kernel(kernel.ast, PythonRenderer("CUDA_SM90"))
+  specialized.apply_opt(Opt(OptOps.WGMMA, WGMMA_SPECIALIZED + 3, 128))
+  assert specialized.wgmma[0].specialized and specialized.wgmma[0].stages == 3 and specialized.wgmma[0].threads == 384
 
 
 BATCHES = {"batched": ((3, 128, 64), (3, 64, 256)), "shared_b": ((2, 128, 64), (64, 128))}

@@ -39,6 +39,10 @@ from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import sym_max
 
 
+# OptOps.WGMMA's axis from this on: the warp-specialized kernel, with axis - WGMMA_SPECIALIZED stages (0: 4)
+WGMMA_SPECIALIZED = 16
+
+
 class OptOps(Enum):
   UPCAST = auto()   # compute `amount` neighbouring outputs of an axis per thread, in registers
   UNROLL = auto()   # unroll `amount` iterations of a reduce axis (axis counts reduce axes after the group axes)
@@ -57,7 +61,8 @@ class OptOps(Enum):
   #                   warp; `amount` picks the renderer's TensorCore (dtype), axis must be 0; see _apply_tensor_core
   WGMMA = auto()    # Hopper warpgroup MMA (CUDA sm_90a): a float16/bfloat16 matmul whose sizes are multiples of the
   #                   tile becomes the kernel of codegen/wgmma_tiles.py; `amount` is the block's N tile (64..256),
-  #                   `axis` the shared-memory stages (0: 4); the only opt of its kernel
+  #                   `axis` the shared-memory stages (0: 4), plus WGMMA_SPECIALIZED for the kernel with a producer
+  #                   warpgroup; the only opt of its kernel
 
 
 @dataclass(frozen=True)
@@ -434,8 +439,9 @@ class Kernel:
     if not getattr(self.renderer, "has_wgmma", False):
       raise KernelOptError(f"WGMMA: {self.renderer.device} has no warpgroup MMA (CUDA sm_90)")
     if self.applied_opts: raise KernelOptError(f"WGMMA is the only opt of its kernel, after {self.applied_opts}")
+    specialized = opt.axis >= WGMMA_SPECIALIZED
     try:
-      self.wgmma = plan_for_kernel(self, opt.amount or 256, opt.axis or 4)
+      self.wgmma = plan_for_kernel(self, opt.amount or 256, opt.axis % WGMMA_SPECIALIZED or 4, specialized)
     except ValueError as error:
       raise KernelOptError(f"WGMMA: {error}") from None
 

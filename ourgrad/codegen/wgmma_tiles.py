@@ -429,7 +429,7 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
   ]
 
 
-def plan_for_kernel(kernel, block_n: int, stages: int) -> tuple[WgmmaMatmul, dict[str, int]]:
+def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False) -> tuple[WgmmaMatmul, dict[str, int]]:
   """The plan of a Kernel (codegen/kernel.py, no opts applied) that is a plain float16/bfloat16 matmul: C (M x N,
   row-major, the inputs' dtype or float32) = A (M x K, row-major) @ B (K x N row-major, or its transpose stored
   N x K), a SUM in float32 of the product of the two loads, stored as it is (or cast), unmasked views from offset 0;
@@ -467,6 +467,6 @@ def plan_for_kernel(kernel, block_n: int, stages: int) -> tuple[WgmmaMatmul, dic
   if views[id(b)] not in ((0, 1, n), (0, k, 1)): raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
   out_dtype = store.dtype.name
   plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_n=block_n, stages=stages,
-                     b_k_major=views[id(b)] == (0, k, 1), batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)],
-                     b_batch=batch_strides[id(b)], c_batch=batch_strides[id(store)])
+                     specialized=specialized, b_k_major=views[id(b)] == (0, k, 1), batch=batch[0] if batch else 1,
+                     a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)], c_batch=batch_strides[id(store)])
   return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}
