@@ -186,6 +186,12 @@ VARIANTS = [
   ("4096^3 f16", "wgmma 128x256, 3 stages", "WGMMA 3 256"),
   ("4096^3 f16", "wgmma 128x128, 6 stages", "WGMMA 6 128"),
   ("4096^3 f16", "wgmma 128x128, 4 stages", "WGMMA 4 128"),
+  ("4096^3 f16", "wgmma 128x256, 4 stages, copies 3 steps ahead (deep)", "WGMMA 36 256"),
+  ("4096^3 f16", "wgmma 128x128, 6 stages, copies 5 steps ahead (deep)", "WGMMA 38 128"),
+  ("4096^3 f16", "wgmma 128x256, 4 stages, producer warpgroup (specialized)", "WGMMA 20 256"),
+  ("4096^3 f16", "wgmma 128x128, 6 stages, producer warpgroup (specialized)", "WGMMA 22 128"),
+  ("4096^3 bf16", "wgmma 128x256, 4 stages, copies 3 steps ahead (deep)", "WGMMA 36 256"),
+  ("4096^3 bf16", "wgmma 128x256, 4 stages, producer warpgroup (specialized)", "WGMMA 20 256"),
 ]
 
 
@@ -220,7 +226,9 @@ def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, i
   rate = 2.0 * m * k * n / seconds / 1e12
   # the first 64 rows against float64 (cheap on the host)
   rows = min(m, 64)
-  got = output.numpy()[:rows * n].astype(np.float64).reshape(rows, n)
+  values = output.numpy()[:rows * n]
+  if output.dtype == dtypes.bfloat16: values = (values.astype(np.uint32) << 16).view(np.float32)   # raw bits
+  got = values.astype(np.float64).reshape(rows, n)
   a64, b64 = (tensor.cast(dtypes.float32).numpy().astype(np.float64) for tensor in inputs)
   reference = a64[:rows] @ b64
   error = np.linalg.norm(got - reference) / np.linalg.norm(reference)

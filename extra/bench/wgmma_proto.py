@@ -21,6 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
+try:   # before ourgrad opens the GPU: torch imported later in this process failed to register its ops (run 1)
+  import torch
+except ImportError:
+  torch = None
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul  # noqa: E402
 from ourgrad.device import Buffer, Device  # noqa: E402
@@ -88,11 +93,7 @@ class Case:
 
 
 def torch_tflops(size: int, dtype: str, iters: int) -> str:
-  try:
-    import torch
-    if not torch.cuda.is_available(): return "-"
-  except ImportError:
-    return "-"
+  if torch is None or not torch.cuda.is_available(): return "-"
   torch_dtype = torch.float16 if dtype == "float16" else torch.bfloat16
   a = torch.randn(size, size, device="cuda", dtype=torch_dtype)
   b = torch.randn(size, size, device="cuda", dtype=torch_dtype)
@@ -125,13 +126,14 @@ def main() -> None:
   parser.add_argument("--size", type=int, default=4096)
   parser.add_argument("--layouts", default=",".join(LAYOUTS), help="B layouts to run, of " + ",".join(LAYOUTS))
   parser.add_argument("--specialized", action="store_true", help="the warp-specialized kernels (a producer warpgroup)")
+  parser.add_argument("--deep", action="store_true", help="the cooperative kernels that copy stages - 1 steps ahead")
   args = parser.parse_args()
   print(f"device: {Device['CUDA'].arch}")
   print(f"{'kernel':58s} {'regs':>5s} {'err':>9s} {'ms':>8s} {'TFLOP/s':>8s}")
   correct: dict[tuple[str, str], bool] = {}   # (dtype, layout) -> every checked case right (unchecked: tried)
   for dtype in ("float16", "bfloat16"):
     for layout in args.layouts.split(","):
-      options, ok = dict(LAYOUTS[layout], specialized=args.specialized), True
+      options, ok = dict(LAYOUTS[layout], specialized=args.specialized, deep=args.deep), True
       for m, n, k, tile in ((512, 512, 512, dict()), (384, 256, 1024, dict(block_n=128, stages=5))):
         plan = WgmmaMatmul(m, n, k, dtype=dtype, **tile, **options)
         if args.only not in plan.name: continue
@@ -146,7 +148,7 @@ def main() -> None:
   for dtype in ("float16", "bfloat16"):
     print(f"torch {dtype} {size}^3: {torch_tflops(size, dtype, args.iters)} TFLOP/s", flush=True)
     for layout in args.layouts.split(","):
-      options = dict(LAYOUTS[layout], specialized=args.specialized)
+      options = dict(LAYOUTS[layout], specialized=args.specialized, deep=args.deep)
       if not correct.get((dtype, layout), True): continue
       for tile in SPEED_TILES if layout == "n" else SPEED_TILES[:1]:
         plan = WgmmaMatmul(size, size, size, dtype=dtype, **tile, **options)

@@ -39,8 +39,9 @@ from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import sym_max
 
 
-# OptOps.WGMMA's axis from this on: the warp-specialized kernel, with axis - WGMMA_SPECIALIZED stages (0: 4)
-WGMMA_SPECIALIZED = 16
+# OptOps.WGMMA's axis: stages (0: 4) + WGMMA_SPECIALIZED for the warp-specialized kernel, + WGMMA_DEEP for the
+# cooperative one that copies stages - 1 steps ahead
+WGMMA_SPECIALIZED, WGMMA_DEEP = 16, 32
 
 
 class OptOps(Enum):
@@ -439,9 +440,9 @@ class Kernel:
     if not getattr(self.renderer, "has_wgmma", False):
       raise KernelOptError(f"WGMMA: {self.renderer.device} has no warpgroup MMA (CUDA sm_90)")
     if self.applied_opts: raise KernelOptError(f"WGMMA is the only opt of its kernel, after {self.applied_opts}")
-    specialized = opt.axis >= WGMMA_SPECIALIZED
+    specialized, deep = bool(opt.axis & WGMMA_SPECIALIZED), bool(opt.axis & WGMMA_DEEP)
     try:
-      self.wgmma = plan_for_kernel(self, opt.amount or 256, opt.axis % WGMMA_SPECIALIZED or 4, specialized)
+      self.wgmma = plan_for_kernel(self, opt.amount or 256, opt.axis % WGMMA_SPECIALIZED or 4, specialized, deep)
     except ValueError as error:
       raise KernelOptError(f"WGMMA: {error}") from None
 
@@ -694,7 +695,9 @@ class Kernel:
     """E_ for elementwise, r_ for reduce kernels, then the loop sizes in layout order (upcast sizes at the end)."""
     prefix = "r" if self.reduceop is not None else "E"
     sizes = "_".join(str(size) for size in self.full_shape) or "1"
-    if self.wgmma is not None: sizes += f"_wgmma{self.wgmma[0].block_m}x{self.wgmma[0].block_n}"
+    if self.wgmma is not None:
+      plan = self.wgmma[0]
+      sizes += f"_wgmma{plan.block_m}x{plan.block_n}{'_ws' if plan.specialized else ''}{'_deep' if plan.deep else ''}"
     return f"{prefix}_{sizes}"
 
   def colored_shape(self) -> str:

@@ -82,6 +82,7 @@ class WgmmaMatmul:
   b_lbo_sbo_swapped: bool = False  # the MN-major B descriptor with LBO and SBO exchanged (a layout probe)
   group_m: int = 8               # CTAs of neighbouring M rows run together (L2 reuse of B's columns)
   specialized: bool = False      # a producer warpgroup copies, the others only compute (mbarriers between them)
+  deep: bool = False             # cooperative kernel: copy stages - 1 steps ahead (a second barrier per step)
   batch: int = 1                 # independent matmuls (grid y), each operand `*_batch` elements after the previous
   a_batch: int = 0               # (0: the same operand for every batch entry)
   b_batch: int = 0
@@ -125,9 +126,10 @@ class WgmmaMatmul:
     major = "k" if self.b_k_major else "n"
     out = "_f32" if self.out_dtype == "float32" else ""
     batched = f"{self.batch}x" if self.batch > 1 else ""
+    variant = ("_swapped" if self.b_lbo_sbo_swapped else "") + ("_ws" if self.specialized else "") + \
+      ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "")
     return (f"wgmma_{self.dtype}{out}_{batched}{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_"
-            f"s{self.stages}_{major}{'_swapped' if self.b_lbo_sbo_swapped else ''}{'_ws' if self.specialized else ''}"
-            f"{f'_g{self.group_m}' if self.group_m != 8 else ''}")
+            f"s{self.stages}_{major}{variant}")
 
   @property
   def global_size(self) -> tuple[int, int, int]:
@@ -333,6 +335,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
 
 def _cooperative_loop(plan: WgmmaMatmul) -> list[str]:
   """Every thread copies and computes; one barrier per K step (see the module docstring)."""
+  if plan.deep: return _deep_cooperative_loop(plan)
   count = plan.block_n // 2
   return [
     f"  float acc[{count}];",
@@ -352,6 +355,33 @@ def _cooperative_loop(plan: WgmmaMatmul) -> list[str]:
     f"    if (next < steps) copy_step(next, next % {plan.stages});",
     '    asm volatile("cp.async.commit_group;" ::: "memory");',
     '    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
+    "  }",
+    "  store(acc);",
+  ]
+
+
+def _deep_cooperative_loop(plan: WgmmaMatmul) -> list[str]:
+  """As _cooperative_loop, but stages - 1 steps in flight: after waiting for step s - 1's wgmmas, a second barrier
+  (while step s's run) tells every thread that stage (s - 1) % stages is free, and step s + stages - 1 goes there."""
+  count, stages = plan.block_n // 2, plan.stages
+  return [
+    f"  float acc[{count}];",
+    "#pragma unroll",
+    f"  for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
+    f"  for (int step = 0; step < {stages - 1}; step++) {{",
+    "    if (step < steps) copy_step(step, step);",
+    '    asm volatile("cp.async.commit_group;" ::: "memory");',
+    "  }",
+    "  for (int step = 0; step < steps; step++) {",
+    f'    asm volatile("cp.async.wait_group {stages - 2};" ::: "memory");',
+    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    "    __syncthreads();",
+    "    compute_step(acc, step);",
+    '    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
+    "    __syncthreads();",
+    f"    int next = step + {stages - 1};",
+    f"    if (next < steps) copy_step(next, next % {stages});",
+    '    asm volatile("cp.async.commit_group;" ::: "memory");',
     "  }",
     "  store(acc);",
   ]
@@ -429,7 +459,8 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
   ]
 
 
-def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False) -> tuple[WgmmaMatmul, dict[str, int]]:
+def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False,
+                    deep: bool = False) -> tuple[WgmmaMatmul, dict[str, int]]:
   """The plan of a Kernel (codegen/kernel.py, no opts applied) that is a plain float16/bfloat16 matmul: C (M x N,
   row-major, the inputs' dtype or float32) = A (M x K, row-major) @ B (K x N row-major, or its transpose stored
   N x K), a SUM in float32 of the product of the two loads, stored as it is (or cast), unmasked views from offset 0;
@@ -467,6 +498,7 @@ def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False
   if views[id(b)] not in ((0, 1, n), (0, k, 1)): raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
   out_dtype = store.dtype.name
   plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_n=block_n, stages=stages,
-                     specialized=specialized, b_k_major=views[id(b)] == (0, k, 1), batch=batch[0] if batch else 1,
-                     a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)], c_batch=batch_strides[id(store)])
+                     specialized=specialized, deep=deep, b_k_major=views[id(b)] == (0, k, 1),
+                     batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)],
+                     c_batch=batch_strides[id(store)])
   return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}
