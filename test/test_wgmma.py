@@ -192,17 +192,20 @@ def test_heuristic_takes_wgmma_only_where_it_fits(monkeypatch) -> None:
     kernel = Kernel(create_schedule([epilogue(a @ b).lazydata])[-1].ast, renderer)
     kernel.hand_coded_optimizations()
     return kernel.applied_opts
+  (wide_n, wide_axis), (narrow_n, narrow_axis) = heuristic.WGMMA_TILES
+  WIDE, NARROW = Opt(OptOps.WGMMA, wide_axis, wide_n), Opt(OptOps.WGMMA, narrow_axis, narrow_n)
+  assert (wide_n, narrow_n) == (256, 128)
   a, b = Tensor.empty(256, 128, dtype=dtypes.float16), Tensor.empty(128, 512, dtype=dtypes.float16)
-  assert opts(a, b) == [Opt(OptOps.WGMMA, 6, 128)]   # 4 blocks of 128 x 256 would leave most multiprocessors idle
+  assert opts(a, b) == [NARROW]   # 4 blocks of 128 x 256 would leave most multiprocessors idle
   monkeypatch.setattr(heuristic, "MULTIPROCESSORS", 4)
-  assert opts(a, b) == [Opt(OptOps.WGMMA, 4, 256)]
-  assert opts(a, Tensor.empty(128, 384, dtype=dtypes.float16)) == [Opt(OptOps.WGMMA, 6, 128)]
+  assert opts(a, b) == [WIDE]
+  assert opts(a, Tensor.empty(128, 384, dtype=dtypes.float16)) == [NARROW]
   assert opts(a, b, PythonRenderer("CUDA"))[0] == Opt(OptOps.TC, 0, 0)
   assert OptOps.WGMMA not in [opt.op for opt in opts(a, b, epilogue=lambda x: x.relu())]
   ragged = opts(Tensor.empty(250, 128, dtype=dtypes.float16), b)
   assert OptOps.WGMMA not in [opt.op for opt in ragged] and Opt(OptOps.TC, 0, 0) in ragged
   # float16 inputs widened in the kernel are still a float16 matmul (float32 output); float32 inputs are not
-  assert opts(a.float(), b.float()) == [Opt(OptOps.WGMMA, 4, 256)]
+  assert opts(a.float(), b.float()) == [WIDE]
   f32 = opts(Tensor.empty(256, 128), Tensor.empty(128, 512))
   assert OptOps.WGMMA not in [opt.op for opt in f32]
 
