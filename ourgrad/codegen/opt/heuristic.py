@@ -58,7 +58,8 @@ TC_WARP_TILES = (2, 4)
 TC_BLOCK_WARPS = (2, 2)
 
 
-# OptOps.WGMMA (CUDA sm_90): (block N tile, shared-memory stages) in the order tried, and the least work (M N K) that
+# OptOps.WGMMA (CUDA sm_90): (block N tile, the opt's axis: shared-memory stages, plus kernel.WGMMA_SPECIALIZED or
+# WGMMA_DEEP for those variants) in the order tried, and the least work (M N K) that
 # takes it (a smaller matmul keeps mma.sync). The wide tile first only where it gives every multiprocessor a block.
 WGMMA_TILES = ((256, 4), (128, 6))
 WGMMA_MIN_WORK = 512 ** 3
