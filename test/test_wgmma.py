@@ -215,6 +215,7 @@ def test_wgmma_refuses_other_opts() -> None:
   kernel = Kernel(create_schedule([(a @ b).lazydata])[-1].ast, PythonRenderer("CUDA_SM90"))
   with pytest.raises(KernelOptError): Kernel(kernel.ast, PythonRenderer("CUDA")).apply_opt(Opt(OptOps.WGMMA, 4, 256))
   with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.WGMMA, 4, 192))   # 256 % 192
+  with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.WGMMA, 5, 256))   # 5 x 48 KB of shared memory
   kernel.apply_opt(Opt(OptOps.WGMMA, 4, 256))
   with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.UPCAST, 0, 2))
   specialized = Kernel(kernel.ast, PythonRenderer("CUDA_SM90"))

@@ -113,7 +113,7 @@ def torch_tflops(size: int, dtype: str, iters: int) -> str:
 LAYOUTS = {"n": dict(), "k": dict(b_k_major=True), "n_swapped": dict(b_lbo_sbo_swapped=True)}
 SPEED_TILES = [dict(block_m=128, block_n=256, stages=4), dict(block_m=128, block_n=256, stages=3),
                dict(block_m=128, block_n=128, stages=6), dict(block_m=256, block_n=128, stages=4),
-               dict(block_m=64, block_n=256, stages=6), dict(block_m=128, block_n=256, stages=4, group_m=16),
+               dict(block_m=64, block_n=256, stages=5), dict(block_m=128, block_n=256, stages=4, group_m=16),
                dict(block_m=128, block_n=256, stages=4, group_m=1)]
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 ROW_BYTES, ATOM_BYTES, PIECE_BYTES = 128, 1024, 16
 WARPGROUP_THREADS = 128
 SWIZZLE_128B = 1   # the descriptor's swizzle mode field (bits 62-63)
+SHARED_MEMORY_LIMIT = 227 * 1024   # dynamic shared memory per block on sm_90
 
 
 def swizzled(offset: int) -> int:
@@ -97,6 +98,9 @@ class WgmmaMatmul:
       raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n}: an operand of 2^31 elements or more (int indices)")
     if self.block_m % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k != 64 or self.stages < 3:
       raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}x{self.block_k}, {self.stages} stages")
+    if self.shared_bytes > SHARED_MEMORY_LIMIT:
+      raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}, {self.stages} stages: {self.shared_bytes} bytes of "
+                       f"shared memory, over the {SHARED_MEMORY_LIMIT} an sm_90 block may have")
     if self.m % self.block_m or self.n % self.block_n or self.k % self.block_k:
       raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n} is not a multiple of its block tile "
                        f"{self.block_m}x{self.block_k}x{self.block_n}")
