@@ -70,7 +70,8 @@ DEBUG = env_var("DEBUG", 0, "1: a line per realize; 2: a line per kernel; 3: AST
 NOOPT = env_var("NOOPT", 0, "1: apply no kernel optimizations (the plain loop nest)")
 DEVICE = env_var("DEVICE", "", "name of the default device (CLANG, CPU, PYTHON, ...); empty picks the best present")
 EMULATE = env_var("EMULATE", "", "with DEVICE=PYTHON: lower kernels exactly as for this GPU backend (CUDA: its thread "
-                  "limits, local memory and warp shuffles) and interpret them; empty: the PYTHON device's own limits")
+                  "limits, local memory and warp shuffles; CUDA_SM90: an H100's, wgmma included) and interpret them; "
+                  "empty: the PYTHON device's own limits")
 CACHE_DIR = env_var("OURGRAD_CACHE_DIR", "", "folder of the on-disk compile cache (default ~/.cache/ourgrad)")
 DISABLE_COMPILER_CACHE = env_var("DISABLE_COMPILER_CACHE", 0, "1: always recompile kernels, never read the disk cache")
 CC = env_var("CC", "", "C compiler for the CLANG device (default: clang if present, else gcc)")

@@ -1,7 +1,8 @@
 """Test-session hooks.
 
 CHECK_CUDA_RENDER=1: every kernel the tests compile (on whatever device they run) is also optimized for CUDA,
-rendered as CUDA C++ and compiled with NVRTC for sm_90. NVRTC needs no GPU, so CI catches CUDA rendering bugs on a
+rendered as CUDA C++ and compiled with NVRTC for sm_90 (an H100: large float16/bfloat16 matmuls become the wgmma
+kernel, compiled for sm_90a). NVRTC needs no GPU, so CI catches CUDA rendering bugs on a
 machine without one. A kernel NVRTC rejects fails the test that generated it, with the source and compiler log.
 """
 import os
@@ -21,7 +22,7 @@ def _check_cuda_rendering():
   from ourgrad.renderer.cuda import CUDARenderer
   from ourgrad.runtime.ops_cuda import CUDACompiler
 
-  renderer, compiler = CUDARenderer(), CUDACompiler("sm_90")
+  renderer, compiler = CUDARenderer("sm_90"), CUDACompiler("sm_90")
   compile_for_device = realize.compile_kernel
 
   def compile_and_check_cuda(kernel, device):
@@ -34,7 +35,9 @@ def _check_cuda_rendering():
     cuda_kernel = Kernel(kernel.ast, renderer)
     # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device
     if not realize.ast_is_symbolic(kernel.ast): cuda_kernel.hand_coded_optimizations()
-    compiler.compile_cached(renderer.render(realize.function_name(cuda_kernel), linearize(cuda_kernel)))
+    name = realize.function_name(cuda_kernel)
+    if cuda_kernel.wgmma is not None: compiler.compile_cached(renderer.render_wgmma(name, *cuda_kernel.wgmma))
+    else: compiler.compile_cached(renderer.render(name, linearize(cuda_kernel)))
     return compile_for_device(kernel, device)
 
   realize.compile_kernel = compile_and_check_cuda

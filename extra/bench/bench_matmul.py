@@ -11,7 +11,7 @@ the summed device times of the kernels (what DEBUG=2 prints); on the CPU: wall t
 synchronously). PyTorch on CUDA: torch.cuda events. "% torch" is PyTorch eager's time over ourgrad's.
 Each row also gives its relative error against PyTorch's output, and on CUDA the 4096^3 float16 and float32 rows are
 followed by variants: the same matmul with explicit opt lists (VARIANTS: warp and block tiles, K step, staged or
-not), to compare tile choices in one run (`--no-variants` skips them).
+not, and on sm_90 the wgmma kernel's tiles), to compare tile choices in one run (`--no-variants` skips them).
 Run: `python extra/bench/bench_matmul.py` on a CUDA machine, `python extra/bench/bench_matmul.py --device CLANG`
 on the CPU (`--scale 4` divides every side by 16, to check the script quickly). BEAM=2 and max-autotune each
 search for minutes per row: `--beam 0 --no-compile` gives the hand-coded and eager columns alone, and `--only f16`
@@ -181,6 +181,17 @@ VARIANTS = [
    "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED"),
   ("4096^3 f16", "staged 2x4 warps of 64x32, K step 32, 3 stages (dynamic smem)",
    "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 4;LOCAL 0 2;UNROLL 0 2;SHARED 0 3"),
+  # Hopper warpgroup MMA (OptOps.WGMMA: sm_90 only; codegen/wgmma_tiles.py), block N tile and cp.async stages
+  ("4096^3 f16", "wgmma 128x256, 4 stages (heuristic on sm_90)", "WGMMA 4 256"),
+  ("4096^3 f16", "wgmma 128x256, 3 stages", "WGMMA 3 256"),
+  ("4096^3 f16", "wgmma 128x128, 6 stages", "WGMMA 6 128"),
+  ("4096^3 f16", "wgmma 128x128, 4 stages", "WGMMA 4 128"),
+  ("4096^3 f16", "wgmma 128x256, 4 stages, copies 3 steps ahead (deep)", "WGMMA 36 256"),
+  ("4096^3 f16", "wgmma 128x128, 6 stages, copies 5 steps ahead (deep)", "WGMMA 38 128"),
+  ("4096^3 f16", "wgmma 128x256, 4 stages, producer warpgroup (specialized)", "WGMMA 20 256"),
+  ("4096^3 f16", "wgmma 128x128, 6 stages, producer warpgroup (specialized)", "WGMMA 22 128"),
+  ("4096^3 bf16", "wgmma 128x256, 4 stages, copies 3 steps ahead (deep)", "WGMMA 36 256"),
+  ("4096^3 bf16", "wgmma 128x256, 4 stages, producer warpgroup (specialized)", "WGMMA 20 256"),
 ]
 
 
@@ -215,7 +226,9 @@ def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, i
   rate = 2.0 * m * k * n / seconds / 1e12
   # the first 64 rows against float64 (cheap on the host)
   rows = min(m, 64)
-  got = output.numpy()[:rows * n].astype(np.float64).reshape(rows, n)
+  values = output.numpy()[:rows * n]
+  if output.dtype == dtypes.bfloat16: values = (values.astype(np.uint32) << 16).view(np.float32)   # raw bits
+  got = values.astype(np.float64).reshape(rows, n)
   a64, b64 = (tensor.cast(dtypes.float32).numpy().astype(np.float64) for tensor in inputs)
   reference = a64[:rows] @ b64
   error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
@@ -298,9 +311,11 @@ def main() -> None:
           + f"  err {error:.1e} vs torch   [{', '.join(kernels)}]")
     if cuda and args.variants and kind == "mm":
       variant_jobs += [(name, label, opts_text, inputs, dtype) for part, label, opts_text in VARIANTS if part in name]
-  # after every row: a variant launch that went wrong would leave the CUDA context unusable; dynamic shared memory last
+  # after every row: a variant launch that went wrong would leave the CUDA context unusable; dynamic shared memory
+  # and wgmma (the newest code) last
   if variant_jobs: print("variants (explicit opts):")
-  for name, label, opts_text, inputs, dtype in sorted(variant_jobs, key=lambda job: "dynamic" in job[1]):
+  def launch_order(job: tuple) -> tuple[bool, bool]: return "wgmma" in job[1], "dynamic" in job[1]
+  for name, label, opts_text, inputs, dtype in sorted(variant_jobs, key=launch_order):
     try: print(f"  {name:<34} {label:<62} {variant_row(args.device, inputs, opts_text, dtype, args.iters)}")
     except Exception as variant_error:  # an opt list that does not fit (or compile): say so, go on
       print(f"  {name:<34} {label:<62} failed: {type(variant_error).__name__}: {str(variant_error)[:120]}")

@@ -30,12 +30,18 @@ from enum import Enum, auto
 from typing import Any
 
 from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
+from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, plan_for_kernel
 from ourgrad.codegen.uops import AxisType
 from ourgrad.dtype import DType
 from ourgrad.helpers import DEBUG, colored, prod
 from ourgrad.ops import REDUCE_OPS, LazyOp, MemBuffer, Ops, format_ast
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import sym_max
+
+
+# OptOps.WGMMA's axis: stages (0: 4) + WGMMA_SPECIALIZED for the warp-specialized kernel, + WGMMA_DEEP for the
+# cooperative one that copies stages - 1 steps ahead
+WGMMA_SPECIALIZED, WGMMA_DEEP = 16, 32
 
 
 class OptOps(Enum):
@@ -54,6 +60,10 @@ class OptOps(Enum):
   #                   matmul's operands) into local memory together, then compute from it; axis 0, amount 0
   TC = auto()       # tensor cores (GPU): the matmul-shaped reduce's 16x8x16 tiles go to one matrix instruction per
   #                   warp; `amount` picks the renderer's TensorCore (dtype), axis must be 0; see _apply_tensor_core
+  WGMMA = auto()    # Hopper warpgroup MMA (CUDA sm_90a): a float16/bfloat16 matmul whose sizes are multiples of the
+  #                   tile becomes the kernel of codegen/wgmma_tiles.py; `amount` is the block's N tile (64..256),
+  #                   `axis` the shared-memory stages (0: 4), plus WGMMA_SPECIALIZED for the kernel with a producer
+  #                   warpgroup; the only opt of its kernel
 
 
 @dataclass(frozen=True)
@@ -183,6 +193,9 @@ class Kernel:
     self.tensor_core: AppliedTensorCore | None = None
     self.shared_tiles = False   # OptOps.SHARED (see staged_loads)
     self.tile_stages = TC_TILE_STAGES   # with TC: the SHARED tiles' stages (OptOps.SHARED's amount, 0: the default)
+    # after OptOps.WGMMA: the kernel's plan (codegen/wgmma_tiles.py) and its A, B, C argument positions; the loop
+    # nest is then not linearized (engine/realize.py renders the plan)
+    self.wgmma: tuple[WgmmaMatmul, dict[str, int]] | None = None
     self.row_axes: tuple[int, ...] | None = _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
@@ -315,11 +328,11 @@ class Kernel:
 
   def _state(self) -> tuple:
     return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts),
-            self.tensor_core, self.shared_tiles, self.tile_stages)
+            self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma)
 
   def _restore(self, state: tuple) -> None:
     (self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts,
-     self.tensor_core, self.shared_tiles, self.tile_stages) = state
+     self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma) = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -336,6 +349,8 @@ class Kernel:
   def _axis_of(self, opt: Opt) -> int:
     """The dimension an Opt splits, checking it has the kind the Opt needs."""
     renderer = self.renderer
+    if self.wgmma is not None: raise KernelOptError(f"{opt.op.name} after WGMMA (its kernel takes no other opt)")
+    if opt.op is OptOps.WGMMA: return 0
     if opt.op is OptOps.TC:
       if opt.axis != 0: raise KernelOptError(f"TC takes axis 0 (it finds the matmul's axes), got {opt.axis}")
       return 0
@@ -384,6 +399,9 @@ class Kernel:
     if opt.op is OptOps.TC:
       self._apply_tensor_core(opt.amount)
       return
+    if opt.op is OptOps.WGMMA:
+      self._apply_wgmma(opt)
+      return
     if opt.op is OptOps.SHARED:
       self._apply_shared_tiles(opt.amount or TC_TILE_STAGES)
       return
@@ -419,6 +437,18 @@ class Kernel:
     if padded > 2 * size: raise KernelOptError(f"PADTO: padding axis {axis} from {size} to {padded} wastes over half")
     padding = tuple((0, padded - size) if number == axis else (0, 0) for number in range(self.shape_len))
     self.sts = [st.pad(padding) for st in self.sts]
+  def _apply_wgmma(self, opt: Opt) -> None:
+    """WGMMA: the whole kernel becomes one wgmma matmul plan (codegen/wgmma_tiles.py), if the renderer has wgmma and
+    the kernel is a plain matmul that fits it (see wgmma_tiles.plan_for_kernel)."""
+    if not getattr(self.renderer, "has_wgmma", False):
+      raise KernelOptError(f"WGMMA: {self.renderer.device} has no warpgroup MMA (CUDA sm_90)")
+    if self.applied_opts: raise KernelOptError(f"WGMMA is the only opt of its kernel, after {self.applied_opts}")
+    specialized, deep = bool(opt.axis & WGMMA_SPECIALIZED), bool(opt.axis & WGMMA_DEEP)
+    try:
+      self.wgmma = plan_for_kernel(self, opt.amount or 256, opt.axis % WGMMA_SPECIALIZED or 4, specialized, deep)
+    except ValueError as error:
+      raise KernelOptError(f"WGMMA: {error}") from None
+
   def _apply_tensor_core(self, choice: int) -> None:
     """TC: split the matmul's output axes M (A varies, B does not) and N (the other way round) and its reduce axis K
     (both vary) into (size/m, m), (size/n, n), (size/k, k) and move the m, n, k parts to the end, where the
@@ -676,6 +706,9 @@ class Kernel:
     """E_ for elementwise, r_ for reduce kernels, then the loop sizes in layout order (upcast sizes at the end)."""
     prefix = "r" if self.reduceop is not None else "E"
     sizes = "_".join(str(size) for size in self.full_shape) or "1"
+    if self.wgmma is not None:
+      plan = self.wgmma[0]
+      sizes += f"_wgmma{plan.block_m}x{plan.block_n}{'_ws' if plan.specialized else ''}{'_deep' if plan.deep else ''}"
     return f"{prefix}_{sizes}"
 
   def colored_shape(self) -> str:

@@ -96,6 +96,7 @@ def function_name(kernel: Kernel) -> str:
 
 @host_phase("codegen", lambda kernel, device: kernel.name)
 def compile_kernel(kernel: Kernel | PackedKernel, device: str) -> CompiledRunner:
+  if getattr(kernel, "wgmma", None) is not None: return compile_wgmma_kernel(kernel, device)
   uops = kernel.linearize() if isinstance(kernel, PackedKernel) else linearize(kernel)
   if DEBUG >= 5: print(format_uops(uops))
   name = function_name(kernel)
@@ -108,6 +109,21 @@ def compile_kernel(kernel: Kernel | PackedKernel, device: str) -> CompiledRunner
   var_names = tuple(uop.arg[0] for uop in uops if uop.op is UOps.DEFINE_VAR)
   return CompiledRunner(name, kernel.colored_shape(), source, program, global_size, local_size, op_count, byte_count,
                         var_names)
+
+
+def compile_wgmma_kernel(kernel: Kernel, device: str) -> CompiledRunner:
+  """A kernel with OptOps.WGMMA: the renderer renders its plan (codegen/wgmma_tiles.py) instead of a loop nest."""
+  plan, arguments = kernel.wgmma
+  name = function_name(kernel)
+  source = Device[device].renderer.render_wgmma(name, plan, arguments)
+  if DEBUG >= 4: print(source)
+  if DEBUG >= 6: print(Device[device].compiler.disassemble(source))
+  program = load_program(device, name, source)
+  # a multiply and an add per element of the loop nest; every operand and the output moved once
+  op_count = 2 * plan.m * plan.n * plan.k
+  byte_count = sum(leaf.arg.st.real_size() * leaf.dtype.itemsize for leaf in kernel.leaves)
+  return CompiledRunner(name, kernel.colored_shape(), source, program, plan.global_size, plan.local_size, op_count,
+                        byte_count, ())
 
 
 def estimate_cost(kernel: Kernel | PackedKernel, uops: list[UOp]) -> tuple[int, int]:

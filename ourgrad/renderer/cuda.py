@@ -1,11 +1,13 @@
 """UOps -> CUDA C++ for NVRTC: the CUDA dialect of `CStyleLanguage` (renderer/cstyle.py): thread blocks, shared
-memory (static, and dynamic for staged tensor-core tiles), warp shuffles, cp.async, ldmatrix and mma.sync."""
+memory (static, and dynamic for staged tensor-core tiles), warp shuffles, cp.async, ldmatrix and mma.sync; on sm_90
+the wgmma matmul kernel of codegen/wgmma_tiles.py."""
 from __future__ import annotations
 
 import math
 
 from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
+from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
 from ourgrad.dtype import DType, dtypes
 from ourgrad.renderer.cstyle import (DYNAMIC_SHARED_ARRAY, DYNAMIC_SHARED_SYMBOL, CStyleLanguage, block_threads,
                                      kernel_dtypes)
@@ -33,6 +35,16 @@ class CUDARenderer(CStyleLanguage):
   vector_width = 4
   # mma.sync m16n8k16 (sm_80 and newer: A100, H100; the GPUs this renderer targets)
   tensor_cores = CUDA_TENSOR_CORES
+  # warpgroup MMA (OptOps.WGMMA, codegen/wgmma_tiles.py): on sm_90 (H100, H200), compiled for sm_90a
+  has_wgmma = False
+
+  def __init__(self, arch: str = "") -> None:
+    """`arch`: the GPU's sm_XX when known (the CUDA device passes it): sm_90 enables wgmma."""
+    self.has_wgmma = arch == "sm_90"
+
+  def render_wgmma(self, name: str, plan: WgmmaMatmul, arguments: dict[str, int]) -> str:
+    """The kernel of an OptOps.WGMMA plan, its buffers in argument order (see codegen/wgmma_tiles.py)."""
+    return render_wgmma_matmul(plan, name, arguments, DYNAMIC_SHARED_SYMBOL)
 
   def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
     # the index is a multiple of the width (the linearizer checks), so the address is 16-byte aligned

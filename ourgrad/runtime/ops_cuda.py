@@ -90,6 +90,9 @@ NVRTC_MINIMAL_SINCE = (12, 4)
 WARM_UP_SOURCE = 'extern "C" __global__ void ourgrad_warm_up(float* out) { out[threadIdx.x] = 0.0f; }\n'
 
 
+# a kernel whose source contains this uses sm_90a-only instructions (codegen/wgmma_tiles.py writes it in such kernels)
+SM_90A_ONLY = "wgmma."
+
 # warm-up threads that may still run: a fork (BEAM's workers) waits for them first, so that no child starts with
 # NVRTC's internal state held by a thread the fork did not copy
 _WARM_UPS: list[threading.Thread] = []
@@ -139,6 +142,12 @@ class CUDACompiler(Compiler):
     _WARM_UPS.append(self._warm_up)
     self._warm_up.start()
 
+  def target(self, source: str) -> str:
+    """The architecture `source` is compiled for: the GPU's own, or on sm_90 its architecture-specific variant sm_90a
+    when the kernel uses instructions only that target has (wgmma: warpgroup MMA, setmaxnreg)."""
+    if self.arch == "sm_90" and SM_90A_ONLY in source: return "sm_90a"
+    return self.arch
+
   def _nvrtc_program(self, source: str, arch: str) -> Any:
     """An NVRTC program of `source` compiled for `arch` (sm_XX gives CUBIN, compute_XX only PTX)."""
     program = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
@@ -155,7 +164,7 @@ class CUDACompiler(Compiler):
   def compile(self, source: str) -> bytes:
     # the PTX text ends with its NUL byte: cuModuleLoadData takes it as a C string
     if self.emit_ptx and os.getpid() == self._owner_pid: return (self.ptx(source) + "\0").encode()
-    program = self._nvrtc_program(source, self.arch)
+    program = self._nvrtc_program(source, self.target(source))
     size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
     cubin = b" " * size
     check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
@@ -164,7 +173,7 @@ class CUDACompiler(Compiler):
 
   def ptx(self, source: str) -> str:
     """The PTX of the kernel for this GPU's virtual architecture (compute_XX), from NVRTC."""
-    program = self._nvrtc_program(source, self.arch.replace("sm_", "compute_"))
+    program = self._nvrtc_program(source, self.target(source).replace("sm_", "compute_"))
     size = check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
     ptx = b" " * size
     check(nvrtc.nvrtcGetPTX(program, ptx), "nvrtcGetPTX")
@@ -174,7 +183,8 @@ class CUDACompiler(Compiler):
   def ptxas_info(self, source: str) -> str:
     """ptxas's resource report for the kernel (registers, spill stores and loads, shared memory), from NVRTC."""
     program = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
-    options = [f"--gpu-architecture={self.arch}".encode(), b"-default-device", b"--std=c++17", b"--ptxas-options=-v"]
+    options = [f"--gpu-architecture={self.target(source)}".encode(), b"-default-device", b"--std=c++17",
+               b"--ptxas-options=-v"]
     status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
     log = b" " * check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
     check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
@@ -352,7 +362,7 @@ class CUDADevice(Compiled):
     self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
     self.start_event = check(driver.cuEventCreate(0), "cuEventCreate")
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
-    super().__init__(name, CUDAAllocator(self), CUDARenderer(), CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
+    super().__init__(name, CUDAAllocator(self), CUDARenderer(self.arch), CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
     self.graph = lambda launches: CUDAGraph(self, launches)

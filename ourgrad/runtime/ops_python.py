@@ -43,6 +43,7 @@ from ourgrad.shape.symbolic import Node
 from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
 from ourgrad.renderer.cuda import CUDARenderer
+from ourgrad.runtime.wgmma_emulator import WgmmaMatmul, WgmmaProgram, is_wgmma_program, wgmma_program_text
 
 PROGRAM_FORMAT = "ourgrad-python-uops-v1"
 DTYPES_BY_NAME: dict[str, DType] = {dtype.name: dtype for dtype in dtypes.all()}
@@ -97,9 +98,13 @@ class PythonRenderer(Renderer):
   vector_width = 4
   tensor_cores: tuple = ()   # EMULATE=CUDA takes CUDA's (WMMA is interpreted as mma.sync, see Interpreter.wmma)
 
+  has_wgmma = False   # EMULATE=CUDA_SM90: also OptOps.WGMMA (runtime/wgmma_emulator.py)
+
   def __init__(self, emulate: str = "") -> None:
     if emulate == "": return
-    if emulate.upper() != "CUDA": raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA")
+    if emulate.upper() not in ("CUDA", "CUDA_SM90"):
+      raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA (CUDA_SM90: an H100, with wgmma)")
+    self.has_wgmma = emulate.upper() == "CUDA_SM90"
     for limit in ("max_threads", "has_local", "local_memory_bytes", "dynamic_local_memory_bytes", "warp_size",
                   "vector_width", "global_max", "local_max", "tensor_cores"):
       setattr(self, limit, getattr(CUDARenderer, limit))
@@ -113,6 +118,9 @@ class PythonRenderer(Renderer):
       lines.append(json.dumps(entry, allow_nan=False))
     header = json.dumps({"format": PROGRAM_FORMAT, "name": name})[:-1]  # left open: the uops follow
     return header + ', "uops": [\n' + ",\n".join(lines) + "\n]}\n"
+
+  def render_wgmma(self, name: str, plan: WgmmaMatmul, arguments: dict[str, int]) -> str:
+    return wgmma_program_text(name, plan, arguments)
 
 
 class PythonCompiler(Compiler):
@@ -766,6 +774,9 @@ class Interpreter:
     buffer[index] = value
 
 
+def load_program(name: str, binary: bytes) -> PythonProgram | WgmmaProgram:
+  return WgmmaProgram(name, binary) if is_wgmma_program(binary) else PythonProgram(name, binary)
+
+
 def create_device(name: str) -> Compiled:
-  return Compiled(name, HostAllocator(), PythonRenderer(EMULATE.value),
-                  PythonCompiler(), PythonProgram)
+  return Compiled(name, HostAllocator(), PythonRenderer(EMULATE.value), PythonCompiler(), load_program)

@@ -14,6 +14,7 @@ GPUs (thread blocks and local memory):
 - float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first
   where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
   the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
+  on sm_90 (renderer.has_wgmma) large ones whose sizes divide a 128x256 (or 128x128) tile get OptOps.WGMMA instead;
 - a float32 matmul whose sizes divide the block tile (128x128 or 64x64 outputs, 8 reduce elements per step) gets
   shared-memory tiles (SHARED): 16x16 threads of 8x8 (or 4x4) outputs, both operands staged through local memory;
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
@@ -24,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands, tensor_core_operands
+from ourgrad.codegen.kernel import (WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps, matmul_operands,
+                                    tensor_core_operands)
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer
@@ -62,9 +64,30 @@ TC_WARP_TILES = (2, 4)
 TC_BLOCK_WARPS = (2, 2)
 
 
+# OptOps.WGMMA (CUDA sm_90): (block N tile, the opt's axis: shared-memory stages, plus kernel.WGMMA_SPECIALIZED or
+# WGMMA_DEEP for those variants) in the order tried, and the least work (M N K) that
+# takes it (a smaller matmul keeps mma.sync). The wide tile first only where it gives every multiprocessor a block.
+# (H100 run: the warp-specialized 128 x 256 kernel 527-541 TFLOP/s at 4096^3, the cooperative one 455-492)
+WGMMA_TILES = ((256, WGMMA_SPECIALIZED + 4), (128, WGMMA_SPECIALIZED + 6))
+WGMMA_MIN_WORK = 512 ** 3
+MULTIPROCESSORS = 132   # H100 SXM
+
+
+def _wgmma_tiles(kernel: Kernel) -> bool:
+  """WGMMA where the renderer has it and the kernel is a large enough plain float16/bfloat16 matmul whose sizes are
+  multiples of a tile (codegen/wgmma_tiles.plan_for_kernel); ragged ones keep TC with PADTO."""
+  if not getattr(kernel.renderer, "has_wgmma", False) or kernel.applied_opts: return False
+  if prod(kernel.full_shape) < WGMMA_MIN_WORK: return False
+  wide_blocks = prod(kernel.full_shape[:-1]) // (128 * WGMMA_TILES[0][0])
+  tiles = WGMMA_TILES if wide_blocks >= MULTIPROCESSORS else WGMMA_TILES[::-1]
+  return any(kernel.try_opt(Opt(OptOps.WGMMA, stages, block_n)) for block_n, stages in tiles)
+
+
 def _tensor_core_tiles(kernel: Kernel) -> bool:
-  """TC where the kernel is a float16/bfloat16 matmul and the renderer has tensor cores (ragged M/N padded first),
-  then warp tiles and warps per block. False (the kernel untouched) where TC does not apply."""
+  """WGMMA where it applies (sm_90). Else TC where the kernel is a float16/bfloat16 matmul and the renderer has tensor
+  cores (ragged M/N padded first), then warp tiles and warps per block. False (the kernel untouched) where neither
+  applies."""
+  if _wgmma_tiles(kernel): return True
   for choice in range(len(getattr(kernel.renderer, "tensor_cores", ()))):
     if _staged_tensor_core_tiles(kernel, choice): return True
     trial = kernel.copy()

@@ -61,6 +61,7 @@ ACTION_AMOUNTS: dict[str, tuple[int, ...]] = {
   "PADTO": (32,),
   "TC": (0, 1),   # which of the renderer's tensor cores (axis 0 only)
   "SHARED": (0,),  # a flag (axis 0 only)
+  "WGMMA": (128, 256),   # the block's N tile (axis: the stages, 0 = 4); only on sm_90, only as the first opt
 }
 DEFAULT_AMOUNTS: tuple[int, ...] = (2, 4, 8, 16)
 
@@ -151,6 +152,8 @@ def kernel_key(kernel: Kernel) -> tuple:
     if isinstance(value, (bool, int, str, Enum)): layout.append((name, value))
     elif isinstance(value, (list, tuple)) and all(isinstance(item, (bool, int, str, Enum)) for item in value):
       layout.append((name, tuple(value)))
+  # OptOps.WGMMA leaves the views as they are: the plan (a frozen dataclass) tells its kernels apart
+  if getattr(kernel, "wgmma", None) is not None: layout.append(("wgmma", kernel.wgmma[0]))
   return (tuple(kernel.sts), tuple(layout))
 
 
@@ -257,6 +260,10 @@ def _compile_with_alarm(job: _CompileJob, opts: tuple[Opt, ...], timeout: float)
     signal.setitimer(signal.ITIMER_REAL, timeout)
   try:
     kernel = apply_opts(job.base, opts)
+    if kernel.wgmma is not None:   # a whole-kernel plan, rendered as it is (codegen/wgmma_tiles.py)
+      plan = kernel.wgmma[0]
+      binary = job.compiler.compile(kernel.renderer.render_wgmma(kernel.name, *kernel.wgmma))
+      return CompiledCandidate(opts, kernel.name, binary, plan.global_size, plan.local_size)
     uops = linearize(kernel)
     source = kernel.renderer.render(kernel.name, uops)
     binary = job.compiler.compile(source)

@@ -1,0 +1,508 @@
+"""Hopper warpgroup MMA (wgmma, sm_90a): the shared-memory tile layout its descriptors name, and a matmul kernel.
+
+`wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}` is issued by a warpgroup (4 consecutive warps, 128 threads)
+and computes D (64 x N, float32, in registers) += A (64 x 16) @ B (16 x N), both operands read by the tensor cores
+straight from shared memory. Each operand is named by a 64-bit matrix descriptor (`descriptor`): its start address,
+two byte strides and a swizzle mode. This module uses the 128-byte swizzle throughout:
+
+- The tile is stored in 128-byte rows (64 float16/bfloat16 elements), 8 rows to a 1024-byte "atom" (aligned to
+  1024 bytes). Inside an atom the 16-byte piece p of row r lies at piece p ^ r (`swizzled`): the 8 rows' pieces of one
+  column fall in 8 different bank groups, and so do a row's 8 pieces.
+- K-major operand (rows run along K: A of a row-major matmul, or B given as N x K): row = M (N) index, 64 K elements a
+  row; atoms follow each other every 8 rows (stride byte offset SBO = 1024); the leading byte offset is unused. The
+  instruction's k16 slice j starts 32 j bytes into the row (the swizzle applies to the absolute address, so the
+  start moves and the hardware swizzles what it reads).
+- MN-major operand (rows run along N: B of a row-major matmul, K x N with N contiguous; the instruction transposes it,
+  imm-trans-b = 1): row = K index, 64 N elements a row; a column of 64 N is `block_k` rows (8 K rows an atom, SBO =
+  1024 between them) and the next 64 N follow after it (leading byte offset LBO = 128 block_k). The k16 slice j starts
+  at row 16 j.
+
+Accumulators (float32, N/2 per thread; PTX ISA "Matrix Fragments for wgmma.mma_async.m64nNk16"): thread t of the
+warpgroup (warp w = t // 32, lane l) holds element i at row 16 w + l // 4 + 8 ((i >> 1) & 1), column 8 (i >> 2) +
+2 (l % 4) + (i & 1) (`accumulator_position`): per warp, the mma.sync m16n8 C layout repeated along N.
+
+The kernel (`render_wgmma_matmul`): C (M x N) = A (M x K, row-major) @ B (K x N, row-major, or N x K with
+`b_k_major`) for float16/bfloat16 inputs and output, float32 accumulation; sizes multiples of the block tile.
+One CTA computes a block_m x block_n tile with block_m / 64 warpgroups (each 64 rows, one m64n{block_n}k16 per k16
+step); all threads copy the tiles of a K step (block_k = 64) into shared memory with 16-byte cp.async, `stages` deep:
+
+    copy K steps 0 .. stages-3 (one commit group each)
+    for step s:
+      wait for my copies of step s; fence.proxy.async (the tensor cores read through the async proxy); BARRIER
+      wgmma.fence; 4 wgmma on stage s % stages; commit
+      copy step s + stages - 2 into stage (s - 2) % stages; commit
+      wait until at most 1 wgmma group is in flight (step s - 1 done)
+    wait for all wgmma; convert and store the accumulators
+
+The stage written in step s was last read by the wgmma of step s - 2: every warpgroup finished those before it passed
+the BARRIER of step s (it waited for them at the end of step s - 1), so one barrier per step orders the reuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# one row of a swizzled tile: 128 bytes; 8 rows form one swizzle atom of 1024 bytes (aligned to 1024)
+ROW_BYTES, ATOM_BYTES, PIECE_BYTES = 128, 1024, 16
+WARPGROUP_THREADS = 128
+SWIZZLE_128B = 1   # the descriptor's swizzle mode field (bits 62-63)
+SHARED_MEMORY_LIMIT = 227 * 1024   # dynamic shared memory per block on sm_90
+
+
+def swizzled(offset: int) -> int:
+  """The byte where the 128-byte-swizzled layout stores the byte at unswizzled `offset` (from a 1024-aligned base):
+  the 16-byte piece index (bits 4-6) XOR the row in the atom (bits 7-9)."""
+  return offset ^ (((offset >> 7) & 7) << 4)
+
+
+def descriptor(address: int, leading_bytes: int, stride_bytes: int) -> int:
+  """The 64-bit wgmma matrix descriptor of a 128-byte-swizzled operand at shared `address` (PTX ISA "Matrix
+  Descriptor Format": address, LBO and SBO each as (value & 0x3FFFF) >> 4 in 14 bits; base offset 0)."""
+  def encode(value: int) -> int: return (value & 0x3FFFF) >> 4
+  return encode(address) | encode(leading_bytes) << 16 | encode(stride_bytes) << 32 | SWIZZLE_128B << 62
+
+
+def accumulator_position(thread: int, element: int) -> tuple[int, int]:
+  """(row, column) in the 64 x N accumulator tile of float32 accumulator `element` of warpgroup thread `thread`."""
+  warp, lane = thread // 32, thread % 32
+  return 16 * warp + lane // 4 + 8 * ((element >> 1) & 1), 8 * (element >> 2) + 2 * (lane % 4) + (element & 1)
+
+
+@dataclass(frozen=True)
+class WgmmaMatmul:
+  """One wgmma matmul kernel's shape and tiling (see the module docstring)."""
+  m: int
+  n: int
+  k: int
+  dtype: str = "float16"         # of A and B: "float16" or "bfloat16"
+  out_dtype: str = ""            # of C: the inputs' dtype (empty) or "float32"
+  block_m: int = 128             # rows per CTA: 64 per warpgroup
+  block_n: int = 256             # columns per CTA = the instruction's N (8..256, a multiple of 64 here)
+  block_k: int = 64              # K per stage: one 128-byte row of 64 elements
+  stages: int = 4                # shared-memory stages (>= 3: two are being read while the rest fill)
+  b_k_major: bool = False        # B given as N x K (K contiguous) instead of K x N
+  b_lbo_sbo_swapped: bool = False  # the MN-major B descriptor with LBO and SBO exchanged (a layout probe)
+  group_m: int = 8               # CTAs of neighbouring M rows run together (L2 reuse of B's columns)
+  specialized: bool = False      # a producer warpgroup copies, the others only compute (mbarriers between them)
+  deep: bool = False             # cooperative kernel: copy stages - 1 steps ahead (a second barrier per step)
+  batch: int = 1                 # independent matmuls (grid y), each operand `*_batch` elements after the previous
+  a_batch: int = 0               # (0: the same operand for every batch entry)
+  b_batch: int = 0
+  c_batch: int = 0
+
+  def __post_init__(self):
+    if self.dtype not in ("float16", "bfloat16"): raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16")
+    if not self.out_dtype: object.__setattr__(self, "out_dtype", self.dtype)
+    if self.out_dtype not in (self.dtype, "float32"):
+      raise ValueError(f"wgmma matmul of {self.dtype} into {self.out_dtype}: {self.dtype} or float32")
+    if max(self.m * self.k, self.k * self.n, self.m * self.n) >= 2 ** 31:
+      raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n}: an operand of 2^31 elements or more (int indices)")
+    if self.block_m % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k != 64 or self.stages < 3:
+      raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}x{self.block_k}, {self.stages} stages")
+    if self.shared_bytes > SHARED_MEMORY_LIMIT:
+      raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}, {self.stages} stages: {self.shared_bytes} bytes of "
+                       f"shared memory, over the {SHARED_MEMORY_LIMIT} an sm_90 block may have")
+    if self.m % self.block_m or self.n % self.block_n or self.k % self.block_k:
+      raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n} is not a multiple of its block tile "
+                       f"{self.block_m}x{self.block_k}x{self.block_n}")
+
+  @property
+  def warpgroups(self) -> int: return self.block_m // 64
+
+  @property
+  def threads(self) -> int: return (self.warpgroups + self.specialized) * WARPGROUP_THREADS
+
+  @property
+  def a_stage_bytes(self) -> int: return self.block_m * ROW_BYTES
+
+  @property
+  def b_stage_bytes(self) -> int: return self.block_n * self.block_k * 2
+
+  @property
+  def stage_bytes(self) -> int: return self.a_stage_bytes + self.b_stage_bytes
+
+  @property
+  def shared_bytes(self) -> int:
+    # + room to align the base, + the specialized kernel's mbarriers (8 bytes, full and empty per stage)
+    return self.stages * self.stage_bytes + ATOM_BYTES + 16 * self.stages * self.specialized
+
+  @property
+  def name(self) -> str:
+    major = "k" if self.b_k_major else "n"
+    out = "_f32" if self.out_dtype == "float32" else ""
+    batched = f"{self.batch}x" if self.batch > 1 else ""
+    variant = ("_swapped" if self.b_lbo_sbo_swapped else "") + ("_ws" if self.specialized else "") + \
+      ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "")
+    return (f"wgmma_{self.dtype}{out}_{batched}{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_"
+            f"s{self.stages}_{major}{variant}")
+
+  @property
+  def global_size(self) -> tuple[int, int, int]:
+    return ((self.m // self.block_m) * (self.n // self.block_n), self.batch, 1)
+
+  @property
+  def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
+
+  def b_leading_stride(self) -> tuple[int, int]:
+    """(LBO, SBO) of B's descriptor."""
+    if self.b_k_major: return PIECE_BYTES, ATOM_BYTES
+    pair = (self.block_k * ROW_BYTES, ATOM_BYTES)
+    return pair[::-1] if self.b_lbo_sbo_swapped else pair
+
+
+def _wgmma_instruction(plan: WgmmaMatmul) -> str:
+  """The inline-asm statement of one m64n{block_n}k16 wgmma on the accumulator array `acc` (descriptors a_desc,
+  b_desc): D += A @ B (scale-d = 1: the accumulators start at 0)."""
+  count = plan.block_n // 2
+  ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
+  registers = ", ".join(f"%{i}" for i in range(count))
+  transpose_b = 0 if plan.b_k_major else 1
+  # scale-d is a predicate (set from an int operand, as 1): D = A @ B + D
+  instruction = ("{ .reg .pred accumulate; setp.ne.b32 accumulate, %" + str(count + 2) + ", 0; "
+                 f"wgmma.mma_async.sync.aligned.m64n{plan.block_n}k16.f32.{ptx_type}.{ptx_type} "
+                 f"{{{registers}}}, %{count}, %{count + 1}, accumulate, 1, 1, 0, {transpose_b}; }}")
+  outputs = ", ".join(f'"+f"(acc[{i}])' for i in range(count))
+  return f'asm volatile("{instruction}"\n      : {outputs}\n      : "l"(a_desc), "l"(b_desc), "r"(1));'
+
+
+class CExpr:
+  """An integer expression of the kernel, built with Python's operators and rendered as C (non-negative values, so
+  // and % are C's / and %): the address formulas below evaluate on ints and numpy arrays (the emulator) and on
+  CExprs (the CUDA source) alike."""
+
+  def __init__(self, text: str): self.text = text
+
+  def _op(self, other, op: str, reflected: bool = False) -> CExpr:
+    other_text = other.text if isinstance(other, CExpr) else str(other)
+    return CExpr(f"({other_text} {op} {self.text})" if reflected else f"({self.text} {op} {other_text})")
+
+  def __add__(self, other): return self._op(other, "+")
+  def __radd__(self, other): return self._op(other, "+", True)
+  def __mul__(self, other): return self._op(other, "*")
+  def __rmul__(self, other): return self._op(other, "*", True)
+  def __floordiv__(self, other): return self._op(other, "/")
+  def __mod__(self, other): return self._op(other, "%")
+  def __xor__(self, other): return self._op(other, "^")
+  def __and__(self, other): return self._op(other, "&")
+  def __rshift__(self, other): return self._op(other, ">>")
+  def __lshift__(self, other): return self._op(other, "<<")
+
+  def __str__(self) -> str: return self.text
+
+
+def a_copy(plan: WgmmaMatmul, piece, step):
+  """(element offset in A from the block's first row, byte offset in the stage) of A's 16-byte piece `piece` (8
+  elements along K) of K step `step`: row piece // 8 of the tile, 128-byte swizzled rows."""
+  row, column = piece // 8, piece % 8
+  return row * plan.k + step * plan.block_k + column * 8, row * ROW_BYTES + ((column ^ (row & 7)) << 4)
+
+
+def b_copy(plan: WgmmaMatmul, piece, step):
+  """(element offset in B from the block's first column (row for N x K), byte offset in the stage) of B's piece
+  `piece`: K-major as A; MN-major: row = K index, 64 N a row, the next 64 N after block_k rows."""
+  if plan.b_k_major:
+    row, column = piece // 8, piece % 8
+    return (row * plan.k + step * plan.block_k + column * 8,
+            plan.a_stage_bytes + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
+  per_row = plan.block_n // 8
+  row, along_n = piece // per_row, piece % per_row
+  column, chunk = along_n % 8, along_n // 8
+  return ((step * plan.block_k + row) * plan.n + along_n * 8,
+          plan.a_stage_bytes + chunk * (plan.block_k * ROW_BYTES) + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
+
+
+def operand_starts(plan: WgmmaMatmul, warpgroup, j):
+  """Byte offsets in the stage where k16 slice `j`'s A (of `warpgroup`'s 64 rows) and B start (the descriptors'
+  start addresses, before the stage's base)."""
+  a_start = warpgroup * 64 * ROW_BYTES + 32 * j
+  b_start = plan.a_stage_bytes + (32 * j if plan.b_k_major else 16 * ROW_BYTES * j)
+  return a_start, b_start
+
+
+def tile_of_block(plan: WgmmaMatmul, block):
+  """(M tile, N tile) CTA `block` computes: CTAs run in groups of group_m M tiles down each column of N tiles (B's
+  block columns are then reused from L2 by the CTAs running together)."""
+  tiles_m, tiles_n = plan.m // plan.block_m, plan.n // plan.block_n
+  group_m = min(plan.group_m, tiles_m)
+  group = block // (group_m * tiles_n)
+  first_m = group * group_m
+  group_rows = _minimum((first_m * -1) + tiles_m, group_m)   # the last group may have fewer M tiles
+  in_group = block + group * -(group_m * tiles_n)
+  return first_m + in_group % group_rows, in_group // group_rows
+
+
+def _minimum(value, limit: int):
+  return CExpr(f"min({value}, {limit})") if isinstance(value, CExpr) else min(value, limit)
+
+
+def _copy_lines(plan: WgmmaMatmul, thread: str, threads: int) -> list[str]:
+  """The body of copy_step(step, stage): the 16-byte cp.async pieces of A's and B's tiles of one K step that copying
+  thread `thread` (of `threads`) moves."""
+  lines = []
+  piece, step = CExpr("piece"), CExpr("step")
+  for name, pieces, copy in (("a", plan.block_m * plan.block_k // 8, a_copy),
+                             ("b", plan.block_n * plan.block_k // 8, b_copy)):
+    source, target = copy(plan, piece, step)
+    lines += [f"  for (int piece = {thread}; piece < {pieces}; piece += {threads})",
+              f"    copy16(stage_base + {target}, {name}_block + {source});"]
+  return lines
+
+
+def _store_lines(plan: WgmmaMatmul) -> list[str]:
+  """Store accumulators i and i + 1 (neighbouring columns) at C[index]: float32 as a float2, else converted and
+  packed two to a 32-bit word (cvt's first source goes to the upper half)."""
+  if plan.out_dtype == "float32": return ["    *(float2*)(c + index) = make_float2(acc[i], acc[i + 1]);"]
+  ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
+  return ["    unsigned packed;",
+          f'    asm("cvt.rn.{ptx_type}x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(acc[i + 1]), "f"(acc[i]));',
+          "    *(unsigned*)(c + index) = packed;"]
+
+
+def _signature(plan: WgmmaMatmul, name: str, arguments: dict[str, int] | None) -> list[str]:
+  """The kernel's first lines: its parameters in argument order (`arguments`: the position of C, A and B; A and B
+  may be one buffer), and c, a, b naming them."""
+  out_type = "float" if plan.out_dtype == "float32" else "unsigned short"
+  positions = arguments or {"c": 0, "a": 1, "b": 2}
+  params = {position: f"{out_type if operand == 'c' else 'const unsigned short'}* __restrict__ data{position}"
+            for operand, position in positions.items()}
+  return [f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1) {name}('
+          f'{", ".join(params[position] for position in sorted(params))}) {{',
+          f"  {out_type}* c = data{positions['c']} + (size_t)blockIdx.y * {plan.c_batch};",
+          f"  const unsigned short* a = data{positions['a']} + (size_t)blockIdx.y * {plan.a_batch};",
+          f"  const unsigned short* b = data{positions['b']} + (size_t)blockIdx.y * {plan.b_batch};"]
+
+
+def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: dict[str, int] | None = None,
+                        dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes") -> str:
+  """CUDA C++ (for NVRTC, sm_90a) of the matmul kernel `name` (default plan.name) taking its buffers in the order
+  `arguments` gives (default c, a, b); launch with plan.global_size and plan.local_size, plan.shared_bytes of dynamic
+  shared memory (the kernel exports that size as `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads back at
+  load)."""
+  count = plan.block_n // 2
+  b_lbo, b_sbo = plan.b_leading_stride()
+  tile_m, tile_n = tile_of_block(plan, CExpr("(int)blockIdx.x"))
+  b_block = "b + tile_n * " + (f"{plan.block_n * plan.k}" if plan.b_k_major else f"{plan.block_n}")
+  a_start, b_start = operand_starts(plan, CExpr("warpgroup"), CExpr("j"))
+  row, column = accumulator_position(CExpr("thread"), CExpr("i"))
+  copy_thread, copy_threads = ("thread", WARPGROUP_THREADS) if plan.specialized else ("threadIdx.x", plan.threads)
+  lines = [
+    f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
+    "extern __shared__ __align__(1024) unsigned char wgmma_shared[];",
+    "__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned address, unsigned lbo, unsigned sbo) {",
+    "  return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |",
+    f"         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | ({SWIZZLE_128B}ull << 62);",
+    "}",
+    "__device__ __forceinline__ void copy16(unsigned target, const unsigned short* source) {",
+    '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(target), "l"(source) : "memory");',
+    "}",
+    *(_BARRIER_HELPERS if plan.specialized else []),
+    *_signature(plan, name or plan.name, arguments),
+    # the 128-byte swizzle is a function of address bits 7-9: the tiles start on a 1024-byte boundary
+    "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
+    # CTAs in groups of group_m M tiles down one column of N tiles, so B's block columns are reused from L2
+    f"  int tile_m = {tile_m}, tile_n = {tile_n};",
+    f"  const unsigned short* a_block = a + tile_m * {plan.block_m * plan.k};",
+    f"  const unsigned short* b_block = {b_block};",
+    # with a producer, warpgroup -1 copies and 0.. compute
+    f"  int warpgroup = threadIdx.x / 128{' - 1' if plan.specialized else ''}, thread = threadIdx.x % 128;",
+    f"  const int steps = {plan.k // plan.block_k};",
+    "  auto copy_step = [&](int step, int stage) {",
+    f"    unsigned stage_base = shared_base + stage * {plan.stage_bytes};",
+    *["  " + line for line in _copy_lines(plan, copy_thread, copy_threads)],
+    "  };",
+    "  auto compute_step = [&](float* acc, int step) {",
+    f"    unsigned stage_base = shared_base + (step % {plan.stages}) * {plan.stage_bytes};",
+    '    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");',
+    "#pragma unroll",
+    f"    for (int j = 0; j < {plan.block_k // 16}; j++) {{",
+    f"      unsigned long long a_desc = wgmma_descriptor(stage_base + {a_start}, {PIECE_BYTES}, {ATOM_BYTES});",
+    f"      unsigned long long b_desc = wgmma_descriptor(stage_base + {b_start}, {b_lbo}, {b_sbo});",
+    "      " + _wgmma_instruction(plan),
+    "    }",
+    '    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");',
+    "  };",
+    "  auto store = [&](float* acc) {",
+    '    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");',
+    # each thread's accumulator pairs (i, i + 1) are neighbouring columns: one 32-bit store of two halves
+    "#pragma unroll",
+    f"    for (int i = 0; i < {count}; i += 2) {{",
+    f"      int row = {row}, column = {column};",
+    f"      int index = (tile_m * {plan.block_m} + warpgroup * 64 + row) * {plan.n} + tile_n * {plan.block_n} + "
+    "column;",
+    *["  " + line for line in _store_lines(plan)],
+    "    }",
+    "  };",
+    *(_specialized_loop(plan) if plan.specialized else _cooperative_loop(plan)),
+    "}",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def _cooperative_loop(plan: WgmmaMatmul) -> list[str]:
+  """Every thread copies and computes; one barrier per K step (see the module docstring)."""
+  if plan.deep: return _deep_cooperative_loop(plan)
+  count = plan.block_n // 2
+  return [
+    f"  float acc[{count}];",
+    "#pragma unroll",
+    f"  for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
+    f"  for (int step = 0; step < {plan.stages - 2}; step++) {{",
+    "    if (step < steps) copy_step(step, step);",
+    '    asm volatile("cp.async.commit_group;" ::: "memory");',
+    "  }",
+    "  for (int step = 0; step < steps; step++) {",
+    f'    asm volatile("cp.async.wait_group {plan.stages - 3};" ::: "memory");',
+    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    "    __syncthreads();",
+    "    compute_step(acc, step);",
+    # the copies go out while the tensor cores work: their stage's readers (step s - 2) finished before the barrier
+    f"    int next = step + {plan.stages - 2};",
+    f"    if (next < steps) copy_step(next, next % {plan.stages});",
+    '    asm volatile("cp.async.commit_group;" ::: "memory");',
+    '    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
+    "  }",
+    "  store(acc);",
+  ]
+
+
+def _deep_cooperative_loop(plan: WgmmaMatmul) -> list[str]:
+  """As _cooperative_loop, but stages - 1 steps in flight: after waiting for step s - 1's wgmmas, a second barrier
+  (while step s's run) tells every thread that stage (s - 1) % stages is free, and step s + stages - 1 goes there."""
+  count, stages = plan.block_n // 2, plan.stages
+  return [
+    f"  float acc[{count}];",
+    "#pragma unroll",
+    f"  for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
+    f"  for (int step = 0; step < {stages - 1}; step++) {{",
+    "    if (step < steps) copy_step(step, step);",
+    '    asm volatile("cp.async.commit_group;" ::: "memory");',
+    "  }",
+    "  for (int step = 0; step < steps; step++) {",
+    f'    asm volatile("cp.async.wait_group {stages - 2};" ::: "memory");',
+    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    "    __syncthreads();",
+    "    compute_step(acc, step);",
+    '    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
+    "    __syncthreads();",
+    f"    int next = step + {stages - 1};",
+    f"    if (next < steps) copy_step(next, next % {stages});",
+    '    asm volatile("cp.async.commit_group;" ::: "memory");',
+    "  }",
+    "  store(acc);",
+  ]
+
+
+# mbarriers of the specialized kernel: init, arrive (release), wait for a phase's parity (acquire), in a C loop
+_BARRIER_HELPERS = [
+  "__device__ __forceinline__ void barrier_init(unsigned barrier, unsigned count) {",
+  '  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(barrier), "r"(count) : "memory");',
+  "}",
+  "__device__ __forceinline__ void barrier_arrive(unsigned barrier) {",
+  '  asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" :: "r"(barrier) : "memory");',
+  "}",
+  "__device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) {",
+  "  unsigned done = 0;",
+  "  while (!done) {",
+  '    asm volatile("{ .reg .pred ready; mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2; '
+  'selp.u32 %0, 1, 0, ready; }" : "=r"(done) : "r"(barrier), "r"(parity) : "memory");',
+  "  }",
+  "}",
+]
+# registers per thread after setmaxnreg: the producer gives back what the 128 x 256 consumers need
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232
+
+
+def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
+  """Warpgroup -1 copies, the others compute; stage s's `full` barrier (128 producer arrivals) says its tiles are in,
+  its `empty` barrier (every consumer thread) that the wgmmas reading it finished:
+
+      producer, step s: wait empty[s % S] (phase s / S - 1) unless s < S; copy step s; commit
+                        then wait for step s - 1's copies; fence.proxy.async; arrive full[(s - 1) % S]
+      consumer, step s: wait full[s % S] (phase s / S); 4 wgmma; commit; wait for step s - 1's; arrive empty[(s-1) % S]
+  """
+  count, stages = plan.block_n // 2, plan.stages
+  consumers = plan.warpgroups * WARPGROUP_THREADS
+  registers = plan.block_n > 128   # 128 x 128 consumers fit the launch's cap of 168 registers
+  return [
+    f"  unsigned full = shared_base + {stages * plan.stage_bytes}, empty = full + {8 * stages};",
+    "  if (threadIdx.x == 0) {",
+    f"    for (int stage = 0; stage < {stages}; stage++) {{",
+    f"      barrier_init(full + 8 * stage, {WARPGROUP_THREADS});",
+    f"      barrier_init(empty + 8 * stage, {consumers});",
+    "    }",
+    "  }",
+    "  __syncthreads();",
+    "  if (warpgroup < 0) {",
+    *([f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGISTERS};");'] if registers else []),
+    "    for (int step = 0; step < steps; step++) {",
+    f"      int stage = step % {stages};",
+    f"      if (step >= {stages}) barrier_wait(empty + 8 * stage, (step / {stages} - 1) & 1);",
+    "      copy_step(step, stage);",
+    '      asm volatile("cp.async.commit_group;" ::: "memory");',
+    "      if (step > 0) {",
+    '        asm volatile("cp.async.wait_group 1;" ::: "memory");',
+    '        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    f"        barrier_arrive(full + 8 * ((step - 1) % {stages}));",
+    "      }",
+    "    }",
+    '    asm volatile("cp.async.wait_group 0;" ::: "memory");',
+    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    f"    barrier_arrive(full + 8 * ((steps - 1) % {stages}));",
+    "  } else {",
+    *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGISTERS};");'] if registers else []),
+    f"    float acc[{count}];",
+    "#pragma unroll",
+    f"    for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
+    "    for (int step = 0; step < steps; step++) {",
+    f"      barrier_wait(full + 8 * (step % {stages}), (step / {stages}) & 1);",
+    "      compute_step(acc, step);",
+    '      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
+    f"      if (step > 0) barrier_arrive(empty + 8 * ((step - 1) % {stages}));",
+    "    }",
+    "    store(acc);",
+    "  }",
+  ]
+
+
+def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False,
+                    deep: bool = False) -> tuple[WgmmaMatmul, dict[str, int]]:
+  """The plan of a Kernel (codegen/kernel.py, no opts applied) that is a plain float16/bfloat16 matmul: C (M x N,
+  row-major, the inputs' dtype or float32) = A (M x K, row-major) @ B (K x N row-major, or its transpose stored
+  N x K), a SUM in float32 of the product of the two loads, stored as it is (or cast), unmasked views from offset 0;
+  and the argument positions of C, A and B. Raises ValueError (or the matmul check's KernelOptError) naming what
+  does not fit."""
+  from ourgrad.codegen.kernel import KernelOptError, matmul_operands   # kernel.py imports this module
+  from ourgrad.dtype import dtypes
+  from ourgrad.ops import Ops
+  if len(kernel.reduceops) != 1 or len(kernel.stores) != 1: raise ValueError("needs one reduce and one store")
+  store = kernel.stores[0]
+  value = store.srcs[0]
+  if value.op is Ops.CAST: value = value.srcs[0]
+  if value is not kernel.reduceop: raise ValueError("the matmul's result must be stored as it is (or cast)")
+  for dtype in (dtypes.float16, dtypes.bfloat16):
+    try:
+      a, b = matmul_operands(kernel.reduceop, dtype, dtypes.float32, "WGMMA")
+      break
+    except KernelOptError:
+      continue
+  else:
+    raise ValueError("needs a float32 SUM of the product of two float16 or bfloat16 loads")
+  if len(kernel.full_shape) not in (3, 4):
+    raise ValueError(f"needs the loop nest (M, N, K) or (batch, M, N, K), got {kernel.full_shape}")
+  *batch, m, n, k = kernel.full_shape
+  views, batch_strides = {}, {}
+  for leaf in (store, a, b):
+    st = kernel.sts[kernel.leaf_number(leaf)]
+    if len(st.views) != 1 or st.views[0].mask is not None or st.views[0].offset != 0:
+      raise ValueError(f"needs plain views (one, unmasked, from offset 0), got {st}")
+    strides = st.views[0].strides
+    views[id(leaf)], batch_strides[id(leaf)] = strides[-3:], strides[0] if batch else 0
+  if views[id(store)] != (n, 1, 0): raise ValueError(f"needs a row-major M x N output, strides {views[id(store)]}")
+  if views[id(a)] != (k, 0, 1): a, b = b, a
+  if views[id(a)] != (k, 0, 1): raise ValueError(f"needs a row-major M x K operand, strides {views[id(a)]}")
+  if views[id(b)] not in ((0, 1, n), (0, k, 1)): raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
+  out_dtype = store.dtype.name
+  plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_n=block_n, stages=stages,
+                     specialized=specialized, deep=deep, b_k_major=views[id(b)] == (0, k, 1),
+                     batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)],
+                     c_batch=batch_strides[id(store)])
+  return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}

@@ -1,0 +1,136 @@
+"""The wgmma matmul kernel (codegen/wgmma_tiles.py) emulated with numpy, for the PYTHON device and CI.
+
+It replays what the CUDA kernel does with the same address formulas (wgmma_tiles.a_copy, b_copy, operand_starts,
+tile_of_block, accumulator_position) and reads the operands back the way the PTX ISA says the tensor cores do: from a
+shared-memory image, through the 64-bit descriptors the kernel builds, by the canonical 128-byte-swizzled layouts
+("Shared Memory Matrix Layout", in CuTe notation, T = 8 elements of 16 bits):
+
+    K-major:  ((8, m), (T, 2k)) : ((8T, SBO), (1, T))     row r, k  ->  (r // 8) SBO + (r % 8) 128 B + 2 k B
+    MN-major: ((T, 8, m), (8, k)) : ((1, T, LBO), (8T, SBO))   mn, k  ->  (mn // 64) LBO + (k // 8) SBO + (k % 8) 128 B
+                                                                           + 2 (mn % 64) B
+each address then swizzled (16-byte piece ^= 128-byte row within the 1024-byte atom). A layout whose writes and
+descriptors disagree (a wrong stride, swizzle or start) reads the wrong elements here as on the GPU.
+D = A @ B + D per warpgroup and k16 slice in float32 (the hardware's summation order within a slice may differ in the
+last bits); the accumulators are held per thread in the PTX fragment order and stored by the kernel's store formula.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import numpy as np
+
+from ourgrad.codegen.wgmma_tiles import (ROW_BYTES, WARPGROUP_THREADS, WgmmaMatmul, a_copy, accumulator_position,
+                                         b_copy, descriptor, operand_starts, swizzled, tile_of_block)
+
+# the descriptor fields (PTX ISA "Matrix Descriptor Format")
+FIELD_MASK, SWIZZLE_128B = 0x3FFF, 1
+
+
+def read_operand(shared: np.ndarray, matrix_descriptor: int, rows: int, k_major: bool) -> np.ndarray:
+  """The rows x 16 operand (rows along M or N, 16 along K) that a wgmma reads through `matrix_descriptor` from the
+  16-bit shared-memory image `shared` (byte address b is element b // 2)."""
+  start = (matrix_descriptor & FIELD_MASK) << 4
+  leading = ((matrix_descriptor >> 16) & FIELD_MASK) << 4
+  stride = ((matrix_descriptor >> 32) & FIELD_MASK) << 4
+  if matrix_descriptor >> 62 != SWIZZLE_128B: raise NotImplementedError("only the 128-byte swizzle is emulated")
+  row, k = np.arange(rows)[:, None], np.arange(16)[None, :]
+  if k_major: address = start + (row // 8) * stride + (row % 8) * ROW_BYTES + 2 * k
+  else: address = start + (row // 64) * leading + (k // 8) * stride + (k % 8) * ROW_BYTES + 2 * (row % 64)
+  address = swizzled(address)
+  if np.any(address >= shared.size * 2): raise IndexError("a wgmma operand reads past the end of shared memory")
+  return shared[address // 2]
+
+
+def to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
+  """float16/bfloat16 bit patterns (uint16) -> float32."""
+  if dtype == "float16": return bits.view(np.float16).astype(np.float32)
+  return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
+  """float32 -> the output's bits (float16/bfloat16 rounded to nearest even, as cvt.rn), or float32 itself."""
+  if dtype == "float32": return values.astype(np.float32)
+  if dtype == "float16": return values.astype(np.float16).view(np.uint16)
+  bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+  return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def emulate_wgmma_matmul(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+  """Run the kernel of `plan` on flat buffers: a, b as uint16 bit patterns, c as the output's (uint16 bits, or
+  float32 where plan.out_dtype is float32), written in place; batch entry e's operands start plan.*_batch e elements
+  in."""
+  for entry in range(plan.batch):
+    _emulate_one(plan, c[entry * plan.c_batch:], a[entry * plan.a_batch:], b[entry * plan.b_batch:])
+
+
+def _emulate_one(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+  """One batch entry (the CTAs of one grid row) of emulate_wgmma_matmul."""
+  pieces_a = np.arange(plan.block_m * plan.block_k // 8)
+  pieces_b = np.arange(plan.block_n * plan.block_k // 8)
+  lanes = np.arange(8)
+  thread = np.arange(WARPGROUP_THREADS)[:, None]
+  element = np.arange(plan.block_n // 2)[None, :]
+  fragment_rows, fragment_columns = accumulator_position(thread, element)
+  shared = np.zeros(plan.stages * plan.stage_bytes // 2, dtype=np.uint16)
+  for block in range(plan.global_size[0]):
+    tile_m, tile_n = tile_of_block(plan, block)
+    a_block = tile_m * plan.block_m * plan.k
+    b_block = tile_n * plan.block_n * (plan.k if plan.b_k_major else 1)
+    fragments = np.zeros((plan.warpgroups, WARPGROUP_THREADS, plan.block_n // 2), dtype=np.float32)
+    for step in range(plan.k // plan.block_k):
+      stage_base = (step % plan.stages) * plan.stage_bytes
+      for pieces, copy, source, first in ((pieces_a, a_copy, a, a_block), (pieces_b, b_copy, b, b_block)):
+        source_offset, target = copy(plan, pieces, step)
+        shared[(stage_base + target)[:, None] // 2 + lanes] = source[(first + source_offset)[:, None] + lanes]
+      for warpgroup in range(plan.warpgroups):
+        # the warpgroup's accumulators as the 64 x N matrix D they hold (fragment i of thread t is D at its position)
+        accumulator = np.zeros((64, plan.block_n), dtype=np.float32)
+        accumulator[fragment_rows, fragment_columns] = fragments[warpgroup]
+        for j in range(plan.block_k // 16):
+          a_start, b_start = operand_starts(plan, warpgroup, j)
+          b_leading, b_stride = plan.b_leading_stride()
+          operand_a = read_operand(shared, descriptor(stage_base + a_start, 16, 1024), 64, True)
+          operand_b = read_operand(shared, descriptor(stage_base + b_start, b_leading, b_stride), plan.block_n,
+                                   plan.b_k_major)
+          accumulator += to_float(operand_a, plan.dtype) @ to_float(operand_b, plan.dtype).T
+        fragments[warpgroup] = accumulator[fragment_rows, fragment_columns]
+    for warpgroup in range(plan.warpgroups):
+      rows = tile_m * plan.block_m + warpgroup * 64 + fragment_rows
+      columns = tile_n * plan.block_n + fragment_columns
+      c[rows * plan.n + columns] = from_float(fragments[warpgroup], plan.out_dtype)
+
+
+# ---------------------------------------------------------------- the PYTHON device's wgmma program
+
+WGMMA_PROGRAM_FORMAT = "ourgrad-python-wgmma-v1"
+
+
+def wgmma_program_text(name: str, plan: WgmmaMatmul, arguments: dict[str, int]) -> str:
+  """The PYTHON device's "source" of an OptOps.WGMMA kernel: its plan and argument positions as JSON."""
+  return json.dumps({"format": WGMMA_PROGRAM_FORMAT, "name": name, "plan": dataclasses.asdict(plan),
+                     "arguments": arguments}) + "\n"
+
+
+def is_wgmma_program(binary: bytes) -> bool:
+  return binary.startswith(b'{"format": "' + WGMMA_PROGRAM_FORMAT.encode())
+
+
+class WgmmaProgram:
+  """An OptOps.WGMMA kernel on the PYTHON device: emulate_wgmma_matmul on its buffers (raw byte arrays)."""
+
+  def __init__(self, name: str, binary: bytes):
+    document = json.loads(binary.decode())
+    self.name, self.plan, self.arguments = name, WgmmaMatmul(**document["plan"]), document["arguments"]
+
+  def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (1, 1, 1),
+               local_size: tuple[int, ...] = (1, 1, 1), wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:
+    start = time.perf_counter()
+    if tuple(global_size) != self.plan.global_size or tuple(local_size) != self.plan.local_size:
+      raise ValueError(f"{self.name} launched as {global_size}x{local_size}, its plan needs "
+                       f"{self.plan.global_size}x{self.plan.local_size}")
+    out = buffers[self.arguments["c"]].view(np.float32 if self.plan.out_dtype == "float32" else np.uint16)
+    emulate_wgmma_matmul(self.plan, out, buffers[self.arguments["a"]].view(np.uint16),
+                         buffers[self.arguments["b"]].view(np.uint16))
+    return time.perf_counter() - start if wait else None

@@ -1,0 +1,288 @@
+"""Hopper warpgroup MMA (OptOps.WGMMA, codegen/wgmma_tiles.py): float16/bfloat16 matmuls with float32 accumulation.
+
+Without a GPU the kernel runs on the PYTHON device's emulator (runtime/wgmma_emulator.py, `EMULATE=CUDA_SM90`), which
+replays its copies into a shared-memory image and reads the operands back through its descriptors by the PTX ISA's
+canonical layouts; results are checked against a float64 reference (numpy/PyTorch), with an error no worse than
+PyTorch's matmul in the same dtype. Every kernel is compiled with NVRTC for sm_90a when NVRTC is installed (no
+spills). With `DEVICE=CUDA` on an H100 the same matmuls run on the GPU (the tests marked cuda).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad import Tensor, dtypes
+from ourgrad.codegen.kernel import WGMMA_DEEP, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.opt import heuristic
+from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, accumulator_position, descriptor, render_wgmma_matmul, swizzled
+from ourgrad.device import Buffer, Device
+from ourgrad.dtype import bfloat16_bits_to_float32
+from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.renderer.cuda import CUDARenderer
+from ourgrad.runtime.ops_python import PythonRenderer
+from ourgrad.runtime.wgmma_emulator import emulate_wgmma_matmul, from_float, read_operand, to_float
+
+from helpers import device_opens, nvrtc_compiler
+
+NVRTC = nvrtc_compiler()
+TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+OURGRAD_DTYPE = {"float16": dtypes.float16, "bfloat16": dtypes.bfloat16}
+
+
+# ================================================================ layout pieces
+
+def test_swizzle_permutes_pieces_within_each_row_and_column_of_an_atom() -> None:
+  """Within a 1024-byte atom the 128-byte swizzle sends the 16-byte piece p of row r to piece p ^ r: each row and
+  each piece column then holds all 8 pieces once (no two rows of one column in one bank group)."""
+  pieces = np.array([[swizzled(row * 128 + piece * 16) for piece in range(8)] for row in range(8)])
+  assert (pieces // 128 == np.arange(8)[:, None]).all()   # rows stay rows
+  for row in range(8): assert sorted((pieces[row] % 128) // 16) == list(range(8))
+  for piece in range(8): assert sorted((pieces[:, piece] % 128) // 16) == list(range(8))
+  assert swizzled(swizzled(3 * 128 + 5 * 16 + 6)) == 3 * 128 + 5 * 16 + 6
+
+
+def test_descriptor_fields() -> None:
+  """Start address, LBO and SBO in 16-byte units at bits 0, 16 and 32; the 128-byte swizzle (1) at bits 62-63."""
+  value = descriptor(0x1F400, 8192, 1024)
+  assert value & 0x3FFF == 0x1F400 >> 4 and (value >> 16) & 0x3FFF == 512 and (value >> 32) & 0x3FFF == 64
+  assert value >> 62 == 1 and (value >> 49) & 7 == 0
+
+
+def test_accumulator_positions_cover_the_tile_once() -> None:
+  """The m64nNk16 float32 accumulator map: each of a warpgroup's 128 threads holds N/2 elements, every element of
+  the 64 x N tile held once; warp w holds rows 16w..16w+15 (PTX ISA, wgmma D fragment figure)."""
+  n = 256
+  thread, element = np.arange(128)[:, None], np.arange(n // 2)[None, :]
+  rows, columns = accumulator_position(thread, element)
+  held = np.zeros((64, n), int)
+  np.add.at(held, (rows, columns), 1)
+  assert (held == 1).all()
+  assert ((rows // 16) == thread // 32).all()
+  assert accumulator_position(5, 0) == (1, 2) and accumulator_position(5, 2) == (9, 2) and \
+    accumulator_position(5, 5) == (1, 11)
+
+
+def test_k_major_operand_reads_back_through_its_descriptor() -> None:
+  """A 64 x 64 K-major tile stored row by row in 128-byte swizzled rows reads back, k16 slice by k16 slice, through
+  descriptors that move the start 32 bytes per slice (SBO 1024 between 8-row atoms)."""
+  tile = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64)
+  shared = np.zeros(64 * 64, dtype=np.uint16)
+  for row in range(64):
+    for column in range(64): shared[swizzled(row * 128 + column * 2) // 2] = tile[row, column]
+  for j in range(4):
+    np.testing.assert_array_equal(read_operand(shared, descriptor(32 * j, 16, 1024), 64, True),
+                                  tile[:, 16 * j:16 * j + 16])
+
+
+# ================================================================ the emulated kernel against float64
+
+def _bits(rng: np.random.Generator, count: int, dtype: str) -> np.ndarray:
+  return from_float(rng.standard_normal(count).astype(np.float32), dtype)
+
+
+def _emulated_error(plan: WgmmaMatmul, seed: int = 0) -> tuple[float, float]:
+  """(relative error of the emulated kernel, of PyTorch's matmul in the dtype) against float64."""
+  rng = np.random.default_rng(seed)
+  a, b = _bits(rng, plan.m * plan.k, plan.dtype), _bits(rng, plan.k * plan.n, plan.dtype)
+  a64 = to_float(a, plan.dtype).astype(np.float64).reshape(plan.m, plan.k)
+  b64 = to_float(b, plan.dtype).astype(np.float64).reshape(plan.k, plan.n)
+  stored_b = from_float(b64.T.astype(np.float32).reshape(-1), plan.dtype) if plan.b_k_major else b
+  c = np.zeros(plan.m * plan.n, np.float32 if plan.out_dtype == "float32" else np.uint16)
+  emulate_wgmma_matmul(plan, c, a, stored_b)
+  got = (c if plan.out_dtype == "float32" else to_float(c, plan.out_dtype)).reshape(plan.m, plan.n)
+  reference = a64 @ b64
+  torch_dtype = torch.float32 if plan.out_dtype == "float32" else TORCH_DTYPE[plan.dtype]
+  torch_out = (torch.tensor(a64).to(TORCH_DTYPE[plan.dtype]).float() @ torch.tensor(b64).to(TORCH_DTYPE[plan.dtype])
+               .float()).to(torch_dtype).double().numpy()
+  def relative(x): return float(np.linalg.norm(x - reference) / np.linalg.norm(reference))
+  return relative(got), relative(torch_out)
+
+
+PLANS = {
+  "f16_128x256_4stages": dict(dtype="float16"),
+  "bf16_128x256_4stages": dict(dtype="bfloat16"),
+  "f16_b_nxk": dict(dtype="float16", b_k_major=True),
+  "bf16_128x128_5stages": dict(dtype="bfloat16", block_n=128, stages=5),
+  "f16_64x64_3stages_f32out": dict(dtype="float16", block_m=64, block_n=64, stages=3, out_dtype="float32"),
+  "f16_256x192_3stages": dict(dtype="float16", block_m=256, block_n=192, stages=3),
+  "f16_specialized_128x256": dict(dtype="float16", specialized=True),
+  "f16_deep_128x256": dict(dtype="float16", deep=True),
+  "bf16_specialized_128x128_b_nxk": dict(dtype="bfloat16", block_n=128, stages=6, specialized=True, b_k_major=True),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_emulated_kernel_matches_float64(name: str) -> None:
+  """M, N over several CTA groups (a partial last group), K over more steps than stages."""
+  options = PLANS[name]
+  m, n = (3 * options.get("block_m", 128) * 3, 2 * options.get("block_n", 256))
+  plan = WgmmaMatmul(m, n, 448, **options)
+  error, torch_error = _emulated_error(plan)
+  assert error <= 1.5 * torch_error + 1e-7, (error, torch_error)
+  if NVRTC is not None:
+    info = NVRTC.ptxas_info(render_wgmma_matmul(plan))
+    assert "0 bytes spill stores" in info or "ptxas info" not in info, info   # some NVRTC builds log nothing here
+
+
+def test_exchanged_descriptor_strides_give_wrong_results() -> None:
+  """The emulator is not blind to the layout: B's descriptor with LBO and SBO exchanged reads other elements."""
+  error, _ = _emulated_error(WgmmaMatmul(128, 256, 128, b_lbo_sbo_swapped=True))
+  assert error > 0.5
+
+
+# ================================================================ OptOps.WGMMA on kernels
+
+def _matmul_ast(a: Tensor, b: Tensor, device: str = "PYTHON"):
+  schedule = create_schedule([(a @ b).lazydata])
+  run_schedule(schedule[:-1])
+  return schedule[-1]
+
+
+def _operands(dtype: str, shape_a, shape_b, seed: int, device: str = "PYTHON") -> tuple[Tensor, Tensor]:
+  rng = np.random.default_rng(seed)
+  return tuple(Tensor(rng.standard_normal(shape).astype(np.float32), device=device).cast(OURGRAD_DTYPE[dtype])
+               .realize() for shape in (shape_a, shape_b))
+
+
+def _values(buffer: Buffer) -> np.ndarray:
+  values = buffer.numpy()
+  if buffer.dtype == dtypes.bfloat16: values = bfloat16_bits_to_float32(values)
+  return values.astype(np.float64)
+
+
+def _check(a: Tensor, b: Tensor, got: np.ndarray, dtype: str) -> None:
+  a64, b64 = (torch.tensor(x.cast(dtypes.float32).numpy(), dtype=torch.float64) for x in (a, b))
+  reference = (a64 @ b64).numpy().reshape(-1)
+  torch_out = (a64.to(TORCH_DTYPE[dtype]) @ b64.to(TORCH_DTYPE[dtype])).double().numpy().reshape(-1)
+  error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
+  torch_error = np.linalg.norm(torch_out - reference) / np.linalg.norm(reference)
+  assert error <= 1.5 * torch_error + 1e-7, (error, torch_error)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["b_kxn", "b_nxk"])
+def test_wgmma_opt_matches_reference(dtype: str, b_transposed: bool) -> None:
+  """OptOps.WGMMA on the PYTHON device emulating an H100; the same kernel rendered for CUDA sm_90 compiles."""
+  a, b = _operands(dtype, (256, 192), (384, 192) if b_transposed else (192, 384), seed=1)
+  if b_transposed: b = b.T
+  item = _matmul_ast(a, b)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA_SM90"))
+  kernel.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+  plan, arguments = kernel.wgmma
+  assert (plan.m, plan.n, plan.k, plan.b_k_major) == (256, 384, 192, b_transposed)
+  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  runner = compile_kernel(kernel, "PYTHON")
+  assert runner.global_size == plan.global_size and runner.local_size == (256, 1, 1)
+  runner((output,) + item.inputs)
+  _check(a, b, _values(output), dtype)
+  if NVRTC is not None:
+    cuda = Kernel(item.ast, CUDARenderer("sm_90"))
+    cuda.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+    NVRTC.compile(CUDARenderer("sm_90").render_wgmma(cuda.name, *cuda.wgmma))
+
+
+def test_heuristic_takes_wgmma_only_where_it_fits(monkeypatch) -> None:
+  """Large multiples of the tile get WGMMA; a ragged matmul, one with an elementwise epilogue, a float32 one and any
+  matmul on a renderer without wgmma keep their other opts (TC with PADTO for the ragged one)."""
+  monkeypatch.setattr(heuristic, "WGMMA_MIN_WORK", 1)
+  hopper = PythonRenderer("CUDA_SM90")
+  def opts(a: Tensor, b: Tensor, renderer=hopper, epilogue=lambda x: x) -> list[Opt]:
+    kernel = Kernel(create_schedule([epilogue(a @ b).lazydata])[-1].ast, renderer)
+    kernel.hand_coded_optimizations()
+    return kernel.applied_opts
+  (wide_n, wide_axis), (narrow_n, narrow_axis) = heuristic.WGMMA_TILES
+  WIDE, NARROW = Opt(OptOps.WGMMA, wide_axis, wide_n), Opt(OptOps.WGMMA, narrow_axis, narrow_n)
+  assert (wide_n, narrow_n) == (256, 128)
+  a, b = Tensor.empty(256, 128, dtype=dtypes.float16), Tensor.empty(128, 512, dtype=dtypes.float16)
+  assert opts(a, b) == [NARROW]   # 4 blocks of 128 x 256 would leave most multiprocessors idle
+  monkeypatch.setattr(heuristic, "MULTIPROCESSORS", 4)
+  assert opts(a, b) == [WIDE]
+  assert opts(a, Tensor.empty(128, 384, dtype=dtypes.float16)) == [NARROW]
+  assert opts(a, b, PythonRenderer("CUDA"))[0] == Opt(OptOps.TC, 0, 0)
+  assert OptOps.WGMMA not in [opt.op for opt in opts(a, b, epilogue=lambda x: x.relu())]
+  ragged = opts(Tensor.empty(250, 128, dtype=dtypes.float16), b)
+  assert OptOps.WGMMA not in [opt.op for opt in ragged] and Opt(OptOps.TC, 0, 0) in ragged
+  # float16 inputs widened in the kernel are still a float16 matmul (float32 output); float32 inputs are not
+  assert opts(a.float(), b.float()) == [WIDE]
+  f32 = opts(Tensor.empty(256, 128), Tensor.empty(128, 512))
+  assert OptOps.WGMMA not in [opt.op for opt in f32]
+
+
+def test_wgmma_refuses_other_opts() -> None:
+  a, b = Tensor.empty(128, 64, dtype=dtypes.float16), Tensor.empty(64, 256, dtype=dtypes.float16)
+  kernel = Kernel(create_schedule([(a @ b).lazydata])[-1].ast, PythonRenderer("CUDA_SM90"))
+  with pytest.raises(KernelOptError): Kernel(kernel.ast, PythonRenderer("CUDA")).apply_opt(Opt(OptOps.WGMMA, 4, 256))
+  with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.WGMMA, 4, 192))   # 256 % 192
+  with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.WGMMA, 5, 256))   # 5 x 48 KB of shared memory
+  kernel.apply_opt(Opt(OptOps.WGMMA, 4, 256))
+  with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.UPCAST, 0, 2))
+  specialized = Kernel(kernel.ast, PythonRenderer("CUDA_SM90"))
+  specialized.apply_opt(Opt(OptOps.WGMMA, WGMMA_SPECIALIZED + 3, 128))
+  assert specialized.wgmma[0].specialized and specialized.wgmma[0].stages == 3 and specialized.wgmma[0].threads == 384
+  deep = Kernel(kernel.ast, PythonRenderer("CUDA_SM90"))
+  deep.apply_opt(Opt(OptOps.WGMMA, WGMMA_DEEP, 128))
+  assert deep.wgmma[0].deep and deep.wgmma[0].stages == 4 and not deep.wgmma[0].specialized
+
+
+BATCHES = {"batched": ((3, 128, 64), (3, 64, 256)), "shared_b": ((2, 128, 64), (64, 128))}
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_batched_wgmma_matches_reference(name: str) -> None:
+  """A batch axis becomes the grid's y: each entry's operands from its own offset (B shared: batch stride 0, in which
+  case the batch merges into M)."""
+  a, b = _operands("bfloat16", *BATCHES[name], seed=5)
+  item = _matmul_ast(a, b)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA_SM90"))
+  kernel.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+  plan = kernel.wgmma[0]
+  assert (plan.batch, plan.m, plan.a_batch, plan.b_batch, plan.c_batch) == \
+    ((3, 128, 128 * 64, 64 * 256, 128 * 256) if name == "batched" else (1, 256, 0, 0, 0))
+  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, "PYTHON")((output,) + item.inputs)
+  a64, b64 = (torch.tensor(x.cast(dtypes.float32).numpy(), dtype=torch.float64) for x in (a, b))
+  reference = (a64 @ b64).numpy().reshape(-1)
+  torch_out = (a64.bfloat16() @ b64.bfloat16()).double().numpy().reshape(-1)
+  error, torch_error = (np.linalg.norm(x - reference) / np.linalg.norm(reference) for x in (_values(output), torch_out))
+  assert error <= 1.5 * torch_error + 1e-7, (error, torch_error)
+  if NVRTC is not None:
+    cuda = Kernel(item.ast, CUDARenderer("sm_90"))
+    cuda.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+    NVRTC.compile(CUDARenderer("sm_90").render_wgmma(cuda.name, *cuda.wgmma))
+
+
+@pytest.mark.parametrize("widened", [False, True], ids=["float16_out", "float32_out"])
+def test_tensor_matmul_takes_wgmma_end_to_end(monkeypatch, compiles, widened: bool) -> None:
+  """Tensor @ Tensor on an emulated H100 goes through the heuristic's WGMMA (512^3: the smallest it takes); float16
+  operands widened to float32 in the same kernel give the float32-output kernel."""
+  from ourgrad.engine import realize
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA_SM90"))
+  realize._runner_cache.clear()
+  a, b = _operands("float16", (512, 512), (512, 512), seed=4)
+  result = (a.float() @ b.float() if widened else a @ b).realize()
+  realize._runner_cache.clear()   # the kernels made for the emulated H100 stay out of later tests
+  assert any("wgmma128x128" in name for name in compiles), compiles   # 16 blocks: the narrow tile
+  assert result.dtype == (dtypes.float32 if widened else dtypes.float16)
+  _check(a, b, result.cast(dtypes.float32).numpy().astype(np.float64).reshape(-1), "float16")
+
+
+# ================================================================ on an H100
+
+CUDA = device_opens("CUDA") and getattr(Device["CUDA"].renderer, "has_wgmma", False)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA on an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sizes", [(1024, 512, 2048), (4096, 4096, 4096)], ids=["1024x512x2048", "4096"])
+def test_cuda_wgmma_matmul(dtype: str, sizes: tuple[int, int, int]) -> None:
+  m, k, n = sizes
+  a, b = _operands(dtype, (m, k), (k, n), seed=2, device="CUDA")
+  item = _matmul_ast(a, b, "CUDA")
+  kernel = Kernel(item.ast, Device["CUDA"].renderer)
+  kernel.hand_coded_optimizations()
+  assert kernel.wgmma is not None, kernel.applied_opts
+  output = Buffer("CUDA", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, "CUDA")((output,) + item.inputs)
+  _check(a, b, _values(output), dtype)
