@@ -21,12 +21,13 @@ GPUs (thread blocks and local memory):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands, tensor_core_operands
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, tensor_core_operands
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import prod
-from ourgrad.ops import MemBuffer
+from ourgrad.ops import MemBuffer, Ops
 
 # threads per block the heuristics aim for on GPUs
 BLOCK_THREADS = 256
@@ -114,39 +115,101 @@ def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
   return True
 
 
-# the float32 shared-memory matmul: threads along M and along N, outputs per thread along each (as `repeats` float4
-# runs strided by the block's threads: neighbouring threads read neighbouring float4s of the tiles), the reduce step
-SHARED_THREADS, SHARED_OUTPUTS = 16, 4
-# (repeats, reduce step): 8x8 outputs per thread (a 128x128 block tile) in steps of 16 where the sizes allow (39.4
-# TFLOP/s on the H100 at 4096^3, steps of 8: 36.9), else 4x4 (64x64) in steps of 8 (28.1)
-SHARED_TILES = ((2, 16), (2, 8), (1, 8))
+@dataclass(frozen=True)
+class SharedTile:
+  """A float32 shared-memory matmul block tile: threads along M and along N, outputs per thread along each as `runs`
+  float4 runs (SHARED_OUTPUTS each) strided by the block's threads (neighbouring threads read neighbouring float4s
+  of the tiles), and the reduce steps it takes, preferred first."""
+  threads_m: int
+  threads_n: int
+  runs_m: int
+  runs_n: int
+  steps: tuple[int, ...]
+
+  @property
+  def block(self) -> tuple[int, int]:
+    return (self.threads_m * SHARED_OUTPUTS * self.runs_m, self.threads_n * SHARED_OUTPUTS * self.runs_n)
+
+
+SHARED_OUTPUTS = 4
+# block tiles, largest first. 128x128 (8x8 outputs per thread) in steps of 16 measured 39.4 TFLOP/s on the H100 at
+# 4096^3 (steps of 8: 36.9), 64x64 (4x4) in steps of 8 28.1. The smaller ones (fewer threads, 4x4 outputs each) are
+# for matmuls too small to give every multiprocessor a block of a larger tile (512x512: 16 blocks of 128x128).
+SHARED_TILES = (SharedTile(16, 16, 2, 2, (16, 8)), SharedTile(16, 16, 1, 2, (16, 8)), SharedTile(16, 16, 2, 1, (16, 8)),
+                SharedTile(16, 16, 1, 1, (8,)), SharedTile(8, 16, 1, 1, (16, 8)), SharedTile(16, 8, 1, 1, (16, 8)),
+                SharedTile(8, 8, 1, 1, (16, 8)), SharedTile(4, 16, 1, 1, (16, 8)), SharedTile(16, 4, 1, 1, (16, 8)),
+                SharedTile(4, 8, 1, 1, (16, 8)), SharedTile(8, 4, 1, 1, (16, 8)), SharedTile(4, 4, 1, 1, (16, 8)))
+
+
+def _dense_matmul_axes(kernel: Kernel) -> tuple[int, int] | None:
+  """(M axis, N axis) of a float32 matmul-shaped reduce not yet optimized: a SUM over one reduce axis (the last),
+  the last two output axes M and N (batch axes before them), and every load that varies along the reduce varying
+  along exactly one of M and N (an operand, possibly computed from loads: a fused ReLU or bias of the forward, or a
+  transposed view), at least one along each. None where the kernel is not one."""
+  reduce = kernel.reduceop
+  if reduce is None or reduce.op is not Ops.SUM or reduce.dtype != dtypes.float32 or len(kernel.reduceops) != 1:
+    return None
+  if kernel.applied_opts or kernel.first_reduce < 2 or kernel.shape_len != kernel.first_reduce + 1: return None
+  m_axis, n_axis, k_axis = kernel.first_reduce - 2, kernel.first_reduce - 1, kernel.first_reduce
+  sides = set()
+  for st in _loads(kernel):
+    strides = st.real_strides()
+    if strides[k_axis] == 0: continue
+    varies = tuple(strides[axis] != 0 for axis in (m_axis, n_axis))   # None (not a plain stride) varies
+    if varies == (True, True): return None   # neither operand: read by every thread of the block
+    if any(strides[axis] != 0 for axis in range(m_axis)) and varies == (False, False): return None
+    sides.add(varies)
+  return (m_axis, n_axis) if {(True, False), (False, True)} <= sides else None
+
+
+def _shared_tile_order(kernel: Kernel, m: int, n: int, k: int) -> list[tuple[SharedTile, int]]:
+  """(tile, reduce step) pairs that divide the matmul (and leave a reduce loop: an unroll that takes the whole reduce
+  axis leaves the kernel no loop to stage in), best first: the largest block tile whose grid gives every
+  multiprocessor a block (`renderer.multiprocessors`; unknown: the largest tile), then the rest by grid size, most
+  blocks first (when none fills the device, more blocks use more of it)."""
+  batch = prod(kernel.full_shape[:kernel.first_reduce - 2])
+  fitting = [(tile, step) for tile in SHARED_TILES for step in tile.steps
+             if m % tile.block[0] == 0 and n % tile.block[1] == 0 and k % step == 0 and k > step]
+  blocks = lambda pair: batch * (m // pair[0].block[0]) * (n // pair[0].block[1])   # noqa: E731
+  processors = getattr(kernel.renderer, "multiprocessors", 0)
+  filling = [pair for pair in fitting if blocks(pair) >= processors]
+  rest = sorted((pair for pair in fitting if pair not in filling), key=lambda pair: -blocks(pair))
+  return filling + rest
 
 
 def _shared_matmul_tiles(kernel: Kernel) -> bool:
-  """A float32 matmul (outputs M x N, one reduce axis, both operands plain loads) whose sizes divide the block tile:
-  16x16 threads per block, each 8x8 outputs (two float4 runs along M and N, 64 apart: a 128x128 block tile; reduce
-  steps of 16, else 8) or 4x4 (a 64x64 block tile, steps of 8), staged through local memory (SHARED). False (the
-  kernel untouched) otherwise."""
-  if kernel.reduceop.dtype != dtypes.float32 or kernel.first_reduce != 2 or kernel.shape_len != 3: return False
-  try: a, b = matmul_operands(kernel.reduceop, dtypes.float32, dtypes.float32, "SHARED")
-  except KernelOptError: return False
-  m_axes, n_axes, k_axes = kernel.matmul_axes(a, b)
-  if (m_axes, n_axes, k_axes) != ([0], [1], [2]) and (m_axes, n_axes, k_axes) != ([1], [0], [2]): return False
-  m, n, k = kernel.full_shape
-  for repeats, step in SHARED_TILES:
-    block = SHARED_THREADS * SHARED_OUTPUTS * repeats
-    if m % block or n % block or k % step: continue
+  """A float32 matmul (see _dense_matmul_axes: plain, transposed, batched, or with an operand computed from loads)
+  whose sizes divide a block tile of SHARED_TILES: the tile's threads per block along M and N, each SHARED_OUTPUTS x
+  SHARED_OUTPUTS outputs per float4 run (runs `block / runs` apart along M and N), every operand staged through
+  local memory (SHARED) in reduce steps of 16 or 8. The tile is the largest that still gives each multiprocessor a
+  block (_shared_tile_order). False (the kernel untouched) where none fits."""
+  axes = _dense_matmul_axes(kernel)
+  if axes is None: return False
+  m_axis, n_axis = axes
+  m, n, k = kernel.full_shape[m_axis], kernel.full_shape[n_axis], kernel.full_shape[-1]
+  for tile, step in _shared_tile_order(kernel, m, n, k):
     trial = kernel.copy()
-    opts = [Opt(OptOps.UPCAST, 0, SHARED_OUTPUTS), Opt(OptOps.UPCAST, 1, SHARED_OUTPUTS),
-            Opt(OptOps.LOCAL, 0, SHARED_THREADS), Opt(OptOps.LOCAL, 1, SHARED_THREADS)]
-    # N first: an axis split whole is dropped, and M stays axis 0 whatever happens to N
-    if repeats > 1: opts += [Opt(OptOps.UPCAST, 1, repeats), Opt(OptOps.UPCAST, 0, repeats)]
-    # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
-    opts += [Opt(OptOps.SHARED, 0, 0), Opt(OptOps.UNROLL, 0, step)]
-    if not all(trial.try_opt(opt) for opt in opts): continue
-    kernel.__dict__.update(trial.__dict__)
-    return True
+    if _apply_shared_tile(trial, m_axis, n_axis, tile, step):
+      kernel.__dict__.update(trial.__dict__)
+      return True
   return False
+
+
+def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTile, step: int) -> bool:
+  """The opts of one block tile, in the order the 128x128 tile was measured with: float4 upcasts along M then N,
+  threads along M then N, the second runs along N then M, SHARED, the reduce step. An opt that takes the rest of
+  M's global axis drops it, so N's axis number is followed as M's global part runs out."""
+  plan = [(0, OptOps.UPCAST, SHARED_OUTPUTS), (1, OptOps.UPCAST, SHARED_OUTPUTS),
+          (0, OptOps.LOCAL, tile.threads_m), (1, OptOps.LOCAL, tile.threads_n)]
+  plan += [(1, OptOps.UPCAST, tile.runs_n)] if tile.runs_n > 1 else []
+  plan += [(0, OptOps.UPCAST, tile.runs_m)] if tile.runs_m > 1 else []
+  m_left = kernel.full_shape[m_axis]
+  for position, op, amount in plan:
+    axis = m_axis if position == 0 else n_axis - (1 if m_left == 1 else 0)
+    if not kernel.try_opt(Opt(op, axis, amount)): return False
+    if position == 0: m_left //= amount
+  # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
+  return kernel.try_opt(Opt(OptOps.SHARED, 0, 0)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
 
 
 def _pad_for_tensor_core(kernel: Kernel, choice: int, tiles: tuple[int, int] | None = None) -> bool:
