@@ -176,3 +176,50 @@ def test_mlp_step_matmuls_pick_filling_tiles(name: str) -> None:
   upcasts = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.UPCAST]
   runs = (upcasts[3], upcasts[2]) if len(upcasts) == 4 else (1, 1)
   assert upcasts[:2] == [4, 4] and (threads[0] * 4 * runs[0], threads[1] * 4 * runs[1]) == tile
+
+
+# ---------------------------------------------------------------- thin matmuls (a classifier's 10 outputs)
+
+THIN_CASES = {
+  # name: (build, input shapes, multiprocessors, the opt that splits the reduce over threads)
+  "rows": (_relu_bias_forward, [(64, 256), (256,), (10, 256)], 16, OptOps.GROUP),
+  "columns": (_relu_bias_weight_grad, [(256, 10), (256, 64), (64,)], 16, OptOps.GROUPTOP),
+  "columns_plain": (lambda g, x: g.T @ x, [(256, 6), (256, 96)], 8, OptOps.GROUPTOP),
+}
+
+
+def _blocks(kernel: Kernel) -> int:
+  return int(np.prod(kernel.full_shape[:kernel.global_dims]))
+
+
+@pytest.mark.parametrize("case", list(THIN_CASES))
+def test_thin_matmuls_split_the_reduce_and_match_noopt(case: str) -> None:
+  """An output axis of at most 16 (THIN_SIDE) and a long reduce: threads split the reduce (GROUP where the operands
+  are contiguous along it, GROUPTOP with 32 neighbouring outputs on LOCAL threads where they are contiguous along
+  the wide output axis) and the grid still gives every multiprocessor a block."""
+  build, shapes, multiprocessors, split = THIN_CASES[case]
+  item, values = _item(build, shapes, seed=len(case) + 40)
+  plain = _run(Kernel(item.ast, _renderer(multiprocessors)), item)
+  kernel = Kernel(item.ast, _renderer(multiprocessors))
+  kernel.hand_coded_optimizations()
+  assert not kernel.shared_tiles and any(opt.op is split for opt in kernel.applied_opts), kernel.applied_opts
+  assert _blocks(kernel) >= multiprocessors
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = np.asarray(build(*(Tensor(v.astype(np.float64), device="CLANG") for v in values)).numpy())
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
+def test_mlp_classifier_matmuls_fill_the_gpu() -> None:
+  """The MLP step's 512x512 @ (10x512)^T forward: 2 rows of 32 GROUP threads per block, the 10 outputs upcast (256
+  blocks, was 10); its 10x512 weight gradient: 32 outputs x 8 GROUPTOP threads per block (160 blocks, was 10)."""
+  forward = Kernel(_scheduled(_relu_bias_forward, [(512, 512), (512,), (10, 512)]).ast, CUDARenderer())
+  forward.hand_coded_optimizations()
+  assert forward.applied_opts == [Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.UPCAST, 1, 10), Opt(OptOps.GROUP, 0, 32),
+                                  Opt(OptOps.UNROLL, 0, 4)]
+  assert _blocks(forward) == 256
+  weight_grad = Kernel(_scheduled(_relu_bias_weight_grad, [(512, 10), (512, 512), (512,)]).ast, CUDARenderer())
+  weight_grad.hand_coded_optimizations()
+  assert weight_grad.applied_opts == [Opt(OptOps.LOCAL, 1, 32), Opt(OptOps.GROUPTOP, 0, 8), Opt(OptOps.UNROLL, 0, 4)]
+  assert _blocks(weight_grad) == 160

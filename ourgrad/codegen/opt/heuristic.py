@@ -44,6 +44,7 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   gpu, has_local = renderer.has_threads, getattr(renderer, "has_local", False)
   if gpu and kernel.reduceop is not None and _tensor_core_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and _shared_matmul_tiles(kernel): return
+  if gpu and has_local and kernel.reduceop is not None and _thin_matmul(kernel): return
   if gpu and has_local and kernel.reduceop is not None and not _matmul_like(kernel):
     if _group_reduce(kernel): return
   if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
@@ -210,6 +211,59 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
     if position == 0: m_left //= amount
   # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
   return kernel.try_opt(Opt(OptOps.SHARED, 0, 0)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
+
+
+# an output axis this short (a classifier's 10 classes) makes a matmul thin: too few outputs for output tiles to fill
+# the GPU, so threads split the reduce instead
+THIN_SIDE = 16
+
+
+def _thin_matmul(kernel: Kernel) -> bool:
+  """A float32 matmul (see _dense_matmul_axes) with an output axis of at most THIN_SIDE and a long reduce (a
+  classifier's forward, 512x10, and its weight gradient, 10x512, each with K = the batch): enough blocks for every
+  multiprocessor, the reduce split over the block's threads. Where the wide operand is contiguous along the reduce
+  (rows), a warp of GROUP threads reads each row together and each thread computes every output of the short axis
+  (UPCAST: one load of the row reused); where it is contiguous along the wide output axis (columns), 32 neighbouring
+  outputs on LOCAL threads (coalesced) and GROUPTOP over the reduce, the short axis left to the grid. False (the
+  kernel untouched) where the matmul is not thin."""
+  axes = _dense_matmul_axes(kernel)
+  if axes is None: return False
+  sizes, k_axis = kernel.full_shape, kernel.first_reduce
+  narrow, wide = sorted(axes, key=lambda axis: sizes[axis])
+  if sizes[narrow] > THIN_SIDE or sizes[k_axis] < 4 * WARP_SIZE: return False
+  wide_loads = [st for st in _loads(kernel) if st.real_strides()[wide] != 0 and st.real_strides()[k_axis] != 0]
+  rows = all(st.real_strides()[k_axis] == 1 for st in wide_loads)
+  processors = getattr(kernel.renderer, "multiprocessors", 0)
+  batch = prod(sizes[:min(axes)])
+  trial = kernel.copy()
+  if rows:
+    group = _divisor_at_most(sizes[k_axis], WARP_SIZE)
+    local = _divisor_at_most(sizes[wide], BLOCK_THREADS // 2 // group)
+    while local > 1 and batch * sizes[wide] // local < processors: local //= 2
+    plan = [(wide, OptOps.LOCAL, local), (narrow, OptOps.UPCAST, sizes[narrow]), (None, OptOps.GROUP, group)]
+  else:
+    local = _divisor_at_most(sizes[wide], WARP_SIZE)
+    group = _divisor_at_most(sizes[k_axis] // 2, BLOCK_THREADS // local)
+    plan = [(wide, OptOps.LOCAL, local), (None, OptOps.GROUPTOP, group)]
+  if not _apply_plan(trial, plan): return False
+  loop = kernel.full_shape[k_axis] // group
+  if loop % 4 == 0 and loop > 4: trial.try_opt(Opt(OptOps.UNROLL, 0, 4))
+  kernel.__dict__.update(trial.__dict__)
+  return True
+
+
+def _apply_plan(kernel: Kernel, plan: list[tuple[int | None, OptOps, int]]) -> bool:
+  """Apply (output axis as numbered before the plan, op, amount) opts in order (None: reduce axis 0; amount 1: skip),
+  following each output axis as the ones before it are used up (an axis split whole is dropped). False on an opt
+  that does not fit (the kernel then holds the opts before it)."""
+  dropped: list[int] = []
+  for axis, op, amount in plan:
+    if amount <= 1: continue
+    current = 0 if axis is None else axis - sum(1 for gone in dropped if gone < axis)
+    length = kernel.shape_len
+    if not kernel.try_opt(Opt(op, current, amount)): return False
+    if axis is not None and kernel.shape_len == length: dropped.append(axis)   # the split left nothing behind
+  return True
 
 
 def _pad_for_tensor_core(kernel: Kernel, choice: int, tiles: tuple[int, int] | None = None) -> bool:
