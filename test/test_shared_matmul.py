@@ -5,7 +5,7 @@ every matmul of a Linear's forward and backward is staged: transposed operands (
 operands computed from loads (the forward's bias and ReLU fused into the next matmul and into the weight gradient).
 
 Each choice runs on the PYTHON device with CUDA's limits (EMULATE=CUDA's renderer) and must equal the plain kernel
-(NOOPT) and a float64 numpy reference; each is also rendered as CUDA C++ and compiled by NVRTC (sm_90) where it is
+(NOOPT) and PyTorch's float64 result; each is also rendered as CUDA C++ and compiled by NVRTC (sm_90) where it is
 installed. With DEVICE=CUDA the kernels run on the GPU instead. The choice for the shapes of the MLP training step
 (bench_jit.py) is pinned on an H100's 132 multiprocessors.
 """
@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+import torch
 
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
@@ -115,7 +116,7 @@ def test_shared_tiles_match_noopt(case: str) -> None:
   assert np.prod(_block_tile(kernel)) == block_outputs, kernel.applied_opts
   got = _run(kernel, item)
   np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = np.asarray(build(*(Tensor(v.astype(np.float64), device="CLANG") for v in values)).numpy())
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()   # the same ops in PyTorch
   np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
   _compile_with_nvrtc(kernel)
 
@@ -206,7 +207,7 @@ def test_thin_matmuls_split_the_reduce_and_match_noopt(case: str) -> None:
   assert _blocks(kernel) >= multiprocessors
   got = _run(kernel, item)
   np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = np.asarray(build(*(Tensor(v.astype(np.float64), device="CLANG") for v in values)).numpy())
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()   # the same ops in PyTorch
   np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
   _compile_with_nvrtc(kernel)
 
