@@ -121,6 +121,32 @@ def test_shared_tiles_match_noopt(case: str) -> None:
   _compile_with_nvrtc(kernel)
 
 
+SPLIT_K_CASES = {
+  "a@b": (lambda a, b: a @ b, [(32, 128), (128, 32)]),
+  "aT@bT": (lambda a, b: a.T @ b.T, [(128, 32), (32, 128)]),
+  "relu_bias_weight_grad": (_relu_bias_weight_grad, [(128, 32), (128, 32), (32,)]),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_K_CASES))
+def test_split_k_tiles_match_noopt(case: str) -> None:
+  """A grid with fewer threads than the device keeps busy splits each tile's reduce over GROUP threads: every thread
+  of the block fills the tiles (each group thread's slice of the step has its part), the partials meet after the
+  loop. Results equal NOOPT and PyTorch's float64."""
+  build, shapes = SPLIT_K_CASES[case]
+  item, values = _item(build, shapes, seed=len(case) + 7)
+  plain = _run(Kernel(item.ast, _renderer(64)), item)
+  kernel = Kernel(item.ast, _renderer(64))
+  kernel.hand_coded_optimizations()
+  assert kernel.shared_tiles and Opt(OptOps.GROUP, 0, 4) in kernel.applied_opts, kernel.applied_opts
+  assert any(kernel.axis_types[axis].name == "GROUP" for axis in kernel.staged_loads()[0][1])
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
 def test_more_multiprocessors_pick_smaller_tiles() -> None:
   """The largest tile while the grid fills the device: 1 processor takes 128x128, 4 take 64x64, 16 take 32x32; where
   none fills the device, the tile with the most blocks."""
@@ -153,25 +179,28 @@ def _scheduled(build: Callable[..., Tensor], shapes: list[tuple[int, ...]]) -> S
 
 
 MLP_SHAPES = {
-  # the kernels of bench_jit.py's MLP step (784-512-512-10, batch 512): name -> (build, shapes, block tile, reduce step)
-  "forward_784": (lambda x, w: x @ w.T, [(512, 784), (512, 784)], (32, 32), 16),
-  "forward_relu_512": (_relu_bias_forward, [(512, 512), (512,), (512, 512)], (32, 32), 16),
-  "input_grad_512": (lambda g, w: g @ w, [(512, 512), (512, 512)], (32, 32), 16),
-  "weight_grad_512": (_relu_bias_weight_grad, [(512, 512), (512, 512), (512,)], (32, 32), 16),
-  "weight_grad_784": (lambda g, x: g.T @ x, [(512, 512), (512, 784)], (64, 16), 16),
-  "square_4096": (lambda a, b: a @ b, [(4096, 4096), (4096, 4096)], (128, 128), 16),
+  # the kernels of bench_jit.py's MLP step (784-512-512-10, batch 512): name -> (build, shapes, block tile, reduce
+  # step, GROUP threads splitting the reduce)
+  "forward_784": (lambda x, w: x @ w.T, [(512, 784), (512, 784)], (32, 32), 8, 2),
+  "forward_relu_512": (_relu_bias_forward, [(512, 512), (512,), (512, 512)], (32, 32), 16, 4),
+  "input_grad_512": (lambda g, w: g @ w, [(512, 512), (512, 512)], (32, 32), 16, 4),
+  "weight_grad_512": (_relu_bias_weight_grad, [(512, 512), (512, 512), (512,)], (32, 32), 16, 4),
+  "weight_grad_784": (lambda g, x: g.T @ x, [(512, 512), (512, 784)], (64, 16), 16, 4),
+  "square_4096": (lambda a, b: a @ b, [(4096, 4096), (4096, 4096)], (128, 128), 16, 1),
 }
 
 
 @pytest.mark.parametrize("name", list(MLP_SHAPES))
 def test_mlp_step_matmuls_pick_filling_tiles(name: str) -> None:
   """On 132 multiprocessors (H100) the 512-sized matmuls of the MLP step take 32x32 tiles (256 blocks, not the 16
-  of 128x128), the 512x784 weight gradient 64x16 (392 blocks; 784 = 16 x 49), 4096^3 keeps 128x128 in steps of 16."""
-  build, shapes, tile, step = MLP_SHAPES[name]
+  of 128x128) with the reduce split over 4 GROUP threads (K = 784: 2, in steps of 8), the 512x784 weight gradient
+  64x16 (392 blocks; 784 = 16 x 49); 4096^3 keeps 128x128 in steps of 16, no split."""
+  build, shapes, tile, step, group = MLP_SHAPES[name]
   kernel = Kernel(_scheduled(build, shapes).ast, CUDARenderer())
   kernel.hand_coded_optimizations()
   assert kernel.shared_tiles, kernel.applied_opts
   assert Opt(OptOps.UNROLL, 0, step) in kernel.applied_opts
+  assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.GROUP] == ([group] if group > 1 else [])
   # the opts: float4 upcasts along M and N, threads along M and N, then the second float4 runs along N and M
   threads = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL]
   upcasts = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.UPCAST]

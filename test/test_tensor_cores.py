@@ -357,13 +357,13 @@ def test_shared_tiles_with_an_epilogue_load() -> None:
                              rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["clang", "no_threads_share", "after_group", "twice", "with_tc", "too_big"])
+@pytest.mark.parametrize("case", ["clang", "no_threads_share", "after_grouptop", "twice", "with_tc", "too_big"])
 def test_illegal_shared_raises(case: str) -> None:
   renderer = ClangRenderer() if case == "clang" else PythonRenderer("CUDA")
   dtype = dtypes.float16 if case == "with_tc" else dtypes.float32
   shapes = ((128, 256), (256, 128)) if case == "too_big" else ((32, 64), (64, 32))
   kernel = _fp16_matmul_kernel(renderer, *shapes, dtype=dtype)
-  before = {"after_group": [Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.GROUP, 0, 4)],
+  before = {"after_grouptop": [Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.GROUPTOP, 0, 4)],   # GROUP does combine
             "twice": [Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.SHARED, 0, 0)],
             "with_tc": [Opt(OptOps.TC, 0, 0), Opt(OptOps.UNROLL, 0, 4)],
             "too_big": [Opt(OptOps.LOCAL, 0, 64), Opt(OptOps.LOCAL, 1, 16), Opt(OptOps.SHARED, 0, 0),

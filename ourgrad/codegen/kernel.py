@@ -344,8 +344,8 @@ class Kernel:
       if opt.axis != 0 or opt.amount not in stages:
         raise KernelOptError(f"SHARED takes axis 0 and amount in {stages}, got {opt}")
       return 0
-    if self.shared_tiles and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
-      raise KernelOptError(f"{opt.op.name} does not combine with SHARED")
+    if self.shared_tiles and (opt.op is OptOps.GROUPTOP or (opt.op is OptOps.GROUP and self.tensor_core is not None)):
+      raise KernelOptError(f"{opt.op.name} does not combine with SHARED (GROUP does, without TC)")
     if opt.op is OptOps.UPCAST:
       if not 0 <= opt.axis < self.first_reduce: raise KernelOptError(f"UPCAST needs an output axis, got {opt.axis}")
       return opt.axis
@@ -462,7 +462,9 @@ class Kernel:
     if not getattr(self.renderer, "has_local", False):
       raise KernelOptError(f"SHARED needs a device with local memory, {self.renderer.device} has none")
     if self.shared_tiles: raise KernelOptError("SHARED is already applied")
-    if self.group_dims: raise KernelOptError("SHARED does not combine with GROUP/GROUPTOP")
+    # GROUP threads split the reduce (split-K inside the block): each stages its slice of every step's tiles
+    if self.group_dims and (self.groups_outer or self.tensor_core is not None):
+      raise KernelOptError("SHARED combines with GROUP (without TC), not with GROUPTOP")
     self.shared_tiles, self.tile_stages = True, stages
     if self.tensor_core is not None:
       self.tensor_core_tiles()   # raises where an operand's tile does not fit ldmatrix
@@ -505,13 +507,15 @@ class Kernel:
 
   def staged_loads(self) -> list[tuple[int, list[int]]]:
     """With SHARED: (leaf number, tile axes) of each load the block's threads share (stride 0 along some LOCAL
-    axis) while it varies along a reduce axis: its tile is every LOCAL, UPCAST and UNROLL axis it varies along, laid
-    out UNROLL outermost, the output's innermost UPCAST axis innermost, and the LOCAL and other UPCAST axes in the
-    output's order between: a thread reads its upcast values as float4s, and neighbouring threads neighbouring
-    float4s (no bank conflicts), also where a thread's outputs are float4s strided by the block's threads."""
+    axis) while it varies along a reduce axis: its tile is every LOCAL, GROUP, UPCAST and UNROLL axis it varies
+    along, laid out UNROLL outermost, the output's innermost UPCAST axis innermost, and the LOCAL, GROUP and other
+    UPCAST axes in the output's order between (GROUP, a reduce axis, just outside the innermost): a thread reads its
+    upcast values as float4s, and neighbouring threads neighbouring float4s (no bank conflicts), also where a
+    thread's outputs are float4s strided by the block's threads. With GROUP each group thread's slice of the reduce
+    step has its own part of the tile."""
     if not self.shared_tiles or self.reduceop is None: return []
     local_axes = list(range(self.global_dims, self.first_reduce))
-    in_block = local_axes + list(range(self.first_upcast, self.shape_len))
+    in_block = list(range(self.global_dims, self.first_loop_reduce)) + list(range(self.first_upcast, self.shape_len))
     reduce_axes = [axis for axis in range(self.first_reduce, self.shape_len) if self.is_reduce_axis(axis)]
     output_strides = self.sts[0].real_strides()
     staged = []
@@ -585,8 +589,11 @@ class Kernel:
       return sum(tile.stage_size * tile.stages * self.tensor_core.tc.dtype_in.itemsize
                  for tile in self.tensor_core_tiles())
     if self.shared_tiles:
-      return sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
-                 for leaf, axes in self.staged_loads())
+      tiles = sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
+                  for leaf, axes in self.staged_loads())
+      # GROUP partials (at most: warp shuffles may combine them without local memory)
+      partials = self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize if self.group_dims else 0
+      return tiles + partials
     if not self.group_dims or self.reduceop is None: return 0
     return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
 

@@ -201,7 +201,7 @@ class Linearizer(TensorCoreTiles):
     kernel = self.kernel
     staged = kernel.staged_loads()
     if not staged or kernel.first_upcast - kernel.first_loop_reduce != 1: return False
-    threads = kernel.local_threads()
+    threads = kernel.local_threads() * kernel.group_threads()
     for leaf, axes in staged:
       node = kernel.leaves[leaf]
       strides = kernel.sts[leaf].real_strides()
@@ -225,8 +225,9 @@ class Linearizer(TensorCoreTiles):
     if not tiles: return []
     kernel, build = self.kernel, self.builder
     deferred: list[tuple[UOp, Node, UOp]] = []
-    thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce))
-    threads = kernel.local_threads()
+    # every thread of the block fills: LOCAL and GROUP threads (their ids in thread order, see Kernel.thread_axes)
+    thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_loop_reduce))
+    threads = kernel.local_threads() * kernel.group_threads()
     nodes = {id(leaf): leaf for leaf in kernel.leaves}
     for node_id, (local, axes) in tiles.items():
       node = nodes[node_id]

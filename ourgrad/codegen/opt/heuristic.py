@@ -188,18 +188,45 @@ def _shared_matmul_tiles(kernel: Kernel) -> bool:
   if axes is None: return False
   m_axis, n_axis = axes
   m, n, k = kernel.full_shape[m_axis], kernel.full_shape[n_axis], kernel.full_shape[-1]
-  for tile, step in _shared_tile_order(kernel, m, n, k):
+  order = _shared_tile_order(kernel, m, n, k)
+  # each tile with its reduce split over threads where that helps (in a shorter step where it needs one), then not
+  attempts = [(tile, step, _split_k_threads(kernel, tile, m, n, k, step)) for tile, step in order]
+  attempts = [attempt for attempt in attempts if attempt[2] > 1] + [(tile, step, 1) for tile, step in order]
+  attempts.sort(key=lambda attempt: [pair[0] for pair in order].index(attempt[0]))   # stable: tile by tile
+  for tile, step, group in attempts:
     trial = kernel.copy()
-    if _apply_shared_tile(trial, m_axis, n_axis, tile, step):
+    if _apply_shared_tile(trial, m_axis, n_axis, tile, step, group):
       kernel.__dict__.update(trial.__dict__)
       return True
   return False
 
 
-def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTile, step: int) -> bool:
+# a multiprocessor hides the latency of the staged matmul's loads with about this many threads (16 warps)
+THREADS_PER_MULTIPROCESSOR = 512
+# GROUP threads a SHARED tile may split its reduce over (split-K inside the block), and the block's threads after it
+SPLIT_K_THREADS = (2, 4)
+SPLIT_K_MAX_BLOCK = 256
+
+
+def _split_k_threads(kernel: Kernel, tile: SharedTile, m: int, n: int, k: int, step: int) -> int:
+  """GROUP threads for the reduce of a SHARED tile whose grid has fewer threads than the device's multiprocessors
+  can keep busy (512x512 in 32x32 tiles: 256 blocks of 64 threads on 132 SMs): the fewest of SPLIT_K_THREADS that
+  reach THREADS_PER_MULTIPROCESSOR per multiprocessor, else the most that fit; each must leave whole reduce steps,
+  at least two. 1: no split."""
+  blocks = prod(kernel.full_shape[:kernel.first_reduce - 2]) * (m // tile.block[0]) * (n // tile.block[1])
+  block_threads = tile.threads_m * tile.threads_n
+  wanted = getattr(kernel.renderer, "multiprocessors", 0) * THREADS_PER_MULTIPROCESSOR
+  fitting = [group for group in SPLIT_K_THREADS if k % (group * step) == 0 and k // (group * step) >= 2 and
+             block_threads * group <= SPLIT_K_MAX_BLOCK]
+  if not fitting or blocks * block_threads >= wanted: return 1
+  return next((group for group in fitting if blocks * block_threads * group >= wanted), fitting[-1])
+
+
+def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTile, step: int, group: int = 1) -> bool:
   """The opts of one block tile, in the order the 128x128 tile was measured with: float4 upcasts along M then N,
-  threads along M then N, the second runs along N then M, SHARED, the reduce step. An opt that takes the rest of
-  M's global axis drops it, so N's axis number is followed as M's global part runs out."""
+  threads along M then N, the second runs along N then M, `group` GROUP threads over the reduce (neighbouring
+  threads, neighbouring elements of each step), SHARED, the reduce step. An opt that takes the rest of M's global
+  axis drops it, so N's axis number is followed as M's global part runs out."""
   plan = [(0, OptOps.UPCAST, SHARED_OUTPUTS), (1, OptOps.UPCAST, SHARED_OUTPUTS),
           (0, OptOps.LOCAL, tile.threads_m), (1, OptOps.LOCAL, tile.threads_n)]
   plan += [(1, OptOps.UPCAST, tile.runs_n)] if tile.runs_n > 1 else []
@@ -209,6 +236,7 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
     axis = m_axis if position == 0 else n_axis - (1 if m_left == 1 else 0)
     if not kernel.try_opt(Opt(op, axis, amount)): return False
     if position == 0: m_left //= amount
+  if group > 1 and not kernel.try_opt(Opt(OptOps.GROUP, 0, group)): return False
   # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
   return kernel.try_opt(Opt(OptOps.SHARED, 0, 0)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
 
