@@ -212,25 +212,36 @@ VARIANTS = [
 
 
 
-def shared_opts(threads_m: int, threads_n: int, step: int, runs: int = 1, pad: str = "") -> str:
+def shared_opts(threads_m: int, threads_n: int, step: int, runs: int = 1, pad: str = "", group: int = 1) -> str:
   """The float32 SHARED tile's opts (heuristic.py's _apply_shared_tile): 4x4 outputs per thread (`runs` x `runs`
-  float4 runs), threads_m x threads_n threads, reduce steps of `step`; `pad`: opts applied first."""
+  float4 runs), threads_m x threads_n threads, `group` GROUP threads splitting the reduce, reduce steps of `step`;
+  `pad`: opts applied first."""
   runs_opts = f"UPCAST 1 {runs};UPCAST 0 {runs};" if runs > 1 else ""
-  return f"{pad}UPCAST 0 4;UPCAST 1 4;LOCAL 0 {threads_m};LOCAL 1 {threads_n};{runs_opts}SHARED;UNROLL 0 {step}"
+  group_opts = f"GROUP 0 {group};" if group > 1 else ""
+  return (f"{pad}UPCAST 0 4;UPCAST 1 4;LOCAL 0 {threads_m};LOCAL 1 {threads_n};{runs_opts}{group_opts}SHARED;"
+          f"UNROLL 0 {step}")
 
 
-# block tiles compared on the MLP step's 512-sized matmuls: (label, threads along M, along N, reduce step)
-SMALL_MATMUL_TILES = [("32x32 (8x8 threads), K step 16", 8, 8, 16), ("32x32, K step 8", 8, 8, 8),
+# block tiles compared on the MLP step's 512-sized matmuls: (label, threads along M, along N, reduce step[, GROUP])
+SMALL_MATMUL_TILES = [("32x32 (8x8 threads), GROUP 4, K step 16 (heuristic at K=512)", 8, 8, 16, 4),
+                      ("32x32, GROUP 2, K step 16", 8, 8, 16, 2), ("32x32, GROUP 2, K step 8", 8, 8, 8, 2),
+                      ("32x64 (8x16 threads), GROUP 2", 8, 16, 16, 2), ("32x64, GROUP 4", 8, 16, 16, 4),
+                      ("64x64 (16x16 threads), GROUP 2, K step 8", 16, 16, 8, 2),
+                      ("16x16 (4x4 threads), GROUP 4", 4, 4, 16, 4), ("16x32 (4x8 threads), GROUP 4", 4, 8, 16, 4),
+                      ("32x32 (8x8 threads), no GROUP, K step 16", 8, 8, 16), ("32x32, K step 8", 8, 8, 8),
                       ("32x64 (8x16 threads)", 8, 16, 16), ("64x32 (16x8 threads)", 16, 8, 16),
                       ("64x64 (16x16 threads), K step 8", 16, 16, 8), ("64x64, K step 16", 16, 16, 16),
                       ("16x32 (4x8 threads)", 4, 8, 16), ("16x16 (4x4 threads)", 4, 4, 16)]
 for part in ("mlp fwd 512x784", "mlp dx 512^3", "mlp dW 512^3"):
-  VARIANTS += [(part, f"SHARED {label}", shared_opts(threads_m, threads_n, step))
-               for label, threads_m, threads_n, step in SMALL_MATMUL_TILES]
+  VARIANTS += [(part, f"SHARED {label}", shared_opts(threads_m, threads_n, step, group=group[0] if group else 1))
+               for label, threads_m, threads_n, step, *group in SMALL_MATMUL_TILES]
+  VARIANTS.append((part, "SHARED 32x32, GROUP 7, K step 16", shared_opts(8, 8, 16, group=7)))
   VARIANTS.append((part, "SHARED 128x128, K step 16 (the 4096^3 tile)", shared_opts(16, 16, 16, runs=2)))
 VARIANTS += [
   ("mlp dW 512^3", "register tiles, 128 threads (before)", "UPCAST 1 4;UPCAST 0 4;UNROLL 0 4;LOCAL 1 128"),
-  ("mlp dW 512x784", "SHARED 64x16 (16x4 threads), K step 16", shared_opts(16, 4, 16)),
+  ("mlp dW 512x784", "SHARED 64x16 (16x4 threads), GROUP 4, K step 16 (heuristic)", shared_opts(16, 4, 16, group=4)),
+  ("mlp dW 512x784", "SHARED 64x16, GROUP 2", shared_opts(16, 4, 16, group=2)),
+  ("mlp dW 512x784", "SHARED 64x16, no GROUP", shared_opts(16, 4, 16)),
   ("mlp dW 512x784", "SHARED 32x16 (8x4 threads)", shared_opts(8, 4, 16)),
   ("mlp dW 512x784", "SHARED 16x16 (4x4 threads)", shared_opts(4, 4, 16)),
   ("mlp dW 512x784", "SHARED 32x64, N padded to 832", shared_opts(8, 16, 16, pad="PADTO 1 64;")),
