@@ -22,6 +22,7 @@ from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import SHARED_TILES
+from ourgrad.codegen.uops import UOps
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
@@ -73,10 +74,11 @@ def _block_tile(kernel: Kernel) -> tuple[int, ...]:
 
 
 def _operand_loads(kernel: Kernel) -> int:
-  """Loads that vary along the reduce (the operands, and what a fused operand computes from)."""
+  """Loads that vary along the reduce and along an output axis (the operands, and what a fused operand computes
+  from; a bias that varies along the reduce only is read from global memory)."""
   k_axis = kernel.first_reduce
   return sum(1 for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:])
-             if leaf.op.name == "LOAD" and kernel.sts[0].shape[k_axis] == 1 and st.real_strides()[k_axis] != 0)
+             if leaf.op.name == "LOAD" and st.real_strides()[k_axis] != 0 and any(st.real_strides()[:k_axis]))
 
 
 # ---------------------------------------------------------------- layouts and fused operands against NOOPT
@@ -206,6 +208,10 @@ def test_mlp_step_matmuls_pick_filling_tiles(name: str) -> None:
   upcasts = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.UPCAST]
   runs = (upcasts[3], upcasts[2]) if len(upcasts) == 4 else (1, 1)
   assert upcasts[:2] == [4, 4] and (threads[0] * 4 * runs[0], threads[1] * 4 * runs[1]) == tile
+  # double buffered: one barrier before the loop (step 0's tiles) and one per step; the fused bias is no tile
+  uops = linearize(kernel)
+  assert sum(uop.op is UOps.BARRIER for uop in uops) == 2
+  assert len(kernel.staged_loads()) == 2
 
 
 # ---------------------------------------------------------------- thin matmuls (a classifier's 10 outputs)

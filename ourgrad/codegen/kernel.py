@@ -524,6 +524,11 @@ class Kernel:
       strides = self.sts[number].real_strides()
       shared = any(strides[axis] == 0 for axis in local_axes)
       if not shared or all(strides[axis] == 0 for axis in reduce_axes): continue
+      # a load that varies along the reduce only (a fused bias of the previous layer) stays a global read (one
+      # cached address per warp): its tile of a few elements would fill in a partial round, keeping the tiles
+      # single-staged
+      output_axes = list(range(self.first_reduce)) + self.upcast_axes
+      if self.tensor_core is None and all(strides[axis] == 0 for axis in output_axes): continue
       tile = [axis for axis in in_block if strides[axis] != 0]
       kinds = self.axis_types
       innermost = max((axis for axis in tile if kinds[axis] is AxisType.UPCAST),
@@ -589,13 +594,16 @@ class Kernel:
       return sum(tile.stage_size * tile.stages * self.tensor_core.tc.dtype_in.itemsize
                  for tile in self.tensor_core_tiles())
     if self.shared_tiles:
-      tiles = sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
-                  for leaf, axes in self.staged_loads())
       # GROUP partials (at most: warp shuffles may combine them without local memory)
       partials = self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize if self.group_dims else 0
-      return tiles + partials
+      return self.staged_tile_bytes() + partials
     if not self.group_dims or self.reduceop is None: return 0
     return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
+
+  def staged_tile_bytes(self) -> int:
+    """With SHARED (no TC): the bytes of one stage of every staged load's tile."""
+    return sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
+               for leaf, axes in self.staged_loads())
 
   def _drop_finished_axes(self) -> None:
     """An axis split entirely into an upcast, local or group leaves a size-1 axis behind: remove it (and count

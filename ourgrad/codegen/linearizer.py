@@ -208,7 +208,8 @@ class Linearizer(TensorCoreTiles):
       fill_axes = sorted(axes, key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
       if math.prod(kernel.full_shape[axis] for axis in axes) // self._tile_load_width(node, fill_axes) % threads:
         return False
-    return 2 * kernel.local_memory_bytes() <= getattr(kernel.renderer, "local_memory_bytes", 0)
+    # a second stage of the tiles beside what the block already holds (the tiles, GROUP partials)
+    return kernel.local_memory_bytes() + kernel.staged_tile_bytes() <= getattr(kernel.renderer, "local_memory_bytes", 0)
 
   def _tile_address(self, axes: list[int], idxs: list[Node]) -> Node:
     address: Node = NumNode(0)
@@ -285,7 +286,11 @@ class Linearizer(TensorCoreTiles):
           self.tile_vectors[key] = self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)), width)
         return self.builder.add(UOps.GEP, node.dtype, (self.tile_vectors[key],), lane)
     address = self.tile_offsets.get(id(local), NumNode(0)) + self._tile_address(axes, idxs)
-    return self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)))
+    # one read per element and step: the lanes that reuse it (a fused operand's ReLU, computed once) share it
+    key = (id(local), address.render(), 1)
+    if key not in self.tile_vectors:
+      self.tile_vectors[key] = self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)))
+    return self.tile_vectors[key]
 
   def _tile_load_width(self, node: LazyOp, axes: list[int]) -> int:
     """4 (float4 loads into the tile) where the renderer has them, the load is float32 through one unmasked view
