@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ourgrad import Tensor
-from ourgrad.codegen.kernel import Kernel, Opt, OptOps
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import SHARED_TILES
 from ourgrad.codegen.uops import UOps
@@ -149,6 +149,25 @@ def test_split_k_tiles_match_noopt(case: str) -> None:
   _compile_with_nvrtc(kernel)
 
 
+def test_padded_tile_rows() -> None:
+  """SHARED 0 4: each reduce element's row of a tile is followed by 4 unused floats (float4 reads stay aligned), so
+  the threads storing one float4 of an operand contiguous along the reduce (four rows) hit different banks."""
+  item, values = _item(lambda a, b: a @ b, [(64, 64), (64, 64)], seed=9)
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  for padding in (0, 4):
+    kernel = Kernel(item.ast, _renderer(4))
+    for opt in [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 8), Opt(OptOps.LOCAL, 1, 8),
+                Opt(OptOps.SHARED, 0, padding), Opt(OptOps.UNROLL, 0, 16)]:
+      kernel.apply_opt(opt)
+    sizes = [uop.arg[1] for uop in linearize(kernel) if uop.op is UOps.DEFINE_LOCAL]
+    assert sizes == [2 * 16 * (32 + padding)] * 2   # two stages of 16 rows
+    assert kernel.staged_tile_bytes() == 2 * 16 * (32 + padding) * 4
+    np.testing.assert_allclose(_run(kernel, item), plain, rtol=1e-5, atol=1e-5)
+    _compile_with_nvrtc(kernel)
+  with pytest.raises(KernelOptError):
+    Kernel(item.ast, _renderer(4)).apply_opt(Opt(OptOps.SHARED, 0, 8))
+
+
 def test_more_multiprocessors_pick_smaller_tiles() -> None:
   """The largest tile while the grid fills the device: 1 processor takes 128x128, 4 take 64x64, 16 take 32x32; where
   none fills the device, the tile with the most blocks."""
@@ -202,6 +221,8 @@ def test_mlp_step_matmuls_pick_filling_tiles(name: str) -> None:
   kernel.hand_coded_optimizations()
   assert kernel.shared_tiles, kernel.applied_opts
   assert Opt(OptOps.UNROLL, 0, step) in kernel.applied_opts
+  # the small tiles' rows padded by 4 floats (their transposed fills store into different banks); 128x128 as measured
+  assert Opt(OptOps.SHARED, 0, 0 if tile == (128, 128) else 4) in kernel.applied_opts
   assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.GROUP] == ([group] if group > 1 else [])
   # the opts: float4 upcasts along M and N, threads along M and N, then the second float4 runs along N and M
   threads = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL]

@@ -51,7 +51,9 @@ class OptOps(Enum):
   #                   outermost loop, so the loops in between revisit only `amount` slices of that axis (an operand's
   #                   strip that stays in cache); see _apply_cache_block
   SHARED = auto()   # shared-memory tiles (GPU): each reduce step, the block's threads load the loads they share (a
-  #                   matmul's operands) into local memory together, then compute from it; axis 0, amount 0
+  #                   matmul's operands) into local memory together, then compute from it; axis 0, amount 0 (or
+  #                   SHARED_TILE_PADDING: each reduce element's row of a tile padded, see Kernel.tile_padding; with TC:
+  #                   the stages)
   TC = auto()       # tensor cores (GPU): the matmul-shaped reduce's 16x8x16 tiles go to one matrix instruction per
   #                   warp; `amount` picks the renderer's TensorCore (dtype), axis must be 0; see _apply_tensor_core
 
@@ -124,6 +126,9 @@ class TileLayout:
 # elements of padding after each row of a tensor-core tile (16 bytes of float16) and its stages (cp.async double
 # buffering)
 TC_TILE_PADDING, TC_TILE_STAGES = 8, 2
+# SHARED's amount without TC that pads each reduce element's row of a tile (16 bytes of float32: float4 reads stay
+# aligned); the rows of a transposed fill then start in different banks
+SHARED_TILE_PADDING = 4
 
 
 # more registers than this per thread spills on every device we target
@@ -183,6 +188,7 @@ class Kernel:
     self.tensor_core: AppliedTensorCore | None = None
     self.shared_tiles = False   # OptOps.SHARED (see staged_loads)
     self.tile_stages = TC_TILE_STAGES   # with TC: the SHARED tiles' stages (OptOps.SHARED's amount, 0: the default)
+    self.tile_padding = 0   # without TC: SHARED's amount (see tile_row_padding)
     self.row_axes: tuple[int, ...] | None = _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
@@ -312,11 +318,11 @@ class Kernel:
 
   def _state(self) -> tuple:
     return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts),
-            self.tensor_core, self.shared_tiles, self.tile_stages)
+            self.tensor_core, self.shared_tiles, self.tile_stages, self.tile_padding)
 
   def _restore(self, state: tuple) -> None:
     (self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts,
-     self.tensor_core, self.shared_tiles, self.tile_stages) = state
+     self.tensor_core, self.shared_tiles, self.tile_stages, self.tile_padding) = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -339,8 +345,8 @@ class Kernel:
     if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
     if opt.op is OptOps.SHARED:
-      # with tensor cores the amount is the number of stages (0: the default, 2)
-      stages = (0, 2, 3, 4) if self.tensor_core is not None else (0,)
+      # with tensor cores the amount is the number of stages (0: the default, 2); without, the tiles' row padding
+      stages = (0, 2, 3, 4) if self.tensor_core is not None else (0, SHARED_TILE_PADDING)
       if opt.axis != 0 or opt.amount not in stages:
         raise KernelOptError(f"SHARED takes axis 0 and amount in {stages}, got {opt}")
       return 0
@@ -382,6 +388,7 @@ class Kernel:
       self._apply_tensor_core(opt.amount)
       return
     if opt.op is OptOps.SHARED:
+      if self.tensor_core is None: self.tile_padding = opt.amount
       self._apply_shared_tiles(opt.amount or TC_TILE_STAGES)
       return
     amount = opt.amount if opt.amount != 0 else size
@@ -601,9 +608,19 @@ class Kernel:
     return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
 
   def staged_tile_bytes(self) -> int:
-    """With SHARED (no TC): the bytes of one stage of every staged load's tile."""
-    return sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
-               for leaf, axes in self.staged_loads())
+    """With SHARED (no TC): the bytes of one stage of every staged load's tile (its padding included)."""
+    return sum(self.tile_elements(axes) * self.leaves[leaf].dtype.itemsize for leaf, axes in self.staged_loads())
+
+  def tile_row_padding(self, axes: list[int]) -> int:
+    """Elements after each row of a staged tile (axes as staged_loads gives them): SHARED's padding where the tile's
+    outermost axis is an UNROLL axis (a row: one reduce element's values) and there is more than it, else 0."""
+    if not self.tile_padding or len(axes) < 2 or self.axis_types[axes[0]] is not AxisType.UNROLL: return 0
+    return self.tile_padding
+
+  def tile_elements(self, axes: list[int]) -> int:
+    """One stage of a staged tile, in elements: its rows, each padded (tile_row_padding)."""
+    rows = self.full_shape[axes[0]] if axes else 1
+    return prod(self.full_shape[axis] for axis in axes) + rows * self.tile_row_padding(axes)
 
   def _drop_finished_axes(self) -> None:
     """An axis split entirely into an upcast, local or group leaves a size-1 axis behind: remove it (and count
@@ -644,7 +661,7 @@ class Kernel:
         candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
         continue
       if op is OptOps.SHARED:
-        candidates += [Opt(op, 0, 0)] + ([Opt(op, 0, 3), Opt(op, 0, 4)] if self.tensor_core is not None else [])
+        candidates += [Opt(op, 0, 0), Opt(op, 0, 4)] + ([Opt(op, 0, 3)] if self.tensor_core is not None else [])
         continue
       axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
       candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]

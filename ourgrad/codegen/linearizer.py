@@ -188,7 +188,7 @@ class Linearizer(TensorCoreTiles):
     kernel, tiles = self.kernel, {}
     for number, (leaf, axes) in enumerate(kernel.staged_loads()):
       node = kernel.leaves[leaf]
-      size = math.prod(kernel.full_shape[axis] for axis in axes) * stages
+      size = kernel.tile_elements(axes) * stages
       tiles[id(node)] = (self.builder.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"tile{number}", size)), axes)
     return tiles
 
@@ -214,7 +214,8 @@ class Linearizer(TensorCoreTiles):
   def _tile_address(self, axes: list[int], idxs: list[Node]) -> Node:
     address: Node = NumNode(0)
     for axis in axes: address = address * self.kernel.full_shape[axis] + idxs[axis]
-    return address
+    padding = self.kernel.tile_row_padding(axes)   # each row (outermost index) `padding` elements further on
+    return address + idxs[axes[0]] * padding if padding else address
 
   def _stage_shared_tiles(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node],
                           offsets: dict[int, Node], defer: bool = False) -> list[tuple[UOp, Node, UOp]]:

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, tensor_core_operands
+from ourgrad.codegen.kernel import (SHARED_TILE_PADDING, Kernel, KernelOptError, Opt, OptOps,
+                                    tensor_core_operands)
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import prod
 from ourgrad.ops import MemBuffer, Ops
@@ -120,12 +121,15 @@ def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
 class SharedTile:
   """A float32 shared-memory matmul block tile: threads along M and along N, outputs per thread along each as `runs`
   float4 runs (SHARED_OUTPUTS each) strided by the block's threads (neighbouring threads read neighbouring float4s
-  of the tiles), and the reduce steps it takes, preferred first."""
+  of the tiles), the reduce steps it takes, preferred first, and whether its tiles' rows are padded (SHARED's amount
+  SHARED_TILE_PADDING: the transposed fill of an operand contiguous along the reduce then stores into different
+  banks)."""
   threads_m: int
   threads_n: int
   runs_m: int
   runs_n: int
   steps: tuple[int, ...]
+  padded: bool = True
 
   @property
   def block(self) -> tuple[int, int]:
@@ -134,9 +138,11 @@ class SharedTile:
 
 SHARED_OUTPUTS = 4
 # block tiles, largest first. 128x128 (8x8 outputs per thread) in steps of 16 measured 39.4 TFLOP/s on the H100 at
-# 4096^3 (steps of 8: 36.9), 64x64 (4x4) in steps of 8 28.1. The smaller ones (fewer threads, 4x4 outputs each) are
-# for matmuls too small to give every multiprocessor a block of a larger tile (512x512: 16 blocks of 128x128).
-SHARED_TILES = (SharedTile(16, 16, 2, 2, (16, 8)), SharedTile(16, 16, 1, 2, (16, 8)), SharedTile(16, 16, 2, 1, (16, 8)),
+# 4096^3 (steps of 8: 36.9; unpadded, as measured), 64x64 (4x4) in steps of 8 28.1. The smaller ones (fewer threads,
+# 4x4 outputs each) are for matmuls too small to give every multiprocessor a block of a larger tile (512x512: 16
+# blocks of 128x128).
+SHARED_TILES = (SharedTile(16, 16, 2, 2, (16, 8), padded=False), SharedTile(16, 16, 1, 2, (16, 8)),
+                SharedTile(16, 16, 2, 1, (16, 8)),
                 SharedTile(16, 16, 1, 1, (8,)), SharedTile(8, 16, 1, 1, (16, 8)), SharedTile(16, 8, 1, 1, (16, 8)),
                 SharedTile(8, 8, 1, 1, (16, 8)), SharedTile(4, 16, 1, 1, (16, 8)), SharedTile(16, 4, 1, 1, (16, 8)),
                 SharedTile(4, 8, 1, 1, (16, 8)), SharedTile(8, 4, 1, 1, (16, 8)), SharedTile(4, 4, 1, 1, (16, 8)))
@@ -238,7 +244,8 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
     if position == 0: m_left //= amount
   if group > 1 and not kernel.try_opt(Opt(OptOps.GROUP, 0, group)): return False
   # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
-  return kernel.try_opt(Opt(OptOps.SHARED, 0, 0)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
+  padding = SHARED_TILE_PADDING if tile.padded else 0
+  return kernel.try_opt(Opt(OptOps.SHARED, 0, padding)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
 
 
 # an output axis this short (a classifier's 10 classes) makes a matmul thin: too few outputs for output tiles to fill
