@@ -212,14 +212,15 @@ VARIANTS = [
 
 
 
-def shared_opts(threads_m: int, threads_n: int, step: int, runs: int = 1, pad: str = "", group: int = 1) -> str:
+def shared_opts(threads_m: int, threads_n: int, step: int, runs: int = 1, pad: str = "", group: int = 1,
+                row_padding: int = 4) -> str:
   """The float32 SHARED tile's opts (heuristic.py's _apply_shared_tile): 4x4 outputs per thread (`runs` x `runs`
-  float4 runs), threads_m x threads_n threads, `group` GROUP threads splitting the reduce, reduce steps of `step`;
-  `pad`: opts applied first."""
+  float4 runs), threads_m x threads_n threads, `group` GROUP threads splitting the reduce, tile rows padded by
+  `row_padding` floats (SHARED's amount), reduce steps of `step`; `pad`: opts applied first."""
   runs_opts = f"UPCAST 1 {runs};UPCAST 0 {runs};" if runs > 1 else ""
   group_opts = f"GROUP 0 {group};" if group > 1 else ""
-  return (f"{pad}UPCAST 0 4;UPCAST 1 4;LOCAL 0 {threads_m};LOCAL 1 {threads_n};{runs_opts}{group_opts}SHARED;"
-          f"UNROLL 0 {step}")
+  return (f"{pad}UPCAST 0 4;UPCAST 1 4;LOCAL 0 {threads_m};LOCAL 1 {threads_n};{runs_opts}{group_opts}"
+          f"SHARED 0 {row_padding};UNROLL 0 {step}")
 
 
 # block tiles compared on the MLP step's 512-sized matmuls: (label, threads along M, along N, reduce step[, GROUP])
@@ -236,8 +237,14 @@ for part in ("mlp fwd 512x784", "mlp dx 512^3", "mlp dW 512^3"):
   VARIANTS += [(part, f"SHARED {label}", shared_opts(threads_m, threads_n, step, group=group[0] if group else 1))
                for label, threads_m, threads_n, step, *group in SMALL_MATMUL_TILES]
   VARIANTS.append((part, "SHARED 32x32, GROUP 7, K step 16", shared_opts(8, 8, 16, group=7)))
-  VARIANTS.append((part, "SHARED 128x128, K step 16 (the 4096^3 tile)", shared_opts(16, 16, 16, runs=2)))
+  VARIANTS.append((part, "SHARED 128x128, K step 16 (the 4096^3 tile)", shared_opts(16, 16, 16, runs=2,
+                                                                                     row_padding=0)))
+  VARIANTS.append((part, "SHARED 32x32, GROUP 4, rows not padded", shared_opts(8, 8, 16, group=4, row_padding=0)))
 VARIANTS += [
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, tile rows padded by 4",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED 0 4;UNROLL 0 16"),
+  ("4096^3 f32", "SHARED 4x4 per thread, 64x64, K step 8, rows padded (heuristic's 64x64)",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;SHARED 0 4;UNROLL 0 8"),
   ("mlp dW 512^3", "register tiles, 128 threads (before)", "UPCAST 1 4;UPCAST 0 4;UNROLL 0 4;LOCAL 1 128"),
   ("mlp dW 512x784", "SHARED 64x16 (16x4 threads), GROUP 4, K step 16 (heuristic)", shared_opts(16, 4, 16, group=4)),
   ("mlp dW 512x784", "SHARED 64x16, GROUP 2", shared_opts(16, 4, 16, group=2)),
