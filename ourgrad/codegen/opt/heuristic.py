@@ -14,8 +14,11 @@ GPUs (thread blocks and local memory):
 - float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first
   where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
   the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
-- a float32 matmul whose sizes divide the block tile (128x128 or 64x64 outputs, 8 reduce elements per step) gets
-  shared-memory tiles (SHARED): 16x16 threads of 8x8 (or 4x4) outputs, both operands staged through local memory;
+- a float32 matmul (plain, transposed, batched, or with an operand computed from loads) whose sizes divide a block
+  tile gets shared-memory tiles (SHARED): the largest tile (128x128 down to 16x16) whose grid gives every
+  multiprocessor a block, 4x4 (8x8 for 128x128) outputs per thread, every operand staged through local memory, the
+  reduce split over GROUP threads where the grid still has too few threads (split-K inside the block);
+- a thin float32 matmul (an output axis of at most 16, a long reduce) splits the reduce over the block's threads;
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
 - elementwise kernels get thread blocks from the innermost output axes.
 """
