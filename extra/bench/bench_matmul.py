@@ -241,6 +241,20 @@ for part in ("mlp fwd 512x784", "mlp dx 512^3", "mlp dW 512^3"):
                                                                                      row_padding=0)))
   VARIANTS.append((part, "SHARED 32x32, GROUP 4, rows not padded", shared_opts(8, 8, 16, group=4, row_padding=0)))
 VARIANTS += [
+  ("mlp fwd 512x512 @ W^T (10", "2 rows x 32 GROUP threads, 10 outputs each (heuristic)",
+   "LOCAL 0 2;UPCAST 1 10;GROUP 0 32;UNROLL 0 4"),
+  ("mlp fwd 512x512 @ W^T (10", "4 rows x 32 GROUP threads (128 blocks)",
+   "LOCAL 0 4;UPCAST 1 10;GROUP 0 32;UNROLL 0 4"),
+  ("mlp fwd 512x512 @ W^T (10", "1 row x 32 GROUP threads (512 blocks)", "UPCAST 1 10;GROUP 0 32;UNROLL 0 4"),
+  ("mlp fwd 512x512 @ W^T (10", "2 rows x 64 GROUP threads", "LOCAL 0 2;UPCAST 1 10;GROUP 0 64;UNROLL 0 4"),
+  ("mlp fwd 512x512 @ W^T (10", "before: register tiles, GROUP 8",
+   "UPCAST 0 4;UNROLL 0 4;LOCAL 1 2;LOCAL 0 64;GROUP 0 8"),
+  ("mlp dW 10x512", "32 outputs x 8 GROUPTOP threads (heuristic)", "LOCAL 1 32;GROUPTOP 0 8;UNROLL 0 4"),
+  ("mlp dW 10x512", "32 outputs x 16 GROUPTOP threads", "LOCAL 1 32;GROUPTOP 0 16;UNROLL 0 4"),
+  ("mlp dW 10x512", "16 outputs x 16 GROUPTOP threads (320 blocks)", "LOCAL 1 16;GROUPTOP 0 16;UNROLL 0 4"),
+  ("mlp dW 10x512", "32 outputs x 8 GROUPTOP, 2 rows upcast (80 blocks)",
+   "UPCAST 0 2;LOCAL 1 32;GROUPTOP 0 8;UNROLL 0 4"),
+  ("mlp dW 10x512", "before: register tiles, 10 blocks", "UPCAST 1 4;UNROLL 0 4;LOCAL 1 128;GROUP 0 8"),
   ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, tile rows padded by 4",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED 0 4;UNROLL 0 16"),
   ("4096^3 f32", "SHARED 4x4 per thread, 64x64, K step 8, rows padded (heuristic's 64x64)",
