@@ -333,8 +333,8 @@ def test_heuristic_picks_shared_for_float32_matmuls(n: int) -> None:
   # 8x8: double buffered, two stages per tile and one barrier per step (plus one after step 0's stores); 4x4: the
   # 128 float4s of a tile fill half the 256 threads (a partial round), single stage, a barrier before and after
   stages = 2 if per_thread == 8 else 1
-  # the 4x4 tile's rows (one per reduce element) are padded by 4 floats (SHARED 0 4); the 128x128 tile's are not
-  padding = 0 if per_thread == 8 else 4
+  # each tile's rows (one per reduce element) are padded by 4 floats (SHARED 0 4)
+  padding = 4
   tile_sizes = [uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL]
   assert tile_sizes == [stages * step * (16 * per_thread + padding)] * 2
   assert sum(uop.op is UOps.BARRIER for uop in uops) == 2

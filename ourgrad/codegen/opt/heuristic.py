@@ -124,15 +124,12 @@ def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
 class SharedTile:
   """A float32 shared-memory matmul block tile: threads along M and along N, outputs per thread along each as `runs`
   float4 runs (SHARED_OUTPUTS each) strided by the block's threads (neighbouring threads read neighbouring float4s
-  of the tiles), the reduce steps it takes, preferred first, and whether its tiles' rows are padded (SHARED's amount
-  SHARED_TILE_PADDING: the transposed fill of an operand contiguous along the reduce then stores into different
-  banks)."""
+  of the tiles), and the reduce steps it takes, preferred first."""
   threads_m: int
   threads_n: int
   runs_m: int
   runs_n: int
   steps: tuple[int, ...]
-  padded: bool = True
 
   @property
   def block(self) -> tuple[int, int]:
@@ -140,11 +137,11 @@ class SharedTile:
 
 
 SHARED_OUTPUTS = 4
-# block tiles, largest first. 128x128 (8x8 outputs per thread) in steps of 16 measured 39.4 TFLOP/s on the H100 at
-# 4096^3 (steps of 8: 36.9; unpadded, as measured), 64x64 (4x4) in steps of 8 28.1. The smaller ones (fewer threads,
-# 4x4 outputs each) are for matmuls too small to give every multiprocessor a block of a larger tile (512x512: 16
-# blocks of 128x128).
-SHARED_TILES = (SharedTile(16, 16, 2, 2, (16, 8), padded=False), SharedTile(16, 16, 1, 2, (16, 8)),
+# block tiles, largest first. 128x128 (8x8 outputs per thread) in steps of 16 measured 40.5 TFLOP/s on the H100 at
+# 4096^3 with padded rows (unpadded 38.7-39.2, steps of 8 36.6), 64x64 (4x4) in steps of 8 28.5. The smaller ones
+# (fewer threads, 4x4 outputs each) are for matmuls too small to give every multiprocessor a block of a larger tile
+# (512x512: 16 blocks of 128x128, 0.061 ms; 32x32 tiles with GROUP 2: 0.020 ms).
+SHARED_TILES = (SharedTile(16, 16, 2, 2, (16, 8)), SharedTile(16, 16, 1, 2, (16, 8)),
                 SharedTile(16, 16, 2, 1, (16, 8)),
                 SharedTile(16, 16, 1, 1, (8,)), SharedTile(8, 16, 1, 1, (16, 8)), SharedTile(16, 8, 1, 1, (16, 8)),
                 SharedTile(8, 8, 1, 1, (16, 8)), SharedTile(4, 16, 1, 1, (16, 8)), SharedTile(16, 4, 1, 1, (16, 8)),
@@ -212,8 +209,10 @@ def _shared_matmul_tiles(kernel: Kernel) -> bool:
 
 # a multiprocessor hides the latency of the staged matmul's loads with about this many threads (16 warps)
 THREADS_PER_MULTIPROCESSOR = 512
-# GROUP threads a SHARED tile may split its reduce over (split-K inside the block), and the block's threads after it
-SPLIT_K_THREADS = (2, 4)
+# GROUP threads a SHARED tile may split its reduce over (split-K inside the block), and the block's threads after it.
+# H100, 512^3 in 32x32 tiles: GROUP 2 0.020-0.022 ms, GROUP 4 0.021-0.024, none 0.024-0.027; 512x784 weight gradient
+# in 64x16 tiles: 0.027, 0.033, 0.030
+SPLIT_K_THREADS = (2,)
 SPLIT_K_MAX_BLOCK = 256
 
 
@@ -247,13 +246,15 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
     if position == 0: m_left //= amount
   if group > 1 and not kernel.try_opt(Opt(OptOps.GROUP, 0, group)): return False
   # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
-  padding = SHARED_TILE_PADDING if tile.padded else 0
-  return kernel.try_opt(Opt(OptOps.SHARED, 0, padding)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
+  # the tiles' rows padded (SHARED_TILE_PADDING): the transposed fill of an operand contiguous along the reduce then
+  # stores into different banks (4096^3: 40.5 TFLOP/s, unpadded 38.7; 512^3 in 32x32 tiles: 0.021 ms, unpadded 0.029)
+  return kernel.try_opt(Opt(OptOps.SHARED, 0, SHARED_TILE_PADDING)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
 
 
 # an output axis this short (a classifier's 10 classes) makes a matmul thin: too few outputs for output tiles to fill
 # the GPU, so threads split the reduce instead
 THIN_SIDE = 16
+THIN_BLOCKS_PER_MULTIPROCESSOR = 4
 
 
 def _thin_matmul(kernel: Kernel) -> bool:
@@ -277,7 +278,9 @@ def _thin_matmul(kernel: Kernel) -> bool:
   if rows:
     group = _divisor_at_most(sizes[k_axis], WARP_SIZE)
     local = _divisor_at_most(sizes[wide], BLOCK_THREADS // 2 // group)
-    while local > 1 and batch * sizes[wide] // local < processors: local //= 2
+    # a warp per row while that leaves 4 blocks per multiprocessor (H100, 512x10 outputs: a row per block 0.010 ms,
+    # 2 rows 0.013)
+    while local > 1 and batch * sizes[wide] // local < THIN_BLOCKS_PER_MULTIPROCESSOR * processors: local //= 2
     plan = [(wide, OptOps.LOCAL, local), (narrow, OptOps.UPCAST, sizes[narrow]), (None, OptOps.GROUP, group)]
   else:
     local = _divisor_at_most(sizes[wide], WARP_SIZE)
