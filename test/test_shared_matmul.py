@@ -168,6 +168,26 @@ def test_padded_tile_rows() -> None:
     Kernel(item.ast, _renderer(4)).apply_opt(Opt(OptOps.SHARED, 0, 8))
 
 
+@pytest.mark.parametrize("layout", ["aT@b", "a@b"])
+def test_padded_axis_with_staged_tiles(layout: str) -> None:
+  """PADTO on N pads every view, the operand broadcast along N too (masked beyond N's size): its tile is filled at N
+  index 0 of the block, not at the filling thread's own N (which, past the real size, loaded zeros for the whole
+  block: wrong results on the H100 for a.T @ b with N 784 padded to 832)."""
+  build = (lambda a, b: a.T @ b) if layout == "aT@b" else (lambda a, b: a @ b)
+  item, values = _item(build, [(32, 64) if layout == "aT@b" else (64, 32), (32, 112)], seed=11)
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  kernel = Kernel(item.ast, _renderer(4))
+  for opt in [Opt(OptOps.PADTO, 1, 64), Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 8),
+              Opt(OptOps.LOCAL, 1, 16), Opt(OptOps.SHARED, 0, 4), Opt(OptOps.UNROLL, 0, 16)]:
+    kernel.apply_opt(opt)
+  assert len(kernel.staged_loads()) == 2
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
 def test_more_multiprocessors_pick_smaller_tiles() -> None:
   """The largest tile while the grid fills the device: 1 processor takes 128x128, 4 take 64x64, 16 take 32x32; where
   none fills the device, the tile with the most blocks."""

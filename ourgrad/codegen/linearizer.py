@@ -246,6 +246,10 @@ class Linearizer(TensorCoreTiles):
           guard = build.add(UOps.IF, None, (self.node_to_uop(unit < total // width),))
         element = unit * width
         idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
+        # the block's thread axes the load does not vary along take 0, not this thread's index: a padded view (PADTO)
+        # masks a broadcast operand along them too, and the tile element serves every thread of the block
+        for axis in range(kernel.global_dims, kernel.first_loop_reduce):
+          if axis not in axes: idxs[axis] = NumNode(0)
         inner = 1
         for axis, size in reversed(list(zip(fill_axes, sizes))):
           idxs[axis] = (element // inner) % size
