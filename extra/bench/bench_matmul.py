@@ -37,8 +37,8 @@ from ourgrad.engine import realize  # noqa: E402
 from ourgrad.engine.realize import get_kernel, get_runner  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 
-# (name, kind, shapes..., dtype name): kind "mm" takes (m, k, n); "conv" (batch, cin, height, width, cout, pad);
-# "conv_step" the same, forward and backward
+# (name, kind, shapes..., dtype name): the "mm" kinds (MATMUL_LAYOUTS) take (m, k, n); "conv" (batch, cin, height,
+# width, cout, pad); "conv_step" the same, forward and backward
 CUDA_ROWS = [
   ("matmul 4096^3 f32", "mm", (4096, 4096, 4096), "float32"),
   ("matmul 4096^3 f16", "mm", (4096, 4096, 4096), "float16"),
@@ -46,7 +46,32 @@ CUDA_ROWS = [
   ("matmul 4097x4096 @ 4096x4095 f16", "mm", (4097, 4096, 4095), "float16"),
   ("conv 64x64x56x56 3x3 f32", "conv", (64, 64, 56, 56, 64, 1), "float32"),
   ("conv 64x64x56x56 3x3 f16", "conv", (64, 64, 56, 56, 64, 1), "float16"),
+  # the matmuls of bench_jit.py's MLP step (784-512-512-10, batch 512), of the SmolLM2 prefill (512 tokens, 576 and
+  # 1536 wide) and of MiniLM (2048 tokens, 384 and 1536 wide): too small for 128x128 tiles to fill the GPU
+  ("mlp fwd 512x784 @ W^T", "mm_bT", (512, 784, 512), "float32"),
+  ("mlp fwd relu(h+b) @ W^T 512^3", "mm_relu_bT", (512, 512, 512), "float32"),
+  ("mlp dx 512^3 g @ W", "mm", (512, 512, 512), "float32"),
+  ("mlp dW 512^3 g^T @ relu(h+b)", "mm_aT_relu", (512, 512, 512), "float32"),
+  ("mlp dW 512x784 g^T @ x", "mm_aT", (512, 512, 784), "float32"),
+  ("mlp fwd 512x512 @ W^T (10 wide)", "mm_relu_bT", (512, 512, 10), "float32"),
+  ("mlp dW 10x512 g^T @ relu(h+b)", "mm_aT_relu", (10, 512, 512), "float32"),
+  ("mlp dx 512x10 @ 10x512", "mm", (512, 10, 512), "float32"),
+  ("smollm2 512x576 @ (1536x576)^T", "mm_bT", (512, 576, 1536), "float32"),
+  ("smollm2 512x1536 @ (576x1536)^T", "mm_bT", (512, 1536, 576), "float32"),
+  ("minilm 2048x384 @ (1536x384)^T", "mm_bT", (2048, 384, 1536), "float32"),
 ]
+# the matmul kinds: operand shapes from (m, k, n), and the product (`relu` of the library's tensors)
+MATMUL_LAYOUTS: dict[str, tuple[Callable[[int, int, int], list[tuple[int, ...]]], Callable[..., Any]]] = {
+  "mm": (lambda m, k, n: [(m, k), (k, n)], lambda relu: lambda a, b: a @ b),
+  # a Linear's forward: the weight is stored (out, in)
+  "mm_bT": (lambda m, k, n: [(m, k), (n, k)], lambda relu: lambda a, b: a @ b.T),
+  # a Linear's weight gradient: both operands contiguous along the outputs, not the reduce
+  "mm_aT": (lambda m, k, n: [(k, m), (k, n)], lambda relu: lambda a, b: a.T @ b),
+  # the next Linear's forward with the bias and ReLU of the previous one fused into its operand
+  "mm_relu_bT": (lambda m, k, n: [(m, k), (k,), (n, k)], lambda relu: lambda a, bias, b: relu(a + bias) @ b.T),
+  # the weight gradient that recomputes the forward's activation
+  "mm_aT_relu": (lambda m, k, n: [(k, m), (k, n), (n,)], lambda relu: lambda g, h, bias: g.T @ relu(h + bias)),
+}
 CPU_ROWS = [
   ("matmul 1024^3 f32", "mm", (1024, 1024, 1024), "float32"),
   ("matmul 2048^3 f32", "mm", (2048, 2048, 2048), "float32"),
@@ -56,13 +81,13 @@ CPU_ROWS = [
 
 def scaled(kind: str, sizes: tuple[int, ...], scale: int) -> tuple[int, ...]:
   if scale == 0: return sizes
-  if kind == "mm": return tuple(max(size >> scale, 8) + (size & 1) for size in sizes)
+  if kind.startswith("mm"): return tuple(max(size >> scale, 8) + (size & 1) for size in sizes)
   batch, cin, height, width, cout, pad = sizes
   return (max(batch >> scale, 2), cin, max(height >> scale, 8), max(width >> scale, 8), cout, pad)
 
 
 def flops(kind: str, sizes: tuple[int, ...]) -> float:
-  if kind == "mm":
+  if kind.startswith("mm"):
     m, k, n = sizes
     return 2.0 * m * k * n
   batch, cin, height, width, cout, pad = sizes
@@ -73,9 +98,8 @@ def flops(kind: str, sizes: tuple[int, ...]) -> float:
 
 def host_inputs(kind: str, sizes: tuple[int, ...]) -> list[np.ndarray]:
   rng = np.random.default_rng(0)
-  if kind == "mm":
-    m, k, n = sizes
-    return [rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)]
+  if kind.startswith("mm"):
+    return [rng.standard_normal(shape, dtype=np.float32) for shape in MATMUL_LAYOUTS[kind][0](*sizes)]
   batch, cin, height, width, cout, pad = sizes
   out_h, out_w = height + 2 * pad - 2, width + 2 * pad - 2
   operands = [rng.standard_normal((batch, cin, height, width), dtype=np.float32),
@@ -86,8 +110,10 @@ def host_inputs(kind: str, sizes: tuple[int, ...]) -> list[np.ndarray]:
 
 
 def ourgrad_function(kind: str, sizes: tuple[int, ...]) -> Callable[..., list[Tensor]]:
-  pad = sizes[-1] if kind != "mm" else 0
-  if kind == "mm": return lambda a, b: [a @ b]
+  if kind.startswith("mm"):
+    product = MATMUL_LAYOUTS[kind][1](lambda x: x.relu())
+    return lambda *operands: [product(*operands)]
+  pad = sizes[-1]
   if kind == "conv": return lambda x, w: [x.conv2d(w, padding=pad)]
 
   def step(x: Tensor, w: Tensor, grad_out: Tensor) -> list[Tensor]:
@@ -100,8 +126,8 @@ def ourgrad_function(kind: str, sizes: tuple[int, ...]) -> Callable[..., list[Te
 
 def torch_function(kind: str, sizes: tuple[int, ...]) -> Callable[..., Any]:
   import torch
-  pad = sizes[-1] if kind != "mm" else 0
-  if kind == "mm": return lambda a, b: a @ b
+  if kind.startswith("mm"): return MATMUL_LAYOUTS[kind][1](lambda x: x.relu())
+  pad = sizes[-1]
   if kind == "conv": return lambda x, w: torch.nn.functional.conv2d(x, w, padding=pad)
 
   def step(x: Any, w: Any, grad_out: Any) -> Any:
@@ -195,6 +221,66 @@ VARIANTS = [
 ]
 
 
+
+
+def shared_opts(threads_m: int, threads_n: int, step: int, runs: int = 1, pad: str = "", group: int = 1,
+                row_padding: int = 4) -> str:
+  """The float32 SHARED tile's opts (heuristic.py's _apply_shared_tile): 4x4 outputs per thread (`runs` x `runs`
+  float4 runs), threads_m x threads_n threads, `group` GROUP threads splitting the reduce, tile rows padded by
+  `row_padding` floats (SHARED's amount), reduce steps of `step`; `pad`: opts applied first."""
+  runs_opts = f"UPCAST 1 {runs};UPCAST 0 {runs};" if runs > 1 else ""
+  group_opts = f"GROUP 0 {group};" if group > 1 else ""
+  return (f"{pad}UPCAST 0 4;UPCAST 1 4;LOCAL 0 {threads_m};LOCAL 1 {threads_n};{runs_opts}{group_opts}"
+          f"SHARED 0 {row_padding};UNROLL 0 {step}")
+
+
+# block tiles compared on the MLP step's 512-sized matmuls: (label, threads along M, along N, reduce step[, GROUP])
+SMALL_MATMUL_TILES = [("32x32 (8x8 threads), GROUP 4, K step 16 (heuristic at K=512)", 8, 8, 16, 4),
+                      ("32x32, GROUP 2, K step 16", 8, 8, 16, 2), ("32x32, GROUP 2, K step 8", 8, 8, 8, 2),
+                      ("32x64 (8x16 threads), GROUP 2", 8, 16, 16, 2), ("32x64, GROUP 4", 8, 16, 16, 4),
+                      ("64x64 (16x16 threads), GROUP 2, K step 8", 16, 16, 8, 2),
+                      ("16x16 (4x4 threads), GROUP 4", 4, 4, 16, 4), ("16x32 (4x8 threads), GROUP 4", 4, 8, 16, 4),
+                      ("32x32 (8x8 threads), no GROUP, K step 16", 8, 8, 16), ("32x32, K step 8", 8, 8, 8),
+                      ("32x64 (8x16 threads)", 8, 16, 16), ("64x32 (16x8 threads)", 16, 8, 16),
+                      ("64x64 (16x16 threads), K step 8", 16, 16, 8), ("64x64, K step 16", 16, 16, 16),
+                      ("16x32 (4x8 threads)", 4, 8, 16), ("16x16 (4x4 threads)", 4, 4, 16)]
+for part in ("mlp fwd 512x784", "mlp dx 512^3", "mlp dW 512^3"):
+  VARIANTS += [(part, f"SHARED {label}", shared_opts(threads_m, threads_n, step, group=group[0] if group else 1))
+               for label, threads_m, threads_n, step, *group in SMALL_MATMUL_TILES]
+  VARIANTS.append((part, "SHARED 32x32, GROUP 7, K step 16", shared_opts(8, 8, 16, group=7)))
+  VARIANTS.append((part, "SHARED 128x128, K step 16 (the 4096^3 tile)", shared_opts(16, 16, 16, runs=2,
+                                                                                     row_padding=0)))
+  VARIANTS.append((part, "SHARED 32x32, GROUP 4, rows not padded", shared_opts(8, 8, 16, group=4, row_padding=0)))
+VARIANTS += [
+  ("mlp fwd 512x512 @ W^T (10", "2 rows x 32 GROUP threads, 10 outputs each (heuristic)",
+   "LOCAL 0 2;UPCAST 1 10;GROUP 0 32;UNROLL 0 4"),
+  ("mlp fwd 512x512 @ W^T (10", "4 rows x 32 GROUP threads (128 blocks)",
+   "LOCAL 0 4;UPCAST 1 10;GROUP 0 32;UNROLL 0 4"),
+  ("mlp fwd 512x512 @ W^T (10", "1 row x 32 GROUP threads (512 blocks)", "UPCAST 1 10;GROUP 0 32;UNROLL 0 4"),
+  ("mlp fwd 512x512 @ W^T (10", "2 rows x 64 GROUP threads", "LOCAL 0 2;UPCAST 1 10;GROUP 0 64;UNROLL 0 4"),
+  ("mlp fwd 512x512 @ W^T (10", "before: register tiles, GROUP 8",
+   "UPCAST 0 4;UNROLL 0 4;LOCAL 1 2;LOCAL 0 64;GROUP 0 8"),
+  ("mlp dW 10x512", "32 outputs x 8 GROUPTOP threads (heuristic)", "LOCAL 1 32;GROUPTOP 0 8;UNROLL 0 4"),
+  ("mlp dW 10x512", "32 outputs x 16 GROUPTOP threads", "LOCAL 1 32;GROUPTOP 0 16;UNROLL 0 4"),
+  ("mlp dW 10x512", "16 outputs x 16 GROUPTOP threads (320 blocks)", "LOCAL 1 16;GROUPTOP 0 16;UNROLL 0 4"),
+  ("mlp dW 10x512", "32 outputs x 8 GROUPTOP, 2 rows upcast (80 blocks)",
+   "UPCAST 0 2;LOCAL 1 32;GROUPTOP 0 8;UNROLL 0 4"),
+  ("mlp dW 10x512", "before: register tiles, 10 blocks", "UPCAST 1 4;UNROLL 0 4;LOCAL 1 128;GROUP 0 8"),
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, tile rows padded by 4",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED 0 4;UNROLL 0 16"),
+  ("4096^3 f32", "SHARED 4x4 per thread, 64x64, K step 8, rows padded (heuristic's 64x64)",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;SHARED 0 4;UNROLL 0 8"),
+  ("mlp dW 512^3", "register tiles, 128 threads (before)", "UPCAST 1 4;UPCAST 0 4;UNROLL 0 4;LOCAL 1 128"),
+  ("mlp dW 512x784", "SHARED 64x16 (16x4 threads), GROUP 4, K step 16 (heuristic)", shared_opts(16, 4, 16, group=4)),
+  ("mlp dW 512x784", "SHARED 64x16, GROUP 2", shared_opts(16, 4, 16, group=2)),
+  ("mlp dW 512x784", "SHARED 64x16, no GROUP", shared_opts(16, 4, 16)),
+  ("mlp dW 512x784", "SHARED 32x16 (8x4 threads)", shared_opts(8, 4, 16)),
+  ("mlp dW 512x784", "SHARED 16x16 (4x4 threads)", shared_opts(4, 4, 16)),
+  ("mlp dW 512x784", "SHARED 32x64, N padded to 832", shared_opts(8, 16, 16, pad="PADTO 1 64;")),
+  ("mlp dW 512x784", "register tiles (before)", "UPCAST 1 4;UPCAST 0 4;UNROLL 0 4;LOCAL 1 4;LOCAL 0 32"),
+]
+
+
 def parse_opts(text: str, tc_choice: int) -> list:
   from ourgrad.codegen.kernel import Opt, OptOps
   opts = []
@@ -207,12 +293,14 @@ def parse_opts(text: str, tc_choice: int) -> list:
   return opts
 
 
-def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, iters: int) -> str:
-  """One matmul kernel with explicit opts: its time, rate and relative error (first rows) against float64."""
+def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, iters: int, kind: str = "mm",
+                sizes: tuple[int, ...] = ()) -> str:
+  """One matmul kernel with explicit opts: its time, rate and relative error against float64 (the first 64 rows of
+  a plain matmul; the whole output of the small MLP-shaped ones)."""
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.device import Buffer, Device
   from ourgrad.engine.realize import compile_kernel
-  item = create_schedule([(inputs[0] @ inputs[1]).lazydata])[-1]
+  item = create_schedule([ourgrad_function(kind, sizes)(*inputs)[0].lazydata])[-1]
   kernel = Kernel(item.ast, Device[device].renderer)
   for opt in parse_opts(opts_text, 0 if dtype == dtypes.float16 else 1): kernel.apply_opt(opt)
   runner = compile_kernel(kernel, device)
@@ -221,16 +309,15 @@ def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, i
     raise RuntimeError("the dynamic shared memory size was not found in the module (not launched)")
   output = Buffer(device, item.outputs[0].size, item.outputs[0].dtype).allocate()
   seconds = statistics.median([runner([output, *item.inputs], wait=True) for _ in range(iters + 2)][2:])
-  m, k = inputs[0].shape
-  n = inputs[1].shape[1]
+  m, k, n = sizes
   rate = 2.0 * m * k * n / seconds / 1e12
-  # the first 64 rows against float64 (cheap on the host)
-  rows = min(m, 64)
+  operands = [tensor.cast(dtypes.float32).numpy().astype(np.float64) for tensor in inputs]
+  rows = min(m, 64) if kind == "mm" else m   # a plain matmul: the first 64 rows against float64 (cheap on the host)
   values = output.numpy()[:rows * n]
   if output.dtype == dtypes.bfloat16: values = (values.astype(np.uint32) << 16).view(np.float32)   # raw bits
   got = values.astype(np.float64).reshape(rows, n)
-  a64, b64 = (tensor.cast(dtypes.float32).numpy().astype(np.float64) for tensor in inputs)
-  reference = a64[:rows] @ b64
+  if kind == "mm": reference = operands[0][:rows] @ operands[1]
+  else: reference = MATMUL_LAYOUTS[kind][1](lambda x: np.maximum(x, 0))(*operands)
   error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
   return f"{seconds * 1e3:8.3f} ms {rate:7.1f} TFLOP/s  err {error:.1e}  {runner.name}"
 
@@ -299,7 +386,9 @@ def main() -> None:
       except Exception as error:  # no toolchain for inductor here
         print(f"  torch.compile failed: {type(error).__name__}")
     blas = None
-    if kind == "mm" and not cuda: blas = torch_seconds(lambda: host[0] @ host[1], args.iters, False, warmup=2)
+    if kind.startswith("mm") and not cuda:
+      numpy_product = MATMUL_LAYOUTS[kind][1](lambda x: np.maximum(x, 0))
+      blas = torch_seconds(lambda: numpy_product(*host), args.iters, False, warmup=2)
 
     def ms(value: float | None) -> str: return f"{value * 1e3:9.3f}" if value is not None else f"{'-':>9}"
     work = flops(kind, sizes)
@@ -309,16 +398,18 @@ def main() -> None:
     print(f"{name:<34} {work / 1e9:8.1f} {ms(ours)} {rate} {ms(beam)} {ms(eager)} {ms(compiled)} "
           f"{ms(blas)} {eager / ours * 100:7.0f}%" + (f" ({blas / ours * 100:.0f}% of numpy)" if blas else "")
           + f"  err {error:.1e} vs torch   [{', '.join(kernels)}]")
-    if cuda and args.variants and kind == "mm":
-      variant_jobs += [(name, label, opts_text, inputs, dtype) for part, label, opts_text in VARIANTS if part in name]
+    if cuda and args.variants and kind.startswith("mm"):
+      variant_jobs += [(name, label, opts_text, inputs, dtype, kind, sizes) for part, label, opts_text in VARIANTS
+                       if part in name]
   # after every row: a variant launch that went wrong would leave the CUDA context unusable; dynamic shared memory
   # and wgmma (the newest code) last
   if variant_jobs: print("variants (explicit opts):")
   def launch_order(job: tuple) -> tuple[bool, bool]: return "wgmma" in job[1], "dynamic" in job[1]
-  for name, label, opts_text, inputs, dtype in sorted(variant_jobs, key=launch_order):
-    try: print(f"  {name:<34} {label:<62} {variant_row(args.device, inputs, opts_text, dtype, args.iters)}")
+  for name, label, opts_text, inputs, dtype, kind, sizes in sorted(variant_jobs, key=launch_order):
+    try: row = variant_row(args.device, inputs, opts_text, dtype, args.iters, kind, sizes)
     except Exception as variant_error:  # an opt list that does not fit (or compile): say so, go on
-      print(f"  {name:<34} {label:<62} failed: {type(variant_error).__name__}: {str(variant_error)[:120]}")
+      row = f"failed: {type(variant_error).__name__}: {str(variant_error)[:120]}"
+    print(f"  {name:<34} {label:<62} {row}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ class OptOps(Enum):
   #                   outermost loop, so the loops in between revisit only `amount` slices of that axis (an operand's
   #                   strip that stays in cache); see _apply_cache_block
   SHARED = auto()   # shared-memory tiles (GPU): each reduce step, the block's threads load the loads they share (a
-  #                   matmul's operands) into local memory together, then compute from it; axis 0, amount 0
+  #                   matmul's operands) into local memory together, then compute from it; axis 0, amount 0 (or
+  #                   SHARED_TILE_PADDING: each reduce element's row of a tile padded, see Kernel.tile_padding; with TC:
+  #                   the stages)
   TC = auto()       # tensor cores (GPU): the matmul-shaped reduce's 16x8x16 tiles go to one matrix instruction per
   #                   warp; `amount` picks the renderer's TensorCore (dtype), axis must be 0; see _apply_tensor_core
   WGMMA = auto()    # Hopper warpgroup MMA (CUDA sm_90a): a float16/bfloat16 matmul whose sizes are multiples of the
@@ -134,6 +136,9 @@ class TileLayout:
 # elements of padding after each row of a tensor-core tile (16 bytes of float16) and its stages (cp.async double
 # buffering)
 TC_TILE_PADDING, TC_TILE_STAGES = 8, 2
+# SHARED's amount without TC that pads each reduce element's row of a tile (16 bytes of float32: float4 reads stay
+# aligned); the rows of a transposed fill then start in different banks
+SHARED_TILE_PADDING = 4
 
 
 # more registers than this per thread spills on every device we target
@@ -196,6 +201,7 @@ class Kernel:
     # after OptOps.WGMMA: the kernel's plan (codegen/wgmma_tiles.py) and its A, B, C argument positions; the loop
     # nest is then not linearized (engine/realize.py renders the plan)
     self.wgmma: tuple[WgmmaMatmul, dict[str, int]] | None = None
+    self.tile_padding = 0   # without TC: SHARED's amount (see tile_row_padding)
     self.row_axes: tuple[int, ...] | None = _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
@@ -328,11 +334,11 @@ class Kernel:
 
   def _state(self) -> tuple:
     return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts),
-            self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma)
+            self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding)
 
   def _restore(self, state: tuple) -> None:
     (self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts,
-     self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma) = state
+     self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding) = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -357,13 +363,13 @@ class Kernel:
     if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
     if opt.op is OptOps.SHARED:
-      # with tensor cores the amount is the number of stages (0: the default, 2)
-      stages = (0, 2, 3, 4) if self.tensor_core is not None else (0,)
+      # with tensor cores the amount is the number of stages (0: the default, 2); without, the tiles' row padding
+      stages = (0, 2, 3, 4) if self.tensor_core is not None else (0, SHARED_TILE_PADDING)
       if opt.axis != 0 or opt.amount not in stages:
         raise KernelOptError(f"SHARED takes axis 0 and amount in {stages}, got {opt}")
       return 0
-    if self.shared_tiles and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
-      raise KernelOptError(f"{opt.op.name} does not combine with SHARED")
+    if self.shared_tiles and (opt.op is OptOps.GROUPTOP or (opt.op is OptOps.GROUP and self.tensor_core is not None)):
+      raise KernelOptError(f"{opt.op.name} does not combine with SHARED (GROUP does, without TC)")
     if opt.op is OptOps.UPCAST:
       if not 0 <= opt.axis < self.first_reduce: raise KernelOptError(f"UPCAST needs an output axis, got {opt.axis}")
       return opt.axis
@@ -403,6 +409,7 @@ class Kernel:
       self._apply_wgmma(opt)
       return
     if opt.op is OptOps.SHARED:
+      if self.tensor_core is None: self.tile_padding = opt.amount
       self._apply_shared_tiles(opt.amount or TC_TILE_STAGES)
       return
     amount = opt.amount if opt.amount != 0 else size
@@ -495,7 +502,9 @@ class Kernel:
     if not getattr(self.renderer, "has_local", False):
       raise KernelOptError(f"SHARED needs a device with local memory, {self.renderer.device} has none")
     if self.shared_tiles: raise KernelOptError("SHARED is already applied")
-    if self.group_dims: raise KernelOptError("SHARED does not combine with GROUP/GROUPTOP")
+    # GROUP threads split the reduce (split-K inside the block): each stages its slice of every step's tiles
+    if self.group_dims and (self.groups_outer or self.tensor_core is not None):
+      raise KernelOptError("SHARED combines with GROUP (without TC), not with GROUPTOP")
     self.shared_tiles, self.tile_stages = True, stages
     if self.tensor_core is not None:
       self.tensor_core_tiles()   # raises where an operand's tile does not fit ldmatrix
@@ -540,13 +549,15 @@ class Kernel:
 
   def staged_loads(self) -> list[tuple[int, list[int]]]:
     """With SHARED: (leaf number, tile axes) of each load the block's threads share (stride 0 along some LOCAL
-    axis) while it varies along a reduce axis: its tile is every LOCAL, UPCAST and UNROLL axis it varies along, laid
-    out UNROLL outermost, the output's innermost UPCAST axis innermost, and the LOCAL and other UPCAST axes in the
-    output's order between: a thread reads its upcast values as float4s, and neighbouring threads neighbouring
-    float4s (no bank conflicts), also where a thread's outputs are float4s strided by the block's threads."""
+    axis) while it varies along a reduce axis: its tile is every LOCAL, GROUP, UPCAST and UNROLL axis it varies
+    along, laid out UNROLL outermost, the output's innermost UPCAST axis innermost, and the LOCAL, GROUP and other
+    UPCAST axes in the output's order between (GROUP, a reduce axis, just outside the innermost): a thread reads its
+    upcast values as float4s, and neighbouring threads neighbouring float4s (no bank conflicts), also where a
+    thread's outputs are float4s strided by the block's threads. With GROUP each group thread's slice of the reduce
+    step has its own part of the tile."""
     if not self.shared_tiles or self.reduceop is None: return []
     local_axes = list(range(self.global_dims, self.first_reduce))
-    in_block = local_axes + list(range(self.first_upcast, self.shape_len))
+    in_block = list(range(self.global_dims, self.first_loop_reduce)) + list(range(self.first_upcast, self.shape_len))
     reduce_axes = [axis for axis in range(self.first_reduce, self.shape_len) if self.is_reduce_axis(axis)]
     output_strides = self.sts[0].real_strides()
     staged = []
@@ -555,6 +566,11 @@ class Kernel:
       strides = self.sts[number].real_strides()
       shared = any(strides[axis] == 0 for axis in local_axes)
       if not shared or all(strides[axis] == 0 for axis in reduce_axes): continue
+      # a load that varies along the reduce only (a fused bias of the previous layer) stays a global read (one
+      # cached address per warp): its tile of a few elements would fill in a partial round, keeping the tiles
+      # single-staged
+      output_axes = list(range(self.first_reduce)) + self.upcast_axes
+      if self.tensor_core is None and all(strides[axis] == 0 for axis in output_axes): continue
       tile = [axis for axis in in_block if strides[axis] != 0]
       kinds = self.axis_types
       innermost = max((axis for axis in tile if kinds[axis] is AxisType.UPCAST),
@@ -620,10 +636,26 @@ class Kernel:
       return sum(tile.stage_size * tile.stages * self.tensor_core.tc.dtype_in.itemsize
                  for tile in self.tensor_core_tiles())
     if self.shared_tiles:
-      return sum(prod(self.full_shape[axis] for axis in axes) * self.leaves[leaf].dtype.itemsize
-                 for leaf, axes in self.staged_loads())
+      # GROUP partials (at most: warp shuffles may combine them without local memory)
+      partials = self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize if self.group_dims else 0
+      return self.staged_tile_bytes() + partials
     if not self.group_dims or self.reduceop is None: return 0
     return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
+
+  def staged_tile_bytes(self) -> int:
+    """With SHARED (no TC): the bytes of one stage of every staged load's tile (its padding included)."""
+    return sum(self.tile_elements(axes) * self.leaves[leaf].dtype.itemsize for leaf, axes in self.staged_loads())
+
+  def tile_row_padding(self, axes: list[int]) -> int:
+    """Elements after each row of a staged tile (axes as staged_loads gives them): SHARED's padding where the tile's
+    outermost axis is an UNROLL axis (a row: one reduce element's values) and there is more than it, else 0."""
+    if not self.tile_padding or len(axes) < 2 or self.axis_types[axes[0]] is not AxisType.UNROLL: return 0
+    return self.tile_padding
+
+  def tile_elements(self, axes: list[int]) -> int:
+    """One stage of a staged tile, in elements: its rows, each padded (tile_row_padding)."""
+    rows = self.full_shape[axes[0]] if axes else 1
+    return prod(self.full_shape[axis] for axis in axes) + rows * self.tile_row_padding(axes)
 
   def _drop_finished_axes(self, split_reduce: bool = False) -> None:
     """An axis split entirely into an upcast, local or group leaves a size-1 axis behind: remove it (and count
@@ -670,7 +702,7 @@ class Kernel:
         candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
         continue
       if op is OptOps.SHARED:
-        candidates += [Opt(op, 0, 0)] + ([Opt(op, 0, 3), Opt(op, 0, 4)] if self.tensor_core is not None else [])
+        candidates += [Opt(op, 0, 0), Opt(op, 0, 4)] + ([Opt(op, 0, 3)] if self.tensor_core is not None else [])
         continue
       axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
       candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]

@@ -188,7 +188,7 @@ class Linearizer(TensorCoreTiles):
     kernel, tiles = self.kernel, {}
     for number, (leaf, axes) in enumerate(kernel.staged_loads()):
       node = kernel.leaves[leaf]
-      size = math.prod(kernel.full_shape[axis] for axis in axes) * stages
+      size = kernel.tile_elements(axes) * stages
       tiles[id(node)] = (self.builder.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"tile{number}", size)), axes)
     return tiles
 
@@ -201,19 +201,21 @@ class Linearizer(TensorCoreTiles):
     kernel = self.kernel
     staged = kernel.staged_loads()
     if not staged or kernel.first_upcast - kernel.first_loop_reduce != 1: return False
-    threads = kernel.local_threads()
+    threads = kernel.local_threads() * kernel.group_threads()
     for leaf, axes in staged:
       node = kernel.leaves[leaf]
       strides = kernel.sts[leaf].real_strides()
       fill_axes = sorted(axes, key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
       if math.prod(kernel.full_shape[axis] for axis in axes) // self._tile_load_width(node, fill_axes) % threads:
         return False
-    return 2 * kernel.local_memory_bytes() <= getattr(kernel.renderer, "local_memory_bytes", 0)
+    # a second stage of the tiles beside what the block already holds (the tiles, GROUP partials)
+    return kernel.local_memory_bytes() + kernel.staged_tile_bytes() <= getattr(kernel.renderer, "local_memory_bytes", 0)
 
   def _tile_address(self, axes: list[int], idxs: list[Node]) -> Node:
     address: Node = NumNode(0)
     for axis in axes: address = address * self.kernel.full_shape[axis] + idxs[axis]
-    return address
+    padding = self.kernel.tile_row_padding(axes)   # each row (outermost index) `padding` elements further on
+    return address + idxs[axes[0]] * padding if padding else address
 
   def _stage_shared_tiles(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node],
                           offsets: dict[int, Node], defer: bool = False) -> list[tuple[UOp, Node, UOp]]:
@@ -225,8 +227,9 @@ class Linearizer(TensorCoreTiles):
     if not tiles: return []
     kernel, build = self.kernel, self.builder
     deferred: list[tuple[UOp, Node, UOp]] = []
-    thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce))
-    threads = kernel.local_threads()
+    # every thread of the block fills: LOCAL and GROUP threads (their ids in thread order, see Kernel.thread_axes)
+    thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_loop_reduce))
+    threads = kernel.local_threads() * kernel.group_threads()
     nodes = {id(leaf): leaf for leaf in kernel.leaves}
     for node_id, (local, axes) in tiles.items():
       node = nodes[node_id]
@@ -243,6 +246,10 @@ class Linearizer(TensorCoreTiles):
           guard = build.add(UOps.IF, None, (self.node_to_uop(unit < total // width),))
         element = unit * width
         idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
+        # the block's thread axes the load does not vary along take 0, not this thread's index: a padded view (PADTO)
+        # masks a broadcast operand along them too, and the tile element serves every thread of the block
+        for axis in range(kernel.global_dims, kernel.first_loop_reduce):
+          if axis not in axes: idxs[axis] = NumNode(0)
         inner = 1
         for axis, size in reversed(list(zip(fill_axes, sizes))):
           idxs[axis] = (element // inner) % size
@@ -284,7 +291,11 @@ class Linearizer(TensorCoreTiles):
           self.tile_vectors[key] = self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)), width)
         return self.builder.add(UOps.GEP, node.dtype, (self.tile_vectors[key],), lane)
     address = self.tile_offsets.get(id(local), NumNode(0)) + self._tile_address(axes, idxs)
-    return self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)))
+    # one read per element and step: the lanes that reuse it (a fused operand's ReLU, computed once) share it
+    key = (id(local), address.render(), 1)
+    if key not in self.tile_vectors:
+      self.tile_vectors[key] = self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)))
+    return self.tile_vectors[key]
 
   def _tile_load_width(self, node: LazyOp, axes: list[int]) -> int:
     """4 (float4 loads into the tile) where the renderer has them, the load is float32 through one unmasked view

@@ -11,6 +11,7 @@ class Renderer:
   max_threads: int = 1            # threads per block (workgroup)
   has_local: bool = False         # block-shared local memory and barriers (DEFINE_LOCAL, BARRIER): GROUP opts need it
   local_memory_bytes: int = 0     # local memory a block may use
+  multiprocessors: int = 0        # blocks' processors running at once (CUDA's SMs); 0: unknown (not a GPU)
   warp_size: int = 0              # threads that WARP_REDUCE can combine with shuffles (0: no shuffles)
   vector_width: int = 0           # float32 elements one vector LOAD reads (float4: 4; 0: scalar loads only)
   has_stack_arrays: bool = False  # a CPU kernel may declare per-thread arrays (DEFINE_LOCAL inside its loops)

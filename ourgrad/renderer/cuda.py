@@ -27,6 +27,8 @@ class CUDARenderer(CStyleLanguage):
   # staged tensor-core tiles may go beyond, in dynamic shared memory (H100: 227 KB per block)
   dynamic_local_memory_bytes = 227 * 1024
   warp_size = 32
+  # streaming multiprocessors: the H100's 132 unless the CUDA device reads its GPU's count (heuristics size grids by it)
+  multiprocessors = 132
   local_prefix = "__shared__ "
   local_align = "__align__(16) "
   barrier = "__syncthreads();"

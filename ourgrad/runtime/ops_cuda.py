@@ -359,10 +359,14 @@ class CUDADevice(Compiled):
     minor = check(driver.cuDeviceGetAttribute(
       driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device), "cuDeviceGetAttribute")
     self.arch = f"sm_{major}{minor}"
+    multiprocessors = check(driver.cuDeviceGetAttribute(
+      driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device), "cuDeviceGetAttribute")
     self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
     self.start_event = check(driver.cuEventCreate(0), "cuEventCreate")
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
-    super().__init__(name, CUDAAllocator(self), CUDARenderer(self.arch), CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
+    renderer = CUDARenderer(self.arch)
+    renderer.multiprocessors = multiprocessors   # the heuristics size grids by this GPU's SMs
+    super().__init__(name, CUDAAllocator(self), renderer, CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
     self.graph = lambda launches: CUDAGraph(self, launches)

@@ -15,8 +15,11 @@ GPUs (thread blocks and local memory):
   where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
   the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
   on sm_90 (renderer.has_wgmma) large ones whose sizes divide a 128x256 (or 128x128) tile get OptOps.WGMMA instead;
-- a float32 matmul whose sizes divide the block tile (128x128 or 64x64 outputs, 8 reduce elements per step) gets
-  shared-memory tiles (SHARED): 16x16 threads of 8x8 (or 4x4) outputs, both operands staged through local memory;
+- a float32 matmul (plain, transposed, batched, or with an operand computed from loads) whose sizes divide a block
+  tile gets shared-memory tiles (SHARED): the largest tile (128x128 down to 16x16) whose grid gives every
+  multiprocessor a block, 4x4 (8x8 for 128x128) outputs per thread, every operand staged through local memory, the
+  reduce split over GROUP threads where the grid still has too few threads (split-K inside the block);
+- a thin float32 matmul (an output axis of at most 16, a long reduce) splits the reduce over the block's threads;
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
 - elementwise kernels get thread blocks from the innermost output axes.
 """
@@ -25,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ourgrad.codegen.kernel import (WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps, matmul_operands,
-                                    tensor_core_operands)
+from ourgrad.codegen.kernel import (SHARED_TILE_PADDING, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps,
+                                    matmul_operands, tensor_core_operands)
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import prod
-from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer
+from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
 # threads per block the heuristics aim for on GPUs
 BLOCK_THREADS = 256
@@ -49,6 +52,7 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   if gpu and has_local and kernel.reduceop is not None and _shared_matmul_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and shared_conv_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and weight_gradient_tiles(kernel): return
+  if gpu and has_local and kernel.reduceop is not None and _thin_matmul(kernel): return
   if gpu and has_local and kernel.reduceop is not None and not _matmul_like(kernel):
     if _group_reduce(kernel): return
   if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
@@ -142,38 +146,90 @@ def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
   return True
 
 
-# the float32 shared-memory matmul: threads along M and along N, outputs per thread along each (as `repeats` float4
-# runs strided by the block's threads: neighbouring threads read neighbouring float4s of the tiles), the reduce step
-SHARED_THREADS, SHARED_OUTPUTS = 16, 4
-# (repeats, reduce step): 8x8 outputs per thread (a 128x128 block tile) in steps of 16 where the sizes allow (39.4
-# TFLOP/s on the H100 at 4096^3, steps of 8: 36.9), else 4x4 (64x64) in steps of 8 (28.1)
-SHARED_TILES = ((2, 16), (2, 8), (1, 8))
+@dataclass(frozen=True)
+class SharedTile:
+  """A float32 shared-memory matmul block tile: threads along M and along N, outputs per thread along each as `runs`
+  float4 runs (SHARED_OUTPUTS each) strided by the block's threads (neighbouring threads read neighbouring float4s
+  of the tiles), and the reduce steps it takes, preferred first."""
+  threads_m: int
+  threads_n: int
+  runs_m: int
+  runs_n: int
+  steps: tuple[int, ...]
+
+  @property
+  def block(self) -> tuple[int, int]:
+    return (self.threads_m * SHARED_OUTPUTS * self.runs_m, self.threads_n * SHARED_OUTPUTS * self.runs_n)
+
+
+SHARED_OUTPUTS = 4
+# block tiles, largest first. 128x128 (8x8 outputs per thread) in steps of 16 measured 40.5 TFLOP/s on the H100 at
+# 4096^3 with padded rows (unpadded 38.7-39.2, steps of 8 36.6), 64x64 (4x4) in steps of 8 28.5. The smaller ones
+# (fewer threads, 4x4 outputs each) are for matmuls too small to give every multiprocessor a block of a larger tile
+# (512x512: 16 blocks of 128x128, 0.061 ms; 32x32 tiles with GROUP 2: 0.020 ms).
+SHARED_TILES = (SharedTile(16, 16, 2, 2, (16, 8)), SharedTile(16, 16, 1, 2, (16, 8)),
+                SharedTile(16, 16, 2, 1, (16, 8)),
+                SharedTile(16, 16, 1, 1, (8,)), SharedTile(8, 16, 1, 1, (16, 8)), SharedTile(16, 8, 1, 1, (16, 8)),
+                SharedTile(8, 8, 1, 1, (16, 8)), SharedTile(4, 16, 1, 1, (16, 8)), SharedTile(16, 4, 1, 1, (16, 8)),
+                SharedTile(4, 8, 1, 1, (16, 8)), SharedTile(8, 4, 1, 1, (16, 8)), SharedTile(4, 4, 1, 1, (16, 8)))
+
+
+def _dense_matmul_axes(kernel: Kernel) -> tuple[int, int] | None:
+  """(M axis, N axis) of a float32 matmul-shaped reduce not yet optimized: a SUM over one reduce axis (the last),
+  the last two output axes M and N (batch axes before them), and every load that varies along the reduce varying
+  along exactly one of M and N (an operand, possibly computed from loads: a fused ReLU or bias of the forward, or a
+  transposed view), at least one along each. None where the kernel is not one."""
+  reduce = kernel.reduceop
+  if reduce is None or reduce.op is not Ops.SUM or reduce.dtype != dtypes.float32 or len(kernel.reduceops) != 1:
+    return None
+  if kernel.applied_opts or kernel.first_reduce < 2 or kernel.shape_len != kernel.first_reduce + 1: return None
+  m_axis, n_axis, k_axis = kernel.first_reduce - 2, kernel.first_reduce - 1, kernel.first_reduce
+  sides = set()
+  for st in _loads(kernel):
+    strides = st.real_strides()
+    if strides[k_axis] == 0: continue
+    varies = tuple(strides[axis] != 0 for axis in (m_axis, n_axis))   # None (not a plain stride) varies
+    if varies == (True, True): return None   # neither operand: read by every thread of the block
+    if any(strides[axis] != 0 for axis in range(m_axis)) and varies == (False, False): return None
+    sides.add(varies)
+  return (m_axis, n_axis) if {(True, False), (False, True)} <= sides else None
+
+
+def _shared_tile_order(kernel: Kernel, m: int, n: int, k: int) -> list[tuple[SharedTile, int]]:
+  """(tile, reduce step) pairs that divide the matmul (and leave a reduce loop: an unroll that takes the whole reduce
+  axis leaves the kernel no loop to stage in), best first: the largest block tile whose grid gives every
+  multiprocessor a block (`renderer.multiprocessors`; unknown: the largest tile), then the rest by grid size, most
+  blocks first (when none fills the device, more blocks use more of it)."""
+  batch = prod(kernel.full_shape[:kernel.first_reduce - 2])
+  fitting = [(tile, step) for tile in SHARED_TILES for step in tile.steps
+             if m % tile.block[0] == 0 and n % tile.block[1] == 0 and k % step == 0 and k > step]
+  blocks = lambda pair: batch * (m // pair[0].block[0]) * (n // pair[0].block[1])   # noqa: E731
+  processors = getattr(kernel.renderer, "multiprocessors", 0)
+  filling = [pair for pair in fitting if blocks(pair) >= processors]
+  rest = sorted((pair for pair in fitting if pair not in filling), key=lambda pair: -blocks(pair))
+  return filling + rest
 
 
 def _shared_matmul_tiles(kernel: Kernel) -> bool:
-  """A float32 matmul (outputs M x N, one reduce axis, both operands plain loads) whose sizes divide the block tile:
-  16x16 threads per block, each 8x8 outputs (two float4 runs along M and N, 64 apart: a 128x128 block tile; reduce
-  steps of 16, else 8) or 4x4 (a 64x64 block tile, steps of 8), staged through local memory (SHARED). False (the
-  kernel untouched) otherwise."""
-  if kernel.reduceop.dtype != dtypes.float32 or kernel.first_reduce != 2 or kernel.shape_len != 3: return False
-  try: a, b = matmul_operands(kernel.reduceop, dtypes.float32, dtypes.float32, "SHARED")
-  except KernelOptError: return False
-  m_axes, n_axes, k_axes = kernel.matmul_axes(a, b)
-  if (m_axes, n_axes, k_axes) != ([0], [1], [2]) and (m_axes, n_axes, k_axes) != ([1], [0], [2]): return False
-  m, n, k = kernel.full_shape
-  for repeats, step in SHARED_TILES:
-    block = SHARED_THREADS * SHARED_OUTPUTS * repeats
-    if m % block or n % block or k % step: continue
+  """A float32 matmul (see _dense_matmul_axes: plain, transposed, batched, or with an operand computed from loads)
+  whose sizes divide a block tile of SHARED_TILES: the tile's threads per block along M and N, each SHARED_OUTPUTS x
+  SHARED_OUTPUTS outputs per float4 run (runs `block / runs` apart along M and N), every operand staged through
+  local memory (SHARED) in reduce steps of 16 or 8. The tile is the largest that still gives each multiprocessor a
+  block (_shared_tile_order). False (the kernel untouched) where none fits."""
+  axes = _dense_matmul_axes(kernel)
+  if axes is None: return False
+  m_axis, n_axis = axes
+  m, n, k = kernel.full_shape[m_axis], kernel.full_shape[n_axis], kernel.full_shape[-1]
+  order = _shared_tile_order(kernel, m, n, k)
+  # each tile with its reduce split over threads where that helps (in a shorter step where it needs one), then not
+  attempts = [(tile, step, _split_k_threads(kernel, tile, m, n, k, step)) for tile, step in order]
+  attempts = [attempt for attempt in attempts if attempt[2] > 1] + [(tile, step, 1) for tile, step in order]
+  attempts.sort(key=lambda attempt: [pair[0] for pair in order].index(attempt[0]))   # stable: tile by tile
+  for tile, step, group in attempts:
     trial = kernel.copy()
-    opts = [Opt(OptOps.UPCAST, 0, SHARED_OUTPUTS), Opt(OptOps.UPCAST, 1, SHARED_OUTPUTS),
-            Opt(OptOps.LOCAL, 0, SHARED_THREADS), Opt(OptOps.LOCAL, 1, SHARED_THREADS)]
-    # N first: an axis split whole is dropped, and M stays axis 0 whatever happens to N
-    if repeats > 1: opts += [Opt(OptOps.UPCAST, 1, repeats), Opt(OptOps.UPCAST, 0, repeats)]
-    # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
-    opts += [Opt(OptOps.SHARED, 0, 0), Opt(OptOps.UNROLL, 0, step)]
-    if not all(trial.try_opt(opt) for opt in opts): continue
-    kernel.__dict__.update(trial.__dict__)
-    return True
+    if _apply_shared_tile(trial, m_axis, n_axis, tile, step, group):
+      kernel.__dict__.update(trial.__dict__)
+      return True
   return False
 
 
@@ -334,6 +390,92 @@ def weight_gradient_tiles(kernel: Kernel) -> bool:
   return True
 
 
+# a multiprocessor hides the latency of the staged matmul's loads with about this many threads (16 warps)
+THREADS_PER_MULTIPROCESSOR = 512
+# GROUP threads a SHARED tile may split its reduce over (split-K inside the block), and the block's threads after it.
+# H100, 512^3 in 32x32 tiles: GROUP 2 0.020-0.022 ms, GROUP 4 0.021-0.024, none 0.024-0.027; 512x784 weight gradient
+# in 64x16 tiles: 0.027, 0.033, 0.030
+SPLIT_K_THREADS = (2,)
+SPLIT_K_MAX_BLOCK = 256
+
+
+def _split_k_threads(kernel: Kernel, tile: SharedTile, m: int, n: int, k: int, step: int) -> int:
+  """GROUP threads for the reduce of a SHARED tile whose grid has fewer threads than the device's multiprocessors
+  can keep busy (512x512 in 32x32 tiles: 256 blocks of 64 threads on 132 SMs): the fewest of SPLIT_K_THREADS that
+  reach THREADS_PER_MULTIPROCESSOR per multiprocessor, else the most that fit; each must leave whole reduce steps,
+  at least two. 1: no split."""
+  blocks = prod(kernel.full_shape[:kernel.first_reduce - 2]) * (m // tile.block[0]) * (n // tile.block[1])
+  block_threads = tile.threads_m * tile.threads_n
+  wanted = getattr(kernel.renderer, "multiprocessors", 0) * THREADS_PER_MULTIPROCESSOR
+  fitting = [group for group in SPLIT_K_THREADS if k % (group * step) == 0 and k // (group * step) >= 2 and
+             block_threads * group <= SPLIT_K_MAX_BLOCK]
+  if not fitting or blocks * block_threads >= wanted: return 1
+  return next((group for group in fitting if blocks * block_threads * group >= wanted), fitting[-1])
+
+
+def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTile, step: int, group: int = 1) -> bool:
+  """The opts of one block tile, in the order the 128x128 tile was measured with: float4 upcasts along M then N,
+  threads along M then N, the second runs along N then M, `group` GROUP threads over the reduce (neighbouring
+  threads, neighbouring elements of each step), SHARED, the reduce step. An opt that takes the rest of M's global
+  axis drops it, so N's axis number is followed as M's global part runs out."""
+  plan = [(0, OptOps.UPCAST, SHARED_OUTPUTS), (1, OptOps.UPCAST, SHARED_OUTPUTS),
+          (0, OptOps.LOCAL, tile.threads_m), (1, OptOps.LOCAL, tile.threads_n)]
+  plan += [(1, OptOps.UPCAST, tile.runs_n)] if tile.runs_n > 1 else []
+  plan += [(0, OptOps.UPCAST, tile.runs_m)] if tile.runs_m > 1 else []
+  m_left = kernel.full_shape[m_axis]
+  for position, op, amount in plan:
+    axis = m_axis if position == 0 else n_axis - (1 if m_left == 1 else 0)
+    if not kernel.try_opt(Opt(op, axis, amount)): return False
+    if position == 0: m_left //= amount
+  if group > 1 and not kernel.try_opt(Opt(OptOps.GROUP, 0, group)): return False
+  # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
+  # the tiles' rows padded (SHARED_TILE_PADDING): the transposed fill of an operand contiguous along the reduce then
+  # stores into different banks (4096^3: 40.5 TFLOP/s, unpadded 38.7; 512^3 in 32x32 tiles: 0.021 ms, unpadded 0.029)
+  return kernel.try_opt(Opt(OptOps.SHARED, 0, SHARED_TILE_PADDING)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
+
+
+# an output axis this short (a classifier's 10 classes) makes a matmul thin: too few outputs for output tiles to fill
+# the GPU, so threads split the reduce instead
+THIN_SIDE = 16
+THIN_BLOCKS_PER_MULTIPROCESSOR = 4
+
+
+def _thin_matmul(kernel: Kernel) -> bool:
+  """A float32 matmul (see _dense_matmul_axes) with an output axis of at most THIN_SIDE and a long reduce (a
+  classifier's forward, 512x10, and its weight gradient, 10x512, each with K = the batch): enough blocks for every
+  multiprocessor, the reduce split over the block's threads. Where the wide operand is contiguous along the reduce
+  (rows), a warp of GROUP threads reads each row together and each thread computes every output of the short axis
+  (UPCAST: one load of the row reused); where it is contiguous along the wide output axis (columns), 32 neighbouring
+  outputs on LOCAL threads (coalesced) and GROUPTOP over the reduce, the short axis left to the grid. False (the
+  kernel untouched) where the matmul is not thin."""
+  axes = _dense_matmul_axes(kernel)
+  if axes is None: return False
+  sizes, k_axis = kernel.full_shape, kernel.first_reduce
+  narrow, wide = sorted(axes, key=lambda axis: sizes[axis])
+  if sizes[narrow] > THIN_SIDE or sizes[k_axis] < 4 * WARP_SIZE: return False
+  wide_loads = [st for st in _loads(kernel) if st.real_strides()[wide] != 0 and st.real_strides()[k_axis] != 0]
+  rows = all(st.real_strides()[k_axis] == 1 for st in wide_loads)
+  processors = getattr(kernel.renderer, "multiprocessors", 0)
+  batch = prod(sizes[:min(axes)])
+  trial = kernel.copy()
+  if rows:
+    group = _divisor_at_most(sizes[k_axis], WARP_SIZE)
+    local = _divisor_at_most(sizes[wide], BLOCK_THREADS // 2 // group)
+    # a warp per row while that leaves 4 blocks per multiprocessor (H100, 512x10 outputs: a row per block 0.010 ms,
+    # 2 rows 0.013)
+    while local > 1 and batch * sizes[wide] // local < THIN_BLOCKS_PER_MULTIPROCESSOR * processors: local //= 2
+    plan = [(wide, OptOps.LOCAL, local), (narrow, OptOps.UPCAST, sizes[narrow]), (None, OptOps.GROUP, group)]
+  else:
+    local = _divisor_at_most(sizes[wide], WARP_SIZE)
+    group = _divisor_at_most(sizes[k_axis] // 2, BLOCK_THREADS // local)
+    plan = [(wide, OptOps.LOCAL, local), (None, OptOps.GROUPTOP, group)]
+  if not _apply_plan(trial, plan): return False
+  loop = kernel.full_shape[k_axis] // group
+  if loop % 4 == 0 and loop > 4: trial.try_opt(Opt(OptOps.UNROLL, 0, 4))
+  kernel.__dict__.update(trial.__dict__)
+  return True
+
+
 def _repeat_plan(kernel: Kernel, plan: list[Opt], pixel_axes: list[int], tile: ConvTile) -> list[Opt] | None:
   """The repeat UPCASTs of `tile` after `plan` (original axes): the channel repeat on the channel side's UPCAST axis,
   the pixel repeat on the outermost pixel axis other than the pixel UPCAST axis; None where a size does not divide."""
@@ -361,6 +503,20 @@ def _apply_on_original_axes(kernel: Kernel, opts: list[Opt]) -> bool:
     axis, before = current[opt.axis], kernel.shape_len
     if not kernel.try_opt(Opt(opt.op, axis, opt.amount)): return False
     if kernel.shape_len == before: current = [a - 1 if a > axis else a for a in current]
+  return True
+
+
+def _apply_plan(kernel: Kernel, plan: list[tuple[int | None, OptOps, int]]) -> bool:
+  """Apply (output axis as numbered before the plan, op, amount) opts in order (None: reduce axis 0; amount 1: skip),
+  following each output axis as the ones before it are used up (an axis split whole is dropped). False on an opt
+  that does not fit (the kernel then holds the opts before it)."""
+  dropped: list[int] = []
+  for axis, op, amount in plan:
+    if amount <= 1: continue
+    current = 0 if axis is None else axis - sum(1 for gone in dropped if gone < axis)
+    length = kernel.shape_len
+    if not kernel.try_opt(Opt(op, current, amount)): return False
+    if axis is not None and kernel.shape_len == length: dropped.append(axis)   # the split left nothing behind
   return True
 
 

@@ -1,0 +1,301 @@
+"""The GPU heuristic's float32 shared-memory matmul tiles (codegen/opt/heuristic.py, _shared_matmul_tiles).
+
+The block tile is sized so the grid gives every multiprocessor a block (the renderer's `multiprocessors`), and
+every matmul of a Linear's forward and backward is staged: transposed operands (A^T B, A B^T), batched matmuls, and
+operands computed from loads (the forward's bias and ReLU fused into the next matmul and into the weight gradient).
+
+Each choice runs on the PYTHON device with CUDA's limits (EMULATE=CUDA's renderer) and must equal the plain kernel
+(NOOPT) and PyTorch's float64 result; each is also rendered as CUDA C++ and compiled by NVRTC (sm_90) where it is
+installed. With DEVICE=CUDA the kernels run on the GPU instead. The choice for the shapes of the MLP training step
+(bench_jit.py) is pinned on an H100's 132 multiprocessors.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad import Tensor
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.opt.heuristic import SHARED_TILES
+from ourgrad.codegen.uops import UOps
+from ourgrad.device import Buffer
+from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.schedule import ScheduleItem, create_schedule
+from ourgrad.renderer.cuda import CUDARenderer
+from ourgrad.runtime.ops_python import PythonRenderer
+
+from helpers import device_opens, nvrtc_compiler
+
+DEVICE = "CUDA" if os.environ.get("DEVICE") == "CUDA" else "PYTHON"
+if DEVICE == "CUDA" and not device_opens("CUDA"): pytest.skip("DEVICE=CUDA but no CUDA device", allow_module_level=True)
+NVRTC = nvrtc_compiler()
+
+
+def _renderer(multiprocessors: int) -> PythonRenderer | CUDARenderer:
+  renderer = CUDARenderer() if DEVICE == "CUDA" else PythonRenderer("CUDA")
+  renderer.multiprocessors = multiprocessors
+  return renderer
+
+
+def _item(build: Callable[..., Tensor], shapes: list[tuple[int, ...]], seed: int) -> tuple[ScheduleItem, list]:
+  """The last kernel of `build(*inputs)` over seeded random inputs (the kernels before it run), and the inputs."""
+  rng = np.random.default_rng(seed)
+  values = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+  schedule = create_schedule([build(*(Tensor(v, device=DEVICE) for v in values)).lazydata])
+  run_schedule(schedule[:-1])
+  return schedule[-1], values
+
+
+def _run(kernel: Kernel, item: ScheduleItem) -> np.ndarray:
+  output = Buffer(DEVICE, item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, DEVICE)((output,) + item.inputs)
+  return output.numpy().astype(np.float64)
+
+
+def _compile_with_nvrtc(kernel: Kernel) -> None:
+  if NVRTC is None: return
+  cuda = Kernel(kernel.ast, CUDARenderer())
+  for opt in kernel.applied_opts: cuda.apply_opt(opt)   # every opt that fits the emulation fits CUDA
+  NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
+
+
+def _block_tile(kernel: Kernel) -> tuple[int, ...]:
+  """Outputs per block along each output axis that has threads or upcasts, outermost first."""
+  kinds = kernel.axis_types
+  per_axis: list[int] = []
+  for axis, size in enumerate(kernel.full_shape):
+    if kinds[axis].name in ("LOCAL", "UPCAST"): per_axis.append(size)
+  return tuple(per_axis)
+
+
+def _operand_loads(kernel: Kernel) -> int:
+  """Loads that vary along the reduce and along an output axis (the operands, and what a fused operand computes
+  from; a bias that varies along the reduce only is read from global memory)."""
+  k_axis = kernel.first_reduce
+  return sum(1 for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:])
+             if leaf.op.name == "LOAD" and st.real_strides()[k_axis] != 0 and any(st.real_strides()[:k_axis]))
+
+
+# ---------------------------------------------------------------- layouts and fused operands against NOOPT
+
+def _relu_bias_forward(x: Tensor, bias: Tensor, w: Tensor) -> Tensor:
+  return (x + bias).relu() @ w.T   # a Linear after a Linear + ReLU: the bias and ReLU fuse into the A operand
+
+
+def _relu_bias_weight_grad(g: Tensor, x: Tensor, bias: Tensor) -> Tensor:
+  return g.T @ (x + bias).relu()   # a weight gradient: both operands transposed views, one computed
+
+
+CASES = {
+  # name: (build, input shapes, multiprocessors, expected block tile)
+  "a@b": (lambda a, b: a @ b, [(64, 32), (32, 64)], 4, 32 * 32),
+  "a@bT": (lambda a, b: a @ b.T, [(64, 32), (64, 32)], 4, 32 * 32),
+  "aT@b": (lambda a, b: a.T @ b, [(32, 64), (32, 64)], 4, 32 * 32),
+  "aT@bT": (lambda a, b: a.T @ b.T, [(32, 64), (64, 32)], 2, 64 * 32),
+  "batched": (lambda a, b: a @ b, [(3, 32, 16), (3, 16, 32)], 3, 32 * 32),
+  "relu_bias_forward": (_relu_bias_forward, [(64, 48), (48,), (32, 48)], 4, 32 * 16),
+  "relu_bias_weight_grad": (_relu_bias_weight_grad, [(32, 64), (32, 48), (48,)], 6, 32 * 16),
+  "narrow_n": (lambda a, b: a @ b, [(64, 16), (16, 48)], 1, 64 * 16),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_shared_tiles_match_noopt(case: str) -> None:
+  """The heuristic stages every operand (both loads of a plain matmul, and the loads a fused operand reads) with
+  the block tile that gives each multiprocessor a block; the results equal NOOPT and numpy's float64."""
+  build, shapes, multiprocessors, block_outputs = CASES[case]
+  item, values = _item(build, shapes, seed=len(case))
+  plain = _run(Kernel(item.ast, _renderer(multiprocessors)), item)
+  kernel = Kernel(item.ast, _renderer(multiprocessors))
+  kernel.hand_coded_optimizations()
+  assert kernel.shared_tiles, kernel.applied_opts
+  assert len(kernel.staged_loads()) == _operand_loads(Kernel(item.ast, _renderer(multiprocessors)))
+  assert np.prod(_block_tile(kernel)) == block_outputs, kernel.applied_opts
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()   # the same ops in PyTorch
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
+SPLIT_K_CASES = {
+  "a@b": (lambda a, b: a @ b, [(32, 128), (128, 32)]),
+  "aT@bT": (lambda a, b: a.T @ b.T, [(128, 32), (32, 128)]),
+  "relu_bias_weight_grad": (_relu_bias_weight_grad, [(128, 32), (128, 32), (32,)]),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_K_CASES))
+def test_split_k_tiles_match_noopt(case: str) -> None:
+  """A grid with fewer threads than the device keeps busy splits each tile's reduce over GROUP threads: every thread
+  of the block fills the tiles (each group thread's slice of the step has its part), the partials meet after the
+  loop. Results equal NOOPT and PyTorch's float64."""
+  build, shapes = SPLIT_K_CASES[case]
+  item, values = _item(build, shapes, seed=len(case) + 7)
+  plain = _run(Kernel(item.ast, _renderer(64)), item)
+  kernel = Kernel(item.ast, _renderer(64))
+  kernel.hand_coded_optimizations()
+  assert kernel.shared_tiles and Opt(OptOps.GROUP, 0, 2) in kernel.applied_opts, kernel.applied_opts
+  assert any(kernel.axis_types[axis].name == "GROUP" for axis in kernel.staged_loads()[0][1])
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
+def test_padded_tile_rows() -> None:
+  """SHARED 0 4: each reduce element's row of a tile is followed by 4 unused floats (float4 reads stay aligned), so
+  the threads storing one float4 of an operand contiguous along the reduce (four rows) hit different banks."""
+  item, values = _item(lambda a, b: a @ b, [(64, 64), (64, 64)], seed=9)
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  for padding in (0, 4):
+    kernel = Kernel(item.ast, _renderer(4))
+    for opt in [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 8), Opt(OptOps.LOCAL, 1, 8),
+                Opt(OptOps.SHARED, 0, padding), Opt(OptOps.UNROLL, 0, 16)]:
+      kernel.apply_opt(opt)
+    sizes = [uop.arg[1] for uop in linearize(kernel) if uop.op is UOps.DEFINE_LOCAL]
+    assert sizes == [2 * 16 * (32 + padding)] * 2   # two stages of 16 rows
+    assert kernel.staged_tile_bytes() == 2 * 16 * (32 + padding) * 4
+    np.testing.assert_allclose(_run(kernel, item), plain, rtol=1e-5, atol=1e-5)
+    _compile_with_nvrtc(kernel)
+  with pytest.raises(KernelOptError):
+    Kernel(item.ast, _renderer(4)).apply_opt(Opt(OptOps.SHARED, 0, 8))
+
+
+@pytest.mark.parametrize("layout", ["aT@b", "a@b"])
+def test_padded_axis_with_staged_tiles(layout: str) -> None:
+  """PADTO on N pads every view, the operand broadcast along N too (masked beyond N's size): its tile is filled at N
+  index 0 of the block, not at the filling thread's own N (which, past the real size, loaded zeros for the whole
+  block: wrong results on the H100 for a.T @ b with N 784 padded to 832)."""
+  build = (lambda a, b: a.T @ b) if layout == "aT@b" else (lambda a, b: a @ b)
+  item, values = _item(build, [(32, 64) if layout == "aT@b" else (64, 32), (32, 112)], seed=11)
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  kernel = Kernel(item.ast, _renderer(4))
+  for opt in [Opt(OptOps.PADTO, 1, 64), Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 8),
+              Opt(OptOps.LOCAL, 1, 16), Opt(OptOps.SHARED, 0, 4), Opt(OptOps.UNROLL, 0, 16)]:
+    kernel.apply_opt(opt)
+  assert len(kernel.staged_loads()) == 2
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
+def test_more_multiprocessors_pick_smaller_tiles() -> None:
+  """The largest tile while the grid fills the device: 1 processor takes 128x128, 4 take 64x64, 16 take 32x32; where
+  none fills the device, the tile with the most blocks."""
+  item, _ = _item(lambda a, b: a @ b, [(128, 16), (16, 128)], seed=3)
+  tiles = {}
+  for multiprocessors in (1, 4, 16, 64, 1000):
+    kernel = Kernel(item.ast, _renderer(multiprocessors))
+    kernel.hand_coded_optimizations()
+    tiles[multiprocessors] = int(np.prod(_block_tile(kernel)))
+  assert tiles == {1: 128 * 128, 4: 64 * 64, 16: 32 * 32, 64: 16 * 16, 1000: 16 * 16}
+
+
+def test_unknown_multiprocessors_keep_the_largest_tile() -> None:
+  item, _ = _item(lambda a, b: a @ b, [(128, 16), (16, 128)], seed=4)
+  kernel = Kernel(item.ast, _renderer(0))
+  kernel.hand_coded_optimizations()
+  assert int(np.prod(_block_tile(kernel))) == 128 * 128
+
+
+def test_tiles_are_listed_largest_first() -> None:
+  areas = [tile.block[0] * tile.block[1] for tile in SHARED_TILES]
+  assert areas == sorted(areas, reverse=True)
+
+
+# ---------------------------------------------------------------- the choice for the MLP step's shapes (no run)
+
+def _scheduled(build: Callable[..., Tensor], shapes: list[tuple[int, ...]]) -> ScheduleItem:
+  inputs = [Tensor.empty(*shape, device="PYTHON") for shape in shapes]
+  return create_schedule([build(*inputs).lazydata])[-1]
+
+
+MLP_SHAPES = {
+  # the kernels of bench_jit.py's MLP step (784-512-512-10, batch 512): name -> (build, shapes, block tile, reduce
+  # step, GROUP threads splitting the reduce)
+  "forward_784": (lambda x, w: x @ w.T, [(512, 784), (512, 784)], (32, 32), 8, 2),
+  "forward_relu_512": (_relu_bias_forward, [(512, 512), (512,), (512, 512)], (32, 32), 16, 2),
+  "input_grad_512": (lambda g, w: g @ w, [(512, 512), (512, 512)], (32, 32), 16, 2),
+  "weight_grad_512": (_relu_bias_weight_grad, [(512, 512), (512, 512), (512,)], (32, 32), 16, 2),
+  "weight_grad_784": (lambda g, x: g.T @ x, [(512, 512), (512, 784)], (64, 16), 16, 2),
+  "square_4096": (lambda a, b: a @ b, [(4096, 4096), (4096, 4096)], (128, 128), 16, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(MLP_SHAPES))
+def test_mlp_step_matmuls_pick_filling_tiles(name: str) -> None:
+  """On 132 multiprocessors (H100) the 512-sized matmuls of the MLP step take 32x32 tiles (256 blocks, not the 16
+  of 128x128) with the reduce split over 2 GROUP threads (K = 784: in steps of 8), the 512x784 weight gradient 64x16
+  (392 blocks; 784 = 16 x 49); 4096^3 keeps 128x128 in steps of 16, no split (H100 figures in heuristic.py)."""
+  build, shapes, tile, step, group = MLP_SHAPES[name]
+  kernel = Kernel(_scheduled(build, shapes).ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert kernel.shared_tiles, kernel.applied_opts
+  assert Opt(OptOps.UNROLL, 0, step) in kernel.applied_opts
+  # every tile's rows padded by 4 floats (their transposed fills store into different banks)
+  assert Opt(OptOps.SHARED, 0, 4) in kernel.applied_opts
+  assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.GROUP] == ([group] if group > 1 else [])
+  # the opts: float4 upcasts along M and N, threads along M and N, then the second float4 runs along N and M
+  threads = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL]
+  upcasts = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.UPCAST]
+  runs = (upcasts[3], upcasts[2]) if len(upcasts) == 4 else (1, 1)
+  assert upcasts[:2] == [4, 4] and (threads[0] * 4 * runs[0], threads[1] * 4 * runs[1]) == tile
+  # double buffered: one barrier before the loop (step 0's tiles) and one per step; the fused bias is no tile
+  uops = linearize(kernel)
+  assert sum(uop.op is UOps.BARRIER for uop in uops) == 2
+  assert len(kernel.staged_loads()) == 2
+
+
+# ---------------------------------------------------------------- thin matmuls (a classifier's 10 outputs)
+
+THIN_CASES = {
+  # name: (build, input shapes, multiprocessors, the opt that splits the reduce over threads)
+  "rows": (_relu_bias_forward, [(64, 256), (256,), (10, 256)], 16, OptOps.GROUP),
+  "columns": (_relu_bias_weight_grad, [(256, 10), (256, 64), (64,)], 16, OptOps.GROUPTOP),
+  "columns_plain": (lambda g, x: g.T @ x, [(256, 6), (256, 96)], 8, OptOps.GROUPTOP),
+}
+
+
+def _blocks(kernel: Kernel) -> int:
+  return int(np.prod(kernel.full_shape[:kernel.global_dims]))
+
+
+@pytest.mark.parametrize("case", list(THIN_CASES))
+def test_thin_matmuls_split_the_reduce_and_match_noopt(case: str) -> None:
+  """An output axis of at most 16 (THIN_SIDE) and a long reduce: threads split the reduce (GROUP where the operands
+  are contiguous along it, GROUPTOP with 32 neighbouring outputs on LOCAL threads where they are contiguous along
+  the wide output axis) and the grid still gives every multiprocessor a block."""
+  build, shapes, multiprocessors, split = THIN_CASES[case]
+  item, values = _item(build, shapes, seed=len(case) + 40)
+  plain = _run(Kernel(item.ast, _renderer(multiprocessors)), item)
+  kernel = Kernel(item.ast, _renderer(multiprocessors))
+  kernel.hand_coded_optimizations()
+  assert not kernel.shared_tiles and any(opt.op is split for opt in kernel.applied_opts), kernel.applied_opts
+  assert _blocks(kernel) >= multiprocessors
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()   # the same ops in PyTorch
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
+def test_mlp_classifier_matmuls_fill_the_gpu() -> None:
+  """The MLP step's 512x512 @ (10x512)^T forward: a row of 32 GROUP threads per block, the 10 outputs upcast (512
+  blocks, was 10); its 10x512 weight gradient: 32 outputs x 8 GROUPTOP threads per block (160 blocks, was 10)."""
+  forward = Kernel(_scheduled(_relu_bias_forward, [(512, 512), (512,), (10, 512)]).ast, CUDARenderer())
+  forward.hand_coded_optimizations()
+  assert forward.applied_opts == [Opt(OptOps.UPCAST, 1, 10), Opt(OptOps.GROUP, 0, 32), Opt(OptOps.UNROLL, 0, 4)]
+  assert _blocks(forward) == 512
+  weight_grad = Kernel(_scheduled(_relu_bias_weight_grad, [(512, 10), (512, 512), (512,)]).ast, CUDARenderer())
+  weight_grad.hand_coded_optimizations()
+  assert weight_grad.applied_opts == [Opt(OptOps.LOCAL, 1, 32), Opt(OptOps.GROUPTOP, 0, 8), Opt(OptOps.UNROLL, 0, 4)]
+  assert _blocks(weight_grad) == 160
