@@ -261,6 +261,10 @@ class Llama:
       return logits
     return self._prefill_jits((start, length), tokens, cos, sin, write, mask, start)
 
+  def prefill_jit_for(self, start: int, length: int) -> TinyJit:
+    """The TinyJit that `model(tokens, start, jit=True)` runs for a prompt of `length` tokens at `start` (profiling)."""
+    return self._prefill_jits.jits[(start, length)]
+
   def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor,
                      start: int) -> Tensor:
     x = self.embedding[tokens]
