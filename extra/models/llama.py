@@ -45,6 +45,7 @@ from extra.models.shape_jits import ShapeJits
 
 
 PREFILL_CAPTURES = 4  # prompt shapes whose jitted prefill is kept (each holds its kernels' buffers)
+PREFILL_BUCKET = 64  # a jitted prefill pads the prompt to a multiple of this many tokens (one capture per bucket)
 
 
 @dataclass(frozen=True)
@@ -142,12 +143,12 @@ class LlamaBlock:
   def _inverse_rms(self, x: Tensor) -> Tensor:
     return (x.square().mean(-1, keepdim=True) + self.config.norm_eps).rsqrt()
 
-  def _write_cache(self, new: Tensor, write: Tensor, start: int) -> Tensor:
-    """The cache with `new` (1, L, 2 kv, hd) written at positions [start, start + L); `write` marks them."""
-    length, max_context = new.shape[1], self.cache.shape[1]
-    # one position: broadcast it over the cache (no offset in the kernel); several: pad it into place
-    if length == 1: placed = new.expand(self.cache.shape)
-    else: placed = new.pad((None, (start, max_context - start - length), None, None))
+  def _write_cache(self, new: Tensor, write: Tensor, placement: Tensor) -> Tensor:
+    """The cache with the rows of `new` (1, B, 2 kv, hd) written where `write` (1, max_context, 1, 1) is True:
+    cache slot p takes row placement[p] (a host-made int32 (max_context,) index, p - start where written), an
+    indexed read of B rows, so the kernels do not depend on the start position."""
+    rows = new.shape[1]
+    placed = new.reshape(rows, -1)[placement].reshape(self.cache.shape)
     self.cache.assign(write.where(placed, self.cache))
     return self.cache  # attention reads the buffer after this write (one kernel writes the cache, none copies it)
 
@@ -170,12 +171,13 @@ class LlamaBlock:
     gate, up = (x.linear(self.w_gate_up) * scale).chunk(2, dim=-1)
     return x + (gate.silu() * up).linear(self.w_down)
 
-  def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
-    """x (1, L, dim) at positions [start, start + L); cos/sin (L, head_dim) from `rope_inputs`."""
+  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, mask: Tensor) -> Tensor:
+    """x (1, B, dim) of a prompt padded to B tokens; cos/sin (B, head_dim) from `rope_inputs`; the first
+    mask.shape[-1] cache slots attended under the additive `mask` (1, 1, B, attended)."""
     batch, length, _ = x.shape
-    kv_heads = self.config.n_kv_heads
+    kv_heads, attended_slots = self.config.n_kv_heads, mask.shape[-1]
     q, new = self._project(x, cos, sin)
-    cache = self._write_cache(new, write, start)
+    cache = self._write_cache(new, write, placement)[:, :attended_slots]
     keys, values = cache[:, :, :kv_heads].transpose(1, 2), cache[:, :, kv_heads:].transpose(1, 2)
     attended = q.transpose(1, 2).scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
     return self._feed_forward(x, attended.transpose(1, 2).reshape(batch, length, self.config.dim))
@@ -216,7 +218,7 @@ class Llama:
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
     self._decode_jit = TinyJit(self._decode_graph)
-    self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by (start, length)
+    self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
   @staticmethod
   def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None,
@@ -233,43 +235,64 @@ class Llama:
     a call starts before them, so this only matters to free the old values."""
     for block in self.blocks: block.cache.assign(Tensor.zeros_like(block.cache)).realize()
 
-  def _position_inputs(self, start: int, length: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Host-made inputs for positions [start, start + length): rope cos/sin, the cache-write marks and the mask."""
-    positions = np.arange(start, start + length)
+  def prefill_shape(self, start: int, length: int) -> tuple[int, int]:
+    """(padded tokens B, attended cache slots A) of a jitted prefill of `length` tokens at `start`: both rounded up
+    to a multiple of PREFILL_BUCKET (A at most the context), so that prompts of many lengths and starts share one
+    capture (fixed-shape kernels that the optimizer handles), at the cost of at most PREFILL_BUCKET - 1 padded
+    tokens."""
+    def rounded(n: int) -> int: return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+    return rounded(length), min(rounded(start + length), self.max_context)
+
+  def _position_inputs(self, start: int, length: int, padded: int, attended: int) -> dict[str, Tensor]:
+    """Host-made inputs of a prompt of `length` tokens at [start, start + length), padded to `padded` rows and
+    attending to the first `attended` cache slots: rope cos/sin of each row's position, the cache-write marks, the
+    row each cache slot takes (`placement`), the additive causal mask and the index of the last real row."""
+    positions = np.arange(start, start + padded)
     cos, sin = rope_inputs(positions, self.config.head_dim, self.config.rope_theta)
     slots = np.arange(self.max_context)
     write = ((slots >= start) & (slots < start + length)).reshape(1, self.max_context, 1, 1)
-    visible = slots.reshape(1, -1) <= positions.reshape(-1, 1)  # (length, max_context): the past and itself
-    mask = np.where(visible, 0.0, -np.inf).astype(np.float32).reshape(1, 1, length, self.max_context)
-    return (Tensor(cos, device=self.device), Tensor(sin, device=self.device), Tensor(write, device=self.device),
-            Tensor(mask, device=self.device))
+    placement = np.clip(slots - start, 0, padded - 1).astype(np.int32)
+    # row i (position start + i) sees the slots up to its own: the past and itself; padded rows see stale slots,
+    # harmlessly (their outputs are never read, and every row sees slot 0 at least: no row is all -inf)
+    visible = slots[:attended].reshape(1, -1) <= positions.reshape(-1, 1)
+    mask = np.where(visible, 0.0, -np.inf).astype(np.float32).reshape(1, 1, padded, attended)
+    host = {"cos": cos, "sin": sin, "write": write, "placement": placement, "mask": mask,
+            "last": np.array([length - 1], np.int32)}
+    return {name: Tensor(value, device=self.device) for name, value in host.items()}
 
-  def __call__(self, tokens: Tensor, start: int, jit: bool = False) -> Tensor:
+  def __call__(self, tokens: Tensor | np.ndarray | list[list[int]], start: int, jit: bool = False) -> Tensor:
     """The logits (1, vocab) of the last of `tokens` (1, L) fed at positions [start, start + L), K and V cached.
+    The tokens are host data (a Tensor is read back): a jitted prefill pads them on the host, not in a kernel that
+    would compile for every new length.
 
-    `jit`: run through a TinyJit kept for this (start, L) (the last `PREFILL_CAPTURES` of them), so that a prompt
-    of a length seen twice before (a benchmark, a fixed-size template, a re-run) replays its kernels without
-    scheduling; a new length runs eagerly, as without it."""
-    batch, length = tokens.shape
-    if batch != 1: raise ShapeError(f"Llama runs one sequence at a time (batch 1), got tokens of shape {tokens.shape}")
+    `jit`: the prompt is padded to `prefill_shape`'s bucket and runs through the TinyJit kept for that shape (the
+    last `PREFILL_CAPTURES` of them): the third prompt of a bucket, whatever its exact length and start, replays the
+    captured kernels (no graph building, scheduling or compiling). Without it the graph has the prompt's exact
+    shape and is scheduled each call."""
+    ids = (tokens.numpy() if isinstance(tokens, Tensor) else np.asarray(tokens)).astype(np.int32)
+    if ids.ndim != 2 or ids.shape[0] != 1:
+      raise ShapeError(f"Llama runs one sequence at a time (tokens of shape (1, L)), got tokens of shape {ids.shape}")
+    length = ids.shape[1]
     if start + length > self.max_context:
       raise ValueError(f"positions {start}..{start + length - 1} exceed the context of {self.max_context} tokens")
-    cos, sin, write, mask = self._position_inputs(start, length)
+    padded, attended = self.prefill_shape(start, length) if jit else (length, start + length)
+    tokens_t = Tensor(np.pad(ids, ((0, 0), (0, padded - length))), device=self.device)
+    inputs = self._position_inputs(start, length, padded, attended)
     if not jit:
-      logits = self._prefill_graph(tokens, cos, sin, write, mask, start)
+      logits = self._prefill_graph(tokens_t, **inputs)
       Tensor.realize_all(logits, *(block.cache for block in self.blocks))
       return logits
-    return self._prefill_jits((start, length), tokens, cos, sin, write, mask, start)
+    return self._prefill_jits((padded, attended), tokens_t, *inputs.values())  # positional: TinyJit's fast path
 
   def prefill_jit_for(self, start: int, length: int) -> TinyJit:
     """The TinyJit that `model(tokens, start, jit=True)` runs for a prompt of `length` tokens at `start` (profiling)."""
-    return self._prefill_jits.jits[(start, length)]
+    return self._prefill_jits.jits[self.prefill_shape(start, length)]
 
-  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor,
-                     start: int) -> Tensor:
+  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, mask: Tensor,
+                     last: Tensor) -> Tensor:
     x = self.embedding[tokens]
-    for block in self.blocks: x = block(x, start, cos, sin, write, mask)
-    return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(self.output)
+    for block in self.blocks: x = block(x, cos, sin, write, placement, mask)
+    return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(self.output)
 
   def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
                     position: Variable | None) -> Tensor:
