@@ -10,7 +10,7 @@ Two views of the same captured kernels:
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
         python extra/bench/profile_models.py --workload prefill
 
-    python extra/bench/profile_models.py --workload prefill [--prefill 512] [--symbolic]
+    python extra/bench/profile_models.py --workload prefill [--prefill 512]
     python extra/bench/profile_models.py --workload minilm
 Without a GPU, `--device CLANG` runs the same (slowly, with `--layers 2` for a smoke test).
 """
@@ -104,7 +104,7 @@ def prefill_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], An
   config = dataclasses.replace(SMOLLM2_135M, n_layers=args.layers or SMOLLM2_135M.n_layers)
   weights = {name: Tensor(value, device=args.device) for name, value in random_llama_weights(config).items()}
   Tensor.realize_all(*weights.values())
-  model = Llama(config, weights, max_context=args.prefill + 8, symbolic=args.symbolic)
+  model = Llama(config, weights, max_context=args.prefill + 8)
   rng = np.random.default_rng(0)
   tokens = Tensor(rng.integers(100, config.vocab_size, (1, args.prefill)).astype(np.int32), device=args.device)
 
@@ -135,7 +135,6 @@ def main() -> None:
   parser.add_argument("--workload", choices=("prefill", "minilm"), default="prefill")
   parser.add_argument("--device", default="CUDA")
   parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill")
-  parser.add_argument("--symbolic", action="store_true", help="the prefill with a symbolic prompt length")
   parser.add_argument("--batch", type=int, default=64, help="MiniLM sentences per batch (32 tokens each)")
   parser.add_argument("--layers", type=int, default=0, help="fewer layers (a smoke test); 0: the model's")
   parser.add_argument("--repeats", type=int, default=5, help="launches per kernel for the per-kernel table")
