@@ -438,9 +438,11 @@ def scatter_add_rows(rows: LazyBuffer, index: LazyBuffer, positions: LazyBuffer,
   nothing. Three kernels, none with an M x N x R loop (the one-hot sum over the whole table):
   1. summed (M, R): each row plus the rows with the same index (an M x M x R masked sum: repeated indices);
   2. last (N,): for each table row, the last m that picks it, or -1 (an N x M compare-and-max, no R);
-  3. the table: row r is summed[last[r]], an indexed read of the picked rows (-1 reads zeros)."""
+  3. the table: row r is summed[last[r]], an indexed read of the picked rows (-1 reads zeros).
+  With more picks than table rows (M > N) the one-hot masked sum over (N, M, R) is the cheaper loop: used then."""
   count, width = rows.shape
   table_rows = positions.shape[0]
+  if count > table_rows: return _one_hot_rows_sum(rows, index, positions)
   pairs = (count, count, 1)
   same = _equal(index.reshape((count, 1, 1)).expand(pairs), index.reshape((1, count, 1)).expand(pairs))
   spread = (count, count, width)
@@ -452,3 +454,13 @@ def scatter_add_rows(rows: LazyBuffer, index: LazyBuffer, positions: LazyBuffer,
   last = _where(picks, candidates, candidates.const_like(-1)).reduce(Ops.MAX_REDUCE, (1,)).reshape((table_rows,))
   # realized: a gather recomputing its index per column would be the N x M x R loop again
   return summed.gather_rows(last.contiguous())
+
+
+def _one_hot_rows_sum(rows: LazyBuffer, index: LazyBuffer, positions: LazyBuffer) -> LazyBuffer:
+  """Table row r = the sum of rows[m] with index[m] == r, as one masked sum over (M, N, R)."""
+  (count, width), table_rows = rows.shape, positions.shape[0]
+  spread = (count, table_rows, width)
+  picks = _equal(index.reshape((count, 1, 1)).expand(spread), positions.reshape((1, table_rows, 1)).expand(spread))
+  spread_rows = rows.reshape((count, 1, width)).expand(spread)
+  picked = _where(picks, spread_rows, spread_rows.const_like(0))
+  return picked.reduce(Ops.SUM, (0,)).reshape((table_rows, width))

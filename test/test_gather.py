@@ -173,3 +173,16 @@ def test_embedding_gradient_touches_only_the_picked_rows() -> None:
   touched = np.unique(tokens)
   np.testing.assert_allclose(got[touched], expected[touched], rtol=1e-5, atol=1e-5)
   assert not np.any(np.delete(got, touched, axis=0))
+
+
+def test_more_picks_than_rows_gradient() -> None:
+  """More indices than table rows (M > N: the one-hot sum is the cheaper loop then) against torch."""
+  rng = np.random.default_rng(14)
+  table = rng.standard_normal((3, 5)).astype(np.float32)
+  index = rng.integers(-3, 3, 40)
+  upstream = rng.standard_normal((40, 5)).astype(np.float32)
+  ours = Tensor(table, requires_grad=True)
+  (ours[Tensor(index)] * Tensor(upstream)).sum().backward()
+  reference = torch.tensor(table, requires_grad=True)
+  (reference[torch.from_numpy(index)] * torch.from_numpy(upstream)).sum().backward()
+  np.testing.assert_allclose(ours.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-5)
