@@ -139,18 +139,28 @@ class LlamaBlock:
     Tensor.realize_all(self.w_qkv, self.w_gate_up)
     cache_shape = (1, max_context, 2 * config.n_kv_heads, config.head_dim)
     self.cache = Tensor.zeros(*cache_shape, device=wq.device).contiguous().realize()
+    # (1, 1, heads + 2 kv_heads, 1): True at the V heads of the fused projection (RoPE leaves them as they are)
+    value_heads = np.arange(config.n_heads + 2 * config.n_kv_heads) >= config.n_heads + config.n_kv_heads
+    self.value_heads = Tensor(value_heads.reshape(1, 1, -1, 1), device=wq.device).realize()
 
   def _inverse_rms(self, x: Tensor) -> Tensor:
     return (x.square().mean(-1, keepdim=True) + self.config.norm_eps).rsqrt()
 
-  def _write_cache(self, new: Tensor, write: Tensor, placement: Tensor) -> Tensor:
-    """The cache with the rows of `new` (1, B, 2 kv, hd) written where `write` (1, max_context, 1, 1) is True:
-    cache slot p takes row placement[p] (a host-made int32 (max_context,) index, p - start where written), an
-    indexed read of B rows, so the kernels do not depend on the start position."""
-    rows = new.shape[1]
-    placed = new.reshape(rows, -1)[placement].reshape(self.cache.shape)
+  def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
+    """q (1, B, heads, hd) of x (1, B, dim), rotated, after writing the rotated K and the V of its rows to the cache
+    where `write` (1, max_context, 1, 1) is True: cache slot p takes row placement[p] (a host-made int32
+    (max_context,) index, p - start where written), an indexed read, so no kernel depends on the start position.
+    RoPE runs on all Q, K and V heads of the projection at once (V heads selected back unrotated by a constant
+    mask): one kernel makes the rotated rows that the attention (Q) and the cache write (K, V) read."""
+    config = self.config
+    batch, length, _ = x.shape
+    heads, head_dim = config.n_heads, config.head_dim
+    projected = (x.linear(self.w_qkv) * self._inverse_rms(x)).reshape(batch, length, -1, head_dim)
+    cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
+    rotated = self.value_heads.where(projected, rotate_pairs(projected, cos, sin)).contiguous()
+    placed = rotated.reshape(length, -1)[placement].reshape(1, self.cache.shape[1], -1, head_dim)[:, :, heads:]
     self.cache.assign(write.where(placed, self.cache))
-    return self.cache  # attention reads the buffer after this write (one kernel writes the cache, none copies it)
+    return rotated[:, :, :heads]
 
   def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """(q (1, L, heads, hd) rotated, the new cache rows (1, L, 2 kv_heads, hd): rotated K then V) of x (1, L, dim)."""
@@ -176,8 +186,8 @@ class LlamaBlock:
     mask.shape[-1] cache slots attended under the additive `mask` (1, 1, B, attended)."""
     batch, length, _ = x.shape
     kv_heads, attended_slots = self.config.n_kv_heads, mask.shape[-1]
-    q, new = self._project(x, cos, sin)
-    cache = self._write_cache(new, write, placement)[:, :attended_slots]
+    q = self._project_prefill(x, cos, sin, write, placement)
+    cache = self.cache[:, :attended_slots]  # read after the write (one kernel writes the cache, none copies it)
     keys, values = cache[:, :, :kv_heads].transpose(1, 2), cache[:, :, kv_heads:].transpose(1, 2)
     attended = q.transpose(1, 2).scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
     return self._feed_forward(x, attended.transpose(1, 2).reshape(batch, length, self.config.dim))
