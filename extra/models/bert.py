@@ -73,8 +73,13 @@ class _SelfAttention:
     batch, length, hidden = x.shape
     head_dim = hidden // self.heads
 
-    def heads(t: Tensor) -> Tensor: return t.reshape(batch, length, self.heads, head_dim).transpose(1, 2)
-    q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+    # Q, K and V as one matmul (a wider output fills the device better, x is read once); the weights are
+    # concatenated in the graph, so weights loaded later are always the ones used
+    projections = (self.query, self.key, self.value)
+    weight = Tensor.cat([p.weight for p in projections], dim=0)
+    bias = Tensor.cat([p.bias for p in projections], dim=0)
+    qkv = x.linear(weight, bias).reshape(batch, length, 3, self.heads, head_dim)
+    q, k, v = (qkv[:, :, n].transpose(1, 2) for n in range(3))
     out = q.scaled_dot_product_attention(k, v, attn_mask=keep, scale=1.0 / math.sqrt(head_dim))
     return out.transpose(1, 2).reshape(batch, length, hidden)
 
