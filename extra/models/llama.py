@@ -181,16 +181,24 @@ class LlamaBlock:
     gate, up = (x.linear(self.w_gate_up) * scale).chunk(2, dim=-1)
     return x + (gate.silu() * up).linear(self.w_down)
 
-  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, mask: Tensor) -> Tensor:
-    """x (1, B, dim) of a prompt padded to B tokens; cos/sin (B, head_dim) from `rope_inputs`; the first
-    mask.shape[-1] cache slots attended under the additive `mask` (1, 1, B, attended)."""
+  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor) -> Tensor:
+    """x (1, B, dim) of a prompt padded to B tokens; cos/sin (B, head_dim) from `rope_inputs`; `visible` (B, A) bool:
+    which of the first A cache slots each row attends to. Grouped-query attention by folding the query heads that
+    share a KV head into the rows of one matmul per KV head: (kv, group * B, hd) @ (kv, hd, A), keys read once."""
+    config = self.config
     batch, length, _ = x.shape
-    kv_heads, attended_slots = self.config.n_kv_heads, mask.shape[-1]
-    q = self._project_prefill(x, cos, sin, write, placement)
-    cache = self.cache[:, :attended_slots]  # read after the write (one kernel writes the cache, none copies it)
-    keys, values = cache[:, :, :kv_heads].transpose(1, 2), cache[:, :, kv_heads:].transpose(1, 2)
-    attended = q.transpose(1, 2).scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
-    return self._feed_forward(x, attended.transpose(1, 2).reshape(batch, length, self.config.dim))
+    heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+    group, attended_slots = heads // kv_heads, visible.shape[-1]
+    q = self._project_prefill(x, cos, sin, write, placement)  # (1, B, heads, hd)
+    cache = self.cache[0, :attended_slots]  # read after the write (one kernel writes the cache, none copies it)
+    keys = cache[:, :kv_heads].permute(1, 2, 0)  # (kv, hd, A)
+    values = cache[:, kv_heads:].permute(1, 0, 2)  # (kv, A, hd)
+    q = q.reshape(length, heads, head_dim).permute(1, 0, 2).reshape(kv_heads, group * length, head_dim)
+    scores = (q @ keys * (1.0 / math.sqrt(head_dim))).reshape(kv_heads, group, length, attended_slots)
+    # every row sees slot 0 at least: no row is all -inf, the plain softmax is safe
+    weights = visible.where(scores, -math.inf).softmax(-1).reshape(kv_heads, group * length, attended_slots)
+    attended = (weights @ values).reshape(heads, length, head_dim).permute(1, 0, 2)  # (B, heads, hd)
+    return self._feed_forward(x, attended.reshape(batch, length, config.dim))
 
   def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
              mask: Tensor | None) -> Tensor:
@@ -227,6 +235,7 @@ class Llama:
     self.device = self.embedding.device
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
+    self.slots = Tensor(np.arange(max_context, dtype=np.int32), device=self.device).realize()  # cache slot numbers
     self._decode_jit = TinyJit(self._decode_graph)
     self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
@@ -253,20 +262,16 @@ class Llama:
     def rounded(n: int) -> int: return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
     return rounded(length), min(rounded(start + length), self.max_context)
 
-  def _position_inputs(self, start: int, length: int, padded: int, attended: int) -> dict[str, Tensor]:
-    """Host-made inputs of a prompt of `length` tokens at [start, start + length), padded to `padded` rows and
-    attending to the first `attended` cache slots: rope cos/sin of each row's position, the cache-write marks, the
-    row each cache slot takes (`placement`), the additive causal mask and the index of the last real row."""
+  def _position_inputs(self, start: int, length: int, padded: int) -> dict[str, Tensor]:
+    """Host-made inputs of a prompt of `length` tokens at [start, start + length), padded to `padded` rows: rope
+    cos/sin of each row's position, the cache-write marks, the row each cache slot takes (`placement`), each row's
+    position (the causal mask is computed from it on the device) and the index of the last real row."""
     positions = np.arange(start, start + padded)
     cos, sin = rope_inputs(positions, self.config.head_dim, self.config.rope_theta)
     slots = np.arange(self.max_context)
     write = ((slots >= start) & (slots < start + length)).reshape(1, self.max_context, 1, 1)
     placement = np.clip(slots - start, 0, padded - 1).astype(np.int32)
-    # row i (position start + i) sees the slots up to its own: the past and itself; padded rows see stale slots,
-    # harmlessly (their outputs are never read, and every row sees slot 0 at least: no row is all -inf)
-    visible = slots[:attended].reshape(1, -1) <= positions.reshape(-1, 1)
-    mask = np.where(visible, 0.0, -np.inf).astype(np.float32).reshape(1, 1, padded, attended)
-    host = {"cos": cos, "sin": sin, "write": write, "placement": placement, "mask": mask,
+    host = {"cos": cos, "sin": sin, "write": write, "placement": placement, "positions": positions.astype(np.int32),
             "last": np.array([length - 1], np.int32)}
     return {name: Tensor(value, device=self.device) for name, value in host.items()}
 
@@ -287,21 +292,25 @@ class Llama:
       raise ValueError(f"positions {start}..{start + length - 1} exceed the context of {self.max_context} tokens")
     padded, attended = self.prefill_shape(start, length) if jit else (length, start + length)
     tokens_t = Tensor(np.pad(ids, ((0, 0), (0, padded - length))), device=self.device)
-    inputs = self._position_inputs(start, length, padded, attended)
+    inputs = self._position_inputs(start, length, padded)
     if not jit:
-      logits = self._prefill_graph(tokens_t, **inputs)
+      logits = self._prefill_graph(tokens_t, **inputs, attended=attended)
       Tensor.realize_all(logits, *(block.cache for block in self.blocks))
       return logits
-    return self._prefill_jits((padded, attended), tokens_t, *inputs.values())  # positional: TinyJit's fast path
+    return self._prefill_jits((padded, attended), tokens_t, *inputs.values(), attended)  # positional: the fast path
 
   def prefill_jit_for(self, start: int, length: int) -> TinyJit:
     """The TinyJit that `model(tokens, start, jit=True)` runs for a prompt of `length` tokens at `start` (profiling)."""
     return self._prefill_jits.jits[self.prefill_shape(start, length)]
 
-  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, mask: Tensor,
-                     last: Tensor) -> Tensor:
+  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor,
+                     positions: Tensor, last: Tensor, attended: int) -> Tensor:
+    """The logits (1, vocab) of row `last` of the (1, B) `tokens` at `positions` (B,), attending to the first
+    `attended` cache slots: slot j is visible to a row at position p when j <= p (the past and itself; padded rows
+    see stale slots, harmlessly: their outputs are never read, and every row sees slot 0, so no row is all -inf)."""
+    visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
     x = self.embedding[tokens]
-    for block in self.blocks: x = block(x, cos, sin, write, placement, mask)
+    for block in self.blocks: x = block(x, cos, sin, write, placement, visible)
     return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(self.output)
 
   def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
