@@ -13,17 +13,22 @@ Weights read from GGUF are used as stored, so this file rotates interleaved pair
 p, angle = p * base^(-2i/head_dim), (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos). `rope_rows_to_halves` undoes the
 permutation for comparisons with a rotate_half implementation.
 
-KV cache. Each block keeps K and V for `max_context` positions in realized buffers (zeros at first). A call with
-tokens at positions [start, start + L) writes their K and V there (an elementwise `where` over the cache with
-host-made write marks) and attends to all cached positions with an additive mask that hides the future and the
-unwritten tail. The rotary angles, the marks and the mask are small host-made inputs.
+KV cache. Each block keeps K and V for `max_context` positions in realized buffers (zeros at first). A prompt at
+positions [start, start + L) writes its K and V there (a `where` over the cache with host-made write marks, each
+slot taking its row by an indexed read, so no kernel depends on `start`) and attends to the first A cache slots
+under a causal mask computed on the device from each row's position. The rotary angles, the marks, the placement
+and the positions are small host-made inputs.
+
+Prompts (`model(tokens, start, jit=...)`). With `jit=True` the prompt is padded to a multiple of PREFILL_BUCKET
+tokens and A rounded up likewise: every prompt of a bucket, whatever its length and start, replays one TinyJit
+capture (fixed-shape kernels, all optimized; a symbolic length would make the matmuls plain loop nests, docs/jit.md).
+Without it the graph has the prompt's exact shape and is scheduled on each call.
 
 Decoding (`model.decode(token, position)`). One token's step runs through a TinyJit: captured on its second call,
 replayed (no graph building, scheduling or compiling) on every later one, whatever the position. With
 `symbolic=True` (the default) the position is a bound Variable and attention reads only `cache[:, :position + 1]`;
 with `symbolic=False` it reads the whole cache under the mask, so every kernel has a fixed shape (the optimizer
-handles them all and a CUDA graph replays the step as one launch). Prompts go through `model(tokens, start)`,
-eagerly or (`jit=True`) through a TinyJit per (start, length).
+handles them all and a CUDA graph replays the step as one launch).
 """
 from __future__ import annotations
 
