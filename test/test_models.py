@@ -393,6 +393,30 @@ def test_bert_jitted_sentence_embeddings() -> None:
   assert len(jits) == 2 and all(jit.captured is not None for key, jit in jits.items() if key[0] == (3, 6))
 
 
+def test_bert_fused_qkv_follows_new_weights() -> None:
+  """The concatenated Q/K/V weights kept by the inference path are remade when the layers get new weights
+  (load_state_dict, assign), also under a replayed TinyJit capture; with gradients they flow to the three layers."""
+  from ourgrad.nn.state import get_state_dict, load_state_dict
+  model = BertEncoder(TINY_BERT)
+  rng = np.random.default_rng(9)
+  ids = rng.integers(1, TINY_BERT.vocab_size, (2, 5)).astype(np.int32)
+  mask = np.ones_like(ids)
+  for _ in range(2):  # the second set of weights arrives after the first was captured and replayed
+    weights = {name: (rng.standard_normal(t.shape) * 0.3).astype(np.float32)
+               for name, t in get_state_dict(model).items()}
+    load_state_dict(model, {name: Tensor(value) for name, value in weights.items()})
+    hidden = torch_bert(weights, TINY_BERT, ids, mask)
+    expected = hidden.mean(1) / np.linalg.norm(hidden.mean(1), axis=1, keepdims=True)
+    for _ in range(3):
+      got = model.sentence_embeddings(Tensor(ids), Tensor(mask), jit=True).numpy()
+      np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+  attention = model.encoder.layer[0].attention.self
+  for layer in (attention.query, attention.key, attention.value): layer.weight.requires_grad = True
+  model(Tensor(ids), Tensor(mask)).sum().backward()
+  assert all(layer.weight.grad is not None and np.abs(layer.weight.grad.numpy()).sum() > 0
+             for layer in (attention.query, attention.key, attention.value))
+
+
 # ---------------------------------------------------------------- the real checkpoints
 
 
