@@ -396,7 +396,8 @@ class MovementMixin:
     table = self.reshape(rows, prod(rest))
     needs_positions = table.requires_grad and not Tensor.no_grad
     positions = Tensor.arange(rows, device=self.device).lazydata if needs_positions else None
-    picked = F.GatherRows.apply(table, flat_index.detach(), positions=positions)
+    occurrences = Tensor.arange(flat_index.shape[0], device=self.device).lazydata if needs_positions else None
+    picked = F.GatherRows.apply(table, flat_index.detach(), positions=positions, occurrences=occurrences)
     return picked.reshape(*index.shape, *rest)
 
   def _index_with_tensors(self, tensor_dims: list[tuple[int, Tensor]]) -> Tensor:

@@ -97,3 +97,93 @@ def test_gathered_read_on_the_python_device() -> None:
   table = np.arange(12, dtype=np.int32).reshape(4, 3)
   got = Tensor(table, device="PYTHON")[Tensor([3, -1, 4, 0], device="PYTHON")].numpy()
   np.testing.assert_array_equal(got, np.stack([table[3], table[3], np.zeros(3, np.int32), table[0]]))
+
+
+# ---------------------------------------------------------------- gradients: a scatter-add of the picked rows
+
+
+def test_embedding_gradient_scatter_adds_repeated_rows() -> None:
+  """Embedding backward against torch, with indices that repeat (within a row of the batch and across rows)."""
+  rng = np.random.default_rng(11)
+  table = rng.standard_normal((10, 6)).astype(np.float32)
+  tokens = np.array([[1, 1, 7, 3, 1, 0], [9, 3, 3, 3, 0, 1], [7, 7, 7, 7, 7, 7], [2, 4, 6, 8, 9, 0]])
+  upstream = rng.standard_normal((4, 6, 6)).astype(np.float32)
+  embedding = Embedding(10, 6)
+  embedding.weight = Tensor(table, requires_grad=True)
+  (embedding(Tensor(tokens)) * Tensor(upstream)).sum().backward()
+  reference = torch.tensor(table, requires_grad=True)
+  (torch.nn.functional.embedding(torch.from_numpy(tokens), reference) * torch.from_numpy(upstream)).sum().backward()
+  np.testing.assert_allclose(embedding.weight.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_index_gradient_on_a_middle_dim() -> None:
+  """x[:, idx] with negative and repeated indices: the gradient of a view-indexed dim against torch."""
+  rng = np.random.default_rng(12)
+  x = rng.standard_normal((3, 7, 4)).astype(np.float32)
+  index = np.array([[0, -1, 6], [2, 2, -7]])  # -1 is row 6, -7 row 0: repeats through negative indices too
+  upstream = rng.standard_normal((3, 2, 3, 4)).astype(np.float32)
+  ours = Tensor(x, requires_grad=True)
+  (ours[:, Tensor(index)] * Tensor(upstream)).sum().backward()
+  reference = torch.tensor(x, requires_grad=True)
+  (reference[:, torch.from_numpy(index)] * torch.from_numpy(upstream)).sum().backward()
+  np.testing.assert_allclose(ours.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_range_rows_get_no_gradient() -> None:
+  """An index outside [-n, n) reads zeros and so adds nothing to any row (PyTorch raises; numpy reference)."""
+  table = np.arange(20, dtype=np.float32).reshape(5, 4)
+  index = np.array([4, 5, -6, 4, 1000, 0])
+  upstream = np.arange(24, dtype=np.float32).reshape(6, 4)
+  ours = Tensor(table, requires_grad=True)
+  (ours[Tensor(index)] * Tensor(upstream)).sum().backward()
+  expected = np.zeros_like(table)
+  for row, picked in zip(upstream, index):
+    if -5 <= picked < 5: expected[picked] += row
+  np.testing.assert_array_equal(ours.grad.numpy(), expected)
+
+
+def test_embedding_gradient_touches_only_the_picked_rows() -> None:
+  """The gradient of 512 tokens from a 49152 x 576 table (SmolLM2's): the one-hot masked sum over the whole table
+  (512 x 49152 x 576 compare-selects and adds, about 3e10 ops) is gone. The scatter-add sums the repeated rows
+  (512 x 512 x 576), finds each table row's last pick (49152 x 512 compares, no width) and writes the (dense)
+  gradient as an indexed read of the summed rows: ops pinned to those three loops (2% of the one-hot's at most),
+  bytes at the dense gradient's write plus the gathered read's estimate (one element per output, as the forward
+  counts it) plus rows-sized terms."""
+  rng = np.random.default_rng(13)
+  rows, width, count = 49152, 576, 512
+  table = Tensor(rng.standard_normal((rows, width), dtype=np.float32), requires_grad=True).realize()
+  tokens = rng.integers(0, rows, count)
+  tokens[:8] = tokens[8]  # some repeats
+  upstream = rng.standard_normal((count, width), dtype=np.float32)
+  upstream_t, tokens_t = Tensor(upstream).realize(), Tensor(tokens.astype(np.int32)).realize()
+  out = table[tokens_t]
+  (out * upstream_t).sum().backward()
+  GlobalCounters.reset()
+  grad = table.grad.realize()
+  # two to three ops (select or compare, then add or max; the GPU kernels count a little more) per element of each of
+  # the three loops
+  ops = GlobalCounters.global_ops
+  assert ops <= 3 * (count * count * width + rows * count + rows * width), ops
+  assert ops < 2 * count * rows * width // 50  # the one-hot's
+  table_bytes, row_bytes = rows * width * 4, width * 4
+  assert table_bytes <= GlobalCounters.global_mem <= 2 * table_bytes + 4 * count * row_bytes + 16 * rows + count ** 2
+  assert GlobalCounters.kernel_count <= 4
+  expected = np.zeros((rows, width), np.float32)
+  np.add.at(expected, tokens, upstream)
+  got = grad.numpy()
+  touched = np.unique(tokens)
+  np.testing.assert_allclose(got[touched], expected[touched], rtol=1e-5, atol=1e-5)
+  assert not np.any(np.delete(got, touched, axis=0))
+
+
+def test_more_picks_than_rows_gradient() -> None:
+  """More indices than table rows (M > N: the one-hot sum is the cheaper loop then) against torch."""
+  rng = np.random.default_rng(14)
+  table = rng.standard_normal((3, 5)).astype(np.float32)
+  index = rng.integers(-3, 3, 40)
+  upstream = rng.standard_normal((40, 5)).astype(np.float32)
+  ours = Tensor(table, requires_grad=True)
+  (ours[Tensor(index)] * Tensor(upstream)).sum().backward()
+  reference = torch.tensor(table, requires_grad=True)
+  (reference[torch.from_numpy(index)] * torch.from_numpy(upstream)).sum().backward()
+  np.testing.assert_allclose(ours.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-5)

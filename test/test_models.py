@@ -10,6 +10,7 @@ sampling, and the real checkpoints (skipped when their pip packages are absent):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import struct
@@ -234,7 +235,7 @@ def test_llama_jitted_decode_matches_torch(symbolic: bool, compiles, _no_cuda_re
 
 def test_llama_jitted_prefill_replays() -> None:
   """Prompts of one length through the prefill TinyJit: the third call replays and still writes the cache (the
-  decode after it sees the prompt); another start or length gets its own capture."""
+  decode after it sees the prompt); a prompt at another start in the same bucket replays the same capture."""
   weights = _tiny_weights(TINY, seed=6)
   prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]]
   model = _tiny_llama(weights)
@@ -243,11 +244,38 @@ def test_llama_jitted_prefill_replays() -> None:
     np.testing.assert_allclose(model(Tensor([prompt], dtype=dtypes.int32), 0, jit=True).numpy()[0], expected[4],
                                rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(model.decode(20, 5).numpy()[0], expected[5], rtol=1e-4, atol=1e-4)
-  assert model._prefill_jits.jits[(0, 5)].captured is not None
+  jit = model.prefill_jit_for(0, 5)
+  assert jit.captured is not None and jit.call_count == 3
   expected = torch_llama_logits(weights, TINY, prompts[2] + prompts[1][:3])  # after the last prompt
   got = model(Tensor([prompts[1][:3]], dtype=dtypes.int32), 5, jit=True).numpy()[0]
   np.testing.assert_allclose(got, expected[-1], rtol=1e-4, atol=1e-4)
-  assert set(model._prefill_jits.jits) == {(0, 5), (5, 3)}
+  assert model.prefill_jit_for(5, 3) is jit and jit.call_count == 4 and len(model._prefill_jits.jits) == 1
+
+
+def test_llama_prefill_new_lengths_replay(compiles) -> None:
+  """A prompt length never seen before replays the capture of its bucket (padded to PREFILL_BUCKET tokens, the real
+  length in host-made inputs): nothing compiles, and the logits and the cache equal the unpadded eager prefill's."""
+  config = dataclasses.replace(TINY, context_length=80)
+  weights = _tiny_weights(config, seed=8)
+  model = Llama(config, {name: Tensor(value) for name, value in weights.items()}, max_context=80)
+  eager = Llama(config, {name: Tensor(value) for name, value in weights.items()}, max_context=80)
+  rng = np.random.default_rng(8)
+  for length in (40, 41):  # the capture: kernels compile here
+    model(Tensor(rng.integers(0, config.vocab_size, (1, length)).astype(np.int32)), 0, jit=True).numpy()
+  for start, length in ((0, 7), (0, 64), (3, 50), (10, 54)):  # every one in the bucket (64 tokens, 64 slots)
+    prompt = rng.integers(0, config.vocab_size, (1, length)).astype(np.int32)
+    compiled = len(compiles)
+    got = model(Tensor(prompt), start, jit=True).numpy()[0]
+    assert len(compiles) == compiled, compiles[compiled:]
+    expected = eager(Tensor(prompt), start).numpy()[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    for ours, theirs in zip(model.blocks, eager.blocks):
+      np.testing.assert_allclose(ours.cache.numpy()[0, :start + length], theirs.cache.numpy()[0, :start + length],
+                                 rtol=1e-4, atol=1e-4)
+  full = torch_llama_logits(weights, config, [int(t) for t in prompt[0]])[-1]  # the last prompt alone
+  eager_alone = eager(Tensor(prompt), 0).numpy()[0]
+  np.testing.assert_allclose(eager_alone, full, rtol=1e-4, atol=1e-4)
+  assert set(model._prefill_jits.jits) == {(64, 64)}
 
 
 def test_llama_decode_outside_context() -> None:
@@ -363,6 +391,30 @@ def test_bert_jitted_sentence_embeddings() -> None:
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
   jits = model._pooled_jits.jits
   assert len(jits) == 2 and all(jit.captured is not None for key, jit in jits.items() if key[0] == (3, 6))
+
+
+def test_bert_fused_qkv_follows_new_weights() -> None:
+  """The concatenated Q/K/V weights kept by the inference path are remade when the layers get new weights
+  (load_state_dict, assign), also under a replayed TinyJit capture; with gradients they flow to the three layers."""
+  from ourgrad.nn.state import get_state_dict, load_state_dict
+  model = BertEncoder(TINY_BERT)
+  rng = np.random.default_rng(9)
+  ids = rng.integers(1, TINY_BERT.vocab_size, (2, 5)).astype(np.int32)
+  mask = np.ones_like(ids)
+  for _ in range(2):  # the second set of weights arrives after the first was captured and replayed
+    weights = {name: (rng.standard_normal(t.shape) * 0.3).astype(np.float32)
+               for name, t in get_state_dict(model).items()}
+    load_state_dict(model, {name: Tensor(value) for name, value in weights.items()})
+    hidden = torch_bert(weights, TINY_BERT, ids, mask)
+    expected = hidden.mean(1) / np.linalg.norm(hidden.mean(1), axis=1, keepdims=True)
+    for _ in range(3):
+      got = model.sentence_embeddings(Tensor(ids), Tensor(mask), jit=True).numpy()
+      np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+  attention = model.encoder.layer[0].attention.self
+  for layer in (attention.query, attention.key, attention.value): layer.weight.requires_grad = True
+  model(Tensor(ids), Tensor(mask)).sum().backward()
+  assert all(layer.weight.grad is not None and np.abs(layer.weight.grad.numpy()).sum() > 0
+             for layer in (attention.query, attention.key, attention.value))
 
 
 # ---------------------------------------------------------------- the real checkpoints

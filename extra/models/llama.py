@@ -13,17 +13,22 @@ Weights read from GGUF are used as stored, so this file rotates interleaved pair
 p, angle = p * base^(-2i/head_dim), (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos). `rope_rows_to_halves` undoes the
 permutation for comparisons with a rotate_half implementation.
 
-KV cache. Each block keeps K and V for `max_context` positions in realized buffers (zeros at first). A call with
-tokens at positions [start, start + L) writes their K and V there (an elementwise `where` over the cache with
-host-made write marks) and attends to all cached positions with an additive mask that hides the future and the
-unwritten tail. The rotary angles, the marks and the mask are small host-made inputs.
+KV cache. Each block keeps K and V for `max_context` positions in realized buffers (zeros at first). A prompt at
+positions [start, start + L) writes its K and V there (a `where` over the cache with host-made write marks, each
+slot taking its row by an indexed read, so no kernel depends on `start`) and attends to the first A cache slots
+under a causal mask computed on the device from each row's position. The rotary angles, the marks, the placement
+and the positions are small host-made inputs.
+
+Prompts (`model(tokens, start, jit=...)`). With `jit=True` the prompt is padded to a multiple of PREFILL_BUCKET
+tokens and A rounded up likewise: every prompt of a bucket, whatever its length and start, replays one TinyJit
+capture (fixed-shape kernels, all optimized; a symbolic length would make the matmuls plain loop nests, docs/jit.md).
+Without it the graph has the prompt's exact shape and is scheduled on each call.
 
 Decoding (`model.decode(token, position)`). One token's step runs through a TinyJit: captured on its second call,
 replayed (no graph building, scheduling or compiling) on every later one, whatever the position. With
 `symbolic=True` (the default) the position is a bound Variable and attention reads only `cache[:, :position + 1]`;
 with `symbolic=False` it reads the whole cache under the mask, so every kernel has a fixed shape (the optimizer
-handles them all and a CUDA graph replays the step as one launch). Prompts go through `model(tokens, start)`,
-eagerly or (`jit=True`) through a TinyJit per (start, length).
+handles them all and a CUDA graph replays the step as one launch).
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ from extra.models.shape_jits import ShapeJits
 
 
 PREFILL_CAPTURES = 4  # prompt shapes whose jitted prefill is kept (each holds its kernels' buffers)
+PREFILL_BUCKET = 64  # a jitted prefill pads the prompt to a multiple of this many tokens (one capture per bucket)
 
 
 @dataclass(frozen=True)
@@ -138,18 +144,28 @@ class LlamaBlock:
     Tensor.realize_all(self.w_qkv, self.w_gate_up)
     cache_shape = (1, max_context, 2 * config.n_kv_heads, config.head_dim)
     self.cache = Tensor.zeros(*cache_shape, device=wq.device).contiguous().realize()
+    # (1, 1, heads + 2 kv_heads, 1): True at the V heads of the fused projection (RoPE leaves them as they are)
+    value_heads = np.arange(config.n_heads + 2 * config.n_kv_heads) >= config.n_heads + config.n_kv_heads
+    self.value_heads = Tensor(value_heads.reshape(1, 1, -1, 1), device=wq.device).realize()
 
   def _inverse_rms(self, x: Tensor) -> Tensor:
     return (x.square().mean(-1, keepdim=True) + self.config.norm_eps).rsqrt()
 
-  def _write_cache(self, new: Tensor, write: Tensor, start: int) -> Tensor:
-    """The cache with `new` (1, L, 2 kv, hd) written at positions [start, start + L); `write` marks them."""
-    length, max_context = new.shape[1], self.cache.shape[1]
-    # one position: broadcast it over the cache (no offset in the kernel); several: pad it into place
-    if length == 1: placed = new.expand(self.cache.shape)
-    else: placed = new.pad((None, (start, max_context - start - length), None, None))
+  def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
+    """q (1, B, heads, hd) of x (1, B, dim), rotated, after writing the rotated K and the V of its rows to the cache
+    where `write` (1, max_context, 1, 1) is True: cache slot p takes row placement[p] (a host-made int32
+    (max_context,) index, p - start where written), an indexed read, so no kernel depends on the start position.
+    RoPE runs on all Q, K and V heads of the projection at once (V heads selected back unrotated by a constant
+    mask): one kernel makes the rotated rows that the attention (Q) and the cache write (K, V) read."""
+    config = self.config
+    batch, length, _ = x.shape
+    heads, head_dim = config.n_heads, config.head_dim
+    projected = (x.linear(self.w_qkv) * self._inverse_rms(x)).reshape(batch, length, -1, head_dim)
+    cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
+    rotated = self.value_heads.where(projected, rotate_pairs(projected, cos, sin)).contiguous()
+    placed = rotated.reshape(length, -1)[placement].reshape(1, self.cache.shape[1], -1, head_dim)[:, :, heads:]
     self.cache.assign(write.where(placed, self.cache))
-    return self.cache  # attention reads the buffer after this write (one kernel writes the cache, none copies it)
+    return rotated[:, :, :heads]
 
   def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """(q (1, L, heads, hd) rotated, the new cache rows (1, L, 2 kv_heads, hd): rotated K then V) of x (1, L, dim)."""
@@ -168,17 +184,30 @@ class LlamaBlock:
     x = x + attended.linear(self.wo)
     scale = self._inverse_rms(x)
     gate, up = (x.linear(self.w_gate_up) * scale).chunk(2, dim=-1)
-    return x + (gate.silu() * up).linear(self.w_down)
+    hidden = gate.silu() * up
+    # several rows: the SwiGLU product in a buffer of its own. Fused into the down projection's loads it was
+    # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
+    if x.shape[1] > 1: hidden = hidden.contiguous()
+    return x + hidden.linear(self.w_down)
 
-  def __call__(self, x: Tensor, start: int, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor) -> Tensor:
-    """x (1, L, dim) at positions [start, start + L); cos/sin (L, head_dim) from `rope_inputs`."""
+  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor) -> Tensor:
+    """x (1, B, dim) of a prompt padded to B tokens; cos/sin (B, head_dim) from `rope_inputs`; `visible` (B, A) bool:
+    which of the first A cache slots each row attends to. Grouped-query attention by folding the query heads that
+    share a KV head into the rows of one matmul per KV head: (kv, group * B, hd) @ (kv, hd, A), keys read once."""
+    config = self.config
     batch, length, _ = x.shape
-    kv_heads = self.config.n_kv_heads
-    q, new = self._project(x, cos, sin)
-    cache = self._write_cache(new, write, start)
-    keys, values = cache[:, :, :kv_heads].transpose(1, 2), cache[:, :, kv_heads:].transpose(1, 2)
-    attended = q.transpose(1, 2).scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
-    return self._feed_forward(x, attended.transpose(1, 2).reshape(batch, length, self.config.dim))
+    heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+    group, attended_slots = heads // kv_heads, visible.shape[-1]
+    q = self._project_prefill(x, cos, sin, write, placement)  # (1, B, heads, hd)
+    cache = self.cache[0, :attended_slots]  # read after the write (one kernel writes the cache, none copies it)
+    keys = cache[:, :kv_heads].permute(1, 2, 0)  # (kv, hd, A)
+    values = cache[:, kv_heads:].permute(1, 0, 2)  # (kv, A, hd)
+    q = q.reshape(length, heads, head_dim).permute(1, 0, 2).reshape(kv_heads, group * length, head_dim)
+    scores = (q @ keys * (1.0 / math.sqrt(head_dim))).reshape(kv_heads, group, length, attended_slots)
+    # every row sees slot 0 at least: no row is all -inf, the plain softmax is safe
+    weights = visible.where(scores, -math.inf).softmax(-1).reshape(kv_heads, group * length, attended_slots)
+    attended = (weights @ values).reshape(heads, length, head_dim).permute(1, 0, 2)  # (B, heads, hd)
+    return self._feed_forward(x, attended.reshape(batch, length, config.dim))
 
   def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
              mask: Tensor | None) -> Tensor:
@@ -215,8 +244,9 @@ class Llama:
     self.device = self.embedding.device
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
+    self.slots = Tensor(np.arange(max_context, dtype=np.int32), device=self.device).realize()  # cache slot numbers
     self._decode_jit = TinyJit(self._decode_graph)
-    self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by (start, length)
+    self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
   @staticmethod
   def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None,
@@ -233,39 +263,64 @@ class Llama:
     a call starts before them, so this only matters to free the old values."""
     for block in self.blocks: block.cache.assign(Tensor.zeros_like(block.cache)).realize()
 
-  def _position_inputs(self, start: int, length: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Host-made inputs for positions [start, start + length): rope cos/sin, the cache-write marks and the mask."""
-    positions = np.arange(start, start + length)
+  def prefill_shape(self, start: int, length: int) -> tuple[int, int]:
+    """(padded tokens B, attended cache slots A) of a jitted prefill of `length` tokens at `start`: both rounded up
+    to a multiple of PREFILL_BUCKET (A at most the context), so that prompts of many lengths and starts share one
+    capture (fixed-shape kernels that the optimizer handles), at the cost of at most PREFILL_BUCKET - 1 padded
+    tokens."""
+    def rounded(n: int) -> int: return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+    return rounded(length), min(rounded(start + length), self.max_context)
+
+  def _position_inputs(self, start: int, length: int, padded: int) -> dict[str, Tensor]:
+    """Host-made inputs of a prompt of `length` tokens at [start, start + length), padded to `padded` rows: rope
+    cos/sin of each row's position, the cache-write marks, the row each cache slot takes (`placement`), each row's
+    position (the causal mask is computed from it on the device) and the index of the last real row."""
+    positions = np.arange(start, start + padded)
     cos, sin = rope_inputs(positions, self.config.head_dim, self.config.rope_theta)
     slots = np.arange(self.max_context)
     write = ((slots >= start) & (slots < start + length)).reshape(1, self.max_context, 1, 1)
-    visible = slots.reshape(1, -1) <= positions.reshape(-1, 1)  # (length, max_context): the past and itself
-    mask = np.where(visible, 0.0, -np.inf).astype(np.float32).reshape(1, 1, length, self.max_context)
-    return (Tensor(cos, device=self.device), Tensor(sin, device=self.device), Tensor(write, device=self.device),
-            Tensor(mask, device=self.device))
+    placement = np.clip(slots - start, 0, padded - 1).astype(np.int32)
+    host = {"cos": cos, "sin": sin, "write": write, "placement": placement, "positions": positions.astype(np.int32),
+            "last": np.array([length - 1], np.int32)}
+    return {name: Tensor(value, device=self.device) for name, value in host.items()}
 
-  def __call__(self, tokens: Tensor, start: int, jit: bool = False) -> Tensor:
+  def __call__(self, tokens: Tensor | np.ndarray | list[list[int]], start: int, jit: bool = False) -> Tensor:
     """The logits (1, vocab) of the last of `tokens` (1, L) fed at positions [start, start + L), K and V cached.
+    The tokens are host data (a Tensor is read back): a jitted prefill pads them on the host, not in a kernel that
+    would compile for every new length.
 
-    `jit`: run through a TinyJit kept for this (start, L) (the last `PREFILL_CAPTURES` of them), so that a prompt
-    of a length seen twice before (a benchmark, a fixed-size template, a re-run) replays its kernels without
-    scheduling; a new length runs eagerly, as without it."""
-    batch, length = tokens.shape
-    if batch != 1: raise ShapeError(f"Llama runs one sequence at a time (batch 1), got tokens of shape {tokens.shape}")
+    `jit`: the prompt is padded to `prefill_shape`'s bucket and runs through the TinyJit kept for that shape (the
+    last `PREFILL_CAPTURES` of them): the third prompt of a bucket, whatever its exact length and start, replays the
+    captured kernels (no graph building, scheduling or compiling). Without it the graph has the prompt's exact
+    shape and is scheduled each call."""
+    ids = (tokens.numpy() if isinstance(tokens, Tensor) else np.asarray(tokens)).astype(np.int32)
+    if ids.ndim != 2 or ids.shape[0] != 1:
+      raise ShapeError(f"Llama runs one sequence at a time (tokens of shape (1, L)), got tokens of shape {ids.shape}")
+    length = ids.shape[1]
     if start + length > self.max_context:
       raise ValueError(f"positions {start}..{start + length - 1} exceed the context of {self.max_context} tokens")
-    cos, sin, write, mask = self._position_inputs(start, length)
+    padded, attended = self.prefill_shape(start, length) if jit else (length, start + length)
+    tokens_t = Tensor(np.pad(ids, ((0, 0), (0, padded - length))), device=self.device)
+    inputs = self._position_inputs(start, length, padded)
     if not jit:
-      logits = self._prefill_graph(tokens, cos, sin, write, mask, start)
+      logits = self._prefill_graph(tokens_t, **inputs, attended=attended)
       Tensor.realize_all(logits, *(block.cache for block in self.blocks))
       return logits
-    return self._prefill_jits((start, length), tokens, cos, sin, write, mask, start)
+    return self._prefill_jits((padded, attended), tokens_t, *inputs.values(), attended)  # positional: the fast path
 
-  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor,
-                     start: int) -> Tensor:
+  def prefill_jit_for(self, start: int, length: int) -> TinyJit:
+    """The TinyJit that `model(tokens, start, jit=True)` runs for a prompt of `length` tokens at `start` (profiling)."""
+    return self._prefill_jits.jits[self.prefill_shape(start, length)]
+
+  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor,
+                     positions: Tensor, last: Tensor, attended: int) -> Tensor:
+    """The logits (1, vocab) of row `last` of the (1, B) `tokens` at `positions` (B,), attending to the first
+    `attended` cache slots: slot j is visible to a row at position p when j <= p (the past and itself; padded rows
+    see stale slots, harmlessly: their outputs are never read, and every row sees slot 0, so no row is all -inf)."""
+    visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
     x = self.embedding[tokens]
-    for block in self.blocks: x = block(x, start, cos, sin, write, mask)
-    return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(self.output)
+    for block in self.blocks: x = block(x, cos, sin, write, placement, visible)
+    return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(self.output)
 
   def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
                     position: Variable | None) -> Tensor:

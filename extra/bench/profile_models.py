@@ -1,0 +1,152 @@
+"""Per-kernel device times of the jitted SmolLM2 prefill and the jitted MiniLM batch (random weights of the real
+shapes, as `bench_models.py --random-weights`), for finding which kernels keep them from their goals.
+
+Two views of the same captured kernels:
+- the script itself launches every captured kernel alone (`ExecItem.run(wait=True)`: CUDA events around each launch)
+  and prints a table grouped by kernel (same name = same generated code, e.g. one per layer): launches, summed
+  device time, the share of the total, GFLOP/s and GB/s from the kernel's op and byte counts, and a guess of what
+  the kernel is (matmul, softmax, norm, ...) read off its AST;
+- under Nsight Compute only one whole replay (between cuProfilerStart and cuProfilerStop) is profiled:
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
+        python extra/bench/profile_models.py --workload prefill
+
+    python extra/bench/profile_models.py --workload prefill [--prefill 512]
+    python extra/bench/profile_models.py --workload minilm
+Without a GPU, `--device CLANG` runs the same (slowly, with `--layers 2` for a smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_models import MINILM_L6, SMOLLM2_135M, minilm_weights, random_llama_weights  # noqa: E402
+
+from ourgrad import Device, Tensor, TinyJit  # noqa: E402
+from ourgrad.engine.exec_item import CompiledRunner, ExecItem  # noqa: E402
+from ourgrad.nn.state import load_state_dict  # noqa: E402
+
+from extra.models.bert import BertEncoder  # noqa: E402
+from extra.models.llama import Llama  # noqa: E402
+
+
+def kernel_kind(source: str) -> str:
+  """What a kernel's generated source contains (loops, accumulators, exp2, sqrt, max, where), so that a reader of
+  the table can place it: "loop acc" is a reduce (a matmul when its FLOP/s are high), "exp2 max" softmax-like,
+  "sqrt" a norm, "where" a mask or a cache write."""
+  text = source.lower()
+  features = [("for (", "loop"), ("acc", "acc"), ("exp2", "exp2"), ("sqrt", "sqrt"), ("max", "max"),
+              ("?", "where")]
+  found = [label for needle, label in features if needle in text]
+  return " ".join(found) or "elementwise"
+
+
+def replay_items(jit: TinyJit) -> list[ExecItem]:
+  if jit.captured is None: raise RuntimeError("the TinyJit has not captured yet (it needs two calls)")
+  return jit.captured.items
+
+
+def per_kernel_table(items: list[ExecItem], repeats: int) -> None:
+  """Launch each captured item alone `repeats` times (median device time) and print the table grouped by name."""
+  groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"launches": 0, "seconds": 0.0, "ops": 0, "bytes": 0})
+  order: list[str] = []
+  for item in items:
+    times = [item.run(wait=True) or 0.0 for _ in range(repeats)]
+    runner = item.runner
+    name = runner.name if isinstance(runner, CompiledRunner) else type(runner).__name__
+    if name not in groups:
+      order.append(name)
+      groups[name]["kind"] = kernel_kind(runner.source) if isinstance(runner, CompiledRunner) else "copy"
+      groups[name]["sizes"] = (getattr(runner, "global_size", ()), getattr(runner, "local_size", ()))
+    group = groups[name]
+    group["launches"] += 1
+    group["seconds"] += statistics.median(times)
+    group["ops"] += runner.op_count
+    group["bytes"] += runner.byte_count
+  total = sum(group["seconds"] for group in groups.values())
+  print(f"{len(items)} launches, {len(groups)} distinct kernels, summed device time {total * 1e6:.1f} us")
+  print(f"{'kernel':<40} {'n':>4} {'us':>9} {'%':>5} {'GFLOP/s':>8} {'GB/s':>7}  kind; global/local")
+  for name in sorted(order, key=lambda n: -groups[n]["seconds"]):
+    group = groups[name]
+    seconds = max(group["seconds"], 1e-12)
+    share = 100 * group["seconds"] / total
+    print(f"{name[:40]:<40} {group['launches']:>4} {group['seconds'] * 1e6:>9.1f} {share:>5.1f} "
+          f"{group['ops'] / seconds / 1e9:>8.1f} {group['bytes'] / seconds / 1e9:>7.1f}  {group['kind']}; "
+          f"{group['sizes'][0]}/{group['sizes'][1]}")
+  print("first-layer order: " + " ".join(order[:40]))
+
+
+def profiled_replay(device: str, call: Callable[[], Any]) -> float:
+  """One replay between cuProfilerStart and cuProfilerStop (what ncu --profile-from-start off sees); host seconds."""
+  Device[device].synchronize()
+  driver = ctypes.CDLL("libcuda.so.1") if device == "CUDA" else None
+  if driver is not None: driver.cuProfilerStart()
+  started = time.perf_counter()
+  call()
+  Device[device].synchronize()
+  seconds = time.perf_counter() - started
+  if driver is not None: driver.cuProfilerStop()
+  return seconds
+
+
+def prefill_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any]]:
+  config = dataclasses.replace(SMOLLM2_135M, n_layers=args.layers or SMOLLM2_135M.n_layers)
+  weights = {name: Tensor(value, device=args.device) for name, value in random_llama_weights(config).items()}
+  Tensor.realize_all(*weights.values())
+  model = Llama(config, weights, max_context=args.prefill + 8)
+  rng = np.random.default_rng(0)
+  tokens = Tensor(rng.integers(100, config.vocab_size, (1, args.prefill)).astype(np.int32), device=args.device)
+
+  def call() -> Any: return model(tokens, 0, jit=True).numpy()
+  for _ in range(3): call()
+  return model.prefill_jit_for(0, args.prefill), call
+
+
+def minilm_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any]]:
+  config = dataclasses.replace(MINILM_L6, num_hidden_layers=args.layers or MINILM_L6.num_hidden_layers)
+  loaded = minilm_weights(True)
+  assert loaded is not None
+  model = BertEncoder(config)
+  weights = {name: Tensor(value, device=args.device) for name, value in loaded[1].items()
+             if not name.startswith("encoder.layer.") or int(name.split(".")[2]) < config.num_hidden_layers}
+  load_state_dict(model, weights)
+  rng = np.random.default_rng(1)
+  ids = rng.integers(1000, config.vocab_size, (args.batch, 32)).astype(np.int32)
+  ids_t, mask_t = Tensor(ids, device=args.device), Tensor(np.ones_like(ids), device=args.device)
+
+  def call() -> Any: return model.sentence_embeddings(ids_t, mask_t, jit=True).numpy()
+  for _ in range(3): call()
+  return next(iter(model._pooled_jits.jits.values())), call
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workload", choices=("prefill", "minilm"), default="prefill")
+  parser.add_argument("--device", default="CUDA")
+  parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill")
+  parser.add_argument("--batch", type=int, default=64, help="MiniLM sentences per batch (32 tokens each)")
+  parser.add_argument("--layers", type=int, default=0, help="fewer layers (a smoke test); 0: the model's")
+  parser.add_argument("--repeats", type=int, default=5, help="launches per kernel for the per-kernel table")
+  parser.add_argument("--no-table", action="store_true", help="only the profiled replay (under ncu)")
+  args = parser.parse_args()
+  args.device = Device.canonicalize(args.device)
+  os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) go to this device
+  jit, call = (prefill_workload if args.workload == "prefill" else minilm_workload)(args)
+  seconds = profiled_replay(args.device, call)
+  print(f"{args.workload} on {args.device}: one replay {seconds * 1e3:.3f} ms (host, to the result on the host)")
+  if not args.no_table: per_kernel_table(replay_items(jit), args.repeats)
+
+
+if __name__ == "__main__":
+  main()
