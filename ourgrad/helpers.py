@@ -190,6 +190,13 @@ def prod(values: Iterable[int]) -> int:
   return functools.reduce(operator.mul, values, 1)
 
 
+def power_of_two_divisor(size: int, limit: int) -> int:
+  """The largest power of two dividing `size` that is at most `limit` (1 if none)."""
+  amount = 1
+  while amount * 2 <= limit and size % (amount * 2) == 0: amount *= 2
+  return amount
+
+
 
 
 

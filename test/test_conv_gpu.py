@@ -1,4 +1,4 @@
-"""Convolutions on GPUs: the hand-coded convolution choice (heuristic.shared_conv_tiles: an implicit GEMM with both
+"""Convolutions on GPUs: the hand-coded convolution choice (conv_tiles.shared_conv_tiles: an implicit GEMM with both
 operands staged through local memory) gives the unoptimized kernel's results on the emulated GPU (`PythonRenderer
 ("CUDA")`: CUDA's limits, thread blocks, local memory and barriers interpreted), compiles with NVRTC, and is what the
 examples/mnist.py step's convolutions get. Forward and backward results against PyTorch on CLANG are in
@@ -13,7 +13,7 @@ import torch
 from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.opt.heuristic import CONV_TILES, shared_conv_tiles
+from ourgrad.codegen.opt.conv_tiles import CONV_TILES, shared_conv_tiles
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel, function_name, run_schedule
 from ourgrad.engine.schedule import create_schedule
@@ -222,7 +222,7 @@ def test_staged_tensor_core_conv_matches_the_plain_kernel(name: str) -> None:
 
 
 def test_float16_conv_takes_staged_tensor_cores_by_default() -> None:
-  """The hand-coded float16 conv (heuristic.tensor_core_conv_tiles): TC + SHARED, 8 warps (2 images) per block, on
+  """The hand-coded float16 conv (conv_tiles.tensor_core_conv_tiles): TC + SHARED, 8 warps (2 images) per block, on
   the emulated GPU against the plain kernel."""
   x = Tensor(rng.standard_normal((2, 32, 8, 8)).astype(np.float16), device="PYTHON")
   w = Tensor(rng.standard_normal((64, 32, 3, 3)).astype(np.float16), device="PYTHON")
@@ -259,7 +259,7 @@ def test_benchmark_conv_kernel_choices() -> None:
 @pytest.mark.parametrize("channels, size, kernel_size", [(4, 9, 3), (1, 10, 5)])
 def test_split_weight_gradient_tiles_match_the_plain_kernel(monkeypatch: pytest.MonkeyPatch, channels: int,
                                                             size: int, kernel_size: int) -> None:
-  """heuristic.weight_gradient_tiles on the split-K weight gradient (thresholds scaled down so a small conv splits):
+  """conv_tiles.weight_gradient_tiles on the split-K weight gradient (thresholds scaled down so a small conv splits):
   filter rows per thread, with LOCAL input channels and unrolled rows (4 input channels) or GROUP rows (1, as MNIST's
   conv1); every kernel against its plain version on the emulated GPU, the gradient against torch."""
   import ourgrad.lazy as lazy

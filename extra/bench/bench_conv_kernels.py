@@ -35,7 +35,8 @@ import ourgrad.tensor_conv as tensor_conv  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands  # noqa: E402
 from ourgrad.codegen.opt import heuristic  # noqa: E402
-from ourgrad.codegen.opt.heuristic import ConvTile, _matmul_like, shared_conv_tiles  # noqa: E402
+from ourgrad.codegen.opt.conv_tiles import ConvTile, shared_conv_tiles  # noqa: E402
+from ourgrad.codegen.opt.heuristic import _matmul_like  # noqa: E402
 from ourgrad.codegen.opt.search import apply_opts, beam_search, random_fill, scratch_buffers, verify_kernel  # noqa
 from ourgrad.device import Device  # noqa: E402
 from ourgrad.engine.realize import compile_kernel  # noqa: E402
@@ -131,8 +132,8 @@ def is_weight_gradient_part(plain: Kernel) -> bool:
   return len(m_axes) + len(n_axes) < plain.first_reduce
 
 
-# conv tiles (heuristic.ConvTile: pixel upcast, pixel threads, channel upcast, channel threads, reduce step) tried on
-# every convolution kernel they fit, beside the heuristic's own list (heuristic.CONV_TILES)
+# conv tiles (conv_tiles.ConvTile: pixel upcast, pixel threads, channel upcast, channel threads, reduce step) tried on
+# every convolution kernel they fit, beside the heuristic's own list (conv_tiles.CONV_TILES)
 TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile(8, 16, 4, 16, 8),
                  ConvTile(4, 16, 8, 8, 8), ConvTile(4, 32, 4, 8, 8), ConvTile(4, 16, 4, 8, 16), ConvTile(4, 8, 4, 8, 8),
                  ConvTile(2, 16, 4, 8, 8), ConvTile(4, 16, 2, 16, 8))

@@ -1,0 +1,199 @@
+"""Hand-coded GPU choices for convolutions (called by heuristic.hand_coded_optimizations): a float32 convolution as
+an implicit GEMM with both operands staged through local memory (shared_conv_tiles), a float16/bfloat16 one on
+staged tensor cores (tensor_core_conv_tiles), and the partial-sums kernel of a split-K weight gradient
+(weight_gradient_tiles). docs/codegen.md, "Convolutions on GPUs", has the figures behind each choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands
+from ourgrad.dtype import DType, dtypes
+from ourgrad.helpers import power_of_two_divisor
+
+
+@dataclass(frozen=True)
+class ConvTile:
+  """A block tile of a convolution staged through local memory (implicit GEMM): outputs per thread and threads per
+  block along the pixel side (the output axes only the input window varies along: batch, rows, columns) and the
+  channel side (the filter's output channels), and the reduce step (input channels per step). The repeats multiply a
+  thread's outputs once more after the threads are placed: `channel_repeat` runs of `channel_upcast` channels a
+  block's width apart, `pixel_repeat` pixels along the outermost pixel axis (the batch: several images)."""
+  pixel_upcast: int
+  pixel_threads: int
+  channel_upcast: int
+  channel_threads: int
+  reduce_step: int
+  pixel_repeat: int = 1
+  channel_repeat: int = 1
+
+
+# largest first: 128 pixels (of 2 images) x 64 channels with 8x8 outputs per thread (4 FMAs per float read from the
+# tiles: conv2d 64x64x56x56 3x3 f32 0.435 ms on the H100, cuDNN 0.388), 64 x 64 with 4x4 (0.600 ms), then smaller
+# channel or pixel sides
+CONV_TILES = (ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2), ConvTile(4, 16, 4, 16, 8),
+              ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8), ConvTile(4, 16, 4, 4, 8))
+
+
+def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) -> bool:
+  """A float32 convolution (a reduce over input channels and the window of a SUM of input window x filter, every
+  output axis along one operand only) as an implicit GEMM: the first of `tiles` that divides the sizes, its output
+  tile UPCAST and LOCAL from the innermost axes of each side (pixels innermost: the launch's x), both operands staged
+  through local memory (SHARED; the window's loads keep their padding masks) and the first reduce axis (the input
+  channels) unrolled by the step. False (the kernel untouched) where no tile fits."""
+  sides = _conv_sides(kernel) if not kernel.applied_opts else None
+  if sides is None: return False
+  pixel_axes, channel_axes = sides
+  for tile in tiles:
+    trial = kernel.copy()
+    pixel_plan = _side_plan(trial, pixel_axes, tile.pixel_upcast, tile.pixel_threads)
+    channel_plan = _side_plan(trial, channel_axes, tile.channel_upcast, tile.channel_threads)
+    if not pixel_plan or not channel_plan: continue
+    plan = pixel_plan + channel_plan
+    # the UPCASTs, then the pixel side's LOCALs (the first LOCAL applied is the innermost thread axis, the launch's
+    # x), then the channel side's
+    upcasts = [opt for opt in plan if opt.op is OptOps.UPCAST]
+    locals_ = sorted((opt for opt in plan if opt.op is OptOps.LOCAL), key=lambda opt: opt.axis not in pixel_axes)
+    repeats = _repeat_plan(trial, plan, pixel_axes, tile)
+    if repeats is None: continue
+    if _apply_on_original_axes(trial, upcasts + locals_ + repeats) and trial.try_opt(Opt(OptOps.SHARED, 0, 0)) and \
+        trial.try_opt(Opt(OptOps.UNROLL, 0, tile.reduce_step)):
+      kernel.__dict__.update(trial.__dict__)
+      return True
+  return False
+
+
+def _conv_sides(kernel: Kernel, dtype_in: DType = dtypes.float32,
+                dtype_out: DType = dtypes.float32) -> tuple[list[int], list[int]] | None:
+  """(pixel axes, channel axes) of a convolution-shaped reduce of `dtype_in` loads into `dtype_out`, or None: both
+  MUL operands are loads, the reduce has at least two axes (channels and window), every output axis is along
+  exactly one operand, and the side with the output's innermost (stride 1) axis is the pixel side."""
+  if kernel.first_reduce < 2 or (kernel.first_reduce < 3 and not kernel.applied_opts): return None
+  try: a, b = matmul_operands(kernel.reduceop, dtype_in, dtype_out, "conv tiles")
+  except KernelOptError: return None
+  m_axes, n_axes, k_axes = kernel.matmul_axes(a, b)
+  if len(k_axes) < 2 or len(m_axes) + len(n_axes) != kernel.first_reduce or not m_axes or not n_axes: return None
+  output_strides = kernel.sts[0].real_strides()
+  innermost = next((axis for axis in reversed(range(kernel.first_reduce)) if output_strides[axis] == 1), None)
+  if innermost is None: return None
+  return (m_axes, n_axes) if innermost in m_axes else (n_axes, m_axes)
+
+
+def _side_plan(kernel: Kernel, axes: list[int], upcast: int, threads: int) -> list[Opt]:
+  """UPCAST `upcast` on the innermost axis of `axes` it divides, then LOCAL threads from the innermost axes (the
+  largest power of two each has left) until the side has `threads`; [] where the side cannot take them all."""
+  sizes = {axis: kernel.full_shape[axis] for axis in axes}
+  upcast_axis = next((axis for axis in reversed(axes) if sizes[axis] % upcast == 0), None)
+  if upcast_axis is None: return []
+  sizes[upcast_axis] //= upcast
+  plan, left = [Opt(OptOps.UPCAST, upcast_axis, upcast)], threads
+  for axis in reversed(axes):
+    amount = power_of_two_divisor(sizes[axis], left)
+    if amount >= 2:
+      plan.append(Opt(OptOps.LOCAL, axis, amount))
+      left //= amount
+    if left == 1: return plan
+  return []
+
+
+def tensor_core_conv_tiles(kernel: Kernel) -> bool:
+  """A float16/bfloat16 convolution on tensor cores with both tiles staged (TC + SHARED: the reduce loops walked as
+  one flat loop of steps): after TC, 4 mma tiles along the channels x 2 along the pixels per warp, 2 warps along
+  each and 2 images per block (8 warps: 128 pixels x 64 channels), input channels in steps of 32 where they divide.
+  conv2d 64x64x56x56 3x3 f16 on the H100: 0.134 ms; the unstaged TC kernel 0.407. False (the kernel untouched)
+  where the convolution does not take it."""
+  for choice, tc in enumerate(getattr(kernel.renderer, "tensor_cores", ())):
+    sides = _conv_sides(kernel, tc.dtype_in, tc.dtype_out) if not kernel.applied_opts else None
+    if sides is None: continue
+    trial = kernel.copy()
+    if not trial.try_opt(Opt(OptOps.TC, 0, choice)): continue
+    # the sides again after TC split them (the instruction's m/n parts are UPCASTs now): the pixels are the side of
+    # the operand (A or B) that had them before
+    applied = trial.tensor_core
+    pixels_on_a = sides[0] == kernel.matmul_axes(applied.a, applied.b)[0]
+    m_axes, n_axes, _ = trial.matmul_axes(applied.a, applied.b)
+    pixel_axes, channel_axes = (m_axes, n_axes) if pixels_on_a else (n_axes, m_axes)
+    if not pixel_axes or not channel_axes: continue
+    pixel, channel = pixel_axes[-1], channel_axes[-1]
+    batch = next((axis for axis in pixel_axes if axis != pixel), None)
+    plan = [Opt(OptOps.UPCAST, channel, 4), Opt(OptOps.UPCAST, pixel, 2), Opt(OptOps.LOCAL, channel, 2),
+            Opt(OptOps.LOCAL, pixel, 2)]
+    for extra in ([Opt(OptOps.LOCAL, batch, 2)] if batch is not None else [], []):
+      staged = trial.copy()
+      if not _apply_on_original_axes(staged, plan + extra): continue
+      staged.try_opt(Opt(OptOps.UNROLL, 0, 2))   # steps of 32 input channels where they divide
+      if staged.try_opt(Opt(OptOps.SHARED, 0, 0)):
+        kernel.__dict__.update(staged.__dict__)
+        return True
+  return False
+
+
+# the window's innermost axis (a filter row) is upcast whole up to this size
+WINDOW_UPCAST_MAX = 8
+
+
+def weight_gradient_tiles(kernel: Kernel) -> bool:
+  """The partial-sums kernel of a split-K convolution weight gradient (outputs: parts, output channels, input
+  channels, window; the parts along both operands of the product): each thread takes a whole filter row (UPCAST of
+  the window's innermost axis: one input value serves up to 5 taps, one gradient value 5 outputs) x 4 output
+  channels, LOCAL threads from the input channels (up to 16) and output channels (up to 8); a block with fewer than
+  64 threads splits the reduce's innermost axis (an image row) over GROUP threads, else unrolls it by 4. H100 (MNIST,
+  batch 256): conv1's 37 -> 19 us, conv2's 56 -> 44 us. False (the kernel untouched) where it does not apply."""
+  if kernel.applied_opts or kernel.reduceop.dtype != dtypes.float32: return False
+  try: a, b = matmul_operands(kernel.reduceop, dtypes.float32, dtypes.float32, "weight gradient")
+  except KernelOptError: return False
+  m_axes, n_axes, _ = kernel.matmul_axes(a, b)
+  if not m_axes or not n_axes or len(m_axes) + len(n_axes) == kernel.first_reduce: return False   # no parts axis
+  output_strides = kernel.sts[0].real_strides()
+  row = kernel.first_reduce - 1
+  if output_strides[row] != 1 or not 2 <= kernel.full_shape[row] <= WINDOW_UPCAST_MAX: return False
+  window_axes, channel_axes = (m_axes, n_axes) if row in m_axes else (n_axes, m_axes)
+  channel = next((axis for axis in reversed(channel_axes) if kernel.full_shape[axis] % 4 == 0), None)
+  if channel is None: return False
+  trial = kernel.copy()
+  sizes = list(kernel.full_shape)
+  plan = [Opt(OptOps.UPCAST, row, sizes[row]), Opt(OptOps.UPCAST, channel, 4)]
+  sizes[channel] //= 4
+  threads = 1
+  for axis, limit in [(axis, 16) for axis in reversed(window_axes) if axis != row] + [(channel, 8)]:
+    amount = power_of_two_divisor(sizes[axis], limit)
+    if amount < 2: continue
+    plan.append(Opt(OptOps.LOCAL, axis, amount))
+    sizes[axis] //= amount
+    threads *= amount
+  if not _apply_on_original_axes(trial, plan): return False
+  last_reduce = trial.first_upcast - 1 - trial.first_loop_reduce
+  if threads < 64: trial.try_opt(Opt(OptOps.GROUP, last_reduce, 0))
+  else: trial.try_opt(Opt(OptOps.UNROLL, last_reduce, 4))
+  kernel.__dict__.update(trial.__dict__)
+  return True
+
+
+def _repeat_plan(kernel: Kernel, plan: list[Opt], pixel_axes: list[int], tile: ConvTile) -> list[Opt] | None:
+  """The repeat UPCASTs of `tile` after `plan` (original axes): the channel repeat on the channel side's UPCAST axis,
+  the pixel repeat on the outermost pixel axis other than the pixel UPCAST axis; None where a size does not divide."""
+  sizes = list(kernel.full_shape)
+  for opt in plan: sizes[opt.axis] //= opt.amount
+  repeats = []
+  if tile.channel_repeat > 1:
+    channel_upcast = next(opt.axis for opt in plan if opt.op is OptOps.UPCAST and opt.axis not in pixel_axes)
+    if sizes[channel_upcast] % tile.channel_repeat: return None
+    repeats.append(Opt(OptOps.UPCAST, channel_upcast, tile.channel_repeat))
+  if tile.pixel_repeat > 1:
+    pixel_upcast = next(opt.axis for opt in plan if opt.op is OptOps.UPCAST and opt.axis in pixel_axes)
+    outer = next((axis for axis in pixel_axes if axis != pixel_upcast), None)
+    if outer is None or sizes[outer] % tile.pixel_repeat: return None
+    repeats.append(Opt(OptOps.UPCAST, outer, tile.pixel_repeat))
+  return repeats
+
+
+def _apply_on_original_axes(kernel: Kernel, opts: list[Opt]) -> bool:
+  """Apply output-axis opts whose axes number the kernel's global axes as they were before the first one; False (the
+  kernel part-way changed: apply on a copy) where one does not apply. A LOCAL or UPCAST leaves the other global axes
+  in place unless it uses its axis up, which is then dropped and the axes after it move down by one."""
+  current = list(range(kernel.first_reduce))
+  for opt in opts:
+    axis, before = current[opt.axis], kernel.shape_len
+    if not kernel.try_opt(Opt(opt.op, axis, opt.amount)): return False
+    if kernel.shape_len == before: current = [a - 1 if a > axis else a for a in current]
+  return True
