@@ -59,3 +59,15 @@ def compiles(monkeypatch):
 
   monkeypatch.setattr(realize, "compile_kernel", counting)
   return names
+
+
+@pytest.fixture
+def small_split(monkeypatch):
+  """GPU split-K thresholds scaled down (lazy.GPU_SPLIT_*), so small shapes (fast on the PYTHON interpreter) are
+  split as a large reduce would be on a GPU."""
+  from ourgrad import lazy
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 64)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART", 8)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART_MATMUL", 8)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 64)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_BLOCKS", 64)

@@ -9,13 +9,11 @@ against its plain (NOOPT) version on random inputs, and BatchNorm2d's forward an
 """
 from __future__ import annotations
 
-from typing import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-import ourgrad.lazy as lazy
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
@@ -29,16 +27,6 @@ from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
 
 rng = np.random.default_rng(11)
-
-
-@pytest.fixture
-def small_split(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-  """Split thresholds scaled down, so small shapes (fast on the PYTHON interpreter) are split too."""
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 64)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART", 8)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 64)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_BLOCKS", 64)
-  yield
 
 
 def _kernel_items(*tensors: Tensor) -> list:

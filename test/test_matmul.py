@@ -1,5 +1,7 @@
 """CPU matmul tiling (CLANG): the register tile the heuristic picks (rows x one SIMD register of columns) and the
 BLOCK cache-blocking opt give the same results as numpy, for tile-multiple, ragged and batched sizes."""
+from typing import Callable
+
 import numpy as np
 import pytest
 
@@ -224,6 +226,24 @@ def test_vectors_off_gives_scalar_tiles(monkeypatch):
                              atol=1e-4)
 
 
+def _conv_weight_gradient(x: np.ndarray, weight: np.ndarray, grad: np.ndarray) -> Callable[[], Tensor]:
+  """A function making conv2d(x, weight)'s weight gradient for the upstream gradient `grad` (a new graph each call)."""
+  def weight_gradient() -> Tensor:
+    w = Tensor(weight, device=DEVICE, requires_grad=True)
+    Tensor(x, device=DEVICE).conv2d(w).backward(Tensor(grad, device=DEVICE))
+    return w.grad
+  return weight_gradient
+
+
+def _hand_coded_last_kernel(result: Tensor) -> Kernel:
+  """The last kernel of `result`'s schedule (the ones before it run) with the hand-coded opts applied."""
+  schedule = create_schedule([result.lazydata])
+  run_schedule(schedule[:-1])
+  kernel = Kernel(schedule[-1].ast, Device[DEVICE].renderer)
+  kernel.hand_coded_optimizations()
+  return kernel
+
+
 def test_tile_falls_back_to_a_pair_that_divides():
   """A conv weight gradient: the first axes pair (columns along the 3-wide kernel, contiguous) does not divide the
   tile, so the next pair (output x input channels, a strided column operand) takes it; same result as NOOPT."""
@@ -233,15 +253,8 @@ def test_tile_falls_back_to_a_pair_that_divides():
   weight = rng.standard_normal((rows, lanes, 3, 3)).astype(np.float32)
   grad = rng.standard_normal((2, rows, 8, 8)).astype(np.float32)
 
-  def weight_gradient() -> Tensor:
-    w = Tensor(weight, device=DEVICE, requires_grad=True)
-    Tensor(x, device=DEVICE).conv2d(w).backward(Tensor(grad, device=DEVICE))
-    return w.grad
-
-  schedule = create_schedule([weight_gradient().lazydata])
-  run_schedule(schedule[:-1])
-  kernel = Kernel(schedule[-1].ast, Device[DEVICE].renderer)
-  kernel.hand_coded_optimizations()
+  weight_gradient = _conv_weight_gradient(x, weight, grad)
+  kernel = _hand_coded_last_kernel(weight_gradient())
   assert sorted(kernel.full_shape[axis] for axis in kernel.upcast_axes) == sorted([rows, lanes])
   np.testing.assert_allclose(weight_gradient().numpy(), _noopt(weight_gradient()).reshape(weight.shape), rtol=1e-4,
                              atol=1e-4)
@@ -259,15 +272,8 @@ def test_short_rows_axis_is_taken_whole(kernel_size: int, batch: int):
   weight = rng.standard_normal((lanes, 1, kernel_size, kernel_size)).astype(np.float32)
   grad = rng.standard_normal((batch, lanes, 13 - kernel_size + 1, 11 - kernel_size + 1)).astype(np.float32)
 
-  def weight_gradient() -> Tensor:
-    w = Tensor(weight, device=DEVICE, requires_grad=True)
-    Tensor(x, device=DEVICE).conv2d(w).backward(Tensor(grad, device=DEVICE))
-    return w.grad
-
-  schedule = create_schedule([weight_gradient().lazydata])
-  run_schedule(schedule[:-1])
-  kernel = Kernel(schedule[-1].ast, Device[DEVICE].renderer)
-  kernel.hand_coded_optimizations()
+  weight_gradient = _conv_weight_gradient(x, weight, grad)
+  kernel = _hand_coded_last_kernel(weight_gradient())
   assert [kernel.full_shape[axis] for axis in kernel.upcast_axes][:2] == [kernel_size, lanes]
   assert "vacc0 +=" in _rendered_source(weight_gradient())
   torch_weight = torch.tensor(weight, requires_grad=True)

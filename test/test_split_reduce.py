@@ -8,13 +8,11 @@ limits (`EMULATE=CUDA`'s renderer), against its plain (NOOPT) version on random 
 """
 from __future__ import annotations
 
-from typing import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-import ourgrad.lazy as lazy
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -25,16 +23,6 @@ from ourgrad.runtime.ops_python import PythonRenderer
 from helpers import skip_unless_device
 
 rng = np.random.default_rng(10)
-
-
-@pytest.fixture
-def small_split(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-  """Split-K thresholds scaled down, so small shapes (fast on the PYTHON interpreter) are split too."""
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 64)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART", 8)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART_MATMUL", 8)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 64)
-  yield
 
 
 def _kernels(*tensors: Tensor) -> list:

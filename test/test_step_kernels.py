@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import ourgrad.engine.packing as packing
-import ourgrad.lazy as lazy
 from ourgrad import Tensor
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.helpers import GlobalCounters
@@ -125,16 +124,6 @@ def test_a_reduce_reading_another_packed_reduce_stays_apart() -> None:
     return [row_sums, row_sums.sum()]   # the total reads row_sums: a dependency height above it, never in its pack
   assert _launches(build()) == 2
   np.testing.assert_allclose(build()[1].numpy(), data.sum(), rtol=1e-5)
-
-
-@pytest.fixture
-def small_split(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-  """Split thresholds scaled down, so small shapes (fast on the PYTHON interpreter) are split too."""
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 64)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART", 8)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 64)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_BLOCKS", 64)
-  yield
 
 
 def test_batchnorm_backward_second_stages_share_a_launch_and_match_torch(small_split: None,
