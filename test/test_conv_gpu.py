@@ -6,6 +6,8 @@ test_conv.py; the split-K weight gradient in test_split_reduce.py.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -193,26 +195,37 @@ TC_CONV_OPTS = {   # float16 conv (batch, cout, pixels | cin, kh, kw) with tenso
 }
 
 
-@pytest.mark.parametrize("name", sorted(TC_CONV_OPTS))
-def test_staged_tensor_core_conv_matches_the_plain_kernel(name: str) -> None:
-  """TC + SHARED on a float16 conv: its three reduce loops (channel steps, window rows, window columns) walked as
-  one flat loop of staged steps; the window tile's copies masked at the padding, the filter's element by element
-  (not contiguous along the channels). Against the plain kernel on the emulated GPU, and NVRTC compiles it."""
-  from ourgrad.codegen.kernel import Opt
+def _float16_conv_item() -> Any:
+  """The conv kernel's ScheduleItem of a float16 2x32x8x8 input and 64 3x3 filters, padding 1, on the PYTHON device
+  (the kernels before it run)."""
   x = Tensor(rng.standard_normal((2, 32, 8, 8)).astype(np.float16), device="PYTHON")
   w = Tensor(rng.standard_normal((64, 32, 3, 3)).astype(np.float16), device="PYTHON")
   schedule = create_schedule([x.conv2d(w, padding=1).lazydata])
   run_schedule([item for item in schedule if item.ast.op is not Ops.STORE])
-  item = next(item for item in schedule if item.ast.op is Ops.STORE)
-  plain, staged = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))
-  for op, axis, amount in TC_CONV_OPTS[name]: staged.apply_opt(Opt(op, axis, amount))
-  assert staged.first_upcast - staged.first_loop_reduce >= 2 and staged.shared_tiles   # several loops, one flat
+  return next(item for item in schedule if item.ast.op is Ops.STORE)
+
+
+def _assert_same_float16_results(item: Any, plain: Kernel, staged: Kernel) -> None:
+  """Both kernels of `item` run on the emulated GPU give the same float16 outputs (within float16 rounding)."""
   results = []
   for kernel in (plain, staged):
     out = Buffer("PYTHON", item.outputs[0].size, dtypes.float16).allocate()
     compile_kernel(kernel, "PYTHON")((out, *item.inputs))
     results.append(out.numpy().astype(np.float32))
   np.testing.assert_allclose(results[1], results[0], rtol=2e-3, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", sorted(TC_CONV_OPTS))
+def test_staged_tensor_core_conv_matches_the_plain_kernel(name: str) -> None:
+  """TC + SHARED on a float16 conv: its three reduce loops (channel steps, window rows, window columns) walked as
+  one flat loop of staged steps; the window tile's copies masked at the padding, the filter's element by element
+  (not contiguous along the channels). Against the plain kernel on the emulated GPU, and NVRTC compiles it."""
+  from ourgrad.codegen.kernel import Opt
+  item = _float16_conv_item()
+  plain, staged = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))
+  for op, axis, amount in TC_CONV_OPTS[name]: staged.apply_opt(Opt(op, axis, amount))
+  assert staged.first_upcast - staged.first_loop_reduce >= 2 and staged.shared_tiles   # several loops, one flat
+  _assert_same_float16_results(item, plain, staged)
   compiler = nvrtc_compiler()
   if compiler is None: return
   from ourgrad.renderer.cuda import CUDARenderer
@@ -224,20 +237,11 @@ def test_staged_tensor_core_conv_matches_the_plain_kernel(name: str) -> None:
 def test_float16_conv_takes_staged_tensor_cores_by_default() -> None:
   """The hand-coded float16 conv (conv_tiles.tensor_core_conv_tiles): TC + SHARED, 8 warps (2 images) per block, on
   the emulated GPU against the plain kernel."""
-  x = Tensor(rng.standard_normal((2, 32, 8, 8)).astype(np.float16), device="PYTHON")
-  w = Tensor(rng.standard_normal((64, 32, 3, 3)).astype(np.float16), device="PYTHON")
-  schedule = create_schedule([x.conv2d(w, padding=1).lazydata])
-  run_schedule([item for item in schedule if item.ast.op is not Ops.STORE])
-  item = next(item for item in schedule if item.ast.op is Ops.STORE)
+  item = _float16_conv_item()
   plain, staged = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))
   staged.hand_coded_optimizations()
   assert staged.tensor_core is not None and staged.shared_tiles and staged.block_threads() == 256
-  results = []
-  for kernel in (plain, staged):
-    out = Buffer("PYTHON", item.outputs[0].size, dtypes.float16).allocate()
-    compile_kernel(kernel, "PYTHON")((out, *item.inputs))
-    results.append(out.numpy().astype(np.float32))
-  np.testing.assert_allclose(results[1], results[0], rtol=2e-3, atol=2e-2)
+  _assert_same_float16_results(item, plain, staged)
 
 
 def test_benchmark_conv_kernel_choices() -> None:
