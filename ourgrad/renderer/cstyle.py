@@ -7,6 +7,7 @@ user, so short chains read as one expression.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 from ourgrad.codegen.uops import AxisType, UOp, UOps
@@ -34,6 +35,18 @@ BFLOAT16_HELPERS = """{qualifier}unsigned short float_to_bf16(float value) {{
 {qualifier}float bf16_to_float(unsigned short bits) {{ return {float_from_bits}; }}
 {qualifier}float bf16_round(float value) {{ return bf16_to_float(float_to_bf16(value)); }}
 """
+
+
+@dataclass(frozen=True)
+class FloatInRegisters:
+  """How a dialect spells a 16-bit float it computes in float registers: templates with `{}` for the operand."""
+  to_float: str     # its 16 stored bits -> float
+  from_float: str   # float -> its 16 bits, rounded to nearest even
+  rounded: str      # float -> float, rounded to its precision
+
+
+# bfloat16 as every C-like dialect spells it, through BFLOAT16_HELPERS
+BFLOAT16_IN_FLOAT = FloatInRegisters("bf16_to_float({})", "float_to_bf16({})", "bf16_round((float)({}))")
 
 
 def kernel_dtypes(uops: list[UOp]) -> set[DType]:
@@ -205,13 +218,23 @@ class CStyleLanguage(Renderer):
     return f"(({self.render_dtype(dtype)}){int(value)})"
 
   # Dtypes a language cannot compute in (bfloat16 in C, halves in OpenCL and NVRTC without headers) live in float
-  # registers: `memory_type` says how buffers store them, `read_element`/`write_element` convert at loads and
-  # stores, and `round_to` rounds a cast result to their precision. The defaults are for dtypes the language has.
+  # registers: `memory_type` says how buffers store them, `floats_in_registers` how the dialect converts them at loads
+  # and stores and rounds a cast result to their precision. The defaults are for dtypes the language has.
+  floats_in_registers: dict[DType, FloatInRegisters] = {}
+
   def memory_type(self, dtype: DType) -> str: return self.render_dtype(dtype)
-  def read_element(self, buffer: str, index: str, dtype: DType) -> str: return f"{buffer}[{index}]"
+
+  def read_element(self, buffer: str, index: str, dtype: DType) -> str:
+    narrow = self.floats_in_registers.get(dtype)
+    return narrow.to_float.format(f"{buffer}[{index}]") if narrow else f"{buffer}[{index}]"
+
   def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
-    return f"{buffer}[{index}] = {value};"
-  def round_to(self, dtype: DType, value: str) -> str | None: return None
+    narrow = self.floats_in_registers.get(dtype)
+    return f"{buffer}[{index}] = {narrow.from_float.format(value) if narrow else value};"
+
+  def round_to(self, dtype: DType, value: str) -> str | None:
+    narrow = self.floats_in_registers.get(dtype)
+    return narrow.rounded.format(value) if narrow else None
 
   def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     rounded = self.round_to(to_dtype, value)
@@ -219,11 +242,13 @@ class CStyleLanguage(Renderer):
     if to_dtype == dtypes.bool: return f"({value} != 0)"
     return f"(({self.render_dtype(to_dtype)})({value}))"
 
-  # the dtypes this dialect keeps in float registers (see memory_type): a bitcast goes through their 16-bit pattern
-  float_register_dtypes: frozenset[DType] = frozenset()
+  @property
+  def float_register_dtypes(self) -> frozenset[DType]:
+    """The dtypes this dialect keeps in float registers (see memory_type): a bitcast goes through their 16 bits."""
+    return frozenset(self.floats_in_registers)
 
-  def bits_of(self, dtype: DType, value: str) -> str: raise NotImplementedError(f"bits of {dtype}")
-  def from_bits(self, dtype: DType, bits: str) -> str: raise NotImplementedError(f"{dtype} from bits")
+  def bits_of(self, dtype: DType, value: str) -> str: return self.floats_in_registers[dtype].from_float.format(value)
+  def from_bits(self, dtype: DType, bits: str) -> str: return self.floats_in_registers[dtype].to_float.format(bits)
 
   def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     """A bitcast between two types the language has."""
@@ -536,24 +561,10 @@ class ClangRenderer(CStyleLanguage):
     if dtypes.bfloat16 not in kernel_dtypes(uops): return source
     return source.replace(self.preamble, self.preamble + self.bfloat16_helpers(), 1)
 
+  floats_in_registers = {dtypes.bfloat16: BFLOAT16_IN_FLOAT}
+
   def memory_type(self, dtype: DType) -> str:
     return "unsigned short" if dtype == dtypes.bfloat16 else super().memory_type(dtype)
-
-  def read_element(self, buffer: str, index: str, dtype: DType) -> str:
-    if dtype == dtypes.bfloat16: return f"bf16_to_float({buffer}[{index}])"
-    return super().read_element(buffer, index, dtype)
-
-  def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
-    if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
-    return super().write_element(buffer, index, value, dtype)
-
-  def round_to(self, dtype: DType, value: str) -> str | None:
-    return f"bf16_round((float)({value}))" if dtype == dtypes.bfloat16 else None
-
-  float_register_dtypes = frozenset({dtypes.bfloat16})
-
-  def bits_of(self, dtype: DType, value: str) -> str: return f"float_to_bf16({value})"
-  def from_bits(self, dtype: DType, bits: str) -> str: return f"bf16_to_float({bits})"
 
 
 class OpenCLRenderer(CStyleLanguage):
@@ -602,30 +613,20 @@ class OpenCLRenderer(CStyleLanguage):
     if dtype == dtypes.uint64: return f"((ulong){int(value)}ul)"
     return super().render_const(value, dtype)
 
+  # halves through the helpers of render_kernel (loads and stores use vload_half/vstore_half_rte instead)
+  floats_in_registers = {
+    dtypes.float16: FloatInRegisters("half_from_bits({})", "half_bits({})", "half_round((float)({}))"),
+    dtypes.bfloat16: BFLOAT16_IN_FLOAT}
+
   def read_element(self, buffer: str, index: str, dtype: DType) -> str:
     if dtype == dtypes.bool: return f"({buffer}[{index}] != 0)"
-    if dtype == dtypes.float16: return f"vload_half({index}, {buffer})"
-    if dtype == dtypes.bfloat16: return f"bf16_to_float({buffer}[{index}])"
+    if dtype == dtypes.float16: return f"vload_half({index}, {buffer})"   # no cl_khr_fp16 needed
     return super().read_element(buffer, index, dtype)
 
   def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
     if dtype == dtypes.bool: return f"{buffer}[{index}] = (uchar)({value});"
     if dtype == dtypes.float16: return f"vstore_half_rte({value}, {index}, {buffer});"
-    if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
     return super().write_element(buffer, index, value, dtype)
-
-  def round_to(self, dtype: DType, value: str) -> str | None:
-    if dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
-    if dtype == dtypes.float16: return f"half_round((float)({value}))"
-    return None
-
-  float_register_dtypes = frozenset({dtypes.float16, dtypes.bfloat16})
-
-  def bits_of(self, dtype: DType, value: str) -> str:
-    return f"half_bits({value})" if dtype == dtypes.float16 else f"float_to_bf16({value})"
-
-  def from_bits(self, dtype: DType, bits: str) -> str:
-    return f"half_from_bits({bits})" if dtype == dtypes.float16 else f"bf16_to_float({bits})"
 
   def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     if dtypes.bool in (from_dtype, to_dtype):

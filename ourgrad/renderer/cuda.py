@@ -9,7 +9,8 @@ from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
 from ourgrad.dtype import DType, dtypes
-from ourgrad.renderer.cstyle import (DYNAMIC_SHARED_ARRAY, DYNAMIC_SHARED_SYMBOL, CStyleLanguage, block_threads,
+from ourgrad.renderer.cstyle import (BFLOAT16_IN_FLOAT, DYNAMIC_SHARED_ARRAY, DYNAMIC_SHARED_SYMBOL, CStyleLanguage,
+                                     FloatInRegisters, block_threads,
                                      kernel_dtypes)
 
 
@@ -74,29 +75,10 @@ class CUDARenderer(CStyleLanguage):
     if dtype in (dtypes.float16, dtypes.bfloat16): return super().render_const(value, dtypes.float32)
     return super().render_const(value, dtype)
 
-  def read_element(self, buffer: str, index: str, dtype: DType) -> str:
-    if dtype == dtypes.float16: return f"half_to_float({buffer}[{index}])"
-    if dtype == dtypes.bfloat16: return f"bf16_to_float({buffer}[{index}])"
-    return super().read_element(buffer, index, dtype)
-
-  def write_element(self, buffer: str, index: str, value: str, dtype: DType) -> str:
-    if dtype == dtypes.float16: return f"{buffer}[{index}] = float_to_half({value});"
-    if dtype == dtypes.bfloat16: return f"{buffer}[{index}] = float_to_bf16({value});"
-    return super().write_element(buffer, index, value, dtype)
-
-  def round_to(self, dtype: DType, value: str) -> str | None:
-    if dtype == dtypes.float16: return f"half_to_float(float_to_half((float)({value})))"
-    if dtype == dtypes.bfloat16: return f"bf16_round((float)({value}))"
-    return None
-
-  float_register_dtypes = frozenset({dtypes.float16, dtypes.bfloat16})
-
-  def bits_of(self, dtype: DType, value: str) -> str:
-    return f"float_to_half({value})" if dtype == dtypes.float16 else f"float_to_bf16({value})"
-
-  def from_bits(self, dtype: DType, bits: str) -> str:
-    if dtype == dtypes.float16: return f"half_to_float({bits})"
-    return f"bf16_to_float({bits})"
+  floats_in_registers = {
+    dtypes.float16: FloatInRegisters("half_to_float({})", "float_to_half({})",
+                                     "half_to_float(float_to_half((float)({})))"),
+    dtypes.bfloat16: BFLOAT16_IN_FLOAT}
 
   def reinterpret(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
     return f"bitcast<{to_dtype.c_name}, {from_dtype.c_name}>({value})"
