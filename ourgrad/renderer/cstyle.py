@@ -6,6 +6,7 @@ user, so short chains read as one expression.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -179,9 +180,12 @@ class CStyleLanguage(Renderer):
   # put before a loop of kind UPCAST/UNROLL (lanes computed side by side, no dependence between iterations: the CPU
   # row kernels' lanes, codegen/row_linearizer.py) so that the compiler vectorizes it
   vector_loop_pragma = ""
-  scalar_selects = True   # ClangRenderer: float max/select as bit-select helpers (off in kernels with lane loops)
-  simd_loop: UOp | None = None   # ClangRenderer: the elementwise kernel's loop marked `omp simd` (cvector.py)
-  simd_loop_is_parallel = False  # ... and it is the kernel's only loop (`parallel for simd` when parallel)
+  # per kernel, on the copy ClangRenderer.render works on: float max/select as bit-select helpers (off in kernels
+  # with lane loops), the elementwise kernel's loop marked `omp simd` (cvector.py), and whether that loop is the
+  # kernel's only one (`parallel for simd` when parallel)
+  scalar_selects = True
+  simd_loop: UOp | None = None
+  simd_loop_is_parallel = False
   local_align = ""      # and how it is aligned to 16 bytes (float4 reads of SHARED tiles)
   code_for_op: dict[Ops, AluRendering] = C_CODE_FOR_OP
   # how this dialect spells BFLOAT16_HELPERS: function qualifier, a float's bits (of `value`), a float from 16 bits
@@ -526,6 +530,12 @@ class ClangRenderer(CStyleLanguage):
     return "#pragma omp parallel for" + simd + (f" collapse({loop_count})" if loop_count > 1 else "")
 
   def render(self, name: str, uops: list[UOp]) -> str:
+    # this kernel's choices live on a copy, so the device's one renderer holds no per-kernel state
+    kernel_renderer = copy.copy(self)
+    kernel_renderer._choose_loops_and_selects(uops)
+    return CStyleLanguage.render(kernel_renderer, name, uops)
+
+  def _choose_loops_and_selects(self, uops: list[UOp]) -> None:
     # An elementwise kernel whose integers are index math only runs its innermost loop as an `omp simd` loop (gcc 12's
     # loop vectorizer is otherwise off, ops_clang.known_bug_flags): the MNIST step's batchnorm-backward elementwise
     # kernel took 2.3 ms instead of 4.1 with 4 unrolled scalar outputs (one core, same data)
@@ -536,7 +546,6 @@ class ClangRenderer(CStyleLanguage):
     # 40 ms with the helpers, PyTorch 20 ms). Elsewhere the helpers save mispredicted jumps (CLANG_SCALAR_SELECTS).
     self.scalar_selects = self.simd_loop is None and not any(
       uop.op is UOps.RANGE and uop.arg[1] in (AxisType.UPCAST, AxisType.UNROLL) for uop in uops)
-    return super().render(name, uops)
 
   def vector_plan(self, uops: list[UOp]) -> VectorPlan:
     """Register tiles as explicit vectors of one SIMD register (renderer/cvector.py: gcc's own vectorizer drops
