@@ -78,3 +78,15 @@ def test_kernels_kept_scalar_are_right(case: str):
     make, expected = (lambda t: t * 3 + 7), x * 3 + 7
   assert "simd" not in _source(make(Tensor.empty(*x.shape, dtype=Tensor(x[:1, :1]).dtype, device=DEVICE)))
   np.testing.assert_allclose(make(Tensor(x, device=DEVICE)).numpy(), expected, rtol=1e-6)
+
+
+def test_render_leaves_no_state_on_the_device_renderer():
+  """Each render's loop/select choices live on a copy: rendering a row kernel (plain `?:`, lane loops) in between
+  does not change the source of an elementwise kernel, and the device's renderer keeps its class defaults."""
+  renderer = Device[DEVICE].renderer
+  if not hasattr(renderer, "scalar_selects"): pytest.skip("not a C renderer")
+  elementwise = lambda: Tensor(_values((33, 17), 1), device=DEVICE).maximum(0.5) * 2   # noqa: E731
+  first = _source(elementwise())
+  _source(Tensor(_values((64, 257), 2), device=DEVICE).softmax(-1))
+  assert _source(elementwise()) == first
+  assert "scalar_selects" not in vars(renderer) and "simd_loop" not in vars(renderer)
