@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterator, Sequence
 
@@ -78,20 +78,65 @@ class BeamVerificationWarning(RuntimeWarning):
   """The kernel BEAM chose gave other results than the unoptimized kernel; the hand-coded one is used instead."""
 
 
+@dataclass
+class RoundStats:
+  """One round of a search (round 0: the seeds): its candidates and the seconds of each phase."""
+  candidates: int
+  expand_s: float = 0.0       # enumerating and deduplicating the candidates (this process)
+  compile_s: float = 0.0      # wall time of compiling them (the pool, or this process)
+  compile_cpu_s: float = 0.0  # the candidates' own compile times summed: compile_cpu_s / compile_s = parallelism
+  time_s: float = 0.0         # loading and launching them on the device
+  failed: int = 0             # dropped: compile errors, timeouts, launch failures
+  best_s: float = float("inf")   # the best kernel time after this round
+
+
+@dataclass
+class SearchStats:
+  """Where one search's seconds went, phase by phase (DEBUG=2 prints it; BeamCounters.stats keeps each one)."""
+  kernel: str
+  workers: int = 1
+  rounds: list[RoundStats] = field(default_factory=list)
+  pool_start_s: float = 0.0   # forking the compile workers
+  duel_s: float = 0.0         # the final duel against the hand-coded kernel (compile and launches)
+  verify_s: float = 0.0       # checking the winner against an independent result (beam_optimize)
+  total_s: float = 0.0        # the whole search, verification included
+  hand_s: float | None = None   # the hand-coded kernel's time, and the winner's
+  best_s: float = float("inf")
+
+  def phases(self) -> dict[str, float]:
+    """Seconds per phase; "other" is what the phases leave of total_s (hand-coded heuristic, scratch buffers)."""
+    named = {"pool": self.pool_start_s, "expand": sum(r.expand_s for r in self.rounds),
+             "compile": sum(r.compile_s for r in self.rounds), "time": sum(r.time_s for r in self.rounds),
+             "duel": self.duel_s, "verify": self.verify_s}
+    return {**named, "other": max(self.total_s - sum(named.values()), 0.0)}
+
+  @property
+  def candidates(self) -> int:
+    return sum(r.candidates for r in self.rounds)
+
+  def summary(self) -> str:
+    phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self.phases().items())
+    cpu = sum(r.compile_cpu_s for r in self.rounds)
+    return (f"{len(self.rounds) - 1} rounds, {self.candidates} candidates ({sum(r.failed for r in self.rounds)} "
+            f"dropped), {self.total_s:.2f} s: {phases} s; compile CPU {cpu:.2f} s on {self.workers} workers")
+
+
 class BeamCounters:
-  """What BEAM did in this process since the last `reset()` (tests read these)."""
+  """What BEAM did in this process since the last `reset()` (tests and bench_beam.py read these)."""
   searches: int = 0
   cache_hits: int = 0
   compiled: int = 0
   compile_failures: int = 0
   timed: int = 0
   search_seconds: float = 0.0  # wall time in beam_optimize: cache look-ups, searches, verification
+  stats: list[SearchStats] = []  # one per search, in order
 
   @staticmethod
   def reset() -> None:
     BeamCounters.searches = BeamCounters.cache_hits = BeamCounters.compiled = 0
     BeamCounters.compile_failures = BeamCounters.timed = 0
     BeamCounters.search_seconds = 0.0
+    BeamCounters.stats = []
 
 
 # ---------------------------------------------------------------- candidates
@@ -224,6 +269,7 @@ class CompiledCandidate:
   global_size: tuple[int, ...] = ()
   local_size: tuple[int, ...] = ()
   error: str = ""
+  seconds: float = 0.0   # lowering, rendering and compiling it (where it was compiled)
 
 
 @dataclass
@@ -245,12 +291,16 @@ def compile_candidate(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -
   """Lower, render and compile one candidate. Never raises: a failure comes back as `error`. On the main thread
   of a process (a pool worker) a compile past `timeout` seconds is interrupted; the compilers that run a
   subprocess (the C compiler) then kill it."""
+  started = time.perf_counter()
   try:
-    return _compile_with_alarm(job, opts, timeout)
+    result = _compile_with_alarm(job, opts, timeout)
   except _CompileTimeout:  # also an alarm that fires while the inner function is disarming it
-    return CompiledCandidate(opts, error=f"compile took over {timeout:g} s")
+    result = CompiledCandidate(opts, error=f"compile took over {timeout:g} s")
   except Exception as error:  # any failure drops the candidate (compilers raise their library's errors)
-    return CompiledCandidate(opts, error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    result = CompiledCandidate(opts, error=f"{type(error).__name__}: {first_line}")
+  result.seconds = time.perf_counter() - started
+  return result
 
 
 def _compile_with_alarm(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -> CompiledCandidate:
@@ -300,13 +350,16 @@ class CandidateCompiler:
     forkable = "fork" in multiprocessing.get_all_start_methods() and device.split(":")[0] not in COMPILE_IN_PROCESS
     if not forkable: self.workers = 1
     self.pool: Any = None
+    self.pool_start_s = 0.0   # seconds spent forking workers (every pool of this search)
 
   def _start_pool(self) -> None:
     global _FORKED_JOB
     _FORKED_JOB = self.job
+    started = time.perf_counter()
     with warnings.catch_warnings():  # Python 3.12 warns on fork in a threaded process; the workers only compile
       warnings.simplefilter("ignore", DeprecationWarning)
       self.pool = multiprocessing.get_context("fork").Pool(self.workers)
+    self.pool_start_s += time.perf_counter() - started
 
   def compile(self, candidates: Sequence[tuple[Opt, ...]]) -> list[CompiledCandidate]:
     timeout = BEAM_COMPILE_TIMEOUT.value
@@ -433,20 +486,24 @@ class _Timer:
 
 def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: int, device: str | None = None,
                 min_progress: float | None = None, max_rounds: int | None = None,
-                workers: int | None = None) -> Kernel:
+                workers: int | None = None, stats: SearchStats | None = None) -> Kernel:
   """The fastest kernel found by a beam search of width `beam_width` over Opts added to `kernel` (normally the
   unoptimized one), timed on `buffers` (the kernel's arguments in order; None: scratch buffers). The hand-coded
   heuristic's kernel competes in the first round, so the result is never slower than it as timed here. Returns
-  the hand-coded kernel when the device cannot time launches. Results are not verified here (see beam_optimize)."""
+  the hand-coded kernel when the device cannot time launches. Results are not verified here (see beam_optimize).
+  Where the seconds went is filled into `stats` (a new SearchStats if None), which BeamCounters.stats keeps."""
+  started = time.perf_counter()
   device = device or (buffers[0].device if buffers else kernel.renderer.device)
+  stats = stats if stats is not None else SearchStats(kernel.name)
+  BeamCounters.stats.append(stats)
   if buffers is None:
     buffers = scratch_buffers(kernel.ast, device)
     random_fill(buffers, seed=0)  # not uninitialized memory: NaNs and denormals take slow paths on some CPUs
   progress_threshold = BEAM_MIN_PROGRESS.value if min_progress is None else min_progress
   BeamCounters.searches += 1
-  started = time.perf_counter()
   job = _CompileJob(copy_kernel(kernel), Device[device].compiler)
   compiler = CandidateCompiler(job, device, workers)
+  stats.workers = compiler.workers
   progress = _Progress(kernel.name)
   timer = _Timer(device, buffers, progress)
   try:
@@ -456,29 +513,55 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
     seen = {kernel_key(apply_opts(kernel, opts)) for opts in seeds}
     progress.add(len(seeds))
     # the first launches of a process pay for thread pools and first touches of memory: the seeds warm up first
-    timed = timer.time_all(compiler.compile(seeds), warmup=True)
+    timed = _run_round(stats, timer, compiler, seeds, 0.0, warmup=True)
     if timer.untimable or not timed: return heuristic  # nothing to compare: the heuristic's choice
     hand_seconds = next((c.seconds for c in timed if c.opts == hand_opts), None)
     beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
     best = beam[0]
     for _ in range(MAX_ROUNDS if max_rounds is None else max_rounds):
+      expand_started = time.perf_counter()
       candidates = _expand(kernel, beam, seen)
       if not candidates: break
       progress.add(len(candidates))
-      timed = timer.time_all(compiler.compile(candidates))
+      timed = _run_round(stats, timer, compiler, candidates, time.perf_counter() - expand_started)
       if not timed: break
       round_beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
       if round_beam[0].seconds >= best.seconds * (1 - progress_threshold): break
       beam, best = round_beam, round_beam[0]
     if hand_seconds is not None and best.opts != hand_opts:
+      duel_started = time.perf_counter()
       best, hand_seconds = _final_choice(timer, compiler.compile([best.opts, hand_opts]), best, hand_seconds,
                                          progress_threshold)
+      stats.duel_s = time.perf_counter() - duel_started
   finally:
+    stats.pool_start_s = compiler.pool_start_s
     compiler.close()
     progress.close()
   winner = apply_opts(kernel, best.opts)
-  _report(kernel.name, winner, best.seconds, hand_seconds, time.perf_counter() - started)
+  stats.hand_s, stats.best_s = hand_seconds, best.seconds
+  stats.total_s += time.perf_counter() - started
+  _report(kernel.name, winner, best.seconds, hand_seconds, stats.total_s)
   return winner
+
+
+def _run_round(stats: SearchStats, timer: _Timer, compiler: CandidateCompiler, candidates: Sequence[tuple[Opt, ...]],
+               expand_s: float, warmup: bool = False) -> list[TimedCandidate]:
+  """Compile and time one round's candidates, recording the round's phases in `stats` (and printing them at
+  DEBUG>=2)."""
+  pool_before, started = compiler.pool_start_s, time.perf_counter()
+  compiled = compiler.compile(candidates)
+  compiled_at = time.perf_counter()
+  timed = timer.time_all(compiled, warmup)
+  round_stats = RoundStats(len(candidates), expand_s, compiled_at - started - (compiler.pool_start_s - pool_before),
+                           sum(candidate.seconds for candidate in compiled), time.perf_counter() - compiled_at,
+                           len(candidates) - len(timed), timer.best)
+  stats.rounds.append(round_stats)
+  if DEBUG >= 2:
+    print(f"BEAM {stats.kernel} round {len(stats.rounds) - 1}: {round_stats.candidates} candidates "
+          f"({round_stats.failed} dropped), expand {expand_s:.2f} s, compile {round_stats.compile_s:.2f} s "
+          f"({round_stats.compile_cpu_s:.2f} s CPU, {compiler.workers} workers), time {round_stats.time_s:.2f} s, "
+          f"best {timer.best * 1e3:.4f} ms")
+  return timed
 
 
 def _final_choice(timer: _Timer, compiled: Sequence[CompiledCandidate], best: TimedCandidate,
@@ -629,10 +712,15 @@ def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
         if DEBUG >= 2: print(f"BEAM {kernel.name}: cache hit, opts {optimized.applied_opts}")
         if DEBUG >= 3: print(f"BEAM {kernel.name} opts: {describe_opts(optimized.applied_opts)}")
         return optimized
-  winner = beam_search(kernel, None, beam_width, device=device)
+  stats = SearchStats(kernel.name)
+  winner = beam_search(kernel, None, beam_width, device=device, stats=stats)
+  verify_started = time.perf_counter()
   if winner.applied_opts and not verify_kernel(winner, kernel, device):
     warnings.warn(f"BEAM's kernel for {kernel.name} with opts {winner.applied_opts} gives other results than the "
                   f"unoptimized kernel; using the hand-coded optimizations", BeamVerificationWarning, stacklevel=2)
     winner = hand_coded(kernel)
+  stats.verify_s = time.perf_counter() - verify_started
+  stats.total_s += stats.verify_s
+  if DEBUG >= 2: print(f"BEAM {kernel.name} phases: {stats.summary()}")
   cache_put(key, kernel.name, winner.applied_opts)
   return winner
