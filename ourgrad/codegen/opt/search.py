@@ -47,7 +47,7 @@ from ourgrad.codegen.uops import launch_dims
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import (BEAM_COMPILE_TIMEOUT, BEAM_LOCAL_MAX, BEAM_MIN_PROGRESS, BEAM_UPCAST_MAX, BEAM_WORKERS,
-                             DEBUG, IGNORE_BEAM_CACHE, cache_dir)
+                             BEAM_TIME_BUDGET, DEBUG, IGNORE_BEAM_CACHE, cache_dir)
 from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
 
 # The amounts tried for each kind of Opt, by OptOps name. 0 means "the whole axis". A kind missing here (one the
@@ -69,7 +69,10 @@ MAX_ROUNDS = 10            # Opts added on top of the starting kernel, at most
 TIMING_RUNS = 3            # launches per candidate; the fastest is its time
 FINAL_RUNS = 5             # rounds of the final duel: the winner and the hand-coded kernel, in alternating order
 FINAL_MARGIN = 0.03        # the searched kernel must beat the hand-coded one's median by this fraction (at least)
-EARLY_CUT = 3.0            # a launch this many times slower than the best so far ends the candidate's timing
+GPU_TIME_BUDGET = 8.0     # seconds of rounds per search on GPUs when BEAM_TIME_BUDGET is -1 (see time_budget)
+OUT_OF_TIME = "the search's time budget ran out"   # the error of a candidate whose compile the budget cut short
+EARLY_CUT = 3.0            # two launches this many times slower than the best so far end the candidate's timing
+COLD_CUT = 10.0            # ... or a first launch this many times slower than that (see time_program)
 VERIFY_RTOL = {dtypes.float16: 2e-2, dtypes.bfloat16: 5e-2}  # other floats: 1e-3
 CACHE_VERSION = 1          # bump when the meaning of cached opts changes
 
@@ -101,6 +104,7 @@ class SearchStats:
   verify_s: float = 0.0       # checking the winner against an independent result (beam_optimize)
   total_s: float = 0.0        # the whole search, verification included
   hand_s: float | None = None   # the hand-coded kernel's time, and the winner's
+  out_of_time: bool = False     # the time budget ended the rounds (BEAM_TIME_BUDGET)
   best_s: float = float("inf")
 
   def phases(self) -> dict[str, float]:
@@ -118,7 +122,8 @@ class SearchStats:
     phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self.phases().items())
     cpu = sum(r.compile_cpu_s for r in self.rounds)
     return (f"{len(self.rounds) - 1} rounds, {self.candidates} candidates ({sum(r.failed for r in self.rounds)} "
-            f"dropped), {self.total_s:.2f} s: {phases} s; compile CPU {cpu:.2f} s on {self.workers} workers")
+            f"dropped), {self.total_s:.2f} s: {phases} s; compile CPU {cpu:.2f} s on {self.workers} workers"
+            f"{'; stopped by the time budget' if self.out_of_time else ''}")
 
 
 class BeamCounters:
@@ -361,26 +366,34 @@ class CandidateCompiler:
       self.pool = multiprocessing.get_context("fork").Pool(self.workers)
     self.pool_start_s += time.perf_counter() - started
 
-  def compile(self, candidates: Sequence[tuple[Opt, ...]]) -> list[CompiledCandidate]:
+  def compile(self, candidates: Sequence[tuple[Opt, ...]], deadline: float = float("inf")) -> list[CompiledCandidate]:
+    """Each candidate compiled, in order. A compile still running at `deadline` (time.perf_counter()) is dropped:
+    the search's time budget is spent."""
     timeout = BEAM_COMPILE_TIMEOUT.value
-    if self.workers <= 1 or len(candidates) <= 1:
-      return [compile_candidate(self.job, opts, timeout) for opts in candidates]
+    if self.workers <= 1 or len(candidates) <= 1: return [self._compile_here(opts, deadline) for opts in candidates]
     if self.pool is None: self._start_pool()
     started = time.perf_counter()
     pending = [self.pool.apply_async(_compile_in_worker, (opts, timeout)) for opts in candidates]
     results, hung = [], False
     for position, (opts, result) in enumerate(zip(candidates, pending)):
       # a worker interrupts its own slow compile; this deadline only catches a compiler stuck in native code
-      deadline = started + (timeout + 5.0) * (position // self.workers + 1)
+      stuck_at = started + (timeout + 5.0) * (position // self.workers + 1)
       try:
-        results.append(result.get(timeout=max(deadline - time.perf_counter(), 0.01)))
+        results.append(result.get(timeout=max(min(stuck_at, deadline) - time.perf_counter(), 0.01)))
       except multiprocessing.TimeoutError:
-        results.append(CompiledCandidate(opts, error=f"compile took over {timeout:g} s (worker stuck)"))
+        over_budget = deadline < stuck_at
+        results.append(CompiledCandidate(opts, error=OUT_OF_TIME if over_budget else
+                                         f"compile took over {timeout:g} s (worker stuck)"))
         hung = True
       except Exception as error:  # a worker that died (killed for memory, say) fails its candidate, not the search
         results.append(CompiledCandidate(opts, error=f"compile worker failed: {type(error).__name__}: {error}"))
-    if hung: self.close()  # a stuck worker is killed with its pool; the next round forks a fresh one
+    if hung: self.close()  # a stuck (or still busy) worker is killed with its pool; the next round forks a fresh one
     return results
+
+  def _compile_here(self, opts: tuple[Opt, ...], deadline: float) -> CompiledCandidate:
+    left = deadline - time.perf_counter()
+    if left <= 0: return CompiledCandidate(opts, error=OUT_OF_TIME)
+    return compile_candidate(self.job, opts, min(BEAM_COMPILE_TIMEOUT.value, left))
 
   def close(self) -> None:
     global _FORKED_JOB
@@ -395,16 +408,18 @@ class CandidateCompiler:
 
 def time_program(program: Any, handles: Sequence[Any], candidate: CompiledCandidate, cutoff: float,
                  warmup: bool = False) -> float | None:
-  """Fastest of TIMING_RUNS launches (fewer when one launch is slower than `cutoff`), after one untimed launch if
-  `warmup`; None when the device cannot time a launch. The minimum, not the median: on a shared machine other work
-  only ever adds time to a launch."""
+  """Fastest of TIMING_RUNS launches, after one untimed launch if `warmup`; None when the device cannot time a
+  launch. The minimum, not the median: on a shared machine other work only ever adds time to a launch.
+  Early cut: the timing ends when two launches were slower than `cutoff`, or the first one COLD_CUT times slower
+  (a program's first launch can pay for loading it: CUDA loads a module's code lazily, at its first launch, so one
+  slow first launch does not condemn a candidate that may win)."""
   if warmup: program(*handles, global_size=candidate.global_size, local_size=candidate.local_size, wait=True)
   times: list[float] = []
   for _ in range(TIMING_RUNS):
     seconds = program(*handles, global_size=candidate.global_size, local_size=candidate.local_size, wait=True)
     if seconds is None: return None
     times.append(seconds)
-    if seconds > cutoff: break
+    if min(times) > cutoff and (len(times) >= 2 or seconds > cutoff * COLD_CUT): break
   return min(times)
 
 
@@ -450,6 +465,7 @@ class _Timer:
     self.handles = [buffer.handle for buffer in buffers]
     self.best = float("inf")
     self.untimable = False
+    self.compiled: dict[tuple[Opt, ...], CompiledCandidate] = {}  # every timed candidate's binary, by its opts
 
   def time_all(self, compiled: Sequence[CompiledCandidate], warmup: bool = False) -> list[TimedCandidate]:
     timed: list[TimedCandidate] = []
@@ -457,6 +473,7 @@ class _Timer:
       seconds = self._time_one(candidate, warmup)
       if seconds is not None:
         timed.append(TimedCandidate(candidate.opts, seconds))
+        self.compiled[candidate.opts] = candidate
         self.best = min(self.best, seconds)
       self.progress.step(self.best)
       if self.untimable: break
@@ -492,6 +509,22 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
   heuristic's kernel competes in the first round, so the result is never slower than it as timed here. Returns
   the hand-coded kernel when the device cannot time launches. Results are not verified here (see beam_optimize).
   Where the seconds went is filled into `stats` (a new SearchStats if None), which BeamCounters.stats keeps."""
+  return _search(kernel, buffers, beam_width, device, min_progress, max_rounds, workers, stats)[0]
+
+
+def time_budget(kernel: Kernel) -> float:
+  """Seconds a search of `kernel` may spend in its rounds (BEAM_TIME_BUDGET; -1: 8 s on GPUs, where compiling is
+  what costs and the H100's 1024^3 matmul once searched for 20 s, unlimited on CPUs, where timing slow candidates
+  is what costs and a budget would cut the searches that find the large gains); inf: no limit."""
+  budget = BEAM_TIME_BUDGET.value
+  if budget < 0: budget = GPU_TIME_BUDGET if getattr(kernel.renderer, "has_local", False) else 0.0
+  return budget if budget > 0 else float("inf")
+
+
+def _search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: int, device: str | None,
+            min_progress: float | None, max_rounds: int | None, workers: int | None,
+            stats: SearchStats | None) -> tuple[Kernel, CompiledCandidate | None]:
+  """beam_search, also returning the winner's compiled binary (None: the heuristic's kernel, not compiled here)."""
   started = time.perf_counter()
   device = device or (buffers[0].device if buffers else kernel.renderer.device)
   stats = stats if stats is not None else SearchStats(kernel.name)
@@ -514,24 +547,28 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
     progress.add(len(seeds))
     # the first launches of a process pay for thread pools and first touches of memory: the seeds warm up first
     timed = _run_round(stats, timer, compiler, seeds, 0.0, warmup=True)
-    if timer.untimable or not timed: return heuristic  # nothing to compare: the heuristic's choice
+    if timer.untimable or not timed: return heuristic, None  # nothing to compare: the heuristic's choice
     hand_seconds = next((c.seconds for c in timed if c.opts == hand_opts), None)
     beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
     best = beam[0]
+    deadline = started + time_budget(kernel)
     for _ in range(MAX_ROUNDS if max_rounds is None else max_rounds):
       expand_started = time.perf_counter()
+      if expand_started >= deadline:
+        stats.out_of_time = True
+        break
       candidates = _expand(kernel, beam, seen)
       if not candidates: break
       progress.add(len(candidates))
-      timed = _run_round(stats, timer, compiler, candidates, time.perf_counter() - expand_started)
+      timed = _run_round(stats, timer, compiler, candidates, time.perf_counter() - expand_started, deadline)
       if not timed: break
       round_beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
       if round_beam[0].seconds >= best.seconds * (1 - progress_threshold): break
       beam, best = round_beam, round_beam[0]
     if hand_seconds is not None and best.opts != hand_opts:
       duel_started = time.perf_counter()
-      best, hand_seconds = _final_choice(timer, compiler.compile([best.opts, hand_opts]), best, hand_seconds,
-                                         progress_threshold)
+      best, hand_seconds = _final_choice(timer, [timer.compiled[best.opts], timer.compiled[hand_opts]], best,
+                                         hand_seconds, progress_threshold)
       stats.duel_s = time.perf_counter() - duel_started
   finally:
     stats.pool_start_s = compiler.pool_start_s
@@ -541,15 +578,16 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
   stats.hand_s, stats.best_s = hand_seconds, best.seconds
   stats.total_s += time.perf_counter() - started
   _report(kernel.name, winner, best.seconds, hand_seconds, stats.total_s)
-  return winner
+  return winner, timer.compiled.get(best.opts)
 
 
 def _run_round(stats: SearchStats, timer: _Timer, compiler: CandidateCompiler, candidates: Sequence[tuple[Opt, ...]],
-               expand_s: float, warmup: bool = False) -> list[TimedCandidate]:
-  """Compile and time one round's candidates, recording the round's phases in `stats` (and printing them at
-  DEBUG>=2)."""
+               expand_s: float, deadline: float = float("inf"), warmup: bool = False) -> list[TimedCandidate]:
+  """Compile (until `deadline`) and time one round's candidates, recording the round's phases in `stats` (and
+  printing them at DEBUG>=2)."""
   pool_before, started = compiler.pool_start_s, time.perf_counter()
-  compiled = compiler.compile(candidates)
+  compiled = compiler.compile(candidates, deadline)
+  if any(candidate.error == OUT_OF_TIME for candidate in compiled): stats.out_of_time = True
   compiled_at = time.perf_counter()
   timed = timer.time_all(compiled, warmup)
   round_stats = RoundStats(len(candidates), expand_s, compiled_at - started - (compiler.pool_start_s - pool_before),
@@ -612,11 +650,14 @@ def _report(name: str, winner: Kernel, seconds: float, hand_seconds: float | Non
 
 # ---------------------------------------------------------------- verification
 
-def verify_kernel(candidate: Kernel, reference: Kernel, device: str, seed: int = 0) -> bool:
-  """Whether `candidate` writes the same values as `reference` (same AST) from the same random inputs."""
+def verify_kernel(candidate: Kernel, reference: Kernel, device: str, seed: int = 0,
+                  candidate_binary: CompiledCandidate | None = None) -> bool:
+  """Whether `candidate` writes the same values as `reference` (same AST) from the same random inputs.
+  `candidate_binary`: the candidate as the search compiled it (saves compiling it again; a large searched kernel
+  takes seconds), else it is compiled here."""
   results = []
-  for kernel in (reference, candidate):
-    compiled = compile_candidate(_CompileJob(kernel, Device[device].compiler), (), BEAM_COMPILE_TIMEOUT.value)
+  for kernel, binary in ((reference, None), (candidate, candidate_binary)):
+    compiled = binary or compile_candidate(_CompileJob(kernel, Device[device].compiler), (), BEAM_COMPILE_TIMEOUT.value)
     if compiled.error: return False
     buffers = scratch_buffers(kernel.ast, device)
     random_fill(buffers, seed)  # outputs too: places a kernel does not store keep the same values in both runs
@@ -713,9 +754,9 @@ def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
         if DEBUG >= 3: print(f"BEAM {kernel.name} opts: {describe_opts(optimized.applied_opts)}")
         return optimized
   stats = SearchStats(kernel.name)
-  winner = beam_search(kernel, None, beam_width, device=device, stats=stats)
+  winner, binary = _search(kernel, None, beam_width, device, None, None, None, stats)
   verify_started = time.perf_counter()
-  if winner.applied_opts and not verify_kernel(winner, kernel, device):
+  if winner.applied_opts and not verify_kernel(winner, kernel, device, candidate_binary=binary):
     warnings.warn(f"BEAM's kernel for {kernel.name} with opts {winner.applied_opts} gives other results than the "
                   f"unoptimized kernel; using the hand-coded optimizations", BeamVerificationWarning, stacklevel=2)
     winner = hand_coded(kernel)
