@@ -457,7 +457,7 @@ def test_early_cut_never_drops_the_eventual_winner(monkeypatch):
 
 def test_time_program_cuts_only_far_slower_candidates():
   """Launch counts of time_program: a contender gets TIMING_RUNS launches; a candidate over the cutoff twice stops
-  after two; a first launch over COLD_CUT x the cutoff stops at once."""
+  after two; a first launch over COLD_CUT x the cutoff stops at once, and after a warm-up any over the cutoff."""
   def program_taking(*seconds):
     launches = iter(seconds)
     calls = []
@@ -473,3 +473,6 @@ def test_time_program_cuts_only_far_slower_candidates():
     program, calls = program_taking(*seconds)
     assert search.time_program(program, [], candidate, cutoff=3.0) == fastest
     assert len(calls) == launches, seconds
+  # after a warm-up launch (the seeds') the program is loaded: one launch over the cutoff ends the timing
+  program, calls = program_taking(1.0, 5.0, 1.0, 1.0)
+  assert search.time_program(program, [], candidate, cutoff=3.0, warmup=True) == 5.0 and len(calls) == 2

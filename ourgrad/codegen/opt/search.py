@@ -412,14 +412,15 @@ def time_program(program: Any, handles: Sequence[Any], candidate: CompiledCandid
   launch. The minimum, not the median: on a shared machine other work only ever adds time to a launch.
   Early cut: the timing ends when two launches were slower than `cutoff`, or the first one COLD_CUT times slower
   (a program's first launch can pay for loading it: CUDA loads a module's code lazily, at its first launch, so one
-  slow first launch does not condemn a candidate that may win)."""
+  slow first launch does not condemn a candidate that may win), or after a warm-up the first one at all."""
   if warmup: program(*handles, global_size=candidate.global_size, local_size=candidate.local_size, wait=True)
+  first_cut = cutoff if warmup else cutoff * COLD_CUT
   times: list[float] = []
   for _ in range(TIMING_RUNS):
     seconds = program(*handles, global_size=candidate.global_size, local_size=candidate.local_size, wait=True)
     if seconds is None: return None
     times.append(seconds)
-    if min(times) > cutoff and (len(times) >= 2 or seconds > cutoff * COLD_CUT): break
+    if min(times) > cutoff and (len(times) >= 2 or seconds > first_cut): break
   return min(times)
 
 
