@@ -367,6 +367,7 @@ def test_search_stats_report_every_phase(monkeypatch, capsys):
   monkeypatch.setattr(search, "DEBUG", 2)
   monkeypatch.setattr(search, "MAX_ROUNDS", 1)
   monkeypatch.setenv("BEAM_WORKERS", "2")
+  monkeypatch.setenv("BEAM_TIME_BUDGET", "0")   # a slow machine (or an emulated GPU) still runs the round
   item = _last_item(_matmul(16, 24, 8))
   search.beam_optimize(_plain_kernel(item), item.outputs[0].device, 2)
   assert len(search.BeamCounters.stats) == 1
@@ -405,7 +406,8 @@ def test_time_budget_stops_the_search(monkeypatch, workers):
 def test_time_budget_defaults_by_device_kind(monkeypatch):
   """-1 (the default): a budget on GPUs, where compiles dominate a search, none on CPUs; 0: none; else seconds."""
   item = _last_item(_matmul(16, 24, 8))
-  cpu, gpu = _plain_kernel(item), Kernel(item.ast, CUDARenderer())
+  from ourgrad.renderer.cstyle import ClangRenderer
+  cpu, gpu = Kernel(item.ast, ClangRenderer()), Kernel(item.ast, CUDARenderer())
   monkeypatch.setenv("BEAM_TIME_BUDGET", "-1")
   assert (search.time_budget(cpu), search.time_budget(gpu)) == (float("inf"), search.GPU_TIME_BUDGET)
   monkeypatch.setenv("BEAM_TIME_BUDGET", "0")
@@ -440,6 +442,7 @@ class _ColdStartDevice:
 def _search_on_cold_device(monkeypatch, early_cut: float) -> tuple[tuple, int]:
   fake = _ColdStartDevice()
   monkeypatch.setattr(search, "Device", {"FAKE": fake})
+  monkeypatch.setenv("BEAM_TIME_BUDGET", "0")   # both searches run every round, however slow the machine
   monkeypatch.setattr(search, "EARLY_CUT", early_cut)
   item = _last_item(_matmul(16, 32, 16))
   winner = search.beam_search(_plain_kernel(item), item.bufs, 2, device="FAKE", max_rounds=2, workers=1)
