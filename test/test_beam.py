@@ -214,12 +214,23 @@ def test_candidate_enumeration_only_yields_legal_opts(name, renderer_kind):
           applied = search.apply_opts(kernel, [opt])
         except KernelOptError:
           continue
-        assert not search._within_search_limits(applied), f"{opt} applies but was not enumerated"
+        assert not search._within_search_limits(applied) or search._wasteful(kernel, opt, applied), \
+          f"{opt} applies but was not enumerated"
       next_level += [new for _, new in candidates[::7]]
     level = next_level[:6]
   if renderer_kind == "cuda":
     first = search.candidate_opts(Kernel(item.ast, renderer))
     assert any(opt.op is OptOps.LOCAL for opt, _ in first), "LOCAL is not searched on a GPU renderer"
+
+
+def test_padto_that_doubles_an_axis_is_not_searched():
+  """PADTO 32 on an axis of 16 (half its threads idle) is not a candidate; on an axis of 24 (to 32) it is."""
+  item = _last_item(_matmul(16, 8, 24))
+  kernel = Kernel(item.ast, CUDARenderer())
+  sizes = dict(enumerate(kernel.full_shape))
+  padded = {sizes[opt.axis] for opt, _ in search.candidate_opts(kernel) if opt.op is OptOps.PADTO}
+  assert 16 in sizes.values() and 24 in sizes.values(), kernel.full_shape
+  assert padded == {24}
 
 
 def test_every_optops_kind_is_tried():

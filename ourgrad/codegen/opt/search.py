@@ -175,6 +175,15 @@ def _within_search_limits(kernel: Kernel) -> bool:
   return kernel.local_threads() <= max(max_threads, 1)
 
 
+def _wasteful(parent: Kernel, opt: Opt, new: Kernel) -> bool:
+  """An Opt that can only make the kernel slower, not worth a compile: a PADTO that doubles its axis (16 -> 32:
+  half the threads of that axis only run masked loads, and its size already divides whatever a larger one would
+  let other Opts use)."""
+  if opt.op is not OptOps.PADTO: return False
+  before, after = parent.full_shape[opt.axis], new.full_shape[opt.axis]
+  return isinstance(before, int) and isinstance(after, int) and after >= 2 * before
+
+
 def _all_actions(kernel: Kernel) -> Iterator[Opt]:
   for op in OptOps:
     for axis in range(kernel.shape_len):
@@ -182,14 +191,15 @@ def _all_actions(kernel: Kernel) -> Iterator[Opt]:
 
 
 def candidate_opts(kernel: Kernel) -> list[tuple[Opt, Kernel]]:
-  """Every Opt that applies to `kernel` within the search limits, each with the kernel it gives."""
+  """Every Opt that applies to `kernel` within the search limits (and is not _wasteful), each with the kernel it
+  gives."""
   candidates = []
   for opt in _all_actions(kernel):
     try:
       new = apply_opts(kernel, [opt])
     except KernelOptError:
       continue
-    if _within_search_limits(new): candidates.append((opt, new))
+    if _within_search_limits(new) and not _wasteful(kernel, opt, new): candidates.append((opt, new))
   return candidates
 
 
