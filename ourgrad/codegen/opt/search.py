@@ -354,6 +354,13 @@ def _compile_in_worker(opts: tuple[Opt, ...], timeout: float) -> CompiledCandida
 COMPILE_IN_PROCESS = {"OPENCL"}
 
 
+def usable_cpus() -> int:
+  """The CPU cores this process may run on (its affinity mask where the OS has one: a container or `taskset` can
+  give it fewer than the machine has, and a worker per machine core would then only queue)."""
+  if hasattr(os, "sched_getaffinity"): return max(len(os.sched_getaffinity(0)), 1)
+  return os.cpu_count() or 1
+
+
 class CandidateCompiler:
   """Compiles candidates of one search in parallel: a pool of forked worker processes (BEAM_WORKERS), or this
   process where fork is missing, BEAM_WORKERS=1, or the device's compiler cannot be forked."""
@@ -361,7 +368,7 @@ class CandidateCompiler:
   def __init__(self, job: _CompileJob, device: str, workers: int | None = None):
     self.job = job
     count = BEAM_WORKERS.value if workers is None else workers
-    self.workers = count if count > 0 else (os.cpu_count() or 1)
+    self.workers = count if count > 0 else usable_cpus()
     forkable = "fork" in multiprocessing.get_all_start_methods() and device.split(":")[0] not in COMPILE_IN_PROCESS
     if not forkable: self.workers = 1
     self.pool: Any = None
