@@ -3,6 +3,7 @@ computes, a second process reuses the on-disk cache instead of searching, candid
 are dropped without failing the search, and candidate enumeration only yields Opts that apply.
 
 Shapes are tiny and searches short (width 2, one or two rounds): these tests check behaviour, never speed."""
+import hashlib
 import json
 import multiprocessing
 import os
@@ -439,7 +440,7 @@ class _ColdStartDevice:
     self.launches = 0
 
   def true_seconds(self, binary: bytes) -> float:
-    return 1e-3 * 10 ** (2 * int.from_bytes(search.hashlib.sha256(binary).digest()[:4], "little") / 2**32 - 1)
+    return 1e-3 * 10 ** (2 * int.from_bytes(hashlib.sha256(binary).digest()[:4], "little") / 2**32 - 1)
 
   def program(self, name: str, binary: bytes):
     def launch(*handles, global_size=(), local_size=(), wait=False) -> float:

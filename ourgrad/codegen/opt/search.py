@@ -15,22 +15,18 @@ the searched one is faster by a margin, so BEAM's choice is never slower than th
 
 The winner is run against the unoptimized kernel on random inputs before it is used; a mismatch falls back to the
 hand-coded heuristic with a BeamVerificationWarning. Winners are kept in an sqlite file in the cache folder
-(`ourgrad.helpers.cache_dir()`), keyed by the AST, the device and its compiler, and the width: another process
-running the same program does no search. IGNORE_BEAM_CACHE=1 searches again.
+(`ourgrad.helpers.cache_dir()`; beam_cache.py), keyed by the AST, the device and its compiler, and the width: another
+process running the same program does no search. IGNORE_BEAM_CACHE=1 searches again.
 
 Opts are enumerated from `OptOps` itself: an Opt kind the Kernel learns joins the search with no change here (with
 the amounts of ACTION_AMOUNTS, or DEFAULT_AMOUNTS for a kind that table does not name).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import hashlib
-import json
 import multiprocessing
 import os
 import signal
-import sqlite3
 import sys
 import threading
 import time
@@ -42,13 +38,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.opt.beam_cache import _connect, cache_get, cache_key, cache_put  # noqa: F401 (re-exported)
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.uops import launch_dims
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import (BEAM_COMPILE_TIMEOUT, BEAM_LOCAL_MAX, BEAM_MIN_PROGRESS, BEAM_UPCAST_MAX, BEAM_WORKERS,
-                             BEAM_TIME_BUDGET, DEBUG, IGNORE_BEAM_CACHE, cache_dir)
-from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
+                             BEAM_TIME_BUDGET, DEBUG, IGNORE_BEAM_CACHE)
+from ourgrad.ops import LazyOp, MemBuffer, Ops
 
 # The amounts tried for each kind of Opt, by OptOps name. 0 means "the whole axis". A kind missing here (one the
 # Kernel gained later) is tried with DEFAULT_AMOUNTS.
@@ -74,7 +71,6 @@ OUT_OF_TIME = "the search's time budget ran out"   # the error of a candidate wh
 EARLY_CUT = 3.0            # two launches this many times slower than the best so far end the candidate's timing
 COLD_CUT = 10.0            # ... or a first launch this many times slower than that (see time_program)
 VERIFY_RTOL = {dtypes.float16: 2e-2, dtypes.bfloat16: 5e-2}  # other floats: 1e-3
-CACHE_VERSION = 1          # bump when the meaning of cached opts changes
 
 
 class BeamVerificationWarning(RuntimeWarning):
@@ -685,65 +681,6 @@ def verify_kernel(candidate: Kernel, reference: Kernel, device: str, seed: int =
     results.append(buffers)
   stored = sorted({node.arg.idx for node in reference.ast.walk() if node.op is Ops.STORE})
   return all(outputs_match(results[0][idx], results[1][idx]) for idx in stored)
-
-
-# ---------------------------------------------------------------- the cache
-
-def _ast_text(ast: LazyOp) -> str:
-  """A stable text of an AST (the same in every process): each node once, children first, sources by number."""
-  numbers: dict[int, int] = {}
-  lines = []
-  for node in ast.walk():
-    numbers[id(node)] = len(numbers)
-    arg = node.arg
-    if isinstance(arg, ConstBuffer): arg = (repr(arg.val), arg.dtype.name, arg.st)
-    elif isinstance(arg, MemBuffer): arg = (arg.idx, arg.dtype.name, arg.st)
-    sources = [numbers[id(src)] for src in node.srcs]
-    lines.append(f"{node.op.name} {node.dtype.name} {sources} {arg!r}")
-  return "\n".join(lines)
-
-
-def cache_key(ast: LazyOp, device: str, beam_width: int) -> str:
-  """The cache key of a search: the AST, the device and its compiler (which names the hardware), the width."""
-  compiler_key = getattr(Device[device].compiler, "cache_key", "")
-  text = f"beam v{CACHE_VERSION}\n{device}\n{compiler_key}\n{beam_width}\n{_ast_text(ast)}"
-  return hashlib.sha256(text.encode()).hexdigest()
-
-
-@contextlib.contextmanager
-def _connect() -> Iterator[sqlite3.Connection]:
-  """A connection to the cache file, committed and closed on exit (sqlite's own `with` only commits)."""
-  connection = sqlite3.connect(cache_dir() / "beam.sqlite", timeout=30)  # several processes may search at once
-  try:
-    with connection:
-      connection.execute("CREATE TABLE IF NOT EXISTS beam (key TEXT PRIMARY KEY, kernel TEXT, opts TEXT)")
-      yield connection
-  finally:
-    connection.close()
-
-
-def cache_get(key: str) -> list[Opt] | None:
-  """The cached opts of a search, or None (not cached, or written by a version whose Opt kinds are gone)."""
-  try:
-    with _connect() as connection:
-      row = connection.execute("SELECT opts FROM beam WHERE key = ?", (key,)).fetchone()
-  except sqlite3.Error:  # an unreadable cache costs a search, not the result
-    return None
-  if row is None: return None
-  try:
-    return [Opt(OptOps[name], axis, amount) for name, axis, amount in json.loads(row[0])]
-  except (KeyError, ValueError, TypeError):
-    return None
-
-
-def cache_put(key: str, kernel_name: str, opts: Sequence[Opt]) -> None:
-  encoded = json.dumps([[opt.op.name, opt.axis, opt.amount] for opt in opts])
-  try:
-    with _connect() as connection:
-      connection.execute("INSERT OR REPLACE INTO beam VALUES (?, ?, ?)", (key, kernel_name, encoded))
-  except sqlite3.Error as error:
-    warnings.warn(f"cannot write the BEAM cache in {cache_dir()} ({error}); the search runs again in the next "
-                  f"process", RuntimeWarning, stacklevel=2)
 
 
 # ---------------------------------------------------------------- what the engine calls
