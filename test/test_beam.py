@@ -386,7 +386,7 @@ def test_search_stats_report_every_phase(monkeypatch, capsys):
   stats = search.BeamCounters.stats[0]
   seeds, searched = stats.rounds
   assert seeds.candidates == 2 and searched.candidates > 0
-  assert stats.candidates == search.BeamCounters.compiled + search.BeamCounters.compile_failures
+  assert stats.candidates == search.BeamCounters.timed + sum(round_stats.failed for round_stats in stats.rounds)
   assert stats.workers == 2 and stats.pool_start_s > 0
   for round_stats in stats.rounds:
     assert round_stats.compile_s > 0 and round_stats.compile_cpu_s > 0 and round_stats.time_s > 0
