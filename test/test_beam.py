@@ -234,6 +234,20 @@ def test_padto_that_doubles_an_axis_is_not_searched():
   assert padded == {24}
 
 
+def test_round_compiles_the_costliest_candidates_first():
+  """_expand orders a round by register lanes, most first (a large kernel started last would keep the pool waiting
+  on it alone), and still returns every unseen child of every beam member."""
+  kernel = Kernel(_last_item(_matmul(32, 64, 32)).ast, CUDARenderer())
+  beam = [search.TimedCandidate((), 1e-3), search.TimedCandidate((search.Opt(OptOps.UNROLL, 0, 4),), 1e-3)]
+  ordered = search._expand(kernel, beam, set())
+  lanes = [search.apply_opts(kernel, opts).upcast_lanes() for opts in ordered]
+  assert lanes == sorted(lanes, reverse=True) and lanes[0] > lanes[-1]
+  children = {member.opts + (opt,) for member in beam for opt, _ in search.candidate_opts(
+    search.apply_opts(kernel, member.opts))}
+  assert set(ordered) <= children and len(ordered) == len(set(ordered))
+  assert {len(opts) for opts in ordered} == {1, 2}, "both members' children are in the round"
+
+
 def test_every_optops_kind_is_tried():
   """Opt kinds come from OptOps itself: a kind the Kernel gains later is tried without editing the search."""
   kernel = Kernel(_last_item(_matmul(8, 8, 8)).ast, CUDARenderer())
