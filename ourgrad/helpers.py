@@ -110,6 +110,9 @@ BEAM_MIN_PROGRESS = env_var("BEAM_MIN_PROGRESS", 0.02, "BEAM stops when a round 
                             "than this fraction")
 BEAM_COMPILE_TIMEOUT = env_var("BEAM_COMPILE_TIMEOUT", 10.0, "seconds a BEAM candidate may take to compile; a slower "
                                "one is dropped")
+BEAM_TIME_BUDGET = env_var("BEAM_TIME_BUDGET", -1.0, "seconds of compiling and timing candidates after which a BEAM "
+                           "search starts no new round and drops the compiles still running (the best so far wins); "
+                           "-1: 8 on GPUs (devices with local memory), no limit on CPUs; 0: no limit")
 BEAM_WORKERS = env_var("BEAM_WORKERS", 0, "processes compiling BEAM candidates: 0 one per CPU core, 1 none (compile in "
                        "this process)")
 BEAM_UPCAST_MAX = env_var("BEAM_UPCAST_MAX", 256, "BEAM considers no kernel with more upcast/unroll lanes than this")

@@ -3,6 +3,7 @@ computes, a second process reuses the on-disk cache instead of searching, candid
 are dropped without failing the search, and candidate enumeration only yields Opts that apply.
 
 Shapes are tiny and searches short (width 2, one or two rounds): these tests check behaviour, never speed."""
+import hashlib
 import json
 import multiprocessing
 import os
@@ -214,12 +215,37 @@ def test_candidate_enumeration_only_yields_legal_opts(name, renderer_kind):
           applied = search.apply_opts(kernel, [opt])
         except KernelOptError:
           continue
-        assert not search._within_search_limits(applied), f"{opt} applies but was not enumerated"
+        assert not search._within_search_limits(applied) or search._wasteful(kernel, opt, applied), \
+          f"{opt} applies but was not enumerated"
       next_level += [new for _, new in candidates[::7]]
     level = next_level[:6]
   if renderer_kind == "cuda":
     first = search.candidate_opts(Kernel(item.ast, renderer))
     assert any(opt.op is OptOps.LOCAL for opt, _ in first), "LOCAL is not searched on a GPU renderer"
+
+
+def test_padto_that_doubles_an_axis_is_not_searched():
+  """PADTO 32 on an axis of 16 (half its threads idle) is not a candidate; on an axis of 24 (to 32) it is."""
+  item = _last_item(_matmul(16, 8, 24))
+  kernel = Kernel(item.ast, CUDARenderer())
+  sizes = dict(enumerate(kernel.full_shape))
+  padded = {sizes[opt.axis] for opt, _ in search.candidate_opts(kernel) if opt.op is OptOps.PADTO}
+  assert 16 in sizes.values() and 24 in sizes.values(), kernel.full_shape
+  assert padded == {24}
+
+
+def test_round_compiles_the_costliest_candidates_first():
+  """_expand orders a round by register lanes, most first (a large kernel started last would keep the pool waiting
+  on it alone), and still returns every unseen child of every beam member."""
+  kernel = Kernel(_last_item(_matmul(32, 64, 32)).ast, CUDARenderer())
+  beam = [search.TimedCandidate((), 1e-3), search.TimedCandidate((search.Opt(OptOps.UNROLL, 0, 4),), 1e-3)]
+  ordered = search._expand(kernel, beam, set())
+  lanes = [search.apply_opts(kernel, opts).upcast_lanes() for opts in ordered]
+  assert lanes == sorted(lanes, reverse=True) and lanes[0] > lanes[-1]
+  children = {member.opts + (opt,) for member in beam for opt, _ in search.candidate_opts(
+    search.apply_opts(kernel, member.opts))}
+  assert set(ordered) <= children and len(ordered) == len(set(ordered))
+  assert {len(opts) for opts in ordered} == {1, 2}, "both members' children are in the round"
 
 
 def test_every_optops_kind_is_tried():
@@ -245,8 +271,8 @@ def test_failed_verification_falls_back_to_hand_coded(monkeypatch):
   item = _last_item(_matmul(8, 12, 8))
   plain = _plain_kernel(item)
   monkeypatch.setattr(search, "verify_kernel", lambda *args, **kwargs: False)
-  monkeypatch.setattr(search, "beam_search", lambda kernel, *args, **kwargs: search.apply_opts(
-    kernel, [search.Opt(OptOps.UPCAST, 0, 4)]))
+  monkeypatch.setattr(search, "_search", lambda kernel, *args, **kwargs: (search.apply_opts(
+    kernel, [search.Opt(OptOps.UPCAST, 0, 4)]), None))
   with pytest.warns(search.BeamVerificationWarning):
     chosen = search.beam_optimize(plain, item.outputs[0].device, 2)
   hand_coded = search.hand_coded(plain)
@@ -356,3 +382,126 @@ def test_beam_never_returns_a_kernel_slower_than_hand_coded(monkeypatch, seed):
   if opts != hand_opts:
     assert np.median(clock.duel_times[opts]) < np.median(clock.duel_times[hand_opts]) * (1 - search.FINAL_MARGIN)
   assert all(len(times) == search.FINAL_RUNS for times in clock.duel_times.values())
+
+
+# ---------------------------------------------------------------- where a search's seconds go, its budget, the cut
+
+def test_search_stats_report_every_phase(monkeypatch, capsys):
+  """beam_optimize records one SearchStats: the seeds' round and each search round (candidates, compile wall and
+  CPU seconds, timing), the pool's start, the final duel and the verification; DEBUG=2 prints each round and the
+  phases."""
+  monkeypatch.setattr(search, "DEBUG", 2)
+  monkeypatch.setattr(search, "MAX_ROUNDS", 1)
+  monkeypatch.setenv("BEAM_WORKERS", "2")
+  monkeypatch.setenv("BEAM_TIME_BUDGET", "0")   # a slow machine (or an emulated GPU) still runs the round
+  item = _last_item(_matmul(16, 24, 8))
+  search.beam_optimize(_plain_kernel(item), item.outputs[0].device, 2)
+  assert len(search.BeamCounters.stats) == 1
+  stats = search.BeamCounters.stats[0]
+  seeds, searched = stats.rounds
+  assert seeds.candidates == 2 and searched.candidates > 0
+  assert stats.candidates == search.BeamCounters.timed + sum(round_stats.failed for round_stats in stats.rounds)
+  assert stats.workers == 2 and stats.pool_start_s > 0
+  for round_stats in stats.rounds:
+    assert round_stats.compile_s > 0 and round_stats.compile_cpu_s > 0 and round_stats.time_s > 0
+  assert searched.expand_s > 0 and searched.best_s <= seeds.best_s
+  assert stats.verify_s > 0 or stats.best_s == stats.hand_s   # verified unless the hand-coded kernel won
+  phases = stats.phases()
+  assert set(phases) == {"pool", "expand", "compile", "time", "duel", "verify", "other"}
+  assert sum(phases.values()) == pytest.approx(stats.total_s)
+  assert stats.total_s <= search.BeamCounters.search_seconds
+  printed = capsys.readouterr().out
+  assert f"BEAM {stats.kernel} round 1: {searched.candidates} candidates" in printed
+  assert f"BEAM {stats.kernel} phases: 1 rounds, {stats.candidates} candidates" in printed
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_time_budget_stops_the_search(monkeypatch, workers):
+  """Past BEAM_TIME_BUDGET no round starts and compiles still running are dropped: the best kernel so far wins."""
+  monkeypatch.setenv("BEAM_TIME_BUDGET", "1e-9")
+  item = _last_item(_matmul(16, 24, 8))
+  plain = _plain_kernel(item)
+  stats = search.SearchStats(plain.name)
+  winner = search.beam_search(plain, None, 2, device=item.outputs[0].device, workers=workers, stats=stats)
+  assert stats.out_of_time and len(stats.rounds) == 1, "only the seeds were compiled and timed"
+  assert tuple(winner.applied_opts) in {(), tuple(search.hand_coded(plain).applied_opts)}
+  np.testing.assert_allclose(_run(winner, item), _run(plain, item), rtol=1e-5, atol=1e-5)
+  assert not multiprocessing.active_children()
+
+
+def test_time_budget_defaults_by_device_kind(monkeypatch):
+  """-1 (the default): a budget on GPUs, where compiles dominate a search, none on CPUs; 0: none; else seconds."""
+  item = _last_item(_matmul(16, 24, 8))
+  from ourgrad.renderer.cstyle import ClangRenderer
+  cpu, gpu = Kernel(item.ast, ClangRenderer()), Kernel(item.ast, CUDARenderer())
+  monkeypatch.setenv("BEAM_TIME_BUDGET", "-1")
+  assert (search.time_budget(cpu), search.time_budget(gpu)) == (float("inf"), search.GPU_TIME_BUDGET)
+  monkeypatch.setenv("BEAM_TIME_BUDGET", "0")
+  assert search.time_budget(gpu) == float("inf")
+  monkeypatch.setenv("BEAM_TIME_BUDGET", "2.5")
+  assert search.time_budget(cpu) == 2.5
+
+
+class _ColdStartDevice:
+  """Stands in for a device (search.Device[name]): the compiler returns the source as the binary, and a program's
+  time is fixed by its source (by a hash: 0.1-10 ms, log-uniform), except that its first launch also pays for loading it
+  (COLD_FACTOR times longer, as CUDA's lazy module loading can). Counts launches."""
+  COLD_FACTOR = 5.0
+
+  def __init__(self):
+    self.compiler = type("FakeCompiler", (), {"compile": staticmethod(lambda source: source.encode())})()
+    self.launched: set[bytes] = set()
+    self.launches = 0
+
+  def true_seconds(self, binary: bytes) -> float:
+    return 1e-3 * 10 ** (2 * int.from_bytes(hashlib.sha256(binary).digest()[:4], "little") / 2**32 - 1)
+
+  def program(self, name: str, binary: bytes):
+    def launch(*handles, global_size=(), local_size=(), wait=False) -> float:
+      self.launches += 1
+      cold = binary not in self.launched
+      self.launched.add(binary)
+      return self.true_seconds(binary) * (self.COLD_FACTOR if cold else 1.0)
+    return launch
+
+
+def _search_on_cold_device(monkeypatch, early_cut: float) -> tuple[tuple, int]:
+  fake = _ColdStartDevice()
+  monkeypatch.setattr(search, "Device", {"FAKE": fake})
+  monkeypatch.setenv("BEAM_TIME_BUDGET", "0")   # both searches run every round, however slow the machine
+  monkeypatch.setattr(search, "EARLY_CUT", early_cut)
+  item = _last_item(_matmul(16, 32, 16))
+  winner = search.beam_search(_plain_kernel(item), item.bufs, 2, device="FAKE", max_rounds=2, workers=1)
+  return tuple(winner.applied_opts), fake.launches
+
+
+def test_early_cut_never_drops_the_eventual_winner(monkeypatch):
+  """The same search with and without the early cut (deterministic fake timings, every program's first launch 5x
+  slow) returns the same kernel; the cut saves launches."""
+  with_cut, launches_with_cut = _search_on_cold_device(monkeypatch, search.EARLY_CUT)
+  without_cut, launches_without_cut = _search_on_cold_device(monkeypatch, float("inf"))
+  assert with_cut == without_cut
+  assert launches_with_cut < launches_without_cut
+
+
+def test_time_program_cuts_only_far_slower_candidates():
+  """Launch counts of time_program: a contender gets TIMING_RUNS launches; a candidate over the cutoff twice stops
+  after two; a first launch over COLD_CUT x the cutoff stops at once, and after a warm-up any over the cutoff."""
+  def program_taking(*seconds):
+    launches = iter(seconds)
+    calls = []
+
+    def launch(*handles, global_size=(), local_size=(), wait=False):
+      calls.append(1)
+      return next(launches)
+    return launch, calls
+  candidate = search.CompiledCandidate(())
+  cases = [((1.0, 1.0, 1.0), 3, 1.0), ((5.0, 1.0, 1.0), 3, 1.0), ((5.0, 4.0, 1.0), 2, 4.0),
+           ((50.0, 1.0, 1.0), 1, 50.0)]
+  for seconds, launches, fastest in cases:
+    program, calls = program_taking(*seconds)
+    assert search.time_program(program, [], candidate, cutoff=3.0) == fastest
+    assert len(calls) == launches, seconds
+  # after a warm-up launch (the seeds') the program is loaded: one launch over the cutoff ends the timing
+  program, calls = program_taking(1.0, 5.0, 1.0, 1.0)
+  assert search.time_program(program, [], candidate, cutoff=3.0, warmup=True) == 5.0 and len(calls) == 2

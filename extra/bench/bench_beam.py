@@ -4,6 +4,7 @@ and on a second run (served by the cache), beside numpy and PyTorch in the same 
     python extra/bench/bench_beam.py                       # CUDA if present, else CLANG and LLVM; full sizes
     python extra/bench/bench_beam.py --devices CLANG LLVM  # pick devices
     python extra/bench/bench_beam.py --quick               # small sizes, a quick check that it all runs
+    BEAM=2 DEBUG=2 python extra/bench/bench_beam.py --only matmul   # one workload; the search's rounds on stderr
 
 Methodology
 - Workloads: softmax and layernorm (no affine) over the last axis of an (N, N) float32 matrix, and an N×N×N float32
@@ -18,6 +19,10 @@ Methodology
   on CUDA, the clock around the call on CPUs); each keeps its fastest launch, and the table sums over the kernels.
   Taking turns keeps the comparison fair on a busy machine, where load changes from second to second. Where BEAM
   kept the hand-coded Opts ("BEAM kept hand-coded" counts those kernels) the two are one program, timed once.
+- "search phases s": where the first process's search seconds went, summed over its searches
+  (SearchStats.phases): forking the compile pool, expanding candidates, compiling them (wall time; "CPU" is the
+  compile time summed over the candidates, which the pool spreads over its workers), timing them on the device, the
+  final duel with the hand-coded kernel, verifying the winner; "rounds/cand." counts rounds and candidates.
 - "BEAM wall ms": the median wall time of a whole realize with BEAM's kernels (scheduling, launches, a device
   synchronize), comparable with numpy's and torch's wall times.
 - numpy and torch: the median wall time of the whole expression (torch on the GPU when the device is CUDA and
@@ -118,6 +123,11 @@ def worker(name: str, size: int, compare: bool) -> dict[str, Any]:
   kernels = GlobalCounters.kernel_count
   ok = bool(np.allclose(result, numpy_fn(name)(*arrays), rtol=1e-3, atol=1e-3))
   search_s, searches, hits = BeamCounters.search_seconds, BeamCounters.searches, BeamCounters.cache_hits
+  phases = {name: sum(stats.phases()[name] for stats in BeamCounters.stats) for name in PHASES}
+  compile_cpu = sum(r.compile_cpu_s for stats in BeamCounters.stats for r in stats.rounds)
+  rounds = sum(len(stats.rounds) - 1 for stats in BeamCounters.stats)
+  candidates = sum(stats.candidates for stats in BeamCounters.stats)
+  workers = max((stats.workers for stats in BeamCounters.stats), default=0)
 
   def realize() -> None:
     function(*inputs).realize()
@@ -126,7 +136,8 @@ def worker(name: str, size: int, compare: bool) -> dict[str, Any]:
   wall_s = median_time(realize)
   hand_s, beam_s, kept = interleaved_kernel_times(function(*inputs)) if compare else (0.0, 0.0, 0)
   return {"ok": ok, "search_s": search_s, "searches": searches, "cache_hits": hits, "wall_s": wall_s,
-          "kernels": kernels, "hand_s": hand_s, "beam_s": beam_s, "kept_hand": kept}
+          "kernels": kernels, "hand_s": hand_s, "beam_s": beam_s, "kept_hand": kept, "phases": phases,
+          "compile_cpu_s": compile_cpu, "rounds": rounds, "candidates": candidates, "workers": workers}
 
 
 def interleaved_kernel_times(graph: Any, rounds: int = 10) -> tuple[float, float, int]:
@@ -161,14 +172,18 @@ def interleaved_kernel_times(graph: Any, rounds: int = 10) -> tuple[float, float
 
 
 def run_worker(device: str, name: str, size: int, cache_dir: str, compare: bool) -> dict[str, Any]:
-  env = {**os.environ, "DEVICE": device, "BEAM": "2", "OURGRAD_CACHE_DIR": cache_dir, "DEBUG": "0"}
+  # DEBUG from this process's environment reaches the first (searching) process; its prints go to stderr here
+  debug = os.environ.get("DEBUG", "0") if not compare else "0"
+  env = {**os.environ, "DEVICE": device, "BEAM": "2", "OURGRAD_CACHE_DIR": cache_dir, "DEBUG": debug}
   env.pop("IGNORE_BEAM_CACHE", None)
   command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--size", str(size)]
   done = subprocess.run(command + (["--compare"] if compare else []), env=env, capture_output=True, text=True,
                         cwd=REPO_ROOT)
   if done.returncode != 0:
     raise RuntimeError(f"{device} {name} BEAM=2 failed:\n{done.stderr[-3000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  lines = done.stdout.strip().splitlines()
+  if debug != "0": print("\n".join(line for line in lines[:-1] if "BEAM" in line), file=sys.stderr, flush=True)
+  return json.loads(lines[-1])
 
 
 # ---------------------------------------------------------------- numpy and torch in this process
@@ -194,8 +209,10 @@ def bench_torch(name: str, size: int, on_gpu: bool) -> float | None:
 
 # ---------------------------------------------------------------- the table
 
+PHASES = ("pool", "expand", "compile", "time", "duel", "verify")
 HEADER = ("| device | workload | kernels | hand ms | BEAM ms | hand/BEAM | BEAM kept hand-coded | search s (1st run) "
-          "| search s (2nd run) | BEAM wall ms | numpy ms | torch ms | ok |")
+          "| search s (2nd run) | rounds/cand. | " + " | ".join(f"{phase} s" for phase in PHASES) +
+          " | compile CPU s (workers) | BEAM wall ms | numpy ms | torch ms | ok |")
 
 
 def row(device: str, name: str, size: int) -> str:
@@ -212,7 +229,9 @@ def row(device: str, name: str, size: int) -> str:
           f"{second['kept_hand']}/{first['kernels']} | "
           f"{first['search_s']:.1f} ({first['searches']} searched, "
           f"{first['search_s'] / max(first['searches'], 1):.1f} s each) | "
-          f"{second['search_s']:.2f} ({second['cache_hits']} cached) | {second['wall_s'] * 1e3:.3f} | "
+          f"{second['search_s']:.2f} ({second['cache_hits']} cached) | {first['rounds']}/{first['candidates']} | "
+          + "".join(f"{first['phases'][phase]:.2f} | " for phase in PHASES) +
+          f"{first['compile_cpu_s']:.1f} ({first['workers']}) | {second['wall_s'] * 1e3:.3f} | "
           f"{numpy_s * 1e3:.3f} | {torch_text} | {'yes' if ok else 'NO'} |")
 
 
@@ -229,7 +248,8 @@ def default_devices() -> list[str]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", nargs="*", help="devices to benchmark (default: CUDA if present, else CLANG LLVM)")
-  parser.add_argument("--workloads", nargs="*", default=list(WORKLOAD_NAMES), choices=WORKLOAD_NAMES)
+  parser.add_argument("--workloads", "--only", nargs="*", default=list(WORKLOAD_NAMES), choices=WORKLOAD_NAMES,
+                      help="workloads to run (default: all)")
   parser.add_argument("--quick", action="store_true", help="N=256 instead of 1024")
   parser.add_argument("--size", type=int, help="N (overrides --quick)")
   parser.add_argument("--worker", help=argparse.SUPPRESS)

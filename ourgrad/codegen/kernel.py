@@ -218,9 +218,16 @@ class Kernel:
   # ---------------------------------------------------------------- shape bookkeeping
 
   def _full_shape(self) -> tuple[int, ...]:
+    # memoized on the views themselves (ShapeTrackers are frozen; every Opt puts new ones in self.sts): lowering a
+    # large kernel asks for it ~80,000 times, and recomputing it was 60% of linearize (BEAM's compile cost)
+    cached = self.__dict__.get("_full_shape_memo")
+    if cached is not None and len(cached[0]) == len(self.sts) and all(a is b for a, b in zip(cached[0], self.sts)):
+      return cached[1]
     shapes = [st.shape for st in self.sts]
     # key=sym_max: a symbolic size (a Node) compares by its largest value; `>` on a Node builds a node, not a bool
-    return tuple(max(sizes, key=sym_max) for sizes in zip(*shapes)) if shapes[0] else ()
+    full_shape = tuple(max(sizes, key=sym_max) for sizes in zip(*shapes)) if shapes[0] else ()
+    self._full_shape_memo = (tuple(self.sts), full_shape)
+    return full_shape
 
   @property
   def full_shape(self) -> tuple[int, ...]: return self._full_shape()

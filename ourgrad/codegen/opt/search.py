@@ -15,40 +15,37 @@ the searched one is faster by a margin, so BEAM's choice is never slower than th
 
 The winner is run against the unoptimized kernel on random inputs before it is used; a mismatch falls back to the
 hand-coded heuristic with a BeamVerificationWarning. Winners are kept in an sqlite file in the cache folder
-(`ourgrad.helpers.cache_dir()`), keyed by the AST, the device and its compiler, and the width: another process
-running the same program does no search. IGNORE_BEAM_CACHE=1 searches again.
+(`ourgrad.helpers.cache_dir()`; beam_cache.py), keyed by the AST, the device and its compiler, and the width: another
+process running the same program does no search. IGNORE_BEAM_CACHE=1 searches again.
 
 Opts are enumerated from `OptOps` itself: an Opt kind the Kernel learns joins the search with no change here (with
 the amounts of ACTION_AMOUNTS, or DEFAULT_AMOUNTS for a kind that table does not name).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import hashlib
-import json
 import multiprocessing
 import os
 import signal
-import sqlite3
 import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.opt.beam_cache import _connect, cache_get, cache_key, cache_put  # noqa: F401 (re-exported)
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.uops import launch_dims
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import (BEAM_COMPILE_TIMEOUT, BEAM_LOCAL_MAX, BEAM_MIN_PROGRESS, BEAM_UPCAST_MAX, BEAM_WORKERS,
-                             DEBUG, IGNORE_BEAM_CACHE, cache_dir)
-from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
+                             BEAM_TIME_BUDGET, DEBUG, IGNORE_BEAM_CACHE)
+from ourgrad.ops import LazyOp, MemBuffer, Ops
 
 # The amounts tried for each kind of Opt, by OptOps name. 0 means "the whole axis". A kind missing here (one the
 # Kernel gained later) is tried with DEFAULT_AMOUNTS.
@@ -69,29 +66,79 @@ MAX_ROUNDS = 10            # Opts added on top of the starting kernel, at most
 TIMING_RUNS = 3            # launches per candidate; the fastest is its time
 FINAL_RUNS = 5             # rounds of the final duel: the winner and the hand-coded kernel, in alternating order
 FINAL_MARGIN = 0.03        # the searched kernel must beat the hand-coded one's median by this fraction (at least)
-EARLY_CUT = 3.0            # a launch this many times slower than the best so far ends the candidate's timing
+GPU_TIME_BUDGET = 8.0     # seconds of rounds per search on GPUs when BEAM_TIME_BUDGET is -1 (see time_budget)
+OUT_OF_TIME = "the search's time budget ran out"   # the error of a candidate whose compile the budget cut short
+EARLY_CUT = 3.0            # two launches this many times slower than the best so far end the candidate's timing
+COLD_CUT = 10.0            # ... or a first launch this many times slower than that (see time_program)
 VERIFY_RTOL = {dtypes.float16: 2e-2, dtypes.bfloat16: 5e-2}  # other floats: 1e-3
-CACHE_VERSION = 1          # bump when the meaning of cached opts changes
 
 
 class BeamVerificationWarning(RuntimeWarning):
   """The kernel BEAM chose gave other results than the unoptimized kernel; the hand-coded one is used instead."""
 
 
+@dataclass
+class RoundStats:
+  """One round of a search (round 0: the seeds): its candidates and the seconds of each phase."""
+  candidates: int
+  expand_s: float = 0.0       # enumerating and deduplicating the candidates (this process)
+  compile_s: float = 0.0      # wall time of compiling them (the pool, or this process)
+  compile_cpu_s: float = 0.0  # the candidates' own compile times summed: compile_cpu_s / compile_s = parallelism
+  compile_max_s: float = 0.0  # the slowest candidate's compile (a round lasts at least this long)
+  time_s: float = 0.0         # loading and launching them on the device
+  failed: int = 0             # dropped: compile errors, timeouts, launch failures
+  best_s: float = float("inf")   # the best kernel time after this round
+
+
+@dataclass
+class SearchStats:
+  """Where one search's seconds went, phase by phase (DEBUG=2 prints it; BeamCounters.stats keeps each one)."""
+  kernel: str
+  workers: int = 1
+  rounds: list[RoundStats] = field(default_factory=list)
+  pool_start_s: float = 0.0   # forking the compile workers
+  duel_s: float = 0.0         # the final duel against the hand-coded kernel (compile and launches)
+  verify_s: float = 0.0       # checking the winner against an independent result (beam_optimize)
+  total_s: float = 0.0        # the whole search, verification included
+  hand_s: float | None = None   # the hand-coded kernel's time, and the winner's
+  out_of_time: bool = False     # the time budget ended the rounds (BEAM_TIME_BUDGET)
+  best_s: float = float("inf")
+
+  def phases(self) -> dict[str, float]:
+    """Seconds per phase; "other" is what the phases leave of total_s (hand-coded heuristic, scratch buffers)."""
+    named = {"pool": self.pool_start_s, "expand": sum(r.expand_s for r in self.rounds),
+             "compile": sum(r.compile_s for r in self.rounds), "time": sum(r.time_s for r in self.rounds),
+             "duel": self.duel_s, "verify": self.verify_s}
+    return {**named, "other": max(self.total_s - sum(named.values()), 0.0)}
+
+  @property
+  def candidates(self) -> int:
+    return sum(r.candidates for r in self.rounds)
+
+  def summary(self) -> str:
+    phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self.phases().items())
+    cpu = sum(r.compile_cpu_s for r in self.rounds)
+    return (f"{len(self.rounds) - 1} rounds, {self.candidates} candidates ({sum(r.failed for r in self.rounds)} "
+            f"dropped), {self.total_s:.2f} s: {phases} s; compile CPU {cpu:.2f} s on {self.workers} workers"
+            f"{'; stopped by the time budget' if self.out_of_time else ''}")
+
+
 class BeamCounters:
-  """What BEAM did in this process since the last `reset()` (tests read these)."""
+  """What BEAM did in this process since the last `reset()` (tests and bench_beam.py read these)."""
   searches: int = 0
   cache_hits: int = 0
   compiled: int = 0
   compile_failures: int = 0
   timed: int = 0
   search_seconds: float = 0.0  # wall time in beam_optimize: cache look-ups, searches, verification
+  stats: list[SearchStats] = []  # one per search, in order
 
   @staticmethod
   def reset() -> None:
     BeamCounters.searches = BeamCounters.cache_hits = BeamCounters.compiled = 0
     BeamCounters.compile_failures = BeamCounters.timed = 0
     BeamCounters.search_seconds = 0.0
+    BeamCounters.stats = []
 
 
 # ---------------------------------------------------------------- candidates
@@ -125,6 +172,15 @@ def _within_search_limits(kernel: Kernel) -> bool:
   return kernel.local_threads() <= max(max_threads, 1)
 
 
+def _wasteful(parent: Kernel, opt: Opt, new: Kernel) -> bool:
+  """An Opt that can only make the kernel slower, not worth a compile: a PADTO that doubles its axis (16 -> 32:
+  half the threads of that axis only run masked loads, and its size already divides whatever a larger one would
+  let other Opts use)."""
+  if opt.op is not OptOps.PADTO: return False
+  before, after = parent.full_shape[opt.axis], new.full_shape[opt.axis]
+  return isinstance(before, int) and isinstance(after, int) and after >= 2 * before
+
+
 def _all_actions(kernel: Kernel) -> Iterator[Opt]:
   for op in OptOps:
     for axis in range(kernel.shape_len):
@@ -132,14 +188,15 @@ def _all_actions(kernel: Kernel) -> Iterator[Opt]:
 
 
 def candidate_opts(kernel: Kernel) -> list[tuple[Opt, Kernel]]:
-  """Every Opt that applies to `kernel` within the search limits, each with the kernel it gives."""
+  """Every Opt that applies to `kernel` within the search limits (and is not _wasteful), each with the kernel it
+  gives."""
   candidates = []
   for opt in _all_actions(kernel):
     try:
       new = apply_opts(kernel, [opt])
     except KernelOptError:
       continue
-    if _within_search_limits(new): candidates.append((opt, new))
+    if _within_search_limits(new) and not _wasteful(kernel, opt, new): candidates.append((opt, new))
   return candidates
 
 
@@ -224,6 +281,7 @@ class CompiledCandidate:
   global_size: tuple[int, ...] = ()
   local_size: tuple[int, ...] = ()
   error: str = ""
+  seconds: float = 0.0   # lowering, rendering and compiling it (where it was compiled)
 
 
 @dataclass
@@ -245,12 +303,16 @@ def compile_candidate(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -
   """Lower, render and compile one candidate. Never raises: a failure comes back as `error`. On the main thread
   of a process (a pool worker) a compile past `timeout` seconds is interrupted; the compilers that run a
   subprocess (the C compiler) then kill it."""
+  started = time.perf_counter()
   try:
-    return _compile_with_alarm(job, opts, timeout)
+    result = _compile_with_alarm(job, opts, timeout)
   except _CompileTimeout:  # also an alarm that fires while the inner function is disarming it
-    return CompiledCandidate(opts, error=f"compile took over {timeout:g} s")
+    result = CompiledCandidate(opts, error=f"compile took over {timeout:g} s")
   except Exception as error:  # any failure drops the candidate (compilers raise their library's errors)
-    return CompiledCandidate(opts, error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    result = CompiledCandidate(opts, error=f"{type(error).__name__}: {first_line}")
+  result.seconds = time.perf_counter() - started
+  return result
 
 
 def _compile_with_alarm(job: _CompileJob, opts: tuple[Opt, ...], timeout: float) -> CompiledCandidate:
@@ -289,6 +351,13 @@ def _compile_in_worker(opts: tuple[Opt, ...], timeout: float) -> CompiledCandida
 COMPILE_IN_PROCESS = {"OPENCL"}
 
 
+def usable_cpus() -> int:
+  """The CPU cores this process may run on (its affinity mask where the OS has one: a container or `taskset` can
+  give it fewer than the machine has, and a worker per machine core would then only queue)."""
+  if hasattr(os, "sched_getaffinity"): return max(len(os.sched_getaffinity(0)), 1)
+  return os.cpu_count() or 1
+
+
 class CandidateCompiler:
   """Compiles candidates of one search in parallel: a pool of forked worker processes (BEAM_WORKERS), or this
   process where fork is missing, BEAM_WORKERS=1, or the device's compiler cannot be forked."""
@@ -296,38 +365,49 @@ class CandidateCompiler:
   def __init__(self, job: _CompileJob, device: str, workers: int | None = None):
     self.job = job
     count = BEAM_WORKERS.value if workers is None else workers
-    self.workers = count if count > 0 else (os.cpu_count() or 1)
+    self.workers = count if count > 0 else usable_cpus()
     forkable = "fork" in multiprocessing.get_all_start_methods() and device.split(":")[0] not in COMPILE_IN_PROCESS
     if not forkable: self.workers = 1
     self.pool: Any = None
+    self.pool_start_s = 0.0   # seconds spent forking workers (every pool of this search)
 
   def _start_pool(self) -> None:
     global _FORKED_JOB
     _FORKED_JOB = self.job
+    started = time.perf_counter()
     with warnings.catch_warnings():  # Python 3.12 warns on fork in a threaded process; the workers only compile
       warnings.simplefilter("ignore", DeprecationWarning)
       self.pool = multiprocessing.get_context("fork").Pool(self.workers)
+    self.pool_start_s += time.perf_counter() - started
 
-  def compile(self, candidates: Sequence[tuple[Opt, ...]]) -> list[CompiledCandidate]:
+  def compile(self, candidates: Sequence[tuple[Opt, ...]], deadline: float = float("inf")) -> list[CompiledCandidate]:
+    """Each candidate compiled, in order. A compile still running at `deadline` (time.perf_counter()) is dropped:
+    the search's time budget is spent."""
     timeout = BEAM_COMPILE_TIMEOUT.value
-    if self.workers <= 1 or len(candidates) <= 1:
-      return [compile_candidate(self.job, opts, timeout) for opts in candidates]
+    if self.workers <= 1 or len(candidates) <= 1: return [self._compile_here(opts, deadline) for opts in candidates]
     if self.pool is None: self._start_pool()
     started = time.perf_counter()
     pending = [self.pool.apply_async(_compile_in_worker, (opts, timeout)) for opts in candidates]
     results, hung = [], False
     for position, (opts, result) in enumerate(zip(candidates, pending)):
       # a worker interrupts its own slow compile; this deadline only catches a compiler stuck in native code
-      deadline = started + (timeout + 5.0) * (position // self.workers + 1)
+      stuck_at = started + (timeout + 5.0) * (position // self.workers + 1)
       try:
-        results.append(result.get(timeout=max(deadline - time.perf_counter(), 0.01)))
+        results.append(result.get(timeout=max(min(stuck_at, deadline) - time.perf_counter(), 0.01)))
       except multiprocessing.TimeoutError:
-        results.append(CompiledCandidate(opts, error=f"compile took over {timeout:g} s (worker stuck)"))
+        over_budget = deadline < stuck_at
+        results.append(CompiledCandidate(opts, error=OUT_OF_TIME if over_budget else
+                                         f"compile took over {timeout:g} s (worker stuck)"))
         hung = True
       except Exception as error:  # a worker that died (killed for memory, say) fails its candidate, not the search
         results.append(CompiledCandidate(opts, error=f"compile worker failed: {type(error).__name__}: {error}"))
-    if hung: self.close()  # a stuck worker is killed with its pool; the next round forks a fresh one
+    if hung: self.close()  # a stuck (or still busy) worker is killed with its pool; the next round forks a fresh one
     return results
+
+  def _compile_here(self, opts: tuple[Opt, ...], deadline: float) -> CompiledCandidate:
+    left = deadline - time.perf_counter()
+    if left <= 0: return CompiledCandidate(opts, error=OUT_OF_TIME)
+    return compile_candidate(self.job, opts, min(BEAM_COMPILE_TIMEOUT.value, left))
 
   def close(self) -> None:
     global _FORKED_JOB
@@ -342,16 +422,19 @@ class CandidateCompiler:
 
 def time_program(program: Any, handles: Sequence[Any], candidate: CompiledCandidate, cutoff: float,
                  warmup: bool = False) -> float | None:
-  """Fastest of TIMING_RUNS launches (fewer when one launch is slower than `cutoff`), after one untimed launch if
-  `warmup`; None when the device cannot time a launch. The minimum, not the median: on a shared machine other work
-  only ever adds time to a launch."""
+  """Fastest of TIMING_RUNS launches, after one untimed launch if `warmup`; None when the device cannot time a
+  launch. The minimum, not the median: on a shared machine other work only ever adds time to a launch.
+  Early cut: the timing ends when two launches were slower than `cutoff`, or the first one COLD_CUT times slower
+  (a program's first launch can pay for loading it: CUDA loads a module's code lazily, at its first launch, so one
+  slow first launch does not condemn a candidate that may win), or after a warm-up the first one at all."""
   if warmup: program(*handles, global_size=candidate.global_size, local_size=candidate.local_size, wait=True)
+  first_cut = cutoff if warmup else cutoff * COLD_CUT
   times: list[float] = []
   for _ in range(TIMING_RUNS):
     seconds = program(*handles, global_size=candidate.global_size, local_size=candidate.local_size, wait=True)
     if seconds is None: return None
     times.append(seconds)
-    if seconds > cutoff: break
+    if min(times) > cutoff and (len(times) >= 2 or seconds > first_cut): break
   return min(times)
 
 
@@ -397,6 +480,7 @@ class _Timer:
     self.handles = [buffer.handle for buffer in buffers]
     self.best = float("inf")
     self.untimable = False
+    self.compiled: dict[tuple[Opt, ...], CompiledCandidate] = {}  # every timed candidate's binary, by its opts
 
   def time_all(self, compiled: Sequence[CompiledCandidate], warmup: bool = False) -> list[TimedCandidate]:
     timed: list[TimedCandidate] = []
@@ -404,6 +488,7 @@ class _Timer:
       seconds = self._time_one(candidate, warmup)
       if seconds is not None:
         timed.append(TimedCandidate(candidate.opts, seconds))
+        self.compiled[candidate.opts] = candidate
         self.best = min(self.best, seconds)
       self.progress.step(self.best)
       if self.untimable: break
@@ -433,20 +518,40 @@ class _Timer:
 
 def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: int, device: str | None = None,
                 min_progress: float | None = None, max_rounds: int | None = None,
-                workers: int | None = None) -> Kernel:
+                workers: int | None = None, stats: SearchStats | None = None) -> Kernel:
   """The fastest kernel found by a beam search of width `beam_width` over Opts added to `kernel` (normally the
   unoptimized one), timed on `buffers` (the kernel's arguments in order; None: scratch buffers). The hand-coded
   heuristic's kernel competes in the first round, so the result is never slower than it as timed here. Returns
-  the hand-coded kernel when the device cannot time launches. Results are not verified here (see beam_optimize)."""
+  the hand-coded kernel when the device cannot time launches. Results are not verified here (see beam_optimize).
+  Where the seconds went is filled into `stats` (a new SearchStats if None), which BeamCounters.stats keeps."""
+  return _search(kernel, buffers, beam_width, device, min_progress, max_rounds, workers, stats)[0]
+
+
+def time_budget(kernel: Kernel) -> float:
+  """Seconds a search of `kernel` may spend in its rounds (BEAM_TIME_BUDGET; -1: 8 s on GPUs, where compiling is
+  what costs and the H100's 1024^3 matmul once searched for 20 s, unlimited on CPUs, where timing slow candidates
+  is what costs and a budget would cut the searches that find the large gains); inf: no limit."""
+  budget = BEAM_TIME_BUDGET.value
+  if budget < 0: budget = GPU_TIME_BUDGET if getattr(kernel.renderer, "has_local", False) else 0.0
+  return budget if budget > 0 else float("inf")
+
+
+def _search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: int, device: str | None,
+            min_progress: float | None, max_rounds: int | None, workers: int | None,
+            stats: SearchStats | None) -> tuple[Kernel, CompiledCandidate | None]:
+  """beam_search, also returning the winner's compiled binary (None: the heuristic's kernel, not compiled here)."""
+  started = time.perf_counter()
   device = device or (buffers[0].device if buffers else kernel.renderer.device)
+  stats = stats if stats is not None else SearchStats(kernel.name)
+  BeamCounters.stats.append(stats)
   if buffers is None:
     buffers = scratch_buffers(kernel.ast, device)
     random_fill(buffers, seed=0)  # not uninitialized memory: NaNs and denormals take slow paths on some CPUs
   progress_threshold = BEAM_MIN_PROGRESS.value if min_progress is None else min_progress
   BeamCounters.searches += 1
-  started = time.perf_counter()
   job = _CompileJob(copy_kernel(kernel), Device[device].compiler)
   compiler = CandidateCompiler(job, device, workers)
+  stats.workers = compiler.workers
   progress = _Progress(kernel.name)
   timer = _Timer(device, buffers, progress)
   try:
@@ -456,29 +561,62 @@ def beam_search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: in
     seen = {kernel_key(apply_opts(kernel, opts)) for opts in seeds}
     progress.add(len(seeds))
     # the first launches of a process pay for thread pools and first touches of memory: the seeds warm up first
-    timed = timer.time_all(compiler.compile(seeds), warmup=True)
-    if timer.untimable or not timed: return heuristic  # nothing to compare: the heuristic's choice
+    timed = _run_round(stats, timer, compiler, seeds, 0.0, warmup=True)
+    if timer.untimable or not timed: return heuristic, None  # nothing to compare: the heuristic's choice
     hand_seconds = next((c.seconds for c in timed if c.opts == hand_opts), None)
     beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
     best = beam[0]
+    deadline = started + time_budget(kernel)
     for _ in range(MAX_ROUNDS if max_rounds is None else max_rounds):
+      expand_started = time.perf_counter()
+      if expand_started >= deadline:
+        stats.out_of_time = True
+        break
       candidates = _expand(kernel, beam, seen)
       if not candidates: break
       progress.add(len(candidates))
-      timed = timer.time_all(compiler.compile(candidates))
+      timed = _run_round(stats, timer, compiler, candidates, time.perf_counter() - expand_started, deadline)
       if not timed: break
       round_beam = sorted(timed, key=lambda c: c.seconds)[:beam_width]
       if round_beam[0].seconds >= best.seconds * (1 - progress_threshold): break
       beam, best = round_beam, round_beam[0]
     if hand_seconds is not None and best.opts != hand_opts:
-      best, hand_seconds = _final_choice(timer, compiler.compile([best.opts, hand_opts]), best, hand_seconds,
-                                         progress_threshold)
+      duel_started = time.perf_counter()
+      best, hand_seconds = _final_choice(timer, [timer.compiled[best.opts], timer.compiled[hand_opts]], best,
+                                         hand_seconds, progress_threshold)
+      stats.duel_s = time.perf_counter() - duel_started
   finally:
+    stats.pool_start_s = compiler.pool_start_s
     compiler.close()
     progress.close()
   winner = apply_opts(kernel, best.opts)
-  _report(kernel.name, winner, best.seconds, hand_seconds, time.perf_counter() - started)
-  return winner
+  stats.hand_s, stats.best_s = hand_seconds, best.seconds
+  stats.total_s += time.perf_counter() - started
+  _report(kernel.name, winner, best.seconds, hand_seconds, stats.total_s)
+  return winner, timer.compiled.get(best.opts)
+
+
+def _run_round(stats: SearchStats, timer: _Timer, compiler: CandidateCompiler, candidates: Sequence[tuple[Opt, ...]],
+               expand_s: float, deadline: float = float("inf"), warmup: bool = False) -> list[TimedCandidate]:
+  """Compile (until `deadline`) and time one round's candidates, recording the round's phases in `stats` (and
+  printing them at DEBUG>=2)."""
+  pool_before, started = compiler.pool_start_s, time.perf_counter()
+  compiled = compiler.compile(candidates, deadline)
+  if any(candidate.error == OUT_OF_TIME for candidate in compiled): stats.out_of_time = True
+  compiled_at = time.perf_counter()
+  timed = timer.time_all(compiled, warmup)
+  round_stats = RoundStats(len(candidates), expand_s, compiled_at - started - (compiler.pool_start_s - pool_before),
+                           sum(candidate.seconds for candidate in compiled),
+                           max((candidate.seconds for candidate in compiled), default=0.0),
+                           time.perf_counter() - compiled_at, len(candidates) - len(timed), timer.best)
+  stats.rounds.append(round_stats)
+  if DEBUG >= 2:
+    print(f"BEAM {stats.kernel} round {len(stats.rounds) - 1}: {round_stats.candidates} candidates "
+          f"({round_stats.failed} dropped), expand {expand_s:.2f} s, compile {round_stats.compile_s:.2f} s "
+          f"({round_stats.compile_cpu_s:.2f} s CPU, {compiler.workers} workers, slowest "
+          f"{round_stats.compile_max_s:.2f} s), time {round_stats.time_s:.2f} s, "
+          f"best {timer.best * 1e3:.4f} ms")
+  return timed
 
 
 def _final_choice(timer: _Timer, compiled: Sequence[CompiledCandidate], best: TimedCandidate,
@@ -506,8 +644,12 @@ def _final_choice(timer: _Timer, compiled: Sequence[CompiledCandidate], best: Ti
 def _expand(kernel: Kernel, beam: Sequence[TimedCandidate], seen: set) -> list[tuple[Opt, ...]]:
   """Each beam member with one more legal Opt, minus loop nests already seen (marked seen now). A member over
   EARLY_CUT times slower than the best is not expanded: its children are timed at its speed, and on a CPU a slow
-  kernel (an unoptimized matmul) costs seconds per launch."""
-  candidates = []
+  kernel (an unoptimized matmul) costs seconds per launch.
+  The costliest to compile first (longest processing time first): a round waits for its last compile, and one large
+  kernel started last would keep the pool waiting on it alone. The cost is guessed by the register lanes (upcasts x
+  unrolls), which the compile time follows (CUDA 1024^3 matmul: 24 lanes 0.2-0.45 s, 84 lanes 0.6-0.9 s, 164 lanes
+  1.7-1.9 s on this project's CPU); H100 run: a round of 33 candidates took 5.5 s for 36 s of CPU on 16 workers."""
+  candidates: list[tuple[int, tuple[Opt, ...]]] = []
   fastest = min(member.seconds for member in beam)
   for member in beam:
     if member.seconds > fastest * EARLY_CUT: continue
@@ -515,8 +657,9 @@ def _expand(kernel: Kernel, beam: Sequence[TimedCandidate], seen: set) -> list[t
       key = kernel_key(new)
       if key in seen: continue
       seen.add(key)
-      candidates.append(member.opts + (opt,))
-  return candidates
+      candidates.append((new.upcast_lanes(), member.opts + (opt,)))
+  candidates.sort(key=lambda candidate: -candidate[0])   # stable: equal costs keep the beam's order
+  return [opts for _, opts in candidates]
 
 
 def _report(name: str, winner: Kernel, seconds: float, hand_seconds: float | None, search_seconds: float) -> None:
@@ -529,11 +672,14 @@ def _report(name: str, winner: Kernel, seconds: float, hand_seconds: float | Non
 
 # ---------------------------------------------------------------- verification
 
-def verify_kernel(candidate: Kernel, reference: Kernel, device: str, seed: int = 0) -> bool:
-  """Whether `candidate` writes the same values as `reference` (same AST) from the same random inputs."""
+def verify_kernel(candidate: Kernel, reference: Kernel, device: str, seed: int = 0,
+                  candidate_binary: CompiledCandidate | None = None) -> bool:
+  """Whether `candidate` writes the same values as `reference` (same AST) from the same random inputs.
+  `candidate_binary`: the candidate as the search compiled it (saves compiling it again; a large searched kernel
+  takes seconds), else it is compiled here."""
   results = []
-  for kernel in (reference, candidate):
-    compiled = compile_candidate(_CompileJob(kernel, Device[device].compiler), (), BEAM_COMPILE_TIMEOUT.value)
+  for kernel, binary in ((reference, None), (candidate, candidate_binary)):
+    compiled = binary or compile_candidate(_CompileJob(kernel, Device[device].compiler), (), BEAM_COMPILE_TIMEOUT.value)
     if compiled.error: return False
     buffers = scratch_buffers(kernel.ast, device)
     random_fill(buffers, seed)  # outputs too: places a kernel does not store keep the same values in both runs
@@ -543,65 +689,6 @@ def verify_kernel(candidate: Kernel, reference: Kernel, device: str, seed: int =
     results.append(buffers)
   stored = sorted({node.arg.idx for node in reference.ast.walk() if node.op is Ops.STORE})
   return all(outputs_match(results[0][idx], results[1][idx]) for idx in stored)
-
-
-# ---------------------------------------------------------------- the cache
-
-def _ast_text(ast: LazyOp) -> str:
-  """A stable text of an AST (the same in every process): each node once, children first, sources by number."""
-  numbers: dict[int, int] = {}
-  lines = []
-  for node in ast.walk():
-    numbers[id(node)] = len(numbers)
-    arg = node.arg
-    if isinstance(arg, ConstBuffer): arg = (repr(arg.val), arg.dtype.name, arg.st)
-    elif isinstance(arg, MemBuffer): arg = (arg.idx, arg.dtype.name, arg.st)
-    sources = [numbers[id(src)] for src in node.srcs]
-    lines.append(f"{node.op.name} {node.dtype.name} {sources} {arg!r}")
-  return "\n".join(lines)
-
-
-def cache_key(ast: LazyOp, device: str, beam_width: int) -> str:
-  """The cache key of a search: the AST, the device and its compiler (which names the hardware), the width."""
-  compiler_key = getattr(Device[device].compiler, "cache_key", "")
-  text = f"beam v{CACHE_VERSION}\n{device}\n{compiler_key}\n{beam_width}\n{_ast_text(ast)}"
-  return hashlib.sha256(text.encode()).hexdigest()
-
-
-@contextlib.contextmanager
-def _connect() -> Iterator[sqlite3.Connection]:
-  """A connection to the cache file, committed and closed on exit (sqlite's own `with` only commits)."""
-  connection = sqlite3.connect(cache_dir() / "beam.sqlite", timeout=30)  # several processes may search at once
-  try:
-    with connection:
-      connection.execute("CREATE TABLE IF NOT EXISTS beam (key TEXT PRIMARY KEY, kernel TEXT, opts TEXT)")
-      yield connection
-  finally:
-    connection.close()
-
-
-def cache_get(key: str) -> list[Opt] | None:
-  """The cached opts of a search, or None (not cached, or written by a version whose Opt kinds are gone)."""
-  try:
-    with _connect() as connection:
-      row = connection.execute("SELECT opts FROM beam WHERE key = ?", (key,)).fetchone()
-  except sqlite3.Error:  # an unreadable cache costs a search, not the result
-    return None
-  if row is None: return None
-  try:
-    return [Opt(OptOps[name], axis, amount) for name, axis, amount in json.loads(row[0])]
-  except (KeyError, ValueError, TypeError):
-    return None
-
-
-def cache_put(key: str, kernel_name: str, opts: Sequence[Opt]) -> None:
-  encoded = json.dumps([[opt.op.name, opt.axis, opt.amount] for opt in opts])
-  try:
-    with _connect() as connection:
-      connection.execute("INSERT OR REPLACE INTO beam VALUES (?, ?, ?)", (key, kernel_name, encoded))
-  except sqlite3.Error as error:
-    warnings.warn(f"cannot write the BEAM cache in {cache_dir()} ({error}); the search runs again in the next "
-                  f"process", RuntimeWarning, stacklevel=2)
 
 
 # ---------------------------------------------------------------- what the engine calls
@@ -629,10 +716,15 @@ def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
         if DEBUG >= 2: print(f"BEAM {kernel.name}: cache hit, opts {optimized.applied_opts}")
         if DEBUG >= 3: print(f"BEAM {kernel.name} opts: {describe_opts(optimized.applied_opts)}")
         return optimized
-  winner = beam_search(kernel, None, beam_width, device=device)
-  if winner.applied_opts and not verify_kernel(winner, kernel, device):
+  stats = SearchStats(kernel.name)
+  winner, binary = _search(kernel, None, beam_width, device, None, None, None, stats)
+  verify_started = time.perf_counter()
+  if winner.applied_opts and not verify_kernel(winner, kernel, device, candidate_binary=binary):
     warnings.warn(f"BEAM's kernel for {kernel.name} with opts {winner.applied_opts} gives other results than the "
                   f"unoptimized kernel; using the hand-coded optimizations", BeamVerificationWarning, stacklevel=2)
     winner = hand_coded(kernel)
+  stats.verify_s = time.perf_counter() - verify_started
+  stats.total_s += stats.verify_s
+  if DEBUG >= 2: print(f"BEAM {kernel.name} phases: {stats.summary()}")
   cache_put(key, kernel.name, winner.applied_opts)
   return winner

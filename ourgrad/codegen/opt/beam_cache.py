@@ -1,0 +1,79 @@
+"""BEAM's on-disk cache: the Opts each search chose, in an sqlite file in the cache folder
+(`ourgrad.helpers.cache_dir()`), keyed by the kernel's AST, the device and its compiler, and the beam width, so that
+another process running the same program does no search (docs/beam.md). search.py reads and writes it.
+
+    cache_key(ast, device, width)   the key of a search
+    cache_get(key) / cache_put(key, kernel_name, opts)
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sqlite3
+import warnings
+from typing import Iterator, Sequence
+
+from ourgrad.codegen.kernel import Opt, OptOps
+from ourgrad.device import Device
+from ourgrad.helpers import cache_dir
+from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer
+
+CACHE_VERSION = 1          # bump when the meaning of cached opts changes
+
+
+def _ast_text(ast: LazyOp) -> str:
+  """A stable text of an AST (the same in every process): each node once, children first, sources by number."""
+  numbers: dict[int, int] = {}
+  lines = []
+  for node in ast.walk():
+    numbers[id(node)] = len(numbers)
+    arg = node.arg
+    if isinstance(arg, ConstBuffer): arg = (repr(arg.val), arg.dtype.name, arg.st)
+    elif isinstance(arg, MemBuffer): arg = (arg.idx, arg.dtype.name, arg.st)
+    sources = [numbers[id(src)] for src in node.srcs]
+    lines.append(f"{node.op.name} {node.dtype.name} {sources} {arg!r}")
+  return "\n".join(lines)
+
+
+def cache_key(ast: LazyOp, device: str, beam_width: int) -> str:
+  """The cache key of a search: the AST, the device and its compiler (which names the hardware), the width."""
+  compiler_key = getattr(Device[device].compiler, "cache_key", "")
+  text = f"beam v{CACHE_VERSION}\n{device}\n{compiler_key}\n{beam_width}\n{_ast_text(ast)}"
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _connect() -> Iterator[sqlite3.Connection]:
+  """A connection to the cache file, committed and closed on exit (sqlite's own `with` only commits)."""
+  connection = sqlite3.connect(cache_dir() / "beam.sqlite", timeout=30)  # several processes may search at once
+  try:
+    with connection:
+      connection.execute("CREATE TABLE IF NOT EXISTS beam (key TEXT PRIMARY KEY, kernel TEXT, opts TEXT)")
+      yield connection
+  finally:
+    connection.close()
+
+
+def cache_get(key: str) -> list[Opt] | None:
+  """The cached opts of a search, or None (not cached, or written by a version whose Opt kinds are gone)."""
+  try:
+    with _connect() as connection:
+      row = connection.execute("SELECT opts FROM beam WHERE key = ?", (key,)).fetchone()
+  except sqlite3.Error:  # an unreadable cache costs a search, not the result
+    return None
+  if row is None: return None
+  try:
+    return [Opt(OptOps[name], axis, amount) for name, axis, amount in json.loads(row[0])]
+  except (KeyError, ValueError, TypeError):
+    return None
+
+
+def cache_put(key: str, kernel_name: str, opts: Sequence[Opt]) -> None:
+  encoded = json.dumps([[opt.op.name, opt.axis, opt.amount] for opt in opts])
+  try:
+    with _connect() as connection:
+      connection.execute("INSERT OR REPLACE INTO beam VALUES (?, ?, ?)", (key, kernel_name, encoded))
+  except sqlite3.Error as error:
+    warnings.warn(f"cannot write the BEAM cache in {cache_dir()} ({error}); the search runs again in the next "
+                  f"process", RuntimeWarning, stacklevel=2)
