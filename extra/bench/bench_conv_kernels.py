@@ -139,10 +139,11 @@ TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile
                  ConvTile(2, 16, 4, 8, 8), ConvTile(4, 16, 2, 16, 8),
                  # the hand-coded 8x8 tile (128 pixels of 2 images x 64 channels) with padded tile rows (no bank
                  # conflicts in the weight tile's fill), and with the window unrolled (the input a halo tile staged
-                 # once for all 9 taps) at 1 to 8 input channels a step
+                 # once for all 9 taps) at 2 to 8 input channels a step; the 4x4 tile with a halo
                  ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2, padding=4),
                  *(ConvTile(4, 16, 4, 8, step, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=padding)
-                   for step in (1, 2, 4, 8) for padding in (0, 4)))
+                   for step in (2, 4, 8) for padding in (0, 4)),
+                 ConvTile(4, 16, 4, 16, 4, window_unrolled=True, padding=4))
 
 
 def tile_label(tile: ConvTile) -> str:
