@@ -137,9 +137,10 @@ def is_weight_gradient_part(plain: Kernel) -> bool:
 TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile(8, 16, 4, 16, 8),
                  ConvTile(4, 16, 8, 8, 8), ConvTile(4, 32, 4, 8, 8), ConvTile(4, 16, 4, 8, 16), ConvTile(4, 8, 4, 8, 8),
                  ConvTile(2, 16, 4, 8, 8), ConvTile(4, 16, 2, 16, 8),
-                 # the hand-coded 8x8 tile (128 pixels of 2 images x 64 channels) with padded tile rows (no bank
-                 # conflicts in the weight tile's fill), and with the window unrolled (the input a halo tile staged
-                 # once for all 9 taps) at 2 to 8 input channels a step; the 4x4 tile with a halo
+                 # the 8x8 tile (128 pixels of 2 images x 64 channels) as before the halo tiles, then with padded
+                 # tile rows (fewer bank conflicts in the weight tile's fill), and with the window unrolled (the input
+                 # a halo tile staged once for all 9 taps) at 2 to 8 input channels a step; the 4x4 tile with a halo
+                 ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2),
                  ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2, padding=4),
                  *(ConvTile(4, 16, 4, 8, step, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=padding)
                    for step in (2, 4, 8) for padding in (0, 4)),
