@@ -118,3 +118,18 @@ def test_halo_conv_on_cuda_matches_the_plain_kernel(step: int, padding: int) -> 
   plain, tiled = Kernel(item.ast, Device["CUDA"].renderer), Kernel(item.ast, Device["CUDA"].renderer)
   assert shared_conv_tiles(tiled, (halo(4, 16, 4, 8, step, repeats=2, padding=padding),))
   assert verify_kernel(tiled, plain, "CUDA")
+
+
+def test_halo_index_helpers() -> None:
+  """split_constant takes the constant term off an address; without_window drops the window variables' terms of an
+  index (the range's first element), and refuses an index where a window variable is not a plain term."""
+  from ourgrad.codegen.halo_tiles import split_constant, without_window
+  from ourgrad.shape.symbolic import NumNode, Variable
+  lane, thread, tap = Variable("lane", 0, 3), Variable("thread", 0, 15), Variable("tap", 0, 2)
+  rest, constant = split_constant(thread * 4 + 7)
+  assert constant == 7 and rest.render() == (thread * 4).render()
+  assert split_constant(NumNode(5))[1] == 5 and split_constant(thread * 4)[1] == 0
+  index = thread * 4 + lane + tap * 56 - 57
+  assert without_window(index, [lane, tap]).render() == (thread * 4 - 57).render()
+  with pytest.raises(ValueError):
+    without_window((lane + tap) // 2 + thread, [lane, tap])
