@@ -101,9 +101,6 @@ COMPILE_CACHE_BYTES = env_var("COMPILE_CACHE_BYTES", 2 << 30, "most bytes the on
 CUDA_PTX = env_var("CUDA_PTX", 0, "1: the CUDA device has NVRTC compile kernels to PTX only and the driver compile "
                    "the PTX when it loads it; 0: NVRTC compiles to the GPU's machine code (CUBIN). On the H100 a new "
                    "8-op kernel's first result took 41 ms with CUBIN, 57 ms with PTX (the driver's load: 22 ms)")
-CUDA_MIN_BLOCKS = env_var("CUDA_MIN_BLOCKS", 0, "n>0: CUDA kernels of 128 threads or fewer ask ptxas for n blocks "
-                          "per SM (__launch_bounds__'s second argument: fewer registers, more warps in flight); an "
-                          "experiment for bench_conv_kernels.py, 0: no request")
 COMPILE_TIMEOUT = env_var("COMPILE_TIMEOUT", 300.0, "seconds one kernel may take to compile before a CompileError "
                           "naming it (CLANG; 0: no limit)")
 BEAM = env_var("BEAM", 0, "n>0: pick each kernel's Opts by a beam search of width n, timed on the device and "

@@ -9,7 +9,6 @@ from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
 from ourgrad.dtype import DType, dtypes
-from ourgrad.helpers import CUDA_MIN_BLOCKS
 from ourgrad.renderer.cstyle import (DYNAMIC_SHARED_ARRAY, DYNAMIC_SHARED_SYMBOL, CStyleLanguage, block_threads,
                                      kernel_dtypes)
 
@@ -250,8 +249,7 @@ class CUDARenderer(CStyleLanguage):
       total = self.dynamic_local_layout(uops, copied)[1]
       helpers.append(f'extern "C" __device__ unsigned int {DYNAMIC_SHARED_SYMBOL} = {total};\n'
                      f"extern __shared__ __align__(16) unsigned char {DYNAMIC_SHARED_ARRAY}[];\n")
-    min_blocks = f", {CUDA_MIN_BLOCKS.value}" if CUDA_MIN_BLOCKS.value > 0 and threads <= 128 else ""
-    launch_bounds = f"__launch_bounds__({threads}{min_blocks}) " if threads > 1 else ""
+    launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""
     signature = f'extern "C" __global__ void {launch_bounds}{name}({", ".join(params)}) {{\n'
     return "".join(helpers) + signature + "\n".join(body) + "\n}\n"
 
