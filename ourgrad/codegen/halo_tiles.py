@@ -9,16 +9,19 @@ axes stay ordinary axes of the tile, outermost first. The range of each outer in
 the load's mask (a convolution's padding) is applied when a lane reads the tile, not when it is filled: one tile
 element serves valid and masked lanes alike.
 
-Kernel.staged_loads picks the tiles; this module only lays out those whose axes overlap (HaloWindow); the linearizer
-fills and reads them (Linearizer._stage_shared_tiles, _tile_load).
+Kernel.staged_loads picks the tiles; this module lays out those whose axes overlap (HaloWindow) and fills them
+(HaloTileFill, a part of the Linearizer); the Linearizer reads them (_halo_tile_load).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ourgrad.shape.symbolic import MulNode, Node, NumNode, SumNode, Variable, sym_sum
+from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.ops import LazyOp
+from ourgrad.shape.shapetracker import ShapeTracker
+from ourgrad.shape.symbolic import MulNode, Node, NumNode, SumNode, Variable, sym_and, sym_sum
 
 if TYPE_CHECKING:
   from ourgrad.codegen.kernel import Kernel
@@ -103,3 +106,67 @@ def split_constant(address: Node) -> tuple[Node, int]:
   if not isinstance(address, SumNode): return address, 0
   constant = sum(term.b for term in address.nodes if isinstance(term, NumNode))
   return sym_sum([term for term in address.nodes if not isinstance(term, NumNode)]), constant
+
+
+class HaloTileFill:
+  """The Linearizer's code for halo tiles: the fill at each reduce step, and the load masks its reads apply (the
+  attributes and helpers used here are the Linearizer's)."""
+  kernel: Kernel
+  builder: Any
+  buffers: dict[int, UOp]
+  leaf_index: dict[int, int]
+  tile_windows: dict[int, HaloWindow]
+  halo_valid: dict
+
+  def node_to_uop(self, node: Node) -> UOp: raise NotImplementedError
+  def _index_nodes(self, leaf_number: int, idxs: list[Node]) -> tuple[Node, Node]: raise NotImplementedError
+
+  def _stage_halo_tile(self, node: LazyOp, local: UOp, axis_idxs: list[Node], thread: Node, offset: Node,
+                       defer: bool) -> list[tuple[UOp, Node, UOp]]:
+    """Fill a halo tile (see codegen/halo_tiles.py): unit u of the tile is element u % span of row u // span's
+    range, the buffer's element at the row's range start plus that; loaded where it lies in the buffer (the load's
+    mask is applied when the tile is read). Element by element, neighbouring threads neighbouring elements."""
+    kernel, build = self.kernel, self.builder
+    window, leaf = self.tile_windows[id(local)], self.leaf_index[id(node)]
+    threads = kernel.local_threads() * kernel.group_threads()
+    window_vars = [Variable(f"halo{axis}", 0, kernel.full_shape[axis] - 1) for axis in window.window]
+    # the buffer's valid elements end before this: the first view is the one on the buffer itself
+    limit = ShapeTracker(kernel.sts[leaf].views[:1]).real_size()
+    deferred: list[tuple[UOp, Node, UOp]] = []
+    for first in range(0, window.elements, threads):
+      unit = thread + first
+      guard = None
+      if first + threads > window.elements:   # the last round: only the threads with a unit left
+        guard = build.add(UOps.IF, None, (self.node_to_uop(unit < window.elements),))
+      idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
+      for axis in range(kernel.global_dims, kernel.first_loop_reduce): idxs[axis] = NumNode(0)
+      row, inner = unit // window.span, 1
+      for axis in reversed(window.outer):
+        idxs[axis] = (row // inner) % kernel.full_shape[axis]
+        inner *= kernel.full_shape[axis]
+      for axis, var in zip(window.window, window_vars): idxs[axis] = var
+      index_node, _ = self._index_nodes(leaf, idxs)
+      element = without_window(index_node, window_vars) + unit % window.span
+      in_buffer = sym_and([element >= 0, element < limit])
+      srcs = (self.buffers[node.arg.idx], self.node_to_uop(element))
+      if isinstance(in_buffer, NumNode) and not in_buffer.b:   # never in the buffer: never read unmasked
+        value = build.const(0.0 if node.dtype.is_float else 0, node.dtype)
+      elif isinstance(in_buffer, NumNode): value = build.add(UOps.LOAD, node.dtype, srcs)
+      else: value = build.add(UOps.LOAD, node.dtype, srcs + (self.node_to_uop(in_buffer),))
+      if defer: deferred.append((local, offset + unit, value))
+      else: build.add(UOps.STORE, None, (local, self.node_to_uop(offset + unit), value))
+      if guard is not None: build.end_if(guard)
+    return deferred
+
+  def _halo_valid(self, leaf: int, idxs: list[Node]) -> Node:
+    """The load's mask at `idxs`, computed once per combination of the indices of the axes it depends on (the
+    axes its index moves along or its views mask): many lanes of one step share it (a convolution's channels)."""
+    if leaf not in self.halo_valid:
+      st = self.kernel.sts[leaf]
+      default_idxs = st.default_idxs()
+      masked = st.expr_idxs(default_idxs)[1].vars()
+      self.halo_valid[leaf] = [axis for axis, (idx, stride) in enumerate(zip(default_idxs, st.real_strides()))
+                               if stride != 0 or idx in masked]
+    key = (leaf,) + tuple(idxs[axis].render() for axis in self.halo_valid[leaf])
+    if key not in self.halo_valid: self.halo_valid[key] = self._index_nodes(leaf, idxs)[1]
+    return self.halo_valid[key]

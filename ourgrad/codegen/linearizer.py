@@ -18,16 +18,15 @@ import itertools
 import math
 from typing import Callable, Sequence
 
-from ourgrad.codegen.halo_tiles import HaloWindow, outer_row, split_constant, window_offset, without_window
+from ourgrad.codegen.halo_tiles import HaloTileFill, HaloWindow, outer_row, split_constant, window_offset
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
 from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
-from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import (AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, ProdNode, SumNode,
-                                    Variable, is_symbolic, sym_and, sym_max)
+                                    Variable, is_symbolic, sym_max)
 
 INDEX_DTYPE = dtypes.int32
 
@@ -39,7 +38,7 @@ def reduce_identity(op: Ops, dtype: DType) -> float | int | bool:
   return dtype.min
 
 
-class Linearizer(TensorCoreTiles):
+class Linearizer(TensorCoreTiles, HaloTileFill):
   """Builds the UOps of one kernel. `linearize(kernel)` is the entry point."""
 
   def __init__(self, kernel: Kernel):
@@ -322,42 +321,6 @@ class Linearizer(TensorCoreTiles):
       self.tile_vectors[key] = self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)))
     return self.tile_vectors[key]
 
-  def _stage_halo_tile(self, node: LazyOp, local: UOp, axis_idxs: list[Node], thread: Node, offset: Node,
-                       defer: bool) -> list[tuple[UOp, Node, UOp]]:
-    """Fill a halo tile (see codegen/halo_tiles.py): unit u of the tile is element u % span of row u // span's
-    range, the buffer's element at the row's range start plus that; loaded where it lies in the buffer (the load's
-    mask is applied when the tile is read). Element by element, neighbouring threads neighbouring elements."""
-    kernel, build = self.kernel, self.builder
-    window, leaf = self.tile_windows[id(local)], self.leaf_index[id(node)]
-    threads = kernel.local_threads() * kernel.group_threads()
-    window_vars = [Variable(f"halo{axis}", 0, kernel.full_shape[axis] - 1) for axis in window.window]
-    # the buffer's valid elements end before this: the first view is the one on the buffer itself
-    limit = ShapeTracker(kernel.sts[leaf].views[:1]).real_size()
-    deferred: list[tuple[UOp, Node, UOp]] = []
-    for first in range(0, window.elements, threads):
-      unit = thread + first
-      guard = None
-      if first + threads > window.elements:   # the last round: only the threads with a unit left
-        guard = build.add(UOps.IF, None, (self.node_to_uop(unit < window.elements),))
-      idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
-      for axis in range(kernel.global_dims, kernel.first_loop_reduce): idxs[axis] = NumNode(0)
-      row, inner = unit // window.span, 1
-      for axis in reversed(window.outer):
-        idxs[axis] = (row // inner) % kernel.full_shape[axis]
-        inner *= kernel.full_shape[axis]
-      for axis, var in zip(window.window, window_vars): idxs[axis] = var
-      index_node, _ = self._index_nodes(leaf, idxs)
-      element = without_window(index_node, window_vars) + unit % window.span
-      in_buffer = sym_and([element >= 0, element < limit])
-      srcs = (self.buffers[node.arg.idx], self.node_to_uop(element))
-      if isinstance(in_buffer, NumNode) and not in_buffer.b: value = build.const(_zero(node.dtype), node.dtype)
-      elif isinstance(in_buffer, NumNode): value = build.add(UOps.LOAD, node.dtype, srcs)
-      else: value = build.add(UOps.LOAD, node.dtype, srcs + (self.node_to_uop(in_buffer),))
-      if defer: deferred.append((local, offset + unit, value))
-      else: build.add(UOps.STORE, None, (local, self.node_to_uop(offset + unit), value))
-      if guard is not None: build.end_if(guard)
-    return deferred
-
   def _halo_tile_load(self, node: LazyOp, local: UOp, idxs: list[Node]) -> UOp:
     """One lane's element of a halo tile: from a float4 of the tile where the address is a multiple of 4 plus a
     constant (the float4 holding it, shared by the lanes that read it), else a scalar read; zero where the load's
@@ -381,19 +344,6 @@ class Linearizer(TensorCoreTiles):
     valid = self._halo_valid(self.leaf_index[id(node)], idxs)
     if isinstance(valid, NumNode): return value if valid.b else build.const(_zero(node.dtype), node.dtype)
     return build.alu(Ops.WHERE, node.dtype, self.node_to_uop(valid), value, build.const(_zero(node.dtype), node.dtype))
-
-  def _halo_valid(self, leaf: int, idxs: list[Node]) -> Node:
-    """The load's mask at `idxs`, computed once per combination of the indices of the axes it depends on (the
-    axes its index moves along or its views mask): many lanes of one step share it (a convolution's channels)."""
-    if leaf not in self.halo_valid:
-      st = self.kernel.sts[leaf]
-      default_idxs = st.default_idxs()
-      masked = st.expr_idxs(default_idxs)[1].vars()
-      self.halo_valid[leaf] = [axis for axis, (idx, stride) in enumerate(zip(default_idxs, st.real_strides()))
-                               if stride != 0 or idx in masked]
-    key = (leaf,) + tuple(idxs[axis].render() for axis in self.halo_valid[leaf])
-    if key not in self.halo_valid: self.halo_valid[key] = self._index_nodes(leaf, idxs)[1]
-    return self.halo_valid[key]
 
   def _tile_load_width(self, node: LazyOp, axes: list[int]) -> int:
     """4 (float4 loads into the tile) where the renderer has them, the load is float32 through one unmasked view
