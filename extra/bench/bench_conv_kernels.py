@@ -136,7 +136,24 @@ def is_weight_gradient_part(plain: Kernel) -> bool:
 # every convolution kernel they fit, beside the heuristic's own list (conv_tiles.CONV_TILES)
 TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile(8, 16, 4, 16, 8),
                  ConvTile(4, 16, 8, 8, 8), ConvTile(4, 32, 4, 8, 8), ConvTile(4, 16, 4, 8, 16), ConvTile(4, 8, 4, 8, 8),
-                 ConvTile(2, 16, 4, 8, 8), ConvTile(4, 16, 2, 16, 8))
+                 ConvTile(2, 16, 4, 8, 8), ConvTile(4, 16, 2, 16, 8),
+                 # the 8x8 tile (128 pixels of 2 images x 64 channels) as before the halo tiles, then with padded
+                 # tile rows (fewer bank conflicts in the weight tile's fill), and with the window unrolled (the input
+                 # a halo tile staged once for all 9 taps) at 2 to 8 input channels a step; the 4x4 tile with a halo
+                 ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2),
+                 ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2, padding=4),
+                 *(ConvTile(4, 16, 4, 8, step, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=padding)
+                   for step in (2, 4, 8) for padding in (0, 4)),
+                 ConvTile(4, 16, 4, 16, 4, window_unrolled=True, padding=4))
+
+
+def tile_label(tile: ConvTile) -> str:
+  """A tile's row label: outputs x threads per side, the reduce step, then what differs from a plain tile."""
+  label = f"tile px {tile.pixel_upcast}x{tile.pixel_threads} ch {tile.channel_upcast}x{tile.channel_threads} " \
+          f"k{tile.reduce_step}"
+  if tile.pixel_repeat > 1 or tile.channel_repeat > 1: label += f" x{tile.pixel_repeat}x{tile.channel_repeat}"
+  if tile.window_unrolled: label += " halo"
+  return label + (f" pad{tile.padding}" if tile.padding else "")
 
 
 def without_conv_tiles(kernel: Kernel) -> Kernel:
@@ -200,8 +217,10 @@ def row(label: str, kernel: Kernel | None, seconds: float | None, flops: int, ch
   print(f"  {label:<44} {name:<38} {ms} {rate} {check:<6} {opts}")
 
 
-def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_filter: str = "") -> None:
-  """Hand-coded, each variant and BEAM's kernel of one AST: ms, GFLOP/s, checked against the plain kernel."""
+def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_filter: str = "",
+              rows: tuple[str, ...] = ()) -> None:
+  """Hand-coded, each variant and BEAM's kernel of one AST (those whose label contains one of `rows`, where given):
+  ms, GFLOP/s, checked against the plain kernel."""
   renderer = Device[device].renderer
   plain = Kernel(ast, renderer)
   buffers = scratch_buffers(ast, device)
@@ -213,9 +232,7 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
   candidates: list[tuple[str, Callable[[], Kernel]]] = [("hand-coded", lambda: hand),
                                                         ("no conv tiles", lambda: without_conv_tiles(plain.copy()))]
   for tile in (TILE_VARIANTS if not is_weight_gradient_part(plain) else ()):
-    label = f"tile px {tile.pixel_upcast}x{tile.pixel_threads} ch {tile.channel_upcast}x{tile.channel_threads} " \
-            f"k{tile.reduce_step}"
-    candidates.append((label, lambda tile=tile: tiled(plain, tile)))
+    candidates.append((tile_label(tile), lambda tile=tile: tiled(plain, tile)))
   variants = dict(VARIANTS.get(plain.name, {}))
   if is_weight_gradient_part(plain): variants.update(WEIGHT_GRADIENT_VARIANTS.get(len(plain.full_shape), {}))
   for name, opts in variants.items():
@@ -223,6 +240,7 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
   if beam and beam_filter in plain.name:
     candidates.append((f"BEAM={beam}", lambda: beam_search(plain, None, beam, device=device)))
   for name, make in candidates:
+    if rows and not any(part in name for part in rows): continue
     try:
       kernel = make()
     except KernelOptError as error:
@@ -290,6 +308,8 @@ def main() -> None:
   parser.add_argument("--beam", type=int, default=2, help="BEAM width per kernel (0: no search)")
   parser.add_argument("--beam-filter", default="", help="only the kernels whose plain name contains this")
   parser.add_argument("--only", default="", help="rows whose label contains this: mnist, f32, f16")
+  parser.add_argument("--rows", default="", help="the 56x56 convs' rows whose label contains one of these "
+                      "(comma-separated), e.g. 'hand,halo'")
   parser.add_argument("--scale", type=int, default=0, help="divide batch and image sizes by 2^scale (smoke tests)")
   parser.add_argument("--parts-sweep", action="store_true", help="time the MNIST step with several split-K parts")
   args = parser.parse_args()
@@ -306,7 +326,7 @@ def main() -> None:
     label = f"conv 64x64x56x56 3x3 pad 1 {'f32' if dtype_name == 'float32' else 'f16'}"
     if args.only and args.only not in label: continue
     bench_ast(conv_ast(args.device, dtype_name, args.scale), args.device, args.iters, args.beam, label,
-              args.beam_filter)
+              args.beam_filter, tuple(part for part in args.rows.split(",") if part))
     if args.device.startswith("CUDA"): torch_conv(dtype_name, args.iters)
   if args.parts_sweep: parts_sweep(args.device, args.iters, args.scale)
 

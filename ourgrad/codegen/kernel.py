@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
 
+from ourgrad.codegen.halo_tiles import HaloWindow, halo_window
 from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, plan_for_kernel
 from ourgrad.codegen.uops import AxisType
@@ -651,17 +652,35 @@ class Kernel:
 
   def staged_tile_bytes(self) -> int:
     """With SHARED (no TC): the bytes of one stage of every staged load's tile (its padding included)."""
-    return sum(self.tile_elements(axes) * self.leaves[leaf].dtype.itemsize for leaf, axes in self.staged_loads())
+    return sum(self.tile_elements(axes, leaf) * self.leaves[leaf].dtype.itemsize for leaf, axes in self.staged_loads())
+
+  def halo_window(self, leaf: int, axes: list[int]) -> HaloWindow | None:
+    """The halo layout of a staged tile whose axes overlap in memory (a convolution's input along its pixels and
+    window taps: each element staged once), or None (codegen/halo_tiles.py)."""
+    return halo_window(self, leaf, axes)
+
+  def tile_row_axes(self, axes: list[int]) -> list[int]:
+    """The leading UNROLL axes of a staged tile (axes as staged_loads gives them): a row of the tile is one reduce
+    element's values (one input channel and window tap of a convolution), one per combination of their indices."""
+    rows = []
+    for axis in axes:
+      if self.axis_types[axis] is not AxisType.UNROLL: break
+      rows.append(axis)
+    return rows
 
   def tile_row_padding(self, axes: list[int]) -> int:
-    """Elements after each row of a staged tile (axes as staged_loads gives them): SHARED's padding where the tile's
-    outermost axis is an UNROLL axis (a row: one reduce element's values) and there is more than it, else 0."""
-    if not self.tile_padding or len(axes) < 2 or self.axis_types[axes[0]] is not AxisType.UNROLL: return 0
+    """Elements after each row of a staged tile (tile_row_axes): SHARED's padding where the tile has rows and more
+    than them, else 0."""
+    row_axes = self.tile_row_axes(axes)
+    if not self.tile_padding or not row_axes or len(row_axes) == len(axes): return 0
     return self.tile_padding
 
-  def tile_elements(self, axes: list[int]) -> int:
-    """One stage of a staged tile, in elements: its rows, each padded (tile_row_padding)."""
-    rows = self.full_shape[axes[0]] if axes else 1
+  def tile_elements(self, axes: list[int], leaf: int | None = None) -> int:
+    """One stage of a staged tile, in elements: its rows, each padded (tile_row_padding); staged load `leaf`'s
+    halo tile where its axes overlap."""
+    window = self.halo_window(leaf, axes) if leaf is not None else None
+    if window is not None: return window.elements
+    rows = prod(self.full_shape[axis] for axis in self.tile_row_axes(axes))
     return prod(self.full_shape[axis] for axis in axes) + rows * self.tile_row_padding(axes)
 
   def _drop_finished_axes(self, split_reduce: bool = False) -> None:

@@ -18,6 +18,7 @@ import itertools
 import math
 from typing import Callable, Sequence
 
+from ourgrad.codegen.halo_tiles import HaloTileFill, HaloWindow, outer_row, split_constant, window_offset
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
 from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
@@ -37,7 +38,7 @@ def reduce_identity(op: Ops, dtype: DType) -> float | int | bool:
   return dtype.min
 
 
-class Linearizer(TensorCoreTiles):
+class Linearizer(TensorCoreTiles, HaloTileFill):
   """Builds the UOps of one kernel. `linearize(kernel)` is the entry point."""
 
   def __init__(self, kernel: Kernel):
@@ -49,6 +50,10 @@ class Linearizer(TensorCoreTiles):
     self.tiles: dict[int, tuple[UOp, list[int]]] = {}   # loads staged in local memory (OptOps.SHARED)
     self.tile_vectors: dict[tuple, UOp] = {}   # float4 reads of the tiles in this reduce step
     self.tile_offsets: dict[int, Node] = {}   # the stage being read, by id of the local memory (double buffered)
+    self.tile_windows: dict[int, HaloWindow] = {}   # the halo tiles' layouts, by id of the local memory
+    self.tile_layouts: dict[tuple[int, ...], tuple[list[int], list[int], int]] = {}   # see _tile_address
+    # a halo tile's load: the axes its mask depends on (by leaf number), and the mask by the indices of those axes
+    self.halo_valid: dict = {}
     self.fragment_loads: dict[tuple, UOp] = {}   # LDMATRIX of the tensor-core tiles in this reduce step
 
   # ---------------------------------------------------------------- symbolic index math -> UOps
@@ -188,8 +193,11 @@ class Linearizer(TensorCoreTiles):
     kernel, tiles = self.kernel, {}
     for number, (leaf, axes) in enumerate(kernel.staged_loads()):
       node = kernel.leaves[leaf]
-      size = kernel.tile_elements(axes) * stages
-      tiles[id(node)] = (self.builder.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"tile{number}", size)), axes)
+      size = kernel.tile_elements(axes, leaf) * stages
+      local = self.builder.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"tile{number}", size))
+      tiles[id(node)] = (local, axes)
+      window = kernel.halo_window(leaf, axes)
+      if window is not None: self.tile_windows[id(local)] = window
     return tiles
 
   def _tiles_double_buffered(self) -> bool:
@@ -204,6 +212,10 @@ class Linearizer(TensorCoreTiles):
     threads = kernel.local_threads() * kernel.group_threads()
     for leaf, axes in staged:
       node = kernel.leaves[leaf]
+      window = kernel.halo_window(leaf, axes)
+      if window is not None:
+        if window.elements % threads: return False
+        continue
       strides = kernel.sts[leaf].real_strides()
       fill_axes = sorted(axes, key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
       if math.prod(kernel.full_shape[axis] for axis in axes) // self._tile_load_width(node, fill_axes) % threads:
@@ -212,10 +224,18 @@ class Linearizer(TensorCoreTiles):
     return kernel.local_memory_bytes() + kernel.staged_tile_bytes() <= getattr(kernel.renderer, "local_memory_bytes", 0)
 
   def _tile_address(self, axes: list[int], idxs: list[Node]) -> Node:
+    key = tuple(axes)
+    if key not in self.tile_layouts:   # (sizes, row axes, padding) of a tile, computed once
+      kernel = self.kernel
+      self.tile_layouts[key] = ([kernel.full_shape[axis] for axis in axes], kernel.tile_row_axes(axes),
+                                kernel.tile_row_padding(axes))
+    sizes, row_axes, padding = self.tile_layouts[key]
     address: Node = NumNode(0)
-    for axis in axes: address = address * self.kernel.full_shape[axis] + idxs[axis]
-    padding = self.kernel.tile_row_padding(axes)   # each row (outermost index) `padding` elements further on
-    return address + idxs[axes[0]] * padding if padding else address
+    for axis, size in zip(axes, sizes): address = address * size + idxs[axis]
+    if not padding: return address
+    row: Node = NumNode(0)   # each row (the leading UNROLL axes) `padding` elements further on
+    for axis in row_axes: row = row * sizes[axes.index(axis)] + idxs[axis]
+    return address + row * padding
 
   def _stage_shared_tiles(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node],
                           offsets: dict[int, Node], defer: bool = False) -> list[tuple[UOp, Node, UOp]]:
@@ -233,6 +253,9 @@ class Linearizer(TensorCoreTiles):
     nodes = {id(leaf): leaf for leaf in kernel.leaves}
     for node_id, (local, axes) in tiles.items():
       node = nodes[node_id]
+      if id(local) in self.tile_windows:
+        deferred += self._stage_halo_tile(node, local, axis_idxs, thread, offsets.get(id(local), NumNode(0)), defer)
+        continue
       # filled in the order of the load's strides (the smallest innermost: neighbouring threads read neighbouring
       # addresses), each element stored at its place in the tile's layout
       strides = kernel.sts[self.leaf_index[node_id]].real_strides()
@@ -278,6 +301,7 @@ class Linearizer(TensorCoreTiles):
     """One element of a staged tile: from a float4 of the tile where its innermost axis is an UPCAST/UNROLL axis of
     whole vectors and the first element's address is a multiple of 4, else a scalar read. The lanes of one vector
     share its LOAD (local loads are not merged by the builder: they are remembered here, for this reduce step)."""
+    if id(local) in self.tile_windows: return self._halo_tile_load(node, local, idxs)
     width, innermost = getattr(self.kernel.renderer, "vector_width", 0), axes[-1]
     if width >= 2 and node.dtype == dtypes.float32 and isinstance(idxs[innermost], NumNode) and \
         innermost >= self.kernel.first_upcast and self.kernel.full_shape[innermost] % width == 0:
@@ -296,6 +320,30 @@ class Linearizer(TensorCoreTiles):
     if key not in self.tile_vectors:
       self.tile_vectors[key] = self.builder.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)))
     return self.tile_vectors[key]
+
+  def _halo_tile_load(self, node: LazyOp, local: UOp, idxs: list[Node]) -> UOp:
+    """One lane's element of a halo tile: from a float4 of the tile where the address is a multiple of 4 plus a
+    constant (the float4 holding it, shared by the lanes that read it), else a scalar read; zero where the load's
+    mask says the lane reads padding."""
+    kernel, build, window = self.kernel, self.builder, self.tile_windows[id(local)]
+    address = self.tile_offsets.get(id(local), NumNode(0)) + outer_row(kernel, window, idxs) * window.span + \
+        window_offset(window, idxs)
+    width = getattr(kernel.renderer, "vector_width", 0)
+    rest, constant = split_constant(address)
+    if width >= 2 and node.dtype == dtypes.float32 and _multiple_of(rest, width):
+      start = rest + (constant - constant % width)
+      key = (id(local), start.render())
+      if key not in self.tile_vectors:
+        self.tile_vectors[key] = build.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(start)), width)
+      value = build.add(UOps.GEP, node.dtype, (self.tile_vectors[key],), constant % width)
+    else:
+      key = (id(local), address.render(), 1)
+      if key not in self.tile_vectors:
+        self.tile_vectors[key] = build.add(UOps.LOAD, node.dtype, (local, self.node_to_uop(address)))
+      value = self.tile_vectors[key]
+    valid = self._halo_valid(self.leaf_index[id(node)], idxs)
+    if isinstance(valid, NumNode): return value if valid.b else build.const(_zero(node.dtype), node.dtype)
+    return build.alu(Ops.WHERE, node.dtype, self.node_to_uop(valid), value, build.const(_zero(node.dtype), node.dtype))
 
   def _tile_load_width(self, node: LazyOp, axes: list[int]) -> int:
     """4 (float4 loads into the tile) where the renderer has them, the load is float32 through one unmasked view

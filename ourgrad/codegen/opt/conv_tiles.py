@@ -26,12 +26,18 @@ class ConvTile:
   reduce_step: int
   pixel_repeat: int = 1
   channel_repeat: int = 1
+  window_unrolled: bool = False   # the window's axes unrolled whole: the input tile is a halo tile, staged once for
+  #                                 every tap (codegen/halo_tiles.py)
+  padding: int = 0   # SHARED's amount: each row of a tile padded (Kernel.tile_row_padding)
 
 
 # largest first: 128 pixels (of 2 images) x 64 channels with 8x8 outputs per thread (4 FMAs per float read from the
-# tiles: conv2d 64x64x56x56 3x3 f32 0.435 ms on the H100, cuDNN 0.388), 64 x 64 with 4x4 (0.600 ms), then smaller
-# channel or pixel sides
-CONV_TILES = (ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2), ConvTile(4, 16, 4, 16, 8),
+# tiles), its window unrolled in steps of 2 channels (the input a halo tile staged once for every tap, the filter
+# tile's rows padded: conv2d 64x64x56x56 3x3 f32 0.375 ms on the H100, cuDNN 0.376; steps of 4 0.405, of 8 0.460,
+# unpadded 0.464), then with the window's loops outside the step (0.435 ms), 64 x 64 with 4x4 (0.600 ms), then
+# smaller channel or pixel sides
+CONV_TILES = (ConvTile(4, 16, 4, 8, 2, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=4),
+              ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2), ConvTile(4, 16, 4, 16, 8),
               ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8), ConvTile(4, 16, 4, 4, 8))
 
 
@@ -56,11 +62,24 @@ def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) 
     locals_ = sorted((opt for opt in plan if opt.op is OptOps.LOCAL), key=lambda opt: opt.axis not in pixel_axes)
     repeats = _repeat_plan(trial, plan, pixel_axes, tile)
     if repeats is None: continue
-    if _apply_on_original_axes(trial, upcasts + locals_ + repeats) and trial.try_opt(Opt(OptOps.SHARED, 0, 0)) and \
-        trial.try_opt(Opt(OptOps.UNROLL, 0, tile.reduce_step)):
+    if _apply_on_original_axes(trial, upcasts + locals_ + repeats) and \
+        trial.try_opt(Opt(OptOps.SHARED, 0, tile.padding)) and _unroll_reduce(trial, tile):
       kernel.__dict__.update(trial.__dict__)
       return True
   return False
+
+
+def _unroll_reduce(kernel: Kernel, tile: ConvTile) -> bool:
+  """UNROLL the input channels by the tile's step and, with `window_unrolled`, every reduce loop after them (the
+  window) whole, the channel steps staying the one loop; False (the kernel part-way changed: apply on a copy) where
+  that does not apply."""
+  loops = kernel.first_upcast - kernel.first_loop_reduce
+  if not kernel.try_opt(Opt(OptOps.UNROLL, 0, tile.reduce_step)): return False
+  if not tile.window_unrolled: return True
+  if kernel.first_upcast - kernel.first_loop_reduce != loops: return False   # no channel loop left to stage along
+  for _ in range(loops - 1):
+    if not kernel.try_opt(Opt(OptOps.UNROLL, 1, kernel.full_shape[kernel.first_loop_reduce + 1])): return False
+  return True
 
 
 def _conv_sides(kernel: Kernel, dtype_in: DType = dtypes.float32,

@@ -1,0 +1,135 @@
+"""Halo tiles (codegen/halo_tiles.py): a float32 convolution with its window unrolled inside the staged step
+(conv_tiles.ConvTile(window_unrolled=True)) stages its input once for all taps; the tile's layout, its results
+against the unoptimized kernel and torch on the emulated GPU (`PythonRenderer("CUDA")`), NVRTC compiles of the 56x56
+benchmark conv's kernel, and on a real GPU the kernel against the plain one.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad import Tensor
+from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.opt.conv_tiles import ConvTile, shared_conv_tiles
+from ourgrad.engine.realize import function_name
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.ops import Ops
+from ourgrad.runtime.ops_python import PythonRenderer
+from helpers import nvrtc_compiler, skip_unless_device
+from test_conv_gpu import _conv_ast, _run
+
+
+def halo(pixel_upcast: int, pixel_threads: int, channel_upcast: int, channel_threads: int, step: int,
+         repeats: int = 1, padding: int = 0) -> ConvTile:
+  return ConvTile(pixel_upcast, pixel_threads, channel_upcast, channel_threads, step, pixel_repeat=repeats,
+                  channel_repeat=repeats, window_unrolled=True, padding=padding)
+
+
+# (input shape, weight shape, padding, tile): the benchmark conv's 8x8 tile (2 images x 64 channels) in steps of 2
+# and 4 channels, with and without padded rows; 8 filters over 12x12 images; MNIST's conv2 (5x5, no padding); more
+# padding on the columns than the rows of a 6-row image
+HALO_CONVS = [
+  ((2, 16, 8, 8), (64, 16, 3, 3), 1, halo(4, 16, 4, 8, 2, repeats=2)),
+  ((2, 16, 8, 8), (64, 16, 3, 3), 1, halo(4, 16, 4, 8, 4, repeats=2, padding=4)),
+  ((2, 8, 12, 12), (8, 8, 3, 3), 1, halo(4, 4, 4, 2, 2, padding=4)),
+  ((3, 16, 12, 12), (32, 16, 5, 5), 0, halo(4, 16, 4, 8, 2)),
+  ((4, 8, 6, 14), (16, 8, 3, 3), (1, 2), halo(4, 8, 4, 4, 2)),
+]
+
+
+def _halo_windows(kernel: Kernel) -> list:
+  return [window for window in (kernel.halo_window(leaf, axes) for leaf, axes in kernel.staged_loads())
+          if window is not None]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, padding, tile", HALO_CONVS)
+def test_halo_tiles_match_the_plain_kernel_and_torch(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                                                     padding: object, tile: ConvTile) -> None:
+  ast, inputs = _conv_ast(x_shape, w_shape, padding)
+  plain, tiled = Kernel(ast, PythonRenderer("CUDA")), Kernel(ast, PythonRenderer("CUDA"))
+  assert shared_conv_tiles(tiled, (tile,)), f"{tile} does not fit {plain.full_shape}"
+  assert tiled.first_upcast - tiled.first_loop_reduce == 1, "the window is unrolled: one loop (channel steps) left"
+  assert len(_halo_windows(tiled)) == 1, "the input is a halo tile, the weights an ordinary one"
+  size = int(np.prod(plain.output_shape))
+  ours = _run(tiled, inputs, size)
+  np.testing.assert_allclose(ours, _run(plain, inputs, size), rtol=1e-5, atol=1e-4)
+  x, w = (torch.tensor(buffer.numpy()) for buffer in inputs[:2])
+  if x.numel() != int(np.prod(x_shape)): x, w = w, x
+  pads = (padding, padding) if isinstance(padding, int) else padding
+  expected = torch.nn.functional.conv2d(x.reshape(x_shape), w.reshape(w_shape), padding=pads)
+  np.testing.assert_allclose(ours, expected.numpy().reshape(-1), rtol=1e-4, atol=1e-4)
+
+
+def _benchmark_conv_kernel(tile: ConvTile) -> Kernel:
+  """conv2d 64x64x56x56, 64 3x3 filters, pad 1 (issue 12's row) on CUDA with `tile`."""
+  from ourgrad.renderer.cuda import CUDARenderer
+  x, w = Tensor.empty(64, 64, 56, 56, device="PYTHON"), Tensor.empty(64, 64, 3, 3, device="PYTHON")
+  item = next(item for item in create_schedule([x.conv2d(w, padding=1).lazydata]) if item.ast.op is Ops.STORE)
+  kernel = Kernel(item.ast, CUDARenderer())
+  assert shared_conv_tiles(kernel, (tile,))
+  return kernel
+
+
+def test_halo_tile_layout_of_the_benchmark_conv() -> None:
+  """The 8x8 tile in steps of 2 channels: the input's window is the tap columns, the block's 64 pixels (4 per
+  thread x 16 threads, one image row apart is 56) and the tap rows, 64 + 2 + 2 * 56 = 178 elements padded to 192 (6
+  rows of 2 channels x 2 images fill in whole rounds of 128 threads); the weights stay an ordinary tile."""
+  kernel = _benchmark_conv_kernel(halo(4, 16, 4, 8, 2, repeats=2, padding=4))
+  (window,) = _halo_windows(kernel)
+  sizes = sorted((kernel.full_shape[axis], stride) for axis, stride in zip(window.window, window.strides))
+  assert sizes == [(3, 1), (3, 56), (4, 1), (16, 4)]
+  assert window.span == 192 and [kernel.full_shape[axis] for axis in window.outer] == [2, 2]
+  assert window.elements == 768
+  # weights: 2 channels x 9 taps rows of 64 output channels, each row padded by 4 (one stage of each tile)
+  assert kernel.local_memory_bytes() == (768 + 18 * (64 + 4)) * 4
+
+
+def test_matmul_tiles_have_no_halo() -> None:
+  """A matmul's staged tiles do not overlap: ordinary layouts."""
+  from ourgrad.codegen.kernel import Opt, OptOps
+  a, b = Tensor.empty(64, 64, device="PYTHON"), Tensor.empty(64, 64, device="PYTHON")
+  item = next(item for item in create_schedule([(a @ b).lazydata]) if item.ast.op is Ops.STORE)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  for opt in (Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 8), Opt(OptOps.LOCAL, 1, 8),
+              Opt(OptOps.SHARED, 0, 0), Opt(OptOps.UNROLL, 0, 8)):
+    kernel.apply_opt(opt)
+  assert len(kernel.staged_loads()) == 2 and not _halo_windows(kernel)
+
+
+@pytest.mark.parametrize("step, padding", [(2, 0), (2, 4), (4, 4)])
+def test_halo_benchmark_conv_compiles_with_nvrtc(step: int, padding: int) -> None:
+  compiler = nvrtc_compiler()
+  if compiler is None: pytest.skip("no NVRTC here")
+  from ourgrad.renderer.cuda import CUDARenderer
+  kernel = _benchmark_conv_kernel(halo(4, 16, 4, 8, step, repeats=2, padding=padding))
+  compiler.compile(CUDARenderer().render(function_name(kernel), linearize(kernel)))
+
+
+@pytest.mark.parametrize("step, padding", [(2, 4), (4, 4)])
+def test_halo_conv_on_cuda_matches_the_plain_kernel(step: int, padding: int) -> None:
+  """On a real GPU: the 56x56 conv (8 images) with the halo tile against the unoptimized kernel, random inputs."""
+  skip_unless_device("CUDA")
+  from ourgrad.codegen.opt.search import verify_kernel
+  from ourgrad.device import Device
+  x, w = Tensor.empty(8, 64, 56, 56, device="CUDA"), Tensor.empty(64, 64, 3, 3, device="CUDA")
+  item = next(item for item in create_schedule([x.conv2d(w, padding=1).lazydata]) if item.ast.op is Ops.STORE)
+  plain, tiled = Kernel(item.ast, Device["CUDA"].renderer), Kernel(item.ast, Device["CUDA"].renderer)
+  assert shared_conv_tiles(tiled, (halo(4, 16, 4, 8, step, repeats=2, padding=padding),))
+  assert verify_kernel(tiled, plain, "CUDA")
+
+
+def test_halo_index_helpers() -> None:
+  """split_constant takes the constant term off an address; without_window drops the window variables' terms of an
+  index (the range's first element), and refuses an index where a window variable is not a plain term."""
+  from ourgrad.codegen.halo_tiles import split_constant, without_window
+  from ourgrad.shape.symbolic import NumNode, Variable
+  lane, thread, tap = Variable("lane", 0, 3), Variable("thread", 0, 15), Variable("tap", 0, 2)
+  rest, constant = split_constant(thread * 4 + 7)
+  assert constant == 7 and rest.render() == (thread * 4).render()
+  assert split_constant(NumNode(5))[1] == 5 and split_constant(thread * 4)[1] == 0
+  index = thread * 4 + lane + tap * 56 - 57
+  assert without_window(index, [lane, tap]).render() == (thread * 4 - 57).render()
+  with pytest.raises(ValueError):
+    without_window((lane + tap) // 2 + thread, [lane, tap])
