@@ -6,9 +6,12 @@ Rows on CUDA: matmul 4096^3 float32 (TF32 off everywhere), float16 and bfloat16 
 Rows on the CPU (`--device CLANG`): matmul 1024^3 and 2048^3 float32, conv2d forward+backward of 32x16x64x64 with
 32 3x3 filters.
 
-Method: inputs are realized first; each figure is the median over `--iters` runs after 2 warm-ups. ourgrad on CUDA:
-the summed device times of the kernels (what DEBUG=2 prints); on the CPU: wall time of the kernels (they run
-synchronously). PyTorch on CUDA: torch.cuda events. "% torch" is PyTorch eager's time over ourgrad's.
+Method: inputs are realized first. On CUDA, ourgrad's schedule is lowered once and its kernels, PyTorch eager and
+torch.compile are each timed the same way: `--iters` calls queued back to back between two synchronizations, per call,
+median of 5 such batches after a warm-up batch (timing.back_to_back_seconds). Timing one launch between two events
+instead also counts the gap while the host launches into an idle GPU: 30-60 us more on the f32 conv (0.435 vs
+0.375 ms, H100). On the CPU: the median wall time of `--iters` runs after 2 warm-ups (kernels run synchronously).
+"% torch" is PyTorch eager's time over ourgrad's.
 Each row also gives its relative error against PyTorch's output, and on CUDA the 4096^3 float16 and float32 rows are
 followed by variants: the same matmul with explicit opt lists (VARIANTS: warp and block tiles, K step, staged or
 not, and on sm_90 the wgmma kernel's tiles), to compare tile choices in one run (`--no-variants` skips them).
@@ -30,11 +33,11 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ourgrad import Tensor  # noqa: E402
-from timing import torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
+from ourgrad import Device, Tensor  # noqa: E402
+from timing import back_to_back_seconds, torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.dtype import dtypes  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
-from ourgrad.engine.realize import get_kernel, get_runner  # noqa: E402
+from ourgrad.engine.realize import get_kernel, get_runner, lower_schedule  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 
 # (name, kind, shapes..., dtype name): the "mm" kinds (MATMUL_LAYOUTS) take (m, k, n); "conv" (batch, cin, height,
@@ -139,22 +142,22 @@ def torch_function(kind: str, sizes: tuple[int, ...]) -> Callable[..., Any]:
 
 
 def ourgrad_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, cuda: bool) -> tuple[float, list[str]]:
-  """Median kernel time of realizing what `build()` returns, and the kernel names of the last run."""
-  totals, names = [], []
+  """Seconds of the kernels that realize what `build()` returns, and their names (with opts). On CUDA the schedule is
+  lowered once and its kernels launched back to back (timing.back_to_back_seconds, as the torch column); on the CPU
+  the median wall time of `iters` runs after 2 warm-ups (kernels run synchronously there)."""
+  schedule = create_schedule([tensor.lazydata for tensor in build()])
+  names = [get_runner(device, item.ast).name + kernel_opts(device, item.ast) for item in schedule]
+  items = lower_schedule(schedule)
+
+  def run_all() -> None:
+    for item in items: item.run()
+  if cuda: return back_to_back_seconds(run_all, Device[device].synchronize, launches=max(iters, 2)), names
+  totals = []
   for _ in range(iters + 2):
-    schedule = create_schedule([tensor.lazydata for tensor in build()])
-    total, names = 0.0, []
     began = time.perf_counter()
-    for item in schedule:
-      for buffer in item.outputs: buffer.allocate()
-      runner = get_runner(device, item.ast)
-      seconds = runner(item.bufs, wait=True) or 0.0
-      total += seconds
-      names.append(runner.name + kernel_opts(device, item.ast))
-    totals.append(total if cuda else time.perf_counter() - began)
+    run_all()
+    totals.append(time.perf_counter() - began)
   return statistics.median(totals[2:]), names
-
-
 
 
 def relative_error(ours: Tensor, theirs: Any) -> float:
@@ -377,12 +380,17 @@ def main() -> None:
     beam = beam_seconds(args.device, lambda: function(*inputs), args.iters, cuda) if with_beam else None
     torch_inputs = [torch.tensor(array, device=torch_device).to(getattr(torch, dtype_name)) for array in host]
     reference = torch_function(kind, sizes)
-    eager = torch_seconds(lambda: reference(*torch_inputs), args.iters, cuda, warmup=2)
+    if cuda: eager = back_to_back_seconds(lambda: reference(*torch_inputs), torch.cuda.synchronize,
+                                          launches=max(args.iters, 2))
+    else: eager = torch_seconds(lambda: reference(*torch_inputs), args.iters, cuda, warmup=2)
     compiled = None
     if not args.no_compile:
       try:
         compiled_function = torch.compile(reference, mode="max-autotune")
-        compiled = torch_seconds(lambda: compiled_function(*torch_inputs), args.iters, cuda, warmup=2)
+        compiled_call = lambda: compiled_function(*torch_inputs)  # noqa: E731
+        compiled_call()   # compiles (max-autotune searches here)
+        compiled = (back_to_back_seconds(compiled_call, torch.cuda.synchronize, launches=max(args.iters, 2)) if cuda
+                    else torch_seconds(compiled_call, args.iters, cuda, warmup=2))
       except Exception as error:  # no toolchain for inductor here
         print(f"  torch.compile failed: {type(error).__name__}")
     blas = None

@@ -43,3 +43,20 @@ def ourgrad_kernel_seconds(device: str, build: Callable[[], Any], iters: int, wa
     totals.append(total)
     count = len(schedule)
   return statistics.median(totals[warmup:]), count
+
+
+def back_to_back_seconds(launch: Callable[[], Any], synchronize: Callable[[], None], launches: int = 10,
+                         batches: int = 5) -> float:
+  """Seconds per call of `launch` when calls follow each other with the device kept busy: each batch synchronizes,
+  queues `launches` calls and synchronizes again; the median over `batches` batches after one warm-up batch, divided
+  by `launches`. Launches are asynchronous, so the host's launch cost hides behind the previous call's work and the
+  figure is the device's time per call (how cuBLAS and Triton's do_bench time a kernel). A single call between two
+  events also times the gap while the host launches into an idle device."""
+  times = []
+  for _ in range(batches + 1):
+    synchronize()
+    began = time.perf_counter()
+    for _ in range(launches): launch()
+    synchronize()
+    times.append((time.perf_counter() - began) / launches)
+  return statistics.median(times[1:])
