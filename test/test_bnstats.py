@@ -174,3 +174,63 @@ def test_a_group_of_whole_warps_not_a_power_of_two_shuffles_each_warp() -> None:
   assert next(uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL) == 7
   np.testing.assert_allclose(outputs[0].numpy(), data.sum(axis=1), rtol=1e-5, atol=1e-4)
   np.testing.assert_array_equal(outputs[1].numpy(), data.max(axis=1))
+
+
+# ================================================================ one load of the input per element
+
+def _bn_relu_pool_backward(x: Tensor, upstream: Tensor, bn: BatchNorm2d) -> list[Tensor]:
+  """MNIST's conv block after the convolution (batchnorm -> relu -> 2x2 max-pool), trained: x's, weight's and bias's
+  gradients. The pool's backward reads x through its windows' view, the batchnorm's through x's own view."""
+  with Tensor.train():
+    (bn(x).relu().max_pool2d() * upstream).sum().backward()
+  return [x.grad, bn.weight.grad, bn.bias.grad]
+
+
+def _global_loads(kernel: Kernel, buffer_number: int) -> int:
+  return sum(1 for uop in linearize(kernel) if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL
+             and uop.srcs[0].arg[0] == buffer_number)
+
+
+def _lanes_reading(kernel: Kernel, leaf_number: int) -> int:
+  """Upcast and unrolled lanes along which the leaf's address changes: its loads when each element is loaded once."""
+  strides = kernel.sts[leaf_number].real_strides()
+  lanes = [kernel.full_shape[axis] for axis in range(kernel.first_upcast, kernel.shape_len) if strides[axis] != 0]
+  return int(np.prod(lanes)) if lanes else 1
+
+
+@pytest.mark.parametrize("shape", [(256, 16, 24, 24), (256, 32, 8, 8)])
+def test_batchnorm_backward_loads_its_input_once(shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+  """The first batchnorm's backward recomputes the normalization and the ReLU, and the pool's backward compares
+  them with the pooled maxima: two views of x whose index sums only differ in the order of their terms. Sums have
+  one canonical order (shape/symbolic.py), so every kernel reading x loads each element of it once per lane
+  (was twice: 16.5 MB instead of 9.4 MB for the (256, 16, 24, 24) one)."""
+  monkeypatch.setenv("DEVICE", "PYTHON")
+  x = Tensor.empty(*shape, device="PYTHON", requires_grad=True).realize()
+  upstream = Tensor.empty(shape[0], shape[1], shape[2] // 2, shape[3] // 2, device="PYTHON").realize()
+  grads = _bn_relu_pool_backward(x, upstream, BatchNorm2d(shape[1]))
+  readers, two_views = 0, 0
+  for item in _kernel_items(*grads):
+    numbers = [number for number, buffer in enumerate(item.bufs) if buffer is x.lazydata.base.realized]
+    if not numbers: continue
+    kernel = _cuda_kernel(item)
+    views = [index for index, leaf in enumerate(kernel.leaves) if leaf.op is Ops.LOAD and leaf.arg.idx == numbers[0]]
+    assert _global_loads(kernel, numbers[0]) == max(_lanes_reading(kernel, view) for view in views), kernel.name
+    readers, two_views = readers + 1, two_views + (len(views) >= 2)
+  assert readers >= 3, "the statistics, the backward's sums and the input's gradient all read x"
+  assert two_views >= 2, "the backward's sums and the input's gradient read x through two views"
+
+
+def test_batchnorm_relu_pool_backward_matches_plain_and_torch(small_split: None,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+  """The same block on random data: each kernel (CUDA's limits) equals its plain version, the gradients PyTorch's."""
+  monkeypatch.setenv("DEVICE", "PYTHON")
+  data = rng.standard_normal((8, 4, 12, 12)).astype(np.float32)
+  upstream = rng.standard_normal((8, 4, 6, 6)).astype(np.float32)
+  x = Tensor(data, device="PYTHON", requires_grad=True)
+  grads = _bn_relu_pool_backward(x, Tensor(upstream, device="PYTHON"), BatchNorm2d(4))
+  _check_schedule_against_plain(grads)
+  tx = torch.tensor(data, requires_grad=True)
+  theirs = torch.nn.BatchNorm2d(4)
+  (torch.nn.functional.max_pool2d(theirs(tx).relu(), 2) * torch.tensor(upstream)).sum().backward()
+  for ours, reference in zip(grads, (tx.grad, theirs.weight.grad, theirs.bias.grad)):
+    np.testing.assert_allclose(ours.numpy(), reference.numpy(), rtol=1e-3, atol=1e-3)

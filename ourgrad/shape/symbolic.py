@@ -18,6 +18,7 @@ Division and modulo follow Python's floor semantics everywhere.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Union
 
 __all__ = ["Node", "Variable", "NumNode", "MulNode", "ProdNode", "DivNode", "ModNode", "SumNode", "LtNode", "AndNode",
@@ -396,6 +397,25 @@ def _combine_div_mod(coefficients: dict[Node, int]) -> Node | None:
   return None
 
 
+def _variable_order(variable: Variable) -> tuple:
+  """Names in natural order (gidx2 before gidx10), so the kernel's axes stay in their order: gidx*, lidx*, ridx*."""
+  match = re.fullmatch(r"(.*?)(\d*)", variable.expr)
+  assert match is not None
+  prefix, digits = match.groups()
+  return (prefix, int(digits) if digits else -1, variable.expr, variable.min, variable.max,
+          variable.val is not None, variable.val or 0)
+
+
+def _term_order(node: Node) -> tuple:
+  """The sort key of a sum's term: its variables in natural order, then its text. Stable across processes
+  (Python's string hashes are not), so a kernel's source and its cache key stay the same from run to run."""
+  cached = node.__dict__.get("_order")
+  if cached is None:
+    cached = (tuple(sorted(_variable_order(variable) for variable in node.vars())), node.render())
+    node.__dict__["_order"] = cached
+  return cached
+
+
 def sym_sum(nodes: list[Node | int]) -> Node:
   """Sum of nodes and ints: flattens nested sums, collects like terms (x + x*3 -> x*4), folds constants."""
   coefficients: dict[Node, int] = {}
@@ -421,6 +441,9 @@ def sym_sum(nodes: list[Node | int]) -> Node:
   constant += sum(term.b for term in terms if isinstance(term, NumNode))
   terms = [term for term in terms if not isinstance(term, NumNode)]
   if not terms: return NumNode(constant)
+  # one order for the same terms however they were summed: two views with one address give one index
+  # expression (and one load) in the generated code
+  if len(terms) > 1: terms.sort(key=_term_order)
   if len(terms) == 1 and constant == 0: return terms[0]
   return _fold(SumNode(tuple(terms) + ((NumNode(constant),) if constant != 0 else ())))
 
