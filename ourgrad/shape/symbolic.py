@@ -399,20 +399,26 @@ def _combine_div_mod(coefficients: dict[Node, int]) -> Node | None:
 
 def _variable_order(variable: Variable) -> tuple:
   """Names in natural order (gidx2 before gidx10), so the kernel's axes stay in their order: gidx*, lidx*, ridx*."""
-  match = re.fullmatch(r"(.*?)(\d*)", variable.expr)
-  assert match is not None
-  prefix, digits = match.groups()
-  return (prefix, int(digits) if digits else -1, variable.expr, variable.min, variable.max,
-          variable.val is not None, variable.val or 0)
-
-
-def _term_order(node: Node) -> tuple:
-  """The sort key of a sum's term: its variables in natural order, then its text. Stable across processes
-  (Python's string hashes are not), so a kernel's source and its cache key stay the same from run to run."""
-  cached = node.__dict__.get("_order")
+  cached = variable.__dict__.get("_variable_order")
   if cached is None:
-    cached = (tuple(sorted(_variable_order(variable) for variable in node.vars())), node.render())
-    node.__dict__["_order"] = cached
+    match = re.fullmatch(r"(.*?)(\d*)", variable.expr)
+    assert match is not None
+    prefix, digits = match.groups()
+    cached = (prefix, int(digits) if digits else -1, variable.expr, variable.min, variable.max,
+              variable.val is not None, variable.val or 0)
+    variable.__dict__["_variable_order"] = cached
+  return cached
+
+
+def _base_order(base: Node) -> tuple:
+  """The sort key of a sum's term by its base (the term without its coefficient; a sum has one term per base): the
+  base's variables in natural order, then its text. Stable across processes (Python's string hashes are not), so a
+  kernel's source and its cache key stay the same from run to run. Cached on the node (nodes are immutable)."""
+  cached = base.__dict__.get("_base_order")
+  if cached is None:
+    if isinstance(base, Variable): cached = ((_variable_order(base),), "")
+    else: cached = (tuple(sorted(_variable_order(variable) for variable in base.vars())), base.render())
+    base.__dict__["_base_order"] = cached
   return cached
 
 
@@ -435,15 +441,16 @@ def sym_sum(nodes: list[Node | int]) -> Node:
     combined = _combine_div_mod(coefficients)
     if combined is None: break
     pending.append(combined)
-  terms = [_mul(base, coefficient) for base, coefficient in coefficients.items() if coefficient != 0]
+  # one order for the same terms however they were summed: two views with one address give one index
+  # expression (and one load) in the generated code
+  ordered = sorted(coefficients.items(), key=lambda item: _base_order(item[0])) if len(coefficients) > 1 else \
+    coefficients.items()
+  terms = [_mul(base, coefficient) for base, coefficient in ordered if coefficient != 0]
   terms = [term for term in terms if not (isinstance(term, NumNode) and term.b == 0)]
   # a term can fold to a constant (a Variable with min == max times a factor); move it into the constant
   constant += sum(term.b for term in terms if isinstance(term, NumNode))
   terms = [term for term in terms if not isinstance(term, NumNode)]
   if not terms: return NumNode(constant)
-  # one order for the same terms however they were summed: two views with one address give one index
-  # expression (and one load) in the generated code
-  if len(terms) > 1: terms.sort(key=_term_order)
   if len(terms) == 1 and constant == 0: return terms[0]
   return _fold(SumNode(tuple(terms) + ((NumNode(constant),) if constant != 0 else ())))
 

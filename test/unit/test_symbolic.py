@@ -222,8 +222,9 @@ def test_sum_terms_have_one_order():
   sums = [sym_sum(list(order) + [5]) for order in itertools.permutations(terms)]
   assert all(total == sums[0] and hash(total) == hash(sums[0]) for total in sums)
   assert len({total.render() for total in sums}) == 1
-  # variables in natural order (gidx2 before gidx10), kinds by name (g, l, r), the constant last
-  assert sums[0].render() == "((gidx0*36864)+(gidx2*576)+(gidx10*24)+((lidx0/2)*12)+lidx0+(ridx4*9216)+5)"
+  # variables in natural order (gidx2 before gidx10), kinds by name (g, l, r), a variable before the terms built
+  # on it, the constant last
+  assert sums[0].render() == "((gidx0*36864)+(gidx2*576)+(gidx10*24)+lidx0+((lidx0/2)*12)+(ridx4*9216)+5)"
   # ... and sums built inside other nodes too
   assert (gidx0 * 4 + lidx) // 3 == (lidx + gidx0 * 4) // 3
   assert sym_and([(ridx + gidx0).lt(5), lidx.lt(3)]) == sym_and([(gidx0 + ridx).lt(5), lidx.lt(3)])
