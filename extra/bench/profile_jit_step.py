@@ -4,7 +4,8 @@ bench_jit.py), for finding which kernels keep a jitted step from its goal.
 Run under Nsight Compute on a CUDA machine; only the replay between cuProfilerStart and cuProfilerStop is profiled:
   ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
       python extra/bench/profile_jit_step.py --model mlp
-`--model cnn` profiles the CNN step. Without ncu the script only runs the steps (a smoke test).
+`--model cnn` profiles the CNN step. Without ncu the script only runs the steps (a smoke test). The last line lists
+the megabytes each item reads and writes (each buffer once), for its GB/s next to ncu's time.
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def main() -> None:
   if driver is not None: driver.cuProfilerStop()
   names = [getattr(item.runner, "name", type(item.runner).__name__) for item in step.captured.items]
   print(f"{args.model}: {len(names)} captured items: {' '.join(names)}")
+  # bytes each item moves (every buffer it touches, once): with ncu's times, its GB/s and % of copy bandwidth
+  print(f"{args.model}: MB per item, launch order: " +
+        " ".join(f"{name}:{sum({id(b): b.nbytes for b in item.bufs}.values()) / 1e6:.2f}"
+                 for name, item in zip(names, step.captured.items)))
 
 
 if __name__ == "__main__":

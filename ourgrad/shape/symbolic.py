@@ -10,7 +10,8 @@ Main types:
   Variable  a named integer in [min, max].
   NumNode   an integer constant.
   MulNode   a * b (b an int), DivNode floor(a / b), ModNode a mod b (floor), b a positive int.
-  SumNode   a flattened sum (at most one NumNode, never a nested SumNode).
+  SumNode   a flattened sum (at most one NumNode, last; never a nested SumNode), its terms in one canonical order
+            (`_base_order`), so equal sums built in any order are one node and render as one expression.
   LtNode    1 if a < b else 0.   AndNode: 1 if every (boolean) operand is 1.
 Nodes are immutable and compare structurally (`==` never builds a node), so they work as dict keys.
 Division and modulo follow Python's floor semantics everywhere.
