@@ -30,7 +30,7 @@ rng = np.random.default_rng(11)
 
 
 def _kernel_items(*tensors: Tensor) -> list:
-  return [item for item in create_schedule([t.lazydata for t in tensors]) if item.ast.op is Ops.STORE]
+  return [item for item in create_schedule([t.lazydata for t in tensors]) if item.ast.op in (Ops.STORE, Ops.SINK)]
 
 
 def _cuda_kernel(item) -> Kernel:
@@ -44,17 +44,18 @@ def _check_schedule_against_plain(outputs: list[Tensor]) -> list[Kernel]:
   Returns the optimized kernels."""
   optimized = []
   for item in create_schedule([t.lazydata for t in outputs]):
-    if item.ast.op is not Ops.STORE:
+    if item.ast.op not in (Ops.STORE, Ops.SINK):
       run_schedule([item])
       continue
     for buffer in item.outputs: buffer.allocate()
     results = []
     for kernel in (_cuda_kernel(item), Kernel(item.ast, PythonRenderer("CUDA"))):
-      fresh = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
-      compile_kernel(kernel, "PYTHON")((fresh,) + item.inputs)
-      results.append(fresh.numpy())
+      fresh = tuple(Buffer("PYTHON", output.size, output.dtype).allocate() for output in item.outputs)
+      compile_kernel(kernel, "PYTHON")(fresh + item.inputs)
+      results.append([buffer.numpy() for buffer in fresh])
       if kernel.applied_opts: optimized.append(kernel)
-    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-4)
+    for optimized_values, plain_values in zip(*results):
+      np.testing.assert_allclose(optimized_values, plain_values, rtol=1e-5, atol=1e-4)
     run_schedule([item])
   return optimized
 
