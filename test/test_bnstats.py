@@ -235,3 +235,87 @@ def test_batchnorm_relu_pool_backward_matches_plain_and_torch(small_split: None,
   (torch.nn.functional.max_pool2d(theirs(tx).relu(), 2) * torch.tensor(upstream)).sum().backward()
   for ours, reference in zip(grads, (tx.grad, theirs.weight.grad, theirs.bias.grad)):
     np.testing.assert_allclose(ours.numpy(), reference.numpy(), rtol=1e-3, atol=1e-3)
+
+
+# ================================================================ sibling reduces: several sums in one pass
+
+def _sibling_items(schedule: list) -> list:
+  return [item for item in schedule if item.ast.op is Ops.SINK and Kernel(item.ast, PythonRenderer("CUDA")).reduceops]
+
+
+@pytest.mark.parametrize("shape", [(256, 16, 24, 24), (256, 32, 8, 8)])
+def test_batchnorm_backward_sums_share_one_pass(shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+  """The backward's partial sums over x (the bias's sum of the gradient, the weight's of the gradient times the
+  normalized x, the variance's gradient) are one kernel of three outputs, x loaded once for all three
+  (test_batchnorm_backward_loads_its_input_once counts the loads); the fourth (the mean's gradient) needs the
+  variance's gradient, so it runs after them, in a kernel of its own."""
+  monkeypatch.setenv("DEVICE", "PYTHON")
+  x = Tensor.empty(*shape, device="PYTHON", requires_grad=True).realize()
+  upstream = Tensor.empty(shape[0], shape[1], shape[2] // 2, shape[3] // 2, device="PYTHON").realize()
+  schedule = _kernel_items(*_bn_relu_pool_backward(x, upstream, BatchNorm2d(shape[1])))
+  parts_shape = next(item.outputs[0].size for item in _sibling_items(schedule))
+  partial_sums = [item for item in schedule if item.outputs[0].size == parts_shape
+                  and any(buffer is x.lazydata.base.realized for buffer in item.inputs)]
+  # the forward's mean and variance (the variance's needs the mean) and the backward's fourth: one output each
+  assert sorted(len(item.outputs) for item in partial_sums) == [1, 1, 1, 3]
+  kernel = _cuda_kernel(_sibling_items(schedule)[0])
+  assert kernel.sibling_reduces and len(kernel.reduceops) == 3 and kernel.group_threads() >= WARP_SIZE
+
+
+def test_sibling_reduces_match_plain_numpy_and_the_cpu_loop(small_split: None) -> None:
+  """Sums over x of x, x*g and x*x (GROUP threads and upcasts under CUDA's limits) equal the plain kernel and numpy;
+  the same AST linearized for a device without threads (the CPU's loop nest, here CLANG) gives the same values."""
+  x_np, g_np = (rng.standard_normal((12, 5, 10, 8)).astype(np.float32) for _ in range(2))
+  x, g = Tensor(x_np, device="PYTHON"), Tensor(g_np, device="PYTHON")
+  outputs = [x.sum(axis=(0, 2, 3)), (x * g).sum(axis=(0, 2, 3)), (x * x).sum(axis=(0, 2, 3))]
+  schedule = create_schedule([t.lazydata for t in outputs])
+  siblings = _sibling_items(schedule)
+  assert [len(item.outputs) for item in siblings] == [3]
+  for item in schedule:
+    if item in siblings:   # on the CPU's loop nest: each input copied to CLANG, each output compared
+      for buffer in item.outputs: buffer.allocate()
+      inputs = tuple(Buffer("CLANG", b.size, b.dtype).allocate().copyin(memoryview(b.numpy())) for b in item.inputs)
+      cpu_outputs = tuple(Buffer("CLANG", b.size, b.dtype).allocate() for b in item.outputs)
+      from ourgrad.device import Device
+      kernel = Kernel(item.ast, Device["CLANG"].renderer)
+      kernel.hand_coded_optimizations()
+      compile_kernel(kernel, "CLANG")(cpu_outputs + inputs)
+      run_schedule([item])
+      for cpu, ours in zip(cpu_outputs, item.outputs): np.testing.assert_allclose(cpu.numpy(), ours.numpy(), rtol=1e-5)
+    else: run_schedule([item])
+  for ours, theirs in zip(outputs, (x_np.sum(axis=(0, 2, 3)), (x_np * g_np).sum(axis=(0, 2, 3)),
+                                    np.square(x_np).sum(axis=(0, 2, 3)))):
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-4, atol=1e-3)
+  x2, g2 = Tensor(x_np, device="PYTHON"), Tensor(g_np, device="PYTHON")
+  kernels = _check_schedule_against_plain([x2.sum(axis=(0, 2, 3)), (x2 * g2).sum(axis=(0, 2, 3)),
+                                           (x2 * x2).sum(axis=(0, 2, 3))])
+  assert any(kernel.sibling_reduces and kernel.group_dims for kernel in kernels)
+
+
+def test_only_independent_reduces_over_a_common_input_share_a_kernel(small_split: None) -> None:
+  """A variance's sum needs the mean's (through another kernel): apart. Sums of two unrelated tensors: apart (one
+  loop gains nothing). A max beside a sum, or a sum over other axes: apart (one op and one set of axes per kernel).
+  On the CPU nothing is grouped."""
+  x, y = Tensor.empty(12, 5, 10, 8, device="PYTHON"), Tensor.empty(12, 5, 10, 8, device="PYTHON")
+  mean = x.mean(axis=(0, 2, 3), keepdim=True)
+  for outputs in ([(x - mean).square().sum(axis=(0, 2, 3))],   # both sums' parts read x; the second needs the first
+                  [x.sum(axis=(0, 2, 3)), y.sum(axis=(0, 2, 3))],
+                  [x.sum(axis=(0, 2, 3)), x.max(axis=(0, 2, 3))],
+                  [x.sum(axis=(0, 2, 3)), (x * x).sum(axis=(0, 1, 3))]):
+    assert not _sibling_items(create_schedule([t.lazydata for t in outputs]))
+  cpu = Tensor.empty(12, 5, 10, 8, device="CLANG")
+  assert all(item.ast.op is not Ops.SINK for item in create_schedule([cpu.sum(axis=(0, 2, 3)).lazydata,
+                                                                     (cpu * cpu).sum(axis=(0, 2, 3)).lazydata]))
+
+
+def test_matmul_tiles_refuse_sibling_reduces(small_split: None) -> None:
+  """TC and SHARED tile one matmul-like reduce: a kernel of sibling products refuses them (KernelOptError)."""
+  from ourgrad.codegen.kernel import KernelOptError, Opt, OptOps
+  a, b, c = (Tensor.empty(64, 64, device="PYTHON") for _ in range(3))
+  outputs = [(a.reshape(64, 64, 1) * b.reshape(1, 64, 64)).sum(axis=1),
+             (a.reshape(64, 64, 1) * c.reshape(1, 64, 64)).sum(axis=1)]
+  siblings = _sibling_items(create_schedule([t.lazydata for t in outputs]))
+  assert siblings, "two products over a's rows"
+  for opt in (Opt(OptOps.TC, 0, 0), Opt(OptOps.SHARED, 0, 0)):
+    with pytest.raises(KernelOptError, match="one matmul-like reduce"):
+      Kernel(siblings[0].ast, PythonRenderer("CUDA")).apply_opt(opt)

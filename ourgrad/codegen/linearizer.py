@@ -570,7 +570,8 @@ class Linearizer(TensorCoreTiles):
   # ---------------------------------------------------------------- the AST -> UOps
 
   def compute(self, root: LazyOp, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None) -> UOp:
-    """UOps computing `root` at one lane; the kernel's reduce node stands for `reduce_value`."""
+    """UOps computing `root` at one lane; the kernel's reduce node stands for `reduce_value` (with sibling reduces, a
+    map id(reduce) -> its value)."""
     build, values = self.builder, {}
     known = self._known_reduces(reduce_value)
     for node in _post_order(root, stops=set(known)):
