@@ -309,13 +309,14 @@ def test_only_independent_reduces_over_a_common_input_share_a_kernel(small_split
                                                                      (cpu * cpu).sum(axis=(0, 2, 3)).lazydata]))
 
 
-def test_matmul_tiles_refuse_sibling_reduces(small_split: None) -> None:
-  """TC and SHARED tile one matmul-like reduce: a kernel of sibling products refuses them (KernelOptError)."""
-  a, b, c = (Tensor.empty(64, 64, device="PYTHON") for _ in range(3))
-  outputs = [(a.reshape(64, 64, 1) * b.reshape(1, 64, 64)).sum(axis=1),
-             (a.reshape(64, 64, 1) * c.reshape(1, 64, 64)).sum(axis=1)]
-  siblings = _sibling_items(create_schedule([t.lazydata for t in outputs]))
-  assert siblings, "two products over a's rows"
+def test_matmuls_of_one_input_stay_apart_and_sibling_kernels_refuse_matmul_tiles(small_split: None) -> None:
+  """q, k and v projections of one input are three matmuls (each keeps its tensor-core or shared-memory tiles), not
+  sibling reduces; TC and SHARED, which tile one matmul-like reduce, refuse a kernel of siblings (KernelOptError)."""
+  x = Tensor.empty(128, 384, device="PYTHON")
+  projections = [x @ Tensor.empty(384, 384, device="PYTHON") for _ in range(3)]
+  assert [len(item.outputs) for item in create_schedule([t.lazydata for t in projections])] == [1, 1, 1]
+  a, b = Tensor.empty(12, 5, 10, 8, device="PYTHON"), Tensor.empty(12, 5, 10, 8, device="PYTHON")
+  siblings = _sibling_items(create_schedule([a.sum(axis=(0, 2, 3)).lazydata, (a * b).sum(axis=(0, 2, 3)).lazydata]))
   for opt in (Opt(OptOps.TC, 0, 0), Opt(OptOps.SHARED, 0, 0)):
     with pytest.raises(KernelOptError, match="one matmul-like reduce"):
       Kernel(siblings[0].ast, PythonRenderer("CUDA")).apply_opt(opt)

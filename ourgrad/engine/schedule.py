@@ -463,9 +463,23 @@ def _is_sibling_reduce(base: LazyBuffer, plan: _KernelPlan) -> bool:
   it may share one loop with the other reduces of its loop shape and axes that read a common input, each an
   accumulator of its own, so that input is loaded once (codegen: Kernel.sibling_reduces). Only on devices with
   thread blocks and local memory: a CPU's reduce defaults (SIMD lanes, matmul tiles) are for one reduce."""
-  if not SIBLING_REDUCES or base.op not in REDUCE_OPS or plan.reduces != 1: return False
+  if not SIBLING_REDUCES or base.op not in REDUCE_OPS or plan.reduces != 1 or _reuses_an_operand(base, plan):
+    return False
   renderer = Device[base.device].renderer
   return getattr(renderer, "has_threads", False) and getattr(renderer, "has_local", False)
+
+
+def _reuses_an_operand(reduce: LazyBuffer, plan: _KernelPlan) -> bool:
+  """Whether a load of the reduce varies along a reduced axis but is broadcast along an output axis: a matmul's or a
+  convolution's operand, whose tiles (tensor cores, local memory) serve one reduce; q, k and v projections of one
+  input stay three matmuls."""
+  loop_shape = reduce.srcs[0].shape
+  outputs = [axis for axis, size in enumerate(loop_shape) if axis not in reduce.arg and size != 1]
+  for _, view in plan.loads:
+    if view is None or view.shape != loop_shape: continue
+    strides = view.real_strides()
+    if any(strides[axis] == 0 for axis in outputs) and any(strides[axis] != 0 for axis in reduce.arg): return True
+  return False
 
 
 def _group_key(base: LazyBuffer) -> tuple:
