@@ -9,6 +9,10 @@ against its plain (NOOPT) version on random inputs, and BatchNorm2d's forward an
 """
 from __future__ import annotations
 
+import contextlib
+import pathlib
+import random
+import sys
 
 import numpy as np
 import pytest
@@ -307,6 +311,41 @@ def test_only_independent_reduces_over_a_common_input_share_a_kernel(small_split
   cpu = Tensor.empty(12, 5, 10, 8, device="CLANG")
   assert all(item.ast.op is not Ops.SINK for item in create_schedule([cpu.sum(axis=(0, 2, 3)).lazydata,
                                                                      (cpu * cpu).sum(axis=(0, 2, 3)).lazydata]))
+
+
+@pytest.mark.parametrize("shape, axes", [((12, 5, 10, 8), (0, 2, 3)), ((16, 24), (1,)), ((4, 6, 7, 9), (0, 2, 3))])
+def test_random_opts_on_sibling_reduces_match_plain(shape: tuple[int, ...], axes: tuple[int, ...],
+                                                    small_split: None) -> None:
+  """The opt fuzzer's random Opt sequences (UPCAST, UNROLL, LOCAL, GROUP, GROUPTOP, PADTO; test/fuzz/fuzz_opts.py,
+  whose graphs have one output and so no sibling reduces) applied to kernels of three sibling sums under CUDA's
+  limits: every output equals the plain kernel's."""
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "fuzz"))
+  try: from fuzz_opts import random_opt
+  finally: sys.path.pop(0)
+  x, g = (Tensor(rng.standard_normal(shape).astype(np.float32), device="PYTHON") for _ in range(2))
+  sums = (x.sum(axis=axes), (x * g).sum(axis=axes), (x * x + g).sum(axis=axes))
+  schedule = create_schedule([t.lazydata for t in sums])
+  siblings = _sibling_items(schedule)
+  assert siblings
+  choices = random.Random(7)
+  for item in schedule:
+    if item not in siblings:
+      run_schedule([item])
+      continue
+    for buffer in item.outputs: buffer.allocate()
+    results = []
+    for trial in range(13):
+      kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+      for _ in range(choices.randint(1, 6) if trial else 0):   # trial 0: the plain kernel
+        with contextlib.suppress(KernelOptError): kernel.apply_opt(random_opt(choices, kernel))
+      fresh = tuple(Buffer("PYTHON", output.size, output.dtype).allocate() for output in item.outputs)
+      compile_kernel(kernel, "PYTHON")(fresh + item.inputs)
+      results.append(([buffer.numpy() for buffer in fresh], kernel.applied_opts))
+    assert sum(bool(opts) for _, opts in results) >= 6, "most random sequences apply some opt"
+    for values, opts in results[1:]:
+      for got, plain in zip(values, results[0][0]):
+        np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-4, err_msg=str(opts))
+    run_schedule([item])
 
 
 def test_matmuls_of_one_input_stay_apart_and_sibling_kernels_refuse_matmul_tiles(small_split: None) -> None:
