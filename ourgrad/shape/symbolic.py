@@ -398,6 +398,11 @@ def _combine_div_mod(coefficients: dict[Node, int]) -> Node | None:
   return None
 
 
+# sum terms in their canonical order (below); False keeps them in the order they were added (main before it), for
+# side-by-side measurements of the generated code (extra/bench/profile_jit_step.py --plain-sum-order)
+CANONICAL_SUM_ORDER = True
+
+
 def _variable_order(variable: Variable) -> tuple:
   """Names in natural order (gidx2 before gidx10), so the kernel's axes stay in their order: gidx*, lidx*, ridx*."""
   cached = variable.__dict__.get("_variable_order")
@@ -444,8 +449,8 @@ def sym_sum(nodes: list[Node | int]) -> Node:
     pending.append(combined)
   # one order for the same terms however they were summed: two views with one address give one index
   # expression (and one load) in the generated code
-  ordered = sorted(coefficients.items(), key=lambda item: _base_order(item[0])) if len(coefficients) > 1 else \
-    coefficients.items()
+  ordered = sorted(coefficients.items(), key=lambda item: _base_order(item[0])) \
+    if CANONICAL_SUM_ORDER and len(coefficients) > 1 else coefficients.items()
   terms = [_mul(base, coefficient) for base, coefficient in ordered if coefficient != 0]
   terms = [term for term in terms if not (isinstance(term, NumNode) and term.b == 0)]
   # a term can fold to a constant (a Variable with min == max times a factor); move it into the constant
