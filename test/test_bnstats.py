@@ -9,28 +9,33 @@ against its plain (NOOPT) version on random inputs, and BatchNorm2d's forward an
 """
 from __future__ import annotations
 
+import contextlib
+import pathlib
+import random
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from ourgrad import Tensor
-from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import WARP_SIZE
 from ourgrad.codegen.uops import UOps
-from ourgrad.device import Buffer
+from ourgrad.device import Buffer, Device
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.nn import BatchNorm2d
 from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
+from helpers import skip_unless_device
 
 rng = np.random.default_rng(11)
 
 
 def _kernel_items(*tensors: Tensor) -> list:
-  return [item for item in create_schedule([t.lazydata for t in tensors]) if item.ast.op is Ops.STORE]
+  return [item for item in create_schedule([t.lazydata for t in tensors]) if item.ast.op in (Ops.STORE, Ops.SINK)]
 
 
 def _cuda_kernel(item) -> Kernel:
@@ -44,17 +49,18 @@ def _check_schedule_against_plain(outputs: list[Tensor]) -> list[Kernel]:
   Returns the optimized kernels."""
   optimized = []
   for item in create_schedule([t.lazydata for t in outputs]):
-    if item.ast.op is not Ops.STORE:
+    if item.ast.op not in (Ops.STORE, Ops.SINK):
       run_schedule([item])
       continue
     for buffer in item.outputs: buffer.allocate()
     results = []
     for kernel in (_cuda_kernel(item), Kernel(item.ast, PythonRenderer("CUDA"))):
-      fresh = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
-      compile_kernel(kernel, "PYTHON")((fresh,) + item.inputs)
-      results.append(fresh.numpy())
+      fresh = tuple(Buffer("PYTHON", output.size, output.dtype).allocate() for output in item.outputs)
+      compile_kernel(kernel, "PYTHON")(fresh + item.inputs)
+      results.append([buffer.numpy() for buffer in fresh])
       if kernel.applied_opts: optimized.append(kernel)
-    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-4)
+    for optimized_values, plain_values in zip(*results):
+      np.testing.assert_allclose(optimized_values, plain_values, rtol=1e-5, atol=1e-4)
     run_schedule([item])
   return optimized
 
@@ -174,3 +180,200 @@ def test_a_group_of_whole_warps_not_a_power_of_two_shuffles_each_warp() -> None:
   assert next(uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL) == 7
   np.testing.assert_allclose(outputs[0].numpy(), data.sum(axis=1), rtol=1e-5, atol=1e-4)
   np.testing.assert_array_equal(outputs[1].numpy(), data.max(axis=1))
+
+
+# ================================================================ one load of the input per element
+
+def _bn_relu_pool_backward(x: Tensor, upstream: Tensor, bn: BatchNorm2d) -> list[Tensor]:
+  """MNIST's conv block after the convolution (batchnorm -> relu -> 2x2 max-pool), trained: x's, weight's and bias's
+  gradients. The pool's backward reads x through its windows' view, the batchnorm's through x's own view."""
+  with Tensor.train():
+    (bn(x).relu().max_pool2d() * upstream).sum().backward()
+  return [x.grad, bn.weight.grad, bn.bias.grad]
+
+
+def _global_loads(kernel: Kernel, buffer_number: int) -> int:
+  return sum(1 for uop in linearize(kernel) if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL
+             and uop.srcs[0].arg[0] == buffer_number)
+
+
+def _lanes_reading(kernel: Kernel, leaf_number: int) -> int:
+  """Upcast and unrolled lanes along which the leaf's address changes: its loads when each element is loaded once."""
+  strides = kernel.sts[leaf_number].real_strides()
+  lanes = [kernel.full_shape[axis] for axis in range(kernel.first_upcast, kernel.shape_len) if strides[axis] != 0]
+  return int(np.prod(lanes)) if lanes else 1
+
+
+@pytest.mark.parametrize("shape", [(256, 16, 24, 24), (256, 32, 8, 8)])
+def test_batchnorm_backward_loads_its_input_once(shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+  """The first batchnorm's backward recomputes the normalization and the ReLU, and the pool's backward compares
+  them with the pooled maxima: two views of x whose index sums only differ in the order of their terms. Sums have
+  one canonical order (shape/symbolic.py), so every kernel reading x loads each element of it once per lane
+  (was twice: 16.5 MB instead of 9.4 MB for the (256, 16, 24, 24) one)."""
+  monkeypatch.setenv("DEVICE", "PYTHON")
+  x = Tensor.empty(*shape, device="PYTHON", requires_grad=True).realize()
+  upstream = Tensor.empty(shape[0], shape[1], shape[2] // 2, shape[3] // 2, device="PYTHON").realize()
+  grads = _bn_relu_pool_backward(x, upstream, BatchNorm2d(shape[1]))
+  readers, two_views = 0, 0
+  for item in _kernel_items(*grads):
+    numbers = [number for number, buffer in enumerate(item.bufs) if buffer is x.lazydata.base.realized]
+    if not numbers: continue
+    kernel = _cuda_kernel(item)
+    views = [index for index, leaf in enumerate(kernel.leaves) if leaf.op is Ops.LOAD and leaf.arg.idx == numbers[0]]
+    assert _global_loads(kernel, numbers[0]) == max(_lanes_reading(kernel, view) for view in views), kernel.name
+    readers, two_views = readers + 1, two_views + (len(views) >= 2)
+  assert readers >= 3, "the statistics, the backward's sums and the input's gradient all read x"
+  assert two_views >= 2, "the backward's sums and the input's gradient read x through two views"
+
+
+def test_batchnorm_relu_pool_backward_matches_plain_and_torch(small_split: None,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+  """The same block on random data: each kernel (CUDA's limits) equals its plain version, the gradients PyTorch's."""
+  monkeypatch.setenv("DEVICE", "PYTHON")
+  data = rng.standard_normal((8, 4, 12, 12)).astype(np.float32)
+  upstream = rng.standard_normal((8, 4, 6, 6)).astype(np.float32)
+  x = Tensor(data, device="PYTHON", requires_grad=True)
+  grads = _bn_relu_pool_backward(x, Tensor(upstream, device="PYTHON"), BatchNorm2d(4))
+  _check_schedule_against_plain(grads)
+  tx = torch.tensor(data, requires_grad=True)
+  theirs = torch.nn.BatchNorm2d(4)
+  (torch.nn.functional.max_pool2d(theirs(tx).relu(), 2) * torch.tensor(upstream)).sum().backward()
+  for ours, reference in zip(grads, (tx.grad, theirs.weight.grad, theirs.bias.grad)):
+    np.testing.assert_allclose(ours.numpy(), reference.numpy(), rtol=1e-3, atol=1e-3)
+
+
+# ================================================================ sibling reduces: several sums in one pass
+
+def _sibling_items(schedule: list) -> list:
+  return [item for item in schedule if item.ast.op is Ops.SINK and Kernel(item.ast, PythonRenderer("CUDA")).reduceops]
+
+
+@pytest.mark.parametrize("shape", [(256, 16, 24, 24), (256, 32, 8, 8)])
+def test_batchnorm_backward_sums_share_one_pass(shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+  """The backward's partial sums over x (the bias's sum of the gradient, the weight's of the gradient times the
+  normalized x, the variance's gradient) are one kernel of three outputs, x loaded once for all three
+  (test_batchnorm_backward_loads_its_input_once counts the loads); the fourth (the mean's gradient) needs the
+  variance's gradient, so it runs after them, in a kernel of its own."""
+  monkeypatch.setenv("DEVICE", "PYTHON")
+  x = Tensor.empty(*shape, device="PYTHON", requires_grad=True).realize()
+  upstream = Tensor.empty(shape[0], shape[1], shape[2] // 2, shape[3] // 2, device="PYTHON").realize()
+  schedule = _kernel_items(*_bn_relu_pool_backward(x, upstream, BatchNorm2d(shape[1])))
+  parts_shape = next(item.outputs[0].size for item in _sibling_items(schedule))
+  partial_sums = [item for item in schedule if item.outputs[0].size == parts_shape
+                  and any(buffer is x.lazydata.base.realized for buffer in item.inputs)]
+  # the forward's mean and variance (the variance's needs the mean) and the backward's fourth: one output each
+  assert sorted(len(item.outputs) for item in partial_sums) == [1, 1, 1, 3]
+  kernel = _cuda_kernel(_sibling_items(schedule)[0])
+  assert kernel.sibling_reduces and len(kernel.reduceops) == 3 and kernel.group_threads() >= WARP_SIZE
+
+
+def test_sibling_reduces_match_plain_numpy_and_the_cpu_loop(small_split: None) -> None:
+  """Sums over x of x, x*g and x*x (GROUP threads and upcasts under CUDA's limits) equal the plain kernel and numpy;
+  the same AST linearized for a device without threads (the CPU's loop nest, here CLANG) gives the same values."""
+  x_np, g_np = (rng.standard_normal((12, 5, 10, 8)).astype(np.float32) for _ in range(2))
+  x, g = Tensor(x_np, device="PYTHON"), Tensor(g_np, device="PYTHON")
+  outputs = [x.sum(axis=(0, 2, 3)), (x * g).sum(axis=(0, 2, 3)), (x * x).sum(axis=(0, 2, 3))]
+  schedule = create_schedule([t.lazydata for t in outputs])
+  siblings = _sibling_items(schedule)
+  assert [len(item.outputs) for item in siblings] == [3]
+  for item in schedule:
+    if item in siblings:   # on the CPU's loop nest: each input copied to CLANG, each output compared
+      for buffer in item.outputs: buffer.allocate()
+      inputs = tuple(Buffer("CLANG", b.size, b.dtype).allocate().copyin(memoryview(b.numpy())) for b in item.inputs)
+      cpu_outputs = tuple(Buffer("CLANG", b.size, b.dtype).allocate() for b in item.outputs)
+      kernel = Kernel(item.ast, Device["CLANG"].renderer)
+      kernel.hand_coded_optimizations()
+      compile_kernel(kernel, "CLANG")(cpu_outputs + inputs)
+      run_schedule([item])
+      for cpu, ours in zip(cpu_outputs, item.outputs):
+        np.testing.assert_allclose(cpu.numpy(), ours.numpy(), rtol=1e-5, atol=1e-4)   # another order of the adds
+    else: run_schedule([item])
+  for ours, theirs in zip(outputs, (x_np.sum(axis=(0, 2, 3)), (x_np * g_np).sum(axis=(0, 2, 3)),
+                                    np.square(x_np).sum(axis=(0, 2, 3)))):
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-4, atol=1e-3)
+  x2, g2 = Tensor(x_np, device="PYTHON"), Tensor(g_np, device="PYTHON")
+  kernels = _check_schedule_against_plain([x2.sum(axis=(0, 2, 3)), (x2 * g2).sum(axis=(0, 2, 3)),
+                                           (x2 * x2).sum(axis=(0, 2, 3))])
+  assert any(kernel.sibling_reduces and kernel.group_dims for kernel in kernels)
+
+
+def test_only_independent_reduces_over_a_common_input_share_a_kernel(small_split: None) -> None:
+  """A variance's sum needs the mean's (through another kernel): apart. Sums of two unrelated tensors: apart (one
+  loop gains nothing). A max beside a sum, or a sum over other axes: apart (one op and one set of axes per kernel).
+  On the CPU nothing is grouped."""
+  x, y = Tensor.empty(12, 5, 10, 8, device="PYTHON"), Tensor.empty(12, 5, 10, 8, device="PYTHON")
+  mean = x.mean(axis=(0, 2, 3), keepdim=True)
+  for outputs in ([(x - mean).square().sum(axis=(0, 2, 3))],   # both sums' parts read x; the second needs the first
+                  [x.sum(axis=(0, 2, 3)), y.sum(axis=(0, 2, 3))],
+                  [x.sum(axis=(0, 2, 3)), x.max(axis=(0, 2, 3))],
+                  [x.sum(axis=(0, 2, 3)), (x * x).sum(axis=(0, 1, 3))]):
+    assert not _sibling_items(create_schedule([t.lazydata for t in outputs]))
+  cpu = Tensor.empty(12, 5, 10, 8, device="CLANG")
+  assert all(item.ast.op is not Ops.SINK for item in create_schedule([cpu.sum(axis=(0, 2, 3)).lazydata,
+                                                                     (cpu * cpu).sum(axis=(0, 2, 3)).lazydata]))
+
+
+@pytest.mark.parametrize("shape, axes", [((12, 5, 10, 8), (0, 2, 3)), ((16, 24), (1,)), ((4, 6, 7, 9), (0, 2, 3))])
+def test_random_opts_on_sibling_reduces_match_plain(shape: tuple[int, ...], axes: tuple[int, ...],
+                                                    small_split: None) -> None:
+  """The opt fuzzer's random Opt sequences (UPCAST, UNROLL, LOCAL, GROUP, GROUPTOP, PADTO; test/fuzz/fuzz_opts.py,
+  whose graphs have one output and so no sibling reduces) applied to kernels of three sibling sums under CUDA's
+  limits: every output equals the plain kernel's."""
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "fuzz"))
+  try: from fuzz_opts import random_opt
+  finally: sys.path.pop(0)
+  x, g = (Tensor(rng.standard_normal(shape).astype(np.float32), device="PYTHON") for _ in range(2))
+  sums = (x.sum(axis=axes), (x * g).sum(axis=axes), (x * x + g).sum(axis=axes))
+  schedule = create_schedule([t.lazydata for t in sums])
+  siblings = _sibling_items(schedule)
+  assert siblings
+  choices = random.Random(7)
+  for item in schedule:
+    if item not in siblings:
+      run_schedule([item])
+      continue
+    for buffer in item.outputs: buffer.allocate()
+    results = []
+    for trial in range(13):
+      kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+      for _ in range(choices.randint(1, 6) if trial else 0):   # trial 0: the plain kernel
+        with contextlib.suppress(KernelOptError): kernel.apply_opt(random_opt(choices, kernel))
+      fresh = tuple(Buffer("PYTHON", output.size, output.dtype).allocate() for output in item.outputs)
+      compile_kernel(kernel, "PYTHON")(fresh + item.inputs)
+      results.append(([buffer.numpy() for buffer in fresh], kernel.applied_opts))
+    assert sum(bool(opts) for _, opts in results) >= 6, "most random sequences apply some opt"
+    for values, opts in results[1:]:
+      for got, plain in zip(values, results[0][0]):
+        np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-4, err_msg=str(opts))
+    run_schedule([item])
+
+
+def test_matmuls_of_one_input_stay_apart_and_sibling_kernels_refuse_matmul_tiles(small_split: None) -> None:
+  """q, k and v projections of one input are three matmuls (each keeps its tensor-core or shared-memory tiles), not
+  sibling reduces; TC and SHARED, which tile one matmul-like reduce, refuse a kernel of siblings (KernelOptError)."""
+  x = Tensor.empty(128, 384, device="PYTHON")
+  projections = [x @ Tensor.empty(384, 384, device="PYTHON") for _ in range(3)]
+  assert [len(item.outputs) for item in create_schedule([t.lazydata for t in projections])] == [1, 1, 1]
+  a, b = Tensor.empty(12, 5, 10, 8, device="PYTHON"), Tensor.empty(12, 5, 10, 8, device="PYTHON")
+  siblings = _sibling_items(create_schedule([a.sum(axis=(0, 2, 3)).lazydata, (a * b).sum(axis=(0, 2, 3)).lazydata]))
+  for opt in (Opt(OptOps.TC, 0, 0), Opt(OptOps.SHARED, 0, 0)):
+    with pytest.raises(KernelOptError, match="one matmul-like reduce"):
+      Kernel(siblings[0].ast, PythonRenderer("CUDA")).apply_opt(opt)
+
+
+@pytest.mark.parametrize("shape", [(256, 16, 24, 24), (256, 32, 8, 8)])
+def test_batchnorm_block_backward_on_cuda_matches_torch(shape: tuple[int, ...],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+  """On a real GPU, MNIST's sizes and thresholds: batchnorm -> ReLU -> max-pool's gradients (the sibling-reduce
+  kernel of the backward's sums among them) equal PyTorch's."""
+  skip_unless_device("CUDA")
+  monkeypatch.setenv("DEVICE", "CUDA")
+  data = rng.standard_normal(shape).astype(np.float32)
+  upstream = rng.standard_normal((shape[0], shape[1], shape[2] // 2, shape[3] // 2)).astype(np.float32)
+  x = Tensor(data, device="CUDA", requires_grad=True)
+  grads = _bn_relu_pool_backward(x, Tensor(upstream, device="CUDA"), BatchNorm2d(shape[1]))
+  tx = torch.tensor(data, requires_grad=True)
+  theirs = torch.nn.BatchNorm2d(shape[1])
+  (torch.nn.functional.max_pool2d(theirs(tx).relu(), 2) * torch.tensor(upstream)).sum().backward()
+  for ours, reference in zip(grads, (tx.grad, theirs.weight.grad, theirs.bias.grad)):
+    np.testing.assert_allclose(ours.numpy(), reference.numpy(), rtol=1e-3, atol=2e-2)   # sums of ~150,000 values

@@ -9,7 +9,8 @@ per second.
 
 Workloads: per-channel sums over N, H, W of MNIST's two batchnorm inputs, (256, 16, 24, 24) and (256, 32, 8, 8):
 the mean's sum, the variance's sum of squares around a mean, the backward's sum of a product of two full-size
-tensors, and of the input with a 2x2 pool's gradient spread over its windows (H and W do not merge); then the
+tensors, and of the input with a 2x2 pool's gradient spread over its windows (H and W do not merge), three sums over
+the same two inputs ("sums3": sibling reduces, one kernel, or three with the "apart" variant); then the
 column sums of a batch's gradient (the MLP step's bias gradients). Each
 variant's result is checked against numpy before it is timed. '%copy' is GB/s over the GB/s of an ourgrad copy
 kernel of 2 x 64 MB timed the same way. The event-timed runs read inputs the previous launch left in the L2 (50 MB
@@ -31,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
 
 import ourgrad.codegen.opt.heuristic as heuristic  # noqa: E402
+import ourgrad.engine.schedule as schedule_module  # noqa: E402
 import ourgrad.lazy as lazy  # noqa: E402
 from ourgrad import Tensor  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
@@ -57,13 +59,15 @@ VARIANTS: dict[str, dict[tuple[Any, str], Any]] = {
   "lanes8": {(heuristic, "GROUP_COALESCED_LANES"): 8},
   "col8": {(heuristic, "COLUMN_LOCALS"): 8},
   "col16": {(heuristic, "COLUMN_LOCALS"): 16},
+  # sibling reduces over a common input in kernels of their own (main before this branch): the "sums3" workload
+  "apart": {(schedule_module, "SIBLING_REDUCES"): False},
 }
 # column sums of a training step (the MLP's bias gradients over a batch of 512): few blocks of LOCAL x GROUPTOP
 COLUMN_SHAPES = ((512, 512), (256, 512))
 
 
-def workloads(shape: tuple[int, ...], rng: np.random.Generator, device: str) -> list[tuple[str, Callable[[], Tensor],
-                                                                                          np.ndarray, int]]:
+def workloads(shape: tuple[int, ...], rng: np.random.Generator,
+              device: str) -> list[tuple[str, Callable[[], Tensor | list[Tensor]], np.ndarray, int]]:
   """(name, build, numpy reference, bytes read) per statistic of one batchnorm input shape."""
   x_np = rng.standard_normal(shape).astype(np.float32)
   g_np = rng.standard_normal(shape).astype(np.float32)
@@ -86,6 +90,11 @@ def workloads(shape: tuple[int, ...], rng: np.random.Generator, device: str) -> 
     ("backward", lambda: (g * (x - mean)).sum(axis=axes), (g_np * (x_np - mean_np)).sum(axis=axes), 2 * x_np.nbytes),
     ("bwd-pool", lambda: (spread(p) * (x - mean)).sum(axis=axes), (spread_np * (x_np - mean_np)).sum(axis=axes),
      x_np.nbytes + p_np.nbytes),
+    # three sums over the same two inputs, as a batchnorm backward's (the bias's, the weight's, the variance's):
+    # sibling reduces, one kernel of three outputs (schedule.py) unless the "apart" variant
+    ("sums3", lambda: [g.sum(axis=axes), (g * x).sum(axis=axes), (g * x * x).sum(axis=axes)],
+     np.concatenate([g_np.sum(axis=axes), (g_np * x_np).sum(axis=axes), (g_np * x_np * x_np).sum(axis=axes)]),
+     2 * x_np.nbytes),
   ]
 
 
@@ -104,10 +113,13 @@ def apply_variant(settings: dict[tuple[Any, str], Any]) -> dict[tuple[Any, str],
   return old
 
 
-def run_kernels(device: str, build: Callable[[], Tensor], iters: int, warmup: int,
+def run_kernels(device: str, build: Callable[[], Tensor | list[Tensor]], iters: int, warmup: int,
                 launches: list[str]) -> tuple[list[tuple[str, float, int]], np.ndarray]:
-  """(name, median device seconds, block count) per kernel of `build()`'s schedule, and the result."""
-  schedule = create_schedule([build().lazydata])
+  """(name, median device seconds, block count) per kernel of `build()`'s schedule, and the result (the results of
+  several outputs one after another)."""
+  built = build()
+  outputs = built if isinstance(built, list) else [built]
+  schedule = create_schedule([output.lazydata for output in outputs])
   times: list[list[float]] = [[] for _ in schedule]
   runners = [get_runner(device, item.ast) for item in schedule]
   for item in schedule:
@@ -117,7 +129,8 @@ def run_kernels(device: str, build: Callable[[], Tensor], iters: int, warmup: in
       seconds = runner(item.bufs, wait=True) or 0.0
       if round_number >= warmup: times[index].append(seconds)
       launches.append(runner.name)
-  result = schedule[-1].outputs[0].numpy().reshape(-1)
+  # each output's realized buffer, read as it is (no kernel: the launch order stays the profiled one)
+  result = np.concatenate([output.lazydata.base.realized.numpy().reshape(-1) for output in outputs])
   blocks = [int(np.prod(runner.global_size)) for runner in runners]
   return [(runner.name, statistics.median(t) if t else 0.0, b) for runner, t, b in zip(runners, times, blocks)], result
 

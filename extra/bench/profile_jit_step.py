@@ -4,7 +4,10 @@ bench_jit.py), for finding which kernels keep a jitted step from its goal.
 Run under Nsight Compute on a CUDA machine; only the replay between cuProfilerStart and cuProfilerStop is profiled:
   ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
       python extra/bench/profile_jit_step.py --model mlp
-`--model cnn` profiles the CNN step. Without ncu the script only runs the steps (a smoke test).
+`--model cnn` profiles the CNN step; `--plain-sum-order --no-sibling-reduces` builds it as main did before the
+canonical order of index sums and sibling reduces (a side-by-side baseline in one session). Without ncu the script
+only runs the steps (a smoke test). The last line lists the megabytes each item reads and writes (each buffer once),
+for its GB/s next to ncu's time.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this che
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_jit import MLP, load_mnist_example, ourgrad_step  # noqa: E402
 
+import ourgrad.engine.schedule as schedule  # noqa: E402
+import ourgrad.shape.symbolic as symbolic  # noqa: E402
 from ourgrad import Device, Tensor, TinyJit  # noqa: E402
 
 
@@ -27,7 +32,13 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp")
   parser.add_argument("--device", default="CUDA")
+  parser.add_argument("--plain-sum-order", action="store_true",
+                      help="index sums in the order their terms were added (symbolic.CANONICAL_SUM_ORDER off)")
+  parser.add_argument("--no-sibling-reduces", action="store_true",
+                      help="every reduce in a kernel of its own (schedule.SIBLING_REDUCES off)")
   args = parser.parse_args()
+  symbolic.CANONICAL_SUM_ORDER = not args.plain_sum_order
+  schedule.SIBLING_REDUCES = not args.no_sibling_reduces
   os.environ["DEVICE"] = args.device
   if args.model == "mlp": make_model, shape, batch = MLP, (784,), 512
   else:
@@ -46,6 +57,10 @@ def main() -> None:
   if driver is not None: driver.cuProfilerStop()
   names = [getattr(item.runner, "name", type(item.runner).__name__) for item in step.captured.items]
   print(f"{args.model}: {len(names)} captured items: {' '.join(names)}")
+  # bytes each item moves (every buffer it touches, once): with ncu's times, its GB/s and % of copy bandwidth
+  print(f"{args.model}: MB per item, launch order: " +
+        " ".join(f"{name}:{sum({id(b): b.nbytes for b in item.bufs}.values()) / 1e6:.2f}"
+                 for name, item in zip(names, step.captured.items)))
 
 
 if __name__ == "__main__":

@@ -162,6 +162,15 @@ def _kernel_stores(ast: LazyOp) -> list[LazyOp]:
   return stores
 
 
+def _sibling_reduces(ast: LazyOp, reduces: list[LazyOp]) -> bool:
+  """Whether the kernel is several sibling reduces: a SINK whose outputs each hold one reduce, none inside another
+  (the scheduler groups reduces of one loop shape and axes that read a common input, engine/schedule.py). One loop
+  computes them side by side, an accumulator each, so the shared input is loaded once."""
+  if ast.op is not Ops.SINK or len(reduces) < 2: return False
+  if any(sum(node.op in REDUCE_OPS for node in store.walk()) != 1 for store in ast.srcs): return False
+  return len({(reduce.arg, reduce.op, reduce.dtype) for reduce in reduces}) == 1
+
+
 def _row_kernel_axes(reduces: list[LazyOp], store_st: ShapeTracker) -> tuple[int, ...] | None:
   """The reduced axes of a row kernel, else None. A row kernel holds several reduces over the same axes of one loop
   shape, or one reduce whose result is read back per element (softmax's `x - x.max()`): one thread owns a row and
@@ -203,7 +212,10 @@ class Kernel:
     # nest is then not linearized (engine/realize.py renders the plan)
     self.wgmma: tuple[WgmmaMatmul, dict[str, int]] | None = None
     self.tile_padding = 0   # without TC: SHARED's amount (see tile_row_padding)
-    self.row_axes: tuple[int, ...] | None = _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
+    # sibling reduces (one per output, same axes, op and dtype) share the loop nest, an accumulator each
+    self.sibling_reduces = _sibling_reduces(ast, self.reduceops)
+    self.row_axes: tuple[int, ...] | None = None if self.sibling_reduces else \
+      _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
     self._drop_size_one_axes()
@@ -364,6 +376,8 @@ class Kernel:
     """The dimension an Opt splits, checking it has the kind the Opt needs."""
     renderer = self.renderer
     if self.wgmma is not None: raise KernelOptError(f"{opt.op.name} after WGMMA (its kernel takes no other opt)")
+    if opt.op in (OptOps.WGMMA, OptOps.TC, OptOps.SHARED) and self.sibling_reduces:
+      raise KernelOptError(f"{opt.op.name} tiles one matmul-like reduce, the kernel has {len(self.reduceops)}")
     if opt.op is OptOps.WGMMA: return 0
     if opt.op is OptOps.TC:
       if opt.axis != 0: raise KernelOptError(f"TC takes axis 0 (it finds the matmul's axes), got {opt.axis}")
@@ -648,7 +662,7 @@ class Kernel:
       partials = self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize if self.group_dims else 0
       return self.staged_tile_bytes() + partials
     if not self.group_dims or self.reduceop is None: return 0
-    return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
+    return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize * len(self.reduceops)
 
   def staged_tile_bytes(self) -> int:
     """With SHARED (no TC): the bytes of one stage of every staged load's tile (its padding included)."""

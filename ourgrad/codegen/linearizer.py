@@ -125,12 +125,16 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
 
     upcast_axes, unroll_axes = kernel.upcast_axes, kernel.unroll_axes
     output_lanes = list(itertools.product(*[range(shape[axis]) for axis in upcast_axes]))
+    # (reduce number, *output lane) -> the accumulator: one reduce, or sibling reduces (Kernel.sibling_reduces) that
+    # share the loop, their common loads merged by the builder
     accumulators: dict[tuple[int, ...], UOp] = {}
     if kernel.reduceop is not None:
       reduce = kernel.reduceop
       accumulate_op = Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
-      for lane in output_lanes:
-        accumulators[lane] = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+      for number in range(len(kernel.reduceops)):
+        for lane in output_lanes:
+          accumulators[(number, *lane)] = build.add(UOps.DEFINE_ACC, reduce.dtype, (),
+                                                    reduce_identity(reduce.op, reduce.dtype))
       pipelined = self._tiles_double_buffered()
       tiles = self._define_shared_tiles(2 if pipelined else 1)
       if pipelined:   # step 0 into stage 0 before the loop (see _tiles_double_buffered)
@@ -155,8 +159,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
       for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
         for lane in output_lanes:
           idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, unroll_lane)
-          value = self.compute(reduce.srcs[0], idxs, None)
-          build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[lane], value), accumulate_op)
+          for number, sibling in enumerate(kernel.reduceops):
+            value = self.compute(sibling.srcs[0], idxs, None)
+            build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[(number, *lane)], value), accumulate_op)
       for local, address, value in next_tiles: build.add(UOps.STORE, None, (local, self.node_to_uop(address), value))
       # every thread is done with the tiles before the next step's stores (double buffered: and has stored them)
       if tiles: build.add(UOps.BARRIER, None)
@@ -164,10 +169,10 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
       self.tiles, self.tile_offsets = {}, {}
       for loop in reversed(reduce_loops): build.end_range(loop)
 
-    reduced: dict[tuple[int, ...], UOp] = dict(accumulators)
+    combined: dict[tuple[int, ...], UOp] = dict(accumulators)
     store_if = None
     if kernel.group_dims:
-      reduced, group_index = self._combine_groups(accumulators, axis_idxs, accumulate_op)
+      combined, group_index = self._combine_groups(accumulators, axis_idxs, accumulate_op)
       # one thread per group finishes the kernel: the others hold partial or duplicate results
       store_if = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, group_index, self._int(1)),))
     # float4 stores where the single output allows them; several outputs go through _store_outputs lane by lane
@@ -176,11 +181,14 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
     for lane in output_lanes:
       zero_unrolls = (0,) * len(unroll_axes)
       idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, zero_unrolls)
+      # id(reduce) -> its value at this lane
+      reduced = {id(sibling): combined[(number, *lane)] for number, sibling in enumerate(kernel.reduceops)
+                 if (number, *lane) in combined}
       if vector_axis is not None:
-        pending[lane] = self.compute(kernel.stores[0].srcs[0], idxs, reduced.get(lane))
+        pending[lane] = self.compute(kernel.stores[0].srcs[0], idxs, reduced)
         self._emit_vector_store(pending, lane, idxs, vector_axis, upcast_axes)
         continue
-      self._store_outputs(idxs, reduced.get(lane))
+      self._store_outputs(idxs, reduced)
     if store_if is not None: build.end_if(store_if)
     for loop in reversed(global_loops): build.end_range(loop)
     return build.uops
@@ -458,7 +466,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
                               2)
     return [self.builder.add(UOps.GEP, operand.dtype, (vector,), element) for element in range(2)]
 
-  def _store_outputs(self, idxs: list[Node], reduce_value: UOp | None) -> None:
+  def _store_outputs(self, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None) -> None:
     """Store every output of the kernel at one lane. All values are computed before the first store: an output may
     overwrite (in place) a buffer that another output's value still loads (an optimizer's m and its parameter)."""
     build, stores = self.builder, self.kernel.stores
@@ -609,8 +617,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
 
   # ---------------------------------------------------------------- the AST -> UOps
 
-  def compute(self, root: LazyOp, idxs: list[Node], reduce_value: UOp | None) -> UOp:
-    """UOps computing `root` at one lane; the kernel's reduce node stands for `reduce_value`."""
+  def compute(self, root: LazyOp, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None) -> UOp:
+    """UOps computing `root` at one lane; the kernel's reduce node stands for `reduce_value` (with sibling reduces, a
+    map id(reduce) -> its value)."""
     build, values = self.builder, {}
     known = self._known_reduces(reduce_value)
     for node in _post_order(root, stops=set(known)):
@@ -635,8 +644,10 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
     """One ALU node of the AST (a subclass may lower an op to several, as the CPU row kernels' exp2)."""
     return self.builder.alu(op, dtype, *srcs)
 
-  def _known_reduces(self, reduce_value: UOp | None) -> dict[int, UOp]:
-    """id(reduce node) -> the UOp holding its result, for the reduces `compute` does not descend into."""
+  def _known_reduces(self, reduce_value: UOp | dict[int, UOp] | None) -> dict[int, UOp]:
+    """id(reduce node) -> the UOp holding its result, for the reduces `compute` does not descend into: the kernel's
+    reduce's value, or already that map (sibling reduces)."""
+    if isinstance(reduce_value, dict): return reduce_value
     return {id(self.kernel.reduceop): reduce_value} if reduce_value is not None else {}
 
   def _load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:

@@ -154,7 +154,7 @@ class RowLinearizer(Linearizer):
     if sum(node.dtype.itemsize for node, _ in kept.values()) * self._row_length() > MAX_KEPT_BYTES: return []
     return list(kept.values())
 
-  def _known_reduces(self, reduce_value: UOp | None) -> dict[int, UOp]:
+  def _known_reduces(self, reduce_value: UOp | dict[int, UOp] | None) -> dict[int, UOp]:
     return {**self.reduce_values, **self.kept_values}
 
   def _row_position(self, idxs: list[Node]) -> UOp:

@@ -184,6 +184,7 @@ class _KernelPlan:
   table read at computed offsets) and whether it holds a reduce."""
   loads: list[tuple[LazyBuffer, ShapeTracker | None]]
   has_reduce: bool
+  reduces: int = 0   # reduce nodes met (a row kernel has several)
 
 
 def _settle_fusion_groups(bases: list[LazyBuffer], realizes: Realizations) -> None:
@@ -252,7 +253,7 @@ def _walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBu
       if row_reason is not None:
         if rows.reduces and node not in rows.reduces: return (node, "a reduce over other rows than the kernel's"), plan
         one_reduce_kernel = True   # claimed as the kernel's one reduce: no row reduces join it
-      reduce_base, plan.has_reduce = reduce_base or node, True
+      reduce_base, plan.has_reduce, plan.reduces = reduce_base or node, True, plan.reduces + 1
       stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
     elif node.op in ELEMENTWISE_OPS:
       stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
@@ -349,6 +350,10 @@ def _assign_hazard(root: LazyBuffer, value: LazyBuffer, target_reads: list[tuple
 
 # a kernel writing more outputs than this passes more pointers than some launchers like, and gains little more
 MAX_KERNEL_OUTPUTS = 16
+# sibling reduces in one kernel (an accumulator each per thread and upcast lane, and their GROUP partials in local
+# memory): batchnorm's backward has 4 over its input (2 for the input's gradient, 2 for the weight's and bias's)
+SIBLING_REDUCES = True
+MAX_SIBLING_REDUCES = 4
 
 
 def _group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[LazyBuffer]]:
@@ -406,10 +411,30 @@ def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict
 
 def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, _KernelPlan]) -> bool:
   if len(group) >= MAX_KERNEL_OUTPUTS or _targets_clash(group, base, plans): return False
+  if base.op in REDUCE_OPS:   # sibling reduces: only those that read a common input gain from one loop
+    if len(group) >= MAX_SIBLING_REDUCES: return False
+    loaded = {id(loaded) for loaded, _ in plans[id(group[0])].loads}
+    if not any(id(other) in loaded for other, _ in plans[id(base)].loads): return False
+    # a reduce that needs a member's result through other kernels (a variance's sum needs the mean's) runs after it
+    if _reaches(base, {id(member) for member in group}, plans): return False
   member_ids = {id(member) for member in group}
   for loaded, view in plans[id(base)].loads:
     if id(loaded) in member_ids and (loaded.op is not Ops.ASSIGN or view != _in_place(loaded)): return False
   return True
+
+
+def _reaches(base: LazyBuffer, targets: set[int], plans: dict[int, _KernelPlan]) -> bool:
+  """Whether the kernel of `base` reads one of `targets` (ids of realized bases), directly or through the kernels
+  that compute what it reads."""
+  stack, seen = [base], set()
+  while stack:
+    node = stack.pop()
+    for loaded, _ in plans[id(node)].loads if id(node) in plans else ():
+      if id(loaded) in targets: return True
+      if id(loaded) not in seen:
+        seen.add(id(loaded))
+        stack.append(loaded)
+  return False
 
 
 def _has_run_order(groups: list[list[LazyBuffer]], plans: dict[int, _KernelPlan]) -> bool:
@@ -428,11 +453,37 @@ def _has_run_order(groups: list[list[LazyBuffer]], plans: dict[int, _KernelPlan]
 
 
 def _is_groupable(base: LazyBuffer, plan: _KernelPlan) -> bool:
-  if plan.has_reduce or base.size == 0: return False
+  if base.size == 0: return False
+  if plan.has_reduce: return _is_sibling_reduce(base, plan)
   return base.op in ELEMENTWISE_OPS or base.op in (Ops.ASSIGN, Ops.CONTIGUOUS)
 
 
+def _is_sibling_reduce(base: LazyBuffer, plan: _KernelPlan) -> bool:
+  """A kernel that is one reduce and nothing after it (batchnorm's sums over N, H, W, their split's parts), on a GPU:
+  it may share one loop with the other reduces of its loop shape and axes that read a common input, each an
+  accumulator of its own, so that input is loaded once (codegen: Kernel.sibling_reduces). Only on devices with
+  thread blocks and local memory: a CPU's reduce defaults (SIMD lanes, matmul tiles) are for one reduce."""
+  if not SIBLING_REDUCES or base.op not in REDUCE_OPS or plan.reduces != 1 or _reuses_an_operand(base, plan):
+    return False
+  renderer = Device[base.device].renderer
+  return getattr(renderer, "has_threads", False) and getattr(renderer, "has_local", False)
+
+
+def _reuses_an_operand(reduce: LazyBuffer, plan: _KernelPlan) -> bool:
+  """Whether a load of the reduce varies along a reduced axis but is broadcast along an output axis: a matmul's or a
+  convolution's operand, whose tiles (tensor cores, local memory) serve one reduce; q, k and v projections of one
+  input stay three matmuls."""
+  loop_shape = reduce.srcs[0].shape
+  outputs = [axis for axis, size in enumerate(loop_shape) if axis not in reduce.arg and size != 1]
+  for _, view in plan.loads:
+    if view is None or view.shape != loop_shape: continue
+    strides = view.real_strides()
+    if any(strides[axis] == 0 for axis in outputs) and any(strides[axis] != 0 for axis in reduce.arg): return True
+  return False
+
+
 def _group_key(base: LazyBuffer) -> tuple:
+  if base.op in REDUCE_OPS: return (base.device, base.shape, base.op, base.dtype, base.arg, base.srcs[0].shape)
   return (base.device, base.shape)
 
 
@@ -595,7 +646,9 @@ def _schedule_group(group: list[LazyBuffer], realizes: Realizations) -> tuple[Sc
     builder.root = base
     value = builder.build(*_kernel_value(base))   # _group_outputs took only bases with a kernel walk
     builder.member_values[id(base)] = value
-    stores.append(LazyOp(Ops.STORE, (value,), MemBuffer(number, base.dtype, ShapeTracker.from_shape(base.shape)),
+    # sibling reduces (each a reduce and nothing after it): every output is stored in the reduce's shape
+    out_st = builder.fit_to_reduce(ShapeTracker.from_shape(base.shape))
+    stores.append(LazyOp(Ops.STORE, (builder.reshape_post_reduce(value),), MemBuffer(number, base.dtype, out_st),
                          base.dtype))
   outputs = tuple(base.realized for base in group)
   return ScheduleItem(LazyOp(Ops.SINK, tuple(stores), None, group[0].dtype), outputs, tuple(builder.inputs)), \

@@ -10,7 +10,8 @@ Main types:
   Variable  a named integer in [min, max].
   NumNode   an integer constant.
   MulNode   a * b (b an int), DivNode floor(a / b), ModNode a mod b (floor), b a positive int.
-  SumNode   a flattened sum (at most one NumNode, never a nested SumNode).
+  SumNode   a flattened sum (at most one NumNode, last; never a nested SumNode), its terms in one canonical order
+            (`_base_order`), so equal sums built in any order are one node and render as one expression.
   LtNode    1 if a < b else 0.   AndNode: 1 if every (boolean) operand is 1.
 Nodes are immutable and compare structurally (`==` never builds a node), so they work as dict keys.
 Division and modulo follow Python's floor semantics everywhere.
@@ -18,6 +19,7 @@ Division and modulo follow Python's floor semantics everywhere.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Union
 
 __all__ = ["Node", "Variable", "NumNode", "MulNode", "ProdNode", "DivNode", "ModNode", "SumNode", "LtNode", "AndNode",
@@ -396,6 +398,36 @@ def _combine_div_mod(coefficients: dict[Node, int]) -> Node | None:
   return None
 
 
+# sum terms in their canonical order (below); False keeps them in the order they were added (main before it), for
+# side-by-side measurements of the generated code (extra/bench/profile_jit_step.py --plain-sum-order)
+CANONICAL_SUM_ORDER = True
+
+
+def _variable_order(variable: Variable) -> tuple:
+  """Names in natural order (gidx2 before gidx10), so the kernel's axes stay in their order: gidx*, lidx*, ridx*."""
+  cached = variable.__dict__.get("_variable_order")
+  if cached is None:
+    match = re.fullmatch(r"(.*?)(\d*)", variable.expr)
+    assert match is not None
+    prefix, digits = match.groups()
+    cached = (prefix, int(digits) if digits else -1, variable.expr, variable.min, variable.max,
+              variable.val is not None, variable.val or 0)
+    variable.__dict__["_variable_order"] = cached
+  return cached
+
+
+def _base_order(base: Node) -> tuple:
+  """The sort key of a sum's term by its base (the term without its coefficient; a sum has one term per base): the
+  base's variables in natural order, then its text. Stable across processes (Python's string hashes are not), so a
+  kernel's source and its cache key stay the same from run to run. Cached on the node (nodes are immutable)."""
+  cached = base.__dict__.get("_base_order")
+  if cached is None:
+    if isinstance(base, Variable): cached = ((_variable_order(base),), "")
+    else: cached = (tuple(sorted(_variable_order(variable) for variable in base.vars())), base.render())
+    base.__dict__["_base_order"] = cached
+  return cached
+
+
 def sym_sum(nodes: list[Node | int]) -> Node:
   """Sum of nodes and ints: flattens nested sums, collects like terms (x + x*3 -> x*4), folds constants."""
   coefficients: dict[Node, int] = {}
@@ -415,7 +447,11 @@ def sym_sum(nodes: list[Node | int]) -> Node:
     combined = _combine_div_mod(coefficients)
     if combined is None: break
     pending.append(combined)
-  terms = [_mul(base, coefficient) for base, coefficient in coefficients.items() if coefficient != 0]
+  # one order for the same terms however they were summed: two views with one address give one index
+  # expression (and one load) in the generated code
+  ordered = sorted(coefficients.items(), key=lambda item: _base_order(item[0])) \
+    if CANONICAL_SUM_ORDER and len(coefficients) > 1 else coefficients.items()
+  terms = [_mul(base, coefficient) for base, coefficient in ordered if coefficient != 0]
   terms = [term for term in terms if not (isinstance(term, NumNode) and term.b == 0)]
   # a term can fold to a constant (a Variable with min == max times a factor); move it into the constant
   constant += sum(term.b for term in terms if isinstance(term, NumNode))

@@ -207,8 +207,27 @@ def test_structural_equality_and_hash():
 
 
 def test_vars_order():
-  assert (b * 2 + a + b).vars() == [b, a]
-  assert (x // 4 + a % 2).vars() == [x, a]
+  """First-seen order in the node's structure, where a sum's terms are in their canonical order."""
+  assert (b * 2 + a + b).vars() == [a, b]
+  assert (x // 4 + a % 2).vars() == [a, x]
+  assert ((b + a) // 4).lt(x).vars() == [a, b, x]
+
+
+def test_sum_terms_have_one_order():
+  """The same terms summed in any order give one node (equal, same hash, same text): two views of one buffer
+  with the same address give one index expression, so the generated code loads the element once."""
+  gidx0, gidx2, gidx10 = Variable("gidx0", 0, 7), Variable("gidx2", 0, 7), Variable("gidx10", 0, 7)
+  lidx, ridx = Variable("lidx0", 0, 31), Variable("ridx4", 0, 3)
+  terms = [gidx0 * 36864, ridx * 9216, gidx2 * 576, gidx10 * 24, lidx, (lidx // 2) * 12]
+  sums = [sym_sum(list(order) + [5]) for order in itertools.permutations(terms)]
+  assert all(total == sums[0] and hash(total) == hash(sums[0]) for total in sums)
+  assert len({total.render() for total in sums}) == 1
+  # variables in natural order (gidx2 before gidx10), kinds by name (g, l, r), a variable before the terms built
+  # on it, the constant last
+  assert sums[0].render() == "((gidx0*36864)+(gidx2*576)+(gidx10*24)+lidx0+((lidx0/2)*12)+(ridx4*9216)+5)"
+  # ... and sums built inside other nodes too
+  assert (gidx0 * 4 + lidx) // 3 == (lidx + gidx0 * 4) // 3
+  assert sym_and([(ridx + gidx0).lt(5), lidx.lt(3)]) == sym_and([(gidx0 + ridx).lt(5), lidx.lt(3)])
 
 
 def test_render():

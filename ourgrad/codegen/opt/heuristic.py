@@ -48,6 +48,9 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   """Apply the default Opts for the kernel's device in place."""
   renderer = kernel.renderer
   gpu, has_local = renderer.has_threads, getattr(renderer, "has_local", False)
+  if kernel.sibling_reduces:   # several reduces (batchnorm's backward sums): no matmul tiles, GROUP threads on GPUs
+    _sibling_reduces(kernel, gpu, has_local)
+    return
   if gpu and has_local and kernel.reduceop is not None and tensor_core_conv_tiles(kernel): return
   if gpu and kernel.reduceop is not None and _tensor_core_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and _shared_matmul_tiles(kernel): return
@@ -62,6 +65,14 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   _register_tiling(kernel)
   if gpu: _pick_thread_blocks(kernel)
   if gpu and has_local and kernel.reduceop is not None: _group_for_parallelism(kernel)
+
+
+def _sibling_reduces(kernel: Kernel, gpu: bool, has_local: bool) -> None:
+  """The defaults of a plain reduce, for a kernel of several sibling reduces (one loop, an accumulator each)."""
+  if gpu and has_local and not _matmul_like(kernel) and _group_reduce(kernel): return
+  _register_tiling(kernel)
+  if gpu: _pick_thread_blocks(kernel)
+  if gpu and has_local: _group_for_parallelism(kernel)
 
 
 # a warp's tile of tensor-core instructions (m tiles x n tiles) and a block's warps (along m x along n)
