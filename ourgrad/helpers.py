@@ -23,6 +23,11 @@ T = TypeVar("T")
 # reads DEBUG and PROFILE at every launch. None where the store is not that (Windows keys it differently).
 _ENVIRON_STORE: dict[bytes, bytes] | None = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
+# the raw value of a variable by its encoded name (None: unset), in one dict lookup where the store allows it: the
+# cheapest "is DEBUG set?" that a per-launch fast path can ask (ExecItem.run)
+environ_lookup: Callable[[bytes], Any] = _ENVIRON_STORE.get if _ENVIRON_STORE is not None else \
+  (lambda key: os.environ.get(os.fsdecode(key)))
+
 
 @dataclass(frozen=True)
 class EnvVar:
