@@ -1,8 +1,9 @@
 """ExecItem.run's fast path: a kernel launched twice on the same buffer handles gets a bound launcher, and later
-launches only call it and count. Checked against numpy on the host devices (CLANG, LLVM: their ctypes function with
-bound pointers; PYTHON: the program with bound arguments): counters stay exact, swapping, reallocating or moving a
-buffer onto planned memory invalidates the launcher, and DEBUG=2, the profiler and a capturing JIT still see every
-launch. The CUDA launcher itself is checked with a fake driver in test_cuda_launch.py."""
+launches only call it and count. Checked against numpy on CLANG and LLVM (their ctypes function with bound
+pointers), PYTHON (the program with bound arguments) and, on a GPU, CUDA (CUDAProgram.bind): counters stay exact,
+swapping, reallocating or moving a buffer onto planned memory invalidates the launcher, and DEBUG=2, the profiler
+and a capturing JIT still see every launch. The CUDA launcher is also checked without a GPU, with a fake driver, in
+test_cuda_launch.py."""
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,7 @@ from ourgrad.engine.realize import lower_schedule
 from ourgrad.engine.schedule import create_schedule
 from helpers import skip_unless_device
 
-HOST_DEVICES = ["CLANG", "LLVM", "PYTHON"]
+DEVICES = ["CLANG", "LLVM", "PYTHON", "CUDA"]   # CUDA skips without a GPU
 
 
 def lowered_add(device: str, values: np.ndarray, other: np.ndarray) -> ExecItem:
@@ -55,7 +56,7 @@ def plain_environment(monkeypatch):
   monkeypatch.delenv("PROFILE", raising=False)
 
 
-@pytest.mark.parametrize("device", HOST_DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_repeated_launches_bind_once_and_count_exactly(device, monkeypatch):
   skip_unless_device(device)
   a, b = fresh_values(0), fresh_values(1)
@@ -77,7 +78,7 @@ def test_an_item_run_once_binds_nothing():
   assert item._launch is None
 
 
-@pytest.mark.parametrize("device", HOST_DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_swapped_input_buffer_is_read_after_binding(device):
   skip_unless_device(device)
   a, b, c = fresh_values(0), fresh_values(1), fresh_values(2)
@@ -92,7 +93,7 @@ def test_a_swapped_input_buffer_is_read_after_binding(device):
     np.testing.assert_allclose(output(item), c + b, rtol=1e-6, err_msg=f"launch {launch} after the swap")
 
 
-@pytest.mark.parametrize("device", HOST_DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_reallocated_output_buffer_is_written_after_binding(device):
   skip_unless_device(device)
   a, b = fresh_values(0), fresh_values(1)
@@ -106,7 +107,7 @@ def test_a_reallocated_output_buffer_is_written_after_binding(device):
   assert not np.allclose(output(item), 0)
 
 
-@pytest.mark.parametrize("device", ["CLANG", "PYTHON"])
+@pytest.mark.parametrize("device", ["CLANG", "PYTHON", "CUDA"])
 def test_a_buffer_moved_onto_planned_memory_is_written_there(device):
   skip_unless_device(device)
   a, b = fresh_values(0), fresh_values(1)

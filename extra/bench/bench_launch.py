@@ -1,5 +1,10 @@
-"""Launch cost of a 1-element kernel on CUDA at each layer of the engine (ExecItem.run, CompiledRunner.__call__,
-CUDAProgram.__call__ alone), beside PyTorch's `x.add_(1)`.
+"""Launch cost of a 1-element kernel on CUDA at each layer of the engine, beside PyTorch's `x.add_(1)`:
+  ExecItem.run                  the fast path: a kernel launched again on the same buffers calls its bound launcher
+  ExecItem.run, general path    what every launch cost before the fast path (and what a launch with DEBUG or PROFILE
+                                set, a first launch, or one on new buffers costs now)
+  bound launcher                CUDAProgram.bind's launcher alone: cuLaunchKernel with every argument bound
+  CompiledRunner.__call__, CUDAProgram.__call__   the layers below the general path
+  ..., driver call a no-op      the same with cuLaunchKernel replaced by a no-op: the Python part of each row
 
 Method: rounds alternate between the rows; a round times `--launches` launches from the host (the "host" column:
 the time until the last call returns, so the launch queue never fills: the device is synchronized before each
@@ -21,8 +26,10 @@ from typing import Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad, not an installed one
 from ourgrad import Device, Tensor  # noqa: E402
+from ourgrad.engine.exec_item import ExecItem  # noqa: E402
 from ourgrad.engine.realize import lower_schedule  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
+from ourgrad.runtime import ops_cuda  # noqa: E402
 
 
 def per_launch_us(launch: Callable[[], None], sync: Callable[[], None], launches: int) -> tuple[float, float]:
@@ -35,6 +42,32 @@ def per_launch_us(launch: Callable[[], None], sync: Callable[[], None], launches
   return host / launches * 1e6, (time.perf_counter() - start) / launches * 1e6
 
 
+def python_only_rows(item: ExecItem, rounds: int, launches: int) -> dict[str, float]:
+  """Median host us per launch of each layer with cuLaunchKernel replaced by a no-op: the Python part alone (a copy
+  of `item` binds its launcher while the no-op is in place, so that launcher calls the no-op too)."""
+  def no_op_launch(*args: object) -> tuple:
+    return (ops_cuda.CUDA_SUCCESS,)
+  real_launch = ops_cuda.driver.cuLaunchKernel
+  ops_cuda.driver.cuLaunchKernel = no_op_launch
+  try:
+    copy = ExecItem(item.runner, item.bufs, device=item.device)
+    for _ in range(2): copy.run()
+    runner, program = copy.runner, copy.runner.program
+    handles = [buffer.handle for buffer in copy.bufs]
+    paths: dict[str, Callable[[], None]] = {
+      "ExecItem.run": copy.run, "ExecItem.run, general path": lambda: copy._run_general(False),
+      "bound launcher": copy._launch, "CompiledRunner.__call__": lambda: runner(copy.bufs),
+      "CUDAProgram.__call__": lambda: program(*handles, global_size=runner.global_size, local_size=runner.local_size)}
+    results: dict[str, list[float]] = {name: [] for name in paths}
+    for round_index in range(rounds + 1):
+      for name, launch in paths.items():
+        timing = per_launch_us(launch, lambda: None, launches)[0]
+        if round_index: results[name].append(timing)
+  finally:
+    ops_cuda.driver.cuLaunchKernel = real_launch
+  return {f"{name}, driver call a no-op": statistics.median(timings) for name, timings in results.items()}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--launches", type=int, default=500)
@@ -43,10 +76,14 @@ def main() -> None:
   device = Device["CUDA"]
   x = Tensor([1.0], device="CUDA").realize()
   (item,) = lower_schedule(create_schedule([(x + 1).lazydata]))
-  runner, program = item.runner, item.runner.program
+  for _ in range(2): item.run()   # the same buffers twice: the item binds its launcher
+  runner, program, launcher = item.runner, item.runner.program, item._launch
+  assert launcher is not None, "the ExecItem did not bind a launcher (is DEBUG or PROFILE set?)"
   handles = [buffer.handle for buffer in item.bufs]
   paths: dict[str, Callable[[], None]] = {
     "ExecItem.run": item.run,
+    "ExecItem.run, general path": lambda: item._run_general(False),   # a launch before the fast path existed
+    "bound launcher": launcher,
     "CompiledRunner.__call__": lambda: runner(item.bufs),
     "CUDAProgram.__call__": lambda: program(*handles, global_size=runner.global_size, local_size=runner.local_size),
   }
@@ -64,13 +101,15 @@ def main() -> None:
       sync = torch_sync if name.startswith("PyTorch") else device.synchronize
       timing = per_launch_us(launch, sync, args.launches)
       if round_index: results[name].append(timing)   # round 0 warms up
-  width = max(len("launch of a 1-element kernel"), *(len(name) for name in paths))
+  width = max(len("launch of a 1-element kernel"), *(len(name) for name in paths), 50)
   print(f"| {'launch of a 1-element kernel'.ljust(width)} | host us | with sync us |")
   print(f"| {'-' * width} | --- | --- |")
   for name, timings in results.items():
     host = statistics.median(timing[0] for timing in timings)
     synced = statistics.median(timing[1] for timing in timings)
     print(f"| {name.ljust(width)} | {host:.2f} | {synced:.2f} |")
+  for name, host in python_only_rows(item, args.rounds, args.launches).items():
+    print(f"| {name.ljust(width)} | {host:.2f} | - |")
 
 
 if __name__ == "__main__":
