@@ -87,6 +87,12 @@ def main() -> None:
     "CompiledRunner.__call__": lambda: runner(item.bufs),
     "CUDAProgram.__call__": lambda: program(*handles, global_size=runner.global_size, local_size=runner.local_size),
   }
+  # experiments: the same bound launch on other streams (ourgrad's is a blocking stream made with cuStreamCreate(0))
+  non_blocking = ops_cuda.check(ops_cuda.driver.cuStreamCreate(ops_cuda.driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                                "cuStreamCreate")
+  for label, stream in (("non-blocking stream", non_blocking), ("legacy default stream", ops_cuda.driver.CUstream(0)),
+                        ("per-thread default stream", ops_cuda.driver.CUstream(ops_cuda.driver.CU_STREAM_PER_THREAD))):
+    paths[f"experiment: bound launcher, {label}"] = program.bind(handles, runner.global_size, runner.local_size, stream)
   try:
     import torch
     tensor = torch.ones(1, device="cuda")
@@ -95,10 +101,12 @@ def main() -> None:
   except Exception as error:  # no CUDA torch: the ourgrad rows alone
     print(f"(no PyTorch row: {type(error).__name__}: {error})")
     torch_sync = device.synchronize
+  def context_sync() -> None: ops_cuda.check(ops_cuda.driver.cuCtxSynchronize(), "cuCtxSynchronize")
   results: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
   for round_index in range(args.rounds + 1):
     for name, launch in paths.items():
-      sync = torch_sync if name.startswith("PyTorch") else device.synchronize
+      sync = torch_sync if name.startswith("PyTorch") else context_sync if name.startswith("experiment") else \
+        device.synchronize
       timing = per_launch_us(launch, sync, args.launches)
       if round_index: results[name].append(timing)   # round 0 warms up
   width = max(len("launch of a 1-element kernel"), *(len(name) for name in paths), 50)
