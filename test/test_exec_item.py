@@ -51,7 +51,7 @@ def fresh_values(seed: int, size: int = 7) -> np.ndarray:
 
 @pytest.fixture(autouse=True)
 def plain_environment(monkeypatch):
-  # the fast path runs only while DEBUG and PROFILE are unset
+  # the fast path runs only while DEBUG < 2 and PROFILE is off: start from neither set
   monkeypatch.delenv("DEBUG", raising=False)
   monkeypatch.delenv("PROFILE", raising=False)
 
@@ -132,12 +132,21 @@ def test_debug_2_prints_each_launch_after_binding(monkeypatch, capsys):
   assert len(printed) == 2
 
 
-def test_debug_1_does_not_rebind_at_each_launch(monkeypatch):
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_debug_0_and_1_keep_the_fast_path(debug, monkeypatch):
+  item = lowered_add("CLANG", fresh_values(0), fresh_values(1))
+  for _ in range(3): item.run()
+  monkeypatch.setenv("DEBUG", debug)
+  general = count_general_launches(monkeypatch)
+  for _ in range(3): item.run()
+  assert not general
+
+
+def test_the_general_path_does_not_rebind_a_bound_item():
   item = lowered_add("CLANG", fresh_values(0), fresh_values(1))
   for _ in range(3): item.run()
   launcher = item._launch
-  monkeypatch.setenv("DEBUG", "1")   # the general path runs; the launcher for these handles stays
-  for _ in range(3): item.run()
+  for _ in range(3): item._run_general(False)
   assert item._launch is launcher
 
 

@@ -156,9 +156,12 @@ jit_recording = JitRecording()
 _HANDLE = operator.attrgetter("_handle")
 
 
-# DEBUG and PROFILE by their encoded names: the fast path runs only while neither is set (any value, even 0, takes
-# the general path, which reads them properly), which it tests with two dict lookups instead of parsing them
+# DEBUG and PROFILE by their encoded names, and their raw values under which a launch is neither printed nor timed
+# (unset, DEBUG=0 or 1, PROFILE=0): the fast path tests them with two dict lookups instead of parsing them, and any
+# other value takes the general path, which reads them properly
 _DEBUG_KEY, _PROFILE_KEY = os.fsencode(DEBUG.name), os.fsencode(PROFILE.name)
+_QUIET_DEBUG = frozenset({None, b"0", b"1", "0", "1"})   # str where the environment store is os.environ itself
+_QUIET_PROFILE = frozenset({None, b"0", "0"})
 
 
 @dataclass(eq=False)
@@ -169,8 +172,8 @@ class ExecItem:
   (`CompiledRunner.bind`: argument arrays, launch sizes, the stream), and later launches with those handles only
   call it and count. The buffers' handles are compared by identity at each launch, so a buffer swapped into `bufs`
   (TinyJit's inputs), a buffer allocated, freed or moved onto planned memory all take the general path, which binds
-  again once the new handles are seen twice. The fast path runs only while DEBUG and PROFILE are unset and no
-  profile() block is open; it counts like the general path, and a capturing JIT records the item the same way."""
+  again once the new handles are seen twice. The fast path runs only while DEBUG < 2, PROFILE is off and no profile()
+  block is open; it counts like the general path, and a capturing JIT records the item the same way."""
   runner: Runner
   bufs: list[Buffer]
   var_vals: dict[str, int] = field(default_factory=dict)
@@ -185,9 +188,9 @@ class ExecItem:
 
   def run(self, wait: bool = False) -> float | None:
     """Launch: allocate the buffers, run, count, print at DEBUG=2, and record the item if a JIT is capturing."""
-    if self._launch is not None and not wait and environ_lookup(_DEBUG_KEY) is None and \
-        environ_lookup(_PROFILE_KEY) is None and not profiler.open_blocks and self._launch_runner is self.runner and \
-        list(map(id, map(_HANDLE, self.bufs))) == self._launch_ids:
+    if self._launch is not None and not wait and environ_lookup(_DEBUG_KEY) in _QUIET_DEBUG and \
+        environ_lookup(_PROFILE_KEY) in _QUIET_PROFILE and not profiler.open_blocks and \
+        self._launch_runner is self.runner and list(map(id, map(_HANDLE, self.bufs))) == self._launch_ids:
       self._launch()
       runner = self.runner
       GlobalCounters.kernel_count += 1   # only CompiledRunners are bound
@@ -221,7 +224,7 @@ class ExecItem:
     launch never pays for binding, nor does one whose buffers change at every launch."""
     handles = list(map(_HANDLE, self.bufs))
     ids = list(map(id, handles))
-    if ids == self._launch_ids and self._launch_runner is self.runner: return  # bound already (DEBUG=1 is set)
+    if ids == self._launch_ids and self._launch_runner is self.runner: return  # bound already
     if ids == self._last_ids:
       assert isinstance(self.runner, CompiledRunner)
       self._launch, self._launch_runner = self.runner.bind(self.bufs), self.runner
