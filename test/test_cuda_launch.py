@@ -164,3 +164,11 @@ def test_exec_item_fast_path_launches_the_current_buffers(program, monkeypatch):
   assert arguments == [(0x1000, 0x2000)] * 4 + [(0x1000, 0x3000)] * 3 + [(0x9000, 0x3000)]
   assert len(binds) == 2 and GlobalCounters.kernel_count == 8 and GlobalCounters.global_mem == 8 * 48
   for buffer in buffers: buffer._handle = None   # fake handles: nothing to free
+
+
+def test_a_launcher_bound_to_another_stream_launches_there(program, monkeypatch):
+  streams: list = []
+  monkeypatch.setattr(driver, "cuLaunchKernel", lambda *args: streams.append(args[8]) or (SUCCESS,))
+  program.bind(pointers(0x10), (1, 1, 1), (1, 1, 1))()
+  program.bind(pointers(0x10), (1, 1, 1), (1, 1, 1), stream="another stream")()
+  assert streams == [FakeDevice.stream, "another stream"]
