@@ -18,11 +18,12 @@ Run: `python extra/bench/bench_launch.py` on a CUDA machine.
 from __future__ import annotations
 
 import argparse
+import gc
 import pathlib
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad, not an installed one
 from ourgrad import Device, Tensor  # noqa: E402
@@ -68,14 +69,75 @@ def python_only_rows(item: ExecItem, rounds: int, launches: int) -> dict[str, fl
   return {f"{name}, driver call a no-op": statistics.median(timings) for name, timings in results.items()}
 
 
+def mean_us(launch: Callable[[], None], sync: Callable[[], None], launches: int = 2000) -> float:
+  """bench_jit.py's method: the mean over `launches` launches after 10, synchronized at the end."""
+  for _ in range(10): launch()
+  sync()
+  start = time.perf_counter()
+  for _ in range(launches): launch()
+  sync()
+  return (time.perf_counter() - start) / launches * 1e6
+
+
+def percentiles_us(launch: Callable[[], None], sync: Callable[[], None], launches: int = 2000) -> str:
+  """p50/p90/p99/max of the host time of each of `launches` launches (each timed on its own)."""
+  sync()
+  times = []
+  for _ in range(launches):
+    start = time.perf_counter()
+    launch()
+    times.append((time.perf_counter() - start) * 1e6)
+  sync()
+  times.sort()
+  return " / ".join(f"{times[int(q * (len(times) - 1))]:.2f}" for q in (0.5, 0.9, 0.99, 1.0))
+
+
+def diagnose(item: ExecItem, device: Any) -> None:
+  """Why bench_jit's launch row (a mean right after the device opened) differs from this bench's medians: the same
+  launches timed by bench_jit's method in several conditions (see `--diagnose`)."""
+  rows: list[tuple[str, str]] = []
+  sync = device.synchronize
+  warm_up_alive = any(thread.is_alive() for thread in ops_cuda._WARM_UPS)
+  rows.append((f"ExecItem.run, mean of 2000, right after the device opened (NVRTC warm-up thread alive: "
+               f"{warm_up_alive})", f"{mean_us(item.run, sync):.2f}"))
+  rows.append(("ExecItem.run, p50 / p90 / p99 / max of single launches", percentiles_us(item.run, sync)))
+  ops_cuda._finish_warm_ups()
+  rows.append(("ExecItem.run, mean of 2000, warm-up thread joined", f"{mean_us(item.run, sync):.2f}"))
+  rows.append(("bound launcher, mean of 2000", f"{mean_us(item._launch, sync):.2f}"))
+  gc.disable()
+  rows.append(("ExecItem.run, mean of 2000, gc disabled", f"{mean_us(item.run, sync):.2f}"))
+  gc.enable()
+  rows.append(("ExecItem.run, mean of 500 (4 times, median)",
+               f"{statistics.median(mean_us(item.run, sync, 500) for _ in range(4)):.2f}"))
+  try:
+    import torch
+    tensor = torch.ones(1, device="cuda")
+    rows.append(("PyTorch x.add_(1), mean of 2000", f"{mean_us(lambda: tensor.add_(1), torch.cuda.synchronize):.2f}"))
+    rows.append(("PyTorch x.add_(1), p50 / p90 / p99 / max",
+                 percentiles_us(lambda: tensor.add_(1), torch.cuda.synchronize)))
+    rows.append(("ExecItem.run, mean of 2000, after PyTorch's launches", f"{mean_us(item.run, sync):.2f}"))
+    rows.append(("ExecItem.run, p50 / p90 / p99 / max, after PyTorch's", percentiles_us(item.run, sync)))
+  except Exception as error:  # no CUDA torch
+    rows.append(("PyTorch", f"{type(error).__name__}: {error}"))
+  width = max(len(label) for label, _ in rows)
+  print(f"| {'1-element kernel, bench_jit method'.ljust(width)} | us per launch |\n| {'-' * width} | --- |")
+  for label, value in rows: print(f"| {label.ljust(width)} | {value} |")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--launches", type=int, default=500)
   parser.add_argument("--rounds", type=int, default=21)
+  parser.add_argument("--diagnose", action="store_true",
+                      help="only bench_jit's method (mean of 2000 launches) in several conditions, right after the "
+                           "device opened, with percentiles of single launches")
   args = parser.parse_args()
   device = Device["CUDA"]
   x = Tensor([1.0], device="CUDA").realize()
   (item,) = lower_schedule(create_schedule([(x + 1).lazydata]))
+  if args.diagnose:
+    diagnose(item, device)
+    return
   for _ in range(2): item.run()   # the same buffers twice: the item binds its launcher
   runner, program, launcher = item.runner, item.runner.program, item._launch
   assert launcher is not None, "the ExecItem did not bind a launcher (is DEBUG or PROFILE set?)"
