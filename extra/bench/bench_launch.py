@@ -10,6 +10,16 @@ Method: rounds alternate between the rows; a round times `--launches` launches f
 the time until the last call returns, so the launch queue never fills: the device is synchronized before each
 round, outside the timing) and then the same launches with the synchronization included ("with sync"). Medians
 over `--rounds` rounds, in microseconds per launch.
+`--diagnose` times the launch by bench_jit.py's method instead (the mean of 2000 launches, right after the device
+opened) in several conditions, with percentiles of single launches.
+
+Where the time goes (H100 host, run 1 of this session, one run; host us per launch): the bound launcher (cuda-python's
+wrapper + libcuda's cuLaunchKernel) 4.36, of which Python 0.15; ExecItem.run's fast path 5.99 (Python 1.33: the
+checks, the handle comparison, the counters); the general path 10.26 (Python 4.33), CompiledRunner.__call__ 6.76,
+CUDAProgram.__call__ 6.33; PyTorch x.add_(1) 8.89. The same launch on a non-blocking, the legacy or the per-thread
+default stream: 4.5-4.6 (no gain). On the 2-core CPU without a GPU (driver call a no-op, min of 7 x 100k): main's
+ExecItem.run 2.07, CompiledRunner.__call__ 1.90, CUDAProgram.__call__ 1.07; the fast path 0.53, its launcher 0.08;
+cuda-python's wrapper over a stub libcuda whose cuLaunchKernel returns at once: 0.30.
 Measured on the H100 (one run): calling libcuda's cuLaunchKernel through ctypes with pre-bound ctypes arguments was
 0.75-0.8 us slower per launch than cuda-python's wrapper at every layer (CUDAProgram 6.19 vs 5.37 us, ExecItem.run
 8.21 vs 7.47, PyTorch 6.94), so the wrapper stays the launch path.
