@@ -13,13 +13,18 @@ over `--rounds` rounds, in microseconds per launch.
 `--diagnose` times the launch by bench_jit.py's method instead (the mean of 2000 launches, right after the device
 opened) in several conditions, with percentiles of single launches.
 
-Where the time goes (H100 host, run 1 of this session, one run; host us per launch): the bound launcher (cuda-python's
-wrapper + libcuda's cuLaunchKernel) 4.36, of which Python 0.15; ExecItem.run's fast path 5.99 (Python 1.33: the
-checks, the handle comparison, the counters); the general path 10.26 (Python 4.33), CompiledRunner.__call__ 6.76,
-CUDAProgram.__call__ 6.33; PyTorch x.add_(1) 8.89. The same launch on a non-blocking, the legacy or the per-thread
-default stream: 4.5-4.6 (no gain). On the 2-core CPU without a GPU (driver call a no-op, min of 7 x 100k): main's
+Where the time goes (H100 host, host us per launch; run 1 / run 2 of this session, each one run): the bound launcher
+(cuda-python's wrapper + libcuda's cuLaunchKernel) 4.36 / 3.98, of which Python 0.15 / 0.14; ExecItem.run's fast
+path 5.99 / 5.57 (Python 1.33 / 0.88: the checks, the handle comparison, the counters); the general path 10.26 / 8.29
+(Python 4.33 / 3.34); PyTorch x.add_(1) 8.89 / 7.42. The bound launch on a non-blocking, the legacy or the per-thread
+default stream: 4.2-4.6, no gain. On the 2-core CPU without a GPU (driver call a no-op, min of 7 x 100k): main's
 ExecItem.run 2.07, CompiledRunner.__call__ 1.90, CUDAProgram.__call__ 1.07; the fast path 0.53, its launcher 0.08;
 cuda-python's wrapper over a stub libcuda whose cuLaunchKernel returns at once: 0.30.
+bench_jit's method vs this one (run 2, `--diagnose`): the mean of 2000 launches right after the device opened 6.31
+(PyTorch 10.28), the median of four means of 500 6.01; single launches p50/p90/p99/max 6.07/7.20/11.41/22.24 (no
+stalls); with gc off 6.19, after PyTorch's launches 6.34; the NVRTC warm-up thread had finished. The methods agree;
+their rows differ between commands of one run by the host's noise (bench_jit's row: 8.0 vs PyTorch 8.1 in run 1,
+4.9 vs 8.8 with `--only launch` and 7.3 vs 9.2 in the full bench in run 2).
 Measured on the H100 (one run): calling libcuda's cuLaunchKernel through ctypes with pre-bound ctypes arguments was
 0.75-0.8 us slower per launch than cuda-python's wrapper at every layer (CUDAProgram 6.19 vs 5.37 us, ExecItem.run
 8.21 vs 7.47, PyTorch 6.94), so the wrapper stays the launch path.
