@@ -23,6 +23,11 @@ T = TypeVar("T")
 # reads DEBUG and PROFILE at every launch. None where the store is not that (Windows keys it differently).
 _ENVIRON_STORE: dict[bytes, bytes] | None = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
+# the raw value of a variable by its encoded name (None: unset), in one dict lookup where the store allows it: the
+# cheapest "is DEBUG set?" that a per-launch fast path can ask (ExecItem.run)
+environ_lookup: Callable[[bytes], Any] = _ENVIRON_STORE.get if _ENVIRON_STORE is not None else \
+  (lambda key: os.environ.get(os.fsdecode(key)))
+
 
 @dataclass(frozen=True)
 class EnvVar:
@@ -129,20 +134,21 @@ def cache_dir() -> pathlib.Path:
 
 # ---------------------------------------------------------------- counters
 
-class GlobalCounters:
+class _GlobalCounters:
   """What ran since the last `reset()`: kernels launched, arithmetic ops, bytes read+written, device time."""
-  kernel_count: int = 0
-  global_ops: int = 0
-  global_mem: int = 0
-  time_sum_s: float = 0.0
-  mem_used: int = 0  # bytes currently allocated on all devices (not reset)
+  __slots__ = ("kernel_count", "global_ops", "global_mem", "time_sum_s", "mem_used")
 
-  @staticmethod
-  def reset() -> None:
-    GlobalCounters.kernel_count = 0
-    GlobalCounters.global_ops = 0
-    GlobalCounters.global_mem = 0
-    GlobalCounters.time_sum_s = 0.0
+  def __init__(self) -> None:
+    self.kernel_count, self.global_ops, self.global_mem, self.time_sum_s = 0, 0, 0, 0.0
+    self.mem_used = 0  # bytes currently allocated on all devices (not reset)
+
+  def reset(self) -> None:
+    self.kernel_count, self.global_ops, self.global_mem, self.time_sum_s = 0, 0, 0, 0.0
+
+
+# the one set of counters: attributes of an instance, not of a class, because every launch adds to them and a write
+# to a class attribute invalidates the class's attribute cache (three counts cost ~140 ns instead of ~40)
+GlobalCounters = _GlobalCounters()
 
 
 # ---------------------------------------------------------------- bounded caches

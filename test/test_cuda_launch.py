@@ -112,3 +112,63 @@ def test_fast_launch_passes_the_dynamic_shared_memory(program, monkeypatch):
   monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
   program(*pointers(0x1000, 0x2000), global_size=(4, 1, 1), local_size=(128, 1, 1))
   assert recorder.launches == [((4, 1, 1), (128, 1, 1), (0x1000, 0x2000))]
+
+
+def test_a_bound_launcher_passes_its_buffers_sizes_and_shared_memory(program, monkeypatch):
+  program.shared_bytes = 4096
+  recorder = LaunchRecorder(count=2, shared=4096)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+  first = program.bind(pointers(0x1000, 0x2000), (8, 1, 1), (256, 1, 1))
+  second = program.bind(pointers(0x5000, 0x6000), (2, 3, 1), (32, 4, 1))
+  first()
+  second()
+  first()   # each launcher has its own argument arrays: binding another does not change them
+  assert recorder.launches == [((8, 1, 1), (256, 1, 1), (0x1000, 0x2000)), ((2, 3, 1), (32, 4, 1), (0x5000, 0x6000)),
+                               ((8, 1, 1), (256, 1, 1), (0x1000, 0x2000))]
+
+
+def test_a_failed_bound_launch_names_the_kernel(program, monkeypatch):
+  failure = driver.CUresult.CUDA_ERROR_INVALID_VALUE
+  monkeypatch.setattr(driver, "cuLaunchKernel", LaunchRecorder(count=1, status=failure))
+  monkeypatch.setattr(driver, "cuGetErrorName", lambda status: (SUCCESS, b"CUDA_ERROR_INVALID_VALUE"))
+  monkeypatch.setattr(driver, "cuGetErrorString", lambda status: (SUCCESS, b"invalid argument"))
+  launch = program.bind(pointers(0x10), (1, 1, 1), (1, 1, 1))
+  with pytest.raises(ops_cuda.DeviceError, match=r"cuLaunchKernel\(E_4\).*CUDA_ERROR_INVALID_VALUE"):
+    launch()
+
+
+def test_exec_item_fast_path_launches_the_current_buffers(program, monkeypatch):
+  """ExecItem.run on a CUDA kernel: after two launches on the same buffers it launches through the bound launcher,
+  and a buffer swapped in (TinyJit's new input) or moved onto other memory is what the kernel gets next."""
+  from ourgrad import GlobalCounters, dtypes
+  from ourgrad.device import Buffer
+  from ourgrad.engine.exec_item import CompiledRunner, ExecItem
+  monkeypatch.delenv("DEBUG", raising=False)
+  monkeypatch.delenv("PROFILE", raising=False)
+  recorder = LaunchRecorder(count=2)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+  binds: list[int] = []
+  original_bind = program.bind
+  monkeypatch.setattr(program, "bind", lambda *args: binds.append(1) or original_bind(*args))
+  buffers = [Buffer("CUDA", 4, dtypes.float32) for _ in range(3)]
+  for buffer, address in zip(buffers, (0x1000, 0x2000, 0x3000)): buffer._handle = driver.CUdeviceptr(address)
+  runner = CompiledRunner("E_4", "E_4", "", program, (4, 1, 1), (32, 1, 1), op_count=4, byte_count=48)
+  item = ExecItem(runner, buffers[:2], device="CUDA")
+  GlobalCounters.reset()
+  for _ in range(4): item.run()
+  item.bufs[1] = buffers[2]
+  for _ in range(3): item.run()
+  buffers[0]._handle = driver.CUdeviceptr(0x9000)   # the output moved (the memory planner's use_memory_of)
+  item.run()
+  arguments = [launch[2] for launch in recorder.launches]
+  assert arguments == [(0x1000, 0x2000)] * 4 + [(0x1000, 0x3000)] * 3 + [(0x9000, 0x3000)]
+  assert len(binds) == 2 and GlobalCounters.kernel_count == 8 and GlobalCounters.global_mem == 8 * 48
+  for buffer in buffers: buffer._handle = None   # fake handles: nothing to free
+
+
+def test_a_launcher_bound_to_another_stream_launches_there(program, monkeypatch):
+  streams: list = []
+  monkeypatch.setattr(driver, "cuLaunchKernel", lambda *args: streams.append(args[8]) or (SUCCESS,))
+  program.bind(pointers(0x10), (1, 1, 1), (1, 1, 1))()
+  program.bind(pointers(0x10), (1, 1, 1), (1, 1, 1), stream="another stream")()
+  assert streams == [FakeDevice.stream, "another stream"]

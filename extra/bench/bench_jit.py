@@ -8,7 +8,8 @@ Method: each step time is the mean of `--steps` steps after `--warmup` steps, sy
 it is their wall time; on the CPU, where kernels run on the calling thread, it is the wall time of the same steps
 with every compiled kernel replaced by a no-op (graph building, scheduling, launching and the ctypes calls remain).
 Run: `python extra/bench/bench_jit.py` (CUDA when present, else the CPU); `--device CLANG` forces the CPU;
-`--replay-only` prints only the Python per replayed step, split into TinyJit's Python and the launch.
+`--replay-only` prints only the Python per replayed step, split into TinyJit's Python and the launch; `--only launch`
+only the launch rows (the 1-element kernel through ExecItem.run, and PyTorch's).
 """
 from __future__ import annotations
 
@@ -316,10 +317,14 @@ def main() -> None:
   parser.add_argument("--replay-steps", type=int, default=200, help="calls timed for the Python per replayed step")
   parser.add_argument("--replay-only", action="store_true",
                       help="only the Python per replayed step (the host cost of TinyJit's replay) of both workloads")
+  parser.add_argument("--only", choices=["launch"], help="launch: only the launch rows of a 1-element kernel")
   args = parser.parse_args()
   device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = device  # models and optimizer state are made on the default device
   cuda = device == "CUDA"
+  if args.only == "launch":
+    print_rows(device, launch_rows(device, cuda, args.no_torch))
+    return
   mnist = load_mnist_example()
   workloads = [("MLP step", MLP, (784,), 512 if cuda else 256, torch_mlp),
                ("MNIST CNN step", lambda: mnist.ConvNet(mnist.MODELS["small"]), (1, 28, 28), 256, torch_mnist)]
@@ -350,9 +355,7 @@ def main() -> None:
       theirs = bench_torch(make_torch, shape, batch, cuda, args)
       rows.append((f"{name} (batch {batch}), PyTorch eager", ms(theirs["eager"])))
       if "graph" in theirs: rows.append((f"{name} (batch {batch}), PyTorch CUDA graph", ms(theirs["graph"])))
-  rows.append(("launch of a 1-element kernel (ExecItem.run)", f"{launch_cost(device, 2000) * 1e6:.1f} us"))
-  if not args.no_torch:
-    rows.append(("launch of a 1-element kernel, PyTorch", f"{torch_launch_cost(cuda, 2000) * 1e6:.1f} us"))
+  rows += launch_rows(device, cuda, args.no_torch)
   rows.append(("1-element op (x + 1).realize(), whole eager path", f"{eager_op_cost(device, 2000) * 1e6:.1f} us"))
   if not args.no_torch:
     rows.append(("1-element op x + 1, PyTorch", f"{torch_op_cost(cuda, 2000) * 1e6:.1f} us"))
@@ -364,6 +367,13 @@ def main() -> None:
                  f"{ms(seconds)} per token, {compiles} kernels compiled"))
   rows.append(("LLM-style decode, TinyJit vs eager outputs", f"max |difference| {decode['max_diff']:.2e}"))
   print_rows(device, rows)
+
+
+def launch_rows(device: str, cuda: bool, no_torch: bool) -> list[tuple[str, str]]:
+  rows = [("launch of a 1-element kernel (ExecItem.run)", f"{launch_cost(device, 2000) * 1e6:.1f} us")]
+  if not no_torch:
+    rows.append(("launch of a 1-element kernel, PyTorch", f"{torch_launch_cost(cuda, 2000) * 1e6:.1f} us"))
+  return rows
 
 
 def print_rows(device: str, rows: list[tuple[str, str]]) -> None:

@@ -9,12 +9,13 @@ Host<->device copies go through a pinned staging buffer. Every driver call is ch
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ourgrad.device import Compiled, Compiler, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
@@ -259,6 +260,25 @@ class CUDAProgram:
                                         self.device.stream, self._params_address, 0)
     if status != CUDA_SUCCESS: check((status,), f"cuLaunchKernel({self.name})")
     return None
+
+  def bind(self, handles: list[Any], global_size: tuple[int, ...], local_size: tuple[int, ...],
+           stream: Any = None) -> Callable[[], None]:
+    """A launcher of this kernel on these buffer handles with these sizes, with nothing left to compute per launch
+    (ExecItem.run's fast path): its own argument arrays, filled once, so it needs no lock; the driver call's
+    arguments are bound in a functools.partial. The caller makes a new one when a handle changes. `stream`: the
+    device's stream unless given (extra/bench/bench_launch.py compares streams)."""
+    arguments = (ctypes.c_uint64 * max(len(handles), 1))(*[int(handle) for handle in handles])
+    base, size = ctypes.addressof(arguments), ctypes.sizeof(ctypes.c_uint64)
+    pointers = (ctypes.c_void_p * max(len(handles), 1))(*[base + index * size for index in range(len(handles))])
+    call_driver = functools.partial(driver.cuLaunchKernel, self.function, *global_size, *local_size, self.shared_bytes,
+                                    self.device.stream if stream is None else stream, ctypes.addressof(pointers), 0)
+    name = self.name
+
+    def launch() -> None:
+      (status,) = call_driver()
+      if status is not CUDA_SUCCESS: check((status,), f"cuLaunchKernel({name})")
+    launch.argument_arrays = (arguments, pointers)  # type: ignore[attr-defined]  # alive as long as the launcher
+    return launch
 
   def _launch_general(self, buffers: tuple, global_size: tuple[int, ...], local_size: tuple[int, ...], wait: bool,
                       vals: tuple[int, ...]) -> float | None:
