@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from ourgrad import Tensor
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.kernel import (SHARED_ASYNC, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL, Kernel, KernelOptError, Opt,
+                                   OptOps)
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import SHARED_TILES
 from ourgrad.codegen.uops import UOps
@@ -299,3 +300,58 @@ def test_mlp_classifier_matmuls_fill_the_gpu() -> None:
   weight_grad.hand_coded_optimizations()
   assert weight_grad.applied_opts == [Opt(OptOps.LOCAL, 1, 32), Opt(OptOps.GROUPTOP, 0, 8), Opt(OptOps.UNROLL, 0, 4)]
   assert _blocks(weight_grad) == 160
+
+
+# ---------------------------------------------------------------- the tile's structure flags (SHARED's amount)
+
+def _structure_tile(m_axis: int) -> list[Opt]:
+  """A 64x64 block tile (8x8 threads, 2x2 float4 runs each: the 4096^3 tile's structure at a quarter of the
+  threads) of the matmul whose M axis is `m_axis` (N the next)."""
+  m, n = m_axis, m_axis + 1
+  return [Opt(OptOps.UPCAST, m, 4), Opt(OptOps.UPCAST, n, 4), Opt(OptOps.LOCAL, m, 8), Opt(OptOps.LOCAL, n, 8),
+          Opt(OptOps.UPCAST, n, 2), Opt(OptOps.UPCAST, m, 2)]
+STRUCTURES = {
+  # name: (SHARED's amount, reduce step, expected (float4 tile stores, COPYs of 16 bytes, of 4 bytes, launch bounds'
+  # blocks) per kernel)
+  "vector_fill": (4 + SHARED_VECTOR_FILL, 16, (True, 0, 0, 0)),
+  "two_blocks": (4 + SHARED_TWO_BLOCKS, 16, (False, 0, 0, 2)),
+  "vector_fill_two_blocks": (4 + SHARED_VECTOR_FILL + SHARED_TWO_BLOCKS, 8, (True, 0, 0, 2)),
+  "async_2_stages": (4 + SHARED_ASYNC, 16, (False, True, True, 0)),
+  "async_3_stages_two_blocks": (4 + 2 * SHARED_ASYNC + SHARED_TWO_BLOCKS, 8, (False, True, True, 2)),
+  "async_4_stages_unpadded": (3 * SHARED_ASYNC, 8, (False, True, True, 0)),
+}
+STRUCTURE_LAYOUTS = {
+  "a@b": (lambda a, b: a @ b, [(64, 64), (64, 64)]),
+  "aT@bT": (lambda a, b: a.T @ b.T, [(64, 64), (64, 64)]),
+  "batched": (lambda a, b: a @ b, [(2, 64, 32), (2, 32, 64)]),
+}
+
+
+@pytest.mark.parametrize("layout", list(STRUCTURE_LAYOUTS))
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_tile_structures_match_noopt(structure: str, layout: str) -> None:
+  """The float32 tile's structure flags (kernel.py SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC): float4
+  stores of an operand contiguous along the tile's rows, the launch bounds' second block, and cp.async copies in 2-4
+  stages (16 bytes where the operand's float4 is one of the tile, else element by element) instead of the register
+  prefetch. Each equals NOOPT and PyTorch's float64 on the emulated GPU, and compiles with NVRTC."""
+  amount, step, (vector_stores, copies_16, copies_4, blocks) = STRUCTURES[structure]
+  build, shapes = STRUCTURE_LAYOUTS[layout]
+  item, values = _item(build, shapes, seed=len(structure) + len(layout))
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  kernel = Kernel(item.ast, _renderer(4))
+  tile = _structure_tile(len(shapes[0]) - 2)
+  for opt in tile + [Opt(OptOps.SHARED, 0, amount), Opt(OptOps.UNROLL, 0, step)]: kernel.apply_opt(opt)
+  uops = linearize(kernel)
+  tile_stores = [uop for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_LOCAL]
+  copies = [uop.arg[0] for uop in uops if uop.op is UOps.COPY]
+  # an operand contiguous along N (a@b's B) or along M (aT@bT's A) fills its tile in float4s
+  assert any(uop.arg == 4 for uop in tile_stores) == vector_stores
+  assert (4 in copies) == bool(copies_16) and (1 in copies) == bool(copies_4)
+  assert [uop.arg for uop in uops if uop.op is UOps.OCCUPANCY] == ([blocks] if blocks else [])
+  if copies: assert not tile_stores and sum(uop.op is UOps.BARRIER for uop in uops) == 1   # one per step
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+  if blocks: assert f"__launch_bounds__({kernel.block_threads()}, {blocks})" in CUDARenderer().render(kernel.name, uops)

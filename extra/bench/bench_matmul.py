@@ -164,6 +164,8 @@ def relative_error(ours: Tensor, theirs: Any) -> float:
   return float(np.linalg.norm(mine - reference) / max(np.linalg.norm(reference), 1e-30))
 
 
+# the float32 128x128 block tile's opts before SHARED: 16x16 threads, 2x2 float4 runs of outputs each
+F32_TILE = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2"
 # explicit opt lists for the 4096^3 and ragged matmuls, timed beside the heuristic's choice to pick tiles from one GPU
 # run: (part of the row's name, label, opts); "TC" uses the row's dtype's tensor core
 VARIANTS = [
@@ -268,6 +270,17 @@ VARIANTS += [
   ("mlp dW 10x512", "before: register tiles, 10 blocks", "UPCAST 1 4;UNROLL 0 4;LOCAL 1 128;GROUP 0 8"),
   ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, tile rows padded by 4",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED 0 4;UNROLL 0 16"),
+  # the 128x128 tile's structure (SHARED's amount: padding 4 + flags, kernel.py SHARED_VECTOR_FILL 16, SHARED_TWO_BLOCKS
+  # 32, SHARED_ASYNC 64 x (stages - 1))
+  ("4096^3 f32", "128x128 K16, float4 tile stores (vector fill)", f"{F32_TILE};SHARED 0 20;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, 2 blocks/SM (launch bounds)", f"{F32_TILE};SHARED 0 36;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, vector fill + 2 blocks/SM", f"{F32_TILE};SHARED 0 52;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, cp.async 2 stages", f"{F32_TILE};SHARED 0 68;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, cp.async 2 stages, 2 blocks/SM", f"{F32_TILE};SHARED 0 100;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K8, cp.async 3 stages, 2 blocks/SM", f"{F32_TILE};SHARED 0 164;UNROLL 0 8"),
+  ("4096^3 f32", "128x128 K8, cp.async 4 stages, 2 blocks/SM", f"{F32_TILE};SHARED 0 228;UNROLL 0 8"),
+  ("4096^3 f32", "128x128 K8, vector fill + 2 blocks/SM", f"{F32_TILE};SHARED 0 52;UNROLL 0 8"),
+  ("4096^3 f32", "128x128 K16, cp.async 3 stages (dynamic smem)", f"{F32_TILE};SHARED 0 132;UNROLL 0 16"),
   ("4096^3 f32", "SHARED 4x4 per thread, 64x64, K step 8, rows padded (heuristic's 64x64)",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;SHARED 0 4;UNROLL 0 8"),
   ("mlp dW 512^3", "register tiles, 128 threads (before)", "UPCAST 1 4;UPCAST 0 4;UNROLL 0 4;LOCAL 1 128"),

@@ -139,6 +139,15 @@ TC_TILE_PADDING, TC_TILE_STAGES = 8, 2
 # SHARED's amount without TC that pads each reduce element's row of a tile (16 bytes of float32: float4 reads stay
 # aligned); the rows of a transposed fill then start in different banks
 SHARED_TILE_PADDING = 4
+# flags added to SHARED's amount without TC (the padding stays below SHARED_VECTOR_FILL), see Kernel.tile_flags:
+# SHARED_VECTOR_FILL: a thread's 4 neighbouring tile elements (an operand contiguous along the tile's rows) stored as
+# one float4 (one store, no bank conflicts) instead of 4 scalar stores;
+# SHARED_TWO_BLOCKS: the kernel compiled for two resident blocks per multiprocessor (CUDA: __launch_bounds__'s
+# minimum blocks, which caps the registers per thread), so one block's barrier waits hide behind the other's math;
+# SHARED_ASYNC: the tiles filled by asynchronous copies (cp.async) in stages, no register prefetch; the amount's
+# multiple of it is the stages less one (64: 2 stages, 128: 3, 192: 4)
+SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC = 16, 32, 64
+SHARED_ASYNC_MAX_STAGES = 4
 
 
 # more registers than this per thread spills on every device we target
@@ -201,7 +210,8 @@ class Kernel:
     # after OptOps.WGMMA: the kernel's plan (codegen/wgmma_tiles.py) and its A, B, C argument positions; the loop
     # nest is then not linearized (engine/realize.py renders the plan)
     self.wgmma: tuple[WgmmaMatmul, dict[str, int]] | None = None
-    self.tile_padding = 0   # without TC: SHARED's amount (see tile_row_padding)
+    self.tile_padding = 0   # without TC: SHARED's amount below SHARED_VECTOR_FILL (see tile_row_padding)
+    self.tile_flags = 0   # without TC: SHARED's amount from SHARED_VECTOR_FILL up (see the SHARED_* flags)
     self.row_axes: tuple[int, ...] | None = _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
@@ -334,11 +344,13 @@ class Kernel:
 
   def _state(self) -> tuple:
     return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts),
-            self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding)
+            self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding,
+            self.tile_flags)
 
   def _restore(self, state: tuple) -> None:
     (self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts,
-     self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding) = state
+     self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding,
+     self.tile_flags) = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -364,9 +376,14 @@ class Kernel:
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
     if opt.op is OptOps.SHARED:
       # with tensor cores the amount is the number of stages (0: the default, 2); without, the tiles' row padding
-      stages = (0, 2, 3, 4) if self.tensor_core is not None else (0, SHARED_TILE_PADDING)
-      if opt.axis != 0 or opt.amount not in stages:
-        raise KernelOptError(f"SHARED takes axis 0 and amount in {stages}, got {opt}")
+      # plus flags (SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC times the stages less one)
+      if self.tensor_core is not None and (opt.axis != 0 or opt.amount not in (0, 2, 3, 4)):
+        raise KernelOptError(f"SHARED with TC takes axis 0 and amount in (0, 2, 3, 4), got {opt}")
+      paddings = (0, SHARED_TILE_PADDING)
+      if self.tensor_core is None and (opt.axis != 0 or opt.amount % SHARED_VECTOR_FILL not in paddings or
+                                       opt.amount // SHARED_ASYNC + 1 > SHARED_ASYNC_MAX_STAGES):
+        raise KernelOptError(f"SHARED takes axis 0 and amount a padding in {paddings} plus SHARED_VECTOR_FILL, "
+                             f"SHARED_TWO_BLOCKS or SHARED_ASYNC times 1..{SHARED_ASYNC_MAX_STAGES - 1}, got {opt}")
       return 0
     if self.shared_tiles and (opt.op is OptOps.GROUPTOP or (opt.op is OptOps.GROUP and self.tensor_core is not None)):
       raise KernelOptError(f"{opt.op.name} does not combine with SHARED (GROUP does, without TC)")
@@ -409,7 +426,9 @@ class Kernel:
       self._apply_wgmma(opt)
       return
     if opt.op is OptOps.SHARED:
-      if self.tensor_core is None: self.tile_padding = opt.amount
+      if self.tensor_core is None:
+        self.tile_padding = opt.amount % SHARED_VECTOR_FILL
+        self.tile_flags = opt.amount - self.tile_padding
       self._apply_shared_tiles(opt.amount or TC_TILE_STAGES)
       return
     amount = opt.amount if opt.amount != 0 else size
@@ -604,8 +623,8 @@ class Kernel:
     local_bytes = self.local_memory_bytes()
     limit = getattr(self.renderer, "local_memory_bytes", 0)
     # staged tensor-core tiles may use dynamic shared memory beyond the static limit (CUDA)
-    if self.shared_tiles and self.tensor_core is not None: limit = getattr(self.renderer, "dynamic_local_memory_bytes",
-                                                                           limit)
+    if self.shared_tiles and (self.tensor_core is not None or self.async_tile_stages):
+      limit = getattr(self.renderer, "dynamic_local_memory_bytes", limit)
     if local_bytes > limit and (self.group_dims or self.shared_tiles):
       raise KernelOptError(f"{local_bytes} bytes of local memory per block is more than {self.renderer.device}'s "
                            f"{limit}")
@@ -638,13 +657,24 @@ class Kernel:
     if self.shared_tiles:
       # GROUP partials (at most: warp shuffles may combine them without local memory)
       partials = self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize if self.group_dims else 0
-      return self.staged_tile_bytes() + partials
+      return self.staged_tile_bytes() * max(self.async_tile_stages, 1) + partials
     if not self.group_dims or self.reduceop is None: return 0
     return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize
 
   def staged_tile_bytes(self) -> int:
     """With SHARED (no TC): the bytes of one stage of every staged load's tile (its padding included)."""
     return sum(self.tile_elements(axes) * self.leaves[leaf].dtype.itemsize for leaf, axes in self.staged_loads())
+
+  @property
+  def async_tile_stages(self) -> int:
+    """Stages of SHARED tiles filled by asynchronous copies (SHARED_ASYNC); 0: register prefetch or none."""
+    return self.tile_flags // SHARED_ASYNC + 1 if self.tile_flags >= SHARED_ASYNC else 0
+
+  @property
+  def blocks_per_multiprocessor(self) -> int:
+    """Resident blocks per multiprocessor the kernel is compiled for (SHARED_TWO_BLOCKS); 0: the compiler's
+    choice."""
+    return 2 if self.tile_flags & SHARED_TWO_BLOCKS else 0
 
   def tile_row_padding(self, axes: list[int]) -> int:
     """Elements after each row of a staged tile (axes as staged_loads gives them): SHARED's padding where the tile's
