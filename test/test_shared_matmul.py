@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ourgrad import Tensor
-from ourgrad.codegen.kernel import (SHARED_ASYNC, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL, Kernel, KernelOptError, Opt,
-                                   OptOps)
+from ourgrad.codegen.kernel import (SHARED_ASYNC, SHARED_ROW_SKEW, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL, Kernel,
+                                   KernelOptError, Opt, OptOps)
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import SHARED_TILES
 from ourgrad.codegen.uops import UOps
@@ -319,6 +319,8 @@ STRUCTURES = {
   "async_2_stages": (4 + SHARED_ASYNC, 16, (False, True, True, 0)),
   "async_3_stages_two_blocks": (4 + 2 * SHARED_ASYNC + SHARED_TWO_BLOCKS, 8, (False, True, True, 2)),
   "async_4_stages_unpadded": (3 * SHARED_ASYNC, 8, (False, True, True, 0)),
+  "row_skew_vector_fill": (4 + SHARED_ROW_SKEW + SHARED_VECTOR_FILL, 16, (True, 0, 0, 0)),
+  "row_skew_async_two_blocks": (4 + SHARED_ROW_SKEW + SHARED_ASYNC + SHARED_TWO_BLOCKS, 16, (False, True, True, 2)),
 }
 STRUCTURE_LAYOUTS = {
   "a@b": (lambda a, b: a @ b, [(64, 64), (64, 64)]),
@@ -347,6 +349,11 @@ def test_tile_structures_match_noopt(structure: str, layout: str) -> None:
   # an operand contiguous along N (a@b's B) or along M (aT@bT's A) fills its tile in float4s
   assert any(uop.arg == 4 for uop in tile_stores) == vector_stores
   assert (4 in copies) == bool(copies_16) and (1 in copies) == bool(copies_4)
+  # padded rows (16 floats each, 4 of padding), groups of 8 rows 8 further on with the skew: 16*(64+4) + 8 a stage
+  stages = max(kernel.async_tile_stages, 2)
+  skew = 8 if amount & SHARED_ROW_SKEW and step == 16 else 0
+  row = 64 + (4 if amount % SHARED_VECTOR_FILL else 0)
+  assert [uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL] == [stages * (step * row + skew)] * 2
   assert [uop.arg for uop in uops if uop.op is UOps.OCCUPANCY] == ([blocks] if blocks else [])
   if copies: assert not tile_stores and sum(uop.op is UOps.BARRIER for uop in uops) == 1   # one per step
   got = _run(kernel, item)

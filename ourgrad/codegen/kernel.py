@@ -146,8 +146,11 @@ SHARED_TILE_PADDING = 4
 # minimum blocks, which caps the registers per thread), so one block's barrier waits hide behind the other's math;
 # SHARED_ASYNC: the tiles filled by asynchronous copies (cp.async) in stages, no register prefetch; the amount's
 # multiple of it is the stages less one (64: 2 stages, 128: 3, 192: 4)
-SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC = 16, 32, 64
-SHARED_ASYNC_MAX_STAGES = 4
+# SHARED_ROW_SKEW: with padded rows, every group of SKEW_ROWS rows SKEW_ROWS elements further on (aligned), so the
+# transposed fill of 16 reduce rows (4 float4s of an operand contiguous along the reduce, by 4 neighbouring threads)
+# stores into 4 different bank groups (padding alone: rows 0 and 8 share one, a 2-way conflict)
+SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC, SHARED_ROW_SKEW = 16, 32, 64, 256
+SHARED_ASYNC_MAX_STAGES, SKEW_ROWS = 4, 8
 
 
 # more registers than this per thread spills on every device we target
@@ -380,10 +383,12 @@ class Kernel:
       if self.tensor_core is not None and (opt.axis != 0 or opt.amount not in (0, 2, 3, 4)):
         raise KernelOptError(f"SHARED with TC takes axis 0 and amount in (0, 2, 3, 4), got {opt}")
       paddings = (0, SHARED_TILE_PADDING)
+      async_stages = opt.amount % SHARED_ROW_SKEW // SHARED_ASYNC + 1
       if self.tensor_core is None and (opt.axis != 0 or opt.amount % SHARED_VECTOR_FILL not in paddings or
-                                       opt.amount // SHARED_ASYNC + 1 > SHARED_ASYNC_MAX_STAGES):
+                                       async_stages > SHARED_ASYNC_MAX_STAGES or opt.amount >= 2 * SHARED_ROW_SKEW):
         raise KernelOptError(f"SHARED takes axis 0 and amount a padding in {paddings} plus SHARED_VECTOR_FILL, "
-                             f"SHARED_TWO_BLOCKS or SHARED_ASYNC times 1..{SHARED_ASYNC_MAX_STAGES - 1}, got {opt}")
+                             f"SHARED_TWO_BLOCKS, SHARED_ASYNC times 1..{SHARED_ASYNC_MAX_STAGES - 1} or "
+                             f"SHARED_ROW_SKEW, got {opt}")
       return 0
     if self.shared_tiles and (opt.op is OptOps.GROUPTOP or (opt.op is OptOps.GROUP and self.tensor_core is not None)):
       raise KernelOptError(f"{opt.op.name} does not combine with SHARED (GROUP does, without TC)")
@@ -668,7 +673,8 @@ class Kernel:
   @property
   def async_tile_stages(self) -> int:
     """Stages of SHARED tiles filled by asynchronous copies (SHARED_ASYNC); 0: register prefetch or none."""
-    return self.tile_flags // SHARED_ASYNC + 1 if self.tile_flags >= SHARED_ASYNC else 0
+    async_flags = self.tile_flags % SHARED_ROW_SKEW
+    return async_flags // SHARED_ASYNC + 1 if async_flags >= SHARED_ASYNC else 0
 
   @property
   def blocks_per_multiprocessor(self) -> int:
@@ -682,10 +688,16 @@ class Kernel:
     if not self.tile_padding or len(axes) < 2 or self.axis_types[axes[0]] is not AxisType.UNROLL: return 0
     return self.tile_padding
 
+  def tile_row_skew(self, axes: list[int]) -> int:
+    """Elements each group of SKEW_ROWS rows of a staged tile is shifted by (SHARED_ROW_SKEW, padded rows only)."""
+    return SKEW_ROWS if self.tile_flags & SHARED_ROW_SKEW and self.tile_row_padding(axes) else 0
+
   def tile_elements(self, axes: list[int]) -> int:
-    """One stage of a staged tile, in elements: its rows, each padded (tile_row_padding)."""
+    """One stage of a staged tile, in elements: its rows, each padded (tile_row_padding), and skewed in groups
+    (tile_row_skew)."""
     rows = self.full_shape[axes[0]] if axes else 1
-    return prod(self.full_shape[axis] for axis in axes) + rows * self.tile_row_padding(axes)
+    skew = (rows - 1) // SKEW_ROWS * self.tile_row_skew(axes)
+    return prod(self.full_shape[axis] for axis in axes) + rows * self.tile_row_padding(axes) + skew
 
   def _drop_finished_axes(self, split_reduce: bool = False) -> None:
     """An axis split entirely into an upcast, local or group leaves a size-1 axis behind: remove it (and count

@@ -18,7 +18,7 @@ import itertools
 import math
 from typing import Callable, Sequence
 
-from ourgrad.codegen.kernel import SHARED_VECTOR_FILL, Kernel
+from ourgrad.codegen.kernel import SHARED_VECTOR_FILL, SKEW_ROWS, Kernel
 from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
 from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
@@ -221,7 +221,9 @@ class Linearizer(TensorCoreTiles):
     address: Node = NumNode(0)
     for axis in axes: address = address * self.kernel.full_shape[axis] + idxs[axis]
     padding = self.kernel.tile_row_padding(axes)   # each row (outermost index) `padding` elements further on
-    return address + idxs[axes[0]] * padding if padding else address
+    if padding: address = address + idxs[axes[0]] * padding
+    skew = self.kernel.tile_row_skew(axes)   # and each group of rows `skew` further on
+    return address + idxs[axes[0]] // SKEW_ROWS * skew if skew else address
 
   def _stage_shared_tiles(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node],
                           offsets: dict[int, Node], defer: bool = False,
