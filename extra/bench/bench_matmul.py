@@ -166,6 +166,10 @@ def relative_error(ours: Tensor, theirs: Any) -> float:
 
 # the float32 128x128 block tile's opts before SHARED: 16x16 threads, 2x2 float4 runs of outputs each
 F32_TILE = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2"
+# the same block tile with each warp's 32 threads 8 along M by 4 along N (a warp reads 8 float4s of the A tile and 4
+# of the B tile per reduce element, 16 and 2 above), and 4 by 8
+F32_WARP_8X4 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 8;LOCAL 1 4;LOCAL 0 2;LOCAL 1 4;UPCAST 1 2;UPCAST 0 2"
+F32_WARP_4X8 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 4;LOCAL 1 8;LOCAL 0 4;LOCAL 1 2;UPCAST 1 2;UPCAST 0 2"
 # explicit opt lists for the 4096^3 and ragged matmuls, timed beside the heuristic's choice to pick tiles from one GPU
 # run: (part of the row's name, label, opts); "TC" uses the row's dtype's tensor core
 VARIANTS = [
@@ -283,6 +287,14 @@ VARIANTS += [
   ("4096^3 f32", "128x128 K16, rows skewed by 8 every 8 (SHARED_ROW_SKEW 256)", f"{F32_TILE};SHARED 0 260;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, skew + vector fill + 2 blocks/SM", f"{F32_TILE};SHARED 0 308;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, skew + cp.async 2 stages + 2 blocks/SM", f"{F32_TILE};SHARED 0 356;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, warps of 8x4 threads (32x16 +runs), skew + vector fill",
+   f"{F32_WARP_8X4};SHARED 0 276;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, warps of 8x4 threads, skew + vector fill + 2 blocks/SM",
+   f"{F32_WARP_8X4};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, warps of 8x4 threads, skew + cp.async 2 stages + 2 blocks/SM",
+   f"{F32_WARP_8X4};SHARED 0 356;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, warps of 4x8 threads (16x32 +runs), skew + vector fill + 2 blocks/SM",
+   f"{F32_WARP_4X8};SHARED 0 308;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, cp.async 3 stages (dynamic smem)", f"{F32_TILE};SHARED 0 132;UNROLL 0 16"),
   ("4096^3 f32", "SHARED 4x4 per thread, 64x64, K step 8, rows padded (heuristic's 64x64)",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;SHARED 0 4;UNROLL 0 8"),
