@@ -362,3 +362,23 @@ def test_tile_structures_match_noopt(structure: str, layout: str) -> None:
   np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
   _compile_with_nvrtc(kernel)
   if blocks: assert f"__launch_bounds__({kernel.block_threads()}, {blocks})" in CUDARenderer().render(kernel.name, uops)
+
+
+@pytest.mark.parametrize("amount", [4 + SHARED_ROW_SKEW + SHARED_VECTOR_FILL + SHARED_TWO_BLOCKS,
+                                    4 + SHARED_ROW_SKEW + SHARED_ASYNC + SHARED_TWO_BLOCKS])
+def test_warp_tiles_match_noopt(amount: int) -> None:
+  """The block's threads split twice along M and N (LOCAL 0 4, LOCAL 1 2, LOCAL 0 2, LOCAL 1 4: consecutive thread
+  ids a 2-D patch of the block tile, as bench_matmul's F32_WARP_* warps), with the tile structure flags: equal to
+  NOOPT and numpy's float64."""
+  item, values = _item(lambda a, b: a @ b, [(64, 64), (64, 64)], seed=amount)
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  kernel = Kernel(item.ast, _renderer(4))
+  for opt in [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 4), Opt(OptOps.LOCAL, 1, 2),
+              Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.LOCAL, 1, 4), Opt(OptOps.UPCAST, 1, 2), Opt(OptOps.UPCAST, 0, 2),
+              Opt(OptOps.SHARED, 0, amount), Opt(OptOps.UNROLL, 0, 16)]:
+    kernel.apply_opt(opt)
+  assert kernel.local_dims == 4
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got.reshape(64, 64), values[0].astype(np.float64) @ values[1], rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
