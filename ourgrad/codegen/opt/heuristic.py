@@ -157,6 +157,10 @@ class SharedTile:
   runs_m: int
   runs_n: int
   steps: tuple[int, ...]
+  # SHARED's flags beside the row padding (kernel.py SHARED_*: float4 tile stores, two blocks per multiprocessor,
+  # cp.async stages, skewed rows), and each warp's threads along M and N (0: warps are rows of the block's threads)
+  flags: int = 0
+  warp: tuple[int, int] = (0, 0)
 
   @property
   def block(self) -> tuple[int, int]:
@@ -262,8 +266,12 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
   threads along M then N, the second runs along N then M, `group` GROUP threads over the reduce (neighbouring
   threads, neighbouring elements of each step), SHARED, the reduce step. An opt that takes the rest of M's global
   axis drops it, so N's axis number is followed as M's global part runs out."""
-  plan = [(0, OptOps.UPCAST, SHARED_OUTPUTS), (1, OptOps.UPCAST, SHARED_OUTPUTS),
-          (0, OptOps.LOCAL, tile.threads_m), (1, OptOps.LOCAL, tile.threads_n)]
+  plan = [(0, OptOps.UPCAST, SHARED_OUTPUTS), (1, OptOps.UPCAST, SHARED_OUTPUTS)]
+  if tile.warp != (0, 0):   # a warp's threads first (the innermost thread ids), then the warps along M and N
+    plan += [(0, OptOps.LOCAL, tile.warp[0]), (1, OptOps.LOCAL, tile.warp[1]),
+             (0, OptOps.LOCAL, tile.threads_m // tile.warp[0]), (1, OptOps.LOCAL, tile.threads_n // tile.warp[1])]
+  else: plan += [(0, OptOps.LOCAL, tile.threads_m), (1, OptOps.LOCAL, tile.threads_n)]
+  plan = [step for step in plan if step[2] > 1]
   plan += [(1, OptOps.UPCAST, tile.runs_n)] if tile.runs_n > 1 else []
   plan += [(0, OptOps.UPCAST, tile.runs_m)] if tile.runs_m > 1 else []
   m_left = kernel.full_shape[m_axis]
@@ -275,7 +283,8 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
   # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
   # the tiles' rows padded (SHARED_TILE_PADDING): the transposed fill of an operand contiguous along the reduce then
   # stores into different banks (4096^3: 40.5 TFLOP/s, unpadded 38.7; 512^3 in 32x32 tiles: 0.021 ms, unpadded 0.029)
-  return kernel.try_opt(Opt(OptOps.SHARED, 0, SHARED_TILE_PADDING)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
+  return (kernel.try_opt(Opt(OptOps.SHARED, 0, SHARED_TILE_PADDING + tile.flags)) and
+          kernel.try_opt(Opt(OptOps.UNROLL, 0, step)))
 
 
 # an output axis this short (a classifier's 10 classes) makes a matmul thin: too few outputs for output tiles to fill
