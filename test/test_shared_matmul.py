@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ourgrad import Tensor
-from ourgrad.codegen.kernel import (SHARED_ASYNC, SHARED_ROW_SKEW, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL, Kernel,
-                                   KernelOptError, Opt, OptOps)
+from ourgrad.codegen.kernel import (SHARED_ASYNC, SHARED_REDUCE_INNER, SHARED_ROW_SKEW, SHARED_TWO_BLOCKS,
+                                   SHARED_VECTOR_FILL, Kernel, KernelOptError, Opt, OptOps)
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import SHARED_TILES
 from ourgrad.codegen.uops import UOps
@@ -381,4 +381,44 @@ def test_warp_tiles_match_noopt(amount: int) -> None:
   got = _run(kernel, item)
   np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got.reshape(64, 64), values[0].astype(np.float64) @ values[1], rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
+def _strided_rows_tile(m_axis: int) -> list[Opt]:
+  """A 64x64 block tile whose threads take neighbouring rows (LOCAL before UPCAST along M: a thread's 8 rows 8 apart)
+  and 2 float4 runs along N: the layout SHARED_REDUCE_INNER reads without bank conflicts."""
+  m, n = m_axis, m_axis   # M's 64 all go to the block: its axis is dropped, N's takes its number
+  return [Opt(OptOps.LOCAL, m, 8), Opt(OptOps.UPCAST, m, 8), Opt(OptOps.UPCAST, n, 4), Opt(OptOps.LOCAL, n, 8),
+          Opt(OptOps.UPCAST, n, 2)]
+
+
+@pytest.mark.parametrize("layout", list(STRUCTURE_LAYOUTS))
+@pytest.mark.parametrize("flags", [0, SHARED_VECTOR_FILL, SHARED_ASYNC + SHARED_TWO_BLOCKS, 2 * SHARED_ASYNC])
+def test_reduce_inner_tiles_match_noopt(flags: int, layout: str) -> None:
+  """SHARED_REDUCE_INNER: an operand contiguous along the reduce (a@b's A, aT@bT's B) keeps the reduce axis innermost
+  in its tile (rows of 16 + 4 padding, not transposed): 16-byte copies or float4 stores fill it, float4s of 4 reduce
+  elements are read from it. Equal to NOOPT and PyTorch's float64 with each fill (prefetch, float4 stores, cp.async)."""
+  build, shapes = STRUCTURE_LAYOUTS[layout]
+  item, values = _item(build, shapes, seed=flags + len(layout))
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  kernel = Kernel(item.ast, _renderer(4))
+  amount = 4 + SHARED_REDUCE_INNER + flags
+  for opt in _strided_rows_tile(len(shapes[0]) - 2) + [Opt(OptOps.SHARED, 0, amount), Opt(OptOps.UNROLL, 0, 16)]:
+    kernel.apply_opt(opt)
+  inner = [axes for _, axes in kernel.staged_loads() if kernel.axis_types[axes[-1]].name == "UNROLL"]
+  assert len(inner) == 1
+  uops = linearize(kernel)
+  # asynchronous stages where the reduce has that many steps (batched: K = 32, 2 steps), else the register prefetch's 2
+  copying = kernel.async_tile_stages <= shapes[1][-2] // 16
+  stages = max(kernel.async_tile_stages, 2) if copying else 2
+  # the reduce-inner tile: 64 rows of 16 + 4; the other: 16 reduce rows of 64 + 4
+  assert sorted(uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL) == [stages * 16 * 68, stages * 64 * 20]
+  # the reduce-inner tile in 16-byte copies (aT@bT's A, contiguous along M but its rows 8 apart per thread: 4-byte)
+  copied = {(uop.srcs[0].arg[0], uop.arg[0]) for uop in uops if uop.op is UOps.COPY}
+  inner_tile = next(uop.arg[0] for uop in uops if uop.op is UOps.DEFINE_LOCAL and uop.arg[1] == stages * 64 * 20)
+  if flags & SHARED_ASYNC and copying: assert (inner_tile, 4) in copied and (inner_tile, 1) not in copied
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
   _compile_with_nvrtc(kernel)

@@ -170,6 +170,9 @@ F32_TILE = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2"
 # of the B tile per reduce element, 16 and 2 above), and 4 by 8
 F32_WARP_8X4 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 8;LOCAL 1 4;LOCAL 0 2;LOCAL 1 4;UPCAST 1 2;UPCAST 0 2"
 F32_WARP_4X8 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 4;LOCAL 1 8;LOCAL 0 4;LOCAL 1 2;UPCAST 1 2;UPCAST 0 2"
+# the same block tile with a thread's 8 rows 16 apart (LOCAL before UPCAST along M: a warp's 16 threads along M take
+# neighbouring rows) for SHARED_REDUCE_INNER's A tile
+F32_ROWS = "LOCAL 0 16;UPCAST 0 8;UPCAST 1 4;LOCAL 1 16;UPCAST 1 2"
 # explicit opt lists for the 4096^3 and ragged matmuls, timed beside the heuristic's choice to pick tiles from one GPU
 # run: (part of the row's name, label, opts); "TC" uses the row's dtype's tensor core
 VARIANTS = [
@@ -301,7 +304,18 @@ VARIANTS += [
    f"{F32_WARP_8X4};SHARED 0 164;UNROLL 0 8"),
   ("4096^3 f32", "128x128 K16, warps of 4x8, skew + cp.async 2 stages + 2 blocks/SM",
    f"{F32_WARP_4X8};SHARED 0 356;UNROLL 0 16"),
+  # SHARED_REDUCE_INNER (512): A's tile k-innermost (16-byte copies, float4 reads of 4 k), a thread's rows 16 apart
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, vector fill", f"{F32_ROWS};SHARED 0 532;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, vector fill + 2 blocks/SM",
+   f"{F32_ROWS};SHARED 0 564;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, cp.async 2 stages", f"{F32_ROWS};SHARED 0 580;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, cp.async 2 stages + 2 blocks/SM",
+   f"{F32_ROWS};SHARED 0 612;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K8, A k-inner, rows strided, cp.async 3 stages + 2 blocks/SM",
+   f"{F32_ROWS};SHARED 0 676;UNROLL 0 8"),
   ("4096^3 f32", "128x128 K16, cp.async 3 stages (dynamic smem)", f"{F32_TILE};SHARED 0 132;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, cp.async 3 stages + 2 blocks/SM (dynamic smem)",
+   f"{F32_ROWS};SHARED 0 676;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, skew + cp.async 3 stages + 2 blocks/SM (dynamic smem)",
    f"{F32_TILE};SHARED 0 420;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, warps of 8x4, skew + cp.async 4 stages + 2 blocks/SM (dynamic smem)",

@@ -149,7 +149,11 @@ SHARED_TILE_PADDING = 4
 # SHARED_ROW_SKEW: with padded rows, every group of SKEW_ROWS rows SKEW_ROWS elements further on (aligned), so the
 # transposed fill of 16 reduce rows (4 float4s of an operand contiguous along the reduce, by 4 neighbouring threads)
 # stores into 4 different bank groups (padding alone: rows 0 and 8 share one, a 2-way conflict)
-SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC, SHARED_ROW_SKEW = 16, 32, 64, 256
+# SHARED_REDUCE_INNER: the tile of an operand contiguous along the reduce (a@b's A) laid out with that reduce axis
+# innermost, rows padded (not transposed): its fill is a straight copy (16-byte cp.async, float4 stores) and a thread
+# reads 4 reduce elements of one row as a float4; conflict-free where a warp's threads take neighbouring rows (LOCAL
+# before UPCAST along M: a thread's rows strided by the block's threads)
+SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC, SHARED_ROW_SKEW, SHARED_REDUCE_INNER = 16, 32, 64, 256, 512
 SHARED_ASYNC_MAX_STAGES, SKEW_ROWS = 4, 8
 
 
@@ -385,10 +389,10 @@ class Kernel:
       paddings = (0, SHARED_TILE_PADDING)
       async_stages = opt.amount % SHARED_ROW_SKEW // SHARED_ASYNC + 1
       if self.tensor_core is None and (opt.axis != 0 or opt.amount % SHARED_VECTOR_FILL not in paddings or
-                                       async_stages > SHARED_ASYNC_MAX_STAGES or opt.amount >= 2 * SHARED_ROW_SKEW):
+                                       async_stages > SHARED_ASYNC_MAX_STAGES or opt.amount >= 2 * SHARED_REDUCE_INNER):
         raise KernelOptError(f"SHARED takes axis 0 and amount a padding in {paddings} plus SHARED_VECTOR_FILL, "
                              f"SHARED_TWO_BLOCKS, SHARED_ASYNC times 1..{SHARED_ASYNC_MAX_STAGES - 1} or "
-                             f"SHARED_ROW_SKEW, got {opt}")
+                             f"SHARED_ROW_SKEW, SHARED_REDUCE_INNER, got {opt}")
       return 0
     if self.shared_tiles and (opt.op is OptOps.GROUPTOP or (opt.op is OptOps.GROUP and self.tensor_core is not None)):
       raise KernelOptError(f"{opt.op.name} does not combine with SHARED (GROUP does, without TC)")
@@ -600,7 +604,12 @@ class Kernel:
       innermost = max((axis for axis in tile if kinds[axis] is AxisType.UPCAST),
                       key=lambda axis: -abs(output_strides[axis] or 0), default=None)
 
+      # SHARED_REDUCE_INNER: an operand contiguous along an unrolled reduce axis keeps it innermost
+      reduce_inner = next((axis for axis in tile if kinds[axis] is AxisType.UNROLL and strides[axis] == 1), None)
+      if not self.tile_flags & SHARED_REDUCE_INNER or self.tensor_core is not None: reduce_inner = None
+
       def place(axis: int) -> tuple:
+        if reduce_inner is not None: return (2, 0) if axis == reduce_inner else (1, -abs(output_strides[axis] or 0))
         if kinds[axis] is AxisType.UNROLL: return (0, 0)
         return (2, 0) if axis == innermost else (1, -abs(output_strides[axis] or 0))
       staged.append((number, sorted(tile, key=place)))
@@ -685,17 +694,24 @@ class Kernel:
   def tile_row_padding(self, axes: list[int]) -> int:
     """Elements after each row of a staged tile (axes as staged_loads gives them): SHARED's padding where the tile's
     outermost axis is an UNROLL axis (a row: one reduce element's values) and there is more than it, else 0."""
-    if not self.tile_padding or len(axes) < 2 or self.axis_types[axes[0]] is not AxisType.UNROLL: return 0
-    return self.tile_padding
+    if not self.tile_padding or len(axes) < 2: return 0
+    return self.tile_padding if AxisType.UNROLL in (self.axis_types[axes[0]], self.axis_types[axes[-1]]) else 0
+
+  def tile_row_length(self, axes: list[int]) -> int:
+    """Elements per row of a staged tile (before its padding): its innermost axis where that is the reduce's
+    (SHARED_REDUCE_INNER), else every axis inside the outermost (one reduce element's values)."""
+    if axes and self.axis_types[axes[-1]] is AxisType.UNROLL: return self.full_shape[axes[-1]]
+    return prod(self.full_shape[axis] for axis in axes[1:])
 
   def tile_row_skew(self, axes: list[int]) -> int:
     """Elements each group of SKEW_ROWS rows of a staged tile is shifted by (SHARED_ROW_SKEW, padded rows only)."""
-    return SKEW_ROWS if self.tile_flags & SHARED_ROW_SKEW and self.tile_row_padding(axes) else 0
+    if not self.tile_flags & SHARED_ROW_SKEW or not axes or self.axis_types[axes[-1]] is AxisType.UNROLL: return 0
+    return SKEW_ROWS if self.tile_row_padding(axes) else 0
 
   def tile_elements(self, axes: list[int]) -> int:
     """One stage of a staged tile, in elements: its rows, each padded (tile_row_padding), and skewed in groups
     (tile_row_skew)."""
-    rows = self.full_shape[axes[0]] if axes else 1
+    rows = prod(self.full_shape[axis] for axis in axes) // self.tile_row_length(axes) if axes else 1
     skew = (rows - 1) // SKEW_ROWS * self.tile_row_skew(axes)
     return prod(self.full_shape[axis] for axis in axes) + rows * self.tile_row_padding(axes) + skew
 

@@ -220,8 +220,12 @@ class Linearizer(TensorCoreTiles):
   def _tile_address(self, axes: list[int], idxs: list[Node]) -> Node:
     address: Node = NumNode(0)
     for axis in axes: address = address * self.kernel.full_shape[axis] + idxs[axis]
-    padding = self.kernel.tile_row_padding(axes)   # each row (outermost index) `padding` elements further on
-    if padding: address = address + idxs[axes[0]] * padding
+    padding = self.kernel.tile_row_padding(axes)   # each row `padding` elements further on (Kernel.tile_row_length)
+    if padding and self.kernel.axis_types[axes[-1]] is AxisType.UNROLL:   # rows along the reduce: all outer axes
+      row: Node = NumNode(0)
+      for axis in axes[:-1]: row = row * self.kernel.full_shape[axis] + idxs[axis]
+      address = address + row * padding
+    elif padding: address = address + idxs[axes[0]] * padding   # a row per reduce element (the outermost axis)
     skew = self.kernel.tile_row_skew(axes)   # and each group of rows `skew` further on
     return address + idxs[axes[0]] // SKEW_ROWS * skew if skew else address
 
