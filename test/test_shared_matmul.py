@@ -422,3 +422,12 @@ def test_reduce_inner_tiles_match_noopt(flags: int, layout: str) -> None:
   reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
   np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
   _compile_with_nvrtc(kernel)
+
+
+@pytest.mark.parametrize("amount", [8, 2 * SHARED_REDUCE_INNER, 4 + 2, 12 + SHARED_ASYNC])
+def test_bad_structure_amounts_raise(amount: int) -> None:
+  """SHARED's amount without TC: a padding of 0 or 4 plus the flags; unknown bits and other paddings are refused."""
+  item, _ = _item(lambda a, b: a @ b, [(64, 64), (64, 64)], seed=1)
+  kernel = Kernel(item.ast, _renderer(4))
+  for opt in _structure_tile(0): kernel.apply_opt(opt)
+  with pytest.raises(KernelOptError, match="SHARED takes axis 0"): kernel.apply_opt(Opt(OptOps.SHARED, 0, amount))
