@@ -242,8 +242,10 @@ def test_mlp_step_matmuls_pick_filling_tiles(name: str) -> None:
   kernel.hand_coded_optimizations()
   assert kernel.shared_tiles, kernel.applied_opts
   assert Opt(OptOps.UNROLL, 0, step) in kernel.applied_opts
-  # every tile's rows padded by 4 floats (their transposed fills store into different banks)
-  assert Opt(OptOps.SHARED, 0, 4) in kernel.applied_opts
+  # every tile's rows padded by 4 floats (their transposed fills store into different banks); the 128x128 tile also
+  # skews them, stores B's float4s whole and asks for two blocks per multiprocessor
+  flags = SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL if tile == (128, 128) else 0
+  assert Opt(OptOps.SHARED, 0, 4 + flags) in kernel.applied_opts
   assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.GROUP] == ([group] if group > 1 else [])
   # the opts: float4 upcasts along M and N, threads along M and N, then the second float4 runs along N and M
   threads = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL]
@@ -431,3 +433,21 @@ def test_bad_structure_amounts_raise(amount: int) -> None:
   kernel = Kernel(item.ast, _renderer(4))
   for opt in _structure_tile(0): kernel.apply_opt(opt)
   with pytest.raises(KernelOptError, match="SHARED takes axis 0"): kernel.apply_opt(Opt(OptOps.SHARED, 0, amount))
+
+
+def test_square_4096_choice_is_pinned() -> None:
+  """The hand-coded float32 4096^3 kernel (H100 figures in heuristic.py, LARGE_TILE_FLAGS): 16x16 threads of 8x8
+  outputs (2x2 float4 runs), padded and skewed tile rows, B's float4 stores, launch bounds for two blocks per
+  multiprocessor, reduce steps of 16 double buffered by register prefetch."""
+  kernel = Kernel(_scheduled(lambda a, b: a @ b, [(4096, 4096), (4096, 4096)]).ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert kernel.applied_opts == [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 16),
+                                 Opt(OptOps.LOCAL, 1, 16), Opt(OptOps.UPCAST, 1, 2), Opt(OptOps.UPCAST, 0, 2),
+                                 Opt(OptOps.SHARED, 0, 4 + 16 + 32 + 256), Opt(OptOps.UNROLL, 0, 16)]
+  uops = linearize(kernel)
+  source = CUDARenderer().render(kernel.name, uops)
+  assert source.startswith(f'extern "C" __global__ void __launch_bounds__(256, 2) {kernel.name}(')
+  assert not any(uop.op is UOps.COPY for uop in uops)   # register prefetch (cp.async measured slower)
+  # B's tile stored as float4s (2 per thread and step), A's transposed element by element (8)
+  tile_stores = [uop.arg for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_LOCAL]
+  assert sorted(tile_stores, key=str) == sorted([4] * 4 + [None] * 16, key=str)   # before the loop and in it

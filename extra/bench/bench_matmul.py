@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -173,6 +174,9 @@ F32_WARP_4X8 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 4;LOCAL 1 8;LOCAL 0 4;LOCAL 1 2;UP
 # the same block tile with a thread's 8 rows 16 apart (LOCAL before UPCAST along M: a warp's 16 threads along M take
 # neighbouring rows) for SHARED_REDUCE_INNER's A tile
 F32_ROWS = "LOCAL 0 16;UPCAST 0 8;UPCAST 1 4;LOCAL 1 16;UPCAST 1 2"
+# 8x16 and 16x8 outputs per thread (4 float4 runs along N, or along M), 16x8 and 8x16 threads: the same 128x128 tile
+F32_8X16 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 8;UPCAST 1 4;UPCAST 0 2"
+F32_16X8 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 8;LOCAL 1 16;UPCAST 1 2;UPCAST 0 4"
 # explicit opt lists for the 4096^3 and ragged matmuls, timed beside the heuristic's choice to pick tiles from one GPU
 # run: (part of the row's name, label, opts); "TC" uses the row's dtype's tensor core
 VARIANTS = [
@@ -201,7 +205,7 @@ VARIANTS = [
    "PADTO 0 64;PADTO 1 64;TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
   ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 8",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED;UNROLL 0 8"),
-  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16 (heuristic)",
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, rows not padded",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED;UNROLL 0 16"),
   ("4096^3 f32", "SHARED 8x4 per thread, 128x64",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 0 2;SHARED;UNROLL 0 8"),
@@ -275,7 +279,7 @@ VARIANTS += [
   ("mlp dW 10x512", "32 outputs x 8 GROUPTOP, 2 rows upcast (80 blocks)",
    "UPCAST 0 2;LOCAL 1 32;GROUPTOP 0 8;UNROLL 0 4"),
   ("mlp dW 10x512", "before: register tiles, 10 blocks", "UPCAST 1 4;UNROLL 0 4;LOCAL 1 128;GROUP 0 8"),
-  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, tile rows padded by 4",
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, tile rows padded by 4 (heuristic before)",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED 0 4;UNROLL 0 16"),
   # the 128x128 tile's structure (SHARED's amount: padding 4 + flags, kernel.py SHARED_VECTOR_FILL 16, SHARED_TWO_BLOCKS
   # 32, SHARED_ASYNC 64 x (stages - 1))
@@ -288,7 +292,7 @@ VARIANTS += [
   ("4096^3 f32", "128x128 K8, cp.async 4 stages, 2 blocks/SM", f"{F32_TILE};SHARED 0 228;UNROLL 0 8"),
   ("4096^3 f32", "128x128 K8, vector fill + 2 blocks/SM", f"{F32_TILE};SHARED 0 52;UNROLL 0 8"),
   ("4096^3 f32", "128x128 K16, rows skewed by 8 every 8 (SHARED_ROW_SKEW 256)", f"{F32_TILE};SHARED 0 260;UNROLL 0 16"),
-  ("4096^3 f32", "128x128 K16, skew + vector fill + 2 blocks/SM", f"{F32_TILE};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, skew + vector fill + 2 blocks/SM (heuristic)", f"{F32_TILE};SHARED 0 308;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, skew + cp.async 2 stages + 2 blocks/SM", f"{F32_TILE};SHARED 0 356;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, warps of 8x4 threads (32x16 +runs), skew + vector fill",
    f"{F32_WARP_8X4};SHARED 0 276;UNROLL 0 16"),
@@ -313,6 +317,17 @@ VARIANTS += [
    f"{F32_ROWS};SHARED 0 612;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K8, A k-inner, rows strided, cp.async 3 stages + 2 blocks/SM",
    f"{F32_ROWS};SHARED 0 676;UNROLL 0 8"),
+  # 16 outputs per thread along N (8x16: 4 float4 runs), 128 threads per block (4 warps): half the tile reads per FMA
+  ("4096^3 f32", "128x128, 8x16 per thread (128 threads), K16, skew + vector fill + 2 blocks/SM",
+   f"{F32_8X16};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x128, 8x16 per thread (128 threads), K16, skew + vector fill",
+   f"{F32_8X16};SHARED 0 276;UNROLL 0 16"),
+  ("4096^3 f32", "128x128, 8x16 per thread (128 threads), K8, skew + vector fill + 2 blocks/SM",
+   f"{F32_8X16};SHARED 0 308;UNROLL 0 8"),
+  ("4096^3 f32", "128x128, 16x8 per thread (128 threads), K16, skew + vector fill + 2 blocks/SM",
+   f"{F32_16X8};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x256, 8x16 per thread (256 threads), K16, skew + vector fill",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 4;UPCAST 0 2;SHARED 0 276;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, cp.async 3 stages (dynamic smem)", f"{F32_TILE};SHARED 0 132;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, A k-inner, rows strided, cp.async 3 stages + 2 blocks/SM (dynamic smem)",
    f"{F32_ROWS};SHARED 0 676;UNROLL 0 16"),
@@ -404,6 +419,7 @@ def main() -> None:
   parser.add_argument("--only", default="", help="run only the rows whose name contains this")
   parser.add_argument("--no-variants", dest="variants", action="store_false",
                       help="skip the explicit-opts variants of the 4096^3 rows (CUDA)")
+  parser.add_argument("--variants-matching", default="", help="only the variants whose label matches this regex")
   args = parser.parse_args()
   import torch
   cuda = args.device.upper().startswith("CUDA")
@@ -452,7 +468,7 @@ def main() -> None:
           + f"  err {error:.1e} vs torch   [{', '.join(kernels)}]")
     if cuda and args.variants and kind.startswith("mm"):
       variant_jobs += [(name, label, opts_text, inputs, dtype, kind, sizes) for part, label, opts_text in VARIANTS
-                       if part in name]
+                       if part in name and re.search(args.variants_matching, label)]
   # after every row: a variant launch that went wrong would leave the CUDA context unusable; dynamic shared memory
   # and wgmma (the newest code) last
   if variant_jobs: print("variants (explicit opts):")

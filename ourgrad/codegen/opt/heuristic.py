@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ourgrad.codegen.kernel import (SHARED_TILE_PADDING, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps,
+from ourgrad.codegen.kernel import (SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL,
+                                    WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps,
                                     tensor_core_operands)
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
@@ -171,11 +172,16 @@ class SharedTile:
 
 
 SHARED_OUTPUTS = 4
+# the 128x128 tile's structure (kernel.py SHARED_*): two blocks per multiprocessor (launch bounds: 128 registers),
+# the transposed fill's rows skewed, float4 stores of B. H100 at 4096^3 (bench_matmul variants, one run): 43.6
+# TFLOP/s (3.155 ms), padded rows alone 40.7, two blocks alone 43.2, skew alone 41.0, cp.async in 2-3 stages
+# 37.5-41.8, warps of 8x4 threads 43.1, A's tile k-innermost 40.7
+LARGE_TILE_FLAGS = SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL
 # block tiles, largest first. 128x128 (8x8 outputs per thread) in steps of 16 measured 40.5 TFLOP/s on the H100 at
 # 4096^3 with padded rows (unpadded 38.7-39.2, steps of 8 36.6), 64x64 (4x4) in steps of 8 28.5. The smaller ones
 # (fewer threads, 4x4 outputs each) are for matmuls too small to give every multiprocessor a block of a larger tile
 # (512x512: 16 blocks of 128x128, 0.061 ms; 32x32 tiles with GROUP 2: 0.020 ms).
-SHARED_TILES = (SharedTile(16, 16, 2, 2, (16, 8)), SharedTile(16, 16, 1, 2, (16, 8)),
+SHARED_TILES = (SharedTile(16, 16, 2, 2, (16, 8), LARGE_TILE_FLAGS), SharedTile(16, 16, 1, 2, (16, 8)),
                 SharedTile(16, 16, 2, 1, (16, 8)),
                 SharedTile(16, 16, 1, 1, (8,)), SharedTile(8, 16, 1, 1, (16, 8)), SharedTile(16, 8, 1, 1, (16, 8)),
                 SharedTile(8, 8, 1, 1, (16, 8)), SharedTile(4, 16, 1, 1, (16, 8)), SharedTile(16, 4, 1, 1, (16, 8)),
