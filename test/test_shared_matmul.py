@@ -451,3 +451,28 @@ def test_square_4096_choice_is_pinned() -> None:
   # B's tile stored as float4s (2 per thread and step), A's transposed element by element (8)
   tile_stores = [uop.arg for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_LOCAL]
   assert sorted(tile_stores, key=str) == sorted([4] * 4 + [None] * 16, key=str)   # before the loop and in it
+
+
+LARGE_TILE_CASES = {
+  "a@b": (lambda a, b: a @ b, [(128, 32), (32, 128)]),
+  "aT@bT": (lambda a, b: a.T @ b.T, [(32, 128), (128, 32)]),
+  "relu_bias_forward": (_relu_bias_forward, [(128, 32), (32,), (128, 32)]),
+  "batched": (lambda a, b: a @ b, [(2, 128, 32), (2, 32, 128)]),
+}
+
+
+@pytest.mark.parametrize("case", list(LARGE_TILE_CASES))
+def test_large_tile_choice_matches_noopt(case: str) -> None:
+  """The heuristic's 128x128 tile with its structure flags (LARGE_TILE_FLAGS) on one multiprocessor: plain,
+  transposed, fused and batched operands equal NOOPT and PyTorch's float64."""
+  build, shapes = LARGE_TILE_CASES[case]
+  item, values = _item(build, shapes, seed=len(case) + 60)
+  plain = _run(Kernel(item.ast, _renderer(1)), item)
+  kernel = Kernel(item.ast, _renderer(1))
+  kernel.hand_coded_optimizations()
+  assert np.prod(_block_tile(kernel)) == 128 * 128 and Opt(OptOps.SHARED, 0, 308) in kernel.applied_opts
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
