@@ -436,21 +436,47 @@ def test_bad_structure_amounts_raise(amount: int) -> None:
 
 
 def test_square_4096_choice_is_pinned() -> None:
-  """The hand-coded float32 4096^3 kernel (H100 figures in heuristic.py, LARGE_TILE_FLAGS): 16x16 threads of 8x8
-  outputs (2x2 float4 runs), padded and skewed tile rows, B's float4 stores, launch bounds for two blocks per
+  """The hand-coded float32 4096^3 kernel (H100 figures in heuristic.py, LARGE_TILE_FLAGS): 16x8 threads of 8x16
+  outputs (2x4 float4 runs), padded and skewed tile rows, B's float4 stores, launch bounds for two blocks per
   multiprocessor, reduce steps of 16 double buffered by register prefetch."""
   kernel = Kernel(_scheduled(lambda a, b: a @ b, [(4096, 4096), (4096, 4096)]).ast, CUDARenderer())
   kernel.hand_coded_optimizations()
   assert kernel.applied_opts == [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 16),
-                                 Opt(OptOps.LOCAL, 1, 16), Opt(OptOps.UPCAST, 1, 2), Opt(OptOps.UPCAST, 0, 2),
+                                 Opt(OptOps.LOCAL, 1, 8), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.UPCAST, 0, 2),
                                  Opt(OptOps.SHARED, 0, 4 + 16 + 32 + 256), Opt(OptOps.UNROLL, 0, 16)]
   uops = linearize(kernel)
   source = CUDARenderer().render(kernel.name, uops)
-  assert source.startswith(f'extern "C" __global__ void __launch_bounds__(256, 2) {kernel.name}(')
+  assert source.startswith(f'extern "C" __global__ void __launch_bounds__(128, 2) {kernel.name}(')
   assert not any(uop.op is UOps.COPY for uop in uops)   # register prefetch (cp.async measured slower)
-  # B's tile stored as float4s (2 per thread and step), A's transposed element by element (8)
+  # 128 threads fill each 16x128 tile in 4 float4s: B's stored whole, A's transposed element by element
   tile_stores = [uop.arg for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_LOCAL]
-  assert sorted(tile_stores, key=str) == sorted([4] * 4 + [None] * 16, key=str)   # before the loop and in it
+  assert sorted(tile_stores, key=str) == sorted([4] * 8 + [None] * 32, key=str)   # before the loop and in it
+
+
+def test_grids_of_few_blocks_keep_the_256_thread_tile() -> None:
+  """The 8x16-per-thread tile (128 threads) needs 4 blocks per multiprocessor; MiniLM's 2048x384 @ 384x1536 (192
+  blocks on 132) keeps 16x16 threads of 8x8."""
+  kernel = Kernel(_scheduled(lambda a, b: a @ b.T, [(2048, 384), (1536, 384)]).ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL] == [16, 16]
+  assert Opt(OptOps.SHARED, 0, 308) in kernel.applied_opts
+
+
+@pytest.mark.parametrize("case", ["a@b", "aT@bT"])
+def test_thread_8x16_tile_matches_noopt(case: str) -> None:
+  """The 8x16-per-thread 128x128 tile where the grid has 4 blocks per multiprocessor (256x256 on 1): equal to NOOPT
+  and PyTorch's float64 on the emulated GPU, compiled by NVRTC."""
+  build = (lambda a, b: a @ b) if case == "a@b" else (lambda a, b: a.T @ b.T)
+  item, values = _item(build, [(256, 32), (32, 256)] if case == "a@b" else [(32, 256), (256, 32)], seed=5)
+  plain = _run(Kernel(item.ast, _renderer(1)), item)
+  kernel = Kernel(item.ast, _renderer(1))
+  kernel.hand_coded_optimizations()
+  assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL] == [16, 8], kernel.applied_opts
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
 
 
 LARGE_TILE_CASES = {

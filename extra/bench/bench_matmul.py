@@ -292,7 +292,8 @@ VARIANTS += [
   ("4096^3 f32", "128x128 K8, cp.async 4 stages, 2 blocks/SM", f"{F32_TILE};SHARED 0 228;UNROLL 0 8"),
   ("4096^3 f32", "128x128 K8, vector fill + 2 blocks/SM", f"{F32_TILE};SHARED 0 52;UNROLL 0 8"),
   ("4096^3 f32", "128x128 K16, rows skewed by 8 every 8 (SHARED_ROW_SKEW 256)", f"{F32_TILE};SHARED 0 260;UNROLL 0 16"),
-  ("4096^3 f32", "128x128 K16, skew + vector fill + 2 blocks/SM (heuristic)", f"{F32_TILE};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, skew + vector fill + 2 blocks/SM (heuristic under 4 blocks/SM)",
+   f"{F32_TILE};SHARED 0 308;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, skew + cp.async 2 stages + 2 blocks/SM", f"{F32_TILE};SHARED 0 356;UNROLL 0 16"),
   ("4096^3 f32", "128x128 K16, warps of 8x4 threads (32x16 +runs), skew + vector fill",
    f"{F32_WARP_8X4};SHARED 0 276;UNROLL 0 16"),
@@ -318,7 +319,7 @@ VARIANTS += [
   ("4096^3 f32", "128x128 K8, A k-inner, rows strided, cp.async 3 stages + 2 blocks/SM",
    f"{F32_ROWS};SHARED 0 676;UNROLL 0 8"),
   # 16 outputs per thread along N (8x16: 4 float4 runs), 128 threads per block (4 warps): half the tile reads per FMA
-  ("4096^3 f32", "128x128, 8x16 per thread (128 threads), K16, skew + vector fill + 2 blocks/SM",
+  ("4096^3 f32", "128x128, 8x16 per thread (128 threads), K16, skew + vector fill + 2 blocks/SM (heuristic)",
    f"{F32_8X16};SHARED 0 308;UNROLL 0 16"),
   ("4096^3 f32", "128x128, 8x16 per thread (128 threads), K16, skew + vector fill",
    f"{F32_8X16};SHARED 0 276;UNROLL 0 16"),
