@@ -159,12 +159,8 @@ class SharedTile:
   runs_n: int
   steps: tuple[int, ...]
   # SHARED's flags beside the row padding (kernel.py SHARED_*: float4 tile stores, two blocks per multiprocessor,
-  # cp.async stages, skewed rows), and each warp's threads along M and N (0: warps are rows of the block's threads)
+  # cp.async stages, skewed rows)
   flags: int = 0
-  warp: tuple[int, int] = (0, 0)
-  # a thread's rows strided by the block's threads along M (LOCAL before UPCAST: all its runs_m x 4 rows one
-  # upcast), for SHARED_REDUCE_INNER's conflict-free float4 reads of A's k-innermost tile
-  rows_strided: bool = False
   # blocks per multiprocessor the grid must give for this tile to count as filling the device (_shared_tile_order)
   min_blocks_per_processor: int = 1
 
@@ -282,17 +278,10 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
   threads along M then N, the second runs along N then M, `group` GROUP threads over the reduce (neighbouring
   threads, neighbouring elements of each step), SHARED, the reduce step. An opt that takes the rest of M's global
   axis drops it, so N's axis number is followed as M's global part runs out."""
-  plan = [(0, OptOps.UPCAST, SHARED_OUTPUTS), (1, OptOps.UPCAST, SHARED_OUTPUTS)]
-  if tile.rows_strided:
-    plan = [(0, OptOps.LOCAL, tile.threads_m), (0, OptOps.UPCAST, SHARED_OUTPUTS * tile.runs_m),
-            (1, OptOps.UPCAST, SHARED_OUTPUTS), (1, OptOps.LOCAL, tile.threads_n), (1, OptOps.UPCAST, tile.runs_n)]
-  elif tile.warp != (0, 0):   # a warp's threads first (the innermost thread ids), then the warps along M and N
-    plan += [(0, OptOps.LOCAL, tile.warp[0]), (1, OptOps.LOCAL, tile.warp[1]),
-             (0, OptOps.LOCAL, tile.threads_m // tile.warp[0]), (1, OptOps.LOCAL, tile.threads_n // tile.warp[1])]
-  else: plan += [(0, OptOps.LOCAL, tile.threads_m), (1, OptOps.LOCAL, tile.threads_n)]
-  if not tile.rows_strided:
-    plan += [(1, OptOps.UPCAST, tile.runs_n), (0, OptOps.UPCAST, tile.runs_m)]
-  plan = [step for step in plan if step[2] > 1]
+  plan = [(0, OptOps.UPCAST, SHARED_OUTPUTS), (1, OptOps.UPCAST, SHARED_OUTPUTS),
+          (0, OptOps.LOCAL, tile.threads_m), (1, OptOps.LOCAL, tile.threads_n)]
+  plan += [(1, OptOps.UPCAST, tile.runs_n)] if tile.runs_n > 1 else []
+  plan += [(0, OptOps.UPCAST, tile.runs_m)] if tile.runs_m > 1 else []
   m_left = kernel.full_shape[m_axis]
   for position, op, amount in plan:
     axis = m_axis if position == 0 else n_axis - (1 if m_left == 1 else 0)
