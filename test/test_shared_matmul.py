@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from ourgrad import Tensor
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.kernel import (SHARED_ASYNC, SHARED_REDUCE_INNER, SHARED_ROW_SKEW, SHARED_TWO_BLOCKS,
+                                   SHARED_VECTOR_FILL, Kernel, KernelOptError, Opt, OptOps)
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import SHARED_TILES
 from ourgrad.codegen.uops import UOps
@@ -241,8 +242,10 @@ def test_mlp_step_matmuls_pick_filling_tiles(name: str) -> None:
   kernel.hand_coded_optimizations()
   assert kernel.shared_tiles, kernel.applied_opts
   assert Opt(OptOps.UNROLL, 0, step) in kernel.applied_opts
-  # every tile's rows padded by 4 floats (their transposed fills store into different banks)
-  assert Opt(OptOps.SHARED, 0, 4) in kernel.applied_opts
+  # every tile's rows padded by 4 floats (their transposed fills store into different banks); the 128x128 tile also
+  # skews them, stores B's float4s whole and asks for two blocks per multiprocessor
+  flags = SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL if tile == (128, 128) else 0
+  assert Opt(OptOps.SHARED, 0, 4 + flags) in kernel.applied_opts
   assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.GROUP] == ([group] if group > 1 else [])
   # the opts: float4 upcasts along M and N, threads along M and N, then the second float4 runs along N and M
   threads = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL]
@@ -299,3 +302,203 @@ def test_mlp_classifier_matmuls_fill_the_gpu() -> None:
   weight_grad.hand_coded_optimizations()
   assert weight_grad.applied_opts == [Opt(OptOps.LOCAL, 1, 32), Opt(OptOps.GROUPTOP, 0, 8), Opt(OptOps.UNROLL, 0, 4)]
   assert _blocks(weight_grad) == 160
+
+
+# ---------------------------------------------------------------- the tile's structure flags (SHARED's amount)
+
+def _structure_tile(m_axis: int) -> list[Opt]:
+  """A 64x64 block tile (8x8 threads, 2x2 float4 runs each: the 4096^3 tile's structure at a quarter of the
+  threads) of the matmul whose M axis is `m_axis` (N the next)."""
+  m, n = m_axis, m_axis + 1
+  return [Opt(OptOps.UPCAST, m, 4), Opt(OptOps.UPCAST, n, 4), Opt(OptOps.LOCAL, m, 8), Opt(OptOps.LOCAL, n, 8),
+          Opt(OptOps.UPCAST, n, 2), Opt(OptOps.UPCAST, m, 2)]
+STRUCTURES = {
+  # name: (SHARED's amount, reduce step, expected (float4 tile stores, COPYs of 16 bytes, of 4 bytes, launch bounds'
+  # blocks) per kernel)
+  "vector_fill": (4 + SHARED_VECTOR_FILL, 16, (True, 0, 0, 0)),
+  "two_blocks": (4 + SHARED_TWO_BLOCKS, 16, (False, 0, 0, 2)),
+  "vector_fill_two_blocks": (4 + SHARED_VECTOR_FILL + SHARED_TWO_BLOCKS, 8, (True, 0, 0, 2)),
+  "async_2_stages": (4 + SHARED_ASYNC, 16, (False, True, True, 0)),
+  "async_3_stages_two_blocks": (4 + 2 * SHARED_ASYNC + SHARED_TWO_BLOCKS, 8, (False, True, True, 2)),
+  "async_4_stages_unpadded": (3 * SHARED_ASYNC, 8, (False, True, True, 0)),
+  "row_skew_vector_fill": (4 + SHARED_ROW_SKEW + SHARED_VECTOR_FILL, 16, (True, 0, 0, 0)),
+  "row_skew_async_two_blocks": (4 + SHARED_ROW_SKEW + SHARED_ASYNC + SHARED_TWO_BLOCKS, 16, (False, True, True, 2)),
+}
+STRUCTURE_LAYOUTS = {
+  "a@b": (lambda a, b: a @ b, [(64, 64), (64, 64)]),
+  "aT@bT": (lambda a, b: a.T @ b.T, [(64, 64), (64, 64)]),
+  "batched": (lambda a, b: a @ b, [(2, 64, 32), (2, 32, 64)]),
+}
+
+
+@pytest.mark.parametrize("layout", list(STRUCTURE_LAYOUTS))
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_tile_structures_match_noopt(structure: str, layout: str) -> None:
+  """The float32 tile's structure flags (kernel.py SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC): float4
+  stores of an operand contiguous along the tile's rows, the launch bounds' second block, and cp.async copies in 2-4
+  stages (16 bytes where the operand's float4 is one of the tile, else element by element) instead of the register
+  prefetch. Each equals NOOPT and PyTorch's float64 on the emulated GPU, and compiles with NVRTC."""
+  amount, step, (vector_stores, copies_16, copies_4, blocks) = STRUCTURES[structure]
+  build, shapes = STRUCTURE_LAYOUTS[layout]
+  item, values = _item(build, shapes, seed=len(structure) + len(layout))
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  kernel = Kernel(item.ast, _renderer(4))
+  tile = _structure_tile(len(shapes[0]) - 2)
+  for opt in tile + [Opt(OptOps.SHARED, 0, amount), Opt(OptOps.UNROLL, 0, step)]: kernel.apply_opt(opt)
+  uops = linearize(kernel)
+  tile_stores = [uop for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_LOCAL]
+  copies = [uop.arg[0] for uop in uops if uop.op is UOps.COPY]
+  # an operand contiguous along N (a@b's B) or along M (aT@bT's A) fills its tile in float4s
+  assert any(uop.arg == 4 for uop in tile_stores) == vector_stores
+  assert (4 in copies) == bool(copies_16) and (1 in copies) == bool(copies_4)
+  # padded rows (16 floats each, 4 of padding), groups of 8 rows 8 further on with the skew: 16*(64+4) + 8 a stage
+  stages = max(kernel.async_tile_stages, 2)
+  skew = 8 if amount & SHARED_ROW_SKEW and step == 16 else 0
+  row = 64 + (4 if amount % SHARED_VECTOR_FILL else 0)
+  assert [uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL] == [stages * (step * row + skew)] * 2
+  assert [uop.arg for uop in uops if uop.op is UOps.OCCUPANCY] == ([blocks] if blocks else [])
+  if copies: assert not tile_stores and sum(uop.op is UOps.BARRIER for uop in uops) == 1   # one per step
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+  if blocks: assert f"__launch_bounds__({kernel.block_threads()}, {blocks})" in CUDARenderer().render(kernel.name, uops)
+
+
+@pytest.mark.parametrize("amount", [4 + SHARED_ROW_SKEW + SHARED_VECTOR_FILL + SHARED_TWO_BLOCKS,
+                                    4 + SHARED_ROW_SKEW + SHARED_ASYNC + SHARED_TWO_BLOCKS])
+def test_warp_tiles_match_noopt(amount: int) -> None:
+  """The block's threads split twice along M and N (LOCAL 0 4, LOCAL 1 2, LOCAL 0 2, LOCAL 1 4: consecutive thread
+  ids a 2-D patch of the block tile, as bench_matmul's F32_WARP_* warps), with the tile structure flags: equal to
+  NOOPT and numpy's float64."""
+  item, values = _item(lambda a, b: a @ b, [(64, 64), (64, 64)], seed=amount)
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  kernel = Kernel(item.ast, _renderer(4))
+  for opt in [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 4), Opt(OptOps.LOCAL, 1, 2),
+              Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.LOCAL, 1, 4), Opt(OptOps.UPCAST, 1, 2), Opt(OptOps.UPCAST, 0, 2),
+              Opt(OptOps.SHARED, 0, amount), Opt(OptOps.UNROLL, 0, 16)]:
+    kernel.apply_opt(opt)
+  assert kernel.local_dims == 4
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got.reshape(64, 64), values[0].astype(np.float64) @ values[1], rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
+def _strided_rows_tile(m_axis: int) -> list[Opt]:
+  """A 64x64 block tile whose threads take neighbouring rows (LOCAL before UPCAST along M: a thread's 8 rows 8 apart)
+  and 2 float4 runs along N: the layout SHARED_REDUCE_INNER reads without bank conflicts."""
+  m, n = m_axis, m_axis   # M's 64 all go to the block: its axis is dropped, N's takes its number
+  return [Opt(OptOps.LOCAL, m, 8), Opt(OptOps.UPCAST, m, 8), Opt(OptOps.UPCAST, n, 4), Opt(OptOps.LOCAL, n, 8),
+          Opt(OptOps.UPCAST, n, 2)]
+
+
+@pytest.mark.parametrize("layout", list(STRUCTURE_LAYOUTS))
+@pytest.mark.parametrize("flags", [0, SHARED_VECTOR_FILL, SHARED_ASYNC + SHARED_TWO_BLOCKS, 2 * SHARED_ASYNC])
+def test_reduce_inner_tiles_match_noopt(flags: int, layout: str) -> None:
+  """SHARED_REDUCE_INNER: an operand contiguous along the reduce (a@b's A, aT@bT's B) keeps the reduce axis innermost
+  in its tile (rows of 16 + 4 padding, not transposed): 16-byte copies or float4 stores fill it, float4s of 4 reduce
+  elements are read from it. Equal to NOOPT and PyTorch's float64 with each fill (prefetch, float4 stores, cp.async)."""
+  build, shapes = STRUCTURE_LAYOUTS[layout]
+  item, values = _item(build, shapes, seed=flags + len(layout))
+  plain = _run(Kernel(item.ast, _renderer(4)), item)
+  kernel = Kernel(item.ast, _renderer(4))
+  amount = 4 + SHARED_REDUCE_INNER + flags
+  for opt in _strided_rows_tile(len(shapes[0]) - 2) + [Opt(OptOps.SHARED, 0, amount), Opt(OptOps.UNROLL, 0, 16)]:
+    kernel.apply_opt(opt)
+  inner = [axes for _, axes in kernel.staged_loads() if kernel.axis_types[axes[-1]].name == "UNROLL"]
+  assert len(inner) == 1
+  uops = linearize(kernel)
+  # asynchronous stages where the reduce has that many steps (batched: K = 32, 2 steps), else the register prefetch's 2
+  copying = kernel.async_tile_stages <= shapes[1][-2] // 16
+  stages = max(kernel.async_tile_stages, 2) if copying else 2
+  # the reduce-inner tile: 64 rows of 16 + 4; the other: 16 reduce rows of 64 + 4
+  assert sorted(uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL) == [stages * 16 * 68, stages * 64 * 20]
+  # the reduce-inner tile in 16-byte copies (aT@bT's A, contiguous along M but its rows 8 apart per thread: 4-byte)
+  copied = {(uop.srcs[0].arg[0], uop.arg[0]) for uop in uops if uop.op is UOps.COPY}
+  inner_tile = next(uop.arg[0] for uop in uops if uop.op is UOps.DEFINE_LOCAL and uop.arg[1] == stages * 64 * 20)
+  if flags & SHARED_ASYNC and copying: assert (inner_tile, 4) in copied and (inner_tile, 1) not in copied
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
+@pytest.mark.parametrize("amount", [8, 2 * SHARED_REDUCE_INNER, 4 + 2, 12 + SHARED_ASYNC])
+def test_bad_structure_amounts_raise(amount: int) -> None:
+  """SHARED's amount without TC: a padding of 0 or 4 plus the flags; unknown bits and other paddings are refused."""
+  item, _ = _item(lambda a, b: a @ b, [(64, 64), (64, 64)], seed=1)
+  kernel = Kernel(item.ast, _renderer(4))
+  for opt in _structure_tile(0): kernel.apply_opt(opt)
+  with pytest.raises(KernelOptError, match="SHARED takes axis 0"): kernel.apply_opt(Opt(OptOps.SHARED, 0, amount))
+
+
+def test_square_4096_choice_is_pinned() -> None:
+  """The hand-coded float32 4096^3 kernel (H100 figures in heuristic.py, LARGE_TILE_FLAGS): 16x8 threads of 8x16
+  outputs (2x4 float4 runs), padded and skewed tile rows, B's float4 stores, launch bounds for two blocks per
+  multiprocessor, reduce steps of 16 double buffered by register prefetch."""
+  kernel = Kernel(_scheduled(lambda a, b: a @ b, [(4096, 4096), (4096, 4096)]).ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert kernel.applied_opts == [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 16),
+                                 Opt(OptOps.LOCAL, 1, 8), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.UPCAST, 0, 2),
+                                 Opt(OptOps.SHARED, 0, 4 + 16 + 32 + 256), Opt(OptOps.UNROLL, 0, 16)]
+  uops = linearize(kernel)
+  source = CUDARenderer().render(kernel.name, uops)
+  assert source.startswith(f'extern "C" __global__ void __launch_bounds__(128, 2) {kernel.name}(')
+  assert not any(uop.op is UOps.COPY for uop in uops)   # register prefetch (cp.async measured slower)
+  # 128 threads fill each 16x128 tile in 4 float4s: B's stored whole, A's transposed element by element
+  tile_stores = [uop.arg for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_LOCAL]
+  assert sorted(tile_stores, key=str) == sorted([4] * 8 + [None] * 32, key=str)   # before the loop and in it
+
+
+def test_grids_of_few_blocks_keep_the_256_thread_tile() -> None:
+  """The 8x16-per-thread tile (128 threads) needs 4 blocks per multiprocessor; MiniLM's 2048x384 @ 384x1536 (192
+  blocks on 132) keeps 16x16 threads of 8x8."""
+  kernel = Kernel(_scheduled(lambda a, b: a @ b.T, [(2048, 384), (1536, 384)]).ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL] == [16, 16]
+  assert Opt(OptOps.SHARED, 0, 308) in kernel.applied_opts
+
+
+@pytest.mark.parametrize("case", ["a@b", "aT@bT"])
+def test_thread_8x16_tile_matches_noopt(case: str) -> None:
+  """The 8x16-per-thread 128x128 tile where the grid has 4 blocks per multiprocessor (256x256 on 1): equal to NOOPT
+  and PyTorch's float64 on the emulated GPU, compiled by NVRTC."""
+  build = (lambda a, b: a @ b) if case == "a@b" else (lambda a, b: a.T @ b.T)
+  item, values = _item(build, [(256, 32), (32, 256)] if case == "a@b" else [(32, 256), (256, 32)], seed=5)
+  plain = _run(Kernel(item.ast, _renderer(1)), item)
+  kernel = Kernel(item.ast, _renderer(1))
+  kernel.hand_coded_optimizations()
+  assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL] == [16, 8], kernel.applied_opts
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
+LARGE_TILE_CASES = {
+  "a@b": (lambda a, b: a @ b, [(128, 32), (32, 128)]),
+  "aT@bT": (lambda a, b: a.T @ b.T, [(32, 128), (128, 32)]),
+  "relu_bias_forward": (_relu_bias_forward, [(128, 32), (32,), (128, 32)]),
+  "batched": (lambda a, b: a @ b, [(2, 128, 32), (2, 32, 128)]),
+}
+
+
+@pytest.mark.parametrize("case", list(LARGE_TILE_CASES))
+def test_large_tile_choice_matches_noopt(case: str) -> None:
+  """The heuristic's 128x128 tile with its structure flags (LARGE_TILE_FLAGS) on one multiprocessor: plain,
+  transposed, fused and batched operands equal NOOPT and PyTorch's float64."""
+  build, shapes = LARGE_TILE_CASES[case]
+  item, values = _item(build, shapes, seed=len(case) + 60)
+  plain = _run(Kernel(item.ast, _renderer(1)), item)
+  kernel = Kernel(item.ast, _renderer(1))
+  kernel.hand_coded_optimizations()
+  assert np.prod(_block_tile(kernel)) == 128 * 128 and Opt(OptOps.SHARED, 0, 308) in kernel.applied_opts
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)

@@ -333,10 +333,11 @@ def test_heuristic_picks_shared_for_float32_matmuls(n: int) -> None:
   # 8x8: double buffered, two stages per tile and one barrier per step (plus one after step 0's stores); 4x4: the
   # 128 float4s of a tile fill half the 256 threads (a partial round), single stage, a barrier before and after
   stages = 2 if per_thread == 8 else 1
-  # each tile's rows (one per reduce element) are padded by 4 floats (SHARED 0 4)
-  padding = 4
+  # each tile's rows (one per reduce element) are padded by 4 floats (SHARED 0 4); the 128x128 tile's rows 8..15 are
+  # 8 floats further on (SHARED_ROW_SKEW, heuristic.py LARGE_TILE_FLAGS)
+  padding, skew = 4, (8 if per_thread == 8 else 0)
   tile_sizes = [uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL]
-  assert tile_sizes == [stages * step * (16 * per_thread + padding)] * 2
+  assert tile_sizes == [stages * (step * (16 * per_thread + padding) + skew)] * 2
   assert sum(uop.op is UOps.BARRIER for uop in uops) == 2
   np.testing.assert_allclose(_run(kernel, item).reshape(128, n), a_values.astype(np.float64) @ b_values,
                              rtol=1e-4, atol=1e-4)

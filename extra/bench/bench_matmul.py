@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -167,6 +168,18 @@ def relative_error(ours: Tensor, theirs: Any) -> float:
   return float(np.linalg.norm(mine - reference) / max(np.linalg.norm(reference), 1e-30))
 
 
+# the float32 128x128 block tile's opts before SHARED: 16x16 threads, 2x2 float4 runs of outputs each
+F32_TILE = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2"
+# the same block tile with each warp's 32 threads 8 along M by 4 along N (a warp reads 8 float4s of the A tile and 4
+# of the B tile per reduce element, 16 and 2 above), and 4 by 8
+F32_WARP_8X4 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 8;LOCAL 1 4;LOCAL 0 2;LOCAL 1 4;UPCAST 1 2;UPCAST 0 2"
+F32_WARP_4X8 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 4;LOCAL 1 8;LOCAL 0 4;LOCAL 1 2;UPCAST 1 2;UPCAST 0 2"
+# the same block tile with a thread's 8 rows 16 apart (LOCAL before UPCAST along M: a warp's 16 threads along M take
+# neighbouring rows) for SHARED_REDUCE_INNER's A tile
+F32_ROWS = "LOCAL 0 16;UPCAST 0 8;UPCAST 1 4;LOCAL 1 16;UPCAST 1 2"
+# 8x16 and 16x8 outputs per thread (4 float4 runs along N, or along M), 16x8 and 8x16 threads: the same 128x128 tile
+F32_8X16 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 8;UPCAST 1 4;UPCAST 0 2"
+F32_16X8 = "UPCAST 0 4;UPCAST 1 4;LOCAL 0 8;LOCAL 1 16;UPCAST 1 2;UPCAST 0 4"
 # explicit opt lists for the 4096^3 and ragged matmuls, timed beside the heuristic's choice to pick tiles from one GPU
 # run: (part of the row's name, label, opts); "TC" uses the row's dtype's tensor core
 VARIANTS = [
@@ -195,7 +208,7 @@ VARIANTS = [
    "PADTO 0 64;PADTO 1 64;TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
   ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 8",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED;UNROLL 0 8"),
-  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16 (heuristic)",
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, rows not padded",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED;UNROLL 0 16"),
   ("4096^3 f32", "SHARED 8x4 per thread, 128x64",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 0 2;SHARED;UNROLL 0 8"),
@@ -269,8 +282,67 @@ VARIANTS += [
   ("mlp dW 10x512", "32 outputs x 8 GROUPTOP, 2 rows upcast (80 blocks)",
    "UPCAST 0 2;LOCAL 1 32;GROUPTOP 0 8;UNROLL 0 4"),
   ("mlp dW 10x512", "before: register tiles, 10 blocks", "UPCAST 1 4;UNROLL 0 4;LOCAL 1 128;GROUP 0 8"),
-  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, tile rows padded by 4",
+  ("4096^3 f32", "SHARED 8x8 per thread, 128x128, K step 16, tile rows padded by 4 (heuristic before)",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED 0 4;UNROLL 0 16"),
+  # the 128x128 tile's structure (SHARED's amount: padding 4 + flags, kernel.py SHARED_VECTOR_FILL 16, SHARED_TWO_BLOCKS
+  # 32, SHARED_ASYNC 64 x (stages - 1))
+  ("4096^3 f32", "128x128 K16, float4 tile stores (vector fill)", f"{F32_TILE};SHARED 0 20;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, 2 blocks/SM (launch bounds)", f"{F32_TILE};SHARED 0 36;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, vector fill + 2 blocks/SM", f"{F32_TILE};SHARED 0 52;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, cp.async 2 stages", f"{F32_TILE};SHARED 0 68;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, cp.async 2 stages, 2 blocks/SM", f"{F32_TILE};SHARED 0 100;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K8, cp.async 3 stages, 2 blocks/SM", f"{F32_TILE};SHARED 0 164;UNROLL 0 8"),
+  ("4096^3 f32", "128x128 K8, cp.async 4 stages, 2 blocks/SM", f"{F32_TILE};SHARED 0 228;UNROLL 0 8"),
+  ("4096^3 f32", "128x128 K8, vector fill + 2 blocks/SM", f"{F32_TILE};SHARED 0 52;UNROLL 0 8"),
+  ("4096^3 f32", "128x128 K16, rows skewed by 8 every 8 (SHARED_ROW_SKEW 256)", f"{F32_TILE};SHARED 0 260;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, skew + vector fill + 2 blocks/SM (heuristic under 4 blocks/SM)",
+   f"{F32_TILE};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, skew + cp.async 2 stages + 2 blocks/SM", f"{F32_TILE};SHARED 0 356;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, warps of 8x4 threads (32x16 +runs), skew + vector fill",
+   f"{F32_WARP_8X4};SHARED 0 276;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, warps of 8x4 threads, skew + vector fill + 2 blocks/SM",
+   f"{F32_WARP_8X4};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, warps of 8x4 threads, skew + cp.async 2 stages + 2 blocks/SM",
+   f"{F32_WARP_8X4};SHARED 0 356;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, warps of 4x8 threads (16x32 +runs), skew + vector fill + 2 blocks/SM",
+   f"{F32_WARP_4X8};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, skew + 2 blocks/SM", f"{F32_TILE};SHARED 0 292;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K8, warps of 8x4, vector fill + 2 blocks/SM", f"{F32_WARP_8X4};SHARED 0 52;UNROLL 0 8"),
+  ("4096^3 f32", "128x128 K8, warps of 8x4, cp.async 3 stages + 2 blocks/SM",
+   f"{F32_WARP_8X4};SHARED 0 164;UNROLL 0 8"),
+  ("4096^3 f32", "128x128 K16, warps of 4x8, skew + cp.async 2 stages + 2 blocks/SM",
+   f"{F32_WARP_4X8};SHARED 0 356;UNROLL 0 16"),
+  # SHARED_REDUCE_INNER (512): A's tile k-innermost (16-byte copies, float4 reads of 4 k), a thread's rows 16 apart
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, vector fill", f"{F32_ROWS};SHARED 0 532;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, vector fill + 2 blocks/SM",
+   f"{F32_ROWS};SHARED 0 564;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, cp.async 2 stages", f"{F32_ROWS};SHARED 0 580;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, cp.async 2 stages + 2 blocks/SM",
+   f"{F32_ROWS};SHARED 0 612;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K8, A k-inner, rows strided, cp.async 3 stages + 2 blocks/SM",
+   f"{F32_ROWS};SHARED 0 676;UNROLL 0 8"),
+  # 16 outputs per thread along N (8x16: 4 float4 runs), 128 threads per block (4 warps): half the tile reads per FMA
+  ("4096^3 f32", "128x128, 8x16 per thread (128 threads), K16, skew + vector fill + 2 blocks/SM (heuristic)",
+   f"{F32_8X16};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x128, 8x16 per thread (128 threads), K16, skew + vector fill",
+   f"{F32_8X16};SHARED 0 276;UNROLL 0 16"),
+  ("4096^3 f32", "128x128, 8x16 per thread (128 threads), K8, skew + vector fill + 2 blocks/SM",
+   f"{F32_8X16};SHARED 0 308;UNROLL 0 8"),
+  ("4096^3 f32", "128x128, 16x8 per thread (128 threads), K16, skew + vector fill + 2 blocks/SM",
+   f"{F32_16X8};SHARED 0 308;UNROLL 0 16"),
+  ("4096^3 f32", "128x256, 8x16 per thread (256 threads), K16, skew + vector fill",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;UPCAST 1 4;UPCAST 0 2;SHARED 0 276;UNROLL 0 16"),
+  ("4096^3 f32", "64x128, 8x8 per thread (128 threads), K16, skew + vector fill",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 8;LOCAL 1 16;UPCAST 1 2;UPCAST 0 2;SHARED 0 276;UNROLL 0 16"),
+  ("4096^3 f32", "128x64, 8x8 per thread (128 threads), K16, skew + vector fill",
+   "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 8;UPCAST 1 2;UPCAST 0 2;SHARED 0 276;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, cp.async 3 stages (dynamic smem)", f"{F32_TILE};SHARED 0 132;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, A k-inner, rows strided, cp.async 3 stages + 2 blocks/SM (dynamic smem)",
+   f"{F32_ROWS};SHARED 0 676;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, skew + cp.async 3 stages + 2 blocks/SM (dynamic smem)",
+   f"{F32_TILE};SHARED 0 420;UNROLL 0 16"),
+  ("4096^3 f32", "128x128 K16, warps of 8x4, skew + cp.async 4 stages + 2 blocks/SM (dynamic smem)",
+   f"{F32_WARP_8X4};SHARED 0 484;UNROLL 0 16"),
   ("4096^3 f32", "SHARED 4x4 per thread, 64x64, K step 8, rows padded (heuristic's 64x64)",
    "UPCAST 0 4;UPCAST 1 4;LOCAL 0 16;LOCAL 1 16;SHARED 0 4;UNROLL 0 8"),
   ("mlp dW 512^3", "register tiles, 128 threads (before)", "UPCAST 1 4;UPCAST 0 4;UNROLL 0 4;LOCAL 1 128"),
@@ -355,6 +427,7 @@ def main() -> None:
   parser.add_argument("--only", default="", help="run only the rows whose name contains this")
   parser.add_argument("--no-variants", dest="variants", action="store_false",
                       help="skip the explicit-opts variants of the 4096^3 rows (CUDA)")
+  parser.add_argument("--variants-matching", default="", help="only the variants whose label matches this regex")
   args = parser.parse_args()
   import torch
   cuda = args.device.upper().startswith("CUDA")
@@ -408,7 +481,7 @@ def main() -> None:
           + f"  err {error:.1e} vs torch   [{', '.join(kernels)}]")
     if cuda and args.variants and kind.startswith("mm"):
       variant_jobs += [(name, label, opts_text, inputs, dtype, kind, sizes) for part, label, opts_text in VARIANTS
-                       if part in name]
+                       if part in name and re.search(args.variants_matching, label)]
   # after every row: a variant launch that went wrong would leave the CUDA context unusable; dynamic shared memory
   # and wgmma (the newest code) last
   if variant_jobs: print("variants (explicit opts):")

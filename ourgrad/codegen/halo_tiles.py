@@ -122,7 +122,7 @@ class HaloTileFill:
   def _index_nodes(self, leaf_number: int, idxs: list[Node]) -> tuple[Node, Node]: raise NotImplementedError
 
   def _stage_halo_tile(self, node: LazyOp, local: UOp, axis_idxs: list[Node], thread: Node, offset: Node,
-                       defer: bool) -> list[tuple[UOp, Node, UOp]]:
+                       defer: bool) -> list[tuple[UOp, Node, tuple[UOp, ...]]]:
     """Fill a halo tile (see codegen/halo_tiles.py): unit u of the tile is element u % span of row u // span's
     range, the buffer's element at the row's range start plus that; loaded where it lies in the buffer (the load's
     mask is applied when the tile is read). Element by element, neighbouring threads neighbouring elements."""
@@ -132,7 +132,7 @@ class HaloTileFill:
     window_vars = [Variable(f"halo{axis}", 0, kernel.full_shape[axis] - 1) for axis in window.window]
     # the buffer's valid elements end before this: the first view is the one on the buffer itself
     limit = ShapeTracker(kernel.sts[leaf].views[:1]).real_size()
-    deferred: list[tuple[UOp, Node, UOp]] = []
+    deferred: list[tuple[UOp, Node, tuple[UOp, ...]]] = []   # (tile, address, values), as _stage_shared_tiles
     for first in range(0, window.elements, threads):
       unit = thread + first
       guard = None
@@ -153,7 +153,7 @@ class HaloTileFill:
         value = build.const(0.0 if node.dtype.is_float else 0, node.dtype)
       elif isinstance(in_buffer, NumNode): value = build.add(UOps.LOAD, node.dtype, srcs)
       else: value = build.add(UOps.LOAD, node.dtype, srcs + (self.node_to_uop(in_buffer),))
-      if defer: deferred.append((local, offset + unit, value))
+      if defer: deferred.append((local, offset + unit, (value,)))
       else: build.add(UOps.STORE, None, (local, self.node_to_uop(offset + unit), value))
       if guard is not None: build.end_if(guard)
     return deferred

@@ -140,6 +140,22 @@ TC_TILE_PADDING, TC_TILE_STAGES = 8, 2
 # SHARED's amount without TC that pads each reduce element's row of a tile (16 bytes of float32: float4 reads stay
 # aligned); the rows of a transposed fill then start in different banks
 SHARED_TILE_PADDING = 4
+# flags added to SHARED's amount without TC (the padding stays below SHARED_VECTOR_FILL), see Kernel.tile_flags:
+# SHARED_VECTOR_FILL: a thread's 4 neighbouring tile elements (an operand contiguous along the tile's rows) stored as
+# one float4 (one store, no bank conflicts) instead of 4 scalar stores;
+# SHARED_TWO_BLOCKS: the kernel compiled for two resident blocks per multiprocessor (CUDA: __launch_bounds__'s
+# minimum blocks, which caps the registers per thread), so one block's barrier waits hide behind the other's math;
+# SHARED_ASYNC: the tiles filled by asynchronous copies (cp.async) in stages, no register prefetch; the amount's
+# multiple of it is the stages less one (64: 2 stages, 128: 3, 192: 4)
+# SHARED_ROW_SKEW: with padded rows, every group of SKEW_ROWS rows SKEW_ROWS elements further on (aligned), so the
+# transposed fill of 16 reduce rows (4 float4s of an operand contiguous along the reduce, by 4 neighbouring threads)
+# stores into 4 different bank groups (padding alone: rows 0 and 8 share one, a 2-way conflict)
+# SHARED_REDUCE_INNER: the tile of an operand contiguous along the reduce (a@b's A) laid out with that reduce axis
+# innermost, rows padded (not transposed): its fill is a straight copy (16-byte cp.async, float4 stores) and a thread
+# reads 4 reduce elements of one row as a float4; conflict-free where a warp's threads take neighbouring rows (LOCAL
+# before UPCAST along M: a thread's rows strided by the block's threads)
+SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC, SHARED_ROW_SKEW, SHARED_REDUCE_INNER = 16, 32, 64, 256, 512
+SHARED_ASYNC_MAX_STAGES, SKEW_ROWS = 4, 8
 
 
 # more registers than this per thread spills on every device we target
@@ -211,7 +227,8 @@ class Kernel:
     # after OptOps.WGMMA: the kernel's plan (codegen/wgmma_tiles.py) and its A, B, C argument positions; the loop
     # nest is then not linearized (engine/realize.py renders the plan)
     self.wgmma: tuple[WgmmaMatmul, dict[str, int]] | None = None
-    self.tile_padding = 0   # without TC: SHARED's amount (see tile_row_padding)
+    self.tile_padding = 0   # without TC: SHARED's amount below SHARED_VECTOR_FILL (see tile_row_padding)
+    self.tile_flags = 0   # without TC: SHARED's amount from SHARED_VECTOR_FILL up (see the SHARED_* flags)
     # sibling reduces (one per output, same axes, op and dtype) share the loop nest, an accumulator each
     self.sibling_reduces = _sibling_reduces(ast, self.reduceops)
     self.row_axes: tuple[int, ...] | None = None if self.sibling_reduces else \
@@ -354,11 +371,13 @@ class Kernel:
 
   def _state(self) -> tuple:
     return (list(self.sts), self.upcasted, self.local_dims, self.group_dims, self.groups_outer, list(self.applied_opts),
-            self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding)
+            self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding,
+            self.tile_flags)
 
   def _restore(self, state: tuple) -> None:
     (self.sts, self.upcasted, self.local_dims, self.group_dims, self.groups_outer, self.applied_opts,
-     self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding) = state
+     self.tensor_core, self.shared_tiles, self.tile_stages, self.wgmma, self.tile_padding,
+     self.tile_flags) = state
 
   def apply_opt(self, opt: Opt) -> None:
     """Apply one Opt, or raise KernelOptError (leaving the kernel unchanged) if it does not fit."""
@@ -386,9 +405,16 @@ class Kernel:
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
     if opt.op is OptOps.SHARED:
       # with tensor cores the amount is the number of stages (0: the default, 2); without, the tiles' row padding
-      stages = (0, 2, 3, 4) if self.tensor_core is not None else (0, SHARED_TILE_PADDING)
-      if opt.axis != 0 or opt.amount not in stages:
-        raise KernelOptError(f"SHARED takes axis 0 and amount in {stages}, got {opt}")
+      # plus flags (SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC times the stages less one)
+      if self.tensor_core is not None and (opt.axis != 0 or opt.amount not in (0, 2, 3, 4)):
+        raise KernelOptError(f"SHARED with TC takes axis 0 and amount in (0, 2, 3, 4), got {opt}")
+      paddings = (0, SHARED_TILE_PADDING)
+      async_stages = opt.amount % SHARED_ROW_SKEW // SHARED_ASYNC + 1
+      if self.tensor_core is None and (opt.axis != 0 or opt.amount % SHARED_VECTOR_FILL not in paddings or
+                                       async_stages > SHARED_ASYNC_MAX_STAGES or opt.amount >= 2 * SHARED_REDUCE_INNER):
+        raise KernelOptError(f"SHARED takes axis 0 and amount a padding in {paddings} plus SHARED_VECTOR_FILL, "
+                             f"SHARED_TWO_BLOCKS, SHARED_ASYNC times 1..{SHARED_ASYNC_MAX_STAGES - 1} or "
+                             f"SHARED_ROW_SKEW, SHARED_REDUCE_INNER, got {opt}")
       return 0
     if self.shared_tiles and (opt.op is OptOps.GROUPTOP or (opt.op is OptOps.GROUP and self.tensor_core is not None)):
       raise KernelOptError(f"{opt.op.name} does not combine with SHARED (GROUP does, without TC)")
@@ -431,7 +457,9 @@ class Kernel:
       self._apply_wgmma(opt)
       return
     if opt.op is OptOps.SHARED:
-      if self.tensor_core is None: self.tile_padding = opt.amount
+      if self.tensor_core is None:
+        self.tile_padding = opt.amount % SHARED_VECTOR_FILL
+        self.tile_flags = opt.amount - self.tile_padding
       self._apply_shared_tiles(opt.amount or TC_TILE_STAGES)
       return
     amount = opt.amount if opt.amount != 0 else size
@@ -598,7 +626,12 @@ class Kernel:
       innermost = max((axis for axis in tile if kinds[axis] is AxisType.UPCAST),
                       key=lambda axis: -abs(output_strides[axis] or 0), default=None)
 
+      # SHARED_REDUCE_INNER: an operand contiguous along an unrolled reduce axis keeps it innermost
+      reduce_inner = next((axis for axis in tile if kinds[axis] is AxisType.UNROLL and strides[axis] == 1), None)
+      if not self.tile_flags & SHARED_REDUCE_INNER or self.tensor_core is not None: reduce_inner = None
+
       def place(axis: int) -> tuple:
+        if reduce_inner is not None: return (2, 0) if axis == reduce_inner else (1, -abs(output_strides[axis] or 0))
         if kinds[axis] is AxisType.UNROLL: return (0, 0)
         return (2, 0) if axis == innermost else (1, -abs(output_strides[axis] or 0))
       staged.append((number, sorted(tile, key=place)))
@@ -626,8 +659,8 @@ class Kernel:
     local_bytes = self.local_memory_bytes()
     limit = getattr(self.renderer, "local_memory_bytes", 0)
     # staged tensor-core tiles may use dynamic shared memory beyond the static limit (CUDA)
-    if self.shared_tiles and self.tensor_core is not None: limit = getattr(self.renderer, "dynamic_local_memory_bytes",
-                                                                           limit)
+    if self.shared_tiles and (self.tensor_core is not None or self.async_tile_stages):
+      limit = getattr(self.renderer, "dynamic_local_memory_bytes", limit)
     if local_bytes > limit and (self.group_dims or self.shared_tiles):
       raise KernelOptError(f"{local_bytes} bytes of local memory per block is more than {self.renderer.device}'s "
                            f"{limit}")
@@ -660,7 +693,7 @@ class Kernel:
     if self.shared_tiles:
       # GROUP partials (at most: warp shuffles may combine them without local memory)
       partials = self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize if self.group_dims else 0
-      return self.staged_tile_bytes() + partials
+      return self.staged_tile_bytes() * max(self.async_tile_stages, 1) + partials
     if not self.group_dims or self.reduceop is None: return 0
     return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize * len(self.reduceops)
 
@@ -674,13 +707,33 @@ class Kernel:
     return halo_window(self, leaf, axes)
 
   def tile_row_axes(self, axes: list[int]) -> list[int]:
-    """The leading UNROLL axes of a staged tile (axes as staged_loads gives them): a row of the tile is one reduce
-    element's values (one input channel and window tap of a convolution), one per combination of their indices."""
+    """The axes whose indices number the rows of a staged tile (axes as staged_loads gives them), one row per
+    combination: its leading UNROLL axes (a row is one reduce element's values: one input channel and window tap of a
+    convolution), or with SHARED_REDUCE_INNER's layout every axis but the innermost reduce (a row is one output
+    index's run of reduce elements)."""
+    if self._rows_along_reduce(axes): return axes[:-1]
     rows = []
     for axis in axes:
       if self.axis_types[axis] is not AxisType.UNROLL: break
       rows.append(axis)
     return rows
+
+  def _rows_along_reduce(self, axes: list[int]) -> bool:
+    """SHARED_REDUCE_INNER's layout of a staged tile: the reduce axis innermost, after axes that are not reduces."""
+    return (bool(self.tile_flags & SHARED_REDUCE_INNER) and len(axes) >= 2 and
+            self.axis_types[axes[-1]] is AxisType.UNROLL and self.axis_types[axes[0]] is not AxisType.UNROLL)
+
+  @property
+  def async_tile_stages(self) -> int:
+    """Stages of SHARED tiles filled by asynchronous copies (SHARED_ASYNC); 0: register prefetch or none."""
+    async_flags = self.tile_flags % SHARED_ROW_SKEW
+    return async_flags // SHARED_ASYNC + 1 if async_flags >= SHARED_ASYNC else 0
+
+  @property
+  def blocks_per_multiprocessor(self) -> int:
+    """Resident blocks per multiprocessor the kernel is compiled for (SHARED_TWO_BLOCKS); 0: the compiler's
+    choice."""
+    return 2 if self.tile_flags & SHARED_TWO_BLOCKS else 0
 
   def tile_row_padding(self, axes: list[int]) -> int:
     """Elements after each row of a staged tile (tile_row_axes): SHARED's padding where the tile has rows and more
@@ -689,13 +742,20 @@ class Kernel:
     if not self.tile_padding or not row_axes or len(row_axes) == len(axes): return 0
     return self.tile_padding
 
+  def tile_row_skew(self, axes: list[int]) -> int:
+    """Elements each group of SKEW_ROWS rows of a staged tile is shifted by (SHARED_ROW_SKEW, padded rows of reduce
+    elements only)."""
+    if not self.tile_flags & SHARED_ROW_SKEW or self._rows_along_reduce(axes): return 0
+    return SKEW_ROWS if self.tile_row_padding(axes) else 0
+
   def tile_elements(self, axes: list[int], leaf: int | None = None) -> int:
-    """One stage of a staged tile, in elements: its rows, each padded (tile_row_padding); staged load `leaf`'s
-    halo tile where its axes overlap."""
+    """One stage of a staged tile, in elements: its rows, each padded (tile_row_padding) and skewed in groups
+    (tile_row_skew); staged load `leaf`'s halo tile where its axes overlap."""
     window = self.halo_window(leaf, axes) if leaf is not None else None
     if window is not None: return window.elements
     rows = prod(self.full_shape[axis] for axis in self.tile_row_axes(axes))
-    return prod(self.full_shape[axis] for axis in axes) + rows * self.tile_row_padding(axes)
+    skew = (rows - 1) // SKEW_ROWS * self.tile_row_skew(axes)
+    return prod(self.full_shape[axis] for axis in axes) + rows * self.tile_row_padding(axes) + skew
 
   def _drop_finished_axes(self, split_reduce: bool = False) -> None:
     """An axis split entirely into an upcast, local or group leaves a size-1 axis behind: remove it (and count
@@ -742,7 +802,11 @@ class Kernel:
         candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
         continue
       if op is OptOps.SHARED:
-        candidates += [Opt(op, 0, 0), Opt(op, 0, 4)] + ([Opt(op, 0, 3)] if self.tensor_core is not None else [])
+        # without TC also the 128x128 float32 tile's structure (heuristic.py LARGE_TILE_FLAGS: padded and skewed
+        # rows, float4 fills, two blocks per multiprocessor)
+        structured = SHARED_TILE_PADDING + SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL
+        candidates += [Opt(op, 0, 0), Opt(op, 0, 4)] + ([Opt(op, 0, 3)] if self.tensor_core is not None else
+                                                        [Opt(op, 0, structured)])
         continue
       axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
       candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]

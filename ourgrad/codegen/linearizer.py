@@ -19,7 +19,7 @@ import math
 from typing import Callable, Sequence
 
 from ourgrad.codegen.halo_tiles import HaloTileFill, HaloWindow, outer_row, split_constant, window_offset
-from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.kernel import SHARED_VECTOR_FILL, SKEW_ROWS, Kernel
 from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
 from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
@@ -51,7 +51,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
     self.tile_vectors: dict[tuple, UOp] = {}   # float4 reads of the tiles in this reduce step
     self.tile_offsets: dict[int, Node] = {}   # the stage being read, by id of the local memory (double buffered)
     self.tile_windows: dict[int, HaloWindow] = {}   # the halo tiles' layouts, by id of the local memory
-    self.tile_layouts: dict[tuple[int, ...], tuple[list[int], list[int], int]] = {}   # see _tile_address
+    self.tile_layouts: dict[tuple[int, ...], tuple[list[int], list[int], int, int]] = {}   # see _tile_address
     # a halo tile's load: the axes its mask depends on (by leaf number), and the mask by the indices of those axes
     self.halo_valid: dict = {}
     self.fragment_loads: dict[tuple, UOp] = {}   # LDMATRIX of the tensor-core tiles in this reduce step
@@ -135,18 +135,23 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
         for lane in output_lanes:
           accumulators[(number, *lane)] = build.add(UOps.DEFINE_ACC, reduce.dtype, (),
                                                     reduce_identity(reduce.op, reduce.dtype))
-      pipelined = self._tiles_double_buffered()
-      tiles = self._define_shared_tiles(2 if pipelined else 1)
+      async_stages = self._async_tile_stages()
+      pipelined = not async_stages and self._tiles_double_buffered()
+      tiles = self._define_shared_tiles(async_stages or (2 if pipelined else 1))
+      if tiles and kernel.blocks_per_multiprocessor:
+        build.add(UOps.OCCUPANCY, None, (), kernel.blocks_per_multiprocessor)
       if pipelined:   # step 0 into stage 0 before the loop (see _tiles_double_buffered)
         first_idxs = list(axis_idxs)
         first_idxs[kernel.first_loop_reduce] = NumNode(0)
-        for local, address, value in self._stage_shared_tiles(tiles, first_idxs, {}, defer=True):
-          build.add(UOps.STORE, None, (local, self.node_to_uop(address), value))
+        for local, address, values in self._stage_shared_tiles(tiles, first_idxs, {}, defer=True):
+          self._store_tile(local, address, values)
         build.add(UOps.BARRIER, None)
+      if async_stages: self._copy_first_tile_steps(tiles, axis_idxs, async_stages)
       reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
                       for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
       next_tiles = []
-      if pipelined:   # load step r + 1 now (wrapping to 0 at the end: in bounds, never read), store it after the math
+      if async_stages: self._copy_next_tile_step(tiles, axis_idxs, async_stages)
+      elif pipelined:   # load step r + 1 now (wrapping to 0 at the end: in bounds, never read), store it after the math
         step, steps = axis_idxs[kernel.first_loop_reduce], shape[kernel.first_loop_reduce]
         next_idxs = list(axis_idxs)
         next_idxs[kernel.first_loop_reduce] = (step + 1) % steps
@@ -162,9 +167,10 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
           for number, sibling in enumerate(kernel.reduceops):
             value = self.compute(sibling.srcs[0], idxs, None)
             build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[(number, *lane)], value), accumulate_op)
-      for local, address, value in next_tiles: build.add(UOps.STORE, None, (local, self.node_to_uop(address), value))
-      # every thread is done with the tiles before the next step's stores (double buffered: and has stored them)
-      if tiles: build.add(UOps.BARRIER, None)
+      for local, address, values in next_tiles: self._store_tile(local, address, values)
+      # every thread is done with the tiles before the next step's stores (double buffered: and has stored them;
+      # asynchronous copies: the next step's wait and BARRIER come before its copies)
+      if tiles and not async_stages: build.add(UOps.BARRIER, None)
       # a load the kernel's epilogue shares with the reduce reads global memory there
       self.tiles, self.tile_offsets = {}, {}
       for loop in reversed(reduce_loops): build.end_range(loop)
@@ -233,28 +239,31 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
 
   def _tile_address(self, axes: list[int], idxs: list[Node]) -> Node:
     key = tuple(axes)
-    if key not in self.tile_layouts:   # (sizes, row axes, padding) of a tile, computed once
+    if key not in self.tile_layouts:   # (sizes, row axes, padding, skew) of a tile, computed once
       kernel = self.kernel
       self.tile_layouts[key] = ([kernel.full_shape[axis] for axis in axes], kernel.tile_row_axes(axes),
-                                kernel.tile_row_padding(axes))
-    sizes, row_axes, padding = self.tile_layouts[key]
+                                kernel.tile_row_padding(axes), kernel.tile_row_skew(axes))
+    sizes, row_axes, padding, skew = self.tile_layouts[key]
     address: Node = NumNode(0)
     for axis, size in zip(axes, sizes): address = address * size + idxs[axis]
     if not padding: return address
-    row: Node = NumNode(0)   # each row (the leading UNROLL axes) `padding` elements further on
+    row: Node = NumNode(0)   # each row (Kernel.tile_row_axes) `padding` elements further on
     for axis in row_axes: row = row * sizes[axes.index(axis)] + idxs[axis]
-    return address + row * padding
+    address = address + row * padding
+    return address + row // SKEW_ROWS * skew if skew else address   # and each group of rows `skew` further on
 
   def _stage_shared_tiles(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node],
-                          offsets: dict[int, Node], defer: bool = False) -> list[tuple[UOp, Node, UOp]]:
+                          offsets: dict[int, Node], defer: bool = False,
+                          copy: bool = False) -> list[tuple[UOp, Node, tuple[UOp, ...]]]:
     """At each reduce step, the block's threads load every staged tile together (element e by thread e mod the
     block's threads: neighbouring threads, neighbouring elements), then wait at a BARRIER; `_load` then reads the
     tiles. The tiles' elements are the loads' values at this step for every LOCAL/UPCAST/UNROLL index, stored at
     `offsets` (by id of the local memory) in it. `defer`: only the loads; returns the stores (local memory, address,
-    value) for the caller to emit (whole rounds only: no IF)."""
+    values: one, or a vector's neighbouring elements) for the caller to emit (whole rounds only: no IF). `copy`:
+    asynchronous COPYs instead of loads and stores, no BARRIER (the caller waits; see _copy_next_tile_step)."""
     if not tiles: return []
     kernel, build = self.kernel, self.builder
-    deferred: list[tuple[UOp, Node, UOp]] = []
+    deferred: list[tuple[UOp, Node, tuple[UOp, ...]]] = []
     # every thread of the block fills: LOCAL and GROUP threads (their ids in thread order, see Kernel.thread_axes)
     thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_loop_reduce))
     threads = kernel.local_threads() * kernel.group_threads()
@@ -270,6 +279,8 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
       fill_axes = sorted(axes, key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
       sizes = [kernel.full_shape[axis] for axis in fill_axes]
       total, width = math.prod(sizes), self._tile_load_width(node, fill_axes)
+      # a unit's elements are neighbours in the tile too where the load's innermost axis is the tile's
+      tile_vector = width > 1 and fill_axes[-1] == axes[-1]
       for first in range(0, total // width, threads):
         unit = thread + first   # this thread's unit (element, or float4) of the tile in this round
         guard = None
@@ -290,20 +301,88 @@ class Linearizer(TensorCoreTiles, HaloTileFill):
           lane_idxs.append(list(idxs))
           lane_idxs[-1][fill_axes[-1]] = idxs[fill_axes[-1]] + lane
         index_node, _ = self._index_nodes(self.leaf_index[node_id], idxs)
+        offset = offsets.get(id(local), NumNode(0))
+        first_address = offset + self._tile_address(axes, idxs)
+        whole = tile_vector and _multiple_of(index_node, width) and _multiple_of(first_address, width)
+        if copy:
+          self._copy_tile_unit(node, local, axes, offset, lane_idxs if not whole else [idxs], width if whole else 1)
+          if guard is not None: build.end_if(guard)
+          continue
         if width > 1 and _multiple_of(index_node, width):
           vector = build.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
           values = [build.add(UOps.GEP, node.dtype, (vector,), lane) for lane in range(width)]
         else:   # not provably aligned: the unit's elements one by one
           values = [self._global_load(node, lane_idx, ()) for lane_idx in lane_idxs]
-        for lane_idx, value in zip(lane_idxs, values):
-          address = offsets.get(id(local), NumNode(0)) + self._tile_address(axes, lane_idx)
-          if defer: deferred.append((local, address, value))
-          else: build.add(UOps.STORE, None, (local, self.node_to_uop(address), value))
+        if whole and kernel.tile_flags & SHARED_VECTOR_FILL:   # one vector store of the unit's neighbours
+          units = [(first_address, tuple(values))]
+        else: units = [(offset + self._tile_address(axes, lane_idx), (value,))
+                       for lane_idx, value in zip(lane_idxs, values)]
+        for address, unit_values in units:
+          if defer: deferred.append((local, address, unit_values))
+          else: self._store_tile(local, address, unit_values)
         if guard is not None: build.end_if(guard)
-    if defer: return deferred
+    if defer or copy: return deferred
     build.add(UOps.BARRIER, None)
     self.tiles = tiles
     return []
+
+  def _store_tile(self, local: UOp, address: Node, values: tuple[UOp, ...]) -> None:
+    """One STORE into a tile: a value, or a vector of neighbouring elements (address a multiple of their count)."""
+    srcs = (local, self.node_to_uop(address), *values)
+    self.builder.add(UOps.STORE, None, srcs, len(values) if len(values) > 1 else None)
+
+  def _copy_tile_unit(self, node: LazyOp, local: UOp, axes: list[int], offset: Node, lane_idxs: list[list[Node]],
+                      width: int) -> None:
+    """Asynchronous COPYs of a fill unit into its tile: one of `width` neighbouring elements from each of
+    `lane_idxs` (the unit's first element: a whole 16-byte vector; else every element, 4 bytes each)."""
+    for idxs in lane_idxs:
+      index, valid = self._index(self.leaf_index[id(node)], idxs)
+      address = self.node_to_uop(offset + self._tile_address(axes, idxs))
+      srcs = (local, address, self.buffers[node.arg.idx], index) + ((valid,) if valid is not None else ())
+      self.builder.add(UOps.COPY, None, srcs, (width, True))
+
+  def _async_tile_stages(self) -> int:
+    """Stages of SHARED tiles filled by asynchronous copies (Kernel.async_tile_stages) where the kernel stages tiles
+    along one reduce loop of at least that many steps and the renderer copies asynchronously; else 0 (the tiles are
+    filled as _tiles_double_buffered says)."""
+    kernel = self.kernel
+    stages = kernel.async_tile_stages
+    if not stages or not kernel.staged_loads() or kernel.first_upcast - kernel.first_loop_reduce != 1: return 0
+    if not getattr(kernel.renderer, "has_async_copy", False): return 0
+    # a halo tile (codegen/halo_tiles.py) is filled element by element with masked loads: no asynchronous copy
+    if any(kernel.halo_window(leaf, axes) is not None for leaf, axes in kernel.staged_loads()): return 0
+    return stages if kernel.full_shape[kernel.first_loop_reduce] >= stages else 0
+
+  def _copy_first_tile_steps(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node],
+                             stages: int) -> None:
+    """Before the reduce loop: the first stages - 1 steps' tiles copied into stages 0.., one commit group each (the
+    copies of one step; the ASYNC_WAIT before the next step's copies commits them and waits for none)."""
+    kernel = self.kernel
+    for first_step in range(stages - 1):
+      if first_step: self.builder.add(UOps.ASYNC_WAIT, None, (), stages)
+      step_idxs = list(axis_idxs)
+      step_idxs[kernel.first_loop_reduce] = NumNode(first_step)
+      sizes = {id(local): local.arg[1] // stages for local, _ in tiles.values()}
+      self._stage_shared_tiles(tiles, step_idxs, {key: NumNode(first_step * size) for key, size in sizes.items()},
+                               copy=True)
+
+  def _copy_next_tile_step(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node], stages: int) -> None:
+    """In reduce step r: wait for step r's copies (the newer stages - 2 groups may still be on their way), a BARRIER
+    (every thread's copies landed, and every thread done with step r - 1's stage), then copy step r + stages - 1
+    into that stage (none past the last step: an empty group keeps the waits' count) and read step r's stage."""
+    kernel, build = self.kernel, self.builder
+    step, steps = axis_idxs[kernel.first_loop_reduce], kernel.full_shape[kernel.first_loop_reduce]
+    sizes = {id(local): local.arg[1] // stages for local, _ in tiles.values()}
+    build.add(UOps.ASYNC_WAIT, None, (), stages - 2)
+    build.add(UOps.BARRIER, None)
+    prefetch = build.add(UOps.IF, None, (self.node_to_uop(step < steps - (stages - 1)),))
+    next_idxs = list(axis_idxs)
+    next_idxs[kernel.first_loop_reduce] = step + (stages - 1)
+    self._stage_shared_tiles(tiles, next_idxs, {key: (step + (stages - 1)) % stages * size
+                                                for key, size in sizes.items()}, copy=True)
+    build.end_if(prefetch)
+    self.tile_offsets = {key: step % stages * size for key, size in sizes.items()}
+    self.tiles = tiles
 
   def _tile_load(self, node: LazyOp, local: UOp, axes: list[int], idxs: list[Node]) -> UOp:
     """One element of a staged tile: from a float4 of the tile where its innermost axis is an UPCAST/UNROLL axis of

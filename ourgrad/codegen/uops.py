@@ -72,6 +72,8 @@ class UOps(Enum):
   #                          only after the next ASYNC_WAIT and BARRIER
   ASYNC_WAIT = auto()      # arg = n: the thread's asynchronous COPYs are complete except the last n commit groups
   #                          (the copies since the previous ASYNC_WAIT are one group); a BARRIER follows
+  OCCUPANCY = auto()       # arg = n: the kernel is compiled for n resident blocks per multiprocessor (CUDA:
+  #                          __launch_bounds__'s minimum blocks, which caps its registers per thread); no code
   LDMATRIX = auto()        # a warp's fragment load from local memory (ldmatrix.m8n8.b16): srcs = (local, index of the
   #                          row this lane points at); arg = (count, transposed); count 8x8 matrices, matrix j's rows
   #                          from lanes 8j..8j+7 (8 neighbouring elements each); lane l gets elements 2j, 2j+1 of the
@@ -112,7 +114,7 @@ def format_uops(uops: list[UOp]) -> str:
 # uops that are never merged with an earlier identical one: they have effects or open/close scopes
 _NOT_CACHED = frozenset({UOps.RANGE, UOps.ENDRANGE, UOps.STORE, UOps.DEFINE_ACC, UOps.ACCUMULATE, UOps.SPECIAL,
                          UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF, UOps.ENDIF, UOps.WMMA, UOps.COPY,
-                         UOps.ASYNC_WAIT, UOps.LDMATRIX})
+                         UOps.ASYNC_WAIT, UOps.LDMATRIX, UOps.OCCUPANCY})
 # uops that open a scope: values defined inside are not reused after its end
 _SCOPE_OPENERS = frozenset({UOps.RANGE, UOps.IF})
 

@@ -365,6 +365,7 @@ class CStyleLanguage(Renderer):
         emit(self.render_copy(uop, ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), ref(uop.srcs[3]), valid))
       elif uop.op is UOps.ASYNC_WAIT:
         emit(self.render_async_wait(uop.arg))
+      elif uop.op is UOps.OCCUPANCY: continue   # read by render_kernel (launch bounds), no code
       elif uop.op is UOps.GEP and id(uop) in raw_loads:
         names[id(uop)] = f"((unsigned short)({ref(uop.srcs[0])} >> {16 * uop.arg}))"
       elif uop.op is UOps.LOAD and id(uop) in raw_loads:   # kept as stored (a tensor-core fragment element)

@@ -27,6 +27,7 @@ class CUDARenderer(CStyleLanguage):
   local_memory_bytes = 48 * 1024  # static __shared__ memory per block
   # staged tensor-core tiles may go beyond, in dynamic shared memory (H100: 227 KB per block)
   dynamic_local_memory_bytes = 227 * 1024
+  has_async_copy = True   # COPY with cp.async (sm_80+): SHARED_ASYNC tiles without tensor cores
   warp_size = 32
   # streaming multiprocessors: the H100's 132 unless the CUDA device reads its GPU's count (heuristics size grids by it)
   multiprocessors = 132
@@ -231,7 +232,9 @@ class CUDARenderer(CStyleLanguage):
       total = self.dynamic_local_layout(uops, copied)[1]
       helpers.append(f'extern "C" __device__ unsigned int {DYNAMIC_SHARED_SYMBOL} = {total};\n'
                      f"extern __shared__ __align__(16) unsigned char {DYNAMIC_SHARED_ARRAY}[];\n")
-    launch_bounds = f"__launch_bounds__({threads}) " if threads > 1 else ""
+    # a kernel compiled for n resident blocks per multiprocessor (UOps.OCCUPANCY) caps its registers to fit them
+    blocks = next((uop.arg for uop in uops if uop.op is UOps.OCCUPANCY), 0)
+    launch_bounds = f"__launch_bounds__({threads}{f', {blocks}' if blocks else ''}) " if threads > 1 else ""
     signature = f'extern "C" __global__ void {launch_bounds}{name}({", ".join(params)}) {{\n'
     return "".join(helpers) + signature + "\n".join(body) + "\n}\n"
 

@@ -106,7 +106,7 @@ class PythonRenderer(Renderer):
       raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA (CUDA_SM90: an H100, with wgmma)")
     self.has_wgmma = emulate.upper() == "CUDA_SM90"
     for limit in ("max_threads", "has_local", "local_memory_bytes", "dynamic_local_memory_bytes", "warp_size",
-                  "vector_width", "global_max", "local_max", "tensor_cores", "multiprocessors"):
+                  "vector_width", "global_max", "local_max", "tensor_cores", "multiprocessors", "has_async_copy"):
       setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:
@@ -527,9 +527,15 @@ class Interpreter:
       index = np.asarray(operands[1], np.int64)   # a vector from local memory: aligned, like a global one
       if (index % instruction.arg).any(): raise self.error(position, "an unaligned vector load from local memory")
       return np.stack([self.load_local(position, operands[0], index + lane) for lane in range(instruction.arg)])
+    if op is UOps.STORE and isinstance(operands[0], LocalMemory) and instruction.arg is not None:
+      index = np.asarray(operands[1], np.int64)   # a vector into local memory: aligned, like a global one
+      if (index % instruction.arg).any(): raise self.error(position, "an unaligned vector store to local memory")
+      for element, value in enumerate(operands[2:]): self.store_local(position, operands[0], index + element, value)
+      return None
     if op is UOps.STORE and isinstance(operands[0], LocalMemory):
       self.store_local(position, *operands)
       return None
+    if op is UOps.OCCUPANCY: return None   # a compile hint (launch bounds), nothing to run
     if op is UOps.LOAD and instruction.arg is not None: return self.vector_load(position, instruction, *operands)
     if op is UOps.GEP: return operands[0][instruction.arg]
     if op is UOps.LOAD: return self.load(position, instruction, *operands)

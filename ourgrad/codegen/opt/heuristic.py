@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ourgrad.codegen.kernel import (SHARED_TILE_PADDING, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps,
+from ourgrad.codegen.kernel import (SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL,
+                                    WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps,
                                     tensor_core_operands)
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
@@ -168,6 +169,11 @@ class SharedTile:
   runs_m: int
   runs_n: int
   steps: tuple[int, ...]
+  # SHARED's flags beside the row padding (kernel.py SHARED_*: float4 tile stores, two blocks per multiprocessor,
+  # cp.async stages, skewed rows)
+  flags: int = 0
+  # blocks per multiprocessor the grid must give for this tile to count as filling the device (_shared_tile_order)
+  min_blocks_per_processor: int = 1
 
   @property
   def block(self) -> tuple[int, int]:
@@ -175,11 +181,21 @@ class SharedTile:
 
 
 SHARED_OUTPUTS = 4
+# the 128x128 tiles' structure (kernel.py SHARED_*): two blocks per multiprocessor (launch bounds), the transposed
+# fill's rows skewed, float4 stores of B. H100 at 4096^3 (bench_matmul variants, two runs): 16x16 threads of 8x8
+# 43.6 TFLOP/s (3.151-3.155 ms; 128 registers, 24% warps active, 85K bank conflicts; padded rows alone 40.4-40.7,
+# 145 registers, 12.5% warps active, 17.7M conflicts), two blocks alone 43.2, skew alone 41.0, cp.async in 2-3
+# stages 37.5-41.8, warps of 8x4 threads 43.1, A's tile k-innermost 40.7; 16x8 threads of 8x16 (4 float4 runs along
+# N, 227 registers: 8 warps per SM) 45.7 (3.009 ms; steps of 8 45.3, one block per SM 38.3), 8x16 threads of 16x8
+# 40.8, 128x256 of 16x16 threads of 8x16 37.6. The 8x16 tile is measured on 1024 blocks only: it takes grids of at
+# least 4 blocks per multiprocessor, smaller ones the 8x8 tile (MiniLM's 2048x384 @ 384x1536, 192 blocks: 0.126 ms)
+LARGE_TILE_FLAGS = SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL
 # block tiles, largest first. 128x128 (8x8 outputs per thread) in steps of 16 measured 40.5 TFLOP/s on the H100 at
 # 4096^3 with padded rows (unpadded 38.7-39.2, steps of 8 36.6), 64x64 (4x4) in steps of 8 28.5. The smaller ones
 # (fewer threads, 4x4 outputs each) are for matmuls too small to give every multiprocessor a block of a larger tile
 # (512x512: 16 blocks of 128x128, 0.061 ms; 32x32 tiles with GROUP 2: 0.020 ms).
-SHARED_TILES = (SharedTile(16, 16, 2, 2, (16, 8)), SharedTile(16, 16, 1, 2, (16, 8)),
+SHARED_TILES = (SharedTile(16, 8, 2, 4, (16, 8), LARGE_TILE_FLAGS, min_blocks_per_processor=4),
+                SharedTile(16, 16, 2, 2, (16, 8), LARGE_TILE_FLAGS), SharedTile(16, 16, 1, 2, (16, 8)),
                 SharedTile(16, 16, 2, 1, (16, 8)),
                 SharedTile(16, 16, 1, 1, (8,)), SharedTile(8, 16, 1, 1, (16, 8)), SharedTile(16, 8, 1, 1, (16, 8)),
                 SharedTile(8, 8, 1, 1, (16, 8)), SharedTile(4, 16, 1, 1, (16, 8)), SharedTile(16, 4, 1, 1, (16, 8)),
@@ -217,7 +233,7 @@ def _shared_tile_order(kernel: Kernel, m: int, n: int, k: int) -> list[tuple[Sha
              if m % tile.block[0] == 0 and n % tile.block[1] == 0 and k % step == 0 and k > step]
   blocks = lambda pair: batch * (m // pair[0].block[0]) * (n // pair[0].block[1])   # noqa: E731
   processors = getattr(kernel.renderer, "multiprocessors", 0)
-  filling = [pair for pair in fitting if blocks(pair) >= processors]
+  filling = [pair for pair in fitting if blocks(pair) >= processors * pair[0].min_blocks_per_processor]
   rest = sorted((pair for pair in fitting if pair not in filling), key=lambda pair: -blocks(pair))
   return filling + rest
 
@@ -286,7 +302,8 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
   # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
   # the tiles' rows padded (SHARED_TILE_PADDING): the transposed fill of an operand contiguous along the reduce then
   # stores into different banks (4096^3: 40.5 TFLOP/s, unpadded 38.7; 512^3 in 32x32 tiles: 0.021 ms, unpadded 0.029)
-  return kernel.try_opt(Opt(OptOps.SHARED, 0, SHARED_TILE_PADDING)) and kernel.try_opt(Opt(OptOps.UNROLL, 0, step))
+  return (kernel.try_opt(Opt(OptOps.SHARED, 0, SHARED_TILE_PADDING + tile.flags)) and
+          kernel.try_opt(Opt(OptOps.UNROLL, 0, step)))
 
 
 # an output axis this short (a classifier's 10 classes) makes a matmul thin: too few outputs for output tiles to fill
