@@ -566,11 +566,11 @@ class Kernel:
       strides = self.sts[number].real_strides()
       shared = any(strides[axis] == 0 for axis in local_axes)
       if not shared or all(strides[axis] == 0 for axis in reduce_axes): continue
-      # a load that varies along the reduce only (a fused bias of the previous layer) stays a global read (one
-      # cached address per warp): its tile of a few elements would fill in a partial round, keeping the tiles
-      # single-staged
-      output_axes = list(range(self.first_reduce)) + self.upcast_axes
-      if self.tensor_core is None and all(strides[axis] == 0 for axis in output_axes): continue
+      # a load that varies along the reduce and no output axis of the block (a fused bias of the previous layer, per
+      # batch or not: per block, a vector along the reduce) stays a global read (one cached address per warp): its
+      # tile of a few elements would fill in a partial round, keeping the tiles single-staged
+      block_output_axes = list(range(self.global_dims, self.first_reduce)) + self.upcast_axes
+      if self.tensor_core is None and all(strides[axis] == 0 for axis in block_output_axes): continue
       tile = [axis for axis in in_block if strides[axis] != 0]
       kinds = self.axis_types
       innermost = max((axis for axis in tile if kinds[axis] is AxisType.UPCAST),

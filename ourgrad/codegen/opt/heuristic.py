@@ -191,7 +191,8 @@ def _dense_matmul_axes(kernel: Kernel) -> tuple[int, int] | None:
     if strides[k_axis] == 0: continue
     varies = tuple(strides[axis] != 0 for axis in (m_axis, n_axis))   # None (not a plain stride) varies
     if varies == (True, True): return None   # neither operand: read by every thread of the block
-    if any(strides[axis] != 0 for axis in range(m_axis)) and varies == (False, False): return None
+    # (False, False): a vector along the reduce, per batch or not (the Q/K/V bias fused into the attention matmuls),
+    # read by the whole block from global memory (Kernel.staged_loads)
     sides.add(varies)
   return (m_axis, n_axis) if {(True, False), (False, True)} <= sides else None
 
@@ -232,6 +233,14 @@ def _shared_matmul_tiles(kernel: Kernel) -> bool:
       kernel.__dict__.update(trial.__dict__)
       return True
   return False
+
+
+def apply_shared_tile(kernel: Kernel, tile: SharedTile, step: int, group: int = 1) -> bool:
+  """One block tile with reduce steps of `step` and `group` GROUP threads on a float32 matmul not yet optimized (see
+  _dense_matmul_axes), as the heuristic applies its choice: for benchmarks and tests that compare tiles. False where
+  it does not fit (the kernel may then hold some of its opts: pass a copy)."""
+  axes = _dense_matmul_axes(kernel)
+  return axes is not None and _apply_shared_tile(kernel, axes[0], axes[1], tile, step, group)
 
 
 # a multiprocessor hides the latency of the staged matmul's loads with about this many threads (16 warps)
