@@ -357,7 +357,12 @@ MEDIUM_ROWS = {
 VARIANTS += [(part, f"SHARED {label}", MEDIUM_TILES[label]) for part, labels in MEDIUM_ROWS.items() for label in labels]
 # split-K across blocks: the partial products of K slices as a batched matmul (the heuristic's tile), then their sum
 VARIANTS += [("minilm 2048x1536 @", f"split-K {parts} (2 kernels)", f"SPLITK {parts}") for parts in (2, 3, 4, 6)]
+VARIANTS += [("minilm 2048x1536 @", f"split-K {parts}, 128x128 tiles", f"SPLITK {parts};TILE 16 16 2 2 16 1")
+             for parts in (2, 4, 8)]
+VARIANTS += [("minilm 2048x1536 @", "split-K 2, 128x64 8x8/thread", "SPLITK 2;TILE 16 8 2 2 16 1")]
 VARIANTS += [("smollm2 512x1536 @", f"split-K {parts} (2 kernels)", f"SPLITK {parts}") for parts in (2, 3, 4)]
+VARIANTS += [("smollm2 512x1536 @", f"split-K {parts}, 64x64 8x8/thread", f"SPLITK {parts};TILE 8 8 2 2 16 1")
+             for parts in (2, 4)]
 VARIANTS.append(("minilm attn q@k^T", "register tiles (main before: the fused bias kept it from SHARED)",
                  "UPCAST 3 4;UPCAST 2 4;UNROLL 0 4;LOCAL 3 8;LOCAL 2 8;LOCAL 1 2"))
 
@@ -396,7 +401,9 @@ def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, i
   a plain matmul; the whole output of the others)."""
   from ourgrad.device import Buffer
   from ourgrad.engine.realize import compile_kernel, run_schedule
-  if opts_text.startswith("SPLITK"): return split_k_row(device, inputs, int(opts_text.split()[1]), iters, sizes)
+  if opts_text.startswith("SPLITK"):   # "SPLITK parts[;TILE ...]"
+    split, _, tile_text = opts_text.partition(";")
+    return split_k_row(device, inputs, int(split.split()[1]), iters, sizes, tile_text)
   schedule = create_schedule([ourgrad_function(kind, sizes)(*inputs)[0].lazydata])
   run_schedule(schedule[:-1])   # a copy before the matmul, if the row has one
   item = schedule[-1]
@@ -432,16 +439,28 @@ def split_k_product(a: Any, b: Any, parts: int) -> Any:
   return (a.reshape(m, parts, k // parts).permute(1, 0, 2) @ b.reshape(n, parts, k // parts).permute(1, 2, 0)).sum(0)
 
 
-def split_k_row(device: str, inputs: list[Tensor], parts: int, iters: int, sizes: tuple[int, ...]) -> str:
-  """A Linear-shaped row (mm_bT) as split_k_product with the heuristic's opts on both kernels: summed kernel times."""
-  seconds, names = ourgrad_seconds(device, lambda: [split_k_product(*inputs, parts)], iters, True)
+def split_k_row(device: str, inputs: list[Tensor], parts: int, iters: int, sizes: tuple[int, ...],
+                tile_text: str = "") -> str:
+  """A Linear-shaped row (mm_bT) as split_k_product: summed kernel times, the partial products' kernel with the
+  heuristic's opts or `tile_text` ("TILE ..."), the sum over the parts with the heuristic's."""
+  from ourgrad.engine.realize import compile_kernel
+  schedule = create_schedule([split_k_product(*inputs, parts).lazydata])
+  runners = []
+  for number, item in enumerate(schedule):
+    for buffer in item.outputs: buffer.allocate()
+    if number == 0 and tile_text: runner = compile_kernel(variant_kernel(device, item.ast, tile_text, dtypes.float32),
+                                                          device)
+    else: runner = get_runner(device, item.ast)
+    runners.append((runner, item))
+  times = [sum(runner(item.bufs, wait=True) or 0.0 for runner, item in runners) for _ in range(iters + 2)]
+  seconds = statistics.median(times[2:])
   m, k, n = sizes
-  got = split_k_product(*inputs, parts).numpy().astype(np.float64)
+  got = schedule[-1].outputs[0].numpy().astype(np.float64).reshape(m, n)
   operands = [tensor.numpy().astype(np.float64) for tensor in inputs]
   reference = operands[0] @ operands[1].T
   error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
   rate = 2.0 * m * k * n / seconds / 1e12
-  return f"{seconds * 1e3:8.3f} ms {rate:7.1f} TFLOP/s  err {error:.1e}  {' + '.join(names)}"
+  return f"{seconds * 1e3:8.3f} ms {rate:7.1f} TFLOP/s  err {error:.1e}  {' + '.join(r.name for r, _ in runners)}"
 
 
 def kernel_opts(device: str, ast: Any) -> str:
