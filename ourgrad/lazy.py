@@ -18,7 +18,8 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError
-from ourgrad.helpers import prod
+from ourgrad.codegen.opt.matmul_grid import split_k_parts
+from ourgrad.helpers import MATMUL_GRID, prod
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
@@ -288,6 +289,8 @@ class LazyBuffer:
     elements_per_output = prod(self.shape) // outputs
     # a matmul-like reduce's thread computes a register tile of 16 outputs: it needs 16x the partials
     per_thread = 16 if self._matmul_like_reduce(axes) else 1
+    if per_thread > 1 and outputs >= GPU_FEW_OUTPUTS * per_thread and MATMUL_GRID.value:
+      return self._matmul_split_parts(axes, getattr(renderer, "multiprocessors", 0))
     if elements_per_output < GPU_SPLIT_MIN_ELEMENTS or outputs >= GPU_FEW_OUTPUTS * per_thread: return None
     if per_thread == 1: wanted = _plain_split_parts_wanted(outputs, elements_per_output)
     else:
@@ -296,6 +299,24 @@ class LazyBuffer:
     size = self.shape[axis]
     parts = max((parts for parts in range(1, min(wanted, size) + 1) if size % parts == 0), default=1)
     return parts if parts >= 4 else None
+
+  def _matmul_split_parts(self, axes: tuple[int, ...], processors: int) -> int | None:
+    """Split-K across blocks for a float32 matmul with many outputs, (..., M, N, K) summed over K (the last axis),
+    one factor varying along M and not N, the other along N and not M: the parts that matmul_grid.split_k_parts
+    predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's feed-forward: 48 blocks of 128x128 on 132
+    multiprocessors, 96 with the reduce in 2 parts). None: no split."""
+    if self.dtype != dtypes.float32 or len(self.shape) < 3 or axes != (len(self.shape) - 1,): return None
+    base = self.base
+    if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or len(base.srcs) != 2: return None
+    sides = set()
+    for src in base.srcs:
+      strides = src.st.views[-1].strides
+      if strides[-1] == 0: return None
+      sides.add((strides[-3] != 0, strides[-2] != 0))
+    if sides != {(True, False), (False, True)}: return None
+    m, n, k = prod(self.shape[:-2]), self.shape[-2], self.shape[-1]
+    parts = split_k_parts(1, m, n, k, processors)
+    return parts if parts > 1 else None
 
   def _matmul_like_reduce(self, axes: tuple[int, ...]) -> bool:
     """The reduced value is a product in which some factor is broadcast along an output axis (stride 0 there) while
