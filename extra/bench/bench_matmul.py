@@ -68,6 +68,10 @@ CUDA_ROWS = [
   ("minilm attn q@k^T 64x12x32x32x32", "attn_qk", (64, 12, 32, 32), "float32"),
   ("minilm attn p@v 64x12x32x32x32", "attn_pv", (64, 12, 32, 32), "float32"),
   ("smollm2 512x576 @ (192x576)^T", "mm_bT", (512, 576, 192), "float32"),
+  # the SmolLM2 prefill's fused projections: gate and up (2 x 1536), Q/K/V (576 + 2 x 192), and the output projection
+  ("smollm2 512x576 @ (3072x576)^T", "mm_bT", (512, 576, 3072), "float32"),
+  ("smollm2 512x576 @ (960x576)^T", "mm_bT", (512, 576, 960), "float32"),
+  ("smollm2 512x576 @ (576x576)^T", "mm_bT", (512, 576, 576), "float32"),
 ]
 # the matmul kinds: operand shapes from (m, k, n), and the product (`relu` of the library's tensors)
 MATMUL_LAYOUTS: dict[str, tuple[Callable[[int, int, int], list[tuple[int, ...]]], Callable[..., Any]]] = {
@@ -344,6 +348,8 @@ MEDIUM_ROWS = {
   "minilm 2048x1536 @": WIDE + NARROW, "minilm 2048x384 @ (1152": WIDE[:4] + WIDE[5:7],
   "minilm 2048x384 @ (1536": WIDE[:4] + WIDE[5:7], "smollm2 512x1536 @": WIDE[5:] + NARROW,
   "smollm2 512x576 @ (1536": WIDE[3:] + NARROW[:3],
+  "smollm2 512x576 @ (3072": WIDE[:4] + WIDE[5:7], "smollm2 512x576 @ (960": WIDE[5:] + NARROW[:3],
+  "smollm2 512x576 @ (576": WIDE[5:] + NARROW[:3],
   "smollm2 512x576 @ (192": ["64x64 4x4/thread, K step 16", "64x32 4x4/thread, GROUP 2", "32x32 4x4/thread, GROUP 2",
                              "32x32 8x8/thread, GROUP 4, K step 8", "32x16 4x4/thread, GROUP 2",
                              "16x32 4x4/thread, GROUP 2, K step 8"],
