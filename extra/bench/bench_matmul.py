@@ -366,6 +366,8 @@ VARIANTS += [("minilm 2048x1536 @", f"split-K {parts} (2 kernels)", f"SPLITK {pa
 VARIANTS += [("minilm 2048x1536 @", f"split-K {parts}, 128x128 tiles", f"SPLITK {parts};TILE 16 16 2 2 16 1")
              for parts in (2, 4, 8)]
 VARIANTS += [("minilm 2048x1536 @", "split-K 2, 128x64 8x8/thread", "SPLITK 2;TILE 16 8 2 2 16 1")]
+VARIANTS += [(part, f"split-K {parts}, 128x128 tiles", f"SPLITK {parts};TILE 16 16 2 2 16 1")
+             for part in ("minilm 2048x384 @ (1152", "minilm 2048x384 @ (1536") for parts in (2, 3)]
 VARIANTS += [("smollm2 512x1536 @", f"split-K {parts} (2 kernels)", f"SPLITK {parts}") for parts in (2, 3, 4)]
 VARIANTS += [("smollm2 512x1536 @", f"split-K {parts}, 64x64 8x8/thread", f"SPLITK {parts};TILE 8 8 2 2 16 1")
              for parts in (2, 4)]
