@@ -368,6 +368,24 @@ VARIANTS += [("minilm 2048x1536 @", f"split-K {parts}, 128x128 tiles", f"SPLITK 
 VARIANTS += [("minilm 2048x1536 @", "split-K 2, 128x64 8x8/thread", "SPLITK 2;TILE 16 8 2 2 16 1")]
 VARIANTS += [(part, f"split-K {parts}, 128x128 tiles", f"SPLITK {parts};TILE 16 16 2 2 16 1")
              for part in ("minilm 2048x384 @ (1152", "minilm 2048x384 @ (1536") for parts in (2, 3)]
+# tiles of 3 float4 runs along N (8x12 or 4x12 outputs a thread) whose grids fill the 132 multiprocessors in one round
+# of about 128 blocks (144 of 128x128 tiles take two rounds)
+VARIANTS += [
+  ("minilm 2048x384 @ (1152", "SHARED 128x144 8x12/thread (192 threads, 128 blocks)", "TILE 16 12 2 3 16 1"),
+  ("minilm 2048x384 @ (1152", "SHARED 128x96 8x12/thread (128 threads, 192 blocks)", "TILE 16 8 2 3 16 1"),
+  ("minilm 2048x384 @ (1152", "SHARED 64x144 8x12/thread (96 threads, 256 blocks)", "TILE 8 12 2 3 16 1"),
+  ("minilm 2048x384 @ (1536", "SHARED 128x192 8x12/thread (256 threads, 128 blocks)", "TILE 16 16 2 3 16 1"),
+  ("minilm 2048x384 @ (1536", "SHARED 128x96 8x12/thread (128 threads, 256 blocks)", "TILE 16 8 2 3 16 1"),
+  ("minilm 2048x1536 @", "split-K 2, 128x96 8x12/thread (128 blocks)", "SPLITK 2;TILE 16 8 2 3 16 1"),
+  ("minilm 2048x1536 @", "split-K 4, 128x192 8x12/thread (128 blocks)", "SPLITK 4;TILE 16 16 2 3 16 1"),
+  ("minilm attn out", "SHARED 32x192 4x12/thread (128 threads, 128 blocks)", "TILE 8 16 1 3 16 1"),
+  ("minilm attn out", "SHARED 32x96 4x12/thread (64 threads, 256 blocks)", "TILE 8 8 1 3 16 1"),
+  ("smollm2 512x1536 @", "split-K 4, 64x144 8x12/thread (128 blocks)", "SPLITK 4;TILE 8 12 2 3 16 1"),
+  ("smollm2 512x1536 @", "split-K 8, 128x144 8x12/thread (128 blocks)", "SPLITK 8;TILE 16 12 2 3 16 1"),
+  ("smollm2 512x576 @ (3072", "SHARED 128x96 8x12/thread (128 blocks)", "TILE 16 8 2 3 16 1"),
+  ("smollm2 512x576 @ (960", "SHARED 64x60 4x12/thread (80 threads, 128 blocks)", "TILE 16 5 1 3 16 1"),
+  ("smollm2 512x576 @ (1536", "SHARED 64x96 4x12/thread (128 threads, 128 blocks)", "TILE 16 8 1 3 16 1"),
+]
 VARIANTS += [("smollm2 512x1536 @", f"split-K {parts} (2 kernels)", f"SPLITK {parts}") for parts in (2, 3, 4)]
 VARIANTS += [("smollm2 512x1536 @", f"split-K {parts}, 64x64 8x8/thread", f"SPLITK {parts};TILE 8 8 2 2 16 1")
              for parts in (2, 4)]
