@@ -17,7 +17,11 @@ import torch
 from ourgrad import Device, Tensor, lazy
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.opt.matmul_grid import TILE_RATES, matmul_seconds, split_k_parts
+from ourgrad.codegen.opt.heuristic import SharedTile, apply_shared_tile
+from ourgrad.codegen.opt.matmul_grid import TILE_RATES, WIDE_RUN_TILES, matmul_seconds, split_k_parts, tile_block
+from ourgrad.device import Buffer
+from ourgrad.engine.realize import compile_kernel
+from ourgrad.runtime.ops_python import PythonRenderer
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.renderer.cuda import CUDARenderer
@@ -50,18 +54,45 @@ def _kernels(out: Tensor) -> list[ScheduleItem]:
 def test_model_keeps_the_large_square_in_whole_tiles() -> None:
   """4096^3: 1024 blocks of 128x128 fill 132 multiprocessors 7.8 times over; no smaller tile and no split is
   predicted faster (bench_matmul: 40.5 TFLOP/s, 3.4 ms; the model says 3.5)."""
-  seconds = {block: matmul_seconds(block, 1, 4096, 4096, 4096, H100) for block in TILE_RATES}
-  assert min(seconds, key=lambda block: seconds[block]) == (128, 128)
-  assert 3.0e-3 < seconds[(128, 128)] < 4.0e-3
+  seconds = {tile: matmul_seconds(tile, 1, 4096, 4096, 4096, H100) for tile in TILE_RATES
+             if 4096 % tile_block(tile)[1] == 0}
+  assert tile_block(min(seconds, key=lambda tile: seconds[tile])) == (128, 128)
+  assert 3.0e-3 < seconds[(16, 16, 2, 2)] < 4.0e-3
   assert split_k_parts(1, 4096, 4096, 4096, H100) == 1
 
 
 def test_model_splits_a_long_reduce_with_few_blocks() -> None:
   """MiniLM's feed-forward down projection, 2048x1536 @ 1536x384: 48 blocks of 128x128 (the H100 ran them at 167 us
-  a launch, the model says 164); in 2 parts 96 blocks."""
-  assert abs(matmul_seconds((128, 128), 1, 2048, 384, 1536, H100) - 167e-6) < 10e-6
-  assert split_k_parts(1, 2048, 384, 1536, H100) == 2
+  a launch, the model says 164); split, the grid fills the multiprocessors in one round."""
+  assert abs(matmul_seconds((16, 16, 2, 2), 1, 2048, 384, 1536, H100) - 167e-6) < 10e-6
+  parts = split_k_parts(1, 2048, 384, 1536, H100)
+  assert parts > 1 and 2048 * 384 * parts // (128 * 192) <= H100   # one round of blocks
   assert split_k_parts(1, 2048, 384, 1536, 0) == 1   # unknown multiprocessors: no split
+
+
+# ---------------------------------------------------------------- tiles of 3 float4 runs along N
+
+@pytest.mark.parametrize("shape", WIDE_RUN_TILES, ids=lambda shape: "x".join(map(str, tile_block(shape))))
+def test_wide_run_tiles_match_numpy(shape: tuple[int, int, int, int]) -> None:
+  """Each tile of 3 runs along N (8x12 or 4x12 outputs a thread, 96 to 256 threads, some not a power of two) on the
+  emulated GPU: a Linear's forward over two blocks along M equals numpy's float64 product."""
+  block_m, block_n = tile_block(shape)
+  m, k, n = 2 * block_m, 48, block_n
+  rng = np.random.default_rng(block_m + block_n)
+  a_np, b_np = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+  schedule = create_schedule([(Tensor(a_np, device="PYTHON") @ Tensor(b_np, device="PYTHON").T).lazydata])
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  assert apply_shared_tile(kernel, SharedTile(*shape, (16,)), 16)
+  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, "PYTHON")((output,) + item.inputs)
+  expected = a_np.astype(np.float64) @ b_np.T.astype(np.float64)
+  np.testing.assert_allclose(output.numpy().reshape(m, n), expected, rtol=1e-4, atol=1e-4)
+  if NVRTC is not None:
+    cuda = Kernel(item.ast, CUDARenderer())
+    for opt in kernel.applied_opts: cuda.apply_opt(opt)
+    NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
 
 
 # ---------------------------------------------------------------- split-K matmuls against torch
@@ -139,9 +170,9 @@ def _tile(kernel: Kernel) -> tuple[int, int]:
 
 MEDIUM_CHOICES = {
   # name: (m, k, n), kernels, the matmul kernel's block tile
-  "minilm_ffn_down": ((2048, 1536, 384), 2, (128, 128)),
-  "minilm_qkv": ((2048, 384, 1152), 1, (64, 64)),
-  "minilm_ffn_up": ((2048, 384, 1536), 1, (64, 128)),
+  "minilm_ffn_down": ((2048, 1536, 384), 2, (128, 192)),
+  "minilm_qkv": ((2048, 384, 1152), 1, (128, 144)),
+  "minilm_ffn_up": ((2048, 384, 1536), 1, (128, 192)),
 }
 
 

@@ -32,7 +32,7 @@ from ourgrad.codegen.kernel import (SHARED_TILE_PADDING, WGMMA_SPECIALIZED, Kern
                                     tensor_core_operands)
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
-from ourgrad.codegen.opt.matmul_grid import matmul_seconds
+from ourgrad.codegen.opt.matmul_grid import WIDE_RUN_TILES, matmul_seconds
 from ourgrad.helpers import MATMUL_GRID, power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
@@ -163,6 +163,11 @@ class SharedTile:
   def block(self) -> tuple[int, int]:
     return (self.threads_m * SHARED_OUTPUTS * self.runs_m, self.threads_n * SHARED_OUTPUTS * self.runs_n)
 
+  @property
+  def shape(self) -> tuple[int, int, int, int]:
+    """(threads M, threads N, runs M, runs N): the tile's key in matmul_grid."""
+    return (self.threads_m, self.threads_n, self.runs_m, self.runs_n)
+
 
 SHARED_OUTPUTS = 4
 # block tiles, largest first. 128x128 (8x8 outputs per thread) in steps of 16 measured 40.5 TFLOP/s on the H100 at
@@ -210,7 +215,10 @@ def _shared_tile_order(kernel: Kernel, m: int, n: int, k: int) -> list[tuple[Sha
              if m % tile.block[0] == 0 and n % tile.block[1] == 0 and k % step == 0 and k > step]
   processors = getattr(kernel.renderer, "multiprocessors", 0)
   if MATMUL_GRID.value and processors > 0:
-    return sorted(fitting, key=lambda pair: matmul_seconds(pair[0].block, batch, m, n, k, processors))
+    wide_runs = [SharedTile(*shape, (16, 8)) for shape in WIDE_RUN_TILES]
+    fitting += [(tile, step) for tile in wide_runs for step in tile.steps
+                if m % tile.block[0] == 0 and n % tile.block[1] == 0 and k % step == 0 and k > step]
+    return sorted(fitting, key=lambda pair: matmul_seconds(pair[0].shape, batch, m, n, k, processors))
   blocks = lambda pair: batch * (m // pair[0].block[0]) * (n // pair[0].block[1])   # noqa: E731
   filling = [pair for pair in fitting if blocks(pair) >= processors]
   rest = sorted((pair for pair in fitting if pair not in filling), key=lambda pair: -blocks(pair))
