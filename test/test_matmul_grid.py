@@ -17,6 +17,7 @@ import torch
 from ourgrad import Device, Tensor, lazy
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.opt import matmul_grid
 from ourgrad.codegen.opt.heuristic import SharedTile, apply_shared_tile
 from ourgrad.codegen.opt.matmul_grid import TILE_RATES, WIDE_RUN_TILES, matmul_seconds, split_k_parts, tile_block
 from ourgrad.device import Buffer
@@ -183,3 +184,39 @@ def test_medium_matmul_choices_on_an_h100(name: str, monkeypatch: pytest.MonkeyP
   kernels = _linear_kernels(m, k, n)
   assert len(kernels) == count
   assert kernels[0].shared_tiles and _tile(kernels[0]) == tile, kernels[0].applied_opts
+
+
+# MiniLM's matmuls at 1/16 of the tokens and 1/8 of the reduce, on 132/16 multiprocessors: the model's choice is the
+# same as at full size on 132 (blocks and the reduce scale together), small enough for the interpreter
+SCALED_MINILM = {"ffn_down": (2048, 1536, 384), "qkv": (2048, 384, 1152), "ffn_up": (2048, 384, 1536)}
+
+
+@pytest.mark.parametrize("name", list(SCALED_MINILM))
+def test_scaled_minilm_choice_matches_numpy(name: str, monkeypatch: pytest.MonkeyPatch, matmul_grid_on: None) -> None:
+  """The tile (and split) chosen for a MiniLM matmul, scaled down, equals the full-size choice; its kernels, run on
+  the emulated GPU in schedule order, equal numpy's float64 product."""
+  m, k, n = SCALED_MINILM[name]
+  monkeypatch.setattr(Device["PYTHON"].renderer, "multiprocessors", H100)   # the lazy layer's split
+  full = _linear_kernels(m, k, n)
+  renderer = PythonRenderer("CUDA")
+  renderer.multiprocessors = H100 // 16
+  monkeypatch.setattr(Device["PYTHON"].renderer, "multiprocessors", H100 // 16)
+  monkeypatch.setattr(lazy, "GPU_FEW_OUTPUTS", 16)
+  monkeypatch.setattr(matmul_grid, "SPLIT_MIN_PART", matmul_grid.SPLIT_MIN_PART // 8)
+  small_m, small_k = m // 16, k // 8
+  rng = np.random.default_rng(len(name))
+  a_np = rng.standard_normal((small_m, small_k)).astype(np.float32)
+  b_np = rng.standard_normal((n, small_k)).astype(np.float32)
+  schedule = create_schedule([(Tensor(a_np, device="PYTHON") @ Tensor(b_np, device="PYTHON").T).lazydata])
+  items = [item for item in schedule if item.ast.op.name != "COPY"]
+  run_schedule([item for item in schedule if item.ast.op.name == "COPY"])
+  kernels = []
+  for item in items:
+    kernel = Kernel(item.ast, renderer)
+    kernel.hand_coded_optimizations()
+    for buffer in item.outputs: buffer.allocate()
+    compile_kernel(kernel, "PYTHON")(item.bufs)
+    kernels.append(kernel)
+  assert len(kernels) == len(full) and _tile(kernels[0]) == _tile(full[0]), kernels[0].applied_opts
+  got = items[-1].outputs[0].numpy().reshape(small_m, n)
+  np.testing.assert_allclose(got, a_np.astype(np.float64) @ b_np.T.astype(np.float64), rtol=1e-4, atol=1e-4)
