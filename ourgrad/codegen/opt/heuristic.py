@@ -32,7 +32,7 @@ from ourgrad.codegen.kernel import (SHARED_TILE_PADDING, WGMMA_SPECIALIZED, Kern
                                     tensor_core_operands)
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
-from ourgrad.codegen.opt.matmul_grid import WIDE_RUN_TILES, matmul_seconds
+from ourgrad.codegen.opt import matmul_grid
 from ourgrad.helpers import MATMUL_GRID, power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
@@ -205,20 +205,21 @@ def _dense_matmul_axes(kernel: Kernel) -> tuple[int, int] | None:
 
 def _shared_tile_order(kernel: Kernel, m: int, n: int, k: int) -> list[tuple[SharedTile, int]]:
   """(tile, reduce step) pairs that divide the matmul (and leave a reduce loop: an unroll that takes the whole reduce
-  axis leaves the kernel no loop to stage in), best first. With MATMUL_GRID: by the time matmul_grid.matmul_seconds
-  predicts on the renderer's multiprocessors (rounds of blocks x a block's work at its tile's rate; the larger tile
-  first where they tie). Else the largest block tile whose grid gives every multiprocessor a block, then the rest by
-  grid size, most blocks first (when none fills the device, more blocks use more of it). Unknown multiprocessors
-  (`renderer.multiprocessors` 0): the largest tile first."""
+  axis leaves the kernel no loop to stage in), best first. With MATMUL_GRID (the default) and at least GRID_MIN_MACS
+  multiply-adds: by the time matmul_grid.matmul_seconds predicts on the renderer's multiprocessors (rounds of blocks
+  x a block's work at its tile's rate; the tiles of GRID_EXTRA_TILES too; the larger tile first where they tie).
+  Else the largest block tile whose grid gives every multiprocessor a block, then the rest by grid size, most blocks
+  first (when none fills the device, more blocks use more of it). Unknown multiprocessors (`renderer.multiprocessors`
+  0): the largest tile first."""
   batch = prod(kernel.full_shape[:kernel.first_reduce - 2])
   fitting = [(tile, step) for tile in SHARED_TILES for step in tile.steps
              if m % tile.block[0] == 0 and n % tile.block[1] == 0 and k % step == 0 and k > step]
   processors = getattr(kernel.renderer, "multiprocessors", 0)
-  if MATMUL_GRID.value and processors > 0:
-    wide_runs = [SharedTile(*shape, (16, 8)) for shape in WIDE_RUN_TILES]
-    fitting += [(tile, step) for tile in wide_runs for step in tile.steps
+  if MATMUL_GRID.value and processors > 0 and batch * m * n * k >= matmul_grid.GRID_MIN_MACS:
+    extra = [SharedTile(*shape, (16, 8)) for shape in matmul_grid.GRID_EXTRA_TILES]
+    fitting += [(tile, step) for tile in extra for step in tile.steps
                 if m % tile.block[0] == 0 and n % tile.block[1] == 0 and k % step == 0 and k > step]
-    return sorted(fitting, key=lambda pair: matmul_seconds(pair[0].shape, batch, m, n, k, processors))
+    return sorted(fitting, key=lambda pair: matmul_grid.matmul_seconds(pair[0].shape, batch, m, n, k, processors))
   blocks = lambda pair: batch * (m // pair[0].block[0]) * (n // pair[0].block[1])   # noqa: E731
   filling = [pair for pair in fitting if blocks(pair) >= processors]
   rest = sorted((pair for pair in fitting if pair not in filling), key=lambda pair: -blocks(pair))
