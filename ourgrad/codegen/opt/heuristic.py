@@ -16,9 +16,12 @@ GPUs (thread blocks and local memory):
   the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
   on sm_90 (renderer.has_wgmma) large ones whose sizes divide a 128x256 (or 128x128) tile get OptOps.WGMMA instead;
 - a float32 matmul (plain, transposed, batched, or with an operand computed from loads) whose sizes divide a block
-  tile gets shared-memory tiles (SHARED): the largest tile (128x128 down to 16x16) whose grid gives every
-  multiprocessor a block, 4x4 (8x8 for 128x128) outputs per thread, every operand staged through local memory, the
-  reduce split over GROUP threads where the grid still has too few threads (split-K inside the block);
+  tile gets shared-memory tiles (SHARED): of at least 2^28 multiply-adds, the tile the grid model predicts fastest
+  (codegen/opt/matmul_grid.py: rounds of blocks on the multiprocessors x a block's work at its tile's rate; tiles of
+  8x12 outputs a thread among them, and the lazy layer may have split a long reduce across blocks by the same
+  model); smaller ones the largest tile (128x128 down to 16x16) whose grid gives every multiprocessor a block; 4x4
+  (8x8 for 128x128) outputs per thread, every operand staged through local memory, the reduce split over GROUP
+  threads where the grid still has too few threads (split-K inside the block);
 - a thin float32 matmul (an output axis of at most 16, a long reduce) splits the reduce over the block's threads;
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
 - elementwise kernels get thread blocks from the innermost output axes.
