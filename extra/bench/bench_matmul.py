@@ -430,7 +430,7 @@ def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, i
   if opts_text.startswith("SPLITK"):   # "SPLITK parts[;TILE ...]"
     split, _, tile_text = opts_text.partition(";")
     return split_k_row(device, inputs, int(split.split()[1]), iters, sizes, tile_text)
-  schedule = create_schedule([ourgrad_function(kind, sizes)(*inputs)[0].lazydata])
+  schedule = create_schedule([one_matmul_kernel(lambda: ourgrad_function(kind, sizes)(*inputs)[0])])
   run_schedule(schedule[:-1])   # a copy before the matmul, if the row has one
   item = schedule[-1]
   kernel = variant_kernel(device, item.ast, opts_text, dtype)
@@ -458,6 +458,18 @@ def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, i
   return f"{seconds * 1e3:8.3f} ms {rate:7.1f} TFLOP/s  err {error:.1e}  {runner.name}"
 
 
+def one_matmul_kernel(build: Callable[[], Tensor]) -> Any:
+  """The lazy graph of `build()` with the lazy layer's own split-K off (MATMUL_GRID=0 while it is built): a variant
+  times the one matmul kernel its opts are for."""
+  saved = os.environ.get("MATMUL_GRID")
+  os.environ["MATMUL_GRID"] = "0"
+  try:
+    return build().lazydata
+  finally:
+    if saved is None: del os.environ["MATMUL_GRID"]
+    else: os.environ["MATMUL_GRID"] = saved
+
+
 def split_k_product(a: Any, b: Any, parts: int) -> Any:
   """a @ b.T (a Linear's forward) as `parts` partial products over slices of K, summed: a batched matmul whose grid
   has `parts` times the blocks, then a reduce over the parts (split-K across blocks)."""
@@ -470,7 +482,7 @@ def split_k_row(device: str, inputs: list[Tensor], parts: int, iters: int, sizes
   """A Linear-shaped row (mm_bT) as split_k_product: summed kernel times, the partial products' kernel with the
   heuristic's opts or `tile_text` ("TILE ..."), the sum over the parts with the heuristic's."""
   from ourgrad.engine.realize import compile_kernel
-  schedule = create_schedule([split_k_product(*inputs, parts).lazydata])
+  schedule = create_schedule([one_matmul_kernel(lambda: split_k_product(*inputs, parts))])
   runners = []
   for number, item in enumerate(schedule):
     for buffer in item.outputs: buffer.allocate()
