@@ -90,6 +90,9 @@ PROFILE_PATH = env_var("PROFILE_PATH", "", "file of the PROFILE=1 trace (default
 ROW_KERNELS = env_var("ROW_KERNELS", -1, "1: fuse reduces over the same rows (softmax, layernorm) into one kernel on "
                       "every device; 0: never; -1: on CPUs (a thread per row) and on GPUs with local memory (a block "
                       "per row)")
+MATMUL_GRID = env_var("MATMUL_GRID", 1, "1: a float32 matmul on a GPU (of at least 2^28 multiply-adds) takes the block "
+                      "tile and the split of its reduce across blocks (split-K) that codegen/opt/matmul_grid.py "
+                      "predicts fastest; 0: the largest tile whose grid gives every multiprocessor a block, no split")
 KERNEL_OPS_LIMIT = env_var("KERNEL_OPS_LIMIT", 1024, "most ops fused into one kernel; a bigger fused graph is split "
                            "by realizing intermediates, so compile time grows linearly with graph size (0: no limit)")
 PACK_KERNELS = env_var("PACK_KERNELS", 1, "1: pack independent elementwise kernels of different shapes (an optimizer's "

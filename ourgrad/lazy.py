@@ -18,7 +18,8 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError
-from ourgrad.helpers import prod
+from ourgrad.codegen.opt.matmul_grid import split_k_parts
+from ourgrad.helpers import MATMUL_GRID, prod
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
@@ -41,6 +42,8 @@ GPU_SPLIT_MAX_PARTS = 256          # parts per output at most (the second kernel
 # of GROUP threads (the row-reduction heuristic gives 256 threads to rows of 1024 or more, a warp to shorter ones)
 GPU_SPLIT_MIN_PART = 1024
 GPU_SPLIT_MIN_PART_MATMUL = 512    # a matmul-like part: its threads are register tiles of outputs, not the reduce
+# a split matmul with many outputs (MATMUL_GRID) sums at most this many parts by elementwise adds in its consumer
+MATMUL_SUM_PARTS = 8
 # a plain reduce (batchnorm statistics, a full sum) is split into about this many blocks of parts: one wave of
 # 256-thread blocks on an H100 (132 SMs x 8), each thread several elements. More, smaller parts (MNIST's first
 # batchnorm: 128 parts of 1152 values) leave 2 waves of blocks that spend more time combining threads than loading.
@@ -266,6 +269,10 @@ class LazyBuffer:
     inner_axes = tuple(a + 1 if a >= axis else a for a in axes)
     if parts_axis != axis: split, inner_axes = _parts_outermost(split, axis, inner_axes)
     partials = split.reduce(op, inner_axes)
+    # a matmul's few parts (the split of a matmul with many outputs, see _gpu_split_parts) are added elementwise
+    if parts_axis == 0 and parts <= MATMUL_SUM_PARTS and self._dense_matmul_dims(axes) is not None and \
+        prod(out_shape) >= GPU_FEW_OUTPUTS * 16:
+      return _sum_parts(partials).reshape(out_shape)
     return partials.reduce(op, (parts_axis,)).reshape(out_shape)
 
   def _cpu_split_parts(self, out_shape: tuple[int, ...], axis: int) -> int | None:
@@ -288,6 +295,8 @@ class LazyBuffer:
     elements_per_output = prod(self.shape) // outputs
     # a matmul-like reduce's thread computes a register tile of 16 outputs: it needs 16x the partials
     per_thread = 16 if self._matmul_like_reduce(axes) else 1
+    if per_thread > 1 and outputs >= GPU_FEW_OUTPUTS * per_thread and MATMUL_GRID.value:
+      return self._matmul_split_parts(axes, getattr(renderer, "multiprocessors", 0))
     if elements_per_output < GPU_SPLIT_MIN_ELEMENTS or outputs >= GPU_FEW_OUTPUTS * per_thread: return None
     if per_thread == 1: wanted = _plain_split_parts_wanted(outputs, elements_per_output)
     else:
@@ -296,6 +305,30 @@ class LazyBuffer:
     size = self.shape[axis]
     parts = max((parts for parts in range(1, min(wanted, size) + 1) if size % parts == 0), default=1)
     return parts if parts >= 4 else None
+
+  def _matmul_split_parts(self, axes: tuple[int, ...], processors: int) -> int | None:
+    """Split-K across blocks for a float32 matmul with many outputs (see _dense_matmul_dims): the parts that
+    matmul_grid.split_k_parts predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's feed-forward: 48 blocks of
+    128x128 on 132 multiprocessors, 96 with the reduce in 2 parts). None: no split."""
+    dims = self._dense_matmul_dims(axes)
+    if dims is None: return None
+    parts = split_k_parts(1, *dims, processors)
+    return parts if parts > 1 else None
+
+  def _dense_matmul_dims(self, axes: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """(M, N, K) of a float32 product (..., M, N, K) summed over K (the last axis), one factor varying along M and
+    not N, the other along N and not M (batch axes counted in M); None for any other reduce."""
+    if self.dtype != dtypes.float32 or len(self.shape) < 3 or axes != (len(self.shape) - 1,): return None
+    base = self.base
+    if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or len(base.srcs) != 2: return None
+    if base.op is not Ops.MUL: return None
+    sides = set()
+    for src in base.srcs:
+      strides = src.st.views[-1].strides
+      if strides[-1] == 0: return None
+      sides.add((strides[-3] != 0, strides[-2] != 0))
+    if sides != {(True, False), (False, True)}: return None
+    return prod(self.shape[:-2]), self.shape[-2], self.shape[-1]
 
   def _matmul_like_reduce(self, axes: tuple[int, ...]) -> bool:
     """The reduced value is a product in which some factor is broadcast along an output axis (stride 0 there) while
@@ -409,6 +442,17 @@ def _parts_outermost(split: LazyBuffer, parts_axis: int, inner_axes: tuple[int, 
   order = (parts_axis, *(a for a in range(len(split.shape)) if a != parts_axis))
   moved = tuple(order.index(a) for a in inner_axes)
   return split.permute(order), moved
+
+
+def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
+  """A split matmul's partial results (parts first) summed by elementwise adds of one part each: they fuse into the
+  consumer (the bias and residual adds, a LayerNorm's row kernel), where a reduce over the parts would be a kernel of
+  its own. The first axis is left with size 1."""
+  shape = partials.shape
+  pieces = [partials.shrink(((part, part + 1),) + tuple((0, size) for size in shape[1:])) for part in range(shape[0])]
+  total = pieces[0]
+  for piece in pieces[1:]: total = total.elementwise(Ops.ADD, piece)
+  return total
 
 
 def _plain_split_parts_wanted(outputs: int, elements_per_output: int) -> int:

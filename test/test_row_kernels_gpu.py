@@ -18,7 +18,7 @@ import torch
 from ourgrad import Tensor, lazy
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.row_linearizer import PERSISTENT_UNITS, row_block_threads
+from ourgrad.codegen.row_linearizer import PERSISTENT_UNITS, row_block_threads, row_sharing
 from ourgrad.codegen.uops import UOps, launch_dims
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -92,6 +92,67 @@ def test_block_row_kernel_matches_torch(name: str, shape: tuple[int, int], rende
   np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=2e-5, atol=2e-5)
 
 
+# (rows, row length) of kernels whose short rows share a block: float4 rows of 32 (MiniLM's attention softmax) and 384
+# (its layernorm), a ragged row (10 float4 units over 8 threads), a row of odd length (scalar units), and rows of 32
+# floats under a mask read per batch (softmax with a padding mask, as the attention's)
+SHARED_ROW_SHAPES = [(64, 32), (16, 384), (32, 40), (32, 37)]
+
+
+def _emulated_cuda(multiprocessors: int) -> PythonRenderer:
+  renderer = PythonRenderer("CUDA")
+  renderer.multiprocessors = multiprocessors
+  return renderer
+
+
+@pytest.mark.parametrize("shape", SHARED_ROW_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_shared_block_rows_match_torch(name: str, shape: tuple[int, int]):
+  """Rows of at most a warp's threads x PERSISTENT_UNITS units, many of them: several rows to a block, each row's
+  partials combined by a shuffle within its part of the warp (no local memory, no barrier)."""
+  if name == "layernorm_of_two_axes" and shape[1] % 2: pytest.skip("two equal halves of the row")
+  ours, theirs = GRAPHS[name]
+  x_np = np.random.default_rng(sum(shape) + 3).standard_normal(shape).astype(np.float32) * 3
+  item = _row_item(ours(Tensor(x_np, device="PYTHON")))
+  kernel = Kernel(item.ast, _emulated_cuda(2))
+  uops = linearize(kernel)
+  global_size, local_size = launch_dims(uops)
+  assert global_size[0] < shape[0] and not any(uop.op in (UOps.BARRIER, UOps.DEFINE_LOCAL) for uop in uops)
+  got = _run(kernel, item)
+  expected = theirs(torch.tensor(x_np)).numpy()
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_masked_attention_softmax_rows_share_blocks():
+  """The attention's softmax over keys with a padding mask read per batch (batch, heads, queries, keys): rows of 32
+  share blocks, the mask index follows each row's batch."""
+  rng = np.random.default_rng(5)
+  scores_np = rng.standard_normal((4, 2, 32, 32)).astype(np.float32)
+  keep_np = rng.random((4, 1, 1, 32)) < 0.7
+  keep_np[..., 0] = True   # every row keeps a key
+  scores, keep = Tensor(scores_np, device="PYTHON"), Tensor(keep_np, device="PYTHON")
+  item = _row_item(keep.where(scores, float("-inf")).softmax(-1))
+  kernel = Kernel(item.ast, _emulated_cuda(2))
+  assert launch_dims(linearize(kernel))[0][0] < 4 * 2 * 32
+  got = _run(kernel, item)
+  expected = torch.tensor(scores_np).masked_fill(~torch.tensor(keep_np), float("-inf")).softmax(-1).numpy()
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_minilm_row_kernels_share_blocks_on_132_multiprocessors():
+  """MiniLM at batch 64 x 32 tokens on an H100: the attention softmax (24576 rows of 32 floats) takes 4 threads a row
+  and 32 rows a block (was a warp a row, 8 lanes working); the layernorm (2048 rows of 384) a warp a row, 4 rows a
+  block (was 128 threads a row, one float4 each)."""
+  assert row_sharing(24576, 8, 32, 132) == (4, 32)
+  assert row_sharing(2048, 96, 32, 132) == (32, 4)
+  assert row_sharing(8, 8192 // 4, 32, 132) == (0, 1)   # long rows: a block each
+  assert row_sharing(64, 8, 32, 132) == (0, 1)   # few rows: a block each, more blocks than multiprocessors
+  softmax = _cuda_uops(Tensor.empty(64 * 12 * 32, 32).softmax(-1))
+  assert launch_dims(softmax) == ((768, 1, 1), (128, 1, 1))
+  layernorm = _cuda_uops(Tensor.empty(2048, 384).layernorm())
+  assert launch_dims(layernorm) == ((512, 1, 1), (128, 1, 1))
+  assert not any(uop.op is UOps.BARRIER for uop in softmax + layernorm)
+
+
 def test_cross_entropy_per_sample_on_the_emulated_gpu():
   x_np = np.random.default_rng(1).standard_normal((12, 100)).astype(np.float32)
   labels = np.random.default_rng(2).integers(0, 100, 12).astype(np.int32)
@@ -140,7 +201,8 @@ def test_per_row_output_is_stored_by_one_thread():
 
 
 @pytest.mark.skipif(not device_opens("CUDA"), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("shape", [(64, 8192), (8, 32768), (1024, 1024), (7, 1000), (3, 50000)])
+@pytest.mark.parametrize("shape", [(64, 8192), (8, 32768), (1024, 1024), (7, 1000), (3, 50000), (24576, 32),
+                                   (2048, 384), (4096, 37)])
 @pytest.mark.parametrize("name", sorted(GRAPHS))
 def test_row_kernels_on_cuda(name: str, shape: tuple[int, int]):
   if name == "layernorm_of_two_axes" and shape[1] % 2: pytest.skip("two equal halves of the row")

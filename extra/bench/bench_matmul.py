@@ -63,6 +63,19 @@ CUDA_ROWS = [
   ("smollm2 512x576 @ (1536x576)^T", "mm_bT", (512, 576, 1536), "float32"),
   ("smollm2 512x1536 @ (576x1536)^T", "mm_bT", (512, 1536, 576), "float32"),
   ("minilm 2048x384 @ (1536x384)^T", "mm_bT", (2048, 384, 1536), "float32"),
+  # the rest of MiniLM's matmuls at batch 64 x 32 tokens (FFN down, the fused Q/K/V projection, the attention output
+  # projection reading the heads' permuted output, the attention's two batched matmuls reading the Q/K/V buffer) and
+  # SmolLM2's K/V projection (3 heads of 64)
+  ("minilm 2048x1536 @ (384x1536)^T", "mm_bT", (2048, 1536, 384), "float32"),
+  ("minilm 2048x384 @ (1152x384)^T", "mm_bT", (2048, 384, 1152), "float32"),
+  ("minilm attn out 64x32x(12x32) @ (384x384)^T", "attn_out", (64, 12, 32, 32, 384), "float32"),
+  ("minilm attn q@k^T 64x12x32x32x32", "attn_qk", (64, 12, 32, 32), "float32"),
+  ("minilm attn p@v 64x12x32x32x32", "attn_pv", (64, 12, 32, 32), "float32"),
+  ("smollm2 512x576 @ (192x576)^T", "mm_bT", (512, 576, 192), "float32"),
+  # the SmolLM2 prefill's fused projections: gate and up (2 x 1536), Q/K/V (576 + 2 x 192), and the output projection
+  ("smollm2 512x576 @ (3072x576)^T", "mm_bT", (512, 576, 3072), "float32"),
+  ("smollm2 512x576 @ (960x576)^T", "mm_bT", (512, 576, 960), "float32"),
+  ("smollm2 512x576 @ (576x576)^T", "mm_bT", (512, 576, 576), "float32"),
 ]
 # the matmul kinds: operand shapes from (m, k, n), and the product (`relu` of the library's tensors)
 MATMUL_LAYOUTS: dict[str, tuple[Callable[[int, int, int], list[tuple[int, ...]]], Callable[..., Any]]] = {
@@ -76,6 +89,31 @@ MATMUL_LAYOUTS: dict[str, tuple[Callable[[int, int, int], list[tuple[int, ...]]]
   # the weight gradient that recomputes the forward's activation
   "mm_aT_relu": (lambda m, k, n: [(k, m), (k, n), (n,)], lambda relu: lambda g, h, bias: g.T @ relu(h + bias)),
 }
+
+
+def _heads(qkv: Any, bias: Any, part: int) -> Any:
+  """Q, K or V (batch, heads, tokens, head_dim) of a fused projection's (batch, tokens, 3, heads, head_dim) output
+  before its bias, plus the bias (3 x heads x head_dim): MiniLM's attention matmuls read the projection so, the bias
+  add fused into their loads."""
+  return (qkv + bias.reshape(qkv.shape[2:]))[:, :, part].transpose(1, 2)
+
+
+# attention-shaped kinds, sizes (batch, heads, tokens, head_dim[, out features]): (operand shapes, product, FLOPs).
+# The products use only indexing, transpose, reshape and @, which ourgrad and PyTorch share.
+ATTENTION_LAYOUTS: dict[str, tuple[Callable[..., list[tuple[int, ...]]], Callable[..., Any], Callable[..., float]]] = {
+  # scores: Q @ K^T, both read from the Q/K/V buffer
+  "attn_qk": (lambda b, h, t, d: [(b, t, 3, h, d), (3 * h * d,)],
+              lambda qkv, bias: _heads(qkv, bias, 0) @ _heads(qkv, bias, 1).transpose(-2, -1),
+              lambda b, h, t, d: 2.0 * b * h * t * t * d),
+  # probabilities @ V
+  "attn_pv": (lambda b, h, t, d: [(b, h, t, t), (b, t, 3, h, d), (3 * h * d,)],
+              lambda p, qkv, bias: p @ _heads(qkv, bias, 2),
+              lambda b, h, t, d: 2.0 * b * h * t * t * d),
+  # the output projection of the heads' (batch, heads, tokens, head_dim) result, read as (batch, tokens, hidden)
+  "attn_out": (lambda b, h, t, d, n: [(b, h, t, d), (n, h * d)],
+               lambda x, w: x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1) @ w.T,
+               lambda b, h, t, d, n: 2.0 * b * t * h * d * n),
+}
 CPU_ROWS = [
   ("matmul 1024^3 f32", "mm", (1024, 1024, 1024), "float32"),
   ("matmul 2048^3 f32", "mm", (2048, 2048, 2048), "float32"),
@@ -85,12 +123,14 @@ CPU_ROWS = [
 
 def scaled(kind: str, sizes: tuple[int, ...], scale: int) -> tuple[int, ...]:
   if scale == 0: return sizes
+  if kind in ATTENTION_LAYOUTS: return (max(sizes[0] >> scale, 2),) + sizes[1:]
   if kind.startswith("mm"): return tuple(max(size >> scale, 8) + (size & 1) for size in sizes)
   batch, cin, height, width, cout, pad = sizes
   return (max(batch >> scale, 2), cin, max(height >> scale, 8), max(width >> scale, 8), cout, pad)
 
 
 def flops(kind: str, sizes: tuple[int, ...]) -> float:
+  if kind in ATTENTION_LAYOUTS: return ATTENTION_LAYOUTS[kind][2](*sizes)
   if kind.startswith("mm"):
     m, k, n = sizes
     return 2.0 * m * k * n
@@ -102,6 +142,8 @@ def flops(kind: str, sizes: tuple[int, ...]) -> float:
 
 def host_inputs(kind: str, sizes: tuple[int, ...]) -> list[np.ndarray]:
   rng = np.random.default_rng(0)
+  if kind in ATTENTION_LAYOUTS: return [rng.standard_normal(shape, dtype=np.float32)
+                                        for shape in ATTENTION_LAYOUTS[kind][0](*sizes)]
   if kind.startswith("mm"):
     return [rng.standard_normal(shape, dtype=np.float32) for shape in MATMUL_LAYOUTS[kind][0](*sizes)]
   batch, cin, height, width, cout, pad = sizes
@@ -114,6 +156,7 @@ def host_inputs(kind: str, sizes: tuple[int, ...]) -> list[np.ndarray]:
 
 
 def ourgrad_function(kind: str, sizes: tuple[int, ...]) -> Callable[..., list[Tensor]]:
+  if kind in ATTENTION_LAYOUTS: return lambda *operands: [ATTENTION_LAYOUTS[kind][1](*operands)]
   if kind.startswith("mm"):
     product = MATMUL_LAYOUTS[kind][1](lambda x: x.relu())
     return lambda *operands: [product(*operands)]
@@ -130,6 +173,7 @@ def ourgrad_function(kind: str, sizes: tuple[int, ...]) -> Callable[..., list[Te
 
 def torch_function(kind: str, sizes: tuple[int, ...]) -> Callable[..., Any]:
   import torch
+  if kind in ATTENTION_LAYOUTS: return ATTENTION_LAYOUTS[kind][1]
   if kind.startswith("mm"): return MATMUL_LAYOUTS[kind][1](lambda x: x.relu())
   pad = sizes[-1]
   if kind == "conv": return lambda x, w: torch.nn.functional.conv2d(x, w, padding=pad)
@@ -356,6 +400,74 @@ VARIANTS += [
 ]
 
 
+# block tiles compared on MiniLM's and SmolLM2's medium matmuls: (label, "TILE threads_m threads_n runs_m runs_n step
+# group"); a tile's outputs per thread are 4 x 4 times its runs, its block threads_m x threads_n x group threads
+MEDIUM_TILES = {
+  "128x128 8x8/thread": "TILE 16 16 2 2 16 1", "128x64 8x4/thread": "TILE 16 16 2 1 16 1",
+  "64x128 4x8/thread": "TILE 16 16 1 2 16 1", "128x64 8x8/thread (128 threads)": "TILE 16 8 2 2 16 1",
+  "64x128 8x8/thread (128 threads)": "TILE 8 16 2 2 16 1", "64x64 4x4/thread, K step 8": "TILE 16 16 1 1 8 1",
+  "64x64 4x4/thread, K step 16": "TILE 16 16 1 1 16 1", "64x64 8x8/thread (64 threads)": "TILE 8 8 2 2 16 1",
+  "64x32 4x4/thread": "TILE 16 8 1 1 16 1", "32x64 4x4/thread": "TILE 8 16 1 1 16 1",
+  "64x32 4x4/thread, GROUP 2": "TILE 16 8 1 1 16 2", "32x64 4x4/thread, GROUP 2": "TILE 8 16 1 1 16 2",
+  "32x32 4x4/thread, GROUP 2": "TILE 8 8 1 1 16 2", "32x64 8x8/thread, GROUP 4, K step 8": "TILE 4 8 2 2 8 4",
+  "32x32 8x8/thread, GROUP 4, K step 8": "TILE 4 4 2 2 8 4", "32x128 4x8/thread": "TILE 8 16 1 2 16 1",
+  "32x32 4x4/thread, K step 8": "TILE 8 8 1 1 8 1", "32x32 4x4/thread, GROUP 2, K step 8": "TILE 8 8 1 1 8 2",
+  "16x32 4x4/thread, GROUP 2, K step 8": "TILE 4 8 1 1 8 2", "32x16 4x4/thread, GROUP 2": "TILE 8 4 1 1 16 2",
+}
+WIDE = ["128x128 8x8/thread", "128x64 8x4/thread", "64x128 4x8/thread", "128x64 8x8/thread (128 threads)",
+        "64x128 8x8/thread (128 threads)", "64x64 4x4/thread, K step 8", "64x64 4x4/thread, K step 16",
+        "64x64 8x8/thread (64 threads)"]
+NARROW = ["64x32 4x4/thread", "32x64 4x4/thread", "64x32 4x4/thread, GROUP 2", "32x64 4x4/thread, GROUP 2",
+          "32x32 4x4/thread, GROUP 2", "32x64 8x8/thread, GROUP 4, K step 8", "32x32 8x8/thread, GROUP 4, K step 8"]
+MEDIUM_ROWS = {
+  "minilm 2048x1536 @": WIDE + NARROW, "minilm 2048x384 @ (1152": WIDE[:4] + WIDE[5:7],
+  "minilm 2048x384 @ (1536": WIDE[:4] + WIDE[5:7], "smollm2 512x1536 @": WIDE[5:] + NARROW,
+  "smollm2 512x576 @ (1536": WIDE[3:] + NARROW[:3],
+  "smollm2 512x576 @ (3072": WIDE[:4] + WIDE[5:7], "smollm2 512x576 @ (960": WIDE[5:] + NARROW[:3],
+  "smollm2 512x576 @ (576": WIDE[5:] + NARROW[:3],
+  "smollm2 512x576 @ (192": ["64x64 4x4/thread, K step 16", "64x32 4x4/thread, GROUP 2", "32x32 4x4/thread, GROUP 2",
+                             "32x32 8x8/thread, GROUP 4, K step 8", "32x16 4x4/thread, GROUP 2",
+                             "16x32 4x4/thread, GROUP 2, K step 8"],
+  "minilm attn out": ["32x64 4x4/thread", "32x64 4x4/thread, GROUP 2", "32x128 4x8/thread", "32x32 4x4/thread, GROUP 2",
+                      "32x64 8x8/thread, GROUP 4, K step 8", "32x32 8x8/thread, GROUP 4, K step 8"],
+  "minilm attn q@k^T": ["32x32 4x4/thread, K step 8", "32x32 4x4/thread, GROUP 2, K step 8",
+                        "16x32 4x4/thread, GROUP 2, K step 8"],
+  "minilm attn p@v": ["32x32 4x4/thread, K step 8", "32x32 4x4/thread, GROUP 2, K step 8",
+                      "16x32 4x4/thread, GROUP 2, K step 8"],
+}
+VARIANTS += [(part, f"SHARED {label}", MEDIUM_TILES[label]) for part, labels in MEDIUM_ROWS.items() for label in labels]
+# split-K across blocks: the partial products of K slices as a batched matmul (the heuristic's tile), then their sum
+VARIANTS += [("minilm 2048x1536 @", f"split-K {parts} (2 kernels)", f"SPLITK {parts}") for parts in (2, 3, 4, 6)]
+VARIANTS += [("minilm 2048x1536 @", f"split-K {parts}, 128x128 tiles", f"SPLITK {parts};TILE 16 16 2 2 16 1")
+             for parts in (2, 4, 8)]
+VARIANTS += [("minilm 2048x1536 @", "split-K 2, 128x64 8x8/thread", "SPLITK 2;TILE 16 8 2 2 16 1")]
+VARIANTS += [(part, f"split-K {parts}, 128x128 tiles", f"SPLITK {parts};TILE 16 16 2 2 16 1")
+             for part in ("minilm 2048x384 @ (1152", "minilm 2048x384 @ (1536") for parts in (2, 3)]
+# tiles of 3 float4 runs along N (8x12 or 4x12 outputs a thread) whose grids fill the 132 multiprocessors in one round
+# of about 128 blocks (144 of 128x128 tiles take two rounds)
+VARIANTS += [
+  ("minilm 2048x384 @ (1152", "SHARED 128x144 8x12/thread (192 threads, 128 blocks)", "TILE 16 12 2 3 16 1"),
+  ("minilm 2048x384 @ (1152", "SHARED 128x96 8x12/thread (128 threads, 192 blocks)", "TILE 16 8 2 3 16 1"),
+  ("minilm 2048x384 @ (1152", "SHARED 64x144 8x12/thread (96 threads, 256 blocks)", "TILE 8 12 2 3 16 1"),
+  ("minilm 2048x384 @ (1536", "SHARED 128x192 8x12/thread (256 threads, 128 blocks)", "TILE 16 16 2 3 16 1"),
+  ("minilm 2048x384 @ (1536", "SHARED 128x96 8x12/thread (128 threads, 256 blocks)", "TILE 16 8 2 3 16 1"),
+  ("minilm 2048x1536 @", "split-K 2, 128x96 8x12/thread (128 blocks)", "SPLITK 2;TILE 16 8 2 3 16 1"),
+  ("minilm 2048x1536 @", "split-K 4, 128x192 8x12/thread (128 blocks)", "SPLITK 4;TILE 16 16 2 3 16 1"),
+  ("minilm attn out", "SHARED 32x192 4x12/thread (128 threads, 128 blocks)", "TILE 8 16 1 3 16 1"),
+  ("minilm attn out", "SHARED 32x96 4x12/thread (64 threads, 256 blocks)", "TILE 8 8 1 3 16 1"),
+  ("smollm2 512x1536 @", "split-K 4, 64x144 8x12/thread (128 blocks)", "SPLITK 4;TILE 8 12 2 3 16 1"),
+  ("smollm2 512x1536 @", "split-K 8, 128x144 8x12/thread (128 blocks)", "SPLITK 8;TILE 16 12 2 3 16 1"),
+  ("smollm2 512x576 @ (3072", "SHARED 128x96 8x12/thread (128 blocks)", "TILE 16 8 2 3 16 1"),
+  ("smollm2 512x576 @ (960", "SHARED 64x60 4x12/thread (80 threads, 128 blocks)", "TILE 16 5 1 3 16 1"),
+  ("smollm2 512x576 @ (1536", "SHARED 64x96 4x12/thread (128 threads, 128 blocks)", "TILE 16 8 1 3 16 1"),
+]
+VARIANTS += [("smollm2 512x1536 @", f"split-K {parts} (2 kernels)", f"SPLITK {parts}") for parts in (2, 3, 4)]
+VARIANTS += [("smollm2 512x1536 @", f"split-K {parts}, 64x64 8x8/thread", f"SPLITK {parts};TILE 8 8 2 2 16 1")
+             for parts in (2, 4)]
+VARIANTS.append(("minilm attn q@k^T", "register tiles (main before: the fused bias kept it from SHARED)",
+                 "UPCAST 3 4;UPCAST 2 4;UNROLL 0 4;LOCAL 3 8;LOCAL 2 8;LOCAL 1 2"))
+
+
 def parse_opts(text: str, tc_choice: int) -> list:
   from ourgrad.codegen.kernel import Opt, OptOps
   opts = []
@@ -368,33 +480,100 @@ def parse_opts(text: str, tc_choice: int) -> list:
   return opts
 
 
+def variant_kernel(device: str, ast: Any, opts_text: str, dtype: Any) -> Any:
+  """The kernel of `ast` with the variant's opts: an opt list, or "TILE tm tn rm rn step group", a float32 SHARED
+  block tile applied as the heuristic applies its tiles (heuristic.apply_shared_tile)."""
+  from ourgrad.codegen.kernel import Kernel
+  from ourgrad.codegen.opt.heuristic import SharedTile, apply_shared_tile
+  from ourgrad.device import Device
+  kernel = Kernel(ast, Device[device].renderer)
+  if opts_text.startswith("TILE"):
+    threads_m, threads_n, runs_m, runs_n, step, group = (int(number) for number in opts_text.split()[1:])
+    tile = SharedTile(threads_m, threads_n, runs_m, runs_n, (step,))
+    if not apply_shared_tile(kernel, tile, step, group): raise RuntimeError("the tile does not fit this matmul")
+    return kernel
+  for opt in parse_opts(opts_text, 0 if dtype == dtypes.float16 else 1): kernel.apply_opt(opt)
+  return kernel
+
+
 def variant_row(device: str, inputs: list[Tensor], opts_text: str, dtype: Any, iters: int, kind: str = "mm",
                 sizes: tuple[int, ...] = ()) -> str:
   """One matmul kernel with explicit opts: its time, rate and relative error against float64 (the first 64 rows of
-  a plain matmul; the whole output of the small MLP-shaped ones)."""
-  from ourgrad.codegen.kernel import Kernel
-  from ourgrad.device import Buffer, Device
-  from ourgrad.engine.realize import compile_kernel
-  item = create_schedule([ourgrad_function(kind, sizes)(*inputs)[0].lazydata])[-1]
-  kernel = Kernel(item.ast, Device[device].renderer)
-  for opt in parse_opts(opts_text, 0 if dtype == dtypes.float16 else 1): kernel.apply_opt(opt)
+  a plain matmul; the whole output of the others)."""
+  from ourgrad.device import Buffer
+  from ourgrad.engine.realize import compile_kernel, run_schedule
+  if opts_text.startswith("SPLITK"):   # "SPLITK parts[;TILE ...]"
+    split, _, tile_text = opts_text.partition(";")
+    return split_k_row(device, inputs, int(split.split()[1]), iters, sizes, tile_text)
+  schedule = create_schedule([one_matmul_kernel(lambda: ourgrad_function(kind, sizes)(*inputs)[0])])
+  run_schedule(schedule[:-1])   # a copy before the matmul, if the row has one
+  item = schedule[-1]
+  kernel = variant_kernel(device, item.ast, opts_text, dtype)
   runner = compile_kernel(kernel, device)
   needed = kernel.local_memory_bytes()
   if needed > 48 * 1024 and getattr(runner.program, "shared_bytes", 0) < needed:
     raise RuntimeError("the dynamic shared memory size was not found in the module (not launched)")
   output = Buffer(device, item.outputs[0].size, item.outputs[0].dtype).allocate()
   seconds = statistics.median([runner([output, *item.inputs], wait=True) for _ in range(iters + 2)][2:])
-  m, k, n = sizes
-  rate = 2.0 * m * k * n / seconds / 1e12
+  rate = flops(kind, sizes) / seconds / 1e12
   operands = [tensor.cast(dtypes.float32).numpy().astype(np.float64) for tensor in inputs]
-  rows = min(m, 64) if kind == "mm" else m   # a plain matmul: the first 64 rows against float64 (cheap on the host)
-  values = output.numpy()[:rows * n]
+  values = output.numpy()
   if output.dtype == dtypes.bfloat16: values = (values.astype(np.uint32) << 16).view(np.float32)   # raw bits
-  got = values.astype(np.float64).reshape(rows, n)
-  if kind == "mm": reference = operands[0][:rows] @ operands[1]
-  else: reference = MATMUL_LAYOUTS[kind][1](lambda x: np.maximum(x, 0))(*operands)
+  if kind in ATTENTION_LAYOUTS:
+    import torch
+    reference = ATTENTION_LAYOUTS[kind][1](*(torch.from_numpy(operand) for operand in operands)).numpy()
+  else:
+    m, k, n = sizes
+    rows = min(m, 64) if kind == "mm" else m   # a plain matmul: the first 64 rows against float64 (cheap on the host)
+    values = values[:rows * n]
+    if kind == "mm": reference = operands[0][:rows] @ operands[1]
+    else: reference = MATMUL_LAYOUTS[kind][1](lambda x: np.maximum(x, 0))(*operands)
+  got = values.astype(np.float64).reshape(reference.shape)
   error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
   return f"{seconds * 1e3:8.3f} ms {rate:7.1f} TFLOP/s  err {error:.1e}  {runner.name}"
+
+
+def one_matmul_kernel(build: Callable[[], Tensor]) -> Any:
+  """The lazy graph of `build()` with the lazy layer's own split-K off (MATMUL_GRID=0 while it is built): a variant
+  times the one matmul kernel its opts are for."""
+  saved = os.environ.get("MATMUL_GRID")
+  os.environ["MATMUL_GRID"] = "0"
+  try:
+    return build().lazydata
+  finally:
+    if saved is None: del os.environ["MATMUL_GRID"]
+    else: os.environ["MATMUL_GRID"] = saved
+
+
+def split_k_product(a: Any, b: Any, parts: int) -> Any:
+  """a @ b.T (a Linear's forward) as `parts` partial products over slices of K, summed: a batched matmul whose grid
+  has `parts` times the blocks, then a reduce over the parts (split-K across blocks)."""
+  (m, k), n = a.shape, b.shape[0]
+  return (a.reshape(m, parts, k // parts).permute(1, 0, 2) @ b.reshape(n, parts, k // parts).permute(1, 2, 0)).sum(0)
+
+
+def split_k_row(device: str, inputs: list[Tensor], parts: int, iters: int, sizes: tuple[int, ...],
+                tile_text: str = "") -> str:
+  """A Linear-shaped row (mm_bT) as split_k_product: summed kernel times, the partial products' kernel with the
+  heuristic's opts or `tile_text` ("TILE ..."), the sum over the parts with the heuristic's."""
+  from ourgrad.engine.realize import compile_kernel
+  schedule = create_schedule([one_matmul_kernel(lambda: split_k_product(*inputs, parts))])
+  runners = []
+  for number, item in enumerate(schedule):
+    for buffer in item.outputs: buffer.allocate()
+    if number == 0 and tile_text: runner = compile_kernel(variant_kernel(device, item.ast, tile_text, dtypes.float32),
+                                                          device)
+    else: runner = get_runner(device, item.ast)
+    runners.append((runner, item))
+  times = [sum(runner(item.bufs, wait=True) or 0.0 for runner, item in runners) for _ in range(iters + 2)]
+  seconds = statistics.median(times[2:])
+  m, k, n = sizes
+  got = schedule[-1].outputs[0].numpy().astype(np.float64).reshape(m, n)
+  operands = [tensor.numpy().astype(np.float64) for tensor in inputs]
+  reference = operands[0] @ operands[1].T
+  error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
+  rate = 2.0 * m * k * n / seconds / 1e12
+  return f"{seconds * 1e3:8.3f} ms {rate:7.1f} TFLOP/s  err {error:.1e}  {' + '.join(r.name for r, _ in runners)}"
 
 
 def kernel_opts(device: str, ast: Any) -> str:
@@ -424,7 +603,8 @@ def main() -> None:
   parser.add_argument("--scale", type=int, default=0, help="divide every side by 2**scale (a quick check)")
   parser.add_argument("--beam", type=int, default=None, help="1: also BEAM=2 (default: on CUDA only)")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-  parser.add_argument("--only", default="", help="run only the rows whose name contains this")
+  parser.add_argument("--only", default="", help="run only the rows whose name contains this (or one of these, "
+                      "comma-separated)")
   parser.add_argument("--no-variants", dest="variants", action="store_false",
                       help="skip the explicit-opts variants of the 4096^3 rows (CUDA)")
   parser.add_argument("--variants-matching", default="", help="only the variants whose label matches this regex")
@@ -442,7 +622,7 @@ def main() -> None:
         f"{'numpy':>9} {'% torch':>8}   (times in ms)")
   variant_jobs: list[tuple] = []
   for name, kind, sizes, dtype_name in CUDA_ROWS if cuda else CPU_ROWS:
-    if args.only not in name: continue
+    if not any(part in name for part in args.only.split(",")): continue
     sizes = scaled(kind, sizes, args.scale)
     host = host_inputs(kind, sizes)
     dtype = getattr(dtypes, dtype_name)
@@ -479,7 +659,7 @@ def main() -> None:
     print(f"{name:<34} {work / 1e9:8.1f} {ms(ours)} {rate} {ms(beam)} {ms(eager)} {ms(compiled)} "
           f"{ms(blas)} {eager / ours * 100:7.0f}%" + (f" ({blas / ours * 100:.0f}% of numpy)" if blas else "")
           + f"  err {error:.1e} vs torch   [{', '.join(kernels)}]")
-    if cuda and args.variants and kind.startswith("mm"):
+    if cuda and args.variants and (kind.startswith("mm") or kind in ATTENTION_LAYOUTS):
       variant_jobs += [(name, label, opts_text, inputs, dtype, kind, sizes) for part, label, opts_text in VARIANTS
                        if part in name and re.search(args.variants_matching, label)]
   # after every row: a variant launch that went wrong would leave the CUDA context unusable; dynamic shared memory

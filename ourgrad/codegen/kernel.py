@@ -610,16 +610,21 @@ class Kernel:
     in_block = list(range(self.global_dims, self.first_loop_reduce)) + list(range(self.first_upcast, self.shape_len))
     reduce_axes = [axis for axis in range(self.first_reduce, self.shape_len) if self.is_reduce_axis(axis)]
     output_strides = self.sts[0].real_strides()
+    # batch axes: outputs along which every load that varies along the reduce varies too
+    reduce_loads = [self.sts[number].real_strides() for number, leaf in enumerate(self.leaves)
+                    if leaf.op is Ops.LOAD and any(self.sts[number].real_strides()[axis] != 0 for axis in reduce_axes)]
+    batch_axes = {axis for axis in range(self.first_reduce)
+                  if reduce_loads and all(strides[axis] != 0 for strides in reduce_loads)}
     staged = []
     for number, leaf in enumerate(self.leaves):
       if leaf.op is not Ops.LOAD or not isinstance(leaf.arg, MemBuffer) or leaf.srcs: continue
       strides = self.sts[number].real_strides()
       shared = any(strides[axis] == 0 for axis in local_axes)
       if not shared or all(strides[axis] == 0 for axis in reduce_axes): continue
-      # a load that varies along the reduce only (a fused bias of the previous layer) stays a global read (one
-      # cached address per warp): its tile of a few elements would fill in a partial round, keeping the tiles
-      # single-staged
-      output_axes = list(range(self.first_reduce)) + self.upcast_axes
+      # a load that varies along the reduce and no output axis but batch ones (a fused bias of the previous layer, or
+      # one per head: the Q/K/V bias of attention) stays a global read (one cached address per warp): its tile of a
+      # few elements would fill in a partial round, keeping the tiles single-staged
+      output_axes = [axis for axis in list(range(self.first_reduce)) + self.upcast_axes if axis not in batch_axes]
       if self.tensor_core is None and all(strides[axis] == 0 for axis in output_axes): continue
       tile = [axis for axis in in_block if strides[axis] != 0]
       kinds = self.axis_types

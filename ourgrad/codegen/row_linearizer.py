@@ -9,8 +9,9 @@ or once per row, as var). Who owns a row depends on the device:
   per reduce) so that the C compiler vectorizes them; a transcendental value both a reduce and the store need
   (softmax's exp(x - max)) is computed once and kept in a per-row stack array; exp2 is plain arithmetic
   (vector_exp2), which vectorizes where libm's exp2f would be a call per element.
-- GPU (thread blocks and local memory): a block owns a row. Thread t of T takes the row's elements in units of
-  `width` neighbours (float4 where the loads allow it), units t, t + T, t + 2T, ... (neighbouring threads read
+- GPU (thread blocks and local memory): a block owns a row (short rows of a kernel with many rows: a group of up to
+  a warp's threads owns a row, several rows to a block, see row_sharing). Thread t of T takes the row's elements in
+  units of `width` neighbours (float4 where the loads allow it), units t, t + T, t + 2T, ... (neighbouring threads read
   neighbouring addresses). Each reduce accumulates a partial per thread, then the block combines them: a warp
   shuffle where the device has one, each warp's total through local memory and a BARRIER, after which every thread
   sums the warps' totals itself (so every thread holds the result, no second broadcast); without shuffles a tree in
@@ -43,6 +44,28 @@ _NO_WRAP_OPS = frozenset({Ops.LOAD, Ops.CONST, Ops.CAST, Ops.BITCAST, Ops.STORE,
                           Ops.CMPNE, Ops.WHERE, Ops.AND, Ops.OR, Ops.XOR})
 # The smallest block a row gets when the row has that many units: enough threads in flight per SM for short rows.
 MIN_ROW_THREADS = 128
+
+
+# Short rows in a kernel of many rows share a block (see row_sharing): each row gets the fewest threads (a power of two,
+# at most a warp) that leave each thread at most SHARED_ROW_UNITS units, and the block holds SHARED_ROW_BLOCK threads.
+# (MiniLM, batch 64 x 32 tokens: softmax rows of 32 floats had a warp of which 8 lanes worked, 24576 blocks; layernorm
+# rows of 384 floats a block of 128 threads, one float4 each.)
+SHARED_ROW_UNITS = 2
+SHARED_ROW_BLOCK = 128
+
+
+def row_sharing(rows: int, units: int, warp_size: int, multiprocessors: int) -> tuple[int, int]:
+  """(threads per row, rows per block) of a GPU row kernel with `rows` rows of `units` units each. A row of at most a
+  warp's threads x PERSISTENT_UNITS units shares its block with other rows when the kernel has rows enough to give
+  every multiprocessor a block twice over (`multiprocessors` 0: unknown, rows are shared whenever they divide): its
+  threads are a power of two up to a warp (their partials meet by a shuffle inside the warp: no local memory, no
+  barrier), the rows per block a power of two dividing `rows`. (0, 1) where rows are not shared (a block per row,
+  row_block_threads)."""
+  if warp_size < 2 or units > warp_size * PERSISTENT_UNITS: return 0, 1
+  threads = min(1 << (math.ceil(units / SHARED_ROW_UNITS) - 1).bit_length(), warp_size)
+  per_block = max(SHARED_ROW_BLOCK // threads, 1)
+  while per_block > 1 and (rows % per_block or rows // per_block < 2 * multiprocessors): per_block //= 2
+  return (threads, per_block) if per_block > 1 else (0, 1)
 
 
 def row_block_threads(units: int, max_threads: int, warp_size: int) -> int:
@@ -204,13 +227,17 @@ class RowLinearizer(Linearizer):
     rows, length = math.prod(shape[axis] for axis in row_dims), math.prod(shape[axis] for axis in row_axes)
     width = self._row_vector_width()
     units = length // width
-    threads = row_block_threads(units, renderer.max_threads, renderer.warp_size)
-    self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", rows, 0, AxisType.GLOBAL))
-    self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", threads, 0, AxisType.LOCAL))
+    threads, per_block = row_sharing(rows, units, renderer.warp_size, getattr(renderer, "multiprocessors", 0))
+    if per_block == 1: threads = row_block_threads(units, renderer.max_threads, renderer.warp_size)
+    blocks, block_threads = rows // per_block, threads * per_block
+    self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks, 0, AxisType.GLOBAL))
+    self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", block_threads, 0, AxisType.LOCAL))
+    block, block_thread = Variable("gidx0", 0, blocks - 1), Variable("lidx0", 0, block_threads - 1)
+    # rows sharing a block: neighbouring groups of `threads` threads take neighbouring rows
+    row: Node = block if per_block == 1 else block * per_block + block_thread // threads
+    thread: Node = block_thread if per_block == 1 else block_thread % threads
     idxs: list[Node] = [NumNode(0)] * len(shape)
-    for axis, node in zip(row_dims, _unflatten(Variable("gidx0", 0, rows - 1), [shape[axis] for axis in row_dims])):
-      idxs[axis] = node
-    thread = Variable("lidx0", 0, threads - 1)
+    for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
     per_thread = math.ceil(units / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     for number, reduce in enumerate(kernel.reduceops):
@@ -294,6 +321,8 @@ class RowLinearizer(Linearizer):
     """The combination of every thread's partial, held by every thread of the block afterwards."""
     build, warp_size = self.builder, self.kernel.renderer.warp_size
     dtype = partial.dtype
+    if 2 <= threads < warp_size and threads & (threads - 1) == 0:   # a row of a block's rows: part of a warp
+      return build.add(UOps.WARP_REDUCE, dtype, (partial,), (op, threads, 1))
     if warp_size >= 2 and threads % warp_size == 0:
       reduced = build.add(UOps.WARP_REDUCE, dtype, (partial,), (op, warp_size, 1))
       warps = threads // warp_size

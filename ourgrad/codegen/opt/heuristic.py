@@ -16,9 +16,12 @@ GPUs (thread blocks and local memory):
   the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
   on sm_90 (renderer.has_wgmma) large ones whose sizes divide a 128x256 (or 128x128) tile get OptOps.WGMMA instead;
 - a float32 matmul (plain, transposed, batched, or with an operand computed from loads) whose sizes divide a block
-  tile gets shared-memory tiles (SHARED): the largest tile (128x128 down to 16x16) whose grid gives every
-  multiprocessor a block, 4x4 (8x8 for 128x128) outputs per thread, every operand staged through local memory, the
-  reduce split over GROUP threads where the grid still has too few threads (split-K inside the block);
+  tile gets shared-memory tiles (SHARED): of at least 2^28 multiply-adds, the tile the grid model predicts fastest
+  (codegen/opt/matmul_grid.py: rounds of blocks on the multiprocessors x a block's work at its tile's rate; tiles of
+  8x12 outputs a thread among them, and the lazy layer may have split a long reduce across blocks by the same
+  model); smaller ones the largest tile (128x128 down to 16x16) whose grid gives every multiprocessor a block; 4x4
+  (8x8 for 128x128) outputs per thread, every operand staged through local memory, the reduce split over GROUP
+  threads where the grid still has too few threads (split-K inside the block);
 - a thin float32 matmul (an output axis of at most 16, a long reduce) splits the reduce over the block's threads;
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
 - elementwise kernels get thread blocks from the innermost output axes.
@@ -33,7 +36,8 @@ from ourgrad.codegen.kernel import (SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED
                                     tensor_core_operands)
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
-from ourgrad.helpers import power_of_two_divisor, prod
+from ourgrad.codegen.opt import matmul_grid
+from ourgrad.helpers import MATMUL_GRID, power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
 # threads per block the heuristics aim for on GPUs
@@ -179,6 +183,11 @@ class SharedTile:
   def block(self) -> tuple[int, int]:
     return (self.threads_m * SHARED_OUTPUTS * self.runs_m, self.threads_n * SHARED_OUTPUTS * self.runs_n)
 
+  @property
+  def shape(self) -> tuple[int, int, int, int]:
+    """(threads M, threads N, runs M, runs N): the tile's key in matmul_grid."""
+    return (self.threads_m, self.threads_n, self.runs_m, self.runs_n)
+
 
 SHARED_OUTPUTS = 4
 # the 128x128 tiles' structure (kernel.py SHARED_*): two blocks per multiprocessor (launch bounds), the transposed
@@ -193,11 +202,12 @@ LARGE_TILE_FLAGS = SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL
 # block tiles, largest first. 128x128 (8x8 outputs per thread) in steps of 16 measured 40.5 TFLOP/s on the H100 at
 # 4096^3 with padded rows (unpadded 38.7-39.2, steps of 8 36.6), 64x64 (4x4) in steps of 8 28.5. The smaller ones
 # (fewer threads, 4x4 outputs each) are for matmuls too small to give every multiprocessor a block of a larger tile
-# (512x512: 16 blocks of 128x128, 0.061 ms; 32x32 tiles with GROUP 2: 0.020 ms).
+# (512x512: 16 blocks of 128x128, 0.061 ms; 32x32 tiles with GROUP 2: 0.020 ms). 64x64 in steps of 16 beat steps of 8
+# on all seven MiniLM/SmolLM2 shapes of the H100 runs (2048x384x1536: 0.114 vs 0.144 ms; 512x576x960: 0.032 vs 0.046)
 SHARED_TILES = (SharedTile(16, 8, 2, 4, (16, 8), LARGE_TILE_FLAGS, min_blocks_per_processor=4),
                 SharedTile(16, 16, 2, 2, (16, 8), LARGE_TILE_FLAGS), SharedTile(16, 16, 1, 2, (16, 8)),
                 SharedTile(16, 16, 2, 1, (16, 8)),
-                SharedTile(16, 16, 1, 1, (8,)), SharedTile(8, 16, 1, 1, (16, 8)), SharedTile(16, 8, 1, 1, (16, 8)),
+                SharedTile(16, 16, 1, 1, (16, 8)), SharedTile(8, 16, 1, 1, (16, 8)), SharedTile(16, 8, 1, 1, (16, 8)),
                 SharedTile(8, 8, 1, 1, (16, 8)), SharedTile(4, 16, 1, 1, (16, 8)), SharedTile(16, 4, 1, 1, (16, 8)),
                 SharedTile(4, 8, 1, 1, (16, 8)), SharedTile(8, 4, 1, 1, (16, 8)), SharedTile(4, 4, 1, 1, (16, 8)))
 
@@ -218,24 +228,39 @@ def _dense_matmul_axes(kernel: Kernel) -> tuple[int, int] | None:
     if strides[k_axis] == 0: continue
     varies = tuple(strides[axis] != 0 for axis in (m_axis, n_axis))   # None (not a plain stride) varies
     if varies == (True, True): return None   # neither operand: read by every thread of the block
-    if any(strides[axis] != 0 for axis in range(m_axis)) and varies == (False, False): return None
+    # (False, False): a vector along the reduce, per batch or not (the Q/K/V bias fused into the attention matmuls),
+    # read by the whole block from global memory (Kernel.staged_loads)
     sides.add(varies)
   return (m_axis, n_axis) if {(True, False), (False, True)} <= sides else None
 
 
 def _shared_tile_order(kernel: Kernel, m: int, n: int, k: int) -> list[tuple[SharedTile, int]]:
   """(tile, reduce step) pairs that divide the matmul (and leave a reduce loop: an unroll that takes the whole reduce
-  axis leaves the kernel no loop to stage in), best first: the largest block tile whose grid gives every
-  multiprocessor a block (`renderer.multiprocessors`; unknown: the largest tile), then the rest by grid size, most
-  blocks first (when none fills the device, more blocks use more of it)."""
+  axis leaves the kernel no loop to stage in), best first. With MATMUL_GRID (the default) and at least GRID_MIN_MACS
+  multiply-adds: by the time matmul_grid.matmul_seconds predicts on the renderer's multiprocessors (rounds of blocks
+  x a block's work at its tile's rate; the tiles of GRID_EXTRA_TILES too; the larger tile first where they tie).
+  Else the largest block tile whose grid gives every multiprocessor a block, then the rest by grid size, most blocks
+  first (when none fills the device, more blocks use more of it). Unknown multiprocessors (`renderer.multiprocessors`
+  0): the largest tile first."""
   batch = prod(kernel.full_shape[:kernel.first_reduce - 2])
   fitting = [(tile, step) for tile in SHARED_TILES for step in tile.steps
              if m % tile.block[0] == 0 and n % tile.block[1] == 0 and k % step == 0 and k > step]
-  blocks = lambda pair: batch * (m // pair[0].block[0]) * (n // pair[0].block[1])   # noqa: E731
   processors = getattr(kernel.renderer, "multiprocessors", 0)
-  filling = [pair for pair in fitting if blocks(pair) >= processors * pair[0].min_blocks_per_processor]
+  blocks = lambda pair: batch * (m // pair[0].block[0]) * (n // pair[0].block[1])   # noqa: E731
+  # a tile measured only on large grids (min_blocks_per_processor: the 8x16-per-thread 128x128) comes first where its
+  # grid gives every multiprocessor that many blocks, and is left out elsewhere (the grid model has no rate for it)
+  large = [pair for pair in fitting if pair[0].min_blocks_per_processor > 1]
+  first = [pair for pair in large if blocks(pair) >= processors * pair[0].min_blocks_per_processor]
+  fitting = [pair for pair in fitting if pair[0].min_blocks_per_processor <= 1]
+  if MATMUL_GRID.value and processors > 0 and batch * m * n * k >= matmul_grid.GRID_MIN_MACS:
+    extra = [SharedTile(*shape, (16, 8)) for shape in matmul_grid.GRID_EXTRA_TILES]
+    fitting += [(tile, step) for tile in extra for step in tile.steps
+                if m % tile.block[0] == 0 and n % tile.block[1] == 0 and k % step == 0 and k > step]
+    return first + sorted(fitting, key=lambda pair: matmul_grid.matmul_seconds(pair[0].shape, batch, m, n, k,
+                                                                                processors))
+  filling = [pair for pair in fitting if blocks(pair) >= processors]
   rest = sorted((pair for pair in fitting if pair not in filling), key=lambda pair: -blocks(pair))
-  return filling + rest
+  return first + filling + rest
 
 
 def _shared_matmul_tiles(kernel: Kernel) -> bool:
@@ -259,6 +284,14 @@ def _shared_matmul_tiles(kernel: Kernel) -> bool:
       kernel.__dict__.update(trial.__dict__)
       return True
   return False
+
+
+def apply_shared_tile(kernel: Kernel, tile: SharedTile, step: int, group: int = 1) -> bool:
+  """One block tile with reduce steps of `step` and `group` GROUP threads on a float32 matmul not yet optimized (see
+  _dense_matmul_axes), as the heuristic applies its choice: for benchmarks and tests that compare tiles. False where
+  it does not fit (the kernel may then hold some of its opts: pass a copy)."""
+  axes = _dense_matmul_axes(kernel)
+  return axes is not None and _apply_shared_tile(kernel, axes[0], axes[1], tile, step, group)
 
 
 # a multiprocessor hides the latency of the staged matmul's loads with about this many threads (16 warps)
