@@ -26,7 +26,8 @@ import math
 from typing import Callable
 
 from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _multiple_of, _post_order, reduce_identity
+from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
+from ourgrad.codegen.shared_tile_fill import multiple_of
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
@@ -288,7 +289,7 @@ class RowLinearizer(Linearizer):
     innermost = (self.kernel.row_axes or ())[-1]
     if len(st.views) != 1 or st.views[0].mask is not None or st.real_strides()[innermost] != 1: return None
     index_node, _ = self._index_nodes(leaf, first)
-    if not _multiple_of(index_node, width): return None
+    if not multiple_of(index_node, width): return None
     vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
     return self.builder.add(UOps.GEP, node.dtype, (vector,), lane)
 
@@ -308,7 +309,7 @@ class RowLinearizer(Linearizer):
       st = self.kernel.sts[number]
       index_node, _ = self._index_nodes(number, lanes[0])
       if width > 1 and store.dtype == dtypes.float32 and len(st.views) == 1 and st.views[0].mask is None and \
-          st.real_strides()[innermost] == 1 and _multiple_of(index_node, width):
+          st.real_strides()[innermost] == 1 and multiple_of(index_node, width):
         lane_values = tuple(values[lane][number] for lane in range(width))
         build.add(UOps.STORE, None, (self.buffers[store.arg.idx], self.node_to_uop(index_node)) + lane_values, width)
         continue
