@@ -718,6 +718,17 @@ class Kernel(SharedTileLayout):
     except KernelOptError:
       return False
 
+  def try_output_opts(self, opts: list[Opt]) -> bool:
+    """Apply output-axis opts (LOCAL, UPCAST) whose axes number the kernel's axes as they were before the first one,
+    in order: an opt that uses its axis up drops it, and the axes after it move down by one. False where one does not
+    fit (the kernel then holds the opts before it: apply on a copy)."""
+    current = list(range(self.first_reduce))
+    for opt in opts:
+      axis, before = current[opt.axis], self.shape_len
+      if not self.try_opt(Opt(opt.op, axis, opt.amount)): return False
+      if self.shape_len == before: current = [a - 1 if a > axis else a for a in current]
+    return True
+
   # ---------------------------------------------------------------- naming and debugging
 
   @property

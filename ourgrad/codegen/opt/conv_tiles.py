@@ -62,7 +62,7 @@ def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) 
     locals_ = sorted((opt for opt in plan if opt.op is OptOps.LOCAL), key=lambda opt: opt.axis not in pixel_axes)
     repeats = _repeat_plan(trial, plan, pixel_axes, tile)
     if repeats is None: continue
-    if _apply_on_original_axes(trial, upcasts + locals_ + repeats) and \
+    if trial.try_output_opts(upcasts + locals_ + repeats) and \
         trial.try_opt(Opt(OptOps.SHARED, 0, tile.padding)) and _unroll_reduce(trial, tile):
       kernel.__dict__.update(trial.__dict__)
       return True
@@ -139,7 +139,7 @@ def tensor_core_conv_tiles(kernel: Kernel) -> bool:
             Opt(OptOps.LOCAL, pixel, 2)]
     for extra in ([Opt(OptOps.LOCAL, batch, 2)] if batch is not None else [], []):
       staged = trial.copy()
-      if not _apply_on_original_axes(staged, plan + extra): continue
+      if not staged.try_output_opts(plan + extra): continue
       staged.try_opt(Opt(OptOps.UNROLL, 0, 2))   # steps of 32 input channels where they divide
       if staged.try_opt(Opt(OptOps.SHARED, 0, 0)):
         kernel.__dict__.update(staged.__dict__)
@@ -180,7 +180,7 @@ def weight_gradient_tiles(kernel: Kernel) -> bool:
     plan.append(Opt(OptOps.LOCAL, axis, amount))
     sizes[axis] //= amount
     threads *= amount
-  if not _apply_on_original_axes(trial, plan): return False
+  if not trial.try_output_opts(plan): return False
   last_reduce = trial.first_upcast - 1 - trial.first_loop_reduce
   if threads < 64: trial.try_opt(Opt(OptOps.GROUP, last_reduce, 0))
   else: trial.try_opt(Opt(OptOps.UNROLL, last_reduce, 4))
@@ -204,15 +204,3 @@ def _repeat_plan(kernel: Kernel, plan: list[Opt], pixel_axes: list[int], tile: C
     if outer is None or sizes[outer] % tile.pixel_repeat: return None
     repeats.append(Opt(OptOps.UPCAST, outer, tile.pixel_repeat))
   return repeats
-
-
-def _apply_on_original_axes(kernel: Kernel, opts: list[Opt]) -> bool:
-  """Apply output-axis opts whose axes number the kernel's global axes as they were before the first one; False (the
-  kernel part-way changed: apply on a copy) where one does not apply. A LOCAL or UPCAST leaves the other global axes
-  in place unless it uses its axis up, which is then dropped and the axes after it move down by one."""
-  current = list(range(kernel.first_reduce))
-  for opt in opts:
-    axis, before = current[opt.axis], kernel.shape_len
-    if not kernel.try_opt(Opt(opt.op, axis, opt.amount)): return False
-    if kernel.shape_len == before: current = [a - 1 if a > axis else a for a in current]
-  return True

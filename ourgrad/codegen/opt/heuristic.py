@@ -320,17 +320,13 @@ def _split_k_threads(kernel: Kernel, tile: SharedTile, m: int, n: int, k: int, s
 def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTile, step: int, group: int = 1) -> bool:
   """The opts of one block tile, in the order the 128x128 tile was measured with: float4 upcasts along M then N,
   threads along M then N, the second runs along N then M, `group` GROUP threads over the reduce (neighbouring
-  threads, neighbouring elements of each step), SHARED, the reduce step. An opt that takes the rest of M's global
-  axis drops it, so N's axis number is followed as M's global part runs out."""
-  plan = [(0, OptOps.UPCAST, SHARED_OUTPUTS), (1, OptOps.UPCAST, SHARED_OUTPUTS),
-          (0, OptOps.LOCAL, tile.threads_m), (1, OptOps.LOCAL, tile.threads_n)]
-  plan += [(1, OptOps.UPCAST, tile.runs_n)] if tile.runs_n > 1 else []
-  plan += [(0, OptOps.UPCAST, tile.runs_m)] if tile.runs_m > 1 else []
-  m_left = kernel.full_shape[m_axis]
-  for position, op, amount in plan:
-    axis = m_axis if position == 0 else n_axis - (1 if m_left == 1 else 0)
-    if not kernel.try_opt(Opt(op, axis, amount)): return False
-    if position == 0: m_left //= amount
+  threads, neighbouring elements of each step), SHARED, the reduce step. The output opts name M's and N's axes as
+  numbered before the first (Kernel.try_output_opts follows N's number as M's global part runs out)."""
+  plan = [Opt(OptOps.UPCAST, m_axis, SHARED_OUTPUTS), Opt(OptOps.UPCAST, n_axis, SHARED_OUTPUTS),
+          Opt(OptOps.LOCAL, m_axis, tile.threads_m), Opt(OptOps.LOCAL, n_axis, tile.threads_n)]
+  plan += [Opt(OptOps.UPCAST, n_axis, tile.runs_n)] if tile.runs_n > 1 else []
+  plan += [Opt(OptOps.UPCAST, m_axis, tile.runs_m)] if tile.runs_m > 1 else []
+  if not kernel.try_output_opts(plan): return False
   if group > 1 and not kernel.try_opt(Opt(OptOps.GROUP, 0, group)): return False
   # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
   # the tiles' rows padded (SHARED_TILE_PADDING): the transposed fill of an operand contiguous along the reduce then
@@ -369,29 +365,17 @@ def _thin_matmul(kernel: Kernel) -> bool:
     # a warp per row while that leaves 4 blocks per multiprocessor (H100, 512x10 outputs: a row per block 0.010 ms,
     # 2 rows 0.013)
     while local > 1 and batch * sizes[wide] // local < THIN_BLOCKS_PER_MULTIPROCESSOR * processors: local //= 2
-    plan = [(wide, OptOps.LOCAL, local), (narrow, OptOps.UPCAST, sizes[narrow]), (None, OptOps.GROUP, group)]
+    outputs, reduce = [Opt(OptOps.LOCAL, wide, local), Opt(OptOps.UPCAST, narrow, sizes[narrow])], OptOps.GROUP
   else:
     local = power_of_two_divisor(sizes[wide], WARP_SIZE)
     group = power_of_two_divisor(sizes[k_axis] // 2, BLOCK_THREADS // local)
-    plan = [(wide, OptOps.LOCAL, local), (None, OptOps.GROUPTOP, group)]
-  if not _apply_plan(trial, plan): return False
+    outputs, reduce = [Opt(OptOps.LOCAL, wide, local)], OptOps.GROUPTOP
+  # an amount of 1 is no opt; the reduce split comes after the output axes' opts
+  if not trial.try_output_opts([opt for opt in outputs if opt.amount > 1]): return False
+  if group > 1 and not trial.try_opt(Opt(reduce, 0, group)): return False
   loop = kernel.full_shape[k_axis] // group
   if loop % 4 == 0 and loop > 4: trial.try_opt(Opt(OptOps.UNROLL, 0, 4))
   kernel.__dict__.update(trial.__dict__)
-  return True
-
-
-def _apply_plan(kernel: Kernel, plan: list[tuple[int | None, OptOps, int]]) -> bool:
-  """Apply (output axis as numbered before the plan, op, amount) opts in order (None: reduce axis 0; amount 1: skip),
-  following each output axis as the ones before it are used up (an axis split whole is dropped). False on an opt
-  that does not fit (the kernel then holds the opts before it)."""
-  dropped: list[int] = []
-  for axis, op, amount in plan:
-    if amount <= 1: continue
-    current = 0 if axis is None else axis - sum(1 for gone in dropped if gone < axis)
-    length = kernel.shape_len
-    if not kernel.try_opt(Opt(op, current, amount)): return False
-    if axis is not None and kernel.shape_len == length: dropped.append(axis)   # the split left nothing behind
   return True
 
 
