@@ -31,6 +31,15 @@ except ImportError as error:  # the registry turns this into a DeviceError sayin
 CUDA_SUCCESS = driver.CUresult.CUDA_SUCCESS
 
 
+def pointer_arguments(values: list[int]) -> tuple[Any, Any]:
+  """A launch's kernelParams for buffer pointers: (the array of the pointer values, the array of each value's
+  address: what cuLaunchKernel takes). Both must stay alive as long as a launch may use them."""
+  arguments = (ctypes.c_uint64 * max(len(values), 1))(*values)
+  base, size = ctypes.addressof(arguments), ctypes.sizeof(ctypes.c_uint64)
+  pointers = (ctypes.c_void_p * max(len(values), 1))(*[base + index * size for index in range(len(values))])
+  return arguments, pointers
+
+
 def check(result: tuple, call: str) -> Any:
   """Unpack a cuda-python result tuple, raising DeviceError naming the call if it failed."""
   status, *values = result
@@ -242,9 +251,7 @@ class CUDAProgram:
   def _argument_arrays(self, count: int) -> Any:
     """The argument values array for `count` buffer pointers, made on the first launch (and again if a launch passes
     another count)."""
-    arguments = (ctypes.c_uint64 * max(count, 1))()
-    base, size = ctypes.addressof(arguments), ctypes.sizeof(ctypes.c_uint64)
-    pointers = (ctypes.c_void_p * max(count, 1))(*[base + index * size for index in range(count)])
+    arguments, pointers = pointer_arguments([0] * count)
     self._arguments, self._pointers, self._params_address = arguments, pointers, ctypes.addressof(pointers)
     return arguments
 
@@ -267,9 +274,7 @@ class CUDAProgram:
     (ExecItem.run's fast path): its own argument arrays, filled once, so it needs no lock; the driver call's
     arguments are bound in a functools.partial. The caller makes a new one when a handle changes. `stream`: the
     device's stream unless given (extra/bench/bench_launch.py compares streams)."""
-    arguments = (ctypes.c_uint64 * max(len(handles), 1))(*[int(handle) for handle in handles])
-    base, size = ctypes.addressof(arguments), ctypes.sizeof(ctypes.c_uint64)
-    pointers = (ctypes.c_void_p * max(len(handles), 1))(*[base + index * size for index in range(len(handles))])
+    arguments, pointers = pointer_arguments([int(handle) for handle in handles])
     call_driver = functools.partial(driver.cuLaunchKernel, self.function, *global_size, *local_size, self.shared_bytes,
                                     self.device.stream if stream is None else stream, ctypes.addressof(pointers), 0)
     name = self.name
