@@ -44,6 +44,9 @@ GPU_SPLIT_MIN_PART = 1024
 GPU_SPLIT_MIN_PART_MATMUL = 512    # a matmul-like part: its threads are register tiles of outputs, not the reduce
 # a split matmul with many outputs (MATMUL_GRID) sums at most this many parts by elementwise adds in its consumer
 MATMUL_SUM_PARTS = 8
+# outputs of a matmul-like reduce one GPU thread computes (a register tile): such a reduce needs this many times the
+# partials of a plain one
+MATMUL_THREAD_OUTPUTS = 16
 # a plain reduce (batchnorm statistics, a full sum) is split into about this many blocks of parts: one wave of
 # 256-thread blocks on an H100 (132 SMs x 8), each thread several elements. More, smaller parts (MNIST's first
 # batchnorm: 128 parts of 1152 values) leave 2 waves of blocks that spend more time combining threads than loading.
@@ -258,7 +261,9 @@ class LazyBuffer:
     results give each output `parts` threads of work. None where the reduce is small or already parallel."""
     if prod(out_shape) == 0 or any(is_symbolic(size) for size in self.shape): return None
     axis = max(axes, key=lambda a: self.shape[a])
-    parts = self._gpu_split_parts(axes, out_shape, axis)
+    # a float32 matmul with many outputs splits its K by the grid model; its few parts are added elementwise
+    grid_parts = self._matmul_split_parts(axes, out_shape)
+    parts = grid_parts if grid_parts is not None else self._gpu_split_parts(axes, out_shape, axis)
     # on a GPU the parts become the outermost axis of the partial results (see _parts_outermost)
     parts_axis = 0 if parts is not None else axis
     if parts is None: parts = self._cpu_split_parts(out_shape, axis)
@@ -269,10 +274,7 @@ class LazyBuffer:
     inner_axes = tuple(a + 1 if a >= axis else a for a in axes)
     if parts_axis != axis: split, inner_axes = _parts_outermost(split, axis, inner_axes)
     partials = split.reduce(op, inner_axes)
-    # a matmul's few parts (the split of a matmul with many outputs, see _gpu_split_parts) are added elementwise
-    if parts_axis == 0 and parts <= MATMUL_SUM_PARTS and self._dense_matmul_dims(axes) is not None and \
-        prod(out_shape) >= GPU_FEW_OUTPUTS * 16:
-      return _sum_parts(partials).reshape(out_shape)
+    if grid_parts is not None: return _sum_parts(partials).reshape(out_shape)
     return partials.reduce(op, (parts_axis,)).reshape(out_shape)
 
   def _cpu_split_parts(self, out_shape: tuple[int, ...], axis: int) -> int | None:
@@ -288,15 +290,11 @@ class LazyBuffer:
     about GPU_SPLIT_TARGET_OUTPUTS partials of at least GPU_SPLIT_MIN_PART elements. The parts are a divisor of the
     longest reduce axis `axis` (the batch axis of a weight gradient or of batchnorm statistics). None where the
     device has no thread blocks or the reduce already fills the GPU."""
-    if self.device.startswith("DISK"): return None
-    renderer = Device[self.device].renderer
-    if not (getattr(renderer, "has_threads", False) and getattr(renderer, "has_local", False)): return None
+    if self._gpu_renderer() is None: return None
     outputs = prod(out_shape)
     elements_per_output = prod(self.shape) // outputs
     # a matmul-like reduce's thread computes a register tile of 16 outputs: it needs 16x the partials
-    per_thread = 16 if self._matmul_like_reduce(axes) else 1
-    if per_thread > 1 and outputs >= GPU_FEW_OUTPUTS * per_thread and MATMUL_GRID.value:
-      return self._matmul_split_parts(axes, getattr(renderer, "multiprocessors", 0))
+    per_thread = MATMUL_THREAD_OUTPUTS if self._matmul_like_reduce(axes) else 1
     if elements_per_output < GPU_SPLIT_MIN_ELEMENTS or outputs >= GPU_FEW_OUTPUTS * per_thread: return None
     if per_thread == 1: wanted = _plain_split_parts_wanted(outputs, elements_per_output)
     else:
@@ -306,14 +304,24 @@ class LazyBuffer:
     parts = max((parts for parts in range(1, min(wanted, size) + 1) if size % parts == 0), default=1)
     return parts if parts >= 4 else None
 
-  def _matmul_split_parts(self, axes: tuple[int, ...], processors: int) -> int | None:
-    """Split-K across blocks for a float32 matmul with many outputs (see _dense_matmul_dims): the parts that
-    matmul_grid.split_k_parts predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's feed-forward: 48 blocks of
-    128x128 on 132 multiprocessors, 96 with the reduce in 2 parts). None: no split."""
+  def _gpu_renderer(self) -> Any:
+    """The renderer of this buffer's device where it runs thread blocks (a GPU: split reduces pay off), else None."""
+    if self.device.startswith("DISK"): return None
+    renderer = Device[self.device].renderer
+    return renderer if getattr(renderer, "has_threads", False) and getattr(renderer, "has_local", False) else None
+
+  def _matmul_split_parts(self, axes: tuple[int, ...], out_shape: tuple[int, ...]) -> int | None:
+    """Split-K across blocks for a float32 matmul with many outputs on a GPU (MATMUL_GRID; see _dense_matmul_dims):
+    the parts that matmul_grid.split_k_parts predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's feed-forward: 48
+    blocks of 128x128 on 132 multiprocessors, 96 with the reduce in 2 parts), at most MATMUL_SUM_PARTS. None: no
+    split (a matmul with few outputs splits by _gpu_split_parts)."""
+    if not MATMUL_GRID.value or prod(out_shape) < GPU_FEW_OUTPUTS * MATMUL_THREAD_OUTPUTS: return None
+    renderer = self._gpu_renderer()
+    if renderer is None or not self._matmul_like_reduce(axes): return None
     dims = self._dense_matmul_dims(axes)
     if dims is None: return None
-    parts = split_k_parts(1, *dims, processors)
-    return parts if parts > 1 else None
+    parts = split_k_parts(1, *dims, getattr(renderer, "multiprocessors", 0))
+    return parts if 1 < parts <= MATMUL_SUM_PARTS else None
 
   def _dense_matmul_dims(self, axes: tuple[int, ...]) -> tuple[int, int, int] | None:
     """(M, N, K) of a float32 product (..., M, N, K) summed over K (the last axis), one factor varying along M and
