@@ -308,7 +308,7 @@ class LazyBuffer:
     """The renderer of this buffer's device where it runs thread blocks (a GPU: split reduces pay off), else None."""
     if self.device.startswith("DISK"): return None
     renderer = Device[self.device].renderer
-    return renderer if getattr(renderer, "has_threads", False) and getattr(renderer, "has_local", False) else None
+    return renderer if renderer.runs_thread_blocks else None
 
   def _matmul_split_parts(self, axes: tuple[int, ...], out_shape: tuple[int, ...]) -> int | None:
     """Split-K across blocks for a float32 matmul with many outputs on a GPU (MATMUL_GRID; see _dense_matmul_dims):

@@ -223,8 +223,7 @@ def store_padded_gradient(device: str) -> bool:
   """Whether a stride-1 conv's input gradient stores its output gradient padded (on the CPU, see _input_gradient) or
   unpadded (on GPUs, where the convolution's loads are masked at the padding anyway: MNIST's conv2 writes and reads
   2 MB instead of 8.4 MB, and the weight gradient reads the stored gradient too)."""
-  renderer = Device[device].renderer
-  return not (getattr(renderer, "has_threads", False) and getattr(renderer, "has_local", False))
+  return not Device[device].renderer.runs_thread_blocks
 
 
 def _transposed_weight(weight: Tensor, groups: int) -> Tensor:

@@ -465,8 +465,7 @@ def _is_sibling_reduce(base: LazyBuffer, plan: _KernelPlan) -> bool:
   thread blocks and local memory: a CPU's reduce defaults (SIMD lanes, matmul tiles) are for one reduce."""
   if not SIBLING_REDUCES or base.op not in REDUCE_OPS or plan.reduces != 1 or _reuses_an_operand(base, plan):
     return False
-  renderer = Device[base.device].renderer
-  return getattr(renderer, "has_threads", False) and getattr(renderer, "has_local", False)
+  return Device[base.device].renderer.runs_thread_blocks
 
 
 def _reuses_an_operand(reduce: LazyBuffer, plan: _KernelPlan) -> bool:

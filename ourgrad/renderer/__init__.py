@@ -19,4 +19,10 @@ class Renderer:
   global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)
   local_max: tuple[int, ...] = (1024, 1024, 64)
 
+  @property
+  def runs_thread_blocks(self) -> bool:
+    """A GPU-style target: thread blocks with local memory. Decisions that pay off only there (split reduces, sibling
+    reduces in one kernel, a convolution's unpadded input gradient) ask this."""
+    return self.has_threads and self.has_local
+
   def render(self, name: str, uops: list[UOp]) -> str: raise NotImplementedError
