@@ -180,8 +180,7 @@ class SharedTile:
   min_blocks_per_processor: int = 1
 
   @property
-  def block(self) -> tuple[int, int]:
-    return (self.threads_m * SHARED_OUTPUTS * self.runs_m, self.threads_n * SHARED_OUTPUTS * self.runs_n)
+  def block(self) -> tuple[int, int]: return matmul_grid.tile_block(self.shape)
 
   @property
   def shape(self) -> tuple[int, int, int, int]:
@@ -189,7 +188,7 @@ class SharedTile:
     return (self.threads_m, self.threads_n, self.runs_m, self.runs_n)
 
 
-SHARED_OUTPUTS = 4
+SHARED_OUTPUTS = matmul_grid.SHARED_OUTPUTS   # outputs of a float4 run
 # the 128x128 tiles' structure (kernel.py SHARED_*): two blocks per multiprocessor (launch bounds), the transposed
 # fill's rows skewed, float4 stores of B. H100 at 4096^3 (bench_matmul variants, two runs): 16x16 threads of 8x8
 # 43.6 TFLOP/s (3.151-3.155 ms; 128 registers, 24% warps active, 85K bank conflicts; padded rows alone 40.4-40.7,
