@@ -65,6 +65,16 @@ def _compile_with_nvrtc(kernel: Kernel) -> None:
   NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
 
 
+def _check_results(kernel: Kernel, item: ScheduleItem, plain: np.ndarray, build: Callable[..., Tensor],
+                   values: list) -> None:
+  """The kernel's results equal the plain kernel's (NOOPT) and the same ops in PyTorch in float64; NVRTC compiles it."""
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
+  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
+  _compile_with_nvrtc(kernel)
+
+
 def _block_tile(kernel: Kernel) -> tuple[int, ...]:
   """Outputs per block along each output axis that has threads or upcasts, outermost first."""
   kinds = kernel.axis_types
@@ -133,11 +143,7 @@ def test_shared_tiles_match_noopt(case: str) -> None:
   assert kernel.shared_tiles, kernel.applied_opts
   assert len(kernel.staged_loads()) == _operand_loads(Kernel(item.ast, _renderer(multiprocessors)))
   assert np.prod(_block_tile(kernel)) == block_outputs, kernel.applied_opts
-  got = _run(kernel, item)
-  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()   # the same ops in PyTorch
-  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
-  _compile_with_nvrtc(kernel)
+  _check_results(kernel, item, plain, build, values)
 
 
 SPLIT_K_CASES = {
@@ -159,11 +165,7 @@ def test_split_k_tiles_match_noopt(case: str) -> None:
   kernel.hand_coded_optimizations()
   assert kernel.shared_tiles and Opt(OptOps.GROUP, 0, 2) in kernel.applied_opts, kernel.applied_opts
   assert any(kernel.axis_types[axis].name == "GROUP" for axis in kernel.staged_loads()[0][1])
-  got = _run(kernel, item)
-  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
-  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
-  _compile_with_nvrtc(kernel)
+  _check_results(kernel, item, plain, build, values)
 
 
 def test_padded_tile_rows() -> None:
@@ -198,11 +200,7 @@ def test_padded_axis_with_staged_tiles(layout: str) -> None:
               Opt(OptOps.LOCAL, 1, 16), Opt(OptOps.SHARED, 0, 4), Opt(OptOps.UNROLL, 0, 16)]:
     kernel.apply_opt(opt)
   assert len(kernel.staged_loads()) == 2
-  got = _run(kernel, item)
-  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
-  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
-  _compile_with_nvrtc(kernel)
+  _check_results(kernel, item, plain, build, values)
 
 
 def test_more_multiprocessors_pick_smaller_tiles() -> None:
@@ -300,11 +298,7 @@ def test_thin_matmuls_split_the_reduce_and_match_noopt(case: str) -> None:
   kernel.hand_coded_optimizations()
   assert not kernel.shared_tiles and any(opt.op is split for opt in kernel.applied_opts), kernel.applied_opts
   assert _blocks(kernel) >= multiprocessors
-  got = _run(kernel, item)
-  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()   # the same ops in PyTorch
-  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
-  _compile_with_nvrtc(kernel)
+  _check_results(kernel, item, plain, build, values)
 
 
 def test_mlp_classifier_matmuls_fill_the_gpu() -> None:
@@ -374,11 +368,7 @@ def test_tile_structures_match_noopt(structure: str, layout: str) -> None:
   assert [uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL] == [stages * (step * row + skew)] * 2
   assert [uop.arg for uop in uops if uop.op is UOps.OCCUPANCY] == ([blocks] if blocks else [])
   if copies: assert not tile_stores and sum(uop.op is UOps.BARRIER for uop in uops) == 1   # one per step
-  got = _run(kernel, item)
-  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
-  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
-  _compile_with_nvrtc(kernel)
+  _check_results(kernel, item, plain, build, values)
   if blocks: assert f"__launch_bounds__({kernel.block_threads()}, {blocks})" in CUDARenderer().render(kernel.name, uops)
 
 
@@ -435,11 +425,7 @@ def test_reduce_inner_tiles_match_noopt(flags: int, layout: str) -> None:
   copied = {(uop.srcs[0].arg[0], uop.arg[0]) for uop in uops if uop.op is UOps.COPY}
   inner_tile = next(uop.arg[0] for uop in uops if uop.op is UOps.DEFINE_LOCAL and uop.arg[1] == stages * 64 * 20)
   if flags & SHARED_ASYNC and copying: assert (inner_tile, 4) in copied and (inner_tile, 1) not in copied
-  got = _run(kernel, item)
-  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
-  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
-  _compile_with_nvrtc(kernel)
+  _check_results(kernel, item, plain, build, values)
 
 
 @pytest.mark.parametrize("amount", [8, 2 * SHARED_REDUCE_INNER, 4 + 2, 12 + SHARED_ASYNC])
@@ -488,11 +474,7 @@ def test_thread_8x16_tile_matches_noopt(case: str) -> None:
   kernel = Kernel(item.ast, _renderer(1))
   kernel.hand_coded_optimizations()
   assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL] == [16, 8], kernel.applied_opts
-  got = _run(kernel, item)
-  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
-  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
-  _compile_with_nvrtc(kernel)
+  _check_results(kernel, item, plain, build, values)
 
 
 LARGE_TILE_CASES = {
@@ -513,8 +495,4 @@ def test_large_tile_choice_matches_noopt(case: str) -> None:
   kernel = Kernel(item.ast, _renderer(1))
   kernel.hand_coded_optimizations()
   assert np.prod(_block_tile(kernel)) == 128 * 128 and Opt(OptOps.SHARED, 0, 308) in kernel.applied_opts
-  got = _run(kernel, item)
-  np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
-  reference = build(*(torch.from_numpy(v.astype(np.float64)) for v in values)).numpy()
-  np.testing.assert_allclose(got.reshape(reference.shape), reference, rtol=1e-4, atol=1e-4)
-  _compile_with_nvrtc(kernel)
+  _check_results(kernel, item, plain, build, values)
