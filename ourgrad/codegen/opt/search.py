@@ -38,7 +38,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
-from ourgrad.codegen.opt.beam_cache import _connect, cache_get, cache_key, cache_put  # noqa: F401 (re-exported)
+from ourgrad.codegen.opt.beam_cache import cache_get, cache_key, cache_put
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.uops import launch_dims
 from ourgrad.device import Buffer, Device
