@@ -54,6 +54,15 @@ def host_target_machine() -> llvm.TargetMachine:
                                       opt=2, reloc="default", codemodel="jitdefault")
 
 
+def host_vector_bytes() -> int:
+  """The SIMD register width (bytes) of the CPU the target machine compiles for, from its features (as CLANG reads
+  it from -march=native's macros): 64 with AVX-512, 32 with AVX/AVX2, else 16 (SSE, NEON)."""
+  features = llvm.get_host_cpu_features()
+  if features.get("avx512f"): return 64
+  if features.get("avx2") or features.get("avx"): return 32
+  return 16
+
+
 class LLVMCompiler(Compiler):
   """LLVM IR text -> verified, O2-optimized module -> object file bytes for the host CPU."""
 
@@ -109,4 +118,8 @@ class LLVMProgram(HostProgram):
 
 
 def create_device(name: str) -> Compiled:
-  return Compiled(name, HostAllocator(), LLVMRenderer(parallel=_LIBGOMP_LOADED), LLVMCompiler(), LLVMProgram)
+  renderer = LLVMRenderer(parallel=_LIBGOMP_LOADED)
+  # the CPU matmul heuristic sizes its register tiles by it; left at SSE's 16 bytes, an AVX-512 CPU got 8x4 tiles
+  # (1024^3 float32 on 2 cores: 50 ms, against 8.9 ms with 16x16)
+  renderer.vector_bytes = host_vector_bytes()
+  return Compiled(name, HostAllocator(), renderer, LLVMCompiler(), LLVMProgram)
