@@ -37,7 +37,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, describe_opts
 from ourgrad.codegen.opt.beam_cache import cache_get, cache_key, cache_put
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.uops import launch_dims
@@ -212,11 +212,6 @@ def kernel_key(kernel: Kernel) -> tuple:
   # OptOps.WGMMA leaves the views as they are: the plan (a frozen dataclass) tells its kernels apart
   if getattr(kernel, "wgmma", None) is not None: layout.append(("wgmma", kernel.wgmma[0]))
   return (tuple(kernel.sts), tuple(layout))
-
-
-def describe_opts(opts: Sequence[Opt]) -> str:
-  """Opts by name, as DEBUG=3 prints them: "UPCAST axis 0 by 4, UNROLL axis 0 by 4"."""
-  return ", ".join(f"{opt.op.name} axis {opt.axis} by {opt.amount or 'all'}" for opt in opts) or "none"
 
 
 # ---------------------------------------------------------------- scratch buffers and random inputs
@@ -666,8 +661,8 @@ def _report(name: str, winner: Kernel, seconds: float, hand_seconds: float | Non
   if DEBUG >= 2:
     gain = f"{hand_seconds * 1e3:.3f} ms -> {seconds * 1e3:.3f} ms, {hand_seconds / seconds:.2f}x" \
       if hand_seconds else f"{seconds * 1e3:.3f} ms"
-    print(f"BEAM {name}: {gain} (hand-coded -> BEAM), opts {winner.applied_opts}, searched in {search_seconds:.2f} s")
-  if DEBUG >= 3: print(f"BEAM {name} opts: {describe_opts(winner.applied_opts)}")
+    print(f"BEAM {name}: {gain} (hand-coded -> BEAM), opts [{describe_opts(winner.applied_opts)}], "
+          f"searched in {search_seconds:.2f} s")
 
 
 # ---------------------------------------------------------------- verification
@@ -713,8 +708,7 @@ def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
         optimized = None
       if optimized is not None:
         BeamCounters.cache_hits += 1
-        if DEBUG >= 2: print(f"BEAM {kernel.name}: cache hit, opts {optimized.applied_opts}")
-        if DEBUG >= 3: print(f"BEAM {kernel.name} opts: {describe_opts(optimized.applied_opts)}")
+        if DEBUG >= 2: print(f"BEAM {kernel.name}: cache hit, opts [{describe_opts(optimized.applied_opts)}]")
         return optimized
   stats = SearchStats(kernel.name)
   winner, binary = _search(kernel, None, beam_width, device, None, None, None, stats)
