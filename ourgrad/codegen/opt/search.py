@@ -39,8 +39,7 @@ import numpy as np
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, describe_opts
 from ourgrad.codegen.opt.beam_cache import cache_get, cache_key, cache_put
-from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.uops import launch_dims
+from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import (BEAM_COMPILE_TIMEOUT, BEAM_LOCAL_MAX, BEAM_MIN_PROGRESS, BEAM_UPCAST_MAX, BEAM_WORKERS,
@@ -317,15 +316,9 @@ def _compile_with_alarm(job: _CompileJob, opts: tuple[Opt, ...], timeout: float)
     signal.setitimer(signal.ITIMER_REAL, timeout)
   try:
     kernel = apply_opts(job.base, opts)
-    if kernel.wgmma is not None:   # a whole-kernel plan, rendered as it is (codegen/wgmma_tiles.py)
-      plan = kernel.wgmma[0]
-      binary = job.compiler.compile(kernel.renderer.render_wgmma(kernel.name, *kernel.wgmma))
-      return CompiledCandidate(opts, kernel.name, binary, plan.global_size, plan.local_size)
-    uops = linearize(kernel)
-    source = kernel.renderer.render(kernel.name, uops)
-    binary = job.compiler.compile(source)
-    global_size, local_size = launch_dims(uops)
-    return CompiledCandidate(opts, kernel.name, binary, global_size, local_size)
+    lowered = lower_kernel(kernel, kernel.renderer, kernel.name)
+    binary = job.compiler.compile(lowered.source)
+    return CompiledCandidate(opts, kernel.name, binary, lowered.global_size, lowered.local_size)
   finally:
     if use_alarm:
       signal.setitimer(signal.ITIMER_REAL, 0)
