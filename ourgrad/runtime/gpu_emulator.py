@@ -22,7 +22,8 @@ import numpy as np
 from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
 from ourgrad.codegen.uops import AxisType, UOps
 from ourgrad.dtype import DType
-from ourgrad.runtime.uop_interpreter import Instruction, Interpreter, compute_dtype, execute_alu, from_memory
+from ourgrad.runtime.uop_interpreter import (Instruction, Interpreter, UOpProgram, compute_dtype, execute_alu,
+                                            from_memory)
 
 
 # the uops only a GPU runs (with LOAD and STORE of local memory), each handled by GpuInterpreter.execute
@@ -46,8 +47,9 @@ class GpuInterpreter(Interpreter):
   """One launch of a UOpProgram on an emulated GPU: the Interpreter plus thread indices, local memory, barriers,
   warp reduces, tensor cores and asynchronous copies."""
 
-  def __init__(self, *args: Any, **kwargs: Any):
-    super().__init__(*args, **kwargs)
+  def __init__(self, program: UOpProgram, buffers: tuple[np.ndarray, ...], global_size: tuple[int, ...],
+               local_size: tuple[int, ...]):
+    super().__init__(program, buffers, global_size, local_size)
     self.locals: list[LocalMemory] = []
     # asynchronous COPYs not yet landed, in groups (one per ASYNC_WAIT): (position, memory, index, values, threads)
     self.pending_copies: list[list[tuple]] = [[]]
