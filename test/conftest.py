@@ -16,7 +16,7 @@ def _check_cuda_rendering():
     yield
     return
   from ourgrad.codegen.kernel import Kernel
-  from ourgrad.codegen.linearizer import linearize
+  from ourgrad.codegen.lowering import lower_kernel
   from ourgrad.codegen.packed import PackedKernel
   from ourgrad.engine import realize
   from ourgrad.renderer.cuda import CUDARenderer
@@ -29,15 +29,12 @@ def _check_cuda_rendering():
     if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):  # a test may switch the check off (monkeypatch.delenv)
       return compile_for_device(kernel, device)
     if isinstance(kernel, PackedKernel):   # a packed kernel takes no opts (codegen/packed.py)
-      packed = PackedKernel(kernel.ast, renderer)
-      compiler.compile_cached(renderer.render(packed.name, packed.linearize()))
-      return compile_for_device(kernel, device)
-    cuda_kernel = Kernel(kernel.ast, renderer)
-    # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device
-    if not realize.ast_is_symbolic(kernel.ast): cuda_kernel.hand_coded_optimizations()
-    name = realize.function_name(cuda_kernel)
-    if cuda_kernel.wgmma is not None: compiler.compile_cached(renderer.render_wgmma(name, *cuda_kernel.wgmma))
-    else: compiler.compile_cached(renderer.render(name, linearize(cuda_kernel)))
+      cuda_kernel = PackedKernel(kernel.ast, renderer)
+    else:
+      cuda_kernel = Kernel(kernel.ast, renderer)
+      # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device
+      if not realize.ast_is_symbolic(kernel.ast): cuda_kernel.hand_coded_optimizations()
+    compiler.compile_cached(lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source)
     return compile_for_device(kernel, device)
 
   realize.compile_kernel = compile_and_check_cuda

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ourgrad import Tensor
+from ourgrad.codegen import lowering
 from ourgrad.codegen.kernel import Kernel, KernelOptError, OptOps
 from ourgrad.codegen.opt import beam_cache, search
 from ourgrad.device import Buffer, Device
@@ -154,7 +155,7 @@ def test_cache_roundtrip_and_unknown_opt_kinds():
 def test_bad_candidates_are_dropped(monkeypatch, workers, failure):
   """Every candidate with an UNROLL by 2 fails to compile (or hangs past the compile timeout): the search still
   finishes, counts the failures, and returns a working kernel without that Opt."""
-  real_linearize = search.linearize
+  real_linearize = lowering.linearize
   sabotaged = search.Opt(OptOps.UNROLL, 0, 2)
 
   def sabotaged_linearize(kernel):
@@ -163,7 +164,7 @@ def test_bad_candidates_are_dropped(monkeypatch, workers, failure):
       raise RuntimeError("sabotaged candidate")
     return real_linearize(kernel)
 
-  monkeypatch.setattr(search, "linearize", sabotaged_linearize)  # forked workers inherit the patch
+  monkeypatch.setattr(lowering, "linearize", sabotaged_linearize)  # forked workers inherit the patch
   monkeypatch.setenv("BEAM_COMPILE_TIMEOUT", "5")  # generous: the healthy candidates compile on a busy machine too
   item = _last_item(_matmul(8, 16, 8))
   plain = _plain_kernel(item)
@@ -173,7 +174,7 @@ def test_bad_candidates_are_dropped(monkeypatch, workers, failure):
   assert search.BeamCounters.compile_failures >= 1
   assert search.BeamCounters.timed >= 2
   assert sabotaged not in winner.applied_opts
-  monkeypatch.setattr(search, "linearize", real_linearize)
+  monkeypatch.setattr(lowering, "linearize", real_linearize)
   np.testing.assert_allclose(_run(winner, item), _run(plain, item), rtol=1e-5, atol=1e-5)
 
 

@@ -1,4 +1,4 @@
-"""The PYTHON device (ourgrad/runtime/ops_python.py): UOps interpreted with numpy, the executable reference.
+"""The PYTHON device (ourgrad/runtime/ops_python.py, uop_interpreter.py, gpu_emulator.py): UOps interpreted with numpy.
 
 Sections: the serialized program (round trip, determinism, rejecting malformed text); the interpreter on
 hand-built UOps (thread indices, gated loads, bounds checks, every ALU op and dtype against `ops.exec_alu`, casts,
@@ -20,12 +20,12 @@ import test_opts
 from ourgrad import Device, Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
-from ourgrad.dtype import DType
+from ourgrad.dtype import DType, bfloat16_bits_to_float32
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.nn import functional
 from ourgrad.ops import Ops, exec_alu
-from ourgrad.runtime import ops_python
+from ourgrad.runtime import uop_interpreter
 from ourgrad.runtime.ops_python import PythonCompiler, PythonProgram, PythonRenderer, parse_program
 
 INT32 = dtypes.int32
@@ -256,11 +256,11 @@ def test_bfloat16_rounds_to_nearest_even_like_torch() -> None:
   expected = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
   finite = ~np.isnan(values)
   np.testing.assert_array_equal(bits[finite], expected[finite])
-  assert np.isnan(ops_python.bfloat16_bits_to_float32(bits[~finite])).all(), "NaN stays NaN"
+  assert np.isnan(bfloat16_bits_to_float32(bits[~finite])).all(), "NaN stays NaN"
   # a double is rounded to float first, as the C renderers do: this one lands exactly on a bfloat16 tie after that
   double = np.array([1 + 2**-8 + 2**-40], np.float64)
   bits = run_elementwise(unary_kernel(UOps.CAST, dtypes.float64, dtypes.bfloat16, 1), np.uint16, double)
-  assert ops_python.bfloat16_bits_to_float32(bits)[0] == 1.0
+  assert bfloat16_bits_to_float32(bits)[0] == 1.0
 
 
 def test_bitcasts_reinterpret_bits() -> None:
@@ -412,7 +412,7 @@ def test_reduce_loops_run_at_once_exactly_as_one_by_one(monkeypatch: pytest.Monk
   def run_all() -> list[np.ndarray]: return [realize_on("PYTHON", build, arrays) for build, arrays in graphs]
 
   at_once = run_all()
-  monkeypatch.setattr(ops_python, "LOOP_CHUNK_ELEMENTS", 0)
+  monkeypatch.setattr(uop_interpreter, "LOOP_CHUNK_ELEMENTS", 0)
   one_by_one = run_all()
   for fast, slow in zip(at_once, one_by_one): np.testing.assert_array_equal(fast, slow)
   assert ints.sum(dtype=np.int32) == at_once[2]

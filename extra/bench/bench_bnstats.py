@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
 
 import ourgrad.codegen.opt.heuristic as heuristic  # noqa: E402
-import ourgrad.engine.schedule as schedule_module  # noqa: E402
+import ourgrad.engine.multi_output as multi_output  # noqa: E402
 import ourgrad.lazy as lazy  # noqa: E402
 from ourgrad import Tensor  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
@@ -60,7 +60,7 @@ VARIANTS: dict[str, dict[tuple[Any, str], Any]] = {
   "col8": {(heuristic, "COLUMN_LOCALS"): 8},
   "col16": {(heuristic, "COLUMN_LOCALS"): 16},
   # sibling reduces over a common input in kernels of their own (main before this branch): the "sums3" workload
-  "apart": {(schedule_module, "SIBLING_REDUCES"): False},
+  "apart": {(multi_output, "SIBLING_REDUCES"): False},
 }
 # column sums of a training step (the MLP's bias gradients over a batch of 512): few blocks of LOCAL x GROUPTOP
 COLUMN_SHAPES = ((512, 512), (256, 512))
@@ -91,7 +91,7 @@ def workloads(shape: tuple[int, ...], rng: np.random.Generator,
     ("bwd-pool", lambda: (spread(p) * (x - mean)).sum(axis=axes), (spread_np * (x_np - mean_np)).sum(axis=axes),
      x_np.nbytes + p_np.nbytes),
     # three sums over the same two inputs, as a batchnorm backward's (the bias's, the weight's, the variance's):
-    # sibling reduces, one kernel of three outputs (schedule.py) unless the "apart" variant
+    # sibling reduces, one kernel of three outputs (multi_output.py) unless the "apart" variant
     ("sums3", lambda: [g.sum(axis=axes), (g * x).sum(axis=axes), (g * x * x).sum(axis=axes)],
      np.concatenate([g_np.sum(axis=axes), (g_np * x_np).sum(axis=axes), (g_np * x_np * x_np).sum(axis=axes)]),
      2 * x_np.nbytes),

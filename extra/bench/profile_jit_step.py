@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this che
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_jit import MLP, load_mnist_example, ourgrad_step  # noqa: E402
 
-import ourgrad.engine.schedule as schedule  # noqa: E402
+import ourgrad.engine.multi_output as multi_output  # noqa: E402
 import ourgrad.shape.symbolic as symbolic  # noqa: E402
 from ourgrad import Device, Tensor, TinyJit  # noqa: E402
 
@@ -35,10 +35,10 @@ def main() -> None:
   parser.add_argument("--plain-sum-order", action="store_true",
                       help="index sums in the order their terms were added (symbolic.CANONICAL_SUM_ORDER off)")
   parser.add_argument("--no-sibling-reduces", action="store_true",
-                      help="every reduce in a kernel of its own (schedule.SIBLING_REDUCES off)")
+                      help="every reduce in a kernel of its own (multi_output.SIBLING_REDUCES off)")
   args = parser.parse_args()
   symbolic.CANONICAL_SUM_ORDER = not args.plain_sum_order
-  schedule.SIBLING_REDUCES = not args.no_sibling_reduces
+  multi_output.SIBLING_REDUCES = not args.no_sibling_reduces
   os.environ["DEVICE"] = args.device
   if args.model == "mlp": make_model, shape, batch = MLP, (784,), 512
   else:

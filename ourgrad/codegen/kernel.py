@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any
+from typing import Any, Sequence
 
 from ourgrad.codegen.shared_tiles import (SHARED_ASYNC, SHARED_ASYNC_MAX_STAGES, SHARED_REDUCE_INNER,  # noqa: F401
                                          SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL,
-                                         SKEW_ROWS, SharedTileLayout)
+                                         SKEW_ROWS, SharedTileLayout, decode_shared_amount)
 from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, plan_for_kernel
 from ourgrad.codegen.uops import AxisType
@@ -45,6 +45,8 @@ from ourgrad.shape.symbolic import sym_max
 # OptOps.WGMMA's axis: stages (0: 4) + WGMMA_SPECIALIZED for the warp-specialized kernel, + WGMMA_DEEP for the
 # cooperative one that copies stages - 1 steps ahead
 WGMMA_SPECIALIZED, WGMMA_DEEP = 16, 32
+# OptOps.WGMMA's defaults: the stages of an axis of 0 and the N tile of an amount of 0
+WGMMA_DEFAULT_STAGES, WGMMA_DEFAULT_N = 4, 256
 
 
 class OptOps(Enum):
@@ -78,6 +80,31 @@ class Opt:
   amount: int
 
   def __repr__(self) -> str: return f"Opt({self.op.name}, {self.axis}, {self.amount})"
+
+
+def describe_opt(opt: Opt, tensor_cores: bool = False) -> str:
+  """One Opt for a reader: "UPCAST(axis 0, by 4)", "SHARED(axis 0, pad 4, VECTOR_FILL|TWO_BLOCKS|ROW_SKEW)" (SHARED's
+  packed amount spelled out; `tensor_cores`: a TC opt came before it, so the amount is the tiles' stages),
+  "WGMMA(N 256, 4 stages, SPECIALIZED)". repr(opt) stays the Opt(...) a program can rebuild it from."""
+  if opt.op is OptOps.SHARED:
+    if tensor_cores: return f"SHARED(axis {opt.axis}, TC tiles, {opt.amount or TC_TILE_STAGES} stages)"
+    return f"SHARED(axis {opt.axis}, {decode_shared_amount(opt.amount).describe()})"
+  if opt.op is OptOps.WGMMA:
+    stages = opt.axis % WGMMA_SPECIALIZED or WGMMA_DEFAULT_STAGES
+    kinds = [name for flag, name in [(WGMMA_SPECIALIZED, "SPECIALIZED"), (WGMMA_DEEP, "DEEP")] if opt.axis & flag]
+    return f"WGMMA(N {opt.amount or WGMMA_DEFAULT_N}, {stages} stages{''.join(', ' + kind for kind in kinds)})"
+  if opt.op is OptOps.PADTO: return f"PADTO(axis {opt.axis}, to {opt.amount})"
+  if opt.op is OptOps.TC: return f"TC(axis {opt.axis}, tensor core {opt.amount})"
+  return f"{opt.op.name}(axis {opt.axis}, by {opt.amount or 'all'})"
+
+
+def describe_opts(opts: Sequence[Opt]) -> str:
+  """Opts for a reader, as DEBUG=2 and DEBUG=3 print them (describe_opt of each, comma separated); "none" if none."""
+  described, tensor_cores = [], False
+  for opt in opts:
+    described.append(describe_opt(opt, tensor_cores))
+    tensor_cores = tensor_cores or opt.op is OptOps.TC
+  return ", ".join(described) or "none"
 
 
 class KernelOptError(Exception):
@@ -392,9 +419,9 @@ class Kernel(SharedTileLayout):
       if self.tensor_core is not None and (opt.axis != 0 or opt.amount not in (0, 2, 3, 4)):
         raise KernelOptError(f"SHARED with TC takes axis 0 and amount in (0, 2, 3, 4), got {opt}")
       paddings = (0, SHARED_TILE_PADDING)
-      async_stages = opt.amount % SHARED_ROW_SKEW // SHARED_ASYNC + 1
-      if self.tensor_core is None and (opt.axis != 0 or opt.amount % SHARED_VECTOR_FILL not in paddings or
-                                       async_stages > SHARED_ASYNC_MAX_STAGES or opt.amount >= 2 * SHARED_REDUCE_INNER):
+      structure = decode_shared_amount(opt.amount)
+      if self.tensor_core is None and (opt.axis != 0 or structure.padding not in paddings or
+                                       structure.async_stages > SHARED_ASYNC_MAX_STAGES or structure.unknown):
         raise KernelOptError(f"SHARED takes axis 0 and amount a padding in {paddings} plus SHARED_VECTOR_FILL, "
                              f"SHARED_TWO_BLOCKS, SHARED_ASYNC times 1..{SHARED_ASYNC_MAX_STAGES - 1} or "
                              f"SHARED_ROW_SKEW, SHARED_REDUCE_INNER, got {opt}")
@@ -484,8 +511,9 @@ class Kernel(SharedTileLayout):
       raise KernelOptError(f"WGMMA: {self.renderer.device} has no warpgroup MMA (CUDA sm_90)")
     if self.applied_opts: raise KernelOptError(f"WGMMA is the only opt of its kernel, after {self.applied_opts}")
     specialized, deep = bool(opt.axis & WGMMA_SPECIALIZED), bool(opt.axis & WGMMA_DEEP)
+    stages = opt.axis % WGMMA_SPECIALIZED or WGMMA_DEFAULT_STAGES
     try:
-      self.wgmma = plan_for_kernel(self, opt.amount or 256, opt.axis % WGMMA_SPECIALIZED or 4, specialized, deep)
+      self.wgmma = plan_for_kernel(self, opt.amount or WGMMA_DEFAULT_N, stages, specialized, deep)
     except ValueError as error:
       raise KernelOptError(f"WGMMA: {error}") from None
 
@@ -749,4 +777,4 @@ class Kernel(SharedTileLayout):
   def print_debug(self) -> None:
     if DEBUG >= 3:
       print(format_ast(self.ast))
-      print(f"{self.name}: {self.colored_shape()} opts=[{', '.join(repr(opt) for opt in self.applied_opts)}]")
+      print(f"{self.name}: {self.colored_shape()} opts=[{describe_opts(self.applied_opts)}]")

@@ -1,10 +1,12 @@
 """The layout of SHARED tiles without tensor cores (a part of Kernel): which loads a block stages through local
 memory and over which axes (`staged_loads`), how a tile's rows are numbered, padded and skewed, how many elements a
 stage holds (halo tiles: codegen/halo_tiles.py), and the structure flags SHARED's amount carries (the SHARED_*
-constants below). The Linearizer fills and reads the tiles (codegen/shared_tile_fill.py).
+constants below; `decode_shared_amount` spells an amount out as a SharedStructure, which every printer of opts
+uses). The Linearizer fills and reads the tiles (codegen/shared_tile_fill.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.codegen.halo_tiles import HaloWindow, halo_window
@@ -34,6 +36,45 @@ SHARED_TILE_PADDING = 4
 # before UPCAST along M: a thread's rows strided by the block's threads)
 SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC, SHARED_ROW_SKEW, SHARED_REDUCE_INNER = 16, 32, 64, 256, 512
 SHARED_ASYNC_MAX_STAGES, SKEW_ROWS = 4, 8
+
+
+@dataclass(frozen=True)
+class SharedStructure:
+  """SHARED's amount without TC spelled out: the tiles' row padding and each structure flag (the SHARED_* constants
+  above). `amount` packs it back into the int an Opt carries; `decode_shared_amount` unpacks one."""
+  padding: int = 0
+  vector_fill: bool = False
+  two_blocks: bool = False
+  async_stages: int = 0   # 0: register prefetch; 2..SHARED_ASYNC_MAX_STAGES: cp.async stages
+  row_skew: bool = False
+  reduce_inner: bool = False
+  unknown: int = 0   # bits of an amount that no flag names (Kernel refuses such an amount)
+
+  @property
+  def amount(self) -> int:
+    """The int SHARED's Opt carries for this structure."""
+    flags = [(self.vector_fill, SHARED_VECTOR_FILL), (self.two_blocks, SHARED_TWO_BLOCKS),
+             (self.row_skew, SHARED_ROW_SKEW), (self.reduce_inner, SHARED_REDUCE_INNER)]
+    async_part = (self.async_stages - 1) * SHARED_ASYNC if self.async_stages else 0
+    return self.padding + sum(value for present, value in flags if present) + async_part + self.unknown
+
+  def describe(self) -> str:
+    """"pad 4, VECTOR_FILL|TWO_BLOCKS|ROW_SKEW": the padding, then the flags by name, lowest bit first."""
+    names = [name for present, name in [(self.vector_fill, "VECTOR_FILL"), (self.two_blocks, "TWO_BLOCKS"),
+                                        (self.async_stages, f"ASYNC {self.async_stages} stages"),
+                                        (self.row_skew, "ROW_SKEW"), (self.reduce_inner, "REDUCE_INNER"),
+                                        (self.unknown, f"unknown {self.unknown}")] if present]
+    return f"pad {self.padding}" + (f", {'|'.join(names)}" if names else "")
+
+
+def decode_shared_amount(amount: int) -> SharedStructure:
+  """SHARED's amount without TC as its padding and flags (the inverse of SharedStructure.amount)."""
+  async_multiple = amount % SHARED_ROW_SKEW // SHARED_ASYNC   # the stages less one, in the bits under ROW_SKEW
+  return SharedStructure(padding=amount % SHARED_VECTOR_FILL, vector_fill=bool(amount & SHARED_VECTOR_FILL),
+                         two_blocks=bool(amount & SHARED_TWO_BLOCKS),
+                         async_stages=async_multiple + 1 if async_multiple else 0,
+                         row_skew=bool(amount & SHARED_ROW_SKEW), reduce_inner=bool(amount & SHARED_REDUCE_INNER),
+                         unknown=amount - amount % (2 * SHARED_REDUCE_INNER))
 
 
 class SharedTileLayout:
@@ -120,8 +161,7 @@ class SharedTileLayout:
   @property
   def async_tile_stages(self) -> int:
     """Stages of SHARED tiles filled by asynchronous copies (SHARED_ASYNC); 0: register prefetch or none."""
-    async_flags = self.tile_flags % SHARED_ROW_SKEW
-    return async_flags // SHARED_ASYNC + 1 if async_flags >= SHARED_ASYNC else 0
+    return decode_shared_amount(self.tile_flags).async_stages
 
   @property
   def blocks_per_multiprocessor(self) -> int:

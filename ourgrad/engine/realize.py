@@ -12,10 +12,12 @@ import warnings
 from typing import Any
 
 from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.linearizer import INDEX_DTYPE, linearize
+from ourgrad.codegen.linearizer import INDEX_DTYPE
+from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.codegen.packed import PackedKernel
 from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOp, UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
+from ourgrad.codegen.wgmma_tiles import WgmmaMatmul
 from ourgrad.device import Device
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import held_only_by_items, plan_memory
@@ -96,34 +98,25 @@ def function_name(kernel: Kernel) -> str:
 
 @host_phase("codegen", lambda kernel, device: kernel.name)
 def compile_kernel(kernel: Kernel | PackedKernel, device: str) -> CompiledRunner:
-  if getattr(kernel, "wgmma", None) is not None: return compile_wgmma_kernel(kernel, device)
-  uops = kernel.linearize() if isinstance(kernel, PackedKernel) else linearize(kernel)
-  if DEBUG >= 5: print(format_uops(uops))
   name = function_name(kernel)
-  source = Device[device].renderer.render(name, uops)
-  if DEBUG >= 4: print(source)
-  if DEBUG >= 6: print(Device[device].compiler.disassemble(source))
-  program = load_program(device, name, source)
-  op_count, byte_count = estimate_cost(kernel, uops)
-  global_size, local_size = launch_dims(uops)
-  var_names = tuple(uop.arg[0] for uop in uops if uop.op is UOps.DEFINE_VAR)
-  return CompiledRunner(name, kernel.colored_shape(), source, program, global_size, local_size, op_count, byte_count,
-                        var_names)
+  lowered = lower_kernel(kernel, Device[device].renderer, name)
+  if DEBUG >= 5 and lowered.linearized: print(format_uops(lowered.uops))
+  if DEBUG >= 4: print(lowered.source)
+  if DEBUG >= 6: print(Device[device].compiler.disassemble(lowered.source))
+  program = load_program(device, name, lowered.source)
+  if lowered.wgmma is not None: op_count, byte_count = wgmma_cost(kernel, lowered.wgmma)
+  else: op_count, byte_count = estimate_cost(kernel, lowered.uops)
+  var_names = tuple(uop.arg[0] for uop in lowered.uops if uop.op is UOps.DEFINE_VAR)
+  return CompiledRunner(name, kernel.colored_shape(), lowered.source, program, lowered.global_size,
+                        lowered.local_size, op_count, byte_count, var_names)
 
 
-def compile_wgmma_kernel(kernel: Kernel, device: str) -> CompiledRunner:
-  """A kernel with OptOps.WGMMA: the renderer renders its plan (codegen/wgmma_tiles.py) instead of a loop nest."""
-  plan, arguments = kernel.wgmma
-  name = function_name(kernel)
-  source = Device[device].renderer.render_wgmma(name, plan, arguments)
-  if DEBUG >= 4: print(source)
-  if DEBUG >= 6: print(Device[device].compiler.disassemble(source))
-  program = load_program(device, name, source)
-  # a multiply and an add per element of the loop nest; every operand and the output moved once
+def wgmma_cost(kernel: Kernel, plan: WgmmaMatmul) -> tuple[int, int]:
+  """(arithmetic ops, bytes moved) of a kernel with OptOps.WGMMA (its plan: codegen/wgmma_tiles.py): a multiply and
+  an add per element of the loop nest; every operand and the output moved once."""
   op_count = 2 * plan.m * plan.n * plan.k
   byte_count = sum(leaf.arg.st.real_size() * leaf.dtype.itemsize for leaf in kernel.leaves)
-  return CompiledRunner(name, kernel.colored_shape(), source, program, plan.global_size, plan.local_size, op_count,
-                        byte_count, ())
+  return op_count, byte_count
 
 
 def estimate_cost(kernel: Kernel | PackedKernel, uops: list[UOp]) -> tuple[int, int]:

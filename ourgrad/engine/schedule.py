@@ -10,8 +10,9 @@ holding a kernel AST (`STORE(...)`) or a copy, in an order where every item runs
 
 Decide, then build: `_choose_realizes` and `_settle_fusion_groups` settle every realization first, each with one
 reason string (`Realizations`, printed at DEBUG=3 and listed in docs/fusion.md); only then is each kernel built,
-once, by `_KernelBuilder`, which never changes the decision. Last, independent elementwise kernels of different shapes
-are packed into single launches (engine/packing.py).
+once, by `_KernelBuilder`, which never changes the decision. Realized bases that one kernel writes together
+(multi-output and sibling-reduce kernels) are grouped by engine/multi_output.py. Last, independent elementwise kernels
+of different shapes are packed into single launches (engine/packing.py).
 """
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   reads: dict[int, list[LazyBuffer]] = {}   # base id -> the realized bases its item loads
   for base in bases:
     if id(base) in realizes: _give_buffer(base)
+  # multi_output.py reads this module's kernel walk and run order: imported here, not at the top
+  from ourgrad.engine.multi_output import _group_outputs
   groups = {id(group[0]): group for group in _group_outputs(bases, realizes)}   # an empty base has no kernel
   for leader, group in groups.items():
     items[leader], reads[leader] = _schedule_base(group[0], realizes) if len(group) == 1 else \
@@ -344,160 +347,6 @@ def _assign_hazard(root: LazyBuffer, value: LazyBuffer, target_reads: list[tuple
     if view is None or (view if under_reduce else fit(view)).simplify() != in_place:
       return value, "the value of an assign that reads its target through another view"
   return None
-
-
-# ---------------------------------------------------------------- multi-output kernels
-
-# a kernel writing more outputs than this passes more pointers than some launchers like, and gains little more
-MAX_KERNEL_OUTPUTS = 16
-# sibling reduces in one kernel (an accumulator each per thread and upcast lane, and their GROUP partials in local
-# memory): batchnorm's backward has 4 over its input (2 for the input's gradient, 2 for the weight's and bias's)
-SIBLING_REDUCES = True
-MAX_SIBLING_REDUCES = 4
-
-
-def _group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[LazyBuffer]]:
-  """The kernels to build, each a list of realized bases (graph order) written by one kernel. Needs the buffers.
-
-  Elementwise kernels over one iteration space (same device and shape, no reduce) become one multi-output kernel.
-  A member may read an earlier member only if that is an assign read in place: the read becomes the assign's
-  value, computed in the same kernel (an optimizer's parameter update reading the new m and v). A result of
-  contiguous() read by another kernel stays a kernel boundary, as asked. Grouping must leave a run order: when some
-  kernel outside a group both waits on it and must run before it, the grouping falls back to groups whose results
-  no kernel outside reads, which never wait on anything they feed."""
-  plans: dict[int, _KernelPlan] = {}
-  for base in bases:
-    if id(base) not in realizes: continue
-    _, plan = _walk_kernel(base, realizes)
-    if plan is not None: plans[id(base)] = plan
-  groupable = {id(base): base for base in bases if id(base) in plans and _is_groupable(base, plans[id(base)])}
-  groups = _bucket_outputs(bases, realizes, plans, groupable)
-  if _has_run_order(groups, plans): return groups
-  readers: dict[int, list[int]] = defaultdict(list)   # base id -> ids of the kernels that load it
-  for root_id, plan in plans.items():
-    for loaded, _ in plan.loads: readers[id(loaded)].append(root_id)
-  changed = True
-  while changed:  # keep the candidates read only by candidates of their own iteration space
-    changed = False
-    for base_id, base in list(groupable.items()):
-      if all(reader in groupable and _group_key(groupable[reader]) == _group_key(base) for reader in readers[base_id]):
-        continue
-      del groupable[base_id]
-      changed = True
-  groups = _bucket_outputs(bases, realizes, plans, groupable)
-  if _has_run_order(groups, plans): return groups
-  # assigns order kernels the filter above does not see: a member reading a buffer's old contents runs before the
-  # assign overwriting it, whose result may feed another member of the same group. No multi-output kernels then.
-  return _bucket_outputs(bases, realizes, plans, {})
-
-
-def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict[int, _KernelPlan],
-                    groupable: dict[int, LazyBuffer]) -> list[list[LazyBuffer]]:
-  """Realized bases in graph order, each joining the open group of its iteration space where it may."""
-  groups: list[list[LazyBuffer]] = []
-  open_groups: dict[tuple, list[LazyBuffer]] = {}
-  for base in bases:
-    if id(base) not in realizes or base.size == 0: continue
-    if id(base) not in groupable:
-      groups.append([base])
-      continue
-    group = open_groups.get(_group_key(base))
-    if group is None or not _may_join(group, base, plans):
-      group = open_groups[_group_key(base)] = []
-      groups.append(group)
-    group.append(base)
-  return groups
-
-
-def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, _KernelPlan]) -> bool:
-  if len(group) >= MAX_KERNEL_OUTPUTS or _targets_clash(group, base, plans): return False
-  if base.op in REDUCE_OPS:   # sibling reduces: only those that read a common input gain from one loop
-    if len(group) >= MAX_SIBLING_REDUCES: return False
-    loaded = {id(loaded) for loaded, _ in plans[id(group[0])].loads}
-    if not any(id(other) in loaded for other, _ in plans[id(base)].loads): return False
-    # a reduce that needs a member's result through other kernels (a variance's sum needs the mean's) runs after it
-    if _reaches(base, {id(member) for member in group}, plans): return False
-  member_ids = {id(member) for member in group}
-  for loaded, view in plans[id(base)].loads:
-    if id(loaded) in member_ids and (loaded.op is not Ops.ASSIGN or view != _in_place(loaded)): return False
-  return True
-
-
-def _reaches(base: LazyBuffer, targets: set[int], plans: dict[int, _KernelPlan]) -> bool:
-  """Whether the kernel of `base` reads one of `targets` (ids of realized bases), directly or through the kernels
-  that compute what it reads."""
-  stack, seen = [base], set()
-  while stack:
-    node = stack.pop()
-    for loaded, _ in plans[id(node)].loads if id(node) in plans else ():
-      if id(loaded) in targets: return True
-      if id(loaded) not in seen:
-        seen.add(id(loaded))
-        stack.append(loaded)
-  return False
-
-
-def _has_run_order(groups: list[list[LazyBuffer]], plans: dict[int, _KernelPlan]) -> bool:
-  """Whether the items of `groups` (loads as the plans say, in-group reads computed in place) can be ordered."""
-  by_leader = {id(group[0]): group for group in groups}
-  reads: dict[int, list[LazyBuffer]] = {}
-  for leader, group in by_leader.items():
-    member_ids = {id(member) for member in group}
-    reads[leader] = [loaded for member in group if id(member) in plans
-                     for loaded, _ in plans[id(member)].loads if id(loaded) not in member_ids]
-  try:
-    _order_items([group[0] for group in groups], by_leader, reads)
-  except RuntimeError:
-    return False
-  return True
-
-
-def _is_groupable(base: LazyBuffer, plan: _KernelPlan) -> bool:
-  if base.size == 0: return False
-  if plan.has_reduce: return _is_sibling_reduce(base, plan)
-  return base.op in ELEMENTWISE_OPS or base.op in (Ops.ASSIGN, Ops.CONTIGUOUS)
-
-
-def _is_sibling_reduce(base: LazyBuffer, plan: _KernelPlan) -> bool:
-  """A kernel that is one reduce and nothing after it (batchnorm's sums over N, H, W, their split's parts), on a GPU:
-  it may share one loop with the other reduces of its loop shape and axes that read a common input, each an
-  accumulator of its own, so that input is loaded once (codegen: Kernel.sibling_reduces). Only on devices with
-  thread blocks and local memory: a CPU's reduce defaults (SIMD lanes, matmul tiles) are for one reduce."""
-  if not SIBLING_REDUCES or base.op not in REDUCE_OPS or plan.reduces != 1 or _reuses_an_operand(base, plan):
-    return False
-  return Device[base.device].renderer.runs_thread_blocks
-
-
-def _reuses_an_operand(reduce: LazyBuffer, plan: _KernelPlan) -> bool:
-  """Whether a load of the reduce varies along a reduced axis but is broadcast along an output axis: a matmul's or a
-  convolution's operand, whose tiles (tensor cores, local memory) serve one reduce; q, k and v projections of one
-  input stay three matmuls."""
-  loop_shape = reduce.srcs[0].shape
-  outputs = [axis for axis, size in enumerate(loop_shape) if axis not in reduce.arg and size != 1]
-  for _, view in plan.loads:
-    if view is None or view.shape != loop_shape: continue
-    strides = view.real_strides()
-    if any(strides[axis] == 0 for axis in outputs) and any(strides[axis] != 0 for axis in reduce.arg): return True
-  return False
-
-
-def _group_key(base: LazyBuffer) -> tuple:
-  if base.op in REDUCE_OPS: return (base.device, base.shape, base.op, base.dtype, base.arg, base.srcs[0].shape)
-  return (base.device, base.shape)
-
-
-def _in_place(base: LazyBuffer) -> ShapeTracker:
-  return ShapeTracker.from_shape(base.shape).simplify()
-
-
-def _targets_clash(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, _KernelPlan]) -> bool:
-  """Whether one kernel writing `group` and `base` would read a buffer it overwrites anywhere but in place."""
-  members = group + [base]
-  targets = [member.srcs[1].base for member in members if member.op is Ops.ASSIGN]
-  for member in members:
-    for loaded, view in plans[id(member)].loads:
-      if any(_reads_assign_target(loaded, target) for target in targets) and view != _in_place(member): return True
-  return False
 
 
 def _print_realize_reasons(bases: list[LazyBuffer], realizes: Realizations) -> None:

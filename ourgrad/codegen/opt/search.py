@@ -37,10 +37,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, describe_opts
 from ourgrad.codegen.opt.beam_cache import cache_get, cache_key, cache_put
-from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.uops import launch_dims
+from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import (BEAM_COMPILE_TIMEOUT, BEAM_LOCAL_MAX, BEAM_MIN_PROGRESS, BEAM_UPCAST_MAX, BEAM_WORKERS,
@@ -214,11 +213,6 @@ def kernel_key(kernel: Kernel) -> tuple:
   return (tuple(kernel.sts), tuple(layout))
 
 
-def describe_opts(opts: Sequence[Opt]) -> str:
-  """Opts by name, as DEBUG=3 prints them: "UPCAST axis 0 by 4, UNROLL axis 0 by 4"."""
-  return ", ".join(f"{opt.op.name} axis {opt.axis} by {opt.amount or 'all'}" for opt in opts) or "none"
-
-
 # ---------------------------------------------------------------- scratch buffers and random inputs
 
 def buffer_specs(ast: LazyOp) -> list[tuple[int, DType]]:
@@ -322,15 +316,9 @@ def _compile_with_alarm(job: _CompileJob, opts: tuple[Opt, ...], timeout: float)
     signal.setitimer(signal.ITIMER_REAL, timeout)
   try:
     kernel = apply_opts(job.base, opts)
-    if kernel.wgmma is not None:   # a whole-kernel plan, rendered as it is (codegen/wgmma_tiles.py)
-      plan = kernel.wgmma[0]
-      binary = job.compiler.compile(kernel.renderer.render_wgmma(kernel.name, *kernel.wgmma))
-      return CompiledCandidate(opts, kernel.name, binary, plan.global_size, plan.local_size)
-    uops = linearize(kernel)
-    source = kernel.renderer.render(kernel.name, uops)
-    binary = job.compiler.compile(source)
-    global_size, local_size = launch_dims(uops)
-    return CompiledCandidate(opts, kernel.name, binary, global_size, local_size)
+    lowered = lower_kernel(kernel, kernel.renderer, kernel.name)
+    binary = job.compiler.compile(lowered.source)
+    return CompiledCandidate(opts, kernel.name, binary, lowered.global_size, lowered.local_size)
   finally:
     if use_alarm:
       signal.setitimer(signal.ITIMER_REAL, 0)
@@ -666,8 +654,8 @@ def _report(name: str, winner: Kernel, seconds: float, hand_seconds: float | Non
   if DEBUG >= 2:
     gain = f"{hand_seconds * 1e3:.3f} ms -> {seconds * 1e3:.3f} ms, {hand_seconds / seconds:.2f}x" \
       if hand_seconds else f"{seconds * 1e3:.3f} ms"
-    print(f"BEAM {name}: {gain} (hand-coded -> BEAM), opts {winner.applied_opts}, searched in {search_seconds:.2f} s")
-  if DEBUG >= 3: print(f"BEAM {name} opts: {describe_opts(winner.applied_opts)}")
+    print(f"BEAM {name}: {gain} (hand-coded -> BEAM), opts [{describe_opts(winner.applied_opts)}], "
+          f"searched in {search_seconds:.2f} s")
 
 
 # ---------------------------------------------------------------- verification
@@ -713,8 +701,7 @@ def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
         optimized = None
       if optimized is not None:
         BeamCounters.cache_hits += 1
-        if DEBUG >= 2: print(f"BEAM {kernel.name}: cache hit, opts {optimized.applied_opts}")
-        if DEBUG >= 3: print(f"BEAM {kernel.name} opts: {describe_opts(optimized.applied_opts)}")
+        if DEBUG >= 2: print(f"BEAM {kernel.name}: cache hit, opts [{describe_opts(optimized.applied_opts)}]")
         return optimized
   stats = SearchStats(kernel.name)
   winner, binary = _search(kernel, None, beam_width, device, None, None, None, stats)
