@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ourgrad import Device, Tensor  # noqa: E402
 from timing import back_to_back_seconds, torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
+from ourgrad.codegen.kernel import describe_opts  # noqa: E402
 from ourgrad.dtype import dtypes  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
 from ourgrad.engine.realize import get_kernel, get_runner, lower_schedule  # noqa: E402
@@ -577,9 +578,10 @@ def split_k_row(device: str, inputs: list[Tensor], parts: int, iters: int, sizes
 
 
 def kernel_opts(device: str, ast: Any) -> str:
-  """The hand-coded opts of a reduce kernel (what the heuristic chose: tiles, TC, SHARED), as " opts=[...]"."""
+  """The hand-coded opts of a reduce kernel (what the heuristic chose: tiles, TC, SHARED with its flags by name), as
+  " opts=[...]"."""
   if os.environ.get("BEAM") or not any(node.op.name == "SUM" for node in ast.walk()): return ""
-  return f" opts={get_kernel(ast, device).applied_opts}"
+  return f" opts=[{describe_opts(get_kernel(ast, device).applied_opts)}]"
 
 
 def beam_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, cuda: bool) -> float | None:
