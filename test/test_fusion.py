@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+import ourgrad.engine.kernel_walk as kernel_walk
 import ourgrad.engine.packing as scheduler_packing
-import ourgrad.engine.schedule as scheduler
 from ourgrad import TinyJit
 from ourgrad.device import Device
 from ourgrad.engine.schedule import create_schedule
@@ -290,7 +290,7 @@ def test_row_kernel_matches_torch(name: str, shape: tuple[int, int]):
 
 
 def test_rows_longer_than_the_limit_fall_back_to_one_reduce_kernels(monkeypatch):
-  monkeypatch.setattr(scheduler, "MAX_ROW_FUSION_LENGTH", 8)
+  monkeypatch.setattr(kernel_walk, "MAX_ROW_FUSION_LENGTH", 8)
   x_np = rand(6, 16, seed=9)
   x = Tensor(x_np)
   assert kernels_of([x.softmax(-1)]) == 3
@@ -341,7 +341,7 @@ def test_conv_batchnorm_pool_gradients_match_torch():
 def test_row_kernels_default_to_devices_with_rows_owned_by_a_thread_or_a_block(monkeypatch: pytest.MonkeyPatch):
   """By default a CPU fuses softmax into one row kernel (a thread per row) and so does a GPU-style device with local
   memory (PYTHON, CUDA: a block per row, codegen/row_linearizer.py); ROW_KERNELS forces either way."""
-  from ourgrad.engine.schedule import row_kernels_enabled
+  from ourgrad.engine.kernel_walk import row_kernels_enabled
   monkeypatch.delenv("ROW_KERNELS", raising=False)
   assert row_kernels_enabled("CLANG") and row_kernels_enabled("PYTHON")
   x_np = np.random.default_rng(11).standard_normal((8, 24)).astype(np.float32)

@@ -1,20 +1,20 @@
 """Multi-output kernels: which realized bases one kernel writes (a part of the scheduler, engine/schedule.py).
 
-`_group_outputs(bases, realizes)` takes the realized bases once every realization is settled and returns the kernels
+`group_outputs(bases, realizes)` takes the realized bases once every realization is settled and returns the kernels
 to build, each a list of bases in graph order. Elementwise kernels over one iteration space (same device and shape)
 share a kernel, an assign's value read in place by another member included (an optimizer's m, v and parameter
 updates); on a GPU, sibling reduces (one reduce each, same loop shape and axes, a common input, neither needing the
 other: batchnorm's statistics) share one loop (`SIBLING_REDUCES`, `MAX_SIBLING_REDUCES`). Every grouping keeps a run
 order (`_has_run_order`), falling back to fewer groups where it would not. The walk of each kernel's fused region
-(`_walk_kernel`, the plans read here) and the run order (`_order_items`) are schedule.py's; build_schedule imports
-this module when it runs, as it does packing.py, since this one reads those. docs/fusion.md describes the rules.
+(`walk_kernel`, the plans read here) and the run order (`order_items`) come from engine/kernel_walk.py, the one
+module this imports from the scheduler; build_schedule calls `group_outputs`. docs/fusion.md describes the rules.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 from ourgrad.device import Device
-from ourgrad.engine.schedule import Realizations, _KernelPlan, _order_items, _reads_assign_target, _walk_kernel
+from ourgrad.engine.kernel_walk import KernelPlan, Realizations, order_items, reads_assign_target, walk_kernel
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -27,7 +27,7 @@ SIBLING_REDUCES = True
 MAX_SIBLING_REDUCES = 4
 
 
-def _group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[LazyBuffer]]:
+def group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[LazyBuffer]]:
   """The kernels to build, each a list of realized bases (graph order) written by one kernel. Needs the buffers.
 
   Elementwise kernels over one iteration space (same device and shape, no reduce) become one multi-output kernel.
@@ -36,10 +36,10 @@ def _group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list
   contiguous() read by another kernel stays a kernel boundary, as asked. Grouping must leave a run order: when some
   kernel outside a group both waits on it and must run before it, the grouping falls back to groups whose results
   no kernel outside reads, which never wait on anything they feed."""
-  plans: dict[int, _KernelPlan] = {}
+  plans: dict[int, KernelPlan] = {}
   for base in bases:
     if id(base) not in realizes: continue
-    _, plan = _walk_kernel(base, realizes)
+    _, plan = walk_kernel(base, realizes)
     if plan is not None: plans[id(base)] = plan
   groupable = {id(base): base for base in bases if id(base) in plans and _is_groupable(base, plans[id(base)])}
   groups = _bucket_outputs(bases, realizes, plans, groupable)
@@ -62,7 +62,7 @@ def _group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list
   return _bucket_outputs(bases, realizes, plans, {})
 
 
-def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict[int, _KernelPlan],
+def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict[int, KernelPlan],
                     groupable: dict[int, LazyBuffer]) -> list[list[LazyBuffer]]:
   """Realized bases in graph order, each joining the open group of its iteration space where it may."""
   groups: list[list[LazyBuffer]] = []
@@ -80,7 +80,7 @@ def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict
   return groups
 
 
-def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, _KernelPlan]) -> bool:
+def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
   if len(group) >= MAX_KERNEL_OUTPUTS or _targets_clash(group, base, plans): return False
   if base.op in REDUCE_OPS:   # sibling reduces: only those that read a common input gain from one loop
     if len(group) >= MAX_SIBLING_REDUCES: return False
@@ -94,7 +94,7 @@ def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, _Kerne
   return True
 
 
-def _reaches(base: LazyBuffer, targets: set[int], plans: dict[int, _KernelPlan]) -> bool:
+def _reaches(base: LazyBuffer, targets: set[int], plans: dict[int, KernelPlan]) -> bool:
   """Whether the kernel of `base` reads one of `targets` (ids of realized bases), directly or through the kernels
   that compute what it reads."""
   stack, seen = [base], set()
@@ -108,7 +108,7 @@ def _reaches(base: LazyBuffer, targets: set[int], plans: dict[int, _KernelPlan])
   return False
 
 
-def _has_run_order(groups: list[list[LazyBuffer]], plans: dict[int, _KernelPlan]) -> bool:
+def _has_run_order(groups: list[list[LazyBuffer]], plans: dict[int, KernelPlan]) -> bool:
   """Whether the items of `groups` (loads as the plans say, in-group reads computed in place) can be ordered."""
   by_leader = {id(group[0]): group for group in groups}
   reads: dict[int, list[LazyBuffer]] = {}
@@ -117,19 +117,19 @@ def _has_run_order(groups: list[list[LazyBuffer]], plans: dict[int, _KernelPlan]
     reads[leader] = [loaded for member in group if id(member) in plans
                      for loaded, _ in plans[id(member)].loads if id(loaded) not in member_ids]
   try:
-    _order_items([group[0] for group in groups], by_leader, reads)
+    order_items([group[0] for group in groups], by_leader, reads)
   except RuntimeError:
     return False
   return True
 
 
-def _is_groupable(base: LazyBuffer, plan: _KernelPlan) -> bool:
+def _is_groupable(base: LazyBuffer, plan: KernelPlan) -> bool:
   if base.size == 0: return False
   if plan.has_reduce: return _is_sibling_reduce(base, plan)
   return base.op in ELEMENTWISE_OPS or base.op in (Ops.ASSIGN, Ops.CONTIGUOUS)
 
 
-def _is_sibling_reduce(base: LazyBuffer, plan: _KernelPlan) -> bool:
+def _is_sibling_reduce(base: LazyBuffer, plan: KernelPlan) -> bool:
   """A kernel that is one reduce and nothing after it (batchnorm's sums over N, H, W, their split's parts), on a GPU:
   it may share one loop with the other reduces of its loop shape and axes that read a common input, each an
   accumulator of its own, so that input is loaded once (codegen: Kernel.sibling_reduces). Only on devices with
@@ -139,7 +139,7 @@ def _is_sibling_reduce(base: LazyBuffer, plan: _KernelPlan) -> bool:
   return Device[base.device].renderer.runs_thread_blocks
 
 
-def _reuses_an_operand(reduce: LazyBuffer, plan: _KernelPlan) -> bool:
+def _reuses_an_operand(reduce: LazyBuffer, plan: KernelPlan) -> bool:
   """Whether a load of the reduce varies along a reduced axis but is broadcast along an output axis: a matmul's or a
   convolution's operand, whose tiles (tensor cores, local memory) serve one reduce; q, k and v projections of one
   input stay three matmuls."""
@@ -161,11 +161,11 @@ def _in_place(base: LazyBuffer) -> ShapeTracker:
   return ShapeTracker.from_shape(base.shape).simplify()
 
 
-def _targets_clash(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, _KernelPlan]) -> bool:
+def _targets_clash(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
   """Whether one kernel writing `group` and `base` would read a buffer it overwrites anywhere but in place."""
   members = group + [base]
   targets = [member.srcs[1].base for member in members if member.op is Ops.ASSIGN]
   for member in members:
     for loaded, view in plans[id(member)].loads:
-      if any(_reads_assign_target(loaded, target) for target in targets) and view != _in_place(member): return True
+      if any(reads_assign_target(loaded, target) for target in targets) and view != _in_place(member): return True
   return False

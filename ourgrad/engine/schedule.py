@@ -10,13 +10,14 @@ holding a kernel AST (`STORE(...)`) or a copy, in an order where every item runs
 
 Decide, then build: `_choose_realizes` and `_settle_fusion_groups` settle every realization first, each with one
 reason string (`Realizations`, printed at DEBUG=3 and listed in docs/fusion.md); only then is each kernel built,
-once, by `_KernelBuilder`, which never changes the decision. Realized bases that one kernel writes together
-(multi-output and sibling-reduce kernels) are grouped by engine/multi_output.py. Last, independent elementwise kernels
-of different shapes are packed into single launches (engine/packing.py).
+once, by `_KernelBuilder`, which never changes the decision. The walk of each kernel's fused region that decides
+what joins it (`walk_kernel`) and the run order of the items (`order_items`) are in engine/kernel_walk.py, which
+the multi-output grouping reads too. Realized bases that one kernel writes together (multi-output and sibling-reduce
+kernels) are grouped by engine/multi_output.py. Last, independent elementwise kernels of different shapes are packed
+into single launches (engine/packing.py).
 """
 from __future__ import annotations
 
-import heapq
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -25,9 +26,11 @@ from typing import Sequence
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
+from ourgrad.engine.kernel_walk import Realizations, kernel_value, order_items, walk_kernel
+from ourgrad.engine.multi_output import group_outputs
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.snapshot import protect_lazy_readers
-from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, ROW_KERNELS, prod
+from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -53,9 +56,6 @@ class ScheduleItem:
   def bufs(self) -> tuple[Buffer, ...]: return self.outputs + self.inputs
 
 
-Realizations = dict  # base id -> why that base gets its own buffer (one reason string from the decision)
-
-
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   """The kernels and copies that compute every base in `outs`, each after the items it depends on. Lazy readers
   of a buffer that an assign in it overwrites, and that outlive it, keep the old contents (engine/snapshot.py)."""
@@ -78,13 +78,11 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   reads: dict[int, list[LazyBuffer]] = {}   # base id -> the realized bases its item loads
   for base in bases:
     if id(base) in realizes: _give_buffer(base)
-  # multi_output.py reads this module's kernel walk and run order: imported here, not at the top
-  from ourgrad.engine.multi_output import _group_outputs
-  groups = {id(group[0]): group for group in _group_outputs(bases, realizes)}   # an empty base has no kernel
+  groups = {id(group[0]): group for group in group_outputs(bases, realizes)}   # an empty base has no kernel
   for leader, group in groups.items():
     items[leader], reads[leader] = _schedule_base(group[0], realizes) if len(group) == 1 else \
         _schedule_group(group, realizes)
-  ordered = _order_items([base for base in bases if id(base) in items], groups, reads)
+  ordered = order_items([base for base in bases if id(base) in items], groups, reads)
   schedule = [items[id(base)] for base in ordered]
   from ourgrad.engine.packing import pack_kernels   # packing.py builds ScheduleItems: imported here, not at the top
   schedule = pack_kernels(schedule)   # independent elementwise kernels of different shapes: one launch (packing.py)
@@ -94,45 +92,6 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   if DEBUG >= 3: print(f"scheduled {len(schedule)} items for {len(bases)} lazy bases")
   if lazy_graph is not None: graph_viz.write_graphs(lazy_graph, schedule)
   return schedule, assigns
-
-
-def _order_items(scheduled: list[LazyBuffer], groups: dict[int, list[LazyBuffer]],
-                 reads: dict[int, list[LazyBuffer]]) -> list[LazyBuffer]:
-  """A run order: every item after the items whose results it reads, and every assign after the items that
-  still read the old contents of the buffer it overwrites. `scheduled` holds each item's first base (the id its
-  group and reads are keyed by), in graph order, kept where free."""
-  position = {id(base): index for index, base in enumerate(scheduled)}
-  item_of = {id(member): id(base) for base in scheduled for member in groups[id(base)]}   # base id -> item id
-  assign_writers: dict[int, list[int]] = defaultdict(list)   # id(Buffer) -> items with an assign overwriting it
-  for base in scheduled:
-    for member in groups[id(base)]:
-      if member.op is Ops.ASSIGN: assign_writers[id(member.realized)].append(id(base))
-  must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
-  for base in scheduled:
-    for loaded in reads[id(base)]:
-      loaded_item = item_of.get(id(loaded), id(loaded))
-      if loaded_item in position and loaded_item != id(base): must_precede[id(base)].add(loaded_item)
-      for writer in assign_writers.get(id(loaded.realized), []):
-        # `loaded` is the buffer's value before that assign (the assign base itself is a different base)
-        if writer != loaded_item and writer != id(base): must_precede[writer].add(id(base))
-  # Kahn's algorithm, always taking the earliest ready item in graph order
-  waiting_on = {item: len(before) for item, before in must_precede.items()}
-  followers: dict[int, list[int]] = defaultdict(list)
-  for item, before in must_precede.items():
-    for earlier in before: followers[earlier].append(item)
-  ready = [position[item] for item, count in waiting_on.items() if count == 0]
-  heapq.heapify(ready)
-  ordered: list[LazyBuffer] = []
-  while ready:
-    base = scheduled[heapq.heappop(ready)]
-    ordered.append(base)
-    for follower in followers[id(base)]:
-      waiting_on[follower] -= 1
-      if waiting_on[follower] == 0: heapq.heappush(ready, position[follower])
-  if len(ordered) != len(scheduled):
-    raise RuntimeError("this graph reads a buffer both before and after an assign to it in one kernel; "
-                       "realize the old value (e.g. .contiguous().realize()) before assigning")
-  return ordered
 
 
 def _give_buffer(base: LazyBuffer) -> None:
@@ -181,15 +140,6 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
 
 # ---------------------------------------------------------------- fusion groups
 
-@dataclass
-class _KernelPlan:
-  """What the walk of one kernel's fused region found: the realized bases it loads (with the view, None for a gather
-  table read at computed offsets) and whether it holds a reduce."""
-  loads: list[tuple[LazyBuffer, ShapeTracker | None]]
-  has_reduce: bool
-  reduces: int = 0   # reduce nodes met (a row kernel has several)
-
-
 def _settle_fusion_groups(bases: list[LazyBuffer], realizes: Realizations) -> None:
   """Walk the fused region of every kernel (each realized base) as `_KernelBuilder` will, and realize what cannot
   join it: a second reduce, a reduce inside a reduce, a reduce read out of its element order, the value of an
@@ -198,155 +148,11 @@ def _settle_fusion_groups(bases: list[LazyBuffer], realizes: Realizations) -> No
   pending = [base for base in bases if id(base) in realizes]
   while pending:
     root = pending.pop()
-    refused, _ = _walk_kernel(root, realizes)
+    refused, _ = walk_kernel(root, realizes)
     if refused is None: continue
     base, reason = refused
     realizes[id(base)] = reason
     pending.extend([root, base])
-
-
-def _kernel_value(root: LazyBuffer) -> tuple[LazyBuffer, ShapeTracker] | None:
-  """Where the kernel computing `root` starts its walk: the value it stores, or None for an item with no walk."""
-  if root.op is Ops.COPY or root.size == 0 or root.op is Ops.CONST: return None
-  if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN): return root.srcs[0].base, root.srcs[0].st
-  return root, ShapeTracker.from_shape(root.shape)
-
-
-def _reads_assign_target(node: LazyBuffer, target: LazyBuffer) -> bool:
-  if node is target or (node.op is Ops.ASSIGN and node.srcs and node.srcs[1].base is target): return True
-  return target.realized is not None and node.realized is target.realized
-
-
-def _walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBuffer, str] | None, _KernelPlan | None]:
-  """The first base (in the builder's walk order) that the kernel computing `root` cannot fuse and why, else None;
-  and the plan of the kernel (None for an item that is not a kernel walk)."""
-  start = _kernel_value(root)
-  if start is None: return None, None
-  plan = _KernelPlan([], False)
-  target = root.srcs[1].base if root.op is Ops.ASSIGN else None
-  target_reads: list[tuple[ShapeTracker | None, bool]] = []   # (view, under a reduce) of each read of the target
-  reduce_base: LazyBuffer | None = None
-  rows = _RowKernel()
-  one_reduce_kernel = False
-  stack: list[tuple[LazyBuffer, ShapeTracker, bool, bool]] = [(start[0], start[1], False, False)]
-  done: set[tuple[int, ShapeTracker]] = set()
-  while stack:
-    node, view, under_reduce, sources_done = stack.pop()
-    if not sources_done: view = view.simplify()
-    key = (id(node), view)
-    if key in done: continue
-    if sources_done or node.op is Ops.CONST:
-      done.add(key)
-      continue
-    if node is not root and (node.realized is not None or id(node) in realizes):  # a load
-      if target is not None and _reads_assign_target(node, target): target_reads.append((view, under_reduce))
-      plan.loads.append((node, view))
-      done.add(key)
-      continue
-    stack.append((node, view, under_reduce, True))
-    if node.op in REDUCE_OPS:
-      plain_reshape = view.contiguous and view.size == node.size
-      row_reason = rows.admit(node, view, under_reduce, plain_reshape) if not one_reduce_kernel else "closed"
-      if row_reason is None:
-        pass   # a reduce over the kernel's rows, kept in a register per row (several reduces in one kernel)
-      elif not (node is reduce_base and plain_reshape) and node is not root:
-        if reduce_base is not None: return (node, f"a second reduce, not sharing the kernel's rows: {row_reason}"), plan
-        if under_reduce: return (node, f"a reduce inside another reduce's input: {row_reason}"), plan
-        if not plain_reshape: return (node, f"a reduce read out of its own element order: {row_reason}"), plan
-      if row_reason is not None:
-        if rows.reduces and node not in rows.reduces: return (node, "a reduce over other rows than the kernel's"), plan
-        one_reduce_kernel = True   # claimed as the kernel's one reduce: no row reduces join it
-      reduce_base, plan.has_reduce, plan.reduces = reduce_base or node, True, plan.reduces + 1
-      stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
-    elif node.op in ELEMENTWISE_OPS:
-      stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
-    elif node.op is Ops.GATHER:
-      if target is not None and _reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
-      plan.loads.append((node.srcs[0].base, None))
-      stack.append((node.srcs[1].base, node.srcs[1].st + view, under_reduce, False))
-  if rows.is_row_kernel and not rows.fits_output(root):
-    first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
-    return (first_fused, "a row kernel's output must be per element or per row of its reduces"), plan
-  if target is None or not target_reads: return None, plan
-  if rows.is_row_kernel:  # the hazard check below reasons in one reduce's loop shape, not a row kernel's
-    first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
-    return (first_fused, "an assign reading its own target keeps to one reduce"), plan
-  return _assign_hazard(root, start[0], target_reads, reduce_base, realizes), plan
-
-
-# A row kernel (several reduces in one kernel, docs/fusion.md) loops over a row once per reduce and once more for
-# the store (a CPU thread, or a GPU block that keeps short rows in registers): longer rows keep one-reduce kernels.
-MAX_ROW_FUSION_LENGTH = 1 << 16
-
-
-def row_kernels_enabled(device: str) -> bool:
-  """Whether reduces over the same rows may share a kernel on `device` (ROW_KERNELS). On a CPU a thread owns a row;
-  on a GPU a block does (codegen/row_linearizer.py), which needs local memory for the block's partials: a GPU
-  without it keeps the grouped one-reduce kernels (one thread per long row would read uncoalesced memory)."""
-  setting = int(ROW_KERNELS.value)
-  if setting >= 0: return bool(setting)
-  renderer = Device[device].renderer
-  return not renderer.has_threads or renderer.has_local
-
-
-class _RowKernel:
-  """The rows a kernel's reduces share: every reduce reads the same input shape (the kernel's loop shape) and
-  reduces the same axes, so one thread per row runs them one after another, each result in a register, and reads
-  the row again for the next reduce and for the store. A reduce is admitted when it is read per element of the
-  loop shape (broadcast back, as `x - x.max()`), inside another admitted reduce, or as the kernel's per-row result."""
-
-  def __init__(self) -> None:
-    self.loop_shape: tuple[int, ...] | None = None
-    self.axes: tuple[int, ...] | None = None
-    self.reduces: list[LazyBuffer] = []
-    self.broadcast_reads: list[LazyBuffer] = []   # the reduces read back per element (what makes a row kernel)
-
-  def admit(self, reduce: LazyBuffer, view: ShapeTracker, under_reduce: bool, plain_reshape: bool) -> str | None:
-    """None when `reduce` joins the rows (recorded), else why not."""
-    if not row_kernels_enabled(reduce.device):
-      return f"row kernels are off on {reduce.device} (ROW_KERNELS, or a GPU without local memory)"
-    loop_shape = reduce.srcs[0].shape
-    if prod(loop_shape[axis] for axis in reduce.arg) > MAX_ROW_FUSION_LENGTH:
-      return f"its rows are longer than {MAX_ROW_FUSION_LENGTH}"
-    if tuple(reduce.arg) != tuple(range(len(loop_shape) - len(reduce.arg), len(loop_shape))):
-      # TODO: reduces over leading or interleaved axes (batchnorm's (0, 2, 3)) gave a wrong convolution weight
-      # gradient in test_module's CNN; only the trailing axes (softmax, layernorm over the last axes) fuse for now
-      return "it reduces axes other than the trailing ones"
-    if self.loop_shape is not None and (loop_shape != self.loop_shape or reduce.arg != self.axes):
-      return f"it reduces axes {reduce.arg} of {loop_shape}, the kernel {self.axes} of {self.loop_shape}"
-    broadcast = view == ShapeTracker.from_shape(reduce.shape).expand(loop_shape).simplify()
-    if not (broadcast or plain_reshape): return "read through a permute or pad, not broadcast back along its rows"
-    if under_reduce and not broadcast: return "read inside another reduce, not broadcast back along its rows"
-    self.loop_shape, self.axes = loop_shape, reduce.arg
-    if reduce not in self.reduces: self.reduces.append(reduce)
-    if broadcast or under_reduce: self.broadcast_reads.append(reduce)
-    return None
-
-  @property
-  def is_row_kernel(self) -> bool: return bool(self.broadcast_reads) or len(self.reduces) > 1
-
-  def fits_output(self, root: LazyBuffer) -> bool:
-    """The store is per element of the loop shape, or per row (the size of a reduce's result)."""
-    assert self.loop_shape is not None and self.axes is not None
-    per_row = prod(size for axis, size in enumerate(self.loop_shape) if axis not in self.axes)
-    value = root.srcs[0] if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN) else root
-    if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN) and not value.st.contiguous: return False
-    return value.shape == self.loop_shape or value.size == per_row
-
-
-def _assign_hazard(root: LazyBuffer, value: LazyBuffer, target_reads: list[tuple[ShapeTracker | None, bool]],
-                   reduce_base: LazyBuffer | None, realizes: Realizations) -> tuple[LazyBuffer, str] | None:
-  """An assign that reads its own target through another view than the one it writes would read elements it has
-  already overwritten: its value is computed in a kernel of its own first."""
-  if value.realized is not None or id(value) in realizes: return None   # nothing left to split off (builder checks)
-
-  def fit(st: ShapeTracker) -> ShapeTracker:   # the views outside the reduce, in the reduce's loop shape
-    return st if reduce_base is None or st.shape == reduce_base.shape else st.reshape(reduce_base.shape)
-  in_place = fit(ShapeTracker.from_shape(root.shape))
-  for view, under_reduce in target_reads:
-    if view is None or (view if under_reduce else fit(view)).simplify() != in_place:
-      return value, "the value of an assign that reads its target through another view"
-  return None
 
 
 def _print_realize_reasons(bases: list[LazyBuffer], realizes: Realizations) -> None:
@@ -486,13 +292,13 @@ def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleIt
 
 def _schedule_group(group: list[LazyBuffer], realizes: Realizations) -> tuple[ScheduleItem, list[LazyBuffer]]:
   """One kernel writing every base of `group` (elementwise, one shape): a SINK of one STORE per base, output i in
-  argument i. A member read in place by a later member is that member's value, not a load (_group_outputs)."""
+  argument i. A member read in place by a later member is that member's value, not a load (group_outputs)."""
   builder = _KernelBuilder(group[0], realizes, output_count=len(group))
   stores = []
   for number, base in enumerate(group):
     assert base.realized is not None
     builder.root = base
-    value = builder.build(*_kernel_value(base))   # _group_outputs took only bases with a kernel walk
+    value = builder.build(*kernel_value(base))   # group_outputs took only bases with a kernel walk
     builder.member_values[id(base)] = value
     # sibling reduces (each a reduce and nothing after it): every output is stored in the reduce's shape
     out_st = builder.fit_to_reduce(ShapeTracker.from_shape(base.shape))
@@ -568,7 +374,7 @@ class _KernelBuilder:
     return None
 
   def _claim_reduce(self, base: LazyBuffer, st: ShapeTracker, under_reduce: bool) -> None:
-    """Record the kernel's loop shape: a reduce's input shape. `_walk_kernel` decided that every reduce met here
+    """Record the kernel's loop shape: a reduce's input shape. `walk_kernel` decided that every reduce met here
     fuses (one reduce read in its own order, or row reduces over one loop shape and axes, docs/fusion.md)."""
     if self.reduce_base is None:
       self.reduce_base, self.reduce_shape, self.loop_shape = base, base.shape, base.srcs[0].shape

@@ -1,0 +1,215 @@
+"""The kernel walk: what the kernel computing one realized base fuses and loads, and the order items run in.
+
+`walk_kernel(root, realizes)` walks the fused region of the kernel that computes `root`, in the order the scheduler's
+`_KernelBuilder` builds it, and returns the first base that cannot join it with the reason (a second reduce, a reduce
+inside a reduce, a reduce read out of its element order, a row kernel's output neither per element nor per row, the
+value of an assign that reads its target through another view), and the `KernelPlan`: the realized bases the kernel
+loads and its reduces. Row kernels (several reduces over the same rows: `ROW_KERNELS`, `MAX_ROW_FUSION_LENGTH`,
+docs/fusion.md) are admitted here. `order_items` puts scheduled items in a run order: after the items whose results
+they read, and before the assigns that overwrite what they read. The scheduler (engine/schedule.py: settling the
+realizations, building each kernel) and the multi-output grouping (engine/multi_output.py) both read this module,
+which imports neither of them.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ourgrad.device import Device
+from ourgrad.helpers import ROW_KERNELS, prod
+from ourgrad.lazy import LazyBuffer
+from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, Ops
+from ourgrad.shape.shapetracker import ShapeTracker
+
+Realizations = dict  # base id -> why that base gets its own buffer (one reason string from the decision)
+
+
+@dataclass
+class KernelPlan:
+  """What the walk of one kernel's fused region found: the realized bases it loads (with the view, None for a gather
+  table read at computed offsets) and whether it holds a reduce."""
+  loads: list[tuple[LazyBuffer, ShapeTracker | None]]
+  has_reduce: bool
+  reduces: int = 0   # reduce nodes met (a row kernel has several)
+
+def kernel_value(root: LazyBuffer) -> tuple[LazyBuffer, ShapeTracker] | None:
+  """Where the kernel computing `root` starts its walk: the value it stores, or None for an item with no walk."""
+  if root.op is Ops.COPY or root.size == 0 or root.op is Ops.CONST: return None
+  if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN): return root.srcs[0].base, root.srcs[0].st
+  return root, ShapeTracker.from_shape(root.shape)
+
+
+def reads_assign_target(node: LazyBuffer, target: LazyBuffer) -> bool:
+  if node is target or (node.op is Ops.ASSIGN and node.srcs and node.srcs[1].base is target): return True
+  return target.realized is not None and node.realized is target.realized
+
+
+def walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBuffer, str] | None, KernelPlan | None]:
+  """The first base (in the builder's walk order) that the kernel computing `root` cannot fuse and why, else None;
+  and the plan of the kernel (None for an item that is not a kernel walk)."""
+  start = kernel_value(root)
+  if start is None: return None, None
+  plan = KernelPlan([], False)
+  target = root.srcs[1].base if root.op is Ops.ASSIGN else None
+  target_reads: list[tuple[ShapeTracker | None, bool]] = []   # (view, under a reduce) of each read of the target
+  reduce_base: LazyBuffer | None = None
+  rows = _RowKernel()
+  one_reduce_kernel = False
+  stack: list[tuple[LazyBuffer, ShapeTracker, bool, bool]] = [(start[0], start[1], False, False)]
+  done: set[tuple[int, ShapeTracker]] = set()
+  while stack:
+    node, view, under_reduce, sources_done = stack.pop()
+    if not sources_done: view = view.simplify()
+    key = (id(node), view)
+    if key in done: continue
+    if sources_done or node.op is Ops.CONST:
+      done.add(key)
+      continue
+    if node is not root and (node.realized is not None or id(node) in realizes):  # a load
+      if target is not None and reads_assign_target(node, target): target_reads.append((view, under_reduce))
+      plan.loads.append((node, view))
+      done.add(key)
+      continue
+    stack.append((node, view, under_reduce, True))
+    if node.op in REDUCE_OPS:
+      plain_reshape = view.contiguous and view.size == node.size
+      row_reason = rows.admit(node, view, under_reduce, plain_reshape) if not one_reduce_kernel else "closed"
+      if row_reason is None:
+        pass   # a reduce over the kernel's rows, kept in a register per row (several reduces in one kernel)
+      elif not (node is reduce_base and plain_reshape) and node is not root:
+        if reduce_base is not None: return (node, f"a second reduce, not sharing the kernel's rows: {row_reason}"), plan
+        if under_reduce: return (node, f"a reduce inside another reduce's input: {row_reason}"), plan
+        if not plain_reshape: return (node, f"a reduce read out of its own element order: {row_reason}"), plan
+      if row_reason is not None:
+        if rows.reduces and node not in rows.reduces: return (node, "a reduce over other rows than the kernel's"), plan
+        one_reduce_kernel = True   # claimed as the kernel's one reduce: no row reduces join it
+      reduce_base, plan.has_reduce, plan.reduces = reduce_base or node, True, plan.reduces + 1
+      stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
+    elif node.op in ELEMENTWISE_OPS:
+      stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
+    elif node.op is Ops.GATHER:
+      if target is not None and reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
+      plan.loads.append((node.srcs[0].base, None))
+      stack.append((node.srcs[1].base, node.srcs[1].st + view, under_reduce, False))
+  if rows.is_row_kernel and not rows.fits_output(root):
+    first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
+    return (first_fused, "a row kernel's output must be per element or per row of its reduces"), plan
+  if target is None or not target_reads: return None, plan
+  if rows.is_row_kernel:  # the hazard check below reasons in one reduce's loop shape, not a row kernel's
+    first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
+    return (first_fused, "an assign reading its own target keeps to one reduce"), plan
+  return _assign_hazard(root, start[0], target_reads, reduce_base, realizes), plan
+
+
+# A row kernel (several reduces in one kernel, docs/fusion.md) loops over a row once per reduce and once more for
+# the store (a CPU thread, or a GPU block that keeps short rows in registers): longer rows keep one-reduce kernels.
+MAX_ROW_FUSION_LENGTH = 1 << 16
+
+
+def row_kernels_enabled(device: str) -> bool:
+  """Whether reduces over the same rows may share a kernel on `device` (ROW_KERNELS). On a CPU a thread owns a row;
+  on a GPU a block does (codegen/row_linearizer.py), which needs local memory for the block's partials: a GPU
+  without it keeps the grouped one-reduce kernels (one thread per long row would read uncoalesced memory)."""
+  setting = int(ROW_KERNELS.value)
+  if setting >= 0: return bool(setting)
+  renderer = Device[device].renderer
+  return not renderer.has_threads or renderer.has_local
+
+
+class _RowKernel:
+  """The rows a kernel's reduces share: every reduce reads the same input shape (the kernel's loop shape) and
+  reduces the same axes, so one thread per row runs them one after another, each result in a register, and reads
+  the row again for the next reduce and for the store. A reduce is admitted when it is read per element of the
+  loop shape (broadcast back, as `x - x.max()`), inside another admitted reduce, or as the kernel's per-row result."""
+
+  def __init__(self) -> None:
+    self.loop_shape: tuple[int, ...] | None = None
+    self.axes: tuple[int, ...] | None = None
+    self.reduces: list[LazyBuffer] = []
+    self.broadcast_reads: list[LazyBuffer] = []   # the reduces read back per element (what makes a row kernel)
+
+  def admit(self, reduce: LazyBuffer, view: ShapeTracker, under_reduce: bool, plain_reshape: bool) -> str | None:
+    """None when `reduce` joins the rows (recorded), else why not."""
+    if not row_kernels_enabled(reduce.device):
+      return f"row kernels are off on {reduce.device} (ROW_KERNELS, or a GPU without local memory)"
+    loop_shape = reduce.srcs[0].shape
+    if prod(loop_shape[axis] for axis in reduce.arg) > MAX_ROW_FUSION_LENGTH:
+      return f"its rows are longer than {MAX_ROW_FUSION_LENGTH}"
+    if tuple(reduce.arg) != tuple(range(len(loop_shape) - len(reduce.arg), len(loop_shape))):
+      # TODO: reduces over leading or interleaved axes (batchnorm's (0, 2, 3)) gave a wrong convolution weight
+      # gradient in test_module's CNN; only the trailing axes (softmax, layernorm over the last axes) fuse for now
+      return "it reduces axes other than the trailing ones"
+    if self.loop_shape is not None and (loop_shape != self.loop_shape or reduce.arg != self.axes):
+      return f"it reduces axes {reduce.arg} of {loop_shape}, the kernel {self.axes} of {self.loop_shape}"
+    broadcast = view == ShapeTracker.from_shape(reduce.shape).expand(loop_shape).simplify()
+    if not (broadcast or plain_reshape): return "read through a permute or pad, not broadcast back along its rows"
+    if under_reduce and not broadcast: return "read inside another reduce, not broadcast back along its rows"
+    self.loop_shape, self.axes = loop_shape, reduce.arg
+    if reduce not in self.reduces: self.reduces.append(reduce)
+    if broadcast or under_reduce: self.broadcast_reads.append(reduce)
+    return None
+
+  @property
+  def is_row_kernel(self) -> bool: return bool(self.broadcast_reads) or len(self.reduces) > 1
+
+  def fits_output(self, root: LazyBuffer) -> bool:
+    """The store is per element of the loop shape, or per row (the size of a reduce's result)."""
+    assert self.loop_shape is not None and self.axes is not None
+    per_row = prod(size for axis, size in enumerate(self.loop_shape) if axis not in self.axes)
+    value = root.srcs[0] if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN) else root
+    if root.op in (Ops.CONTIGUOUS, Ops.ASSIGN) and not value.st.contiguous: return False
+    return value.shape == self.loop_shape or value.size == per_row
+
+
+def _assign_hazard(root: LazyBuffer, value: LazyBuffer, target_reads: list[tuple[ShapeTracker | None, bool]],
+                   reduce_base: LazyBuffer | None, realizes: Realizations) -> tuple[LazyBuffer, str] | None:
+  """An assign that reads its own target through another view than the one it writes would read elements it has
+  already overwritten: its value is computed in a kernel of its own first."""
+  if value.realized is not None or id(value) in realizes: return None   # nothing left to split off (builder checks)
+
+  def fit(st: ShapeTracker) -> ShapeTracker:   # the views outside the reduce, in the reduce's loop shape
+    return st if reduce_base is None or st.shape == reduce_base.shape else st.reshape(reduce_base.shape)
+  in_place = fit(ShapeTracker.from_shape(root.shape))
+  for view, under_reduce in target_reads:
+    if view is None or (view if under_reduce else fit(view)).simplify() != in_place:
+      return value, "the value of an assign that reads its target through another view"
+  return None
+
+def order_items(scheduled: list[LazyBuffer], groups: dict[int, list[LazyBuffer]],
+                reads: dict[int, list[LazyBuffer]]) -> list[LazyBuffer]:
+  """A run order: every item after the items whose results it reads, and every assign after the items that
+  still read the old contents of the buffer it overwrites. `scheduled` holds each item's first base (the id its
+  group and reads are keyed by), in graph order, kept where free."""
+  position = {id(base): index for index, base in enumerate(scheduled)}
+  item_of = {id(member): id(base) for base in scheduled for member in groups[id(base)]}   # base id -> item id
+  assign_writers: dict[int, list[int]] = defaultdict(list)   # id(Buffer) -> items with an assign overwriting it
+  for base in scheduled:
+    for member in groups[id(base)]:
+      if member.op is Ops.ASSIGN: assign_writers[id(member.realized)].append(id(base))
+  must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
+  for base in scheduled:
+    for loaded in reads[id(base)]:
+      loaded_item = item_of.get(id(loaded), id(loaded))
+      if loaded_item in position and loaded_item != id(base): must_precede[id(base)].add(loaded_item)
+      for writer in assign_writers.get(id(loaded.realized), []):
+        # `loaded` is the buffer's value before that assign (the assign base itself is a different base)
+        if writer != loaded_item and writer != id(base): must_precede[writer].add(id(base))
+  # Kahn's algorithm, always taking the earliest ready item in graph order
+  waiting_on = {item: len(before) for item, before in must_precede.items()}
+  followers: dict[int, list[int]] = defaultdict(list)
+  for item, before in must_precede.items():
+    for earlier in before: followers[earlier].append(item)
+  ready = [position[item] for item, count in waiting_on.items() if count == 0]
+  heapq.heapify(ready)
+  ordered: list[LazyBuffer] = []
+  while ready:
+    base = scheduled[heapq.heappop(ready)]
+    ordered.append(base)
+    for follower in followers[id(base)]:
+      waiting_on[follower] -= 1
+      if waiting_on[follower] == 0: heapq.heappush(ready, position[follower])
+  if len(ordered) != len(scheduled):
+    raise RuntimeError("this graph reads a buffer both before and after an assign to it in one kernel; "
+                       "realize the old value (e.g. .contiguous().realize()) before assigning")
+  return ordered
