@@ -229,6 +229,29 @@ def test_batchnorm_one_pass_statistics_and_analytic_backward(shape: tuple[int, .
       _close_to_scale(layer.running_var, module.running_var, f"step {step}: running_var", 1e-4)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_batchnorm_max_pool_backward_after_a_realized_forward(seed: int) -> None:
+  """conv -> batchnorm -> relu -> max-pool with the forward realized before the backward is built (reading the loss
+  first): the pool's backward recomputes its input and compares it with the forward's maxima for equality, so the
+  batchnorm must normalize with the same stored mean and inverse std in both (nn/batchnorm.py stored_statistics;
+  recomputed from the sums in one kernel and from a realized variance in the other, a window could miss its maximum
+  and divide 0 by 0)."""
+  Tensor.manual_seed(seed)
+  conv, layer = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+  module = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4))
+  _copy_params(conv, module[0], ("weight", "bias"))
+  x_np, upstream = _random((3, 1, 8, 8), 110 + seed), _random((3, 4, 4, 4), 120 + seed)
+  with Tensor.train():
+    out = layer(conv(Tensor(x_np))).relu().max_pool2d(2)
+  loss = (out * Tensor(upstream)).sum()
+  ref = torch.nn.functional.max_pool2d(module(torch.tensor(x_np)).relu(), 2)
+  (ref * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(loss.numpy(), (ref * torch.tensor(upstream)).sum().item(), rtol=1e-4, atol=1e-4)
+  loss.backward()
+  _close(conv.weight.grad, module[0].weight.grad, "grad of the conv weight", 1e-4, 1e-3)
+  for name in BN_PARAMS: _close(getattr(layer, name).grad, getattr(module[1], name).grad, f"grad of {name}", 1e-4, 1e-3)
+
+
 @pytest.mark.parametrize("input_grad,param_grad", [(True, False), (False, True)])
 def test_batchnorm_gradients_of_some_inputs_only(input_grad: bool, param_grad: bool) -> None:
   layer, module = nn.BatchNorm2d(3), torch.nn.BatchNorm2d(3)

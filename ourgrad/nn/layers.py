@@ -26,7 +26,7 @@ import numpy as np
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import make_tuple
 from ourgrad.errors import DTypeError, ShapeError
-from ourgrad.nn.batchnorm import BatchNormNormalize, batch_statistics, channel_view
+from ourgrad.nn.batchnorm import BatchNormNormalize, batch_statistics, channel_view, stored_statistics
 from ourgrad.nn.module import Module
 from ourgrad.tensor import Tensor
 from ourgrad.tensor_conv import conv_padding
@@ -245,8 +245,9 @@ class BatchNorm(Module):
     # one statistics pass over x, and a backward of one pass too (nn/batchnorm.py says how and why)
     mean, var = batch_statistics(x.detach())
     if self.training and self.track_running_stats: self._update_running_stats(mean, var, count)
+    mean, invstd = stored_statistics(mean, (var + self.eps).rsqrt(), x.ndim)
     affine = (self.weight, self.bias) if self.affine else ()
-    return BatchNormNormalize.apply(x, mean, (var + self.eps).rsqrt(), *affine)
+    return BatchNormNormalize.apply(x, mean, invstd, *affine)
 
 
 # PyTorch's names (classes of their own, so reprs and type names match): the rank only differs in the input
