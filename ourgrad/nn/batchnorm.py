@@ -8,7 +8,8 @@ sum(x - s) and sum((x - s)^2), with s one sample of the channel (x[0, c, 0, ...]
 on a GPU the scheduler runs them as *sibling reduces* of one kernel (engine/schedule.py `_may_join`) that reads x
 once; the textbook mean-then-variance needs the mean before the second pass can start (two kernels, x read twice).
 The shift keeps E[(x-s)^2] - E[x-s]^2 from cancelling catastrophically when |mean| >> std: s lies within the
-channel's spread of values, so both terms are of the order of the variance.
+channel's spread of values, so both terms are of the order of the variance. `stored_statistics` then writes mean and
+invstd once, for every kernel that normalizes x to read (forward and backward must agree bit for bit: see there).
 
 Backward, `BatchNormNormalize`: an autograd node for y = (x - mean) * invstd * weight + bias whose mean and invstd
 are batch statistics of x. Its backward is PyTorch's batch_norm_backward formula, with xhat = (x - mean) * invstd,
@@ -18,8 +19,8 @@ The two sums read the same inputs and are independent: again one kernel of sibli
 (it fuses into the kernel that consumes it). Autograd through mean and variance would instead need the variance
 path's sum before the mean path's (d mean depends on d var): two reduce kernels in sequence.
 
-Both passes' backward graphs are plain LazyBuffer graphs (built with Tensor ops on tensors without gradients), so
-they stay lazy and fuse; they are not themselves differentiable (ourgrad has no double backward).
+The backward graph is a plain LazyBuffer graph (built with Tensor ops on tensors without gradients), so it stays lazy
+and fuses; it is not itself differentiable (ourgrad has no double backward).
 """
 from __future__ import annotations
 

@@ -215,7 +215,10 @@ class BatchNorm(Module):
   1/num_batches_tracked) when momentum is None. At evaluation it normalizes with the running stats.
 
   The running-stat updates are `assign`s, lazy like everything else: they are computed with the next realize
-  that includes them (an optimizer step over the model's state, or reading them)."""
+  that includes them (an optimizer step over the model's state, or reading them).
+
+  With batch statistics, the mean and variance come from one pass over x and the backward from one pass over the
+  output's gradient (nn/batchnorm.py: on a GPU each pass is one kernel of sibling reduces)."""
 
   def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                track_running_stats: bool = True):
