@@ -20,6 +20,7 @@ from ourgrad import Tensor, dtypes
 from ourgrad import nn
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.nn import attention, losses
+from ourgrad.nn.batchnorm import batch_statistics
 
 ATOL, RTOL = 1e-4, 1e-4
 
@@ -250,6 +251,17 @@ def test_batchnorm_max_pool_backward_after_a_realized_forward(seed: int) -> None
   loss.backward()
   _close(conv.weight.grad, module[0].weight.grad, "grad of the conv weight", 1e-4, 1e-3)
   for name in BN_PARAMS: _close(getattr(layer, name).grad, getattr(module[1], name).grad, f"grad of {name}", 1e-4, 1e-3)
+
+
+def test_batch_statistics_of_a_batch_sharded_input() -> None:
+  """Sharded along the batch axis, one sample per channel would be a view across shards: the statistics shift by
+  the mean instead (its own pass), and still match numpy."""
+  x_np = _random((4, 3, 5, 5), 130, 0.1, 1e3)
+  x = Tensor(x_np).shard(("CLANG:0", "CLANG:1"), axis=0)
+  mean, var = batch_statistics(x)
+  reference = x_np.astype(np.float64)
+  np.testing.assert_allclose(mean.numpy(), reference.mean((0, 2, 3)), rtol=1e-6)
+  np.testing.assert_allclose(var.numpy(), reference.var((0, 2, 3)), rtol=1e-3)
 
 
 @pytest.mark.parametrize("input_grad,param_grad", [(True, False), (False, True)])

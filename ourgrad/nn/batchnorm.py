@@ -29,6 +29,7 @@ import math
 from ourgrad.dtype import dtypes
 from ourgrad.function import Function
 from ourgrad.lazy import LazyBuffer
+from ourgrad.multi import MultiLazyBuffer
 from ourgrad.tensor import Tensor
 
 __all__ = ["batch_statistics", "BatchNormNormalize", "channel_reduce_axes", "channel_view", "stored_statistics"]
@@ -50,8 +51,11 @@ def batch_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
   input is summed in float32; the results have x's dtype. Differentiable (the shift's gradient cancels)."""
   axes = channel_reduce_axes(x.ndim)
   count = math.prod(x.shape[axis] for axis in axes)
-  # a view of x, not a copy: the first sample of each channel, broadcast over that channel
-  shift = x.shrink(tuple((0, 1) if axis in axes else None for axis in range(x.ndim)))
+  if isinstance(x.lazydata, MultiLazyBuffer) and x.lazydata.axis in axes:
+    # sharded along a reduced axis, a view of one sample would cross shards: shift by the mean (a pass of its own)
+    shift = x.mean(axes, keepdim=True)
+  else:   # a view of x, not a copy: the first sample of each channel, broadcast over that channel
+    shift = x.shrink(tuple((0, 1) if axis in axes else None for axis in range(x.ndim)))
   accumulate = dtypes.float32 if x.dtype.itemsize < 4 else x.dtype
   shifted = x.cast(accumulate) - shift.cast(accumulate)
   shifted_mean = shifted.sum(axes) / count
