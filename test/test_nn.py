@@ -20,6 +20,7 @@ from ourgrad import Tensor, dtypes
 from ourgrad import nn
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.nn import attention, losses
+from ourgrad.nn.batchnorm import batch_statistics
 
 ATOL, RTOL = 1e-4, 1e-4
 
@@ -176,6 +177,114 @@ def test_batchnorm_options(affine: bool, track: bool) -> None:
 def test_batchnorm_training_needs_more_than_one_value() -> None:
   with Tensor.train(), pytest.raises(ValueError):
     nn.BatchNorm1d(3)(Tensor.randn(1, 3))
+
+
+def _torch_batchnorm(ndim: int, channels: int, **kwargs: Any) -> torch.nn.Module:
+  """torch's BatchNorm1d/2d/3d for an input of rank `ndim`, in float64: the reference for float32 statistics."""
+  module_class = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}
+  return module_class[ndim](channels, **kwargs).double()
+
+
+def _close_to_scale(ours: Tensor | None, theirs: torch.Tensor | None, what: str, tolerance: float) -> None:
+  """|ours - theirs| <= tolerance * (1 + max |theirs|) everywhere: float32 against a float64 reference."""
+  assert ours is not None and theirs is not None, f"{what}: ours {ours is not None}, torch {theirs is not None}"
+  reference = theirs.detach().numpy()
+  assert ours.shape == reference.shape, f"{what}: shape {ours.shape} != torch {reference.shape}"
+  bound = tolerance * (1.0 + np.abs(reference).max())
+  np.testing.assert_allclose(ours.numpy(), reference, rtol=0, atol=bound, err_msg=what)
+
+
+# shapes with N * (spatial) = 2 values per channel, 1d/2d/3d ranks, and inputs whose mean is 10^4 times their spread
+# (the one-pass statistics shift by a sample of each channel; unshifted, E[x^2] - E[x]^2 would lose every digit)
+@pytest.mark.parametrize("shape,scale,shift,affine,track", [
+  ((2, 3), 1.0, 0.0, True, True), ((1, 4, 2), 2.0, 5.0, True, True), ((2, 3, 1, 1), 1.0, -1.0, False, True),
+  ((5, 4, 3, 2), 0.5, 0.3, True, False), ((3, 2, 2, 3, 2), 2.0, -1.0, True, True),
+  ((8, 3, 6, 6), 0.1, 1e3, True, True), ((16, 2, 50), 0.1, -1e3, False, False)])
+def test_batchnorm_one_pass_statistics_and_analytic_backward(shape: tuple[int, ...], scale: float, shift: float,
+                                                              affine: bool, track: bool) -> None:
+  """Three training steps (values, gradients of input, weight and bias, running stats) and one evaluation step,
+  against torch in float64 on the same float32 data."""
+  channels, ndim = shape[1], len(shape)
+  layer = nn.BatchNorm(channels, affine=affine, track_running_stats=track)
+  module = _torch_batchnorm(ndim, channels, affine=affine, track_running_stats=track)
+  names = BN_PARAMS if affine else ()
+  for index, name in enumerate(names):
+    getattr(layer, name).assign(Tensor(_random((channels,), 70 + index))).realize()
+  _copy_params(layer, module, names)
+  for step in range(4):
+    training = step < 3
+    module.train(training)
+    _zero_grads(layer, module, names)
+    x_np = _random(shape, 80 + step, scale, shift)
+    x, tx = Tensor(x_np, requires_grad=True), torch.tensor(x_np, dtype=torch.float64, requires_grad=True)
+    with Tensor.train(training):
+      out = layer(x)
+    ref = module(tx)
+    _backward_and_realize(out, ref, 90 + step, x, *(getattr(layer, name) for name in names))
+    _close_to_scale(out, ref, f"step {step}: forward", 1e-3)
+    _close_to_scale(x.grad, tx.grad, f"step {step}: grad of input", 1e-3)
+    for name in names:
+      _close_to_scale(getattr(layer, name).grad, getattr(module, name).grad, f"step {step}: grad of {name}", 1e-3)
+    if track:
+      _close_to_scale(layer.running_mean, module.running_mean, f"step {step}: running_mean", 1e-5)
+      _close_to_scale(layer.running_var, module.running_var, f"step {step}: running_var", 1e-4)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batchnorm_max_pool_backward_after_a_realized_forward(seed: int) -> None:
+  """conv -> batchnorm -> relu -> max-pool with the forward realized before the backward is built (reading the loss
+  first): the pool's backward recomputes its input and compares it with the forward's maxima for equality, so the
+  batchnorm must normalize with the same stored mean and inverse std in both (nn/batchnorm.py stored_statistics;
+  recomputed from the sums in one kernel and from a realized variance in the other, a window could miss its maximum
+  and divide 0 by 0)."""
+  Tensor.manual_seed(seed)
+  conv, layer = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+  module = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4))
+  _copy_params(conv, module[0], ("weight", "bias"))
+  x_np, upstream = _random((3, 1, 8, 8), 110 + seed), _random((3, 4, 4, 4), 120 + seed)
+  with Tensor.train():
+    out = layer(conv(Tensor(x_np))).relu().max_pool2d(2)
+  loss = (out * Tensor(upstream)).sum()
+  ref = torch.nn.functional.max_pool2d(module(torch.tensor(x_np)).relu(), 2)
+  (ref * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(loss.numpy(), (ref * torch.tensor(upstream)).sum().item(), rtol=1e-4, atol=1e-4)
+  loss.backward()
+  _close(conv.weight.grad, module[0].weight.grad, "grad of the conv weight", 1e-4, 1e-3)
+  for name in BN_PARAMS: _close(getattr(layer, name).grad, getattr(module[1], name).grad, f"grad of {name}", 1e-4, 1e-3)
+
+
+def test_batch_statistics_of_a_batch_sharded_input() -> None:
+  """Sharded along the batch axis, one sample per channel would be a view across shards: the statistics shift by
+  the mean instead (its own pass), and still match numpy."""
+  x_np = _random((4, 3, 5, 5), 130, 0.1, 1e3)
+  x = Tensor(x_np).shard(("CLANG:0", "CLANG:1"), axis=0)
+  mean, var = batch_statistics(x)
+  reference = x_np.astype(np.float64)
+  np.testing.assert_allclose(mean.numpy(), reference.mean((0, 2, 3)), rtol=1e-6)
+  np.testing.assert_allclose(var.numpy(), reference.var((0, 2, 3)), rtol=1e-3)
+
+
+@pytest.mark.parametrize("input_grad,param_grad", [(True, False), (False, True)])
+def test_batchnorm_gradients_of_some_inputs_only(input_grad: bool, param_grad: bool) -> None:
+  layer, module = nn.BatchNorm2d(3), torch.nn.BatchNorm2d(3)
+  for index, name in enumerate(BN_PARAMS):
+    getattr(layer, name).assign(Tensor(_random((3,), 100 + index))).realize()
+    getattr(layer, name).requires_grad = param_grad
+  _copy_params(layer, module, BN_PARAMS)
+  for name in BN_PARAMS: getattr(module, name).requires_grad_(param_grad)
+  x_np = _random((4, 3, 3, 5), 102, 2.0, 1.0)
+  x, tx = Tensor(x_np, requires_grad=input_grad), torch.tensor(x_np, requires_grad=input_grad)
+  with Tensor.train():
+    out = layer(x)
+  ref = module(tx)
+  leaves = [x] if input_grad else [getattr(layer, name) for name in BN_PARAMS]
+  _backward_and_realize(out, ref, 103, *leaves)
+  _close(out, ref, "forward")
+  if input_grad: _close(x.grad, tx.grad, "grad of input")
+  else: assert x.grad is None
+  for name in BN_PARAMS:
+    if param_grad: _close(getattr(layer, name).grad, getattr(module, name).grad, f"grad of {name}")
+    else: assert getattr(layer, name).grad is None
 
 
 @pytest.mark.parametrize("shape,affine,bias", [((6,), True, True), ((4, 6), True, True), ((6,), False, True),

@@ -26,6 +26,7 @@ import numpy as np
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import make_tuple
 from ourgrad.errors import DTypeError, ShapeError
+from ourgrad.nn.batchnorm import BatchNormNormalize, batch_statistics, channel_view, stored_statistics
 from ourgrad.nn.module import Module
 from ourgrad.tensor import Tensor
 from ourgrad.tensor_conv import conv_padding
@@ -44,22 +45,17 @@ def _uniform_init(shape: tuple[int, ...], fan_in: int) -> Tensor:
   return Tensor.uniform(*shape, low=-bound, high=bound, requires_grad=True)
 
 
-def _channel_view(t: Tensor, ndim: int) -> Tensor:
-  """A per-channel (C,) tensor shaped (1, C, 1, ...) to broadcast against an (N, C, ...) input of rank `ndim`."""
-  return t.reshape(1, t.shape[0], *([1] * (ndim - 2)))
-
-
 def _channel_affine(y: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
   """`y * weight + bias` per channel (either may be absent), for the normalizations over (N, C, ...) input."""
-  if weight is not None: y = y * _channel_view(weight, y.ndim)
-  if bias is not None: y = y + _channel_view(bias, y.ndim)
+  if weight is not None: y = y * channel_view(weight, y.ndim)
+  if bias is not None: y = y + channel_view(bias, y.ndim)
   return y
 
 
 def _normalize_by_running_stats(x: Tensor, running_mean: Tensor, running_var: Tensor, eps: float) -> Tensor:
   """(x - running mean) / sqrt(running var + eps) per channel: evaluation mode of batch and instance norms."""
   inv_std = (running_var + eps).rsqrt()
-  return (x - _channel_view(running_mean, x.ndim)) * _channel_view(inv_std, x.ndim)
+  return (x - channel_view(running_mean, x.ndim)) * channel_view(inv_std, x.ndim)
 
 
 def _init_channel_norm(norm: Module, num_features: int, eps: float, momentum: float | None, affine: bool,
@@ -219,7 +215,10 @@ class BatchNorm(Module):
   1/num_batches_tracked) when momentum is None. At evaluation it normalizes with the running stats.
 
   The running-stat updates are `assign`s, lazy like everything else: they are computed with the next realize
-  that includes them (an optimizer step over the model's state, or reading them)."""
+  that includes them (an optimizer step over the model's state, or reading them).
+
+  With batch statistics, the mean and variance come from one pass over x and the backward from one pass over the
+  output's gradient (nn/batchnorm.py: on a GPU each pass is one kernel of sibling reduces)."""
 
   def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                track_running_stats: bool = True):
@@ -240,19 +239,18 @@ class BatchNorm(Module):
   def forward(self, x: Tensor) -> Tensor:
     if x.ndim < 2 or x.shape[1] != self.num_features:
       raise ShapeError(f"BatchNorm({self.num_features}) expects input (N, {self.num_features}, ...), got {x.shape}")
-    axes = (0, *range(2, x.ndim))
-    if self.training or not self.track_running_stats:
-      count = x.numel() // self.num_features
-      if self.training and count <= 1:
-        raise ValueError(f"BatchNorm needs more than 1 value per channel when training, got input {x.shape}")
-      mean = x.mean(axes)
-      centered = x - _channel_view(mean, x.ndim)
-      var = centered.square().mean(axes)
-      if self.training and self.track_running_stats: self._update_running_stats(mean, var, count)
-      normalized = centered * _channel_view((var + self.eps).rsqrt(), x.ndim)
-    else:
-      normalized = _normalize_by_running_stats(x, self.running_mean, self.running_var, self.eps)
-    return _channel_affine(normalized, self.weight, self.bias)
+    if not self.training and self.track_running_stats:
+      return _channel_affine(_normalize_by_running_stats(x, self.running_mean, self.running_var, self.eps),
+                             self.weight, self.bias)
+    count = x.numel() // self.num_features
+    if self.training and count <= 1:
+      raise ValueError(f"BatchNorm needs more than 1 value per channel when training, got input {x.shape}")
+    # one statistics pass over x, and a backward of one pass too (nn/batchnorm.py says how and why)
+    mean, var = batch_statistics(x.detach())
+    if self.training and self.track_running_stats: self._update_running_stats(mean, var, count)
+    mean, invstd = stored_statistics(mean, (var + self.eps).rsqrt(), x.ndim)
+    affine = (self.weight, self.bias) if self.affine else ()
+    return BatchNormNormalize.apply(x, mean, invstd, *affine)
 
 
 # PyTorch's names (classes of their own, so reprs and type names match): the rank only differs in the input
