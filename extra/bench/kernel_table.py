@@ -14,8 +14,6 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from timing import back_to_back_seconds, cold_kernel_seconds, schedule_items
 
 LARGE_COPY_ELEMENTS = 1 << 26   # 256 MB read and 256 MB written: the copy bandwidth every %copy divides by
@@ -41,13 +39,13 @@ def copy_item(device: str, elements: int) -> Any:
   """The ExecItem of an ourgrad kernel that reads `elements` float32 and writes as many (a copy with one add).
   Where the size allows, rows of 1024 read out of rows of 1032 (so the two axes cannot merge into one): the
   elementwise heuristic then gives each thread a float4 load and store. A 1-D copy moves one float per thread and
-  reached 1613 GB/s on the H100 (too few loads in flight)."""
+  reached 1613 GB/s on the H100 (too few loads in flight). The values are drawn on the device (Tensor.rand): a
+  copy's speed does not depend on them, and drawing gigabytes with numpy takes seconds."""
   from ourgrad import Tensor
   if elements % 1024 == 0:
-    padded = Tensor(np.random.randn(elements // 1024, 1032).astype(np.float32), device=device).realize()
-    source = padded[:, :1024]
+    source = Tensor.rand(elements // 1024, 1032, device=device).realize()[:, :1024]
   else:
-    source = Tensor(np.random.randn(elements).astype(np.float32), device=device).realize()
+    source = Tensor.rand(elements, device=device).realize()
   (item,) = schedule_items(device, source + 1.0)
   return item
 
@@ -55,7 +53,7 @@ def copy_item(device: str, elements: int) -> Any:
 def copy_bandwidth(device: str, elements: int, replays: int = 10) -> float:
   """Bytes per second of the ourgrad copy kernel of `elements` float32 (copy_item), timed cold
   (timing.cold_kernel_seconds) like every kernel of the tables."""
-  seconds = cold_kernel_seconds(copy_item(device, elements), replays).seconds
+  seconds = cold_kernel_seconds(copy_item(device, elements), replays, own_buffers_when_large=True).seconds
   return 2 * elements * 4 / max(seconds, 1e-12)
 
 
