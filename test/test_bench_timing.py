@@ -129,12 +129,53 @@ def test_mnist_roles_name_the_issue_rows() -> None:
   assert role_group("bn1 statistics forward second stage") == "bn1 statistics forward"
 
 
-def _run(arguments: list[str]) -> str:
-  environment = {**os.environ, "DEVICE": "PYTHON", "EMULATE": "CUDA"}
-  result = subprocess.run([sys.executable, str(BENCH / "bench_reduce.py"), "--device", "PYTHON", *arguments],
+def test_mnist_forward_flags_end_at_the_logits() -> None:
+  from kernel_table import MnistRoles
+  roles = MnistRoles([[(16, 5)], [(32, 5)]], 256)
+  kinds = [("matmul", 2359296, 25), ("reduce", 16, 64), ("matmul", 2560, 512), ("reduce", 16, 64), ("reduce", 1, 256)]
+  assert roles.forward_flags(kinds) == [True, True, True, False, False]
+  assert roles.forward_flags(kinds[:2]) == [False, False]   # no logits kernel: nothing is called forward
+
+
+def test_ncu_kernel_seconds_reads_a_real_ncu_csv() -> None:
+  """extra/bench/results/ncu_jit_cnn_h100_s5.txt: the script's own lines, then ncu's CSV (three metrics a launch)."""
+  text = (BENCH / "results" / "ncu_jit_cnn_h100_s5.txt").read_text()
+  from kernel_table import ncu_kernel_seconds
+  measured = ncu_kernel_seconds(text)
+  captured = next(line for line in text.splitlines() if "captured items:" in line).split("captured items: ")[1].split()
+  assert [name for name, _ in measured] == captured
+  assert measured[0] == ("r_128_3_3_2_16_2_2_5_5_4_4", pytest.approx(11.36e-6))
+  with pytest.raises(ValueError): ncu_kernel_seconds("no csv here")
+
+
+def _run(arguments: list[str], script: str = "bench_reduce.py", device: str = "PYTHON") -> str:
+  environment = {**os.environ, "DEVICE": device, "EMULATE": "CUDA"}
+  result = subprocess.run([sys.executable, str(BENCH / script), "--device", device, *arguments],
                           capture_output=True, text=True, env=environment, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
+
+
+def test_profile_jit_step_table_from_ncu_csv(tmp_path: Path) -> None:
+  """--copies then --table on CLANG with a CSV made up in ncu's format: the step's kernels take the CSV's first
+  times in launch order, and the copy kernels after them become the %copy / %same references."""
+  captured = _run(["--model", "cnn", "--copies"], "profile_jit_step.py", "CLANG")
+  names = next(line for line in captured.splitlines() if "captured items:" in line).split("captured items: ")[1].split()
+  copies = int(next(line for line in captured.splitlines() if "copy kernels after the step" in line).split()[1])
+  from kernel_table import LARGE_COPY_ELEMENTS
+  rows = ['"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"']
+  rows += [f'"{index}","{name}","gpu__time_duration.sum","ns","{(index + 1) * 1000:,}"'
+           for index, name in enumerate(names)]
+  # every copy in 1 us but the large one (the last), in 1 ms: 2 x 256 MB / 1 ms = 537 GB/s
+  rows += [f'"{len(names) + index}","E_copy","gpu__time_duration.sum","ns","1,000"' for index in range(copies - 1)]
+  rows.append(f'"{len(names) + copies - 1}","E_copy","gpu__time_duration.sum","usecond","1,000"')
+  (tmp_path / "ncu.csv").write_text("==PROF== Connected\n" + "\n".join(rows) + "\n")
+  output = _run(["--model", "cnn", "--table", str(tmp_path / "ncu.csv")], "profile_jit_step.py", "CLANG")
+  assert "ncu's times of the ourgrad copy kernels" in output and "warning" not in output
+  assert f"copy bandwidth: {2 * LARGE_COPY_ELEMENTS * 4 / 1e-3 / 1e9:.0f} GB/s" in output
+  assert f"ncu sum {sum(range(1, len(names) + 1)) * 1e-3:.3f} ms" in output
+  for role in ("conv2 weight gradient", "bn1 statistics forward", "bn1 statistics backward", "conv1 forward"):
+    assert role in output
 
 
 def test_bench_reduce_runs_small() -> None:
@@ -147,6 +188,7 @@ def test_bench_reduce_runs_small() -> None:
 def test_bench_reduce_mnist_table_small() -> None:
   output = _run(["--scale", "5", "--only-mnist", "--mnist-steps", "1", "--replays", "2"])
   assert "sum of kernel times" in output and "DEBUG=2's 1-launch event times sum to" in output
-  for role in ("conv2 weight gradient", "bn1 statistics forward", "bn1 statistics backward", "conv1 forward"):
+  for role in ("conv2 weight gradient", "conv2 input gradient", "bn1 statistics forward", "bn1 statistics backward",
+               "conv1 forward", "max-pool (forward)", "linear (forward)"):
     assert role in output
   assert "per role" in output

@@ -23,9 +23,8 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -33,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # timing.py and kernel_table.py, beside this script
 from ourgrad import Tensor  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
-from ourgrad.engine.exec_item import CompiledRunner, ExecItem  # noqa: E402
+from ourgrad.engine.exec_item import ExecItem  # noqa: E402
 from timing import (back_to_back_seconds, cold_kernel_seconds, cold_schedule_seconds, ourgrad_kernel_seconds,  # noqa: E402
                     torch_seconds)
 from kernel_table import (CopyReference, KernelKinds, KernelRow, MnistRoles, median_by_launch,  # noqa: E402
-                          print_table)
+                          print_table, recorded_launches)
 
 
 def workloads(scale: int) -> list[tuple[str, list[tuple[int, ...]], Callable[..., Any], int]]:
@@ -153,33 +152,12 @@ def _beam_seconds(device: str, build: Callable[[], Tensor], replays: int) -> flo
   return seconds
 
 
-@contextmanager
-def recorded_launches() -> Iterator[list[tuple[ExecItem, float | None]]]:
-  """Every compiled kernel launched in the block, with its DEBUG=2 event time: DEBUG=2 is set for the block, and
-  ExecItem._print (where every launch passes at DEBUG=2) records instead of printing."""
-  launches: list[tuple[ExecItem, float | None]] = []
-  original = ExecItem._print
-
-  def record(item: ExecItem, seconds: float | None) -> None:
-    if isinstance(item.runner, CompiledRunner): launches.append((item, seconds))
-  previous = os.environ.get("DEBUG")
-  os.environ["DEBUG"] = "2"
-  ExecItem._print = record  # type: ignore[method-assign]
-  try:
-    yield launches
-  finally:
-    ExecItem._print = original  # type: ignore[method-assign]
-    if previous is None: del os.environ["DEBUG"]
-    else: os.environ["DEBUG"] = previous
-
-
 def mnist_step(device: str, scale: int, steps: int = 5, replays: int = 10) -> None:
   """Training steps of examples/mnist.py's default model (batch 256) on random images: each kernel's cold time
   (timing.cold_kernel_seconds) beside its DEBUG=2 event time (median over `steps` steps), bytes, GB/s against the
   copy bandwidth, GFLOP/s (a weight gradient is matmul-like), kind and role; then the totals per role."""
   sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
   import mnist
-  from ourgrad.nn.losses import cross_entropy
   from ourgrad.nn.optim import Adam
   from ourgrad.nn.state import get_parameters
   os.environ["DEVICE"] = device  # the step makes its tensors on the default device
@@ -194,10 +172,6 @@ def mnist_step(device: str, scale: int, steps: int = 5, replays: int = 10) -> No
   walls = []
   with Tensor.train():
     for _ in range(2): mnist.train_step(model, optimizer, images, labels, buffers)  # compile everything
-    with recorded_launches() as forward_launches:   # which kernels are the forward pass's
-      logits = model(mnist.normalize(Tensor(images)))
-      Tensor.realize_all(cross_entropy(logits, Tensor(labels)), *buffers)
-    forward = {id(item.runner) for item, _ in forward_launches}
     for _ in range(steps):
       with recorded_launches() as launches:
         began = time.perf_counter()
@@ -208,13 +182,13 @@ def mnist_step(device: str, scale: int, steps: int = 5, replays: int = 10) -> No
   events = median_by_launch([[seconds for _, seconds in run] for run in runs])
   cold: dict[tuple, Any] = {}   # one timing per kernel and buffer sizes: a step launches some kernels twice
   rows = []
-  for (item, _), event in zip(runs[0], events):
+  step_kinds = [kinds.get(item.runner) for item, _ in runs[0]]
+  for (item, _), event, kind, forward in zip(runs[0], events, step_kinds, roles.forward_flags(step_kinds)):
     runner = item.runner
     key = (id(runner), tuple((buffer.size, buffer.dtype) for buffer in item.bufs))
     if key not in cold: cold[key] = cold_kernel_seconds(item, replays)
-    kind = kinds.get(runner)
     rows.append(KernelRow(runner.name, runner.display_name, cold[key].seconds, event, runner.byte_count,
-                          runner.op_count, KernelKinds.describe(kind), roles.role(kind, id(runner) in forward)))
+                          runner.op_count, KernelKinds.describe(kind), roles.role(kind, forward)))
   methods = sorted({timing.method for timing in cold.values()})
   total = sum(row.seconds for row in rows)
   event_total = sum(row.event_seconds or 0.0 for row in rows)
@@ -225,7 +199,7 @@ def mnist_step(device: str, scale: int, steps: int = 5, replays: int = 10) -> No
   reference = CopyReference(device, (1 << 26) >> 2 * scale)
   print(reference.describe())
   print("kind: outputs x values per output ('matmul' where an input is reused across outputs: a convolution, its "
-        "gradients, a Linear). role: from the model's layer sizes; forward = launched by a forward-only pass")
+        "gradients, a Linear). role: from the model's layer sizes; forward = launched up to the logits' kernel")
   print_table(rows, reference, "ms", "1-launch")
 
 

@@ -10,10 +10,13 @@ KernelKinds (kind of a compiled kernel), MnistRoles (role of a kernel in the ste
 """
 from __future__ import annotations
 
+import os
 import statistics
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from ourgrad.engine.exec_item import CompiledRunner, ExecItem
 from timing import back_to_back_seconds, cold_kernel_seconds, schedule_items
 
 LARGE_COPY_ELEMENTS = 1 << 26   # 256 MB read and 256 MB written: the copy bandwidth every %copy divides by
@@ -77,10 +80,10 @@ class CopyReference:
   `copy_seconds` (the table's method)."""
 
   def __init__(self, device: str, large_elements: int = LARGE_COPY_ELEMENTS,
-               bandwidth: Callable[[str, int], float] = copy_bandwidth):
+               bandwidth: Callable[[str, int], float] = copy_bandwidth, with_torch: bool = True):
     self.device, self.bandwidth = device, bandwidth
     self.ours = bandwidth(device, large_elements)
-    self.theirs = torch_copy_bandwidth(device, large_elements)
+    self.theirs = torch_copy_bandwidth(device, large_elements) if with_torch else None
     self.peak = max(self.ours, self.theirs or 0.0)
     self.by_bucket: dict[int, float] = {}
 
@@ -96,7 +99,7 @@ class CopyReference:
     return self.by_bucket[bucket]
 
   def describe(self) -> str:
-    theirs = f"{self.theirs / 1e9:.0f} GB/s" if self.theirs else "no CUDA torch"
+    theirs = f"{self.theirs / 1e9:.0f} GB/s" if self.theirs else "not measured"
     return (f"copy bandwidth: {self.peak / 1e9:.0f} GB/s, the faster of an ourgrad copy kernel of 2 x 256 MB timed "
             f"like the kernels ({self.ours / 1e9:.0f} GB/s) and torch's copy_ back to back ({theirs}). '%copy' = "
             f"GB/s / that; '%same' = GB/s / the GB/s of the ourgrad copy kernel moving the same bytes (rounded up to "
@@ -159,7 +162,7 @@ class _Conv:
 class MnistRoles:
   """The role of a kernel in examples/mnist.py's training step, read off the model's geometry: a kernel's kind
   (outputs x values per output) matches one layer's forward, input gradient, weight gradient or statistics; whether
-  it is forward or backward comes from a forward-only pass (`forward`: the runners it launched)."""
+  it is forward or backward comes from its place in the step (`forward_flags`)."""
 
   def __init__(self, blocks: list[list[tuple[int, int]]], batch: int, image_size: int = 28, classes: int = 10):
     self.batch, self.classes, self.convs = batch, classes, []
@@ -172,6 +175,17 @@ class MnistRoles:
       self.pools.append((channels, size))
       size //= 2
     self.features = channels * size * size
+
+  def forward_flags(self, kinds: list[tuple[str, int, int]]) -> list[bool]:
+    """Per launch of a step (kinds in launch order): True up to the kernel computing the logits (the Linear layer's
+    forward: batch x classes outputs over the features), False after it. Launches follow the dependencies, and every
+    gradient kernel depends on the logits (the gradient of the loss starts from their softmax), so each kernel of the
+    forward pass (an ancestor of the logits) launches before that one and each gradient kernel after it; kernels that
+    depend on neither (a running-statistics update, the loss's value) may fall on either side. A kernel's AST alone
+    cannot tell: the second stage of a batchnorm statistic is the same kernel forward and backward."""
+    logits = ("matmul", self.batch * self.classes, self.features)
+    last = kinds.index(logits) if logits in kinds else -1
+    return [index <= last for index in range(len(kinds))]
 
   def role(self, kind: tuple[str, int, int], forward: bool) -> str:
     label, outputs, values = kind
@@ -215,6 +229,50 @@ def role_group(role: str) -> str:
   for marker in (" partials", " second stage"):
     role = role.split(marker)[0]
   return role
+
+
+# ---------------------------------------------------------------- Nsight Compute's times
+
+_NCU_UNITS = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3, "s": 1.0,
+              "second": 1.0}
+
+
+def ncu_kernel_seconds(text: str, metric: str = "gpu__time_duration.sum") -> list[tuple[str, float]]:
+  """(kernel name, seconds) of each profiled launch in an `ncu --csv` output (a --log-file, or stdout with the
+  profiled program's own lines mixed in), in launch order (ncu's ID column)."""
+  import csv
+  lines = text.splitlines()
+  starts = [index for index, line in enumerate(lines) if line.startswith('"ID"')]
+  if not starts: raise ValueError("no ncu CSV header (a line starting with \"ID\") in the file")
+  rows = [line for line in lines[starts[0]:] if line.startswith('"')]
+  by_id: dict[int, tuple[str, float]] = {}
+  for row in csv.DictReader(rows):
+    if row.get("Metric Name") != metric: continue
+    scale = _NCU_UNITS.get(row.get("Metric Unit", "ns").strip(), 1e-9)
+    by_id[int(row["ID"])] = (row["Kernel Name"], float(row["Metric Value"].replace(",", "")) * scale)
+  return [by_id[key] for key in sorted(by_id)]
+
+
+# ---------------------------------------------------------------- recording a step
+
+@contextmanager
+def recorded_launches() -> Iterator[list[tuple[ExecItem, float | None]]]:
+  """Every compiled kernel launched in the block, with its DEBUG=2 event time: DEBUG=2 is set for the block, and
+  ExecItem._print (where every launch passes at DEBUG=2) records instead of printing."""
+  launches: list[tuple[ExecItem, float | None]] = []
+  original = ExecItem._print
+
+  def record(item: ExecItem, seconds: float | None) -> None:
+    if isinstance(item.runner, CompiledRunner): launches.append((item, seconds))
+  previous = os.environ.get("DEBUG")
+  os.environ["DEBUG"] = "2"
+  ExecItem._print = record  # type: ignore[method-assign]
+  try:
+    yield launches
+  finally:
+    ExecItem._print = original  # type: ignore[method-assign]
+    if previous is None: del os.environ["DEBUG"]
+    else: os.environ["DEBUG"] = previous
 
 
 # ---------------------------------------------------------------- printing
