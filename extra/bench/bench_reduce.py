@@ -35,8 +35,8 @@ from ourgrad.engine import realize  # noqa: E402
 from ourgrad.engine.exec_item import ExecItem  # noqa: E402
 from timing import (back_to_back_seconds, cold_kernel_seconds, cold_schedule_seconds, ourgrad_kernel_seconds,  # noqa: E402
                     torch_seconds)
-from kernel_table import (CopyReference, KernelKinds, KernelRow, MnistRoles, median_by_launch,  # noqa: E402
-                          print_table, recorded_launches)
+from kernel_table import (CopyReference, KernelKinds, KernelRow, MnistRoles, floor_seconds,  # noqa: E402
+                          median_by_launch, print_table, recorded_launches)
 
 
 def workloads(scale: int) -> list[tuple[str, list[tuple[int, ...]], Callable[..., Any], int]]:
@@ -198,6 +198,8 @@ def mnist_step(device: str, scale: int, steps: int = 5, replays: int = 10) -> No
         f"ms (with DEBUG=2's per-kernel synchronization)")
   reference = CopyReference(device, (1 << 26) >> 2 * scale)
   print(reference.describe())
+  print(f"floor: a one-element kernel timed the same way takes {floor_seconds(device, replays) * 1e6:.2f} us (what "
+        f"every launch costs here)")
   print("kind: outputs x values per output ('matmul' where an input is reused across outputs: a convolution, its "
         "gradients, a Linear). role: from the model's layer sizes; forward = launched up to the logits' kernel")
   print_table(rows, reference, "ms", "1-launch")

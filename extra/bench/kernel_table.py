@@ -60,6 +60,14 @@ def copy_bandwidth(device: str, elements: int, replays: int = 10) -> float:
   return 2 * elements * 4 / max(seconds, 1e-12)
 
 
+def floor_seconds(device: str, replays: int = 10) -> float:
+  """Cold time of a kernel that does nothing to speak of (one float32 plus one): what every launch costs with this
+  timing (on a CUDA graph, the gap between two chained nodes and the launch of one block)."""
+  from ourgrad import Tensor
+  (item,) = schedule_items(device, Tensor.rand(1, device=device).realize() + 1.0)
+  return cold_kernel_seconds(item, replays).seconds
+
+
 def torch_copy_bandwidth(device: str, elements: int, launches: int = 20) -> float | None:
   """Bytes per second of torch's device-to-device copy_ of `elements` float32, back to back (None without CUDA
   torch)."""

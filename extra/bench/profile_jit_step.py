@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this che
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_jit import MLP, load_mnist_example, ourgrad_step  # noqa: E402
 from kernel_table import (LARGE_COPY_ELEMENTS, CopyReference, KernelKinds, KernelRow, MnistRoles,  # noqa: E402
-                          copy_item, ncu_kernel_seconds, print_table)
+                          copy_item, floor_seconds, ncu_kernel_seconds, print_table)
 from timing import cold_kernel_seconds  # noqa: E402
 
 import ourgrad.engine.schedule as schedule  # noqa: E402
@@ -127,6 +127,7 @@ def print_ncu_table(device: str, items: list, csv_text: str, roles: MnistRoles |
   print(f"{len(rows)} kernels: ncu sum {sum(row.seconds for row in rows) * 1e3:.3f} ms, cold CUDA-graph sum "
         f"{sum(row.event_seconds or 0.0 for row in rows) * 1e3:.3f} ms; copy references: {source}")
   print(reference.describe())
+  print(f"floor: a one-element kernel timed cold takes {floor_seconds(device) * 1e6:.2f} us")
   print_table(rows, reference, "ncu ms", "cold ms")
 
 
