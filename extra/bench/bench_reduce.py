@@ -3,12 +3,18 @@ device's copy bandwidth, with ourgrad's hand-coded kernels (and BEAM=2 when ourg
 beside PyTorch eager and torch.compile in the same run; then the per-kernel table of one examples/mnist.py training
 step.
 
-Method: inputs are realized first; each ourgrad figure is the median over `--iters` runs (after 3 warm-up runs) of
-the summed device times of the kernels realizing the result (CUDA events, the timing DEBUG=2 prints). PyTorch is
-timed with torch.cuda events over the same runs. GB/s counts each input read once and each output written once;
-"% copy" compares with a device-to-device copy of the same bytes measured here.
-Run: `python extra/bench/bench_reduce.py` on a machine with an NVIDIA GPU (`--device PYTHON --scale 10` runs a
-tiny version anywhere, for checking the script).
+Method: inputs are realized first. Each ourgrad kernel is timed cold and GPU-bound (timing.cold_kernel_seconds: many
+launches on scratch buffers that together exceed twice the L2, replayed as one CUDA graph, per-launch time from
+device events; the module docstring of extra/bench/timing.py says what that counts and what it does not); a
+workload's figure is the sum over its kernels. The '1-launch' column is the older figure: each kernel launched once
+between two CUDA events (what DEBUG=2 prints; it also counts the host's launch into an idle GPU, ~10 us on an
+H100), median over `--iters` runs. PyTorch eager and torch.compile are timed back to back (`--iters` calls between
+two synchronizations, timing.back_to_back_seconds; the host clock on the CPU). GB/s counts each input read once and
+each output written once; '%copy' compares with the large-copy bandwidth (the faster of an ourgrad copy kernel and
+torch's copy_ of 2 x 256 MB), '%same' with an ourgrad copy kernel moving the same bytes timed the same way.
+Run: `python extra/bench/bench_reduce.py` on a machine with an NVIDIA GPU; `--only-mnist` prints only the step's
+table, `--no-mnist` only the workloads (`--device PYTHON --scale 10` runs a tiny version anywhere, for checking the
+script).
 """
 from __future__ import annotations
 
@@ -23,30 +29,14 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # timing.py and kernel_table.py, beside this script
 from ourgrad import Tensor  # noqa: E402
-from timing import torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.engine import realize  # noqa: E402
-from ourgrad.engine.exec_item import CompiledRunner, ExecItem  # noqa: E402
-from ourgrad.engine.realize import get_runner  # noqa: E402
-from ourgrad.engine.schedule import create_schedule  # noqa: E402
-
-
-def kernel_seconds(device: str, build: Callable[[], Tensor], iters: int) -> tuple[float, list[tuple[str, float]]]:
-  """Median summed kernel time of realizing `build()`, and the (name, seconds) of each kernel of the last run."""
-  totals, kernels = [], []
-  for _ in range(iters + 3):
-    schedule = create_schedule([build().lazydata])
-    total, kernels = 0.0, []
-    for item in schedule:
-      for buffer in item.outputs: buffer.allocate()
-      runner = get_runner(device, item.ast)
-      seconds = runner(item.bufs, wait=True) or 0.0
-      total += seconds
-      kernels.append((runner.name, seconds))
-    totals.append(total)
-  return statistics.median(totals[3:]), kernels
-
-
+from ourgrad.engine.exec_item import ExecItem  # noqa: E402
+from timing import (back_to_back_seconds, cold_kernel_seconds, cold_schedule_seconds, ourgrad_kernel_seconds,  # noqa: E402
+                    torch_seconds)
+from kernel_table import (CopyReference, KernelKinds, KernelRow, MnistRoles, floor_seconds,  # noqa: E402
+                          median_by_launch, print_table, recorded_launches)
 
 
 def workloads(scale: int) -> list[tuple[str, list[tuple[int, ...]], Callable[..., Any], int]]:
@@ -75,49 +65,70 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--device", default="CUDA")
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--replays", type=int, default=10, help="CUDA graph replays per cold kernel time (median)")
   parser.add_argument("--scale", type=int, default=0, help="halve each side this many times (for a quick check)")
   parser.add_argument("--no-mnist", action="store_true")
   parser.add_argument("--only-mnist", action="store_true", help="only the per-kernel table of one MNIST step")
+  parser.add_argument("--only", help="only the workloads whose name contains this")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-  parser.add_argument("--mnist-steps", type=int, default=5, help="steps timed for the MNIST table (median per kernel)")
+  parser.add_argument("--no-beam", action="store_true", help="skip the BEAM=2 column (its search takes minutes)")
+  parser.add_argument("--no-torch", action="store_true", help="skip PyTorch (for checking the script without it)")
+  parser.add_argument("--mnist-steps", type=int, default=5, help="steps of the MNIST table's 1-launch column (median)")
   args = parser.parse_args()
   if args.only_mnist:
-    mnist_step(args.device, args.scale, args.mnist_steps)
+    mnist_step(args.device, args.scale, args.mnist_steps, args.replays)
     return
-  import torch
-  cuda = args.device.upper().startswith("CUDA")
-  torch_device = "cuda" if cuda else "cpu"
-  if cuda: print(f"device: {torch.cuda.get_device_name()}")
-  search_available = _search_available()
+  workload_table(args)
+  if not args.no_mnist: mnist_step(args.device, args.scale, args.mnist_steps, args.replays)
 
-  header = f"{'workload':<22} {'bytes':>9} {'ourgrad':>9} {'GB/s':>7} {'%copy':>6} {'kernels':>7}"
-  header += f" {'BEAM=2':>9} {'torch':>9} {'compile':>9}   (times in ms)"
+
+def workload_table(args: argparse.Namespace) -> None:
+  """The table of issue 10's workloads: ourgrad cold (and 1-launch, BEAM=2) beside torch eager and compiled."""
+  cuda = args.device.upper().startswith("CUDA")
+  torch = None
+  if not args.no_torch:
+    import torch
+    if cuda: print(f"device: {torch.cuda.get_device_name()}")
+  beam_available = not args.no_beam and _search_available()
+  reference = CopyReference(args.device, (1 << 26) >> 2 * args.scale)
+  print(reference.describe())
+  print("a reduction almost only reads: DRAM serves reads alone faster than a copy's mix of reads and writes, so its "
+        "%copy can pass 100% (H100: ~3100 GB/s against ~3000)")
+  header = f"{'workload':<22} {'bytes':>9} {'ourgrad':>9} {'GB/s':>7} {'%copy':>6} {'%same':>6} {'kernels':>7}"
+  header += f" {'1-launch':>9} {'BEAM=2':>9} {'torch':>9} {'compile':>9}   (times in ms; ourgrad, BEAM=2: cold)"
   print(header)
+  rng = np.random.default_rng(0)
   for name, shapes, function, outputs in workloads(args.scale):
-    host = [np.random.randn(*shape).astype(np.float32) for shape in shapes]
+    if args.only and args.only not in name: continue
+    host = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
     inputs = [Tensor(array, device=args.device).realize() for array in host]
     moved = sum(array.nbytes for array in host) + outputs * 4
-    ours, kernels = kernel_seconds(args.device, lambda: function(*inputs), args.iters)
-    beam = _beam_seconds(args.device, lambda: function(*inputs), args.iters) if search_available else None
-    torch_inputs = [torch.tensor(array, device=torch_device) for array in host]
-    eager = torch_seconds(lambda: function(*torch_inputs), args.iters, cuda)
-    compiled = None
-    if not args.no_compile:
-      try:
-        compiled_function = torch.compile(function)
-        compiled = torch_seconds(lambda: compiled_function(*torch_inputs), args.iters, cuda)
-      except Exception as error:  # no compiler toolchain for inductor here
-        print(f"  torch.compile failed: {type(error).__name__}")
-    scratch = torch.empty(moved // 4, device=torch_device)
-    source = torch.randn(moved // 4, device=torch_device)
-    copy = torch_seconds(lambda: scratch.copy_(source), args.iters, cuda)
-    copy_gbs = 2 * moved / copy / 1e9  # the copy reads and writes `moved` bytes
-    gbs = moved / ours / 1e9
+    ours, kernels = cold_schedule_seconds(args.device, function(*inputs), args.replays)
+    one_launch, _ = ourgrad_kernel_seconds(args.device, lambda: function(*inputs), args.iters)
+    beam = _beam_seconds(args.device, lambda: function(*inputs), args.replays) if beam_available else None
+    eager = compiled = None
+    if torch is not None:
+      torch_inputs = [torch.tensor(array, device="cuda" if cuda else "cpu") for array in host]
+      eager = _torch_time(lambda: function(*torch_inputs), args.iters, cuda)
+      if not args.no_compile:
+        try:
+          compiled_function = torch.compile(function)
+          compiled = _torch_time(lambda: compiled_function(*torch_inputs), args.iters, cuda)
+        except Exception as error:  # no compiler toolchain for inductor here
+          print(f"  torch.compile failed: {type(error).__name__}")
+    gbs = moved / ours
 
     def ms(value: float | None) -> str: return f"{value * 1e3:9.3f}" if value is not None else f"{'-':>9}"
-    print(f"{name:<22} {moved / 1e6:8.0f}M {ms(ours)} {gbs:7.0f} {gbs / copy_gbs * 100:5.0f}% {len(kernels):7d}"
-          f" {ms(beam)} {ms(eager)} {ms(compiled)}   [{', '.join(f'{k} {s * 1e3:.3f}' for k, s in kernels)}]")
-  if not args.no_mnist: mnist_step(args.device, args.scale, args.mnist_steps)
+    print(f"{name:<22} {moved / 1e6:8.0f}M {ms(ours)} {gbs / 1e9:7.0f} {gbs / reference.peak * 100:5.0f}% "
+          f"{gbs / reference.same(moved) * 100:5.0f}% {len(kernels):7d} {ms(one_launch)} {ms(beam)} {ms(eager)} "
+          f"{ms(compiled)}   [{', '.join(f'{k} {s * 1e3:.3f}' for k, s in kernels)}]")
+
+
+def _torch_time(function: Callable[[], Any], iters: int, cuda: bool) -> float:
+  """PyTorch's seconds per call: back to back on a GPU (as ourgrad's kernels, no host gap counted), wall on the CPU."""
+  if not cuda: return torch_seconds(function, iters, False)
+  import torch
+  return back_to_back_seconds(function, torch.cuda.synchronize, launches=max(iters, 2))
 
 
 def _search_available() -> bool:
@@ -128,12 +139,12 @@ def _search_available() -> bool:
     return False
 
 
-def _beam_seconds(device: str, build: Callable[[], Tensor], iters: int) -> float | None:
-  """Kernel time with BEAM=2 (the search runs on the first call, then its cache is used)."""
+def _beam_seconds(device: str, build: Callable[[], Tensor], replays: int) -> float | None:
+  """Cold summed kernel time with BEAM=2 (the search runs on the first call, then its cache is used)."""
   os.environ["BEAM"] = "2"
   realize._runner_cache.clear()
   try:
-    seconds, _ = kernel_seconds(device, build, iters)
+    seconds, _ = cold_schedule_seconds(device, build(), replays)
   except Exception as error:
     print(f"  BEAM=2 failed: {type(error).__name__}: {error}")
     seconds = None
@@ -143,9 +154,10 @@ def _beam_seconds(device: str, build: Callable[[], Tensor], iters: int) -> float
   return seconds
 
 
-def mnist_step(device: str, scale: int, steps: int = 5) -> None:
-  """Training steps of examples/mnist.py's default model (batch 256) on random images: each kernel's time (median
-  over `steps` steps), bytes, GB/s against the copy bandwidth, and GFLOP/s (a weight gradient is matmul-like)."""
+def mnist_step(device: str, scale: int, steps: int = 5, replays: int = 10) -> None:
+  """Training steps of examples/mnist.py's default model (batch 256) on random images: each kernel's cold time
+  (timing.cold_kernel_seconds) beside its DEBUG=2 event time (median over `steps` steps), bytes, GB/s against the
+  copy bandwidth, GFLOP/s (a weight gradient is matmul-like), kind and role; then the totals per role."""
   sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
   import mnist
   from ourgrad.nn.optim import Adam
@@ -157,110 +169,42 @@ def mnist_step(device: str, scale: int, steps: int = 5) -> None:
   buffers = mnist.batchnorm_buffers(model)
   images = np.random.randint(0, 255, (batch, 1, 28, 28)).astype(np.uint8)
   labels = np.random.randint(0, 10, batch).astype(np.int32)
-  runs: list[list[tuple[str, str, float, int, int, str]]] = []
-  original = ExecItem._print  # every launch passes here at DEBUG=2, with its device time
-
-  def record(item: ExecItem, timing: float | None) -> None:
-    runner = item.runner
-    if isinstance(runner, CompiledRunner):
-      runs[-1].append((runner.name, runner.display_name, timing or 0.0, runner.byte_count, runner.op_count,
-                       kinds.get(id(runner), "")))
-  kinds = _KernelKinds(device)
+  kinds, roles = KernelKinds(device), MnistRoles(mnist.MODELS["small"], batch)
+  runs: list[list[tuple[ExecItem, float | None]]] = []
   walls = []
   with Tensor.train():
     for _ in range(2): mnist.train_step(model, optimizer, images, labels, buffers)  # compile everything
-    kinds.update()
-    os.environ["DEBUG"] = "2"
-    ExecItem._print = record  # type: ignore[method-assign]
-    try:
-      for _ in range(steps):
-        runs.append([])
+    for _ in range(steps):
+      with recorded_launches() as launches:
         began = time.perf_counter()
         mnist.train_step(model, optimizer, images, labels, buffers)
         walls.append(time.perf_counter() - began)
-    finally:
-      ExecItem._print = original  # type: ignore[method-assign]
-      del os.environ["DEBUG"]
-  # the same kernels launch in the same order every step: each launch's time is its median over the steps
-  launches = [(name, shape, statistics.median(run[index][2] for run in runs), moved, ops, kind)
-              for index, (name, shape, _, moved, ops, kind) in enumerate(runs[0])]
-  total = sum(launch[2] for launch in launches)
-  print(f"\nmnist training step (batch {batch}): {len(launches)} kernels, sum of kernel times {total * 1e3:.3f} ms "
-        f"(median of {steps} steps per kernel), wall {statistics.median(walls) * 1e3:.1f} ms (with DEBUG=2's "
-        f"per-kernel synchronization)")
-  ours, theirs = copy_bandwidth(device, 1 << 26), torch_copy_bandwidth(device, 1 << 26)
-  peak = max(ours, theirs or 0.0)
-  print(f"copy bandwidth: {peak / 1e9:.0f} GB/s, the faster of an ourgrad copy kernel of 2 x 256 MB timed like the "
-        f"kernels below ({ours / 1e9:.0f} GB/s) and torch's copy_ ("
-        f"{f'{theirs / 1e9:.0f} GB/s' if theirs else 'no CUDA torch'}). '%copy' = GB/s / that; '%same' = GB/s / the "
-        f"GB/s of the ourgrad copy kernel moving the same bytes, timed the same way (a small kernel cannot beat its "
-        f"launch and event overhead, neither can that copy)")
-  print("kind: outputs x values per output of a reduce ('matmul' where an input is reused across outputs: a weight "
-        "gradient or a convolution; 'reduce': batchnorm statistics, losses, the second kernel of a split)")
-  print(f"{'kernel':<36} {'ms':>8} {'MB':>7} {'GB/s':>8} {'%copy':>6} {'%same':>6} {'GFLOP/s':>8}  {'kind':<26} axes")
-  same_cache: dict[int, float] = {}
-  for name, shape, seconds, moved, ops, kind in sorted(launches, key=lambda launch: -launch[2]):
-    gbs = moved / max(seconds, 1e-12)
-    bucket = max(1 << max(moved - 1, 1).bit_length(), 1024)   # copies timed at powers of two of bytes
-    if bucket not in same_cache: same_cache[bucket] = copy_bandwidth(device, bucket // 8)
-    print(f"{name:<36} {seconds * 1e3:8.3f} {moved / 1e6:7.2f} {gbs / 1e9:8.1f} {gbs / peak * 100:5.1f}% "
-          f"{gbs / same_cache[bucket] * 100:5.0f}% {ops / max(seconds, 1e-12) / 1e9:8.0f}  {kind:<26} {shape}")
-
-
-class _KernelKinds:
-  """What each compiled kernel of the engine's runner cache computes, by the runner's id: 'matmul 12800x512',
-  'reduce 1024x512' (outputs x values per output) or 'elementwise 200704'."""
-
-  def __init__(self, device: str):
-    self.device, self.kinds = device, {}
-
-  def update(self) -> None:
-    from ourgrad.codegen.kernel import Kernel
-    from ourgrad.codegen.opt.heuristic import _matmul_like
-    from ourgrad.device import Device
-    from ourgrad.helpers import prod
-    from ourgrad.ops import Ops
-    for (device, ast), runner in list(realize._runner_cache.items()):
-      if device != self.device or id(runner) in self.kinds: continue
-      if ast.op is Ops.PACK:   # a multi-tensor kernel: several elementwise segments in one launch
-        self.kinds[id(runner)] = f"packed {len(ast.srcs)} segments"
-        continue
-      kernel = Kernel(ast, Device[device].renderer)
-      outputs = prod(kernel.full_shape[:kernel.first_reduce])
-      if kernel.reduceop is None:
-        self.kinds[id(runner)] = f"elementwise {outputs}"
-        continue
-      label = "matmul" if _matmul_like(kernel) else "reduce"
-      self.kinds[id(runner)] = f"{label} {outputs}x{prod(kernel.full_shape[kernel.first_reduce:])}"
-
-  def get(self, key: int, default: str) -> str: return self.kinds.get(key, default)
-
-
-def copy_bandwidth(device: str, elements: int, iters: int = 10) -> float:
-  """Bytes per second of an ourgrad kernel that reads `elements` float32 and writes as many (a copy with one add),
-  timed like every kernel here (median of the device times of `iters` launches). Where the size allows, rows of
-  1024 read out of rows of 1032 (so the two axes cannot merge into one): the elementwise heuristic then gives each
-  thread a float4 load and store. A 1-D copy moves one float per thread and reached 1613 GB/s on the H100 (too few
-  loads in flight)."""
-  if elements % 1024 == 0:
-    padded = Tensor(np.random.randn(elements // 1024, 1032).astype(np.float32), device=device).realize()
-    source = padded[:, :1024]
-  else:
-    source = Tensor(np.random.randn(elements).astype(np.float32), device=device).realize()
-  seconds, _ = kernel_seconds(device, lambda: source + 1.0, iters)
-  return 2 * elements * 4 / max(seconds, 1e-12)
-
-
-def torch_copy_bandwidth(device: str, elements: int, iters: int = 10) -> float | None:
-  """Bytes per second of torch's device-to-device copy_ of `elements` float32 (None without CUDA torch)."""
-  if not device.upper().startswith("CUDA"): return None
-  try:
-    import torch
-    if not torch.cuda.is_available(): return None
-  except ImportError:
-    return None
-  source, target = torch.randn(elements, device="cuda"), torch.empty(elements, device="cuda")
-  return 2 * elements * 4 / torch_seconds(lambda: target.copy_(source), iters, True)
+      runs.append(launches)
+  kinds.update()
+  events = median_by_launch([[seconds for _, seconds in run] for run in runs])
+  cold: dict[tuple, Any] = {}   # one timing per kernel and buffer sizes: a step launches some kernels twice
+  rows = []
+  step_kinds = [kinds.get(item.runner) for item, _ in runs[0]]
+  for (item, _), event, kind, forward in zip(runs[0], events, step_kinds, roles.forward_flags(step_kinds)):
+    runner = item.runner
+    key = (id(runner), tuple((buffer.size, buffer.dtype) for buffer in item.bufs))
+    if key not in cold: cold[key] = cold_kernel_seconds(item, replays)
+    rows.append(KernelRow(runner.name, runner.display_name, cold[key].seconds, event, runner.byte_count,
+                          runner.op_count, KernelKinds.describe(kind), roles.role(kind, forward)))
+  methods = sorted({timing.method for timing in cold.values()})
+  total = sum(row.seconds for row in rows)
+  event_total = sum(row.event_seconds or 0.0 for row in rows)
+  print(f"\nmnist training step (batch {batch}): {len(rows)} kernels, sum of kernel times {total * 1e3:.3f} ms "
+        f"(cold, {'/'.join(methods)}: timing.cold_kernel_seconds); DEBUG=2's 1-launch event times sum to "
+        f"{event_total * 1e3:.3f} ms (median of {steps} steps per kernel); wall {statistics.median(walls) * 1e3:.1f} "
+        f"ms (with DEBUG=2's per-kernel synchronization)")
+  reference = CopyReference(device, (1 << 26) >> 2 * scale)
+  print(reference.describe())
+  print(f"floor: a one-element kernel timed the same way takes {floor_seconds(device, replays) * 1e6:.2f} us (what "
+        f"every launch costs here)")
+  print("kind: outputs x values per output ('matmul' where an input is reused across outputs: a convolution, its "
+        "gradients, a Linear). role: from the model's layer sizes; forward = launched up to the logits' kernel")
+  print_table(rows, reference, "ms", "1-launch")
 
 
 if __name__ == "__main__":
