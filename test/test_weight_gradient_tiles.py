@@ -29,6 +29,8 @@ TILES = tuple(dict.fromkeys(WEIGHT_GRADIENT_TILES + (
   WeightGradientTile(cin_threads=4, row_group=8, column_unroll=0),
   WeightGradientTile(cin_threads=4, row_group=8, column_unroll=4),
   WeightGradientTile(cout_upcast=2, cin_threads=2, cout_threads=8, row_group=8, column_unroll=0),
+  WeightGradientTile(cin_threads=2, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
+  WeightGradientTile(cout_threads=4, row_group=8, column_unroll=8, filter_rows_local=True),
 )))
 
 

@@ -159,13 +159,16 @@ class WeightGradientTile:
   divides them) and `cout_threads` output channels. `row_group` GROUP threads (a power of two dividing it) split the
   image rows (the reduce's second-innermost axis: neighbouring lanes read neighbouring rows, and the partials meet by
   warp shuffles); `column_unroll` unrolls the image columns (the innermost reduce axis; 0: whole). Without
-  `row_group`, a block of fewer than `small_block` threads GROUPs the columns whole instead of unrolling them."""
+  `row_group`, a block of fewer than `small_block` threads GROUPs the columns whole instead of unrolling them.
+  `filter_rows_local`: the filter's rows (the window axis outside the filter row) are LOCAL threads whole, so a block
+  loads each gradient value once for every row instead of one block per row loading it again."""
   cout_upcast: int = 4
   cin_threads: int = 16
   cout_threads: int = 8
   row_group: int = 0
   column_unroll: int = 4
   small_block: int = 64
+  filter_rows_local: bool = False
 
 
 # tried in order; the first whose opts apply is taken
@@ -213,9 +216,11 @@ def _apply_weight_gradient_tile(kernel: Kernel, tile: WeightGradientTile, window
   plan = [Opt(OptOps.UPCAST, row, sizes[row]), Opt(OptOps.UPCAST, channel, tile.cout_upcast)]
   sizes[channel] //= tile.cout_upcast
   threads = 1
+  filter_rows = row - 1 if tile.filter_rows_local and row - 1 in window_axes else None
+  if tile.filter_rows_local and filter_rows is None: return False
   for axis, limit in [(axis, tile.cin_threads) for axis in reversed(window_axes) if axis != row] + \
                      [(channel, tile.cout_threads)]:
-    amount = power_of_two_divisor(sizes[axis], limit)
+    amount = sizes[axis] if axis == filter_rows else power_of_two_divisor(sizes[axis], limit)
     if amount < 2: continue
     plan.append(Opt(OptOps.LOCAL, axis, amount))
     sizes[axis] //= amount
