@@ -441,8 +441,8 @@ def main() -> None:
   parser.add_argument("--beam", type=int, default=2, help="BEAM width per kernel (0: no search)")
   parser.add_argument("--beam-filter", default="", help="only the kernels whose plain name contains this")
   parser.add_argument("--only", default="", help="rows whose label contains this: mnist, f32, f16")
-  parser.add_argument("--rows", default="", help="the 56x56 convs' rows whose label contains one of these "
-                      "(comma-separated), e.g. 'hand,halo'")
+  parser.add_argument("--rows", default="", help="the 56x56 convs' (and --wgrad's) rows whose label contains one of "
+                      "these (comma-separated, or '|'-separated where a label has commas), e.g. 'hand,halo'")
   parser.add_argument("--scale", type=int, default=0, help="divide batch and image sizes by 2^scale (smoke tests)")
   parser.add_argument("--parts-sweep", action="store_true", help="time the MNIST step with several split-K parts")
   parser.add_argument("--wgrad", action="store_true", help="the MNIST step's weight gradients alone: the first "
@@ -452,7 +452,8 @@ def main() -> None:
   args = parser.parse_args()
   os.environ["DEVICE"] = args.device   # the MNIST step makes its tensors on the default device
   print(f"{'':<46}{'kernel':<38} {'ms':>8} {'GFLOP/s':>8} {'check':<6} opts")
-  rows = tuple(part for part in args.rows.split(",") if part)
+  # labels hold commas: "|" separates the parts where it is used
+  rows = tuple(part for part in args.rows.split("|" if "|" in args.rows else ",") if part)
   if args.wgrad:
     original = lazy.GPU_SPLIT_MIN_PART_MATMUL
     try:
