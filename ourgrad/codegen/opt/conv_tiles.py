@@ -158,21 +158,33 @@ class WeightGradientTile:
   a block's LOCAL threads take up to `cin_threads` input channels (more window axes first, where a power of two
   divides them) and `cout_threads` output channels. `row_group` GROUP threads (a power of two dividing it) split the
   image rows (the reduce's second-innermost axis: neighbouring lanes read neighbouring rows, and the partials meet by
-  warp shuffles); `column_unroll` unrolls the image columns (the innermost reduce axis; 0: whole). Without
-  `row_group`, a block of fewer than `small_block` threads GROUPs the columns whole instead of unrolling them.
+  warp shuffles); `column_group` GROUP threads (a power of two dividing it) split the image columns (the innermost
+  reduce axis) too; `column_unroll` unrolls the image columns (0: whole, 1: not at all). Without `row_group`, a block
+  of fewer than `small_block` threads GROUPs the columns whole instead of unrolling them.
   `filter_rows_local`: the filter's rows (the window axis outside the filter row) are LOCAL threads whole, so a block
   loads each gradient value once for every row instead of one block per row loading it again."""
   cout_upcast: int = 4
   cin_threads: int = 16
   cout_threads: int = 8
   row_group: int = 0
+  column_group: int = 0
   column_unroll: int = 4
   small_block: int = 64
   filter_rows_local: bool = False
 
 
-# tried in order; the first whose opts apply is taken
-WEIGHT_GRADIENT_TILES = (WeightGradientTile(),)
+# tried in order; the first whose opts apply is taken. H100, the MNIST step's weight gradients at batch 256 (partial
+# sums alone, bench_conv_kernels.py --wgrad, run 1 of session 6): conv2 (32 parts of 8 images) 44.7 -> 19.6 us with
+# the first (a block: 5 filter rows x 4 cin x 4 cout x 4 image-row lanes, the image row's 8 columns unrolled: 12 input
+# values serve 8 x 5 taps; GROUP rows 4 without the filter rows as threads 23.1 us, GROUP rows 8 33.1 us); conv1
+# (256 parts of 1 image, 24x24: the first's unrolled row takes too many registers) 20.5 -> 14.6 us with the second (5
+# filter rows x 4 cout x 2 image rows x 8 columns; rows 8 and 8 columns unrolled 15.8 us); the last is the tile before
+# (filter rows per thread, LOCAL cin 16 x cout 8, columns unrolled by 4, or GROUPed where the block is small)
+WEIGHT_GRADIENT_TILES = (
+  WeightGradientTile(cin_threads=4, cout_threads=4, row_group=4, column_unroll=0, filter_rows_local=True),
+  WeightGradientTile(cout_threads=4, row_group=2, column_group=8, column_unroll=1, filter_rows_local=True),
+  WeightGradientTile(),
+)
 
 
 def weight_gradient_tiles(kernel: Kernel, tiles: tuple[WeightGradientTile, ...] = WEIGHT_GRADIENT_TILES) -> bool:
@@ -234,7 +246,10 @@ def _apply_weight_gradient_tile(kernel: Kernel, tile: WeightGradientTile, window
     amount = power_of_two_divisor(rows, tile.row_group)
     if amount < 2 or not kernel.try_opt(Opt(OptOps.GROUP, loops - 2, amount)): return False
     columns = kernel.first_upcast - kernel.first_loop_reduce - 1
-    return kernel.try_opt(Opt(OptOps.UNROLL, columns, tile.column_unroll))
+    if tile.column_group:
+      amount = power_of_two_divisor(kernel.full_shape[kernel.first_loop_reduce + columns], tile.column_group)
+      if amount < 2 or not kernel.try_opt(Opt(OptOps.GROUP, columns, amount)): return False
+    return tile.column_unroll == 1 or kernel.try_opt(Opt(OptOps.UNROLL, columns, tile.column_unroll))
   if threads < tile.small_block: kernel.try_opt(Opt(OptOps.GROUP, columns, 0))
   else: kernel.try_opt(Opt(OptOps.UNROLL, columns, tile.column_unroll))
   return True
