@@ -271,8 +271,9 @@ def test_benchmark_conv_kernel_choices() -> None:
 def test_split_weight_gradient_tiles_match_the_plain_kernel(monkeypatch: pytest.MonkeyPatch, channels: int,
                                                             size: int, kernel_size: int) -> None:
   """conv_tiles.weight_gradient_tiles on the split-K weight gradient (thresholds scaled down so a small conv splits):
-  filter rows per thread, with LOCAL input channels and unrolled rows (4 input channels) or GROUP rows (1, as MNIST's
-  conv1); every kernel against its plain version on the emulated GPU, the gradient against torch."""
+  a filter row per thread, the filter's rows as LOCAL threads and GROUP lanes over the image rows (and columns, where
+  the unrolled row would take too many registers); every kernel against its plain version on the emulated GPU, the
+  gradient against torch. Each WeightGradientTile alone: test_weight_gradient_tiles.py."""
   import ourgrad.lazy as lazy
   for name, value in (("GPU_SPLIT_MIN_ELEMENTS", 64), ("GPU_SPLIT_MIN_PART", 8), ("GPU_SPLIT_MIN_PART_MATMUL", 8),
                       ("GPU_SPLIT_TARGET_OUTPUTS", 64)):
