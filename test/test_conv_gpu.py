@@ -174,13 +174,15 @@ def test_mnist_conv_kernel_choices() -> None:
   step's speed, to be measured (`python extra/bench/bench_conv_kernels.py`)."""
   assert _mnist_conv_kernels((256, 16, 12, 12), (32, 16, 5, 5), True) == {
     "r_256_32_8_8_16_5_5": "r_256_8_8_2_2_5_5_4_4_8",         # forward: conv tile, 64 pixels x 32 channels
-    "r_32_32_16_5_5_8_8_8": "r_32_5_8_16_8_8_2_5_4_4",        # weight gradient, 32 parts of 8 images: filter rows
+    "r_32_32_16_5_5_8_8_8": "r_32_2_4_4_4_5_4_8_2_5_4_8",     # weight gradient, 32 parts of 8 images: filter rows,
+    #                                                           5 x 4 cin x 4 cout threads x 4 GROUP image rows
     "r_12800_32": "r_100_128_8_4",                            # the parts summed
     "r_256_16_12_12_32_5_5": "r_32_3_3_4_8_4_4_5_5_4_4_8",    # input gradient: conv tile over the padded gradient
   }
   assert _mnist_conv_kernels((256, 1, 28, 28), (16, 1, 5, 5), False) == {
     "r_256_16_24_24_5_5": "r_128_3_3_2_16_2_2_5_5_4_4",       # forward: one input channel, no conv tile
-    "r_256_16_5_5_24_24": "r_256_5_4_24_24_5_4",              # weight gradient, 256 parts of 1 image, GROUP rows
+    "r_256_16_5_5_24_24": "r_256_4_5_2_8_12_3_5_4",           # weight gradient, 256 parts of 1 image: filter rows,
+    #                                                           5 x 4 cout threads x 2 x 8 GROUP image rows x columns
     "r_400_256": "r_25_16_16_16",
   }
 
@@ -269,8 +271,9 @@ def test_benchmark_conv_kernel_choices() -> None:
 def test_split_weight_gradient_tiles_match_the_plain_kernel(monkeypatch: pytest.MonkeyPatch, channels: int,
                                                             size: int, kernel_size: int) -> None:
   """conv_tiles.weight_gradient_tiles on the split-K weight gradient (thresholds scaled down so a small conv splits):
-  filter rows per thread, with LOCAL input channels and unrolled rows (4 input channels) or GROUP rows (1, as MNIST's
-  conv1); every kernel against its plain version on the emulated GPU, the gradient against torch."""
+  a filter row per thread, the filter's rows as LOCAL threads and GROUP lanes over the image rows (and columns, where
+  the unrolled row would take too many registers); every kernel against its plain version on the emulated GPU, the
+  gradient against torch. Each WeightGradientTile alone: test_weight_gradient_tiles.py."""
   import ourgrad.lazy as lazy
   for name, value in (("GPU_SPLIT_MIN_ELEMENTS", 64), ("GPU_SPLIT_MIN_PART", 8), ("GPU_SPLIT_MIN_PART_MATMUL", 8),
                       ("GPU_SPLIT_TARGET_OUTPUTS", 64)):

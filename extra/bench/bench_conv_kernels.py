@@ -6,7 +6,9 @@ input gradient, weight gradient and the weight gradient's second split-K kernel)
 3x3 filters, pad 1, in float32 and float16 (issue 12's rows; PyTorch/cuDNN beside them where torch has CUDA).
 `--parts-sweep` also times every kernel of the MNIST step with the split-K part size of matmul-like reduces
 (lazy.GPU_SPLIT_MIN_PART_MATMUL) set to each of 128, 256, 512 and 1024 products, and with the input gradient's
-padded output gradient stored first (tensor_conv.store_padded_gradient, as on the CPU).
+padded output gradient stored first (tensor_conv.store_padded_gradient, as on the CPU). `--wgrad` times the step's
+weight gradients alone (WEIGHT_GRADIENT_VARIANTS), their second split-K kernel and the pair, at each part size of
+`--split-part`.
 
 Method: each kernel runs on scratch buffers filled with random values (codegen/opt/search.py's helpers); a figure is
 the fastest of `--iters` device-timed launches after one warm-up. Every variant and BEAM's winner is checked
@@ -14,6 +16,7 @@ against the unoptimized kernel on the same random inputs ("ok" / "WRONG"); a var
 why. Run on a CUDA machine from the repository root:
   python extra/bench/bench_conv_kernels.py                 # mnist kernels, the 56x56 convs, BEAM=2 on each
   python extra/bench/bench_conv_kernels.py --beam 0 --parts-sweep
+  python extra/bench/bench_conv_kernels.py --beam 0 --wgrad --split-part 256,512 --rows hand,group
 `--device PYTHON` (with EMULATE=CUDA) checks the script and the variants' results without a GPU (slow: use
 `--only mnist --scale 3`).
 """
@@ -39,7 +42,7 @@ from ourgrad.codegen.opt.conv_tiles import ConvTile, shared_conv_tiles  # noqa: 
 from ourgrad.codegen.opt.heuristic import _matmul_like  # noqa: E402
 from ourgrad.codegen.opt.search import apply_opts, beam_search, random_fill, scratch_buffers, verify_kernel  # noqa
 from ourgrad.device import Device  # noqa: E402
-from ourgrad.engine.realize import compile_kernel  # noqa: E402
+from ourgrad.engine.realize import compile_kernel, get_kernel  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 from ourgrad.ops import LazyOp, Ops  # noqa: E402
 
@@ -94,32 +97,147 @@ VARIANTS: dict[str, dict[str, list[Opt]]] = {
 
 
 # the first split-K kernel of a weight gradient, by rank of its plain shape: MNIST conv2's (parts, cout 32, cin 16,
-# 5, 5 | images per part, 8, 8) and conv1's (parts, cout 16, 5, 5 | 24, 24; cin 1 is dropped), for any part count
+# 5, 5 | images per part, 8, 8) and conv1's (parts, cout 16, 5, 5 | 24, 24; cin 1 is dropped), for any part count.
+# A thread's register tile is a filter row (UPCAST kw 5) x cout; its lanes along cin/cout (LOCAL), or also along an
+# image row or column (GROUP: coalesced loads, partials combined by warp shuffles, 8x the threads)
+KW5 = Opt(U, 4, 5)   # conv2's filter row (kw), upcast whole
 WEIGHT_GRADIENT_VARIANTS: dict[int, dict[str, list[Opt]]] = {
   8: {
     "group ow": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8), Opt(G, 2, 0)],
     "group oh ow": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 4), Opt(G, 1, 0), Opt(G, 1, 0)],
-    "group oh ow, cout 8 threads": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 1, 8), Opt(G, 1, 0), Opt(G, 1, 0)],
-    "no group, locals parts 4 cout 8 cin 4": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(R, 2, 4), Opt(L, 2, 4), Opt(L, 1, 8),
-                                              Opt(L, 0, 4)],
-    "locals kw 5 cin 4 cout 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(R, 2, 4), Opt(L, 4, 5), Opt(L, 2, 4), Opt(L, 1, 8)],
-    "upcast kw 5, locals cin 16 cout 8": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(R, 2, 4)],
-    # 80 outputs per thread (cout 4 x cin 4 x kw 5): each x value serves 4 couts and up to 5 kw, each g value 20
-    "upcast kw 5 cout 4 cin 4, unroll ow 2, locals cin 4 cout 8": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(U, 2, 4),
-                                                                   Opt(L, 2, 4), Opt(L, 1, 8), Opt(R, 2, 2)],
-    "upcast kw 5 cout 4 cin 4, group ow, locals cin 4 cout 4": [Opt(U, 4, 5), Opt(U, 1, 4), Opt(U, 2, 4),
-                                                                Opt(L, 2, 4), Opt(L, 1, 4), Opt(G, 2, 0)],
+    "upcast kw 5, locals cin 16 cout 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(R, 2, 4)],
+    "upcast kw 5, locals cin 16 cout 8, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(R, 2, 0)],
+    "upcast kw 5 cout 8, locals cin 16 cout 4": [KW5, Opt(U, 1, 8), Opt(L, 2, 16), Opt(L, 1, 4), Opt(R, 2, 4)],
+    "upcast kw 5 cout 2, locals cin 16 cout 16": [KW5, Opt(U, 1, 2), Opt(L, 2, 16), Opt(L, 1, 16), Opt(R, 2, 4)],
+    "upcast kw 5, locals cin 16 cout 8, group oh 2": [KW5, Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(G, 1, 2),
+                                                      Opt(R, 2, 4)],
+    "upcast kw 5, locals cin 8 cout 8, group oh 2": [KW5, Opt(U, 1, 4), Opt(L, 2, 8), Opt(L, 1, 8), Opt(G, 1, 2),
+                                                     Opt(R, 2, 4)],
+    "upcast kw 5, locals cin 16 cout 8, group n 2": [KW5, Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(G, 0, 2),
+                                                     Opt(R, 2, 4)],
+    "upcast kw 5, locals cin 4 cout 8, group ow": [KW5, Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8), Opt(G, 2, 0)],
+    "upcast kw 5, locals cin 8 cout 4, group ow": [KW5, Opt(U, 1, 4), Opt(L, 2, 8), Opt(L, 1, 4), Opt(G, 2, 0)],
+    "upcast kw 5, locals cin 16 cout 2, group ow": [KW5, Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 2), Opt(G, 2, 0)],
+    "upcast kw 5, locals cin 2 cout 8, group ow": [KW5, Opt(U, 1, 4), Opt(L, 2, 2), Opt(L, 1, 8), Opt(G, 2, 0)],
+    "upcast kw 5, locals cin 4 cout 4, group ow": [KW5, Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 4), Opt(G, 2, 0)],
+    "upcast kw 5 cout 8, locals cin 4 cout 4, group ow": [KW5, Opt(U, 1, 8), Opt(L, 2, 4), Opt(L, 1, 4),
+                                                          Opt(G, 2, 0)],
+    "upcast kw 5 cout 8, locals cin 8 cout 2, group ow": [KW5, Opt(U, 1, 8), Opt(L, 2, 8), Opt(L, 1, 2),
+                                                          Opt(G, 2, 0)],
+    "upcast kw 5 cout 2, locals cin 4 cout 16, group ow": [KW5, Opt(U, 1, 2), Opt(L, 2, 4), Opt(L, 1, 16),
+                                                           Opt(G, 2, 0)],
+    "upcast kw 5, locals cin 4 cout 8, group ow 4 unroll 2": [KW5, Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8),
+                                                              Opt(G, 2, 4), Opt(R, 2, 0)],
+    "upcast kw 5, locals cin 8 cout 8, group ow 4 unroll 2": [KW5, Opt(U, 1, 4), Opt(L, 2, 8), Opt(L, 1, 8),
+                                                              Opt(G, 2, 4), Opt(R, 2, 0)],
+    "upcast kw 5, locals cin 4 cout 8, group oh, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8),
+                                                                Opt(G, 1, 0), Opt(R, 1, 0)],
+    "upcast kw 5, locals cin 8 cout 4, group oh, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 8), Opt(L, 1, 4),
+                                                                Opt(G, 1, 0), Opt(R, 1, 0)],
+    "upcast kw 5, locals cin 4 cout 8, group oh, unroll ow 4": [KW5, Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8),
+                                                                Opt(G, 1, 0), Opt(R, 1, 4)],
+    "upcast kw 5, locals cin 16 cout 2, group oh, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 2),
+                                                                 Opt(G, 1, 0), Opt(R, 1, 0)],
+    "upcast kw 5, locals cin 2 cout 8, group oh, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 2), Opt(L, 1, 8),
+                                                                Opt(G, 1, 0), Opt(R, 1, 0)],
+    "upcast kw 5, locals cin 4 cout 4, group oh, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 4),
+                                                                Opt(G, 1, 0), Opt(R, 1, 0)],
+    "upcast kw 5, locals cin 4 cout 8, group oh 4, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8),
+                                                                  Opt(G, 1, 4), Opt(R, 2, 0)],
+    "upcast kw 5 cout 8, locals cin 4 cout 4, group oh, unroll ow 4": [KW5, Opt(U, 1, 8), Opt(L, 2, 4), Opt(L, 1, 4),
+                                                                       Opt(G, 1, 0), Opt(R, 1, 4)],
+    "upcast kw 5, locals cin 4 cout 8, group n 2 oh, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 4), Opt(L, 1, 8),
+                                                                    Opt(G, 1, 0), Opt(G, 0, 2), Opt(R, 1, 0)],
+    "upcast kw 5, locals cin 8 cout 8, group oh, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 8), Opt(L, 1, 8),
+                                                                Opt(G, 1, 0), Opt(R, 1, 0)],
+    # the window's rows as threads of one block (each gradient value loaded once per block, not once per row)
+    "upcast kw 5, locals kh 5 cin 2 cout 4, group oh, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 3, 5), Opt(L, 2, 2),
+                                                                     Opt(L, 1, 4), Opt(G, 1, 0), Opt(R, 1, 0)],
+    "upcast kw 5, locals kh 5 cin 4 cout 4, group oh 4, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 3, 5), Opt(L, 2, 4),
+                                                                       Opt(L, 1, 4), Opt(G, 1, 4), Opt(R, 2, 0)],
+    # around the hand-coded tile (kh 5 cin 4 cout 4 threads, GROUP oh 4, ow 8 unrolled)
+    "upcast kw 5, locals kh 5 cin 2 cout 8, group oh 4, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 3, 5), Opt(L, 2, 2),
+                                                                       Opt(L, 1, 8), Opt(G, 1, 4), Opt(R, 2, 0)],
+    "upcast kw 5, locals kh 5 cin 8 cout 2, group oh 4, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 3, 5), Opt(L, 2, 8),
+                                                                       Opt(L, 1, 2), Opt(G, 1, 4), Opt(R, 2, 0)],
+    "upcast kw 5, locals kh 5 cin 4 cout 4, group oh 2, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 3, 5), Opt(L, 2, 4),
+                                                                       Opt(L, 1, 4), Opt(G, 1, 2), Opt(R, 2, 0)],
+    "upcast kw 5, locals kh 5 cin 4 cout 2, group oh 4, unroll ow 8": [KW5, Opt(U, 1, 4), Opt(L, 3, 5), Opt(L, 2, 4),
+                                                                       Opt(L, 1, 2), Opt(G, 1, 4), Opt(R, 2, 0)],
+    "upcast kw 5 cout 2, locals kh 5 cin 4 cout 8, group oh 4, unroll ow 8": [KW5, Opt(U, 1, 2), Opt(L, 3, 5),
+                                                                              Opt(L, 2, 4), Opt(L, 1, 8), Opt(G, 1, 4),
+                                                                              Opt(R, 2, 0)],
+    "upcast kw 5 cout 8, locals kh 5 cin 4 cout 2, group oh 4, unroll ow 4": [KW5, Opt(U, 1, 8), Opt(L, 3, 5),
+                                                                              Opt(L, 2, 4), Opt(L, 1, 2), Opt(G, 1, 4),
+                                                                              Opt(R, 2, 4)],
+    "upcast kw 5, locals kh 5 cin 4 cout 4, group oh 4, unroll ow 4": [KW5, Opt(U, 1, 4), Opt(L, 3, 5), Opt(L, 2, 4),
+                                                                       Opt(L, 1, 4), Opt(G, 1, 4), Opt(R, 2, 4)],
+    "shared: upcast kw 5, locals cin 16 cout 8, step ow 8": [KW5, Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8),
+                                                             Opt(S, 0, 0), Opt(R, 2, 0)],
+    "shared: upcast kw 5, locals cin 16 cout 8, step oh ow": [KW5, Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8),
+                                                              Opt(S, 0, 0), Opt(R, 2, 0), Opt(R, 1, 0)],
     "shared: locals kw 5 cin 4 cout 8, step ow 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 4, 5), Opt(L, 2, 4),
                                                     Opt(L, 1, 8), Opt(S, 0, 0), Opt(R, 2, 8)],
-    "shared: locals kw 5 cin 4 cout 8 parts 2, step ow 8": [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 4, 5), Opt(L, 2, 4),
-                                                            Opt(L, 1, 8), Opt(L, 0, 2), Opt(S, 0, 0), Opt(R, 2, 8)],
+  },
+  # conv1 with parts of 2 images (a part size of 1024): (parts, cout 16, 5, 5 | 2, 24, 24)
+  7: {
+    "upcast kw 5, group ow": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 2, 0)],
+    "upcast kw 5, group ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 2, 8)],
+    "upcast kw 5, locals cout 4, group oh 4 ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 1, 4),
+                                                    Opt(G, 2, 8)],
+    "upcast kw 5, locals cout 4, group oh 8 ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 1, 8),
+                                                    Opt(G, 2, 8)],
+    "upcast kw 5, locals cout 4, group oh 8, unroll ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 1, 8),
+                                                            Opt(R, 2, 8)],
   },
   6: {
     "upcast kw 5, group ow": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 1, 0)],
     "upcast kw 5, group oh 4 ow": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 4), Opt(G, 1, 0)],
-    "group ow, locals parts 2": [Opt(U, 1, 4), Opt(L, 1, 4), Opt(L, 0, 2), Opt(G, 1, 0), Opt(R, 0, 4)],
-    "group oh 8 ow": [Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 8), Opt(G, 1, 0)],
     "upcast kw 5 kh 5, group ow": [Opt(U, 3, 5), Opt(U, 2, 5), Opt(U, 1, 2), Opt(L, 1, 8), Opt(G, 1, 0)],
+    "upcast kw 5, group ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 1, 8)],
+    "upcast kw 5, group ow 8, unroll 3": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 1, 8), Opt(R, 1, 0)],
+    "upcast kw 5, cout 8 threads, group ow 8": [Opt(U, 3, 5), Opt(U, 1, 2), Opt(L, 1, 8), Opt(G, 1, 8)],
+    "upcast kw 5 cout 8, group ow 8": [Opt(U, 3, 5), Opt(U, 1, 8), Opt(L, 1, 2), Opt(G, 1, 8)],
+    "upcast kw 5, locals cout 4, group oh 4 ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 4),
+                                                    Opt(G, 1, 8)],
+    "upcast kw 5, locals cout 4, group oh 8 ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 8),
+                                                    Opt(G, 1, 8)],
+    "upcast kw 5, locals cout 4, group oh 2 ow, unroll oh 3": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 2),
+                                                               Opt(G, 1, 0), Opt(R, 0, 3)],
+    "upcast kw 5 cout 16, group ow": [Opt(U, 3, 5), Opt(U, 1, 0), Opt(G, 1, 0)],
+    "upcast kw 5 cout 8, group ow": [Opt(U, 3, 5), Opt(U, 1, 8), Opt(L, 1, 2), Opt(G, 1, 0)],
+    "upcast kw 5 kh 5 cout 4, group ow 8": [Opt(U, 3, 5), Opt(U, 2, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 1, 8)],
+    "upcast kw 5, group oh 2 ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 2), Opt(G, 1, 8)],
+    "upcast kw 5 cout 8, group oh 4 ow 8": [Opt(U, 3, 5), Opt(U, 1, 8), Opt(L, 1, 2), Opt(G, 0, 4), Opt(G, 1, 8)],
+    "upcast kw 5, locals cout 4, group oh 8, unroll ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 8),
+                                                            Opt(R, 1, 8)],
+    "upcast kw 5, locals cout 4, group oh 8, unroll ow 4": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(G, 0, 8),
+                                                            Opt(R, 1, 4)],
+    "upcast kw 5 cout 2, locals cout 8, group oh 8, unroll ow 8": [Opt(U, 3, 5), Opt(U, 1, 2), Opt(L, 1, 8),
+                                                                   Opt(G, 0, 8), Opt(R, 1, 8)],
+    "upcast kw 5, locals cout 4, group oh 8 ow 2, unroll ow 4": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4),
+                                                                 Opt(G, 0, 8), Opt(G, 1, 2), Opt(R, 1, 4)],
+    "upcast kw 5, locals kh 5 cout 4, group ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 2, 5), Opt(L, 1, 4),
+                                                    Opt(G, 1, 8)],
+    "upcast kw 5, locals kh 5 cout 4, group oh 8, unroll ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 2, 5),
+                                                                 Opt(L, 1, 4), Opt(G, 0, 8), Opt(R, 1, 8)],
+    "upcast kw 5, locals kh 5 cout 4, group oh 2 ow 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 2, 5), Opt(L, 1, 4),
+                                                         Opt(G, 0, 2), Opt(G, 1, 8)],
+    "upcast kw 5 kh 5 cout 2, locals cout 8, group oh 8, unroll ow 4": [Opt(U, 3, 5), Opt(U, 2, 5), Opt(U, 1, 2),
+                                                                        Opt(L, 1, 8), Opt(G, 0, 8), Opt(R, 1, 4)],
+    "upcast kw 5, locals kh 5 cout 2, group oh 2 ow 8": [Opt(U, 3, 5), Opt(U, 1, 8), Opt(L, 2, 5), Opt(L, 1, 2),
+                                                         Opt(G, 0, 2), Opt(G, 1, 8)],
+    "upcast kw 5, locals kh 5 cout 4, group oh 2 ow 8, unroll oh 2": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 2, 5),
+                                                                      Opt(L, 1, 4), Opt(G, 0, 2), Opt(G, 1, 8),
+                                                                      Opt(R, 0, 2)],
+    "upcast kw 5, locals kh 5 cout 4, group oh 2 ow 8, unroll ow 3": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 2, 5),
+                                                                      Opt(L, 1, 4), Opt(G, 0, 2), Opt(G, 1, 8),
+                                                                      Opt(R, 1, 0)],
+    "upcast kw 5, locals kh 5 cout 4, group oh 2 ow 4, unroll ow 2": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 2, 5),
+                                                                      Opt(L, 1, 4), Opt(G, 0, 2), Opt(G, 1, 4),
+                                                                      Opt(R, 1, 2)],
+    "upcast kw 5, unroll ow 8, locals cout 4 parts 8": [Opt(U, 3, 5), Opt(U, 1, 4), Opt(L, 1, 4), Opt(L, 0, 8),
+                                                        Opt(R, 1, 8)],
   },
 }
 
@@ -173,8 +291,9 @@ def tiled(plain: Kernel, tile: ConvTile) -> Kernel:
   return kernel
 
 
-def mnist_step_asts(scale: int) -> list[LazyOp]:
-  """The kernel ASTs of one examples/mnist.py training step (nothing runs): the graph is built and scheduled."""
+def mnist_step_schedule(scale: int) -> list:
+  """The kernel ScheduleItems of one examples/mnist.py training step (nothing runs): the graph is built and
+  scheduled."""
   import mnist
   from ourgrad.nn.losses import cross_entropy
   from ourgrad.nn.optim import Adam
@@ -191,7 +310,49 @@ def mnist_step_asts(scale: int) -> list[LazyOp]:
     loss.backward()
     outs = [loss, *optimizer.schedule_step(), *mnist.batchnorm_buffers(model)]
     schedule = create_schedule([t.lazydata for t in outs])
-  return [item.ast for item in schedule if item.ast.op is Ops.STORE]
+  return [item for item in schedule if item.ast.op in (Ops.STORE, Ops.PACK)]
+
+
+def mnist_step_asts(scale: int) -> list[LazyOp]:
+  """The kernel ASTs of one examples/mnist.py training step (packed elementwise kernels left out)."""
+  return [item.ast for item in mnist_step_schedule(scale) if item.ast.op is Ops.STORE]
+
+
+def weight_gradients(device: str, scale: int) -> list[tuple[LazyOp, list[LazyOp]]]:
+  """The MNIST step's split weight gradients: each first (partial sums) kernel's AST and the ASTs of the kernels
+  that read its partials (the second stage; it may be fused with the optimizer's update)."""
+  items = mnist_step_schedule(scale)
+  pairs = []
+  for item in items:
+    if item.ast.op is not Ops.STORE: continue
+    plain = Kernel(item.ast, Device[device].renderer)
+    if plain.reduceop is None or not is_weight_gradient_part(plain): continue
+    written = {id(buffer) for buffer in item.outputs}
+    readers = [other.ast for other in items if any(id(buffer) in written for buffer in other.inputs)]
+    pairs.append((item.ast, readers))
+  return pairs
+
+
+def bench_weight_gradients(device: str, iters: int, scale: int, beam: int, rows: tuple[str, ...]) -> None:
+  """The weight gradients alone: each first kernel's hand-coded choice, variants and BEAM's choice, then its second
+  stage (hand-coded), and the sum of the hand-coded pair with its GFLOP/s."""
+  for partials, readers in weight_gradients(device, scale):
+    bench_ast(partials, device, iters, beam, f"weight gradient (split part {lazy.GPU_SPLIT_MIN_PART_MATMUL})",
+              rows=rows)
+    hand = Kernel(partials, Device[device].renderer)
+    hand.hand_coded_optimizations()
+    buffers = scratch_buffers(partials, device)
+    random_fill(buffers, seed=0)
+    flops = compile_kernel(hand, device).op_count
+    total = time_kernel(hand, device, buffers, iters)
+    for reader in readers:
+      kernel = get_kernel(reader, device)
+      reader_buffers = scratch_buffers(reader, device)
+      random_fill(reader_buffers, seed=0)
+      seconds = time_kernel(kernel, device, reader_buffers, iters)
+      total += seconds
+      row("second stage (hand-coded)", kernel, seconds, flops, "")
+    print(f"  {'pair, hand-coded':<44} {hand.name:<38} {total * 1e3:8.4f} {flops / total / 1e9:8.0f}")
 
 
 def conv_ast(device: str, dtype_name: str, scale: int) -> LazyOp:
@@ -308,13 +469,28 @@ def main() -> None:
   parser.add_argument("--beam", type=int, default=2, help="BEAM width per kernel (0: no search)")
   parser.add_argument("--beam-filter", default="", help="only the kernels whose plain name contains this")
   parser.add_argument("--only", default="", help="rows whose label contains this: mnist, f32, f16")
-  parser.add_argument("--rows", default="", help="the 56x56 convs' rows whose label contains one of these "
-                      "(comma-separated), e.g. 'hand,halo'")
+  parser.add_argument("--rows", default="", help="the 56x56 convs' (and --wgrad's) rows whose label contains one of "
+                      "these (comma-separated, or '|'-separated where a label has commas), e.g. 'hand,halo'")
   parser.add_argument("--scale", type=int, default=0, help="divide batch and image sizes by 2^scale (smoke tests)")
   parser.add_argument("--parts-sweep", action="store_true", help="time the MNIST step with several split-K parts")
+  parser.add_argument("--wgrad", action="store_true", help="the MNIST step's weight gradients alone: the first "
+                      "kernel's variants (--rows filters them), the second stage, the pair's sum")
+  parser.add_argument("--split-part", default="", help="comma-separated split-K part sizes of matmul-like reduces "
+                      "(lazy.GPU_SPLIT_MIN_PART_MATMUL) to run --wgrad at, e.g. 128,256,512")
   args = parser.parse_args()
   os.environ["DEVICE"] = args.device   # the MNIST step makes its tensors on the default device
   print(f"{'':<46}{'kernel':<38} {'ms':>8} {'GFLOP/s':>8} {'check':<6} opts")
+  # labels hold commas: "|" separates the parts where it is used
+  rows = tuple(part for part in args.rows.split("|" if "|" in args.rows else ",") if part)
+  if args.wgrad:
+    original = lazy.GPU_SPLIT_MIN_PART_MATMUL
+    try:
+      for part in [int(size) for size in args.split_part.split(",") if size] or [original]:
+        lazy.GPU_SPLIT_MIN_PART_MATMUL = part
+        bench_weight_gradients(args.device, args.iters, args.scale, args.beam, rows)
+    finally:
+      lazy.GPU_SPLIT_MIN_PART_MATMUL = original
+    return
   if "mnist".startswith(args.only) or args.only in "mnist":
     for ast in mnist_step_asts(args.scale):
       plain = Kernel(ast, Device[args.device].renderer)
@@ -326,7 +502,7 @@ def main() -> None:
     label = f"conv 64x64x56x56 3x3 pad 1 {'f32' if dtype_name == 'float32' else 'f16'}"
     if args.only and args.only not in label: continue
     bench_ast(conv_ast(args.device, dtype_name, args.scale), args.device, args.iters, args.beam, label,
-              args.beam_filter, tuple(part for part in args.rows.split(",") if part))
+              args.beam_filter, rows)
     if args.device.startswith("CUDA"): torch_conv(dtype_name, args.iters)
   if args.parts_sweep: parts_sweep(args.device, args.iters, args.scale)
 

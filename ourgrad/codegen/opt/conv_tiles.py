@@ -151,40 +151,107 @@ def tensor_core_conv_tiles(kernel: Kernel) -> bool:
 WINDOW_UPCAST_MAX = 8
 
 
-def weight_gradient_tiles(kernel: Kernel) -> bool:
+@dataclass(frozen=True)
+class WeightGradientTile:
+  """The threads of a split-K weight gradient's partial-sums kernel. A thread sums a whole filter row (the window's
+  innermost axis, UPCAST: one input value serves every tap of the row it falls in) x `cout_upcast` output channels;
+  a block's LOCAL threads take up to `cin_threads` input channels (more window axes first, where a power of two
+  divides them) and `cout_threads` output channels. `row_group` GROUP threads (a power of two dividing it) split the
+  image rows (the reduce's second-innermost axis: neighbouring lanes read neighbouring rows, and the partials meet by
+  warp shuffles); `column_group` GROUP threads (a power of two dividing it) split the image columns (the innermost
+  reduce axis) too; `column_unroll` unrolls the image columns (0: whole, 1: not at all). Without `row_group`, a block
+  of fewer than `small_block` threads GROUPs the columns whole instead of unrolling them.
+  `filter_rows_local`: the filter's rows (the window axis outside the filter row) are LOCAL threads whole, so a block
+  loads each gradient value once for every row instead of one block per row loading it again."""
+  cout_upcast: int = 4
+  cin_threads: int = 16
+  cout_threads: int = 8
+  row_group: int = 0
+  column_group: int = 0
+  column_unroll: int = 4
+  small_block: int = 64
+  filter_rows_local: bool = False
+
+
+# tried in order; the first whose opts apply is taken. H100, the MNIST step's weight gradients at batch 256 (partial
+# sums alone, bench_conv_kernels.py --wgrad, run 1 of session 6): conv2 (32 parts of 8 images) 44.7 -> 19.6 us with
+# the first (a block: 5 filter rows x 4 cin x 4 cout x 4 image-row lanes, the image row's 8 columns unrolled: 12 input
+# values serve 8 x 5 taps; GROUP rows 4 without the filter rows as threads 23.1 us, GROUP rows 8 33.1 us); conv1
+# (256 parts of 1 image, 24x24: the first's unrolled row takes too many registers) 20.5 -> 14.6 us with the second (5
+# filter rows x 4 cout x 2 image rows x 8 columns; rows 8 and 8 columns unrolled 15.8 us); the last is the tile before
+# (filter rows per thread, LOCAL cin 16 x cout 8, columns unrolled by 4, or GROUPed where the block is small)
+WEIGHT_GRADIENT_TILES = (
+  WeightGradientTile(cin_threads=4, cout_threads=4, row_group=4, column_unroll=0, filter_rows_local=True),
+  WeightGradientTile(cout_threads=4, row_group=2, column_group=8, column_unroll=1, filter_rows_local=True),
+  WeightGradientTile(),
+)
+
+
+def weight_gradient_tiles(kernel: Kernel, tiles: tuple[WeightGradientTile, ...] = WEIGHT_GRADIENT_TILES) -> bool:
   """The partial-sums kernel of a split-K convolution weight gradient (outputs: parts, output channels, input
-  channels, window; the parts along both operands of the product): each thread takes a whole filter row (UPCAST of
-  the window's innermost axis: one input value serves up to 5 taps, one gradient value 5 outputs) x 4 output
-  channels, LOCAL threads from the input channels (up to 16) and output channels (up to 8); a block with fewer than
-  64 threads splits the reduce's innermost axis (an image row) over GROUP threads, else unrolls it by 4. H100 (MNIST,
-  batch 256): conv1's 37 -> 19 us, conv2's 56 -> 44 us. False (the kernel untouched) where it does not apply."""
-  if kernel.applied_opts or kernel.reduceop.dtype != dtypes.float32: return False
+  channels, window; the parts along both operands of the product) with the first of `tiles` that applies. False (the
+  kernel untouched) where the kernel is not one or no tile applies."""
+  sides = _weight_gradient_sides(kernel) if not kernel.applied_opts else None
+  if sides is None: return False
+  window_axes, channel, row = sides
+  for tile in tiles:
+    trial = kernel.copy()
+    if _apply_weight_gradient_tile(trial, tile, window_axes, channel, row):
+      kernel.__dict__.update(trial.__dict__)
+      return True
+  return False
+
+
+def _weight_gradient_sides(kernel: Kernel) -> tuple[list[int], int, int] | None:
+  """(window-side axes, the output-channel axis a cout tile of 4 divides, the filter row axis) of a float32 split-K
+  weight gradient's partial-sums kernel, or None: a product of two loads with an output axis (the parts) along both,
+  the output's innermost axis (stride 1) a filter row of 2..WINDOW_UPCAST_MAX taps."""
+  if kernel.reduceop.dtype != dtypes.float32: return None
   try: a, b = matmul_operands(kernel.reduceop, dtypes.float32, dtypes.float32, "weight gradient")
-  except KernelOptError: return False
+  except KernelOptError: return None
   m_axes, n_axes, _ = kernel.matmul_axes(a, b)
-  if not m_axes or not n_axes or len(m_axes) + len(n_axes) == kernel.first_reduce: return False   # no parts axis
+  if not m_axes or not n_axes or len(m_axes) + len(n_axes) == kernel.first_reduce: return None   # no parts axis
   output_strides = kernel.sts[0].real_strides()
   row = kernel.first_reduce - 1
-  if output_strides[row] != 1 or not 2 <= kernel.full_shape[row] <= WINDOW_UPCAST_MAX: return False
+  if output_strides[row] != 1 or not 2 <= kernel.full_shape[row] <= WINDOW_UPCAST_MAX: return None
   window_axes, channel_axes = (m_axes, n_axes) if row in m_axes else (n_axes, m_axes)
   channel = next((axis for axis in reversed(channel_axes) if kernel.full_shape[axis] % 4 == 0), None)
-  if channel is None: return False
-  trial = kernel.copy()
+  return None if channel is None else (window_axes, channel, row)
+
+
+def _apply_weight_gradient_tile(kernel: Kernel, tile: WeightGradientTile, window_axes: list[int], channel: int,
+                                row: int) -> bool:
+  """Apply `tile` (see WeightGradientTile); False where an opt does not fit (the kernel part-way changed: apply on a
+  copy)."""
   sizes = list(kernel.full_shape)
-  plan = [Opt(OptOps.UPCAST, row, sizes[row]), Opt(OptOps.UPCAST, channel, 4)]
-  sizes[channel] //= 4
+  if sizes[channel] % tile.cout_upcast: return False
+  plan = [Opt(OptOps.UPCAST, row, sizes[row]), Opt(OptOps.UPCAST, channel, tile.cout_upcast)]
+  sizes[channel] //= tile.cout_upcast
   threads = 1
-  for axis, limit in [(axis, 16) for axis in reversed(window_axes) if axis != row] + [(channel, 8)]:
-    amount = power_of_two_divisor(sizes[axis], limit)
+  filter_rows = row - 1 if tile.filter_rows_local and row - 1 in window_axes else None
+  if tile.filter_rows_local and filter_rows is None: return False
+  for axis, limit in [(axis, tile.cin_threads) for axis in reversed(window_axes) if axis != row] + \
+                     [(channel, tile.cout_threads)]:
+    amount = sizes[axis] if axis == filter_rows else power_of_two_divisor(sizes[axis], limit)
     if amount < 2: continue
     plan.append(Opt(OptOps.LOCAL, axis, amount))
     sizes[axis] //= amount
     threads *= amount
-  if not trial.try_output_opts(plan): return False
-  last_reduce = trial.first_upcast - 1 - trial.first_loop_reduce
-  if threads < 64: trial.try_opt(Opt(OptOps.GROUP, last_reduce, 0))
-  else: trial.try_opt(Opt(OptOps.UNROLL, last_reduce, 4))
-  kernel.__dict__.update(trial.__dict__)
+  if not kernel.try_output_opts(plan): return False
+  loops = kernel.first_upcast - kernel.first_loop_reduce
+  columns = loops - 1
+  if tile.row_group:
+    if loops < 2: return False
+    rows = kernel.full_shape[kernel.first_loop_reduce + loops - 2]
+    amount = power_of_two_divisor(rows, tile.row_group)
+    if amount < 2 or not kernel.try_opt(Opt(OptOps.GROUP, loops - 2, amount)): return False
+    columns = kernel.first_upcast - kernel.first_loop_reduce - 1
+    if tile.column_group:
+      amount = power_of_two_divisor(kernel.full_shape[kernel.first_loop_reduce + columns], tile.column_group)
+      if amount < 2 or not kernel.try_opt(Opt(OptOps.GROUP, columns, amount)): return False
+    return tile.column_unroll == 1 or kernel.try_opt(Opt(OptOps.UNROLL, columns, tile.column_unroll))
+  if threads < tile.small_block: kernel.try_opt(Opt(OptOps.GROUP, columns, 0))
+  else: kernel.try_opt(Opt(OptOps.UNROLL, columns, tile.column_unroll))
   return True
 
 
