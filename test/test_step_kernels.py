@@ -72,17 +72,19 @@ class _MLP:
 # ================================================================ pins
 
 def test_mnist_cnn_step_kernel_count(on_python: None) -> None:
-  """examples/mnist.py's CNN, batch 256: 33 launches (39 before each batchnorm's statistics became one pass of sibling
-  reduces forward and one backward (nn/batchnorm.py): each of its two batchnorms lost a partial-sums kernel and a
-  second stage in backward, and in forward a partial-sums kernel (its mean and inverse std are then stored by one
-  small launch, after the mean's second stage); 50 before small reduces were packed: the 7 small reduces and
+  """examples/mnist.py's CNN, batch 256: 31 launches (33 before each batchnorm's forward second stages became one
+  kernel of sibling reduces that also stores the mean, the inverse std and the running variance computed from them
+  (engine/multi_output.py): one launch less per batchnorm; 39 before each batchnorm's statistics became one pass of
+  sibling reduces forward and one backward (nn/batchnorm.py): each of its two batchnorms lost a partial-sums kernel
+  and a second stage in backward, and in forward a partial-sums kernel (its mean and inverse std were then stored by
+  one small launch, after the mean's second stage); 50 before small reduces were packed: the 7 small reduces and
   the step counter at the last-but-one dependency height share one; 44 before a GPU conv's input gradient read the
   output gradient through masked loads instead of a padded copy; 43 before three of each batchnorm backward's four
   partial sums over its input became one kernel of sibling reduces: the fourth needs the variance's gradient)."""
   mnist = _load_example(ROOT / "examples" / "mnist.py", "mnist_example_kernels")
   model = mnist.ConvNet(mnist.MODELS["small"])
   x, y = Tensor.empty(256, 1, 28, 28), Tensor.empty(256, dtype="int32")
-  assert _launches(_step_outputs(model, x, y)) == 33
+  assert _launches(_step_outputs(model, x, y)) == 31
 
 
 def _statistics_kernels(items: list, input_size: int) -> list:
@@ -97,7 +99,8 @@ def test_batchnorm_statistics_are_one_kernel_forward_and_one_backward(on_python:
   its input is read by ONE statistics kernel in forward (the mean's and the variance's partial sums as sibling
   reduces) and its output's gradient by ONE in backward (the bias's and the weight's gradients). Before nn/batchnorm.py
   there were two of each (the variance's sum waited on the mean's, and in backward the mean path's sum on the
-  variance path's), each with a second stage: 12 launches then, 7 now."""
+  variance path's), each with a second stage: 12 launches then, 7 before the forward's second stages became one
+  kernel with the mean, the inverse std and the running variance computed from them, 6 now."""
   shape = (256, 16, 24, 24)
   x, upstream = Tensor.empty(*shape, requires_grad=True).realize(), Tensor.empty(*shape).realize()
   layer = BatchNorm2d(16)
@@ -106,13 +109,16 @@ def test_batchnorm_statistics_are_one_kernel_forward_and_one_backward(on_python:
   (out * upstream).sum().backward()
   outputs = [out, layer.running_mean, layer.running_var, x.grad, layer.weight.grad, layer.bias.grad]
   items = create_schedule([tensor.lazydata for tensor in outputs])
-  forward_stats, backward_stats = _statistics_kernels(items, x.numel())
+  forward_stats, second_stage, backward_stats = _statistics_kernels(items, x.numel())
   assert len(forward_stats.outputs) == 2 and len(backward_stats.outputs) == 2
   assert upstream.lazydata.base.realized in backward_stats.inputs
-  # forward: the partial sums, the mean's second stage, the variance's with the stored mean and inverse std (one
-  # packed launch), the running stats; backward: the partial sums, their second stages (one packed launch); the
-  # output and the input's gradient (one kernel: same shape, elementwise)
-  assert sum(item.ast.op in (Ops.STORE, Ops.SINK, Ops.PACK) for item in items) == 7
+  # the second stage reads x only for the statistics' shift (x[0, c, 0, 0]): both sums over the forward's parts
+  assert set(map(id, second_stage.inputs)) == set(map(id, forward_stats.outputs)) | {id(x.lazydata.base.realized)}
+  assert second_stage.ast.op is Ops.SINK and sum(node.op in REDUCE_OPS for node in second_stage.ast.walk()) == 2
+  assert len(second_stage.outputs) == 3   # the mean and inverse std (stored_statistics) and the running variance
+  # forward: the partial sums, their second stage, the running mean (from the stored mean); backward: the partial
+  # sums, their second stages (one packed launch); the output and the input's gradient (one kernel: same shape)
+  assert sum(item.ast.op in (Ops.STORE, Ops.SINK, Ops.PACK) for item in items) == 6
 
 
 def test_mlp_step_kernel_count(on_python: None) -> None:

@@ -189,11 +189,14 @@ def _kernel_stores(ast: LazyOp) -> list[LazyOp]:
 
 
 def _sibling_reduces(ast: LazyOp, reduces: list[LazyOp]) -> bool:
-  """Whether the kernel is several sibling reduces: a SINK whose outputs each hold one reduce, none inside another
-  (the scheduler groups reduces of one loop shape and axes that read a common input, engine/schedule.py). One loop
-  computes them side by side, an accumulator each, so the shared input is loaded once."""
+  """Whether the kernel is several sibling reduces: a SINK whose outputs each hold at least one reduce (stored as it
+  is or through elementwise work on several), none inside another (the scheduler groups reduces of one loop shape and
+  axes that read a common input, engine/multi_output.py; a row kernel's reduces are one STORE). One loop computes
+  them side by side, an accumulator each, so the shared input is loaded once; a reduce several outputs read is one
+  node, computed once."""
   if ast.op is not Ops.SINK or len(reduces) < 2: return False
-  if any(sum(node.op in REDUCE_OPS for node in store.walk()) != 1 for store in ast.srcs): return False
+  if any(not any(node.op in REDUCE_OPS for node in store.walk()) for store in ast.srcs): return False
+  if any(node.op in REDUCE_OPS for reduce in reduces for node in reduce.srcs[0].walk()): return False
   return len({(reduce.arg, reduce.op, reduce.dtype) for reduce in reduces}) == 1
 
 

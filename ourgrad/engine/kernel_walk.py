@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ourgrad.device import Device
 from ourgrad.helpers import ROW_KERNELS, prod
@@ -28,10 +28,13 @@ Realizations = dict  # base id -> why that base gets its own buffer (one reason 
 @dataclass
 class KernelPlan:
   """What the walk of one kernel's fused region found: the realized bases it loads (with the view, None for a gather
-  table read at computed offsets) and whether it holds a reduce."""
+  table read at computed offsets), whether it holds a reduce, its reduces, and whether they make a row kernel."""
   loads: list[tuple[LazyBuffer, ShapeTracker | None]]
   has_reduce: bool
   reduces: int = 0   # reduce nodes met (a row kernel has several)
+  # the distinct reduces computed here, in walk order: one, a row kernel's, or sibling reduces (`_is_sibling`)
+  reduce_bases: list[LazyBuffer] = field(default_factory=list)
+  row_kernel: bool = False   # the reduces share rows (`_RowKernel`): per element reads, or several per-row reduces
 
 def kernel_value(root: LazyBuffer) -> tuple[LazyBuffer, ShapeTracker] | None:
   """Where the kernel computing `root` starts its walk: the value it stores, or None for an item with no walk."""
@@ -45,9 +48,12 @@ def reads_assign_target(node: LazyBuffer, target: LazyBuffer) -> bool:
   return target.realized is not None and node.realized is target.realized
 
 
-def walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBuffer, str] | None, KernelPlan | None]:
+def walk_kernel(root: LazyBuffer, realizes: Realizations,
+                sibling_limit: int = 1) -> tuple[tuple[LazyBuffer, str] | None, KernelPlan | None]:
   """The first base (in the builder's walk order) that the kernel computing `root` cannot fuse and why, else None;
-  and the plan of the kernel (None for an item that is not a kernel walk)."""
+  and the plan of the kernel (None for an item that is not a kernel walk). Up to `sibling_limit` sibling reduces
+  (`_is_sibling`: one loop shape, axes, op and dtype, each read in its own element order) may share a kernel that
+  is not a row kernel, its output an elementwise function of them (engine/multi_output.py `sibling_limit`)."""
   start = kernel_value(root)
   if start is None: return None, None
   plan = KernelPlan([], False)
@@ -75,9 +81,13 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBuf
     if node.op in REDUCE_OPS:
       plain_reshape = view.contiguous and view.size == node.size
       row_reason = rows.admit(node, view, under_reduce, plain_reshape) if not one_reduce_kernel else "closed"
+      sibling = one_reduce_kernel and plain_reshape and not under_reduce and \
+          len(plan.reduce_bases) < sibling_limit and _is_sibling(node, plan.reduce_bases[0])
       if row_reason is None:
         pass   # a reduce over the kernel's rows, kept in a register per row (several reduces in one kernel)
-      elif not (node is reduce_base and plain_reshape) and node is not root:
+      elif sibling:
+        pass   # beside the kernel's reduce in its loop, an accumulator each (codegen: Kernel.sibling_reduces)
+      elif not (any(node is known for known in plan.reduce_bases) and plain_reshape) and node is not root:
         if reduce_base is not None: return (node, f"a second reduce, not sharing the kernel's rows: {row_reason}"), plan
         if under_reduce: return (node, f"a reduce inside another reduce's input: {row_reason}"), plan
         if not plain_reshape: return (node, f"a reduce read out of its own element order: {row_reason}"), plan
@@ -85,6 +95,7 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBuf
         if rows.reduces and node not in rows.reduces: return (node, "a reduce over other rows than the kernel's"), plan
         one_reduce_kernel = True   # claimed as the kernel's one reduce: no row reduces join it
       reduce_base, plan.has_reduce, plan.reduces = reduce_base or node, True, plan.reduces + 1
+      if not any(node is known for known in plan.reduce_bases): plan.reduce_bases.append(node)
       stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
     elif node.op in ELEMENTWISE_OPS:
       stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
@@ -92,6 +103,10 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBuf
       if target is not None and reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
       plan.loads.append((node.srcs[0].base, None))
       stack.append((node.srcs[1].base, node.srcs[1].st + view, under_reduce, False))
+  plan.row_kernel = rows.is_row_kernel
+  if len(plan.reduce_bases) > 1 and not plan.row_kernel and \
+      any(reuses_an_operand(reduce, plan) for reduce in plan.reduce_bases):
+    return (plan.reduce_bases[1], "a second reduce: a matmul's or convolution's operand tiles serve one reduce"), plan
   if rows.is_row_kernel and not rows.fits_output(root):
     first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
     return (first_fused, "a row kernel's output must be per element or per row of its reduces"), plan
@@ -100,6 +115,26 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations) -> tuple[tuple[LazyBuf
     first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
     return (first_fused, "an assign reading its own target keeps to one reduce"), plan
   return _assign_hazard(root, start[0], target_reads, reduce_base, realizes), plan
+
+
+def _is_sibling(reduce: LazyBuffer, first: LazyBuffer) -> bool:
+  """Whether `reduce` may run in the loop of the kernel's first reduce `first`: the same input shape, axes, op and
+  dtype (one accumulator each, combined alike), on one device."""
+  return reduce.op is first.op and reduce.dtype == first.dtype and reduce.arg == first.arg and \
+      reduce.srcs[0].shape == first.srcs[0].shape and reduce.device == first.device
+
+
+def reuses_an_operand(reduce: LazyBuffer, plan: KernelPlan) -> bool:
+  """Whether a load of the kernel varies along a reduced axis of `reduce` but is broadcast along an output axis: a
+  matmul's or a convolution's operand, whose tiles (tensor cores, local memory) serve one reduce; q, k and v
+  projections of one input stay three matmuls."""
+  loop_shape = reduce.srcs[0].shape
+  outputs = [axis for axis, size in enumerate(loop_shape) if axis not in reduce.arg and size != 1]
+  for _, view in plan.loads:
+    if view is None or view.shape != loop_shape: continue
+    strides = view.real_strides()
+    if any(strides[axis] == 0 for axis in outputs) and any(strides[axis] != 0 for axis in reduce.arg): return True
+  return False
 
 
 # A row kernel (several reduces in one kernel, docs/fusion.md) loops over a row once per reduce and once more for

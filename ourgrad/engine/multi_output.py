@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ourgrad.device import Device
-from ourgrad.engine.kernel_walk import KernelPlan, Realizations, order_items, reads_assign_target, walk_kernel
+from ourgrad.engine.kernel_walk import (KernelPlan, Realizations, order_items, reads_assign_target, reuses_an_operand,
+                                        walk_kernel)
 from ourgrad.lazy import LazyBuffer
-from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, Ops
+from ourgrad.ops import ELEMENTWISE_OPS, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 
 # a kernel writing more outputs than this passes more pointers than some launchers like, and gains little more
@@ -39,7 +40,7 @@ def group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[
   plans: dict[int, KernelPlan] = {}
   for base in bases:
     if id(base) not in realizes: continue
-    _, plan = walk_kernel(base, realizes)
+    _, plan = walk_kernel(base, realizes, sibling_limit(base.device))
     if plan is not None: plans[id(base)] = plan
   groupable = {id(base): base for base in bases if id(base) in plans and _is_groupable(base, plans[id(base)])}
   groups = _bucket_outputs(bases, realizes, plans, groupable)
@@ -51,7 +52,8 @@ def group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[
   while changed:  # keep the candidates read only by candidates of their own iteration space
     changed = False
     for base_id, base in list(groupable.items()):
-      if all(reader in groupable and _group_key(groupable[reader]) == _group_key(base) for reader in readers[base_id]):
+      key = _group_key(base, plans)
+      if all(reader in groupable and _group_key(groupable[reader], plans) == key for reader in readers[base_id]):
         continue
       del groupable[base_id]
       changed = True
@@ -64,17 +66,20 @@ def group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[
 
 def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict[int, KernelPlan],
                     groupable: dict[int, LazyBuffer]) -> list[list[LazyBuffer]]:
-  """Realized bases in graph order, each joining the open group of its iteration space where it may."""
+  """Realized bases in graph order, each joining a group of its iteration space (or loop) where it may, the newest
+  first: a forward's running statistics join its mean and inverse std past the backward's second stages."""
   groups: list[list[LazyBuffer]] = []
-  open_groups: dict[tuple, list[LazyBuffer]] = {}
+  open_groups: dict[tuple, list[list[LazyBuffer]]] = defaultdict(list)
   for base in bases:
     if id(base) not in realizes or base.size == 0: continue
     if id(base) not in groupable:
       groups.append([base])
       continue
-    group = open_groups.get(_group_key(base))
-    if group is None or not _may_join(group, base, plans):
-      group = open_groups[_group_key(base)] = []
+    candidates = open_groups[_group_key(base, plans)]
+    group = next((group for group in reversed(candidates) if _may_join(group, base, plans)), None)
+    if group is None:
+      group = []
+      candidates.append(group)
       groups.append(group)
     group.append(base)
   return groups
@@ -82,16 +87,25 @@ def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict
 
 def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
   if len(group) >= MAX_KERNEL_OUTPUTS or _targets_clash(group, base, plans): return False
-  if base.op in REDUCE_OPS:   # sibling reduces: only those that read a common input gain from one loop
-    if len(group) >= MAX_SIBLING_REDUCES: return False
-    loaded = {id(loaded) for loaded, _ in plans[id(group[0])].loads}
-    if not any(id(other) in loaded for other, _ in plans[id(base)].loads): return False
-    # a reduce that needs a member's result through other kernels (a variance's sum needs the mean's) runs after it
-    if _reaches(base, {id(member) for member in group}, plans): return False
+  if plans[id(base)].reduce_bases and not _may_join_siblings(group, base, plans): return False
   member_ids = {id(member) for member in group}
   for loaded, view in plans[id(base)].loads:
     if id(loaded) in member_ids and (loaded.op is not Ops.ASSIGN or view != _in_place(loaded)): return False
   return True
+
+
+def _may_join_siblings(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
+  """Whether sibling reduce kernel `base` may join `group` (same loop): at most MAX_SIBLING_REDUCES reduces in all,
+  a common input or reduce (only then one loop gains), and no need of a member's result."""
+  reduces = {id(reduce) for member in group + [base] for reduce in plans[id(member)].reduce_bases}
+  if len(reduces) > MAX_SIBLING_REDUCES: return False
+  shared = {id(loaded) for member in group for loaded, _ in plans[id(member)].loads}
+  shared |= {id(reduce) for member in group for reduce in plans[id(member)].reduce_bases}
+  plan = plans[id(base)]
+  if not any(id(loaded) in shared for loaded, _ in plan.loads) and not any(id(r) in shared for r in plan.reduce_bases):
+    return False
+  # a reduce that needs a member's result through other kernels (a variance's sum needs the mean's) runs after it
+  return not _reaches(base, {id(member) for member in group}, plans)
 
 
 def _reaches(base: LazyBuffer, targets: set[int], plans: dict[int, KernelPlan]) -> bool:
@@ -125,36 +139,37 @@ def _has_run_order(groups: list[list[LazyBuffer]], plans: dict[int, KernelPlan])
 
 def _is_groupable(base: LazyBuffer, plan: KernelPlan) -> bool:
   if base.size == 0: return False
-  if plan.has_reduce: return _is_sibling_reduce(base, plan)
+  if plan.has_reduce: return _is_sibling_kernel(base, plan)
   return base.op in ELEMENTWISE_OPS or base.op in (Ops.ASSIGN, Ops.CONTIGUOUS)
 
 
-def _is_sibling_reduce(base: LazyBuffer, plan: KernelPlan) -> bool:
-  """A kernel that is one reduce and nothing after it (batchnorm's sums over N, H, W, their split's parts), on a GPU:
-  it may share one loop with the other reduces of its loop shape and axes that read a common input, each an
-  accumulator of its own, so that input is loaded once (codegen: Kernel.sibling_reduces). Only on devices with
-  thread blocks and local memory: a CPU's reduce defaults (SIMD lanes, matmul tiles) are for one reduce."""
-  if not SIBLING_REDUCES or base.op not in REDUCE_OPS or plan.reduces != 1 or _reuses_an_operand(base, plan):
-    return False
-  return Device[base.device].renderer.runs_thread_blocks
+def sibling_limit(device: str) -> int:
+  """How many sibling reduces one kernel on `device` may compute: MAX_SIBLING_REDUCES on a device with thread blocks
+  and local memory while SIBLING_REDUCES is on, else 1. A CPU's reduce defaults (SIMD lanes, matmul tiles) are for
+  one reduce."""
+  renderer = getattr(Device[device], "renderer", None)   # a DISK or a remote device runs no kernels
+  if not SIBLING_REDUCES or renderer is None or not renderer.runs_thread_blocks: return 1
+  return MAX_SIBLING_REDUCES
 
 
-def _reuses_an_operand(reduce: LazyBuffer, plan: KernelPlan) -> bool:
-  """Whether a load of the reduce varies along a reduced axis but is broadcast along an output axis: a matmul's or a
-  convolution's operand, whose tiles (tensor cores, local memory) serve one reduce; q, k and v projections of one
-  input stay three matmuls."""
-  loop_shape = reduce.srcs[0].shape
-  outputs = [axis for axis, size in enumerate(loop_shape) if axis not in reduce.arg and size != 1]
-  for _, view in plan.loads:
-    if view is None or view.shape != loop_shape: continue
-    strides = view.real_strides()
-    if any(strides[axis] == 0 for axis in outputs) and any(strides[axis] != 0 for axis in reduce.arg): return True
-  return False
+def _is_sibling_kernel(base: LazyBuffer, plan: KernelPlan) -> bool:
+  """A kernel of sibling reduces and elementwise work on their results only (batchnorm's sums over N, H, W, their
+  split's parts; the mean and inverse std from the sums' second stages), on a GPU: it may share one loop with the
+  other such kernels of its loop shape and axes that read a common input or compute a common reduce, each reduce an
+  accumulator of its own, so that input is loaded once (codegen: Kernel.sibling_reduces). Not a row kernel, nor a
+  matmul's or convolution's reduce (`reuses_an_operand`)."""
+  if plan.row_kernel or not plan.reduce_bases or sibling_limit(base.device) < 2: return False
+  return not any(reuses_an_operand(reduce, plan) for reduce in plan.reduce_bases)
 
 
-def _group_key(base: LazyBuffer) -> tuple:
-  if base.op in REDUCE_OPS: return (base.device, base.shape, base.op, base.dtype, base.arg, base.srcs[0].shape)
-  return (base.device, base.shape)
+def _group_key(base: LazyBuffer, plans: dict[int, KernelPlan]) -> tuple:
+  """Kernels of one key may share a kernel: elementwise ones of one iteration space, sibling reduce kernels of one
+  loop (their outputs are stored in the reduces' shape)."""
+  plan = plans.get(id(base))
+  if plan is not None and plan.reduce_bases:
+    reduce = plan.reduce_bases[0]
+    return ("reduce", reduce.device, reduce.shape, reduce.op, reduce.dtype, reduce.arg, reduce.srcs[0].shape)
+  return ("elementwise", base.device, base.shape)
 
 
 def _in_place(base: LazyBuffer) -> ShapeTracker:

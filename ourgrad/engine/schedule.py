@@ -27,7 +27,7 @@ from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
 from ourgrad.engine.kernel_walk import Realizations, kernel_value, order_items, walk_kernel
-from ourgrad.engine.multi_output import group_outputs
+from ourgrad.engine.multi_output import group_outputs, sibling_limit
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.snapshot import protect_lazy_readers
 from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT
@@ -148,7 +148,7 @@ def _settle_fusion_groups(bases: list[LazyBuffer], realizes: Realizations) -> No
   pending = [base for base in bases if id(base) in realizes]
   while pending:
     root = pending.pop()
-    refused, _ = walk_kernel(root, realizes)
+    refused, _ = walk_kernel(root, realizes, sibling_limit(root.device))
     if refused is None: continue
     base, reason = refused
     realizes[id(base)] = reason
@@ -287,7 +287,16 @@ def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleIt
   value = builder.reshape_post_reduce(value)
   if base.op is Ops.ASSIGN: builder.check_assign_hazard(value, base.srcs[0].base)
   store = LazyOp(Ops.STORE, (value,), MemBuffer(0, base.dtype, out_st), base.dtype)
+  if len(builder.reduces) > 1 and not _is_row_kernel(base, realizes):
+    # sibling reduces (walk_kernel) are a SINK of stores, as a multi-output kernel of them is: codegen tells them
+    # from a row kernel's reduces, which one STORE holds (Kernel.sibling_reduces)
+    store = LazyOp(Ops.SINK, (store,), None, base.dtype)
   return ScheduleItem(store, (base.realized,), tuple(builder.inputs)), builder.loaded_bases
+
+
+def _is_row_kernel(base: LazyBuffer, realizes: Realizations) -> bool:
+  _, plan = walk_kernel(base, realizes, sibling_limit(base.device))
+  return plan is not None and plan.row_kernel
 
 
 def _schedule_group(group: list[LazyBuffer], realizes: Realizations) -> tuple[ScheduleItem, list[LazyBuffer]]:
@@ -300,7 +309,7 @@ def _schedule_group(group: list[LazyBuffer], realizes: Realizations) -> tuple[Sc
     builder.root = base
     value = builder.build(*kernel_value(base))   # group_outputs took only bases with a kernel walk
     builder.member_values[id(base)] = value
-    # sibling reduces (each a reduce and nothing after it): every output is stored in the reduce's shape
+    # sibling reduces (elementwise work on them after them, if any): every output is stored in the reduces' shape
     out_st = builder.fit_to_reduce(ShapeTracker.from_shape(base.shape))
     stores.append(LazyOp(Ops.STORE, (builder.reshape_post_reduce(value),), MemBuffer(number, base.dtype, out_st),
                          base.dtype))
