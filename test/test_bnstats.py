@@ -24,10 +24,12 @@ from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import WARP_SIZE
 from ourgrad.codegen.uops import UOps
 from ourgrad.device import Buffer, Device
+from ourgrad.engine import multi_output
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.nn import BatchNorm2d
-from ourgrad.ops import Ops
+from ourgrad.nn.batchnorm import batch_statistics, stored_statistics
+from ourgrad.ops import REDUCE_OPS, Ops
 from ourgrad.runtime.ops_python import PythonRenderer
 from helpers import skip_unless_device
 
@@ -396,3 +398,96 @@ def test_batchnorm_block_backward_on_cuda_matches_torch(shape: tuple[int, ...],
   (torch.nn.functional.max_pool2d(theirs(tx).relu(), 2) * torch.tensor(upstream)).sum().backward()
   for ours, reference in zip(grads, (tx.grad, theirs.weight.grad, theirs.bias.grad)):
     np.testing.assert_allclose(ours.numpy(), reference.numpy(), rtol=1e-3, atol=2e-2)   # sums of ~150,000 values
+
+
+# ================================================================ the forward's second stage: one kernel from both sums
+
+def _batchnorm_forward(data: np.ndarray) -> tuple[list[Tensor], BatchNorm2d]:
+  layer = BatchNorm2d(data.shape[1])
+  x = Tensor(data, device="PYTHON")
+  with Tensor.train():
+    out = layer(x)
+  return [out, layer.running_mean, layer.running_var], layer
+
+
+def test_batchnorm_forward_second_stage_is_one_kernel_bit_identical_and_matches_torch(
+    small_split: None, monkeypatch: pytest.MonkeyPatch) -> None:
+  """The forward's second stage sums both partial sums over the parts and stores the mean, the inverse std and the
+  running variance from them: one kernel of sibling reduces (engine/multi_output.py), each of its kernels equal to
+  its plain version under CUDA's limits. The results are bit for bit those of the schedule that stores the mean's sum
+  first (COMBINED_SIBLING_REDUCES off: the same sums, one more launch), and PyTorch's."""
+  monkeypatch.setenv("DEVICE", "PYTHON")   # the layer's parameters and state are made on the default device
+  data = (rng.standard_normal((8, 4, 10, 10)) * 3 + 20).astype(np.float32)
+  results, launches = {}, {}
+  for combined in (True, False):
+    monkeypatch.setattr(multi_output, "COMBINED_SIBLING_REDUCES", combined)
+    outputs, _ = _batchnorm_forward(data)
+    schedule = create_schedule([t.lazydata for t in outputs])   # scheduling gives the buffers: a graph of its own
+    launches[combined] = sum(item.ast.op in (Ops.STORE, Ops.SINK, Ops.PACK) for item in schedule)
+    both_sums = [item for item in _sibling_items(schedule) if all(out.size == 4 for out in item.outputs)
+                 and sum(node.op in REDUCE_OPS for node in item.ast.walk()) == 2]
+    assert len(both_sums) == combined
+    outputs, _ = _batchnorm_forward(data)
+    _check_schedule_against_plain(outputs)
+    results[combined] = [t.numpy() for t in outputs]
+  assert launches[True] == launches[False] - 1
+  for ours, before in zip(results[True], results[False]): np.testing.assert_array_equal(ours, before)
+  theirs = torch.nn.BatchNorm2d(4)
+  expected = theirs(torch.tensor(data)).detach().numpy()
+  np.testing.assert_allclose(results[True][0], expected, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(results[True][1], theirs.running_mean.numpy(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(results[True][2], theirs.running_var.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_statistics_in_float64_from_one_second_stage_match_torch(small_split: None) -> None:
+  """mean and inverse std in float64 (a mean far from 0: the shifted sums keep the digits), stored by one kernel."""
+  data = rng.standard_normal((6, 3, 8, 8)) * 0.1 + 1e3
+  x = Tensor(data, device="PYTHON")
+  mean, variance = batch_statistics(x)
+  mean, invstd = stored_statistics(mean, (variance + 1e-5).rsqrt(), 4)
+  schedule = create_schedule([mean.lazydata, invstd.lazydata])
+  assert [len(item.outputs) for item in _sibling_items(schedule)] == [2, 2]   # the partial sums, the second stage
+  run_schedule(schedule)
+  reference = torch.tensor(data)
+  expected_var, expected_mean = torch.var_mean(reference, dim=(0, 2, 3), unbiased=False)
+  np.testing.assert_allclose(mean.numpy(), expected_mean.numpy(), rtol=1e-12)
+  np.testing.assert_allclose(invstd.numpy(), (expected_var + 1e-5).rsqrt().numpy(), rtol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_max_pool_backward_after_a_realized_forward_on_the_gpu_path(seed: int, small_split: None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+  """batchnorm -> relu -> max-pool, the forward realized before the backward is built, on the GPU path: the pool's
+  backward recomputes its input and compares it with the forward's maxima for equality, so forward and backward
+  must normalize with the same stored mean and inverse std (nn/batchnorm.py stored_statistics; recomputed through
+  different fused graphs, FMA contraction differing, a window could miss its maximum: 0 / 0). The interpreter
+  rounds alike in every kernel, so the check is on the buffers: the backward reads the mean and inverse std that the
+  forward's second stage stored and never the partial sums they came from. The gradients are PyTorch's."""
+  monkeypatch.setenv("DEVICE", "PYTHON")
+  seeded = np.random.default_rng(40 + seed)
+  data = (seeded.standard_normal((4, 3, 8, 8)) * 2 + 1).astype(np.float32)
+  upstream = seeded.standard_normal((4, 3, 4, 4)).astype(np.float32)
+  layer = BatchNorm2d(3)
+  x = Tensor(data, device="PYTHON", requires_grad=True)
+  with Tensor.train():
+    loss = (layer(x).relu().max_pool2d(2) * Tensor(upstream, device="PYTHON")).sum()
+  forward = create_schedule([loss.lazydata])   # the forward runs in a schedule of its own
+  second_stage = next(item for item in _sibling_items(forward) if all(out.size == 3 for out in item.outputs))
+  partial_sums = {id(buffer) for buffer in second_stage.inputs if buffer.size > 3 and buffer.size != x.numel()}
+  run_schedule(forward)
+  forward_value = loss.numpy()
+  loss.backward()
+  backward = create_schedule([t.lazydata for t in (x.grad, layer.weight.grad, layer.bias.grad)])
+  stored = {id(buffer) for buffer in second_stage.outputs}
+  assert any(stored <= {id(buffer) for buffer in item.inputs} for item in backward)
+  assert not any(id(buffer) in partial_sums for item in backward for buffer in item.inputs)
+  run_schedule(backward)
+  tx = torch.tensor(data, requires_grad=True)
+  theirs = torch.nn.BatchNorm2d(3)
+  reference = (torch.nn.functional.max_pool2d(theirs(tx).relu(), 2) * torch.tensor(upstream)).sum()
+  reference.backward()
+  np.testing.assert_allclose(forward_value, reference.item(), rtol=1e-4, atol=1e-4)
+  for ours, expected in zip((x.grad, layer.weight.grad, layer.bias.grad), (tx.grad, theirs.weight.grad,
+                                                                          theirs.bias.grad)):
+    assert np.isfinite(ours.numpy()).all()
+    np.testing.assert_allclose(ours.numpy(), expected.numpy(), rtol=1e-3, atol=1e-3)

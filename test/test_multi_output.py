@@ -1,15 +1,17 @@
 """engine/multi_output.py: which realized bases share a kernel, and its switches (SIBLING_REDUCES,
-MAX_KERNEL_OUTPUTS) read where the grouping runs. Results against numpy."""
+COMBINED_SIBLING_REDUCES, MAX_KERNEL_OUTPUTS) read where the grouping runs. Results against numpy."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from ourgrad import Tensor
+from ourgrad.codegen.kernel import Kernel
+from ourgrad.device import Device
 from ourgrad.engine import multi_output
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
-from ourgrad.ops import Ops
+from ourgrad.ops import REDUCE_OPS, Ops
 
 rng = np.random.default_rng(7)
 
@@ -50,3 +52,69 @@ def test_elementwise_outputs_share_kernels_up_to_the_cap(cap: int, monkeypatch: 
   assert sorted(counts, reverse=True) == ([7] if cap >= 7 else [3, 3, 1])
   for index, output in enumerate(outputs):
     np.testing.assert_allclose(output.numpy(), a_np * (index + 2) + 1, rtol=1e-6)
+
+
+# ================================================================ sibling reduces combined in one kernel's value
+
+def _kernels(outputs: list[Tensor]) -> list:
+  return [item for item in create_schedule([t.lazydata for t in outputs]) if item.ast.op in (Ops.STORE, Ops.SINK)]
+
+
+def _reduce_count(item) -> int: return sum(node.op in REDUCE_OPS for node in item.ast.walk())
+
+
+@pytest.mark.parametrize("combined", [True, False])
+def test_outputs_combining_sibling_reduces_share_their_kernel(combined: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+  """On a GPU device, an output computed from two sums over one loop (a variance from the sum and the sum of
+  squares) and another from one of them are one kernel: both sums in one loop, the shared sum one node (computed
+  once), the elementwise work after them. With COMBINED_SIBLING_REDUCES off, one sum is stored by a kernel of its
+  own first, as before. numpy's values either way."""
+  monkeypatch.setattr(multi_output, "COMBINED_SIBLING_REDUCES", combined)
+  x_np = rng.standard_normal((6, 5, 7)).astype(np.float32)
+  x = Tensor(x_np, device="PYTHON").realize()
+
+  def build() -> list[Tensor]:
+    # (a sum itself read by two kernels is stored once first: _choose_realizes; its mean read twice is recomputed)
+    mean, squares = x.sum(axis=(0, 2)) / 42, x.square().sum(axis=(0, 2))
+    return [squares / 42 - mean.square(), mean + 1]
+  kernels = _kernels(build())
+  if combined:
+    assert len(kernels) == 1 and len(kernels[0].outputs) == 2 and _reduce_count(kernels[0]) == 2
+  else:
+    assert len(kernels) == 2 and sorted(_reduce_count(item) for item in kernels) == [1, 1]
+  variance, mean_plus_one = build()
+  np.testing.assert_allclose(variance.numpy(), x_np.var(axis=(0, 2)), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(mean_plus_one.numpy(), x_np.mean(axis=(0, 2)) + 1, rtol=1e-5, atol=1e-6)
+
+
+def test_one_output_combining_sibling_reduces_is_a_sink_of_one_store() -> None:
+  """A lone kernel whose value combines sibling reduces is a SINK of its one STORE (codegen tells it from a row
+  kernel by that: Kernel.sibling_reduces), its sums side by side in one loop."""
+  x_np = rng.standard_normal((8, 3, 5)).astype(np.float32)
+  x = Tensor(x_np, device="PYTHON").realize()
+  out = x.sum(axis=(0, 2)) * x.max(axis=(0, 2)) + x.square().sum(axis=(0, 2))   # the max is no sibling of a sum
+  kernels = _kernels([out])
+  combined = [item for item in kernels if _reduce_count(item) == 2]
+  assert len(kernels) == 2 and len(combined) == 1 and combined[0].ast.op is Ops.SINK
+  assert Kernel(combined[0].ast, Device["PYTHON"].renderer).sibling_reduces
+  out = x.sum(axis=(0, 2)) * x.max(axis=(0, 2)) + x.square().sum(axis=(0, 2))
+  expected = x_np.sum(axis=(0, 2)) * x_np.max(axis=(0, 2)) + np.square(x_np).sum(axis=(0, 2))
+  np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_combined_sibling_reduces_stay_apart_on_a_cpu_in_matmuls_and_row_kernels() -> None:
+  """Where sibling reduces do not share kernels (a CPU), where the reduces are matmuls (their operand tiles serve
+  one reduce) and where they share rows (a row kernel: one STORE), nothing changes."""
+  x_np = rng.standard_normal((6, 5, 7)).astype(np.float32)
+  on_cpu = Tensor(x_np, device="CLANG").realize()
+  on_cpu_kernels = _kernels([on_cpu.sum(axis=(0, 2)) * on_cpu.square().sum(axis=(0, 2))])
+  assert len(on_cpu_kernels) == 2 and all(_reduce_count(item) == 1 for item in on_cpu_kernels)
+  a, b, c = (Tensor(rng.standard_normal((16, 16)).astype(np.float32), device="PYTHON").realize() for _ in range(3))
+  # a.T @ b and a.T @ c as sums over the leading axis (a matmul's own reduce is trailing: a row kernel's business)
+  products = [(a[:, :, None] * other[:, None, :]).sum(axis=0) for other in (b, c)]
+  assert all(_reduce_count(item) == 1 for item in _kernels([products[0] + products[1]]))
+  rows = Tensor(rng.standard_normal((4, 32)).astype(np.float32), device="PYTHON").realize()
+  row_kernels = _kernels([rows.sum(axis=1) + rows.square().sum(axis=1)])
+  assert len(row_kernels) == 1 and row_kernels[0].ast.op is Ops.STORE
+  assert not Kernel(row_kernels[0].ast, Device["PYTHON"].renderer).sibling_reduces

@@ -26,6 +26,9 @@ MAX_KERNEL_OUTPUTS = 16
 # memory): batchnorm's backward has 4 over its input (2 for the input's gradient, 2 for the weight's and bias's)
 SIBLING_REDUCES = True
 MAX_SIBLING_REDUCES = 4
+# sibling reduces inside one kernel's value (walk_kernel): elementwise work on several of them (batchnorm's inverse
+# std from its two sums) is done after them in their kernel, rather than with all but one of them stored first
+COMBINED_SIBLING_REDUCES = True
 
 
 def group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[LazyBuffer]]:
@@ -144,12 +147,16 @@ def _is_groupable(base: LazyBuffer, plan: KernelPlan) -> bool:
 
 
 def sibling_limit(device: str) -> int:
-  """How many sibling reduces one kernel on `device` may compute: MAX_SIBLING_REDUCES on a device with thread blocks
-  and local memory while SIBLING_REDUCES is on, else 1. A CPU's reduce defaults (SIMD lanes, matmul tiles) are for
-  one reduce."""
+  """How many sibling reduces one kernel's value on `device` may combine (walk_kernel): MAX_SIBLING_REDUCES where
+  sibling reduces share kernels (`_siblings_share_kernels`) and COMBINED_SIBLING_REDUCES is on, else 1."""
+  return MAX_SIBLING_REDUCES if COMBINED_SIBLING_REDUCES and _siblings_share_kernels(device) else 1
+
+
+def _siblings_share_kernels(device: str) -> bool:
+  """Whether sibling reduces may share a kernel on `device`: one with thread blocks and local memory, while
+  SIBLING_REDUCES is on. A CPU's reduce defaults (SIMD lanes, matmul tiles) are for one reduce."""
   renderer = getattr(Device[device], "renderer", None)   # a DISK or a remote device runs no kernels
-  if not SIBLING_REDUCES or renderer is None or not renderer.runs_thread_blocks: return 1
-  return MAX_SIBLING_REDUCES
+  return SIBLING_REDUCES and renderer is not None and renderer.runs_thread_blocks
 
 
 def _is_sibling_kernel(base: LazyBuffer, plan: KernelPlan) -> bool:
@@ -158,7 +165,7 @@ def _is_sibling_kernel(base: LazyBuffer, plan: KernelPlan) -> bool:
   other such kernels of its loop shape and axes that read a common input or compute a common reduce, each reduce an
   accumulator of its own, so that input is loaded once (codegen: Kernel.sibling_reduces). Not a row kernel, nor a
   matmul's or convolution's reduce (`reuses_an_operand`)."""
-  if plan.row_kernel or not plan.reduce_bases or sibling_limit(base.device) < 2: return False
+  if plan.row_kernel or not plan.reduce_bases or not _siblings_share_kernels(base.device): return False
   return not any(reuses_an_operand(reduce, plan) for reduce in plan.reduce_bases)
 
 
