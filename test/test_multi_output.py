@@ -118,3 +118,33 @@ def test_combined_sibling_reduces_stay_apart_on_a_cpu_in_matmuls_and_row_kernels
   row_kernels = _kernels([rows.sum(axis=1) + rows.square().sum(axis=1)])
   assert len(row_kernels) == 1 and row_kernels[0].ast.op is Ops.STORE
   assert not Kernel(row_kernels[0].ast, Device["PYTHON"].renderer).sibling_reduces
+
+
+# ================================================================ groups without a run order
+
+def test_a_group_on_a_cycle_is_split_and_other_groups_keep_their_kernels(small_split: None) -> None:
+  """A (C,) result `scale` joins the (C,) update of a parameter `weight` (one iteration space), but a kernel reads both
+  `scale` (so it runs after the group) and the old `weight` (so it runs before the group's assign): no run order.
+  Only that group is split (scale leaves it); the sibling partial sums elsewhere in the graph stay one kernel (the
+  fallback used to give up every multi-output kernel: 38 launches instead of 33 in the MNIST step). Values are
+  numpy's."""
+  x_np = rng.standard_normal((16, 4, 16, 16)).astype(np.float32)
+  weight_np, p_np = rng.standard_normal(4).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+  x = Tensor(x_np, device="PYTHON").realize()
+  weight, p = Tensor(weight_np, device="PYTHON").realize(), Tensor(p_np, device="PYTHON").realize()
+  axes = (0, 2, 3)
+  sums, squares = x.sum(axis=axes), (x * x).sum(axis=axes)
+  scale = (p * 3).contiguous()
+  scaled = (x * scale.reshape(1, 4, 1, 1) * weight.reshape(1, 4, 1, 1)).contiguous()   # reads scale and old weight
+  gradient = scaled.sum(axis=axes).contiguous()
+  updated = weight.assign(weight - 0.1 * gradient)
+  schedule = create_schedule([t.lazydata for t in (sums, squares, scale, updated)])
+  partial_sums = [item for item in schedule if item.inputs == (x.lazydata.base.realized,)]
+  assert [len(item.outputs) for item in partial_sums] == [2]   # both statistics' partial sums: one kernel
+  assert not any({id(scale.lazydata.base.realized), id(weight.lazydata.base.realized)} <= set(map(id, item.outputs))
+                 for item in schedule)
+  run_schedule(schedule)
+  np.testing.assert_allclose(sums.numpy(), x_np.sum(axis=axes), rtol=1e-4, atol=1e-3)
+  np.testing.assert_allclose(squares.numpy(), np.square(x_np).sum(axis=axes), rtol=1e-4, atol=1e-3)
+  expected_gradient = (x_np * (p_np * 3).reshape(1, 4, 1, 1) * weight_np.reshape(1, 4, 1, 1)).sum(axis=axes)
+  np.testing.assert_allclose(updated.numpy(), weight_np - 0.1 * expected_gradient, rtol=1e-4, atol=1e-3)

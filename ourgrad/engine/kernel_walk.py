@@ -217,19 +217,7 @@ def order_items(scheduled: list[LazyBuffer], groups: dict[int, list[LazyBuffer]]
   still read the old contents of the buffer it overwrites. `scheduled` holds each item's first base (the id its
   group and reads are keyed by), in graph order, kept where free."""
   position = {id(base): index for index, base in enumerate(scheduled)}
-  item_of = {id(member): id(base) for base in scheduled for member in groups[id(base)]}   # base id -> item id
-  assign_writers: dict[int, list[int]] = defaultdict(list)   # id(Buffer) -> items with an assign overwriting it
-  for base in scheduled:
-    for member in groups[id(base)]:
-      if member.op is Ops.ASSIGN: assign_writers[id(member.realized)].append(id(base))
-  must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
-  for base in scheduled:
-    for loaded in reads[id(base)]:
-      loaded_item = item_of.get(id(loaded), id(loaded))
-      if loaded_item in position and loaded_item != id(base): must_precede[id(base)].add(loaded_item)
-      for writer in assign_writers.get(id(loaded.realized), []):
-        # `loaded` is the buffer's value before that assign (the assign base itself is a different base)
-        if writer != loaded_item and writer != id(base): must_precede[writer].add(id(base))
+  must_precede = item_precedence(scheduled, groups, reads)
   # Kahn's algorithm, always taking the earliest ready item in graph order
   waiting_on = {item: len(before) for item, before in must_precede.items()}
   followers: dict[int, list[int]] = defaultdict(list)
@@ -248,3 +236,60 @@ def order_items(scheduled: list[LazyBuffer], groups: dict[int, list[LazyBuffer]]
     raise RuntimeError("this graph reads a buffer both before and after an assign to it in one kernel; "
                        "realize the old value (e.g. .contiguous().realize()) before assigning")
   return ordered
+
+
+def item_precedence(scheduled: list[LazyBuffer], groups: dict[int, list[LazyBuffer]],
+                    reads: dict[int, list[LazyBuffer]]) -> dict[int, set[int]]:
+  """For each item (the id of its first base), the items that must run before it (`order_items`' constraints)."""
+  position = {id(base): index for index, base in enumerate(scheduled)}
+  item_of = {id(member): id(base) for base in scheduled for member in groups[id(base)]}   # base id -> item id
+  assign_writers: dict[int, list[int]] = defaultdict(list)   # id(Buffer) -> items with an assign overwriting it
+  for base in scheduled:
+    for member in groups[id(base)]:
+      if member.op is Ops.ASSIGN: assign_writers[id(member.realized)].append(id(base))
+  must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
+  for base in scheduled:
+    for loaded in reads[id(base)]:
+      loaded_item = item_of.get(id(loaded), id(loaded))
+      if loaded_item in position and loaded_item != id(base): must_precede[id(base)].add(loaded_item)
+      for writer in assign_writers.get(id(loaded.realized), []):
+        # `loaded` is the buffer's value before that assign (the assign base itself is a different base)
+        if writer != loaded_item and writer != id(base): must_precede[writer].add(id(base))
+  return must_precede
+
+
+def items_on_cycles(must_precede: dict[int, set[int]]) -> set[int]:
+  """The items of `must_precede` (item -> items that must run before it) that lie on a cycle: the strongly connected
+  components of two or more items (Kosaraju's two passes, with explicit stacks)."""
+  finished: list[int] = []   # pass 1: every item after the items it waits on, transitively
+  seen: set[int] = set()
+  for start in must_precede:
+    if start in seen: continue
+    seen.add(start)
+    stack = [(start, iter(must_precede[start]))]
+    while stack:
+      item, earlier_items = stack[-1]
+      earlier = next((other for other in earlier_items if other not in seen), None)
+      if earlier is None:
+        stack.pop()
+        finished.append(item)
+        continue
+      seen.add(earlier)
+      stack.append((earlier, iter(must_precede.get(earlier, ()))))
+  followers: dict[int, list[int]] = defaultdict(list)
+  for item, before in must_precede.items():
+    for earlier in before: followers[earlier].append(item)
+  component_of: dict[int, int] = {}
+  on_cycles: set[int] = set()
+  for start in reversed(finished):   # pass 2: along the followers, the last finished first
+    if start in component_of: continue
+    component_of[start] = start
+    component, stack = [start], [start]
+    while stack:
+      for follower in followers[stack.pop()]:
+        if follower not in component_of:
+          component_of[follower] = start
+          component.append(follower)
+          stack.append(follower)
+    if len(component) > 1: on_cycles.update(component)
+  return on_cycles

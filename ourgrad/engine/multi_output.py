@@ -3,19 +3,22 @@
 `group_outputs(bases, realizes)` takes the realized bases once every realization is settled and returns the kernels
 to build, each a list of bases in graph order. Elementwise kernels over one iteration space (same device and shape)
 share a kernel, an assign's value read in place by another member included (an optimizer's m, v and parameter
-updates); on a GPU, sibling reduces (one reduce each, same loop shape and axes, a common input, neither needing the
-other: batchnorm's statistics) share one loop (`SIBLING_REDUCES`, `MAX_SIBLING_REDUCES`). Every grouping keeps a run
-order (`_has_run_order`), falling back to fewer groups where it would not. The walk of each kernel's fused region
-(`walk_kernel`, the plans read here) and the run order (`order_items`) come from engine/kernel_walk.py, the one
-module this imports from the scheduler; build_schedule calls `group_outputs`. docs/fusion.md describes the rules.
+updates); on a GPU, kernels of sibling reduces (same loop shape, axes, op and dtype, a common input or reduce,
+neither needing the other's result), each storing a reduce or elementwise work on several of them (batchnorm's
+partial sums; its second stages with the mean, inverse std and running variance from them), share one loop
+(`SIBLING_REDUCES`, `COMBINED_SIBLING_REDUCES`, `MAX_SIBLING_REDUCES`). Every grouping keeps a run order: groups on a
+cycle of the run-order constraints are split (`_split_cyclic_groups`), the others kept. The walk of each kernel's
+fused region (`walk_kernel`, the plans read here) and the run-order constraints (`item_precedence`) come from
+engine/kernel_walk.py, the one module this imports from the scheduler; build_schedule calls `group_outputs` and
+passes `sibling_limit` to the walks it makes. docs/fusion.md describes the rules.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 from ourgrad.device import Device
-from ourgrad.engine.kernel_walk import (KernelPlan, Realizations, order_items, reads_assign_target, reuses_an_operand,
-                                        walk_kernel)
+from ourgrad.engine.kernel_walk import (KernelPlan, Realizations, item_precedence, items_on_cycles, reads_assign_target,
+                                        reuses_an_operand, walk_kernel)
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import ELEMENTWISE_OPS, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -37,34 +40,53 @@ def group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[
   Elementwise kernels over one iteration space (same device and shape, no reduce) become one multi-output kernel.
   A member may read an earlier member only if that is an assign read in place: the read becomes the assign's
   value, computed in the same kernel (an optimizer's parameter update reading the new m and v). A result of
-  contiguous() read by another kernel stays a kernel boundary, as asked. Grouping must leave a run order: when some
-  kernel outside a group both waits on it and must run before it, the grouping falls back to groups whose results
-  no kernel outside reads, which never wait on anything they feed."""
+  contiguous() read by another kernel stays a kernel boundary, as asked. Grouping must leave a run order: where
+  some kernel outside a group both waits on it and must run before it (a cycle), only the groups on cycles are split
+  (`_split_cyclic_groups`); the others, sibling reduces included, keep their kernels."""
   plans: dict[int, KernelPlan] = {}
   for base in bases:
     if id(base) not in realizes: continue
     _, plan = walk_kernel(base, realizes, sibling_limit(base.device))
     if plan is not None: plans[id(base)] = plan
   groupable = {id(base): base for base in bases if id(base) in plans and _is_groupable(base, plans[id(base)])}
-  groups = _bucket_outputs(bases, realizes, plans, groupable)
-  if _has_run_order(groups, plans): return groups
   readers: dict[int, list[int]] = defaultdict(list)   # base id -> ids of the kernels that load it
   for root_id, plan in plans.items():
     for loaded, _ in plan.loads: readers[id(loaded)].append(root_id)
-  changed = True
-  while changed:  # keep the candidates read only by candidates of their own iteration space
-    changed = False
-    for base_id, base in list(groupable.items()):
-      key = _group_key(base, plans)
-      if all(reader in groupable and _group_key(groupable[reader], plans) == key for reader in readers[base_id]):
-        continue
-      del groupable[base_id]
-      changed = True
-  groups = _bucket_outputs(bases, realizes, plans, groupable)
-  if _has_run_order(groups, plans): return groups
-  # assigns order kernels the filter above does not see: a member reading a buffer's old contents runs before the
-  # assign overwriting it, whose result may feed another member of the same group. No multi-output kernels then.
+  while True:
+    groups = _bucket_outputs(bases, realizes, plans, groupable)
+    cyclic = _groups_on_cycles(groups, plans)
+    if not cyclic: return groups
+    if not _split_cyclic_groups(cyclic, groupable, readers): break
+  # a cycle through kernels of one output each: the graph itself reads a buffer before and after an assign to it
+  # (build_schedule's order_items says so)
   return _bucket_outputs(bases, realizes, plans, {})
+
+
+def _groups_on_cycles(groups: list[list[LazyBuffer]], plans: dict[int, KernelPlan]) -> list[list[LazyBuffer]]:
+  """The groups of two or more outputs that lie on a cycle of the items' run-order constraints (loads as the plans
+  say, in-group reads computed in place): no run order exists while they stay whole."""
+  by_leader = {id(group[0]): group for group in groups}
+  reads: dict[int, list[LazyBuffer]] = {}
+  for leader, group in by_leader.items():
+    member_ids = {id(member) for member in group}
+    reads[leader] = [loaded for member in group if id(member) in plans
+                     for loaded, _ in plans[id(member)].loads if id(loaded) not in member_ids]
+  on_cycles = items_on_cycles(item_precedence([group[0] for group in groups], by_leader, reads))
+  return [by_leader[leader] for leader in on_cycles if len(by_leader[leader]) > 1]
+
+
+def _split_cyclic_groups(cyclic: list[list[LazyBuffer]], groupable: dict[int, LazyBuffer],
+                         readers: dict[int, list[int]]) -> bool:
+  """Take members out of the groups on cycles (`groupable` shrinks): those that kernels outside their group read (a
+  (C,) statistic that joined an optimizer's (C,) updates while the backward reads it and the parameter those
+  overwrite), or where none is, every member. False where nothing was left to split."""
+  split = False
+  for group in cyclic:
+    member_ids = {id(member) for member in group}
+    read_outside = [member for member in group if any(reader not in member_ids for reader in readers[id(member)])]
+    for member in read_outside or group:
+      split = groupable.pop(id(member), None) is not None or split
+  return split
 
 
 def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict[int, KernelPlan],
@@ -123,21 +145,6 @@ def _reaches(base: LazyBuffer, targets: set[int], plans: dict[int, KernelPlan]) 
         seen.add(id(loaded))
         stack.append(loaded)
   return False
-
-
-def _has_run_order(groups: list[list[LazyBuffer]], plans: dict[int, KernelPlan]) -> bool:
-  """Whether the items of `groups` (loads as the plans say, in-group reads computed in place) can be ordered."""
-  by_leader = {id(group[0]): group for group in groups}
-  reads: dict[int, list[LazyBuffer]] = {}
-  for leader, group in by_leader.items():
-    member_ids = {id(member) for member in group}
-    reads[leader] = [loaded for member in group if id(member) in plans
-                     for loaded, _ in plans[id(member)].loads if id(loaded) not in member_ids]
-  try:
-    order_items([group[0] for group in groups], by_leader, reads)
-  except RuntimeError:
-    return False
-  return True
 
 
 def _is_groupable(base: LazyBuffer, plan: KernelPlan) -> bool:

@@ -5,7 +5,7 @@ The channel axis is 1 and every other axis is reduced (`channel_reduce_axes`), s
 
 Forward, `batch_statistics`: the per-channel mean and biased variance come from two sums over the same input,
 sum(x - s) and sum((x - s)^2), with s one sample of the channel (x[0, c, 0, ...]). Neither sum needs the other, so
-on a GPU the scheduler runs them as *sibling reduces* of one kernel (engine/schedule.py `_may_join`) that reads x
+on a GPU the scheduler runs them as *sibling reduces* of one kernel (engine/multi_output.py) that reads x
 once; the textbook mean-then-variance needs the mean before the second pass can start (two kernels, x read twice).
 The shift keeps E[(x-s)^2] - E[x-s]^2 from cancelling catastrophically when |mean| >> std: s lies within the
 channel's spread of values, so both terms are of the order of the variance. `stored_statistics` then writes mean and
@@ -65,17 +65,16 @@ def batch_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
   return mean.cast(x.dtype), variance.cast(x.dtype)
 
 
-def stored_statistics(mean: Tensor, invstd: Tensor, ndim: int) -> tuple[Tensor, Tensor]:
+def stored_statistics(mean: Tensor, invstd: Tensor) -> tuple[Tensor, Tensor]:
   """mean and invstd (each (C,)) computed once into buffers, for every kernel that normalizes x to read.
 
   Recomputed in each kernel instead, they would come out of different fused graphs (inline from the sums in one
   kernel, from a realized variance in another; FMA contraction differs between kernels), and a max-pool after the
   batchnorm compares its backward's recomputed inputs with the forward's maxima for equality: a window whose
-  recomputed values all miss the maximum divides 0 by 0. They are stored shaped (1, C, 1, ...) so that they do not
-  join the optimizer's multi-output kernel of (C,) updates (which reads the forward's results through the backward
-  and would then also feed it: no run order, and the scheduler's fallback grouping gives up the sibling reduces)."""
-  stored = [channel_view(stat, ndim).contiguous() for stat in (mean, invstd)]
-  return stored[0].reshape(mean.shape), stored[1].reshape(invstd.shape)
+  recomputed values all miss the maximum divides 0 by 0. On a GPU one kernel stores both, with the running
+  variance, from the second stages of the two sums (engine/multi_output.py: sibling reduces and elementwise work on
+  them)."""
+  return mean.contiguous(), invstd.contiguous()
 
 
 class BatchNormNormalize(Function):
@@ -108,9 +107,8 @@ class BatchNormNormalize(Function):
     if self.needs_input_grad[0]:
       centered = grad * count - channel_view(grad_sum, ndim) - xhat * channel_view(grad_xhat_sum, ndim)
       # invstd / count and the weight multiply the full-size tensor one after the other: their product would be a
-      # (C,) value the scheduler may store in a kernel of its own, which then joins the optimizer's multi-output
-      # kernel of (C,) updates that also overwrites the weight it read: no run order, and the fallback grouping gives
-      # up the sibling reduces (MNIST step: 38 launches instead of 33)
+      # (C,) value the scheduler stores in a kernel of its own (it joins the optimizer's (C,) updates, which
+      # overwrite the weight it read, and is split out again: engine/multi_output.py `_split_cyclic_groups`)
       grad_x_tensor = centered * channel_view(self.invstd / count, ndim)
       if self.weight is not None: grad_x_tensor = grad_x_tensor * channel_view(Tensor(self.weight), ndim)
       grad_x = grad_x_tensor.lazydata

@@ -248,7 +248,7 @@ class BatchNorm(Module):
     # one statistics pass over x, and a backward of one pass too (nn/batchnorm.py says how and why)
     mean, var = batch_statistics(x.detach())
     if self.training and self.track_running_stats: self._update_running_stats(mean, var, count)
-    mean, invstd = stored_statistics(mean, (var + self.eps).rsqrt(), x.ndim)
+    mean, invstd = stored_statistics(mean, (var + self.eps).rsqrt())
     affine = (self.weight, self.bias) if self.affine else ()
     return BatchNormNormalize.apply(x, mean, invstd, *affine)
 
