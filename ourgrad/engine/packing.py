@@ -28,7 +28,7 @@ import heapq
 from collections import defaultdict
 
 from ourgrad.device import Buffer, Device
-from ourgrad.engine.schedule import ScheduleItem
+from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.helpers import DEBUG, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, prod
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Sequence
 
 from ourgrad.device import Buffer, Device
@@ -28,7 +27,9 @@ from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
 from ourgrad.engine.kernel_walk import Realizations, kernel_value, order_items, walk_kernel
 from ourgrad.engine.multi_output import group_outputs, sibling_limit
+from ourgrad.engine.packing import pack_kernels
 from ourgrad.engine.profile import host_phase
+from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.engine.snapshot import protect_lazy_readers
 from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT
 from ourgrad.lazy import LazyBuffer, walk_bases
@@ -43,17 +44,6 @@ REALIZE_LOCK = threading.RLock()
 
 # bases that always get their own buffer
 ALWAYS_REALIZED_OPS = frozenset({Ops.EMPTY, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN, Ops.CUSTOM})
-
-
-@dataclass(frozen=True)
-class ScheduleItem:
-  """One kernel (ast is a STORE) or one copy (ast is a COPY) and the buffers it writes and reads."""
-  ast: LazyOp
-  outputs: tuple[Buffer, ...]
-  inputs: tuple[Buffer, ...]
-
-  @property
-  def bufs(self) -> tuple[Buffer, ...]: return self.outputs + self.inputs
 
 
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
@@ -84,7 +74,6 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
         _schedule_group(group, realizes)
   ordered = order_items([base for base in bases if id(base) in items], groups, reads)
   schedule = [items[id(base)] for base in ordered]
-  from ourgrad.engine.packing import pack_kernels   # packing.py builds ScheduleItems: imported here, not at the top
   schedule = pack_kernels(schedule)   # independent elementwise kernels of different shapes: one launch (packing.py)
   assigns = [(base, base.srcs[1].base) for leader in ordered for base in groups[id(leader)] if base.op is Ops.ASSIGN]
   for group in groups.values():  # the graph behind a realized base is no longer needed: let it be freed

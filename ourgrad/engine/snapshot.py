@@ -19,15 +19,12 @@ PyTorch: they are not redirected and read the new contents.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ourgrad.device import Buffer
+from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
-
-if TYPE_CHECKING:
-  from ourgrad.engine.schedule import ScheduleItem
 
 
 @dataclass
@@ -56,7 +53,6 @@ def _value_srcs(reader: LazyBuffer) -> tuple[LazyBuffer, ...]:
 
 def snapshot_item(source: Buffer, snapshot: Buffer, shape: tuple[int, ...]) -> ScheduleItem:
   """A kernel copying `source` into `snapshot` element for element."""
-  from ourgrad.engine.schedule import ScheduleItem
   st = ShapeTracker.from_shape(shape)
   load = LazyOp(Ops.LOAD, (), MemBuffer(1, source.dtype, st), source.dtype)
   store = LazyOp(Ops.STORE, (load,), MemBuffer(0, source.dtype, st), source.dtype)
