@@ -491,3 +491,21 @@ def test_max_pool_backward_after_a_realized_forward_on_the_gpu_path(seed: int, s
                                                                           theirs.bias.grad)):
     assert np.isfinite(ours.numpy()).all()
     np.testing.assert_allclose(ours.numpy(), expected.numpy(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(256, 16, 24, 24), (256, 32, 8, 8)])
+def test_batchnorm_forward_on_cuda_matches_torch(shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+  """On a real GPU, MNIST's sizes and thresholds: the training forward (partial sums, then one kernel of both second
+  stages storing the mean, inverse std and running variance) gives PyTorch's output and running statistics."""
+  skip_unless_device("CUDA")
+  monkeypatch.setenv("DEVICE", "CUDA")
+  data = (rng.standard_normal(shape) * 2 + 3).astype(np.float32)
+  layer = BatchNorm2d(shape[1])
+  with Tensor.train():
+    out = layer(Tensor(data, device="CUDA"))
+  Tensor.realize_all(out, layer.running_mean, layer.running_var)
+  theirs = torch.nn.BatchNorm2d(shape[1])
+  expected = theirs(torch.tensor(data)).detach().numpy()
+  np.testing.assert_allclose(out.numpy(), expected, rtol=1e-3, atol=1e-3)
+  np.testing.assert_allclose(layer.running_mean.numpy(), theirs.running_mean.numpy(), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(layer.running_var.numpy(), theirs.running_var.numpy(), rtol=1e-4, atol=1e-4)
