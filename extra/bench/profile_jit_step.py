@@ -46,6 +46,9 @@ def main() -> None:
                       help="index sums in the order their terms were added (symbolic.CANONICAL_SUM_ORDER off)")
   parser.add_argument("--no-sibling-reduces", action="store_true",
                       help="every reduce in a kernel of its own (multi_output.SIBLING_REDUCES off)")
+  parser.add_argument("--no-combined-sibling-reduces", action="store_true",
+                      help="a kernel's value combines one reduce, others stored first (batchnorm's forward second "
+                           "stages as main built them before: multi_output.COMBINED_SIBLING_REDUCES off)")
   parser.add_argument("--copies", action="store_true",
                       help="after the step, inside the profiled range, launch once each the ourgrad copy kernels the "
                            "table compares with (one per power of two of the items' bytes, then 2 x 256 MB)")
@@ -55,6 +58,7 @@ def main() -> None:
   args = parser.parse_args()
   symbolic.CANONICAL_SUM_ORDER = not args.plain_sum_order
   multi_output.SIBLING_REDUCES = not args.no_sibling_reduces
+  multi_output.COMBINED_SIBLING_REDUCES = not args.no_combined_sibling_reduces
   os.environ["DEVICE"] = args.device
   if args.model == "mlp": make_model, shape, batch = MLP, (784,), 512
   else:
