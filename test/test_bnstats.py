@@ -334,20 +334,28 @@ def test_only_independent_reduces_over_a_common_input_share_a_kernel(small_split
                                                                      (cpu * cpu).sum(axis=(0, 2, 3)).lazydata]))
 
 
-@pytest.mark.parametrize("shape, axes", [((12, 5, 10, 8), (0, 2, 3)), ((16, 24), (1,)), ((4, 6, 7, 9), (0, 2, 3))])
-def test_random_opts_on_sibling_reduces_match_plain(shape: tuple[int, ...], axes: tuple[int, ...],
+@pytest.mark.parametrize("shape, axes, combined", [((12, 5, 10, 8), (0, 2, 3), False), ((16, 24), (1,), False),
+                                                    ((4, 6, 7, 9), (0, 2, 3), False), ((12, 5, 10, 8), (0, 2, 3), True),
+                                                    ((4, 6, 7, 9), (0, 2, 3), True)])
+def test_random_opts_on_sibling_reduces_match_plain(shape: tuple[int, ...], axes: tuple[int, ...], combined: bool,
                                                     small_split: None) -> None:
   """The opt fuzzer's random Opt sequences (UPCAST, UNROLL, LOCAL, GROUP, GROUPTOP, PADTO; test/fuzz/fuzz_opts.py,
   whose graphs have one output and so no sibling reduces) applied to kernels of three sibling sums under CUDA's
-  limits: every output equals the plain kernel's."""
+  limits, or (combined) of three sums whose two outputs are elementwise work on several of them (a variance-like
+  output and a mean's): every output equals the plain kernel's."""
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "fuzz"))
   try: from fuzz_opts import random_opt
   finally: sys.path.pop(0)
   x, g = (Tensor(rng.standard_normal(shape).astype(np.float32), device="PYTHON") for _ in range(2))
-  sums = (x.sum(axis=axes), (x * g).sum(axis=axes), (x * x + g).sum(axis=axes))
+  if combined:
+    mean = x.sum(axis=axes) / 7
+    sums = ((x * x).sum(axis=axes) / 7 - mean.square() + (x * g).sum(axis=axes), mean * 2)
+  else:
+    sums = (x.sum(axis=axes), (x * g).sum(axis=axes), (x * x + g).sum(axis=axes))
   schedule = create_schedule([t.lazydata for t in sums])
   siblings = _sibling_items(schedule)
   assert siblings
+  if combined: assert any(len(Kernel(item.ast, PythonRenderer("CUDA")).reduceops) == 3 for item in siblings)
   choices = random.Random(7)
   for item in schedule:
     if item not in siblings:
