@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ourgrad.device import Device
 from ourgrad.helpers import ROW_KERNELS, prod
@@ -48,12 +49,13 @@ def reads_assign_target(node: LazyBuffer, target: LazyBuffer) -> bool:
   return target.realized is not None and node.realized is target.realized
 
 
-def walk_kernel(root: LazyBuffer, realizes: Realizations,
-                sibling_limit: int = 1) -> tuple[tuple[LazyBuffer, str] | None, KernelPlan | None]:
+def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callable[[str], int] | None = None
+                ) -> tuple[tuple[LazyBuffer, str] | None, KernelPlan | None]:
   """The first base (in the builder's walk order) that the kernel computing `root` cannot fuse and why, else None;
-  and the plan of the kernel (None for an item that is not a kernel walk). Up to `sibling_limit` sibling reduces
-  (`_is_sibling`: one loop shape, axes, op and dtype, each read in its own element order) may share a kernel that
-  is not a row kernel, its output an elementwise function of them (engine/multi_output.py `sibling_limit`)."""
+  and the plan of the kernel (None for an item that is not a kernel walk). Up to `sibling_limit(device)` sibling
+  reduces (`_is_sibling`: one loop shape, axes, op and dtype, each read in its own element order) may share a kernel
+  that is not a row kernel, its output an elementwise function of them (engine/multi_output.py `sibling_limit`);
+  without it, one."""
   start = kernel_value(root)
   if start is None: return None, None
   plan = KernelPlan([], False)
@@ -81,8 +83,8 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations,
     if node.op in REDUCE_OPS:
       plain_reshape = view.contiguous and view.size == node.size
       row_reason = rows.admit(node, view, under_reduce, plain_reshape) if not one_reduce_kernel else "closed"
-      sibling = one_reduce_kernel and plain_reshape and not under_reduce and \
-          len(plan.reduce_bases) < sibling_limit and _is_sibling(node, plan.reduce_bases[0])
+      sibling = one_reduce_kernel and plain_reshape and not under_reduce and sibling_limit is not None and \
+          _is_sibling(node, plan.reduce_bases[0]) and len(plan.reduce_bases) < sibling_limit(node.device)
       if row_reason is None:
         pass   # a reduce over the kernel's rows, kept in a register per row (several reduces in one kernel)
       elif sibling:

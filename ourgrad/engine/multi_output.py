@@ -46,7 +46,7 @@ def group_outputs(bases: list[LazyBuffer], realizes: Realizations) -> list[list[
   plans: dict[int, KernelPlan] = {}
   for base in bases:
     if id(base) not in realizes: continue
-    _, plan = walk_kernel(base, realizes, sibling_limit(base.device))
+    _, plan = walk_kernel(base, realizes, sibling_limit)
     if plan is not None: plans[id(base)] = plan
   groupable = {id(base): base for base in bases if id(base) in plans and _is_groupable(base, plans[id(base)])}
   readers: dict[int, list[int]] = defaultdict(list)   # base id -> ids of the kernels that load it

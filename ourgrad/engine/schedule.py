@@ -137,7 +137,7 @@ def _settle_fusion_groups(bases: list[LazyBuffer], realizes: Realizations) -> No
   pending = [base for base in bases if id(base) in realizes]
   while pending:
     root = pending.pop()
-    refused, _ = walk_kernel(root, realizes, sibling_limit(root.device))
+    refused, _ = walk_kernel(root, realizes, sibling_limit)
     if refused is None: continue
     base, reason = refused
     realizes[id(base)] = reason
@@ -284,7 +284,7 @@ def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleIt
 
 
 def _is_row_kernel(base: LazyBuffer, realizes: Realizations) -> bool:
-  _, plan = walk_kernel(base, realizes, sibling_limit(base.device))
+  _, plan = walk_kernel(base, realizes, sibling_limit)
   return plan is not None and plan.row_kernel
 
 
