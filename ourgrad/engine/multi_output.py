@@ -162,8 +162,7 @@ def sibling_limit(device: str) -> int:
 def _siblings_share_kernels(device: str) -> bool:
   """Whether sibling reduces may share a kernel on `device`: one with thread blocks and local memory, while
   SIBLING_REDUCES is on. A CPU's reduce defaults (SIMD lanes, matmul tiles) are for one reduce."""
-  renderer = getattr(Device[device], "renderer", None)   # a DISK or a remote device runs no kernels
-  return SIBLING_REDUCES and renderer is not None and renderer.runs_thread_blocks
+  return SIBLING_REDUCES and Device[device].renderer.runs_thread_blocks
 
 
 def _is_sibling_kernel(base: LazyBuffer, plan: KernelPlan) -> bool:
