@@ -318,6 +318,24 @@ def test_sibling_reduces_match_plain_numpy_and_the_cpu_loop(small_split: None) -
   assert any(kernel.sibling_reduces and kernel.group_dims for kernel in kernels)
 
 
+def test_combined_sibling_reduces_on_the_cpu_loop_match_numpy() -> None:
+  """A kernel whose outputs combine sibling sums (a variance from the sum and the sum of squares, a mean), built for
+  a GPU, linearized for a device without threads (CLANG's loop nest, its hand-coded opts) gives numpy's values."""
+  x_np = rng.standard_normal((12, 5, 10, 8)).astype(np.float32)
+  x = Tensor(x_np, device="PYTHON").realize()
+  mean = x.sum(axis=(0, 2, 3)) / 960
+  schedule = create_schedule([t.lazydata for t in ((x * x).sum(axis=(0, 2, 3)) / 960 - mean.square(), mean + 1)])
+  [item] = [item for item in schedule if item.ast.op is Ops.SINK]
+  kernel = Kernel(item.ast, Device["CLANG"].renderer)
+  kernel.hand_coded_optimizations()
+  assert kernel.sibling_reduces and len(kernel.reduceops) == 2
+  inputs = tuple(Buffer("CLANG", b.size, b.dtype).allocate().copyin(memoryview(x_np.reshape(-1))) for b in item.inputs)
+  outputs = tuple(Buffer("CLANG", b.size, b.dtype).allocate() for b in item.outputs)
+  compile_kernel(kernel, "CLANG")(outputs + inputs)
+  np.testing.assert_allclose(outputs[0].numpy(), x_np.var(axis=(0, 2, 3)), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(outputs[1].numpy(), x_np.mean(axis=(0, 2, 3)) + 1, rtol=1e-5, atol=1e-6)
+
+
 def test_only_independent_reduces_over_a_common_input_share_a_kernel(small_split: None) -> None:
   """A variance's sum needs the mean's (through another kernel): apart. Sums of two unrelated tensors: apart (one
   loop gains nothing). A max beside a sum, or a sum over other axes: apart (one op and one set of axes per kernel).
