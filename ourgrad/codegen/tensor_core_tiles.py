@@ -25,6 +25,7 @@ rows, and .trans transposes each 8x8 matrix as it loads.
 from __future__ import annotations
 
 from ourgrad.codegen.kernel import TileLayout
+from ourgrad.codegen.tensor_cores import evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.ops import LazyOp
 from ourgrad.shape.symbolic import Node, NumNode
@@ -167,7 +168,9 @@ class TensorCoreTiles:
   def _tile_fragment(self, tile: tuple[UOp, TileLayout, LazyOp], operand_is_a: bool, idxs: list[Node], lane: Node,
                      stage: Node) -> list[UOp]:
     """A lane's A (8 elements) or B (4 elements) fragment of the instruction at `idxs`, by one LDMATRIX from the
-    tile (the same fragment is loaded once per step: later tiles reuse it)."""
+    tile (the same fragment is loaded once per step: later tiles reuse it). TF32 fragments (32-bit elements, which
+    ldmatrix's .trans cannot transpose) are loaded element by element (_tile_fragment_elements)."""
+    if self.kernel.tensor_core.tc.is_tf32: return self._tile_fragment_elements(tile, operand_is_a, idxs, lane, stage)
     local, layout, _ = tile
     kernel = self.kernel
     m_or_n_axis = kernel.shape_len - 3 if operand_is_a else kernel.shape_len - 2
@@ -193,6 +196,29 @@ class TensorCoreTiles:
     matrix = self.fragment_loads[key]
     elements = range(first_element, first_element + (8 if operand_is_a else 4))
     return [self.builder.add(UOps.GEP, tile[2].dtype, (matrix,), element) for element in elements]
+
+  def _tile_fragment_elements(self, tile: tuple[UOp, TileLayout, LazyOp], operand_is_a: bool, idxs: list[Node],
+                              lane: Node, stage: Node) -> list[UOp]:
+    """A lane's fragment as one local-memory LOAD per element, at the positions the instruction's fragment maps give
+    (each loaded once per step: later tiles reuse it)."""
+    local, layout, operand = tile
+    kernel, tc = self.kernel, self.kernel.tensor_core.tc
+    m_or_n_axis = kernel.shape_len - 3 if operand_is_a else kernel.shape_len - 2
+    k_axis = kernel.shape_len - 1
+    group, quad = lane // 4, lane % 4
+    count = tc.a_elements if operand_is_a else tc.b_elements
+    values = []
+    for element in range(count):
+      if operand_is_a: m_or_n, k = tc.a_position(element)
+      else: k, m_or_n = tc.b_position(element)
+      fragment_idxs = list(idxs)
+      fragment_idxs[m_or_n_axis], fragment_idxs[k_axis] = evaluate(m_or_n, group, quad), evaluate(k, group, quad)
+      address = stage * layout.stage_size + self._tile_offset(layout, fragment_idxs)
+      key = (id(local), address.render())
+      if key not in self.fragment_loads:
+        self.fragment_loads[key] = self.builder.add(UOps.LOAD, operand.dtype, (local, self.node_to_uop(address)))
+      values.append(self.fragment_loads[key])
+    return values
 
   def _b_pair_axis(self, layout: TileLayout) -> int | None:
     """The UPCAST axis of B's N tiles right outside the instruction's n in the tile (tile t + 1 is 8 along N from

@@ -11,8 +11,9 @@ GPUs (thread blocks and local memory):
   a short row gets a warp;
 - a reduce whose input is contiguous along an output axis (a column reduction) puts that output axis on LOCAL
   threads (coalesced) and, when that leaves too few blocks to fill the device, splits the reduce over GROUPTOP;
-- float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first
-  where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
+- float16/bfloat16 matmuls (float32 ones too where TF32 is allowed: m16n8k8) on a renderer with tensor cores get
+  OptOps.TC (output axes padded to the tile first where they are ragged), then each warp several 16x8 tiles (UPCAST)
+  and each block several warps (LOCAL); where
   the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
   on sm_90 (renderer.has_wgmma) large ones whose sizes divide a 128x256 (or 128x128) tile get OptOps.WGMMA instead;
 - a float32 matmul (plain, transposed, batched, or with an operand computed from loads) whose sizes divide a block
@@ -109,7 +110,8 @@ def _tensor_core_tiles(kernel: Kernel) -> bool:
   cores (ragged M/N padded first), then warp tiles and warps per block. False (the kernel untouched) where neither
   applies."""
   if _wgmma_tiles(kernel): return True
-  for choice in range(len(getattr(kernel.renderer, "tensor_cores", ()))):
+  for choice, tc in enumerate(getattr(kernel.renderer, "tensor_cores", ())):
+    if not tc.allowed(): continue   # TF32 only where the user allows it (float32 matmul precision "high")
     if _staged_tensor_core_tiles(kernel, choice): return True
     trial = kernel.copy()
     if not _pad_for_tensor_core(trial, choice) or not trial.try_opt(Opt(OptOps.TC, 0, choice)): continue
