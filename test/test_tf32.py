@@ -21,8 +21,10 @@ import ourgrad
 from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.opt import heuristic
 from ourgrad.codegen.opt.beam_cache import cache_key
 from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES, FragmentMaps, evaluate, tf32_round
+from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
 from ourgrad.device import Buffer, Device
 from ourgrad.engine import realize
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -31,6 +33,7 @@ from ourgrad.errors import PrecisionError
 from ourgrad.helpers import _float32_matmul_precision, get_float32_matmul_precision, tf32_allowed
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
+from ourgrad.runtime.wgmma_emulator import emulate_wgmma_matmul
 
 from helpers import device_opens, nvrtc_compiler
 
@@ -257,6 +260,89 @@ def test_conv_takes_tf32() -> None:
   assert TF32_MMA in _cuda_source(kernel)
 
 
+# ================================================================ wgmma (sm_90a): TF32 with B K-major
+
+def tf32_truncated(values: np.ndarray) -> np.ndarray:
+  """float32 values with their 13 low mantissa bits dropped (what wgmma's tensor cores read of float32 operands),
+  by float64 arithmetic: the 11 significant bits rounded toward zero."""
+  mantissa, exponent = np.frexp(np.asarray(values, np.float64))
+  return np.ldexp(np.trunc(mantissa * 2.0 ** 11), exponent - 11)
+
+
+WGMMA_PLANS = {"128x256_4stages": dict(), "64x128_3stages": dict(block_m=64, block_n=128, stages=3),
+               "specialized_128x128": dict(block_n=128, stages=6, specialized=True),
+               "deep_128x128": dict(block_n=128, stages=4, deep=True)}
+
+
+@pytest.mark.parametrize("name", list(WGMMA_PLANS))
+def test_tf32_wgmma_plan_emulated(name: str) -> None:
+  """The TF32 wgmma kernel (32 floats a 128-byte row, k8 instructions) emulated: equal to the truncation model up to
+  float32 sums, off full float32 by TF32's error; NVRTC compiles it for sm_90a without spills."""
+  options = WGMMA_PLANS[name]
+  m, n, k = 3 * options.get("block_m", 128), 2 * options.get("block_n", 256), 224
+  plan = WgmmaMatmul(m, n, k, dtype="float32", b_k_major=True, **options)
+  assert (plan.block_k, plan.instruction_k, plan.out_dtype) == (32, 8, "float32")
+  rng = np.random.default_rng(len(name))
+  a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+  c = np.zeros(m * n, np.float32)
+  emulate_wgmma_matmul(plan, c, a.reshape(-1).view(np.uint32), np.ascontiguousarray(b.T).reshape(-1).view(np.uint32))
+  model = tf32_truncated(a) @ tf32_truncated(b)
+  scale = np.abs(model).max()
+  np.testing.assert_allclose(c.reshape(m, n), model, rtol=0, atol=1e-5 * scale)
+  assert np.abs(c.reshape(m, n) - a.astype(np.float64) @ b).max() > 1e-5 * scale
+  if NVRTC is not None:
+    source = render_wgmma_matmul(plan)
+    assert f"m64n{plan.block_n}k8.f32.tf32.tf32" in source
+    info = NVRTC.ptxas_info(source)
+    assert "0 bytes spill stores" in info or "ptxas info" not in info, info
+
+
+def test_tf32_wgmma_needs_b_k_major() -> None:
+  with pytest.raises(ValueError, match="K-major"): WgmmaMatmul(128, 256, 64, dtype="float32")
+
+
+def _transposed_b_item(a: np.ndarray, b_t: np.ndarray) -> ScheduleItem:
+  """a @ b_t.T (B stored N x K, as a Linear layer's weight)."""
+  schedule = create_schedule([(Tensor(a, device=DEVICE) @ Tensor(b_t, device=DEVICE).T).lazydata])
+  run_schedule(schedule[:-1])
+  return schedule[-1]
+
+
+def test_tf32_wgmma_opt_only_when_allowed() -> None:
+  a, b_t = _operands((256, 96), (384, 96), seed=31)
+  item = _transposed_b_item(a, b_t)
+  with pytest.raises(KernelOptError): Kernel(item.ast, PythonRenderer("CUDA_SM90")).apply_opt(Opt(OptOps.WGMMA, 3, 128))
+  ourgrad.set_float32_matmul_precision("high")
+  kernel = Kernel(item.ast, PythonRenderer("CUDA_SM90"))
+  kernel.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+  plan, _ = kernel.wgmma
+  assert (plan.dtype, plan.b_k_major, plan.m, plan.n, plan.k) == ("float32", True, 256, 384, 96)
+  got = _run(kernel, item)
+  b = np.ascontiguousarray(b_t.T)
+  model = (tf32_truncated(a) @ tf32_truncated(b)).reshape(-1)
+  np.testing.assert_allclose(got, model, rtol=0, atol=1e-5 * np.abs(model).max())
+  if NVRTC is not None:
+    cuda = Kernel(item.ast, CUDARenderer("sm_90"))
+    cuda.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+    NVRTC.compile(CUDARenderer("sm_90").render_wgmma(cuda.name, *cuda.wgmma))
+  # B stored K x N: TF32 wgmma cannot transpose it
+  plain = Kernel(_matmul_item(a, np.ascontiguousarray(b_t.T)).ast, PythonRenderer("CUDA_SM90"))
+  with pytest.raises(KernelOptError, match="K-major"): plain.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+
+
+def test_heuristic_tf32_on_sm90(monkeypatch) -> None:
+  """On an emulated H100 with TF32 allowed: a large x @ W^T takes WGMMA, a large x @ W (B K x N) mma.sync TF32."""
+  monkeypatch.setattr(heuristic, "WGMMA_MIN_WORK", 1)
+  ourgrad.set_float32_matmul_precision("high")
+  def opts(ast) -> list[Opt]:
+    kernel = Kernel(ast, PythonRenderer("CUDA_SM90"))
+    kernel.hand_coded_optimizations()
+    return kernel.applied_opts
+  x, w = Tensor.empty(256, 128, device=DEVICE), Tensor.empty(512, 128, device=DEVICE)
+  assert [opt.op for opt in opts(create_schedule([(x @ w.T).lazydata])[-1].ast)] == [OptOps.WGMMA]
+  assert Opt(OptOps.TC, 0, TF32_CHOICE) in opts(create_schedule([(x @ w.T.contiguous()).lazydata])[-1].ast)
+
+
 # ================================================================ caches
 
 @pytest.fixture
@@ -348,3 +434,24 @@ def test_cuda_tf32_conv() -> None:
   model = torch.nn.functional.conv2d(torch.from_numpy(tf32_model(x_values)), torch.from_numpy(tf32_model(w_values)),
                                      padding=1).numpy()
   np.testing.assert_allclose(got, model, rtol=0, atol=1e-5 * np.abs(model).max())
+
+
+CUDA_SM90 = CUDA and getattr(Device["CUDA"].renderer, "has_wgmma", False) if CUDA else False
+
+
+@pytest.mark.skipif(not CUDA_SM90, reason="needs CUDA on an sm_90 GPU (H100/H200)")
+def test_cuda_tf32_wgmma() -> None:
+  """On an H100: x @ W^T of 1024 x 512 x 2048 with TF32 allowed runs the TF32 wgmma kernel; the tensor cores read
+  the float32 bits as TF32 (the truncation model, within float32 sums; a looser bound covers rounding instead)."""
+  a, b_t = _operands((1024, 512), (2048, 512), seed=23)
+  ta, tb = Tensor(a, device="CUDA").realize(), Tensor(b_t, device="CUDA").realize()
+  ourgrad.set_float32_matmul_precision("high")
+  schedule = create_schedule([(ta @ tb.T).lazydata])
+  kernel = Kernel(schedule[-1].ast, Device["CUDA"].renderer)
+  kernel.hand_coded_optimizations()
+  assert kernel.wgmma is not None and kernel.wgmma[0].dtype == "float32", kernel.applied_opts
+  got = (ta @ tb.T).numpy().astype(np.float64)
+  b = np.ascontiguousarray(b_t.T)
+  model = tf32_truncated(a) @ tf32_truncated(b)
+  np.testing.assert_allclose(got, model, rtol=0, atol=3e-4 * np.abs(model).max())
+  assert _error_vs_full(got, a, b) > 1e-5

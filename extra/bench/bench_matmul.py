@@ -57,6 +57,7 @@ CUDA_ROWS = [
   # TF32 allowed on both sides (see the module doc)
   ("matmul 4096^3 f32 tf32", "mm", (4096, 4096, 4096), "float32"),
   ("matmul 4097x4096 @ 4096x4095 f32 tf32", "mm", (4097, 4096, 4095), "float32"),
+  ("matmul 4096^3 x @ W^T f32 tf32", "mm_bT", (4096, 4096, 4096), "float32"),   # B K-major: wgmma on sm_90
   ("conv 64x64x56x56 3x3 f32 tf32", "conv", (64, 64, 56, 56, 64, 1), "float32"),
   # the matmuls of bench_jit.py's MLP step (784-512-512-10, batch 512), of the SmolLM2 prefill (512 tokens, 576 and
   # 1536 wide) and of MiniLM (2048 tokens, 384 and 1536 wide): too small for 128x128 tiles to fill the GPU
@@ -476,7 +477,7 @@ VARIANTS.append(("minilm attn q@k^T", "register tiles (main before: the fused bi
                  "UPCAST 3 4;UPCAST 2 4;UNROLL 0 4;LOCAL 3 8;LOCAL 2 8;LOCAL 1 2"))
 
 # TF32 tensor cores (TC 2 on CUDA) on the 4096^3 float32 matmul: the staged kernel's warp tile (64x64: 4x8 m16n8k8
-# tiles), K step and stages, and the unstaged one
+# tiles), K step and stages, and the unstaged one; with B K-major (x @ W^T) the TF32 wgmma kernel's tiles (sm_90)
 TF32_WARPS = "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2"
 VARIANTS += [
   ("4096^3 f32 tf32", "TC staged 128x128, K step 32, 2 stages (heuristic)", f"{TF32_WARPS};UNROLL 0 4;SHARED 0 0"),
@@ -486,6 +487,10 @@ VARIANTS += [
   ("4096^3 f32 tf32", "TC staged 128x64 (warps 64x32), K step 32, 3 stages",
    "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 4;SHARED 0 3"),
   ("4096^3 f32 tf32", "TC not staged, 2x4 tiles per warp, 2x2 warps", "TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
+  ("x @ W^T f32 tf32", "wgmma 128x256, 4 stages, producer warpgroup (heuristic on sm_90)", "WGMMA 20 256"),
+  ("x @ W^T f32 tf32", "wgmma 128x128, 6 stages, producer warpgroup", "WGMMA 22 128"),
+  ("x @ W^T f32 tf32", "wgmma 128x256, 4 stages", "WGMMA 4 256"),
+  ("x @ W^T f32 tf32", "wgmma 128x256, 4 stages, copies 3 steps ahead (deep)", "WGMMA 36 256"),
 ]
 
 
