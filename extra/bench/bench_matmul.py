@@ -643,6 +643,8 @@ def main() -> None:
   parser.add_argument("--no-variants", dest="variants", action="store_false",
                       help="skip the explicit-opts variants of the 4096^3 rows (CUDA)")
   parser.add_argument("--variants-matching", default="", help="only the variants whose label matches this regex")
+  parser.add_argument("--tf32", action="store_true", help="TF32 allowed in every row (both sides), not only in the "
+                      "rows named tf32")
   args = parser.parse_args()
   import torch
   cuda = args.device.upper().startswith("CUDA")
@@ -650,7 +652,8 @@ def main() -> None:
   # TF32 off: float32 rows compare full-precision matmuls (the rows named tf32 turn it on, both sides)
   allow_tf32(torch, False)
   with_beam = args.beam if args.beam is not None else cuda
-  print(f"device: {torch.cuda.get_device_name() if cuda else args.device} (TF32 off but in the rows named tf32)")
+  print(f"device: {torch.cuda.get_device_name() if cuda else args.device} "
+        f"({'TF32 on in every row' if args.tf32 else 'TF32 off but in the rows named tf32'})")
   rate_title = "TFLOP/s" if cuda else "GFLOP/s"
   print(f"{'workload':<34} {'GFLOP':>8} {'ourgrad':>9} {rate_title:>8} {'BEAM=2':>9} {'torch':>9} {'compile':>9} "
         f"{'numpy':>9} {'% torch':>8}   (times in ms)")
@@ -658,7 +661,7 @@ def main() -> None:
   for name, kind, sizes, dtype_name in CUDA_ROWS if cuda else CPU_ROWS:
     if not any(part in name for part in args.only.split(",")): continue
     sizes = scaled(kind, sizes, args.scale)
-    allow_tf32(torch, "tf32" in name)
+    allow_tf32(torch, args.tf32 or "tf32" in name)
     host = host_inputs(kind, sizes)
     dtype = getattr(dtypes, dtype_name)
     inputs = [Tensor(array, device=args.device).cast(dtype).realize() for array in host]
@@ -703,7 +706,7 @@ def main() -> None:
   if variant_jobs: print("variants (explicit opts):")
   def launch_order(job: tuple) -> tuple[bool, bool]: return "wgmma" in job[1], "dynamic" in job[1]
   for name, label, opts_text, inputs, dtype, kind, sizes in sorted(variant_jobs, key=launch_order):
-    allow_tf32(torch, "tf32" in name)
+    allow_tf32(torch, args.tf32 or "tf32" in name)
     try: row = variant_row(args.device, inputs, opts_text, dtype, args.iters, kind, sizes)
     except Exception as variant_error:  # an opt list that does not fit (or compile): say so, go on
       row = f"failed: {type(variant_error).__name__}: {str(variant_error)[:120]}"
