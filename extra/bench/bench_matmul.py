@@ -58,6 +58,7 @@ CUDA_ROWS = [
   ("matmul 4096^3 f32 tf32", "mm", (4096, 4096, 4096), "float32"),
   ("matmul 4097x4096 @ 4096x4095 f32 tf32", "mm", (4097, 4096, 4095), "float32"),
   ("matmul 4096^3 x @ W^T f32 tf32", "mm_bT", (4096, 4096, 4096), "float32"),   # B K-major: wgmma on sm_90
+  ("matmul 4096^3 B copied K-major first f32 tf32", "mm_bcopy", (4096, 4096, 4096), "float32"),
   ("conv 64x64x56x56 3x3 f32 tf32", "conv", (64, 64, 56, 56, 64, 1), "float32"),
   # the matmuls of bench_jit.py's MLP step (784-512-512-10, batch 512), of the SmolLM2 prefill (512 tokens, 576 and
   # 1536 wide) and of MiniLM (2048 tokens, 384 and 1536 wide): too small for 128x128 tiles to fill the GPU
@@ -91,6 +92,8 @@ MATMUL_LAYOUTS: dict[str, tuple[Callable[[int, int, int], list[tuple[int, ...]]]
   "mm": (lambda m, k, n: [(m, k), (k, n)], lambda relu: lambda a, b: a @ b),
   # a Linear's forward: the weight is stored (out, in)
   "mm_bT": (lambda m, k, n: [(m, k), (n, k)], lambda relu: lambda a, b: a @ b.T),
+  # a @ b with b first copied K-major (N x K, a kernel of its own), read back transposed: TF32 wgmma reads only K-major
+  "mm_bcopy": (lambda m, k, n: [(m, k), (k, n)], lambda relu: lambda a, b: a @ b.T.contiguous().T),
   # a Linear's weight gradient: both operands contiguous along the outputs, not the reduce
   "mm_aT": (lambda m, k, n: [(k, m), (k, n)], lambda relu: lambda a, b: a.T @ b),
   # the next Linear's forward with the bias and ReLU of the previous one fused into its operand
