@@ -209,7 +209,8 @@ def test_tf32_kernels(case: str) -> None:
   assert TF32_MMA in source and "cvt.rna.tf32.f32" in source
 
 
-@pytest.mark.parametrize("shape", [((128, 64), (64, 128)), ((2, 32, 96), (2, 96, 40))], ids=["staged", "batched"])
+@pytest.mark.parametrize("shape", [((128, 64), (64, 128)), ((130, 64), (64, 120)), ((2, 32, 96), (2, 96, 40))],
+                         ids=["staged", "ragged_staged", "batched"])
 def test_heuristic_takes_tf32_only_when_allowed(shape) -> None:
   a, b = _operands(*shape, seed=3)
   item = _matmul_item(a, b)
@@ -220,6 +221,7 @@ def test_heuristic_takes_tf32_only_when_allowed(shape) -> None:
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
   kernel.hand_coded_optimizations()
   assert Opt(OptOps.TC, 0, TF32_CHOICE) in kernel.applied_opts
+  assert (OptOps.SHARED in [opt.op for opt in kernel.applied_opts]) == (shape[0][0] >= 128)   # staged where it fits
   _check_tf32(_run(kernel, item), a, b)
   assert TF32_MMA in _cuda_source(kernel)
 
