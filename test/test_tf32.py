@@ -24,6 +24,7 @@ from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt import heuristic
 from ourgrad.codegen.opt.beam_cache import cache_key
 from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES, FragmentMaps, evaluate, tf32_round
+from ourgrad.codegen.uops import UOps
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
 from ourgrad.device import Buffer, Device
 from ourgrad.engine import realize
@@ -224,6 +225,21 @@ def test_heuristic_takes_tf32_only_when_allowed(shape) -> None:
   assert (OptOps.SHARED in [opt.op for opt in kernel.applied_opts]) == (shape[0][0] >= 128)   # staged where it fits
   _check_tf32(_run(kernel, item), a, b)
   assert TF32_MMA in _cuda_source(kernel)
+
+
+def test_staged_tf32_with_b_k_major() -> None:
+  """x @ W^T on a GPU without wgmma: the staged TF32 kernel with both tiles K-contiguous (both fragments by ldmatrix,
+  32-bit elements: .x4 for A, .x2 for B)."""
+  ourgrad.set_float32_matmul_precision("high")
+  a, b_t = _operands((128, 64), (128, 64), seed=8)
+  item = _transposed_b_item(a, b_t)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert Opt(OptOps.TC, 0, TF32_CHOICE) in kernel.applied_opts and OptOps.SHARED in [o.op for o in kernel.applied_opts]
+  assert not any(layout.transposed for layout in kernel.tensor_core_tiles())
+  assert sum(uop.op is UOps.LDMATRIX for uop in linearize(kernel)) > 0
+  _check_tf32(_run(kernel, item), a, np.ascontiguousarray(b_t.T))
+  assert "ldmatrix" in _cuda_source(kernel)
 
 
 def test_a_wrong_tf32_map_fails() -> None:

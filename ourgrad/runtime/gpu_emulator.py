@@ -221,15 +221,23 @@ class GpuInterpreter(Interpreter):
   def ldmatrix(self, position: int, instruction: Instruction, memory: LocalMemory, index: np.ndarray) -> np.ndarray:
     """ldmatrix.m8n8.x{count}[.trans].b16 per warp: matrix j's 8 rows start at the addresses of lanes 8j..8j+7;
     lane l gets, per matrix, row l // 4 columns 2 (l % 4) + (0, 1) (transposed: rows 2 (l % 4) + (0, 1), column
-    l // 4). Returns (2 count, threads): element 2j + e of each lane."""
+    l // 4). Returns (2 count, threads): element 2j + e of each lane. In a local memory of 32-bit elements (TF32) a
+    row of 8 16-bit elements is 4 of them, and lane l gets, per matrix, the one at row l // 4, column l % 4: (count,
+    threads), element j from matrix j."""
     if self.active is not None: raise self.error(position, "an LDMATRIX inside an IF block (a warp runs it together)")
     if self.threads_per_block % WARP_LANES:
       raise self.error(position, f"an LDMATRIX in blocks of {self.threads_per_block} threads (not whole warps)")
     count, transposed = instruction.arg
     index = np.broadcast_to(np.asarray(index, np.int64), (self.thread_count,))
-    if (index % 8).any(): raise self.error(position, "an LDMATRIX row address that is not 16-byte aligned")
+    if (index * memory.dtype.itemsize % 16).any():
+      raise self.error(position, "an LDMATRIX row address that is not 16-byte aligned")
     warp_first = self.thread_ids // WARP_LANES * WARP_LANES
     lane = self.thread_ids % WARP_LANES
+    if memory.dtype.itemsize == 4:
+      if transposed: raise self.error(position, "ldmatrix .trans of 32-bit elements (it transposes 16-bit ones)")
+      rows = [self.load_local(position, memory, index[warp_first + 8 * matrix + lane // 4] + lane % 4)
+              for matrix in range(count)]
+      return np.stack(rows)
     result = np.zeros((2 * count, self.thread_count), memory.data.dtype)
     for matrix in range(count):
       for element in range(2):
