@@ -609,8 +609,8 @@ class Kernel(SharedTileLayout):
       row_axes, row_length = row_axes + 1, row_length * self.full_shape[outer]
     if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
     rows = prod(self.full_shape[axis] for axis in axes) // row_length
-    # TF32 fragments are read element by element: lanes (group, quad) read row group, column quad of a K-contiguous
-    # tile, so rows 4 floats apart (mod 32 banks) give a warp 32 distinct banks (8 apart: two lanes per bank)
+    # a K-contiguous TF32 tile: rows of 144 bytes put ldmatrix's 8 rows of 16 bytes (lane (group, quad) reading row
+    # group, float quad) in distinct banks; 8 floats of padding (160-byte rows) would put two rows in each
     tf32_rows = self.tensor_core is not None and self.tensor_core.tc.is_tf32 and not transposed
     padding = TC_TILE_PADDING // 2 if tf32_rows else TC_TILE_PADDING
     return TileLayout(tuple(axes), row_axes, row_length, rows, padding, transposed, self.tile_stages)
