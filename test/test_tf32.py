@@ -210,9 +210,10 @@ def test_tf32_kernels(case: str) -> None:
   assert TF32_MMA in source and "cvt.rna.tf32.f32" in source
 
 
-@pytest.mark.parametrize("shape", [((128, 64), (64, 128)), ((130, 64), (64, 120)), ((2, 32, 96), (2, 96, 40))],
-                         ids=["staged", "ragged_staged", "batched"])
-def test_heuristic_takes_tf32_only_when_allowed(shape) -> None:
+@pytest.mark.parametrize("shape", [((128, 64), (64, 128)), ((130, 64), (64, 120))], ids=["staged", "ragged_staged"])
+def test_heuristic_takes_tf32_only_when_allowed(monkeypatch, shape) -> None:
+  """The staged TF32 kernel where allowed (the block count gate lowered to these small grids)."""
+  monkeypatch.setattr(heuristic, "TF32_MIN_BLOCKS", 1)
   a, b = _operands(*shape, seed=3)
   item = _matmul_item(a, b)
   highest = Kernel(item.ast, PythonRenderer("CUDA"))
@@ -221,16 +222,30 @@ def test_heuristic_takes_tf32_only_when_allowed(shape) -> None:
   ourgrad.set_float32_matmul_precision("high")
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
   kernel.hand_coded_optimizations()
-  assert Opt(OptOps.TC, 0, TF32_CHOICE) in kernel.applied_opts
-  assert (OptOps.SHARED in [opt.op for opt in kernel.applied_opts]) == (shape[0][0] >= 128)   # staged where it fits
+  assert Opt(OptOps.TC, 0, TF32_CHOICE) in kernel.applied_opts and OptOps.SHARED in [o.op for o in kernel.applied_opts]
   _check_tf32(_run(kernel, item), a, b)
   assert TF32_MMA in _cuda_source(kernel)
 
 
-def test_staged_tf32_with_b_k_major() -> None:
+@pytest.mark.parametrize("shape", [((128, 64), (64, 128)), ((2, 32, 96), (2, 96, 40))], ids=["few_blocks", "unstaged"])
+def test_heuristic_keeps_float32_tiles_where_tf32_loses(shape) -> None:
+  """With TF32 allowed, a grid of fewer than TF32_MIN_BLOCKS blocks (here 1) and a matmul the staged kernel does not
+  fit (the unstaged TF32 kernel never won on the H100) keep the float32 kernel."""
+  a, b = _operands(*shape, seed=4)
+  ast = _matmul_item(a, b).ast
+  highest = Kernel(ast, PythonRenderer("CUDA"))
+  highest.hand_coded_optimizations()
+  ourgrad.set_float32_matmul_precision("high")
+  high = Kernel(ast, PythonRenderer("CUDA"))
+  high.hand_coded_optimizations()
+  assert high.applied_opts == highest.applied_opts and high.tensor_core is None
+
+
+def test_staged_tf32_with_b_k_major(monkeypatch) -> None:
   """x @ W^T on a GPU without wgmma: the staged TF32 kernel with both tiles K-contiguous (both fragments by ldmatrix,
   32-bit elements: .x4 for A, .x2 for B)."""
   ourgrad.set_float32_matmul_precision("high")
+  monkeypatch.setattr(heuristic, "TF32_MIN_BLOCKS", 1)
   a, b_t = _operands((128, 64), (128, 64), seed=8)
   item = _transposed_b_item(a, b_t)
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
@@ -351,6 +366,7 @@ def test_tf32_wgmma_opt_only_when_allowed() -> None:
 def test_heuristic_tf32_on_sm90(monkeypatch) -> None:
   """On an emulated H100 with TF32 allowed: a large x @ W^T takes WGMMA, a large x @ W (B K x N) mma.sync TF32."""
   monkeypatch.setattr(heuristic, "WGMMA_MIN_WORK", 1)
+  monkeypatch.setattr(heuristic, "TF32_MIN_BLOCKS", 1)
   ourgrad.set_float32_matmul_precision("high")
   def opts(ast) -> list[Opt]:
     kernel = Kernel(ast, PythonRenderer("CUDA_SM90"))
@@ -365,8 +381,10 @@ def test_heuristic_tf32_on_sm90(monkeypatch) -> None:
 
 @pytest.fixture
 def emulated_cuda(monkeypatch):
-  """Tensors on the PYTHON device run as on CUDA (EMULATE=CUDA), with fresh compiled-kernel caches."""
+  """Tensors on the PYTHON device run as on CUDA (EMULATE=CUDA), with fresh compiled-kernel caches; the staged TF32
+  kernel is taken for a single block (TF32_MIN_BLOCKS lowered)."""
   monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA"))
+  monkeypatch.setattr(heuristic, "TF32_MIN_BLOCKS", 1)
   realize._runner_cache.clear()
   yield
   realize._runner_cache.clear()   # kernels made for the emulated GPU stay out of later tests
@@ -379,7 +397,7 @@ def _error_vs_full(got: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
 
 def test_runner_cache_keeps_precisions_apart(emulated_cuda) -> None:
   """The same AST realized under each precision in turn runs the kernel of that precision."""
-  a, b = _operands((32, 64), (64, 32), seed=11)
+  a, b = _operands((128, 64), (64, 128), seed=11)
   ta, tb = Tensor(a, device=DEVICE).realize(), Tensor(b, device=DEVICE).realize()
   errors = {}
   for precision in ("highest", "high", "highest", "high"):
@@ -393,7 +411,7 @@ def test_runner_cache_keeps_precisions_apart(emulated_cuda) -> None:
 def test_jit_captures_again_after_a_switch(emulated_cuda) -> None:
   """A TinyJit captured under one precision does not replay its kernels under the other: switching back and forth,
   each call's result is that of the precision in force."""
-  a, b = _operands((32, 64), (64, 32), seed=12)
+  a, b = _operands((128, 64), (64, 128), seed=12)
   tb = Tensor(b, device=DEVICE).realize()
 
   @TinyJit
@@ -427,10 +445,11 @@ CUDA = device_opens("CUDA")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("shape", [((256, 128), (128, 192)), ((512, 512), (512, 512)), ((100, 72), (72, 40))],
-                         ids=["256x192x128", "512^3", "ragged"])
+@pytest.mark.parametrize("shape", [((1024, 256), (256, 1024)), ((1000, 72), (72, 1100))],
+                         ids=["1024x1024x256", "ragged"])
 def test_cuda_tf32_matmul(shape) -> None:
-  """On the GPU: "high" runs the TF32 mma (results near the TF32 model, off full float32), "highest" full float32."""
+  """On the GPU: "high" runs the staged TF32 mma.sync kernel (at least TF32_MIN_BLOCKS blocks of 128 x 128; results
+  near the TF32 model, off full float32), "highest" full float32."""
   a, b = _operands(*shape, seed=21)
   ta, tb = Tensor(a, device="CUDA").realize(), Tensor(b, device="CUDA").realize()
   full = (ta @ tb).numpy().astype(np.float64)
