@@ -48,3 +48,7 @@ class JitError(OurgradError, RuntimeError):
 
 class ShardingError(ShapeError):
   """Tensors sharded differently mixed in one op, or a view or reduce that would cross the shards of a sharded axis."""
+
+
+class PrecisionError(OurgradError, ValueError):
+  """A float32 matmul precision that is not one of set_float32_matmul_precision's names."""

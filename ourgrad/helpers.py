@@ -126,6 +126,42 @@ BEAM_WORKERS = env_var("BEAM_WORKERS", 0, "processes compiling BEAM candidates: 
 BEAM_UPCAST_MAX = env_var("BEAM_UPCAST_MAX", 256, "BEAM considers no kernel with more upcast/unroll lanes than this")
 BEAM_LOCAL_MAX = env_var("BEAM_LOCAL_MAX", 1024, "BEAM considers no kernel with more threads per block than this "
                          "(the device's own limit applies too)")
+TF32 = env_var("TF32", 0, "1: float32 matmuls and convolutions may run on TensorFloat-32 tensor cores (inputs rounded "
+              "to 10 mantissa bits, float32 sums), as set_float32_matmul_precision('high'); 0: full float32 (default). "
+              "set_float32_matmul_precision overrides it")
+
+
+# ---------------------------------------------------------------- float32 matmul precision
+
+FLOAT32_MATMUL_PRECISIONS = ("highest", "high")
+# the choice of set_float32_matmul_precision (None: not called, the TF32 variable decides); a list so tests and the
+# user change it in place
+_float32_matmul_precision: list[str | None] = [None]
+
+
+def set_float32_matmul_precision(precision: str) -> None:
+  """How float32 matmuls and convolutions may compute, with PyTorch's names: "highest" (the default) keeps full
+  float32; "high" allows TensorFloat-32 tensor cores (on CUDA sm_80+: inputs rounded to 10 mantissa bits, products
+  summed in float32; about 1e-3 relative error, several times faster). Kernels compiled, searched (BEAM) or captured
+  (TinyJit) under one precision are not reused under the other. Overrides the TF32 environment variable."""
+  if precision not in FLOAT32_MATMUL_PRECISIONS:
+    from ourgrad.errors import PrecisionError
+    raise PrecisionError(f"float32 matmul precision {precision!r} is not one of {FLOAT32_MATMUL_PRECISIONS} "
+                         f"('highest': full float32, 'high': TF32 tensor cores allowed)")
+  _float32_matmul_precision[0] = precision
+
+
+def get_float32_matmul_precision() -> str:
+  """"highest" or "high": the precision float32 matmuls compile with now (set_float32_matmul_precision, else TF32)."""
+  chosen = _float32_matmul_precision[0]
+  if chosen is not None: return chosen
+  return "high" if TF32 else "highest"
+
+
+def tf32_allowed() -> bool:
+  """Whether float32 matmuls may use TF32 tensor cores now: part of every cache key a kernel's code depends on."""
+  chosen = _float32_matmul_precision[0]
+  return chosen == "high" if chosen is not None else bool(TF32)
 
 
 def cache_dir() -> pathlib.Path:

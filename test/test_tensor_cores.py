@@ -8,16 +8,18 @@ The shared-memory tiles of float32 matmuls (OptOps.SHARED) are tested the same w
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from ourgrad import Tensor, dtypes
-from ourgrad.codegen import linearizer as linearizer_module
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.search import candidate_opts
-from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES, a_position, b_position, c_position, evaluate
+from ourgrad.codegen.tensor_cores import (CUDA_TENSOR_CORES, FragmentMaps, a_position, b_position, c_position,
+                                          evaluate)
 from ourgrad.codegen.uops import UOps
 from ourgrad.device import Buffer
 from ourgrad.dtype import bfloat16_bits_to_float32
@@ -190,15 +192,16 @@ def test_heuristic_tc_on_a_float16_convolution() -> None:
   assert np.linalg.norm(got - reference) / np.linalg.norm(reference) < 1e-3   # float16 output rounding: ~3e-4
 
 
-def test_a_wrong_fragment_map_fails(monkeypatch) -> None:
-  """The interpreter keeps the true B map while the linearizer loads B with C's map (rows from the lane's group,
-  columns from its quad): the results must differ from the plain kernel's (the emulation checks the mapping, not
-  only agrees with itself)."""
+def test_a_wrong_fragment_map_fails() -> None:
+  """The interpreter keeps the true B map (from the instruction table, by the WMMA's arg) while the linearizer loads
+  B with C's map (rows from the lane's group, columns from its quad) through a TensorCore whose maps lie: the results
+  must differ from the plain kernel's (the emulation checks the mapping, not only agrees with itself)."""
   a, b = _operands(dtypes.float16, (16, 16), (16, 8), seed=9)
   item = _matmul_item(a, b)
   plain = _run(Kernel(item.ast, PythonRenderer("CUDA")), item)
-  monkeypatch.setattr(linearizer_module, "b_position", c_position)
-  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  renderer, true = PythonRenderer("CUDA"), CUDA_TENSOR_CORES[0]
+  renderer.tensor_cores = (dataclasses.replace(true, maps=FragmentMaps(true.maps.a, true.maps.c, true.maps.c)),)
+  kernel = Kernel(item.ast, renderer)
   kernel.apply_opt(Opt(OptOps.TC, 0, 0))
   output = Buffer(DEVICE, item.outputs[0].size, item.outputs[0].dtype).allocate()
   compile_kernel(kernel, DEVICE)((output,) + item.inputs)

@@ -8,7 +8,7 @@ input gradient, weight gradient and the weight gradient's second split-K kernel)
 (lazy.GPU_SPLIT_MIN_PART_MATMUL) set to each of 128, 256, 512 and 1024 products, and with the input gradient's
 padded output gradient stored first (tensor_conv.store_padded_gradient, as on the CPU). `--wgrad` times the step's
 weight gradients alone (WEIGHT_GRADIENT_VARIANTS), their second split-K kernel and the pair, at each part size of
-`--split-part`.
+`--split-part`. `--tf32` allows TensorFloat-32 tensor cores for the float32 kernels (and cuDNN's).
 
 Method: each kernel runs on scratch buffers filled with random values (codegen/opt/search.py's helpers); a figure is
 the fastest of `--iters` device-timed launches after one warm-up. Every variant and BEAM's winner is checked
@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+import ourgrad  # noqa: E402
 import ourgrad.lazy as lazy  # noqa: E402
 import ourgrad.tensor_conv as tensor_conv  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
@@ -426,10 +427,12 @@ def torch_conv(dtype_name: str, iters: int) -> None:
   dtype = getattr(torch, dtype_name)
   x = torch.randn(64, 64, 56, 56, device="cuda", dtype=dtype)
   w = torch.randn(64, 64, 3, 3, device="cuda", dtype=dtype)
-  torch.backends.cudnn.allow_tf32 = False
+  tf32 = ourgrad.get_float32_matmul_precision() == "high"   # --tf32: both sides
+  torch.backends.cudnn.allow_tf32 = tf32
   seconds = torch_seconds(lambda: torch.nn.functional.conv2d(x, w, padding=1), iters, cuda=True)
   flops = 2 * 64 * 64 * 56 * 56 * 64 * 9
-  print(f"  {'PyTorch (cuDNN, TF32 off)':<44} {'-':<38} {seconds * 1e3:8.4f} {flops / seconds / 1e9:8.0f}")
+  label = f"PyTorch (cuDNN, TF32 {'on' if tf32 else 'off'})"
+  print(f"  {label:<44} {'-':<38} {seconds * 1e3:8.4f} {flops / seconds / 1e9:8.0f}")
 
 
 def parts_sweep(device: str, iters: int, scale: int) -> None:
@@ -477,7 +480,10 @@ def main() -> None:
                       "kernel's variants (--rows filters them), the second stage, the pair's sum")
   parser.add_argument("--split-part", default="", help="comma-separated split-K part sizes of matmul-like reduces "
                       "(lazy.GPU_SPLIT_MIN_PART_MATMUL) to run --wgrad at, e.g. 128,256,512")
+  parser.add_argument("--tf32", action="store_true", help="allow TF32 tensor cores for the float32 kernels "
+                      "(ourgrad.set_float32_matmul_precision('high'); cuDNN's allow_tf32 for the PyTorch rows)")
   args = parser.parse_args()
+  if args.tf32: ourgrad.set_float32_matmul_precision("high")
   os.environ["DEVICE"] = args.device   # the MNIST step makes its tensors on the default device
   print(f"{'':<46}{'kernel':<38} {'ms':>8} {'GFLOP/s':>8} {'check':<6} opts")
   # labels hold commas: "|" separates the parts where it is used

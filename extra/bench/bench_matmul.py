@@ -2,7 +2,9 @@
 CUDA, its own BLAS/oneDNN on the CPU), torch.compile(mode="max-autotune") and, on the CPU, numpy's BLAS, in one run.
 
 Rows on CUDA: matmul 4096^3 float32 (TF32 off everywhere), float16 and bfloat16 (float32 accumulation), ragged
-4097x4095x4096 float16, conv2d 64x64x56x56 with 64 3x3 filters, pad 1, float32 and float16.
+4097x4095x4096 float16, conv2d 64x64x56x56 with 64 3x3 filters, pad 1, float32 and float16; then the float32 rows
+named "tf32" with TensorFloat-32 allowed on both sides (ourgrad.set_float32_matmul_precision("high"), PyTorch's
+allow_tf32 for cuBLAS and cuDNN, which torch.compile follows): `--only tf32` runs those alone.
 Rows on the CPU (`--device CLANG`): matmul 1024^3 and 2048^3 float32, conv2d forward+backward of 32x16x64x64 with
 32 3x3 filters.
 
@@ -34,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import ourgrad  # noqa: E402
 from ourgrad import Device, Tensor  # noqa: E402
 from timing import back_to_back_seconds, torch_seconds  # noqa: E402 (extra/bench/timing.py, beside this script)
 from ourgrad.codegen.kernel import describe_opts  # noqa: E402
@@ -51,6 +54,12 @@ CUDA_ROWS = [
   ("matmul 4097x4096 @ 4096x4095 f16", "mm", (4097, 4096, 4095), "float16"),
   ("conv 64x64x56x56 3x3 f32", "conv", (64, 64, 56, 56, 64, 1), "float32"),
   ("conv 64x64x56x56 3x3 f16", "conv", (64, 64, 56, 56, 64, 1), "float16"),
+  # TF32 allowed on both sides (see the module doc)
+  ("matmul 4096^3 f32 tf32", "mm", (4096, 4096, 4096), "float32"),
+  ("matmul 4097x4096 @ 4096x4095 f32 tf32", "mm", (4097, 4096, 4095), "float32"),
+  ("matmul 4096^3 x @ W^T f32 tf32", "mm_bT", (4096, 4096, 4096), "float32"),   # B K-major: wgmma on sm_90
+  ("matmul 4096^3 B copied K-major first f32 tf32", "mm_bcopy", (4096, 4096, 4096), "float32"),
+  ("conv 64x64x56x56 3x3 f32 tf32", "conv", (64, 64, 56, 56, 64, 1), "float32"),
   # the matmuls of bench_jit.py's MLP step (784-512-512-10, batch 512), of the SmolLM2 prefill (512 tokens, 576 and
   # 1536 wide) and of MiniLM (2048 tokens, 384 and 1536 wide): too small for 128x128 tiles to fill the GPU
   ("mlp fwd 512x784 @ W^T", "mm_bT", (512, 784, 512), "float32"),
@@ -83,6 +92,8 @@ MATMUL_LAYOUTS: dict[str, tuple[Callable[[int, int, int], list[tuple[int, ...]]]
   "mm": (lambda m, k, n: [(m, k), (k, n)], lambda relu: lambda a, b: a @ b),
   # a Linear's forward: the weight is stored (out, in)
   "mm_bT": (lambda m, k, n: [(m, k), (n, k)], lambda relu: lambda a, b: a @ b.T),
+  # a @ b with b first copied K-major (N x K, a kernel of its own), read back transposed: TF32 wgmma reads only K-major
+  "mm_bcopy": (lambda m, k, n: [(m, k), (k, n)], lambda relu: lambda a, b: a @ b.T.contiguous().T),
   # a Linear's weight gradient: both operands contiguous along the outputs, not the reduce
   "mm_aT": (lambda m, k, n: [(k, m), (k, n)], lambda relu: lambda a, b: a.T @ b),
   # the next Linear's forward with the bias and ReLU of the previous one fused into its operand
@@ -468,6 +479,23 @@ VARIANTS += [("smollm2 512x1536 @", f"split-K {parts}, 64x64 8x8/thread", f"SPLI
 VARIANTS.append(("minilm attn q@k^T", "register tiles (main before: the fused bias kept it from SHARED)",
                  "UPCAST 3 4;UPCAST 2 4;UNROLL 0 4;LOCAL 3 8;LOCAL 2 8;LOCAL 1 2"))
 
+# TF32 tensor cores (TC 2 on CUDA) on the 4096^3 float32 matmul: the staged kernel's warp tile (64x64: 4x8 m16n8k8
+# tiles), K step and stages, and the unstaged one; with B K-major (x @ W^T) the TF32 wgmma kernel's tiles (sm_90)
+TF32_WARPS = "TC;UPCAST 1 8;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2"
+VARIANTS += [
+  ("4096^3 f32 tf32", "TC staged 128x128, K step 32, 2 stages (heuristic)", f"{TF32_WARPS};UNROLL 0 4;SHARED 0 0"),
+  ("4096^3 f32 tf32", "TC staged 128x128, K step 32, 3 stages", f"{TF32_WARPS};UNROLL 0 4;SHARED 0 3"),
+  ("4096^3 f32 tf32", "TC staged 128x128, K step 16, 3 stages", f"{TF32_WARPS};UNROLL 0 2;SHARED 0 3"),
+  ("4096^3 f32 tf32", "TC staged 128x128, K step 16, 4 stages", f"{TF32_WARPS};UNROLL 0 2;SHARED 0 4"),
+  ("4096^3 f32 tf32", "TC staged 128x64 (warps 64x32), K step 32, 3 stages",
+   "TC;UPCAST 1 4;UPCAST 0 4;LOCAL 1 2;LOCAL 0 2;UNROLL 0 4;SHARED 0 3"),
+  ("4096^3 f32 tf32", "TC not staged, 2x4 tiles per warp, 2x2 warps", "TC;UPCAST 1 4;UPCAST 0 2;LOCAL 1 2;LOCAL 0 2"),
+  ("x @ W^T f32 tf32", "wgmma 128x256, 4 stages, producer warpgroup (heuristic on sm_90)", "WGMMA 20 256"),
+  ("x @ W^T f32 tf32", "wgmma 128x128, 6 stages, producer warpgroup", "WGMMA 22 128"),
+  ("x @ W^T f32 tf32", "wgmma 128x256, 4 stages", "WGMMA 4 256"),
+  ("x @ W^T f32 tf32", "wgmma 128x256, 4 stages, copies 3 steps ahead (deep)", "WGMMA 36 256"),
+]
+
 
 def parse_opts(text: str, tc_choice: int) -> list:
   from ourgrad.codegen.kernel import Opt, OptOps
@@ -493,7 +521,8 @@ def variant_kernel(device: str, ast: Any, opts_text: str, dtype: Any) -> Any:
     tile = SharedTile(threads_m, threads_n, runs_m, runs_n, (step,))
     if not apply_shared_tile(kernel, tile, step, group): raise RuntimeError("the tile does not fit this matmul")
     return kernel
-  for opt in parse_opts(opts_text, 0 if dtype == dtypes.float16 else 1): kernel.apply_opt(opt)
+  tc_choice = {dtypes.float16: 0, dtypes.bfloat16: 1, dtypes.float32: 2}[dtype]   # CUDA_TENSOR_CORES' order
+  for opt in parse_opts(opts_text, tc_choice): kernel.apply_opt(opt)
   return kernel
 
 
@@ -598,6 +627,13 @@ def beam_seconds(device: str, build: Callable[[], list[Tensor]], iters: int, cud
     realize._runner_cache.clear()
 
 
+def allow_tf32(torch: Any, allowed: bool) -> None:
+  """TensorFloat-32 for float32 matmuls and convolutions on both sides, or on neither."""
+  ourgrad.set_float32_matmul_precision("high" if allowed else "highest")
+  torch.backends.cuda.matmul.allow_tf32 = allowed
+  torch.backends.cudnn.allow_tf32 = allowed
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--device", default="CUDA")
@@ -610,15 +646,17 @@ def main() -> None:
   parser.add_argument("--no-variants", dest="variants", action="store_false",
                       help="skip the explicit-opts variants of the 4096^3 rows (CUDA)")
   parser.add_argument("--variants-matching", default="", help="only the variants whose label matches this regex")
+  parser.add_argument("--tf32", action="store_true", help="TF32 allowed in every row (both sides), not only in the "
+                      "rows named tf32")
   args = parser.parse_args()
   import torch
   cuda = args.device.upper().startswith("CUDA")
   torch_device = "cuda" if cuda else "cpu"
-  # TF32 off: float32 rows compare full-precision matmuls
-  torch.backends.cuda.matmul.allow_tf32 = False
-  torch.backends.cudnn.allow_tf32 = False
+  # TF32 off: float32 rows compare full-precision matmuls (the rows named tf32 turn it on, both sides)
+  allow_tf32(torch, False)
   with_beam = args.beam if args.beam is not None else cuda
-  print(f"device: {torch.cuda.get_device_name() if cuda else args.device} (TF32 off)")
+  print(f"device: {torch.cuda.get_device_name() if cuda else args.device} "
+        f"({'TF32 on in every row' if args.tf32 else 'TF32 off but in the rows named tf32'})")
   rate_title = "TFLOP/s" if cuda else "GFLOP/s"
   print(f"{'workload':<34} {'GFLOP':>8} {'ourgrad':>9} {rate_title:>8} {'BEAM=2':>9} {'torch':>9} {'compile':>9} "
         f"{'numpy':>9} {'% torch':>8}   (times in ms)")
@@ -626,6 +664,7 @@ def main() -> None:
   for name, kind, sizes, dtype_name in CUDA_ROWS if cuda else CPU_ROWS:
     if not any(part in name for part in args.only.split(",")): continue
     sizes = scaled(kind, sizes, args.scale)
+    allow_tf32(torch, args.tf32 or "tf32" in name)
     host = host_inputs(kind, sizes)
     dtype = getattr(dtypes, dtype_name)
     inputs = [Tensor(array, device=args.device).cast(dtype).realize() for array in host]
@@ -663,12 +702,14 @@ def main() -> None:
           + f"  err {error:.1e} vs torch   [{', '.join(kernels)}]")
     if cuda and args.variants and (kind.startswith("mm") or kind in ATTENTION_LAYOUTS):
       variant_jobs += [(name, label, opts_text, inputs, dtype, kind, sizes) for part, label, opts_text in VARIANTS
-                       if part in name and re.search(args.variants_matching, label)]
+                       if part in name and ("tf32" in part) == ("tf32" in name)
+                       and re.search(args.variants_matching, label)]
   # after every row: a variant launch that went wrong would leave the CUDA context unusable; dynamic shared memory
   # and wgmma (the newest code) last
   if variant_jobs: print("variants (explicit opts):")
   def launch_order(job: tuple) -> tuple[bool, bool]: return "wgmma" in job[1], "dynamic" in job[1]
   for name, label, opts_text, inputs, dtype, kind, sizes in sorted(variant_jobs, key=launch_order):
+    allow_tf32(torch, args.tf32 or "tf32" in name)
     try: row = variant_row(args.device, inputs, opts_text, dtype, args.iters, kind, sizes)
     except Exception as variant_error:  # an opt list that does not fit (or compile): say so, go on
       row = f"failed: {type(variant_error).__name__}: {str(variant_error)[:120]}"

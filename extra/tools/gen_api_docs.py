@@ -11,7 +11,7 @@ import ourgrad
 from ourgrad import Tensor, nn
 from ourgrad.nn import functional, losses, optim, state
 
-SECTIONS = [("Tensor", Tensor), ("ourgrad.nn (layers)", nn), ("ourgrad.nn.Module", nn.Module),
+SECTIONS = [("ourgrad", ourgrad), ("Tensor", Tensor), ("ourgrad.nn (layers)", nn), ("ourgrad.nn.Module", nn.Module),
             ("ourgrad.nn.functional", functional),
             ("ourgrad.nn.losses", losses), ("ourgrad.nn.optim", optim), ("ourgrad.nn.state", state)]
 

@@ -531,6 +531,9 @@ class Kernel(SharedTileLayout):
     if any(opt.op is not OptOps.PADTO for opt in self.applied_opts):
       raise KernelOptError(f"TC must come first (PADTO aside), after {self.applied_opts}")
     tc = tensor_cores[choice]
+    if not tc.allowed():
+      raise KernelOptError(f"TC {tc}: float32 matmuls use TF32 tensor cores only where the user allows it "
+                           f"(ourgrad.set_float32_matmul_precision('high') or TF32=1)")
     a, b = tensor_core_operands(self.reduceop, tc)
     m_axes, n_axes, k_axes = self.matmul_axes(a, b)
     if not (m_axes and n_axes and k_axes):
@@ -609,7 +612,11 @@ class Kernel(SharedTileLayout):
       row_axes, row_length = row_axes + 1, row_length * self.full_shape[outer]
     if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
     rows = prod(self.full_shape[axis] for axis in axes) // row_length
-    return TileLayout(tuple(axes), row_axes, row_length, rows, TC_TILE_PADDING, transposed, self.tile_stages)
+    # a K-contiguous TF32 tile: rows of 144 bytes put ldmatrix's 8 rows of 16 bytes (lane (group, quad) reading row
+    # group, float quad) in distinct banks; 8 floats of padding (160-byte rows) would put two rows in each
+    tf32_rows = self.tensor_core is not None and self.tensor_core.tc.is_tf32 and not transposed
+    padding = TC_TILE_PADDING // 2 if tf32_rows else TC_TILE_PADDING
+    return TileLayout(tuple(axes), row_axes, row_length, rows, padding, transposed, self.tile_stages)
 
   def leaf_number(self, leaf: LazyOp) -> int:
     """The position of a leaf (by identity: equal loads of one buffer may be different leaves) in `leaves`."""

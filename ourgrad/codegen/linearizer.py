@@ -22,7 +22,7 @@ from ourgrad.codegen.halo_tiles import HaloTileFill, HaloWindow
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.shared_tile_fill import SharedTileFill, multiple_of, zero_of
 from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
-from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
+from ourgrad.codegen.tensor_cores import WARP_LANES, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
@@ -258,18 +258,17 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
           a_values = self._tile_fragment(staged[0], True, idxs, lane, stage)
           b_values = self._tile_fragment(staged[1], False, idxs, lane, stage)
         else:
-          a_values = self._fragment_values(applied.a, idxs, (m_axis, k_axis), a_position, tc.a_elements, group,
+          a_values = self._fragment_values(applied.a, idxs, (m_axis, k_axis), tc.a_position, tc.a_elements, group,
                                            quad)
-          b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), b_position, tc.b_elements, group,
+          b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), tc.b_position, tc.b_elements, group,
                                            quad)
-        build.add(UOps.WMMA, tc.dtype_out, tuple(a_values + b_values + accumulators[tile]),
-                  (tc.dims, tc.dtype_in.name, tc.dtype_out.name))
+        build.add(UOps.WMMA, tc.dtype_out, tuple(a_values + b_values + accumulators[tile]), tc.arg)
     for loop in reversed(reduce_loops): build.end_range(loop)
     zero_unrolls = (0,) * len(unroll_axes)
     for tile in tiles:
       for element, accumulator in enumerate(accumulators[tile]):
         idxs = self._fill_lanes(axis_idxs, upcast_axes, tile, unroll_axes, zero_unrolls)
-        row, column = c_position(element)
+        row, column = tc.c_position(element)
         idxs[m_axis], idxs[n_axis] = evaluate(row, group, quad), evaluate(column, group, quad)
         self._store_outputs(idxs, accumulator)
     return build.uops
@@ -279,7 +278,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     """An operand's fragment: element i at (row, column) = position_of(i) of the instruction's matrix, indices
     along `axes` (the other tile axis is one the operand does not vary along: 0). Elements 2j and 2j+1 are K
     neighbours (the PTX layouts pair them in one register); where the operand is contiguous along K they are one
-    aligned 2-wide load."""
+    aligned 2-wide load (where the instruction pairs them: not TF32's)."""
     element_idxs = []
     for element in range(count):
       fragment_idxs = list(idxs)
@@ -287,8 +286,8 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       element_idxs.append(fragment_idxs)
     k_axis = self.kernel.shape_len - 1
     values = []
-    for low, high in zip(element_idxs[::2], element_idxs[1::2]):
-      pair = self._fragment_pair(operand, low, k_axis)
+    for element, (low, high) in enumerate(zip(element_idxs[::2], element_idxs[1::2])):
+      pair = self._fragment_pair(operand, low, k_axis) if _k_neighbours(position_of, axes, k_axis, element) else None
       values += pair if pair is not None else [self.compute(operand, low, None), self.compute(operand, high, None)]
     return values
 
@@ -597,3 +596,10 @@ def linearize(kernel: Kernel) -> list[UOp]:
     from ourgrad.codegen.row_linearizer import RowLinearizer
     return RowLinearizer(kernel).linearize()
   return Linearizer(kernel).linearize()
+
+
+def _k_neighbours(position_of: Callable, axes: tuple[int, int], k_axis: int, pair: int) -> bool:
+  """Whether fragment elements 2 pair and 2 pair + 1 lie next to each other along K (m16n8k16: yes; TF32: no)."""
+  low, high = position_of(2 * pair), position_of(2 * pair + 1)
+  return all(high_coordinate == (low_coordinate[0] + (axis == k_axis), *low_coordinate[1:])
+             for axis, low_coordinate, high_coordinate in zip(axes, low, high))

@@ -25,6 +25,7 @@ rows, and .trans transposes each 8x8 matrix as it loads.
 from __future__ import annotations
 
 from ourgrad.codegen.kernel import TileLayout
+from ourgrad.codegen.tensor_cores import evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.ops import LazyOp
 from ourgrad.shape.symbolic import Node, NumNode
@@ -167,8 +168,12 @@ class TensorCoreTiles:
   def _tile_fragment(self, tile: tuple[UOp, TileLayout, LazyOp], operand_is_a: bool, idxs: list[Node], lane: Node,
                      stage: Node) -> list[UOp]:
     """A lane's A (8 elements) or B (4 elements) fragment of the instruction at `idxs`, by one LDMATRIX from the
-    tile (the same fragment is loaded once per step: later tiles reuse it)."""
+    tile (the same fragment is loaded once per step: later tiles reuse it). TF32 fragments (32-bit elements, which
+    ldmatrix's .trans cannot transpose) are loaded element by element (_tile_fragment_elements)."""
     local, layout, _ = tile
+    if self.kernel.tensor_core.tc.is_tf32:
+      if layout.transposed: return self._tile_fragment_elements(tile, operand_is_a, idxs, lane, stage)
+      return self._tf32_ldmatrix_fragment(tile, operand_is_a, idxs, lane, stage)
     kernel = self.kernel
     m_or_n_axis = kernel.shape_len - 3 if operand_is_a else kernel.shape_len - 2
     k_axis = kernel.shape_len - 1
@@ -193,6 +198,51 @@ class TensorCoreTiles:
     matrix = self.fragment_loads[key]
     elements = range(first_element, first_element + (8 if operand_is_a else 4))
     return [self.builder.add(UOps.GEP, tile[2].dtype, (matrix,), element) for element in elements]
+
+  def _tf32_ldmatrix_fragment(self, tile: tuple[UOp, TileLayout, LazyOp], operand_is_a: bool, idxs: list[Node],
+                              lane: Node, stage: Node) -> list[UOp]:
+    """A lane's TF32 fragment from a K-contiguous tile by one ldmatrix (.x4 for A, .x2 for B): an 8x8 matrix of
+    16-bit elements is 8 rows of 4 floats, so lane l gets the float at row l // 4, column l % 4 of each matrix, which
+    is (group, quad) of the fragment maps. A (16 x 8): matrices at M 0 / 8, K 0 / 4 in a0..a3's order (lanes 8j..8j+7
+    point at matrix j's rows: M 8 (j % 2) + l % 8, K 4 (j // 2)); B (8 x 8, rows along N): K 0 and 4 for b0, b1."""
+    local, layout, operand = tile
+    kernel = self.kernel
+    m_or_n_axis = kernel.shape_len - 3 if operand_is_a else kernel.shape_len - 2
+    k_axis = kernel.shape_len - 1
+    fragment_idxs = list(idxs)
+    if operand_is_a: fragment_idxs[m_or_n_axis], fragment_idxs[k_axis] = (lane // 8) % 2 * 8 + lane % 8, lane // 16 * 4
+    else: fragment_idxs[m_or_n_axis], fragment_idxs[k_axis] = lane % 8, (lane // 8) % 2 * 4
+    count = 4 if operand_is_a else 2
+    address = stage * layout.stage_size + self._tile_offset(layout, fragment_idxs)
+    key = (id(local), address.render())
+    if key not in self.fragment_loads:
+      self.fragment_loads[key] = self.builder.add(UOps.LDMATRIX, operand.dtype, (local, self.node_to_uop(address)),
+                                                  (count, False))
+    matrix = self.fragment_loads[key]
+    return [self.builder.add(UOps.GEP, operand.dtype, (matrix,), element) for element in range(count)]
+
+  def _tile_fragment_elements(self, tile: tuple[UOp, TileLayout, LazyOp], operand_is_a: bool, idxs: list[Node],
+                              lane: Node, stage: Node) -> list[UOp]:
+    """A lane's fragment as one local-memory LOAD per element, at the positions the instruction's fragment maps give
+    (each loaded once per step: later tiles reuse it)."""
+    local, layout, operand = tile
+    kernel, tc = self.kernel, self.kernel.tensor_core.tc
+    m_or_n_axis = kernel.shape_len - 3 if operand_is_a else kernel.shape_len - 2
+    k_axis = kernel.shape_len - 1
+    group, quad = lane // 4, lane % 4
+    count = tc.a_elements if operand_is_a else tc.b_elements
+    values = []
+    for element in range(count):
+      if operand_is_a: m_or_n, k = tc.a_position(element)
+      else: k, m_or_n = tc.b_position(element)
+      fragment_idxs = list(idxs)
+      fragment_idxs[m_or_n_axis], fragment_idxs[k_axis] = evaluate(m_or_n, group, quad), evaluate(k, group, quad)
+      address = stage * layout.stage_size + self._tile_offset(layout, fragment_idxs)
+      key = (id(local), address.render())
+      if key not in self.fragment_loads:
+        self.fragment_loads[key] = self.builder.add(UOps.LOAD, operand.dtype, (local, self.node_to_uop(address)))
+      values.append(self.fragment_loads[key])
+    return values
 
   def _b_pair_axis(self, layout: TileLayout) -> int | None:
     """The UPCAST axis of B's N tiles right outside the instruction's n in the tile (tile t + 1 is 8 along N from

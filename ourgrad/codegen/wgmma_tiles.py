@@ -17,12 +17,18 @@ two byte strides and a swizzle mode. This module uses the 128-byte swizzle throu
   1024 between them) and the next 64 N follow after it (leading byte offset LBO = 128 block_k). The k16 slice j starts
   at row 16 j.
 
+TensorFloat-32 (`wgmma.mma_async.sync.aligned.m64nNk8.f32.tf32.tf32`, float32 operands where the user allows TF32):
+the same bytes, 32 float32 elements a row (block_k = 32), each instruction 8 of K (32 bytes, as k16 of halves); the
+tensor cores read the float32 bits and use their upper 19 (a truncation to TF32, no rounding). The instruction
+cannot transpose a TF32 operand, so B must be K-major (N x K: the x @ W^T of a Linear layer).
+
 Accumulators (float32, N/2 per thread; PTX ISA "Matrix Fragments for wgmma.mma_async.m64nNk16"): thread t of the
 warpgroup (warp w = t // 32, lane l) holds element i at row 16 w + l // 4 + 8 ((i >> 1) & 1), column 8 (i >> 2) +
 2 (l % 4) + (i & 1) (`accumulator_position`): per warp, the mma.sync m16n8 C layout repeated along N.
 
 The kernel (`render_wgmma_matmul`): C (M x N) = A (M x K, row-major) @ B (K x N, row-major, or N x K with
-`b_k_major`) for float16/bfloat16 inputs and output, float32 accumulation; sizes multiples of the block tile.
+`b_k_major`) for float16/bfloat16 inputs and output (or float32 ones, TF32), float32 accumulation; sizes multiples
+of the block tile.
 One CTA computes a block_m x block_n tile with block_m / 64 warpgroups (each 64 rows, one m64n{block_n}k16 per k16
 step); all threads copy the tiles of a K step (block_k = 64) into shared memory with 16-byte cp.async, `stages` deep:
 
@@ -46,6 +52,11 @@ ROW_BYTES, ATOM_BYTES, PIECE_BYTES = 128, 1024, 16
 WARPGROUP_THREADS = 128
 SWIZZLE_128B = 1   # the descriptor's swizzle mode field (bits 62-63)
 SHARED_MEMORY_LIMIT = 227 * 1024   # dynamic shared memory per block on sm_90
+# per operand dtype: bytes of an element, its PTX type, its C type; float32 is read by the tensor cores as TF32
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
+C_TYPE = {"float16": "unsigned short", "bfloat16": "unsigned short", "float32": "float"}
+SLICE_BYTES = 32   # K bytes of one instruction: k16 of 16-bit elements, k8 of TF32
 
 
 def swizzled(offset: int) -> int:
@@ -73,11 +84,11 @@ class WgmmaMatmul:
   m: int
   n: int
   k: int
-  dtype: str = "float16"         # of A and B: "float16" or "bfloat16"
+  dtype: str = "float16"         # of A and B: "float16", "bfloat16" or "float32" (TF32)
   out_dtype: str = ""            # of C: the inputs' dtype (empty) or "float32"
   block_m: int = 128             # rows per CTA: 64 per warpgroup
   block_n: int = 256             # columns per CTA = the instruction's N (8..256, a multiple of 64 here)
-  block_k: int = 64              # K per stage: one 128-byte row of 64 elements
+  block_k: int = 0               # K per stage: one 128-byte row (64 halves, 32 floats; 0: that)
   stages: int = 4                # shared-memory stages (>= 3: two are being read while the rest fill)
   b_k_major: bool = False        # B given as N x K (K contiguous) instead of K x N
   b_lbo_sbo_swapped: bool = False  # the MN-major B descriptor with LBO and SBO exchanged (a layout probe)
@@ -90,13 +101,17 @@ class WgmmaMatmul:
   c_batch: int = 0
 
   def __post_init__(self):
-    if self.dtype not in ("float16", "bfloat16"): raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16")
+    if self.dtype not in ITEMSIZE: raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16/float32 (TF32)")
     if not self.out_dtype: object.__setattr__(self, "out_dtype", self.dtype)
+    if not self.block_k: object.__setattr__(self, "block_k", ROW_BYTES // self.itemsize)
     if self.out_dtype not in (self.dtype, "float32"):
       raise ValueError(f"wgmma matmul of {self.dtype} into {self.out_dtype}: {self.dtype} or float32")
+    if self.dtype == "float32" and not self.b_k_major:
+      raise ValueError("TF32 wgmma cannot transpose B: it must be K-major (N x K), not K x N")
     if max(self.m * self.k, self.k * self.n, self.m * self.n) >= 2 ** 31:
       raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n}: an operand of 2^31 elements or more (int indices)")
-    if self.block_m % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k != 64 or self.stages < 3:
+    if self.block_m % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k != ROW_BYTES // self.itemsize \
+        or self.stages < 3:
       raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}x{self.block_k}, {self.stages} stages")
     if self.shared_bytes > SHARED_MEMORY_LIMIT:
       raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}, {self.stages} stages: {self.shared_bytes} bytes of "
@@ -109,13 +124,26 @@ class WgmmaMatmul:
   def warpgroups(self) -> int: return self.block_m // 64
 
   @property
+  def itemsize(self) -> int: return ITEMSIZE[self.dtype]
+
+  @property
+  def piece_elements(self) -> int:
+    """Elements of one 16-byte copy piece."""
+    return PIECE_BYTES // self.itemsize
+
+  @property
+  def instruction_k(self) -> int:
+    """K of one wgmma: 16 (16-bit operands) or 8 (TF32)."""
+    return SLICE_BYTES // self.itemsize
+
+  @property
   def threads(self) -> int: return (self.warpgroups + self.specialized) * WARPGROUP_THREADS
 
   @property
   def a_stage_bytes(self) -> int: return self.block_m * ROW_BYTES
 
   @property
-  def b_stage_bytes(self) -> int: return self.block_n * self.block_k * 2
+  def b_stage_bytes(self) -> int: return self.block_n * self.block_k * self.itemsize
 
   @property
   def stage_bytes(self) -> int: return self.a_stage_bytes + self.b_stage_bytes
@@ -132,7 +160,8 @@ class WgmmaMatmul:
     batched = f"{self.batch}x" if self.batch > 1 else ""
     variant = ("_swapped" if self.b_lbo_sbo_swapped else "") + ("_ws" if self.specialized else "") + \
       ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "")
-    return (f"wgmma_{self.dtype}{out}_{batched}{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_"
+    dtype = "tf32" if self.dtype == "float32" else self.dtype
+    return (f"wgmma_{dtype}{out}_{batched}{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_"
             f"s{self.stages}_{major}{variant}")
 
   @property
@@ -150,16 +179,17 @@ class WgmmaMatmul:
 
 
 def _wgmma_instruction(plan: WgmmaMatmul) -> str:
-  """The inline-asm statement of one m64n{block_n}k16 wgmma on the accumulator array `acc` (descriptors a_desc,
-  b_desc): D += A @ B (scale-d = 1: the accumulators start at 0)."""
+  """The inline-asm statement of one m64n{block_n}k16 (TF32: k8) wgmma on the accumulator array `acc` (descriptors
+  a_desc, b_desc): D += A @ B (scale-d = 1: the accumulators start at 0)."""
   count = plan.block_n // 2
-  ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
+  ptx_type = PTX_TYPE[plan.dtype]
   registers = ", ".join(f"%{i}" for i in range(count))
-  transpose_b = 0 if plan.b_k_major else 1
+  # A is K-major (no transpose); B transposed where it is K x N. TF32 has no transpose operands (B is K-major)
+  transposes = "" if plan.dtype == "float32" else f", 0, {0 if plan.b_k_major else 1}"
   # scale-d is a predicate (set from an int operand, as 1): D = A @ B + D
   instruction = ("{ .reg .pred accumulate; setp.ne.b32 accumulate, %" + str(count + 2) + ", 0; "
-                 f"wgmma.mma_async.sync.aligned.m64n{plan.block_n}k16.f32.{ptx_type}.{ptx_type} "
-                 f"{{{registers}}}, %{count}, %{count + 1}, accumulate, 1, 1, 0, {transpose_b}; }}")
+                 f"wgmma.mma_async.sync.aligned.m64n{plan.block_n}k{plan.instruction_k}.f32.{ptx_type}.{ptx_type} "
+                 f"{{{registers}}}, %{count}, %{count + 1}, accumulate, 1, 1{transposes}; }}")
   outputs = ", ".join(f'"+f"(acc[{i}])' for i in range(count))
   return f'asm volatile("{instruction}"\n      : {outputs}\n      : "l"(a_desc), "l"(b_desc), "r"(1));'
 
@@ -191,9 +221,10 @@ class CExpr:
 
 def a_copy(plan: WgmmaMatmul, piece, step):
   """(element offset in A from the block's first row, byte offset in the stage) of A's 16-byte piece `piece` (8
-  elements along K) of K step `step`: row piece // 8 of the tile, 128-byte swizzled rows."""
+  elements along K; TF32: 4) of K step `step`: row piece // 8 of the tile, 128-byte swizzled rows."""
   row, column = piece // 8, piece % 8
-  return row * plan.k + step * plan.block_k + column * 8, row * ROW_BYTES + ((column ^ (row & 7)) << 4)
+  return (row * plan.k + step * plan.block_k + column * plan.piece_elements,
+          row * ROW_BYTES + ((column ^ (row & 7)) << 4))
 
 
 def b_copy(plan: WgmmaMatmul, piece, step):
@@ -201,7 +232,7 @@ def b_copy(plan: WgmmaMatmul, piece, step):
   `piece`: K-major as A; MN-major: row = K index, 64 N a row, the next 64 N after block_k rows."""
   if plan.b_k_major:
     row, column = piece // 8, piece % 8
-    return (row * plan.k + step * plan.block_k + column * 8,
+    return (row * plan.k + step * plan.block_k + column * plan.piece_elements,
             plan.a_stage_bytes + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
   per_row = plan.block_n // 8
   row, along_n = piece // per_row, piece % per_row
@@ -211,10 +242,10 @@ def b_copy(plan: WgmmaMatmul, piece, step):
 
 
 def operand_starts(plan: WgmmaMatmul, warpgroup, j):
-  """Byte offsets in the stage where k16 slice `j`'s A (of `warpgroup`'s 64 rows) and B start (the descriptors'
-  start addresses, before the stage's base)."""
-  a_start = warpgroup * 64 * ROW_BYTES + 32 * j
-  b_start = plan.a_stage_bytes + (32 * j if plan.b_k_major else 16 * ROW_BYTES * j)
+  """Byte offsets in the stage where K slice `j`'s (one instruction's K) A (of `warpgroup`'s 64 rows) and B start
+  (the descriptors' start addresses, before the stage's base)."""
+  a_start = warpgroup * 64 * ROW_BYTES + SLICE_BYTES * j
+  b_start = plan.a_stage_bytes + (SLICE_BYTES * j if plan.b_k_major else 16 * ROW_BYTES * j)
   return a_start, b_start
 
 
@@ -239,8 +270,8 @@ def _copy_lines(plan: WgmmaMatmul, thread: str, threads: int) -> list[str]:
   thread `thread` (of `threads`) moves."""
   lines = []
   piece, step = CExpr("piece"), CExpr("step")
-  for name, pieces, copy in (("a", plan.block_m * plan.block_k // 8, a_copy),
-                             ("b", plan.block_n * plan.block_k // 8, b_copy)):
+  for name, pieces, copy in (("a", plan.block_m * plan.block_k // plan.piece_elements, a_copy),
+                             ("b", plan.block_n * plan.block_k // plan.piece_elements, b_copy)):
     source, target = copy(plan, piece, step)
     lines += [f"  for (int piece = {thread}; piece < {pieces}; piece += {threads})",
               f"    copy16(stage_base + {target}, {name}_block + {source});"]
@@ -260,15 +291,15 @@ def _store_lines(plan: WgmmaMatmul) -> list[str]:
 def _signature(plan: WgmmaMatmul, name: str, arguments: dict[str, int] | None) -> list[str]:
   """The kernel's first lines: its parameters in argument order (`arguments`: the position of C, A and B; A and B
   may be one buffer), and c, a, b naming them."""
-  out_type = "float" if plan.out_dtype == "float32" else "unsigned short"
+  out_type, in_type = C_TYPE[plan.out_dtype], C_TYPE[plan.dtype]
   positions = arguments or {"c": 0, "a": 1, "b": 2}
-  params = {position: f"{out_type if operand == 'c' else 'const unsigned short'}* __restrict__ data{position}"
+  params = {position: f"{out_type if operand == 'c' else 'const ' + in_type}* __restrict__ data{position}"
             for operand, position in positions.items()}
   return [f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1) {name}('
           f'{", ".join(params[position] for position in sorted(params))}) {{',
           f"  {out_type}* c = data{positions['c']} + (size_t)blockIdx.y * {plan.c_batch};",
-          f"  const unsigned short* a = data{positions['a']} + (size_t)blockIdx.y * {plan.a_batch};",
-          f"  const unsigned short* b = data{positions['b']} + (size_t)blockIdx.y * {plan.b_batch};"]
+          f"  const {in_type}* a = data{positions['a']} + (size_t)blockIdx.y * {plan.a_batch};",
+          f"  const {in_type}* b = data{positions['b']} + (size_t)blockIdx.y * {plan.b_batch};"]
 
 
 def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: dict[str, int] | None = None,
@@ -291,7 +322,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "  return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |",
     f"         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | ({SWIZZLE_128B}ull << 62);",
     "}",
-    "__device__ __forceinline__ void copy16(unsigned target, const unsigned short* source) {",
+    "__device__ __forceinline__ void copy16(unsigned target, const void* source) {",
     '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(target), "l"(source) : "memory");',
     "}",
     *(_BARRIER_HELPERS if plan.specialized else []),
@@ -300,8 +331,8 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
     # CTAs in groups of group_m M tiles down one column of N tiles, so B's block columns are reused from L2
     f"  int tile_m = {tile_m}, tile_n = {tile_n};",
-    f"  const unsigned short* a_block = a + tile_m * {plan.block_m * plan.k};",
-    f"  const unsigned short* b_block = {b_block};",
+    f"  const {C_TYPE[plan.dtype]}* a_block = a + tile_m * {plan.block_m * plan.k};",
+    f"  const {C_TYPE[plan.dtype]}* b_block = {b_block};",
     # with a producer, warpgroup -1 copies and 0.. compute
     f"  int warpgroup = threadIdx.x / 128{' - 1' if plan.specialized else ''}, thread = threadIdx.x % 128;",
     f"  const int steps = {plan.k // plan.block_k};",
@@ -313,7 +344,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     f"    unsigned stage_base = shared_base + (step % {plan.stages}) * {plan.stage_bytes};",
     '    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");',
     "#pragma unroll",
-    f"    for (int j = 0; j < {plan.block_k // 16}; j++) {{",
+    f"    for (int j = 0; j < {plan.block_k // plan.instruction_k}; j++) {{",
     f"      unsigned long long a_desc = wgmma_descriptor(stage_base + {a_start}, {PIECE_BYTES}, {ATOM_BYTES});",
     f"      unsigned long long b_desc = wgmma_descriptor(stage_base + {b_start}, {b_lbo}, {b_sbo});",
     "      " + _wgmma_instruction(plan),
@@ -465,27 +496,29 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
 
 def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False,
                     deep: bool = False) -> tuple[WgmmaMatmul, dict[str, int]]:
-  """The plan of a Kernel (codegen/kernel.py, no opts applied) that is a plain float16/bfloat16 matmul: C (M x N,
-  row-major, the inputs' dtype or float32) = A (M x K, row-major) @ B (K x N row-major, or its transpose stored
-  N x K), a SUM in float32 of the product of the two loads, stored as it is (or cast), unmasked views from offset 0;
-  and the argument positions of C, A and B. Raises ValueError (or the matmul check's KernelOptError) naming what
-  does not fit."""
+  """The plan of a Kernel (codegen/kernel.py, no opts applied) that is a plain float16/bfloat16 matmul (or float32,
+  TF32, where the user allows it, with B stored N x K): C (M x N, row-major, the inputs' dtype or float32) = A (M x K,
+  row-major) @ B (K x N row-major, or its transpose stored N x K), a SUM in float32 of the product of the two loads,
+  stored as it is (or cast), unmasked views from offset 0; and the argument positions of C, A and B. Raises
+  ValueError (or the matmul check's KernelOptError) naming what does not fit."""
   from ourgrad.codegen.kernel import KernelOptError, matmul_operands   # kernel.py imports this module
   from ourgrad.dtype import dtypes
+  from ourgrad.helpers import tf32_allowed
   from ourgrad.ops import Ops
   if len(kernel.reduceops) != 1 or len(kernel.stores) != 1: raise ValueError("needs one reduce and one store")
   store = kernel.stores[0]
   value = store.srcs[0]
   if value.op is Ops.CAST: value = value.srcs[0]
   if value is not kernel.reduceop: raise ValueError("the matmul's result must be stored as it is (or cast)")
-  for dtype in (dtypes.float16, dtypes.bfloat16):
+  for dtype in (dtypes.float16, dtypes.bfloat16) + ((dtypes.float32,) if tf32_allowed() else ()):
     try:
       a, b = matmul_operands(kernel.reduceop, dtype, dtypes.float32, "WGMMA")
       break
     except KernelOptError:
       continue
   else:
-    raise ValueError("needs a float32 SUM of the product of two float16 or bfloat16 loads")
+    raise ValueError("needs a float32 SUM of the product of two float16 or bfloat16 loads (float32 ones: only where "
+                     "TF32 is allowed)")
   if len(kernel.full_shape) not in (3, 4):
     raise ValueError(f"needs the loop nest (M, N, K) or (batch, M, N, K), got {kernel.full_shape}")
   *batch, m, n, k = kernel.full_shape

@@ -32,7 +32,7 @@ from ourgrad.engine.exec_item import CompiledRunner, ExecItem, capture_into, jit
 from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.snapshot import redirect_reader, stale_readers
 from ourgrad.errors import DeviceError, JitError
-from ourgrad.helpers import DEBUG, GlobalCounters, env_var
+from ourgrad.helpers import DEBUG, GlobalCounters, env_var, tf32_allowed
 from ourgrad.lazy import LazyBuffer
 from ourgrad.shape.symbolic import Node, sym_bind, sym_infer, sym_unbind
 from ourgrad.tensor import Tensor
@@ -89,6 +89,11 @@ class TinyJit(Generic[ReturnType]):
 
   def __call__(self, *args: Any, **kwargs: Any) -> ReturnType:
     captured = self.captured
+    if captured is not None and captured.tf32 != tf32_allowed():
+      # captured under the other float32 matmul precision (set_float32_matmul_precision): its kernels would keep it
+      if DEBUG >= 1: print(f"jit: {self.fn.__name__} was captured with TF32 {'on' if captured.tf32 else 'off'}")
+      self.reset()
+      captured = None
     if captured is not None and not kwargs and not jit_recording.active:
       # the common replay: the same positional layout as the capture, every input a realized buffer of the
       # captured shape, dtype and device (anything else takes the general path below, which explains errors)
@@ -297,6 +302,7 @@ class CapturedJit:
   def __init__(self, items: list[ExecItem], specs: list[InputSpec], input_buffers: list[Buffer],
                statics: dict[str, Any], result: Any, outputs: list[Tensor]):
     self.items, self.specs, self.statics = items, specs, statics
+    self.tf32 = tf32_allowed()   # the float32 matmul precision its kernels were compiled for
     self.input_buffers = list(input_buffers)
     self.result_template = _template(result)  # the structure only: the capture call's tensors are not kept alive
     # every (item, argument) slot holding each input buffer

@@ -2,8 +2,8 @@
 and launch it. `get_kernel` is where a kernel's optimizations are chosen (the hand-coded heuristic; BEAM hooks in
 there); `run_schedule` plans the schedule's memory first (ourgrad/engine/memory.py).
 
-Compiled kernels are cached in memory by (device, AST) and on disk by source (see device.Compiler), so the
-same kernel is generated once per process and compiled once per machine.
+Compiled kernels are cached in memory by (device, AST, whether TF32 is allowed) and on disk by source (see
+device.Compiler), so the same kernel is generated once per process and compiled once per machine.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import BEAM, DEBUG, NOOPT, RUNNER_CACHE_SIZE, BoundedCache, env_var, prod
+from ourgrad.helpers import BEAM, DEBUG, NOOPT, RUNNER_CACHE_SIZE, BoundedCache, env_var, prod, tf32_allowed
 from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.renderer.cstyle import loop_trip_bound
 from ourgrad.shape.symbolic import sym_max
@@ -33,7 +33,7 @@ from ourgrad.shape.symbolic import sym_max
 NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedule gets memory of its own")
 
 # bounded: a long run that builds ever new kernels (changing shapes) must not keep every one (helpers.clear_caches)
-_runner_cache: BoundedCache[tuple[str, LazyOp], CompiledRunner] = BoundedCache(RUNNER_CACHE_SIZE)
+_runner_cache: BoundedCache[tuple[str, LazyOp, bool], CompiledRunner] = BoundedCache(RUNNER_CACHE_SIZE)
 
 
 def get_kernel(ast: LazyOp, device: str) -> Kernel | PackedKernel:
@@ -55,7 +55,8 @@ class OptimizationFallbackWarning(RuntimeWarning):
 def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
   """The compiled kernel of an AST. If the optimized kernel fails to compile or load (it may exceed a device limit
   the heuristics do not model: registers, shared memory, code size), the unoptimized one is used instead."""
-  key = (device, ast)
+  # the float32 matmul precision picks the code (TF32 tensor cores or not): kernels of each are kept apart
+  key = (device, ast, tf32_allowed())
   if key not in _runner_cache:
     kernel = get_kernel(ast, device)
     kernel.print_debug()

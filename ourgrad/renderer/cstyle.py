@@ -358,6 +358,8 @@ class CStyleLanguage(Renderer):
         variable = new_name("frag")
         names[id(uop)] = variable
         for line in self.render_ldmatrix(variable, uop, ref(uop.srcs[0]), ref(uop.srcs[1])): emit(line)
+      elif uop.op is UOps.GEP and uop.srcs[0].op is UOps.LDMATRIX and uop.dtype.itemsize == 4:   # a TF32 register
+        names[id(uop)] = f"__uint_as_float({ref(uop.srcs[0])}_{uop.arg})"
       elif uop.op is UOps.GEP and uop.srcs[0].op is UOps.LDMATRIX:   # one 16-bit half of a fragment register
         names[id(uop)] = f"((unsigned short)({ref(uop.srcs[0])}_{uop.arg // 2} >> {16 * (uop.arg % 2)}))"
       elif uop.op is UOps.COPY:

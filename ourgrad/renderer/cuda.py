@@ -180,9 +180,11 @@ class CUDARenderer(CStyleLanguage):
 
   def render_wmma(self, uop: UOp, operands: list[str], raw: list[bool]) -> str:
     """A call of the kernel's mma helper (render_mma_helper) on the fragments' 16-bit patterns (a value that lives
-    in a float register is converted); the accumulators are passed by reference."""
+    in a float register is converted; TF32 fragments are floats, converted inside the helper); the accumulators are
+    passed by reference."""
     (m, n, k), dtype_in, _ = uop.arg
     fragment_count = (m * k + k * n) // 32
+    if dtype_in == "float32": return f"mma_m{m}n{n}k{k}_{dtype_in}({', '.join(operands)});"
     to_bits = "float_to_half" if dtype_in == "float16" else "float_to_bf16"
     fragments = [operand if is_raw else f"{to_bits}({operand})"
                  for operand, is_raw in zip(operands[:fragment_count], raw)]
@@ -192,25 +194,36 @@ class CUDARenderer(CStyleLanguage):
   def render_mma_helper(arg: tuple) -> str:
     """The device function for one tensor-core instruction (arg of a WMMA uop): it takes the A and B fragments'
     16-bit patterns and packs them two per 32-bit register (the lower-numbered element in the lower half, as
-    mma.sync reads them); the C fragment is updated in place."""
+    mma.sync reads them), or (TF32) takes floats and rounds each to TF32 in its own register (cvt.rna.tf32.f32);
+    the C fragment is updated in place."""
     (m, n, k), dtype_in, dtype_out = arg
-    ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype_in]
+    tf32 = dtype_in == "float32"
+    ptx_type = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}[dtype_in]
     a_count, b_count, c_count = m * k // 32, k * n // 32, m * n // 32
     a_names, b_names = [f"a{i}" for i in range(a_count)], [f"b{i}" for i in range(b_count)]
     c_names = [f"c{i}" for i in range(c_count)]
-    packed = [f"((unsigned){low} | ((unsigned){high} << 16))" for names in (a_names, b_names)
-              for low, high in zip(names[::2], names[1::2])]
+    if tf32:
+      registers = [f"{name}_tf32" for name in a_names + b_names]
+      conversions = "".join(f'  unsigned {register}; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"({register}) : '
+                            f'"f"({name}));\n' for register, name in zip(registers, a_names + b_names))
+    else:
+      registers = [f"((unsigned){low} | ((unsigned){high} << 16))" for names in (a_names, b_names)
+                   for low, high in zip(names[::2], names[1::2])]
+      conversions = ""
+    a_registers = a_count if tf32 else a_count // 2
+    b_registers = b_count if tf32 else b_count // 2
     c_operands = ", ".join(f"%{i}" for i in range(c_count))
-    a_operands = ", ".join(f"%{c_count + i}" for i in range(a_count // 2))
-    b_operands = ", ".join(f"%{c_count + a_count // 2 + i}" for i in range(b_count // 2))
+    a_operands = ", ".join(f"%{c_count + i}" for i in range(a_registers))
+    b_operands = ", ".join(f"%{c_count + a_registers + i}" for i in range(b_registers))
     # in the WMMA uop's source order: A, B, then the accumulators (by reference)
-    params = ", ".join([f"unsigned short {name}" for name in a_names + b_names] +
+    fragment_type = "float" if tf32 else "unsigned short"
+    params = ", ".join([f"{fragment_type} {name}" for name in a_names + b_names] +
                        [f"float &{name}" for name in c_names])
     outputs = ", ".join('"+f"(' + name + ")" for name in c_names)
-    inputs = ", ".join('"r"(' + value + ")" for value in packed)
+    inputs = ", ".join('"r"(' + value + ")" for value in registers)
     instruction = (f"mma.sync.aligned.m{m}n{n}k{k}.row.col.f32.{ptx_type}.{ptx_type}.f32 "
                    f"{{{c_operands}}}, {{{a_operands}}}, {{{b_operands}}}, {{{c_operands}}};")
-    return (f"__device__ __forceinline__ void mma_m{m}n{n}k{k}_{dtype_in}({params}) {{\n"
+    return (f"__device__ __forceinline__ void mma_m{m}n{n}k{k}_{dtype_in}({params}) {{\n{conversions}"
             f'  asm volatile("{instruction}"\n    : {outputs}\n    : {inputs});\n}}\n')
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ourgrad.codegen.tensor_cores import WARP_LANES, a_position, b_position, c_position, evaluate
+from ourgrad.codegen.tensor_cores import WARP_LANES, evaluate, tensor_core_of, tf32_round
 from ourgrad.codegen.uops import AxisType, UOps
 from ourgrad.dtype import DType
 from ourgrad.runtime.uop_interpreter import (Instruction, Interpreter, UOpProgram, compute_dtype, execute_alu,
@@ -158,28 +158,30 @@ class GpuInterpreter(Interpreter):
 
   def wmma(self, position: int, instruction: Instruction, operands: list[np.ndarray]) -> None:
     """mma.sync as the hardware does it: each warp's 32 lanes hand in their fragments, which are gathered into the
-    warp's A, B and C matrices with the PTX ISA's maps (codegen/tensor_cores.py), D = A @ B + C is computed in
-    float32, and each lane gets back its D fragment in its accumulators (the C sources)."""
+    warp's A, B and C matrices with the PTX ISA's maps (codegen/tensor_cores.py: the instruction the arg names, its
+    maps from the table, not from the kernel), D = A @ B + C is computed in float32, and each lane gets back its D
+    fragment in its accumulators (the C sources). TF32 rounds A and B as cvt.rna.tf32.f32 does first."""
     if self.active is not None: raise self.error(position, "a WMMA inside an IF block (a warp must run it together)")
     if self.threads_per_block % WARP_LANES:
       raise self.error(position, f"a WMMA in blocks of {self.threads_per_block} threads (not whole warps)")
-    (m, n, k), _, _ = instruction.arg
-    a_count, b_count = m * k // WARP_LANES, k * n // WARP_LANES
+    tc = tensor_core_of(instruction.arg)
+    (m, n, k), a_count, b_count = tc.dims, tc.a_elements, tc.b_elements
     fragments = [np.broadcast_to(np.asarray(value, np.float32), (self.thread_count,)) for value in operands]
     warp, lane = self.thread_ids // WARP_LANES, self.thread_ids % WARP_LANES
     group, quad = lane >> 2, lane & 3
     warps = self.thread_count // WARP_LANES
     matrices = {"a": np.zeros((warps, m, k), np.float32), "b": np.zeros((warps, k, n), np.float32),
                 "c": np.zeros((warps, m, n), np.float32)}
-    layout = [("a", a_position, fragments[:a_count]), ("b", b_position, fragments[a_count:a_count + b_count]),
-              ("c", c_position, fragments[a_count + b_count:])]
+    layout = [("a", tc.a_position, fragments[:a_count]), ("b", tc.b_position, fragments[a_count:a_count + b_count]),
+              ("c", tc.c_position, fragments[a_count + b_count:])]
     for name, position_of, values in layout:
       for element, value in enumerate(values):
         row, column = (evaluate(coordinate, group, quad) for coordinate in position_of(element))
         matrices[name][warp, row, column] = value
+    if tc.is_tf32: matrices["a"], matrices["b"] = tf32_round(matrices["a"]), tf32_round(matrices["b"])
     result = np.matmul(matrices["a"], matrices["b"]) + matrices["c"]
     for element, accumulator in enumerate(instruction.srcs[a_count + b_count:]):
-      row, column = (evaluate(coordinate, group, quad) for coordinate in c_position(element))
+      row, column = (evaluate(coordinate, group, quad) for coordinate in tc.c_position(element))
       self.values[accumulator] = result[warp, row, column]
 
   def copy(self, position: int, instruction: Instruction, operands: list) -> None:
@@ -219,15 +221,23 @@ class GpuInterpreter(Interpreter):
   def ldmatrix(self, position: int, instruction: Instruction, memory: LocalMemory, index: np.ndarray) -> np.ndarray:
     """ldmatrix.m8n8.x{count}[.trans].b16 per warp: matrix j's 8 rows start at the addresses of lanes 8j..8j+7;
     lane l gets, per matrix, row l // 4 columns 2 (l % 4) + (0, 1) (transposed: rows 2 (l % 4) + (0, 1), column
-    l // 4). Returns (2 count, threads): element 2j + e of each lane."""
+    l // 4). Returns (2 count, threads): element 2j + e of each lane. In a local memory of 32-bit elements (TF32) a
+    row of 8 16-bit elements is 4 of them, and lane l gets, per matrix, the one at row l // 4, column l % 4: (count,
+    threads), element j from matrix j."""
     if self.active is not None: raise self.error(position, "an LDMATRIX inside an IF block (a warp runs it together)")
     if self.threads_per_block % WARP_LANES:
       raise self.error(position, f"an LDMATRIX in blocks of {self.threads_per_block} threads (not whole warps)")
     count, transposed = instruction.arg
     index = np.broadcast_to(np.asarray(index, np.int64), (self.thread_count,))
-    if (index % 8).any(): raise self.error(position, "an LDMATRIX row address that is not 16-byte aligned")
+    if (index * memory.dtype.itemsize % 16).any():
+      raise self.error(position, "an LDMATRIX row address that is not 16-byte aligned")
     warp_first = self.thread_ids // WARP_LANES * WARP_LANES
     lane = self.thread_ids % WARP_LANES
+    if memory.dtype.itemsize == 4:
+      if transposed: raise self.error(position, "ldmatrix .trans of 32-bit elements (it transposes 16-bit ones)")
+      rows = [self.load_local(position, memory, index[warp_first + 8 * matrix + lane // 4] + lane % 4)
+              for matrix in range(count)]
+      return np.stack(rows)
     result = np.zeros((2 * count, self.thread_count), memory.data.dtype)
     for matrix in range(count):
       for element in range(2):

@@ -9,8 +9,10 @@ shared-memory image, through the 64-bit descriptors the kernel builds, by the ca
     MN-major: ((T, 8, m), (8, k)) : ((1, T, LBO), (8T, SBO))   mn, k  ->  (mn // 64) LBO + (k // 8) SBO + (k % 8) 128 B
                                                                            + 2 (mn % 64) B
 each address then swizzled (16-byte piece ^= 128-byte row within the 1024-byte atom). A layout whose writes and
-descriptors disagree (a wrong stride, swizzle or start) reads the wrong elements here as on the GPU.
-D = A @ B + D per warpgroup and k16 slice in float32 (the hardware's summation order within a slice may differ in the
+descriptors disagree (a wrong stride, swizzle or start) reads the wrong elements here as on the GPU. TF32 operands
+(float32, T = 4 elements of 32 bits, K-major only) are read the same way and truncated to TF32 (the 13 low mantissa
+bits dropped), as the tensor cores read float32 bits.
+D = A @ B + D per warpgroup and K slice in float32 (the hardware's summation order within a slice may differ in the
 last bits); the accumulators are held per thread in the PTX fragment order and stored by the kernel's store formula.
 """
 from __future__ import annotations
@@ -24,27 +26,34 @@ import numpy as np
 from ourgrad.codegen.wgmma_tiles import (ROW_BYTES, WARPGROUP_THREADS, WgmmaMatmul, a_copy, accumulator_position,
                                          b_copy, descriptor, operand_starts, swizzled, tile_of_block)
 
+# the unsigned integer type holding one operand element's bits, by its size in bytes
+WORDS = {2: np.uint16, 4: np.uint32}
+
 # the descriptor fields (PTX ISA "Matrix Descriptor Format")
 FIELD_MASK, SWIZZLE_128B = 0x3FFF, 1
 
 
 def read_operand(shared: np.ndarray, matrix_descriptor: int, rows: int, k_major: bool) -> np.ndarray:
-  """The rows x 16 operand (rows along M or N, 16 along K) that a wgmma reads through `matrix_descriptor` from the
-  16-bit shared-memory image `shared` (byte address b is element b // 2)."""
+  """The rows x K operand (rows along M or N; K = 16 16-bit or 8 32-bit elements, one instruction's) that a wgmma
+  reads through `matrix_descriptor` from the shared-memory image `shared` (elements of 16 or 32 bits: byte address b
+  is element b // itemsize)."""
+  itemsize = shared.itemsize
   start = (matrix_descriptor & FIELD_MASK) << 4
   leading = ((matrix_descriptor >> 16) & FIELD_MASK) << 4
   stride = ((matrix_descriptor >> 32) & FIELD_MASK) << 4
   if matrix_descriptor >> 62 != SWIZZLE_128B: raise NotImplementedError("only the 128-byte swizzle is emulated")
-  row, k = np.arange(rows)[:, None], np.arange(16)[None, :]
-  if k_major: address = start + (row // 8) * stride + (row % 8) * ROW_BYTES + 2 * k
+  row, k = np.arange(rows)[:, None], np.arange(32 // itemsize)[None, :]
+  if k_major: address = start + (row // 8) * stride + (row % 8) * ROW_BYTES + itemsize * k
   else: address = start + (row // 64) * leading + (k // 8) * stride + (k % 8) * ROW_BYTES + 2 * (row % 64)
   address = swizzled(address)
-  if np.any(address >= shared.size * 2): raise IndexError("a wgmma operand reads past the end of shared memory")
-  return shared[address // 2]
+  if np.any(address >= shared.size * itemsize): raise IndexError("a wgmma operand reads past the end of shared memory")
+  return shared[address // itemsize]
 
 
 def to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
-  """float16/bfloat16 bit patterns (uint16) -> float32."""
+  """float16/bfloat16 bit patterns (uint16) -> float32; float32 bits (uint32) -> float32 truncated to TF32 (the
+  tensor cores use the upper 19 bits)."""
+  if dtype == "float32": return (bits & np.uint32(0xFFFFE000)).view(np.float32)
   if dtype == "float16": return bits.view(np.float16).astype(np.float32)
   return (bits.astype(np.uint32) << 16).view(np.float32)
 
@@ -58,22 +67,23 @@ def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def emulate_wgmma_matmul(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-  """Run the kernel of `plan` on flat buffers: a, b as uint16 bit patterns, c as the output's (uint16 bits, or
-  float32 where plan.out_dtype is float32), written in place; batch entry e's operands start plan.*_batch e elements
-  in."""
+  """Run the kernel of `plan` on flat buffers: a, b as bit patterns (uint16; TF32: uint32), c as the output's (uint16
+  bits, or float32 where plan.out_dtype is float32), written in place; batch entry e's operands start plan.*_batch e
+  elements in."""
   for entry in range(plan.batch):
     _emulate_one(plan, c[entry * plan.c_batch:], a[entry * plan.a_batch:], b[entry * plan.b_batch:])
 
 
 def _emulate_one(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
   """One batch entry (the CTAs of one grid row) of emulate_wgmma_matmul."""
-  pieces_a = np.arange(plan.block_m * plan.block_k // 8)
-  pieces_b = np.arange(plan.block_n * plan.block_k // 8)
-  lanes = np.arange(8)
+  pieces_a = np.arange(plan.block_m * plan.block_k // plan.piece_elements)
+  pieces_b = np.arange(plan.block_n * plan.block_k // plan.piece_elements)
+  lanes = np.arange(plan.piece_elements)
+  itemsize = plan.itemsize
   thread = np.arange(WARPGROUP_THREADS)[:, None]
   element = np.arange(plan.block_n // 2)[None, :]
   fragment_rows, fragment_columns = accumulator_position(thread, element)
-  shared = np.zeros(plan.stages * plan.stage_bytes // 2, dtype=np.uint16)
+  shared = np.zeros(plan.stages * plan.stage_bytes // itemsize, dtype=WORDS[itemsize])
   for block in range(plan.global_size[0]):
     tile_m, tile_n = tile_of_block(plan, block)
     a_block = tile_m * plan.block_m * plan.k
@@ -83,12 +93,12 @@ def _emulate_one(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray)
       stage_base = (step % plan.stages) * plan.stage_bytes
       for pieces, copy, source, first in ((pieces_a, a_copy, a, a_block), (pieces_b, b_copy, b, b_block)):
         source_offset, target = copy(plan, pieces, step)
-        shared[(stage_base + target)[:, None] // 2 + lanes] = source[(first + source_offset)[:, None] + lanes]
+        shared[(stage_base + target)[:, None] // itemsize + lanes] = source[(first + source_offset)[:, None] + lanes]
       for warpgroup in range(plan.warpgroups):
         # the warpgroup's accumulators as the 64 x N matrix D they hold (fragment i of thread t is D at its position)
         accumulator = np.zeros((64, plan.block_n), dtype=np.float32)
         accumulator[fragment_rows, fragment_columns] = fragments[warpgroup]
-        for j in range(plan.block_k // 16):
+        for j in range(plan.block_k // plan.instruction_k):
           a_start, b_start = operand_starts(plan, warpgroup, j)
           b_leading, b_stride = plan.b_leading_stride()
           operand_a = read_operand(shared, descriptor(stage_base + a_start, 16, 1024), 64, True)
@@ -131,6 +141,7 @@ class WgmmaProgram:
       raise ValueError(f"{self.name} launched as {global_size}x{local_size}, its plan needs "
                        f"{self.plan.global_size}x{self.plan.local_size}")
     out = buffers[self.arguments["c"]].view(np.float32 if self.plan.out_dtype == "float32" else np.uint16)
-    emulate_wgmma_matmul(self.plan, out, buffers[self.arguments["a"]].view(np.uint16),
-                         buffers[self.arguments["b"]].view(np.uint16))
+    word = WORDS[self.plan.itemsize]
+    emulate_wgmma_matmul(self.plan, out, buffers[self.arguments["a"]].view(word),
+                         buffers[self.arguments["b"]].view(word))
     return time.perf_counter() - start if wait else None

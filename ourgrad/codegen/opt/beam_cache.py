@@ -1,6 +1,7 @@
 """BEAM's on-disk cache: the Opts each search chose, in an sqlite file in the cache folder
-(`ourgrad.helpers.cache_dir()`), keyed by the kernel's AST, the device and its compiler, and the beam width, so that
-another process running the same program does no search (docs/beam.md). search.py reads and writes it.
+(`ourgrad.helpers.cache_dir()`), keyed by the kernel's AST, the device and its compiler, and the beam width (and the
+float32 matmul precision where TF32 is allowed), so that another process running the same program does no search
+(docs/beam.md). search.py reads and writes it.
 
     cache_key(ast, device, width)   the key of a search
     cache_get(key) / cache_put(key, kernel_name, opts)
@@ -16,8 +17,9 @@ from typing import Iterator, Sequence
 
 from ourgrad.codegen.kernel import Opt, OptOps
 from ourgrad.device import Device
-from ourgrad.helpers import cache_dir
-from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer
+from ourgrad.dtype import dtypes
+from ourgrad.helpers import cache_dir, tf32_allowed
+from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
 
 CACHE_VERSION = 1          # bump when the meaning of cached opts changes
 
@@ -37,9 +39,14 @@ def _ast_text(ast: LazyOp) -> str:
 
 
 def cache_key(ast: LazyOp, device: str, beam_width: int) -> str:
-  """The cache key of a search: the AST, the device and its compiler (which names the hardware), the width."""
+  """The cache key of a search: the AST, the device and its compiler (which names the hardware), the width, and for
+  a float32 sum (a matmul or convolution may be one) searched with TF32 allowed, that precision: a search that chose
+  TF32 tensor cores must not be reused where full float32 is asked for, nor the other way round. Keys without TF32
+  are those of earlier versions (their caches stay valid)."""
   compiler_key = getattr(Device[device].compiler, "cache_key", "")
   text = f"beam v{CACHE_VERSION}\n{device}\n{compiler_key}\n{beam_width}\n{_ast_text(ast)}"
+  if tf32_allowed() and any(node.op is Ops.SUM and node.dtype == dtypes.float32 for node in ast.walk()):
+    text += "\nfloat32 matmul precision: high (TF32)"
   return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -11,10 +11,12 @@ GPUs (thread blocks and local memory):
   a short row gets a warp;
 - a reduce whose input is contiguous along an output axis (a column reduction) puts that output axis on LOCAL
   threads (coalesced) and, when that leaves too few blocks to fill the device, splits the reduce over GROUPTOP;
-- float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first
-  where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
+- float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first where
+  they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
   the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
   on sm_90 (renderer.has_wgmma) large ones whose sizes divide a 128x256 (or 128x128) tile get OptOps.WGMMA instead;
+  float32 ones too where TF32 is allowed (m16n8k8; wgmma where B is K-major), staged only and with at least
+  TF32_MIN_BLOCKS blocks (else the float32 tiles below are faster);
 - a float32 matmul (plain, transposed, batched, or with an operand computed from loads) whose sizes divide a block
   tile gets shared-memory tiles (SHARED): of at least 2^28 multiply-adds, the tile the grid model predicts fastest
   (codegen/opt/matmul_grid.py: rounds of blocks on the multiprocessors x a block's work at its tile's rate; tiles of
@@ -109,8 +111,10 @@ def _tensor_core_tiles(kernel: Kernel) -> bool:
   cores (ragged M/N padded first), then warp tiles and warps per block. False (the kernel untouched) where neither
   applies."""
   if _wgmma_tiles(kernel): return True
-  for choice in range(len(getattr(kernel.renderer, "tensor_cores", ()))):
+  for choice, tc in enumerate(getattr(kernel.renderer, "tensor_cores", ())):
+    if not tc.allowed(): continue   # TF32 only where the user allows it (float32 matmul precision "high")
     if _staged_tensor_core_tiles(kernel, choice): return True
+    if tc.is_tf32: continue   # the unstaged TF32 kernel was never faster than the float32 tiles (TF32_MIN_BLOCKS)
     trial = kernel.copy()
     if not _pad_for_tensor_core(trial, choice) or not trial.try_opt(Opt(OptOps.TC, 0, choice)): continue
     kernel.__dict__.update(trial.__dict__)
@@ -134,6 +138,11 @@ TC_STAGED_BLOCK_WARPS = (2, 2)
 # K instructions per reduce step, largest first: 4 (64 elements, 72 KB of tiles in dynamic shared memory) measured
 # 283 TFLOP/s on the H100 at 4096^3 float16, 2 (32, 38 KB) 276, 1 (16) 215
 TC_STAGED_K_STEPS = (4, 2)
+# TF32 (mma.sync m16n8k8) only pays in the staged kernel with enough blocks to fill the device. H100 run
+# (bench_matmul --tf32, against the float32 shared tiles): grids of 16-28 blocks 1.2-2.3x slower, 20-32 blocks about
+# 10% faster, 120-1024 blocks 1.5-3.3x faster; the unstaged kernel never won (4096^3: 38.9 TFLOP/s; a conv weight
+# gradient 36 us instead of 22.5)
+TF32_MIN_BLOCKS = 64
 
 
 def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
@@ -159,6 +168,7 @@ def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
       break
   else:
     if not trial.try_opt(Opt(OptOps.SHARED, 0, 0)): return False
+  if tc.is_tf32 and prod(trial.full_shape[:trial.global_dims]) < TF32_MIN_BLOCKS: return False
   kernel.__dict__.update(trial.__dict__)
   return True
 

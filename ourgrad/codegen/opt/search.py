@@ -43,7 +43,7 @@ from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import (BEAM_COMPILE_TIMEOUT, BEAM_LOCAL_MAX, BEAM_MIN_PROGRESS, BEAM_UPCAST_MAX, BEAM_WORKERS,
-                             BEAM_TIME_BUDGET, DEBUG, IGNORE_BEAM_CACHE)
+                             BEAM_TIME_BUDGET, DEBUG, IGNORE_BEAM_CACHE, tf32_allowed)
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 
 # The amounts tried for each kind of Opt, by OptOps name. 0 means "the whole axis". A kind missing here (one the
@@ -55,7 +55,7 @@ ACTION_AMOUNTS: dict[str, tuple[int, ...]] = {
   "GROUP": (4, 8, 16, 32, 64, 128, 256),
   "GROUPTOP": (4, 8, 16, 32, 64, 128, 256),
   "PADTO": (32,),
-  "TC": (0, 1),   # which of the renderer's tensor cores (axis 0 only)
+  "TC": (0, 1, 2),   # which of the renderer's tensor cores (axis 0 only; CUDA: float16, bfloat16, TF32)
   "SHARED": (0,),  # a flag (axis 0 only)
   "WGMMA": (128, 256),   # the block's N tile (axis: the stages, 0 = 4); only on sm_90, only as the first opt
 }
@@ -70,6 +70,8 @@ OUT_OF_TIME = "the search's time budget ran out"   # the error of a candidate wh
 EARLY_CUT = 3.0            # two launches this many times slower than the best so far end the candidate's timing
 COLD_CUT = 10.0            # ... or a first launch this many times slower than that (see time_program)
 VERIFY_RTOL = {dtypes.float16: 2e-2, dtypes.bfloat16: 5e-2}  # other floats: 1e-3
+# float32 where TF32 tensor cores are allowed: inputs keep 10 mantissa bits (a product's relative error ~1e-3)
+VERIFY_RTOL_TF32 = 5e-3
 
 
 class BeamVerificationWarning(RuntimeWarning):
@@ -259,6 +261,7 @@ def outputs_match(expected: Buffer, actual: Buffer) -> bool:
   want, got = _as_numbers(expected), _as_numbers(actual)
   if not expected.dtype.is_float: return bool(np.array_equal(want, got))
   rtol = VERIFY_RTOL.get(expected.dtype, 1e-3)
+  if expected.dtype == dtypes.float32 and tf32_allowed(): rtol = VERIFY_RTOL_TF32
   finite = np.abs(want[np.isfinite(want)])
   scale = max(1.0, float(finite.max())) if finite.size else 1.0
   return bool(np.allclose(got, want, rtol=rtol, atol=rtol * scale, equal_nan=True))
