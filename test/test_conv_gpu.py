@@ -173,11 +173,13 @@ def test_mnist_conv_kernel_choices() -> None:
   """The kernels examples/mnist.py's convolutions get on CUDA (batch 256), pinned: a change here is a change of the
   step's speed, to be measured (`python extra/bench/bench_conv_kernels.py`)."""
   assert _mnist_conv_kernels((256, 16, 12, 12), (32, 16, 5, 5), True) == {
-    "r_256_32_8_8_16_5_5": "r_256_8_8_2_2_5_5_4_4_8",         # forward: conv tile, 64 pixels x 32 channels
+    "r_256_32_8_8_16_5_5": "r_256_8_8_2_8_4_4_2_5_5",         # forward: halo tile, 64 pixels x 32 channels, the
+    #                                                           window unrolled, 2 input channels a step
     "r_32_32_16_5_5_8_8_8": "r_32_2_4_4_4_5_4_8_2_5_4_8",     # weight gradient, 32 parts of 8 images: filter rows,
     #                                                           5 x 4 cin x 4 cout threads x 4 GROUP image rows
     "r_12800_32": "r_100_128_8_4",                            # the parts summed
-    "r_256_16_12_12_32_5_5": "r_32_3_3_4_8_4_4_5_5_4_4_8",    # input gradient: conv tile over the padded gradient
+    "r_256_16_12_12_32_5_5": "r_32_3_3_4_8_4_16_4_4_2_5_5",   # input gradient: halo tile over the unpadded
+    #                                                           gradient, 4x4 pixels of 8 images x 16 channels
   }
   assert _mnist_conv_kernels((256, 1, 28, 28), (16, 1, 5, 5), False) == {
     "r_256_16_24_24_5_5": "r_128_3_3_2_16_2_2_5_5_4_4",       # forward: one input channel, no conv tile

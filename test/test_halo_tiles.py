@@ -13,12 +13,12 @@ from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.conv_tiles import ConvTile, shared_conv_tiles
-from ourgrad.engine.realize import function_name
+from ourgrad.engine.realize import function_name, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
 from helpers import nvrtc_compiler, skip_unless_device
-from test_conv_gpu import _conv_ast, _run
+from test_conv_gpu import _conv_ast, _run, rng
 
 
 def halo(pixel_upcast: int, pixel_threads: int, channel_upcast: int, channel_threads: int, step: int,
@@ -133,3 +133,84 @@ def test_halo_index_helpers() -> None:
   assert without_window(index, [lane, tap]).render() == (thread * 4 - 57).render()
   with pytest.raises(ValueError):
     without_window((lane + tap) // 2 + thread, [lane, tap])
+
+
+def _input_gradient_item(x_shape: tuple[int, ...], w_shape: tuple[int, ...], padding: object) -> tuple:
+  """The input gradient's kernel AST of a conv on PYTHON (a conv of the output gradient, unpadded in memory and read
+  through masked loads, with the flipped filters), its inputs realized, its output size, and the torch inputs."""
+  x_data = rng.standard_normal(x_shape).astype(np.float32)
+  w_data = rng.standard_normal(w_shape).astype(np.float32)
+  x = Tensor(x_data, device="PYTHON", requires_grad=True)
+  w = Tensor(w_data, device="PYTHON")
+  out = x.conv2d(w, padding=padding)
+  g_data = rng.standard_normal(out.shape).astype(np.float32)
+  (out * Tensor(g_data, device="PYTHON")).sum().backward()
+  schedule = create_schedule([x.grad.lazydata])
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  return item.ast, list(item.inputs), item.outputs[0].size, (x_data, w_data, g_data)
+
+
+# (input shape, weight shape, padding, tile) of input gradients: MNIST's conv2 (8 of its 256 images; 4x4 pixels of 8
+# images x 16 channels a block, the gradient's 4 rows and columns of padding masked), a 3x3 conv with padding 1, and
+# a 2-images-per-thread tile with padded columns only
+HALO_INPUT_GRADIENTS = [
+  ((8, 16, 12, 12), (32, 16, 5, 5), 0, halo(4, 32, 4, 4, 2, padding=4)),
+  ((4, 8, 6, 6), (16, 8, 3, 3), 1, halo(4, 8, 4, 2, 2)),
+  ((4, 8, 6, 10), (16, 8, 3, 3), (1, 0), ConvTile(4, 4, 4, 2, 2, pixel_repeat=2, window_unrolled=True, padding=4)),
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, padding, tile", HALO_INPUT_GRADIENTS)
+def test_halo_input_gradient_matches_the_plain_kernel_and_torch(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                                                                padding: object, tile: ConvTile) -> None:
+  ast, inputs, size, (x_data, w_data, g_data) = _input_gradient_item(x_shape, w_shape, padding)
+  plain, tiled = Kernel(ast, PythonRenderer("CUDA")), Kernel(ast, PythonRenderer("CUDA"))
+  assert shared_conv_tiles(tiled, (tile,)), f"{tile} does not fit {plain.full_shape}"
+  assert len(_halo_windows(tiled)) == 1, "the output gradient is a halo tile"
+  ours = _run(tiled, inputs, size)
+  np.testing.assert_allclose(ours, _run(plain, inputs, size), rtol=1e-5, atol=1e-4)
+  # the kernel writes the gradient of the padded input (a later kernel crops it): torch's gradient of that
+  rows, columns = (padding, padding) if isinstance(padding, int) else padding
+  padded = torch.nn.functional.pad(torch.tensor(x_data, dtype=torch.float64), (columns, columns, rows, rows))
+  padded.requires_grad_(True)
+  tout = torch.nn.functional.conv2d(padded, torch.tensor(w_data, dtype=torch.float64))
+  (tout * torch.tensor(g_data, dtype=torch.float64)).sum().backward()
+  np.testing.assert_allclose(ours, padded.grad.numpy().reshape(-1), rtol=1e-4, atol=1e-3)
+
+
+def _mnist_conv2_kernels(renderer: object, device: str = "PYTHON") -> dict[str, Kernel]:
+  """MNIST's conv2 (batch 256) forward and input gradient kernels, plain, by name (scheduled only)."""
+  x = Tensor.empty(256, 16, 12, 12, device=device, requires_grad=True)
+  w = Tensor.empty(32, 16, 5, 5, device=device, requires_grad=True)
+  out = x.conv2d(w)
+  (out * Tensor.empty(*out.shape, device=device)).sum().backward()
+  kernels = {}
+  for item in create_schedule([out.lazydata, x.grad.lazydata]):
+    if item.ast.op is not Ops.STORE: continue
+    kernel = Kernel(item.ast, renderer)
+    if kernel.name in ("r_256_32_8_8_16_5_5", "r_256_16_12_12_32_5_5"): kernels[kernel.name] = kernel
+  assert len(kernels) == 2, list(kernels)
+  return kernels
+
+
+def test_mnist_conv2_takes_halo_tiles_and_compiles_with_nvrtc() -> None:
+  """The hand-coded choice of MNIST's conv2 forward and input gradient on CUDA is a halo tile with the window
+  unrolled (one loop left: the channel steps); both compile with NVRTC where it is here."""
+  from ourgrad.renderer.cuda import CUDARenderer
+  compiler = nvrtc_compiler()
+  for kernel in _mnist_conv2_kernels(CUDARenderer()).values():
+    kernel.hand_coded_optimizations()
+    assert kernel.first_upcast - kernel.first_loop_reduce == 1 and len(_halo_windows(kernel)) == 1, kernel.name
+    if compiler is not None: compiler.compile(CUDARenderer().render(function_name(kernel), linearize(kernel)))
+
+
+def test_mnist_conv2_on_cuda_matches_the_plain_kernels() -> None:
+  """On a real GPU: MNIST's conv2 forward and input gradient (batch 256), hand-coded, against the plain kernels."""
+  skip_unless_device("CUDA")
+  from ourgrad.codegen.opt.search import verify_kernel
+  from ourgrad.device import Device
+  for name, plain in _mnist_conv2_kernels(Device["CUDA"].renderer, "CUDA").items():
+    tiled = plain.copy()
+    tiled.hand_coded_optimizations()
+    assert verify_kernel(tiled, plain, "CUDA"), name

@@ -265,6 +265,27 @@ TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile
                  ConvTile(4, 16, 4, 16, 4, window_unrolled=True, padding=4))
 
 
+# halo tiles (window unrolled) for MNIST's conv2 forward (pixels: batch 256 x 8 x 8, 32 channels, 16 input channels
+# x 5 x 5) and input gradient (pixels: batch 256 x 12 x 12, 16 channels, reduce 32 x 5 x 5 over the unpadded output
+# gradient): the tile sides, steps of 2 or 4 channels, padded rows or not, 4x4 / 4x8 / 8x4 outputs per thread
+def _halo(pixel_upcast: int, pixel_threads: int, channel_upcast: int, channel_threads: int, step: int,
+          pixel_repeat: int = 1, channel_repeat: int = 1, padding: int = 4) -> ConvTile:
+  return ConvTile(pixel_upcast, pixel_threads, channel_upcast, channel_threads, step, pixel_repeat=pixel_repeat,
+                  channel_repeat=channel_repeat, window_unrolled=True, padding=padding)
+
+
+MNIST_TILE_VARIANTS = (
+  # forward: 64 pixels (one image) x 32 channels (128 threads), then the step, the padding, other block shapes
+  _halo(4, 16, 4, 8, 2), _halo(4, 16, 4, 8, 4), _halo(4, 16, 4, 8, 2, padding=0),
+  _halo(4, 32, 4, 8, 2), _halo(4, 16, 4, 4, 2), _halo(4, 8, 4, 8, 2), _halo(4, 16, 4, 4, 2, channel_repeat=2),
+  _halo(4, 16, 4, 8, 2, pixel_repeat=2), _halo(2, 32, 4, 8, 2),
+  # input gradient: 4x4 pixels of 8 images x 16 channels (128 threads), then the step, the padding, other shapes
+  _halo(4, 32, 4, 4, 2), _halo(4, 32, 4, 4, 4), _halo(4, 32, 4, 4, 2, padding=0),
+  _halo(4, 16, 4, 4, 2), _halo(4, 64, 4, 4, 2), _halo(4, 16, 4, 4, 2, pixel_repeat=2),
+  _halo(4, 32, 4, 2, 2, channel_repeat=2), _halo(4, 32, 4, 4, 2, pixel_repeat=2), _halo(2, 64, 4, 4, 2),
+)
+
+
 def tile_label(tile: ConvTile) -> str:
   """A tile's row label: outputs x threads per side, the reduce step, then what differs from a plain tile."""
   label = f"tile px {tile.pixel_upcast}x{tile.pixel_threads} ch {tile.channel_upcast}x{tile.channel_threads} " \
@@ -379,9 +400,9 @@ def row(label: str, kernel: Kernel | None, seconds: float | None, flops: int, ch
 
 
 def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_filter: str = "",
-              rows: tuple[str, ...] = ()) -> None:
-  """Hand-coded, each variant and BEAM's kernel of one AST (those whose label contains one of `rows`, where given):
-  ms, GFLOP/s, checked against the plain kernel."""
+              rows: tuple[str, ...] = (), tiles: tuple[ConvTile, ...] = TILE_VARIANTS) -> None:
+  """Hand-coded, each variant (`tiles`, then VARIANTS) and BEAM's kernel of one AST (those whose label contains one
+  of `rows`, where given): ms, GFLOP/s, checked against the plain kernel."""
   renderer = Device[device].renderer
   plain = Kernel(ast, renderer)
   buffers = scratch_buffers(ast, device)
@@ -392,7 +413,7 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
   print(f"{label}: {plain.name} (plain shape {plain.full_shape})")
   candidates: list[tuple[str, Callable[[], Kernel]]] = [("hand-coded", lambda: hand),
                                                         ("no conv tiles", lambda: without_conv_tiles(plain.copy()))]
-  for tile in (TILE_VARIANTS if not is_weight_gradient_part(plain) else ()):
+  for tile in (tiles if not is_weight_gradient_part(plain) else ()):
     candidates.append((tile_label(tile), lambda tile=tile: tiled(plain, tile)))
   variants = dict(VARIANTS.get(plain.name, {}))
   if is_weight_gradient_part(plain): variants.update(WEIGHT_GRADIENT_VARIANTS.get(len(plain.full_shape), {}))
@@ -469,8 +490,11 @@ def main() -> None:
   parser.add_argument("--beam", type=int, default=2, help="BEAM width per kernel (0: no search)")
   parser.add_argument("--beam-filter", default="", help="only the kernels whose plain name contains this")
   parser.add_argument("--only", default="", help="rows whose label contains this: mnist, f32, f16")
-  parser.add_argument("--rows", default="", help="the 56x56 convs' (and --wgrad's) rows whose label contains one of "
-                      "these (comma-separated, or '|'-separated where a label has commas), e.g. 'hand,halo'")
+  parser.add_argument("--rows", default="", help="the rows whose label contains one of these (comma-separated, or "
+                      "'|'-separated where a label has commas), e.g. 'hand,halo'")
+  parser.add_argument("--kernels", default="", help="the MNIST kernels whose plain name contains one of these "
+                      "(comma-separated), e.g. r_256_32_8_8_16_5_5 (conv2 forward), r_256_16_12_12_32_5_5 (its input "
+                      "gradient)")
   parser.add_argument("--scale", type=int, default=0, help="divide batch and image sizes by 2^scale (smoke tests)")
   parser.add_argument("--parts-sweep", action="store_true", help="time the MNIST step with several split-K parts")
   parser.add_argument("--wgrad", action="store_true", help="the MNIST step's weight gradients alone: the first "
@@ -497,7 +521,9 @@ def main() -> None:
       # convolution-shaped: a matmul-like reduce over a window (the Linear layer's kernels have 3 axes)
       if plain.reduceop is None or not _matmul_like(plain) or len(plain.full_shape) < 5: continue
       if args.beam_filter not in plain.name: continue   # --beam-filter: those kernels alone
-      bench_ast(ast, args.device, args.iters, args.beam, "mnist step", args.beam_filter)
+      if args.kernels and not any(part in plain.name for part in args.kernels.split(",")): continue
+      bench_ast(ast, args.device, args.iters, args.beam, "mnist step", args.beam_filter, rows,
+                MNIST_TILE_VARIANTS)
   for dtype_name in ("float32", "float16"):
     label = f"conv 64x64x56x56 3x3 pad 1 {'f32' if dtype_name == 'float32' else 'f16'}"
     if args.only and args.only not in label: continue

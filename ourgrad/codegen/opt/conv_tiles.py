@@ -37,6 +37,8 @@ class ConvTile:
 # unpadded 0.464), then with the window's loops outside the step (0.435 ms), 64 x 64 with 4x4 (0.600 ms), then
 # smaller channel or pixel sides
 CONV_TILES = (ConvTile(4, 16, 4, 8, 2, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=4),
+              ConvTile(4, 16, 4, 8, 2, window_unrolled=True, padding=4),
+              ConvTile(4, 32, 4, 4, 2, window_unrolled=True, padding=4),
               ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2), ConvTile(4, 16, 4, 16, 8),
               ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8), ConvTile(4, 16, 4, 4, 8))
 
