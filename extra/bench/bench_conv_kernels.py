@@ -275,14 +275,20 @@ def _halo(pixel_upcast: int, pixel_threads: int, channel_upcast: int, channel_th
 
 
 MNIST_TILE_VARIANTS = (
-  # forward: 64 pixels (one image) x 32 channels (128 threads), then the step, the padding, other block shapes
+  # the tiles these kernels took before the halo tiles (forward, input gradient): the window's loops outside the step
+  ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8),
+  # forward: 64 pixels (one image) x 32 channels (128 threads), then the step, the padding, other block shapes. The
+  # tiles are double buffered (register prefetch) only where each fills in whole rounds of the block's threads: the
+  # filter tile (32 channels x step x 25 taps) at 128 threads in steps of 4, at 64 threads in steps of 2
   _halo(4, 16, 4, 8, 2), _halo(4, 16, 4, 8, 4), _halo(4, 16, 4, 8, 2, padding=0),
   _halo(4, 32, 4, 8, 2), _halo(4, 16, 4, 4, 2), _halo(4, 8, 4, 8, 2), _halo(4, 16, 4, 4, 2, channel_repeat=2),
-  _halo(4, 16, 4, 8, 2, pixel_repeat=2), _halo(2, 32, 4, 8, 2),
+  _halo(4, 16, 4, 8, 2, pixel_repeat=2), _halo(2, 32, 4, 8, 2), _halo(2, 32, 4, 4, 2, channel_repeat=2),
   # input gradient: 4x4 pixels of 8 images x 16 channels (128 threads), then the step, the padding, other shapes
-  _halo(4, 32, 4, 4, 2), _halo(4, 32, 4, 4, 4), _halo(4, 32, 4, 4, 2, padding=0),
-  _halo(4, 16, 4, 4, 2), _halo(4, 64, 4, 4, 2), _halo(4, 16, 4, 4, 2, pixel_repeat=2),
-  _halo(4, 32, 4, 2, 2, channel_repeat=2), _halo(4, 32, 4, 4, 2, pixel_repeat=2), _halo(2, 64, 4, 4, 2),
+  # (double buffered: 128 threads in steps of 8, 64 in steps of 4, 32 in steps of 2)
+  _halo(4, 32, 4, 4, 2), _halo(4, 32, 4, 4, 4), _halo(4, 32, 4, 4, 8), _halo(4, 32, 4, 4, 2, padding=0),
+  _halo(4, 16, 4, 4, 2), _halo(4, 16, 4, 4, 4), _halo(4, 8, 4, 4, 2), _halo(4, 64, 4, 4, 2),
+  _halo(4, 16, 4, 4, 2, pixel_repeat=2), _halo(4, 16, 4, 4, 4, pixel_repeat=2), _halo(4, 32, 4, 2, 2, channel_repeat=2),
+  _halo(4, 32, 4, 4, 2, pixel_repeat=2), _halo(2, 64, 4, 4, 2),
 )
 
 
