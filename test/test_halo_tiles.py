@@ -214,3 +214,47 @@ def test_mnist_conv2_on_cuda_matches_the_plain_kernels() -> None:
     tiled = plain.copy()
     tiled.hand_coded_optimizations()
     assert verify_kernel(tiled, plain, "CUDA"), name
+
+
+def test_fills_wrap_their_last_round_so_the_tiles_are_double_buffered() -> None:
+  """MNIST's conv2 forward with 64 pixels x 32 channels a block in steps of 2 channels: its filter tile (1600
+  elements) does not fill in whole rounds of 128 threads. With WRAP_LAST_ROUND the last round's threads past the end
+  fill their unit of the round before again, no `if`, and the tiles are double buffered (a BARRIER before the loop
+  and one per step); without it, the last round is guarded and the tiles single staged (two BARRIERs per step). Both
+  give the plain kernel's results on the emulated GPU (which refuses two threads storing one element)."""
+  import ourgrad.codegen.halo_tiles as halo_tiles
+  from ourgrad.codegen.uops import UOps
+  ast, inputs = _conv_ast((3, 16, 12, 12), (32, 16, 5, 5), 0)
+  plain = Kernel(ast, PythonRenderer("CUDA"))
+  size = int(np.prod(plain.output_shape))
+  expected = _run(plain, inputs, size)
+  for wrap, barriers, ifs in ((True, 2, 0), (False, 2, 1)):
+    halo_tiles.WRAP_LAST_ROUND = wrap
+    try:
+      tiled = Kernel(ast, PythonRenderer("CUDA"))
+      assert shared_conv_tiles(tiled, (halo(4, 16, 4, 8, 2, padding=4),))
+      uops = linearize(tiled)
+      loop = next(number for number, uop in enumerate(uops) if uop.op is UOps.RANGE)
+      assert sum(uop.op is UOps.BARRIER for uop in uops[:loop]) == (1 if wrap else 0)
+      assert sum(uop.op is UOps.BARRIER for uop in uops[loop:]) == (1 if wrap else barriers)
+      assert sum(uop.op is UOps.IF for uop in uops) == ifs
+      np.testing.assert_allclose(_run(tiled, inputs, size), expected, rtol=1e-5, atol=1e-4)
+    finally:
+      halo_tiles.WRAP_LAST_ROUND = True
+
+
+def test_last_round_unit() -> None:
+  """A whole round keeps the unit; a partial last round wraps a thread past the end back to its unit of the round
+  before (more than one round), else guards it."""
+  from ourgrad.codegen.halo_tiles import last_round_unit
+  from ourgrad.shape.symbolic import Variable
+  thread = Variable("thread", 0, 127)
+  unit, guard = last_round_unit(thread + 0, 1600, 0, 128, True)
+  assert guard is None and unit.render() == thread.render()
+  unit, guard = last_round_unit(thread + 1536, 1600, 1536, 128, True)
+  assert guard is None
+  assert [unit.evaluate({"thread": t}) for t in (0, 63, 64, 127)] == [1536, 1599, 1472, 1535]
+  unit, guard = last_round_unit(thread + 1536, 1600, 1536, 128, False)
+  assert guard is not None and unit.render() == (thread + 1536).render()
+  unit, guard = last_round_unit(thread + 0, 100, 0, 128, True)   # one partial round: guarded
+  assert guard is not None

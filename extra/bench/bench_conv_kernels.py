@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+import ourgrad.codegen.halo_tiles as halo_tiles  # noqa: E402
 import ourgrad.lazy as lazy  # noqa: E402
 import ourgrad.tensor_conv as tensor_conv  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
@@ -292,6 +293,11 @@ MNIST_TILE_VARIANTS = (
 )
 
 
+# a row label's mark for a kernel compiled with halo_tiles.WRAP_LAST_ROUND off: its tiles' last partial fill round
+# behind an `if`, so they are not double buffered unless every tile fills in whole rounds
+SINGLE_STAGE = "last round guarded"
+
+
 def tile_label(tile: ConvTile) -> str:
   """A tile's row label: outputs x threads per side, the reduce step, then what differs from a plain tile."""
   label = f"tile px {tile.pixel_upcast}x{tile.pixel_threads} ch {tile.channel_upcast}x{tile.channel_threads} " \
@@ -419,6 +425,8 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
   print(f"{label}: {plain.name} (plain shape {plain.full_shape})")
   candidates: list[tuple[str, Callable[[], Kernel]]] = [("hand-coded", lambda: hand),
                                                         ("no conv tiles", lambda: without_conv_tiles(plain.copy()))]
+  if halo_tiles.wraps_last_round(hand):   # the same kernel with its tiles' last fill rounds behind an `if`
+    candidates.append((f"hand-coded, {SINGLE_STAGE}", lambda: hand))
   for tile in (tiles if not is_weight_gradient_part(plain) else ()):
     candidates.append((tile_label(tile), lambda tile=tile: tiled(plain, tile)))
   variants = dict(VARIANTS.get(plain.name, {}))
@@ -434,12 +442,15 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
     except KernelOptError as error:
       row(name, None, None, flops, "n/a", f"does not apply: {error}")
       continue
+    halo_tiles.WRAP_LAST_ROUND = SINGLE_STAGE not in name
     try:
       seconds = time_kernel(kernel, device, buffers, iters)
       check = "ok" if not kernel.applied_opts or verify_kernel(kernel, plain, device) else "WRONG"
     except Exception as error:  # a variant that fails to compile or launch is a row, not the end of the run
       row(name, kernel, None, flops, "error", f"{type(error).__name__}: {str(error).splitlines()[0][:150]}")
       continue
+    finally:
+      halo_tiles.WRAP_LAST_ROUND = True
     row(name, kernel, seconds, flops, check)
 
 

@@ -29,8 +29,14 @@ if TYPE_CHECKING:
 # a halo range is padded to a multiple of this (float4 reads from the tile stay aligned from one outer row to the next)
 RANGE_ALIGNMENT = 4
 # the range is padded further, up to this factor, so that the tile fills in whole rounds of the block's threads (the
-# condition for the register-prefetch double buffering, see Linearizer._tiles_double_buffered)
+# fill then has no partial last round)
 ROUND_PADDING_MAX = 1.5
+# a kernel with a halo tile fills the last, partial round of each of its tiles (more than one round) by wrapping
+# back: a thread past the tile's end loads and stores the unit it filled in the round before once more (the same
+# value to the same place, by the same thread) instead of idling behind an `if`, so its tiles are double buffered
+# (register prefetch, Linearizer._tiles_double_buffered: its stores come after the math, outside any `if`) whatever
+# their sizes, e.g. MNIST conv2's filter tile of 32 channels x 2 x 25 taps = 1600 elements on 128 threads
+WRAP_LAST_ROUND = True
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,26 @@ def halo_window(kernel: Kernel, leaf: int, axes: list[int]) -> HaloWindow | None
   rows = math.prod(kernel.full_shape[axis] for axis in outer)
   return HaloWindow(tuple(window), tuple(strides[axis] for axis in window), _padded_span(kernel, span, rows), outer,
                     rows * _padded_span(kernel, span, rows))
+
+
+def wraps_last_round(kernel: Kernel) -> bool:
+  """Whether the kernel's tile fills wrap their last partial round around (WRAP_LAST_ROUND: a kernel with a halo
+  tile)."""
+  return WRAP_LAST_ROUND and any(kernel.halo_window(leaf, axes) is not None for leaf, axes in kernel.staged_loads())
+
+
+def wraps_back(units: int, threads: int) -> bool:
+  """Whether a tile of `units` fill units has a last round the threads wrap back from (see WRAP_LAST_ROUND)."""
+  return units % threads != 0 and units > threads
+
+
+def last_round_unit(unit: Node, units: int, first: int, threads: int, wrap: bool) -> tuple[Node, Node | None]:
+  """(the fill unit a thread takes in the round starting at `first`, the condition it fills under or None): in the
+  last, partial round of a tile of `units`, a thread past the end takes its unit of the round before (`wrap`, more
+  than one round: unit // units is 1 exactly for those threads) or sits the round out."""
+  if first + threads <= units: return unit, None
+  if wrap and wraps_back(units, threads): return unit - unit // units * threads, None
+  return unit, unit < units
 
 
 def _padded_span(kernel: Kernel, span: int, rows: int) -> int:
@@ -133,11 +159,10 @@ class HaloTileFill:
     # the buffer's valid elements end before this: the first view is the one on the buffer itself
     limit = ShapeTracker(kernel.sts[leaf].views[:1]).real_size()
     deferred: list[tuple[UOp, Node, tuple[UOp, ...]]] = []   # (tile, address, values), as _stage_shared_tiles
+    wrap = wraps_last_round(kernel)
     for first in range(0, window.elements, threads):
-      unit = thread + first
-      guard = None
-      if first + threads > window.elements:   # the last round: only the threads with a unit left
-        guard = build.add(UOps.IF, None, (self.node_to_uop(unit < window.elements),))
+      unit, condition = last_round_unit(thread + first, window.elements, first, threads, wrap)
+      guard = None if condition is None else build.add(UOps.IF, None, (self.node_to_uop(condition),))
       idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
       for axis in range(kernel.global_dims, kernel.first_loop_reduce): idxs[axis] = NumNode(0)
       row, inner = unit // window.span, 1
