@@ -17,6 +17,9 @@ why. Run on a CUDA machine from the repository root:
   python extra/bench/bench_conv_kernels.py                 # mnist kernels, the 56x56 convs, BEAM=2 on each
   python extra/bench/bench_conv_kernels.py --beam 0 --parts-sweep
   python extra/bench/bench_conv_kernels.py --beam 0 --wgrad --split-part 256,512 --rows hand,group
+  python extra/bench/bench_conv_kernels.py --beam 0 --only mnist --kernels r_256_16_12_12_32_5_5 --rows "hand|tile"
+The MNIST kernels take MNIST_TILE_VARIANTS (halo tiles of several shapes); a halo-tiled hand-coded kernel also runs
+with its tiles' last fill round guarded ("last round guarded": halo_tiles.WRAP_LAST_ROUND off).
 `--device PYTHON` (with EMULATE=CUDA) checks the script and the variants' results without a GPU (slow: use
 `--only mnist --scale 3`).
 """
