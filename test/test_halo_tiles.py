@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ourgrad import Tensor
-from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.conv_tiles import ConvTile, shared_conv_tiles
 from ourgrad.engine.realize import function_name, run_schedule
@@ -88,7 +88,6 @@ def test_halo_tile_layout_of_the_benchmark_conv() -> None:
 
 def test_matmul_tiles_have_no_halo() -> None:
   """A matmul's staged tiles do not overlap: ordinary layouts."""
-  from ourgrad.codegen.kernel import Opt, OptOps
   a, b = Tensor.empty(64, 64, device="PYTHON"), Tensor.empty(64, 64, device="PYTHON")
   item = next(item for item in create_schedule([(a @ b).lazydata]) if item.ast.op is Ops.STORE)
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
@@ -158,6 +157,9 @@ HALO_INPUT_GRADIENTS = [
   ((8, 16, 12, 12), (32, 16, 5, 5), 0, halo(4, 32, 4, 4, 2, padding=4)),
   ((4, 8, 6, 6), (16, 8, 3, 3), 1, halo(4, 8, 4, 2, 2)),
   ((4, 8, 6, 10), (16, 8, 3, 3), (1, 0), ConvTile(4, 4, 4, 2, 2, pixel_repeat=2, window_unrolled=True, padding=4)),
+  # 3 threads x 4 outputs along MNIST's 12-pixel rows (any_thread_split): 2 images x 4 rows x 12 pixels a block
+  ((4, 16, 12, 12), (32, 16, 5, 5), 0, ConvTile(4, 24, 4, 4, 2, window_unrolled=True, padding=4,
+                                                any_thread_split=True)),
 ]
 
 
@@ -168,6 +170,7 @@ def test_halo_input_gradient_matches_the_plain_kernel_and_torch(x_shape: tuple[i
   plain, tiled = Kernel(ast, PythonRenderer("CUDA")), Kernel(ast, PythonRenderer("CUDA"))
   assert shared_conv_tiles(tiled, (tile,)), f"{tile} does not fit {plain.full_shape}"
   assert len(_halo_windows(tiled)) == 1, "the output gradient is a halo tile"
+  if tile.any_thread_split: assert Opt(OptOps.LOCAL, 3, 3) in tiled.applied_opts, tiled.applied_opts
   ours = _run(tiled, inputs, size)
   np.testing.assert_allclose(ours, _run(plain, inputs, size), rtol=1e-5, atol=1e-4)
   # the kernel writes the gradient of the padded input (a later kernel crops it): torch's gradient of that

@@ -273,9 +273,9 @@ TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile
 # x 5 x 5) and input gradient (pixels: batch 256 x 12 x 12, 16 channels, reduce 32 x 5 x 5 over the unpadded output
 # gradient): the tile sides, steps of 2 or 4 channels, padded rows or not, 4x4 / 4x8 / 8x4 outputs per thread
 def _halo(pixel_upcast: int, pixel_threads: int, channel_upcast: int, channel_threads: int, step: int,
-          pixel_repeat: int = 1, channel_repeat: int = 1, padding: int = 4) -> ConvTile:
+          pixel_repeat: int = 1, channel_repeat: int = 1, padding: int = 4, any_split: bool = False) -> ConvTile:
   return ConvTile(pixel_upcast, pixel_threads, channel_upcast, channel_threads, step, pixel_repeat=pixel_repeat,
-                  channel_repeat=channel_repeat, window_unrolled=True, padding=padding)
+                  channel_repeat=channel_repeat, window_unrolled=True, padding=padding, any_thread_split=any_split)
 
 
 MNIST_TILE_VARIANTS = (
@@ -293,6 +293,12 @@ MNIST_TILE_VARIANTS = (
   _halo(4, 16, 4, 4, 2), _halo(4, 16, 4, 4, 4), _halo(4, 8, 4, 4, 2), _halo(4, 64, 4, 4, 2),
   _halo(4, 16, 4, 4, 2, pixel_repeat=2), _halo(4, 16, 4, 4, 4, pixel_repeat=2), _halo(4, 32, 4, 2, 2, channel_repeat=2),
   _halo(4, 32, 4, 4, 2, pixel_repeat=2), _halo(2, 64, 4, 4, 2),
+  # input gradient, 3 threads x 4 outputs along a 12-pixel row (any_thread_split): 2 images x 4 rows x 12 (96
+  # threads, 384 blocks: 3 a multiprocessor), a whole image (144 threads, 256 blocks, no pixel loaded by two blocks),
+  # 4 rows of an image (48 threads, 768 blocks); 8x4 and 4x8 outputs per thread on 384 blocks
+  _halo(4, 24, 4, 4, 2, any_split=True), _halo(4, 36, 4, 4, 2, any_split=True), _halo(4, 12, 4, 4, 2, any_split=True),
+  _halo(4, 12, 4, 4, 2, pixel_repeat=2, any_split=True), _halo(4, 24, 4, 2, 2, channel_repeat=2, any_split=True),
+  _halo(4, 24, 4, 4, 4, any_split=True),
 )
 
 
@@ -307,6 +313,7 @@ def tile_label(tile: ConvTile) -> str:
           f"k{tile.reduce_step}"
   if tile.pixel_repeat > 1 or tile.channel_repeat > 1: label += f" x{tile.pixel_repeat}x{tile.channel_repeat}"
   if tile.window_unrolled: label += " halo"
+  if tile.any_thread_split: label += " any-split"
   return label + (f" pad{tile.padding}" if tile.padding else "")
 
 

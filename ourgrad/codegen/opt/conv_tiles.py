@@ -29,6 +29,8 @@ class ConvTile:
   window_unrolled: bool = False   # the window's axes unrolled whole: the input tile is a halo tile, staged once for
   #                                 every tap (codegen/halo_tiles.py)
   padding: int = 0   # SHARED's amount: each row of a tile padded (Kernel.tile_row_padding)
+  any_thread_split: bool = False   # a side's LOCAL threads take any divisor of an axis that divides the threads left
+  #                                  (a 12-pixel row: 3 threads x 4 outputs), not only powers of two
 
 
 # largest first: 128 pixels (of 2 images) x 64 channels with 8x8 outputs per thread (4 FMAs per float read from the
@@ -54,8 +56,8 @@ def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) 
   pixel_axes, channel_axes = sides
   for tile in tiles:
     trial = kernel.copy()
-    pixel_plan = _side_plan(trial, pixel_axes, tile.pixel_upcast, tile.pixel_threads)
-    channel_plan = _side_plan(trial, channel_axes, tile.channel_upcast, tile.channel_threads)
+    pixel_plan = _side_plan(trial, pixel_axes, tile.pixel_upcast, tile.pixel_threads, tile.any_thread_split)
+    channel_plan = _side_plan(trial, channel_axes, tile.channel_upcast, tile.channel_threads, tile.any_thread_split)
     if not pixel_plan or not channel_plan: continue
     plan = pixel_plan + channel_plan
     # the UPCASTs, then the pixel side's LOCALs (the first LOCAL applied is the innermost thread axis, the launch's
@@ -100,21 +102,27 @@ def _conv_sides(kernel: Kernel, dtype_in: DType = dtypes.float32,
   return (m_axes, n_axes) if innermost in m_axes else (n_axes, m_axes)
 
 
-def _side_plan(kernel: Kernel, axes: list[int], upcast: int, threads: int) -> list[Opt]:
+def _side_plan(kernel: Kernel, axes: list[int], upcast: int, threads: int, any_split: bool = False) -> list[Opt]:
   """UPCAST `upcast` on the innermost axis of `axes` it divides, then LOCAL threads from the innermost axes (the
-  largest power of two each has left) until the side has `threads`; [] where the side cannot take them all."""
+  largest power of two each has left, or with `any_split` the largest divisor of its size that divides the threads
+  left) until the side has `threads`; [] where the side cannot take them all."""
   sizes = {axis: kernel.full_shape[axis] for axis in axes}
   upcast_axis = next((axis for axis in reversed(axes) if sizes[axis] % upcast == 0), None)
   if upcast_axis is None: return []
   sizes[upcast_axis] //= upcast
   plan, left = [Opt(OptOps.UPCAST, upcast_axis, upcast)], threads
   for axis in reversed(axes):
-    amount = power_of_two_divisor(sizes[axis], left)
+    amount = _thread_split(sizes[axis], left) if any_split else power_of_two_divisor(sizes[axis], left)
     if amount >= 2:
       plan.append(Opt(OptOps.LOCAL, axis, amount))
       left //= amount
     if left == 1: return plan
   return []
+
+
+def _thread_split(size: int, threads: int) -> int:
+  """The largest divisor of `size` that divides `threads` (1 if none but 1)."""
+  return max(amount for amount in range(1, min(size, threads) + 1) if size % amount == 0 and threads % amount == 0)
 
 
 def tensor_core_conv_tiles(kernel: Kernel) -> bool:
