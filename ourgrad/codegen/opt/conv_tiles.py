@@ -36,12 +36,14 @@ class ConvTile:
 # largest first: 128 pixels (of 2 images) x 64 channels with 8x8 outputs per thread (4 FMAs per float read from the
 # tiles), its window unrolled in steps of 2 channels (the input a halo tile staged once for every tap, the filter
 # tile's rows padded: conv2d 64x64x56x56 3x3 f32 0.375 ms on the H100, cuDNN 0.376; steps of 4 0.405, of 8 0.460,
-# unpadded 0.464), then with the window's loops outside the step (0.435 ms), 64 x 64 with 4x4 (0.600 ms), then
-# smaller channel or pixel sides
+# unpadded 0.464), then with the window's loops outside the step (0.435 ms); for 32 channels (MNIST's conv2 forward)
+# 64 pixels x 32 channels with 4x4 outputs per thread as a halo tile, for 16 (its input gradient) 128 pixels (4x4 of
+# 8 images) x 16 channels as a halo tile (both double buffered: their fills wrap the last round, halo_tiles.py); then
+# 64 x 64 with 4x4 without a halo (0.600 ms), then smaller channel or pixel sides
 CONV_TILES = (ConvTile(4, 16, 4, 8, 2, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=4),
+              ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2),
               ConvTile(4, 16, 4, 8, 2, window_unrolled=True, padding=4),
-              ConvTile(4, 32, 4, 4, 2, window_unrolled=True, padding=4),
-              ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2), ConvTile(4, 16, 4, 16, 8),
+              ConvTile(4, 32, 4, 4, 2, window_unrolled=True, padding=4), ConvTile(4, 16, 4, 16, 8),
               ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8), ConvTile(4, 16, 4, 4, 8))
 
 
