@@ -19,7 +19,8 @@ why. Run on a CUDA machine from the repository root:
   python extra/bench/bench_conv_kernels.py --beam 0 --wgrad --split-part 256,512 --rows hand,group
   python extra/bench/bench_conv_kernels.py --beam 0 --only mnist --kernels r_256_16_12_12_32_5_5 --rows "hand|tile"
 The MNIST kernels take MNIST_TILE_VARIANTS (halo tiles of several shapes); a halo-tiled hand-coded kernel also runs
-with its tiles' last fill round guarded ("last round guarded": halo_tiles.WRAP_LAST_ROUND off).
+with the halo layouts before: ranges padded to whole rounds ("spans in whole rounds"), and also the last fill
+round guarded ("last round guarded": halo_tiles.WRAP_LAST_ROUND off, as before this session).
 `--device PYTHON` (with EMULATE=CUDA) checks the script and the variants' results without a GPU (slow: use
 `--only mnist --scale 3`).
 """
@@ -302,9 +303,16 @@ MNIST_TILE_VARIANTS = (
 )
 
 
-# a row label's mark for a kernel compiled with halo_tiles.WRAP_LAST_ROUND off: its tiles' last partial fill round
-# behind an `if`, so they are not double buffered unless every tile fills in whole rounds
-SINGLE_STAGE = "last round guarded"
+# row labels' marks for a halo-tiled kernel compiled with the layouts before: ranges padded to whole rounds of the
+# threads (halo_tiles.SPAN_PADDING "rounds"), and also the fills' last partial round behind an `if`
+# (halo_tiles.WRAP_LAST_ROUND off: the tiles are double buffered only where every one fills in whole rounds)
+ROUND_SPANS, SINGLE_STAGE = "spans in whole rounds", "last round guarded"
+
+
+def _halo_settings(label: str) -> tuple[bool, str]:
+  """(halo_tiles.WRAP_LAST_ROUND, halo_tiles.SPAN_PADDING) a row is compiled with."""
+  if SINGLE_STAGE in label: return False, "rounds"
+  return True, "rounds" if ROUND_SPANS in label else "banks"
 
 
 def tile_label(tile: ConvTile) -> str:
@@ -435,8 +443,8 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
   print(f"{label}: {plain.name} (plain shape {plain.full_shape})")
   candidates: list[tuple[str, Callable[[], Kernel]]] = [("hand-coded", lambda: hand),
                                                         ("no conv tiles", lambda: without_conv_tiles(plain.copy()))]
-  if halo_tiles.wraps_last_round(hand):   # the same kernel with its tiles' last fill rounds behind an `if`
-    candidates.append((f"hand-coded, {SINGLE_STAGE}", lambda: hand))
+  if halo_tiles.wraps_last_round(hand):   # the same kernel with the halo layouts before (see _halo_settings)
+    candidates += [(f"hand-coded, {ROUND_SPANS}", lambda: hand), (f"hand-coded, {SINGLE_STAGE}", lambda: hand)]
   for tile in (tiles if not is_weight_gradient_part(plain) else ()):
     candidates.append((tile_label(tile), lambda tile=tile: tiled(plain, tile)))
   variants = dict(VARIANTS.get(plain.name, {}))
@@ -452,7 +460,7 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
     except KernelOptError as error:
       row(name, None, None, flops, "n/a", f"does not apply: {error}")
       continue
-    halo_tiles.WRAP_LAST_ROUND = SINGLE_STAGE not in name
+    halo_tiles.WRAP_LAST_ROUND, halo_tiles.SPAN_PADDING = _halo_settings(name)
     try:
       seconds = time_kernel(kernel, device, buffers, iters)
       check = "ok" if not kernel.applied_opts or verify_kernel(kernel, plain, device) else "WRONG"
@@ -460,7 +468,7 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
       row(name, kernel, None, flops, "error", f"{type(error).__name__}: {str(error).splitlines()[0][:150]}")
       continue
     finally:
-      halo_tiles.WRAP_LAST_ROUND = True
+      halo_tiles.WRAP_LAST_ROUND, halo_tiles.SPAN_PADDING = True, "banks"
     row(name, kernel, seconds, flops, check)
 
 

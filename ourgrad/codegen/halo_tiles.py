@@ -28,8 +28,12 @@ if TYPE_CHECKING:
 
 # a halo range is padded to a multiple of this (float4 reads from the tile stay aligned from one outer row to the next)
 RANGE_ALIGNMENT = 4
-# the range is padded further, up to this factor, so that the tile fills in whole rounds of the block's threads (the
-# fill then has no partial last round)
+# how a range is padded past RANGE_ALIGNMENT (_padded_span): "rounds": further, up to ROUND_PADDING_MAX times the
+# span, so that the tile fills in whole rounds of the block's threads (no partial last round: the condition for
+# double buffering without WRAP_LAST_ROUND); "banks": where the fill wraps its last round anyway, only so that
+# neighbouring rows start an odd number of float4s apart (lanes reading the same offset of several rows, e.g. 8
+# images of MNIST conv2's input gradient 128 floats apart, hit different banks); bench_conv_kernels.py compares them
+SPAN_PADDING = "banks"
 ROUND_PADDING_MAX = 1.5
 # a kernel with a halo tile fills the last, partial round of each of its tiles (more than one round) by wrapping
 # back: a thread past the tile's end loads and stores the unit it filled in the round before once more (the same
@@ -90,10 +94,14 @@ def last_round_unit(unit: Node, units: int, first: int, threads: int, wrap: bool
 
 
 def _padded_span(kernel: Kernel, span: int, rows: int) -> int:
-  """The range's length: `span` up to a multiple of RANGE_ALIGNMENT, and further (at most ROUND_PADDING_MAX times
-  span) so that `rows` ranges fill in whole rounds of the block's threads."""
+  """The range's length: `span` up to a multiple of RANGE_ALIGNMENT, and further as SPAN_PADDING says (with
+  "rounds", or a tile of one partial round, which no fill wraps: at most ROUND_PADDING_MAX times span so that `rows`
+  ranges fill in whole rounds of the block's threads)."""
   aligned = -(-span // RANGE_ALIGNMENT) * RANGE_ALIGNMENT
   threads = kernel.local_threads() * kernel.group_threads()
+  if SPAN_PADDING == "banks" and WRAP_LAST_ROUND and rows * aligned > threads:
+    odd = rows == 1 or aligned // RANGE_ALIGNMENT % 2 == 1
+    return aligned if odd else aligned + RANGE_ALIGNMENT
   step = math.lcm(RANGE_ALIGNMENT, threads // math.gcd(threads, rows))
   whole_rounds = -(-span // step) * step
   return whole_rounds if whole_rounds <= span * ROUND_PADDING_MAX else aligned
