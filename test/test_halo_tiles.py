@@ -214,8 +214,10 @@ def test_mnist_conv2_takes_halo_tiles_and_compiles_with_nvrtc() -> None:
     kernel.hand_coded_optimizations()
     assert kernel.first_upcast - kernel.first_loop_reduce == 1 and len(_halo_windows(kernel)) == 1, kernel.name
     (window,) = _halo_windows(kernel)
-    if name == "r_256_16_12_12_32_5_5":   # 8 images' ranges of 2 x 64 gradient values, 33 float4s apart
-      assert window.span == 132 and window.elements == 8 * 132
+    if name == "r_256_16_12_12_32_5_5":   # 2 images' ranges of 2 x 64 + 8 gradient values, 35 float4s apart
+      assert window.span == 140 and window.elements == 2 * 140
+    else:   # 4 images' ranges of 2 x 144 input values, 73 float4s apart
+      assert window.span == 292 and window.elements == 4 * 292
     if compiler is not None: compiler.compile(CUDARenderer().render(function_name(kernel), linearize(kernel)))
 
 
@@ -272,3 +274,31 @@ def test_last_round_unit() -> None:
   assert guard is not None and unit.render() == (thread + 1536).render()
   unit, guard = last_round_unit(thread + 0, 100, 0, 128, True)   # one partial round: guarded
   assert guard is not None
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_halo_tiles_filled_by_asynchronous_copies(stages: int) -> None:
+  """ConvTile(async_stages=n): the halo tile (and the filter tile) filled by COPYs in n stages (cp.async on CUDA,
+  zero-filled outside the buffer), no register prefetch: MNIST conv2's forward (3 images) and input gradient (8
+  images) give the plain kernels' results on the emulated GPU and compile with NVRTC."""
+  from ourgrad.codegen.uops import UOps
+  from ourgrad.renderer.cuda import CUDARenderer
+  compiler = nvrtc_compiler()
+  forward, inputs = _conv_ast((3, 16, 12, 12), (32, 16, 5, 5), 0)
+  gradient, gradient_inputs, gradient_size, _ = _input_gradient_item((8, 16, 12, 12), (32, 16, 5, 5), 0)
+  cases = [(forward, inputs, 3 * 32 * 64, ConvTile(4, 16, 4, 8, 2, window_unrolled=True, padding=4,
+                                                   async_stages=stages)),
+           (gradient, gradient_inputs, gradient_size, ConvTile(4, 24, 4, 4, 2, window_unrolled=True, padding=4,
+                                                               any_thread_split=True, async_stages=stages))]
+  for ast, buffers, size, tile in cases:
+    plain, tiled = Kernel(ast, PythonRenderer("CUDA")), Kernel(ast, PythonRenderer("CUDA"))
+    assert shared_conv_tiles(tiled, (tile,)) and len(_halo_windows(tiled)) == 1
+    uops = linearize(tiled)
+    assert sum(uop.op is UOps.ASYNC_WAIT for uop in uops) == stages - 1
+    assert any(uop.op is UOps.COPY for uop in uops) and not any(uop.op is UOps.LOAD and uop.srcs[0].op is
+                                                                 UOps.DEFINE_GLOBAL for uop in uops)
+    np.testing.assert_allclose(_run(tiled, buffers, size), _run(plain, buffers, size), rtol=1e-5, atol=1e-4)
+    if compiler is not None:
+      cuda = Kernel(ast, CUDARenderer())
+      assert shared_conv_tiles(cuda, (tile,))
+      compiler.compile(CUDARenderer().render(function_name(cuda), linearize(cuda)))

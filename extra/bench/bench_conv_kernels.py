@@ -274,9 +274,11 @@ TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile
 # x 5 x 5) and input gradient (pixels: batch 256 x 12 x 12, 16 channels, reduce 32 x 5 x 5 over the unpadded output
 # gradient): the tile sides, steps of 2 or 4 channels, padded rows or not, 4x4 / 4x8 / 8x4 outputs per thread
 def _halo(pixel_upcast: int, pixel_threads: int, channel_upcast: int, channel_threads: int, step: int,
-          pixel_repeat: int = 1, channel_repeat: int = 1, padding: int = 4, any_split: bool = False) -> ConvTile:
+          pixel_repeat: int = 1, channel_repeat: int = 1, padding: int = 4, any_split: bool = False,
+          async_stages: int = 0) -> ConvTile:
   return ConvTile(pixel_upcast, pixel_threads, channel_upcast, channel_threads, step, pixel_repeat=pixel_repeat,
-                  channel_repeat=channel_repeat, window_unrolled=True, padding=padding, any_thread_split=any_split)
+                  channel_repeat=channel_repeat, window_unrolled=True, padding=padding, any_thread_split=any_split,
+                  async_stages=async_stages)
 
 
 MNIST_TILE_VARIANTS = (
@@ -300,6 +302,12 @@ MNIST_TILE_VARIANTS = (
   _halo(4, 24, 4, 4, 2, any_split=True), _halo(4, 36, 4, 4, 2, any_split=True), _halo(4, 12, 4, 4, 2, any_split=True),
   _halo(4, 12, 4, 4, 2, pixel_repeat=2, any_split=True), _halo(4, 24, 4, 2, 2, channel_repeat=2, any_split=True),
   _halo(4, 24, 4, 4, 4, any_split=True),
+  # the tiles filled by asynchronous copies (cp.async, in 2 to 4 stages: ptxas moves the register prefetch's global
+  # loads down to their shared stores, after the math, so those wait out the loads' latency every step)
+  *(_halo(*shape, any_split=split, async_stages=stages) for shape, split in
+    [((4, 24, 4, 4, 2), True), ((4, 36, 4, 4, 2), True), ((4, 32, 4, 4, 2), False), ((4, 8, 4, 4, 2), False),
+     ((4, 64, 4, 4, 2), False), ((4, 32, 4, 4, 4), False), ((4, 16, 4, 8, 2), False), ((4, 32, 4, 8, 2), False)]
+    for stages in (2, 3)),
 )
 
 
@@ -322,6 +330,7 @@ def tile_label(tile: ConvTile) -> str:
   if tile.pixel_repeat > 1 or tile.channel_repeat > 1: label += f" x{tile.pixel_repeat}x{tile.channel_repeat}"
   if tile.window_unrolled: label += " halo"
   if tile.any_thread_split: label += " any-split"
+  if tile.async_stages: label += f" async{tile.async_stages}"
   return label + (f" pad{tile.padding}" if tile.padding else "")
 
 

@@ -156,10 +156,11 @@ class HaloTileFill:
   def _index_nodes(self, leaf_number: int, idxs: list[Node]) -> tuple[Node, Node]: raise NotImplementedError
 
   def _stage_halo_tile(self, node: LazyOp, local: UOp, axis_idxs: list[Node], thread: Node, offset: Node,
-                       defer: bool) -> list[tuple[UOp, Node, tuple[UOp, ...]]]:
+                       defer: bool, copy: bool = False) -> list[tuple[UOp, Node, tuple[UOp, ...]]]:
     """Fill a halo tile (see codegen/halo_tiles.py): unit u of the tile is element u % span of row u // span's
     range, the buffer's element at the row's range start plus that; loaded where it lies in the buffer (the load's
-    mask is applied when the tile is read). Element by element, neighbouring threads neighbouring elements."""
+    mask is applied when the tile is read). Element by element, neighbouring threads neighbouring elements. `copy`:
+    asynchronous COPYs (zero-filled outside the buffer), the last round guarded."""
     kernel, build = self.kernel, self.builder
     window, leaf = self.tile_windows[id(local)], self.leaf_index[id(node)]
     threads = kernel.local_threads() * kernel.group_threads()
@@ -169,7 +170,7 @@ class HaloTileFill:
     deferred: list[tuple[UOp, Node, tuple[UOp, ...]]] = []   # (tile, address, values), as _stage_shared_tiles
     wrap = wraps_last_round(kernel)
     for first in range(0, window.elements, threads):
-      unit, condition = last_round_unit(thread + first, window.elements, first, threads, wrap)
+      unit, condition = last_round_unit(thread + first, window.elements, first, threads, wrap and not copy)
       guard = None if condition is None else build.add(UOps.IF, None, (self.node_to_uop(condition),))
       idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
       for axis in range(kernel.global_dims, kernel.first_loop_reduce): idxs[axis] = NumNode(0)
@@ -182,6 +183,11 @@ class HaloTileFill:
       element = without_window(index_node, window_vars) + unit % window.span
       in_buffer = sym_and([element >= 0, element < limit])
       srcs = (self.buffers[node.arg.idx], self.node_to_uop(element))
+      if copy:   # the tile element, zero where it lies outside the buffer (never read unmasked there)
+        valid = () if isinstance(in_buffer, NumNode) and in_buffer.b else (self.node_to_uop(in_buffer),)
+        build.add(UOps.COPY, None, (local, self.node_to_uop(offset + unit)) + srcs + valid, (1, True))
+        if guard is not None: build.end_if(guard)
+        continue
       if isinstance(in_buffer, NumNode) and not in_buffer.b:   # never in the buffer: never read unmasked
         value = build.const(0.0 if node.dtype.is_float else 0, node.dtype)
       elif isinstance(in_buffer, NumNode): value = build.add(UOps.LOAD, node.dtype, srcs)

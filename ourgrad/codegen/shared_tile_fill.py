@@ -104,7 +104,8 @@ class SharedTileFill:
     for node_id, (local, axes) in tiles.items():
       node = nodes[node_id]
       if id(local) in self.tile_windows:
-        deferred += self._stage_halo_tile(node, local, axis_idxs, thread, offsets.get(id(local), NumNode(0)), defer)
+        deferred += self._stage_halo_tile(node, local, axis_idxs, thread, offsets.get(id(local), NumNode(0)), defer,
+                                          copy)
         continue
       # filled in the order of the load's strides (the smallest innermost: neighbouring threads read neighbouring
       # addresses), each element stored at its place in the tile's layout
@@ -115,8 +116,9 @@ class SharedTileFill:
       # a unit's elements are neighbours in the tile too where the load's innermost axis is the tile's
       tile_vector = width > 1 and fill_axes[-1] == axes[-1]
       for first in range(0, total // width, threads):
-        # this thread's unit (element, or float4) of the tile in this round; the last round wraps or is guarded
-        unit, condition = last_round_unit(thread + first, total // width, first, threads, wrap)
+        # this thread's unit (element, or float4) of the tile in this round; the last round wraps (loads into
+        # registers, see halo_tiles.WRAP_LAST_ROUND) or is guarded
+        unit, condition = last_round_unit(thread + first, total // width, first, threads, wrap and not copy)
         guard = None if condition is None else build.add(UOps.IF, None, (self.node_to_uop(condition),))
         element = unit * width
         idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
@@ -181,8 +183,7 @@ class SharedTileFill:
     stages = kernel.async_tile_stages
     if not stages or not kernel.staged_loads() or kernel.first_upcast - kernel.first_loop_reduce != 1: return 0
     if not getattr(kernel.renderer, "has_async_copy", False): return 0
-    # a halo tile (codegen/halo_tiles.py) is filled element by element with masked loads: no asynchronous copy
-    if any(kernel.halo_window(leaf, axes) is not None for leaf, axes in kernel.staged_loads()): return 0
+    # a halo tile (codegen/halo_tiles.py) is copied element by element, zero-filled outside the buffer
     return stages if kernel.full_shape[kernel.first_loop_reduce] >= stages else 0
 
   def _copy_first_tile_steps(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node],

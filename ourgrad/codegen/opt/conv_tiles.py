@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands
+from ourgrad.codegen.kernel import SHARED_ASYNC, Kernel, KernelOptError, Opt, OptOps, matmul_operands
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import power_of_two_divisor
 
@@ -31,6 +31,13 @@ class ConvTile:
   padding: int = 0   # SHARED's amount: each row of a tile padded (Kernel.tile_row_padding)
   any_thread_split: bool = False   # a side's LOCAL threads take any divisor of an axis that divides the threads left
   #                                  (a 12-pixel row: 3 threads x 4 outputs), not only powers of two
+  async_stages: int = 0   # the tiles filled by asynchronous copies (cp.async) in this many stages (SHARED_ASYNC); 0:
+  #                         loads into registers (double buffered where they can be)
+
+  @property
+  def shared_amount(self) -> int:
+    """SHARED's amount: the rows' padding, and SHARED_ASYNC times the stages less one."""
+    return self.padding + (self.async_stages - 1) * SHARED_ASYNC if self.async_stages else self.padding
 
 
 # largest first: 128 pixels (of 2 images) x 64 channels with 8x8 outputs per thread (4 FMAs per float read from the
@@ -42,8 +49,8 @@ class ConvTile:
 # 64 x 64 with 4x4 without a halo (0.600 ms), then smaller channel or pixel sides
 CONV_TILES = (ConvTile(4, 16, 4, 8, 2, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=4),
               ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2),
-              ConvTile(4, 16, 4, 8, 2, window_unrolled=True, padding=4),
-              ConvTile(4, 32, 4, 4, 2, window_unrolled=True, padding=4), ConvTile(4, 16, 4, 16, 8),
+              ConvTile(4, 24, 4, 4, 2, window_unrolled=True, padding=4, any_thread_split=True),
+              ConvTile(4, 64, 4, 4, 2, window_unrolled=True, padding=4), ConvTile(4, 16, 4, 16, 8),
               ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8), ConvTile(4, 16, 4, 4, 8))
 
 
@@ -69,7 +76,7 @@ def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) 
     repeats = _repeat_plan(trial, plan, pixel_axes, tile)
     if repeats is None: continue
     if trial.try_output_opts(upcasts + locals_ + repeats) and \
-        trial.try_opt(Opt(OptOps.SHARED, 0, tile.padding)) and _unroll_reduce(trial, tile):
+        trial.try_opt(Opt(OptOps.SHARED, 0, tile.shared_amount)) and _unroll_reduce(trial, tile):
       kernel.__dict__.update(trial.__dict__)
       return True
   return False
