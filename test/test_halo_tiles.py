@@ -302,3 +302,16 @@ def test_halo_tiles_filled_by_asynchronous_copies(stages: int) -> None:
       cuda = Kernel(ast, CUDARenderer())
       assert shared_conv_tiles(cuda, (tile,))
       compiler.compile(CUDARenderer().render(function_name(cuda), linearize(cuda)))
+
+
+@pytest.mark.parametrize("groups, stages", [(2, 0), (4, 3)])
+def test_halo_tiles_with_the_input_channels_grouped(groups: int, stages: int) -> None:
+  """ConvTile(reduce_groups=n): n GROUP threads each take a share of the input-channel steps (each its own part of
+  the halo tile), partial sums combined at the end: MNIST conv2's input gradient (8 images) against the plain
+  kernel on the emulated GPU (sums in another order: float32 tolerance)."""
+  ast, inputs, size, _ = _input_gradient_item((8, 16, 12, 12), (32, 16, 5, 5), 0)
+  plain, tiled = Kernel(ast, PythonRenderer("CUDA")), Kernel(ast, PythonRenderer("CUDA"))
+  tile = ConvTile(4, 24, 4, 4, 2, window_unrolled=True, padding=4, any_thread_split=True, async_stages=stages,
+                  reduce_groups=groups)
+  assert shared_conv_tiles(tiled, (tile,)) and tiled.group_threads() == groups and len(_halo_windows(tiled)) == 1
+  np.testing.assert_allclose(_run(tiled, inputs, size), _run(plain, inputs, size), rtol=1e-4, atol=1e-3)

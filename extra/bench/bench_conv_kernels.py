@@ -275,10 +275,10 @@ TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile
 # gradient): the tile sides, steps of 2 or 4 channels, padded rows or not, 4x4 / 4x8 / 8x4 outputs per thread
 def _halo(pixel_upcast: int, pixel_threads: int, channel_upcast: int, channel_threads: int, step: int,
           pixel_repeat: int = 1, channel_repeat: int = 1, padding: int = 4, any_split: bool = False,
-          async_stages: int = 0) -> ConvTile:
+          async_stages: int = 0, groups: int = 0) -> ConvTile:
   return ConvTile(pixel_upcast, pixel_threads, channel_upcast, channel_threads, step, pixel_repeat=pixel_repeat,
                   channel_repeat=channel_repeat, window_unrolled=True, padding=padding, any_thread_split=any_split,
-                  async_stages=async_stages)
+                  async_stages=async_stages, reduce_groups=groups)
 
 
 MNIST_TILE_VARIANTS = (
@@ -308,6 +308,11 @@ MNIST_TILE_VARIANTS = (
     [((4, 24, 4, 4, 2), True), ((4, 36, 4, 4, 2), True), ((4, 32, 4, 4, 2), False), ((4, 8, 4, 4, 2), False),
      ((4, 64, 4, 4, 2), False), ((4, 32, 4, 4, 4), False), ((4, 16, 4, 8, 2), False), ((4, 32, 4, 8, 2), False)]
     for stages in (2, 3)),
+  # the input channels split over 2 or 4 GROUP threads (twice or 4 times the warps), loads or 3 async stages
+  *(_halo(*shape, any_split=split, async_stages=stages, groups=groups) for shape, split in
+    [((4, 24, 4, 4, 2), True), ((4, 36, 4, 4, 2), True), ((4, 32, 4, 4, 2), False), ((4, 64, 4, 4, 2), False),
+     ((4, 16, 4, 8, 2), False), ((4, 32, 4, 4, 4), False)]
+    for stages in (0, 3) for groups in (2, 4)),
 )
 
 
@@ -331,6 +336,7 @@ def tile_label(tile: ConvTile) -> str:
   if tile.window_unrolled: label += " halo"
   if tile.any_thread_split: label += " any-split"
   if tile.async_stages: label += f" async{tile.async_stages}"
+  if tile.reduce_groups: label += f" group{tile.reduce_groups}"
   return label + (f" pad{tile.padding}" if tile.padding else "")
 
 

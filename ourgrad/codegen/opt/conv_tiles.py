@@ -33,6 +33,8 @@ class ConvTile:
   #                                  (a 12-pixel row: 3 threads x 4 outputs), not only powers of two
   async_stages: int = 0   # the tiles filled by asynchronous copies (cp.async) in this many stages (SHARED_ASYNC); 0:
   #                         loads into registers (double buffered where they can be)
+  reduce_groups: int = 0   # GROUP threads splitting the input channels (each its share of the steps, the partial
+  #                          sums combined through local memory at the end): more warps for a small convolution
 
   @property
   def shared_amount(self) -> int:
@@ -75,7 +77,8 @@ def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) 
     locals_ = sorted((opt for opt in plan if opt.op is OptOps.LOCAL), key=lambda opt: opt.axis not in pixel_axes)
     repeats = _repeat_plan(trial, plan, pixel_axes, tile)
     if repeats is None: continue
-    if trial.try_output_opts(upcasts + locals_ + repeats) and \
+    groups = [Opt(OptOps.GROUP, 0, tile.reduce_groups)] if tile.reduce_groups else []
+    if trial.try_output_opts(upcasts + locals_ + repeats) and all(trial.try_opt(opt) for opt in groups) and \
         trial.try_opt(Opt(OptOps.SHARED, 0, tile.shared_amount)) and _unroll_reduce(trial, tile):
       kernel.__dict__.update(trial.__dict__)
       return True
