@@ -267,7 +267,10 @@ TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile
                  ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2, padding=4),
                  *(ConvTile(4, 16, 4, 8, step, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=padding)
                    for step in (2, 4, 8) for padding in (0, 4)),
-                 ConvTile(4, 16, 4, 16, 4, window_unrolled=True, padding=4))
+                 ConvTile(4, 16, 4, 16, 4, window_unrolled=True, padding=4),
+                 # the hand-coded 8x8 halo tile filled by asynchronous copies (cp.async) in 2 and 3 stages
+                 *(ConvTile(4, 16, 4, 8, 2, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=4,
+                            async_stages=stages) for stages in (2, 3)))
 
 
 # halo tiles (window unrolled) for MNIST's conv2 forward (pixels: batch 256 x 8 x 8, 32 channels, 16 input channels

@@ -179,8 +179,17 @@ class HaloTileFill:
         idxs[axis] = (row // inner) % kernel.full_shape[axis]
         inner *= kernel.full_shape[axis]
       for axis, var in zip(window.window, window_vars): idxs[axis] = var
+      # a step given as an expression (a later step's fill: step + 1 or step + stages - 1) stands in as a variable
+      # while the window's terms are taken off the index (the expression would mix into them), then goes back in
+      step_axis = kernel.first_loop_reduce
+      step = idxs[step_axis] if step_axis < kernel.first_upcast else None
+      stand_in = None
+      if step is not None and not isinstance(step, (Variable, NumNode)):
+        stand_in = Variable("halo_step", 0, kernel.full_shape[step_axis] - 1)
+        idxs[step_axis] = stand_in
       index_node, _ = self._index_nodes(leaf, idxs)
       element = without_window(index_node, window_vars) + unit % window.span
+      if stand_in is not None: element = element.substitute({stand_in: step})
       in_buffer = sym_and([element >= 0, element < limit])
       srcs = (self.buffers[node.arg.idx], self.node_to_uop(element))
       if copy:   # the tile element, zero where it lies outside the buffer (never read unmasked there)
