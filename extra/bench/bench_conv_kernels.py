@@ -321,13 +321,15 @@ MNIST_TILE_VARIANTS = (
 
 # row labels' marks for a halo-tiled kernel compiled with the layouts before: ranges padded to whole rounds of the
 # threads (halo_tiles.SPAN_PADDING "rounds"), and also the fills' last partial round behind an `if`
-# (halo_tiles.WRAP_LAST_ROUND off: the tiles are double buffered only where every one fills in whole rounds)
-ROUND_SPANS, SINGLE_STAGE = "spans in whole rounds", "last round guarded"
+# (halo_tiles.WRAP_LAST_ROUND off: the tiles are double buffered only where every one fills in whole rounds), or
+# that guard with the bank padding
+ROUND_SPANS, SINGLE_STAGE, GUARDED_BANKS = "spans in whole rounds", "last round guarded", "guarded, bank spans"
 
 
 def _halo_settings(label: str) -> tuple[bool, str]:
   """(halo_tiles.WRAP_LAST_ROUND, halo_tiles.SPAN_PADDING) a row is compiled with."""
   if SINGLE_STAGE in label: return False, "rounds"
+  if GUARDED_BANKS in label: return False, "banks"
   return True, "rounds" if ROUND_SPANS in label else "banks"
 
 
@@ -462,7 +464,7 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
   candidates: list[tuple[str, Callable[[], Kernel]]] = [("hand-coded", lambda: hand),
                                                         ("no conv tiles", lambda: without_conv_tiles(plain.copy()))]
   if halo_tiles.wraps_last_round(hand):   # the same kernel with the halo layouts before (see _halo_settings)
-    candidates += [(f"hand-coded, {ROUND_SPANS}", lambda: hand), (f"hand-coded, {SINGLE_STAGE}", lambda: hand)]
+    candidates += [(f"hand-coded, {label}", lambda: hand) for label in (ROUND_SPANS, SINGLE_STAGE, GUARDED_BANKS)]
   for tile in (tiles if not is_weight_gradient_part(plain) else ()):
     candidates.append((tile_label(tile), lambda tile=tile: tiled(plain, tile)))
   variants = dict(VARIANTS.get(plain.name, {}))

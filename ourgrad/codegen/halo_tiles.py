@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 RANGE_ALIGNMENT = 4
 # how a range is padded past RANGE_ALIGNMENT (_padded_span): "rounds": further, up to ROUND_PADDING_MAX times the
 # span, so that the tile fills in whole rounds of the block's threads (no partial last round: the condition for
-# double buffering without WRAP_LAST_ROUND); "banks": where the fill wraps its last round anyway, only so that
-# neighbouring rows start an odd number of float4s apart (lanes reading the same offset of several rows, e.g. 8
-# images of MNIST conv2's input gradient 128 floats apart, hit different banks); bench_conv_kernels.py compares them
+# double buffering without WRAP_LAST_ROUND); "banks": only so that neighbouring rows start an odd number of float4s
+# apart (lanes reading the same offset of several rows, e.g. 8 images of MNIST conv2's input gradient 128 floats
+# apart, hit different banks), the last round wrapped or guarded; bench_conv_kernels.py compares them
 SPAN_PADDING = "banks"
 ROUND_PADDING_MAX = 1.5
 # a kernel with a halo tile fills the last, partial round of each of its tiles (more than one round) by wrapping
@@ -99,7 +99,7 @@ def _padded_span(kernel: Kernel, span: int, rows: int) -> int:
   ranges fill in whole rounds of the block's threads)."""
   aligned = -(-span // RANGE_ALIGNMENT) * RANGE_ALIGNMENT
   threads = kernel.local_threads() * kernel.group_threads()
-  if SPAN_PADDING == "banks" and WRAP_LAST_ROUND and rows * aligned > threads:
+  if SPAN_PADDING == "banks" and rows * aligned > threads:
     odd = rows == 1 or aligned // RANGE_ALIGNMENT % 2 == 1
     return aligned if odd else aligned + RANGE_ALIGNMENT
   step = math.lcm(RANGE_ALIGNMENT, threads // math.gcd(threads, rows))
