@@ -214,8 +214,9 @@ def test_mnist_conv2_takes_halo_tiles_and_compiles_with_nvrtc() -> None:
     kernel.hand_coded_optimizations()
     assert kernel.first_upcast - kernel.first_loop_reduce == 1 and len(_halo_windows(kernel)) == 1, kernel.name
     (window,) = _halo_windows(kernel)
-    if name == "r_256_16_12_12_32_5_5":   # 2 images' ranges of 2 x 64 + 8 gradient values, 35 float4s apart
-      assert window.span == 140 and window.elements == 2 * 140
+    if name == "r_256_16_12_12_32_5_5":   # 2 images' ranges of 2 GROUP threads x 2 channels x 64 gradient
+      assert window.span == 268 and window.elements == 2 * 268   # values (+ 8), 67 float4s apart
+      assert kernel.group_threads() == 2
     else:   # 4 images' ranges of 2 x 144 input values, 73 float4s apart
       assert window.span == 292 and window.elements == 4 * 292
     if compiler is not None: compiler.compile(CUDARenderer().render(function_name(kernel), linearize(kernel)))

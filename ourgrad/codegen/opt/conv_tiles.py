@@ -45,13 +45,15 @@ class ConvTile:
 # largest first: 128 pixels (of 2 images) x 64 channels with 8x8 outputs per thread (4 FMAs per float read from the
 # tiles), its window unrolled in steps of 2 channels (the input a halo tile staged once for every tap, the filter
 # tile's rows padded: conv2d 64x64x56x56 3x3 f32 0.375 ms on the H100, cuDNN 0.376; steps of 4 0.405, of 8 0.460,
-# unpadded 0.464), then with the window's loops outside the step (0.435 ms); for 32 channels (MNIST's conv2 forward)
-# 64 pixels x 32 channels with 4x4 outputs per thread as a halo tile, for 16 (its input gradient) 128 pixels (4x4 of
-# 8 images) x 16 channels as a halo tile (both double buffered: their fills wrap the last round, halo_tiles.py); then
-# 64 x 64 with 4x4 without a halo (0.600 ms), then smaller channel or pixel sides
+# unpadded 0.464; with halo_tiles' bank padding 0.362-0.367, cuDNN 0.374-0.380), then with the window's loops outside
+# the step (0.435 ms); then halo tiles with 4x4 outputs per thread for MNIST's conv2 (bench_conv_kernels.py --only
+# mnist, H100, session 7): its input gradient's 2 images x 4 rows x 12 pixels (3 threads a row) x 16 channels, the
+# input channels split over 2 GROUP threads (37.9 us; 43.1 ungrouped, 4x4 pixels of 8 images 52.3, before 73.4), its
+# forward's 256 pixels (4 images) x 16 channels (17.6-18.8 us; 64 pixels x 32 channels 26.9, before 32.6); then 64 x
+# 64 with 4x4 without a halo (0.600 ms), then smaller channel or pixel sides
 CONV_TILES = (ConvTile(4, 16, 4, 8, 2, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=4),
               ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2),
-              ConvTile(4, 24, 4, 4, 2, window_unrolled=True, padding=4, any_thread_split=True),
+              ConvTile(4, 24, 4, 4, 2, window_unrolled=True, padding=4, any_thread_split=True, reduce_groups=2),
               ConvTile(4, 64, 4, 4, 2, window_unrolled=True, padding=4), ConvTile(4, 16, 4, 16, 8),
               ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8), ConvTile(4, 16, 4, 4, 8))
 
