@@ -316,6 +316,11 @@ MNIST_TILE_VARIANTS = (
     [((4, 24, 4, 4, 2), True), ((4, 36, 4, 4, 2), True), ((4, 32, 4, 4, 2), False), ((4, 64, 4, 4, 2), False),
      ((4, 16, 4, 8, 2), False), ((4, 32, 4, 4, 4), False)]
     for stages in (0, 3) for groups in (2, 4)),
+  # around the input gradient's hand-coded tile (run 2: 2 GROUP threads, 37.9 us): steps of 4, smaller blocks, 8x4
+  # outputs per thread
+  _halo(4, 24, 4, 4, 4, any_split=True, groups=2), _halo(4, 12, 4, 4, 2, any_split=True, groups=2),
+  _halo(4, 12, 4, 4, 2, pixel_repeat=2, any_split=True, groups=2), _halo(4, 8, 4, 4, 2, groups=2),
+  _halo(4, 16, 4, 4, 2, groups=2), _halo(4, 24, 4, 2, 2, channel_repeat=2, any_split=True, groups=2),
 )
 
 
