@@ -61,18 +61,26 @@ def test_conv_tiles_match_the_plain_kernel_on_the_emulated_gpu(x_shape: tuple[in
   np.testing.assert_allclose(_run(tiled, inputs, size), _run(plain, inputs, size), rtol=1e-5, atol=1e-4)
 
 
+# convs the tiles of CONV_TILES fit (each tile is tried on the first it fits): 64 channels, pad 1; MNIST conv2's
+# forward shape (4 images of 8x8: 256 pixels); 16 channels of 12x12 pixels (MNIST's input gradient's shape)
+TILE_CONVS = [((2, 16, 8, 8), (64, 16, 3, 3), 1), ((4, 16, 12, 12), (32, 16, 5, 5), 0),
+              ((2, 32, 16, 16), (16, 32, 5, 5), 0)]
+
+
 @pytest.mark.parametrize("tile", CONV_TILES)
 def test_every_conv_tile_matches_the_plain_kernel(tile: object) -> None:
-  """Each tile of the list on the 64-channel conv (each fits it), and torch's result."""
-  ast, inputs = _conv_ast((2, 16, 8, 8), (64, 16, 3, 3), 1)
-  plain, tiled = Kernel(ast, PythonRenderer("CUDA")), Kernel(ast, PythonRenderer("CUDA"))
-  assert shared_conv_tiles(tiled, (tile,)), f"{tile} does not fit {plain.full_shape}"
+  """Each tile of the list on the first of TILE_CONVS it fits, against the plain kernel and torch's result."""
+  for x_shape, w_shape, padding in TILE_CONVS:
+    ast, inputs = _conv_ast(x_shape, w_shape, padding)
+    plain, tiled = Kernel(ast, PythonRenderer("CUDA")), Kernel(ast, PythonRenderer("CUDA"))
+    if shared_conv_tiles(tiled, (tile,)): break
+  else: raise AssertionError(f"{tile} fits none of {TILE_CONVS}")
   size = int(np.prod(plain.output_shape))
   ours = _run(tiled, inputs, size)
   np.testing.assert_allclose(ours, _run(plain, inputs, size), rtol=1e-5, atol=1e-4)
   x, w = (torch.tensor(buffer.numpy()) for buffer in inputs[:2])
-  if x.numel() != 2 * 16 * 8 * 8: x, w = w, x
-  expected = torch.nn.functional.conv2d(x.reshape(2, 16, 8, 8), w.reshape(64, 16, 3, 3), padding=1)
+  if x.numel() != int(np.prod(x_shape)): x, w = w, x
+  expected = torch.nn.functional.conv2d(x.reshape(x_shape), w.reshape(w_shape), padding=padding)
   np.testing.assert_allclose(ours, expected.numpy().reshape(-1), rtol=1e-4, atol=1e-4)
 
 
@@ -173,11 +181,14 @@ def test_mnist_conv_kernel_choices() -> None:
   """The kernels examples/mnist.py's convolutions get on CUDA (batch 256), pinned: a change here is a change of the
   step's speed, to be measured (`python extra/bench/bench_conv_kernels.py`)."""
   assert _mnist_conv_kernels((256, 16, 12, 12), (32, 16, 5, 5), True) == {
-    "r_256_32_8_8_16_5_5": "r_256_8_8_2_2_5_5_4_4_8",         # forward: conv tile, 64 pixels x 32 channels
+    "r_256_32_8_8_16_5_5": "r_64_2_4_4_8_2_8_4_4_2_5_5",      # forward: halo tile, 256 pixels (4 images) x 16
+    #                                                           channels, the window unrolled, 2 input channels a step
     "r_32_32_16_5_5_8_8_8": "r_32_2_4_4_4_5_4_8_2_5_4_8",     # weight gradient, 32 parts of 8 images: filter rows,
     #                                                           5 x 4 cin x 4 cout threads x 4 GROUP image rows
     "r_12800_32": "r_100_128_8_4",                            # the parts summed
-    "r_256_16_12_12_32_5_5": "r_32_3_3_4_8_4_4_5_5_4_4_8",    # input gradient: conv tile over the padded gradient
+    "r_256_16_12_12_32_5_5": "r_128_3_4_2_4_3_2_8_4_4_2_5_5",  # input gradient: halo tile over the unpadded
+    #                                                           gradient, 4 rows x 12 pixels of 2 images x 16 channels,
+    #                                                           the 32 output-gradient channels over 2 GROUP threads
   }
   assert _mnist_conv_kernels((256, 1, 28, 28), (16, 1, 5, 5), False) == {
     "r_256_16_24_24_5_5": "r_128_3_3_2_16_2_2_5_5_4_4",       # forward: one input channel, no conv tile

@@ -17,6 +17,10 @@ why. Run on a CUDA machine from the repository root:
   python extra/bench/bench_conv_kernels.py                 # mnist kernels, the 56x56 convs, BEAM=2 on each
   python extra/bench/bench_conv_kernels.py --beam 0 --parts-sweep
   python extra/bench/bench_conv_kernels.py --beam 0 --wgrad --split-part 256,512 --rows hand,group
+  python extra/bench/bench_conv_kernels.py --beam 0 --only mnist --kernels r_256_16_12_12_32_5_5 --rows "hand|tile"
+The MNIST kernels take MNIST_TILE_VARIANTS (halo tiles of several shapes); a halo-tiled hand-coded kernel also runs
+with the halo layouts before: ranges padded to whole rounds ("spans in whole rounds"), and also the last fill
+round guarded ("last round guarded": halo_tiles.WRAP_LAST_ROUND off, as before this session).
 `--device PYTHON` (with EMULATE=CUDA) checks the script and the variants' results without a GPU (slow: use
 `--only mnist --scale 3`).
 """
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import ourgrad  # noqa: E402
+import ourgrad.codegen.halo_tiles as halo_tiles  # noqa: E402
 import ourgrad.lazy as lazy  # noqa: E402
 import ourgrad.tensor_conv as tensor_conv  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
@@ -263,7 +268,75 @@ TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile
                  ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2, padding=4),
                  *(ConvTile(4, 16, 4, 8, step, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=padding)
                    for step in (2, 4, 8) for padding in (0, 4)),
-                 ConvTile(4, 16, 4, 16, 4, window_unrolled=True, padding=4))
+                 ConvTile(4, 16, 4, 16, 4, window_unrolled=True, padding=4),
+                 # the hand-coded 8x8 halo tile filled by asynchronous copies (cp.async) in 2 and 3 stages
+                 *(ConvTile(4, 16, 4, 8, 2, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=4,
+                            async_stages=stages) for stages in (2, 3)))
+
+
+# halo tiles (window unrolled) for MNIST's conv2 forward (pixels: batch 256 x 8 x 8, 32 channels, 16 input channels
+# x 5 x 5) and input gradient (pixels: batch 256 x 12 x 12, 16 channels, reduce 32 x 5 x 5 over the unpadded output
+# gradient): the tile sides, steps of 2 or 4 channels, padded rows or not, 4x4 / 4x8 / 8x4 outputs per thread
+def _halo(pixel_upcast: int, pixel_threads: int, channel_upcast: int, channel_threads: int, step: int,
+          pixel_repeat: int = 1, channel_repeat: int = 1, padding: int = 4, any_split: bool = False,
+          async_stages: int = 0, groups: int = 0) -> ConvTile:
+  return ConvTile(pixel_upcast, pixel_threads, channel_upcast, channel_threads, step, pixel_repeat=pixel_repeat,
+                  channel_repeat=channel_repeat, window_unrolled=True, padding=padding, any_thread_split=any_split,
+                  async_stages=async_stages, reduce_groups=groups)
+
+
+MNIST_TILE_VARIANTS = (
+  # the tiles these kernels took before the halo tiles (forward, input gradient): the window's loops outside the step
+  ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8),
+  # forward: 64 pixels (one image) x 32 channels (128 threads), then the step, the padding, other block shapes. The
+  # tiles are double buffered (register prefetch) only where each fills in whole rounds of the block's threads: the
+  # filter tile (32 channels x step x 25 taps) at 128 threads in steps of 4, at 64 threads in steps of 2
+  _halo(4, 16, 4, 8, 2), _halo(4, 16, 4, 8, 4), _halo(4, 16, 4, 8, 2, padding=0),
+  _halo(4, 32, 4, 8, 2), _halo(4, 16, 4, 4, 2), _halo(4, 8, 4, 8, 2), _halo(4, 16, 4, 4, 2, channel_repeat=2),
+  _halo(4, 16, 4, 8, 2, pixel_repeat=2), _halo(2, 32, 4, 8, 2), _halo(2, 32, 4, 4, 2, channel_repeat=2),
+  # input gradient: 4x4 pixels of 8 images x 16 channels (128 threads), then the step, the padding, other shapes
+  # (double buffered: 128 threads in steps of 8, 64 in steps of 4, 32 in steps of 2)
+  _halo(4, 32, 4, 4, 2), _halo(4, 32, 4, 4, 4), _halo(4, 32, 4, 4, 8), _halo(4, 32, 4, 4, 2, padding=0),
+  _halo(4, 16, 4, 4, 2), _halo(4, 16, 4, 4, 4), _halo(4, 8, 4, 4, 2), _halo(4, 64, 4, 4, 2),
+  _halo(4, 16, 4, 4, 2, pixel_repeat=2), _halo(4, 16, 4, 4, 4, pixel_repeat=2), _halo(4, 32, 4, 2, 2, channel_repeat=2),
+  _halo(4, 32, 4, 4, 2, pixel_repeat=2), _halo(2, 64, 4, 4, 2),
+  # input gradient, 3 threads x 4 outputs along a 12-pixel row (any_thread_split): 2 images x 4 rows x 12 (96
+  # threads, 384 blocks: 3 a multiprocessor), a whole image (144 threads, 256 blocks, no pixel loaded by two blocks),
+  # 4 rows of an image (48 threads, 768 blocks); 8x4 and 4x8 outputs per thread on 384 blocks
+  _halo(4, 24, 4, 4, 2, any_split=True), _halo(4, 36, 4, 4, 2, any_split=True), _halo(4, 12, 4, 4, 2, any_split=True),
+  _halo(4, 12, 4, 4, 2, pixel_repeat=2, any_split=True), _halo(4, 24, 4, 2, 2, channel_repeat=2, any_split=True),
+  _halo(4, 24, 4, 4, 4, any_split=True),
+  # the tiles filled by asynchronous copies (cp.async, in 2 to 4 stages: ptxas moves the register prefetch's global
+  # loads down to their shared stores, after the math, so those wait out the loads' latency every step)
+  *(_halo(*shape, any_split=split, async_stages=stages) for shape, split in
+    [((4, 24, 4, 4, 2), True), ((4, 36, 4, 4, 2), True), ((4, 32, 4, 4, 2), False), ((4, 8, 4, 4, 2), False),
+     ((4, 64, 4, 4, 2), False), ((4, 32, 4, 4, 4), False), ((4, 16, 4, 8, 2), False), ((4, 32, 4, 8, 2), False)]
+    for stages in (2, 3)),
+  # the input channels split over 2 or 4 GROUP threads (twice or 4 times the warps), loads or 3 async stages
+  *(_halo(*shape, any_split=split, async_stages=stages, groups=groups) for shape, split in
+    [((4, 24, 4, 4, 2), True), ((4, 36, 4, 4, 2), True), ((4, 32, 4, 4, 2), False), ((4, 64, 4, 4, 2), False),
+     ((4, 16, 4, 8, 2), False), ((4, 32, 4, 4, 4), False)]
+    for stages in (0, 3) for groups in (2, 4)),
+  # around the input gradient's hand-coded tile (run 2: 2 GROUP threads, 37.9 us): steps of 4, smaller blocks, 8x4
+  # outputs per thread
+  _halo(4, 24, 4, 4, 4, any_split=True, groups=2), _halo(4, 12, 4, 4, 2, any_split=True, groups=2),
+  _halo(4, 12, 4, 4, 2, pixel_repeat=2, any_split=True, groups=2), _halo(4, 8, 4, 4, 2, groups=2),
+  _halo(4, 16, 4, 4, 2, groups=2), _halo(4, 24, 4, 2, 2, channel_repeat=2, any_split=True, groups=2),
+)
+
+
+# row labels' marks for a halo-tiled kernel compiled with the layouts before: ranges padded to whole rounds of the
+# threads (halo_tiles.SPAN_PADDING "rounds"), and also the fills' last partial round behind an `if`
+# (halo_tiles.WRAP_LAST_ROUND off: the tiles are double buffered only where every one fills in whole rounds), or
+# that guard with the bank padding
+ROUND_SPANS, SINGLE_STAGE, GUARDED_BANKS = "spans in whole rounds", "last round guarded", "guarded, bank spans"
+
+
+def _halo_settings(label: str) -> tuple[bool, str]:
+  """(halo_tiles.WRAP_LAST_ROUND, halo_tiles.SPAN_PADDING) a row is compiled with."""
+  if SINGLE_STAGE in label: return False, "rounds"
+  if GUARDED_BANKS in label: return False, "banks"
+  return True, "rounds" if ROUND_SPANS in label else "banks"
 
 
 def tile_label(tile: ConvTile) -> str:
@@ -272,6 +345,9 @@ def tile_label(tile: ConvTile) -> str:
           f"k{tile.reduce_step}"
   if tile.pixel_repeat > 1 or tile.channel_repeat > 1: label += f" x{tile.pixel_repeat}x{tile.channel_repeat}"
   if tile.window_unrolled: label += " halo"
+  if tile.any_thread_split: label += " any-split"
+  if tile.async_stages: label += f" async{tile.async_stages}"
+  if tile.reduce_groups: label += f" group{tile.reduce_groups}"
   return label + (f" pad{tile.padding}" if tile.padding else "")
 
 
@@ -380,9 +456,9 @@ def row(label: str, kernel: Kernel | None, seconds: float | None, flops: int, ch
 
 
 def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_filter: str = "",
-              rows: tuple[str, ...] = ()) -> None:
-  """Hand-coded, each variant and BEAM's kernel of one AST (those whose label contains one of `rows`, where given):
-  ms, GFLOP/s, checked against the plain kernel."""
+              rows: tuple[str, ...] = (), tiles: tuple[ConvTile, ...] = TILE_VARIANTS) -> None:
+  """Hand-coded, each variant (`tiles`, then VARIANTS) and BEAM's kernel of one AST (those whose label contains one
+  of `rows`, where given): ms, GFLOP/s, checked against the plain kernel."""
   renderer = Device[device].renderer
   plain = Kernel(ast, renderer)
   buffers = scratch_buffers(ast, device)
@@ -393,7 +469,9 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
   print(f"{label}: {plain.name} (plain shape {plain.full_shape})")
   candidates: list[tuple[str, Callable[[], Kernel]]] = [("hand-coded", lambda: hand),
                                                         ("no conv tiles", lambda: without_conv_tiles(plain.copy()))]
-  for tile in (TILE_VARIANTS if not is_weight_gradient_part(plain) else ()):
+  if halo_tiles.wraps_last_round(hand):   # the same kernel with the halo layouts before (see _halo_settings)
+    candidates += [(f"hand-coded, {label}", lambda: hand) for label in (ROUND_SPANS, SINGLE_STAGE, GUARDED_BANKS)]
+  for tile in (tiles if not is_weight_gradient_part(plain) else ()):
     candidates.append((tile_label(tile), lambda tile=tile: tiled(plain, tile)))
   variants = dict(VARIANTS.get(plain.name, {}))
   if is_weight_gradient_part(plain): variants.update(WEIGHT_GRADIENT_VARIANTS.get(len(plain.full_shape), {}))
@@ -408,12 +486,15 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
     except KernelOptError as error:
       row(name, None, None, flops, "n/a", f"does not apply: {error}")
       continue
+    halo_tiles.WRAP_LAST_ROUND, halo_tiles.SPAN_PADDING = _halo_settings(name)
     try:
       seconds = time_kernel(kernel, device, buffers, iters)
       check = "ok" if not kernel.applied_opts or verify_kernel(kernel, plain, device) else "WRONG"
     except Exception as error:  # a variant that fails to compile or launch is a row, not the end of the run
       row(name, kernel, None, flops, "error", f"{type(error).__name__}: {str(error).splitlines()[0][:150]}")
       continue
+    finally:
+      halo_tiles.WRAP_LAST_ROUND, halo_tiles.SPAN_PADDING = True, "banks"
     row(name, kernel, seconds, flops, check)
 
 
@@ -472,8 +553,11 @@ def main() -> None:
   parser.add_argument("--beam", type=int, default=2, help="BEAM width per kernel (0: no search)")
   parser.add_argument("--beam-filter", default="", help="only the kernels whose plain name contains this")
   parser.add_argument("--only", default="", help="rows whose label contains this: mnist, f32, f16")
-  parser.add_argument("--rows", default="", help="the 56x56 convs' (and --wgrad's) rows whose label contains one of "
-                      "these (comma-separated, or '|'-separated where a label has commas), e.g. 'hand,halo'")
+  parser.add_argument("--rows", default="", help="the rows whose label contains one of these (comma-separated, or "
+                      "'|'-separated where a label has commas), e.g. 'hand,halo'")
+  parser.add_argument("--kernels", default="", help="the MNIST kernels whose plain name contains one of these "
+                      "(comma-separated), e.g. r_256_32_8_8_16_5_5 (conv2 forward), r_256_16_12_12_32_5_5 (its input "
+                      "gradient)")
   parser.add_argument("--scale", type=int, default=0, help="divide batch and image sizes by 2^scale (smoke tests)")
   parser.add_argument("--parts-sweep", action="store_true", help="time the MNIST step with several split-K parts")
   parser.add_argument("--wgrad", action="store_true", help="the MNIST step's weight gradients alone: the first "
@@ -503,7 +587,9 @@ def main() -> None:
       # convolution-shaped: a matmul-like reduce over a window (the Linear layer's kernels have 3 axes)
       if plain.reduceop is None or not _matmul_like(plain) or len(plain.full_shape) < 5: continue
       if args.beam_filter not in plain.name: continue   # --beam-filter: those kernels alone
-      bench_ast(ast, args.device, args.iters, args.beam, "mnist step", args.beam_filter)
+      if args.kernels and not any(part in plain.name for part in args.kernels.split(",")): continue
+      bench_ast(ast, args.device, args.iters, args.beam, "mnist step", args.beam_filter, rows,
+                MNIST_TILE_VARIANTS)
   for dtype_name in ("float32", "float16"):
     label = f"conv 64x64x56x56 3x3 pad 1 {'f32' if dtype_name == 'float32' else 'f16'}"
     if args.only and args.only not in label: continue

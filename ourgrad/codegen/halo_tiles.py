@@ -28,9 +28,19 @@ if TYPE_CHECKING:
 
 # a halo range is padded to a multiple of this (float4 reads from the tile stay aligned from one outer row to the next)
 RANGE_ALIGNMENT = 4
-# the range is padded further, up to this factor, so that the tile fills in whole rounds of the block's threads (the
-# condition for the register-prefetch double buffering, see Linearizer._tiles_double_buffered)
+# how a range is padded past RANGE_ALIGNMENT (_padded_span): "rounds": further, up to ROUND_PADDING_MAX times the
+# span, so that the tile fills in whole rounds of the block's threads (no partial last round: the condition for
+# double buffering without WRAP_LAST_ROUND); "banks": only so that neighbouring rows start an odd number of float4s
+# apart (lanes reading the same offset of several rows, e.g. 8 images of MNIST conv2's input gradient 128 floats
+# apart, hit different banks), the last round wrapped or guarded; bench_conv_kernels.py compares them
+SPAN_PADDING = "banks"
 ROUND_PADDING_MAX = 1.5
+# a kernel with a halo tile fills the last, partial round of each of its tiles (more than one round) by wrapping
+# back: a thread past the tile's end loads and stores the unit it filled in the round before once more (the same
+# value to the same place, by the same thread) instead of idling behind an `if`, so its tiles are double buffered
+# (register prefetch, Linearizer._tiles_double_buffered: its stores come after the math, outside any `if`) whatever
+# their sizes, e.g. MNIST conv2's filter tile of 32 channels x 2 x 25 taps = 1600 elements on 128 threads
+WRAP_LAST_ROUND = True
 
 
 @dataclass(frozen=True)
@@ -63,11 +73,35 @@ def halo_window(kernel: Kernel, leaf: int, axes: list[int]) -> HaloWindow | None
                     rows * _padded_span(kernel, span, rows))
 
 
+def wraps_last_round(kernel: Kernel) -> bool:
+  """Whether the kernel's tile fills wrap their last partial round around (WRAP_LAST_ROUND: a kernel with a halo
+  tile)."""
+  return WRAP_LAST_ROUND and any(kernel.halo_window(leaf, axes) is not None for leaf, axes in kernel.staged_loads())
+
+
+def wraps_back(units: int, threads: int) -> bool:
+  """Whether a tile of `units` fill units has a last round the threads wrap back from (see WRAP_LAST_ROUND)."""
+  return units % threads != 0 and units > threads
+
+
+def last_round_unit(unit: Node, units: int, first: int, threads: int, wrap: bool) -> tuple[Node, Node | None]:
+  """(the fill unit a thread takes in the round starting at `first`, the condition it fills under or None): in the
+  last, partial round of a tile of `units`, a thread past the end takes its unit of the round before (`wrap`, more
+  than one round: unit // units is 1 exactly for those threads) or sits the round out."""
+  if first + threads <= units: return unit, None
+  if wrap and wraps_back(units, threads): return unit - unit // units * threads, None
+  return unit, unit < units
+
+
 def _padded_span(kernel: Kernel, span: int, rows: int) -> int:
-  """The range's length: `span` up to a multiple of RANGE_ALIGNMENT, and further (at most ROUND_PADDING_MAX times
-  span) so that `rows` ranges fill in whole rounds of the block's threads."""
+  """The range's length: `span` up to a multiple of RANGE_ALIGNMENT, and further as SPAN_PADDING says (with
+  "rounds", or a tile of one partial round, which no fill wraps: at most ROUND_PADDING_MAX times span so that `rows`
+  ranges fill in whole rounds of the block's threads)."""
   aligned = -(-span // RANGE_ALIGNMENT) * RANGE_ALIGNMENT
   threads = kernel.local_threads() * kernel.group_threads()
+  if SPAN_PADDING == "banks" and rows * aligned > threads:
+    odd = rows == 1 or aligned // RANGE_ALIGNMENT % 2 == 1
+    return aligned if odd else aligned + RANGE_ALIGNMENT
   step = math.lcm(RANGE_ALIGNMENT, threads // math.gcd(threads, rows))
   whole_rounds = -(-span // step) * step
   return whole_rounds if whole_rounds <= span * ROUND_PADDING_MAX else aligned
@@ -122,10 +156,11 @@ class HaloTileFill:
   def _index_nodes(self, leaf_number: int, idxs: list[Node]) -> tuple[Node, Node]: raise NotImplementedError
 
   def _stage_halo_tile(self, node: LazyOp, local: UOp, axis_idxs: list[Node], thread: Node, offset: Node,
-                       defer: bool) -> list[tuple[UOp, Node, tuple[UOp, ...]]]:
+                       defer: bool, copy: bool = False) -> list[tuple[UOp, Node, tuple[UOp, ...]]]:
     """Fill a halo tile (see codegen/halo_tiles.py): unit u of the tile is element u % span of row u // span's
     range, the buffer's element at the row's range start plus that; loaded where it lies in the buffer (the load's
-    mask is applied when the tile is read). Element by element, neighbouring threads neighbouring elements."""
+    mask is applied when the tile is read). Element by element, neighbouring threads neighbouring elements. `copy`:
+    asynchronous COPYs (zero-filled outside the buffer), the last round guarded."""
     kernel, build = self.kernel, self.builder
     window, leaf = self.tile_windows[id(local)], self.leaf_index[id(node)]
     threads = kernel.local_threads() * kernel.group_threads()
@@ -133,11 +168,10 @@ class HaloTileFill:
     # the buffer's valid elements end before this: the first view is the one on the buffer itself
     limit = ShapeTracker(kernel.sts[leaf].views[:1]).real_size()
     deferred: list[tuple[UOp, Node, tuple[UOp, ...]]] = []   # (tile, address, values), as _stage_shared_tiles
+    wrap = wraps_last_round(kernel)
     for first in range(0, window.elements, threads):
-      unit = thread + first
-      guard = None
-      if first + threads > window.elements:   # the last round: only the threads with a unit left
-        guard = build.add(UOps.IF, None, (self.node_to_uop(unit < window.elements),))
+      unit, condition = last_round_unit(thread + first, window.elements, first, threads, wrap and not copy)
+      guard = None if condition is None else build.add(UOps.IF, None, (self.node_to_uop(condition),))
       idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
       for axis in range(kernel.global_dims, kernel.first_loop_reduce): idxs[axis] = NumNode(0)
       row, inner = unit // window.span, 1
@@ -145,10 +179,24 @@ class HaloTileFill:
         idxs[axis] = (row // inner) % kernel.full_shape[axis]
         inner *= kernel.full_shape[axis]
       for axis, var in zip(window.window, window_vars): idxs[axis] = var
+      # a step given as an expression (a later step's fill: step + 1 or step + stages - 1) stands in as a variable
+      # while the window's terms are taken off the index (the expression would mix into them), then goes back in
+      step_axis = kernel.first_loop_reduce
+      step = idxs[step_axis] if step_axis < kernel.first_upcast else None
+      stand_in = None
+      if step is not None and not isinstance(step, (Variable, NumNode)):
+        stand_in = Variable("halo_step", 0, kernel.full_shape[step_axis] - 1)
+        idxs[step_axis] = stand_in
       index_node, _ = self._index_nodes(leaf, idxs)
       element = without_window(index_node, window_vars) + unit % window.span
+      if stand_in is not None: element = element.substitute({stand_in: step})
       in_buffer = sym_and([element >= 0, element < limit])
       srcs = (self.buffers[node.arg.idx], self.node_to_uop(element))
+      if copy:   # the tile element, zero where it lies outside the buffer (never read unmasked there)
+        valid = () if isinstance(in_buffer, NumNode) and in_buffer.b else (self.node_to_uop(in_buffer),)
+        build.add(UOps.COPY, None, (local, self.node_to_uop(offset + unit)) + srcs + valid, (1, True))
+        if guard is not None: build.end_if(guard)
+        continue
       if isinstance(in_buffer, NumNode) and not in_buffer.b:   # never in the buffer: never read unmasked
         value = build.const(0.0 if node.dtype.is_float else 0, node.dtype)
       elif isinstance(in_buffer, NumNode): value = build.add(UOps.LOAD, node.dtype, srcs)

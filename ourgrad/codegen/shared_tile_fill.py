@@ -10,7 +10,8 @@ import math
 from typing import TYPE_CHECKING
 
 from ourgrad.codegen.kernel import SHARED_VECTOR_FILL, SKEW_ROWS
-from ourgrad.codegen.halo_tiles import outer_row, split_constant, window_offset
+from ourgrad.codegen.halo_tiles import (last_round_unit, outer_row, split_constant, window_offset, wraps_back,
+                                        wraps_last_round)
 from ourgrad.codegen.uops import UOp, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, Ops
@@ -48,22 +49,23 @@ class SharedTileFill:
     """SHARED tiles in two stages (register prefetch): each step loads step r + 1's tile values into registers
     before its math and stores them into the other stage after it, so the global loads' latency hides behind the
     math and one BARRIER per step is enough (stage (r + 1) % 2 was last read in step r - 1, before that step's
-    barrier). Where there is one reduce loop, every tile fills in whole rounds of the block's threads, and the
-    tiles twice over still fit the device's local memory."""
+    barrier). Where there is one reduce loop, every tile fills in whole rounds of the block's threads (or the fills
+    wrap their last round around: halo_tiles.wraps_last_round), and the tiles twice over still fit the device's
+    local memory."""
     kernel = self.kernel
     staged = kernel.staged_loads()
     if not staged or kernel.first_upcast - kernel.first_loop_reduce != 1: return False
     threads = kernel.local_threads() * kernel.group_threads()
+    wrap = wraps_last_round(kernel)
     for leaf, axes in staged:
       node = kernel.leaves[leaf]
       window = kernel.halo_window(leaf, axes)
-      if window is not None:
-        if window.elements % threads: return False
-        continue
-      strides = kernel.sts[leaf].real_strides()
-      fill_axes = sorted(axes, key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
-      if math.prod(kernel.full_shape[axis] for axis in axes) // self._tile_load_width(node, fill_axes) % threads:
-        return False
+      if window is not None: units = window.elements
+      else:
+        strides = kernel.sts[leaf].real_strides()
+        fill_axes = sorted(axes, key=lambda axis: -abs(strides[axis]) if strides[axis] is not None else -2**62)
+        units = math.prod(kernel.full_shape[axis] for axis in axes) // self._tile_load_width(node, fill_axes)
+      if units % threads and not (wrap and wraps_back(units, threads)): return False
     # a second stage of the tiles beside what the block already holds (the tiles, GROUP partials)
     return kernel.local_memory_bytes() + kernel.staged_tile_bytes() <= getattr(kernel.renderer, "local_memory_bytes", 0)
 
@@ -97,11 +99,13 @@ class SharedTileFill:
     # every thread of the block fills: LOCAL and GROUP threads (their ids in thread order, see Kernel.thread_axes)
     thread = self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_loop_reduce))
     threads = kernel.local_threads() * kernel.group_threads()
+    wrap = wraps_last_round(kernel)
     nodes = {id(leaf): leaf for leaf in kernel.leaves}
     for node_id, (local, axes) in tiles.items():
       node = nodes[node_id]
       if id(local) in self.tile_windows:
-        deferred += self._stage_halo_tile(node, local, axis_idxs, thread, offsets.get(id(local), NumNode(0)), defer)
+        deferred += self._stage_halo_tile(node, local, axis_idxs, thread, offsets.get(id(local), NumNode(0)), defer,
+                                          copy)
         continue
       # filled in the order of the load's strides (the smallest innermost: neighbouring threads read neighbouring
       # addresses), each element stored at its place in the tile's layout
@@ -112,10 +116,10 @@ class SharedTileFill:
       # a unit's elements are neighbours in the tile too where the load's innermost axis is the tile's
       tile_vector = width > 1 and fill_axes[-1] == axes[-1]
       for first in range(0, total // width, threads):
-        unit = thread + first   # this thread's unit (element, or float4) of the tile in this round
-        guard = None
-        if first + threads > total // width:   # the last round: only the threads with a unit left
-          guard = build.add(UOps.IF, None, (self.node_to_uop(unit < total // width),))
+        # this thread's unit (element, or float4) of the tile in this round; the last round wraps (loads into
+        # registers, see halo_tiles.WRAP_LAST_ROUND) or is guarded
+        unit, condition = last_round_unit(thread + first, total // width, first, threads, wrap and not copy)
+        guard = None if condition is None else build.add(UOps.IF, None, (self.node_to_uop(condition),))
         element = unit * width
         idxs = list(axis_idxs) + [NumNode(0)] * (kernel.shape_len - len(axis_idxs))
         # the block's thread axes the load does not vary along take 0, not this thread's index: a padded view (PADTO)
@@ -179,8 +183,7 @@ class SharedTileFill:
     stages = kernel.async_tile_stages
     if not stages or not kernel.staged_loads() or kernel.first_upcast - kernel.first_loop_reduce != 1: return 0
     if not getattr(kernel.renderer, "has_async_copy", False): return 0
-    # a halo tile (codegen/halo_tiles.py) is filled element by element with masked loads: no asynchronous copy
-    if any(kernel.halo_window(leaf, axes) is not None for leaf, axes in kernel.staged_loads()): return 0
+    # a halo tile (codegen/halo_tiles.py) is copied element by element, zero-filled outside the buffer
     return stages if kernel.full_shape[kernel.first_loop_reduce] >= stages else 0
 
   def _copy_first_tile_steps(self, tiles: dict[int, tuple[UOp, list[int]]], axis_idxs: list[Node],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands
+from ourgrad.codegen.kernel import SHARED_ASYNC, Kernel, KernelOptError, Opt, OptOps, matmul_operands
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import power_of_two_divisor
 
@@ -29,15 +29,32 @@ class ConvTile:
   window_unrolled: bool = False   # the window's axes unrolled whole: the input tile is a halo tile, staged once for
   #                                 every tap (codegen/halo_tiles.py)
   padding: int = 0   # SHARED's amount: each row of a tile padded (Kernel.tile_row_padding)
+  any_thread_split: bool = False   # a side's LOCAL threads take any divisor of an axis that divides the threads left
+  #                                  (a 12-pixel row: 3 threads x 4 outputs), not only powers of two
+  async_stages: int = 0   # the tiles filled by asynchronous copies (cp.async) in this many stages (SHARED_ASYNC); 0:
+  #                         loads into registers (double buffered where they can be)
+  reduce_groups: int = 0   # GROUP threads splitting the input channels (each its share of the steps, the partial
+  #                          sums combined through local memory at the end): more warps for a small convolution
+
+  @property
+  def shared_amount(self) -> int:
+    """SHARED's amount: the rows' padding, and SHARED_ASYNC times the stages less one."""
+    return self.padding + (self.async_stages - 1) * SHARED_ASYNC if self.async_stages else self.padding
 
 
 # largest first: 128 pixels (of 2 images) x 64 channels with 8x8 outputs per thread (4 FMAs per float read from the
 # tiles), its window unrolled in steps of 2 channels (the input a halo tile staged once for every tap, the filter
 # tile's rows padded: conv2d 64x64x56x56 3x3 f32 0.375 ms on the H100, cuDNN 0.376; steps of 4 0.405, of 8 0.460,
-# unpadded 0.464), then with the window's loops outside the step (0.435 ms), 64 x 64 with 4x4 (0.600 ms), then
-# smaller channel or pixel sides
+# unpadded 0.464; with halo_tiles' bank padding 0.362-0.367, cuDNN 0.374-0.380), then with the window's loops outside
+# the step (0.435 ms); then halo tiles with 4x4 outputs per thread for MNIST's conv2 (bench_conv_kernels.py --only
+# mnist, H100, session 7): its input gradient's 2 images x 4 rows x 12 pixels (3 threads a row) x 16 channels, the
+# input channels split over 2 GROUP threads (37.9 us; 43.1 ungrouped, 4x4 pixels of 8 images 52.3, before 73.4), its
+# forward's 256 pixels (4 images) x 16 channels (17.6-18.8 us; 64 pixels x 32 channels 26.9, before 32.6); then 64 x
+# 64 with 4x4 without a halo (0.600 ms), then smaller channel or pixel sides
 CONV_TILES = (ConvTile(4, 16, 4, 8, 2, pixel_repeat=2, channel_repeat=2, window_unrolled=True, padding=4),
-              ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2), ConvTile(4, 16, 4, 16, 8),
+              ConvTile(4, 16, 4, 8, 8, pixel_repeat=2, channel_repeat=2),
+              ConvTile(4, 24, 4, 4, 2, window_unrolled=True, padding=4, any_thread_split=True, reduce_groups=2),
+              ConvTile(4, 64, 4, 4, 2, window_unrolled=True, padding=4), ConvTile(4, 16, 4, 16, 8),
               ConvTile(4, 16, 4, 8, 8), ConvTile(4, 32, 4, 4, 8), ConvTile(4, 16, 4, 4, 8))
 
 
@@ -52,8 +69,8 @@ def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) 
   pixel_axes, channel_axes = sides
   for tile in tiles:
     trial = kernel.copy()
-    pixel_plan = _side_plan(trial, pixel_axes, tile.pixel_upcast, tile.pixel_threads)
-    channel_plan = _side_plan(trial, channel_axes, tile.channel_upcast, tile.channel_threads)
+    pixel_plan = _side_plan(trial, pixel_axes, tile.pixel_upcast, tile.pixel_threads, tile.any_thread_split)
+    channel_plan = _side_plan(trial, channel_axes, tile.channel_upcast, tile.channel_threads, tile.any_thread_split)
     if not pixel_plan or not channel_plan: continue
     plan = pixel_plan + channel_plan
     # the UPCASTs, then the pixel side's LOCALs (the first LOCAL applied is the innermost thread axis, the launch's
@@ -62,8 +79,9 @@ def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) 
     locals_ = sorted((opt for opt in plan if opt.op is OptOps.LOCAL), key=lambda opt: opt.axis not in pixel_axes)
     repeats = _repeat_plan(trial, plan, pixel_axes, tile)
     if repeats is None: continue
-    if trial.try_output_opts(upcasts + locals_ + repeats) and \
-        trial.try_opt(Opt(OptOps.SHARED, 0, tile.padding)) and _unroll_reduce(trial, tile):
+    groups = [Opt(OptOps.GROUP, 0, tile.reduce_groups)] if tile.reduce_groups else []
+    if trial.try_output_opts(upcasts + locals_ + repeats) and all(trial.try_opt(opt) for opt in groups) and \
+        trial.try_opt(Opt(OptOps.SHARED, 0, tile.shared_amount)) and _unroll_reduce(trial, tile):
       kernel.__dict__.update(trial.__dict__)
       return True
   return False
@@ -98,21 +116,27 @@ def _conv_sides(kernel: Kernel, dtype_in: DType = dtypes.float32,
   return (m_axes, n_axes) if innermost in m_axes else (n_axes, m_axes)
 
 
-def _side_plan(kernel: Kernel, axes: list[int], upcast: int, threads: int) -> list[Opt]:
+def _side_plan(kernel: Kernel, axes: list[int], upcast: int, threads: int, any_split: bool = False) -> list[Opt]:
   """UPCAST `upcast` on the innermost axis of `axes` it divides, then LOCAL threads from the innermost axes (the
-  largest power of two each has left) until the side has `threads`; [] where the side cannot take them all."""
+  largest power of two each has left, or with `any_split` the largest divisor of its size that divides the threads
+  left) until the side has `threads`; [] where the side cannot take them all."""
   sizes = {axis: kernel.full_shape[axis] for axis in axes}
   upcast_axis = next((axis for axis in reversed(axes) if sizes[axis] % upcast == 0), None)
   if upcast_axis is None: return []
   sizes[upcast_axis] //= upcast
   plan, left = [Opt(OptOps.UPCAST, upcast_axis, upcast)], threads
   for axis in reversed(axes):
-    amount = power_of_two_divisor(sizes[axis], left)
+    amount = _thread_split(sizes[axis], left) if any_split else power_of_two_divisor(sizes[axis], left)
     if amount >= 2:
       plan.append(Opt(OptOps.LOCAL, axis, amount))
       left //= amount
     if left == 1: return plan
   return []
+
+
+def _thread_split(size: int, threads: int) -> int:
+  """The largest divisor of `size` that divides `threads` (1 if none but 1)."""
+  return max(amount for amount in range(1, min(size, threads) + 1) if size % amount == 0 and threads % amount == 0)
 
 
 def tensor_core_conv_tiles(kernel: Kernel) -> bool:
