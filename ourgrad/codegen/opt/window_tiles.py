@@ -155,3 +155,29 @@ def _outer_upcast(kernel: Kernel) -> None:
   if threads // amount < processors * WINDOW_THREADS_PER_PROCESSOR: return
   for axis in range(kernel.global_dims):
     if kernel.full_shape[axis] % amount == 0 and kernel.try_opt(Opt(OptOps.UPCAST, axis, amount)): return
+
+
+# ---------------------------------------------------------------- the elementwise kernels around a pool
+
+def float4_rows(kernel: Kernel) -> bool:
+  """A GPU elementwise kernel whose output rows are a multiple of the renderer's vector width but too short for a
+  warp of float4s (a pool's backward over 24 x 24 or 8 x 8 images: the plain default, heuristic._elementwise_rows,
+  takes float4 columns only from rows of 128 floats and otherwise gives each thread 4 outputs of an outer axis, so a
+  warp read 8 columns x 4 rows of 32 bytes each): each thread takes `vector_width` neighbouring columns (float4 loads
+  of every input contiguous along them, a float4 store), and the block's threads walk the output's columns, then its
+  rows and planes (thread_axes), so a warp's loads and stores are one contiguous run. False (the kernel untouched)
+  where it does not apply."""
+  renderer, width = kernel.renderer, getattr(kernel.renderer, "vector_width", 0)
+  if not renderer.has_threads or kernel.reduceop is not None or kernel.applied_opts or width < 2: return False
+  if prod(kernel.full_shape) < WINDOW_MIN_OUTPUTS: return False
+  columns = _contiguous_output_axis(kernel)
+  if columns is None or kernel.sts[0].real_strides()[columns] != 1: return False
+  size = kernel.full_shape[columns]
+  if size % width != 0 or size % (width * 32) == 0: return False
+  trial = kernel.copy()
+  if not trial.try_opt(Opt(OptOps.UPCAST, columns, width)): return False
+  plan = thread_axes(trial)
+  if prod(amount for _, amount in plan) < WINDOW_BLOCK_THREADS // 2: return False
+  if not trial.try_output_opts([Opt(OptOps.LOCAL, axis, amount) for axis, amount in plan]): return False
+  kernel.__dict__.update(trial.__dict__)
+  return True
