@@ -6,7 +6,9 @@ small-window defaults (codegen/opt/window_tiles.py) from measurements.
 Variants: `before` (the heuristic without window tiles: what main chose), `hand` (the current default), then window
 tiles with each thread computing 2 or 4 outputs of an outer axis (`outer x2`, `outer x4`), with blocks of 256
 threads (`256 threads`), with 2 neighbouring columns per thread (`columns x2`); the elementwise kernels also
-`float4 rows` (float4 loads and stores along the columns, threads along the output's columns then rows).
+`float4 rows` (float4 loads and stores along the columns, threads along the output's columns then rows); `float2`
+and `columns x2 float2` build the kernel for a renderer of float2 vectors (RENDERER_CHANGES), so the window's two
+neighbouring columns are one 8-byte load.
 
 Method: the step is scheduled (not run) on the device; each kernel runs on scratch buffers of random values timed by
 timing.cold_kernel_seconds (a CUDA graph of many launches over sets of buffers larger than twice the L2: every launch
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import sys
 from pathlib import Path
@@ -57,11 +60,11 @@ def hand(kernel: Kernel) -> None: kernel.hand_coded_optimizations()
 
 
 def before(kernel: Kernel) -> None:
-  """The heuristic as it was without window tiles."""
-  original = heuristic.window_tiles
-  heuristic.window_tiles = lambda kernel: False
+  """The heuristic as it was without window tiles and float4 rows."""
+  originals = heuristic.window_tiles, heuristic.float4_rows
+  heuristic.window_tiles = heuristic.float4_rows = lambda kernel: False
   try: kernel.hand_coded_optimizations()
-  finally: heuristic.window_tiles = original
+  finally: heuristic.window_tiles, heuristic.float4_rows = originals
 
 
 def with_settings(**values: int) -> Callable[[Kernel], None]:
@@ -92,6 +95,11 @@ def _float_rows(kernel: Kernel, lanes: int) -> None:
     raise KernelOptError(f"no thread plan for {kernel.full_shape}")
 
 
+# variants whose kernel is built for a copy of the device's renderer with these attributes: float2 loads (and stores)
+# where an unrolled window axis or an upcast column pair has stride 1 (the linearizer's vector loads take the
+# renderer's vector_width; CUDA renders any width)
+RENDERER_CHANGES: dict[str, dict[str, int]] = {"float2": {"vector_width": 2}, "columns x2 float2": {"vector_width": 2}}
+
 VARIANTS: dict[str, Callable[[Kernel], None]] = {
   "hand": hand,
   "before": before,
@@ -100,6 +108,8 @@ VARIANTS: dict[str, Callable[[Kernel], None]] = {
   "256 threads": with_settings(WINDOW_BLOCK_THREADS=256),
   "columns x2": columns_x2,
   "float4 rows": float4_rows,
+  "float2": hand,
+  "columns x2 float2": columns_x2,
 }
 
 
@@ -138,10 +148,19 @@ def step_kernels(device: str, batch: int) -> list[tuple[str, object]]:
   return found
 
 
-def time_variant(device: str, ast: object, variant: Callable[[Kernel], None]) -> tuple[str, str, float, bool]:
+def renderer_for(device: str, variant: str) -> object:
+  """The device's renderer, or a copy with RENDERER_CHANGES[variant]."""
+  renderer = Device[device].renderer
+  if variant not in RENDERER_CHANGES: return renderer
+  changed = copy.copy(renderer)
+  for name, value in RENDERER_CHANGES[variant].items(): setattr(changed, name, value)
+  return changed
+
+
+def time_variant(device: str, ast: object, name: str) -> tuple[str, str, float, bool]:
   """(kernel name, opts, cold seconds, matches the plain kernel) of one variant."""
-  kernel = Kernel(ast, Device[device].renderer)
-  variant(kernel)
+  kernel = Kernel(ast, renderer_for(device, name))
+  VARIANTS[name](kernel)
   runner = compile_kernel(kernel, device)
   item = ExecItem(runner, scratch_buffers(ast, device), {}, device)
   seconds = cold_kernel_seconds(item).seconds
@@ -161,25 +180,26 @@ def main() -> None:
   copy = copy_bandwidth(args.device, 1 << 26) if args.device == "CUDA" else 0.0
   print(f"{len(kernels)} kernels of the MNIST step (batch {args.batch}) on {args.device}; copy bandwidth "
         f"{copy / 1e9:.0f} GB/s (ourgrad copy kernel, 2 x 256 MB, cold)")
-  print(f"{'role':34} {'variant':12} {'kernel':28} {'us':>7} {'MB':>6} {'GB/s':>6} {'%copy':>6}  check  opts")
+  print(f"{'role':34} {'variant':17} {'kernel':28} {'us':>7} {'MB':>6} {'GB/s':>6} {'%copy':>6}  check  opts")
   for role, ast in kernels:
     megabytes = sum(elements * dtype.itemsize for elements, dtype in buffer_specs(ast)) / 1e6
     timed: dict[tuple, str] = {}   # the opts of each variant timed for this kernel: a variant giving the same is not
     for name in args.variants.split(","):
       try:
-        trial = Kernel(ast, Device[args.device].renderer)
+        trial = Kernel(ast, renderer_for(args.device, name))
         VARIANTS[name](trial)
       except KernelOptError as error:
-        print(f"{role:34} {name:12} does not apply: {error}")
+        print(f"{role:34} {name:17} does not apply: {error}")
         continue
-      if tuple(trial.applied_opts) in timed:
-        print(f"{role:34} {name:12} same opts as {timed[tuple(trial.applied_opts)]}")
+      key = (tuple(trial.applied_opts), tuple(sorted(RENDERER_CHANGES.get(name, {}).items())))
+      if key in timed:
+        print(f"{role:34} {name:17} same kernel as {timed[key]}")
         continue
-      timed[tuple(trial.applied_opts)] = name
-      kernel_name, opts, seconds, correct = time_variant(args.device, ast, VARIANTS[name])
+      timed[key] = name
+      kernel_name, opts, seconds, correct = time_variant(args.device, ast, name)
       rate = megabytes / 1e3 / seconds
       percent = f"{rate * 1e9 / copy:6.1%}" if copy else "     -"
-      print(f"{role:34} {name:12} {kernel_name:28} {seconds * 1e6:7.2f} {megabytes:6.2f} {rate:6.0f} {percent} "
+      print(f"{role:34} {name:17} {kernel_name:28} {seconds * 1e6:7.2f} {megabytes:6.2f} {rate:6.0f} {percent} "
             f" {'ok   ' if correct else 'WRONG'}  {opts}", flush=True)
 
 
