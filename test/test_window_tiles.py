@@ -97,7 +97,7 @@ def test_pools_match_the_plain_kernels_and_torch(small_windows: None, name: str,
     optimized, plain = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))
     optimized.hand_coded_optimizations()
     tiled += window_tiles.is_window_reduce(plain)
-    rows += window_tiles.float4_rows(Kernel(item.ast, PythonRenderer("CUDA")))
+    rows += window_tiles.elementwise_rows(Kernel(item.ast, PythonRenderer("CUDA")))
     size = item.outputs[0].size
     np.testing.assert_allclose(_run(optimized, list(item.inputs), size), _run(plain, list(item.inputs), size),
                                rtol=1e-6, atol=1e-6)
@@ -106,7 +106,7 @@ def test_pools_match_the_plain_kernels_and_torch(small_windows: None, name: str,
   # gradient's elementwise kernel; an average pool's backward is elementwise)
   expected = 1 if name.startswith(("avg", "max 1d")) else 2
   assert tiled >= expected, "the forward (and the backward's tie count) take the window tiles"
-  if name == "2x2 after relu": assert rows >= 1, "the gradient's elementwise kernel (rows of 12) takes float4 rows"
+  if name == "2x2 after relu": assert rows >= 1, "the gradient's elementwise kernel (rows of 12) takes the rows"
   tx = torch.tensor(x_data, requires_grad=True)
   tout = pool(tx)
   tout.backward(torch.tensor(upstream))
@@ -159,20 +159,31 @@ def test_other_reduces_are_left_alone() -> None:
 
 
 @pytest.mark.parametrize("rows, columns, taken", [(24, 24, True), (24, 22, False), (8, 256, False)])
-def test_float4_rows_only_for_short_rows_of_whole_vectors(rows: int, columns: int, taken: bool) -> None:
-  """An elementwise kernel over rows that do not merge (a slice of wider rows) takes float4 rows where the rows are
-  a multiple of 4 floats but shorter than a warp of float4s; rows of 128 and more keep the plain default's float4
-  columns, ragged rows its scalar code."""
-  source = Tensor.empty(64, rows, columns + 8, device="PYTHON")[:, :, :columns]
-  item = next(item for item in create_schedule([(source + 1.0).lazydata]) if item.ast.op is Ops.STORE)
+def test_elementwise_rows_only_for_short_rows_of_whole_vectors(rows: int, columns: int, taken: bool) -> None:
+  """An elementwise kernel over rows that do not merge (a slice of wider rows) takes float4 columns and threads along
+  the columns, then rows, where the rows are a multiple of 4 floats but shorter than a warp of float4s; rows of 128
+  and more keep the plain default's float4 columns, ragged rows its scalar code. Its results are the plain
+  kernel's on the emulated GPU."""
+  data = rng.standard_normal((64, rows, columns + 8)).astype(np.float32)
+  source = Tensor(data, device="PYTHON")
+  (item,) = [item for item in create_schedule([(source[:, :, :columns] * 2.0 + 1.0).lazydata])
+             if item.ast.op is Ops.STORE]
+  run_schedule([item for item in create_schedule([source.lazydata]) if item.ast.op is not Ops.STORE])
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
   assert kernel.full_shape[-1] == columns   # the batch and the rows merge; the sliced columns cannot
-  assert window_tiles.float4_rows(kernel) == taken
+  assert window_tiles.elementwise_rows(kernel) == taken
+  if not taken: return
+  assert kernel.sts[0].real_strides()[kernel.upcast_axes[0]] == 1, "4 neighbouring columns per thread"
+  assert any(uop.op is UOps.LOAD and uop.arg == 4 for uop in linearize(kernel)), "float4 loads"
+  size = item.outputs[0].size
+  np.testing.assert_allclose(_run(kernel, list(item.inputs), size),
+                             _run(Kernel(item.ast, PythonRenderer("CUDA")), list(item.inputs), size))
+  np.testing.assert_allclose(_run(kernel, list(item.inputs), size), (data[:, :, :columns] * 2 + 1).reshape(-1))
 
 
 def _mnist_step_window_kernels() -> list[Kernel]:
   """The kernels of examples/mnist.py's CNN training step (batch 256, scheduled only) that are window reduces or take
-  float4 rows, with the hand-coded opts for CUDA."""
+  elementwise rows, with the hand-coded opts for CUDA."""
   spec = importlib.util.spec_from_file_location("mnist_example_windows", ROOT / "examples" / "mnist.py")
   mnist = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mnist)
@@ -188,7 +199,7 @@ def _mnist_step_window_kernels() -> list[Kernel]:
   for item in create_schedule([t.lazydata for t in outputs]):
     if item.ast.op not in (Ops.STORE, Ops.SINK): continue
     kernel = Kernel(item.ast, PythonRenderer("CUDA"))
-    if not window_tiles.is_window_reduce(kernel) and not window_tiles.float4_rows(kernel.copy()): continue
+    if not window_tiles.is_window_reduce(kernel) and not window_tiles.elementwise_rows(kernel.copy()): continue
     kernel.hand_coded_optimizations()
     kernels.append(kernel)
   return kernels
@@ -207,7 +218,9 @@ _STEP_WINDOWS: list[Kernel] = []
 def test_mnist_pools_take_the_window_tiles(mnist_windows: list[Kernel]) -> None:
   """The step's four max-pool kernels (forward and the backward's tie count, each of two blocks), each with its
   window unrolled and at least 128 threads per block along the output's columns and rows; and its two elementwise
-  kernels through the pools' backward (rows of 24 and 8), each with float4 columns."""
+  kernels through the pools' backward (rows of 24 and 8), each with 4 outputs per thread along the batch (they read
+  the batchnorm's input through two views, one not a vector: test_bnstats.py pins one load per element) and whole
+  rows on the launch's x."""
   pools = [kernel for kernel in mnist_windows if kernel.reduceop is not None]
   elementwise = [kernel for kernel in mnist_windows if kernel.reduceop is None]
   assert len(pools) == 4 and len(elementwise) == 2
@@ -217,9 +230,9 @@ def test_mnist_pools_take_the_window_tiles(mnist_windows: list[Kernel]) -> None:
     assert kernel.first_loop_reduce == kernel.first_upcast   # the window unrolled: no reduce loop
   for kernel in elementwise:
     assert [kernel.full_shape[axis] for axis in kernel.upcast_axes] == [4]
+    assert kernel.sts[0].real_strides()[kernel.upcast_axes[0]] > 1, "4 outputs of the batch, not columns"
     assert kernel.local_threads() >= window_tiles.WINDOW_BLOCK_THREADS
-    vector_loads = [uop for uop in linearize(kernel) if uop.op is UOps.LOAD and uop.arg == 4]
-    assert vector_loads, "float4 loads of the inputs contiguous along the columns"
+    assert kernel.full_shape[kernel.first_reduce - 1] in (24, 8), "a whole row on the launch's x"
 
 
 def test_mnist_pools_compile_with_nvrtc(mnist_windows: list[Kernel]) -> None:

@@ -6,7 +6,8 @@ small-window defaults (codegen/opt/window_tiles.py) from measurements.
 Variants: `before` (the heuristic without window tiles: what main chose), `hand` (the current default), then window
 tiles with each thread computing 2 or 4 outputs of an outer axis (`outer x2`, `outer x4`), with blocks of 256
 threads (`256 threads`), with 2 neighbouring columns per thread (`columns x2`); the elementwise kernels also
-`float4 rows` (float4 loads and stores along the columns, threads along the output's columns then rows); `float2`
+`float4 rows` (float4 loads and stores along the columns, threads along the output's columns then rows, even where
+a buffer is then also loaded as scalars) and `rows x1` (one output per thread, the same threads); `float2`
 and `columns x2 float2` build the kernel for a renderer of float2 vectors (RENDERER_CHANGES), so the window's two
 neighbouring columns are one 8-byte load.
 
@@ -60,11 +61,11 @@ def hand(kernel: Kernel) -> None: kernel.hand_coded_optimizations()
 
 
 def before(kernel: Kernel) -> None:
-  """The heuristic as it was without window tiles and float4 rows."""
-  originals = heuristic.window_tiles, heuristic.float4_rows
-  heuristic.window_tiles = heuristic.float4_rows = lambda kernel: False
+  """The heuristic as it was without window tiles and elementwise rows."""
+  originals = heuristic.window_tiles, heuristic.elementwise_rows
+  heuristic.window_tiles = heuristic.elementwise_rows = lambda kernel: False
   try: kernel.hand_coded_optimizations()
-  finally: heuristic.window_tiles, heuristic.float4_rows = originals
+  finally: heuristic.window_tiles, heuristic.elementwise_rows = originals
 
 
 def with_settings(**values: int) -> Callable[[Kernel], None]:
@@ -84,6 +85,14 @@ def float4_rows(kernel: Kernel) -> None:
   """Elementwise: 4 neighbouring columns per thread (float4 loads and stores), threads along the columns, then rows."""
   if kernel.reduceop is not None: raise KernelOptError("not elementwise")
   _float_rows(kernel, 4)
+
+
+def rows_x1(kernel: Kernel) -> None:
+  """Elementwise: one output per thread, threads along the columns, then rows (4x the threads of the default)."""
+  if kernel.reduceop is not None: raise KernelOptError("not elementwise")
+  plan = window_tiles.thread_axes(kernel)
+  if not plan or not kernel.try_output_opts([Opt(OptOps.LOCAL, axis, amount) for axis, amount in plan]):
+    raise KernelOptError(f"no thread plan for {kernel.full_shape}")
 
 
 def _float_rows(kernel: Kernel, lanes: int) -> None:
@@ -108,6 +117,7 @@ VARIANTS: dict[str, Callable[[Kernel], None]] = {
   "256 threads": with_settings(WINDOW_BLOCK_THREADS=256),
   "columns x2": columns_x2,
   "float4 rows": float4_rows,
+  "rows x1": rows_x1,
   "float2": hand,
   "columns x2 float2": columns_x2,
 }

@@ -159,14 +159,19 @@ def _outer_upcast(kernel: Kernel) -> None:
 
 # ---------------------------------------------------------------- the elementwise kernels around a pool
 
-def float4_rows(kernel: Kernel) -> bool:
+def elementwise_rows(kernel: Kernel) -> bool:
   """A GPU elementwise kernel whose output rows are a multiple of the renderer's vector width but too short for a
-  warp of float4s (a pool's backward over 24 x 24 or 8 x 8 images: the plain default, heuristic._elementwise_rows,
-  takes float4 columns only from rows of 128 floats and otherwise gives each thread 4 outputs of an outer axis, so a
-  warp read 8 columns x 4 rows of 32 bytes each): each thread takes `vector_width` neighbouring columns (float4 loads
-  of every input contiguous along them, a float4 store), and the block's threads walk the output's columns, then its
-  rows and planes (thread_axes), so a warp's loads and stores are one contiguous run. False (the kernel untouched)
-  where it does not apply."""
+  warp of float4s (a pool's backward over 24 x 24 or 8 x 8 images). The plain default (heuristic._elementwise_rows)
+  takes float4 columns only from rows of 128 floats and otherwise gives each thread 4 outputs of an outer axis with
+  blocks from power-of-two parts of the inner axes, so a warp read 8 columns x 4 rows, 32 bytes each. Here each
+  thread takes `vector_width` outputs, and the block's threads walk the output's columns, then its rows and planes
+  (thread_axes), so a warp's accesses are one contiguous run:
+  - neighbouring columns (float4 loads and a float4 store) where every buffer read along the columns can be read
+    as vectors (`_vector_reads_once`);
+  - else outputs of an outer axis (an image apart: each scalar load stays coalesced across the warp). A buffer read
+    through a vectorizable view and through one that is not (the pool's backward reads its input as the ReLU's
+    input and through the pool's window) would load each element twice, as a vector and as scalars.
+  False (the kernel untouched) where it does not apply."""
   renderer, width = kernel.renderer, getattr(kernel.renderer, "vector_width", 0)
   if not renderer.has_threads or kernel.reduceop is not None or kernel.applied_opts or width < 2: return False
   if prod(kernel.full_shape) < WINDOW_MIN_OUTPUTS: return False
@@ -174,10 +179,33 @@ def float4_rows(kernel: Kernel) -> bool:
   if columns is None or kernel.sts[0].real_strides()[columns] != 1: return False
   size = kernel.full_shape[columns]
   if size % width != 0 or size % (width * 32) == 0: return False
+  lanes_axis = columns if _vector_reads_once(kernel, columns) else _outer_axis(kernel, columns, width)
+  if lanes_axis is None: return False
   trial = kernel.copy()
-  if not trial.try_opt(Opt(OptOps.UPCAST, columns, width)): return False
+  if not trial.try_opt(Opt(OptOps.UPCAST, lanes_axis, width)): return False
   plan = thread_axes(trial)
   if prod(amount for _, amount in plan) < WINDOW_BLOCK_THREADS // 2: return False
   if not trial.try_output_opts([Opt(OptOps.LOCAL, axis, amount) for axis, amount in plan]): return False
   kernel.__dict__.update(trial.__dict__)
   return True
+
+
+def _vector_reads_once(kernel: Kernel, columns: int) -> bool:
+  """Whether every buffer the kernel reads along `columns` is read only through views the linearizer loads as
+  vectors there (one unmasked view, stride 1): no element is then loaded both as part of a vector and alone."""
+  views_of: dict[int, list] = {}
+  for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]):
+    if isinstance(leaf.arg, MemBuffer): views_of.setdefault(leaf.arg.idx, []).append(st)
+  for views in views_of.values():
+    along = [st for st in views if st.real_strides()[columns] != 0]
+    vectors = [st for st in along if len(st.views) == 1 and st.views[0].mask is None and
+               st.real_strides()[columns] == 1]
+    if vectors and len(vectors) != len(along): return False
+  return True
+
+
+def _outer_axis(kernel: Kernel, columns: int, amount: int) -> int | None:
+  """The outermost output axis other than `columns` that `amount` divides, where it leaves at least 4 (an image or a
+  plane apart: the thread walk starts at the columns)."""
+  return next((axis for axis in range(kernel.global_dims) if axis != columns and
+               kernel.full_shape[axis] % amount == 0 and kernel.full_shape[axis] >= 4 * amount), None)
