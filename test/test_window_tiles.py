@@ -263,3 +263,19 @@ def test_pools_on_cuda_match_torch(shape: tuple[int, ...]) -> None:
   tout.backward(torch.tensor(upstream))
   np.testing.assert_allclose(out.numpy(), tout.detach().numpy(), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_window_runs_on_the_emulated_gpu() -> None:
+  """extra/bench/bench_window.py on the PYTHON device (a small batch, the second pool only): every variant that
+  applies prints its row and matches the unoptimized kernel."""
+  import os
+  import subprocess
+  import sys
+  environment = {**os.environ, "DEVICE": "PYTHON", "EMULATE": "CUDA"}
+  environment.pop("CHECK_CUDA_RENDER", None)   # the script's own kernels are the subject
+  result = subprocess.run([sys.executable, str(ROOT / "extra" / "bench" / "bench_window.py"), "--device", "PYTHON",
+                           "--batch", "16", "--only", "pool2 max", "--variants", "hand,before,columns x2 float2"],
+                          capture_output=True, text=True, env=environment, cwd=ROOT, timeout=600)
+  assert result.returncode == 0, result.stderr
+  rows = [line for line in result.stdout.splitlines() if line.startswith("pool2 max")]
+  assert len(rows) == 3 and all(" ok " in row for row in rows), result.stdout
