@@ -23,9 +23,10 @@ and backward: 21-23% of copy bandwidth, 288 blocks of 128 threads).
 from __future__ import annotations
 
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
-from ourgrad.helpers import prod
+from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import MemBuffer
 
+WARP_LANES = 32
 # a window of at most this many elements is unrolled whole in each thread (a 5x5 pool: 25)
 WINDOW_MAX_ELEMENTS = 32
 # fewer outputs than this leave the kernel to the plain reduce defaults (GROUP threads per output)
@@ -160,14 +161,14 @@ def _outer_upcast(kernel: Kernel) -> None:
 # ---------------------------------------------------------------- the elementwise kernels around a pool
 
 def elementwise_rows(kernel: Kernel) -> bool:
-  """A GPU elementwise kernel whose output rows are a multiple of the renderer's vector width but too short for a
-  warp of float4s (a pool's backward over 24 x 24 or 8 x 8 images). The plain default (heuristic._elementwise_rows)
-  takes float4 columns only from rows of 128 floats and otherwise gives each thread 4 outputs of an outer axis with
-  blocks from power-of-two parts of the inner axes, so a warp read 8 columns x 4 rows, 32 bytes each. Here each
+  """A GPU elementwise kernel whose output rows have a power-of-two part shorter than a warp (a pool's backward over
+  24 x 24 images: 8). The plain default (heuristic._elementwise_rows) takes float4 columns only from rows of 128
+  floats and otherwise gives each thread 4 outputs of an outer axis with blocks from power-of-two parts of the
+  inner axes, so a warp read 8 columns x 4 rows, 32 bytes each. Here each
   thread takes `vector_width` outputs, and the block's threads walk the output's columns, then its rows and planes
   (thread_axes), so a warp's accesses are one contiguous run:
-  - neighbouring columns (float4 loads and a float4 store) where every buffer read along the columns can be read
-    as vectors (`_vector_reads_once`);
+  - neighbouring columns (float4 loads and a float4 store) where the rows are whole vectors and every buffer read
+    along the columns can be read as vectors (`_vector_reads_once`);
   - else outputs of an outer axis (an image apart: each scalar load stays coalesced across the warp). A buffer read
     through a vectorizable view and through one that is not (the pool's backward reads its input as the ReLU's
     input and through the pool's window) would load each element twice, as a vector and as scalars.
@@ -178,8 +179,11 @@ def elementwise_rows(kernel: Kernel) -> bool:
   columns = _contiguous_output_axis(kernel)
   if columns is None or kernel.sts[0].real_strides()[columns] != 1: return False
   size = kernel.full_shape[columns]
-  if size % width != 0 or size % (width * 32) == 0: return False
-  lanes_axis = columns if _vector_reads_once(kernel, columns) else _outer_axis(kernel, columns, width)
+  # rows whose power-of-two part is a warp or more keep the plain default: its blocks already give each warp 32
+  # neighbouring columns (transformer rows of 64, rows of 128 and more as float4 columns)
+  if power_of_two_divisor(size, WARP_LANES) >= WARP_LANES: return False
+  vectors = size % width == 0 and _vector_reads_once(kernel, columns)
+  lanes_axis = columns if vectors else _outer_axis(kernel, columns, width)
   if lanes_axis is None: return False
   trial = kernel.copy()
   if not trial.try_opt(Opt(OptOps.UPCAST, lanes_axis, width)): return False
