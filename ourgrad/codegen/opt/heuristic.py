@@ -26,8 +26,9 @@ GPUs (thread blocks and local memory):
 - a small-window reduce (a pool: many outputs, a few neighbouring inputs each) gets its window unrolled and its
   threads along the output's contiguous axes (codegen/opt/window_tiles.py);
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
-- elementwise kernels get thread blocks from the innermost output axes; where their rows are a multiple of 4 but
-  shorter than a warp of float4s, float4 columns with threads along the columns, then rows (window_tiles.py).
+- elementwise kernels get thread blocks from the innermost output axes; where those would split a warp over short
+  rows (24 columns: power-of-two parts of 8), 4 outputs per thread and threads along the columns, then the rows
+  (window_tiles.elementwise_rows).
 """
 from __future__ import annotations
 
