@@ -218,9 +218,9 @@ _STEP_WINDOWS: list[Kernel] = []
 def test_mnist_pools_take_the_window_tiles(mnist_windows: list[Kernel]) -> None:
   """The step's four max-pool kernels (forward and the backward's tie count, each of two blocks), each with its
   window unrolled and at least 128 threads per block along the output's columns and rows; and its two elementwise
-  kernels through the pools' backward (rows of 24 and 8), each with 4 outputs per thread along the batch (they read
-  the batchnorm's input through two views, one not a vector: test_bnstats.py pins one load per element) and whole
-  rows on the launch's x."""
+  kernels through the pools' backward (rows of 24 and 8), each with 4 neighbouring columns per thread and the
+  batchnorm's input, which they read plainly (the ReLU's input) and through the pool's window, loaded once: one
+  float4 per thread, the window's view taking its elements from it (the linearizer's vector_elements)."""
   pools = [kernel for kernel in mnist_windows if kernel.reduceop is not None]
   elementwise = [kernel for kernel in mnist_windows if kernel.reduceop is None]
   assert len(pools) == 4 and len(elementwise) == 2
@@ -230,9 +230,16 @@ def test_mnist_pools_take_the_window_tiles(mnist_windows: list[Kernel]) -> None:
     assert kernel.first_loop_reduce == kernel.first_upcast   # the window unrolled: no reduce loop
   for kernel in elementwise:
     assert [kernel.full_shape[axis] for axis in kernel.upcast_axes] == [4]
-    assert kernel.sts[0].real_strides()[kernel.upcast_axes[0]] > 1, "4 outputs of the batch, not columns"
+    assert kernel.sts[0].real_strides()[kernel.upcast_axes[0]] == 1, "4 neighbouring columns per thread"
     assert kernel.local_threads() >= window_tiles.WINDOW_BLOCK_THREADS
-    assert kernel.full_shape[kernel.first_reduce - 1] in (24, 8), "a whole row on the launch's x"
+    largest = max(range(1, len(kernel.leaves)), key=lambda leaf: kernel.leaves[leaf].arg.st.real_size()
+                  if hasattr(kernel.leaves[leaf].arg, "st") else 0)
+    buffer = kernel.leaves[largest].arg.idx
+    views = [leaf for leaf in kernel.leaves if getattr(leaf.arg, "idx", None) == buffer]
+    assert len(views) >= 2, "the input is read through two views"
+    loads = [uop for uop in linearize(kernel) if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL
+             and uop.srcs[0].arg[0] == buffer]
+    assert [uop.arg for uop in loads] == [4], "one float4 load of the input, no scalar loads beside it"
 
 
 def test_mnist_pools_compile_with_nvrtc(mnist_windows: list[Kernel]) -> None:
