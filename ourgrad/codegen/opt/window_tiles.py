@@ -16,9 +16,13 @@ and backward: 21-23% of copy bandwidth, 288 blocks of 128 threads).
   output stays contiguous over them, each taken whole while it fits (WINDOW_BLOCK_THREADS): a warp then stores 32
   consecutive outputs and loads the consecutive input rows of their windows (MNIST's first pool: 12 x 12 outputs of
   an image's channel per block);
-- leaves one output per thread unless the grid has threads to spare (WINDOW_THREADS_PER_PROCESSOR on every
-  multiprocessor even after UPCAST): then an outer output axis is upcast by WINDOW_OUTER_UPCAST, so each thread has
-  more independent loads in flight and the per-channel values and index math are shared.
+- leaves one output per thread: on the H100, 2 or 4 outputs of the batch per thread (WINDOW_OUTER_UPCAST, off), blocks
+  of 256 threads, 2 neighbouring columns per thread or float2 loads of the window's column pair were no faster
+  (extra/bench/bench_window.py; docs/codegen.md has the table: the first pool 17.9 -> 5.6 us forward, 19.6 -> 6.5 us
+  for the backward's tie count, 71-72% of copy bandwidth).
+
+`elementwise_rows(kernel)` gives the elementwise kernels around a pool (its backward over rows of 24) the same thread
+walk with float4 columns.
 """
 from __future__ import annotations
 
@@ -26,17 +30,17 @@ from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import MemBuffer
 
-WARP_LANES = 32
+WARP_LANES = 32   # threads of a warp: rows with a power-of-two part this long already coalesce
 # a window of at most this many elements is unrolled whole in each thread (a 5x5 pool: 25)
 WINDOW_MAX_ELEMENTS = 32
 # fewer outputs than this leave the kernel to the plain reduce defaults (GROUP threads per output)
 WINDOW_MIN_OUTPUTS = 8192
 # threads per block: output axes are taken whole up to twice this, a partial axis only up to this
 WINDOW_BLOCK_THREADS = 128
-# threads a multiprocessor needs in flight to hide DRAM latency with a few loads each; an outer upcast is applied only
-# where every multiprocessor keeps this many threads after it (0 in WINDOW_OUTER_UPCAST: never)
-WINDOW_THREADS_PER_PROCESSOR = 1024
+# outputs of an outer axis per thread (0: one output per thread, the measured default), applied only where every
+# multiprocessor keeps WINDOW_THREADS_PER_PROCESSOR threads after it (enough in flight to hide DRAM latency)
 WINDOW_OUTER_UPCAST = 0
+WINDOW_THREADS_PER_PROCESSOR = 1024
 
 
 def is_window_reduce(kernel: Kernel) -> bool:
@@ -164,9 +168,9 @@ def elementwise_rows(kernel: Kernel) -> bool:
   """A GPU elementwise kernel whose output rows have a power-of-two part shorter than a warp (a pool's backward over
   24 x 24 images: 8). The plain default (heuristic._elementwise_rows) takes float4 columns only from rows of 128
   floats and otherwise gives each thread 4 outputs of an outer axis with blocks from power-of-two parts of the
-  inner axes, so a warp read 8 columns x 4 rows, 32 bytes each. Here each
-  thread takes `vector_width` outputs, and the block's threads walk the output's columns, then its rows and planes
-  (thread_axes), so a warp's accesses are one contiguous run:
+  inner axes, so a warp read 8 columns x 4 rows, 32 bytes each. Here each thread takes `vector_width` outputs, and
+  the block's threads walk the output's columns, then its rows and planes (thread_axes), so a warp's accesses are
+  one contiguous run:
   - neighbouring columns (float4 loads and a float4 store) where the rows are whole vectors. A buffer also read
     through a view that is not a vector (the pool's backward reads its input as the ReLU's input and through the
     pool's window) takes those elements from the vector where the index is the same (the linearizer's
