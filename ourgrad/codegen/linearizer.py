@@ -501,7 +501,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     if not gathered:  # a gathered load's address depends on loaded data: never one vector access
       vector_element = self._vector_load(node, idxs)
       if vector_element is not None: return vector_element
-    if not gathered:
+      # an element that a vector load of the buffer (through another view) holds at the same index: from the vector
       element_index, element_valid = self._index_nodes(self.leaf_index[id(node)], idxs)
       known = self.vector_elements.get((node.arg.idx, element_index)) if element_valid == NumNode(1) else None
       if known is not None: return self._vector_element(node, *known)
