@@ -195,8 +195,9 @@ def _bn_relu_pool_backward(x: Tensor, upstream: Tensor, bn: BatchNorm2d) -> list
 
 
 def _global_loads(kernel: Kernel, buffer_number: int) -> int:
-  return sum(1 for uop in linearize(kernel) if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL
-             and uop.srcs[0].arg[0] == buffer_number)
+  """Elements of the buffer the kernel's LOADs read: a vector LOAD (float4: its arg is the width) counts its width."""
+  return sum(uop.arg if isinstance(uop.arg, int) else 1 for uop in linearize(kernel)
+             if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL and uop.srcs[0].arg[0] == buffer_number)
 
 
 def _reads_one_value_per_channel(kernel: Kernel, leaf_number: int, shape: tuple[int, ...]) -> bool:

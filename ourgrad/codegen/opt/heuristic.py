@@ -25,8 +25,12 @@ GPUs (thread blocks and local memory):
   (8x8 for 128x128) outputs per thread, every operand staged through local memory, the reduce split over GROUP
   threads where the grid still has too few threads (split-K inside the block);
 - a thin float32 matmul (an output axis of at most 16, a long reduce) splits the reduce over the block's threads;
+- a small-window reduce (a pool: many outputs, a few neighbouring inputs each) gets its window unrolled and its
+  threads along the output's contiguous axes (codegen/opt/window_tiles.py);
 - other matmul-like reduces get register tiles, then thread blocks from the innermost output axes;
-- elementwise kernels get thread blocks from the innermost output axes.
+- elementwise kernels get thread blocks from the innermost output axes; where those would split a warp over short
+  rows (24 columns: power-of-two parts of 8), 4 outputs per thread and threads along the columns, then the rows
+  (window_tiles.elementwise_rows).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from ourgrad.codegen.kernel import (SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
 from ourgrad.codegen.opt import matmul_grid
+from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
 from ourgrad.helpers import MATMUL_GRID, power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
@@ -64,8 +69,10 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   if gpu and has_local and kernel.reduceop is not None and shared_conv_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and weight_gradient_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and _thin_matmul(kernel): return
+  if gpu and kernel.reduceop is not None and window_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and not _matmul_like(kernel):
     if _group_reduce(kernel): return
+  if gpu and kernel.reduceop is None and elementwise_rows(kernel): return
   if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
   if not gpu and kernel.reduceop is not None and _cpu_matmul_tiles(kernel): return
   if not gpu and kernel.reduceop is not None and _cpu_vector_lanes(kernel): return
