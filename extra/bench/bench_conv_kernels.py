@@ -38,7 +38,8 @@ import ourgrad.tensor_conv as tensor_conv  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands  # noqa: E402
 from ourgrad.codegen.opt import heuristic  # noqa: E402
-from ourgrad.codegen.opt.conv_tiles import ConvTile, shared_conv_tiles  # noqa: E402
+from ourgrad.codegen.opt.conv_tiles import (ConvTile, WeightGradientTile, shared_conv_tiles,  # noqa: E402
+                                            weight_gradient_tiles)
 from ourgrad.codegen.opt.heuristic import _matmul_like  # noqa: E402
 from ourgrad.codegen.opt.search import apply_opts, beam_search, random_fill, scratch_buffers, verify_kernel  # noqa
 from ourgrad.device import Device  # noqa: E402
@@ -265,6 +266,51 @@ TILE_VARIANTS = (ConvTile(4, 16, 4, 16, 4), ConvTile(4, 16, 4, 16, 16), ConvTile
                  ConvTile(4, 16, 4, 16, 4, window_unrolled=True, padding=4))
 
 
+# weight-gradient tiles (conv_tiles.WeightGradientTile) tried on both partial-sums kernels where they apply, beside the
+# heuristic's list (conv_tiles.WEIGHT_GRADIENT_TILES): more GROUP threads per block (legal since GROUP's local memory
+# counts only what warp shuffles leave), wider cout register tiles (more FMAs per load), the filter rows as threads
+WGT = WeightGradientTile
+WEIGHT_GRADIENT_TILE_VARIANTS = (
+  # conv2 (parts of 8 images, 8x8 gradient rows)
+  WGT(cin_threads=4, cout_threads=4, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cin_threads=4, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
+  WGT(cin_threads=8, cout_threads=2, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cin_threads=8, cout_threads=2, row_group=8, column_unroll=0, filter_rows_local=True),
+  WGT(cin_threads=2, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=4, cout_threads=4, row_group=4, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=4, cout_threads=2, row_group=4, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=4, cout_threads=2, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=2, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=4, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  # conv1 (parts of 1 image, 24x24 gradient rows)
+  WGT(cout_threads=4, row_group=2, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=2, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=1, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=2, row_group=2, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_upcast=8, cout_threads=2, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=8, column_unroll=8, filter_rows_local=True),
+  WGT(cout_upcast=8, cout_threads=2, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=8, column_group=2, column_unroll=4, filter_rows_local=True),
+  WGT(cout_threads=2, row_group=8, column_group=2, column_unroll=4, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=8, column_group=4, column_unroll=2, filter_rows_local=True),
+)
+
+
+def weight_gradient_tile_label(tile: WeightGradientTile) -> str:
+  """A weight-gradient tile's row label: cout upcast x threads, cin threads, GROUP rows and columns, column unroll
+  (0 whole, 1 none), `kh`: the filter rows as threads."""
+  label = f"wg co {tile.cout_upcast}x{tile.cout_threads} ci {tile.cin_threads} " \
+          f"g {tile.row_group}x{tile.column_group} u {tile.column_unroll}"
+  return label + (" kh" if tile.filter_rows_local else "")
+
+
+def weight_gradient_tiled(plain: Kernel, tile: WeightGradientTile) -> Kernel:
+  kernel = plain.copy()
+  if not weight_gradient_tiles(kernel, (tile,)): raise KernelOptError("the tile does not fit")
+  return kernel
+
+
 def tile_label(tile: ConvTile) -> str:
   """A tile's row label: outputs x threads per side, the reduce step, then what differs from a plain tile."""
   label = f"tile px {tile.pixel_upcast}x{tile.pixel_threads} ch {tile.channel_upcast}x{tile.channel_threads} " \
@@ -394,6 +440,9 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
                                                         ("no conv tiles", lambda: without_conv_tiles(plain.copy()))]
   for tile in (TILE_VARIANTS if not is_weight_gradient_part(plain) else ()):
     candidates.append((tile_label(tile), lambda tile=tile: tiled(plain, tile)))
+  for wgrad_tile in (WEIGHT_GRADIENT_TILE_VARIANTS if is_weight_gradient_part(plain) else ()):
+    candidates.append((weight_gradient_tile_label(wgrad_tile),
+                       lambda wgrad_tile=wgrad_tile: weight_gradient_tiled(plain, wgrad_tile)))
   variants = dict(VARIANTS.get(plain.name, {}))
   if is_weight_gradient_part(plain): variants.update(WEIGHT_GRADIENT_VARIANTS.get(len(plain.full_shape), {}))
   for name, opts in variants.items():

@@ -137,7 +137,9 @@ class UOpBuilder:
       if folded is not None: return folded
     if op is UOps.LOAD and arg is None and _reusable_load(dtype, srcs):
       lane = self._vector_lanes.get(_lane_key(srcs))
-      if lane is not None and lane[0].dtype == dtype: return self.add(UOps.GEP, dtype, (lane[0],), lane[1])
+      if lane is not None and lane[0].dtype == dtype:
+        self._drop_if_unused(srcs[1])   # the index was computed for this load alone
+        return self.add(UOps.GEP, dtype, (lane[0],), lane[1])
     key = (op, dtype, tuple(id(src) for src in srcs), _hashable(arg))
     # local memory changes between barriers: a load from it is never the same value as an earlier identical load
     cacheable = op not in _NOT_CACHED and not (op is UOps.LOAD and srcs[0].op is UOps.DEFINE_LOCAL)
@@ -153,6 +155,13 @@ class UOpBuilder:
       scope.append(key)
     if op is UOps.LOAD and isinstance(arg, int) and _reusable_load(dtype, srcs): self._register_lanes(uop)
     return uop
+
+  def _drop_if_unused(self, uop: UOp) -> None:
+    """Take back the last uop added where nothing reads it (an ALU computed for a load that was not emitted)."""
+    if uop.uses or not self.uops or self.uops[-1] is not uop or uop.op is not UOps.ALU: return
+    self.uops.pop()
+    for src in uop.srcs: src.uses -= 1
+    self._cache.pop((uop.op, uop.dtype, tuple(id(src) for src in uop.srcs), _hashable(uop.arg)), None)
 
   def _register_lanes(self, vector: UOp) -> None:
     """Remember the address of each element of a vector load for the rest of its scope: a later scalar load of one

@@ -43,6 +43,8 @@ def test_scalar_loads_inside_a_vector_become_its_elements() -> None:
   assert build.add(UOps.LOAD, F32, (other, _index(build, base, 5))).op is UOps.LOAD
   valid = build.alu(Ops.CMPLT, dtypes.bool, base, build.const(4, INDEX_DTYPE))
   assert build.add(UOps.LOAD, F32, (data, _index(build, base, 5), valid)).op is UOps.LOAD
+  # the indices computed for the loads that became elements are taken back: every ALU left is read
+  assert all(uop.uses for uop in build.uops if uop.op is UOps.ALU)
 
 
 def test_a_vector_at_the_bare_base_and_at_a_constant_index_serve_scalar_loads() -> None:
