@@ -383,8 +383,8 @@ def bench_weight_gradients(device: str, iters: int, scale: int, beam: int, rows:
   """The weight gradients alone: each first kernel's hand-coded choice, variants and BEAM's choice, then its second
   stage (hand-coded), and the sum of the hand-coded pair with its GFLOP/s."""
   for partials, readers in weight_gradients(device, scale):
-    bench_ast(partials, device, iters, beam, f"weight gradient (split part {lazy.GPU_SPLIT_MIN_PART_MATMUL})",
-              rows=rows)
+    bench_ast(partials, device, iters, beam, f"weight gradient (split part {lazy.GPU_SPLIT_MIN_PART_MATMUL}, "
+              f"row parts {lazy.GPU_SPLIT_ROW_PARTS})", rows=rows)
     hand = Kernel(partials, Device[device].renderer)
     hand.hand_coded_optimizations()
     buffers = scratch_buffers(partials, device)
@@ -526,19 +526,22 @@ def main() -> None:
                       "kernel's variants (--rows filters them), the second stage, the pair's sum")
   parser.add_argument("--split-part", default="", help="comma-separated split-K part sizes of matmul-like reduces "
                       "(lazy.GPU_SPLIT_MIN_PART_MATMUL) to run --wgrad at, e.g. 128,256,512")
+  parser.add_argument("--split-rows", default="", help="comma-separated row parts (lazy.GPU_SPLIT_ROW_PARTS: a split "
+                      "of one image per part also splits the image rows) to run --wgrad at, e.g. 1,2,4")
   args = parser.parse_args()
   os.environ["DEVICE"] = args.device   # the MNIST step makes its tensors on the default device
   print(f"{'':<46}{'kernel':<38} {'ms':>8} {'GFLOP/s':>8} {'check':<6} opts")
   # labels hold commas: "|" separates the parts where it is used
   rows = tuple(part for part in args.rows.split("|" if "|" in args.rows else ",") if part)
   if args.wgrad:
-    original = lazy.GPU_SPLIT_MIN_PART_MATMUL
+    original, original_rows = lazy.GPU_SPLIT_MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS
     try:
       for part in [int(size) for size in args.split_part.split(",") if size] or [original]:
-        lazy.GPU_SPLIT_MIN_PART_MATMUL = part
-        bench_weight_gradients(args.device, args.iters, args.scale, args.beam, rows)
+        for row_parts in [int(count) for count in args.split_rows.split(",") if count] or [original_rows]:
+          lazy.GPU_SPLIT_MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = part, row_parts
+          bench_weight_gradients(args.device, args.iters, args.scale, args.beam, rows)
     finally:
-      lazy.GPU_SPLIT_MIN_PART_MATMUL = original
+      lazy.GPU_SPLIT_MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = original, original_rows
     return
   if "mnist".startswith(args.only) or args.only in "mnist":
     for ast in mnist_step_asts(args.scale):
