@@ -290,6 +290,7 @@ WEIGHT_GRADIENT_TILE_VARIANTS = (
   WGT(cout_threads=2, row_group=2, column_group=8, column_unroll=1, filter_rows_local=True),
   WGT(cout_upcast=8, cout_threads=2, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
   WGT(cout_threads=4, row_group=8, column_unroll=8, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
   WGT(cout_upcast=8, cout_threads=2, row_group=8, column_unroll=4, filter_rows_local=True),
   WGT(cout_threads=4, row_group=8, column_group=2, column_unroll=4, filter_rows_local=True),
   WGT(cout_threads=2, row_group=8, column_group=2, column_unroll=4, filter_rows_local=True),
