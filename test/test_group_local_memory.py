@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import ourgrad.lazy as lazy
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
@@ -104,3 +105,26 @@ def test_mnist_conv2_weight_gradient_tile_of_640_threads_is_accepted() -> None:
   assert kernel.group_partial_bytes() == 0 and not any(uop.op is UOps.DEFINE_LOCAL for uop in uops)
   compiler = nvrtc_compiler()
   if compiler is not None: compiler.compile(renderer.render(function_name(kernel), uops))
+
+
+def test_weight_gradient_tile_refused_before_gives_the_plain_results(monkeypatch: pytest.MonkeyPatch) -> None:
+  """A small split weight gradient on the emulated GPU with 1 KiB of local memory: the conv2 tile with 8 GROUP lanes
+  over the image rows needs none (its partials meet by shuffles), where every thread's partials would not fit; it
+  gives the plain kernel's partial sums."""
+  from test_weight_gradient_tiles import _small_split, _weight_gradient
+  _small_split(monkeypatch)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 1 << 12)   # 8 parts of one image: a split at these sizes
+  x = Tensor(rng.standard_normal((8, 4, 12, 12)).astype(np.float32), device="PYTHON")
+  w = Tensor(rng.standard_normal((8, 4, 5, 5)).astype(np.float32), device="PYTHON", requires_grad=True)
+  grad = _weight_gradient(x, w, Tensor(rng.standard_normal((8, 8, 8, 8)).astype(np.float32), device="PYTHON"))
+  schedule = create_schedule([grad.lazydata])
+  partials = next(item for item in schedule if weight_gradient_tiles(Kernel(item.ast, PythonRenderer("CUDA"))))
+  run_schedule(schedule[:schedule.index(partials)])
+  renderer = PythonRenderer("CUDA")
+  renderer.local_memory_bytes = 1024
+  kernel = Kernel(partials.ast, renderer)
+  tile = WeightGradientTile(cin_threads=4, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True)
+  assert weight_gradient_tiles(kernel, (tile,)) and kernel.group_threads() == 8
+  assert kernel.block_threads() * kernel.output_lanes() * 4 > renderer.local_memory_bytes
+  np.testing.assert_allclose(_run(kernel, partials), _run(Kernel(partials.ast, PythonRenderer("CUDA")), partials),
+                             rtol=1e-4, atol=1e-4)
