@@ -277,6 +277,12 @@ WEIGHT_GRADIENT_TILE_VARIANTS = (
   WGT(cin_threads=8, cout_threads=2, row_group=4, column_unroll=0, filter_rows_local=True),
   WGT(cin_threads=8, cout_threads=2, row_group=8, column_unroll=0, filter_rows_local=True),
   WGT(cin_threads=2, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
+  # the image row's columns unrolled by 4, not 8: fewer registers (more blocks per SM)
+  WGT(cin_threads=4, cout_threads=4, row_group=4, column_unroll=4, filter_rows_local=True),
+  WGT(cin_threads=2, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cin_threads=2, cout_threads=2, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cin_threads=1, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cin_threads=1, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
   WGT(cout_upcast=8, cin_threads=4, cout_threads=4, row_group=4, column_unroll=4, filter_rows_local=True),
   WGT(cout_upcast=8, cin_threads=4, cout_threads=2, row_group=4, column_unroll=4, filter_rows_local=True),
   WGT(cout_upcast=8, cin_threads=4, cout_threads=2, row_group=8, column_unroll=4, filter_rows_local=True),
