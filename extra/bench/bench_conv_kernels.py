@@ -288,7 +288,16 @@ WEIGHT_GRADIENT_TILE_VARIANTS = (
   WGT(cout_upcast=8, cin_threads=4, cout_threads=2, row_group=8, column_unroll=4, filter_rows_local=True),
   WGT(cout_upcast=8, cin_threads=2, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
   WGT(cout_upcast=8, cin_threads=4, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  # 2 output channels a thread (10 accumulators, 48 registers: 4 blocks of 320 threads per SM, 2x the warps)
+  WGT(cout_upcast=2, cin_threads=4, cout_threads=4, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cout_upcast=2, cin_threads=4, cout_threads=8, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cout_upcast=2, cin_threads=2, cout_threads=8, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cout_upcast=2, cin_threads=4, cout_threads=4, row_group=4, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=2, cin_threads=2, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
   # conv1 (parts of 1 image, 24x24 gradient rows)
+  WGT(cout_upcast=2, cout_threads=8, row_group=8, column_unroll=8, filter_rows_local=True),
+  WGT(cout_upcast=2, cout_threads=4, row_group=8, column_unroll=8, filter_rows_local=True),
+  WGT(cout_upcast=2, cout_threads=8, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
   WGT(cout_threads=4, row_group=2, column_group=8, column_unroll=1, filter_rows_local=True),
   WGT(cout_threads=4, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
   WGT(cout_threads=2, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
