@@ -183,7 +183,7 @@ class WeightGradientTile:
 # Session 7 (bench_conv_kernels.py --wgrad, warm L2; ncu, cold): conv1 takes the second: 2 output channels a thread
 # (44 registers) x 5 filter rows x 4 cout threads, 8 GROUP image-row lanes, the columns unrolled by 8 (the 12 input
 # values and 2 x 8 gradient values of a step are float4 loads for 80 FMAs, where the third's 5 + 4 scalar loads
-# serve 20): bench 16.2 -> 11.6 us (run 2). With 4 output channels a thread: 13.6-14.0 us, 11.4 under ncu (17.3)
+# serve 20): 17.3 -> 10.7 us under ncu, 10.6 in the jitted step (runs 2-3); 4 output channels a thread 11.4 us
 WEIGHT_GRADIENT_TILES = (
   WeightGradientTile(cin_threads=4, cout_threads=4, row_group=4, column_unroll=0, filter_rows_local=True),
   WeightGradientTile(cout_upcast=2, cout_threads=4, row_group=8, column_unroll=8, filter_rows_local=True),
