@@ -52,6 +52,10 @@ MATMUL_THREAD_OUTPUTS = 16
 # batchnorm: 128 parts of 1152 values) leave 2 waves of blocks that spend more time combining threads than loading.
 GPU_SPLIT_TARGET_BLOCKS = 1024
 # (H100, MNIST conv2 weight gradient: 32 parts of 512 products 0.061 ms; 128 parts of 128 products 0.344 ms)
+# a matmul-like split whose parts are single slices of the split axis (MNIST's conv1 weight gradient: 256 parts, one
+# image each) also splits its second-longest reduce axis (the image rows) into this many row parts, where they divide
+# it: more blocks for a kernel that has one per image (1: no row split)
+GPU_SPLIT_ROW_PARTS = 1
 
 
 # (dtype, value's type, value, sign) -> truncate(dtype, value). Every step makes the same constants again (learning
@@ -272,10 +276,31 @@ class LazyBuffer:
     split = self.reshape(self.shape[:axis] + (parts, size // parts) + self.shape[axis + 1:])
     # after the split, `axis` holds the parts and axis+1 the elements within a part
     inner_axes = tuple(a + 1 if a >= axis else a for a in axes)
-    if parts_axis != axis: split, inner_axes = _parts_outermost(split, axis, inner_axes)
+    parts_axes = (axis,)
+    if parts_axis == 0 and grid_parts is None: split, inner_axes, parts_axes = self._split_rows(split, axes, axis,
+                                                                                                 inner_axes)
+    if parts_axis == 0 and parts_axes != tuple(range(len(parts_axes))):
+      split, inner_axes = _parts_outermost(split, parts_axes, inner_axes)
     partials = split.reduce(op, inner_axes)
     if grid_parts is not None: return _sum_parts(partials).reshape(out_shape)
-    return partials.reduce(op, (parts_axis,)).reshape(out_shape)
+    return partials.reduce(op, tuple(range(len(parts_axes))) if parts_axis == 0 else (parts_axis,)).reshape(out_shape)
+
+  def _split_rows(self, split: LazyBuffer, axes: tuple[int, ...], axis: int,
+                  inner_axes: tuple[int, ...]) -> tuple[LazyBuffer, tuple[int, ...], tuple[int, ...]]:
+    """A GPU split's second parts axis (GPU_SPLIT_ROW_PARTS): where the parts of `axis` are single slices of it and
+    the reduce is matmul-like, the second-longest reduce axis (the image rows) split into row parts too. Returns the
+    input, its reduce axes and its parts axes (numbered in the returned input); unchanged where nothing splits."""
+    row_parts = GPU_SPLIT_ROW_PARTS
+    others = [a for a in axes if a != axis]
+    if row_parts < 2 or split.shape[axis + 1] != 1 or not others or not self._matmul_like_reduce(axes):
+      return split, inner_axes, (axis,)
+    row = max(others, key=lambda a: self.shape[a])
+    if self.shape[row] % row_parts: return split, inner_axes, (axis,)
+    at = row + 1 if row > axis else row   # the row axis in `split`'s numbering
+    split = split.reshape(split.shape[:at] + (row_parts, split.shape[at] // row_parts) + split.shape[at + 1:])
+    # `at` holds the row parts now (an output of the first kernel), at+1 the rows within a part (reduced)
+    inner_axes = tuple(a + 1 if a >= at else a for a in inner_axes)
+    return split, inner_axes, (axis + 1 if axis > at else axis, at)
 
   def _cpu_split_parts(self, out_shape: tuple[int, ...], axis: int) -> int | None:
     """Parts for a reduce of at least SPLIT_REDUCE_MIN_ELEMENTS per output into few outputs (a full sum): up to 256,
@@ -440,14 +465,14 @@ class LazyBuffer:
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
 
 
-def _parts_outermost(split: LazyBuffer, parts_axis: int, inner_axes: tuple[int, ...]) -> tuple[LazyBuffer,
-                                                                                                   tuple[int, ...]]:
-  """A split reduce's input with its parts axis moved first, and the reduce axes renumbered to match. The first
+def _parts_outermost(split: LazyBuffer, parts_axes: tuple[int, ...],
+                     inner_axes: tuple[int, ...]) -> tuple[LazyBuffer, tuple[int, ...]]:
+  """A split reduce's input with its parts axes moved first (in order), and the reduce axes renumbered. The first
   kernel's outputs are then (parts, outputs...): the output axes a GPU kernel tiles into registers and thread blocks
   (a weight gradient's channels) stay the innermost ones, as without the split. With the parts innermost (a weight
   gradient's batch comes after its channels and window offsets), the heuristic made the 32 parts a warp's threads,
   each reading another image: MNIST's conv2 weight gradient took 0.180 ms on the H100 instead of 0.061."""
-  order = (parts_axis, *(a for a in range(len(split.shape)) if a != parts_axis))
+  order = (*parts_axes, *(a for a in range(len(split.shape)) if a not in parts_axes))
   moved = tuple(order.index(a) for a in inner_axes)
   return split.permute(order), moved
 

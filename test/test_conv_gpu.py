@@ -192,8 +192,9 @@ def test_mnist_conv_kernel_choices() -> None:
   }
   assert _mnist_conv_kernels((256, 1, 28, 28), (16, 1, 5, 5), False) == {
     "r_256_16_24_24_5_5": "r_128_3_3_2_16_2_2_5_5_4_4",       # forward: one input channel, no conv tile
-    "r_256_16_5_5_24_24": "r_256_4_5_2_8_12_3_5_4",           # weight gradient, 256 parts of 1 image: filter rows,
-    #                                                           5 x 4 cout threads x 2 x 8 GROUP image rows x columns
+    "r_256_16_5_5_24_24": "r_256_2_4_5_8_3_3_5_2_8",          # weight gradient, 256 parts of 1 image: filter rows,
+    #                                                           5 x 4 cout threads (2 cout each) x 8 GROUP image
+    #                                                           rows, 8 columns unrolled (float4 loads)
     "r_400_256": "r_25_16_16_16",
   }
 

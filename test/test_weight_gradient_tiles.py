@@ -125,3 +125,28 @@ def test_mnist_weight_gradients_on_cuda_match_torch(images: tuple[int, ...], wei
   x, w = Tensor(x_data, device="CUDA"), Tensor(w_data, device="CUDA", requires_grad=True)
   grad = _weight_gradient(x, w, Tensor(upstream, device="CUDA"))
   np.testing.assert_allclose(grad.numpy(), _torch_weight_gradient(x_data, w_data, upstream), rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("row_parts", [2, 4])
+def test_weight_gradient_split_across_image_rows_matches_torch(monkeypatch: pytest.MonkeyPatch,
+                                                               row_parts: int) -> None:
+  """lazy.GPU_SPLIT_ROW_PARTS: with one image per part, the image rows split into row parts too (the partial sums
+  have images x row parts per output); the partial-sums kernel with the hand-coded tile gives its plain kernel's
+  results on the emulated GPU, and the gradient matches PyTorch in float64."""
+  _small_split(monkeypatch)
+  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 1 << 12)   # one image per part
+  monkeypatch.setattr(lazy, "GPU_SPLIT_ROW_PARTS", row_parts)
+  x_data = rng.standard_normal((8, 1, 12, 12)).astype(np.float32)
+  w_data = rng.standard_normal((8, 1, 5, 5)).astype(np.float32)
+  upstream = rng.standard_normal((8, 8, 8, 8)).astype(np.float32)
+  x, w = Tensor(x_data, device="PYTHON"), Tensor(w_data, device="PYTHON", requires_grad=True)
+  grad = _weight_gradient(x, w, Tensor(upstream, device="PYTHON"))
+  schedule = create_schedule([grad.lazydata])
+  partials = next(item for item in schedule if item.ast.op is Ops.STORE)
+  assert partials.outputs[0].size == 8 * row_parts * w_data.size
+  run_schedule(schedule[:schedule.index(partials)])
+  tiled, plain = Kernel(partials.ast, PythonRenderer("CUDA")), Kernel(partials.ast, PythonRenderer("CUDA"))
+  assert weight_gradient_tiles(tiled)
+  np.testing.assert_allclose(_run(tiled, partials), _run(plain, partials), rtol=1e-4, atol=1e-4)
+  run_schedule(schedule[schedule.index(partials):])
+  np.testing.assert_allclose(grad.numpy(), _torch_weight_gradient(x_data, w_data, upstream), rtol=1e-4, atol=1e-4)

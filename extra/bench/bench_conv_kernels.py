@@ -44,7 +44,8 @@ import ourgrad.tensor_conv as tensor_conv  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands  # noqa: E402
 from ourgrad.codegen.opt import heuristic  # noqa: E402
-from ourgrad.codegen.opt.conv_tiles import ConvTile, shared_conv_tiles  # noqa: E402
+from ourgrad.codegen.opt.conv_tiles import (ConvTile, WeightGradientTile, shared_conv_tiles,  # noqa: E402
+                                            weight_gradient_tiles)
 from ourgrad.codegen.opt.heuristic import _matmul_like  # noqa: E402
 from ourgrad.codegen.opt.search import apply_opts, beam_search, random_fill, scratch_buffers, verify_kernel  # noqa
 from ourgrad.device import Device  # noqa: E402
@@ -339,6 +340,67 @@ def _halo_settings(label: str) -> tuple[bool, str]:
   return True, "rounds" if ROUND_SPANS in label else "banks"
 
 
+# weight-gradient tiles (conv_tiles.WeightGradientTile) tried on both partial-sums kernels where they apply, beside the
+# heuristic's list (conv_tiles.WEIGHT_GRADIENT_TILES): more GROUP threads per block (legal since GROUP's local memory
+# counts only what warp shuffles leave), wider cout register tiles (more FMAs per load), the filter rows as threads
+WGT = WeightGradientTile
+WEIGHT_GRADIENT_TILE_VARIANTS = (
+  # conv2 (parts of 8 images, 8x8 gradient rows)
+  WGT(cin_threads=4, cout_threads=4, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cin_threads=4, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
+  WGT(cin_threads=8, cout_threads=2, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cin_threads=8, cout_threads=2, row_group=8, column_unroll=0, filter_rows_local=True),
+  WGT(cin_threads=2, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
+  # the image row's columns unrolled by 4, not 8: fewer registers (more blocks per SM)
+  WGT(cin_threads=4, cout_threads=4, row_group=4, column_unroll=4, filter_rows_local=True),
+  WGT(cin_threads=2, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cin_threads=2, cout_threads=2, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cin_threads=1, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cin_threads=1, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=4, cout_threads=4, row_group=4, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=4, cout_threads=2, row_group=4, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=4, cout_threads=2, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=2, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=8, cin_threads=4, cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  # 2 output channels a thread (10 accumulators, 48 registers: 4 blocks of 320 threads per SM, 2x the warps)
+  WGT(cout_upcast=2, cin_threads=4, cout_threads=4, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cout_upcast=2, cin_threads=4, cout_threads=8, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cout_upcast=2, cin_threads=2, cout_threads=8, row_group=4, column_unroll=0, filter_rows_local=True),
+  WGT(cout_upcast=2, cin_threads=4, cout_threads=4, row_group=4, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=2, cin_threads=2, cout_threads=4, row_group=8, column_unroll=0, filter_rows_local=True),
+  # conv1 (parts of 1 image, 24x24 gradient rows)
+  WGT(cout_upcast=2, cout_threads=8, row_group=8, column_unroll=8, filter_rows_local=True),
+  WGT(cout_upcast=2, cout_threads=4, row_group=8, column_unroll=8, filter_rows_local=True),
+  WGT(cout_upcast=2, cout_threads=8, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=2, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=2, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=1, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=2, row_group=2, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_upcast=8, cout_threads=2, row_group=4, column_group=8, column_unroll=1, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=8, column_unroll=8, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cout_upcast=8, cout_threads=2, row_group=8, column_unroll=4, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=8, column_group=2, column_unroll=4, filter_rows_local=True),
+  WGT(cout_threads=2, row_group=8, column_group=2, column_unroll=4, filter_rows_local=True),
+  WGT(cout_threads=4, row_group=8, column_group=4, column_unroll=2, filter_rows_local=True),
+)
+
+
+def weight_gradient_tile_label(tile: WeightGradientTile) -> str:
+  """A weight-gradient tile's row label: cout upcast x threads, cin threads, GROUP rows and columns, column unroll
+  (0 whole, 1 none), `kh`: the filter rows as threads."""
+  label = f"wg co {tile.cout_upcast}x{tile.cout_threads} ci {tile.cin_threads} " \
+          f"g {tile.row_group}x{tile.column_group} u {tile.column_unroll}"
+  return label + (" kh" if tile.filter_rows_local else "")
+
+
+def weight_gradient_tiled(plain: Kernel, tile: WeightGradientTile) -> Kernel:
+  kernel = plain.copy()
+  if not weight_gradient_tiles(kernel, (tile,)): raise KernelOptError("the tile does not fit")
+  return kernel
+
+
 def tile_label(tile: ConvTile) -> str:
   """A tile's row label: outputs x threads per side, the reduce step, then what differs from a plain tile."""
   label = f"tile px {tile.pixel_upcast}x{tile.pixel_threads} ch {tile.channel_upcast}x{tile.channel_threads} " \
@@ -414,8 +476,8 @@ def bench_weight_gradients(device: str, iters: int, scale: int, beam: int, rows:
   """The weight gradients alone: each first kernel's hand-coded choice, variants and BEAM's choice, then its second
   stage (hand-coded), and the sum of the hand-coded pair with its GFLOP/s."""
   for partials, readers in weight_gradients(device, scale):
-    bench_ast(partials, device, iters, beam, f"weight gradient (split part {lazy.GPU_SPLIT_MIN_PART_MATMUL})",
-              rows=rows)
+    bench_ast(partials, device, iters, beam, f"weight gradient (split part {lazy.GPU_SPLIT_MIN_PART_MATMUL}, "
+              f"row parts {lazy.GPU_SPLIT_ROW_PARTS})", rows=rows)
     hand = Kernel(partials, Device[device].renderer)
     hand.hand_coded_optimizations()
     buffers = scratch_buffers(partials, device)
@@ -473,6 +535,9 @@ def bench_ast(ast: LazyOp, device: str, iters: int, beam: int, label: str, beam_
     candidates += [(f"hand-coded, {label}", lambda: hand) for label in (ROUND_SPANS, SINGLE_STAGE, GUARDED_BANKS)]
   for tile in (tiles if not is_weight_gradient_part(plain) else ()):
     candidates.append((tile_label(tile), lambda tile=tile: tiled(plain, tile)))
+  for wgrad_tile in (WEIGHT_GRADIENT_TILE_VARIANTS if is_weight_gradient_part(plain) else ()):
+    candidates.append((weight_gradient_tile_label(wgrad_tile),
+                       lambda wgrad_tile=wgrad_tile: weight_gradient_tiled(plain, wgrad_tile)))
   variants = dict(VARIANTS.get(plain.name, {}))
   if is_weight_gradient_part(plain): variants.update(WEIGHT_GRADIENT_VARIANTS.get(len(plain.full_shape), {}))
   for name, opts in variants.items():
@@ -566,6 +631,8 @@ def main() -> None:
                       "(lazy.GPU_SPLIT_MIN_PART_MATMUL) to run --wgrad at, e.g. 128,256,512")
   parser.add_argument("--tf32", action="store_true", help="allow TF32 tensor cores for the float32 kernels "
                       "(ourgrad.set_float32_matmul_precision('high'); cuDNN's allow_tf32 for the PyTorch rows)")
+  parser.add_argument("--split-rows", default="", help="comma-separated row parts (lazy.GPU_SPLIT_ROW_PARTS: a split "
+                      "of one image per part also splits the image rows) to run --wgrad at, e.g. 1,2,4")
   args = parser.parse_args()
   if args.tf32: ourgrad.set_float32_matmul_precision("high")
   os.environ["DEVICE"] = args.device   # the MNIST step makes its tensors on the default device
@@ -573,13 +640,14 @@ def main() -> None:
   # labels hold commas: "|" separates the parts where it is used
   rows = tuple(part for part in args.rows.split("|" if "|" in args.rows else ",") if part)
   if args.wgrad:
-    original = lazy.GPU_SPLIT_MIN_PART_MATMUL
+    original, original_rows = lazy.GPU_SPLIT_MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS
     try:
       for part in [int(size) for size in args.split_part.split(",") if size] or [original]:
-        lazy.GPU_SPLIT_MIN_PART_MATMUL = part
-        bench_weight_gradients(args.device, args.iters, args.scale, args.beam, rows)
+        for row_parts in [int(count) for count in args.split_rows.split(",") if count] or [original_rows]:
+          lazy.GPU_SPLIT_MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = part, row_parts
+          bench_weight_gradients(args.device, args.iters, args.scale, args.beam, rows)
     finally:
-      lazy.GPU_SPLIT_MIN_PART_MATMUL = original
+      lazy.GPU_SPLIT_MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = original, original_rows
     return
   if "mnist".startswith(args.only) or args.only in "mnist":
     for ast in mnist_step_asts(args.scale):

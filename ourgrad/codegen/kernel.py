@@ -667,16 +667,40 @@ class Kernel(SharedTileLayout):
     return prod(self.full_shape[axis] for axis in self.upcast_axes)
 
   def local_memory_bytes(self) -> int:
-    """The block's local memory: the SHARED tiles, or the GROUP partials (one value per thread and upcast output)."""
+    """The block's local memory: the SHARED tiles and the GROUP partials (group_partial_bytes)."""
     if self.shared_tiles and self.tensor_core is not None:
       return sum(tile.stage_size * tile.stages * self.tensor_core.tc.dtype_in.itemsize
                  for tile in self.tensor_core_tiles())
-    if self.shared_tiles:
-      # GROUP partials (at most: warp shuffles may combine them without local memory)
-      partials = self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize if self.group_dims else 0
-      return self.staged_tile_bytes() * max(self.async_tile_stages, 1) + partials
+    tiles = self.staged_tile_bytes() * max(self.async_tile_stages, 1) if self.shared_tiles else 0
+    return tiles + self.group_partial_bytes()
+
+  def group_partial_bytes(self) -> int:
+    """Local memory the GROUP partials take, as the linearizer allocates it: after the warp shuffle
+    (group_shuffle) combines `width` threads of a group, one partial per output lane, reduce, output thread and
+    what is left of the group; none where the shuffle leaves one partial per output."""
     if not self.group_dims or self.reduceop is None: return 0
-    return self.block_threads() * self.output_lanes() * self.reduceop.dtype.itemsize * len(self.reduceops)
+    width, _ = self.group_shuffle()
+    slots = self.group_threads() // width
+    if slots == 1: return 0
+    return len(self.reduceops) * self.output_lanes() * self.local_threads() * slots * self.reduceop.dtype.itemsize
+
+  def group_shuffle(self) -> tuple[int, int]:
+    """(width, stride): a warp shuffle combines `width` of each output's GROUP threads, their thread ids `stride`
+    apart (width 1: no shuffle); the linearizer's choice, read here for local memory. Group threads are consecutive
+    ids when the GROUP axes are the innermost thread axes (stride 1), and `local threads` apart when they are the
+    outer ones (GROUPTOP); with powers of two, xor partners then stay in the same output's group, inside one warp.
+    The block must fill whole warps (or be one partial warp). A group of consecutive ids that is a multiple of the
+    warp (not a power of two) shuffles whole warps."""
+    warp_size, group_count = getattr(self.renderer, "warp_size", 0), self.group_threads()
+    stride = self.local_threads() if self.groups_outer else 1
+    block_threads = self.block_threads()
+    if warp_size < 2 or stride & (stride - 1): return 1, 1
+    if group_count & (group_count - 1):
+      # not a power of two, but whole warps of consecutive ids (192 threads over an image row: 6 warps): each warp
+      # is inside one output's group, so it shuffles; the tree then combines one partial per warp
+      return (warp_size, 1) if stride == 1 and group_count % warp_size == 0 else (1, 1)
+    if block_threads % warp_size != 0 and block_threads > warp_size: return 1, 1
+    return max(min(group_count, warp_size // stride), 1), stride
 
   def _drop_finished_axes(self, split_reduce: bool = False) -> None:
     """An axis split entirely into an upcast, local or group leaves a size-1 axis behind: remove it (and count

@@ -322,25 +322,6 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     for axis in axes: flat = flat * self.kernel.full_shape[axis] + axis_idxs[axis]
     return flat
 
-  def _warp_shuffle(self, group_count: int) -> tuple[int, int]:
-    """(width, stride): a warp shuffle can combine `width` threads of a group whose thread ids are `stride` apart
-    (width 1: no shuffle). Group threads are consecutive ids when the GROUP axes are the innermost thread axes
-    (stride 1), and `local threads` apart when they are the outer ones (GROUPTOP); with powers of two, xor
-    partners then stay in the same output's group, inside one warp. The block must fill whole warps (or be one
-    partial warp). A group of consecutive ids that is a multiple of the warp (not a power of two) shuffles whole
-    warps."""
-    kernel = self.kernel
-    warp_size = getattr(kernel.renderer, "warp_size", 0)
-    stride = kernel.local_threads() if kernel.groups_outer else 1
-    block_threads = kernel.block_threads()
-    if warp_size < 2 or stride & (stride - 1): return 1, 1
-    if group_count & (group_count - 1):
-      # not a power of two, but whole warps of consecutive ids (192 threads over an image row: 6 warps): each warp
-      # is inside one output's group, so it shuffles; the tree then combines one partial per warp
-      return (warp_size, 1) if stride == 1 and group_count % warp_size == 0 else (1, 1)
-    if block_threads % warp_size != 0 and block_threads > warp_size: return 1, 1
-    return max(min(group_count, warp_size // stride), 1), stride
-
   def _combine_groups(self, accumulators: dict[tuple[int, ...], UOp], axis_idxs: list[Node],
                       op: Ops) -> tuple[dict[tuple[int, ...], UOp], UOp]:
     """Combine the per-thread partials of each output across the GROUP threads; returns the combined values (valid
@@ -351,7 +332,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     local_index = self.node_to_uop(self._flat_index(axis_idxs, range(kernel.global_dims, kernel.first_reduce)))
     group_index = self.node_to_uop(self._flat_index(axis_idxs, range(kernel.first_reduce, kernel.first_loop_reduce)))
     values = dict(accumulators)
-    width, stride = self._warp_shuffle(group_count)
+    width, stride = kernel.group_shuffle()
     if width > 1:
       values = {lane: build.add(UOps.WARP_REDUCE, dtype, (value,), (op, width, stride))
                 for lane, value in values.items()}

@@ -6,7 +6,8 @@ GPU kernels add thread indices (SPECIAL), block-shared memory (DEFINE_LOCAL, rea
 BARRIER (every thread of a block waits until all reach it; local memory written before is visible after),
 IF/ENDIF (a block only the threads where the condition holds run) and WARP_REDUCE (a reduction across
 neighbouring threads of a warp, without memory). `UOpBuilder` appends UOps with common-subexpression
-elimination (per loop or `if` scope) and constant folding.
+elimination (per loop or `if` scope), constant folding, and load reuse: a scalar load of an element that a vector
+load in scope already read becomes a GEP of that vector.
 
 `AxisType` names the kind of each loop-nest axis; kernels, the linearizer, renderers and the launcher read it
 from the SPECIAL and RANGE uops rather than from variable names.
@@ -127,11 +128,18 @@ class UOpBuilder:
     self.uops: list[UOp] = []
     self._cache: dict[tuple, UOp] = {}
     self._scopes: list[list[tuple]] = [[]]
+    # (buffer, index base, constant offset) of each element a vector load in scope read -> (that load, its element)
+    self._vector_lanes: dict[tuple, tuple[UOp, int]] = {}
 
   def add(self, op: UOps, dtype: DType | None, srcs: tuple[UOp, ...] = (), arg: Any = None) -> UOp:
     if op is UOps.ALU:
       folded = self._fold(dtype, srcs, arg)
       if folded is not None: return folded
+    if op is UOps.LOAD and arg is None and _reusable_load(dtype, srcs):
+      lane = self._vector_lanes.get(_lane_key(srcs))
+      if lane is not None and lane[0].dtype == dtype:
+        self._drop_if_unused(srcs[1])   # the index was computed for this load alone
+        return self.add(UOps.GEP, dtype, (lane[0],), lane[1])
     key = (op, dtype, tuple(id(src) for src in srcs), _hashable(arg))
     # local memory changes between barriers: a load from it is never the same value as an earlier identical load
     cacheable = op not in _NOT_CACHED and not (op is UOps.LOAD and srcs[0].op is UOps.DEFINE_LOCAL)
@@ -145,7 +153,26 @@ class UOpBuilder:
       scope = self._scopes[0] if op in (UOps.CONST, UOps.DEFINE_GLOBAL, UOps.DEFINE_VAR) else self._scopes[-1]
       self._cache[key] = uop
       scope.append(key)
+    if op is UOps.LOAD and isinstance(arg, int) and _reusable_load(dtype, srcs): self._register_lanes(uop)
     return uop
+
+  def _drop_if_unused(self, uop: UOp) -> None:
+    """Take back the last uop added where nothing reads it (an ALU computed for a load that was not emitted)."""
+    if uop.uses or not self.uops or self.uops[-1] is not uop or uop.op is not UOps.ALU: return
+    self.uops.pop()
+    for src in uop.srcs: src.uses -= 1
+    self._cache.pop((uop.op, uop.dtype, tuple(id(src) for src in uop.srcs), _hashable(uop.arg)), None)
+
+  def _register_lanes(self, vector: UOp) -> None:
+    """Remember the address of each element of a vector load for the rest of its scope: a later scalar load of one
+    of them (an upcast row read at every tap: conv_tiles' weight gradients) takes the element instead of loading
+    again (L1 traffic, and a load instruction per element)."""
+    buffer, base, offset = _address(vector.srcs)
+    for element in range(vector.arg):
+      key = ("lane", buffer, base, offset + element)   # beside the CSE keys in the scope lists: never equal to one
+      if key in self._vector_lanes: continue   # an earlier vector has it
+      self._vector_lanes[key] = (vector, element)
+      self._scopes[-1].append(key)
 
   def end_range(self, range_uop: UOp) -> None:
     self._close_scope(UOps.ENDRANGE, range_uop)
@@ -155,7 +182,9 @@ class UOpBuilder:
 
   def _close_scope(self, op: UOps, opener: UOp) -> None:
     self.uops.append(UOp(op, None, (opener,)))
-    for key in self._scopes.pop(): self._cache.pop(key, None)
+    for key in self._scopes.pop():
+      self._cache.pop(key, None)
+      self._vector_lanes.pop(key, None)
 
   def const(self, value: Any, dtype: DType) -> UOp:
     return self.add(UOps.CONST, dtype, (), value)
@@ -181,6 +210,28 @@ class UOpBuilder:
       if srcs[0].op is UOps.CONST: return srcs[1]
       if srcs[1].op is UOps.CONST: return srcs[0]
     return None
+
+
+def _reusable_load(dtype: DType | None, srcs: tuple[UOp, ...]) -> bool:
+  """A float32 load of a kernel argument without a validity source: the loads whose elements a vector load and a
+  scalar load read alike. Local memory changes between barriers; a 16-bit pair is a tensor-core fragment's raw bits
+  (CUDARenderer.raw_fragment_loads), not a value to take an element of."""
+  return dtype == dtypes.float32 and len(srcs) == 2 and srcs[0].op is UOps.DEFINE_GLOBAL
+
+
+def _address(srcs: tuple[UOp, ...]) -> tuple[int, int, int]:
+  """A load's address as (buffer, base, constant offset): the index is `base + constant` (the linearizer puts a
+  sum's constant last) or the base alone; a constant index has base 0."""
+  buffer, index = srcs[0], srcs[1]
+  if index.op is UOps.CONST: return id(buffer), 0, index.arg
+  if index.op is UOps.ALU and index.arg is Ops.ADD and index.srcs[1].op is UOps.CONST:
+    return id(buffer), id(index.srcs[0]), index.srcs[1].arg
+  return id(buffer), id(index), 0
+
+
+def _lane_key(srcs: tuple[UOp, ...]) -> tuple:
+  """The key a scalar load looks its element up by (see UOpBuilder._register_lanes)."""
+  return ("lane", *_address(srcs))
 
 
 def _hashable(arg: Any) -> Any:

@@ -204,8 +204,13 @@ class WeightGradientTile:
 # (256 parts of 1 image, 24x24: the first's unrolled row takes too many registers) 20.5 -> 14.6 us with the second (5
 # filter rows x 4 cout x 2 image rows x 8 columns; rows 8 and 8 columns unrolled 15.8 us); the last is the tile before
 # (filter rows per thread, LOCAL cin 16 x cout 8, columns unrolled by 4, or GROUPed where the block is small)
+# Session 7 (bench_conv_kernels.py --wgrad, warm L2; ncu, cold): conv1 takes the second: 2 output channels a thread
+# (44 registers) x 5 filter rows x 4 cout threads, 8 GROUP image-row lanes, the columns unrolled by 8 (the 12 input
+# values and 2 x 8 gradient values of a step are float4 loads for 80 FMAs, where the third's 5 + 4 scalar loads
+# serve 20): 17.3 -> 10.7 us under ncu, 10.6 in the jitted step (runs 2-3); 4 output channels a thread 11.4 us
 WEIGHT_GRADIENT_TILES = (
   WeightGradientTile(cin_threads=4, cout_threads=4, row_group=4, column_unroll=0, filter_rows_local=True),
+  WeightGradientTile(cout_upcast=2, cout_threads=4, row_group=8, column_unroll=8, filter_rows_local=True),
   WeightGradientTile(cout_threads=4, row_group=2, column_group=8, column_unroll=1, filter_rows_local=True),
   WeightGradientTile(),
 )
