@@ -56,9 +56,6 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     # a halo tile's load: the axes its mask depends on (by leaf number), and the mask by the indices of those axes
     self.halo_valid: dict = {}
     self.fragment_loads: dict[tuple, UOp] = {}   # LDMATRIX of the tensor-core tiles in this reduce step
-    # (buffer, element index) -> (vector start index, width, element) of the float4 loads: a second view of the same
-    # element (a pool's backward reads its input plainly and through the window) takes it from the vector
-    self.vector_elements: dict[tuple[int, Node], tuple[Node, int, int]] = {}
 
   # ---------------------------------------------------------------- symbolic index math -> UOps
 
@@ -481,10 +478,6 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     if not gathered:  # a gathered load's address depends on loaded data: never one vector access
       vector_element = self._vector_load(node, idxs)
       if vector_element is not None: return vector_element
-      # an element that a vector load of the buffer (through another view) holds at the same index: from the vector
-      element_index, element_valid = self._index_nodes(self.leaf_index[id(node)], idxs)
-      known = self.vector_elements.get((node.arg.idx, element_index)) if element_valid == NumNode(1) else None
-      if known is not None: return self._vector_element(node, *known)
     index, valid = self._index(self.leaf_index[id(node)], idxs)
     if gathered:  # a gathered LOAD: (element offset, validity) computed from other loads (see ops.LazyOp)
       offset, in_range = gathered
@@ -546,12 +539,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     first[axis] = NumNode(idxs[axis].b - element)
     index_node, _ = self._index_nodes(leaf, first)
     if not multiple_of(index_node, width): return None
-    self.vector_elements[(node.arg.idx, self._index_nodes(leaf, idxs)[0])] = (index_node, width, element)
-    return self._vector_element(node, index_node, width, element)
-
-  def _vector_element(self, node: LazyOp, start: Node, width: int, element: int) -> UOp:
-    """One element of the vector LOAD at `start` (the builder merges it with the same load in scope)."""
-    vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(start)), width)
+    vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
     return self.builder.add(UOps.GEP, node.dtype, (vector,), element)
 
   def _const(self, node: LazyOp, idxs: list[Node]) -> UOp:
