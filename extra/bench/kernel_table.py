@@ -131,7 +131,7 @@ class KernelKinds:
     from ourgrad.engine import realize
     from ourgrad.helpers import prod
     from ourgrad.ops import Ops
-    for (device, ast), runner in list(realize._runner_cache.items()):
+    for (device, ast, _tf32), runner in list(realize._runner_cache.items()):
       if device != self.device or id(runner) in self.kinds: continue
       if ast.op is Ops.PACK:
         self.kinds[id(runner)] = ("packed", len(ast.srcs), 0)
