@@ -220,7 +220,7 @@ def test_mnist_pools_take_the_window_tiles(mnist_windows: list[Kernel]) -> None:
   window unrolled and at least 128 threads per block along the output's columns and rows; and its two elementwise
   kernels through the pools' backward (rows of 24 and 8), each with 4 neighbouring columns per thread and the
   batchnorm's input, which they read plainly (the ReLU's input) and through the pool's window, loaded once: one
-  float4 per thread, the window's view taking its elements from it (the linearizer's vector_elements)."""
+  float4 per thread, the window's view taking its elements from it (the UOp builder's load reuse, codegen/uops.py)."""
   pools = [kernel for kernel in mnist_windows if kernel.reduceop is not None]
   elementwise = [kernel for kernel in mnist_windows if kernel.reduceop is None]
   assert len(pools) == 4 and len(elementwise) == 2

@@ -173,9 +173,9 @@ def elementwise_rows(kernel: Kernel) -> bool:
   one contiguous run:
   - neighbouring columns (float4 loads and a float4 store) where the rows are whole vectors. A buffer also read
     through a view that is not a vector (the pool's backward reads its input as the ReLU's input and through the
-    pool's window) takes those elements from the vector where the index is the same (the linearizer's
-    vector_elements); H100, MNIST's pool backward over 24 x 24 images: 11.4 us instead of 12.6 with 4 images per
-    thread (bench_window.py, run 1, before that reuse);
+    pool's window) takes those elements from the vector where the index is the same (the UOp builder's load
+    reuse, codegen/uops.py); H100, MNIST's pool backward over 24 x 24 images: 11.4 us instead of 12.6 with 4 images
+    per thread (bench_window.py, run 1, before that reuse);
   - else outputs of an outer axis (an image apart: each scalar load stays coalesced across the warp).
   False (the kernel untouched) where it does not apply."""
   renderer, width = kernel.renderer, getattr(kernel.renderer, "vector_width", 0)
