@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
@@ -31,7 +31,7 @@ from ourgrad.engine.packing import pack_kernels
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.engine.snapshot import protect_lazy_readers
-from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT
+from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, fmt_size
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -123,8 +123,57 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
     if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
       if len({kernel_of(user) for user in users[id(base)]}) > 1:
         realizes.setdefault(id(base), "a reduce read by several kernels: computed once, not once per kernel")
+  _store_or_recompute(bases, realizes, users, kernel_of)
   if KERNEL_OPS_LIMIT.value > 0: _bound_kernel_sizes(bases, realizes, int(KERNEL_OPS_LIMIT.value))
   return realizes
+
+
+# ---------------------------------------------------------------- store or recompute
+
+def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: dict[int, set[int]],
+                        kernel_of: Callable[[int], int]) -> None:
+  """Store an elementwise intermediate read by several kernels when recomputing it in each costs more memory traffic
+  than storing it once. Fused, each of the n kernels reading it loads every input of its fused graph again; stored,
+  the inputs are read once, the result written once and read n times, and there is one more launch (the device's
+  `launch_bytes`). Without this rule a chain such as a transformer's residual stream (x = x + attention(x), then
+  x = x + mlp(x), each x read by a LayerNorm and by the next add) is recomputed from every earlier layer's output in
+  every later layer: kernels that read O(depth) buffers, a step whose time grows with depth squared.
+
+  Bases are visited sources first, so a base stored here becomes a plain load in the graphs of the bases after it.
+  Row kernels are unaffected: softmax's exp(x - max) reads one input, and recomputing it costs less than a store."""
+  launch_bytes: dict[str, int] = {}
+  for base in bases:
+    if base.realized is not None or id(base) in realizes or base.op not in ELEMENTWISE_OPS: continue
+    readers = {kernel_of(user) for user in users[id(base)]}
+    if len(readers) < 2: continue
+    input_bytes = _fused_input_bytes(base, realizes)
+    if base.device not in launch_bytes:
+      launch_bytes[base.device] = getattr(Device[base.device].renderer, "launch_bytes", 0)
+    output_bytes = base.size * base.dtype.itemsize
+    recompute_cost = len(readers) * input_bytes
+    store_cost = input_bytes + (1 + len(readers)) * output_bytes + launch_bytes[base.device]
+    if recompute_cost > store_cost:
+      realizes[id(base)] = (f"stored, not recomputed: {len(readers)} kernels read it; recomputing moves "
+                            f"{fmt_size(recompute_cost)}, storing {fmt_size(store_cost)} (one launch included)")
+
+
+def _fused_input_bytes(base: LazyBuffer, realizes: Realizations) -> int:
+  """The bytes a kernel loads to compute `base` inline: the result of every base its fused elementwise graph reads
+  (buffers, reduces, gathers), once each, at most its whole size."""
+  total, stack, seen = 0, [base], {id(base)}
+  while stack:
+    node = stack.pop()
+    for src in node.srcs:
+      src_base = src.base
+      if id(src_base) in seen: continue
+      seen.add(id(src_base))
+      if src_base.op is Ops.CONST: continue
+      fused_elementwise = src_base.realized is None and id(src_base) not in realizes and src_base.op in ELEMENTWISE_OPS
+      if fused_elementwise: stack.append(src_base)
+      # a buffer, or a reduce or other op whose result the kernel reads: counted as loading its result (a reduce
+      # inside another reduce's kernel is realized later anyway; fused into an elementwise kernel it reads more)
+      else: total += min(src.st.size, src_base.size) * src_base.dtype.itemsize
+  return total
 
 
 # ---------------------------------------------------------------- fusion groups
