@@ -395,6 +395,10 @@ class ReduceMixin:
     if x.shape[-1] != y.shape[-2]:
       raise ShapeError(f"matmul inner dimensions differ: {self.shape} @ {other.shape} "
                        f"({x.shape[-1]} != {y.shape[-2]})")
+    if x.ndim > 2 and other.ndim == 2:
+      # (..., m, k) @ (k, n) is one (prod(...) * m, k) @ (k, n) product: one M axis, and in the backward one reduce axis
+      # over all rows for the weight's gradient (not one per leading dim), which split-K and tensor cores expect
+      return x.reshape(-1, x.shape[-1]).matmul(y).reshape(*x.shape[:-1], y.shape[-1])
     dtype = least_upper_dtype(x.dtype, y.dtype)
     accumulate = dtypes.float32 if dtype in (dtypes.float16, dtypes.bfloat16) else dtype
     if dtype == dtypes.bool: accumulate = dtypes.int32

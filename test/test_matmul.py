@@ -292,3 +292,31 @@ def test_short_rows_axis_is_taken_whole(kernel_size: int, batch: int):
   np.testing.assert_allclose(weight_gradient().numpy(), torch_weight.grad.numpy(), rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(weight_gradient().numpy(), _noopt(weight_gradient()).reshape(weight.shape), rtol=1e-4,
                              atol=1e-4)
+
+
+def _reduce_axes(ast) -> list[tuple[int, ...]]:
+  """The axes of every reduce in a kernel AST."""
+  from ourgrad.ops import REDUCE_OPS
+  found, stack = [], [ast]
+  while stack:
+    node = stack.pop()
+    if node.op in REDUCE_OPS: found.append(tuple(node.arg))
+    stack.extend(node.srcs)
+  return found
+
+
+def test_batched_input_times_matrix_is_one_product():
+  """(B, T, K) @ (K, N) is one (B*T, K) @ (K, N) product: the weight's gradient is one reduce over all B*T rows (one
+  K axis, which split-K and tensor cores take), not a reduce over the two axes B and T. Values as numpy's."""
+  rng = np.random.default_rng(0)
+  x_np, w_np = rng.standard_normal((3, 5, 4)).astype(np.float32), rng.standard_normal((4, 6)).astype(np.float32)
+  x, w = Tensor(x_np), Tensor(w_np, requires_grad=True)
+  out = x @ w
+  assert out.shape == (3, 5, 6)
+  np.testing.assert_allclose(out.numpy(), x_np @ w_np, rtol=1e-5, atol=1e-5)
+  (x @ w).sum().backward()
+  schedule = create_schedule([w.grad.lazydata])
+  weight_reduces = [axes for item in schedule for axes in _reduce_axes(item.ast)]
+  run_schedule(schedule)
+  assert weight_reduces and all(len(axes) == 1 for axes in weight_reduces), weight_reduces
+  np.testing.assert_allclose(w.grad.numpy(), x_np.reshape(-1, 4).T @ np.ones((15, 6), np.float32), rtol=1e-5, atol=1e-5)
