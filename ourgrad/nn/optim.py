@@ -92,6 +92,7 @@ class _ParamGroupsMeta(type):
     bound = inspect.signature(cls.__init__).bind(None, None, *args, **kwargs)
     bound.apply_defaults()
     defaults = {key: value for key, value in list(bound.arguments.items())[2:]}
+    if not isinstance(params, Tensor): params = list(params)  # an iterator (model.parameters()) is read once
     groups = _as_param_groups(params)
     if groups is None: return cls._with_groups(super().__call__(params, **defaults), defaults)
     optimizers = []
