@@ -592,10 +592,22 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     return Tensor._from_random(values, dtype, device, **kwargs)
 
   @staticmethod
-  def randint(low: int, high: int | None = None, size: tuple[int, ...] = (), dtype: DType | str | None = None,
-              device: str | None = None, **kwargs: Any) -> Tensor:
-    """Integers in [low, high) (or [0, low) with one bound), like torch.randint."""
-    if high is None: low, high = 0, low
+  def randint(*args: Any, low: int | None = None, high: int | None = None, size: tuple[int, ...] | None = None,
+              dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
+    """Integers in [low, high), in PyTorch's forms `randint(high, size)`, `randint(low, high, size)` (size=()
+    gives a 0-d tensor), and in tinygrad's `randint(*shape, low=0, high=10)`: positional ints with no size given
+    (as a tuple argument or `size=`) are the shape."""
+    sizes = [arg for arg in args if isinstance(arg, (tuple, list))]
+    bounds = [arg for arg in args if not isinstance(arg, (tuple, list))]
+    if sizes or size is not None or (low is None and high is None and len(bounds) <= 2):
+      # PyTorch's form: the positional ints are the bounds
+      size = tuple(sizes[0]) if sizes else (tuple(size) if size is not None else ())
+      if len(bounds) == 2: low, high = bounds
+      elif len(bounds) == 1: low, high = (0, bounds[0]) if high is None else (bounds[0], high)
+      elif low is None and high is not None: low = 0
+    else:  # tinygrad's form
+      size, low, high = tuple(bounds), 0 if low is None else low, 10 if high is None else high
+    if low is None or high is None: raise TypeError("randint needs an upper bound: randint(high, size)")
     if high <= low: raise ValueError(f"randint needs low < high, got {low} and {high}")
     shape = Tensor._shape_arg(tuple(size))
     if (on_device := Tensor._device_random(device)) is not None:
@@ -631,6 +643,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   def _from_random_tensor(values: Tensor, dtype: DType | str | None, **kwargs: Any) -> Tensor:
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
     return Tensor(values.cast(dtype).lazydata, **kwargs)
+
+  def sequential(self, layers: Any) -> Tensor:
+    """`layers` applied one after another to this tensor (tinygrad's `x.sequential([conv, Tensor.relu, ...])`)."""
+    result = self
+    for layer in layers: result = layer(result)
+    return result
 
   def rand_like(self, **kwargs: Any) -> Tensor:
     """Tensor.rand with this tensor's shape, dtype and device (unless given)."""
