@@ -379,3 +379,56 @@ def test_dataloader_shuffle_and_generic_dataset() -> None:
 class _TorchSquares(torch.utils.data.Dataset):
   def __len__(self) -> int: return 5
   def __getitem__(self, index: int) -> tuple[np.ndarray, int]: return np.full(2, index, np.float32), index * index
+
+
+# ---------------------------------------------------------------- for tinygrad scripts, colours, the compile note
+
+def test_randint_forms_like_pytorch_and_tinygrad() -> None:
+  assert Tensor.randint(10, (3,)).shape == torch.randint(10, (3,)).shape
+  assert Tensor.randint(3, 10, (2, 2)).shape == torch.randint(3, 10, (2, 2)).shape
+  assert Tensor.randint(0, 5, size=(4,)).shape == torch.randint(0, 5, size=(4,)).shape
+  values = Tensor.randint(64, high=7).numpy()  # tinygrad's randint(*shape, low=0, high=...)
+  assert values.shape == (64,) and values.min() >= 0 and values.max() < 7
+  values = Tensor.randint(8, 8, low=2, high=5).numpy()
+  assert values.shape == (8, 8) and values.min() >= 2 and values.max() < 5
+
+
+def test_sequential_and_getenv(monkeypatch: pytest.MonkeyPatch) -> None:
+  from ourgrad.helpers import getenv
+  x = _random((2, 3), 7)
+  layers = [nn.Linear(3, 4), Tensor.relu, lambda t: t * 2]
+  np.testing.assert_allclose(Tensor(x).sequential(layers).numpy(), layers[2](layers[1](layers[0](Tensor(x)))).numpy())
+  monkeypatch.setenv("OURGRAD_TEST_STEPS", "12")
+  assert getenv("OURGRAD_TEST_STEPS", 70) == 12 and getenv("OURGRAD_TEST_UNSET", 70) == 70
+
+
+def test_colours_off_under_no_color_or_without_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+  from ourgrad import helpers
+
+  class Terminal:
+    def isatty(self) -> bool: return True
+    def write(self, text: str) -> int: return len(text)
+  monkeypatch.setattr(helpers.sys, "stdout", Terminal())
+  monkeypatch.delenv("NO_COLOR", raising=False)
+  assert helpers.colored("x", "red") == "\x1b[31mx\x1b[0m"
+  monkeypatch.setenv("NO_COLOR", "1")
+  assert helpers.colored("x", "red") == "x"
+  monkeypatch.delenv("NO_COLOR")
+  monkeypatch.setattr(Terminal, "isatty", lambda self: False)
+  assert helpers.colored("x", "red") == "x"
+
+
+def test_compile_note_counts_new_kernels(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+  from ourgrad.engine import realize
+  monkeypatch.setenv("COMPILE_NOTE", "1")
+  x = Tensor(_random((4, 5), 8))
+  # ten reduces of distinct shapes: ten kernels this process has not compiled (a constant of each is in its AST)
+  outs = [(x * (1000.5 + i)).exp().sum(1) for i in range(10)]
+  Tensor.realize_all(*outs)
+  assert "ourgrad: compiling 10 kernels" in capsys.readouterr().err
+  Tensor.realize_all(*[(x * (1000.5 + i)).exp().sum(1) for i in range(10)])
+  assert "compiling" not in capsys.readouterr().err  # compiled already: no note
+  monkeypatch.setenv("COMPILE_NOTE", "0")
+  Tensor.realize_all(*[(x * (2000.5 + i)).exp().sum(1) for i in range(10)])
+  assert "compiling" not in capsys.readouterr().err
+  assert realize.COMPILE_NOTE_MIN_KERNELS == 8
