@@ -237,6 +237,8 @@ def test_param_groups_errors() -> None:
   with pytest.raises(ValueError, match="more than one"): ourgrad.optim.SGD([{"params": [x]}, {"params": [x]}])
   with pytest.raises(TypeError, match="unknown options"): ourgrad.optim.SGD([{"params": [x], "betas": (0.9, 0.9)}])
   with pytest.raises(TypeError): ourgrad.optim.SGD([{"params": [x]}, x])
+  import inspect
+  assert list(inspect.signature(ourgrad.optim.AdamW).parameters)[:3] == ["params", "lr", "betas"]
 
 
 # ---------------------------------------------------------------- lr schedulers

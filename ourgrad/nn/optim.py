@@ -88,6 +88,12 @@ class _ParamGroupsMeta(type):
   """Builds optimizers from PyTorch's arguments: reads the hyper-parameters of the call (for `param_groups`), and
   turns a list of several parameter groups into one optimizer of the class per group under a grouping instance."""
 
+  @property
+  def __signature__(cls) -> inspect.Signature:
+    # help() and inspect show the constructor's parameters, not this __call__'s (*args, **kwargs)
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return inspect.Signature(parameters)
+
   def __call__(cls, params: Any, *args: Any, **kwargs: Any) -> Any:
     bound = inspect.signature(cls.__init__).bind(None, None, *args, **kwargs)
     bound.apply_defaults()
