@@ -43,6 +43,7 @@ def _run_script(path: pathlib.Path, out: pathlib.Path, init: pathlib.Path) -> di
   return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # two processes, each importing its library and compiling the step: 20-30 s
 def test_pytorch_habit_script_matches_pytorch(tmp_path: pathlib.Path) -> None:
   source = (ROOT / "test" / "pytorch_habit_script.py").read_text()
   ours_source = _renamed_imports(source)
