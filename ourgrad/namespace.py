@@ -155,9 +155,10 @@ def load(f: str | pathlib.Path, map_location: str | None = None, weights_only: b
   without torch: tensors only); `map_location` names the device. Returns what `save` was given."""
   from ourgrad.nn.state import safe_load, torch_load
   device = None if map_location in (None, "cpu") else map_location
-  with open(f, "rb") as file: magic = file.read(2)
-  # a PyTorch checkpoint is a zip archive ("PK") or, in the legacy format, starts with a pickle protocol byte
-  loaded = torch_load(f, device) if magic == b"PK" or magic[:1] == b"\x80" else safe_load(f, device)
+  with open(f, "rb") as file: start = file.read(9)
+  # safetensors: an 8-byte header length, then the JSON header ("{"); anything else goes to the checkpoint reader,
+  # which reads zip archives and names what it cannot read (a legacy pickle, another format)
+  loaded = safe_load(f, device) if start[8:9] == b"{" else torch_load(f, device)
   return loaded[_SINGLE_TENSOR_KEY] if list(loaded) == [_SINGLE_TENSOR_KEY] else loaded
 
 

@@ -19,6 +19,7 @@ import torch
 import ourgrad
 from ourgrad import Tensor, dtypes, nn
 from ourgrad.errors import ShapeError
+from ourgrad.nn.state import CheckpointError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -202,6 +203,8 @@ def test_save_load_round_trip_and_torch_checkpoints(tmp_path: pathlib.Path) -> N
   layer.load_state_dict(ourgrad.load(tmp_path / "theirs.pt", map_location="cpu"))
   np.testing.assert_array_equal(layer.weight.numpy(), theirs.weight.detach().numpy())
   with pytest.raises(TypeError, match="safetensors"): ourgrad.save({"a": [1, 2]}, tmp_path / "bad")
+  (tmp_path / "junk").write_bytes(b"neither safetensors nor a zip archive")
+  with pytest.raises(CheckpointError, match="not a PyTorch checkpoint"): ourgrad.load(tmp_path / "junk")
 
 
 # ---------------------------------------------------------------- parameter groups
