@@ -184,6 +184,19 @@ def test_namespace_names_are_aliases_of_the_one_implementation() -> None:
   assert ourgrad.tensor([1.0], requires_grad=True).requires_grad and ourgrad.is_tensor(ourgrad.ones(1))
 
 
+def test_cuda_namespace() -> None:
+  from ourgrad.device import Device
+  from ourgrad.errors import DeviceError
+  try:
+    Device["CUDA"]
+    opens = True
+  except (DeviceError, ImportError, OSError):
+    opens = False
+  assert ourgrad.cuda.is_available() is opens
+  device = "cuda" if ourgrad.cuda.is_available() else "cpu"  # PyTorch's idiom
+  assert Tensor([1.0]).to(device).device == ("CUDA" if opens else "CLANG")
+
+
 def test_missing_pytorch_name_says_so_and_suggests() -> None:
   with pytest.raises(AttributeError, match="ourgrad does not provide PyTorch's torch.sigmoidd.*nearest.*sigmoid"):
     ourgrad.sigmoidd
