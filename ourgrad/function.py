@@ -51,8 +51,11 @@ class Function:
     output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch
     if not output.dtype.is_float: ctx.requires_grad = False
+    # under no_grad() nothing is recorded and the result does not require grad (PyTorch's rule: a later backward()
+    # through it raises instead of silently doing nothing)
+    if Tensor.no_grad: ctx.requires_grad = False
     result = Tensor(output, device=ctx.device, requires_grad=ctx.requires_grad)
-    if ctx.requires_grad and not Tensor.no_grad: result._ctx = ctx
+    if ctx.requires_grad: result._ctx = ctx
     return result
 
 

@@ -93,7 +93,9 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   and indexing, elementwise math, reductions, neural-network ops: see this module's docstring)."""
   __slots__ = ("lazydata", "requires_grad", "grad", "_ctx", "__weakref__")
   __array_priority__ = 1000  # make numpy defer to Tensor's reflected operators (np.float32(2) * t)
-  training: bool = False
+  # None until the user sets it (`with Tensor.train():` or an assignment): then a Module that was never given
+  # train()/eval() is in training mode, as in PyTorch, while Tensor.dropout() does not drop, as in tinygrad
+  training: bool | None = None
   no_grad: bool = False
   _seed: int = 0
   _rng: np.random.Generator = np.random.default_rng(0)
@@ -189,14 +191,39 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     return self.shape[0]
 
   def __repr__(self) -> str:
-    grad = f", requires_grad={self.requires_grad}" if self.requires_grad else ""
-    return f"<Tensor shape={self.shape} dtype={self.dtype} device={self.device}{grad}>"
+    """The values, as PyTorch prints them: `tensor([[1., 2.], [3., 4.]])`, summarized with "..." beyond 1000
+    elements, then the dtype and device when they are not the defaults, and requires_grad / grad_fn. Printing
+    realizes the tensor, as in PyTorch; inside a TinyJit function (where reading values is refused) and for symbolic
+    shapes it prints the shape only."""
+    from ourgrad.tensor_print import format_tensor
+    return format_tensor(self)
+
+  def __format__(self, format_spec: str) -> str:
+    # f"{loss:.4f}" on a one-element tensor formats its value, as in PyTorch
+    if format_spec and self.numel() == 1: return format(self.item(), format_spec)
+    return format(repr(self), format_spec)
 
   def __hash__(self) -> int: return id(self)
 
-  def __bool__(self) -> bool:
-    if self.numel() != 1: raise ValueError(f"the truth value of a tensor with {self.numel()} elements is ambiguous")
-    return bool(self.item())
+  def _single_value(self, conversion: str) -> Scalar:
+    """The value of a one-element tensor for int()/float()/bool()/index; ShapeError (a RuntimeError too, as
+    PyTorch raises) naming the shape otherwise."""
+    if self.numel() != 1:
+      raise ShapeError(f"{conversion} of a tensor with {self.numel()} elements (shape {self.shape}) is ambiguous: "
+                       f"only one-element tensors convert to a Python number; reduce it first (.sum(), .any())")
+    return self.item()
+
+  def __bool__(self) -> bool: return bool(self._single_value("bool()"))
+
+  def __float__(self) -> float: return float(self._single_value("float()"))
+
+  def __int__(self) -> int: return int(self._single_value("int()"))
+
+  def __index__(self) -> int:
+    # as PyTorch: only integer tensors index (a float would silently truncate)
+    if self.dtype.is_float or self.dtype.is_bool:
+      raise DTypeError(f"only integer tensors of a single element can be converted to an index, got {self.dtype}")
+    return int(self._single_value("an index"))
 
   def realize(self, *others: Tensor) -> Tensor:
     """Compute this tensor (and `others`) now, in one schedule."""
@@ -249,9 +276,36 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     """The values as nested Python lists (a Python number for a 0-d tensor); bfloat16 gives floats."""
     return self.numpy().tolist()
 
-  def to(self, device: str | tuple[str, ...]) -> Tensor:
-    """This tensor on another device (the same tensor if already there). A sharded tensor is gathered; a tuple of
+  def to(self, *args: Any, device: str | tuple[str, ...] | None = None, dtype: DType | str | None = None,
+         **kwargs: Any) -> Tensor:
+    """This tensor on another device and/or with another dtype, PyTorch's forms: `to(device)`, `to(dtype)`,
+    `to(device, dtype)`, `to(other_tensor)` (its device and dtype), `to(device=..., dtype=...)`; non_blocking and
+    copy are accepted and ignored. The same tensor when nothing changes. A sharded tensor is gathered; a tuple of
     devices replicates (see shard)."""
+    unknown = set(kwargs) - {"non_blocking", "copy", "memory_format"}
+    if unknown: raise TypeError(f"to() got unexpected keyword arguments {sorted(unknown)}")
+    for arg in args:
+      if isinstance(arg, Tensor): device, dtype = arg.device, arg.dtype
+      elif isinstance(arg, DType): dtype = arg
+      elif isinstance(arg, (str, tuple, list)) and device is None: device = arg
+      elif isinstance(arg, bool): continue  # to(device, dtype, non_blocking) positionally
+      else: raise TypeError(f"to() takes a device name, a DType or a Tensor, got {type(arg).__name__} {arg!r}")
+    result = self if device is None else self._to_device(device)
+    return result if dtype is None else result.cast(dtype)
+
+  def cpu(self) -> Tensor:
+    """This tensor on the CPU device (CLANG); the same tensor if already there."""
+    return self.to("CPU")
+
+  def cuda(self, device: int | None = None) -> Tensor:
+    """This tensor on the CUDA device (`cuda(1)`: the second GPU)."""
+    return self.to("CUDA" if device is None else f"CUDA:{device}")
+
+  def type(self, dtype: DType | str | None = None) -> Tensor | str:
+    """With a dtype, this tensor cast to it (torch.Tensor.type(dtype)); without, the dtype's name ("float32")."""
+    return self.dtype.name if dtype is None else self.cast(dtype)
+
+  def _to_device(self, device: str | tuple[str, ...] | list[str]) -> Tensor:
     device = _canonical(device)
     if device == self.device: return self
     if isinstance(device, tuple): return self.shard(device)
@@ -538,10 +592,22 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     return Tensor._from_random(values, dtype, device, **kwargs)
 
   @staticmethod
-  def randint(low: int, high: int | None = None, size: tuple[int, ...] = (), dtype: DType | str | None = None,
-              device: str | None = None, **kwargs: Any) -> Tensor:
-    """Integers in [low, high) (or [0, low) with one bound), like torch.randint."""
-    if high is None: low, high = 0, low
+  def randint(*args: Any, low: int | None = None, high: int | None = None, size: tuple[int, ...] | None = None,
+              dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
+    """Integers in [low, high), in PyTorch's forms `randint(high, size)`, `randint(low, high, size)` (size=()
+    gives a 0-d tensor), and in tinygrad's `randint(*shape, low=0, high=10)`: positional ints with no size given
+    (as a tuple argument or `size=`) are the shape."""
+    sizes = [arg for arg in args if isinstance(arg, (tuple, list))]
+    bounds = [arg for arg in args if not isinstance(arg, (tuple, list))]
+    if sizes or size is not None or (low is None and high is None and len(bounds) <= 2):
+      # PyTorch's form: the positional ints are the bounds
+      size = tuple(sizes[0]) if sizes else (tuple(size) if size is not None else ())
+      if len(bounds) == 2: low, high = bounds
+      elif len(bounds) == 1: low, high = (0, bounds[0]) if high is None else (bounds[0], high)
+      elif low is None and high is not None: low = 0
+    else:  # tinygrad's form
+      size, low, high = tuple(bounds), 0 if low is None else low, 10 if high is None else high
+    if low is None or high is None: raise TypeError("randint needs an upper bound: randint(high, size)")
     if high <= low: raise ValueError(f"randint needs low < high, got {low} and {high}")
     shape = Tensor._shape_arg(tuple(size))
     if (on_device := Tensor._device_random(device)) is not None:
@@ -577,6 +643,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   def _from_random_tensor(values: Tensor, dtype: DType | str | None, **kwargs: Any) -> Tensor:
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
     return Tensor(values.cast(dtype).lazydata, **kwargs)
+
+  def sequential(self, layers: Any) -> Tensor:
+    """`layers` applied one after another to this tensor (tinygrad's `x.sequential([conv, Tensor.relu, ...])`)."""
+    result = self
+    for layer in layers: result = layer(result)
+    return result
 
   def rand_like(self, **kwargs: Any) -> Tensor:
     """Tensor.rand with this tensor's shape, dtype and device (unless given)."""
@@ -615,9 +687,10 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
                             f"shape {self.shape}; pass gradient=Tensor.ones_like(t) or reduce it first (.sum())")
       gradient = Tensor.full(self.shape, 1.0, self.dtype, device=self.device)
     if not self.requires_grad and self._ctx is None:
-      raise AutogradError("backward() on a tensor that does not require grad: no input has requires_grad=True, or "
-                          "every path to one goes through an op without a gradient (comparisons, argmax/argmin, "
-                          "casts to integer or bool, detach())")
+      raise AutogradError("element 0 of tensors does not require grad and does not have a grad_fn: backward() on a "
+                          "tensor that does not require grad: no input has requires_grad=True, it was computed under "
+                          "no_grad(), or every path to one goes through an op without a gradient (comparisons, "
+                          "argmax/argmin, casts to integer or bool, detach())")
     if gradient.shape != self.shape:
       raise ShapeError(f"backward gradient of shape {gradient.shape} does not match the tensor's shape {self.shape}")
     if self._ctx is None:  # a leaf: its own gradient is the one given

@@ -4,13 +4,14 @@
 - layers with parameters: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm*, LayerNorm, GroupNorm,
   InstanceNorm*, RMSNorm, Embedding, Dropout (ourgrad/nn/layers.py), MultiheadAttention (ourgrad/nn/attention.py);
 - parameter-free layers: activations, Flatten, Identity, pooling, Upsample, loss modules (ourgrad/nn/stateless.py);
-- the submodules `functional`, `losses`, `attention`, `optim` and `state`, imported with this package, so
-  `import ourgrad.nn as nn; nn.optim.Adam; nn.state.safe_save` work.
+- the submodules `functional`, `losses`, `attention`, `optim`, `state`, `init` (torch.nn.init) and `utils`
+  (clip_grad_norm_), imported with this package, so `import ourgrad.nn as nn; nn.optim.Adam; nn.state.safe_save;
+  nn.init.kaiming_uniform_; nn.utils.clip_grad_norm_` work.
 
 Layers are also usable tinygrad style, without Module methods: plain classes holding them work with
 `nn.state.get_parameters` / `get_state_dict`.
 """
-from ourgrad.nn import functional, losses, optim, state
+from ourgrad.nn import functional, init, losses, optim, state, utils
 from ourgrad.nn import attention
 from ourgrad.nn.attention import MultiheadAttention
 from ourgrad.nn.layers import (BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d, Conv1d, Conv2d, Conv3d,
@@ -22,11 +23,11 @@ from ourgrad.nn.stateless import (ELU, GELU, AdaptiveAvgPool1d, AdaptiveAvgPool2
                                   Hardtanh, Identity, L1Loss, LeakyReLU, LogSoftmax, MaxPool1d, MaxPool2d, MaxPool3d,
                                   MSELoss, NLLLoss, ReLU, ReLU6, Sigmoid, SiLU, Softmax, Softplus, Tanh, Upsample)
 
-__all__ = ["attention", "functional", "losses", "optim", "state", "Module", "ModuleDict", "ModuleList", "Parameter",
-           "Sequential", "MultiheadAttention", "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
-           "ConvTranspose2d", "ConvTranspose3d", "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm",
-           "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "RMSNorm", "Embedding", "Dropout", "ReLU", "ReLU6", "GELU",
-           "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU", "Softplus", "Hardtanh", "Softmax", "LogSoftmax", "Flatten",
-           "Identity", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
-           "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Upsample", "CrossEntropyLoss", "NLLLoss",
-           "MSELoss", "L1Loss", "BCELoss", "BCEWithLogitsLoss"]
+__all__ = ["attention", "functional", "init", "losses", "optim", "state", "utils", "Module", "ModuleDict",
+           "ModuleList", "Parameter", "Sequential", "MultiheadAttention", "Linear", "Conv1d", "Conv2d", "Conv3d",
+           "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "BatchNorm", "BatchNorm1d", "BatchNorm2d",
+           "BatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "RMSNorm", "Embedding",
+           "Dropout", "ReLU", "ReLU6", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU", "Softplus", "Hardtanh",
+           "Softmax", "LogSoftmax", "Flatten", "Identity", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d",
+           "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Upsample",
+           "CrossEntropyLoss", "NLLLoss", "MSELoss", "L1Loss", "BCELoss", "BCEWithLogitsLoss"]

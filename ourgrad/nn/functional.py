@@ -31,7 +31,14 @@ interpolate = Tensor.interpolate
 adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_avg_pool3d = \
   Tensor.adaptive_avg_pool1d, Tensor.adaptive_avg_pool2d, Tensor.adaptive_avg_pool3d
 layernorm = Tensor.layernorm
-dropout = Tensor.dropout
+
+
+def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:  # noqa: A002
+  """torch.nn.functional.dropout: drops while `training`, which defaults to True as in PyTorch (not to the global
+  Tensor.training, as Tensor.dropout does); pass `training=self.training` inside a module."""
+  return input.dropout(p, training)
+
+
 
 # losses and attention
 cross_entropy, nll_loss, mse_loss = Tensor.cross_entropy, Tensor.nll_loss, Tensor.mse_loss
