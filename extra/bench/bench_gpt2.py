@@ -5,7 +5,8 @@ then the per-kernel table of one ourgrad step.
 
 Method: a step is forward, cross-entropy over the vocabulary, backward and the AdamW update on one fixed batch of
 random tokens. 'warm-up s' is the wall time of the first --warmup steps (3; compiles and captures included); then
---steps steps are each timed on the host clock between two device synchronizations and 'ms/step' is their median.
+--steps steps (at most 3 for ourgrad eager, which schedules every step anew) are each timed on the host clock
+between two device synchronizations and 'ms/step' is their median.
 tokens/s = batch * sequence / step. TFLOP/s counts 6 * weights * tokens (the weights without the position table; the
 tied embedding counted once, as the logits' matmul) + 12 * layers * sequence^2 * width * batch (attention scores and
 their weighted sum over the full T x T square, forward and backward), divided by the step time (nanoGPT's
@@ -54,6 +55,7 @@ from timing import cold_kernel_seconds  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = {"torch": "PyTorch eager", "compile": "torch.compile", "jit": "ourgrad TinyJit", "eager": "ourgrad eager"}
 GPU_CONFIG = "8,512,768,12,12,50304"   # GPT-2 small, batch 8 x 512
+EAGER_STEPS = 3   # at most this many timed steps for ourgrad eager (each schedules the whole graph again)
 CPU_CONFIG = "2,32,48,2,2,256"         # a few seconds on a CPU device (tokens, width and vocabulary all differ)
 
 
@@ -176,9 +178,10 @@ def run_ourgrad(row: str, config: BenchConfig, weights: dict[str, np.ndarray], b
     step = ourgrad_step(model)
     if row == "jit": step = TinyJit(step)
     GlobalCounters.reset()
-    first, warmup, seconds = timed_steps(lambda: step(tokens, targets).item(), synchronize, args.warmup, args.steps)
+    steps = args.steps if row == "jit" else min(args.steps, EAGER_STEPS)
+    first, warmup, seconds = timed_steps(lambda: step(tokens, targets).item(), synchronize, args.warmup, steps)
   kernels = len(step.captured.items) if row == "jit" and step.captured is not None else None
-  if row == "eager": kernels = GlobalCounters.kernel_count // (args.warmup + args.steps)
+  if row == "eager": kernels = GlobalCounters.kernel_count // (args.warmup + steps)
   result = RowResult(row, config.model.n_layer, seconds, warmup, peak[0], first, kernels)
   return result, (step if row == "jit" else None)
 

@@ -262,3 +262,12 @@ def unigram_entropy(tokens: np.ndarray) -> float:
   counts = np.bincount(tokens.astype(np.int64))
   probs = counts[counts > 0] / len(tokens)
   return float(-(probs * np.log(probs)).sum())
+
+
+def unigram_loss(train: np.ndarray, valid: np.ndarray) -> float:
+  """Mean cross-entropy in nats of the `valid` tokens under the token frequencies of `train` (add-1/2 smoothed over
+  the ids seen in either): the validation loss of a model that ignores context."""
+  size = int(max(train.max(), valid.max())) + 1
+  counts = np.bincount(train.astype(np.int64), minlength=size) + 0.5
+  log_probs = np.log(counts / counts.sum())
+  return float(-log_probs[valid.astype(np.int64)].mean())
