@@ -50,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere: find extra/
 
-from ourgrad import Tensor, TinyJit, dtypes  # noqa: E402
+from ourgrad import Device, Tensor, TinyJit, dtypes, set_float32_matmul_precision  # noqa: E402
 from ourgrad.helpers import cache_dir  # noqa: E402
 from ourgrad.nn.state import get_state_dict, load_state_dict, safe_load, safe_load_metadata, safe_save  # noqa: E402
 from extra.models.gpt2 import (GPT2, GPT2Config, configure_optimizers, gpt2_tokenizer, unigram_entropy,  # noqa: E402
@@ -270,6 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--temperature", type=float, default=0.8)
   parser.add_argument("--top-k", type=int, default=40)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--no-tf32", action="store_true", help="on CUDA, full float32 matmuls (TF32 is allowed by "
+                                                              "default, as nanoGPT does)")
   args = parser.parse_args(argv)
   if (args.resume or args.sample_only) and not args.checkpoint: parser.error("--resume/--sample-only need --checkpoint")
   return args
@@ -281,6 +283,7 @@ def main(argv: list[str] | None = None) -> float:
   size = Size(size.model, args.batch or size.batch, args.steps or size.steps, args.lr or size.lr,
               size.warmup_steps, size.compact_vocabulary)
   Tensor.manual_seed(args.seed)
+  if Device.DEFAULT.startswith("CUDA") and not args.no_tf32: set_float32_matmul_precision("high")
   tokenizer = gpt2_tokenizer(tokenizer_folder())
   tokens = corpus_tokens(tokenizer, args.text)
   if size.compact_vocabulary:   # model id i <-> GPT-2 id vocabulary[i]

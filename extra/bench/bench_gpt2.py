@@ -351,13 +351,13 @@ def kernel_table(report: Report, config: BenchConfig, step: TinyJit, device: str
            f"{kind:<24} {role}")
   groups: dict[str, list[tuple]] = {}
   for row in rows: groups.setdefault(row[4] or row[3] or row[0].name, []).append(row)
-  report(f"\nper role (kernels together)\n{'role':<44} {'kernels':>7} {'cold ms':>8} {'step ms':>8} {'GB/s':>7} "
+  report(f"\nper role (kernels together)\n{'role':<50} {'kernels':>7} {'cold ms':>8} {'step ms':>8} {'GB/s':>7} "
          f"{'%copy':>6}")
   for role, members in sorted(groups.items(), key=lambda entry: -sum(row[1] for row in entry[1])):
     seconds, event = sum(row[1] for row in members), sum(row[2] for row in members)
     moved = sum(row[0].byte_count for row in members)
     gbs = moved / max(seconds, 1e-12)
-    report(f"{role:<44} {len(members):7d} {seconds * 1e3:8.3f} {event * 1e3:8.3f} {gbs / 1e9:7.0f} "
+    report(f"{role:<50} {len(members):7d} {seconds * 1e3:8.3f} {event * 1e3:8.3f} {gbs / 1e9:7.0f} "
            f"{gbs / reference.peak * 100:5.1f}%")
 
 
