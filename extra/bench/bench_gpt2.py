@@ -100,10 +100,10 @@ class Report:
     print(line, flush=True)
     self.lines.append(line)
 
-  def write(self, name: str) -> None:
+  def write(self, name: str, quiet: bool = False) -> None:
     path = Path(name) if "/" in name else RESULTS / name
     path.write_text("\n".join(self.lines) + "\n")
-    print(f"wrote {path}")
+    if not quiet: print(f"wrote {path}")
 
 
 # ---------------------------------------------------------------- one row
@@ -430,7 +430,9 @@ def main() -> int:
         result, step = run_ourgrad(row, config, weights, batch, args.device, args)
         if step is not None and layers == args.table_layers: table_step = step
       results.append(result)
-      print(f"  {ROWS[row]}, {layers} layers: {result.step_seconds * 1e3:.2f} ms/step", flush=True)
+      report(f"  {ROWS[row]}, {layers} layers: {result.step_seconds * 1e3:.2f} ms/step, warm-up "
+             f"{result.warmup_seconds:.1f} s, first loss {result.first_loss:.6f}")
+      if args.out: report.write(args.out, quiet=True)   # a run cut short by a time limit keeps its finished rows
       gc.collect()
       if torch_device == "cuda": torch.cuda.empty_cache()
   report()
