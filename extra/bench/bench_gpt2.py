@@ -12,8 +12,10 @@ tied embedding counted once, as the logits' matmul) + 12 * layers * sequence^2 *
 their weighted sum over the full T x T square, forward and backward), divided by the step time (nanoGPT's
 estimate_mfu count). 'peak MB' is torch.cuda.max_memory_allocated for torch rows on CUDA, and for ourgrad rows the
 largest GlobalCounters.mem_used seen at a buffer allocation during the row (buffers alive, not the allocator's cache).
-'first loss' is each row's first-step loss: the ourgrad rows must agree with PyTorch eager's (same weights, same
-batch; 1e-4 relative in float32, 2e-3 with TF32 matmuls), otherwise the script says MISMATCH and exits with 1.
+'kernels', 'GFLOP' and 'GB' are ourgrad's own counts per step (kernels launched, their UOps' arithmetic, the bytes
+they read and write: what grows linearly with depth when the schedule does). 'first loss' is each row's first-step
+loss: the ourgrad rows must agree with PyTorch eager's (same weights, same batch; 1e-4 relative in float32, 2e-3
+with TF32 matmuls), otherwise the script says MISMATCH and exits with 1.
 
 The per-kernel table (--table-layers, default the config's depth; 0: none): every kernel of one replayed TinyJit
 step, its in-step time (launched one by one, each timed with device events as at DEBUG=2) and its cold time
@@ -89,6 +91,8 @@ class RowResult:
   peak_bytes: int | None
   first_loss: float
   kernels: int | None = None
+  counted_ops: int | None = None     # ourgrad's own count of one step's arithmetic (its kernels' UOps)
+  counted_bytes: int | None = None   # and of the bytes its kernels read and write
 
 
 class Report:
@@ -180,9 +184,14 @@ def run_ourgrad(row: str, config: BenchConfig, weights: dict[str, np.ndarray], b
     GlobalCounters.reset()
     steps = args.steps if row == "jit" else min(args.steps, EAGER_STEPS)
     first, warmup, seconds = timed_steps(lambda: step(tokens, targets).item(), synchronize, args.warmup, steps)
-  kernels = len(step.captured.items) if row == "jit" and step.captured is not None else None
-  if row == "eager": kernels = GlobalCounters.kernel_count // (args.warmup + steps)
-  result = RowResult(row, config.model.n_layer, seconds, warmup, peak[0], first, kernels)
+  if row == "jit" and step.captured is not None:
+    runners = [item.runner for item in step.captured.items]
+    kernels, ops, moved = len(runners), sum(r.op_count for r in runners), sum(r.byte_count for r in runners)
+  else:
+    taken = args.warmup + steps
+    kernels, ops, moved = (GlobalCounters.kernel_count // taken, GlobalCounters.global_ops // taken,
+                           GlobalCounters.global_mem // taken)
+  result = RowResult(row, config.model.n_layer, seconds, warmup, peak[0], first, kernels, ops, moved)
   return result, (step if row == "jit" else None)
 
 
@@ -227,16 +236,19 @@ def loss_tolerance(tf32: bool, cuda: bool) -> float:
 # ---------------------------------------------------------------- tables
 
 def print_rows(report: Report, config: BenchConfig, results: list[RowResult]) -> None:
-  report("| row | layers | ms/step | tokens/s | TFLOP/s | warm-up s | peak MB | kernels | first loss |")
-  report("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  report("| row | layers | ms/step | tokens/s | TFLOP/s | warm-up s | peak MB | kernels | GFLOP | GB | first loss |")
+  report("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   tokens = config.batch * config.sequence
   for result in results:
     flops = training_flops(config.with_layers(result.layers).model, config.batch, config.sequence)
     peak = f"{result.peak_bytes / 1e6:.0f}" if result.peak_bytes is not None else "-"
     kernels = str(result.kernels) if result.kernels is not None else "-"
+    counted_ops = f"{result.counted_ops / 1e9:.4g}" if result.counted_ops is not None else "-"
+    counted_bytes = f"{result.counted_bytes / 1e9:.4g}" if result.counted_bytes is not None else "-"
     report(f"| {ROWS[result.row]} | {result.layers} | {result.step_seconds * 1e3:.2f} | "
            f"{tokens / result.step_seconds:,.0f} | {flops / result.step_seconds / 1e12:.3f} | "
-           f"{result.warmup_seconds:.1f} | {peak} | {kernels} | {result.first_loss:.6f} |")
+           f"{result.warmup_seconds:.1f} | {peak} | {kernels} | {counted_ops} | {counted_bytes} | "
+           f"{result.first_loss:.6f} |")
 
 
 def print_sweep(report: Report, results: list[RowResult]) -> None:
