@@ -29,6 +29,7 @@ Run (the defaults on CUDA are GPT-2 small, batch 8 x 512, TF32 matmuls allowed, 
   python extra/bench/bench_gpt2.py --config 16,1024,768,12,12,50304 --rows torch,compile,jit --table-layers 0
   python extra/bench/bench_gpt2.py --device CLANG                   # a tiny config in seconds (CI smoke)
 --config batch,seq,width,heads,layers,vocab; --out NAME writes what is printed to extra/bench/results/NAME.
+On CPU devices the script sets OMP_WAIT_POLICY=passive unless it is set (see main()).
 """
 from __future__ import annotations
 
@@ -414,6 +415,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
   args = parse_args()
   os.environ["DEVICE"] = args.device   # the models and optimizer state are made on the default device
+  if not args.device.startswith("CUDA"):
+    # before OpenMP loads (torch's import, or the first CLANG kernel): with torch's libgomp in the process, idle
+    # OpenMP threads spinning made ourgrad's jitted CPU step 7x slower on the shared 2-core machine (0.36 -> 2.5 s)
+    # and torch's own step 6x slower (0.38 -> 2.2 s); passive waiting restored both
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
   import torch
   torch_device = torch_device_for(args.device)
   tf32 = not args.no_tf32
@@ -422,8 +428,9 @@ def main() -> int:
   torch.backends.cudnn.allow_tf32 = tf32
   report = Report()
   device_name = torch.cuda.get_device_name() if torch_device == "cuda" else "CPU"
+  openmp = f"; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else ""
   report(f"device: ourgrad {args.device}, torch {torch_device} ({device_name}), torch {torch.__version__}; "
-         f"TF32 matmuls {'allowed' if tf32 else 'off'}")
+         f"TF32 matmuls {'allowed' if tf32 else 'off'}{openmp}")
   report(f"config: {args.config.describe()}")
   report(f"rows at {args.config.model.n_layer} layers: {', '.join(ROWS[row] for row in args.rows)}; timed steps "
          f"{args.steps} (median) after {args.warmup} warm-up steps")
