@@ -292,6 +292,7 @@ class GPT2Roles:
     self.tokens, self.width, self.vocab = config.batch * config.sequence, model.n_embd, model.vocab_size
     self.sequence, self.head_dim = config.sequence, model.head_dim
     self.attention_rows = config.batch * model.n_head * config.sequence
+    self._wte_seen = 0   # wte's weight-gradient kernels met so far (role() is asked in launch order)
 
   def forward_flags(self, kinds: list[tuple[str, int, int]]) -> list[bool]:
     logits = [index for index, (label, outputs, values) in enumerate(kinds)
@@ -310,11 +311,10 @@ class GPT2Roles:
                (n * 4 * c, c): "mlp.c_fc forward" if forward else "mlp.c_proj input gradient",
                (n * c, 4 * c): "mlp.c_proj forward" if forward else "mlp.c_fc input gradient",
                (n * c, c): "attn.c_proj forward" if forward else "attn.c_proj input gradient",
-               (n * v, c): "logits forward (x @ wte.T)", (n * c, v): "logits input gradient",
-               (v * c, n): "wte gradient from the logits",
-               (3 * c * c, n): "attn.c_attn weight gradient", (c * c, n): "attn.c_proj weight gradient",
-               (4 * c * c, n): "mlp weight gradient"}
+               (n * v, c): "logits forward (x @ wte.T)", (n * c, v): "logits input gradient"}
     if (outputs, values) in matmuls: return matmuls[(outputs, values)]
+    weight_role = self._weight_gradient(outputs, values)
+    if weight_role: return weight_role
     if outputs == self.attention_rows * self.sequence and values == self.head_dim:
       return f"attention scores ({direction})"
     if outputs == self.attention_rows * self.head_dim and values == self.sequence:
@@ -327,8 +327,22 @@ class GPT2Roles:
         parts = outputs // features
         return "bias / LayerNorm gradient" + (f" partials ({parts} parts)" if parts > 1 else "")
       if outputs == features: return "bias / LayerNorm gradient second stage"
-    if outputs == v * c: return "wte gradient (embedding backward)"
     return f"{label} ({direction})"
+
+  def _weight_gradient(self, outputs: int, values: int) -> str:
+    """A weight gradient (a sum over the N tokens per weight), possibly split into parts with a second stage. wte
+    gets two: the logits' (first in the step) and the embedding's backward (the last gradient computed)."""
+    n, c, v = self.tokens, self.width, self.vocab
+    for size, name in ((3 * c * c, "attn.c_attn"), (c * c, "attn.c_proj"), (4 * c * c, "mlp.c_fc/c_proj"),
+                       (v * c, "wte")):
+      if outputs % size == 0 and outputs // size * values == n:
+        parts = outputs // size
+        if name == "wte":
+          name = "wte (from the logits)" if not self._wte_seen else "wte (embedding backward)"
+          self._wte_seen += 1
+        return f"{name} weight gradient" + (f" partials ({parts} parts)" if parts > 1 else "")
+      if outputs == size and values < n: return f"{name} weight gradient second stage"
+    return ""
 
 
 def kernel_table(report: Report, config: BenchConfig, step: TinyJit, device: str) -> None:
