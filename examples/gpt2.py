@@ -147,6 +147,7 @@ def corpus_tokens(tokenizer: ByteBPETokenizer, text_path: str | None) -> np.ndar
 def split_chunks(tokens: np.ndarray, chunk: int = VALIDATION_CHUNK, every: int = 10) -> tuple[np.ndarray, np.ndarray]:
   """(training, validation) tokens: every `every`-th chunk of `chunk` tokens is held out, so both halves spread over
   the whole book (the last 10% alone would be the New Testament's letters, worded unlike most of the rest)."""
+  chunk = max(min(chunk, len(tokens) // (2 * every)), 1)   # a short --text still gets a validation part
   chunks = [tokens[start:start + chunk] for start in range(0, len(tokens), chunk)]
   held_out = [index % every == every - 1 for index in range(len(chunks))]
   return (np.concatenate([part for part, out in zip(chunks, held_out) if not out]),
