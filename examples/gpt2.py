@@ -44,7 +44,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -278,23 +278,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   return args
 
 
+def model_vocabulary(tokens: np.ndarray, tokenizer: ByteBPETokenizer,
+                     size: Size) -> tuple[np.ndarray, np.ndarray, int]:
+  """(the corpus in model ids, the GPT-2 id of each model id, the model's vocabulary size). A compact vocabulary
+  renumbers the GPT-2 tokens the corpus uses in sorted order (padded to a multiple of 64); otherwise the ids are
+  GPT-2's own and the size is the config's."""
+  if not size.compact_vocabulary:
+    return tokens, np.arange(len(tokenizer.tokens), dtype=np.int32), size.model.vocab_size
+  vocabulary = np.unique(tokens)
+  return np.searchsorted(vocabulary, tokens).astype(np.int32), vocabulary, -(-len(vocabulary) // 64) * 64
+
+
 def main(argv: list[str] | None = None) -> float:
   args = parse_args(argv)
   size = SIZES[args.size]
-  size = Size(size.model, args.batch or size.batch, args.steps or size.steps, args.lr or size.lr,
-              size.warmup_steps, size.compact_vocabulary)
+  size = replace(size, batch=args.batch or size.batch, steps=args.steps or size.steps, lr=args.lr or size.lr)
   Tensor.manual_seed(args.seed)
   if Device.DEFAULT.startswith("CUDA") and not args.no_tf32: set_float32_matmul_precision("high")
   tokenizer = gpt2_tokenizer(tokenizer_folder())
-  tokens = corpus_tokens(tokenizer, args.text)
-  if size.compact_vocabulary:   # model id i <-> GPT-2 id vocabulary[i]
-    vocabulary = np.unique(tokens)
-    tokens = np.searchsorted(vocabulary, tokens).astype(np.int32)
-    vocab_size = -(-len(vocabulary) // 64) * 64
-  else:
-    vocabulary, vocab_size = np.arange(len(tokenizer.tokens), dtype=np.int32), size.model.vocab_size
-  config = GPT2Config(size.model.n_layer, size.model.n_head, size.model.n_embd, vocab_size, size.model.block_size)
-  size = Size(config, size.batch, size.steps, size.lr, size.warmup_steps, size.compact_vocabulary)
+  tokens, vocabulary, vocab_size = model_vocabulary(corpus_tokens(tokenizer, args.text), tokenizer, size)
+  size = replace(size, model=replace(size.model, vocab_size=vocab_size))
+  config = size.model
   train, valid = split_chunks(tokens)
   baseline = unigram_loss(train, valid)
   model = GPT2(config)
