@@ -27,6 +27,8 @@ Run (the defaults on CUDA are GPT-2 small, batch 8 x 512, TF32 matmuls allowed, 
   python extra/bench/bench_gpt2.py                                  # headline rows + the kernel table
   python extra/bench/bench_gpt2.py --layers 1,2,4,8,12 --sweep-rows torch,jit --table-layers 0   # depth sweep
   python extra/bench/bench_gpt2.py --config 16,1024,768,12,12,50304 --rows torch,compile,jit --table-layers 0
+  python extra/bench/bench_gpt2.py --layers 1,2,4,8,12 --rows jit --table-layers 0 --realize-residual   # the
+      # residual stream stored at each block (GPT2Config.realize_residual): how much of the depth growth it removes
   python extra/bench/bench_gpt2.py --device CLANG                   # a tiny config in seconds (CI smoke)
 --config batch,seq,width,heads,layers,vocab; --out NAME writes what is printed to extra/bench/results/NAME.
 On CPU devices the script sets OMP_WAIT_POLICY=passive unless it is set (see main()).
