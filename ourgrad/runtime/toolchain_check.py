@@ -26,7 +26,7 @@ from ourgrad.device import write_atomic
 from ourgrad.helpers import cache_dir
 
 # bumped when the kernels or their answers change: verdicts cached under an older set are not trusted
-SELF_TEST_VERSION = 1
+SELF_TEST_VERSION = 2
 
 CTYPES = {"float": ctypes.c_float, "int": ctypes.c_int32, "bool": ctypes.c_bool, "long long": ctypes.c_int64}
 
@@ -142,6 +142,23 @@ _NAN_MAX = _PREAMBLE + """void kat_nan_max(float* restrict data0, const float* r
 """
 
 
+# an elementwise kernel's innermost loop as an `omp simd` loop (renderer/cvector.py): the flag set with the loop
+# vectorizer on and no -fwrapv; 37 lanes leave a tail at every SIMD width
+_SIMD_SELECT = _PREAMBLE + """void kat_simd_select(float* restrict data0, const float* restrict data1) {
+  #pragma omp simd
+  for (int lidx0 = 0; lidx0 < 37; lidx0++) {
+    float val0 = data1[lidx0];
+    data0[lidx0] = ((((val0!=val0) | (val0>0.5f)) ? val0 : 0.5f)+((val0<0.0f) ? (val0*2.0f) : val0));
+  }
+}
+"""
+
+
+def _simd_select(value: float) -> float:
+  kept = value if math.isnan(value) or value > 0.5 else 0.5
+  return kept + (value * 2.0 if value < 0.0 else value)
+
+
 def _nan_max(values: Sequence[float]) -> float:
   return math.nan if any(math.isnan(value) for value in values) else max(values)
 
@@ -149,6 +166,7 @@ def _nan_max(values: Sequence[float]) -> float:
 _ROWS = ((0, 1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 2.5))
 _EIGHT = (0.25, 3.0, -1.0, 0.5, 0.75, 0.0, 9.0, 0.4)
 _WITH_NAN = (1.0, 2.0, math.nan, 0.5, 7.0, -3.0, 1.0, 2.0)
+_SIMD_INPUT = tuple((k * 0.37) % 2.0 - 1.0 for k in range(34)) + (math.nan, math.inf, -math.inf)
 
 C_KNOWN_ANSWERS = (
   KnownAnswer("kat_any_rows", _ANY_ROWS, "bool", (
@@ -173,6 +191,9 @@ C_KNOWN_ANSWERS = (
     ((("float", _WITH_NAN),), (_nan_max(_WITH_NAN),)),
     ((("float", _EIGHT),), (_nan_max(_EIGHT),)),
   ), "max(): float max that keeps NaN"),
+  KnownAnswer("kat_simd_select", _SIMD_SELECT, "float", (
+    ((("float", _SIMD_INPUT),), tuple(_simd_select(value) for value in _SIMD_INPUT)),
+  ), "maximum/where in an `omp simd` loop with a tail"),
 )
 
 
