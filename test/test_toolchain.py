@@ -137,8 +137,8 @@ def test_flag_rules_per_compiler_and_version():
 def test_slp_vectorizer_off_only_for_integer_reduces_on_gcc_12(monkeypatch, fresh_cache):
   compiler = _compiler(monkeypatch, "x86-64-v3")
   compiler.rules = ops_clang.rules_for(_identity("gcc", 12))
-  integer_reduce = toolchain_check.C_KNOWN_ANSWERS[0].source      # unsigned char acc0: any()
-  float_reduce = toolchain_check.C_KNOWN_ANSWERS[-1].source       # float acc0: max()
+  sources = {known.name: known.source for known in toolchain_check.C_KNOWN_ANSWERS}
+  integer_reduce, float_reduce = sources["kat_any_rows"], sources["kat_nan_max"]   # unsigned char / float acc0
   assert ops_clang.has_integer_reduce(integer_reduce) and not ops_clang.has_integer_reduce(float_reduce)
   assert "-fno-tree-slp-vectorize" in compiler.flags_for(integer_reduce)
   assert "-fno-tree-slp-vectorize" not in compiler.flags_for(float_reduce)
