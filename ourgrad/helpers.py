@@ -82,6 +82,13 @@ EMULATE = env_var("EMULATE", "", "with DEVICE=PYTHON: lower kernels exactly as f
 CACHE_DIR = env_var("OURGRAD_CACHE_DIR", "", "folder of the on-disk compile cache (default ~/.cache/ourgrad)")
 DISABLE_COMPILER_CACHE = env_var("DISABLE_COMPILER_CACHE", 0, "1: always recompile kernels, never read the disk cache")
 CC = env_var("CC", "", "C compiler for the CLANG device (default: clang if present, else gcc)")
+CLANG_MARCH = env_var("CLANG_MARCH", "native", "the -march of CLANG kernels (x86-64-v2, x86-64-v3, znver3, ...; "
+                      "native: this CPU): part of the compile-cache key, and the SIMD width the renderer assumes "
+                      "follows it")
+LLVM_CPU = env_var("LLVM_CPU", "native", "the CPU the LLVM device compiles for (x86-64-v2, x86-64-v3, znver3, ...; "
+                   "native: this CPU with all its features); the SIMD width the renderer assumes follows it")
+LLVM_FEATURES = env_var("LLVM_FEATURES", "", "LLVM target features applied after LLVM_CPU's own (native's: the "
+                        "host's), e.g. \"-avx512f\" or \"+avx2,+fma\"; the SIMD width follows them too")
 CPU_VECTORS = env_var("CPU_VECTORS", 1, "0: CLANG register tiles stay scalar C for the compiler to vectorize "
                       "(1: explicit GCC vectors, renderer/cvector.py)")
 GRAPH = env_var("GRAPH", 0, "1: write the lazy graph and the schedule of each realize as Graphviz .dot (and .svg)")
