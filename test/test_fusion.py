@@ -163,6 +163,48 @@ def test_optimizer_step_over_ten_parameters_is_at_most_two_kernels_and_matches_t
     np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
 
 
+def _loss_ours(params: list[Tensor], targets: list[np.ndarray]) -> Tensor:
+  """A loss over every parameter, as a training loop builds one: sum((p - target)^2) + sum(p)."""
+  total: Tensor | None = None
+  for param, target in zip(params, targets):
+    term = ((param - Tensor(target)) ** 2).sum() + param.sum()
+    total = term if total is None else total + term
+  assert total is not None
+  return total
+
+
+def _loss_torch(params: list[torch.Tensor], targets: list[np.ndarray]) -> torch.Tensor:
+  return sum(((param - torch.tensor(target)) ** 2).sum() + param.sum() for param, target in zip(params, targets))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_step_after_backward_with_a_lazy_loss_is_two_kernels_and_matches_torch(name: str):
+  """Stepped as users step: loss.backward(), the gradients realized, opt.step(), and the loss read after the step.
+  The lazy loss reads every parameter the step overwrites, so each is snapshotted first (engine/snapshot.py); the
+  snapshot copies are packed into one launch (with Adam's step count), the updates into another."""
+  ours, theirs, _ = OPTIMIZERS[name]
+  params = [Tensor(value, requires_grad=True) for value in _parameters(0)]
+  torch_params = [torch.tensor(value, requires_grad=True) for value in _parameters(0)]
+  optimizer, torch_optimizer = ours(params), theirs(torch_params)
+  for step in range(2 if SMALL else 3):
+    targets = [rand(*param.shape, seed=500 + 10 * step + index) for index, param in enumerate(params)]
+    optimizer.zero_grad()   # type: ignore[attr-defined]
+    loss = _loss_ours(params, targets)
+    loss.backward()
+    Tensor.realize_all(*[param.grad for param in params])
+    GlobalCounters.reset()
+    optimizer.step()   # type: ignore[attr-defined]
+    assert GlobalCounters.kernel_count <= 2, f"step {step} ran {GlobalCounters.kernel_count} kernels"
+    torch_optimizer.zero_grad()
+    torch_loss = _loss_torch(torch_params, targets)
+    torch_loss.backward()
+    torch_optimizer.step()
+    # the loss read after the step is the loss of the parameters before it, as in PyTorch
+    np.testing.assert_allclose(loss.numpy(), torch_loss.detach().numpy(), rtol=1e-5)
+    for value, expected in zip(params, torch_params):
+      np.testing.assert_allclose(value.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- packed kernels (engine/packing.py)
 
 def test_independent_kernels_of_different_shapes_pack_and_a_dependent_one_stays_apart():

@@ -51,7 +51,15 @@ def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   of a buffer that an assign in it overwrites, and that outlive it, keep the old contents (engine/snapshot.py)."""
   schedule, assigns = build_schedule(outs)
   # after build_schedule returned, the graph it fused is alive only where someone else holds it
-  return protect_lazy_readers(schedule, assigns) if assigns else schedule
+  return protect_and_pack(schedule, assigns) if assigns else schedule
+
+
+def protect_and_pack(schedule: list[ScheduleItem], assigns: list[tuple[LazyBuffer, LazyBuffer]]) -> list[ScheduleItem]:
+  """protect_lazy_readers (engine/snapshot.py), then the snapshot copies it added packed into launches: an optimizer
+  step whose loss is still lazy snapshots every parameter, and those copies are independent of each other."""
+  item_count = len(schedule)
+  schedule = protect_lazy_readers(schedule, assigns)
+  return pack_kernels(schedule) if len(schedule) > item_count else schedule
 
 
 @host_phase("schedule", lambda outs: f"schedule {len(outs)} outputs")
