@@ -331,6 +331,97 @@ def test_row_kernel_matches_torch(name: str, shape: tuple[int, int]):
   np.testing.assert_allclose(ours(x).numpy(), theirs(torch.tensor(x_np)).numpy(), rtol=2e-5, atol=2e-5)
 
 
+# ---------------------------------------------------------------- a row kernel with final reduces (cross-entropy)
+
+def _class_targets(shape: tuple[int, ...], seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """Class indices (N,) or (N, d...) for logits of `shape` (classes on axis 1), and probabilities of `shape`."""
+  rng = np.random.default_rng(seed)
+  classes = shape[1]
+  indices = rng.integers(0, classes, (shape[0],) + shape[2:]).astype(np.int32)
+  probabilities = rng.random(shape).astype(np.float32)
+  return indices, probabilities / probabilities.sum(1, keepdims=True)
+
+
+def _with_ignored(indices: np.ndarray) -> np.ndarray:
+  ignored = indices.copy()
+  ignored.reshape(-1)[::3] = -100   # every third sample skipped: the mean divides by the others
+  return ignored
+
+
+LOSSES = {
+  # name: (ourgrad, torch), each called with (logits, class indices, probabilities)
+  "indices": (lambda x, i, p: x.cross_entropy(i), lambda x, i, p: torch.nn.functional.cross_entropy(x, i)),
+  "indices_ignored": (lambda x, i, p: x.cross_entropy(Tensor(_with_ignored(i.numpy()))),
+                      lambda x, i, p: torch.nn.functional.cross_entropy(x, torch.tensor(_with_ignored(i.numpy())))),
+  "indices_smoothed": (lambda x, i, p: x.cross_entropy(i, label_smoothing=0.1),
+                       lambda x, i, p: torch.nn.functional.cross_entropy(x, i, label_smoothing=0.1)),
+  "probabilities": (lambda x, i, p: x.cross_entropy(p), lambda x, i, p: torch.nn.functional.cross_entropy(x, p)),
+  "probabilities_smoothed": (lambda x, i, p: x.cross_entropy(p, label_smoothing=0.2),
+                             lambda x, i, p: torch.nn.functional.cross_entropy(x, p, label_smoothing=0.2)),
+  "nll_of_log_softmax": (lambda x, i, p: x.log_softmax(1).nll_loss(i),
+                         lambda x, i, p: torch.nn.functional.nll_loss(x.log_softmax(1), i)),
+}
+LOSS_SHAPES = [(32, 10), (6, 33), (4, 5, 3)] + ([] if SMALL else [(64, 100)])
+
+
+@pytest.mark.parametrize("shape", LOSS_SHAPES, ids=str)
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_cross_entropy_mean_is_one_kernel_and_matches_torch(name: str, shape: tuple[int, ...]):
+  """The rows' logsumexp and target terms, then the mean over the batch, in one kernel (a row kernel with final
+  reduces, docs/fusion.md); the gradient against torch too."""
+  if name == "nll_of_log_softmax" and len(shape) > 2:
+    pytest.skip("log_softmax over a middle axis: row kernels take trailing axes only (kernel_walk._RowKernel)")
+  ours, theirs = LOSSES[name]
+  x_np = rand(*shape, seed=sum(shape)) * 3
+  indices, probabilities = _class_targets(shape, seed=len(shape))
+  x, i, p = Tensor(x_np, requires_grad=True), Tensor(indices), Tensor(probabilities)
+  assert kernels_of([ours(x, i, p)]) == 1
+  loss = ours(x, i, p)
+  assert realize_counting([loss]) == 1
+  x_torch = torch.tensor(x_np, requires_grad=True)
+  expected = theirs(x_torch, torch.tensor(indices).long(), torch.tensor(probabilities))
+  np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=2e-5, atol=2e-5)
+  loss.backward()
+  expected.backward()
+  np.testing.assert_allclose(x.grad.numpy(), x_torch.grad.numpy(), rtol=2e-5, atol=2e-6)
+
+
+def test_sparse_categorical_crossentropy_is_one_kernel():
+  x_np = rand(16, 12, seed=4)
+  indices, _ = _class_targets((16, 12), seed=5)
+  loss = Tensor(x_np).sparse_categorical_crossentropy(Tensor(indices))
+  assert realize_counting([loss]) == 1
+  expected = torch.nn.functional.cross_entropy(torch.tensor(x_np), torch.tensor(indices).long())
+  np.testing.assert_allclose(loss.numpy(), expected.numpy(), rtol=2e-5)
+
+
+def test_final_reduces_of_other_row_reductions_and_where_they_stay_apart():
+  x_np = rand(8, 6, seed=8)
+  x = Tensor(x_np)
+  assert realize_counting([out := x.sum(1).max()]) == 1   # a final MAX of the rows' sums
+  np.testing.assert_allclose(out.numpy(), x_np.sum(1).max(), rtol=1e-5)
+  assert realize_counting([out := x.std(1).mean()]) == 1
+  np.testing.assert_allclose(out.numpy(), x_np.std(1, ddof=1).mean(), rtol=1e-5)
+  assert realize_counting([out := x.sum(0).sum()]) == 2   # the inner reduce is over the leading axis: no row kernel
+  np.testing.assert_allclose(out.numpy(), x_np.sum(), rtol=1e-5)
+  row_sums = x.sum(1)
+  outs = [row_sums, row_sums.max()]   # the rows' sums are an output: the final reduce reads them from memory
+  assert realize_counting(outs) == 2
+  np.testing.assert_allclose(outs[1].numpy(), x_np.sum(1).max(), rtol=1e-5)
+
+
+def test_a_loss_over_a_loop_beyond_the_final_reduce_limit_is_two_kernels(monkeypatch: pytest.MonkeyPatch):
+  """One thread (CPU) or one block (GPU) runs the rows of a kernel with final reduces: beyond the limit the rows keep
+  their parallel kernel and the mean is a second one."""
+  monkeypatch.setattr(kernel_walk, "MAX_FINAL_REDUCE_ELEMENTS", 64)
+  x_np = rand(8, 10, seed=6)
+  indices, _ = _class_targets((8, 10), seed=7)
+  loss = Tensor(x_np).cross_entropy(Tensor(indices))
+  assert realize_counting([loss]) == 2
+  expected = torch.nn.functional.cross_entropy(torch.tensor(x_np), torch.tensor(indices).long())
+  np.testing.assert_allclose(loss.numpy(), expected.numpy(), rtol=2e-5)
+
+
 def test_rows_longer_than_the_limit_fall_back_to_one_reduce_kernels(monkeypatch):
   monkeypatch.setattr(kernel_walk, "MAX_ROW_FUSION_LENGTH", 8)
   x_np = rand(6, 16, seed=9)
