@@ -177,7 +177,7 @@ class RowLinearizer(Linearizer):
     # integer arithmetic may wrap, or a flipped view (a negative stride: gcc 12's loop vectorizer miscompiles those)
     if any(stride is not None and stride < 0 for st in kernel.sts for stride in st.real_strides()): return 1
     if any(not node.dtype.is_float and node.dtype != dtypes.bool and node.op not in _NO_WRAP_OPS
-           for node in kernel.ast.walk()): return 1
+           and not _counts_without_wrapping(node, kernel.final_reduces) for node in kernel.ast.walk()): return 1
     itemsize = max((reduce.dtype.itemsize for reduce in self._row_reduces()), default=4)
     innermost = kernel.full_shape[(kernel.row_axes or ())[-1]]
     lanes = max(vector_bytes // itemsize, 1)
@@ -498,6 +498,14 @@ class _RowPasses:
 
 
 def _accumulate_op(reduce: LazyOp) -> Ops: return Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
+
+
+def _counts_without_wrapping(node: LazyOp, finals: list[LazyOp]) -> bool:
+  """Whether `node` is a final reduce's 64-bit sum of values of at most 32 bits (cross-entropy's count of samples not
+  ignored): over at most kernel_walk.MAX_FINAL_REDUCE_ELEMENTS (2^16) rows it stays below 2^48, far from wrapping."""
+  if node.op is not Ops.SUM or node.dtype.itemsize != 8 or not any(node is final for final in finals): return False
+  value = node.srcs[0]
+  return value.op is Ops.CAST and value.srcs[0].dtype.itemsize <= 4
 
 
 def _unflatten(flat: Node, sizes: list[int]) -> list[Node]:
