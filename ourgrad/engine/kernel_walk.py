@@ -134,8 +134,10 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
 # A row kernel may end with *final reduces*: reduces of its rows' results down to one value (a loss's mean over the
 # batch of each row's logsumexp), accumulated after each row. The rows are then a loop in one thread (CPU) or one
 # block (GPU) instead of spread over cores or blocks: only for a loop shape of at most this many elements, where one
-# launch less is worth more than the parallel rows (two kernels beyond it).
+# launch less is worth more than the parallel rows (two kernels beyond it). A GPU's one block (256 threads, a few
+# floats each per pass: codegen/row_linearizer.py _linearize_final_rows) takes a few passes at most: a lower cap.
 MAX_FINAL_REDUCE_ELEMENTS = 1 << 16
+MAX_FINAL_REDUCE_ELEMENTS_GPU = 1 << 13
 
 
 def final_reduces(root: LazyBuffer, realizes: Realizations) -> list[LazyBuffer]:
@@ -154,7 +156,9 @@ def final_reduces(root: LazyBuffer, realizes: Realizations) -> list[LazyBuffer]:
   rows, inner = next(iter(per_row.items()))
   loop_size = prod(inner.srcs[0].shape)
   renderer = Device[inner.device].renderer
-  if rows < 2 or loop_size == rows or loop_size > MAX_FINAL_REDUCE_ELEMENTS or not row_kernels_enabled(inner.device) \
+  limit = min(MAX_FINAL_REDUCE_ELEMENTS, MAX_FINAL_REDUCE_ELEMENTS_GPU) if renderer.has_threads else \
+      MAX_FINAL_REDUCE_ELEMENTS
+  if rows < 2 or loop_size == rows or loop_size > limit or not row_kernels_enabled(inner.device) \
       or (renderer.has_threads and not renderer.has_local): return []   # a GPU loops over the rows in one block
   return [top for top in tops if top.size == 1 and prod(top.srcs[0].shape) == rows]
 
