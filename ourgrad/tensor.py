@@ -36,7 +36,7 @@ from ourgrad.engine.exec_item import jit_recording
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
-from ourgrad.multi import MultiLazyBuffer, shard_lazy
+from ourgrad.multi import MultiLazyBuffer, Shard, shard_lazy
 from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import Node, is_symbolic, sym_infer
 from ourgrad.tensor_aliases import AliasMixin
@@ -156,9 +156,8 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     """This tensor spread over `devices` (names, or n for the first n devices of the default kind): cut into one
     piece per device along `axis` (uneven sizes as numpy.array_split), or copied whole to each when axis is None.
     Ops keep the sharding where they can and raise ShardingError where they cannot (ourgrad/multi.py).
-    The result is a new leaf for autograd (gradients do not flow back into the unsharded tensor): shard inputs and
-    parameters before computing with them."""
-    return Tensor(shard_lazy(self.lazydata, devices, axis), requires_grad=self.requires_grad)
+    Gradients flow back through it: this tensor's `.grad` is the sharded gradient gathered onto its device."""
+    return Shard.apply(self, devices=devices, axis=axis)
 
   def shard_(self, devices: tuple[str, ...] | list[str] | int, axis: int | None = None) -> Tensor:
     """shard, in place: this tensor's data becomes the sharded data (for parameters, before an optimizer)."""
@@ -707,7 +706,8 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       for parent, parent_grad in zip(ctx.parents, input_grads):
         if parent_grad is None or not parent.requires_grad: continue
         if parent_grad.shape != parent.shape: raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
-        new_grad = Tensor(parent_grad, device=self.device, requires_grad=False)
+        # on the parent's device(s): a Function may move data between devices (Shard)
+        new_grad = Tensor(parent_grad, device=parent.device, requires_grad=False)
         if parent._ctx is None:  # a leaf: accumulate into .grad
           parent.grad = new_grad if parent.grad is None else (parent.grad + new_grad)
         else:

@@ -25,13 +25,13 @@ from typing import Callable, Sequence
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
-from ourgrad.engine.kernel_walk import Realizations, kernel_value, order_items, walk_kernel
+from ourgrad.engine.kernel_walk import Realizations, final_reduces, kernel_value, order_items, walk_kernel
 from ourgrad.engine.multi_output import group_outputs, sibling_limit
 from ourgrad.engine.packing import pack_kernels
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.engine.snapshot import protect_lazy_readers
-from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, fmt_size
+from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, fmt_size, prod
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -51,7 +51,15 @@ def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   of a buffer that an assign in it overwrites, and that outlive it, keep the old contents (engine/snapshot.py)."""
   schedule, assigns = build_schedule(outs)
   # after build_schedule returned, the graph it fused is alive only where someone else holds it
-  return protect_lazy_readers(schedule, assigns) if assigns else schedule
+  return protect_and_pack(schedule, assigns) if assigns else schedule
+
+
+def protect_and_pack(schedule: list[ScheduleItem], assigns: list[tuple[LazyBuffer, LazyBuffer]]) -> list[ScheduleItem]:
+  """protect_lazy_readers (engine/snapshot.py), then the snapshot copies it added packed into launches: an optimizer
+  step whose loss is still lazy snapshots every parameter, and those copies are independent of each other."""
+  item_count = len(schedule)
+  schedule = protect_lazy_readers(schedule, assigns)
+  return pack_kernels(schedule) if len(schedule) > item_count else schedule
 
 
 @host_phase("schedule", lambda outs: f"schedule {len(outs)} outputs")
@@ -370,6 +378,9 @@ class _KernelBuilder:
     self.loop_shape: tuple[int, ...] | None = None     # the reduces' input shape: the kernel loops in it
     self.cache: dict[tuple[int, ShapeTracker], LazyOp] = {}
     self.reduce_base: LazyBuffer | None = None
+    # reduces of a row kernel's per-row results to one value (kernel_walk.final_reduces): they reduce every axis of
+    # the loop shape, after its rows
+    self.final_ids: set[int] = {id(final) for final in final_reduces(root, realizes)} if output_count == 1 else set()
 
   def buffer_index(self, buffer: Buffer) -> int:
     """Kernel argument number of an input buffer (0 is the output)."""
@@ -423,6 +434,7 @@ class _KernelBuilder:
   def _claim_reduce(self, base: LazyBuffer, st: ShapeTracker, under_reduce: bool) -> None:
     """Record the kernel's loop shape: a reduce's input shape. `walk_kernel` decided that every reduce met here
     fuses (one reduce read in its own order, or row reduces over one loop shape and axes, docs/fusion.md)."""
+    if id(base) in self.final_ids: return   # after the rows, over all of them: not the rows' loop shape
     if self.reduce_base is None:
       self.reduce_base, self.reduce_shape, self.loop_shape = base, base.shape, base.srcs[0].shape
     elif base.srcs[0].shape != self.loop_shape or base.arg != self.reduce_base.arg:
@@ -471,15 +483,23 @@ class _KernelBuilder:
   def fit_to_reduce(self, st: ShapeTracker) -> ShapeTracker:
     # a row kernel's per-element views are in the loop shape already (softmax stores per element)
     if self.reduce_shape is None or st.shape in (self.reduce_shape, self.loop_shape): return st
+    if self.final_ids and st.size != prod(self.reduce_shape):   # a final reduce's one value
+      return st.reshape((1,) * len(self.reduce_shape))
     return st.reshape(self.reduce_shape)
 
   def reshape_post_reduce(self, node: LazyOp) -> LazyOp:
     if self.reduce_shape is None: return node
-    reduce_nodes = {id(node) for reduce in self.reduces.values() for node in reduce.walk()}
+    reduce_nodes = {id(node) for reduce_id, reduce in self.reduces.items() if reduce_id not in self.final_ids
+                    for node in reduce.walk()}
+    final_nodes = {id(self.reduces[reduce_id]) for reduce_id in self.final_ids if reduce_id in self.reduces}
     rebuilt: dict[int, LazyOp] = {}
     for current in node.walk():
       if id(current) in reduce_nodes:  # the reduce and what it reads keep the reduce's input shape
         rebuilt[id(current)] = current
+        continue
+      if id(current) in final_nodes:   # a final reduce reduces every axis of the rows' result shape
+        axes = tuple(range(len(self.reduce_shape)))
+        rebuilt[id(current)] = LazyOp(current.op, (rebuilt[id(current.srcs[0])],), axes, current.dtype)
         continue
       if current.op in (Ops.LOAD, Ops.CONST):
         arg = current.arg

@@ -128,7 +128,7 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   # copy-on-write for lazy readers of an assigned buffer is decided on every call, hit or miss, and only after this
   # frame lets go of the walked graph: only readers someone else still holds may need the old contents
   del bases, leaves
-  return scheduler.protect_lazy_readers(items, assigns) if assigns else items
+  return scheduler.protect_and_pack(items, assigns) if assigns else items
 
 
 # One object for each distinct kernel AST seen here: the compiled-kernel cache (realize.get_runner) is keyed by ASTs,

@@ -30,24 +30,39 @@ import numpy as np
 
 from ourgrad.dtype import dtypes
 from ourgrad.errors import AutogradError
-from ourgrad.ops import Ops
+from ourgrad.multi import MultiLazyBuffer, is_assignable
 from ourgrad.tensor import Tensor, no_grad
 
 
 def _state_like(param: Tensor) -> Tensor:
-  """A realized buffer of zeros shaped like `param` (a real buffer, not a constant, so it can be assigned to)."""
+  """A realized buffer of zeros shaped like `param` (a real buffer, not a constant, so it can be assigned to); for a
+  parameter over several devices, one per shard, sharded as the parameter is."""
+  lazy = param.lazydata
+  if isinstance(lazy, MultiLazyBuffer):
+    return Tensor(MultiLazyBuffer([_state_like(Tensor(shard)).lazydata for shard in lazy.lbs], lazy.axis))
   return Tensor(np.zeros(param.shape, dtype=np.float32), device=param.device, dtype=dtypes.float32)
 
 
-def _scalar_buffer(value: float, device: str) -> Tensor:
-  """A realized 0-d float32 Tensor holding `value` (kernels read it from memory: changing it recompiles nothing)."""
-  return Tensor(np.array(value, dtype=np.float32), device=device, dtype=dtypes.float32)
+def _scalar_buffer(value: float, device: str | tuple[str, ...]) -> Tensor:
+  """A realized 0-d float32 Tensor holding `value` (kernels read it from memory: changing it recompiles nothing);
+  replicated on every device of a tuple."""
+  return Tensor(np.array(value, dtype=np.float32), device=device, dtype=dtypes.float32).realize()
 
 
 def _is_assignable(tensor: Tensor) -> bool:
-  """Whether `tensor` owns a realized buffer that `assign` writes into in place."""
-  lazy = tensor.lazydata
-  return lazy.is_base and lazy.realized is not None and lazy.op is not Ops.CONST
+  """Whether `tensor` owns a realized buffer (one per shard) that `assign` writes into in place."""
+  return is_assignable(tensor.lazydata)
+
+
+def _own_buffers(param: Tensor) -> None:
+  """Give `param` realized memory of its own, keeping its values and sharding: updates are written in place."""
+  lazy = param.lazydata
+  if isinstance(lazy, MultiLazyBuffer):
+    param.lazydata = MultiLazyBuffer([shard if is_assignable(shard) else shard.clone() for shard in lazy.lbs],
+                                     lazy.axis)
+    param.realize()
+  else:
+    param.lazydata = Tensor(param.detach().numpy(), device=param.device, dtype=param.dtype).lazydata
 
 
 class ParamGroup(dict):
@@ -143,11 +158,10 @@ class Optimizer(metaclass=_ParamGroupsMeta):
       raise AutogradError(f"optimizer got {len(params)} tensors, all with requires_grad=False: there is nothing "
                           f"to optimize; create the weights with requires_grad=True")
     self.params: list[Tensor] = unique
-    self.device: str = self.params[0].device
+    self.device: str | tuple[str, ...] = self.params[0].device
     for param in self.params:
       # updates are written in place: every parameter needs its own realized buffer, not a constant or a view
-      if not _is_assignable(param):
-        param.lazydata = Tensor(param.detach().numpy(), device=param.device, dtype=param.dtype).lazydata
+      if not _is_assignable(param): _own_buffers(param)
     self.lr_tensor: Tensor = _scalar_buffer(lr, self.device)
 
   # ---------------------------------------------------------------- parameter groups
@@ -192,7 +206,9 @@ class Optimizer(metaclass=_ParamGroupsMeta):
   def _write_lr(self, value: float) -> None:
     # write into the existing buffer (no kernel, no recompile): the update kernels load lr from memory
     if not _is_assignable(self.lr_tensor): self.lr_tensor.realize()
-    self.lr_tensor.lazydata.base.realized.copyin(memoryview(np.array([value], dtype=np.float32)).cast("B"))
+    lazy = self.lr_tensor.lazydata
+    for replica in (lazy.lbs if isinstance(lazy, MultiLazyBuffer) else [lazy]):
+      replica.base.realized.copyin(memoryview(np.array([value], dtype=np.float32)).cast("B"))
 
   # ---------------------------------------------------------------- stepping
 
