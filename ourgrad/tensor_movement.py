@@ -529,6 +529,60 @@ class MovementMixin:
     placed, written = self._scattered(dim, index, source)
     return written.where(placed, self)
 
+  def scatter_reduce(self, dim: int, index: Tensor, src: Tensor, reduce: str, include_self: bool = True) -> Tensor:
+    """self with the values of `src` reduced into the places `index` names along `dim`, as torch.scatter_reduce:
+    `reduce` is "sum", "prod", "mean", "amax" or "amin"; with `include_self` the present value takes part in the
+    reduction, otherwise only the sources do (places no index names keep their value either way). Each place
+    reduces over a one-hot of the sources that land on it (one fused reduce, no scatter op), so every source takes
+    part, repeated indices included, and the gradients are the reduce's own (amax/amin share them among ties)."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    identities = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "amax": -math.inf, "amin": math.inf}
+    if reduce not in identities:
+      raise ValueError(f"scatter_reduce reduce must be one of {sorted(identities)}, got {reduce!r}")
+    hits, values = self._scatter_sources(dim, index, src)  # (..., k, n) each, the target axis last
+    axis = self._axis(dim)
+    if include_self:  # the present value as one more source, landing on its own place
+      own = self.transpose(axis, -1).unsqueeze(-2)
+      hits = Tensor.ones(*own.shape, dtype=dtypes.bool, device=self.device).cat(hits, dim=-2)
+      values = own.cat(values.expand(*values.shape[:-1], own.shape[-1]), dim=-2)
+    identity = identities[reduce]
+    if not self.dtype.is_float and math.isinf(identity):
+      identity = self.dtype.min if reduce == "amax" else self.dtype.max
+    picked = hits.where(values, Tensor.full((), identity, self.dtype, device=self.device))
+    if reduce in ("sum", "mean"): reduced = picked.sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else None)
+    elif reduce == "prod": reduced = picked.prod(-2)
+    else: reduced = picked.max(-2) if reduce == "amax" else picked.min(-2)
+    count = hits.sum(-2)
+    if reduce == "mean":
+      mean = reduced / count.maximum(1).cast(reduced.dtype)
+      # integer means round down, as torch's floor division of the sum by the count
+      reduced = mean if self.dtype.is_float else reduced.div(count.maximum(1), rounding_mode="floor")
+    written = (count > 0).transpose(axis, -1)
+    return written.where(reduced.cast(self.dtype).transpose(axis, -1), self)
+
+  def _scatter_sources(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """For scatter_reduce: with `dim` moved last, a bool (..., k, n) of which of the k sources along `dim` lands on
+    each of the n places, and the sources' values (..., k, 1), both widened to this tensor's other sizes (the index
+    may be smaller than it there: the extra places receive nothing)."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    axis = self._axis(dim)
+    if index.ndim != self.ndim or src.ndim != self.ndim:
+      raise ShapeError(f"scatter_reduce needs index and src with {self.ndim} dims like the input {self.shape}, got "
+                       f"{index.shape} and {src.shape}")
+    if index.dtype.is_float or index.dtype == dtypes.bool:
+      raise IndexError(f"scatter_reduce index must hold integers, got {index.dtype}")
+    if any(i > s for i, s in zip(index.shape, src.shape)) or \
+       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
+      raise ShapeError(f"scatter_reduce index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+    src = src.shrink([(0, size) for size in index.shape])
+    size = self.shape[axis]
+    index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
+    index_last = (index_last < 0).where(index_last + size, index_last)
+    hits = index_last == Tensor.arange(size, device=self.device)  # (..., k, n)
+    values = src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape[:-1], hits.shape[:-2])]
+    return hits.pad(grow + [None, None]), values.pad(grow + [None, None])
+
   def index_add(self, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
     """self with source's slices along `dim` added at the positions of the 1-D `index` (torch.index_add)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
@@ -579,6 +633,26 @@ class MovementMixin:
         raise ShapeError(f"stack needs tensors of one shape, got {joined[0].shape} and {tensor.shape}")
     axis = normalize_axis(dim, joined[0].ndim + 1)
     return joined[0].unsqueeze(axis).cat(*[tensor.unsqueeze(axis) for tensor in joined[1:]], dim=axis)
+
+  @staticmethod
+  def meshgrid(*tensors: Tensor | Sequence[Tensor], indexing: str = "ij") -> tuple[Tensor, ...]:
+    """Coordinate grids from 1-D (or 0-d) tensors, as torch.meshgrid: with indexing "ij" output k varies along dim
+    k; with "xy" the first two dims are swapped (Cartesian, as numpy's default). Each output is an expanded view."""
+    inputs = list(tensors[0]) if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)) else list(tensors)
+    if indexing not in ("ij", "xy"): raise ValueError(f"meshgrid indexing must be 'ij' or 'xy', got {indexing!r}")
+    if not inputs: raise ValueError("meshgrid needs at least one tensor")
+    for tensor in inputs:
+      if tensor.ndim > 1: raise ShapeError(f"meshgrid takes 0-d or 1-d tensors, got shape {tensor.shape}")
+    flat = [tensor.reshape(-1) for tensor in inputs]
+    swap = indexing == "xy" and len(flat) >= 2
+    order = [1, 0, *range(2, len(flat))] if swap else list(range(len(flat)))
+    shape = tuple(flat[k].shape[0] for k in order)
+    grids = []
+    for number, tensor in enumerate(flat):
+      position = order.index(number)
+      view = [-1 if axis == position else 1 for axis in range(len(flat))]
+      grids.append(tensor.reshape(view).expand(shape))
+    return tuple(grids)
 
   def split(self, split_size: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
     """Views of consecutive pieces along `dim`: `split_size` long each (the last may be shorter), or one per size in a

@@ -21,6 +21,7 @@ from ourgrad.nn.stateless import (ELU, GELU, AdaptiveAvgPool1d, AdaptiveAvgPool2
                                   AvgPool2d, AvgPool3d, BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, Flatten,
                                   Hardtanh, Identity, L1Loss, LeakyReLU, LogSoftmax, MaxPool1d, MaxPool2d, MaxPool3d,
                                   MSELoss, NLLLoss, ReLU, ReLU6, Sigmoid, SiLU, Softmax, Softplus, Tanh, Upsample)
+from ourgrad.nn.stateless import MaxUnpool1d, MaxUnpool2d, Unfold
 
 __all__ = ["attention", "functional", "losses", "optim", "state", "Module", "ModuleDict", "ModuleList", "Parameter",
            "Sequential", "MultiheadAttention", "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
@@ -30,3 +31,4 @@ __all__ = ["attention", "functional", "losses", "optim", "state", "Module", "Mod
            "Identity", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
            "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Upsample", "CrossEntropyLoss", "NLLLoss",
            "MSELoss", "L1Loss", "BCELoss", "BCEWithLogitsLoss"]
+__all__ += ["MaxUnpool1d", "MaxUnpool2d", "Unfold"]

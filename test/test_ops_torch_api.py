@@ -1,0 +1,324 @@
+"""The PyTorch/tinygrad API pieces of issue 27 item 5, each checked against PyTorch on the CPU (values and gradients):
+Tensor.gradient (tinygrad's functional gradient), copysign, meshgrid, unfold (Tensor.unfold and im2col),
+scatter_reduce, class-weighted nll_loss/cross_entropy, the pooling options (ceil_mode, count_include_pad,
+divisor_override, return_indices) and max_unpool, einsum summing '...', data-dependent shapes (masked_select,
+nonzero, unique, boolean-mask indexing, setitem with tensor indices), and the recurrent and transformer layers.
+
+`compare` runs one function in both libraries on the same seeded inputs and compares every output and the gradient
+of every float input (ourgrad's through Tensor.gradient, torch's through torch.autograd.grad).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF  # noqa: N812 (torch's usual spelling)
+
+from ourgrad import Tensor, nn
+from ourgrad.errors import AutogradError, ShapeError
+from ourgrad.nn import functional as F
+
+
+def _random(shape: tuple[int, ...], seed: int, low: float = -2.0, high: float = 2.0) -> np.ndarray:
+  return np.random.default_rng(seed).uniform(low, high, size=shape).astype(np.float32)
+
+
+def _outputs(value: Any) -> list[Any]:
+  return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def compare(ours: Callable[..., Any], theirs: Callable[..., Any], arrays: list[np.ndarray], atol: float = 1e-5,
+            grad: bool = True, seed: int = 7) -> None:
+  """ours(*Tensors) against theirs(*torch tensors): every output (shape, values; integer outputs exactly) and, with
+  `grad`, the gradient of sum(output0 * a random upstream) for every float input."""
+  float_inputs = [array.dtype.kind == "f" for array in arrays]
+  ours_in = [Tensor(a, requires_grad=grad and f) for a, f in zip(arrays, float_inputs)]
+  theirs_in = [torch.tensor(a, requires_grad=grad and f) for a, f in zip(arrays, float_inputs)]
+  ours_out, theirs_out = _outputs(ours(*ours_in)), _outputs(theirs(*theirs_in))
+  assert len(ours_out) == len(theirs_out)
+  for number, (mine, reference) in enumerate(zip(ours_out, theirs_out)):
+    assert mine.shape == tuple(reference.shape), f"output {number}: {mine.shape} != {tuple(reference.shape)}"
+    expected = reference.detach().numpy()
+    if expected.dtype.kind == "f": np.testing.assert_allclose(mine.numpy(), expected, atol=atol, rtol=1e-5)
+    else: np.testing.assert_array_equal(mine.numpy(), expected)
+  if not grad: return
+  upstream = _random(tuple(theirs_out[0].shape), seed)
+  wanted = [(o, t) for o, t, f in zip(ours_in, theirs_in, float_inputs) if f]
+  theirs_grads = torch.autograd.grad((theirs_out[0] * torch.tensor(upstream)).sum(), [t for _, t in wanted],
+                                     allow_unused=True)
+  ours_grads = (ours_out[0] * Tensor(upstream)).sum().gradient(*[o for o, _ in wanted], materialize_grads=True)
+  for number, (mine, reference) in enumerate(zip(ours_grads, theirs_grads)):
+    expected = np.zeros(mine.shape, np.float32) if reference is None else reference.numpy()
+    np.testing.assert_allclose(mine.numpy(), expected, atol=atol * 10, rtol=1e-4, err_msg=f"gradient {number}")
+
+
+# ================================================================ Tensor.gradient
+
+def test_gradient_matches_autograd_grad_and_leaves_grad_alone() -> None:
+  x, y = _random((3, 4), 0), _random((4, 2), 1)
+  xo, yo = Tensor(x, requires_grad=True), Tensor(y, requires_grad=True)
+  xt, yt = torch.tensor(x, requires_grad=True), torch.tensor(y, requires_grad=True)
+  hidden_o, hidden_t = xo.matmul(yo), xt.matmul(yt)
+  loss_o, loss_t = hidden_o.tanh().square().mean(), hidden_t.tanh().square().mean()
+  dx, dy, dh = loss_o.gradient(xo, yo, hidden_o)  # leaves and an intermediate tensor
+  ref = torch.autograd.grad(loss_t, [xt, yt, hidden_t], retain_graph=True)
+  for mine, theirs in zip((dx, dy, dh), ref): np.testing.assert_allclose(mine.numpy(), theirs.numpy(), atol=1e-6)
+  assert xo.grad is None and yo.grad is None and not dx.requires_grad
+  # the graph is kept: backward afterwards gives the same gradient in .grad
+  loss_o.backward()
+  np.testing.assert_allclose(xo.grad.numpy(), ref[0].numpy(), atol=1e-6)
+
+
+def test_gradient_with_an_upstream_gradient_and_repeated_use() -> None:
+  x = _random((2, 3), 2)
+  xo, xt = Tensor(x, requires_grad=True), torch.tensor(x, requires_grad=True)
+  upstream = _random((2, 3), 3)
+  out_o, out_t = xo * xo + xo.exp() * xo, xt * xt + xt.exp() * xt
+  (mine,) = out_o.gradient(xo, gradient=Tensor(upstream))
+  (theirs,) = torch.autograd.grad(out_t, [xt], grad_outputs=torch.tensor(upstream))
+  np.testing.assert_allclose(mine.numpy(), theirs.numpy(), atol=1e-5)
+  assert out_o.gradient(out_o, gradient=Tensor(upstream))[0].numpy().tolist() == upstream.tolist()
+
+
+def test_gradient_errors_and_materialize() -> None:
+  x, unused = Tensor([1.0, 2.0], requires_grad=True), Tensor([3.0], requires_grad=True)
+  loss = (x * 2).sum()
+  with pytest.raises(AutogradError, match="not reached"): loss.gradient(unused)
+  with pytest.raises(RuntimeError): loss.gradient(Tensor([1.0]))  # AutogradError is a RuntimeError, as in tinygrad
+  dx, dunused = loss.gradient(x, unused, materialize_grads=True)
+  assert dx.tolist() == [2.0, 2.0] and dunused.tolist() == [0.0]
+  with pytest.raises(AutogradError, match="scalar"): (x * 2).gradient(x)
+  with pytest.raises(ShapeError): (x * 2).gradient(x, gradient=Tensor([1.0, 2.0, 3.0]))
+
+
+def test_gradient_tinygrad_docstring_example() -> None:
+  x, y = Tensor.eye(3, requires_grad=True), Tensor([[2.0, 0, -2.0]], requires_grad=True)
+  dx, dy = y.matmul(x).sum().gradient(x, y)
+  assert dx.tolist() == [[2.0, 2.0, 2.0], [0.0, 0.0, 0.0], [-2.0, -2.0, -2.0]] and dy.tolist() == [[1.0, 1.0, 1.0]]
+
+
+# ================================================================ copysign, meshgrid
+
+def test_copysign_values_signed_zeros_and_gradients() -> None:
+  magnitudes = np.array([1.5, -2.0, 0.0, -0.0, 3.0, np.inf, -1.0, 0.5], np.float32)
+  signs = np.array([-1.0, 0.0, -0.0, 2.0, -np.inf, -3.0, 1.0, -0.0], np.float32)
+  compare(lambda a, b: a.copysign(b), lambda a, b: a.copysign(b), [magnitudes, signs])
+  ours = Tensor(magnitudes).copysign(Tensor(signs)).numpy()
+  np.testing.assert_array_equal(np.signbit(ours), np.signbit(np.copysign(magnitudes, signs)))
+  compare(lambda a, b: a.copysign(b), lambda a, b: a.copysign(b), [_random((3, 1), 4), _random((1, 5), 5)])
+  compare(lambda a: a.copysign(-1.0), lambda a: a.copysign(-1.0), [_random((4,), 6)])
+
+
+def test_copysign_integers_promote() -> None:
+  compare(lambda a, b: a.copysign(b), lambda a, b: a.copysign(b),
+          [np.array([1, -2, 3, 0], np.int32), np.array([-1, 2, 0, -5], np.int32)], grad=False)
+
+
+@pytest.mark.parametrize("indexing", ["ij", "xy"])
+@pytest.mark.parametrize("shapes", [[(3,), (4,)], [(2,), (3,), (4,)], [(5,)], [(), (3,)], [(1,), (0,)]])
+def test_meshgrid(indexing: str, shapes: list[tuple[int, ...]]) -> None:
+  arrays = [_random(shape, 10 + number) for number, shape in enumerate(shapes)]
+  compare(lambda *xs: Tensor.meshgrid(*xs, indexing=indexing), lambda *xs: torch.meshgrid(*xs, indexing=indexing),
+          arrays, grad=bool(all(shape != (0,) for shape in shapes)))
+
+
+def test_meshgrid_errors() -> None:
+  with pytest.raises(ShapeError): Tensor.meshgrid(Tensor.ones(2, 2))
+  with pytest.raises(ValueError): Tensor.meshgrid(Tensor.ones(2), indexing="ji")
+
+
+# ================================================================ unfold
+
+@pytest.mark.parametrize("shape, dim, size, step", [
+  ((2, 8, 3), 1, 3, 2), ((9, 2), 0, 4, 4), ((4,), -1, 2, 1), ((5, 7), 1, 7, 1), ((5, 7), 1, 1, 3), ((3, 6), 1, 2, 5),
+])
+def test_tensor_unfold(shape: tuple[int, ...], dim: int, size: int, step: int) -> None:
+  compare(lambda x: x.unfold(dim, size, step), lambda x: x.unfold(dim, size, step), [_random(shape, 20)])
+
+
+def test_tensor_unfold_edges() -> None:
+  compare(lambda x: x.unfold(0, 1, 1), lambda x: x.unfold(0, 1, 1), [np.array(3.0, np.float32)])
+  with pytest.raises(ShapeError): Tensor.ones(3).unfold(0, 4, 1)
+  with pytest.raises(ValueError): Tensor.ones(3).unfold(0, 2, 0)
+
+
+@pytest.mark.parametrize("shape, kwargs", [
+  ((2, 3, 7, 6), {"kernel_size": (2, 3), "dilation": (1, 2), "padding": 1, "stride": (2, 1)}),
+  ((3, 5, 4), {"kernel_size": 2}),
+  ((1, 2, 4, 4), {"kernel_size": 4}),
+  ((2, 1, 5, 5), {"kernel_size": 3, "padding": 2, "stride": 3}),
+])
+def test_functional_unfold_im2col(shape: tuple[int, ...], kwargs: dict[str, Any]) -> None:
+  compare(lambda x: F.unfold(x, **kwargs), lambda x: TF.unfold(x, **kwargs), [_random(shape, 21)])
+  compare(lambda x: nn.Unfold(**kwargs)(x), lambda x: torch.nn.Unfold(**kwargs)(x), [_random(shape, 22)])
+
+
+# ================================================================ scatter_reduce
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_scatter_reduce(reduce: str, include_self: bool, dim: int) -> None:
+  target_shape, index_shape = (3, 5), (2, 4)
+  size = target_shape[dim]
+  # repeated indices (several sources on one place) and places no index names
+  index = np.random.default_rng(30).integers(0, size, index_shape)
+  compare(lambda x, src: x.scatter_reduce(dim, Tensor(index), src, reduce, include_self=include_self),
+          lambda x, src: x.scatter_reduce(dim, torch.tensor(index), src, reduce, include_self=include_self),
+          [_random(target_shape, 31), _random(index_shape, 32)])
+  # a src larger than the index (only its leading part is used); torch's backward refuses that shape, so values only
+  compare(lambda x, src: x.scatter_reduce(dim, Tensor(index), src, reduce, include_self=include_self),
+          lambda x, src: x.scatter_reduce(dim, torch.tensor(index), src, reduce, include_self=include_self),
+          [_random(target_shape, 33), _random((3, 6), 34)], grad=False)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_integers_and_negative_index(reduce: str, include_self: bool) -> None:
+  rng = np.random.default_rng(33)
+  target, src = rng.integers(-5, 5, (4, 3)).astype(np.int32), rng.integers(-5, 5, (4, 3)).astype(np.int32)
+  index = rng.integers(-4, 4, (4, 3))
+  positive = np.where(index < 0, index + 4, index)
+  ours = Tensor(target).scatter_reduce(0, Tensor(index), Tensor(src), reduce, include_self=include_self)
+  theirs = torch.tensor(target).scatter_reduce(0, torch.tensor(positive), torch.tensor(src), reduce,
+                                               include_self=include_self)
+  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+def test_scatter_reduce_ties_share_the_gradient() -> None:
+  target, src = np.array([1.0, 5.0, 0.0], np.float32), np.array([5.0, 5.0, 2.0], np.float32)
+  compare(lambda x, s: x.scatter_reduce(0, Tensor([1, 1, 2]), s, "amax"),
+          lambda x, s: x.scatter_reduce(0, torch.tensor([1, 1, 2]), s, "amax"), [target, src])
+
+
+def test_scatter_reduce_errors() -> None:
+  with pytest.raises(ValueError, match="reduce"): Tensor.ones(3).scatter_reduce(0, Tensor([0]), Tensor([1.0]), "max")
+  with pytest.raises(ShapeError): Tensor.ones(3).scatter_reduce(0, Tensor([[0]]), Tensor([1.0]), "sum")
+
+
+# ================================================================ weighted losses
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_cross_entropy_class_weights(reduction: str, label_smoothing: float) -> None:
+  rng = np.random.default_rng(40)
+  target = rng.integers(0, 4, (5, 3))
+  target[0, 0] = target[2, 1] = -100  # ignored samples
+  weight = rng.uniform(0.1, 2.0, (4,)).astype(np.float32)
+  compare(lambda x: x.cross_entropy(Tensor(target), reduction, label_smoothing, weight=Tensor(weight)),
+          lambda x: TF.cross_entropy(x, torch.tensor(target), torch.tensor(weight), reduction=reduction,
+                                     label_smoothing=label_smoothing), [_random((5, 4, 3), 41)])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_class_weights_probability_target(reduction: str) -> None:
+  probs, weight = _random((6, 4), 42, 0.0, 1.0), _random((4,), 43, 0.1, 2.0)
+  compare(lambda x: x.cross_entropy(Tensor(probs), reduction, 0.1, weight=Tensor(weight)),
+          lambda x: TF.cross_entropy(x, torch.tensor(probs), torch.tensor(weight), reduction=reduction,
+                                     label_smoothing=0.1), [_random((6, 4), 44)])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", [(6, 4), (4,), (2, 4, 3, 2)])
+def test_nll_loss_class_weights_and_ignore_index(reduction: str, shape: tuple[int, ...]) -> None:
+  target_shape = () if len(shape) == 1 else (shape[0], *shape[2:])
+  target = np.random.default_rng(45).integers(0, 4, target_shape)
+  weight = _random((4,), 46, 0.1, 2.0)
+  compare(lambda x: x.nll_loss(Tensor(target), reduction, ignore_index=1, weight=Tensor(weight)),
+          lambda x: TF.nll_loss(x, torch.tensor(target), torch.tensor(weight), ignore_index=1, reduction=reduction),
+          [_random(shape, 47)])
+
+
+def test_loss_modules_take_class_weights() -> None:
+  weight = _random((4,), 48, 0.1, 2.0)
+  target = np.random.default_rng(49).integers(0, 4, (6,))
+  ours, theirs = nn.CrossEntropyLoss(weight=Tensor(weight)), torch.nn.CrossEntropyLoss(weight=torch.tensor(weight))
+  assert list(ours.state_dict()) == list(theirs.state_dict()) == ["weight"]
+  compare(lambda x: ours(x, Tensor(target)), lambda x: theirs(x, torch.tensor(target)), [_random((6, 4), 50)])
+  compare(lambda x: nn.NLLLoss(weight=Tensor(weight))(x, Tensor(target)),
+          lambda x: torch.nn.NLLLoss(weight=torch.tensor(weight))(x, torch.tensor(target)), [_random((6, 4), 51)])
+  with pytest.raises(ShapeError, match="one value per class"): Tensor.ones(2, 4).cross_entropy(Tensor([0, 1]),
+                                                                                              weight=Tensor.ones(3))
+
+
+# ================================================================ pooling options, max_unpool
+
+POOL_WINDOWS = [(3, 2, 1), (2, 2, 0), (3, 3, 1), (2, 1, 0), (4, 3, 2)]
+
+
+@pytest.mark.parametrize("kernel, stride, padding", POOL_WINDOWS)
+@pytest.mark.parametrize("ceil_mode", [False, True])
+@pytest.mark.parametrize("count_include_pad", [True, False])
+def test_avg_pool_options(kernel: int, stride: int, padding: int, ceil_mode: bool, count_include_pad: bool) -> None:
+  options = {"ceil_mode": ceil_mode, "count_include_pad": count_include_pad}
+  compare(lambda x: x.avg_pool2d(kernel, stride, padding, **options),
+          lambda x: TF.avg_pool2d(x, kernel, stride, padding, **options), [_random((2, 3, 7, 6), 60)])
+  compare(lambda x: F.avg_pool1d(x, kernel, stride, padding, **options),
+          lambda x: TF.avg_pool1d(x, kernel, stride, padding, **options), [_random((2, 3, 9), 61)])
+  compare(lambda x: nn.AvgPool2d(kernel, stride, padding, **options)(x),
+          lambda x: torch.nn.AvgPool2d(kernel, stride, padding, **options)(x), [_random((3, 8, 5), 62)])
+
+
+def test_avg_pool_divisor_override() -> None:
+  compare(lambda x: x.avg_pool2d(3, 2, 1, divisor_override=5), lambda x: TF.avg_pool2d(x, 3, 2, 1,
+                                                                                        divisor_override=5),
+          [_random((1, 2, 9, 8), 63)])
+
+
+@pytest.mark.parametrize("kernel, stride, padding", POOL_WINDOWS)
+@pytest.mark.parametrize("ceil_mode", [False, True])
+def test_max_pool_ceil_mode_and_indices(kernel: int, stride: int, padding: int, ceil_mode: bool) -> None:
+  options = {"ceil_mode": ceil_mode, "return_indices": True}
+  compare(lambda x: x.max_pool2d(kernel, stride, padding, **options),
+          lambda x: TF.max_pool2d(x, kernel, stride, padding, **options), [_random((2, 3, 7, 6), 64)])
+  compare(lambda x: F.max_pool1d(x, kernel, stride, padding, **options),
+          lambda x: TF.max_pool1d(x, kernel, stride, padding, **options), [_random((2, 9), 65)])
+  compare(lambda x: nn.MaxPool2d(kernel, stride, padding, ceil_mode=ceil_mode)(x),
+          lambda x: torch.nn.MaxPool2d(kernel, stride, padding, ceil_mode=ceil_mode)(x), [_random((3, 8, 5), 66)])
+
+
+def test_max_pool_indices_dilation_and_ties() -> None:
+  compare(lambda x: x.max_pool2d(3, 2, 1, dilation=2, ceil_mode=True, return_indices=True),
+          lambda x: TF.max_pool2d(x, 3, 2, 1, dilation=2, ceil_mode=True, return_indices=True),
+          [_random((1, 2, 9, 8), 67)])
+  # ties: the first maximum in the window's row-major order, as torch's CPU kernel
+  plateau = np.array([[[[1.0, 1.0, 0.0], [1.0, 1.0, 2.0], [2.0, 0.0, 2.0]]]], np.float32)
+  compare(lambda x: x.max_pool2d(2, 1, return_indices=True), lambda x: TF.max_pool2d(x, 2, 1, return_indices=True),
+          [plateau], grad=False)
+
+
+@pytest.mark.parametrize("output_size", [None, (7, 9)])
+def test_max_unpool2d_round_trip(output_size: tuple[int, int] | None) -> None:
+  _, indices = TF.max_pool2d(torch.tensor(_random((2, 3, 6, 8), 70)), 2, return_indices=True)
+  compare(lambda v: v.max_unpool2d(Tensor(indices.numpy()), 2, output_size=output_size),
+          lambda v: TF.max_unpool2d(v, indices, 2, output_size=output_size), [_random(tuple(indices.shape), 71)])
+  compare(lambda v: nn.MaxUnpool2d(2)(v, Tensor(indices.numpy())), lambda v: torch.nn.MaxUnpool2d(2)(v, indices),
+          [_random(tuple(indices.shape), 72)])
+
+
+def test_max_pool_then_unpool_in_ourgrad() -> None:
+  x = _random((1, 2, 5, 7), 73)
+  def ours(t: Tensor) -> Tensor:
+    values, indices = t.max_pool2d(3, 2, 1, return_indices=True)
+    return values.max_unpool2d(indices, 3, 2, 1, output_size=t.shape)
+  def theirs(t: torch.Tensor) -> torch.Tensor:
+    values, indices = TF.max_pool2d(t, 3, 2, 1, return_indices=True)
+    return TF.max_unpool2d(values, indices, 3, 2, 1, output_size=t.shape)
+  compare(ours, theirs, [x])
+  _, indices = TF.max_pool1d(torch.tensor(_random((2, 3, 8), 74)), 2, return_indices=True)
+  compare(lambda v: F.max_unpool1d(v, Tensor(indices.numpy()), 2), lambda v: TF.max_unpool1d(v, indices, 2),
+          [_random(tuple(indices.shape), 75)])
+
+
+# ================================================================ einsum
+
+@pytest.mark.parametrize("formula, shapes", [
+  ("...i->", [(2, 3)]), ("i...,i...->", [(2, 3), (2, 3)]), ("...ij->j", [(2, 3, 4)]), ("b...i->bi", [(2, 3, 4, 5)]),
+  ("...ij,...jk->...ik", [(2, 3, 4, 5), (2, 3, 5, 6)]), ("b...i->...bi", [(2, 3, 4, 5)]),
+  ("...i,...j->...ij", [(2, 1, 3), (4, 5)]), ("...ij,jk->ik", [(2, 3, 4), (4, 5)]),
+])
+def test_einsum_ellipsis_kept_or_summed(formula: str, shapes: list[tuple[int, ...]]) -> None:
+  compare(lambda *xs: Tensor.einsum(formula, *xs), lambda *xs: torch.einsum(formula, *xs),
+          [_random(shape, 80 + number) for number, shape in enumerate(shapes)], atol=1e-4)
