@@ -378,7 +378,9 @@ class MovementMixin:
     return steps, tensor_dims
 
   def __getitem__(self, index: Any) -> Tensor:
-    """Basic indexing (ints, slices with steps, None, Ellipsis) as views, and integer-Tensor indexing."""
+    """Basic indexing (ints, slices with steps, None, Ellipsis) as views, integer-Tensor indexing, and boolean
+    masks (x[mask]: realizes the mask, as its count of True sets the result's size)."""
+    index = self._bool_masks_as_indices(index)
     steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
     x = self
     for forward, _ in steps: x = forward(x)
@@ -446,11 +448,13 @@ class MovementMixin:
 
   def __setitem__(self, index: Any, value: Tensor | Scalar) -> None:
     """`t[index] = value` for basic indices (ints, slices, None, ...). The value is put back into place by
-    the inverse view steps and merged with `where`: one fused elementwise kernel writing this tensor's buffer."""
+    the inverse view steps and merged with `where`: one fused elementwise kernel writing this tensor's buffer.
+    Integer-tensor indices and boolean masks go through `_setitem_advanced`."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    if self._setitem_by_mask(index, value): return
+    index = self._bool_masks_as_indices(index)
     steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
-    if tensor_dims:
-      raise NotImplementedError("assignment through tensor indices is not supported; build a mask and use where")
+    if tensor_dims: return self._setitem_advanced(index, value)
     selected = self
     for forward, _ in steps: selected = forward(selected)
     value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
@@ -460,6 +464,65 @@ class MovementMixin:
     inside = Tensor.full(selected.shape, True, dtypes.bool, device=self.device)
     for _, inverse in reversed(steps): value, inside = inverse(value), inverse(inside)
     self.assign(inside.where(value, self.detach()))
+
+  def _bool_masks_as_indices(self, index: Any) -> Any:
+    """The index with each boolean mask (a bool Tensor, numpy array or list) replaced by the integer tensors of its
+    True positions, one per dim it covers (numpy's rule: a k-dim mask indexes k dims). Realizes the masks."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    items = list(index) if isinstance(index, tuple) else [index]
+    masks = [_as_bool_mask(item, Tensor, self.device) for item in items]
+    if all(mask is None for mask in masks): return index
+    consumed = [mask.ndim if mask is not None else 0 if item is None or item is Ellipsis else 1
+                for item, mask in zip(items, masks)]
+    converted: list[Any] = []
+    dim = 0
+    for position, (item, mask) in enumerate(zip(items, masks)):
+      if item is Ellipsis: dim = self.ndim - sum(consumed[position + 1:])
+      if mask is None:
+        converted.append(item)
+      else:
+        if mask.ndim == 0: raise IndexError("a 0-d boolean mask is not supported as an index; use where")
+        covered = self.shape[dim:dim + mask.ndim]
+        if mask.shape != covered:
+          raise IndexError(f"boolean mask of shape {mask.shape} does not match the dims it indexes, {covered} at dim "
+                           f"{dim} of a tensor of shape {self.shape}")
+        converted.extend(mask.nonzero(as_tuple=True))
+      dim += consumed[position]
+    return tuple(converted)
+
+  def _setitem_by_mask(self, index: Any, value: Any) -> bool:
+    """`t[mask] = value` with a bool mask over the leading dims and a value that broadcasts to the rest (a number,
+    or one row): a lazy `where`, no realize. False (nothing done) for any other index."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    mask = _as_bool_mask(index, Tensor, self.device)
+    if mask is None or mask.ndim == 0 or mask.shape != self.shape[:mask.ndim]: return False
+    value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
+    rest = self.shape[mask.ndim:]
+    if value.ndim > len(rest) or any(v not in (1, r) for v, r in zip(value.shape[::-1], rest[::-1])): return False
+    if value.device != self.device:
+      raise DeviceError(f"cannot assign a tensor on {value.device} into one on {self.device}; use .to()")
+    spread = mask.reshape(mask.shape + (1,) * len(rest))
+    self.assign(spread.where(value.cast(self.dtype), self.detach()))
+    return True
+
+  def _setitem_advanced(self, index: Any, value: Tensor | Scalar) -> None:
+    """`t[index] = value` where the index holds integer tensors (boolean masks already turned into them): the flat
+    address of every selected element comes from indexing an arange the same way; each place takes the value of
+    the last source that names it (repeated indices: the last wins, as PyTorch's CPU index_put_ does), picked by a
+    one-hot max and a gather, and the result is written through assign like basic setitem."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    selected = Tensor.arange(self.numel(), device=self.device).reshape(self.shape)[index]
+    value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
+    if value.device != self.device:
+      raise DeviceError(f"cannot assign a tensor on {value.device} into one on {self.device}; use .to()")
+    if selected.numel() == 0: return
+    addresses = selected.reshape(-1)
+    sources = value.cast(self.dtype).expand(selected.shape).reshape(-1)
+    hits = addresses.unsqueeze(-1) == Tensor.arange(self.numel(), device=self.device)  # (selected, numel)
+    source_numbers = Tensor.arange(addresses.shape[0], device=self.device).unsqueeze(-1)
+    last = hits.where(source_numbers, -1).max(0)  # per place: the last source naming it, -1 for none
+    picked = sources.reshape(-1, 1)._take_rows(last.maximum(0)).reshape(self.shape)
+    self.assign((last >= 0).reshape(self.shape).where(picked, self.detach()))
 
   def gather(self, dim: int, index: Tensor) -> Tensor:
     """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather); reads only the picked elements. An index
@@ -693,6 +756,15 @@ def _joined_tensors(name: str, first: Any, rest: tuple[Any, ...], dim: int) -> t
     if not hasattr(tensor, "lazydata"):
       raise TypeError(f"{name} joins Tensors, got {type(tensor).__name__}; pass the dim as dim=")
   return tensors, dim
+
+
+def _as_bool_mask(item: Any, tensor_class: Any, device: Any) -> Any:
+  """`item` as a bool Tensor if it is a boolean mask (a bool Tensor, numpy bool array, or list of bools), else None."""
+  if isinstance(item, tensor_class): return item if item.dtype == dtypes.bool else None
+  if isinstance(item, np.ndarray): return tensor_class(item, device=device) if item.dtype == np.bool_ else None
+  if isinstance(item, list) and item and all(isinstance(part, (bool, np.bool_)) for part in item):
+    return tensor_class(item, device=device)
+  return None
 
 
 def _narrow_step(dim: int, start: int, end: int, size: int) -> tuple[Any, Any]:

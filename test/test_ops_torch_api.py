@@ -322,3 +322,109 @@ def test_max_pool_then_unpool_in_ourgrad() -> None:
 def test_einsum_ellipsis_kept_or_summed(formula: str, shapes: list[tuple[int, ...]]) -> None:
   compare(lambda *xs: Tensor.einsum(formula, *xs), lambda *xs: torch.einsum(formula, *xs),
           [_random(shape, 80 + number) for number, shape in enumerate(shapes)], atol=1e-4)
+
+
+# ================================================================ data-dependent shapes
+
+@pytest.mark.parametrize("shape", [(2, 3), (5,), (2, 3, 4), (0, 3), (1, 1)])
+def test_nonzero_and_argwhere(shape: tuple[int, ...]) -> None:
+  values = np.where(_random(shape, 90) > 0.5, _random(shape, 91), 0.0).astype(np.float32)
+  compare(lambda x: x.nonzero(), lambda x: x.nonzero(), [values], grad=False)
+  compare(lambda x: x.nonzero(as_tuple=True), lambda x: x.nonzero(as_tuple=True), [values], grad=False)
+  compare(lambda x: x.argwhere(), lambda x: torch.argwhere(x), [values], grad=False)
+  compare(lambda x: (x > 0).nonzero(), lambda x: (x > 0).nonzero(), [values], grad=False)
+
+
+def test_nonzero_of_0d_and_all_zero() -> None:
+  for value in (np.array(2.0, np.float32), np.array(0.0, np.float32), np.zeros((3, 2), np.float32)):
+    compare(lambda x: x.nonzero(), lambda x: x.nonzero(), [value], grad=False)
+    compare(lambda x: x.nonzero(as_tuple=True), lambda x: x.nonzero(as_tuple=True), [value], grad=False)
+
+
+@pytest.mark.parametrize("shape, mask_shape", [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((5,), (5,)),
+                                               ((2, 3), (2, 3))])
+def test_masked_select(shape: tuple[int, ...], mask_shape: tuple[int, ...]) -> None:
+  mask = _random(mask_shape, 92) > 0
+  compare(lambda x: x.masked_select(Tensor(mask)), lambda x: x.masked_select(torch.tensor(mask)),
+          [_random(shape, 93)])
+  nothing = np.zeros(mask_shape, bool)
+  compare(lambda x: x.masked_select(Tensor(nothing)), lambda x: x.masked_select(torch.tensor(nothing)),
+          [_random(shape, 94)])
+
+
+@pytest.mark.parametrize("values", [
+  np.array([3, 1, 2, 3, 1, 7], np.int32), np.array([[2.5, -1.0], [2.5, 0.0]], np.float32), np.array([4], np.int32),
+  np.array([], np.float32), np.array([True, False, True]),
+])
+@pytest.mark.parametrize("return_inverse, return_counts", [(False, False), (True, False), (False, True), (True, True)])
+def test_unique(values: np.ndarray, return_inverse: bool, return_counts: bool) -> None:
+  compare(lambda x: x.unique(return_inverse=return_inverse, return_counts=return_counts),
+          lambda x: torch.unique(x, sorted=True, return_inverse=return_inverse, return_counts=return_counts),
+          [values], grad=False)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_unique_along_a_dim(dim: int) -> None:
+  rows = np.array([[1, 2, 1], [0, 5, 0], [1, 2, 1], [0, 5, 0]], np.int32)
+  compare(lambda x: x.unique(dim=dim, return_inverse=True, return_counts=True),
+          lambda x: torch.unique(x, dim=dim, return_inverse=True, return_counts=True), [rows], grad=False)
+
+
+MASK_INDICES: list[Callable[[Any, np.ndarray], Any]] = [
+  lambda lib, x: lib(x > 0),                          # a mask of the whole shape
+  lambda lib, x: lib(x[..., 0] > 0),                  # leading dims
+  lambda lib, x: (slice(None), lib(x[0, :, 0] > 0)),  # a middle dim
+  lambda lib, x: (Ellipsis, lib(x[0, 0] > 0)),        # after an ellipsis
+  lambda lib, x: (lib(x[:, 0, 0] > 0), 1),            # with an int
+  lambda lib, x: lib(np.zeros(x.shape, bool)),        # nothing selected
+]
+
+
+@pytest.mark.parametrize("number", range(len(MASK_INDICES)))
+def test_boolean_mask_getitem(number: int) -> None:
+  x = _random((3, 4, 5), 95)
+  compare(lambda t: t[MASK_INDICES[number](Tensor, x)], lambda t: t[MASK_INDICES[number](torch.tensor, x)], [x])
+
+
+def test_boolean_mask_getitem_errors_and_lists() -> None:
+  x = _random((3, 4), 96)
+  with pytest.raises(IndexError, match="boolean mask"): Tensor(x)[Tensor(np.ones((4,), bool))]
+  np.testing.assert_array_equal(Tensor(x)[[True, False, True]].numpy(), x[[True, False, True]])
+  np.testing.assert_array_equal(Tensor(x)[np.array([False, True, True])].numpy(), x[np.array([False, True, True])])
+
+
+SET_INPUT = _random((3, 4, 5), 97)
+SELECTED_ABOVE_1 = int((SET_INPUT > 1).sum())
+SET_CASES: list[tuple[Callable[[Any, np.ndarray], Any], Callable[[Any], Any]]] = [
+  (lambda lib, x: lib(x > 0), lambda lib: 0.5),                                                  # mask, number
+  (lambda lib, x: lib(x[..., 0] > 0), lambda lib: lib(np.arange(5, dtype=np.float32))),          # mask, one row
+  (lambda lib, x: lib(x > 1), lambda lib: lib(np.arange(SELECTED_ABOVE_1, dtype=np.float32))),  # mask, per element
+  (lambda lib, x: lib(np.array([2, 0])), lambda lib: -1.0),                                      # x[idx] = v
+  (lambda lib, x: (lib(np.array([1, 0])), slice(1, None)),
+   lambda lib: lib(np.arange(30, dtype=np.float32).reshape(2, 3, 5) * 0.5)),                     # x[idx, 1:] = v
+  (lambda lib, x: (lib(np.array([2, 0, 1])), lib(np.array([0, 3, 3])), 4),
+   lambda lib: lib(np.array([7.0, 8.0, 9.0], np.float32))),                                      # several tensors
+  (lambda lib, x: (slice(None), lib(np.array([-1, 0]))), lambda lib: 5.0),                      # negative index
+  (lambda lib, x: lib(np.array([1, 1])), lambda lib: lib(np.ones((2, 4, 5), np.float32) * 3)),  # repeated index
+  (lambda lib, x: (lib(x[:, 0, 0] > 0), 1), lambda lib: 2.0),                                   # mask and an int
+]
+
+
+@pytest.mark.parametrize("number", range(len(SET_CASES)))
+def test_setitem_with_tensor_indices_and_masks(number: int) -> None:
+  make_index, make_value = SET_CASES[number]
+  x = SET_INPUT
+  ours, theirs = Tensor(x.copy()), torch.tensor(x.copy())
+  ours[make_index(Tensor, x)] = make_value(Tensor)
+  theirs[make_index(torch.tensor, x)] = make_value(torch.tensor)
+  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+def test_setitem_mask_over_a_realized_tensor_and_an_int_tensor() -> None:
+  x = np.arange(12, dtype=np.int32).reshape(3, 4)
+  ours, theirs = Tensor(x.copy()).realize(), torch.tensor(x.copy())
+  ours[ours % 3 == 0] = -1
+  theirs[theirs % 3 == 0] = -1
+  ours[Tensor([0, 2]), Tensor([1, 3])] = Tensor([100, 200])
+  theirs[torch.tensor([0, 2]), torch.tensor([1, 3])] = torch.tensor([100, 200], dtype=torch.int32)
+  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
