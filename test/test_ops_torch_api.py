@@ -428,3 +428,117 @@ def test_setitem_mask_over_a_realized_tensor_and_an_int_tensor() -> None:
   ours[Tensor([0, 2]), Tensor([1, 3])] = Tensor([100, 200])
   theirs[torch.tensor([0, 2]), torch.tensor([1, 3])] = torch.tensor([100, 200], dtype=torch.int32)
   np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+# ================================================================ recurrent and transformer layers
+
+def _copy_weights(ours: nn.Module, theirs: torch.nn.Module) -> None:
+  """torch's state_dict into ours, after checking that the names (and their order) are the same."""
+  assert list(ours.state_dict()) == list(theirs.state_dict())
+  result = ours.load_state_dict({name: Tensor(value.detach().numpy()) for name, value in theirs.state_dict().items()})
+  assert not result.missing_keys and not result.unexpected_keys
+
+
+def _check_layer(ours: nn.Module, theirs: torch.nn.Module, inputs: list[np.ndarray],
+                 call: Callable[[Any, list[Any]], Any], atol: float = 1e-5) -> None:
+  """ours and theirs (with torch's weights) on the same inputs: every output, and the gradients of every input and
+  parameter for sum(first output * a random upstream)."""
+  _copy_weights(ours, theirs)
+  ours_in = [Tensor(a, requires_grad=True) for a in inputs]
+  theirs_in = [torch.tensor(a, requires_grad=True) for a in inputs]
+  ours_out, theirs_out = call(ours, ours_in), call(theirs, theirs_in)
+  flat_ours = [t for item in _outputs(ours_out) for t in _outputs(item)]
+  flat_theirs = [t for item in _outputs(theirs_out) for t in _outputs(item)]
+  for mine, reference in zip(flat_ours, flat_theirs, strict=True):
+    np.testing.assert_allclose(mine.numpy(), reference.detach().numpy(), atol=atol, rtol=1e-5)
+  upstream = _random(tuple(flat_theirs[0].shape), 99)
+  (flat_theirs[0] * torch.tensor(upstream)).sum().backward()
+  (flat_ours[0] * Tensor(upstream)).sum().backward()
+  for number, (mine, reference) in enumerate(zip(ours_in, theirs_in)):
+    np.testing.assert_allclose(mine.grad.numpy(), reference.grad.numpy(), atol=atol, rtol=1e-4,
+                               err_msg=f"input {number}")
+  theirs_params = dict(theirs.named_parameters())
+  for name, parameter in ours.named_parameters():
+    np.testing.assert_allclose(parameter.grad.numpy(), theirs_params[name].grad.numpy(), atol=atol, rtol=1e-4,
+                               err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("options", [
+  {}, {"num_layers": 2}, {"bidirectional": True}, {"num_layers": 2, "bidirectional": True, "batch_first": True},
+  {"bias": False, "batch_first": True},
+])
+def test_recurrent_layers(kind: str, options: dict[str, Any]) -> None:
+  ours, theirs = getattr(nn, kind)(3, 4, **options), getattr(torch.nn, kind)(3, 4, **options)
+  shape = (2, 5, 3)  # (L, N, I), or (N, L, I) with batch_first
+  _check_layer(ours, theirs, [_random(shape, 100)], lambda layer, xs: layer(xs[0]))
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_recurrent_layers_initial_state_and_unbatched(kind: str) -> None:
+  options = {"num_layers": 2, "bidirectional": True}
+  ours, theirs = getattr(nn, kind)(3, 4, **options), getattr(torch.nn, kind)(3, 4, **options)
+  inputs = [_random((6, 2, 3), 101), _random((4, 2, 4), 102)] + ([_random((4, 2, 4), 103)] if kind == "LSTM" else [])
+  call = (lambda layer, xs: layer(xs[0], (xs[1], xs[2]))) if kind == "LSTM" else (lambda layer, xs: layer(*xs))
+  _check_layer(ours, theirs, inputs, call)
+  unbatched = [_random((6, 3), 104)]
+  _check_layer(getattr(nn, kind)(3, 4), getattr(torch.nn, kind)(3, 4), unbatched, lambda layer, xs: layer(xs[0]))
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_recurrent_cells(kind: str, batched: bool) -> None:
+  ours, theirs = getattr(nn, kind)(3, 5), getattr(torch.nn, kind)(3, 5)
+  x_shape, h_shape = ((4, 3), (4, 5)) if batched else ((3,), (5,))
+  if kind == "LSTMCell":
+    inputs = [_random(x_shape, 105), _random(h_shape, 106), _random(h_shape, 107)]
+    _check_layer(ours, theirs, inputs, lambda cell, xs: cell(xs[0], (xs[1], xs[2])))
+  else:
+    _check_layer(ours, theirs, [_random(x_shape, 105), _random(h_shape, 106)], lambda cell, xs: cell(*xs))
+  _check_layer(getattr(nn, kind)(3, 5), getattr(torch.nn, kind)(3, 5), [_random(x_shape, 108)],
+               lambda cell, xs: cell(xs[0]))
+
+
+def test_recurrent_shape_errors() -> None:
+  with pytest.raises(ShapeError, match="input_size=3"): nn.LSTM(3, 4)(Tensor.ones(2, 5, 2))
+  with pytest.raises(ShapeError, match="initial state"): nn.GRU(3, 4)(Tensor.ones(2, 5, 3), Tensor.ones(2, 5, 4))
+  with pytest.raises(ShapeError): nn.LSTMCell(3, 4)(Tensor.ones(2, 4))
+
+
+@pytest.mark.parametrize("options, masks", [
+  ({}, "none"), ({}, "causal+padding"), ({"norm_first": True, "activation": "gelu", "batch_first": True}, "padding"),
+  ({"norm_first": True}, "float"), ({"batch_first": True, "bias": False}, "causal+padding"),
+])
+def test_transformer_encoder_layer(options: dict[str, Any], masks: str) -> None:
+  ours = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, **options)
+  theirs = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, **options)
+  theirs.eval()  # torch's training path and fast path give the same values at dropout 0; eval keeps it simple
+  batch_first = options.get("batch_first", False)
+  length, batch = 5, 3
+  x = _random((batch, length, 8) if batch_first else (length, batch, 8), 110)
+  padding = np.zeros((batch, length), bool)
+  padding[0, -2:] = True
+  attn_mask = {"none": None, "causal+padding": np.triu(np.ones((length, length), bool), 1),
+               "padding": None, "float": _random((length, length), 111)}[masks]
+  key_padding = padding if "padding" in masks else None
+
+  def call(layer: Any, xs: list[Any]) -> Any:
+    lib = Tensor if isinstance(layer, nn.Module) else torch.tensor
+    return layer(xs[0], None if attn_mask is None else lib(attn_mask), None if key_padding is None else
+                 lib(key_padding))
+  _check_layer(ours, theirs, [x], call)
+
+
+def test_transformer_encoder_stack_and_training_dropout() -> None:
+  layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+  theirs_layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+  ours = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(8))
+  theirs = torch.nn.TransformerEncoder(theirs_layer, 2, norm=torch.nn.LayerNorm(8), enable_nested_tensor=False)
+  theirs.eval()
+  _check_layer(ours, theirs, [_random((3, 4, 8), 112)], lambda model, xs: model(xs[0]))
+  # dropout acts while training: the output changes, its shape does not
+  dropping = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.5).train()
+  x = Tensor(_random((4, 2, 8), 113))
+  assert dropping(x).shape == (4, 2, 8)
+  assert not np.allclose(dropping(x).numpy(), dropping.eval()(x).numpy())
+  with pytest.raises(ValueError, match="activation"): nn.TransformerEncoderLayer(8, 2, activation="tanh")
