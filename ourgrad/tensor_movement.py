@@ -506,23 +506,27 @@ class MovementMixin:
     return True
 
   def _setitem_advanced(self, index: Any, value: Tensor | Scalar) -> None:
-    """`t[index] = value` where the index holds integer tensors (boolean masks already turned into them): the flat
-    address of every selected element comes from indexing an arange the same way; each place takes the value of
-    the last source that names it (repeated indices: the last wins, as PyTorch's CPU index_put_ does), picked by a
-    one-hot max and a gather, and the result is written through assign like basic setitem."""
+    """`t[index] = value` where the index holds integer tensors (boolean masks already turned into them). The flat
+    address of every selected element comes from indexing an arange the same way, realized (as PyTorch's eager
+    index_put_ reads its indices); on the host each place then learns which source writes it, the last one where
+    an index repeats (as numpy's and PyTorch's CPU assignment). The new values are a lazy gather of the sources and a
+    where with the old ones, written through assign like basic setitem: O(numel), no one-hot."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
-    selected = Tensor.arange(self.numel(), device=self.device).reshape(self.shape)[index]
+    # 1 + the flat address of each selected element; an index out of range reads 0 (see _take_rows)
+    places = (Tensor.arange(self.numel(), device=self.device) + 1).reshape(self.shape)[index]
     value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
     if value.device != self.device:
       raise DeviceError(f"cannot assign a tensor on {value.device} into one on {self.device}; use .to()")
-    if selected.numel() == 0: return
-    addresses = selected.reshape(-1)
-    sources = value.cast(self.dtype).expand(selected.shape).reshape(-1)
-    hits = addresses.unsqueeze(-1) == Tensor.arange(self.numel(), device=self.device)  # (selected, numel)
-    source_numbers = Tensor.arange(addresses.shape[0], device=self.device).unsqueeze(-1)
-    last = hits.where(source_numbers, -1).max(0)  # per place: the last source naming it, -1 for none
-    picked = sources.reshape(-1, 1)._take_rows(last.maximum(0)).reshape(self.shape)
-    self.assign((last >= 0).reshape(self.shape).where(picked, self.detach()))
+    sources = value.cast(self.dtype).expand(places.shape).reshape(-1, 1)
+    if places.numel() == 0: return
+    addresses = places.numpy().reshape(-1).astype(np.int64) - 1
+    if (addresses < 0).any():
+      raise IndexOutOfRangeError(f"an index tensor in t[index] = value is out of range for shape {self.shape}")
+    source_of_place = np.full(self.numel(), -1, dtype=np.int32)
+    source_of_place[addresses] = np.arange(addresses.size, dtype=np.int32)  # numpy assigns in order: the last wins
+    picked = sources._take_rows(Tensor(np.maximum(source_of_place, 0), device=self.device)).reshape(self.shape)
+    written = Tensor(source_of_place >= 0, device=self.device).reshape(self.shape)
+    self.assign(written.where(picked, self.detach()))
 
   def gather(self, dim: int, index: Tensor) -> Tensor:
     """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather); reads only the picked elements. An index

@@ -420,6 +420,12 @@ def test_setitem_with_tensor_indices_and_masks(number: int) -> None:
   np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
 
 
+def test_setitem_with_an_index_out_of_range_raises() -> None:
+  x = Tensor.zeros(3, 4).contiguous().realize()
+  with pytest.raises(IndexError, match="out of range"): x[Tensor([0, 5])] = 1.0
+  with pytest.raises(IndexError, match="out of range"): x[Tensor([1]), Tensor([-5])] = 1.0
+
+
 def test_setitem_mask_over_a_realized_tensor_and_an_int_tensor() -> None:
   x = np.arange(12, dtype=np.int32).reshape(3, 4)
   ours, theirs = Tensor(x.copy()).realize(), torch.tensor(x.copy())
