@@ -548,3 +548,34 @@ def test_transformer_encoder_stack_and_training_dropout() -> None:
   assert dropping(x).shape == (4, 2, 8)
   assert not np.allclose(dropping(x).numpy(), dropping.eval()(x).numpy())
   with pytest.raises(ValueError, match="activation"): nn.TransformerEncoderLayer(8, 2, activation="tanh")
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_masks_and_every_gradient(batch_first: bool, need_weights: bool) -> None:
+  length, source, batch, embed = 4, 6, 2, 8
+  ours, theirs = nn.MultiheadAttention(embed, 2, batch_first=batch_first), \
+    torch.nn.MultiheadAttention(embed, 2, batch_first=batch_first)
+  q_shape = (batch, length, embed) if batch_first else (length, batch, embed)
+  kv_shape = (batch, source, embed) if batch_first else (source, batch, embed)
+  attn_mask = np.triu(np.ones((length, source), bool), 3)
+  padding = np.zeros((batch, source), bool)
+  padding[1, -2:] = True
+
+  def call(layer: Any, xs: list[Any]) -> Any:
+    lib = Tensor if isinstance(layer, nn.Module) else torch.tensor
+    out, weights = layer(*xs, key_padding_mask=lib(padding), need_weights=need_weights, attn_mask=lib(attn_mask))
+    return (out, weights) if need_weights else out
+  _check_layer(ours, theirs, [_random(q_shape, 120), _random(kv_shape, 121), _random(kv_shape, 122)], call)
+
+
+def test_pooling_modules_return_indices_and_divisor() -> None:
+  compare(lambda x: nn.MaxPool2d(3, 2, 1, return_indices=True, ceil_mode=True)(x),
+          lambda x: torch.nn.MaxPool2d(3, 2, 1, return_indices=True, ceil_mode=True)(x), [_random((2, 3, 7, 6), 123)])
+  compare(lambda x: nn.MaxPool1d(2, return_indices=True)(x), lambda x: torch.nn.MaxPool1d(2, return_indices=True)(x),
+          [_random((2, 3, 7), 124)])
+  compare(lambda x: nn.AvgPool2d(3, 2, 1, divisor_override=4)(x),
+          lambda x: torch.nn.AvgPool2d(3, 2, 1, divisor_override=4)(x), [_random((2, 3, 7, 6), 125)])
+  _, indices = TF.max_pool1d(torch.tensor(_random((2, 3, 8), 126)), 2, return_indices=True)
+  compare(lambda v: nn.MaxUnpool1d(2)(v, Tensor(indices.numpy())), lambda v: torch.nn.MaxUnpool1d(2)(v, indices),
+          [_random(tuple(indices.shape), 127)])
