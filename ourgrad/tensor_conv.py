@@ -437,24 +437,26 @@ class ConvMixin:
 
   def _avg_pool_options(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
                         padding: IntOrTuple, ceil_mode: bool, count_include_pad: bool,
-                        divisor_override: int | None) -> Tensor:
+                        divisor_override: int | None, dilation: IntOrTuple = 1) -> Tensor:
     """Average pooling with PyTorch's options (the plain case goes through _avg_pool): the window sums divided by
     `divisor_override`, or by how many places of each window count: the input and the zero padding with
-    `count_include_pad`, the input alone without it; never the extra right padding that ceil_mode adds."""
+    `count_include_pad`, the input alone without it; never the extra right padding that ceil_mode adds. (tinygrad's
+    `dilation` spreads the window as max pooling's does.)"""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
-    kernel, strides, pads, _ = self._pool_args(f"avg_pool{dims}d", dims, kernel_size, stride, padding, 1)
+    kernel, strides, pads, dilations = self._pool_args(f"avg_pool{dims}d", dims, kernel_size, stride, padding,
+                                                       dilation)
     if divisor_override is not None and divisor_override <= 0:
       raise ValueError(f"avg_pool{dims}d divisor_override must be positive, got {divisor_override}")
-    sizes, ones = self.shape[-dims:], (1,) * dims
-    outs = [_pooled_size(i, k, s, p, 1, ceil_mode) for i, k, s, p in zip(sizes, kernel, strides, pads)]
-    extra = _ceil_extra(sizes, outs, kernel, strides, pads, ones)
+    sizes = self.shape[-dims:]
+    outs = [_pooled_size(i, k, s, p, d, ceil_mode) for i, k, s, p, d in zip(sizes, kernel, strides, pads, dilations)]
+    extra = _ceil_extra(sizes, outs, kernel, strides, pads, dilations)
     lead = [None] * (self.ndim - dims)
     padded = self.pad(lead + [(p, p + e) for p, e in zip(pads, extra)])
     window_axes = tuple(range(-dims, 0))
-    total = _pool(padded, kernel, strides, ones).sum(window_axes)
+    total = _pool(padded, kernel, strides, dilations).sum(window_axes)
     if divisor_override is not None: return total / divisor_override
     counted = Tensor.ones(*sizes, device=self.device).pad([(p, p) for p in pads], value=float(count_include_pad))
-    counts = _pool(counted.pad([(0, e) for e in extra]), kernel, strides, ones).sum(window_axes)
+    counts = _pool(counted.pad([(0, e) for e in extra]), kernel, strides, dilations).sum(window_axes)
     return total / counts
 
   def _max_pool_options(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
@@ -482,7 +484,7 @@ class ConvMixin:
     return values, indices.cast(dtypes.int64)
 
   def _max_unpool(self: Tensor, dims: int, indices: Tensor, kernel_size: IntOrTuple, stride: IntOrTuple | None,
-                  padding: IntOrTuple, output_size: Sequence[int] | None) -> Tensor:
+                  padding: IntOrTuple, output_size: Sequence[int] | None, dilation: IntOrTuple = 1) -> Tensor:
     """The inverse of max pooling: each value written at its flat position `indices` (max_pool's return_indices)
     of an output plane of zeros, like torch.nn.functional.max_unpool{1,2}d. A one-hot over the output positions and
     a sum (no scatter op). Where an index repeats (overlapping pooling windows) the values are equal and one is
@@ -491,13 +493,14 @@ class ConvMixin:
     _check_rank(self, f"max_unpool{dims}d", (dims + 1, dims + 2))
     kernel = _tuple(kernel_size, dims, "kernel_size")
     strides = kernel if stride is None else _tuple(stride, dims, "stride")
-    pads = _tuple(padding, dims, "padding")
+    pads, dilations = _tuple(padding, dims, "padding"), _tuple(dilation, dims, "dilation")
     if indices.shape != self.shape:
       raise ShapeError(f"max_unpool{dims}d indices of shape {indices.shape} must match the input's {self.shape}")
     if indices.dtype.is_float or indices.dtype == dtypes.bool:
       raise IndexError(f"max_unpool{dims}d indices must hold integers, got {indices.dtype}")
     sizes = self.shape[-dims:]
-    outs = tuple((i - 1) * s - 2 * p + k for i, s, p, k in zip(sizes, strides, pads, kernel))
+    outs = tuple((i - 1) * s - 2 * p + d * (k - 1) + 1
+                 for i, s, p, k, d in zip(sizes, strides, pads, kernel, dilations))
     if output_size is not None: outs = tuple(int(size) for size in tuple(output_size)[-dims:])
     plane = math.prod(outs)
     hits = indices.flatten(-dims).unsqueeze(-1) == Tensor.arange(plane, device=self.device)  # (..., L, plane)
@@ -510,30 +513,34 @@ class ConvMixin:
 
   def avg_pool1d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
                  padding: IntOrTuple = 0, ceil_mode: bool = False, count_include_pad: bool = True,
-                 divisor_override: int | None = None) -> Tensor:
+                 divisor_override: int | None = None, dilation: IntOrTuple = 1) -> Tensor:
     """Average over kernel_size windows of the last dim of (N, C, L) or (C, L), like
     torch.nn.functional.avg_pool1d (see avg_pool2d)."""
-    if ceil_mode or not count_include_pad or divisor_override is not None:
-      return self._avg_pool_options(1, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    if ceil_mode or not count_include_pad or divisor_override is not None or dilation != 1:
+      return self._avg_pool_options(1, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+                                    dilation)
     return self._avg_pool(1, kernel_size, stride, padding)
 
   def avg_pool2d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
                  padding: IntOrTuple = 0, ceil_mode: bool = False, count_include_pad: bool = True,
-                 divisor_override: int | None = None) -> Tensor:
+                 divisor_override: int | None = None, dilation: IntOrTuple = 1) -> Tensor:
     """Average over kernel_size windows of the last two dims of (N, C, H, W) or (C, H, W), like
     torch.nn.functional.avg_pool2d: stride defaults to kernel_size; zero padding counts in the average unless
     count_include_pad=False; ceil_mode rounds the output size up (a window may hang over the right edge, and only
-    its places inside the padded input count); divisor_override replaces the count."""
-    if ceil_mode or not count_include_pad or divisor_override is not None:
-      return self._avg_pool_options(2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    its places inside the padded input count); divisor_override replaces the count. `dilation` (tinygrad's, not
+    PyTorch's) spreads the window as in max_pool2d."""
+    if ceil_mode or not count_include_pad or divisor_override is not None or dilation != 1:
+      return self._avg_pool_options(2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+                                    dilation)
     return self._avg_pool(2, kernel_size, stride, padding)
 
   def avg_pool3d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
                  padding: IntOrTuple = 0, ceil_mode: bool = False, count_include_pad: bool = True,
-                 divisor_override: int | None = None) -> Tensor:
+                 divisor_override: int | None = None, dilation: IntOrTuple = 1) -> Tensor:
     """Average over kernel_size windows of the last three dims, like torch.nn.functional.avg_pool3d."""
-    if ceil_mode or not count_include_pad or divisor_override is not None:
-      return self._avg_pool_options(3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    if ceil_mode or not count_include_pad or divisor_override is not None or dilation != 1:
+      return self._avg_pool_options(3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+                                    dilation)
     return self._avg_pool(3, kernel_size, stride, padding)
 
   def max_pool1d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
@@ -564,16 +571,19 @@ class ConvMixin:
       return self._max_pool_options(3, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
     return self._max_pool(3, kernel_size, stride, padding, dilation)
 
-  def max_unpool1d(self: Tensor, indices: Tensor, kernel_size: IntOrTuple, stride: IntOrTuple | None = None,
-                   padding: IntOrTuple = 0, output_size: Sequence[int] | None = None) -> Tensor:
+  def max_unpool1d(self: Tensor, indices: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                   padding: IntOrTuple = 0, output_size: Sequence[int] | None = None,
+                   dilation: IntOrTuple = 1) -> Tensor:
     """The inverse of max_pool1d(return_indices=True), like torch.nn.functional.max_unpool1d (see max_unpool2d)."""
-    return self._max_unpool(1, indices, kernel_size, stride, padding, output_size)
+    return self._max_unpool(1, indices, kernel_size, stride, padding, output_size, dilation)
 
-  def max_unpool2d(self: Tensor, indices: Tensor, kernel_size: IntOrTuple, stride: IntOrTuple | None = None,
-                   padding: IntOrTuple = 0, output_size: Sequence[int] | None = None) -> Tensor:
+  def max_unpool2d(self: Tensor, indices: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                   padding: IntOrTuple = 0, output_size: Sequence[int] | None = None,
+                   dilation: IntOrTuple = 1) -> Tensor:
     """The inverse of max_pool2d(return_indices=True), like torch.nn.functional.max_unpool2d: zeros of size
-    (H - 1) * stride - 2 * padding + kernel_size (or `output_size`) with each value at its index."""
-    return self._max_unpool(2, indices, kernel_size, stride, padding, output_size)
+    (H - 1) * stride - 2 * padding + dilation * (kernel_size - 1) + 1 (or `output_size`) with each value at its
+    index. kernel_size defaults to 2 and `dilation` is accepted by keyword, as in tinygrad."""
+    return self._max_unpool(2, indices, kernel_size, stride, padding, output_size, dilation)
 
   def unfold(self: Tensor, dimension: int, size: int, step: int) -> Tensor:
     """Every `size`-long slice of `dimension`, `step` apart, as torch.Tensor.unfold: that dim becomes the count of

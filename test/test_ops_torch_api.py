@@ -579,3 +579,17 @@ def test_pooling_modules_return_indices_and_divisor() -> None:
   _, indices = TF.max_pool1d(torch.tensor(_random((2, 3, 8), 126)), 2, return_indices=True)
   compare(lambda v: nn.MaxUnpool1d(2)(v, Tensor(indices.numpy())), lambda v: torch.nn.MaxUnpool1d(2)(v, indices),
           [_random(tuple(indices.shape), 127)])
+
+
+def test_tinygrad_pooling_spellings() -> None:
+  """tinygrad's extras: avg pooling with `dilation` (checked against torch's avg of a dilated window through
+  unfold), and max_unpool2d with its default kernel of 2."""
+  x = _random((2, 3, 9, 8), 128)
+  def theirs(t: torch.Tensor) -> torch.Tensor:  # the mean of each dilated 3x3 window, padding 1, stride 2
+    columns = TF.unfold(t, 3, dilation=2, padding=1, stride=2)
+    return columns.reshape(2, 3, 9, -1).mean(2).reshape(2, 3, 4, 3)
+  compare(lambda t: t.avg_pool2d(3, 2, 1, dilation=2), theirs, [x])
+  values, indices = Tensor(x).max_pool2d(return_indices=True)
+  torch_values, torch_indices = TF.max_pool2d(torch.tensor(x), 2, return_indices=True)
+  np.testing.assert_array_equal(values.max_unpool2d(indices).numpy(),
+                                TF.max_unpool2d(torch_values, torch_indices, 2).numpy())
