@@ -4,7 +4,8 @@ A cell is one step, composed from Tensor ops: the input and hidden projections (
 tanh on slices of them, in PyTorch's gate order: i, f, g, o for the LSTM; r, z, n for the GRU) and the new state.
 The sequence layers project the whole input sequence at once (one matmul for every time step) and then run the cell's
 hidden-state recurrence step by step, so a sequence of length L builds L small hidden matmuls; the graph stays lazy
-until it is used. Weights are named as PyTorch names them (weight_ih_l0, weight_hh_l0_reverse, ...) and initialised
+until it is used, and each step's state is its own buffer (contiguous), so a step's kernels never recompute the
+steps before it. Weights are named as PyTorch names them (weight_ih_l0, weight_hh_l0_reverse, ...) and initialised
 like it (uniform in +-1/sqrt(hidden_size)), so a torch state_dict loads with load_state_dict.
 """
 from __future__ import annotations
@@ -157,6 +158,10 @@ class _RNNBase(Module):
     for step in steps:
       if c is None: h = _gru_step(projected[step], h, weight_hh, bias_hh)
       else: h, c = _lstm_step(projected[step], h, c, weight_hh, bias_hh)
+      # one buffer per step's state: without it the scheduler would fuse the whole elementwise chain of the cell
+      # states (c_t = f * c_{t-1} + ...) into every later matmul, recomputing all earlier steps inside it
+      h = h.contiguous()
+      if c is not None: c = c.contiguous()
       outputs[step] = h
     return Tensor.stack(outputs), h, c
 
