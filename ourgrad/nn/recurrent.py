@@ -4,9 +4,11 @@ A cell is one step, composed from Tensor ops: the input and hidden projections (
 tanh on slices of them, in PyTorch's gate order: i, f, g, o for the LSTM; r, z, n for the GRU) and the new state.
 The sequence layers project the whole input sequence at once (one matmul for every time step) and then run the cell's
 hidden-state recurrence step by step, so a sequence of length L builds L small hidden matmuls; the graph stays lazy
-until it is used, and each step's state is its own buffer (contiguous), so a step's kernels never recompute the
-steps before it. Weights are named as PyTorch names them (weight_ih_l0, weight_hh_l0_reverse, ...) and initialised
-like it (uniform in +-1/sqrt(hidden_size)), so a torch state_dict loads with load_state_dict.
+until it is used, and each step's state is its own buffer (contiguous, in the cells too, for loops written over
+them), so a step's kernels never recompute the steps before it. Each time step reads its slice of the projected
+input at its own offset, so a first call compiles about a dozen kernels per step (cached afterwards). Weights are
+named as PyTorch names them (weight_ih_l0, weight_hh_l0_reverse, ...) and initialised like it (uniform in
++-1/sqrt(hidden_size)), so a torch state_dict loads with load_state_dict.
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ def _lstm_step(projected_input: Tensor, h: Tensor, c: Tensor, weight_hh: Tensor,
   """One LSTM step from the input's projection x W_ih^T + b_ih: gates i, f, g, o (PyTorch's order)."""
   gates = projected_input + h.linear(weight_hh, bias_hh)
   i, f, g, o = gates.chunk(4, dim=-1)
-  c = f.sigmoid() * c + i.sigmoid() * g.tanh()
-  return o.sigmoid() * c.tanh(), c
+  # each step's state is its own buffer: otherwise, in a loop over steps, the scheduler fuses the whole elementwise
+  # chain c_t = f * c_{t-1} + ... into every later matmul and recomputes all earlier steps there (megabyte kernels)
+  c = (f.sigmoid() * c + i.sigmoid() * g.tanh()).contiguous()
+  return (o.sigmoid() * c.tanh()).contiguous(), c
 
 
 def _gru_step(projected_input: Tensor, h: Tensor, weight_hh: Tensor, bias_hh: Tensor | None) -> Tensor:
@@ -43,7 +47,7 @@ def _gru_step(projected_input: Tensor, h: Tensor, weight_hh: Tensor, bias_hh: Te
   hidden_r, hidden_z, hidden_n = h.linear(weight_hh, bias_hh).chunk(3, dim=-1)
   r, z = (input_r + hidden_r).sigmoid(), (input_z + hidden_z).sigmoid()
   n = (input_n + r * hidden_n).tanh()
-  return (1.0 - z) * n + z * h
+  return ((1.0 - z) * n + z * h).contiguous()  # its own buffer, as in _lstm_step
 
 
 class _CellBase(Module):
@@ -158,10 +162,6 @@ class _RNNBase(Module):
     for step in steps:
       if c is None: h = _gru_step(projected[step], h, weight_hh, bias_hh)
       else: h, c = _lstm_step(projected[step], h, c, weight_hh, bias_hh)
-      # one buffer per step's state: without it the scheduler would fuse the whole elementwise chain of the cell
-      # states (c_t = f * c_{t-1} + ...) into every later matmul, recomputing all earlier steps inside it
-      h = h.contiguous()
-      if c is not None: c = c.contiguous()
       outputs[step] = h
     return Tensor.stack(outputs), h, c
 
