@@ -593,3 +593,18 @@ def test_tinygrad_pooling_spellings() -> None:
   torch_values, torch_indices = TF.max_pool2d(torch.tensor(x), 2, return_indices=True)
   np.testing.assert_array_equal(values.max_unpool2d(indices).numpy(),
                                 TF.max_unpool2d(torch_values, torch_indices, 2).numpy())
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell"])
+def test_recurrent_steps_do_not_fuse_earlier_steps(kind: str) -> None:
+  """A loop over a cell: each kernel reads a bounded number of buffers, however many steps came before (before the
+  state was made contiguous, the cell-state chain of every earlier step fused into each later matmul)."""
+  from ourgrad.engine.schedule import create_schedule
+  cell = getattr(nn, kind)(4, 6)
+  xs = Tensor(_random((10, 2, 4), 130))
+  state: Any = None
+  for step in range(10):
+    state = cell(xs[step], state)
+  h = state[0] if kind == "LSTMCell" else state
+  widest = max(len(item.inputs) for item in create_schedule([h.lazydata]))
+  assert widest <= 8, f"a kernel of the 10-step loop reads {widest} buffers"
