@@ -305,6 +305,40 @@ def _spread(x: Tensor, strides: tuple[int, ...]) -> Tensor:
   return x.shrink([None, None, *((0, (i - 1) * s + 1) for i, s in zip(sizes, strides))])
 
 
+def fold_patches(x: Tensor, output_size: IntOrTuple, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
+                 padding: IntOrTuple = 0, stride: IntOrTuple = 1) -> Tensor:
+  """col2im, torch.nn.functional.fold: columns (N, C * kH * kW, L) (or unbatched) summed back into an (N, C, H, W)
+  image of `output_size`, overlapping patches adding up; the adjoint of unfold_patches. Each of the kH * kW kernel
+  offsets is its columns spread by the stride and padded into place, and the pieces are added: one fused kernel."""
+  _check_rank(x, "fold", (2, 3))
+  sizes, kernel = _tuple(output_size, 2, "output_size"), _tuple(kernel_size, 2, "kernel_size")
+  dilations, pads = _tuple(dilation, 2, "dilation"), _tuple(padding, 2, "padding")
+  strides = _tuple(stride, 2, "stride")
+  _positive(kernel, "fold kernel_size")
+  _positive(strides, "fold stride")
+  _positive(dilations, "fold dilation")
+  batched = x if x.ndim == 3 else x.unsqueeze(0)
+  outs = [(i + 2 * p - d * (k - 1) - 1) // s + 1 for i, k, s, p, d in zip(sizes, kernel, strides, pads, dilations)]
+  patch = kernel[0] * kernel[1]
+  if batched.shape[1] % patch or batched.shape[2] != outs[0] * outs[1] or min(outs) <= 0:
+    raise ShapeError(f"fold of {x.shape} into {sizes} with kernel {kernel}: needs C * {patch} rows and "
+                     f"{max(outs[0], 0) * max(outs[1], 0)} columns (the patch count)")
+  channels = batched.shape[1] // patch
+  columns = batched.reshape(batched.shape[0], channels, kernel[0], kernel[1], outs[0], outs[1])
+  padded_sizes = [i + 2 * p for i, p in zip(sizes, pads)]
+  image = None
+  for row in range(kernel[0]):
+    for col in range(kernel[1]):
+      piece = _spread(columns[:, :, row, col], strides)
+      starts = (row * dilations[0], col * dilations[1])
+      piece = piece.pad([None, None, *((start, full - start - size) for start, full, size
+                                       in zip(starts, padded_sizes, piece.shape[2:]))])
+      image = piece if image is None else image + piece
+  assert image is not None
+  image = image.shrink([None, None, *((p, p + i) for p, i in zip(pads, sizes))])
+  return image if x.ndim == 3 else image.squeeze(0)
+
+
 class ConvMixin:
   """Tensor methods for convolutions and pooling over 1, 2 or 3 spatial dimensions."""
   __slots__ = ()

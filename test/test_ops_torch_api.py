@@ -155,6 +155,26 @@ def test_functional_unfold_im2col(shape: tuple[int, ...], kwargs: dict[str, Any]
   compare(lambda x: nn.Unfold(**kwargs)(x), lambda x: torch.nn.Unfold(**kwargs)(x), [_random(shape, 22)])
 
 
+@pytest.mark.parametrize("output_size, kwargs", [
+  ((7, 6), {"kernel_size": (2, 3), "dilation": (1, 2), "padding": 1, "stride": (2, 1)}),
+  ((5, 4), {"kernel_size": 2}),
+  ((5, 5), {"kernel_size": 3, "padding": 2, "stride": 3}),
+  ((6, 6), {"kernel_size": 3, "stride": 1}),
+])
+@pytest.mark.parametrize("batched", [True, False])
+def test_functional_fold_col2im(output_size: tuple[int, int], kwargs: dict[str, Any], batched: bool) -> None:
+  columns = TF.unfold(torch.zeros(2, 3, *output_size), **kwargs)
+  shape = tuple(columns.shape) if batched else tuple(columns.shape[1:])
+  compare(lambda x: F.fold(x, output_size, **kwargs), lambda x: TF.fold(x, output_size, **kwargs),
+          [_random(shape, 23)])
+  compare(lambda x: nn.Fold(output_size, **kwargs)(x), lambda x: torch.nn.Fold(output_size, **kwargs)(x),
+          [_random(shape, 24)])
+
+
+def test_fold_shape_error() -> None:
+  with pytest.raises(ShapeError, match="patch count"): F.fold(Tensor.ones(1, 4, 5), (3, 3), 2)
+
+
 # ================================================================ scatter_reduce
 
 @pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])

@@ -23,7 +23,7 @@ from ourgrad.nn.stateless import (ELU, GELU, AdaptiveAvgPool1d, AdaptiveAvgPool2
                                   AvgPool2d, AvgPool3d, BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, Flatten,
                                   Hardtanh, Identity, L1Loss, LeakyReLU, LogSoftmax, MaxPool1d, MaxPool2d, MaxPool3d,
                                   MSELoss, NLLLoss, ReLU, ReLU6, Sigmoid, SiLU, Softmax, Softplus, Tanh, Upsample)
-from ourgrad.nn.stateless import MaxUnpool1d, MaxUnpool2d, Unfold
+from ourgrad.nn.stateless import Fold, MaxUnpool1d, MaxUnpool2d, Unfold
 from ourgrad.nn import recurrent, transformer
 from ourgrad.nn.recurrent import GRU, LSTM, GRUCell, LSTMCell
 from ourgrad.nn.transformer import TransformerEncoder, TransformerEncoderLayer
@@ -36,5 +36,5 @@ __all__ = ["attention", "functional", "losses", "optim", "state", "Module", "Mod
            "Identity", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
            "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Upsample", "CrossEntropyLoss", "NLLLoss",
            "MSELoss", "L1Loss", "BCELoss", "BCEWithLogitsLoss"]
-__all__ += ["MaxUnpool1d", "MaxUnpool2d", "Unfold", "recurrent", "transformer", "LSTMCell", "GRUCell", "LSTM", "GRU",
-            "TransformerEncoderLayer", "TransformerEncoder"]
+__all__ += ["MaxUnpool1d", "MaxUnpool2d", "Unfold", "Fold", "recurrent", "transformer", "LSTMCell", "GRUCell",
+            "LSTM", "GRU", "TransformerEncoderLayer", "TransformerEncoder"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ourgrad.tensor import Tensor
-from ourgrad.tensor_conv import unfold_patches
+from ourgrad.tensor_conv import fold_patches, unfold_patches
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "avg_pool1d",
            "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "interpolate", "adaptive_avg_pool1d",
@@ -27,7 +27,7 @@ conv_transpose1d, conv_transpose2d, conv_transpose3d = \
 avg_pool1d, avg_pool2d, avg_pool3d = Tensor.avg_pool1d, Tensor.avg_pool2d, Tensor.avg_pool3d
 max_pool1d, max_pool2d, max_pool3d = Tensor.max_pool1d, Tensor.max_pool2d, Tensor.max_pool3d
 max_unpool1d, max_unpool2d = Tensor.max_unpool1d, Tensor.max_unpool2d
-__all__ += ["max_unpool1d", "max_unpool2d", "unfold"]
+__all__ += ["max_unpool1d", "max_unpool2d", "unfold", "fold"]
 
 # resampling, padding, normalization, dropout
 interpolate = Tensor.interpolate
@@ -82,3 +82,11 @@ def unfold(x: Tensor, kernel_size: int | Sequence[int], dilation: int | Sequence
   """torch.nn.functional.unfold (im2col): the sliding patches of (N, C, H, W) as columns (N, C * kH * kW, L).
   (Tensor.unfold(dim, size, step) is torch.Tensor.unfold, a different operation.)"""
   return unfold_patches(x, kernel_size, dilation, padding, stride)
+
+
+def fold(x: Tensor, output_size: int | Sequence[int], kernel_size: int | Sequence[int],
+         dilation: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+         stride: int | Sequence[int] = 1) -> Tensor:
+  """torch.nn.functional.fold (col2im): columns (N, C * kH * kW, L) summed back into (N, C, *output_size), the
+  adjoint of unfold (overlapping patches add up)."""
+  return fold_patches(x, output_size, kernel_size, dilation, padding, stride)

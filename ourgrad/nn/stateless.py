@@ -10,7 +10,7 @@ from typing import Sequence
 
 from ourgrad.nn.module import Module
 from ourgrad.tensor import Tensor
-from ourgrad.tensor_conv import unfold_patches
+from ourgrad.tensor_conv import fold_patches, unfold_patches
 
 IntOrTuple = int | Sequence[int]
 
@@ -180,7 +180,7 @@ class AvgPool3d(_AvgPoolNd):
   dims = 3
 
 
-__all__ += ["MaxUnpool1d", "MaxUnpool2d", "Unfold"]
+__all__ += ["MaxUnpool1d", "MaxUnpool2d", "Unfold", "Fold"]
 
 
 class _MaxUnpoolNd(Module):
@@ -212,6 +212,18 @@ class Unfold(Module):
 
   def forward(self, x: Tensor) -> Tensor:
     return unfold_patches(x, self.kernel_size, self.dilation, self.padding, self.stride)
+
+
+class Fold(Module):
+  """col2im, like torch.nn.Fold: (N, C * kH * kW, L) -> (N, C, *output_size) (nn.functional.fold)."""
+
+  def __init__(self, output_size: IntOrTuple, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
+               padding: IntOrTuple = 0, stride: IntOrTuple = 1):
+    self.output_size, self.kernel_size = output_size, kernel_size
+    self.dilation, self.padding, self.stride = dilation, padding, stride
+
+  def forward(self, x: Tensor) -> Tensor:
+    return fold_patches(x, self.output_size, self.kernel_size, self.dilation, self.padding, self.stride)
 
 
 class Upsample(Module):
