@@ -695,10 +695,23 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     if self._ctx is None:  # a leaf: its own gradient is the one given
       self.grad = gradient if self.grad is None else self.grad + gradient
       return self
-    grads: dict[int, Tensor] = {id(self): gradient}
+    for leaf, leaf_grad in self._backpropagate(gradient, free_graph=True).values():
+      leaf.grad = leaf_grad if leaf.grad is None else leaf.grad + leaf_grad
+    return self
+
+  def _backpropagate(self, gradient: Tensor, free_graph: bool,
+                     wanted: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[Tensor, Tensor]]:
+    """The one backward walk (backward and gradient share it): push `gradient`, d(loss)/d(self), back through the
+    recorded Functions in reverse topological order. Returns {id: (tensor, its total gradient)} for every leaf that
+    requires grad and for each tensor whose id is in `wanted` (an intermediate's gradient is complete when the walk
+    reaches it: every consumer comes before it). `free_graph` drops each Function once used, as PyTorch does
+    without retain_graph."""
+    pending: dict[int, Tensor] = {id(self): gradient}
+    found: dict[int, tuple[Tensor, Tensor]] = {}
     for tensor in reversed(self._toposort()):
-      grad_output = grads.pop(id(tensor), None)
+      grad_output = pending.pop(id(tensor), None)
       if grad_output is None: continue
+      if id(tensor) in wanted: found[id(tensor)] = (tensor, grad_output)
       ctx = tensor._ctx
       assert ctx is not None
       input_grads = ctx.backward(grad_output.lazydata)
@@ -708,12 +721,40 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
         if parent_grad.shape != parent.shape: raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
         # on the parent's device(s): a Function may move data between devices (Shard)
         new_grad = Tensor(parent_grad, device=parent.device, requires_grad=False)
-        if parent._ctx is None:  # a leaf: accumulate into .grad
-          parent.grad = new_grad if parent.grad is None else (parent.grad + new_grad)
+        if parent._ctx is None:  # a leaf: its gradient is complete at the end of the walk
+          found[id(parent)] = (parent, new_grad if id(parent) not in found else found[id(parent)][1] + new_grad)
         else:
-          grads[id(parent)] = new_grad if id(parent) not in grads else grads[id(parent)] + new_grad
-      tensor._ctx = None  # free the graph, as PyTorch does without retain_graph
-    return self
+          pending[id(parent)] = new_grad if id(parent) not in pending else pending[id(parent)] + new_grad
+      if free_graph: tensor._ctx = None
+    return found
+
+  def gradient(self, *targets: Tensor, gradient: Tensor | None = None,
+               materialize_grads: bool = False) -> list[Tensor]:
+    """d(self)/d(target) for each of `targets`, as new lazy tensors (tinygrad's functional gradient, torch's
+    torch.autograd.grad): `.grad` is left untouched and the graph is kept, so it can be asked again. Targets may be
+    leaves or intermediate tensors of the graph; they must require grad. `gradient` is d(loss)/d(self), needed
+    unless self has one element. A target the graph does not reach raises AutogradError, or gives zeros with
+    `materialize_grads`. The gradients are not differentiable themselves (no double backward)."""
+    if gradient is None:
+      if self.numel() != 1:
+        raise AutogradError(f"gradient() without a gradient needs a scalar (one-element) tensor, this one has shape "
+                            f"{self.shape}; pass gradient=Tensor.ones_like(t) or reduce it first (.sum())")
+      gradient = Tensor.full(self.shape, 1.0, self.dtype, device=self.device)
+    if gradient.shape != self.shape:
+      raise ShapeError(f"gradient of shape {gradient.shape} does not match the tensor's shape {self.shape}")
+    wanted = {id(target) for target in targets}
+    found: dict[int, tuple[Tensor, Tensor]] = {}
+    if id(self) in wanted: found[id(self)] = (self, gradient)
+    if self._ctx is not None: found.update(self._backpropagate(gradient, free_graph=False, wanted=wanted))
+    results = []
+    for number, target in enumerate(targets):
+      if id(target) in found: results.append(found[id(target)][1])
+      elif materialize_grads: results.append(target.zeros_like(requires_grad=False))
+      else:
+        raise AutogradError(f"gradient(): target {number} (shape {target.shape}) is not reached from this tensor's "
+                            f"graph: it does not require grad, or no path from it leads here (pass "
+                            f"materialize_grads=True for zeros)")
+    return results
 
   @staticmethod
   @contextmanager

@@ -378,7 +378,9 @@ class MovementMixin:
     return steps, tensor_dims
 
   def __getitem__(self, index: Any) -> Tensor:
-    """Basic indexing (ints, slices with steps, None, Ellipsis) as views, and integer-Tensor indexing."""
+    """Basic indexing (ints, slices with steps, None, Ellipsis) as views, integer-Tensor indexing, and boolean
+    masks (x[mask]: realizes the mask, as its count of True sets the result's size)."""
+    index = self._bool_masks_as_indices(index)
     steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
     x = self
     for forward, _ in steps: x = forward(x)
@@ -446,11 +448,13 @@ class MovementMixin:
 
   def __setitem__(self, index: Any, value: Tensor | Scalar) -> None:
     """`t[index] = value` for basic indices (ints, slices, None, ...). The value is put back into place by
-    the inverse view steps and merged with `where`: one fused elementwise kernel writing this tensor's buffer."""
+    the inverse view steps and merged with `where`: one fused elementwise kernel writing this tensor's buffer.
+    Integer-tensor indices and boolean masks go through `_setitem_advanced`."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    if self._setitem_by_mask(index, value): return
+    index = self._bool_masks_as_indices(index)
     steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
-    if tensor_dims:
-      raise NotImplementedError("assignment through tensor indices is not supported; build a mask and use where")
+    if tensor_dims: return self._setitem_advanced(index, value)
     selected = self
     for forward, _ in steps: selected = forward(selected)
     value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
@@ -460,6 +464,69 @@ class MovementMixin:
     inside = Tensor.full(selected.shape, True, dtypes.bool, device=self.device)
     for _, inverse in reversed(steps): value, inside = inverse(value), inverse(inside)
     self.assign(inside.where(value, self.detach()))
+
+  def _bool_masks_as_indices(self, index: Any) -> Any:
+    """The index with each boolean mask (a bool Tensor, numpy array or list) replaced by the integer tensors of its
+    True positions, one per dim it covers (numpy's rule: a k-dim mask indexes k dims). Realizes the masks."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    items = list(index) if isinstance(index, tuple) else [index]
+    masks = [_as_bool_mask(item, Tensor, self.device) for item in items]
+    if all(mask is None for mask in masks): return index
+    consumed = [mask.ndim if mask is not None else 0 if item is None or item is Ellipsis else 1
+                for item, mask in zip(items, masks)]
+    converted: list[Any] = []
+    dim = 0
+    for position, (item, mask) in enumerate(zip(items, masks)):
+      if item is Ellipsis: dim = self.ndim - sum(consumed[position + 1:])
+      if mask is None:
+        converted.append(item)
+      else:
+        if mask.ndim == 0: raise IndexError("a 0-d boolean mask is not supported as an index; use where")
+        covered = self.shape[dim:dim + mask.ndim]
+        if mask.shape != covered:
+          raise IndexError(f"boolean mask of shape {mask.shape} does not match the dims it indexes, {covered} at dim "
+                           f"{dim} of a tensor of shape {self.shape}")
+        converted.extend(mask.nonzero(as_tuple=True))
+      dim += consumed[position]
+    return tuple(converted)
+
+  def _setitem_by_mask(self, index: Any, value: Any) -> bool:
+    """`t[mask] = value` with a bool mask over the leading dims and a value that broadcasts to the rest (a number,
+    or one row): a lazy `where`, no realize. False (nothing done) for any other index."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    mask = _as_bool_mask(index, Tensor, self.device)
+    if mask is None or mask.ndim == 0 or mask.shape != self.shape[:mask.ndim]: return False
+    value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
+    rest = self.shape[mask.ndim:]
+    if value.ndim > len(rest) or any(v not in (1, r) for v, r in zip(value.shape[::-1], rest[::-1])): return False
+    if value.device != self.device:
+      raise DeviceError(f"cannot assign a tensor on {value.device} into one on {self.device}; use .to()")
+    spread = mask.reshape(mask.shape + (1,) * len(rest))
+    self.assign(spread.where(value.cast(self.dtype), self.detach()))
+    return True
+
+  def _setitem_advanced(self, index: Any, value: Tensor | Scalar) -> None:
+    """`t[index] = value` where the index holds integer tensors (boolean masks already turned into them). The flat
+    address of every selected element comes from indexing an arange the same way, realized (as PyTorch's eager
+    index_put_ reads its indices); on the host each place then learns which source writes it, the last one where
+    an index repeats (as numpy's and PyTorch's CPU assignment). The new values are a lazy gather of the sources and a
+    where with the old ones, written through assign like basic setitem: O(numel), no one-hot."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    # 1 + the flat address of each selected element; an index out of range reads 0 (see _take_rows)
+    places = (Tensor.arange(self.numel(), device=self.device) + 1).reshape(self.shape)[index]
+    value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
+    if value.device != self.device:
+      raise DeviceError(f"cannot assign a tensor on {value.device} into one on {self.device}; use .to()")
+    sources = value.cast(self.dtype).expand(places.shape).reshape(-1, 1)
+    if places.numel() == 0: return
+    addresses = places.numpy().reshape(-1).astype(np.int64) - 1
+    if (addresses < 0).any():
+      raise IndexOutOfRangeError(f"an index tensor in t[index] = value is out of range for shape {self.shape}")
+    source_of_place = np.full(self.numel(), -1, dtype=np.int32)
+    source_of_place[addresses] = np.arange(addresses.size, dtype=np.int32)  # numpy assigns in order: the last wins
+    picked = sources._take_rows(Tensor(np.maximum(source_of_place, 0), device=self.device)).reshape(self.shape)
+    written = Tensor(source_of_place >= 0, device=self.device).reshape(self.shape)
+    self.assign(written.where(picked, self.detach()))
 
   def gather(self, dim: int, index: Tensor) -> Tensor:
     """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather); reads only the picked elements. An index
@@ -529,6 +596,60 @@ class MovementMixin:
     placed, written = self._scattered(dim, index, source)
     return written.where(placed, self)
 
+  def scatter_reduce(self, dim: int, index: Tensor, src: Tensor, reduce: str, include_self: bool = True) -> Tensor:
+    """self with the values of `src` reduced into the places `index` names along `dim`, as torch.scatter_reduce:
+    `reduce` is "sum", "prod", "mean", "amax" or "amin"; with `include_self` the present value takes part in the
+    reduction, otherwise only the sources do (places no index names keep their value either way). Each place
+    reduces over a one-hot of the sources that land on it (one fused reduce, no scatter op), so every source takes
+    part, repeated indices included, and the gradients are the reduce's own (amax/amin share them among ties)."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    identities = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "amax": -math.inf, "amin": math.inf}
+    if reduce not in identities:
+      raise ValueError(f"scatter_reduce reduce must be one of {sorted(identities)}, got {reduce!r}")
+    hits, values = self._scatter_sources(dim, index, src)  # (..., k, n) each, the target axis last
+    axis = self._axis(dim)
+    if include_self:  # the present value as one more source, landing on its own place
+      own = self.transpose(axis, -1).unsqueeze(-2)
+      hits = Tensor.ones(*own.shape, dtype=dtypes.bool, device=self.device).cat(hits, dim=-2)
+      values = own.cat(values.expand(*values.shape[:-1], own.shape[-1]), dim=-2)
+    identity = identities[reduce]
+    if not self.dtype.is_float and math.isinf(identity):
+      identity = self.dtype.min if reduce == "amax" else self.dtype.max
+    picked = hits.where(values, Tensor.full((), identity, self.dtype, device=self.device))
+    if reduce in ("sum", "mean"): reduced = picked.sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else None)
+    elif reduce == "prod": reduced = picked.prod(-2)
+    else: reduced = picked.max(-2) if reduce == "amax" else picked.min(-2)
+    count = hits.sum(-2)
+    if reduce == "mean":
+      mean = reduced / count.maximum(1).cast(reduced.dtype)
+      # integer means round down, as torch's floor division of the sum by the count
+      reduced = mean if self.dtype.is_float else reduced.div(count.maximum(1), rounding_mode="floor")
+    written = (count > 0).transpose(axis, -1)
+    return written.where(reduced.cast(self.dtype).transpose(axis, -1), self)
+
+  def _scatter_sources(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """For scatter_reduce: with `dim` moved last, a bool (..., k, n) of which of the k sources along `dim` lands on
+    each of the n places, and the sources' values (..., k, 1), both widened to this tensor's other sizes (the index
+    may be smaller than it there: the extra places receive nothing)."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    axis = self._axis(dim)
+    if index.ndim != self.ndim or src.ndim != self.ndim:
+      raise ShapeError(f"scatter_reduce needs index and src with {self.ndim} dims like the input {self.shape}, got "
+                       f"{index.shape} and {src.shape}")
+    if index.dtype.is_float or index.dtype == dtypes.bool:
+      raise IndexError(f"scatter_reduce index must hold integers, got {index.dtype}")
+    if any(i > s for i, s in zip(index.shape, src.shape)) or \
+       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
+      raise ShapeError(f"scatter_reduce index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+    src = src.shrink([(0, size) for size in index.shape])
+    size = self.shape[axis]
+    index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
+    index_last = (index_last < 0).where(index_last + size, index_last)
+    hits = index_last == Tensor.arange(size, device=self.device)  # (..., k, n)
+    values = src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape[:-1], hits.shape[:-2])]
+    return hits.pad(grow + [None, None]), values.pad(grow + [None, None])
+
   def index_add(self, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
     """self with source's slices along `dim` added at the positions of the 1-D `index` (torch.index_add)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
@@ -580,6 +701,26 @@ class MovementMixin:
     axis = normalize_axis(dim, joined[0].ndim + 1)
     return joined[0].unsqueeze(axis).cat(*[tensor.unsqueeze(axis) for tensor in joined[1:]], dim=axis)
 
+  @staticmethod
+  def meshgrid(*tensors: Tensor | Sequence[Tensor], indexing: str = "ij") -> tuple[Tensor, ...]:
+    """Coordinate grids from 1-D (or 0-d) tensors, as torch.meshgrid: with indexing "ij" output k varies along dim
+    k; with "xy" the first two dims are swapped (Cartesian, as numpy's default). Each output is an expanded view."""
+    inputs = list(tensors[0]) if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)) else list(tensors)
+    if indexing not in ("ij", "xy"): raise ValueError(f"meshgrid indexing must be 'ij' or 'xy', got {indexing!r}")
+    if not inputs: raise ValueError("meshgrid needs at least one tensor")
+    for tensor in inputs:
+      if tensor.ndim > 1: raise ShapeError(f"meshgrid takes 0-d or 1-d tensors, got shape {tensor.shape}")
+    flat = [tensor.reshape(-1) for tensor in inputs]
+    swap = indexing == "xy" and len(flat) >= 2
+    order = [1, 0, *range(2, len(flat))] if swap else list(range(len(flat)))
+    shape = tuple(flat[k].shape[0] for k in order)
+    grids = []
+    for number, tensor in enumerate(flat):
+      position = order.index(number)
+      view = [-1 if axis == position else 1 for axis in range(len(flat))]
+      grids.append(tensor.reshape(view).expand(shape))
+    return tuple(grids)
+
   def split(self, split_size: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
     """Views of consecutive pieces along `dim`: `split_size` long each (the last may be shorter), or one per size in a
     list that adds up to the dimension."""
@@ -619,6 +760,15 @@ def _joined_tensors(name: str, first: Any, rest: tuple[Any, ...], dim: int) -> t
     if not hasattr(tensor, "lazydata"):
       raise TypeError(f"{name} joins Tensors, got {type(tensor).__name__}; pass the dim as dim=")
   return tensors, dim
+
+
+def _as_bool_mask(item: Any, tensor_class: Any, device: Any) -> Any:
+  """`item` as a bool Tensor if it is a boolean mask (a bool Tensor, numpy bool array, or list of bools), else None."""
+  if isinstance(item, tensor_class): return item if item.dtype == dtypes.bool else None
+  if isinstance(item, np.ndarray): return tensor_class(item, device=device) if item.dtype == np.bool_ else None
+  if isinstance(item, list) and item and all(isinstance(part, (bool, np.bool_)) for part in item):
+    return tensor_class(item, device=device)
+  return None
 
 
 def _narrow_step(dim: int, start: int, end: int, size: int) -> tuple[Any, Any]:

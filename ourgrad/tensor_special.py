@@ -1,5 +1,5 @@
 """Special functions for Tensor (SpecialMixin): inverse trigonometry (atan, asin, acos, atan2), logit, xlogy,
-hypot, erfc, frac, angle conversions, the NaN-aware comparisons (fmax, fmin, isclose, signbit, ...) and the
+hypot, erfc, frac, copysign, angle conversions, the NaN-aware comparisons (fmax, fmin, isclose, signbit, ...) and the
 NaN-skipping sums.
 
 There is no ATAN primitive. atan halves its argument twice with atan(x) = 2 atan(x / (1 + sqrt(1 + x^2))), which
@@ -173,6 +173,17 @@ class SpecialMixin:
     """True where the sign bit is set: negative values, -0.0 and -inf."""
     if not self.dtype.is_float: return self < 0
     return (self < 0) | ((self == 0) & (self.reciprocal() < 0))
+
+  def copysign(self, other: Any) -> Tensor:
+    """|self| with the sign of `other` (its sign bit, so -0.0 counts as negative), as torch.copysign; integers and
+    bools promote to the default float. The gradient is sign(self) * sign(result) for self (0 where self is 0, as
+    in PyTorch) and 0 for other."""
+    x, y = self._broadcasted(other)
+    x, y = x._float_operand(), y._float_operand()
+    x_value = x.detach()
+    magnitude = x_value.abs()
+    value = y.detach().signbit().where(-magnitude, magnitude)
+    return _with_derivatives(value, (x, (x_value == 0).where(0.0, value / x_value)), (y, value.zeros_like()))
 
   def isposinf(self) -> Tensor:
     """True where the value is +inf."""
