@@ -144,7 +144,8 @@ class MovementMixin:
     if all(pair == (0, 0) for pair in grow): return x
     if mode != "constant": return pad_with_mode(x, grow, mode)
     padded = F.Pad.apply(x, arg=grow)
-    if value == 0: return padded
+    # -0.0 == 0 in Python, but a float tensor padded with -0.0 keeps that sign (cat relies on it)
+    if value == 0 and not (self.dtype.is_float and math.copysign(1.0, value) < 0): return padded
     inside = F.Pad.apply(type(self).ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
     return inside.where(padded, value)
 
@@ -558,9 +559,11 @@ class MovementMixin:
     dtype = least_upper_dtype(*(tensor.dtype for tensor in joined))
     total = sum(tensor.shape[axis] for tensor in joined)
     result, offset = None, 0
+    # floats pad with -0.0, which adds to any value exactly (+0.0 would turn a -0.0 into +0.0)
+    pad_value = -0.0 if dtype.is_float else 0
     for tensor in joined:
       pads = [(offset, total - offset - tensor.shape[axis]) if a == axis else None for a in range(first.ndim)]
-      piece = tensor.cast(dtype if dtype != dtypes.bool else dtypes.uint8).pad(pads)
+      piece = tensor.cast(dtype if dtype != dtypes.bool else dtypes.uint8).pad(pads, value=pad_value)
       result = piece if result is None else result + piece
       offset += tensor.shape[axis]
     assert result is not None

@@ -117,3 +117,19 @@ def test_floor_division_by_a_python_float() -> None:
   _same(Tensor([1.0, -1.0, 0.7]) // 0.1, torch.tensor([1.0, -1.0, 0.7]) // 0.1)
   _same(Tensor([1.0, -1.0, 0.7]) % 0.1, torch.tensor([1.0, -1.0, 0.7]) % 0.1)
   _same(2.0 // Tensor([0.1, -0.3]), 2.0 // torch.tensor([0.1, -0.3]))
+
+
+# ---------------------------------------------------------------- signs of zeros through joins and constants
+
+def test_cat_and_stack_keep_negative_zeros() -> None:
+  a, b = [-0.0, 1.0, 0.0], [-0.0, -2.0, -0.0]
+  _same(Tensor.cat(Tensor(a), Tensor(b)), torch.cat([torch.tensor(a), torch.tensor(b)]))
+  _same(Tensor.stack(Tensor(a), Tensor(b), dim=1), torch.stack([torch.tensor(a), torch.tensor(b)], dim=1))
+  _same(Tensor(a).pad((1, 2), value=-0.0), torch.nn.functional.pad(torch.tensor(a), (1, 2), value=-0.0))
+  _same(Tensor.cat(Tensor([1, 2]), Tensor([-3])), torch.cat([torch.tensor([1, 2]), torch.tensor([-3])]).int())
+
+
+def test_a_kernel_keeps_negative_and_positive_zero_constants_apart() -> None:
+  condition = [True, False]
+  _same(Tensor(condition).where(-0.0, 0.0), torch.where(torch.tensor(condition), -0.0, 0.0))
+  _same(Tensor(condition).where(0.0, -0.0), torch.where(torch.tensor(condition), 0.0, -0.0))
