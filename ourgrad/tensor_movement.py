@@ -491,9 +491,9 @@ class MovementMixin:
     flat = ((picked >= 0) & (picked < size)).where(flat, prod(self.shape))
     return self.reshape(-1, 1)._take_rows(flat).reshape(index.shape)
 
-  def _scattered(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
-    """The sum of `src` scattered into this tensor's shape along `dim` at `index` (as scatter_add adds it), and a
-    bool mask of the places written. One-hot over the target positions and a sum: one kernel, no scatter op."""
+  def _scatter_hits(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """With `dim` moved last: a bool one-hot (..., k, n), True where source position k along `dim` targets position
+    n, and the sources (..., k, 1) in this tensor's dtype. Shapes checked as torch.scatter checks them."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
     if index.ndim != self.ndim or src.ndim != self.ndim:
@@ -507,12 +507,21 @@ class MovementMixin:
     index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
     index_last = (index_last < 0).where(index_last + size, index_last)
     hits = index_last == Tensor.arange(size, device=self.device)  # (..., k, n)
-    values = src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+    return hits, src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+
+  def _scattered_back(self, dim: int, per_target: Tensor, fill: Scalar = 0) -> Tensor:
+    """A (..., n) result of the one-hot layout (`dim` last) back in this tensor's shape: the index may be smaller than
+    it in the other dims (`fill` there)."""
+    axis = self._axis(dim)
+    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape, per_target.shape)]
+    return per_target.pad(grow, value=fill).transpose(axis, -1)
+
+  def _scattered(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """The sum of `src` scattered into this tensor's shape along `dim` at `index` (as scatter_add adds it), and a
+    bool mask of the places written. One-hot over the target positions and a sum: one kernel, no scatter op."""
+    hits, values = self._scatter_hits(dim, index, src)
     added = hits.where(values, 0).sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else dtypes.int32)
-    written = hits.any(-2)
-    # back to this tensor's shape: the index may be smaller than it in the other dims
-    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape, added.shape)]
-    return added.pad(grow).transpose(axis, -1).cast(self.dtype), written.pad(grow).transpose(axis, -1)
+    return self._scattered_back(dim, added).cast(self.dtype), self._scattered_back(dim, hits.any(-2))
 
   def scatter_add(self, dim: int, index: Tensor, src: Tensor) -> Tensor:
     """self with src[i][j] added at [index[i][j]][j] (for dim 0; likewise for other dims), as torch.scatter_add."""
@@ -520,15 +529,25 @@ class MovementMixin:
     return self + added
 
   def scatter(self, dim: int, index: Tensor, src: Tensor | float | int, reduce: str | None = None) -> Tensor:
-    """self with src (a tensor, or one number) written at `index` along `dim`, as torch.scatter; reduce="add" adds
-    instead. Where an index repeats, the written value is the sum of the sources (PyTorch keeps one of them,
-    unspecified which): keep indices unique."""
+    """self with src (a tensor, or one number) written at `index` along `dim`, as torch.scatter. Where an index
+    repeats, the last source along `dim` is kept (what PyTorch's CPU loop leaves; its docs leave it unspecified).
+    reduce="add" adds every source, reduce="multiply" multiplies self by every source, as torch.scatter's."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     source = src if isinstance(src, Tensor) else Tensor.full(index.shape, src, self.dtype, device=self.device)
     if reduce == "add": return self.scatter_add(dim, index, source)
-    if reduce is not None: raise ValueError(f"scatter reduce must be None or 'add', got {reduce!r}")
-    placed, written = self._scattered(dim, index, source)
-    return written.where(placed, self)
+    if reduce not in (None, "multiply"):
+      raise ValueError(f"scatter reduce must be None, 'add' or 'multiply', got {reduce!r}")
+    hits, values = self._scatter_hits(dim, index, source)
+    if reduce == "multiply":
+      factors = hits.where(values, 1).cast(self.dtype).prod(-2)
+      return self * self._scattered_back(dim, factors, fill=1)
+    # the last source hitting each target: its position k + 1 is the largest among the hits
+    order = Tensor.arange(1, hits.shape[-2] + 1, device=self.device).reshape(hits.shape[-2], 1)
+    last = hits.where(order, 0).max(-2, keepdim=True)
+    chosen = hits & (order == last)
+    placed = chosen.where(values, 0).sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else dtypes.int32)
+    written = self._scattered_back(dim, hits.any(-2))
+    return written.where(self._scattered_back(dim, placed).cast(self.dtype), self)
 
   def index_add(self, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
     """self with source's slices along `dim` added at the positions of the 1-D `index` (torch.index_add)."""

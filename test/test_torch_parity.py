@@ -9,6 +9,7 @@ axes.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -133,3 +134,26 @@ def test_a_kernel_keeps_negative_and_positive_zero_constants_apart() -> None:
   condition = [True, False]
   _same(Tensor(condition).where(-0.0, 0.0), torch.where(torch.tensor(condition), -0.0, 0.0))
   _same(Tensor(condition).where(0.0, -0.0), torch.where(torch.tensor(condition), 0.0, -0.0))
+
+
+# ---------------------------------------------------------------- scatter with repeated indices
+
+def test_scatter_with_a_repeated_index_keeps_the_last_source() -> None:
+  _same(Tensor.zeros(3).scatter(0, Tensor([1, 1]), Tensor([5.0, 7.0])),
+        torch.zeros(3).scatter(0, torch.tensor([1, 1]), torch.tensor([5.0, 7.0])))
+
+
+@pytest.mark.parametrize("reduce", [None, "add", "multiply"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_scatter_variants_with_repeats_match_torch(reduce: str | None, dim: int) -> None:
+  rng = np.random.default_rng(dim)
+  x = rng.integers(-5, 5, (3, 4)).astype(np.float32)
+  index = rng.integers(0, 3, (2, 4))   # fewer rows than x, many repeats
+  src = rng.integers(-9, 9, (2, 4)).astype(np.float32)
+  ours = Tensor(x).scatter(dim, Tensor(index), Tensor(src), reduce=reduce)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)   # torch.scatter's reduce= is deprecated in favour of scatter_reduce
+    theirs = torch.tensor(x).scatter(dim, torch.tensor(index), torch.tensor(src), **({"reduce": reduce} if reduce
+                                                                                       else {}))
+  _same(ours, theirs)
+
