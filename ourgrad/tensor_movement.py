@@ -303,7 +303,7 @@ class MovementMixin:
   # ---------------------------------------------------------------- indexing
 
   def _index_tensor(self, item: Any) -> Tensor:
-    """A list, tuple or array used as an index, as an integer tensor; the list may hold Tensors (`x[[i, 1]]`)."""
+    """A list, tuple or array used as one index, as an integer tensor; the list may hold Tensors (`x[[i, 1], :]`)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if isinstance(item, Tensor): return item
     if isinstance(item, (list, tuple)) and any(isinstance(part, (Tensor, list, tuple)) for part in item):
@@ -311,6 +311,13 @@ class MovementMixin:
     return Tensor(item, device=self.device)
 
   def _normalize_index(self, index: Any) -> list[Any]:
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    # PyTorch's (and old numpy's) rule: a list shorter than 32 holding a sequence, tensor, slice, None or ... is a
+    # tuple of indices (x[[[0]]] is x[[0]], x[[[0, 1], [1, 2]]] is x[[0, 1], [1, 2]])
+    if isinstance(index, list) and len(index) < 32 and any(
+        isinstance(item, (list, tuple, np.ndarray, Tensor, slice)) or item is None or item is Ellipsis
+        for item in index):
+      index = tuple(index)
     items = list(index) if isinstance(index, tuple) else [index]
     # a list, tuple or array inside the index is an integer-tensor index, as in PyTorch (x[i, (1, 2, 3)])
     items = [self._index_tensor(item) if isinstance(item, (list, tuple, np.ndarray)) else item for item in items]
@@ -434,16 +441,14 @@ class MovementMixin:
     chosen = picked.where(values, 0) if self.dtype != dtypes.bool else picked.where(values.cast(dtypes.int32), 0)
     summed = chosen.sum(axis=tuple(range(len(rest) + batch, len(rest) + batch + len(dims))), dtype=chosen.dtype)
     result = summed.cast(self.dtype)
-    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
-    if adjacent and dims[0] > 0:
-      # move the index dims to where the indexed dims were
-      order = list(range(len(rest)))
-      order = order[:dims[0]] + list(range(len(rest), len(rest) + batch)) + order[dims[0]:]
-      result = result.permute(order)
-    elif not adjacent or dims[0] == 0:
-      order = list(range(len(rest), len(rest) + batch)) + list(range(len(rest)))
-      result = result.permute(order)
-    return result
+    # As in PyTorch, a 0-d index selects like an int (its dim is gone before the placement rule applies): the other
+    # index dims, adjacent once the 0-d ones are gone, take the broadcast dims where they were; else they go first
+    selected = [dim for dim, index in tensor_dims if index.ndim == 0]
+    placed = [dim - sum(1 for zero in selected if zero < dim) for dim, index in tensor_dims if index.ndim > 0]
+    adjacent = bool(placed) and placed == list(range(placed[0], placed[0] + len(placed)))
+    position = placed[0] if adjacent else 0
+    order = list(range(position)) + list(range(len(rest), len(rest) + batch)) + list(range(position, len(rest)))
+    return result.permute(order)
 
   def __setitem__(self, index: Any, value: Tensor | Scalar) -> None:
     """`t[index] = value` for basic indices (ints, slices, None, ...). The value is put back into place by

@@ -131,14 +131,15 @@ class ReduceMixin:
 
   @accepts_dim
   def var(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
-    """The variance over `axis` (all if None) with `correction` (1: unbiased, as torch.var); NaN when there are no more
-    elements than `correction`."""
+    """The variance over `axis` (all if None) with `correction` (1: unbiased, as torch.var). As in PyTorch, the sum of
+    squares is divided by max(0, n - correction): inf when there are no more elements than `correction` (NaN where
+    the sum is 0, as for one element)."""
     x = self._float_operand()
     count = prod(self.shape[a] for a in self._reduce_axes(axis))
     # the mean is a constant for the gradient: its share, sum(x - mean) * d(mean), is zero, and leaving it out keeps
     # one infinite element from turning every gradient into NaN (torch's var_backward is 2 (x - mean) / (n - c))
     squares = (x - x.detach().mean(axis, keepdim=True)).square().sum(axis, keepdim)
-    return squares / max(count - correction, 0) if count - correction > 0 else squares * math.nan
+    return squares / max(count - correction, 0)
 
   @accepts_dim
   def std(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:

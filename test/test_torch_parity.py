@@ -157,3 +157,57 @@ def test_scatter_variants_with_repeats_match_torch(reduce: str | None, dim: int)
                                                                                        else {}))
   _same(ours, theirs)
 
+
+
+# ---------------------------------------------------------------- linspace, advanced-indexing shapes, var/std
+
+@pytest.mark.parametrize("start, stop, steps", [(5, -5, 20), (0, 1, 7), (-3.3, 7.1, 13), (-7, 300, 33), (3, -4, 9),
+                                                (4, 4, 1), (0, 1, 0)])
+def test_linspace_matches_torch(start: float, stop: float, steps: int) -> None:
+  """Integers exactly (computed in float64 from both ends, then truncated); floats within a few ulps of the range
+  (PyTorch's vectorized loop rounds some middle values differently), both ends exact."""
+  for dtype in ("int32", "int64"):
+    _same(Tensor.linspace(start, stop, steps, dtype=dtype), torch.linspace(start, stop, steps,
+                                                                           dtype=getattr(torch, dtype)))
+  for dtype, ulp in (("float32", 2e-7), ("float64", 1e-15)):
+    ours = Tensor.linspace(start, stop, steps, dtype=dtype).numpy()
+    theirs = torch.linspace(start, stop, steps, dtype=getattr(torch, dtype)).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=ulp, atol=4 * ulp * max(abs(start), abs(stop), 1))
+    if steps: assert ours[0] == theirs[0] and ours[-1] == theirs[-1]
+
+
+X = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+INDEXINGS = [
+  lambda x, T: x[T(1), :, T([0, 3])],         # a 0-d index selects like an int: (3, 2), not numpy's (2, 3)
+  lambda x, T: x[:, T(2), T([[0], [3]])],
+  lambda x, T: x[T([1]), T(0), T([0, 2])],
+  lambda x, T: x[T([1, 0]), :, T([0, 3])],    # separated by a slice: the broadcast dims go first
+  lambda x, T: x[0, :, T([0, 3])],
+  lambda x, T: x[T([[1, 0]]), ..., T([1])],
+  lambda x, T: x[..., T([1, 0])],
+]
+
+
+@pytest.mark.parametrize("number", range(len(INDEXINGS)))
+def test_advanced_indexing_shapes_match_torch(number: int) -> None:
+  _same(INDEXINGS[number](Tensor(X), Tensor), INDEXINGS[number](torch.tensor(X), torch.tensor))
+
+
+@pytest.mark.filterwarnings("ignore:Using a non-tuple sequence")
+def test_a_nested_list_index_is_a_tuple_as_in_torch() -> None:
+  for index in ([[0]], [[0], [1]], [[0, 1], [1, 2]], [0, [1]]):
+    _same(Tensor(X)[index], torch.tensor(X)[index])
+
+
+@pytest.mark.filterwarnings("ignore:(var|std).. degrees of freedom")
+@pytest.mark.parametrize("shape", [(0,), (1,), (2,), (3,), (2, 3), (0, 3)])
+@pytest.mark.parametrize("correction", [0, 1, 2, 3, 4, 0.5])
+def test_var_and_std_with_few_elements_match_torch(shape: tuple[int, ...], correction: float) -> None:
+  """Divided by max(0, n - correction): inf past the elements, NaN where the sum of squares is 0 too."""
+  data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+  for axis in (None, 0, -1):
+    for name in ("var", "std"):
+      ours = getattr(Tensor(data), name)(axis, correction=correction)
+      theirs = getattr(torch.tensor(data), name)(dim=axis, correction=correction)
+      np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6, equal_nan=True)
+      assert ours.shape == tuple(theirs.shape)
