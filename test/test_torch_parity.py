@@ -211,3 +211,112 @@ def test_var_and_std_with_few_elements_match_torch(shape: tuple[int, ...], corre
       theirs = getattr(torch.tensor(data), name)(dim=axis, correction=correction)
       np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6, equal_nan=True)
       assert ours.shape == tuple(theirs.shape)
+
+
+# ---------------------------------------------------------------- dtype promotion
+
+DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+BINARY_OPS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+              "truediv": lambda a, b: a / b, "floordiv": lambda a, b: a // b, "mod": lambda a, b: a % b,
+              "pow": lambda a, b: a ** b, "eq": lambda a, b: a == b, "lt": lambda a, b: a < b,
+              "and": lambda a, b: a & b, "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b,
+              "maximum": lambda a, b: torch.maximum(a, b) if isinstance(a, torch.Tensor) else a.maximum(b),
+              "where": lambda a, b: (torch.where if isinstance(a, torch.Tensor) else _where)(a != 0, a, b)}
+SCALARS = {"bool": True, "int": 2, "float": 1.5}
+
+
+def _where(condition: Tensor, a: Tensor, b: Tensor) -> Tensor: return condition.where(a, b)
+
+
+def _operand(kind: str, dtype: str, rng: np.random.Generator) -> tuple[object, object]:
+  """(ours, torch's) operand: an n-d tensor, a 0-d tensor, or a Python scalar (dtype then names its kind)."""
+  if kind == "scalar": return SCALARS[dtype], SCALARS[dtype]
+  values = rng.integers(1, 4, () if kind == "zero" else (3,)).astype(np.float32)
+  return Tensor(values).cast(dtype), torch.tensor(values).to(getattr(torch, dtype))
+
+
+def _torch_dtype_or_none(op: str, a: object, b: object) -> str | None:
+  try:
+    return str(BINARY_OPS[op](a, b).dtype).removeprefix("torch.")
+  except (RuntimeError, TypeError):
+    return None   # PyTorch refuses the pair (bitwise ops on floats, bool - bool, ...): ours may extend
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_binary_op_dtypes_match_torch(seed: int) -> None:
+  """Random (op, dtype pair, operand kinds: n-d tensor, 0-d tensor or Python scalar) against torch's own result
+  dtypes (torch.result_type's rules). Documented difference: where a Python int makes the result an integer, ours is
+  default_int (int32) and PyTorch's int64."""
+  rng = np.random.default_rng(seed)
+  kinds = [("dim", "dim"), ("dim", "zero"), ("zero", "dim"), ("zero", "zero"), ("dim", "scalar"), ("scalar", "dim"),
+           ("zero", "scalar")]
+  mismatches = []
+  for _ in range(150):
+    op = str(rng.choice(list(BINARY_OPS)))
+    first, second = kinds[rng.integers(len(kinds))]
+    first_dtype = str(rng.choice(list(SCALARS) if first == "scalar" else DTYPES))
+    second_dtype = str(rng.choice(list(SCALARS) if second == "scalar" else DTYPES))
+    if op in ("maximum", "where") and "scalar" in (first, second): continue
+    (ours_a, torch_a), (ours_b, torch_b) = _operand(first, first_dtype, rng), _operand(second, second_dtype, rng)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      expected = _torch_dtype_or_none(op, torch_a, torch_b)
+    if expected is None: continue
+    if expected == "int64" and "scalar" in (first, second) and "int64" not in (first_dtype, second_dtype):
+      expected = "int32"   # our default_int
+    got = BINARY_OPS[op](ours_a, ours_b).dtype.name
+    if got != expected: mismatches.append(f"{op} {first}:{first_dtype} {second}:{second_dtype} -> {got}, torch {expected}")
+  assert not mismatches, "\n".join(mismatches)
+
+
+def test_zero_dim_tensors_promote_like_scalars_of_their_category() -> None:
+  half = Tensor([1.0, 2.0], dtype="float16")
+  _same(half + Tensor(2.0), torch.tensor([1.0, 2.0], dtype=torch.float16) + torch.tensor(2.0))
+  _same(Tensor([1, 2]) + Tensor(0.5), torch.tensor([1, 2], dtype=torch.int32) + torch.tensor(0.5))
+  _same(Tensor([1, 2]) + Tensor(0.5, dtype="float64"), torch.tensor([1, 2], dtype=torch.int32) +
+        torch.tensor(0.5, dtype=torch.float64))
+  _same(Tensor(np.array([[1]], dtype=np.int32)) | Tensor(np.array(6, dtype=np.int64)),
+        torch.tensor([[1]], dtype=torch.int32) | torch.tensor(6))
+
+
+def test_integer_powers_stay_integers_as_torch() -> None:
+  bases, powers = [1, -1, 2, 0, -3, 3, 2], [-2, -3, -1, -1, 3, 40, 31]
+  _same(Tensor(bases) ** Tensor(powers), torch.tensor(bases, dtype=torch.int32) ** torch.tensor(powers,
+                                                                                                 dtype=torch.int32))
+  _same(Tensor([3, 2], dtype="uint8") ** Tensor([5, 9], dtype="uint8"),
+        torch.tensor([3, 2], dtype=torch.uint8) ** torch.tensor([5, 9], dtype=torch.uint8))
+  _same(2 ** Tensor([3, 0, 10]), 2 ** torch.tensor([3, 0, 10], dtype=torch.int32))
+  _same(Tensor([3, -2]) ** 3, torch.tensor([3, -2], dtype=torch.int32) ** 3)
+  _same(Tensor([3, -2]) ** 2.0, torch.tensor([3, -2], dtype=torch.int32) ** 2.0)
+  with pytest.raises(TypeError, match="negative integer power"): Tensor([3]) ** -2
+  with pytest.raises(RuntimeError, match="negative integer powers"): torch.tensor([3]) ** -2
+
+
+def test_clamp_with_tensor_bounds_keeps_torch_dtypes_and_values() -> None:
+  values, low, high = [-3, 0, 5, 9], [0, 1, 1, 2], [4, 4, 4, 4]
+  _same(Tensor(values).clamp(Tensor(low), Tensor(high)),
+        torch.tensor(values, dtype=torch.int32).clamp(torch.tensor(low, dtype=torch.int32),
+                                                      torch.tensor(high, dtype=torch.int32)))
+  _same(Tensor(values).clamp(min=Tensor(1.5)), torch.tensor(values, dtype=torch.int32).clamp(min=torch.tensor(1.5)))
+  floats = [NAN, -2.0, 0.5, 7.0]
+  _same(Tensor(floats, dtype="float16").clamp(Tensor([0.0, 0.0, 1.0, NAN])),
+        torch.tensor(floats, dtype=torch.float16).clamp(torch.tensor([0.0, 0.0, 1.0, NAN])))
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16", "int32", "int64"])
+def test_hardtanh_and_relu6_keep_integers(dtype: str) -> None:
+  values = np.array([0, 1, 3, 7, 100], dtype=dtype)
+  _same(Tensor(values).relu6(), torch.nn.functional.relu6(torch.tensor(values)))
+  if dtype != "uint8":
+    _same(Tensor(values).hardtanh(), torch.nn.functional.hardtanh(torch.tensor(values)))
+
+
+def test_atan2_of_half_stays_half_and_rounds_once() -> None:
+  rng = np.random.default_rng(5)
+  y, x = (rng.standard_normal(64) * 3).astype(np.float16), (rng.standard_normal(64) * 3).astype(np.float16)
+  for dtype in ("float16", "bfloat16"):
+    ours = Tensor(y.astype(np.float32)).cast(dtype).atan2(Tensor(x.astype(np.float32)).cast(dtype))
+    theirs = torch.atan2(torch.tensor(y).to(getattr(torch, dtype)), torch.tensor(x).to(getattr(torch, dtype)))
+    assert ours.dtype.name == dtype
+    np.testing.assert_allclose(ours.float().numpy(), theirs.float().numpy(), rtol=1e-2 if dtype == "bfloat16"
+                               else 1e-3, atol=1e-3)
