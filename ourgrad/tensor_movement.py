@@ -138,9 +138,17 @@ class MovementMixin:
       pairs = [(0, 0) if pair is None else tuple(pair) for pair in padding]
     # a symbolic amount (a bound Variable expression) only grows: its value is checked against 0 when bound
     pairs = [tuple(_symbolic_pad_amount(amount) for amount in pair) for pair in pairs]
-    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in _concrete_pairs(pairs, self.shape)]
-    x = self.shrink(crop) if any(not is_symbolic(v) and v < 0 for pair in pairs for v in pair) else self
+    crops = any(not is_symbolic(v) and v < 0 for pair in pairs for v in pair)
     grow = tuple(tuple(v if is_symbolic(v) else max(v, 0) for v in pair) for pair in pairs)
+    if mode in ("reflect", "replicate"):
+      # as PyTorch: the border is read from the whole input, then the negative amounts crop (reflect (2, -3) of
+      # [a, b, c, d] is [c, b, a]); circular crops first, as PyTorch's circular pad does
+      grown = pad_with_mode(self, grow, mode) if any(pair != (0, 0) for pair in grow) else self
+      if not crops: return grown
+      return grown.shrink([(-min(before, 0), size + min(after, 0)) if min(before, after) < 0 else None
+                           for (before, after), size in _concrete_pairs(pairs, grown.shape)])
+    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in _concrete_pairs(pairs, self.shape)]
+    x = self.shrink(crop) if crops else self
     if all(pair == (0, 0) for pair in grow): return x
     if mode != "constant": return pad_with_mode(x, grow, mode)
     padded = F.Pad.apply(x, arg=grow)

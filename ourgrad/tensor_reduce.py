@@ -209,8 +209,11 @@ class ReduceMixin:
 
   @accepts_dim
   def logsumexp(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-    """log(sum(exp(self))) over `axis` (all if None), computed stably by subtracting the maximum first."""
+    """log(sum(exp(self))) over `axis` (all if None), computed stably by subtracting the maximum first; -inf over an
+    empty axis."""
     x = self._float_operand()
+    # over an empty axis the sum of exps is 0: -inf, as in PyTorch (max has no identity there)
+    if any(self.shape[a] == 0 for a in self._reduce_axes(axis)): return x.sum(axis, keepdim).log()
     peak = x.max(axis, keepdim=True)
     peak = peak.isinf().where(0, peak)  # all -inf (or an inf) would give nan through x - peak
     total = (x - peak).exp().sum(axis, keepdim=True).log() + peak
@@ -284,6 +287,8 @@ class ReduceMixin:
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     dim = self._axis(axis)
     if self.ndim == 0: return ValuesIndices(self, Tensor.zeros((), dtype=dtypes.int64, device=self.device))
+    # nothing to scan: empty results, as in PyTorch
+    if self.numel() == 0: return ValuesIndices(self, Tensor.zeros(self.shape, dtype=dtypes.int64, device=self.device))
     x = self.detach().transpose(dim, -1)
     key = x if largest else (-x if x.dtype.is_float else ~x)
     if key.dtype == dtypes.bool: key = key.cast(dtypes.int32)

@@ -265,7 +265,8 @@ def test_random_binary_op_dtypes_match_torch(seed: int) -> None:
     if expected == "int64" and "scalar" in (first, second) and "int64" not in (first_dtype, second_dtype):
       expected = "int32"   # our default_int
     got = BINARY_OPS[op](ours_a, ours_b).dtype.name
-    if got != expected: mismatches.append(f"{op} {first}:{first_dtype} {second}:{second_dtype} -> {got}, torch {expected}")
+    if got != expected:
+      mismatches.append(f"{op} {first}:{first_dtype} {second}:{second_dtype} -> {got}, torch {expected}")
   assert not mismatches, "\n".join(mismatches)
 
 
@@ -320,3 +321,30 @@ def test_atan2_of_half_stays_half_and_rounds_once() -> None:
     assert ours.dtype.name == dtype
     np.testing.assert_allclose(ours.float().numpy(), theirs.float().numpy(), rtol=1e-2 if dtype == "bfloat16"
                                else 1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------- empty axes and cropping pads
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)])
+def test_logsumexp_and_cummax_over_empty_axes_match_torch(shape: tuple[int, ...]) -> None:
+  data = np.zeros(shape, dtype=np.float32)
+  for axis in (0, 1, (0, 1)):
+    _same(Tensor(data).logsumexp(axis), torch.tensor(data).logsumexp(axis))
+  for axis in (0, 1):
+    for name in ("cummax", "cummin"):
+      values, indices = getattr(Tensor(data), name)(axis)
+      theirs = getattr(torch.tensor(data), name)(axis)
+      _same(values, theirs.values)
+      _same(indices, theirs.indices)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular", "constant"])
+def test_pads_with_negative_amounts_crop_as_torch(mode: str) -> None:
+  """reflect and replicate read their border from the whole input, then crop (reflect (2, -3) of [a, b, c, d] is
+  [c, b, a]); circular crops first, as PyTorch's does (where its crop leaves too little, PyTorch's circular pad reads
+  memory it is writing: we raise instead, so those cases are left out)."""
+  data = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+  pads = [(-1, -1), (1, -1), (-1, 2), (0, -2, 1, 1), (3, -1), (1, -2, -1, 2)]
+  if mode != "circular": pads += [(2, -3), (-2, 3), (-3, 3)]
+  for pad in pads:
+    _same(Tensor(data).pad(pad, mode=mode), torch.nn.functional.pad(torch.tensor(data), pad, mode=mode))
