@@ -740,6 +740,11 @@ class ElementwiseMixin:
     result = value.sign() * (1.0 - poly * (-(value * value)).exp())
     return x._with_derivative(result, (-(value * value)).exp() * (2 / math.sqrt(math.pi)))
 
+  def _zero_signed_like(self, value: Tensor) -> Tensor:
+    """This rounding result with a zero taking the sign of `value`, as C's trunc/floor/ceil/nearbyint (and PyTorch)
+    give it: ceil(-0.5) is -0.0. value * 0 is that zero (value is finite wherever a rounding gives 0)."""
+    return (self == 0).where(value * 0, self)
+
   def _round_toward_zero(self) -> Tensor:
     """Drop the fraction, keeping values too large for int64 (which are integers already) as they are."""
     truncated = self.cast(dtypes.int64).cast(self.dtype)
@@ -748,21 +753,22 @@ class ElementwiseMixin:
   def trunc(self) -> Tensor:
     """Each value rounded toward zero, in this tensor's dtype (integers unchanged); the gradient is zero."""
     if not self.dtype.is_float: return self
-    return self._zero_gradient(self.detach()._round_toward_zero())
+    value = self.detach()
+    return self._zero_gradient(value._round_toward_zero()._zero_signed_like(value))
 
   def floor(self) -> Tensor:
     """Each value rounded down, in this tensor's dtype (integers unchanged); the gradient is zero."""
     if not self.dtype.is_float: return self
     value = self.detach()
     truncated = value._round_toward_zero()
-    return self._zero_gradient((truncated > value).where(truncated - 1, truncated))
+    return self._zero_gradient((truncated > value).where(truncated - 1, truncated)._zero_signed_like(value))
 
   def ceil(self) -> Tensor:
     """Each value rounded up, in this tensor's dtype (integers unchanged); the gradient is zero."""
     if not self.dtype.is_float: return self
     value = self.detach()
     truncated = value._round_toward_zero()
-    return self._zero_gradient((truncated < value).where(truncated + 1, truncated))
+    return self._zero_gradient((truncated < value).where(truncated + 1, truncated)._zero_signed_like(value))
 
   def round(self) -> Tensor:
     """Round half to even, as torch.round; the gradient is zero."""
@@ -772,7 +778,7 @@ class ElementwiseMixin:
     diff = value - floor
     floor_is_even = (floor / 2).floor() * 2 == floor
     up = (diff > 0.5) | ((diff == 0.5) & ~floor_is_even)
-    return self._zero_gradient(up.where(floor + 1, floor))
+    return self._zero_gradient(up.where(floor + 1, floor)._zero_signed_like(value))
 
   def lerp(self, end: Any, weight: Any) -> Tensor:
     """Linear interpolation toward `end`: self + weight * (end - self) for weight < 0.5, else

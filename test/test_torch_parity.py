@@ -130,6 +130,14 @@ def test_cat_and_stack_keep_negative_zeros() -> None:
   _same(Tensor.cat(Tensor([1, 2]), Tensor([-3])), torch.cat([torch.tensor([1, 2]), torch.tensor([-3])]).int())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_rounding_keeps_the_sign_of_a_zero_result(dtype: str) -> None:
+  values = np.array([-0.25, -0.5, -0.0, 0.0, 0.25, 0.5, -1.5, 1.5, -0.7, INF, -INF, NAN, 2.5, -2.5, -1e-30],
+                    dtype=dtype)
+  for name in ("trunc", "floor", "ceil", "round"):
+    _same(getattr(Tensor(values), name)(), getattr(torch.tensor(values), name)())
+
+
 def test_a_kernel_keeps_negative_and_positive_zero_constants_apart() -> None:
   condition = [True, False]
   _same(Tensor(condition).where(-0.0, 0.0), torch.where(torch.tensor(condition), -0.0, 0.0))
