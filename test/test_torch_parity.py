@@ -114,6 +114,15 @@ def test_float_floor_division_and_remainders_match_torch(dtype: str, op: str) ->
     _same(ours, theirs)
 
 
+def test_a_float_modulo_itself_is_a_signed_zero() -> None:
+  """Found by the fuzzer: x % x gave x for some negative x (the remainder was computed as x - trunc(x / x) * x)."""
+  values = np.array([-0.7017, -2.5, 0.7017, 3.3, -1e-3], dtype=np.float32)
+  for dtype in ("float32", "float16"):
+    data = values.astype(dtype)
+    _same(Tensor(data) % Tensor(data), torch.tensor(data) % torch.tensor(data))
+    _same(Tensor(data).fmod(Tensor(data)), torch.tensor(data).fmod(torch.tensor(data)))
+
+
 def test_floor_division_by_a_python_float() -> None:
   _same(Tensor([1.0, -1.0, 0.7]) // 0.1, torch.tensor([1.0, -1.0, 0.7]) // 0.1)
   _same(Tensor([1.0, -1.0, 0.7]) % 0.1, torch.tensor([1.0, -1.0, 0.7]) % 0.1)
