@@ -64,9 +64,7 @@ def _float_fmod(x: Tensor, y: Tensor) -> Tensor:
   float64 operands compute in float64, exact while x / y does not round across an integer."""
   wide = dtypes.float64 if x.dtype.itemsize < 8 else x.dtype
   a, b = x.cast(wide), y.cast(wide)
-  remainder = a - (a / b).trunc() * b
-  negative = (a < 0) | (a.reciprocal() < 0)   # 1 / -0.0 is -inf: the sign of a zero
-  remainder = (remainder == 0).where(negative.where(-0.0, 0.0), remainder)   # a zero takes the sign of x, as in C
+  remainder = (a - (a / b).trunc() * b)._zero_signed_like(a)   # a zero takes the sign of x, as in C
   return (b.isinf() & a.isfinite()).where(a, remainder).cast(x.dtype)
 
 
@@ -90,8 +88,7 @@ def _float_floor_quotient(x: Tensor, y: Tensor) -> Tensor:
   # (a - remainder) / b is an integer up to rounding: round it to the nearest one
   floored = (quotient - floored > 0.5).where(floored + 1, floored)
   exact = a / b
-  negative = (exact < 0) | (exact.reciprocal() < 0)   # 1 / -0.0 is -inf: the sign of a zero
-  result = (quotient != 0).where(floored, negative.where(-0.0, 0.0))   # a zero quotient takes the sign of a / b
+  result = floored._zero_signed_like(exact)   # a zero quotient takes the sign of a / b
   return (b == 0).where(exact, result).cast(x.dtype)
 
 
@@ -741,8 +738,8 @@ class ElementwiseMixin:
     return x._with_derivative(result, (-(value * value)).exp() * (2 / math.sqrt(math.pi)))
 
   def _zero_signed_like(self, value: Tensor) -> Tensor:
-    """This rounding result with a zero taking the sign of `value`, as C's trunc/floor/ceil/nearbyint (and PyTorch)
-    give it: ceil(-0.5) is -0.0. value * 0 is that zero (value is finite wherever a rounding gives 0)."""
+    """This result with a zero taking the sign of `value`, as C's trunc/floor/ceil/nearbyint/fmod (and PyTorch)
+    give it: ceil(-0.5) is -0.0. value * 0 is that zero (value is finite wherever these give 0)."""
     return (self == 0).where(value * 0, self)
 
   def _round_toward_zero(self) -> Tensor:
