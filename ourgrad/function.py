@@ -357,7 +357,7 @@ class Max(Function):
 
 class MaxToOne(Function):
   """Max reduce whose gradient goes whole to one element of each reduced group, as PyTorch's max_pool does: among the
-  maximal elements, the one with the largest `rank` (an int tensor of x's shape; ranks > 0 are distinct within a
+  maximal elements, the one with the largest `rank` (a tensor of x's shape; ranks > 0 are distinct within a
   group, 0 marks padding); where the maximum is NaN, the NaN with the smallest rank. Ranks counting down in
   row-major order give the first maximum and the last NaN, as PyTorch's pooling loop picks them."""
 

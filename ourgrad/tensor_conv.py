@@ -99,18 +99,19 @@ def _pool(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation:
 
 def _window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
                   stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
-  """For the pooling windows (`windows_shape`, `_pool`'s layout) of `x` padded by `pads`, an int32 rank of each
-  window element: K down to 1 in the window's row-major order (K elements), 0 where the element is padding. Built
-  from constants padded into place and expanded before any arithmetic, so kernels compute it from their indices:
-  nothing is loaded or realized."""
+  """For the pooling windows (`windows_shape`, `_pool`'s layout) of `x` padded by `pads`, a rank of each window
+  element: K down to 1 in the window's row-major order (K elements), 0 where the element is padding. Built from
+  constants padded into place and expanded before any arithmetic, so kernels compute it from their indices: nothing
+  is loaded or realized. float32 (exact: K < 2**24), as the values beside it: an int32 key made CLANG's reduce of it
+  several times slower."""
   Tensor = type(x)  # noqa: N806 (the concrete class; this module never imports it)
   spatial, batch = len(kernel), x.ndim - len(kernel)
   leading = (1,) * (len(windows_shape) - spatial)
-  rank = Tensor.full(windows_shape, 1, dtypes.int32, device=x.device)
+  rank = Tensor.full(windows_shape, 1, dtypes.float32, device=x.device)
   for axis, size in enumerate(kernel):
     weight = math.prod(kernel[axis + 1:])   # offset i along `axis` counts (size - 1 - i) * weight
     for i in range(size - 1):
-      one_hot = Tensor.full((1,) * spatial, (size - 1 - i) * weight, dtypes.int32, device=x.device)
+      one_hot = Tensor.full((1,) * spatial, (size - 1 - i) * weight, dtypes.float32, device=x.device)
       one_hot = one_hot.pad([(i, size - 1 - i) if a == axis else (0, 0) for a in range(spatial)])
       rank = rank + one_hot.reshape(leading + one_hot.shape).expand(windows_shape)
   inside = Tensor.full(x.shape[batch:], True, dtypes.bool, device=x.device).pad([(p, p) for p in pads])

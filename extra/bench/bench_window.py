@@ -151,9 +151,10 @@ def step_kernels(device: str, batch: int) -> list[tuple[str, object]]:
     size = item.outputs[0].size
     if window_tiles.is_window_reduce(kernel):
       pool = next(name for elements, name in pool_inputs.items() if size * 4 == elements)
-      # the backward's window reduce picks the first maximum by an int32 rank (tensor_conv.py: _window_ranks)
-      found.append((f"{pool} " + ("max (forward)" if kernel.reduceop.dtype.is_float else "first max (bwd)"),
-                    item.ast))
+      # the backward's window reduce (picking each window's first maximum: tensor_conv.py, _window_ranks) reads the
+      # forward's maxima, a buffer of its own output's size
+      backward = any(buffer.size == size for buffer in item.inputs)
+      found.append((f"{pool} " + ("first max (bwd)" if backward else "max (forward)"), item.ast))
     elif kernel.reduceop is None and size in pool_inputs:
       found.append((f"{pool_inputs[size]} elementwise (backward)", item.ast))
   return found
