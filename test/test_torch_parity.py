@@ -8,6 +8,7 @@ axes.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor
+from ourgrad import Tensor, dtypes
+from ourgrad.dtype import operands_dtype
 
 INF, NAN = math.inf, math.nan
 
@@ -285,6 +287,24 @@ def test_random_binary_op_dtypes_match_torch(seed: int) -> None:
     if got != expected:
       mismatches.append(f"{op} {first}:{first_dtype} {second}:{second_dtype} -> {got}, torch {expected}")
   assert not mismatches, "\n".join(mismatches)
+
+
+def test_operands_dtype_is_torch_result_type() -> None:
+  """dtype.operands_dtype over every dtype pair as n-d/0-d tensors and Python scalars against torch.result_type
+  (uint16/32/64 left out: PyTorch refuses their mixes; a Python int is our default_int where PyTorch says int64)."""
+  for first, second in itertools.product(DTYPES, DTYPES + list(SCALARS)):
+    for first_kind, second_kind in (("dim", "dim"), ("dim", "zero"), ("zero", "dim"), ("zero", "zero")):
+      if second in SCALARS: second_kind = "scalar"
+      a = torch.ones((2,) if first_kind == "dim" else (), dtype=getattr(torch, first))
+      b = SCALARS[second] if second_kind == "scalar" else torch.ones((2,) if second_kind == "dim" else (),
+                                                                       dtype=getattr(torch, second))
+      expected = str(torch.result_type(a, b)).removeprefix("torch.")
+      groups: dict[str, list] = {"dim": [], "zero": [], "scalar": []}
+      groups[first_kind].append(dtypes.as_dtype(first))
+      groups[second_kind].append(SCALARS[second] if second_kind == "scalar" else dtypes.as_dtype(second))
+      got = operands_dtype(groups["dim"], groups["zero"], groups["scalar"]).name
+      if expected == "int64" and second == "int" and first != "int64": expected = "int32"   # our default_int
+      assert got == expected, (first_kind, first, second_kind, second, got, expected)
 
 
 def test_zero_dim_tensors_promote_like_scalars_of_their_category() -> None:
