@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -287,6 +287,30 @@ def result_dtype(tensor_dtype: DType, scalar: bool | int | float) -> DType:
   scalar_category = _scalar_category(scalar, "result_dtype")
   if scalar_category <= _category(tensor_dtype): return tensor_dtype
   return dtypes.default_float if scalar_category == _FLOAT else dtypes.default_int
+
+
+def operands_dtype(tensor_dtypes: Sequence[DType], zero_dim_dtypes: Sequence[DType] = (),
+                   scalars: Sequence[bool | int | float] = ()) -> DType:
+  """dtype of an op over n-d tensors, 0-d tensors and Python scalars: PyTorch's torch.result_type.
+
+  Each of the three groups promotes within itself (least_upper_dtype; a Python int counts as default_int, a float as
+  default_float). A 0-d tensor then matters only when its category is higher than the n-d tensors' (float16 tensor
+  + 0-d float32 tensor -> float16, int tensor + 0-d float64 tensor -> float64), and a Python scalar only when its
+  category is higher than both tensor groups' (result_dtype)."""
+  def group(dts: list[DType]) -> DType | None: return least_upper_dtype(*dts) if dts else None
+  wrapped = [dtypes.default_float if category == _FLOAT else dtypes.default_int if category == _INT else dtypes.bool
+             for category in (_scalar_category(value, "operands_dtype") for value in scalars)]
+  result = _combine_groups(group(list(tensor_dtypes)), _combine_groups(group(list(zero_dim_dtypes)), group(wrapped)))
+  if result is None: raise DTypeError("operands_dtype needs at least one operand")
+  return result
+
+
+def _combine_groups(higher: DType | None, lower: DType | None) -> DType | None:
+  """PyTorch's combine_categories: `lower` (a lower-priority group) changes `higher` only if of a higher category."""
+  if higher is None or lower is None: return lower if higher is None else higher
+  if higher.is_float: return higher
+  if higher.is_bool or lower.is_float: return least_upper_dtype(higher, lower)
+  return higher
 
 
 def sum_dtype(dt: DType) -> DType:

@@ -358,6 +358,29 @@ class Max(Function):
     return _mul(_div(is_max, count), grad_output.expand(self.x.shape))
 
 
+class MaxToOne(Function):
+  """Max reduce whose gradient goes whole to one element of each reduced group, as PyTorch's max_pool does: among the
+  maximal elements, the one with the largest `rank` (a tensor of x's shape; ranks > 0 are distinct within a
+  group, 0 marks padding); where the maximum is NaN, the NaN with the smallest rank. Ranks counting down in
+  row-major order give the first maximum and the last NaN, as PyTorch's pooling loop picks them."""
+
+  def forward(self, x: LazyBuffer, rank: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
+    self.x, self.rank, self.axes = x, rank, axes
+    self.result = x.reduce(Ops.MAX_REDUCE, axes)
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
+    x, rank = self.x, self.rank
+    is_nan = x.elementwise(Ops.CMPNE, x)
+    is_max = _equal(x, self.result.expand(x.shape)).elementwise(Ops.OR, is_nan)
+    # a NaN peak makes every comparison false, so the NaNs are the candidates there; the smallest rank wins among them
+    key = _where(is_nan, rank.elementwise(Ops.NEG), rank)
+    key = _where(is_max, key, rank.const_like(rank.dtype.min))
+    chosen = _equal(key, key.reduce(Ops.MAX_REDUCE, self.axes).expand(x.shape))
+    grad = _where(chosen, grad_output.expand(x.shape), grad_output.const_like(0).expand(x.shape))
+    return grad, None
+
+
 # ---------------------------------------------------------------- movement
 
 class Reshape(Function):

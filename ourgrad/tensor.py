@@ -31,7 +31,7 @@ import numpy as np
 from ourgrad import function as F
 from ourgrad import tensor_random
 from ourgrad.device import Buffer, Device
-from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
+from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits, truncate
 from ourgrad.engine.exec_item import jit_recording
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
@@ -532,13 +532,21 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   @staticmethod
   def linspace(start: Scalar, stop: Scalar, steps: int, dtype: DType | str | None = None,
                device: str | None = None, **kwargs: Any) -> Tensor:
-    """`steps` evenly spaced values from `start` to `stop` inclusive, computed in float64 (float32 unless `dtype`)."""
+    """`steps` evenly spaced values from `start` to `stop` inclusive (float32 unless `dtype`), as torch.linspace
+    computes them: the first half as start + i * step, the second as stop - (steps - 1 - i) * step, so both ends are
+    exact. The ends and the step are rounded to a float dtype (the step to float64 for integers) as PyTorch's are;
+    the rest is computed in float64 and rounded once (PyTorch's fused multiply-add), integers truncating."""
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
     if steps < 0: raise ValueError(f"linspace needs steps >= 0, got {steps}")
     if steps == 1: return Tensor.full((1,), start, dtype, device=device, **kwargs)
-    index = Tensor.arange(steps, device=device).cast(dtypes.float64)
-    values = index * ((stop - start) / (steps - 1)) + start
-    return Tensor(values.cast(dtype).lazydata, **kwargs)
+    if dtype.is_float: start, stop = truncate(dtype, float(start)), truncate(dtype, float(stop))
+    step = (float(stop) - float(start)) / (steps - 1)
+    if dtype.is_float: step = truncate(dtype, step)
+    index = np.arange(steps, dtype=np.float64)
+    # computed on the host, as arange is
+    values = np.where(index < steps // 2, start + index * step, stop - (steps - 1 - index) * step)
+    if dtype == dtypes.bfloat16: return Tensor(values, device=device, dtype=dtype, **kwargs)
+    return Tensor(values.astype(dtype.np), device=device, dtype=dtype, **kwargs)
 
   @staticmethod
   def eye(n: int, m: int | None = None, dtype: DType | str | None = None, device: str | None = None,

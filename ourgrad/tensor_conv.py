@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Sequence
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.errors import ShapeError
-from ourgrad.function import Function
+from ourgrad.function import Function, MaxToOne
 from ourgrad.helpers import normalize_axis
 from ourgrad.lazy import LazyBuffer
 
@@ -132,6 +132,28 @@ def unfold_patches(x: Tensor, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
   channels, (out_h, out_w) = x.shape[-3], windows.shape[-4:-2]
   columns = windows.permute(*range(lead + 1), lead + 3, lead + 4, lead + 1, lead + 2)
   return columns.reshape(*x.shape[:-3], channels * kernel[0] * kernel[1], out_h * out_w)
+
+
+def _window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
+                  stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
+  """For the pooling windows (`windows_shape`, `_pool`'s layout) of `x` padded by `pads`, a rank of each window
+  element: K down to 1 in the window's row-major order (K elements), 0 where the element is padding. Built from
+  constants padded into place and expanded before any arithmetic, so kernels compute it from their indices: nothing
+  is loaded or realized. float32 (exact: K < 2**24), as the values beside it: an int32 key made CLANG's reduce of it
+  several times slower."""
+  Tensor = type(x)  # noqa: N806 (the concrete class; this module never imports it)
+  spatial, batch = len(kernel), x.ndim - len(kernel)
+  leading = (1,) * (len(windows_shape) - spatial)
+  rank = Tensor.full(windows_shape, 1, dtypes.float32, device=x.device)
+  for axis, size in enumerate(kernel):
+    weight = math.prod(kernel[axis + 1:])   # offset i along `axis` counts (size - 1 - i) * weight
+    for i in range(size - 1):
+      one_hot = Tensor.full((1,) * spatial, (size - 1 - i) * weight, dtypes.float32, device=x.device)
+      one_hot = one_hot.pad([(i, size - 1 - i) if a == axis else (0, 0) for a in range(spatial)])
+      rank = rank + one_hot.reshape(leading + one_hot.shape).expand(windows_shape)
+  inside = Tensor.full(x.shape[batch:], True, dtypes.bool, device=x.device).pad([(p, p) for p in pads])
+  inside = _pool(inside.reshape((1,) * batch + inside.shape), kernel, stride, dilation).expand(windows_shape)
+  return inside.where(rank, 0)
 
 
 def _check_rank(x: Tensor, name: str, ranks: tuple[int, ...]) -> None:
@@ -467,7 +489,12 @@ class ConvMixin:
     kernel, strides, pads, dilations = self._pool_args(f"max_pool{dims}d", dims, kernel_size, stride, padding,
                                                        dilation)
     padded = self.pad([None] * (self.ndim - dims) + [(p, p) for p in pads], value=self.dtype.min)
-    return _pool(padded, kernel, strides, dilations).max(tuple(range(-dims, 0)))
+    windows = _pool(padded, kernel, strides, dilations)
+    axes = tuple(range(windows.ndim - dims, windows.ndim))
+    if not self.requires_grad or type(self).no_grad: return windows.max(axes)
+    # the gradient goes to one maximum per window, as in PyTorch: ranks order the window's elements
+    ranks = _window_ranks(self, windows.shape, pads, kernel, strides, dilations)
+    return MaxToOne.apply(windows, ranks, axes=axes).reshape(windows.shape[:-dims])
 
   def _avg_pool_options(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
                         padding: IntOrTuple, ceil_mode: bool, count_include_pad: bool,

@@ -138,13 +138,22 @@ class MovementMixin:
       pairs = [(0, 0) if pair is None else tuple(pair) for pair in padding]
     # a symbolic amount (a bound Variable expression) only grows: its value is checked against 0 when bound
     pairs = [tuple(_symbolic_pad_amount(amount) for amount in pair) for pair in pairs]
-    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in _concrete_pairs(pairs, self.shape)]
-    x = self.shrink(crop) if any(not is_symbolic(v) and v < 0 for pair in pairs for v in pair) else self
+    crops = any(not is_symbolic(v) and v < 0 for pair in pairs for v in pair)
     grow = tuple(tuple(v if is_symbolic(v) else max(v, 0) for v in pair) for pair in pairs)
+    if mode in ("reflect", "replicate"):
+      # as PyTorch: the border is read from the whole input, then the negative amounts crop (reflect (2, -3) of
+      # [a, b, c, d] is [c, b, a]); circular crops first, as PyTorch's circular pad does
+      grown = pad_with_mode(self, grow, mode) if any(pair != (0, 0) for pair in grow) else self
+      if not crops: return grown
+      return grown.shrink([(-min(before, 0), size + min(after, 0)) if min(before, after) < 0 else None
+                           for (before, after), size in _concrete_pairs(pairs, grown.shape)])
+    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in _concrete_pairs(pairs, self.shape)]
+    x = self.shrink(crop) if crops else self
     if all(pair == (0, 0) for pair in grow): return x
     if mode != "constant": return pad_with_mode(x, grow, mode)
     padded = F.Pad.apply(x, arg=grow)
-    if value == 0: return padded
+    # -0.0 == 0 in Python, but a float tensor padded with -0.0 keeps that sign (cat relies on it)
+    if value == 0 and not (self.dtype.is_float and math.copysign(1.0, value) < 0): return padded
     inside = F.Pad.apply(type(self).ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
     return inside.where(padded, value)
 
@@ -302,7 +311,7 @@ class MovementMixin:
   # ---------------------------------------------------------------- indexing
 
   def _index_tensor(self, item: Any) -> Tensor:
-    """A list, tuple or array used as an index, as an integer tensor; the list may hold Tensors (`x[[i, 1]]`)."""
+    """A list, tuple or array used as one index, as an integer tensor; the list may hold Tensors (`x[[i, 1], :]`)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if isinstance(item, Tensor): return item
     if isinstance(item, (list, tuple)) and any(isinstance(part, (Tensor, list, tuple)) for part in item):
@@ -310,6 +319,13 @@ class MovementMixin:
     return Tensor(item, device=self.device)
 
   def _normalize_index(self, index: Any) -> list[Any]:
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    # PyTorch's (and old numpy's) rule: a list shorter than 32 holding a sequence, tensor, slice, None or ... is a
+    # tuple of indices (x[[[0]]] is x[[0]], x[[[0, 1], [1, 2]]] is x[[0, 1], [1, 2]])
+    if isinstance(index, list) and len(index) < 32 and any(
+        isinstance(item, (list, tuple, np.ndarray, Tensor, slice)) or item is None or item is Ellipsis
+        for item in index):
+      index = tuple(index)
     items = list(index) if isinstance(index, tuple) else [index]
     # a list, tuple or array inside the index is an integer-tensor index, as in PyTorch (x[i, (1, 2, 3)])
     items = [self._index_tensor(item) if isinstance(item, (list, tuple, np.ndarray)) else item for item in items]
@@ -435,16 +451,14 @@ class MovementMixin:
     chosen = picked.where(values, 0) if self.dtype != dtypes.bool else picked.where(values.cast(dtypes.int32), 0)
     summed = chosen.sum(axis=tuple(range(len(rest) + batch, len(rest) + batch + len(dims))), dtype=chosen.dtype)
     result = summed.cast(self.dtype)
-    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
-    if adjacent and dims[0] > 0:
-      # move the index dims to where the indexed dims were
-      order = list(range(len(rest)))
-      order = order[:dims[0]] + list(range(len(rest), len(rest) + batch)) + order[dims[0]:]
-      result = result.permute(order)
-    elif not adjacent or dims[0] == 0:
-      order = list(range(len(rest), len(rest) + batch)) + list(range(len(rest)))
-      result = result.permute(order)
-    return result
+    # As in PyTorch, a 0-d index selects like an int (its dim is gone before the placement rule applies): the other
+    # index dims, adjacent once the 0-d ones are gone, take the broadcast dims where they were; else they go first
+    selected = [dim for dim, index in tensor_dims if index.ndim == 0]
+    placed = [dim - sum(1 for zero in selected if zero < dim) for dim, index in tensor_dims if index.ndim > 0]
+    adjacent = bool(placed) and placed == list(range(placed[0], placed[0] + len(placed)))
+    position = placed[0] if adjacent else 0
+    order = list(range(position)) + list(range(len(rest), len(rest) + batch)) + list(range(position, len(rest)))
+    return result.permute(order)
 
   def __setitem__(self, index: Any, value: Tensor | Scalar) -> None:
     """`t[index] = value` for basic indices (ints, slices, None, ...). The value is put back into place by
@@ -557,9 +571,9 @@ class MovementMixin:
     flat = ((picked >= 0) & (picked < size)).where(flat, prod(self.shape))
     return self.reshape(-1, 1)._take_rows(flat).reshape(index.shape)
 
-  def _scattered(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
-    """The sum of `src` scattered into this tensor's shape along `dim` at `index` (as scatter_add adds it), and a
-    bool mask of the places written. One-hot over the target positions and a sum: one kernel, no scatter op."""
+  def _scatter_hits(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """With `dim` moved last: a bool one-hot (..., k, n), True where source position k along `dim` targets position
+    n, and the sources (..., k, 1) in this tensor's dtype. Shapes checked as torch.scatter checks them."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
     if index.ndim != self.ndim or src.ndim != self.ndim:
@@ -573,12 +587,21 @@ class MovementMixin:
     index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
     index_last = (index_last < 0).where(index_last + size, index_last)
     hits = index_last == Tensor.arange(size, device=self.device)  # (..., k, n)
-    values = src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+    return hits, src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+
+  def _scattered_back(self, dim: int, per_target: Tensor, fill: Scalar = 0) -> Tensor:
+    """A (..., n) result of the one-hot layout (`dim` last) back in this tensor's shape: the index may be smaller than
+    it in the other dims (`fill` there)."""
+    axis = self._axis(dim)
+    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape, per_target.shape)]
+    return per_target.pad(grow, value=fill).transpose(axis, -1)
+
+  def _scattered(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """The sum of `src` scattered into this tensor's shape along `dim` at `index` (as scatter_add adds it), and a
+    bool mask of the places written. One-hot over the target positions and a sum: one kernel, no scatter op."""
+    hits, values = self._scatter_hits(dim, index, src)
     added = hits.where(values, 0).sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else dtypes.int32)
-    written = hits.any(-2)
-    # back to this tensor's shape: the index may be smaller than it in the other dims
-    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape, added.shape)]
-    return added.pad(grow).transpose(axis, -1).cast(self.dtype), written.pad(grow).transpose(axis, -1)
+    return self._scattered_back(dim, added).cast(self.dtype), self._scattered_back(dim, hits.any(-2))
 
   def scatter_add(self, dim: int, index: Tensor, src: Tensor) -> Tensor:
     """self with src[i][j] added at [index[i][j]][j] (for dim 0; likewise for other dims), as torch.scatter_add."""
@@ -586,15 +609,25 @@ class MovementMixin:
     return self + added
 
   def scatter(self, dim: int, index: Tensor, src: Tensor | float | int, reduce: str | None = None) -> Tensor:
-    """self with src (a tensor, or one number) written at `index` along `dim`, as torch.scatter; reduce="add" adds
-    instead. Where an index repeats, the written value is the sum of the sources (PyTorch keeps one of them,
-    unspecified which): keep indices unique."""
+    """self with src (a tensor, or one number) written at `index` along `dim`, as torch.scatter. Where an index
+    repeats, the last source along `dim` is kept (what PyTorch's CPU loop leaves; its docs leave it unspecified).
+    reduce="add" adds every source, reduce="multiply" multiplies self by every source, as torch.scatter's."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     source = src if isinstance(src, Tensor) else Tensor.full(index.shape, src, self.dtype, device=self.device)
     if reduce == "add": return self.scatter_add(dim, index, source)
-    if reduce is not None: raise ValueError(f"scatter reduce must be None or 'add', got {reduce!r}")
-    placed, written = self._scattered(dim, index, source)
-    return written.where(placed, self)
+    if reduce not in (None, "multiply"):
+      raise ValueError(f"scatter reduce must be None, 'add' or 'multiply', got {reduce!r}")
+    hits, values = self._scatter_hits(dim, index, source)
+    if reduce == "multiply":
+      factors = hits.where(values, 1).cast(self.dtype).prod(-2)
+      return self * self._scattered_back(dim, factors, fill=1)
+    # the last source hitting each target: its position k + 1 is the largest among the hits
+    order = Tensor.arange(1, hits.shape[-2] + 1, device=self.device).reshape(hits.shape[-2], 1)
+    last = hits.where(order, 0).max(-2, keepdim=True)
+    chosen = hits & (order == last)
+    placed = chosen.where(values, 0).sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else dtypes.int32)
+    written = self._scattered_back(dim, hits.any(-2))
+    return written.where(self._scattered_back(dim, placed).cast(self.dtype), self)
 
   def scatter_reduce(self, dim: int, index: Tensor, src: Tensor, reduce: str, include_self: bool = True) -> Tensor:
     """self with the values of `src` reduced into the places `index` names along `dim`, as torch.scatter_reduce:
@@ -679,9 +712,11 @@ class MovementMixin:
     dtype = least_upper_dtype(*(tensor.dtype for tensor in joined))
     total = sum(tensor.shape[axis] for tensor in joined)
     result, offset = None, 0
+    # floats pad with -0.0, which adds to any value exactly (+0.0 would turn a -0.0 into +0.0)
+    pad_value = -0.0 if dtype.is_float else 0
     for tensor in joined:
       pads = [(offset, total - offset - tensor.shape[axis]) if a == axis else None for a in range(first.ndim)]
-      piece = tensor.cast(dtype if dtype != dtypes.bool else dtypes.uint8).pad(pads)
+      piece = tensor.cast(dtype if dtype != dtypes.bool else dtypes.uint8).pad(pads, value=pad_value)
       result = piece if result is None else result + piece
       offset += tensor.shape[axis]
     assert result is not None

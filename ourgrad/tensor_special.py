@@ -82,21 +82,23 @@ class SpecialMixin:
     gradients other / (x^2 + y^2) for self and -self / (x^2 + y^2) for other."""
     y, x = self._broadcasted(other)
     y, x = y._float_operand(), x._float_operand()
-    y_value, x_value = y.detach(), x.detach()
+    # float16 and bfloat16 compute in float32 and round once (PyTorch's opmath); the result keeps their dtype
+    compute = dtypes.float32 if y.dtype in (dtypes.float16, dtypes.bfloat16) else y.dtype
+    y_value, x_value = y.detach().cast(compute), x.detach().cast(compute)
     y_negative = (y_value < 0) | (y_value.reciprocal() < 0)  # the reciprocal tells -0.0 from 0.0
     x_negative = (x_value < 0) | (x_value.reciprocal() < 0)
     # constants as tensors of the operands' dtype: a where of two Python floats would be float32
     half_turn = y_negative.where(y_value.full_like(-math.pi), math.pi)
     both_infinite = y_value.isinf() & x_value.isinf()
     # the ratio is 0/0 or inf/inf at these points; the quadrant rule below gives the angle
-    ratio = both_infinite.where((y_negative != x_negative).where(-1.0, 1.0), y_value / x_value)
+    ratio = both_infinite.where((y_negative != x_negative).where(y_value.full_like(-1.0), 1.0), y_value / x_value)
     base = _atan_value(ratio)
     angle = x_negative.where(base + half_turn, base)
     zero_over_zero = (y_value == 0) & (x_value == 0)
     angle = zero_over_zero.where(x_negative.where(half_turn, y_value), angle)
     squares = x_value * x_value + y_value * y_value
     at_origin = squares == 0  # PyTorch's gradients are 0 at (0, 0)
-    return _with_derivatives(angle, (y, at_origin.where(0.0, x_value / squares)),
+    return _with_derivatives(angle.cast(y.dtype), (y, at_origin.where(0.0, x_value / squares)),
                              (x, at_origin.where(0.0, -y_value / squares)))
 
   def arctan2(self, other: Any) -> Tensor:

@@ -235,8 +235,10 @@ def _lane_key(srcs: tuple[UOp, ...]) -> tuple:
 
 
 def _hashable(arg: Any) -> Any:
-  """Constants keyed by type too, so 1 (int) and 1.0 and True are different; NaN equal to itself."""
+  """Constants keyed by type too, so 1 (int) and 1.0 and True are different; NaN equal to itself; a float's sign
+  too, so -0.0 and 0.0 (equal in Python) stay two constants."""
   if isinstance(arg, float) and math.isnan(arg): return ("nan",)
+  if isinstance(arg, float): return (float, arg, math.copysign(1.0, arg))
   if isinstance(arg, tuple): return tuple(_hashable(item) for item in arg)
   return (type(arg), arg)
 
