@@ -17,7 +17,7 @@ import numpy as np
 
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
-from ourgrad.errors import DeviceError, DTypeError
+from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.codegen.opt.matmul_grid import split_k_parts
 from ourgrad.helpers import MATMUL_GRID, prod
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
@@ -94,6 +94,9 @@ class LazyBuffer:
       # readers that must still see the old contents (engine/snapshot.py); created on the first reader
       self._readers: list[weakref.ref[LazyBuffer]] | None = None
       self._readers_pruned_at = 0
+      # the next version of this base's storage: set when an in-place write replaces its value (`write`); tensors
+      # holding this base or a view of it read the latest version (`current`), computed readers keep this one
+      self._newer: LazyBuffer | None = None
       for src in srcs: src.base._add_reader(self)
 
   # ---------------------------------------------------------------- construction
@@ -457,12 +460,110 @@ class LazyBuffer:
     spread = index.reshape((index.shape[0], 1)).expand((index.shape[0], width))
     return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, Ops.GATHER, rows, (table, spread))
 
+  # ---------------------------------------------------------------- in-place writes (versions of a storage)
+
+  @property
+  def stale(self) -> bool:
+    """Whether an in-place write made a newer version of this buffer's base (a tensor holding it reads `current`)."""
+    base = self._base if self._base is not None else self
+    return base._newer is not None
+
+  def current(self) -> LazyBuffer:
+    """This buffer as its storage is now: the same view over the latest version of its base, after every in-place
+    write made so far (PyTorch's views share memory). The chain of versions is shortened as it is followed."""
+    base = self.base
+    if base._newer is None: return self
+    head = base._newer
+    while head.base._newer is not None: head = head.base._newer
+    base._newer = head   # path compression: versions in between may be freed
+    return _view_of(head, self.st) if self is not base else head
+
+  def write(self, value: LazyBuffer) -> LazyBuffer:
+    """Write `value` (this buffer's shape and dtype) into the elements this buffer views, in place; returns this
+    buffer's view of the written storage. Its base gets a newer version (`current`): an ASSIGN into the same memory
+    when the base is memory (realized, or an earlier assign), else the new values as a lazy base of their own.
+    A view writes through: the base's new version keeps its other elements (`place_through_view`). A constant
+    (`Tensor.zeros`, `full`) holds no memory: the writer just takes the new value (docs/reliability.md)."""
+    base = self.base
+    if base.op is Ops.CONST: return value
+    whole = self is base or (self.st.contiguous and self.size == base.size)
+    if whole:
+      full = value.reshape(base.shape)
+    else:
+      placed = place_through_view(value, self.st, base.shape)
+      if placed is None: return self   # an empty view: nothing is written
+      full = placed[1].elementwise(Ops.WHERE, placed[0], base)
+    if base.op is Ops.ASSIGN or base.realized is not None:
+      new = base.assign(full)
+    elif full.is_base and not whole:
+      new = full   # the merge made above: a base no one else holds
+    else:   # a base of its own (an identity cast fuses into its readers), so later writes change no other tensor
+      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, Ops.CAST, self.dtype, (full,))
+    base._newer = new
+    return new if self is base else _view_of(new, self.st)
+
   def assign(self, value: LazyBuffer) -> LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
     # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the
     # kernel still reads it: copy it out first
     if value.base is self.base and value.st != self.st: value = value.clone()
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
+
+
+def _view_of(head: LazyBuffer, st: ShapeTracker) -> LazyBuffer:
+  """`head` (a version of a storage, its full shape) seen through `st`, a view of that shape."""
+  return head.view(st) if head.is_base else head.base.view(head.st + st)
+
+
+def place_through_view(value: LazyBuffer, st: ShapeTracker,
+                       base_shape: tuple[int, ...]) -> tuple[LazyBuffer, LazyBuffer] | None:
+  """(value placed where `st` reads the base from, as a base-shaped view with zeros elsewhere; the bool mask of
+  those places) for a write through the view `st`; None when the view has no elements. The view must be one strided
+  lattice of the base (slices with steps, transposes, reshapes, squeezes, flips: what indexing makes); an expanded
+  view (several elements on one memory place), a padded one or a reshape of a transposed slice raises ShapeError."""
+  if 0 in st.shape: return None
+  simple = st.simplify()
+  view = simple.views[-1]
+  if len(simple.views) != 1 or view.mask is not None or any(is_symbolic(x) for x in (*view.shape, *view.strides)):
+    raise ShapeError(f"cannot write through this view of shape {st.shape} (padded, or a reshape of a non-contiguous "
+                     f"view): write into the base tensor, or into a .contiguous() copy")
+  if any(stride == 0 and size > 1 for size, stride in zip(view.shape, view.strides)):
+    raise ShapeError(f"cannot write through an expanded view of shape {st.shape}: more than one element of it refers "
+                     f"to a single memory location (as in PyTorch); write into the tensor it was expanded from")
+  axes = [axis for axis, size in enumerate(view.shape) if size != 1]
+  offset = view.offset + sum((view.shape[axis] - 1) * view.strides[axis] for axis in axes if view.strides[axis] < 0)
+  flipped = tuple(view.strides[axis] < 0 for axis in axes)
+  axes.sort(key=lambda axis: -abs(view.strides[axis]))   # outermost (largest stride) first
+  sizes = [view.shape[axis] for axis in axes]
+  strides = [abs(view.strides[axis]) for axis in axes]
+  extent = 1   # the places the axes from here inward span
+  for position in range(len(axes) - 1, -1, -1):
+    if position < len(axes) - 1 and strides[position] < extent:
+      raise ShapeError(f"cannot write through this view of shape {st.shape}: its elements interleave in memory")
+    extent += (sizes[position] - 1) * strides[position]
+  size = prod(base_shape)
+
+  def place(lazy: LazyBuffer) -> LazyBuffer:
+    squeezed = lazy.reshape(tuple(size for size in lazy.shape if size != 1))
+    kept = [axis for axis, size in enumerate(view.shape) if size != 1]
+    squeezed = squeezed.flip(flipped)
+    squeezed = squeezed.permute(tuple(kept.index(axis) for axis in axes))
+    flat, block = squeezed.reshape((*sizes, 1)), 1
+    for position in range(len(axes) - 1, -1, -1):   # each axis: its elements `stride` places apart
+      flat = _fit_last(flat, strides[position], block)
+      block = sizes[position] * strides[position]
+      flat = flat.reshape((*sizes[:position], block))
+    flat = _fit_last(flat.reshape((block,)).pad(((offset, 0),)), size, offset + block)
+    return flat.reshape(base_shape)
+  inside = LazyBuffer.full(True, st.shape, dtypes.bool, value.device)
+  return place(value), place(inside)
+
+
+def _fit_last(lazy: LazyBuffer, length: int, current: int) -> LazyBuffer:
+  """`lazy` with its last axis (of `current` places) padded or cut to `length` (what is cut is padding)."""
+  if current < length: return lazy.pad(((0, 0),) * (len(lazy.shape) - 1) + ((0, length - current),))
+  if current > length: return lazy.shrink(tuple((0, size) for size in lazy.shape[:-1]) + ((0, length),))
+  return lazy
 
 
 def _parts_outermost(split: LazyBuffer, parts_axes: tuple[int, ...],

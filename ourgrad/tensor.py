@@ -91,7 +91,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
 
   The methods defined here are construction, conversion, creation and autograd; the mixins bring the rest (views
   and indexing, elementwise math, reductions, neural-network ops: see this module's docstring)."""
-  __slots__ = ("lazydata", "requires_grad", "grad", "_ctx", "__weakref__")
+  __slots__ = ("_lazydata", "requires_grad", "grad", "_ctx", "__weakref__")
   __array_priority__ = 1000  # make numpy defer to Tensor's reflected operators (np.float32(2) * t)
   training: bool = False
   no_grad: bool = False
@@ -104,7 +104,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
         (device is None or device == data.device):
       # the result of an op (Function.apply): a single-device LazyBuffer that stays as it is; the general path below
       # would come to the same, through a dozen checks that cost more than the rest of a small op's graph building
-      self.lazydata = data
+      self._lazydata = data
       self.requires_grad, self.grad, self._ctx = requires_grad, None, None
       if requires_grad and not data.dtype.is_float:
         raise DTypeError(f"only floating point tensors can require gradients, got {data.dtype}")
@@ -125,7 +125,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       lazy = data
     else:
       lazy = _to_lazy(data, dtype, device or Device.DEFAULT)
-    self.lazydata: LazyBuffer | MultiLazyBuffer = lazy  # type: ignore[assignment]
+    self._lazydata: LazyBuffer | MultiLazyBuffer = lazy  # type: ignore[assignment]
     self.requires_grad: bool | None = requires_grad
     self.grad: Tensor | None = None
     self._ctx: F.Function | None = None
@@ -133,6 +133,17 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       raise DTypeError(f"only floating point tensors can require gradients, got {self.dtype}")
 
   # ---------------------------------------------------------------- properties and conversion
+
+  @property
+  def lazydata(self) -> LazyBuffer | MultiLazyBuffer:
+    """The lazy value. A tensor names memory, as in PyTorch: where an in-place write to its base (through any
+    tensor) made a newer version, this is the same view of the newest one (LazyBuffer.current)."""
+    lazy = self._lazydata
+    if type(lazy) is LazyBuffer and lazy.stale: lazy = self._lazydata = lazy.current()
+    return lazy
+
+  @lazydata.setter
+  def lazydata(self, lazy: LazyBuffer | MultiLazyBuffer) -> None: self._lazydata = lazy
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -379,10 +390,8 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     if isinstance(target, MultiLazyBuffer):
       self.lazydata = target.assign(value.lazydata)
       return self
-    if target.is_base and target.realized is not None and target.op is not Ops.CONST:
-      self.lazydata = target.assign(value.lazydata)
-    else:
-      self.lazydata = value.lazydata
+    # into the memory this tensor names: its base's next version, which every tensor viewing that base reads
+    self.lazydata = target.write(value.lazydata)
     return self
 
   # ---------------------------------------------------------------- creation
@@ -634,7 +643,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       for parent, parent_grad in zip(ctx.parents, input_grads):
         if parent_grad is None or not parent.requires_grad: continue
         if parent_grad.shape != parent.shape: raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
-        new_grad = Tensor(parent_grad, device=self.device, requires_grad=False)
+        new_grad = Tensor(_own_value(parent_grad), device=self.device, requires_grad=False)
         if parent._ctx is None:  # a leaf: accumulate into .grad
           parent.grad = new_grad if parent.grad is None else (parent.grad + new_grad)
         else:
@@ -663,6 +672,14 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       yield
     finally:
       Tensor.training = previous
+
+
+def _own_value(lazy: LazyBuffer) -> LazyBuffer:
+  """A gradient as a value of its own. One that folded to a tensor's memory (d(x*w)/dw is x itself) would otherwise
+  name that memory and follow in-place writes to it (an optimizer step writing x before reading w.grad): an identity
+  cast, fused into its readers, is a value computed from it, kept as it was at backward() (docs/reliability.md)."""
+  if type(lazy) is not LazyBuffer or (lazy.base.realized is None and lazy.base.op is not Ops.ASSIGN): return lazy
+  return LazyBuffer.create_base(lazy.device, lazy.shape, lazy.dtype, Ops.CAST, lazy.dtype, (lazy,))
 
 
 def _per_device(lazy: LazyBuffer | MultiLazyBuffer) -> list[LazyBuffer]:
