@@ -44,6 +44,15 @@ class Function:
   def forward(self, *args: Any, **kwargs: Any) -> LazyBuffer: raise NotImplementedError
   def backward(self, grad_output: LazyBuffer) -> Any: raise NotImplementedError
 
+  def saved_values(self) -> list[LazyBuffer]:
+    """The values backward reads (every LazyBuffer the forward kept), which must not have been written in place
+    since (Tensor.backward checks them, as PyTorch's version counters do)."""
+    saved = []
+    for value in vars(self).values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(item, LazyBuffer): saved.append(item)
+    return saved
+
   @classmethod
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
@@ -246,6 +255,10 @@ class Mul(Function):
     self.x, self.y = x, y
     return _mul(x, y)
 
+  def saved_values(self) -> list[LazyBuffer]:   # each factor is needed only for the other's gradient
+    return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))
+            if needed]
+
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     return (_mul(self.y, grad_output) if self.needs_input_grad[0] else None,
             _mul(self.x, grad_output) if self.needs_input_grad[1] else None)
@@ -257,6 +270,9 @@ class Div(Function):
   def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.x, self.y = x, y
     return _div(x, y)
+
+  def saved_values(self) -> list[LazyBuffer]:   # x only for y's gradient
+    return [self.y] + ([self.x] if self.needs_input_grad[1] else [])
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     grad_x = _div(grad_output, self.y) if self.needs_input_grad[0] else None

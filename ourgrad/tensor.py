@@ -638,6 +638,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       if grad_output is None: continue
       ctx = tensor._ctx
       assert ctx is not None
+      _check_saved_values(ctx)
       input_grads = ctx.backward(grad_output.lazydata)
       if not isinstance(input_grads, tuple): input_grads = (input_grads,)
       for parent, parent_grad in zip(ctx.parents, input_grads):
@@ -672,6 +673,18 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       yield
     finally:
       Tensor.training = previous
+
+
+def _check_saved_values(ctx: F.Function) -> None:
+  """AutogradError if a value `ctx` saved for backward was written in place after the forward: its buffer holds
+  another value now (PyTorch raises this error from its version counters; here an in-place write makes a newer
+  version of the buffer's base, LazyBuffer.write)."""
+  for saved in ctx.saved_values():
+    if saved.stale:
+      raise AutogradError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                          f"operation: the {saved.shape} {saved.dtype} tensor that {type(ctx).__name__} saved for "
+                          f"backward was written in place (assign, +=, setitem, an optimizer step) after the forward "
+                          f"pass; write it after backward(), or use a clone() in the forward")
 
 
 def _own_value(lazy: LazyBuffer) -> LazyBuffer:
