@@ -319,19 +319,19 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   # in-place forms: each writes through assign, so the tensor keeps its buffer (optimizer-style updates)
   def add_(self, other: Any, alpha: float = 1.0) -> Tensor:
     """self += alpha * other, in place."""
-    return self.assign(self + (other * alpha if alpha != 1.0 else other))
+    return self._write_result(self + (other * alpha if alpha != 1.0 else other), "add_")
 
   def sub_(self, other: Any, alpha: float = 1.0) -> Tensor:
     """self -= alpha * other, in place."""
-    return self.assign(self - (other * alpha if alpha != 1.0 else other))
+    return self._write_result(self - (other * alpha if alpha != 1.0 else other), "sub_")
 
   def mul_(self, other: Any) -> Tensor:
     """self *= other, in place."""
-    return self.assign(self * other)
+    return self._write_result(self * other, "mul_")
 
   def div_(self, other: Any) -> Tensor:
     """self /= other, in place."""
-    return self.assign(self / other)
+    return self._write_result(self / other, "div_")
 
   def clamp_(self, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002
     """self.clamp(min, max), in place."""
