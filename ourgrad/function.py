@@ -39,7 +39,10 @@ class Function:
     if True in self.needs_input_grad: self.requires_grad: bool | None = True
     elif None in self.needs_input_grad: self.requires_grad = None
     else: self.requires_grad = False
-    if self.requires_grad: self.parents = tensors
+    if self.requires_grad:
+      self.parents = tensors
+      # each input's Function as it is now: an in-place write may give the input tensor a new one later (assign)
+      self.parent_ctxs: tuple[Function | None, ...] = tuple(tensor._ctx for tensor in tensors)
 
   def forward(self, *args: Any, **kwargs: Any) -> LazyBuffer: raise NotImplementedError
   def backward(self, grad_output: LazyBuffer) -> Any: raise NotImplementedError

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -86,6 +86,9 @@ class LazyBuffer:
     self.device, self.st, self.dtype = device, st, dtype
     self.shape: tuple[int, ...] = st.shape
     self._base = base
+    # a tensor made by Tensor.full (zeros, ones, ...) is a broadcast scalar, not memory: the storage it stands for,
+    # and this buffer's view of it, so that writes to it or through its views reach every view (ConstStorage)
+    self._const: tuple[ConstStorage, ShapeTracker] | None = None
     if base is None:
       self.op, self.arg, self.srcs = op, arg, srcs
       self.realized: Buffer | None = None  # set when the scheduler gives this base a buffer
@@ -190,23 +193,29 @@ class LazyBuffer:
     return LazyBuffer(self.device, st, self.dtype, base=self.base)
 
   def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self.view(self.st.reshape(shape))
+    return self if shape == self.shape else self._moved(lambda st: st.reshape(shape))
 
   def permute(self, axes: tuple[int, ...]) -> LazyBuffer:
-    return self if axes == tuple(range(len(self.shape))) else self.view(self.st.permute(axes))
+    return self if axes == tuple(range(len(self.shape))) else self._moved(lambda st: st.permute(axes))
 
   def expand(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self.view(self.st.expand(shape))
+    return self if shape == self.shape else self._moved(lambda st: st.expand(shape))
 
   def pad(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    return self if all(pads == (0, 0) for pads in arg) else self.view(self.st.pad(arg))
+    return self if all(pads == (0, 0) for pads in arg) else self._moved(lambda st: st.pad(arg))
 
   def shrink(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
     if all(bounds == (0, size) for bounds, size in zip(arg, self.shape)): return self
-    return self.view(self.st.shrink(arg))
+    return self._moved(lambda st: st.shrink(arg))
 
   def flip(self, axes_mask: tuple[bool, ...]) -> LazyBuffer:
-    return self if not any(axes_mask) else self.view(self.st.flip(axes_mask))
+    return self if not any(axes_mask) else self._moved(lambda st: st.flip(axes_mask))
+
+  def _moved(self, move: Callable[[ShapeTracker], ShapeTracker]) -> LazyBuffer:
+    """The view `move` makes of this buffer; a view of a constant tensor's storage stays one (ConstStorage)."""
+    out = self.view(move(self.st))
+    if self._const is not None and out is not self: out._const = (self._const[0], move(self._const[1]))
+    return out
 
   # ---------------------------------------------------------------- compute
 
@@ -466,11 +475,13 @@ class LazyBuffer:
   def stale(self) -> bool:
     """Whether an in-place write made a newer version of this buffer's base (a tensor holding it reads `current`)."""
     base = self._base if self._base is not None else self
-    return base._newer is not None
+    return base._newer is not None or (self._const is not None and self._const[0].head is not None)
 
   def current(self) -> LazyBuffer:
     """This buffer as its storage is now: the same view over the latest version of its base, after every in-place
     write made so far (PyTorch's views share memory). The chain of versions is shortened as it is followed."""
+    if self._const is not None and self._const[0].head is not None:
+      return _view_of(self._const[0].head, self._const[1]).current()
     base = self.base
     if base._newer is None: return self
     head = base._newer
@@ -485,7 +496,7 @@ class LazyBuffer:
     A view writes through: the base's new version keeps its other elements (`place_through_view`). A constant
     (`Tensor.zeros`, `full`) holds no memory: the writer just takes the new value (docs/reliability.md)."""
     base = self.base
-    if base.op is Ops.CONST: return value
+    if base.op is Ops.CONST: return self._write_constant(value)
     whole = self is base or (self.st.contiguous and self.size == base.size)
     if whole:
       full = value.reshape(base.shape)
@@ -502,12 +513,46 @@ class LazyBuffer:
     base._newer = new
     return new if self is base else _view_of(new, self.st)
 
+  def _write_constant(self, value: LazyBuffer) -> LazyBuffer:
+    """`write` into a constant: the storage a Tensor.full tensor stands for gets its first version, the constant with
+    `value` written in (a lazy base of its own); every view of the tensor reads it from now on. A constant that
+    stands for no tensor's storage (folded arithmetic) is simply replaced by `value`."""
+    if self._const is None: return value
+    storage, st = self._const
+    constant = LazyBuffer.full(self.base.arg, storage.shape, self.dtype, self.device)
+    if st.contiguous and self.size == prod(storage.shape):
+      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype,
+                                   (value.reshape(storage.shape),))
+    else:
+      placed = place_through_view(value, st, storage.shape)
+      if placed is None: return self
+      new = placed[1].elementwise(Ops.WHERE, placed[0], constant)
+      if not new.is_base:   # the merge folded (a constant into a constant): a base of its own, as above
+        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype, (new,))
+    storage.head = new
+    return _view_of(new, st)
+
   def assign(self, value: LazyBuffer) -> LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
     # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the
     # kernel still reads it: copy it out first
     if value.base is self.base and value.st != self.st: value = value.clone()
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
+
+
+class ConstStorage:
+  """The memory a tensor made by Tensor.full stands for (PyTorch allocates it): `shape`, and `head`, its value after
+  the first in-place write to the tensor or through a view of it (None while it is still the constant)."""
+  __slots__ = ("shape", "head")
+
+  def __init__(self, shape: tuple[int, ...]):
+    self.shape, self.head = shape, None
+
+  @staticmethod
+  def tag(lazy: LazyBuffer) -> LazyBuffer:
+    """`lazy` (a fresh LazyBuffer.full) marked as the whole of a new storage."""
+    lazy._const = (ConstStorage(lazy.shape), ShapeTracker.from_shape(lazy.shape))
+    return lazy
 
 
 def _view_of(head: LazyBuffer, st: ShapeTracker) -> LazyBuffer:

@@ -35,7 +35,7 @@ from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bf
 from ourgrad.engine.exec_item import jit_recording
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
-from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy import ConstStorage, LazyBuffer
 from ourgrad.multi import MultiLazyBuffer, shard_lazy
 from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import Node, is_symbolic, sym_infer
@@ -390,8 +390,14 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     if isinstance(target, MultiLazyBuffer):
       self.lazydata = target.assign(value.lazydata)
       return self
+    # differentiable, as in PyTorch: the tensor's gradient will flow through the written value's graph, whose
+    # Functions reach the tensor's old value through the Function it had then (F.Function.parent_ctxs). A leaf
+    # that requires grad (a parameter written outside no_grad) stays a leaf: the write is data only
+    adopt = value._ctx is not None and value.requires_grad and not (self._ctx is None and self.requires_grad)
+    if adopt: _keep_old_value(value._ctx, target)
     # into the memory this tensor names: its base's next version, which every tensor viewing that base reads
     self.lazydata = target.write(value.lazydata)
+    if adopt: self._ctx, self.requires_grad = value._ctx, True
     return self
 
   # ---------------------------------------------------------------- creation
@@ -424,7 +430,8 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       constants = [LazyBuffer.full(fill_value, shape, dtype, name) for name in _canonical(device)]  # type: ignore
       return Tensor(MultiLazyBuffer(constants, None), **kwargs)
     device = Device.canonicalize(device or Device.DEFAULT)
-    return Tensor(LazyBuffer.full(fill_value, shape, dtype, device), **kwargs)
+    # a broadcast scalar standing for memory of `shape`: writes to it, or through its views, reach all of them
+    return Tensor(ConstStorage.tag(LazyBuffer.full(fill_value, shape, dtype, device)), **kwargs)
 
   @staticmethod
   def zeros(*shape: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
@@ -599,21 +606,22 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
 
   # ---------------------------------------------------------------- autograd
 
-  def _toposort(self) -> list[Tensor]:
-    """Tensors that lead to this one through recorded Functions, inputs first (iterative, no recursion limit)."""
-    order: list[Tensor] = []
+  def _toposort(self) -> list[F.Function]:
+    """The Functions that lead to this tensor's, inputs first (iterative, no recursion limit). The graph's edges
+    are each Function's inputs with the Functions they had when it was applied (`parent_ctxs`): an in-place write
+    that later gave an input tensor a new Function does not change what the older ones read."""
+    order: list[F.Function] = []
     visited: set[int] = set()
-    stack: list[tuple[Tensor, bool]] = [(self, False)]
+    stack: list[tuple[F.Function, bool]] = [(self._ctx, False)] if self._ctx is not None else []
     while stack:
-      tensor, children_done = stack.pop()
+      ctx, children_done = stack.pop()
       if children_done:
-        order.append(tensor)
+        order.append(ctx)
         continue
-      if id(tensor) in visited: continue
-      visited.add(id(tensor))
-      if tensor._ctx is None: continue
-      stack.append((tensor, True))
-      stack.extend((parent, False) for parent in tensor._ctx.parents)
+      if id(ctx) in visited: continue
+      visited.add(id(ctx))
+      stack.append((ctx, True))
+      stack.extend((parent_ctx, False) for parent_ctx in ctx.parent_ctxs if parent_ctx is not None)
     return order
 
   def backward(self, gradient: Tensor | None = None) -> Tensor:
@@ -632,24 +640,24 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     if self._ctx is None:  # a leaf: its own gradient is the one given
       self.grad = gradient if self.grad is None else self.grad + gradient
       return self
-    grads: dict[int, Tensor] = {id(self): gradient}
-    for tensor in reversed(self._toposort()):
-      grad_output = grads.pop(id(tensor), None)
+    grads: dict[int, Tensor] = {id(self._ctx): gradient}   # id(Function) -> the gradient of its output
+    for ctx in reversed(self._toposort()):
+      grad_output = grads.pop(id(ctx), None)
       if grad_output is None: continue
-      ctx = tensor._ctx
-      assert ctx is not None
       _check_saved_values(ctx)
       input_grads = ctx.backward(grad_output.lazydata)
       if not isinstance(input_grads, tuple): input_grads = (input_grads,)
-      for parent, parent_grad in zip(ctx.parents, input_grads):
-        if parent_grad is None or not parent.requires_grad: continue
+      for parent, parent_ctx, needed, parent_grad in zip(ctx.parents, ctx.parent_ctxs, ctx.needs_input_grad,
+                                                         input_grads):
+        if parent_grad is None or not needed: continue
         if parent_grad.shape != parent.shape: raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
         new_grad = Tensor(_own_value(parent_grad), device=self.device, requires_grad=False)
-        if parent._ctx is None:  # a leaf: accumulate into .grad
+        if parent_ctx is None:  # a leaf: accumulate into .grad
           parent.grad = new_grad if parent.grad is None else (parent.grad + new_grad)
         else:
-          grads[id(parent)] = new_grad if id(parent) not in grads else grads[id(parent)] + new_grad
-      tensor._ctx = None  # free the graph, as PyTorch does without retain_graph
+          grads[id(parent_ctx)] = new_grad if id(parent_ctx) not in grads else grads[id(parent_ctx)] + new_grad
+        if parent._ctx is parent_ctx: parent._ctx = None  # free the graph, as PyTorch does without retain_graph
+    self._ctx = None
     return self
 
   @staticmethod
@@ -680,11 +688,21 @@ def _check_saved_values(ctx: F.Function) -> None:
   another value now (PyTorch raises this error from its version counters; here an in-place write makes a newer
   version of the buffer's base, LazyBuffer.write)."""
   for saved in ctx.saved_values():
-    if saved.stale:
+    if any(lazy.stale for lazy in _per_device(saved)):
       raise AutogradError(f"one of the variables needed for gradient computation has been modified by an inplace "
                           f"operation: the {saved.shape} {saved.dtype} tensor that {type(ctx).__name__} saved for "
                           f"backward was written in place (assign, +=, setitem, an optimizer step) after the forward "
                           f"pass; write it after backward(), or use a clone() in the forward")
+
+
+def _keep_old_value(ctx: F.Function, target: LazyBuffer) -> None:
+  """The in-place op `ctx` (x *= w) saved the value it overwrites (w's gradient needs the old x): it keeps that
+  value (an identity cast computed from it, which the write leaves alone or snapshots), as PyTorch keeps the
+  original of `self` for an in-place op, rather than failing the saved-value check at backward()."""
+  for name, saved in vars(ctx).items():
+    if saved is target and type(target) is LazyBuffer:
+      setattr(ctx, name, LazyBuffer.create_base(target.device, target.shape, target.dtype, Ops.CAST, target.dtype,
+                                                (target,)))
 
 
 def _own_value(lazy: LazyBuffer) -> LazyBuffer:

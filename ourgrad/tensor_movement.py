@@ -459,7 +459,8 @@ class MovementMixin:
     value = value.cast(self.dtype).expand(selected.shape)
     inside = Tensor.full(selected.shape, True, dtypes.bool, device=self.device)
     for _, inverse in reversed(steps): value, inside = inverse(value), inverse(inside)
-    self.assign(inside.where(value, self.detach()))
+    # `self`, not detached: the elements not written keep their gradient path (Tensor.assign adopts the graph)
+    self.assign(inside.where(value, self))
 
   def gather(self, dim: int, index: Tensor) -> Tensor:
     """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather); reads only the picked elements. An index

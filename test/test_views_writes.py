@@ -25,6 +25,7 @@ class _Program:
     if base_kind == "lazy": ours = ours * 2 + 1   # an unrealized computed base
     elif base_kind == "lazy_then_realized": ours = (ours * 2 + 1).realize()
     theirs = torch.tensor(data) * 2 + 1 if base_kind != "realized" else torch.tensor(data)
+    if base_kind == "full": ours, theirs = Tensor.full(data.shape, 1.5), torch.full(data.shape, 1.5)   # a constant
     self.views: list[tuple[Tensor, torch.Tensor, bool]] = [(ours, theirs, True)]
     self.readers: list[tuple[Tensor, torch.Tensor]] = []
     self.log: list[str] = [f"base {base_kind}"]
@@ -122,7 +123,7 @@ class _Program:
                                  err_msg=f"reader r{number} differs; program:\n" + "\n".join(self.log))
 
 
-@pytest.mark.parametrize("base_kind", ["realized", "lazy", "lazy_then_realized"])
+@pytest.mark.parametrize("base_kind", ["realized", "lazy", "lazy_then_realized", "full"])
 @pytest.mark.parametrize("seed", range(12))
 def test_random_views_and_writes_match_torch(seed: int, base_kind: str):
   """Rules 1-4: a view reads every earlier write to its base; a write through a view reaches the base and every
@@ -271,3 +272,31 @@ def test_inplace_result_dtype_matches_torch(seed: int):
       assert not isinstance(ours, str), f"{case}: ours raised {ours}, torch did not"
       del namespace
       for mine, reference in zip(ours, theirs): np.testing.assert_allclose(mine, reference, rtol=1e-6, err_msg=case)
+
+
+# ---------------------------------------------------------------- in-place writes are differentiable
+
+@pytest.mark.parametrize("seed", range(16))
+def test_inplace_writes_are_differentiable_like_torch(seed: int):
+  """Rule 7: a non-leaf tensor written in place (+=, *=, setitem, assign) takes the written value's gradient path;
+  values computed from it before the write keep theirs."""
+  rng = np.random.default_rng(seed)
+  data = rng.uniform(0.5, 2.0, (3, 4)).astype(np.float32)
+  steps = [int(step) for step in rng.integers(0, 6, 5)]
+  grads = []
+  for lib in ("ours", "torch"):
+    x = Tensor(data.copy(), requires_grad=True) if lib == "ours" else torch.tensor(data.copy(), requires_grad=True)
+    h = x * 2
+    kept = []
+    for step in steps:
+      if step == 0: h += x * 3
+      elif step == 1: h *= x
+      elif step == 2: h[1] = 0.5
+      elif step == 3: h[0:2] += x[1:3] * 4
+      elif step == 4: kept.append(h * 1.5)   # computed before the next writes: keeps its own gradient path
+      else: h = h.sin()   # saves its input (the old h), which later writes to the new h leave alone
+    total = h.sum()
+    for value in kept: total = total + value.sum()
+    total.backward()
+    grads.append(x.grad.numpy())
+  np.testing.assert_allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5, err_msg=f"steps {steps}")
