@@ -242,7 +242,7 @@ _DTYPES = ["bool", "int32", "float32"]
 
 @pytest.mark.parametrize("seed", range(20))
 def test_inplace_result_dtype_matches_torch(seed: int):
-  """Rule 6: `x op= y` writes into x's memory (a view taken before sees it); a result of a higher kind than x's
+  """Rule 7: `x op= y` writes into x's memory (a view taken before sees it); a result of a higher kind than x's
   dtype (float into int, int into bool) raises as in PyTorch instead of truncating."""
   rng = np.random.default_rng(seed)
   for _ in range(6):
@@ -278,7 +278,7 @@ def test_inplace_result_dtype_matches_torch(seed: int):
 
 @pytest.mark.parametrize("seed", range(16))
 def test_inplace_writes_are_differentiable_like_torch(seed: int):
-  """Rule 7: a non-leaf tensor written in place (+=, *=, setitem, assign) takes the written value's gradient path;
+  """Rule 6: a non-leaf tensor written in place (+=, *=, setitem, assign) takes the written value's gradient path;
   values computed from it before the write keep theirs."""
   rng = np.random.default_rng(seed)
   data = rng.uniform(0.5, 2.0, (3, 4)).astype(np.float32)
