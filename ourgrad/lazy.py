@@ -494,7 +494,7 @@ class LazyBuffer:
     buffer's view of the written storage. Its base gets a newer version (`current`): an ASSIGN into the same memory
     when the base is memory (realized, or an earlier assign), else the new values as a lazy base of their own.
     A view writes through: the base's new version keeps its other elements (`place_through_view`). A constant
-    (`Tensor.zeros`, `full`) holds no memory: the writer just takes the new value (docs/reliability.md)."""
+    (`Tensor.zeros`, `full`) is memory only once written (`_write_constant`). docs/reliability.md has the rules."""
     base = self.base
     if base.op is Ops.CONST: return self._write_constant(value)
     whole = self is base or (self.st.contiguous and self.size == base.size)
@@ -586,19 +586,20 @@ def place_through_view(value: LazyBuffer, st: ShapeTracker,
     if position < len(axes) - 1 and strides[position] < extent:
       raise ShapeError(f"cannot write through this view of shape {st.shape}: its elements interleave in memory")
     extent += (sizes[position] - 1) * strides[position]
-  size = prod(base_shape)
+  kept = [axis for axis, length in enumerate(view.shape) if length != 1]   # the axes in the view's order
+  order = tuple(kept.index(axis) for axis in axes)
 
   def place(lazy: LazyBuffer) -> LazyBuffer:
-    squeezed = lazy.reshape(tuple(size for size in lazy.shape if size != 1))
-    kept = [axis for axis, size in enumerate(view.shape) if size != 1]
-    squeezed = squeezed.flip(flipped)
-    squeezed = squeezed.permute(tuple(kept.index(axis) for axis in axes))
-    flat, block = squeezed.reshape((*sizes, 1)), 1
-    for position in range(len(axes) - 1, -1, -1):   # each axis: its elements `stride` places apart
+    """`lazy` (the view's shape) moved to where the view reads: squeezed, flipped and permuted to positive strides
+    from the outermost in, then each axis spread `stride` places apart (padding between), then shifted by the
+    offset into the base's flat memory."""
+    flat = lazy.reshape(tuple(view.shape[axis] for axis in kept)).flip(flipped).permute(order)
+    flat, block = flat.reshape((*sizes, 1)), 1
+    for position in range(len(axes) - 1, -1, -1):
       flat = _fit_last(flat, strides[position], block)
       block = sizes[position] * strides[position]
       flat = flat.reshape((*sizes[:position], block))
-    flat = _fit_last(flat.reshape((block,)).pad(((offset, 0),)), size, offset + block)
+    flat = _fit_last(flat.reshape((block,)).pad(((offset, 0),)), prod(base_shape), offset + block)
     return flat.reshape(base_shape)
   inside = LazyBuffer.full(True, st.shape, dtypes.bool, value.device)
   return place(value), place(inside)

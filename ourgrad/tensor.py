@@ -148,18 +148,18 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   @property
   def shape(self) -> tuple[int, ...]:
     """The size of each dimension, as a plain tuple of ints (PyTorch returns a torch.Size)."""
-    return self.lazydata.shape
+    return self._lazydata.shape  # every version of a base has its shape, dtype and device
 
   @property
   def dtype(self) -> DType:
     """The element type, a DType such as dtypes.float32."""
-    return self.lazydata.dtype
+    return self._lazydata.dtype
 
   @property
   def device(self) -> str | tuple[str, ...]:  # type: ignore[override]
     """The canonical name of the device that holds the values, e.g. "CLANG"; a tuple of names for a tensor spread
     over several devices (`shard`)."""
-    return self.lazydata.device
+    return self._lazydata.device
 
   def shard(self, devices: tuple[str, ...] | list[str] | int, axis: int | None = None) -> Tensor:
     """This tensor spread over `devices` (names, or n for the first n devices of the default kind): cut into one
