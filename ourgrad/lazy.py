@@ -87,8 +87,8 @@ class LazyBuffer:
     self.shape: tuple[int, ...] = st.shape
     self._base = base
     # a tensor made by Tensor.full (zeros, ones, ...) is a broadcast scalar, not memory: the storage it stands for,
-    # and this buffer's view of it, so that writes to it or through its views reach every view (ConstStorage)
-    self._const: tuple[ConstStorage, ShapeTracker] | None = None
+    # and this buffer's view of it, so that writes to it or through its views reach every view (Storage.of_constant)
+    self._const: tuple[Storage, ShapeTracker] | None = None
     if base is None:
       self.op, self.arg, self.srcs = op, arg, srcs
       self.realized: Buffer | None = None  # set when the scheduler gives this base a buffer
@@ -97,9 +97,9 @@ class LazyBuffer:
       # readers that must still see the old contents (engine/snapshot.py); created on the first reader
       self._readers: list[weakref.ref[LazyBuffer]] | None = None
       self._readers_pruned_at = 0
-      # the next version of this base's storage: set when an in-place write replaces its value (`write`); tensors
-      # holding this base or a view of it read the latest version (`current`), computed readers keep this one
-      self._newer: LazyBuffer | None = None
+      # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding
+      # this base or a view of it read its newest version (`current`), computed readers keep this one
+      self._storage: Storage | None = None
       for src in srcs: src.base._add_reader(self)
 
   # ---------------------------------------------------------------- construction
@@ -212,7 +212,7 @@ class LazyBuffer:
     return self if not any(axes_mask) else self._moved(lambda st: st.flip(axes_mask))
 
   def _moved(self, move: Callable[[ShapeTracker], ShapeTracker]) -> LazyBuffer:
-    """The view `move` makes of this buffer; a view of a constant tensor's storage stays one (ConstStorage)."""
+    """The view `move` makes of this buffer; a view of a constant tensor's storage stays one (Storage)."""
     out = self.view(move(self.st))
     if self._const is not None and out is not self: out._const = (self._const[0], move(self._const[1]))
     return out
@@ -475,19 +475,17 @@ class LazyBuffer:
   def stale(self) -> bool:
     """Whether an in-place write made a newer version of this buffer's base (a tensor holding it reads `current`)."""
     base = self._base if self._base is not None else self
-    return base._newer is not None or (self._const is not None and self._const[0].head is not None)
+    storage = base._storage
+    return (storage is not None and storage.head is not base) or \
+        (self._const is not None and self._const[0].head is not None)
 
   def current(self) -> LazyBuffer:
-    """This buffer as its storage is now: the same view over the latest version of its base, after every in-place
-    write made so far (PyTorch's views share memory). The chain of versions is shortened as it is followed."""
-    if self._const is not None and self._const[0].head is not None:
-      return _view_of(self._const[0].head, self._const[1]).current()
+    """This buffer as its storage is now: the same view over the newest version of its base, after every in-place
+    write made so far (PyTorch's views share memory)."""
+    if self._const is not None and self._const[0].head is not None: return self._const[0].head.view(self._const[1])
     base = self.base
-    if base._newer is None: return self
-    head = base._newer
-    while head.base._newer is not None: head = head.base._newer
-    base._newer = head   # path compression: versions in between may be freed
-    return _view_of(head, self.st) if self is not base else head
+    if base._storage is None or base._storage.head is base: return self
+    return base._storage.head if self is base else base._storage.head.view(self.st)
 
   def write(self, value: LazyBuffer) -> LazyBuffer:
     """Write `value` (this buffer's shape and dtype) into the elements this buffer views, in place; returns this
@@ -510,8 +508,9 @@ class LazyBuffer:
       new = full   # the merge made above: a base no one else holds
     else:   # a base of its own (an identity cast fuses into its readers), so later writes change no other tensor
       new = LazyBuffer.create_base(self.device, base.shape, self.dtype, Ops.CAST, self.dtype, (full,))
-    base._newer = new
-    return new if self is base else _view_of(new, self.st)
+    if base._storage is None: base._storage = Storage(base.shape)
+    base._storage.become(new)
+    return new if self is base else new.view(self.st)
 
   def _write_constant(self, value: LazyBuffer) -> LazyBuffer:
     """`write` into a constant: the storage a Tensor.full tensor stands for gets its first version, the constant with
@@ -529,8 +528,8 @@ class LazyBuffer:
       new = placed[1].elementwise(Ops.WHERE, placed[0], constant)
       if not new.is_base:   # the merge folded (a constant into a constant): a base of its own, as above
         new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype, (new,))
-    storage.head = new
-    return _view_of(new, st)
+    storage.become(new)
+    return new.view(st)
 
   def assign(self, value: LazyBuffer) -> LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
@@ -540,24 +539,24 @@ class LazyBuffer:
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
 
 
-class ConstStorage:
-  """The memory a tensor made by Tensor.full stands for (PyTorch allocates it): `shape`, and `head`, its value after
-  the first in-place write to the tensor or through a view of it (None while it is still the constant)."""
+class Storage:
+  """The memory that successive versions of a base stand for, as a PyTorch storage: `head` is its newest version (a
+  base of `shape`), None for a Tensor.full constant not written yet. Every version links here, not to the next one,
+  so versions no tensor holds are freed however many writes follow."""
   __slots__ = ("shape", "head")
 
   def __init__(self, shape: tuple[int, ...]):
     self.shape, self.head = shape, None
 
+  def become(self, version: LazyBuffer) -> None:
+    """Make `version` (a base) the newest."""
+    version._storage, self.head = self, version
+
   @staticmethod
-  def tag(lazy: LazyBuffer) -> LazyBuffer:
-    """`lazy` (a fresh LazyBuffer.full) marked as the whole of a new storage."""
-    lazy._const = (ConstStorage(lazy.shape), ShapeTracker.from_shape(lazy.shape))
+  def of_constant(lazy: LazyBuffer) -> LazyBuffer:
+    """`lazy` (a fresh LazyBuffer.full) marked as the whole of a new storage, written to on first use."""
+    lazy._const = (Storage(lazy.shape), ShapeTracker.from_shape(lazy.shape))
     return lazy
-
-
-def _view_of(head: LazyBuffer, st: ShapeTracker) -> LazyBuffer:
-  """`head` (a version of a storage, its full shape) seen through `st`, a view of that shape."""
-  return head.view(st) if head.is_base else head.base.view(head.st + st)
 
 
 def place_through_view(value: LazyBuffer, st: ShapeTracker,
