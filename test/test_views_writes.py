@@ -194,6 +194,35 @@ def test_reads_of_old_and_new_contents_in_one_realize():
   np.testing.assert_equal(x.numpy(), [2, 3, 4])
 
 
+def test_gradient_that_folded_to_a_parameter_keeps_its_value():
+  """d(x*w)/dx is w itself: the gradient is a value, as in PyTorch, not an alias that a step writing w changes."""
+  x = Tensor([1., 2.], requires_grad=True)
+  w = Tensor([3., 4.], requires_grad=True)
+  (x * w).sum().backward()
+  w.detach().assign(w.detach() * 10).realize()
+  np.testing.assert_equal(x.grad.numpy(), [3, 4])
+
+
+def test_versions_are_freed_under_a_view_never_read():
+  """Every version of a base links to one Storage (its newest version), so a view held for a whole run does not keep
+  the versions between its base and the newest one alive."""
+  import gc
+
+  from ourgrad.lazy import LazyBuffer
+  weight = Tensor(np.ones(4, np.float32)).realize()
+  view = weight[0:2]
+
+  def lazy_buffers() -> int:
+    gc.collect()
+    return sum(type(item) is LazyBuffer for item in gc.get_objects())
+  for step in range(200):
+    weight += 1
+    if step % 4 == 0: weight.realize()
+    if step == 50: before = lazy_buffers()
+  assert lazy_buffers() - before < 50
+  np.testing.assert_equal(view.numpy(), [201, 201])
+
+
 # ---------------------------------------------------------------- values saved for backward
 
 _UNARY = {"exp": (Tensor.exp, torch.exp), "sin": (Tensor.sin, torch.sin), "relu": (Tensor.relu, torch.relu),
