@@ -428,6 +428,46 @@ class Flip(Function):
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.flip(self.axes_mask)
 
 
+class WriteThroughView(Function):
+  """A tensor after an in-place write through a view of it (`v = h[0:2]; v += x`): the elements the view covers take
+  the gradient path of the view's new value, the others keep the tensor's own. forward(h, v, st) gives h's value
+  (written already); `st` is the view's ShapeTracker over h's base."""
+
+  def forward(self, h: LazyBuffer, v: LazyBuffer, st: Any) -> LazyBuffer:
+    from ourgrad.lazy import place_through_view
+    self.st, self.base_shape = st, h.base.shape
+    placed = place_through_view(v.const_like(0), st, self.base_shape)
+    self.inside = placed[1].reshape(h.shape) if placed is not None else h.const_like(False, dtypes.bool)
+    return h
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    grad_h = _where(self.inside, grad_output.const_like(0), grad_output) if self.needs_input_grad[0] else None
+    grad_v = None
+    if self.needs_input_grad[1]:
+      flat = grad_output.reshape(self.base_shape)
+      grad_v = flat.base.view(flat.st + self.st) if not flat.is_base else flat.view(self.st)
+    return grad_h, grad_v
+
+
+class ViewOf(Function):
+  """A view of a tensor through `st` (a ShapeTracker over the tensor's base, one strided lattice of it), as a
+  Function of the tensor: a view made before a write through another view of the same tensor, rebuilt on the
+  tensor's new gradient path. Backward puts the gradient back in place (zeros elsewhere)."""
+
+  def forward(self, h: LazyBuffer, st: Any) -> LazyBuffer:
+    from ourgrad.lazy import place_through_view
+    self.st, self.base_shape, self.input_shape = st, h.base.shape, h.shape
+    view = h.base.view(st)
+    place_through_view(view.const_like(0), st, self.base_shape)   # ShapeError now for a view that is no lattice
+    return view
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    from ourgrad.lazy import place_through_view
+    placed = place_through_view(grad_output, self.st, self.base_shape)
+    if placed is None: return LazyBuffer.full(0, self.input_shape, grad_output.dtype, grad_output.device)
+    return placed[0].reshape(self.input_shape)
+
+
 # ---------------------------------------------------------------- indexed reads
 
 class GatherRows(Function):

@@ -543,7 +543,7 @@ class Storage:
   """The memory that successive versions of a base stand for, as a PyTorch storage: `head` is its newest version (a
   base of `shape`), None for a Tensor.full constant not written yet. Every version links here, not to the next one,
   so versions no tensor holds are freed however many writes follow."""
-  __slots__ = ("shape", "head")
+  __slots__ = ("shape", "head", "__weakref__")
 
   def __init__(self, shape: tuple[int, ...]):
     self.shape, self.head = shape, None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -395,9 +396,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     # that requires grad (a parameter written outside no_grad) stays a leaf: the write is data only
     adopt = value._ctx is not None and value.requires_grad and not (self._ctx is None and self.requires_grad)
     if adopt: _keep_old_value(value._ctx, target)
+    viewed_from = self._ctx
     # into the memory this tensor names: its base's next version, which every tensor viewing that base reads
     self.lazydata = target.write(value.lazydata)
-    if adopt: self._ctx, self.requires_grad = value._ctx, True
+    if adopt:
+      self._ctx, self.requires_grad = value._ctx, True
+      if not target.is_base: _rebase_viewed_tensor(self, viewed_from, target)
     return self
 
   # ---------------------------------------------------------------- creation
@@ -693,6 +697,45 @@ def _check_saved_values(ctx: F.Function) -> None:
                           f"operation: the {saved.shape} {saved.dtype} tensor that {type(ctx).__name__} saved for "
                           f"backward was written in place (assign, +=, setitem, an optimizer step) after the forward "
                           f"pass; write it after backward(), or use a clone() in the forward")
+
+
+# Storage -> the tensors made views of a rebased tensor (`_rebase_viewed_tensor`), rebuilt at each later write
+_REBASED_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_VIEW_FUNCTIONS = (F.Reshape, F.Permute, F.Shrink, F.Flip, F.Pad, F.Expand, F.ViewOf)
+
+
+def _rebase_viewed_tensor(view: Tensor, viewed_from: F.Function | None, target: LazyBuffer) -> None:
+  """After a differentiable write through `view` (`v = h[0:2]; v += x`), the tensors it was viewed from take the
+  write into their gradient paths, as PyTorch does: the movement Functions that made `view` (`viewed_from` first)
+  lead back through them to the one that is the whole of the written memory (F.WriteThroughView); the others become
+  views of that one (F.ViewOf). Tensors written since, or made another way, are left as they are."""
+  ctx, chain, root = viewed_from, [], None   # chain: the tensors `view` was made from, nearest first
+  while isinstance(ctx, _VIEW_FUNCTIONS):
+    parent, parent_ctx = ctx.parents[0], ctx.parent_ctxs[0]
+    lazy = parent._lazydata
+    if type(lazy) is not LazyBuffer or parent._ctx is not parent_ctx: break
+    lazy = lazy.current()
+    if lazy.base is not view.lazydata.base: break
+    chain.append(parent)
+    if lazy.is_base or (lazy.st.contiguous and lazy.size == lazy.base.size): root = parent
+    ctx = parent_ctx
+  if root is None or (root._ctx is None and root.requires_grad): return   # a parameter: the write is data only
+  rebased = F.WriteThroughView.apply(root, view, st=target.st)
+  root._ctx, root.requires_grad = rebased._ctx, True
+  # the views in between, `view` itself, and the views an earlier write made so, are views of the root's new value
+  # from now on (a later write through any of them finds the root again)
+  storage = view.lazydata.base._storage
+  # by id, with weak references (a Tensor's == is elementwise, so it cannot be a set member)
+  views: dict[int, weakref.ref[Tensor]] = _REBASED_VIEWS.setdefault(storage, {}) if storage is not None else {}
+  known = [tensor for ref in list(views.values()) if (tensor := ref()) is not None and
+           isinstance(tensor._ctx, F.ViewOf) and tensor._ctx.parents[0] is root]
+  between = chain[:next(index for index, tensor in enumerate(chain) if tensor is root)]
+  for tensor in [view, *reversed(between), *known]:
+    try:
+      tensor._ctx, tensor.requires_grad = F.ViewOf.apply(root, st=tensor.lazydata.st)._ctx, True
+      views[id(tensor)] = weakref.ref(tensor, lambda _, key=id(tensor): views.pop(key, None))
+    except ShapeError:   # a view that is no lattice of the memory (expanded): its gradient path stays as it was
+      continue
 
 
 def _keep_old_value(ctx: F.Function, target: LazyBuffer) -> None:

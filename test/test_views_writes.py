@@ -307,11 +307,11 @@ def test_inplace_result_dtype_matches_torch(seed: int):
 
 @pytest.mark.parametrize("seed", range(16))
 def test_inplace_writes_are_differentiable_like_torch(seed: int):
-  """Rule 6: a non-leaf tensor written in place (+=, *=, setitem, assign) takes the written value's gradient path;
-  values computed from it before the write keep theirs."""
+  """Rule 6: a non-leaf tensor written in place (+=, *=, setitem, assign, through a view tensor) takes the written
+  value's gradient path; values computed from it before the write keep theirs."""
   rng = np.random.default_rng(seed)
   data = rng.uniform(0.5, 2.0, (3, 4)).astype(np.float32)
-  steps = [int(step) for step in rng.integers(0, 6, 5)]
+  steps = [int(step) for step in rng.integers(0, 8, 5)]
   grads = []
   for lib in ("ours", "torch"):
     x = Tensor(data.copy(), requires_grad=True) if lib == "ours" else torch.tensor(data.copy(), requires_grad=True)
@@ -323,7 +323,13 @@ def test_inplace_writes_are_differentiable_like_torch(seed: int):
       elif step == 2: h[1] = 0.5
       elif step == 3: h[0:2] += x[1:3] * 4
       elif step == 4: kept.append(h * 1.5)   # computed before the next writes: keeps its own gradient path
-      else: h = h.sin()   # saves its input (the old h), which later writes to the new h leave alone
+      elif step == 5: h = h.sin()   # saves its input (the old h), which later writes to the new h leave alone
+      elif step == 6:   # through a view tensor: h takes the write into its gradient path too
+        view = h.T[1:3]
+        view *= x[0:3, 1:3].T
+      else:
+        view = h.reshape(12)[::3]
+        view += x[0, :] * 2
     total = h.sum()
     for value in kept: total = total + value.sum()
     total.backward()
