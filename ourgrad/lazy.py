@@ -86,9 +86,10 @@ class LazyBuffer:
     self.device, self.st, self.dtype = device, st, dtype
     self.shape: tuple[int, ...] = st.shape
     self._base = base
-    # a tensor made by Tensor.full (zeros, ones, ...) is a broadcast scalar, not memory: the storage it stands for,
-    # and this buffer's view of it, so that writes to it or through its views reach every view (Storage.of_constant)
-    self._const: tuple[Storage, ShapeTracker] | None = None
+    # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
+    # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
+    # through its views reach every view (Storage.of_constant)
+    self._const: tuple[Storage, ShapeTracker | None] | None = None
     if base is None:
       self.op, self.arg, self.srcs = op, arg, srcs
       self.realized: Buffer | None = None  # set when the scheduler gives this base a buffer
@@ -132,7 +133,8 @@ class LazyBuffer:
   def full(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
     """A constant: one scalar CONST base viewed (reshape + expand) as `shape`; no memory is used."""
     const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, _truncated(dtype, value))
-    return const_base.reshape((1,) * len(shape)).expand(shape)
+    # the memory a tensor holding it stands for: written on first write (Storage.of_constant)
+    return Storage.of_constant(const_base.reshape((1,) * len(shape)).expand(shape))
 
   def const_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
     return LazyBuffer.full(value, self.shape, dtype or self.dtype, self.device)
@@ -214,7 +216,9 @@ class LazyBuffer:
   def _moved(self, move: Callable[[ShapeTracker], ShapeTracker]) -> LazyBuffer:
     """The view `move` makes of this buffer; a view of a constant tensor's storage stays one (Storage)."""
     out = self.view(move(self.st))
-    if self._const is not None and out is not self: out._const = (self._const[0], move(self._const[1]))
+    if self._const is not None and out is not self:
+      storage, st = self._const
+      out._const = (storage, move(st if st is not None else ShapeTracker.from_shape(storage.shape)))
     return out
 
   # ---------------------------------------------------------------- compute
@@ -482,7 +486,9 @@ class LazyBuffer:
   def current(self) -> LazyBuffer:
     """This buffer as its storage is now: the same view over the newest version of its base, after every in-place
     write made so far (PyTorch's views share memory)."""
-    if self._const is not None and self._const[0].head is not None: return self._const[0].head.view(self._const[1])
+    if self._const is not None and self._const[0].head is not None:
+      head, st = self._const[0].head, self._const[1]
+      return head if st is None else head.view(st)
     base = self.base
     if base._storage is None or base._storage.head is base: return self
     return base._storage.head if self is base else base._storage.head.view(self.st)
@@ -513,13 +519,13 @@ class LazyBuffer:
     return new if self is base else new.view(self.st)
 
   def _write_constant(self, value: LazyBuffer) -> LazyBuffer:
-    """`write` into a constant: the storage a Tensor.full tensor stands for gets its first version, the constant with
-    `value` written in (a lazy base of its own); every view of the tensor reads it from now on. A constant that
-    stands for no tensor's storage (folded arithmetic) is simply replaced by `value`."""
+    """`write` into a constant: the storage a tensor holding it stands for (LazyBuffer.full tags every constant it
+    makes: Tensor.zeros, a folded `x * 0`) gets its first version, the constant with `value` written in (a lazy base
+    of its own); every view of the tensor reads it from now on. An untagged constant is replaced by `value`."""
     if self._const is None: return value
     storage, st = self._const
     constant = LazyBuffer.full(self.base.arg, storage.shape, self.dtype, self.device)
-    if st.contiguous and self.size == prod(storage.shape):
+    if st is None or (st.contiguous and self.size == prod(storage.shape)):
       new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype,
                                    (value.reshape(storage.shape),))
     else:
@@ -529,7 +535,7 @@ class LazyBuffer:
       if not new.is_base:   # the merge folded (a constant into a constant): a base of its own, as above
         new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype, (new,))
     storage.become(new)
-    return new.view(st)
+    return new if st is None else new.view(st)
 
   def assign(self, value: LazyBuffer) -> LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
@@ -541,7 +547,7 @@ class LazyBuffer:
 
 class Storage:
   """The memory that successive versions of a base stand for, as a PyTorch storage: `head` is its newest version (a
-  base of `shape`), None for a Tensor.full constant not written yet. Every version links here, not to the next one,
+  base of `shape`), None for a constant not written yet. Every version links here, not to the next one,
   so versions no tensor holds are freed however many writes follow."""
   __slots__ = ("shape", "head", "__weakref__")
 
@@ -555,7 +561,7 @@ class Storage:
   @staticmethod
   def of_constant(lazy: LazyBuffer) -> LazyBuffer:
     """`lazy` (a fresh LazyBuffer.full) marked as the whole of a new storage, written to on first use."""
-    lazy._const = (Storage(lazy.shape), ShapeTracker.from_shape(lazy.shape))
+    lazy._const = (Storage(lazy.shape), None)
     return lazy
 
 

@@ -36,7 +36,7 @@ from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bf
 from ourgrad.engine.exec_item import jit_recording
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
-from ourgrad.lazy import LazyBuffer, Storage
+from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import MultiLazyBuffer, shard_lazy
 from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import Node, is_symbolic, sym_infer
@@ -434,8 +434,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       constants = [LazyBuffer.full(fill_value, shape, dtype, name) for name in _canonical(device)]  # type: ignore
       return Tensor(MultiLazyBuffer(constants, None), **kwargs)
     device = Device.canonicalize(device or Device.DEFAULT)
-    # a broadcast scalar standing for memory of `shape`: writes to it, or through its views, reach all of them
-    return Tensor(Storage.of_constant(LazyBuffer.full(fill_value, shape, dtype, device)), **kwargs)
+    return Tensor(LazyBuffer.full(fill_value, shape, dtype, device), **kwargs)
 
   @staticmethod
   def zeros(*shape: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:

@@ -335,3 +335,39 @@ def test_inplace_writes_are_differentiable_like_torch(seed: int):
     total.backward()
     grads.append(x.grad.numpy())
   np.testing.assert_allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5, err_msg=f"steps {steps}")
+
+
+# ---------------------------------------------------------------- reproducers the fuzzer found
+
+def test_fuzz_write_through_view_of_folded_constant():
+  v1 = Tensor.zeros((2, 3)).abs() ** 0.5   # folds to a constant
+  v2 = v1.transpose(0, 1)
+  v2[:, :] = 3.0
+  np.testing.assert_equal(v1.numpy(), np.full((2, 3), 3.0))
+
+
+def test_fuzz_snapshot_read_through_shared_subgraph():
+  a = Tensor(np.array([-2.75, -1.75, 2.5], dtype=np.float32)).realize()
+  m = a.minimum(Tensor(np.array([9])))
+  a -= m
+  np.testing.assert_equal((m <= a).where(0.5, a).numpy(), [0.5, 0.5, 0.0])
+
+
+def test_fuzz_old_and_new_read_in_one_kernel():
+  x = Tensor(np.array(4, dtype=np.int64))
+  s = (x.abs() + 1).sqrt()
+  x *= s.any()
+  assert not (s <= (x & 1)).numpy()
+
+
+def test_fuzz_constant_written_from_a_tensor_written_later():
+  z = Tensor.zeros((2,), dtype="int32")
+  s = Tensor(np.array(-8, dtype=np.int32))
+  z += s
+  s.assign(3)
+  np.testing.assert_equal(z.numpy(), [-8, -8])
+  b = Tensor(np.ones((2, 2), dtype=np.float32)).realize()
+  c = Tensor.zeros((2, 2))
+  c.assign(b)
+  b[0, :] = 5.0
+  np.testing.assert_equal(c.numpy(), np.ones((2, 2)))

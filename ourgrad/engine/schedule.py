@@ -205,7 +205,9 @@ def _snapshot_old_read(bases: list[LazyBuffer], realizes: Realizations,
       if not _redirect_reads(reader, loaded, copy, realizes): continue
       realizes[id(copy)] = "a snapshot: a kernel reads this buffer both before and after an assign to it"
       _give_buffer(copy)
-      at = next(index for index, base in enumerate(bases) if base is reader)
+      # right after what it copies: the redirected reads may sit in fused graphs that other kernels, earlier in
+      # graph order than `reader`, share
+      at = next((index + 1 for index, base in enumerate(bases) if base is loaded), 0)
       return bases[:at] + [copy] + bases[at:]
   raise RuntimeError("this graph reads a buffer both before and after an assign to it, and no snapshot breaks "
                      "the cycle; please report it")
