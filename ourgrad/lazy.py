@@ -5,6 +5,10 @@ into a device `Buffer`, or a *view*: a ShapeTracker over a base. Movement ops on
 cost nothing; elementwise and reduce ops make bases. Constants fold at construction (`x*1`, `x+0`,
 constant-constant arithmetic) so the graph stays small. Nothing runs here: the scheduler
 (ourgrad/engine/schedule.py) turns the graph into kernels when a value is needed.
+
+A LazyBuffer is a value and never changes. An in-place write (`write`) makes the next version of the written base
+(an ASSIGN into its memory, or a new lazy base), the head of the `Storage` all versions of that base share; a
+Tensor names memory and reads the newest version (`current`), so views see every write (docs/reliability.md).
 """
 from __future__ import annotations
 
