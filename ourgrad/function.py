@@ -39,10 +39,22 @@ class Function:
     if True in self.needs_input_grad: self.requires_grad: bool | None = True
     elif None in self.needs_input_grad: self.requires_grad = None
     else: self.requires_grad = False
-    if self.requires_grad: self.parents = tensors
+    if self.requires_grad:
+      self.parents = tensors
+      # each input's Function as it is now: an in-place write may give the input tensor a new one later (assign)
+      self.parent_ctxs: tuple[Function | None, ...] = tuple(tensor._ctx for tensor in tensors)
 
   def forward(self, *args: Any, **kwargs: Any) -> LazyBuffer: raise NotImplementedError
   def backward(self, grad_output: LazyBuffer) -> Any: raise NotImplementedError
+
+  def saved_values(self) -> list[LazyBuffer]:
+    """The values backward reads (every LazyBuffer the forward kept), which must not have been written in place
+    since (Tensor.backward checks them, as PyTorch's version counters do)."""
+    saved = []
+    for value in vars(self).values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(item, LazyBuffer): saved.append(item)
+    return saved
 
   @classmethod
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
@@ -249,6 +261,10 @@ class Mul(Function):
     self.x, self.y = x, y
     return _mul(x, y)
 
+  def saved_values(self) -> list[LazyBuffer]:   # each factor is needed only for the other's gradient
+    return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))
+            if needed]
+
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     return (_mul(self.y, grad_output) if self.needs_input_grad[0] else None,
             _mul(self.x, grad_output) if self.needs_input_grad[1] else None)
@@ -260,6 +276,9 @@ class Div(Function):
   def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.x, self.y = x, y
     return _div(x, y)
+
+  def saved_values(self) -> list[LazyBuffer]:   # x only for y's gradient
+    return [self.y] + ([self.x] if self.needs_input_grad[1] else [])
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     grad_x = _div(grad_output, self.y) if self.needs_input_grad[0] else None
@@ -433,6 +452,46 @@ class Flip(Function):
     return x.flip(axes_mask)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.flip(self.axes_mask)
+
+
+class WriteThroughView(Function):
+  """A tensor after an in-place write through a view of it (`v = h[0:2]; v += x`): the elements the view covers take
+  the gradient path of the view's new value, the others keep the tensor's own. forward(h, v, st) gives h's value
+  (written already); `st` is the view's ShapeTracker over h's base."""
+
+  def forward(self, h: LazyBuffer, v: LazyBuffer, st: Any) -> LazyBuffer:
+    from ourgrad.lazy import place_through_view
+    self.st, self.base_shape = st, h.base.shape
+    placed = place_through_view(v.const_like(0), st, self.base_shape)
+    self.inside = placed[1].reshape(h.shape) if placed is not None else h.const_like(False, dtypes.bool)
+    return h
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    grad_h = _where(self.inside, grad_output.const_like(0), grad_output) if self.needs_input_grad[0] else None
+    grad_v = None
+    if self.needs_input_grad[1]:
+      flat = grad_output.reshape(self.base_shape)
+      grad_v = flat.base.view(flat.st + self.st) if not flat.is_base else flat.view(self.st)
+    return grad_h, grad_v
+
+
+class ViewOf(Function):
+  """A view of a tensor through `st` (a ShapeTracker over the tensor's base, one strided lattice of it), as a
+  Function of the tensor: a view made before a write through another view of the same tensor, rebuilt on the
+  tensor's new gradient path. Backward puts the gradient back in place (zeros elsewhere)."""
+
+  def forward(self, h: LazyBuffer, st: Any) -> LazyBuffer:
+    from ourgrad.lazy import place_through_view
+    self.st, self.base_shape, self.input_shape = st, h.base.shape, h.shape
+    view = h.base.view(st)
+    place_through_view(view.const_like(0), st, self.base_shape)   # ShapeError now for a view that is no lattice
+    return view
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    from ourgrad.lazy import place_through_view
+    placed = place_through_view(grad_output, self.st, self.base_shape)
+    if placed is None: return LazyBuffer.full(0, self.input_shape, grad_output.dtype, grad_output.device)
+    return placed[0].reshape(self.input_shape)
 
 
 # ---------------------------------------------------------------- indexed reads

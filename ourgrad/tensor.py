@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -91,7 +92,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
 
   The methods defined here are construction, conversion, creation and autograd; the mixins bring the rest (views
   and indexing, elementwise math, reductions, neural-network ops: see this module's docstring)."""
-  __slots__ = ("lazydata", "requires_grad", "grad", "_ctx", "__weakref__")
+  __slots__ = ("_lazydata", "requires_grad", "grad", "_ctx", "__weakref__")
   __array_priority__ = 1000  # make numpy defer to Tensor's reflected operators (np.float32(2) * t)
   # None until the user sets it (`with Tensor.train():` or an assignment): then a Module that was never given
   # train()/eval() is in training mode, as in PyTorch, while Tensor.dropout() does not drop, as in tinygrad
@@ -106,7 +107,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
         (device is None or device == data.device):
       # the result of an op (Function.apply): a single-device LazyBuffer that stays as it is; the general path below
       # would come to the same, through a dozen checks that cost more than the rest of a small op's graph building
-      self.lazydata = data
+      self._lazydata = data
       self.requires_grad, self.grad, self._ctx = requires_grad, None, None
       if requires_grad and not data.dtype.is_float:
         raise DTypeError(f"only floating point tensors can require gradients, got {data.dtype}")
@@ -127,7 +128,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       lazy = data
     else:
       lazy = _to_lazy(data, dtype, device or Device.DEFAULT)
-    self.lazydata: LazyBuffer | MultiLazyBuffer = lazy  # type: ignore[assignment]
+    self._lazydata: LazyBuffer | MultiLazyBuffer = lazy  # type: ignore[assignment]
     self.requires_grad: bool | None = requires_grad
     self.grad: Tensor | None = None
     self._ctx: F.Function | None = None
@@ -137,20 +138,31 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   # ---------------------------------------------------------------- properties and conversion
 
   @property
+  def lazydata(self) -> LazyBuffer | MultiLazyBuffer:
+    """The lazy value. A tensor names memory, as in PyTorch: where an in-place write to its base (through any
+    tensor) made a newer version, this is the same view of the newest one (LazyBuffer.current)."""
+    lazy = self._lazydata
+    if type(lazy) is LazyBuffer and lazy.stale: lazy = self._lazydata = lazy.current()
+    return lazy
+
+  @lazydata.setter
+  def lazydata(self, lazy: LazyBuffer | MultiLazyBuffer) -> None: self._lazydata = lazy
+
+  @property
   def shape(self) -> tuple[int, ...]:
     """The size of each dimension, as a plain tuple of ints (PyTorch returns a torch.Size)."""
-    return self.lazydata.shape
+    return self._lazydata.shape  # every version of a base has its shape, dtype and device
 
   @property
   def dtype(self) -> DType:
     """The element type, a DType such as dtypes.float32."""
-    return self.lazydata.dtype
+    return self._lazydata.dtype
 
   @property
   def device(self) -> str | tuple[str, ...]:  # type: ignore[override]
     """The canonical name of the device that holds the values, e.g. "CLANG"; a tuple of names for a tensor spread
     over several devices (`shard`)."""
-    return self.lazydata.device
+    return self._lazydata.device
 
   def shard(self, devices: tuple[str, ...] | list[str] | int, axis: int | None = None) -> Tensor:
     """This tensor spread over `devices` (names, or n for the first n devices of the default kind): cut into one
@@ -361,19 +373,19 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   # in-place forms: each writes through assign, so the tensor keeps its buffer (optimizer-style updates)
   def add_(self, other: Any, alpha: float = 1.0) -> Tensor:
     """self += alpha * other, in place."""
-    return self.assign(self + (other * alpha if alpha != 1.0 else other))
+    return self._write_result(self + (other * alpha if alpha != 1.0 else other), "add_")
 
   def sub_(self, other: Any, alpha: float = 1.0) -> Tensor:
     """self -= alpha * other, in place."""
-    return self.assign(self - (other * alpha if alpha != 1.0 else other))
+    return self._write_result(self - (other * alpha if alpha != 1.0 else other), "sub_")
 
   def mul_(self, other: Any) -> Tensor:
     """self *= other, in place."""
-    return self.assign(self * other)
+    return self._write_result(self * other, "mul_")
 
   def div_(self, other: Any) -> Tensor:
     """self /= other, in place."""
-    return self.assign(self / other)
+    return self._write_result(self / other, "div_")
 
   def clamp_(self, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002
     """self.clamp(min, max), in place."""
@@ -432,10 +444,17 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     if isinstance(target, MultiLazyBuffer):
       self.lazydata = target.assign(value.lazydata)
       return self
-    if target.is_base and target.realized is not None and target.op is not Ops.CONST:
-      self.lazydata = target.assign(value.lazydata)
-    else:
-      self.lazydata = value.lazydata
+    # differentiable, as in PyTorch: the tensor's gradient will flow through the written value's graph, whose
+    # Functions reach the tensor's old value through the Function it had then (F.Function.parent_ctxs). A leaf
+    # that requires grad (a parameter written outside no_grad) stays a leaf: the write is data only
+    adopt = value._ctx is not None and value.requires_grad and not (self._ctx is None and self.requires_grad)
+    if adopt: _keep_old_value(value._ctx, target)
+    viewed_from = self._ctx
+    # into the memory this tensor names: its base's next version, which every tensor viewing that base reads
+    self.lazydata = target.write(value.lazydata)
+    if adopt:
+      self._ctx, self.requires_grad = value._ctx, True
+      if not target.is_base: _rebase_viewed_tensor(self, viewed_from, target)
     return self
 
   # ---------------------------------------------------------------- creation
@@ -669,21 +688,22 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
 
   # ---------------------------------------------------------------- autograd
 
-  def _toposort(self) -> list[Tensor]:
-    """Tensors that lead to this one through recorded Functions, inputs first (iterative, no recursion limit)."""
-    order: list[Tensor] = []
+  def _toposort(self) -> list[F.Function]:
+    """The Functions that lead to this tensor's, inputs first (iterative, no recursion limit). The graph's edges
+    are each Function's inputs with the Functions they had when it was applied (`parent_ctxs`): an in-place write
+    that later gave an input tensor a new Function does not change what the older ones read."""
+    order: list[F.Function] = []
     visited: set[int] = set()
-    stack: list[tuple[Tensor, bool]] = [(self, False)]
+    stack: list[tuple[F.Function, bool]] = [(self._ctx, False)] if self._ctx is not None else []
     while stack:
-      tensor, children_done = stack.pop()
+      ctx, children_done = stack.pop()
       if children_done:
-        order.append(tensor)
+        order.append(ctx)
         continue
-      if id(tensor) in visited: continue
-      visited.add(id(tensor))
-      if tensor._ctx is None: continue
-      stack.append((tensor, True))
-      stack.extend((parent, False) for parent in tensor._ctx.parents)
+      if id(ctx) in visited: continue
+      visited.add(id(ctx))
+      stack.append((ctx, True))
+      stack.extend((parent_ctx, False) for parent_ctx in ctx.parent_ctxs if parent_ctx is not None)
     return order
 
   def backward(self, gradient: Tensor | None = None) -> Tensor:
@@ -710,31 +730,43 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   def _backpropagate(self, gradient: Tensor, free_graph: bool,
                      wanted: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[Tensor, Tensor]]:
     """The one backward walk (backward and gradient share it): push `gradient`, d(loss)/d(self), back through the
-    recorded Functions in reverse topological order. Returns {id: (tensor, its total gradient)} for every leaf that
-    requires grad and for each tensor whose id is in `wanted` (an intermediate's gradient is complete when the walk
-    reaches it: every consumer comes before it). `free_graph` drops each Function once used, as PyTorch does
-    without retain_graph."""
-    pending: dict[int, Tensor] = {id(self): gradient}
+    recorded Functions in reverse topological order (`_toposort`: each Function's inputs as they were when it was
+    applied, so a later in-place write does not reroute the walk). Returns {id: (tensor, its total gradient)} for
+    every leaf that requires grad and for each intermediate tensor whose id is in `wanted` (complete when the walk
+    reaches its Function: every consumer comes before it). `free_graph` drops the Functions once used, as PyTorch
+    does without retain_graph."""
+    assert self._ctx is not None
+    grads: dict[int, Tensor] = {id(self._ctx): gradient}   # id(Function) -> the gradient of its output
+    wanted_outputs = {id(tensor._ctx): tensor for tensor in self._wanted_tensors(wanted)}
     found: dict[int, tuple[Tensor, Tensor]] = {}
-    for tensor in reversed(self._toposort()):
-      grad_output = pending.pop(id(tensor), None)
+    for ctx in reversed(self._toposort()):
+      grad_output = grads.pop(id(ctx), None)
       if grad_output is None: continue
-      if id(tensor) in wanted: found[id(tensor)] = (tensor, grad_output)
-      ctx = tensor._ctx
-      assert ctx is not None
+      if id(ctx) in wanted_outputs: found[id(wanted_outputs[id(ctx)])] = (wanted_outputs[id(ctx)], grad_output)
+      _check_saved_values(ctx)
       input_grads = ctx.backward(grad_output.lazydata)
       if not isinstance(input_grads, tuple): input_grads = (input_grads,)
-      for parent, parent_grad in zip(ctx.parents, input_grads):
-        if parent_grad is None or not parent.requires_grad: continue
+      for parent, parent_ctx, needed, parent_grad in zip(ctx.parents, ctx.parent_ctxs, ctx.needs_input_grad,
+                                                         input_grads):
+        if parent_grad is None or not needed: continue
         if parent_grad.shape != parent.shape: raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
         # on the parent's device(s): a Function may move data between devices (Shard)
-        new_grad = Tensor(parent_grad, device=parent.device, requires_grad=False)
-        if parent._ctx is None:  # a leaf: its gradient is complete at the end of the walk
+        new_grad = Tensor(_own_value(parent_grad), device=parent.device, requires_grad=False)
+        if parent_ctx is None:  # a leaf: its gradient is complete at the end of the walk
           found[id(parent)] = (parent, new_grad if id(parent) not in found else found[id(parent)][1] + new_grad)
         else:
-          pending[id(parent)] = new_grad if id(parent) not in pending else pending[id(parent)] + new_grad
-      if free_graph: tensor._ctx = None
+          grads[id(parent_ctx)] = new_grad if id(parent_ctx) not in grads else grads[id(parent_ctx)] + new_grad
+        if free_graph and parent._ctx is parent_ctx: parent._ctx = None
+    if free_graph: self._ctx = None
     return found
+
+  def _wanted_tensors(self, wanted: set[int] | frozenset[int]) -> list[Tensor]:
+    """The intermediate tensors (with a Function) among the ids in `wanted` that this tensor's graph reaches."""
+    if not wanted: return []
+    tensors = []
+    for ctx in self._toposort():
+      tensors.extend(parent for parent in ctx.parents if id(parent) in wanted and parent._ctx is not None)
+    return tensors
 
   def gradient(self, *targets: Tensor, gradient: Tensor | None = None,
                materialize_grads: bool = False) -> list[Tensor]:
@@ -785,6 +817,75 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       yield
     finally:
       Tensor.training = previous
+
+
+def _check_saved_values(ctx: F.Function) -> None:
+  """AutogradError if a value `ctx` saved for backward was written in place after the forward: its buffer holds
+  another value now (PyTorch raises this error from its version counters; here an in-place write makes a newer
+  version of the buffer's base, LazyBuffer.write)."""
+  for saved in ctx.saved_values():
+    if any(lazy.stale for lazy in _per_device(saved)):
+      raise AutogradError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                          f"operation: the {saved.shape} {saved.dtype} tensor that {type(ctx).__name__} saved for "
+                          f"backward was written in place (assign, +=, setitem, an optimizer step) after the forward "
+                          f"pass; write it after backward(), or use a clone() in the forward")
+
+
+# Storage -> the tensors made views of a rebased tensor (`_rebase_viewed_tensor`), rebuilt at each later write
+_REBASED_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_VIEW_FUNCTIONS = (F.Reshape, F.Permute, F.Shrink, F.Flip, F.Pad, F.Expand, F.ViewOf)
+
+
+def _rebase_viewed_tensor(view: Tensor, viewed_from: F.Function | None, target: LazyBuffer) -> None:
+  """After a differentiable write through `view` (`v = h[0:2]; v += x`), the tensors it was viewed from take the
+  write into their gradient paths, as PyTorch does: the movement Functions that made `view` (`viewed_from` first)
+  lead back through them to the one that is the whole of the written memory (F.WriteThroughView); the others become
+  views of that one (F.ViewOf). Tensors written since, or made another way, are left as they are."""
+  ctx, chain, root = viewed_from, [], None   # chain: the tensors `view` was made from, nearest first
+  while isinstance(ctx, _VIEW_FUNCTIONS):
+    parent, parent_ctx = ctx.parents[0], ctx.parent_ctxs[0]
+    lazy = parent._lazydata
+    if type(lazy) is not LazyBuffer or parent._ctx is not parent_ctx: break
+    lazy = lazy.current()
+    if lazy.base is not view.lazydata.base: break
+    chain.append(parent)
+    if lazy.is_base or (lazy.st.contiguous and lazy.size == lazy.base.size): root = parent
+    ctx = parent_ctx
+  if root is None or (root._ctx is None and root.requires_grad): return   # a parameter: the write is data only
+  rebased = F.WriteThroughView.apply(root, view, st=target.st)
+  root._ctx, root.requires_grad = rebased._ctx, True
+  # the views in between, `view` itself, and the views an earlier write made so, are views of the root's new value
+  # from now on (a later write through any of them finds the root again)
+  storage = view.lazydata.base._storage
+  # by id, with weak references (a Tensor's == is elementwise, so it cannot be a set member)
+  views: dict[int, weakref.ref[Tensor]] = _REBASED_VIEWS.setdefault(storage, {}) if storage is not None else {}
+  known = [tensor for ref in list(views.values()) if (tensor := ref()) is not None and
+           isinstance(tensor._ctx, F.ViewOf) and tensor._ctx.parents[0] is root]
+  between = chain[:next(index for index, tensor in enumerate(chain) if tensor is root)]
+  for tensor in [view, *reversed(between), *known]:
+    try:
+      tensor._ctx, tensor.requires_grad = F.ViewOf.apply(root, st=tensor.lazydata.st)._ctx, True
+      views[id(tensor)] = weakref.ref(tensor, lambda _, key=id(tensor): views.pop(key, None))
+    except ShapeError:   # a view that is no lattice of the memory (expanded): its gradient path stays as it was
+      continue
+
+
+def _keep_old_value(ctx: F.Function, target: LazyBuffer) -> None:
+  """The in-place op `ctx` (x *= w) saved the value it overwrites (w's gradient needs the old x): it keeps that
+  value (an identity cast computed from it, which the write leaves alone or snapshots), as PyTorch keeps the
+  original of `self` for an in-place op, rather than failing the saved-value check at backward()."""
+  for name, saved in vars(ctx).items():
+    if saved is target and type(target) is LazyBuffer:
+      setattr(ctx, name, LazyBuffer.create_base(target.device, target.shape, target.dtype, Ops.CAST, target.dtype,
+                                                (target,)))
+
+
+def _own_value(lazy: LazyBuffer) -> LazyBuffer:
+  """A gradient as a value of its own. One that folded to a tensor's memory (d(x*w)/dw is x itself) would otherwise
+  name that memory and follow in-place writes to it (an optimizer step writing x before reading w.grad): an identity
+  cast, fused into its readers, is a value computed from it, kept as it was at backward() (docs/reliability.md)."""
+  if type(lazy) is not LazyBuffer or (lazy.base.realized is None and lazy.base.op is not Ops.ASSIGN): return lazy
+  return LazyBuffer.create_base(lazy.device, lazy.shape, lazy.dtype, Ops.CAST, lazy.dtype, (lazy,))
 
 
 def _per_device(lazy: LazyBuffer | MultiLazyBuffer) -> list[LazyBuffer]:

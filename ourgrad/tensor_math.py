@@ -299,10 +299,28 @@ class ElementwiseMixin:
   def __abs__(self) -> Tensor: return self.abs()
   def __pos__(self) -> Tensor: return self
 
-  def __iadd__(self, other: Any) -> Tensor: return self.assign(self + other)
-  def __isub__(self, other: Any) -> Tensor: return self.assign(self - other)
-  def __imul__(self, other: Any) -> Tensor: return self.assign(self * other)
-  def __itruediv__(self, other: Any) -> Tensor: return self.assign(self / other)
+  # in place, as PyTorch: written into this tensor's memory (views of it see it), never rebinding the name
+  def __iadd__(self, other: Any) -> Tensor: return self._write_result(self + other, "+=")
+  def __isub__(self, other: Any) -> Tensor: return self._write_result(self - other, "-=")
+  def __imul__(self, other: Any) -> Tensor: return self._write_result(self * other, "*=")
+  def __itruediv__(self, other: Any) -> Tensor: return self._write_result(self / other, "/=")
+  def __ifloordiv__(self, other: Any) -> Tensor: return self._write_result(self // other, "//=")
+  def __imod__(self, other: Any) -> Tensor: return self._write_result(self % other, "%=")
+  def __ipow__(self, other: Any) -> Tensor: return self._write_result(self ** other, "**=")
+  def __iand__(self, other: Any) -> Tensor: return self._write_result(self & other, "&=")
+  def __ior__(self, other: Any) -> Tensor: return self._write_result(self | other, "|=")
+  def __ixor__(self, other: Any) -> Tensor: return self._write_result(self ^ other, "^=")
+  def __ilshift__(self, other: Any) -> Tensor: return self._write_result(self << other, "<<=")
+  def __irshift__(self, other: Any) -> Tensor: return self._write_result(self >> other, ">>=")
+
+  def _write_result(self, result: Tensor, op: str) -> Tensor:
+    """`result` written in place into this tensor. As in PyTorch, a result of a higher kind than this tensor's dtype
+    (a float into an int tensor, an int into a bool one) is an error, not a silent truncation."""
+    def kind(dtype: DType) -> int: return 2 if dtype.is_float else 0 if dtype == dtypes.bool else 1
+    if kind(result.dtype) > kind(self.dtype):
+      raise DTypeError(f"{op}: result type {result.dtype} can't be cast to the desired output type {self.dtype} "
+                       f"(an in-place op keeps the tensor's dtype; compute out of place, or cast first)")
+    return self.assign(result)
 
   # ---------------------------------------------------------------- comparisons and logic
 

@@ -477,7 +477,8 @@ class MovementMixin:
     value = value.cast(self.dtype).expand(selected.shape)
     inside = Tensor.full(selected.shape, True, dtypes.bool, device=self.device)
     for _, inverse in reversed(steps): value, inside = inverse(value), inverse(inside)
-    self.assign(inside.where(value, self.detach()))
+    # `self`, not detached: the elements not written keep their gradient path (Tensor.assign adopts the graph)
+    self.assign(inside.where(value, self))
 
   def _bool_masks_as_indices(self, index: Any) -> Any:
     """The index with each boolean mask (a bool Tensor, numpy array or list) replaced by the integer tensors of its

@@ -303,19 +303,36 @@ def item_precedence(scheduled: list[LazyBuffer], groups: dict[int, list[LazyBuff
   """For each item (the id of its first base), the items that must run before it (`order_items`' constraints)."""
   position = {id(base): index for index, base in enumerate(scheduled)}
   item_of = {id(member): id(base) for base in scheduled for member in groups[id(base)]}   # base id -> item id
-  assign_writers: dict[int, list[int]] = defaultdict(list)   # id(Buffer) -> items with an assign overwriting it
+  # id(Buffer) -> (item, version) of each assign overwriting it: several assigns to one buffer are successive
+  # versions of it (a chain through their targets), each read only before the next one writes
+  assign_writers: dict[int, list[tuple[int, int]]] = defaultdict(list)
+  must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
   for base in scheduled:
     for member in groups[id(base)]:
-      if member.op is Ops.ASSIGN: assign_writers[id(member.realized)].append(id(base))
-  must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
+      if member.op is not Ops.ASSIGN: continue
+      assign_writers[id(member.realized)].append((id(base), write_version(member)))
+      # an assign runs after the write it follows, though its value may not read it (two fills of one buffer)
+      target_item = item_of.get(id(member.srcs[1].base)) if member.srcs else None
+      if target_item is not None and target_item != id(base): must_precede[id(base)].add(target_item)
   for base in scheduled:
     for loaded in reads[id(base)]:
       loaded_item = item_of.get(id(loaded), id(loaded))
       if loaded_item in position and loaded_item != id(base): must_precede[id(base)].add(loaded_item)
-      for writer in assign_writers.get(id(loaded.realized), []):
-        # `loaded` is the buffer's value before that assign (the assign base itself is a different base)
-        if writer != loaded_item and writer != id(base): must_precede[writer].add(id(base))
+      version = write_version(loaded)
+      for writer, writer_version in assign_writers.get(id(loaded.realized), []):
+        # a later write overwrites the value `loaded` holds: it runs after this read
+        if writer_version > version and writer != loaded_item and writer != id(base): must_precede[writer].add(id(base))
   return must_precede
+
+
+def write_version(base: LazyBuffer) -> int:
+  """How many assigns of this schedule wrote a buffer before `base` holds it: 0 for a realized base or another
+  op, n for the n-th of a chain of assigns (each one's target is the assign before it)."""
+  version = 0
+  while base.op is Ops.ASSIGN and base.srcs:
+    version += 1
+    base = base.srcs[1].base
+  return version
 
 
 def items_on_cycles(must_precede: dict[int, set[int]]) -> set[int]:

@@ -118,6 +118,9 @@ def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict
 
 def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
   if len(group) >= MAX_KERNEL_OUTPUTS or _targets_clash(group, base, plans): return False
+  # successive assigns to one buffer (x += 1; x += 1) stay kernels of their own: one kernel's stores to one buffer
+  # through two arguments have no order
+  if base.op is Ops.ASSIGN and any(member.realized is base.realized for member in group): return False
   if plans[id(base)].reduce_bases and not _may_join_siblings(group, base, plans): return False
   member_ids = {id(member) for member in group}
   for loaded, view in plans[id(base)].loads:

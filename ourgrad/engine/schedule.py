@@ -25,7 +25,8 @@ from typing import Callable, Sequence
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
-from ourgrad.engine.kernel_walk import Realizations, final_reduces, kernel_value, order_items, walk_kernel
+from ourgrad.engine.kernel_walk import (Realizations, final_reduces, item_precedence, items_on_cycles, kernel_value,
+                                        order_items, walk_kernel, write_version)
 from ourgrad.engine.multi_output import group_outputs, sibling_limit
 from ourgrad.engine.packing import pack_kernels
 from ourgrad.engine.profile import host_phase
@@ -76,6 +77,7 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   reads: dict[int, list[LazyBuffer]] = {}   # base id -> the realized bases its item loads
   for base in bases:
     if id(base) in realizes: _give_buffer(base)
+  if any(base.op is Ops.ASSIGN for base in bases): bases = _order_reads_before_writes(bases, realizes)
   groups = {id(group[0]): group for group in group_outputs(bases, realizes)}   # an empty base has no kernel
   for leader, group in groups.items():
     items[leader], reads[leader] = _schedule_base(group[0], realizes) if len(group) == 1 else \
@@ -199,6 +201,92 @@ def _settle_fusion_groups(bases: list[LazyBuffer], realizes: Realizations) -> No
     base, reason = refused
     realizes[id(base)] = reason
     pending.extend([root, base])
+
+
+# ---------------------------------------------------------------- reads before writes
+
+def _order_reads_before_writes(bases: list[LazyBuffer], realizes: Realizations) -> list[LazyBuffer]:
+  """`bases`, changed where its kernels have no run order: a kernel that reads a buffer's old contents must run
+  before an assign overwrites it, and one that reads the new contents after it. Two parameters whose updates
+  each read the other's old value (`(x * w).sum()`, an optimizer step) would wait on each other. Each such cycle
+  is broken here, so users never order realizes by hand:
+  - an assign on a cycle gets its value computed in a kernel of its own first (it reads the old contents of
+    everything it needs before any write), and then only copies it in;
+  - where that is not enough (a kernel reads both the old and the new contents of a buffer), the old contents it
+    reads are snapshotted: a copy kernel before the assign, which the kernel reads instead.
+  Returns the bases, snapshots included, in graph order; `realizes` and buffers are updated."""
+  for _ in range(4 * len(bases) + 8):   # each round realizes a value or adds a snapshot: it ends
+    cycle = _items_on_cycles(bases, realizes)
+    if not cycle: return bases
+    values = [base.srcs[0].base for base in cycle if base.op is Ops.ASSIGN]
+    values = [value for value in values if value.realized is None and id(value) not in realizes and
+              value.op is not Ops.CONST]
+    for value in values: realizes[id(value)] = "the value of an assign that must read before other writes (a cycle)"
+    if not values: bases = _snapshot_old_read(bases, realizes, cycle)
+    _settle_fusion_groups(bases, realizes)
+    for base in bases:
+      if id(base) in realizes: _give_buffer(base)
+  return bases   # order_items says what is left
+
+
+def _item_reads(base: LazyBuffer, realizes: Realizations) -> list[LazyBuffer]:
+  """The realized bases the item computing `base` reads (as the kernel builder will load them)."""
+  if base.op is Ops.COPY: return [base.srcs[0].base]
+  _, plan = walk_kernel(base, realizes, sibling_limit)
+  return [loaded for loaded, _ in plan.loads] if plan is not None else []
+
+
+def _items_on_cycles(bases: list[LazyBuffer], realizes: Realizations) -> list[LazyBuffer]:
+  """The realized bases whose items lie on a cycle of run-order constraints (one item per base, as before
+  grouping: grouping splits its own cycles, engine/multi_output.py)."""
+  scheduled = [base for base in bases if id(base) in realizes]
+  groups = {id(base): [base] for base in scheduled}
+  reads = {id(base): _item_reads(base, realizes) for base in scheduled}
+  on_cycles = items_on_cycles(item_precedence(scheduled, groups, reads))
+  return [base for base in scheduled if id(base) in on_cycles]
+
+
+def _snapshot_old_read(bases: list[LazyBuffer], realizes: Realizations,
+                       cycle: list[LazyBuffer]) -> list[LazyBuffer]:
+  """One kernel of `cycle` that reads a buffer's contents from before a write on the cycle reads a copy of them
+  instead (a CONTIGUOUS base made before the write). Returns the bases with the copy."""
+  writers: dict[int, list[LazyBuffer]] = defaultdict(list)   # id(Buffer) -> assigns on the cycle writing it
+  for base in cycle:
+    if base.op is Ops.ASSIGN: writers[id(base.realized)].append(base)
+  for reader in cycle:
+    for loaded in _item_reads(reader, realizes):
+      later = [writer for writer in writers.get(id(loaded.realized), [])
+               if writer is not reader and write_version(writer) > write_version(loaded)]
+      if not later: continue
+      copy = LazyBuffer.create_base(loaded.device, loaded.shape, loaded.dtype, Ops.CONTIGUOUS, None, (loaded,))
+      if not _redirect_reads(reader, loaded, copy, realizes): continue
+      realizes[id(copy)] = "a snapshot: a kernel reads this buffer both before and after an assign to it"
+      _give_buffer(copy)
+      # right after what it copies: the redirected reads may sit in fused graphs that other kernels, earlier in
+      # graph order than `reader`, share
+      at = next((index + 1 for index, base in enumerate(bases) if base is loaded), 0)
+      return bases[:at] + [copy] + bases[at:]
+  raise RuntimeError("this graph reads a buffer both before and after an assign to it, and no snapshot breaks "
+                     "the cycle; please report it")
+
+
+def _redirect_reads(root: LazyBuffer, old: LazyBuffer, copy: LazyBuffer, realizes: Realizations) -> bool:
+  """Make the kernel computing `root` read `copy` (through the same views) wherever its fused region reads `old`'s
+  values (an assign's target is where it writes, not a read). Returns whether it read `old` at all."""
+  found, stack, seen = False, [root], set()
+  while stack:
+    node = stack.pop()
+    if id(node) in seen: continue
+    seen.add(id(node))
+    value_count = 1 if node.op in (Ops.ASSIGN, Ops.CONTIGUOUS) else len(node.srcs)
+    new_srcs = list(node.srcs)
+    for index, src in enumerate(node.srcs[:value_count]):
+      if src.base is old:
+        new_srcs[index], found = copy.view(src.st), True
+      elif src.base.realized is None and id(src.base) not in realizes:
+        stack.append(src.base)
+    node.srcs = tuple(new_srcs)
+  return found
 
 
 def _print_realize_reasons(bases: list[LazyBuffer], realizes: Realizations) -> None:
