@@ -190,10 +190,32 @@ def _in_place(base: LazyBuffer) -> ShapeTracker:
 
 
 def _targets_clash(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
-  """Whether one kernel writing `group` and `base` would read a buffer it overwrites anywhere but in place."""
+  """Whether one kernel writing `group` and `base` would read a buffer it overwrites anywhere but in place, or
+  read it in place in a member whose result the overwriting member's value does not use. The buffer is passed
+  as two `restrict` pointers: only a data dependency (the stored value needs the loaded one) keeps the compiler
+  from storing the new value before the old one is loaded (gcc and LLVM do, for an assign of a constant). An
+  optimizer's momentum, read by its parameter's update, has that dependency."""
   members = group + [base]
-  targets = [member.srcs[1].base for member in members if member.op is Ops.ASSIGN]
+  member_ids = {id(member) for member in members}
+  assigns = [(member, member.srcs[1].base) for member in members if member.op is Ops.ASSIGN]
   for member in members:
     for loaded, view in plans[id(member)].loads:
-      if any(reads_assign_target(loaded, target) for target in targets) and view != _in_place(member): return True
+      if id(loaded) in member_ids: continue  # a member's result, computed in this kernel (_may_join checks how)
+      for writer, target in assigns:
+        if not reads_assign_target(loaded, target): continue
+        if view != _in_place(member) or not _uses_member(writer, member, plans, member_ids): return True
+  return False
+
+
+def _uses_member(user: LazyBuffer, member: LazyBuffer, plans: dict[int, KernelPlan], member_ids: set[int]) -> bool:
+  """Whether the value of group member `user` is computed from member `member` (itself included), through the
+  members it reads in the kernel."""
+  stack, seen = [user], {id(user)}
+  while stack:
+    node = stack.pop()
+    if node is member: return True
+    for loaded, _ in plans[id(node)].loads:
+      if id(loaded) in member_ids and id(loaded) not in seen:
+        seen.add(id(loaded))
+        stack.append(loaded)
   return False

@@ -47,6 +47,9 @@ TOLERANCE = {"float32": 2e-4, "float16": 2e-2, "float64": 1e-9}
 # largest magnitude a value may reach (float16 overflows at 65504; squares and sums must stay finite)
 MAX_MAGNITUDE = {"float32": 1e6, "float16": 2e3, "float64": 1e6, "int32": 2 ** 24, "int64": 2 ** 24}
 MAX_ELEMENTS = 192
+# ops whose zero may have either sign (a sum starts from +0 or from its first element; max(-0, +0) picks either)
+SIGNLESS_ZERO = ("sum", "mean", "var", "std", "amax", "amin", "max", "min", "maximum", "minimum", "relu", "clamp",
+                 "sign")
 INEXACT_UNARY = ("exp", "log", "sqrt", "sin", "sigmoid", "tanh")
 FLOAT_SCALARS = [0.5, -1.5, 2.0, 0.25, 3.0, -0.75, 1.0, -2.0, 0.0]
 INT_SCALARS = [-3, -2, -1, 1, 2, 3, 4, 0]
@@ -68,6 +71,7 @@ class Step:
   name: str = ""
   exact: bool = True
   scale: float = 1.0
+  signed_zeros: bool = True
 
 
 @dataclass
@@ -178,6 +182,7 @@ class Value:
   reads: dict[str, int]          # every root it read (through any path) -> that root's version then
   ambiguous: bool = False        # a view in one library and a copy in the other
   born: dict[str, int] = field(default_factory=dict)  # the versions of its roots when it was made
+  signed_zeros: bool = True      # the sign of a zero is defined (not after a sum, max, relu, ...: see SIGNLESS_ZERO)
   writable: bool = True          # may be the target of an in-place write
 
   @property
@@ -351,7 +356,8 @@ class TorchGen:
     except Exception:  # noqa: BLE001 - ourgrad's failures are found when the program runs
       self.og_namespace = None
 
-  def add_value(self, og: str, pt: str, operands: list[Value], view_op: bool = False, exact_op: bool = True) -> Value:
+  def add_value(self, og: str, pt: str, operands: list[Value], view_op: bool = False, exact_op: bool = True,
+                signed_zeros: bool = True) -> Value:
     """Run `pt` on PyTorch and name it; classify whether it is a view (in both libraries) of its operands."""
     tensor = self.torch_eval(og, pt)
     self.check_range(tensor)
@@ -369,8 +375,10 @@ class TorchGen:
     for root in roots: reads.setdefault(root, self.versions.get(root, 0))
     scale = max([1.0, magnitude(tensor)] + [operand.scale for operand in operands])
     exact = self.exact_result(pt, operands, tensor) if exact_op or not tensor.is_floating_point() else False
+    signed_zeros = signed_zeros and all(operand.signed_zeros for operand in operands) and not any(
+      f".{function}(" in pt for function in SIGNLESS_ZERO)
     value = Value(name, tensor, exact, scale, roots, reads, ambiguous,
-                  born={root: self.versions.get(root, 0) for root in roots})
+                  born={root: self.versions.get(root, 0) for root in roots}, signed_zeros=signed_zeros)
     value.writable = not ambiguous and not tensor.requires_grad and not _has_broadcast_stride(tensor)
     if tensor.requires_grad: self.frozen.update(reads)
     if roots == frozenset({name}): self.versions[name] = 0
@@ -542,7 +550,9 @@ class TorchGen:
     if kind in ("lt", "gt", "le", "ge", "eq", "ne"):
       self.require_margin(left_values.double() - right_values.double(), operands)
     code = f"({left_code} {self.BINARY_SYMBOLS[kind]} {right_code})"
-    return self.add_value(code, code, operands, exact_op=kind != "div")  # a / b may be a * (1 / b)
+    # a / b may be a * (1 / b): not exact
+    exact_op = kind != "div" and not (kind == "floordiv" and "negative-zero-rounding" in self.avoid)
+    return self.add_value(code, code, operands, exact_op=exact_op)
 
   def check_zero_d(self, operands: list[Value | Any]) -> None:
     """Under avoid "zero-d-promotion": Rejected when a 0-d tensor meets an n-d one of another dtype."""
@@ -795,7 +805,8 @@ class TorchGen:
     """A read in the middle of the program (or at its end): ourgrad's value there must equal PyTorch's."""
     value = self.pick() if value is None else value
     code = f"observe({value.name!r}, {value.name})"
-    self.steps.append(Step("observe", code, code, name=value.name, exact=value.exact, scale=value.scale))
+    self.steps.append(Step("observe", code, code, name=value.name, exact=value.exact, scale=value.scale,
+                           signed_zeros=value.signed_zeros))
 
   def input(self) -> None:
     self.add_input()
