@@ -63,7 +63,8 @@ class Rejected(Exception):
 class Step:
   """One line of the program. `kind`: input, op, write, realize, observe, backward. `expect_error`: PyTorch raises
   on it, so ourgrad must raise too (and the program goes on without it). An observe step compares `name` there,
-  `exact` (bitwise, sign of zero included) or within TOLERANCE of its dtype times `scale`."""
+  `exact` (bitwise, sign of zero included where `signed_zeros`) or within `tolerance` times `scale` (the tolerance
+  of the least precise float dtype the value went through: TOLERANCE)."""
   kind: str
   og: str
   pt: str
@@ -72,6 +73,7 @@ class Step:
   exact: bool = True
   scale: float = 1.0
   signed_zeros: bool = True
+  tolerance: float = 2e-4
 
 
 @dataclass
@@ -183,6 +185,7 @@ class Value:
   ambiguous: bool = False        # a view in one library and a copy in the other
   born: dict[str, int] = field(default_factory=dict)  # the versions of its roots when it was made
   signed_zeros: bool = True      # the sign of a zero is defined (not after a sum, max, relu, ...: see SIGNLESS_ZERO)
+  tolerance: float = 2e-4        # relative error allowed: that of the least precise float dtype in its history
   writable: bool = True          # may be the target of an in-place write
 
   @property
@@ -328,7 +331,7 @@ class TorchGen:
     """How far a decision must stay from its boundary: 0 for exact operands, else a few tolerances."""
     inexact = [operand for operand in operands if not operand.exact]
     if not inexact: return 0.0
-    return 4 * max(TOLERANCE.get(operand.dtype, 1e-4) * operand.scale for operand in inexact)
+    return 4 * max(operand.tolerance * operand.scale for operand in inexact)
 
   def require_margin(self, distance: torch.Tensor, operands: list[Value]) -> None:
     """Rejected when a decision is within the rounding margin (distance: from each value to its boundary)."""
@@ -377,8 +380,11 @@ class TorchGen:
     exact = self.exact_result(pt, operands, tensor) if exact_op or not tensor.is_floating_point() else False
     signed_zeros = signed_zeros and all(operand.signed_zeros for operand in operands) and not any(
       f".{function}(" in pt for function in SIGNLESS_ZERO)
+    tolerance = max([TOLERANCE.get(str(tensor.dtype).removeprefix("torch."), 0.0)]
+                    + [operand.tolerance for operand in operands])
     value = Value(name, tensor, exact, scale, roots, reads, ambiguous,
-                  born={root: self.versions.get(root, 0) for root in roots}, signed_zeros=signed_zeros)
+                  born={root: self.versions.get(root, 0) for root in roots}, signed_zeros=signed_zeros,
+                  tolerance=tolerance)
     value.writable = not ambiguous and not tensor.requires_grad and not _has_broadcast_stride(tensor)
     if tensor.requires_grad: self.frozen.update(reads)
     if roots == frozenset({name}): self.versions[name] = 0
@@ -424,7 +430,7 @@ class TorchGen:
     self.og_exec(f"{name} = {og}")
     self.versions[name] = 0
     value = Value(name, tensor, True, max(1.0, magnitude(tensor)), frozenset({name}), {name: 0},
-                  writable=not grad)
+                  writable=not grad, tolerance=TOLERANCE.get(dtype, 0.0))
     if grad:
       self.frozen.add(name)
       self.leaves.append(name)
@@ -806,7 +812,7 @@ class TorchGen:
     value = self.pick() if value is None else value
     code = f"observe({value.name!r}, {value.name})"
     self.steps.append(Step("observe", code, code, name=value.name, exact=value.exact, scale=value.scale,
-                           signed_zeros=value.signed_zeros))
+                           signed_zeros=value.signed_zeros, tolerance=value.tolerance))
 
   def input(self) -> None:
     self.add_input()
@@ -830,12 +836,15 @@ class TorchGen:
       del self.values[loss.name]
       return
     self.steps.append(Step("backward", code, code))
+    # gradients flow back through every value that requires grad: the least precise of them sets the tolerance
+    tolerance = max(value.tolerance for value in self.values.values() if value.grad)
     for leaf in self.values.values():
       if leaf.name in self.leaves:
         grad = leaf.tensor.grad
         scale = max(loss.scale, magnitude(grad)) if grad is not None else 1.0
         code = f"observe({leaf.name + '.grad'!r}, {leaf.name}.grad)"
-        self.steps.append(Step("observe", code, code, name=f"{leaf.name}.grad", exact=False, scale=scale))
+        self.steps.append(Step("observe", code, code, name=f"{leaf.name}.grad", exact=False, scale=scale,
+                               tolerance=tolerance))
 
   # ---------------------------------------------------------------- the program
 
