@@ -204,7 +204,8 @@ _VIEW_THEN_WRITE = (r"\n(v\d+) = (v\d+)(\[|\.shrink|\.reshape|\.permute|\.transp
 
 # a view written to (the view made by a movement op, then written)
 _WRITE_TO_VIEW = (r"\n(v\d+) = (v\d+)(\[|\.shrink|\.reshape|\.permute|\.transpose|\.expand|\.squeeze|\.unsqueeze"
-                  r"|\.detach).*\n\1( [-+*]?= |\.assign\(|\[)")
+                  r"|\.detach|\.contiguous\(|\.int\(|\.float\(|\.half\(|\.long\(|\.bool\(|\.cast\().*"
+                  r"\n\1( [-+*]?= |\.assign\(|\[)")
 
 KNOWN_BUGS: list[KnownBug] = [
   KnownBug("stale-view", "value", _VIEW_THEN_WRITE),

@@ -558,7 +558,8 @@ class TorchGen:
     code = f"({left_code} {self.BINARY_SYMBOLS[kind]} {right_code})"
     # a / b may be a * (1 / b): not exact
     exact_op = kind != "div" and not (kind == "floordiv" and "negative-zero-rounding" in self.avoid)
-    return self.add_value(code, code, operands, exact_op=exact_op)
+    # the sign of a zero remainder differs between PyTorch (-2.5 % 0.5 is -0.0), numpy and Python (+0.0)
+    return self.add_value(code, code, operands, exact_op=exact_op, signed_zeros=kind != "mod")
 
   def check_zero_d(self, operands: list[Value | Any]) -> None:
     """Under avoid "zero-d-promotion": Rejected when a 0-d tensor meets an n-d one of another dtype."""
@@ -796,7 +797,7 @@ class TorchGen:
     self.versions[root] += 1
     for other in self.values.values():
       if root in other.roots:  # a view of the root (or the root): it reads the new contents
-        other.reads[root] = self.versions[root]
+        if not other.ambiguous: other.reads[root] = self.versions[root]  # (an ambiguous one is unusable from now)
         other.exact = other.exact and exact
         other.scale = max(other.scale, magnitude(other.tensor))
     self.steps.append(Step("write", og, pt))
