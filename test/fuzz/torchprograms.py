@@ -7,7 +7,8 @@ v2.to(torch.float16)`). `TorchGen` draws the steps from a `random.Random` and ru
 now and then, kept as a step that ourgrad must refuse too). ourgrad runs only later, the whole program at once
 (`run_ourgrad`), so the generator never depends on what ourgrad does.
 
-What the steps cover: inputs of float32/float16/int32/int64/bool (realized or lazy, some `requires_grad`), Python
+What the steps cover: inputs of float32/float16/int32/int64/bool (realized or lazy, some `requires_grad`, some
+made by Tensor.full/zeros/ones), Python
 scalars and 0-d tensors as operands, unary and binary elementwise ops (comparisons, where, casts, bitwise ops,
 // and %), reduces (sum/mean/amax/amin/max(dim=)/any/all/argmax/var/std; keepdim, negative and tuple axes),
 movement (reshape, permute, transpose, expand, squeeze/unsqueeze, pad, shrink, flip, cat, stack), indexing
@@ -423,6 +424,13 @@ class TorchGen:
     if grad:
       og, pt = f"Tensor(inputs[{index}], device=device, requires_grad=True)", f"torch.tensor(inputs[{index}], " \
         "requires_grad=True)"
+    elif array is None and self.rng.random() < 0.12:
+      # a constant tensor: ourgrad keeps it a broadcast scalar until it is written (reliability.md, "Constants")
+      fill = self.inputs[index].flat[0].item() if self.inputs[index].size else 0
+      function, arguments = self.rng.choice([("full", f"{shape!r}, {fill!r}"), ("zeros", repr(shape)),
+                                             ("ones", repr(shape))])
+      og = f"Tensor.{function}({arguments}, dtype={og_dtype(dtype)}, device=device)"
+      pt = f"torch.{function}({arguments}, dtype={pt_dtype(dtype)})"
     else:
       realize = ".realize()" if self.rng.random() < 0.5 else ""
       og, pt = f"Tensor(inputs[{index}], device=device){realize}", f"torch.tensor(inputs[{index}])"
