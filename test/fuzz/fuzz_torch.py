@@ -18,7 +18,7 @@ A failing program is minimized (steps dropped, inputs shrunk, while the same kin
 as two standalone scripts, ourgrad's and PyTorch's. Known bugs (KNOWN_BUGS, each with the finding it was filed
 as) are tagged rather than failed under `--skip-known`; the pytest entry never skips them.
 
-Run: `python test/fuzz/fuzz_torch.py --cases 500 --seed 1 [--device PYTHON] [--skip-known] [--keep-going]`;
+Run: `python test/fuzz/fuzz_torch.py --cases 500 --seed 1 [--device PYTHON] [--skip-known] [--keep-going] [--avoid ci]`;
 `--case I` replays one case and prints its program. The summary counts programs by outcome; the exit code is 1
 when any case failed. On a GPU machine: `DEVICE=CUDA python test/fuzz/fuzz_torch.py --cases 500 --seed 1`.
 """
@@ -37,7 +37,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fuzzing import Case, Check, main, run_for_pytest  # noqa: E402
-from torchprograms import Observation, Outcome, Program, random_program, run_ourgrad, run_torch  # noqa: E402
+from torchprograms import (AVOIDABLE, Observation, Outcome, Program, random_program, run_ourgrad,  # noqa: E402
+                           run_torch)
 
 from ourgrad.device import Device  # noqa: E402
 
@@ -213,6 +214,8 @@ KNOWN_BUGS: list[KnownBug] = [
   KnownBug("bool-square", "dtype", r"dtype bool, PyTorch int64.*\.square\(\)"),
   KnownBug("view-write", "value", _WRITE_TO_VIEW),
   KnownBug("zero-d-promotion", "dtype", r"reshape\(\(\)\)|\.sum\(|\.amax\(|\.amin\(|\.max\(|\.min\(|\[-?\d+\]"),
+  KnownBug("constant-write", "value", r"Tensor\.(full|zeros|ones)\(.*( [-+*]?= |\.assign\(|\] = )"),
+  KnownBug("float-mod-multiple", "value", r" % "),
   KnownBug("negative-zero-rounding", "value", r"ourgrad np\.float\d+\(0\.0\), PyTorch np\.float\d+\(-0\.0\).*"
            r"(\.(ceil|trunc|round)\(\)| // )"),
 ]
@@ -224,9 +227,10 @@ def known_bug(mismatch: Mismatch, program: Program) -> KnownBug | None:
 
 # ---------------------------------------------------------------- the check, pytest and the command line
 
-def make_check(device: str, skip_known: bool = False, minimize_s: float = 60.0, grad: bool = True) -> Check:
+def make_check(device: str, skip_known: bool = False, minimize_s: float = 60.0, grad: bool = True,
+               avoid: frozenset[str] = frozenset()) -> Check:
   def check_case(case: Case) -> str:
-    gen, program = random_program(case.rng, device, grad=grad)
+    gen, program = random_program(case.rng, device, grad=grad, avoid=avoid)
     case.log(program.source("ourgrad"))
     mismatch = check_program(program)
     if mismatch is None: return "ok"
@@ -246,13 +250,19 @@ def default_device() -> str:
 
 
 # CI budget: programs per test run (CLANG compiles each kernel with the C compiler; PYTHON interprets)
-CASES = {"CLANG": 60, "PYTHON": 40}
+CASES = {"CLANG": 60, "PYTHON": 80}
+# constructs of bugs still open when this test was written (torchprograms.AVOIDABLE; the bugs are in KNOWN_BUGS and
+# /work/briefs/fuzz_findings.md): CI does not generate them, so that it fails on new bugs only. Take a name out
+# when its bug is fixed.
+CI_AVOID = frozenset({"negative-zero-rounding", "zero-d-promotion", "bool-square", "float-mod-multiple",
+                      "constant-write"})
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_torch_differential(seed: int) -> None:
   device = default_device()
-  run_for_pytest("fuzz_torch", make_check(device), seed, CASES.get(device, 30), f" --device {device}")
+  run_for_pytest("fuzz_torch", make_check(device, avoid=CI_AVOID), seed, CASES.get(device, 30),
+                 f" --device {device} --avoid ci")
 
 
 if __name__ == "__main__":
@@ -261,10 +271,15 @@ if __name__ == "__main__":
     parser.add_argument("--skip-known", action="store_true", help="tag mismatches of known bugs instead of failing")
     parser.add_argument("--minimize-s", type=float, default=60.0, help="seconds to minimize a failure (0: off)")
     parser.add_argument("--no-grad", action="store_true", help="no requires_grad leaves and no backward")
+    parser.add_argument("--avoid", default="", help="comma-separated constructs of known bugs not to generate "
+                        f"({', '.join(AVOIDABLE)}), or 'ci' for CI_AVOID")
 
   def make_check_from_args(args: argparse.Namespace) -> Any:
     device = args.device or default_device()
     print(f"device: {device}")
-    return make_check(device, args.skip_known, args.minimize_s, not args.no_grad)
+    avoid = CI_AVOID if args.avoid == "ci" else frozenset(name for name in args.avoid.split(",") if name)
+    unknown = avoid - set(AVOIDABLE)
+    if unknown: raise SystemExit(f"unknown --avoid names {sorted(unknown)}; known: {', '.join(AVOIDABLE)}")
+    return make_check(device, args.skip_known, args.minimize_s, not args.no_grad, avoid)
 
   main("fuzz_torch", make_check_from_args, 200, add_arguments)

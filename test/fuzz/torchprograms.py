@@ -229,8 +229,11 @@ def index_code(items: tuple[Any, ...]) -> str:
 # "stale-view": reading a view of a root after a write to the root; "inplace-cast": an in-place op whose result
 # dtype cannot be cast back, kept as a step ourgrad must refuse; "bool-square": square() of a bool tensor
 # "view-write": a write into a view (not into the tensor owning the memory); "zero-d-promotion": a 0-d tensor
-# operand of another dtype than the n-d one; "negative-zero-rounding": ceil/trunc/round compared bitwise
-AVOIDABLE = ("stale-view", "inplace-cast", "bool-square", "view-write", "zero-d-promotion", "negative-zero-rounding")
+# operand of another dtype than the n-d one; "negative-zero-rounding": ceil/trunc/round compared bitwise;
+# "constant-write": a write into (a view of) a Tensor.full/zeros/ones tensor; "float-mod-multiple": a float a % b
+# where a is a multiple of b
+AVOIDABLE = ("stale-view", "inplace-cast", "bool-square", "view-write", "zero-d-promotion", "negative-zero-rounding",
+             "constant-write", "float-mod-multiple")
 
 # PyTorch errors that ourgrad must raise too (shape and in-place dtype rules); other refusals (an op PyTorch does not
 # implement for a dtype, which ourgrad may well support) just drop the step
@@ -426,6 +429,7 @@ class TorchGen:
         "requires_grad=True)"
     elif array is None and self.rng.random() < 0.12:
       # a constant tensor: ourgrad keeps it a broadcast scalar until it is written (reliability.md, "Constants")
+      if "constant-write" in self.avoid: self.frozen.add(name)
       fill = self.inputs[index].flat[0].item() if self.inputs[index].size else 0
       function, arguments = self.rng.choice([("full", f"{shape!r}, {fill!r}"), ("zeros", repr(shape)),
                                              ("ones", repr(shape))])
@@ -561,6 +565,8 @@ class TorchGen:
       if kind != "div" and (left_values.is_floating_point() or right_values.is_floating_point()):
         quotient = left_values.double() / right_values.double()
         self.require_margin(quotient - quotient.round(), operands)
+        if kind == "mod" and "float-mod-multiple" in self.avoid and bool((quotient == quotient.round()).any()):
+          raise Rejected("avoided")
     if kind in ("lt", "gt", "le", "ge", "eq", "ne"):
       self.require_margin(left_values.double() - right_values.double(), operands)
     code = f"({left_code} {self.BINARY_SYMBOLS[kind]} {right_code})"
