@@ -116,7 +116,9 @@ def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, Kernel
   member_ids = {id(member) for member in group}
   for loaded, view in plans[id(base)].loads:
     if id(loaded) in member_ids and (loaded.op is not Ops.ASSIGN or view != _in_place(loaded)): return False
-  return True
+  # nor may a member read `base`: bases come in graph order, but a snapshot that a shared subgraph reads is placed
+  # before one of its readers only (schedule.py _snapshot_old_read)
+  return not any(loaded is base for member in group for loaded, _ in plans[id(member)].loads)
 
 
 def _may_join_siblings(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
@@ -200,10 +202,11 @@ def _targets_clash(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, K
   assigns = [(member, member.srcs[1].base) for member in members if member.op is Ops.ASSIGN]
   for member in members:
     for loaded, view in plans[id(member)].loads:
-      if id(loaded) in member_ids: continue  # a member's result, computed in this kernel (_may_join checks how)
       for writer, target in assigns:
         if not reads_assign_target(loaded, target): continue
-        if view != _in_place(member) or not _uses_member(writer, member, plans, member_ids): return True
+        if view != _in_place(member): return True
+        # (a member's own result, read in place, is computed in this kernel: no load of the old contents)
+        if id(loaded) not in member_ids and not _uses_member(writer, member, plans, member_ids): return True
   return False
 
 
