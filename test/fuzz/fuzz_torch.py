@@ -212,11 +212,12 @@ KNOWN_BUGS: list[KnownBug] = [
   KnownBug("stale-view", "value", _VIEW_THEN_WRITE),
   KnownBug("inplace-cast", "silent", r"step \d+: v\d+ [-+*]= "),
   KnownBug("bool-square", "dtype", r"dtype bool, PyTorch int64.*\.square\(\)"),
+  KnownBug("bool-square", "crash", r"\.square\(\)"),
   KnownBug("view-write", "value", _WRITE_TO_VIEW),
   KnownBug("zero-d-promotion", "dtype", r"reshape\(\(\)\)|\.sum\(|\.amax\(|\.amin\(|\.max\(|\.min\(|\[-?\d+\]"),
   KnownBug("constant-write", "value", r"Tensor\.(full|zeros|ones)\(.*( [-+*]?= |\.assign\(|\] = )"),
   KnownBug("float-mod-multiple", "value", r" % "),
-  KnownBug("negative-zero-rounding", "value", r"ourgrad np\.float\d+\(0\.0\), PyTorch np\.float\d+\(-0\.0\).*"
+  KnownBug("negative-zero-rounding", "value", r"ourgrad np\.float\d+\(-?0\.0\), PyTorch np\.float\d+\(-?0\.0\).*"
            r"(\.(ceil|trunc|round)\(\)| // )"),
 ]
 

@@ -841,7 +841,7 @@ class TorchGen:
     weights = [self.add_input(value.shape, "float32") for value in chosen]
     terms = " + ".join(f"({value.name}.float() * {weight.name}).sum()" for value, weight in zip(chosen, weights))
     steps_before = len(self.steps)
-    loss = self.add_value(terms, terms, chosen + weights)
+    loss = self.add_value(terms, terms, chosen + weights, exact_op=False)  # (its .float() would fool the shadow)
     self.observe(loss)
     code = f"{loss.name}.backward()"
     try:
