@@ -194,6 +194,7 @@ class Value:
   born: dict[str, int] = field(default_factory=dict)  # the versions of its roots when it was made
   signed_zeros: bool = True      # the sign of a zero is defined (not after a sum, max, relu, ...: see SIGNLESS_ZERO)
   tolerance: float = 2e-4        # relative error allowed: that of the least precise float dtype in its history
+  constant: bool = False         # made by Tensor.full/zeros/ones, or computed from such tensors only
   writable: bool = True          # may be the target of an in-place write
 
   @property
@@ -237,7 +238,8 @@ def index_code(items: tuple[Any, ...]) -> str:
 # dtype cannot be cast back, kept as a step ourgrad must refuse; "bool-square": square() of a bool tensor
 # "view-write": a write into a view (not into the tensor owning the memory); "zero-d-promotion": a 0-d tensor
 # operand of another dtype than the n-d one; "negative-zero-rounding": ceil/trunc/round compared bitwise;
-# "constant-write": a write into (a view of) a Tensor.full/zeros/ones tensor; "float-mod-multiple": a float a % b
+# "constant-write": a write into (a view of) a Tensor.full/zeros/ones tensor or a value computed from such tensors
+# only (ourgrad folds it to a constant); "float-mod-multiple": a float a % b
 # where a is a multiple of b
 AVOIDABLE = ("stale-view", "inplace-cast", "bool-square", "view-write", "zero-d-promotion", "negative-zero-rounding",
              "constant-write", "float-mod-multiple")
@@ -398,6 +400,8 @@ class TorchGen:
                   tolerance=tolerance)
     value.writable = not ambiguous and not tensor.requires_grad and not _has_broadcast_stride(tensor)
     if tensor.requires_grad: self.frozen.update(reads)
+    value.constant = bool(operands) and all(operand.constant for operand in operands)
+    if value.constant and "constant-write" in self.avoid: self.frozen.update(roots)
     if roots == frozenset({name}): self.versions[name] = 0
     self.namespace[name] = tensor
     self.values[name] = value
@@ -428,6 +432,7 @@ class TorchGen:
     """An input tensor (`Tensor(inputs[i])`), realized at once or left lazy, maybe a requires_grad leaf."""
     shape = self.random_shape() if shape is None else shape
     dtype = self.random_dtype() if dtype is None else dtype
+    constant = False
     self.inputs.append(self.random_array(shape, dtype) if array is None else array)
     index = len(self.inputs) - 1
     name = self.new_name()
@@ -436,6 +441,7 @@ class TorchGen:
         "requires_grad=True)"
     elif array is None and self.rng.random() < 0.12:
       # a constant tensor: ourgrad keeps it a broadcast scalar until it is written (reliability.md, "Constants")
+      constant = True
       if "constant-write" in self.avoid: self.frozen.add(name)
       fill = self.inputs[index].flat[0].item() if self.inputs[index].size else 0
       function, arguments = self.rng.choice([("full", f"{shape!r}, {fill!r}"), ("zeros", repr(shape)),
@@ -449,7 +455,7 @@ class TorchGen:
     self.og_exec(f"{name} = {og}")
     self.versions[name] = 0
     value = Value(name, tensor, True, max(1.0, magnitude(tensor)), frozenset({name}), {name: 0},
-                  writable=not grad, tolerance=TOLERANCE.get(dtype, 0.0))
+                  writable=not grad, tolerance=TOLERANCE.get(dtype, 0.0), constant=constant)
     if grad:
       self.frozen.add(name)
       self.leaves.append(name)
