@@ -646,7 +646,9 @@ class TorchGen:
       code = f"{a.name}.{kind}({', '.join(arguments)})" + (f".{part}" if part.isalpha() else f"[{part}]")
       return self.add_value(code, code, [a])
     code = f"{a.name}.{kind}({', '.join(arguments)})"
-    return self.add_value(code, code, [a], exact_op=kind not in ("mean", "var", "std"))
+    # a sum is exact in every order only when every partial sum is: small multiples of 2**-12
+    exact_op = kind not in ("mean", "var", "std") and (kind != "sum" or _sums_exactly(a.tensor))
+    return self.add_value(code, code, [a], exact_op=exact_op)
 
   # ---------------------------------------------------------------- movement and indexing
 
@@ -942,6 +944,14 @@ def _broadcastable(first: tuple[int, ...], second: tuple[int, ...]) -> bool:
 
 def _as_tensor(operand: Value | Any) -> torch.Tensor:
   return operand.tensor.detach() if isinstance(operand, Value) else torch.tensor(operand)
+
+
+def _sums_exactly(values: torch.Tensor) -> bool:
+  """Whether every partial sum of these values, in any order, is exact in float16 accumulated in float32: they are
+  multiples of 2**-12 whose absolute sum stays below 2**24 of them."""
+  if not values.is_floating_point(): return True
+  scaled = values.detach().double() * 4096
+  return bool((scaled == scaled.round()).all()) and float(scaled.abs().sum()) < 2 ** 24
 
 
 def _gaps(values: torch.Tensor, axes: tuple[int, ...] | None) -> torch.Tensor:
