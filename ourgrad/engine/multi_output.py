@@ -125,7 +125,9 @@ def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, Kernel
   member_ids = {id(member) for member in group}
   for loaded, view in plans[id(base)].loads:
     if id(loaded) in member_ids and (loaded.op is not Ops.ASSIGN or view != _in_place(loaded)): return False
-  return True
+  # nor may a member read `base`: bases come in graph order, but a snapshot that a shared subgraph reads is placed
+  # before one of its readers only (schedule.py _snapshot_old_read)
+  return not any(loaded is base for member in group for loaded, _ in plans[id(member)].loads)
 
 
 def _may_join_siblings(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
@@ -199,10 +201,33 @@ def _in_place(base: LazyBuffer) -> ShapeTracker:
 
 
 def _targets_clash(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
-  """Whether one kernel writing `group` and `base` would read a buffer it overwrites anywhere but in place."""
+  """Whether one kernel writing `group` and `base` would read a buffer it overwrites anywhere but in place, or
+  read it in place in a member whose result the overwriting member's value does not use. The buffer is passed
+  as two `restrict` pointers: only a data dependency (the stored value needs the loaded one) keeps the compiler
+  from storing the new value before the old one is loaded (gcc and LLVM do, for an assign of a constant). An
+  optimizer's momentum, read by its parameter's update, has that dependency."""
   members = group + [base]
-  targets = [member.srcs[1].base for member in members if member.op is Ops.ASSIGN]
+  member_ids = {id(member) for member in members}
+  assigns = [(member, member.srcs[1].base) for member in members if member.op is Ops.ASSIGN]
   for member in members:
     for loaded, view in plans[id(member)].loads:
-      if any(reads_assign_target(loaded, target) for target in targets) and view != _in_place(member): return True
+      for writer, target in assigns:
+        if not reads_assign_target(loaded, target): continue
+        if view != _in_place(member): return True
+        # (a member's own result, read in place, is computed in this kernel: no load of the old contents)
+        if id(loaded) not in member_ids and not _uses_member(writer, member, plans, member_ids): return True
+  return False
+
+
+def _uses_member(user: LazyBuffer, member: LazyBuffer, plans: dict[int, KernelPlan], member_ids: set[int]) -> bool:
+  """Whether the value of group member `user` is computed from member `member` (itself included), through the
+  members it reads in the kernel."""
+  stack, seen = [user], {id(user)}
+  while stack:
+    node = stack.pop()
+    if node is member: return True
+    for loaded, _ in plans[id(node)].loads:
+      if id(loaded) in member_ids and id(loaded) not in seen:
+        seen.add(id(loaded))
+        stack.append(loaded)
   return False

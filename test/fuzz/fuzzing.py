@@ -48,7 +48,9 @@ class Case:
 
 
 class FuzzFailure(AssertionError):
-  """A fuzz case failed; the message names the seed, the case, the replay command and what the case built."""
+  """A fuzz case failed; the message names the seed, the case, the replay command and what the case built.
+  With --keep-going, `outcomes` holds the counts of every outcome of the run."""
+  outcomes: Counter[str] = Counter()
 
 
 def case_rng(seed: int, index: int) -> random.Random:
@@ -78,10 +80,14 @@ def run_cases(fuzzer: str, check: Check, seed: int, iterations: int, start: int 
       if not keep_going: raise FuzzFailure(message) from error
       print(message, file=sys.stderr)
       failures.append(f"case {index}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-      outcomes["FAILED"] += 1
+      kind = getattr(error, "kind", None)  # a fuzzer's failures may say which kind they are (fuzz_torch)
+      outcomes[f"FAILED: {kind}" if kind else "FAILED"] += 1
     if verbose: print("\n".join(case.notes))
   if failures:
-    raise FuzzFailure(f"{fuzzer}: {len(failures)} of {iterations} cases of seed {seed} failed:\n" + "\n".join(failures))
+    failure = FuzzFailure(f"{fuzzer}: {len(failures)} of {iterations} cases of seed {seed} failed:\n"
+                          + "\n".join(failures))
+    failure.outcomes = outcomes
+    raise failure
   return outcomes
 
 
@@ -107,7 +113,7 @@ def main(fuzzer: str, make_check: Callable[[argparse.Namespace], Check], default
   """Command line of a fuzzer: --seed, --iterations, --case, --keep-going, --verbose, plus its own options."""
   parser = argparse.ArgumentParser(description=f"{fuzzer}: see the module docstring")
   parser.add_argument("--seed", type=int, default=None, help="seed (default: FUZZ_SEED or random)")
-  parser.add_argument("--iterations", type=int, default=default_iterations, help="number of cases")
+  parser.add_argument("--iterations", "--cases", type=int, default=default_iterations, help="number of cases")
   parser.add_argument("--case", type=int, default=None, help="replay only this case of the seed (prints it)")
   parser.add_argument("--keep-going", action="store_true", help="report every failing case, not only the first")
   parser.add_argument("--verbose", action="store_true", help="print what every case built")
@@ -122,6 +128,7 @@ def main(fuzzer: str, make_check: Callable[[argparse.Namespace], Check], default
     outcomes = run_cases(fuzzer, check, seed, iterations, start, args.keep_going, args.verbose or args.case is not None)
   except FuzzFailure as failure:
     print(failure, file=sys.stderr)
+    print(f"{fuzzer}: {iterations} cases in {time.perf_counter() - began:.1f} s: {dict(failure.outcomes)}")
     sys.exit(1)
   print(f"{fuzzer}: {iterations} cases in {time.perf_counter() - began:.1f} s: {dict(outcomes)}")
 
