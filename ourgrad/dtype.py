@@ -320,6 +320,13 @@ def sum_dtype(dt: DType) -> DType:
   return dtypes.int64
 
 
+def is_additive_identity(value: Any, dtype: DType) -> bool:
+  """Whether x + value is x for every x of `dtype`: 0 for integers and bools, but for floats only -0.0
+  ((-0.0) + (+0.0) is +0.0, so folding x + 0.0 to x would turn a -0.0 result into -0.0 where IEEE gives +0.0)."""
+  if value is None or value != 0: return False
+  return not dtype.is_float or math.copysign(1.0, float(value)) < 0
+
+
 def can_cast_safely(src: DType, dst: DType) -> bool:
   """True when every value of `src` is exactly representable in `dst` (nan and infinities included)."""
   if src == dst or src.is_bool: return True  # 0 and 1 fit everywhere

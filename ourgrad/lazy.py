@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ourgrad.device import Buffer, Device
-from ourgrad.dtype import DType, dtypes, truncate
+from ourgrad.dtype import DType, dtypes, is_additive_identity, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.codegen.opt.matmul_grid import split_k_parts
 from ourgrad.helpers import MATMUL_GRID, prod
@@ -246,9 +246,10 @@ class LazyBuffer:
       return self.const_like(exec_alu(op, out_dtype, tuple(values)), out_dtype)
     if op in BINARY_OPS and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
-      # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools)
-      if op is Ops.ADD and values[1] == 0: return left
-      if op is Ops.ADD and values[0] == 0: return right
+      # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools). For floats only -0.0 is
+      # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add
+      if op is Ops.ADD and is_additive_identity(values[1], out_dtype): return left
+      if op is Ops.ADD and is_additive_identity(values[0], out_dtype): return right
       if op is Ops.MUL and values[1] == 1: return left
       if op is Ops.MUL and values[0] == 1: return right
       if op is Ops.MUL and not out_dtype.is_float and 0 in (values[0], values[1]): return self.const_like(0, out_dtype)
