@@ -64,7 +64,13 @@ def _float_fmod(x: Tensor, y: Tensor) -> Tensor:
   float64 operands compute in float64, exact while x / y does not round across an integer."""
   wide = dtypes.float64 if x.dtype.itemsize < 8 else x.dtype
   a, b = x.cast(wide), y.cast(wide)
-  remainder = (a - (a / b).trunc() * b)._zero_signed_like(a)   # a zero takes the sign of x, as in C
+  remainder = a - (a / b).trunc() * b
+  # kernels compute a / b as a * (1 / b): at an exact integer quotient (x % x) it can round to just below or above
+  # it, and trunc is one off. C's remainder has the sign of a and is smaller than |b|: step it back there
+  toward_a, size = (a < 0).where(-1.0, 1.0).cast(wide), b.abs()
+  remainder = ((remainder * toward_a >= 0) & (remainder.abs() >= size)).where(remainder - toward_a * size, remainder)
+  remainder = (remainder * toward_a < 0).where(remainder + toward_a * size, remainder)
+  remainder = remainder._zero_signed_like(a)   # a zero takes the sign of x, as in C
   return (b.isinf() & a.isfinite()).where(a, remainder).cast(x.dtype)
 
 

@@ -125,6 +125,16 @@ def test_a_float_modulo_itself_is_a_signed_zero() -> None:
     _same(Tensor(data).fmod(Tensor(data)), torch.tensor(data).fmod(torch.tensor(data)))
 
 
+@pytest.mark.parametrize("multiple", [1.0, 3.0, -2.0])
+def test_exact_integer_quotients_of_random_floats(multiple: float) -> None:
+  """Found by the fuzzer: -1.620567 // -1.620567 gave 0 (a / b is a * (1 / b) in kernels, just below 1 there, and
+  trunc was one off). Random x and multiples of x: //, % and fmod bit for bit as PyTorch."""
+  x = (np.random.default_rng(7).standard_normal(4096) * 10).astype(np.float32)
+  y = (x * np.float32(multiple)).astype(np.float32)
+  for op in ("floor_divide", "remainder", "fmod"):
+    _same(getattr(Tensor(y), op)(Tensor(x)), getattr(torch, op)(torch.tensor(y), torch.tensor(x)))
+
+
 def test_floor_division_by_a_python_float() -> None:
   _same(Tensor([1.0, -1.0, 0.7]) // 0.1, torch.tensor([1.0, -1.0, 0.7]) // 0.1)
   _same(Tensor([1.0, -1.0, 0.7]) % 0.1, torch.tensor([1.0, -1.0, 0.7]) % 0.1)
