@@ -236,6 +236,10 @@ class LazyBuffer:
                           f"move one with .to({self.device!r})")
       if src.shape != self.shape: raise AssertionError(f"elementwise shapes differ: {self.shape} vs {src.shape}")
     out_dtype = dtype or (dtypes.bool if op in COMPARISON_OPS else srcs[-1].dtype)
+    if op is Ops.NEG and self.dtype.is_float and self.const_value() is None:
+      # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
+      # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
+      return self.elementwise(Ops.MUL, self.const_like(-1, self.dtype))
     folded = self._fold_constants(op, srcs, out_dtype)
     if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)

@@ -177,3 +177,20 @@ def test_cuda_source_compiles_with_nvrtc():
     pytest.skip(f"NVRTC is not available: {error}")
   renderer = CUDARenderer()
   compiler.compile_cached(renderer.render("r_8_n", _symbolic_kernel_uops(renderer)))
+
+
+def test_symbolic_value_read_by_several_kernels():
+  """An elementwise value of symbolic shape read by two kernels (a sum over rows, a sum over columns): the
+  scheduler's store-or-recompute rule has no byte count to compare there and leaves it fused (it raised TypeError
+  comparing symbolic sizes, found on an H200 by bench_jit's decode)."""
+  data, other = _data(4096, 64, seed=2), _data(4096, 64, seed=3)
+  x, y = Tensor(data), Tensor(other)
+  n = Variable("n", 1, 4096)
+  for value in (100, 4000):
+    shared = x.shrink(((0, n.bind(value)), None)) * y.shrink(((0, n.bind(value)), None)) + x.shrink(
+      ((0, n.bind(value)), None))
+    rows, columns = shared.sum(1), shared.sum(0)
+    Tensor.realize_all(rows, columns)
+    expected = data[:value] * other[:value] + data[:value]
+    np.testing.assert_allclose(rows.numpy(), expected.sum(1), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(columns.numpy(), expected.sum(0), rtol=1e-4, atol=1e-3)

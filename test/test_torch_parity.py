@@ -142,6 +142,14 @@ def test_floor_division_by_a_python_float() -> None:
 
 
 # ---------------------------------------------------------------- signs of zeros through joins and constants
+def test_padding_after_a_negation_is_positive_zero() -> None:
+  """Found by fuzz_torch on CUDA: (-x).pad(...) padded with -0.0 (the pad pushed through NEG computed -(0)); PyTorch
+  pads with +0.0, while -(+0.0) inside stays -0.0."""
+  data = np.array([3.0, 0.0, -0.0, -2.5], dtype=np.float32)
+  _same((-Tensor(data).realize()).pad((1, 2)), torch.nn.functional.pad(-torch.tensor(data), (1, 2)))
+  _same((-Tensor(data).realize()).pad((1, 2)) * 2, torch.nn.functional.pad(-torch.tensor(data), (1, 2)) * 2)
+
+
 
 def test_cat_and_stack_keep_negative_zeros() -> None:
   a, b = [-0.0, 1.0, 0.0], [-0.0, -2.0, -0.0]

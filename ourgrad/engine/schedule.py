@@ -154,9 +154,11 @@ def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: 
   launch_bytes: dict[str, int] = {}
   for base in bases:
     if base.realized is not None or id(base) in realizes or base.op not in ELEMENTWISE_OPS: continue
+    if not isinstance(base.size, int): continue   # a symbolic size (a Variable): no byte count to compare
     readers = {kernel_of(user) for user in users[id(base)]}
     if len(readers) < 2: continue
     input_bytes = _fused_input_bytes(base, realizes)
+    if input_bytes is None: continue
     if base.device not in launch_bytes:
       launch_bytes[base.device] = getattr(Device[base.device].renderer, "launch_bytes", 0)
     output_bytes = base.size * base.dtype.itemsize
@@ -167,9 +169,9 @@ def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: 
                             f"{fmt_size(recompute_cost)}, storing {fmt_size(store_cost)} (one launch included)")
 
 
-def _fused_input_bytes(base: LazyBuffer, realizes: Realizations) -> int:
+def _fused_input_bytes(base: LazyBuffer, realizes: Realizations) -> int | None:
   """The bytes a kernel loads to compute `base` inline: the result of every base its fused elementwise graph reads
-  (buffers, reduces, gathers), once each, at most its whole size."""
+  (buffers, reduces, gathers), once each, at most its whole size. None where a size is symbolic."""
   total, stack, seen = 0, [base], {id(base)}
   while stack:
     node = stack.pop()
@@ -182,7 +184,9 @@ def _fused_input_bytes(base: LazyBuffer, realizes: Realizations) -> int:
       if fused_elementwise: stack.append(src_base)
       # a buffer, or a reduce or other op whose result the kernel reads: counted as loading its result (a reduce
       # inside another reduce's kernel is realized later anyway; fused into an elementwise kernel it reads more)
-      else: total += min(src.st.size, src_base.size) * src_base.dtype.itemsize
+      elif isinstance(src.st.size, int) and isinstance(src_base.size, int):
+        total += min(src.st.size, src_base.size) * src_base.dtype.itemsize
+      else: return None
   return total
 
 
