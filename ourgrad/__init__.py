@@ -3,14 +3,38 @@
     from ourgrad import Tensor, dtypes
     x = Tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
     (x @ x).relu().sum().backward()
+
+PyTorch's module-level names work too (ourgrad/namespace.py): `import ourgrad as torch; torch.zeros(2, 3)`,
+`torch.cat`, `torch.float32`, `torch.no_grad()`, `torch.save`/`torch.load`, `torch.nn`, `torch.nn.functional`,
+`torch.optim` (with `lr_scheduler`), `torch.utils.data`; docs/pytorch.md has the table.
 """
+from types import ModuleType
+from typing import Any
+
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.engine.profile import profile
 from ourgrad.helpers import GlobalCounters, get_float32_matmul_precision, set_float32_matmul_precision
 from ourgrad.tensor import Tensor, no_grad
 from ourgrad.engine.jit import TinyJit  # noqa: E402 (after Tensor, which it wraps)
+from ourgrad import namespace
+from ourgrad.namespace import *  # noqa: F401,F403 (PyTorch's spellings: thin aliases, listed in namespace.__all__)
+from ourgrad import cuda, nn, optim, utils  # noqa: E402 (torch.cuda, torch.nn, torch.optim, torch.utils.data)
+from ourgrad import tensor as _tensor_module  # noqa: E402
+
+_tensor_module.__class__ = namespace.CallableModule  # ourgrad.tensor(data) is torch.tensor(data)
 
 __all__ = ["Tensor", "TinyJit", "dtypes", "DType", "Device", "GlobalCounters", "no_grad", "profile",
-           "set_float32_matmul_precision", "get_float32_matmul_precision"]
+           "set_float32_matmul_precision", "get_float32_matmul_precision", "cuda", "nn", "optim", "utils",
+           "tensor", *namespace.__all__]  # noqa: F405 (tensor: the callable submodule below)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+  """A name ourgrad lacks (often a PyTorch one): AttributeError naming the nearest ourgrad spellings."""
+  if name.startswith("__"): raise AttributeError(name)
+  # suggest the public names a user calls, not the internal submodules (ourgrad.renderer, ourgrad.lazy, ...)
+  torch_like_modules = ("cuda", "nn", "optim", "utils")
+  names = [key for key, value in globals().items()
+           if not key.startswith("_") and (not isinstance(value, ModuleType) or key in torch_like_modules)]
+  raise namespace.missing_name_error("ourgrad", name, names)

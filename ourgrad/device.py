@@ -375,7 +375,7 @@ class Compiled:
     """Wait until every launched kernel finished (host devices run synchronously)."""
 
 
-_OPEN_LOCK = threading.Lock()
+_OPEN_LOCK = threading.RLock()  # re-entrant: opening "CLANG:1" opens "CLANG" first (_share_codegen)
 _CANONICAL_NAMES: dict[str, str] = {}   # device name as written -> canonical name (see canonicalize)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -289,11 +289,42 @@ def result_dtype(tensor_dtype: DType, scalar: bool | int | float) -> DType:
   return dtypes.default_float if scalar_category == _FLOAT else dtypes.default_int
 
 
+def operands_dtype(tensor_dtypes: Sequence[DType], zero_dim_dtypes: Sequence[DType] = (),
+                   scalars: Sequence[bool | int | float] = ()) -> DType:
+  """dtype of an op over n-d tensors, 0-d tensors and Python scalars: PyTorch's torch.result_type.
+
+  Each of the three groups promotes within itself (least_upper_dtype; a Python int counts as default_int, a float as
+  default_float). A 0-d tensor then matters only when its category is higher than the n-d tensors' (float16 tensor
+  + 0-d float32 tensor -> float16, int tensor + 0-d float64 tensor -> float64), and a Python scalar only when its
+  category is higher than both tensor groups' (result_dtype)."""
+  def group(dts: list[DType]) -> DType | None: return least_upper_dtype(*dts) if dts else None
+  wrapped = [dtypes.default_float if category == _FLOAT else dtypes.default_int if category == _INT else dtypes.bool
+             for category in (_scalar_category(value, "operands_dtype") for value in scalars)]
+  result = _combine_groups(group(list(tensor_dtypes)), _combine_groups(group(list(zero_dim_dtypes)), group(wrapped)))
+  if result is None: raise DTypeError("operands_dtype needs at least one operand")
+  return result
+
+
+def _combine_groups(higher: DType | None, lower: DType | None) -> DType | None:
+  """PyTorch's combine_categories: `lower` (a lower-priority group) changes `higher` only if of a higher category."""
+  if higher is None or lower is None: return lower if higher is None else higher
+  if higher.is_float: return higher
+  if higher.is_bool or lower.is_float: return least_upper_dtype(higher, lower)
+  return higher
+
+
 def sum_dtype(dt: DType) -> DType:
   """dtype of sum()/cumsum()/prod() results: bool and integers accumulate in int64, as in PyTorch, except uint64,
   which stays uint64 (PyTorch uses int64, which cannot hold its large values); floats keep their dtype."""
   if dt.is_float or dt == dtypes.uint64: return dt
   return dtypes.int64
+
+
+def is_additive_identity(value: Any, dtype: DType) -> bool:
+  """Whether x + value is x for every x of `dtype`: 0 for integers and bools, but for floats only -0.0
+  ((-0.0) + (+0.0) is +0.0, so folding x + 0.0 to x would turn a -0.0 result into -0.0 where IEEE gives +0.0)."""
+  if value is None or value != 0: return False
+  return not dtype.is_float or math.copysign(1.0, float(value)) < 0
 
 
 def can_cast_safely(src: DType, dst: DType) -> bool:

@@ -2,7 +2,10 @@
 
 Each class also derives from the built-in exception a Python user would expect (ValueError for a
 bad shape, TypeError for a bad dtype, IndexError for a bad axis or index), so `except ValueError`
-keeps working. Messages name the offending shapes, dtypes, axes or devices and say how to fix it.
+keeps working. Shape and dtype errors are RuntimeErrors too, because PyTorch raises RuntimeError for them
+("The size of tensor a (3) must match ...", "expected scalar type Float but found Half"): code and tests written
+for PyTorch that catch RuntimeError catch ours. Messages name the offending shapes, dtypes, axes or devices and say
+how to fix it.
 """
 
 
@@ -10,7 +13,7 @@ class OurgradError(Exception):
   """Base class of all ourgrad errors."""
 
 
-class ShapeError(OurgradError, ValueError):
+class ShapeError(OurgradError, ValueError, RuntimeError):
   """Shapes that do not fit: broadcasting, reshape element counts, matmul inner dimensions."""
 
 
@@ -22,7 +25,7 @@ class IndexOutOfRangeError(OurgradError, IndexError):
   """A constant integer index outside a dimension's size."""
 
 
-class DTypeError(OurgradError, TypeError):
+class DTypeError(OurgradError, TypeError, RuntimeError):
   """An operation that the given dtype(s) do not support (bitwise ops on floats, bad casts)."""
 
 

@@ -39,10 +39,22 @@ class Function:
     if True in self.needs_input_grad: self.requires_grad: bool | None = True
     elif None in self.needs_input_grad: self.requires_grad = None
     else: self.requires_grad = False
-    if self.requires_grad: self.parents = tensors
+    if self.requires_grad:
+      self.parents = tensors
+      # each input's Function as it is now: an in-place write may give the input tensor a new one later (assign)
+      self.parent_ctxs: tuple[Function | None, ...] = tuple(tensor._ctx for tensor in tensors)
 
   def forward(self, *args: Any, **kwargs: Any) -> LazyBuffer: raise NotImplementedError
   def backward(self, grad_output: LazyBuffer) -> Any: raise NotImplementedError
+
+  def saved_values(self) -> list[LazyBuffer]:
+    """The values backward reads (every LazyBuffer the forward kept), which must not have been written in place
+    since (Tensor.backward checks them, as PyTorch's version counters do)."""
+    saved = []
+    for value in vars(self).values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(item, LazyBuffer): saved.append(item)
+    return saved
 
   @classmethod
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
@@ -51,8 +63,11 @@ class Function:
     output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch
     if not output.dtype.is_float: ctx.requires_grad = False
+    # under no_grad() nothing is recorded and the result does not require grad (PyTorch's rule: a later backward()
+    # through it raises instead of silently doing nothing)
+    if Tensor.no_grad: ctx.requires_grad = False
     result = Tensor(output, device=ctx.device, requires_grad=ctx.requires_grad)
-    if ctx.requires_grad and not Tensor.no_grad: result._ctx = ctx
+    if ctx.requires_grad: result._ctx = ctx
     return result
 
 
@@ -246,6 +261,10 @@ class Mul(Function):
     self.x, self.y = x, y
     return _mul(x, y)
 
+  def saved_values(self) -> list[LazyBuffer]:   # each factor is needed only for the other's gradient
+    return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))
+            if needed]
+
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     return (_mul(self.y, grad_output) if self.needs_input_grad[0] else None,
             _mul(self.x, grad_output) if self.needs_input_grad[1] else None)
@@ -257,6 +276,9 @@ class Div(Function):
   def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.x, self.y = x, y
     return _div(x, y)
+
+  def saved_values(self) -> list[LazyBuffer]:   # x only for y's gradient
+    return [self.y] + ([self.x] if self.needs_input_grad[1] else [])
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     grad_x = _div(grad_output, self.y) if self.needs_input_grad[0] else None
@@ -355,6 +377,29 @@ class Max(Function):
     return _mul(_div(is_max, count), grad_output.expand(self.x.shape))
 
 
+class MaxToOne(Function):
+  """Max reduce whose gradient goes whole to one element of each reduced group, as PyTorch's max_pool does: among the
+  maximal elements, the one with the largest `rank` (a tensor of x's shape; ranks > 0 are distinct within a
+  group, 0 marks padding); where the maximum is NaN, the NaN with the smallest rank. Ranks counting down in
+  row-major order give the first maximum and the last NaN, as PyTorch's pooling loop picks them."""
+
+  def forward(self, x: LazyBuffer, rank: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
+    self.x, self.rank, self.axes = x, rank, axes
+    self.result = x.reduce(Ops.MAX_REDUCE, axes)
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
+    x, rank = self.x, self.rank
+    is_nan = x.elementwise(Ops.CMPNE, x)
+    is_max = _equal(x, self.result.expand(x.shape)).elementwise(Ops.OR, is_nan)
+    # a NaN peak makes every comparison false, so the NaNs are the candidates there; the smallest rank wins among them
+    key = _where(is_nan, rank.elementwise(Ops.NEG), rank)
+    key = _where(is_max, key, rank.const_like(rank.dtype.min))
+    chosen = _equal(key, key.reduce(Ops.MAX_REDUCE, self.axes).expand(x.shape))
+    grad = _where(chosen, grad_output.expand(x.shape), grad_output.const_like(0).expand(x.shape))
+    return grad, None
+
+
 # ---------------------------------------------------------------- movement
 
 class Reshape(Function):
@@ -407,6 +452,46 @@ class Flip(Function):
     return x.flip(axes_mask)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.flip(self.axes_mask)
+
+
+class WriteThroughView(Function):
+  """A tensor after an in-place write through a view of it (`v = h[0:2]; v += x`): the elements the view covers take
+  the gradient path of the view's new value, the others keep the tensor's own. forward(h, v, st) gives h's value
+  (written already); `st` is the view's ShapeTracker over h's base."""
+
+  def forward(self, h: LazyBuffer, v: LazyBuffer, st: Any) -> LazyBuffer:
+    from ourgrad.lazy import place_through_view
+    self.st, self.base_shape = st, h.base.shape
+    placed = place_through_view(v.const_like(0), st, self.base_shape)
+    self.inside = placed[1].reshape(h.shape) if placed is not None else h.const_like(False, dtypes.bool)
+    return h
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    grad_h = _where(self.inside, grad_output.const_like(0), grad_output) if self.needs_input_grad[0] else None
+    grad_v = None
+    if self.needs_input_grad[1]:
+      flat = grad_output.reshape(self.base_shape)
+      grad_v = flat.base.view(flat.st + self.st) if not flat.is_base else flat.view(self.st)
+    return grad_h, grad_v
+
+
+class ViewOf(Function):
+  """A view of a tensor through `st` (a ShapeTracker over the tensor's base, one strided lattice of it), as a
+  Function of the tensor: a view made before a write through another view of the same tensor, rebuilt on the
+  tensor's new gradient path. Backward puts the gradient back in place (zeros elsewhere)."""
+
+  def forward(self, h: LazyBuffer, st: Any) -> LazyBuffer:
+    from ourgrad.lazy import place_through_view
+    self.st, self.base_shape, self.input_shape = st, h.base.shape, h.shape
+    view = h.base.view(st)
+    place_through_view(view.const_like(0), st, self.base_shape)   # ShapeError now for a view that is no lattice
+    return view
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    from ourgrad.lazy import place_through_view
+    placed = place_through_view(grad_output, self.st, self.base_shape)
+    if placed is None: return LazyBuffer.full(0, self.input_shape, grad_output.dtype, grad_output.device)
+    return placed[0].reshape(self.input_shape)
 
 
 # ---------------------------------------------------------------- indexed reads

@@ -9,6 +9,8 @@ import functools
 import operator
 import os
 import pathlib
+import sys
+import time
 from dataclasses import dataclass
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -80,6 +82,13 @@ EMULATE = env_var("EMULATE", "", "with DEVICE=PYTHON: lower kernels exactly as f
 CACHE_DIR = env_var("OURGRAD_CACHE_DIR", "", "folder of the on-disk compile cache (default ~/.cache/ourgrad)")
 DISABLE_COMPILER_CACHE = env_var("DISABLE_COMPILER_CACHE", 0, "1: always recompile kernels, never read the disk cache")
 CC = env_var("CC", "", "C compiler for the CLANG device (default: clang if present, else gcc)")
+CLANG_MARCH = env_var("CLANG_MARCH", "native", "the -march of CLANG kernels (x86-64-v2, x86-64-v3, znver3, ...; "
+                      "native: this CPU): part of the compile-cache key, and the SIMD width the renderer assumes "
+                      "follows it")
+LLVM_CPU = env_var("LLVM_CPU", "native", "the CPU the LLVM device compiles for (x86-64-v2, x86-64-v3, znver3, ...; "
+                   "native: this CPU with all its features); the SIMD width the renderer assumes follows it")
+LLVM_FEATURES = env_var("LLVM_FEATURES", "", "LLVM target features applied after LLVM_CPU's own (native's: the "
+                        "host's), e.g. \"-avx512f\" or \"+avx2,+fma\"; the SIMD width follows them too")
 CPU_VECTORS = env_var("CPU_VECTORS", 1, "0: CLANG register tiles stay scalar C for the compiler to vectorize "
                       "(1: explicit GCC vectors, renderer/cvector.py)")
 GRAPH = env_var("GRAPH", 0, "1: write the lazy graph and the schedule of each realize as Graphviz .dot (and .svg)")
@@ -277,7 +286,69 @@ def fmt_size(num_bytes: float) -> str:
   return f"{num_bytes/1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes/1e6:.2f} MB"
 
 
+NO_COLOR = env_var("NO_COLOR", "", "set (to anything): no ANSI colours in DEBUG output (https://no-color.org); "
+                   "colours are also off when stdout is not a terminal")
+
+
+def use_colors() -> bool:
+  """Whether printed output may carry ANSI colours: stdout is a terminal and NO_COLOR is not set."""
+  if NO_COLOR.raw(): return False
+  isatty = getattr(sys.stdout, "isatty", None)
+  return bool(isatty and isatty())
+
+
 def colored(text: str, color: str | None) -> str:
+  """`text` in an ANSI colour (red, green, yellow, blue, magenta, cyan, white), or plain where colours are off."""
   codes = {"red": 31, "green": 32, "yellow": 33, "blue": 34, "magenta": 35, "cyan": 36, "white": 37}
-  return f"\x1b[{codes[color]}m{text}\x1b[0m" if color else text
+  return f"\x1b[{codes[color]}m{text}\x1b[0m" if color and use_colors() else text
+
+
+# ---------------------------------------------------------------- for scripts written for tinygrad
+
+def getenv(name: str, default: Any = 0) -> Any:
+  """tinygrad's getenv for user scripts: the variable converted to the type of `default` (ourgrad's own settings
+  are declared with env_var above)."""
+  raw = os.environ.get(name)
+  return default if raw is None else type(default)(raw)
+
+
+class tqdm:  # noqa: N801 (the name scripts import)
+  """A minimal progress bar with tqdm's interface (iterate, `set_description`, `update`), for scripts that import
+  `trange`/`tqdm` from tinygrad's helpers; on a terminal it redraws one line on stderr, else it writes the last
+  line once, when the loop ends."""
+
+  def __init__(self, iterable: Iterable[T] | None = None, desc: str = "", total: int | None = None, **_: Any):
+    self.iterable, self.desc, self.count = iterable, desc, 0
+    self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)  # type: ignore
+    self.start = time.perf_counter()
+
+  def __iter__(self) -> Iterable[T]:
+    for item in self.iterable or ():
+      yield item
+      self.update(1)
+    self.close()
+
+  def set_description(self, desc: str, refresh: bool = True) -> None:
+    self.desc = desc
+    self._draw()
+
+  def update(self, count: int = 1) -> None:
+    self.count += count
+    self._draw()
+
+  def close(self) -> None:
+    if not sys.stderr.isatty(): self._draw(force=True)
+    sys.stderr.write("\n")
+
+  def _draw(self, force: bool = False) -> None:
+    if not (force or sys.stderr.isatty()): return
+    elapsed = time.perf_counter() - self.start
+    total = f"/{self.total}" if self.total else ""
+    sys.stderr.write(f"\r{self.desc} {self.count}{total} [{elapsed:.1f}s, {self.count / max(elapsed, 1e-9):.2f} it/s]")
+    sys.stderr.flush()
+
+
+def trange(count: int, **kwargs: Any) -> tqdm:
+  """`tqdm(range(count))`."""
+  return tqdm(range(count), **kwargs)
 

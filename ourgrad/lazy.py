@@ -5,19 +5,23 @@ into a device `Buffer`, or a *view*: a ShapeTracker over a base. Movement ops on
 cost nothing; elementwise and reduce ops make bases. Constants fold at construction (`x*1`, `x+0`,
 constant-constant arithmetic) so the graph stays small. Nothing runs here: the scheduler
 (ourgrad/engine/schedule.py) turns the graph into kernels when a value is needed.
+
+A LazyBuffer is a value and never changes. An in-place write (`write`) makes the next version of the written base
+(an ASSIGN into its memory, or a new lazy base), the head of the `Storage` all versions of that base share; a
+Tensor names memory and reads the newest version (`current`), so views see every write (docs/reliability.md).
 """
 from __future__ import annotations
 
 import math
 import threading
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from ourgrad.device import Buffer, Device
-from ourgrad.dtype import DType, dtypes, truncate
-from ourgrad.errors import DeviceError, DTypeError
+from ourgrad.dtype import DType, dtypes, is_additive_identity, truncate
+from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.codegen.opt.matmul_grid import split_k_parts
 from ourgrad.helpers import MATMUL_GRID, prod
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
@@ -86,6 +90,10 @@ class LazyBuffer:
     self.device, self.st, self.dtype = device, st, dtype
     self.shape: tuple[int, ...] = st.shape
     self._base = base
+    # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
+    # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
+    # through its views reach every view (Storage.of_constant)
+    self._const: tuple[Storage, ShapeTracker | None] | None = None
     if base is None:
       self.op, self.arg, self.srcs = op, arg, srcs
       self.realized: Buffer | None = None  # set when the scheduler gives this base a buffer
@@ -94,6 +102,9 @@ class LazyBuffer:
       # readers that must still see the old contents (engine/snapshot.py); created on the first reader
       self._readers: list[weakref.ref[LazyBuffer]] | None = None
       self._readers_pruned_at = 0
+      # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding
+      # this base or a view of it read its newest version (`current`), computed readers keep this one
+      self._storage: Storage | None = None
       for src in srcs: src.base._add_reader(self)
 
   # ---------------------------------------------------------------- construction
@@ -126,7 +137,8 @@ class LazyBuffer:
   def full(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
     """A constant: one scalar CONST base viewed (reshape + expand) as `shape`; no memory is used."""
     const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, _truncated(dtype, value))
-    return const_base.reshape((1,) * len(shape)).expand(shape)
+    # the memory a tensor holding it stands for: written on first write (Storage.of_constant)
+    return Storage.of_constant(const_base.reshape((1,) * len(shape)).expand(shape))
 
   def const_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
     return LazyBuffer.full(value, self.shape, dtype or self.dtype, self.device)
@@ -187,23 +199,31 @@ class LazyBuffer:
     return LazyBuffer(self.device, st, self.dtype, base=self.base)
 
   def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self.view(self.st.reshape(shape))
+    return self if shape == self.shape else self._moved(lambda st: st.reshape(shape))
 
   def permute(self, axes: tuple[int, ...]) -> LazyBuffer:
-    return self if axes == tuple(range(len(self.shape))) else self.view(self.st.permute(axes))
+    return self if axes == tuple(range(len(self.shape))) else self._moved(lambda st: st.permute(axes))
 
   def expand(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self.view(self.st.expand(shape))
+    return self if shape == self.shape else self._moved(lambda st: st.expand(shape))
 
   def pad(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    return self if all(pads == (0, 0) for pads in arg) else self.view(self.st.pad(arg))
+    return self if all(pads == (0, 0) for pads in arg) else self._moved(lambda st: st.pad(arg))
 
   def shrink(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
     if all(bounds == (0, size) for bounds, size in zip(arg, self.shape)): return self
-    return self.view(self.st.shrink(arg))
+    return self._moved(lambda st: st.shrink(arg))
 
   def flip(self, axes_mask: tuple[bool, ...]) -> LazyBuffer:
-    return self if not any(axes_mask) else self.view(self.st.flip(axes_mask))
+    return self if not any(axes_mask) else self._moved(lambda st: st.flip(axes_mask))
+
+  def _moved(self, move: Callable[[ShapeTracker], ShapeTracker]) -> LazyBuffer:
+    """The view `move` makes of this buffer; a view of a constant tensor's storage stays one (Storage)."""
+    out = self.view(move(self.st))
+    if self._const is not None and out is not self:
+      storage, st = self._const
+      out._const = (storage, move(st if st is not None else ShapeTracker.from_shape(storage.shape)))
+    return out
 
   # ---------------------------------------------------------------- compute
 
@@ -226,9 +246,10 @@ class LazyBuffer:
       return self.const_like(exec_alu(op, out_dtype, tuple(values)), out_dtype)
     if op in BINARY_OPS and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
-      # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools)
-      if op is Ops.ADD and values[1] == 0: return left
-      if op is Ops.ADD and values[0] == 0: return right
+      # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools). For floats only -0.0 is
+      # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add
+      if op is Ops.ADD and is_additive_identity(values[1], out_dtype): return left
+      if op is Ops.ADD and is_additive_identity(values[0], out_dtype): return right
       if op is Ops.MUL and values[1] == 1: return left
       if op is Ops.MUL and values[0] == 1: return right
       if op is Ops.MUL and not out_dtype.is_float and 0 in (values[0], values[1]): return self.const_like(0, out_dtype)
@@ -457,12 +478,148 @@ class LazyBuffer:
     spread = index.reshape((index.shape[0], 1)).expand((index.shape[0], width))
     return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, Ops.GATHER, rows, (table, spread))
 
+  # ---------------------------------------------------------------- in-place writes (versions of a storage)
+
+  @property
+  def stale(self) -> bool:
+    """Whether an in-place write made a newer version of this buffer's base (a tensor holding it reads `current`)."""
+    base = self._base if self._base is not None else self
+    storage = base._storage
+    return (storage is not None and storage.head is not base) or \
+        (self._const is not None and self._const[0].head is not None)
+
+  def current(self) -> LazyBuffer:
+    """This buffer as its storage is now: the same view over the newest version of its base, after every in-place
+    write made so far (PyTorch's views share memory)."""
+    if self._const is not None and self._const[0].head is not None:
+      head, st = self._const[0].head, self._const[1]
+      return head if st is None else head.view(st)
+    base = self.base
+    if base._storage is None or base._storage.head is base: return self
+    return base._storage.head if self is base else base._storage.head.view(self.st)
+
+  def write(self, value: LazyBuffer) -> LazyBuffer:
+    """Write `value` (this buffer's shape and dtype) into the elements this buffer views, in place; returns this
+    buffer's view of the written storage. Its base gets a newer version (`current`): an ASSIGN into the same memory
+    when the base is memory (realized, or an earlier assign), else the new values as a lazy base of their own.
+    A view writes through: the base's new version keeps its other elements (`place_through_view`). A constant
+    (`Tensor.zeros`, `full`) is memory only once written (`_write_constant`). docs/reliability.md has the rules."""
+    base = self.base
+    if base.op is Ops.CONST: return self._write_constant(value)
+    whole = self is base or (self.st.contiguous and self.size == base.size)
+    if whole:
+      full = value.reshape(base.shape)
+    else:
+      placed = place_through_view(value, self.st, base.shape)
+      if placed is None: return self   # an empty view: nothing is written
+      full = placed[1].elementwise(Ops.WHERE, placed[0], base)
+    if base.op is Ops.ASSIGN or base.realized is not None:
+      new = base.assign(full)
+    elif full.is_base and not whole:
+      new = full   # the merge made above: a base no one else holds
+    else:   # a base of its own (an identity cast fuses into its readers), so later writes change no other tensor
+      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, Ops.CAST, self.dtype, (full,))
+    if base._storage is None: base._storage = Storage(base.shape)
+    base._storage.become(new)
+    return new if self is base else new.view(self.st)
+
+  def _write_constant(self, value: LazyBuffer) -> LazyBuffer:
+    """`write` into a constant: the storage a tensor holding it stands for (LazyBuffer.full tags every constant it
+    makes: Tensor.zeros, a folded `x * 0`) gets its first version, the constant with `value` written in (a lazy base
+    of its own); every view of the tensor reads it from now on. An untagged constant is replaced by `value`."""
+    if self._const is None: return value
+    storage, st = self._const
+    constant = LazyBuffer.full(self.base.arg, storage.shape, self.dtype, self.device)
+    if st is None or (st.contiguous and self.size == prod(storage.shape)):
+      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype,
+                                   (value.reshape(storage.shape),))
+    else:
+      placed = place_through_view(value, st, storage.shape)
+      if placed is None: return self
+      new = placed[1].elementwise(Ops.WHERE, placed[0], constant)
+      if not new.is_base:   # the merge folded (a constant into a constant): a base of its own, as above
+        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype, (new,))
+    storage.become(new)
+    return new if st is None else new.view(st)
+
   def assign(self, value: LazyBuffer) -> LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
     # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the
     # kernel still reads it: copy it out first
     if value.base is self.base and value.st != self.st: value = value.clone()
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
+
+
+class Storage:
+  """The memory that successive versions of a base stand for, as a PyTorch storage: `head` is its newest version (a
+  base of `shape`), None for a constant not written yet. Every version links here, not to the next one,
+  so versions no tensor holds are freed however many writes follow."""
+  __slots__ = ("shape", "head", "__weakref__")
+
+  def __init__(self, shape: tuple[int, ...]):
+    self.shape, self.head = shape, None
+
+  def become(self, version: LazyBuffer) -> None:
+    """Make `version` (a base) the newest."""
+    version._storage, self.head = self, version
+
+  @staticmethod
+  def of_constant(lazy: LazyBuffer) -> LazyBuffer:
+    """`lazy` (a fresh LazyBuffer.full) marked as the whole of a new storage, written to on first use."""
+    lazy._const = (Storage(lazy.shape), None)
+    return lazy
+
+
+def place_through_view(value: LazyBuffer, st: ShapeTracker,
+                       base_shape: tuple[int, ...]) -> tuple[LazyBuffer, LazyBuffer] | None:
+  """(value placed where `st` reads the base from, as a base-shaped view with zeros elsewhere; the bool mask of
+  those places) for a write through the view `st`; None when the view has no elements. The view must be one strided
+  lattice of the base (slices with steps, transposes, reshapes, squeezes, flips: what indexing makes); an expanded
+  view (several elements on one memory place), a padded one or a reshape of a transposed slice raises ShapeError."""
+  if 0 in st.shape: return None
+  simple = st.simplify()
+  view = simple.views[-1]
+  if len(simple.views) != 1 or view.mask is not None or any(is_symbolic(x) for x in (*view.shape, *view.strides)):
+    raise ShapeError(f"cannot write through this view of shape {st.shape} (padded, or a reshape of a non-contiguous "
+                     f"view): write into the base tensor, or into a .contiguous() copy")
+  if any(stride == 0 and size > 1 for size, stride in zip(view.shape, view.strides)):
+    raise ShapeError(f"cannot write through an expanded view of shape {st.shape}: more than one element of it refers "
+                     f"to a single memory location (as in PyTorch); write into the tensor it was expanded from")
+  axes = [axis for axis, size in enumerate(view.shape) if size != 1]
+  offset = view.offset + sum((view.shape[axis] - 1) * view.strides[axis] for axis in axes if view.strides[axis] < 0)
+  flipped = tuple(view.strides[axis] < 0 for axis in axes)
+  axes.sort(key=lambda axis: -abs(view.strides[axis]))   # outermost (largest stride) first
+  sizes = [view.shape[axis] for axis in axes]
+  strides = [abs(view.strides[axis]) for axis in axes]
+  extent = 1   # the places the axes from here inward span
+  for position in range(len(axes) - 1, -1, -1):
+    if position < len(axes) - 1 and strides[position] < extent:
+      raise ShapeError(f"cannot write through this view of shape {st.shape}: its elements interleave in memory")
+    extent += (sizes[position] - 1) * strides[position]
+  kept = [axis for axis, length in enumerate(view.shape) if length != 1]   # the axes in the view's order
+  order = tuple(kept.index(axis) for axis in axes)
+
+  def place(lazy: LazyBuffer) -> LazyBuffer:
+    """`lazy` (the view's shape) moved to where the view reads: squeezed, flipped and permuted to positive strides
+    from the outermost in, then each axis spread `stride` places apart (padding between), then shifted by the
+    offset into the base's flat memory."""
+    flat = lazy.reshape(tuple(view.shape[axis] for axis in kept)).flip(flipped).permute(order)
+    flat, block = flat.reshape((*sizes, 1)), 1
+    for position in range(len(axes) - 1, -1, -1):
+      flat = _fit_last(flat, strides[position], block)
+      block = sizes[position] * strides[position]
+      flat = flat.reshape((*sizes[:position], block))
+    flat = _fit_last(flat.reshape((block,)).pad(((offset, 0),)), prod(base_shape), offset + block)
+    return flat.reshape(base_shape)
+  inside = LazyBuffer.full(True, st.shape, dtypes.bool, value.device)
+  return place(value), place(inside)
+
+
+def _fit_last(lazy: LazyBuffer, length: int, current: int) -> LazyBuffer:
+  """`lazy` with its last axis (of `current` places) padded or cut to `length` (what is cut is padding)."""
+  if current < length: return lazy.pad(((0, 0),) * (len(lazy.shape) - 1) + ((0, length - current),))
+  if current > length: return lazy.shrink(tuple((0, size) for size in lazy.shape[:-1]) + ((0, length),))
+  return lazy
 
 
 def _parts_outermost(split: LazyBuffer, parts_axes: tuple[int, ...],

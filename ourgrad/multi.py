@@ -23,6 +23,7 @@ from ourgrad.device import Device
 from ourgrad.distributed.collectives import allreduce, even_split_sizes, gather_to
 from ourgrad.dtype import DType
 from ourgrad.errors import ShardingError
+from ourgrad.function import Function
 from ourgrad.helpers import normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
@@ -166,11 +167,8 @@ class MultiLazyBuffer:
     """Each shard written in place (optimizer updates); the value must be sharded alike."""
     if value.axis != self.axis or value.bounds != self.bounds:
       raise ShardingError(f"assign of a tensor {value._describe()} to one {self._describe()}")
-    results = []
-    for target, new in zip(self.lbs, value.lbs):
-      writable = target.is_base and target.realized is not None and target.op is not Ops.CONST
-      results.append(target.assign(new) if writable else new)
-    return MultiLazyBuffer(results, self.axis)
+    return MultiLazyBuffer([target.assign(new) if is_assignable(target) else new
+                            for target, new in zip(self.lbs, value.lbs)], self.axis)
 
   # ---------------------------------------------------------------- movement
 
@@ -231,6 +229,21 @@ class MultiLazyBuffer:
     return self._map("flip", axes_mask)
 
 
+def is_assignable(lazy: LazyBuffer | MultiLazyBuffer) -> bool:
+  """Whether an assign writes into `lazy`'s own memory in place: a realized base that is not a constant (on every
+  device, for a tensor over several). Otherwise Tensor.assign just takes the value's data."""
+  if isinstance(lazy, MultiLazyBuffer): return all(is_assignable(lb) for lb in lazy.lbs)
+  return lazy.is_base and lazy.realized is not None and lazy.op is not Ops.CONST
+
+
+def empty_like(lazy: LazyBuffer | MultiLazyBuffer) -> LazyBuffer | MultiLazyBuffer:
+  """Realized buffers of unspecified values placed as `lazy`: the same shape and dtype on the same device, or every
+  shard's on its device, sharded alike. An assign target that owns its memory (load_state_dict, optimizer state)."""
+  if isinstance(lazy, MultiLazyBuffer):
+    return MultiLazyBuffer([LazyBuffer.empty(lb.shape, lb.dtype, lb.device) for lb in lazy.lbs], lazy.axis)
+  return LazyBuffer.empty(lazy.shape, lazy.dtype, lazy.device)
+
+
 def shard_lazy(lazy: LazyBuffer | MultiLazyBuffer, devices: Sequence[str] | int, axis: int | None
                ) -> MultiLazyBuffer:
   """`lazy` (on one device, or already multi-device: gathered first) spread over `devices`."""
@@ -241,3 +254,19 @@ def shard_lazy(lazy: LazyBuffer | MultiLazyBuffer, devices: Sequence[str] | int,
     lazy = lazy.gather(names[0])
   if axis is not None: axis = normalize_axis(axis, len(lazy.shape))
   return MultiLazyBuffer.from_lazy(lazy, names, axis)
+
+
+class Shard(Function):
+  """Tensor.shard as an autograd Function: the gradient of the sharded tensor flows back to the tensor it was made
+  from, gathered onto its device (or resharded as it was, for a tensor already over several devices). A replicated
+  copy's gradient is the whole tensor's on every device (ops on replicas run alike), so the local copy is taken."""
+
+  def forward(self, x: LazyBuffer | MultiLazyBuffer, devices: tuple[str, ...], axis: int | None) -> MultiLazyBuffer:
+    self.source_device, self.source_axis = x.device, getattr(x, "axis", None)
+    result = shard_lazy(x, devices, axis)
+    self.device = result.device   # Function.apply builds the result on self.device: all of them
+    return result
+
+  def backward(self, grad_output: MultiLazyBuffer) -> LazyBuffer | MultiLazyBuffer:
+    if isinstance(self.source_device, tuple): return shard_lazy(grad_output, self.source_device, self.source_axis)
+    return grad_output.gather(self.source_device)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -31,12 +32,12 @@ import numpy as np
 from ourgrad import function as F
 from ourgrad import tensor_random
 from ourgrad.device import Buffer, Device
-from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
+from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits, truncate
 from ourgrad.engine.exec_item import jit_recording
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
-from ourgrad.multi import MultiLazyBuffer, shard_lazy
+from ourgrad.multi import MultiLazyBuffer, Shard, shard_lazy
 from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import Node, is_symbolic, sym_infer
 from ourgrad.tensor_aliases import AliasMixin
@@ -91,9 +92,11 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
 
   The methods defined here are construction, conversion, creation and autograd; the mixins bring the rest (views
   and indexing, elementwise math, reductions, neural-network ops: see this module's docstring)."""
-  __slots__ = ("lazydata", "requires_grad", "grad", "_ctx", "__weakref__")
+  __slots__ = ("_lazydata", "requires_grad", "grad", "_ctx", "__weakref__")
   __array_priority__ = 1000  # make numpy defer to Tensor's reflected operators (np.float32(2) * t)
-  training: bool = False
+  # None until the user sets it (`with Tensor.train():` or an assignment): then a Module that was never given
+  # train()/eval() is in training mode, as in PyTorch, while Tensor.dropout() does not drop, as in tinygrad
+  training: bool | None = None
   no_grad: bool = False
   _seed: int = 0
   _rng: np.random.Generator = np.random.default_rng(0)
@@ -104,7 +107,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
         (device is None or device == data.device):
       # the result of an op (Function.apply): a single-device LazyBuffer that stays as it is; the general path below
       # would come to the same, through a dozen checks that cost more than the rest of a small op's graph building
-      self.lazydata = data
+      self._lazydata = data
       self.requires_grad, self.grad, self._ctx = requires_grad, None, None
       if requires_grad and not data.dtype.is_float:
         raise DTypeError(f"only floating point tensors can require gradients, got {data.dtype}")
@@ -125,7 +128,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       lazy = data
     else:
       lazy = _to_lazy(data, dtype, device or Device.DEFAULT)
-    self.lazydata: LazyBuffer | MultiLazyBuffer = lazy  # type: ignore[assignment]
+    self._lazydata: LazyBuffer | MultiLazyBuffer = lazy  # type: ignore[assignment]
     self.requires_grad: bool | None = requires_grad
     self.grad: Tensor | None = None
     self._ctx: F.Function | None = None
@@ -135,28 +138,38 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   # ---------------------------------------------------------------- properties and conversion
 
   @property
+  def lazydata(self) -> LazyBuffer | MultiLazyBuffer:
+    """The lazy value. A tensor names memory, as in PyTorch: where an in-place write to its base (through any
+    tensor) made a newer version, this is the same view of the newest one (LazyBuffer.current)."""
+    lazy = self._lazydata
+    if type(lazy) is LazyBuffer and lazy.stale: lazy = self._lazydata = lazy.current()
+    return lazy
+
+  @lazydata.setter
+  def lazydata(self, lazy: LazyBuffer | MultiLazyBuffer) -> None: self._lazydata = lazy
+
+  @property
   def shape(self) -> tuple[int, ...]:
     """The size of each dimension, as a plain tuple of ints (PyTorch returns a torch.Size)."""
-    return self.lazydata.shape
+    return self._lazydata.shape  # every version of a base has its shape, dtype and device
 
   @property
   def dtype(self) -> DType:
     """The element type, a DType such as dtypes.float32."""
-    return self.lazydata.dtype
+    return self._lazydata.dtype
 
   @property
   def device(self) -> str | tuple[str, ...]:  # type: ignore[override]
     """The canonical name of the device that holds the values, e.g. "CLANG"; a tuple of names for a tensor spread
     over several devices (`shard`)."""
-    return self.lazydata.device
+    return self._lazydata.device
 
   def shard(self, devices: tuple[str, ...] | list[str] | int, axis: int | None = None) -> Tensor:
     """This tensor spread over `devices` (names, or n for the first n devices of the default kind): cut into one
     piece per device along `axis` (uneven sizes as numpy.array_split), or copied whole to each when axis is None.
     Ops keep the sharding where they can and raise ShardingError where they cannot (ourgrad/multi.py).
-    The result is a new leaf for autograd (gradients do not flow back into the unsharded tensor): shard inputs and
-    parameters before computing with them."""
-    return Tensor(shard_lazy(self.lazydata, devices, axis), requires_grad=self.requires_grad)
+    Gradients flow back through it: this tensor's `.grad` is the sharded gradient gathered onto its device."""
+    return Shard.apply(self, devices=devices, axis=axis)
 
   def shard_(self, devices: tuple[str, ...] | list[str] | int, axis: int | None = None) -> Tensor:
     """shard, in place: this tensor's data becomes the sharded data (for parameters, before an optimizer)."""
@@ -189,14 +202,39 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     return self.shape[0]
 
   def __repr__(self) -> str:
-    grad = f", requires_grad={self.requires_grad}" if self.requires_grad else ""
-    return f"<Tensor shape={self.shape} dtype={self.dtype} device={self.device}{grad}>"
+    """The values, as PyTorch prints them: `tensor([[1., 2.], [3., 4.]])`, summarized with "..." beyond 1000
+    elements, then the dtype and device when they are not the defaults, and requires_grad / grad_fn. Printing
+    realizes the tensor, as in PyTorch; inside a TinyJit function (where reading values is refused) and for symbolic
+    shapes it prints the shape only."""
+    from ourgrad.tensor_print import format_tensor
+    return format_tensor(self)
+
+  def __format__(self, format_spec: str) -> str:
+    # f"{loss:.4f}" on a one-element tensor formats its value, as in PyTorch
+    if format_spec and self.numel() == 1: return format(self.item(), format_spec)
+    return format(repr(self), format_spec)
 
   def __hash__(self) -> int: return id(self)
 
-  def __bool__(self) -> bool:
-    if self.numel() != 1: raise ValueError(f"the truth value of a tensor with {self.numel()} elements is ambiguous")
-    return bool(self.item())
+  def _single_value(self, conversion: str) -> Scalar:
+    """The value of a one-element tensor for int()/float()/bool()/index; ShapeError (a RuntimeError too, as
+    PyTorch raises) naming the shape otherwise."""
+    if self.numel() != 1:
+      raise ShapeError(f"{conversion} of a tensor with {self.numel()} elements (shape {self.shape}) is ambiguous: "
+                       f"only one-element tensors convert to a Python number; reduce it first (.sum(), .any())")
+    return self.item()
+
+  def __bool__(self) -> bool: return bool(self._single_value("bool()"))
+
+  def __float__(self) -> float: return float(self._single_value("float()"))
+
+  def __int__(self) -> int: return int(self._single_value("int()"))
+
+  def __index__(self) -> int:
+    # as PyTorch: only integer tensors index (a float would silently truncate)
+    if self.dtype.is_float or self.dtype.is_bool:
+      raise DTypeError(f"only integer tensors of a single element can be converted to an index, got {self.dtype}")
+    return int(self._single_value("an index"))
 
   def realize(self, *others: Tensor) -> Tensor:
     """Compute this tensor (and `others`) now, in one schedule."""
@@ -249,9 +287,36 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     """The values as nested Python lists (a Python number for a 0-d tensor); bfloat16 gives floats."""
     return self.numpy().tolist()
 
-  def to(self, device: str | tuple[str, ...]) -> Tensor:
-    """This tensor on another device (the same tensor if already there). A sharded tensor is gathered; a tuple of
+  def to(self, *args: Any, device: str | tuple[str, ...] | None = None, dtype: DType | str | None = None,
+         **kwargs: Any) -> Tensor:
+    """This tensor on another device and/or with another dtype, PyTorch's forms: `to(device)`, `to(dtype)`,
+    `to(device, dtype)`, `to(other_tensor)` (its device and dtype), `to(device=..., dtype=...)`; non_blocking and
+    copy are accepted and ignored. The same tensor when nothing changes. A sharded tensor is gathered; a tuple of
     devices replicates (see shard)."""
+    unknown = set(kwargs) - {"non_blocking", "copy", "memory_format"}
+    if unknown: raise TypeError(f"to() got unexpected keyword arguments {sorted(unknown)}")
+    for arg in args:
+      if isinstance(arg, Tensor): device, dtype = arg.device, arg.dtype
+      elif isinstance(arg, DType): dtype = arg
+      elif isinstance(arg, (str, tuple, list)) and device is None: device = arg
+      elif isinstance(arg, bool): continue  # to(device, dtype, non_blocking) positionally
+      else: raise TypeError(f"to() takes a device name, a DType or a Tensor, got {type(arg).__name__} {arg!r}")
+    result = self if device is None else self._to_device(device)
+    return result if dtype is None else result.cast(dtype)
+
+  def cpu(self) -> Tensor:
+    """This tensor on the CPU device (CLANG); the same tensor if already there."""
+    return self.to("CPU")
+
+  def cuda(self, device: int | None = None) -> Tensor:
+    """This tensor on the CUDA device (`cuda(1)`: the second GPU)."""
+    return self.to("CUDA" if device is None else f"CUDA:{device}")
+
+  def type(self, dtype: DType | str | None = None) -> Tensor | str:
+    """With a dtype, this tensor cast to it (torch.Tensor.type(dtype)); without, the dtype's name ("float32")."""
+    return self.dtype.name if dtype is None else self.cast(dtype)
+
+  def _to_device(self, device: str | tuple[str, ...] | list[str]) -> Tensor:
     device = _canonical(device)
     if device == self.device: return self
     if isinstance(device, tuple): return self.shard(device)
@@ -308,19 +373,19 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   # in-place forms: each writes through assign, so the tensor keeps its buffer (optimizer-style updates)
   def add_(self, other: Any, alpha: float = 1.0) -> Tensor:
     """self += alpha * other, in place."""
-    return self.assign(self + (other * alpha if alpha != 1.0 else other))
+    return self._write_result(self + (other * alpha if alpha != 1.0 else other), "add_")
 
   def sub_(self, other: Any, alpha: float = 1.0) -> Tensor:
     """self -= alpha * other, in place."""
-    return self.assign(self - (other * alpha if alpha != 1.0 else other))
+    return self._write_result(self - (other * alpha if alpha != 1.0 else other), "sub_")
 
   def mul_(self, other: Any) -> Tensor:
     """self *= other, in place."""
-    return self.assign(self * other)
+    return self._write_result(self * other, "mul_")
 
   def div_(self, other: Any) -> Tensor:
     """self /= other, in place."""
-    return self.assign(self / other)
+    return self._write_result(self / other, "div_")
 
   def clamp_(self, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002
     """self.clamp(min, max), in place."""
@@ -379,10 +444,17 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     if isinstance(target, MultiLazyBuffer):
       self.lazydata = target.assign(value.lazydata)
       return self
-    if target.is_base and target.realized is not None and target.op is not Ops.CONST:
-      self.lazydata = target.assign(value.lazydata)
-    else:
-      self.lazydata = value.lazydata
+    # differentiable, as in PyTorch: the tensor's gradient will flow through the written value's graph, whose
+    # Functions reach the tensor's old value through the Function it had then (F.Function.parent_ctxs). A leaf
+    # that requires grad (a parameter written outside no_grad) stays a leaf: the write is data only
+    adopt = value._ctx is not None and value.requires_grad and not (self._ctx is None and self.requires_grad)
+    if adopt: _keep_old_value(value._ctx, target)
+    viewed_from = self._ctx
+    # into the memory this tensor names: its base's next version, which every tensor viewing that base reads
+    self.lazydata = target.write(value.lazydata)
+    if adopt:
+      self._ctx, self.requires_grad = value._ctx, True
+      if not target.is_base: _rebase_viewed_tensor(self, viewed_from, target)
     return self
 
   # ---------------------------------------------------------------- creation
@@ -479,13 +551,21 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   @staticmethod
   def linspace(start: Scalar, stop: Scalar, steps: int, dtype: DType | str | None = None,
                device: str | None = None, **kwargs: Any) -> Tensor:
-    """`steps` evenly spaced values from `start` to `stop` inclusive, computed in float64 (float32 unless `dtype`)."""
+    """`steps` evenly spaced values from `start` to `stop` inclusive (float32 unless `dtype`), as torch.linspace
+    computes them: the first half as start + i * step, the second as stop - (steps - 1 - i) * step, so both ends are
+    exact. The ends and the step are rounded to a float dtype (the step to float64 for integers) as PyTorch's are;
+    the rest is computed in float64 and rounded once (PyTorch's fused multiply-add), integers truncating."""
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
     if steps < 0: raise ValueError(f"linspace needs steps >= 0, got {steps}")
     if steps == 1: return Tensor.full((1,), start, dtype, device=device, **kwargs)
-    index = Tensor.arange(steps, device=device).cast(dtypes.float64)
-    values = index * ((stop - start) / (steps - 1)) + start
-    return Tensor(values.cast(dtype).lazydata, **kwargs)
+    if dtype.is_float: start, stop = truncate(dtype, float(start)), truncate(dtype, float(stop))
+    step = (float(stop) - float(start)) / (steps - 1)
+    if dtype.is_float: step = truncate(dtype, step)
+    index = np.arange(steps, dtype=np.float64)
+    # computed on the host, as arange is
+    values = np.where(index < steps // 2, start + index * step, stop - (steps - 1 - index) * step)
+    if dtype == dtypes.bfloat16: return Tensor(values, device=device, dtype=dtype, **kwargs)
+    return Tensor(values.astype(dtype.np), device=device, dtype=dtype, **kwargs)
 
   @staticmethod
   def eye(n: int, m: int | None = None, dtype: DType | str | None = None, device: str | None = None,
@@ -538,10 +618,22 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     return Tensor._from_random(values, dtype, device, **kwargs)
 
   @staticmethod
-  def randint(low: int, high: int | None = None, size: tuple[int, ...] = (), dtype: DType | str | None = None,
-              device: str | None = None, **kwargs: Any) -> Tensor:
-    """Integers in [low, high) (or [0, low) with one bound), like torch.randint."""
-    if high is None: low, high = 0, low
+  def randint(*args: Any, low: int | None = None, high: int | None = None, size: tuple[int, ...] | None = None,
+              dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
+    """Integers in [low, high), in PyTorch's forms `randint(high, size)`, `randint(low, high, size)` (size=()
+    gives a 0-d tensor), and in tinygrad's `randint(*shape, low=0, high=10)`: positional ints with no size given
+    (as a tuple argument or `size=`) are the shape."""
+    sizes = [arg for arg in args if isinstance(arg, (tuple, list))]
+    bounds = [arg for arg in args if not isinstance(arg, (tuple, list))]
+    if sizes or size is not None or (low is None and high is None and len(bounds) <= 2):
+      # PyTorch's form: the positional ints are the bounds
+      size = tuple(sizes[0]) if sizes else (tuple(size) if size is not None else ())
+      if len(bounds) == 2: low, high = bounds
+      elif len(bounds) == 1: low, high = (0, bounds[0]) if high is None else (bounds[0], high)
+      elif low is None and high is not None: low = 0
+    else:  # tinygrad's form
+      size, low, high = tuple(bounds), 0 if low is None else low, 10 if high is None else high
+    if low is None or high is None: raise TypeError("randint needs an upper bound: randint(high, size)")
     if high <= low: raise ValueError(f"randint needs low < high, got {low} and {high}")
     shape = Tensor._shape_arg(tuple(size))
     if (on_device := Tensor._device_random(device)) is not None:
@@ -578,6 +670,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
     return Tensor(values.cast(dtype).lazydata, **kwargs)
 
+  def sequential(self, layers: Any) -> Tensor:
+    """`layers` applied one after another to this tensor (tinygrad's `x.sequential([conv, Tensor.relu, ...])`)."""
+    result = self
+    for layer in layers: result = layer(result)
+    return result
+
   def rand_like(self, **kwargs: Any) -> Tensor:
     """Tensor.rand with this tensor's shape, dtype and device (unless given)."""
     return Tensor.rand(*self.shape, dtype=kwargs.pop("dtype", self.dtype), device=kwargs.pop("device", self.device),
@@ -590,21 +688,22 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
 
   # ---------------------------------------------------------------- autograd
 
-  def _toposort(self) -> list[Tensor]:
-    """Tensors that lead to this one through recorded Functions, inputs first (iterative, no recursion limit)."""
-    order: list[Tensor] = []
+  def _toposort(self) -> list[F.Function]:
+    """The Functions that lead to this tensor's, inputs first (iterative, no recursion limit). The graph's edges
+    are each Function's inputs with the Functions they had when it was applied (`parent_ctxs`): an in-place write
+    that later gave an input tensor a new Function does not change what the older ones read."""
+    order: list[F.Function] = []
     visited: set[int] = set()
-    stack: list[tuple[Tensor, bool]] = [(self, False)]
+    stack: list[tuple[F.Function, bool]] = [(self._ctx, False)] if self._ctx is not None else []
     while stack:
-      tensor, children_done = stack.pop()
+      ctx, children_done = stack.pop()
       if children_done:
-        order.append(tensor)
+        order.append(ctx)
         continue
-      if id(tensor) in visited: continue
-      visited.add(id(tensor))
-      if tensor._ctx is None: continue
-      stack.append((tensor, True))
-      stack.extend((parent, False) for parent in tensor._ctx.parents)
+      if id(ctx) in visited: continue
+      visited.add(id(ctx))
+      stack.append((ctx, True))
+      stack.extend((parent_ctx, False) for parent_ctx in ctx.parent_ctxs if parent_ctx is not None)
     return order
 
   def backward(self, gradient: Tensor | None = None) -> Tensor:
@@ -615,32 +714,87 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
                             f"shape {self.shape}; pass gradient=Tensor.ones_like(t) or reduce it first (.sum())")
       gradient = Tensor.full(self.shape, 1.0, self.dtype, device=self.device)
     if not self.requires_grad and self._ctx is None:
-      raise AutogradError("backward() on a tensor that does not require grad: no input has requires_grad=True, or "
-                          "every path to one goes through an op without a gradient (comparisons, argmax/argmin, "
-                          "casts to integer or bool, detach())")
+      raise AutogradError("element 0 of tensors does not require grad and does not have a grad_fn: backward() on a "
+                          "tensor that does not require grad: no input has requires_grad=True, it was computed under "
+                          "no_grad(), or every path to one goes through an op without a gradient (comparisons, "
+                          "argmax/argmin, casts to integer or bool, detach())")
     if gradient.shape != self.shape:
       raise ShapeError(f"backward gradient of shape {gradient.shape} does not match the tensor's shape {self.shape}")
     if self._ctx is None:  # a leaf: its own gradient is the one given
       self.grad = gradient if self.grad is None else self.grad + gradient
       return self
-    grads: dict[int, Tensor] = {id(self): gradient}
-    for tensor in reversed(self._toposort()):
-      grad_output = grads.pop(id(tensor), None)
+    for leaf, leaf_grad in self._backpropagate(gradient, free_graph=True).values():
+      leaf.grad = leaf_grad if leaf.grad is None else leaf.grad + leaf_grad
+    return self
+
+  def _backpropagate(self, gradient: Tensor, free_graph: bool,
+                     wanted: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[Tensor, Tensor]]:
+    """The one backward walk (backward and gradient share it): push `gradient`, d(loss)/d(self), back through the
+    recorded Functions in reverse topological order (`_toposort`: each Function's inputs as they were when it was
+    applied, so a later in-place write does not reroute the walk). Returns {id: (tensor, its total gradient)} for
+    every leaf that requires grad and for each intermediate tensor whose id is in `wanted` (complete when the walk
+    reaches its Function: every consumer comes before it). `free_graph` drops the Functions once used, as PyTorch
+    does without retain_graph."""
+    assert self._ctx is not None
+    grads: dict[int, Tensor] = {id(self._ctx): gradient}   # id(Function) -> the gradient of its output
+    wanted_outputs = {id(tensor._ctx): tensor for tensor in self._wanted_tensors(wanted)}
+    found: dict[int, tuple[Tensor, Tensor]] = {}
+    for ctx in reversed(self._toposort()):
+      grad_output = grads.pop(id(ctx), None)
       if grad_output is None: continue
-      ctx = tensor._ctx
-      assert ctx is not None
+      if id(ctx) in wanted_outputs: found[id(wanted_outputs[id(ctx)])] = (wanted_outputs[id(ctx)], grad_output)
+      _check_saved_values(ctx)
       input_grads = ctx.backward(grad_output.lazydata)
       if not isinstance(input_grads, tuple): input_grads = (input_grads,)
-      for parent, parent_grad in zip(ctx.parents, input_grads):
-        if parent_grad is None or not parent.requires_grad: continue
+      for parent, parent_ctx, needed, parent_grad in zip(ctx.parents, ctx.parent_ctxs, ctx.needs_input_grad,
+                                                         input_grads):
+        if parent_grad is None or not needed: continue
         if parent_grad.shape != parent.shape: raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
-        new_grad = Tensor(parent_grad, device=self.device, requires_grad=False)
-        if parent._ctx is None:  # a leaf: accumulate into .grad
-          parent.grad = new_grad if parent.grad is None else (parent.grad + new_grad)
+        # on the parent's device(s): a Function may move data between devices (Shard)
+        new_grad = Tensor(_own_value(parent_grad), device=parent.device, requires_grad=False)
+        if parent_ctx is None:  # a leaf: its gradient is complete at the end of the walk
+          found[id(parent)] = (parent, new_grad if id(parent) not in found else found[id(parent)][1] + new_grad)
         else:
-          grads[id(parent)] = new_grad if id(parent) not in grads else grads[id(parent)] + new_grad
-      tensor._ctx = None  # free the graph, as PyTorch does without retain_graph
-    return self
+          grads[id(parent_ctx)] = new_grad if id(parent_ctx) not in grads else grads[id(parent_ctx)] + new_grad
+        if free_graph and parent._ctx is parent_ctx: parent._ctx = None
+    if free_graph: self._ctx = None
+    return found
+
+  def _wanted_tensors(self, wanted: set[int] | frozenset[int]) -> list[Tensor]:
+    """The intermediate tensors (with a Function) among the ids in `wanted` that this tensor's graph reaches."""
+    if not wanted: return []
+    tensors = []
+    for ctx in self._toposort():
+      tensors.extend(parent for parent in ctx.parents if id(parent) in wanted and parent._ctx is not None)
+    return tensors
+
+  def gradient(self, *targets: Tensor, gradient: Tensor | None = None,
+               materialize_grads: bool = False) -> list[Tensor]:
+    """d(self)/d(target) for each of `targets`, as new lazy tensors (tinygrad's functional gradient, torch's
+    torch.autograd.grad): `.grad` is left untouched and the graph is kept, so it can be asked again. Targets may be
+    leaves or intermediate tensors of the graph; they must require grad. `gradient` is d(loss)/d(self), needed
+    unless self has one element. A target the graph does not reach raises AutogradError, or gives zeros with
+    `materialize_grads`. The gradients are not differentiable themselves (no double backward)."""
+    if gradient is None:
+      if self.numel() != 1:
+        raise AutogradError(f"gradient() without a gradient needs a scalar (one-element) tensor, this one has shape "
+                            f"{self.shape}; pass gradient=Tensor.ones_like(t) or reduce it first (.sum())")
+      gradient = Tensor.full(self.shape, 1.0, self.dtype, device=self.device)
+    if gradient.shape != self.shape:
+      raise ShapeError(f"gradient of shape {gradient.shape} does not match the tensor's shape {self.shape}")
+    wanted = {id(target) for target in targets}
+    found: dict[int, tuple[Tensor, Tensor]] = {}
+    if id(self) in wanted: found[id(self)] = (self, gradient)
+    if self._ctx is not None: found.update(self._backpropagate(gradient, free_graph=False, wanted=wanted))
+    results = []
+    for number, target in enumerate(targets):
+      if id(target) in found: results.append(found[id(target)][1])
+      elif materialize_grads: results.append(target.zeros_like(requires_grad=False))
+      else:
+        raise AutogradError(f"gradient(): target {number} (shape {target.shape}) is not reached from this tensor's "
+                            f"graph: it does not require grad, or no path from it leads here (pass "
+                            f"materialize_grads=True for zeros)")
+    return results
 
   @staticmethod
   @contextmanager
@@ -663,6 +817,75 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       yield
     finally:
       Tensor.training = previous
+
+
+def _check_saved_values(ctx: F.Function) -> None:
+  """AutogradError if a value `ctx` saved for backward was written in place after the forward: its buffer holds
+  another value now (PyTorch raises this error from its version counters; here an in-place write makes a newer
+  version of the buffer's base, LazyBuffer.write)."""
+  for saved in ctx.saved_values():
+    if any(lazy.stale for lazy in _per_device(saved)):
+      raise AutogradError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                          f"operation: the {saved.shape} {saved.dtype} tensor that {type(ctx).__name__} saved for "
+                          f"backward was written in place (assign, +=, setitem, an optimizer step) after the forward "
+                          f"pass; write it after backward(), or use a clone() in the forward")
+
+
+# Storage -> the tensors made views of a rebased tensor (`_rebase_viewed_tensor`), rebuilt at each later write
+_REBASED_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_VIEW_FUNCTIONS = (F.Reshape, F.Permute, F.Shrink, F.Flip, F.Pad, F.Expand, F.ViewOf)
+
+
+def _rebase_viewed_tensor(view: Tensor, viewed_from: F.Function | None, target: LazyBuffer) -> None:
+  """After a differentiable write through `view` (`v = h[0:2]; v += x`), the tensors it was viewed from take the
+  write into their gradient paths, as PyTorch does: the movement Functions that made `view` (`viewed_from` first)
+  lead back through them to the one that is the whole of the written memory (F.WriteThroughView); the others become
+  views of that one (F.ViewOf). Tensors written since, or made another way, are left as they are."""
+  ctx, chain, root = viewed_from, [], None   # chain: the tensors `view` was made from, nearest first
+  while isinstance(ctx, _VIEW_FUNCTIONS):
+    parent, parent_ctx = ctx.parents[0], ctx.parent_ctxs[0]
+    lazy = parent._lazydata
+    if type(lazy) is not LazyBuffer or parent._ctx is not parent_ctx: break
+    lazy = lazy.current()
+    if lazy.base is not view.lazydata.base: break
+    chain.append(parent)
+    if lazy.is_base or (lazy.st.contiguous and lazy.size == lazy.base.size): root = parent
+    ctx = parent_ctx
+  if root is None or (root._ctx is None and root.requires_grad): return   # a parameter: the write is data only
+  rebased = F.WriteThroughView.apply(root, view, st=target.st)
+  root._ctx, root.requires_grad = rebased._ctx, True
+  # the views in between, `view` itself, and the views an earlier write made so, are views of the root's new value
+  # from now on (a later write through any of them finds the root again)
+  storage = view.lazydata.base._storage
+  # by id, with weak references (a Tensor's == is elementwise, so it cannot be a set member)
+  views: dict[int, weakref.ref[Tensor]] = _REBASED_VIEWS.setdefault(storage, {}) if storage is not None else {}
+  known = [tensor for ref in list(views.values()) if (tensor := ref()) is not None and
+           isinstance(tensor._ctx, F.ViewOf) and tensor._ctx.parents[0] is root]
+  between = chain[:next(index for index, tensor in enumerate(chain) if tensor is root)]
+  for tensor in [view, *reversed(between), *known]:
+    try:
+      tensor._ctx, tensor.requires_grad = F.ViewOf.apply(root, st=tensor.lazydata.st)._ctx, True
+      views[id(tensor)] = weakref.ref(tensor, lambda _, key=id(tensor): views.pop(key, None))
+    except ShapeError:   # a view that is no lattice of the memory (expanded): its gradient path stays as it was
+      continue
+
+
+def _keep_old_value(ctx: F.Function, target: LazyBuffer) -> None:
+  """The in-place op `ctx` (x *= w) saved the value it overwrites (w's gradient needs the old x): it keeps that
+  value (an identity cast computed from it, which the write leaves alone or snapshots), as PyTorch keeps the
+  original of `self` for an in-place op, rather than failing the saved-value check at backward()."""
+  for name, saved in vars(ctx).items():
+    if saved is target and type(target) is LazyBuffer:
+      setattr(ctx, name, LazyBuffer.create_base(target.device, target.shape, target.dtype, Ops.CAST, target.dtype,
+                                                (target,)))
+
+
+def _own_value(lazy: LazyBuffer) -> LazyBuffer:
+  """A gradient as a value of its own. One that folded to a tensor's memory (d(x*w)/dw is x itself) would otherwise
+  name that memory and follow in-place writes to it (an optimizer step writing x before reading w.grad): an identity
+  cast, fused into its readers, is a value computed from it, kept as it was at backward() (docs/reliability.md)."""
+  if type(lazy) is not LazyBuffer or (lazy.base.realized is None and lazy.base.op is not Ops.ASSIGN): return lazy
+  return LazyBuffer.create_base(lazy.device, lazy.shape, lazy.dtype, Ops.CAST, lazy.dtype, (lazy,))
 
 
 def _per_device(lazy: LazyBuffer | MultiLazyBuffer) -> list[LazyBuffer]:

@@ -23,8 +23,10 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Sequence
 
 from ourgrad.device import Device
+from ourgrad.dtype import dtypes
 from ourgrad.errors import ShapeError
-from ourgrad.function import Function
+from ourgrad.function import Function, MaxToOne
+from ourgrad.helpers import normalize_axis
 from ourgrad.lazy import LazyBuffer
 
 if TYPE_CHECKING:
@@ -94,6 +96,64 @@ def _pool(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation:
   order = [*range(len(batch)), *(len(batch) + 2 * a + 1 for a in range(spatial)),
            *(len(batch) + 2 * a for a in range(spatial))]
   return x.permute(order)
+
+
+def _pooled_size(size: int, kernel: int, stride: int, pad: int, dilation: int, ceil_mode: bool) -> int:
+  """The output length of a pooling window along one dim, as PyTorch computes it: floor or, with `ceil_mode`, ceil
+  of the window count, less the last window when it would start in the right padding."""
+  span = size + 2 * pad - dilation * (kernel - 1) - 1
+  if not ceil_mode: return span // stride + 1
+  count = -(-span // stride) + 1
+  return count - 1 if (count - 1) * stride >= size + pad else count
+
+
+def _ceil_extra(sizes: Sequence[int], outs: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+                pads: Sequence[int], dilations: Sequence[int]) -> list[int]:
+  """How far past the symmetric padding each dim must be padded on the right for `outs` windows (ceil_mode)."""
+  return [max(0, (o - 1) * s + d * (k - 1) + 1 - (i + 2 * p))
+          for i, o, k, s, p, d in zip(sizes, outs, kernel, strides, pads, dilations)]
+
+
+def unfold_patches(x: Tensor, kernel_size: IntOrTuple, dilation: IntOrTuple = 1, padding: IntOrTuple = 0,
+                   stride: IntOrTuple = 1) -> Tensor:
+  """im2col, torch.nn.functional.unfold: the sliding kH x kW patches of (N, C, H, W) (or (C, H, W)) as columns,
+  (N, C * kH * kW, L) with L the number of patches, channel-major within a column as in PyTorch. A view (the
+  pooling view) and one reshape: nothing is computed until it is used."""
+  _check_rank(x, "unfold", (3, 4))
+  kernel, strides = _tuple(kernel_size, 2, "kernel_size"), _tuple(stride, 2, "stride")
+  dilations, pads = _tuple(dilation, 2, "dilation"), _tuple(padding, 2, "padding")
+  _positive(kernel, "unfold kernel_size")
+  _positive(strides, "unfold stride")
+  _positive(dilations, "unfold dilation")
+  if any(p < 0 for p in pads): raise ValueError(f"unfold padding must be >= 0, got {pads}")
+  padded = x.pad([None] * (x.ndim - 2) + [(p, p) for p in pads])
+  windows = _pool(padded, kernel, strides, dilations)  # (..., C, oH, oW, kH, kW)
+  lead = x.ndim - 3
+  channels, (out_h, out_w) = x.shape[-3], windows.shape[-4:-2]
+  columns = windows.permute(*range(lead + 1), lead + 3, lead + 4, lead + 1, lead + 2)
+  return columns.reshape(*x.shape[:-3], channels * kernel[0] * kernel[1], out_h * out_w)
+
+
+def _window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
+                  stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
+  """For the pooling windows (`windows_shape`, `_pool`'s layout) of `x` padded by `pads`, a rank of each window
+  element: K down to 1 in the window's row-major order (K elements), 0 where the element is padding. Built from
+  constants padded into place and expanded before any arithmetic, so kernels compute it from their indices: nothing
+  is loaded or realized. float32 (exact: K < 2**24), as the values beside it: an int32 key made CLANG's reduce of it
+  several times slower."""
+  Tensor = type(x)  # noqa: N806 (the concrete class; this module never imports it)
+  spatial, batch = len(kernel), x.ndim - len(kernel)
+  leading = (1,) * (len(windows_shape) - spatial)
+  rank = Tensor.full(windows_shape, 1, dtypes.float32, device=x.device)
+  for axis, size in enumerate(kernel):
+    weight = math.prod(kernel[axis + 1:])   # offset i along `axis` counts (size - 1 - i) * weight
+    for i in range(size - 1):
+      one_hot = Tensor.full((1,) * spatial, (size - 1 - i) * weight, dtypes.float32, device=x.device)
+      one_hot = one_hot.pad([(i, size - 1 - i) if a == axis else (0, 0) for a in range(spatial)])
+      rank = rank + one_hot.reshape(leading + one_hot.shape).expand(windows_shape)
+  inside = Tensor.full(x.shape[batch:], True, dtypes.bool, device=x.device).pad([(p, p) for p in pads])
+  inside = _pool(inside.reshape((1,) * batch + inside.shape), kernel, stride, dilation).expand(windows_shape)
+  return inside.where(rank, 0)
 
 
 def _check_rank(x: Tensor, name: str, ranks: tuple[int, ...]) -> None:
@@ -267,6 +327,40 @@ def _spread(x: Tensor, strides: tuple[int, ...]) -> Tensor:
   return x.shrink([None, None, *((0, (i - 1) * s + 1) for i, s in zip(sizes, strides))])
 
 
+def fold_patches(x: Tensor, output_size: IntOrTuple, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
+                 padding: IntOrTuple = 0, stride: IntOrTuple = 1) -> Tensor:
+  """col2im, torch.nn.functional.fold: columns (N, C * kH * kW, L) (or unbatched) summed back into an (N, C, H, W)
+  image of `output_size`, overlapping patches adding up; the adjoint of unfold_patches. Each of the kH * kW kernel
+  offsets is its columns spread by the stride and padded into place, and the pieces are added: one fused kernel."""
+  _check_rank(x, "fold", (2, 3))
+  sizes, kernel = _tuple(output_size, 2, "output_size"), _tuple(kernel_size, 2, "kernel_size")
+  dilations, pads = _tuple(dilation, 2, "dilation"), _tuple(padding, 2, "padding")
+  strides = _tuple(stride, 2, "stride")
+  _positive(kernel, "fold kernel_size")
+  _positive(strides, "fold stride")
+  _positive(dilations, "fold dilation")
+  batched = x if x.ndim == 3 else x.unsqueeze(0)
+  outs = [(i + 2 * p - d * (k - 1) - 1) // s + 1 for i, k, s, p, d in zip(sizes, kernel, strides, pads, dilations)]
+  patch = kernel[0] * kernel[1]
+  if batched.shape[1] % patch or batched.shape[2] != outs[0] * outs[1] or min(outs) <= 0:
+    raise ShapeError(f"fold of {x.shape} into {sizes} with kernel {kernel}: needs C * {patch} rows and "
+                     f"{max(outs[0], 0) * max(outs[1], 0)} columns (the patch count)")
+  channels = batched.shape[1] // patch
+  columns = batched.reshape(batched.shape[0], channels, kernel[0], kernel[1], outs[0], outs[1])
+  padded_sizes = [i + 2 * p for i, p in zip(sizes, pads)]
+  image = None
+  for row in range(kernel[0]):
+    for col in range(kernel[1]):
+      piece = _spread(columns[:, :, row, col], strides)
+      starts = (row * dilations[0], col * dilations[1])
+      piece = piece.pad([None, None, *((start, full - start - size) for start, full, size
+                                       in zip(starts, padded_sizes, piece.shape[2:]))])
+      image = piece if image is None else image + piece
+  assert image is not None
+  image = image.shrink([None, None, *((p, p + i) for p, i in zip(pads, sizes))])
+  return image if x.ndim == 3 else image.squeeze(0)
+
+
 class ConvMixin:
   """Tensor methods for convolutions and pooling over 1, 2 or 3 spatial dimensions."""
   __slots__ = ()
@@ -395,39 +489,174 @@ class ConvMixin:
     kernel, strides, pads, dilations = self._pool_args(f"max_pool{dims}d", dims, kernel_size, stride, padding,
                                                        dilation)
     padded = self.pad([None] * (self.ndim - dims) + [(p, p) for p in pads], value=self.dtype.min)
-    return _pool(padded, kernel, strides, dilations).max(tuple(range(-dims, 0)))
+    windows = _pool(padded, kernel, strides, dilations)
+    axes = tuple(range(windows.ndim - dims, windows.ndim))
+    if not self.requires_grad or type(self).no_grad: return windows.max(axes)
+    # the gradient goes to one maximum per window, as in PyTorch: ranks order the window's elements
+    ranks = _window_ranks(self, windows.shape, pads, kernel, strides, dilations)
+    return MaxToOne.apply(windows, ranks, axes=axes).reshape(windows.shape[:-dims])
+
+  def _avg_pool_options(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
+                        padding: IntOrTuple, ceil_mode: bool, count_include_pad: bool,
+                        divisor_override: int | None, dilation: IntOrTuple = 1) -> Tensor:
+    """Average pooling with PyTorch's options (the plain case goes through _avg_pool): the window sums divided by
+    `divisor_override`, or by how many places of each window count: the input and the zero padding with
+    `count_include_pad`, the input alone without it; never the extra right padding that ceil_mode adds. (tinygrad's
+    `dilation` spreads the window as max pooling's does.)"""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    kernel, strides, pads, dilations = self._pool_args(f"avg_pool{dims}d", dims, kernel_size, stride, padding,
+                                                       dilation)
+    if divisor_override is not None and divisor_override <= 0:
+      raise ValueError(f"avg_pool{dims}d divisor_override must be positive, got {divisor_override}")
+    sizes = self.shape[-dims:]
+    outs = [_pooled_size(i, k, s, p, d, ceil_mode) for i, k, s, p, d in zip(sizes, kernel, strides, pads, dilations)]
+    extra = _ceil_extra(sizes, outs, kernel, strides, pads, dilations)
+    lead = [None] * (self.ndim - dims)
+    padded = self.pad(lead + [(p, p + e) for p, e in zip(pads, extra)])
+    window_axes = tuple(range(-dims, 0))
+    total = _pool(padded, kernel, strides, dilations).sum(window_axes)
+    if divisor_override is not None: return total / divisor_override
+    counted = Tensor.ones(*sizes, device=self.device).pad([(p, p) for p in pads], value=float(count_include_pad))
+    counts = _pool(counted.pad([(0, e) for e in extra]), kernel, strides, dilations).sum(window_axes)
+    return total / counts
+
+  def _max_pool_options(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
+                        padding: IntOrTuple, dilation: IntOrTuple, ceil_mode: bool,
+                        return_indices: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """Max pooling with PyTorch's options (the plain case goes through _max_pool). With `return_indices`, also the
+    position of each maximum in its (N, C) plane, flattened (int64, as max_unpool takes it): the first maximum in
+    the window's row-major order, as PyTorch's CPU kernel picks it."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    kernel, strides, pads, dilations = self._pool_args(f"max_pool{dims}d", dims, kernel_size, stride, padding,
+                                                       dilation)
+    sizes = self.shape[-dims:]
+    outs = [_pooled_size(i, k, s, p, d, ceil_mode) for i, k, s, p, d in zip(sizes, kernel, strides, pads, dilations)]
+    extra = _ceil_extra(sizes, outs, kernel, strides, pads, dilations)
+    sides = [(p, p + e) for p, e in zip(pads, extra)]
+    windows = _pool(self.pad([None] * (self.ndim - dims) + sides, value=self.dtype.min), kernel, strides, dilations)
+    values = windows.max(tuple(range(-dims, 0)))
+    if not return_indices: return values
+    plane = math.prod(sizes)
+    # each place's flat position in its plane, the padding past every real one so that it never wins a tie
+    positions = Tensor.arange(plane, device=self.device).reshape(*sizes).pad(sides, value=plane)
+    position_windows = _pool(positions, kernel, strides, dilations).flatten(-dims)
+    is_max = windows.detach().flatten(-dims) == values.detach().unsqueeze(-1)
+    indices = is_max.where(position_windows, plane).min(-1)
+    return values, indices.cast(dtypes.int64)
+
+  def _max_unpool(self: Tensor, dims: int, indices: Tensor, kernel_size: IntOrTuple, stride: IntOrTuple | None,
+                  padding: IntOrTuple, output_size: Sequence[int] | None, dilation: IntOrTuple = 1) -> Tensor:
+    """The inverse of max pooling: each value written at its flat position `indices` (max_pool's return_indices)
+    of an output plane of zeros, like torch.nn.functional.max_unpool{1,2}d. A one-hot over the output positions and
+    a sum (no scatter op). Where an index repeats (overlapping pooling windows) the values are equal and one is
+    written, while each of them gets the whole gradient of its place, as PyTorch's gather-shaped backward gives."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    _check_rank(self, f"max_unpool{dims}d", (dims + 1, dims + 2))
+    kernel = _tuple(kernel_size, dims, "kernel_size")
+    strides = kernel if stride is None else _tuple(stride, dims, "stride")
+    pads, dilations = _tuple(padding, dims, "padding"), _tuple(dilation, dims, "dilation")
+    if indices.shape != self.shape:
+      raise ShapeError(f"max_unpool{dims}d indices of shape {indices.shape} must match the input's {self.shape}")
+    if indices.dtype.is_float or indices.dtype == dtypes.bool:
+      raise IndexError(f"max_unpool{dims}d indices must hold integers, got {indices.dtype}")
+    sizes = self.shape[-dims:]
+    outs = tuple((i - 1) * s - 2 * p + d * (k - 1) + 1
+                 for i, s, p, k, d in zip(sizes, strides, pads, kernel, dilations))
+    if output_size is not None: outs = tuple(int(size) for size in tuple(output_size)[-dims:])
+    plane = math.prod(outs)
+    hits = indices.flatten(-dims).unsqueeze(-1) == Tensor.arange(plane, device=self.device)  # (..., L, plane)
+    sources = self.flatten(-dims).unsqueeze(-1)
+    summed = hits.where(sources, 0).sum(-2, dtype=self.dtype)  # the value, and a gradient of 1 for every source
+    # a repeated place holds the sum of equal values: keep the sum's gradient, take the value of one of them
+    largest = hits.where(sources, self.dtype.min).max(-2)
+    values = (hits.sum(-2) > 1).where(summed + (largest - summed).detach(), summed)
+    return values.reshape(*self.shape[:-dims], *outs)
 
   def avg_pool1d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
-                 padding: IntOrTuple = 0) -> Tensor:
+                 padding: IntOrTuple = 0, ceil_mode: bool = False, count_include_pad: bool = True,
+                 divisor_override: int | None = None, dilation: IntOrTuple = 1) -> Tensor:
     """Average over kernel_size windows of the last dim of (N, C, L) or (C, L), like
-    torch.nn.functional.avg_pool1d with its defaults (see avg_pool2d)."""
+    torch.nn.functional.avg_pool1d (see avg_pool2d)."""
+    if ceil_mode or not count_include_pad or divisor_override is not None or dilation != 1:
+      return self._avg_pool_options(1, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+                                    dilation)
     return self._avg_pool(1, kernel_size, stride, padding)
 
   def avg_pool2d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
-                 padding: IntOrTuple = 0) -> Tensor:
+                 padding: IntOrTuple = 0, ceil_mode: bool = False, count_include_pad: bool = True,
+                 divisor_override: int | None = None, dilation: IntOrTuple = 1) -> Tensor:
     """Average over kernel_size windows of the last two dims of (N, C, H, W) or (C, H, W), like
-    torch.nn.functional.avg_pool2d with its defaults: stride defaults to kernel_size, zero padding counts in the
-    average (count_include_pad=True), output sizes round down (ceil_mode=False)."""
+    torch.nn.functional.avg_pool2d: stride defaults to kernel_size; zero padding counts in the average unless
+    count_include_pad=False; ceil_mode rounds the output size up (a window may hang over the right edge, and only
+    its places inside the padded input count); divisor_override replaces the count. `dilation` (tinygrad's, not
+    PyTorch's) spreads the window as in max_pool2d."""
+    if ceil_mode or not count_include_pad or divisor_override is not None or dilation != 1:
+      return self._avg_pool_options(2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+                                    dilation)
     return self._avg_pool(2, kernel_size, stride, padding)
 
   def avg_pool3d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
-                 padding: IntOrTuple = 0) -> Tensor:
+                 padding: IntOrTuple = 0, ceil_mode: bool = False, count_include_pad: bool = True,
+                 divisor_override: int | None = None, dilation: IntOrTuple = 1) -> Tensor:
     """Average over kernel_size windows of the last three dims, like torch.nn.functional.avg_pool3d."""
+    if ceil_mode or not count_include_pad or divisor_override is not None or dilation != 1:
+      return self._avg_pool_options(3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+                                    dilation)
     return self._avg_pool(3, kernel_size, stride, padding)
 
   def max_pool1d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
-                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1) -> Tensor:
-    """Maximum over (dilated) kernel_size windows of the last dim, like torch.nn.functional.max_pool1d."""
+                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1, ceil_mode: bool = False,
+                 return_indices: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Maximum over (dilated) kernel_size windows of the last dim, like torch.nn.functional.max_pool1d (see
+    max_pool2d)."""
+    if ceil_mode or return_indices:
+      return self._max_pool_options(1, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
     return self._max_pool(1, kernel_size, stride, padding, dilation)
 
   def max_pool2d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
-                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1) -> Tensor:
+                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1, ceil_mode: bool = False,
+                 return_indices: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Maximum over (dilated) kernel_size windows of the last two dims of (N, C, H, W) or (C, H, W), like
-    torch.nn.functional.max_pool2d without return_indices or ceil_mode: stride defaults to kernel_size, padding
-    counts as -inf (never the max)."""
+    torch.nn.functional.max_pool2d: stride defaults to kernel_size, padding counts as -inf (never the max);
+    ceil_mode rounds the output size up; return_indices also gives each maximum's flat position in its plane
+    (for max_unpool2d)."""
+    if ceil_mode or return_indices:
+      return self._max_pool_options(2, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
     return self._max_pool(2, kernel_size, stride, padding, dilation)
 
   def max_pool3d(self: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
-                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1) -> Tensor:
+                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1, ceil_mode: bool = False,
+                 return_indices: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Maximum over (dilated) kernel_size windows of the last three dims, like torch.nn.functional.max_pool3d."""
+    if ceil_mode or return_indices:
+      return self._max_pool_options(3, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
     return self._max_pool(3, kernel_size, stride, padding, dilation)
+
+  def max_unpool1d(self: Tensor, indices: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                   padding: IntOrTuple = 0, output_size: Sequence[int] | None = None,
+                   dilation: IntOrTuple = 1) -> Tensor:
+    """The inverse of max_pool1d(return_indices=True), like torch.nn.functional.max_unpool1d (see max_unpool2d)."""
+    return self._max_unpool(1, indices, kernel_size, stride, padding, output_size, dilation)
+
+  def max_unpool2d(self: Tensor, indices: Tensor, kernel_size: IntOrTuple = 2, stride: IntOrTuple | None = None,
+                   padding: IntOrTuple = 0, output_size: Sequence[int] | None = None,
+                   dilation: IntOrTuple = 1) -> Tensor:
+    """The inverse of max_pool2d(return_indices=True), like torch.nn.functional.max_unpool2d: zeros of size
+    (H - 1) * stride - 2 * padding + dilation * (kernel_size - 1) + 1 (or `output_size`) with each value at its
+    index. kernel_size defaults to 2 and `dilation` is accepted by keyword, as in tinygrad."""
+    return self._max_unpool(2, indices, kernel_size, stride, padding, output_size, dilation)
+
+  def unfold(self: Tensor, dimension: int, size: int, step: int) -> Tensor:
+    """Every `size`-long slice of `dimension`, `step` apart, as torch.Tensor.unfold: that dim becomes the count of
+    slices and a new last dim of `size` holds each slice. A view (no copy). (torch.nn.functional.unfold, im2col,
+    is nn.functional.unfold.)"""
+    if self.ndim == 0:  # PyTorch treats a 0-d tensor as one element along dim 0
+      if size != 1 or step <= 0:
+        raise ShapeError(f"unfold of a 0-d tensor needs size 1 and step >= 1, got {size} and {step}")
+      return self.reshape(1)
+    axis = normalize_axis(dimension, self.ndim)
+    if step <= 0: raise ValueError(f"unfold step must be positive, got {step}")
+    if not 0 < size <= self.shape[axis]:
+      raise ShapeError(f"unfold size {size} must be in [1, {self.shape[axis]}] (dim {axis} of shape {self.shape})")
+    windows = _pool(self.movedim(axis, -1), (size,), (step,), (1,))  # (..., count, size)
+    return windows.movedim(-2, axis)

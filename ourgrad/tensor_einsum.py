@@ -7,8 +7,9 @@ lacks. The operands are then contracted left to right: multiply the running resu
 (broadcasting) and sum the letters that neither a later operand nor the output uses. A two-operand einsum is one
 broadcast multiply and one reduce, which the scheduler fuses like a matmul (the product is never stored).
 
-Letters are a-z and A-Z; "..." stands for the broadcast batch dims (right-aligned, as numpy). Without "->" the
-output is every letter used exactly once, in alphabetical order, after the "..." dims (the implicit form).
+Letters are a-z and A-Z; "..." stands for the broadcast batch dims (right-aligned, as numpy); an explicit output
+may keep them anywhere ("b...i->...bi") or leave them out, which sums them ("...i->i"). Without "->" the output is
+every letter used exactly once, in alphabetical order, after the "..." dims (the implicit form).
 
 This module never imports the Tensor class: it works through the operands' methods.
 """
@@ -116,8 +117,6 @@ class EinsumMixin:
         raise ValueError(f"einsum output {output!r} repeats an index")
       unknown = [n for n in output_names if n not in counts]
       if unknown: raise ValueError(f"einsum output {output!r} names indices no operand has: {unknown}")
-      missing_batch = [n for n in batch_names if n not in output_names]
-      if missing_batch: raise ValueError(f"einsum output {output!r} must keep the '...' dims of the inputs")
 
     # the size of each index, checked across operands (size 1 broadcasts, as in the batch dims of numpy)
     sizes: dict[str, int] = {}

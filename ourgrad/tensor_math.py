@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ourgrad import function as F
-from ourgrad.dtype import DType, dtypes, least_upper_dtype, result_dtype
+from ourgrad.dtype import DType, dtypes, least_upper_dtype, operands_dtype, result_dtype
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
@@ -58,8 +58,20 @@ def _pow_sign(base: Tensor, power: Tensor) -> Tensor:
 
 
 def _float_fmod(x: Tensor, y: Tensor) -> Tensor:
-  """C's fmod for floats: x - trunc(x / y) * y, and x itself for a finite x over an infinite y."""
-  return (y.isinf() & x.isfinite()).where(x, x - (x / y).trunc() * y)
+  """C's fmod for floats: x - trunc(x / y) * y, and x itself for a finite x over an infinite y. Exact (as C's fmod,
+  which PyTorch uses) for floats narrower than 64 bits: computed in float64, where trunc(x / y) is the true quotient's
+  and the product and the difference are exact for quotients below 2**29 (1.0 % 0.1 is 0.099999987, not -1.5e-08).
+  float64 operands compute in float64, exact while x / y does not round across an integer."""
+  wide = dtypes.float64 if x.dtype.itemsize < 8 else x.dtype
+  a, b = x.cast(wide), y.cast(wide)
+  remainder = a - (a / b).trunc() * b
+  # kernels compute a / b as a * (1 / b): at an exact integer quotient (x % x) it can round to just below or above
+  # it, and trunc is one off. C's remainder has the sign of a and is smaller than |b|: step it back there
+  toward_a, size = (a < 0).where(-1.0, 1.0).cast(wide), b.abs()
+  remainder = ((remainder * toward_a >= 0) & (remainder.abs() >= size)).where(remainder - toward_a * size, remainder)
+  remainder = (remainder * toward_a < 0).where(remainder + toward_a * size, remainder)
+  remainder = remainder._zero_signed_like(a)   # a zero takes the sign of x, as in C
+  return (b.isinf() & a.isfinite()).where(a, remainder).cast(x.dtype)
 
 
 def _sign_differs(remainder: Tensor, divisor: Tensor) -> Tensor:
@@ -68,12 +80,43 @@ def _sign_differs(remainder: Tensor, divisor: Tensor) -> Tensor:
 
 
 def _float_floor_quotient(x: Tensor, y: Tensor) -> Tensor:
-  """Python's x // y for floats: floor(x / y), but -1 or 0 for a finite x over an infinite y (x / y is +-0 there,
-  and 1 // -inf is -1 in Python and PyTorch), and NaN for an infinite x over a finite non-zero y (PyTorch's answer:
-  the remainder is undefined there)."""
-  quotient = (x.isinf() & y.isfinite() & (y != 0)).where(math.nan, (x / y).floor())
-  by_infinity = _sign_differs(_float_fmod(x, y), y).where(-1.0, x.zeros_like())
-  return (y.isinf() & x.isfinite()).where(by_infinity, quotient)
+  """PyTorch's x // y for floats (c10's div_floor_floating): floor of the true quotient, from the exact remainder
+  (1.0 // 0.1 is 9, as in Python and numpy, though 1.0 / 0.1 rounds to 10). x / y where y is 0; -1 or a zero for a
+  finite x over an infinite y; NaN for an infinite x; zero results carry the sign of x / y."""
+  # in float64, where (a - remainder) / b is the exact integer for quotients below 2**29 (x / y is x * (1 / y) in
+  # kernels: 1e10 / 3 in float32 would round twice); rounded once to x's dtype at the end
+  wide = dtypes.float64 if x.dtype.itemsize < 8 else x.dtype
+  a, b = x.cast(wide), y.cast(wide)
+  remainder = _float_fmod(a, b)
+  quotient = (a - remainder) / b
+  quotient = _sign_differs(remainder, b).where(quotient - 1, quotient)
+  floored = quotient.floor()
+  # (a - remainder) / b is an integer up to rounding: round it to the nearest one
+  floored = (quotient - floored > 0.5).where(floored + 1, floored)
+  exact = a / b
+  result = floored._zero_signed_like(exact)   # a zero quotient takes the sign of a / b
+  return (b == 0).where(exact, result).cast(x.dtype)
+
+
+def _integer_pow(base: Tensor, power: Tensor) -> Tensor:
+  """base ** power for integer tensors of one dtype and shape, as PyTorch computes it: exact, wrapping on overflow,
+  by square-and-multiply over every bit of the exponent's dtype; a negative power gives 1 for base 1, +-1 for base -1
+  (by the power's parity) and 0 otherwise."""
+  non_negative = power if power.dtype.is_unsigned else (power < 0).where(0, power)
+  result, square, remaining = base.ones_like(), base, non_negative
+  for _ in range(power.dtype.bits if power.dtype.is_unsigned else power.dtype.bits - 1):
+    result = ((remaining & 1) != 0).where(result * square, result)
+    square, remaining = square * square, remaining >> 1
+  if power.dtype.is_unsigned: return result
+  odd = (power & 1) != 0
+  reciprocal = (base == 1).where(1, (base == -1).where(odd.where(-1, 1), 0)).cast(base.dtype)
+  return (power < 0).where(reciprocal, result)
+
+
+def _tensors_dtype(*tensors: Tensor) -> DType:
+  """The dtype an op over these tensors computes in, as PyTorch's result_type: a 0-d tensor widens the others only
+  with a higher category (float16 tensor + 0-d float32 tensor is float16)."""
+  return operands_dtype([t.dtype for t in tensors if t.ndim > 0], [t.dtype for t in tensors if t.ndim == 0])
 
 
 def _with_derivatives(value: Tensor, *inputs_and_derivatives: tuple[Tensor, Tensor]) -> Tensor:
@@ -113,7 +156,7 @@ class ElementwiseMixin:
       raise DeviceError(f"tensors on different devices: {self.device} and {other_tensor.device}; move one with "
                         f".to({self.device!r})")
     x, y = (other_tensor, self) if reverse else (self, other_tensor)
-    dtype = x.dtype if x.dtype == y.dtype else least_upper_dtype(x.dtype, y.dtype)
+    dtype = x.dtype if x.dtype == y.dtype else _tensors_dtype(x, y)
     shape = _broadcast_shape(x.shape, y.shape)
     return x.cast(dtype).expand(shape), y.cast(dtype).expand(shape)
 
@@ -206,11 +249,17 @@ class ElementwiseMixin:
     return F.IntDiv.apply(x, y, op=Ops.MOD)
 
   def pow(self, exponent: Any, reverse: bool = False) -> Tensor:
-    """x ** y. Integer tensors to non-negative integer powers stay integers (exact); floats follow C's pow (a negative
-    base to an odd integer power is negative, to a non-integer one NaN; x ** 0 and 1 ** y are 1) and PyTorch's
-    gradients at every special point (function.Pow; docs/gradients.md)."""
+    """x ** y. Integers to integer powers stay integers, as in PyTorch (exact, wrapping on overflow; a negative Python
+    int power of an integer tensor raises DTypeError, a negative tensor power gives 0 except for bases 1 and -1);
+    an integer to a float power is a float. Floats follow C's pow (a negative base to an odd integer power is
+    negative, to a non-integer one NaN; x ** 0 and 1 ** y are 1) and PyTorch's gradients at every special point
+    (function.Pow; docs/gradients.md)."""
+    if not reverse and isinstance(exponent, int) and not self.dtype.is_float and exponent < 0:
+      raise DTypeError(f"an integer tensor ({self.dtype}) to a negative integer power ({exponent}) is not an integer "
+                       f"(PyTorch refuses it too); cast to float first: x.float() ** {exponent}")
     if not reverse and isinstance(exponent, int) and not self.dtype.is_float and exponent >= 0:
-      result, base, power = self.ones_like(), self, exponent
+      base = self.cast(result_dtype(self.dtype, exponent))   # bool ** 2 is an int, as in PyTorch
+      result, power = base.ones_like(), exponent
       while power:  # square-and-multiply: exact for integers
         if power & 1: result = result * base
         base, power = base * base, power >> 1
@@ -226,6 +275,7 @@ class ElementwiseMixin:
         return x._with_derivative(value.rsqrt(), value.pow(-1.5) * -0.5)
       return x.reciprocal()
     base, power = self._broadcasted(exponent, reverse)
+    if base.dtype.is_int: return _integer_pow(base, power)
     if not base.dtype.is_float: base, power = base._float_operand(), power._float_operand()
     base_value, power_value = base.detach(), power.detach()
     # exactly 1 (whatever the other side, NaN included): x ** 0, 1 ** y, and (-1) ** +-inf as in C's pow
@@ -255,10 +305,28 @@ class ElementwiseMixin:
   def __abs__(self) -> Tensor: return self.abs()
   def __pos__(self) -> Tensor: return self
 
-  def __iadd__(self, other: Any) -> Tensor: return self.assign(self + other)
-  def __isub__(self, other: Any) -> Tensor: return self.assign(self - other)
-  def __imul__(self, other: Any) -> Tensor: return self.assign(self * other)
-  def __itruediv__(self, other: Any) -> Tensor: return self.assign(self / other)
+  # in place, as PyTorch: written into this tensor's memory (views of it see it), never rebinding the name
+  def __iadd__(self, other: Any) -> Tensor: return self._write_result(self + other, "+=")
+  def __isub__(self, other: Any) -> Tensor: return self._write_result(self - other, "-=")
+  def __imul__(self, other: Any) -> Tensor: return self._write_result(self * other, "*=")
+  def __itruediv__(self, other: Any) -> Tensor: return self._write_result(self / other, "/=")
+  def __ifloordiv__(self, other: Any) -> Tensor: return self._write_result(self // other, "//=")
+  def __imod__(self, other: Any) -> Tensor: return self._write_result(self % other, "%=")
+  def __ipow__(self, other: Any) -> Tensor: return self._write_result(self ** other, "**=")
+  def __iand__(self, other: Any) -> Tensor: return self._write_result(self & other, "&=")
+  def __ior__(self, other: Any) -> Tensor: return self._write_result(self | other, "|=")
+  def __ixor__(self, other: Any) -> Tensor: return self._write_result(self ^ other, "^=")
+  def __ilshift__(self, other: Any) -> Tensor: return self._write_result(self << other, "<<=")
+  def __irshift__(self, other: Any) -> Tensor: return self._write_result(self >> other, ">>=")
+
+  def _write_result(self, result: Tensor, op: str) -> Tensor:
+    """`result` written in place into this tensor. As in PyTorch, a result of a higher kind than this tensor's dtype
+    (a float into an int tensor, an int into a bool one) is an error, not a silent truncation."""
+    def kind(dtype: DType) -> int: return 2 if dtype.is_float else 0 if dtype == dtypes.bool else 1
+    if kind(result.dtype) > kind(self.dtype):
+      raise DTypeError(f"{op}: result type {result.dtype} can't be cast to the desired output type {self.dtype} "
+                       f"(an in-place op keeps the tensor's dtype; compute out of place, or cast first)")
+    return self.assign(result)
 
   # ---------------------------------------------------------------- comparisons and logic
 
@@ -376,10 +444,22 @@ class ElementwiseMixin:
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if min_ is None and max_ is None: raise ValueError("clip needs at least one of min and max")
     if isinstance(min_, Tensor) or isinstance(max_, Tensor):
+      # one dtype for the value and both bounds, as torch.clamp's result type (an int tensor clamped by int tensors
+      # stays an int; a 0-d bound widens only with a higher category)
+      operands = [operand for operand in (self, min_, max_) if operand is not None]
+      tensors = [operand for operand in operands if isinstance(operand, Tensor)]
+      dtype = operands_dtype([t.dtype for t in tensors if t.ndim > 0], [t.dtype for t in tensors if t.ndim == 0],
+                             [operand for operand in operands if not isinstance(operand, Tensor)])
+      result = self.cast(dtype)
+      low, high = (bound.cast(dtype) if isinstance(bound, Tensor) else bound for bound in (min_, max_))
+      if not dtype.is_float:
+        if low is not None: result = result.maximum(low)
+        if high is not None: result = result.minimum(high)
+        return result
       # NaN on either side gives NaN and no gradient to either side, as torch.clamp
-      result = self
-      if min_ is not None: result = (result >= min_).where(result, (result < min_).where(min_, math.nan))
-      if max_ is not None: result = (result <= max_).where(result, (result > max_).where(max_, math.nan))
+      nan = result.full_like(math.nan)
+      if low is not None: result = (result >= low).where(result, (result < low).where(low, nan))
+      if high is not None: result = (result <= high).where(result, (result > high).where(high, nan))
       return result
     value = self.detach()
     result, inside = value, value == value  # NaN is outside every range
@@ -536,8 +616,9 @@ class ElementwiseMixin:
     return x._with_derivative(((1 + value) / (1 - value)).log() / 2, (1 - value * value).reciprocal())
 
   def square(self) -> Tensor:
-    """self * self, in this tensor's dtype."""
-    return self * self
+    """self * self, in this tensor's dtype (bool squares to default_int, as pow(x, 2) in PyTorch)."""
+    x = self.cast(dtypes.default_int) if self.dtype == dtypes.bool else self
+    return x * x
 
   def abs(self) -> Tensor:
     """The absolute value, in this tensor's dtype (bool and unsigned tensors come back unchanged)."""
@@ -601,7 +682,9 @@ class ElementwiseMixin:
     return x._with_derivative(value * (value + 3).clip(0, 6) / 6, slope)
 
   def hardtanh(self, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
-    """self clipped to [min_val, max_val]; unlike clamp, the gradient is 0 on the bounds (as in torch)."""
+    """self clipped to [min_val, max_val]; unlike clamp, the gradient is 0 on the bounds (as in torch). Integer
+    tensors stay integers, as in PyTorch."""
+    if self.dtype.is_int: return self.clip(min_val, max_val).cast(self.dtype)
     x = self._float_operand()
     value = x.detach()
     outside = (value <= min_val) | (value >= max_val)
@@ -678,6 +761,11 @@ class ElementwiseMixin:
     result = value.sign() * (1.0 - poly * (-(value * value)).exp())
     return x._with_derivative(result, (-(value * value)).exp() * (2 / math.sqrt(math.pi)))
 
+  def _zero_signed_like(self, value: Tensor) -> Tensor:
+    """This result with a zero taking the sign of `value`, as C's trunc/floor/ceil/nearbyint/fmod (and PyTorch)
+    give it: ceil(-0.5) is -0.0. value * 0 is that zero (value is finite wherever these give 0)."""
+    return (self == 0).where(value * 0, self)
+
   def _round_toward_zero(self) -> Tensor:
     """Drop the fraction, keeping values too large for int64 (which are integers already) as they are."""
     truncated = self.cast(dtypes.int64).cast(self.dtype)
@@ -686,21 +774,22 @@ class ElementwiseMixin:
   def trunc(self) -> Tensor:
     """Each value rounded toward zero, in this tensor's dtype (integers unchanged); the gradient is zero."""
     if not self.dtype.is_float: return self
-    return self._zero_gradient(self.detach()._round_toward_zero())
+    value = self.detach()
+    return self._zero_gradient(value._round_toward_zero()._zero_signed_like(value))
 
   def floor(self) -> Tensor:
     """Each value rounded down, in this tensor's dtype (integers unchanged); the gradient is zero."""
     if not self.dtype.is_float: return self
     value = self.detach()
     truncated = value._round_toward_zero()
-    return self._zero_gradient((truncated > value).where(truncated - 1, truncated))
+    return self._zero_gradient((truncated > value).where(truncated - 1, truncated)._zero_signed_like(value))
 
   def ceil(self) -> Tensor:
     """Each value rounded up, in this tensor's dtype (integers unchanged); the gradient is zero."""
     if not self.dtype.is_float: return self
     value = self.detach()
     truncated = value._round_toward_zero()
-    return self._zero_gradient((truncated < value).where(truncated + 1, truncated))
+    return self._zero_gradient((truncated < value).where(truncated + 1, truncated)._zero_signed_like(value))
 
   def round(self) -> Tensor:
     """Round half to even, as torch.round; the gradient is zero."""
@@ -710,7 +799,7 @@ class ElementwiseMixin:
     diff = value - floor
     floor_is_even = (floor / 2).floor() * 2 == floor
     up = (diff > 0.5) | ((diff == 0.5) & ~floor_is_even)
-    return self._zero_gradient(up.where(floor + 1, floor))
+    return self._zero_gradient(up.where(floor + 1, floor)._zero_signed_like(value))
 
   def lerp(self, end: Any, weight: Any) -> Tensor:
     """Linear interpolation toward `end`: self + weight * (end - self) for weight < 0.5, else

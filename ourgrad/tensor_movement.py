@@ -138,13 +138,22 @@ class MovementMixin:
       pairs = [(0, 0) if pair is None else tuple(pair) for pair in padding]
     # a symbolic amount (a bound Variable expression) only grows: its value is checked against 0 when bound
     pairs = [tuple(_symbolic_pad_amount(amount) for amount in pair) for pair in pairs]
-    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in _concrete_pairs(pairs, self.shape)]
-    x = self.shrink(crop) if any(not is_symbolic(v) and v < 0 for pair in pairs for v in pair) else self
+    crops = any(not is_symbolic(v) and v < 0 for pair in pairs for v in pair)
     grow = tuple(tuple(v if is_symbolic(v) else max(v, 0) for v in pair) for pair in pairs)
+    if mode in ("reflect", "replicate"):
+      # as PyTorch: the border is read from the whole input, then the negative amounts crop (reflect (2, -3) of
+      # [a, b, c, d] is [c, b, a]); circular crops first, as PyTorch's circular pad does
+      grown = pad_with_mode(self, grow, mode) if any(pair != (0, 0) for pair in grow) else self
+      if not crops: return grown
+      return grown.shrink([(-min(before, 0), size + min(after, 0)) if min(before, after) < 0 else None
+                           for (before, after), size in _concrete_pairs(pairs, grown.shape)])
+    crop = [(-min(before, 0), size + min(after, 0)) for (before, after), size in _concrete_pairs(pairs, self.shape)]
+    x = self.shrink(crop) if crops else self
     if all(pair == (0, 0) for pair in grow): return x
     if mode != "constant": return pad_with_mode(x, grow, mode)
     padded = F.Pad.apply(x, arg=grow)
-    if value == 0: return padded
+    # -0.0 == 0 in Python, but a float tensor padded with -0.0 keeps that sign (cat relies on it)
+    if value == 0 and not (self.dtype.is_float and math.copysign(1.0, value) < 0): return padded
     inside = F.Pad.apply(type(self).ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
     return inside.where(padded, value)
 
@@ -302,7 +311,7 @@ class MovementMixin:
   # ---------------------------------------------------------------- indexing
 
   def _index_tensor(self, item: Any) -> Tensor:
-    """A list, tuple or array used as an index, as an integer tensor; the list may hold Tensors (`x[[i, 1]]`)."""
+    """A list, tuple or array used as one index, as an integer tensor; the list may hold Tensors (`x[[i, 1], :]`)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if isinstance(item, Tensor): return item
     if isinstance(item, (list, tuple)) and any(isinstance(part, (Tensor, list, tuple)) for part in item):
@@ -310,6 +319,13 @@ class MovementMixin:
     return Tensor(item, device=self.device)
 
   def _normalize_index(self, index: Any) -> list[Any]:
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    # PyTorch's (and old numpy's) rule: a list shorter than 32 holding a sequence, tensor, slice, None or ... is a
+    # tuple of indices (x[[[0]]] is x[[0]], x[[[0, 1], [1, 2]]] is x[[0, 1], [1, 2]])
+    if isinstance(index, list) and len(index) < 32 and any(
+        isinstance(item, (list, tuple, np.ndarray, Tensor, slice)) or item is None or item is Ellipsis
+        for item in index):
+      index = tuple(index)
     items = list(index) if isinstance(index, tuple) else [index]
     # a list, tuple or array inside the index is an integer-tensor index, as in PyTorch (x[i, (1, 2, 3)])
     items = [self._index_tensor(item) if isinstance(item, (list, tuple, np.ndarray)) else item for item in items]
@@ -378,7 +394,9 @@ class MovementMixin:
     return steps, tensor_dims
 
   def __getitem__(self, index: Any) -> Tensor:
-    """Basic indexing (ints, slices with steps, None, Ellipsis) as views, and integer-Tensor indexing."""
+    """Basic indexing (ints, slices with steps, None, Ellipsis) as views, integer-Tensor indexing, and boolean
+    masks (x[mask]: realizes the mask, as its count of True sets the result's size)."""
+    index = self._bool_masks_as_indices(index)
     steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
     x = self
     for forward, _ in steps: x = forward(x)
@@ -433,24 +451,24 @@ class MovementMixin:
     chosen = picked.where(values, 0) if self.dtype != dtypes.bool else picked.where(values.cast(dtypes.int32), 0)
     summed = chosen.sum(axis=tuple(range(len(rest) + batch, len(rest) + batch + len(dims))), dtype=chosen.dtype)
     result = summed.cast(self.dtype)
-    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
-    if adjacent and dims[0] > 0:
-      # move the index dims to where the indexed dims were
-      order = list(range(len(rest)))
-      order = order[:dims[0]] + list(range(len(rest), len(rest) + batch)) + order[dims[0]:]
-      result = result.permute(order)
-    elif not adjacent or dims[0] == 0:
-      order = list(range(len(rest), len(rest) + batch)) + list(range(len(rest)))
-      result = result.permute(order)
-    return result
+    # As in PyTorch, a 0-d index selects like an int (its dim is gone before the placement rule applies): the other
+    # index dims, adjacent once the 0-d ones are gone, take the broadcast dims where they were; else they go first
+    selected = [dim for dim, index in tensor_dims if index.ndim == 0]
+    placed = [dim - sum(1 for zero in selected if zero < dim) for dim, index in tensor_dims if index.ndim > 0]
+    adjacent = bool(placed) and placed == list(range(placed[0], placed[0] + len(placed)))
+    position = placed[0] if adjacent else 0
+    order = list(range(position)) + list(range(len(rest), len(rest) + batch)) + list(range(position, len(rest)))
+    return result.permute(order)
 
   def __setitem__(self, index: Any, value: Tensor | Scalar) -> None:
     """`t[index] = value` for basic indices (ints, slices, None, ...). The value is put back into place by
-    the inverse view steps and merged with `where`: one fused elementwise kernel writing this tensor's buffer."""
+    the inverse view steps and merged with `where`: one fused elementwise kernel writing this tensor's buffer.
+    Integer-tensor indices and boolean masks go through `_setitem_advanced`."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    if self._setitem_by_mask(index, value): return
+    index = self._bool_masks_as_indices(index)
     steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
-    if tensor_dims:
-      raise NotImplementedError("assignment through tensor indices is not supported; build a mask and use where")
+    if tensor_dims: return self._setitem_advanced(index, value)
     selected = self
     for forward, _ in steps: selected = forward(selected)
     value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
@@ -459,7 +477,71 @@ class MovementMixin:
     value = value.cast(self.dtype).expand(selected.shape)
     inside = Tensor.full(selected.shape, True, dtypes.bool, device=self.device)
     for _, inverse in reversed(steps): value, inside = inverse(value), inverse(inside)
-    self.assign(inside.where(value, self.detach()))
+    # `self`, not detached: the elements not written keep their gradient path (Tensor.assign adopts the graph)
+    self.assign(inside.where(value, self))
+
+  def _bool_masks_as_indices(self, index: Any) -> Any:
+    """The index with each boolean mask (a bool Tensor, numpy array or list) replaced by the integer tensors of its
+    True positions, one per dim it covers (numpy's rule: a k-dim mask indexes k dims). Realizes the masks."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    items = list(index) if isinstance(index, tuple) else [index]
+    masks = [_as_bool_mask(item, Tensor, self.device) for item in items]
+    if all(mask is None for mask in masks): return index
+    consumed = [mask.ndim if mask is not None else 0 if item is None or item is Ellipsis else 1
+                for item, mask in zip(items, masks)]
+    converted: list[Any] = []
+    dim = 0
+    for position, (item, mask) in enumerate(zip(items, masks)):
+      if item is Ellipsis: dim = self.ndim - sum(consumed[position + 1:])
+      if mask is None:
+        converted.append(item)
+      else:
+        if mask.ndim == 0: raise IndexError("a 0-d boolean mask is not supported as an index; use where")
+        covered = self.shape[dim:dim + mask.ndim]
+        if mask.shape != covered:
+          raise IndexError(f"boolean mask of shape {mask.shape} does not match the dims it indexes, {covered} at dim "
+                           f"{dim} of a tensor of shape {self.shape}")
+        converted.extend(mask.nonzero(as_tuple=True))
+      dim += consumed[position]
+    return tuple(converted)
+
+  def _setitem_by_mask(self, index: Any, value: Any) -> bool:
+    """`t[mask] = value` with a bool mask over the leading dims and a value that broadcasts to the rest (a number,
+    or one row): a lazy `where`, no realize. False (nothing done) for any other index."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    mask = _as_bool_mask(index, Tensor, self.device)
+    if mask is None or mask.ndim == 0 or mask.shape != self.shape[:mask.ndim]: return False
+    value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
+    rest = self.shape[mask.ndim:]
+    if value.ndim > len(rest) or any(v not in (1, r) for v, r in zip(value.shape[::-1], rest[::-1])): return False
+    if value.device != self.device:
+      raise DeviceError(f"cannot assign a tensor on {value.device} into one on {self.device}; use .to()")
+    spread = mask.reshape(mask.shape + (1,) * len(rest))
+    self.assign(spread.where(value.cast(self.dtype), self.detach()))
+    return True
+
+  def _setitem_advanced(self, index: Any, value: Tensor | Scalar) -> None:
+    """`t[index] = value` where the index holds integer tensors (boolean masks already turned into them). The flat
+    address of every selected element comes from indexing an arange the same way, realized (as PyTorch's eager
+    index_put_ reads its indices); on the host each place then learns which source writes it, the last one where
+    an index repeats (as numpy's and PyTorch's CPU assignment). The new values are a lazy gather of the sources and a
+    where with the old ones, written through assign like basic setitem: O(numel), no one-hot."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    # 1 + the flat address of each selected element; an index out of range reads 0 (see _take_rows)
+    places = (Tensor.arange(self.numel(), device=self.device) + 1).reshape(self.shape)[index]
+    value = value if isinstance(value, Tensor) else Tensor(value, device=self.device, dtype=self.dtype)
+    if value.device != self.device:
+      raise DeviceError(f"cannot assign a tensor on {value.device} into one on {self.device}; use .to()")
+    sources = value.cast(self.dtype).expand(places.shape).reshape(-1, 1)
+    if places.numel() == 0: return
+    addresses = places.numpy().reshape(-1).astype(np.int64) - 1
+    if (addresses < 0).any():
+      raise IndexOutOfRangeError(f"an index tensor in t[index] = value is out of range for shape {self.shape}")
+    source_of_place = np.full(self.numel(), -1, dtype=np.int32)
+    source_of_place[addresses] = np.arange(addresses.size, dtype=np.int32)  # numpy assigns in order: the last wins
+    picked = sources._take_rows(Tensor(np.maximum(source_of_place, 0), device=self.device)).reshape(self.shape)
+    written = Tensor(source_of_place >= 0, device=self.device).reshape(self.shape)
+    self.assign(written.where(picked, self.detach()))
 
   def gather(self, dim: int, index: Tensor) -> Tensor:
     """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather); reads only the picked elements. An index
@@ -490,9 +572,9 @@ class MovementMixin:
     flat = ((picked >= 0) & (picked < size)).where(flat, prod(self.shape))
     return self.reshape(-1, 1)._take_rows(flat).reshape(index.shape)
 
-  def _scattered(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
-    """The sum of `src` scattered into this tensor's shape along `dim` at `index` (as scatter_add adds it), and a
-    bool mask of the places written. One-hot over the target positions and a sum: one kernel, no scatter op."""
+  def _scatter_hits(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """With `dim` moved last: a bool one-hot (..., k, n), True where source position k along `dim` targets position
+    n, and the sources (..., k, 1) in this tensor's dtype. Shapes checked as torch.scatter checks them."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
     if index.ndim != self.ndim or src.ndim != self.ndim:
@@ -506,12 +588,21 @@ class MovementMixin:
     index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
     index_last = (index_last < 0).where(index_last + size, index_last)
     hits = index_last == Tensor.arange(size, device=self.device)  # (..., k, n)
-    values = src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+    return hits, src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+
+  def _scattered_back(self, dim: int, per_target: Tensor, fill: Scalar = 0) -> Tensor:
+    """A (..., n) result of the one-hot layout (`dim` last) back in this tensor's shape: the index may be smaller than
+    it in the other dims (`fill` there)."""
+    axis = self._axis(dim)
+    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape, per_target.shape)]
+    return per_target.pad(grow, value=fill).transpose(axis, -1)
+
+  def _scattered(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """The sum of `src` scattered into this tensor's shape along `dim` at `index` (as scatter_add adds it), and a
+    bool mask of the places written. One-hot over the target positions and a sum: one kernel, no scatter op."""
+    hits, values = self._scatter_hits(dim, index, src)
     added = hits.where(values, 0).sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else dtypes.int32)
-    written = hits.any(-2)
-    # back to this tensor's shape: the index may be smaller than it in the other dims
-    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape, added.shape)]
-    return added.pad(grow).transpose(axis, -1).cast(self.dtype), written.pad(grow).transpose(axis, -1)
+    return self._scattered_back(dim, added).cast(self.dtype), self._scattered_back(dim, hits.any(-2))
 
   def scatter_add(self, dim: int, index: Tensor, src: Tensor) -> Tensor:
     """self with src[i][j] added at [index[i][j]][j] (for dim 0; likewise for other dims), as torch.scatter_add."""
@@ -519,15 +610,79 @@ class MovementMixin:
     return self + added
 
   def scatter(self, dim: int, index: Tensor, src: Tensor | float | int, reduce: str | None = None) -> Tensor:
-    """self with src (a tensor, or one number) written at `index` along `dim`, as torch.scatter; reduce="add" adds
-    instead. Where an index repeats, the written value is the sum of the sources (PyTorch keeps one of them,
-    unspecified which): keep indices unique."""
+    """self with src (a tensor, or one number) written at `index` along `dim`, as torch.scatter. Where an index
+    repeats, the last source along `dim` is kept (what PyTorch's CPU loop leaves; its docs leave it unspecified).
+    reduce="add" adds every source, reduce="multiply" multiplies self by every source, as torch.scatter's."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     source = src if isinstance(src, Tensor) else Tensor.full(index.shape, src, self.dtype, device=self.device)
     if reduce == "add": return self.scatter_add(dim, index, source)
-    if reduce is not None: raise ValueError(f"scatter reduce must be None or 'add', got {reduce!r}")
-    placed, written = self._scattered(dim, index, source)
-    return written.where(placed, self)
+    if reduce not in (None, "multiply"):
+      raise ValueError(f"scatter reduce must be None, 'add' or 'multiply', got {reduce!r}")
+    hits, values = self._scatter_hits(dim, index, source)
+    if reduce == "multiply":
+      factors = hits.where(values, 1).cast(self.dtype).prod(-2)
+      return self * self._scattered_back(dim, factors, fill=1)
+    # the last source hitting each target: its position k + 1 is the largest among the hits
+    order = Tensor.arange(1, hits.shape[-2] + 1, device=self.device).reshape(hits.shape[-2], 1)
+    last = hits.where(order, 0).max(-2, keepdim=True)
+    chosen = hits & (order == last)
+    placed = chosen.where(values, 0).sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else dtypes.int32)
+    written = self._scattered_back(dim, hits.any(-2))
+    return written.where(self._scattered_back(dim, placed).cast(self.dtype), self)
+
+  def scatter_reduce(self, dim: int, index: Tensor, src: Tensor, reduce: str, include_self: bool = True) -> Tensor:
+    """self with the values of `src` reduced into the places `index` names along `dim`, as torch.scatter_reduce:
+    `reduce` is "sum", "prod", "mean", "amax" or "amin"; with `include_self` the present value takes part in the
+    reduction, otherwise only the sources do (places no index names keep their value either way). Each place
+    reduces over a one-hot of the sources that land on it (one fused reduce, no scatter op), so every source takes
+    part, repeated indices included, and the gradients are the reduce's own (amax/amin share them among ties)."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    identities = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "amax": -math.inf, "amin": math.inf}
+    if reduce not in identities:
+      raise ValueError(f"scatter_reduce reduce must be one of {sorted(identities)}, got {reduce!r}")
+    hits, values = self._scatter_sources(dim, index, src)  # (..., k, n) each, the target axis last
+    axis = self._axis(dim)
+    if include_self:  # the present value as one more source, landing on its own place
+      own = self.transpose(axis, -1).unsqueeze(-2)
+      hits = Tensor.ones(*own.shape, dtype=dtypes.bool, device=self.device).cat(hits, dim=-2)
+      values = own.cat(values.expand(*values.shape[:-1], own.shape[-1]), dim=-2)
+    identity = identities[reduce]
+    if not self.dtype.is_float and math.isinf(identity):
+      identity = self.dtype.min if reduce == "amax" else self.dtype.max
+    picked = hits.where(values, Tensor.full((), identity, self.dtype, device=self.device))
+    if reduce in ("sum", "mean"): reduced = picked.sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else None)
+    elif reduce == "prod": reduced = picked.prod(-2)
+    else: reduced = picked.max(-2) if reduce == "amax" else picked.min(-2)
+    count = hits.sum(-2)
+    if reduce == "mean":
+      mean = reduced / count.maximum(1).cast(reduced.dtype)
+      # integer means round down, as torch's floor division of the sum by the count
+      reduced = mean if self.dtype.is_float else reduced.div(count.maximum(1), rounding_mode="floor")
+    written = (count > 0).transpose(axis, -1)
+    return written.where(reduced.cast(self.dtype).transpose(axis, -1), self)
+
+  def _scatter_sources(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """For scatter_reduce: with `dim` moved last, a bool (..., k, n) of which of the k sources along `dim` lands on
+    each of the n places, and the sources' values (..., k, 1), both widened to this tensor's other sizes (the index
+    may be smaller than it there: the extra places receive nothing)."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    axis = self._axis(dim)
+    if index.ndim != self.ndim or src.ndim != self.ndim:
+      raise ShapeError(f"scatter_reduce needs index and src with {self.ndim} dims like the input {self.shape}, got "
+                       f"{index.shape} and {src.shape}")
+    if index.dtype.is_float or index.dtype == dtypes.bool:
+      raise IndexError(f"scatter_reduce index must hold integers, got {index.dtype}")
+    if any(i > s for i, s in zip(index.shape, src.shape)) or \
+       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
+      raise ShapeError(f"scatter_reduce index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+    src = src.shrink([(0, size) for size in index.shape])
+    size = self.shape[axis]
+    index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
+    index_last = (index_last < 0).where(index_last + size, index_last)
+    hits = index_last == Tensor.arange(size, device=self.device)  # (..., k, n)
+    values = src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+    grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape[:-1], hits.shape[:-2])]
+    return hits.pad(grow + [None, None]), values.pad(grow + [None, None])
 
   def index_add(self, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
     """self with source's slices along `dim` added at the positions of the 1-D `index` (torch.index_add)."""
@@ -558,9 +713,11 @@ class MovementMixin:
     dtype = least_upper_dtype(*(tensor.dtype for tensor in joined))
     total = sum(tensor.shape[axis] for tensor in joined)
     result, offset = None, 0
+    # floats pad with -0.0, which adds to any value exactly (+0.0 would turn a -0.0 into +0.0)
+    pad_value = -0.0 if dtype.is_float else 0
     for tensor in joined:
       pads = [(offset, total - offset - tensor.shape[axis]) if a == axis else None for a in range(first.ndim)]
-      piece = tensor.cast(dtype if dtype != dtypes.bool else dtypes.uint8).pad(pads)
+      piece = tensor.cast(dtype if dtype != dtypes.bool else dtypes.uint8).pad(pads, value=pad_value)
       result = piece if result is None else result + piece
       offset += tensor.shape[axis]
     assert result is not None
@@ -579,6 +736,26 @@ class MovementMixin:
         raise ShapeError(f"stack needs tensors of one shape, got {joined[0].shape} and {tensor.shape}")
     axis = normalize_axis(dim, joined[0].ndim + 1)
     return joined[0].unsqueeze(axis).cat(*[tensor.unsqueeze(axis) for tensor in joined[1:]], dim=axis)
+
+  @staticmethod
+  def meshgrid(*tensors: Tensor | Sequence[Tensor], indexing: str = "ij") -> tuple[Tensor, ...]:
+    """Coordinate grids from 1-D (or 0-d) tensors, as torch.meshgrid: with indexing "ij" output k varies along dim
+    k; with "xy" the first two dims are swapped (Cartesian, as numpy's default). Each output is an expanded view."""
+    inputs = list(tensors[0]) if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)) else list(tensors)
+    if indexing not in ("ij", "xy"): raise ValueError(f"meshgrid indexing must be 'ij' or 'xy', got {indexing!r}")
+    if not inputs: raise ValueError("meshgrid needs at least one tensor")
+    for tensor in inputs:
+      if tensor.ndim > 1: raise ShapeError(f"meshgrid takes 0-d or 1-d tensors, got shape {tensor.shape}")
+    flat = [tensor.reshape(-1) for tensor in inputs]
+    swap = indexing == "xy" and len(flat) >= 2
+    order = [1, 0, *range(2, len(flat))] if swap else list(range(len(flat)))
+    shape = tuple(flat[k].shape[0] for k in order)
+    grids = []
+    for number, tensor in enumerate(flat):
+      position = order.index(number)
+      view = [-1 if axis == position else 1 for axis in range(len(flat))]
+      grids.append(tensor.reshape(view).expand(shape))
+    return tuple(grids)
 
   def split(self, split_size: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
     """Views of consecutive pieces along `dim`: `split_size` long each (the last may be shorter), or one per size in a
@@ -619,6 +796,15 @@ def _joined_tensors(name: str, first: Any, rest: tuple[Any, ...], dim: int) -> t
     if not hasattr(tensor, "lazydata"):
       raise TypeError(f"{name} joins Tensors, got {type(tensor).__name__}; pass the dim as dim=")
   return tensors, dim
+
+
+def _as_bool_mask(item: Any, tensor_class: Any, device: Any) -> Any:
+  """`item` as a bool Tensor if it is a boolean mask (a bool Tensor, numpy bool array, or list of bools), else None."""
+  if isinstance(item, tensor_class): return item if item.dtype == dtypes.bool else None
+  if isinstance(item, np.ndarray): return tensor_class(item, device=device) if item.dtype == np.bool_ else None
+  if isinstance(item, list) and item and all(isinstance(part, (bool, np.bool_)) for part in item):
+    return tensor_class(item, device=device)
+  return None
 
 
 def _narrow_step(dim: int, start: int, end: int, size: int) -> tuple[Any, Any]:

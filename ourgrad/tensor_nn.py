@@ -81,6 +81,31 @@ def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: 
   return _reduce(loss, reduction)
 
 
+def _check_class_weight(weight: Tensor, classes: int, what: str) -> None:
+  if weight.shape != (classes,):
+    raise ShapeError(f"{what}: weight must hold one value per class, shape ({classes},), got {weight.shape}")
+
+
+def _weighted_index_nll(log_probs: Tensor, target: Tensor, weight: Tensor, reduction: str, ignore_index: int,
+                        label_smoothing: float) -> Tensor:
+  """_index_nll with a weight per class (classes last), PyTorch's rules: each sample's loss is scaled by the
+  weight of its target class, and "mean" divides by the sum of those weights over the samples not ignored. With
+  label smoothing e the loss is (1-e) * that + e/C * the weighted sum of -log p over the classes, normalized the
+  same way."""
+  _check_reduction(reduction)
+  classes = log_probs.shape[-1]
+  _check_class_weight(weight, classes, "nll_loss/cross_entropy")
+  one_hot = target.unsqueeze(-1) == type(log_probs).arange(classes, device=log_probs.device)
+  keep = target != ignore_index
+  target_weight = keep.where(one_hot.where(weight, 0).sum(-1), 0)
+  loss = -one_hot.where(log_probs, 0).sum(-1) * target_weight
+  if label_smoothing:
+    smooth = keep.where(-(log_probs * weight).sum(-1), 0)
+    loss = (1.0 - label_smoothing) * loss + (label_smoothing / classes) * smooth
+  if reduction == "mean": return loss.sum() / target_weight.sum()
+  return _reduce(loss, reduction)
+
+
 def _check_same_shape(a: Tensor, b: Tensor, what: str) -> None:
   # PyTorch only warns on broadcasting here, and it is nearly always a bug ((N, 1) vs (N,)), so refuse it
   if a.shape != b.shape: raise ShapeError(f"{what}: input of shape {a.shape} and target of shape {b.shape} differ")
@@ -136,27 +161,34 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
 
   # ---------------------------------------------------------------- losses
 
-  def nll_loss(self: Tensor, target: Tensor, reduction: str = "mean", ignore_index: int = -100) -> Tensor:
+  def nll_loss(self: Tensor, target: Tensor, reduction: str = "mean", ignore_index: int = -100,
+               weight: Tensor | None = None) -> Tensor:
     """Negative log-likelihood of these log-probabilities at the class indices `target`, like
-    torch.nn.functional.nll_loss (classes on axis 1 ((N, C, ...)) or 0 ((C,)))."""
+    torch.nn.functional.nll_loss (classes on axis 1 ((N, C, ...)) or 0 ((C,))). `weight` (C,) scales each
+    sample by its class's weight, and "mean" then divides by the sum of the weights used, as in PyTorch."""
     scores = _class_last(self)
     _check_index_target(scores, target, "nll_loss")
+    if weight is not None: return _weighted_index_nll(scores, target, weight, reduction, ignore_index, 0.0)
     return _index_nll(scores, target, reduction, ignore_index, 0.0)
 
   def cross_entropy(self: Tensor, target: Tensor, reduction: str = "mean", label_smoothing: float = 0.0,
-                    ignore_index: int = -100) -> Tensor:
+                    ignore_index: int = -100, weight: Tensor | None = None) -> Tensor:
     """Cross entropy of these logits like torch.nn.functional.cross_entropy: log_softmax over the class axis (1,
     or 0 for unbatched (C,) input) and the negative log-likelihood of `target`.
 
     `target` is either integer class indices (the input's shape without the class axis; `ignore_index` samples
     are skipped) or float class probabilities of the input's shape (smoothed towards uniform by
-    `label_smoothing`; "mean" then divides by the number of samples)."""
+    `label_smoothing`; "mean" then divides by the number of samples). `weight` (C,) weighs each class as in
+    PyTorch: index targets divide "mean" by the sum of the weights of the targets used; probability targets
+    scale each class's term and divide "mean" by the number of samples."""
     if not 0.0 <= label_smoothing <= 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     scores = _class_last(self)
     log_probs = scores.log_softmax(-1)
     if not target.dtype.is_float:
       _check_index_target(scores, target, "cross_entropy")
+      if weight is not None:
+        return _weighted_index_nll(log_probs, target, weight, reduction, ignore_index, label_smoothing)
       return _index_nll(log_probs, target, reduction, ignore_index, label_smoothing)
     if target.shape != self.shape:
       raise ShapeError(f"cross_entropy: a probability target must have the input's shape {self.shape}, "
@@ -164,6 +196,9 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     _check_reduction(reduction)
     probs = _class_last(target)
     if label_smoothing: probs = probs * (1.0 - label_smoothing) + label_smoothing / scores.shape[-1]
+    if weight is not None:
+      _check_class_weight(weight, scores.shape[-1], "cross_entropy")
+      probs = probs * weight
     return _reduce(-(probs * log_probs).sum(-1), reduction)
 
   def sparse_categorical_crossentropy(self: Tensor, target: Tensor, ignore_index: int = -1,

@@ -131,14 +131,15 @@ class ReduceMixin:
 
   @accepts_dim
   def var(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
-    """The variance over `axis` (all if None) with `correction` (1: unbiased, as torch.var); NaN when there are no more
-    elements than `correction`."""
+    """The variance over `axis` (all if None) with `correction` (1: unbiased, as torch.var). As in PyTorch, the sum of
+    squares is divided by max(0, n - correction): inf when there are no more elements than `correction` (NaN where
+    the sum is 0, as for one element)."""
     x = self._float_operand()
     count = prod(self.shape[a] for a in self._reduce_axes(axis))
     # the mean is a constant for the gradient: its share, sum(x - mean) * d(mean), is zero, and leaving it out keeps
     # one infinite element from turning every gradient into NaN (torch's var_backward is 2 (x - mean) / (n - c))
     squares = (x - x.detach().mean(axis, keepdim=True)).square().sum(axis, keepdim)
-    return squares / max(count - correction, 0) if count - correction > 0 else squares * math.nan
+    return squares / max(count - correction, 0)
 
   @accepts_dim
   def std(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
@@ -208,8 +209,11 @@ class ReduceMixin:
 
   @accepts_dim
   def logsumexp(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-    """log(sum(exp(self))) over `axis` (all if None), computed stably by subtracting the maximum first."""
+    """log(sum(exp(self))) over `axis` (all if None), computed stably by subtracting the maximum first; -inf over an
+    empty axis."""
     x = self._float_operand()
+    # over an empty axis the sum of exps is 0: -inf, as in PyTorch (max has no identity there)
+    if any(self.shape[a] == 0 for a in self._reduce_axes(axis)): return x.sum(axis, keepdim).log()
     peak = x.max(axis, keepdim=True)
     peak = peak.isinf().where(0, peak)  # all -inf (or an inf) would give nan through x - peak
     total = (x - peak).exp().sum(axis, keepdim=True).log() + peak
@@ -283,6 +287,8 @@ class ReduceMixin:
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     dim = self._axis(axis)
     if self.ndim == 0: return ValuesIndices(self, Tensor.zeros((), dtype=dtypes.int64, device=self.device))
+    # nothing to scan: empty results, as in PyTorch
+    if self.numel() == 0: return ValuesIndices(self, Tensor.zeros(self.shape, dtype=dtypes.int64, device=self.device))
     x = self.detach().transpose(dim, -1)
     key = x if largest else (-x if x.dtype.is_float else ~x)
     if key.dtype == dtypes.bool: key = key.cast(dtypes.int32)
@@ -395,6 +401,10 @@ class ReduceMixin:
     if x.shape[-1] != y.shape[-2]:
       raise ShapeError(f"matmul inner dimensions differ: {self.shape} @ {other.shape} "
                        f"({x.shape[-1]} != {y.shape[-2]})")
+    if x.ndim > 2 and other.ndim == 2:
+      # (..., m, k) @ (k, n) is one (prod(...) * m, k) @ (k, n) product: one M axis, and in the backward one reduce axis
+      # over all rows for the weight's gradient (not one per leading dim), which split-K and tensor cores expect
+      return x.reshape(-1, x.shape[-1]).matmul(y).reshape(*x.shape[:-1], y.shape[-1])
     dtype = least_upper_dtype(x.dtype, y.dtype)
     accumulate = dtypes.float32 if dtype in (dtypes.float16, dtypes.bfloat16) else dtype
     if dtype == dtypes.bool: accumulate = dtypes.int32

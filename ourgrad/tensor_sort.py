@@ -1,5 +1,5 @@
-"""Ordering for Tensor (SortMixin): sort, argsort, topk, order statistics (kthvalue, median, quantile) and sampling
-by order (multinomial).
+"""Ordering for Tensor (SortMixin): sort, argsort, topk, order statistics (kthvalue, median, quantile), sampling
+by order (multinomial) and the selections whose size depends on the data (nonzero, masked_select, unique).
 
 There is no sort primitive: an element's place in sorted order is its rank, the number of elements of its row that
 come before it (smaller, or equal and earlier, so the sort is stable), computed with one broadcast comparison of the
@@ -8,6 +8,10 @@ indexing is. That is O(n^2) work and memory per row of n: fine for the rows sort
 50k is 2.5e9 comparisons: use it on candidates, not whole vocabularies). NaN sorts above every number, as in
 PyTorch. Gradients flow to the values through the masked sums.
 
+nonzero, masked_select and unique have a result whose shape depends on the values, so they realize their input (as
+PyTorch's eager mode and tinygrad do) and find the positions on the host; masked_select then picks the values with a
+lazy, differentiable gather. Inside a TinyJit function they raise (the size would be frozen into every replay).
+
 The methods become Tensor's through `class Tensor(..., SortMixin, ...)` in ourgrad/tensor.py; this module does not
 import that one at load time (it imports this one), so methods that make a Tensor import the class when called.
 """
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ourgrad.dtype import dtypes
 from ourgrad.errors import DTypeError, ShapeError
@@ -161,3 +167,53 @@ class SortMixin:
     if x.dtype.is_float: result = x.isnan().any(axis, keepdim=True).where(math.nan, result)
     if dim is None: return result.reshape((1,) * self.ndim) if keepdim else result.reshape(())
     return result if keepdim else result.squeeze(axis)
+
+  # ---------------------------------------------------------------- data-dependent shapes (realize the input)
+
+  def nonzero(self, as_tuple: bool = False) -> Tensor | tuple[Tensor, ...]:
+    """The indices of the non-zero (True) elements in row-major order, as torch.nonzero: an int64 (count, ndim)
+    tensor, or with `as_tuple` one int64 (count,) tensor per dim (what x[mask] indexes with). Realizes self."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    values = self.numpy()
+    if self.ndim == 0:  # PyTorch: one (or no) hit with no coordinates
+      count = int(bool(values))
+      if as_tuple: return (Tensor.zeros(count, dtype=dtypes.int64, device=self.device),)
+      return Tensor.zeros(count, 0, dtype=dtypes.int64, device=self.device)
+    coordinates = np.nonzero(values)
+    if as_tuple: return tuple(Tensor(c.astype(np.int64), device=self.device) for c in coordinates)
+    return Tensor(np.stack(coordinates, axis=1).astype(np.int64).reshape(-1, self.ndim), device=self.device)
+
+  def argwhere(self) -> Tensor:
+    """The same as nonzero(): an int64 (count, ndim) tensor of the non-zero elements' indices."""
+    return self.nonzero()
+
+  def masked_select(self, mask: Tensor) -> Tensor:
+    """The elements where `mask` (bool, broadcast with self) is True, as a 1-D tensor in row-major order, as
+    torch.masked_select. Realizes the mask; the values are a lazy gather, so gradients flow back to self."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    if mask.dtype != dtypes.bool: raise DTypeError(f"masked_select needs a bool mask, got {mask.dtype}")
+    x, mask = self._broadcasted_pair(mask)
+    positions = np.flatnonzero(mask.numpy()).astype(np.int32)
+    return x.reshape(-1)[Tensor(positions, device=self.device)]
+
+  def _broadcasted_pair(self, other: Tensor) -> tuple[Tensor, Tensor]:
+    """self and `other` expanded to their broadcast shape, each keeping its dtype."""
+    shape = tuple(np.broadcast_shapes(self.shape, other.shape))
+    return self.expand(shape), other.expand(shape)
+
+  def unique(self, sorted: bool = True, return_inverse: bool = False, return_counts: bool = False,  # noqa: A002
+             dim: int | None = None) -> Tensor | tuple[Tensor, ...]:
+    """The distinct values (or distinct slices along `dim`) in ascending order, as torch.unique, with the index of
+    each element's value among them (`return_inverse`, the input's shape; (size of dim,) with `dim`) and how often
+    each occurs (`return_counts`), both int64. Always sorted (`sorted=False` is accepted, as PyTorch's CPU kernel
+    may sort anyway). Realizes self; not differentiable."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    values = self.numpy()
+    axis = None if dim is None else self._axis(dim)
+    found = np.unique(values, return_inverse=True, return_counts=True, axis=axis)
+    unique_values, inverse, counts = found
+    inverse = inverse.reshape(self.shape if axis is None else (-1,)).astype(np.int64)
+    results = [Tensor(unique_values, dtype=self.dtype, device=self.device)]
+    if return_inverse: results.append(Tensor(inverse, device=self.device))
+    if return_counts: results.append(Tensor(counts.astype(np.int64), device=self.device))
+    return results[0] if len(results) == 1 else tuple(results)

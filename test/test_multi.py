@@ -15,7 +15,7 @@ from ourgrad.errors import DeviceError, ShardingError
 from ourgrad.multi import MultiLazyBuffer
 from ourgrad.nn import Linear
 from ourgrad.nn.optim import SGD, Adam
-from ourgrad.nn.state import get_state_dict
+from ourgrad.nn.state import get_state_dict, load_state_dict
 
 D2 = ("CLANG:0", "CLANG:1")
 D3 = ("CLANG:0", "CLANG:1", "CLANG:2")
@@ -185,6 +185,83 @@ def test_autograd_replicated_weight_gets_allreduced_grad():
   ((torch.tensor(a) @ torch_weight).relu().sum(1) ** 2).mean().backward()
   for lb in weight.grad.lazydata.lbs:
     np.testing.assert_allclose(Tensor(lb).numpy(), torch_weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [0, 1, None])
+def test_gradient_flows_back_through_shard(axis):
+  import torch
+  w, a = values((5, 4)), values((5, 4))
+  weight = Tensor(w, requires_grad=True)
+  sharded = weight.shard(D2, axis)
+  ((sharded * Tensor(a).shard(D2, axis)).sum() + (sharded * sharded).sum()).backward()
+  torch_weight = torch.tensor(w, requires_grad=True)
+  ((torch_weight * torch.tensor(a)).sum() + (torch_weight * torch_weight).sum()).backward()
+  assert weight.grad is not None and weight.grad.device == "CLANG"   # gathered onto the unsharded tensor's device
+  np.testing.assert_allclose(weight.grad.numpy(), torch_weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_flows_back_through_a_reshard():
+  import torch
+  w = values((6, 3))
+  weight = Tensor(w, requires_grad=True).shard_(D2, 0)
+  resharded = weight.shard(D2, 1)   # another cut of a tensor already over the devices
+  (resharded * resharded * 3).sum().backward()
+  assert weight.grad.lazydata.axis == 0 and weight.grad.device == weight.device   # cut as the weight is
+  torch_weight = torch.tensor(w, requires_grad=True)
+  (torch_weight * torch_weight * 3).sum().backward()
+  np.testing.assert_allclose(weight.grad.numpy(), torch_weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _sharded_linear() -> Linear:
+  layer = Linear(4, 3)   # 3 output rows over 2 devices: pieces of 2 and 1
+  layer.weight.shard_(D2, 0)
+  layer.bias.shard_(D2)
+  return layer
+
+
+def test_load_state_dict_into_a_sharded_model_keeps_the_sharding_and_the_buffers():
+  layer = _sharded_linear()   # still lazy: the first load gives every shard a buffer of its own
+  load_state_dict(layer, {"weight": Tensor(values((3, 4))), "bias": Tensor(values((3,)))})
+  buffers = [lb.realized for tensor in (layer.weight, layer.bias) for lb in tensor.lazydata.lbs]
+  weight, bias = values((3, 4)), values((3,))
+  load_state_dict(layer, {"weight": Tensor(weight), "bias": Tensor(bias)})   # written into those buffers
+  assert layer.weight.lazydata.axis == 0 and layer.bias.lazydata.axis is None
+  assert [lb.base.realized for tensor in (layer.weight, layer.bias) for lb in tensor.lazydata.lbs] == buffers
+  np.testing.assert_array_equal(layer.weight.numpy(), weight)
+  np.testing.assert_array_equal(Tensor(layer.weight.lazydata.lbs[1]).numpy(), weight[2:])   # the second device's rows
+  for replica in layer.bias.lazydata.lbs: np.testing.assert_array_equal(Tensor(replica).numpy(), bias)
+  # a sharded value cut another way
+  lazy_layer = _sharded_linear()
+  load_state_dict(lazy_layer, {"weight": Tensor(weight).shard(D2, 1), "bias": Tensor(bias).shard(D2, 0)})
+  np.testing.assert_array_equal(lazy_layer.weight.numpy(), weight)
+  np.testing.assert_array_equal(lazy_layer.bias.numpy(), bias)
+  assert lazy_layer.weight.lazydata.axis == 0
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam"])
+def test_optimizer_over_sharded_parameters_matches_torch(name):
+  import torch
+  w, b = values((5, 4)), values((4,))
+  make = {"sgd_momentum": (lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+          "adam": (lambda p: Adam(p, lr=0.05), lambda p: torch.optim.Adam(p, lr=0.05))}[name]
+  weight = Tensor(w, requires_grad=True).shard_(D2, 0)   # rows over the devices; still lazy
+  bias = Tensor(b, requires_grad=True).shard_(D2)        # replicated
+  torch_weight, torch_bias = torch.tensor(w, requires_grad=True), torch.tensor(b, requires_grad=True)
+  optimizer, torch_optimizer = make[0]([weight, bias]), make[1]([torch_weight, torch_bias])
+  optimizer.lr = optimizer.lr / 2   # the learning rate is written into every device's copy
+  for group in torch_optimizer.param_groups: group["lr"] /= 2
+  for step in range(3):
+    x = values((5, 4))
+    optimizer.zero_grad()
+    ((weight * Tensor(x).shard(D2, 0) + bias) ** 2).sum().backward()
+    optimizer.step()
+    torch_optimizer.zero_grad()
+    ((torch_weight * torch.tensor(x) + torch_bias) ** 2).sum().backward()
+    torch_optimizer.step()
+    assert weight.lazydata.axis == 0 and bias.lazydata.axis is None
+    np.testing.assert_allclose(weight.numpy(), torch_weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for replica in bias.lazydata.lbs:
+      np.testing.assert_allclose(Tensor(replica).numpy(), torch_bias.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- data parallel

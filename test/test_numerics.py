@@ -16,7 +16,10 @@ Differences from PyTorch, by design (each pinned by a test below):
 - float64 -> float16 casts round once, correctly (as numpy does) on CLANG; PyTorch rounds through float32 first.
 - MIN / -1 with rounding_mode="trunc" wraps to MIN, as `//` does in both libraries; PyTorch's CPU kernel dies of
   SIGFPE there.
-- the sign of a zero is not kept everywhere: relu(-0.0), maximum(-0.0, 0.0), floor(-0.0) may give +0.0.
+- float64 `//`, `%` and fmod are exact only while x / y does not round across an integer (1.0 // 0.1 gives 10 in
+  float64; float32 and half precision compute the exact remainder in float64 and give PyTorch's 9).
+- the sign of a zero is not kept everywhere: relu(-0.0) and maximum(-0.0, 0.0) may give +0.0 (trunc, floor, ceil,
+  round, //, %, fmod, cat and stack keep it, as PyTorch: test_torch_parity.py).
 - floor, ceil, round, trunc and sign have no gradient (PyTorch gives them a zero one): backward through only them
   raises AutogradError.
 Known bugs, marked xfail(strict=True) so that a fix must also remove the marker, are listed at the end.

@@ -104,11 +104,21 @@ def test_indexing_forms(index: Any) -> None:
   helper_test_op([X], lambda t: index(t, torch.tensor([1, 0])), lambda t: index(t, Tensor([1, 0])))
 
 
-def test_list_holding_tensors_is_a_tensor_index() -> None:
-  """x[[i, 1]] with a Tensor i is x[tensor([i, 1])] (what PyTorch's deprecation of the tuple reading announces)."""
+@pytest.mark.filterwarnings("ignore:Using a non-tuple sequence")
+def test_a_list_holding_sequences_or_tensors_is_a_tuple_of_indices() -> None:
+  """As in PyTorch 2.13 (which warns that this reading is deprecated): a list shorter than 32 holding a sequence, a
+  tensor, a slice, None or ... indexes like the tuple of its items; numpy reads it as one array index instead."""
   i_ours, i_torch = Tensor(1), torch.tensor(1)
-  helper_test_op([X], lambda t: t[torch.stack([i_torch, torch.tensor(1)])], lambda t: t[[i_ours, 1]])
-  helper_test_op([X], lambda t: t[torch.tensor([[1, 0], [0, 1]])], lambda t: t[[[i_ours, 0], [0, i_ours]]])
+  helper_test_op([X], lambda t: t[[i_torch, 1]], lambda t: t[[i_ours, 1]])
+  helper_test_op([X], lambda t: t[[[1, 0], [0, 1]]])
+  helper_test_op([X], lambda t: t[[[0]]])
+  helper_test_op([X], lambda t: t[[slice(None), 1]])
+
+
+def test_a_list_of_numbers_or_of_tensors_inside_a_tuple_is_one_index() -> None:
+  i_ours, i_torch = Tensor(1), torch.tensor(1)
+  helper_test_op([X], lambda t: t[(torch.tensor([[1, 0], [0, 1]]),)], lambda t: t[([[i_ours, 0], [0, i_ours]],)])
+  helper_test_op([X], lambda t: t[torch.stack([i_torch, torch.tensor(1)]), :], lambda t: t[[i_ours, 1], :])
 
 
 # ================================================================ cat and stack spellings

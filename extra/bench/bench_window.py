@@ -1,7 +1,7 @@
 """The memory-bound kernels around examples/mnist.py's max-pools, each timed alone and cold: the max-pool forward
-(batchnorm's normalize and the ReLU fused before it), the backward's tie count, and the elementwise backward kernels
-that read the pools' results (each at both blocks), under the hand-coded opts beside variants, to choose the
-small-window defaults (codegen/opt/window_tiles.py) from measurements.
+(batchnorm's normalize and the ReLU fused before it), the backward's pick of each window's first maximum, and the
+elementwise backward kernels that read the pools' results (each at both blocks), under the hand-coded opts beside
+variants, to choose the small-window defaults (codegen/opt/window_tiles.py) from measurements.
 
 Variants: `before` (the heuristic without window tiles: what main chose), `hand` (the current default), then window
 tiles with each thread computing 2 or 4 outputs of an outer axis (`outer x2`, `outer x4`), with blocks of 256
@@ -125,8 +125,8 @@ VARIANTS: dict[str, Callable[[Kernel], None]] = {
 
 def step_kernels(device: str, batch: int) -> list[tuple[str, object]]:
   """(role, AST) of the kernels this benchmark times, from one scheduled training step of the small CNN: window
-  reduces (a pool forward reads a max, its backward counts ties) and the elementwise kernels whose output is a pool's
-  input (the backward through the pool, the ReLU and the batchnorm's normalize)."""
+  reduces (a pool forward reads a max, its backward picks the first maximum of each window) and the elementwise
+  kernels whose output is a pool's input (the backward through the pool, the ReLU and the batchnorm's normalize)."""
   import mnist
   from ourgrad.nn.losses import cross_entropy
   from ourgrad.nn.optim import Adam
@@ -151,8 +151,10 @@ def step_kernels(device: str, batch: int) -> list[tuple[str, object]]:
     size = item.outputs[0].size
     if window_tiles.is_window_reduce(kernel):
       pool = next(name for elements, name in pool_inputs.items() if size * 4 == elements)
-      found.append((f"{pool} " + ("max (forward)" if kernel.reduceop.op is Ops.MAX_REDUCE else "tie count (bwd)"),
-                    item.ast))
+      # the backward's window reduce (picking each window's first maximum: tensor_conv.py, _window_ranks) reads the
+      # forward's maxima, a buffer of its own output's size
+      backward = any(buffer.size == size for buffer in item.inputs)
+      found.append((f"{pool} " + ("first max (bwd)" if backward else "max (forward)"), item.ast))
     elif kernel.reduceop is None and size in pool_inputs:
       found.append((f"{pool_inputs[size]} elementwise (backward)", item.ast))
   return found

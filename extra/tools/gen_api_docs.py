@@ -9,11 +9,16 @@ import pathlib
 
 import ourgrad
 from ourgrad import Tensor, nn
-from ourgrad.nn import functional, losses, optim, state
+from ourgrad.nn import functional, init, losses, optim, state
+from ourgrad.nn import utils as nn_utils
+from ourgrad.optim import lr_scheduler
+from ourgrad.utils import data
 
 SECTIONS = [("ourgrad", ourgrad), ("Tensor", Tensor), ("ourgrad.nn (layers)", nn), ("ourgrad.nn.Module", nn.Module),
             ("ourgrad.nn.functional", functional),
-            ("ourgrad.nn.losses", losses), ("ourgrad.nn.optim", optim), ("ourgrad.nn.state", state)]
+            ("ourgrad.nn.losses", losses), ("ourgrad.nn.optim", optim), ("ourgrad.optim.lr_scheduler", lr_scheduler),
+            ("ourgrad.nn.init", init), ("ourgrad.nn.utils", nn_utils), ("ourgrad.utils.data", data),
+            ("ourgrad.nn.state", state)]
 
 
 def first_paragraph(obj: object) -> str:

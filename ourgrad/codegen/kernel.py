@@ -131,15 +131,23 @@ def _sibling_reduces(ast: LazyOp, reduces: list[LazyOp]) -> bool:
   return len({(reduce.arg, reduce.op, reduce.dtype) for reduce in reduces}) == 1
 
 
-def _row_kernel_axes(reduces: list[LazyOp], store_st: ShapeTracker) -> tuple[int, ...] | None:
+def _row_kernel_axes(reduces: list[LazyOp], store_st: ShapeTracker, has_finals: bool) -> tuple[int, ...] | None:
   """The reduced axes of a row kernel, else None. A row kernel holds several reduces over the same axes of one loop
-  shape, or one reduce whose result is read back per element (softmax's `x - x.max()`): one thread owns a row and
-  runs each reduce's loop over it in turn, then the store (per element, or once per row)."""
+  shape, or one reduce whose result is read back per element (softmax's `x - x.max()`) or by final reduces: one
+  thread owns a row and runs each reduce's loop over it in turn, then the store (per element, or once per row) or
+  the final reduces' step."""
   if not reduces: return None
   axes = reduces[0].arg
   if any(reduce.arg != axes for reduce in reduces): raise AssertionError("a row kernel's reduces share their axes")
   per_element = any(store_st.shape[axis] != 1 for axis in axes)
-  return tuple(axes) if len(reduces) > 1 or per_element else None
+  return tuple(axes) if len(reduces) > 1 or per_element or has_finals else None
+
+
+def _final_reduces(reduces: list[LazyOp], rank: int) -> list[LazyOp]:
+  """The reduces over every axis in a kernel whose other reduces reduce fewer (the rows): a row kernel's final
+  reduces. Kernels of one reduce, of sibling reduces or of a row kernel's reduces share one set of axes: none."""
+  if len({reduce.arg for reduce in reduces}) < 2: return []
+  return [reduce for reduce in reduces if len(reduce.arg) == rank]
 
 
 class Kernel(SharedTileLayout):
@@ -175,8 +183,12 @@ class Kernel(SharedTileLayout):
     self.tile_flags = 0   # without TC: SHARED's amount from SHARED_VECTOR_FILL up (see the SHARED_* flags)
     # sibling reduces (one per output, same axes, op and dtype) share the loop nest, an accumulator each
     self.sibling_reduces = _sibling_reduces(ast, self.reduceops)
+    # a row kernel's final reduces: of its per-row results down to one value, over every axis (the scheduler's
+    # kernel_walk.final_reduces); its other reduces run over the rows
+    self.final_reduces: list[LazyOp] = _final_reduces(self.reduceops, len(self.stores[0].arg.st.shape))
     self.row_axes: tuple[int, ...] | None = None if self.sibling_reduces else \
-      _row_kernel_axes(self.reduceops, self.stores[0].arg.st)
+      _row_kernel_axes([reduce for reduce in self.reduceops if reduce not in self.final_reduces],
+                       self.stores[0].arg.st, bool(self.final_reduces))
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
     self._drop_size_one_axes()

@@ -53,6 +53,8 @@ MIN_ROW_THREADS = 128
 # rows of 384 floats a block of 128 threads, one float4 each.)
 SHARED_ROW_UNITS = 2
 SHARED_ROW_BLOCK = 128
+# the threads of the one block of a row kernel with final reduces (_linearize_final_rows)
+FINAL_ROWS_BLOCK = 256
 
 
 def row_sharing(rows: int, units: int, warp_size: int, multiprocessors: int) -> tuple[int, int]:
@@ -98,17 +100,21 @@ class RowLinearizer(Linearizer):
     row_dims = [axis for axis in range(len(shape)) if axis not in kernel.row_axes]
     idxs: list[Node] = [NumNode(0)] * len(shape)
     row_loops = []
+    # final reduces (Kernel.final_reduces): the rows are a loop in one thread, each row's result accumulated
+    finals = [build.add(UOps.DEFINE_ACC, final.dtype, (), reduce_identity(final.op, final.dtype))
+              for final in kernel.final_reduces]
     if kernel.renderer.has_threads:
+      if finals: raise AssertionError("final reduces need a CPU or a GPU with local memory (kernel_walk)")
       for axis, node in zip(row_dims, self._row_threads([shape[axis] for axis in row_dims])): idxs[axis] = node
     else:
       for axis in row_dims:
         idxs[axis] = Variable(f"gidx{axis}", 0, shape[axis] - 1)
-        row_loops.append(self._open_loop(f"gidx{axis}", shape[axis], AxisType.GLOBAL))
+        row_loops.append(self._open_loop(f"gidx{axis}", shape[axis], AxisType.REDUCE if finals else AxisType.GLOBAL))
     lanes = self._cpu_lanes()
     kept = self._kept_values()
     scratch = {id(node): build.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"kept{number}", self._row_length()))
                for number, (node, _) in enumerate(kept)}
-    for number, reduce in enumerate(kernel.reduceops):
+    for number, reduce in enumerate(self._row_reduces()):
       accumulators = _Accumulators(self, reduce, number, lanes)
       loops = self._open_row_loops(idxs, f"ridx{number}_", lanes)
       for node, keeper in kept:   # computed once here, read back by the store pass
@@ -117,6 +123,11 @@ class RowLinearizer(Linearizer):
       accumulators.add(self.compute(reduce.srcs[0], idxs, None), loops[-1])
       self._close_row_loops(idxs, loops)
       self.reduce_values[id(reduce)] = accumulators.combined()
+    if finals:
+      self._accumulate_finals(finals, idxs)
+      for loop in reversed(row_loops): build.end_range(loop)
+      self._store_outputs([NumNode(0)] * len(shape), None)
+      return build.uops
     if not self._per_element():
       self._store_outputs(idxs, None)
     else:
@@ -136,6 +147,19 @@ class RowLinearizer(Linearizer):
       return vector_exp2(self.builder, srcs[0])
     return super()._alu(op, dtype, srcs)
 
+  def _row_reduces(self) -> list[LazyOp]:
+    """The reduces over each row (sources first), not the final reduces over the rows' results."""
+    return [reduce for reduce in self.kernel.reduceops if reduce not in self.kernel.final_reduces]
+
+  def _accumulate_finals(self, accumulators: list[UOp], idxs: list[Node]) -> None:
+    """Add this row's value of each final reduce's input (computed from the row's reduces) to its accumulator; the
+    accumulator stands for the final reduce in the store after the rows."""
+    build = self.builder
+    for final, accumulator in zip(self.kernel.final_reduces, accumulators):
+      value = self.compute(final.srcs[0], idxs, None)
+      build.add(UOps.ACCUMULATE, final.dtype, (accumulator, value), _accumulate_op(final))
+      self.reduce_values[id(final)] = accumulator
+
   def _per_element(self) -> bool:
     """Whether the outputs are per element of the rows (softmax), not once per row (var)."""
     return any(self.kernel.sts[0].shape[axis] != 1 for axis in self.kernel.row_axes or ())
@@ -153,8 +177,8 @@ class RowLinearizer(Linearizer):
     # integer arithmetic may wrap, or a flipped view (a negative stride: gcc 12's loop vectorizer miscompiles those)
     if any(stride is not None and stride < 0 for st in kernel.sts for stride in st.real_strides()): return 1
     if any(not node.dtype.is_float and node.dtype != dtypes.bool and node.op not in _NO_WRAP_OPS
-           for node in kernel.ast.walk()): return 1
-    itemsize = max((reduce.dtype.itemsize for reduce in kernel.reduceops), default=4)
+           and not _counts_without_wrapping(node, kernel.final_reduces) for node in kernel.ast.walk()): return 1
+    itemsize = max((reduce.dtype.itemsize for reduce in self._row_reduces()), default=4)
     innermost = kernel.full_shape[(kernel.row_axes or ())[-1]]
     lanes = max(vector_bytes // itemsize, 1)
     while lanes > 1 and innermost % lanes: lanes //= 2
@@ -228,6 +252,7 @@ class RowLinearizer(Linearizer):
     rows, length = math.prod(shape[axis] for axis in row_dims), math.prod(shape[axis] for axis in row_axes)
     width = self._row_vector_width()
     units = length // width
+    if kernel.final_reduces: return self._linearize_final_rows(rows, row_dims, units, width)
     threads, per_block = row_sharing(rows, units, renderer.warp_size, getattr(renderer, "multiprocessors", 0))
     if per_block == 1: threads = row_block_threads(units, renderer.max_threads, renderer.warp_size)
     blocks, block_threads = rows // per_block, threads * per_block
@@ -241,7 +266,7 @@ class RowLinearizer(Linearizer):
     for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
     per_thread = math.ceil(units / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
-    for number, reduce in enumerate(kernel.reduceops):
+    for number, reduce in enumerate(self._row_reduces()):
       accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
 
       def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
@@ -254,6 +279,54 @@ class RowLinearizer(Linearizer):
       return build.uops
     first_thread = build.add(UOps.IF, None, (self.node_to_uop(thread < 1),))   # a per-row output: thread 0 stores
     self._store_outputs(idxs, None)
+    build.end_if(first_thread)
+    return build.uops
+
+  def _linearize_final_rows(self, rows: int, row_dims: list[int], units: int, width: int) -> list[UOp]:
+    """A row kernel with final reduces on a GPU: one block. Its threads are groups of `threads` (a power of two, at
+    most a warp) that each own a row at a time, as rows sharing a block do (row_sharing); group g takes rows g,
+    g + G, g + 2G, ... (G groups, G a divisor of the rows, at most FINAL_ROWS_BLOCK threads in all), runs the rows'
+    reduces and adds the row's value of each final reduce to its accumulator (every thread of the group holds the
+    same). After the rows the block combines the groups' accumulators (a group's first thread gives its own, the
+    others the identity) and thread 0 stores. A small loss over a batch (the launch it saves is worth more than the
+    rows a single block cannot spread over the device: kernel_walk.MAX_FINAL_REDUCE_ELEMENTS)."""
+    kernel, build, shape = self.kernel, self.builder, self.kernel.full_shape
+    warp_size = max(kernel.renderer.warp_size, 1)
+    threads = min(1 << (math.ceil(units / SHARED_ROW_UNITS) - 1).bit_length(), warp_size)
+    groups = max(count for count in range(1, max(FINAL_ROWS_BLOCK // threads, 1) + 1) if rows % count == 0)
+    block_threads = threads * groups
+    self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", 1, 0, AxisType.GLOBAL))
+    self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", block_threads, 0, AxisType.LOCAL))
+    block_thread = Variable("lidx0", 0, block_threads - 1)
+    thread, group = block_thread % threads, block_thread // threads
+    finals = [build.add(UOps.DEFINE_ACC, final.dtype, (), reduce_identity(final.op, final.dtype))
+              for final in kernel.final_reduces]
+    row_loop = self._open_loop("fidx", rows // groups, AxisType.REDUCE)
+    row = Variable("fidx", 0, rows // groups - 1) * groups + group
+    idxs: list[Node] = [NumNode(0)] * len(shape)
+    for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
+    per_thread = math.ceil(units / threads)
+    passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    for number, reduce in enumerate(self._row_reduces()):
+      accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+
+      def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
+        value = self.compute(reduce.srcs[0], element_idxs, None)
+        build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
+      passes.run(f"ridx{number}", accumulate)
+      # a group of one thread holds its row's reduce; larger groups combine by warp shuffles (no local memory)
+      self.reduce_values[id(reduce)] = accumulator if threads == 1 else \
+          self._block_combine(accumulator, _accumulate_op(reduce), thread, threads, number)
+    self._accumulate_finals(finals, idxs)
+    build.end_range(row_loop)
+    first_of_group = self.node_to_uop(thread < 1)
+    for number, (final, accumulator) in enumerate(zip(kernel.final_reduces, finals)):
+      identity = build.const(reduce_identity(final.op, final.dtype), final.dtype)
+      partial = build.alu(Ops.WHERE, final.dtype, first_of_group, accumulator, identity)
+      self.reduce_values[id(final)] = self._block_combine(partial, _accumulate_op(final), block_thread, block_threads,
+                                                          len(kernel.reduceops) + number)
+    first_thread = build.add(UOps.IF, None, (self.node_to_uop(block_thread < 1),))
+    self._store_outputs([NumNode(0)] * len(shape), None)
     build.end_if(first_thread)
     return build.uops
 
@@ -366,7 +439,7 @@ class _Accumulators:
     if lanes == 1:
       self.storage = self.build.add(UOps.DEFINE_ACC, reduce.dtype, (), identity)
       return
-    self.storage = self.build.add(UOps.DEFINE_LOCAL, reduce.dtype, (), (f"acc{number}", lanes))
+    self.storage = self.build.add(UOps.DEFINE_LOCAL, reduce.dtype, (), (f"lane_acc{number}", lanes))
     for lane in range(lanes):
       self.build.add(UOps.STORE, None, (self.storage, linearizer._int(lane), self.build.const(identity, reduce.dtype)))
 
@@ -425,6 +498,14 @@ class _RowPasses:
 
 
 def _accumulate_op(reduce: LazyOp) -> Ops: return Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
+
+
+def _counts_without_wrapping(node: LazyOp, finals: list[LazyOp]) -> bool:
+  """Whether `node` is a final reduce's 64-bit sum of values of at most 32 bits (cross-entropy's count of samples not
+  ignored): over at most kernel_walk.MAX_FINAL_REDUCE_ELEMENTS (2^16) rows it stays below 2^48, far from wrapping."""
+  if node.op is not Ops.SUM or node.dtype.itemsize != 8 or not any(node is final for final in finals): return False
+  value = node.srcs[0]
+  return value.op is Ops.CAST and value.srcs[0].dtype.itemsize <= 4
 
 
 def _unflatten(flat: Node, sizes: list[int]) -> list[Node]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-from ourgrad.dtype import DType, dtypes
+from ourgrad.dtype import DType, dtypes, is_additive_identity
 from ourgrad.ops import Ops, exec_alu
 
 
@@ -193,16 +193,18 @@ class UOpBuilder:
     return self.add(UOps.ALU, dtype, srcs, op)
 
   def _fold(self, dtype: DType | None, srcs: tuple[UOp, ...], op: Ops) -> UOp | None:
-    """Constant folding and the identities that index math produces (x+0, x*1, x*0 on ints)."""
+    """Constant folding and the identities that index math produces (x+0, x*1, x*0 on ints; a float x+0.0 only
+    with -0.0, dtype.is_additive_identity)."""
     assert dtype is not None
     if all(src.op is UOps.CONST for src in srcs):
       return self.const(exec_alu(op, dtype, tuple(src.arg for src in srcs)), dtype)
     if len(srcs) == 2 and srcs[1].op is UOps.CONST:
       value = srcs[1].arg
-      if op is Ops.ADD and value == 0 and srcs[0].dtype == dtype: return srcs[0]
+      if op is Ops.ADD and is_additive_identity(value, dtype) and srcs[0].dtype == dtype: return srcs[0]
       if op in (Ops.MUL, Ops.IDIV) and value == 1 and srcs[0].dtype == dtype: return srcs[0]
       if op is Ops.MUL and value == 0 and not dtype.is_float: return self.const(0, dtype)
-    if len(srcs) == 2 and srcs[0].op is UOps.CONST and op is Ops.ADD and srcs[0].arg == 0 and srcs[1].dtype == dtype:
+    if (len(srcs) == 2 and srcs[0].op is UOps.CONST and op is Ops.ADD and is_additive_identity(srcs[0].arg, dtype)
+        and srcs[1].dtype == dtype):
       return srcs[1]
     if op is Ops.WHERE and srcs[0].op is UOps.CONST: return srcs[1] if srcs[0].arg else srcs[2]
     if op is Ops.AND and dtype == dtypes.bool:
@@ -235,8 +237,10 @@ def _lane_key(srcs: tuple[UOp, ...]) -> tuple:
 
 
 def _hashable(arg: Any) -> Any:
-  """Constants keyed by type too, so 1 (int) and 1.0 and True are different; NaN equal to itself."""
+  """Constants keyed by type too, so 1 (int) and 1.0 and True are different; NaN equal to itself; a float's sign
+  too, so -0.0 and 0.0 (equal in Python) stay two constants."""
   if isinstance(arg, float) and math.isnan(arg): return ("nan",)
+  if isinstance(arg, float): return (float, arg, math.copysign(1.0, arg))
   if isinstance(arg, tuple): return tuple(_hashable(item) for item in arg)
   return (type(arg), arg)
 

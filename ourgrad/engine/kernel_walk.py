@@ -36,6 +36,8 @@ class KernelPlan:
   # the distinct reduces computed here, in walk order: one, a row kernel's, or sibling reduces (`_is_sibling`)
   reduce_bases: list[LazyBuffer] = field(default_factory=list)
   row_kernel: bool = False   # the reduces share rows (`_RowKernel`): per element reads, or several per-row reduces
+  # reduces of the row kernel's per-row results down to one value, after its rows (`final_reduces`)
+  final_reduces: list[LazyBuffer] = field(default_factory=list)
 
 def kernel_value(root: LazyBuffer) -> tuple[LazyBuffer, ShapeTracker] | None:
   """Where the kernel computing `root` starts its walk: the value it stores, or None for an item with no walk."""
@@ -59,6 +61,7 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
   start = kernel_value(root)
   if start is None: return None, None
   plan = KernelPlan([], False)
+  finals = final_reduces(root, realizes)
   target = root.srcs[1].base if root.op is Ops.ASSIGN else None
   target_reads: list[tuple[ShapeTracker | None, bool]] = []   # (view, under a reduce) of each read of the target
   reduce_base: LazyBuffer | None = None
@@ -80,7 +83,11 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
       done.add(key)
       continue
     stack.append((node, view, under_reduce, True))
-    if node.op in REDUCE_OPS:
+    if any(node is final for final in finals):   # after the rows: its input is per row, read as it is
+      plan.has_reduce, plan.reduces = True, plan.reduces + 1
+      if not any(node is known for known in plan.final_reduces): plan.final_reduces.append(node)
+      stack.append((node.srcs[0].base, node.srcs[0].st, False, False))
+    elif node.op in REDUCE_OPS:
       plain_reshape = view.contiguous and view.size == node.size
       row_reason = rows.admit(node, view, under_reduce, plain_reshape) if not one_reduce_kernel else "closed"
       sibling = one_reduce_kernel and plain_reshape and not under_reduce and sibling_limit is not None and \
@@ -105,7 +112,12 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
       if target is not None and reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
       plan.loads.append((node.srcs[0].base, None))
       stack.append((node.srcs[1].base, node.srcs[1].st + view, under_reduce, False))
-  plan.row_kernel = rows.is_row_kernel
+  plan.row_kernel = rows.is_row_kernel or bool(finals)
+  if finals:
+    if not rows.reduces:   # the reduce under the final one is no row reduce (the rows refused it): it goes first
+      return (plan.reduce_bases[0], "a reduce under a reduce of its results, over rows no row kernel takes"), plan
+    if target is not None: return (finals[0], "a reduce of per-row results in an assign's value"), plan
+    return None, plan
   if len(plan.reduce_bases) > 1 and not plan.row_kernel and \
       any(reuses_an_operand(reduce, plan) for reduce in plan.reduce_bases):
     return (plan.reduce_bases[1], "a second reduce: a matmul's or convolution's operand tiles serve one reduce"), plan
@@ -117,6 +129,52 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
     first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
     return (first_fused, "an assign reading its own target keeps to one reduce"), plan
   return _assign_hazard(root, start[0], target_reads, reduce_base, realizes), plan
+
+
+# A row kernel may end with *final reduces*: reduces of its rows' results down to one value (a loss's mean over the
+# batch of each row's logsumexp), accumulated after each row. The rows are then a loop in one thread (CPU) or one
+# block (GPU) instead of spread over cores or blocks: only for a loop shape of at most this many elements, where one
+# launch less is worth more than the parallel rows (two kernels beyond it). A GPU's one block (256 threads, a few
+# floats each per pass: codegen/row_linearizer.py _linearize_final_rows) takes a few passes at most: a lower cap.
+MAX_FINAL_REDUCE_ELEMENTS = 1 << 16
+MAX_FINAL_REDUCE_ELEMENTS_GPU = 1 << 13
+
+
+def final_reduces(root: LazyBuffer, realizes: Realizations) -> list[LazyBuffer]:
+  """The final reduces of the kernel computing `root` (above): its value is one element, and reduces it computes
+  (not through another reduce) reduce to one element each, at least one of them from reduces over rows (reduces
+  in its fused input, each with a result of as many elements as the final reduce's input). Every such one-element
+  reduce of an input of that many elements is a final reduce (a count of samples beside the sum of their losses).
+  Whether the rows really join one row kernel is walk_kernel's decision (a refusal realizes a row reduce, and then
+  nothing is nested any more)."""
+  start = kernel_value(root)
+  if start is None or start[0].size != 1 or root.size != 1: return []
+  tops = _fused_reduces(start[0], realizes, root)
+  per_row = {prod(inner.shape): inner for top in tops if top.size == 1
+             for inner in _fused_reduces(top.srcs[0].base, realizes, root)}
+  if len(per_row) != 1: return []
+  rows, inner = next(iter(per_row.items()))
+  loop_size = prod(inner.srcs[0].shape)
+  renderer = Device[inner.device].renderer
+  limit = min(MAX_FINAL_REDUCE_ELEMENTS, MAX_FINAL_REDUCE_ELEMENTS_GPU) if renderer.has_threads else \
+      MAX_FINAL_REDUCE_ELEMENTS
+  if rows < 2 or loop_size == rows or loop_size > limit or not row_kernels_enabled(inner.device) \
+      or (renderer.has_threads and not renderer.has_local): return []   # a GPU loops over the rows in one block
+  return [top for top in tops if top.size == 1 and prod(top.srcs[0].shape) == rows]
+
+
+def _fused_reduces(start: LazyBuffer, realizes: Realizations, root: LazyBuffer) -> list[LazyBuffer]:
+  """The reduces that the fused graph from `start` computes in the kernel of `root` (every other realized base is a
+  load there), not looking inside them, in walk order."""
+  found: list[LazyBuffer] = []
+  stack, seen = [start], set()
+  while stack:
+    node = stack.pop()
+    if id(node) in seen or (node is not root and (node.realized is not None or id(node) in realizes)): continue
+    seen.add(id(node))
+    if node.op in REDUCE_OPS: found.append(node)
+    elif node.op in ELEMENTWISE_OPS: stack.extend(src.base for src in node.srcs)
+  return found
 
 
 def _is_sibling(reduce: LazyBuffer, first: LazyBuffer) -> bool:
@@ -245,19 +303,36 @@ def item_precedence(scheduled: list[LazyBuffer], groups: dict[int, list[LazyBuff
   """For each item (the id of its first base), the items that must run before it (`order_items`' constraints)."""
   position = {id(base): index for index, base in enumerate(scheduled)}
   item_of = {id(member): id(base) for base in scheduled for member in groups[id(base)]}   # base id -> item id
-  assign_writers: dict[int, list[int]] = defaultdict(list)   # id(Buffer) -> items with an assign overwriting it
+  # id(Buffer) -> (item, version) of each assign overwriting it: several assigns to one buffer are successive
+  # versions of it (a chain through their targets), each read only before the next one writes
+  assign_writers: dict[int, list[tuple[int, int]]] = defaultdict(list)
+  must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
   for base in scheduled:
     for member in groups[id(base)]:
-      if member.op is Ops.ASSIGN: assign_writers[id(member.realized)].append(id(base))
-  must_precede: dict[int, set[int]] = {id(base): set() for base in scheduled}   # item -> items that run before
+      if member.op is not Ops.ASSIGN: continue
+      assign_writers[id(member.realized)].append((id(base), write_version(member)))
+      # an assign runs after the write it follows, though its value may not read it (two fills of one buffer)
+      target_item = item_of.get(id(member.srcs[1].base)) if member.srcs else None
+      if target_item is not None and target_item != id(base): must_precede[id(base)].add(target_item)
   for base in scheduled:
     for loaded in reads[id(base)]:
       loaded_item = item_of.get(id(loaded), id(loaded))
       if loaded_item in position and loaded_item != id(base): must_precede[id(base)].add(loaded_item)
-      for writer in assign_writers.get(id(loaded.realized), []):
-        # `loaded` is the buffer's value before that assign (the assign base itself is a different base)
-        if writer != loaded_item and writer != id(base): must_precede[writer].add(id(base))
+      version = write_version(loaded)
+      for writer, writer_version in assign_writers.get(id(loaded.realized), []):
+        # a later write overwrites the value `loaded` holds: it runs after this read
+        if writer_version > version and writer != loaded_item and writer != id(base): must_precede[writer].add(id(base))
   return must_precede
+
+
+def write_version(base: LazyBuffer) -> int:
+  """How many assigns of this schedule wrote a buffer before `base` holds it: 0 for a realized base or another
+  op, n for the n-th of a chain of assigns (each one's target is the assign before it)."""
+  version = 0
+  while base.op is Ops.ASSIGN and base.srcs:
+    version += 1
+    base = base.srcs[1].base
+  return version
 
 
 def items_on_cycles(must_precede: dict[int, set[int]]) -> set[int]:

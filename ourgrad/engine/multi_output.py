@@ -69,10 +69,16 @@ def _groups_on_cycles(groups: list[list[LazyBuffer]], plans: dict[int, KernelPla
   reads: dict[int, list[LazyBuffer]] = {}
   for leader, group in by_leader.items():
     member_ids = {id(member) for member in group}
-    reads[leader] = [loaded for member in group if id(member) in plans
-                     for loaded, _ in plans[id(member)].loads if id(loaded) not in member_ids]
+    reads[leader] = [loaded for member in group for loaded in _reads_of(member, plans) if id(loaded) not in member_ids]
   on_cycles = items_on_cycles(item_precedence([group[0] for group in groups], by_leader, reads))
   return [by_leader[leader] for leader in on_cycles if len(by_leader[leader]) > 1]
+
+
+def _reads_of(base: LazyBuffer, plans: dict[int, KernelPlan]) -> list[LazyBuffer]:
+  """The realized bases the item of `base` reads: its kernel's loads, or a copy's source (a copy has no kernel walk,
+  and a cycle may pass through copies between devices: a gather, then a reshard of its result)."""
+  if id(base) in plans: return [loaded for loaded, _ in plans[id(base)].loads]
+  return [src.base for src in base.srcs] if base.op is Ops.COPY else []
 
 
 def _split_cyclic_groups(cyclic: list[list[LazyBuffer]], groupable: dict[int, LazyBuffer],
@@ -112,6 +118,9 @@ def _bucket_outputs(bases: list[LazyBuffer], realizes: Realizations, plans: dict
 
 def _may_join(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
   if len(group) >= MAX_KERNEL_OUTPUTS or _targets_clash(group, base, plans): return False
+  # successive assigns to one buffer (x += 1; x += 1) stay kernels of their own: one kernel's stores to one buffer
+  # through two arguments have no order
+  if base.op is Ops.ASSIGN and any(member.realized is base.realized for member in group): return False
   if plans[id(base)].reduce_bases and not _may_join_siblings(group, base, plans): return False
   member_ids = {id(member) for member in group}
   for loaded, view in plans[id(base)].loads:

@@ -8,6 +8,7 @@ device.Compiler), so the same kernel is generated once per process and compiled 
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -207,7 +208,34 @@ def plan_schedule_memory(schedule: list[ScheduleItem]) -> None:
   plan_memory([item.outputs + item.inputs for item in schedule], lambda buffer: id(buffer) in internal)
 
 
+COMPILE_NOTE = env_var("COMPILE_NOTE", -1, "-1: before a schedule that compiles at least 8 new kernels (a first "
+                       "training step), say so on stderr when it is a terminal; 1: always; 0: never")
+COMPILE_NOTE_MIN_KERNELS = 8
+
+
+def count_new_kernels(schedule: list[ScheduleItem]) -> int:
+  """How many kernels of `schedule` are not compiled yet in this process (each costs code generation, and a
+  compile unless the disk cache has its binary)."""
+  new = 0
+  for item in schedule:
+    if item.ast.op is Ops.COPY: continue
+    ast, _ = unbind_ast(item.ast)
+    if (item.outputs[0].device, ast, tf32_allowed()) not in _runner_cache: new += 1
+  return new
+
+
+def note_compiles(schedule: list[ScheduleItem]) -> None:
+  """The "compiling N kernels" note of COMPILE_NOTE: a first step that is silent for seconds looks hung."""
+  setting = COMPILE_NOTE.value
+  if setting == 0 or len(schedule) < COMPILE_NOTE_MIN_KERNELS or (setting < 0 and not sys.stderr.isatty()): return
+  new = count_new_kernels(schedule)
+  if new >= COMPILE_NOTE_MIN_KERNELS:
+    print(f"ourgrad: compiling {new} kernels (once per process; compiled binaries are cached on disk)",
+          file=sys.stderr, flush=True)
+
+
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
+  note_compiles(schedule)
   plan_schedule_memory(schedule)
   for item in schedule: lower_schedule_item(item).run()

@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
-from ourgrad.engine.kernel_walk import Realizations, kernel_value, order_items, walk_kernel
+from ourgrad.engine.kernel_walk import (Realizations, final_reduces, item_precedence, items_on_cycles, kernel_value,
+                                        order_items, walk_kernel, write_version)
 from ourgrad.engine.multi_output import group_outputs, sibling_limit
 from ourgrad.engine.packing import pack_kernels
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.engine.snapshot import protect_lazy_readers
-from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT
+from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, fmt_size, prod
 from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -51,7 +52,15 @@ def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   of a buffer that an assign in it overwrites, and that outlive it, keep the old contents (engine/snapshot.py)."""
   schedule, assigns = build_schedule(outs)
   # after build_schedule returned, the graph it fused is alive only where someone else holds it
-  return protect_lazy_readers(schedule, assigns) if assigns else schedule
+  return protect_and_pack(schedule, assigns) if assigns else schedule
+
+
+def protect_and_pack(schedule: list[ScheduleItem], assigns: list[tuple[LazyBuffer, LazyBuffer]]) -> list[ScheduleItem]:
+  """protect_lazy_readers (engine/snapshot.py), then the snapshot copies it added packed into launches: an optimizer
+  step whose loss is still lazy snapshots every parameter, and those copies are independent of each other."""
+  item_count = len(schedule)
+  schedule = protect_lazy_readers(schedule, assigns)
+  return pack_kernels(schedule) if len(schedule) > item_count else schedule
 
 
 @host_phase("schedule", lambda outs: f"schedule {len(outs)} outputs")
@@ -68,6 +77,7 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   reads: dict[int, list[LazyBuffer]] = {}   # base id -> the realized bases its item loads
   for base in bases:
     if id(base) in realizes: _give_buffer(base)
+  if any(base.op is Ops.ASSIGN for base in bases): bases = _order_reads_before_writes(bases, realizes)
   groups = {id(group[0]): group for group in group_outputs(bases, realizes)}   # an empty base has no kernel
   for leader, group in groups.items():
     items[leader], reads[leader] = _schedule_base(group[0], realizes) if len(group) == 1 else \
@@ -123,8 +133,57 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
     if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
       if len({kernel_of(user) for user in users[id(base)]}) > 1:
         realizes.setdefault(id(base), "a reduce read by several kernels: computed once, not once per kernel")
+  _store_or_recompute(bases, realizes, users, kernel_of)
   if KERNEL_OPS_LIMIT.value > 0: _bound_kernel_sizes(bases, realizes, int(KERNEL_OPS_LIMIT.value))
   return realizes
+
+
+# ---------------------------------------------------------------- store or recompute
+
+def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: dict[int, set[int]],
+                        kernel_of: Callable[[int], int]) -> None:
+  """Store an elementwise intermediate read by several kernels when recomputing it in each costs more memory traffic
+  than storing it once. Fused, each of the n kernels reading it loads every input of its fused graph again; stored,
+  the inputs are read once, the result written once and read n times, and there is one more launch (the device's
+  `launch_bytes`). Without this rule a chain such as a transformer's residual stream (x = x + attention(x), then
+  x = x + mlp(x), each x read by a LayerNorm and by the next add) is recomputed from every earlier layer's output in
+  every later layer: kernels that read O(depth) buffers, a step whose time grows with depth squared.
+
+  Bases are visited sources first, so a base stored here becomes a plain load in the graphs of the bases after it.
+  Row kernels are unaffected: softmax's exp(x - max) reads one input, and recomputing it costs less than a store."""
+  launch_bytes: dict[str, int] = {}
+  for base in bases:
+    if base.realized is not None or id(base) in realizes or base.op not in ELEMENTWISE_OPS: continue
+    readers = {kernel_of(user) for user in users[id(base)]}
+    if len(readers) < 2: continue
+    input_bytes = _fused_input_bytes(base, realizes)
+    if base.device not in launch_bytes:
+      launch_bytes[base.device] = getattr(Device[base.device].renderer, "launch_bytes", 0)
+    output_bytes = base.size * base.dtype.itemsize
+    recompute_cost = len(readers) * input_bytes
+    store_cost = input_bytes + (1 + len(readers)) * output_bytes + launch_bytes[base.device]
+    if recompute_cost > store_cost:
+      realizes[id(base)] = (f"stored, not recomputed: {len(readers)} kernels read it; recomputing moves "
+                            f"{fmt_size(recompute_cost)}, storing {fmt_size(store_cost)} (one launch included)")
+
+
+def _fused_input_bytes(base: LazyBuffer, realizes: Realizations) -> int:
+  """The bytes a kernel loads to compute `base` inline: the result of every base its fused elementwise graph reads
+  (buffers, reduces, gathers), once each, at most its whole size."""
+  total, stack, seen = 0, [base], {id(base)}
+  while stack:
+    node = stack.pop()
+    for src in node.srcs:
+      src_base = src.base
+      if id(src_base) in seen: continue
+      seen.add(id(src_base))
+      if src_base.op is Ops.CONST: continue
+      fused_elementwise = src_base.realized is None and id(src_base) not in realizes and src_base.op in ELEMENTWISE_OPS
+      if fused_elementwise: stack.append(src_base)
+      # a buffer, or a reduce or other op whose result the kernel reads: counted as loading its result (a reduce
+      # inside another reduce's kernel is realized later anyway; fused into an elementwise kernel it reads more)
+      else: total += min(src.st.size, src_base.size) * src_base.dtype.itemsize
+  return total
 
 
 # ---------------------------------------------------------------- fusion groups
@@ -142,6 +201,92 @@ def _settle_fusion_groups(bases: list[LazyBuffer], realizes: Realizations) -> No
     base, reason = refused
     realizes[id(base)] = reason
     pending.extend([root, base])
+
+
+# ---------------------------------------------------------------- reads before writes
+
+def _order_reads_before_writes(bases: list[LazyBuffer], realizes: Realizations) -> list[LazyBuffer]:
+  """`bases`, changed where its kernels have no run order: a kernel that reads a buffer's old contents must run
+  before an assign overwrites it, and one that reads the new contents after it. Two parameters whose updates
+  each read the other's old value (`(x * w).sum()`, an optimizer step) would wait on each other. Each such cycle
+  is broken here, so users never order realizes by hand:
+  - an assign on a cycle gets its value computed in a kernel of its own first (it reads the old contents of
+    everything it needs before any write), and then only copies it in;
+  - where that is not enough (a kernel reads both the old and the new contents of a buffer), the old contents it
+    reads are snapshotted: a copy kernel before the assign, which the kernel reads instead.
+  Returns the bases, snapshots included, in graph order; `realizes` and buffers are updated."""
+  for _ in range(4 * len(bases) + 8):   # each round realizes a value or adds a snapshot: it ends
+    cycle = _items_on_cycles(bases, realizes)
+    if not cycle: return bases
+    values = [base.srcs[0].base for base in cycle if base.op is Ops.ASSIGN]
+    values = [value for value in values if value.realized is None and id(value) not in realizes and
+              value.op is not Ops.CONST]
+    for value in values: realizes[id(value)] = "the value of an assign that must read before other writes (a cycle)"
+    if not values: bases = _snapshot_old_read(bases, realizes, cycle)
+    _settle_fusion_groups(bases, realizes)
+    for base in bases:
+      if id(base) in realizes: _give_buffer(base)
+  return bases   # order_items says what is left
+
+
+def _item_reads(base: LazyBuffer, realizes: Realizations) -> list[LazyBuffer]:
+  """The realized bases the item computing `base` reads (as the kernel builder will load them)."""
+  if base.op is Ops.COPY: return [base.srcs[0].base]
+  _, plan = walk_kernel(base, realizes, sibling_limit)
+  return [loaded for loaded, _ in plan.loads] if plan is not None else []
+
+
+def _items_on_cycles(bases: list[LazyBuffer], realizes: Realizations) -> list[LazyBuffer]:
+  """The realized bases whose items lie on a cycle of run-order constraints (one item per base, as before
+  grouping: grouping splits its own cycles, engine/multi_output.py)."""
+  scheduled = [base for base in bases if id(base) in realizes]
+  groups = {id(base): [base] for base in scheduled}
+  reads = {id(base): _item_reads(base, realizes) for base in scheduled}
+  on_cycles = items_on_cycles(item_precedence(scheduled, groups, reads))
+  return [base for base in scheduled if id(base) in on_cycles]
+
+
+def _snapshot_old_read(bases: list[LazyBuffer], realizes: Realizations,
+                       cycle: list[LazyBuffer]) -> list[LazyBuffer]:
+  """One kernel of `cycle` that reads a buffer's contents from before a write on the cycle reads a copy of them
+  instead (a CONTIGUOUS base made before the write). Returns the bases with the copy."""
+  writers: dict[int, list[LazyBuffer]] = defaultdict(list)   # id(Buffer) -> assigns on the cycle writing it
+  for base in cycle:
+    if base.op is Ops.ASSIGN: writers[id(base.realized)].append(base)
+  for reader in cycle:
+    for loaded in _item_reads(reader, realizes):
+      later = [writer for writer in writers.get(id(loaded.realized), [])
+               if writer is not reader and write_version(writer) > write_version(loaded)]
+      if not later: continue
+      copy = LazyBuffer.create_base(loaded.device, loaded.shape, loaded.dtype, Ops.CONTIGUOUS, None, (loaded,))
+      if not _redirect_reads(reader, loaded, copy, realizes): continue
+      realizes[id(copy)] = "a snapshot: a kernel reads this buffer both before and after an assign to it"
+      _give_buffer(copy)
+      # right after what it copies: the redirected reads may sit in fused graphs that other kernels, earlier in
+      # graph order than `reader`, share
+      at = next((index + 1 for index, base in enumerate(bases) if base is loaded), 0)
+      return bases[:at] + [copy] + bases[at:]
+  raise RuntimeError("this graph reads a buffer both before and after an assign to it, and no snapshot breaks "
+                     "the cycle; please report it")
+
+
+def _redirect_reads(root: LazyBuffer, old: LazyBuffer, copy: LazyBuffer, realizes: Realizations) -> bool:
+  """Make the kernel computing `root` read `copy` (through the same views) wherever its fused region reads `old`'s
+  values (an assign's target is where it writes, not a read). Returns whether it read `old` at all."""
+  found, stack, seen = False, [root], set()
+  while stack:
+    node = stack.pop()
+    if id(node) in seen: continue
+    seen.add(id(node))
+    value_count = 1 if node.op in (Ops.ASSIGN, Ops.CONTIGUOUS) else len(node.srcs)
+    new_srcs = list(node.srcs)
+    for index, src in enumerate(node.srcs[:value_count]):
+      if src.base is old:
+        new_srcs[index], found = copy.view(src.st), True
+      elif src.base.realized is None and id(src.base) not in realizes:
+        stack.append(src.base)
+    node.srcs = tuple(new_srcs)
+  return found
 
 
 def _print_realize_reasons(bases: list[LazyBuffer], realizes: Realizations) -> None:
@@ -321,6 +466,9 @@ class _KernelBuilder:
     self.loop_shape: tuple[int, ...] | None = None     # the reduces' input shape: the kernel loops in it
     self.cache: dict[tuple[int, ShapeTracker], LazyOp] = {}
     self.reduce_base: LazyBuffer | None = None
+    # reduces of a row kernel's per-row results to one value (kernel_walk.final_reduces): they reduce every axis of
+    # the loop shape, after its rows
+    self.final_ids: set[int] = {id(final) for final in final_reduces(root, realizes)} if output_count == 1 else set()
 
   def buffer_index(self, buffer: Buffer) -> int:
     """Kernel argument number of an input buffer (0 is the output)."""
@@ -374,6 +522,7 @@ class _KernelBuilder:
   def _claim_reduce(self, base: LazyBuffer, st: ShapeTracker, under_reduce: bool) -> None:
     """Record the kernel's loop shape: a reduce's input shape. `walk_kernel` decided that every reduce met here
     fuses (one reduce read in its own order, or row reduces over one loop shape and axes, docs/fusion.md)."""
+    if id(base) in self.final_ids: return   # after the rows, over all of them: not the rows' loop shape
     if self.reduce_base is None:
       self.reduce_base, self.reduce_shape, self.loop_shape = base, base.shape, base.srcs[0].shape
     elif base.srcs[0].shape != self.loop_shape or base.arg != self.reduce_base.arg:
@@ -422,15 +571,23 @@ class _KernelBuilder:
   def fit_to_reduce(self, st: ShapeTracker) -> ShapeTracker:
     # a row kernel's per-element views are in the loop shape already (softmax stores per element)
     if self.reduce_shape is None or st.shape in (self.reduce_shape, self.loop_shape): return st
+    if self.final_ids and st.size != prod(self.reduce_shape):   # a final reduce's one value
+      return st.reshape((1,) * len(self.reduce_shape))
     return st.reshape(self.reduce_shape)
 
   def reshape_post_reduce(self, node: LazyOp) -> LazyOp:
     if self.reduce_shape is None: return node
-    reduce_nodes = {id(node) for reduce in self.reduces.values() for node in reduce.walk()}
+    reduce_nodes = {id(node) for reduce_id, reduce in self.reduces.items() if reduce_id not in self.final_ids
+                    for node in reduce.walk()}
+    final_nodes = {id(self.reduces[reduce_id]) for reduce_id in self.final_ids if reduce_id in self.reduces}
     rebuilt: dict[int, LazyOp] = {}
     for current in node.walk():
       if id(current) in reduce_nodes:  # the reduce and what it reads keep the reduce's input shape
         rebuilt[id(current)] = current
+        continue
+      if id(current) in final_nodes:   # a final reduce reduces every axis of the rows' result shape
+        axes = tuple(range(len(self.reduce_shape)))
+        rebuilt[id(current)] = LazyOp(current.op, (rebuilt[id(current.srcs[0])],), axes, current.dtype)
         continue
       if current.op in (Ops.LOAD, Ops.CONST):
         arg = current.arg

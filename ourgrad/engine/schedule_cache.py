@@ -128,7 +128,7 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   # copy-on-write for lazy readers of an assigned buffer is decided on every call, hit or miss, and only after this
   # frame lets go of the walked graph: only readers someone else still holds may need the old contents
   del bases, leaves
-  return scheduler.protect_lazy_readers(items, assigns) if assigns else items
+  return scheduler.protect_and_pack(items, assigns) if assigns else items
 
 
 # One object for each distinct kernel AST seen here: the compiled-kernel cache (realize.get_runner) is keyed by ASTs,
@@ -168,8 +168,8 @@ def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer
     base = bases[index]
     if shared is None:
       fresh[index] = base.realized = Buffer(base.device, base.size, base.dtype)
-    else:
-      base.realized = leaves[shared[1]]
+    else:   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain)
+      base.realized = leaves[shared[1]] if shared[0] == "leaf" else bases[shared[1]].realized
 
   def buffer(slot: Slot) -> Buffer: return leaves[slot[1]] if slot[0] == "leaf" else fresh[slot[1]]
   items = [ScheduleItem(ast, tuple(buffer(slot) for slot in outputs), tuple(buffer(slot) for slot in inputs))

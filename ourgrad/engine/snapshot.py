@@ -72,11 +72,14 @@ def protect_lazy_readers(schedule: list[ScheduleItem],
   """`schedule` with a snapshot copy before each assign whose target still has lazy readers, those readers
   redirected to the snapshot. `assigns` holds (assign base, target base) for every assign the schedule runs; call
   this after the scheduler dropped its own references, so that only readers someone else still holds are alive."""
+  writes_seen: dict[int, int] = {}   # id(Buffer) -> assigns to it met so far (a chain writes one buffer in turn)
   for assign, target in assigns:
-    readers = stale_readers(assign, target)
     buffer = assign.realized
-    if not readers or buffer is None or target.realized is not buffer: continue
-    position = next((index for index, item in enumerate(schedule) if any(out is buffer for out in item.outputs)), None)
+    if buffer is None: continue
+    nth = writes_seen[id(buffer)] = writes_seen.get(id(buffer), 0) + 1
+    readers = stale_readers(assign, target)
+    if not readers or target.realized is not buffer: continue
+    position = _nth_writer(schedule, buffer, nth)
     if position is None: continue  # an empty assign runs no kernel: nothing is overwritten
     snapshot = LazyBuffer.from_buffer(Buffer(target.device, target.size, target.dtype), target.shape)
     assert snapshot.realized is not None
@@ -85,3 +88,13 @@ def protect_lazy_readers(schedule: list[ScheduleItem],
     SNAPSHOT_STATS.snapshots += 1
     SNAPSHOT_STATS.readers_redirected += len(readers)
   return schedule
+
+
+def _nth_writer(schedule: list[ScheduleItem], buffer: Buffer, nth: int) -> int | None:
+  """The index of the `nth` item of `schedule` that writes `buffer` (assigns run in the order `assigns` lists them)."""
+  found = None
+  for index, item in enumerate(schedule):
+    if any(out is buffer for out in item.outputs):
+      found, nth = index, nth - 1
+      if nth == 0: break
+  return found   # the last writer where one kernel holds several assigns to the buffer

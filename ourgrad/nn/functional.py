@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ourgrad.tensor import Tensor
+from ourgrad.tensor_conv import fold_patches, unfold_patches
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "avg_pool1d",
            "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "interpolate", "adaptive_avg_pool1d",
@@ -25,13 +26,22 @@ conv_transpose1d, conv_transpose2d, conv_transpose3d = \
   Tensor.conv_transpose1d, Tensor.conv_transpose2d, Tensor.conv_transpose3d
 avg_pool1d, avg_pool2d, avg_pool3d = Tensor.avg_pool1d, Tensor.avg_pool2d, Tensor.avg_pool3d
 max_pool1d, max_pool2d, max_pool3d = Tensor.max_pool1d, Tensor.max_pool2d, Tensor.max_pool3d
+max_unpool1d, max_unpool2d = Tensor.max_unpool1d, Tensor.max_unpool2d
+__all__ += ["max_unpool1d", "max_unpool2d", "unfold", "fold"]
 
 # resampling, padding, normalization, dropout
 interpolate = Tensor.interpolate
 adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_avg_pool3d = \
   Tensor.adaptive_avg_pool1d, Tensor.adaptive_avg_pool2d, Tensor.adaptive_avg_pool3d
 layernorm = Tensor.layernorm
-dropout = Tensor.dropout
+
+
+def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:  # noqa: A002
+  """torch.nn.functional.dropout: drops while `training`, which defaults to True as in PyTorch (not to the global
+  Tensor.training, as Tensor.dropout does); pass `training=self.training` inside a module."""
+  return input.dropout(p, training)
+
+
 
 # losses and attention
 cross_entropy, nll_loss, mse_loss = Tensor.cross_entropy, Tensor.nll_loss, Tensor.mse_loss
@@ -72,3 +82,18 @@ def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Te
 def embedding(indices: Tensor, weight: Tensor) -> Tensor:
   """torch.nn.functional.embedding: the rows of `weight` at integer `indices` (any shape) -> (..., dim)."""
   return weight[indices]
+
+
+def unfold(x: Tensor, kernel_size: int | Sequence[int], dilation: int | Sequence[int] = 1,
+           padding: int | Sequence[int] = 0, stride: int | Sequence[int] = 1) -> Tensor:
+  """torch.nn.functional.unfold (im2col): the sliding patches of (N, C, H, W) as columns (N, C * kH * kW, L).
+  (Tensor.unfold(dim, size, step) is torch.Tensor.unfold, a different operation.)"""
+  return unfold_patches(x, kernel_size, dilation, padding, stride)
+
+
+def fold(x: Tensor, output_size: int | Sequence[int], kernel_size: int | Sequence[int],
+         dilation: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+         stride: int | Sequence[int] = 1) -> Tensor:
+  """torch.nn.functional.fold (col2im): columns (N, C * kH * kW, L) summed back into (N, C, *output_size), the
+  adjoint of unfold (overlapping patches add up)."""
+  return fold_patches(x, output_size, kernel_size, dilation, padding, stride)

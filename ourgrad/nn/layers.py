@@ -14,7 +14,7 @@ have requires_grad=False.
 
 Train/eval behaviour (BatchNorm, InstanceNorm with running stats, Dropout) follows the module's `training`
 flag: what `model.train()` / `model.eval()` set, or, until one of them is called, the global `Tensor.training`
-flag (`with Tensor.train(): ...`).
+flag where it is set (`with Tensor.train(): ...`), else training mode, PyTorch's default (ourgrad/nn/module.py).
 """
 from __future__ import annotations
 

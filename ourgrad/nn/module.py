@@ -15,10 +15,11 @@ gives each module's own parameters in attribute order; `state_dict()` gives a mo
 persistent buffers, then each child's entries. `get_state_dict(module)` and `module.state_dict()` agree, because
 the walker in state.py asks a Module for its items (`_state_items`).
 
-Training mode: `train()` / `eval()` set `training` on a module and all modules below it. Until one of them is
-called, `training` follows the global `Tensor.training` flag (tinygrad's `with Tensor.train():`), so code
-written for either library behaves as it expects; PyTorch's modules start in training mode, ours start
-following the global flag, which is False.
+Training mode: `train()` / `eval()` set `training` on a module and all modules below it. A module starts in
+training mode, as in PyTorch (BatchNorm normalizes with batch statistics and updates its running ones, Dropout
+drops): call `model.eval()` before evaluating. Until train()/eval() is called on it, a module also follows the
+global flag inside tinygrad's `with Tensor.train(mode):` (or after `Tensor.training = mode`), so tinygrad-style
+code behaves as it expects there.
 
 Subclasses need not call `Module.__init__` (every default is a class attribute), so plain tinygrad-style classes
 turn into Modules by adding the base class.
@@ -68,7 +69,7 @@ def Parameter(data: Tensor, requires_grad: bool = True) -> Tensor:  # noqa: N802
 class Module:
   """Base class of layers and models, like torch.nn.Module: set Tensors and sub-Modules as attributes in
   `__init__`, write `forward`, and call the module. See the module docstring for how state is found."""
-  _training: bool | None = None  # None: follow the global Tensor.training
+  _training: bool | None = None  # None: follow the global Tensor.training when set, else training (PyTorch)
   _non_persistent: frozenset[str] = frozenset()
 
   def __init__(self) -> None:
@@ -87,8 +88,10 @@ class Module:
 
   @property
   def training(self) -> bool:
-    """Whether the module is in training mode: the last train()/eval() on it or a parent, else Tensor.training."""
-    return Tensor.training if self._training is None else self._training
+    """Whether the module is in training mode: the last train()/eval() on it or a parent; else Tensor.training
+    where the user set it (`with Tensor.train(False):`); else True, PyTorch's default."""
+    if self._training is not None: return self._training
+    return True if Tensor.training is None else Tensor.training
 
   @training.setter
   def training(self, mode: bool) -> None:

@@ -11,44 +11,132 @@ is `lr_tensor` (a realized one-element Tensor; `opt.lr = 0.01` writes into it) a
 a Tensor too. So the kernels of step n + 1 are the same as those of step n, and changing the learning rate
 (a schedule, a warm-up) never compiles a new kernel.
 
+Parameter groups, as PyTorch: `AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0}],
+lr=1e-3)`. `optimizer.param_groups` is a list of dicts (`ParamGroup`) holding each group's params and
+hyper-parameters; writing `group["lr"] = x` (what the schedulers of ourgrad.optim.lr_scheduler do) sets that
+group's learning rate buffer, so it compiles nothing. Several groups are several optimizers of the same class, one
+per group (built by `_ParamGroupsMeta`), stepped in one schedule: the step code stays the one of a single group.
+
 The formulas are PyTorch's (`torch.optim.SGD` with dampening=0, `torch.optim.Adam`, `torch.optim.AdamW`);
 LAMB follows the paper (You et al., 2019, "Large Batch Optimization for Deep Learning") as tinygrad does.
 """
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 import numpy as np
 
 from ourgrad.dtype import dtypes
 from ourgrad.errors import AutogradError
-from ourgrad.ops import Ops
+from ourgrad.multi import MultiLazyBuffer, is_assignable
 from ourgrad.tensor import Tensor, no_grad
 
 
 def _state_like(param: Tensor) -> Tensor:
-  """A realized buffer of zeros shaped like `param` (a real buffer, not a constant, so it can be assigned to)."""
+  """A realized buffer of zeros shaped like `param` (a real buffer, not a constant, so it can be assigned to); for a
+  parameter over several devices, one per shard, sharded as the parameter is."""
+  lazy = param.lazydata
+  if isinstance(lazy, MultiLazyBuffer):
+    return Tensor(MultiLazyBuffer([_state_like(Tensor(shard)).lazydata for shard in lazy.lbs], lazy.axis))
   return Tensor(np.zeros(param.shape, dtype=np.float32), device=param.device, dtype=dtypes.float32)
 
 
-def _scalar_buffer(value: float, device: str) -> Tensor:
-  """A realized 0-d float32 Tensor holding `value` (kernels read it from memory: changing it recompiles nothing)."""
-  return Tensor(np.array(value, dtype=np.float32), device=device, dtype=dtypes.float32)
+def _scalar_buffer(value: float, device: str | tuple[str, ...]) -> Tensor:
+  """A realized 0-d float32 Tensor holding `value` (kernels read it from memory: changing it recompiles nothing);
+  replicated on every device of a tuple."""
+  return Tensor(np.array(value, dtype=np.float32), device=device, dtype=dtypes.float32).realize()
 
 
 def _is_assignable(tensor: Tensor) -> bool:
-  """Whether `tensor` owns a realized buffer that `assign` writes into in place."""
-  lazy = tensor.lazydata
-  return lazy.is_base and lazy.realized is not None and lazy.op is not Ops.CONST
+  """Whether `tensor` owns a realized buffer (one per shard) that `assign` writes into in place."""
+  return is_assignable(tensor.lazydata)
 
 
-class Optimizer:
+def _own_buffers(param: Tensor) -> None:
+  """Give `param` realized memory of its own, keeping its values and sharding: updates are written in place."""
+  lazy = param.lazydata
+  if isinstance(lazy, MultiLazyBuffer):
+    param.lazydata = MultiLazyBuffer([shard if is_assignable(shard) else shard.clone() for shard in lazy.lbs],
+                                     lazy.axis)
+    param.realize()
+  else:
+    param.lazydata = Tensor(param.detach().numpy(), device=param.device, dtype=param.dtype).lazydata
+
+
+class ParamGroup(dict):
+  """One entry of `optimizer.param_groups`: "params" and the group's hyper-parameters ("lr", "weight_decay",
+  "betas", "momentum", ...), as in PyTorch. Setting an entry updates the optimizer that steps the group: "lr" writes
+  its learning-rate buffer (no recompile); another hyper-parameter is a constant of the update kernels, so changing
+  it compiles them anew. Other keys ("initial_lr", set by schedulers) are only stored."""
+
+  def __init__(self, optimizer: Optimizer, values: dict[str, Any]):
+    super().__init__(values)
+    self._optimizer = optimizer
+
+  def __setitem__(self, key: str, value: Any) -> None:
+    super().__setitem__(key, value)
+    self._optimizer._set_hyper_parameter(key, value)
+
+
+def _as_param_groups(params: Any) -> list[dict[str, Any]] | None:
+  """The group dicts of an optimizer's `params` argument (copied, "params" made a list), or None for plain tensors."""
+  if isinstance(params, Tensor): return None
+  params = list(params)
+  if not any(isinstance(item, dict) for item in params): return None
+  if not all(isinstance(item, dict) and "params" in item for item in params):
+    raise TypeError("optimizer params must be all Tensors or all dicts with a 'params' entry (parameter groups)")
+  groups = []
+  for group in params:
+    tensors = group["params"]
+    groups.append({**group, "params": [tensors] if isinstance(tensors, Tensor) else list(tensors)})
+  seen: set[int] = set()
+  for group in groups:
+    for tensor in group["params"]:
+      if id(tensor) in seen: raise ValueError("some parameters appear in more than one parameter group")
+      seen.add(id(tensor))
+  return groups
+
+
+class _ParamGroupsMeta(type):
+  """Builds optimizers from PyTorch's arguments: reads the hyper-parameters of the call (for `param_groups`), and
+  turns a list of several parameter groups into one optimizer of the class per group under a grouping instance."""
+
+  @property
+  def __signature__(cls) -> inspect.Signature:
+    # help() and inspect show the constructor's parameters, not this __call__'s (*args, **kwargs)
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return inspect.Signature(parameters)
+
+  def __call__(cls, params: Any, *args: Any, **kwargs: Any) -> Any:
+    bound = inspect.signature(cls.__init__).bind(None, None, *args, **kwargs)
+    bound.apply_defaults()
+    defaults = {key: value for key, value in list(bound.arguments.items())[2:]}
+    if not isinstance(params, Tensor): params = list(params)  # an iterator (model.parameters()) is read once
+    groups = _as_param_groups(params)
+    if groups is None: return cls._with_groups(super().__call__(params, **defaults), defaults)
+    optimizers = []
+    for group in groups:
+      unknown = set(group) - {"params"} - set(defaults)
+      if unknown: raise TypeError(f"{cls.__name__} parameter group has unknown options {sorted(unknown)}; "
+                                  f"it takes {sorted(defaults)}")
+      options = {**defaults, **{key: value for key, value in group.items() if key != "params"}}
+      optimizers.append(cls._with_groups(super().__call__(group["params"], **options), options))
+    if len(optimizers) == 1: return optimizers[0]
+    grouping = cls.__new__(cls)
+    grouping._init_grouping(optimizers, defaults)
+    return grouping
+
+
+class Optimizer(metaclass=_ParamGroupsMeta):
   """Base class: holds the parameters and the learning rate; subclasses implement `_updates()`.
 
   `params` is a list of Tensors (an iterator such as `model.parameters()` works too). Tensors with
   requires_grad=False (BatchNorm's running statistics) are skipped, so `Adam(get_parameters(model))` works for any
   model; a tensor whose requires_grad is unset (None) becomes a parameter (requires_grad=True), as in tinygrad.
-  Duplicates are dropped; AutogradError if no tensor is left.
+  Duplicates are dropped; AutogradError if no tensor is left. A list of dicts gives parameter groups (see
+  `param_groups`).
   The learning rate is stored in `lr_tensor`, a realized 0-d Tensor read by the update kernels; the `lr`
   property reads it and its setter writes a new value into the same buffer, which takes effect on the next
   `step()` without compiling anything."""
@@ -70,25 +158,57 @@ class Optimizer:
       raise AutogradError(f"optimizer got {len(params)} tensors, all with requires_grad=False: there is nothing "
                           f"to optimize; create the weights with requires_grad=True")
     self.params: list[Tensor] = unique
-    self.device: str = self.params[0].device
+    self.device: str | tuple[str, ...] = self.params[0].device
     for param in self.params:
       # updates are written in place: every parameter needs its own realized buffer, not a constant or a view
-      if not _is_assignable(param):
-        param.lazydata = Tensor(param.detach().numpy(), device=param.device, dtype=param.dtype).lazydata
+      if not _is_assignable(param): _own_buffers(param)
     self.lr_tensor: Tensor = _scalar_buffer(lr, self.device)
+
+  # ---------------------------------------------------------------- parameter groups
+
+  _group_optimizers: list[Optimizer] = []  # a grouping instance's optimizers, one per parameter group
+  param_groups: list[ParamGroup]
+  defaults: dict[str, Any]
+
+  @classmethod
+  def _with_groups(cls, optimizer: Optimizer, options: dict[str, Any]) -> Optimizer:
+    """`optimizer` with its one `param_groups` entry (its params and the hyper-parameters it was built with)."""
+    optimizer.defaults = dict(options)
+    optimizer.param_groups = [ParamGroup(optimizer, {"params": optimizer.params, **options})]
+    return optimizer
+
+  def _init_grouping(self, optimizers: list[Optimizer], defaults: dict[str, Any]) -> None:
+    """Make this (not yet initialized) instance step `optimizers` together: one per parameter group."""
+    self._group_optimizers = optimizers
+    self.defaults = dict(defaults)
+    self.params = [param for optimizer in optimizers for param in optimizer.params]
+    self.device = optimizers[0].device
+    self.lr_tensor = optimizers[0].lr_tensor
+    self.param_groups = [optimizer.param_groups[0] for optimizer in optimizers]
+
+  def _set_hyper_parameter(self, key: str, value: Any) -> None:
+    """What writing `param_groups[i][key] = value` does to this (single-group) optimizer."""
+    if key == "lr": self._write_lr(value)
+    elif key == "betas": self.b1, self.b2 = value
+    elif key != "params" and key in self.defaults: setattr(self, key, value)
 
   # ---------------------------------------------------------------- learning rate
 
   @property
   def lr(self) -> float:
-    """The current learning rate (read from `lr_tensor`)."""
+    """The current learning rate (read from `lr_tensor`; the first group's with several groups)."""
     return float(self.lr_tensor.item())
 
   @lr.setter
   def lr(self, value: float) -> None:
+    for group in self.param_groups: group["lr"] = value
+
+  def _write_lr(self, value: float) -> None:
     # write into the existing buffer (no kernel, no recompile): the update kernels load lr from memory
     if not _is_assignable(self.lr_tensor): self.lr_tensor.realize()
-    self.lr_tensor.lazydata.base.realized.copyin(memoryview(np.array([value], dtype=np.float32)).cast("B"))
+    lazy = self.lr_tensor.lazydata
+    for replica in (lazy.lbs if isinstance(lazy, MultiLazyBuffer) else [lazy]):
+      replica.base.realized.copyin(memoryview(np.array([value], dtype=np.float32)).cast("B"))
 
   # ---------------------------------------------------------------- stepping
 
@@ -106,6 +226,8 @@ class Optimizer:
     `step()` is `Tensor.realize_all(*opt.schedule_step())`. Realize a tensor that reads the old parameters, such
     as the loss, in the same schedule: `Tensor.realize_all(loss, *opt.schedule_step())`.
     (Realized later, a lazy loss would read the already updated parameters.)"""
+    if self._group_optimizers:  # several parameter groups: each group's optimizer builds its updates
+      return [tensor for optimizer in self._group_optimizers for tensor in optimizer.schedule_step()]
     with no_grad():
       active = [(param, param.grad.detach()) for param in self.params if param.grad is not None]
       if not active: return []

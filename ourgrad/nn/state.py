@@ -37,7 +37,7 @@ from ourgrad.device import Device, write_atomic
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import OurgradError
 from ourgrad.lazy import LazyBuffer
-from ourgrad.ops import Ops
+from ourgrad.multi import MultiLazyBuffer, empty_like, is_assignable
 from ourgrad.runtime.ops_disk import disk_buffer
 from ourgrad.tensor import Tensor
 
@@ -193,13 +193,15 @@ def load_state_dict(obj: Any, state_dict: dict[str, Tensor], strict: bool = True
   for name, value in values.items():
     target = targets[name]
     if id(target) in assigned: continue  # a tied tensor: the first name wins
-    value = value.to(target.device).cast(target.dtype)
     lazy = target.lazydata
+    # a sharded target takes the value cut as it is cut (a replicated one, copied whole to each device)
+    value = value.shard(target.device, lazy.axis) if isinstance(lazy, MultiLazyBuffer) else value.to(target.device)
+    value = value.cast(target.dtype)
     # the same test Tensor.assign makes to decide between writing into the buffer and replacing lazydata
-    if not (lazy.is_base and lazy.realized is not None and lazy.op is not Ops.CONST):
+    if not is_assignable(lazy):
       # a target without its own buffer (a constant, a view, an unrealized graph) would simply take the value's
       # buffer and alias the state dict's tensor: give it fresh memory so the assign below copies
-      target.assign(Tensor.empty(*target.shape, dtype=target.dtype, device=target.device))
+      target.lazydata = empty_like(lazy)
     if target.numel(): target.assign(value)
     assigned[id(target)] = target
   Tensor.realize_all(*assigned.values())

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from ourgrad.nn.module import Module
 from ourgrad.tensor import Tensor
+from ourgrad.tensor_conv import fold_patches, unfold_patches
 
 IntOrTuple = int | Sequence[int]
 
@@ -123,50 +124,106 @@ class _MaxPoolNd(Module):
   dims = 0
 
   def __init__(self, kernel_size: IntOrTuple, stride: IntOrTuple | None = None, padding: IntOrTuple = 0,
-               dilation: IntOrTuple = 1):
+               dilation: IntOrTuple = 1, return_indices: bool = False, ceil_mode: bool = False):
     self.kernel_size, self.stride, self.padding, self.dilation = kernel_size, stride, padding, dilation
+    self.return_indices, self.ceil_mode = return_indices, ceil_mode
 
-  def forward(self, x: Tensor) -> Tensor:
+  def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    if self.return_indices or self.ceil_mode:
+      return x._max_pool_options(self.dims, self.kernel_size, self.stride, self.padding, self.dilation,
+                                 self.ceil_mode, self.return_indices)
     return x._max_pool(self.dims, self.kernel_size, self.stride, self.padding, self.dilation)
 
 
 class MaxPool1d(_MaxPoolNd):
-  """Max pooling over the last dim, like torch.nn.MaxPool1d (no ceil_mode or return_indices)."""
+  """Max pooling over the last dim, like torch.nn.MaxPool1d."""
   dims = 1
 
 
 class MaxPool2d(_MaxPoolNd):
-  """Max pooling over the last two dims, like torch.nn.MaxPool2d (no ceil_mode or return_indices)."""
+  """Max pooling over the last two dims, like torch.nn.MaxPool2d (return_indices gives (values, indices))."""
   dims = 2
 
 
 class MaxPool3d(_MaxPoolNd):
-  """Max pooling over the last three dims, like torch.nn.MaxPool3d (no ceil_mode or return_indices)."""
+  """Max pooling over the last three dims, like torch.nn.MaxPool3d."""
   dims = 3
 
 
 class _AvgPoolNd(Module):
   dims = 0
 
-  def __init__(self, kernel_size: IntOrTuple, stride: IntOrTuple | None = None, padding: IntOrTuple = 0):
+  def __init__(self, kernel_size: IntOrTuple, stride: IntOrTuple | None = None, padding: IntOrTuple = 0,
+               ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None):
     self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+    self.ceil_mode, self.count_include_pad, self.divisor_override = ceil_mode, count_include_pad, divisor_override
 
-  def forward(self, x: Tensor) -> Tensor: return x._avg_pool(self.dims, self.kernel_size, self.stride, self.padding)
+  def forward(self, x: Tensor) -> Tensor:
+    if self.ceil_mode or not self.count_include_pad or self.divisor_override is not None:
+      return x._avg_pool_options(self.dims, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                                 self.count_include_pad, self.divisor_override)
+    return x._avg_pool(self.dims, self.kernel_size, self.stride, self.padding)
 
 
 class AvgPool1d(_AvgPoolNd):
-  """Average pooling over the last dim, like torch.nn.AvgPool1d (count_include_pad, no ceil_mode)."""
+  """Average pooling over the last dim, like torch.nn.AvgPool1d."""
   dims = 1
 
 
 class AvgPool2d(_AvgPoolNd):
-  """Average pooling over the last two dims, like torch.nn.AvgPool2d (count_include_pad, no ceil_mode)."""
+  """Average pooling over the last two dims, like torch.nn.AvgPool2d."""
   dims = 2
 
 
 class AvgPool3d(_AvgPoolNd):
-  """Average pooling over the last three dims, like torch.nn.AvgPool3d (count_include_pad, no ceil_mode)."""
+  """Average pooling over the last three dims, like torch.nn.AvgPool3d."""
   dims = 3
+
+
+__all__ += ["MaxUnpool1d", "MaxUnpool2d", "Unfold", "Fold"]
+
+
+class _MaxUnpoolNd(Module):
+  dims = 0
+
+  def __init__(self, kernel_size: IntOrTuple, stride: IntOrTuple | None = None, padding: IntOrTuple = 0):
+    self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
+  def forward(self, x: Tensor, indices: Tensor, output_size: Sequence[int] | None = None) -> Tensor:
+    return x._max_unpool(self.dims, indices, self.kernel_size, self.stride, self.padding, output_size)
+
+
+class MaxUnpool1d(_MaxUnpoolNd):
+  """The inverse of MaxPool1d(return_indices=True), like torch.nn.MaxUnpool1d."""
+  dims = 1
+
+
+class MaxUnpool2d(_MaxUnpoolNd):
+  """The inverse of MaxPool2d(return_indices=True), like torch.nn.MaxUnpool2d."""
+  dims = 2
+
+
+class Unfold(Module):
+  """im2col, like torch.nn.Unfold: (N, C, H, W) -> (N, C * kH * kW, L) (nn.functional.unfold)."""
+
+  def __init__(self, kernel_size: IntOrTuple, dilation: IntOrTuple = 1, padding: IntOrTuple = 0,
+               stride: IntOrTuple = 1):
+    self.kernel_size, self.dilation, self.padding, self.stride = kernel_size, dilation, padding, stride
+
+  def forward(self, x: Tensor) -> Tensor:
+    return unfold_patches(x, self.kernel_size, self.dilation, self.padding, self.stride)
+
+
+class Fold(Module):
+  """col2im, like torch.nn.Fold: (N, C * kH * kW, L) -> (N, C, *output_size) (nn.functional.fold)."""
+
+  def __init__(self, output_size: IntOrTuple, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
+               padding: IntOrTuple = 0, stride: IntOrTuple = 1):
+    self.output_size, self.kernel_size = output_size, kernel_size
+    self.dilation, self.padding, self.stride = dilation, padding, stride
+
+  def forward(self, x: Tensor) -> Tensor:
+    return fold_patches(x, self.output_size, self.kernel_size, self.dilation, self.padding, self.stride)
 
 
 class Upsample(Module):
@@ -206,23 +263,29 @@ class AdaptiveAvgPool3d(_AdaptiveAvgPoolNd):
 # ---------------------------------------------------------------- losses as modules: criterion(input, target)
 
 class CrossEntropyLoss(Module):
-  """Tensor.cross_entropy as a module, like torch.nn.CrossEntropyLoss (no class weights)."""
+  """Tensor.cross_entropy as a module, like torch.nn.CrossEntropyLoss; the class `weight` is a buffer (in the
+  state dict, as in PyTorch). Give it by keyword: the positional order is ourgrad's older one."""
 
-  def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
+  def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+               weight: Tensor | None = None):
     self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+    self.register_buffer("weight", weight)
 
   def forward(self, logits: Tensor, target: Tensor) -> Tensor:
-    return logits.cross_entropy(target, self.reduction, self.label_smoothing, self.ignore_index)
+    if self.weight is None: return logits.cross_entropy(target, self.reduction, self.label_smoothing, self.ignore_index)
+    return logits.cross_entropy(target, self.reduction, self.label_smoothing, self.ignore_index, weight=self.weight)
 
 
 class NLLLoss(Module):
-  """Tensor.nll_loss as a module, like torch.nn.NLLLoss (no class weights)."""
+  """Tensor.nll_loss as a module, like torch.nn.NLLLoss; the class `weight` is a buffer (give it by keyword)."""
 
-  def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
+  def __init__(self, ignore_index: int = -100, reduction: str = "mean", weight: Tensor | None = None):
     self.ignore_index, self.reduction = ignore_index, reduction
+    self.register_buffer("weight", weight)
 
   def forward(self, log_probs: Tensor, target: Tensor) -> Tensor:
-    return log_probs.nll_loss(target, self.reduction, self.ignore_index)
+    if self.weight is None: return log_probs.nll_loss(target, self.reduction, self.ignore_index)
+    return log_probs.nll_loss(target, self.reduction, self.ignore_index, weight=self.weight)
 
 
 class MSELoss(Module):

@@ -14,6 +14,10 @@ class Renderer:
   multiprocessors: int = 0        # blocks' processors running at once (CUDA's SMs); 0: unknown (not a GPU)
   warp_size: int = 0              # threads that WARP_REDUCE can combine with shuffles (0: no shuffles)
   vector_width: int = 0           # float32 elements one vector LOAD reads (float4: 4; 0: scalar loads only)
+  # bytes of memory traffic that cost about as much time as one kernel launch (launch overhead x memory bandwidth):
+  # the scheduler stores an intermediate in a buffer of its own (one more launch) only when that saves more bytes
+  # than this (engine/schedule.py `_store_or_recompute`). A CPU: ~5 us a call at ~10 GB/s.
+  launch_bytes: int = 64 * 1024
   has_stack_arrays: bool = False  # a CPU kernel may declare per-thread arrays (DEFINE_LOCAL inside its loops)
   # per launch dimension (x, y, z): how many blocks and threads a launch may have
   global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)

@@ -513,7 +513,7 @@ class ClangRenderer(CStyleLanguage):
   vector_bytes = 16
   # DEFINE_LOCAL is a plain C array where it is declared (inside a loop body: one per iteration, private to its thread)
   has_stack_arrays = True
-  # vectorized even where the loop vectorizer is off (gcc 12, ops_clang.known_bug_flags); allows no reordering
+  # vectorized even where the loop vectorizer is off (gcc 12, ops_clang.FLAG_RULES); allows no reordering
   vector_loop_pragma = "#pragma omp simd"
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
@@ -540,7 +540,7 @@ class ClangRenderer(CStyleLanguage):
 
   def _choose_loops_and_selects(self, uops: list[UOp]) -> None:
     # An elementwise kernel whose integers are index math only runs its innermost loop as an `omp simd` loop (gcc 12's
-    # loop vectorizer is otherwise off, ops_clang.known_bug_flags): the MNIST step's batchnorm-backward elementwise
+    # loop vectorizer is otherwise off, ops_clang.FLAG_RULES): the MNIST step's batchnorm-backward elementwise
     # kernel took 2.3 ms instead of 4.1 with 4 unrolled scalar outputs (one core, same data)
     self.simd_loop = elementwise_simd_loop(uops) if index_math_only(uops) else None
     self.simd_loop_is_parallel = self.simd_loop is not None and sum(uop.op is UOps.RANGE for uop in uops) == 1

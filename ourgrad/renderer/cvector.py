@@ -219,7 +219,7 @@ def elementwise_simd_loop(uops: list[UOp]) -> UOp | None:
   An elementwise kernel's iterations are independent (each writes its own output), so `omp simd` is always
   correct; the caller also requires integer math to be index math only (the kernel compiles without -fwrapv).
   A negative index constant (a flipped view, or padding) keeps the kernel scalar: gcc 12's loop vectorizer
-  miscompiles some loops over flipped views (ops_clang.known_bug_flags)."""
+  miscompiles some loops over flipped views (ops_clang.FLAG_RULES)."""
   if any(uop.op in _NOT_SIMD for uop in uops): return None
   ranges = [uop for uop in uops if uop.op is UOps.RANGE]
   if not ranges or any(uop.arg[1] is not AxisType.GLOBAL for uop in ranges): return None

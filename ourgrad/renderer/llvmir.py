@@ -74,7 +74,7 @@ class LLVMRenderer(Renderer):
   has_threads = False
   # below this many loop iterations times uops, starting threads costs more than it saves (CLANG's threshold)
   parallel_min_work = 1 << 17
-  # the SIMD register width (bytes) LLVM targets on this CPU (the runtime sets it from the host's features); the CPU
+  # the SIMD register width (bytes) of the CPU LLVM targets (the runtime sets it from LLVM_CPU/LLVM_FEATURES); the CPU
   # matmul heuristic sizes its register tiles by it, LLVM's SLP vectorizer packs them into vectors
   vector_bytes = 16
 

@@ -1,23 +1,31 @@
 """The CLANG device (alias CPU): C source -> shared object with the system C compiler -> ctypes call.
 
-Kernels run synchronously on the calling thread. The compiler is `CC` if set, else clang, else gcc.
+Kernels run synchronously on the calling thread. The compiler is `CC` if set, else clang, else gcc; the target is
+`-march=$CLANG_MARCH` (default native). The flags come from FLAG_RULES (per compiler family and version, each entry
+the workaround of a known miscompile), and a known-answer self-test (runtime/toolchain_check.py) checks them before
+the first kernel compiles (docs/backends.md, the C compiler's flags).
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
 import re
-import signal
 import shutil
+import signal
 import subprocess
 import tempfile
-
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import CC, COMPILE_TIMEOUT
+from ourgrad.helpers import CC, CLANG_MARCH, COMPILE_TIMEOUT
 from ourgrad.renderer.cstyle import INDEX_MATH_ONLY, ClangRenderer
+from ourgrad.runtime import toolchain_check
 
 # -fopenmp: large kernels run their outer loops on all cores (OMP_NUM_THREADS limits the threads)
 # Idle OpenMP threads sleep instead of spinning: on a busy machine a spinning thread steals the core that the
@@ -25,13 +33,18 @@ from ourgrad.renderer.cstyle import INDEX_MATH_ONLY, ClangRenderer
 # Set before the first kernel loads the OpenMP runtime; the user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 # -fwrapv: signed integer overflow wraps around (two's complement), as the UOp contract and PyTorch's CPU kernels do
-COMPILE_FLAGS = ["-shared", "-fPIC", "-O2", "-march=native", "-fno-math-errno", "-fwrapv", "-fopenmp", "-lm"]
+BASE_FLAGS = ["-shared", "-fPIC", "-O2", "-fno-math-errno", "-fwrapv", "-fopenmp"]
+LINK_FLAGS = ["-lm"]   # after the source: the linker resolves libm's symbols for the objects before it
+# what the self-test falls back to when the chosen flags compute a wrong answer: no vectorizer at all (the explicit
+# GCC vectors of renderer/cvector.py and `omp simd` loops still vectorize what they name)
+SAFE_FLAGS = ["-fno-tree-loop-vectorize", "-fno-tree-slp-vectorize"]
 
 
 # kernels of at least this many lines of C compile at -O1 (see ClangCompiler.flags_for)
 LARGE_KERNEL_LINES = 2500
-# bumped when ClangCompiler.flags_for changes which flags a source gets (2: `omp simd` kernels, 3: `parallel for simd`)
-FLAGS_FOR_VERSION = 3
+# bumped when ClangCompiler.flags_for changes which flags a source gets (2: `omp simd` kernels, 3: `parallel for simd`,
+# 4: the FLAG_RULES table, -fno-tree-slp-vectorize for gcc 12's integer reduces, the safe flags)
+FLAGS_FOR_VERSION = 4
 
 
 def find_c_compiler() -> str:
@@ -41,9 +54,96 @@ def find_c_compiler() -> str:
   raise DeviceError("the CLANG device needs a C compiler: install clang or gcc, or set CC=/path/to/compiler")
 
 
-# gcc 13 with -march=native on CPUs with AVX512-FP16 (Sapphire Rapids) can emit masked `vmovsh` forms that its own
-# assembler rejects; float16 kernels then fail to build. Turning the extension off avoids it where the flag exists.
-OPTIONAL_FLAGS = ["-mno-avx512fp16"]
+# ---------------------------------------------------------------- which flags, per compiler and version
+
+def has_simd_loop(source: str) -> bool:
+  """An `omp simd` loop (the lanes of a CPU row kernel, or an elementwise kernel's innermost loop)."""
+  return "#pragma omp simd" in source or "#pragma omp parallel for simd" in source
+
+
+# an accumulator of an integer or bool type, declared as CStyleLanguage declares DEFINE_ACC ("acc" names)
+_INTEGER_ACCUMULATOR = re.compile(r"^\s*(?:(?:unsigned|signed) )?(?:char|short|int|long|long long|bool) acc\d+ = ",
+                                  re.MULTILINE)
+
+
+def has_integer_reduce(source: str) -> bool:
+  """A reduce into an integer or bool accumulator: any/all, an int max or sum, argmax."""
+  return _INTEGER_ACCUMULATOR.search(source) is not None
+
+
+@dataclass(frozen=True)
+class FlagRule:
+  """Flags that compilers of one family ("gcc", "clang" or "any") and major versions `first`..`last` (both included)
+  give the kernels `applies` picks (None: every kernel). `optional` flags are given only where the compiler accepts
+  them (an unknown -m flag is an error)."""
+  family: str
+  first: int
+  last: int
+  flags: tuple[str, ...]
+  applies: Callable[[str], bool] | None = None
+  optional: bool = False
+
+
+# Every known miscompile of correct kernels, and the flags that avoid it. The known-answer self-test
+# (runtime/toolchain_check.py) runs each pattern with the flags chosen here; where a version not listed here gets one
+# wrong it falls back to SAFE_FLAGS and warns. gcc 13+ and clang: no miscompile of ours known (the self-test guards).
+FLAG_RULES: tuple[FlagRule, ...] = (
+  # gcc <= 12's loop vectorizer at -O2 miscompiles a reduce over a reversed (flipped) view that reads a
+  # loop-invariant value: `(x.flip(0) + s).sum()` over arange(6) with s=100 gives 921 instead of 615 (gcc 12.2;
+  # test/fuzz/test_regressions.py has the kernel; gcc 13 is right). An `omp simd` loop needs the loop vectorizer and
+  # never splits a flipped reduce into lanes (renderer/cvector.py keeps such kernels scalar), so it keeps it.
+  FlagRule("gcc", 0, 12, ("-fno-tree-loop-vectorize",), applies=lambda source: not has_simd_loop(source)),
+  # gcc <= 12's basic-block (SLP) vectorizer with -fwrapv packs an unrolled min/max reduce of comparisons converted
+  # to a signed or char type (`acc = acc > (unsigned char)(x != 4) ? ...`: any, all, `.int().max()`, equal with NaN)
+  # as a vector of -1/0 masks and takes their signed max: 0 for "true" on every x86 target without AVX-512 (gcc 12.2
+  # at -march=x86-64, -v2, -v3, haswell, znver3; AVX-512's mask registers happen to be right). Only integer reduces
+  # lose SLP; float kernels, where it packs the upcast lanes, keep it.
+  FlagRule("gcc", 0, 12, ("-fno-tree-slp-vectorize",), applies=has_integer_reduce),
+  # gcc 13 with -march=native on CPUs with AVX512-FP16 (Sapphire Rapids) can emit masked `vmovsh` forms that its own
+  # assembler rejects; float16 kernels then fail to build. Turning the extension off avoids it where the flag exists.
+  FlagRule("any", 0, 999, ("-mno-avx512fp16",), optional=True),
+)
+
+
+@dataclass(frozen=True)
+class CompilerIdentity:
+  """Which C compiler this is, from its predefined macros: family ("gcc" or "clang"), version, and the macros of
+  the target it compiles for at the chosen -march (the CPU features: what the SIMD width and cache key follow)."""
+  family: str
+  major: int
+  version: str
+  target_macros: str
+
+  @property
+  def vector_bytes(self) -> int:
+    """The SIMD register width (bytes) the compiler targets: 64 with AVX-512, 32 with AVX/AVX2, else 16."""
+    if "#define __AVX512F__ " in self.target_macros: return 64
+    if "#define __AVX2__ " in self.target_macros or "#define __AVX__ " in self.target_macros: return 32
+    return 16
+
+
+def identify_compiler(compiler: str, march: str) -> CompilerIdentity:
+  """Ask the compiler for its predefined macros at -march=`march`; a DeviceError if it rejects that target."""
+  probe = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                         text=True)
+  if probe.returncode != 0:
+    raise DeviceError(f"{os.path.basename(compiler)} rejects CLANG_MARCH={march!r} (-march={march}): "
+                      f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'no message'}. Use a "
+                      f"target it knows (native, x86-64-v2, x86-64-v3, x86-64-v4, znver3, ...)")
+  macros = dict(line.split(" ", 2)[1:] for line in probe.stdout.splitlines() if line.count(" ") >= 2)
+  if "__clang__" in macros:
+    family, major = "clang", int(macros.get("__clang_major__", 0))
+    version = f"{major}.{macros.get('__clang_minor__', 0)}.{macros.get('__clang_patchlevel__', 0)}"
+  else:
+    family, major = "gcc", int(macros.get("__GNUC__", 0))
+    version = f"{major}.{macros.get('__GNUC_MINOR__', 0)}.{macros.get('__GNUC_PATCHLEVEL__', 0)}"
+  return CompilerIdentity(family, major, version, "\n".join(sorted(probe.stdout.splitlines())))
+
+
+def rules_for(identity: CompilerIdentity) -> list[FlagRule]:
+  """The FLAG_RULES entries for this compiler's family and version."""
+  return [rule for rule in FLAG_RULES
+          if rule.family in ("any", identity.family) and rule.first <= identity.major <= rule.last]
 
 
 def accepted_flags(compiler: str, flags: list[str]) -> list[str]:
@@ -56,63 +156,126 @@ def accepted_flags(compiler: str, flags: list[str]) -> list[str]:
   return accepted
 
 
-def known_bug_flags(compiler: str) -> list[str]:
-  """Flags that avoid known miscompilations of correct kernels by this compiler version.
-
-  gcc 12's loop vectorizer at -O2 miscompiles a reduce over a reversed (flipped) view that reads a loop-invariant
-  value: `(x.flip(0) + s).sum()` over arange(6) with s=100 gives 921 instead of 615 (test/fuzz/test_regressions.py
-  has the kernel). gcc 13 is correct. SLP vectorization, which packs our upcast lanes, is not involved and stays on."""
-  version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-  major = subprocess.run([compiler, "-dumpversion"], capture_output=True, text=True).stdout.strip().split(".")[0]
-  if "clang" not in version and major == "12": return ["-fno-tree-loop-vectorize"]
-  return []
-
-
-def native_vector_bytes(compiler: str) -> int:
-  """The SIMD register width (bytes) that `compiler -march=native` targets, from its predefined macros."""
-  probe = subprocess.run([compiler, "-march=native", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
-                         text=True)
-  if "__AVX512F__" in probe.stdout: return 64
-  if "__AVX2__" in probe.stdout or "__AVX__" in probe.stdout: return 32
-  return 16
+_WARNED: set[str] = set()   # toolchains whose fallback to the safe flags was already reported in this process
 
 
 class ClangCompiler(Compiler):
+  """C source -> shared object with the host C compiler, at the -march CLANG_MARCH names, with the flags FLAG_RULES
+  picks for this compiler's version, checked by the known-answer self-test before the first kernel compiles."""
+
   def __init__(self) -> None:
     self.compiler = find_c_compiler()
-    self.flags = COMPILE_FLAGS[:-1] + accepted_flags(self.compiler, OPTIONAL_FLAGS) + known_bug_flags(self.compiler)
-    # -march=native makes the binary specific to this CPU: it is part of the cache key, and so is the version of the
-    # per-kernel flag rules (flags_for), which pick flags from the source: a binary built under older rules is stale
-    self.cache_key = (f"clang {self.compiler} {platform.machine()} {platform.processor()} {' '.join(self.flags)} "
-                      f"flags_for {FLAGS_FOR_VERSION}")
+    self.march = CLANG_MARCH.value or "native"
+    self.identity = identify_compiler(self.compiler, self.march)
+    self.rules = [rule for rule in rules_for(self.identity)
+                  if not rule.optional or accepted_flags(self.compiler, list(rule.flags)) == list(rule.flags)]
+    # the flags every kernel gets; flags_for adds and removes per kernel
+    self.flags = BASE_FLAGS + [f"-march={self.march}"]
+    self.safe = False              # True after the self-test found a wrong answer that SAFE_FLAGS corrected
+    self._verified = False
+    self._verify_lock = threading.Lock()
+
+  @property
+  def vector_bytes(self) -> int: return self.identity.vector_bytes
+
+  @property
+  def toolchain_key(self) -> str:
+    """What the binaries depend on: the compiler and its version, the flags, and the target's macros (with
+    -march=native, the CPU's features: a cache shared by two machines never hands one the other's binaries)."""
+    target = hashlib.sha256(self.identity.target_macros.encode()).hexdigest()[:16]
+    rules = "; ".join(" ".join(rule.flags) for rule in self.rules)
+    return (f"{self.identity.family} {self.identity.version} {self.compiler} {platform.machine()} "
+            f"{' '.join(self.flags)} rules [{rules}] safe {int(self.safe)} target {target} "
+            f"flags_for {FLAGS_FOR_VERSION}")
+
+  @property
+  def cache_key(self) -> str:  # type: ignore[override]
+    self.verify()   # the flags the key names are the ones the self-test passed
+    return f"clang {self.toolchain_key}"
 
   def flags_for(self, source: str) -> list[str]:
-    """The flags for one kernel: no -fwrapv where integers only index, the loop vectorizer for `omp simd` lanes, -O1
-    instead of -O2 for a big one. gcc -O2's time grows faster than linearly with a function's size (a 3,400-line
-    kernel: 18 s at -O2, 2.6 s at -O1); the scheduler keeps fused kernels under KERNEL_OPS_LIMIT ops, but upcasting
-    and unrolling can still multiply a kernel's code."""
-    flags = self.flags
+    """The flags for one kernel: the FLAG_RULES that apply to it, no -fwrapv where integers only index, the loop
+    vectorizer for `omp simd` lanes, -O1 instead of -O2 for a big one. gcc -O2's time grows faster than linearly
+    with a function's size (a 3,400-line kernel: 18 s at -O2, 2.6 s at -O1); the scheduler keeps fused kernels under
+    KERNEL_OPS_LIMIT ops, but upcasting and unrolling can still multiply a kernel's code."""
+    flags = list(self.flags)
+    for rule in self.rules:
+      if rule.applies is None or rule.applies(source): flags += [flag for flag in rule.flags if flag not in flags]
+    if self.safe: flags += [flag for flag in SAFE_FLAGS if flag not in flags]
     # integer math only on indices (the renderer marks such kernels): the wrap rule is not needed (see
     # cstyle.INDEX_MATH_ONLY) and costs the matmul tiles their vectorization
-    if source.startswith(INDEX_MATH_ONLY): flags = [flag for flag in flags if flag != "-fwrapv"]
-    # A loop marked `omp simd` (the lanes of a CPU row kernel, codegen/row_linearizer.py) needs the loop vectorizer,
-    # which known_bug_flags may have turned off for gcc 12 (its miscompile is of a reduce over a flipped view, which a
-    # row kernel never splits into lanes), and no -fwrapv: with wrapping int indices gcc cannot prove `base + lane`
-    # contiguous and gathers. Such a kernel has no integer arithmetic but its index math, which never overflows
+    if source.startswith(INDEX_MATH_ONLY): flags.remove("-fwrapv")
+    # A loop marked `omp simd` (the lanes of a CPU row kernel, codegen/row_linearizer.py, or an elementwise kernel's
+    # innermost loop) needs no -fwrapv: with wrapping int indices gcc cannot prove `base + lane` contiguous and
+    # gathers. Such a kernel has no integer arithmetic but its index math, which never overflows
     # (RowLinearizer._cpu_lanes checks).
-    if "#pragma omp simd" in source or "#pragma omp parallel for simd" in source:
-      flags = [flag for flag in flags if flag not in ("-fno-tree-loop-vectorize", "-fwrapv")]
+    if has_simd_loop(source) and "-fwrapv" in flags: flags.remove("-fwrapv")
     if source.count("\n") < LARGE_KERNEL_LINES: return flags
     return ["-O1" if flag == "-O2" else flag for flag in flags]
 
+  # ---------------------------------------------------------------- the known-answer self-test
+
+  def verify(self) -> None:
+    """Run the known-answer self-test once per process (its verdict cached on disk per toolchain_key): on a wrong
+    answer switch to SAFE_FLAGS and warn once; if those are wrong too, raise a CompileError."""
+    if self._verified: return
+    with self._verify_lock:
+      if self._verified: return
+      key = self.toolchain_key
+      cached = toolchain_check.cached_verdict(key)
+      verdict, wrong = cached if cached is not None else self._run_self_test()
+      if cached is None: toolchain_check.store_verdict(key, verdict, wrong)
+      if verdict == "broken":
+        raise CompileError(f"{self._describe()} computes wrong answers on ourgrad's known-answer self-test even with "
+                           f"the safe flags ({' '.join(SAFE_FLAGS)}):\n  " + "\n  ".join(wrong) +
+                           "\nUse another compiler (CC=clang or CC=gcc-13), or another target (CLANG_MARCH).")
+      if verdict == "safe":
+        self.safe = True
+        if key not in _WARNED:
+          _WARNED.add(key)
+          warnings.warn(f"{self._describe()} miscompiled ourgrad's known-answer self-test with its usual flags:\n  " +
+                        "\n  ".join(wrong) + f"\nCLANG kernels compile with {' '.join(SAFE_FLAGS)} (slower, right). "
+                        f"Please report this compiler version (docs/backends.md, the C compiler's flags).",
+                        RuntimeWarning, stacklevel=3)
+      self._verified = True
+
+  def _describe(self) -> str:
+    return f"{os.path.basename(self.compiler)} {self.identity.version} (-march={self.march})"
+
+  def _run_self_test(self) -> tuple[str, list[str]]:
+    """The verdict ("ok", "safe" or "broken") and the wrong answers of the usual flags."""
+    wrong = toolchain_check.wrong_answers(toolchain_check.C_KNOWN_ANSWERS, self._load_known_answers)
+    if not wrong: return "ok", []
+    self.safe = True
+    try:
+      still_wrong = toolchain_check.wrong_answers(toolchain_check.C_KNOWN_ANSWERS, self._load_known_answers)
+    finally:
+      self.safe = False
+    return ("broken", still_wrong) if still_wrong else ("safe", wrong)
+
+  def _load_known_answers(self, known_answers: Sequence[toolchain_check.KnownAnswer]) -> dict[str, Callable]:
+    """Compile the self-test kernels (one shared object per set of flags) and load them: {name: function}."""
+    by_flags: dict[tuple[str, ...], list[str]] = {}
+    for known in known_answers: by_flags.setdefault(tuple(self.flags_for(known.source)), []).append(known.source)
+    functions = {}
+    for flags, sources in by_flags.items():
+      program = ClangProgram(None, self._build("\n".join(sources), list(flags)))
+      functions.update({known.name: getattr(program.library, known.name) for known in known_answers
+                        if known.source in sources})
+    return functions
+
   def compile(self, source: str) -> bytes:
+    self.verify()
+    return self._build(source, self.flags_for(source))
+
+  def _build(self, source: str, flags: list[str]) -> bytes:
+    """The shared object of `source` compiled with `flags`."""
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
       source_path, library_path = os.path.join(folder, "kernel.c"), os.path.join(folder, "kernel.so")
       with open(source_path, "w") as source_file: source_file.write(source)
       timeout = float(COMPILE_TIMEOUT.value) or None
       # a session of its own, so that a timeout ends the compiler driver and the compiler proper (cc1) it started
-      process = subprocess.Popen([self.compiler, *self.flags_for(source), source_path, "-o", library_path,
-                                  COMPILE_FLAGS[-1]],
+      process = subprocess.Popen([self.compiler, *flags, source_path, "-o", library_path, *LINK_FLAGS],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
       try:
         _, stderr = process.communicate(timeout=timeout)
@@ -129,6 +292,7 @@ class ClangCompiler(Compiler):
 
   def disassemble(self, source: str) -> str:
     """The compiler's assembly (`-S`) of the kernel, built with the same flags as the shared object."""
+    self.verify()
     flags = [flag for flag in self.flags_for(source) if flag != "-shared"]
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
       source_path = os.path.join(folder, "kernel.c")
@@ -147,7 +311,7 @@ def kernel_name(source: str) -> str:
 class ClangProgram(HostProgram):
   """A compiled kernel: load the shared object from its bytes and call the named function."""
 
-  def __init__(self, name: str, library: bytes):
+  def __init__(self, name: str | None, library: bytes):
     self.name = name
     with tempfile.NamedTemporaryFile(suffix=".so", delete=False) as library_file:
       library_file.write(library)
@@ -156,12 +320,14 @@ class ClangProgram(HostProgram):
       self.library = ctypes.CDLL(path)
     finally:
       os.unlink(path)
-    self.function = getattr(self.library, name)
+    self.function = getattr(self.library, name) if name is not None else None
 
 
 
 def create_device(name: str) -> Compiled:
   compiler = ClangCompiler()
   renderer = ClangRenderer()
-  renderer.vector_bytes = native_vector_bytes(compiler.compiler)
+  # the width of the target's SIMD registers (CLANG_MARCH's, not necessarily this CPU's): the CPU matmul tiles,
+  # row-kernel lanes and explicit vectors are sized by it
+  renderer.vector_bytes = compiler.vector_bytes
   return Compiled(name, HostAllocator(), renderer, compiler, ClangProgram)

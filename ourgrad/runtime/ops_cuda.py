@@ -29,6 +29,8 @@ except ImportError as error:  # the registry turns this into a DeviceError sayin
 
 
 CUDA_SUCCESS = driver.CUresult.CUDA_SUCCESS
+# a kernel launch inside a CUDA graph costs ~1-2 us on an H100/H200; times the bandwidth: the renderer's launch_bytes
+LAUNCH_SECONDS = 1.5e-6
 
 
 def pointer_arguments(values: list[int]) -> tuple[Any, Any]:
@@ -391,11 +393,21 @@ class CUDADevice(Compiled):
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
     renderer = CUDARenderer(self.arch)
     renderer.multiprocessors = multiprocessors   # the heuristics size grids by this GPU's SMs
+    renderer.launch_bytes = int(LAUNCH_SECONDS * self._memory_bandwidth())
     super().__init__(name, CUDAAllocator(self), renderer, CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
     self.graph = lambda launches: CUDAGraph(self, launches)
     self.compiler.warm_up()
+
+  def _memory_bandwidth(self) -> float:
+    """Peak DRAM bytes per second from the driver: memory clock (kHz) x bus width (bits), double data rate."""
+    attribute = driver.CUdevice_attribute
+    clock_khz = check(driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE, self.cu_device),
+                      "cuDeviceGetAttribute")
+    bus_bits = check(driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
+                                                 self.cu_device), "cuDeviceGetAttribute")
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8
 
   def make_current(self) -> None: check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 

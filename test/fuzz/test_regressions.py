@@ -44,7 +44,7 @@ def test_assign_broadcast_row_of_itself() -> None:
 
 
 # gcc 12.2 at -O2 (its loop vectorizer) miscompiles this C, which is what CLANG renders for the kernel below; the
-# CLANG device now turns gcc 12's loop vectorizer off (runtime/ops_clang.py: known_bug_flags)
+# CLANG device now turns gcc 12's loop vectorizer off (runtime/ops_clang.py: FLAG_RULES)
 # (Opt(UNROLL, 0, 2) on the reversed axis); -O0/-O1, or -O2 -fno-tree-loop-vectorize, give 615, -O3 gives 719:
 #   void f(float* restrict out, const float* restrict s, const float* restrict x) {
 #     float acc = 0.0f;

@@ -509,8 +509,8 @@ class TorchGen:
     if kind in simple:
       if kind in ("relu", "abs", "sign") and a.grad: self.require_margin(a.tensor, [a])  # the gradient's kink at 0
       if kind == "logical_not" and a.is_float: self.require_margin(a.tensor, [a])
-      # bool squared is the default int: int64 in PyTorch, int32 in ourgrad (docs/api.md), as for bool + 1
-      if kind == "square" and a.dtype == "bool": raise Rejected("square of bool")
+      # square() of bool is pow(x, 2): the default int, int64 in PyTorch and int32 in ourgrad (docs/pytorch.md)
+      if kind == "square" and a.dtype == "bool": raise Rejected("bool square: the default int differs")
       # transcendental functions need not be correctly rounded: their results are never exact
       return self.add_value(simple[kind], simple[kind], [a], exact_op=kind not in INEXACT_UNARY)
     if kind == "detach": return self.add_value(f"{x}.detach()", f"{x}.detach()", [a], view_op=True)

@@ -231,8 +231,9 @@ def test_constant_arithmetic_folds_to_one_constant() -> None:
 
 
 def test_identities_fold_away() -> None:
-  # x * 1 + 0: no arithmetic left; a contiguous load's address is the loop variable itself (i*1 + 0 folded)
-  ast = store(alu(Ops.ADD, alu(Ops.MUL, load(1, st(9)), const(1.0, st(9))), const(0.0, st(9))), (9,))
+  # x * 1 + (-0.0): no arithmetic left; a contiguous load's address is the loop variable itself (i*1 + 0 folded).
+  # -0.0 is the float additive identity: x + (-0.0) is x for every x, -0.0 included
+  ast = store(alu(Ops.ADD, alu(Ops.MUL, load(1, st(9)), const(1.0, st(9))), const(-0.0, st(9))), (9,))
   kernel = kernel_for(ast)
   uops = linearize(kernel)
   assert float_alus(uops) == [] and count(uops, UOps.ALU) == 0
@@ -240,6 +241,16 @@ def test_identities_fold_away() -> None:
   assert read.srcs[1].op is UOps.RANGE
   x = rand(9)
   np.testing.assert_array_equal(run(kernel, "CLANG", (9,), x), x)
+
+
+def test_float_plus_positive_zero_is_kept() -> None:
+  # x + (+0.0) is not x: (-0.0) + (+0.0) is +0.0 (IEEE, numpy, PyTorch), so the add stays
+  ast = store(alu(Ops.ADD, load(1, st(4)), const(0.0, st(4))), (4,))
+  kernel = kernel_for(ast)
+  assert [uop.arg for uop in float_alus(linearize(kernel))] == [Ops.ADD]
+  x = np.array([-0.0, 0.0, -1.5, 2.0], dtype=np.float32)
+  out = run(kernel, "CLANG", (4,), x)
+  np.testing.assert_array_equal(np.signbit(out), np.signbit(x + np.float32(0.0)))
 
 
 # ---------------------------------------------------------------- index math
