@@ -102,8 +102,10 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     kernel, build = self.kernel, self.builder
     # kernel arguments in argument order: the runtime passes the buffers in that order
     memory_leaves = {leaf.arg.idx: leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)}
+    # an output may be loaded too (an assign's target read in place, through the output's argument): it is written
+    written = {leaf.arg.idx for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer) and leaf.op is Ops.STORE}
     for idx, leaf in sorted(memory_leaves.items()):
-      self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, leaf.op is Ops.STORE))
+      self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, idx in written))
     self._define_vars()
     if kernel.tensor_core is not None: return self._linearize_tensor_core()
     shape = kernel.full_shape

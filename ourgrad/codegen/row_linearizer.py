@@ -93,8 +93,10 @@ class RowLinearizer(Linearizer):
     kernel, build = self.kernel, self.builder
     assert kernel.row_axes is not None
     memory_leaves = {leaf.arg.idx: leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)}
+    # an output may be loaded too (an assign's target read in place, through the output's argument): it is written
+    written = {leaf.arg.idx for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer) and leaf.op is Ops.STORE}
     for idx, leaf in sorted(memory_leaves.items()):
-      self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, leaf.op is Ops.STORE))
+      self.buffers[idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (idx, idx in written))
     if kernel.renderer.has_threads and kernel.renderer.has_local: return self._linearize_block_rows()
     shape = kernel.full_shape
     row_dims = [axis for axis in range(len(shape)) if axis not in kernel.row_axes]

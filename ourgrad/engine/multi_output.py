@@ -202,9 +202,10 @@ def _in_place(base: LazyBuffer) -> ShapeTracker:
 
 def _targets_clash(group: list[LazyBuffer], base: LazyBuffer, plans: dict[int, KernelPlan]) -> bool:
   """Whether one kernel writing `group` and `base` would read a buffer it overwrites anywhere but in place, or
-  read it in place in a member whose result the overwriting member's value does not use. The buffer is passed
-  as two `restrict` pointers: only a data dependency (the stored value needs the loaded one) keeps the compiler
-  from storing the new value before the old one is loaded (gcc and LLVM do, for an assign of a constant). An
+  read it in place in a member whose result the overwriting member's value does not use: only a data dependency
+  (the stored value needs the loaded one) orders the load before the store whatever order a code generator or
+  compiler emits the members' accesses in (gcc and LLVM stored an assigned constant first when the buffer was also
+  passed as a second `restrict` pointer; engine/schedule.py now reads an output through its own argument). An
   optimizer's momentum, read by its parameter's update, has that dependency."""
   members = group + [base]
   member_ids = {id(member) for member in members}

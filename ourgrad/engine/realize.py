@@ -123,7 +123,7 @@ def wgmma_cost(kernel: Kernel, plan: WgmmaMatmul) -> tuple[int, int]:
 
 def estimate_cost(kernel: Kernel | PackedKernel, uops: list[UOp]) -> tuple[int, int]:
   """(arithmetic ops, bytes moved) of one launch: ALUs weighted by the loops around them; each buffer's
-  bytes counted once over the elements its view can touch."""
+  bytes counted once over the elements its view can touch (twice for one both read and written)."""
   blocks, threads = launch_dims(uops)
   op_count, multiplier, multipliers = 0, prod(sym_max(size) for size in blocks + threads), []
   for uop in (uops if not isinstance(kernel, PackedKernel) else ()):
@@ -135,10 +135,10 @@ def estimate_cost(kernel: Kernel | PackedKernel, uops: list[UOp]) -> tuple[int, 
     elif uop.op in (UOps.ALU, UOps.ACCUMULATE) and uop.dtype is not None and uop.dtype != INDEX_DTYPE:
       op_count += multiplier
   byte_count = 0
-  seen: set[int] = set()
+  seen: set[tuple[int, Ops]] = set()   # an output read in place (an assign's target) is read and written
   for leaf, st in zip(kernel.leaves, kernel.sts):
-    if leaf.op not in (Ops.LOAD, Ops.STORE) or leaf.arg.idx in seen: continue
-    seen.add(leaf.arg.idx)
+    if leaf.op not in (Ops.LOAD, Ops.STORE) or (leaf.arg.idx, leaf.op) in seen: continue
+    seen.add((leaf.arg.idx, leaf.op))
     elements = prod(sym_max(size) for size in st.shape)  # a symbolic size counts at its largest
     # a gathered load (srcs: a computed offset) reads at most one table element per element of its view
     touched = min(st.real_size(), elements) if leaf.op is Ops.LOAD and not leaf.srcs else elements

@@ -416,7 +416,7 @@ def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleIt
                                                         source.dtype)
     item = ScheduleItem(LazyOp(Ops.COPY, (), base.realized.nbytes, base.dtype), (base.realized,), (source_buffer,))
     return item, [source]
-  builder = _KernelBuilder(base, realizes)
+  builder = _KernelBuilder(base, realizes, outputs=(base.realized,))
   if base.op in (Ops.CONTIGUOUS, Ops.ASSIGN):
     value = builder.build(base.srcs[0].base, base.srcs[0].st)
   else:
@@ -440,7 +440,8 @@ def _is_row_kernel(base: LazyBuffer, realizes: Realizations) -> bool:
 def _schedule_group(group: list[LazyBuffer], realizes: Realizations) -> tuple[ScheduleItem, list[LazyBuffer]]:
   """One kernel writing every base of `group` (elementwise, one shape): a SINK of one STORE per base, output i in
   argument i. A member read in place by a later member is that member's value, not a load (group_outputs)."""
-  builder = _KernelBuilder(group[0], realizes, output_count=len(group))
+  builder = _KernelBuilder(group[0], realizes, output_count=len(group),
+                           outputs=tuple(base.realized for base in group))
   stores = []
   for number, base in enumerate(group):
     assert base.realized is not None
@@ -459,9 +460,11 @@ def _schedule_group(group: list[LazyBuffer], realizes: Realizations) -> tuple[Sc
 class _KernelBuilder:
   """Builds the AST of the kernel that computes `root`, inlining every base that is not realized."""
 
-  def __init__(self, root: LazyBuffer, realizes: Realizations, output_count: int = 1):
+  def __init__(self, root: LazyBuffer, realizes: Realizations, output_count: int = 1,
+               outputs: tuple[Buffer | None, ...] = ()):
     self.root, self.realizes = root, realizes
     self.output_count = output_count   # arguments 0 .. output_count-1 are the outputs, inputs follow
+    self.outputs = outputs
     self.member_values: dict[int, LazyOp] = {}   # id of an output base already built in this kernel -> its value
     self.inputs: list[Buffer] = []
     self.loaded_bases: list[LazyBuffer] = []
@@ -475,7 +478,11 @@ class _KernelBuilder:
     self.final_ids: set[int] = {id(final) for final in final_reduces(root, realizes)} if output_count == 1 else set()
 
   def buffer_index(self, buffer: Buffer) -> int:
-    """Kernel argument number of an input buffer (0 is the output)."""
+    """Kernel argument number of an input buffer (0 is the output). An input that is also an output (an assign's
+    target read in place) is read through the output's argument: one buffer passed as two `restrict` pointers, one
+    written, lets the compiler reorder the accesses (gcc 12's SLP vectorizer then reads elements already written)."""
+    for index, output in enumerate(self.outputs):
+      if output is buffer: return index
     for index, known in enumerate(self.inputs):
       if known is buffer: return index + self.output_count
     self.inputs.append(buffer)
@@ -603,11 +610,16 @@ class _KernelBuilder:
                                       current.dtype)
     return rebuilt[id(node)]
 
+  def argument(self, index: int) -> Buffer | None:
+    """The buffer of kernel argument `index` (the outputs first, then the inputs)."""
+    if index < self.output_count: return self.outputs[index] if index < len(self.outputs) else None
+    return self.inputs[index - self.output_count]
+
   def check_assign_hazard(self, value: LazyOp, value_base: LazyBuffer) -> None:
     """An assign reading its own target through another view would read places it already overwrote."""
     target = self.root.realized
     in_place = self.fit_to_reduce(ShapeTracker.from_shape(self.root.shape))
     for leaf in value.leaves():
-      if leaf.op is Ops.LOAD and self.inputs[leaf.arg.idx - 1] is target and leaf.arg.st.simplify() != in_place:
+      if leaf.op is Ops.LOAD and self.argument(leaf.arg.idx) is target and leaf.arg.st.simplify() != in_place:
         if value_base.realized is not None: raise AssertionError("assign hazard on a realized value")
         raise AssertionError("_settle_fusion_groups missed an assign hazard")

@@ -93,3 +93,20 @@ def test_snapshot_read_through_a_shared_subgraph_is_not_computed_in_its_readers_
     pytest.skip("this scheduler does not break read/write cycles yet")
   np.testing.assert_array_equal(got, np.where(smallest <= want_new, 0.5, want_new))
   np.testing.assert_array_equal(a.numpy(), want_new)
+
+
+# fuzz_torch found it: an in-place assign passed its target as two `restrict` pointers (the output, and an input
+# for the in-place read); gcc 12's SLP vectorizer then read elements it had already overwritten (one wrong bool of
+# 32 here). The kernel now reads an output through the output's own argument (engine/schedule.py buffer_index)
+@pytest.mark.parametrize("device", ["CLANG", "LLVM", "PYTHON"])
+def test_in_place_assign_reads_its_target_through_the_output_argument(device: str) -> None:
+  if not device_available(device): pytest.skip(f"{device} does not open here")
+  a_np = np.array([-1.25, 2.0, 1.0, -0.5, 1.75, 3.0, 2.0, 1.25, 2.75, -3.0, 3.0, -1.25, -0.5, 2.75, -0.75, 0.25, -3.0,
+                   -2.25, 0.75, -2.5, 2.25, 1.25, 0.5, -2.75, 2.75, -2.75, 0.0, -3.0, 3.0, -0.75, -0.25, 0.5],
+                  dtype=np.float32).reshape(4, 4, 2)
+  s_np = np.array(0.4579910933971405, dtype=np.float32)
+  a, s = Tensor(a_np, device=device), Tensor(s_np, device=device)
+  a -= s
+  below = (s > a).numpy()
+  np.testing.assert_array_equal(below, s_np > a_np - s_np)
+  np.testing.assert_array_equal(a.numpy(), a_np - s_np)

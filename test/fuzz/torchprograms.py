@@ -235,13 +235,12 @@ def index_code(items: tuple[Any, ...]) -> str:
 
 # constructs of known bugs that `avoid` can leave out (fuzz_torch.KNOWN_BUGS says which bug each stands for):
 # "stale-view": reading a view of a root after a write to the root; "inplace-cast": an in-place op whose result
-# dtype cannot be cast back, kept as a step ourgrad must refuse; "bool-square": square() of a bool tensor
-# "view-write": a write into a view (not into the tensor owning the memory); "zero-d-promotion": a 0-d tensor
-# operand of another dtype than the n-d one; "negative-zero-rounding": ceil/trunc/round compared bitwise;
-# "constant-write": a write into (a view of) a Tensor.full/zeros/ones tensor or a value computed from such tensors
-# only (ourgrad folds it to a constant); "float-mod-multiple": a float a % b
-# where a is a multiple of b
-AVOIDABLE = ("stale-view", "inplace-cast", "bool-square", "view-write", "zero-d-promotion", "negative-zero-rounding",
+# dtype cannot be cast back, kept as a step ourgrad must refuse; "view-write": a write into a view (not into the
+# tensor owning the memory); "zero-d-promotion": a 0-d tensor operand of another dtype than the n-d one;
+# "negative-zero-rounding": ceil/trunc/round compared bitwise; "constant-write": a write into (a view of) a
+# Tensor.full/zeros/ones tensor or a value computed from such tensors only (ourgrad folds it to a constant);
+# "float-mod-multiple": a float a % b where a is a multiple of b
+AVOIDABLE = ("stale-view", "inplace-cast", "view-write", "zero-d-promotion", "negative-zero-rounding",
              "constant-write", "float-mod-multiple")
 
 # PyTorch errors that ourgrad must raise too (shape and in-place dtype rules); other refusals (an op PyTorch does not
