@@ -114,8 +114,8 @@ def _kernel_sources_of(tensors: list[Tensor]) -> list[str]:
 
 def test_batchnorm_relu_max_pool_backward_matches_torch():
   """examples/mnist.py's block (conv -> batchnorm in training -> ReLU -> 2x2 max-pool): every gradient is
-  PyTorch's. The max-pool backward's tie count (a mask of the recomputed batchnorm and ReLU, cast to float) is
-  computed with the batch in vector lanes (a batch of one SIMD register's multiple)."""
+  PyTorch's, the batch one SIMD register's multiple. (The max-pool backward no longer counts ties: the whole gradient
+  goes to the first maximum of a window, as in PyTorch, so the tie-count kernel this test once pinned is gone.)"""
   from ourgrad.nn import BatchNorm2d
   rng = np.random.default_rng(21)
   batch = 2 * Device[DEVICE].renderer.vector_bytes // 4
@@ -129,8 +129,6 @@ def test_batchnorm_relu_max_pool_backward_matches_torch():
       norm = BatchNorm2d(16)
       norm(Tensor(x, device=DEVICE).conv2d(w)).relu().max_pool2d().backward(Tensor(upstream, device=DEVICE))
     return w.grad, norm.weight.grad, norm.bias.grad
-  sources = _kernel_sources_of(list(gradients()))
-  assert any("vacc0 +=" in source and FLOAT_ONE_BITS in source for source in sources)
   w_grad, weight_grad, bias_grad = gradients()
   torch_w = torch.tensor(weight, requires_grad=True)
   torch_norm = torch.nn.BatchNorm2d(16)

@@ -188,10 +188,11 @@ def random_program(gen: ScheduleGen) -> list[int]:
   # outputs: never a node whose memory an executed assign overwrote, nor an alias (the buffer itself or a view of
   # it) of contents that a later assign replaces: reading it reads the buffer as it is then, as in PyTorch
   # (`b = a[1:]; a.copy_(...)` changes b). Prefer assigns, reductions and the last node.
-  holders = {id(gen.nodes[index].tensor.lazydata.base): (buffer, index) for index, buffer in gen.owner.items()}
+  # (by the base each tensor viewed when it was made: reading `.lazydata` now gives the newest version of them all)
+  holders = {gen.nodes[index].created_base: (buffer, index) for index, buffer in gen.owner.items()}
 
   def overwritten_alias(node: Node) -> bool:
-    holder = holders.get(id(node.tensor.lazydata.base))
+    holder = holders.get(node.created_base)
     return holder is not None and gen.latest[holder[0]] != holder[1]
   candidates = [node for node in gen.nodes
                 if not gen.dead(node) and node.kind != "input" and not overwritten_alias(node)]

@@ -82,6 +82,13 @@ class Node:
   tensor: Tensor
   kind: str
   deps: frozenset[tuple[int, int]] = frozenset()   # (mutable buffer id, version) pairs it reads (fuzz_schedule)
+  # id of the lazy base the tensor viewed when the node was made: a tensor names memory, so a later write to that
+  # base moves `tensor.lazydata` to the newest version; fuzz_schedule tells aliases of overwritten contents by this
+  created_base: int = field(init=False, default=0)
+
+  def __post_init__(self) -> None:
+    lazy = self.tensor._lazydata
+    self.created_base = id(lazy.base) if hasattr(lazy, "base") else id(lazy)
 
   @property
   def shape(self) -> tuple[int, ...]: return self.value.shape
