@@ -244,14 +244,8 @@ class ClangCompiler(Compiler):
 
   def _run_self_test(self) -> tuple[str, list[str]]:
     """The verdict ("ok", "safe" or "broken") and the wrong answers of the usual flags."""
-    wrong = toolchain_check.wrong_answers(toolchain_check.C_KNOWN_ANSWERS, self._load_known_answers)
-    if not wrong: return "ok", []
-    self.safe = True
-    try:
-      still_wrong = toolchain_check.wrong_answers(toolchain_check.C_KNOWN_ANSWERS, self._load_known_answers)
-    finally:
-      self.safe = False
-    return ("broken", still_wrong) if still_wrong else ("safe", wrong)
+    return toolchain_check.run_with_safe_fallback(toolchain_check.C_KNOWN_ANSWERS, self._load_known_answers,
+                                                  lambda safe: setattr(self, "safe", safe))
 
   def _load_known_answers(self, known_answers: Sequence[toolchain_check.KnownAnswer]) -> dict[str, Callable]:
     """Compile the self-test kernels (one shared object per set of flags) and load them: {name: function}."""

@@ -167,14 +167,8 @@ class LLVMCompiler(Compiler):
       self._verified = True
 
   def _run_self_test(self) -> tuple[str, list[str]]:
-    wrong = toolchain_check.wrong_answers(toolchain_check.LLVM_KNOWN_ANSWERS, self._load_known_answers)
-    if not wrong: return "ok", []
-    self.safe = True
-    try:
-      still_wrong = toolchain_check.wrong_answers(toolchain_check.LLVM_KNOWN_ANSWERS, self._load_known_answers)
-    finally:
-      self.safe = False
-    return ("broken", still_wrong) if still_wrong else ("safe", wrong)
+    return toolchain_check.run_with_safe_fallback(toolchain_check.LLVM_KNOWN_ANSWERS, self._load_known_answers,
+                                                  lambda safe: setattr(self, "safe", safe))
 
   def _load_known_answers(self, known_answers: Sequence[toolchain_check.KnownAnswer]) -> dict[str, Callable]:
     """Compile the self-test kernels as one module, load it: {name: function taking the buffers' addresses}."""

@@ -11,7 +11,8 @@ version, flags, target), so a process pays a file read, and the first process fo
 of flags (~0.2 s with gcc; DISABLE_COMPILER_CACHE=1 runs it in every process).
 
 Main pieces: `KnownAnswer` (one kernel, its inputs and expected outputs), `C_KNOWN_ANSWERS`, `LLVM_KNOWN_ANSWERS`,
-`wrong_answers` (run a set through a build-and-load function) and `cached_verdict` / `store_verdict`.
+`wrong_answers` (run a set through a build-and-load function), `run_with_safe_fallback` (the verdict) and
+`cached_verdict` / `store_verdict`.
 """
 from __future__ import annotations
 
@@ -271,6 +272,21 @@ def wrong_answers(known_answers: Sequence[KnownAnswer], load: Callable[[Sequence
   """Build the kernels with `load` (kernels -> {name: callable}) and run every case; the wrong answers."""
   functions = load(known_answers)
   return [line for known in known_answers for line in run_known_answer(functions[known.name], known)]
+
+
+def run_with_safe_fallback(known_answers: Sequence[KnownAnswer],
+                           load: Callable[[Sequence[KnownAnswer]], dict[str, Callable]],
+                           set_safe: Callable[[bool], None]) -> tuple[str, list[str]]:
+  """The verdict ("ok", "safe" or "broken") and the wrong answers of the usual flags: the kernels run as built
+  usually; if any answer is wrong, once more with the compiler's safe flags (`set_safe(True)`, undone after)."""
+  wrong = wrong_answers(known_answers, load)
+  if not wrong: return "ok", []
+  set_safe(True)
+  try:
+    still_wrong = wrong_answers(known_answers, load)
+  finally:
+    set_safe(False)
+  return ("broken", still_wrong) if still_wrong else ("safe", wrong)
 
 
 # ---------------------------------------------------------------- the cached verdict
