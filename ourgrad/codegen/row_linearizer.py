@@ -268,14 +268,8 @@ class RowLinearizer(Linearizer):
     for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
     per_thread = math.ceil(units / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
-    for number, reduce in enumerate(self._row_reduces()):
-      accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
-
-      def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
-        value = self.compute(reduce.srcs[0], element_idxs, None)
-        build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
-      passes.run(f"ridx{number}", accumulate)
-      self.reduce_values[id(reduce)] = self._block_combine(accumulator, _accumulate_op(reduce), thread, threads, number)
+    self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
+      accumulator, _accumulate_op(reduce), thread, threads, number))
     if self._per_element():
       passes.run("sidx", None, store=True)
       return build.uops
@@ -283,6 +277,19 @@ class RowLinearizer(Linearizer):
     self._store_outputs(idxs, None)
     build.end_if(first_thread)
     return build.uops
+
+  def _run_row_reduces(self, passes: _RowPasses, combine: Callable[[UOp, LazyOp, int], UOp]) -> None:
+    """Each row reduce of a GPU row kernel in turn: a per-thread accumulator over its pass of the row, then the
+    value `combine(accumulator, reduce, number)` gives the rest of the kernel (a later reduce may read it)."""
+    build = self.builder
+    for number, reduce in enumerate(self._row_reduces()):
+      accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+
+      def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
+        value = self.compute(reduce.srcs[0], element_idxs, None)
+        build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
+      passes.run(f"ridx{number}", accumulate)
+      self.reduce_values[id(reduce)] = combine(accumulator, reduce, number)
 
   def _linearize_final_rows(self, rows: int, row_dims: list[int], units: int, width: int) -> list[UOp]:
     """A row kernel with final reduces on a GPU: one block. Its threads are groups of `threads` (a power of two, at
@@ -309,16 +316,9 @@ class RowLinearizer(Linearizer):
     for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
     per_thread = math.ceil(units / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
-    for number, reduce in enumerate(self._row_reduces()):
-      accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
-
-      def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
-        value = self.compute(reduce.srcs[0], element_idxs, None)
-        build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
-      passes.run(f"ridx{number}", accumulate)
-      # a group of one thread holds its row's reduce; larger groups combine by warp shuffles (no local memory)
-      self.reduce_values[id(reduce)] = accumulator if threads == 1 else \
-          self._block_combine(accumulator, _accumulate_op(reduce), thread, threads, number)
+    # a group of one thread holds its row's reduce; larger groups combine by warp shuffles (no local memory)
+    self._run_row_reduces(passes, lambda accumulator, reduce, number: accumulator if threads == 1 else
+                          self._block_combine(accumulator, _accumulate_op(reduce), thread, threads, number))
     self._accumulate_finals(finals, idxs)
     build.end_range(row_loop)
     first_of_group = self.node_to_uop(thread < 1)
