@@ -54,7 +54,7 @@ from ourgrad import Device, Tensor, TinyJit, dtypes, set_float32_matmul_precisio
 from ourgrad.helpers import cache_dir  # noqa: E402
 from ourgrad.nn.state import get_state_dict, load_state_dict, safe_load, safe_load_metadata, safe_save  # noqa: E402
 from extra.models.gpt2 import (GPT2, GPT2Config, configure_optimizers, gpt2_tokenizer, unigram_entropy,  # noqa: E402
-                               unigram_loss)
+                               training_step, unigram_loss)
 from extra.models.tokenizers import ByteBPETokenizer  # noqa: E402
 
 try:
@@ -196,14 +196,7 @@ def load_checkpoint(path: str, model: GPT2, optimizers: list, size_name: str) ->
 
 def make_train_step(model: GPT2, optimizers: list) -> TinyJit:
   """The jitted training step: loss, backward and both AdamW updates in one schedule; returns the loss."""
-  def step(tokens: Tensor, targets: Tensor) -> Tensor:
-    with Tensor.train():
-      for optimizer in optimizers: optimizer.zero_grad()
-      loss = model(tokens, targets)[1]
-      loss.backward()
-      Tensor.realize_all(loss, *[tensor for optimizer in optimizers for tensor in optimizer.schedule_step()])
-    return loss
-  return TinyJit(step)
+  return TinyJit(training_step(model, optimizers))
 
 
 def make_eval_loss(model: GPT2) -> TinyJit:

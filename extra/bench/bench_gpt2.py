@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # timing.py and kerne
 from ourgrad import Device, Tensor, TinyJit, set_float32_matmul_precision  # noqa: E402
 from ourgrad.helpers import GlobalCounters  # noqa: E402
 from extra.models.gpt2 import (GPT2, GPT2Config, configure_optimizers, make_torch_gpt2,  # noqa: E402
-                               torch_optimizer, training_flops)
+                               torch_optimizer, training_flops, training_step)
 from kernel_table import CopyReference, KernelKinds  # noqa: E402
 from timing import cold_kernel_seconds  # noqa: E402
 
@@ -162,16 +162,7 @@ def ourgrad_model(config: BenchConfig, weights: dict[str, np.ndarray], device: s
 
 def ourgrad_step(model: GPT2) -> Callable[[Tensor, Tensor], Tensor]:
   """One training step of `model` (loss, backward, both AdamW groups), realized in one schedule."""
-  optimizers = configure_optimizers(model)
-
-  def step(tokens: Tensor, targets: Tensor) -> Tensor:
-    with Tensor.train():
-      for optimizer in optimizers: optimizer.zero_grad()
-      loss = model(tokens, targets)[1]
-      loss.backward()
-      Tensor.realize_all(loss, *[tensor for optimizer in optimizers for tensor in optimizer.schedule_step()])
-    return loss
-  return step
+  return training_step(model, configure_optimizers(model))
 
 
 def run_ourgrad(row: str, config: BenchConfig, weights: dict[str, np.ndarray], batch: np.ndarray, device: str,

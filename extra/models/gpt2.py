@@ -162,6 +162,19 @@ def configure_optimizers(model: Module, lr: float = 6e-4, weight_decay: float = 
           AdamW(plain, lr=lr, betas=betas, weight_decay=0.0)]
 
 
+def training_step(model: GPT2, optimizers: list[AdamW]) -> Any:
+  """One training step of `model`, a function of (tokens, targets) returning the loss: the loss, backward and every
+  optimizer's update realized in one schedule (wrap it in TinyJit to replay it)."""
+  def step(tokens: Tensor, targets: Tensor) -> Tensor:
+    with Tensor.train():
+      for optimizer in optimizers: optimizer.zero_grad()
+      loss = model(tokens, targets)[1]
+      loss.backward()
+      Tensor.realize_all(loss, *[tensor for optimizer in optimizers for tensor in optimizer.schedule_step()])
+    return loss
+  return step
+
+
 # ---------------------------------------------------------------- the PyTorch twin
 
 def make_torch_gpt2(config: GPT2Config, seed: int = 0) -> Any:
