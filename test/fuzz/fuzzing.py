@@ -167,6 +167,15 @@ def prime_factors(value: int) -> list[int]:
   return factors
 
 
+def random_shrink_bounds(rng: random.Random, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+  """A random (start, end) per dim of `shape` for a shrink: non-empty where the dim is, anywhere inside it."""
+  bounds = []
+  for size in shape:
+    start = rng.randint(0, max(size - 1, 0))
+    bounds.append((start, rng.randint(min(start + 1, size), size)))
+  return bounds
+
+
 def random_factorization(rng: random.Random, size: int, max_ndim: int = 8) -> tuple[int, ...]:
   """A random shape with `size` elements and at most max_ndim dims, size-1 dims sprinkled in (a 0 somewhere when
   size is 0)."""

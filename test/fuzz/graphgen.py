@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fuzzing import random_factorization
+from fuzzing import random_factorization, random_shrink_bounds
 from ourgrad import Tensor, dtypes
 from ourgrad.dtype import DType
 from ourgrad.errors import OurgradError
@@ -484,10 +484,7 @@ class GraphGen:
       return self.add_node(code, np.pad(a.value, pairs, constant_values=fill), ea, "movement", (a,))
     if kind == "shrink":
       if ndim == 0: raise Rejected("shrink of 0-d")
-      bounds = []
-      for size in shape:
-        start = rng.randint(0, max(size - 1, 0))
-        bounds.append((start, rng.randint(min(start + 1, size), size)))
+      bounds = random_shrink_bounds(rng, shape)
       value = a.value[tuple(slice(start, end) for start, end in bounds)]
       return self.add_node(f"{name}.shrink({tuple(bounds)!r})", value, ea, "movement", (a,))
     if kind == "flip":

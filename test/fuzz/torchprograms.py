@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fuzzing import random_factorization
+from fuzzing import random_factorization, random_shrink_bounds
 
 # dtypes the programs use: name -> (numpy dtype, weight when drawing an input)
 DTYPES: dict[str, tuple[Any, int]] = {"float32": (np.float32, 6), "float16": (np.float16, 2), "int32": (np.int32, 3),
@@ -695,10 +695,7 @@ class TorchGen:
       return self.add_value(og, pt, [a], view_op=True)
     if kind == "shrink":
       if ndim == 0: raise Rejected("shrink of 0-d")
-      bounds = []
-      for size in shape:
-        start = rng.randint(0, max(size - 1, 0))
-        bounds.append((start, rng.randint(min(start + 1, size), size)))
+      bounds = random_shrink_bounds(rng, shape)
       pt = f"{x}[{', '.join(f'{start}:{end}' for start, end in bounds)}]"
       return self.add_value(f"{x}.shrink({tuple(bounds)!r})", pt, [a], view_op=True)
     if kind == "flip":
