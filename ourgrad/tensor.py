@@ -737,9 +737,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     does without retain_graph."""
     assert self._ctx is not None
     grads: dict[int, Tensor] = {id(self._ctx): gradient}   # id(Function) -> the gradient of its output
-    wanted_outputs = {id(tensor._ctx): tensor for tensor in self._wanted_tensors(wanted)}
+    order = self._toposort()
+    # the intermediate tensors asked for, by the Function that made them
+    wanted_outputs = {id(parent._ctx): parent for ctx in order for parent in ctx.parents
+                      if id(parent) in wanted and parent._ctx is not None} if wanted else {}
     found: dict[int, tuple[Tensor, Tensor]] = {}
-    for ctx in reversed(self._toposort()):
+    for ctx in reversed(order):
       grad_output = grads.pop(id(ctx), None)
       if grad_output is None: continue
       if id(ctx) in wanted_outputs: found[id(wanted_outputs[id(ctx)])] = (wanted_outputs[id(ctx)], grad_output)
@@ -759,14 +762,6 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
         if free_graph and parent._ctx is parent_ctx: parent._ctx = None
     if free_graph: self._ctx = None
     return found
-
-  def _wanted_tensors(self, wanted: set[int] | frozenset[int]) -> list[Tensor]:
-    """The intermediate tensors (with a Function) among the ids in `wanted` that this tensor's graph reaches."""
-    if not wanted: return []
-    tensors = []
-    for ctx in self._toposort():
-      tensors.extend(parent for parent in ctx.parents if id(parent) in wanted and parent._ctx is not None)
-    return tensors
 
   def gradient(self, *targets: Tensor, gradient: Tensor | None = None,
                materialize_grads: bool = False) -> list[Tensor]:
