@@ -23,6 +23,7 @@ from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, is_additive_identity, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.codegen.opt.matmul_grid import split_k_parts
+from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
 from ourgrad.helpers import MATMUL_GRID, prod
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -33,29 +34,8 @@ _READERS_LOCK = threading.Lock()
 
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
-# reduces of at least this many elements per output (and few outputs) are split in two kernels
-SPLIT_REDUCE_MIN_ELEMENTS = 1 << 16
-# On GPUs (renderers with thread blocks and local memory) a reduce is split earlier: one whose outputs cannot give
-# the GPU enough blocks (a block per output for a plain reduce; a matmul-like one packs 16 outputs into a thread and
-# hundreds into a block) and whose outputs are long, e.g. a convolution's weight gradient or batchnorm statistics.
-GPU_SPLIT_MIN_ELEMENTS = 1 << 14   # elements per output
-GPU_FEW_OUTPUTS = 1024             # a plain reduce with fewer outputs leaves SMs idle (132 SMs x ~8 blocks)
-GPU_SPLIT_TARGET_OUTPUTS = 1 << 18  # partial results wanted in the first kernel
-GPU_SPLIT_MAX_PARTS = 256          # parts per output at most (the second kernel reduces this many)
-# elements per part at least: each partial costs a store and a load, and a plain reduce's part should fill a block
-# of GROUP threads (the row-reduction heuristic gives 256 threads to rows of 1024 or more, a warp to shorter ones)
-GPU_SPLIT_MIN_PART = 1024
-GPU_SPLIT_MIN_PART_MATMUL = 512    # a matmul-like part: its threads are register tiles of outputs, not the reduce
 # a split matmul with many outputs (MATMUL_GRID) sums at most this many parts by elementwise adds in its consumer
 MATMUL_SUM_PARTS = 8
-# outputs of a matmul-like reduce one GPU thread computes (a register tile): such a reduce needs this many times the
-# partials of a plain one
-MATMUL_THREAD_OUTPUTS = 16
-# a plain reduce (batchnorm statistics, a full sum) is split into about this many blocks of parts: one wave of
-# 256-thread blocks on an H100 (132 SMs x 8), each thread several elements. More, smaller parts (MNIST's first
-# batchnorm: 128 parts of 1152 values) leave 2 waves of blocks that spend more time combining threads than loading.
-GPU_SPLIT_TARGET_BLOCKS = 1024
-# (H100, MNIST conv2 weight gradient: 32 parts of 512 products 0.061 ms; 128 parts of 128 products 0.344 ms)
 # a matmul-like split whose parts are single slices of the split axis (MNIST's conv1 weight gradient: 256 parts, one
 # image each) also splits its second-longest reduce axis (the image rows) into this many row parts, where they divide
 # it: more blocks for a kernel that has one per image (1: no row split)
@@ -268,8 +248,9 @@ class LazyBuffer:
     if value is not None and not bitcast: return self.const_like(_truncated(dtype, value), dtype)
     return LazyBuffer.create_base(self.device, self.shape, dtype, Ops.BITCAST if bitcast else Ops.CAST, dtype, (self,))
 
-  def reduce(self, op: Ops, axes: tuple[int, ...]) -> LazyBuffer:
-    """Reduce over `axes`; the result keeps them as size-1 dimensions."""
+  def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
+    """Reduce over `axes`; the result keeps them as size-1 dimensions. `split`: the device may run it as two
+    kernels (_split_large_reduce); False for the stages of such a split (sized to fill the device already)."""
     if op not in REDUCE_OPS: raise AssertionError(f"{op} is not a reduce op")
     axes = tuple(sorted(axis for axis in axes if self.shape[axis] != 1))
     if not axes: return self
@@ -280,35 +261,47 @@ class LazyBuffer:
     if value is not None and not (op is Ops.SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
       return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
-    split = self._split_large_reduce(op, axes, out_shape)
-    if split is not None: return split
+    if split and (split_reduce := self._split_large_reduce(op, axes, out_shape)) is not None: return split_reduce
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
 
   def _split_large_reduce(self, op: Ops, axes: tuple[int, ...], out_shape: tuple[int, ...]) -> LazyBuffer | None:
     """A reduce of many elements into few outputs runs as two: first into `parts` partial results per output,
     then over the parts. One output per thread would leave a GPU (or the CPU's other cores) idle; the partial
-    results give each output `parts` threads of work. None where the reduce is small or already parallel."""
-    if prod(out_shape) == 0 or any(is_symbolic(size) for size in self.shape): return None
-    axis = max(axes, key=lambda a: self.shape[a])
+    results give each output `parts` threads of work. The decision is the device's (codegen/opt/split_reduce.py
+    plan_split, from its multiprocessors and resident threads); this applies it. None where nothing splits."""
+    if prod(out_shape) == 0 or any(is_symbolic(size) for size in self.shape) or self.device.startswith("DISK"):
+      return None
     # a float32 matmul with many outputs splits its K by the grid model; its few parts are added elementwise
     grid_parts = self._matmul_split_parts(axes, out_shape)
-    parts = grid_parts if grid_parts is not None else self._gpu_split_parts(axes, out_shape, axis)
-    # on a GPU the parts become the outermost axis of the partial results (see _parts_outermost)
-    parts_axis = 0 if parts is not None else axis
-    if parts is None: parts = self._cpu_split_parts(out_shape, axis)
-    if parts is None: return None
+    if grid_parts is not None: plan = ReduceSplit(max(axes, key=lambda a: self.shape[a]), grid_parts, True)
+    else:
+      plan = plan_split(Device[self.device].renderer, self.shape, axes, self._reduce_kind(axes))
+      if plan is None: return None
+    axis, parts = plan.axis, plan.parts
     size = self.shape[axis]
     split = self.reshape(self.shape[:axis] + (parts, size // parts) + self.shape[axis + 1:])
     # after the split, `axis` holds the parts and axis+1 the elements within a part
     inner_axes = tuple(a + 1 if a >= axis else a for a in axes)
     parts_axes = (axis,)
-    if parts_axis == 0 and grid_parts is None: split, inner_axes, parts_axes = self._split_rows(split, axes, axis,
-                                                                                                 inner_axes)
-    if parts_axis == 0 and parts_axes != tuple(range(len(parts_axes))):
+    if plan.parts_outermost and grid_parts is None:
+      split, inner_axes, parts_axes = self._split_rows(split, axes, axis, inner_axes)
+    if plan.parts_outermost and parts_axes != tuple(range(len(parts_axes))):
       split, inner_axes = _parts_outermost(split, parts_axes, inner_axes)
-    partials = split.reduce(op, inner_axes)
+    # a GPU plan's stages are sized to fill the device: neither splits again (a CPU's may, for a huge full sum)
+    again = not plan.parts_outermost
+    partials = split.reduce(op, inner_axes, split=again)
     if grid_parts is not None: return _sum_parts(partials).reshape(out_shape)
-    return partials.reduce(op, tuple(range(len(parts_axes))) if parts_axis == 0 else (parts_axis,)).reshape(out_shape)
+    parts_reduced = tuple(range(len(parts_axes))) if plan.parts_outermost else (axis,)
+    return partials.reduce(op, parts_reduced, split=again).reshape(out_shape)
+
+  def _reduce_kind(self, axes: tuple[int, ...]) -> ReduceKind:
+    """How a GPU kernel lays this reduce's outputs on threads (split_reduce.ReduceKind): MATMUL where matmul-like,
+    ROWS where the innermost axis in memory (stride 1 in this view; the last axis of a base) is reduced, else
+    COLUMNS."""
+    if self._matmul_like_reduce(axes): return ReduceKind.MATMUL
+    strides = self.st.real_strides() if not self.is_base else strides_for_shape(self.shape)
+    innermost = next((a for a in reversed(range(len(self.shape))) if strides[a] == 1 and self.shape[a] != 1), None)
+    return ReduceKind.COLUMNS if innermost is not None and innermost not in axes else ReduceKind.ROWS
 
   def _split_rows(self, split: LazyBuffer, axes: tuple[int, ...], axis: int,
                   inner_axes: tuple[int, ...]) -> tuple[LazyBuffer, tuple[int, ...], tuple[int, ...]]:
@@ -327,33 +320,6 @@ class LazyBuffer:
     inner_axes = tuple(a + 1 if a >= at else a for a in inner_axes)
     return split, inner_axes, (axis + 1 if axis > at else axis, at)
 
-  def _cpu_split_parts(self, out_shape: tuple[int, ...], axis: int) -> int | None:
-    """Parts for a reduce of at least SPLIT_REDUCE_MIN_ELEMENTS per output into few outputs (a full sum): up to 256,
-    dividing the longest reduce axis `axis` into pieces of at least 8. None where the reduce is not split."""
-    elements_per_output = prod(self.shape) // prod(out_shape)
-    if elements_per_output < SPLIT_REDUCE_MIN_ELEMENTS or prod(out_shape) * 64 > elements_per_output: return None
-    size = self.shape[axis]
-    return next((parts for parts in (256, 128, 64, 32, 16, 8) if size % parts == 0 and size // parts >= 8), None)
-
-  def _gpu_split_parts(self, axes: tuple[int, ...], out_shape: tuple[int, ...], axis: int) -> int | None:
-    """Split-K for GPUs: parts for a few-output, long reduce (see GPU_FEW_OUTPUTS) so that the first kernel has
-    about GPU_SPLIT_TARGET_OUTPUTS partials of at least GPU_SPLIT_MIN_PART elements. The parts are a divisor of the
-    longest reduce axis `axis` (the batch axis of a weight gradient or of batchnorm statistics). None where the
-    device has no thread blocks or the reduce already fills the GPU."""
-    if self._gpu_renderer() is None: return None
-    outputs = prod(out_shape)
-    elements_per_output = prod(self.shape) // outputs
-    # a matmul-like reduce's thread computes a register tile of 16 outputs: it needs 16x the partials
-    per_thread = MATMUL_THREAD_OUTPUTS if self._matmul_like_reduce(axes) else 1
-    if elements_per_output < GPU_SPLIT_MIN_ELEMENTS or outputs >= GPU_FEW_OUTPUTS * per_thread: return None
-    if per_thread == 1: wanted = _plain_split_parts_wanted(outputs, elements_per_output)
-    else:
-      target = GPU_SPLIT_TARGET_OUTPUTS * per_thread
-      wanted = min(GPU_SPLIT_MAX_PARTS, elements_per_output // GPU_SPLIT_MIN_PART_MATMUL, -(-target // outputs))
-    size = self.shape[axis]
-    parts = max((parts for parts in range(1, min(wanted, size) + 1) if size % parts == 0), default=1)
-    return parts if parts >= 4 else None
-
   def _gpu_renderer(self) -> Any:
     """The renderer of this buffer's device where it runs thread blocks (a GPU: split reduces pay off), else None."""
     if self.device.startswith("DISK"): return None
@@ -364,10 +330,10 @@ class LazyBuffer:
     """Split-K across blocks for a float32 matmul with many outputs on a GPU (MATMUL_GRID; see _dense_matmul_dims):
     the parts that matmul_grid.split_k_parts predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's feed-forward: 48
     blocks of 128x128 on 132 multiprocessors, 96 with the reduce in 2 parts), at most MATMUL_SUM_PARTS. None: no
-    split (a matmul with few outputs splits by _gpu_split_parts)."""
-    if not MATMUL_GRID.value or prod(out_shape) < GPU_FEW_OUTPUTS * MATMUL_THREAD_OUTPUTS: return None
+    split (a matmul with few outputs splits by split_reduce.plan_split)."""
     renderer = self._gpu_renderer()
-    if renderer is None or not self._matmul_like_reduce(axes): return None
+    if not MATMUL_GRID.value or renderer is None or not self._matmul_like_reduce(axes): return None
+    if leaves_device_idle(SplitFacts.of(renderer), ReduceKind.MATMUL, prod(out_shape)): return None
     dims = self._dense_matmul_dims(axes)
     if dims is None: return None
     parts = split_k_parts(1, *dims, getattr(renderer, "multiprocessors", 0))
@@ -390,10 +356,14 @@ class LazyBuffer:
 
   def _matmul_like_reduce(self, axes: tuple[int, ...]) -> bool:
     """The reduced value is a product in which some factor is broadcast along an output axis (stride 0 there) while
-    it varies along a reduce axis: a matmul or a convolution's weight gradient."""
+    it varies along a reduce axis: a matmul or a convolution's weight gradient. Not where a factor is read whole (no
+    broadcast axis: the LayerNorm weight gradient's x_hat and dy): that product is bound by memory, as a plain reduce
+    (the codegen's heuristic._matmul_like says the same of the kernel)."""
     base = self.base
     # the axes of the base's sources are this buffer's axes only where this is the base or a plain view of it
     if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or base.op is not Ops.MUL: return False
+    if any(all(stride != 0 for size, stride in zip(self.shape, src.st.views[-1].strides) if size != 1)
+           for src in base.srcs): return False
     for src in base.srcs:
       strides = src.st.views[-1].strides
       broadcast = any(strides[a] == 0 and self.shape[a] != 1 for a in range(len(strides)) if a not in axes)
@@ -647,13 +617,6 @@ def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
   total = pieces[0]
   for piece in pieces[1:]: total = total.elementwise(Ops.ADD, piece)
   return total
-
-
-def _plain_split_parts_wanted(outputs: int, elements_per_output: int) -> int:
-  """Parts per output wanted for a GPU split of a plain (not matmul-like) reduce: about GPU_SPLIT_TARGET_BLOCKS
-  blocks in all, each part at least GPU_SPLIT_MIN_PART elements, at most GPU_SPLIT_MAX_PARTS parts."""
-  by_blocks = -(-min(GPU_SPLIT_TARGET_BLOCKS, GPU_SPLIT_TARGET_OUTPUTS) // outputs)
-  return min(GPU_SPLIT_MAX_PARTS, elements_per_output // GPU_SPLIT_MIN_PART, by_blocks)
 
 
 def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:

@@ -60,11 +60,7 @@ def compiles(monkeypatch):
 
 @pytest.fixture
 def small_split(monkeypatch):
-  """GPU split-K thresholds scaled down (lazy.GPU_SPLIT_*), so small shapes (fast on the PYTHON interpreter) are
-  split as a large reduce would be on a GPU."""
-  from ourgrad import lazy
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 64)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART", 8)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_PART_MATMUL", 8)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 64)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_BLOCKS", 64)
+  """GPU split reduces scaled down (helpers.small_split_reduces), so small shapes (fast on the PYTHON interpreter)
+  are split as a large reduce would be on a GPU."""
+  from helpers import small_split_reduces
+  small_split_reduces(monkeypatch)

@@ -40,6 +40,16 @@ DTYPE_TOLERANCES: dict[DType, tuple[float, float]] = {
 }
 
 
+def small_split_reduces(monkeypatch: pytest.MonkeyPatch, multiprocessors: int = 8, min_part: int = 8) -> None:
+  """Split reduces (codegen/opt/split_reduce.py) scaled down so that small shapes (fast on the PYTHON interpreter)
+  split as large ones do on a GPU: a device of `multiprocessors` (a wave of 64 blocks of 256 threads at the default
+  8) and parts of at least `min_part` elements."""
+  from ourgrad.codegen.opt import split_reduce
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(multiprocessors, 2048))
+  for name in ("MIN_PART_ROWS", "MIN_PART_COLUMNS", "MIN_PART_MATMUL"):
+    monkeypatch.setattr(split_reduce, name, min_part)
+
+
 def skip_unless_device(name: str) -> None:
   """Skip the calling test when device `name` cannot open here (its package or driver is absent: `pip install
   -e '.[testing]'` alone has no llvmlite, pyopencl or CUDA)."""

@@ -286,10 +286,8 @@ def test_split_weight_gradient_tiles_match_the_plain_kernel(monkeypatch: pytest.
   a filter row per thread, the filter's rows as LOCAL threads and GROUP lanes over the image rows (and columns, where
   the unrolled row would take too many registers); every kernel against its plain version on the emulated GPU, the
   gradient against torch. Each WeightGradientTile alone: test_weight_gradient_tiles.py."""
-  import ourgrad.lazy as lazy
-  for name, value in (("GPU_SPLIT_MIN_ELEMENTS", 64), ("GPU_SPLIT_MIN_PART", 8), ("GPU_SPLIT_MIN_PART_MATMUL", 8),
-                      ("GPU_SPLIT_TARGET_OUTPUTS", 64)):
-    monkeypatch.setattr(lazy, name, value)
+  from helpers import small_split_reduces
+  small_split_reduces(monkeypatch)
   x_data = rng.standard_normal((8, channels, size, size)).astype(np.float32)
   w_data = rng.standard_normal((8, channels, kernel_size, kernel_size)).astype(np.float32)
   x, w = Tensor(x_data, device="PYTHON"), Tensor(w_data, device="PYTHON", requires_grad=True)

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import ourgrad.lazy as lazy
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
@@ -113,7 +112,6 @@ def test_weight_gradient_tile_refused_before_gives_the_plain_results(monkeypatch
   gives the plain kernel's partial sums."""
   from test_weight_gradient_tiles import _small_split, _weight_gradient
   _small_split(monkeypatch)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 1 << 12)   # 8 parts of one image: a split at these sizes
   x = Tensor(rng.standard_normal((8, 4, 12, 12)).astype(np.float32), device="PYTHON")
   w = Tensor(rng.standard_normal((8, 4, 5, 5)).astype(np.float32), device="PYTHON", requires_grad=True)
   grad = _weight_gradient(x, w, Tensor(rng.standard_normal((8, 8, 8, 8)).astype(np.float32), device="PYTHON"))

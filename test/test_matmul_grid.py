@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Device, Tensor, lazy
+from ourgrad import Device, Tensor
+from ourgrad.codegen.opt import split_reduce
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt import matmul_grid
@@ -41,9 +42,10 @@ def matmul_grid_on(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def small_matmul_split(monkeypatch: pytest.MonkeyPatch, matmul_grid_on: None) -> None:
   """The PYTHON device with an H100's multiprocessors, and split-K allowed on small shapes (fast to interpret): at
-  least 256 outputs (lazy.GPU_FEW_OUTPUTS x 16). A 32x32 output over K = 4096 is 4 blocks of 16x16: in 8 parts 32."""
+  least 256 outputs (a wave of 16 blocks x 16 outputs a thread, split_reduce.leaves_device_idle). A 32x32 output
+  over K = 4096 is 4 blocks of 16x16: in 8 parts 32."""
   monkeypatch.setattr(Device["PYTHON"].renderer, "multiprocessors", H100)
-  monkeypatch.setattr(lazy, "GPU_FEW_OUTPUTS", 16)
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(2, 2048))   # a wave of 16 blocks
   monkeypatch.setattr(matmul_grid, "GRID_MIN_MACS", 0)
 
 
@@ -202,7 +204,7 @@ def test_scaled_minilm_choice_matches_numpy(name: str, monkeypatch: pytest.Monke
   renderer = PythonRenderer("CUDA")
   renderer.multiprocessors = H100 // 16
   monkeypatch.setattr(Device["PYTHON"].renderer, "multiprocessors", H100 // 16)
-  monkeypatch.setattr(lazy, "GPU_FEW_OUTPUTS", 16)
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(2, 2048))   # a wave of 16 blocks
   monkeypatch.setattr(matmul_grid, "SPLIT_MIN_PART", matmul_grid.SPLIT_MIN_PART // 8)
   monkeypatch.setattr(matmul_grid, "SPLIT_MIN_K", matmul_grid.SPLIT_MIN_K // 8)
   monkeypatch.setattr(matmul_grid, "GRID_MIN_MACS", matmul_grid.GRID_MIN_MACS // 128)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor, lazy
+from ourgrad import Tensor
+from ourgrad.codegen.opt import split_reduce
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.row_linearizer import PERSISTENT_UNITS, row_block_threads, row_sharing
@@ -57,7 +58,8 @@ def no_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
   """These tests pin the row kernel itself, long rows included. On a GPU a reduce with few outputs and long rows
   (2 x 40960) is first split in two kernels by the lazy layer (split-K, test_split_reduce.py), which fills the SMs
   better than 2 blocks would; here the split is off so the long-row path of the row kernel is what runs."""
-  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 1 << 62)
+  # a device of one multiprocessor: no reduce leaves it idle, so none splits
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(1, 2048))
 RENDERERS = {"emulate_cuda": lambda: PythonRenderer("CUDA"), "python": lambda: PythonRenderer()}
 
 

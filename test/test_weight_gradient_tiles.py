@@ -19,7 +19,7 @@ from ourgrad.engine.realize import compile_kernel, function_name, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
-from helpers import nvrtc_compiler, skip_unless_device
+from helpers import nvrtc_compiler, skip_unless_device, small_split_reduces
 
 rng = np.random.default_rng(10)
 
@@ -36,9 +36,7 @@ TILES = tuple(dict.fromkeys(WEIGHT_GRADIENT_TILES + (
 
 def _small_split(monkeypatch: pytest.MonkeyPatch) -> None:
   """Split-K thresholds scaled down so that a conv small enough for the interpreter splits its weight gradient."""
-  for name, value in (("GPU_SPLIT_MIN_ELEMENTS", 64), ("GPU_SPLIT_MIN_PART", 8), ("GPU_SPLIT_MIN_PART_MATMUL", 8),
-                      ("GPU_SPLIT_TARGET_OUTPUTS", 64)):
-    monkeypatch.setattr(lazy, name, value)
+  small_split_reduces(monkeypatch)
 
 
 def _weight_gradient(x: Tensor, w: Tensor, upstream: Tensor) -> Tensor:
@@ -134,7 +132,6 @@ def test_weight_gradient_split_across_image_rows_matches_torch(monkeypatch: pyte
   have images x row parts per output); the partial-sums kernel with the hand-coded tile gives its plain kernel's
   results on the emulated GPU, and the gradient matches PyTorch in float64."""
   _small_split(monkeypatch)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_TARGET_OUTPUTS", 1 << 12)   # one image per part
   monkeypatch.setattr(lazy, "GPU_SPLIT_ROW_PARTS", row_parts)
   x_data = rng.standard_normal((8, 1, 12, 12)).astype(np.float32)
   w_data = rng.standard_normal((8, 1, 5, 5)).astype(np.float32)

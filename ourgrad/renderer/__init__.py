@@ -12,6 +12,7 @@ class Renderer:
   has_local: bool = False         # block-shared local memory and barriers (DEFINE_LOCAL, BARRIER): GROUP opts need it
   local_memory_bytes: int = 0     # local memory a block may use
   multiprocessors: int = 0        # blocks' processors running at once (CUDA's SMs); 0: unknown (not a GPU)
+  threads_per_multiprocessor: int = 0   # threads one multiprocessor keeps resident (CUDA: 2048); 0: unknown
   warp_size: int = 0              # threads that WARP_REDUCE can combine with shuffles (0: no shuffles)
   vector_width: int = 0           # float32 elements one vector LOAD reads (float4: 4; 0: scalar loads only)
   # bytes of memory traffic that cost about as much time as one kernel launch (launch overhead x memory bandwidth):

@@ -31,6 +31,8 @@ class CUDARenderer(CStyleLanguage):
   warp_size = 32
   # streaming multiprocessors: the H100's 132 unless the CUDA device reads its GPU's count (heuristics size grids by it)
   multiprocessors = 132
+  # resident threads per SM (sm_80, sm_90: 2048); the CUDA device reads its GPU's figure
+  threads_per_multiprocessor = 2048
   # ~1.5 us a launch inside a CUDA graph at ~3 TB/s of HBM; the CUDA device computes it from its own memory bandwidth
   launch_bytes = 4 << 20
   local_prefix = "__shared__ "

@@ -388,11 +388,15 @@ class CUDADevice(Compiled):
     self.arch = f"sm_{major}{minor}"
     multiprocessors = check(driver.cuDeviceGetAttribute(
       driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device), "cuDeviceGetAttribute")
+    resident_threads = check(driver.cuDeviceGetAttribute(
+      driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, self.cu_device),
+      "cuDeviceGetAttribute")
     self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
     self.start_event = check(driver.cuEventCreate(0), "cuEventCreate")
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
     renderer = CUDARenderer(self.arch)
     renderer.multiprocessors = multiprocessors   # the heuristics size grids by this GPU's SMs
+    renderer.threads_per_multiprocessor = resident_threads   # and split reduces by its resident threads
     renderer.launch_bytes = int(LAUNCH_SECONDS * self._memory_bandwidth())
     super().__init__(name, CUDAAllocator(self), renderer, CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))

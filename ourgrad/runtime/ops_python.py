@@ -93,8 +93,8 @@ class PythonRenderer(Renderer):
       raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA (CUDA_SM90: an H100, with wgmma)")
     self.has_wgmma = emulate.upper() == "CUDA_SM90"
     for limit in ("max_threads", "has_local", "local_memory_bytes", "dynamic_local_memory_bytes", "warp_size",
-                  "vector_width", "global_max", "local_max", "tensor_cores", "multiprocessors", "has_async_copy",
-                  "launch_bytes"):
+                  "vector_width", "global_max", "local_max", "tensor_cores", "multiprocessors",
+                  "threads_per_multiprocessor", "has_async_copy", "launch_bytes"):
       setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:

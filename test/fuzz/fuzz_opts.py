@@ -37,7 +37,7 @@ from fuzz_graphs import ALL_DEVICES, device_available  # noqa: E402
 from fuzzing import Case, Check, main, random_seed, run_for_pytest  # noqa: E402
 from graphgen import compare, random_graph  # noqa: E402
 
-import ourgrad.lazy as lazy  # noqa: E402
+from ourgrad.codegen.opt import split_reduce  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps  # noqa: E402
 from ourgrad.device import Buffer, Device  # noqa: E402
 from ourgrad.engine.realize import compile_kernel, run_schedule  # noqa: E402
@@ -105,16 +105,17 @@ def same(got: np.ndarray, plain: np.ndarray, is_float: bool, inputs_scale: float
 
 @contextlib.contextmanager
 def small_split_reduces(enabled: bool):
-  """With `enabled`, the GPU split-K thresholds (LazyBuffer._gpu_split_parts) scaled down to the fuzzer's small
-  shapes, so reduces with few outputs are built as partial sums plus a reduce over the parts on GPU devices."""
-  names = ("GPU_SPLIT_MIN_ELEMENTS", "GPU_SPLIT_MIN_PART", "GPU_SPLIT_MIN_PART_MATMUL", "GPU_SPLIT_TARGET_OUTPUTS")
-  saved = {name: getattr(lazy, name) for name in names}
+  """With `enabled`, the GPU split reduces (codegen/opt/split_reduce.py) scaled down to the fuzzer's small shapes (a
+  device of 8 multiprocessors, parts of 2 elements), so reduces with few outputs are built as partial sums plus a
+  reduce over the parts on GPU devices."""
+  names = ("FACTS_OVERRIDE", "MIN_PART_ROWS", "MIN_PART_COLUMNS", "MIN_PART_MATMUL")
+  saved = {name: getattr(split_reduce, name) for name in names}
   if enabled:
-    for name, value in zip(names, (8, 2, 2, 64)): setattr(lazy, name, value)
+    for name, value in zip(names, (split_reduce.SplitFacts(8, 2048), 2, 2, 2)): setattr(split_reduce, name, value)
   try:
     yield
   finally:
-    for name, value in saved.items(): setattr(lazy, name, value)
+    for name, value in saved.items(): setattr(split_reduce, name, value)
 
 
 def make_check(devices: list[str], variants: int) -> Check:

@@ -100,7 +100,6 @@ TC_BLOCK_WARPS = (2, 2)
 # (H100 run: the warp-specialized 128 x 256 kernel 527-541 TFLOP/s at 4096^3, the cooperative one 455-492)
 WGMMA_TILES = ((256, WGMMA_SPECIALIZED + 4), (128, WGMMA_SPECIALIZED + 6))
 WGMMA_MIN_WORK = 512 ** 3
-MULTIPROCESSORS = 132   # H100 SXM
 
 
 def _wgmma_tiles(kernel: Kernel) -> bool:
@@ -109,7 +108,8 @@ def _wgmma_tiles(kernel: Kernel) -> bool:
   if not getattr(kernel.renderer, "has_wgmma", False) or kernel.applied_opts: return False
   if prod(kernel.full_shape) < WGMMA_MIN_WORK: return False
   wide_blocks = prod(kernel.full_shape[:-1]) // (128 * WGMMA_TILES[0][0])
-  tiles = WGMMA_TILES if wide_blocks >= MULTIPROCESSORS else WGMMA_TILES[::-1]
+  # the wide tile where its blocks still fill every multiprocessor (the renderer's count: CUDA reads it from the GPU)
+  tiles = WGMMA_TILES if wide_blocks >= kernel.renderer.multiprocessors else WGMMA_TILES[::-1]
   return any(kernel.try_opt(Opt(OptOps.WGMMA, stages, block_n)) for block_n, stages in tiles)
 
 
@@ -424,8 +424,14 @@ def _loads(kernel: Kernel) -> list:
 
 def _matmul_like(kernel: Kernel) -> bool:
   """Some input is reused across outputs while it varies along the reduce (a matmul or convolution operand):
-  register tiles pay off there. A per-output value (stride 0 on every reduce axis) does not count."""
-  for st in _loads(kernel):
+  register tiles pay off there. A per-output value (stride 0 on every reduce axis) does not count, and neither does
+  any reuse in a kernel that reads some input whole (no broadcast axis): it is bound by that input's bytes, as a
+  plain reduce is (a LayerNorm weight gradient: x and dy read whole, the per-token mean and rstd reused across the
+  features)."""
+  loads = _loads(kernel)
+  if any(all(stride != 0 for size, stride in zip(kernel.full_shape, st.real_strides()) if size != 1) for st in loads):
+    return False
+  for st in loads:
     strides = st.real_strides()
     reused = any(strides[axis] == 0 for axis in range(kernel.first_reduce))
     varies = any(strides[axis] != 0 for axis in range(kernel.first_reduce, kernel.shape_len))
