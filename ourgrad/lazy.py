@@ -275,7 +275,7 @@ class LazyBuffer:
     grid_parts = self._matmul_split_parts(axes, out_shape)
     if grid_parts is not None: plan = ReduceSplit(max(axes, key=lambda a: self.shape[a]), grid_parts, True)
     else:
-      plan = plan_split(Device[self.device].renderer, self.shape, axes, self._reduce_kind(axes))
+      plan = plan_split(Device[self.device].renderer, self.shape, axes, self._reduce_kind(axes), self.dtype.itemsize)
       if plan is None: return None
     axis, parts = plan.axis, plan.parts
     size = self.shape[axis]

@@ -45,7 +45,7 @@ def small_split_reduces(monkeypatch: pytest.MonkeyPatch, multiprocessors: int = 
   split as large ones do on a GPU: a device of `multiprocessors` (a wave of 64 blocks of 256 threads at the default
   8) and parts of at least `min_part` elements."""
   from ourgrad.codegen.opt import split_reduce
-  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(multiprocessors, 2048))
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(multiprocessors, 2048, 0))
   for name in ("MIN_PART_ROWS", "MIN_PART_COLUMNS", "MIN_PART_MATMUL"):
     monkeypatch.setattr(split_reduce, name, min_part)
 

@@ -57,13 +57,15 @@ class SplitFacts:
   """What the split decision asks of the device."""
   multiprocessors: int
   threads_per_multiprocessor: int
+  launch_bytes: int = 0   # bytes the device's memory moves in the time of one kernel launch (Renderer.launch_bytes)
 
   @staticmethod
   def of(renderer: Any) -> SplitFacts:
     """The renderer's facts (DEFAULT_* where it does not know them). FACTS_OVERRIDE, where a test sets it."""
     if FACTS_OVERRIDE is not None: return FACTS_OVERRIDE
     return SplitFacts(getattr(renderer, "multiprocessors", 0) or DEFAULT_MULTIPROCESSORS,
-                      getattr(renderer, "threads_per_multiprocessor", 0) or DEFAULT_THREADS_PER_MULTIPROCESSOR)
+                      getattr(renderer, "threads_per_multiprocessor", 0) or DEFAULT_THREADS_PER_MULTIPROCESSOR,
+                      getattr(renderer, "launch_bytes", 0))
 
   @property
   def wave_threads(self) -> int:
@@ -102,14 +104,25 @@ def leaves_device_idle(facts: SplitFacts, kind: ReduceKind, outputs: int) -> boo
   return -(-outputs // outputs_per_block(kind)) < facts.multiprocessors
 
 
+def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, input_bytes: int) -> bool:
+  """Whether the split saves more time than its second kernel's launch costs. Unsplit, `blocks` of the device's
+  multiprocessors stream the input; split, all of them: the time saved is the input's bytes x (multiprocessors /
+  blocks - 1) at the device's bandwidth, a launch costs `facts.launch_bytes` at it. A full sum of 4096 floats
+  (16 KB, one block) stays one kernel; a bias gradient of 4096 x 768 floats (12.6 MB, 24 blocks) splits."""
+  blocks = -(-outputs // outputs_per_block(kind))
+  return input_bytes * (facts.multiprocessors - blocks) > facts.launch_bytes * blocks
+
+
 def gpu_split_parts(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_per_output: int,
-                    split_size: int) -> int | None:
+                    split_size: int, input_bytes: int = 0) -> int | None:
   """Parts of the reduce axis of `split_size` elements, for a GPU: where one kernel would leave multiprocessors
-  idle (leaves_device_idle), enough parts for a wave of blocks (`facts.wave_blocks`), each part at least
+  idle (leaves_device_idle) by more than a launch's worth (saves_more_than_a_launch, for the `input_bytes` it
+  reads), enough parts for a wave of blocks (`facts.wave_blocks`), each part at least
   `min_part(kind)` elements, at most MAX_PARTS; a divisor of `split_size`. None: no split (the reduce fills the
   device already, or is too short to split into MIN_PARTS parts)."""
   per_block = outputs_per_block(kind)
   if not leaves_device_idle(facts, kind, outputs): return None
+  if not saves_more_than_a_launch(facts, kind, outputs, input_bytes): return None
   wanted = min(MAX_PARTS, elements_per_output // min_part(kind), -(-facts.wave_blocks * per_block // outputs))
   parts = max((parts for parts in range(1, min(wanted, split_size) + 1) if split_size % parts == 0), default=1)
   return parts if parts >= MIN_PARTS else None
@@ -132,15 +145,17 @@ class ReduceSplit:
   parts_outermost: bool
 
 
-def plan_split(renderer: Any, shape: tuple[int, ...], axes: tuple[int, ...], kind: ReduceKind) -> ReduceSplit | None:
-  """Whether (and how) a reduce of `shape` over `axes` on `renderer`'s device is split (GPU: gpu_split_parts from
-  the device's facts; CPU: cpu_split_parts). The longest reduce axis is split: the batch of a weight gradient or of
-  batchnorm statistics, the tokens of a bias gradient."""
+def plan_split(renderer: Any, shape: tuple[int, ...], axes: tuple[int, ...], kind: ReduceKind,
+               itemsize: int) -> ReduceSplit | None:
+  """Whether (and how) a reduce of `shape` (elements of `itemsize` bytes) over `axes` on `renderer`'s device is split
+  (GPU: gpu_split_parts from the device's facts; CPU: cpu_split_parts). The longest reduce axis is split: the batch
+  of a weight gradient or of batchnorm statistics, the tokens of a bias gradient."""
   axis = max(axes, key=lambda a: shape[a])
   outputs = prod(size for a, size in enumerate(shape) if a not in axes)
   elements_per_output = prod(shape) // outputs
   if renderer.runs_thread_blocks:
-    parts = gpu_split_parts(SplitFacts.of(renderer), kind, outputs, elements_per_output, shape[axis])
+    parts = gpu_split_parts(SplitFacts.of(renderer), kind, outputs, elements_per_output, shape[axis],
+                            prod(shape) * itemsize)
     if parts is not None: return ReduceSplit(axis, parts, True)
   parts = cpu_split_parts(outputs, elements_per_output, shape[axis])
   return ReduceSplit(axis, parts, False) if parts is not None else None
