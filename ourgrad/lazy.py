@@ -358,7 +358,7 @@ class LazyBuffer:
     """The reduced value is a product in which some factor is broadcast along an output axis (stride 0 there) while
     it varies along a reduce axis: a matmul or a convolution's weight gradient. Not where a factor is read whole (no
     broadcast axis: the LayerNorm weight gradient's x_hat and dy): that product is bound by memory, as a plain reduce
-    (the codegen's heuristic._matmul_like says the same of the kernel)."""
+    (the codegen's heuristic._gpu_tiles_pay_off says the same of the kernel)."""
     base = self.base
     # the axes of the base's sources are this buffer's axes only where this is the base or a plain view of it
     if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or base.op is not Ops.MUL: return False

@@ -1,6 +1,7 @@
 """Split-K on GPUs: a reduce with few outputs and long rows (a convolution's weight gradient, batchnorm statistics)
 runs as two kernels, partial sums over pieces of the reduce and then a reduce over the pieces
-(`LazyBuffer._gpu_split_parts`), so the first kernel has enough blocks to fill the GPU.
+(codegen/opt/split_reduce.py, from the device's multiprocessors), so the first kernel has enough blocks to fill the
+GPU: GPT-2's bias and LayerNorm gradients, batchnorm statistics, convolution weight gradients.
 
 The PYTHON device has thread blocks and local memory (a GPU renderer), so the split applies there; CLANG keeps one
 kernel. Results are checked against numpy and PyTorch, and every kernel of a split reduce, optimized for CUDA's
@@ -15,9 +16,11 @@ import torch
 
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.opt import split_reduce
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.device import Buffer
+from ourgrad.helpers import prod
 from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
 from helpers import skip_unless_device
@@ -174,3 +177,101 @@ def test_partial_sums_read_neighbouring_elements_in_neighbouring_threads(shape: 
   launch_x = kernel.thread_axes()[-1]
   assert kernel.sts[1].real_strides()[launch_x] == 1
   if width != shape[3]: assert kernel.group_dims == 2 and kernel.full_shape[launch_x] == width
+
+
+# ================================================================ few outputs, long reduces (split_reduce.py)
+
+def _cuda_facts(monkeypatch: pytest.MonkeyPatch) -> split_reduce.SplitFacts:
+  """Split as on CUDA (the emulated CUDA renderer's facts: 132 SMs of 2048 threads, its launch_bytes), whether or not
+  this run emulates it."""
+  facts = split_reduce.SplitFacts.of(PythonRenderer("CUDA"))
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", facts)
+  return facts
+
+
+def _layernorm_weight_gradient(device: str) -> Tensor:
+  """sum over the tokens of x_hat * dy, x_hat from x and per-token statistics (GPT-2's LayerNorm weight gradient)."""
+  x, dy = Tensor.empty(8, 512, 768, device=device), Tensor.empty(8, 512, 768, device=device)
+  mean, rstd = Tensor.empty(8, 512, 1, device=device), Tensor.empty(8, 512, 1, device=device)
+  return ((x - mean) * rstd * dy).sum(axis=(0, 1))
+
+
+GPT2_FEW_OUTPUTS = {
+  "bias 4096x768": lambda device: Tensor.empty(4096, 768, device=device).sum(axis=0),
+  "bias 4096x3072": lambda device: Tensor.empty(4096, 3072, device=device).sum(axis=0),
+  "(8,512,768) over (0,1)": lambda device: Tensor.empty(8, 512, 768, device=device).sum(axis=(0, 1)),
+  "layernorm weight": _layernorm_weight_gradient,
+  "batchnorm (256,32,28,28)": lambda device: Tensor.empty(256, 32, 28, 28, device=device).sum(axis=(0, 2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(GPT2_FEW_OUTPUTS))
+def test_gpt2_few_output_reduces_split_to_fill_the_gpu(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+  """GPT-2's bias and LayerNorm gradients (768 or 3072 outputs, each a sum over 4096 tokens) and batchnorm statistics:
+  two kernels, the first (the partial sums) with at least a block per multiprocessor (one kernel gave 24 blocks to
+  the 768 outputs: ~700 GB/s of the H200's ~4 TB/s), the second summing the parts into the outputs."""
+  facts = _cuda_facts(monkeypatch)
+  out = GPT2_FEW_OUTPUTS[name]("PYTHON")
+  kernels = _kernels(out)
+  assert len(kernels) == 2
+  first = Kernel(kernels[0].ast, PythonRenderer("CUDA"))
+  first.hand_coded_optimizations()
+  assert prod(first.full_shape[:first.global_dims]) >= facts.multiprocessors, first.name
+  assert kernels[1].outputs[0].size == out.numel()
+
+
+@pytest.mark.parametrize("name", list(GPT2_FEW_OUTPUTS))
+def test_gpt2_few_output_reduces_on_clang_as_before(name: str) -> None:
+  """CPUs split only huge reduces, for their cores (split_reduce.cpu_split_parts, unchanged): GPT-2's sums over
+  4096 tokens stay one kernel; batchnorm statistics (200704 values per channel) split in two."""
+  assert len(_kernels(GPT2_FEW_OUTPUTS[name]("CLANG"))) == (2 if name.startswith("batchnorm") else 1)
+
+
+def test_reduces_saving_less_than_a_launch_stay_one_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+  """A full sum of 4096 floats (16 KB, one block) would gain less from all the multiprocessors than a second launch
+  costs; 768 rows of 4096 (a block per row) already fill the GPU."""
+  _cuda_facts(monkeypatch)
+  assert len(_kernels(Tensor.empty(4096, device="PYTHON").sum())) == 1
+  assert len(_kernels(Tensor.empty(768, 4096, device="PYTHON").sum(axis=1))) == 1
+
+
+# a reduce axis leading, trailing, in the middle, interleaved with an output axis, batchnorm-style, everything
+EVERY_AXIS_POSITION = [((91, 6), (0,)), ((5, 91), (1,)), ((4, 45, 3), (1,)), ((3, 35, 5), (0, 1)),
+                       ((5, 3, 7, 9), (0, 2, 3)), ((16, 9), (0, 1))]
+
+
+@pytest.mark.parametrize("shape, axes", EVERY_AXIS_POSITION)
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_split_reduces_over_every_axis_position_match_numpy(small_split: None, shape: tuple[int, ...],
+                                                          axes: tuple[int, ...], dtype: type) -> None:
+  """Each reduce is split (two kernels at the scaled-down thresholds; a full reduce's two stages may share one row
+  kernel, the scheduler's choice for a reduce of a reduce into one output) and its sum, max and (float32) mean equal
+  numpy's: integers exactly."""
+  data = rng.integers(-50, 50, shape).astype(dtype) if dtype == np.int32 else rng.standard_normal(shape).astype(dtype)
+  x = Tensor(data, device="PYTHON")
+  if len(axes) < len(shape):
+    assert len(_kernels(x.sum(axis=axes))) == 2, f"{shape} over {axes} is split with the small thresholds"
+    assert len(_kernels(x.max(axis=axes))) == 2
+  assert x.sum(axis=axes).lazydata.base.srcs[0].base.op is Ops.SUM, "the sum reads the partial sums"
+  if dtype == np.int32:
+    np.testing.assert_array_equal(x.sum(axis=axes).numpy(), data.sum(axis=axes))
+  else:
+    np.testing.assert_allclose(x.sum(axis=axes).numpy(), data.sum(axis=axes), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(x.mean(axis=axes).numpy(), data.mean(axis=axes), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(x.max(axis=axes).numpy(), data.max(axis=axes))
+
+
+def test_split_layernorm_gradients_match_torch(small_split: None) -> None:
+  """A LayerNorm's weight and bias gradients (sums over batch and tokens: split) and its input gradient, against
+  torch."""
+  x_data = rng.standard_normal((4, 21, 6)).astype(np.float32)
+  upstream = rng.standard_normal((4, 21, 6)).astype(np.float32)
+  weight_data, bias_data = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+  x = Tensor(x_data, device="PYTHON", requires_grad=True)
+  weight = Tensor(weight_data, device="PYTHON", requires_grad=True)
+  bias = Tensor(bias_data, device="PYTHON", requires_grad=True)
+  ((x.layernorm(-1) * weight + bias) * Tensor(upstream, device="PYTHON")).sum().backward()
+  tx, tweight, tbias = (torch.tensor(a, requires_grad=True) for a in (x_data, weight_data, bias_data))
+  ((torch.nn.functional.layer_norm(tx, (6,)) * tweight + tbias) * torch.tensor(upstream)).sum().backward()
+  for ours, theirs in ((weight, tweight), (bias, tbias), (x, tx)):
+    np.testing.assert_allclose(ours.grad.numpy(), theirs.grad.numpy(), rtol=1e-4, atol=1e-4)

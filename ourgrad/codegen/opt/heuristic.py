@@ -70,7 +70,7 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   if gpu and has_local and kernel.reduceop is not None and weight_gradient_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and _thin_matmul(kernel): return
   if gpu and kernel.reduceop is not None and window_tiles(kernel): return
-  if gpu and has_local and kernel.reduceop is not None and not _matmul_like(kernel):
+  if gpu and has_local and kernel.reduceop is not None and not _gpu_tiles_pay_off(kernel):
     if _group_reduce(kernel): return
   if gpu and kernel.reduceop is None and elementwise_rows(kernel): return
   if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
@@ -83,7 +83,7 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
 
 def _sibling_reduces(kernel: Kernel, gpu: bool, has_local: bool) -> None:
   """The defaults of a plain reduce, for a kernel of several sibling reduces (one loop, an accumulator each)."""
-  if gpu and has_local and not _matmul_like(kernel) and _group_reduce(kernel): return
+  if gpu and has_local and not _gpu_tiles_pay_off(kernel) and _group_reduce(kernel): return
   _register_tiling(kernel)
   if gpu: _pick_thread_blocks(kernel)
   if gpu and has_local: _group_for_parallelism(kernel)
@@ -422,15 +422,22 @@ def _loads(kernel: Kernel) -> list:
   return [st for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
 
 
+def _gpu_tiles_pay_off(kernel: Kernel) -> bool:
+  """On a GPU: matmul-like (_matmul_like), and no input is read whole (no broadcast axis). A kernel that reads some
+  input whole is bound by that input's bytes, as a plain reduce is, whatever the reuse of the others: a LayerNorm
+  weight gradient reads x and dy whole and reuses only the per-token mean and rstd across the features; as register
+  tiles it had 3 blocks (89 GB/s on an H200), as a column reduce it is split to fill the GPU (split_reduce.py). (CPUs
+  keep register tiles for it: _cpu_matmul_tiles asks _matmul_like.)"""
+  shape = kernel.full_shape
+  if any(all(stride != 0 for size, stride in zip(shape, st.real_strides()) if size != 1) for st in _loads(kernel)):
+    return False
+  return _matmul_like(kernel)
+
+
 def _matmul_like(kernel: Kernel) -> bool:
   """Some input is reused across outputs while it varies along the reduce (a matmul or convolution operand):
-  register tiles pay off there. A per-output value (stride 0 on every reduce axis) does not count, and neither does
-  any reuse in a kernel that reads some input whole (no broadcast axis): it is bound by that input's bytes, as a
-  plain reduce is (a LayerNorm weight gradient: x and dy read whole, the per-token mean and rstd reused across the
-  features)."""
+  register tiles pay off there. A per-output value (stride 0 on every reduce axis) does not count."""
   loads = _loads(kernel)
-  if any(all(stride != 0 for size, stride in zip(kernel.full_shape, st.real_strides()) if size != 1) for st in loads):
-    return False
   for st in loads:
     strides = st.real_strides()
     reused = any(strides[axis] == 0 for axis in range(kernel.first_reduce))
