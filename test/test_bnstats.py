@@ -1,7 +1,7 @@
 """BatchNorm statistics on GPUs: the per-channel sums over N, H, W of a batchnorm's input (the mean's sum, the
 variance's sum of squares, the backward's sums of products) and the choices that make them fast on a GPU: the split
-into about a wave of blocks (lazy.py `_plain_split_parts_wanted`), GROUP threads from up to three reduce axes in
-powers of two (warp shuffles) with neighbouring lanes on neighbouring elements, and the short loop left in each
+into about a wave of blocks (codegen/opt/split_reduce.py `gpu_split_parts`), GROUP threads from up to three reduce
+axes in powers of two (warp shuffles) with neighbouring lanes on neighbouring elements, and the short loop left in each
 thread unrolled (codegen/opt/heuristic.py `_group_reduce`).
 
 Every kernel optimized under CUDA's limits (`PythonRenderer("CUDA")`, interpreted by the PYTHON device) is checked

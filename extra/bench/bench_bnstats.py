@@ -1,6 +1,6 @@
 """BatchNorm statistics of the examples/mnist.py CNN step (batch 256) on a GPU, kernel by kernel, under several
-choices of the split (lazy.py) and the GROUP heuristic (codegen/opt/heuristic.py): which one moves the most bytes
-per second.
+choices of the split (codegen/opt/split_reduce.py) and the GROUP heuristic (codegen/opt/heuristic.py): which one
+moves the most bytes per second.
 
     python extra/bench/bench_bnstats.py                       # every variant, device-timed launches (CUDA events)
     python extra/bench/bench_bnstats.py --variants default    # only the defaults
@@ -33,29 +33,36 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this che
 
 import ourgrad.codegen.opt.heuristic as heuristic  # noqa: E402
 import ourgrad.engine.multi_output as multi_output  # noqa: E402
-import ourgrad.lazy as lazy  # noqa: E402
+from ourgrad.codegen.opt import split_reduce  # noqa: E402
 from ourgrad import Tensor  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
 from ourgrad.engine.realize import get_runner  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 
 SHAPES = ((256, 16, 24, 24), (256, 32, 8, 8))
+
+
+def _wave(blocks: int) -> split_reduce.SplitFacts:
+  """split_reduce's facts of a device whose wave is `blocks` blocks of 256 threads (2048 resident a multiprocessor),
+  a launch never too dear: the split's parts aim at that many blocks."""
+  return split_reduce.SplitFacts(max(blocks * 256 // 2048, 1), 2048, 0)
+
 # name -> {(module, constant): value}; "default" changes nothing. "before" is the choice of main before this branch
 # (2 GROUP axes of any divisor, no unroll, parts by the 1024-element minimum only).
 VARIANTS: dict[str, dict[tuple[Any, str], Any]] = {
   "default": {},
   "before": {(heuristic, "GROUP_MAX_AXES"): 2, (heuristic, "GROUP_LOOP_UNROLL"): 1,
-             (heuristic, "GROUP_POWERS_OF_TWO"): False, (lazy, "GPU_SPLIT_TARGET_BLOCKS"): 1 << 18},
-  "blocks512": {(lazy, "GPU_SPLIT_TARGET_BLOCKS"): 512},
-  "blocks2048": {(lazy, "GPU_SPLIT_TARGET_BLOCKS"): 2048},
-  "blocks4096": {(lazy, "GPU_SPLIT_TARGET_BLOCKS"): 4096},
+             (heuristic, "GROUP_POWERS_OF_TWO"): False, (split_reduce, "FACTS_OVERRIDE"): _wave(1 << 18)},
+  "blocks512": {(split_reduce, "FACTS_OVERRIDE"): _wave(512)},
+  "blocks2048": {(split_reduce, "FACTS_OVERRIDE"): _wave(2048)},
+  "blocks4096": {(split_reduce, "FACTS_OVERRIDE"): _wave(4096)},
   "unroll1": {(heuristic, "GROUP_LOOP_UNROLL"): 1},
   "unroll8": {(heuristic, "GROUP_LOOP_UNROLL"): 8, (heuristic, "GROUP_SHORT_LOOP"): 64},
   "axes2": {(heuristic, "GROUP_MAX_AXES"): 2},
   "anydivisor": {(heuristic, "GROUP_POWERS_OF_TWO"): False},
   "threads128": {(heuristic, "BLOCK_THREADS"): 128},
-  "threads512": {(heuristic, "BLOCK_THREADS"): 512, (lazy, "GPU_SPLIT_TARGET_BLOCKS"): 512},
-  "part4096": {(lazy, "GPU_SPLIT_MIN_PART"): 4096},
+  "threads512": {(heuristic, "BLOCK_THREADS"): 512, (split_reduce, "FACTS_OVERRIDE"): _wave(512)},
+  "part4096": {(split_reduce, "MIN_PART_ROWS"): 4096},
   "lanes8": {(heuristic, "GROUP_COALESCED_LANES"): 8},
   "col8": {(heuristic, "COLUMN_LOCALS"): 8},
   "col16": {(heuristic, "COLUMN_LOCALS"): 16},

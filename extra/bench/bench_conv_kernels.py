@@ -5,7 +5,7 @@ Rows: the convolution-shaped kernels of one examples/mnist.py training step (the
 input gradient, weight gradient and the weight gradient's second split-K kernel), and conv2d 64x64x56x56 with 64
 3x3 filters, pad 1, in float32 and float16 (issue 12's rows; PyTorch/cuDNN beside them where torch has CUDA).
 `--parts-sweep` also times every kernel of the MNIST step with the split-K part size of matmul-like reduces
-(lazy.GPU_SPLIT_MIN_PART_MATMUL) set to each of 128, 256, 512 and 1024 products, and with the input gradient's
+(split_reduce.MIN_PART_MATMUL) set to each of 128, 256, 512 and 1024 products, and with the input gradient's
 padded output gradient stored first (tensor_conv.store_padded_gradient, as on the CPU). `--wgrad` times the step's
 weight gradients alone (WEIGHT_GRADIENT_VARIANTS), their second split-K kernel and the pair, at each part size of
 `--split-part`. `--tf32` allows TensorFloat-32 tensor cores for the float32 kernels (and cuDNN's).
@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import ourgrad  # noqa: E402
 import ourgrad.codegen.halo_tiles as halo_tiles  # noqa: E402
 import ourgrad.lazy as lazy  # noqa: E402
+from ourgrad.codegen.opt import split_reduce  # noqa: E402
 import ourgrad.tensor_conv as tensor_conv  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands  # noqa: E402
@@ -476,7 +477,7 @@ def bench_weight_gradients(device: str, iters: int, scale: int, beam: int, rows:
   """The weight gradients alone: each first kernel's hand-coded choice, variants and BEAM's choice, then its second
   stage (hand-coded), and the sum of the hand-coded pair with its GFLOP/s."""
   for partials, readers in weight_gradients(device, scale):
-    bench_ast(partials, device, iters, beam, f"weight gradient (split part {lazy.GPU_SPLIT_MIN_PART_MATMUL}, "
+    bench_ast(partials, device, iters, beam, f"weight gradient (split part {split_reduce.MIN_PART_MATMUL}, "
               f"row parts {lazy.GPU_SPLIT_ROW_PARTS})", rows=rows)
     hand = Kernel(partials, Device[device].renderer)
     hand.hand_coded_optimizations()
@@ -585,11 +586,11 @@ def parts_sweep(device: str, iters: int, scale: int) -> None:
   """Every kernel of the MNIST step, hand-coded, with each split-K part size of matmul-like reduces (and at 512, with
   the stride-1 input gradient's padded output gradient stored first, as on the CPU): the summed time of the
   matmul-like kernels and of the whole step, then the weight gradients' variants at that part size."""
-  original, original_store = lazy.GPU_SPLIT_MIN_PART_MATMUL, tensor_conv.store_padded_gradient
+  original, original_store = split_reduce.MIN_PART_MATMUL, tensor_conv.store_padded_gradient
   print("\nsplit-K part size of matmul-like reduces (products per part): summed kernel ms of the MNIST step")
   try:
     for part in (128, 256, 512, 1024, "512, padded gradient stored"):
-      lazy.GPU_SPLIT_MIN_PART_MATMUL = part if isinstance(part, int) else 512
+      split_reduce.MIN_PART_MATMUL = part if isinstance(part, int) else 512
       tensor_conv.store_padded_gradient = original_store if isinstance(part, int) else lambda device: True
       total, matmul, names = 0.0, 0.0, []
       for ast in mnist_step_asts(scale):
@@ -608,7 +609,7 @@ def parts_sweep(device: str, iters: int, scale: int) -> None:
         if plain.reduceop is not None and is_weight_gradient_part(plain):
           bench_ast(ast, device, iters, 0, f"  part {part}: weight gradient")
   finally:
-    lazy.GPU_SPLIT_MIN_PART_MATMUL, tensor_conv.store_padded_gradient = original, original_store
+    split_reduce.MIN_PART_MATMUL, tensor_conv.store_padded_gradient = original, original_store
 
 
 def main() -> None:
@@ -628,7 +629,7 @@ def main() -> None:
   parser.add_argument("--wgrad", action="store_true", help="the MNIST step's weight gradients alone: the first "
                       "kernel's variants (--rows filters them), the second stage, the pair's sum")
   parser.add_argument("--split-part", default="", help="comma-separated split-K part sizes of matmul-like reduces "
-                      "(lazy.GPU_SPLIT_MIN_PART_MATMUL) to run --wgrad at, e.g. 128,256,512")
+                      "(split_reduce.MIN_PART_MATMUL) to run --wgrad at, e.g. 128,256,512")
   parser.add_argument("--tf32", action="store_true", help="allow TF32 tensor cores for the float32 kernels "
                       "(ourgrad.set_float32_matmul_precision('high'); cuDNN's allow_tf32 for the PyTorch rows)")
   parser.add_argument("--split-rows", default="", help="comma-separated row parts (lazy.GPU_SPLIT_ROW_PARTS: a split "
@@ -640,14 +641,14 @@ def main() -> None:
   # labels hold commas: "|" separates the parts where it is used
   rows = tuple(part for part in args.rows.split("|" if "|" in args.rows else ",") if part)
   if args.wgrad:
-    original, original_rows = lazy.GPU_SPLIT_MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS
+    original, original_rows = split_reduce.MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS
     try:
       for part in [int(size) for size in args.split_part.split(",") if size] or [original]:
         for row_parts in [int(count) for count in args.split_rows.split(",") if count] or [original_rows]:
-          lazy.GPU_SPLIT_MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = part, row_parts
+          split_reduce.MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = part, row_parts
           bench_weight_gradients(args.device, args.iters, args.scale, args.beam, rows)
     finally:
-      lazy.GPU_SPLIT_MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = original, original_rows
+      split_reduce.MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = original, original_rows
     return
   if "mnist".startswith(args.only) or args.only in "mnist":
     for ast in mnist_step_asts(args.scale):

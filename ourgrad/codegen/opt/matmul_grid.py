@@ -8,7 +8,7 @@ as several do (2048x384x1536 in 48 blocks: 0.30 TFLOP/s per block; 4096^3 in 102
 so a round costs one block's multiply-adds at its tile's rate, however many blocks share the multiprocessor. Smaller
 tiles reuse each staged value less (4x4 outputs per thread, not 8x8) and run slower (TILE_RATES, relative to
 128x128's), but give more blocks; tiles of 3 runs along N (8x12 outputs a thread) fit grids like 2048x1152 into one
-round of 128 blocks (128x144) where 128x128 takes two (144 blocks). Split-K (the lazy layer's _gpu_split_parts)
+round of 128 blocks (128x144) where 128x128 takes two (144 blocks). Split-K (split_reduce.py's gpu_split_parts)
 multiplies the blocks by the parts and divides each block's reduce; the partial results cost a write and a read
 (SPLIT_SECONDS, SPLIT_BYTES_PER_SECOND: the consumer adds them, no kernel of their own).
 
