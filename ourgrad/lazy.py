@@ -22,6 +22,7 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, is_additive_identity, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
+from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
 from ourgrad.helpers import MATMUL_GRID, prod
@@ -355,20 +356,13 @@ class LazyBuffer:
     return prod(self.shape[:-2]), self.shape[-2], self.shape[-1]
 
   def _matmul_like_reduce(self, axes: tuple[int, ...]) -> bool:
-    """The reduced value is a product in which some factor is broadcast along an output axis (stride 0 there) while
-    it varies along a reduce axis: a matmul or a convolution's weight gradient. Not where a factor is read whole (no
-    broadcast axis: the LayerNorm weight gradient's x_hat and dy): that product is bound by memory, as a plain reduce
-    (the codegen's heuristic._gpu_tiles_pay_off says the same of the kernel)."""
+    """The reduced value is a product whose register tiles pay off on a GPU (heuristic.register_tiles_pay_off: a
+    factor is a matrix operand reused across outputs, none is read whole): a matmul or a convolution's weight
+    gradient, not a LayerNorm's weight gradient."""
     base = self.base
     # the axes of the base's sources are this buffer's axes only where this is the base or a plain view of it
     if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or base.op is not Ops.MUL: return False
-    if any(all(stride != 0 for size, stride in zip(self.shape, src.st.views[-1].strides) if size != 1)
-           for src in base.srcs): return False
-    for src in base.srcs:
-      strides = src.st.views[-1].strides
-      broadcast = any(strides[a] == 0 and self.shape[a] != 1 for a in range(len(strides)) if a not in axes)
-      if broadcast and any(strides[a] != 0 for a in axes): return True
-    return False
+    return register_tiles_pay_off(self.shape, axes, [src.st.views[-1].strides for src in base.srcs])
 
   def contiguous(self) -> LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""

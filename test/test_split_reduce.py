@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from ourgrad import Tensor
-from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.kernel import Kernel, OptOps
 from ourgrad.codegen.opt import split_reduce
+from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.device import Buffer
@@ -275,3 +276,44 @@ def test_split_layernorm_gradients_match_torch(small_split: None) -> None:
   ((torch.nn.functional.layer_norm(tx, (6,)) * tweight + tbias) * torch.tensor(upstream)).sum().backward()
   for ours, theirs in ((weight, tweight), (bias, tbias), (x, tx)):
     np.testing.assert_allclose(ours.grad.numpy(), theirs.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+# ================================================================ register tiles or a plain reduce
+
+@pytest.mark.parametrize("strides, gathers, expected", [
+  ([(8, 0, 1), (0, 1, 8)], False, True),             # a matmul (M, N, K): each operand reused across the other side
+  ([(6, 1, 0), (6, 1, 0), (1, 0, 0)], False, False),   # x and dy read whole beside a per-token statistic: memory-bound
+  ([(0, 0, 1), (1, 0, 0)], False, True),             # a vector reused by every output, the others small (a count)
+  ([(0, 0, 1), (0, 0, 0)], True, False),             # the same vector beside gathered rows: the gathers dominate
+  ([(0, 4, 1)], False, False),                        # reused across a batch of 2 only (positions added per image)
+])
+def test_register_tiles_pay_off(strides: list, gathers: bool, expected: bool) -> None:
+  """heuristic.register_tiles_pay_off over a (2, 16, 4) or (M, N, K) = (16, 16, 8) product summed over its last axis
+  (the split's MATMUL kind and the GPU heuristic's register tiles both ask it)."""
+  shape = (16, 16, 8) if len(strides) == 2 and not gathers and strides[0][0] == 8 else (2, 16, 4)
+  assert register_tiles_pay_off(shape, (2,), strides, gathers) is expected
+
+
+def test_row_sums_of_gathered_embeddings_get_group_threads() -> None:
+  """Row sums of token embeddings plus learned positions (GPT-2's first LayerNorm mean, 4096 rows of 768): the
+  rows are gathered (a load at a per-element offset), the positions reused across a batch of 8 only, so the GPU
+  heuristic gives each row GROUP threads, not register tiles over a few blocks (2 on the H200 at 96 GB/s); the sums
+  against numpy, with CUDA's heuristics and as the plain kernel."""
+  rng_local = np.random.default_rng(3)
+  tokens = rng_local.integers(-50, 50, (8, 16)).astype(np.int32)   # negative indices count from the end
+  table, positions = (rng_local.standard_normal(shape).astype(np.float32) for shape in ((50, 256), (16, 256)))
+  rows = Tensor(table, device="PYTHON")[Tensor(tokens, device="PYTHON")] + Tensor(positions, device="PYTHON")
+  [item] = _kernels(rows.sum(axis=-1))
+  results = []
+  for optimize in (True, False):
+    kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+    if optimize:
+      kernel.hand_coded_optimizations()
+      # a block per row, its threads over the row (was: 4x4 rows a thread, 2 blocks)
+      assert kernel.group_dims >= 1 and not any(opt.op is OptOps.UPCAST for opt in kernel.applied_opts), \
+          kernel.applied_opts
+    fresh = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+    compile_kernel(kernel, "PYTHON")((fresh,) + item.inputs)
+    results.append(fresh.numpy().reshape(8, 16))
+  expected = (table[tokens] + positions).sum(axis=-1)
+  for result in results: np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)

@@ -35,7 +35,7 @@ GPUs (thread blocks and local memory):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from ourgrad.codegen.kernel import (SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL,
                                     WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps,
@@ -422,16 +422,39 @@ def _loads(kernel: Kernel) -> list:
   return [st for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
 
 
+# an operand reused across fewer outputs than this is no reason for register tiles (a thread's tile: 4x4 outputs)
+MIN_TILE_REUSE = 16
+
+
+def register_tiles_pay_off(shape: Sequence[int], reduce_axes: Sequence[int],
+                           input_strides: Sequence[Sequence[int | None]], gathers: bool = False) -> bool:
+  """Whether register tiles of outputs pay off on a GPU for a reduce over `reduce_axes` of `shape` whose inputs have
+  `input_strides` (0: broadcast along that axis; None: not affine): some input is reused across at least
+  MIN_TILE_REUSE outputs while it varies along the reduce, and no input is read whole (no broadcast axis).
+
+  A reduce that reads an input whole is bound by its bytes, as a plain reduce is, whatever the others' reuse: a
+  LayerNorm weight gradient reads x and dy whole and reuses the per-token mean and rstd (3 blocks of register tiles
+  on an H200, 89 GB/s). An operand reused a few times (learned positions added across a batch of 8) is no matmul
+  either. A vector that varies only along the reduce (no output axis) counts where the kernel's other reads are
+  small (a count of tokens per vocabulary entry: each loaded token serves a tile of outputs), not beside `gathers`
+  (loads at a per-element offset, an embedding's rows: LayerNorm's row sums over wte[tokens] + wpe with its weight
+  vector were 2 blocks of tiles). The lazy layer's split asks this of a product, the heuristic of a kernel."""
+  sized = [axis for axis in range(len(shape)) if shape[axis] != 1]
+  outputs = [axis for axis in sized if axis not in reduce_axes]
+  reduces = [axis for axis in sized if axis in reduce_axes]
+  if any(all(strides[axis] != 0 for axis in sized) for strides in input_strides): return False
+  for strides in input_strides:
+    if prod(shape[axis] for axis in outputs if strides[axis] == 0) < MIN_TILE_REUSE: continue
+    if not any(strides[axis] != 0 for axis in reduces): continue
+    if not gathers or any(strides[axis] != 0 for axis in outputs): return True
+  return False
+
+
 def _gpu_tiles_pay_off(kernel: Kernel) -> bool:
-  """On a GPU: matmul-like (_matmul_like), and no input is read whole (no broadcast axis). A kernel that reads some
-  input whole is bound by that input's bytes, as a plain reduce is, whatever the reuse of the others: a LayerNorm
-  weight gradient reads x and dy whole and reuses only the per-token mean and rstd across the features; as register
-  tiles it had 3 blocks (89 GB/s on an H200), as a column reduce it is split to fill the GPU (split_reduce.py). (CPUs
-  keep register tiles for it: _cpu_matmul_tiles asks _matmul_like.)"""
-  shape = kernel.full_shape
-  if any(all(stride != 0 for size, stride in zip(shape, st.real_strides()) if size != 1) for st in _loads(kernel)):
-    return False
-  return _matmul_like(kernel)
+  """register_tiles_pay_off for this kernel's loads (a GPU's choice; CPUs ask _matmul_like)."""
+  loads = [(st, leaf) for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
+  return register_tiles_pay_off(kernel.full_shape, range(kernel.first_reduce, kernel.shape_len),
+                                [st.real_strides() for st, _ in loads], gathers=any(leaf.srcs for _, leaf in loads))
 
 
 def _matmul_like(kernel: Kernel) -> bool:
