@@ -16,6 +16,7 @@ import torch
 
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, OptOps
+from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt import split_reduce
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -23,8 +24,9 @@ from ourgrad.engine.schedule import create_schedule
 from ourgrad.device import Buffer
 from ourgrad.helpers import prod
 from ourgrad.ops import Ops
+from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
-from helpers import skip_unless_device
+from helpers import nvrtc_compiler, skip_unless_device
 
 rng = np.random.default_rng(10)
 
@@ -219,6 +221,18 @@ def test_gpt2_few_output_reduces_split_to_fill_the_gpu(monkeypatch: pytest.Monke
   first.hand_coded_optimizations()
   assert prod(first.full_shape[:first.global_dims]) >= facts.multiprocessors, first.name
   assert kernels[1].outputs[0].size == out.numel()
+
+
+def test_gpt2_few_output_kernels_compile_with_nvrtc(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Every kernel of the split GPT-2 reduces, optimized for CUDA, compiles with NVRTC for sm_90 (skips without it)."""
+  compiler = nvrtc_compiler()
+  if compiler is None: pytest.skip("no NVRTC here")
+  _cuda_facts(monkeypatch)
+  for build in GPT2_FEW_OUTPUTS.values():
+    for item in _kernels(build("PYTHON")):
+      kernel = Kernel(item.ast, CUDARenderer())
+      kernel.hand_coded_optimizations()
+      compiler.compile(CUDARenderer().render(kernel.name, linearize(kernel)))
 
 
 @pytest.mark.parametrize("name", list(GPT2_FEW_OUTPUTS))
