@@ -12,7 +12,8 @@ piece long enough to be worth a partial's store and load.
 The facts come from the device's renderer (`SplitFacts.of`): its multiprocessors (CUDA reads the SM count from the
 driver) and the threads one multiprocessor keeps resident (CUDA: from the driver too). A renderer that does not know
 them (the PYTHON interpreter, OpenCL) is taken for a GPU of DEFAULT_MULTIPROCESSORS. CPUs (no thread blocks) split
-only huge reduces, for their cores (`cpu_split_parts`). docs/reductions.md tells the rule with examples.
+only huge reduces, for their cores (`cpu_split_parts`). DEBUG=3 prints each GPU split; docs/codegen.md ("Split-K")
+tells the rule with examples.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from enum import Enum
 from typing import Any
 
 from ourgrad.codegen.opt.heuristic import BLOCK_THREADS, COLUMN_LOCALS
-from ourgrad.helpers import prod
+from ourgrad.helpers import DEBUG, prod
 
 # a renderer with thread blocks that does not know its multiprocessors (the PYTHON interpreter, OpenCL) is taken for
 # a GPU of this many, resident threads as many as CUDA's (sm_80/sm_90 keep 2048 a multiprocessor)
@@ -154,8 +155,12 @@ def plan_split(renderer: Any, shape: tuple[int, ...], axes: tuple[int, ...], kin
   outputs = prod(size for a, size in enumerate(shape) if a not in axes)
   elements_per_output = prod(shape) // outputs
   if renderer.runs_thread_blocks:
-    parts = gpu_split_parts(SplitFacts.of(renderer), kind, outputs, elements_per_output, shape[axis],
-                            prod(shape) * itemsize)
+    facts = SplitFacts.of(renderer)
+    parts = gpu_split_parts(facts, kind, outputs, elements_per_output, shape[axis], prod(shape) * itemsize)
+    if DEBUG >= 3 and parts is not None:
+      print(f"split reduce: {shape} over {axes} ({kind.value}, {outputs} outputs: "
+            f"{-(-outputs // outputs_per_block(kind))} blocks for {facts.multiprocessors} multiprocessors) -> "
+            f"{parts} parts of axis {axis}")
     if parts is not None: return ReduceSplit(axis, parts, True)
   parts = cpu_split_parts(outputs, elements_per_output, shape[axis])
   return ReduceSplit(axis, parts, False) if parts is not None else None
