@@ -197,7 +197,7 @@ def test_heuristic_takes_wgmma_only_where_it_fits(monkeypatch) -> None:
   assert (wide_n, narrow_n) == (256, 128)
   a, b = Tensor.empty(256, 128, dtype=dtypes.float16), Tensor.empty(128, 512, dtype=dtypes.float16)
   assert opts(a, b) == [NARROW]   # 4 blocks of 128 x 256 would leave most multiprocessors idle
-  monkeypatch.setattr(heuristic, "MULTIPROCESSORS", 4)
+  monkeypatch.setattr(hopper, "multiprocessors", 4)   # the renderer's count (CUDA reads it from the GPU)
   assert opts(a, b) == [WIDE]
   assert opts(a, Tensor.empty(128, 384, dtype=dtypes.float16)) == [NARROW]
   assert opts(a, b, PythonRenderer("CUDA"))[0] == Opt(OptOps.TC, 0, 0)
