@@ -192,10 +192,10 @@ def _cuda_facts(monkeypatch: pytest.MonkeyPatch) -> split_reduce.SplitFacts:
   return facts
 
 
-def _layernorm_weight_gradient(device: str) -> Tensor:
+def _layernorm_weight_gradient(device: str, batch: int = 8) -> Tensor:
   """sum over the tokens of x_hat * dy, x_hat from x and per-token statistics (GPT-2's LayerNorm weight gradient)."""
-  x, dy = Tensor.empty(8, 512, 768, device=device), Tensor.empty(8, 512, 768, device=device)
-  mean, rstd = Tensor.empty(8, 512, 1, device=device), Tensor.empty(8, 512, 1, device=device)
+  x, dy = Tensor.empty(batch, 512, 768, device=device), Tensor.empty(batch, 512, 768, device=device)
+  mean, rstd = Tensor.empty(batch, 512, 1, device=device), Tensor.empty(batch, 512, 1, device=device)
   return ((x - mean) * rstd * dy).sum(axis=(0, 1))
 
 
@@ -204,6 +204,7 @@ GPT2_FEW_OUTPUTS = {
   "bias 4096x3072": lambda device: Tensor.empty(4096, 3072, device=device).sum(axis=0),
   "(8,512,768) over (0,1)": lambda device: Tensor.empty(8, 512, 768, device=device).sum(axis=(0, 1)),
   "layernorm weight": _layernorm_weight_gradient,
+  "layernorm weight, batch 2": lambda device: _layernorm_weight_gradient(device, 2),
   "batchnorm (256,32,28,28)": lambda device: Tensor.empty(256, 32, 28, 28, device=device).sum(axis=(0, 2, 3)),
 }
 
@@ -220,6 +221,7 @@ def test_gpt2_few_output_reduces_split_to_fill_the_gpu(monkeypatch: pytest.Monke
   first = Kernel(kernels[0].ast, PythonRenderer("CUDA"))
   first.hand_coded_optimizations()
   assert prod(first.full_shape[:first.global_dims]) >= facts.multiprocessors, first.name
+  assert not any(opt.op is OptOps.UPCAST for opt in first.applied_opts), "a plain reduce: no register tiles"
   assert kernels[1].outputs[0].size == out.numel()
 
 

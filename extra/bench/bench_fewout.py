@@ -55,13 +55,15 @@ def workloads(scale: int) -> list[tuple[str, list[tuple[int, ...]], Callable[...
 
 
 def _unsplit_seconds(device: str, build: Callable[[], Tensor], replays: int) -> tuple[float, list[tuple[str, float]]]:
-  """The reduce as one kernel: split_reduce's facts of a device with one multiprocessor (nothing leaves it idle)."""
-  saved = split_reduce.FACTS_OVERRIDE
+  """The reduce as one kernel: split_reduce's facts of a device with one multiprocessor (nothing leaves it idle), and
+  no CPU split either (batchnorm statistics' 200704 values per channel would take it)."""
+  saved = split_reduce.FACTS_OVERRIDE, split_reduce.CPU_SPLIT_MIN_ELEMENTS
   split_reduce.FACTS_OVERRIDE = split_reduce.SplitFacts(1, split_reduce.DEFAULT_THREADS_PER_MULTIPROCESSOR)
+  split_reduce.CPU_SPLIT_MIN_ELEMENTS = 1 << 62
   try:
     return cold_schedule_seconds(device, build(), replays)
   finally:
-    split_reduce.FACTS_OVERRIDE = saved
+    split_reduce.FACTS_OVERRIDE, split_reduce.CPU_SPLIT_MIN_ELEMENTS = saved
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ourgrad.codegen.opt.heuristic import BLOCK_THREADS, COLUMN_LOCALS
+from ourgrad.codegen.opt.heuristic import BLOCK_THREADS, COLUMN_LOCALS, SHORT_REDUCE
 from ourgrad.helpers import DEBUG, prod
 
 # a renderer with thread blocks that does not know its multiprocessors (the PYTHON interpreter, OpenCL) is taken for
@@ -34,11 +34,12 @@ MAX_PARTS = 1024
 MIN_PARTS = 4
 # elements of one part at least, by kind: a ROWS part is reduced by a block of BLOCK_THREADS threads, 4 elements each
 # (more, smaller parts left MNIST's first batchnorm statistics 2 waves of blocks that combined more than they loaded);
-# a COLUMNS part by one thread (a short loop, coalesced across its warp's neighbouring outputs); a MATMUL part by
-# threads that each hold a register tile of outputs (H100, MNIST conv2 weight gradient: 32 parts of 512 products
-# 0.061 ms; 128 parts of 128 products 0.344 ms)
+# a COLUMNS part by a warp of neighbouring outputs, GROUPTOP threads along the part: a part shorter than the
+# heuristic's SHORT_REDUCE would be a loop per thread instead, and register tiles where an input is broadcast (a
+# LayerNorm weight gradient's per-token statistics: 12 blocks); a MATMUL part by threads that each hold a register
+# tile of outputs (H100, MNIST conv2 weight gradient: 32 parts of 512 products 0.061 ms; 128 of 128: 0.344 ms)
 MIN_PART_ROWS = 4 * BLOCK_THREADS
-MIN_PART_COLUMNS = 16
+MIN_PART_COLUMNS = SHORT_REDUCE
 MIN_PART_MATMUL = 512
 # outputs of a matmul-like reduce one GPU thread computes (a register tile)
 MATMUL_THREAD_OUTPUTS = 16
