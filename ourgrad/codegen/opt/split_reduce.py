@@ -6,8 +6,9 @@ for a reduce along the input's contiguous axis (ROWS), one per COLUMN_LOCALS out
 tiles for a matmul-like one. With fewer blocks than the device has multiprocessors, most of them idle and the reduce
 runs at a fraction of the memory bandwidth (24 blocks: ~700 GB/s of an H200's ~4 TB/s). Such a reduce is split: the
 first kernel sums `parts` pieces of its longest reduce axis into partial results (parts outermost), the second sums
-the parts (deterministic: no atomics). The parts are sized so that the first kernel has one wave of blocks, each
-piece long enough to be worth a partial's store and load.
+the parts (deterministic: no atomics). It splits only where the time the idle multiprocessors would cost is more
+than a second launch (`saves_more_than_a_launch`, from the device's launch_bytes). The parts are sized so that the
+first kernel has one wave of blocks, each piece long enough to be worth a partial's store and load.
 
 The facts come from the device's renderer (`SplitFacts.of`): its multiprocessors (CUDA reads the SM count from the
 driver) and the threads one multiprocessor keeps resident (CUDA: from the driver too). A renderer that does not know
