@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 from ourgrad.codegen.halo_tiles import HaloTileFill, HaloWindow
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.matmul_operands import is_plain_load
 from ourgrad.codegen.shared_tile_fill import SharedTileFill, multiple_of, zero_of
 from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
 from ourgrad.codegen.tensor_cores import WARP_LANES, evaluate
@@ -294,8 +295,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     return values
 
   def _fragment_pair(self, operand: LazyOp, idxs: list[Node], k_axis: int) -> list[UOp] | None:
-    """Two K-neighbouring elements as one 2-wide LOAD (and its GEPs), or None where the view is not one unmasked
-    view contiguous along K or the first index is not provably even."""
+    """Two K-neighbouring elements as one 2-wide LOAD (and its GEPs), or None where the operand is not a load of one
+    unmasked view contiguous along K or the first index is not provably even."""
+    if not is_plain_load(operand): return None   # an expression of loads: computed element by element
     leaf = self.kernel.leaf_number(operand)
     st = self.kernel.sts[leaf]
     if len(st.views) != 1 or st.views[0].mask is not None or st.real_strides()[k_axis] != 1: return None

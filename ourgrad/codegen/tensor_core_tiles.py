@@ -146,6 +146,9 @@ class TensorCoreTiles:
     kernel, build = self.kernel, self.builder
     threads = kernel.block_threads()
     for local, layout, operand in tiles:
+      if layout.computed:
+        self._compute_tile(local, layout, operand, axis_idxs, thread, step, stage)
+        continue
       innermost = layout.axes[-1]
       width = self._aligned_width(operand, innermost)
       while width > 1 and not all(
@@ -165,12 +168,31 @@ class TensorCoreTiles:
         build.add(UOps.COPY, None, srcs, (width, True))
         if guard is not None: build.end_if(guard)
 
+  def _compute_tile(self, local: UOp, layout: TileLayout, operand: LazyOp, axis_idxs: list[Node], thread: Node,
+                    step: Node, stage: Node) -> None:
+    """Every thread of the block computes its share of an expression operand's tile (element p by thread p mod the
+    block's threads, neighbouring threads along a row: their loads coalesce where the operand's loads run along K)
+    and stores the values into stage `stage` (synchronously: the BARRIER of the step that reads them orders it)."""
+    build, threads = self.builder, self.kernel.block_threads()
+    total = layout.rows * layout.row_length
+    for first in range(0, total, threads):
+      element = thread + first
+      guard = build.add(UOps.IF, None, (self.node_to_uop(element < total),)) if first + threads > total else None
+      idxs = self._piece_idxs(layout, axis_idxs, element, 1, step)
+      value = self.compute(operand, idxs, None)
+      local_index = self.node_to_uop(stage * layout.stage_size + self._tile_offset(layout, idxs))
+      build.add(UOps.STORE, None, (local, local_index, value))
+      if guard is not None: build.end_if(guard)
+
   def _tile_fragment(self, tile: tuple[UOp, TileLayout, LazyOp], operand_is_a: bool, idxs: list[Node], lane: Node,
                      stage: Node) -> list[UOp]:
     """A lane's A (8 elements) or B (4 elements) fragment of the instruction at `idxs`, by one LDMATRIX from the
     tile (the same fragment is loaded once per step: later tiles reuse it). TF32 fragments (32-bit elements, which
     ldmatrix's .trans cannot transpose) are loaded element by element (_tile_fragment_elements)."""
     local, layout, _ = tile
+    # a computed 16-bit tile holds register values (4 bytes each), which ldmatrix cannot read as 16-bit halves
+    if layout.computed and not self.kernel.tensor_core.tc.is_tf32:
+      return self._tile_fragment_elements(tile, operand_is_a, idxs, lane, stage)
     if self.kernel.tensor_core.tc.is_tf32:
       if layout.transposed: return self._tile_fragment_elements(tile, operand_is_a, idxs, lane, stage)
       return self._tf32_ldmatrix_fragment(tile, operand_is_a, idxs, lane, stage)
