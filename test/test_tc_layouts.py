@@ -24,6 +24,7 @@ from ourgrad.dtype import DType
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.helpers import _float32_matmul_precision, set_float32_matmul_precision
+from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
 
 from test_tensor_cores import _run
@@ -60,6 +61,10 @@ CASES: dict[str, tuple[tuple[tuple[int, ...], ...], Expression]] = {
   # a weight gradient over the tokens of the attention output, read back through the head permute (several views)
   "merged_heads": (((2, 2, 32, 16), (64, 24)),
                    lambda y, g: y.permute(0, 2, 1, 3).reshape(64, 32).T @ g),
+  # the same with heads of 8: an M tile of 16 spans two heads, so the view has no plain stride inside the block
+  "narrow_heads": (((2, 4, 32, 8), (64, 24)), lambda y, g: y.permute(0, 2, 1, 3).reshape(64, 32).T @ g),
+  # A read backwards along K (a negative stride)
+  "flipped": (((32, 48), (48, 16)), lambda a, b: a.flip(1) @ b),
   # a bias added to A inside the kernel (an ADD of two loads: a computed operand)
   "bias_operand": (((40, 32), (32,), (32, 24)), lambda a, bias, b: (a + bias) @ b),
   # three gradients concatenated into one operand (padded, masked loads summed), K along the concatenation
@@ -128,6 +133,14 @@ def test_layout_on_tensor_cores(case: str, dtype: DType, staged: bool) -> None:
   assert error < RELATIVE_ERROR[dtype], (case, dtype, error)
 
 
+@pytest.mark.parametrize("case", ["narrow_heads", "flipped"])
+def test_index_math_tiles(case: str) -> None:
+  """A load without plain non-negative strides inside the block is staged K-contiguous, element by element."""
+  _, kernel, _, _ = _kernels(case, dtypes.float16, staged=True)
+  tile_a, _ = kernel.tensor_core_tiles()
+  assert not tile_a.computed and not tile_a.transposed and tile_a.axes[-1] == kernel.shape_len - 1
+
+
 def test_computed_tile_is_stored_and_copied_tile_is_copied() -> None:
   """The staged bias case: A (a + bias) is computed into its tile (STOREs to local memory), B copied (COPYs)."""
   from ourgrad.codegen.linearizer import linearize
@@ -139,3 +152,46 @@ def test_computed_tile_is_stored_and_copied_tile_is_copied() -> None:
   copied = {uop.srcs[0].arg[0] for uop in uops if uop.op is UOps.COPY}
   stored = {uop.srcs[0].arg[0] for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_LOCAL}
   assert copied == {"tile_b"} and stored == {"tile_a"}
+
+
+# ================================================================ every matmul of a GPT-2 step
+
+def _matmul_shaped(kernel: Kernel) -> bool:
+  """A SUM of a MUL whose two sides each vary along an output axis the other does not (M and N) and both along the
+  reduce (K): a matmul, whatever its operands' layouts (independent of what the TC opt accepts)."""
+  reduce = kernel.reduceop
+  if reduce is None or reduce.op is not Ops.SUM or len(kernel.reduceops) != 1 or kernel.row_axes is not None:
+    return False
+  product = reduce.srcs[0].srcs[0] if reduce.srcs[0].op is Ops.CAST else reduce.srcs[0]
+  if product.op is not Ops.MUL: return False
+  sides = [side.srcs[0] if side.op is Ops.CAST else side for side in product.srcs]
+  return all(kernel.matmul_axes(*sides))
+
+
+def test_every_gpt2_matmul_on_tensor_cores() -> None:
+  """One GPT-2 training step (1 layer, width 768, 12 heads, 2 x 256 tokens, float32 with TF32 allowed) scheduled,
+  each kernel optimized by the heuristic for the CUDA-emulated renderer (mma.sync: no wgmma): every matmul (per
+  Linear the forward, the input gradient and the weight gradient; the tied logits' three; attention's Q@K^T, P@V and
+  their four backward products, per batch and head) is on tensor cores."""
+  from extra.models.gpt2 import GPT2, GPT2Config
+  from ourgrad.nn.state import get_parameters
+  Tensor.manual_seed(0)
+  model = GPT2(GPT2Config(n_layer=1, vocab_size=1024, block_size=256))
+  tokens = Tensor(np.random.default_rng(0).integers(0, 1024, (2, 256)).astype(np.int32))
+  with Tensor.train():
+    loss = model(tokens, tokens)[1]
+    loss.backward()
+  gradients = [parameter.grad.lazydata for parameter in get_parameters(model) if parameter.grad is not None]
+  renderer = PythonRenderer("CUDA")
+  on_tensor_cores, elsewhere = [], []
+  for item in create_schedule([loss.lazydata, *gradients]):
+    if item.ast.op not in (Ops.STORE, Ops.SINK): continue
+    kernel = Kernel(item.ast, renderer)
+    if not _matmul_shaped(kernel): continue
+    start = kernel.name
+    kernel.hand_coded_optimizations()
+    (on_tensor_cores if kernel.tensor_core is not None else elsewhere).append(start)
+  print(f"on tensor cores: {on_tensor_cores}\nelsewhere: {elsewhere}")
+  # 4 Linears x 3 + the logits x 3 + attention x 6, and the c_fc product once more: the GELU's backward recomputes
+  # it (the scheduler's store-or-recompute rule) rather than reading the forward's
+  assert not elsewhere and len(on_tensor_cores) == 22
