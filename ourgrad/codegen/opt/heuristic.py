@@ -11,9 +11,11 @@ GPUs (thread blocks and local memory):
   a short row gets a warp;
 - a reduce whose input is contiguous along an output axis (a column reduction) puts that output axis on LOCAL
   threads (coalesced) and, when that leaves too few blocks to fill the device, splits the reduce over GROUPTOP;
-- float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first where
-  they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
-  the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
+- float16/bfloat16 matmuls on a renderer with tensor cores (any operand layout: transposed, batched, read through
+  several views, padded, or computed from loads; codegen/matmul_operands.py) get OptOps.TC (output axes padded to
+  the tile first where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps
+  (LOCAL); staged through local memory (SHARED) in the largest block tile of TC_STAGED_TILES (128x128 down to 64x64)
+  whose grid fills the multiprocessors;
   on sm_90 (renderer.has_wgmma) large ones whose sizes divide a 128x256 (or 128x128) tile get OptOps.WGMMA instead;
   float32 ones too where TF32 is allowed (m16n8k8; wgmma where B is K-major), staged only and with at least
   TF32_MIN_BLOCKS blocks (else the float32 tiles below are faster);
