@@ -195,3 +195,14 @@ def test_every_gpt2_matmul_on_tensor_cores() -> None:
   # 4 Linears x 3 + the logits x 3 + attention x 6, and the c_fc product once more: the GELU's backward recomputes
   # it (the scheduler's store-or-recompute rule) rather than reading the forward's
   assert not elsewhere and len(on_tensor_cores) == 22
+
+
+def test_debug_says_why_a_matmul_stays_off_tensor_cores(monkeypatch, capsys) -> None:
+  """DEBUG=3: a float16 matmul whose K (20) is not a multiple of the instruction's 16 keeps CUDA cores, and the
+  heuristic prints the TC opt's refusal."""
+  monkeypatch.setenv("DEBUG", "3")
+  tensors, _ = _inputs(((32, 20), (20, 32)), dtypes.float16, seed=1)
+  kernel = Kernel(create_schedule([(tensors[0] @ tensors[1]).lazydata])[-1].ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert kernel.tensor_core is None
+  assert "no tensor cores (TensorCore(m16n8k16 float16->float32)): TC" in capsys.readouterr().out
