@@ -250,9 +250,8 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       stage = step % stages
       build.add(UOps.ASYNC_WAIT, None, (), stages - 2)   # this step's group has landed (the newer ones may not)
       build.add(UOps.BARRIER, None)
-      prefetch = build.add(UOps.IF, None, (self.node_to_uop(step < steps - (stages - 1)),))
-      self._copy_tensor_core_tiles(staged, axis_idxs, thread, step + (stages - 1), (step + (stages - 1)) % stages)
-      build.end_if(prefetch)
+      # copied tiles go out now (asynchronous); computed ones after this step's mma (_prefetch_tiles)
+      self._prefetch_tiles([tile for tile in staged if not tile[1].computed], axis_idxs, thread, step, steps)
       self.fragment_loads = {}
     for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
       for tile in tiles:
@@ -266,6 +265,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
           b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), tc.b_position, tc.b_elements, group,
                                            quad)
         build.add(UOps.WMMA, tc.dtype_out, tuple(a_values + b_values + accumulators[tile]), tc.arg)
+    if staged:
+      # a computed tile's loads are synchronous: issued after the mma, they wait while the tensor cores work
+      self._prefetch_tiles([tile for tile in staged if tile[1].computed], axis_idxs, thread, step, steps)
     for loop in reversed(reduce_loops): build.end_range(loop)
     zero_unrolls = (0,) * len(unroll_axes)
     for tile in tiles:

@@ -15,6 +15,10 @@ compute step r from the other stage:
 One BARRIER per step is enough: a thread that starts writing stage (r + 2) % 2 = r % 2 (in step r + 1) has passed
 the BARRIER of step r + 1, so every warp has finished reading it in step r.
 
+A computed tile (TileLayout.computed: an operand that is an expression of loads, a fused bias say) is filled by
+every thread evaluating its elements and storing them (synchronous loads), after the step's mma rather than before
+it, so those loads wait while the tensor cores work; the same BARRIER orders them.
+
 How a tile lies in local memory is Kernel.tensor_core_tiles (TileLayout); which lane points at which row for
 ldmatrix follows the fragment maps of codegen/tensor_cores.py:
 - A (m16 x k16, ldmatrix .x4): matrix j covers rows 8 (j % 2).., columns 8 (j // 2)..: a0a1, a2a3, a4a5, a6a7;
@@ -137,6 +141,16 @@ class TensorCoreTiles:
       shifted[innermost] = idxs[innermost] + element
       if self._index_nodes(leaf, shifted)[1].render() != first: return False
     return True
+
+  def _prefetch_tiles(self, tiles: list[tuple[UOp, TileLayout, LazyOp]], axis_idxs: list[Node], thread: Node,
+                      step: Node, steps: int) -> None:
+    """In reduce step `step`: `tiles` of step + stages - 1 into their stage, where there is such a step."""
+    if not tiles: return
+    stages = self.kernel.tile_stages
+    ahead = step + (stages - 1)
+    prefetch = self.builder.add(UOps.IF, None, (self.node_to_uop(step < steps - (stages - 1)),))
+    self._copy_tensor_core_tiles(tiles, axis_idxs, thread, ahead, ahead % stages)
+    self.builder.end_if(prefetch)
 
   def _copy_tensor_core_tiles(self, tiles: list[tuple[UOp, TileLayout, LazyOp]], axis_idxs: list[Node],
                               thread: Node, step: Node, stage: Node) -> None:
