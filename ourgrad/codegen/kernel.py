@@ -72,7 +72,7 @@ class TileLayout:
   An operand whose view has no plain stride inside the block (a load through several views) is laid out K-contiguous
   (rows along K, the instruction's k innermost) and copied element by element through its index math. `computed`:
   the operand is an expression of loads (a fused bias, a sum of padded loads), so each element is computed and stored
-  as a register value (4 bytes, see `element_bytes`) rather than copied from one buffer."""
+  (converted to the operand's dtype as a buffer holds it) rather than copied from one buffer."""
   axes: tuple[int, ...]
   row_axes: int
   row_length: int
@@ -84,10 +84,6 @@ class TileLayout:
 
   @property
   def stage_size(self) -> int: return self.rows * (self.row_length + self.padding)
-
-  def element_bytes(self, dtype: Any) -> int:
-    """Bytes one element takes in local memory: as stored where copied, a register value (4 bytes) where computed."""
-    return 4 if self.computed else dtype.itemsize
 
 
 # more registers than this per thread spills on every device we target
@@ -564,7 +560,7 @@ class Kernel(SharedTileLayout):
     rows = prod(self.full_shape[axis] for axis in axes)
     computed = not is_plain_load(operand)
     tf32 = self.tensor_core is not None and self.tensor_core.tc.is_tf32
-    padding = TC_TILE_PADDING // 2 if tf32 or computed else TC_TILE_PADDING   # 4-byte elements: see above
+    padding = TC_TILE_PADDING // 2 if tf32 else TC_TILE_PADDING   # 4-byte elements: see _tensor_core_tile
     return TileLayout(tuple(axes + row), len(row), row_length, rows, padding, False, self.tile_stages, computed)
 
   def operand_varies(self, operand: LazyOp) -> tuple[bool, ...]:
@@ -629,7 +625,7 @@ class Kernel(SharedTileLayout):
   def local_memory_bytes(self) -> int:
     """The block's local memory: the SHARED tiles and the GROUP partials (group_partial_bytes)."""
     if self.shared_tiles and self.tensor_core is not None:
-      return sum(tile.stage_size * tile.stages * tile.element_bytes(self.tensor_core.tc.dtype_in)
+      return sum(tile.stage_size * tile.stages * self.tensor_core.tc.dtype_in.itemsize
                  for tile in self.tensor_core_tiles())
     tiles = self.staged_tile_bytes() * max(self.async_tile_stages, 1) if self.shared_tiles else 0
     return tiles + self.group_partial_bytes()

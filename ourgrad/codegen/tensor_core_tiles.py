@@ -186,7 +186,8 @@ class TensorCoreTiles:
                     step: Node, stage: Node) -> None:
     """Every thread of the block computes its share of an expression operand's tile (element p by thread p mod the
     block's threads, neighbouring threads along a row: their loads coalesce where the operand's loads run along K)
-    and stores the values into stage `stage` (synchronously: the BARRIER of the step that reads them orders it)."""
+    and stores the values into stage `stage`, as a buffer of the operand's dtype holds them (ldmatrix reads them so),
+    synchronously: the BARRIER of the step that reads them orders it."""
     build, threads = self.builder, self.kernel.block_threads()
     total = layout.rows * layout.row_length
     for first in range(0, total, threads):
@@ -204,9 +205,6 @@ class TensorCoreTiles:
     tile (the same fragment is loaded once per step: later tiles reuse it). TF32 fragments (32-bit elements, which
     ldmatrix's .trans cannot transpose) are loaded element by element (_tile_fragment_elements)."""
     local, layout, _ = tile
-    # a computed 16-bit tile holds register values (4 bytes each), which ldmatrix cannot read as 16-bit halves
-    if layout.computed and not self.kernel.tensor_core.tc.is_tf32:
-      return self._tile_fragment_elements(tile, operand_is_a, idxs, lane, stage)
     if self.kernel.tensor_core.tc.is_tf32:
       if layout.transposed: return self._tile_fragment_elements(tile, operand_is_a, idxs, lane, stage)
       return self._tf32_ldmatrix_fragment(tile, operand_is_a, idxs, lane, stage)
