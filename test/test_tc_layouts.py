@@ -11,6 +11,7 @@ compiles it with NVRTC (sm_90) where it is installed.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import numpy as np
@@ -19,13 +20,18 @@ import torch
 
 from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.matmul_operands import varying_axes
 from ourgrad.codegen.opt.heuristic import StagedTensorCoreTile, apply_staged_tensor_core
+from ourgrad.codegen.uops import UOps
 from ourgrad.dtype import DType
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.helpers import _float32_matmul_precision, set_float32_matmul_precision
 from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
+from ourgrad.shape.shapetracker import ShapeTracker
+from ourgrad.shape.symbolic import NumNode
 
 from test_tensor_cores import _run
 
@@ -97,8 +103,9 @@ def _inputs(shapes: tuple[tuple[int, ...], ...], dtype: DType, seed: int) -> tup
   return tensors, values
 
 
-def _kernels(case: str, dtype: DType, staged: bool) -> tuple[Kernel, Kernel, object, np.ndarray, np.ndarray]:
-  """(plain kernel, TC kernel, its schedule item, float64 reference, PyTorch's result in the dtype) of a case."""
+def _kernels(case: str, dtype: DType, staged: bool) -> tuple[Kernel, Kernel, object, np.ndarray]:
+  """(plain kernel, TC kernel (staged in SMALL_TILE, or TC alone), their schedule item, PyTorch's float64 result) of a
+  case."""
   shapes, expression = CASES[case]
   tensors, values = _inputs(shapes, dtype, seed=len(case))
   schedule = create_schedule([expression(*tensors).lazydata])
@@ -143,8 +150,6 @@ def test_index_math_tiles(case: str) -> None:
 
 def test_computed_tile_is_stored_and_copied_tile_is_copied() -> None:
   """The staged bias case: A (a + bias) is computed into its tile (STOREs to local memory), B copied (COPYs)."""
-  from ourgrad.codegen.linearizer import linearize
-  from ourgrad.codegen.uops import UOps
   _, kernel, _, _ = _kernels("bias_operand", dtypes.float16, staged=True)
   tile_a, tile_b = kernel.tensor_core_tiles()
   assert tile_a.computed and not tile_b.computed
@@ -206,3 +211,39 @@ def test_debug_says_why_a_matmul_stays_off_tensor_cores(monkeypatch, capsys) -> 
   kernel.hand_coded_optimizations()
   assert kernel.tensor_core is None
   assert "no tensor cores (TensorCore(m16n8k16 float16->float32)): TC" in capsys.readouterr().out
+
+
+# ================================================================ which axes an operand varies along
+
+def _brute_force_varies(st) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+  """Per axis: whether some neighbouring positions along it address different elements, or differ in validity."""
+  table = {}
+  for position in itertools.product(*[range(size) for size in st.shape]):
+    index, valid = st.expr_idxs([NumNode(value) for value in position])
+    table[position] = (index.b, valid.b)
+  index_varies, valid_varies = [False] * len(st.shape), [False] * len(st.shape)
+  for position, (index, valid) in table.items():
+    for axis, size in enumerate(st.shape):
+      if position[axis] + 1 < size:
+        other = table[position[:axis] + (position[axis] + 1,) + position[axis + 1:]]
+        valid_varies[axis] |= other[1] != valid
+        index_varies[axis] |= bool(valid and other[1] and other[0] != index)
+  return tuple(index_varies), tuple(valid_varies)
+
+
+@pytest.mark.parametrize("name", ["permuted", "heads_merged", "padded", "expanded", "flipped"])
+def test_varying_axes_match_brute_force(name: str) -> None:
+  """varying_axes (from the index and validity expressions) against every pair of neighbouring positions: several
+  views, masks, broadcasts and flips."""
+  base = ShapeTracker.from_shape((2, 3, 4, 2))
+  st = {"permuted": base.permute((2, 0, 3, 1)),
+        "heads_merged": base.permute((0, 2, 1, 3)).reshape((8, 6)),
+        "padded": base.reshape((6, 8)).pad(((1, 1), (0, 2))),
+        "expanded": ShapeTracker.from_shape((3, 1, 4)).expand((3, 5, 4)),
+        "flipped": base.flip((False, True, False, True)).reshape((6, 8))}[name]
+  expected_index, expected_valid = _brute_force_varies(st)
+  index_varies, valid_varies = varying_axes(st)
+  assert valid_varies == expected_valid
+  # the index expression may mention an axis only where it matters for some valid position
+  assert all(got or not want for got, want in zip(index_varies, expected_index))
+  assert index_varies == expected_index
