@@ -173,11 +173,12 @@ def _matmul_shaped(kernel: Kernel) -> bool:
   return all(kernel.matmul_axes(*sides))
 
 
-def test_every_gpt2_matmul_on_tensor_cores() -> None:
+@pytest.mark.parametrize("emulate", ["CUDA", "CUDA_SM90"])
+def test_every_gpt2_matmul_on_tensor_cores(emulate: str) -> None:
   """One GPT-2 training step (1 layer, width 768, 12 heads, 2 x 256 tokens, float32 with TF32 allowed) scheduled,
-  each kernel optimized by the heuristic for the CUDA-emulated renderer (mma.sync: no wgmma): every matmul (per
-  Linear the forward, the input gradient and the weight gradient; the tied logits' three; attention's Q@K^T, P@V and
-  their four backward products, per batch and head) is on tensor cores."""
+  each kernel optimized by the heuristic for the CUDA-emulated renderer (CUDA: mma.sync only; CUDA_SM90: wgmma
+  too): every matmul (per Linear the forward, the input gradient and the weight gradient; the tied logits' three;
+  attention's Q@K^T, P@V and their four backward products, per batch and head) is on tensor cores."""
   from extra.models.gpt2 import GPT2, GPT2Config
   from ourgrad.nn.state import get_parameters
   Tensor.manual_seed(0)
@@ -187,7 +188,7 @@ def test_every_gpt2_matmul_on_tensor_cores() -> None:
     loss = model(tokens, tokens)[1]
     loss.backward()
   gradients = [parameter.grad.lazydata for parameter in get_parameters(model) if parameter.grad is not None]
-  renderer = PythonRenderer("CUDA")
+  renderer = PythonRenderer(emulate)
   on_tensor_cores, elsewhere = [], []
   for item in create_schedule([loss.lazydata, *gradients]):
     if item.ast.op not in (Ops.STORE, Ops.SINK): continue
@@ -195,7 +196,8 @@ def test_every_gpt2_matmul_on_tensor_cores() -> None:
     if not _matmul_shaped(kernel): continue
     start = kernel.name
     kernel.hand_coded_optimizations()
-    (on_tensor_cores if kernel.tensor_core is not None else elsewhere).append(start)
+    tensor_cores = kernel.tensor_core is not None or kernel.wgmma is not None
+    (on_tensor_cores if tensor_cores else elsewhere).append(start)
   print(f"on tensor cores: {on_tensor_cores}\nelsewhere: {elsewhere}")
   # 4 Linears x 3 + the logits x 3 + attention x 6, and the c_fc product once more: the GELU's backward recomputes
   # it (the scheduler's store-or-recompute rule) rather than reading the forward's
