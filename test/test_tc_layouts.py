@@ -24,8 +24,9 @@ from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.matmul_operands import varying_axes
 from ourgrad.codegen.opt.heuristic import StagedTensorCoreTile, apply_staged_tensor_core
 from ourgrad.codegen.uops import UOps
-from ourgrad.dtype import DType
-from ourgrad.engine.realize import run_schedule
+from ourgrad.device import Buffer, Device
+from ourgrad.dtype import DType, bfloat16_bits_to_float32
+from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.helpers import _float32_matmul_precision, set_float32_matmul_precision
 from ourgrad.ops import Ops
@@ -33,6 +34,7 @@ from ourgrad.runtime.ops_python import PythonRenderer
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode
 
+from helpers import device_opens
 from test_tensor_cores import _run
 
 DEVICE = "PYTHON"
@@ -249,3 +251,30 @@ def test_varying_axes_match_brute_force(name: str) -> None:
   # the index expression may mention an axis only where it matters for some valid position
   assert all(got or not want for got, want in zip(index_varies, expected_index))
   assert index_varies == expected_index
+
+
+# ================================================================ on an NVIDIA GPU
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16, dtypes.float32],
+                         ids=["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize("case", ["bias_operand", "narrow_heads", "heads_qk", "heads_pv", "merged_heads", "flipped"])
+def test_layout_on_cuda(case: str, dtype: DType) -> None:
+  """The staged kernels of the layouts above (computed tiles, index-math tiles, head permutes) run on the GPU."""
+  shapes, expression = CASES[case]
+  rng = np.random.default_rng(len(case))
+  tensors = [Tensor(rng.standard_normal(shape).astype(np.float32), device="CUDA").cast(dtype).realize()
+             for shape in shapes]
+  values = [tensor.cast(dtypes.float32).numpy().astype(np.float64) for tensor in tensors]
+  schedule = create_schedule([expression(*tensors).lazydata])
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  kernel = Kernel(item.ast, Device["CUDA"].renderer)
+  assert apply_staged_tensor_core(kernel, TC_CHOICE[dtype], SMALL_TILE)
+  output = Buffer("CUDA", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  compile_kernel(kernel, "CUDA")((output,) + item.inputs)
+  result = output.numpy()
+  if output.dtype == dtypes.bfloat16: result = bfloat16_bits_to_float32(result)
+  reference = expression(*[torch.from_numpy(value) for value in values]).numpy().reshape(-1)
+  error = np.linalg.norm(result.astype(np.float64) - reference) / np.linalg.norm(reference)
+  assert error < RELATIVE_ERROR[dtype], (case, dtype, error)

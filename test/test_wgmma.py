@@ -287,13 +287,16 @@ CUDA = device_opens("CUDA") and getattr(Device["CUDA"].renderer, "has_wgmma", Fa
 @pytest.mark.skipif(not CUDA, reason="needs CUDA on an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("sizes", [(1024, 512, 2048), (4096, 4096, 4096)], ids=["1024x512x2048", "4096"])
-def test_cuda_wgmma_matmul(dtype: str, sizes: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("a_transposed", [False, True], ids=["a_mxk", "a_kxm"])
+def test_cuda_wgmma_matmul(dtype: str, sizes: tuple[int, int, int], a_transposed: bool) -> None:
+  """On the GPU, against float64; A stored K x M (a weight gradient's g^T) is transposed by the instruction."""
   m, k, n = sizes
-  a, b = _operands(dtype, (m, k), (k, n), seed=2, device="CUDA")
+  a, b = _operands(dtype, (k, m) if a_transposed else (m, k), (k, n), seed=2, device="CUDA")
+  if a_transposed: a = a.T
   item = _matmul_ast(a, b, "CUDA")
   kernel = Kernel(item.ast, Device["CUDA"].renderer)
   kernel.hand_coded_optimizations()
-  assert kernel.wgmma is not None, kernel.applied_opts
+  assert kernel.wgmma is not None and kernel.wgmma[0].a_k_major != a_transposed, kernel.applied_opts
   output = Buffer("CUDA", item.outputs[0].size, item.outputs[0].dtype).allocate()
   compile_kernel(kernel, "CUDA")((output,) + item.inputs)
   _check(a, b, _values(output), dtype)
