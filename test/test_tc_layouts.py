@@ -75,6 +75,8 @@ CASES: dict[str, tuple[tuple[tuple[int, ...], ...], Expression]] = {
   "flipped": (((32, 48), (48, 16)), lambda a, b: a.flip(1) @ b),
   # a bias added to A inside the kernel (an ADD of two loads: a computed operand)
   "bias_operand": (((40, 32), (32,), (32, 24)), lambda a, bias, b: (a + bias) @ b),
+  # V with its bias added in the kernel, read through the head permute: a computed operand contiguous along N
+  "biased_v": (((2, 2, 32, 32), (2, 32, 192), (192,)), lambda p, x, bias: p @ _heads(x + bias, 2)),
   # three gradients concatenated into one operand (padded, masked loads summed), K along the concatenation
   "concatenated": (((32, 16), (32, 16), (32, 16), (48, 24)), lambda a, c, d, b: _cat(a, c, d) @ b),
   # a scaled operand (MUL by a constant)
@@ -148,6 +150,14 @@ def test_index_math_tiles(case: str) -> None:
   _, kernel, _, _ = _kernels(case, dtypes.float16, staged=True)
   tile_a, _ = kernel.tensor_core_tiles()
   assert not tile_a.computed and not tile_a.transposed and tile_a.axes[-1] == kernel.shape_len - 1
+
+
+def test_computed_tile_follows_its_load() -> None:
+  """A computed operand is laid out in the memory order of its load that varies along the whole tile (V of v + bias:
+  N-contiguous, so the fill's neighbouring threads read neighbouring memory and ldmatrix .trans reads it)."""
+  _, kernel, _, _ = _kernels("biased_v", dtypes.float16, staged=True)
+  tile_a, tile_b = kernel.tensor_core_tiles()
+  assert not tile_a.computed and tile_b.computed and tile_b.transposed
 
 
 def test_computed_tile_is_stored_and_copied_tile_is_copied() -> None:

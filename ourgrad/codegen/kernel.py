@@ -525,9 +525,8 @@ class Kernel(SharedTileLayout):
 
   def _tensor_core_tile(self, operand: LazyOp, row_axis: int, k_axis: int) -> TileLayout:
     in_block = list(range(self.global_dims, self.first_reduce)) + list(range(self.first_upcast, self.shape_len))
-    strides = self.sts[self.leaf_number(operand)].real_strides() if is_plain_load(operand) else None
-    if strides is None or any(strides[axis] is None or strides[axis] < 0 for axis in in_block):
-      return self._index_math_tile(operand, in_block, k_axis)
+    strides = self._layout_strides(operand, in_block)
+    if strides is None: return self._index_math_tile(operand, in_block, k_axis)
     axes = sorted((axis for axis in in_block if strides[axis] != 0), key=lambda axis: -strides[axis])
     innermost = axes[-1]
     # innermost along another tile axis (an M tile's upcast): no 16-byte rows along the instruction's axes
@@ -539,13 +538,29 @@ class Kernel(SharedTileLayout):
       if strides[outer] != strides[inner] * self.full_shape[inner]: break
       if self.is_reduce_axis(outer) == transposed: break
       row_axes, row_length = row_axes + 1, row_length * self.full_shape[outer]
+    computed = not is_plain_load(operand)
+    if row_length % 8 and computed: return self._index_math_tile(operand, in_block, k_axis)
     if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
     rows = prod(self.full_shape[axis] for axis in axes) // row_length
     # a K-contiguous TF32 tile: rows of 144 bytes put ldmatrix's 8 rows of 16 bytes (lane (group, quad) reading row
     # group, float quad) in distinct banks; 8 floats of padding (160-byte rows) would put two rows in each
     tf32_rows = self.tensor_core is not None and self.tensor_core.tc.is_tf32 and not transposed
     padding = TC_TILE_PADDING // 2 if tf32_rows else TC_TILE_PADDING
-    return TileLayout(tuple(axes), row_axes, row_length, rows, padding, transposed, self.tile_stages)
+    return TileLayout(tuple(axes), row_axes, row_length, rows, padding, transposed, self.tile_stages, computed)
+
+  def _layout_strides(self, operand: LazyOp, in_block: list[int]) -> tuple[int, ...] | None:
+    """The strides that order an operand's tile: a load's own; for an expression of loads, those of one of its loads
+    that varies along every in-block axis the expression does (q of `q + bias`), so that neighbouring threads of the
+    fill read neighbouring memory. None where no such load has plain non-negative strides inside the block (or a
+    load's validity varies along an axis its index does not: a padded broadcast)."""
+    varies = self.operand_varies(operand)
+    wanted = {axis for axis in in_block if varies[axis]}
+    leaves = [operand] if is_plain_load(operand) else [leaf for leaf in operand_leaves(operand) if is_plain_load(leaf)]
+    for leaf in leaves:
+      strides = self.sts[self.leaf_number(leaf)].real_strides()
+      if any(strides[axis] is None or strides[axis] < 0 for axis in in_block): continue
+      if {axis for axis in in_block if strides[axis] != 0} == wanted: return strides
+    return None
 
   def _index_math_tile(self, operand: LazyOp, in_block: list[int], k_axis: int) -> TileLayout:
     """The tile of an operand without plain strides inside the block (an expression of loads, a load through several
