@@ -89,8 +89,9 @@ def _emulated_error(plan: WgmmaMatmul, seed: int = 0) -> tuple[float, float]:
   a64 = to_float(a, plan.dtype).astype(np.float64).reshape(plan.m, plan.k)
   b64 = to_float(b, plan.dtype).astype(np.float64).reshape(plan.k, plan.n)
   stored_b = from_float(b64.T.astype(np.float32).reshape(-1), plan.dtype) if plan.b_k_major else b
+  stored_a = a if plan.a_k_major else from_float(a64.T.astype(np.float32).reshape(-1), plan.dtype)
   c = np.zeros(plan.m * plan.n, np.float32 if plan.out_dtype == "float32" else np.uint16)
-  emulate_wgmma_matmul(plan, c, a, stored_b)
+  emulate_wgmma_matmul(plan, c, stored_a, stored_b)
   got = (c if plan.out_dtype == "float32" else to_float(c, plan.out_dtype)).reshape(plan.m, plan.n)
   reference = a64 @ b64
   torch_dtype = torch.float32 if plan.out_dtype == "float32" else TORCH_DTYPE[plan.dtype]
@@ -110,6 +111,12 @@ PLANS = {
   "f16_specialized_128x256": dict(dtype="float16", specialized=True),
   "f16_deep_128x256": dict(dtype="float16", deep=True),
   "bf16_specialized_128x128_b_nxk": dict(dtype="bfloat16", block_n=128, stages=6, specialized=True, b_k_major=True),
+  # A stored K x M (a weight gradient's g^T): transposed by the instruction as B is
+  "bf16_a_kxm": dict(dtype="bfloat16", a_k_major=False),
+  "f16_a_kxm_b_nxk_128x128": dict(dtype="float16", block_n=128, stages=5, a_k_major=False, b_k_major=True),
+  "bf16_a_kxm_specialized_256x128": dict(dtype="bfloat16", block_m=256, block_n=128, stages=4, specialized=True,
+                                         a_k_major=False),
+  "f16_a_kxm_deep": dict(dtype="float16", deep=True, a_k_major=False),
 }
 
 
@@ -162,16 +169,20 @@ def _check(a: Tensor, b: Tensor, got: np.ndarray, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("b_transposed", [False, True], ids=["b_kxn", "b_nxk"])
-def test_wgmma_opt_matches_reference(dtype: str, b_transposed: bool) -> None:
-  """OptOps.WGMMA on the PYTHON device emulating an H100; the same kernel rendered for CUDA sm_90 compiles."""
-  a, b = _operands(dtype, (256, 192), (384, 192) if b_transposed else (192, 384), seed=1)
+@pytest.mark.parametrize("a_transposed,b_transposed", [(False, False), (False, True), (True, False)],
+                         ids=["b_kxn", "b_nxk", "a_kxm"])
+def test_wgmma_opt_matches_reference(dtype: str, a_transposed: bool, b_transposed: bool) -> None:
+  """OptOps.WGMMA on the PYTHON device emulating an H100; the same kernel rendered for CUDA sm_90 compiles. A stored
+  K x M and B K x N: a weight gradient g^T @ x."""
+  a, b = _operands(dtype, (192, 256) if a_transposed else (256, 192), (384, 192) if b_transposed else (192, 384),
+                   seed=1)
+  if a_transposed: a = a.T
   if b_transposed: b = b.T
   item = _matmul_ast(a, b)
   kernel = Kernel(item.ast, PythonRenderer("CUDA_SM90"))
   kernel.apply_opt(Opt(OptOps.WGMMA, 3, 128))
   plan, arguments = kernel.wgmma
-  assert (plan.m, plan.n, plan.k, plan.b_k_major) == (256, 384, 192, b_transposed)
+  assert (plan.m, plan.n, plan.k, plan.b_k_major, plan.a_k_major) == (256, 384, 192, b_transposed, not a_transposed)
   output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
   runner = compile_kernel(kernel, "PYTHON")
   assert runner.global_size == plan.global_size and runner.local_size == (256, 1, 1)
@@ -276,13 +287,16 @@ CUDA = device_opens("CUDA") and getattr(Device["CUDA"].renderer, "has_wgmma", Fa
 @pytest.mark.skipif(not CUDA, reason="needs CUDA on an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("sizes", [(1024, 512, 2048), (4096, 4096, 4096)], ids=["1024x512x2048", "4096"])
-def test_cuda_wgmma_matmul(dtype: str, sizes: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("a_transposed", [False, True], ids=["a_mxk", "a_kxm"])
+def test_cuda_wgmma_matmul(dtype: str, sizes: tuple[int, int, int], a_transposed: bool) -> None:
+  """On the GPU, against float64; A stored K x M (a weight gradient's g^T) is transposed by the instruction."""
   m, k, n = sizes
-  a, b = _operands(dtype, (m, k), (k, n), seed=2, device="CUDA")
+  a, b = _operands(dtype, (k, m) if a_transposed else (m, k), (k, n), seed=2, device="CUDA")
+  if a_transposed: a = a.T
   item = _matmul_ast(a, b, "CUDA")
   kernel = Kernel(item.ast, Device["CUDA"].renderer)
   kernel.hand_coded_optimizations()
-  assert kernel.wgmma is not None, kernel.applied_opts
+  assert kernel.wgmma is not None and kernel.wgmma[0].a_k_major != a_transposed, kernel.applied_opts
   output = Buffer("CUDA", item.outputs[0].size, item.outputs[0].dtype).allocate()
   compile_kernel(kernel, "CUDA")((output,) + item.inputs)
   _check(a, b, _values(output), dtype)

@@ -35,12 +35,13 @@ from ourgrad.codegen.opts import (TC_TILE_PADDING, TC_TILE_STAGES, WGMMA_DEEP, W
 from ourgrad.codegen.shared_tiles import (SHARED_ASYNC, SHARED_ASYNC_MAX_STAGES, SHARED_REDUCE_INNER,  # noqa: F401
                                          SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL,
                                          SKEW_ROWS, SharedTileLayout, decode_shared_amount)
+from ourgrad.codegen.matmul_operands import (is_plain_load, matmul_operands, operand_leaves,  # noqa: F401
+                                            varying_axes)
 from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, plan_for_kernel
 from ourgrad.codegen.uops import AxisType
-from ourgrad.dtype import DType
 from ourgrad.helpers import DEBUG, colored, prod
-from ourgrad.ops import REDUCE_OPS, LazyOp, MemBuffer, Ops, format_ast
+from ourgrad.ops import REDUCE_OPS, LazyOp, Ops, format_ast
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import sym_max
 
@@ -54,27 +55,9 @@ class AppliedTensorCore:
 
 
 def tensor_core_operands(reduceop: LazyOp | None, tc: TensorCore) -> tuple[LazyOp, LazyOp]:
-  """The two loads a matmul-shaped reduce multiplies, when the instruction `tc` computes it (see matmul_operands)."""
-  return matmul_operands(reduceop, tc.dtype_in, tc.dtype_out, f"TC {tc}")
-
-
-def matmul_operands(reduceop: LazyOp | None, dtype_in: DType, dtype_out: DType, what: str) -> tuple[LazyOp, LazyOp]:
-  """The two loads a matmul-shaped reduce multiplies: a SUM in `dtype_out` of MUL(x, y), each of x and y a
-  `dtype_in` LOAD, possibly cast to the accumulation dtype (before or after the MUL). Raises KernelOptError naming
-  what does not fit (`what`: the opt asking)."""
-  if reduceop is None or reduceop.op is not Ops.SUM:
-    raise KernelOptError(f"{what} needs a SUM reduce, not {reduceop.op if reduceop is not None else 'no reduce'}")
-  if reduceop.dtype != dtype_out:
-    raise KernelOptError(f"{what} accumulates in {dtype_out.name}, the reduce is {reduceop.dtype.name}")
-  product = reduceop.srcs[0]
-  if product.op is Ops.CAST: product = product.srcs[0]
-  if product.op is not Ops.MUL: raise KernelOptError(f"{what} needs a reduce of a MUL, not of {product.op}")
-  operands = [src.srcs[0] if src.op is Ops.CAST else src for src in product.srcs]
-  for operand in operands:
-    if operand.op is not Ops.LOAD or not isinstance(operand.arg, MemBuffer) or operand.srcs:
-      raise KernelOptError(f"{what} needs the MUL's operands to be loads, got {operand.op}")
-    if operand.dtype != dtype_in: raise KernelOptError(f"{what} takes {dtype_in.name} inputs, got {operand.dtype.name}")
-  return operands[0], operands[1]
+  """The two operands a matmul-shaped reduce multiplies, when the instruction `tc` computes it: loads, or elementwise
+  expressions of loads evaluated per fragment element (see codegen/matmul_operands.py)."""
+  return matmul_operands(reduceop, tc.dtype_in, tc.dtype_out, f"TC {tc}", computed=True)
 
 
 @dataclass(frozen=True)
@@ -84,7 +67,12 @@ class TileLayout:
   order (`axes`, outermost first): the last `row_axes` axes are contiguous in global memory and form a row of
   `row_length` elements, copied in 16-byte pieces; each row is followed by `padding` unused elements so that the
   8 rows one ldmatrix matrix reads fall in different banks. `transposed`: a row runs along M (N) rather than K, so
-  the fragments are loaded with ldmatrix .trans. `stages` copies of the tile (double buffering)."""
+  the fragments are loaded with ldmatrix .trans. `stages` copies of the tile (double buffering).
+
+  An operand whose view has no plain stride inside the block (a load through several views) is laid out K-contiguous
+  (rows along K, the instruction's k innermost) and copied element by element through its index math. `computed`:
+  the operand is an expression of loads (a fused bias, a sum of padded loads), so each element is computed and stored
+  (converted to the operand's dtype as a buffer holds it) rather than copied from one buffer."""
   axes: tuple[int, ...]
   row_axes: int
   row_length: int
@@ -92,11 +80,10 @@ class TileLayout:
   padding: int
   transposed: bool
   stages: int
+  computed: bool = False
 
   @property
   def stage_size(self) -> int: return self.rows * (self.row_length + self.padding)
-
-
 
 
 # more registers than this per thread spills on every device we target
@@ -499,12 +486,11 @@ class Kernel(SharedTileLayout):
   def matmul_axes(self, a: LazyOp, b: LazyOp) -> tuple[list[int], list[int], list[int]]:
     """(M, N, K) candidates before the upcasts: output axes only `a` varies along, output axes only `b` varies
     along, reduce axes both vary along."""
-    a_strides, b_strides = (self.sts[self.leaf_number(operand)].real_strides() for operand in (a, b))
-    varies = lambda strides, axis: strides[axis] != 0   # noqa: E731  (None: not a plain stride, so it varies)
+    a_varies, b_varies = self.operand_varies(a), self.operand_varies(b)
     outputs, reduces = range(self.first_reduce), range(self.first_loop_reduce, self.first_upcast)
-    m_axes = [axis for axis in outputs if varies(a_strides, axis) and not varies(b_strides, axis)]
-    n_axes = [axis for axis in outputs if varies(b_strides, axis) and not varies(a_strides, axis)]
-    k_axes = [axis for axis in reduces if varies(a_strides, axis) and varies(b_strides, axis)]
+    m_axes = [axis for axis in outputs if a_varies[axis] and not b_varies[axis]]
+    n_axes = [axis for axis in outputs if b_varies[axis] and not a_varies[axis]]
+    k_axes = [axis for axis in reduces if a_varies[axis] and b_varies[axis]]
     return m_axes, n_axes, k_axes
 
   def _apply_shared_tiles(self, stages: int) -> None:
@@ -524,9 +510,10 @@ class Kernel(SharedTileLayout):
 
   def tensor_core_tiles(self) -> tuple[TileLayout, TileLayout]:
     """With TC and SHARED: the local-memory layouts of the A and B tiles (see TileLayout). Raises KernelOptError
-    where they do not fit the staged path: a reduce loop at least, each operand one view (masks allowed) with plain,
-    non-negative strides inside the block, its innermost axis there the instruction's K axis or its M (N) axis
-    (contiguous: 16-byte copies; else element by element, as a convolution's filter along its input channels).
+    where they do not fit the staged path: a reduce loop at least, and tile rows of whole 8-element pieces. A load
+    with plain non-negative strides inside the block, innermost along the instruction's K or M (N) axis, is laid out
+    in its memory order (contiguous: 16-byte copies; else element by element, as a convolution's filter along its
+    input channels); any other operand K-contiguous, through its index math (_index_math_tile).
     Several reduce loops (a convolution's channels and window) are walked as one flat loop of steps."""
     applied = self.tensor_core
     assert applied is not None
@@ -537,15 +524,13 @@ class Kernel(SharedTileLayout):
     return (self._tensor_core_tile(applied.a, m_axis, k_axis), self._tensor_core_tile(applied.b, n_axis, k_axis))
 
   def _tensor_core_tile(self, operand: LazyOp, row_axis: int, k_axis: int) -> TileLayout:
-    st = self.sts[self.leaf_number(operand)]
-    strides = st.real_strides()
     in_block = list(range(self.global_dims, self.first_reduce)) + list(range(self.first_upcast, self.shape_len))
-    if any(strides[axis] is None or strides[axis] < 0 for axis in in_block):
-      raise KernelOptError(f"SHARED with TC: the operand {st} has no plain non-negative strides inside the block")
+    strides = self._layout_strides(operand, in_block)
+    if strides is None: return self._index_math_tile(operand, in_block, k_axis)
     axes = sorted((axis for axis in in_block if strides[axis] != 0), key=lambda axis: -strides[axis])
     innermost = axes[-1]
-    if innermost not in (row_axis, k_axis):
-      raise KernelOptError(f"SHARED with TC: the operand {st} is not innermost along the instruction's axes")
+    # innermost along another tile axis (an M tile's upcast): no 16-byte rows along the instruction's axes
+    if innermost not in (row_axis, k_axis): return self._index_math_tile(operand, in_block, k_axis)
     transposed = innermost != k_axis
     # the row: the innermost axes while they stay contiguous and along the same matrix direction (K, or M/N)
     row_axes, row_length = 1, self.full_shape[innermost]
@@ -553,13 +538,56 @@ class Kernel(SharedTileLayout):
       if strides[outer] != strides[inner] * self.full_shape[inner]: break
       if self.is_reduce_axis(outer) == transposed: break
       row_axes, row_length = row_axes + 1, row_length * self.full_shape[outer]
+    computed = not is_plain_load(operand)
+    if row_length % 8 and computed: return self._index_math_tile(operand, in_block, k_axis)
     if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
     rows = prod(self.full_shape[axis] for axis in axes) // row_length
     # a K-contiguous TF32 tile: rows of 144 bytes put ldmatrix's 8 rows of 16 bytes (lane (group, quad) reading row
     # group, float quad) in distinct banks; 8 floats of padding (160-byte rows) would put two rows in each
     tf32_rows = self.tensor_core is not None and self.tensor_core.tc.is_tf32 and not transposed
     padding = TC_TILE_PADDING // 2 if tf32_rows else TC_TILE_PADDING
-    return TileLayout(tuple(axes), row_axes, row_length, rows, padding, transposed, self.tile_stages)
+    return TileLayout(tuple(axes), row_axes, row_length, rows, padding, transposed, self.tile_stages, computed)
+
+  def _layout_strides(self, operand: LazyOp, in_block: list[int]) -> tuple[int, ...] | None:
+    """The strides that order an operand's tile: a load's own; for an expression of loads, those of one of its loads
+    that varies along every in-block axis the expression does (q of `q + bias`), so that neighbouring threads of the
+    fill read neighbouring memory. None where no such load has plain non-negative strides inside the block (or a
+    load's validity varies along an axis its index does not: a padded broadcast)."""
+    varies = self.operand_varies(operand)
+    wanted = {axis for axis in in_block if varies[axis]}
+    leaves = [operand] if is_plain_load(operand) else [leaf for leaf in operand_leaves(operand) if is_plain_load(leaf)]
+    for leaf in leaves:
+      strides = self.sts[self.leaf_number(leaf)].real_strides()
+      if any(strides[axis] is None or strides[axis] < 0 for axis in in_block): continue
+      if {axis for axis in in_block if strides[axis] != 0} == wanted: return strides
+    return None
+
+  def _index_math_tile(self, operand: LazyOp, in_block: list[int], k_axis: int) -> TileLayout:
+    """The tile of an operand without plain strides inside the block (an expression of loads, a load through several
+    views, a flipped view): the in-block axes it varies along, output axes first, then the reduce axes as one row
+    (the instruction's k innermost, so ldmatrix reads 8 K-neighbours), filled element by element through the
+    kernel's index math."""
+    varies = self.operand_varies(operand)
+    axes = [axis for axis in in_block if varies[axis] and not self.is_reduce_axis(axis)]
+    row = [axis for axis in in_block if varies[axis] and self.is_reduce_axis(axis) and axis != k_axis] + [k_axis]
+    row_length = prod(self.full_shape[axis] for axis in row)
+    if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
+    rows = prod(self.full_shape[axis] for axis in axes)
+    computed = not is_plain_load(operand)
+    tf32 = self.tensor_core is not None and self.tensor_core.tc.is_tf32
+    padding = TC_TILE_PADDING // 2 if tf32 else TC_TILE_PADDING   # 4-byte elements: see _tensor_core_tile
+    return TileLayout(tuple(axes + row), len(row), row_length, rows, padding, False, self.tile_stages, computed)
+
+  def operand_varies(self, operand: LazyOp) -> tuple[bool, ...]:
+    """Per loop axis: whether a matmul operand (a load or an expression of loads) varies along it: the element one
+    of its leaves reads, or (outside the axes PADTO padded) whether it is valid (codegen/matmul_operands.py)."""
+    _, output_valid_varies = varying_axes(self.sts[0])   # the axes PADTO padded: ignored (see the module)
+    varies = [False] * self.shape_len
+    for leaf in operand_leaves(operand):
+      index_varies, valid_varies = varying_axes(self.sts[self.leaf_number(leaf)])
+      for axis in range(self.shape_len):
+        varies[axis] |= index_varies[axis] or (valid_varies[axis] and not output_valid_varies[axis])
+    return tuple(varies)
 
   def leaf_number(self, leaf: LazyOp) -> int:
     """The position of a leaf (by identity: equal loads of one buffer may be different leaves) in `leaves`."""
@@ -675,10 +703,10 @@ class Kernel(SharedTileLayout):
     tc, sizes = self.tensor_core.tc, self.full_shape
     applied = self.tensor_core
     tiles = [axis for axis in self.upcast_axes if axis < self.shape_len - 3]
-    a_strides = self.sts[self.leaf_number(applied.a)].real_strides()
+    a_varies = self.operand_varies(applied.a)
     # the accumulators of every tile, and the fragments of one K step (A per M tile, B per N tile)
-    m_tiles = prod(sizes[axis] for axis in tiles if a_strides[axis] != 0)
-    n_tiles = prod(sizes[axis] for axis in tiles if a_strides[axis] == 0)
+    m_tiles = prod(sizes[axis] for axis in tiles if a_varies[axis])
+    n_tiles = prod(sizes[axis] for axis in tiles if not a_varies[axis])
     return prod(sizes[axis] for axis in tiles) * tc.c_elements + m_tiles * tc.a_elements + n_tiles * tc.b_elements
 
   def legal_opts(self) -> list[Opt]:

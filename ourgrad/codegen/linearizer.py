@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 from ourgrad.codegen.halo_tiles import HaloTileFill, HaloWindow
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.matmul_operands import is_plain_load
 from ourgrad.codegen.shared_tile_fill import SharedTileFill, multiple_of, zero_of
 from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
 from ourgrad.codegen.tensor_cores import WARP_LANES, evaluate
@@ -249,9 +250,8 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       stage = step % stages
       build.add(UOps.ASYNC_WAIT, None, (), stages - 2)   # this step's group has landed (the newer ones may not)
       build.add(UOps.BARRIER, None)
-      prefetch = build.add(UOps.IF, None, (self.node_to_uop(step < steps - (stages - 1)),))
-      self._copy_tensor_core_tiles(staged, axis_idxs, thread, step + (stages - 1), (step + (stages - 1)) % stages)
-      build.end_if(prefetch)
+      # copied tiles go out now (asynchronous); computed ones after this step's mma (_prefetch_tiles)
+      self._prefetch_tiles([tile for tile in staged if not tile[1].computed], axis_idxs, thread, step, steps)
       self.fragment_loads = {}
     for unroll_lane in itertools.product(*[range(shape[axis]) for axis in unroll_axes]):
       for tile in tiles:
@@ -265,6 +265,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
           b_values = self._fragment_values(applied.b, idxs, (k_axis, n_axis), tc.b_position, tc.b_elements, group,
                                            quad)
         build.add(UOps.WMMA, tc.dtype_out, tuple(a_values + b_values + accumulators[tile]), tc.arg)
+    if staged:
+      # a computed tile's loads are synchronous: issued after the mma, they wait while the tensor cores work
+      self._prefetch_tiles([tile for tile in staged if tile[1].computed], axis_idxs, thread, step, steps)
     for loop in reversed(reduce_loops): build.end_range(loop)
     zero_unrolls = (0,) * len(unroll_axes)
     for tile in tiles:
@@ -294,8 +297,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     return values
 
   def _fragment_pair(self, operand: LazyOp, idxs: list[Node], k_axis: int) -> list[UOp] | None:
-    """Two K-neighbouring elements as one 2-wide LOAD (and its GEPs), or None where the view is not one unmasked
-    view contiguous along K or the first index is not provably even."""
+    """Two K-neighbouring elements as one 2-wide LOAD (and its GEPs), or None where the operand is not a load of one
+    unmasked view contiguous along K or the first index is not provably even."""
+    if not is_plain_load(operand): return None   # an expression of loads: computed element by element
     leaf = self.kernel.leaf_number(operand)
     st = self.kernel.sts[leaf]
     if len(st.views) != 1 or st.views[0].mask is not None or st.real_strides()[k_axis] != 1: return None

@@ -15,6 +15,10 @@ compute step r from the other stage:
 One BARRIER per step is enough: a thread that starts writing stage (r + 2) % 2 = r % 2 (in step r + 1) has passed
 the BARRIER of step r + 1, so every warp has finished reading it in step r.
 
+A computed tile (TileLayout.computed: an operand that is an expression of loads, a fused bias say) is filled by
+every thread evaluating its elements and storing them (synchronous loads), after the step's mma rather than before
+it, so those loads wait while the tensor cores work; the same BARRIER orders them.
+
 How a tile lies in local memory is Kernel.tensor_core_tiles (TileLayout); which lane points at which row for
 ldmatrix follows the fragment maps of codegen/tensor_cores.py:
 - A (m16 x k16, ldmatrix .x4): matrix j covers rows 8 (j % 2).., columns 8 (j // 2)..: a0a1, a2a3, a4a5, a6a7;
@@ -138,6 +142,16 @@ class TensorCoreTiles:
       if self._index_nodes(leaf, shifted)[1].render() != first: return False
     return True
 
+  def _prefetch_tiles(self, tiles: list[tuple[UOp, TileLayout, LazyOp]], axis_idxs: list[Node], thread: Node,
+                      step: Node, steps: int) -> None:
+    """In reduce step `step`: `tiles` of step + stages - 1 into their stage, where there is such a step."""
+    if not tiles: return
+    stages = self.kernel.tile_stages
+    ahead = step + (stages - 1)
+    prefetch = self.builder.add(UOps.IF, None, (self.node_to_uop(step < steps - (stages - 1)),))
+    self._copy_tensor_core_tiles(tiles, axis_idxs, thread, ahead, ahead % stages)
+    self.builder.end_if(prefetch)
+
   def _copy_tensor_core_tiles(self, tiles: list[tuple[UOp, TileLayout, LazyOp]], axis_idxs: list[Node],
                               thread: Node, step: Node, stage: Node) -> None:
     """Every thread of the block copies its share of both tiles of reduce step `step` into stage `stage`: piece
@@ -146,6 +160,9 @@ class TensorCoreTiles:
     kernel, build = self.kernel, self.builder
     threads = kernel.block_threads()
     for local, layout, operand in tiles:
+      if layout.computed:
+        self._compute_tile(local, layout, operand, axis_idxs, thread, step, stage)
+        continue
       innermost = layout.axes[-1]
       width = self._aligned_width(operand, innermost)
       while width > 1 and not all(
@@ -164,6 +181,23 @@ class TensorCoreTiles:
         srcs = (local, local_index, self.buffers[operand.arg.idx], index) + ((valid,) if valid is not None else ())
         build.add(UOps.COPY, None, srcs, (width, True))
         if guard is not None: build.end_if(guard)
+
+  def _compute_tile(self, local: UOp, layout: TileLayout, operand: LazyOp, axis_idxs: list[Node], thread: Node,
+                    step: Node, stage: Node) -> None:
+    """Every thread of the block computes its share of an expression operand's tile (element p by thread p mod the
+    block's threads, neighbouring threads along a row: their loads coalesce where the operand's loads run along K)
+    and stores the values into stage `stage`, as a buffer of the operand's dtype holds them (ldmatrix reads them so),
+    synchronously: the BARRIER of the step that reads them orders it."""
+    build, threads = self.builder, self.kernel.block_threads()
+    total = layout.rows * layout.row_length
+    for first in range(0, total, threads):
+      element = thread + first
+      guard = build.add(UOps.IF, None, (self.node_to_uop(element < total),)) if first + threads > total else None
+      idxs = self._piece_idxs(layout, axis_idxs, element, 1, step)
+      value = self.compute(operand, idxs, None)
+      local_index = self.node_to_uop(stage * layout.stage_size + self._tile_offset(layout, idxs))
+      build.add(UOps.STORE, None, (local, local_index, value))
+      if guard is not None: build.end_if(guard)
 
   def _tile_fragment(self, tile: tuple[UOp, TileLayout, LazyOp], operand_is_a: bool, idxs: list[Node], lane: Node,
                      stage: Node) -> list[UOp]:

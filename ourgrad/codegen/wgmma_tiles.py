@@ -15,20 +15,21 @@ two byte strides and a swizzle mode. This module uses the 128-byte swizzle throu
 - MN-major operand (rows run along N: B of a row-major matmul, K x N with N contiguous; the instruction transposes it,
   imm-trans-b = 1): row = K index, 64 N elements a row; a column of 64 N is `block_k` rows (8 K rows an atom, SBO =
   1024 between them) and the next 64 N follow after it (leading byte offset LBO = 128 block_k). The k16 slice j starts
-  at row 16 j.
+  at row 16 j. A may be MN-major the same way (A stored K x M, M contiguous: the g^T of a weight gradient g^T @ x;
+  imm-trans-a = 1, `a_k_major` False): each warpgroup's 64 rows of M are one such column.
 
 TensorFloat-32 (`wgmma.mma_async.sync.aligned.m64nNk8.f32.tf32.tf32`, float32 operands where the user allows TF32):
 the same bytes, 32 float32 elements a row (block_k = 32), each instruction 8 of K (32 bytes, as k16 of halves); the
 tensor cores read the float32 bits and use their upper 19 (a truncation to TF32, no rounding). The instruction
-cannot transpose a TF32 operand, so B must be K-major (N x K: the x @ W^T of a Linear layer).
+cannot transpose a TF32 operand, so A and B must be K-major (B N x K: the x @ W^T of a Linear layer).
 
 Accumulators (float32, N/2 per thread; PTX ISA "Matrix Fragments for wgmma.mma_async.m64nNk16"): thread t of the
 warpgroup (warp w = t // 32, lane l) holds element i at row 16 w + l // 4 + 8 ((i >> 1) & 1), column 8 (i >> 2) +
 2 (l % 4) + (i & 1) (`accumulator_position`): per warp, the mma.sync m16n8 C layout repeated along N.
 
-The kernel (`render_wgmma_matmul`): C (M x N) = A (M x K, row-major) @ B (K x N, row-major, or N x K with
-`b_k_major`) for float16/bfloat16 inputs and output (or float32 ones, TF32), float32 accumulation; sizes multiples
-of the block tile.
+The kernel (`render_wgmma_matmul`): C (M x N) = A (M x K row-major, or K x M without `a_k_major`) @ B (K x N,
+row-major, or N x K with `b_k_major`) for float16/bfloat16 inputs and output (or float32 ones, TF32), float32
+accumulation; sizes multiples of the block tile.
 One CTA computes a block_m x block_n tile with block_m / 64 warpgroups (each 64 rows, one m64n{block_n}k16 per k16
 step); all threads copy the tiles of a K step (block_k = 64) into shared memory with 16-byte cp.async, `stages` deep:
 
@@ -91,6 +92,7 @@ class WgmmaMatmul:
   block_k: int = 0               # K per stage: one 128-byte row (64 halves, 32 floats; 0: that)
   stages: int = 4                # shared-memory stages (>= 3: two are being read while the rest fill)
   b_k_major: bool = False        # B given as N x K (K contiguous) instead of K x N
+  a_k_major: bool = True         # A given as M x K (K contiguous); False: K x M (M contiguous, 16-bit only)
   b_lbo_sbo_swapped: bool = False  # the MN-major B descriptor with LBO and SBO exchanged (a layout probe)
   group_m: int = 8               # CTAs of neighbouring M rows run together (L2 reuse of B's columns)
   specialized: bool = False      # a producer warpgroup copies, the others only compute (mbarriers between them)
@@ -106,8 +108,8 @@ class WgmmaMatmul:
     if not self.block_k: object.__setattr__(self, "block_k", ROW_BYTES // self.itemsize)
     if self.out_dtype not in (self.dtype, "float32"):
       raise ValueError(f"wgmma matmul of {self.dtype} into {self.out_dtype}: {self.dtype} or float32")
-    if self.dtype == "float32" and not self.b_k_major:
-      raise ValueError("TF32 wgmma cannot transpose B: it must be K-major (N x K), not K x N")
+    if self.dtype == "float32" and not (self.b_k_major and self.a_k_major):
+      raise ValueError("TF32 wgmma cannot transpose an operand: A must be M x K and B N x K (both K-major)")
     if max(self.m * self.k, self.k * self.n, self.m * self.n) >= 2 ** 31:
       raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n}: an operand of 2^31 elements or more (int indices)")
     if self.block_m % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k != ROW_BYTES // self.itemsize \
@@ -155,7 +157,7 @@ class WgmmaMatmul:
 
   @property
   def name(self) -> str:
-    major = "k" if self.b_k_major else "n"
+    major = ("" if self.a_k_major else "m") + ("k" if self.b_k_major else "n")
     out = "_f32" if self.out_dtype == "float32" else ""
     batched = f"{self.batch}x" if self.batch > 1 else ""
     variant = ("_swapped" if self.b_lbo_sbo_swapped else "") + ("_ws" if self.specialized else "") + \
@@ -171,6 +173,10 @@ class WgmmaMatmul:
   @property
   def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
 
+  def a_leading_stride(self) -> tuple[int, int]:
+    """(LBO, SBO) of A's descriptor (MN-major: as B's; one 64-row column per warpgroup, so LBO is not stepped)."""
+    return (PIECE_BYTES, ATOM_BYTES) if self.a_k_major else (self.block_k * ROW_BYTES, ATOM_BYTES)
+
   def b_leading_stride(self) -> tuple[int, int]:
     """(LBO, SBO) of B's descriptor."""
     if self.b_k_major: return PIECE_BYTES, ATOM_BYTES
@@ -184,8 +190,8 @@ def _wgmma_instruction(plan: WgmmaMatmul) -> str:
   count = plan.block_n // 2
   ptx_type = PTX_TYPE[plan.dtype]
   registers = ", ".join(f"%{i}" for i in range(count))
-  # A is K-major (no transpose); B transposed where it is K x N. TF32 has no transpose operands (B is K-major)
-  transposes = "" if plan.dtype == "float32" else f", 0, {0 if plan.b_k_major else 1}"
+  # each operand transposed where it is MN-major (A K x M, B K x N). TF32 has no transpose operands (both K-major)
+  transposes = "" if plan.dtype == "float32" else f", {0 if plan.a_k_major else 1}, {0 if plan.b_k_major else 1}"
   # scale-d is a predicate (set from an int operand, as 1): D = A @ B + D
   instruction = ("{ .reg .pred accumulate; setp.ne.b32 accumulate, %" + str(count + 2) + ", 0; "
                  f"wgmma.mma_async.sync.aligned.m64n{plan.block_n}k{plan.instruction_k}.f32.{ptx_type}.{ptx_type} "
@@ -220,11 +226,24 @@ class CExpr:
 
 
 def a_copy(plan: WgmmaMatmul, piece, step):
-  """(element offset in A from the block's first row, byte offset in the stage) of A's 16-byte piece `piece` (8
-  elements along K; TF32: 4) of K step `step`: row piece // 8 of the tile, 128-byte swizzled rows."""
+  """(element offset in A from the block's first row (column for K x M), byte offset in the stage) of A's 16-byte
+  piece `piece` of K step `step`: K-major, row piece // 8 of the tile (8 elements along K; TF32: 4), 128-byte
+  swizzled rows; MN-major as B's (mn_major_copy)."""
+  if not plan.a_k_major: return mn_major_copy(plan, piece, step, plan.block_m, plan.m)
   row, column = piece // 8, piece % 8
   return (row * plan.k + step * plan.block_k + column * plan.piece_elements,
           row * ROW_BYTES + ((column ^ (row & 7)) << 4))
+
+
+def mn_major_copy(plan: WgmmaMatmul, piece, step, block: int, size: int):
+  """(element offset from the block's first column, byte offset in the operand's tile) of piece `piece` of an
+  MN-major operand (K rows of `size` elements, `block` of them in the tile): row = K index, 64 elements a row, the
+  next 64 after block_k rows."""
+  per_row = block // 8
+  row, along = piece // per_row, piece % per_row
+  column, chunk = along % 8, along // 8
+  return ((step * plan.block_k + row) * size + along * 8,
+          chunk * (plan.block_k * ROW_BYTES) + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
 
 
 def b_copy(plan: WgmmaMatmul, piece, step):
@@ -234,17 +253,16 @@ def b_copy(plan: WgmmaMatmul, piece, step):
     row, column = piece // 8, piece % 8
     return (row * plan.k + step * plan.block_k + column * plan.piece_elements,
             plan.a_stage_bytes + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
-  per_row = plan.block_n // 8
-  row, along_n = piece // per_row, piece % per_row
-  column, chunk = along_n % 8, along_n // 8
-  return ((step * plan.block_k + row) * plan.n + along_n * 8,
-          plan.a_stage_bytes + chunk * (plan.block_k * ROW_BYTES) + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
+  source, target = mn_major_copy(plan, piece, step, plan.block_n, plan.n)
+  return source, plan.a_stage_bytes + target
 
 
 def operand_starts(plan: WgmmaMatmul, warpgroup, j):
   """Byte offsets in the stage where K slice `j`'s (one instruction's K) A (of `warpgroup`'s 64 rows) and B start
   (the descriptors' start addresses, before the stage's base)."""
-  a_start = warpgroup * 64 * ROW_BYTES + SLICE_BYTES * j
+  # K-major: 64 rows of 128 bytes a warpgroup; MN-major: one column of block_k rows a warpgroup
+  if plan.a_k_major: a_start = warpgroup * 64 * ROW_BYTES + SLICE_BYTES * j
+  else: a_start = warpgroup * plan.block_k * ROW_BYTES + 16 * ROW_BYTES * j
   b_start = plan.a_stage_bytes + (SLICE_BYTES * j if plan.b_k_major else 16 * ROW_BYTES * j)
   return a_start, b_start
 
@@ -309,6 +327,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
   shared memory (the kernel exports that size as `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads back at
   load)."""
   count = plan.block_n // 2
+  a_lbo, a_sbo = plan.a_leading_stride()
   b_lbo, b_sbo = plan.b_leading_stride()
   tile_m, tile_n = tile_of_block(plan, CExpr("(int)blockIdx.x"))
   b_block = "b + tile_n * " + (f"{plan.block_n * plan.k}" if plan.b_k_major else f"{plan.block_n}")
@@ -331,7 +350,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
     # CTAs in groups of group_m M tiles down one column of N tiles, so B's block columns are reused from L2
     f"  int tile_m = {tile_m}, tile_n = {tile_n};",
-    f"  const {C_TYPE[plan.dtype]}* a_block = a + tile_m * {plan.block_m * plan.k};",
+    f"  const {C_TYPE[plan.dtype]}* a_block = a + tile_m * {plan.block_m * (plan.k if plan.a_k_major else 1)};",
     f"  const {C_TYPE[plan.dtype]}* b_block = {b_block};",
     # with a producer, warpgroup -1 copies and 0.. compute
     f"  int warpgroup = threadIdx.x / 128{' - 1' if plan.specialized else ''}, thread = threadIdx.x % 128;",
@@ -345,7 +364,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     '    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");',
     "#pragma unroll",
     f"    for (int j = 0; j < {plan.block_k // plan.instruction_k}; j++) {{",
-    f"      unsigned long long a_desc = wgmma_descriptor(stage_base + {a_start}, {PIECE_BYTES}, {ATOM_BYTES});",
+    f"      unsigned long long a_desc = wgmma_descriptor(stage_base + {a_start}, {a_lbo}, {a_sbo});",
     f"      unsigned long long b_desc = wgmma_descriptor(stage_base + {b_start}, {b_lbo}, {b_sbo});",
     "      " + _wgmma_instruction(plan),
     "    }",
@@ -497,10 +516,10 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
 def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False,
                     deep: bool = False) -> tuple[WgmmaMatmul, dict[str, int]]:
   """The plan of a Kernel (codegen/kernel.py, no opts applied) that is a plain float16/bfloat16 matmul (or float32,
-  TF32, where the user allows it, with B stored N x K): C (M x N, row-major, the inputs' dtype or float32) = A (M x K,
-  row-major) @ B (K x N row-major, or its transpose stored N x K), a SUM in float32 of the product of the two loads,
-  stored as it is (or cast), unmasked views from offset 0; and the argument positions of C, A and B. Raises
-  ValueError (or the matmul check's KernelOptError) naming what does not fit."""
+  TF32, where the user allows it, with A M x K and B N x K): C (M x N, row-major, the inputs' dtype or float32) = A
+  (M x K row-major, or its transpose stored K x M) @ B (K x N row-major, or its transpose stored N x K), a SUM in
+  float32 of the product of the two loads, stored as it is (or cast), unmasked views from offset 0; and the argument
+  positions of C, A and B. Raises ValueError (or the matmul check's KernelOptError) naming what does not fit."""
   from ourgrad.codegen.kernel import KernelOptError, matmul_operands   # kernel.py imports this module
   from ourgrad.dtype import dtypes
   from ourgrad.helpers import tf32_allowed
@@ -530,12 +549,14 @@ def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False
     strides = st.views[0].strides
     views[id(leaf)], batch_strides[id(leaf)] = strides[-3:], strides[0] if batch else 0
   if views[id(store)] != (n, 1, 0): raise ValueError(f"needs a row-major M x N output, strides {views[id(store)]}")
-  if views[id(a)] != (k, 0, 1): a, b = b, a
-  if views[id(a)] != (k, 0, 1): raise ValueError(f"needs a row-major M x K operand, strides {views[id(a)]}")
+  if views[id(a)][1] != 0: a, b = b, a   # A is the operand that does not vary along N
+  if views[id(a)] not in ((k, 0, 1), (1, 0, m)):
+    raise ValueError(f"needs A as M x K or K x M, strides {views[id(a)]}")
   if views[id(b)] not in ((0, 1, n), (0, k, 1)): raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
   out_dtype = store.dtype.name
   plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_n=block_n, stages=stages,
                      specialized=specialized, deep=deep, b_k_major=views[id(b)] == (0, k, 1),
+                     a_k_major=views[id(a)] == (k, 0, 1),
                      batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)],
                      c_batch=batch_strides[id(store)])
   return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}

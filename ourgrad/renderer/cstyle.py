@@ -168,6 +168,12 @@ def loop_trip_bound(loop: UOp) -> int:
   return end.arg[2] if end.op is UOps.DEFINE_VAR else 1
 
 
+def stored_format_locals(uops: list[UOp]) -> set[int]:
+  """Ids of the local memories that hold elements as a buffer stores them (16-bit halves), not as register values:
+  those COPYs fill (raw bytes from global memory) or LDMATRIX reads (raw 16-bit rows); a STORE into one converts."""
+  return {id(uop.srcs[0]) for uop in uops if uop.op in (UOps.COPY, UOps.LDMATRIX)}
+
+
 class CStyleLanguage(Renderer):
   """The C family: C on the CPU; OpenCL C and CUDA C subclass this and change the spellings."""
   kernel_prefix = ""
@@ -317,7 +323,7 @@ class CStyleLanguage(Renderer):
     raw_loads = self.raw_fragment_loads(uops)
     vector_locals = {id(uop.srcs[0]) for uop in uops
                      if uop.op is UOps.LOAD and uop.arg is not None and uop.srcs[0].op is UOps.DEFINE_LOCAL}
-    copied_locals = {id(uop.srcs[0]) for uop in uops if uop.op is UOps.COPY}
+    copied_locals = stored_format_locals(uops)
     dynamic_offsets = self.dynamic_local_offsets(uops, copied_locals)
     for uop in uops:
       if uop.op is UOps.DEFINE_GLOBAL:
@@ -390,14 +396,16 @@ class CStyleLanguage(Renderer):
         emit(self.render_vector_store(ref(uop.srcs[0]), ref(uop.srcs[1]), [ref(src) for src in uop.srcs[2:]],
                                       uop.srcs[2].dtype))
       elif uop.op is UOps.STORE:
-        if uop.srcs[0].op is UOps.DEFINE_LOCAL: store = f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}] = {ref(uop.srcs[2])};"
+        # local memory holds register values, except where it holds elements as stored (stored_format_locals)
+        raw_local = uop.srcs[0].op is UOps.DEFINE_LOCAL and id(uop.srcs[0]) not in copied_locals
+        if raw_local: store = f"{ref(uop.srcs[0])}[{ref(uop.srcs[1])}] = {ref(uop.srcs[2])};"
         else: store = self.render_store(ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), uop.srcs[2].dtype)
         emit(store if len(uop.srcs) < 4 else f"if ({ref(uop.srcs[3])}) {{ {store} }}")
       elif uop.op is UOps.DEFINE_LOCAL:
         names[id(uop)] = uop.arg[0]
         # 16-byte aligned where it is read as float4 (a SHARED tile: its vector indices are multiples of 4)
         align = self.local_align if id(uop) in vector_locals | copied_locals else ""
-        # a tile that COPYs fill holds the bits as stored (16-bit halves), not register values
+        # a tile that COPYs fill or LDMATRIX reads holds the bits as stored (16-bit halves), not register values
         element = self.memory_type(uop.dtype) if id(uop) in copied_locals else self.render_dtype(uop.dtype)
         if id(uop) in dynamic_offsets:   # a pointer into the dynamic shared memory (tiles over the static limit)
           emit(f"{element}* {uop.arg[0]} = ({element}*)({DYNAMIC_SHARED_ARRAY} + {dynamic_offsets[id(uop)]});")

@@ -11,7 +11,7 @@ from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
 from ourgrad.dtype import DType, dtypes
 from ourgrad.renderer.cstyle import (BFLOAT16_IN_FLOAT, DYNAMIC_SHARED_ARRAY, DYNAMIC_SHARED_SYMBOL, CStyleLanguage,
                                      FloatInRegisters, block_threads,
-                                     kernel_dtypes)
+                                     kernel_dtypes, stored_format_locals)
 
 
 class CUDARenderer(CStyleLanguage):
@@ -244,7 +244,7 @@ class CUDARenderer(CStyleLanguage):
                      "  union { From from; To to; } u; u.from = value; return u.to; }\n")
     for arg in dict.fromkeys(uop.arg for uop in uops if uop.op is UOps.WMMA):
       helpers.append(self.render_mma_helper(arg))
-    copied = {id(uop.srcs[0]) for uop in uops if uop.op is UOps.COPY}
+    copied = stored_format_locals(uops)
     if self.dynamic_local_offsets(uops, copied):   # the size the launch reads back, and the array tiles point into
       total = self.dynamic_local_layout(uops, copied)[1]
       helpers.append(f'extern "C" __device__ unsigned int {DYNAMIC_SHARED_SYMBOL} = {total};\n'

@@ -86,7 +86,7 @@ def _emulate_one(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray)
   shared = np.zeros(plan.stages * plan.stage_bytes // itemsize, dtype=WORDS[itemsize])
   for block in range(plan.global_size[0]):
     tile_m, tile_n = tile_of_block(plan, block)
-    a_block = tile_m * plan.block_m * plan.k
+    a_block = tile_m * plan.block_m * (plan.k if plan.a_k_major else 1)
     b_block = tile_n * plan.block_n * (plan.k if plan.b_k_major else 1)
     fragments = np.zeros((plan.warpgroups, WARPGROUP_THREADS, plan.block_n // 2), dtype=np.float32)
     for step in range(plan.k // plan.block_k):
@@ -100,8 +100,9 @@ def _emulate_one(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray)
         accumulator[fragment_rows, fragment_columns] = fragments[warpgroup]
         for j in range(plan.block_k // plan.instruction_k):
           a_start, b_start = operand_starts(plan, warpgroup, j)
+          a_leading, a_stride = plan.a_leading_stride()
           b_leading, b_stride = plan.b_leading_stride()
-          operand_a = read_operand(shared, descriptor(stage_base + a_start, 16, 1024), 64, True)
+          operand_a = read_operand(shared, descriptor(stage_base + a_start, a_leading, a_stride), 64, plan.a_k_major)
           operand_b = read_operand(shared, descriptor(stage_base + b_start, b_leading, b_stride), plan.block_n,
                                    plan.b_k_major)
           accumulator += to_float(operand_a, plan.dtype) @ to_float(operand_b, plan.dtype).T

@@ -11,9 +11,11 @@ GPUs (thread blocks and local memory):
   a short row gets a warp;
 - a reduce whose input is contiguous along an output axis (a column reduction) puts that output axis on LOCAL
   threads (coalesced) and, when that leaves too few blocks to fill the device, splits the reduce over GROUPTOP;
-- float16/bfloat16 matmuls on a renderer with tensor cores get OptOps.TC (output axes padded to the tile first where
-  they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps (LOCAL); where
-  the sizes divide a 128x128x32 block tile, 2x2 warps of 64x64 with the tiles staged through local memory (SHARED);
+- float16/bfloat16 matmuls on a renderer with tensor cores (any operand layout: transposed, batched, read through
+  several views, padded, or computed from loads; codegen/matmul_operands.py) get OptOps.TC (output axes padded to
+  the tile first where they are ragged), then each warp several 16x8 tiles (UPCAST) and each block several warps
+  (LOCAL); staged through local memory (SHARED) in the largest block tile of TC_STAGED_TILES (128x128 down to 64x64)
+  whose grid fills the multiprocessors;
   on sm_90 (renderer.has_wgmma) large ones whose sizes divide a 128x256 (or 128x128) tile get OptOps.WGMMA instead;
   float32 ones too where TF32 is allowed (m16n8k8; wgmma where B is K-major), staged only and with at least
   TF32_MIN_BLOCKS blocks (else the float32 tiles below are faster);
@@ -44,7 +46,7 @@ from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
 from ourgrad.codegen.opt import matmul_grid
 from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
-from ourgrad.helpers import MATMUL_GRID, power_of_two_divisor, prod
+from ourgrad.helpers import DEBUG, MATMUL_GRID, power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
 # threads per block the heuristics aim for on GPUs
@@ -127,6 +129,7 @@ def _tensor_core_tiles(kernel: Kernel) -> bool:
     kernel.__dict__.update(trial.__dict__)
     break
   else:
+    if DEBUG >= 3: _print_why_no_tensor_core(kernel)
     return False
   for position, amounts in ((1, (TC_WARP_TILES[1], 2)), (0, (TC_WARP_TILES[0],))):   # n first, then m
     for amount in amounts:
@@ -138,10 +141,40 @@ def _tensor_core_tiles(kernel: Kernel) -> bool:
   return True
 
 
-# the staged tensor-core matmul (TC + SHARED): mma tiles per warp (m x n: a 64x64 warp tile), warps per block (a
-# 128x128 block tile), and K instructions per reduce step (32 elements)
-TC_STAGED_WARP_TILES = (4, 8)
-TC_STAGED_BLOCK_WARPS = (2, 2)
+def _print_why_no_tensor_core(kernel: Kernel) -> None:
+  """DEBUG=3: why a matmul-shaped kernel (a SUM of a MUL) stays off the tensor cores, per instruction the renderer
+  has (the TC opt's refusal, or that no staged block tile fits, or TF32 not allowed)."""
+  product = kernel.reduceop.srcs[0]
+  if product.op is Ops.CAST: product = product.srcs[0]
+  if kernel.reduceop.op is not Ops.SUM or product.op is not Ops.MUL: return
+  for choice, tc in enumerate(getattr(kernel.renderer, "tensor_cores", ())):
+    try:
+      kernel.copy().apply_opt(Opt(OptOps.TC, 0, choice))
+      reason = "no staged block tile fits (or too few blocks for TF32)" if tc.is_tf32 else "no tile fits"
+    except KernelOptError as error:
+      reason = str(error)
+    print(f"{kernel.name}: no tensor cores ({tc}): {reason}")
+
+
+@dataclass(frozen=True)
+class StagedTensorCoreTile:
+  """A block tile of the staged tensor-core matmul (TC + SHARED): instruction tiles per warp along M and N (UPCAST)
+  and warps per block along M and N (LOCAL)."""
+  warp_m: int
+  warp_n: int
+  warps_m: int
+  warps_n: int
+
+  def block(self, dims: tuple[int, int, int]) -> tuple[int, int]:
+    """(M, N) elements of the block tile for an instruction of `dims` (m, n, k)."""
+    return self.warp_m * self.warps_m * dims[0], self.warp_n * self.warps_n * dims[1]
+
+
+# the staged tiles, largest first: 64x64 warp tiles in 2x2 warps (a 128x128 block tile with m16n8), then smaller
+# blocks for matmuls whose grid of large ones leaves multiprocessors idle (a 768x768 weight gradient: 36 blocks of
+# 128x128, 144 of 64x64) or whose M or N is 64 (an attention head)
+TC_STAGED_TILES = (StagedTensorCoreTile(4, 8, 2, 2), StagedTensorCoreTile(4, 4, 2, 2),
+                   StagedTensorCoreTile(2, 8, 2, 2), StagedTensorCoreTile(2, 4, 2, 2))
 # K instructions per reduce step, largest first: 4 (64 elements, 72 KB of tiles in dynamic shared memory) measured
 # 283 TFLOP/s on the H100 at 4096^3 float16, 2 (32, 38 KB) 276, 1 (16) 215
 TC_STAGED_K_STEPS = (4, 2)
@@ -153,31 +186,47 @@ TF32_MIN_BLOCKS = 64
 
 
 def _staged_tensor_core_tiles(kernel: Kernel, choice: int) -> bool:
-  """TC with the block tile staged through local memory (SHARED: cp.async copies, ldmatrix fragments) and the warp
-  and block tiles above, ragged M and N padded to the block tile; False (the kernel untouched) where it does not
-  fit (K not a multiple of 64, 32, nor of 16 twice over, or more than half padding)."""
-  trial = kernel.copy()
-  block = [TC_STAGED_WARP_TILES[position] * TC_STAGED_BLOCK_WARPS[position] for position in (0, 1)]
+  """TC with the block tile staged through local memory (see apply_staged_tensor_core): the largest tile of
+  TC_STAGED_TILES whose grid gives every multiprocessor (the renderer's count) a block, else the one with the most
+  blocks; tiles that need no padding of M or N before those that do. TF32 only with TF32_MIN_BLOCKS blocks at least.
+  False (the kernel untouched) where none fits."""
   tc = kernel.renderer.tensor_cores[choice]
-  if not _pad_for_tensor_core(trial, choice, (block[0] * tc.dims[0], block[1] * tc.dims[1])): return False
-  if not trial.try_opt(Opt(OptOps.TC, 0, choice)): return False
-  for position, amount in ((1, TC_STAGED_WARP_TILES[1]), (0, TC_STAGED_WARP_TILES[0])):
-    axis = _tensor_core_outer_axis(trial, position)
-    if axis is None or not trial.try_opt(Opt(OptOps.UPCAST, axis, amount)): return False
-  for position, warps in ((1, TC_STAGED_BLOCK_WARPS[1]), (0, TC_STAGED_BLOCK_WARPS[0])):
-    axis = _tensor_core_outer_axis(trial, position)
-    if axis is None or not trial.try_opt(Opt(OptOps.LOCAL, axis, warps)): return False
-  # reduce steps of 64 or 32 where K allows (16 otherwise)
+  processors = getattr(kernel.renderer, "multiprocessors", 0)
+  for pad in (False, True):
+    fitting = []
+    for tile in TC_STAGED_TILES:
+      trial = kernel.copy()
+      if apply_staged_tensor_core(trial, choice, tile, pad): fitting.append(trial)
+    if not fitting: continue
+    blocks = [prod(trial.full_shape[:trial.global_dims]) for trial in fitting]
+    best = next((number for number, count in enumerate(blocks) if count >= processors), None)
+    if best is None: best = max(range(len(fitting)), key=lambda number: blocks[number])
+    if tc.is_tf32 and blocks[best] < TF32_MIN_BLOCKS: return False
+    kernel.__dict__.update(fitting[best].__dict__)
+    return True
+  return False
+
+
+def apply_staged_tensor_core(kernel: Kernel, choice: int, tile: StagedTensorCoreTile, pad: bool = True) -> bool:
+  """TC (instruction `choice`) with `tile`'s warp and block tiles, staged through local memory (SHARED: cp.async
+  copies or computed stores, ldmatrix fragments), in reduce steps of 4 or 2 instructions where K allows; with `pad`,
+  ragged M and N padded to the block tile. Any operand layout the TC opt takes (transposed, batched, several views,
+  computed from loads). False where it does not fit (the kernel may then hold some opts: pass a copy)."""
+  tc = kernel.renderer.tensor_cores[choice]
+  block = tile.block(tc.dims)
+  if pad and not _pad_for_tensor_core(kernel, choice, block): return False
+  if not kernel.try_opt(Opt(OptOps.TC, 0, choice)): return False
+  for op, position, amount in ((OptOps.UPCAST, 1, tile.warp_n), (OptOps.UPCAST, 0, tile.warp_m),
+                               (OptOps.LOCAL, 1, tile.warps_n), (OptOps.LOCAL, 0, tile.warps_m)):
+    if amount == 1: continue
+    axis = _tensor_core_outer_axis(kernel, position)
+    if axis is None or not kernel.try_opt(Opt(op, axis, amount)): return False
   for steps in TC_STAGED_K_STEPS:
-    with_unroll = trial.copy()
+    with_unroll = kernel.copy()
     if with_unroll.try_opt(Opt(OptOps.UNROLL, 0, steps)) and with_unroll.try_opt(Opt(OptOps.SHARED, 0, 0)):
-      trial = with_unroll
-      break
-  else:
-    if not trial.try_opt(Opt(OptOps.SHARED, 0, 0)): return False
-  if tc.is_tf32 and prod(trial.full_shape[:trial.global_dims]) < TF32_MIN_BLOCKS: return False
-  kernel.__dict__.update(trial.__dict__)
-  return True
+      kernel.__dict__.update(with_unroll.__dict__)
+      return True
+  return kernel.try_opt(Opt(OptOps.SHARED, 0, 0))
 
 
 @dataclass(frozen=True)
