@@ -125,7 +125,10 @@ def _cast_argument(value: Any, policy: CastPolicy, low: DType) -> Any:
   if isinstance(value, (list, tuple)) and value and any(_is_tensor(item) for item in value):
     return type(value)(_cast_argument(item, policy, low) for item in value)
   if not _is_tensor(value): return value
-  if policy is CastPolicy.LOWER and value.dtype in _ELIGIBLE_DTYPES and value.dtype != low: return value.cast(low)
+  if policy is CastPolicy.LOWER and value.dtype in _ELIGIBLE_DTYPES and value.dtype != low:
+    # stored in the low type (torch's autocast writes its casts too): the product then loads low-precision buffers,
+    # which tensor cores take, and reads half the bytes; the producer (a norm, a weight) writes them in its kernel
+    return value.cast(low).contiguous()
   if policy is CastPolicy.FLOAT32 and value.dtype in LOW_FLOAT_DTYPES: return value.cast(dtypes.float32)
   return value
 

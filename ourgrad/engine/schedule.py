@@ -363,7 +363,9 @@ def _recomputation_is_costly(src: LazyBuffer) -> bool:
   cost, stack, seen = 0, [base], set()
   while stack and cost < RECOMPUTE_COST_LIMIT:
     node = stack.pop()
-    if id(node) in seen or node.realized is not None or node.op not in ELEMENTWISE_OPS: continue
+    # a base realize()/contiguous() stores is loaded, not recomputed (autocast's stored bfloat16 operands)
+    if id(node) in seen or node.realized is not None or node.forced_realize or node.op not in ELEMENTWISE_OPS:
+      continue
     seen.add(id(node))
     cost += 4 if node.op in TRANSCENDENTAL_OPS else 1
     stack.extend(src.base for src in node.srcs)
