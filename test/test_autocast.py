@@ -328,3 +328,20 @@ def test_optimizer_step_inside_autocast_stays_float32():
     layer(Tensor(A)).float().sum().backward()
     optimizer.step()
   assert all(param.dtype == dtypes.float32 for param in layer.parameters())
+
+
+def test_linear_under_autocast_multiplies_stored_low_precision_operands():
+  # the product loads bfloat16 buffers (what tensor cores take), not float32 ones cast in the kernel: the norm before
+  # it writes bfloat16 and the weight is cast once, as torch's autocast kernels do
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+  norm, layer = nn.LayerNorm(64), nn.Linear(64, 64)
+  x = Tensor(rng.standard_normal((64, 64)).astype(np.float32)).realize()
+  for param in [*norm.parameters(), *layer.parameters()]: param.realize()
+  with ourgrad.autocast(dtypes.bfloat16):
+    out = layer(norm(x))
+  schedule = create_schedule([out.lazydata])
+  product = next(item for item in schedule if out.lazydata.base.realized in item.outputs)
+  assert any(op.op is Ops.SUM for op in product.ast.walk())
+  loads = [op for op in product.ast.walk() if op.op is Ops.LOAD]
+  assert loads and all(load.dtype == dtypes.bfloat16 for load in loads), [load.dtype for load in loads]
