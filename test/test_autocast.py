@@ -330,18 +330,31 @@ def test_optimizer_step_inside_autocast_stays_float32():
   assert all(param.dtype == dtypes.float32 for param in layer.parameters())
 
 
-def test_linear_under_autocast_multiplies_stored_low_precision_operands():
-  # the product loads bfloat16 buffers (what tensor cores take), not float32 ones cast in the kernel: the norm before
-  # it writes bfloat16 and the weight is cast once, as torch's autocast kernels do
-  from ourgrad.engine.schedule import create_schedule
+def _matmul_operand_loads(schedule: list) -> list[list]:
+  """Per kernel of `schedule` that multiplies two broadcast operands and sums (a matmul: (M, N, K) loads with a zero
+  stride each), the dtypes of those operand loads."""
   from ourgrad.ops import Ops
-  norm, layer = nn.LayerNorm(64), nn.Linear(64, 64)
+  found = []
+  for item in schedule:
+    ops = item.ast.walk()
+    if not any(op.op is Ops.SUM for op in ops): continue
+    operands = [op for op in ops if op.op is Ops.LOAD and len(op.arg.st.shape) == 3 and 0 in op.arg.st.views[-1].strides
+                and min(op.arg.st.shape) > 1]
+    if len(operands) >= 2: found.append([load.dtype for load in operands])
+  return found
+
+
+def test_matmuls_under_autocast_load_stored_low_precision_operands():
+  # every product of a block (2 forward, 2 input-gradient, 2 weight-gradient matmuls) loads bfloat16 buffers, what
+  # tensor cores take, not float32 ones or a recomputed prologue: the norm and gelu before a linear and the gradients
+  # reaching it are stored in bfloat16, as torch's autocast kernels store them
+  from ourgrad.engine.schedule import create_schedule
+  norm, first, second = nn.LayerNorm(64), nn.Linear(64, 128), nn.Linear(128, 64)
+  params = [*norm.parameters(), *first.parameters(), *second.parameters()]
   x = Tensor(rng.standard_normal((64, 64)).astype(np.float32)).realize()
-  for param in [*norm.parameters(), *layer.parameters()]: param.realize()
+  for param in params: param.realize()
   with ourgrad.autocast(dtypes.bfloat16):
-    out = layer(norm(x))
-  schedule = create_schedule([out.lazydata])
-  product = next(item for item in schedule if out.lazydata.base.realized in item.outputs)
-  assert any(op.op is Ops.SUM for op in product.ast.walk())
-  loads = [op for op in product.ast.walk() if op.op is Ops.LOAD]
-  assert loads and all(load.dtype == dtypes.bfloat16 for load in loads), [load.dtype for load in loads]
+    loss = (x + second(first(norm(x)).gelu(approximate="tanh"))).square().mean()
+  loss.backward()
+  products = _matmul_operand_loads(create_schedule([loss.lazydata, *[param.grad.lazydata for param in params]]))
+  assert len(products) == 6 and all(dtype == dtypes.bfloat16 for loads in products for dtype in loads), products
