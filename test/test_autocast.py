@@ -5,6 +5,7 @@ GradScaler's skip-and-back-off against torch.amp.GradScaler. Module.to/.bfloat16
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -331,16 +332,24 @@ def test_optimizer_step_inside_autocast_stays_float32():
 
 
 def _matmul_operand_loads(schedule: list) -> list[list]:
-  """Per kernel of `schedule` that multiplies two broadcast operands and sums (a matmul: (M, N, K) loads with a zero
-  stride each), the dtypes of those operand loads."""
+  """Per matmul in `schedule` (a SUM of a MUL of two broadcast loads, through casts), the dtype of each load and
+  whether it is cast at most once (the shape tensor cores match: codegen/kernel.py matmul_operands)."""
   from ourgrad.ops import Ops
+
+  def through_casts(op: Any) -> tuple[Any, int]:
+    casts = 0
+    while op.op is Ops.CAST: op, casts = op.srcs[0], casts + 1
+    return op, casts
+
   found = []
   for item in schedule:
-    ops = item.ast.walk()
-    if not any(op.op is Ops.SUM for op in ops): continue
-    operands = [op for op in ops if op.op is Ops.LOAD and len(op.arg.st.shape) == 3 and 0 in op.arg.st.views[-1].strides
-                and min(op.arg.st.shape) > 1]
-    if len(operands) >= 2: found.append([load.dtype for load in operands])
+    for op in item.ast.walk():
+      if op.op is not Ops.SUM: continue
+      product, _ = through_casts(op.srcs[0])
+      if product.op is not Ops.MUL: continue
+      operands = [through_casts(src) for src in product.srcs]
+      if all(load.op is Ops.LOAD and 0 in load.arg.st.views[-1].strides for load, _ in operands):
+        found.append([(load.dtype, casts <= 1) for load, casts in operands])
   return found
 
 
@@ -351,10 +360,11 @@ def test_matmuls_under_autocast_load_stored_low_precision_operands():
   from ourgrad.engine.schedule import create_schedule
   norm, first, second = nn.LayerNorm(64), nn.Linear(64, 128), nn.Linear(128, 64)
   params = [*norm.parameters(), *first.parameters(), *second.parameters()]
-  x = Tensor(rng.standard_normal((64, 64)).astype(np.float32)).realize()
+  x = Tensor(rng.standard_normal((2, 32, 64)).astype(np.float32)).realize()  # (batch, tokens, width): read as (64, 64)
   for param in params: param.realize()
   with ourgrad.autocast(dtypes.bfloat16):
     loss = (x + second(first(norm(x)).gelu(approximate="tanh"))).square().mean()
   loss.backward()
   products = _matmul_operand_loads(create_schedule([loss.lazydata, *[param.grad.lazydata for param in params]]))
-  assert len(products) == 6 and all(dtype == dtypes.bfloat16 for loads in products for dtype in loads), products
+  assert len(products) == 6 and all(operand == (dtypes.bfloat16, True) for loads in products for operand in loads), \
+    products

@@ -382,9 +382,11 @@ def _narrower_source(base: LazyBuffer) -> LazyBuffer:
   if base.op is not Ops.CAST: return base
   source = base.srcs[0]
   widening = source.dtype.is_float and base.dtype.is_float and source.dtype.itemsize < base.dtype.itemsize
-  if not widening or not source.is_base or source.realized is not None or source.op not in ELEMENTWISE_OPS:
-    return base
-  return source
+  # the source may be a plain reshape of its base (a (B, T, C) activation read as (B*T, C)): the base holds its values
+  reshaped = source.st.contiguous and source.size == source.base.size
+  stored = source.base
+  if not widening or not reshaped or stored.realized is not None or stored.op not in ELEMENTWISE_OPS: return base
+  return stored
 
 
 def _is_per_row_value(base: LazyBuffer) -> bool:
