@@ -23,6 +23,7 @@ from typing import Any, Callable, TypeVar
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import DTypeError
+from ourgrad.ops import ELEMENTWISE_OPS
 
 LOW_FLOAT_DTYPES = (dtypes.float16, dtypes.bfloat16)
 # floats that autocast moves between the low type and float32; float64 is never touched (torch: "not eligible")
@@ -129,8 +130,18 @@ def _cast_argument(value: Any, policy: CastPolicy, low: DType) -> Any:
     # stored in the low type (torch's autocast writes its casts too): the product then loads low-precision buffers,
     # which tensor cores take, and reads half the bytes; the producer (a norm, a weight) writes them in its kernel
     return value.cast(low).contiguous()
+  if policy is CastPolicy.LOWER and value.dtype == low: _store_computed_base(value)
   if policy is CastPolicy.FLOAT32 and value.dtype in LOW_FLOAT_DTYPES: return value.cast(dtypes.float32)
   return value
+
+
+def _store_computed_base(value: Any) -> None:
+  """Have the scheduler store the base behind a low-precision operand when it is computed elementwise here (an
+  attention output cast after its reduce, an activation): the product loads it rather than recomputing it in its
+  prologue, as every low-precision operand in torch's autocast is a stored tensor. A view is not copied: its base
+  is stored."""
+  base = getattr(getattr(value, "lazydata", None), "base", None)
+  if base is not None and base.realized is None and base.op in ELEMENTWISE_OPS: base.contiguous()  # marks a base
 
 
 Op = TypeVar("Op", bound=Callable[..., Any])

@@ -368,3 +368,17 @@ def test_matmuls_under_autocast_load_stored_low_precision_operands():
   products = _matmul_operand_loads(create_schedule([loss.lazydata, *[param.grad.lazydata for param in params]]))
   assert len(products) == 6 and all(operand == (dtypes.bfloat16, True) for loads in products for operand in loads), \
     products
+
+
+def test_product_of_a_computed_low_precision_view_loads_it_stored():
+  # a bfloat16 product read through a permute (attention's output going into c_proj): its base is stored in bfloat16
+  # and the next product loads it, instead of loading the float32 sum and casting it twice in its prologue
+  from ourgrad.engine.schedule import create_schedule
+  layer = nn.Linear(64, 64)
+  a, b = [Tensor(rng.standard_normal((64, 64)).astype(np.float32)).realize() for _ in range(2)]
+  for param in layer.parameters(): param.realize()
+  with ourgrad.autocast(dtypes.bfloat16):
+    out = layer((a @ b).T)
+  products = _matmul_operand_loads(create_schedule([out.lazydata]))
+  assert len(products) == 2 and all(operand == (dtypes.bfloat16, True) for loads in products for operand in loads), \
+    products
