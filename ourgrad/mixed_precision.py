@@ -51,15 +51,16 @@ _open_frames = 0
 _open_frames_lock = threading.Lock()
 
 
-def get_autocast_dtype() -> DType | None:
-  """The low dtype ops cast to in this thread now (None when autocast is off, disabled, or inside a policy op)."""
+def get_autocast_dtype(device_type: str | None = None) -> DType | None:
+  """The low dtype ops cast to in this thread now (None when autocast is off, disabled, or inside a policy op).
+  `device_type` is accepted for torch's signature: one state serves every device."""
   if _open_frames == 0 or _state.suspended or not _state.frames: return None
   enabled, dtype = _state.frames[-1]
   return dtype if enabled else None
 
 
-def is_autocast_enabled() -> bool:
-  """Whether ops of this thread autocast now (torch.is_autocast_enabled)."""
+def is_autocast_enabled(device_type: str | None = None) -> bool:
+  """Whether ops of this thread autocast now (torch.is_autocast_enabled; `device_type` as in get_autocast_dtype)."""
   return get_autocast_dtype() is not None
 
 
@@ -118,6 +119,7 @@ def _is_dtype_name(name: str) -> bool:
 
 
 def _is_tensor(value: Any) -> bool:
+  """Whether `value` is a Tensor (recognised by its DType and cast method: this module sits below Tensor)."""
   return isinstance(getattr(value, "dtype", None), DType) and hasattr(value, "cast")
 
 
