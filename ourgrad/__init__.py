@@ -15,17 +15,19 @@ from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.engine.profile import profile
 from ourgrad.helpers import GlobalCounters, get_float32_matmul_precision, set_float32_matmul_precision
+from ourgrad.mixed_precision import autocast, get_autocast_dtype, is_autocast_enabled
 from ourgrad.tensor import Tensor, no_grad
 from ourgrad.engine.jit import TinyJit  # noqa: E402 (after Tensor, which it wraps)
 from ourgrad import namespace
 from ourgrad.namespace import *  # noqa: F401,F403 (PyTorch's spellings: thin aliases, listed in namespace.__all__)
-from ourgrad import cuda, nn, optim, utils  # noqa: E402 (torch.cuda, torch.nn, torch.optim, torch.utils.data)
+from ourgrad import amp, cuda, nn, optim, utils  # noqa: E402 (torch.amp, torch.cuda, torch.nn, torch.optim, torch.utils.data)
 from ourgrad import tensor as _tensor_module  # noqa: E402
 
 _tensor_module.__class__ = namespace.CallableModule  # ourgrad.tensor(data) is torch.tensor(data)
 
 __all__ = ["Tensor", "TinyJit", "dtypes", "DType", "Device", "GlobalCounters", "no_grad", "profile",
-           "set_float32_matmul_precision", "get_float32_matmul_precision", "cuda", "nn", "optim", "utils",
+           "set_float32_matmul_precision", "get_float32_matmul_precision", "autocast", "get_autocast_dtype",
+           "is_autocast_enabled", "amp", "cuda", "nn", "optim", "utils",
            "tensor", *namespace.__all__]  # noqa: F405 (tensor: the callable submodule below)
 __version__ = "0.1.0"
 
@@ -34,7 +36,7 @@ def __getattr__(name: str) -> Any:
   """A name ourgrad lacks (often a PyTorch one): AttributeError naming the nearest ourgrad spellings."""
   if name.startswith("__"): raise AttributeError(name)
   # suggest the public names a user calls, not the internal submodules (ourgrad.renderer, ourgrad.lazy, ...)
-  torch_like_modules = ("cuda", "nn", "optim", "utils")
+  torch_like_modules = ("amp", "cuda", "nn", "optim", "utils")
   names = [key for key, value in globals().items()
            if not key.startswith("_") and (not isinstance(value, ModuleType) or key in torch_like_modules)]
   raise namespace.missing_name_error("ourgrad", name, names)

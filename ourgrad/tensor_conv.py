@@ -28,6 +28,7 @@ from ourgrad.errors import ShapeError
 from ourgrad.function import Function, MaxToOne
 from ourgrad.helpers import normalize_axis
 from ourgrad.lazy import LazyBuffer
+from ourgrad.mixed_precision import CastPolicy, autocast_op
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -383,12 +384,14 @@ class ConvMixin:
     pads = conv_padding(name, padding, weight.shape[2:], strides, dilations)
     return _conv(self, weight, bias, strides, pads, dilations, groups, name)
 
+  @autocast_op(CastPolicy.LOWER)
   def conv1d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
              padding: Padding = 0, dilation: IntOrTuple = 1, groups: int = 1) -> Tensor:
     """1-D convolution (cross-correlation) like torch.nn.functional.conv1d: input (N, C_in, L) or (C_in, L), weight
     (C_out, C_in / groups, K), bias (C_out,). padding: an int, (left, right), "valid" or "same"; negative crops."""
     return self._convolve(1, weight, bias, stride, padding, dilation, groups)
 
+  @autocast_op(CastPolicy.LOWER)
   def conv2d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
              padding: Padding = 0, dilation: IntOrTuple = 1, groups: int = 1) -> Tensor:
     """2-D convolution (cross-correlation) like torch.nn.functional.conv2d.
@@ -400,6 +403,7 @@ class ConvMixin:
     Returns (N, C_out, H_out, W_out) with H_out = floor((H + top + bottom - dilation*(kH-1) - 1) / stride) + 1."""
     return self._convolve(2, weight, bias, stride, padding, dilation, groups)
 
+  @autocast_op(CastPolicy.LOWER)
   def conv3d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
              padding: Padding = 0, dilation: IntOrTuple = 1, groups: int = 1) -> Tensor:
     """3-D convolution like torch.nn.functional.conv3d: input (N, C_in, D, H, W) or (C_in, D, H, W), weight
@@ -436,6 +440,7 @@ class ConvMixin:
     conv_pads = [(d * (k - 1) - p, d * (k - 1) - p + e) for k, d, p, e in zip(kernel, dilations, pads, extras)]
     return _conv(x, w, bias, (1,) * dims, conv_pads, dilations, groups, name)
 
+  @autocast_op(CastPolicy.LOWER)
   def conv_transpose1d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
                        padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, groups: int = 1,
                        dilation: IntOrTuple = 1) -> Tensor:
@@ -444,6 +449,7 @@ class ConvMixin:
     output_padding + 1."""
     return self._convolve_transposed(1, weight, bias, stride, padding, output_padding, groups, dilation)
 
+  @autocast_op(CastPolicy.LOWER)
   def conv_transpose2d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
                        padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, groups: int = 1,
                        dilation: IntOrTuple = 1) -> Tensor:
@@ -453,6 +459,7 @@ class ConvMixin:
     output_padding + 1. Computed as a conv2d of the input spread out by the stride, with the flipped kernel."""
     return self._convolve_transposed(2, weight, bias, stride, padding, output_padding, groups, dilation)
 
+  @autocast_op(CastPolicy.LOWER)
   def conv_transpose3d(self: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTuple = 1,
                        padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, groups: int = 1,
                        dilation: IntOrTuple = 1) -> Tensor:

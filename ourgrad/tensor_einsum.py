@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ourgrad.errors import ShapeError
+from ourgrad.mixed_precision import CastPolicy, autocast_op
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -92,6 +93,7 @@ class EinsumMixin:
   __slots__ = ()
 
   @staticmethod
+  @autocast_op(CastPolicy.LOWER)
   def einsum(formula: str, *operands: Tensor | Sequence[Tensor]) -> Tensor:
     """Einstein summation, like torch.einsum: `Tensor.einsum("ij,jk->ik", a, b)` is a @ b, "ii->i" the diagonal,
     "ii" the trace, "...ij->...ji" a batched transpose, "i,j" the outer product (implicit output: the letters

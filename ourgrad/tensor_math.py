@@ -24,6 +24,7 @@ from ourgrad.dtype import DType, dtypes, least_upper_dtype, operands_dtype, resu
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
+from ourgrad.mixed_precision import CastPolicy, autocast_op
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -248,6 +249,7 @@ class ElementwiseMixin:
                                (y, -(x_value / y_value).trunc()))
     return F.IntDiv.apply(x, y, op=Ops.MOD)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def pow(self, exponent: Any, reverse: bool = False) -> Tensor:
     """x ** y. Integers to integer powers stay integers, as in PyTorch (exact, wrapping on overflow; a negative Python
     int power of an integer tensor raises DTypeError, a negative tensor power gives 0 except for bases 1 and -1);
@@ -292,6 +294,7 @@ class ElementwiseMixin:
   def __mul__(self, other: Any) -> Tensor: return self.mul(other)
   def __rmul__(self, other: Any) -> Tensor: return self.mul(other, reverse=True)
   def __truediv__(self, other: Any) -> Tensor: return self.div(other)
+  @autocast_op(CastPolicy.FLOAT32)
   def __rtruediv__(self, other: Any) -> Tensor: return self.div(other, reverse=True)
   def __floordiv__(self, other: Any) -> Tensor: return self.floor_divide(other)
   def __rfloordiv__(self, other: Any) -> Tensor: return self.floor_divide(other, reverse=True)
@@ -516,6 +519,7 @@ class ElementwiseMixin:
     if self.dtype == dtypes.bool: raise DTypeError("negation of a bool tensor; use ~ or logical_not()")
     return F.Neg.apply(self)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def reciprocal(self) -> Tensor:
     """1 / self (integers and bools promote to the default float, as in PyTorch)."""
     return F.Reciprocal.apply(self._float_operand())
@@ -524,10 +528,12 @@ class ElementwiseMixin:
     """The square root (integers and bools promote to the default float)."""
     return F.Sqrt.apply(self._float_operand())
 
+  @autocast_op(CastPolicy.FLOAT32)
   def rsqrt(self) -> Tensor:
     """1 / sqrt(self)."""
     return self.sqrt().reciprocal()
 
+  @autocast_op(CastPolicy.FLOAT32)
   def exp(self) -> Tensor:
     """e ** self (integers and bools promote to the default float)."""
     return F.Exp.apply(self._float_operand())
@@ -536,18 +542,22 @@ class ElementwiseMixin:
     """2 ** self, computed as exp(self * ln 2)."""
     return F.Exp.apply(self._float_operand() * math.log(2))
 
+  @autocast_op(CastPolicy.FLOAT32)
   def log(self) -> Tensor:
     """The natural logarithm (integers and bools promote to the default float)."""
     return F.Log.apply(self._float_operand())
 
+  @autocast_op(CastPolicy.FLOAT32)
   def log2(self) -> Tensor:
     """The base-2 logarithm, computed as log(self) / ln 2."""
     return self.log() / math.log(2)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def log10(self) -> Tensor:
     """The base-10 logarithm, computed as log(self) / ln 10."""
     return self.log() / math.log(10)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def log1p(self) -> Tensor:
     """log(1 + self), accurate for tiny self: log(u) * x / (u - 1) with u = 1 + x rounded cancels the rounding of
     u (Goldberg's trick); the gradient is 1 / (1 + self)."""
@@ -558,6 +568,7 @@ class ElementwiseMixin:
     corrected = (u == 1).where(value, log_u * (value / (u - 1)))
     return x._with_derivative(u.isinf().where(log_u, corrected), u.reciprocal())
 
+  @autocast_op(CastPolicy.FLOAT32)
   def expm1(self) -> Tensor:
     """exp(self) - 1, accurate for tiny self: (u - 1) * x / log(u) with u = exp(x) (Kahan's trick); the gradient is
     exp(self)."""
@@ -576,10 +587,12 @@ class ElementwiseMixin:
     """The cosine, computed as sin(pi/2 - self)."""
     return (math.pi / 2 - self._float_operand()).sin()
 
+  @autocast_op(CastPolicy.FLOAT32)
   def tan(self) -> Tensor:
     """The tangent, computed as sin(self) / cos(self)."""
     return self.sin() / self.cos()
 
+  @autocast_op(CastPolicy.FLOAT32)
   def sinh(self) -> Tensor:
     """The hyperbolic sine, (exp(x) - exp(-x)) / 2; its gradient is cosh."""
     x = self._float_operand()
@@ -587,6 +600,7 @@ class ElementwiseMixin:
     up, down = value.exp(), (-value).exp()
     return x._with_derivative((up - down) / 2, (up + down) / 2)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def cosh(self) -> Tensor:
     """The hyperbolic cosine, (exp(x) + exp(-x)) / 2; its gradient is sinh."""
     x = self._float_operand()
@@ -695,12 +709,14 @@ class ElementwiseMixin:
     x = self._float_operand()
     return x / (1 + x.abs())
 
+  @autocast_op(CastPolicy.NATIVE)
   def logsigmoid(self) -> Tensor:
     """log(sigmoid(self)), computed stably as min(x, 0) - log(1 + exp(-|x|)); the gradient is sigmoid(-x)."""
     x = self._float_operand()
     value = x.detach()
     return x._with_derivative(value.minimum(0) - ((-value.abs()).exp() + 1).log(), (-value).sigmoid())
 
+  @autocast_op(CastPolicy.NATIVE)
   def mish(self) -> Tensor:
     """self * tanh(softplus(self))."""
     return self * self.softplus().tanh()
@@ -713,6 +729,7 @@ class ElementwiseMixin:
     slope = positive.where(1.0, value.full_like(negative_slope))
     return x._with_derivative(positive.where(value, value * negative_slope), slope)
 
+  @autocast_op(CastPolicy.NATIVE)
   def _exponential_linear(self, scale: float, alpha: float, inner: float) -> Tensor:
     """scale * (x if x > 0 else alpha * (exp(x * inner) - 1)): elu, celu and selu. The gradient takes the
     exponential branch at 0 and the linear one at NaN, as torch's elu_backward does."""
@@ -735,6 +752,7 @@ class ElementwiseMixin:
     """scale * elu(self, alpha) with PyTorch's constants alpha = 1.6733 and scale = 1.0507."""
     return self._exponential_linear(1.0507009873554805, 1.6732632423543772, 1.0)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def softplus(self, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
     """log(1 + exp(beta*x)) / beta, linear above `threshold` (PyTorch's numerically safe form); the gradient is
     sigmoid(beta * x) below the threshold and 1 above."""
@@ -745,12 +763,14 @@ class ElementwiseMixin:
     safe = (scaled.minimum(threshold).exp() + 1).log() / beta
     return x._with_derivative(linear.where(value, safe), linear.where(1.0, scaled.sigmoid()))
 
+  @autocast_op(CastPolicy.NATIVE)
   def gelu(self, approximate: str = "none") -> Tensor:
     """Gaussian error linear unit: exact (erf) by default, "tanh" for the approximation."""
     x = self._float_operand()
     if approximate == "tanh": return 0.5 * x * (1 + (math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)).tanh())
     return 0.5 * x * (1 + (x / math.sqrt(2)).erf())
 
+  @autocast_op(CastPolicy.NATIVE)
   def erf(self) -> Tensor:
     """Error function (Abramowitz-Stegun 7.1.26 refined: max abs error ~1.5e-7); the gradient is the exact
     2 / sqrt(pi) * exp(-x^2)."""

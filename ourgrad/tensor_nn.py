@@ -27,6 +27,7 @@ from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.tensor_conv import ConvMixin
 from ourgrad.tensor_einsum import EinsumMixin
 from ourgrad.tensor_resize import ResizeMixin
+from ourgrad.mixed_precision import CastPolicy, autocast_op
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -142,6 +143,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
 
   # ---------------------------------------------------------------- normalization and dropout
 
+  @autocast_op(CastPolicy.FLOAT32)
   def layernorm(self: Tensor, axis: int | Sequence[int] = -1, eps: float = 1e-5) -> Tensor:
     """(x - mean) / sqrt(var + eps) over `axis` (an int or a tuple of axes), with the biased variance as in
     torch.nn.functional.layer_norm; no affine weight or bias (nn.LayerNorm adds those)."""
@@ -161,6 +163,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
 
   # ---------------------------------------------------------------- losses
 
+  @autocast_op(CastPolicy.FLOAT32)
   def nll_loss(self: Tensor, target: Tensor, reduction: str = "mean", ignore_index: int = -100,
                weight: Tensor | None = None) -> Tensor:
     """Negative log-likelihood of these log-probabilities at the class indices `target`, like
@@ -171,6 +174,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     if weight is not None: return _weighted_index_nll(scores, target, weight, reduction, ignore_index, 0.0)
     return _index_nll(scores, target, reduction, ignore_index, 0.0)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def cross_entropy(self: Tensor, target: Tensor, reduction: str = "mean", label_smoothing: float = 0.0,
                     ignore_index: int = -100, weight: Tensor | None = None) -> Tensor:
     """Cross entropy of these logits like torch.nn.functional.cross_entropy: log_softmax over the class axis (1,
@@ -201,6 +205,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
       probs = probs * weight
     return _reduce(-(probs * log_probs).sum(-1), reduction)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def sparse_categorical_crossentropy(self: Tensor, target: Tensor, ignore_index: int = -1,
                                       label_smoothing: float = 0.0, reduction: str = "mean") -> Tensor:
     """tinygrad's cross entropy of these logits (classes on the LAST axis, any number of leading axes) against
@@ -211,6 +216,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     _check_index_target(self, target, "sparse_categorical_crossentropy")
     return _index_nll(self.log_softmax(-1), target, reduction, ignore_index, label_smoothing)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def binary_cross_entropy(self: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     """Binary cross entropy of these probabilities, like torch.nn.functional.binary_cross_entropy:
     -(t log p + (1-t) log(1-p)), each log clamped to >= -100 as in PyTorch so that p = 0 or 1 gives a finite
@@ -222,6 +228,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     log_p, log_not_p = _clamped_log(probs), _clamped_log(1.0 - probs)
     return _reduce(-(target * log_p + (1.0 - target) * log_not_p), reduction)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def binary_cross_entropy_with_logits(self: Tensor, target: Tensor, reduction: str = "mean",
                                        pos_weight: Tensor | None = None) -> Tensor:
     """Binary cross entropy of sigmoid(self) against `target`, like
@@ -238,6 +245,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     weight = 1.0 if pos_weight is None else 1.0 + (pos_weight - 1.0) * target
     return _reduce((1.0 - target) * x + weight * softplus_neg, reduction)
 
+  @autocast_op(CastPolicy.FLOAT32)
   def mse_loss(self: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     """Mean (or summed, or per-element) squared error against `target`, like torch.nn.functional.mse_loss."""
     _check_same_shape(self, target, "mse_loss")
@@ -246,6 +254,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
 
   # ---------------------------------------------------------------- attention
 
+  @autocast_op(CastPolicy.LOWER)
   def scaled_dot_product_attention(self: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                                    enable_gqa: bool = False) -> Tensor:

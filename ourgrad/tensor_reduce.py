@@ -23,6 +23,7 @@ from ourgrad import function as F
 from ourgrad.dtype import DType, dtypes, least_upper_dtype, sum_dtype
 from ourgrad.errors import AxisError, DeviceError, ShapeError
 from ourgrad.helpers import prod
+from ourgrad.mixed_precision import CastPolicy, autocast_op
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -85,6 +86,7 @@ class ReduceMixin:
     if keepdim: return reduced
     return reduced.reshape(tuple(size for a, size in enumerate(self.shape) if a not in axes))
 
+  @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
   def sum(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, dtype: DType | None = None) -> Tensor:
     """Sum over `axis` (all if None). Integers and bools sum in int64, as in PyTorch, unless `dtype` is given."""
@@ -121,6 +123,7 @@ class ReduceMixin:
     """The same as min(axis, keepdim)."""
     return self.min(axis, keepdim)
 
+  @autocast_op(CastPolicy.NATIVE)
   @accepts_dim
   def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """The mean over `axis` (all if None); integers and bools promote to the default float; NaN over an empty axis."""
@@ -129,6 +132,7 @@ class ReduceMixin:
     total = x.sum(axis, keepdim)
     return total / count if count else total * math.nan
 
+  @autocast_op(CastPolicy.NATIVE)
   @accepts_dim
   def var(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
     """The variance over `axis` (all if None) with `correction` (1: unbiased, as torch.var). As in PyTorch, the sum of
@@ -141,6 +145,7 @@ class ReduceMixin:
     squares = (x - x.detach().mean(axis, keepdim=True)).square().sum(axis, keepdim)
     return squares / max(count - correction, 0)
 
+  @autocast_op(CastPolicy.NATIVE)
   @accepts_dim
   def std(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 1) -> Tensor:
     """The standard deviation: sqrt(var(axis, keepdim, correction)); its gradient is 0 where it is 0, as in torch."""
@@ -151,6 +156,7 @@ class ReduceMixin:
     value = self.detach().sqrt()
     return self._with_derivative(value, (value == 0).where(0.0, 0.5 / value))
 
+  @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
   def prod(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
     """Product over one axis (or all), by halving the axis repeatedly: log2(n) fused multiply steps."""
@@ -207,6 +213,7 @@ class ReduceMixin:
     if self.dtype.is_float: return (-self).argmax(axis, keepdim)
     return (~self if self.dtype != dtypes.bool else self.logical_not()).argmax(axis, keepdim)
 
+  @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
   def logsumexp(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """log(sum(exp(self))) over `axis` (all if None), computed stably by subtracting the maximum first; -inf over an
@@ -220,6 +227,7 @@ class ReduceMixin:
     return total if keepdim else total.reshape(tuple(s for a, s in enumerate(self.shape)
                                                      if a not in self._reduce_axes(axis)))
 
+  @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
   def softmax(self, axis: int = -1) -> Tensor:
     """exp(self) normalized to sum to 1 along `axis` (the last by default); float16 and bfloat16 compute in float32."""
@@ -230,6 +238,7 @@ class ReduceMixin:
     exps = (x - x.max(axis, keepdim=True)).exp()
     return exps / exps.sum(axis, keepdim=True)
 
+  @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
   def log_softmax(self, axis: int = -1) -> Tensor:
     """log(softmax(self, axis)), computed stably; float16 and bfloat16 compute in float32."""
@@ -250,6 +259,7 @@ class ReduceMixin:
     values = self.unsqueeze(-2).expand(self.shape[:-1] + (size, size))
     return keep.where(values, 0).sum(-1)
 
+  @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
   def cumsum(self, axis: int = 0) -> Tensor:
     """The inclusive running sum along `axis` (0 by default; torch needs it); integers and bools sum in int64."""
@@ -257,6 +267,7 @@ class ReduceMixin:
     if self.ndim == 0: return self.cast(sum_dtype(self.dtype))
     return self.transpose(dim, -1)._cumsum_last().transpose(dim, -1)
 
+  @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
   def cumprod(self, axis: int = 0) -> Tensor:
     """The inclusive running product along `axis` (integers and bools multiply in int64): a masked product per
@@ -348,6 +359,7 @@ class ReduceMixin:
     """(std, mean) over `axis`, as torch.std_mean."""
     return self.std(axis, keepdim, correction), self.mean(axis, keepdim)
 
+  @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
   def norm(self, p: float = 2.0, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
     """The vector p-norm over `axis` (all if None): (sum |x|^p)^(1/p); p = inf is the largest |x|."""
@@ -376,10 +388,12 @@ class ReduceMixin:
       raise ShapeError(f"bmm takes two 3-D tensors of one batch size, got shapes {self.shape} and {other.shape}")
     return self.matmul(other)
 
+  @autocast_op(CastPolicy.LOWER)
   def baddbmm(self, batch1: Tensor, batch2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
     """beta * self + alpha * bmm(batch1, batch2) (torch.baddbmm)."""
     return beta * self + alpha * batch1.bmm(batch2)
 
+  @autocast_op(CastPolicy.LOWER)
   def addmm(self, mat1: Tensor, mat2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
     """beta * self + alpha * mm(mat1, mat2) (torch.addmm)."""
     return beta * self + alpha * mat1.mm(mat2)
@@ -388,6 +402,7 @@ class ReduceMixin:
     """The same as matmul (torch.dot takes only 1-D tensors)."""
     return self.matmul(other)
 
+  @autocast_op(CastPolicy.LOWER)
   def matmul(self, other: Tensor) -> Tensor:
     """Matrix product with PyTorch's rules for 1-D operands and batch broadcasting: a broadcast multiply and
     a sum over the inner dimension, which the optimizer turns into one tiled kernel."""
@@ -416,6 +431,7 @@ class ReduceMixin:
     if other.ndim == 1: result = result.squeeze(-1)
     return result
 
+  @autocast_op(CastPolicy.LOWER)
   def linear(self, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias, with weight of shape (out_features, in_features) as in torch.nn.functional.linear."""
     result = self.matmul(weight.T)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import dtypes
 from ourgrad.tensor_math import _with_derivatives
+from ourgrad.mixed_precision import CastPolicy, autocast_op
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -51,6 +52,7 @@ class SpecialMixin:
     value = x.detach()
     return x._with_derivative(_atan_value(value), (value * value + 1).reciprocal())
 
+  @autocast_op(CastPolicy.FLOAT32)
   def asin(self) -> Tensor:
     """The arcsine, NaN outside [-1, 1]: atan(x / sqrt(1 - x^2)); gradient 1 / sqrt(1 - x^2)."""
     x = self._float_operand()
@@ -59,6 +61,7 @@ class SpecialMixin:
     result = (root == 0).where((value > 0).where(value.full_like(math.pi / 2), -math.pi / 2), _atan_value(value / root))
     return x._with_derivative((root != root).where(math.nan, result), root.reciprocal())
 
+  @autocast_op(CastPolicy.FLOAT32)
   def acos(self) -> Tensor:
     """The arccosine, NaN outside [-1, 1]: pi/2 - asin(x); gradient -1 / sqrt(1 - x^2)."""
     x = self._float_operand()

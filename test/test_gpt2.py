@@ -185,10 +185,13 @@ def test_bpe_matches_npm_encoder() -> None:
 
 # ---------------------------------------------------------------- the benchmark
 
-def test_bench_gpt2_tiny_cpu_config_runs() -> None:
-  """bench_gpt2.py's rows on a tiny CPU configuration: the first-step losses of ourgrad and torch agree."""
+@pytest.mark.parametrize("autocast", [None, "bf16"])
+def test_bench_gpt2_tiny_cpu_config_runs(autocast: str | None) -> None:
+  """bench_gpt2.py's rows on a tiny CPU configuration: the first-step losses of ourgrad and torch agree (with
+  --autocast bf16: ourgrad.autocast against torch.autocast)."""
   command = [sys.executable, str(ROOT / "extra" / "bench" / "bench_gpt2.py"), "--device", "CLANG", "--config",
-             "2,16,32,2,1,64", "--rows", "torch,jit", "--steps", "1", "--warmup", "2", "--table-layers", "1"]
+             "2,16,32,2,1,64", "--rows", "torch,jit", "--steps", "1", "--warmup", "2", "--table-layers", "1",
+             *(["--autocast", autocast] if autocast else [])]
   result = subprocess.run(command, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
   assert "ourgrad TinyJit vs PyTorch eager, 1 layers" in result.stdout and ": ok" in result.stdout

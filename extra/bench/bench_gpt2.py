@@ -30,6 +30,8 @@ Run (the defaults on CUDA are GPT-2 small, batch 8 x 512, TF32 matmuls allowed, 
   python extra/bench/bench_gpt2.py --layers 1,2,4,8,12 --rows jit --table-layers 0 --realize-residual   # the
       # residual stream stored by the model (GPT2Config.realize_residual), against the scheduler's own rule
   python extra/bench/bench_gpt2.py --device CLANG                   # a tiny config in seconds (CI smoke)
+  python extra/bench/bench_gpt2.py --config 16,1024,768,12,12,50304 --autocast bf16 --rows torch,compile,jit \
+      --table-layers 0                                              # the bf16 autocast row (float32 master weights)
 --config batch,seq,width,heads,layers,vocab; --out NAME writes what is printed to extra/bench/results/NAME.
 On CPU devices the script sets OMP_WAIT_POLICY=passive unless it is set (see main()).
 """
@@ -50,7 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's ourgrad and extra/
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # timing.py and kernel_table.py, beside this script
-from ourgrad import Device, Tensor, TinyJit, set_float32_matmul_precision  # noqa: E402
+from ourgrad import Device, Tensor, TinyJit, dtypes, set_float32_matmul_precision  # noqa: E402
 from ourgrad.helpers import GlobalCounters  # noqa: E402
 from extra.models.gpt2 import (GPT2, GPT2Config, configure_optimizers, make_torch_gpt2,  # noqa: E402
                                torch_optimizer, training_flops, training_step)
@@ -62,6 +64,7 @@ ROWS = {"torch": "PyTorch eager", "compile": "torch.compile", "jit": "ourgrad Ti
 GPU_CONFIG = "8,512,768,12,12,50304"   # GPT-2 small, batch 8 x 512
 EAGER_STEPS = 3   # at most this many timed steps for ourgrad eager (each schedules the whole graph again)
 CPU_CONFIG = "2,32,48,2,2,256"         # a few seconds on a CPU device (tokens, width and vocabulary all differ)
+AUTOCAST = {"bf16": dtypes.bfloat16, "fp16": dtypes.float16}   # --autocast: the forward's low dtype
 
 
 @dataclass(frozen=True)
@@ -160,9 +163,10 @@ def ourgrad_model(config: BenchConfig, weights: dict[str, np.ndarray], device: s
   return model
 
 
-def ourgrad_step(model: GPT2) -> Callable[[Tensor, Tensor], Tensor]:
-  """One training step of `model` (loss, backward, both AdamW groups), realized in one schedule."""
-  return training_step(model, configure_optimizers(model))
+def ourgrad_step(model: GPT2, autocast: str | None) -> Callable[[Tensor, Tensor], Tensor]:
+  """One training step of `model` (loss, backward, both AdamW groups), realized in one schedule; the forward under
+  ourgrad.autocast when `autocast` names a low dtype."""
+  return training_step(model, configure_optimizers(model), AUTOCAST[autocast] if autocast else None)
 
 
 def run_ourgrad(row: str, config: BenchConfig, weights: dict[str, np.ndarray], batch: np.ndarray, device: str,
@@ -173,7 +177,7 @@ def run_ourgrad(row: str, config: BenchConfig, weights: dict[str, np.ndarray], b
   synchronize = Device[device].synchronize
   with ourgrad_peak_memory() as peak:
     model = ourgrad_model(config, weights, device)
-    step = ourgrad_step(model)
+    step = ourgrad_step(model, args.autocast)
     if row == "jit": step = TinyJit(step)
     GlobalCounters.reset()
     steps = args.steps if row == "jit" else min(args.steps, EAGER_STEPS)
@@ -203,9 +207,12 @@ def run_torch(row: str, config: BenchConfig, weights: dict[str, np.ndarray], bat
   tokens = torch.from_numpy(batch[:, :-1].astype(np.int64)).to(torch_device)
   targets = torch.from_numpy(batch[:, 1:].astype(np.int64)).to(torch_device)
 
+  low_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast)
+
   def step() -> float:
     optimizer.zero_grad(set_to_none=True)
-    loss = forward(tokens, targets)[1]
+    with torch.autocast(torch_device, dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
+      loss = forward(tokens, targets)[1]
     loss.backward()
     optimizer.step()
     return loss.item()
@@ -222,8 +229,11 @@ def initial_weights(config: BenchConfig) -> dict[str, np.ndarray]:
   return {name: param.detach().numpy().copy() for name, param in model.named_parameters()}
 
 
-def loss_tolerance(tf32: bool, cuda: bool) -> float:
-  """Relative difference allowed between two rows' first-step losses: TF32 rounds matmul inputs to 10 bits."""
+def loss_tolerance(tf32: bool, cuda: bool, autocast: str | None = None) -> float:
+  """Relative difference allowed between two rows' first-step losses: TF32 rounds matmul inputs to 10 bits; under
+  autocast every matmul output is rounded to 8 (bf16) or 11 (fp16) bits, and torch's CPU autocast also keeps
+  layer norms and softmax in the low type where ourgrad (as torch on CUDA) runs them in float32."""
+  if autocast is not None: return 1e-2 if autocast == "bf16" else 5e-3
   return 2e-3 if tf32 and cuda else 1e-4
 
 
@@ -406,6 +416,9 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--realize-residual", action="store_true",
                       help="ourgrad's model stores the residual stream at each block input (GPT2Config.realize_residual"
                            ": the workaround for its recomputation in every later kernel)")
+  parser.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
+                      help="run the forward under autocast (ourgrad.autocast / torch.autocast) in this low dtype, "
+                           "float32 master weights; fp16 runs without a GradScaler on both sides (static steps)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", help="also write what is printed to extra/bench/results/OUT (or to OUT with a '/')")
   args = parser.parse_args()
@@ -440,8 +453,9 @@ def main() -> int:
   report = Report()
   device_name = torch.cuda.get_device_name() if torch_device == "cuda" else "CPU"
   openmp = f"; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else ""
+  precision = f"; autocast {args.autocast}" if args.autocast else ""
   report(f"device: ourgrad {args.device}, torch {torch_device} ({device_name}), torch {torch.__version__}; "
-         f"TF32 matmuls {'allowed' if tf32 else 'off'}{openmp}")
+         f"TF32 matmuls {'allowed' if tf32 else 'off'}{precision}{openmp}")
   report(f"config: {args.config.describe()}" + ("; ourgrad stores the residual stream at each block input "
                                                  "(--realize-residual)" if args.config.model.realize_residual else ""))
   report(f"rows at {args.config.model.n_layer} layers: {', '.join(ROWS[row] for row in args.rows)}; timed steps "
@@ -472,7 +486,7 @@ def main() -> int:
     report()
     print_sweep(report, results)
   report()
-  agree = check_losses(report, results, loss_tolerance(tf32, torch_device == "cuda"))
+  agree = check_losses(report, results, loss_tolerance(tf32, torch_device == "cuda", args.autocast))
   if table_step is not None:
     report(f"\nper-kernel table of one TinyJit step at {args.table_layers} layers")
     kernel_table(report, args.config.with_layers(args.table_layers), table_step, args.device)

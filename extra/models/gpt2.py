@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ourgrad import Tensor
+from ourgrad import Tensor, autocast
+from ourgrad.dtype import DType
 from ourgrad.nn import Embedding, LayerNorm, Linear, Module
 from ourgrad.nn.optim import AdamW
 
@@ -162,13 +163,15 @@ def configure_optimizers(model: Module, lr: float = 6e-4, weight_decay: float = 
           AdamW(plain, lr=lr, betas=betas, weight_decay=0.0)]
 
 
-def training_step(model: GPT2, optimizers: list[AdamW]) -> Any:
+def training_step(model: GPT2, optimizers: list[AdamW], low_dtype: DType | None = None) -> Any:
   """One training step of `model`, a function of (tokens, targets) returning the loss: the loss, backward and every
-  optimizer's update realized in one schedule (wrap it in TinyJit to replay it)."""
+  optimizer's update realized in one schedule (wrap it in TinyJit to replay it). With `low_dtype` (bfloat16 or
+  float16) the forward runs under ourgrad.autocast(low_dtype), as nanoGPT's `with ctx:`; the weights stay float32."""
   def step(tokens: Tensor, targets: Tensor) -> Tensor:
     with Tensor.train():
       for optimizer in optimizers: optimizer.zero_grad()
-      loss = model(tokens, targets)[1]
+      with autocast(low_dtype or "bfloat16", enabled=low_dtype is not None):
+        loss = model(tokens, targets)[1]
       loss.backward()
       Tensor.realize_all(loss, *[tensor for optimizer in optimizers for tensor in optimizer.schedule_step()])
     return loss

@@ -8,7 +8,7 @@ import inspect
 import pathlib
 
 import ourgrad
-from ourgrad import Tensor, nn
+from ourgrad import Tensor, amp, nn
 from ourgrad.nn import functional, init, losses, optim, state
 from ourgrad.nn import utils as nn_utils
 from ourgrad.optim import lr_scheduler
@@ -18,7 +18,7 @@ SECTIONS = [("ourgrad", ourgrad), ("Tensor", Tensor), ("ourgrad.nn (layers)", nn
             ("ourgrad.nn.functional", functional),
             ("ourgrad.nn.losses", losses), ("ourgrad.nn.optim", optim), ("ourgrad.optim.lr_scheduler", lr_scheduler),
             ("ourgrad.nn.init", init), ("ourgrad.nn.utils", nn_utils), ("ourgrad.utils.data", data),
-            ("ourgrad.nn.state", state)]
+            ("ourgrad.nn.state", state), ("ourgrad.amp", amp)]
 
 
 def first_paragraph(obj: object) -> str:

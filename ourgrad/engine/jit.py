@@ -34,6 +34,7 @@ from ourgrad.engine.snapshot import redirect_reader, stale_readers
 from ourgrad.errors import DeviceError, JitError
 from ourgrad.helpers import DEBUG, GlobalCounters, env_var, tf32_allowed
 from ourgrad.lazy import LazyBuffer
+from ourgrad.mixed_precision import get_autocast_dtype
 from ourgrad.shape.symbolic import Node, sym_bind, sym_infer, sym_unbind
 from ourgrad.tensor import Tensor
 
@@ -92,6 +93,11 @@ class TinyJit(Generic[ReturnType]):
     if captured is not None and captured.tf32 != tf32_allowed():
       # captured under the other float32 matmul precision (set_float32_matmul_precision): its kernels would keep it
       if DEBUG >= 1: print(f"jit: {self.fn.__name__} was captured with TF32 {'on' if captured.tf32 else 'off'}")
+      self.reset()
+      captured = None
+    if captured is not None and captured.autocast_dtype != get_autocast_dtype():
+      # captured under another autocast state: its kernels compute in the dtypes that state chose
+      if DEBUG >= 1: print(f"jit: {self.fn.__name__} was captured with autocast {captured.autocast_dtype}")
       self.reset()
       captured = None
     if captured is not None and not kwargs and not jit_recording.active:
@@ -303,6 +309,7 @@ class CapturedJit:
                statics: dict[str, Any], result: Any, outputs: list[Tensor]):
     self.items, self.specs, self.statics = items, specs, statics
     self.tf32 = tf32_allowed()   # the float32 matmul precision its kernels were compiled for
+    self.autocast_dtype = get_autocast_dtype()  # the autocast low dtype (None: off) its ops were cast for
     self.input_buffers = list(input_buffers)
     self.result_template = _template(result)  # the structure only: the capture call's tensors are not kept alive
     # every (item, argument) slot holding each input buffer

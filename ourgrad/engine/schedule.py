@@ -117,9 +117,12 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
         realizes.setdefault(id(src.base), "the table of a gather (read at computed offsets)")
       if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
         realizes.setdefault(id(src.base), "read through a pad, and computes an op with f(0) != 0")
-      if _recomputation_is_costly(src):
-        realizes.setdefault(id(src.base), f"recomputation: read {src.st.size // max(src.base.size, 1)}x per element "
-                                          f"and costs >= {RECOMPUTE_COST_LIMIT} ops per element")
+      if _recomputation_is_costly(src, realizes):
+        stored = _narrower_source(src.base)
+        realizes.setdefault(id(stored), f"recomputation: read {src.st.size // max(src.base.size, 1)}x per element "
+                                        f"and costs >= {RECOMPUTE_COST_LIMIT} ops per element"
+                                        + (f" (stored as {stored.dtype.name}, before the cast to "
+                                           f"{src.base.dtype.name})" if stored is not src.base else ""))
   by_id = {id(base): base for base in bases}
 
   def kernel_of(base_id: int) -> int:
@@ -354,7 +357,7 @@ RECOMPUTE_COST_LIMIT = 4
 TRANSCENDENTAL_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP})
 
 
-def _recomputation_is_costly(src: LazyBuffer) -> bool:
+def _recomputation_is_costly(src: LazyBuffer, realizes: Realizations) -> bool:
   """Whether the view `src` reads its (unrealized, elementwise) base's elements at least twice each on average,
   and the base's fused graph costs too much to compute again at every read."""
   base = src.base
@@ -363,11 +366,27 @@ def _recomputation_is_costly(src: LazyBuffer) -> bool:
   cost, stack, seen = 0, [base], set()
   while stack and cost < RECOMPUTE_COST_LIMIT:
     node = stack.pop()
-    if id(node) in seen or node.realized is not None or node.op not in ELEMENTWISE_OPS: continue
+    # a base that will be stored (realize()/contiguous(), or chosen already) is loaded, not recomputed
+    stored = node.realized is not None or node.forced_realize or (node is not base and id(node) in realizes)
+    if id(node) in seen or stored or node.op not in ELEMENTWISE_OPS: continue
     seen.add(id(node))
     cost += 4 if node.op in TRANSCENDENTAL_OPS else 1
     stack.extend(src.base for src in node.srcs)
   return cost >= RECOMPUTE_COST_LIMIT
+
+
+def _narrower_source(base: LazyBuffer) -> LazyBuffer:
+  """What to store of a costly `base`: the source of a widening float cast (bfloat16 -> float32: autocast's matmul
+  operands) when that source is itself computed here, else `base`. The narrow values are half the bytes, the cast is
+  one op in each reader, and a matmul reading a cast load stays tensor-core shaped."""
+  if base.op is not Ops.CAST: return base
+  source = base.srcs[0]
+  widening = source.dtype.is_float and base.dtype.is_float and source.dtype.itemsize < base.dtype.itemsize
+  # the source may be a plain reshape of its base (a (B, T, C) activation read as (B*T, C)): the base holds its values
+  reshaped = source.st.contiguous and source.size == source.base.size
+  stored = source.base
+  if not widening or not reshaped or stored.realized is not None or stored.op not in ELEMENTWISE_OPS: return base
+  return stored
 
 
 def _is_per_row_value(base: LazyBuffer) -> bool:

@@ -26,6 +26,7 @@ import numpy as np
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import make_tuple
 from ourgrad.errors import DTypeError, ShapeError
+from ourgrad.mixed_precision import CastPolicy, autocast_op
 from ourgrad.nn.batchnorm import BatchNormNormalize, batch_statistics, channel_view, stored_statistics
 from ourgrad.nn.module import Module
 from ourgrad.tensor import Tensor
@@ -236,6 +237,7 @@ class BatchNorm(Module):
     return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
             f"bias={self.affine}, track_running_stats={self.track_running_stats}")
 
+  @autocast_op(CastPolicy.FLOAT32)  # batch statistics in float32 under autocast (cuDNN keeps them float32)
   def forward(self, x: Tensor) -> Tensor:
     if x.ndim < 2 or x.shape[1] != self.num_features:
       raise ShapeError(f"BatchNorm({self.num_features}) expects input (N, {self.num_features}, ...), got {x.shape}")
@@ -370,6 +372,7 @@ class RMSNorm(Module):
     self.eps, self.elementwise_affine = eps, elementwise_affine
     self.weight = Tensor.ones(*self.normalized_shape, requires_grad=True) if elementwise_affine else None
 
+  @autocast_op(CastPolicy.FLOAT32)  # torch's autocast lists rms_norm with the float32 ops
   def forward(self, x: Tensor) -> Tensor:
     dims = len(self.normalized_shape)
     if x.ndim < dims or x.shape[x.ndim - dims:] != self.normalized_shape:

@@ -253,6 +253,11 @@ class Module:
     """Cast the floating-point parameters and buffers to float16, in place."""
     return self.to(dtype=dtypes.float16)
 
+  def bfloat16(self) -> Module:
+    """Cast the floating-point parameters and buffers to bfloat16, in place (for inference: optimizers refuse
+    low-precision parameters; train float32 weights under ourgrad.autocast instead)."""
+    return self.to(dtype=dtypes.bfloat16)
+
   def float(self) -> Module:
     """Cast the floating-point parameters and buffers to float32, in place."""
     return self.to(dtype=dtypes.float32)

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from ourgrad.dtype import dtypes
-from ourgrad.errors import AutogradError
+from ourgrad.errors import AutogradError, DTypeError
+from ourgrad.mixed_precision import LOW_FLOAT_DTYPES, suspend_autocast
 from ourgrad.multi import MultiLazyBuffer, is_assignable
 from ourgrad.tensor import Tensor, no_grad
 
@@ -154,6 +155,12 @@ class Optimizer(metaclass=_ParamGroupsMeta):
       if param.requires_grad is False: continue  # buffers (running statistics) are not optimized
       if param.requires_grad is None: param.requires_grad = True
       if id(param) not in seen: unique.append(param); seen.add(id(param))
+      if param.dtype in LOW_FLOAT_DTYPES:
+        # updates of a few 1e-4 relative size vanish when rounded to 8 (bfloat16) or 11 (float16) mantissa bits
+        raise DTypeError(f"{type(self).__name__} got a {param.dtype.name} parameter of shape {param.shape} "
+                         f"(position {index}): optimizers update float32 master weights. Keep the model float32 and "
+                         f"train under ourgrad.autocast(dtypes.{param.dtype.name}), or call model.float() first; "
+                         f"cast to {param.dtype.name} with model.to() for inference only")
     if not unique:
       raise AutogradError(f"optimizer got {len(params)} tensors, all with requires_grad=False: there is nothing "
                           f"to optimize; create the weights with requires_grad=True")
@@ -228,7 +235,8 @@ class Optimizer(metaclass=_ParamGroupsMeta):
     (Realized later, a lazy loss would read the already updated parameters.)"""
     if self._group_optimizers:  # several parameter groups: each group's optimizer builds its updates
       return [tensor for optimizer in self._group_optimizers for tensor in optimizer.schedule_step()]
-    with no_grad():
+    # an optimizer's math is on float32 master weights: autocast (a step inside an autocast block) never casts it
+    with no_grad(), suspend_autocast():
       active = [(param, param.grad.detach()) for param in self.params if param.grad is not None]
       if not active: return []
       for param, grad in active:

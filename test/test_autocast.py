@@ -1,0 +1,410 @@
+"""Mixed precision: which dtype each op runs in under ourgrad.autocast (against torch.autocast on the CPU where torch's
+CPU and CUDA op lists agree, and against torch's documented CUDA lists where they differ), float32 master weights and
+their gradients, nesting / enabled=False / threads / TinyJit, a small model's bf16 loss curve against torch's, and
+GradScaler's skip-and-back-off against torch.amp.GradScaler. Module.to/.bfloat16/.float round-trips against torch."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import ourgrad
+from ourgrad import Tensor, TinyJit, dtypes, nn
+from ourgrad.errors import DTypeError
+from helpers import TORCH_DTYPES
+
+rng = np.random.default_rng(0)
+A = rng.standard_normal((4, 8)).astype(np.float32)
+W = rng.standard_normal((3, 8)).astype(np.float32)
+IMAGE = rng.standard_normal((1, 2, 5, 5)).astype(np.float32)
+KERNEL = rng.standard_normal((3, 2, 3, 3)).astype(np.float32)
+TARGET = np.array([0, 2, 1, 1])
+
+# ops on which torch's CPU and CUDA autocast lists agree: (ourgrad, torch), both given float32 inputs
+AGREED_OPS = {
+  "matmul": (lambda: Tensor(A) @ Tensor(W).T, lambda: torch.tensor(A) @ torch.tensor(W).T),
+  "linear": (lambda: Tensor(A).linear(Tensor(W)), lambda: TF.linear(torch.tensor(A), torch.tensor(W))),
+  "bmm": (lambda: Tensor(A)[None].bmm(Tensor(W).T[None]),
+          lambda: torch.bmm(torch.tensor(A)[None], torch.tensor(W).T[None])),
+  "addmm": (lambda: Tensor.zeros(4, 3).addmm(Tensor(A), Tensor(W).T),
+            lambda: torch.addmm(torch.zeros(4, 3), torch.tensor(A), torch.tensor(W).T)),
+  "einsum": (lambda: Tensor.einsum("ij,kj->ik", Tensor(A), Tensor(W)),
+             lambda: torch.einsum("ij,kj->ik", torch.tensor(A), torch.tensor(W))),
+  "conv2d": (lambda: Tensor(IMAGE).conv2d(Tensor(KERNEL)),
+             lambda: TF.conv2d(torch.tensor(IMAGE), torch.tensor(KERNEL))),
+  "conv1d": (lambda: Tensor(IMAGE[:, :, 0]).conv1d(Tensor(KERNEL[:, :, 0])),
+             lambda: TF.conv1d(torch.tensor(IMAGE[:, :, 0]), torch.tensor(KERNEL[:, :, 0]))),
+  "conv_transpose2d": (lambda: Tensor(IMAGE).conv_transpose2d(Tensor(KERNEL).transpose(0, 1)),
+                       lambda: TF.conv_transpose2d(torch.tensor(IMAGE), torch.tensor(KERNEL).transpose(0, 1))),
+  "sdpa": (lambda: Tensor(A)[None].scaled_dot_product_attention(Tensor(A)[None], Tensor(A)[None]),
+           lambda: TF.scaled_dot_product_attention(*[torch.tensor(A)[None]] * 3)),
+  "cross_entropy": (lambda: Tensor(A).cast(dtypes.bfloat16).cross_entropy(Tensor(TARGET)),
+                    lambda: TF.cross_entropy(torch.tensor(A).bfloat16(), torch.tensor(TARGET))),
+  "nll_loss": (lambda: Tensor(A).cast(dtypes.bfloat16).nll_loss(Tensor(TARGET)),
+               lambda: TF.nll_loss(torch.tensor(A).bfloat16(), torch.tensor(TARGET))),
+  "mse_loss": (lambda: Tensor(A).cast(dtypes.bfloat16).mse_loss(Tensor(A).cast(dtypes.bfloat16)),
+               lambda: TF.mse_loss(torch.tensor(A).bfloat16(), torch.tensor(A).bfloat16())),
+  "bce_with_logits": (lambda: Tensor(A).cast(dtypes.bfloat16).binary_cross_entropy_with_logits(Tensor(A).sigmoid()),
+                      lambda: TF.binary_cross_entropy_with_logits(torch.tensor(A).bfloat16(),
+                                                                  torch.tensor(A).sigmoid())),
+  "prod": (lambda: Tensor(A).cast(dtypes.bfloat16).prod(), lambda: torch.tensor(A).bfloat16().prod()),
+  "relu": (lambda: Tensor(A).cast(dtypes.bfloat16).relu(), lambda: torch.tensor(A).bfloat16().relu()),
+  "mean": (lambda: Tensor(A).cast(dtypes.bfloat16).mean(), lambda: torch.tensor(A).bfloat16().mean()),
+  "gelu": (lambda: Tensor(A).cast(dtypes.bfloat16).gelu(), lambda: TF.gelu(torch.tensor(A).bfloat16())),
+}
+
+# torch's CUDA list runs these in float32 (torch.amp docs, "CUDA Ops that can autocast to float32"; rms_norm since
+# torch 2.4); its CPU list leaves them in the input dtype, so the CPU cannot be the reference: a bfloat16 input must
+# come out float32, with the values of the float32 op on the bfloat16-rounded input
+FLOAT32_OPS = {
+  "softmax": (lambda x: x.softmax(-1), lambda t: t.softmax(-1)),
+  "log_softmax": (lambda x: x.log_softmax(-1), lambda t: t.log_softmax(-1)),
+  "layernorm": (lambda x: x.layernorm(), lambda t: TF.layer_norm(t, t.shape[-1:])),
+  "sum": (lambda x: x.sum(), lambda t: t.sum()),
+  "cumsum": (lambda x: x.cumsum(1), lambda t: t.cumsum(1)),
+  "exp": (lambda x: x.exp(), lambda t: t.exp()),
+  "log": (lambda x: x.abs().log(), lambda t: t.abs().log()),
+  "pow": (lambda x: x ** 2, lambda t: t ** 2),
+  "rsqrt": (lambda x: x.abs().rsqrt(), lambda t: t.abs().rsqrt()),
+  "rdiv": (lambda x: 1 / x, lambda t: 1 / t),
+  "softplus": (lambda x: x.softplus(), lambda t: TF.softplus(t)),
+  "LayerNorm": (lambda x: nn.LayerNorm(8)(x), lambda t: TF.layer_norm(t, (8,))),
+  "RMSNorm": (lambda x: nn.RMSNorm(8, eps=1e-6)(x), lambda t: TF.rms_norm(t, (8,), eps=1e-6)),
+  "GroupNorm": (lambda x: nn.GroupNorm(1, 4)(x.reshape(1, 4, 8)), lambda t: TF.group_norm(t.reshape(1, 4, 8), 1)),
+  "BatchNorm": (lambda x: nn.BatchNorm1d(4)(x.reshape(1, 4, 8)),
+                lambda t: TF.batch_norm(t.reshape(1, 4, 8), None, None, training=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(AGREED_OPS))
+def test_op_dtype_and_value_match_torch_cpu_autocast(name: str):
+  ourgrad_op, torch_op = AGREED_OPS[name]
+  with ourgrad.autocast(dtypes.bfloat16):
+    ours = ourgrad_op()
+  with torch.autocast("cpu", dtype=torch.bfloat16):
+    theirs = torch_op()
+  assert TORCH_DTYPES[ours.dtype] == theirs.dtype
+  # both round a float32-accumulated result once to bfloat16: at most a bfloat16 ulp apart (2^-8 relative)
+  np.testing.assert_allclose(ours.float().numpy(), theirs.float().numpy(), rtol=2 ** -7, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", list(FLOAT32_OPS))
+def test_float32_ops_follow_torch_cuda_list(name: str):
+  ourgrad_op, torch_op = FLOAT32_OPS[name]
+  low = Tensor(A).cast(dtypes.bfloat16)
+  with ourgrad.autocast(dtypes.bfloat16):
+    ours = ourgrad_op(low)
+  assert ours.dtype == dtypes.float32
+  expected = torch_op(torch.tensor(A).bfloat16().float())
+  np.testing.assert_allclose(ours.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_float64_is_never_cast():
+  x = Tensor(A.astype(np.float64))
+  with ourgrad.autocast(dtypes.bfloat16):
+    assert (x @ x.T).dtype == dtypes.float64 and x.softmax().dtype == dtypes.float64
+
+
+def test_explicit_dtype_argument_opts_out():
+  with ourgrad.autocast(dtypes.bfloat16):
+    assert Tensor(A).cast(dtypes.bfloat16).sum(dtype=dtypes.bfloat16).dtype == dtypes.bfloat16
+
+
+def test_master_weights_get_float32_gradients_equal_to_torch():
+  x, w = Tensor(A, requires_grad=True), Tensor(W, requires_grad=True)
+  with ourgrad.autocast(dtypes.bfloat16):
+    loss = x.linear(w).softmax(-1).square().sum()
+  loss.backward()
+  tx, tw = torch.tensor(A, requires_grad=True), torch.tensor(W, requires_grad=True)
+  with torch.autocast("cpu", dtype=torch.bfloat16):
+    # torch's CPU list keeps softmax in bfloat16; cast up by hand to run the CUDA list's graph
+    tloss = TF.linear(tx, tw).float().softmax(-1).square().sum()
+  tloss.backward()
+  assert x.grad.dtype == w.grad.dtype == dtypes.float32 and w.dtype == dtypes.float32
+  np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=2e-2, atol=2e-3)
+  np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=2e-2, atol=2e-3)
+
+
+def test_nesting_enabled_false_and_decorator():
+  x, w = Tensor(A), Tensor(W)
+  assert not ourgrad.is_autocast_enabled()
+  with ourgrad.autocast("cuda", dtype=dtypes.float16):
+    assert x.linear(w).dtype == dtypes.float16
+    with ourgrad.autocast(dtypes.bfloat16):
+      assert x.linear(w).dtype == dtypes.bfloat16
+      with ourgrad.autocast(enabled=False):
+        assert x.linear(w).dtype == dtypes.float32 and not ourgrad.is_autocast_enabled()
+      assert ourgrad.get_autocast_dtype() == dtypes.bfloat16
+    assert x.linear(w).dtype == dtypes.float16
+  assert x.linear(w).dtype == dtypes.float32
+
+  @ourgrad.autocast("bfloat16")
+  def forward() -> Tensor: return x.linear(w)
+  assert forward().dtype == dtypes.bfloat16 and not ourgrad.is_autocast_enabled()
+  with pytest.raises(DTypeError): ourgrad.autocast(dtypes.float32)
+
+
+def test_autocast_is_per_thread():
+  seen: list = []
+  started, release = threading.Event(), threading.Event()
+
+  def other_thread() -> None:
+    started.set()
+    release.wait(5)
+    seen.append(Tensor(A).linear(Tensor(W)).dtype)
+
+  thread = threading.Thread(target=other_thread)
+  thread.start()
+  started.wait(5)
+  with ourgrad.autocast(dtypes.bfloat16):
+    release.set()
+    thread.join(10)
+    assert Tensor(A).linear(Tensor(W)).dtype == dtypes.bfloat16
+  assert seen == [dtypes.float32]
+
+
+def test_autocast_state_survives_an_exception():
+  with pytest.raises(ValueError), ourgrad.autocast(dtypes.bfloat16):
+    raise ValueError("inside")
+  assert not ourgrad.is_autocast_enabled()
+
+
+def test_tinyjit_under_autocast_replays_and_recaptures_on_another_state():
+  w = Tensor(W).realize()
+
+  @TinyJit
+  def forward(x: Tensor) -> Tensor: return x.linear(w).realize()
+
+  expected = torch.tensor(A).bfloat16() @ torch.tensor(W).bfloat16().T
+  with ourgrad.autocast(dtypes.bfloat16):
+    for _ in range(3):
+      out = forward(Tensor(A).realize())
+      assert out.dtype == dtypes.bfloat16
+      np.testing.assert_allclose(out.float().numpy(), expected.float().numpy(), rtol=2 ** -7, atol=1e-2)
+  assert forward(Tensor(A).realize()).dtype == dtypes.float32  # captured under bf16: captured anew
+
+
+def _mlp_weights() -> list[np.ndarray]:
+  weights = np.random.default_rng(1)
+  return [(weights.standard_normal((32, 16)) / 4).astype(np.float32), np.zeros(32, np.float32),
+          (weights.standard_normal((4, 32)) / 6).astype(np.float32), np.zeros(4, np.float32)]
+
+
+def _ourgrad_curve(inputs: np.ndarray, labels: np.ndarray, steps: int) -> np.ndarray:
+  first, second = nn.Linear(16, 32), nn.Linear(32, 4)
+  params = [first.weight, first.bias, second.weight, second.bias]
+  for param, value in zip(params, _mlp_weights()): param.assign(Tensor(value)).realize()
+  optimizer = ourgrad.optim.AdamW(params, lr=3e-2)
+  losses = []
+  for _ in range(steps):
+    optimizer.zero_grad()
+    with ourgrad.autocast(dtypes.bfloat16):
+      loss = second(first(Tensor(inputs)).relu()).cross_entropy(Tensor(labels))
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+  return np.array(losses)
+
+
+def _torch_curve(inputs: np.ndarray, labels: np.ndarray, steps: int, low: bool) -> np.ndarray:
+  first, second = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+  params = [first.weight, first.bias, second.weight, second.bias]
+  for param, value in zip(params, _mlp_weights()): param.data = torch.tensor(value)
+  optimizer = torch.optim.AdamW(params, lr=3e-2)
+  losses = []
+  for _ in range(steps):
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+      loss = TF.cross_entropy(second(torch.relu(first(torch.tensor(inputs)))), torch.tensor(labels))
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+  return np.array(losses)
+
+
+def test_bf16_training_follows_torch_autocast_loss_curve():
+  data = np.random.default_rng(0)
+  inputs, labels = data.standard_normal((64, 16)).astype(np.float32), data.integers(0, 4, 64)
+  steps = 30
+  ours = _ourgrad_curve(inputs, labels, steps)
+  torch_bf16 = _torch_curve(inputs, labels, steps, low=True)
+  torch_fp32 = _torch_curve(inputs, labels, steps, low=False)
+  # the tolerance is bfloat16's own noise: how far torch's bf16 curve strays from its float32 one. ourgrad and torch
+  # round at the same points (linear outputs, relu in bf16; cross_entropy in float32), differing only in summation
+  # order, so ourgrad must stay well inside that noise (measured: 0.16 of it); a cast in the wrong place (a float32
+  # linear, a bfloat16 loss) moves the curve by the whole noise or more
+  noise = np.abs(torch_bf16 - torch_fp32).max()
+  assert ours[-1] < 0.1 * ours[0]  # it trains
+  assert np.abs(ours - torch_bf16).max() < 0.5 * noise, (ours, torch_bf16, noise)
+
+
+def _scaler_run(inf_at_step: int, steps: int, growth_interval: int) -> tuple[list, list]:
+  """(ourgrad, torch) lists of (scale, weights) after each step of float16-autocast SGD with a GradScaler."""
+  weight = (np.random.default_rng(2).standard_normal((4, 3)) / 2).astype(np.float32)
+  layer, torch_layer = nn.Linear(3, 4, bias=False), torch.nn.Linear(3, 4, bias=False)
+  layer.weight.assign(Tensor(weight)).realize()
+  torch_layer.weight.data = torch.tensor(weight)
+  optimizer, torch_optimizer = ourgrad.optim.SGD([layer.weight], lr=0.1), torch.optim.SGD([torch_layer.weight], lr=0.1)
+  scaler = ourgrad.amp.GradScaler(init_scale=1024.0, growth_interval=growth_interval)
+  torch_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=growth_interval)
+  ours, theirs = [], []
+  for step in range(steps):
+    inputs = np.random.default_rng(3 + step).standard_normal((5, 3)).astype(np.float32)
+    if step == inf_at_step: inputs[0, 0] = np.inf
+    optimizer.zero_grad()
+    with ourgrad.autocast(dtypes.float16):
+      loss = layer(Tensor(inputs)).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    ours.append((scaler.get_scale(), layer.weight.numpy().copy()))
+    torch_optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+      torch_loss = torch_layer(torch.tensor(inputs)).float().square().mean()
+    torch_scaler.scale(torch_loss).backward()
+    torch_scaler.step(torch_optimizer)
+    torch_scaler.update()
+    theirs.append((torch_scaler.get_scale(), torch_layer.weight.detach().numpy().copy()))
+  return ours, theirs
+
+
+def test_grad_scaler_skips_inf_step_and_backs_off_like_torch():
+  ours, theirs = _scaler_run(inf_at_step=1, steps=5, growth_interval=2)
+  assert [scale for scale, _ in ours] == [scale for scale, _ in theirs]
+  np.testing.assert_array_equal(ours[1][1], ours[0][1])  # the inf step left the weights alone
+  for (_, weight), (_, torch_weight) in zip(ours, theirs):
+    np.testing.assert_allclose(weight, torch_weight, rtol=1e-3, atol=1e-4)
+
+
+def test_grad_scaler_unscale_once_and_state_dict():
+  layer = nn.Linear(3, 2)
+  optimizer = ourgrad.optim.SGD(layer.parameters(), lr=0.1)
+  scaler = ourgrad.amp.GradScaler(init_scale=8.0)
+  scaler.scale(layer(Tensor(A[:, :3])).sum()).backward()
+  scaled_grad = layer.weight.grad.numpy()
+  scaler.unscale_(optimizer)
+  np.testing.assert_allclose(layer.weight.grad.numpy(), scaled_grad / 8.0, rtol=1e-6)
+  with pytest.raises(RuntimeError, match="already been called"): scaler.unscale_(optimizer)
+  scaler.step(optimizer)
+  scaler.update()
+  restored = ourgrad.amp.GradScaler()
+  restored.load_state_dict(scaler.state_dict())
+  assert restored.get_scale() == 8.0 and restored.state_dict() == scaler.state_dict()
+  disabled = ourgrad.amp.GradScaler(enabled=False)
+  loss = Tensor(2.0)
+  assert disabled.scale(loss) is loss and disabled.get_scale() == 1.0
+
+
+def test_module_to_low_precision_round_trip_matches_torch():
+  model = nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+  torch_model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+  torch_model.load_state_dict({name: torch.tensor(value.numpy()) for name, value in model.state_dict().items()})
+  for low, torch_low in ((dtypes.bfloat16, torch.bfloat16), (dtypes.float16, torch.float16)):
+    model.to(low)
+    torch_model.to(torch_low)
+    for ours, theirs in zip(model.parameters(), torch_model.parameters()):
+      assert ours.dtype == low
+      np.testing.assert_array_equal(ours.float().numpy(), theirs.float().detach().numpy())
+    model.float()
+    torch_model.float()
+    for ours, theirs in zip(model.parameters(), torch_model.parameters()):
+      assert ours.dtype == dtypes.float32
+      np.testing.assert_array_equal(ours.numpy(), theirs.detach().numpy())
+  assert model.bfloat16() is model and model.half() is model
+
+
+def test_optimizer_over_low_precision_params_raises():
+  model = nn.Linear(4, 2).bfloat16()
+  with pytest.raises(DTypeError, match="float32 master weights"): ourgrad.optim.AdamW(model.parameters())
+
+
+def test_optimizer_step_inside_autocast_stays_float32():
+  layer = nn.Linear(8, 3)
+  optimizer = ourgrad.optim.AdamW(layer.parameters(), lr=1e-2)
+  with ourgrad.autocast(dtypes.bfloat16):
+    layer(Tensor(A)).float().sum().backward()
+    optimizer.step()
+  assert all(param.dtype == dtypes.float32 for param in layer.parameters())
+
+
+def _matmul_operand_loads(schedule: list) -> list[list]:
+  """Per matmul in `schedule` (a SUM of a MUL of two broadcast loads, through casts), the dtype of each load and
+  whether it is cast at most once (the shape tensor cores match: codegen/kernel.py matmul_operands)."""
+  from ourgrad.ops import Ops
+
+  def through_casts(op: Any) -> tuple[Any, int]:
+    casts = 0
+    while op.op is Ops.CAST: op, casts = op.srcs[0], casts + 1
+    return op, casts
+
+  found = []
+  for item in schedule:
+    for op in item.ast.walk():
+      if op.op is not Ops.SUM: continue
+      product, _ = through_casts(op.srcs[0])
+      if product.op is not Ops.MUL: continue
+      operands = [through_casts(src) for src in product.srcs]
+      if all(load.op is Ops.LOAD and 0 in load.arg.st.views[-1].strides for load, _ in operands):
+        found.append([(load.dtype, casts <= 1) for load, casts in operands])
+  return found
+
+
+def test_matmuls_under_autocast_load_stored_low_precision_operands():
+  # every product of a block (2 forward, 2 input-gradient, 2 weight-gradient matmuls) loads bfloat16 buffers, what
+  # tensor cores take, not float32 ones or a recomputed prologue: the norm and gelu before a linear and the gradients
+  # reaching it are stored in bfloat16, as torch's autocast kernels store them
+  from ourgrad.engine.schedule import create_schedule
+  norm, first, second = nn.LayerNorm(64), nn.Linear(64, 128), nn.Linear(128, 64)
+  params = [*norm.parameters(), *first.parameters(), *second.parameters()]
+  x = Tensor(rng.standard_normal((2, 32, 64)).astype(np.float32)).realize()  # (batch, tokens, width): read as (64, 64)
+  for param in params: param.realize()
+  with ourgrad.autocast(dtypes.bfloat16):
+    loss = (x + second(first(norm(x)).gelu(approximate="tanh"))).square().mean()
+  loss.backward()
+  products = _matmul_operand_loads(create_schedule([loss.lazydata, *[param.grad.lazydata for param in params]]))
+  assert len(products) == 6 and all(operand == (dtypes.bfloat16, True) for loads in products for operand in loads), \
+    products
+
+
+def test_product_of_a_computed_low_precision_view_loads_it_stored():
+  # a bfloat16 product read through a permute (attention's output going into c_proj): its base is stored in bfloat16
+  # and the next product loads it, instead of loading the float32 sum and casting it twice in its prologue
+  from ourgrad.engine.schedule import create_schedule
+  layer = nn.Linear(64, 64)
+  a, b = [Tensor(rng.standard_normal((64, 64)).astype(np.float32)).realize() for _ in range(2)]
+  for param in layer.parameters(): param.realize()
+  with ourgrad.autocast(dtypes.bfloat16):
+    out = layer((a @ b).T)
+  products = _matmul_operand_loads(create_schedule([out.lazydata]))
+  assert len(products) == 2 and all(operand == (dtypes.bfloat16, True) for loads in products for operand in loads), \
+    products
+
+
+def _autocast_training_losses(jit: bool, steps: int = 4) -> list[float]:
+  """Losses of `steps` AdamW steps of a small MLP whose forward runs under bf16 autocast, eagerly or in a TinyJit."""
+  Tensor.manual_seed(0)
+  first, second = nn.Linear(16, 32), nn.Linear(32, 4)
+  optimizer = ourgrad.optim.AdamW([*first.parameters(), *second.parameters()], lr=1e-2)
+  data = np.random.default_rng(4)
+  inputs = Tensor(data.standard_normal((8, 16)).astype(np.float32)).realize()
+  labels = Tensor(data.integers(0, 4, 8)).realize()
+
+  def step(x: Tensor, y: Tensor) -> Tensor:
+    optimizer.zero_grad()
+    with ourgrad.autocast(dtypes.bfloat16):
+      loss = second(first(x).relu()).cross_entropy(y)
+    loss.backward()
+    Tensor.realize_all(loss, *optimizer.schedule_step())
+    return loss
+
+  run = TinyJit(step) if jit else step
+  return [run(inputs, labels).item() for _ in range(steps)]
+
+
+def test_autocast_training_step_under_tinyjit_equals_eager():
+  # the capture and the replays run the kernels the eager steps run: the same bf16 rounding, bit for bit
+  assert _autocast_training_losses(jit=True) == _autocast_training_losses(jit=False)
