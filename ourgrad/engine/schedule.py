@@ -136,7 +136,7 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
     if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
       if len({kernel_of(user) for user in users[id(base)]}) > 1:
         realizes.setdefault(id(base), "a reduce read by several kernels: computed once, not once per kernel")
-  _store_or_recompute(bases, realizes, users, kernel_of)
+  _store_or_recompute(bases, realizes, users, by_id, kernel_of)
   if KERNEL_OPS_LIMIT.value > 0: _bound_kernel_sizes(bases, realizes, int(KERNEL_OPS_LIMIT.value))
   return realizes
 
@@ -144,7 +144,7 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
 # ---------------------------------------------------------------- store or recompute
 
 def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: dict[int, set[int]],
-                        kernel_of: Callable[[int], int]) -> None:
+                        by_id: dict[int, LazyBuffer], kernel_of: Callable[[int], int]) -> None:
   """Store an elementwise intermediate read by several kernels when recomputing it in each costs more memory traffic
   than storing it once. Fused, each of the n kernels reading it loads every input of its fused graph again; stored,
   the inputs are read once, the result written once and read n times, and there is one more launch (the device's
@@ -160,6 +160,12 @@ def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: 
     if not isinstance(base.size, int): continue   # a symbolic size (a Variable): no byte count to compare
     readers = {kernel_of(user) for user in users[id(base)]}
     if len(readers) < 2: continue
+    if _recomputes_a_reduce(base, realizes):
+      kernels = _kernels_reading(id(base), realizes, users, by_id)
+      if len(kernels) > 1:
+        realizes[id(base)] = (f"stored, not recomputed: {len(kernels)} kernels read it, and each would compute the "
+                              "reduce (a matmul's product) inside it again")
+      continue
     input_bytes = _fused_input_bytes(base, realizes)
     if input_bytes is None: continue
     if base.device not in launch_bytes:
@@ -170,6 +176,40 @@ def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: 
     if recompute_cost > store_cost:
       realizes[id(base)] = (f"stored, not recomputed: {len(readers)} kernels read it; recomputing moves "
                             f"{fmt_size(recompute_cost)}, storing {fmt_size(store_cost)} (one launch included)")
+
+
+def _kernels_reading(base_id: int, realizes: Realizations, users: dict[int, set[int]],
+                     by_id: dict[int, LazyBuffer]) -> set[int]:
+  """The kernels (their root bases) that read `base_id` inline: its users' kernels, following every unrealized
+  elementwise user forward (GELU's formula reads x several times, all inside one kernel)."""
+  kernels, stack, seen = set(), [base_id], {base_id}
+  while stack:
+    for user in users[stack.pop()]:
+      if user in seen: continue
+      seen.add(user)
+      if user in realizes or user not in by_id or by_id[user].op not in ELEMENTWISE_OPS: kernels.add(user)
+      else: stack.append(user)
+  return kernels
+
+
+def _recomputes_a_reduce(base: LazyBuffer, realizes: Realizations) -> bool:
+  """Whether computing `base` inline computes an unrealized reduce again, element for element: its fused
+  elementwise graph reads a reduce's result without broadcasting it (a Linear's x @ W + b, where each output
+  element is a whole dot product). Fused into n kernels, the reduce would run n times, which no byte count shows.
+  A reduce read through a broadcast (softmax's max, layernorm's mean) is a per-row value a row kernel computes
+  once per row: not counted. `_is_per_row_value` bases (math on reduce results only) are left to the row kernels."""
+  if _is_per_row_value(base): return False
+  stack, seen = [base], {id(base)}
+  while stack:
+    node = stack.pop()
+    for src in node.srcs:
+      src_base = src.base
+      if id(src_base) in seen or src_base.realized is not None or id(src_base) in realizes: continue
+      if src.st.size != src_base.size: continue   # broadcast (or a part): per-row values below, not per element
+      seen.add(id(src_base))
+      if src_base.op in REDUCE_OPS: return True
+      if src_base.op in ELEMENTWISE_OPS: stack.append(src_base)
+  return False
 
 
 def _fused_input_bytes(base: LazyBuffer, realizes: Realizations) -> int | None:
