@@ -108,6 +108,8 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
       stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
     elif node.op in ELEMENTWISE_OPS:
       stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
+    elif node.op is Ops.INDEX_ACCUMULATE:   # a kernel of its own: its sources are realized (or a constant start)
+      stack.extend((src.base, src.st, False, False) for src in node.srcs)
     elif node.op is Ops.GATHER:
       if target is not None and reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
       plan.loads.append((node.srcs[0].base, None))

@@ -1,0 +1,256 @@
+"""Indexed accumulate kernels: out[index[m], :] = start + the rows[m, :] whose index is that row (Ops.INDEX_ACCUMULATE).
+
+The kernel AST is `STORE(INDEX_ACCUMULATE(start, index, rows))`: `start` (N, R) a row-major LOAD or a CONST, `index`
+(M,) int32 and `rows` (M, R) row-major LOADs (engine/schedule.py `_schedule_index_accumulate`). The result is what
+numpy's `np.add.at(out, index, rows)` gives on a copy of start: every row added in the order m = 0, 1, ..., repeated
+indices summed, an index outside [0, N) ignored. It is deterministic by construction, with no atomics: each output
+element has one owner, which adds its sources in ascending m.
+
+- On a GPU (`renderer.has_threads`), a thread owns `rows_per_thread` consecutive output rows and `features_per_thread`
+  consecutive features of them (float4 loads and stores where the width allows). It writes its part of `start`, then
+  scans the whole index array (ints, the same addresses in every thread of a warp: cache broadcasts, `scan_unroll`
+  loads in flight) and, for each index that falls in its rows, adds that source row's features into its output with
+  a read-modify-write of its own elements. The scan is M compares per thread; the threads are about
+  `THREADS_PER_PROCESSOR` per multiprocessor of the device, so the scan costs M x (that many threads) integer
+  compares, while the floating-point work is the M x R additions that must be done, not an N x M x R one-hot.
+- On a CPU (loops), one thread writes `start`, then walks m = 0 .. M-1 and adds row m into row index[m] (a loop over
+  R the C compiler vectorizes).
+
+`IndexAccumulateKernel` offers what engine/realize.py reads of a Kernel (name, leaves, sts, applied_opts,
+print_debug, colored_shape, linearize, op_count); no Opts apply (`plan_index_accumulate` sizes it from the device).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ourgrad.codegen.linearizer import INDEX_DTYPE
+from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
+from ourgrad.dtype import DType, dtypes
+from ourgrad.helpers import DEBUG
+from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops, format_ast
+
+# GPU threads per multiprocessor the kernel aims for: enough to stream the start's stores at bandwidth, few enough that
+# every thread's scan of the whole index array stays cheap (the scan's cost grows with the thread count)
+THREADS_PER_PROCESSOR = 512
+# threads per block
+BLOCK_THREADS = 128
+# features one thread owns, at most (in vectors of the device's width where the width allows)
+MAX_VECTORS_PER_THREAD = 4
+
+
+@dataclass(frozen=True)
+class AccumulatePlan:
+  """How a GPU indexed accumulate of `count` rows into a (rows, width) output is split over threads."""
+  rows: int
+  width: int
+  count: int
+  vector: int               # elements of one load/store (4: float4), 1: scalar
+  features_per_thread: int  # a multiple of `vector` dividing `width`
+  feature_threads: int      # a block's threads along the features (dividing the feature groups)
+  row_threads: int          # a block's threads along the row groups
+  rows_per_thread: int
+  scan_unroll: int          # index loads in flight in the scan (dividing `count`)
+
+  @property
+  def feature_groups(self) -> int: return self.width // self.features_per_thread
+
+  @property
+  def row_groups(self) -> int: return math.ceil(self.rows / self.rows_per_thread)
+
+  @property
+  def blocks(self) -> tuple[int, int]:
+    """Blocks along the row groups (x) and along the feature groups (y)."""
+    return math.ceil(self.row_groups / self.row_threads), self.feature_groups // self.feature_threads
+
+  @property
+  def ragged(self) -> bool:
+    """Whether some thread owns fewer than rows_per_thread rows (the last row group, or threads past the end)."""
+    return self.rows % self.rows_per_thread != 0 or self.row_groups % self.row_threads != 0
+
+
+def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, renderer: Any) -> AccumulatePlan:
+  """The GPU split of an indexed accumulate, from the device's facts (threads per block, multiprocessors, vector
+  width): see the module docstring."""
+  vector = 4 if renderer.vector_width >= 4 and dtype == dtypes.float32 and width % 4 == 0 else 1
+  per_thread = max(vector * k for k in range(1, MAX_VECTORS_PER_THREAD + 1) if width % (vector * k) == 0)
+  groups = width // per_thread
+  block = min(renderer.max_threads, BLOCK_THREADS)
+  feature_threads = max(divisor for divisor in range(1, min(groups, block) + 1) if groups % divisor == 0)
+  target_threads = max(renderer.multiprocessors, 1) * THREADS_PER_PROCESSOR
+  rows_per_thread = min(rows, max(1, math.ceil(rows * groups / target_threads)))
+  row_threads = max(1, min(block // feature_threads, math.ceil(rows / rows_per_thread)))
+  scan_unroll = max(unroll for unroll in (1, 2, 4, 8) if count % unroll == 0)
+  return AccumulatePlan(rows, width, count, vector, per_thread, feature_threads, row_threads, rows_per_thread,
+                        scan_unroll)
+
+
+def is_index_accumulate(ast: LazyOp) -> bool:
+  """Whether a kernel AST is an indexed accumulate's (STORE(INDEX_ACCUMULATE(...)))."""
+  return ast.op is Ops.STORE and ast.srcs[0].op is Ops.INDEX_ACCUMULATE
+
+
+class IndexAccumulateKernel:
+  """The kernel of one indexed accumulate AST (module docstring)."""
+
+  def __init__(self, ast: LazyOp, renderer: Any):
+    if not is_index_accumulate(ast): raise AssertionError(f"not an indexed accumulate's AST: {ast.op}")
+    self.ast, self.renderer = ast, renderer
+    self.start, self.index, self.rows = ast.srcs[0].srcs
+    self.dtype: DType = ast.arg.dtype
+    self.row_count, self.width = ast.arg.st.shape
+    self.count = self.index.arg.st.shape[0]
+    self.leaves: list[LazyOp] = [ast, *ast.srcs[0].srcs]
+    self.sts = [leaf.arg.st for leaf in self.leaves]
+    self.applied_opts: list[Any] = []
+    self.plan = plan_index_accumulate(self.row_count, self.width, self.count, self.dtype, renderer) \
+        if renderer.has_threads else None
+
+  @property
+  def name(self) -> str: return f"A_{self.row_count}_{self.width}_{self.count}"
+
+  def colored_shape(self) -> str: return f"{self.row_count} {self.width} {self.count}"
+
+  def print_debug(self) -> None:
+    if DEBUG >= 3:
+      print(format_ast(self.ast))
+      print(f"{self.name}: {self.count} rows accumulated into ({self.row_count}, {self.width}); plan {self.plan}")
+
+  def op_count(self, uops: list[UOp]) -> int:
+    """Arithmetic ops of one launch: one addition per source element (the index compares are integer work)."""
+    return self.count * self.width
+
+  # ---------------------------------------------------------------- lowering
+
+  def linearize(self) -> list[UOp]:
+    build = UOpBuilder()
+    buffers = {0: build.add(UOps.DEFINE_GLOBAL, self.dtype, (), (0, True))}
+    for leaf in (self.start, self.index, self.rows):
+      if isinstance(leaf.arg, MemBuffer) and leaf.arg.idx not in buffers:
+        buffers[leaf.arg.idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (leaf.arg.idx, False))
+    lower = _Lowering(build, buffers, self)
+    if self.plan is not None: lower.threads(self.plan)
+    else: lower.loops()
+    return build.uops
+
+
+class _Lowering:
+  """Appends the UOps of one indexed accumulate kernel to `build`."""
+
+  def __init__(self, build: UOpBuilder, buffers: dict[int, UOp], kernel: IndexAccumulateKernel):
+    self.build, self.buffers, self.kernel = build, buffers, kernel
+    self.out = buffers[0]
+
+  def int(self, value: int) -> UOp: return self.build.const(value, INDEX_DTYPE)
+
+  def add(self, a: UOp, b: UOp) -> UOp: return self.build.alu(Ops.ADD, INDEX_DTYPE, a, b)
+
+  def mul(self, a: UOp, b: UOp) -> UOp: return self.build.alu(Ops.MUL, INDEX_DTYPE, a, b)
+
+  def less(self, a: UOp, b: UOp) -> UOp: return self.build.alu(Ops.CMPLT, dtypes.bool, a, b)
+
+  def both(self, a: UOp, b: UOp) -> UOp: return self.build.alu(Ops.AND, dtypes.bool, a, b)
+
+  def loop(self, name: str, end: int) -> UOp:
+    # REDUCE: a serial loop in each thread (never a parallel one: its iterations write the same places)
+    return self.build.add(UOps.RANGE, INDEX_DTYPE, (self.int(0), self.int(end)), (name, AxisType.REDUCE))
+
+  def load(self, leaf: LazyOp, index: UOp, width: int) -> list[UOp]:
+    """`width` neighbouring elements of a source from element `index` (a CONST start: its value)."""
+    if isinstance(leaf.arg, ConstBuffer): return [self.build.const(leaf.arg.val, leaf.dtype)] * width
+    return self.load_buffer(self.buffers[leaf.arg.idx], leaf.dtype, index, width)
+
+  def load_buffer(self, buffer: UOp, dtype: DType, index: UOp, width: int) -> list[UOp]:
+    if width == 1: return [self.build.add(UOps.LOAD, dtype, (buffer, index))]
+    vector = self.build.add(UOps.LOAD, dtype, (buffer, index), width)
+    return [self.build.add(UOps.GEP, dtype, (vector,), lane) for lane in range(width)]
+
+  def store(self, index: UOp, values: list[UOp]) -> None:
+    if len(values) == 1: self.build.add(UOps.STORE, None, (self.out, index, values[0]))
+    else: self.build.add(UOps.STORE, None, (self.out, index, *values), len(values))
+
+  def accumulate(self, out_index: UOp, rows_index: UOp, width: int) -> None:
+    """out[out_index ...] += rows[rows_index ...] for `width` neighbouring elements."""
+    kernel = self.kernel
+    current = self.load_buffer(self.out, kernel.dtype, out_index, width)
+    added = self.load(kernel.rows, rows_index, width)
+    self.store(out_index, [self.build.alu(Ops.ADD, kernel.dtype, a, b) for a, b in zip(current, added)])
+
+  def index_at(self, position: UOp) -> UOp:
+    return self.build.add(UOps.LOAD, dtypes.int32, (self.buffers[self.kernel.index.arg.idx], position))
+
+  # ---------------------------------------------------------------- CPU: loops
+
+  def loops(self) -> None:
+    kernel, build = self.kernel, self.build
+    elements = self.loop("elem", kernel.row_count * kernel.width)
+    self.store(elements, self.load(kernel.start, elements, 1))
+    build.end_range(elements)
+    source = self.loop("src", kernel.count)
+    target = self.index_at(source)
+    block = build.add(UOps.IF, None, (self.both(self.less(self.int(-1), target),
+                                                self.less(target, self.int(kernel.row_count))),))
+    out_row, src_row = self.mul(target, self.int(kernel.width)), self.mul(source, self.int(kernel.width))
+    if kernel.width == 1:
+      self.accumulate(out_row, src_row, 1)
+    else:
+      feature = self.loop("feat", kernel.width)
+      self.accumulate(self.add(out_row, feature), self.add(src_row, feature), 1)
+      build.end_range(feature)
+    build.end_if(block)
+    build.end_range(source)
+
+  # ---------------------------------------------------------------- GPU: threads
+
+  def threads(self, plan: AccumulatePlan) -> None:
+    kernel, build = self.kernel, self.build
+    blocks_x, blocks_y = plan.blocks
+    row_block = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks_x, 0, AxisType.GLOBAL))
+    feature_group: UOp = self.int(0)
+    if blocks_y > 1:
+      feature_block = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx1", blocks_y, 1, AxisType.GLOBAL))
+      feature_group = self.mul(feature_block, self.int(plan.feature_threads))
+    if plan.feature_threads > 1:
+      thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", plan.feature_threads, 0, AxisType.LOCAL))
+      feature_group = self.add(feature_group, thread)
+    row_group = self.mul(row_block, self.int(plan.row_threads))
+    if plan.row_threads > 1:
+      row_thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx1", plan.row_threads, 1, AxisType.LOCAL))
+      row_group = self.add(row_group, row_thread)
+    first_feature = self.mul(feature_group, self.int(plan.features_per_thread))
+    first_row = self.mul(row_group, self.int(plan.rows_per_thread))
+    # the rows this thread owns: [first_row, first_row + owned), fewer at the end of the table (none past it)
+    owned = self.int(plan.rows_per_thread)
+    if plan.ragged:
+      left = self.add(self.int(kernel.row_count), self.mul(first_row, self.int(-1)))
+      owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(left, owned), left, owned)
+    self._write_start(plan, first_row, first_feature, owned)
+    self._scan(plan, first_row, first_feature, owned)
+
+  def _write_start(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
+    kernel, build = self.kernel, self.build
+    row = self.loop("row", plan.rows_per_thread)
+    block = build.add(UOps.IF, None, (self.less(row, owned),)) if plan.ragged else None
+    row_start = self.add(self.mul(self.add(first_row, row), self.int(kernel.width)), first_feature)
+    for offset in range(0, plan.features_per_thread, plan.vector):
+      element = self.add(row_start, self.int(offset))
+      self.store(element, self.load(kernel.start, element, plan.vector))
+    if block is not None: build.end_if(block)
+    build.end_range(row)
+
+  def _scan(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
+    kernel, build = self.kernel, self.build
+    step = self.loop("src", plan.count // plan.scan_unroll)
+    sources = [self.add(self.mul(step, self.int(plan.scan_unroll)), self.int(lane)) for lane in range(plan.scan_unroll)]
+    targets = [self.index_at(source) for source in sources]   # loaded together: several loads in flight
+    for source, target in zip(sources, targets):
+      local = self.add(target, self.mul(first_row, self.int(-1)))
+      mine = self.both(self.less(self.int(-1), local), self.less(local, owned))
+      block = build.add(UOps.IF, None, (mine,))
+      out_row = self.add(self.mul(target, self.int(kernel.width)), first_feature)
+      src_row = self.add(self.mul(source, self.int(kernel.width)), first_feature)
+      for offset in range(0, plan.features_per_thread, plan.vector):
+        self.accumulate(self.add(out_row, self.int(offset)), self.add(src_row, self.int(offset)), plan.vector)
+      build.end_if(block)
+    build.end_range(step)
