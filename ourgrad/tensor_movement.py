@@ -644,7 +644,7 @@ class MovementMixin:
       if a == axis or index.shape[a] == 1: continue
       shape = [-1 if b == a else 1 for b in range(self.ndim)]
       flat = flat + Tensor.arange(index.shape[a], device=self.device).reshape(shape) * strides[a]
-    flat = ((picked >= 0) & (picked < size)).where(flat, -1)   # outside along `axis`: no place
+    flat = ((picked >= 0) & (picked < size)).where(flat, self.numel())   # outside along `axis`: past every place
     added = self.reshape(-1)._add_rows_at(flat, src.cast(self.dtype).reshape(-1))
     return added.reshape(self.shape)
 

@@ -1,7 +1,10 @@
 """Indexed accumulate kernels: out[index[m], :] = start + the rows[m, :] whose index is that row (Ops.INDEX_ACCUMULATE).
 
-The kernel AST is `STORE(INDEX_ACCUMULATE(start, index, rows))`: `start` (N, R) a row-major LOAD or a CONST, `index`
-(M,) int32 and `rows` (M, R) row-major LOADs (engine/schedule.py `_schedule_index_accumulate`). The result is what
+The kernel AST is `STORE(INDEX_ACCUMULATE(start, index, rows))`: `start` (N, R), `index` (M,) int32 and `rows`
+(M, R) are fused elementwise graphs over LOADs and CONSTs, each in its own shape (engine/schedule.py
+`_schedule_index_accumulate`): an int64 index's cast and wrap of negative indices, or a gradient's last multiply, run
+inside this kernel. They are computed element by element by the Linearizer's `compute` (`_SourceViews` gives it the
+views); a plain row-major LOAD of float32 rows is read as float4 vectors where the width allows. The result is what
 numpy's `np.add.at(out, index, rows)` gives on a copy of start: every row added in the order m = 0, 1, ..., repeated
 indices summed, an index outside [0, N) ignored. It is deterministic by construction, with no atomics: each output
 element has one owner, which adds its sources in ascending m.
@@ -25,11 +28,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ourgrad.codegen.linearizer import INDEX_DTYPE
+from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import DEBUG
-from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops, format_ast
+from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
+from ourgrad.shape.symbolic import Variable
 
 # GPU threads per multiprocessor the kernel aims for: enough to stream the start's stores at bandwidth, few enough that
 # every thread's scan of the whole index array stays cheap (the scan's cost grows with the thread count)
@@ -91,6 +95,16 @@ def is_index_accumulate(ast: LazyOp) -> bool:
   return ast.op is Ops.STORE and ast.srcs[0].op is Ops.INDEX_ACCUMULATE
 
 
+class _SourceViews:
+  """What the Linearizer reads of a Kernel to compute the sources' graphs at given indices: their leaves and views
+  (no opts, so no vector loads or tiles)."""
+
+  def __init__(self, leaves: list[LazyOp]):
+    self.leaves, self.sts = leaves, [leaf.arg.st for leaf in leaves]
+    self.renderer = type("NoVectors", (), {"vector_width": 0})()
+    self.reduceop = None
+
+
 class IndexAccumulateKernel:
   """The kernel of one indexed accumulate AST (module docstring)."""
 
@@ -100,8 +114,12 @@ class IndexAccumulateKernel:
     self.start, self.index, self.rows = ast.srcs[0].srcs
     self.dtype: DType = ast.arg.dtype
     self.row_count, self.width = ast.arg.st.shape
-    self.count = self.index.arg.st.shape[0]
-    self.leaves: list[LazyOp] = [ast, *ast.srcs[0].srcs]
+    self.count = self.index.leaves()[0].arg.st.shape[0]
+    unique: dict[int, LazyOp] = {}
+    for value in (self.start, self.index, self.rows):
+      for leaf in value.leaves(): unique.setdefault(id(leaf), leaf)
+    self.source_leaves = list(unique.values())
+    self.leaves: list[LazyOp] = [ast, *self.source_leaves]
     self.sts = [leaf.arg.st for leaf in self.leaves]
     self.applied_opts: list[Any] = []
     self.plan = plan_index_accumulate(self.row_count, self.width, self.count, self.dtype, renderer) \
@@ -126,13 +144,19 @@ class IndexAccumulateKernel:
   def linearize(self) -> list[UOp]:
     build = UOpBuilder()
     buffers = {0: build.add(UOps.DEFINE_GLOBAL, self.dtype, (), (0, True))}
-    for leaf in (self.start, self.index, self.rows):
-      if isinstance(leaf.arg, MemBuffer) and leaf.arg.idx not in buffers:
+    for leaf in sorted((leaf for leaf in self.source_leaves if isinstance(leaf.arg, MemBuffer)),
+                       key=lambda leaf: leaf.arg.idx):
+      if leaf.arg.idx not in buffers:
         buffers[leaf.arg.idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (leaf.arg.idx, False))
     lower = _Lowering(build, buffers, self)
     if self.plan is not None: lower.threads(self.plan)
     else: lower.loops()
     return build.uops
+
+
+def _plain_rows(value: LazyOp) -> bool:
+  """Whether a source is a LOAD of a row-major buffer as it is (read by flat index, in vectors)."""
+  return value.op is Ops.LOAD and not value.srcs and value.arg.st.contiguous
 
 
 class _Lowering:
@@ -141,6 +165,9 @@ class _Lowering:
   def __init__(self, build: UOpBuilder, buffers: dict[int, UOp], kernel: IndexAccumulateKernel):
     self.build, self.buffers, self.kernel = build, buffers, kernel
     self.out = buffers[0]
+    self.views = Linearizer(_SourceViews(kernel.source_leaves))   # type: ignore[arg-type]
+    self.views.builder, self.views.buffers = build, buffers
+    self.coordinates = 0
 
   def int(self, value: int) -> UOp: return self.build.const(value, INDEX_DTYPE)
 
@@ -156,10 +183,24 @@ class _Lowering:
     # REDUCE: a serial loop in each thread (never a parallel one: its iterations write the same places)
     return self.build.add(UOps.RANGE, INDEX_DTYPE, (self.int(0), self.int(end)), (name, AxisType.REDUCE))
 
-  def load(self, leaf: LazyOp, index: UOp, width: int) -> list[UOp]:
-    """`width` neighbouring elements of a source from element `index` (a CONST start: its value)."""
-    if isinstance(leaf.arg, ConstBuffer): return [self.build.const(leaf.arg.val, leaf.dtype)] * width
-    return self.load_buffer(self.buffers[leaf.arg.idx], leaf.dtype, index, width)
+  def value_at(self, root: LazyOp, coordinates: list[tuple[UOp, int]]) -> UOp:
+    """A source's graph computed at one element: `coordinates` are (index UOp, size) per axis of its shape."""
+    idxs = []
+    for uop, size in coordinates:
+      name = f"at{self.coordinates}"
+      self.coordinates += 1
+      self.views.loop_vars[name] = uop
+      idxs.append(Variable(name, 0, size - 1))
+    return self.views.compute(root, idxs, None)
+
+  def row_values(self, root: LazyOp, row: UOp, row_count: int, feature: UOp, width: int) -> list[UOp]:
+    """`width` neighbouring features of a (rows, R) source from (row, feature)."""
+    kernel = self.kernel
+    if _plain_rows(root):
+      return self.load_buffer(self.buffers[root.arg.idx], root.dtype, self.add(self.mul(row, self.int(kernel.width)),
+                                                                               feature), width)
+    return [self.value_at(root, [(row, row_count), (self.add(feature, self.int(lane)), kernel.width)])
+            for lane in range(width)]
 
   def load_buffer(self, buffer: UOp, dtype: DType, index: UOp, width: int) -> list[UOp]:
     if width == 1: return [self.build.add(UOps.LOAD, dtype, (buffer, index))]
@@ -170,34 +211,39 @@ class _Lowering:
     if len(values) == 1: self.build.add(UOps.STORE, None, (self.out, index, values[0]))
     else: self.build.add(UOps.STORE, None, (self.out, index, *values), len(values))
 
-  def accumulate(self, out_index: UOp, rows_index: UOp, width: int) -> None:
-    """out[out_index ...] += rows[rows_index ...] for `width` neighbouring elements."""
+  def write_start(self, row: UOp, feature: UOp, width: int) -> None:
+    """out[row, feature ...] = start[row, feature ...] for `width` neighbouring features."""
     kernel = self.kernel
+    values = self.row_values(kernel.start, row, kernel.row_count, feature, width)
+    self.store(self.add(self.mul(row, self.int(kernel.width)), feature), values)
+
+  def accumulate(self, target: UOp, source: UOp, feature: UOp, width: int) -> None:
+    """out[target, feature ...] += rows[source, feature ...] for `width` neighbouring features."""
+    kernel = self.kernel
+    out_index = self.add(self.mul(target, self.int(kernel.width)), feature)
     current = self.load_buffer(self.out, kernel.dtype, out_index, width)
-    added = self.load(kernel.rows, rows_index, width)
+    added = self.row_values(kernel.rows, source, kernel.count, feature, width)
     self.store(out_index, [self.build.alu(Ops.ADD, kernel.dtype, a, b) for a, b in zip(current, added)])
 
-  def index_at(self, position: UOp) -> UOp:
-    return self.build.add(UOps.LOAD, dtypes.int32, (self.buffers[self.kernel.index.arg.idx], position))
+  def index_at(self, source: UOp) -> UOp:
+    return self.value_at(self.kernel.index, [(source, self.kernel.count)])
 
   # ---------------------------------------------------------------- CPU: loops
 
   def loops(self) -> None:
     kernel, build = self.kernel, self.build
-    elements = self.loop("elem", kernel.row_count * kernel.width)
-    self.store(elements, self.load(kernel.start, elements, 1))
-    build.end_range(elements)
+    row = self.loop("row", kernel.row_count)
+    feature = self.loop("feat", kernel.width)
+    self.write_start(row, feature, 1)
+    build.end_range(feature)
+    build.end_range(row)
     source = self.loop("src", kernel.count)
     target = self.index_at(source)
     block = build.add(UOps.IF, None, (self.both(self.less(self.int(-1), target),
                                                 self.less(target, self.int(kernel.row_count))),))
-    out_row, src_row = self.mul(target, self.int(kernel.width)), self.mul(source, self.int(kernel.width))
-    if kernel.width == 1:
-      self.accumulate(out_row, src_row, 1)
-    else:
-      feature = self.loop("feat", kernel.width)
-      self.accumulate(self.add(out_row, feature), self.add(src_row, feature), 1)
-      build.end_range(feature)
+    feature = self.loop("col", kernel.width)
+    self.accumulate(target, source, feature, 1)
+    build.end_range(feature)
     build.end_if(block)
     build.end_range(source)
 
@@ -229,28 +275,23 @@ class _Lowering:
     self._scan(plan, first_row, first_feature, owned)
 
   def _write_start(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
-    kernel, build = self.kernel, self.build
+    build = self.build
     row = self.loop("row", plan.rows_per_thread)
     block = build.add(UOps.IF, None, (self.less(row, owned),)) if plan.ragged else None
-    row_start = self.add(self.mul(self.add(first_row, row), self.int(kernel.width)), first_feature)
     for offset in range(0, plan.features_per_thread, plan.vector):
-      element = self.add(row_start, self.int(offset))
-      self.store(element, self.load(kernel.start, element, plan.vector))
+      self.write_start(self.add(first_row, row), self.add(first_feature, self.int(offset)), plan.vector)
     if block is not None: build.end_if(block)
     build.end_range(row)
 
   def _scan(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
-    kernel, build = self.kernel, self.build
+    build = self.build
     step = self.loop("src", plan.count // plan.scan_unroll)
     sources = [self.add(self.mul(step, self.int(plan.scan_unroll)), self.int(lane)) for lane in range(plan.scan_unroll)]
     targets = [self.index_at(source) for source in sources]   # loaded together: several loads in flight
     for source, target in zip(sources, targets):
       local = self.add(target, self.mul(first_row, self.int(-1)))
-      mine = self.both(self.less(self.int(-1), local), self.less(local, owned))
-      block = build.add(UOps.IF, None, (mine,))
-      out_row = self.add(self.mul(target, self.int(kernel.width)), first_feature)
-      src_row = self.add(self.mul(source, self.int(kernel.width)), first_feature)
+      block = build.add(UOps.IF, None, (self.both(self.less(self.int(-1), local), self.less(local, owned)),))
       for offset in range(0, plan.features_per_thread, plan.vector):
-        self.accumulate(self.add(out_row, self.int(offset)), self.add(src_row, self.int(offset)), plan.vector)
+        self.accumulate(target, source, self.add(first_feature, self.int(offset)), plan.vector)
       build.end_if(block)
     build.end_range(step)

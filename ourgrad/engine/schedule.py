@@ -115,8 +115,6 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
       if base.op is Ops.ASSIGN and src is base.srcs[1]: realizes.setdefault(id(src.base), "the target of an assign")
       if base.op is Ops.GATHER and src is base.srcs[0]:  # loaded at computed offsets
         realizes.setdefault(id(src.base), "the table of a gather (read at computed offsets)")
-      if base.op is Ops.INDEX_ACCUMULATE and src.base.op is not Ops.CONST:
-        realizes.setdefault(id(src.base), "a source of an indexed accumulate (read at computed offsets)")
       if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
         realizes.setdefault(id(src.base), "read through a pad, and computes an op with f(0) != 0")
       if _recomputation_is_costly(src):
@@ -418,7 +416,7 @@ def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleIt
                                                         source.dtype)
     item = ScheduleItem(LazyOp(Ops.COPY, (), base.realized.nbytes, base.dtype), (base.realized,), (source_buffer,))
     return item, [source]
-  if base.op is Ops.INDEX_ACCUMULATE: return _schedule_index_accumulate(base)
+  if base.op is Ops.INDEX_ACCUMULATE: return _schedule_index_accumulate(base, realizes)
   builder = _KernelBuilder(base, realizes, outputs=(base.realized,))
   if base.op in (Ops.CONTIGUOUS, Ops.ASSIGN):
     value = builder.build(base.srcs[0].base, base.srcs[0].st)
@@ -435,24 +433,15 @@ def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleIt
   return ScheduleItem(store, (base.realized,), tuple(builder.inputs)), builder.loaded_bases
 
 
-def _schedule_index_accumulate(base: LazyBuffer) -> tuple[ScheduleItem, list[LazyBuffer]]:
-  """The kernel of an indexed accumulate: STORE(INDEX_ACCUMULATE(start, index, rows)), each source a row-major
-  LOAD (argument 1, 2, ...) or, for the start, a CONST (LazyBuffer.accumulate_rows made them so)."""
+def _schedule_index_accumulate(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleItem, list[LazyBuffer]]:
+  """The kernel of an indexed accumulate: STORE(INDEX_ACCUMULATE(start, index, rows)), each source's fused
+  elementwise graph in its own shape (walk_kernel realized any reduce under them); codegen/index_accumulate.py."""
   assert base.realized is not None
-  leaves, inputs, loaded = [], [], []
-  for src in base.srcs:
-    st = ShapeTracker.from_shape(src.shape)
-    if src.base.op is Ops.CONST and src.base.realized is None:
-      leaves.append(LazyOp(Ops.CONST, (), ConstBuffer(src.base.arg, src.dtype, st), src.dtype))
-      continue
-    buffer = src.base.realized
-    assert buffer is not None and src.st.contiguous and src.size == src.base.size, "accumulate_rows realizes it"
-    if buffer not in inputs: inputs.append(buffer)
-    loaded.append(src.base)
-    leaves.append(LazyOp(Ops.LOAD, (), MemBuffer(1 + inputs.index(buffer), src.dtype, st), src.dtype))
-  value = LazyOp(Ops.INDEX_ACCUMULATE, tuple(leaves), None, base.dtype)
+  builder = _KernelBuilder(base, realizes, outputs=(base.realized,))
+  values = tuple(builder.build(src.base, src.st) for src in base.srcs)
+  value = LazyOp(Ops.INDEX_ACCUMULATE, values, None, base.dtype)
   store = LazyOp(Ops.STORE, (value,), MemBuffer(0, base.dtype, ShapeTracker.from_shape(base.shape)), base.dtype)
-  return ScheduleItem(store, (base.realized,), tuple(inputs)), loaded
+  return ScheduleItem(store, (base.realized,), tuple(builder.inputs)), builder.loaded_bases
 
 
 def _is_row_kernel(base: LazyBuffer, realizes: Realizations) -> bool:
