@@ -55,13 +55,16 @@ def test_repeated_indices_match_numpy_bitwise(device, rows, width, count):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_several_rows_per_thread_and_ragged_ends(device, monkeypatch):
-  # few threads per multiprocessor: each GPU thread owns several rows, the last ones fewer (the ragged guard)
+@pytest.mark.parametrize("width", [8, 40, 48, 6])
+def test_several_rows_per_thread_and_ragged_ends(device, width, monkeypatch):
+  # few threads per multiprocessor and per block: each GPU thread owns several rows, the last ones fewer (the ragged
+  # guard), and a row's features span several blocks
   monkeypatch.setattr(index_accumulate, "THREADS_PER_PROCESSOR", 3)
-  rng = np.random.default_rng(5)
-  start = rng.standard_normal((29, 8)).astype(np.float32)
+  monkeypatch.setattr(index_accumulate, "BLOCK_THREADS", 2)
+  rng = np.random.default_rng(width)
+  start = rng.standard_normal((29, width)).astype(np.float32)
   index = rng.integers(-3, 32, 40).astype(np.int32)
-  values = rng.standard_normal((40, 8)).astype(np.float32)
+  values = rng.standard_normal((40, width)).astype(np.float32)
   np.testing.assert_array_equal(_accumulate(start, index, values, device), _add_at(start, index, values))
 
 

@@ -253,10 +253,10 @@ class _Lowering:
     kernel, build = self.kernel, self.build
     blocks_x, blocks_y = plan.blocks
     row_block = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks_x, 0, AxisType.GLOBAL))
-    feature_group: UOp = self.int(0)
+    feature_group: UOp = self.int(0)   # in vectors
     if blocks_y > 1:
       feature_block = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx1", blocks_y, 1, AxisType.GLOBAL))
-      feature_group = self.mul(feature_block, self.int(plan.feature_threads))
+      feature_group = self.mul(feature_block, self.int(plan.feature_threads * plan.features_per_thread // plan.vector))
     if plan.feature_threads > 1:
       thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", plan.feature_threads, 0, AxisType.LOCAL))
       feature_group = self.add(feature_group, thread)
@@ -264,7 +264,9 @@ class _Lowering:
     if plan.row_threads > 1:
       row_thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx1", plan.row_threads, 1, AxisType.LOCAL))
       row_group = self.add(row_group, row_thread)
-    first_feature = self.mul(feature_group, self.int(plan.features_per_thread))
+    # a thread's features are `vector` wide pieces strided by the block's feature threads: neighbouring threads
+    # touch neighbouring pieces, so each load and store instruction of a warp covers one contiguous span
+    first_feature = self.mul(feature_group, self.int(plan.vector))
     first_row = self.mul(row_group, self.int(plan.rows_per_thread))
     # the rows this thread owns: [first_row, first_row + owned), fewer at the end of the table (none past it)
     owned = self.int(plan.rows_per_thread)
@@ -274,11 +276,17 @@ class _Lowering:
     self._write_start(plan, first_row, first_feature, owned)
     self._scan(plan, first_row, first_feature, owned)
 
+  @staticmethod
+  def _feature_offsets(plan: AccumulatePlan) -> range:
+    """The offsets of a thread's vectors from its first feature (strided by the block's feature threads)."""
+    stride = plan.feature_threads * plan.vector
+    return range(0, stride * (plan.features_per_thread // plan.vector), stride)
+
   def _write_start(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
     build = self.build
     row = self.loop("row", plan.rows_per_thread)
     block = build.add(UOps.IF, None, (self.less(row, owned),)) if plan.ragged else None
-    for offset in range(0, plan.features_per_thread, plan.vector):
+    for offset in self._feature_offsets(plan):
       self.write_start(self.add(first_row, row), self.add(first_feature, self.int(offset)), plan.vector)
     if block is not None: build.end_if(block)
     build.end_range(row)
@@ -291,7 +299,7 @@ class _Lowering:
     for source, target in zip(sources, targets):
       local = self.add(target, self.mul(first_row, self.int(-1)))
       block = build.add(UOps.IF, None, (self.both(self.less(self.int(-1), local), self.less(local, owned)),))
-      for offset in range(0, plan.features_per_thread, plan.vector):
+      for offset in self._feature_offsets(plan):
         self.accumulate(target, source, self.add(first_feature, self.int(offset)), plan.vector)
       build.end_if(block)
     build.end_range(step)
