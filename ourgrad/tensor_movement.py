@@ -5,6 +5,8 @@ repeat, ...) change how a tensor's elements are addressed, never the elements: e
 LazyBuffer. Indexing with ints, slices, None and ... is a chain of such views (`_basic_index_steps`); indexing
 with one integer tensor (and `gather`, and so Embedding) reads only the rows it needs (`_take_rows`: a load at
 computed offsets; an index outside [-n, n) reads zeros); several integer tensors are a masked sum (one kernel).
+Indexed adds (`scatter_add`, `index_add`, and the gradient of a row lookup) are one indexed-accumulate kernel
+(`_add_rows_at`: Ops.INDEX_ACCUMULATE, no one-hot).
 `__setitem__` runs the view chain backwards and writes through `assign`. `cat` pads each input into place and adds
 them, so a join fuses into the consumer.
 
