@@ -596,12 +596,7 @@ class MovementMixin:
     n, and the sources (..., k, 1) in this tensor's dtype. Shapes checked as torch.scatter checks them."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
-    if index.ndim != self.ndim or src.ndim != self.ndim:
-      raise ShapeError(f"scatter needs index and src with {self.ndim} dims like the input {self.shape}, got "
-                       f"{index.shape} and {src.shape}")
-    if any(i > s for i, s in zip(index.shape, src.shape)) or \
-       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
-      raise ShapeError(f"scatter index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+    self._check_scatter("scatter", dim, index, src)
     src = src.shrink([(0, size) for size in index.shape])
     size = self.shape[axis]
     index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
@@ -616,6 +611,19 @@ class MovementMixin:
     grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape, per_target.shape)]
     return per_target.pad(grow, value=fill).transpose(axis, -1)
 
+  def _check_scatter(self, name: str, dim: int, index: Tensor, src: Tensor) -> None:
+    """The shape and dtype rules torch's scatter functions check: index and src of this tensor's rank, an integer
+    index no larger than src anywhere nor than this tensor outside `dim`."""
+    axis = self._axis(dim)
+    if index.ndim != self.ndim or src.ndim != self.ndim:
+      raise ShapeError(f"{name} needs index and src with {self.ndim} dims like the input {self.shape}, got "
+                       f"{index.shape} and {src.shape}")
+    if index.dtype.is_float or index.dtype == dtypes.bool:
+      raise IndexError(f"{name} index must hold integers, got {index.dtype}")
+    if any(i > s for i, s in zip(index.shape, src.shape)) or \
+       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
+      raise ShapeError(f"{name} index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+
   def scatter_add(self, dim: int, index: Tensor, src: Tensor) -> Tensor:
     """self with src[i][j] added at [index[i][j]][j] (for dim 0; likewise for other dims), as torch.scatter_add.
     Every element of `index` names one place of self (its own coordinates, `index` along `dim`); the sources are
@@ -623,14 +631,7 @@ class MovementMixin:
     [-n, n) adds nothing."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
-    if index.ndim != self.ndim or src.ndim != self.ndim:
-      raise ShapeError(f"scatter_add needs index and src with {self.ndim} dims like the input {self.shape}, got "
-                       f"{index.shape} and {src.shape}")
-    if index.dtype.is_float or index.dtype == dtypes.bool:
-      raise IndexError(f"scatter_add index must hold integers, got {index.dtype}")
-    if any(i > s for i, s in zip(index.shape, src.shape)) or \
-       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
-      raise ShapeError(f"scatter_add index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+    self._check_scatter("scatter_add", dim, index, src)
     if index.device != self.device or src.device != self.device:
       raise DeviceError(f"scatter_add: the input is on {self.device}, the index on {index.device}, src on "
                         f"{src.device}; move them with .to()")
@@ -676,11 +677,15 @@ class MovementMixin:
     `reduce` is "sum", "prod", "mean", "amax" or "amin"; with `include_self` the present value takes part in the
     reduction, otherwise only the sources do (places no index names keep their value either way). Each place
     reduces over a one-hot of the sources that land on it (one fused reduce, no scatter op), so every source takes
-    part, repeated indices included, and the gradients are the reduce's own (amax/amin share them among ties)."""
+    part, repeated indices included, and the gradients are the reduce's own (amax/amin share them among ties);
+    "sum" and "mean" are indexed accumulates instead (scatter_add, no one-hot)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     identities = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "amax": -math.inf, "amin": math.inf}
     if reduce not in identities:
       raise ValueError(f"scatter_reduce reduce must be one of {sorted(identities)}, got {reduce!r}")
+    if reduce in ("sum", "mean") and self.dtype != dtypes.bool:
+      self._check_scatter("scatter_reduce", dim, index, src)
+      return self._scatter_sum(dim, index, src, reduce, include_self)
     hits, values = self._scatter_sources(dim, index, src)  # (..., k, n) each, the target axis last
     axis = self._axis(dim)
     if include_self:  # the present value as one more source, landing on its own place
@@ -702,20 +707,28 @@ class MovementMixin:
     written = (count > 0).transpose(axis, -1)
     return written.where(reduced.cast(self.dtype).transpose(axis, -1), self)
 
+  def _scatter_sum(self, dim: int, index: Tensor, src: Tensor, reduce: str, include_self: bool) -> Tensor:
+    """scatter_reduce's "sum" and "mean": indexed accumulates (scatter_add) of the sources and of their count, no
+    one-hot. Places no index names keep their value."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    zeros = Tensor.zeros(*self.shape, dtype=self.dtype, device=self.device)
+    total = (self if include_self else zeros).scatter_add(dim, index, src.cast(self.dtype))
+    ones = Tensor.ones(*index.shape, dtype=dtypes.int32, device=self.device)
+    count = Tensor.zeros(*self.shape, dtype=dtypes.int32, device=self.device).scatter_add(dim, index, ones)
+    reduced = total
+    if reduce == "mean":
+      divisor = (count + 1 if include_self else count.maximum(1))
+      # integer means round down, as torch's floor division of the sum by the count
+      reduced = total / divisor.cast(total.dtype) if self.dtype.is_float else total.div(divisor, rounding_mode="floor")
+    return (count > 0).where(reduced.cast(self.dtype), self)
+
   def _scatter_sources(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
     """For scatter_reduce: with `dim` moved last, a bool (..., k, n) of which of the k sources along `dim` lands on
     each of the n places, and the sources' values (..., k, 1), both widened to this tensor's other sizes (the index
     may be smaller than it there: the extra places receive nothing)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
-    if index.ndim != self.ndim or src.ndim != self.ndim:
-      raise ShapeError(f"scatter_reduce needs index and src with {self.ndim} dims like the input {self.shape}, got "
-                       f"{index.shape} and {src.shape}")
-    if index.dtype.is_float or index.dtype == dtypes.bool:
-      raise IndexError(f"scatter_reduce index must hold integers, got {index.dtype}")
-    if any(i > s for i, s in zip(index.shape, src.shape)) or \
-       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
-      raise ShapeError(f"scatter_reduce index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+    self._check_scatter("scatter_reduce", dim, index, src)
     src = src.shrink([(0, size) for size in index.shape])
     size = self.shape[axis]
     index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)

@@ -203,3 +203,36 @@ def test_scatter_reduce_add_and_index_add_match_torch():
 def test_index_add_checks_shapes():
   with pytest.raises(ValueError):
     Tensor.zeros(4, 3).index_add(0, Tensor([0, 1]), Tensor.ones(3, 3))
+
+
+def test_scatter_add_ops_do_not_grow_with_the_target():
+  # a one-hot would cost (targets x sources); the indexed accumulate one addition per source element
+  rng = np.random.default_rng(2)
+  index = Tensor(rng.integers(0, 16, (40,)).astype(np.int32)).realize()
+  source = Tensor(rng.standard_normal(40).astype(np.float32)).realize()
+  counts = []
+  for size in (16, 4096):
+    target = Tensor(np.zeros(size, np.float32)).realize()
+    GlobalCounters.reset()
+    target.scatter_add(0, index, source).realize()
+    counts.append((GlobalCounters.kernel_count, GlobalCounters.global_ops))
+  assert counts[0] == counts[1] == (1, 40)
+
+
+def test_jitted_embedding_gradient_with_new_indices():
+  from ourgrad import TinyJit
+  rng = np.random.default_rng(4)
+  embedding = nn.Embedding(50, 8)
+
+  @TinyJit
+  def gradient(tokens: Tensor, upstream: Tensor) -> Tensor:
+    embedding.weight.grad = None
+    embedding(tokens).backward(upstream)
+    return embedding.weight.grad.realize()
+
+  for _ in range(4):   # captured on the second call, replayed after: each call's own indices
+    tokens = rng.integers(0, 50, (3, 5)).astype(np.int32)
+    upstream = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    expected = np.zeros((50, 8), np.float32)
+    np.add.at(expected, tokens.reshape(-1), upstream.reshape(-1, 8))
+    np.testing.assert_array_equal(gradient(Tensor(tokens), Tensor(upstream)).numpy(), expected)
