@@ -31,13 +31,15 @@ from typing import Any
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
-from ourgrad.helpers import DEBUG
+from ourgrad.helpers import DEBUG, env_var
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 from ourgrad.shape.symbolic import Variable
 
 # GPU threads per multiprocessor the kernel aims for: enough to stream the start's stores at bandwidth, few enough that
 # every thread's scan of the whole index array stays cheap (the scan's cost grows with the thread count)
 THREADS_PER_PROCESSOR = 512
+ACCUMULATE_THREADS_PER_SM = env_var("ACCUMULATE_THREADS_PER_SM", 0, "GPU threads per multiprocessor of an indexed "
+                                    "accumulate kernel (codegen/index_accumulate.py); 0: its default, 512")
 # threads per block
 BLOCK_THREADS = 128
 # features one thread owns, at most (in vectors of the device's width where the width allows)
@@ -82,7 +84,8 @@ def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, rende
   groups = width // per_thread
   block = min(renderer.max_threads, BLOCK_THREADS)
   feature_threads = max(divisor for divisor in range(1, min(groups, block) + 1) if groups % divisor == 0)
-  target_threads = max(renderer.multiprocessors, 1) * THREADS_PER_PROCESSOR
+  per_processor = int(ACCUMULATE_THREADS_PER_SM.value) or THREADS_PER_PROCESSOR
+  target_threads = max(renderer.multiprocessors, 1) * per_processor
   rows_per_thread = min(rows, max(1, math.ceil(rows * groups / target_threads)))
   row_threads = max(1, min(block // feature_threads, math.ceil(rows / rows_per_thread)))
   scan_unroll = max(unroll for unroll in (1, 2, 4, 8) if count % unroll == 0)
@@ -273,6 +276,7 @@ class _Lowering:
     if plan.ragged:
       left = self.add(self.int(kernel.row_count), self.mul(first_row, self.int(-1)))
       owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(left, owned), left, owned)
+      owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(owned, self.int(0)), self.int(0), owned)
     self._write_start(plan, first_row, first_feature, owned)
     self._scan(plan, first_row, first_feature, owned)
 
@@ -293,12 +297,14 @@ class _Lowering:
 
   def _scan(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
     build = self.build
+    # 0 <= index - first_row < owned as one unsigned compare (a negative difference wraps to a large number)
+    owned_unsigned = build.add(UOps.CAST, dtypes.uint32, (owned,))
     step = self.loop("src", plan.count // plan.scan_unroll)
     sources = [self.add(self.mul(step, self.int(plan.scan_unroll)), self.int(lane)) for lane in range(plan.scan_unroll)]
     targets = [self.index_at(source) for source in sources]   # loaded together: several loads in flight
     for source, target in zip(sources, targets):
-      local = self.add(target, self.mul(first_row, self.int(-1)))
-      block = build.add(UOps.IF, None, (self.both(self.less(self.int(-1), local), self.less(local, owned)),))
+      local = build.add(UOps.CAST, dtypes.uint32, (self.add(target, self.mul(first_row, self.int(-1))),))
+      block = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, local, owned_unsigned),))
       for offset in self._feature_offsets(plan):
         self.accumulate(target, source, self.add(first_feature, self.int(offset)), plan.vector)
       build.end_if(block)
