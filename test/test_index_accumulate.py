@@ -68,9 +68,21 @@ def test_several_rows_per_thread_and_ragged_ends(device, width, monkeypatch):
   np.testing.assert_array_equal(_accumulate(start, index, values, device), _add_at(start, index, values))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,width,count", [(300, 8, 45), (1000, 1, 70), (260, 12, 64)])
+def test_whole_warp_blocks(device, rows, width, count):
+  # blocks of whole warps: on a device with warp shuffles (EMULATE=CUDA) the scan votes a warp's indices at a time
+  rng = np.random.default_rng(rows + count)
+  start = rng.standard_normal((rows, width)).astype(np.float32)
+  index = rng.integers(-3, rows + 3, count).astype(np.int32)
+  index[::3] = rows - 1   # repeats in the last row and the last block
+  values = rng.standard_normal((count, width)).astype(np.float32)
+  np.testing.assert_array_equal(_accumulate(start, index, values, device), _add_at(start, index, values))
+
+
 def test_plan_covers_every_row_and_feature_once():
   class H200Like:   # the facts plan_index_accumulate reads
-    has_threads, max_threads, multiprocessors, vector_width = True, 1024, 132, 4
+    has_threads, max_threads, multiprocessors, vector_width, warp_size = True, 1024, 132, 4, 32
   for rows, width, count in [(50304, 768, 4096), (1000, 3, 17), (13, 1, 5), (4096, 64, 1)]:
     plan = index_accumulate.plan_index_accumulate(rows, width, count, dtypes.float32, H200Like())
     blocks_x, blocks_y = plan.blocks
@@ -79,6 +91,7 @@ def test_plan_covers_every_row_and_feature_once():
     assert blocks_y * plan.feature_threads * plan.features_per_thread == width
     assert plan.features_per_thread % plan.vector == 0 and count % plan.scan_unroll == 0
     assert plan.feature_threads * plan.row_threads <= H200Like.max_threads
+    assert plan.warp in (0, 32) and (plan.feature_threads * plan.row_threads) % max(plan.warp, 1) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -58,6 +58,7 @@ class AccumulatePlan:
   row_threads: int          # a block's threads along the row groups
   rows_per_thread: int
   scan_unroll: int          # index loads in flight in the scan (dividing `count`)
+  warp: int = 0             # lanes of the warp vote that skips indices outside the block's rows (0: no vote)
 
   @property
   def feature_groups(self) -> int: return self.width // self.features_per_thread
@@ -89,8 +90,11 @@ def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, rende
   rows_per_thread = min(rows, max(1, math.ceil(rows * groups / target_threads)))
   row_threads = max(1, min(block // feature_threads, math.ceil(rows / rows_per_thread)))
   scan_unroll = max(unroll for unroll in (1, 2, 4, 8) if count % unroll == 0)
+  # the vote needs whole warps of shuffling lanes (a 32-bit mask: warps of at most 32)
+  warp = renderer.warp_size if 0 < renderer.warp_size <= 32 and (feature_threads * row_threads) % renderer.warp_size \
+      == 0 else 0
   return AccumulatePlan(rows, width, count, vector, per_thread, feature_threads, row_threads, rows_per_thread,
-                        scan_unroll)
+                        scan_unroll, warp)
 
 
 def is_index_accumulate(ast: LazyOp) -> bool:
@@ -278,7 +282,15 @@ class _Lowering:
       owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(left, owned), left, owned)
       owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(owned, self.int(0)), self.int(0), owned)
     self._write_start(plan, first_row, first_feature, owned)
-    self._scan(plan, first_row, first_feature, owned)
+    if plan.warp:
+      lane = thread if plan.feature_threads > 1 else self.int(0)
+      if plan.row_threads > 1: lane = self.add(lane, self.mul(row_thread, self.int(plan.feature_threads)))
+      lane = build.alu(Ops.MOD, INDEX_DTYPE, lane, self.int(plan.warp))
+      block_rows = plan.row_threads * plan.rows_per_thread
+      block_first_row = self.mul(row_block, self.int(block_rows))
+      self._voting_scan(plan, lane, block_first_row, block_rows, (first_row, first_feature, owned))
+    else:
+      self._scan(plan, first_row, first_feature, owned)
 
   @staticmethod
   def _feature_offsets(plan: AccumulatePlan) -> range:
@@ -295,17 +307,62 @@ class _Lowering:
     if block is not None: build.end_if(block)
     build.end_range(row)
 
-  def _scan(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
+  def _unsigned(self, value: UOp) -> UOp: return self.build.add(UOps.CAST, dtypes.uint32, (value,))
+
+  def _add_if_mine(self, plan: AccumulatePlan, source: UOp, target: UOp, first_row: UOp, first_feature: UOp,
+                   owned_unsigned: UOp) -> None:
+    """If index `target` falls in this thread's rows (0 <= target - first_row < owned, as one unsigned compare: a
+    negative difference wraps to a large number), add source row `source` into it."""
+    local = self._unsigned(self.add(target, self.mul(first_row, self.int(-1))))
+    block = self.build.add(UOps.IF, None, (self.build.alu(Ops.CMPLT, dtypes.bool, local, owned_unsigned),))
+    for offset in self._feature_offsets(plan):
+      self.accumulate(target, source, self.add(first_feature, self.int(offset)), plan.vector)
+    self.build.end_if(block)
+
+  def _voting_scan(self, plan: AccumulatePlan, lane: UOp, block_first_row: UOp, block_rows: int,
+                   thread_part: tuple[UOp, UOp, UOp]) -> None:
+    """The scan, a warp's worth of indices at a time: lane l reads index c * warp + l and votes whether it falls in
+    the block's rows; the votes add up (WARP_REDUCE) to a mask every lane holds. Most groups hit no row of the block
+    (a block owns a small part of the table) and are skipped whole; for the others, the voted indices are read again
+    in order and added where they fall in the thread's own rows. The order of the additions is unchanged."""
     build = self.build
-    # 0 <= index - first_row < owned as one unsigned compare (a negative difference wraps to a large number)
-    owned_unsigned = build.add(UOps.CAST, dtypes.uint32, (owned,))
+    first_row, first_feature, owned = thread_part
+    owned_unsigned = self._unsigned(owned)
+    block_rows_unsigned = build.const(block_rows, dtypes.uint32)
+    lane_bit = build.alu(Ops.SHL, dtypes.uint32, build.const(1, dtypes.uint32), self._unsigned(lane))
+    groups = math.ceil(plan.count / plan.warp)
+    group = self.loop("grp", groups)
+    group_start = self.mul(group, self.int(plan.warp))
+    position = self.add(group_start, lane)
+    inside = None
+    if plan.count % plan.warp:   # the last group is short: lanes past the end read index 0 and do not vote
+      inside = self.less(position, self.int(plan.count))
+      position = build.alu(Ops.WHERE, INDEX_DTYPE, inside, position, self.int(0))
+    offset = self._unsigned(self.add(self.index_at(position), self.mul(block_first_row, self.int(-1))))
+    votes = build.alu(Ops.CMPLT, dtypes.bool, offset, block_rows_unsigned)
+    if inside is not None: votes = self.both(votes, inside)
+    vote = build.alu(Ops.WHERE, dtypes.uint32, votes, lane_bit, build.const(0, dtypes.uint32))
+    mask = build.add(UOps.WARP_REDUCE, dtypes.uint32, (vote,), (Ops.ADD, plan.warp, 1))
+    any_vote = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, mask, build.const(0, dtypes.uint32)),))
+    member = self.loop("voted", plan.warp)
+    bit = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(member)),
+                    build.const(1, dtypes.uint32))
+    voted = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, bit, build.const(0, dtypes.uint32)),))
+    source = self.add(group_start, member)
+    self._add_if_mine(plan, source, self.index_at(source), first_row, first_feature, owned_unsigned)
+    build.end_if(voted)
+    build.end_range(member)
+    build.end_if(any_vote)
+    build.end_range(group)
+
+  def _scan(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
+    """The scan without a vote: every thread reads every index (scan_unroll loads in flight) and adds the rows that
+    fall in its own rows."""
+    build = self.build
+    owned_unsigned = self._unsigned(owned)
     step = self.loop("src", plan.count // plan.scan_unroll)
     sources = [self.add(self.mul(step, self.int(plan.scan_unroll)), self.int(lane)) for lane in range(plan.scan_unroll)]
     targets = [self.index_at(source) for source in sources]   # loaded together: several loads in flight
     for source, target in zip(sources, targets):
-      local = build.add(UOps.CAST, dtypes.uint32, (self.add(target, self.mul(first_row, self.int(-1))),))
-      block = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, local, owned_unsigned),))
-      for offset in self._feature_offsets(plan):
-        self.accumulate(target, source, self.add(first_feature, self.int(offset)), plan.vector)
-      build.end_if(block)
+      self._add_if_mine(plan, source, target, first_row, first_feature, owned_unsigned)
     build.end_range(step)
