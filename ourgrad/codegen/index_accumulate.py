@@ -10,12 +10,12 @@ indices summed, an index outside [0, N) ignored. It is deterministic by construc
 element has one owner, which adds its sources in ascending m.
 
 - On a GPU (`renderer.has_threads`), a thread owns `rows_per_thread` consecutive output rows and `features_per_thread`
-  consecutive features of them (float4 loads and stores where the width allows). It writes its part of `start`, then
-  scans the whole index array (ints, the same addresses in every thread of a warp: cache broadcasts, `scan_unroll`
-  loads in flight) and, for each index that falls in its rows, adds that source row's features into its output with
-  a read-modify-write of its own elements. The scan is M compares per thread; the threads are about
-  `THREADS_PER_PROCESSOR` per multiprocessor of the device, so the scan costs M x (that many threads) integer
-  compares, while the floating-point work is the M x R additions that must be done, not an N x M x R one-hot.
+  features of them (float4 pieces strided by the block's feature threads). It writes its part of `start`, then
+  scans the index array and, for each index that falls in its rows, adds that source row's features into its output
+  with a read-modify-write of its own elements. With warp shuffles the scan votes a warp's 32 indices at a time
+  (`_voting_scan`: groups that miss the block's rows are skipped whole); without, every thread reads every index
+  (`_scan`). The threads are about `THREADS_PER_PROCESSOR` per multiprocessor of the device; the floating-point work
+  is the M x R additions that must be done, not an N x M x R one-hot.
 - On a CPU (loops), one thread writes `start`, then walks m = 0 .. M-1 and adds row m into row index[m] (a loop over
   R the C compiler vectorizes).
 
