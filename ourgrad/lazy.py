@@ -493,6 +493,10 @@ class LazyBuffer:
                            f"got {self.shape} {self.dtype}, {index.shape} {index.dtype}, {rows.shape} {rows.dtype}")
     if index.device != self.device or rows.device != self.device:
       raise DeviceError(f"accumulate_rows: start on {self.device}, index on {index.device}, rows on {rows.device}")
+    if any(is_symbolic(size) for size in self.shape + index.shape):
+      raise ShapeError(f"an indexed add (a scatter_add, index_add or a lookup's gradient) needs concrete sizes, got "
+                       f"a ({', '.join(str(size) for size in self.shape)}) table and {index.shape[0]} indices: a "
+                       f"symbolic size (a Variable) is not supported here")
     if index.shape[0] == 0 or self.size == 0: return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.INDEX_ACCUMULATE, None, (self, index, rows))
 

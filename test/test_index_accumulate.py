@@ -249,3 +249,13 @@ def test_jitted_embedding_gradient_with_new_indices():
     expected = np.zeros((50, 8), np.float32)
     np.add.at(expected, tokens.reshape(-1), upstream.reshape(-1, 8))
     np.testing.assert_array_equal(gradient(Tensor(tokens), Tensor(upstream)).numpy(), expected)
+
+
+def test_symbolic_sizes_raise_a_clear_error():
+  from ourgrad.errors import ShapeError
+  from ourgrad.shape import Variable
+  count = Variable("n", 1, 8).bind(3)
+  index = Tensor(np.array([0, 1, 1, 2, 0, 0, 0, 0], np.int32)).shrink(((0, count),))
+  rows = Tensor(np.ones((8, 2), np.float32)).shrink(((0, count), None))
+  with pytest.raises(ShapeError, match="symbolic"):
+    Tensor.zeros(4, 2)._add_rows_at(index, rows)
