@@ -259,3 +259,15 @@ def test_symbolic_sizes_raise_a_clear_error():
   rows = Tensor(np.ones((8, 2), np.float32)).shrink(((0, count), None))
   with pytest.raises(ShapeError, match="symbolic"):
     Tensor.zeros(4, 2)._add_rows_at(index, rows)
+
+
+def test_scatter_add_assigned_in_place_keeps_lazy_readers_old_values():
+  start = np.arange(12, dtype=np.float32).reshape(4, 3)
+  index = np.array([[0, 1, 3], [0, 0, 3]], np.int32)
+  x = Tensor(start).realize()
+  reader = x + 1   # lazy, made before the write: it must see the old values
+  x.assign(x.scatter_add(0, Tensor(index), Tensor(np.ones((2, 3), np.float32))))
+  expected = start.copy()
+  np.add.at(expected, (index, np.broadcast_to(np.arange(3), index.shape)), 1.0)
+  np.testing.assert_array_equal(x.numpy(), expected)
+  np.testing.assert_array_equal(reader.numpy(), start + 1)
