@@ -5,10 +5,12 @@ PyTorch's `embedding_dense_backward` (what torch.nn.functional.embedding's backw
     python extra/bench/bench_scatter.py                     # GPT-2: 4096 tokens into 50304 x 768 float32, on CUDA
     python extra/bench/bench_scatter.py --device CLANG --tokens 512 --vocab 4096 --width 64   # a small CPU check
 
-Method: the table, the indices (uniform over the vocabulary, as GPT-2's tokens are spread) and the upstream gradient
-are realized first. ourgrad: the gradient `weight[index].backward(upstream)` builds (one kernel) is timed cold on
-CUDA (timing.cold_schedule_seconds: it moves more than twice the L2, so it runs on its own realized buffers, replayed
-in one CUDA graph); '1-launch' is one launch between two CUDA events (DEBUG=2's figure), median over --iters.
+Method: the table, the indices (uniform over the vocabulary; `--zipf S` draws text-like repeats, probability
+~ 1/rank^S, where one row gets many of the tokens: the owner thread of that row adds them one after another) and
+the upstream gradient are realized first. ourgrad: the gradient `weight[index].backward(upstream)` builds (one
+kernel) is timed cold on CUDA (timing.cold_schedule_seconds: it moves more than twice the L2, so it runs on its own
+realized buffers, replayed in one CUDA graph); '1-launch' is one launch between two CUDA events (DEBUG=2's figure),
+median over --iters.
 PyTorch: `torch.ops.aten.embedding_dense_backward` timed back to back (--iters calls between two synchronizations;
 the host clock on the CPU). GB/s for both counts the table written once, the gradient rows and the indices read once.
 Before timing, ourgrad's gradient is checked against PyTorch's and against itself (bitwise, run to run).
@@ -57,9 +59,16 @@ def main() -> None:
   parser.add_argument("--width", type=int, default=768)
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--replays", type=int, default=10)
+  parser.add_argument("--zipf", type=float, default=0.0,
+                      help="draw tokens with probability ~ 1/rank^S (text-like repeats; the run prints how often the "
+                           "most common token occurs) instead of uniformly")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
-  tokens_np = rng.integers(0, args.vocab, args.tokens).astype(np.int32)
+  if args.zipf > 0:
+    weights = 1.0 / np.arange(1, args.vocab + 1) ** args.zipf
+    tokens_np = rng.choice(args.vocab, args.tokens, p=weights / weights.sum()).astype(np.int32)
+  else:
+    tokens_np = rng.integers(0, args.vocab, args.tokens).astype(np.int32)
   upstream_np = rng.standard_normal((args.tokens, args.width), dtype=np.float32)
   weight = Tensor(rng.standard_normal((args.vocab, args.width), dtype=np.float32), device=args.device,
                   requires_grad=True).realize()
@@ -70,8 +79,9 @@ def main() -> None:
   again = embedding_gradient(weight, index, upstream).numpy()
   assert first.tobytes() == again.tobytes(), "the gradient differs between two runs"
   bytes_moved = (args.vocab * args.width + args.tokens * args.width + args.tokens) * 4
+  repeats = int(np.bincount(tokens_np).max())
   print(f"embedding backward: {args.tokens} tokens into {args.vocab} x {args.width} float32 on {args.device} "
-        f"({bytes_moved / 1e6:.1f} MB moved); deterministic: yes")
+        f"({bytes_moved / 1e6:.1f} MB moved; the most common token {repeats} times); deterministic: yes")
 
   cuda = args.device.upper().startswith("CUDA")
   if cuda:
