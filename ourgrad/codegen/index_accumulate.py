@@ -57,7 +57,7 @@ class AccumulatePlan:
   feature_threads: int      # a block's threads along the features (dividing the feature groups)
   row_threads: int          # a block's threads along the row groups
   rows_per_thread: int
-  scan_unroll: int          # index loads in flight in the scan (dividing `count`)
+  scan_unroll: int          # index loads in flight in the scan without a vote (dividing `count`)
   warp: int = 0             # lanes of the warp vote that skips indices outside the block's rows (0: no vote)
 
   @property
@@ -91,8 +91,8 @@ def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, rende
   row_threads = max(1, min(block // feature_threads, math.ceil(rows / rows_per_thread)))
   scan_unroll = max(unroll for unroll in (1, 2, 4, 8) if count % unroll == 0)
   # the vote needs whole warps of shuffling lanes (a 32-bit mask: warps of at most 32)
-  warp = renderer.warp_size if 0 < renderer.warp_size <= 32 and (feature_threads * row_threads) % renderer.warp_size \
-      == 0 else 0
+  whole_warps = 0 < renderer.warp_size <= 32 and (feature_threads * row_threads) % renderer.warp_size == 0
+  warp = renderer.warp_size if whole_warps else 0
   return AccumulatePlan(rows, width, count, vector, per_thread, feature_threads, row_threads, rows_per_thread,
                         scan_unroll, warp)
 
@@ -176,7 +176,7 @@ class _Lowering:
     self.views.builder, self.views.buffers = build, buffers
     self.coordinates = 0
 
-  def int(self, value: int) -> UOp: return self.build.const(value, INDEX_DTYPE)
+  def index_const(self, value: int) -> UOp: return self.build.const(value, INDEX_DTYPE)
 
   def add(self, a: UOp, b: UOp) -> UOp: return self.build.alu(Ops.ADD, INDEX_DTYPE, a, b)
 
@@ -188,7 +188,8 @@ class _Lowering:
 
   def loop(self, name: str, end: int) -> UOp:
     # REDUCE: a serial loop in each thread (never a parallel one: its iterations write the same places)
-    return self.build.add(UOps.RANGE, INDEX_DTYPE, (self.int(0), self.int(end)), (name, AxisType.REDUCE))
+    bounds = (self.index_const(0), self.index_const(end))
+    return self.build.add(UOps.RANGE, INDEX_DTYPE, bounds, (name, AxisType.REDUCE))
 
   def value_at(self, root: LazyOp, coordinates: list[tuple[UOp, int]]) -> UOp:
     """A source's graph computed at one element: `coordinates` are (index UOp, size) per axis of its shape."""
@@ -204,9 +205,9 @@ class _Lowering:
     """`width` neighbouring features of a (rows, R) source from (row, feature)."""
     kernel = self.kernel
     if _plain_rows(root):
-      return self.load_buffer(self.buffers[root.arg.idx], root.dtype, self.add(self.mul(row, self.int(kernel.width)),
-                                                                               feature), width)
-    return [self.value_at(root, [(row, row_count), (self.add(feature, self.int(lane)), kernel.width)])
+      flat = self.add(self.mul(row, self.index_const(kernel.width)), feature)
+      return self.load_buffer(self.buffers[root.arg.idx], root.dtype, flat, width)
+    return [self.value_at(root, [(row, row_count), (self.add(feature, self.index_const(lane)), kernel.width)])
             for lane in range(width)]
 
   def load_buffer(self, buffer: UOp, dtype: DType, index: UOp, width: int) -> list[UOp]:
@@ -222,12 +223,12 @@ class _Lowering:
     """out[row, feature ...] = start[row, feature ...] for `width` neighbouring features."""
     kernel = self.kernel
     values = self.row_values(kernel.start, row, kernel.row_count, feature, width)
-    self.store(self.add(self.mul(row, self.int(kernel.width)), feature), values)
+    self.store(self.add(self.mul(row, self.index_const(kernel.width)), feature), values)
 
   def accumulate(self, target: UOp, source: UOp, feature: UOp, width: int) -> None:
     """out[target, feature ...] += rows[source, feature ...] for `width` neighbouring features."""
     kernel = self.kernel
-    out_index = self.add(self.mul(target, self.int(kernel.width)), feature)
+    out_index = self.add(self.mul(target, self.index_const(kernel.width)), feature)
     current = self.load_buffer(self.out, kernel.dtype, out_index, width)
     added = self.row_values(kernel.rows, source, kernel.count, feature, width)
     self.store(out_index, [self.build.alu(Ops.ADD, kernel.dtype, a, b) for a, b in zip(current, added)])
@@ -246,8 +247,8 @@ class _Lowering:
     build.end_range(row)
     source = self.loop("src", kernel.count)
     target = self.index_at(source)
-    block = build.add(UOps.IF, None, (self.both(self.less(self.int(-1), target),
-                                                self.less(target, self.int(kernel.row_count))),))
+    block = build.add(UOps.IF, None, (self.both(self.less(self.index_const(-1), target),
+                                                self.less(target, self.index_const(kernel.row_count))),))
     feature = self.loop("col", kernel.width)
     self.accumulate(target, source, feature, 1)
     build.end_range(feature)
@@ -260,34 +261,35 @@ class _Lowering:
     kernel, build = self.kernel, self.build
     blocks_x, blocks_y = plan.blocks
     row_block = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks_x, 0, AxisType.GLOBAL))
-    feature_group: UOp = self.int(0)   # in vectors
+    feature_group: UOp = self.index_const(0)   # in vectors
     if blocks_y > 1:
       feature_block = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx1", blocks_y, 1, AxisType.GLOBAL))
-      feature_group = self.mul(feature_block, self.int(plan.feature_threads * plan.features_per_thread // plan.vector))
+      vectors_per_block = plan.feature_threads * plan.features_per_thread // plan.vector
+      feature_group = self.mul(feature_block, self.index_const(vectors_per_block))
     if plan.feature_threads > 1:
       thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", plan.feature_threads, 0, AxisType.LOCAL))
       feature_group = self.add(feature_group, thread)
-    row_group = self.mul(row_block, self.int(plan.row_threads))
+    row_group = self.mul(row_block, self.index_const(plan.row_threads))
     if plan.row_threads > 1:
       row_thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx1", plan.row_threads, 1, AxisType.LOCAL))
       row_group = self.add(row_group, row_thread)
     # a thread's features are `vector` wide pieces strided by the block's feature threads: neighbouring threads
     # touch neighbouring pieces, so each load and store instruction of a warp covers one contiguous span
-    first_feature = self.mul(feature_group, self.int(plan.vector))
-    first_row = self.mul(row_group, self.int(plan.rows_per_thread))
+    first_feature = self.mul(feature_group, self.index_const(plan.vector))
+    first_row = self.mul(row_group, self.index_const(plan.rows_per_thread))
     # the rows this thread owns: [first_row, first_row + owned), fewer at the end of the table (none past it)
-    owned = self.int(plan.rows_per_thread)
+    owned = self.index_const(plan.rows_per_thread)
     if plan.ragged:
-      left = self.add(self.int(kernel.row_count), self.mul(first_row, self.int(-1)))
+      left = self.add(self.index_const(kernel.row_count), self.mul(first_row, self.index_const(-1)))
       owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(left, owned), left, owned)
-      owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(owned, self.int(0)), self.int(0), owned)
+      owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(owned, self.index_const(0)), self.index_const(0), owned)
     self._write_start(plan, first_row, first_feature, owned)
     if plan.warp:
-      lane = thread if plan.feature_threads > 1 else self.int(0)
-      if plan.row_threads > 1: lane = self.add(lane, self.mul(row_thread, self.int(plan.feature_threads)))
-      lane = build.alu(Ops.MOD, INDEX_DTYPE, lane, self.int(plan.warp))
+      lane = thread if plan.feature_threads > 1 else self.index_const(0)
+      if plan.row_threads > 1: lane = self.add(lane, self.mul(row_thread, self.index_const(plan.feature_threads)))
+      lane = build.alu(Ops.MOD, INDEX_DTYPE, lane, self.index_const(plan.warp))
       block_rows = plan.row_threads * plan.rows_per_thread
-      block_first_row = self.mul(row_block, self.int(block_rows))
+      block_first_row = self.mul(row_block, self.index_const(block_rows))
       self._voting_scan(plan, lane, block_first_row, block_rows, (first_row, first_feature, owned))
     else:
       self._scan(plan, first_row, first_feature, owned)
@@ -303,7 +305,7 @@ class _Lowering:
     row = self.loop("row", plan.rows_per_thread)
     block = build.add(UOps.IF, None, (self.less(row, owned),)) if plan.ragged else None
     for offset in self._feature_offsets(plan):
-      self.write_start(self.add(first_row, row), self.add(first_feature, self.int(offset)), plan.vector)
+      self.write_start(self.add(first_row, row), self.add(first_feature, self.index_const(offset)), plan.vector)
     if block is not None: build.end_if(block)
     build.end_range(row)
 
@@ -313,10 +315,10 @@ class _Lowering:
                    owned_unsigned: UOp) -> None:
     """If index `target` falls in this thread's rows (0 <= target - first_row < owned, as one unsigned compare: a
     negative difference wraps to a large number), add source row `source` into it."""
-    local = self._unsigned(self.add(target, self.mul(first_row, self.int(-1))))
+    local = self._unsigned(self.add(target, self.mul(first_row, self.index_const(-1))))
     block = self.build.add(UOps.IF, None, (self.build.alu(Ops.CMPLT, dtypes.bool, local, owned_unsigned),))
     for offset in self._feature_offsets(plan):
-      self.accumulate(target, source, self.add(first_feature, self.int(offset)), plan.vector)
+      self.accumulate(target, source, self.add(first_feature, self.index_const(offset)), plan.vector)
     self.build.end_if(block)
 
   def _voting_scan(self, plan: AccumulatePlan, lane: UOp, block_first_row: UOp, block_rows: int,
@@ -332,13 +334,13 @@ class _Lowering:
     lane_bit = build.alu(Ops.SHL, dtypes.uint32, build.const(1, dtypes.uint32), self._unsigned(lane))
     groups = math.ceil(plan.count / plan.warp)
     group = self.loop("grp", groups)
-    group_start = self.mul(group, self.int(plan.warp))
+    group_start = self.mul(group, self.index_const(plan.warp))
     position = self.add(group_start, lane)
     inside = None
     if plan.count % plan.warp:   # the last group is short: lanes past the end read index 0 and do not vote
-      inside = self.less(position, self.int(plan.count))
-      position = build.alu(Ops.WHERE, INDEX_DTYPE, inside, position, self.int(0))
-    offset = self._unsigned(self.add(self.index_at(position), self.mul(block_first_row, self.int(-1))))
+      inside = self.less(position, self.index_const(plan.count))
+      position = build.alu(Ops.WHERE, INDEX_DTYPE, inside, position, self.index_const(0))
+    offset = self._unsigned(self.add(self.index_at(position), self.mul(block_first_row, self.index_const(-1))))
     votes = build.alu(Ops.CMPLT, dtypes.bool, offset, block_rows_unsigned)
     if inside is not None: votes = self.both(votes, inside)
     vote = build.alu(Ops.WHERE, dtypes.uint32, votes, lane_bit, build.const(0, dtypes.uint32))
@@ -361,7 +363,8 @@ class _Lowering:
     build = self.build
     owned_unsigned = self._unsigned(owned)
     step = self.loop("src", plan.count // plan.scan_unroll)
-    sources = [self.add(self.mul(step, self.int(plan.scan_unroll)), self.int(lane)) for lane in range(plan.scan_unroll)]
+    first = self.mul(step, self.index_const(plan.scan_unroll))
+    sources = [self.add(first, self.index_const(lane)) for lane in range(plan.scan_unroll)]
     targets = [self.index_at(source) for source in sources]   # loaded together: several loads in flight
     for source, target in zip(sources, targets):
       self._add_if_mine(plan, source, target, first_row, first_feature, owned_unsigned)
