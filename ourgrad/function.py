@@ -500,52 +500,28 @@ class GatherRows(Function):
   """Rows of a (N, R) table picked by an (M,) int32 index -> (M, R), reading only those rows (LazyBuffer.gather_rows);
   an index outside [0, N) gives zeros.
 
-  The gradient is a scatter-add of the M output rows into the table, built from indexed reads so that no kernel
-  reads or multiplies more than the picked rows' worth of gradient per table row (`scatter_add_rows`). `positions`
-  (0..N-1) and `occurrences` (0..M-1) are needed only for it."""
+  The gradient is an indexed accumulate of the M output rows into a zero table (LazyBuffer.accumulate_rows): one
+  kernel, M x R additions, repeated indices summed in order, no one-hot over the table."""
 
-  def forward(self, table: LazyBuffer, index: LazyBuffer, positions: LazyBuffer | None = None,
-              occurrences: LazyBuffer | None = None) -> LazyBuffer:
-    self.index, self.positions, self.occurrences = index, positions, occurrences
+  def forward(self, table: LazyBuffer, index: LazyBuffer) -> LazyBuffer:
+    self.index, self.table_shape = index, table.shape
     return table.gather_rows(index)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, None]:
     if not self.needs_input_grad[0]: return None, None
-    assert self.positions is not None and self.occurrences is not None, \
-      "GatherRows needs positions and occurrences for a table that requires grad"
-    return scatter_add_rows(grad_output, self.index, self.positions, self.occurrences), None
+    zeros = LazyBuffer.full(0, self.table_shape, grad_output.dtype, grad_output.device)
+    return zeros.accumulate_rows(self.index, grad_output), None
 
 
-def scatter_add_rows(rows: LazyBuffer, index: LazyBuffer, positions: LazyBuffer,
-                     occurrences: LazyBuffer) -> LazyBuffer:
-  """The (N, R) table that is zero except that row index[m] holds the sum of every rows[m'] with the same index
-  (`rows` (M, R), `index` (M,) int32, `positions` 0..N-1, `occurrences` 0..M-1); an index outside [0, N) adds
-  nothing. Three kernels, none with an M x N x R loop (the one-hot sum over the whole table):
-  1. summed (M, R): each row plus the rows with the same index (an M x M x R masked sum: repeated indices);
-  2. last (N,): for each table row, the last m that picks it, or -1 (an N x M compare-and-max, no R);
-  3. the table: row r is summed[last[r]], an indexed read of the picked rows (-1 reads zeros).
-  With more picks than table rows (M > N) the one-hot masked sum over (N, M, R) is the cheaper loop: used then."""
-  count, width = rows.shape
-  table_rows = positions.shape[0]
-  if count > table_rows: return _one_hot_rows_sum(rows, index, positions)
-  pairs = (count, count, 1)
-  same = _equal(index.reshape((count, 1, 1)).expand(pairs), index.reshape((1, count, 1)).expand(pairs))
-  spread = (count, count, width)
-  others = rows.reshape((1, count, width)).expand(spread)
-  summed = _where(same.expand(spread), others, others.const_like(0)).reduce(Ops.SUM, (1,)).reshape((count, width))
-  grid = (table_rows, count)
-  picks = _equal(positions.reshape((table_rows, 1)).expand(grid), index.reshape((1, count)).expand(grid))
-  candidates = occurrences.reshape((1, count)).expand(grid)
-  last = _where(picks, candidates, candidates.const_like(-1)).reduce(Ops.MAX_REDUCE, (1,)).reshape((table_rows,))
-  # realized: a gather recomputing its index per column would be the N x M x R loop again
-  return summed.gather_rows(last.contiguous())
+class AccumulateRows(Function):
+  """A (N, R) start with the (M, R) rows added at the rows an (M,) int32 index names, in order (repeated indices
+  summed, an index outside [0, N) ignored): LazyBuffer.accumulate_rows. The gradient of the start is the output's;
+  that of the rows is the output's gradient gathered at the index (zero where the index is outside)."""
 
+  def forward(self, start: LazyBuffer, index: LazyBuffer, rows: LazyBuffer) -> LazyBuffer:
+    self.index = index
+    return start.accumulate_rows(index, rows)
 
-def _one_hot_rows_sum(rows: LazyBuffer, index: LazyBuffer, positions: LazyBuffer) -> LazyBuffer:
-  """Table row r = the sum of rows[m] with index[m] == r, as one masked sum over (M, N, R)."""
-  (count, width), table_rows = rows.shape, positions.shape[0]
-  spread = (count, table_rows, width)
-  picks = _equal(index.reshape((count, 1, 1)).expand(spread), positions.reshape((1, table_rows, 1)).expand(spread))
-  spread_rows = rows.reshape((count, 1, width)).expand(spread)
-  picked = _where(picks, spread_rows, spread_rows.const_like(0))
-  return picked.reduce(Ops.SUM, (0,)).reshape((table_rows, width))
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, None, LazyBuffer | None]:
+    grad_rows = grad_output.gather_rows(self.index) if self.needs_input_grad[2] else None
+    return (grad_output if self.needs_input_grad[0] else None), None, grad_rows

@@ -446,6 +446,24 @@ class LazyBuffer:
     spread = index.reshape((index.shape[0], 1)).expand((index.shape[0], width))
     return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, Ops.GATHER, rows, (table, spread))
 
+  def accumulate_rows(self, index: LazyBuffer, rows: LazyBuffer) -> LazyBuffer:
+    """This (N, R) buffer with rows[m] of the (M, R) `rows` added to row index[m] of it, for m = 0, 1, ... in
+    order (the (M,) int32 `index`; repeated indices are summed, an index outside [0, N) adds nothing). One kernel of
+    its own that never forms an (M, N) one-hot (codegen/index_accumulate.py); elementwise work on its sources (an
+    index's cast, a constant start) is fused into it."""
+    if len(self.shape) != 2 or len(index.shape) != 1 or index.dtype != dtypes.int32 or \
+       rows.shape != (index.shape[0], self.shape[1]) or rows.dtype != self.dtype:
+      raise AssertionError(f"accumulate_rows needs a (N, R) start, an (M,) int32 index and (M, R) rows of its dtype, "
+                           f"got {self.shape} {self.dtype}, {index.shape} {index.dtype}, {rows.shape} {rows.dtype}")
+    if index.device != self.device or rows.device != self.device:
+      raise DeviceError(f"accumulate_rows: start on {self.device}, index on {index.device}, rows on {rows.device}")
+    if any(is_symbolic(size) for size in self.shape + index.shape):
+      raise ShapeError(f"an indexed add (a scatter_add, index_add or a lookup's gradient) needs concrete sizes, got "
+                       f"a ({', '.join(str(size) for size in self.shape)}) table and {index.shape[0]} indices: a "
+                       f"symbolic size (a Variable) is not supported here")
+    if index.shape[0] == 0 or self.size == 0: return self
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.INDEX_ACCUMULATE, None, (self, index, rows))
+
   # ---------------------------------------------------------------- in-place writes (versions of a storage)
 
   @property

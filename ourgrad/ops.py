@@ -64,6 +64,10 @@ class Ops(Enum):
   # an indexed read: srcs (table (N, R), index (M, R) int32, the row number broadcast along R) -> (M, R) rows of table
   # (0 where the index is outside [0, N)); in a kernel AST it becomes a LOAD whose srcs give the offset (see LazyOp)
   GATHER = auto()
+  # an indexed accumulate: srcs (start (N, R), index (M,) int32, rows (M, R)) -> (N, R): start with rows[m] added to
+  # row index[m] for m = 0, 1, ... in order (repeated indices summed; an index outside [0, N) adds nothing). Always a
+  # kernel of its own (codegen/index_accumulate.py); its kernel AST is STORE(INDEX_ACCUMULATE(start, index, rows))
+  INDEX_ACCUMULATE = auto()
   # leaves and root of a kernel AST
   LOAD = auto()
   STORE = auto()

@@ -5,6 +5,8 @@ repeat, ...) change how a tensor's elements are addressed, never the elements: e
 LazyBuffer. Indexing with ints, slices, None and ... is a chain of such views (`_basic_index_steps`); indexing
 with one integer tensor (and `gather`, and so Embedding) reads only the rows it needs (`_take_rows`: a load at
 computed offsets; an index outside [-n, n) reads zeros); several integer tensors are a masked sum (one kernel).
+Indexed adds (`scatter_add`, `index_add`, and the gradient of a row lookup) are one indexed-accumulate kernel
+(`_add_rows_at`: Ops.INDEX_ACCUMULATE, no one-hot).
 `__setitem__` runs the view chain backwards and writes through `assign`. `cat` pads each input into place and adds
 them, so a join fuses into the consumer.
 
@@ -405,18 +407,35 @@ class MovementMixin:
   def _take_rows(self, index: Tensor) -> Tensor:
     """self[index] along dim 0 for an integer tensor `index` of any shape -> index.shape + self.shape[1:], reading
     only the picked rows. Negative indices count from the end; an index outside [-n, n) gives a row of zeros."""
-    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     if index.device != self.device:
       raise DeviceError(f"the index is on {index.device}, the indexed tensor on {self.device}; move one with .to()")
     rows, rest = self.shape[0], self.shape[1:]
     flat_index = index.reshape(-1).cast(dtypes.int32)
     flat_index = (flat_index < 0).where(flat_index + rows, flat_index)
-    table = self.reshape(rows, prod(rest))
-    needs_positions = table.requires_grad and not Tensor.no_grad
-    positions = Tensor.arange(rows, device=self.device).lazydata if needs_positions else None
-    occurrences = Tensor.arange(flat_index.shape[0], device=self.device).lazydata if needs_positions else None
-    picked = F.GatherRows.apply(table, flat_index.detach(), positions=positions, occurrences=occurrences)
+    picked = F.GatherRows.apply(self.reshape(rows, prod(rest)), flat_index.detach())
     return picked.reshape(*index.shape, *rest)
+
+  def _add_rows_at(self, index: Tensor, rows: Tensor) -> Tensor:
+    """self with rows[m] added to self[index[m]] along dim 0, for m = 0, 1, ... in order: `index` holds M integers
+    (any shape, flattened), `rows` is (M, *self.shape[1:]). Repeated indices are summed; negative ones count from the
+    end; one outside [-n, n) adds nothing (as a gather there reads 0). One indexed-accumulate kernel
+    (LazyBuffer.accumulate_rows), never a one-hot; differentiable in self and rows."""
+    if index.device != self.device or rows.device != self.device:
+      raise DeviceError(f"indexed add: the tensor is on {self.device}, the index on {index.device}, the values on "
+                        f"{rows.device}; move them with .to()")
+    size, rest = self.shape[0], self.shape[1:]
+    flat_index = index.reshape(-1).cast(dtypes.int32)
+    flat_index = (flat_index < 0).where(flat_index + size, flat_index)
+    count = flat_index.shape[0]
+    if rows.shape != (count, *rest):
+      raise ShapeError(f"indexed add of values {rows.shape} into {self.shape} at {count} indices: the values must be "
+                       f"{(count, *rest)}")
+    # bools accumulate as integers (a place any True reaches becomes True)
+    dtype = dtypes.int32 if self.dtype == dtypes.bool else self.dtype
+    start = self.cast(dtype).reshape(size, prod(rest))
+    added = F.AccumulateRows.apply(start, flat_index.detach(), rows.cast(dtype).reshape(count, prod(rest)))
+    added = added.reshape(self.shape)
+    return added != 0 if self.dtype == dtypes.bool else added
 
   def _index_with_tensors(self, tensor_dims: list[tuple[int, Tensor]]) -> Tensor:
     """Advanced (integer tensor) indexing, numpy rules: the broadcast index shape replaces the indexed dims,
@@ -577,12 +596,7 @@ class MovementMixin:
     n, and the sources (..., k, 1) in this tensor's dtype. Shapes checked as torch.scatter checks them."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
-    if index.ndim != self.ndim or src.ndim != self.ndim:
-      raise ShapeError(f"scatter needs index and src with {self.ndim} dims like the input {self.shape}, got "
-                       f"{index.shape} and {src.shape}")
-    if any(i > s for i, s in zip(index.shape, src.shape)) or \
-       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
-      raise ShapeError(f"scatter index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+    self._check_scatter("scatter", dim, index, src)
     src = src.shrink([(0, size) for size in index.shape])
     size = self.shape[axis]
     index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
@@ -597,17 +611,45 @@ class MovementMixin:
     grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape, per_target.shape)]
     return per_target.pad(grow, value=fill).transpose(axis, -1)
 
-  def _scattered(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
-    """The sum of `src` scattered into this tensor's shape along `dim` at `index` (as scatter_add adds it), and a
-    bool mask of the places written. One-hot over the target positions and a sum: one kernel, no scatter op."""
-    hits, values = self._scatter_hits(dim, index, src)
-    added = hits.where(values, 0).sum(-2, dtype=self.dtype if self.dtype != dtypes.bool else dtypes.int32)
-    return self._scattered_back(dim, added).cast(self.dtype), self._scattered_back(dim, hits.any(-2))
+  def _check_scatter(self, name: str, dim: int, index: Tensor, src: Tensor) -> None:
+    """The shape and dtype rules torch's scatter functions check: index and src of this tensor's rank, an integer
+    index no larger than src anywhere nor than this tensor outside `dim`."""
+    axis = self._axis(dim)
+    if index.ndim != self.ndim or src.ndim != self.ndim:
+      raise ShapeError(f"{name} needs index and src with {self.ndim} dims like the input {self.shape}, got "
+                       f"{index.shape} and {src.shape}")
+    if index.dtype.is_float or index.dtype == dtypes.bool:
+      raise IndexError(f"{name} index must hold integers, got {index.dtype}")
+    if any(i > s for i, s in zip(index.shape, src.shape)) or \
+       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
+      raise ShapeError(f"{name} index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
 
   def scatter_add(self, dim: int, index: Tensor, src: Tensor) -> Tensor:
-    """self with src[i][j] added at [index[i][j]][j] (for dim 0; likewise for other dims), as torch.scatter_add."""
-    added, _ = self._scattered(dim, index, src)
-    return self + added
+    """self with src[i][j] added at [index[i][j]][j] (for dim 0; likewise for other dims), as torch.scatter_add.
+    Every element of `index` names one place of self (its own coordinates, `index` along `dim`); the sources are
+    added there in order, repeated places summed, by one indexed-accumulate kernel (no one-hot). An index outside
+    [-n, n) adds nothing."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    axis = self._axis(dim)
+    self._check_scatter("scatter_add", dim, index, src)
+    if index.device != self.device or src.device != self.device:
+      raise DeviceError(f"scatter_add: the input is on {self.device}, the index on {index.device}, src on "
+                        f"{src.device}; move them with .to()")
+    if index.numel() == 0: return self
+    src = src.shrink([(0, size) for size in index.shape])
+    # the flat address of each element's place: its own coordinates, `index` along `axis` (as gather reads)
+    size = self.shape[axis]
+    picked = index.cast(dtypes.int32)
+    picked = (picked < 0).where(picked + size, picked)
+    strides = [prod(self.shape[a + 1:]) for a in range(self.ndim)]
+    flat = picked * strides[axis]
+    for a in range(self.ndim):
+      if a == axis or index.shape[a] == 1: continue
+      shape = [-1 if b == a else 1 for b in range(self.ndim)]
+      flat = flat + Tensor.arange(index.shape[a], device=self.device).reshape(shape) * strides[a]
+    flat = ((picked >= 0) & (picked < size)).where(flat, self.numel())   # outside along `axis`: past every place
+    added = self.reshape(-1)._add_rows_at(flat, src.cast(self.dtype).reshape(-1))
+    return added.reshape(self.shape)
 
   def scatter(self, dim: int, index: Tensor, src: Tensor | float | int, reduce: str | None = None) -> Tensor:
     """self with src (a tensor, or one number) written at `index` along `dim`, as torch.scatter. Where an index
@@ -635,11 +677,15 @@ class MovementMixin:
     `reduce` is "sum", "prod", "mean", "amax" or "amin"; with `include_self` the present value takes part in the
     reduction, otherwise only the sources do (places no index names keep their value either way). Each place
     reduces over a one-hot of the sources that land on it (one fused reduce, no scatter op), so every source takes
-    part, repeated indices included, and the gradients are the reduce's own (amax/amin share them among ties)."""
+    part, repeated indices included, and the gradients are the reduce's own (amax/amin share them among ties);
+    "sum" and "mean" are indexed accumulates instead (scatter_add, no one-hot)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     identities = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "amax": -math.inf, "amin": math.inf}
     if reduce not in identities:
       raise ValueError(f"scatter_reduce reduce must be one of {sorted(identities)}, got {reduce!r}")
+    if reduce in ("sum", "mean") and self.dtype != dtypes.bool:
+      self._check_scatter("scatter_reduce", dim, index, src)
+      return self._scatter_sum(dim, index, src, reduce, include_self)
     hits, values = self._scatter_sources(dim, index, src)  # (..., k, n) each, the target axis last
     axis = self._axis(dim)
     if include_self:  # the present value as one more source, landing on its own place
@@ -661,20 +707,28 @@ class MovementMixin:
     written = (count > 0).transpose(axis, -1)
     return written.where(reduced.cast(self.dtype).transpose(axis, -1), self)
 
+  def _scatter_sum(self, dim: int, index: Tensor, src: Tensor, reduce: str, include_self: bool) -> Tensor:
+    """scatter_reduce's "sum" and "mean": indexed accumulates (scatter_add) of the sources and of their count, no
+    one-hot. Places no index names keep their value."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    zeros = Tensor.zeros(*self.shape, dtype=self.dtype, device=self.device)
+    total = (self if include_self else zeros).scatter_add(dim, index, src.cast(self.dtype))
+    ones = Tensor.ones(*index.shape, dtype=dtypes.int32, device=self.device)
+    count = Tensor.zeros(*self.shape, dtype=dtypes.int32, device=self.device).scatter_add(dim, index, ones)
+    reduced = total
+    if reduce == "mean":
+      divisor = (count + 1 if include_self else count.maximum(1))
+      # integer means round down, as torch's floor division of the sum by the count
+      reduced = total / divisor.cast(total.dtype) if self.dtype.is_float else total.div(divisor, rounding_mode="floor")
+    return (count > 0).where(reduced.cast(self.dtype), self)
+
   def _scatter_sources(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
     """For scatter_reduce: with `dim` moved last, a bool (..., k, n) of which of the k sources along `dim` lands on
     each of the n places, and the sources' values (..., k, 1), both widened to this tensor's other sizes (the index
     may be smaller than it there: the extra places receive nothing)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
-    if index.ndim != self.ndim or src.ndim != self.ndim:
-      raise ShapeError(f"scatter_reduce needs index and src with {self.ndim} dims like the input {self.shape}, got "
-                       f"{index.shape} and {src.shape}")
-    if index.dtype.is_float or index.dtype == dtypes.bool:
-      raise IndexError(f"scatter_reduce index must hold integers, got {index.dtype}")
-    if any(i > s for i, s in zip(index.shape, src.shape)) or \
-       any(i > t for a, (i, t) in enumerate(zip(index.shape, self.shape)) if a != axis):
-      raise ShapeError(f"scatter_reduce index shape {index.shape} exceeds src {src.shape} or input {self.shape}")
+    self._check_scatter("scatter_reduce", dim, index, src)
     src = src.shrink([(0, size) for size in index.shape])
     size = self.shape[axis]
     index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
@@ -685,16 +739,21 @@ class MovementMixin:
     return hits.pad(grow + [None, None]), values.pad(grow + [None, None])
 
   def index_add(self, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
-    """self with source's slices along `dim` added at the positions of the 1-D `index` (torch.index_add)."""
-    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    """self with source's slices along `dim` added at the positions of the 1-D `index` (torch.index_add), in order,
+    repeated positions summed: one indexed-accumulate kernel over the slices (no one-hot). An index outside [-n, n)
+    adds nothing."""
     axis = self._axis(dim)
     if index.ndim != 1: raise ShapeError(f"index_add takes a 1-D index, got shape {index.shape}")
-    size = self.shape[axis]
-    positions = (index < 0).where(index + size, index)
-    hits = positions.reshape(-1, 1) == Tensor.arange(size, device=self.device).reshape(1, -1)  # (k, n)
-    moved = source.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
-    added = hits.where(moved, 0).sum(-2).transpose(axis, -1)
-    return self + (added * alpha if alpha != 1.0 else added).cast(self.dtype)
+    if index.dtype.is_float or index.dtype == dtypes.bool:
+      raise IndexError(f"index_add index must hold integers, got {index.dtype}")
+    expected = self.shape[:axis] + (index.shape[0],) + self.shape[axis + 1:]
+    if source.ndim != self.ndim or source.shape != expected:
+      raise ShapeError(f"index_add of source {source.shape} into {self.shape} along dim {axis} with {index.shape[0]} "
+                       f"indices: the source must be {expected}")
+    values = source.cast(self.dtype)
+    if alpha != 1.0: values = (values * alpha).cast(self.dtype)
+    added = self.movedim(axis, 0)._add_rows_at(index, values.movedim(axis, 0))
+    return added.movedim(0, axis)
 
   # ---------------------------------------------------------------- joining and splitting
 

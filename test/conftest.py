@@ -15,6 +15,7 @@ def _check_cuda_rendering():
   if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):
     yield
     return
+  from ourgrad.codegen.index_accumulate import IndexAccumulateKernel
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.lowering import lower_kernel
   from ourgrad.codegen.packed import PackedKernel
@@ -30,6 +31,8 @@ def _check_cuda_rendering():
       return compile_for_device(kernel, device)
     if isinstance(kernel, PackedKernel):   # a packed kernel takes no opts (codegen/packed.py)
       cuda_kernel = PackedKernel(kernel.ast, renderer)
+    elif isinstance(kernel, IndexAccumulateKernel):   # sized by its own plan (codegen/index_accumulate.py)
+      cuda_kernel = IndexAccumulateKernel(kernel.ast, renderer)
     else:
       cuda_kernel = Kernel(kernel.ast, renderer)
       # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device

@@ -307,6 +307,8 @@ class GPT2Roles:
     label, outputs, values = kind
     direction = "forward" if forward else "backward"
     if label == "packed": return "optimizer (packed)"
+    if label == "indexed":   # an embedding gradient: token rows added into the table (codegen/index_accumulate.py)
+      return "wte embedding backward (indexed)" if outputs == self.vocab * self.width else "wpe embedding backward"
     if label == "elementwise": return f"elementwise ({direction})"
     if not label: return ""
     n, c, v = self.tokens, self.width, self.vocab

@@ -119,12 +119,14 @@ class CopyReference:
 class KernelKinds:
   """What each compiled kernel of the engine's runner cache computes, by the runner's id: (label, outputs, values
   per output) with label 'matmul' (an input reused across outputs: a convolution, its gradients, a Linear),
-  'reduce', 'elementwise' or 'packed' (a multi-tensor kernel: several elementwise segments in one launch)."""
+  'reduce', 'elementwise', 'packed' (a multi-tensor kernel: several elementwise segments in one launch) or 'indexed'
+  (an indexed accumulate: outputs, rows added)."""
 
   def __init__(self, device: str):
     self.device, self.kinds = device, {}
 
   def update(self) -> None:
+    from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
     from ourgrad.codegen.kernel import Kernel
     from ourgrad.codegen.opt.heuristic import _matmul_like
     from ourgrad.device import Device
@@ -135,6 +137,10 @@ class KernelKinds:
       if device != self.device or id(runner) in self.kinds: continue
       if ast.op is Ops.PACK:
         self.kinds[id(runner)] = ("packed", len(ast.srcs), 0)
+        continue
+      if is_index_accumulate(ast):   # (N, R) outputs, M rows added into them: codegen/index_accumulate.py
+        accumulate = IndexAccumulateKernel(ast, Device[device].renderer)
+        self.kinds[id(runner)] = ("indexed", accumulate.row_count * accumulate.width, accumulate.count)
         continue
       kernel = Kernel(ast, Device[device].renderer)
       outputs = prod(kernel.full_shape[:kernel.first_reduce])
@@ -150,6 +156,7 @@ class KernelKinds:
   def describe(kind: tuple[str, int, int]) -> str:
     label, outputs, values = kind
     if label == "packed": return f"packed {outputs} segments"
+    if label == "indexed": return f"indexed accumulate of {values} rows into {outputs}"
     if label == "elementwise": return f"elementwise {outputs}"
     return f"{label} {outputs}x{values}" if label else ""
 

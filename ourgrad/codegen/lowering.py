@@ -1,16 +1,18 @@
 """A Kernel with its Opts applied, lowered to its device's source text: the one place that decides how.
 
 A kernel with OptOps.WGMMA is a whole-kernel plan (codegen/wgmma_tiles.py) that the renderer renders as it is; any
-other kernel is linearized to UOps (codegen/linearizer.py; a PackedKernel by its own linearize) and the UOps are
-rendered. `lower_kernel` returns a `LoweredKernel`: the source and what its callers need beside it, the launch
-sizes, the UOps (to cost or print the kernel) and the wgmma plan. Its callers: engine/realize.py (compile and launch
-a kernel), codegen/opt/search.py (compile BEAM's candidates) and test/conftest.py (CHECK_CUDA_RENDER's NVRTC check).
+other kernel is linearized to UOps (codegen/linearizer.py; a PackedKernel and an IndexAccumulateKernel by their own
+linearize) and the UOps are rendered. `lower_kernel` returns a `LoweredKernel`: the source and what its callers need
+beside it, the launch sizes, the UOps (to cost or print the kernel) and the wgmma plan. Its callers:
+engine/realize.py (compile and launch a kernel), codegen/opt/search.py (compile BEAM's candidates) and
+test/conftest.py (CHECK_CUDA_RENDER's NVRTC check).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from ourgrad.codegen.index_accumulate import IndexAccumulateKernel
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.packed import PackedKernel
@@ -35,13 +37,14 @@ class LoweredKernel:
     return self.wgmma is None
 
 
-def lower_kernel(kernel: Kernel | PackedKernel, renderer: Renderer, name: str) -> LoweredKernel:
+def lower_kernel(kernel: Kernel | PackedKernel | IndexAccumulateKernel, renderer: Renderer,
+                 name: str) -> LoweredKernel:
   """`kernel` rendered by `renderer` as the function `name`: its wgmma plan if it has one, else its UOps."""
   wgmma = getattr(kernel, "wgmma", None)
   if wgmma is not None:
     plan, arguments = wgmma
     return LoweredKernel(name, renderer.render_wgmma(name, plan, arguments), plan.global_size, plan.local_size,
                          wgmma=plan)
-  uops = kernel.linearize() if isinstance(kernel, PackedKernel) else linearize(kernel)
+  uops = kernel.linearize() if isinstance(kernel, (PackedKernel, IndexAccumulateKernel)) else linearize(kernel)
   global_size, local_size = launch_dims(uops)
   return LoweredKernel(name, renderer.render(name, uops), global_size, local_size, uops)

@@ -87,6 +87,8 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
       plan.has_reduce, plan.reduces = True, plan.reduces + 1
       if not any(node is known for known in plan.final_reduces): plan.final_reduces.append(node)
       stack.append((node.srcs[0].base, node.srcs[0].st, False, False))
+    elif node.op in REDUCE_OPS and root.op is Ops.INDEX_ACCUMULATE:
+      return (node, "a reduce in a source of an indexed accumulate (whose kernel has no reduce loop)"), plan
     elif node.op in REDUCE_OPS:
       plain_reshape = view.contiguous and view.size == node.size
       row_reason = rows.admit(node, view, under_reduce, plain_reshape) if not one_reduce_kernel else "closed"
@@ -108,6 +110,8 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
       stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
     elif node.op in ELEMENTWISE_OPS:
       stack.extend((src.base, src.st + view, under_reduce, False) for src in node.srcs)
+    elif node.op is Ops.INDEX_ACCUMULATE:   # the root: each source's fused graph is walked in its own shape
+      stack.extend((src.base, src.st, False, False) for src in node.srcs)
     elif node.op is Ops.GATHER:
       if target is not None and reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
       plan.loads.append((node.srcs[0].base, None))

@@ -12,6 +12,7 @@ import sys
 import warnings
 from typing import Any
 
+from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE
 from ourgrad.codegen.lowering import lower_kernel
@@ -37,10 +38,11 @@ NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedu
 _runner_cache: BoundedCache[tuple[str, LazyOp, bool], CompiledRunner] = BoundedCache(RUNNER_CACHE_SIZE)
 
 
-def get_kernel(ast: LazyOp, device: str) -> Kernel | PackedKernel:
+def get_kernel(ast: LazyOp, device: str) -> Kernel | PackedKernel | IndexAccumulateKernel:
   """The Kernel for an AST with the default optimizations applied (none with NOOPT=1, searched with BEAM=n). A packed
   kernel (PACK: several elementwise kernels in one launch) takes no opts (codegen/packed.py)."""
   if ast.op is Ops.PACK: return PackedKernel(ast, Device[device].renderer)
+  if is_index_accumulate(ast): return IndexAccumulateKernel(ast, Device[device].renderer)   # sized by its own plan
   kernel = Kernel(ast, Device[device].renderer)
   # a symbolic kernel keeps its plain loop nest: the optimizations split and pad sizes they must know
   if NOOPT or ast_is_symbolic(ast): return kernel
@@ -99,7 +101,7 @@ def function_name(kernel: Kernel) -> str:
 
 
 @host_phase("codegen", lambda kernel, device: kernel.name)
-def compile_kernel(kernel: Kernel | PackedKernel, device: str) -> CompiledRunner:
+def compile_kernel(kernel: Kernel | PackedKernel | IndexAccumulateKernel, device: str) -> CompiledRunner:
   name = function_name(kernel)
   lowered = lower_kernel(kernel, Device[device].renderer, name)
   if DEBUG >= 5 and lowered.linearized: print(format_uops(lowered.uops))
@@ -121,12 +123,13 @@ def wgmma_cost(kernel: Kernel, plan: WgmmaMatmul) -> tuple[int, int]:
   return op_count, byte_count
 
 
-def estimate_cost(kernel: Kernel | PackedKernel, uops: list[UOp]) -> tuple[int, int]:
+def estimate_cost(kernel: Kernel | PackedKernel | IndexAccumulateKernel, uops: list[UOp]) -> tuple[int, int]:
   """(arithmetic ops, bytes moved) of one launch: ALUs weighted by the loops around them; each buffer's
   bytes counted once over the elements its view can touch (twice for one both read and written)."""
   blocks, threads = launch_dims(uops)
   op_count, multiplier, multipliers = 0, prod(sym_max(size) for size in blocks + threads), []
-  for uop in (uops if not isinstance(kernel, PackedKernel) else ()):
+  counts_own_ops = isinstance(kernel, (PackedKernel, IndexAccumulateKernel))
+  for uop in (uops if not counts_own_ops else ()):
     if uop.op is UOps.RANGE:
       multipliers.append(multiplier)
       multiplier *= loop_trip_bound(uop)
@@ -143,7 +146,7 @@ def estimate_cost(kernel: Kernel | PackedKernel, uops: list[UOp]) -> tuple[int, 
     # a gathered load (srcs: a computed offset) reads at most one table element per element of its view
     touched = min(st.real_size(), elements) if leaf.op is Ops.LOAD and not leaf.srcs else elements
     byte_count += touched * leaf.dtype.itemsize
-  if isinstance(kernel, PackedKernel): op_count = kernel.op_count(uops)
+  if counts_own_ops: op_count = kernel.op_count(uops)
   return op_count, byte_count
 
 

@@ -44,7 +44,7 @@ from ourgrad.shape.shapetracker import ShapeTracker
 REALIZE_LOCK = threading.RLock()
 
 # bases that always get their own buffer
-ALWAYS_REALIZED_OPS = frozenset({Ops.EMPTY, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN, Ops.CUSTOM})
+ALWAYS_REALIZED_OPS = frozenset({Ops.EMPTY, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN, Ops.CUSTOM, Ops.INDEX_ACCUMULATE})
 
 
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
@@ -475,6 +475,7 @@ def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleIt
                                                         source.dtype)
     item = ScheduleItem(LazyOp(Ops.COPY, (), base.realized.nbytes, base.dtype), (base.realized,), (source_buffer,))
     return item, [source]
+  if base.op is Ops.INDEX_ACCUMULATE: return _schedule_index_accumulate(base, realizes)
   builder = _KernelBuilder(base, realizes, outputs=(base.realized,))
   if base.op in (Ops.CONTIGUOUS, Ops.ASSIGN):
     value = builder.build(base.srcs[0].base, base.srcs[0].st)
@@ -488,6 +489,17 @@ def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleIt
     # sibling reduces (walk_kernel) are a SINK of stores, as a multi-output kernel of them is: codegen tells them
     # from a row kernel's reduces, which one STORE holds (Kernel.sibling_reduces)
     store = LazyOp(Ops.SINK, (store,), None, base.dtype)
+  return ScheduleItem(store, (base.realized,), tuple(builder.inputs)), builder.loaded_bases
+
+
+def _schedule_index_accumulate(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleItem, list[LazyBuffer]]:
+  """The kernel of an indexed accumulate: STORE(INDEX_ACCUMULATE(start, index, rows)), each source's fused
+  elementwise graph in its own shape (walk_kernel realized any reduce under them); codegen/index_accumulate.py."""
+  assert base.realized is not None
+  builder = _KernelBuilder(base, realizes, outputs=(base.realized,))
+  values = tuple(builder.build(src.base, src.st) for src in base.srcs)
+  value = LazyOp(Ops.INDEX_ACCUMULATE, values, None, base.dtype)
+  store = LazyOp(Ops.STORE, (value,), MemBuffer(0, base.dtype, ShapeTracker.from_shape(base.shape)), base.dtype)
   return ScheduleItem(store, (base.realized,), tuple(builder.inputs)), builder.loaded_bases
 
 

@@ -389,8 +389,9 @@ class RMSNorm(Module):
 class Embedding(Module):
   """A lookup table like torch.nn.Embedding: integer indices of any shape (...) -> (..., embedding_dim) rows of
   weight (num_embeddings, embedding_dim), initialized normal(0, 1). The lookup is integer-tensor indexing, which
-  reads only the picked rows; the gradient scatter-adds them back (repeated indices summed) without a pass over
-  the whole table per index."""
+  reads only the picked rows; the gradient scatter-adds them back (repeated indices summed, in index order) in one
+  indexed-accumulate kernel: the table written once and each gradient row added once, no pass over the table per
+  index (docs/codegen.md, "Indexed accumulate")."""
 
   def __init__(self, num_embeddings: int, embedding_dim: int):
     self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim

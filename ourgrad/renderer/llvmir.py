@@ -106,7 +106,7 @@ class _FunctionWriter:
     self.allocas: list[str] = []
     self.declarations: set[str] = set()
     self.values: dict[int, str] = {}     # id(uop) -> SSA name or literal
-    self.loops: dict[int, str] = {}      # id(RANGE uop) -> label prefix of its blocks
+    self.loops: dict[int, str] = {}      # id(RANGE or IF uop) -> label prefix of its blocks
     self.counter = 0
     self.block = "body"
 
@@ -159,6 +159,8 @@ class _FunctionWriter:
         self.values[id(uop)] = render_const(uop.arg, uop.dtype)
       elif uop.op is UOps.RANGE: self.open_loop(uop)
       elif uop.op is UOps.ENDRANGE: self.close_loop(uop.srcs[0])
+      elif uop.op is UOps.IF: self.open_if(uop)
+      elif uop.op is UOps.ENDIF: self.close_if(uop.srcs[0])
       elif uop.op is UOps.LOAD: self.values[id(uop)] = self.load(uop)
       elif uop.op is UOps.STORE: self.store(uop)
       elif uop.op is UOps.DEFINE_ACC:
@@ -271,6 +273,19 @@ declare void @GOMP_parallel(ptr, ptr, i32, i32)
     self.emit_void(f"{counter}_next = add nuw nsw i32 {counter}, 1")
     self.emit_void(f"br label %{label}_head")
     self.start_block(f"{label}_exit")
+
+  def open_if(self, uop: UOp) -> None:
+    """if (condition) { ... }: the block runs where the condition holds; its values are used only inside it."""
+    label = f"if_{self.counter}"
+    self.counter += 1
+    self.loops[id(uop)] = label
+    self.emit_void(f"br i1 {self.operand(uop.srcs[0])}, label %{label}_then, label %{label}_end")
+    self.start_block(f"{label}_then")
+
+  def close_if(self, if_uop: UOp) -> None:
+    label = self.loops[id(if_uop)]
+    self.emit_void(f"br label %{label}_end")
+    self.start_block(f"{label}_end")
 
   # ---------------------------------------------------------------- memory
 

@@ -1,0 +1,371 @@
+"""Indexed accumulate kernels: out[index[m], :] = start + the rows[m, :] whose index is that row (Ops.INDEX_ACCUMULATE).
+
+The kernel AST is `STORE(INDEX_ACCUMULATE(start, index, rows))`: `start` (N, R), `index` (M,) int32 and `rows`
+(M, R) are fused elementwise graphs over LOADs and CONSTs, each in its own shape (engine/schedule.py
+`_schedule_index_accumulate`): an int64 index's cast and wrap of negative indices, or a gradient's last multiply, run
+inside this kernel. They are computed element by element by the Linearizer's `compute` (`_SourceViews` gives it the
+views); a plain row-major LOAD of float32 rows is read as float4 vectors where the width allows. The result is what
+numpy's `np.add.at(out, index, rows)` gives on a copy of start: every row added in the order m = 0, 1, ..., repeated
+indices summed, an index outside [0, N) ignored. It is deterministic by construction, with no atomics: each output
+element has one owner, which adds its sources in ascending m.
+
+- On a GPU (`renderer.has_threads`), a thread owns `rows_per_thread` consecutive output rows and `features_per_thread`
+  features of them (float4 pieces strided by the block's feature threads). It writes its part of `start`, then
+  scans the index array and, for each index that falls in its rows, adds that source row's features into its output
+  with a read-modify-write of its own elements. With warp shuffles the scan votes a warp's 32 indices at a time
+  (`_voting_scan`: groups that miss the block's rows are skipped whole); without, every thread reads every index
+  (`_scan`). The threads are about `THREADS_PER_PROCESSOR` per multiprocessor of the device; the floating-point work
+  is the M x R additions that must be done, not an N x M x R one-hot.
+- On a CPU (loops), one thread writes `start`, then walks m = 0 .. M-1 and adds row m into row index[m] (a loop over
+  R the C compiler vectorizes).
+
+`IndexAccumulateKernel` offers what engine/realize.py reads of a Kernel (name, leaves, sts, applied_opts,
+print_debug, colored_shape, linearize, op_count); no Opts apply (`plan_index_accumulate` sizes it from the device).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer
+from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
+from ourgrad.dtype import DType, dtypes
+from ourgrad.helpers import DEBUG, env_var
+from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
+from ourgrad.shape.symbolic import Variable
+
+# GPU threads per multiprocessor the kernel aims for: enough to stream the start's stores at bandwidth, few enough that
+# every thread's scan of the whole index array stays cheap (the scan's cost grows with the thread count)
+THREADS_PER_PROCESSOR = 512
+ACCUMULATE_THREADS_PER_SM = env_var("ACCUMULATE_THREADS_PER_SM", 0, "GPU threads per multiprocessor of an indexed "
+                                    "accumulate kernel (codegen/index_accumulate.py); 0: its default, 512")
+# threads per block
+BLOCK_THREADS = 128
+# features one thread owns, at most (in vectors of the device's width where the width allows)
+MAX_VECTORS_PER_THREAD = 4
+
+
+@dataclass(frozen=True)
+class AccumulatePlan:
+  """How a GPU indexed accumulate of `count` rows into a (rows, width) output is split over threads."""
+  rows: int
+  width: int
+  count: int
+  vector: int               # elements of one load/store (4: float4), 1: scalar
+  features_per_thread: int  # a multiple of `vector` dividing `width`
+  feature_threads: int      # a block's threads along the features (dividing the feature groups)
+  row_threads: int          # a block's threads along the row groups
+  rows_per_thread: int
+  scan_unroll: int          # index loads in flight in the scan without a vote (dividing `count`)
+  warp: int = 0             # lanes of the warp vote that skips indices outside the block's rows (0: no vote)
+
+  @property
+  def feature_groups(self) -> int: return self.width // self.features_per_thread
+
+  @property
+  def row_groups(self) -> int: return math.ceil(self.rows / self.rows_per_thread)
+
+  @property
+  def blocks(self) -> tuple[int, int]:
+    """Blocks along the row groups (x) and along the feature groups (y)."""
+    return math.ceil(self.row_groups / self.row_threads), self.feature_groups // self.feature_threads
+
+  @property
+  def ragged(self) -> bool:
+    """Whether some thread owns fewer than rows_per_thread rows (the last row group, or threads past the end)."""
+    return self.rows % self.rows_per_thread != 0 or self.row_groups % self.row_threads != 0
+
+
+def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, renderer: Any) -> AccumulatePlan:
+  """The GPU split of an indexed accumulate, from the device's facts (threads per block, multiprocessors, vector
+  width): see the module docstring."""
+  vector = 4 if renderer.vector_width >= 4 and dtype == dtypes.float32 and width % 4 == 0 else 1
+  per_thread = max(vector * k for k in range(1, MAX_VECTORS_PER_THREAD + 1) if width % (vector * k) == 0)
+  groups = width // per_thread
+  block = min(renderer.max_threads, BLOCK_THREADS)
+  feature_threads = max(divisor for divisor in range(1, min(groups, block) + 1) if groups % divisor == 0)
+  per_processor = int(ACCUMULATE_THREADS_PER_SM.value) or THREADS_PER_PROCESSOR
+  target_threads = max(renderer.multiprocessors, 1) * per_processor
+  rows_per_thread = min(rows, max(1, math.ceil(rows * groups / target_threads)))
+  row_threads = max(1, min(block // feature_threads, math.ceil(rows / rows_per_thread)))
+  scan_unroll = max(unroll for unroll in (1, 2, 4, 8) if count % unroll == 0)
+  # the vote needs whole warps of shuffling lanes (a 32-bit mask: warps of at most 32)
+  whole_warps = 0 < renderer.warp_size <= 32 and (feature_threads * row_threads) % renderer.warp_size == 0
+  warp = renderer.warp_size if whole_warps else 0
+  return AccumulatePlan(rows, width, count, vector, per_thread, feature_threads, row_threads, rows_per_thread,
+                        scan_unroll, warp)
+
+
+def is_index_accumulate(ast: LazyOp) -> bool:
+  """Whether a kernel AST is an indexed accumulate's (STORE(INDEX_ACCUMULATE(...)))."""
+  return ast.op is Ops.STORE and ast.srcs[0].op is Ops.INDEX_ACCUMULATE
+
+
+class _SourceViews:
+  """What the Linearizer reads of a Kernel to compute the sources' graphs at given indices: their leaves and views
+  (no opts, so no vector loads or tiles)."""
+
+  def __init__(self, leaves: list[LazyOp]):
+    self.leaves, self.sts = leaves, [leaf.arg.st for leaf in leaves]
+    self.renderer = type("NoVectors", (), {"vector_width": 0})()
+    self.reduceop = None
+
+
+class IndexAccumulateKernel:
+  """The kernel of one indexed accumulate AST (module docstring)."""
+
+  def __init__(self, ast: LazyOp, renderer: Any):
+    if not is_index_accumulate(ast): raise AssertionError(f"not an indexed accumulate's AST: {ast.op}")
+    self.ast, self.renderer = ast, renderer
+    self.start, self.index, self.rows = ast.srcs[0].srcs
+    self.dtype: DType = ast.arg.dtype
+    self.row_count, self.width = ast.arg.st.shape
+    self.count = self.index.leaves()[0].arg.st.shape[0]
+    unique: dict[int, LazyOp] = {}
+    for value in (self.start, self.index, self.rows):
+      for leaf in value.leaves(): unique.setdefault(id(leaf), leaf)
+    self.source_leaves = list(unique.values())
+    self.leaves: list[LazyOp] = [ast, *self.source_leaves]
+    self.sts = [leaf.arg.st for leaf in self.leaves]
+    self.applied_opts: list[Any] = []
+    self.plan = plan_index_accumulate(self.row_count, self.width, self.count, self.dtype, renderer) \
+        if renderer.has_threads else None
+
+  @property
+  def name(self) -> str: return f"A_{self.row_count}_{self.width}_{self.count}"
+
+  def colored_shape(self) -> str: return f"{self.row_count} {self.width} {self.count}"
+
+  def print_debug(self) -> None:
+    if DEBUG >= 3:
+      print(format_ast(self.ast))
+      print(f"{self.name}: {self.count} rows accumulated into ({self.row_count}, {self.width}); plan {self.plan}")
+
+  def op_count(self, uops: list[UOp]) -> int:
+    """Arithmetic ops of one launch: one addition per source element (the index compares are integer work)."""
+    return self.count * self.width
+
+  # ---------------------------------------------------------------- lowering
+
+  def linearize(self) -> list[UOp]:
+    build = UOpBuilder()
+    buffers = {0: build.add(UOps.DEFINE_GLOBAL, self.dtype, (), (0, True))}
+    for leaf in sorted((leaf for leaf in self.source_leaves if isinstance(leaf.arg, MemBuffer)),
+                       key=lambda leaf: leaf.arg.idx):
+      if leaf.arg.idx not in buffers:
+        buffers[leaf.arg.idx] = build.add(UOps.DEFINE_GLOBAL, leaf.dtype, (), (leaf.arg.idx, False))
+    lower = _Lowering(build, buffers, self)
+    if self.plan is not None: lower.threads(self.plan)
+    else: lower.loops()
+    return build.uops
+
+
+def _plain_rows(value: LazyOp) -> bool:
+  """Whether a source is a LOAD of a row-major buffer as it is (read by flat index, in vectors)."""
+  return value.op is Ops.LOAD and not value.srcs and value.arg.st.contiguous
+
+
+class _Lowering:
+  """Appends the UOps of one indexed accumulate kernel to `build`."""
+
+  def __init__(self, build: UOpBuilder, buffers: dict[int, UOp], kernel: IndexAccumulateKernel):
+    self.build, self.buffers, self.kernel = build, buffers, kernel
+    self.out = buffers[0]
+    self.views = Linearizer(_SourceViews(kernel.source_leaves))   # type: ignore[arg-type]
+    self.views.builder, self.views.buffers = build, buffers
+    self.coordinates = 0
+
+  def index_const(self, value: int) -> UOp: return self.build.const(value, INDEX_DTYPE)
+
+  def add(self, a: UOp, b: UOp) -> UOp: return self.build.alu(Ops.ADD, INDEX_DTYPE, a, b)
+
+  def mul(self, a: UOp, b: UOp) -> UOp: return self.build.alu(Ops.MUL, INDEX_DTYPE, a, b)
+
+  def less(self, a: UOp, b: UOp) -> UOp: return self.build.alu(Ops.CMPLT, dtypes.bool, a, b)
+
+  def both(self, a: UOp, b: UOp) -> UOp: return self.build.alu(Ops.AND, dtypes.bool, a, b)
+
+  def loop(self, name: str, end: int) -> UOp:
+    # REDUCE: a serial loop in each thread (never a parallel one: its iterations write the same places)
+    bounds = (self.index_const(0), self.index_const(end))
+    return self.build.add(UOps.RANGE, INDEX_DTYPE, bounds, (name, AxisType.REDUCE))
+
+  def value_at(self, root: LazyOp, coordinates: list[tuple[UOp, int]]) -> UOp:
+    """A source's graph computed at one element: `coordinates` are (index UOp, size) per axis of its shape."""
+    idxs = []
+    for uop, size in coordinates:
+      name = f"at{self.coordinates}"
+      self.coordinates += 1
+      self.views.loop_vars[name] = uop
+      idxs.append(Variable(name, 0, size - 1))
+    return self.views.compute(root, idxs, None)
+
+  def row_values(self, root: LazyOp, row: UOp, row_count: int, feature: UOp, width: int) -> list[UOp]:
+    """`width` neighbouring features of a (rows, R) source from (row, feature)."""
+    kernel = self.kernel
+    if _plain_rows(root):
+      flat = self.add(self.mul(row, self.index_const(kernel.width)), feature)
+      return self.load_buffer(self.buffers[root.arg.idx], root.dtype, flat, width)
+    return [self.value_at(root, [(row, row_count), (self.add(feature, self.index_const(lane)), kernel.width)])
+            for lane in range(width)]
+
+  def load_buffer(self, buffer: UOp, dtype: DType, index: UOp, width: int) -> list[UOp]:
+    if width == 1: return [self.build.add(UOps.LOAD, dtype, (buffer, index))]
+    vector = self.build.add(UOps.LOAD, dtype, (buffer, index), width)
+    return [self.build.add(UOps.GEP, dtype, (vector,), lane) for lane in range(width)]
+
+  def store(self, index: UOp, values: list[UOp]) -> None:
+    if len(values) == 1: self.build.add(UOps.STORE, None, (self.out, index, values[0]))
+    else: self.build.add(UOps.STORE, None, (self.out, index, *values), len(values))
+
+  def write_start(self, row: UOp, feature: UOp, width: int) -> None:
+    """out[row, feature ...] = start[row, feature ...] for `width` neighbouring features."""
+    kernel = self.kernel
+    values = self.row_values(kernel.start, row, kernel.row_count, feature, width)
+    self.store(self.add(self.mul(row, self.index_const(kernel.width)), feature), values)
+
+  def accumulate(self, target: UOp, source: UOp, feature: UOp, width: int) -> None:
+    """out[target, feature ...] += rows[source, feature ...] for `width` neighbouring features."""
+    kernel = self.kernel
+    out_index = self.add(self.mul(target, self.index_const(kernel.width)), feature)
+    current = self.load_buffer(self.out, kernel.dtype, out_index, width)
+    added = self.row_values(kernel.rows, source, kernel.count, feature, width)
+    self.store(out_index, [self.build.alu(Ops.ADD, kernel.dtype, a, b) for a, b in zip(current, added)])
+
+  def index_at(self, source: UOp) -> UOp:
+    return self.value_at(self.kernel.index, [(source, self.kernel.count)])
+
+  # ---------------------------------------------------------------- CPU: loops
+
+  def loops(self) -> None:
+    kernel, build = self.kernel, self.build
+    row = self.loop("row", kernel.row_count)
+    feature = self.loop("feat", kernel.width)
+    self.write_start(row, feature, 1)
+    build.end_range(feature)
+    build.end_range(row)
+    source = self.loop("src", kernel.count)
+    target = self.index_at(source)
+    block = build.add(UOps.IF, None, (self.both(self.less(self.index_const(-1), target),
+                                                self.less(target, self.index_const(kernel.row_count))),))
+    feature = self.loop("col", kernel.width)
+    self.accumulate(target, source, feature, 1)
+    build.end_range(feature)
+    build.end_if(block)
+    build.end_range(source)
+
+  # ---------------------------------------------------------------- GPU: threads
+
+  def threads(self, plan: AccumulatePlan) -> None:
+    kernel, build = self.kernel, self.build
+    blocks_x, blocks_y = plan.blocks
+    row_block = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks_x, 0, AxisType.GLOBAL))
+    feature_group: UOp = self.index_const(0)   # in vectors
+    if blocks_y > 1:
+      feature_block = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx1", blocks_y, 1, AxisType.GLOBAL))
+      vectors_per_block = plan.feature_threads * plan.features_per_thread // plan.vector
+      feature_group = self.mul(feature_block, self.index_const(vectors_per_block))
+    if plan.feature_threads > 1:
+      thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", plan.feature_threads, 0, AxisType.LOCAL))
+      feature_group = self.add(feature_group, thread)
+    row_group = self.mul(row_block, self.index_const(plan.row_threads))
+    if plan.row_threads > 1:
+      row_thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx1", plan.row_threads, 1, AxisType.LOCAL))
+      row_group = self.add(row_group, row_thread)
+    # a thread's features are `vector` wide pieces strided by the block's feature threads: neighbouring threads
+    # touch neighbouring pieces, so each load and store instruction of a warp covers one contiguous span
+    first_feature = self.mul(feature_group, self.index_const(plan.vector))
+    first_row = self.mul(row_group, self.index_const(plan.rows_per_thread))
+    # the rows this thread owns: [first_row, first_row + owned), fewer at the end of the table (none past it)
+    owned = self.index_const(plan.rows_per_thread)
+    if plan.ragged:
+      left = self.add(self.index_const(kernel.row_count), self.mul(first_row, self.index_const(-1)))
+      owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(left, owned), left, owned)
+      owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(owned, self.index_const(0)), self.index_const(0), owned)
+    self._write_start(plan, first_row, first_feature, owned)
+    if plan.warp:
+      lane = thread if plan.feature_threads > 1 else self.index_const(0)
+      if plan.row_threads > 1: lane = self.add(lane, self.mul(row_thread, self.index_const(plan.feature_threads)))
+      lane = build.alu(Ops.MOD, INDEX_DTYPE, lane, self.index_const(plan.warp))
+      block_rows = plan.row_threads * plan.rows_per_thread
+      block_first_row = self.mul(row_block, self.index_const(block_rows))
+      self._voting_scan(plan, lane, block_first_row, block_rows, (first_row, first_feature, owned))
+    else:
+      self._scan(plan, first_row, first_feature, owned)
+
+  @staticmethod
+  def _feature_offsets(plan: AccumulatePlan) -> range:
+    """The offsets of a thread's vectors from its first feature (strided by the block's feature threads)."""
+    stride = plan.feature_threads * plan.vector
+    return range(0, stride * (plan.features_per_thread // plan.vector), stride)
+
+  def _write_start(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
+    build = self.build
+    row = self.loop("row", plan.rows_per_thread)
+    block = build.add(UOps.IF, None, (self.less(row, owned),)) if plan.ragged else None
+    for offset in self._feature_offsets(plan):
+      self.write_start(self.add(first_row, row), self.add(first_feature, self.index_const(offset)), plan.vector)
+    if block is not None: build.end_if(block)
+    build.end_range(row)
+
+  def _unsigned(self, value: UOp) -> UOp: return self.build.add(UOps.CAST, dtypes.uint32, (value,))
+
+  def _add_if_mine(self, plan: AccumulatePlan, source: UOp, target: UOp, first_row: UOp, first_feature: UOp,
+                   owned_unsigned: UOp) -> None:
+    """If index `target` falls in this thread's rows (0 <= target - first_row < owned, as one unsigned compare: a
+    negative difference wraps to a large number), add source row `source` into it."""
+    local = self._unsigned(self.add(target, self.mul(first_row, self.index_const(-1))))
+    block = self.build.add(UOps.IF, None, (self.build.alu(Ops.CMPLT, dtypes.bool, local, owned_unsigned),))
+    for offset in self._feature_offsets(plan):
+      self.accumulate(target, source, self.add(first_feature, self.index_const(offset)), plan.vector)
+    self.build.end_if(block)
+
+  def _voting_scan(self, plan: AccumulatePlan, lane: UOp, block_first_row: UOp, block_rows: int,
+                   thread_part: tuple[UOp, UOp, UOp]) -> None:
+    """The scan, a warp's worth of indices at a time: lane l reads index c * warp + l and votes whether it falls in
+    the block's rows; the votes add up (WARP_REDUCE) to a mask every lane holds. Most groups hit no row of the block
+    (a block owns a small part of the table) and are skipped whole; for the others, the voted indices are read again
+    in order and added where they fall in the thread's own rows. The order of the additions is unchanged."""
+    build = self.build
+    first_row, first_feature, owned = thread_part
+    owned_unsigned = self._unsigned(owned)
+    block_rows_unsigned = build.const(block_rows, dtypes.uint32)
+    lane_bit = build.alu(Ops.SHL, dtypes.uint32, build.const(1, dtypes.uint32), self._unsigned(lane))
+    groups = math.ceil(plan.count / plan.warp)
+    group = self.loop("grp", groups)
+    group_start = self.mul(group, self.index_const(plan.warp))
+    position = self.add(group_start, lane)
+    inside = None
+    if plan.count % plan.warp:   # the last group is short: lanes past the end read index 0 and do not vote
+      inside = self.less(position, self.index_const(plan.count))
+      position = build.alu(Ops.WHERE, INDEX_DTYPE, inside, position, self.index_const(0))
+    offset = self._unsigned(self.add(self.index_at(position), self.mul(block_first_row, self.index_const(-1))))
+    votes = build.alu(Ops.CMPLT, dtypes.bool, offset, block_rows_unsigned)
+    if inside is not None: votes = self.both(votes, inside)
+    vote = build.alu(Ops.WHERE, dtypes.uint32, votes, lane_bit, build.const(0, dtypes.uint32))
+    mask = build.add(UOps.WARP_REDUCE, dtypes.uint32, (vote,), (Ops.ADD, plan.warp, 1))
+    any_vote = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, mask, build.const(0, dtypes.uint32)),))
+    member = self.loop("voted", plan.warp)
+    bit = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(member)),
+                    build.const(1, dtypes.uint32))
+    voted = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, bit, build.const(0, dtypes.uint32)),))
+    source = self.add(group_start, member)
+    self._add_if_mine(plan, source, self.index_at(source), first_row, first_feature, owned_unsigned)
+    build.end_if(voted)
+    build.end_range(member)
+    build.end_if(any_vote)
+    build.end_range(group)
+
+  def _scan(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
+    """The scan without a vote: every thread reads every index (scan_unroll loads in flight) and adds the rows that
+    fall in its own rows."""
+    build = self.build
+    owned_unsigned = self._unsigned(owned)
+    step = self.loop("src", plan.count // plan.scan_unroll)
+    first = self.mul(step, self.index_const(plan.scan_unroll))
+    sources = [self.add(first, self.index_const(lane)) for lane in range(plan.scan_unroll)]
+    targets = [self.index_at(source) for source in sources]   # loaded together: several loads in flight
+    for source, target in zip(sources, targets):
+      self._add_if_mine(plan, source, target, first_row, first_feature, owned_unsigned)
+    build.end_range(step)
