@@ -63,18 +63,23 @@ def _check_index_target(scores: Tensor, target: Tensor, what: str) -> None:
 
 
 def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: int,
-               label_smoothing: float) -> Tensor:
+               label_smoothing: float, normalizer: Tensor | None = None) -> Tensor:
   """Negative log-likelihood of class indices, classes on the last axis of `log_probs`.
 
   With label smoothing e the per-sample loss is (1-e) * -log p[target] + e * mean_c(-log p[c]), as in PyTorch.
   Samples whose target is `ignore_index` contribute 0, and "mean" divides by the number of the other samples
-  (0/0 = nan when all are ignored, as in PyTorch)."""
+  (0/0 = nan when all are ignored, as in PyTorch). With `normalizer` (each row's logsumexp, keepdim), `log_probs`
+  holds the logits and log p = logits - normalizer: the picked logit and the logits' mean are reduces of the logits
+  alone, independent of the normalizer's max and sum, so a row kernel computes all of them in one pass over the row
+  (codegen/row_linearizer.py), and the gradient is (softmax - one_hot) * grad with no reduce of its own."""
   _check_reduction(reduction)
   classes = log_probs.shape[-1]
   one_hot = target.unsqueeze(-1) == type(log_probs).arange(classes, device=log_probs.device)
   loss = -one_hot.where(log_probs, 0).sum(-1)
+  if normalizer is not None: loss = loss + normalizer.squeeze(-1)
   if label_smoothing:
-    loss = (1.0 - label_smoothing) * loss - label_smoothing * log_probs.mean(-1)
+    smooth = -log_probs.mean(-1) + (normalizer.squeeze(-1) if normalizer is not None else 0)
+    loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
   keep = target != ignore_index
   loss = keep.where(loss, 0)
   if reduction == "mean": return loss.sum() / keep.sum().cast(loss.dtype)
@@ -187,6 +192,9 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     log_probs = scores.log_softmax(-1)
     if not target.dtype.is_float:
       _check_index_target(scores, target, "cross_entropy")
+      if weight is None and scores.dtype == dtypes.float32 and scores.numel():
+        # loss = logsumexp - picked logit: see _index_nll's `normalizer`
+        return _index_nll(scores, target, reduction, ignore_index, label_smoothing, scores.logsumexp(-1, keepdim=True))
       if weight is not None:
         return _weighted_index_nll(log_probs, target, weight, reduction, ignore_index, label_smoothing)
       return _index_nll(log_probs, target, reduction, ignore_index, label_smoothing)

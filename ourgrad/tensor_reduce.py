@@ -214,7 +214,9 @@ class ReduceMixin:
     x = self._float_operand()
     # over an empty axis the sum of exps is 0: -inf, as in PyTorch (max has no identity there)
     if any(self.shape[a] == 0 for a in self._reduce_axes(axis)): return x.sum(axis, keepdim).log()
-    peak = x.max(axis, keepdim=True)
+    # the shift leaves the value unchanged, so no gradient flows through it (as in PyTorch): the backward is
+    # exp(x - result) * grad, with no reduce for the max's own gradient
+    peak = x.max(axis, keepdim=True).detach()
     peak = peak.isinf().where(0, peak)  # all -inf (or an inf) would give nan through x - peak
     total = (x - peak).exp().sum(axis, keepdim=True).log() + peak
     return total if keepdim else total.reshape(tuple(s for a, s in enumerate(self.shape)
@@ -227,7 +229,8 @@ class ReduceMixin:
     if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
     # half precision computes in float32 and rounds once, as in PyTorch (rounding exps and sum too: 2 ulps off)
     if x.dtype in (dtypes.float16, dtypes.bfloat16): return x.float().softmax(axis).cast(x.dtype)
-    exps = (x - x.max(axis, keepdim=True)).exp()
+    # the max is a shift the result does not depend on: detached, its gradient (exactly 0) costs no reduce
+    exps = (x - x.max(axis, keepdim=True).detach()).exp()
     return exps / exps.sum(axis, keepdim=True)
 
   @accepts_dim
@@ -236,7 +239,7 @@ class ReduceMixin:
     x = self._float_operand()
     if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
     if x.dtype in (dtypes.float16, dtypes.bfloat16): return x.float().log_softmax(axis).cast(x.dtype)
-    shifted = x - x.max(axis, keepdim=True)
+    shifted = x - x.max(axis, keepdim=True).detach()   # a shift the result does not depend on (softmax)
     return shifted - shifted.exp().sum(axis, keepdim=True).log()
 
   def _cumsum_last(self) -> Tensor:

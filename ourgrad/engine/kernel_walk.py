@@ -97,7 +97,9 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
       elif sibling:
         pass   # beside the kernel's reduce in its loop, an accumulator each (codegen: Kernel.sibling_reduces)
       elif not (any(node is known for known in plan.reduce_bases) and plain_reshape) and node is not root:
-        if reduce_base is not None: return (node, f"a second reduce, not sharing the kernel's rows: {row_reason}"), plan
+        if reduce_base is not None:
+          return (_refused_rows(node, plan.reduce_bases, realizes, root),
+                  f"a second reduce, not sharing the kernel's rows: {row_reason}"), plan
         if under_reduce: return (node, f"a reduce inside another reduce's input: {row_reason}"), plan
         if not plain_reshape: return (node, f"a reduce read out of its own element order: {row_reason}"), plan
       if row_reason is not None:
@@ -161,6 +163,21 @@ def final_reduces(root: LazyBuffer, realizes: Realizations) -> list[LazyBuffer]:
   if rows < 2 or loop_size == rows or loop_size > limit or not row_kernels_enabled(inner.device) \
       or (renderer.has_threads and not renderer.has_local): return []   # a GPU loops over the rows in one block
   return [top for top in tops if top.size == 1 and prod(top.srcs[0].shape) == rows]
+
+
+def _refused_rows(refused: LazyBuffer, outers: list[LazyBuffer], realizes: Realizations,
+                  root: LazyBuffer) -> LazyBuffer:
+  """What to realize when reduce `refused` cannot join the kernel of the reduces `outers` (a mean over rows of
+  per-row values): the input of the outer reduce that computes `refused`, where that input is an elementwise
+  function of `refused` and the reduces beside it and no larger than `refused`'s result (a loss per row:
+  logsumexp - picked logit), so that those reduces stay one row kernel writing the per-row values instead of each
+  being realized on its own; else `refused` itself."""
+  for outer in outers:
+    per_row = outer.srcs[0].base
+    if per_row is root or per_row.op not in ELEMENTWISE_OPS or per_row.realized is not None or \
+        id(per_row) in realizes or per_row.size > refused.size: continue
+    if any(reduce is refused for reduce in _fused_reduces(per_row, realizes, root)): return per_row
+  return refused
 
 
 def _fused_reduces(start: LazyBuffer, realizes: Realizations, root: LazyBuffer) -> list[LazyBuffer]:
