@@ -22,6 +22,7 @@ import math
 from numbers import Integral
 from typing import TYPE_CHECKING, Sequence
 
+from ourgrad import function as F
 from ourgrad.dtype import dtypes
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.tensor_conv import ConvMixin
@@ -75,8 +76,11 @@ def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: 
   _check_reduction(reduction)
   classes = log_probs.shape[-1]
   one_hot = target.unsqueeze(-1) == type(log_probs).arange(classes, device=log_probs.device)
-  loss = -one_hot.where(log_probs, 0).sum(-1)
-  if normalizer is not None: loss = loss + normalizer.squeeze(-1)
+  if normalizer is not None and log_probs.ndim == 2 and log_probs.numel() < 2 ** 31:
+    loss = normalizer.squeeze(-1) - _picked_logits(log_probs, target, one_hot)
+  else:
+    loss = -one_hot.where(log_probs, 0).sum(-1)
+    if normalizer is not None: loss = loss + normalizer.squeeze(-1)
   if label_smoothing:
     smooth = -log_probs.mean(-1) + (normalizer.squeeze(-1) if normalizer is not None else 0)
     loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
@@ -84,6 +88,18 @@ def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: 
   loss = keep.where(loss, 0)
   if reduction == "mean": return loss.sum() / keep.sum().cast(loss.dtype)
   return _reduce(loss, reduction)
+
+
+def _picked_logits(logits: Tensor, target: Tensor, one_hot: Tensor) -> Tensor:
+  """logits[r, target[r]] of (R, C) logits (0 where the target is outside [0, C): an ignored sample), one indexed
+  load a row instead of a one-hot sum over the row (a second pass over a vocabulary-wide row); the gradient is
+  where(one_hot, grad, 0), which fuses into the logits' other gradient terms (F.PickPerRow)."""
+  Tensor = type(logits)  # noqa: N806 (the concrete class; mixins never import it)
+  rows, classes = logits.shape
+  in_range = (target >= 0) & (target < classes)
+  flat = Tensor.arange(rows, device=logits.device) * classes + target.cast(dtypes.int32)
+  flat_index = in_range.where(flat, -1).cast(dtypes.int32)
+  return F.PickPerRow.apply(logits, flat_index.detach(), one_hot.detach())
 
 
 def _check_class_weight(weight: Tensor, classes: int, what: str) -> None:

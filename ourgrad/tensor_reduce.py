@@ -214,11 +214,13 @@ class ReduceMixin:
     x = self._float_operand()
     # over an empty axis the sum of exps is 0: -inf, as in PyTorch (max has no identity there)
     if any(self.shape[a] == 0 for a in self._reduce_axes(axis)): return x.sum(axis, keepdim).log()
-    # the shift leaves the value unchanged, so no gradient flows through it (as in PyTorch): the backward is
-    # exp(x - result) * grad, with no reduce for the max's own gradient
-    peak = x.max(axis, keepdim=True).detach()
+    # computed from x cut from the graph: the gradient is exp(x - result) * grad (F.LogSumExpGrad), an elementwise
+    # kernel reading the saved result, with no reduce (the max is only a shift, and the sum's work is done)
+    source = x.detach()
+    peak = source.max(axis, keepdim=True)
     peak = peak.isinf().where(0, peak)  # all -inf (or an inf) would give nan through x - peak
-    total = (x - peak).exp().sum(axis, keepdim=True).log() + peak
+    total = (source - peak).exp().sum(axis, keepdim=True).log() + peak
+    if x.requires_grad: total = F.LogSumExpGrad.apply(x, total)
     return total if keepdim else total.reshape(tuple(s for a, s in enumerate(self.shape)
                                                      if a not in self._reduce_axes(axis)))
 

@@ -101,7 +101,8 @@ def _affine_terms(node: LazyOp, peak: LazyOp, scale: float) -> ShiftTerms | None
   if node.op is Ops.NEG: return _affine_terms(node.srcs[0], peak, -scale)
   if node.op is Ops.MUL:
     for value, other in (node.srcs, node.srcs[::-1]):
-      if value.op is Ops.CONST and isinstance(value.arg.val, float): return _affine_terms(other, peak, scale * value.arg.val)
+      if value.op is Ops.CONST and isinstance(value.arg.val, float):
+        return _affine_terms(other, peak, scale * value.arg.val)
   return None
 
 

@@ -214,9 +214,24 @@ def reuses_an_operand(reduce: LazyBuffer, plan: KernelPlan) -> bool:
   return False
 
 
-# A row kernel (several reduces in one kernel, docs/fusion.md) loops over a row once per reduce and once more for
-# the store (a CPU thread, or a GPU block that keeps short rows in registers): longer rows keep one-reduce kernels.
+# A row kernel (several reduces in one kernel, docs/fusion.md) on a CPU loops over a row once per reduce and once
+# more for the store, in one thread: longer rows keep one-reduce kernels. A GPU block streams its row (the max and
+# the sums relative to it in one pass, codegen/online_rows.py) at any length.
 MAX_ROW_FUSION_LENGTH = 1 << 16
+
+
+def row_length_fits(device: str, length: int) -> bool:
+  """Whether a row of `length` elements may be a row kernel's row on `device` (MAX_ROW_FUSION_LENGTH on a CPU)."""
+  return length <= MAX_ROW_FUSION_LENGTH or Device[device].renderer.has_threads
+
+
+def joins_rows(reduce: LazyBuffer) -> bool:
+  """Whether `reduce` may be computed inside a row kernel (its trailing axes, rows a row kernel takes on its
+  device): a kernel reading its result then recomputes it from its input, rather than loading it."""
+  loop_shape = reduce.srcs[0].shape
+  return row_kernels_enabled(reduce.device) and tuple(reduce.arg) == tuple(range(len(loop_shape) - len(reduce.arg),
+                                                                                   len(loop_shape))) \
+      and row_length_fits(reduce.device, prod(loop_shape[axis] for axis in reduce.arg))
 
 
 def row_kernels_enabled(device: str) -> bool:
@@ -246,7 +261,7 @@ class _RowKernel:
     if not row_kernels_enabled(reduce.device):
       return f"row kernels are off on {reduce.device} (ROW_KERNELS, or a GPU without local memory)"
     loop_shape = reduce.srcs[0].shape
-    if prod(loop_shape[axis] for axis in reduce.arg) > MAX_ROW_FUSION_LENGTH:
+    if not row_length_fits(reduce.device, prod(loop_shape[axis] for axis in reduce.arg)):
       return f"its rows are longer than {MAX_ROW_FUSION_LENGTH}"
     if tuple(reduce.arg) != tuple(range(len(loop_shape) - len(reduce.arg), len(loop_shape))):
       # TODO: reduces over leading or interleaved axes (batchnorm's (0, 2, 3)) gave a wrong convolution weight
