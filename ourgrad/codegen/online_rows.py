@@ -94,7 +94,6 @@ def _affine_terms(node: LazyOp, peak: LazyOp, scale: float) -> ShiftTerms | None
   """`node` as (free of the peak) + sum of coefficient * term, each term depending on the peak and on constants only
   (one value per row); None where it is not of that form."""
   if not _reads(node, peak): return []
-  if _row_constant(node): return [(scale, node)]
   if node.op is Ops.ADD:
     parts = [_affine_terms(src, peak, scale) for src in node.srcs]
     return None if any(part is None for part in parts) else [term for part in parts for term in part or []]
@@ -103,7 +102,7 @@ def _affine_terms(node: LazyOp, peak: LazyOp, scale: float) -> ShiftTerms | None
     for value, other in (node.srcs, node.srcs[::-1]):
       if value.op is Ops.CONST and isinstance(value.arg.val, float):
         return _affine_terms(other, peak, scale * value.arg.val)
-  return None
+  return [(scale, node)] if _row_constant(node) else None
 
 
 def _reads(node: LazyOp, peak: LazyOp) -> bool:
