@@ -97,7 +97,10 @@ def _picked_logits(logits: Tensor, target: Tensor, one_hot: Tensor) -> Tensor:
   Tensor = type(logits)  # noqa: N806 (the concrete class; mixins never import it)
   rows, classes = logits.shape
   in_range = (target >= 0) & (target < classes)
-  flat = Tensor.arange(rows, device=logits.device) * classes + target.cast(dtypes.int32)
+  # the target clamped before the offset is computed: row * C + target never wraps (R * C < 2**31), whatever the
+  # target's value (a CPU row kernel computes it without -fwrapv, RowLinearizer._lane_nodes)
+  column = in_range.where(target, 0).cast(dtypes.int32)
+  flat = Tensor.arange(rows, device=logits.device, dtype=dtypes.int32) * classes + column
   flat_index = in_range.where(flat, -1).cast(dtypes.int32)
   return F.PickPerRow.apply(logits, flat_index.detach(), one_hot.detach())
 

@@ -180,12 +180,26 @@ class RowLinearizer(Linearizer):
     # integer arithmetic may wrap, or a flipped view (a negative stride: gcc 12's loop vectorizer miscompiles those)
     if any(stride is not None and stride < 0 for st in kernel.sts for stride in st.real_strides()): return 1
     if any(not node.dtype.is_float and node.dtype != dtypes.bool and node.op not in _NO_WRAP_OPS
-           and not _counts_without_wrapping(node, kernel.final_reduces) for node in kernel.ast.walk()): return 1
+           and not _counts_without_wrapping(node, kernel.final_reduces) for node in self._lane_nodes()): return 1
     itemsize = max((reduce.dtype.itemsize for reduce in self._row_reduces()), default=4)
     innermost = kernel.full_shape[(kernel.row_axes or ())[-1]]
     lanes = max(vector_bytes // itemsize, 1)
     while lanes > 1 and innermost % lanes: lanes //= 2
     return lanes
+
+  def _lane_nodes(self) -> list[LazyOp]:
+    """The nodes computed inside the row loops (each row reduce's input; the stores' values where the output is per
+    element), where lanes apply. A per-row value computed once after the loops (a gathered element's offset,
+    cross-entropy's target logit: tensor_nn._picked_logits clamps the index first, so it never wraps) is not."""
+    kernel = self.kernel
+    stops = {id(reduce) for reduce in kernel.reduceops}
+    roots = [reduce.srcs[0] for reduce in kernel.reduceops]
+    if self._per_element(): roots += [store.srcs[0] for store in kernel.stores]
+    found: dict[int, LazyOp] = {}
+    for root in roots:
+      for node in _post_order(root, stops):
+        if id(node) not in stops: found[id(node)] = node
+    return list(found.values())
 
   def _row_length(self) -> int: return math.prod(self.kernel.full_shape[axis] for axis in self.kernel.row_axes or ())
 
