@@ -90,6 +90,15 @@ def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: 
   return _reduce(loss, reduction)
 
 
+def _logits_nll(scores: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float) -> Tensor:
+  """Cross-entropy of logits (classes last) against class indices: float32 logits as logsumexp - the picked logit
+  (_index_nll's `normalizer`), other dtypes through log_softmax (half precision rounds its log-probabilities, as
+  PyTorch does)."""
+  if scores.dtype == dtypes.float32 and scores.numel():
+    return _index_nll(scores, target, reduction, ignore_index, label_smoothing, scores.logsumexp(-1, keepdim=True))
+  return _index_nll(scores.log_softmax(-1), target, reduction, ignore_index, label_smoothing)
+
+
 def _picked_logits(logits: Tensor, target: Tensor, one_hot: Tensor) -> Tensor:
   """logits[r, target[r]] of (R, C) logits (0 where the target is outside [0, C): an ignored sample), one indexed
   load a row instead of a one-hot sum over the row (a second pass over a vocabulary-wide row); the gradient is
@@ -211,12 +220,8 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     log_probs = scores.log_softmax(-1)
     if not target.dtype.is_float:
       _check_index_target(scores, target, "cross_entropy")
-      if weight is None and scores.dtype == dtypes.float32 and scores.numel():
-        # loss = logsumexp - picked logit: see _index_nll's `normalizer`
-        return _index_nll(scores, target, reduction, ignore_index, label_smoothing, scores.logsumexp(-1, keepdim=True))
-      if weight is not None:
-        return _weighted_index_nll(log_probs, target, weight, reduction, ignore_index, label_smoothing)
-      return _index_nll(log_probs, target, reduction, ignore_index, label_smoothing)
+      if weight is None: return _logits_nll(scores, target, reduction, ignore_index, label_smoothing)
+      return _weighted_index_nll(log_probs, target, weight, reduction, ignore_index, label_smoothing)
     if target.shape != self.shape:
       raise ShapeError(f"cross_entropy: a probability target must have the input's shape {self.shape}, "
                        f"got {target.shape}")
@@ -236,7 +241,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
       raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if self.ndim == 0: raise ShapeError("sparse_categorical_crossentropy needs logits with a class axis, got ()")
     _check_index_target(self, target, "sparse_categorical_crossentropy")
-    return _index_nll(self.log_softmax(-1), target, reduction, ignore_index, label_smoothing)
+    return _logits_nll(self, target, reduction, ignore_index, label_smoothing)
 
   def binary_cross_entropy(self: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     """Binary cross entropy of these probabilities, like torch.nn.functional.binary_cross_entropy:

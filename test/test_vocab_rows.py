@@ -194,3 +194,22 @@ def test_independent_reduces_share_a_pass():
   x = Tensor.empty(4096, 50304, device="PYTHON")
   reduces = _row_reduces(x.sum(-1, keepdim=True) * x.max(-1, keepdim=True) + x)
   assert [len(found.reduces) for found in group_row_passes(reduces)] == [2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_categorical_crossentropy_as_gpt2_calls_it(device: str | None):
+  """extra/models/gpt2.py: logits (B, T, V) flattened to (B * T, V), targets flattened, -1 ignored."""
+  batch, tokens, vocab = 2, 3, 50304
+  logits = _logits((batch * tokens, vocab)).reshape(batch, tokens, vocab)
+  target = np.random.default_rng(3).integers(0, vocab, (batch, tokens)).astype(np.int32)
+  target[1, 2] = -1
+  x = Tensor(logits, device=device, requires_grad=True)
+  loss = x.reshape(-1, vocab).sparse_categorical_crossentropy(Tensor(target, device=device).reshape(-1))
+  loss.backward()
+  t = torch.tensor(logits, requires_grad=True)
+  expected = torch.nn.functional.cross_entropy(t.reshape(-1, vocab), torch.tensor(target, dtype=torch.long).reshape(-1),
+                                               ignore_index=-1)
+  expected.backward()
+  np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=1e-5)
+  assert x.grad is not None and t.grad is not None
+  np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), rtol=1e-4, atol=float(t.grad.abs().max()) * 1e-5)
