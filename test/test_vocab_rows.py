@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor
+from ourgrad import Tensor, lazy
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.online_rows import group_row_passes, shift_terms
@@ -25,6 +25,13 @@ from ourgrad.engine.kernel_walk import MAX_ROW_FUSION_LENGTH
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.ops import REDUCE_OPS, Ops
 from ourgrad.renderer.cuda import CUDARenderer
+
+@pytest.fixture(autouse=True)
+def no_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
+  """A GPU splits a reduce of few long rows across blocks first (lazy.py's split-K: 3 rows of 50304 are 5 kernels);
+  here the split is off, so that the rows run as the row kernel that streams them (what 4096 rows get)."""
+  monkeypatch.setattr(lazy, "GPU_SPLIT_MIN_ELEMENTS", 1 << 62)
+
 
 # (rows, classes): GPT-2's vocabulary (a multiple of 4: float4 units) and an odd width beyond 65536 (scalar units,
 # longer than a CPU row kernel takes)
@@ -213,3 +220,24 @@ def test_sparse_categorical_crossentropy_as_gpt2_calls_it(device: str | None):
   np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=1e-5)
   assert x.grad is not None and t.grad is not None
   np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), rtol=1e-4, atol=float(t.grad.abs().max()) * 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_of_very_negative_and_masked_values(device: str | None):
+  """The online sum starts at 0 relative to a running max of -inf: logsumexp's shift (where(isinf(max), 0, max)) is
+  0 there, and rescaling to a max of -1000 would multiply 0 by exp2(1443) = inf (also in the PYTHON device's float64
+  arithmetic). Rows of values around -1000, and rows with -inf entries (a masked row), against PyTorch."""
+  logits = _logits((3, 50304)) - 1000
+  logits[1, :30000] = -np.inf
+  x = Tensor(logits, device=device)
+  if device is not None: assert len(_kernels(create_schedule([x.logsumexp(-1).lazydata]))) == 1, "the row kernel"
+  np.testing.assert_allclose(x.logsumexp(-1).numpy(), torch.tensor(logits).logsumexp(-1).numpy(), rtol=1e-6)
+  np.testing.assert_allclose(x.softmax(-1).numpy(), torch.tensor(logits).softmax(-1).numpy(), rtol=1e-4, atol=1e-9)
+
+
+def test_a_sum_of_exp_of_another_value_than_the_max_takes_a_second_pass():
+  """exp(y - max(x)): an element with x = -inf may have a finite y, which adds exp(y - max) against the final max;
+  no online rule gives that while the running max is -inf, so the sum waits for the max."""
+  x, y = Tensor.empty(4096, 50304, device="PYTHON"), Tensor.empty(4096, 50304, device="PYTHON")
+  reduces = _row_reduces((y - x.max(-1, keepdim=True)).exp().sum(-1))
+  assert [len(found.reduces) for found in group_row_passes(reduces)] == [1, 1]

@@ -8,9 +8,10 @@ grows to m' it rescales the sum by exp2(P(m') - P(m)) before adding the new term
 exponent). Softmax's max and sum of exp(x - max), logsumexp, and cross-entropy's picked logit then take one pass.
 
 The test is structural and general: the sum's input, read as a function of the max node, is a product whose factors
-are free of the max or are exp2 of an affine expression in it (constants times terms that depend on the max and on
-no element of the row: the max itself, `where(isinf(max), 0, max)`), so the ratio of two of its values at
-different maxes is the same for every element.
+are free of the max but one, exp2(k * x + P(max)) with x the value the max is taken of, k > 0 and P a sum of
+constants times terms that depend on the max and on no element of the row (the max itself, logsumexp's
+`where(isinf(max), 0, max)`), so the ratio of two of its values at different maxes is the same for every element,
+and an element x = -inf adds 0 (a masked score) against any finite max.
 """
 from __future__ import annotations
 
@@ -75,34 +76,49 @@ def row_reduces_read(root: LazyOp) -> list[LazyOp]:
 
 
 def shift_terms(source: LazyOp, peak: LazyOp) -> ShiftTerms | None:
-  """The max's part of the exponent when `source` is a product of factors free of `peak` and of exp2 of affine
-  expressions in it (see the module docstring); None otherwise, or when `source` does not read `peak`."""
-  terms = _factor_terms(source, peak)
-  return terms if terms else None
+  """The max's part of the exponent when `source` is a product of factors free of `peak` and of one exp2 of an
+  affine expression k * x + P(peak), x the value the max is taken of and k > 0 (see the module docstring); None
+  otherwise. Then an element x = -inf adds 0 whatever the max (the online pass skips the terms while the running max
+  is still -inf, where P's -inf - -inf would be nan: the two-pass sum adds 0 for them against a finite max)."""
+  factors = _factor_terms(source, peak)
+  if factors is None or len(factors) != 1: return None
+  peak_terms, free_terms = factors[0]
+  if not peak_terms or len(free_terms) != 1: return None
+  coefficient, value = free_terms[0]
+  return peak_terms if coefficient > 0 and value == peak.srcs[0] else None
 
 
-def _factor_terms(node: LazyOp, peak: LazyOp) -> ShiftTerms | None:
+# an exp2 factor's exponent split in two: (terms reading the max, terms free of it)
+_Split = tuple[ShiftTerms, ShiftTerms]
+
+
+def _factor_terms(node: LazyOp, peak: LazyOp) -> list[_Split] | None:
+  """The exp2 factors of `node` that read `peak`, their exponents split (`_affine_split`); None where `node` reads
+  the peak other than through such factors of a product."""
   if not _reads(node, peak): return []
   if node.op is Ops.MUL:
     parts = [_factor_terms(src, peak) for src in node.srcs]
-    return None if any(part is None for part in parts) else [term for part in parts for term in part or []]
-  if node.op is Ops.EXP2: return _affine_terms(node.srcs[0], peak, 1.0)
+    return None if any(part is None for part in parts) else [split for part in parts for split in part or []]
+  if node.op is Ops.EXP2:
+    split = _affine_split(node.srcs[0], peak, 1.0)
+    return None if split is None else [split]
   return None
 
 
-def _affine_terms(node: LazyOp, peak: LazyOp, scale: float) -> ShiftTerms | None:
-  """`node` as (free of the peak) + sum of coefficient * term, each term depending on the peak and on constants only
-  (one value per row); None where it is not of that form."""
-  if not _reads(node, peak): return []
+def _affine_split(node: LazyOp, peak: LazyOp, scale: float) -> _Split | None:
+  """`node` as a sum of coefficient * term: the terms that read the peak and depend on nothing else per element (one
+  value per row), and the terms free of it; None where it is not of that form."""
+  if not _reads(node, peak): return [], [(scale, node)]
   if node.op is Ops.ADD:
-    parts = [_affine_terms(src, peak, scale) for src in node.srcs]
-    return None if any(part is None for part in parts) else [term for part in parts for term in part or []]
-  if node.op is Ops.NEG: return _affine_terms(node.srcs[0], peak, -scale)
+    parts = [_affine_split(src, peak, scale) for src in node.srcs]
+    if any(part is None for part in parts): return None
+    return [term for part in parts for term in part[0]], [term for part in parts for term in part[1]]  # type: ignore
+  if node.op is Ops.NEG: return _affine_split(node.srcs[0], peak, -scale)
   if node.op is Ops.MUL:
     for value, other in (node.srcs, node.srcs[::-1]):
       if value.op is Ops.CONST and isinstance(value.arg.val, float):
-        return _affine_terms(other, peak, scale * value.arg.val)
-  return [(scale, node)] if _row_constant(node) else None
+        return _affine_split(other, peak, scale * value.arg.val)
+  return ([(scale, node)], []) if _row_constant(node) else None
 
 
 def _reads(node: LazyOp, peak: LazyOp) -> bool:

@@ -322,7 +322,8 @@ class RowLinearizer(Linearizer):
       for reduce in group.reduces:
         if id(reduce) not in group.online: continue
         peak, terms = group.online[id(reduce)]
-        factor = self._rescale(terms, peak, accumulators[id(peak)], self.reduce_values[id(peak)], passes.idxs)
+        factor = self._rescale(terms, peak, accumulators[id(peak)], self.reduce_values[id(peak)],
+                               accumulators[id(reduce)], passes.idxs)
         partial = build.alu(Ops.MUL, reduce.dtype, accumulators[id(reduce)], factor)
         self.reduce_values[id(reduce)] = combine(partial, reduce, numbers[id(reduce)])
 
@@ -358,18 +359,23 @@ class RowLinearizer(Linearizer):
       if id(reduce) not in group.online: continue
       peak, terms = group.online[id(reduce)]
       accumulator = accumulators[id(reduce)]
-      factor = self._rescale(terms, peak, accumulators[id(peak)], new_peaks[id(peak)], idxs)
+      factor = self._rescale(terms, peak, accumulators[id(peak)], new_peaks[id(peak)], accumulator, idxs)
       build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, factor), Ops.MUL)
       self.reduce_values[id(peak)] = new_peaks[id(peak)]
+      # while the running max is -inf every x seen is -inf: each adds 0 (exp2(-inf - -inf) would be nan)
+      seen_finite = build.alu(Ops.CMPNE, dtypes.bool, new_peaks[id(peak)], build.const(-math.inf, peak.dtype))
       for value in self._lane_values(reduce.srcs[0], lanes, width):
+        value = build.alu(Ops.WHERE, reduce.dtype, seen_finite, value, build.const(0.0, reduce.dtype))
         build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), Ops.ADD)
       del self.reduce_values[id(peak)]
     for peak in peaks:
       build.add(UOps.ACCUMULATE, peak.dtype, (accumulators[id(peak)], unit_peaks[id(peak)]), Ops.MAX)
 
-  def _rescale(self, terms: ShiftTerms, peak: LazyOp, old: UOp, new: UOp, idxs: list[Node]) -> UOp:
-    """exp2(P(new) - P(old)), P the max's part of the exponent (`terms`): the factor that turns a sum relative to
-    the max `old` into one relative to `new`; 1 where they are equal (both -inf too, where P(new) - P(old) is nan)."""
+  def _rescale(self, terms: ShiftTerms, peak: LazyOp, old: UOp, new: UOp, total: UOp, idxs: list[Node]) -> UOp:
+    """exp2(P(new) - P(old)), P the max's part of the exponent (`terms`): the factor that turns the sum `total`
+    relative to the max `old` into one relative to `new`; 1 where they are equal (both -inf too, where P(new) - P(old)
+    is nan) and where the sum is 0 (no terms yet: logsumexp's shift where(isinf(max), 0, max) is 0 for a running max
+    of -inf, and exp2(-P(new)) can overflow for a very negative new max, 0 * inf = nan)."""
     build, dtype = self.builder, peak.dtype
     difference: UOp | None = None
     known = self.reduce_values.get(id(peak))   # the block's max, once combined: put back afterwards
@@ -385,7 +391,9 @@ class RowLinearizer(Linearizer):
     else: self.reduce_values[id(peak)] = known
     assert difference is not None
     factor = self._alu(Ops.EXP2, dtype, (difference,))
-    return build.alu(Ops.WHERE, dtype, build.alu(Ops.CMPNE, dtypes.bool, old, new), factor, build.const(1.0, dtype))
+    moved = build.alu(Ops.AND, dtypes.bool, build.alu(Ops.CMPNE, dtypes.bool, old, new),
+                      build.alu(Ops.CMPNE, dtypes.bool, total, build.const(0.0, dtype)))
+    return build.alu(Ops.WHERE, dtype, moved, factor, build.const(1.0, dtype))
 
   def _linearize_final_rows(self, rows: int, row_dims: list[int], units: int, width: int) -> list[UOp]:
     """A row kernel with final reduces on a GPU: one block. Its threads are groups of `threads` (a power of two, at
