@@ -377,6 +377,22 @@ class Max(Function):
     return _mul(_div(is_max, count), grad_output.expand(self.x.shape))
 
 
+class LogSumExpGrad(Function):
+  """Passes a logsumexp's value (computed from its input cut from the graph, keepdim shape) through and gives it
+  the gradient exp(x - value) * grad: the backward reads the value saved from the forward, one elementwise kernel,
+  instead of recomputing the max and the sum of exps (a reduce) from x."""
+
+  def forward(self, x: LazyBuffer, value: LazyBuffer) -> LazyBuffer:
+    self.x, self.value = x, value
+    return value
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
+    shape = self.x.shape
+    shifted = _widen(_sub(self.x, self.value.expand(shape)))
+    softmax = _scale(shifted, 1 / math.log(2)).elementwise(Ops.EXP2).cast(self.x.dtype)
+    return _mul(softmax, grad_output.expand(shape)), None
+
+
 class MaxToOne(Function):
   """Max reduce whose gradient goes whole to one element of each reduced group, as PyTorch's max_pool does: among the
   maximal elements, the one with the largest `rank` (a tensor of x's shape; ranks > 0 are distinct within a
@@ -511,6 +527,22 @@ class GatherRows(Function):
     if not self.needs_input_grad[0]: return None, None
     zeros = LazyBuffer.full(0, self.table_shape, grad_output.dtype, grad_output.device)
     return zeros.accumulate_rows(self.index, grad_output), None
+
+
+class PickPerRow(Function):
+  """One element of each row of an (R, C) x -> (R,): x[r, flat_index[r] - r * C], read by an indexed load each
+  (LazyBuffer.gather_rows over x flattened to (R * C, 1); `flat_index` (R,) int32, -1 where nothing is picked: 0).
+  The gradient is where(one_hot, grad, 0) (`one_hot` (R, C) bool, the picked positions): elementwise, it fuses
+  into the kernel of x's other gradient terms (cross-entropy's softmax - one_hot)."""
+
+  def forward(self, x: LazyBuffer, flat_index: LazyBuffer, one_hot: LazyBuffer) -> LazyBuffer:
+    self.one_hot = one_hot
+    rows, classes = x.shape
+    return x.reshape((rows * classes, 1)).gather_rows(flat_index).reshape((rows,))
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None, None]:
+    spread = grad_output.reshape((grad_output.shape[0], 1)).expand(self.one_hot.shape)
+    return _where(self.one_hot, spread, spread.const_like(0)), None, None
 
 
 class AccumulateRows(Function):

@@ -22,6 +22,7 @@ import math
 from numbers import Integral
 from typing import TYPE_CHECKING, Sequence
 
+from ourgrad import function as F
 from ourgrad.dtype import dtypes
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.tensor_conv import ConvMixin
@@ -64,22 +65,54 @@ def _check_index_target(scores: Tensor, target: Tensor, what: str) -> None:
 
 
 def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: int,
-               label_smoothing: float) -> Tensor:
+               label_smoothing: float, normalizer: Tensor | None = None) -> Tensor:
   """Negative log-likelihood of class indices, classes on the last axis of `log_probs`.
 
   With label smoothing e the per-sample loss is (1-e) * -log p[target] + e * mean_c(-log p[c]), as in PyTorch.
   Samples whose target is `ignore_index` contribute 0, and "mean" divides by the number of the other samples
-  (0/0 = nan when all are ignored, as in PyTorch)."""
+  (0/0 = nan when all are ignored, as in PyTorch). With `normalizer` (each row's logsumexp, keepdim), `log_probs`
+  holds the logits and log p = logits - normalizer: the picked logit and the logits' mean are reduces of the logits
+  alone, independent of the normalizer's max and sum, so a row kernel computes all of them in one pass over the row
+  (codegen/row_linearizer.py), and the gradient is (softmax - one_hot) * grad with no reduce of its own."""
   _check_reduction(reduction)
   classes = log_probs.shape[-1]
   one_hot = target.unsqueeze(-1) == type(log_probs).arange(classes, device=log_probs.device)
-  loss = -one_hot.where(log_probs, 0).sum(-1)
+  if normalizer is not None and log_probs.ndim == 2 and log_probs.numel() < 2 ** 31:
+    loss = normalizer.squeeze(-1) - _picked_logits(log_probs, target, one_hot)
+  else:
+    loss = -one_hot.where(log_probs, 0).sum(-1)
+    if normalizer is not None: loss = loss + normalizer.squeeze(-1)
   if label_smoothing:
-    loss = (1.0 - label_smoothing) * loss - label_smoothing * log_probs.mean(-1)
+    smooth = -log_probs.mean(-1) + (normalizer.squeeze(-1) if normalizer is not None else 0)
+    loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
   keep = target != ignore_index
   loss = keep.where(loss, 0)
   if reduction == "mean": return loss.sum() / keep.sum().cast(loss.dtype)
   return _reduce(loss, reduction)
+
+
+def _logits_nll(scores: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float) -> Tensor:
+  """Cross-entropy of logits (classes last) against class indices: float32 logits as logsumexp - the picked logit
+  (_index_nll's `normalizer`), other dtypes through log_softmax (half precision rounds its log-probabilities, as
+  PyTorch does)."""
+  if scores.dtype == dtypes.float32 and scores.numel():
+    return _index_nll(scores, target, reduction, ignore_index, label_smoothing, scores.logsumexp(-1, keepdim=True))
+  return _index_nll(scores.log_softmax(-1), target, reduction, ignore_index, label_smoothing)
+
+
+def _picked_logits(logits: Tensor, target: Tensor, one_hot: Tensor) -> Tensor:
+  """logits[r, target[r]] of (R, C) logits (0 where the target is outside [0, C): an ignored sample), one indexed
+  load a row instead of a one-hot sum over the row (a second pass over a vocabulary-wide row); the gradient is
+  where(one_hot, grad, 0), which fuses into the logits' other gradient terms (F.PickPerRow)."""
+  Tensor = type(logits)  # noqa: N806 (the concrete class; mixins never import it)
+  rows, classes = logits.shape
+  in_range = (target >= 0) & (target < classes)
+  # the target clamped before the offset is computed: row * C + target never wraps (R * C < 2**31), whatever the
+  # target's value (a CPU row kernel computes it without -fwrapv, RowLinearizer._lane_nodes)
+  column = in_range.where(target, 0).cast(dtypes.int32)
+  flat = Tensor.arange(rows, device=logits.device, dtype=dtypes.int32) * classes + column
+  flat_index = in_range.where(flat, -1).cast(dtypes.int32)
+  return F.PickPerRow.apply(logits, flat_index.detach(), one_hot.detach())
 
 
 def _check_class_weight(weight: Tensor, classes: int, what: str) -> None:
@@ -191,9 +224,8 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     log_probs = scores.log_softmax(-1)
     if not target.dtype.is_float:
       _check_index_target(scores, target, "cross_entropy")
-      if weight is not None:
-        return _weighted_index_nll(log_probs, target, weight, reduction, ignore_index, label_smoothing)
-      return _index_nll(log_probs, target, reduction, ignore_index, label_smoothing)
+      if weight is None: return _logits_nll(scores, target, reduction, ignore_index, label_smoothing)
+      return _weighted_index_nll(log_probs, target, weight, reduction, ignore_index, label_smoothing)
     if target.shape != self.shape:
       raise ShapeError(f"cross_entropy: a probability target must have the input's shape {self.shape}, "
                        f"got {target.shape}")
@@ -214,7 +246,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
       raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if self.ndim == 0: raise ShapeError("sparse_categorical_crossentropy needs logits with a class axis, got ()")
     _check_index_target(self, target, "sparse_categorical_crossentropy")
-    return _index_nll(self.log_softmax(-1), target, reduction, ignore_index, label_smoothing)
+    return _logits_nll(self, target, reduction, ignore_index, label_smoothing)
 
   @autocast_op(CastPolicy.FLOAT32)
   def binary_cross_entropy(self: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:

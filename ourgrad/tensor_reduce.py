@@ -221,9 +221,13 @@ class ReduceMixin:
     x = self._float_operand()
     # over an empty axis the sum of exps is 0: -inf, as in PyTorch (max has no identity there)
     if any(self.shape[a] == 0 for a in self._reduce_axes(axis)): return x.sum(axis, keepdim).log()
-    peak = x.max(axis, keepdim=True)
+    # computed from x cut from the graph: the gradient is exp(x - result) * grad (F.LogSumExpGrad), an elementwise
+    # kernel reading the saved result, with no reduce (the max is only a shift, and the sum's work is done)
+    source = x.detach()
+    peak = source.max(axis, keepdim=True)
     peak = peak.isinf().where(0, peak)  # all -inf (or an inf) would give nan through x - peak
-    total = (x - peak).exp().sum(axis, keepdim=True).log() + peak
+    total = (source - peak).exp().sum(axis, keepdim=True).log() + peak
+    if x.requires_grad: total = F.LogSumExpGrad.apply(x, total)
     return total if keepdim else total.reshape(tuple(s for a, s in enumerate(self.shape)
                                                      if a not in self._reduce_axes(axis)))
 
@@ -235,7 +239,8 @@ class ReduceMixin:
     if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
     # half precision computes in float32 and rounds once, as in PyTorch (rounding exps and sum too: 2 ulps off)
     if x.dtype in (dtypes.float16, dtypes.bfloat16): return x.float().softmax(axis).cast(x.dtype)
-    exps = (x - x.max(axis, keepdim=True)).exp()
+    # the max is a shift the result does not depend on: detached, its gradient (exactly 0) costs no reduce
+    exps = (x - x.max(axis, keepdim=True).detach()).exp()
     return exps / exps.sum(axis, keepdim=True)
 
   @autocast_op(CastPolicy.FLOAT32)
@@ -245,7 +250,7 @@ class ReduceMixin:
     x = self._float_operand()
     if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
     if x.dtype in (dtypes.float16, dtypes.bfloat16): return x.float().log_softmax(axis).cast(x.dtype)
-    shifted = x - x.max(axis, keepdim=True)
+    shifted = x - x.max(axis, keepdim=True).detach()   # a shift the result does not depend on (softmax)
     return shifted - shifted.exp().sum(axis, keepdim=True).log()
 
   def _cumsum_last(self) -> Tensor:

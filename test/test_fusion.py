@@ -423,10 +423,12 @@ def test_a_loss_over_a_loop_beyond_the_final_reduce_limit_is_two_kernels(monkeyp
 
 
 def test_rows_longer_than_the_limit_fall_back_to_one_reduce_kernels(monkeypatch):
+  """On a CPU (a thread loops over its row once per reduce); a GPU block streams a row of any length (the max and
+  the sum of exps in one pass, codegen/online_rows.py): one kernel there."""
   monkeypatch.setattr(kernel_walk, "MAX_ROW_FUSION_LENGTH", 8)
   x_np = rand(6, 16, seed=9)
   x = Tensor(x_np)
-  assert kernels_of([x.softmax(-1)]) == 3
+  assert kernels_of([x.softmax(-1)]) == (1 if Device[x.device].renderer.has_threads else 3)
   np.testing.assert_allclose(x.softmax(-1).numpy(), torch.tensor(x_np).softmax(-1).numpy(), rtol=1e-5, atol=1e-6)
 
 

@@ -74,11 +74,16 @@ def main() -> None:
   parser.add_argument("--no-beam", action="store_true", help="skip the BEAM=2 column (its search takes minutes)")
   parser.add_argument("--no-torch", action="store_true", help="skip PyTorch (for checking the script without it)")
   parser.add_argument("--mnist-steps", type=int, default=5, help="steps of the MNIST table's 1-launch column (median)")
+  parser.add_argument("--only-vocab", action="store_true", help="only the vocabulary-wide rows (GPT-2's loss)")
   args = parser.parse_args()
   if args.only_mnist:
     mnist_step(args.device, args.scale, args.mnist_steps, args.replays)
     return
+  if args.only_vocab:
+    vocab_table(args)
+    return
   workload_table(args)
+  vocab_table(args)
   if not args.no_mnist: mnist_step(args.device, args.scale, args.mnist_steps, args.replays)
 
 
@@ -122,6 +127,74 @@ def workload_table(args: argparse.Namespace) -> None:
     print(f"{name:<22} {moved / 1e6:8.0f}M {ms(ours)} {gbs / 1e9:7.0f} {gbs / reference.peak * 100:5.0f}% "
           f"{gbs / reference.same(moved) * 100:5.0f}% {len(kernels):7d} {ms(one_launch)} {ms(beam)} {ms(eager)} "
           f"{ms(compiled)}   [{', '.join(f'{k} {s * 1e3:.3f}' for k, s in kernels)}]")
+
+
+# GPT-2's loss: 8 x 512 tokens over its (padded) vocabulary
+VOCAB_ROWS, VOCAB = 4096, 50304
+
+
+def vocab_workloads(torch: Any) -> list[tuple[str, Callable[[Any, Any], Any], int]]:
+  """(name, function of (logits, targets) for ourgrad and torch alike, bytes it must move in multiples of the logits'
+  size): a softmax reads and writes them; logsumexp and the loss read them once; the loss and its gradient read them
+  once forward and once backward and write the gradient (the per-row logsumexp kept between)."""
+  def is_ours(x: Any) -> bool: return isinstance(x, Tensor)
+
+  def cross_entropy(x: Any, target: Any) -> Any:
+    return x.cross_entropy(target) if is_ours(x) else torch.nn.functional.cross_entropy(x, target)
+
+  def forward_backward(x: Any, target: Any) -> Any:
+    x.grad = None
+    loss = cross_entropy(x, target)
+    loss.backward()
+    return [loss, x.grad] if is_ours(x) else x.grad
+  return [
+    ("softmax", lambda x, _: x.softmax(-1), 2),
+    ("logsumexp", lambda x, _: x.logsumexp(-1), 1),
+    ("cross-entropy fwd", cross_entropy, 1),
+    ("cross-entropy fwd+bwd", forward_backward, 3),
+  ]
+
+
+def vocab_table(args: argparse.Namespace) -> None:
+  """Softmax, logsumexp and cross-entropy (forward, and forward + backward) over GPT-2's vocabulary-wide rows: float32
+  logits of 4096 x 50304 (`--scale` halves both), ourgrad cold beside torch eager and torch.compile, GB/s of the bytes
+  each must move at least (cross-entropy fwd+bwd: the logits read twice and the gradient written once)."""
+  cuda = args.device.upper().startswith("CUDA")
+  torch = None
+  if not args.no_torch:
+    import torch
+  rows, vocab = VOCAB_ROWS >> args.scale, VOCAB >> args.scale
+  reference = CopyReference(args.device, (1 << 26) >> 2 * args.scale)
+  print(f"\nvocabulary-wide rows: float32 logits {rows} x {vocab}; {reference.describe()}")
+  print(f"{'workload':<22} {'bytes':>9} {'ourgrad':>9} {'GB/s':>7} {'%copy':>6} {'kernels':>7} {'torch':>9} "
+        f"{'compile':>9}   (times in ms; ourgrad cold, summed over its kernels)")
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((rows, vocab), dtype=np.float32) * 3
+  targets = rng.integers(0, vocab, rows).astype(np.int32)
+  for name, function, logit_passes in vocab_workloads(torch):
+    if args.only and args.only not in name: continue
+    backward = "bwd" in name
+    x = Tensor(logits, device=args.device, requires_grad=backward).realize()
+    target = Tensor(targets, device=args.device).realize()
+    moved = logit_passes * logits.nbytes
+    ours, kernels = cold_schedule_seconds(args.device, function(x, target), args.replays)
+    eager = compiled = None
+    if torch is not None:
+      torch_device = "cuda" if cuda else "cpu"
+      t = torch.tensor(logits, device=torch_device, requires_grad=backward)
+      t_target = torch.tensor(targets, device=torch_device, dtype=torch.long)
+      eager = _torch_time(lambda: function(t, t_target), args.iters, cuda)
+      if not args.no_compile:
+        try:
+          compiled_function = torch.compile(function)
+          compiled = _torch_time(lambda: compiled_function(t, t_target), args.iters, cuda)
+        except Exception as error:  # no compiler toolchain for inductor here
+          print(f"  torch.compile failed: {type(error).__name__}")
+    gbs = moved / ours
+
+    def ms(value: float | None) -> str: return f"{value * 1e3:9.3f}" if value is not None else f"{'-':>9}"
+    print(f"{name:<22} {moved / 1e6:8.0f}M {ms(ours)} {gbs / 1e9:7.0f} {gbs / reference.peak * 100:5.0f}% "
+          f"{len(kernels):7d} {ms(eager)} {ms(compiled)}   [{', '.join(f'{k} {s * 1e3:.3f}' for k, s in kernels)}]")
 
 
 def _torch_time(function: Callable[[], Any], iters: int, cuda: bool) -> float:

@@ -27,6 +27,7 @@ from typing import Callable
 
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
+from ourgrad.codegen.online_rows import RowPass, ShiftTerms, group_row_passes
 from ourgrad.codegen.shared_tile_fill import multiple_of
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
@@ -179,12 +180,26 @@ class RowLinearizer(Linearizer):
     # integer arithmetic may wrap, or a flipped view (a negative stride: gcc 12's loop vectorizer miscompiles those)
     if any(stride is not None and stride < 0 for st in kernel.sts for stride in st.real_strides()): return 1
     if any(not node.dtype.is_float and node.dtype != dtypes.bool and node.op not in _NO_WRAP_OPS
-           and not _counts_without_wrapping(node, kernel.final_reduces) for node in kernel.ast.walk()): return 1
+           and not _counts_without_wrapping(node, kernel.final_reduces) for node in self._lane_nodes()): return 1
     itemsize = max((reduce.dtype.itemsize for reduce in self._row_reduces()), default=4)
     innermost = kernel.full_shape[(kernel.row_axes or ())[-1]]
     lanes = max(vector_bytes // itemsize, 1)
     while lanes > 1 and innermost % lanes: lanes //= 2
     return lanes
+
+  def _lane_nodes(self) -> list[LazyOp]:
+    """The nodes computed inside the row loops (each row reduce's input; the stores' values where the output is per
+    element), where lanes apply. A per-row value computed once after the loops (a gathered element's offset,
+    cross-entropy's target logit: tensor_nn._picked_logits clamps the index first, so it never wraps) is not."""
+    kernel = self.kernel
+    stops = {id(reduce) for reduce in kernel.reduceops}
+    roots = [reduce.srcs[0] for reduce in kernel.reduceops]
+    if self._per_element(): roots += [store.srcs[0] for store in kernel.stores]
+    found: dict[int, LazyOp] = {}
+    for root in roots:
+      for node in _post_order(root, stops):
+        if id(node) not in stops: found[id(node)] = node
+    return list(found.values())
 
   def _row_length(self) -> int: return math.prod(self.kernel.full_shape[axis] for axis in self.kernel.row_axes or ())
 
@@ -279,17 +294,106 @@ class RowLinearizer(Linearizer):
     return build.uops
 
   def _run_row_reduces(self, passes: _RowPasses, combine: Callable[[UOp, LazyOp, int], UOp]) -> None:
-    """Each row reduce of a GPU row kernel in turn: a per-thread accumulator over its pass of the row, then the
-    value `combine(accumulator, reduce, number)` gives the rest of the kernel (a later reduce may read it)."""
+    """Each row reduce of a GPU row kernel: a per-thread accumulator over a pass of the row, then the value
+    `combine(accumulator, reduce, number)` gives the rest of the kernel (a later reduce may read it). A persistent row
+    (in registers) takes a pass per reduce, the loads shared; a looping row groups its reduces into as few passes as
+    their dependencies allow (codegen/online_rows.py: a max and the sums of exp2 relative to it in one pass)."""
     build = self.builder
-    for number, reduce in enumerate(self._row_reduces()):
-      accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+    reduces = self._row_reduces()
+    numbers = {id(reduce): number for number, reduce in enumerate(reduces)}
+    groups = [RowPass([reduce]) for reduce in reduces] if passes.persistent else group_row_passes(reduces)
+    for group in groups:
+      accumulators = {id(reduce): build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+                      for reduce in group.reduces}
+      name = f"ridx{numbers[id(group.reduces[0])]}"
+      if len(group.reduces) == 1:
+        reduce, accumulator = group.reduces[0], accumulators[id(group.reduces[0])]
 
-      def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
-        value = self.compute(reduce.srcs[0], element_idxs, None)
-        build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
-      passes.run(f"ridx{number}", accumulate)
-      self.reduce_values[id(reduce)] = combine(accumulator, reduce, number)
+        def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
+          value = self.compute(reduce.srcs[0], element_idxs, None)
+          build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
+        passes.run(name, accumulate)
+      else:
+        passes.run(name, None, each_unit=lambda lanes, group=group: self._accumulate_unit(group, accumulators, lanes,
+                                                                                      passes.width, passes.idxs))
+      for reduce in group.reduces:   # the maxes first: the online sums are rescaled to the block's max
+        if id(reduce) not in group.online:
+          self.reduce_values[id(reduce)] = combine(accumulators[id(reduce)], reduce, numbers[id(reduce)])
+      for reduce in group.reduces:
+        if id(reduce) not in group.online: continue
+        peak, terms = group.online[id(reduce)]
+        factor = self._rescale(terms, peak, accumulators[id(peak)], self.reduce_values[id(peak)],
+                               accumulators[id(reduce)], passes.idxs)
+        partial = build.alu(Ops.MUL, reduce.dtype, accumulators[id(reduce)], factor)
+        self.reduce_values[id(reduce)] = combine(partial, reduce, numbers[id(reduce)])
+
+  def _lane_values(self, node: LazyOp, lanes: list[list[Node]], width: int) -> list[UOp]:
+    """`node` at each element of a unit (`lanes`: each element's indices; vector loads where they apply)."""
+    values = []
+    for lane, element_idxs in enumerate(lanes):
+      self.vector_unit = (lanes[0], width, lane) if width > 1 else None
+      values.append(self.compute(node, element_idxs, None))
+    self.vector_unit = None
+    return values
+
+  def _accumulate_unit(self, group: RowPass, accumulators: dict[int, UOp], lanes: list[list[Node]], width: int,
+                       idxs: list[Node]) -> None:
+    """One unit of a pass computing several reduces: each plain reduce adds the unit's elements; each running max
+    takes the unit's max, and each online sum is first rescaled from the old running max to the new one, then adds
+    its terms computed relative to the new max. The running maxes are updated last (the rescale reads them)."""
+    build = self.builder
+    peaks = group.peaks()
+    followed = {id(peak) for peak in peaks}
+    for reduce in group.reduces:
+      if id(reduce) in group.online or id(reduce) in followed: continue
+      for value in self._lane_values(reduce.srcs[0], lanes, width):
+        build.add(UOps.ACCUMULATE, reduce.dtype, (accumulators[id(reduce)], value), _accumulate_op(reduce))
+    unit_peaks, new_peaks = {}, {}
+    for peak in peaks:
+      values = self._lane_values(peak.srcs[0], lanes, width)
+      unit_peak = values[0]
+      for value in values[1:]: unit_peak = build.alu(Ops.MAX, peak.dtype, unit_peak, value)
+      unit_peaks[id(peak)] = unit_peak
+      new_peaks[id(peak)] = build.alu(Ops.MAX, peak.dtype, accumulators[id(peak)], unit_peak)
+    for reduce in group.reduces:
+      if id(reduce) not in group.online: continue
+      peak, terms = group.online[id(reduce)]
+      accumulator = accumulators[id(reduce)]
+      factor = self._rescale(terms, peak, accumulators[id(peak)], new_peaks[id(peak)], accumulator, idxs)
+      build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, factor), Ops.MUL)
+      self.reduce_values[id(peak)] = new_peaks[id(peak)]
+      # while the running max is -inf every x seen is -inf: each adds 0 (exp2(-inf - -inf) would be nan)
+      seen_finite = build.alu(Ops.CMPNE, dtypes.bool, new_peaks[id(peak)], build.const(-math.inf, peak.dtype))
+      for value in self._lane_values(reduce.srcs[0], lanes, width):
+        value = build.alu(Ops.WHERE, reduce.dtype, seen_finite, value, build.const(0.0, reduce.dtype))
+        build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), Ops.ADD)
+      del self.reduce_values[id(peak)]
+    for peak in peaks:
+      build.add(UOps.ACCUMULATE, peak.dtype, (accumulators[id(peak)], unit_peaks[id(peak)]), Ops.MAX)
+
+  def _rescale(self, terms: ShiftTerms, peak: LazyOp, old: UOp, new: UOp, total: UOp, idxs: list[Node]) -> UOp:
+    """exp2(P(new) - P(old)), P the max's part of the exponent (`terms`): the factor that turns the sum `total`
+    relative to the max `old` into one relative to `new`; 1 where they are equal (both -inf too, where P(new) - P(old)
+    is nan) and where the sum is 0 (no terms yet: logsumexp's shift where(isinf(max), 0, max) is 0 for a running max
+    of -inf, and exp2(-P(new)) can overflow for a very negative new max, 0 * inf = nan)."""
+    build, dtype = self.builder, peak.dtype
+    difference: UOp | None = None
+    known = self.reduce_values.get(id(peak))   # the block's max, once combined: put back afterwards
+    for coefficient, term in terms:
+      self.reduce_values[id(peak)] = new
+      at_new = self.compute(term, idxs, None)
+      self.reduce_values[id(peak)] = old
+      at_old = self.compute(term, idxs, None)
+      step = build.alu(Ops.ADD, dtype, at_new, build.alu(Ops.NEG, dtype, at_old))
+      part = build.alu(Ops.MUL, dtype, step, build.const(coefficient, dtype))
+      difference = part if difference is None else build.alu(Ops.ADD, dtype, difference, part)
+    if known is None: del self.reduce_values[id(peak)]
+    else: self.reduce_values[id(peak)] = known
+    assert difference is not None
+    factor = self._alu(Ops.EXP2, dtype, (difference,))
+    moved = build.alu(Ops.AND, dtypes.bool, build.alu(Ops.CMPNE, dtypes.bool, old, new),
+                      build.alu(Ops.CMPNE, dtypes.bool, total, build.const(0.0, dtype)))
+    return build.alu(Ops.WHERE, dtype, moved, factor, build.const(1.0, dtype))
 
   def _linearize_final_rows(self, rows: int, row_dims: list[int], units: int, width: int) -> list[UOp]:
     """A row kernel with final reduces on a GPU: one block. Its threads are groups of `threads` (a power of two, at
@@ -475,8 +579,10 @@ class _RowPasses:
     self.units, self.width, self.persistent = units, width, persistent
     self.per_thread = math.ceil(units / threads)
 
-  def run(self, name: str, element: Callable[[list[Node]], None] | None, store: bool = False) -> None:
-    """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store."""
+  def run(self, name: str, element: Callable[[list[Node]], None] | None, store: bool = False,
+          each_unit: Callable[[list[list[Node]]], None] | None = None) -> None:
+    """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store, or
+    `each_unit(indices of each element)` once per unit."""
     linearizer = self.linearizer
     build = linearizer.builder
     loop = None
@@ -490,6 +596,7 @@ class _RowPasses:
       guard = build.add(UOps.IF, None, (linearizer.node_to_uop(unit < self.units),)) if ragged else None
       lanes = [linearizer.unit_idxs(self.idxs, unit, self.width, lane) for lane in range(self.width)]
       if store: linearizer.store_unit(lanes, self.width)
+      elif each_unit is not None: each_unit(lanes)
       else:
         for lane, element_idxs in enumerate(lanes):
           linearizer.vector_unit = (lanes[0], self.width, lane) if self.width > 1 else None

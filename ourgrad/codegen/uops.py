@@ -54,7 +54,7 @@ class UOps(Enum):
   CAST = auto()            # value conversion to dtype
   BITCAST = auto()         # reinterpret the bits as dtype
   DEFINE_ACC = auto()      # an accumulator variable; arg = its start value
-  ACCUMULATE = auto()      # srcs = (acc, value); arg = Ops.ADD or Ops.MAX: acc = op(acc, value)
+  ACCUMULATE = auto()      # srcs = (acc, value); arg = Ops.ADD, Ops.MAX or Ops.MUL (a rescale): acc = op(acc, value)
   GEP = auto()             # srcs = (vector LOAD,); arg = the element taken from it
   DEFINE_LOCAL = auto()    # block-shared memory of `dtype`; arg = (name, element count). LOAD/STORE take it as buffer
   BARRIER = auto()         # all threads of the block wait here; local memory stored before is visible after

@@ -99,7 +99,9 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
       elif sibling:
         pass   # beside the kernel's reduce in its loop, an accumulator each (codegen: Kernel.sibling_reduces)
       elif not (any(node is known for known in plan.reduce_bases) and plain_reshape) and node is not root:
-        if reduce_base is not None: return (node, f"a second reduce, not sharing the kernel's rows: {row_reason}"), plan
+        if reduce_base is not None:
+          return (_refused_rows(node, plan.reduce_bases, realizes, root),
+                  f"a second reduce, not sharing the kernel's rows: {row_reason}"), plan
         if under_reduce: return (node, f"a reduce inside another reduce's input: {row_reason}"), plan
         if not plain_reshape: return (node, f"a reduce read out of its own element order: {row_reason}"), plan
       if row_reason is not None:
@@ -167,6 +169,21 @@ def final_reduces(root: LazyBuffer, realizes: Realizations) -> list[LazyBuffer]:
   return [top for top in tops if top.size == 1 and prod(top.srcs[0].shape) == rows]
 
 
+def _refused_rows(refused: LazyBuffer, outers: list[LazyBuffer], realizes: Realizations,
+                  root: LazyBuffer) -> LazyBuffer:
+  """What to realize when reduce `refused` cannot join the kernel of the reduces `outers` (a mean over rows of
+  per-row values): the input of the outer reduce that computes `refused`, where that input is an elementwise
+  function of `refused` and the reduces beside it and no larger than `refused`'s result (a loss per row:
+  logsumexp - picked logit), so that those reduces stay one row kernel writing the per-row values instead of each
+  being realized on its own; else `refused` itself."""
+  for outer in outers:
+    per_row = outer.srcs[0].base
+    if per_row is root or per_row.op not in ELEMENTWISE_OPS or per_row.realized is not None or \
+        id(per_row) in realizes or per_row.size > refused.size: continue
+    if any(reduce is refused for reduce in _fused_reduces(per_row, realizes, root)): return per_row
+  return refused
+
+
 def _fused_reduces(start: LazyBuffer, realizes: Realizations, root: LazyBuffer) -> list[LazyBuffer]:
   """The reduces that the fused graph from `start` computes in the kernel of `root` (every other realized base is a
   load there), not looking inside them, in walk order."""
@@ -201,9 +218,24 @@ def reuses_an_operand(reduce: LazyBuffer, plan: KernelPlan) -> bool:
   return False
 
 
-# A row kernel (several reduces in one kernel, docs/fusion.md) loops over a row once per reduce and once more for
-# the store (a CPU thread, or a GPU block that keeps short rows in registers): longer rows keep one-reduce kernels.
+# A row kernel (several reduces in one kernel, docs/fusion.md) on a CPU loops over a row once per reduce and once
+# more for the store, in one thread: longer rows keep one-reduce kernels. A GPU block streams its row (the max and
+# the sums relative to it in one pass, codegen/online_rows.py) at any length.
 MAX_ROW_FUSION_LENGTH = 1 << 16
+
+
+def row_length_fits(device: str, length: int) -> bool:
+  """Whether a row of `length` elements may be a row kernel's row on `device` (MAX_ROW_FUSION_LENGTH on a CPU)."""
+  return length <= MAX_ROW_FUSION_LENGTH or Device[device].renderer.has_threads
+
+
+def joins_rows(reduce: LazyBuffer) -> bool:
+  """Whether `reduce` may be computed inside a row kernel (its trailing axes, rows a row kernel takes on its
+  device): a kernel reading its result then recomputes it from its input, rather than loading it."""
+  loop_shape = reduce.srcs[0].shape
+  return row_kernels_enabled(reduce.device) and tuple(reduce.arg) == tuple(range(len(loop_shape) - len(reduce.arg),
+                                                                                   len(loop_shape))) \
+      and row_length_fits(reduce.device, prod(loop_shape[axis] for axis in reduce.arg))
 
 
 def row_kernels_enabled(device: str) -> bool:
@@ -233,7 +265,7 @@ class _RowKernel:
     if not row_kernels_enabled(reduce.device):
       return f"row kernels are off on {reduce.device} (ROW_KERNELS, or a GPU without local memory)"
     loop_shape = reduce.srcs[0].shape
-    if prod(loop_shape[axis] for axis in reduce.arg) > MAX_ROW_FUSION_LENGTH:
+    if not row_length_fits(reduce.device, prod(loop_shape[axis] for axis in reduce.arg)):
       return f"its rows are longer than {MAX_ROW_FUSION_LENGTH}"
     if tuple(reduce.arg) != tuple(range(len(loop_shape) - len(reduce.arg), len(loop_shape))):
       # TODO: reduces over leading or interleaved axes (batchnorm's (0, 2, 3)) gave a wrong convolution weight

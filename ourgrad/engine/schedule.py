@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine import graph_viz
-from ourgrad.engine.kernel_walk import (Realizations, final_reduces, item_precedence, items_on_cycles, kernel_value,
-                                        order_items, walk_kernel, write_version)
+from ourgrad.engine.kernel_walk import (Realizations, final_reduces, item_precedence, items_on_cycles, joins_rows,
+                                        kernel_value, order_items, walk_kernel, write_version)
 from ourgrad.engine.multi_output import group_outputs, sibling_limit
 from ourgrad.engine.packing import pack_kernels
 from ourgrad.engine.profile import host_phase
@@ -136,7 +136,7 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
     if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
       if len({kernel_of(user) for user in users[id(base)]}) > 1:
         realizes.setdefault(id(base), "a reduce read by several kernels: computed once, not once per kernel")
-  _store_or_recompute(bases, realizes, users, by_id, kernel_of)
+  _store_or_recompute(bases, realizes, users, kernel_of, by_id)
   if KERNEL_OPS_LIMIT.value > 0: _bound_kernel_sizes(bases, realizes, int(KERNEL_OPS_LIMIT.value))
   return realizes
 
@@ -144,7 +144,7 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
 # ---------------------------------------------------------------- store or recompute
 
 def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: dict[int, set[int]],
-                        by_id: dict[int, LazyBuffer], kernel_of: Callable[[int], int]) -> None:
+                        kernel_of: Callable[[int], int], by_id: dict[int, LazyBuffer]) -> None:
   """Store an elementwise intermediate read by several kernels when recomputing it in each costs more memory traffic
   than storing it once. Fused, each of the n kernels reading it loads every input of its fused graph again; stored,
   the inputs are read once, the result written once and read n times, and there is one more launch (the device's
@@ -155,10 +155,19 @@ def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: 
   Bases are visited sources first, so a base stored here becomes a plain load in the graphs of the bases after it.
   Row kernels are unaffected: softmax's exp(x - max) reads one input, and recomputing it costs less than a store."""
   launch_bytes: dict[str, int] = {}
+
+  def reading_kernel(user: int) -> int:
+    """The kernel a reader fuses into; a reduce not realized with one user joins that user's kernel (a row kernel:
+    softmax's sum of exp(x - max) is in the kernel that reads the sum, beside the max)."""
+    kernel = kernel_of(user)
+    while kernel in by_id and kernel not in realizes and by_id[kernel].op in REDUCE_OPS and len(users[kernel]) == 1:
+      kernel = kernel_of(next(iter(users[kernel])))
+    return kernel
+
   for base in bases:
     if base.realized is not None or id(base) in realizes or base.op not in ELEMENTWISE_OPS: continue
     if not isinstance(base.size, int): continue   # a symbolic size (a Variable): no byte count to compare
-    readers = {kernel_of(user) for user in users[id(base)]}
+    readers = {reading_kernel(user) for user in users[id(base)]}
     if len(readers) < 2: continue
     if _recomputes_a_reduce(base, realizes):
       kernels = _kernels_reading(id(base), realizes, users, by_id)
@@ -223,10 +232,12 @@ def _fused_input_bytes(base: LazyBuffer, realizes: Realizations) -> int | None:
       if id(src_base) in seen: continue
       seen.add(id(src_base))
       if src_base.op is Ops.CONST: continue
-      fused_elementwise = src_base.realized is None and id(src_base) not in realizes and src_base.op in ELEMENTWISE_OPS
-      if fused_elementwise: stack.append(src_base)
-      # a buffer, or a reduce or other op whose result the kernel reads: counted as loading its result (a reduce
-      # inside another reduce's kernel is realized later anyway; fused into an elementwise kernel it reads more)
+      fused = src_base.realized is None and id(src_base) not in realizes
+      # an elementwise op is computed inline; so is a reduce not realized (yet): a row kernel recomputes it from its
+      # input (a per-row logsumexp read by a loss and by its gradient: each would read the whole row again)
+      if fused and (src_base.op in ELEMENTWISE_OPS or (src_base.op in REDUCE_OPS and joins_rows(src_base))):
+        stack.append(src_base)
+      # a buffer, or another op whose result the kernel reads: counted as loading its result
       elif isinstance(src.st.size, int) and isinstance(src_base.size, int):
         total += min(src.st.size, src_base.size) * src_base.dtype.itemsize
       else: return None

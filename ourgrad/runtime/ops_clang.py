@@ -208,7 +208,7 @@ class ClangCompiler(Compiler):
     # A loop marked `omp simd` (the lanes of a CPU row kernel, codegen/row_linearizer.py, or an elementwise kernel's
     # innermost loop) needs no -fwrapv: with wrapping int indices gcc cannot prove `base + lane` contiguous and
     # gathers. Such a kernel has no integer arithmetic but its index math, which never overflows
-    # (RowLinearizer._cpu_lanes checks).
+    # (RowLinearizer._cpu_lanes checks; a row's gathered offset after its loops comes from a clamped index).
     if has_simd_loop(source) and "-fwrapv" in flags: flags.remove("-fwrapv")
     if source.count("\n") < LARGE_KERNEL_LINES: return flags
     return ["-O1" if flag == "-O2" else flag for flag in flags]

@@ -391,7 +391,8 @@ class Interpreter:
     if op is UOps.ACCUMULATE:
       accumulator_position = instruction.srcs[0]
       accumulator_dtype = self.program.instructions[accumulator_position].dtype
-      if instruction.arg not in (Ops.ADD, Ops.MAX): raise self.error(position, f"cannot accumulate {instruction.arg}")
+      if instruction.arg not in (Ops.ADD, Ops.MAX, Ops.MUL):
+        raise self.error(position, f"cannot accumulate {instruction.arg}")
       combined = execute_alu(instruction.arg, accumulator_dtype, operands)
       if self.active is not None: combined = np.where(self.active, combined, operands[0])
       values[accumulator_position] = combined
