@@ -34,6 +34,9 @@ from ourgrad import tensor_random
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits, truncate
 from ourgrad.engine.exec_item import jit_recording
+from ourgrad.engine.realize import run_schedule
+from ourgrad.engine.schedule import REALIZE_LOCK
+from ourgrad.engine.schedule_cache import schedule as create_schedule  # cached by the graph's structure
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
@@ -238,9 +241,6 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
 
   def realize(self, *others: Tensor) -> Tensor:
     """Compute this tensor (and `others`) now, in one schedule."""
-    from ourgrad.engine.realize import run_schedule
-    from ourgrad.engine.schedule import REALIZE_LOCK
-    from ourgrad.engine.schedule_cache import schedule as create_schedule  # cached by the graph's structure
     with REALIZE_LOCK:  # one thread at a time between scheduling and running (see REALIZE_LOCK)
       start = time.perf_counter()
       schedule = create_schedule([lazy for tensor in (self, *others) for lazy in _per_device(tensor.lazydata)])

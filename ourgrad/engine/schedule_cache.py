@@ -74,8 +74,9 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
   tokens: list[Any] = []
 
   def reference(lazy: LazyBuffer) -> tuple:
-    base = lazy.base
-    if id(base) in position: return ("b", position[id(base)], lazy.st)
+    base = lazy._base if lazy._base is not None else lazy   # (not the .base property: once per source per realize)
+    walked = position.get(id(base))
+    if walked is not None: return ("b", walked, lazy.st)
     buffer = base.realized
     if id(buffer) not in leaf_position:
       leaf_position[id(buffer)] = len(leaves)
@@ -91,9 +92,13 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
   return tuple(tokens), bases, leaves
 
 
+_PLAIN_ARG_TYPES = (type(None), int, bool, str)
+
+
 def _hashable(arg: Any) -> Any:
+  if type(arg) in _PLAIN_ARG_TYPES: return arg   # most args (None for elementwise ops, ints): no hash() to try
   # 0.0 == -0.0 (and both hash alike), but constants of either sign make different kernels
-  if type(arg) is float and arg == 0: return (arg, math.copysign(1.0, arg))
+  if type(arg) is float: return (arg, math.copysign(1.0, arg)) if arg == 0 else arg
   try:
     hash(arg)
   except TypeError:
