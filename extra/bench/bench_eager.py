@@ -16,8 +16,9 @@ Python time into phases:
   launch   ExecItem.run: binding arguments and the ctypes/driver call (the kernel itself excluded on the CPU)
   other    the rest of realize (locks, the per-device split)
 Python time: on CUDA the host time of the calls (launches are asynchronous); on CPU devices, where kernels run on the
-calling thread, the wall time with every compiled kernel replaced by a no-op. The profiled steps run with those
-no-ops too, so the phases add up to Python time (cProfile's own overhead inflates every phase by a similar factor:
+calling thread, the wall time with every compiled kernel replaced by a no-op; beside it the thread's CPU time
+(time.thread_time) of the same calls, which a shared machine's other processes barely move: compare runs by it. The
+profiled steps run with those no-ops too, so the phases add up to Python time (cProfile's overhead inflates each phase:
 read the shares, and the unprofiled "Python per step" for the absolute figure).
 
 Run: `python extra/bench/bench_eager.py` (the default device), `--device CLANG`, `--only op1,mlp`, `--no-torch`.
@@ -151,15 +152,17 @@ def torch_step(name: str, batch: int, cuda: bool) -> Callable[[], Any]:
   return step
 
 
-def mean_seconds(step: Callable[[], Any], sync: Callable[[], None], calls: int) -> float:
-  """Mean seconds of a call: the best of 3 runs of `calls` calls (others share this machine's cores)."""
+def mean_seconds(step: Callable[[], Any], sync: Callable[[], None], calls: int,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
+  """Mean seconds of a call: the best of 3 runs of `calls` calls (others share this machine's cores). With
+  clock=time.thread_time, the CPU time of this thread: on a shared machine, waiting for a core does not count."""
   best = float("inf")
   for _ in range(3):
     sync()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(calls): step()
     sync()
-    best = min(best, (time.perf_counter() - start) / calls)
+    best = min(best, (clock() - start) / calls)
   return best
 
 
@@ -173,6 +176,7 @@ def bench(name: str, make: Callable[[str, int], Callable[[], Any]], device: str,
   host = device != "CUDA"
   with host_kernels_disabled(host):
     result["python"] = mean_seconds(step, sync if host else lambda: None, calls)
+    result["python_cpu"] = mean_seconds(step, sync if host else lambda: None, calls, time.thread_time)
     sync()
     profile = cProfile.Profile()
     start = time.perf_counter()
@@ -197,7 +201,8 @@ def bench(name: str, make: Callable[[str, int], Callable[[], Any]], device: str,
 def print_result(name: str, label: str, result: dict[str, Any]) -> None:
   def us(seconds: float) -> str: return f"{seconds * 1e6:9.1f} us"
   print(f"## {name}: {label}")
-  print(f"wall per call {us(result['wall'])} | Python per call {us(result['python'])}"
+  print(f"wall per call {us(result['wall'])} | Python per call {us(result['python'])} (CPU time of the thread: "
+        f"{us(result['python_cpu'])})"
         + (f" | PyTorch eager {us(result['torch'])}" if "torch" in result else ""))
   profiled = result["profiled"]
   print("| phase    | profiled us | share |\n| -------- | ----------- | ----- |")
