@@ -145,7 +145,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     """The lazy value. A tensor names memory, as in PyTorch: where an in-place write to its base (through any
     tensor) made a newer version, this is the same view of the newest one (LazyBuffer.current)."""
     lazy = self._lazydata
-    if type(lazy) is LazyBuffer and lazy.stale: lazy = self._lazydata = lazy.current()
+    if type(lazy) is not LazyBuffer: return lazy
+    # LazyBuffer.stale written out: read for every input of every op
+    base = lazy._base if lazy._base is not None else lazy
+    storage, const = base._storage, lazy._const
+    if (storage is not None and storage.head is not base) or (const is not None and const[0].head is not None):
+      lazy = self._lazydata = lazy.current()
     return lazy
 
   @lazydata.setter
