@@ -106,7 +106,7 @@ class LazyBuffer:
       # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding
       # this base or a view of it read its newest version (`current`), computed readers keep this one
       self._storage: Storage | None = None
-      for src in srcs: src.base._add_reader(self)
+      for src in srcs: (src if src._base is None else src._base)._add_reader(self)   # (.base, without the call)
 
   # ---------------------------------------------------------------- construction
 
