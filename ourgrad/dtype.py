@@ -51,6 +51,10 @@ class DType:
 
   def __repr__(self) -> str: return f"dtypes.{self.name}"
 
+  # hashed in every schedule-cache key and AST node: the name alone (equal dtypes have equal names) is cheaper than
+  # the generated hash of all four fields
+  def __hash__(self) -> int: return hash(self.name)
+
   def __lt__(self, other: DType) -> bool:
     """Order by priority, so sorted() lists dtypes bool, int8, uint8, ..., float64."""
     return (self.priority, self.itemsize, self.name) < (other.priority, other.itemsize, other.name)

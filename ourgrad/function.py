@@ -59,7 +59,7 @@ class Function:
   @classmethod
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
-    ctx = cls(tensors[0].device, *tensors)
+    ctx = cls(tensors[0]._lazydata.device, *tensors)   # (Tensor.device without the property call)
     output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch
     if not output.dtype.is_float: ctx.requires_grad = False

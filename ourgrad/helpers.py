@@ -47,9 +47,21 @@ class EnvVar:
     raw = _ENVIRON_STORE.get(self._key)
     return None if raw is None else os.fsdecode(raw)
 
+  # the value parsed from each raw text seen (bytes from the environment's store, or None when unset): the engine
+  # reads several variables per realize and per op, and a dict lookup is cheaper than decoding and parsing again
+  @functools.cached_property
+  def _parsed(self) -> dict[Any, Any]: return {}
+
   @property
   def value(self) -> Any:
-    raw = self.raw()
+    raw = _ENVIRON_STORE.get(self._key) if _ENVIRON_STORE is not None else os.environ.get(self.name)
+    parsed = self._parsed
+    if raw in parsed: return parsed[raw]
+    value = self._parse(raw if raw is None or isinstance(raw, str) else os.fsdecode(raw))
+    if len(parsed) < 64: parsed[raw] = value   # bounded: a variable set to ever new texts keeps parsing them
+    return value
+
+  def _parse(self, raw: str | None) -> Any:
     if raw is None: return self.default
     return type(self.default)(raw) if not isinstance(self.default, bool) else raw not in ("", "0")
 

@@ -12,6 +12,7 @@ Tensor names memory and reads the newest version (`current`), so views see every
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -86,7 +87,7 @@ class LazyBuffer:
       # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding
       # this base or a view of it read its newest version (`current`), computed readers keep this one
       self._storage: Storage | None = None
-      for src in srcs: src.base._add_reader(self)
+      for src in srcs: (src if src._base is None else src._base)._add_reader(self)   # (.base, without the call)
 
   # ---------------------------------------------------------------- construction
 
@@ -118,8 +119,9 @@ class LazyBuffer:
   def full(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
     """A constant: one scalar CONST base viewed (reshape + expand) as `shape`; no memory is used."""
     const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, _truncated(dtype, value))
-    # the memory a tensor holding it stands for: written on first write (Storage.of_constant)
-    return Storage.of_constant(const_base.reshape((1,) * len(shape)).expand(shape))
+    # the memory a tensor holding it stands for: written on first write (Storage.of_constant). One view, made from
+    # the remembered tracker of the shape (what reshape + expand would make, without the buffer in between)
+    return Storage.of_constant(const_base.view(_broadcast_scalar(shape)))
 
   def const_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
     return LazyBuffer.full(value, self.shape, dtype or self.dtype, self.device)
@@ -175,9 +177,10 @@ class LazyBuffer:
 
   def view(self, st: ShapeTracker) -> LazyBuffer:
     """This buffer's base seen through `st` (the identity view of a base is the base itself)."""
-    if st == self.base.st and self.is_base: return self
-    if st.contiguous and st.shape == self.base.shape: return self.base
-    return LazyBuffer(self.device, st, self.dtype, base=self.base)
+    base = self._base if self._base is not None else self
+    # a base's tracker is the identity (contiguous): any contiguous view of all of it is the base
+    if st is base.st or (st.contiguous and st.shape == base.shape): return base
+    return LazyBuffer(self.device, st, self.dtype, base=base)
 
   def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
     return self if shape == self.shape else self._moved(lambda st: st.reshape(shape))
@@ -629,6 +632,12 @@ def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
   total = pieces[0]
   for piece in pieces[1:]: total = total.elementwise(Ops.ADD, piece)
   return total
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _broadcast_scalar(shape: tuple[int, ...]) -> ShapeTracker:
+  """The tracker of a scalar broadcast to `shape` (LazyBuffer.full's view), remembered: made for every constant."""
+  return ShapeTracker.from_shape(()).reshape((1,) * len(shape)).expand(shape)
 
 
 def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:

@@ -77,6 +77,10 @@ class Ops(Enum):
   # segments' roots (STORE or SINK), every view in them flat (one dimension); buffer numbers are the packed kernel's
   PACK = auto()
 
+  # members are singletons compared by identity: hashing by identity is C code, where Enum's own __hash__ (a Python
+  # method hashing the name, as randomized per process as this) ran for every op in every set test and cache key
+  __hash__ = object.__hash__
+
 UNARY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP, Ops.NEG, Ops.CAST, Ops.BITCAST})
 BINARY_OPS = frozenset({Ops.ADD, Ops.MUL, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CMPLT, Ops.CMPNE, Ops.AND, Ops.OR,
                         Ops.XOR, Ops.SHL, Ops.SHR})

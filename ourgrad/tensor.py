@@ -34,6 +34,10 @@ from ourgrad import tensor_random
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits, truncate
 from ourgrad.engine.exec_item import jit_recording
+# modules, not their functions: realize looks them up at each call, so tools and tests that wrap them see every call
+from ourgrad.engine import realize as engine_realize
+from ourgrad.engine import schedule_cache
+from ourgrad.engine.schedule import REALIZE_LOCK
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
@@ -142,7 +146,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     """The lazy value. A tensor names memory, as in PyTorch: where an in-place write to its base (through any
     tensor) made a newer version, this is the same view of the newest one (LazyBuffer.current)."""
     lazy = self._lazydata
-    if type(lazy) is LazyBuffer and lazy.stale: lazy = self._lazydata = lazy.current()
+    if type(lazy) is not LazyBuffer: return lazy
+    # LazyBuffer.stale written out: read for every input of every op
+    base = lazy._base if lazy._base is not None else lazy
+    storage, const = base._storage, lazy._const
+    if (storage is not None and storage.head is not base) or (const is not None and const[0].head is not None):
+      lazy = self._lazydata = lazy.current()
     return lazy
 
   @lazydata.setter
@@ -238,14 +247,12 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
 
   def realize(self, *others: Tensor) -> Tensor:
     """Compute this tensor (and `others`) now, in one schedule."""
-    from ourgrad.engine.realize import run_schedule
-    from ourgrad.engine.schedule import REALIZE_LOCK
-    from ourgrad.engine.schedule_cache import schedule as create_schedule  # cached by the graph's structure
     with REALIZE_LOCK:  # one thread at a time between scheduling and running (see REALIZE_LOCK)
       start = time.perf_counter()
-      schedule = create_schedule([lazy for tensor in (self, *others) for lazy in _per_device(tensor.lazydata)])
+      # cached by the graph's structure
+      schedule = schedule_cache.schedule([lazy for tensor in (self, *others) for lazy in _per_device(tensor.lazydata)])
       scheduled = time.perf_counter()
-      run_schedule(schedule)
+      engine_realize.run_schedule(schedule)
     if DEBUG >= 1 and schedule:
       print(f"realize: {len(schedule)} items, scheduled in {(scheduled - start) * 1e3:.2f} ms, "
             f"ran in {(time.perf_counter() - scheduled) * 1e3:.2f} ms")

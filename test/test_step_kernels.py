@@ -76,8 +76,8 @@ class _MLP:
 def test_mnist_cnn_step_kernel_count(on_python: None) -> None:
   """examples/mnist.py's CNN, batch 256: 29 launches (30 before codegen/opt/split_reduce.py's split reduces met the
   logsumexp cross-entropy: the loss's small kernels now share a packed launch; 31 before cross-entropy became
-  logsumexp - the picked logit with its shift detached: the loss's max and sum of exps, each stored by a kernel of its own, are now computed
-  inside the loss's and the gradient's row kernels; 33 before each batchnorm's forward second stages became one
+  logsumexp - the picked logit with its shift detached: the loss's max and sum of exps, each stored by a kernel of
+  its own, are now computed inside the loss's and the gradient's row kernels; 33 before each batchnorm's forward second stages became one
   kernel of sibling reduces that also stores the mean, the inverse std and the running variance computed from them
   (engine/multi_output.py): one launch less per batchnorm; 39 before each batchnorm's statistics became one pass of
   sibling reduces forward and one backward (nn/batchnorm.py): each of its two batchnorms lost a partial-sums kernel

@@ -19,7 +19,7 @@ from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.helpers import GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, env_var
-from ourgrad.lazy import LazyBuffer, walk_bases
+from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 
 SCHEDULE_CACHE = env_var("SCHEDULE_CACHE", 1, "0: schedule every realize from scratch (no structural schedule cache)")
@@ -66,16 +66,20 @@ _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
 
 
 def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], list[Buffer]]:
-  """(the graph's structural key, the unrealized bases in walk order, the distinct realized leaf buffers)."""
-  bases = walk_bases(outs)
-  position = {id(base): index for index, base in enumerate(bases)}
+  """(the graph's structural key, the unrealized bases in walk order, the distinct realized leaf buffers).
+
+  One walk: the bases in lazy.walk_bases' order (sources before users), each one's token written when it is placed,
+  when every unrealized base it reads has its position already (the graph has no cycles)."""
+  bases: list[LazyBuffer] = []
+  position: dict[int, int] = {}
   leaves: list[Buffer] = []
   leaf_position: dict[int, int] = {}
   tokens: list[Any] = []
 
   def reference(lazy: LazyBuffer) -> tuple:
-    base = lazy.base
-    if id(base) in position: return ("b", position[id(base)], lazy.st)
+    base = lazy._base if lazy._base is not None else lazy   # (not the .base property: once per source per realize)
+    walked = position.get(id(base))
+    if walked is not None: return ("b", walked, lazy.st)
     buffer = base.realized
     if id(buffer) not in leaf_position:
       leaf_position[id(buffer)] = len(leaves)
@@ -83,17 +87,32 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
     # the scheduler reads a realized base only as memory (its op no longer matters), and its size (copies)
     return ("r", leaf_position[id(buffer)], lazy.st, base.shape)
 
-  for base in bases:
-    tokens.append((base.op, _hashable(base.arg), base.dtype, base.device, base.shape, base.forced_realize,
-                   tuple(reference(src) for src in base.srcs)))
+  visited: set[int] = set()
+  stack: list[tuple[LazyBuffer, bool]] = [(out if out._base is None else out._base, False) for out in reversed(outs)]
+  while stack:
+    base, sources_done = stack.pop()
+    if sources_done:
+      position[id(base)] = len(bases)
+      bases.append(base)
+      tokens.append((base.op, _hashable(base.arg), base.dtype, base.device, base.shape, base.forced_realize,
+                     tuple(reference(src) for src in base.srcs)))
+      continue
+    if id(base) in visited or base.realized is not None: continue
+    visited.add(id(base))
+    stack.append((base, True))
+    for src in reversed(base.srcs): stack.append((src if src._base is None else src._base, False))
   tokens.append(tuple(reference(out) for out in outs))
   tokens.append(tuple((buffer.device, buffer.size, buffer.dtype, type(buffer)) for buffer in leaves))
   return tuple(tokens), bases, leaves
 
 
+_PLAIN_ARG_TYPES = (type(None), int, bool, str)
+
+
 def _hashable(arg: Any) -> Any:
+  if type(arg) in _PLAIN_ARG_TYPES: return arg   # most args (None for elementwise ops, ints): no hash() to try
   # 0.0 == -0.0 (and both hash alike), but constants of either sign make different kernels
-  if type(arg) is float and arg == 0: return (arg, math.copysign(1.0, arg))
+  if type(arg) is float: return (arg, math.copysign(1.0, arg)) if arg == 0 else arg
   try:
     hash(arg)
   except TypeError:

@@ -167,13 +167,21 @@ class ShapeTracker:
   """A stack of Views describing how output indices map to a buffer; see the module docstring."""
   views: tuple[View, ...]
 
-  # trackers are made anew by every movement op, so their hash is not cached; their views (interned) cache theirs
-  def __hash__(self) -> int: return hash(self.views)
+  # hashed by every schedule-cache key and kernel AST; the movement ops and from_shape hand out interned trackers
+  # (remembered, bounded), so a training step hashes the same objects every step: the hash is computed once
+  @functools.cached_property
+  def _hash(self) -> int: return hash(self.views)
+
+  def __hash__(self) -> int: return self._hash
+
+  def __getstate__(self) -> dict:
+    # the cached hash stays behind: a Variable's name hashes differently in another process (as View's)
+    return {key: value for key, value in self.__dict__.items() if key != "_hash"}
 
   @staticmethod
   def from_shape(shape: Sequence[int]) -> ShapeTracker:
     """The identity tracker of a contiguous buffer of this shape."""
-    return ShapeTracker((View.create(tuple(shape)),))
+    return _identity_tracker(tuple(shape))
 
   @property
   def shape(self) -> tuple[int, ...]: return self.views[-1].shape
@@ -413,6 +421,10 @@ def _substitute_view(view: View, mapping: dict[Variable, Node]) -> View:
   mask = tuple((sub(start), sub(end)) for start, end in view.mask) if view.mask is not None else None
   return View.create(tuple(sub(size) for size in view.shape), tuple(sub(stride) for stride in view.strides),
                      sub(view.offset), mask)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _identity_tracker(shape: tuple[sint, ...]) -> ShapeTracker: return ShapeTracker((View.create(shape),))
 
 
 _reshape_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._reshape)

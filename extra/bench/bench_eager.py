@@ -1,0 +1,250 @@
+"""Where a repeated eager step spends its Python time, with PyTorch eager beside it (issue 26).
+
+Four workloads, each called in a loop without TinyJit:
+  op1   `(x + 1).realize()` on a 1-element tensor
+  expr8 an 8-op elementwise expression on 2^20 floats, realized
+  mlp   an MLP training step (784-512-512-10, Adam)
+  cnn   the examples/mnist.py CNN training step (Adam)
+
+Per workload: the wall time of a step, its Python time, PyTorch eager's step, and a cProfile table splitting the
+Python time into phases:
+  graph    building the lazy graph (Tensor methods -> Functions -> LazyBuffers -> views), forward and optimizer
+  autograd Tensor.backward (the walk over Functions and the gradient graphs they build)
+  key      the schedule cache's structural key and lookup (schedule_cache._structure)
+  schedule the rest of scheduling: replaying a cached schedule (or scheduling a miss), snapshots and packing
+  lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and planning memory
+  launch   ExecItem.run: binding arguments and the ctypes/driver call (the kernel itself excluded on the CPU)
+  other    the rest of realize (locks, the per-device split)
+Python time: on CUDA the host time of the calls (launches are asynchronous); on CPU devices, where kernels run on the
+calling thread, the wall time with every compiled kernel replaced by a no-op; beside it the thread's CPU time
+(time.thread_time) of the same calls, which a shared machine's other processes barely move: compare runs by it. The
+profiled steps run with those no-ops too, so the phases add up to Python time (cProfile's overhead inflates each phase:
+read the shares, and the unprofiled "Python per step" for the absolute figure).
+
+Run: `python extra/bench/bench_eager.py` (the default device), `--device CLANG`, `--only op1,mlp`, `--no-torch`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pathlib
+import pstats
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_jit import MLP, load_mnist_example, ourgrad_step, torch_mlp, torch_mnist  # noqa: E402
+
+from ourgrad import Device, Tensor  # noqa: E402
+from ourgrad.engine import realize  # noqa: E402
+
+# (phase, file suffix, function name): a phase's time is the cumulative time of its functions
+PHASE_FUNCTIONS = {
+  "autograd": [("ourgrad/tensor.py", "backward")],
+  "realize": [("ourgrad/tensor.py", "realize")],
+  "key": [("ourgrad/engine/schedule_cache.py", "_structure")],
+  "schedule": [("ourgrad/engine/schedule_cache.py", "schedule")],
+  "lower": [("ourgrad/engine/realize.py", "lower_schedule_item"), ("ourgrad/engine/realize.py", "plan_schedule_memory"),
+            ("ourgrad/engine/realize.py", "note_compiles")],
+  "launch": [("ourgrad/engine/exec_item.py", "run")],
+}
+PHASES = ("graph", "autograd", "key", "schedule", "lower", "launch", "other")
+
+
+@contextlib.contextmanager
+def host_kernels_disabled(enabled: bool) -> Iterator[None]:
+  """Every compiled host kernel does nothing inside this block (kernels already compiled: run the step first)."""
+  if not enabled:
+    yield
+    return
+
+  def nothing(*pointers: Any) -> None: return None
+  runners = [runner for runner in realize._runner_cache.values() if runner.host_function is not None]
+  saved = [runner.host_function for runner in runners]
+  try:
+    for runner in runners: runner.host_function = nothing
+    yield
+  finally:
+    for runner, function in zip(runners, saved): runner.host_function = function
+
+
+def cumulative(stats: pstats.Stats, suffix: str, name: str) -> float:
+  """Cumulative seconds of the function `name` in a file ending with `suffix` (0 if never called)."""
+  total = 0.0
+  for (filename, _, function), (_, _, _, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+    if function == name and filename.endswith(suffix): total += cumtime
+  return total
+
+
+def phase_seconds(profile: cProfile.Profile, total: float) -> dict[str, float]:
+  """Seconds per phase (PHASES) of a profile whose profiled calls took `total` seconds."""
+  stats = pstats.Stats(profile)
+  raw = {phase: sum(cumulative(stats, suffix, name) for suffix, name in functions)
+         for phase, functions in PHASE_FUNCTIONS.items()}
+  phases = {"autograd": raw["autograd"], "key": raw["key"], "schedule": raw["schedule"] - raw["key"],
+            "lower": raw["lower"], "launch": raw["launch"]}
+  phases["other"] = max(0.0, raw["realize"] - raw["schedule"] - raw["lower"] - raw["launch"])
+  phases["graph"] = max(0.0, total - raw["autograd"] - raw["realize"])
+  return phases
+
+
+def top_functions(profile: cProfile.Profile, count: int) -> list[tuple[str, float, int]]:
+  """The `count` functions with the most own time: (where, seconds, calls)."""
+  stats = pstats.Stats(profile)
+  rows = [(f"{pathlib.Path(filename).name}:{line}({function})", tottime, calls)
+          for (filename, line, function), (_, calls, tottime, _, _) in stats.stats.items()]  # type: ignore[attr-defined]
+  return sorted(rows, key=lambda row: -row[1])[:count]
+
+
+# ---------------------------------------------------------------- workloads: (step, sync) on a device
+
+def op1_step(device: str, batch: int) -> Callable[[], Any]:
+  x = Tensor([1.0], device=device).realize()
+  return lambda: (x + 1).realize()
+
+
+def expr8(x: Any, constant: float) -> Any:
+  return ((((x * constant + 1.5).exp2() - 0.25).sqrt() * x).relu() + constant).log2()
+
+
+def expr8_step(device: str, batch: int) -> Callable[[], Any]:
+  x = Tensor.rand(1 << 20, device=device).realize()
+  return lambda: expr8(x, 1.25).realize()
+
+
+def training_step(make_model: Callable[[], Any], shape: tuple[int, ...]) -> Callable[[str, int], Callable[[], Any]]:
+  def make(device: str, batch: int) -> Callable[[], Any]:
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((batch, *shape)).astype(np.float32), device=device).realize()
+    y = Tensor(rng.integers(0, 10, batch).astype(np.int32), device=device).realize()
+    step, _ = ourgrad_step(make_model())
+    return lambda: step(x, y)
+  return make
+
+
+def torch_step(name: str, batch: int, cuda: bool) -> Callable[[], Any]:
+  import torch
+  device = "cuda" if cuda else "cpu"
+  torch.manual_seed(0)
+  if name == "op1":
+    one = torch.ones(1, device=device)
+    return lambda: one + 1
+  if name == "expr8":
+    x = torch.rand(1 << 20, device=device)
+    return lambda: expr8(x, 1.25)
+  model = (torch_mlp() if name == "mlp" else torch_mnist()).to(device)
+  optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+  inputs = torch.randn(batch, *((784,) if name == "mlp" else (1, 28, 28)), device=device)
+  labels = torch.randint(0, 10, (batch,), device=device)
+
+  def step() -> Any:
+    optimizer.zero_grad(set_to_none=False)
+    loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+    loss.backward()
+    optimizer.step()
+    return loss
+  return step
+
+
+def mean_seconds(step: Callable[[], Any], sync: Callable[[], None], calls: int,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
+  """Mean seconds of a call: the best of 3 runs of `calls` calls (others share this machine's cores). With
+  clock=time.thread_time, the CPU time of this thread: on a shared machine, waiting for a core does not count."""
+  best = float("inf")
+  for _ in range(3):
+    sync()
+    start = clock()
+    for _ in range(calls): step()
+    sync()
+    best = min(best, (clock() - start) / calls)
+  return best
+
+
+def bench(name: str, make: Callable[[str, int], Callable[[], Any]], device: str, batch: int, calls: int,
+          args: argparse.Namespace) -> dict[str, Any]:
+  step = make(device, batch)
+  sync = Device[device].synchronize
+  for _ in range(3): step()   # compile, fill the schedule cache, bind launchers
+  sync()
+  result: dict[str, Any] = {"wall": mean_seconds(step, sync, calls)}
+  host = device != "CUDA"
+  with host_kernels_disabled(host):
+    result["python"] = mean_seconds(step, sync if host else lambda: None, calls)
+    result["python_cpu"] = mean_seconds(step, sync if host else lambda: None, calls, time.thread_time)
+    sync()
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    for _ in range(calls): step()
+    profile.disable()
+    total = time.perf_counter() - start
+    sync()
+  result["phases"] = {phase: seconds / calls for phase, seconds in phase_seconds(profile, total).items()}
+  result["profiled"] = total / calls
+  result["top"] = [(where, seconds / calls, count // calls) for where, seconds, count in
+                   top_functions(profile, args.top)]
+  if not args.no_torch:
+    import torch
+    cuda = device == "CUDA"
+    theirs = torch_step(name, batch, cuda)
+    for _ in range(3): theirs()
+    result["torch"] = mean_seconds(theirs, torch.cuda.synchronize if cuda else (lambda: None), calls)
+  return result
+
+
+def print_result(name: str, label: str, result: dict[str, Any]) -> None:
+  def us(seconds: float) -> str: return f"{seconds * 1e6:9.1f} us"
+  print(f"## {name}: {label}")
+  print(f"wall per call {us(result['wall'])} | Python per call {us(result['python'])} (CPU time of the thread: "
+        f"{us(result['python_cpu'])})"
+        + (f" | PyTorch eager {us(result['torch'])}" if "torch" in result else ""))
+  profiled = result["profiled"]
+  print("| phase    | profiled us | share |\n| -------- | ----------- | ----- |")
+  for phase in PHASES:
+    seconds = result["phases"][phase]
+    print(f"| {phase:<8} | {seconds * 1e6:11.1f} | {seconds / profiled * 100:4.0f}% |")
+  print(f"| total    | {profiled * 1e6:11.1f} |  100% |")
+  print("top functions by own time (profiled us per call, calls per call):")
+  for where, seconds, count in result["top"]: print(f"  {seconds * 1e6:9.1f} {count:6d}  {where}")
+  print()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--device", default=Device.DEFAULT)
+  parser.add_argument("--only", default="op1,expr8,mlp,cnn", help="comma-separated workloads")
+  parser.add_argument("--batch", type=int, default=0, help="training batch (default: 512 MLP / 256 CNN on CUDA, 64 on "
+                      "CPU devices)")
+  parser.add_argument("--calls", type=int, default=0, help="calls per timing (default: 1000 op1, 100 expr8, 20 steps)")
+  parser.add_argument("--top", type=int, default=12, help="functions listed by own time")
+  parser.add_argument("--no-torch", action="store_true")
+  args = parser.parse_args()
+  device = Device.canonicalize(args.device)
+  os.environ["DEVICE"] = device   # models and optimizer state are made on the default device
+  # torch's libgomp spinning beside ourgrad's CPU kernels slowed them several times on a shared machine (bench_gpt2)
+  if device != "CUDA": os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+  cuda = device == "CUDA"
+  mnist = load_mnist_example()
+  workloads = {
+    "op1": ("(x + 1).realize(), 1 element", op1_step, 1, 1000),
+    "expr8": ("8-op elementwise expression on 2^20 floats", expr8_step, 1, 100),
+    "mlp": ("MLP step 784-512-512-10, Adam", training_step(MLP, (784,)), 512 if cuda else 64, 20),
+    "cnn": ("examples/mnist.py CNN step, Adam", training_step(lambda: mnist.ConvNet(mnist.MODELS["small"]),
+                                                               (1, 28, 28)), 256 if cuda else 64, 20),
+  }
+  print(f"device: {device}")
+  for name in args.only.split(","):
+    label, make, batch, calls = workloads[name]
+    batch = args.batch or batch if name in ("mlp", "cnn") else batch
+    result = bench(name, make, device, batch, args.calls or calls, args)
+    print_result(name, label + (f", batch {batch}" if name in ("mlp", "cnn") else ""), result)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,105 @@
+"""The eager path's caches never hand back a stale schedule: a randomized sequence of realizes that change one thing
+at a time (the input buffer, its contents, a constant, the dtype, the device, a 0-d scalar tensor) checked against
+numpy at every step; and eager training steps bit-identical to TinyJit's on more models."""
+import numpy as np
+import pytest
+
+import ourgrad.engine.schedule_cache as schedule_cache
+from ourgrad import Device, Tensor, TinyJit, dtypes
+from ourgrad.nn import LayerNorm, Linear
+from ourgrad.nn.losses import cross_entropy
+from ourgrad.nn.optim import SGD, Adam
+from ourgrad.nn.state import get_parameters
+
+NUMPY_DTYPES = {dtypes.float32: np.float32, dtypes.int32: np.int32}
+
+# (ourgrad expression, numpy expression) of an input x and a constant c; each keeps c's effect visible in every dtype
+EXPRESSIONS = [
+  (lambda x, c: x * c + 1, lambda x, c: x * c + 1),
+  (lambda x, c: (x + c).maximum(x * 2), lambda x, c: np.maximum(x + c, x * 2)),
+  (lambda x, c: (x - c).sum(), lambda x, c: (x - c).sum()),
+  (lambda x, c: (x * c)[1:].flip(0), lambda x, c: (x * c)[1:][::-1]),
+]
+
+
+def _reference(expression, x: np.ndarray, c, dtype) -> np.ndarray:
+  return np.asarray(expression(x.astype(NUMPY_DTYPES[dtype]), NUMPY_DTYPES[dtype](c)))
+
+
+def test_randomized_changes_never_reuse_a_stale_schedule():
+  rng = np.random.default_rng(26)
+  devices = [Device.DEFAULT, f"{Device.DEFAULT}:1"]
+  hits_before = schedule_cache.stats.hits
+  inputs = {}   # (device, dtype) -> the realized input tensor now in use
+  expression_index, constant, dtype, device = 0, 2, dtypes.float32, devices[0]
+  for _ in range(120):
+    change = rng.choice(["none", "buffer", "contents", "constant", "dtype", "device", "expression", "scalar"])
+    if change == "constant": constant = int(rng.choice([-3, 0, 1, 2, 5]))
+    elif change == "dtype": dtype = dtypes.int32 if dtype == dtypes.float32 else dtypes.float32
+    elif change == "device": device = devices[1] if device == devices[0] else devices[0]
+    elif change == "expression": expression_index = int(rng.integers(len(EXPRESSIONS)))
+    key = (device, dtype)
+    if key not in inputs or change == "buffer":   # a new buffer of new values
+      inputs[key] = Tensor(rng.integers(-9, 9, 7).astype(NUMPY_DTYPES[dtype]), device=device).realize()
+    elif change == "contents":                     # the same buffer, written in place
+      inputs[key].assign(Tensor(rng.integers(-9, 9, 7).astype(NUMPY_DTYPES[dtype]), device=device)).realize()
+    x = inputs[key]
+    ours, theirs = EXPRESSIONS[expression_index]
+    # "scalar": the constant as a 0-d tensor (a realized buffer), not a Python number folded into the kernel
+    c = Tensor(constant, dtype=dtype, device=device).realize() if change == "scalar" else constant
+    result = ours(x, c)
+    assert result.device == device   # (a sum of int32 is int64, as in PyTorch: values are compared below)
+    np.testing.assert_array_equal(result.numpy(), _reference(theirs, x.numpy(), constant, dtype))
+  assert schedule_cache.stats.hits - hits_before >= 20   # the cache was in play, not bypassed
+
+
+def test_constants_of_either_zero_sign_are_different_schedules():
+  x = Tensor([-0.0, 0.0, 1.0]).realize()
+  for _ in range(2):
+    np.testing.assert_array_equal(np.signbit((x * 0.0).numpy()), np.signbit(np.array([-0.0, 0.0, 1.0]) * 0.0))
+    np.testing.assert_array_equal(np.signbit((x * -0.0).numpy()), np.signbit(np.array([-0.0, 0.0, 1.0]) * -0.0))
+
+
+class _MLP:
+  def __init__(self, norm: bool):
+    self.layers = [Linear(12, 16), Linear(16, 16), Linear(16, 4)]
+    self.norm = LayerNorm(16) if norm else None
+
+  def __call__(self, x: Tensor) -> Tensor:
+    for layer in self.layers[:-1]:
+      x = layer(x).relu()
+      if self.norm is not None: x = self.norm(x)
+    return self.layers[-1](x)
+
+
+def _training(norm: bool, optimizer_name: str):
+  Tensor.manual_seed(5)
+  model = _MLP(norm)
+  parameters = get_parameters(model)
+  optimizer = Adam(parameters, lr=0.01) if optimizer_name == "adam" else SGD(parameters, lr=0.05, momentum=0.9,
+                                                                             nesterov=True, weight_decay=1e-3)
+
+  def step(x: Tensor, y: Tensor) -> Tensor:
+    with Tensor.train():
+      optimizer.zero_grad()
+      loss = cross_entropy(model(x), y)
+      loss.backward()
+      Tensor.realize_all(loss, *optimizer.schedule_step())
+    return loss
+  return model, step
+
+
+@pytest.mark.parametrize("norm,optimizer_name", [(False, "adam"), (True, "sgd")])
+def test_eager_steps_bit_identical_to_tinyjit(norm, optimizer_name):
+  rng = np.random.default_rng(3)
+  batches = [(rng.standard_normal((6, 12)).astype(np.float32), rng.integers(0, 4, 6).astype(np.int32))
+             for _ in range(5)]
+  eager_model, eager_step = _training(norm, optimizer_name)
+  jit_model, plain_step = _training(norm, optimizer_name)
+  jit_step = TinyJit(plain_step)
+  for images, labels in batches:
+    assert eager_step(Tensor(images), Tensor(labels)).numpy().tobytes() == \
+        jit_step(Tensor(images), Tensor(labels)).numpy().tobytes()
+  assert jit_step.captured is not None
+  for eager, jitted in zip(get_parameters(eager_model), get_parameters(jit_model)):
+    assert eager.numpy().tobytes() == jitted.numpy().tobytes()
