@@ -75,17 +75,17 @@ class _MLP:
 
 def test_mnist_cnn_step_kernel_count(on_python: None) -> None:
   """examples/mnist.py's CNN, batch 256: 29 launches (30 before codegen/opt/split_reduce.py's split reduces met the
-  logsumexp cross-entropy: the loss's small kernels now share a packed launch; 31 before cross-entropy became
-  logsumexp - the picked logit with its shift detached: the loss's max and sum of exps, each stored by a kernel of
-  its own, are now computed inside the loss's and the gradient's row kernels; 33 before each batchnorm's forward second stages became one
-  kernel of sibling reduces that also stores the mean, the inverse std and the running variance computed from them
+  logsumexp cross-entropy: the loss's small kernels now share a packed launch; 31 before cross-entropy became logsumexp
+  - the picked logit with its shift detached: the loss's max and sum of exps, each stored by a kernel of its own, are
+  now computed inside the loss's and the gradient's row kernels; 33 before each batchnorm's forward second stages became
+  one kernel of sibling reduces that also stores the mean, the inverse std and the running variance computed from them
   (engine/multi_output.py): one launch less per batchnorm; 39 before each batchnorm's statistics became one pass of
-  sibling reduces forward and one backward (nn/batchnorm.py): each of its two batchnorms lost a partial-sums kernel
-  and a second stage in backward, and in forward a partial-sums kernel (its mean and inverse std were then stored by
-  one small launch, after the mean's second stage); 50 before small reduces were packed: the 7 small reduces and
-  the step counter at the last-but-one dependency height share one; 44 before a GPU conv's input gradient read the
-  output gradient through masked loads instead of a padded copy; 43 before three of each batchnorm backward's four
-  partial sums over its input became one kernel of sibling reduces: the fourth needs the variance's gradient)."""
+  sibling reduces forward and one backward (nn/batchnorm.py): each of its two batchnorms lost a partial-sums kernel and
+  a second stage in backward, and in forward a partial-sums kernel (its mean and inverse std were then stored by one
+  small launch, after the mean's second stage); 50 before small reduces were packed: the 7 small reduces and the step
+  counter at the last-but-one dependency height share one; 44 before a GPU conv's input gradient read the output
+  gradient through masked loads instead of a padded copy; 43 before three of each batchnorm backward's four partial sums
+  over its input became one kernel of sibling reduces: the fourth needs the variance's gradient)."""
   mnist = _load_example(ROOT / "examples" / "mnist.py", "mnist_example_kernels")
   model = mnist.ConvNet(mnist.MODELS["small"])
   x, y = Tensor.empty(256, 1, 28, 28), Tensor.empty(256, dtype="int32")
