@@ -371,3 +371,18 @@ def test_fuzz_constant_written_from_a_tensor_written_later():
   c.assign(b)
   b[0, :] = 5.0
   np.testing.assert_equal(c.numpy(), np.ones((2, 2)))
+
+
+@pytest.mark.parametrize("op", [lambda x: x * 1, lambda x: 1 * x, lambda x: x + 0, lambda x: x + (-0.0),
+                                lambda x: x ** 1, lambda x: x.reshape(3, 1) * 1])
+@pytest.mark.parametrize("realize_result", [False, True])
+def test_identity_ops_of_a_stored_tensor_are_new_tensors(op, realize_result: bool):
+  """x * 1, x + 0, x ** 1 of a stored x are new tensors, as in torch: a later x.assign (torch: x.copy_) leaves them
+  holding x's old values (they were folded to x's own buffer, so they changed with it)."""
+  old, new = np.array([1.0, 2.0, 3.0], np.float32), np.array([4.0, 5.0, 6.0], np.float32)
+  x, x_torch = Tensor(old).realize(), torch.tensor(old)
+  result, result_torch = op(x), op(x_torch)
+  if realize_result: result.realize()
+  x.assign(Tensor(new)).realize()
+  x_torch.copy_(torch.tensor(new))
+  np.testing.assert_array_equal(result.numpy(), result_torch.numpy())
