@@ -35,6 +35,7 @@ overlap. Every problem raises `CheckpointError` naming the file.
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -382,18 +383,28 @@ def _low_high_nibbles(packed: Tensor) -> Tensor:
   return Tensor.cat([packed & 0xF, packed >> 4], dim=1).cast(dtypes.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _q6_k_shifts(device: str) -> tuple[Tensor, Tensor]:
+  """The shifts of group g = 0..3 of a Q6_K half (4 * (g // 2) for its nibble, 2 * g for its high bits), each
+  (1, 1, 4, 1) int32, realized once per device: a tiny table the decoding kernels load (computed from an arange
+  they would be a kernel of their own each time)."""
+  nibble = Tensor(np.array([0, 0, 4, 4], np.int32).reshape(1, 1, 4, 1), device=device).realize()
+  bits = Tensor(np.array([0, 2, 4, 6], np.int32).reshape(1, 1, 4, 1), device=device).realize()
+  return nibble, bits
+
+
 def _q6_k_quants(raw: Tensor) -> Tensor:
-  """Q6_K super-blocks (blocks, 210) -> their 6-bit quants minus 32 as float32 (blocks, 16, 16), in value order."""
+  """Q6_K super-blocks (blocks, 210) -> their 6-bit quants minus 32 as float32 (blocks, 16, 16), in value order.
+  Built from broadcast views and per-group shifts (no stack or cat: each quant byte is read where it is needed, so
+  the decoding fuses into the kernel that reads the values)."""
   blocks = raw.shape[0]
-  low = raw[:, 0:128].reshape(blocks, 2, 2, 32)  # (block, half, which 32 bytes of the half's 64, l)
-  high = raw[:, 128:192].reshape(blocks, 2, 1, 32)  # (block, half, -, l)
-  # group g = 0..3 of each half: nibble g // 2 of ql[.., g % 2, l], bits 2g..2g+1 of qh[l]
-  groups = []
-  for group in range(4):
-    nibble = low[:, :, group % 2] & 0xF if group < 2 else low[:, :, group % 2] >> 4
-    bits = (high[:, :, 0] >> (2 * group)) & 3
-    groups.append((nibble | (bits << 4)).cast(dtypes.float32) - 32.0)  # (block, half, 32)
-  return Tensor.stack(groups, dim=2).reshape(blocks, 16, 16)  # 16 runs of 16 values, in output order
+  # value 128 h + 32 g + l: nibble g // 2 of ql[64 h + 32 (g % 2) + l], bits 2g..2g+1 of qh[32 h + l]
+  low = raw[:, 0:128].reshape(blocks, 2, 1, 2, 32).expand(blocks, 2, 2, 2, 32).reshape(blocks, 2, 4, 32)
+  high = raw[:, 128:192].reshape(blocks, 2, 1, 32).expand(blocks, 2, 4, 32)
+  nibble_shift, bits_shift = _q6_k_shifts(raw.device)
+  nibble = (low.cast(dtypes.int32) >> nibble_shift) & 0xF
+  bits = (high.cast(dtypes.int32) >> bits_shift) & 3
+  return ((nibble | (bits << 4)).cast(dtypes.float32) - 32.0).reshape(blocks, 16, 16)
 
 
 def dequantize_blocks(ggml_type: int, raw: Tensor, scales: Tensor | None = None) -> Tensor:
@@ -406,7 +417,7 @@ def dequantize_blocks(ggml_type: int, raw: Tensor, scales: Tensor | None = None)
   if ggml_type == GGML_Q4_1: return _low_high_nibbles(raw[:, 4:20]) * scales[:, 0:1] + scales[:, 1:2]
   if ggml_type == GGML_Q6_K:
     sub_scales = raw[:, 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # (block, 16): one per 16 values
-    return (_q6_k_quants(raw) * (sub_scales * scales).unsqueeze(2)).reshape(raw.shape[0], 256)
+    return (_q6_k_quants(raw) * sub_scales.unsqueeze(2) * scales.unsqueeze(2)).reshape(raw.shape[0], 256)
   raise ValueError(f"ggml type {_type_name(ggml_type)} is not block-quantized (quantized: "
                    f"{', '.join(_SUPPORTED_TYPES[t].name for t in QUANTIZED_TYPES)})")
 
