@@ -379,8 +379,18 @@ def block_scales(ggml_type: int, raw: Tensor) -> Tensor:
 
 
 def _low_high_nibbles(packed: Tensor) -> Tensor:
-  """(blocks, 16) bytes -> (blocks, 32) 4-bit quants as float32: the low nibbles (elements 0..15), then the high."""
-  return Tensor.cat([packed & 0xF, packed >> 4], dim=1).cast(dtypes.float32)
+  """(blocks, 16) bytes -> (blocks, 32) 4-bit quants as float32: the low nibbles (elements 0..15), then the high.
+  A broadcast view of the bytes shifted by a per-half table (no cat: each element loads one byte, unmasked)."""
+  blocks = packed.shape[0]
+  both = packed.reshape(blocks, 1, 16).expand(blocks, 2, 16).cast(dtypes.int32)
+  return ((both >> _nibble_shifts(packed.device)) & 0xF).cast(dtypes.float32).reshape(blocks, 32)
+
+
+@functools.lru_cache(maxsize=None)
+def _nibble_shifts(device: str) -> Tensor:
+  """(1, 2, 1) int32 [0, 4]: the shift of the low and the high nibble, a tiny table realized once per device (an
+  arange-made one would be a kernel of its own in every graph)."""
+  return Tensor(np.array([0, 4], np.int32).reshape(1, 2, 1), device=device).realize()
 
 
 @functools.lru_cache(maxsize=None)
