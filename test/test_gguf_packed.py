@@ -12,7 +12,7 @@ from ourgrad import GlobalCounters, Tensor, dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import GGML_Q4_0, GGML_Q4_1, GGML_Q6_K, GGML_Q8_0, PackedTensor
 
-from extra.models.llama import Llama, LlamaConfig
+from extra.models.llama import Llama, LlamaConfig, cast_weights
 
 BLOCK = {GGML_Q8_0: (32, 34), GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20), GGML_Q6_K: (256, 210)}
 
@@ -137,3 +137,32 @@ def test_llama_on_packed_weights_matches_float32() -> None:
   # block 0's Q, K, V are all Q4_1: stacked still packed; block 1's V is Q8_0: stacked as float32 values
   assert isinstance(ours.blocks[0].w_qkv, PackedTensor) and ours.blocks[0].w_qkv.blocks.dtype == dtypes.uint8
   assert not isinstance(ours.blocks[1].w_qkv, PackedTensor)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_llama_on_half_weights(dtype: str) -> None:
+  """`cast_weights` to float16/bfloat16 (the matrices; norms stay float32): the logits of the same model whose
+  float32 weights were rounded to that dtype by PyTorch."""
+  torch = pytest.importorskip("torch")
+  config = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=80)
+  rng = np.random.default_rng(8)
+  weights = {"token_embd.weight": rng.standard_normal((80, 64)).astype(np.float32) * 0.5,
+             "output_norm.weight": rng.uniform(0.5, 1.5, 64).astype(np.float32)}
+  for n in range(2):
+    for name, shape in {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
+                        "ffn_gate": (96, 64), "ffn_up": (96, 64), "ffn_down": (64, 96)}.items():
+      weights[f"blk.{n}.{name}.weight"] = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+    for name in ("attn_norm", "ffn_norm"):
+      weights[f"blk.{n}.{name}.weight"] = rng.uniform(0.5, 1.5, 64).astype(np.float32)
+  torch_dtype = getattr(torch, dtype)
+  rounded = {name: torch.tensor(w).to(torch_dtype).float().numpy() if w.ndim == 2 else w for name, w in weights.items()}
+  ours = Llama(config, cast_weights({name: Tensor(w) for name, w in weights.items()}, getattr(dtypes, dtype)), 16)
+  assert ours.blocks[0].wo.dtype == getattr(dtypes, dtype) and ours.norm.dtype == dtypes.float32
+  reference = Llama(config, {name: Tensor(w) for name, w in rounded.items()}, 16)
+  prompt = np.array([[1, 2, 3]], np.int32)
+  got, expected = ours(prompt, 0).numpy(), reference(prompt, 0).numpy()
+  # the merged Q/K/V and gate/up matrices are rounded after the norm is folded in: a second rounding
+  tolerance = {"float16": 2e-2, "bfloat16": 1.5e-1}[dtype]
+  np.testing.assert_allclose(got, expected, atol=tolerance * np.abs(expected).max())
+  np.testing.assert_allclose(ours.decode(4, 3).numpy(), reference.decode(4, 3).numpy(),
+                             atol=tolerance * np.abs(expected).max())
