@@ -10,7 +10,7 @@ import pytest
 
 from ourgrad import GlobalCounters, Tensor, dtypes
 from ourgrad.errors import ShapeError
-from ourgrad.nn.gguf import GGML_Q4_0, GGML_Q4_1, GGML_Q6_K, GGML_Q8_0, PackedTensor
+from ourgrad.nn.gguf import GGML_Q4_0, GGML_Q4_1, GGML_Q6_K, GGML_Q8_0, PackedTensor, quantize_q8_0
 
 from extra.models.llama import Llama, LlamaConfig, cast_weights
 
@@ -166,3 +166,16 @@ def test_llama_on_half_weights(dtype: str) -> None:
   np.testing.assert_allclose(got, expected, atol=tolerance * np.abs(expected).max())
   np.testing.assert_allclose(ours.decode(4, 3).numpy(), reference.decode(4, 3).numpy(),
                              atol=tolerance * np.abs(expected).max())
+
+
+def test_quantize_q8_0_round_trip() -> None:
+  """quantize_q8_0 then the packed dequantization: within half a quantization step of the values (plus the f16
+  rounding of the scale: at most 2^-11 of it, times |q| <= 127)."""
+  values = np.random.default_rng(4).standard_normal((6, 64)).astype(np.float32)
+  values[0, :32] = 0  # an all-zero block: scale 0
+  blocks = quantize_q8_0(values)
+  assert blocks.shape == (12, 34)
+  got = PackedTensor.from_blocks(GGML_Q8_0, Tensor(blocks), (6, 64)).dequantize().numpy()
+  step = np.abs(values.reshape(-1, 32)).max(axis=1, keepdims=True) / 127
+  assert np.all(np.abs(got.reshape(-1, 32) - values.reshape(-1, 32)) <= step * (0.5 + 127 * 2.0 ** -11) + 1e-12)
+  np.testing.assert_array_equal(got, numpy_dequantize(GGML_Q8_0, blocks).reshape(6, 64))

@@ -457,6 +457,19 @@ def dequantize_q6_k(raw: Tensor) -> Tensor:
 QUANTIZED_TYPES = (GGML_Q8_0, GGML_Q4_0, GGML_Q4_1, GGML_Q6_K)
 
 
+def quantize_q8_0(values: np.ndarray) -> np.ndarray:
+  """Float values (their count a multiple of 32) -> Q8_0 blocks (count / 32, 34) uint8, as llama.cpp quantizes
+  (quantize_row_q8_0_ref): per block of 32, d = max |x| / 127 stored as f16, q = round(x / d) with the float32 d."""
+  blocks = np.asarray(values, np.float32).reshape(-1, 32)
+  scale = np.abs(blocks).max(axis=1, keepdims=True) / 127
+  inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
+  out = np.empty((len(blocks), 34), np.uint8)
+  out[:, 0:2] = scale.astype("<f2").view(np.uint8)
+  # roundf rounds halves away from zero; numpy's round goes to even
+  out[:, 2:34] = (np.sign(blocks * inverse) * np.floor(np.abs(blocks * inverse) + 0.5)).astype(np.int8).view(np.uint8)
+  return out
+
+
 @dataclass(frozen=True)
 class PackedTensor:
   """A block-quantized tensor kept in its stored precision on a device (`gguf_load(..., packed=True)`): the blocks'
