@@ -158,7 +158,7 @@ class LlamaBlock:
 
     def merged(matrices: list[Any], norm: Tensor) -> Tensor | PackedTensor:
       """The matrices stacked by rows: realized in the weights' dtype with the norm weight folded into their
-      columns, or (packed weights) their blocks stacked, the norm then applied to the input (`_normed`)."""
+      columns, or (packed weights) their blocks stacked, the norm applied in the product's kernel (`_linear`)."""
       if packed and all(isinstance(m, PackedTensor) for m in matrices):
         try:
           return PackedTensor.cat(matrices)
@@ -168,7 +168,7 @@ class LlamaBlock:
       return (Tensor.cat(matrices, dim=0) * norm).cast(wq.dtype).contiguous().realize()
     self.w_qkv, self.w_gate_up = merged(projections, attn_norm), merged(gate_up, ffn_norm)
     self.wo, self.w_down = weights[f"{prefix}.attn_output.weight"], weights[f"{prefix}.ffn_down.weight"]
-    # packed weights: the norm weights multiply the inputs of the stacked products (folded in above otherwise)
+    # packed weights: the norm weights scale the stacked products' columns in their kernels (folded in above otherwise)
     self.attn_norm, self.ffn_norm = (attn_norm, ffn_norm) if packed else (None, None)
     cache_shape = (1, max_context, 2 * config.n_kv_heads, config.head_dim)
     self.cache = Tensor.zeros(*cache_shape, device=wq.device).contiguous().realize()
@@ -178,10 +178,11 @@ class LlamaBlock:
 
   @staticmethod
   def _linear(x: Tensor, weight: Tensor | PackedTensor, norm: Tensor | None = None) -> Tensor:
-    """(x * norm) @ weight.T. A packed weight's dequantization is built afresh for each graph: a lazy tensor kept
-    between calls would be stored as float32 by the first kernel that realizes it (a prefill) and then read as
-    float32 by every later one."""
-    return (x if norm is None else x * norm).linear(as_tensor(weight))
+    """x @ (weight * norm).T, the norm weight (packed weights) scaling the dequantized columns inside the product's
+    kernel (on the input it would be a kernel of its own). A packed weight's dequantization is built afresh for each
+    graph: a lazy tensor kept between calls would be stored as float32 by the first kernel that realizes it (a
+    prefill) and then read as float32 by every later one."""
+    return x.linear(as_tensor(weight) if norm is None else as_tensor(weight) * norm)
 
   def _inverse_rms(self, x: Tensor) -> Tensor:
     return (x.square().mean(-1, keepdim=True) + self.config.norm_eps).rsqrt()
