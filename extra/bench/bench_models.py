@@ -264,9 +264,10 @@ def llama_cpp_decode(args: argparse.Namespace) -> str:
              "-r", str(max(args.iters, 1)), "-o", "json"]
   result = subprocess.run(command, capture_output=True, text=True, check=True)
   runs = [run for run in json.loads(result.stdout) if run.get("n_gen")]
-  rate = statistics.median(run["avg_ts"] for run in runs)
-  print(f"llama.cpp ({' '.join(command)}): {rate:.2f} tokens/s, {runs[0].get('type_k', '')} cache, "
-        f"build {runs[0].get('build_commit', '?')}", file=sys.stderr)
+  rate = statistics.median(sample for run in runs for sample in run.get("samples_ts") or [run["avg_ts"]])
+  print(f"llama.cpp ({' '.join(command)}): median {rate:.2f} tokens/s of the repetitions "
+        f"{[round(sample, 2) for run in runs for sample in run.get('samples_ts', [])]}, {runs[0].get('type_k', '')} "
+        f"KV cache, {runs[0].get('model_type', '')}", file=sys.stderr)
   return f"{rate:.2f} (Q4_1 file, -t {args.threads})"
 
 
