@@ -250,25 +250,25 @@ def weight_variant(kind: str, config: LlamaConfig, weights: dict[str, np.ndarray
   return gguf_load(path, args.device, packed=True)[0]
 
 
-def llama_cpp_decode(args: argparse.Namespace) -> str:
-  """llama.cpp's decode tokens/s on the same GGUF file (`--llama-cpp`: a built llama-bench), `--decode-tokens`
-  generated tokens with `--threads` threads, median of `--iters` repetitions; "" without --llama-cpp."""
-  if not args.llama_cpp: return ""
+def llama_cpp_command(args: argparse.Namespace) -> list[str] | None:
+  """The llama-bench command (`--llama-cpp`) that decodes `--decode-tokens` tokens of the same GGUF file with
+  `--threads` threads, once; None without --llama-cpp or without the real file."""
+  if not args.llama_cpp: return None
   path = smollm2_path()
   if args.random_weights or path is None:
     print("--llama-cpp needs the real GGUF file (not --random-weights): skipped", file=sys.stderr)
-    return ""
+    return None
+  return [args.llama_cpp, "-m", path, "-p", "0", "-n", str(args.decode_tokens), "-t", str(args.threads), "-r", "1",
+          "-o", "json"]
+
+
+def llama_cpp_seconds(command: list[str], tokens: int) -> float:
+  """Seconds llama.cpp takes to decode `tokens` tokens (one llama-bench run of `command`)."""
   import json
   import subprocess
-  command = [args.llama_cpp, "-m", path, "-p", "0", "-n", str(args.decode_tokens), "-t", str(args.threads),
-             "-r", str(max(args.iters, 1)), "-o", "json"]
   result = subprocess.run(command, capture_output=True, text=True, check=True)
-  runs = [run for run in json.loads(result.stdout) if run.get("n_gen")]
-  rate = statistics.median(sample for run in runs for sample in run.get("samples_ts") or [run["avg_ts"]])
-  print(f"llama.cpp ({' '.join(command)}): median {rate:.2f} tokens/s of the repetitions "
-        f"{[round(sample, 2) for run in runs for sample in run.get('samples_ts', [])]}, {runs[0].get('type_k', '')} "
-        f"KV cache, {runs[0].get('model_type', '')}", file=sys.stderr)
-  return f"{rate:.2f} (Q4_1 file, -t {args.threads})"
+  run = next(run for run in json.loads(result.stdout) if run.get("n_gen"))
+  return tokens / run["avg_ts"]
 
 
 def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
@@ -290,7 +290,7 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
       models[f"fixed shapes, {kind} weights"] = Llama(config, variant, max_context, symbolic=False,
                                                       packed=kind in ("q8_0", "stored"))
   del weights
-  anchor = llama_cpp_decode(args)
+  anchor_command = llama_cpp_command(args)
 
   def decode_ours(model: Llama, steps: int) -> tuple[list[int], list[np.ndarray], float]:
     """(greedy tokens, logits of the prompt and each step, seconds of the decode steps alone)."""
@@ -328,13 +328,19 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     working.append(mode)
   working: list[str] = []
   for mode, model in models.items(): guarded(f"SmolLM2 decode ({mode})", rows, lambda: check_mode(mode, model))
-  # timed runs interleaved (torch, then each mode, `iters` times): a load that changes during the run (a shared
-  # CPU) hits every column alike; only the decode loop is timed, not the prompt before it
-  seconds: dict[str, list[float]] = {mode: [] for mode in ["torch"] + working}
+  # timed runs interleaved (torch, llama.cpp, then each mode, `iters` times): a load that changes during the run (a
+  # shared CPU) hits every column alike; only the decode loop is timed, not the prompt before it
+  seconds: dict[str, list[float]] = {mode: [] for mode in ["torch", "llama.cpp"] + working}
   for _ in range(args.iters):
     seconds["torch"].append(decode_torch(args.decode_tokens)[2])
+    if anchor_command: seconds["llama.cpp"].append(llama_cpp_seconds(anchor_command, args.decode_tokens))
     for mode in working: seconds[mode].append(decode_ours(models[mode], args.decode_tokens)[2])
   theirs = args.decode_tokens / statistics.median(seconds["torch"])
+  anchor = ""
+  if anchor_command:
+    anchor = f"{args.decode_tokens / statistics.median(seconds['llama.cpp']):.2f} (Q4_1 file, -t {args.threads})"
+    print(f"llama.cpp: {' '.join(anchor_command)}; tokens/s of each run "
+          f"{[round(args.decode_tokens / s, 2) for s in seconds['llama.cpp']]}", file=sys.stderr)
   for mode in working:
     ours = args.decode_tokens / statistics.median(seconds[mode])
     add_row(rows, (f"SmolLM2 decode, batch 1, {args.decode_tokens} tokens, TinyJit {mode}", "tokens/s", f"{ours:.2f}",
