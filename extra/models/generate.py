@@ -83,11 +83,14 @@ class ChatModel:
     if "tokenizer.ggml.eos_token_id" in metadata: self.stop_ids.add(metadata["tokenizer.ggml.eos_token_id"])
     self.position = 0  # tokens already in the KV cache
     self.pending: list[int] = []  # generated but not yet fed to the model
+    self.generated = 0  # tokens yielded by `generate` so far (all replies)
 
   @staticmethod
-  def from_gguf(path: str | os.PathLike, max_context: int = 1024, jit: bool = True,
-                symbolic: bool = True) -> "ChatModel":
-    model, metadata = Llama.from_gguf(path, max_context, symbolic=symbolic)
+  def from_gguf(path: str | os.PathLike, max_context: int = 1024, jit: bool = True, symbolic: bool = True,
+                device: str | None = None, dtype: str = "stored") -> "ChatModel":
+    """The chat model of a GGUF file on `device` (default: the default device), weights kept as `dtype`
+    (`Llama.from_gguf`: "stored" keeps quantized blocks packed)."""
+    model, metadata = Llama.from_gguf(path, max_context, device=device, symbolic=symbolic, dtype=dtype)
     return ChatModel(model, tokenizer_from_gguf(metadata), metadata, jit)
 
   def generate(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int) -> Iterator[int]:
@@ -105,6 +108,7 @@ class ChatModel:
     for produced in range(max_tokens):
       token = sampler(logits.numpy())
       if token in self.stop_ids: return
+      self.generated += 1
       yield token
       if produced == max_tokens - 1:
         self.pending = [token]  # no forward pass for a token whose successor nobody asked for

