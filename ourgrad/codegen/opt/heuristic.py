@@ -710,9 +710,11 @@ def _cpu_simd_elementwise(kernel: Kernel) -> bool:
   has negative constants. Unrolled outputs would make that loop's loads strided."""
   if not getattr(kernel.renderer, "vector_loop_pragma", ""): return False
   if any(not leaf.dtype.is_float for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)): return False
-  if any(view.mask is not None or not isinstance(view.offset, int) or view.offset < 0 for st in kernel.sts
+  # a constant's padded view (max-pool's window ranks) is index arithmetic, not a load: only buffers count
+  buffer_sts = [leaf.arg.st for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)]
+  if any(view.mask is not None or not isinstance(view.offset, int) or view.offset < 0 for st in buffer_sts
          for view in st.views): return False
-  return not any(stride is not None and stride < 0 for st in kernel.sts for stride in st.real_strides())
+  return not any(stride is not None and stride < 0 for st in buffer_sts for stride in st.real_strides())
 
 
 def _register_tiling(kernel: Kernel) -> None:
