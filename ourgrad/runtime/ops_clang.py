@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
+from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram, host_l2_cache_bytes
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CC, CLANG_MARCH, COMPILE_TIMEOUT
 from ourgrad.renderer.cstyle import INDEX_MATH_ONLY, ClangRenderer
@@ -328,4 +328,5 @@ def create_device(name: str) -> Compiled:
   # the width of the target's SIMD registers (CLANG_MARCH's, not necessarily this CPU's): the CPU matmul tiles,
   # row-kernel lanes and explicit vectors are sized by it
   renderer.vector_bytes = compiler.vector_bytes
+  renderer.l2_cache_bytes = host_l2_cache_bytes()   # the matmul tiles' cache blocks (codegen/opt/heuristic.py)
   return Compiled(name, HostAllocator(), renderer, compiler, ClangProgram)
