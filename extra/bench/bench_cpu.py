@@ -14,7 +14,8 @@ Method: ourgrad at each width runs in its own subprocess (the compile cache and 
 CLANG_MARCH, read once at import). Ops: the inputs are realized once; each run builds a fresh lazy graph (not timed)
 and times its realize (scheduling from the cache and the launches). numpy and torch time the whole expression.
 Training steps: the mean of --steps steps after warm-up. Every figure is a median; the machine is shared, so compare
-ratios from one run, not absolute times across runs. The "/ torch" column is ourgrad's time over PyTorch's.
+ratios from one run, not absolute times across runs (--cpu-time: one thread for every library and CPU time, which
+a busy machine disturbs far less than wall time). The "/ torch" column is ourgrad's time over PyTorch's.
 """
 from __future__ import annotations
 
@@ -29,13 +30,19 @@ import sys
 import time
 from typing import Any, Callable
 
-import numpy as np
+# --cpu-time: every library on one thread, timed by this process's CPU time (set before numpy loads its BLAS)
+CPU_TIME = "--cpu-time" in sys.argv
+if CPU_TIME: os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+import numpy as np  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 MARCHES = ("native", "x86-64-v3")
-TORCH_THREADS = 2
+TORCH_THREADS = 1 if CPU_TIME else 2
+# CPU time stays near the work done when the machine is shared (wall time there also counts the waits for a core)
+clock = time.process_time if CPU_TIME else time.perf_counter
 
 
 def median_seconds(run: Callable[[], Any], budget: float, min_runs: int = 3, max_runs: int = 30,
@@ -43,9 +50,9 @@ def median_seconds(run: Callable[[], Any], budget: float, min_runs: int = 3, max
   """Median of timed `run(prepared)` calls after one warm-up, until `budget` seconds or `max_runs` runs."""
   def once() -> float:
     prepared = prepare() if prepare is not None else None
-    began = time.perf_counter()
+    began = clock()
     run(prepared) if prepare is not None else run()
-    return time.perf_counter() - began
+    return clock() - began
   once()
   times: list[float] = []
   started = time.perf_counter()
@@ -100,9 +107,18 @@ def torch_ops(name: str, arrays: list[np.ndarray], budget: float) -> float:
   return median_seconds(step, budget)
 
 
+def mean_seconds(step: Callable[[], Any], sync: Callable[[], None], steps: int, warmup: int) -> float:
+  """Mean seconds of `steps` calls of `step` after `warmup`, by `clock`."""
+  for _ in range(warmup): step()
+  sync()
+  began = clock()
+  for _ in range(steps): step()
+  sync()
+  return (clock() - began) / steps
+
+
 def torch_steps(steps: int) -> dict[str, float]:
   import torch
-  from bench_jit import mean_seconds
   torch.manual_seed(0)
   mlp = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
                             torch.nn.Linear(512, 10))
@@ -171,7 +187,7 @@ def check(name: str, arrays: list[np.ndarray], results: list[np.ndarray]) -> Non
 
 def ourgrad_steps(steps: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
   """Seconds per TinyJit step of the MLP and the CNN, and the CNN step's per-kernel rows."""
-  from bench_jit import MLP, load_mnist_example, mean_seconds, ourgrad_step
+  from bench_jit import MLP, load_mnist_example, ourgrad_step
   from ourgrad import Device, Tensor, TinyJit
   rng = np.random.default_rng(0)
   results, table = {}, []
@@ -196,9 +212,9 @@ def kernel_rows(items: list[Any]) -> list[dict[str, Any]]:
     item.run()
     times = []
     for _ in range(5):
-      began = time.perf_counter()
+      began = clock()
       item.run()
-      times.append(time.perf_counter() - began)
+      times.append(clock() - began)
     rows.append({"name": item.runner.name, "seconds": statistics.median(times), "ops": int(item.runner.op_count)})
   return rows
 
@@ -237,6 +253,8 @@ def main() -> None:
   parser.add_argument("--marches", default=",".join(MARCHES), help="CLANG_MARCH values, comma-separated")
   parser.add_argument("--budget", type=float, default=3.0, help="seconds per op row and library")
   parser.add_argument("--steps", type=int, default=10, help="timed training steps")
+  parser.add_argument("--cpu-time", action="store_true", help="one thread per library, timed by CPU time (for a "
+                      "shared machine; examples/mnist.py's ms/step stays its own wall time)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   os.environ.setdefault("DEVICE", "CLANG")
@@ -253,6 +271,7 @@ def main() -> None:
   ours: dict[str, dict[str, Any]] = {}
   for march in args.marches.split(","):
     command = [sys.executable, __file__, "--worker", "--budget", str(args.budget), "--steps", str(args.steps)]
+    if CPU_TIME: command.append("--cpu-time")
     if args.only: command += ["--only", args.only]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CLANG_MARCH": march})
     if done.returncode != 0: sys.exit(f"worker at CLANG_MARCH={march} failed:\n{done.stderr[-4000:]}")
@@ -262,7 +281,9 @@ def main() -> None:
 
 def report(reference: dict[str, tuple[float | None, float | None]], ours: dict[str, dict[str, Any]]) -> None:
   load = os.getloadavg()[0]
-  print(f"# python extra/bench/bench_cpu.py; torch {TORCH_THREADS} threads; load average {load:.1f}; simd bytes: " +
+  clock_name = "CPU time, one thread each" if CPU_TIME else "wall time"
+  print(f"# python extra/bench/bench_cpu.py {' '.join(sys.argv[1:])}; {clock_name}; torch {TORCH_THREADS} threads; "
+        f"load average {load:.1f}; simd bytes: " +
         ", ".join(f"{march}={result['simd_bytes']}" for march, result in ours.items()))
   marches = list(ours)
   header = f"{'row':34} {'numpy ms':>9} {'torch ms':>9}" + "".join(
