@@ -123,6 +123,22 @@ class LRUAllocator(Allocator):
   def cached_bytes(self) -> int: return self.cached_total
 
 
+def host_l2_cache_bytes() -> int:
+  """The L2 cache of one core of this machine in bytes (the CPU devices' cache blocks are sized by it), from the C
+  library or Linux's sysfs; 0 where neither says."""
+  try:
+    size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    if size > 0: return size
+  except (ValueError, OSError, AttributeError):
+    pass
+  try:
+    text = pathlib.Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
+  except OSError:
+    return 0
+  scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+  return int(text.rstrip("KM")) * scale if text.rstrip("KM").isdigit() else 0
+
+
 class HostAllocator(LRUAllocator):
   """Host memory as numpy byte arrays (uninitialized, 64-byte aligned for vector loads)."""
 

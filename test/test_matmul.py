@@ -8,7 +8,7 @@ import pytest
 
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
-from ourgrad.codegen.opt.heuristic import CPU_MAX_TILE_COLUMNS, cpu_tile_rows
+from ourgrad.codegen.opt.heuristic import cpu_tile_shape
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
@@ -40,10 +40,12 @@ def _operands(shape_a: tuple[int, ...], shape_b: tuple[int, ...], seed: int = 0)
   return rng.standard_normal(shape_a).astype(np.float32), rng.standard_normal(shape_b).astype(np.float32)
 
 
-def _expected_tile(m: int, device: str = DEVICE) -> tuple[int, int]:
+def _expected_tile(m: int, n: int | None = None, device: str = DEVICE) -> tuple[int, int]:
+  """The register tile the heuristic gives an (m, n) float32 output where m divides by its rows: the rows, and its
+  columns (or one SIMD register of them) where they divide n (n None: a multiple of the tile's columns)."""
   vector_bytes = Device[device].renderer.vector_bytes
-  rows = cpu_tile_rows(vector_bytes)
-  return (rows if m % rows == 0 else 8), min(vector_bytes // 4, CPU_MAX_TILE_COLUMNS)
+  rows, columns = cpu_tile_shape(vector_bytes)
+  return rows, (columns if n is None or n % columns == 0 else vector_bytes // 4)
 
 
 @pytest.mark.parametrize("device", ["CLANG", "LLVM"])
@@ -52,7 +54,7 @@ def test_register_tile_matches_numpy(m: int, k: int, n: int, device: str):
   skip_unless_device(device)
   a, b = _operands((m, k), (k, n))
   result, kernel = _run(_matmul_item(a, b, device), None, device)
-  rows, lanes = _expected_tile(m, device)
+  rows, lanes = _expected_tile(m, n, device)
   if m % rows == 0 and n % lanes == 0:
     # the tile: rows first, then the contiguous columns (the fastest-varying upcast)
     assert [kernel.full_shape[axis] for axis in kernel.upcast_axes] == [rows, lanes]
@@ -323,3 +325,20 @@ def test_batched_input_times_matrix_is_one_product():
   run_schedule(schedule)
   assert weight_reduces and all(len(axes) == 1 for axes in weight_reduces), weight_reduces
   np.testing.assert_allclose(w.grad.numpy(), x_np.reshape(-1, 4).T @ np.ones((15, 6), np.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_cache_block_follows_the_l2(monkeypatch):
+  """The hand-coded tile adds the cache block (BLOCK) where the column tiles' panels of B overflow the renderer's L2,
+  sized so one block's panels fill half of it; not where B fits, nor where one panel alone fills it. Same result as
+  numpy either way."""
+  rows, columns = _expected_tile(64)
+  k, tiles = 64, 8
+  a, b = _operands((2 * rows, k), (k, tiles * columns), seed=14)
+  panel = k * columns * 4
+  renderer = Device[DEVICE].renderer
+  for l2_bytes, block in ((panel * tiles, None), (4 * panel, 2), (panel, None)):
+    monkeypatch.setattr(renderer, "l2_cache_bytes", l2_bytes, raising=False)
+    result, kernel = _run(_matmul_item(a, b), None)
+    blocks = [opt for opt in kernel.applied_opts if opt.op is OptOps.BLOCK]
+    assert [opt.amount for opt in blocks] == ([] if block is None else [block])
+    np.testing.assert_allclose(result.reshape(2 * rows, tiles * columns), a @ b, rtol=1e-4, atol=1e-4)

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
+from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram, host_l2_cache_bytes
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CC, CLANG_MARCH, COMPILE_TIMEOUT
 from ourgrad.renderer.cstyle import INDEX_MATH_ONLY, ClangRenderer
@@ -32,8 +32,12 @@ from ourgrad.runtime import toolchain_check
 # thread it waits for needs (measured: a 256K-element kernel took 25-30 ms spinning, 4.5 ms passive, under load).
 # Set before the first kernel loads the OpenMP runtime; the user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-# -fwrapv: signed integer overflow wraps around (two's complement), as the UOp contract and PyTorch's CPU kernels do
-BASE_FLAGS = ["-shared", "-fPIC", "-O2", "-fno-math-errno", "-fwrapv", "-fopenmp"]
+# -fwrapv: signed integer overflow wraps around (two's complement), as the UOp contract and PyTorch's CPU kernels do.
+# -fno-trapping-math: no kernel reads the floating-point exception flags (clang's default too). With gcc's default a
+# select whose arm may raise one (`x != x ? x : poly(x) * 2**n`, the row kernels' exp2) is a branch, which the
+# vectorizer cannot if-convert without AVX-512's masked instructions: softmax's exp ran scalar at -march=x86-64-v3.
+# Results do not change (no value-changing transformation such as reassociation is allowed by it).
+BASE_FLAGS = ["-shared", "-fPIC", "-O2", "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fopenmp"]
 LINK_FLAGS = ["-lm"]   # after the source: the linker resolves libm's symbols for the objects before it
 # what the self-test falls back to when the chosen flags compute a wrong answer: no vectorizer at all (the explicit
 # GCC vectors of renderer/cvector.py and `omp simd` loops still vectorize what they name)
@@ -43,8 +47,8 @@ SAFE_FLAGS = ["-fno-tree-loop-vectorize", "-fno-tree-slp-vectorize"]
 # kernels of at least this many lines of C compile at -O1 (see ClangCompiler.flags_for)
 LARGE_KERNEL_LINES = 2500
 # bumped when ClangCompiler.flags_for changes which flags a source gets (2: `omp simd` kernels, 3: `parallel for simd`,
-# 4: the FLAG_RULES table, -fno-tree-slp-vectorize for gcc 12's integer reduces, the safe flags)
-FLAGS_FOR_VERSION = 4
+# 4: the FLAG_RULES table, -fno-tree-slp-vectorize for gcc 12's integer reduces, the safe flags, 5: -fno-trapping-math)
+FLAGS_FOR_VERSION = 5
 
 
 def find_c_compiler() -> str:
@@ -324,4 +328,5 @@ def create_device(name: str) -> Compiled:
   # the width of the target's SIMD registers (CLANG_MARCH's, not necessarily this CPU's): the CPU matmul tiles,
   # row-kernel lanes and explicit vectors are sized by it
   renderer.vector_bytes = compiler.vector_bytes
+  renderer.l2_cache_bytes = host_l2_cache_bytes()   # the matmul tiles' cache blocks (codegen/opt/heuristic.py)
   return Compiled(name, HostAllocator(), renderer, compiler, ClangProgram)

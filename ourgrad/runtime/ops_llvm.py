@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import llvmlite.binding as llvm
 
-from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram
+from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram, host_l2_cache_bytes
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import LLVM_CPU, LLVM_FEATURES
 from ourgrad.renderer.llvmir import LLVMRenderer
@@ -233,4 +233,5 @@ def create_device(name: str) -> Compiled:
   # it; left at SSE's 16 bytes, an AVX-512 CPU got 8x4 tiles (1024^3 float32 on 2 cores: 50 ms, against 8.9 ms with
   # 16x16)
   renderer.vector_bytes = compiler.vector_bytes
+  renderer.l2_cache_bytes = host_l2_cache_bytes()   # the matmul tiles' cache blocks (codegen/opt/heuristic.py)
   return Compiled(name, HostAllocator(), renderer, compiler, LLVMProgram)

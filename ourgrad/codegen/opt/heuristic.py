@@ -659,15 +659,23 @@ def _group_for_parallelism(kernel: Kernel) -> None:
   if budget >= 2: _group_reduce_axes(kernel, budget)
 
 
-# CPU matmul register tile: rows x one SIMD register of columns, one accumulator register per row. With AVX-512's 32
-# vector registers 16 rows fit beside the column vector and the broadcasts (measured, 1024^3 and 2048^3 float32 on 2
-# cores: 16x16 about 1.5-2x faster than 8x16, which was about 2x faster than 4x16); 8 rows with 16 registers.
-CPU_MAX_TILE_COLUMNS = 16
+# CPU matmul register tile: CPU_TILE_ROWS rows x CPU_TILE_VECTORS SIMD registers of columns, 16 vector accumulators
+# at every width (the FMA reads the column vector from memory, so AVX2's 16 registers hold them all, as AVX-512's 32
+# do with room to spare). One run each, one core, float32, GFLOP/s by CPU time: AVX-512 8x2 vectors 156/159/104 at
+# 1024/1536/2048 (2048 with the cache block below) against 16x1 120/146/64; AVX2 (-march=x86-64-v3) 8x2 63/63/51
+# against 8x1 48/53/24 and 4x2 44/51. More accumulators are refused by MAX_UPCAST_LANES (256 float lanes).
+CPU_TILE_ROWS = 8
+CPU_TILE_VECTORS = 2
+CPU_MAX_TILE_COLUMNS = 32
+# the B panel of a block of column tiles (reduce length x the block's columns) fills at most this share of the L2, so
+# it stays there while every row tile passes over it (see _cpu_cache_block)
+CPU_PANEL_SHARE_OF_L2 = 0.5
 
 
-def cpu_tile_rows(vector_bytes: int) -> int:
-  """Rows of the CPU matmul register tile for a SIMD width: half the vector registers hold accumulators."""
-  return 16 if vector_bytes >= 64 else 8
+def cpu_tile_shape(vector_bytes: int, itemsize: int = 4) -> tuple[int, int]:
+  """(rows, columns) of the CPU matmul register tile for a SIMD width and element size."""
+  lanes = max(vector_bytes // itemsize, 1)
+  return CPU_TILE_ROWS, min(lanes * CPU_TILE_VECTORS, CPU_MAX_TILE_COLUMNS)
 
 
 def _cpu_tile_axes(kernel: Kernel) -> Iterator[tuple[int, int]]:
@@ -692,34 +700,58 @@ def _cpu_tile_axes(kernel: Kernel) -> Iterator[tuple[int, int]]:
 CPU_MIN_WHOLE_ROWS = 3
 
 
-def _cpu_tile_row_count(size: int, vector_bytes: int, whole: bool) -> int:
-  """Rows of the tile along an axis of `size`: cpu_tile_rows() or 8 where they divide it; with `whole`, a short axis
-  (CPU_MIN_WHOLE_ROWS up to the tile's rows) taken whole; 0 where none fits."""
-  if whole: return size if CPU_MIN_WHOLE_ROWS <= size < cpu_tile_rows(vector_bytes) else 0
-  return next((count for count in (cpu_tile_rows(vector_bytes), 8) if size % count == 0), 0)
+def _cpu_tile_row_count(size: int, tile_rows: int, whole: bool) -> int:
+  """Rows of the tile along an axis of `size`: `tile_rows` where they divide it (fewer rows would take an earlier axes
+  pair with a weaker tile over a later one with the full tile: the CNN step's 5x5 input gradient as 4 rows x 32
+  columns ran at 52 GFLOP/s, as 8 x 32 at 81, one AVX-512 core); with `whole`, a short axis (CPU_MIN_WHOLE_ROWS up
+  to the tile's rows) taken whole; 0 where none fits."""
+  if whole: return size if CPU_MIN_WHOLE_ROWS <= size < tile_rows else 0
+  return tile_rows if size % tile_rows == 0 else 0
 
 
 def _cpu_matmul_tiles(kernel: Kernel) -> bool:
-  """CPU matmul register tile: cpu_tile_rows() rows (8 where that does not divide) x one SIMD register of columns,
-  the columns innermost so the C compiler packs each row's accumulators into one vector register and the column
-  loads into vector loads. The first axes pair (see _cpu_tile_axes) whose sizes divide the tile is taken; where none
-  does, the first whose rows axis is short enough to be the rows whole. False (kernel untouched) where the kernel is
-  not matmul-shaped or no pair fits."""
+  """CPU matmul register tile (cpu_tile_shape: rows x two SIMD registers of columns, or one register of columns where
+  two do not divide), the columns innermost so the C compiler packs each row's accumulators into
+  vector registers and the column loads into vector loads, then the cache block (_cpu_cache_block). The first axes
+  pair (see _cpu_tile_axes) whose sizes divide the tile is taken; where none does, the first whose rows axis is short
+  enough to be the rows whole. False (kernel untouched) where the kernel is not matmul-shaped or no pair fits."""
   if not _matmul_like(kernel) or kernel.reduceop.dtype.itemsize > 8: return False
   vector_bytes = getattr(kernel.renderer, "vector_bytes", 16)  # renderers that do not say: SSE/NEON width
-  lanes = min(max(vector_bytes // kernel.reduceop.dtype.itemsize, 1), CPU_MAX_TILE_COLUMNS)
+  tile_rows, tile_columns = cpu_tile_shape(vector_bytes, kernel.reduceop.dtype.itemsize)
+  lanes = max(vector_bytes // kernel.reduceop.dtype.itemsize, 1)
   for whole, (rows, columns) in ((whole, pair) for whole in (False, True) for pair in _cpu_tile_axes(kernel)):
-    row_count = _cpu_tile_row_count(kernel.full_shape[rows], vector_bytes, whole)
-    if not row_count or kernel.full_shape[columns] % lanes: continue
+    row_count = _cpu_tile_row_count(kernel.full_shape[rows], tile_rows, whole)
+    column_count = next((count for count in (tile_columns, lanes) if kernel.full_shape[columns] % count == 0), 0)
+    if not row_count or not column_count: continue
     start = kernel._state()
     # rows first: the upcast applied last varies fastest in the unrolled code, and the columns must be the fastest
     if not kernel.try_opt(Opt(OptOps.UPCAST, rows, row_count)): continue
     # a rows axis the tile used whole leaves its place (the upcast lands at the end): no split, the length is kept
     rows_dropped = kernel.shape_len <= len(start[0][0].shape)
     columns_after = columns - (1 if rows_dropped and rows < columns else 0)
-    if kernel.try_opt(Opt(OptOps.UPCAST, columns_after, lanes)): return True
+    if kernel.try_opt(Opt(OptOps.UPCAST, columns_after, column_count)):
+      _cpu_cache_block(kernel, columns_after, column_count)
+      return True
     kernel._restore(start)
   return False
+
+
+def _cpu_cache_block(kernel: Kernel, columns: int, tile_columns: int) -> None:
+  """Cache block (BLOCK): where the column tiles' panels of the streamed operand (reduce length x tile columns each)
+  together overflow the L2, the column tiles go in blocks whose panels fill CPU_PANEL_SHARE_OF_L2 of it, the block
+  loop outermost: each panel is then read from memory once and reused by every row tile from the L2, instead of being
+  read again for each row tile (2048^3 float32, one core: AVX-512 65 -> 104 GFLOP/s, AVX2 24 -> 51). The L2 size is
+  the renderer's (the host CPU's, runtime/ops_clang.py); renderers that do not say get none."""
+  l2_bytes = getattr(kernel.renderer, "l2_cache_bytes", 0)
+  if not l2_bytes or columns >= kernel.global_dims: return
+  reduce_length = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
+  panel = reduce_length * tile_columns * kernel.reduceop.dtype.itemsize
+  tiles = kernel.full_shape[columns]
+  if panel * tiles <= l2_bytes: return
+  fitting = int(l2_bytes * CPU_PANEL_SHARE_OF_L2 // panel)
+  # a panel too long for the L2 on its own (a reduce of many thousands) would need the reduce blocked too: left as is
+  amount = max((count for count in range(2, min(fitting, tiles) + 1) if tiles % count == 0), default=0)
+  if amount: kernel.try_opt(Opt(OptOps.BLOCK, columns, amount))
 
 
 # A CPU reduce with at least this many ALU ops per reduced element is compute-bound: its accumulators go in vector
@@ -795,9 +827,11 @@ def _cpu_simd_elementwise(kernel: Kernel) -> bool:
   has negative constants. Unrolled outputs would make that loop's loads strided."""
   if not getattr(kernel.renderer, "vector_loop_pragma", ""): return False
   if any(not leaf.dtype.is_float for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)): return False
-  if any(view.mask is not None or not isinstance(view.offset, int) or view.offset < 0 for st in kernel.sts
+  # a constant's padded view (max-pool's window ranks) is index arithmetic, not a load: only buffers count
+  buffer_sts = [leaf.arg.st for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)]
+  if any(view.mask is not None or not isinstance(view.offset, int) or view.offset < 0 for st in buffer_sts
          for view in st.views): return False
-  return not any(stride is not None and stride < 0 for st in kernel.sts for stride in st.real_strides())
+  return not any(stride is not None and stride < 0 for st in buffer_sts for stride in st.real_strides())
 
 
 def _register_tiling(kernel: Kernel) -> None:

@@ -1,0 +1,319 @@
+"""CPU benchmark at both SIMD widths in one run: numpy, PyTorch (CPU, 2 threads) and ourgrad's CLANG device compiled
+for this machine (CLANG_MARCH=native) and for AVX2 (CLANG_MARCH=x86-64-v3), on the same inputs.
+
+    python extra/bench/bench_cpu.py                  # every row, both widths
+    python extra/bench/bench_cpu.py --only matmul    # rows whose name contains 'matmul'
+    python extra/bench/bench_cpu.py --marches native # one width
+
+Rows: matmul 1024^3 and 2048^3, softmax and layernorm over 4096x4096, conv 32x16x64^2 -> 32 3x3 forward and
+forward+backward, an MLP step (784-512-512-10, Adam, batch 256) and the examples/mnist.py "full" CNN step (4 convs
+32-32-64-64 with BatchNorm, batch 128), both TinyJit, then examples/mnist.py itself (--epochs 2 --limit 10240
+--eval-limit 1000; its last epoch's ms/step). The CNN step also prints a per-kernel table (time, GFLOP/s, share).
+
+Method: ourgrad at each width runs in its own subprocess (the compile cache and the kernels' SIMD width follow
+CLANG_MARCH, read once at import). Ops: the inputs are realized once; each run builds a fresh lazy graph (not timed)
+and times its realize (scheduling from the cache and the launches). numpy and torch time the whole expression.
+Training steps: the mean of --steps steps after warm-up. Every figure is a median; the machine is shared, so compare
+ratios from one run, not absolute times across runs (--cpu-time: one thread for every library and CPU time, which
+a busy machine disturbs far less than wall time). The "/ torch" column is ourgrad's time over PyTorch's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+# --cpu-time: every library on one thread, timed by this process's CPU time (set before numpy loads its BLAS)
+CPU_TIME = "--cpu-time" in sys.argv
+if CPU_TIME: os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+import numpy as np  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+MARCHES = ("native", "x86-64-v3")
+TORCH_THREADS = 1 if CPU_TIME else 2
+# CPU time stays near the work done when the machine is shared (wall time there also counts the waits for a core)
+clock = time.process_time if CPU_TIME else time.perf_counter
+
+
+def median_seconds(run: Callable[[], Any], budget: float, min_runs: int = 3, max_runs: int = 30,
+                   prepare: Callable[[], Any] | None = None) -> float:
+  """Median of timed `run(prepared)` calls after one warm-up, until `budget` seconds or `max_runs` runs."""
+  def once() -> float:
+    prepared = prepare() if prepare is not None else None
+    began = clock()
+    run(prepared) if prepare is not None else run()
+    return clock() - began
+  once()
+  times: list[float] = []
+  started = time.perf_counter()
+  while len(times) < min_runs or (time.perf_counter() - started < budget and len(times) < max_runs):
+    times.append(once())
+  return statistics.median(times)
+
+
+# ---------------------------------------------------------------- inputs, shared by the three libraries
+
+def op_inputs() -> dict[str, list[np.ndarray]]:
+  rng = np.random.default_rng(0)
+  def normal(*shape: int) -> np.ndarray: return rng.standard_normal(shape, dtype=np.float32)
+  return {"matmul 1024^3": [normal(1024, 1024), normal(1024, 1024)],
+          "matmul 2048^3": [normal(2048, 2048), normal(2048, 2048)],
+          "softmax 4096^2": [normal(4096, 4096)], "layernorm 4096^2": [normal(4096, 4096)],
+          "conv 32x16x64^2->32 3x3 fwd": [normal(32, 16, 64, 64), normal(32, 16, 3, 3)],
+          "conv 32x16x64^2->32 3x3 fwd+bwd": [normal(32, 16, 64, 64), normal(32, 16, 3, 3), normal(32, 32, 62, 62)]}
+
+
+def flops(name: str) -> float | None:
+  if name.startswith("matmul"): return 2 * int(name.split()[1].split("^")[0]) ** 3
+  if name.startswith("conv"): return 2 * 32 * 32 * 62 * 62 * 16 * 9 * (3 if "bwd" in name else 1)
+  return None
+
+
+def numpy_row(name: str, arrays: list[np.ndarray], budget: float) -> float | None:
+  if name.startswith("matmul"): return median_seconds(lambda: arrays[0] @ arrays[1], budget)
+  if name.startswith("softmax"):
+    def softmax() -> np.ndarray:
+      e = np.exp(arrays[0] - arrays[0].max(-1, keepdims=True))
+      return e / e.sum(-1, keepdims=True)
+    return median_seconds(softmax, budget)
+  if name.startswith("layernorm"):
+    x = arrays[0]
+    return median_seconds(lambda: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5), budget)
+  return None
+
+
+def torch_ops(name: str, arrays: list[np.ndarray], budget: float) -> float:
+  import torch
+  import torch.nn.functional as F
+  t = [torch.from_numpy(a) for a in arrays]
+  if name.startswith("matmul"): return median_seconds(lambda: t[0] @ t[1], budget)
+  if name.startswith("softmax"): return median_seconds(lambda: t[0].softmax(-1), budget)
+  if name.startswith("layernorm"): return median_seconds(lambda: F.layer_norm(t[0], (4096,)), budget)
+  if name.endswith("fwd"): return median_seconds(lambda: F.conv2d(t[0], t[1]), budget)
+  x, w = t[0].clone().requires_grad_(), t[1].clone().requires_grad_()
+  def step() -> None:
+    x.grad = w.grad = None
+    F.conv2d(x, w).backward(t[2])
+  return median_seconds(step, budget)
+
+
+def mean_seconds(step: Callable[[], Any], sync: Callable[[], None], steps: int, warmup: int) -> float:
+  """Mean seconds of `steps` calls of `step` after `warmup`, by `clock`."""
+  for _ in range(warmup): step()
+  sync()
+  began = clock()
+  for _ in range(steps): step()
+  sync()
+  return (clock() - began) / steps
+
+
+def torch_steps(steps: int) -> dict[str, float]:
+  import torch
+  torch.manual_seed(0)
+  mlp = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                            torch.nn.Linear(512, 10))
+  layers: list[torch.nn.Module] = []
+  channels = 1
+  for block in [[32, 32], [64, 64]]:
+    for out_channels in block:
+      kernel = 5 if out_channels == 32 else 3
+      layers += [torch.nn.Conv2d(channels, out_channels, kernel, bias=False), torch.nn.BatchNorm2d(out_channels),
+                 torch.nn.ReLU()]
+      channels = out_channels
+    layers.append(torch.nn.MaxPool2d(2))
+  cnn = torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(576, 10))
+  results = {}
+  for name, model, shape in (("MLP step (batch 256), TinyJit", mlp, (256, 784)),
+                             ("CNN step (batch 128), TinyJit", cnn, (128, 1, 28, 28))):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(*shape), torch.randint(0, 10, (shape[0],))
+    def step(model: torch.nn.Module = model, optimizer: Any = optimizer, x: Any = x, y: Any = y) -> None:
+      optimizer.zero_grad(set_to_none=False)
+      torch.nn.functional.cross_entropy(model(x), y).backward()
+      optimizer.step()
+    results[name] = mean_seconds(step, lambda: None, steps, 3)
+  return results
+
+
+# ---------------------------------------------------------------- ourgrad (one width per process)
+
+def ourgrad_ops(name: str, arrays: list[np.ndarray], budget: float) -> tuple[float, int]:
+  """(median seconds, kernels per run) of one op row; the result is checked against numpy/PyTorch first."""
+  from ourgrad import Tensor
+  from ourgrad.helpers import GlobalCounters
+  t = [Tensor(a).realize() for a in arrays]
+  if name.startswith("matmul"): build = lambda: [t[0] @ t[1]]  # noqa: E731
+  elif name.startswith("softmax"): build = lambda: [t[0].softmax(-1)]  # noqa: E731
+  elif name.startswith("layernorm"): build = lambda: [t[0].layernorm()]  # noqa: E731
+  elif name.endswith("fwd"): build = lambda: [t[0].conv2d(t[1])]  # noqa: E731
+  else:
+    def build() -> list[Tensor]:
+      x, w = Tensor(t[0].lazydata, requires_grad=True), Tensor(t[1].lazydata, requires_grad=True)
+      x.conv2d(w).backward(t[2])
+      return [x.grad, w.grad]
+  check(name, arrays, [out.numpy() for out in build()])
+  GlobalCounters.reset()
+  Tensor.realize_all(*build())
+  kernels = GlobalCounters.kernel_count
+  return median_seconds(lambda built: Tensor.realize_all(*built), budget, prepare=build), kernels
+
+
+def check(name: str, arrays: list[np.ndarray], results: list[np.ndarray]) -> None:
+  import torch
+  import torch.nn.functional as F
+  t = [torch.from_numpy(a).double() for a in arrays]
+  if name.startswith("matmul"): expected = [t[0] @ t[1]]
+  elif name.startswith("softmax"): expected = [t[0].softmax(-1)]
+  elif name.startswith("layernorm"): expected = [F.layer_norm(t[0], (4096,))]
+  elif name.endswith("fwd"): expected = [F.conv2d(t[0], t[1])]
+  else:
+    x, w = t[0].requires_grad_(), t[1].requires_grad_()
+    F.conv2d(x, w).backward(t[2])
+    expected = [x.grad, w.grad]
+  for got, want in zip(results, expected):
+    scale = float(want.abs().max())
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-4 * scale, rtol=1e-3, err_msg=name)
+
+
+def ourgrad_steps(steps: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+  """Seconds per TinyJit step of the MLP and the CNN, and the CNN step's per-kernel rows."""
+  from bench_jit import MLP, load_mnist_example, ourgrad_step
+  from ourgrad import Device, Tensor, TinyJit
+  rng = np.random.default_rng(0)
+  results, table = {}, []
+  mnist = load_mnist_example()
+  for name, make, shape in (("MLP step (batch 256), TinyJit", MLP, (256, 784)),
+                            ("CNN step (batch 128), TinyJit", lambda: mnist.ConvNet(mnist.MODELS["full"]),
+                             (128, 1, 28, 28))):
+    x = Tensor(rng.standard_normal(shape).astype(np.float32)).realize()
+    y = Tensor(rng.integers(0, 10, shape[0]).astype(np.int32)).realize()
+    jit_step = TinyJit(ourgrad_step(make())[0])
+    results[name] = mean_seconds(lambda: jit_step(x, y), Device["CLANG"].synchronize, steps, 3)
+    if name.startswith("CNN"): table = kernel_rows(jit_step.captured.items)
+  return results, table
+
+
+def kernel_rows(items: list[Any]) -> list[dict[str, Any]]:
+  """Each compiled kernel of a captured step: median seconds of 5 back-to-back launches (caches warm), its ops."""
+  from ourgrad.engine.exec_item import CompiledRunner
+  rows = []
+  for item in items:
+    if not isinstance(item.runner, CompiledRunner): continue
+    item.run()
+    times = []
+    for _ in range(5):
+      began = clock()
+      item.run()
+      times.append(clock() - began)
+    rows.append({"name": item.runner.name, "seconds": statistics.median(times), "ops": int(item.runner.op_count)})
+  return rows
+
+
+def mnist_example_ms() -> float | None:
+  """examples/mnist.py's last reported ms/step (the script trains, so compiles fall in its first epoch)."""
+  command = [sys.executable, str(ROOT / "examples" / "mnist.py"), "--epochs", "2", "--limit", "10240",
+             "--eval-limit", "1000"]
+  done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), cwd=ROOT)
+  found = re.findall(r"\((\d+) ms/step\)", done.stdout)
+  if not found: print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
+  return float(found[-1]) / 1e3 if found else None
+
+
+def worker(args: argparse.Namespace) -> None:
+  """The ourgrad rows at this process's CLANG_MARCH, as one JSON object on stdout's last line."""
+  from ourgrad.device import Device
+  results: dict[str, Any] = {"simd_bytes": Device["CLANG"].renderer.vector_bytes}
+  for name, arrays in op_inputs().items():
+    if wanted(name, args): results[name] = ourgrad_ops(name, arrays, args.budget)
+  if wanted("step", args):
+    steps, results["cnn_table"] = ourgrad_steps(args.steps)
+    results.update({name: (seconds, None) for name, seconds in steps.items()})
+  if wanted("mnist.py", args): results["examples/mnist.py step"] = (mnist_example_ms(), None)
+  print(json.dumps(results))
+
+
+def wanted(name: str, args: argparse.Namespace) -> bool: return args.only is None or args.only in name
+
+
+# ---------------------------------------------------------------- report
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--only", help="rows whose name contains this")
+  parser.add_argument("--marches", default=",".join(MARCHES), help="CLANG_MARCH values, comma-separated")
+  parser.add_argument("--budget", type=float, default=3.0, help="seconds per op row and library")
+  parser.add_argument("--steps", type=int, default=10, help="timed training steps")
+  parser.add_argument("--cpu-time", action="store_true", help="one thread per library, timed by CPU time (for a "
+                      "shared machine; examples/mnist.py's ms/step stays its own wall time)")
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  os.environ.setdefault("DEVICE", "CLANG")
+  if args.worker: return worker(args)
+  import torch
+  torch.set_num_threads(TORCH_THREADS)
+  reference: dict[str, tuple[float | None, float | None]] = {}
+  for name, arrays in op_inputs().items():
+    if wanted(name, args):
+      reference[name] = (numpy_row(name, arrays, args.budget), torch_ops(name, arrays, args.budget))
+  if wanted("step", args):
+    reference.update({name: (None, seconds) for name, seconds in torch_steps(args.steps).items()})
+  if wanted("mnist.py", args): reference["examples/mnist.py step"] = (None, None)
+  ours: dict[str, dict[str, Any]] = {}
+  for march in args.marches.split(","):
+    command = [sys.executable, __file__, "--worker", "--budget", str(args.budget), "--steps", str(args.steps)]
+    if CPU_TIME: command.append("--cpu-time")
+    if args.only: command += ["--only", args.only]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CLANG_MARCH": march})
+    if done.returncode != 0: sys.exit(f"worker at CLANG_MARCH={march} failed:\n{done.stderr[-4000:]}")
+    ours[march] = json.loads(done.stdout.strip().splitlines()[-1])
+  report(reference, ours)
+
+
+def report(reference: dict[str, tuple[float | None, float | None]], ours: dict[str, dict[str, Any]]) -> None:
+  load = os.getloadavg()[0]
+  clock_name = "CPU time, one thread each" if CPU_TIME else "wall time"
+  print(f"# python extra/bench/bench_cpu.py {' '.join(sys.argv[1:])}; {clock_name}; torch {TORCH_THREADS} threads; "
+        f"load average {load:.1f}; simd bytes: " +
+        ", ".join(f"{march}={result['simd_bytes']}" for march, result in ours.items()))
+  marches = list(ours)
+  header = f"{'row':34} {'numpy ms':>9} {'torch ms':>9}" + "".join(
+    f" {march + ' ms':>15} {'/torch':>7} {'/numpy':>7} {'GFLOP/s':>8} {'kern':>4}" for march in marches)
+  print(header)
+  for name, (numpy_s, torch_s) in reference.items():
+    line = f"{name:34} {fmt_ms(numpy_s):>9} {fmt_ms(torch_s):>9}"
+    for march in marches:
+      seconds, kernels = ours[march].get(name, (None, None))
+      work = flops(name)
+      line += (f" {fmt_ms(seconds):>15} {ratio(seconds, torch_s):>7} {ratio(seconds, numpy_s):>7}"
+               f" {(f'{work / seconds / 1e9:.1f}' if work and seconds else '-'):>8} {kernels or '-':>4}")
+    print(line)
+  for march in marches:
+    table = ours[march].get("cnn_table")
+    if table: print_kernel_table(f"CNN step kernels at CLANG_MARCH={march}", table)
+
+
+def print_kernel_table(title: str, rows: list[dict[str, Any]]) -> None:
+  total = sum(row["seconds"] for row in rows)
+  print(f"\n# {title}: {len(rows)} kernels, {total * 1e3:.2f} ms summed (each launched back to back, caches warm)")
+  print(f"{'kernel (E_ elementwise, r_ reduce)':44} {'ms':>8} {'GFLOP/s':>8} {'share':>6}")
+  for row in sorted(rows, key=lambda row: -row["seconds"]):
+    print(f"{row['name'][:44]:44} {row['seconds'] * 1e3:8.3f} {row['ops'] / row['seconds'] / 1e9:8.1f} "
+          f"{row['seconds'] / total * 100:5.1f}%")
+
+
+def fmt_ms(seconds: float | None) -> str: return f"{seconds * 1e3:.2f}" if seconds is not None else "-"
+def ratio(mine: float | None, theirs: float | None) -> str: return f"{mine / theirs:.2f}" if mine and theirs else "-"
+
+
+if __name__ == "__main__":
+  main()
