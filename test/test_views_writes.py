@@ -377,7 +377,8 @@ _ALIASES = pytest.mark.xfail(strict=True, reason="known bug: folded to the store
 
 
 @pytest.mark.parametrize("op", [pytest.param(lambda x: x * 1, marks=_ALIASES),
-                                pytest.param(lambda x: 1 * x, marks=_ALIASES), lambda x: x + 0, pytest.param(lambda x: x + (-0.0), marks=_ALIASES),
+                                pytest.param(lambda x: 1 * x, marks=_ALIASES), lambda x: x + 0,
+                                pytest.param(lambda x: x + (-0.0), marks=_ALIASES),
                                 pytest.param(lambda x: x ** 1, marks=_ALIASES),
                                 pytest.param(lambda x: x.reshape(3, 1) * 1, marks=_ALIASES)])
 @pytest.mark.parametrize("realize_result", [False, True])
