@@ -225,7 +225,9 @@ MAX_ROW_FUSION_LENGTH = 1 << 16
 
 
 def row_length_fits(device: str, length: int) -> bool:
-  """Whether a row of `length` elements may be a row kernel's row on `device` (MAX_ROW_FUSION_LENGTH on a CPU)."""
+  """Whether a row of `length` elements may be a row kernel's row on `device` (MAX_ROW_FUSION_LENGTH on a CPU). A
+  symbolic length (a Variable) never is: the row kernel's loops and kept-value arrays are sized when it is built."""
+  if not isinstance(length, int): return False
   return length <= MAX_ROW_FUSION_LENGTH or Device[device].renderer.has_threads
 
 
