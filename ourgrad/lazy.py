@@ -235,11 +235,13 @@ class LazyBuffer:
     if op in BINARY_OPS and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
       # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools). For floats only -0.0 is
-      # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add
-      if op is Ops.ADD and is_additive_identity(values[1], out_dtype): return left
-      if op is Ops.ADD and is_additive_identity(values[0], out_dtype): return right
-      if op is Ops.MUL and values[1] == 1: return left
-      if op is Ops.MUL and values[0] == 1: return right
+      # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add. A result is a new tensor,
+      # never x's own memory: folded only where x is still lazy (x * 1 of a stored x would alias it, and a later
+      # x.assign(...) would change the result too)
+      if op is Ops.ADD and is_additive_identity(values[1], out_dtype) and _is_lazy(left): return left
+      if op is Ops.ADD and is_additive_identity(values[0], out_dtype) and _is_lazy(right): return right
+      if op is Ops.MUL and values[1] == 1 and _is_lazy(left): return left
+      if op is Ops.MUL and values[0] == 1 and _is_lazy(right): return right
       if op is Ops.MUL and not out_dtype.is_float and 0 in (values[0], values[1]): return self.const_like(0, out_dtype)
     return None
 
@@ -638,6 +640,12 @@ def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
 def _broadcast_scalar(shape: tuple[int, ...]) -> ShapeTracker:
   """The tracker of a scalar broadcast to `shape` (LazyBuffer.full's view), remembered: made for every constant."""
   return ShapeTracker.from_shape(()).reshape((1,) * len(shape)).expand(shape)
+
+
+def _is_lazy(buffer: LazyBuffer) -> bool:
+  """Whether `buffer` is still a computation (its base not stored, not a constant): returning it as the result of
+  another op shares no memory with a tensor the user holds."""
+  return buffer.base.realized is None and buffer.base.op is not Ops.CONST
 
 
 def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:

@@ -269,7 +269,7 @@ class ElementwiseMixin:
     if not reverse and isinstance(exponent, (int, float)) and exponent in (1, 2, 0.5, -0.5, -1):
       # the forms torch also special-cases (the sign of a zero result and of -0.0 ** -0.5 follow from them)
       x = self._float_operand() if exponent in (0.5, -0.5, -1) or isinstance(exponent, float) else self
-      if exponent == 1: return x
+      if exponent == 1: return x * 1   # a new tensor (folded to x only while x is lazy: lazy.py)
       if exponent == 2: return x * x
       if exponent == 0.5: return x.sqrt()
       if exponent == -0.5:  # torch: rsqrt forward (-inf at -0.0), pow's derivative (-0.5 * x ** -1.5)

@@ -373,22 +373,14 @@ def test_fuzz_constant_written_from_a_tensor_written_later():
   np.testing.assert_equal(c.numpy(), np.ones((2, 2)))
 
 
-_ALIASES = pytest.mark.xfail(strict=True, reason="known bug: folded to the stored tensor's own buffer (docstring)")
-
-
-@pytest.mark.parametrize("op", [pytest.param(lambda x: x * 1, marks=_ALIASES),
-                                pytest.param(lambda x: 1 * x, marks=_ALIASES), lambda x: x + 0,
-                                pytest.param(lambda x: x + (-0.0), marks=_ALIASES),
-                                pytest.param(lambda x: x ** 1, marks=_ALIASES),
-                                pytest.param(lambda x: x.reshape(3, 1) * 1, marks=_ALIASES)])
+@pytest.mark.parametrize("op", [lambda x: x * 1, lambda x: 1 * x, lambda x: x + 0, lambda x: x + (-0.0),
+                                lambda x: x ** 1, lambda x: x.reshape(3, 1) * 1])
 @pytest.mark.parametrize("realize_result", [False, True])
 def test_identity_ops_of_a_stored_tensor_are_new_tensors(op, realize_result: bool):
   """x * 1, x + 0, x ** 1 of a stored x are new tensors, as in torch: a later x.assign (torch: x.copy_) leaves them
-  holding x's old values. Known bug (session 9): lazy.py folds x * 1 (and x + -0.0, x ** 1) to x's own LazyBuffer,
-  so the result changes with x. Not folding a stored x puts a `* 1` into every gradient kernel that multiplies a
-  stored tensor by the ones of a sum's gradient (the weight-gradient tiles stop matching); the fix belongs in
-  assign's protection of readers (a snapshot for tensors that hold the target's own buffer). x + 0 is not folded
-  (+0.0 is not the float additive identity) and passes."""
+  holding x's old values. lazy.py folded x * 1 (and x + -0.0, x ** 1) to x's own LazyBuffer, so the result changed
+  with x; now a stored x keeps the op as a base (a reader engine/snapshot.py protects), and the kernel AST drops the
+  `* 1` (schedule._identity_operand), so gradient kernels are unchanged."""
   old, new = np.array([1.0, 2.0, 3.0], np.float32), np.array([4.0, 5.0, 6.0], np.float32)
   x, x_torch = Tensor(old).realize(), torch.tensor(old)
   result, result_torch = op(x), op(x_torch)
@@ -396,3 +388,12 @@ def test_identity_ops_of_a_stored_tensor_are_new_tensors(op, realize_result: boo
   x.assign(Tensor(new)).realize()
   x_torch.copy_(torch.tensor(new))
   np.testing.assert_array_equal(result.numpy(), result_torch.numpy())
+
+
+def test_a_padded_one_is_not_an_identity():
+  """schedule._identity_operand drops `* 1` from a kernel, but not a padded constant 1 (0 in its padded places)."""
+  data = np.arange(1, 6, dtype=np.float32)
+  x = Tensor(data).realize()
+  ones_padded = Tensor.ones(3).pad(((1, 1),))
+  np.testing.assert_array_equal((x * ones_padded).numpy(), data * np.pad(np.ones(3, np.float32), 1))
+  np.testing.assert_array_equal((ones_padded * x).numpy(), data * np.pad(np.ones(3, np.float32), 1))

@@ -23,7 +23,7 @@ from collections import defaultdict
 from typing import Callable, Sequence
 
 from ourgrad.device import Buffer, Device
-from ourgrad.dtype import dtypes
+from ourgrad.dtype import DType, dtypes, is_additive_identity
 from ourgrad.engine import graph_viz
 from ourgrad.engine.kernel_walk import (Realizations, final_reduces, item_precedence, items_on_cycles, joins_rows,
                                         kernel_value, order_items, walk_kernel, write_version)
@@ -539,6 +539,19 @@ def _schedule_group(group: list[LazyBuffer], realizes: Realizations) -> tuple[Sc
       builder.loaded_bases
 
 
+def _identity_operand(op: Ops, srcs: tuple[LazyOp, ...], dtype: DType) -> LazyOp | None:
+  """The operand of `x * 1` or `x + (-0.0)` (0 for integers) in a kernel's AST, which computes x. lazy.py keeps
+  these ops as bases where x is a stored tensor (the result is a new tensor, which a later write into x must not
+  change: engine/snapshot.py protects it as a reader); inside a kernel they are x itself."""
+  if op not in (Ops.MUL, Ops.ADD) or len(srcs) != 2: return None
+  for operand, other in ((srcs[0], srcs[1]), (srcs[1], srcs[0])):
+    if other.op is not Ops.CONST or operand.dtype != dtype or other.dtype != dtype: continue
+    if any(view.mask is not None for view in other.arg.st.views): continue   # 0 in its padded places
+    value = other.arg.val
+    if (op is Ops.MUL and value == 1) or (op is Ops.ADD and is_additive_identity(value, dtype)): return operand
+  return None
+
+
 class _KernelBuilder:
   """Builds the AST of the kernel that computes `root`, inlining every base that is not realized."""
 
@@ -631,6 +644,8 @@ class _KernelBuilder:
       return self.reduces[id(base)]
     if base.op is Ops.GATHER: return self._gather(base, st)
     srcs = tuple(self.cache[(id(src.base), (src.st + st).simplify())] for src in base.srcs)
+    identity_operand = _identity_operand(base.op, srcs, base.dtype)
+    if identity_operand is not None: return identity_operand
     arg = base.arg if base.op not in (Ops.CAST, Ops.BITCAST) else base.dtype
     return LazyOp(base.op, srcs, arg, base.dtype)
 
