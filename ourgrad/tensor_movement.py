@@ -565,7 +565,6 @@ class MovementMixin:
   def gather(self, dim: int, index: Tensor) -> Tensor:
     """out[i][j] = self[i][index[i][j]] along `dim` (torch.gather); reads only the picked elements. An index
     outside [-n, n) for the size n of `dim` reads 0."""
-    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
     if index.ndim != self.ndim:
       raise ShapeError(f"gather index must have {self.ndim} dims like the input {self.shape}, got {index.shape}")
@@ -576,7 +575,13 @@ class MovementMixin:
         raise ShapeError(f"gather index shape {index.shape} exceeds input shape {self.shape} in dim {a}")
     if index.device != self.device:
       raise DeviceError(f"the gather index is on {index.device}, the input on {self.device}; move one with .to()")
-    # each output element reads one element of the flattened input: its own coordinates, `index` along `axis`
+    return self.reshape(-1, 1)._take_rows(self._flat_places(axis, index)).reshape(index.shape)
+
+  def _flat_places(self, axis: int, index: Tensor) -> Tensor:
+    """For each element of `index`, the flat address in this tensor of the place it names: its own coordinates,
+    `index` along `axis` (negative counting from the end). An index outside [-n, n) along `axis` gives the address
+    one past the last element (a gather reads 0 there, an indexed accumulate adds nothing)."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     size = self.shape[axis]
     picked = index.cast(dtypes.int32)
     picked = (picked < 0).where(picked + size, picked)
@@ -585,11 +590,8 @@ class MovementMixin:
     for a in range(self.ndim):
       if a == axis or index.shape[a] == 1: continue
       shape = [-1 if b == a else 1 for b in range(self.ndim)]
-      coordinate = Tensor.arange(index.shape[a], device=self.device).reshape(shape)
-      flat = flat + coordinate * strides[a]
-    # out of range along `axis`: an index past the flattened input, which reads 0
-    flat = ((picked >= 0) & (picked < size)).where(flat, prod(self.shape))
-    return self.reshape(-1, 1)._take_rows(flat).reshape(index.shape)
+      flat = flat + Tensor.arange(index.shape[a], device=self.device).reshape(shape) * strides[a]
+    return ((picked >= 0) & (picked < size)).where(flat, self.numel())
 
   def _scatter_hits(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
     """With `dim` moved last: a bool one-hot (..., k, n), True where source position k along `dim` targets position
@@ -629,7 +631,6 @@ class MovementMixin:
     Every element of `index` names one place of self (its own coordinates, `index` along `dim`); the sources are
     added there in order, repeated places summed, by one indexed-accumulate kernel (no one-hot). An index outside
     [-n, n) adds nothing."""
-    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
     self._check_scatter("scatter_add", dim, index, src)
     if index.device != self.device or src.device != self.device:
@@ -637,18 +638,7 @@ class MovementMixin:
                         f"{src.device}; move them with .to()")
     if index.numel() == 0: return self
     src = src.shrink([(0, size) for size in index.shape])
-    # the flat address of each element's place: its own coordinates, `index` along `axis` (as gather reads)
-    size = self.shape[axis]
-    picked = index.cast(dtypes.int32)
-    picked = (picked < 0).where(picked + size, picked)
-    strides = [prod(self.shape[a + 1:]) for a in range(self.ndim)]
-    flat = picked * strides[axis]
-    for a in range(self.ndim):
-      if a == axis or index.shape[a] == 1: continue
-      shape = [-1 if b == a else 1 for b in range(self.ndim)]
-      flat = flat + Tensor.arange(index.shape[a], device=self.device).reshape(shape) * strides[a]
-    flat = ((picked >= 0) & (picked < size)).where(flat, self.numel())   # outside along `axis`: past every place
-    added = self.reshape(-1)._add_rows_at(flat, src.cast(self.dtype).reshape(-1))
+    added = self.reshape(-1)._add_rows_at(self._flat_places(axis, index), src.cast(self.dtype).reshape(-1))
     return added.reshape(self.shape)
 
   def scatter(self, dim: int, index: Tensor, src: Tensor | float | int, reduce: str | None = None) -> Tensor:
