@@ -21,13 +21,13 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ourgrad.device import Buffer, Device
-from ourgrad.dtype import DType, dtypes, is_additive_identity, truncate
+from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
 from ourgrad.helpers import MATMUL_GRID, prod
-from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu
+from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
@@ -238,10 +238,8 @@ class LazyBuffer:
       # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add. A result is a new tensor,
       # never x's own memory: folded only where x is still lazy (x * 1 of a stored x would alias it, and a later
       # x.assign(...) would change the result too)
-      if op is Ops.ADD and is_additive_identity(values[1], out_dtype) and _is_lazy(left): return left
-      if op is Ops.ADD and is_additive_identity(values[0], out_dtype) and _is_lazy(right): return right
-      if op is Ops.MUL and values[1] == 1 and _is_lazy(left): return left
-      if op is Ops.MUL and values[0] == 1 and _is_lazy(right): return right
+      if is_identity_constant(op, values[1], out_dtype) and _is_lazy(left): return left
+      if is_identity_constant(op, values[0], out_dtype) and _is_lazy(right): return right
       if op is Ops.MUL and not out_dtype.is_float and 0 in (values[0], values[1]): return self.const_like(0, out_dtype)
     return None
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Callable
 
-from ourgrad.dtype import DType, dtypes, truncate
+from ourgrad.dtype import DType, dtypes, is_additive_identity, truncate
 from ourgrad.shape.shapetracker import ShapeTracker
 
 
@@ -262,3 +262,10 @@ def exec_alu(op: Ops, dtype: DType, operands: tuple[Any, ...]) -> Any:
   if op is Ops.RECIP and dtype.is_int: raise ValueError("RECIP of an integer dtype")
   result = PYTHON_ALU[op](*operands)
   return truncate(dtype, result)
+
+
+def is_identity_constant(op: Ops, value: Any, dtype: DType) -> bool:
+  """Whether `x op value` is x for every x of `dtype` (and `value op x`, both ops commuting): x * 1, and x + 0 where
+  0 is the dtype's additive identity (for floats only -0.0: dtype.is_additive_identity)."""
+  if op is Ops.MUL: return value is not None and value == 1
+  return op is Ops.ADD and is_additive_identity(value, dtype)

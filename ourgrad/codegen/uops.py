@@ -20,7 +20,7 @@ from enum import Enum, auto
 from typing import Any
 
 from ourgrad.dtype import DType, dtypes, is_additive_identity
-from ourgrad.ops import Ops, exec_alu
+from ourgrad.ops import Ops, exec_alu, is_identity_constant
 
 
 class AxisType(Enum):
@@ -200,8 +200,8 @@ class UOpBuilder:
       return self.const(exec_alu(op, dtype, tuple(src.arg for src in srcs)), dtype)
     if len(srcs) == 2 and srcs[1].op is UOps.CONST:
       value = srcs[1].arg
-      if op is Ops.ADD and is_additive_identity(value, dtype) and srcs[0].dtype == dtype: return srcs[0]
-      if op in (Ops.MUL, Ops.IDIV) and value == 1 and srcs[0].dtype == dtype: return srcs[0]
+      if (is_identity_constant(op, value, dtype) or (op is Ops.IDIV and value == 1)) and srcs[0].dtype == dtype:
+        return srcs[0]
       if op is Ops.MUL and value == 0 and not dtype.is_float: return self.const(0, dtype)
     if (len(srcs) == 2 and srcs[0].op is UOps.CONST and op is Ops.ADD and is_additive_identity(srcs[0].arg, dtype)
         and srcs[1].dtype == dtype):

@@ -23,7 +23,7 @@ from collections import defaultdict
 from typing import Callable, Sequence
 
 from ourgrad.device import Buffer, Device
-from ourgrad.dtype import DType, dtypes, is_additive_identity
+from ourgrad.dtype import DType, dtypes
 from ourgrad.engine import graph_viz
 from ourgrad.engine.kernel_walk import (Realizations, final_reduces, item_precedence, items_on_cycles, joins_rows,
                                         kernel_value, order_items, walk_kernel, write_version)
@@ -34,7 +34,8 @@ from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.engine.snapshot import protect_lazy_readers
 from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, fmt_size, prod
 from ourgrad.lazy import LazyBuffer, walk_bases
-from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
+from ourgrad.ops import (ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops,
+                         is_identity_constant)
 from ourgrad.shape.shapetracker import ShapeTracker
 
 # Scheduling gives bases their buffers (base.realized) before the kernels that fill them run: another thread that
@@ -547,8 +548,7 @@ def _identity_operand(op: Ops, srcs: tuple[LazyOp, ...], dtype: DType) -> LazyOp
   for operand, other in ((srcs[0], srcs[1]), (srcs[1], srcs[0])):
     if other.op is not Ops.CONST or operand.dtype != dtype or other.dtype != dtype: continue
     if any(view.mask is not None for view in other.arg.st.views): continue   # 0 in its padded places
-    value = other.arg.val
-    if (op is Ops.MUL and value == 1) or (op is Ops.ADD and is_additive_identity(value, dtype)): return operand
+    if is_identity_constant(op, other.arg.val, dtype): return operand
   return None
 
 
