@@ -150,9 +150,7 @@ class LLVMCompiler(Compiler):
     with self._verify_lock:
       if self._verified: return
       key = self.toolchain_key
-      cached = toolchain_check.cached_verdict(key)
-      verdict, wrong = cached if cached is not None else self._run_self_test()
-      if cached is None: toolchain_check.store_verdict(key, verdict, wrong)
+      verdict, wrong = toolchain_check.verdict_for(key, self._run_self_test)
       describe = f"LLVM {'.'.join(map(str, llvm.llvm_version_info))} (cpu {self.target.cpu})"
       if verdict == "broken":
         raise CompileError(f"{describe} computes wrong answers on ourgrad's known-answer self-test even with its "

@@ -12,7 +12,7 @@ of flags (~0.2 s with gcc; DISABLE_COMPILER_CACHE=1 runs it in every process).
 
 Main pieces: `KnownAnswer` (one kernel, its inputs and expected outputs), `C_KNOWN_ANSWERS`, `LLVM_KNOWN_ANSWERS`,
 `wrong_answers` (run a set through a build-and-load function), `run_with_safe_fallback` (the verdict) and
-`cached_verdict` / `store_verdict`.
+`verdict_for` (`cached_verdict` / `store_verdict`).
 """
 from __future__ import annotations
 
@@ -319,3 +319,12 @@ def store_verdict(toolchain_key: str, verdict: str, wrong: list[str]) -> None:
     write_atomic(_verdict_path(toolchain_key), json.dumps(record, indent=1).encode(), durable=False)
   except OSError:
     pass
+
+
+def verdict_for(toolchain_key: str, run_self_test: Callable[[], tuple[str, list[str]]]) -> tuple[str, list[str]]:
+  """The verdict of this toolchain and its wrong answers: the stored one, else `run_self_test()`'s, then stored."""
+  cached = cached_verdict(toolchain_key)
+  if cached is not None: return cached
+  verdict, wrong = run_self_test()
+  store_verdict(toolchain_key, verdict, wrong)
+  return verdict, wrong
