@@ -363,6 +363,42 @@ def test_tf32_wgmma_opt_only_when_allowed() -> None:
   with pytest.raises(KernelOptError, match="K-major"): plain.apply_opt(Opt(OptOps.WGMMA, 3, 128))
 
 
+def test_tf32_wgmma_reads_rows_longer_than_k() -> None:
+  """Operands whose rows are longer than the product's K (a slice of K, as a split-K partial reads): the plan keeps
+  the rows' real stride, the kernel reads only its slice (the rest of each row holds values that would change the
+  sum), and NVRTC compiles it."""
+  a_full, b_t_full = _operands((256, 160), (384, 160), seed=37)
+  ourgrad.set_float32_matmul_precision("high")
+  schedule = create_schedule([(Tensor(a_full, device=DEVICE)[:, :96] @ Tensor(b_t_full, device=DEVICE)[:, :96].T)
+                              .lazydata])
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  kernel = Kernel(item.ast, PythonRenderer("CUDA_SM90"))
+  kernel.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+  plan, _ = kernel.wgmma
+  assert (plan.k, plan.a_row_stride, plan.b_row_stride) == (96, 160, 160)
+  a, b = a_full[:, :96], np.ascontiguousarray(b_t_full[:, :96].T)
+  model = (tf32_truncated(a) @ tf32_truncated(b)).reshape(-1)
+  np.testing.assert_allclose(_run(kernel, item), model, rtol=0, atol=1e-5 * np.abs(model).max())
+  if NVRTC is not None:
+    cuda = Kernel(item.ast, CUDARenderer("sm_90"))
+    cuda.apply_opt(Opt(OptOps.WGMMA, 3, 128))
+    NVRTC.compile(CUDARenderer("sm_90").render_wgmma(cuda.name, *cuda.wgmma))
+
+
+def test_tf32_split_weight_gradient_takes_wgmma(monkeypatch) -> None:
+  """A weight gradient g^T @ x with both operands stored K-major (transposed copies) and K long enough to split: the
+  split's partial kernel reads a K slice of each row and still takes WGMMA on an emulated H100."""
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA_SM90"))   # the split reads the device
+  ourgrad.set_float32_matmul_precision("high")
+  g_t, x_t = Tensor.empty(2304, 4096, device=DEVICE), Tensor.empty(768, 4096, device=DEVICE)
+  kernels = [Kernel(item.ast, PythonRenderer("CUDA_SM90")) for item in create_schedule([(g_t @ x_t.T).lazydata])]
+  for kernel in kernels: kernel.hand_coded_optimizations()
+  partial = next(kernel for kernel in kernels if kernel.reduceops)
+  assert len(partial.full_shape) == 4, partial.full_shape   # (parts, M, N, K / parts)
+  assert [opt.op for opt in partial.applied_opts] == [OptOps.WGMMA]
+
+
 def test_heuristic_tf32_on_sm90(monkeypatch) -> None:
   """On an emulated H100 with TF32 allowed: a large x @ W^T takes WGMMA, a large x @ W (B K x N) mma.sync TF32."""
   monkeypatch.setattr(heuristic, "WGMMA_MIN_WORK", 1)

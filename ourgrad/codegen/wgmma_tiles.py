@@ -101,16 +101,31 @@ class WgmmaMatmul:
   a_batch: int = 0               # (0: the same operand for every batch entry)
   b_batch: int = 0
   c_batch: int = 0
+  # elements from one row of an operand to the next in memory (its leading dimension): rows run along K for a K-major
+  # operand (0: dense, K) and along M (N) for an MN-major one (0: dense, M or N). A split-K partial reads K / parts
+  # of each row, so its rows are longer than its K.
+  a_row_stride: int = 0
+  b_row_stride: int = 0
 
   def __post_init__(self):
     if self.dtype not in ITEMSIZE: raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16/float32 (TF32)")
     if not self.out_dtype: object.__setattr__(self, "out_dtype", self.dtype)
+    for operand, k_major, across in (("a", self.a_k_major, self.m), ("b", self.b_k_major, self.n)):
+      dense = self.k if k_major else across
+      stride = getattr(self, f"{operand}_row_stride") or dense
+      object.__setattr__(self, f"{operand}_row_stride", stride)
+      # each row starts a 16-byte cp.async piece, so it must start on a 16-byte boundary
+      if stride < dense or stride * ITEMSIZE[self.dtype] % 16:
+        raise ValueError(f"wgmma operand {operand.upper()} with rows {stride} elements apart: at least {dense}, "
+                         "a multiple of 16 bytes")
     if not self.block_k: object.__setattr__(self, "block_k", ROW_BYTES // self.itemsize)
     if self.out_dtype not in (self.dtype, "float32"):
       raise ValueError(f"wgmma matmul of {self.dtype} into {self.out_dtype}: {self.dtype} or float32")
     if self.dtype == "float32" and not (self.b_k_major and self.a_k_major):
       raise ValueError("TF32 wgmma cannot transpose an operand: A must be M x K and B N x K (both K-major)")
-    if max(self.m * self.k, self.k * self.n, self.m * self.n) >= 2 ** 31:
+    a_elements = (self.m if self.a_k_major else self.k) * self.a_row_stride
+    b_elements = (self.n if self.b_k_major else self.k) * self.b_row_stride
+    if max(a_elements, b_elements, self.m * self.n) >= 2 ** 31:
       raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n}: an operand of 2^31 elements or more (int indices)")
     if self.block_m % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k != ROW_BYTES // self.itemsize \
         or self.stages < 3:
@@ -163,8 +178,11 @@ class WgmmaMatmul:
     variant = ("_swapped" if self.b_lbo_sbo_swapped else "") + ("_ws" if self.specialized else "") + \
       ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "")
     dtype = "tf32" if self.dtype == "float32" else self.dtype
+    dense = (self.k if self.a_k_major else self.m), (self.k if self.b_k_major else self.n)
+    strides = (self.a_row_stride, self.b_row_stride)
+    rows = f"_rows{strides[0]}x{strides[1]}" if strides != dense else ""
     return (f"wgmma_{dtype}{out}_{batched}{self.m}_{self.n}_{self.k}_b{self.block_m}x{self.block_n}_"
-            f"s{self.stages}_{major}{variant}")
+            f"s{self.stages}_{major}{rows}{variant}")
 
   @property
   def global_size(self) -> tuple[int, int, int]:
@@ -229,20 +247,20 @@ def a_copy(plan: WgmmaMatmul, piece, step):
   """(element offset in A from the block's first row (column for K x M), byte offset in the stage) of A's 16-byte
   piece `piece` of K step `step`: K-major, row piece // 8 of the tile (8 elements along K; TF32: 4), 128-byte
   swizzled rows; MN-major as B's (mn_major_copy)."""
-  if not plan.a_k_major: return mn_major_copy(plan, piece, step, plan.block_m, plan.m)
+  if not plan.a_k_major: return mn_major_copy(plan, piece, step, plan.block_m, plan.a_row_stride)
   row, column = piece // 8, piece % 8
-  return (row * plan.k + step * plan.block_k + column * plan.piece_elements,
+  return (row * plan.a_row_stride + step * plan.block_k + column * plan.piece_elements,
           row * ROW_BYTES + ((column ^ (row & 7)) << 4))
 
 
-def mn_major_copy(plan: WgmmaMatmul, piece, step, block: int, size: int):
+def mn_major_copy(plan: WgmmaMatmul, piece, step, block: int, row_stride: int):
   """(element offset from the block's first column, byte offset in the operand's tile) of piece `piece` of an
-  MN-major operand (K rows of `size` elements, `block` of them in the tile): row = K index, 64 elements a row, the
-  next 64 after block_k rows."""
+  MN-major operand (K rows `row_stride` elements apart, `block` of each in the tile): row = K index, 64 elements a
+  row, the next 64 after block_k rows."""
   per_row = block // 8
   row, along = piece // per_row, piece % per_row
   column, chunk = along % 8, along // 8
-  return ((step * plan.block_k + row) * size + along * 8,
+  return ((step * plan.block_k + row) * row_stride + along * 8,
           chunk * (plan.block_k * ROW_BYTES) + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
 
 
@@ -251,9 +269,9 @@ def b_copy(plan: WgmmaMatmul, piece, step):
   `piece`: K-major as A; MN-major: row = K index, 64 N a row, the next 64 N after block_k rows."""
   if plan.b_k_major:
     row, column = piece // 8, piece % 8
-    return (row * plan.k + step * plan.block_k + column * plan.piece_elements,
+    return (row * plan.b_row_stride + step * plan.block_k + column * plan.piece_elements,
             plan.a_stage_bytes + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
-  source, target = mn_major_copy(plan, piece, step, plan.block_n, plan.n)
+  source, target = mn_major_copy(plan, piece, step, plan.block_n, plan.b_row_stride)
   return source, plan.a_stage_bytes + target
 
 
@@ -330,7 +348,8 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
   a_lbo, a_sbo = plan.a_leading_stride()
   b_lbo, b_sbo = plan.b_leading_stride()
   tile_m, tile_n = tile_of_block(plan, CExpr("(int)blockIdx.x"))
-  b_block = "b + tile_n * " + (f"{plan.block_n * plan.k}" if plan.b_k_major else f"{plan.block_n}")
+  b_block = "b + tile_n * " + (f"{plan.block_n * plan.b_row_stride}" if plan.b_k_major else f"{plan.block_n}")
+  a_block_elements = plan.block_m * (plan.a_row_stride if plan.a_k_major else 1)
   a_start, b_start = operand_starts(plan, CExpr("warpgroup"), CExpr("j"))
   row, column = accumulator_position(CExpr("thread"), CExpr("i"))
   copy_thread, copy_threads = ("thread", WARPGROUP_THREADS) if plan.specialized else ("threadIdx.x", plan.threads)
@@ -350,7 +369,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
     # CTAs in groups of group_m M tiles down one column of N tiles, so B's block columns are reused from L2
     f"  int tile_m = {tile_m}, tile_n = {tile_n};",
-    f"  const {C_TYPE[plan.dtype]}* a_block = a + tile_m * {plan.block_m * (plan.k if plan.a_k_major else 1)};",
+    f"  const {C_TYPE[plan.dtype]}* a_block = a + tile_m * {a_block_elements};",
     f"  const {C_TYPE[plan.dtype]}* b_block = {b_block};",
     # with a producer, warpgroup -1 copies and 0.. compute
     f"  int warpgroup = threadIdx.x / 128{' - 1' if plan.specialized else ''}, thread = threadIdx.x % 128;",
@@ -550,13 +569,17 @@ def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False
     views[id(leaf)], batch_strides[id(leaf)] = strides[-3:], strides[0] if batch else 0
   if views[id(store)] != (n, 1, 0): raise ValueError(f"needs a row-major M x N output, strides {views[id(store)]}")
   if views[id(a)][1] != 0: a, b = b, a   # A is the operand that does not vary along N
-  if views[id(a)] not in ((k, 0, 1), (1, 0, m)):
+  # rows may be longer than the loop nest's K (M, N): a split-K partial reads one slice of each row
+  a_m, _, a_k = views[id(a)]
+  if not ((a_k == 1 and a_m >= k) or (a_m == 1 and a_k >= m)):
     raise ValueError(f"needs A as M x K or K x M, strides {views[id(a)]}")
-  if views[id(b)] not in ((0, 1, n), (0, k, 1)): raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
+  _, b_n, b_k = views[id(b)]
+  if not ((b_n == 1 and b_k >= n) or (b_k == 1 and b_n >= k)):
+    raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
   out_dtype = store.dtype.name
   plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_n=block_n, stages=stages,
-                     specialized=specialized, deep=deep, b_k_major=views[id(b)] == (0, k, 1),
-                     a_k_major=views[id(a)] == (k, 0, 1),
+                     specialized=specialized, deep=deep, b_k_major=b_k == 1, a_k_major=a_k == 1,
+                     a_row_stride=a_m if a_k == 1 else a_k, b_row_stride=b_n if b_k == 1 else b_k,
                      batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)],
                      c_batch=batch_strides[id(store)])
   return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}

@@ -86,8 +86,8 @@ def _emulate_one(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray)
   shared = np.zeros(plan.stages * plan.stage_bytes // itemsize, dtype=WORDS[itemsize])
   for block in range(plan.global_size[0]):
     tile_m, tile_n = tile_of_block(plan, block)
-    a_block = tile_m * plan.block_m * (plan.k if plan.a_k_major else 1)
-    b_block = tile_n * plan.block_n * (plan.k if plan.b_k_major else 1)
+    a_block = tile_m * plan.block_m * (plan.a_row_stride if plan.a_k_major else 1)
+    b_block = tile_n * plan.block_n * (plan.b_row_stride if plan.b_k_major else 1)
     fragments = np.zeros((plan.warpgroups, WARPGROUP_THREADS, plan.block_n // 2), dtype=np.float32)
     for step in range(plan.k // plan.block_k):
       stage_base = (step % plan.stages) * plan.stage_bytes
