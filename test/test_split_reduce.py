@@ -204,8 +204,9 @@ def test_batchnorm_statistics_backward_splits_with_cuda_facts(monkeypatch: pytes
                       split_reduce.SplitFacts.of(PythonRenderer("CUDA")))
   plans = _split_plans(monkeypatch)
   _kernels(_batchnorm_statistics_backward("PYTHON"))
-  backward = [(loads, plan) for shape, loads, plan in plans if shape == (256, 32, 8, 8) and loads > 1]
-  assert backward and all(plan is not None and plan.parts == 16 for _, plan in backward), plans
+  # the backward's two sums per channel (dy and dy * x_hat, through the max-pool's choice): 4 and 6 loads a value
+  backward = [(loads, plan) for shape, loads, plan in plans if shape == (256, 32, 8, 8) and loads >= 4]
+  assert len(backward) >= 2 and all(plan is not None and plan.parts == 16 for _, plan in backward), plans
 
 
 def test_plain_batchnorm_statistics_stay_one_kernel_with_h200_facts(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -206,7 +206,8 @@ def plan_split(renderer: Any, shape: tuple[int, ...], axes: tuple[int, ...], kin
     parts = gpu_split_parts(facts, kind, outputs, elements_per_output, shape[axis], itemsize, loads_per_element)
     if DEBUG >= 3 and parts is not None:
       print(f"split reduce: {shape} over {axes} ({kind.value}, {outputs} outputs: "
-            f"{-(-outputs // outputs_per_block(kind))} blocks for {facts.multiprocessors} multiprocessors) -> "
+            f"{-(-outputs // outputs_per_block(kind))} blocks for {facts.multiprocessors} multiprocessors, "
+            f"{loads_per_element} loads a value) -> "
             f"{parts} parts of axis {axis}")
     if parts is not None: return ReduceSplit(axis, parts, True)
   parts = cpu_split_parts(outputs, elements_per_output, shape[axis])
