@@ -223,6 +223,15 @@ def test_more_loads_a_value_split_sooner(loads: int, parts: int | None) -> None:
   assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.ROWS, 32, 16384, 256, 4, loads) == parts
 
 
+def test_classifier_bias_gradient_stays_one_kernel_with_h200_facts() -> None:
+  """The MLP's last bias gradient (10 outputs over a batch of 512, 6 loads a value through the softmax backward): the
+  heuristic lays it out as 5 blocks of 2 outputs x 128 threads (split_reduce.block_outputs), 4 iterations a thread,
+  about what a split's first kernel would take; the second launch would not pay (H100: 3 us as one kernel)."""
+  assert split_reduce.block_outputs(split_reduce.ReduceKind.COLUMNS, 10) == 2
+  assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.COLUMNS, 10, 512, 512, 4, 6) is None
+  assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.COLUMNS, 768, 4096, 4096, 4, 1) == 32
+
+
 def test_batchnorm_statistics_split_on_cuda() -> None:
   """On a real GPU, with the real facts (launch_bytes and latency_bytes from the driver): MNIST's second batchnorm
   statistics backward splits."""

@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any
 
 from ourgrad.codegen.opt.heuristic import BLOCK_THREADS, COLUMN_LOCALS, SHORT_REDUCE
-from ourgrad.helpers import DEBUG, prod
+from ourgrad.helpers import DEBUG, power_of_two_divisor, prod
 
 # a renderer with thread blocks that does not know its multiprocessors (the PYTHON interpreter, OpenCL) is taken for
 # a GPU of this many, resident threads as many as CUDA's (sm_80/sm_90 keep 2048 a multiprocessor)
@@ -99,6 +99,13 @@ def outputs_per_block(kind: ReduceKind) -> int:
   return BLOCK_THREADS * MATMUL_THREAD_OUTPUTS
 
 
+def block_outputs(kind: ReduceKind, outputs: int) -> int:
+  """Outputs one block of a plain (ROWS or COLUMNS) reduce's kernel computes, as the heuristic lays them out: one
+  for ROWS; for COLUMNS the largest power of two dividing the outputs up to COLUMN_LOCALS (its LOCAL threads; the
+  block's other threads GROUPTOP over the reduce: a classifier's 10 bias gradients are 5 blocks of 2 x 128 threads)."""
+  return 1 if kind is ReduceKind.ROWS else power_of_two_divisor(outputs, COLUMN_LOCALS)
+
+
 def min_part(kind: ReduceKind) -> int:
   """Elements of one part at least (MIN_PART_*)."""
   if kind is ReduceKind.ROWS: return MIN_PART_ROWS
@@ -142,17 +149,19 @@ def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, 
   does MNIST's bn2 statistics backward (32 blocks of 16,384 values of 6 loads: 64 iterations, 2 in flight). A
   matmul-like reduce (register tiles: many loads in flight), or a device whose latency is unknown, counts the
   bandwidth alone: input bytes x (multiprocessors - blocks) > launch_bytes x blocks."""
-  blocks = -(-outputs // outputs_per_block(kind))
   input_bytes = outputs * elements_per_output * itemsize
   if kind is ReduceKind.MATMUL or facts.latency_bytes == 0:
+    blocks = -(-outputs // outputs_per_block(kind))
     return input_bytes * (facts.multiprocessors - blocks) > facts.launch_bytes * blocks
   in_flight = iterations_in_flight(loads_per_element)
-  block_values = elements_per_output * min(outputs, outputs_per_block(kind))
+  blocks = -(-outputs // block_outputs(kind, outputs))
+  block_values = elements_per_output * block_outputs(kind, outputs)
   one_kernel = stream_cost(facts, input_bytes, blocks, -(-block_values // BLOCK_THREADS), in_flight)
   first = stream_cost(facts, input_bytes, blocks * parts, -(-block_values // (parts * BLOCK_THREADS)), in_flight)
-  # the second kernel: a column reduce of the parts, COLUMN_LOCALS outputs a block, one load an element
-  second_blocks = -(-outputs // COLUMN_LOCALS)
-  second_iterations = -(-parts * min(outputs, COLUMN_LOCALS) // BLOCK_THREADS)
+  # the second kernel: a column reduce of the parts (the parts outermost), one load an element
+  second_outputs = block_outputs(ReduceKind.COLUMNS, outputs)
+  second_blocks = -(-outputs // second_outputs)
+  second_iterations = -(-parts * second_outputs // BLOCK_THREADS)
   second = stream_cost(facts, parts * outputs * itemsize, second_blocks, second_iterations, LOADS_IN_FLIGHT)
   return one_kernel > first + facts.launch_bytes + second
 
