@@ -27,7 +27,7 @@ from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
 from ourgrad.helpers import MATMUL_GRID, prod
-from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
+from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, ELEMENTWISE_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
@@ -279,7 +279,10 @@ class LazyBuffer:
     grid_parts = self._matmul_split_parts(axes, out_shape)
     if grid_parts is not None: plan = ReduceSplit(max(axes, key=lambda a: self.shape[a]), grid_parts, True)
     else:
-      plan = plan_split(Device[self.device].renderer, self.shape, axes, self._reduce_kind(axes), self.dtype.itemsize)
+      # the loads a value takes bound a GPU thread's loads in flight (only GPUs ask: the walk costs eager time)
+      loads = len(_fused_loads(self)) if self._gpu_renderer() is not None else 1
+      plan = plan_split(Device[self.device].renderer, self.shape, axes, self._reduce_kind(axes), self.dtype.itemsize,
+                        loads)
       if plan is None: return None
     axis, parts = plan.axis, plan.parts
     size = self.shape[axis]
@@ -638,6 +641,22 @@ def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
 def _broadcast_scalar(shape: tuple[int, ...]) -> ShapeTracker:
   """The tracker of a scalar broadcast to `shape` (LazyBuffer.full's view), remembered: made for every constant."""
   return ShapeTracker.from_shape(()).reshape((1,) * len(shape)).expand(shape)
+
+
+def _fused_loads(lazy: LazyBuffer) -> set[LazyBuffer]:
+  """The buffers an elementwise expression reads (the bases it reaches through elementwise ops that are not realized
+  or forced to be; constants are not loads): what a reduce of it loads for each element (split_reduce's model)."""
+  loads: set[LazyBuffer] = set()
+  seen: set[int] = set()
+  stack = [lazy.base]
+  while stack:
+    base = stack.pop()
+    if id(base) in seen: continue
+    seen.add(id(base))
+    fused = base.realized is None and not base.forced_realize and base.op in ELEMENTWISE_OPS
+    if fused: stack.extend(src.base for src in base.srcs)
+    elif base.op is not Ops.CONST: loads.add(base)
+  return loads
 
 
 def _is_lazy(buffer: LazyBuffer) -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor
+from ourgrad import Tensor, lazy
 from ourgrad.codegen.kernel import Kernel, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt import split_reduce
@@ -165,15 +165,80 @@ def test_split_reduces_on_cuda_match_torch() -> None:
   np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-3, atol=5e-2)  # sums of 16384 products
 
 
-@pytest.mark.xfail(strict=True, reason="H200, session 9: split_reduce's launch gate keeps MNIST's second batchnorm "
-                   "statistics in one kernel of 32 blocks (42 us backward; split in session 7-8: 4 us). The gate "
-                   "assumes an unsplit block streams at its multiprocessor's share of the bandwidth (32 GB/s); this "
-                   "block measures 1.5 GB/s (256 threads, one 4-byte load each in flight per memory latency)")
+# the H200's facts as its CUDA device reads them (bench_fewout_h200_s9.txt: a launch worth 7.2 MB; 0.6 us latency)
+H200_FACTS = split_reduce.SplitFacts(132, 2048, 7_200_000, 2_880_000)
+
+
+def _batchnorm_statistics_backward(device: str, shape: tuple[int, ...] = (256, 32, 8, 8)) -> Tensor:
+  """The gradient of MNIST's second batchnorm (training statistics over N, H and W), then ReLU and a 2x2 max-pool:
+  its backward sums dy and dy * x_hat per channel, each value read from six buffers (features, mean, rstd, the pooled
+  output and the two gradients the max-pool backward picks from)."""
+  features = Tensor.empty(*shape, device=device, requires_grad=True)
+  mean = features.mean(axis=(0, 2, 3), keepdim=True)
+  variance = ((features - mean) ** 2).mean(axis=(0, 2, 3), keepdim=True)
+  normalized = ((features - mean) * (variance + 1e-5).rsqrt()).relu()
+  (normalized.max_pool2d(2) * Tensor.empty(shape[0], shape[1], shape[2] // 2, shape[3] // 2, device=device)).sum() \
+    .backward()
+  return features.grad
+
+
+def _split_plans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], int, split_reduce.ReduceSplit | None]]:
+  """Records each split decision the lazy layer asks for: (shape, loads per element, the plan)."""
+  plans: list = []
+  decide = lazy.plan_split
+  def recorded(renderer, shape, axes, kind, itemsize, loads_per_element=1):  # noqa: ANN001, ANN202
+    plan = decide(renderer, shape, axes, kind, itemsize, loads_per_element)
+    plans.append((shape, loads_per_element, plan))
+    return plan
+  monkeypatch.setattr(lazy, "plan_split", recorded)
+  return plans
+
+
+@pytest.mark.parametrize("facts", ["H200", "emulated CUDA"])
+def test_batchnorm_statistics_backward_splits_with_cuda_facts(monkeypatch: pytest.MonkeyPatch, facts: str) -> None:
+  """MNIST's bn2 statistics backward (32 channels of 256 x 8 x 8 values, six loads a value): one kernel is 32 blocks
+  whose threads wait a memory latency per loop iteration (H200, session 9: 42 us, 1.5 GB/s a block, not its SM share
+  of 32 GB/s); split in 16 parts it filled the GPU (4 us). The split's model counts the latencies
+  (split_reduce.stream_cost), so it splits with the H200's facts and the emulated CUDA renderer's."""
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", H200_FACTS if facts == "H200" else
+                      split_reduce.SplitFacts.of(PythonRenderer("CUDA")))
+  plans = _split_plans(monkeypatch)
+  _kernels(_batchnorm_statistics_backward("PYTHON"))
+  # the backward's two sums per channel (dy and dy * x_hat, through the max-pool's choice): 4 and 6 loads a value
+  backward = [(loads, plan) for shape, loads, plan in plans if shape == (256, 32, 8, 8) and loads >= 4]
+  assert len(backward) >= 2 and all(plan is not None and plan.parts == 16 for _, plan in backward), plans
+
+
+def test_plain_batchnorm_statistics_stay_one_kernel_with_h200_facts(monkeypatch: pytest.MonkeyPatch) -> None:
+  """A plain sum of the same shape (one load a value: the compiler keeps ~16 iterations in flight) streams about its
+  blocks' SM share: 4 us as one kernel on the H200, what two kernels would take with the launch."""
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", H200_FACTS)
+  assert len(_kernels(Tensor.empty(256, 32, 8, 8, device="PYTHON").sum(axis=(0, 2, 3)))) == 1
+
+
+@pytest.mark.parametrize("loads, parts", [(1, None), (2, 16), (6, 16), (16, 16)])
+def test_more_loads_a_value_split_sooner(loads: int, parts: int | None) -> None:
+  """gpu_split_parts for 32 outputs of 16,384 float32 values (ROWS) with the H200's facts: the loads each value takes
+  decide the iterations a thread has in flight (LOADS_IN_FLIGHT / loads), so one kernel's latency-bound time."""
+  assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.ROWS, 32, 16384, 256, 4, loads) == parts
+
+
+def test_classifier_bias_gradient_stays_one_kernel_with_h200_facts() -> None:
+  """The MLP's last bias gradient (10 outputs over a batch of 512, 6 loads a value through the softmax backward): the
+  heuristic lays it out as 5 blocks of 2 outputs x 128 threads (split_reduce.block_outputs), 4 iterations a thread,
+  about what a split's first kernel would take; the second launch would not pay (H100: 3 us as one kernel)."""
+  assert split_reduce.block_outputs(split_reduce.ReduceKind.COLUMNS, 10) == 2
+  assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.COLUMNS, 10, 512, 512, 4, 6) is None
+  assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.COLUMNS, 768, 4096, 4096, 4, 1) == 32
+
+
 def test_batchnorm_statistics_split_on_cuda() -> None:
-  """On a real GPU, with the real facts (launch_bytes from the driver): MNIST's second batchnorm statistics split."""
+  """On a real GPU, with the real facts (launch_bytes and latency_bytes from the driver): MNIST's second batchnorm
+  statistics backward splits."""
   skip_unless_device("CUDA")
-  x = Tensor(rng.standard_normal((256, 32, 8, 8)).astype(np.float32), device="CUDA")
-  assert len(_kernels(x.sum(axis=(0, 2, 3)))) == 2
+  grad = _batchnorm_statistics_backward("CUDA")
+  partial_sums = [item for item in _kernels(grad) if item.outputs[0].size == 16 * 32]
+  assert partial_sums, "the statistics backward's partial sums: 16 parts x 32 channels"
 
 
 @pytest.mark.parametrize("shape, width", [((256, 16, 24, 24), 24), ((256, 32, 8, 8), 8), ((256, 16, 24, 26), 24)])

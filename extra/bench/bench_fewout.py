@@ -82,7 +82,7 @@ def main() -> None:
   facts = split_reduce.SplitFacts.of(Device[args.device].renderer)
   print(f"split facts: {facts.multiprocessors} multiprocessors x {facts.threads_per_multiprocessor} threads (a wave "
         f"of {facts.wave_blocks} blocks of {split_reduce.BLOCK_THREADS}), a launch worth "
-        f"{facts.launch_bytes / 1e6:.1f} MB")
+        f"{facts.launch_bytes / 1e6:.1f} MB, a memory latency worth {facts.latency_bytes / 1e6:.1f} MB")
   reference = CopyReference(args.device, (1 << 26) >> 2 * args.scale, with_torch=torch is not None and cuda)
   print(reference.describe())
   print(f"{'workload':<26} {'bytes':>7} {'ourgrad':>8} {'GB/s':>6} {'%copy':>6} {'%same':>6} {'kernels':>7} "

@@ -19,6 +19,9 @@ class Renderer:
   # the scheduler stores an intermediate in a buffer of its own (one more launch) only when that saves more bytes
   # than this (engine/schedule.py `_store_or_recompute`). A CPU: ~5 us a call at ~10 GB/s.
   launch_bytes: int = 64 * 1024
+  # bytes of memory traffic that take as long as one load waits for memory (latency x bandwidth; 0: unknown): a GPU
+  # reduce with few blocks is bound by it (codegen/opt/split_reduce.py `stream_cost`)
+  latency_bytes: int = 0
   has_stack_arrays: bool = False  # a CPU kernel may declare per-thread arrays (DEFINE_LOCAL inside its loops)
   # per launch dimension (x, y, z): how many blocks and threads a launch may have
   global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)

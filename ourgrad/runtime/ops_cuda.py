@@ -31,6 +31,8 @@ except ImportError as error:  # the registry turns this into a DeviceError sayin
 CUDA_SUCCESS = driver.CUresult.CUDA_SUCCESS
 # a kernel launch inside a CUDA graph costs ~1-2 us on an H100/H200; times the bandwidth: the renderer's launch_bytes
 LAUNCH_SECONDS = 1.5e-6
+# a load waits ~0.6 us for HBM under load (H100/H200); times the bandwidth: the renderer's latency_bytes
+MEMORY_LATENCY_SECONDS = 0.6e-6
 
 
 def pointer_arguments(values: list[int]) -> tuple[Any, Any]:
@@ -398,6 +400,7 @@ class CUDADevice(Compiled):
     renderer.multiprocessors = multiprocessors   # the heuristics size grids by this GPU's SMs
     renderer.threads_per_multiprocessor = resident_threads   # and split reduces by its resident threads
     renderer.launch_bytes = int(LAUNCH_SECONDS * self._memory_bandwidth())
+    renderer.latency_bytes = int(MEMORY_LATENCY_SECONDS * self._memory_bandwidth())
     super().__init__(name, CUDAAllocator(self), renderer, CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)

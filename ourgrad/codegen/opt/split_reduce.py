@@ -6,9 +6,10 @@ for a reduce along the input's contiguous axis (ROWS), one per COLUMN_LOCALS out
 tiles for a matmul-like one. With fewer blocks than the device has multiprocessors, most of them idle and the reduce
 runs at a fraction of the memory bandwidth (24 blocks: ~700 GB/s of an H200's ~4 TB/s). Such a reduce is split: the
 first kernel sums `parts` pieces of its longest reduce axis into partial results (parts outermost), the second sums
-the parts (deterministic: no atomics). It splits only where the time the idle multiprocessors would cost is more
-than a second launch (`saves_more_than_a_launch`, from the device's launch_bytes). The parts are sized so that the
-first kernel has one wave of blocks, each piece long enough to be worth a partial's store and load.
+the parts (deterministic: no atomics). It splits only where the time one kernel would take is more than the split's
+two kernels take, a launch included (`saves_more_than_a_launch`, a model of memory bandwidth and latency from the
+device's launch_bytes and latency_bytes). The parts are sized so that the first kernel has one wave of blocks, each
+piece long enough to be worth a partial's store and load.
 
 The facts come from the device's renderer (`SplitFacts.of`): its multiprocessors (CUDA reads the SM count from the
 driver) and the threads one multiprocessor keeps resident (CUDA: from the driver too). A renderer that does not know
@@ -23,7 +24,7 @@ from enum import Enum
 from typing import Any
 
 from ourgrad.codegen.opt.heuristic import BLOCK_THREADS, COLUMN_LOCALS, SHORT_REDUCE
-from ourgrad.helpers import DEBUG, prod
+from ourgrad.helpers import DEBUG, power_of_two_divisor, prod
 
 # a renderer with thread blocks that does not know its multiprocessors (the PYTHON interpreter, OpenCL) is taken for
 # a GPU of this many, resident threads as many as CUDA's (sm_80/sm_90 keep 2048 a multiprocessor)
@@ -44,6 +45,11 @@ MIN_PART_COLUMNS = SHORT_REDUCE
 MIN_PART_MATMUL = 512
 # outputs of a matmul-like reduce one GPU thread computes (a register tile)
 MATMUL_THREAD_OUTPUTS = 16
+# loads one GPU thread keeps in flight at most: the compiler overlaps as many loop iterations of a reduce as fit this
+# many loads (registers waiting on memory). The H200's one-kernel rows: a plain column sum (1 load an iteration) moves
+# a block's SM share, ~16 iterations a latency; MNIST's bn2 statistics backward (6 loads) ~1-2 (bench_fewout_h200_s9,
+# bench_mnist_table_h200_s9b)
+LOADS_IN_FLIGHT = 16
 # a reduce of at least this many elements per output (and few outputs) is split on a CPU, for its cores
 CPU_SPLIT_MIN_ELEMENTS = 1 << 16
 
@@ -61,6 +67,7 @@ class SplitFacts:
   multiprocessors: int
   threads_per_multiprocessor: int
   launch_bytes: int = 0   # bytes the device's memory moves in the time of one kernel launch (Renderer.launch_bytes)
+  latency_bytes: int = 0  # bytes it moves in the time one load waits for memory (Renderer.latency_bytes; 0: no bound)
 
   @staticmethod
   def of(renderer: Any) -> SplitFacts:
@@ -68,7 +75,7 @@ class SplitFacts:
     if FACTS_OVERRIDE is not None: return FACTS_OVERRIDE
     return SplitFacts(getattr(renderer, "multiprocessors", 0) or DEFAULT_MULTIPROCESSORS,
                       getattr(renderer, "threads_per_multiprocessor", 0) or DEFAULT_THREADS_PER_MULTIPROCESSOR,
-                      getattr(renderer, "launch_bytes", 0))
+                      getattr(renderer, "launch_bytes", 0), getattr(renderer, "latency_bytes", 0))
 
   @property
   def wave_threads(self) -> int:
@@ -92,6 +99,13 @@ def outputs_per_block(kind: ReduceKind) -> int:
   return BLOCK_THREADS * MATMUL_THREAD_OUTPUTS
 
 
+def block_outputs(kind: ReduceKind, outputs: int) -> int:
+  """Outputs one block of a plain (ROWS or COLUMNS) reduce's kernel computes, as the heuristic lays them out: one
+  for ROWS; for COLUMNS the largest power of two dividing the outputs up to COLUMN_LOCALS (its LOCAL threads; the
+  block's other threads GROUPTOP over the reduce: a classifier's 10 bias gradients are 5 blocks of 2 x 128 threads)."""
+  return 1 if kind is ReduceKind.ROWS else power_of_two_divisor(outputs, COLUMN_LOCALS)
+
+
 def min_part(kind: ReduceKind) -> int:
   """Elements of one part at least (MIN_PART_*)."""
   if kind is ReduceKind.ROWS: return MIN_PART_ROWS
@@ -107,28 +121,67 @@ def leaves_device_idle(facts: SplitFacts, kind: ReduceKind, outputs: int) -> boo
   return -(-outputs // outputs_per_block(kind)) < facts.multiprocessors
 
 
-def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, input_bytes: int) -> bool:
-  """Whether the split saves more time than its second kernel's launch costs. Unsplit, `blocks` of the device's
-  multiprocessors stream the input; split, all of them: the time saved is the input's bytes x (multiprocessors /
-  blocks - 1) at the device's bandwidth, a launch costs `facts.launch_bytes` at it. A full sum of 4096 floats
-  (16 KB, one block) stays one kernel; a bias gradient of 4096 x 768 floats (12.6 MB, 24 blocks) splits."""
-  blocks = -(-outputs // outputs_per_block(kind))
-  return input_bytes * (facts.multiprocessors - blocks) > facts.launch_bytes * blocks
+def iterations_in_flight(loads_per_element: int) -> int:
+  """Loop iterations of a reduce whose loads one GPU thread has in flight together: LOADS_IN_FLIGHT / the loads one
+  element takes (the distinct buffers its value reads), at least one."""
+  return max(LOADS_IN_FLIGHT // max(loads_per_element, 1), 1)
+
+
+def stream_cost(facts: SplitFacts, input_bytes: int, blocks: int, iterations: int, in_flight: int) -> int:
+  """The time of a kernel of `blocks` blocks sharing `input_bytes`, each of its threads looping `iterations` times
+  with `in_flight` iterations' loads in flight, in bytes at the device's bandwidth: the slower of the bandwidth its
+  blocks get (a block streams at most its multiprocessor's share) and the memory latencies its threads wait in turn,
+  once for each round of a wave of blocks (a block of 256 threads with one 4-byte load in flight each moves 1 KB a
+  latency: 1.5 GB/s on the H200, not its SM share of 32 GB/s)."""
+  bandwidth_cost = input_bytes * facts.multiprocessors // max(min(blocks, facts.multiprocessors), 1)
+  rounds = -(-blocks // facts.wave_blocks)
+  latency_cost = rounds * -(-iterations // in_flight) * facts.latency_bytes
+  return max(bandwidth_cost, latency_cost)
+
+
+def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_per_output: int,
+                             itemsize: int, parts: int, loads_per_element: int = 1) -> bool:
+  """Whether `parts` parts take less time than one kernel, the second kernel's launch included (stream_cost, in bytes
+  at the device's bandwidth). One kernel has `blocks` blocks of BLOCK_THREADS threads, each thread looping over its
+  share of its block's values; split, the first kernel has `parts` times the blocks, each thread's loop `parts` times
+  shorter, and the second kernel sums parts x outputs values (a column reduce). A full sum of 4096 floats (16 KB, one
+  block of 16 iterations) stays one kernel; a bias gradient of 4096 x 768 floats (12.6 MB, 24 blocks) splits, and so
+  does MNIST's bn2 statistics backward (32 blocks of 16,384 values of 6 loads: 64 iterations, 2 in flight). A
+  matmul-like reduce (register tiles: many loads in flight), or a device whose latency is unknown, counts the
+  bandwidth alone: input bytes x (multiprocessors - blocks) > launch_bytes x blocks."""
+  input_bytes = outputs * elements_per_output * itemsize
+  if kind is ReduceKind.MATMUL or facts.latency_bytes == 0:
+    blocks = -(-outputs // outputs_per_block(kind))
+    return input_bytes * (facts.multiprocessors - blocks) > facts.launch_bytes * blocks
+  in_flight = iterations_in_flight(loads_per_element)
+  blocks = -(-outputs // block_outputs(kind, outputs))
+  block_values = elements_per_output * block_outputs(kind, outputs)
+  one_kernel = stream_cost(facts, input_bytes, blocks, -(-block_values // BLOCK_THREADS), in_flight)
+  first = stream_cost(facts, input_bytes, blocks * parts, -(-block_values // (parts * BLOCK_THREADS)), in_flight)
+  # the second kernel: a column reduce of the parts (the parts outermost), one load an element
+  second_outputs = block_outputs(ReduceKind.COLUMNS, outputs)
+  second_blocks = -(-outputs // second_outputs)
+  second_iterations = -(-parts * second_outputs // BLOCK_THREADS)
+  second = stream_cost(facts, parts * outputs * itemsize, second_blocks, second_iterations, LOADS_IN_FLIGHT)
+  return one_kernel > first + facts.launch_bytes + second
 
 
 def gpu_split_parts(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_per_output: int,
-                    split_size: int, input_bytes: int = 0) -> int | None:
+                    split_size: int, itemsize: int = 4, loads_per_element: int = 1) -> int | None:
   """Parts of the reduce axis of `split_size` elements, for a GPU: where one kernel would leave multiprocessors
-  idle (leaves_device_idle) by more than a launch's worth (saves_more_than_a_launch, for the `input_bytes` it
-  reads), enough parts for a wave of blocks (`facts.wave_blocks`), each part at least
-  `min_part(kind)` elements, at most MAX_PARTS; a divisor of `split_size`. None: no split (the reduce fills the
-  device already, or is too short to split into MIN_PARTS parts)."""
+  idle (leaves_device_idle), enough parts for a wave of blocks (`facts.wave_blocks`), each part at least
+  `min_part(kind)` elements, at most MAX_PARTS; a divisor of `split_size`; and only where the split saves more than
+  its second launch costs (saves_more_than_a_launch, for elements of `itemsize` bytes that each read
+  `loads_per_element` buffers). None: no split (the reduce fills the device already, is too short to split into
+  MIN_PARTS parts, or one kernel is as fast)."""
   per_block = outputs_per_block(kind)
   if not leaves_device_idle(facts, kind, outputs): return None
-  if not saves_more_than_a_launch(facts, kind, outputs, input_bytes): return None
   wanted = min(MAX_PARTS, elements_per_output // min_part(kind), -(-facts.wave_blocks * per_block // outputs))
   parts = max((parts for parts in range(1, min(wanted, split_size) + 1) if split_size % parts == 0), default=1)
-  return parts if parts >= MIN_PARTS else None
+  if parts < MIN_PARTS: return None
+  if not saves_more_than_a_launch(facts, kind, outputs, elements_per_output, itemsize, parts, loads_per_element):
+    return None
+  return parts
 
 
 def cpu_split_parts(outputs: int, elements_per_output: int, split_size: int) -> int | None:
@@ -149,19 +202,21 @@ class ReduceSplit:
 
 
 def plan_split(renderer: Any, shape: tuple[int, ...], axes: tuple[int, ...], kind: ReduceKind,
-               itemsize: int) -> ReduceSplit | None:
-  """Whether (and how) a reduce of `shape` (elements of `itemsize` bytes) over `axes` on `renderer`'s device is split
-  (GPU: gpu_split_parts from the device's facts; CPU: cpu_split_parts). The longest reduce axis is split: the batch
-  of a weight gradient or of batchnorm statistics, the tokens of a bias gradient."""
+               itemsize: int, loads_per_element: int = 1) -> ReduceSplit | None:
+  """Whether (and how) a reduce of `shape` (elements of `itemsize` bytes, each reading `loads_per_element` buffers)
+  over `axes` on `renderer`'s device is split (GPU: gpu_split_parts from the device's facts; CPU: cpu_split_parts).
+  The longest reduce axis is split: the batch of a weight gradient or of batchnorm statistics, the tokens of a bias
+  gradient."""
   axis = max(axes, key=lambda a: shape[a])
   outputs = prod(size for a, size in enumerate(shape) if a not in axes)
   elements_per_output = prod(shape) // outputs
   if renderer.runs_thread_blocks:
     facts = SplitFacts.of(renderer)
-    parts = gpu_split_parts(facts, kind, outputs, elements_per_output, shape[axis], prod(shape) * itemsize)
+    parts = gpu_split_parts(facts, kind, outputs, elements_per_output, shape[axis], itemsize, loads_per_element)
     if DEBUG >= 3 and parts is not None:
       print(f"split reduce: {shape} over {axes} ({kind.value}, {outputs} outputs: "
-            f"{-(-outputs // outputs_per_block(kind))} blocks for {facts.multiprocessors} multiprocessors) -> "
+            f"{-(-outputs // outputs_per_block(kind))} blocks for {facts.multiprocessors} multiprocessors, "
+            f"{loads_per_element} loads a value) -> "
             f"{parts} parts of axis {axis}")
     if parts is not None: return ReduceSplit(axis, parts, True)
   parts = cpu_split_parts(outputs, elements_per_output, shape[axis])
