@@ -179,3 +179,31 @@ def test_attention_sized_products_are_left_alone(hopper) -> None:
   finally:
     scheduler.stage_matmul_operands = original
   assert bases == [0]
+
+
+def test_gpt2_step_gradients_on_emulated_hopper(hopper, monkeypatch) -> None:
+  """A 1-layer GPT-2 (width 128, 128 tokens: every Linear matmul a multiple of the tile) forward and backward with
+  staged operands: every Linear's three matmuls and the tied embedding's take WGMMA, and the loss and every gradient
+  match PyTorch's in float64 within TF32's error."""
+  from extra.models.gpt2 import GPT2, GPT2Config, load_torch_weights, make_torch_gpt2
+  monkeypatch.setenv("DEVICE", DEVICE)   # the model's parameters are made on the default device
+  config = GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=256, block_size=128)
+  torch_model = make_torch_gpt2(config)
+  model = GPT2(config)
+  load_torch_weights(model, torch_model)
+  torch_model = torch_model.double()
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, (1, 129)).astype(np.int32)
+  with Tensor.train():
+    loss = model(Tensor(tokens[:, :-1].copy(), device=DEVICE), Tensor(tokens[:, 1:].copy(), device=DEVICE))[1]
+    loss.backward()
+  params = dict(model.named_parameters())
+  schedule = create_schedule([loss.lazydata] + [param.grad.lazydata for param in params.values()])
+  wgmma = sum(kinds == [OptOps.WGMMA] for kinds in _matmul_opts(schedule))
+  assert wgmma >= 4 * 3 + 2, wgmma   # c_attn, attn.c_proj, c_fc, mlp.c_proj: 3 each; logits and their input grad
+  run_schedule(schedule)
+  torch_tokens = torch.tensor(tokens, dtype=torch.long)
+  torch_loss = torch_model(torch_tokens[:, :-1], torch_tokens[:, 1:])[1]
+  torch_loss.backward()
+  assert abs(loss.item() - torch_loss.item()) < 1e-3 * abs(torch_loss.item())
+  for name, param in dict(torch_model.named_parameters()).items():
+    assert _relative_error(params[name].grad.numpy(), param.grad) < 5e-3, name

@@ -21,10 +21,12 @@ kernel plain K-major loads:
 - the reduce's result is stored as it is where an epilogue (a bias add, an activation) would fuse into it: the
   WGMMA kernel stores its accumulators plainly. Storing costs 2 x the output's bytes, amortized over the K
   multiply-adds of each output: done where K is at least the same tile.
-GPT-2's attention products (per head: 512 x 512 x 64 scores, 512 x 64 x 512 weighted sums and their gradients) are
-left alone by this rule: their output side of 64 (the head size) is below the tile, and the scores' K of 64 leaves
-their scale/mask epilogue fused. Devices without WGMMA (CPUs, pre-Hopper GPUs) never stage: their schedule is
-unchanged. The decisions are printed at DEBUG=3 with the realize reasons.
+GPT-2's attention products (per head, 64 wide): the scores q k^T (512 x 512, K = 64) keep their scale/mask
+epilogue fused (K below the tile), the weighted sums and three of the four gradients have a 64-wide output side
+(below the tile: the plan cannot tile it), and the scores' gradient dO V^T (512 x 512 x 64, its result stored
+already) gets dO and V staged per head (each element then feeds 512 outputs).
+Devices without WGMMA (CPUs, pre-Hopper GPUs) and float32 without TF32 never stage: their schedule is unchanged.
+The decisions are printed at DEBUG=3 with the realize reasons (and the refusals of matmul-shaped reduces).
 
 The float16/bfloat16 paths read any layout already (the instruction transposes 16-bit operands); their matmuls
 multiply casts of the operands, which this rule leaves alone.
