@@ -78,8 +78,8 @@ def stage_matmul_operands(bases: list[LazyBuffer], realizes: Realizations) -> li
   """Stage the operands (and store the results) of the matmuls WGMMA could run, as the module docstring says.
   Returns `bases` with the staged operands' CONTIGUOUS bases inserted before the products that read them; their
   reasons are in `realizes`. Unchanged where no device of `bases` has WGMMA."""
-  wgmma_devices = {base.device for base in bases if getattr(Device[base.device].renderer, "has_wgmma", False)} \
-      if any(base.op is Ops.SUM for base in bases) else set()
+  reduce_devices = {base.device for base in bases if base.op is Ops.SUM}
+  wgmma_devices = {device for device in reduce_devices if getattr(Device[device].renderer, "has_wgmma", False)}
   if not wgmma_devices: return bases
   users = _user_counts(bases)
   staged: dict[tuple[int, ShapeTracker], LazyBuffer] = {}   # (operand base, its staged view) -> the staged base
