@@ -120,6 +120,7 @@ def _matmul_loop(reduce: LazyBuffer, users: dict[int, int], realizes: Realizatio
   product = reduce.srcs[0]
   if not (product.st.contiguous and product.shape == product.base.shape): return None
   product = product.base
+  if not all(isinstance(size, int) for size in product.shape): return None   # a symbolic size: no tile to check
   if product.op is not Ops.MUL or product.realized is not None or id(product) in realizes: return None
   if users.get(id(product), 0) != 1 or len(product.srcs) != 2: return None
   varies = [varying_axes(src.st.simplify())[0] for src in product.srcs]
