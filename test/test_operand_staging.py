@@ -100,23 +100,29 @@ def test_linear_forward_and_backward_all_take_wgmma(hopper, layernorm: bool) -> 
     assert _relative_error(got.numpy(), want) < 3e-3
 
 
-def test_cat_of_views_operand_is_staged(hopper, capsys, monkeypatch) -> None:
-  """The qkv gradient of GPT-2 (a cat of gradients: an ADD of padded views) as a matmul operand: stored once in
-  the layout WGMMA reads (the DEBUG=3 reason says so), then a WGMMA kernel; values as numpy's."""
+@pytest.mark.parametrize("operand", ["cat_of_views", "scaled_sum"])
+def test_expression_operand_is_staged(hopper, capsys, monkeypatch, operand: str) -> None:
+  """An operand computed from loads, cheap enough that the recomputation rule leaves it fused: GPT-2's qkv gradient
+  (a cat of gradients: an ADD of padded views) or a residual-style `q + 0.5 * k` (a LayerNorm or GELU output costs
+  more and is stored by that rule before this one looks). Stored once in the layout WGMMA reads (the DEBUG=3 reason
+  says so), then one WGMMA kernel; values as numpy's."""
   monkeypatch.setattr(operand_staging, "DEBUG", 3)
   monkeypatch.setattr(scheduler, "DEBUG", 3)
   parts = [_random(TOKENS, WIDTH, seed=seed) for seed in (5, 6)]
-  w_np = _random(2 * WIDTH, WIDTH, seed=8)
   q, k = (Tensor(part, device=DEVICE) for part in parts)
-  w = Tensor(w_np, device=DEVICE)
-  # an add of two padded views (three: over the scheduler's recomputation limit, stored before this rule looks)
-  out = q.cat(k, dim=1) @ w
+  if operand == "cat_of_views":
+    # an add of two padded views (three: over the scheduler's recomputation limit, stored before this rule looks)
+    left, left_np = q.cat(k, dim=1), np.concatenate(parts, axis=1).astype(np.float64)
+  else:
+    left, left_np = q + 0.5 * k, parts[0] + 0.5 * parts[1]
+  w_np = _random(left_np.shape[1], WIDTH, seed=8)
+  out = left @ Tensor(w_np, device=DEVICE)
   schedule = create_schedule([out.lazydata])
   printed = capsys.readouterr().out
   assert "staged K-major for WGMMA (an expression of loads)" in printed, printed
   assert _matmul_opts(schedule) == [[OptOps.WGMMA]]
   run_schedule(schedule)
-  want = np.concatenate(parts, axis=1).astype(np.float64) @ w_np
+  want = left_np.astype(np.float64) @ w_np
   assert _relative_error(out.numpy(), torch.tensor(want)) < 3e-3
 
 

@@ -5,8 +5,9 @@ it reads each operand as one plain buffer: a LOAD through one unmasked view from
 (batch, M, N, K); and TensorFloat-32 operands (float32 where `set_float32_matmul_precision("high")` allows TF32)
 K-major, since the TF32 instruction cannot transpose (A stored M x K, B stored N x K). In a training step most
 matmuls miss that: an input gradient g @ W reads W as K x N, a weight gradient g^T @ x reads both sides M/N-major,
-and an operand may be an expression (the qkv gradient: a cat of the q/k/v gradients as padded views; a LayerNorm
-output recomputed inside the matmul). Those run on mma.sync at a fraction of WGMMA's rate.
+and an operand may be an expression cheap enough to stay fused (the qkv gradient: a cat of the q/k/v gradients as
+padded views; LayerNorm and GELU outputs cost more and the recomputation rule stores them). Those run on mma.sync at
+a fraction of WGMMA's rate.
 
 `stage_matmul_operands(bases, realizes)` runs in the scheduler after the realizations that need no kernel walk are
 chosen (engine/schedule.py). For every SUM of a MUL that is matmul-shaped, on a device whose renderer has WGMMA,
