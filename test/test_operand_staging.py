@@ -213,3 +213,22 @@ def test_gpt2_step_gradients_on_emulated_hopper(hopper, monkeypatch) -> None:
   assert abs(loss.item() - torch_loss.item()) < 1e-3 * abs(torch_loss.item())
   for name, param in dict(torch_model.named_parameters()).items():
     assert _relative_error(params[name].grad.numpy(), param.grad) < 5e-3, name
+
+
+def test_staged_weight_is_read_before_the_optimizer_writes_it(hopper) -> None:
+  """In one schedule with the SGD update of W: the input gradient reads W through its staged copy (W^T), which must
+  copy W before the update overwrites it. The input gradient and the updated W equal torch's."""
+  from ourgrad.nn.optim import SGD
+  x_np, w_np, r_np = _random(TOKENS, WIDTH, seed=14), _random(HIDDEN, WIDTH, seed=15), _random(TOKENS, HIDDEN, seed=16)
+  x = Tensor(x_np, device=DEVICE, requires_grad=True)
+  w = Tensor(w_np, device=DEVICE, requires_grad=True)
+  optimizer = SGD([w], lr=0.5)
+  with Tensor.train():
+    loss = ((x @ w.T) * Tensor(r_np, device=DEVICE)).sum()
+    loss.backward()
+    Tensor.realize_all(loss, x.grad, *optimizer.schedule_step())
+  tx = torch.tensor(x_np, dtype=torch.float64, requires_grad=True)
+  tw = torch.tensor(w_np, dtype=torch.float64, requires_grad=True)
+  ((tx @ tw.T) * torch.tensor(r_np, dtype=torch.float64)).sum().backward()
+  assert _relative_error(x.grad.numpy(), tx.grad) < 3e-3
+  assert _relative_error(w.numpy(), tw.detach() - 0.5 * tw.grad) < 3e-3
