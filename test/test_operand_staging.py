@@ -26,6 +26,8 @@ from ourgrad.helpers import _float32_matmul_precision
 from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
 
+from helpers import device_opens
+
 DEVICE = "PYTHON"
 TOKENS, WIDTH, HIDDEN = 256, 128, 256
 
@@ -51,14 +53,14 @@ def _random(*shape: int, seed: int) -> np.ndarray:
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-def _matmul_opts(schedule) -> list[list[OptOps]]:
-  """The heuristic's opts (their kinds) for each kernel of `schedule` with a matmul-shaped SUM of a MUL."""
+def _matmul_opts(schedule, device: str = DEVICE) -> list[list[OptOps]]:
+  """The heuristic's opts (their kinds) on `device` for each kernel of `schedule` with a matmul-shaped SUM of a MUL."""
   chosen = []
   for item in schedule:
     if item.ast.op is Ops.COPY: continue
     sums = [node for node in item.ast.walk() if node.op is Ops.SUM]
     if len(sums) != 1 or not any(node.op is Ops.MUL for node in sums[0].walk()): continue
-    kernel = Kernel(item.ast, Device[DEVICE].renderer)
+    kernel = Kernel(item.ast, Device[device].renderer)
     if len(kernel.full_shape) < 3: continue   # a plain (row or column) reduce
     kernel.hand_coded_optimizations()
     chosen.append([opt.op for opt in kernel.applied_opts])
@@ -70,10 +72,10 @@ def _relative_error(got: np.ndarray, want: torch.Tensor) -> float:
   return float(np.linalg.norm(got.astype(np.float64) - want64) / np.linalg.norm(want64))
 
 
-def _linear_step(device: str, layernorm: bool):
+def _linear_step(device: str, layernorm: bool, tokens: int = TOKENS, width: int = WIDTH, hidden: int = HIDDEN):
   """A GPT-2-like Linear (bias, GELU after it) forward and backward: the tensors and the torch twins."""
-  x_np, w_np, b_np, r_np = (_random(TOKENS, WIDTH, seed=1), _random(HIDDEN, WIDTH, seed=2) * 0.1,
-                            _random(HIDDEN, seed=3), _random(TOKENS, HIDDEN, seed=4))
+  x_np, w_np, b_np, r_np = (_random(tokens, width, seed=1), _random(hidden, width, seed=2) * 0.1,
+                            _random(hidden, seed=3), _random(tokens, hidden, seed=4))
   x, w, b = (Tensor(v, device=device, requires_grad=True) for v in (x_np, w_np, b_np))
   r = Tensor(r_np, device=device)
   x_in = x.layernorm() if layernorm else x
@@ -81,7 +83,7 @@ def _linear_step(device: str, layernorm: bool):
   loss = (y.gelu(approximate="tanh") * r).sum()
   loss.backward()
   tx, tw, tb = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (x_np, w_np, b_np))
-  tx_in = torch.nn.functional.layer_norm(tx, (WIDTH,), eps=1e-5) if layernorm else tx
+  tx_in = torch.nn.functional.layer_norm(tx, (width,), eps=1e-5) if layernorm else tx
   ty = tx_in @ tw.T + tb
   (torch.nn.functional.gelu(ty, approximate="tanh") * torch.tensor(r_np, dtype=torch.float64)).sum().backward()
   return (y, x.grad, w.grad, b.grad), (ty, tx.grad, tw.grad, tb.grad)
@@ -232,3 +234,22 @@ def test_staged_weight_is_read_before_the_optimizer_writes_it(hopper) -> None:
   ((tx @ tw.T) * torch.tensor(r_np, dtype=torch.float64)).sum().backward()
   assert _relative_error(x.grad.numpy(), tx.grad) < 3e-3
   assert _relative_error(w.numpy(), tw.detach() - 0.5 * tw.grad) < 3e-3
+
+
+HOPPER = device_opens("CUDA") and getattr(Device["CUDA"].renderer, "has_wgmma", False)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs CUDA on an sm_90 GPU (H100/H200)")
+def test_cuda_linear_forward_and_backward() -> None:
+  """On the GPU, a GPT-2-sized Linear (4096 tokens, 768 -> 3072) with TF32: its three matmuls take WGMMA at the
+  default WGMMA_MIN_WORK, values and gradients as torch's in float64 within TF32's error."""
+  ourgrad.set_float32_matmul_precision("high")
+  try:
+    ours, theirs = _linear_step("CUDA", layernorm=True, tokens=4096, width=768, hidden=3072)
+    schedule = create_schedule([tensor.lazydata for tensor in ours])
+    assert sorted(kinds == [OptOps.WGMMA] for kinds in _matmul_opts(schedule, "CUDA")) == [True] * 3
+    run_schedule(schedule)
+    for got, want in zip(ours, theirs):
+      assert _relative_error(got.numpy(), want) < 3e-3
+  finally:
+    _float32_matmul_precision[0] = None
