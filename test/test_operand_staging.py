@@ -253,3 +253,17 @@ def test_cuda_linear_forward_and_backward() -> None:
       assert _relative_error(got.numpy(), want) < 3e-3
   finally:
     _float32_matmul_precision[0] = None
+
+
+def test_convolution_windows_are_not_staged(hopper, monkeypatch) -> None:
+  """A 3x3 convolution's weight gradient is matmul-shaped, but its input operand is a window view (im2col: each
+  element read 9 times); staging would copy it 9 times over, so the schedule is the one made without the rule."""
+  def conv_step_items() -> int:
+    x = Tensor(_random(2, 128, 16, 16, seed=17), device=DEVICE, requires_grad=True)
+    w = Tensor(_random(128, 128, 3, 3, seed=18), device=DEVICE, requires_grad=True)
+    out = x.conv2d(w, padding=1).relu()
+    out.sum().backward()
+    return len(create_schedule([out.lazydata, x.grad.lazydata, w.grad.lazydata]))
+  with_rule = conv_step_items()
+  monkeypatch.setattr(scheduler, "stage_matmul_operands", lambda bases, realizes: bases)
+  assert with_rule == conv_step_items()

@@ -19,6 +19,8 @@ kernel plain K-major loads:
   then feeds `other` outputs of the matmul (the other operand's output size) at WGMMA's rate. It pays where
   `other` is at least the plan's block tile (WGMMA_TILE): below that the matmul reads each element fewer times than
   a block's tile of outputs and the copy's two passes are not amortized;
+  An operand whose staged copy would hold more than MAX_STAGED_GROWTH times the elements of the base it reads (a
+  convolution's window view: im2col repeats each element kh * kw times) is not staged: the matmul is left alone;
 - the reduce's result is stored as it is where an epilogue (a bias add, an activation) would fuse into it: the
   WGMMA kernel stores its accumulators plainly. Storing costs 2 x the output's bytes, amortized over the K
   multiply-adds of each output: done where K is at least the same tile.
@@ -89,7 +91,7 @@ def stage_matmul_operands(bases: list[LazyBuffer], realizes: Realizations) -> li
     if base.op is not Ops.SUM or base.device not in wgmma_devices: continue
     loop = _matmul_loop(base, users, realizes)
     if loop is None: continue
-    refusal = _wgmma_refusal(loop, stored=id(base) in realizes)
+    refusal = _wgmma_refusal(loop, stored=id(base) in realizes) or _duplicating_operand(loop, realizes)
     if refusal is not None:
       if DEBUG >= 3: print(f"operand staging: {loop.describe()} {base.shape} not staged: {refusal}")
       continue
@@ -158,6 +160,22 @@ def _wgmma_refusal(loop: MatmulLoop, stored: bool) -> str | None:
     return f"M={m}, N={n} not multiples of the {WGMMA_TILE} tile or K={k} of {block_k}"
   if loop.size(loop.batch) * m * n * k < WGMMA_MIN_WORK: return f"under WGMMA_MIN_WORK ({WGMMA_MIN_WORK}) products"
   if not stored and k < WGMMA_TILE: return f"K={k} < {WGMMA_TILE}: its epilogue stays fused"
+  return None
+
+
+# a staged operand may hold at most this many times the elements of the base it reads: a pad or a cat of views adds
+# some; a convolution's window view (im2col) repeats each element kh * kw times, which its own plans read in place
+MAX_STAGED_GROWTH = 2
+
+
+def _duplicating_operand(loop: MatmulLoop, realizes: Realizations) -> str | None:
+  """Why staging would copy an operand's data several times over (a convolution's windows), or None."""
+  for side, operand in enumerate(loop.operands):
+    staged_size = loop.size(loop.layout(side))
+    if not _reads_as_k_major(operand, loop.layout(side), realizes) and \
+        staged_size > MAX_STAGED_GROWTH * operand.base.size:
+      return (f"operand {'AB'[side]} would be {staged_size // operand.base.size}x the {operand.base.shape} it reads "
+              f"(a window view, as a convolution's: its own plans read it in place)")
   return None
 
 
