@@ -28,6 +28,7 @@ from ourgrad.engine import graph_viz
 from ourgrad.engine.kernel_walk import (Realizations, final_reduces, item_precedence, items_on_cycles, joins_rows,
                                         kernel_value, order_items, walk_kernel, write_version)
 from ourgrad.engine.multi_output import group_outputs, sibling_limit
+from ourgrad.engine.operand_staging import stage_matmul_operands
 from ourgrad.engine.packing import pack_kernels
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule_item import ScheduleItem
@@ -71,6 +72,7 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   bases = walk_bases(outs)
   if not bases: return [], []
   realizes = _choose_realizes(bases, outs)
+  bases = stage_matmul_operands(bases, realizes)   # matmul operands in the layout WGMMA reads (operand_staging.py)
   _settle_fusion_groups(bases, realizes)
   if DEBUG >= 3: _print_realize_reasons(bases, realizes)
   lazy_graph = graph_viz.capture_lazy_graph(outs) if GRAPH else None   # before scheduling cuts the sources

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
-from ourgrad.helpers import GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, env_var
+from ourgrad.helpers import GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, env_var, tf32_allowed
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 
@@ -59,6 +59,9 @@ class CachedSchedule:
   input_slots: list[tuple[Slot, ...]]
   realized: list[tuple[int, Slot | None]]   # walked base index -> the leaf it shares (an assign) or None (fresh)
   cleared: list[int]                        # walked bases whose sources create_schedule dropped
+  # buffers of bases the scheduler made itself (staged matmul operands, snapshots): (device, size, dtype) each, a
+  # fresh buffer at every replay ("scratch" slots)
+  scratch: list[tuple[str, int, Any]]
   key: _Key | None = None                   # the key it is stored under
 
 
@@ -128,7 +131,8 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   key, bases, leaves = _structure(outs)
   # the scheduler's decisions depend on these settings, which may change at run time
   if not bases: return []
-  key = _Key((key, int(KERNEL_OPS_LIMIT), int(PACK_KERNELS), int(MAX_PACK_BUFFERS)))
+  # (TF32 allowed: matmul operands are staged for the WGMMA plan only then, engine/operand_staging.py)
+  key = _Key((key, int(KERNEL_OPS_LIMIT), int(PACK_KERNELS), int(MAX_PACK_BUFFERS), tf32_allowed()))
   cached = _cache.get(key)
   if cached is not None:
     _cache.move_to_end(cached.key)
@@ -162,8 +166,9 @@ def _with_canonical_ast(item: ScheduleItem) -> ScheduleItem:
 
 
 def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buffer]) -> CachedSchedule | None:
-  """The schedule in terms of slots; None if an item uses a buffer that is neither a leaf nor a walked base's (a
-  window of a DISK file), which a replay could not rebuild."""
+  """The schedule in terms of slots; None if an item reads a buffer that is neither a leaf, a walked base's nor one
+  an earlier item wrote (a window of a DISK file), which a replay could not rebuild. A buffer an item writes that
+  no walked base owns (a base the scheduler made: a staged operand, a snapshot) is a scratch slot."""
   slot_of: dict[int, Slot] = {id(buffer): ("leaf", index) for index, buffer in enumerate(leaves)}
   realized: list[tuple[int, Slot | None]] = []
   for index, base in enumerate(bases):
@@ -172,13 +177,23 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
     if shared is None: slot_of[id(base.realized)] = ("base", index)
     elif base.op is not Ops.ASSIGN: return None
     realized.append((index, shared))
-  try:
-    outputs = [tuple(slot_of[id(buffer)] for buffer in item.outputs) for item in items]
-    inputs = [tuple(slot_of[id(buffer)] for buffer in item.inputs) for item in items]
-  except KeyError:
-    return None
+  scratch: list[tuple[str, int, Any]] = []
+  outputs, inputs = [], []
+  for item in items:
+    try:
+      inputs.append(tuple(slot_of[id(buffer)] for buffer in item.inputs))
+    except KeyError:
+      return None
+    for buffer in item.outputs:
+      if id(buffer) not in slot_of and isinstance(buffer, Buffer) and type(buffer) is Buffer:
+        slot_of[id(buffer)] = ("scratch", len(scratch))
+        scratch.append((buffer.device, buffer.size, buffer.dtype))
+    try:
+      outputs.append(tuple(slot_of[id(buffer)] for buffer in item.outputs))
+    except KeyError:
+      return None
   cleared = [index for index, base in enumerate(bases) if base.realized is not None and not base.srcs]
-  return CachedSchedule([item.ast for item in items], outputs, inputs, realized, cleared)
+  return CachedSchedule([item.ast for item in items], outputs, inputs, realized, cleared, scratch=scratch)
 
 
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
@@ -190,7 +205,11 @@ def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer
     else:   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain)
       base.realized = leaves[shared[1]] if shared[0] == "leaf" else bases[shared[1]].realized
 
-  def buffer(slot: Slot) -> Buffer: return leaves[slot[1]] if slot[0] == "leaf" else fresh[slot[1]]
+  scratch = [Buffer(device, size, dtype) for device, size, dtype in cached.scratch]
+
+  def buffer(slot: Slot) -> Buffer:
+    if slot[0] == "scratch": return scratch[slot[1]]
+    return leaves[slot[1]] if slot[0] == "leaf" else fresh[slot[1]]
   items = [ScheduleItem(ast, tuple(buffer(slot) for slot in outputs), tuple(buffer(slot) for slot in inputs))
            for ast, outputs, inputs in zip(cached.asts, cached.output_slots, cached.input_slots)]
   for index in cached.cleared: bases[index].srcs = ()
