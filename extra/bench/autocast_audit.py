@@ -23,7 +23,6 @@ from ourgrad import Tensor, dtypes  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 from ourgrad.ops import LazyOp, Ops  # noqa: E402
 from extra.models.gpt2 import GPT2, GPT2Config, configure_optimizers  # noqa: E402
-from extra.models.gpt2 import training_step  # noqa: E402,F401  (the step this script schedules, spelled out below)
 
 AUTOCAST = {"bf16": dtypes.bfloat16, "fp16": dtypes.float16, "none": None}
 
@@ -57,10 +56,15 @@ def leaf_bytes(ast: LazyOp) -> int:
 
 
 def step_schedule(config: GPT2Config, batch: int, sequence: int, low: Any) -> list[Any]:
-  """The schedule of one training step (what gpt2.training_step realizes), with empty weights."""
+  """The schedule of one training step (what gpt2.training_step realizes) with empty weights, forward under
+  autocast(`low`) (None: float32). Not run: its buffers hold nothing."""
   from ourgrad import autocast
+  initialize = GPT2._initialize
   GPT2._initialize = lambda self: None  # type: ignore[method-assign]  (the audit reads dtypes, not values)
-  model = GPT2(config)
+  try:
+    model = GPT2(config)
+  finally:
+    GPT2._initialize = initialize  # type: ignore[method-assign]
   for param in model.parameters(): param.lazydata = Tensor.empty(*param.shape, dtype=param.dtype).realize().lazydata
   optimizers = configure_optimizers(model)
   tokens = Tensor.empty(batch, sequence, dtype=dtypes.int32).realize()
@@ -75,6 +79,7 @@ def step_schedule(config: GPT2Config, batch: int, sequence: int, low: Any) -> li
 
 
 def audit(schedule: list[Any], summary: bool) -> None:
+  """Print each kernel (unless `summary`) and the totals."""
   moved, stored, matmuls = 0, Counter(), Counter()
   for number, item in enumerate(schedule):
     kernel_bytes = leaf_bytes(item.ast) if item.ast.op is not Ops.COPY else 2 * item.outputs[0].nbytes
@@ -97,6 +102,34 @@ def audit(schedule: list[Any], summary: bool) -> None:
         ", ".join(f"{a} x {b} -> {acc}: {count}" for (a, b, acc), count in sorted(matmuls.items())))
 
 
+def peak_intermediates(schedule: list[Any], top: int = 6) -> None:
+  """The most bytes of buffers the step creates that are alive at once (each from the kernel that writes it to its
+  last reader; buffers that exist before the step, the weights and optimizer state, are not counted), as the memory
+  planner sees lifetimes, and what is alive at that point: what holds the step's peak memory beyond its weights."""
+  first_write: dict[int, int] = {}
+  first_read: dict[int, int] = {}
+  last_use: dict[int, int] = {}
+  by_id: dict[int, Any] = {}
+  for number, item in enumerate(schedule):
+    for buffer in item.outputs: first_write.setdefault(id(buffer), number)
+    for buffer in item.inputs: first_read.setdefault(id(buffer), number)
+    for buffer in (*item.outputs, *item.inputs):
+      last_use[id(buffer)], by_id[id(buffer)] = number, buffer
+  # made by the step: written before anything reads it (an updated weight is read first: it existed before)
+  made = [key for key, number in first_write.items() if first_read.get(key, number) >= number]
+  peak, peak_at = 0, 0
+  for number in range(len(schedule)):
+    alive = sum(by_id[key].nbytes for key in made if first_write[key] <= number <= last_use[key])
+    if alive > peak: peak, peak_at = alive, number
+  alive_at_peak = sorted((by_id[key] for key in made if first_write[key] <= peak_at <= last_use[key]),
+                         key=lambda buffer: -buffer.nbytes)
+  by_kind: Counter = Counter()
+  for buffer in alive_at_peak: by_kind[(buffer.dtype.name, buffer.size)] += 1
+  print(f"peak of buffers made by the step: {peak / 1e9:.3f} GB at kernel {peak_at}; largest alive there: " +
+        ", ".join(f"{count} x {name}[{size}] ({count * size * dtypes.as_dtype(name).itemsize / 1e9:.2f} GB)"
+                  for (name, size), count in sorted(by_kind.items(), key=lambda kv: -kv[0][1] * kv[1])[:top]))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="2,64,64,2,2,256", help="batch,seq,width,heads,layers,vocab")
@@ -105,7 +138,9 @@ def main() -> None:
   args = parser.parse_args()
   batch, sequence, width, heads, layers, vocab = (int(part) for part in args.config.split(","))
   config = GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=vocab, block_size=sequence)
-  audit(step_schedule(config, batch, sequence, AUTOCAST[args.autocast]), args.summary)
+  schedule = step_schedule(config, batch, sequence, AUTOCAST[args.autocast])
+  audit(schedule, args.summary)
+  peak_intermediates(schedule)
 
 
 if __name__ == "__main__":
