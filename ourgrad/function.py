@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.lazy import LazyBuffer
+from ourgrad.mixed_precision import store_low_precision
 from ourgrad.ops import Ops
 
 if TYPE_CHECKING:
@@ -108,10 +109,17 @@ class Clone(Function):
 class Cast(Function):
   def forward(self, x: LazyBuffer, dtype: DType, bitcast: bool = False) -> LazyBuffer:
     self.input_dtype, self.bitcast = x.dtype, bitcast
+    self.input_computed = x.base.realized is None
     return x.cast(dtype, bitcast)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
     if self.bitcast: raise RuntimeError("bitcast is not differentiable")
+    # the gradient of a narrowing cast of a computed value (a matmul's float32 sum rounded to bfloat16, autocast's
+    # cast of an activation) arrives in the low type: stored there (half the bytes, a low-precision matmul operand),
+    # widened by its readers. Not for a stored input's cast (a float32 weight): its gradient is widened in the kernel
+    # that computes it, straight into the float32 master gradient
+    if self.input_computed and self.input_dtype.itemsize > grad_output.dtype.itemsize:
+      store_low_precision(grad_output)
     return grad_output.cast(self.input_dtype)
 
 
@@ -391,6 +399,23 @@ class LogSumExpGrad(Function):
     shifted = _widen(_sub(self.x, self.value.expand(shape)))
     softmax = _scale(shifted, 1 / math.log(2)).elementwise(Ops.EXP2).cast(self.x.dtype)
     return _mul(softmax, grad_output.expand(shape)), None
+
+
+class SoftmaxGrad(Function):
+  """Passes a softmax's output y (computed from its input cut from the graph) through and gives the input the
+  gradient y * (grad - sum(grad * y)) over `axis`, as torch's softmax backward: it reads the saved output only (no
+  exps kept from the forward, no max or sum recomputed). float16/bfloat16 compute in float32 and round once; a low-
+  precision gradient reaching it is stored in its dtype (the attention's T x T products)."""
+
+  def forward(self, x: LazyBuffer, y: LazyBuffer, axis: int) -> LazyBuffer:
+    self.input_dtype, self.y, self.axis = x.dtype, y, axis
+    return y
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
+    store_low_precision(grad_output)
+    grad, y = _widen(grad_output), _widen(self.y)
+    weighted = _mul(grad, y).reduce(Ops.SUM, (self.axis,)).expand(y.shape)
+    return _mul(y, _sub(grad, weighted)).cast(self.input_dtype), None
 
 
 class MaxToOne(Function):

@@ -448,6 +448,12 @@ class LazyBuffer:
     if index.device != self.device:
       raise DeviceError(f"gather_rows: the index is on {index.device}, the table on {self.device}")
     rows, width = self.shape
+    base = self.base
+    if base.op is Ops.CAST and base.realized is None and self.st.contiguous and self.size == base.size and \
+       base.srcs[0].dtype.is_float and base.dtype.is_float and base.srcs[0].dtype.itemsize < base.dtype.itemsize:
+      # a widening float cast is exact, so it commutes with the pick: the narrow values are the table (bfloat16
+      # logits under autocast: stored as they are, not copied into a float32 table) and the picked rows are widened
+      return base.srcs[0].reshape(self.shape).gather_rows(index).cast(self.dtype)
     table = self.contiguous()  # row-major memory of its own: the kernel computes addresses into it
     spread = index.reshape((index.shape[0], 1)).expand((index.shape[0], width))
     return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, Ops.GATHER, rows, (table, spread))

@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import DTypeError
-from ourgrad.ops import ELEMENTWISE_OPS
+from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS
 
 LOW_FLOAT_DTYPES = (dtypes.float16, dtypes.bfloat16)
 # floats that autocast moves between the low type and float32; float64 is never touched (torch: "not eligible")
@@ -133,7 +133,10 @@ def _cast_argument(value: Any, policy: CastPolicy, low: DType) -> Any:
     # which tensor cores take, and reads half the bytes; the producer (a norm, a weight) writes them in its kernel
     return value.cast(low).contiguous()
   if policy is CastPolicy.LOWER and value.dtype == low: _store_computed_base(value)
-  if policy is CastPolicy.FLOAT32 and value.dtype in LOW_FLOAT_DTYPES: return value.cast(dtypes.float32)
+  if policy is CastPolicy.FLOAT32 and value.dtype in LOW_FLOAT_DTYPES:
+    # a computed low-precision input (the logits into a loss) is stored as it is and widened by the op's kernels
+    store_low_precision(value.lazydata)
+    return value.cast(dtypes.float32)
   return value
 
 
@@ -144,6 +147,30 @@ def _store_computed_base(value: Any) -> None:
   is stored."""
   base = getattr(getattr(value, "lazydata", None), "base", None)
   if base is not None and base.realized is None and base.op in ELEMENTWISE_OPS: base.contiguous()  # marks a base
+
+
+def store_low_precision(buffer: Any) -> None:
+  """Have the scheduler store `buffer` (a LazyBuffer) in its own float16/bfloat16 dtype when it is computed
+  elementwise from a reduce (a product, a row sum), so a widening cast after it happens in each reader. The scheduler
+  must store such a value anyway before the next reduce reads it; left to itself it stores the end of the elementwise
+  chain, often the float32 cast, twice the bytes (and a float32 matmul operand instead of a low-precision one).
+  torch stores every low-precision activation and gradient in its dtype: the same bytes."""
+  if buffer.dtype not in LOW_FLOAT_DTYPES: return
+  base = buffer.base
+  if base.realized is not None or base.op not in ELEMENTWISE_OPS or not _computed_from_reduce(base): return
+  base.contiguous()  # marks the base (a view is not copied)
+
+
+def _computed_from_reduce(base: Any) -> bool:
+  """Whether the unrealized elementwise chain that computes `base` reads a reduce not yet realized."""
+  stack, seen = [base], set()
+  while stack:
+    node = stack.pop()
+    if id(node) in seen or node.realized is not None: continue
+    seen.add(id(node))
+    if node.op in REDUCE_OPS: return True
+    if node.op in ELEMENTWISE_OPS: stack.extend(src.base for src in node.srcs)
+  return False
 
 
 Op = TypeVar("Op", bound=Callable[..., Any])

@@ -23,7 +23,7 @@ from ourgrad import function as F
 from ourgrad.dtype import DType, dtypes, least_upper_dtype, sum_dtype
 from ourgrad.errors import AxisError, DeviceError, ShapeError
 from ourgrad.helpers import prod
-from ourgrad.mixed_precision import CastPolicy, autocast_op
+from ourgrad.mixed_precision import CastPolicy, autocast_op, store_low_precision
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -237,11 +237,18 @@ class ReduceMixin:
     """exp(self) normalized to sum to 1 along `axis` (the last by default); float16 and bfloat16 compute in float32."""
     x = self._float_operand()
     if x.numel() == 0: return x  # nothing to normalize (and max of an empty axis has no identity)
-    # half precision computes in float32 and rounds once, as in PyTorch (rounding exps and sum too: 2 ulps off)
-    if x.dtype in (dtypes.float16, dtypes.bfloat16): return x.float().softmax(axis).cast(x.dtype)
-    # the max is a shift the result does not depend on: detached, its gradient (exactly 0) costs no reduce
-    exps = (x - x.max(axis, keepdim=True).detach()).exp()
-    return exps / exps.sum(axis, keepdim=True)
+    if x.ndim == 0: return x.reshape(1).softmax(self._axis(axis)).reshape(())   # its own one-element axis (0, -1)
+    # computed from x cut from the graph: the gradient reads the output y only (F.SoftmaxGrad), so the backward
+    # neither keeps the exps from the forward nor recomputes the row max and sum
+    source = x.detach()
+    if x.dtype in (dtypes.float16, dtypes.bfloat16):
+      # half precision computes in float32 and rounds once, as in PyTorch (rounding exps and sum too: 2 ulps off);
+      # a computed input (attention's scores) is stored in its own dtype, not as the float32 the rows read
+      store_low_precision(x.lazydata)
+      source = source.float()
+    exps = (source - source.max(axis, keepdim=True)).exp()
+    probs = (exps / exps.sum(axis, keepdim=True)).cast(x.dtype)
+    return F.SoftmaxGrad.apply(x, probs, axis=self._axis(axis)) if x.requires_grad else probs
 
   @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim

@@ -408,3 +408,126 @@ def _autocast_training_losses(jit: bool, steps: int = 4) -> list[float]:
 def test_autocast_training_step_under_tinyjit_equals_eager():
   # the capture and the replays run the kernels the eager steps run: the same bf16 rounding, bit for bit
   assert _autocast_training_losses(jit=True) == _autocast_training_losses(jit=False)
+
+
+def _square_buffers(schedule: list, size: int) -> list:
+  """The dtypes of the buffers of `size` elements that `schedule` stores (an attention's T x T, or the logits)."""
+  return [buffer.dtype for item in schedule for buffer in item.outputs if buffer.size == size]
+
+
+def test_attention_products_under_autocast_load_bf16_and_store_the_square_in_bf16():
+  # torch's autocast: the attention's products in bfloat16 forward AND backward (dV = P^T dO, dP = dO V^T,
+  # dQ = dS K, dK = dS^T Q), softmax in float32 rounding once; every T x T tensor in memory is bfloat16: the scores,
+  # the probabilities (the softmax's backward reads them, not float32 exps), dP and dS. The values are torch's.
+  from ourgrad.engine.schedule import create_schedule
+  batch, heads, length, width = 2, 2, 24, 32   # T x T (2304 values) unlike any other tensor's size
+  data = np.random.default_rng(5)
+  x_value = data.standard_normal((batch, length, width)).astype(np.float32)
+  weight_value = (data.standard_normal((3 * width, width)) / 4).astype(np.float32)
+
+  def step() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, loss, the input's gradient, the weight's gradient), lazy."""
+    layer = nn.Linear(width, 3 * width, bias=False)
+    layer.weight.assign(Tensor(weight_value)).realize()
+    x = Tensor(x_value, requires_grad=True).realize()
+    with ourgrad.autocast(dtypes.bfloat16):
+      q, k, v = (t.reshape(batch, length, heads, width // heads).transpose(1, 2) for t in layer(x).split(width, dim=2))
+      out = q.scaled_dot_product_attention(k, v, is_causal=True)
+    loss = out.float().square().sum()
+    loss.backward()
+    return out, loss, x.grad, layer.weight.grad
+
+  _, loss, x_grad, weight_grad = step()
+  schedule = create_schedule([loss.lazydata, x_grad.lazydata, weight_grad.lazydata])   # not run: read, then dropped
+  products = _matmul_operand_loads(schedule)
+  # 1 projection + 2 attention products forward, 4 attention products + 2 projection gradients backward (the loss's
+  # kernel may compute P @ V again inside its sum)
+  assert len(products) >= 9 and all(operand == (dtypes.bfloat16, True) for loads in products for operand in loads), \
+    products
+  assert _square_buffers(schedule, batch * heads * length * length) == [dtypes.bfloat16] * 4
+
+  out, _, x_grad, weight_grad = step()
+  torch_x = torch.tensor(x_value, requires_grad=True)
+  torch_weight = torch.tensor(weight_value, requires_grad=True)
+  with torch.autocast("cpu", dtype=torch.bfloat16):
+    tq, tk, tv = (t.reshape(batch, length, heads, width // heads).transpose(1, 2)
+                  for t in TF.linear(torch_x, torch_weight).split(width, dim=2))
+    torch_out = TF.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+  torch_out.float().square().sum().backward()
+  np.testing.assert_allclose(out.float().numpy(), torch_out.float().detach().numpy(), rtol=2e-2, atol=2e-2)
+  for ours, theirs in ((x_grad, torch_x.grad), (weight_grad, torch_weight.grad)):
+    scale = np.abs(theirs.numpy()).max()
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=0, atol=3e-2 * scale)
+
+
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_softmax_gradient_from_its_output_matches_torch(dtype: Any):
+  # softmax's backward is y * (g - sum(g * y)) from the saved output (torch's formula); bfloat16 computes in float32
+  data = np.random.default_rng(6)
+  x_value, g_value = data.standard_normal((2, 3, 40)).astype(np.float32) * 3, data.standard_normal((2, 3, 40))
+  x = Tensor(x_value).cast(dtype).detach().requires_grad_()
+  torch_x = torch.tensor(x_value).to(TORCH_DTYPES[dtype]).requires_grad_()
+  for axis in (-1, 1):
+    out = x.softmax(axis)
+    (out * Tensor(g_value.astype(np.float32)).cast(dtype)).sum().backward()
+    torch_out = torch_x.softmax(axis)
+    (torch_out * torch.tensor(g_value.astype(np.float32)).to(TORCH_DTYPES[dtype])).sum().backward()
+    tolerance = 1e-5 if dtype == dtypes.float32 else 2 ** -7
+    assert out.dtype == dtype and x.grad.dtype == dtype
+    np.testing.assert_allclose(out.float().numpy(), torch_out.float().detach().numpy(), rtol=tolerance, atol=1e-6)
+    np.testing.assert_allclose(x.grad.float().numpy(), torch_x.grad.float().numpy(), rtol=tolerance,
+                               atol=4 * tolerance)
+    x.grad, torch_x.grad = None, None
+
+
+def test_loss_reads_the_bf16_logits_it_is_given():
+  # the logits of a bf16 linear reach cross_entropy (a float32-list op) stored in bfloat16 and are widened in the
+  # loss's kernels (its pick of the target logit reads the bfloat16 table): no float32 copy of the logits is stored
+  from ourgrad.engine.schedule import create_schedule
+  data = np.random.default_rng(7)
+  rows, width, classes = 32, 16, 96
+  x_value = data.standard_normal((rows, width)).astype(np.float32)
+  weight_value = data.standard_normal((classes, width)).astype(np.float32) / 4
+  labels = data.integers(0, classes, rows)
+
+  def step() -> tuple[Tensor, Tensor]:
+    weight = Tensor(weight_value, requires_grad=True).realize()
+    with ourgrad.autocast(dtypes.bfloat16):
+      loss = Tensor(x_value).linear(weight).sparse_categorical_crossentropy(Tensor(labels))
+    loss.backward()
+    return loss, weight.grad
+
+  loss, weight_grad = step()
+  schedule = create_schedule([loss.lazydata, weight_grad.lazydata])   # not run: read, then dropped
+  assert _square_buffers(schedule, rows * classes) == [dtypes.bfloat16] * 2  # the logits and their gradient
+  loss, weight_grad = step()
+  torch_weight = torch.tensor(weight_value, requires_grad=True)
+  with torch.autocast("cpu", dtype=torch.bfloat16):
+    torch_loss = TF.cross_entropy(TF.linear(torch.tensor(x_value), torch_weight), torch.tensor(labels))
+  torch_loss.backward()
+  np.testing.assert_allclose(loss.item(), torch_loss.item(), rtol=1e-2)
+  np.testing.assert_allclose(weight_grad.numpy(), torch_weight.grad.numpy(), rtol=0,
+                             atol=2e-2 * np.abs(torch_weight.grad.numpy()).max())
+
+
+def test_gpt2_step_under_autocast_moves_far_fewer_bytes_than_float32():
+  # one GPT-2 training step (1 block, batch 4 x 256, width 128, vocabulary 1024), from its schedule alone: under bf16
+  # autocast every product loads bfloat16 operands, no float32 T x T or logits-sized buffer is stored, and the
+  # kernels move at most 0.7x the float32 step's bytes (0.62x; 0.93x when the scores, exps, logits and gradients
+  # reaching products were stored in float32)
+  import sys
+  from pathlib import Path
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
+  from extra.bench.autocast_audit import leaf_bytes, matmul_operands, step_schedule
+  from extra.models.gpt2 import GPT2Config
+  batch, length, vocab, heads = 4, 256, 1024, 4
+  config = GPT2Config(n_layer=1, n_head=heads, n_embd=128, vocab_size=vocab, block_size=length)
+  moved = {}
+  for low in (None, dtypes.bfloat16):
+    schedule = step_schedule(config, batch, length, low)
+    moved[low] = sum(leaf_bytes(item.ast) for item in schedule)
+  products = [product for item in schedule for product in matmul_operands(item.ast)]
+  assert products and all(product[:2] == ("bfloat16", "bfloat16") for product in products), products
+  assert set(_square_buffers(schedule, batch * heads * length * length)) == {dtypes.bfloat16}
+  assert set(_square_buffers(schedule, batch * length * vocab)) == {dtypes.bfloat16}
+  assert moved[dtypes.bfloat16] <= 0.7 * moved[None], moved

@@ -1,11 +1,14 @@
 """The memory planner: buffers whose lifetimes do not overlap run on the same memory.
 
 A buffer's lifetime, inside one list of items (a schedule, or the items a JIT captured), runs from the first item
-that touches it to the last. `plan_memory` walks the items in order; when a planned buffer's last use has passed,
-its backing memory goes back to a free list, and a later buffer of the same device takes the smallest free one
-that fits (else a new backing buffer of its exact size); sharing always starts at byte 0. Only buffers the caller
-says are internal are planned: never one that is alive outside the items (an output, an input, model state,
-anything a Python object still holds).
+that touches it to the last. `plan_memory` knows every lifetime before it assigns memory, so it places the largest
+buffers first (greedy by size): each buffer goes into the first backing buffer of its device whose buffers so far all
+live at other times (every earlier backing buffer is at least as large), else into a new one of its exact size;
+sharing always starts at byte 0. Placed in run order instead (a free list taking the smallest free backing buffer that
+fits), a training step's small early buffers would hold large backing buffers at the peak and later large ones need
+new ones: GPT-2's step planned 2.2x its live bytes that way, ~1.15x greedy by size. Only buffers the caller says
+are internal are planned: never one that is alive outside the items (an output, an input, model state, anything a
+Python object still holds).
 """
 from __future__ import annotations
 
@@ -34,25 +37,17 @@ def plan_memory(buffer_lists: Sequence[Sequence[Buffer]], is_internal: Callable[
         first_use[buffer] = index
       last_use[buffer] = index
   if len(first_use) < 2: return {}
-  starts: dict[int, list[Buffer]] = defaultdict(list)
-  ends: dict[int, list[Buffer]] = defaultdict(list)
-  for buffer, index in first_use.items(): starts[index].append(buffer)
-  for buffer, index in last_use.items(): ends[index].append(buffer)
-  free: dict[str, list[tuple[int, int, Buffer]]] = defaultdict(list)   # device -> sorted (nbytes, id, backing)
+  slots: dict[str, list[_Slot]] = defaultdict(list)   # device -> backing buffers, largest first
   assigned: dict[Buffer, Buffer] = {}
-  for index in range(len(buffer_lists)):
-    for buffer in starts.get(index, ()):
-      needed = max(buffer.nbytes, 1)
-      pool = free[buffer.device]
-      position = bisect.bisect_left(pool, (needed, -1))
-      if position < len(pool):
-        backing = pool.pop(position)[2]
-      else:
-        backing = Buffer(buffer.device, needed, dtypes.uint8)
-      assigned[buffer] = backing
-    for buffer in ends.get(index, ()):
-      backing = assigned[buffer]
-      bisect.insort(free[buffer.device], (backing.nbytes, id(backing), backing))
+  # largest first; ties in run order, so that a plan depends on the items only
+  for buffer in sorted(first_use, key=lambda buffer: (-buffer.nbytes, first_use[buffer])):
+    start, end = first_use[buffer], last_use[buffer]
+    slot = next((slot for slot in slots[buffer.device] if slot.is_free(start, end)), None)
+    if slot is None:
+      slot = _Slot(Buffer(buffer.device, max(buffer.nbytes, 1), dtypes.uint8))
+      slots[buffer.device].append(slot)
+    slot.take(start, end)
+    assigned[buffer] = slot.backing
   naive = sum(buffer.nbytes for buffer in assigned)
   planned = sum(backing.nbytes for backing in set(assigned.values()))
   for buffer, backing in assigned.items(): buffer.use_memory_of(backing)
@@ -60,6 +55,26 @@ def plan_memory(buffer_lists: Sequence[Sequence[Buffer]], is_internal: Callable[
     print(f"memory planner ({label}): {len(assigned)} buffers in {len(set(assigned.values()))} backing buffers, "
           f"{fmt_size(planned)} planned vs {fmt_size(naive)} naive ({planned} vs {naive} bytes)")
   return assigned
+
+
+class _Slot:
+  """One backing buffer and the lifetimes (item ranges, inclusive) of the buffers placed in it, sorted and disjoint."""
+
+  def __init__(self, backing: Buffer):
+    self.backing = backing
+    self.starts: list[int] = []
+    self.ends: list[int] = []
+
+  def is_free(self, start: int, end: int) -> bool:
+    """Whether no buffer placed here is alive anywhere in items start..end."""
+    position = bisect.bisect_left(self.starts, start)
+    if position > 0 and self.ends[position - 1] >= start: return False
+    return position == len(self.starts) or self.starts[position] > end
+
+  def take(self, start: int, end: int) -> None:
+    position = bisect.bisect_left(self.starts, start)
+    self.starts.insert(position, start)
+    self.ends.insert(position, end)
 
 
 def _references_beyond_slots(containers: Sequence[Sequence[Any]]) -> dict[int, int]:
