@@ -6,8 +6,9 @@ conv2d, ...) are written from the primitives, so they fuse like everything else.
 device mistakes raise at the call that made them (ourgrad/errors.py).
 
 This module holds the Tensor class itself: construction from data, properties, conversion (numpy, item, to,
-cast, ...), realize, creation (zeros, arange, rand, ...) and autograd (backward, detach, no_grad). The rest of
+cast, ...), realize and autograd (backward, detach, no_grad). The rest of
 Tensor's methods come from mixins, one module per job:
+  ourgrad/tensor_creation.py  CreationMixin     zeros, full, arange, eye, *_like, new_*, rand, randn, manual_seed
   ourgrad/tensor_movement.py  MovementMixin     views (reshape, permute, pad, ...), indexing, cat/stack/split
   ourgrad/tensor_math.py      ElementwiseMixin  broadcasting, operators, unary math, activations, rounding
   ourgrad/tensor_reduce.py    ReduceMixin       reductions (sum, max, softmax, cumsum, ...) and matmul, triu, tril
@@ -21,7 +22,6 @@ Tensor's methods come from mixins, one module per job:
 """
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from contextlib import contextmanager
@@ -30,9 +30,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from ourgrad import function as F
-from ourgrad import tensor_random
 from ourgrad.device import Buffer, Device
-from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits, truncate
+from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
 from ourgrad.engine.exec_item import jit_recording
 # modules, not their functions: realize looks them up at each call, so tools and tests that wrap them see every call
 from ourgrad.engine import realize as engine_realize
@@ -43,8 +42,9 @@ from ourgrad.helpers import DEBUG, normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import MultiLazyBuffer, Shard, shard_lazy
 from ourgrad.ops import Ops
-from ourgrad.shape.symbolic import Node, is_symbolic, sym_infer
+from ourgrad.shape.symbolic import is_symbolic, sym_infer
 from ourgrad.tensor_aliases import AliasMixin
+from ourgrad.tensor_creation import CreationMixin, canonical_devices
 from ourgrad.tensor_math import ElementwiseMixin
 from ourgrad.tensor_movement import MovementMixin
 from ourgrad.tensor_nn import NNMixin
@@ -54,12 +54,6 @@ from ourgrad.tensor_special import SpecialMixin
 
 Scalar = bool | int | float
 Devices = str | tuple[str, ...]
-
-
-def _canonical(device: str | tuple[str, ...] | list[str] | None) -> Devices | None:
-  """A device name, or a tuple of them (a tensor spread over several devices), in canonical form."""
-  if device is None or isinstance(device, str): return Device.canonicalize(device) if device else None
-  return tuple(Device.canonicalize(name) for name in device)
 
 
 def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
@@ -87,14 +81,14 @@ def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
                   f"array or a Tensor")
 
 
-class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMixin, AliasMixin, NNMixin):
+class Tensor(CreationMixin, MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMixin, AliasMixin, NNMixin):
   """A multi-dimensional array on a device, computed lazily, with automatic differentiation.
 
   `Tensor(data, device=None, dtype=None, requires_grad=None)` takes a number, a nested list, a numpy array,
   or a LazyBuffer. `device` defaults to `Device.DEFAULT`; `dtype` to what the data holds (float32 for Python
   floats, int32 for Python ints).
 
-  The methods defined here are construction, conversion, creation and autograd; the mixins bring the rest (views
+  The methods defined here are construction, conversion and autograd; the mixins bring the rest (views
   and indexing, elementwise math, reductions, neural-network ops: see this module's docstring)."""
   __slots__ = ("_lazydata", "requires_grad", "grad", "_ctx", "__weakref__")
   __array_priority__ = 1000  # make numpy defer to Tensor's reflected operators (np.float32(2) * t)
@@ -102,8 +96,6 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
   # train()/eval() is in training mode, as in PyTorch, while Tensor.dropout() does not drop, as in tinygrad
   training: bool | None = None
   no_grad: bool = False
-  _seed: int = 0
-  _rng: np.random.Generator = np.random.default_rng(0)
 
   def __init__(self, data: Any, device: str | None = None, dtype: DType | str | None = None,
                requires_grad: bool | None = None):
@@ -117,7 +109,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
         raise DTypeError(f"only floating point tensors can require gradients, got {data.dtype}")
       return
     dtype = dtypes.as_dtype(dtype) if dtype is not None else None
-    device = _canonical(device)
+    device = canonical_devices(device)
     if isinstance(data, Tensor): data = data.lazydata
     # several devices (ourgrad/multi.py): a constant made with a tuple of devices is replicated over them
     if isinstance(data, LazyBuffer) and isinstance(data.device, tuple): data = MultiLazyBuffer.from_const(data)
@@ -324,7 +316,7 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
     return self.dtype.name if dtype is None else self.cast(dtype)
 
   def _to_device(self, device: str | tuple[str, ...] | list[str]) -> Tensor:
-    device = _canonical(device)
+    device = canonical_devices(device)
     if device == self.device: return self
     if isinstance(device, tuple): return self.shard(device)
     result = Tensor(self.lazydata.copy_to_device(device), requires_grad=self.requires_grad)
@@ -464,234 +456,11 @@ class Tensor(MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMix
       if not target.is_base: _rebase_viewed_tensor(self, viewed_from, target)
     return self
 
-  # ---------------------------------------------------------------- creation
-
-  @staticmethod
-  def _shape_arg(shape: tuple) -> tuple[int, ...]:
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)): shape = tuple(shape[0])
-    for size in shape:
-      if is_symbolic(size): continue  # a bound Variable (or an expression of one): a symbolic size, docs/jit.md
-      if not isinstance(size, (int, np.integer)) or size < 0:
-        raise ShapeError(f"shape sizes must be non-negative integers, got {shape}")
-    return tuple(size if is_symbolic(size) else int(size) for size in shape)
-
-  @staticmethod
-  def empty(*shape: int, dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
-    """A tensor of `shape` with unspecified values (float32 unless `dtype`)."""
-    dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
-    if isinstance(device, (tuple, list)): return Tensor.empty(*shape, dtype=dtype, device=device[0]).shard(device)
-    device = Device.canonicalize(device or Device.DEFAULT)
-    return Tensor(LazyBuffer.empty(Tensor._shape_arg(shape), dtype, device), **kwargs)
-
-  @staticmethod
-  def full(shape: tuple[int, ...] | int, fill_value: Scalar, dtype: DType | str | None = None,
-           device: str | None = None, **kwargs: Any) -> Tensor:
-    """A tensor of `shape` filled with `fill_value`; the dtype follows the value (bool, int32 or float32; PyTorch gives
-    int64 for an int) unless given."""
-    shape = Tensor._shape_arg((shape,) if isinstance(shape, (int, Node)) else tuple(shape))
-    dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.from_py(fill_value)
-    if isinstance(device, (tuple, list)):  # replicated: a constant on each device (nothing is copied)
-      constants = [LazyBuffer.full(fill_value, shape, dtype, name) for name in _canonical(device)]  # type: ignore
-      return Tensor(MultiLazyBuffer(constants, None), **kwargs)
-    device = Device.canonicalize(device or Device.DEFAULT)
-    return Tensor(LazyBuffer.full(fill_value, shape, dtype, device), **kwargs)
-
-  @staticmethod
-  def zeros(*shape: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
-    """A tensor of `shape` filled with 0 (float32 unless `dtype`)."""
-    return Tensor.full(Tensor._shape_arg(shape), 0, dtype or dtypes.default_float, **kwargs)
-
-  @staticmethod
-  def ones(*shape: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
-    """A tensor of `shape` filled with 1 (float32 unless `dtype`)."""
-    return Tensor.full(Tensor._shape_arg(shape), 1, dtype or dtypes.default_float, **kwargs)
-
-  def full_like(self, fill_value: Scalar, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
-    """A tensor of this one's shape, dtype and device (unless given) filled with `fill_value`."""
-    return Tensor.full(self.shape, fill_value, dtype or self.dtype, device=kwargs.pop("device", self.device), **kwargs)
-
-  def zeros_like(self, **kwargs: Any) -> Tensor:
-    """A tensor of this one's shape, dtype and device (unless given) filled with 0."""
-    return self.full_like(0, **kwargs)
-
-  def ones_like(self, **kwargs: Any) -> Tensor:
-    """A tensor of this one's shape, dtype and device (unless given) filled with 1."""
-    return self.full_like(1, **kwargs)
-
-  def new_full(self, size: tuple[int, ...] | int, fill_value: Scalar, dtype: DType | str | None = None,
-               device: str | None = None, **kwargs: Any) -> Tensor:
-    """A tensor of `size` filled with `fill_value`, with this tensor's dtype and device unless given."""
-    return Tensor.full(size, fill_value, dtype or self.dtype, device=device or self.device, **kwargs)
-
-  def new_zeros(self, *size: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
-    """A tensor of `size` filled with 0, with this tensor's dtype and device unless given."""
-    return self.new_full(Tensor._shape_arg(size), 0, dtype, **kwargs)
-
-  def new_ones(self, *size: int, dtype: DType | str | None = None, **kwargs: Any) -> Tensor:
-    """A tensor of `size` filled with 1, with this tensor's dtype and device unless given."""
-    return self.new_full(Tensor._shape_arg(size), 1, dtype, **kwargs)
-
-  def new_empty(self, *size: int, dtype: DType | str | None = None, device: str | None = None,
-                **kwargs: Any) -> Tensor:
-    """A tensor of `size` with unspecified values, with this tensor's dtype and device unless given."""
-    return Tensor.empty(*Tensor._shape_arg(size), dtype=dtype or self.dtype, device=device or self.device, **kwargs)
-
-  def new_tensor(self, data: Any, dtype: DType | str | None = None, device: str | None = None,
-                 **kwargs: Any) -> Tensor:
-    """A tensor holding `data`, with this tensor's dtype and device unless given."""
-    return Tensor(data, dtype=dtype or self.dtype, device=device or self.device, **kwargs)
-
-  @staticmethod
-  def arange(start: Scalar, stop: Scalar | None = None, step: Scalar = 1, dtype: DType | str | None = None,
-             device: str | None = None, **kwargs: Any) -> Tensor:
-    """start, start+step, ... < stop, like torch.arange (int32 for integer arguments, float32 otherwise)."""
-    if stop is None: start, stop = 0, start
-    if step == 0: raise ValueError("arange step must be non-zero")
-    count = max(math.ceil((stop - start) / step), 0)
-    is_float = any(isinstance(value, float) for value in (start, stop, step))
-    dtype = dtypes.as_dtype(dtype) if dtype is not None else (dtypes.default_float if is_float else dtypes.default_int)
-    # computed on the host: exact in every dtype and O(n); a lazy form would cost O(n^2) work per element
-    values = start + np.arange(count, dtype=np.float64 if is_float else np.int64) * step
-    if dtype == dtypes.bfloat16: return Tensor(values, device=device, dtype=dtype, **kwargs)
-    return Tensor(values.astype(dtype.np), device=device, dtype=dtype, **kwargs)
-
-  @staticmethod
-  def linspace(start: Scalar, stop: Scalar, steps: int, dtype: DType | str | None = None,
-               device: str | None = None, **kwargs: Any) -> Tensor:
-    """`steps` evenly spaced values from `start` to `stop` inclusive (float32 unless `dtype`), as torch.linspace
-    computes them: the first half as start + i * step, the second as stop - (steps - 1 - i) * step, so both ends are
-    exact. The ends and the step are rounded to a float dtype (the step to float64 for integers) as PyTorch's are;
-    the rest is computed in float64 and rounded once (PyTorch's fused multiply-add), integers truncating."""
-    dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
-    if steps < 0: raise ValueError(f"linspace needs steps >= 0, got {steps}")
-    if steps == 1: return Tensor.full((1,), start, dtype, device=device, **kwargs)
-    if dtype.is_float: start, stop = truncate(dtype, float(start)), truncate(dtype, float(stop))
-    step = (float(stop) - float(start)) / (steps - 1)
-    if dtype.is_float: step = truncate(dtype, step)
-    index = np.arange(steps, dtype=np.float64)
-    # computed on the host, as arange is
-    values = np.where(index < steps // 2, start + index * step, stop - (steps - 1 - index) * step)
-    if dtype == dtypes.bfloat16: return Tensor(values, device=device, dtype=dtype, **kwargs)
-    return Tensor(values.astype(dtype.np), device=device, dtype=dtype, **kwargs)
-
-  @staticmethod
-  def eye(n: int, m: int | None = None, dtype: DType | str | None = None, device: str | None = None,
-          **kwargs: Any) -> Tensor:
-    """The n x m identity matrix (m defaults to n), float32 unless `dtype`."""
-    m = n if m is None else m
-    rows = Tensor.arange(n, device=device).reshape(n, 1)
-    cols = Tensor.arange(m, device=device).reshape(1, m)
-    return Tensor((rows == cols).cast(dtype or dtypes.default_float).lazydata, **kwargs)
-
-  # random numbers come from one numpy generator seeded by manual_seed, so runs are reproducible; inside a TinyJit
-  # function they are computed on the device instead (ourgrad/tensor_random.py), so that every replay draws anew
-  @staticmethod
-  def manual_seed(seed: int = 0) -> None:
-    """Reseed the random generator behind rand, randn, randint, uniform, normal and dropout (numpy's, so a seed gives
-    other numbers than in PyTorch), and the device generator used inside TinyJit functions."""
-    Tensor._seed = seed
-    Tensor._rng = np.random.default_rng(seed)
-    tensor_random.reseed(seed)
-
-  @staticmethod
-  def _from_random(values: np.ndarray, dtype: DType | str | None, device: str | None, **kwargs: Any) -> Tensor:
-    dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
-    return Tensor(values, device=device, dtype=dtype, **kwargs)
-
-  @staticmethod
-  def _device_random(device: str | tuple[str, ...] | list[str] | None) -> str | None:
-    """The device to draw on with the device generator (inside a TinyJit function), or None to draw with numpy."""
-    if not jit_recording.active: return None
-    device = _canonical(device) or Device.DEFAULT
-    return device if isinstance(device, str) else None  # several devices: numpy (a JIT capture then refuses it)
-
-  @staticmethod
-  def rand(*shape: int, dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
-    """Uniform in [0, 1)."""
-    shape = Tensor._shape_arg(shape)
-    if (on_device := Tensor._device_random(device)) is not None:
-      return Tensor._from_random_tensor(tensor_random.uniform01(shape, on_device, Tensor._seed), dtype, **kwargs)
-    values = Tensor._rng.random(shape, dtype=np.float32)
-    return Tensor._from_random(values, dtype, device, **kwargs)
-
-  @staticmethod
-  def randn(*shape: int, dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
-    """Standard normal."""
-    shape = Tensor._shape_arg(shape)
-    if (on_device := Tensor._device_random(device)) is not None:
-      normal = tensor_random.standard_normal(shape, on_device, Tensor._seed)
-      return Tensor._from_random_tensor(normal, dtype, **kwargs)
-    values = Tensor._rng.standard_normal(shape, dtype=np.float32)
-    return Tensor._from_random(values, dtype, device, **kwargs)
-
-  @staticmethod
-  def randint(*args: Any, low: int | None = None, high: int | None = None, size: tuple[int, ...] | None = None,
-              dtype: DType | str | None = None, device: str | None = None, **kwargs: Any) -> Tensor:
-    """Integers in [low, high), in PyTorch's forms `randint(high, size)`, `randint(low, high, size)` (size=()
-    gives a 0-d tensor), and in tinygrad's `randint(*shape, low=0, high=10)`: positional ints with no size given
-    (as a tuple argument or `size=`) are the shape."""
-    sizes = [arg for arg in args if isinstance(arg, (tuple, list))]
-    bounds = [arg for arg in args if not isinstance(arg, (tuple, list))]
-    if sizes or size is not None or (low is None and high is None and len(bounds) <= 2):
-      # PyTorch's form: the positional ints are the bounds
-      size = tuple(sizes[0]) if sizes else (tuple(size) if size is not None else ())
-      if len(bounds) == 2: low, high = bounds
-      elif len(bounds) == 1: low, high = (0, bounds[0]) if high is None else (bounds[0], high)
-      elif low is None and high is not None: low = 0
-    else:  # tinygrad's form
-      size, low, high = tuple(bounds), 0 if low is None else low, 10 if high is None else high
-    if low is None or high is None: raise TypeError("randint needs an upper bound: randint(high, size)")
-    if high <= low: raise ValueError(f"randint needs low < high, got {low} and {high}")
-    shape = Tensor._shape_arg(tuple(size))
-    if (on_device := Tensor._device_random(device)) is not None:
-      uniform = tensor_random.uniform01(shape, on_device, Tensor._seed)
-      values = (uniform * (high - low)).floor().minimum(high - low - 1) + low  # float32 holds 24 bits: small ranges
-      return Tensor(values.cast(dtype or dtypes.default_int).lazydata, **kwargs)
-    values = Tensor._rng.integers(low, high, size=shape)
-    return Tensor(values, device=device, dtype=dtype or dtypes.default_int, **kwargs)
-
-  @staticmethod
-  def uniform(*shape: int, low: float = 0.0, high: float = 1.0, dtype: DType | str | None = None,
-              device: str | None = None, **kwargs: Any) -> Tensor:
-    """Random values uniform in [low, high) (tinygrad's form; float32 unless `dtype`)."""
-    shape = Tensor._shape_arg(shape)
-    if (on_device := Tensor._device_random(device)) is not None:
-      uniform = tensor_random.uniform01(shape, on_device, Tensor._seed)
-      return Tensor._from_random_tensor(uniform * (high - low) + low, dtype, **kwargs)
-    values = Tensor._rng.uniform(low, high, shape).astype(np.float32)
-    return Tensor._from_random(values, dtype, device, **kwargs)
-
-  @staticmethod
-  def normal(*shape: int, mean: float = 0.0, std: float = 1.0, dtype: DType | str | None = None,
-             device: str | None = None, **kwargs: Any) -> Tensor:
-    """Random values from a normal distribution with `mean` and `std` (tinygrad's form; float32 unless `dtype`)."""
-    shape = Tensor._shape_arg(shape)
-    if (on_device := Tensor._device_random(device)) is not None:
-      normal = tensor_random.standard_normal(shape, on_device, Tensor._seed)
-      return Tensor._from_random_tensor(normal * std + mean, dtype, **kwargs)
-    values = Tensor._rng.normal(mean, std, shape).astype(np.float32)
-    return Tensor._from_random(values, dtype, device, **kwargs)
-
-  @staticmethod
-  def _from_random_tensor(values: Tensor, dtype: DType | str | None, **kwargs: Any) -> Tensor:
-    dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
-    return Tensor(values.cast(dtype).lazydata, **kwargs)
-
   def sequential(self, layers: Any) -> Tensor:
     """`layers` applied one after another to this tensor (tinygrad's `x.sequential([conv, Tensor.relu, ...])`)."""
     result = self
     for layer in layers: result = layer(result)
     return result
-
-  def rand_like(self, **kwargs: Any) -> Tensor:
-    """Tensor.rand with this tensor's shape, dtype and device (unless given)."""
-    return Tensor.rand(*self.shape, dtype=kwargs.pop("dtype", self.dtype), device=kwargs.pop("device", self.device),
-                       **kwargs)
-
-  def randn_like(self, **kwargs: Any) -> Tensor:
-    """Tensor.randn with this tensor's shape, dtype and device (unless given)."""
-    return Tensor.randn(*self.shape, dtype=kwargs.pop("dtype", self.dtype), device=kwargs.pop("device", self.device),
-                        **kwargs)
 
   # ---------------------------------------------------------------- autograd
 
