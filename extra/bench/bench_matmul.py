@@ -511,9 +511,9 @@ def parse_opts(text: str, tc_choice: int) -> list:
 
 def variant_kernel(device: str, ast: Any, opts_text: str, dtype: Any) -> Any:
   """The kernel of `ast` with the variant's opts: an opt list, or "TILE tm tn rm rn step group", a float32 SHARED
-  block tile applied as the heuristic applies its tiles (heuristic.apply_shared_tile)."""
+  block tile applied as the heuristic applies its tiles (shared_tile_plans.apply_shared_tile)."""
   from ourgrad.codegen.kernel import Kernel
-  from ourgrad.codegen.opt.heuristic import SharedTile, apply_shared_tile
+  from ourgrad.codegen.opt.shared_tile_plans import SharedTile, apply_shared_tile
   from ourgrad.device import Device
   kernel = Kernel(ast, Device[device].renderer)
   if opts_text.startswith("TILE"):
