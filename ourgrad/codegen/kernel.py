@@ -784,4 +784,5 @@ class Kernel(SharedTileLayout):
   def print_debug(self) -> None:
     if DEBUG >= 3:
       print(format_ast(self.ast))
-      print(f"{self.name}: {self.colored_shape()} opts=[{describe_opts(self.applied_opts)}]")
+      print(f"{self.name}: {self.colored_shape()} opts=[{describe_opts(self.applied_opts)}]" +
+            (f" plan={self.plan!r}" if self.plan is not None else ""))

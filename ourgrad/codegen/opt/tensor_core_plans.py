@@ -68,7 +68,7 @@ class WgmmaStrategy(Strategy):
     return None
 
   def beam_actions(self, kernel: Kernel) -> Iterator[Opt]:
-    if getattr(kernel.renderer, "has_wgmma", False): yield from (plan.opt for plan in WGMMA_SEARCH)
+    yield from (plan.opt for plan in WGMMA_SEARCH)   # a renderer without wgmma refuses them (Kernel._apply_wgmma)
 
 
 @register_plan
