@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 from ourgrad.codegen.kernel import SHARED_ASYNC, Kernel, KernelOptError, Opt, OptOps, matmul_operands
 from ourgrad.dtype import DType, dtypes
+from ourgrad.codegen.opt.plans import Plan, Strategy, register_plan
 from ourgrad.helpers import power_of_two_divisor
 
 
+@register_plan
 @dataclass(frozen=True)
 class ConvTile:
   """A block tile of a convolution staged through local memory (implicit GEMM): outputs per thread and threads per
@@ -175,6 +177,7 @@ def tensor_core_conv_tiles(kernel: Kernel) -> bool:
 WINDOW_UPCAST_MAX = 8
 
 
+@register_plan
 @dataclass(frozen=True)
 class WeightGradientTile:
   """The threads of a split-K weight gradient's partial-sums kernel. A thread sums a whole filter row (the window's
@@ -300,3 +303,55 @@ def _repeat_plan(kernel: Kernel, plan: list[Opt], pixel_axes: list[int], tile: C
     if outer is None or sizes[outer] % tile.pixel_repeat: return None
     repeats.append(Opt(OptOps.UPCAST, outer, tile.pixel_repeat))
   return repeats
+
+
+def _gpu_local_reduce(kernel: Kernel) -> bool:
+  renderer = kernel.renderer
+  return renderer.has_threads and getattr(renderer, "has_local", False) and kernel.reduceop is not None
+
+
+@register_plan
+@dataclass(frozen=True)
+class ConvTilePlan(Plan):
+  """A float32 convolution as an implicit GEMM in one block tile (shared_conv_tiles with `tile` alone)."""
+  tile: ConvTile
+
+  def apply(self, kernel: Kernel) -> bool: return shared_conv_tiles(kernel, (self.tile,))
+
+
+class ConvTileStrategy(Strategy):
+  """shared_conv_tiles: the first tile of CONV_TILES that fits the convolution."""
+  name = "shared_conv"
+
+  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel)
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    if kernel.applied_opts or _conv_sides(kernel) is None: return None
+    for tile in CONV_TILES:
+      trial = kernel.copy()
+      if shared_conv_tiles(trial, (tile,)): return ConvTilePlan(tile), trial
+    return None
+
+
+@register_plan
+@dataclass(frozen=True)
+class WeightGradientPlan(Plan):
+  """The partial-sums kernel of a split-K convolution weight gradient in one tile (weight_gradient_tiles with `tile`
+  alone)."""
+  tile: WeightGradientTile
+
+  def apply(self, kernel: Kernel) -> bool: return weight_gradient_tiles(kernel, (self.tile,))
+
+
+class WeightGradientStrategy(Strategy):
+  """weight_gradient_tiles: the first tile of WEIGHT_GRADIENT_TILES that applies."""
+  name = "weight_gradient"
+
+  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel)
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    if kernel.applied_opts or _weight_gradient_sides(kernel) is None: return None
+    for tile in WEIGHT_GRADIENT_TILES:
+      trial = kernel.copy()
+      if weight_gradient_tiles(trial, (tile,)): return WeightGradientPlan(tile), trial
+    return None

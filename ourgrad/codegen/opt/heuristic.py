@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Sequence
 
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.dtype import dtypes
-from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
+from ourgrad.codegen.opt.conv_tiles import ConvTileStrategy, WeightGradientStrategy, tensor_core_conv_tiles
 from ourgrad.codegen.opt.plans import RecognizerStrategy, Strategy, first_plan, memory_loads
 from ourgrad.codegen.opt.shared_tile_plans import SharedTileStrategy, dense_matmul_axes
 from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrategy
@@ -96,8 +96,8 @@ def _loop_tiles(kernel: Kernel) -> bool:
 
 
 # The heuristic's strategies in the order tried (the first whose plan fits wins); BEAM's action space asks the same
-# ones for the Opt kinds they own (search.py). The recognizers are called through their module's names, so a
-# benchmark that swaps one (bench_window, bench_conv_kernels) swaps it here too.
+# ones for the Opt kinds they own (search.py). A benchmark compares with a strategy switched off by
+# plans.strategies_left_out; the recognizers are called through this module's names (bench_window swaps two).
 STRATEGIES: list[Strategy] = [
   # several reduces (batchnorm's backward sums): no matmul tiles, GROUP threads on GPUs
   RecognizerStrategy("sibling_reduces", lambda kernel: bool(kernel.sibling_reduces), _sibling_reduces),
@@ -105,8 +105,8 @@ STRATEGIES: list[Strategy] = [
   WgmmaStrategy(),
   TensorCoreStrategy(),
   SharedTileStrategy(),
-  RecognizerStrategy("shared_conv", _gpu_local_reduce, lambda kernel: shared_conv_tiles(kernel)),
-  RecognizerStrategy("weight_gradient", _gpu_local_reduce, lambda kernel: weight_gradient_tiles(kernel)),
+  ConvTileStrategy(),
+  WeightGradientStrategy(),
   RecognizerStrategy("thin_matmul", _gpu_local_reduce, lambda kernel: _thin_matmul(kernel)),
   RecognizerStrategy("window", _gpu_reduce, lambda kernel: window_tiles(kernel)),
   RecognizerStrategy("group_reduce", lambda kernel: _gpu_local_reduce(kernel) and not _gpu_tiles_pay_off(kernel),

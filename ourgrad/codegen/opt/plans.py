@@ -14,10 +14,12 @@ asks the same strategies for the Opts they own (`Strategy.beam_actions`, codegen
     RecognizerStrategy    a strategy still written as a function that applies Opts in place (its plan: OptsPlan)
     register_plan(cls)    a Plan (or a dataclass inside one) JSON can name
     first_plan            the heuristic's walk: the first strategy whose plan fits, applied
+    strategies_left_out   a registry without some strategies for a block (a benchmark's "before")
     replay                a plan (from BEAM's cache) applied to a fresh kernel
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -147,6 +149,18 @@ def first_plan(strategies: list[Strategy], kernel: Kernel) -> Plan | None:
     kernel.plan = plan
     return plan
   return None
+
+
+@contextlib.contextmanager
+def strategies_left_out(strategies: list[Strategy], *names: str) -> Iterator[None]:
+  """`strategies` (a registry: changed in place) without the strategies named, until the block ends: how a benchmark
+  measures the heuristic as it was before a strategy."""
+  kept = list(strategies)
+  strategies[:] = [strategy for strategy in kept if strategy.name not in names]
+  try:
+    yield
+  finally:
+    strategies[:] = kept
 
 
 def replay(plan: Plan, kernel: Kernel) -> Kernel:
