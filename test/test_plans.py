@@ -16,7 +16,7 @@ from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.codegen.opt import beam_cache, search, tensor_core_plans
 from ourgrad.codegen.opt.conv_tiles import CONV_TILES, WEIGHT_GRADIENT_TILES, ConvTilePlan, WeightGradientPlan
-from ourgrad.codegen.opt.heuristic import STRATEGIES
+from ourgrad.codegen.opt.heuristic import STRATEGIES, ThinMatmulPlan
 from ourgrad.codegen.opt.plans import OptsPlan, Plan, plan_from_json, plan_to_json, replay
 from ourgrad.codegen.opt.shared_tile_plans import LARGE_TILE_STRUCTURE, SharedTilePlan
 from ourgrad.codegen.opt.tensor_core_plans import TensorCorePlan, TensorCoreTile, WgmmaPlan
@@ -37,6 +37,8 @@ CASES = {
   "tc_unstaged_batched": ("CUDA", "PYTHON", dtypes.float16, (2,), 16, 32, 24, False, TensorCorePlan),
   "tf32_staged": ("CUDA", "PYTHON", dtypes.float32, (), 128, 32, 128, False, TensorCorePlan),
   "wgmma": ("CUDA_SM90", "PYTHON", dtypes.float16, (), 128, 64, 256, False, WgmmaPlan),
+  "thin_rows": ("CUDA", "PYTHON", dtypes.float32, (), 64, 256, 10, False, ThinMatmulPlan),
+  "thin_columns": ("CUDA", "PYTHON", dtypes.float32, (), 64, 256, 10, True, ThinMatmulPlan),
   "clang_matmul": ("CLANG", "CLANG", dtypes.float32, (), 24, 40, 32, True, OptsPlan),
 }
 
@@ -123,7 +125,7 @@ PLANS: list[Plan] = [
   WgmmaPlan(256, 4, specialized=True), WgmmaPlan(128, 2, deep=True),
   TensorCorePlan(0, TensorCoreTile(4, 8, 2, 2), k_steps=4), TensorCorePlan(2, TensorCoreTile(2, 4, 1, 1), staged=False),
   SharedTilePlan(16, 8, 2, 4, 16, 1, LARGE_TILE_STRUCTURE), SharedTilePlan(4, 4, 1, 1, 8, group=2),
-  ConvTilePlan(CONV_TILES[2]), WeightGradientPlan(WEIGHT_GRADIENT_TILES[0]),
+  ThinMatmulPlan(True, 8, 32, 4), ConvTilePlan(CONV_TILES[2]), WeightGradientPlan(WEIGHT_GRADIENT_TILES[0]),
   OptsPlan("search", (Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.SHARED, 0, 4))),
 ]
 

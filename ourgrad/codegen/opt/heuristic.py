@@ -36,12 +36,13 @@ GPUs (thread blocks and local memory):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import ConvTileStrategy, WeightGradientStrategy, tensor_core_conv_tiles
-from ourgrad.codegen.opt.plans import RecognizerStrategy, Strategy, first_plan, memory_loads
+from ourgrad.codegen.opt.plans import Plan, RecognizerStrategy, Strategy, first_plan, memory_loads, register_plan
 from ourgrad.codegen.opt.shared_tile_plans import SharedTileStrategy, dense_matmul_axes
 from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrategy
 from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
@@ -95,73 +96,72 @@ def _loop_tiles(kernel: Kernel) -> bool:
   return True
 
 
-# The heuristic's strategies in the order tried (the first whose plan fits wins); BEAM's action space asks the same
-# ones for the Opt kinds they own (search.py). A benchmark compares with a strategy switched off by
-# plans.strategies_left_out; the recognizers are called through this module's names (bench_window swaps two).
-STRATEGIES: list[Strategy] = [
-  # several reduces (batchnorm's backward sums): no matmul tiles, GROUP threads on GPUs
-  RecognizerStrategy("sibling_reduces", lambda kernel: bool(kernel.sibling_reduces), _sibling_reduces),
-  RecognizerStrategy("tensor_core_conv", _gpu_local_reduce, lambda kernel: tensor_core_conv_tiles(kernel)),
-  WgmmaStrategy(),
-  TensorCoreStrategy(),
-  SharedTileStrategy(),
-  ConvTileStrategy(),
-  WeightGradientStrategy(),
-  RecognizerStrategy("thin_matmul", _gpu_local_reduce, lambda kernel: _thin_matmul(kernel)),
-  RecognizerStrategy("window", _gpu_reduce, lambda kernel: window_tiles(kernel)),
-  RecognizerStrategy("group_reduce", lambda kernel: _gpu_local_reduce(kernel) and not _gpu_tiles_pay_off(kernel),
-                     lambda kernel: _group_reduce(kernel)),
-  RecognizerStrategy("elementwise_rows", lambda kernel: kernel.renderer.has_threads and kernel.reduceop is None,
-                     lambda kernel: elementwise_rows(kernel)),
-  RecognizerStrategy("cpu_matmul", _cpu_reduce, lambda kernel: _cpu_matmul_tiles(kernel)),
-  RecognizerStrategy("cpu_vector_lanes", _cpu_reduce, lambda kernel: _cpu_vector_lanes(kernel)),
-  RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles),
-]
-
-
 # an output axis this short (a classifier's 10 classes) makes a matmul thin: too few outputs for output tiles to fill
 # the GPU, so threads split the reduce instead
 THIN_SIDE = 16
 THIN_BLOCKS_PER_MULTIPROCESSOR = 4
 
 
-def _thin_matmul(kernel: Kernel) -> bool:
+@register_plan
+@dataclass(frozen=True)
+class ThinMatmulPlan(Plan):
+  """A thin float32 matmul's split reduce (see ThinMatmulStrategy): `rows` (the wide operand contiguous along the
+  reduce): `local` LOCAL threads along the wide output axis, the short axis UPCAST whole and `group` GROUP threads
+  over the reduce; else (columns): `local` neighbouring outputs on LOCAL threads and `group` GROUPTOP threads, the
+  short axis left to the grid. `unroll`: the reduce loop left unrolled by it (0: not)."""
+  rows: bool
+  local: int
+  group: int
+  unroll: int = 0
+
+  def apply(self, kernel: Kernel) -> bool:
+    axes = dense_matmul_axes(kernel)
+    if axes is None: return False
+    sizes = kernel.full_shape
+    narrow, wide = sorted(axes, key=lambda axis: sizes[axis])
+    outputs = [Opt(OptOps.LOCAL, wide, self.local)] + ([Opt(OptOps.UPCAST, narrow, sizes[narrow])] if self.rows else [])
+    # an amount of 1 is no opt; the reduce split comes after the output axes' opts
+    if not kernel.try_output_opts([opt for opt in outputs if opt.amount > 1]): return False
+    reduce = OptOps.GROUP if self.rows else OptOps.GROUPTOP
+    if self.group > 1 and not kernel.try_opt(Opt(reduce, 0, self.group)): return False
+    return not self.unroll or kernel.try_opt(Opt(OptOps.UNROLL, 0, self.unroll))
+
+
+class ThinMatmulStrategy(Strategy):
   """A float32 matmul (see dense_matmul_axes) with an output axis of at most THIN_SIDE and a long reduce (a
   classifier's forward, 512x10, and its weight gradient, 10x512, each with K = the batch): enough blocks for every
   multiprocessor, the reduce split over the block's threads. Where the wide operand is contiguous along the reduce
   (rows), a warp of GROUP threads reads each row together and each thread computes every output of the short axis
   (UPCAST: one load of the row reused); where it is contiguous along the wide output axis (columns), 32 neighbouring
-  outputs on LOCAL threads (coalesced) and GROUPTOP over the reduce, the short axis left to the grid. False (the
-  kernel untouched) where the matmul is not thin."""
-  axes = dense_matmul_axes(kernel)
-  if axes is None: return False
-  sizes, k_axis = kernel.full_shape, kernel.first_reduce
-  narrow, wide = sorted(axes, key=lambda axis: sizes[axis])
-  if sizes[narrow] > THIN_SIDE or sizes[k_axis] < 4 * WARP_SIZE: return False
-  wide_loads = [st for st in memory_loads(kernel) if st.real_strides()[wide] != 0 and st.real_strides()[k_axis] != 0]
-  rows = all(st.real_strides()[k_axis] == 1 for st in wide_loads)
-  processors = getattr(kernel.renderer, "multiprocessors", 0)
-  batch = prod(sizes[:min(axes)])
-  trial = kernel.copy()
-  if rows:
-    group = power_of_two_divisor(sizes[k_axis], WARP_SIZE)
-    local = power_of_two_divisor(sizes[wide], BLOCK_THREADS // 2 // group)
-    # a warp per row while that leaves 4 blocks per multiprocessor (H100, 512x10 outputs: a row per block 0.010 ms,
-    # 2 rows 0.013)
-    while local > 1 and batch * sizes[wide] // local < THIN_BLOCKS_PER_MULTIPROCESSOR * processors: local //= 2
-    outputs, reduce = [Opt(OptOps.LOCAL, wide, local), Opt(OptOps.UPCAST, narrow, sizes[narrow])], OptOps.GROUP
-  else:
-    local = power_of_two_divisor(sizes[wide], WARP_SIZE)
-    group = power_of_two_divisor(sizes[k_axis] // 2, BLOCK_THREADS // local)
-    outputs, reduce = [Opt(OptOps.LOCAL, wide, local)], OptOps.GROUPTOP
-  # an amount of 1 is no opt; the reduce split comes after the output axes' opts
-  if not trial.try_output_opts([opt for opt in outputs if opt.amount > 1]): return False
-  if group > 1 and not trial.try_opt(Opt(reduce, 0, group)): return False
-  loop = kernel.full_shape[k_axis] // group
-  if loop % 4 == 0 and loop > 4: trial.try_opt(Opt(OptOps.UNROLL, 0, 4))
-  kernel.__dict__.update(trial.__dict__)
-  return True
+  outputs on LOCAL threads (coalesced) and GROUPTOP over the reduce, the short axis left to the grid. The reduce loop
+  left is unrolled by 4 where it divides."""
+  name = "thin_matmul"
 
+  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel)
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    axes = dense_matmul_axes(kernel)
+    if axes is None: return None
+    sizes, k_axis = kernel.full_shape, kernel.first_reduce
+    narrow, wide = sorted(axes, key=lambda axis: sizes[axis])
+    if sizes[narrow] > THIN_SIDE or sizes[k_axis] < 4 * WARP_SIZE: return None
+    wide_loads = [st for st in memory_loads(kernel) if st.real_strides()[wide] != 0 and st.real_strides()[k_axis] != 0]
+    rows = all(st.real_strides()[k_axis] == 1 for st in wide_loads)
+    if rows:
+      group = power_of_two_divisor(sizes[k_axis], WARP_SIZE)
+      local = power_of_two_divisor(sizes[wide], BLOCK_THREADS // 2 // group)
+      # a warp per row while that leaves 4 blocks per multiprocessor (H100, 512x10 outputs: a row per block 0.010 ms,
+      # 2 rows 0.013)
+      processors, batch = getattr(kernel.renderer, "multiprocessors", 0), prod(sizes[:min(axes)])
+      while local > 1 and batch * sizes[wide] // local < THIN_BLOCKS_PER_MULTIPROCESSOR * processors: local //= 2
+    else:
+      local = power_of_two_divisor(sizes[wide], WARP_SIZE)
+      group = power_of_two_divisor(sizes[k_axis] // 2, BLOCK_THREADS // local)
+    loop = sizes[k_axis] // group
+    for unroll in ((4, 0) if loop % 4 == 0 and loop > 4 else (0,)):
+      plan, trial = ThinMatmulPlan(rows, local, group, unroll), kernel.copy()
+      if plan.apply(trial): return plan, trial
+    return None
 
 
 # an operand reused across fewer outputs than this is no reason for register tiles (a thread's tile: 4x4 outputs)
@@ -551,3 +551,27 @@ def _register_tiling(kernel: Kernel) -> None:
     size = kernel.full_shape[kernel.first_upcast - 1]
     for amount in (4, 2):
       if size % amount == 0 and kernel.try_opt(Opt(OptOps.UNROLL, last_reduce, amount)): break
+
+
+# The heuristic's strategies in the order tried (the first whose plan fits wins); BEAM's action space asks the same
+# ones for the Opt kinds they own (search.py). A benchmark compares with a strategy switched off by
+# plans.strategies_left_out; the recognizers are called through this module's names (bench_window swaps two).
+STRATEGIES: list[Strategy] = [
+  # several reduces (batchnorm's backward sums): no matmul tiles, GROUP threads on GPUs
+  RecognizerStrategy("sibling_reduces", lambda kernel: bool(kernel.sibling_reduces), _sibling_reduces),
+  RecognizerStrategy("tensor_core_conv", _gpu_local_reduce, lambda kernel: tensor_core_conv_tiles(kernel)),
+  WgmmaStrategy(),
+  TensorCoreStrategy(),
+  SharedTileStrategy(),
+  ConvTileStrategy(),
+  WeightGradientStrategy(),
+  ThinMatmulStrategy(),
+  RecognizerStrategy("window", _gpu_reduce, lambda kernel: window_tiles(kernel)),
+  RecognizerStrategy("group_reduce", lambda kernel: _gpu_local_reduce(kernel) and not _gpu_tiles_pay_off(kernel),
+                     lambda kernel: _group_reduce(kernel)),
+  RecognizerStrategy("elementwise_rows", lambda kernel: kernel.renderer.has_threads and kernel.reduceop is None,
+                     lambda kernel: elementwise_rows(kernel)),
+  RecognizerStrategy("cpu_matmul", _cpu_reduce, lambda kernel: _cpu_matmul_tiles(kernel)),
+  RecognizerStrategy("cpu_vector_lanes", _cpu_reduce, lambda kernel: _cpu_vector_lanes(kernel)),
+  RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles),
+]
