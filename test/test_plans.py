@@ -15,7 +15,8 @@ from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.codegen.opt import beam_cache, search, tensor_core_plans
-from ourgrad.codegen.opt.conv_tiles import CONV_TILES, WEIGHT_GRADIENT_TILES, ConvTilePlan, WeightGradientPlan
+from ourgrad.codegen.opt.conv_tiles import (CONV_TILES, WEIGHT_GRADIENT_TILES, ConvTilePlan, TensorCoreConvPlan,
+                                            WeightGradientPlan)
 from ourgrad.codegen.opt.heuristic import STRATEGIES, ThinMatmulPlan
 from ourgrad.codegen.opt.plans import OptsPlan, Plan, plan_from_json, plan_to_json, replay
 from ourgrad.codegen.opt.shared_tile_plans import LARGE_TILE_STRUCTURE, SharedTilePlan
@@ -125,7 +126,8 @@ PLANS: list[Plan] = [
   WgmmaPlan(256, 4, specialized=True), WgmmaPlan(128, 2, deep=True),
   TensorCorePlan(0, TensorCoreTile(4, 8, 2, 2), k_steps=4), TensorCorePlan(2, TensorCoreTile(2, 4, 1, 1), staged=False),
   SharedTilePlan(16, 8, 2, 4, 16, 1, LARGE_TILE_STRUCTURE), SharedTilePlan(4, 4, 1, 1, 8, group=2),
-  ThinMatmulPlan(True, 8, 32, 4), ConvTilePlan(CONV_TILES[2]), WeightGradientPlan(WEIGHT_GRADIENT_TILES[0]),
+  ThinMatmulPlan(True, 8, 32, 4), ConvTilePlan(CONV_TILES[2]), TensorCoreConvPlan(1, batch_warps=False, k_steps=1),
+  WeightGradientPlan(WEIGHT_GRADIENT_TILES[0]),
   OptsPlan("search", (Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.SHARED, 0, 4))),
 ]
 
@@ -169,24 +171,28 @@ def test_one_registry_orders_the_heuristic_and_lists_beams_owned_actions() -> No
   assert shared == {0, 4, LARGE_TILE_STRUCTURE.amount}
 
 
-def test_conv_plan_matches_noopt_and_torch_and_replays(monkeypatch) -> None:
-  """A float32 convolution (64 channels, 3x3, pad 1) takes a ConvTilePlan on the emulated GPU; it matches the plain
-  kernel and torch in float64, and replays from BEAM's cache to the same source."""
+@pytest.mark.parametrize("dtype, channels, plan_class", [(dtypes.float32, 8, ConvTilePlan),
+                                                          (dtypes.float16, 32, TensorCoreConvPlan)])
+def test_conv_plan_matches_noopt_and_torch_and_replays(monkeypatch, dtype: DType, channels: int, plan_class) -> None:
+  """A convolution (64 channels, 3x3, pad 1) takes its plan on the emulated GPU (float32: a ConvTilePlan, float16:
+  the staged tensor-core conv); it matches the plain kernel and torch in float64, and replays from BEAM's cache to
+  the same source."""
   monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA"))
   rng = np.random.default_rng(3)
-  x_values, w_values = rng.standard_normal((2, 8, 8, 8)), rng.standard_normal((64, 8, 3, 3))
-  x = Tensor(x_values.astype(np.float32), device="PYTHON").realize()
-  w = Tensor(w_values.astype(np.float32), device="PYTHON").realize()
+  x_values, w_values = rng.standard_normal((2, channels, 8, 8)), rng.standard_normal((64, channels, 3, 3))
+  x = Tensor(x_values.astype(np.float32), device="PYTHON").cast(dtype).realize()
+  w = Tensor(w_values.astype(np.float32), device="PYTHON").cast(dtype).realize()
   schedule = create_schedule([x.conv2d(w, padding=1).lazydata])
   run_schedule(schedule[:-1])
   item = schedule[-1]
   plain, tiled = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))
   tiled.hand_coded_optimizations()
-  assert isinstance(tiled.plan, ConvTilePlan), tiled.plan
+  assert isinstance(tiled.plan, plan_class), tiled.plan
   reference = torch.nn.functional.conv2d(torch.from_numpy(x.numpy().astype(np.float64)),
                                          torch.from_numpy(w.numpy().astype(np.float64)), padding=1).numpy()
+  scale, tolerance = np.abs(reference).max(), 1e-5 if dtype == dtypes.float32 else 2e-3
   for kernel in (plain, tiled):
-    np.testing.assert_allclose(_run(kernel, item, "PYTHON"), reference.reshape(-1), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_run(kernel, item, "PYTHON") / scale, reference.reshape(-1) / scale, atol=tolerance)
   key = beam_cache.cache_key(item.ast, "PYTHON", 2)
   beam_cache.cache_put(key, tiled.name, tiled.plan)
   assert _source(replay(beam_cache.cache_get(key), Kernel(item.ast, PythonRenderer("CUDA")))) == _source(tiled)

@@ -63,11 +63,24 @@ def matmul(dtype_name: str, m: int, k: int, n: int, batch: tuple[int, ...] = ())
   return build
 
 
+def conv(dtype_name: str) -> Callable[[], list[Tensor]]:
+  """A 3x3 convolution of 64 channels (padding 1) in `dtype_name` with its input and weight gradients."""
+  def build() -> list[Tensor]:
+    dtype = getattr(dtypes, dtype_name)
+    x = Tensor.rand(8, 32, 16, 16).cast(dtype).contiguous().realize().requires_grad_()
+    w = Tensor.rand(64, 32, 3, 3).cast(dtype).contiguous().realize().requires_grad_()
+    out = x.conv2d(w, padding=1)
+    (out * Tensor.rand(*out.shape).cast(dtype)).sum().backward()
+    return [out, x.grad, w.grad]
+  return build
+
+
 PROGRAMS: dict[str, Callable[[], list[Tensor]]] = {
   "mnist_step": mnist_step, "gpt2_1layer_step": gpt2_step,
   "matmul4096_float32": matmul("float32", 4096, 4096, 4096), "matmul4096_float16": matmul("float16", 4096, 4096, 4096),
   # ragged sizes (padded tiles) and small batched heads (the unstaged tensor-core kernel)
   "matmul1000_float16": matmul("float16", 1000, 512, 1000), "heads_float16": matmul("float16", 64, 64, 64, (4, 3)),
+  "conv_float32": conv("float32"), "conv_float16": conv("float16"), "conv_bfloat16": conv("bfloat16"),
   "heads_float32": matmul("float32", 64, 64, 64, (4, 3)), "small_float16": matmul("float16", 32, 48, 40, (2,)),
 }
 

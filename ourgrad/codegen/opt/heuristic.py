@@ -41,7 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.dtype import dtypes
-from ourgrad.codegen.opt.conv_tiles import ConvTileStrategy, WeightGradientStrategy, tensor_core_conv_tiles
+from ourgrad.codegen.opt.conv_tiles import ConvTileStrategy, TensorCoreConvStrategy, WeightGradientStrategy
 from ourgrad.codegen.opt.plans import Plan, RecognizerStrategy, Strategy, first_plan, memory_loads, register_plan
 from ourgrad.codegen.opt.shared_tile_plans import SharedTileStrategy, dense_matmul_axes
 from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrategy
@@ -559,7 +559,7 @@ def _register_tiling(kernel: Kernel) -> None:
 STRATEGIES: list[Strategy] = [
   # several reduces (batchnorm's backward sums): no matmul tiles, GROUP threads on GPUs
   RecognizerStrategy("sibling_reduces", lambda kernel: bool(kernel.sibling_reduces), _sibling_reduces),
-  RecognizerStrategy("tensor_core_conv", _gpu_local_reduce, lambda kernel: tensor_core_conv_tiles(kernel)),
+  TensorCoreConvStrategy(),
   WgmmaStrategy(),
   TensorCoreStrategy(),
   SharedTileStrategy(),
