@@ -18,6 +18,7 @@ from ourgrad import Tensor
 from ourgrad.codegen import lowering
 from ourgrad.codegen.kernel import Kernel, KernelOptError, OptOps
 from ourgrad.codegen.opt import beam_cache, search
+from ourgrad.codegen.opt.plans import OptsPlan
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
@@ -139,9 +140,9 @@ def test_cache_key_depends_on_ast_device_and_width():
 
 
 def test_cache_roundtrip_and_unknown_opt_kinds():
-  opts = [search.Opt(OptOps.UPCAST, 0, 4), search.Opt(OptOps.UNROLL, 0, 2)]
-  beam_cache.cache_put("k1", "r_8_8", opts)
-  assert beam_cache.cache_get("k1") == opts
+  plan = OptsPlan("search", (search.Opt(OptOps.UPCAST, 0, 4), search.Opt(OptOps.UNROLL, 0, 2)))
+  beam_cache.cache_put("k1", "r_8_8", plan)
+  assert beam_cache.cache_get("k1") == plan
   assert beam_cache.cache_get("missing") is None
   with beam_cache._connect() as connection:  # an entry naming an Opt kind this version lacks reads as not cached
     connection.execute("INSERT INTO beam VALUES (?, ?, ?)", ("k2", "r_8_8", json.dumps([["NOT_AN_OPT", 0, 2]])))
@@ -278,7 +279,7 @@ def test_failed_verification_falls_back_to_hand_coded(monkeypatch):
     chosen = search.beam_optimize(plain, item.outputs[0].device, 2)
   hand_coded = search.hand_coded(plain)
   assert chosen.applied_opts == hand_coded.applied_opts
-  assert beam_cache.cache_get(beam_cache.cache_key(item.ast, item.outputs[0].device, 2)) == hand_coded.applied_opts
+  assert beam_cache.cache_get(beam_cache.cache_key(item.ast, item.outputs[0].device, 2)) == hand_coded.plan
   np.testing.assert_allclose(_run(chosen, item), _run(plain, item), rtol=1e-5, atol=1e-5)
 
 

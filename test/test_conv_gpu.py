@@ -249,7 +249,7 @@ def test_staged_tensor_core_conv_matches_the_plain_kernel(name: str) -> None:
 
 
 def test_float16_conv_takes_staged_tensor_cores_by_default() -> None:
-  """The hand-coded float16 conv (conv_tiles.tensor_core_conv_tiles): TC + SHARED, 8 warps (2 images) per block, on
+  """The hand-coded float16 conv (conv_tiles.TensorCoreConvStrategy): TC + SHARED, 8 warps (2 images) per block, on
   the emulated GPU against the plain kernel."""
   item = _float16_conv_item()
   plain, staged = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, PythonRenderer("CUDA"))

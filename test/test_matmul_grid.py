@@ -19,7 +19,7 @@ from ourgrad.codegen.opt import split_reduce
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt import matmul_grid
-from ourgrad.codegen.opt.heuristic import SharedTile, apply_shared_tile
+from ourgrad.codegen.opt.shared_tile_plans import SharedTile, apply_shared_tile
 from ourgrad.codegen.opt.matmul_grid import TILE_RATES, GRID_EXTRA_TILES, matmul_seconds, split_k_parts, tile_block
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel

@@ -1,4 +1,4 @@
-"""The GPU heuristic's float32 shared-memory matmul tiles (codegen/opt/heuristic.py, _shared_matmul_tiles).
+"""The GPU heuristic's float32 shared-memory matmul tiles (codegen/opt/shared_tile_plans.py, SharedTileStrategy).
 
 The block tile is sized so the grid gives every multiprocessor a block (the renderer's `multiprocessors`), and
 every matmul of a Linear's forward and backward is staged: transposed operands (A^T B, A B^T), batched matmuls, and
@@ -22,7 +22,7 @@ from ourgrad import Tensor
 from ourgrad.codegen.kernel import (SHARED_ASYNC, SHARED_REDUCE_INNER, SHARED_ROW_SKEW, SHARED_TWO_BLOCKS,
                                    SHARED_VECTOR_FILL, Kernel, KernelOptError, Opt, OptOps)
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.opt.heuristic import SHARED_TILES
+from ourgrad.codegen.opt.shared_tile_plans import SHARED_TILES
 from ourgrad.codegen.uops import UOps
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -438,7 +438,7 @@ def test_bad_structure_amounts_raise(amount: int) -> None:
 
 
 def test_square_4096_choice_is_pinned() -> None:
-  """The hand-coded float32 4096^3 kernel (H100 figures in heuristic.py, LARGE_TILE_FLAGS): 16x8 threads of 8x16
+  """The hand-coded float32 4096^3 kernel (H100 figures in shared_tile_plans.py): 16x8 threads of 8x16
   outputs (2x4 float4 runs), padded and skewed tile rows, B's float4 stores, launch bounds for two blocks per
   multiprocessor, reduce steps of 16 double buffered by register prefetch."""
   kernel = Kernel(_scheduled(lambda a, b: a @ b, [(4096, 4096), (4096, 4096)]).ast, CUDARenderer())
@@ -487,7 +487,7 @@ LARGE_TILE_CASES = {
 
 @pytest.mark.parametrize("case", list(LARGE_TILE_CASES))
 def test_large_tile_choice_matches_noopt(case: str) -> None:
-  """The heuristic's 128x128 tile with its structure flags (LARGE_TILE_FLAGS) on one multiprocessor: plain,
+  """The heuristic's 128x128 tile with its structure flags (LARGE_TILE_STRUCTURE) on one multiprocessor: plain,
   transposed, fused and batched operands equal NOOPT and PyTorch's float64."""
   build, shapes = LARGE_TILE_CASES[case]
   item, values = _item(build, shapes, seed=len(case) + 60)

@@ -23,7 +23,7 @@ from ourgrad.codegen.index_accumulate import is_index_accumulate
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.matmul_operands import varying_axes
-from ourgrad.codegen.opt.heuristic import StagedTensorCoreTile, apply_staged_tensor_core
+from ourgrad.codegen.opt.tensor_core_plans import TensorCoreTile, apply_staged_tensor_core
 from ourgrad.codegen.uops import UOps
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, bfloat16_bits_to_float32
@@ -43,7 +43,7 @@ TC_CHOICE = {dtypes.float16: 0, dtypes.bfloat16: 1, dtypes.float32: 2}
 # relative error (norm) against float64 the input dtype allows: its unit roundoff times a margin for the sums
 RELATIVE_ERROR = {dtypes.float16: 3e-3, dtypes.bfloat16: 2.5e-2, dtypes.float32: 3e-3}
 # a block of 2 warps along M x 1 along N, 1 x 2 instruction tiles each: 32 x 16 elements (m16n8)
-SMALL_TILE = StagedTensorCoreTile(1, 2, 2, 1)
+SMALL_TILE = TensorCoreTile(1, 2, 2, 1)
 
 
 @pytest.fixture(autouse=True)

@@ -337,7 +337,7 @@ def test_heuristic_picks_shared_for_float32_matmuls(n: int) -> None:
   # rows of 64 floats are 256 float4s, one for each of the 256 threads (a whole round)
   stages = 2
   # each tile's rows (one per reduce element) are padded by 4 floats (SHARED 0 4); the 128x128 tile's rows 8..15 are
-  # 8 floats further on (SHARED_ROW_SKEW, heuristic.py LARGE_TILE_FLAGS)
+  # 8 floats further on (SHARED_ROW_SKEW, shared_tile_plans.py LARGE_TILE_STRUCTURE)
   padding, skew = 4, (8 if per_thread == 8 else 0)
   tile_sizes = [uop.arg[1] for uop in uops if uop.op is UOps.DEFINE_LOCAL]
   assert tile_sizes == [stages * (step * (16 * per_thread + padding) + skew)] * 2

@@ -21,7 +21,7 @@ import ourgrad
 from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.opt import heuristic
+from ourgrad.codegen.opt import tensor_core_plans
 from ourgrad.codegen.opt.beam_cache import cache_key
 from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES, FragmentMaps, evaluate, tf32_round
 from ourgrad.codegen.uops import UOps
@@ -213,7 +213,7 @@ def test_tf32_kernels(case: str) -> None:
 @pytest.mark.parametrize("shape", [((128, 64), (64, 128)), ((130, 64), (64, 120))], ids=["staged", "ragged_staged"])
 def test_heuristic_takes_tf32_only_when_allowed(monkeypatch, shape) -> None:
   """The staged TF32 kernel where allowed (the block count gate lowered to these small grids)."""
-  monkeypatch.setattr(heuristic, "TF32_MIN_BLOCKS", 1)
+  monkeypatch.setattr(tensor_core_plans, "TF32_MIN_BLOCKS", 1)
   a, b = _operands(*shape, seed=3)
   item = _matmul_item(a, b)
   highest = Kernel(item.ast, PythonRenderer("CUDA"))
@@ -245,7 +245,7 @@ def test_staged_tf32_with_b_k_major(monkeypatch) -> None:
   """x @ W^T on a GPU without wgmma: the staged TF32 kernel with both tiles K-contiguous (both fragments by ldmatrix,
   32-bit elements: .x4 for A, .x2 for B)."""
   ourgrad.set_float32_matmul_precision("high")
-  monkeypatch.setattr(heuristic, "TF32_MIN_BLOCKS", 1)
+  monkeypatch.setattr(tensor_core_plans, "TF32_MIN_BLOCKS", 1)
   a, b_t = _operands((128, 64), (128, 64), seed=8)
   item = _transposed_b_item(a, b_t)
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
@@ -401,8 +401,8 @@ def test_tf32_split_weight_gradient_takes_wgmma(monkeypatch) -> None:
 
 def test_heuristic_tf32_on_sm90(monkeypatch) -> None:
   """On an emulated H100 with TF32 allowed: a large x @ W^T takes WGMMA, a large x @ W (B K x N) mma.sync TF32."""
-  monkeypatch.setattr(heuristic, "WGMMA_MIN_WORK", 1)
-  monkeypatch.setattr(heuristic, "TF32_MIN_BLOCKS", 1)
+  monkeypatch.setattr(tensor_core_plans, "WGMMA_MIN_WORK", 1)
+  monkeypatch.setattr(tensor_core_plans, "TF32_MIN_BLOCKS", 1)
   ourgrad.set_float32_matmul_precision("high")
   def opts(ast) -> list[Opt]:
     kernel = Kernel(ast, PythonRenderer("CUDA_SM90"))
@@ -420,7 +420,7 @@ def emulated_cuda(monkeypatch):
   """Tensors on the PYTHON device run as on CUDA (EMULATE=CUDA), with fresh compiled-kernel caches; the staged TF32
   kernel is taken for a single block (TF32_MIN_BLOCKS lowered)."""
   monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA"))
-  monkeypatch.setattr(heuristic, "TF32_MIN_BLOCKS", 1)
+  monkeypatch.setattr(tensor_core_plans, "TF32_MIN_BLOCKS", 1)
   realize._runner_cache.clear()
   yield
   realize._runner_cache.clear()   # kernels made for the emulated GPU stay out of later tests

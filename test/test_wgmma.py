@@ -14,7 +14,7 @@ import torch
 
 from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import WGMMA_DEEP, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps
-from ourgrad.codegen.opt import heuristic
+from ourgrad.codegen.opt import tensor_core_plans
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, accumulator_position, descriptor, render_wgmma_matmul, swizzled
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import bfloat16_bits_to_float32
@@ -197,15 +197,15 @@ def test_wgmma_opt_matches_reference(dtype: str, a_transposed: bool, b_transpose
 def test_heuristic_takes_wgmma_only_where_it_fits(monkeypatch) -> None:
   """Large multiples of the tile get WGMMA; a ragged matmul, one with an elementwise epilogue, a float32 one and any
   matmul on a renderer without wgmma keep their other opts (TC with PADTO for the ragged one)."""
-  monkeypatch.setattr(heuristic, "WGMMA_MIN_WORK", 1)
+  monkeypatch.setattr(tensor_core_plans, "WGMMA_MIN_WORK", 1)
   hopper = PythonRenderer("CUDA_SM90")
   def opts(a: Tensor, b: Tensor, renderer=hopper, epilogue=lambda x: x) -> list[Opt]:
     kernel = Kernel(create_schedule([epilogue(a @ b).lazydata])[-1].ast, renderer)
     kernel.hand_coded_optimizations()
     return kernel.applied_opts
-  (wide_n, wide_axis), (narrow_n, narrow_axis) = heuristic.WGMMA_TILES
-  WIDE, NARROW = Opt(OptOps.WGMMA, wide_axis, wide_n), Opt(OptOps.WGMMA, narrow_axis, narrow_n)
-  assert (wide_n, narrow_n) == (256, 128)
+  wide, narrow = tensor_core_plans.WGMMA_TILES
+  WIDE, NARROW = wide.opt, narrow.opt
+  assert (wide.block_n, narrow.block_n) == (256, 128)
   a, b = Tensor.empty(256, 128, dtype=dtypes.float16), Tensor.empty(128, 512, dtype=dtypes.float16)
   assert opts(a, b) == [NARROW]   # 4 blocks of 128 x 256 would leave most multiprocessors idle
   monkeypatch.setattr(hopper, "multiprocessors", 4)   # the renderer's count (CUDA reads it from the GPU)

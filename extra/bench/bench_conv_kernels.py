@@ -48,6 +48,7 @@ from ourgrad.codegen.opt import heuristic  # noqa: E402
 from ourgrad.codegen.opt.conv_tiles import (ConvTile, WeightGradientTile, shared_conv_tiles,  # noqa: E402
                                             weight_gradient_tiles)
 from ourgrad.codegen.opt.heuristic import _matmul_like  # noqa: E402
+from ourgrad.codegen.opt.plans import strategies_left_out  # noqa: E402
 from ourgrad.codegen.opt.search import apply_opts, beam_search, random_fill, scratch_buffers, verify_kernel  # noqa
 from ourgrad.device import Device  # noqa: E402
 from ourgrad.engine.realize import compile_kernel, get_kernel  # noqa: E402
@@ -415,13 +416,8 @@ def tile_label(tile: ConvTile) -> str:
 
 
 def without_conv_tiles(kernel: Kernel) -> Kernel:
-  """The heuristic's choice as it was before the convolution tiles (shared_conv_tiles switched off)."""
-  original = heuristic.shared_conv_tiles
-  heuristic.shared_conv_tiles = lambda kernel, tiles=(): False
-  try:
-    kernel.hand_coded_optimizations()
-  finally:
-    heuristic.shared_conv_tiles = original
+  """The heuristic's choice as it was before the convolution tiles (the shared_conv strategy switched off)."""
+  with strategies_left_out(heuristic.STRATEGIES, "shared_conv"): kernel.hand_coded_optimizations()
   return kernel
 
 

@@ -297,7 +297,7 @@ VARIANTS = [
 
 def shared_opts(threads_m: int, threads_n: int, step: int, runs: int = 1, pad: str = "", group: int = 1,
                 row_padding: int = 4) -> str:
-  """The float32 SHARED tile's opts (heuristic.py's _apply_shared_tile): 4x4 outputs per thread (`runs` x `runs`
+  """The float32 SHARED tile's opts (shared_tile_plans.py's _apply_shared_tile): 4x4 outputs per thread (`runs` x `runs`
   float4 runs), threads_m x threads_n threads, `group` GROUP threads splitting the reduce, tile rows padded by
   `row_padding` floats (SHARED's amount), reduce steps of `step`; `pad`: opts applied first."""
   runs_opts = f"UPCAST 1 {runs};UPCAST 0 {runs};" if runs > 1 else ""
@@ -511,9 +511,9 @@ def parse_opts(text: str, tc_choice: int) -> list:
 
 def variant_kernel(device: str, ast: Any, opts_text: str, dtype: Any) -> Any:
   """The kernel of `ast` with the variant's opts: an opt list, or "TILE tm tn rm rn step group", a float32 SHARED
-  block tile applied as the heuristic applies its tiles (heuristic.apply_shared_tile)."""
+  block tile applied as the heuristic applies its tiles (shared_tile_plans.apply_shared_tile)."""
   from ourgrad.codegen.kernel import Kernel
-  from ourgrad.codegen.opt.heuristic import SharedTile, apply_shared_tile
+  from ourgrad.codegen.opt.shared_tile_plans import SharedTile, apply_shared_tile
   from ourgrad.device import Device
   kernel = Kernel(ast, Device[device].renderer)
   if opts_text.startswith("TILE"):

@@ -158,6 +158,8 @@ class Kernel(SharedTileLayout):
     # reduction coalesces); GROUP's the innermost (neighbouring threads take neighbouring reduce elements)
     self.groups_outer = False
     self.applied_opts: list[Opt] = []
+    # the plan of the strategy that chose the opts (codegen/opt/plans.py), where one did: printed, saved by BEAM
+    self.plan: Any = None
     # after OptOps.TC: the instruction and its A and B operands (the LOADs under the reduce's MUL); the last three
     # dimensions are then the instruction's m, n, k (see _apply_tensor_core)
     self.tensor_core: AppliedTensorCore | None = None
@@ -718,8 +720,8 @@ class Kernel(SharedTileLayout):
         candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
         continue
       if op is OptOps.SHARED:
-        # without TC also the 128x128 float32 tile's structure (heuristic.py LARGE_TILE_FLAGS: padded and skewed
-        # rows, float4 fills, two blocks per multiprocessor)
+        # without TC also the 128x128 float32 tile's structure (shared_tile_plans.py LARGE_TILE_STRUCTURE: padded and
+        # skewed rows, float4 fills, two blocks per multiprocessor)
         structured = SHARED_TILE_PADDING + SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL
         candidates += [Opt(op, 0, 0), Opt(op, 0, 4)] + ([Opt(op, 0, 3)] if self.tensor_core is not None else
                                                         [Opt(op, 0, structured)])
@@ -782,4 +784,5 @@ class Kernel(SharedTileLayout):
   def print_debug(self) -> None:
     if DEBUG >= 3:
       print(format_ast(self.ast))
-      print(f"{self.name}: {self.colored_shape()} opts=[{describe_opts(self.applied_opts)}]")
+      print(f"{self.name}: {self.colored_shape()} opts=[{describe_opts(self.applied_opts)}]" +
+            (f" plan={self.plan!r}" if self.plan is not None else ""))

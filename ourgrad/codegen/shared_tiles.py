@@ -58,6 +58,8 @@ class SharedStructure:
     async_part = (self.async_stages - 1) * SHARED_ASYNC if self.async_stages else 0
     return self.padding + sum(value for present, value in flags if present) + async_part + self.unknown
 
+  def __repr__(self) -> str: return f"SharedStructure({self.describe()})"   # a plan prints it (codegen/opt/plans.py)
+
   def describe(self) -> str:
     """"pad 4, VECTOR_FILL|TWO_BLOCKS|ROW_SKEW": the padding, then the flags by name, lowest bit first."""
     names = [name for present, name in [(self.vector_fill, "VECTOR_FILL"), (self.two_blocks, "TWO_BLOCKS"),

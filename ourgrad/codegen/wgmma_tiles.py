@@ -52,7 +52,6 @@ from dataclasses import dataclass
 ROW_BYTES, ATOM_BYTES, PIECE_BYTES = 128, 1024, 16
 WARPGROUP_THREADS = 128
 SWIZZLE_128B = 1   # the descriptor's swizzle mode field (bits 62-63)
-SHARED_MEMORY_LIMIT = 227 * 1024   # dynamic shared memory per block on sm_90
 # per operand dtype: bytes of an element, its PTX type, its C type; float32 is read by the tensor cores as TF32
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
@@ -130,9 +129,6 @@ class WgmmaMatmul:
     if self.block_m % 64 or self.block_n % 64 or self.block_n > 256 or self.block_k != ROW_BYTES // self.itemsize \
         or self.stages < 3:
       raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}x{self.block_k}, {self.stages} stages")
-    if self.shared_bytes > SHARED_MEMORY_LIMIT:
-      raise ValueError(f"wgmma tile {self.block_m}x{self.block_n}, {self.stages} stages: {self.shared_bytes} bytes of "
-                       f"shared memory, over the {SHARED_MEMORY_LIMIT} an sm_90 block may have")
     if self.m % self.block_m or self.n % self.block_n or self.k % self.block_k:
       raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n} is not a multiple of its block tile "
                        f"{self.block_m}x{self.block_k}x{self.block_n}")
@@ -582,4 +578,9 @@ def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False
                      a_row_stride=a_m if a_k == 1 else a_k, b_row_stride=b_n if b_k == 1 else b_k,
                      batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)],
                      c_batch=batch_strides[id(store)])
+  # the renderer's dynamic shared memory per block (the device's fact: 227 KB on sm_90)
+  limit = getattr(kernel.renderer, "dynamic_local_memory_bytes", 0)
+  if plan.shared_bytes > limit:
+    raise ValueError(f"wgmma tile {plan.block_m}x{plan.block_n}, {plan.stages} stages: {plan.shared_bytes} bytes of "
+                     f"shared memory, over the {limit} a block of {kernel.renderer.device} may have")
   return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}

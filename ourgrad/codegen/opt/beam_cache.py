@@ -1,10 +1,11 @@
-"""BEAM's on-disk cache: the Opts each search chose, in an sqlite file in the cache folder
+"""BEAM's on-disk cache: the plan each search chose (codegen/opt/plans.py: the heuristic's typed plan where it won,
+else the searched Opts as an OptsPlan), as JSON in an sqlite file in the cache folder
 (`ourgrad.helpers.cache_dir()`), keyed by the kernel's AST, the device and its compiler, and the beam width (and the
 float32 matmul precision where TF32 is allowed), so that another process running the same program does no search
 (docs/beam.md). search.py reads and writes it.
 
     cache_key(ast, device, width)   the key of a search
-    cache_get(key) / cache_put(key, kernel_name, opts)
+    cache_get(key) / cache_put(key, kernel_name, plan)
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import hashlib
 import json
 import sqlite3
 import warnings
-from typing import Iterator, Sequence
+from typing import Iterator
 
 from ourgrad.codegen.kernel import Opt, OptOps
+from ourgrad.codegen.opt.plans import OptsPlan, Plan, plan_from_json, plan_to_json
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import cache_dir, tf32_allowed
@@ -62,8 +64,9 @@ def _connect() -> Iterator[sqlite3.Connection]:
     connection.close()
 
 
-def cache_get(key: str) -> list[Opt] | None:
-  """The cached opts of a search, or None (not cached, or written by a version whose Opt kinds are gone)."""
+def cache_get(key: str) -> Plan | None:
+  """The cached plan of a search, or None (not cached, or written by a version whose Opt kinds or plans are gone). An
+  entry of earlier versions (a list of Opts) reads as the OptsPlan of those Opts."""
   try:
     with _connect() as connection:
       row = connection.execute("SELECT opts FROM beam WHERE key = ?", (key,)).fetchone()
@@ -71,13 +74,16 @@ def cache_get(key: str) -> list[Opt] | None:
     return None
   if row is None: return None
   try:
-    return [Opt(OptOps[name], axis, amount) for name, axis, amount in json.loads(row[0])]
+    data = json.loads(row[0])
+    if isinstance(data, list): return OptsPlan("search", tuple(Opt(OptOps[name], axis, amount)
+                                                              for name, axis, amount in data))
+    return plan_from_json(data)
   except (KeyError, ValueError, TypeError):
     return None
 
 
-def cache_put(key: str, kernel_name: str, opts: Sequence[Opt]) -> None:
-  encoded = json.dumps([[opt.op.name, opt.axis, opt.amount] for opt in opts])
+def cache_put(key: str, kernel_name: str, plan: Plan) -> None:
+  encoded = json.dumps(plan_to_json(plan))
   try:
     with _connect() as connection:
       connection.execute("INSERT OR REPLACE INTO beam VALUES (?, ?, ?)", (key, kernel_name, encoded))

@@ -1,6 +1,6 @@
 """Hand-coded GPU choices for convolutions (called by heuristic.hand_coded_optimizations): a float32 convolution as
 an implicit GEMM with both operands staged through local memory (shared_conv_tiles), a float16/bfloat16 one on
-staged tensor cores (tensor_core_conv_tiles), and the partial-sums kernel of a split-K weight gradient
+staged tensor cores (TensorCoreConvStrategy), and the partial-sums kernel of a split-K weight gradient
 (weight_gradient_tiles). docs/codegen.md, "Convolutions on GPUs", has the figures behind each choice.
 """
 from __future__ import annotations
@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 from ourgrad.codegen.kernel import SHARED_ASYNC, Kernel, KernelOptError, Opt, OptOps, matmul_operands
 from ourgrad.dtype import DType, dtypes
+from ourgrad.codegen.opt.plans import Plan, Strategy, register_plan
 from ourgrad.helpers import power_of_two_divisor
 
 
+@register_plan
 @dataclass(frozen=True)
 class ConvTile:
   """A block tile of a convolution staged through local memory (implicit GEMM): outputs per thread and threads per
@@ -139,42 +141,70 @@ def _thread_split(size: int, threads: int) -> int:
   return max(amount for amount in range(1, min(size, threads) + 1) if size % amount == 0 and threads % amount == 0)
 
 
-def tensor_core_conv_tiles(kernel: Kernel) -> bool:
+@register_plan
+@dataclass(frozen=True)
+class TensorCoreConvPlan(Plan):
   """A float16/bfloat16 convolution on tensor cores with both tiles staged (TC + SHARED: the reduce loops walked as
-  one flat loop of steps): after TC, 4 mma tiles along the channels x 2 along the pixels per warp, 2 warps along
-  each and 2 images per block (8 warps: 128 pixels x 64 channels), input channels in steps of 32 where they divide.
-  conv2d 64x64x56x56 3x3 f16 on the H100: 0.134 ms; the unstaged TC kernel 0.407. False (the kernel untouched)
-  where the convolution does not take it."""
-  for choice, tc in enumerate(getattr(kernel.renderer, "tensor_cores", ())):
+  one flat loop of steps): the renderer's tensor core `choice`, then 4 mma tiles along the channels x 2 along the
+  pixels per warp, 2 warps along each and, with `batch_warps`, 2 images per block (8 warps: 128 pixels x 64
+  channels); the input channels in steps of `k_steps` instructions (2: 32 channels; 1: one)."""
+  choice: int
+  batch_warps: bool = True
+  k_steps: int = 2
+
+  def apply(self, kernel: Kernel) -> bool:
+    if not self.apply_outputs(kernel): return False
+    if self.k_steps > 1 and not kernel.try_opt(Opt(OptOps.UNROLL, 0, self.k_steps)): return False
+    return kernel.try_opt(Opt(OptOps.SHARED, 0, 0))
+
+  def apply_outputs(self, kernel: Kernel) -> bool:
+    """TC and the output opts (warp tiles, warps, images per block): the plan before its reduce step and SHARED."""
+    tensor_cores = getattr(kernel.renderer, "tensor_cores", ())
+    if not 0 <= self.choice < len(tensor_cores): return False
+    tc = tensor_cores[self.choice]
     sides = _conv_sides(kernel, tc.dtype_in, tc.dtype_out) if not kernel.applied_opts else None
-    if sides is None: continue
-    trial = kernel.copy()
-    if not trial.try_opt(Opt(OptOps.TC, 0, choice)): continue
+    if sides is None: return False
+    before = kernel.copy()
+    if not kernel.try_opt(Opt(OptOps.TC, 0, self.choice)): return False
     # the sides again after TC split them (the instruction's m/n parts are UPCASTs now): the pixels are the side of
     # the operand (A or B) that had them before
-    applied = trial.tensor_core
-    pixels_on_a = sides[0] == kernel.matmul_axes(applied.a, applied.b)[0]
-    m_axes, n_axes, _ = trial.matmul_axes(applied.a, applied.b)
+    applied = kernel.tensor_core
+    pixels_on_a = sides[0] == before.matmul_axes(applied.a, applied.b)[0]
+    m_axes, n_axes, _ = kernel.matmul_axes(applied.a, applied.b)
     pixel_axes, channel_axes = (m_axes, n_axes) if pixels_on_a else (n_axes, m_axes)
-    if not pixel_axes or not channel_axes: continue
+    if not pixel_axes or not channel_axes: return False
     pixel, channel = pixel_axes[-1], channel_axes[-1]
     batch = next((axis for axis in pixel_axes if axis != pixel), None)
+    if self.batch_warps and batch is None: return False
     plan = [Opt(OptOps.UPCAST, channel, 4), Opt(OptOps.UPCAST, pixel, 2), Opt(OptOps.LOCAL, channel, 2),
-            Opt(OptOps.LOCAL, pixel, 2)]
-    for extra in ([Opt(OptOps.LOCAL, batch, 2)] if batch is not None else [], []):
-      staged = trial.copy()
-      if not staged.try_output_opts(plan + extra): continue
-      staged.try_opt(Opt(OptOps.UNROLL, 0, 2))   # steps of 32 input channels where they divide
-      if staged.try_opt(Opt(OptOps.SHARED, 0, 0)):
-        kernel.__dict__.update(staged.__dict__)
-        return True
-  return False
+            Opt(OptOps.LOCAL, pixel, 2)] + ([Opt(OptOps.LOCAL, batch, 2)] if self.batch_warps else [])
+    return kernel.try_output_opts(plan)
+
+
+class TensorCoreConvStrategy(Strategy):
+  """The staged tensor-core convolution (TensorCoreConvPlan) with the first tensor core whose dtypes the convolution
+  has, 2 images per block where the pixels have a batch axis that takes it, else one; steps of 32 input channels where
+  they divide. conv2d 64x64x56x56 3x3 f16 on the H100: 0.134 ms; the unstaged TC kernel 0.407."""
+  name = "tensor_core_conv"
+
+  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel) and not kernel.applied_opts
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    for choice, tc in enumerate(getattr(kernel.renderer, "tensor_cores", ())):
+      if _conv_sides(kernel, tc.dtype_in, tc.dtype_out) is None: continue
+      for batch_warps in (True, False):
+        trial = kernel.copy()
+        if not TensorCoreConvPlan(choice, batch_warps).apply_outputs(trial): continue
+        k_steps = 2 if trial.try_opt(Opt(OptOps.UNROLL, 0, 2)) else 1   # steps of 32 input channels where they divide
+        if trial.try_opt(Opt(OptOps.SHARED, 0, 0)): return TensorCoreConvPlan(choice, batch_warps, k_steps), trial
+    return None
 
 
 # the window's innermost axis (a filter row) is upcast whole up to this size
 WINDOW_UPCAST_MAX = 8
 
 
+@register_plan
 @dataclass(frozen=True)
 class WeightGradientTile:
   """The threads of a split-K weight gradient's partial-sums kernel. A thread sums a whole filter row (the window's
@@ -300,3 +330,55 @@ def _repeat_plan(kernel: Kernel, plan: list[Opt], pixel_axes: list[int], tile: C
     if outer is None or sizes[outer] % tile.pixel_repeat: return None
     repeats.append(Opt(OptOps.UPCAST, outer, tile.pixel_repeat))
   return repeats
+
+
+def _gpu_local_reduce(kernel: Kernel) -> bool:
+  renderer = kernel.renderer
+  return renderer.has_threads and getattr(renderer, "has_local", False) and kernel.reduceop is not None
+
+
+@register_plan
+@dataclass(frozen=True)
+class ConvTilePlan(Plan):
+  """A float32 convolution as an implicit GEMM in one block tile (shared_conv_tiles with `tile` alone)."""
+  tile: ConvTile
+
+  def apply(self, kernel: Kernel) -> bool: return shared_conv_tiles(kernel, (self.tile,))
+
+
+class ConvTileStrategy(Strategy):
+  """shared_conv_tiles: the first tile of CONV_TILES that fits the convolution."""
+  name = "shared_conv"
+
+  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel)
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    if kernel.applied_opts or _conv_sides(kernel) is None: return None
+    for tile in CONV_TILES:
+      trial = kernel.copy()
+      if shared_conv_tiles(trial, (tile,)): return ConvTilePlan(tile), trial
+    return None
+
+
+@register_plan
+@dataclass(frozen=True)
+class WeightGradientPlan(Plan):
+  """The partial-sums kernel of a split-K convolution weight gradient in one tile (weight_gradient_tiles with `tile`
+  alone)."""
+  tile: WeightGradientTile
+
+  def apply(self, kernel: Kernel) -> bool: return weight_gradient_tiles(kernel, (self.tile,))
+
+
+class WeightGradientStrategy(Strategy):
+  """weight_gradient_tiles: the first tile of WEIGHT_GRADIENT_TILES that applies."""
+  name = "weight_gradient"
+
+  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel)
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    if kernel.applied_opts or _weight_gradient_sides(kernel) is None: return None
+    for tile in WEIGHT_GRADIENT_TILES:
+      trial = kernel.copy()
+      if weight_gradient_tiles(trial, (tile,)): return WeightGradientPlan(tile), trial
+    return None

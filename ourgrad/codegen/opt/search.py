@@ -39,6 +39,8 @@ import numpy as np
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, describe_opts
 from ourgrad.codegen.opt.beam_cache import cache_get, cache_key, cache_put
+from ourgrad.codegen.opt.heuristic import STRATEGIES
+from ourgrad.codegen.opt.plans import OptsPlan, Plan, replay
 from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
@@ -47,7 +49,8 @@ from ourgrad.helpers import (BEAM_COMPILE_TIMEOUT, BEAM_LOCAL_MAX, BEAM_MIN_PROG
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 
 # The amounts tried for each kind of Opt, by OptOps name. 0 means "the whole axis". A kind missing here (one the
-# Kernel gained later) is tried with DEFAULT_AMOUNTS.
+# Kernel gained later) is tried with DEFAULT_AMOUNTS; a kind a strategy owns (TC, SHARED, WGMMA: their amounts name
+# tiles, stages and structures) is tried as that strategy lists it (heuristic.STRATEGIES, Strategy.beam_actions).
 ACTION_AMOUNTS: dict[str, tuple[int, ...]] = {
   "UPCAST": (0, 2, 3, 4, 5, 7, 8),
   "UNROLL": (0, 2, 3, 4, 5, 7, 8),
@@ -55,9 +58,6 @@ ACTION_AMOUNTS: dict[str, tuple[int, ...]] = {
   "GROUP": (4, 8, 16, 32, 64, 128, 256),
   "GROUPTOP": (4, 8, 16, 32, 64, 128, 256),
   "PADTO": (32,),
-  "TC": (0, 1, 2),   # which of the renderer's tensor cores (axis 0 only; CUDA: float16, bfloat16, TF32)
-  "SHARED": (0,),  # a flag (axis 0 only)
-  "WGMMA": (128, 256),   # the block's N tile (axis: the stages, 0 = 4); only on sm_90, only as the first opt
 }
 DEFAULT_AMOUNTS: tuple[int, ...] = (2, 4, 8, 16)
 
@@ -183,7 +183,14 @@ def _wasteful(parent: Kernel, opt: Opt, new: Kernel) -> bool:
 
 
 def _all_actions(kernel: Kernel) -> Iterator[Opt]:
+  """Every Opt to try on `kernel`, kind by kind in OptOps' order: each axis with each amount of ACTION_AMOUNTS, or
+  for a kind a strategy owns, the Opts the strategies list (the same registry the heuristic walks)."""
+  owned = [(strategy, set(strategy.beam_ops)) for strategy in STRATEGIES if strategy.beam_ops]
+  listed = [opt for strategy, _ in owned for opt in strategy.beam_actions(kernel)]
   for op in OptOps:
+    if any(op in ops for _, ops in owned):
+      yield from (opt for opt in listed if opt.op is op)
+      continue
     for axis in range(kernel.shape_len):
       for amount in ACTION_AMOUNTS.get(op.name, DEFAULT_AMOUNTS): yield Opt(op, axis, amount)
 
@@ -581,6 +588,7 @@ def _search(kernel: Kernel, buffers: Sequence[Buffer] | None, beam_width: int, d
     compiler.close()
     progress.close()
   winner = apply_opts(kernel, best.opts)
+  if best.opts == hand_opts: winner.plan = heuristic.plan   # the heuristic's typed plan, saved by the cache
   stats.hand_s, stats.best_s = hand_seconds, best.seconds
   stats.total_s += time.perf_counter() - started
   _report(kernel.name, winner, best.seconds, hand_seconds, stats.total_s)
@@ -699,12 +707,12 @@ def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
     cached = cache_get(key)
     if cached is not None:
       try:
-        optimized = apply_opts(kernel, cached)
+        optimized = replay(cached, kernel)
       except KernelOptError:  # cached under Opt rules that changed since: search again
         optimized = None
       if optimized is not None:
         BeamCounters.cache_hits += 1
-        if DEBUG >= 2: print(f"BEAM {kernel.name}: cache hit, opts [{describe_opts(optimized.applied_opts)}]")
+        if DEBUG >= 2: print(f"BEAM {kernel.name}: cache hit, {cached!r}")
         return optimized
   stats = SearchStats(kernel.name)
   winner, binary = _search(kernel, None, beam_width, device, None, None, None, stats)
@@ -716,5 +724,10 @@ def _cached_or_searched(kernel: Kernel, device: str, beam_width: int) -> Kernel:
   stats.verify_s = time.perf_counter() - verify_started
   stats.total_s += stats.verify_s
   if DEBUG >= 2: print(f"BEAM {kernel.name} phases: {stats.summary()}")
-  cache_put(key, kernel.name, winner.applied_opts)
+  cache_put(key, kernel.name, plan_of(winner))
   return winner
+
+
+def plan_of(kernel: Kernel) -> Plan:
+  """The plan that gives `kernel`: the strategy's where the heuristic's choice won, else its Opts (an OptsPlan)."""
+  return kernel.plan if kernel.plan is not None else OptsPlan("search", tuple(kernel.applied_opts))
