@@ -1,0 +1,44 @@
+"""Which output axis a GPU reduce's neighbouring threads take, where no input is contiguous along a whole axis.
+
+The heuristic puts a warp's lanes on the axis its biggest input reads with stride 1 (heuristic._contiguous_axis).
+Some inputs are contiguous only in pieces of an axis: GPT-2's c_attn bias gradient sums over the tokens the q, k and
+v gradients concatenated along the channels, each read through the attention's head permute, (B, H, T, D) ->
+(B, T, 3 H D). Along the 2304 channels no source has one stride (the channel index is q/k/v, head, then D, each
+source masked to its third), so the reduce was laid out as a row reduce: a warp per output, its lanes a token apart
+(64 floats: every lane's load in a 32-byte sector of its own, 1/8 of each sector used; 905 GB/s on the H200).
+Split into pieces of a warp, the channel axis is stride 1 in every source (32 neighbouring D of one head): the
+warp's lanes take 32 neighbouring channels and each load instruction reads 4 whole sectors, as for a contiguous
+(4096, 2304) input.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ourgrad.helpers import power_of_two_divisor
+from ourgrad.shape.shapetracker import ShapeTracker
+
+# a piece shorter than this many elements leaves a 32-byte sector of float32s partly unread: not worth the lanes
+MIN_PIECE = 8
+
+
+def piece_strides(view: ShapeTracker, axis: int, piece: int) -> tuple[int | None, ...]:
+  """The real strides of `view` with `axis` split into (size // piece, piece): the piece is axis + 1."""
+  shape = view.shape
+  split = shape[:axis] + (shape[axis] // piece, piece) + shape[axis + 1:]
+  return view.reshape(split).real_strides()
+
+
+def contiguous_in_pieces(loads: Sequence[ShapeTracker], axis: int, lanes: int) -> bool:
+  """Whether each load that varies along `axis` reads its pieces of `lanes` (the largest power of two dividing the
+  axis, up to `lanes`; at least MIN_PIECE) with stride 1, though not the whole axis with one stride."""
+  size = loads[0].shape[axis] if loads else 0
+  piece = power_of_two_divisor(size, lanes)
+  if piece < MIN_PIECE: return False
+  varying = [view for view in loads if view.real_strides()[axis] != 0]
+  return bool(varying) and all(piece_strides(view, axis, piece)[axis + 1] == 1 for view in varying)
+
+
+def output_axis_contiguous_in_pieces(loads: Sequence[ShapeTracker], output_axes: int, lanes: int) -> int | None:
+  """The innermost of the first `output_axes` axes that every varying load reads in contiguous pieces of `lanes`
+  elements (contiguous_in_pieces), or None: the axis for a column reduce's LOCAL threads."""
+  return next((axis for axis in reversed(range(output_axes)) if contiguous_in_pieces(loads, axis, lanes)), None)
