@@ -36,20 +36,32 @@ def _optimized(item, renderer=None) -> Kernel:  # noqa: ANN001
   return kernel
 
 
-def _lanes_walk_stride_one(kernel: Kernel) -> bool:
-  """Whether the launch's x thread index (a warp's neighbouring lanes) reads every memory load with stride 1."""
+def _lane_strides(kernel: Kernel) -> list[int | None]:
+  """The stride of the launch's x thread index (a warp's neighbouring lanes) in each memory load."""
   lanes = kernel.thread_axes()[-1]
-  loads = [st for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:])
-           if isinstance(leaf.arg, MemBuffer) and st.real_strides()[lanes] != 0]
-  return bool(loads) and all(st.real_strides()[lanes] == 1 for st in loads)
+  loads = [st for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
+  return [st.real_strides()[lanes] for st in loads]
 
 
-def test_gpt2_c_attn_bias_gradient_partials_take_lanes_along_head_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+def _gpt2_heads(v_transposed: bool, dims: tuple[int, int, int, int] = (8, 12, 512, 64),
+                device: str = "PYTHON") -> list[Tensor]:
+  """q, k, v gradients (B, H, T, D); `v_transposed`: v's as its matmul stores it in the GPT-2 step, (B, H, D, T)."""
+  batch, count, length, width = dims
+  heads = [Tensor.empty(batch, count, length, width, device=device) for _ in range(2)]
+  last = Tensor.empty(batch, count, width, length, device=device).transpose(2, 3) if v_transposed else \
+    Tensor.empty(batch, count, length, width, device=device)
+  return heads + [last]
+
+
+@pytest.mark.parametrize("v_transposed", [False, True])
+def test_gpt2_c_attn_bias_gradient_partials_take_lanes_along_head_dim(monkeypatch: pytest.MonkeyPatch,
+                                                                     v_transposed: bool) -> None:
   """GPT-2 at its real width (batch 8, 512 tokens, 12 heads of 64): the split's partial sums are laid out as for a
-  contiguous (8, 512, 2304) input (LOCAL 32 on the channels, GROUPTOP over the batch), each warp load reading 32
-  neighbouring floats of one source (4 sectors), where it was a warp per channel, its lanes 64 floats apart."""
+  contiguous (8, 512, 2304) input (LOCAL 32 on the channels, GROUPTOP over the batch), each warp load of q and k
+  reading 32 neighbouring floats (4 sectors), where it was a warp per channel, its lanes 64 floats apart. With v's
+  gradient stored (B, H, D, T) (the GPT-2 step), v alone is read across the lanes (2 of 3 sources coalesced)."""
   monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts.of(PythonRenderer("CUDA")))
-  heads = [Tensor.empty(8, 12, 512, 64, device="PYTHON") for _ in range(3)]
+  heads = _gpt2_heads(v_transposed)
   permuted = create_schedule([_heads_cat(heads).sum(axis=(0, 1)).lazydata])
   contiguous = create_schedule([Tensor.empty(8, 512, 2304, device="PYTHON").sum(axis=(0, 1)).lazydata])
   first, plain = (next(item for item in schedule if item.ast.op is Ops.STORE) for schedule in (permuted, contiguous))
@@ -57,7 +69,7 @@ def test_gpt2_c_attn_bias_gradient_partials_take_lanes_along_head_dim(monkeypatc
   assert kernel.applied_opts == _optimized(plain).applied_opts
   assert any(opt.op is OptOps.LOCAL for opt in kernel.applied_opts)
   assert kernel.full_shape[kernel.thread_axes()[-1]] == 32
-  assert _lanes_walk_stride_one(kernel)
+  assert _lane_strides(kernel) == ([1, 1, 512] if v_transposed else [1, 1, 1])
 
 
 def test_pieces_must_hold_a_sector() -> None:
@@ -78,17 +90,26 @@ def _numpy_bias(data: list[np.ndarray]) -> np.ndarray:
   return np.concatenate([d.transpose(0, 2, 1, 3).reshape(d.shape[0], d.shape[2], -1) for d in data], axis=2).sum((0, 1))
 
 
-@pytest.mark.parametrize("dims", [(2, 2, 256, 32), (1, 3, 512, 16)])
+def _heads_tensors(data: list[np.ndarray], v_transposed: bool, device: str) -> list[Tensor]:
+  """Tensors of q, k, v gradients; `v_transposed`: v's stored (B, H, D, T) and read through a transpose."""
+  heads = [Tensor(d, device=device) for d in data]
+  if v_transposed: heads[2] = Tensor(np.ascontiguousarray(data[2].transpose(0, 1, 3, 2)), device=device).transpose(2, 3)
+  return heads
+
+
+@pytest.mark.parametrize("dims, v_transposed", [((2, 2, 256, 32), False), ((1, 3, 512, 16), False),
+                                                ((2, 2, 256, 32), True)])
 def test_cat_of_permuted_heads_sum_on_emulated_cuda_matches_numpy(monkeypatch: pytest.MonkeyPatch,
-                                                                  dims: tuple[int, int, int, int]) -> None:
+                                                                  dims: tuple[int, int, int, int],
+                                                                  v_transposed: bool) -> None:
   """Every kernel of the (split) sum, optimized with CUDA's heuristics and run on the PYTHON interpreter, against
   numpy; the partial sums' lanes along the head dim."""
   monkeypatch.setenv("PACK_KERNELS", "0")
   data = _heads_data(*dims)
-  out = _heads_cat([Tensor(d, device="PYTHON") for d in data]).sum(axis=(0, 1))
+  out = _heads_cat(_heads_tensors(data, v_transposed, "PYTHON")).sum(axis=(0, 1))
   schedule = create_schedule([out.lazydata])
   kernels = [item for item in schedule if item.ast.op is Ops.STORE]
-  assert len(kernels) == 2 and _lanes_walk_stride_one(_optimized(kernels[0]))
+  assert len(kernels) == 2 and _lane_strides(_optimized(kernels[0]))[:2] == [1, 1]
   for item in schedule:
     if item.ast.op is Ops.STORE:
       for buffer in item.outputs: buffer.allocate()
@@ -99,9 +120,10 @@ def test_cat_of_permuted_heads_sum_on_emulated_cuda_matches_numpy(monkeypatch: p
   np.testing.assert_allclose(result.reshape(expected.shape), expected, rtol=1e-5, atol=1e-4)
 
 
-def test_cat_of_permuted_heads_sum_on_clang_matches_numpy() -> None:
+@pytest.mark.parametrize("v_transposed", [False, True])
+def test_cat_of_permuted_heads_sum_on_clang_matches_numpy(v_transposed: bool) -> None:
   data = _heads_data(2, 3, 20, 32)
-  out = _heads_cat([Tensor(d, device="CLANG") for d in data]).sum(axis=(0, 1))
+  out = _heads_cat(_heads_tensors(data, v_transposed, "CLANG")).sum(axis=(0, 1))
   np.testing.assert_allclose(out.numpy(), _numpy_bias(data), rtol=1e-5, atol=1e-4)
 
 
@@ -132,13 +154,14 @@ def test_attention_c_attn_bias_gradient_matches_torch(small_split: None, device:
   np.testing.assert_allclose(b.grad.numpy(), tb.grad.numpy(), rtol=1e-4, atol=1e-3)  # sums of 32 tokens near 0
 
 
-def test_gpt2_c_attn_bias_gradient_kernels_compile_with_nvrtc(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("v_transposed", [False, True])
+def test_gpt2_c_attn_bias_gradient_kernels_compile_with_nvrtc(monkeypatch: pytest.MonkeyPatch,
+                                                              v_transposed: bool) -> None:
   """Both kernels of the real-width bias gradient, optimized for CUDA, compile with NVRTC (skips without it)."""
   compiler = nvrtc_compiler()
   if compiler is None: pytest.skip("no NVRTC here")
   monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts.of(PythonRenderer("CUDA")))
-  heads = [Tensor.empty(8, 12, 512, 64, device="PYTHON") for _ in range(3)]
-  for item in create_schedule([_heads_cat(heads).sum(axis=(0, 1)).lazydata]):
+  for item in create_schedule([_heads_cat(_gpt2_heads(v_transposed)).sum(axis=(0, 1)).lazydata]):
     if item.ast.op is not Ops.STORE: continue
     kernel = _optimized(item, CUDARenderer())
     compiler.compile(CUDARenderer().render(kernel.name, linearize(kernel)))

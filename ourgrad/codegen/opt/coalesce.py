@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ourgrad.helpers import power_of_two_divisor
+from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.shape.shapetracker import ShapeTracker
 
 # a piece shorter than this many elements leaves a 32-byte sector of float32s partly unread: not worth the lanes
@@ -38,7 +38,31 @@ def contiguous_in_pieces(loads: Sequence[ShapeTracker], axis: int, lanes: int) -
   return bool(varying) and all(piece_strides(view, axis, piece)[axis + 1] == 1 for view in varying)
 
 
-def output_axis_contiguous_in_pieces(loads: Sequence[ShapeTracker], output_axes: int, lanes: int) -> int | None:
-  """The innermost of the first `output_axes` axes that every varying load reads in contiguous pieces of `lanes`
-  elements (contiguous_in_pieces), or None: the axis for a column reduce's LOCAL threads."""
-  return next((axis for axis in reversed(range(output_axes)) if contiguous_in_pieces(loads, axis, lanes)), None)
+def load_lane_axis(view: ShapeTracker, output_axes: int, lanes: int) -> int | None:
+  """The axis along which one load wants a warp's lanes: its innermost stride-1 axis, else the innermost of the first
+  `output_axes` axes it reads in contiguous pieces of `lanes` elements (contiguous_in_pieces), else None."""
+  strides = view.real_strides()
+  whole = next((axis for axis in reversed(range(len(strides))) if strides[axis] == 1 and view.shape[axis] > 1), None)
+  if whole is not None: return whole
+  return next((axis for axis in reversed(range(output_axes)) if contiguous_in_pieces([view], axis, lanes)), None)
+
+
+def _elements(view: ShapeTracker) -> int:
+  """Elements a load reads (its axes of stride 0 broadcast, not read)."""
+  return prod(size for size, stride in zip(view.shape, view.real_strides()) if stride != 0)
+
+
+def lane_axis(loads: Sequence[ShapeTracker], output_axes: int, lanes: int, biggest: int | None) -> int | None:
+  """The axis a reduce's neighbouring threads take: the one along which the most loaded elements are contiguous
+  (load_lane_axis of each load, weighted by the elements it reads), where that is more than `biggest` (the axis the
+  biggest load is contiguous along) gets. GPT-2's c_attn bias gradient reads the q and k gradients in pieces of D
+  along the channels and the v gradient (stored (B, H, D, T) by its matmul) along the tokens: the channels get the
+  lanes (2 of 3 sources coalesced; each v lane then walks its own tokens, a sector every 8 iterations), not the
+  tokens (1 of 3, every q and k lane a sector of its own)."""
+  weights: dict[int, int] = {}
+  for view in loads:
+    axis = load_lane_axis(view, output_axes, lanes)
+    if axis is not None: weights[axis] = weights.get(axis, 0) + _elements(view)
+  if not weights: return biggest
+  best = max(weights, key=lambda axis: weights[axis])
+  return best if weights[best] > weights.get(biggest, 0) else biggest  # type: ignore[arg-type]

@@ -46,7 +46,7 @@ from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
 from ourgrad.codegen.opt import matmul_grid
 from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
-from ourgrad.codegen.opt.coalesce import output_axis_contiguous_in_pieces
+from ourgrad.codegen.opt.coalesce import lane_axis
 from ourgrad.helpers import DEBUG, MATMUL_GRID, power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
@@ -624,10 +624,8 @@ def _unroll_group_loop(kernel: Kernel) -> None:
 def _group_reduce(kernel: Kernel) -> bool:
   """GROUP-based defaults for reduces that are not matmul-like. False (kernel untouched) where they do not apply."""
   if kernel.first_upcast <= kernel.first_reduce: return False
-  # an output axis contiguous only in pieces (a cat of permuted views) takes the lanes as a contiguous one would
-  contiguous = _contiguous_axis(kernel)
-  if contiguous is None:
-    contiguous = output_axis_contiguous_in_pieces(_loads(kernel), kernel.first_reduce, COLUMN_LOCALS)
+  # the lanes go where most loads are contiguous, in pieces too (coalesce.py: a cat of permuted views)
+  contiguous = lane_axis(_loads(kernel), kernel.first_reduce, COLUMN_LOCALS, _contiguous_axis(kernel))
   outputs = prod(kernel.full_shape[:kernel.first_reduce])
   reduce_total = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
   # a short reduce (a pooling window) is cheaper as a loop in each thread than as threads that must meet
