@@ -16,7 +16,7 @@ import torch
 import ourgrad
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, OptOps
-from ourgrad.codegen.opt import heuristic
+from ourgrad.codegen.opt import tensor_core_plans
 from ourgrad.device import Device
 from ourgrad.engine import operand_staging, realize, schedule_cache
 from ourgrad.engine import schedule as scheduler
@@ -37,7 +37,7 @@ def hopper(monkeypatch):
   """The PYTHON device as an H100 (wgmma), TF32 allowed, small matmuls taking WGMMA; fresh kernel and schedule
   caches, so that nothing made for the emulated GPU reaches later tests."""
   monkeypatch.setattr(Device[DEVICE], "renderer", PythonRenderer("CUDA_SM90"))
-  monkeypatch.setattr(heuristic, "WGMMA_MIN_WORK", 1)
+  monkeypatch.setattr(tensor_core_plans, "WGMMA_MIN_WORK", 1)
   monkeypatch.setattr(operand_staging, "WGMMA_MIN_WORK", 1)
   monkeypatch.delenv("TF32", raising=False)
   ourgrad.set_float32_matmul_precision("high")

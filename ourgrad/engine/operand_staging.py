@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ourgrad.codegen.matmul_operands import varying_axes
-from ourgrad.codegen.opt.heuristic import WGMMA_MIN_WORK
+from ourgrad.codegen.opt.tensor_core_plans import WGMMA_MIN_WORK
 from ourgrad.codegen.wgmma_tiles import ROW_BYTES
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes

@@ -46,6 +46,7 @@ from ourgrad.codegen.opt.plans import Plan, RecognizerStrategy, Strategy, first_
 from ourgrad.codegen.opt.shared_tile_plans import SharedTileStrategy, dense_matmul_axes
 from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrategy
 from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
+from ourgrad.codegen.opt.coalesce import lane_axis
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer
 
@@ -316,7 +317,8 @@ def _unroll_group_loop(kernel: Kernel) -> None:
 def _group_reduce(kernel: Kernel) -> bool:
   """GROUP-based defaults for reduces that are not matmul-like. False (kernel untouched) where they do not apply."""
   if kernel.first_upcast <= kernel.first_reduce: return False
-  contiguous = _contiguous_axis(kernel)
+  # the lanes go where most loads are contiguous, in pieces too (coalesce.py: a cat of permuted views)
+  contiguous = lane_axis(memory_loads(kernel), kernel.first_reduce, COLUMN_LOCALS, _contiguous_axis(kernel))
   outputs = prod(kernel.full_shape[:kernel.first_reduce])
   reduce_total = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
   # a short reduce (a pooling window) is cheaper as a loop in each thread than as threads that must meet
