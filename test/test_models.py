@@ -234,6 +234,31 @@ def test_llama_jitted_decode_matches_torch(symbolic: bool, compiles, _no_cuda_re
   np.testing.assert_allclose(np.stack(again), expected[1:6], rtol=1e-4, atol=1e-4)
 
 
+def _decode_kernels(layers: int, symbolic: bool) -> int:
+  """Kernels (captured items) of one jitted decode step of TINY with `layers` blocks."""
+  config = dataclasses.replace(TINY, n_layers=layers)
+  model = Llama(config, {name: Tensor(value) for name, value in _tiny_weights(config).items()}, max_context=16,
+                symbolic=symbolic)
+  model(Tensor([[1, 2, 3]], dtype=dtypes.int32), 0).numpy()
+  for position in range(3, 5): model.decode(4, position).numpy()
+  assert model._decode_jit.captured is not None
+  return len(model._decode_jit.captured.items)
+
+
+# a decode block: input RMS, QKV product, RoPE + KV-cache write, scores, softmax max, softmax sum, weighted values,
+# output product + residual, gate/up product, FFN RMS, down product (SiLU * up on its loads) + residual
+DECODE_KERNELS_PER_LAYER = 11
+
+
+@pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])
+def test_llama_decode_kernels_per_layer(symbolic: bool, _no_cuda_render_check) -> None:
+  """The decode step's kernel count, per block and outside the blocks (the embedding's RMS, the final norm and the
+  logits); RoPE of K is computed inside the cache write (it was a kernel of its own). Logits: the decode tests."""
+  one, two = _decode_kernels(1, symbolic), _decode_kernels(2, symbolic)
+  assert two - one == DECODE_KERNELS_PER_LAYER, (one, two)
+  assert one - DECODE_KERNELS_PER_LAYER == 3, one
+
+
 @pytest.mark.slow  # 20 s or more on a 2-core CPU
 def test_llama_jitted_prefill_replays() -> None:
   """Prompts of one length through the prefill TinyJit: the third call replays and still writes the cache (the

@@ -102,9 +102,14 @@ def cast_weights(weights: dict[str, Tensor], dtype: Any) -> dict[str, Tensor]:
   return cast
 
 
+def inverse_rms(x: Tensor, eps: float) -> Tensor:
+  """1 / sqrt(mean(x^2) + eps) over the last axis (kept, size 1)."""
+  return (x.square().mean(-1, keepdim=True) + eps).rsqrt()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   """x / sqrt(mean(x^2) + eps) * weight over the last axis."""
-  return x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * weight
+  return x * inverse_rms(x, eps) * weight
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -145,7 +150,8 @@ class LlamaBlock:
   - each RMSNorm weight is multiplied into the columns of the matrices it feeds, so a block computes
     (x @ W.T) * rsqrt(mean(x^2) + eps) and never stores the normalised x;
   - Q, K and V are one (dim + kv + kv, dim) matrix: one matmul, after which RoPE is elementwise (`rotate_pairs`);
-  - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step;
+  - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step, which also rotates
+    K (decode: `_project`);
   - the gate and up projections are one (2 * hidden, dim) matrix: one matmul, split after it."""
 
   def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], prefix: str, max_context: int,
@@ -184,8 +190,7 @@ class LlamaBlock:
     prefill) and then read as float32 by every later one."""
     return x.linear(as_tensor(weight) if norm is None else as_tensor(weight) * norm)
 
-  def _inverse_rms(self, x: Tensor) -> Tensor:
-    return (x.square().mean(-1, keepdim=True) + self.config.norm_eps).rsqrt()
+  def _inverse_rms(self, x: Tensor) -> Tensor: return inverse_rms(x, self.config.norm_eps)
 
   def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
     """q (1, B, heads, hd) of x (1, B, dim), rotated, after writing the rotated K and the V of its rows to the cache
@@ -205,16 +210,21 @@ class LlamaBlock:
     return rotated[:, :, :heads]
 
   def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """(q (1, L, heads, hd) rotated, the new cache rows (1, L, 2 kv_heads, hd): rotated K then V) of x (1, L, dim)."""
+    """(q (1, 1, heads, hd) rotated, the cache with this token's rotated K and its V written where `write` marks) of
+    one token x (1, 1, dim): the new cache rows are computed in the cache's shape, RoPE on the stored projection
+    broadcast over the slots, so one kernel rotates K and writes the cache (rotating the (1, 1, kv, hd) K first and
+    broadcasting the result would store it: an elementwise graph read once per slot is not recomputed)."""
     config = self.config
     batch, length, _ = x.shape
-    heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-    projected = self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)
-    q, k, v = projected.split([config.dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
-    q = rotate_pairs(q.reshape(batch, length, heads, head_dim), cos, sin)
-    k = rotate_pairs(k.reshape(batch, length, kv_heads, head_dim), cos, sin)
-    return q, Tensor.cat([k, v.reshape(batch, length, kv_heads, head_dim)], dim=2)
+    heads, head_dim = config.n_heads, config.head_dim
+    # stored (two kernels read it): the rotations read it per slot (K, V) and per score (q) as a load
+    projected = (self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)).contiguous()
+    projected = projected.reshape(batch, length, -1, head_dim)
+    q = rotate_pairs(projected[:, :, :heads], cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim))
+    slots = self.cache.shape
+    cos, sin = cos.reshape(1, length, 1, head_dim).expand(slots), sin.reshape(1, length, 1, head_dim).expand(slots)
+    new = projected[:, :, heads:].expand(slots)
+    return q, self.value_heads[:, :, heads:].where(new, rotate_pairs(new, cos, sin))
 
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
@@ -256,7 +266,7 @@ class LlamaBlock:
     kv_heads, head_dim = config.n_kv_heads, config.head_dim
     group = config.n_heads // kv_heads
     q, new = self._project(x, cos, sin)
-    self.cache.assign(write.where(new.expand(self.cache.shape), self.cache))
+    self.cache.assign(write.where(new, self.cache))
     # shrink, not indexing: Python slices cannot hold a symbolic bound
     keys = self.cache.shrink((None, (0, visible), (0, kv_heads), None)).reshape(visible, kv_heads, head_dim)
     values = self.cache.shrink((None, (0, visible), (kv_heads, 2 * kv_heads), None)).reshape(visible, kv_heads,
