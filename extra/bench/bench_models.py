@@ -32,6 +32,9 @@ on the CPU.
     python extra/bench/bench_models.py --only smollm2 --weights float32,stored,q8_0 --threads 2 \
         --llama-cpp /work/llama_build/build/bin/llama-bench
 
+`--kernels` prints the kernels of each captured decode step: how many per token and per block, and each distinct
+kernel with its launches per token, the elements it writes, the buffers it reads and its bytes.
+
 `--weights` adds a decode row (fixed shapes) for each other weight format: bfloat16/float16 (cast on the device),
 q8_0 (every matrix quantized to Q8_0 here, kept packed and dequantized inside the kernels) and stored (the GGUF
 file's own Q4_1/Q8_0 blocks, packed). `--llama-cpp PATH` runs a built llama.cpp `llama-bench` on the same GGUF file
@@ -274,6 +277,29 @@ def llama_cpp_seconds(command: list[str], tokens: int) -> float:
   return tokens / run["avg_ts"]
 
 
+def decode_kernel_table(label: str, model: Llama) -> None:
+  """Print the kernels of one captured decode step (`--kernels`) on stderr: the count per token and per block, then
+  each distinct kernel (name and bytes, in first-launch order) with its launches per token, the elements it writes,
+  the sizes of the buffers it reads and the bytes its UOps move (CompiledRunner.byte_count)."""
+  captured = model._decode_jit.captured
+  if captured is None: return
+  layers = model.config.n_layers
+  kernels: dict[tuple[str, int], list] = {}
+  for item in captured.items:
+    runner = item.runner
+    key = (runner.display_name, runner.byte_count)
+    if key in kernels: kernels[key][0] += 1
+    else: kernels[key] = [1, item.bufs[0].size if item.bufs else 0, [buffer.size for buffer in item.bufs[1:]]]
+  # a block's kernel launched once per block, or once fewer (the first block's RMS reads the embedding: another name)
+  per_layer = sum(round(launches / layers) for launches, _, _ in kernels.values())
+  total_bytes = sum(item.runner.byte_count for item in captured.items)
+  print(f"SmolLM2 decode ({label}): {len(captured.items)} kernels per token ({layers} blocks x {per_layer} + "
+        f"{len(captured.items) - layers * per_layer}), {total_bytes / 1e6:.1f} MB moved", file=sys.stderr)
+  print(f"  {'kernel':<28} {'per token':>9} {'writes':>8} {'bytes':>12}  reads (elements)", file=sys.stderr)
+  for (name, moved), (launches, written, reads) in kernels.items():
+    print(f"  {name:<28} {launches:>9} {written:>8} {moved:>12,}  {reads}", file=sys.stderr)
+
+
 def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
   loaded = smollm2_weights(args.random_weights, args.layers)
   if loaded is None: return
@@ -331,6 +357,8 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     working.append(mode)
   working: list[str] = []
   for mode, model in models.items(): guarded(f"SmolLM2 decode ({mode})", rows, lambda: check_mode(mode, model))
+  if args.kernels:
+    for mode in working: decode_kernel_table(mode, models[mode])
   # timed runs interleaved (torch, llama.cpp, then each mode, `iters` times): a load that changes during the run (a
   # shared CPU) hits every column alike; only the decode loop is timed, not the prompt before it
   seconds: dict[str, list[float]] = {mode: [] for mode in ["torch", "llama.cpp"] + working}
@@ -447,6 +475,8 @@ def main() -> None:
                            "q8_0: quantized here and kept packed; stored: the file's Q4_1/Q8_0 blocks, packed)")
   parser.add_argument("--llama-cpp", metavar="PATH", help="a built llama-bench: llama.cpp's decode tokens/s on the "
                       "same GGUF file in a column of its own (real weights)")
+  parser.add_argument("--kernels", action="store_true",
+                      help="print the kernels of each captured SmolLM2 decode step (count, bytes, what each reads)")
   parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads (-t)")
   args = parser.parse_args()
   args.weights = [kind.strip() for kind in args.weights.split(",") if kind.strip()]
