@@ -26,8 +26,8 @@ from ourgrad.nn.gguf import gguf_load
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
 from extra.models.bert import BertConfig, BertEncoder, mean_pool_normalize, minilm_path  # noqa: E402
 from extra.models.generate import Sampler, chatml, smollm2_path  # noqa: E402
-from extra.models.llama import (Llama, LlamaConfig, rope_angles, rope_inputs, rope_rows_to_halves,  # noqa: E402
-                                rotate_pairs)
+from extra.models.llama import (Llama, LlamaConfig, inverse_rms_per_output, rope_angles, rope_inputs,  # noqa: E402
+                                rope_rows_to_halves, rotate_pairs, softmax_weighted_sum)
 
 # ---------------------------------------------------------------- GGUF: Q4_0 and Q6_K
 
@@ -245,18 +245,34 @@ def _decode_kernels(layers: int, symbolic: bool) -> int:
   return len(model._decode_jit.captured.items)
 
 
-# a decode block: input RMS, QKV product, RoPE + KV-cache write, scores, softmax max, softmax sum, weighted values,
-# output product + residual, gate/up product, FFN RMS, down product (SiLU * up on its loads) + residual
-DECODE_KERNELS_PER_LAYER = 11
+# a fixed-shape decode block: QKV product with the input RMS recomputed beside each output, RoPE + KV-cache write,
+# scores, softmax + weighted values (one row kernel), output product + residual, gate/up product with the FFN RMS,
+# down product (SiLU * up on its loads) + residual. Symbolic (a Variable row length, no row kernel): the softmax's
+# max and sum are two kernels more. Outside the blocks: the final norm and the logits.
+DECODE_KERNELS_PER_LAYER = {False: 7, True: 9}
 
 
 @pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])
 def test_llama_decode_kernels_per_layer(symbolic: bool, _no_cuda_render_check) -> None:
-  """The decode step's kernel count, per block and outside the blocks (the embedding's RMS, the final norm and the
-  logits); RoPE of K is computed inside the cache write (it was a kernel of its own). Logits: the decode tests."""
+  """The decode step's kernel count, per block and outside the blocks (12 per block and 3 outside before the norms'
+  scales, the softmax and RoPE of K joined the kernels that read them). Their logits: the decode tests."""
   one, two = _decode_kernels(1, symbolic), _decode_kernels(2, symbolic)
-  assert two - one == DECODE_KERNELS_PER_LAYER, (one, two)
-  assert one - DECODE_KERNELS_PER_LAYER == 3, one
+  assert two - one == DECODE_KERNELS_PER_LAYER[symbolic], (one, two)
+  assert one - DECODE_KERNELS_PER_LAYER[symbolic] == 2, one
+
+
+def test_decode_fusions_match_numpy() -> None:
+  """The decode-shaped formulations (`inverse_rms_per_output`, `softmax_weighted_sum`) against numpy, odd sizes."""
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((1, 1, 37)).astype(np.float32)
+  got = inverse_rms_per_output(Tensor(x), 5, 1e-5).numpy()
+  np.testing.assert_allclose(got, np.broadcast_to(1 / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-5), (1, 1, 5)),
+                             rtol=1e-5)
+  scores, values = rng.standard_normal((3, 2, 13)).astype(np.float32) * 4, rng.standard_normal((3, 13, 7))
+  exps = np.exp(scores - scores.max(-1, keepdims=True))
+  expected = (exps / exps.sum(-1, keepdims=True)) @ values.astype(np.float32)
+  got = softmax_weighted_sum(Tensor(scores), Tensor(values.astype(np.float32))).numpy()
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # 20 s or more on a 2-core CPU

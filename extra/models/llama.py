@@ -112,6 +112,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   return x * inverse_rms(x, eps) * weight
 
 
+def inverse_rms_per_output(x: Tensor, outputs: int, eps: float) -> Tensor:
+  """inverse_rms(x) broadcast to (..., `outputs`), its mean of squares computed in the loop shape of a product
+  x @ W.T with `outputs` columns ((rows, outputs, k), reduced over k): the product's kernel then holds both reduces
+  over the same rows (a row kernel) and recomputes the scale beside each output, where a scale of shape (..., 1)
+  is a kernel of its own. For one short row of x (a decode step); with many rows it would turn a tiled matmul into
+  a row kernel."""
+  flat = x.reshape(-1, x.shape[-1])
+  squares = flat.unsqueeze(-2).expand(flat.shape[0], outputs, flat.shape[1]).square()
+  return (squares.mean(-1) + eps).rsqrt().reshape(*x.shape[:-1], outputs)
+
+
+def softmax_weighted_sum(scores: Tensor, values: Tensor) -> Tensor:
+  """softmax(scores) @ values for scores (..., m, n) and values (..., n, d), with the softmax's max and sum computed
+  in the product's loop shape (..., m, d, n): the product's kernel holds all three reduces over the same rows (a
+  row kernel: max, then the sums of e = exp(s - max) and of e * v), recomputing max and sum beside each of the d
+  outputs, where a plain softmax is two kernels of its own before the product. For few rows (one query)."""
+  rows = scores.unsqueeze(-2).expand(*scores.shape[:-1], values.shape[-1], scores.shape[-1])  # (..., m, d, n)
+  exps = (rows - rows.max(-1, keepdim=True)).exp()
+  weighted = (exps * values.transpose(-1, -2).unsqueeze(-3)).sum(-1)
+  return (weighted / exps.sum(-1)).contiguous()   # stored by this kernel: a reader's kernel would refuse its reduces
+
+
 def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
   """cos and sin of the rotary angles (len(positions), head_dim // 2), float32, computed in float64 on the host."""
   inverse_frequencies = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -218,7 +240,8 @@ class LlamaBlock:
     batch, length, _ = x.shape
     heads, head_dim = config.n_heads, config.head_dim
     # stored (two kernels read it): the rotations read it per slot (K, V) and per score (q) as a load
-    projected = (self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)).contiguous()
+    product = self._linear(x, self.w_qkv, self.attn_norm)
+    projected = (product * inverse_rms_per_output(x, product.shape[-1], config.norm_eps)).contiguous()
     projected = projected.reshape(batch, length, -1, head_dim)
     q = rotate_pairs(projected[:, :, :heads], cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim))
     slots = self.cache.shape
@@ -229,8 +252,14 @@ class LlamaBlock:
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
     x = x + self._linear(attended, self.wo)
-    scale = self._inverse_rms(x)
-    gate, up = (self._linear(x, self.w_gate_up, self.ffn_norm) * scale).chunk(2, dim=-1)
+    product = self._linear(x, self.w_gate_up, self.ffn_norm)
+    # one token: the norm's scale recomputed inside the product's kernel (the scaled product stored for the down
+    # projection); several rows: one scale per row, applied on the down projection's loads
+    if x.shape[1] == 1:
+      product = (product * inverse_rms_per_output(x, product.shape[-1], self.config.norm_eps)).contiguous()
+    else:
+      product = product * self._inverse_rms(x)
+    gate, up = product.chunk(2, dim=-1)
     hidden = gate.silu() * up
     # several rows: the SwiGLU product in a buffer of its own. Fused into the down projection's loads it was
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
@@ -274,7 +303,8 @@ class LlamaBlock:
     keys, values = keys.permute(1, 2, 0), values.permute(1, 0, 2)  # (kv, hd, visible), (kv, visible, hd)
     scores = q.reshape(kv_heads, group, head_dim) @ keys * (1.0 / math.sqrt(head_dim))  # (kv, group, visible)
     if mask is not None: scores = scores + mask.reshape(1, 1, -1)
-    attended = scores.softmax(-1) @ values  # (kv, group, hd)
+    # (kv, group, hd); a symbolic row length is no row kernel's: there the plain softmax (two kernels) is cheaper
+    attended = softmax_weighted_sum(scores, values) if isinstance(visible, int) else scores.softmax(-1) @ values
     return self._feed_forward(x, attended.reshape(1, 1, config.dim))
 
 
@@ -388,6 +418,9 @@ class Llama:
     visible: int | Node = self.max_context if position is None else position + 1
     x = self.embed(token)
     for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask)
+    # stored by the last down projection's kernel (its residual add in the epilogue, as in every block): read by the
+    # final norm's row kernel, which would otherwise refuse the product's reduce and leave the add a kernel of its own
+    x = x.contiguous()
     return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
 
   def decode(self, token: int, position: int, jit: bool = True) -> Tensor:
