@@ -239,9 +239,11 @@ class LlamaBlock:
     config = self.config
     batch, length, _ = x.shape
     heads, head_dim = config.n_heads, config.head_dim
-    # stored (two kernels read it): the rotations read it per slot (K, V) and per score (q) as a load
+    # stored (two kernels read it), as float32 (a bfloat16 product's values, widened): the rotations read it per slot
+    # (K, V) and per score (q) as a plain load, where a cast would make q's rotation too costly to recompute
     product = self._linear(x, self.w_qkv, self.attn_norm)
-    projected = (product * inverse_rms_per_output(x, product.shape[-1], config.norm_eps)).contiguous()
+    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps)
+    projected = (product * scale).cast(dtypes.float32).contiguous()
     projected = projected.reshape(batch, length, -1, head_dim)
     q = rotate_pairs(projected[:, :, :heads], cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim))
     slots = self.cache.shape
