@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ourgrad import Tensor, dtypes
+from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import gguf_load
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
@@ -259,6 +260,31 @@ def test_llama_decode_kernels_per_layer(symbolic: bool, _no_cuda_render_check) -
   one, two = _decode_kernels(1, symbolic), _decode_kernels(2, symbolic)
   assert two - one == DECODE_KERNELS_PER_LAYER[symbolic], (one, two)
   assert one - DECODE_KERNELS_PER_LAYER[symbolic] == 2, one
+
+
+def test_llama_batch_decode_matches_single_sequences() -> None:
+  """Three conversations in one model (`sequences=3`): each prompt prefilled into its cache row (jitted, one capture
+  for all rows), then decode steps of all three at their own positions give each sequence's logits of a model
+  decoding it alone, which the other decode tests check against torch."""
+  weights = _tiny_weights(TINY, seed=5)
+  prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]]
+  alone = []
+  for prompt in prompts:
+    model = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False)
+    steps = [model(Tensor([prompt], dtype=dtypes.int32), 0).numpy()[0]]
+    for step in range(3): steps.append(model.decode(int(steps[-1].argmax()), len(prompt) + step).numpy()[0])
+    alone.append(np.stack(steps))
+  batched = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False,
+                  sequences=3)
+  steps = [np.stack([batched(Tensor([prompt], dtype=dtypes.int32), 0, jit=True, sequence=row).numpy()[0]
+                     for row, prompt in enumerate(prompts)])]
+  for step in range(3):
+    tokens = [int(alone[row][step].argmax()) for row in range(3)]
+    steps.append(batched.decode(tokens, [len(prompt) + step for prompt in prompts]).numpy())
+  np.testing.assert_allclose(np.stack(steps, 1), np.stack(alone), rtol=1e-4, atol=1e-4)
+  with pytest.raises(ShapeError): batched.decode(1, 3)
+  symbolic = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, sequences=2)
+  with pytest.raises(ValueError): symbolic.decode([1, 2], [3, 4])
 
 
 def test_decode_fusions_match_numpy() -> None:
