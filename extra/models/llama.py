@@ -203,6 +203,11 @@ class LlamaBlock:
     # (1, 1, heads + 2 kv_heads, 1): True at the V heads of the fused projection (RoPE leaves them as they are)
     value_heads = np.arange(config.n_heads + 2 * config.n_kv_heads) >= config.n_heads + config.n_kv_heads
     self.value_heads = Tensor(value_heads.reshape(1, 1, -1, 1), device=wq.device).realize()
+    # decode: recompute the norms' scales and the softmax's max and sum beside each output of the kernels reading them
+    # (`inverse_rms_per_output`, `softmax_weighted_sum`) where thread blocks run those rows side by side, their inputs
+    # on chip, and a launch costs more than the repeated work (a GPU). A CPU thread would repeat it serially (the
+    # softmax's exp 64 times over) to save a launch that costs about a function call: separate kernels there.
+    self.recompute_rows = Device[wq.device].renderer.runs_thread_blocks
 
   @staticmethod
   def _linear(x: Tensor, weight: Tensor | PackedTensor, norm: Tensor | None = None) -> Tensor:
@@ -243,7 +248,8 @@ class LlamaBlock:
     # stored (two kernels read it), as float32 (a bfloat16 product's values, widened): the rotations read it per slot
     # (K, V) and per score (q) as a plain load, where a cast would make q's rotation too costly to recompute
     product = self._linear(x, self.w_qkv, self.attn_norm)
-    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps)
+    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps) if self.recompute_rows else \
+        self._inverse_rms(x)
     projected = (product * scale).cast(dtypes.float32).contiguous()
     projected = projected.reshape(batch, length, -1, head_dim)
     cos, sin = cos.reshape(batch, length, 1, head_dim), sin.reshape(batch, length, 1, head_dim)  # one row per sequence
@@ -257,9 +263,9 @@ class LlamaBlock:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
     x = x + self._linear(attended, self.wo)
     product = self._linear(x, self.w_gate_up, self.ffn_norm)
-    # one token: the norm's scale recomputed inside the product's kernel (the scaled product stored for the down
-    # projection); several rows: one scale per row, applied on the down projection's loads
-    if x.shape[1] == 1:
+    # one token on a GPU: the norm's scale recomputed inside the product's kernel (the scaled product stored for the
+    # down projection); else one scale per row (a kernel of its own), applied on the down projection's loads
+    if x.shape[1] == 1 and self.recompute_rows:
       product = (product * inverse_rms_per_output(x, product.shape[-1], self.config.norm_eps)).contiguous()
     else:
       product = product * self._inverse_rms(x)
@@ -311,8 +317,9 @@ class LlamaBlock:
     keys, values = keys.permute(0, 2, 3, 1), values.permute(0, 2, 1, 3)  # (S, kv, hd, visible), (S, kv, visible, hd)
     scores = q.reshape(sequences, kv_heads, group, head_dim) @ keys * (1.0 / math.sqrt(head_dim))  # (S, kv, g, vis)
     if mask is not None: scores = scores + mask.reshape(sequences, 1, 1, -1)
-    # (S, kv, group, hd); a symbolic row length is no row kernel's: there the plain softmax (two kernels) is cheaper
-    attended = softmax_weighted_sum(scores, values) if isinstance(visible, int) else scores.softmax(-1) @ values
+    # (S, kv, group, hd); a symbolic row length is no row kernel's: there (and on a CPU) the plain softmax, two kernels
+    fused = isinstance(visible, int) and self.recompute_rows
+    attended = softmax_weighted_sum(scores, values) if fused else scores.softmax(-1) @ values
     return self._feed_forward(x, attended.reshape(sequences, 1, config.dim))
 
 
