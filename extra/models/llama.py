@@ -447,8 +447,12 @@ class Llama:
     for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask)
     # stored by the last down projection's kernel (its residual add in the epilogue, as in every block): read by the
     # final norm's row kernel, which would otherwise refuse the product's reduce and leave the add a kernel of its own
-    x = x.contiguous()
-    return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
+    x = x.contiguous()[:, -1, :]
+    if not self.blocks[0].recompute_rows:
+      return rms_norm(x, self.norm, self.config.norm_eps).linear(as_tensor(self.output))
+    # a GPU: the final norm's scale recomputed beside each logit (one kernel, not a norm kernel before the product)
+    logits = (x * self.norm).linear(as_tensor(self.output))
+    return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps)
 
   def decode(self, token: int | Sequence[int], position: int | Sequence[int], jit: bool = True) -> Tensor:
     """The logits (S, vocab) after feeding one `token` at `position` to each of the S = `sequences` sequences (ints
