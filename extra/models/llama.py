@@ -28,7 +28,10 @@ Decoding (`model.decode(token, position)`). One token's step runs through a Tiny
 replayed (no graph building, scheduling or compiling) on every later one, whatever the position. With
 `symbolic=True` (the default) the position is a bound Variable and attention reads only `cache[:, :position + 1]`;
 with `symbolic=False` it reads the whole cache under the mask, so every kernel has a fixed shape (the optimizer
-handles them all and a CUDA graph replays the step as one launch).
+handles them all and a CUDA graph replays the step as one launch). On a GPU the norms' scales and the softmax are
+recomputed inside the row kernels of the products that read them (`inverse_rms_per_output`, `softmax_weighted_sum`):
+7 kernels per block (docs/models.md). `Llama(..., sequences=N)`: N conversations, a cache row each, prefilled one
+at a time (`sequence=i`) and decoded together (a token and a position per sequence).
 """
 from __future__ import annotations
 
