@@ -20,14 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor, dtypes
+from ourgrad import Device, Tensor, dtypes
+from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import gguf_load
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
 from extra.models.bert import BertConfig, BertEncoder, mean_pool_normalize, minilm_path  # noqa: E402
 from extra.models.generate import Sampler, chatml, smollm2_path  # noqa: E402
-from extra.models.llama import (Llama, LlamaConfig, rope_angles, rope_inputs, rope_rows_to_halves,  # noqa: E402
-                                rotate_pairs)
+from extra.models.llama import (Llama, LlamaConfig, inverse_rms_per_output, rope_angles, rope_inputs,  # noqa: E402
+                                rope_rows_to_halves, rotate_pairs, softmax_weighted_sum)
 
 # ---------------------------------------------------------------- GGUF: Q4_0 and Q6_K
 
@@ -232,6 +233,78 @@ def test_llama_jitted_decode_matches_torch(symbolic: bool, compiles, _no_cuda_re
   again = [model(Tensor([tokens[:2]], dtype=dtypes.int32), 0).numpy()[0]]
   again += [model.decode(tokens[position], position).numpy()[0] for position in range(2, 6)]
   np.testing.assert_allclose(np.stack(again), expected[1:6], rtol=1e-4, atol=1e-4)
+
+
+def _decode_kernels(layers: int, symbolic: bool) -> int:
+  """Kernels (captured items) of one jitted decode step of TINY with `layers` blocks."""
+  config = dataclasses.replace(TINY, n_layers=layers)
+  model = Llama(config, {name: Tensor(value) for name, value in _tiny_weights(config).items()}, max_context=16,
+                symbolic=symbolic)
+  model(Tensor([[1, 2, 3]], dtype=dtypes.int32), 0).numpy()
+  for position in range(3, 5): model.decode(4, position).numpy()
+  assert model._decode_jit.captured is not None
+  return len(model._decode_jit.captured.items)
+
+
+# a decode block's kernels. On a GPU (thread blocks), fixed shapes: QKV product with the input RMS recomputed beside
+# each output, RoPE + KV-cache write, scores, softmax + weighted values (one row kernel), output product + residual,
+# gate/up product with the FFN RMS, down product (SiLU * up on its loads) + residual; symbolic (a Variable row
+# length, no row kernel): the softmax's max and sum are two kernels more. On a CPU the two RMS scales and the
+# softmax's max and sum are kernels of their own (recomputing them per output costs more than a launch there).
+# Outside the blocks: the logits (the final norm's scale recomputed per logit on a GPU, a kernel before them on a
+# CPU). Before: 12 per block and 3 outside, on either.
+def _expected_decode_kernels(symbolic: bool) -> tuple[int, int]:
+  """(kernels per block, kernels outside the blocks) of a decode step on the default device."""
+  if not Device[Device.DEFAULT].renderer.runs_thread_blocks: return 11, 2
+  return (9 if symbolic else 7), 1
+
+
+@pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])
+def test_llama_decode_kernels_per_layer(symbolic: bool, _no_cuda_render_check) -> None:
+  """The decode step's kernel count per block and outside the blocks. Their logits: the decode tests."""
+  one, two = _decode_kernels(1, symbolic), _decode_kernels(2, symbolic)
+  per_layer, outside = _expected_decode_kernels(symbolic)
+  assert two - one == per_layer, (one, two)
+  assert one - per_layer == outside, one
+
+
+def test_llama_batch_decode_matches_single_sequences() -> None:
+  """Three conversations in one model (`sequences=3`): each prompt prefilled into its cache row (jitted, one capture
+  for all rows), then decode steps of all three at their own positions give each sequence's logits of a model
+  decoding it alone, which the other decode tests check against torch."""
+  weights = _tiny_weights(TINY, seed=5)
+  prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]]
+  alone = []
+  for prompt in prompts:
+    model = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False)
+    steps = [model(Tensor([prompt], dtype=dtypes.int32), 0).numpy()[0]]
+    for step in range(3): steps.append(model.decode(int(steps[-1].argmax()), len(prompt) + step).numpy()[0])
+    alone.append(np.stack(steps))
+  batched = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False,
+                  sequences=3)
+  steps = [np.stack([batched(Tensor([prompt], dtype=dtypes.int32), 0, jit=True, sequence=row).numpy()[0]
+                     for row, prompt in enumerate(prompts)])]
+  for step in range(3):
+    tokens = [int(alone[row][step].argmax()) for row in range(3)]
+    steps.append(batched.decode(tokens, [len(prompt) + step for prompt in prompts]).numpy())
+  np.testing.assert_allclose(np.stack(steps, 1), np.stack(alone), rtol=1e-4, atol=1e-4)
+  with pytest.raises(ShapeError): batched.decode(1, 3)
+  symbolic = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, sequences=2)
+  with pytest.raises(ValueError): symbolic.decode([1, 2], [3, 4])
+
+
+def test_decode_fusions_match_numpy() -> None:
+  """The decode-shaped formulations (`inverse_rms_per_output`, `softmax_weighted_sum`) against numpy, odd sizes."""
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((1, 1, 37)).astype(np.float32)
+  got = inverse_rms_per_output(Tensor(x), 5, 1e-5).numpy()
+  np.testing.assert_allclose(got, np.broadcast_to(1 / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-5), (1, 1, 5)),
+                             rtol=1e-5)
+  scores, values = rng.standard_normal((3, 2, 13)).astype(np.float32) * 4, rng.standard_normal((3, 13, 7))
+  exps = np.exp(scores - scores.max(-1, keepdims=True))
+  expected = (exps / exps.sum(-1, keepdims=True)) @ values.astype(np.float32)
+  got = softmax_weighted_sum(Tensor(scores), Tensor(values.astype(np.float32))).numpy()
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # 20 s or more on a 2-core CPU

@@ -32,6 +32,11 @@ on the CPU.
     python extra/bench/bench_models.py --only smollm2 --weights float32,stored,q8_0 --threads 2 \
         --llama-cpp /work/llama_build/build/bin/llama-bench
 
+`--batch N` adds a decode row per weight format of N sequences decoded together (fixed shapes, each prompt prefilled
+into its own cache row; tokens/s counts every sequence's tokens). `--kernels` prints the kernels of each captured
+decode step: how many per token and per block, and each distinct kernel with its launches per token, the elements
+it writes, the buffers it reads and its bytes.
+
 `--weights` adds a decode row (fixed shapes) for each other weight format: bfloat16/float16 (cast on the device),
 q8_0 (every matrix quantized to Q8_0 here, kept packed and dequantized inside the kernels) and stored (the GGUF
 file's own Q4_1/Q8_0 blocks, packed). `--llama-cpp PATH` runs a built llama.cpp `llama-bench` on the same GGUF file
@@ -274,6 +279,63 @@ def llama_cpp_seconds(command: list[str], tokens: int) -> float:
   return tokens / run["avg_ts"]
 
 
+def decode_kernel_table(label: str, model: Llama) -> None:
+  """Print the kernels of one captured decode step (`--kernels`) on stderr: the count per token and per block, then
+  each distinct kernel (name and bytes, in first-launch order) with its launches per token, the elements it writes,
+  the sizes of the buffers it reads and the bytes its UOps move (CompiledRunner.byte_count)."""
+  captured = model._decode_jit.captured
+  if captured is None: return
+  layers = model.config.n_layers
+  kernels: dict[tuple[str, int], list] = {}
+  for item in captured.items:
+    runner = item.runner
+    key = (runner.display_name, runner.byte_count)
+    if key in kernels: kernels[key][0] += 1
+    else: kernels[key] = [1, item.bufs[0].size if item.bufs else 0, [buffer.size for buffer in item.bufs[1:]]]
+  # a block's kernel launched once per block, or once fewer (the first block's RMS reads the embedding: another name)
+  per_layer = sum(round(launches / layers) for launches, _, _ in kernels.values())
+  total_bytes = sum(item.runner.byte_count for item in captured.items)
+  print(f"SmolLM2 decode ({label}): {len(captured.items)} kernels per token ({layers} blocks x {per_layer} + "
+        f"{len(captured.items) - layers * per_layer}), {total_bytes / 1e6:.1f} MB moved", file=sys.stderr)
+  print(f"  {'kernel':<28} {'per token':>9} {'writes':>8} {'bytes':>12}  reads (elements)", file=sys.stderr)
+  for (name, moved), (launches, written, reads) in kernels.items():
+    print(f"  {name:<28} {launches:>9} {written:>8} {moved:>12,}  {reads}", file=sys.stderr)
+
+
+def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dict, kind: str, max_context: int,
+                     prompt: list[int], torch_tokens: list[int], rows: list[Row]) -> None:
+  """The `--batch` row: `args.batch` sequences decoded together (fixed shapes), each prefilled into its cache row
+  (sequence 0 with the batch-1 prompt, whose greedy tokens are checked against PyTorch's), `--decode-tokens` steps;
+  tokens/s counts every sequence's tokens."""
+  model = Llama(config, weights, max_context, symbolic=False, packed=kind in ("q8_0", "stored"),
+                sequences=args.batch)
+  rng = np.random.default_rng(1)
+  prompts = [prompt] + [[int(t) for t in rng.integers(100, config.vocab_size, len(prompt))]
+                        for _ in range(args.batch - 1)]
+
+  def run(steps: int) -> tuple[list[int], float]:
+    """(sequence 0's greedy tokens, seconds of the decode steps alone)."""
+    logits = np.stack([model(Tensor([p], dtype=dtypes.int32, device=args.device), 0, sequence=row).numpy()[0]
+                       for row, p in enumerate(prompts)])
+    first: list[int] = []
+    started = time.perf_counter()
+    for step in range(steps):
+      tokens = [int(t) for t in logits.argmax(-1)]
+      first.append(tokens[0])
+      logits = model.decode(tokens, [len(p) + step for p in prompts]).numpy()
+    return first, time.perf_counter() - started
+  run(2)
+  first, _ = run(args.decode_tokens)
+  same = next((i for i, (a, b) in enumerate(zip(first, torch_tokens)) if a != b), len(first))
+  print(f"SmolLM2 decode, batch {args.batch} ({kind} weights): sequence 0's greedy tokens identical to PyTorch's "
+        f"batch-1 decode for {same} of {len(first)} steps", file=sys.stderr)
+  if args.kernels: decode_kernel_table(f"batch {args.batch}, {kind} weights", model)
+  seconds = statistics.median(run(args.decode_tokens)[1] for _ in range(args.iters))
+  label = f"SmolLM2 decode, batch {args.batch} sequences, {args.decode_tokens} tokens each, TinyJit fixed shapes" + \
+      ("" if kind == "float32" else f", {kind} weights")
+  add_row(rows, (label, "tokens/s", f"{args.batch * args.decode_tokens / seconds:.2f}", ""))
+
+
 def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
   loaded = smollm2_weights(args.random_weights, args.layers)
   if loaded is None: return
@@ -286,10 +348,12 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
   Tensor.realize_all(*device_weights.values())
   models = {mode: Llama(config, device_weights, max_context, symbolic=mode == "symbolic")
             for mode in ("fixed shapes", "symbolic")}
+  variants: dict[str, dict] = {"float32": device_weights}   # each weight format's tensors (batch rows build on them)
   for kind in args.weights:
     if kind == "float32": continue
     variant = weight_variant(kind, config, weights, device_weights, args)
     if variant is not None:
+      variants[kind] = variant
       models[f"fixed shapes, {kind} weights"] = Llama(config, variant, max_context, symbolic=False,
                                                       packed=kind in ("q8_0", "stored"))
   del weights
@@ -331,6 +395,8 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     working.append(mode)
   working: list[str] = []
   for mode, model in models.items(): guarded(f"SmolLM2 decode ({mode})", rows, lambda: check_mode(mode, model))
+  if args.kernels:
+    for mode in working: decode_kernel_table(mode, models[mode])
   # timed runs interleaved (torch, llama.cpp, then each mode, `iters` times): a load that changes during the run (a
   # shared CPU) hits every column alike; only the decode loop is timed, not the prompt before it
   seconds: dict[str, list[float]] = {mode: [] for mode in ["torch", "llama.cpp"] + working}
@@ -348,6 +414,11 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     ours = args.decode_tokens / statistics.median(seconds[mode])
     add_row(rows, (f"SmolLM2 decode, batch 1, {args.decode_tokens} tokens, TinyJit {mode}", "tokens/s", f"{ours:.2f}",
                    f"{theirs:.2f}") + ((anchor,) if anchor else ()))
+
+  if args.batch > 1:
+    for kind, variant in variants.items():
+      guarded(f"SmolLM2 decode, batch {args.batch} ({kind})", rows,
+              lambda: batch_decode_row(args, config, variant, kind, max_context, prompt, theirs_tokens, rows))
 
   long_prompt = [int(t) for t in rng.integers(100, config.vocab_size, args.prefill)]
   model = models["fixed shapes"]
@@ -447,6 +518,10 @@ def main() -> None:
                            "q8_0: quantized here and kept packed; stored: the file's Q4_1/Q8_0 blocks, packed)")
   parser.add_argument("--llama-cpp", metavar="PATH", help="a built llama-bench: llama.cpp's decode tokens/s on the "
                       "same GGUF file in a column of its own (real weights)")
+  parser.add_argument("--batch", type=int, default=0, help="a SmolLM2 decode row of this many sequences decoded "
+                      "together, for each --weights format (tokens/s of all sequences)")
+  parser.add_argument("--kernels", action="store_true",
+                      help="print the kernels of each captured SmolLM2 decode step (count, bytes, what each reads)")
   parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads (-t)")
   args = parser.parse_args()
   args.weights = [kind.strip() for kind in args.weights.split(",") if kind.strip()]

@@ -28,14 +28,17 @@ Decoding (`model.decode(token, position)`). One token's step runs through a Tiny
 replayed (no graph building, scheduling or compiling) on every later one, whatever the position. With
 `symbolic=True` (the default) the position is a bound Variable and attention reads only `cache[:, :position + 1]`;
 with `symbolic=False` it reads the whole cache under the mask, so every kernel has a fixed shape (the optimizer
-handles them all and a CUDA graph replays the step as one launch).
+handles them all and a CUDA graph replays the step as one launch). On a GPU the norms' scales and the softmax are
+recomputed inside the row kernels of the products that read them (`inverse_rms_per_output`, `softmax_weighted_sum`):
+7 kernels per block (docs/models.md). `Llama(..., sequences=N)`: N conversations, a cache row each, prefilled one
+at a time (`sequence=i`) and decoded together (a token and a position per sequence).
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -102,9 +105,36 @@ def cast_weights(weights: dict[str, Tensor], dtype: Any) -> dict[str, Tensor]:
   return cast
 
 
+def inverse_rms(x: Tensor, eps: float) -> Tensor:
+  """1 / sqrt(mean(x^2) + eps) over the last axis (kept, size 1)."""
+  return (x.square().mean(-1, keepdim=True) + eps).rsqrt()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   """x / sqrt(mean(x^2) + eps) * weight over the last axis."""
-  return x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * weight
+  return x * inverse_rms(x, eps) * weight
+
+
+def inverse_rms_per_output(x: Tensor, outputs: int, eps: float) -> Tensor:
+  """inverse_rms(x) broadcast to (..., `outputs`), its mean of squares computed in the loop shape of a product
+  x @ W.T with `outputs` columns ((rows, outputs, k), reduced over k): the product's kernel then holds both reduces
+  over the same rows (a row kernel) and recomputes the scale beside each output, where a scale of shape (..., 1)
+  is a kernel of its own. For one short row of x (a decode step); with many rows it would turn a tiled matmul into
+  a row kernel."""
+  flat = x.reshape(-1, x.shape[-1])
+  squares = flat.unsqueeze(-2).expand(flat.shape[0], outputs, flat.shape[1]).square()
+  return (squares.mean(-1) + eps).rsqrt().reshape(*x.shape[:-1], outputs)
+
+
+def softmax_weighted_sum(scores: Tensor, values: Tensor) -> Tensor:
+  """softmax(scores) @ values for scores (..., m, n) and values (..., n, d), with the softmax's max and sum computed
+  in the product's loop shape (..., m, d, n): the product's kernel holds all three reduces over the same rows (a
+  row kernel: max, then the sums of e = exp(s - max) and of e * v), recomputing max and sum beside each of the d
+  outputs, where a plain softmax is two kernels of its own before the product. For few rows (one query)."""
+  rows = scores.unsqueeze(-2).expand(*scores.shape[:-1], values.shape[-1], scores.shape[-1])  # (..., m, d, n)
+  exps = (rows - rows.max(-1, keepdim=True)).exp()
+  weighted = (exps * values.transpose(-1, -2).unsqueeze(-3)).sum(-1)
+  return (weighted / exps.sum(-1)).contiguous()   # stored by this kernel: a reader's kernel would refuse its reduces
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -145,11 +175,12 @@ class LlamaBlock:
   - each RMSNorm weight is multiplied into the columns of the matrices it feeds, so a block computes
     (x @ W.T) * rsqrt(mean(x^2) + eps) and never stores the normalised x;
   - Q, K and V are one (dim + kv + kv, dim) matrix: one matmul, after which RoPE is elementwise (`rotate_pairs`);
-  - K and V share one cache buffer (1, max_context, 2 * kv_heads, head_dim): one write per step;
+  - K and V share one cache buffer (sequences, max_context, 2 * kv_heads, head_dim): one write per step, which also
+    rotates K (decode: `_project`);
   - the gate and up projections are one (2 * hidden, dim) matrix: one matmul, split after it."""
 
   def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], prefix: str, max_context: int,
-               packed: bool = False):
+               packed: bool = False, batch: int = 1):
     self.config = config
     attn_norm, ffn_norm = weights[f"{prefix}.attn_norm.weight"], weights[f"{prefix}.ffn_norm.weight"]
     wq, wk = weights[f"{prefix}.attn_q.weight"], weights[f"{prefix}.attn_k.weight"]
@@ -170,11 +201,16 @@ class LlamaBlock:
     self.wo, self.w_down = weights[f"{prefix}.attn_output.weight"], weights[f"{prefix}.ffn_down.weight"]
     # packed weights: the norm weights scale the stacked products' columns in their kernels (folded in above otherwise)
     self.attn_norm, self.ffn_norm = (attn_norm, ffn_norm) if packed else (None, None)
-    cache_shape = (1, max_context, 2 * config.n_kv_heads, config.head_dim)
+    cache_shape = (batch, max_context, 2 * config.n_kv_heads, config.head_dim)  # one row per sequence
     self.cache = Tensor.zeros(*cache_shape, device=wq.device).contiguous().realize()
     # (1, 1, heads + 2 kv_heads, 1): True at the V heads of the fused projection (RoPE leaves them as they are)
     value_heads = np.arange(config.n_heads + 2 * config.n_kv_heads) >= config.n_heads + config.n_kv_heads
     self.value_heads = Tensor(value_heads.reshape(1, 1, -1, 1), device=wq.device).realize()
+    # decode: recompute the norms' scales and the softmax's max and sum beside each output of the kernels reading them
+    # (`inverse_rms_per_output`, `softmax_weighted_sum`) where thread blocks run those rows side by side, their inputs
+    # on chip, and a launch costs more than the repeated work (a GPU). A CPU thread would repeat it serially (the
+    # softmax's exp 64 times over) to save a launch that costs about a function call: separate kernels there.
+    self.recompute_rows = Device[wq.device].renderer.runs_thread_blocks
 
   @staticmethod
   def _linear(x: Tensor, weight: Tensor | PackedTensor, norm: Tensor | None = None) -> Tensor:
@@ -184,8 +220,7 @@ class LlamaBlock:
     prefill) and then read as float32 by every later one."""
     return x.linear(as_tensor(weight) if norm is None else as_tensor(weight) * norm)
 
-  def _inverse_rms(self, x: Tensor) -> Tensor:
-    return (x.square().mean(-1, keepdim=True) + self.config.norm_eps).rsqrt()
+  def _inverse_rms(self, x: Tensor) -> Tensor: return inverse_rms(x, self.config.norm_eps)
 
   def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
     """q (1, B, heads, hd) of x (1, B, dim), rotated, after writing the rotated K and the V of its rows to the cache
@@ -205,38 +240,59 @@ class LlamaBlock:
     return rotated[:, :, :heads]
 
   def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """(q (1, L, heads, hd) rotated, the new cache rows (1, L, 2 kv_heads, hd): rotated K then V) of x (1, L, dim)."""
+    """(q (S, 1, heads, hd) rotated, the cache with each token's rotated K and its V written where `write` marks) of
+    one token per sequence x (S, 1, dim), cos/sin (S, hd): the new cache rows are computed in the cache's shape,
+    RoPE on the stored projection broadcast over the slots, so one kernel rotates K and writes the cache (rotating
+    the (S, 1, kv, hd) K first and broadcasting the result would store it: an elementwise graph read once per slot
+    is not recomputed)."""
     config = self.config
     batch, length, _ = x.shape
-    heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-    projected = self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)
-    q, k, v = projected.split([config.dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
-    q = rotate_pairs(q.reshape(batch, length, heads, head_dim), cos, sin)
-    k = rotate_pairs(k.reshape(batch, length, kv_heads, head_dim), cos, sin)
-    return q, Tensor.cat([k, v.reshape(batch, length, kv_heads, head_dim)], dim=2)
+    heads, head_dim = config.n_heads, config.head_dim
+    # stored (two kernels read it), as float32 (a bfloat16 product's values, widened): the rotations read it per slot
+    # (K, V) and per score (q) as a plain load, where a cast would make q's rotation too costly to recompute
+    product = self._linear(x, self.w_qkv, self.attn_norm)
+    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps) if self.recompute_rows else \
+        self._inverse_rms(x)
+    projected = (product * scale).cast(dtypes.float32).contiguous()
+    projected = projected.reshape(batch, length, -1, head_dim)
+    cos, sin = cos.reshape(batch, length, 1, head_dim), sin.reshape(batch, length, 1, head_dim)  # one row per sequence
+    q = rotate_pairs(projected[:, :, :heads], cos, sin)
+    slots = self.cache.shape
+    cos, sin = cos.expand(slots), sin.expand(slots)
+    new = projected[:, :, heads:].expand(slots)
+    return q, self.value_heads[:, :, heads:].where(new, rotate_pairs(new, cos, sin))
 
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
     x = x + self._linear(attended, self.wo)
-    scale = self._inverse_rms(x)
-    gate, up = (self._linear(x, self.w_gate_up, self.ffn_norm) * scale).chunk(2, dim=-1)
+    product = self._linear(x, self.w_gate_up, self.ffn_norm)
+    # one token on a GPU: the norm's scale recomputed inside the product's kernel (the scaled product stored for the
+    # down projection); else one scale per row (a kernel of its own), applied on the down projection's loads
+    if x.shape[1] == 1 and self.recompute_rows:
+      product = (product * inverse_rms_per_output(x, product.shape[-1], self.config.norm_eps)).contiguous()
+    else:
+      product = product * self._inverse_rms(x)
+    gate, up = product.chunk(2, dim=-1)
     hidden = gate.silu() * up
     # several rows: the SwiGLU product in a buffer of its own. Fused into the down projection's loads it was
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
     if x.shape[1] > 1: hidden = hidden.contiguous()
     return x + self._linear(hidden, self.w_down)
 
-  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor) -> Tensor:
+  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor,
+               sequence: Tensor) -> Tensor:
     """x (1, B, dim) of a prompt padded to B tokens; cos/sin (B, head_dim) from `rope_inputs`; `visible` (B, A) bool:
-    which of the first A cache slots each row attends to. Grouped-query attention by folding the query heads that
-    share a KV head into the rows of one matmul per KV head: (kv, group * B, hd) @ (kv, hd, A), keys read once."""
+    which of the first A cache slots each row attends to; `sequence` (1,) int32: the cache row of this prompt (`write`
+    marks slots of that row only). Grouped-query attention by folding the query heads that share a KV head into the
+    rows of one matmul per KV head: (kv, group * B, hd) @ (kv, hd, A), keys read once."""
     config = self.config
     batch, length, _ = x.shape
     heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
     group, attended_slots = heads // kv_heads, visible.shape[-1]
     q = self._project_prefill(x, cos, sin, write, placement)  # (1, B, heads, hd)
-    cache = self.cache[0, :attended_slots]  # read after the write (one kernel writes the cache, none copies it)
+    # read after the write (one kernel writes the cache, none copies it); several sequences: the prompt's row, an
+    # indexed read of a host-made index, so one capture serves every row
+    cache = (self.cache[0] if self.cache.shape[0] == 1 else self.cache[sequence][0])[:attended_slots]
     keys = cache[:, :kv_heads].permute(1, 2, 0)  # (kv, hd, A)
     values = cache[:, kv_heads:].permute(1, 0, 2)  # (kv, A, hd)
     q = q.reshape(length, heads, head_dim).permute(1, 0, 2).reshape(kv_heads, group * length, head_dim)
@@ -248,36 +304,42 @@ class LlamaBlock:
 
   def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
              mask: Tensor | None) -> Tensor:
-    """One token x (1, 1, dim): its K and V go to the cache where `write` (broadcast to the cache) is True, and it
-    attends to the first `visible` cached positions (a bound Variable `position + 1`, or the whole cache with an
-    additive `mask` hiding the unwritten tail). Grouped-query attention by folding the query heads that share a
-    KV head into one axis: the keys are read once per KV head, never repeated."""
+    """One token of each sequence x (S, 1, dim): its K and V go to its cache row where `write` (S, max_context, 1, 1)
+    is True, and it attends to the first `visible` cached positions (a bound Variable `position + 1`, or the whole
+    cache with an additive `mask` (S, max_context) hiding each row's unwritten tail). Grouped-query attention by
+    folding the query heads that share a KV head into one axis: the keys are read once per KV head, never repeated."""
     config = self.config
     kv_heads, head_dim = config.n_kv_heads, config.head_dim
     group = config.n_heads // kv_heads
     q, new = self._project(x, cos, sin)
-    self.cache.assign(write.where(new.expand(self.cache.shape), self.cache))
+    self.cache.assign(write.where(new, self.cache))
     # shrink, not indexing: Python slices cannot hold a symbolic bound
-    keys = self.cache.shrink((None, (0, visible), (0, kv_heads), None)).reshape(visible, kv_heads, head_dim)
-    values = self.cache.shrink((None, (0, visible), (kv_heads, 2 * kv_heads), None)).reshape(visible, kv_heads,
-                                                                                              head_dim)
-    keys, values = keys.permute(1, 2, 0), values.permute(1, 0, 2)  # (kv, hd, visible), (kv, visible, hd)
-    scores = q.reshape(kv_heads, group, head_dim) @ keys * (1.0 / math.sqrt(head_dim))  # (kv, group, visible)
-    if mask is not None: scores = scores + mask.reshape(1, 1, -1)
-    attended = scores.softmax(-1) @ values  # (kv, group, hd)
-    return self._feed_forward(x, attended.reshape(1, 1, config.dim))
+    sequences = x.shape[0]
+    keys = self.cache.shrink((None, (0, visible), (0, kv_heads), None))
+    values = self.cache.shrink((None, (0, visible), (kv_heads, 2 * kv_heads), None))
+    keys, values = keys.permute(0, 2, 3, 1), values.permute(0, 2, 1, 3)  # (S, kv, hd, visible), (S, kv, visible, hd)
+    scores = q.reshape(sequences, kv_heads, group, head_dim) @ keys * (1.0 / math.sqrt(head_dim))  # (S, kv, g, vis)
+    if mask is not None: scores = scores + mask.reshape(sequences, 1, 1, -1)
+    # (S, kv, group, hd); a symbolic row length is no row kernel's: there (and on a CPU) the plain softmax, two kernels
+    fused = isinstance(visible, int) and self.recompute_rows
+    attended = softmax_weighted_sum(scores, values) if fused else scores.softmax(-1) @ values
+    return self._feed_forward(x, attended.reshape(sequences, 1, config.dim))
 
 
 class Llama:
-  """The decoder with its KV caches; `model(tokens, start)` -> logits (1, vocab) of the last position, float32."""
+  """The decoder with its KV caches; `model(tokens, start)` -> logits (1, vocab) of the last position, float32.
+  `sequences` > 1: that many conversations share the weights, each with its own cache row, prefilled one at a time
+  (`model(tokens, start, sequence=i)`) and decoded together (`decode` with a token and a position per sequence)."""
 
   def __init__(self, config: LlamaConfig, weights: dict[str, Tensor], max_context: int = 1024,
-               symbolic: bool = True, packed: bool = False):
-    self.config, self.max_context, self.packed = config, max_context, packed
+               symbolic: bool = True, packed: bool = False, sequences: int = 1):
+    if sequences < 1: raise ValueError(f"sequences must be at least 1, got {sequences}")
+    self.config, self.max_context, self.packed, self.sequences = config, max_context, packed, sequences
     self.embedding = weights["token_embd.weight"]  # a Tensor or a PackedTensor (embed() reads its rows)
     self.output = weights.get("output.weight", self.embedding)  # tied embeddings when the file has no head
     self.norm = weights["output_norm.weight"]
-    self.blocks = [LlamaBlock(config, weights, f"blk.{n}", max_context, packed) for n in range(config.n_layers)]
+    self.blocks = [LlamaBlock(config, weights, f"blk.{n}", max_context, packed, sequences)
+                   for n in range(config.n_layers)]
     self.device = self.embedding.device
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
@@ -287,18 +349,19 @@ class Llama:
 
   @staticmethod
   def from_gguf(path: str | os.PathLike, max_context: int = 1024, device: str | None = None,
-                symbolic: bool = True, dtype: str = "stored") -> tuple["Llama", dict[str, Any]]:
+                symbolic: bool = True, dtype: str = "stored", sequences: int = 1) -> tuple["Llama", dict[str, Any]]:
     """The model from a GGUF file and the file's metadata. `dtype` (one of WEIGHT_DTYPES) is how the weight
     matrices are kept on the device: "stored" as the file stores them (block-quantized tensors packed, dequantized
     inside the kernels that read them: `gguf_load(packed=True)`), or dequantized once to "float32", "float16" or
-    "bfloat16" (`cast_weights`). Norm weights and activations are float32 either way."""
+    "bfloat16" (`cast_weights`). Norm weights and activations are float32 either way. `sequences`: conversations
+    decoded together (`Llama`)."""
     if dtype not in WEIGHT_DTYPES:
       raise ValueError(f"weight dtype {dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
     packed = dtype == "stored"
     tensors, metadata = gguf_load(path, device or Device.DEFAULT, packed=packed)
     config = LlamaConfig.from_gguf_metadata(metadata)
     weights = tensors if packed else cast_weights(tensors, getattr(dtypes, dtype))
-    return Llama(config, weights, min(max_context, config.context_length), symbolic, packed), metadata
+    return Llama(config, weights, min(max_context, config.context_length), symbolic, packed, sequences), metadata
 
   def embed(self, tokens: Tensor) -> Tensor:
     """The embedding rows of `tokens` (an int32 tensor): only those rows are read (and dequantized, when packed)."""
@@ -318,21 +381,25 @@ class Llama:
     def rounded(n: int) -> int: return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
     return rounded(length), min(rounded(start + length), self.max_context)
 
-  def _position_inputs(self, start: int, length: int, padded: int) -> dict[str, Tensor]:
+  def _position_inputs(self, start: int, length: int, padded: int, sequence: int = 0) -> dict[str, Tensor]:
     """Host-made inputs of a prompt of `length` tokens at [start, start + length), padded to `padded` rows: rope
-    cos/sin of each row's position, the cache-write marks, the row each cache slot takes (`placement`), each row's
-    position (the causal mask is computed from it on the device) and the index of the last real row."""
+    cos/sin of each row's position, the cache-write marks (in cache row `sequence` only), the row each cache slot
+    takes (`placement`), each row's position (the causal mask is computed from it on the device), the index of the
+    last real row and the cache row."""
     positions = np.arange(start, start + padded)
     cos, sin = rope_inputs(positions, self.config.head_dim, self.config.rope_theta)
     slots = np.arange(self.max_context)
-    write = ((slots >= start) & (slots < start + length)).reshape(1, self.max_context, 1, 1)
+    write = np.zeros((self.sequences, self.max_context, 1, 1), bool)
+    write[sequence, :, 0, 0] = (slots >= start) & (slots < start + length)
     placement = np.clip(slots - start, 0, padded - 1).astype(np.int32)
     host = {"cos": cos, "sin": sin, "write": write, "placement": placement, "positions": positions.astype(np.int32),
-            "last": np.array([length - 1], np.int32)}
+            "last": np.array([length - 1], np.int32), "sequence": np.array([sequence], np.int32)}
     return {name: Tensor(value, device=self.device) for name, value in host.items()}
 
-  def __call__(self, tokens: Tensor | np.ndarray | list[list[int]], start: int, jit: bool = False) -> Tensor:
-    """The logits (1, vocab) of the last of `tokens` (1, L) fed at positions [start, start + L), K and V cached.
+  def __call__(self, tokens: Tensor | np.ndarray | list[list[int]], start: int, jit: bool = False,
+               sequence: int = 0) -> Tensor:
+    """The logits (1, vocab) of the last of `tokens` (1, L) fed at positions [start, start + L), K and V cached (in
+    cache row `sequence`, of the constructor's `sequences`).
     The tokens are host data (a Tensor is read back): a jitted prefill pads them on the host, not in a kernel that
     would compile for every new length.
 
@@ -344,11 +411,13 @@ class Llama:
     if ids.ndim != 2 or ids.shape[0] != 1:
       raise ShapeError(f"Llama runs one sequence at a time (tokens of shape (1, L)), got tokens of shape {ids.shape}")
     length = ids.shape[1]
+    if not 0 <= sequence < self.sequences:
+      raise ValueError(f"sequence {sequence} is not one of the model's {self.sequences} sequences")
     if start + length > self.max_context:
       raise ValueError(f"positions {start}..{start + length - 1} exceed the context of {self.max_context} tokens")
     padded, attended = self.prefill_shape(start, length) if jit else (length, start + length)
     tokens_t = Tensor(np.pad(ids, ((0, 0), (0, padded - length))), device=self.device)
-    inputs = self._position_inputs(start, length, padded)
+    inputs = self._position_inputs(start, length, padded, sequence)
     if not jit:
       logits = self._prefill_graph(tokens_t, **inputs, attended=attended)
       Tensor.realize_all(logits, *(block.cache for block in self.blocks))
@@ -360,44 +429,62 @@ class Llama:
     return self._prefill_jits.jits[self.prefill_shape(start, length)]
 
   def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor,
-                     positions: Tensor, last: Tensor, attended: int) -> Tensor:
+                     positions: Tensor, last: Tensor, sequence: Tensor, attended: int) -> Tensor:
     """The logits (1, vocab) of row `last` of the (1, B) `tokens` at `positions` (B,), attending to the first
-    `attended` cache slots: slot j is visible to a row at position p when j <= p (the past and itself; padded rows
-    see stale slots, harmlessly: their outputs are never read, and every row sees slot 0, so no row is all -inf)."""
+    `attended` slots of cache row `sequence`: slot j is visible to a row at position p when j <= p (the past and
+    itself; padded rows see stale slots, harmlessly: their outputs are never read, and every row sees slot 0, so no
+    row is all -inf)."""
     visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
     x = self.embed(tokens)
-    for block in self.blocks: x = block(x, cos, sin, write, placement, visible)
+    for block in self.blocks: x = block(x, cos, sin, write, placement, visible, sequence)
     return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
 
   def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
                     position: Variable | None) -> Tensor:
-    """The logits (1, vocab) of one token (1, 1): symbolic (`position` a bound Variable, attention over the first
-    position + 1 cache slots, `mask` None) or fixed-shape (`position` None, attention over the whole cache with the
-    additive `mask`). Either way the cache write is the `where` of the host-made `write` marks: a kernel of fixed
-    shape that the optimizer handles (a symbolic write mask would make it a plain, unoptimized loop nest)."""
+    """The logits (S, vocab) of one token per sequence (S, 1): symbolic (`position` a bound Variable, attention over
+    the first position + 1 cache slots, `mask` None) or fixed-shape (`position` None, attention over the whole cache
+    with the additive `mask`). Either way the cache write is the `where` of the host-made `write` marks: a kernel of
+    fixed shape that the optimizer handles (a symbolic write mask would make it a plain, unoptimized loop nest)."""
     visible: int | Node = self.max_context if position is None else position + 1
     x = self.embed(token)
     for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask)
-    return rms_norm(x[:, -1, :], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
+    # stored by the last down projection's kernel (its residual add in the epilogue, as in every block): read by the
+    # final norm's row kernel, which would otherwise refuse the product's reduce and leave the add a kernel of its own
+    x = x.contiguous()[:, -1, :]
+    if not self.blocks[0].recompute_rows:
+      return rms_norm(x, self.norm, self.config.norm_eps).linear(as_tensor(self.output))
+    # a GPU: the final norm's scale recomputed beside each logit (one kernel, not a norm kernel before the product)
+    logits = (x * self.norm).linear(as_tensor(self.output))
+    return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps)
 
-  def decode(self, token: int, position: int, jit: bool = True) -> Tensor:
-    """The logits (1, vocab) after feeding one `token` at `position` (its K and V are cached there).
+  def decode(self, token: int | Sequence[int], position: int | Sequence[int], jit: bool = True) -> Tensor:
+    """The logits (S, vocab) after feeding one `token` at `position` to each of the S = `sequences` sequences (ints
+    for one sequence, sequences of S ints for several; each token's K and V are cached at its position in its row).
 
     With `jit` the step runs through a TinyJit: the second call captures its kernels and every later one replays
-    them, whatever the position. `symbolic` (the constructor's) makes the position a bound Variable: attention
-    reads only `cache[:, :position + 1]` (kernels compiled once for every position). Without it attention reads
-    the whole cache under a host-made mask: only fixed-shape kernels, which a CUDA graph replays as one launch."""
-    if not 0 <= position < self.max_context:
-      raise ValueError(f"position {position} exceeds the context of {self.max_context} tokens")
-    cos, sin = rope_inputs(np.array([position]), self.config.head_dim, self.config.rope_theta)
+    them, whatever the positions. `symbolic` (the constructor's) makes the position a bound Variable: attention
+    reads only `cache[:, :position + 1]` (kernels compiled once for every position; several sequences must then be
+    at one position). Without it attention reads the whole cache under a host-made mask per sequence: only
+    fixed-shape kernels, which a CUDA graph replays as one launch."""
+    tokens = [token] if isinstance(token, int) else [int(t) for t in token]
+    positions = [position] if isinstance(position, int) else [int(p) for p in position]
+    if len(tokens) != self.sequences or len(positions) != self.sequences:
+      raise ShapeError(f"decode takes a token and a position for each of the model's {self.sequences} sequences, "
+                       f"got {len(tokens)} tokens and {len(positions)} positions")
+    if not all(0 <= p < self.max_context for p in positions):
+      raise ValueError(f"positions {positions} exceed the context of {self.max_context} tokens")
+    if self.symbolic and len(set(positions)) > 1:
+      raise ValueError(f"a symbolic decode attends to one length for all sequences, got positions {positions}: "
+                       "construct the model with symbolic=False for sequences at different positions")
+    cos, sin = rope_inputs(np.array(positions), self.config.head_dim, self.config.rope_theta)
     cos_t, sin_t = Tensor(cos, device=self.device), Tensor(sin, device=self.device)
-    token_t = Tensor([[token]], dtype=dtypes.int32, device=self.device)
-    slots = np.arange(self.max_context)
-    write = Tensor((slots == position).reshape(1, self.max_context, 1, 1), device=self.device)
+    token_t = Tensor([[t] for t in tokens], dtype=dtypes.int32, device=self.device)
+    slots, at = np.arange(self.max_context), np.array(positions).reshape(-1, 1)
+    write = Tensor((slots == at).reshape(self.sequences, self.max_context, 1, 1), device=self.device)
     if self.symbolic:
-      mask, bound = None, self.position.bind(position)
+      mask, bound = None, self.position.bind(positions[0])
     else:
-      mask, bound = Tensor(np.where(slots <= position, 0.0, -np.inf).astype(np.float32), device=self.device), None
+      mask, bound = Tensor(np.where(slots <= at, 0.0, -np.inf).astype(np.float32), device=self.device), None
     step = self._decode_jit if jit else self._decode_graph
     logits = step(token_t, cos_t, sin_t, write, mask, bound)
     if not jit: Tensor.realize_all(logits, *(block.cache for block in self.blocks))
