@@ -45,6 +45,7 @@ from ourgrad.codegen.kernel import (SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import shared_conv_tiles, tensor_core_conv_tiles, weight_gradient_tiles
 from ourgrad.codegen.opt import matmul_grid
+from ourgrad.codegen.opt.transpose_tiles import transpose_tiles
 from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
 from ourgrad.helpers import DEBUG, MATMUL_GRID, power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
@@ -74,6 +75,7 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   if gpu and kernel.reduceop is not None and window_tiles(kernel): return
   if gpu and has_local and kernel.reduceop is not None and not _gpu_tiles_pay_off(kernel):
     if _group_reduce(kernel): return
+  if gpu and kernel.reduceop is None and transpose_tiles(kernel): return
   if gpu and kernel.reduceop is None and elementwise_rows(kernel): return
   if gpu and kernel.reduceop is None: _elementwise_rows(kernel)
   if not gpu and kernel.reduceop is not None and _cpu_matmul_tiles(kernel): return
