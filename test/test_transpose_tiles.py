@@ -167,3 +167,12 @@ def test_half_dtype_plan() -> None:
   kernel = _cuda_kernel(lambda: Tensor.empty(2048, 1024, dtype=dtypes.float16, device="PYTHON").T.contiguous())
   plan = plan_for(kernel)
   assert plan is not None and (plan.out_lanes, plan.in_lanes) == (8, 32)
+
+
+def test_small_transposed_input_keeps_the_default() -> None:
+  """A per-row vector read across the output (LayerNorm's statistics, contiguous along the rows) is no transpose:
+  the big inputs share the output's layout."""
+  def build() -> Tensor:
+    x, stats = Tensor.empty(4096, 768, device="PYTHON"), Tensor.empty(4096, 1, device="PYTHON")
+    return (x * stats).contiguous()
+  assert plan_for(_cuda_kernel(build)) is None

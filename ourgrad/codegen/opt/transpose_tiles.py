@@ -75,25 +75,26 @@ def contiguous_global_axis(strides: tuple[int | None, ...], shape: tuple[int, ..
 
 
 def transposed_axes(kernel: Kernel) -> tuple[int, int] | None:
-  """(the output's contiguous axis, the contiguous axis of the inputs it differs from) of an unoptimized elementwise
-  kernel, or None where every input is contiguous along the output's axis (or none is). Several stores must share
-  their contiguous axis; among inputs contiguous along other axes the axis carrying the most bytes is taken."""
+  """(the output's contiguous axis, an input's other contiguous axis) of an unoptimized elementwise kernel whose
+  largest input (by the bytes it reads) is contiguous along an axis the output is not; None where it is not (a small
+  input read across the output, LayerNorm's per-token statistics, asks for no tile). Several stores must share their
+  contiguous axis."""
   if kernel.reduceop is not None or kernel.applied_opts or kernel.row_axes is not None: return None
   shape, global_dims = kernel.full_shape, kernel.global_dims
   store_count = len(kernel.stores)
   out_axes = {contiguous_global_axis(st.real_strides(), shape, global_dims) for st in kernel.sts[:store_count]}
   if len(out_axes) != 1 or None in out_axes: return None
   out_axis = out_axes.pop()
-  bytes_along: dict[int, int] = {}
+  reads: list[tuple[int, int | None]] = []   # (bytes read, contiguous axis) of each input buffer
   for st, leaf in zip(kernel.sts[store_count:], kernel.leaves[store_count:]):
     if not isinstance(leaf.arg, MemBuffer): continue
     strides = st.real_strides()
-    axis = contiguous_global_axis(strides, shape, global_dims)
-    if axis is None or axis == out_axis: continue
     read = prod(size for size, stride in zip(shape, strides) if stride != 0) * leaf.dtype.itemsize
-    bytes_along[axis] = bytes_along.get(axis, 0) + read
-  if not bytes_along: return None
-  return out_axis, max(bytes_along, key=lambda axis: bytes_along[axis])
+    reads.append((read, contiguous_global_axis(strides, shape, global_dims)))
+  if not reads: return None
+  largest = max(read for read, _ in reads)
+  transposed = [axis for read, axis in reads if read == largest and axis is not None and axis != out_axis]
+  return (out_axis, transposed[0]) if transposed else None
 
 
 def warp_split(out_bytes: int, in_bytes: int, warp: int = WARP_LANES) -> int:
