@@ -53,6 +53,10 @@ def _case(name: str, device: str | None = "PYTHON") -> tuple[Tensor, np.ndarray]
   if name == "heads_to_keys_4d":   # (B, T, H, D) -> (B, H, D, T): a transposed key per head
     x = array(2, 32, 3, 16)
     return tensor(x).permute(0, 2, 3, 1).contiguous(), x.transpose(0, 2, 3, 1)
+  if name == "merged_heads_transposed":   # (B, H, T, D) heads merged back into rows, then transposed: two views
+    y = array(2, 3, 16, 8)
+    merged = y.transpose(0, 2, 1, 3).reshape(32, 24)
+    return tensor(y).permute(0, 2, 1, 3).reshape(32, 24).T.contiguous(), merged.T
   if name == "gelu_times_grad":   # an expression stored transposed
     h, g = array(32, 48), array(32, 48)
     out = (tensor(h).gelu(approximate="tanh") * tensor(g)).T.contiguous()
@@ -63,7 +67,8 @@ def _case(name: str, device: str | None = "PYTHON") -> tuple[Tensor, np.ndarray]
   raise KeyError(name)
 
 
-CASES = ["square_2d", "odd_2d", "float16_2d", "batched_3d", "heads_to_keys_4d", "gelu_times_grad", "mixed_layouts"]
+CASES = ["square_2d", "odd_2d", "float16_2d", "batched_3d", "heads_to_keys_4d", "merged_heads_transposed",
+         "gelu_times_grad", "mixed_layouts"]
 
 
 def _last_item(tensor: Tensor) -> ScheduleItem:
@@ -176,3 +181,16 @@ def test_small_transposed_input_keeps_the_default() -> None:
     x, stats = Tensor.empty(4096, 768, device="PYTHON"), Tensor.empty(4096, 1, device="PYTHON")
     return (x * stats).contiguous()
   assert plan_for(_cuda_kernel(build)) is None
+
+
+def test_merged_heads_transpose_loads_float4() -> None:
+  """y (B, H, T, D) with its heads merged back into rows, transposed (attention's output as a staged matmul operand):
+  two views, no single stride along the 768 axis, yet each thread's 4 elements along it are neighbours (within a
+  head's D): four float4 loads, proven from the index expressions."""
+  def build() -> Tensor:
+    return Tensor.empty(8, 12, 512, 64, device="PYTHON").permute(0, 2, 1, 3).reshape(4096, 768).T.contiguous()
+  kernel = _cuda_kernel(build)
+  kernel.hand_coded_optimizations()
+  source = CUDARenderer().render(kernel.name, linearize(kernel))
+  assert source.count("*((const float4*)(data1+") == 4 and source.count("*((float4*)(data0+") == 4
+  if NVRTC is not None: NVRTC.compile(source)

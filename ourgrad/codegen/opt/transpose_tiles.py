@@ -30,6 +30,8 @@ from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.uops import UOp, UOps
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import MemBuffer, exec_alu
+from ourgrad.shape.shapetracker import ShapeTracker
+from ourgrad.shape.symbolic import NumNode
 
 # a thread's tile: this many elements along each of the two axes (float4 loads and float4 stores for float32)
 TILE_SIDE = 4
@@ -74,6 +76,22 @@ def contiguous_global_axis(strides: tuple[int | None, ...], shape: tuple[int, ..
   return None
 
 
+def unit_step_axis(st: ShapeTracker, shape: tuple[int, ...], global_dims: int) -> int | None:
+  """The global axis along which a view steps by one element: its real stride is 1, or (a view whose index is not
+  affine in the axis, a reshape of a permuted view: y's heads merged back into rows, then transposed) its first
+  TILE_SIDE positions from the origin are neighbouring elements; None if none."""
+  strides = st.real_strides()
+  found = contiguous_global_axis(strides, shape, global_dims)
+  if found is not None or len(st.views) == 1: return found
+  for axis in range(global_dims):
+    if strides[axis] is not None or not isinstance(shape[axis], int) or shape[axis] < TILE_SIDE: continue
+    points = [st.expr_idxs([NumNode(step if number == axis else 0) for number in range(len(shape))])[0]
+              for step in range(TILE_SIDE)]
+    if all(isinstance(point, NumNode) and point.b == points[0].b + step for step, point in enumerate(points)):
+      return axis
+  return None
+
+
 def transposed_axes(kernel: Kernel) -> tuple[int, int] | None:
   """(the output's contiguous axis, an input's other contiguous axis) of an unoptimized elementwise kernel whose
   largest input (by the bytes it reads) is contiguous along an axis the output is not; None where it is not (a small
@@ -82,7 +100,7 @@ def transposed_axes(kernel: Kernel) -> tuple[int, int] | None:
   if kernel.reduceop is not None or kernel.applied_opts or kernel.row_axes is not None: return None
   shape, global_dims = kernel.full_shape, kernel.global_dims
   store_count = len(kernel.stores)
-  out_axes = {contiguous_global_axis(st.real_strides(), shape, global_dims) for st in kernel.sts[:store_count]}
+  out_axes = {unit_step_axis(st, shape, global_dims) for st in kernel.sts[:store_count]}
   if len(out_axes) != 1 or None in out_axes: return None
   out_axis = out_axes.pop()
   reads: list[tuple[int, int | None]] = []   # (bytes read, contiguous axis) of each input buffer
@@ -90,7 +108,7 @@ def transposed_axes(kernel: Kernel) -> tuple[int, int] | None:
     if not isinstance(leaf.arg, MemBuffer): continue
     strides = st.real_strides()
     read = prod(size for size, stride in zip(shape, strides) if stride != 0) * leaf.dtype.itemsize
-    reads.append((read, contiguous_global_axis(strides, shape, global_dims)))
+    reads.append((read, unit_step_axis(st, shape, global_dims)))
   if not reads: return None
   largest = max(read for read, _ in reads)
   transposed = [axis for read, axis in reads if read == largest and axis is not None and axis != out_axis]
