@@ -10,9 +10,9 @@ Method: timing.cold_kernel_seconds (a CUDA graph of launches over sets of buffer
 launch reads from DRAM). GB/s counts the bytes read plus written once each (2 x the tensor); %copy compares with an
 ourgrad copy kernel of 2 x 256 MB timed the same way. Torch: launches back to back over as many source tensors as
 the cold method uses (each read from DRAM), CUDA events. `sectors` is the coalescing model of the kernel's first
-warp (transpose_tiles.warp_sectors): the useful share of the 32-byte sectors its load / store instructions touch,
-per instruction and over all of them together. Each variant is checked against the unoptimized kernel on random
-inputs ("ok" / "WRONG").
+warp of a block in the middle of the grid (transpose_tiles.warp_sectors): the useful share of the 32-byte sectors
+its load / store instructions touch, per instruction (the worst) and over all of them together. Each variant is
+checked against the unoptimized kernel on random inputs ("ok" / "WRONG").
 Run on a CUDA machine from the repository root: `python extra/bench/bench_transpose.py`. `--device PYTHON` with
 EMULATE=CUDA checks the script without a GPU (use `--scale 64`: every first dimension divided by it).
 """
@@ -75,8 +75,9 @@ def run_on_random_inputs(device: str, kernel: Kernel, seed: int = 0) -> list:
 
 
 def sector_summary(kernel: Kernel) -> str:
-  """Per-instruction (worst) and whole-warp sector efficiency of the loads, then the stores."""
-  accesses = warp_sectors(linearize(kernel))
+  """Per-instruction (worst) and whole-warp sector efficiency of the loads, then the stores (a block in the middle
+  of the grid)."""
+  accesses = warp_sectors(linearize(kernel), block=0.5)
   parts = []
   for op in (UOps.LOAD, UOps.STORE):
     chosen = [access for access in accesses if access.op is op]

@@ -190,9 +190,10 @@ class WarpAccess:
     return self.lanes * self.lane_bytes / (self.sectors * SECTOR_BYTES) if self.touched else 1.0
 
 
-def warp_sectors(uops: list[UOp], warp: int = WARP_LANES) -> list[WarpAccess]:
-  """The global LOADs and STOREs of lowered UOps as the first warp of block 0 runs them (loops at their first
+def warp_sectors(uops: list[UOp], warp: int = WARP_LANES, block: float = 0.0) -> list[WarpAccess]:
+  """The global LOADs and STOREs of lowered UOps as the first warp of one block runs them (loops at their first
   iteration), each with the distinct SECTOR_BYTES sectors its lanes touch, from the index expressions themselves.
+  `block` places the block along each block index (0: block 0; 0.5: the middle one, inside a cat's later parts).
   Lanes walk the thread indices x fastest; lanes whose access is masked off touch nothing. Accesses whose index
   depends on a loaded value (a gather) are left out."""
   local_sizes = sorted((uop.arg[2], uop.arg[1]) for uop in uops if uop.op is UOps.SPECIAL and uop.arg[0][0] == "l")
@@ -200,7 +201,8 @@ def warp_sectors(uops: list[UOp], warp: int = WARP_LANES) -> list[WarpAccess]:
   accesses: list[WarpAccess] = []
   for uop in uops:
     if uop.op is UOps.SPECIAL:
-      values[id(uop)] = [_thread_index(lane, uop.arg[2], local_sizes) if uop.arg[0][0] == "l" else 0
+      block_index = int(uop.arg[1] * block) if isinstance(uop.arg[1], int) else 0
+      values[id(uop)] = [_thread_index(lane, uop.arg[2], local_sizes) if uop.arg[0][0] == "l" else block_index
                          for lane in range(warp)]
     elif uop.op is UOps.CONST and isinstance(uop.arg, (int, bool)):
       values[id(uop)] = [uop.arg] * warp
