@@ -86,7 +86,8 @@ def sector_summary(kernel: Kernel) -> str:
   return " ".join(parts)
 
 
-def torch_seconds_cold(shape: tuple[int, ...], permutation: tuple[int, ...], dtype_name: str) -> float | None:
+def torch_seconds_cold(shape: tuple[int, ...], permutation: tuple[int, ...], dtype_name: str,
+                       cache_bytes: int) -> float | None:
   """Seconds of torch's permute(...).contiguous() per call, back to back over enough sources to defeat the L2."""
   try:
     import torch
@@ -95,7 +96,7 @@ def torch_seconds_cold(shape: tuple[int, ...], permutation: tuple[int, ...], dty
     return None
   dtype = getattr(torch, dtype_name)
   nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-  sets = max(math.ceil(2 * (60 << 20) / nbytes), 1)
+  sets = max(math.ceil(2 * cache_bytes / (2 * nbytes)), 1)
   sources = [torch.randn(shape, device="cuda").to(dtype) for _ in range(sets)]
   launches = sets * math.ceil(64 / sets)
   for source in sources: source.permute(permutation).contiguous()
@@ -140,7 +141,8 @@ def main() -> None:
       opts = " ".join(f"{opt.op.name[:2]}{opt.axis},{opt.amount}" for opt in kernel.applied_opts)
       print(f"{name:17} {variant:7} {kernel.name:26} {seconds * 1e6:8.2f} {megabytes:7.1f} {rate:6.0f} {percent} "
             f"{sector_summary(kernel):>19}  {'ok   ' if correct else 'WRONG'}  {opts}", flush=True)
-    torch_seconds = torch_seconds_cold(shape, permutation, dtype_name) if device == "CUDA" else None
+    torch_seconds = torch_seconds_cold(shape, permutation, dtype_name, l2_cache_bytes(device)) \
+      if device == "CUDA" else None
     if torch_seconds is not None:
       rate = megabytes / 1e3 / torch_seconds
       percent = f"{rate * 1e9 / copy:6.1%}" if copy else "     -"
