@@ -194,3 +194,11 @@ def test_merged_heads_transpose_loads_float4() -> None:
   source = CUDARenderer().render(kernel.name, linearize(kernel))
   assert source.count("*((const float4*)(data1+") == 4 and source.count("*((float4*)(data0+") == 4
   if NVRTC is not None: NVRTC.compile(source)
+
+
+def test_symbolic_size_keeps_the_default() -> None:
+  """A transpose with a symbolic (Variable) size: no tile (PADTO and the block's divisions need numbers)."""
+  from ourgrad.shape.symbolic import Variable
+  rows = Variable("rows", 1, 64).bind(32)
+  kernel = _cuda_kernel(lambda: Tensor.empty(64, 48, device="PYTHON").shrink(((0, rows), None)).T.contiguous())
+  assert plan_for(kernel) is None

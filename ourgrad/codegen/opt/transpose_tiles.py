@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.dtype import dtypes
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import MemBuffer, exec_alu
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -99,6 +100,7 @@ def transposed_axes(kernel: Kernel) -> tuple[int, int] | None:
   contiguous axis."""
   if kernel.reduceop is not None or kernel.applied_opts or kernel.row_axes is not None: return None
   shape, global_dims = kernel.full_shape, kernel.global_dims
+  if not all(isinstance(size, int) for size in shape): return None   # a symbolic size: the tile cannot pad to it
   store_count = len(kernel.stores)
   out_axes = {unit_step_axis(st, shape, global_dims) for st in kernel.sts[:store_count]}
   if len(out_axes) != 1 or None in out_axes: return None
@@ -148,11 +150,16 @@ def plan_for(kernel: Kernel) -> TransposeTile | None:
   if axes is None: return None
   out_axis, in_axis = axes
   shape = kernel.full_shape
-  itemsize = max(leaf.dtype.itemsize for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer))
+  buffer_dtypes = {leaf.dtype for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)}
+  itemsize = max(dtype.itemsize for dtype in buffer_dtypes)
   if min(shape[out_axis], shape[in_axis]) * itemsize < SECTOR_BYTES: return None
   warp = renderer.warp_size or WARP_LANES
   threads = min(BLOCK_THREADS, renderer.max_threads)
-  out_lanes = warp_split(TILE_SIDE * itemsize, TILE_SIDE * itemsize, warp)
+  # what a lane moves per instruction: the linearizer makes float4 vectors of float32 only; other dtypes load and
+  # store element by element, and a warp instruction then covers a lane's single element
+  vectors = buffer_dtypes == {dtypes.float32} and getattr(renderer, "vector_width", 0) >= TILE_SIDE
+  lane_bytes = TILE_SIDE * itemsize if vectors else itemsize
+  out_lanes = warp_split(lane_bytes, lane_bytes, warp)
   out_tiling = _axis_tiling(shape[out_axis], TILE_SIDE, out_lanes, out_lanes)
   in_tiling = _axis_tiling(shape[in_axis], TILE_SIDE, max(threads // out_lanes, 1), max(warp // out_lanes, 1))
   if out_tiling is None or in_tiling is None: return None
