@@ -11,10 +11,11 @@ eighth of each sector used; the H200 ran `x.T.contiguous()` of 4096 x 2304 float
 `transpose_tiles(kernel)` gives each thread a register tile of TILE_SIDE x TILE_SIDE elements, upcast along both
 axes: the linearizer reads each input column of the tile as one vector along the input's contiguous axis and writes
 each output row as one vector along the output's, so both sides move 16-byte vectors (float32). A warp's lanes are
-split between the two axes (`warp_split`) so that both its loads and its stores cover whole sectors: 8 lanes along
-the output axis x 4 along the input axis for float32 (loads: 8 runs of 64 bytes, stores: 4 runs of 128 bytes, 16
-sectors for 512 bytes each way, the fewest there can be). The block takes more lanes along the input axis, up to
-BLOCK_THREADS. No local memory and no barrier: the tile is transposed in registers.
+split between the two axes (`warp_split`) so that both its loads and its stores cover whole sectors: 16 lanes
+along the output axis x 2 along the input axis for float32 (loads: 16 runs of 32 bytes, stores: 2 runs of 256
+bytes, 16 sectors for 512 bytes each way, the fewest there can be; 8 x 4 for 16-bit types, whose elements move one
+by one). The block takes more lanes along the input axis, up to BLOCK_THREADS (float32: a 64 x 64 tile). No local
+memory and no barrier: the tile is transposed in registers.
 
 An axis whose size the tile does not divide is padded to the block's extent along it (PADTO: masked loads and
 stores at the edge); where that would pad more than half of it, or an axis is shorter than a sector, the kernel is
