@@ -530,23 +530,35 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
   def _vector_load(self, node: LazyOp, idxs: list[Node]) -> UOp | None:
     """One element of a vector load (float4) where the renderer has them, the view is contiguous along an upcast or
     unroll axis and the first element's index is a multiple of the width (aligned); None for a scalar load. The
-    lanes of that axis share the vector LOAD (the builder merges the identical loads), each taking one element."""
+    lanes of that axis share the vector LOAD (the builder merges the identical loads), each taking one element.
+    A view of several unmasked views (a reshape of a permuted view: attention heads merged back into rows) counts
+    as contiguous along an axis where its real stride is unknown but the vector's elements are provably neighbours."""
     kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
     if width < 2 or node.dtype != dtypes.float32: return None
     leaf = self.leaf_index[id(node)]
     st = kernel.sts[leaf]
-    if len(st.views) != 1 or st.views[0].mask is not None: return None
+    if any(view.mask is not None for view in st.views): return None
     strides = st.real_strides()
     axis = next((axis for axis in kernel.upcast_axes + kernel.unroll_axes
-                 if strides[axis] == 1 and kernel.full_shape[axis] % width == 0), None)
+                 if strides[axis] in (1, None) and kernel.full_shape[axis] % width == 0), None)
     if axis is None or not isinstance(idxs[axis], NumNode): return None
     element = idxs[axis].b % width
     first = list(idxs)
     first[axis] = NumNode(idxs[axis].b - element)
     index_node, _ = self._index_nodes(leaf, first)
+    if strides[axis] is None and not self._neighbours(leaf, first, axis, width, index_node): return None
     if not multiple_of(index_node, width): return None
     vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
     return self.builder.add(UOps.GEP, node.dtype, (vector,), element)
+
+  def _neighbours(self, leaf: int, first: list[Node], axis: int, width: int, first_index: Node) -> bool:
+    """Whether the `width` elements from `first` along `axis` lie at first_index + 0, 1, ..., width - 1."""
+    for element in range(1, width):
+      element_idxs = list(first)
+      element_idxs[axis] = NumNode(first[axis].b + element)
+      step = self._index_nodes(leaf, element_idxs)[0] - first_index
+      if not isinstance(step, NumNode) or step.b != element: return False
+    return True
 
   def _const(self, node: LazyOp, idxs: list[Node]) -> UOp:
     value = self.builder.const(node.arg.val, node.dtype)

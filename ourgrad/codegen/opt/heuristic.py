@@ -45,6 +45,7 @@ from ourgrad.codegen.opt.conv_tiles import ConvTileStrategy, TensorCoreConvStrat
 from ourgrad.codegen.opt.plans import Plan, RecognizerStrategy, Strategy, first_plan, memory_loads, register_plan
 from ourgrad.codegen.opt.shared_tile_plans import SharedTileStrategy, dense_matmul_axes
 from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrategy
+from ourgrad.codegen.opt.transpose_tiles import transpose_tiles
 from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
 from ourgrad.codegen.opt.coalesce import lane_axis
 from ourgrad.helpers import power_of_two_divisor, prod
@@ -571,6 +572,8 @@ STRATEGIES: list[Strategy] = [
   RecognizerStrategy("window", _gpu_reduce, lambda kernel: window_tiles(kernel)),
   RecognizerStrategy("group_reduce", lambda kernel: _gpu_local_reduce(kernel) and not _gpu_tiles_pay_off(kernel),
                      lambda kernel: _group_reduce(kernel)),
+  RecognizerStrategy("transpose_tiles", lambda kernel: kernel.renderer.has_threads and kernel.reduceop is None,
+                     lambda kernel: transpose_tiles(kernel)),
   RecognizerStrategy("elementwise_rows", lambda kernel: kernel.renderer.has_threads and kernel.reduceop is None,
                      lambda kernel: elementwise_rows(kernel)),
   RecognizerStrategy("cpu_matmul", _cpu_reduce, lambda kernel: _cpu_matmul_tiles(kernel)),
