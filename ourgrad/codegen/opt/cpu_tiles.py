@@ -103,26 +103,40 @@ def _cpu_tile_row_count(size: int, tile_rows: int, fit: str) -> int:
   return tile_rows if 0 < padding <= size * CPU_MAX_ROW_PADDING else 0
 
 
+def _tile_tries(kernel: Kernel, registers: int, lanes: int,
+                tile_columns: int) -> Iterator[tuple[int, int, int, int, str]]:
+  """(rows axis, columns axis, rows, columns, row fit) to try, best first. Columns: two SIMD registers where they
+  divide the axis, else one. Rows: what the registers hold beside those columns (cpu_tile_rows) where the columns
+  are contiguous vector loads; CPU_TILE_ROWS where each column vector is built from scalar loads (strided columns: a
+  convolution's gradients), since more rows share each built vector, which saves more than a spilled accumulator
+  costs (AVX2, the CNN step's 5x5 weight gradient: 8 rows 51 ms, 6 rows 61). Contiguous columns with padded rows
+  come before strided columns with rows that divide: A.B with 1024 rows on AVX2 took 768 strided columns as its 6
+  rows (25 GFLOP/s) instead of padding its rows to 1026 (113)."""
+  pairs = list(_cpu_tile_axes(kernel))
+  float_reduce = kernel.reduceop.dtype.is_float
+  for contiguous in (True, False):
+    tries: list[tuple[int, int, tuple[int, int, int, int, str]]] = []   # (choice rank, pair rank, the try)
+    for rank, (kind, rows, columns) in enumerate(pairs):
+      column_count = next((count for count in (tile_columns, lanes) if kernel.full_shape[columns] % count == 0), 0)
+      if kind != contiguous or not column_count: continue
+      tile_rows = cpu_tile_rows(registers, column_count // lanes) if contiguous else CPU_TILE_ROWS
+      for choice, (rows_wanted, fit) in enumerate(_row_choices(tile_rows, float_reduce)):
+        row_count = _cpu_tile_row_count(kernel.full_shape[rows], rows_wanted, fit)
+        if row_count: tries.append((choice, rank, (rows, columns, row_count, column_count, fit)))
+    yield from (attempt for _, _, attempt in sorted(tries, key=lambda entry: entry[:2]))
+
+
 def cpu_matmul_tiles(kernel: Kernel) -> bool:
-  """CPU matmul register tile (cpu_tile_shape: rows x two SIMD registers of columns, or one register of columns where
-  two do not divide), the columns innermost so the C compiler packs each row's accumulators into vector registers
-  and the column loads into vector loads, then the cache block (_cpu_cache_block). The first axes pair (see
-  _cpu_tile_axes) that the best of _row_choices fits is taken (a padded rows axis is padded first). False (kernel
-  untouched) where the kernel is not matmul-shaped or no pair fits."""
+  """CPU matmul register tile (rows x two SIMD registers of columns, or one register of columns where two do not
+  divide), the columns innermost so the C compiler packs each row's accumulators into vector registers and the column
+  loads into vector loads, then the cache block (_cpu_cache_block). The first of _tile_tries that applies is taken (a
+  padded rows axis is padded first). False (kernel untouched) where the kernel is not matmul-shaped or none fits."""
   if not matmul_like(kernel) or kernel.reduceop.dtype.itemsize > 8: return False
   vector_bytes = getattr(kernel.renderer, "vector_bytes", 16)  # renderers that do not say: SSE/NEON width
   registers = getattr(kernel.renderer, "vector_registers", 16)
-  tile_rows, tile_columns = cpu_tile_shape(vector_bytes, kernel.reduceop.dtype.itemsize, registers)
+  _, tile_columns = cpu_tile_shape(vector_bytes, kernel.reduceop.dtype.itemsize, registers)
   lanes = max(vector_bytes // kernel.reduceop.dtype.itemsize, 1)
-  choices, pairs = _row_choices(tile_rows, kernel.reduceop.dtype.is_float), list(_cpu_tile_axes(kernel))
-  # contiguous columns (vector loads) with padded rows before strided columns with rows that divide: A.B with 1024
-  # rows on AVX2 took 768 strided columns as its 6 rows (25 GFLOP/s) instead of padding its rows to 1026 (113)
-  tries = [(choice, (rows, columns)) for contiguous in (True, False) for choice in choices
-           for kind, rows, columns in pairs if kind == contiguous]
-  for (rows_wanted, fit), (rows, columns) in tries:
-    row_count = _cpu_tile_row_count(kernel.full_shape[rows], rows_wanted, fit)
-    column_count = next((count for count in (tile_columns, lanes) if kernel.full_shape[columns] % count == 0), 0)
-    if not row_count or not column_count: continue
+  for rows, columns, row_count, column_count, fit in _tile_tries(kernel, registers, lanes, tile_columns):
     start = kernel._state()
     if fit == "padded" and not kernel.try_opt(Opt(OptOps.PADTO, rows, row_count)): continue
     # rows first: the upcast applied last varies fastest in the unrolled code, and the columns must be the fastest
