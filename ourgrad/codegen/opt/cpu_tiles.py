@@ -103,15 +103,24 @@ def _cpu_tile_row_count(size: int, tile_rows: int, fit: str) -> int:
   return tile_rows if 0 < padding <= size * CPU_MAX_ROW_PADDING else 0
 
 
+def _tall_rows(size: int, registers: int) -> int:
+  """Rows of a tile of one register of gathered columns: the largest divisor of `size` above CPU_TILE_ROWS that
+  the registers hold (an accumulator a row, the gathered vector, the broadcast row value); 0 where none does."""
+  return next((rows for rows in range(registers - 2, CPU_TILE_ROWS, -1) if size % rows == 0), 0)
+
+
 def _tile_tries(kernel: Kernel, registers: int, lanes: int,
                 tile_columns: int) -> Iterator[tuple[int, int, int, int, str]]:
   """(rows axis, columns axis, rows, columns, row fit) to try, best first. Columns: two SIMD registers where they
   divide the axis, else one. Rows: what the registers hold beside those columns (cpu_tile_rows) where the columns
-  are contiguous vector loads; CPU_TILE_ROWS where each column vector is built from scalar loads (strided columns: a
-  convolution's gradients), since more rows share each built vector, which saves more than a spilled accumulator
-  costs (AVX2, the CNN step's 5x5 weight gradient: 8 rows 51 ms, 6 rows 61). Contiguous columns with padded rows
-  come before strided columns with rows that divide: A.B with 1024 rows on AVX2 took 768 strided columns as its 6
-  rows (25 GFLOP/s) instead of padding its rows to 1026 (113)."""
+  are contiguous vector loads. Where each column vector is built from scalar loads (strided columns: a convolution's
+  gradients and forward over channels) the built vector is what costs, and each one serves a row per accumulator:
+  first one register of columns with as many rows as the registers hold (_tall_rows: 16 with AVX-512, where
+  MAX_UPCAST_LANES refuses 24, 12 or 10 with AVX2; the CNN step at AVX-512 173 -> 146 ms, AVX2 195 -> 191), then
+  CPU_TILE_ROWS rows of two registers,
+  spilled or not (AVX2, the 5x5 weight gradient: 8 rows 51 ms, 6 rows 61). Contiguous columns with padded rows come
+  before strided columns with rows that divide: A.B with 1024 rows on AVX2 took 768 strided columns as its 6 rows
+  (25 GFLOP/s) instead of padding its rows to 1026 (113)."""
   pairs = list(_cpu_tile_axes(kernel))
   float_reduce = kernel.reduceop.dtype.is_float
   for contiguous in (True, False):
@@ -120,6 +129,9 @@ def _tile_tries(kernel: Kernel, registers: int, lanes: int,
       column_count = next((count for count in (tile_columns, lanes) if kernel.full_shape[columns] % count == 0), 0)
       if kind != contiguous or not column_count: continue
       tile_rows = cpu_tile_rows(registers, column_count // lanes) if contiguous else CPU_TILE_ROWS
+      if not contiguous and kernel.full_shape[columns] % lanes == 0:
+        tall = _tall_rows(kernel.full_shape[rows], registers)
+        if tall: tries.append((-1, rank, (rows, columns, tall, lanes, "divides")))
       for choice, (rows_wanted, fit) in enumerate(_row_choices(tile_rows, float_reduce)):
         row_count = _cpu_tile_row_count(kernel.full_shape[rows], rows_wanted, fit)
         if row_count: tries.append((choice, rank, (rows, columns, row_count, column_count, fit)))
