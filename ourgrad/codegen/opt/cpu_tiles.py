@@ -28,6 +28,11 @@ CPU_PANEL_SHARE_OF_L2 = 0.5
 # masked, their stores skipped) where that adds at most this share of its length: a 256-row batch on AVX2 takes
 # 43 tiles of 6 rows (258) rather than 32 tiles of 8 that spill
 CPU_MAX_ROW_PADDING = 1 / 8
+# a tall tile's rows (_tall_rows) at most where they are read a multiple of L1_SET_STRIDE bytes apart (the images of
+# a batch): such rows share one L1 set, which holds 12 lines on current x86 cores (48 KiB, 12-way); 16 batch rows
+# evicted each other (the 3x3 conv forward at AVX-512: 21 ms, against 15 with 8 rows)
+CPU_MAX_TALL_ROWS = 12
+L1_SET_STRIDE = 4096
 
 
 def buffer_loads(kernel: Kernel) -> list:
@@ -103,10 +108,23 @@ def _cpu_tile_row_count(size: int, tile_rows: int, fit: str) -> int:
   return tile_rows if 0 < padding <= size * CPU_MAX_ROW_PADDING else 0
 
 
-def _tall_rows(size: int, registers: int) -> int:
-  """Rows of a tile of one register of gathered columns: the largest divisor of `size` above CPU_TILE_ROWS that
-  the registers hold (an accumulator a row, the gathered vector, the broadcast row value); 0 where none does."""
-  return next((rows for rows in range(registers - 2, CPU_TILE_ROWS, -1) if size % rows == 0), 0)
+def _aliased(kernel: Kernel, axis: int, readers: list) -> bool:
+  """Whether some of the views `readers` reads consecutive values along `axis` a multiple of L1_SET_STRIDE bytes apart
+  (in one L1 set)."""
+  itemsize = kernel.reduceop.dtype.itemsize
+  return any((stride := st.real_strides()[axis]) and (stride * itemsize) % L1_SET_STRIDE == 0 for st in readers)
+
+
+def _tall_rows(kernel: Kernel, rows: int, columns: int, registers: int) -> int:
+  """Rows of a tile of one register of gathered columns: the largest divisor of the rows axis above CPU_TILE_ROWS
+  that the registers hold (an accumulator a row, the gathered vector, the broadcast row value), at most
+  CPU_MAX_TALL_ROWS where the row values share an L1 set; 0 where none fits, or where the gathered lanes share one
+  (the images of a batch as columns: 16 lanes 256 KiB apart)."""
+  loads = buffer_loads(kernel)
+  if _aliased(kernel, columns, [st for st in loads if st.real_strides()[columns] != 0]): return 0
+  row_aliased = _aliased(kernel, rows, [st for st in loads if st.real_strides()[columns] == 0])
+  limit = min(registers - 2, CPU_MAX_TALL_ROWS) if row_aliased else registers - 2
+  return next((count for count in range(limit, CPU_TILE_ROWS, -1) if kernel.full_shape[rows] % count == 0), 0)
 
 
 def _tile_tries(kernel: Kernel, registers: int, lanes: int,
@@ -130,7 +148,7 @@ def _tile_tries(kernel: Kernel, registers: int, lanes: int,
       if kind != contiguous or not column_count: continue
       tile_rows = cpu_tile_rows(registers, column_count // lanes) if contiguous else CPU_TILE_ROWS
       if not contiguous and kernel.full_shape[columns] % lanes == 0:
-        tall = _tall_rows(kernel.full_shape[rows], registers)
+        tall = _tall_rows(kernel, rows, columns, registers)
         if tall: tries.append((-1, rank, (rows, columns, tall, lanes, "divides")))
       for choice, (rows_wanted, fit) in enumerate(_row_choices(tile_rows, float_reduce)):
         row_count = _cpu_tile_row_count(kernel.full_shape[rows], rows_wanted, fit)
