@@ -8,7 +8,7 @@ import pytest
 
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
-from ourgrad.codegen.opt.heuristic import cpu_tile_shape
+from ourgrad.codegen.opt.cpu_tiles import cpu_tile_shape
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
@@ -43,8 +43,9 @@ def _operands(shape_a: tuple[int, ...], shape_b: tuple[int, ...], seed: int = 0)
 def _expected_tile(m: int, n: int | None = None, device: str = DEVICE) -> tuple[int, int]:
   """The register tile the heuristic gives an (m, n) float32 output where m divides by its rows: the rows, and its
   columns (or one SIMD register of them) where they divide n (n None: a multiple of the tile's columns)."""
-  vector_bytes = Device[device].renderer.vector_bytes
-  rows, columns = cpu_tile_shape(vector_bytes)
+  renderer = Device[device].renderer
+  vector_bytes = renderer.vector_bytes
+  rows, columns = cpu_tile_shape(vector_bytes, vector_registers=renderer.vector_registers)
   return rows, (columns if n is None or n % columns == 0 else vector_bytes // 4)
 
 

@@ -438,7 +438,19 @@ class Kernel(SharedTileLayout):
                                                           f"of {amount}")
     if padded > 2 * size: raise KernelOptError(f"PADTO: padding axis {axis} from {size} to {padded} wastes over half")
     padding = tuple((0, padded - size) if number == axis else (0, 0) for number in range(self.shape_len))
-    self.sts = [st.pad(padding) for st in self.sts]
+    self.sts = [self._pad_view(st, axis, padded, padding) for st in self.sts]
+
+  def _pad_view(self, st: ShapeTracker, axis: int, padded: int, padding: tuple[tuple[int, int], ...]) -> ShapeTracker:
+    """One view padded along `axis`. On the CPU a view that broadcasts along it (stride 0, unmasked there) is
+    broadcast further instead: its address never depends on the axis, so its loads stay in bounds without a mask
+    (what they read at the padding only reaches outputs that are not stored). A matmul's other operand then stays
+    unmasked vector loads (the AVX2 register tile pads its rows, _cpu_matmul_tiles). GPUs keep the mask: their
+    operand staging reads the padding from the masks (codegen/matmul_operands.py)."""
+    last = st.views[-1]
+    broadcast = last.strides[axis] == 0 and (last.mask is None or last.mask[axis] == (0, last.shape[axis]))
+    if self.renderer.has_threads or not broadcast: return st.pad(padding)
+    window = tuple((0, 1) if number == axis else (0, size) for number, size in enumerate(st.shape))
+    return st.shrink(window).expand(tuple(padded if number == axis else size for number, size in enumerate(st.shape)))
   def _apply_wgmma(self, opt: Opt) -> None:
     """WGMMA: the whole kernel becomes one wgmma matmul plan (codegen/wgmma_tiles.py), if the renderer has wgmma and
     the kernel is a plain matmul that fits it (see wgmma_tiles.plan_for_kernel)."""

@@ -519,6 +519,7 @@ class ClangRenderer(CStyleLanguage):
   # the width of the SIMD registers the C compiler targets (16: SSE/NEON, 32: AVX2, 64: AVX-512); the runtime sets
   # it from the compiler's -march=native macros. The CPU matmul heuristic sizes its register tiles by it.
   vector_bytes = 16
+  vector_registers = 16   # SIMD registers of the target (32 with AVX-512 or NEON; the runtime sets it)
   # DEFINE_LOCAL is a plain C array where it is declared (inside a loop body: one per iteration, private to its thread)
   has_stack_arrays = True
   # vectorized even where the loop vectorizer is off (gcc 12, ops_clang.FLAG_RULES); allows no reordering

@@ -77,6 +77,7 @@ class LLVMRenderer(Renderer):
   # the SIMD register width (bytes) of the CPU LLVM targets (the runtime sets it from LLVM_CPU/LLVM_FEATURES); the CPU
   # matmul heuristic sizes its register tiles by it, LLVM's SLP vectorizer packs them into vectors
   vector_bytes = 16
+  vector_registers = 16   # SIMD registers of the target (32 with AVX-512 or NEON; the runtime sets it)
 
   def __init__(self, parallel: bool = False):
     self.parallel = parallel

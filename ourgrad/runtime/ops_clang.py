@@ -125,6 +125,12 @@ class CompilerIdentity:
     if "#define __AVX2__ " in self.target_macros or "#define __AVX__ " in self.target_macros: return 32
     return 16
 
+  @property
+  def vector_registers(self) -> int:
+    """How many SIMD registers the target has: 32 with AVX-512 (EVEX encodings) or on AArch64, else 16."""
+    if "#define __AVX512F__ " in self.target_macros or "#define __aarch64__ " in self.target_macros: return 32
+    return 16
+
 
 def identify_compiler(compiler: str, march: str) -> CompilerIdentity:
   """Ask the compiler for its predefined macros at -march=`march`; a DeviceError if it rejects that target."""
@@ -181,6 +187,9 @@ class ClangCompiler(Compiler):
 
   @property
   def vector_bytes(self) -> int: return self.identity.vector_bytes
+
+  @property
+  def vector_registers(self) -> int: return self.identity.vector_registers
 
   @property
   def toolchain_key(self) -> str:
@@ -326,5 +335,6 @@ def create_device(name: str) -> Compiled:
   # the width of the target's SIMD registers (CLANG_MARCH's, not necessarily this CPU's): the CPU matmul tiles,
   # row-kernel lanes and explicit vectors are sized by it
   renderer.vector_bytes = compiler.vector_bytes
+  renderer.vector_registers = compiler.vector_registers   # the matmul tile's rows (codegen/opt/cpu_tiles.py)
   renderer.l2_cache_bytes = host_l2_cache_bytes()   # the matmul tiles' cache blocks (codegen/opt/heuristic.py)
   return Compiled(name, HostAllocator(), renderer, compiler, ClangProgram)

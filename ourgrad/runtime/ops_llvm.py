@@ -231,5 +231,7 @@ def create_device(name: str) -> Compiled:
   # it; left at SSE's 16 bytes, an AVX-512 CPU got 8x4 tiles (1024^3 float32 on 2 cores: 50 ms, against 8.9 ms with
   # 16x16)
   renderer.vector_bytes = compiler.vector_bytes
+  # AVX-512's EVEX encodings and AArch64 have 32 SIMD registers, SSE and AVX2 16: the matmul tile's rows
+  renderer.vector_registers = 32 if compiler.vector_bytes == 64 or "aarch64" in compiler.target_machine.triple else 16
   renderer.l2_cache_bytes = host_l2_cache_bytes()   # the matmul tiles' cache blocks (codegen/opt/heuristic.py)
   return Compiled(name, HostAllocator(), renderer, compiler, LLVMProgram)

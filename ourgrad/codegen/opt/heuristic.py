@@ -37,7 +37,7 @@ GPUs (thread blocks and local memory):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.dtype import dtypes
@@ -46,6 +46,7 @@ from ourgrad.codegen.opt.plans import Plan, RecognizerStrategy, Strategy, first_
 from ourgrad.codegen.opt.shared_tile_plans import SharedTileStrategy, dense_matmul_axes
 from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrategy
 from ourgrad.codegen.opt.transpose_tiles import transpose_tiles
+from ourgrad.codegen.opt.cpu_tiles import cpu_matmul_tiles
 from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
 from ourgrad.codegen.opt.coalesce import lane_axis
 from ourgrad.helpers import power_of_two_divisor, prod
@@ -195,22 +196,10 @@ def register_tiles_pay_off(shape: Sequence[int], reduce_axes: Sequence[int],
 
 
 def _gpu_tiles_pay_off(kernel: Kernel) -> bool:
-  """register_tiles_pay_off for this kernel's loads (a GPU's choice; CPUs ask _matmul_like)."""
+  """register_tiles_pay_off for this kernel's loads (a GPU's choice; CPUs ask cpu_tiles.matmul_like)."""
   loads = [(st, leaf) for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
   return register_tiles_pay_off(kernel.full_shape, range(kernel.first_reduce, kernel.shape_len),
                                 [st.real_strides() for st, _ in loads], gathers=any(leaf.srcs for _, leaf in loads))
-
-
-def _matmul_like(kernel: Kernel) -> bool:
-  """Some input is reused across outputs while it varies along the reduce (a matmul or convolution operand):
-  register tiles pay off there. A per-output value (stride 0 on every reduce axis) does not count."""
-  loads = memory_loads(kernel)
-  for st in loads:
-    strides = st.real_strides()
-    reused = any(strides[axis] == 0 for axis in range(kernel.first_reduce))
-    varies = any(strides[axis] != 0 for axis in range(kernel.first_reduce, kernel.shape_len))
-    if reused and varies: return True
-  return False
 
 
 def _contiguous_axis(kernel: Kernel) -> int | None:
@@ -355,101 +344,6 @@ def _group_for_parallelism(kernel: Kernel) -> None:
   if budget >= 2: _group_reduce_axes(kernel, budget)
 
 
-# CPU matmul register tile: CPU_TILE_ROWS rows x CPU_TILE_VECTORS SIMD registers of columns, 16 vector accumulators
-# at every width (the FMA reads the column vector from memory, so AVX2's 16 registers hold them all, as AVX-512's 32
-# do with room to spare). One run each, one core, float32, GFLOP/s by CPU time: AVX-512 8x2 vectors 156/159/104 at
-# 1024/1536/2048 (2048 with the cache block below) against 16x1 120/146/64; AVX2 (-march=x86-64-v3) 8x2 63/63/51
-# against 8x1 48/53/24 and 4x2 44/51. More accumulators are refused by MAX_UPCAST_LANES (256 float lanes).
-CPU_TILE_ROWS = 8
-CPU_TILE_VECTORS = 2
-CPU_MAX_TILE_COLUMNS = 32
-# the B panel of a block of column tiles (reduce length x the block's columns) fills at most this share of the L2, so
-# it stays there while every row tile passes over it (see _cpu_cache_block)
-CPU_PANEL_SHARE_OF_L2 = 0.5
-
-
-def cpu_tile_shape(vector_bytes: int, itemsize: int = 4) -> tuple[int, int]:
-  """(rows, columns) of the CPU matmul register tile for a SIMD width and element size."""
-  lanes = max(vector_bytes // itemsize, 1)
-  return CPU_TILE_ROWS, min(lanes * CPU_TILE_VECTORS, CPU_MAX_TILE_COLUMNS)
-
-
-def _cpu_tile_axes(kernel: Kernel) -> Iterator[tuple[int, int]]:
-  """(rows axis, columns axis) pairs of a matmul-shaped CPU reduce, best first: the columns axis is one along which
-  some input is contiguous (stride 1, vector loads) while another input broadcasts it; the rows axis is another
-  output axis that the contiguous input broadcasts (its value is reused across the columns from a register). Then,
-  for A.B^T (both operands contiguous along the reduce only), columns along which an input is strided: the
-  renderer builds that vector from scalar loads once per reduce step and reuses it across the rows."""
-  loads = memory_loads(kernel)
-  for column_strides in ((1,), None):
-    for columns in reversed(range(kernel.first_reduce)):
-      streamed = [st for st in loads if (st.real_strides()[columns] in column_strides if column_strides else
-                                         st.real_strides()[columns] not in (0, 1, None))]
-      if not streamed or not any(st.real_strides()[columns] == 0 for st in loads): continue
-      for rows in reversed(range(kernel.first_reduce)):
-        if rows != columns and any(st.real_strides()[rows] == 0 for st in streamed): yield rows, columns
-
-
-# a rows axis shorter than the tile (a 5x5 or 3x3 convolution's kernel width) may be the tile's rows whole, when no
-# axes pair divides the full tile: MNIST's first conv weight gradient (25 taps x 16 channels) as 5 rows x 16 columns
-# took 0.94 ms instead of 10.9 with 4 scalar accumulators (2 cores, one run)
-CPU_MIN_WHOLE_ROWS = 3
-
-
-def _cpu_tile_row_count(size: int, tile_rows: int, whole: bool) -> int:
-  """Rows of the tile along an axis of `size`: `tile_rows` where they divide it (fewer rows would take an earlier axes
-  pair with a weaker tile over a later one with the full tile: the CNN step's 5x5 input gradient as 4 rows x 32
-  columns ran at 52 GFLOP/s, as 8 x 32 at 81, one AVX-512 core); with `whole`, a short axis (CPU_MIN_WHOLE_ROWS up
-  to the tile's rows) taken whole; 0 where none fits."""
-  if whole: return size if CPU_MIN_WHOLE_ROWS <= size < tile_rows else 0
-  return tile_rows if size % tile_rows == 0 else 0
-
-
-def _cpu_matmul_tiles(kernel: Kernel) -> bool:
-  """CPU matmul register tile (cpu_tile_shape: rows x two SIMD registers of columns, or one register of columns where
-  two do not divide), the columns innermost so the C compiler packs each row's accumulators into
-  vector registers and the column loads into vector loads, then the cache block (_cpu_cache_block). The first axes
-  pair (see _cpu_tile_axes) whose sizes divide the tile is taken; where none does, the first whose rows axis is short
-  enough to be the rows whole. False (kernel untouched) where the kernel is not matmul-shaped or no pair fits."""
-  if not _matmul_like(kernel) or kernel.reduceop.dtype.itemsize > 8: return False
-  vector_bytes = getattr(kernel.renderer, "vector_bytes", 16)  # renderers that do not say: SSE/NEON width
-  tile_rows, tile_columns = cpu_tile_shape(vector_bytes, kernel.reduceop.dtype.itemsize)
-  lanes = max(vector_bytes // kernel.reduceop.dtype.itemsize, 1)
-  for whole, (rows, columns) in ((whole, pair) for whole in (False, True) for pair in _cpu_tile_axes(kernel)):
-    row_count = _cpu_tile_row_count(kernel.full_shape[rows], tile_rows, whole)
-    column_count = next((count for count in (tile_columns, lanes) if kernel.full_shape[columns] % count == 0), 0)
-    if not row_count or not column_count: continue
-    start = kernel._state()
-    # rows first: the upcast applied last varies fastest in the unrolled code, and the columns must be the fastest
-    if not kernel.try_opt(Opt(OptOps.UPCAST, rows, row_count)): continue
-    # a rows axis the tile used whole leaves its place (the upcast lands at the end): no split, the length is kept
-    rows_dropped = kernel.shape_len <= len(start[0][0].shape)
-    columns_after = columns - (1 if rows_dropped and rows < columns else 0)
-    if kernel.try_opt(Opt(OptOps.UPCAST, columns_after, column_count)):
-      _cpu_cache_block(kernel, columns_after, column_count)
-      return True
-    kernel._restore(start)
-  return False
-
-
-def _cpu_cache_block(kernel: Kernel, columns: int, tile_columns: int) -> None:
-  """Cache block (BLOCK): where the column tiles' panels of the streamed operand (reduce length x tile columns each)
-  together overflow the L2, the column tiles go in blocks whose panels fill CPU_PANEL_SHARE_OF_L2 of it, the block
-  loop outermost: each panel is then read from memory once and reused by every row tile from the L2, instead of being
-  read again for each row tile (2048^3 float32, one core: AVX-512 65 -> 104 GFLOP/s, AVX2 24 -> 51). The L2 size is
-  the renderer's (the host CPU's, runtime/ops_clang.py); renderers that do not say get none."""
-  l2_bytes = getattr(kernel.renderer, "l2_cache_bytes", 0)
-  if not l2_bytes or columns >= kernel.global_dims: return
-  reduce_length = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
-  panel = reduce_length * tile_columns * kernel.reduceop.dtype.itemsize
-  tiles = kernel.full_shape[columns]
-  if panel * tiles <= l2_bytes: return
-  fitting = int(l2_bytes * CPU_PANEL_SHARE_OF_L2 // panel)
-  # a panel too long for the L2 on its own (a reduce of many thousands) would need the reduce blocked too: left as is
-  amount = max((count for count in range(2, min(fitting, tiles) + 1) if tiles % count == 0), default=0)
-  if amount: kernel.try_opt(Opt(OptOps.BLOCK, columns, amount))
-
-
 # A CPU reduce with at least this many ALU ops per reduced element is compute-bound: its accumulators go in vector
 # lanes even where some operands must be gathered (see _cpu_vector_lanes)
 CPU_HEAVY_REDUCE_OPS = 10
@@ -576,7 +470,7 @@ STRATEGIES: list[Strategy] = [
                      lambda kernel: transpose_tiles(kernel)),
   RecognizerStrategy("elementwise_rows", lambda kernel: kernel.renderer.has_threads and kernel.reduceop is None,
                      lambda kernel: elementwise_rows(kernel)),
-  RecognizerStrategy("cpu_matmul", _cpu_reduce, lambda kernel: _cpu_matmul_tiles(kernel)),
+  RecognizerStrategy("cpu_matmul", _cpu_reduce, lambda kernel: cpu_matmul_tiles(kernel)),
   RecognizerStrategy("cpu_vector_lanes", _cpu_reduce, lambda kernel: _cpu_vector_lanes(kernel)),
   RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles),
 ]
