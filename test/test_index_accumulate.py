@@ -112,6 +112,44 @@ def test_bool_scatter_add_is_a_logical_or():
   np.testing.assert_array_equal(result, np.array([False, True, True, False]))
 
 
+def _zipf_indices(rng: np.random.Generator, rows: int, count: int, exponent: float) -> np.ndarray:
+  """Text-like indices: row r drawn with probability ~ 1 / (r + 1) ** exponent, so a few neighbouring rows take most
+  of the draws (a tokenizer's frequent tokens have small ids)."""
+  weights = 1.0 / np.arange(1, rows + 1) ** exponent
+  return rng.choice(rows, count, p=weights / weights.sum()).astype(np.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("threads_per_processor,rows", [(512, 301), (2, 389)])
+def test_zipf_repeats_match_numpy_bitwise_run_to_run(device, threads_per_processor, rows, monkeypatch):
+  # a few rows repeated hundreds of times, many times within one warp's group of indices (the GPU adds a group's
+  # repeats of a row in registers, one read-modify-write); with 2 threads per multiprocessor each thread owns
+  # several strided rows, the table ending inside a stride (a shape of its own: a new kernel, not the cached one)
+  monkeypatch.setattr(index_accumulate, "THREADS_PER_PROCESSOR", threads_per_processor)
+  rng = np.random.default_rng(threads_per_processor)
+  start = rng.standard_normal((rows, 4)).astype(np.float32)
+  index = _zipf_indices(rng, rows, 400, 1.3)
+  index[::50] = -1   # counts from the end: the last row, between the hot ones
+  values = (rng.standard_normal((400, 4)) * 1e3).astype(np.float32)   # large: the order of the sums shows
+  assert np.bincount(index[index >= 0]).max() > 80
+  first = _accumulate(start, index, values, device)
+  np.testing.assert_array_equal(first, _add_at(start, index, values))
+  assert _accumulate(start, index, values, device).tobytes() == first.tobytes()
+
+
+def test_plan_strides_rows_over_the_grid():
+  class H200Like:   # the facts plan_index_accumulate reads
+    has_threads, max_threads, multiprocessors, vector_width, warp_size = True, 1024, 132, 4, 32
+  plan = index_accumulate.plan_index_accumulate(50304, 768, 4096, dtypes.float32, H200Like())
+  # row r's owner is row group r mod G: every row has one owner, and neighbouring rows (the hot ones of text) have
+  # different owners
+  owners = np.arange(50304) % plan.row_stride
+  slots = np.arange(50304) // plan.row_stride
+  assert plan.row_stride == plan.blocks[0] * plan.row_threads and slots.max() < plan.rows_per_thread
+  assert len(np.unique(owners[:plan.row_stride])) == plan.row_stride
+  assert plan.ragged == (plan.row_stride * plan.rows_per_thread != 50304)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_deterministic_run_to_run(device):
   rng = np.random.default_rng(11)

@@ -9,8 +9,12 @@ numpy's `np.add.at(out, index, rows)` gives on a copy of start: every row added 
 indices summed, an index outside [0, N) ignored. It is deterministic by construction, with no atomics: each output
 element has one owner, which adds its sources in ascending m.
 
-- On a GPU (`renderer.has_threads`), a thread owns `rows_per_thread` consecutive output rows and `features_per_thread`
-  features of them (float4 pieces strided by the block's feature threads). It writes its part of `start`, then
+- On a GPU (`renderer.has_threads`), a thread owns `rows_per_thread` output rows and `features_per_thread` features
+  of them (float4 pieces strided by the block's feature threads). Its rows are strided, g, g + G, g + 2G, ... (g its
+  row group, G the row groups of the grid, `AccumulatePlan.row_stride`), not consecutive: the indices of real text
+  repeat a few rows many times, and those rows have neighbouring ids (a tokenizer numbers its tokens by frequency, a
+  Zipf draw by rank), so consecutive owners would put the few hot rows in one thread, which adds all their repeats
+  one after another; strided, each hot row has an owner of its own. It writes its part of `start`, then
   scans the index array and, for each index that falls in its rows, adds that source row's features into its output
   with a read-modify-write of its own elements. With warp shuffles the scan votes a warp's 32 indices at a time
   (`_voting_scan`: groups that miss the block's rows are skipped whole); without, every thread reads every index
@@ -72,9 +76,15 @@ class AccumulatePlan:
     return math.ceil(self.row_groups / self.row_threads), self.feature_groups // self.feature_threads
 
   @property
+  def row_stride(self) -> int:
+    """G, the row groups of the grid: row group g owns rows g, g + G, g + 2G, ... (fewer than rows_per_thread at the
+    end of the table)."""
+    return self.blocks[0] * self.row_threads
+
+  @property
   def ragged(self) -> bool:
-    """Whether some thread owns fewer than rows_per_thread rows (the last row group, or threads past the end)."""
-    return self.rows % self.rows_per_thread != 0 or self.row_groups % self.row_threads != 0
+    """Whether some thread owns fewer than rows_per_thread rows (the table ends before its last stride)."""
+    return self.row_stride * self.rows_per_thread != self.rows
 
 
 def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, renderer: Any) -> AccumulatePlan:
@@ -258,7 +268,7 @@ class _Lowering:
   # ---------------------------------------------------------------- GPU: threads
 
   def threads(self, plan: AccumulatePlan) -> None:
-    kernel, build = self.kernel, self.build
+    build = self.build
     blocks_x, blocks_y = plan.blocks
     row_block = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks_x, 0, AxisType.GLOBAL))
     feature_group: UOp = self.index_const(0)   # in vectors
@@ -276,23 +286,15 @@ class _Lowering:
     # a thread's features are `vector` wide pieces strided by the block's feature threads: neighbouring threads
     # touch neighbouring pieces, so each load and store instruction of a warp covers one contiguous span
     first_feature = self.mul(feature_group, self.index_const(plan.vector))
-    first_row = self.mul(row_group, self.index_const(plan.rows_per_thread))
-    # the rows this thread owns: [first_row, first_row + owned), fewer at the end of the table (none past it)
-    owned = self.index_const(plan.rows_per_thread)
-    if plan.ragged:
-      left = self.add(self.index_const(kernel.row_count), self.mul(first_row, self.index_const(-1)))
-      owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(left, owned), left, owned)
-      owned = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(owned, self.index_const(0)), self.index_const(0), owned)
-    self._write_start(plan, first_row, first_feature, owned)
+    self._write_start(plan, row_group, first_feature)
     if plan.warp:
       lane = thread if plan.feature_threads > 1 else self.index_const(0)
       if plan.row_threads > 1: lane = self.add(lane, self.mul(row_thread, self.index_const(plan.feature_threads)))
       lane = build.alu(Ops.MOD, INDEX_DTYPE, lane, self.index_const(plan.warp))
-      block_rows = plan.row_threads * plan.rows_per_thread
-      block_first_row = self.mul(row_block, self.index_const(block_rows))
-      self._voting_scan(plan, lane, block_first_row, block_rows, (first_row, first_feature, owned))
+      block_first_group = self.mul(row_block, self.index_const(plan.row_threads))
+      self._voting_scan(plan, lane, block_first_group, row_group, first_feature)
     else:
-      self._scan(plan, first_row, first_feature, owned)
+      self._scan(plan, row_group, first_feature)
 
   @staticmethod
   def _feature_offsets(plan: AccumulatePlan) -> range:
@@ -300,72 +302,132 @@ class _Lowering:
     stride = plan.feature_threads * plan.vector
     return range(0, stride * (plan.features_per_thread // plan.vector), stride)
 
-  def _write_start(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
+  def _write_start(self, plan: AccumulatePlan, row_group: UOp, first_feature: UOp) -> None:
     build = self.build
-    row = self.loop("row", plan.rows_per_thread)
-    block = build.add(UOps.IF, None, (self.less(row, owned),)) if plan.ragged else None
+    slot = self.loop("row", plan.rows_per_thread)
+    row = self.add(row_group, self.mul(slot, self.index_const(plan.row_stride)))
+    in_table = self.less(row, self.index_const(self.kernel.row_count))
+    block = build.add(UOps.IF, None, (in_table,)) if plan.ragged else None
     for offset in self._feature_offsets(plan):
-      self.write_start(self.add(first_row, row), self.add(first_feature, self.index_const(offset)), plan.vector)
+      self.write_start(row, self.add(first_feature, self.index_const(offset)), plan.vector)
     if block is not None: build.end_if(block)
-    build.end_range(row)
+    build.end_range(slot)
 
   def _unsigned(self, value: UOp) -> UOp: return self.build.add(UOps.CAST, dtypes.uint32, (value,))
 
-  def _add_if_mine(self, plan: AccumulatePlan, source: UOp, target: UOp, first_row: UOp, first_feature: UOp,
-                   owned_unsigned: UOp) -> None:
-    """If index `target` falls in this thread's rows (0 <= target - first_row < owned, as one unsigned compare: a
-    negative difference wraps to a large number), add source row `source` into it."""
-    local = self._unsigned(self.add(target, self.mul(first_row, self.index_const(-1))))
-    block = self.build.add(UOps.IF, None, (self.build.alu(Ops.CMPLT, dtypes.bool, local, owned_unsigned),))
+  def _row_group_of(self, plan: AccumulatePlan, target: UOp) -> tuple[UOp, UOp]:
+    """(whether index `target` is a row of the table, 0 <= target < rows as one unsigned compare, the row group that
+    owns it: target mod G, 0 for an index outside)."""
+    inside = self.build.alu(Ops.CMPLT, dtypes.bool, self._unsigned(target),
+                            self.build.const(self.kernel.row_count, dtypes.uint32))
+    row = self.build.alu(Ops.WHERE, INDEX_DTYPE, inside, target, self.index_const(0))
+    return inside, self.build.alu(Ops.MOD, INDEX_DTYPE, row, self.index_const(plan.row_stride))
+
+  def _add_if_mine(self, plan: AccumulatePlan, source: UOp, target: UOp, row_group: UOp, first_feature: UOp) -> None:
+    """If index `target` is one of this thread's rows (in the table, and in its row group), add source row `source`
+    into it."""
+    block = self.build.add(UOps.IF, None, (self._is_mine(plan, target, row_group),))
     for offset in self._feature_offsets(plan):
       self.accumulate(target, source, self.add(first_feature, self.index_const(offset)), plan.vector)
     self.build.end_if(block)
 
-  def _voting_scan(self, plan: AccumulatePlan, lane: UOp, block_first_row: UOp, block_rows: int,
-                   thread_part: tuple[UOp, UOp, UOp]) -> None:
+  def _voting_scan(self, plan: AccumulatePlan, lane: UOp, block_first_group: UOp, row_group: UOp,
+                   first_feature: UOp) -> None:
     """The scan, a warp's worth of indices at a time: lane l reads index c * warp + l and votes whether it falls in
-    the block's rows; the votes add up (WARP_REDUCE) to a mask every lane holds. Most groups hit no row of the block
-    (a block owns a small part of the table) and are skipped whole; for the others, the voted indices are read again
-    in order and added where they fall in the thread's own rows. The order of the additions is unchanged."""
+    the block's rows (its row group is one of the block's); the votes add up (WARP_REDUCE) to a mask every lane
+    holds. Most groups hit no row of the block (a block owns a small part of the table) and are skipped whole; for
+    the others, the voted indices are read again in order and added where they fall in the thread's own rows. The
+    order of the additions is unchanged."""
     build = self.build
-    first_row, first_feature, owned = thread_part
-    owned_unsigned = self._unsigned(owned)
-    block_rows_unsigned = build.const(block_rows, dtypes.uint32)
     lane_bit = build.alu(Ops.SHL, dtypes.uint32, build.const(1, dtypes.uint32), self._unsigned(lane))
     groups = math.ceil(plan.count / plan.warp)
     group = self.loop("grp", groups)
     group_start = self.mul(group, self.index_const(plan.warp))
     position = self.add(group_start, lane)
-    inside = None
+    inside_count = None
     if plan.count % plan.warp:   # the last group is short: lanes past the end read index 0 and do not vote
-      inside = self.less(position, self.index_const(plan.count))
-      position = build.alu(Ops.WHERE, INDEX_DTYPE, inside, position, self.index_const(0))
-    offset = self._unsigned(self.add(self.index_at(position), self.mul(block_first_row, self.index_const(-1))))
-    votes = build.alu(Ops.CMPLT, dtypes.bool, offset, block_rows_unsigned)
-    if inside is not None: votes = self.both(votes, inside)
+      inside_count = self.less(position, self.index_const(plan.count))
+      position = build.alu(Ops.WHERE, INDEX_DTYPE, inside_count, position, self.index_const(0))
+    inside, target_group = self._row_group_of(plan, self.index_at(position))
+    offset = self._unsigned(self.add(target_group, self.mul(block_first_group, self.index_const(-1))))
+    votes = self.both(inside, build.alu(Ops.CMPLT, dtypes.bool, offset, build.const(plan.row_threads, dtypes.uint32)))
+    if inside_count is not None: votes = self.both(votes, inside_count)
     vote = build.alu(Ops.WHERE, dtypes.uint32, votes, lane_bit, build.const(0, dtypes.uint32))
     mask = build.add(UOps.WARP_REDUCE, dtypes.uint32, (vote,), (Ops.ADD, plan.warp, 1))
     any_vote = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, mask, build.const(0, dtypes.uint32)),))
+    # members whose row this thread already added in this group (a sum of distinct bits: ADD is the OR)
+    done = build.add(UOps.DEFINE_ACC, dtypes.uint32, (), 0)
     member = self.loop("voted", plan.warp)
-    bit = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(member)),
-                    build.const(1, dtypes.uint32))
-    voted = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, bit, build.const(0, dtypes.uint32)),))
-    source = self.add(group_start, member)
-    self._add_if_mine(plan, source, self.index_at(source), first_row, first_feature, owned_unsigned)
+    fresh = self.both(self._bit_set(mask, member), self.less(self._bit(done, member), self._one()))
+    voted = build.add(UOps.IF, None, (fresh,))
+    target = self.index_at(self.add(group_start, member))
+    mine = build.add(UOps.IF, None, (self._is_mine(plan, target, row_group),))
+    self._add_run(plan, mask, done, group_start, target, first_feature)
+    build.end_if(mine)
     build.end_if(voted)
     build.end_range(member)
     build.end_if(any_vote)
     build.end_range(group)
 
-  def _scan(self, plan: AccumulatePlan, first_row: UOp, first_feature: UOp, owned: UOp) -> None:
+  def _one(self) -> UOp: return self.build.const(1, dtypes.uint32)
+
+  def _bit(self, mask: UOp, position: UOp) -> UOp:
+    """Bit `position` of a uint32 mask (0 or 1)."""
+    build = self.build
+    return build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(position)),
+                     self._one())
+
+  def _bit_set(self, mask: UOp, position: UOp) -> UOp:
+    return self.build.alu(Ops.CMPNE, dtypes.bool, self._bit(mask, position), self.build.const(0, dtypes.uint32))
+
+  def _add_run(self, plan: AccumulatePlan, mask: UOp, done: UOp, group_start: UOp, target: UOp,
+               first_feature: UOp) -> None:
+    """Add every voted member of the group whose index is `target` (the first of them is the current one) into the
+    thread's part of that output row with one read-modify-write: the row's current value and the members' rows are
+    summed in registers in member order (from -0.0, which adds nothing, bit for bit), so the result is the sequential
+    sum's, and a row repeated in a group costs one round trip to memory instead of one per repeat. Marks the members
+    in `done`."""
+    kernel, build = self.kernel, self.build
+    identity = -0.0 if kernel.dtype.is_float else 0
+    features = [self.add(first_feature, self.index_const(offset)) for offset in self._feature_offsets(plan)]
+    out_indices = [self.add(self.mul(target, self.index_const(kernel.width)), feature) for feature in features]
+    sums = []
+    for out_index in out_indices:
+      current = self.load_buffer(self.out, kernel.dtype, out_index, plan.vector)
+      lanes = [build.add(UOps.DEFINE_ACC, kernel.dtype, (), identity) for _ in current]
+      for lane, value in zip(lanes, current): build.add(UOps.ACCUMULATE, kernel.dtype, (lane, value), Ops.ADD)
+      sums.append(lanes)
+    other = self.loop("run", plan.warp)
+    source = self.add(group_start, other)
+    if plan.count % plan.warp:   # past the end of a short last group: index 0 is read, its member has no vote
+      source = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(source, self.index_const(plan.count)), source,
+                         self.index_const(0))
+    same = build.alu(Ops.CMPNE, dtypes.bool, build.alu(Ops.CMPNE, dtypes.bool, self.index_at(source), target),
+                     build.const(True, dtypes.bool))
+    match = build.add(UOps.IF, None, (self.both(self._bit_set(mask, other), same),))
+    build.add(UOps.ACCUMULATE, dtypes.uint32, (done, build.alu(Ops.SHL, dtypes.uint32, self._one(),
+                                                                self._unsigned(other))), Ops.ADD)
+    for lanes, feature in zip(sums, features):
+      values = self.row_values(kernel.rows, source, kernel.count, feature, plan.vector)
+      for lane, value in zip(lanes, values): build.add(UOps.ACCUMULATE, kernel.dtype, (lane, value), Ops.ADD)
+    build.end_if(match)
+    build.end_range(other)
+    for lanes, out_index in zip(sums, out_indices): self.store(out_index, lanes)
+
+  def _is_mine(self, plan: AccumulatePlan, target: UOp, row_group: UOp) -> UOp:
+    """Whether index `target` is one of this thread's rows: in the table, and in its row group."""
+    inside, group = self._row_group_of(plan, target)
+    offset = self._unsigned(self.add(group, self.mul(row_group, self.index_const(-1))))
+    return self.both(inside, self.build.alu(Ops.CMPLT, dtypes.bool, offset, self._one()))
+
+  def _scan(self, plan: AccumulatePlan, row_group: UOp, first_feature: UOp) -> None:
     """The scan without a vote: every thread reads every index (scan_unroll loads in flight) and adds the rows that
     fall in its own rows."""
     build = self.build
-    owned_unsigned = self._unsigned(owned)
     step = self.loop("src", plan.count // plan.scan_unroll)
     first = self.mul(step, self.index_const(plan.scan_unroll))
     sources = [self.add(first, self.index_const(lane)) for lane in range(plan.scan_unroll)]
     targets = [self.index_at(source) for source in sources]   # loaded together: several loads in flight
     for source, target in zip(sources, targets):
-      self._add_if_mine(plan, source, target, first_row, first_feature, owned_unsigned)
+      self._add_if_mine(plan, source, target, row_group, first_feature)
     build.end_range(step)
