@@ -362,7 +362,11 @@ class _Lowering:
     voted = build.add(UOps.IF, None, (fresh,))
     target = self.index_at(self.add(group_start, member))
     mine = build.add(UOps.IF, None, (self._is_mine(plan, target, row_group),))
-    self._add_run(plan, mask, done, group_start, target, first_feature)
+    # the members from this one on: a run's rows are found among them (an earlier one would have started the run)
+    later = build.alu(Ops.AND, dtypes.uint32, mask, build.alu(Ops.SHL, dtypes.uint32, build.const(0xFFFFFFFF,
+                                                                                                  dtypes.uint32),
+                                                              self._unsigned(member)))
+    self._add_run(plan, later, done, group_start, target, first_feature)
     build.end_if(mine)
     build.end_if(voted)
     build.end_range(member)
@@ -382,7 +386,7 @@ class _Lowering:
 
   def _add_run(self, plan: AccumulatePlan, mask: UOp, done: UOp, group_start: UOp, target: UOp,
                first_feature: UOp) -> None:
-    """Add every voted member of the group whose index is `target` (the first of them is the current one) into the
+    """Add every member in `mask` whose index is `target` (the first of them is the current one) into the
     thread's part of that output row with one read-modify-write: the row's current value and the members' rows are
     summed in registers in member order (from -0.0, which adds nothing, bit for bit), so the result is the sequential
     sum's, and a row repeated in a group costs one round trip to memory instead of one per repeat. Marks the members
@@ -398,19 +402,18 @@ class _Lowering:
       for lane, value in zip(lanes, current): build.add(UOps.ACCUMULATE, kernel.dtype, (lane, value), Ops.ADD)
       sums.append(lanes)
     other = self.loop("run", plan.warp)
+    candidate = build.add(UOps.IF, None, (self._bit_set(mask, other),))   # voted: its index is read (a member)
     source = self.add(group_start, other)
-    if plan.count % plan.warp:   # past the end of a short last group: index 0 is read, its member has no vote
-      source = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(source, self.index_const(plan.count)), source,
-                         self.index_const(0))
     same = build.alu(Ops.CMPNE, dtypes.bool, build.alu(Ops.CMPNE, dtypes.bool, self.index_at(source), target),
                      build.const(True, dtypes.bool))
-    match = build.add(UOps.IF, None, (self.both(self._bit_set(mask, other), same),))
+    match = build.add(UOps.IF, None, (same,))
     build.add(UOps.ACCUMULATE, dtypes.uint32, (done, build.alu(Ops.SHL, dtypes.uint32, self._one(),
                                                                 self._unsigned(other))), Ops.ADD)
     for lanes, feature in zip(sums, features):
       values = self.row_values(kernel.rows, source, kernel.count, feature, plan.vector)
       for lane, value in zip(lanes, values): build.add(UOps.ACCUMULATE, kernel.dtype, (lane, value), Ops.ADD)
     build.end_if(match)
+    build.end_if(candidate)
     build.end_range(other)
     for lanes, out_index in zip(sums, out_indices): self.store(out_index, lanes)
 
