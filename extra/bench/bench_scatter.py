@@ -6,7 +6,8 @@ PyTorch's `embedding_dense_backward` (what torch.nn.functional.embedding's backw
     python extra/bench/bench_scatter.py --device CLANG --tokens 512 --vocab 4096 --width 64   # a small CPU check
 
 Method: the table, the indices (uniform over the vocabulary; `--zipf S` draws text-like repeats, probability
-~ 1/rank^S, where one row gets many of the tokens: the owner thread of that row adds them one after another) and
+~ 1/rank^S, row r of rank r + 1, as a tokenizer numbers frequent tokens first: one row gets many of the tokens, and
+its owner thread adds them, a warp's group of indices at a time in registers) and
 the upstream gradient are realized first. ourgrad: the gradient `weight[index].backward(upstream)` builds (one
 kernel) is timed cold on CUDA (timing.cold_schedule_seconds: it moves more than twice the L2, so it runs on its own
 realized buffers, replayed in one CUDA graph); '1-launch' is one launch between two CUDA events (DEBUG=2's figure),
@@ -62,11 +63,14 @@ def main() -> None:
   parser.add_argument("--zipf", type=float, default=0.0,
                       help="draw tokens with probability ~ 1/rank^S (text-like repeats; the run prints how often the "
                            "most common token occurs) instead of uniformly")
+  parser.add_argument("--shuffle-ranks", action="store_true",
+                      help="with --zipf: the rows of each rank at random ids instead of rank order")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   if args.zipf > 0:
     weights = 1.0 / np.arange(1, args.vocab + 1) ** args.zipf
     tokens_np = rng.choice(args.vocab, args.tokens, p=weights / weights.sum()).astype(np.int32)
+    if args.shuffle_ranks: tokens_np = rng.permutation(args.vocab).astype(np.int32)[tokens_np]
   else:
     tokens_np = rng.integers(0, args.vocab, args.tokens).astype(np.int32)
   upstream_np = rng.standard_normal((args.tokens, args.width), dtype=np.float32)
