@@ -14,7 +14,9 @@ realized buffers, replayed in one CUDA graph); '1-launch' is one launch between 
 median over --iters.
 PyTorch: `torch.ops.aten.embedding_dense_backward` timed back to back (--iters calls between two synchronizations;
 the host clock on the CPU). GB/s for both counts the table written once, the gradient rows and the indices read once.
-Before timing, ourgrad's gradient is checked against PyTorch's and against itself (bitwise, run to run).
+Before timing, ourgrad's gradient is checked against itself (bitwise, run to run) and against PyTorch's, up to the
+error bound of a float32 sum of each row's terms in another order (`summation_tolerance`: it grows with the row's
+repeats and its terms' magnitudes).
 """
 from __future__ import annotations
 
@@ -45,6 +47,27 @@ def embedding_gradient(weight: Tensor, index: Tensor, upstream: Tensor) -> Tenso
 
 def torch_backward(upstream: "torch.Tensor", index: "torch.Tensor", vocab: int) -> "torch.Tensor":
   return torch.ops.aten.embedding_dense_backward(upstream, index, vocab, -1, False)
+
+
+def summation_tolerance(tokens: np.ndarray, upstream: np.ndarray, vocab: int) -> np.ndarray:
+  """Per element of the (vocab, width) gradient, how far two float32 sums of its n terms in different orders may
+  lie apart: each is within (n - 1) * u * sum|term| of the exact sum (recursive summation's bound, u = 2**-24), so
+  two of them within twice that. A row summed 843 times (Zipf 1.2) differs in its last bits from PyTorch's order."""
+  counts = np.bincount(tokens, minlength=vocab).astype(np.float64)[:, None]
+  magnitude = np.zeros((vocab, upstream.shape[1]), np.float64)
+  np.add.at(magnitude, tokens, np.abs(upstream.astype(np.float64)))
+  unit_roundoff = np.finfo(np.float32).eps / 2
+  return 2.0 * np.maximum(counts - 1, 0) * unit_roundoff * magnitude
+
+
+def check_against_reference(ours: np.ndarray, reference: np.ndarray, tokens: np.ndarray, upstream: np.ndarray,
+                            vocab: int) -> None:
+  """ours == reference up to the summation-order bound (summation_tolerance), never tighter than 1e-5."""
+  bound = np.maximum(summation_tolerance(tokens, upstream, vocab), 1e-5 + 1e-5 * np.abs(reference))
+  excess = np.abs(ours.astype(np.float64) - reference) - bound
+  worst = np.unravel_index(np.argmax(excess), excess.shape)
+  assert excess[worst] <= 0, (f"gradient differs from PyTorch's at {worst}: {ours[worst]} vs {reference[worst]}, "
+                              f"beyond the float32 summation bound {bound[worst]:.3g}")
 
 
 def torch_time(function, iters: int, cuda: bool) -> float:
@@ -103,7 +126,7 @@ def main() -> None:
     upstream_t = torch.from_numpy(upstream_np).to(torch_device)
     index_t = torch.from_numpy(tokens_np.astype(np.int64)).to(torch_device)
     reference = torch_backward(upstream_t, index_t, args.vocab).cpu().numpy()
-    np.testing.assert_allclose(first, reference, rtol=1e-5, atol=1e-5)
+    check_against_reference(first, reference, tokens_np, upstream_np, args.vocab)
     torch_s = torch_time(lambda: torch_backward(upstream_t, index_t, args.vocab), args.iters, cuda)
   for label, seconds, kernel_text in (("ourgrad (cold, graph)" if cuda else "ourgrad", ours, names),
                                       ("ourgrad (1-launch events)", one_launch, f"{count} kernel(s)")):
