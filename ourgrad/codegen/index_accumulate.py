@@ -7,7 +7,8 @@ inside this kernel. They are computed element by element by the Linearizer's `co
 views); a plain row-major LOAD of float32 rows is read as float4 vectors where the width allows. The result is what
 numpy's `np.add.at(out, index, rows)` gives on a copy of start: every row added in the order m = 0, 1, ..., repeated
 indices summed, an index outside [0, N) ignored. It is deterministic by construction, with no atomics: each output
-element has one owner, which adds its sources in ascending m.
+element has one owner, which adds its sources in ascending m (or, for a long run on a GPU, its fixed chunks' sums
+in chunk order).
 
 - On a GPU (`renderer.has_threads`), a thread owns `rows_per_thread` output rows and `features_per_thread` features
   of them (float4 pieces strided by the block's feature threads). Its rows are strided, g, g + G, g + 2G, ... (g its
@@ -20,6 +21,10 @@ element has one owner, which adds its sources in ascending m.
   (`_voting_scan`: groups that miss the block's rows are skipped whole); without, every thread reads every index
   (`_scan`). The threads are about `THREADS_PER_PROCESSOR` per multiprocessor of the device; the floating-point work
   is the M x R additions that must be done, not an N x M x R one-hot.
+- A long run on a GPU (a row indexed more than LONG_RUN times, with the vote and local memory): the block counts its
+  rows' repeats first (`_count_rows`), the scan leaves the long rows out, and the whole block adds them afterwards,
+  split over fixed chunks of the index array (`_add_long_runs`): out = start + P0 + P1 + ..., P_c the chunk's rows
+  summed in index order. Deterministic, but np.add.at's order only for the rows that are not long.
 - On a CPU (loops), one thread writes `start`, then walks m = 0 .. M-1 and adds row m into row index[m] (a loop over
   R the C compiler vectorizes).
 
@@ -29,7 +34,7 @@ print_debug, colored_shape, linearize, op_count); no Opts apply (`plan_index_acc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer
@@ -48,6 +53,13 @@ ACCUMULATE_THREADS_PER_SM = env_var("ACCUMULATE_THREADS_PER_SM", 0, "GPU threads
 BLOCK_THREADS = 128
 # features one thread owns, at most (in vectors of the device's width where the width allows)
 MAX_VECTORS_PER_THREAD = 4
+# a row indexed more often than this is a long run: its block adds it in chunks of the index array, side by side
+# (`AccumulatePlan.chunks`), instead of its owner thread adding every repeat one after another
+LONG_RUN = 64
+ACCUMULATE_LONG_RUN = env_var("ACCUMULATE_LONG_RUN", 0, "repeats above which an indexed accumulate's row is added in "
+                              "chunks by its block (codegen/index_accumulate.py); 0: its default, 64")
+# vectors of a row one thread adds in a chunk, at most (registers: an accumulator per element)
+MAX_CHUNK_VECTORS = 16
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,9 @@ class AccumulatePlan:
   rows_per_thread: int
   scan_unroll: int          # index loads in flight in the scan without a vote (dividing `count`)
   warp: int = 0             # lanes of the warp vote that skips indices outside the block's rows (0: no vote)
+  long_run: int = 0         # repeats above which a row is added in chunks (0: never)
+  chunks: int = 1           # the index array's chunks a long run is split into, one team of threads each
+  chunk_team: int = 0       # a chunk's threads, covering the block's features (block threads = chunks * team)
 
   @property
   def feature_groups(self) -> int: return self.width // self.features_per_thread
@@ -80,6 +95,20 @@ class AccumulatePlan:
     """G, the row groups of the grid: row group g owns rows g, g + G, g + 2G, ... (fewer than rows_per_thread at the
     end of the table)."""
     return self.blocks[0] * self.row_threads
+
+  @property
+  def block_rows(self) -> int: return self.row_threads * self.rows_per_thread
+
+  @property
+  def block_features(self) -> int: return self.feature_threads * self.features_per_thread
+
+  @property
+  def chunk_length(self) -> int: return math.ceil(self.count / self.chunks)
+
+  @property
+  def chunk_vectors(self) -> int:
+    """Vectors of a long row one thread of a chunk's team adds (strided by the team)."""
+    return self.block_features // (self.chunk_team * self.vector)
 
   @property
   def ragged(self) -> bool:
@@ -103,8 +132,24 @@ def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, rende
   # the vote needs whole warps of shuffling lanes (a 32-bit mask: warps of at most 32)
   whole_warps = 0 < renderer.warp_size <= 32 and (feature_threads * row_threads) % renderer.warp_size == 0
   warp = renderer.warp_size if whole_warps else 0
-  return AccumulatePlan(rows, width, count, vector, per_thread, feature_threads, row_threads, rows_per_thread,
+  plan = AccumulatePlan(rows, width, count, vector, per_thread, feature_threads, row_threads, rows_per_thread,
                         scan_unroll, warp)
+  return _with_chunks(plan, dtype, renderer)
+
+
+def _with_chunks(plan: AccumulatePlan, dtype: DType, renderer: Any) -> AccumulatePlan:
+  """`plan` with long runs split into chunks where the device allows: with the warp vote and local memory for a
+  count per block row and a partial row per chunk. The block's threads form `chunks` teams of `chunk_team`: the
+  feature threads in k teams of feature_threads / k (each thread adding k times its features), per row thread."""
+  long_run = int(ACCUMULATE_LONG_RUN.value) or LONG_RUN
+  if not plan.warp or not getattr(renderer, "has_local", False) or plan.count <= long_run: return plan
+  vectors = plan.features_per_thread // plan.vector
+  for k in range(min(plan.feature_threads, MAX_CHUNK_VECTORS // vectors), 0, -1):
+    chunks = k * plan.row_threads
+    local_bytes = chunks * plan.block_features * dtype.itemsize + plan.block_rows * 4
+    if plan.feature_threads % k == 0 and chunks >= 2 and local_bytes <= renderer.local_memory_bytes:
+      return replace(plan, long_run=long_run, chunks=chunks, chunk_team=plan.feature_threads // k)
+  return plan
 
 
 def is_index_accumulate(ast: LazyOp) -> bool:
@@ -288,11 +333,19 @@ class _Lowering:
     first_feature = self.mul(feature_group, self.index_const(plan.vector))
     self._write_start(plan, row_group, first_feature)
     if plan.warp:
-      lane = thread if plan.feature_threads > 1 else self.index_const(0)
-      if plan.row_threads > 1: lane = self.add(lane, self.mul(row_thread, self.index_const(plan.feature_threads)))
+      feature_thread = thread if plan.feature_threads > 1 else self.index_const(0)
+      local_row_group = row_thread if plan.row_threads > 1 else self.index_const(0)
+      lane = self.add(feature_thread, self.mul(local_row_group, self.index_const(plan.feature_threads)))
       lane = build.alu(Ops.MOD, INDEX_DTYPE, lane, self.index_const(plan.warp))
       block_first_group = self.mul(row_block, self.index_const(plan.row_threads))
-      self._voting_scan(plan, lane, block_first_group, row_group, first_feature)
+      counts = None
+      if plan.chunks > 1:
+        counts = self._count_rows(plan, lane, block_first_group, row_group, feature_thread, local_row_group)
+      self._voting_scan(plan, lane, block_first_group, row_group, first_feature, counts)
+      if counts is not None:
+        block_feature = self.mul(feature_group, self.index_const(plan.vector))
+        block_feature = self.add(block_feature, self.mul(feature_thread, self.index_const(-plan.vector)))
+        self._add_long_runs(plan, counts, block_first_group, block_feature, feature_thread, local_row_group)
     else:
       self._scan(plan, row_group, first_feature)
 
@@ -331,17 +384,14 @@ class _Lowering:
       self.accumulate(target, source, self.add(first_feature, self.index_const(offset)), plan.vector)
     self.build.end_if(block)
 
-  def _voting_scan(self, plan: AccumulatePlan, lane: UOp, block_first_group: UOp, row_group: UOp,
-                   first_feature: UOp) -> None:
-    """The scan, a warp's worth of indices at a time: lane l reads index c * warp + l and votes whether it falls in
-    the block's rows (its row group is one of the block's); the votes add up (WARP_REDUCE) to a mask every lane
-    holds. Most groups hit no row of the block (a block owns a small part of the table) and are skipped whole; for
-    the others, the voted indices are read again in order and added where they fall in the thread's own rows. The
-    order of the additions is unchanged."""
+  def _open_voted_group(self, plan: AccumulatePlan, lane: UOp, block_first_group: UOp) -> tuple[UOp, UOp, UOp, UOp]:
+    """Opens the loop over the index array a warp's worth at a time and the IF that skips a group none of whose
+    indices falls in the block's rows: lane l reads index c * warp + l and votes whether its row group is one of
+    the block's; the votes add up (WARP_REDUCE) to a mask every lane holds. Returns (the loop, the IF, the group's
+    first position, the mask); the caller closes the IF, then the loop."""
     build = self.build
     lane_bit = build.alu(Ops.SHL, dtypes.uint32, build.const(1, dtypes.uint32), self._unsigned(lane))
-    groups = math.ceil(plan.count / plan.warp)
-    group = self.loop("grp", groups)
+    group = self.loop("grp", math.ceil(plan.count / plan.warp))
     group_start = self.mul(group, self.index_const(plan.warp))
     position = self.add(group_start, lane)
     inside_count = None
@@ -355,6 +405,16 @@ class _Lowering:
     vote = build.alu(Ops.WHERE, dtypes.uint32, votes, lane_bit, build.const(0, dtypes.uint32))
     mask = build.add(UOps.WARP_REDUCE, dtypes.uint32, (vote,), (Ops.ADD, plan.warp, 1))
     any_vote = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, mask, build.const(0, dtypes.uint32)),))
+    return group, any_vote, group_start, mask
+
+  def _voting_scan(self, plan: AccumulatePlan, lane: UOp, block_first_group: UOp, row_group: UOp,
+                   first_feature: UOp, counts: UOp | None) -> None:
+    """The scan, a warp's worth of indices at a time (`_open_voted_group`): most groups hit no row of the block (a
+    block owns a small part of the table) and are skipped whole; for the others, the voted indices are read again
+    in order and added where they fall in the thread's own rows, except the long runs (`counts`: the block's
+    repeats of each row; `_add_long_runs` adds those). The order of the additions is unchanged."""
+    build = self.build
+    group, any_vote, group_start, mask = self._open_voted_group(plan, lane, block_first_group)
     # members whose row this thread already added in this group (a sum of distinct bits: ADD is the OR)
     done = build.add(UOps.DEFINE_ACC, dtypes.uint32, (), 0)
     member = self.loop("voted", plan.warp)
@@ -362,16 +422,122 @@ class _Lowering:
     voted = build.add(UOps.IF, None, (fresh,))
     target = self.index_at(self.add(group_start, member))
     mine = build.add(UOps.IF, None, (self._is_mine(plan, target, row_group),))
+    short = None
+    if counts is not None:   # (inside `mine`: the target is one of the block's rows, its count slot exists)
+      repeats = build.add(UOps.LOAD, dtypes.int32, (counts, self._block_slot(plan, target, block_first_group)))
+      short = build.add(UOps.IF, None, (self.less(repeats, self.index_const(plan.long_run + 1)),))
     # the members from this one on: a run's rows are found among them (an earlier one would have started the run)
     later = build.alu(Ops.AND, dtypes.uint32, mask, build.alu(Ops.SHL, dtypes.uint32, build.const(0xFFFFFFFF,
                                                                                                   dtypes.uint32),
                                                               self._unsigned(member)))
     self._add_run(plan, later, done, group_start, target, first_feature)
+    if short is not None: build.end_if(short)
     build.end_if(mine)
     build.end_if(voted)
     build.end_range(member)
     build.end_if(any_vote)
     build.end_range(group)
+
+  # ---------------------------------------------------------------- GPU: long runs in chunks
+
+  def _block_slot(self, plan: AccumulatePlan, row: UOp, block_first_group: UOp) -> UOp:
+    """The place of one of the block's rows among its `block_rows` (row group within the block + slot * row_threads),
+    the index of its count."""
+    build = self.build
+    local_group = self.add(build.alu(Ops.MOD, INDEX_DTYPE, row, self.index_const(plan.row_stride)),
+                           self.mul(block_first_group, self.index_const(-1)))
+    slot = build.alu(Ops.IDIV, INDEX_DTYPE, row, self.index_const(plan.row_stride))
+    return self.add(local_group, self.mul(slot, self.index_const(plan.row_threads)))
+
+  def _count_rows(self, plan: AccumulatePlan, lane: UOp, block_first_group: UOp, row_group: UOp,
+                  feature_thread: UOp, local_row_group: UOp) -> UOp:
+    """How often each of the block's rows is indexed, in local memory (an int32 per block row): each row group's
+    first feature thread counts its own rows' members of the voted groups (one writer per count, no atomics). A
+    BARRIER follows: every thread of the block reads the counts, and `_add_long_runs` reads the start rows other
+    threads wrote."""
+    build = self.build
+    counts = build.add(UOps.DEFINE_LOCAL, dtypes.int32, (), ("row_counts", plan.block_rows))
+    counter = build.add(UOps.IF, None, (self.less(feature_thread, self.index_const(1)),))
+    slot = self.loop("cslot", plan.rows_per_thread)
+    build.add(UOps.STORE, None, (counts, self.add(local_row_group, self.mul(slot, self.index_const(plan.row_threads))),
+                                 self.index_const(0)))
+    build.end_range(slot)
+    build.end_if(counter)
+    group, any_vote, group_start, mask = self._open_voted_group(plan, lane, block_first_group)
+    member = self.loop("counted", plan.warp)
+    voted = build.add(UOps.IF, None, (self._bit_set(mask, member),))
+    target = self.index_at(self.add(group_start, member))
+    mine = self.both(self._is_mine(plan, target, row_group), self.less(feature_thread, self.index_const(1)))
+    owner = build.add(UOps.IF, None, (mine,))
+    place = self._block_slot(plan, target, block_first_group)
+    repeats = build.add(UOps.LOAD, dtypes.int32, (counts, place))
+    build.add(UOps.STORE, None, (counts, place, self.add(repeats, self.index_const(1))))
+    build.end_if(owner)
+    build.end_if(voted)
+    build.end_range(member)
+    build.end_if(any_vote)
+    build.end_range(group)
+    build.add(UOps.BARRIER, None)
+    return counts
+
+  def _add_long_runs(self, plan: AccumulatePlan, counts: UOp, block_first_group: UOp, block_feature: UOp,
+                     feature_thread: UOp, local_row_group: UOp) -> None:
+    """The block's rows indexed more than `long_run` times, one after another, by all its threads: `chunks` teams
+    of `chunk_team` threads; team c sums, in index order and in registers, the rows of its chunk of the index array
+    (positions [c * L, (c + 1) * L), L = chunk_length) whose index is the row, from -0.0; the partial rows meet in
+    local memory, and team 0 adds them to the start row in team order: start + P0 + P1 + ... (deterministic, and
+    np.add.at's order only where one chunk holds every repeat). Every thread reaches the BARRIERs (the loop over
+    the block's rows is the same for all; only the work inside is conditional)."""
+    kernel, build = self.kernel, self.build
+    per_team = plan.feature_threads // plan.chunk_team
+    team = self.add(build.alu(Ops.IDIV, INDEX_DTYPE, feature_thread, self.index_const(plan.chunk_team)),
+                    self.mul(local_row_group, self.index_const(per_team)))
+    piece = build.alu(Ops.MOD, INDEX_DTYPE, feature_thread, self.index_const(plan.chunk_team))
+    stride = plan.chunk_team * plan.vector
+    # features within the block's span, and in the table
+    spans = [self.add(self.mul(piece, self.index_const(plan.vector)), self.index_const(stride * j))
+             for j in range(plan.chunk_vectors)]
+    partials = build.add(UOps.DEFINE_LOCAL, kernel.dtype, (), ("chunk_rows", plan.chunks * plan.block_features))
+    identity = -0.0 if kernel.dtype.is_float else 0
+    slot = self.loop("lslot", plan.block_rows)
+    local_group = build.alu(Ops.MOD, INDEX_DTYPE, slot, self.index_const(plan.row_threads))
+    row = self.add(self.add(block_first_group, local_group),
+                   self.mul(build.alu(Ops.IDIV, INDEX_DTYPE, slot, self.index_const(plan.row_threads)),
+                            self.index_const(plan.row_stride)))
+    long = self.less(self.index_const(plan.long_run), build.add(UOps.LOAD, dtypes.int32, (counts, slot)))
+    adding = build.add(UOps.IF, None, (long,))
+    sums = [[build.add(UOps.DEFINE_ACC, kernel.dtype, (), identity) for _ in range(plan.vector)] for _ in spans]
+    step = self.loop("chunk", plan.chunk_length)
+    position = self.add(self.mul(team, self.index_const(plan.chunk_length)), step)
+    inside = self.less(position, self.index_const(plan.count))
+    source = build.alu(Ops.WHERE, INDEX_DTYPE, inside, position, self.index_const(0))
+    same = build.alu(Ops.CMPNE, dtypes.bool, build.alu(Ops.CMPNE, dtypes.bool, self.index_at(source), row),
+                     build.const(True, dtypes.bool))
+    match = build.add(UOps.IF, None, (self.both(inside, same),))
+    for lanes, span in zip(sums, spans):
+      values = self.row_values(kernel.rows, source, kernel.count, self.add(block_feature, span), plan.vector)
+      for lane, value in zip(lanes, values): build.add(UOps.ACCUMULATE, kernel.dtype, (lane, value), Ops.ADD)
+    build.end_if(match)
+    build.end_range(step)
+    team_base = self.mul(team, self.index_const(plan.block_features))
+    for lanes, span in zip(sums, spans):
+      for offset, lane in enumerate(lanes):
+        build.add(UOps.STORE, None, (partials, self.add(self.add(team_base, span), self.index_const(offset)), lane))
+    build.end_if(adding)
+    build.add(UOps.BARRIER, None)
+    combining = build.add(UOps.IF, None, (self.both(long, self.less(team, self.index_const(1))),))
+    for span in spans:
+      out_index = self.add(self.mul(row, self.index_const(kernel.width)), self.add(block_feature, span))
+      total = self.load_buffer(self.out, kernel.dtype, out_index, plan.vector)
+      for chunk in range(plan.chunks):
+        place = self.add(span, self.index_const(chunk * plan.block_features))
+        total = [build.alu(Ops.ADD, kernel.dtype, value,
+                           build.add(UOps.LOAD, kernel.dtype, (partials, self.add(place, self.index_const(offset)))))
+                 for offset, value in enumerate(total)]
+      self.store(out_index, total)
+    build.end_if(combining)
+    build.add(UOps.BARRIER, None)
+    build.end_range(slot)
 
   def _one(self) -> UOp: return self.build.const(1, dtypes.uint32)
 
