@@ -38,7 +38,7 @@ def draw(kind: str, vocab: int, tokens: int) -> np.ndarray:
 def chains(index: np.ndarray, plan: index_accumulate.AccumulatePlan) -> dict[str, int]:
   """Serial row loads before chunks; with chunks: the longest block's serial row loads and chunk index reads."""
   repeats = np.bincount(index, minlength=plan.rows)
-  block = (np.arange(plan.rows) % plan.row_stride) // plan.row_threads
+  block = (np.arange(plan.rows) % plan.row_stride) % plan.blocks[0]   # a block's row groups: b, b + B, b + 2B, ...
   long_rows = np.nonzero(repeats > plan.long_run)[0] if plan.chunks > 1 else np.array([], np.int64)
   cold = np.where(np.isin(np.arange(plan.rows), long_rows), 0, repeats)
   per_block_loads = np.zeros(block.max() + 1, np.int64)

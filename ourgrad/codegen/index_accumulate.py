@@ -15,7 +15,8 @@ in chunk order).
   row group, G the row groups of the grid, `AccumulatePlan.row_stride`), not consecutive: the indices of real text
   repeat a few rows many times, and those rows have neighbouring ids (a tokenizer numbers its tokens by frequency, a
   Zipf draw by rank), so consecutive owners would put the few hot rows in one thread, which adds all their repeats
-  one after another; strided, each hot row has an owner of its own. It writes its part of `start`, then
+  one after another; strided, each hot row has an owner of its own. A block's row groups are b, b + B, ... (B blocks
+  along the rows), so hot neighbouring rows are also in different blocks. It writes its part of `start`, then
   scans the index array and, for each index that falls in its rows, adds that source row's features into its output
   with a read-modify-write of its own elements. With warp shuffles the scan votes a warp's 32 indices at a time
   (`_voting_scan`: groups that miss the block's rows are skipped whole); without, every thread reads every index
@@ -324,10 +325,13 @@ class _Lowering:
     if plan.feature_threads > 1:
       thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", plan.feature_threads, 0, AxisType.LOCAL))
       feature_group = self.add(feature_group, thread)
-    row_group = self.mul(row_block, self.index_const(plan.row_threads))
+    # the block's row groups are interleaved with the other blocks' (b, b + B, b + 2B, ...; B blocks along the rows):
+    # neighbouring hot rows (rows g and g + 1) land in different blocks, whose long runs (_add_long_runs) run side by
+    # side instead of one after another
+    row_group = row_block
     if plan.row_threads > 1:
       row_thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx1", plan.row_threads, 1, AxisType.LOCAL))
-      row_group = self.add(row_group, row_thread)
+      row_group = self.add(row_group, self.mul(row_thread, self.index_const(blocks_x)))
     # a thread's features are `vector` wide pieces strided by the block's feature threads: neighbouring threads
     # touch neighbouring pieces, so each load and store instruction of a warp covers one contiguous span
     first_feature = self.mul(feature_group, self.index_const(plan.vector))
@@ -337,15 +341,14 @@ class _Lowering:
       local_row_group = row_thread if plan.row_threads > 1 else self.index_const(0)
       lane = self.add(feature_thread, self.mul(local_row_group, self.index_const(plan.feature_threads)))
       lane = build.alu(Ops.MOD, INDEX_DTYPE, lane, self.index_const(plan.warp))
-      block_first_group = self.mul(row_block, self.index_const(plan.row_threads))
       counts = None
       if plan.chunks > 1:
-        counts = self._count_rows(plan, lane, block_first_group, row_group, feature_thread, local_row_group)
-      self._voting_scan(plan, lane, block_first_group, row_group, first_feature, counts)
+        counts = self._count_rows(plan, lane, row_block, row_group, feature_thread, local_row_group)
+      self._voting_scan(plan, lane, row_block, row_group, first_feature, counts)
       if counts is not None:
         block_feature = self.mul(feature_group, self.index_const(plan.vector))
         block_feature = self.add(block_feature, self.mul(feature_thread, self.index_const(-plan.vector)))
-        self._add_long_runs(plan, counts, block_first_group, block_feature, feature_thread, local_row_group)
+        self._add_long_runs(plan, counts, row_block, block_feature, feature_thread, local_row_group)
     else:
       self._scan(plan, row_group, first_feature)
 
@@ -384,7 +387,7 @@ class _Lowering:
       self.accumulate(target, source, self.add(first_feature, self.index_const(offset)), plan.vector)
     self.build.end_if(block)
 
-  def _open_voted_group(self, plan: AccumulatePlan, lane: UOp, block_first_group: UOp) -> tuple[UOp, UOp, UOp, UOp]:
+  def _open_voted_group(self, plan: AccumulatePlan, lane: UOp, row_block: UOp) -> tuple[UOp, UOp, UOp, UOp]:
     """Opens the loop over the index array a warp's worth at a time and the IF that skips a group none of whose
     indices falls in the block's rows: lane l reads index c * warp + l and votes whether its row group is one of
     the block's; the votes add up (WARP_REDUCE) to a mask every lane holds. Returns (the loop, the IF, the group's
@@ -399,22 +402,21 @@ class _Lowering:
       inside_count = self.less(position, self.index_const(plan.count))
       position = build.alu(Ops.WHERE, INDEX_DTYPE, inside_count, position, self.index_const(0))
     inside, target_group = self._row_group_of(plan, self.index_at(position))
-    offset = self._unsigned(self.add(target_group, self.mul(block_first_group, self.index_const(-1))))
-    votes = self.both(inside, build.alu(Ops.CMPLT, dtypes.bool, offset, build.const(plan.row_threads, dtypes.uint32)))
+    votes = self.both(inside, self._is_blocks(plan, target_group, row_block))
     if inside_count is not None: votes = self.both(votes, inside_count)
     vote = build.alu(Ops.WHERE, dtypes.uint32, votes, lane_bit, build.const(0, dtypes.uint32))
     mask = build.add(UOps.WARP_REDUCE, dtypes.uint32, (vote,), (Ops.ADD, plan.warp, 1))
     any_vote = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, mask, build.const(0, dtypes.uint32)),))
     return group, any_vote, group_start, mask
 
-  def _voting_scan(self, plan: AccumulatePlan, lane: UOp, block_first_group: UOp, row_group: UOp,
+  def _voting_scan(self, plan: AccumulatePlan, lane: UOp, row_block: UOp, row_group: UOp,
                    first_feature: UOp, counts: UOp | None) -> None:
     """The scan, a warp's worth of indices at a time (`_open_voted_group`): most groups hit no row of the block (a
     block owns a small part of the table) and are skipped whole; for the others, the voted indices are read again
     in order and added where they fall in the thread's own rows, except the long runs (`counts`: the block's
     repeats of each row; `_add_long_runs` adds those). The order of the additions is unchanged."""
     build = self.build
-    group, any_vote, group_start, mask = self._open_voted_group(plan, lane, block_first_group)
+    group, any_vote, group_start, mask = self._open_voted_group(plan, lane, row_block)
     # members whose row this thread already added in this group (a sum of distinct bits: ADD is the OR)
     done = build.add(UOps.DEFINE_ACC, dtypes.uint32, (), 0)
     member = self.loop("voted", plan.warp)
@@ -424,7 +426,7 @@ class _Lowering:
     mine = build.add(UOps.IF, None, (self._is_mine(plan, target, row_group),))
     short = None
     if counts is not None:   # (inside `mine`: the target is one of the block's rows, its count slot exists)
-      repeats = build.add(UOps.LOAD, dtypes.int32, (counts, self._block_slot(plan, target, block_first_group)))
+      repeats = build.add(UOps.LOAD, dtypes.int32, (counts, self._block_slot(plan, target)))
       short = build.add(UOps.IF, None, (self.less(repeats, self.index_const(plan.long_run + 1)),))
     # the members from this one on: a run's rows are found among them (an earlier one would have started the run)
     later = build.alu(Ops.AND, dtypes.uint32, mask, build.alu(Ops.SHL, dtypes.uint32, build.const(0xFFFFFFFF,
@@ -440,16 +442,24 @@ class _Lowering:
 
   # ---------------------------------------------------------------- GPU: long runs in chunks
 
-  def _block_slot(self, plan: AccumulatePlan, row: UOp, block_first_group: UOp) -> UOp:
-    """The place of one of the block's rows among its `block_rows` (row group within the block + slot * row_threads),
-    the index of its count."""
+  def _is_blocks(self, plan: AccumulatePlan, row_group: UOp, row_block: UOp) -> UOp:
+    """Whether row group `row_group` is one of block `row_block`'s (row_group mod B == row_block)."""
+    blocks_x = plan.blocks[0]
+    if blocks_x == 1: return self.build.const(True, dtypes.bool)
+    block = self.build.alu(Ops.MOD, INDEX_DTYPE, row_group, self.index_const(blocks_x))
+    return self.build.alu(Ops.CMPNE, dtypes.bool, self.build.alu(Ops.CMPNE, dtypes.bool, block, row_block),
+                          self.build.const(True, dtypes.bool))
+
+  def _block_slot(self, plan: AccumulatePlan, row: UOp) -> UOp:
+    """The place of one of the block's rows among its `block_rows` (its row group's thread in the block + slot *
+    row_threads), the index of its count."""
     build = self.build
-    local_group = self.add(build.alu(Ops.MOD, INDEX_DTYPE, row, self.index_const(plan.row_stride)),
-                           self.mul(block_first_group, self.index_const(-1)))
+    group = build.alu(Ops.MOD, INDEX_DTYPE, row, self.index_const(plan.row_stride))
+    local_group = build.alu(Ops.IDIV, INDEX_DTYPE, group, self.index_const(plan.blocks[0]))
     slot = build.alu(Ops.IDIV, INDEX_DTYPE, row, self.index_const(plan.row_stride))
     return self.add(local_group, self.mul(slot, self.index_const(plan.row_threads)))
 
-  def _count_rows(self, plan: AccumulatePlan, lane: UOp, block_first_group: UOp, row_group: UOp,
+  def _count_rows(self, plan: AccumulatePlan, lane: UOp, row_block: UOp, row_group: UOp,
                   feature_thread: UOp, local_row_group: UOp) -> UOp:
     """How often each of the block's rows is indexed, in local memory (an int32 per block row): each row group's
     first feature thread counts its own rows' members of the voted groups (one writer per count, no atomics). A
@@ -463,13 +473,13 @@ class _Lowering:
                                  self.index_const(0)))
     build.end_range(slot)
     build.end_if(counter)
-    group, any_vote, group_start, mask = self._open_voted_group(plan, lane, block_first_group)
+    group, any_vote, group_start, mask = self._open_voted_group(plan, lane, row_block)
     member = self.loop("counted", plan.warp)
     voted = build.add(UOps.IF, None, (self._bit_set(mask, member),))
     target = self.index_at(self.add(group_start, member))
     mine = self.both(self._is_mine(plan, target, row_group), self.less(feature_thread, self.index_const(1)))
     owner = build.add(UOps.IF, None, (mine,))
-    place = self._block_slot(plan, target, block_first_group)
+    place = self._block_slot(plan, target)
     repeats = build.add(UOps.LOAD, dtypes.int32, (counts, place))
     build.add(UOps.STORE, None, (counts, place, self.add(repeats, self.index_const(1))))
     build.end_if(owner)
@@ -480,7 +490,7 @@ class _Lowering:
     build.add(UOps.BARRIER, None)
     return counts
 
-  def _add_long_runs(self, plan: AccumulatePlan, counts: UOp, block_first_group: UOp, block_feature: UOp,
+  def _add_long_runs(self, plan: AccumulatePlan, counts: UOp, row_block: UOp, block_feature: UOp,
                      feature_thread: UOp, local_row_group: UOp) -> None:
     """The block's rows indexed more than `long_run` times, one after another, by all its threads: `chunks` teams
     of `chunk_team` threads; team c sums, in index order and in registers, the rows of its chunk of the index array
@@ -501,7 +511,7 @@ class _Lowering:
     identity = -0.0 if kernel.dtype.is_float else 0
     slot = self.loop("lslot", plan.block_rows)
     local_group = build.alu(Ops.MOD, INDEX_DTYPE, slot, self.index_const(plan.row_threads))
-    row = self.add(self.add(block_first_group, local_group),
+    row = self.add(self.add(row_block, self.mul(local_group, self.index_const(plan.blocks[0]))),
                    self.mul(build.alu(Ops.IDIV, INDEX_DTYPE, slot, self.index_const(plan.row_threads)),
                             self.index_const(plan.row_stride)))
     long = self.less(self.index_const(plan.long_run), build.add(UOps.LOAD, dtypes.int32, (counts, slot)))
