@@ -582,3 +582,30 @@ def test_work_on_a_broadcast_scalar_is_not_counted_per_element():
   assert stored_sizes(scaled(costly_row)) == [rows, rows * classes]
   [costly] = check_kernels(lambda: scaled(costly_row), 2)
   np.testing.assert_allclose(costly.numpy(), x_np * np.sqrt(np.exp(values_np) * 2 + scale_np)[:, None], rtol=1e-5)
+
+
+def test_cross_entropy_backward_stores_no_per_row_scale():
+  """Cross-entropy forward and backward over rows long enough that the per-row logsumexp is stored: the stored
+  results are the count of kept targets, the loss, the logsumexp and the gradient; the gradient's per-row scale
+  where(keep, 1 / count, 0) is computed inside the backward's kernel (it was an (R,) kernel of its own)."""
+  rows, classes = 512, 1000
+  x_np = rand(rows, classes)
+  target_np = np.random.default_rng(3).integers(0, classes, rows)
+  target_np[::7] = -100   # ignored samples: the mean divides by the others
+  target = Tensor(target_np.astype(np.int32))
+
+  def loss_and_gradient() -> tuple[Tensor, Tensor]:
+    x = Tensor(x_np, requires_grad=True)
+    loss = x.cross_entropy(target)
+    loss.backward()
+    assert x.grad is not None
+    return loss, x.grad
+
+  schedule = create_schedule([out.lazydata for out in loss_and_gradient()])
+  assert sorted(buffer.size for item in schedule for buffer in item.outputs) == [1, 1, rows, rows * classes]
+  loss, gradient = loss_and_gradient()
+  x_torch = torch.tensor(x_np, requires_grad=True)
+  expected = torch.nn.functional.cross_entropy(x_torch, torch.tensor(target_np))
+  expected.backward()
+  np.testing.assert_allclose(loss.numpy(), expected.item(), rtol=1e-5)
+  np.testing.assert_allclose(gradient.numpy(), x_torch.grad.numpy(), rtol=1e-4, atol=1e-7)
