@@ -23,7 +23,8 @@ in chunk order).
   (`_scan`). The threads are about `THREADS_PER_PROCESSOR` per multiprocessor of the device; the floating-point work
   is the M x R additions that must be done, not an N x M x R one-hot.
 - A long run on a GPU (a row indexed more than LONG_RUN times, with the vote and local memory): the block counts its
-  rows' repeats first (`_count_rows`), the scan leaves the long rows out, and the whole block adds them afterwards,
+  rows' repeats first (`_count_rows`, whose vote also lists the groups that hit the block: the scan walks that
+  list instead of voting again), the scan leaves the long rows out, and the whole block adds them afterwards,
   split over fixed chunks of the index array (`_add_long_runs`): out = start + P0 + P1 + ..., P_c the chunk's rows
   summed in index order. Deterministic, but np.add.at's order only for the rows that are not long.
 - On a CPU (loops), one thread writes `start`, then walks m = 0 .. M-1 and adds row m into row index[m] (a loop over
@@ -101,6 +102,11 @@ class AccumulatePlan:
   def block_rows(self) -> int: return self.row_threads * self.rows_per_thread
 
   @property
+  def groups(self) -> int:
+    """The warp-sized groups of the index array the vote reads."""
+    return math.ceil(self.count / self.warp) if self.warp else 0
+
+  @property
   def block_features(self) -> int: return self.feature_threads * self.features_per_thread
 
   @property
@@ -147,7 +153,8 @@ def _with_chunks(plan: AccumulatePlan, dtype: DType, renderer: Any) -> Accumulat
   vectors = plan.features_per_thread // plan.vector
   for k in range(min(plan.feature_threads, MAX_CHUNK_VECTORS // vectors), 0, -1):
     chunks = k * plan.row_threads
-    local_bytes = chunks * plan.block_features * dtype.itemsize + plan.block_rows * 4
+    # the partial rows, a count per block row, and the list of the voted groups (index and mask, and its length)
+    local_bytes = chunks * plan.block_features * dtype.itemsize + plan.block_rows * 4 + 8 * plan.groups + 4
     if plan.feature_threads % k == 0 and chunks >= 2 and local_bytes <= renderer.local_memory_bytes:
       return replace(plan, long_run=long_run, chunks=chunks, chunk_team=plan.feature_threads // k)
   return plan
@@ -341,10 +348,10 @@ class _Lowering:
       local_row_group = row_thread if plan.row_threads > 1 else self.index_const(0)
       lane = self.add(feature_thread, self.mul(local_row_group, self.index_const(plan.feature_threads)))
       lane = build.alu(Ops.MOD, INDEX_DTYPE, lane, self.index_const(plan.warp))
-      counts = None
+      counts, voted_groups = None, None
       if plan.chunks > 1:
-        counts = self._count_rows(plan, lane, row_block, row_group, feature_thread, local_row_group)
-      self._voting_scan(plan, lane, row_block, row_group, first_feature, counts)
+        counts, voted_groups = self._count_rows(plan, lane, row_block, row_group, feature_thread, local_row_group)
+      self._voting_scan(plan, lane, row_block, row_group, first_feature, counts, voted_groups)
       if counts is not None:
         block_feature = self.mul(feature_group, self.index_const(plan.vector))
         block_feature = self.add(block_feature, self.mul(feature_thread, self.index_const(-plan.vector)))
@@ -410,13 +417,15 @@ class _Lowering:
     return group, any_vote, group_start, mask
 
   def _voting_scan(self, plan: AccumulatePlan, lane: UOp, row_block: UOp, row_group: UOp,
-                   first_feature: UOp, counts: UOp | None) -> None:
+                   first_feature: UOp, counts: UOp | None, voted_groups: tuple[UOp, UOp] | None) -> None:
     """The scan, a warp's worth of indices at a time (`_open_voted_group`): most groups hit no row of the block (a
     block owns a small part of the table) and are skipped whole; for the others, the voted indices are read again
     in order and added where they fall in the thread's own rows, except the long runs (`counts`: the block's
-    repeats of each row; `_add_long_runs` adds those). The order of the additions is unchanged."""
+    repeats of each row; `_add_long_runs` adds those). The order of the additions is unchanged. With
+    `voted_groups` (the list `_count_rows` made) the groups come from it instead of a second vote."""
     build = self.build
-    group, any_vote, group_start, mask = self._open_voted_group(plan, lane, row_block)
+    if voted_groups is None: group, any_vote, group_start, mask = self._open_voted_group(plan, lane, row_block)
+    else: group, any_vote, group_start, mask = self._open_listed_group(plan, *voted_groups)
     # members whose row this thread already added in this group (a sum of distinct bits: ADD is the OR)
     done = build.add(UOps.DEFINE_ACC, dtypes.uint32, (), 0)
     member = self.loop("voted", plan.warp)
@@ -442,6 +451,16 @@ class _Lowering:
 
   # ---------------------------------------------------------------- GPU: long runs in chunks
 
+  def _open_listed_group(self, plan: AccumulatePlan, groups: UOp, masks: UOp) -> tuple[UOp, UOp, UOp, UOp]:
+    """As `_open_voted_group`, the groups read from the list `_count_rows` made: (the loop over its entries, the IF
+    of an entry within its length, the group's first position, its mask)."""
+    build = self.build
+    length = build.add(UOps.LOAD, dtypes.int32, (groups, self.index_const(plan.groups)))
+    entry = self.loop("listed", plan.groups)
+    listed = build.add(UOps.IF, None, (self.less(entry, length),))
+    group_start = self.mul(build.add(UOps.LOAD, dtypes.int32, (groups, entry)), self.index_const(plan.warp))
+    return entry, listed, group_start, build.add(UOps.LOAD, dtypes.uint32, (masks, entry))
+
   def _is_blocks(self, plan: AccumulatePlan, row_group: UOp, row_block: UOp) -> UOp:
     """Whether row group `row_group` is one of block `row_block`'s (row_group mod B == row_block)."""
     blocks_x = plan.blocks[0]
@@ -460,13 +479,21 @@ class _Lowering:
     return self.add(local_group, self.mul(slot, self.index_const(plan.row_threads)))
 
   def _count_rows(self, plan: AccumulatePlan, lane: UOp, row_block: UOp, row_group: UOp,
-                  feature_thread: UOp, local_row_group: UOp) -> UOp:
+                  feature_thread: UOp, local_row_group: UOp) -> tuple[UOp, tuple[UOp, UOp]]:
     """How often each of the block's rows is indexed, in local memory (an int32 per block row): each row group's
-    first feature thread counts its own rows' members of the voted groups (one writer per count, no atomics). A
-    BARRIER follows: every thread of the block reads the counts, and `_add_long_runs` reads the start rows other
-    threads wrote."""
+    first feature thread counts its own rows' members of the voted groups (one writer per count, no atomics). The
+    block's first thread lists the voted groups (their index and mask; the length after them): every warp votes the
+    same, and the scan then walks the list instead of voting again. A BARRIER follows: every thread of the block
+    reads the counts and the list, and `_add_long_runs` reads the start rows other threads wrote. Returns (the
+    counts, (the listed groups, their masks))."""
     build = self.build
     counts = build.add(UOps.DEFINE_LOCAL, dtypes.int32, (), ("row_counts", plan.block_rows))
+    listed = build.add(UOps.DEFINE_LOCAL, dtypes.int32, (), ("voted_groups", plan.groups + 1))
+    masks = build.add(UOps.DEFINE_LOCAL, dtypes.uint32, (), ("voted_masks", plan.groups))
+    first_thread = self.less(self.add(feature_thread, local_row_group), self.index_const(1))
+    lister = build.add(UOps.IF, None, (first_thread,))
+    build.add(UOps.STORE, None, (listed, self.index_const(plan.groups), self.index_const(0)))
+    build.end_if(lister)
     counter = build.add(UOps.IF, None, (self.less(feature_thread, self.index_const(1)),))
     slot = self.loop("cslot", plan.rows_per_thread)
     build.add(UOps.STORE, None, (counts, self.add(local_row_group, self.mul(slot, self.index_const(plan.row_threads))),
@@ -474,6 +501,12 @@ class _Lowering:
     build.end_range(slot)
     build.end_if(counter)
     group, any_vote, group_start, mask = self._open_voted_group(plan, lane, row_block)
+    lister = build.add(UOps.IF, None, (first_thread,))
+    length = build.add(UOps.LOAD, dtypes.int32, (listed, self.index_const(plan.groups)))
+    build.add(UOps.STORE, None, (listed, length, group))
+    build.add(UOps.STORE, None, (masks, length, mask))
+    build.add(UOps.STORE, None, (listed, self.index_const(plan.groups), self.add(length, self.index_const(1))))
+    build.end_if(lister)
     member = self.loop("counted", plan.warp)
     voted = build.add(UOps.IF, None, (self._bit_set(mask, member),))
     target = self.index_at(self.add(group_start, member))
@@ -488,7 +521,7 @@ class _Lowering:
     build.end_if(any_vote)
     build.end_range(group)
     build.add(UOps.BARRIER, None)
-    return counts
+    return counts, (listed, masks)
 
   def _add_long_runs(self, plan: AccumulatePlan, counts: UOp, row_block: UOp, block_feature: UOp,
                      feature_thread: UOp, local_row_group: UOp) -> None:
