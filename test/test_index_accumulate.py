@@ -342,7 +342,8 @@ def _cuda_like_plan(rows: int, width: int, count: int):
 
 @pytest.mark.skipif("PYTHON" not in DEVICES, reason="the PYTHON device runs the GPU lowering")
 @pytest.mark.parametrize("rows,width,count,long_run,threads_per_processor",
-                         [(301, 8, 400, 20, 512), (97, 256, 300, 5, 2), (64, 4, 256, 0, 512)])
+                         [(301, 8, 400, 20, 512), (97, 256, 300, 5, 2), (64, 4, 256, 0, 512),
+                          (9, 4096, 130, 10, 512)])   # the last: a row's features in two blocks
 def test_long_runs_added_in_chunks_match_the_plan_bitwise_run_to_run(rows, width, count, long_run,
                                                                       threads_per_processor, monkeypatch):
   # Zipf repeats with a low long-run threshold: the hot rows are added in chunks of the index array by the block's
