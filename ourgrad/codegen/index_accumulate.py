@@ -550,17 +550,24 @@ class _Lowering:
     long = self.less(self.index_const(plan.long_run), build.add(UOps.LOAD, dtypes.int32, (counts, slot)))
     adding = build.add(UOps.IF, None, (long,))
     sums = [[build.add(UOps.DEFINE_ACC, kernel.dtype, (), identity) for _ in range(plan.vector)] for _ in spans]
-    step = self.loop("chunk", plan.chunk_length)
-    position = self.add(self.mul(team, self.index_const(plan.chunk_length)), step)
-    inside = self.less(position, self.index_const(plan.count))
-    source = build.alu(Ops.WHERE, INDEX_DTYPE, inside, position, self.index_const(0))
-    same = build.alu(Ops.CMPNE, dtypes.bool, build.alu(Ops.CMPNE, dtypes.bool, self.index_at(source), row),
-                     build.const(True, dtypes.bool))
-    match = build.add(UOps.IF, None, (self.both(inside, same),))
-    for lanes, span in zip(sums, spans):
-      values = self.row_values(kernel.rows, source, kernel.count, self.add(block_feature, span), plan.vector)
-      for lane, value in zip(lanes, values): build.add(UOps.ACCUMULATE, kernel.dtype, (lane, value), Ops.ADD)
-    build.end_if(match)
+    # `unroll` indices read together (loads in flight), then their matches added in position order
+    unroll = max(width for width in (1, 2, 4, 8) if plan.chunk_length % width == 0)
+    step = self.loop("chunk", plan.chunk_length // unroll)
+    first = self.add(self.mul(team, self.index_const(plan.chunk_length)), self.mul(step, self.index_const(unroll)))
+    candidates = []
+    for offset in range(unroll):
+      position = self.add(first, self.index_const(offset))
+      inside = self.less(position, self.index_const(plan.count))
+      source = build.alu(Ops.WHERE, INDEX_DTYPE, inside, position, self.index_const(0))
+      same = build.alu(Ops.CMPNE, dtypes.bool, build.alu(Ops.CMPNE, dtypes.bool, self.index_at(source), row),
+                       build.const(True, dtypes.bool))
+      candidates.append((source, self.both(inside, same)))
+    for source, matches in candidates:
+      match = build.add(UOps.IF, None, (matches,))
+      for lanes, span in zip(sums, spans):
+        values = self.row_values(kernel.rows, source, kernel.count, self.add(block_feature, span), plan.vector)
+        for lane, value in zip(lanes, values): build.add(UOps.ACCUMULATE, kernel.dtype, (lane, value), Ops.ADD)
+      build.end_if(match)
     build.end_range(step)
     team_base = self.mul(team, self.index_const(plan.block_features))
     for lanes, span in zip(sums, spans):
