@@ -553,3 +553,59 @@ def test_costly_graph_read_many_times_is_computed_once():
   np.testing.assert_allclose(costly.numpy(), np.sqrt(np.exp(x_np) * 2 + 1) @ w_np, rtol=1e-5, atol=1e-4)
   [cheap] = check_kernels(lambda: (x + 1) @ w, 1)
   np.testing.assert_allclose(cheap.numpy(), (x_np + 1) @ w_np, rtol=1e-5, atol=1e-4)
+
+
+def test_work_on_a_broadcast_scalar_is_not_counted_per_element():
+  """Cross-entropy's per-row gradient scale where(keep, 1 / count, 0), read once per column of an (R, C) consumer:
+  its reciprocal is of one value (the count, a reduce) broadcast to every row, so only the compare and the where
+  are per row and the scale fuses into the consumer; the count is stored (1 value), not the R scales. The same per
+  row values through exp and sqrt are still stored (R values) rather than recomputed per element."""
+  rows, classes = 48, 64
+  x_np, values_np = rand(rows, classes), rand(rows, seed=1)
+  target_np = np.random.default_rng(2).integers(-1, classes, rows).astype(np.int32)
+  x, target, values = Tensor(x_np), Tensor(target_np), Tensor(values_np)
+  keep_np = target_np != -1
+  scale_np = np.where(keep_np, 1 / keep_np.sum(), 0).astype(np.float32)
+
+  def scaled(per_row: Callable[[Tensor], Tensor]) -> Tensor:
+    keep = target != -1
+    count = keep.sum().cast(dtypes.float32)
+    return x * per_row(keep.where(1 / count, 0)).reshape(rows, 1)
+
+  def stored_sizes(out: Tensor) -> list[int]:
+    return sorted(buffer.size for item in create_schedule([out.lazydata]) for buffer in item.outputs)
+
+  assert stored_sizes(scaled(lambda scale: scale)) == [1, rows * classes]
+  [cheap] = check_kernels(lambda: scaled(lambda scale: scale), 2)
+  np.testing.assert_allclose(cheap.numpy(), x_np * scale_np[:, None], rtol=1e-6)
+  costly_row = lambda scale: (values.exp() * 2 + scale).sqrt()  # noqa: E731
+  assert stored_sizes(scaled(costly_row)) == [rows, rows * classes]
+  [costly] = check_kernels(lambda: scaled(costly_row), 2)
+  np.testing.assert_allclose(costly.numpy(), x_np * np.sqrt(np.exp(values_np) * 2 + scale_np)[:, None], rtol=1e-5)
+
+
+def test_cross_entropy_backward_stores_no_per_row_scale():
+  """Cross-entropy forward and backward over rows long enough that the per-row logsumexp is stored: the stored
+  results are the count of kept targets, the loss, the logsumexp and the gradient; the gradient's per-row scale
+  where(keep, 1 / count, 0) is computed inside the backward's kernel (it was an (R,) kernel of its own)."""
+  rows, classes = 512, 1000
+  x_np = rand(rows, classes)
+  target_np = np.random.default_rng(3).integers(0, classes, rows)
+  target_np[::7] = -100   # ignored samples: the mean divides by the others
+  target = Tensor(target_np.astype(np.int32))
+
+  def loss_and_gradient() -> tuple[Tensor, Tensor]:
+    x = Tensor(x_np, requires_grad=True)
+    loss = x.cross_entropy(target)
+    loss.backward()
+    assert x.grad is not None
+    return loss, x.grad
+
+  schedule = create_schedule([out.lazydata for out in loss_and_gradient()])
+  assert sorted(buffer.size for item in schedule for buffer in item.outputs) == [1, 1, rows, rows * classes]
+  loss, gradient = loss_and_gradient()
+  x_torch = torch.tensor(x_np, requires_grad=True)
+  expected = torch.nn.functional.cross_entropy(x_torch, torch.tensor(target_np))
+  expected.backward()
+  np.testing.assert_allclose(loss.numpy(), expected.item(), rtol=1e-5)
+  np.testing.assert_allclose(gradient.numpy(), x_torch.grad.numpy(), rtol=1e-4, atol=1e-7)

@@ -6,14 +6,17 @@ PyTorch's `embedding_dense_backward` (what torch.nn.functional.embedding's backw
     python extra/bench/bench_scatter.py --device CLANG --tokens 512 --vocab 4096 --width 64   # a small CPU check
 
 Method: the table, the indices (uniform over the vocabulary; `--zipf S` draws text-like repeats, probability
-~ 1/rank^S, where one row gets many of the tokens: the owner thread of that row adds them one after another) and
+~ 1/rank^S, row r of rank r + 1, as a tokenizer numbers frequent tokens first: one row gets many of the tokens, and
+its owner thread adds them, a warp's group of indices at a time in registers) and
 the upstream gradient are realized first. ourgrad: the gradient `weight[index].backward(upstream)` builds (one
 kernel) is timed cold on CUDA (timing.cold_schedule_seconds: it moves more than twice the L2, so it runs on its own
 realized buffers, replayed in one CUDA graph); '1-launch' is one launch between two CUDA events (DEBUG=2's figure),
 median over --iters.
 PyTorch: `torch.ops.aten.embedding_dense_backward` timed back to back (--iters calls between two synchronizations;
 the host clock on the CPU). GB/s for both counts the table written once, the gradient rows and the indices read once.
-Before timing, ourgrad's gradient is checked against PyTorch's and against itself (bitwise, run to run).
+Before timing, ourgrad's gradient is checked against itself (bitwise, run to run) and against PyTorch's, up to the
+error bound of a float32 sum of each row's terms in another order (`summation_tolerance`: it grows with the row's
+repeats and its terms' magnitudes).
 """
 from __future__ import annotations
 
@@ -46,6 +49,27 @@ def torch_backward(upstream: "torch.Tensor", index: "torch.Tensor", vocab: int) 
   return torch.ops.aten.embedding_dense_backward(upstream, index, vocab, -1, False)
 
 
+def summation_tolerance(tokens: np.ndarray, upstream: np.ndarray, vocab: int) -> np.ndarray:
+  """Per element of the (vocab, width) gradient, how far two float32 sums of its n terms in different orders may
+  lie apart: each is within (n - 1) * u * sum|term| of the exact sum (recursive summation's bound, u = 2**-24), so
+  two of them within twice that. A row summed 843 times (Zipf 1.2) differs in its last bits from PyTorch's order."""
+  counts = np.bincount(tokens, minlength=vocab).astype(np.float64)[:, None]
+  magnitude = np.zeros((vocab, upstream.shape[1]), np.float64)
+  np.add.at(magnitude, tokens, np.abs(upstream.astype(np.float64)))
+  unit_roundoff = np.finfo(np.float32).eps / 2
+  return 2.0 * np.maximum(counts - 1, 0) * unit_roundoff * magnitude
+
+
+def check_against_reference(ours: np.ndarray, reference: np.ndarray, tokens: np.ndarray, upstream: np.ndarray,
+                            vocab: int) -> None:
+  """ours == reference up to the summation-order bound (summation_tolerance), never tighter than 1e-5."""
+  bound = np.maximum(summation_tolerance(tokens, upstream, vocab), 1e-5 + 1e-5 * np.abs(reference))
+  excess = np.abs(ours.astype(np.float64) - reference) - bound
+  worst = np.unravel_index(np.argmax(excess), excess.shape)
+  assert excess[worst] <= 0, (f"gradient differs from PyTorch's at {worst}: {ours[worst]} vs {reference[worst]}, "
+                              f"beyond the float32 summation bound {bound[worst]:.3g}")
+
+
 def torch_time(function, iters: int, cuda: bool) -> float:
   if not cuda: return torch_seconds(function, iters, False)
   return back_to_back_seconds(function, torch.cuda.synchronize, launches=max(iters, 2))
@@ -62,11 +86,14 @@ def main() -> None:
   parser.add_argument("--zipf", type=float, default=0.0,
                       help="draw tokens with probability ~ 1/rank^S (text-like repeats; the run prints how often the "
                            "most common token occurs) instead of uniformly")
+  parser.add_argument("--shuffle-ranks", action="store_true",
+                      help="with --zipf: the rows of each rank at random ids instead of rank order")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   if args.zipf > 0:
     weights = 1.0 / np.arange(1, args.vocab + 1) ** args.zipf
     tokens_np = rng.choice(args.vocab, args.tokens, p=weights / weights.sum()).astype(np.int32)
+    if args.shuffle_ranks: tokens_np = rng.permutation(args.vocab).astype(np.int32)[tokens_np]
   else:
     tokens_np = rng.integers(0, args.vocab, args.tokens).astype(np.int32)
   upstream_np = rng.standard_normal((args.tokens, args.width), dtype=np.float32)
@@ -99,7 +126,7 @@ def main() -> None:
     upstream_t = torch.from_numpy(upstream_np).to(torch_device)
     index_t = torch.from_numpy(tokens_np.astype(np.int64)).to(torch_device)
     reference = torch_backward(upstream_t, index_t, args.vocab).cpu().numpy()
-    np.testing.assert_allclose(first, reference, rtol=1e-5, atol=1e-5)
+    check_against_reference(first, reference, tokens_np, upstream_np, args.vocab)
     torch_s = torch_time(lambda: torch_backward(upstream_t, index_t, args.vocab), args.iters, cuda)
   for label, seconds, kernel_text in (("ourgrad (cold, graph)" if cuda else "ourgrad", ours, names),
                                       ("ourgrad (1-launch events)", one_launch, f"{count} kernel(s)")):

@@ -406,14 +406,17 @@ def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: Realizations, limit: 
 
 # An elementwise graph read through a view that visits each element several times (a broadcast into a matmul, the
 # windows of a convolution's weight gradient) would be recomputed at every visit if fused. Up to this cost per
-# element (transcendental ops weigh 4, others 1) recomputing is cheaper than a round trip through memory.
+# element (transcendental ops weigh 4, others 1) recomputing is cheaper than a round trip through memory. Only the
+# ops computed per element of the graph count: an op it reads through a broadcast (the reciprocal of a scalar count,
+# a per-row statistic) has one value per many elements.
 RECOMPUTE_COST_LIMIT = 4
 TRANSCENDENTAL_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP})
 
 
 def _recomputation_is_costly(src: LazyBuffer, realizes: Realizations) -> bool:
   """Whether the view `src` reads its (unrealized, elementwise) base's elements at least twice each on average,
-  and the base's fused graph costs too much to compute again at every read."""
+  and the base's fused graph costs too much to compute again at every read: the ops computed per element of `base`,
+  those reached without crossing a broadcast (RECOMPUTE_COST_LIMIT)."""
   base = src.base
   if base.realized is not None or base.op not in ELEMENTWISE_OPS or src.st.size < 2 * base.size: return False
   if _is_per_row_value(base): return False
@@ -425,8 +428,13 @@ def _recomputation_is_costly(src: LazyBuffer, realizes: Realizations) -> bool:
     if id(node) in seen or stored or node.op not in ELEMENTWISE_OPS: continue
     seen.add(id(node))
     cost += 4 if node.op in TRANSCENDENTAL_OPS else 1
-    stack.extend(src.base for src in node.srcs)
+    stack.extend(read.base for read in node.srcs if not _broadcasts(read))
   return cost >= RECOMPUTE_COST_LIMIT
+
+
+def _broadcasts(view: LazyBuffer) -> bool:
+  """Whether `view` reads each element of its base at least twice on average (an expand of a scalar or a row)."""
+  return view.st.size >= 2 * view.base.size
 
 
 def _narrower_source(base: LazyBuffer) -> LazyBuffer:
