@@ -267,3 +267,41 @@ def test_convolution_windows_are_not_staged(hopper, monkeypatch) -> None:
   with_rule = conv_step_items()
   monkeypatch.setattr(scheduler, "stage_matmul_operands", lambda bases, realizes: bases)
   assert with_rule == conv_step_items()
+
+
+@pytest.mark.parametrize("layernorm", [False, True], ids=["plain", "layernorm_input"])
+def test_autocast_linear_all_take_wgmma_without_tf32(hopper, layernorm: bool) -> None:
+  """Under bf16 autocast (float32 kept at full precision: no TF32) a Linear's three matmuls (bias and GELU after
+  the forward, the input and weight gradients) all take the 16-bit WGMMA plan: the operands' bf16 values are staged
+  where they are expressions (the weight's cast) and read in either layout; values as torch's in float64 within
+  bfloat16's error."""
+  from ourgrad import autocast, dtypes
+  ourgrad.set_float32_matmul_precision("highest")
+  x_np, w_np, b_np, r_np = (_random(TOKENS, WIDTH, seed=21), _random(HIDDEN, WIDTH, seed=22) * 0.1,
+                            _random(HIDDEN, seed=23), _random(TOKENS, HIDDEN, seed=24))
+  x, w, b = (Tensor(v, device=DEVICE, requires_grad=True) for v in (x_np, w_np, b_np))
+  with autocast(dtypes.bfloat16):
+    y = (x.layernorm() if layernorm else x).linear(w, b).gelu(approximate="tanh")
+  (y.float() * Tensor(r_np, device=DEVICE)).sum().backward()
+  ours = (y, x.grad, w.grad, b.grad)
+  schedule = create_schedule([tensor.lazydata for tensor in ours])
+  assert sorted(kinds == [OptOps.WGMMA] for kinds in _matmul_opts(schedule)) == [True] * 3, _matmul_opts(schedule)
+  run_schedule(schedule)
+  tx, tw, tb = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (x_np, w_np, b_np))
+  tx_in = torch.nn.functional.layer_norm(tx, (WIDTH,), eps=1e-5) if layernorm else tx
+  ty = torch.nn.functional.gelu(tx_in @ tw.T + tb, approximate="tanh")
+  (ty * torch.tensor(r_np, dtype=torch.float64)).sum().backward()
+  for got, want in zip(ours, (ty, tx.grad, tw.grad, tb.grad)):
+    assert _relative_error(got.float().numpy(), want) < 3e-2
+
+
+def test_gpt2_autocast_step_linears_take_wgmma(hopper, monkeypatch) -> None:
+  """The plans of a 1-layer GPT-2 training step under bf16 autocast (extra/bench/gpt2_matmul_plans.py --autocast):
+  the three matmuls of each of the four Linears and the tied embedding's logits and input gradient (14) all take
+  WGMMA without TF32; only the per-head attention products (a 64-wide side) keep mma.sync."""
+  from extra.bench.gpt2_matmul_plans import step_outputs
+  monkeypatch.setenv("DEVICE", DEVICE)
+  ourgrad.set_float32_matmul_precision("highest")
+  outs = step_outputs(1, 128, 128, 2, 1, 256, low_dtype="bfloat16")
+  opts = _matmul_opts(create_schedule([tensor.lazydata for tensor in outs]))
+  assert sum(kinds == [OptOps.WGMMA] for kinds in opts) >= 4 * 3 + 2, opts
