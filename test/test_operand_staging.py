@@ -189,11 +189,14 @@ def test_attention_sized_products_are_left_alone(hopper) -> None:
   assert bases == [0]
 
 
-def test_gpt2_step_gradients_on_emulated_hopper(hopper, monkeypatch) -> None:
+@pytest.mark.parametrize("low_dtype", [None, "bfloat16"], ids=["tf32", "autocast_bf16"])
+def test_gpt2_step_gradients_on_emulated_hopper(hopper, monkeypatch, low_dtype: str | None) -> None:
   """A 1-layer GPT-2 (width 128, 128 tokens: every Linear matmul a multiple of the tile) forward and backward with
-  staged operands: every Linear's three matmuls and the tied embedding's take WGMMA, and the loss and every gradient
-  match PyTorch's in float64 within TF32's error."""
+  staged operands, in float32 with TF32 or under bf16 autocast: every Linear's three matmuls and the tied
+  embedding's take WGMMA, and the loss and every gradient match PyTorch's in float64 within TF32's (bf16's) error."""
+  from ourgrad import autocast
   from extra.models.gpt2 import GPT2, GPT2Config, load_torch_weights, make_torch_gpt2
+  if low_dtype is not None: ourgrad.set_float32_matmul_precision("highest")
   monkeypatch.setenv("DEVICE", DEVICE)   # the model's parameters are made on the default device
   config = GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=256, block_size=128)
   torch_model = make_torch_gpt2(config)
@@ -202,7 +205,8 @@ def test_gpt2_step_gradients_on_emulated_hopper(hopper, monkeypatch) -> None:
   torch_model = torch_model.double()
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (1, 129)).astype(np.int32)
   with Tensor.train():
-    loss = model(Tensor(tokens[:, :-1].copy(), device=DEVICE), Tensor(tokens[:, 1:].copy(), device=DEVICE))[1]
+    with autocast(low_dtype or "bfloat16", enabled=low_dtype is not None):
+      loss = model(Tensor(tokens[:, :-1].copy(), device=DEVICE), Tensor(tokens[:, 1:].copy(), device=DEVICE))[1]
     loss.backward()
   params = dict(model.named_parameters())
   schedule = create_schedule([loss.lazydata] + [param.grad.lazydata for param in params.values()])
@@ -212,9 +216,10 @@ def test_gpt2_step_gradients_on_emulated_hopper(hopper, monkeypatch) -> None:
   torch_tokens = torch.tensor(tokens, dtype=torch.long)
   torch_loss = torch_model(torch_tokens[:, :-1], torch_tokens[:, 1:])[1]
   torch_loss.backward()
-  assert abs(loss.item() - torch_loss.item()) < 1e-3 * abs(torch_loss.item())
+  loss_tolerance, gradient_tolerance = (1e-3, 5e-3) if low_dtype is None else (1e-2, 5e-2)
+  assert abs(loss.item() - torch_loss.item()) < loss_tolerance * abs(torch_loss.item())
   for name, param in dict(torch_model.named_parameters()).items():
-    assert _relative_error(params[name].grad.numpy(), param.grad) < 5e-3, name
+    assert _relative_error(params[name].grad.numpy(), param.grad) < gradient_tolerance, name
 
 
 def test_staged_weight_is_read_before_the_optimizer_writes_it(hopper) -> None:
@@ -286,6 +291,11 @@ def test_autocast_linear_all_take_wgmma_without_tf32(hopper, layernorm: bool) ->
   ours = (y, x.grad, w.grad, b.grad)
   schedule = create_schedule([tensor.lazydata for tensor in ours])
   assert sorted(kinds == [OptOps.WGMMA] for kinds in _matmul_opts(schedule)) == [True] * 3, _matmul_opts(schedule)
+  # the forward's and the input gradient's results are narrowed to bf16 by their readers: stored in bf16 (half the
+  # bytes of their float32 sums); the weight gradient (a float32 parameter's, read transposed) in float32
+  stored = sorted(item.outputs[0].dtype.name for item in schedule if item.ast.op is Ops.STORE and
+                  len(Kernel(item.ast, Device[DEVICE].renderer).full_shape) >= 3)
+  assert stored == ["bfloat16", "bfloat16", "float32"], stored
   run_schedule(schedule)
   tx, tw, tb = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (x_np, w_np, b_np))
   tx_in = torch.nn.functional.layer_norm(tx, (WIDTH,), eps=1e-5) if layernorm else tx

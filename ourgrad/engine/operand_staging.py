@@ -35,7 +35,8 @@ The decisions are printed at DEBUG=3 with the realize reasons (and the refusals 
 needed): the plan loads the 16-bit values, K-major or MN-major (the instruction transposes 16-bit operands), so only
 an operand that is an expression (a float32 weight's cast) or a view the plan does not read (masked, offset, several
 views) is staged, in its 16-bit dtype (K-major), and the product widens the staged values as it did; the result is
-stored where its epilogue (a bias) would fuse, by the same cost rule.
+stored where its epilogue (a bias) would fuse, by the same cost rule, in the 16-bit dtype where the SUM's only reader
+narrows it to that (autocast's output: half the bytes of the float32 sum).
 """
 from __future__ import annotations
 
@@ -90,21 +91,24 @@ def stage_matmul_operands(bases: list[LazyBuffer], realizes: Realizations) -> li
   reduce_devices = {base.device for base in bases if base.op is Ops.SUM}
   wgmma_devices = {device for device in reduce_devices if getattr(Device[device].renderer, "has_wgmma", False)}
   if not wgmma_devices: return bases
-  users = _user_counts(bases)
+  readers = _readers(bases)
+  users = {base_id: len(bases_reading) for base_id, bases_reading in readers.items()}
   staged: dict[tuple[int, ShapeTracker], LazyBuffer] = {}   # (operand base, its staged view) -> the staged base
   inserted: dict[int, list[LazyBuffer]] = {}   # id(product) -> the staged bases to place before it
   for base in bases:
     if base.op is not Ops.SUM or base.device not in wgmma_devices: continue
     loop = _matmul_loop(base, users, realizes)
     if loop is None: continue
-    refusal = _wgmma_refusal(loop, stored=id(base) in realizes) or _duplicating_operand(loop, realizes)
+    result = _result_base(loop, readers)
+    refusal = _wgmma_refusal(loop, stored=id(result) in realizes) or _duplicating_operand(loop, realizes)
     if refusal is not None:
       if DEBUG >= 3: print(f"operand staging: {loop.describe()} {base.shape} not staged: {refusal}")
       continue
-    if id(base) not in realizes:
-      realizes[id(base)] = (f"the result of a {loop.describe()} stored as it is (WGMMA fuses no epilogue): 2 x "
-                            f"{fmt_size(base.size * base.dtype.itemsize)} amortized over K={loop.size(loop.k)} "
-                            f">= {WGMMA_TILE} products per output")
+    if id(result) not in realizes:
+      cast = f" (cast to {result.dtype.name})" if result is not base else ""
+      realizes[id(result)] = (f"the result of a {loop.describe()} stored as it is{cast} (WGMMA fuses no epilogue): "
+                              f"2 x {fmt_size(result.size * result.dtype.itemsize)} amortized over "
+                              f"K={loop.size(loop.k)} >= {WGMMA_TILE} products per output")
     for side in (0, 1): _stage_operand(loop, side, realizes, staged, inserted)
   if not inserted: return bases
   ordered: list[LazyBuffer] = []
@@ -114,12 +118,26 @@ def stage_matmul_operands(bases: list[LazyBuffer], realizes: Realizations) -> li
   return ordered
 
 
-def _user_counts(bases: list[LazyBuffer]) -> dict[int, int]:
-  """id(base) -> the number of distinct bases reading it."""
-  readers: dict[int, set[int]] = {}
+def _readers(bases: list[LazyBuffer]) -> dict[int, list[LazyBuffer]]:
+  """id(base) -> the distinct bases reading it."""
+  readers: dict[int, dict[int, LazyBuffer]] = {}
   for base in bases:
-    for src in base.srcs: readers.setdefault(id(src.base), set()).add(id(base))
-  return {base_id: len(ids) for base_id, ids in readers.items()}
+    for src in base.srcs: readers.setdefault(id(src.base), {})[id(base)] = base
+  return {base_id: list(by_id.values()) for base_id, by_id in readers.items()}
+
+
+def _result_base(loop: MatmulLoop, readers: dict[int, list[LazyBuffer]]) -> LazyBuffer:
+  """The base whose store the WGMMA kernel makes: the SUM, or where its only reader narrows it to the 16-bit dtype
+  of the operands (autocast's matmul result, through a reshape), that cast: storing it halves the result's bytes."""
+  reduce = loop.reduce
+  bases_reading = readers.get(id(reduce), [])
+  if len(bases_reading) != 1: return reduce
+  reader = bases_reading[0]
+  operands = _plan_operands(loop)
+  if reader.op is not Ops.CAST or operands is None or reader.dtype != operands[0].dtype or \
+      reader.dtype not in LOW_DTYPES or len(reader.srcs) != 1: return reduce
+  src = reader.srcs[0]
+  return reader if src.base is reduce and src.st.contiguous else reduce
 
 
 def _matmul_loop(reduce: LazyBuffer, users: dict[int, int], realizes: Realizations) -> MatmulLoop | None:
