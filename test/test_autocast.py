@@ -531,3 +531,33 @@ def test_gpt2_step_under_autocast_moves_far_fewer_bytes_than_float32():
   assert set(_square_buffers(schedule, batch * heads * length * length)) == {dtypes.bfloat16}
   assert set(_square_buffers(schedule, batch * length * vocab)) == {dtypes.bfloat16}
   assert moved[dtypes.bfloat16] <= 0.7 * moved[None], moved
+
+
+def test_weight_gradient_under_autocast_is_computed_once_for_adamw():
+  """The weight gradient of an autocast Linear is a SUM cast to bf16 and back to float32 (its float32 .grad), which
+  AdamW's moment and update kernels all read: the SUM runs in one kernel, not once per reader (it did in two). The
+  updated weight equals torch's AdamW step on torch's autocast gradient."""
+  from ourgrad.engine.realize import run_schedule
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.nn.optim import AdamW
+  from ourgrad.ops import Ops
+  x_np, w_np = rng.standard_normal((64, 128)).astype(np.float32), rng.standard_normal((256, 128)).astype(np.float32)
+  lin = nn.Linear(128, 256, bias=False)
+  lin.weight = Tensor(w_np, requires_grad=True)
+  optimizer = AdamW([lin.weight], lr=0.01)
+  with Tensor.train():
+    optimizer.zero_grad()
+    with ourgrad.autocast(dtypes.bfloat16): y = lin(Tensor(x_np))
+    y.float().square().mean().backward()
+    updates = optimizer.schedule_step()
+    schedule = create_schedule([tensor.lazydata for tensor in updates])
+    products = [item for item in schedule if item.ast.op is not Ops.COPY and any(
+      node.op is Ops.SUM and any(inner.op is Ops.MUL for inner in node.walk()) for node in item.ast.walk())]
+    assert len(products) == 2, len(products)   # the forward and the weight gradient
+    run_schedule(schedule)
+  tw = torch.tensor(w_np, requires_grad=True)
+  torch_optimizer = torch.optim.AdamW([tw], lr=0.01)
+  with torch.autocast("cpu", dtype=torch.bfloat16): ty = TF.linear(torch.tensor(x_np), tw)
+  ty.float().square().mean().backward()
+  torch_optimizer.step()
+  np.testing.assert_allclose(lin.weight.numpy(), tw.detach().numpy(), atol=2e-3, rtol=0)

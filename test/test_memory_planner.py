@@ -44,6 +44,49 @@ def test_small_early_buffers_do_not_strand_large_backing_buffers():
   for index in range(len(chain) - 2): assert assigned[chain[index]] is not assigned[chain[index + 1]]
 
 
+def _greedy_by_size_reference(lifetimes: list[tuple[int, int, int]]) -> list[int]:
+  """The plan by its definition, scanned: buffers (nbytes, first item, last item) largest first (ties in run order),
+  each into the first backing buffer none of whose buffers is alive at any item of its lifetime, else a new one.
+  Returns each buffer's backing buffer number."""
+  backings: list[list[tuple[int, int]]] = []
+  placed = [0] * len(lifetimes)
+  for index in sorted(range(len(lifetimes)), key=lambda index: (-lifetimes[index][0], lifetimes[index][1])):
+    _, start, end = lifetimes[index]
+    free = [number for number, spans in enumerate(backings)
+            if all(end < first or last < start for first, last in spans)]
+    if not free: backings.append([])
+    placed[index] = free[0] if free else len(backings) - 1
+    backings[placed[index]].append((start, end))
+  return placed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_matches_the_scanned_greedy_rule(seed):
+  """Random lifetimes over 300 items (300 buffers, sizes with ties): every buffer lands in the backing buffer the
+  scanned definition of greedy-by-size picks, and buffers sharing one never live at the same item."""
+  rng = np.random.default_rng(seed)
+  items_count, count = 300, 300
+  sizes = rng.choice([64, 256, 1024, 4096], count)
+  starts = rng.integers(0, items_count, count)
+  ends = np.minimum(starts + rng.geometric(0.05, count) - 1, items_count - 1)
+  buffers = [Buffer("CLANG", int(size), dtypes.uint8) for size in sizes]
+  items: list[list[Buffer]] = [[] for _ in range(items_count)]
+  for buffer, start, end in zip(buffers, starts, ends):
+    items[start].append(buffer)
+    if end != start: items[end].append(buffer)
+  assigned = plan_memory(items, lambda buffer: True)
+  backing_numbers: dict[int, int] = {}
+  got = [backing_numbers.setdefault(id(assigned[buffer]), len(backing_numbers)) for buffer in buffers]
+  lifetimes = [(int(size), int(start), int(end)) for size, start, end in zip(sizes, starts, ends)]
+  reference = _greedy_by_size_reference(lifetimes)
+  # backing buffers are numbered in order of first use by the buffer list here, the reference's in creation order
+  renumber: dict[int, int] = {}
+  assert [renumber.setdefault(number, len(renumber)) for number in reference] == got
+  for first in range(count):
+    for second in range(first + 1, count):
+      if got[first] == got[second]: assert ends[first] < starts[second] or ends[second] < starts[first]
+
+
 def test_debug_reports_planned_and_naive_bytes(monkeypatch, capsys):
   monkeypatch.setenv("DEBUG", "1")
   x = Tensor.randn(256).realize()

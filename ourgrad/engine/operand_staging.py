@@ -31,8 +31,12 @@ already) gets dO and V staged per head (each element then feeds 512 outputs).
 Devices without WGMMA (CPUs, pre-Hopper GPUs) and float32 without TF32 never stage: their schedule is unchanged.
 The decisions are printed at DEBUG=3 with the realize reasons (and the refusals of matmul-shaped reduces).
 
-The float16/bfloat16 paths read any layout already (the instruction transposes 16-bit operands); their matmuls
-multiply casts of the operands, which this rule leaves alone.
+16-bit matmuls (autocast: a float32 SUM of the product of widening casts of float16/bfloat16 values, no TF32
+needed): the plan loads the 16-bit values, K-major or MN-major (the instruction transposes 16-bit operands), so only
+an operand that is an expression (a float32 weight's cast) or a view the plan does not read (masked, offset, several
+views) is staged, in its 16-bit dtype (K-major), and the product widens the staged values as it did; the result is
+stored where its epilogue (a bias) would fuse, by the same cost rule, in the 16-bit dtype where the SUM's only reader
+narrows it to that (autocast's output: half the bytes of the float32 sum).
 """
 from __future__ import annotations
 
@@ -50,6 +54,9 @@ from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.view import strides_for_shape
 
 Realizations = dict   # base id -> why it gets its own buffer (as in engine/kernel_walk.py)
+
+# operand dtypes the WGMMA instruction reads in either layout (it transposes them; TF32 it cannot)
+LOW_DTYPES = (dtypes.float16, dtypes.bfloat16)
 
 # the smallest WGMMA block tile along M and N (codegen/opt/heuristic.py WGMMA_TILES: 128 x 128 or 128 x 256):
 # the plan needs M and N to be multiples of it, and it is the reuse at which a staging copy is amortized
@@ -84,21 +91,24 @@ def stage_matmul_operands(bases: list[LazyBuffer], realizes: Realizations) -> li
   reduce_devices = {base.device for base in bases if base.op is Ops.SUM}
   wgmma_devices = {device for device in reduce_devices if getattr(Device[device].renderer, "has_wgmma", False)}
   if not wgmma_devices: return bases
-  users = _user_counts(bases)
+  readers = _readers(bases)
+  users = {base_id: len(bases_reading) for base_id, bases_reading in readers.items()}
   staged: dict[tuple[int, ShapeTracker], LazyBuffer] = {}   # (operand base, its staged view) -> the staged base
   inserted: dict[int, list[LazyBuffer]] = {}   # id(product) -> the staged bases to place before it
   for base in bases:
     if base.op is not Ops.SUM or base.device not in wgmma_devices: continue
     loop = _matmul_loop(base, users, realizes)
     if loop is None: continue
-    refusal = _wgmma_refusal(loop, stored=id(base) in realizes) or _duplicating_operand(loop, realizes)
+    result = _result_base(loop, readers)
+    refusal = _wgmma_refusal(loop, stored=id(result) in realizes) or _duplicating_operand(loop, realizes)
     if refusal is not None:
       if DEBUG >= 3: print(f"operand staging: {loop.describe()} {base.shape} not staged: {refusal}")
       continue
-    if id(base) not in realizes:
-      realizes[id(base)] = (f"the result of a {loop.describe()} stored as it is (WGMMA fuses no epilogue): 2 x "
-                            f"{fmt_size(base.size * base.dtype.itemsize)} amortized over K={loop.size(loop.k)} "
-                            f">= {WGMMA_TILE} products per output")
+    if id(result) not in realizes:
+      cast = f" (cast to {result.dtype.name})" if result is not base else ""
+      realizes[id(result)] = (f"the result of a {loop.describe()} stored as it is{cast} (WGMMA fuses no epilogue): "
+                              f"2 x {fmt_size(result.size * result.dtype.itemsize)} amortized over "
+                              f"K={loop.size(loop.k)} >= {WGMMA_TILE} products per output")
     for side in (0, 1): _stage_operand(loop, side, realizes, staged, inserted)
   if not inserted: return bases
   ordered: list[LazyBuffer] = []
@@ -108,12 +118,26 @@ def stage_matmul_operands(bases: list[LazyBuffer], realizes: Realizations) -> li
   return ordered
 
 
-def _user_counts(bases: list[LazyBuffer]) -> dict[int, int]:
-  """id(base) -> the number of distinct bases reading it."""
-  readers: dict[int, set[int]] = {}
+def _readers(bases: list[LazyBuffer]) -> dict[int, list[LazyBuffer]]:
+  """id(base) -> the distinct bases reading it."""
+  readers: dict[int, dict[int, LazyBuffer]] = {}
   for base in bases:
-    for src in base.srcs: readers.setdefault(id(src.base), set()).add(id(base))
-  return {base_id: len(ids) for base_id, ids in readers.items()}
+    for src in base.srcs: readers.setdefault(id(src.base), {})[id(base)] = base
+  return {base_id: list(by_id.values()) for base_id, by_id in readers.items()}
+
+
+def _result_base(loop: MatmulLoop, readers: dict[int, list[LazyBuffer]]) -> LazyBuffer:
+  """The base whose store the WGMMA kernel makes: the SUM, or where its only reader narrows it to the 16-bit dtype
+  of the operands (autocast's matmul result, through a reshape), that cast: storing it halves the result's bytes."""
+  reduce = loop.reduce
+  bases_reading = readers.get(id(reduce), [])
+  if len(bases_reading) != 1: return reduce
+  reader = bases_reading[0]
+  operands = _plan_operands(loop)
+  if reader.op is not Ops.CAST or operands is None or reader.dtype != operands[0].dtype or \
+      reader.dtype not in LOW_DTYPES or len(reader.srcs) != 1: return reduce
+  src = reader.srcs[0]
+  return reader if src.base is reduce and src.st.contiguous else reduce
 
 
 def _matmul_loop(reduce: LazyBuffer, users: dict[int, int], realizes: Realizations) -> MatmulLoop | None:
@@ -148,14 +172,35 @@ def _matmul_loop(reduce: LazyBuffer, users: dict[int, int], realizes: Realizatio
                     (tuple(axes[str(first)]), tuple(axes[str(1 - first)])), tuple(axes["k"]))
 
 
+def _low_operand(operand: LazyBuffer) -> LazyBuffer | None:
+  """The float16/bfloat16 values a float32 operand widens (a view of a CAST of 16-bit data: autocast's matmuls),
+  seen through the operand's view (in the loop shape), or None where the operand is no such cast."""
+  base = operand.base
+  if base.op is not Ops.CAST or base.dtype != dtypes.float32: return None
+  inner = base.srcs[0]
+  if inner.dtype not in LOW_DTYPES: return None
+  return inner.view(inner.st + operand.st)
+
+
+def _plan_operands(loop: MatmulLoop) -> tuple[LazyBuffer, LazyBuffer] | None:
+  """The operands the WGMMA plan would load: the 16-bit values both operands widen (one dtype), or the float32
+  operands themselves where TF32 is allowed; None where neither."""
+  if loop.reduce.dtype != dtypes.float32: return None
+  low = tuple(_low_operand(operand) for operand in loop.operands)
+  if low[0] is not None and low[1] is not None and low[0].dtype == low[1].dtype: return low[0], low[1]
+  if all(operand.dtype == dtypes.float32 for operand in loop.operands) and tf32_allowed(): return loop.operands
+  return None
+
+
 def _wgmma_refusal(loop: MatmulLoop, stored: bool) -> str | None:
   """Why the WGMMA plan could not run this matmul even with staged operands (and its result `stored` as it is, or
   stored by this rule), or None where it can."""
-  if loop.reduce.dtype != dtypes.float32 or any(operand.dtype != dtypes.float32 for operand in loop.operands):
-    return "not a float32 product of float32 operands (16-bit operands are cast: WGMMA reads them in any layout)"
-  if not tf32_allowed(): return "float32 without TF32 (set_float32_matmul_precision('high'))"
+  operands = _plan_operands(loop)
+  if operands is None:
+    return ("not a float32 product of float16/bfloat16 casts (one dtype), nor of float32 operands where TF32 is "
+            "allowed (set_float32_matmul_precision('high'))")
   m, n, k = loop.size(loop.own[0]), loop.size(loop.own[1]), loop.size(loop.k)
-  block_k = ROW_BYTES // dtypes.float32.itemsize
+  block_k = ROW_BYTES // operands[0].dtype.itemsize
   if m % WGMMA_TILE or n % WGMMA_TILE or k % block_k:
     return f"M={m}, N={n} not multiples of the {WGMMA_TILE} tile or K={k} of {block_k}"
   if loop.size(loop.batch) * m * n * k < WGMMA_MIN_WORK: return f"under WGMMA_MIN_WORK ({WGMMA_MIN_WORK}) products"
@@ -170,48 +215,69 @@ MAX_STAGED_GROWTH = 2
 
 def _duplicating_operand(loop: MatmulLoop, realizes: Realizations) -> str | None:
   """Why staging would copy an operand's data several times over (a convolution's windows), or None."""
-  for side, operand in enumerate(loop.operands):
+  operands = _plan_operands(loop)
+  assert operands is not None, "checked by _wgmma_refusal"
+  for side, operand in enumerate(operands):
     staged_size = loop.size(loop.layout(side))
-    if not _reads_as_k_major(operand, loop.layout(side), realizes) and \
+    if not _reads_as_plan_layout(operand, _plan_layouts(loop, side, operand), realizes) and \
         staged_size > MAX_STAGED_GROWTH * operand.base.size:
       return (f"operand {'AB'[side]} would be {staged_size // operand.base.size}x the {operand.base.shape} it reads "
               f"(a window view, as a convolution's: its own plans read it in place)")
   return None
 
 
-def _reads_as_k_major(operand: LazyBuffer, layout: tuple[int, ...], realizes: Realizations) -> bool:
-  """Whether `operand` is already a plain load of a stored buffer laid out as `layout` (K-major, dense)."""
+def _plan_layouts(loop: MatmulLoop, side: int, operand: LazyBuffer) -> tuple[tuple[int, ...], ...]:
+  """The loop axes of operand `side` in each order the WGMMA plan reads it: K-major first; 16-bit operands also
+  MN-major (the instruction transposes them: W of x @ W, g^T of a weight gradient)."""
+  k_major = loop.layout(side)
+  if operand.dtype not in LOW_DTYPES: return (k_major,)
+  return (k_major, loop.batch + loop.k + loop.own[side])
+
+
+def _reads_as_plan_layout(operand: LazyBuffer, layouts: tuple[tuple[int, ...], ...], realizes: Realizations) -> bool:
+  """Whether `operand` is already a plain load of a stored buffer laid out densely as one of `layouts`."""
   base = operand.base
   if base.realized is None and id(base) not in realizes: return False   # an expression: computed inside the matmul
   st = operand.st.simplify()
   if len(st.views) != 1 or st.views[0].mask is not None or st.views[0].offset != 0: return False
   shape, strides = st.shape, st.views[0].strides
-  wanted = dict(zip(layout, strides_for_shape(tuple(shape[axis] for axis in layout))))
-  return all(shape[axis] == 1 or strides[axis] == wanted.get(axis, 0) for axis in range(len(shape)))
+  for layout in layouts:
+    wanted = dict(zip(layout, strides_for_shape(tuple(shape[axis] for axis in layout))))
+    if all(shape[axis] == 1 or strides[axis] == wanted.get(axis, 0) for axis in range(len(shape))): return True
+  return False
 
 
 def _stage_operand(loop: MatmulLoop, side: int, realizes: Realizations,
                    staged: dict[tuple[int, ShapeTracker], LazyBuffer], inserted: dict[int, list[LazyBuffer]]) -> None:
-  """Give operand `side` of `loop` its K-major buffer unless it is one already; the product reads it instead."""
-  operand, layout = loop.operands[side], loop.layout(side)
-  if _reads_as_k_major(operand, layout, realizes): return
+  """Give operand `side` of `loop` its K-major buffer unless it is one the plan reads already; the product reads it
+  instead (a 16-bit operand: its 16-bit values stored, widened in the matmul as before)."""
+  operand, plan_operands = loop.operands[side], _plan_operands(loop)
+  assert plan_operands is not None, "checked by _wgmma_refusal"
+  plan_operand = plan_operands[side]
+  layout = loop.layout(side)
+  if _reads_as_plan_layout(plan_operand, _plan_layouts(loop, side, plan_operand), realizes): return
   loop_shape = loop.product.shape
   dropped = tuple(axis for axis in range(len(loop_shape)) if axis not in layout)   # broadcast and size-1 axes
   shape = tuple(loop_shape[axis] for axis in layout)
-  one_of_each = operand.shrink(tuple((0, 1) if axis in dropped else (0, size) for axis, size in enumerate(loop_shape)))
+  one_of_each = plan_operand.shrink(tuple((0, 1) if axis in dropped else (0, size)
+                                          for axis, size in enumerate(loop_shape)))
   source = one_of_each.permute(layout + dropped).reshape(shape)
   key = (id(source.base), source.st)
   base = staged.get(key)
   if base is None:
-    base = LazyBuffer.create_base(operand.device, shape, operand.dtype, Ops.CONTIGUOUS, None, (source,))
+    base = LazyBuffer.create_base(operand.device, shape, plan_operand.dtype, Ops.CONTIGUOUS, None, (source,))
     staged[key] = base
     inserted.setdefault(id(loop.product), []).append(base)
     other = loop.size(loop.own[1 - side])
-    why = "an expression of loads" if operand.base.realized is None and id(operand.base) not in realizes else \
+    plain = plan_operand.base.realized is None and id(plan_operand.base) not in realizes
+    why = "an expression of loads" if plain else \
         "a view WGMMA does not read (not K-major, several views, masked or offset)"
     realizes[id(base)] = (f"operand {'AB'[side]} of a {loop.describe()} staged K-major for WGMMA ({why}): the copy "
                           f"moves 2 x {fmt_size(base.size * base.dtype.itemsize)}, each element then feeds {other} "
                           f">= {WGMMA_TILE} outputs")
   inverse = tuple(sorted(range(len(loop_shape)), key=(layout + dropped).__getitem__))
   back = base.reshape(shape + (1,) * len(dropped)).permute(inverse).expand(loop_shape)
+  if back.dtype != operand.dtype:   # the 16-bit values widened in the matmul, as the operand did (a fused cast)
+    back = back.cast(operand.dtype)
+    inserted.setdefault(id(loop.product), []).append(back)
   loop.product.srcs = tuple(back if src is operand else src for src in loop.product.srcs)

@@ -139,6 +139,18 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
     if base.op in REDUCE_OPS and len(users[id(base)]) > 1:
       if len({kernel_of(user) for user in users[id(base)]}) > 1:
         realizes.setdefault(id(base), "a reduce read by several kernels: computed once, not once per kernel")
+    elif base.op in REDUCE_OPS and id(base) not in realizes:
+      # the same through a chain of single-reader casts (autocast's weight gradient: a SUM cast to bf16 and back to
+      # float32, which the optimizer's m, v and update kernels read): store the chain's end once
+      end = id(base)
+      while len(users[end]) == 1:
+        reader = next(iter(users[end]))
+        if reader in realizes or by_id[reader].op is not Ops.CAST: break   # row kernels fuse other chains on purpose
+        end = reader
+      if end != id(base) and end not in realizes and len({kernel_of(user) for user in users[end]}) > 1:
+        stored = _narrower_source(by_id[end])
+        realizes.setdefault(id(stored), "a cast of a reduce read by several kernels: the reduce computed once, not "
+                                        "once per kernel")
   _store_or_recompute(bases, realizes, users, kernel_of, by_id)
   if KERNEL_OPS_LIMIT.value > 0: _bound_kernel_sizes(bases, realizes, int(KERNEL_OPS_LIMIT.value))
   return realizes
