@@ -71,61 +71,41 @@ def sources_token(srcs: Sequence[LazyBuffer]) -> tuple[tuple, tuple]:
   """(one token per source, the distinct leaf buffers they read in first-occurrence order)."""
   tokens: list[tuple] = []
   leaves: tuple = ()
+  merged: list | None = None               # the leaves as a list, once a second source's leaves are numbered in
+  position: dict[int, int] = {}            # id(leaf) -> its number, filled with `merged`
   for src in srcs:
     base = src._base if src._base is not None else src
     buffer = base.realized
+    if buffer is None:
+      key, child_leaves = structure(base)
+      if not child_leaves or child_leaves is leaves:
+        tokens.append((key, src.st))
+        continue
+      if merged is None and leaves == child_leaves[:len(leaves)]:
+        # the leaves so far begin the source's (none yet, or a chain that read more leaves since): numbered as the
+        # source numbers them, nothing to map (a tuple compare by identity, in C: no per-leaf work)
+        leaves = child_leaves
+        tokens.append((key, src.st))
+        continue
+      if merged is None and child_leaves == leaves[:len(child_leaves)]:
+        tokens.append((key, src.st))   # the source's leaves begin these: the same numbers
+        continue
+    if merged is None:
+      merged = list(leaves)
+      position = {id(leaf): index for index, leaf in enumerate(merged)}
     if buffer is not None:
       # the scheduler reads a realized base only as memory (its op no longer matters), and its size (copies)
-      leaves, index = _merged(leaves, buffer)
+      index = position.setdefault(id(buffer), len(merged))
+      if index == len(merged): merged.append(buffer)
       tokens.append((index, src.st, base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
       continue
-    key = base._skey
-    child_leaves = base._leaves
-    if key is None: key, child_leaves = structure(base)
-    if not child_leaves or child_leaves is leaves:
-      tokens.append((key, src.st))
-    elif not leaves:
-      leaves = child_leaves   # the first leaves met: numbered as the source numbers them, nothing to map
-      tokens.append((key, src.st))
-    else:
-      leaves, numbers = _merged(leaves, child_leaves)
-      # None: numbered as the source numbers them (its leaves come first here), the same token as above
-      tokens.append((key, src.st) if numbers is None else (key, src.st, numbers))
-  return tuple(tokens), leaves
-
-
-# (id(leaves), id(what is merged in)) -> (leaves, what, the merged leaves, the numbers): the graph of a step merges
-# the same leaf tuples again and again (a gradient's leaves with an activation's). The entries keep what they name
-# alive, so their ids are not reused; `forget_merges` empties it at each realize (no buffer outlives its graph here)
-_MERGES: dict[tuple[int, int], tuple[Any, Any, tuple, Any]] = {}
-_MERGES_MAX = 4096
-
-
-def _merged(leaves: tuple, more: Any) -> tuple[tuple, Any]:
-  """(`leaves` with what `more` adds appended, where each of its leaves is in that): `more` a leaf buffer (its number)
-  or a source's leaf tuple (the tuple of their numbers, None where they are 0, 1, 2, ...). Unchanged leaves stay the
-  same tuple object, which later merges recognise by identity."""
-  memo_key = (id(leaves), id(more))
-  hit = _MERGES.get(memo_key)
-  if hit is not None and hit[0] is leaves and hit[1] is more: return hit[2], hit[3]
-  position = {id(leaf): index for index, leaf in enumerate(leaves)}
-  merged = list(leaves)
-  numbers = []
-  for leaf in (more if type(more) is tuple else (more,)):
-    index = position.setdefault(id(leaf), len(merged))
-    if index == len(merged): merged.append(leaf)
-    numbers.append(index)
-  result = leaves if len(merged) == len(leaves) else tuple(merged)
-  if type(more) is not tuple: answer: Any = numbers[0]
-  else: answer = None if all(index == number for index, number in enumerate(numbers)) else tuple(numbers)
-  if len(_MERGES) >= _MERGES_MAX: _MERGES.clear()
-  _MERGES[memo_key] = (leaves, more, result, answer)
-  return result, answer
-
-
-def forget_merges() -> None:
-  """Empty the merge memo (at each realize: it holds the leaf buffers of the graphs built since)."""
-  _MERGES.clear()
+    numbers = []   # the source's leaf numbers -> this token's
+    for leaf in child_leaves:
+      index = position.setdefault(id(leaf), len(merged))
+      if index == len(merged): merged.append(leaf)
+      numbers.append(index)
+    tokens.append((key, src.st, tuple(numbers)))
+  return tuple(tokens), (leaves if merged is None else tuple(merged))
 
 
 def describe(base: LazyBuffer) -> tuple[StructureKey, tuple]:

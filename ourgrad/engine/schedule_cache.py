@@ -22,7 +22,7 @@ from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.helpers import GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, env_var
 from ourgrad.lazy import LazyBuffer
-from ourgrad.lazy_structure import StructureKey, forget_merges, forget_readers_of, intern, sources_token
+from ourgrad.lazy_structure import StructureKey, forget_readers_of, intern, sources_token
 from ourgrad.ops import Ops
 
 SCHEDULE_CACHE = env_var("SCHEDULE_CACHE", 1, "0: schedule every realize from scratch (no structural schedule cache)")
@@ -99,7 +99,6 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
     # readers someone still holds are left to visit (a miss did this as the scheduler gave each base its buffer)
     for base in found: forget_readers_of(base)
   del found
-  forget_merges()
   return scheduler.protect_and_pack(items, assigns) if assigns else items
 
 
