@@ -77,7 +77,8 @@ def sources_token(srcs: Sequence[LazyBuffer]) -> tuple[tuple, tuple]:
     base = src._base if src._base is not None else src
     buffer = base.realized
     if buffer is None:
-      key, child_leaves = structure(base)
+      key, child_leaves = base._skey, base._leaves
+      if key is None: key, child_leaves = structure(base)
       if not child_leaves or child_leaves is leaves:
         tokens.append((key, src.st))
         continue
@@ -90,6 +91,15 @@ def sources_token(srcs: Sequence[LazyBuffer]) -> tuple[tuple, tuple]:
       if merged is None and child_leaves == leaves[:len(child_leaves)]:
         tokens.append((key, src.st))   # the source's leaves begin these: the same numbers
         continue
+    if buffer is not None and merged is None:
+      # a leaf read next to the leaves so far: found or appended by tuple operations in C (a Buffer compares by
+      # identity), no numbering dict to build
+      try:
+        index = leaves.index(buffer)
+      except ValueError:
+        index, leaves = len(leaves), leaves + (buffer,)
+      tokens.append((index, src.st, base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
+      continue
     if merged is None:
       merged = list(leaves)
       position = {id(leaf): index for index, leaf in enumerate(merged)}
@@ -110,9 +120,13 @@ def sources_token(srcs: Sequence[LazyBuffer]) -> tuple[tuple, tuple]:
 
 def describe(base: LazyBuffer) -> tuple[StructureKey, tuple]:
   """A base's key and leaves, from its sources' (which must be current)."""
-  tokens, leaves = sources_token(base.srcs)
-  return intern((base.op, hashable_arg(base.arg), base.dtype, base.device, base.shape, base.forced_realize,
-                 tokens)), leaves
+  tokens, leaves = sources_token(base.srcs) if base.srcs else ((), ())
+  arg = base.arg
+  token = (base.op, arg if type(arg) in _PLAIN_ARG_TYPES else hashable_arg(arg), base.dtype, base.device, base.shape,
+           base.forced_realize, tokens)
+  # (intern's lookup inlined: one call fewer for every base made)
+  key = _INTERNED.get(token)
+  return (key if key is not None else intern(token)), leaves
 
 
 def structure(base: LazyBuffer) -> tuple[StructureKey, tuple]:
