@@ -94,6 +94,7 @@ class LazyBuffer:
       # schedule cache looks a graph up without walking it (lazy_structure.py); None once dropped (remade on demand)
       self._skey: StructureKey | None
       self._skey, self._leaves = lazy_structure.describe(self)
+      self._leaf: tuple[Buffer, StructureKey] | None = None   # its key as a realized leaf (lazy_structure._leaf_key)
 
   # ---------------------------------------------------------------- construction
 

@@ -94,20 +94,17 @@ def sources_token(srcs: Sequence[LazyBuffer]) -> tuple[tuple, tuple]:
     if buffer is not None and merged is None:
       # a leaf read next to the leaves so far: found or appended by tuple operations in C (a Buffer compares by
       # identity), no numbering dict to build
-      try:
-        index = leaves.index(buffer)
-      except ValueError:
-        index, leaves = len(leaves), leaves + (buffer,)
-      tokens.append((index, src.st, base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
+      if buffer in leaves: index = leaves.index(buffer)
+      else: index, leaves = len(leaves), leaves + (buffer,)   # (no ValueError to raise and catch)
+      tokens.append((index, src.st, _leaf_key(base, buffer)))
       continue
     if merged is None:
       merged = list(leaves)
       position = {id(leaf): index for index, leaf in enumerate(merged)}
     if buffer is not None:
-      # the scheduler reads a realized base only as memory (its op no longer matters), and its size (copies)
       index = position.setdefault(id(buffer), len(merged))
       if index == len(merged): merged.append(buffer)
-      tokens.append((index, src.st, base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
+      tokens.append((index, src.st, _leaf_key(base, buffer)))
       continue
     numbers = []   # the source's leaf numbers -> this token's
     for leaf in child_leaves:
@@ -116,6 +113,16 @@ def sources_token(srcs: Sequence[LazyBuffer]) -> tuple[tuple, tuple]:
       numbers.append(index)
     tokens.append((key, src.st, tuple(numbers)))
   return tuple(tokens), (leaves if merged is None else tuple(merged))
+
+
+def _leaf_key(base: LazyBuffer, buffer: Any) -> StructureKey:
+  """A realized base as a leaf: its shape and its buffer's device, size, dtype and kind (the scheduler reads it only as
+  memory, its op no longer matters), interned once per base: a weight is read by many ops every step."""
+  remembered = base._leaf
+  if remembered is not None and remembered[0] is buffer: return remembered[1]
+  key = intern(("leaf", base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
+  base._leaf = (buffer, key)
+  return key
 
 
 def describe(base: LazyBuffer) -> tuple[StructureKey, tuple]:
