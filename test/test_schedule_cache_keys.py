@@ -31,6 +31,7 @@ def test_training_step_walks_no_graph():
   rng = np.random.default_rng(1)
   model = [Linear(12, 16), Linear(16, 3)]
   optimizer = Adam(get_parameters(model), lr=1e-2)
+  training = Tensor.training   # restored after: None (never set) and False mean different things to a Module
   Tensor.training = True
   try:
     walks = []
@@ -43,7 +44,7 @@ def test_training_step_walks_no_graph():
       optimizer.step()
       walks.append(schedule_cache.stats.walks - before)
   finally:
-    Tensor.training = False
+    Tensor.training = training
   assert walks[-2:] == [0, 0]
 
 
