@@ -137,8 +137,8 @@ def test_cross_entropy_is_one_kernel_forward_and_one_backward():
   """GPT-2's loss at its vocabulary (4096 tokens x 50304): in the step's one schedule the logsumexp row kernel reads
   the logits once (one pass: max, sum of exps), the loss is a mean over rows of logsumexp - picked logit (4096
   indexed loads, one small kernel), and the gradient (softmax - one_hot) * scale is one elementwise kernel reading
-  the saved logsumexp. The mean's scale for the gradient (1 / the count of samples not ignored) takes one more small
-  kernel over the 4096 rows."""
+  the saved logsumexp. The count of samples not ignored (the mean's divisor, which the gradient's per-row scale
+  reads too) is one more small kernel over the 4096 rows; the scale itself is computed in the backward."""
   rows, classes = 4096, 50304
   x = Tensor.empty(rows, classes, device="PYTHON", requires_grad=True)
   target = Tensor.empty(rows, dtype="int32", device="PYTHON")
@@ -149,9 +149,9 @@ def test_cross_entropy_is_one_kernel_forward_and_one_backward():
   assert len(items) == 4
   forward = [item for item in items if _reads_whole_rows(item, rows * classes) and item.outputs[0].size == rows]
   assert len(forward) == 1 and _row_loops(forward[0]) == 1, "logsumexp: one pass over each row"
-  mean = [item for item in items if item.outputs[0].size == 1]
-  assert len(mean) == 1 and any(node.op is Ops.LOAD and len(node.srcs) == 2 for node in mean[0].ast.walk()), \
-    "the mean gathers the picked logits"
+  scalars = [item for item in items if item.outputs[0].size == 1]   # the count and the mean
+  gathers = [item for item in scalars if any(node.op is Ops.LOAD and len(node.srcs) == 2 for node in item.ast.walk())]
+  assert len(scalars) == 2 and len(gathers) == 1, "the mean gathers the picked logits; the count is its own kernel"
   backward = [item for item in items if item.outputs[0].size == rows * classes]
   assert len(backward) == 1 and not any(node.op in REDUCE_OPS for node in backward[0].ast.walk()), \
     "the gradient is elementwise"

@@ -47,7 +47,7 @@ from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_o
 from ourgrad.codegen.opt import heuristic  # noqa: E402
 from ourgrad.codegen.opt.conv_tiles import (ConvTile, WeightGradientTile, shared_conv_tiles,  # noqa: E402
                                             weight_gradient_tiles)
-from ourgrad.codegen.opt.heuristic import _matmul_like  # noqa: E402
+from ourgrad.codegen.opt.cpu_tiles import matmul_like  # noqa: E402
 from ourgrad.codegen.opt.plans import strategies_left_out  # noqa: E402
 from ourgrad.codegen.opt.search import apply_opts, beam_search, random_fill, scratch_buffers, verify_kernel  # noqa
 from ourgrad.device import Device  # noqa: E402
@@ -596,7 +596,7 @@ def parts_sweep(device: str, iters: int, scale: int) -> None:
         random_fill(buffers, seed=0)
         seconds = time_kernel(kernel, device, buffers, iters)
         total += seconds
-        if kernel.reduceop is not None and _matmul_like(Kernel(ast, Device[device].renderer)):
+        if kernel.reduceop is not None and matmul_like(Kernel(ast, Device[device].renderer)):
           matmul += seconds
           names.append(f"{kernel.name} {seconds * 1e3:.4f}")
       print(f"  part {part}: step {total * 1e3:.3f} ms, matmul-like {matmul * 1e3:.3f} ms: {', '.join(names)}")
@@ -650,7 +650,7 @@ def main() -> None:
     for ast in mnist_step_asts(args.scale):
       plain = Kernel(ast, Device[args.device].renderer)
       # convolution-shaped: a matmul-like reduce over a window (the Linear layer's kernels have 3 axes)
-      if plain.reduceop is None or not _matmul_like(plain) or len(plain.full_shape) < 5: continue
+      if plain.reduceop is None or not matmul_like(plain) or len(plain.full_shape) < 5: continue
       if args.beam_filter not in plain.name: continue   # --beam-filter: those kernels alone
       if args.kernels and not any(part in plain.name for part in args.kernels.split(",")): continue
       bench_ast(ast, args.device, args.iters, args.beam, "mnist step", args.beam_filter, rows,

@@ -128,7 +128,7 @@ class KernelKinds:
   def update(self) -> None:
     from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
     from ourgrad.codegen.kernel import Kernel
-    from ourgrad.codegen.opt.heuristic import _matmul_like
+    from ourgrad.codegen.opt.cpu_tiles import matmul_like
     from ourgrad.device import Device
     from ourgrad.engine import realize
     from ourgrad.helpers import prod
@@ -147,7 +147,7 @@ class KernelKinds:
       if kernel.reduceop is None:
         self.kinds[id(runner)] = ("elementwise", outputs, 0)
         continue
-      label = "matmul" if _matmul_like(kernel) else "reduce"
+      label = "matmul" if matmul_like(kernel) else "reduce"
       self.kinds[id(runner)] = (label, outputs, prod(kernel.full_shape[kernel.first_reduce:]))
 
   def get(self, runner: Any) -> tuple[str, int, int]: return self.kinds.get(id(runner), ("", 0, 0))
