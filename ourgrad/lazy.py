@@ -27,8 +27,6 @@ from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
 from ourgrad.helpers import MATMUL_GRID, prod
-from ourgrad import lazy_structure
-from ourgrad.lazy_structure import StructureKey
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, ELEMENTWISE_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
@@ -90,11 +88,6 @@ class LazyBuffer:
       # this base or a view of it read its newest version (`current`), computed readers keep this one
       self._storage: Storage | None = None
       for src in srcs: (src if src._base is None else src._base)._add_reader(self)   # (.base, without the call)
-      # the structural key of the graph behind this base and the leaf buffers it reads, made now so that the
-      # schedule cache looks a graph up without walking it (lazy_structure.py); None once dropped (remade on demand)
-      self._skey: StructureKey | None
-      self._skey, self._leaves = lazy_structure.describe(self)
-      self._leaf: tuple[Buffer, StructureKey] | None = None   # its key as a realized leaf (lazy_structure._leaf_key)
 
   # ---------------------------------------------------------------- construction
 
@@ -381,15 +374,9 @@ class LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""
     # a base, or a plain reshape of one, already is row-major data: realize the base, no copy
     if self.is_base or (self.st.contiguous and self.size == self.base.size):
-      self.base.mark_forced()
+      self.base.forced_realize = True
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
-
-  def mark_forced(self) -> None:
-    """Realize this base even where it could be fused (its key says so: the bases built on it are keyed anew)."""
-    if self.forced_realize: return
-    self.forced_realize = True
-    if self.realized is None: lazy_structure.forget_structure(self)
 
   def clone(self) -> LazyBuffer:
     """A copy in a buffer of its own (unlike contiguous(), never the same memory as this buffer)."""

@@ -10,9 +10,7 @@ Per workload: the wall time of a step, its Python time, PyTorch eager's step, an
 Python time into phases:
   graph    building the lazy graph (Tensor methods -> Functions -> LazyBuffers -> views), forward and optimizer
   autograd Tensor.backward (the walk over Functions and the gradient graphs they build)
-  key      the schedule cache's key and lookup at realize (schedule_cache._graph_key, _find; _walk on a miss); the
-           bases' own keys are made as they are built (lazy_structure.describe: inside graph and autograd, shown
-           on its own line)
+  key      the schedule cache's structural key and lookup (schedule_cache._structure)
   schedule the rest of scheduling: replaying a cached schedule (or scheduling a miss), snapshots and packing
   lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and planning memory
   launch   ExecItem.run: binding arguments and the ctypes/driver call (the kernel itself excluded on the CPU)
@@ -50,9 +48,7 @@ from ourgrad.engine import realize  # noqa: E402
 PHASE_FUNCTIONS = {
   "autograd": [("ourgrad/tensor.py", "backward")],
   "realize": [("ourgrad/tensor.py", "realize")],
-  "key": [("ourgrad/engine/schedule_cache.py", "_graph_key"), ("ourgrad/engine/schedule_cache.py", "_find"),
-          ("ourgrad/engine/schedule_cache.py", "_walk")],
-  "describe": [("ourgrad/lazy_structure.py", "describe")],
+  "key": [("ourgrad/engine/schedule_cache.py", "_structure")],
   "schedule": [("ourgrad/engine/schedule_cache.py", "schedule")],
   "lower": [("ourgrad/engine/realize.py", "lower_schedule_item"), ("ourgrad/engine/realize.py", "plan_schedule_memory"),
             ("ourgrad/engine/realize.py", "note_compiles")],
@@ -72,14 +68,10 @@ def host_kernels_disabled(enabled: bool) -> Iterator[None]:
   runners = [runner for runner in realize._runner_cache.values() if runner.host_function is not None]
   saved = [runner.host_function for runner in runners]
   try:
-    for runner in runners:
-      runner.host_function = nothing
-      getattr(runner, "_launchers", {}).clear()   # launchers bound to the real function (CompiledRunner.launcher_for)
+    for runner in runners: runner.host_function = nothing
     yield
   finally:
-    for runner, function in zip(runners, saved):
-      runner.host_function = function
-      getattr(runner, "_launchers", {}).clear()   # and those bound to `nothing`
+    for runner, function in zip(runners, saved): runner.host_function = function
 
 
 def cumulative(stats: pstats.Stats, suffix: str, name: str) -> float:
@@ -96,7 +88,7 @@ def phase_seconds(profile: cProfile.Profile, total: float) -> dict[str, float]:
   raw = {phase: sum(cumulative(stats, suffix, name) for suffix, name in functions)
          for phase, functions in PHASE_FUNCTIONS.items()}
   phases = {"autograd": raw["autograd"], "key": raw["key"], "schedule": raw["schedule"] - raw["key"],
-            "lower": raw["lower"], "launch": raw["launch"], "describe": raw["describe"]}
+            "lower": raw["lower"], "launch": raw["launch"]}
   phases["other"] = max(0.0, raw["realize"] - raw["schedule"] - raw["lower"] - raw["launch"])
   phases["graph"] = max(0.0, total - raw["autograd"] - raw["realize"])
   return phases
@@ -218,9 +210,6 @@ def print_result(name: str, label: str, result: dict[str, Any]) -> None:
     seconds = result["phases"][phase]
     print(f"| {phase:<8} | {seconds * 1e6:11.1f} | {seconds / profiled * 100:4.0f}% |")
   print(f"| total    | {profiled * 1e6:11.1f} |  100% |")
-  describe = result["phases"]["describe"]
-  print(f"(of graph + autograd: the bases' structural keys, lazy_structure.describe: {describe * 1e6:.1f} us, "
-        f"{describe / profiled * 100:.0f}%)")
   print("top functions by own time (profiled us per call, calls per call):")
   for where, seconds, count in result["top"]: print(f"  {seconds * 1e6:9.1f} {count:6d}  {where}")
   print()

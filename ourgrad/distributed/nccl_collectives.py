@@ -37,7 +37,7 @@ def realized_pointer(buffer: LazyBuffer) -> int:
   from ourgrad.engine.schedule_cache import schedule
   lazy = buffer if buffer.st.contiguous and buffer.size == buffer.base.size else buffer.contiguous()
   if lazy.base.realized is None:
-    lazy.base.mark_forced()
+    lazy.base.forced_realize = True
     run_schedule(schedule([lazy]))
   return int(lazy.base.realized.handle)
 

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 from ourgrad.codegen.matmul_operands import varying_axes
 from ourgrad.codegen.opt.tensor_core_plans import WGMMA_MIN_WORK
-from ourgrad.lazy_structure import forget_structure
 from ourgrad.codegen.wgmma_tiles import ROW_BYTES
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
@@ -282,4 +281,3 @@ def _stage_operand(loop: MatmulLoop, side: int, realizes: Realizations,
     back = back.cast(operand.dtype)
     inserted.setdefault(id(loop.product), []).append(back)
   loop.product.srcs = tuple(back if src is operand else src for src in loop.product.srcs)
-  forget_structure(loop.product)   # its structural key named the operand it no longer reads (lazy_structure.py)

@@ -35,7 +35,6 @@ from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.engine.snapshot import protect_lazy_readers
 from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, fmt_size, prod
 from ourgrad.lazy import LazyBuffer, walk_bases
-from ourgrad.lazy_structure import forget_readers_of, forget_structure
 from ourgrad.ops import (ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops,
                          is_identity_constant)
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -103,7 +102,6 @@ def _give_buffer(base: LazyBuffer) -> None:
     base.realized = base.srcs[1].base.realized  # an assign writes into its target's memory
   else:
     base.realized = Buffer(base.device, base.size, base.dtype)
-  forget_readers_of(base)   # the bases built on it read it as memory now: their structural keys change
 
 
 def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Realizations:
@@ -355,15 +353,12 @@ def _redirect_reads(root: LazyBuffer, old: LazyBuffer, copy: LazyBuffer, realize
     seen.add(id(node))
     value_count = 1 if node.op in (Ops.ASSIGN, Ops.CONTIGUOUS) else len(node.srcs)
     new_srcs = list(node.srcs)
-    redirected = False
     for index, src in enumerate(node.srcs[:value_count]):
       if src.base is old:
-        new_srcs[index], redirected = copy.view(src.st), True
+        new_srcs[index], found = copy.view(src.st), True
       elif src.base.realized is None and id(src.base) not in realizes:
         stack.append(src.base)
-    if redirected:
-      node.srcs, found = tuple(new_srcs), True
-      forget_structure(node)   # its key named `old` where it reads `copy` now
+    node.srcs = tuple(new_srcs)
   return found
 
 

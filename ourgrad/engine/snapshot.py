@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from ourgrad.device import Buffer
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.lazy import LazyBuffer
-from ourgrad.lazy_structure import forget_structure
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 
@@ -66,7 +65,6 @@ def redirect_reader(reader: LazyBuffer, target: LazyBuffer, snapshot: LazyBuffer
   reader.srcs = tuple(snapshot.view(src.st) if index < value_count and src.base is target else src
                       for index, src in enumerate(reader.srcs))
   snapshot._add_reader(reader)
-  forget_structure(reader)   # it reads another leaf now
 
 
 def protect_lazy_readers(schedule: list[ScheduleItem],
