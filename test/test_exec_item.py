@@ -61,11 +61,12 @@ def test_repeated_launches_bind_once_and_count_exactly(device, monkeypatch):
   skip_unless_device(device)
   a, b = fresh_values(0), fresh_values(1)
   item = lowered_add(device, a, b)
+  item.runner._launchers.clear()   # earlier tests' launches of this kernel may have met these very handles
   general = count_general_launches(monkeypatch)
   GlobalCounters.reset()
   for _ in range(5): item.run()
-  # two general launches (the handles seen twice), then three through the bound launcher
-  assert len(general) == 2 and item._launch is not None
+  # one general launch (the kernel meets the handles), then four through the launcher bound on the second
+  assert len(general) == 1 and item._launch is not None
   assert GlobalCounters.kernel_count == 5
   assert GlobalCounters.global_ops == 5 * item.runner.op_count
   assert GlobalCounters.global_mem == 5 * item.runner.byte_count
@@ -74,8 +75,26 @@ def test_repeated_launches_bind_once_and_count_exactly(device, monkeypatch):
 
 def test_an_item_run_once_binds_nothing():
   item = lowered_add("CLANG", fresh_values(0), fresh_values(1))
+  item.runner._launchers.clear()
   item.run()
   assert item._launch is None
+
+
+@pytest.mark.parametrize("device", ["CLANG", "PYTHON", "CUDA"])
+def test_a_new_item_on_handles_the_kernel_met_launches_bound(device, monkeypatch):
+  """An eager loop lowers a new ExecItem at every step, on memory the allocator hands back: the kernel's launcher
+  bound to those handles serves the new item from its first launch."""
+  skip_unless_device(device)
+  a, b = fresh_values(3), fresh_values(4)
+  first = lowered_add(device, a, b)
+  first.runner._launchers.clear()
+  first.run()
+  general = count_general_launches(monkeypatch)
+  GlobalCounters.reset()
+  for _ in range(3):   # as each eager step would: a new item, the same runner and buffers
+    ExecItem(first.runner, list(first.bufs), device=first.device).run()
+  assert len(general) == 0 and GlobalCounters.kernel_count == 3
+  np.testing.assert_allclose(output(first), a + b, rtol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -68,10 +68,14 @@ def host_kernels_disabled(enabled: bool) -> Iterator[None]:
   runners = [runner for runner in realize._runner_cache.values() if runner.host_function is not None]
   saved = [runner.host_function for runner in runners]
   try:
-    for runner in runners: runner.host_function = nothing
+    for runner in runners:
+      runner.host_function = nothing
+      getattr(runner, "_launchers", {}).clear()   # launchers bound to the real function (CompiledRunner.launcher_for)
     yield
   finally:
-    for runner, function in zip(runners, saved): runner.host_function = function
+    for runner, function in zip(runners, saved):
+      runner.host_function = function
+      getattr(runner, "_launchers", {}).clear()   # and those bound to `nothing`
 
 
 def cumulative(stats: pstats.Stats, suffix: str, name: str) -> float:

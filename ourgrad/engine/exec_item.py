@@ -22,6 +22,13 @@ from ourgrad.helpers import DEBUG, PROFILE, GlobalCounters, colored, environ_loo
 from ourgrad.shape.symbolic import sym_infer
 
 
+# what a kernel receives for a buffer: compared by identity between launches (the ids of handles the item keeps
+# alive, so no id is reused; numpy handles have no plain ==) to know whether a bound launcher still holds
+_HANDLE = operator.attrgetter("_handle")
+# buffer sets a kernel keeps bound launchers for (an eager step's kernel meets one or two; a JIT's items bind their own)
+LAUNCHERS_PER_KERNEL = 4
+
+
 class Runner:
   """Something that runs on buffers: `runner(buffers, wait)` returns device seconds when `wait` (else None)."""
   # plain class attributes, not dataclass fields: subclasses set them (name, display_name, op_count, byte_count)
@@ -42,6 +49,9 @@ class CompiledRunner(Runner):
     self.var_names = var_names
     # host kernels (CLANG, LLVM) are called straight through ctypes with each buffer's cached address
     self.host_function = program.function if isinstance(program, HostProgram) else None
+    # launchers bound to the buffer handles this kernel ran on (by their ids; the handles are kept, so no id is
+    # reused while its entry lives): None the first time a set is seen, bound the second (`launcher_for`)
+    self._launchers: dict[tuple[int, ...], tuple[list[Any], Callable[[], Any] | None, CompiledRunner]] = {}
 
   def __call__(self, buffers: list[Buffer], wait: bool = False, var_vals: dict[str, int] | None = None) -> float | None:
     if self.var_names: return self._call_symbolic(buffers, wait, var_vals or {})
@@ -63,6 +73,24 @@ class CompiledRunner(Runner):
     bind = getattr(self.program, "bind", None)
     if bind is not None: return bind(handles, self.global_size, self.local_size)
     return functools.partial(self.program, *handles, global_size=self.global_size, local_size=self.local_size)
+
+  def launcher_for(self, buffers: list[Buffer]) -> Callable[[], Any] | None:
+    """A bound launcher of this kernel on these (allocated) buffers where it ran on their very handles before, else
+    None (the handles are remembered, and bound if they come again). An eager loop lowers new ExecItems at every
+    step, but the allocator's cache hands the same memory back, so each kernel meets the same handles step after
+    step: the per-launch argument work (ctypes pointers, CUDA argument arrays) is done once per (kernel, buffers)."""
+    handles = list(map(_HANDLE, buffers))
+    key = tuple(map(id, handles))
+    entry = self._launchers.get(key)
+    if entry is not None and entry[2] is not self: entry = None   # a copy of this runner shares the dict: not its own
+    if entry is not None and entry[1] is not None: return entry[1]
+    if entry is None:
+      if len(self._launchers) >= LAUNCHERS_PER_KERNEL: self._launchers.clear()
+      self._launchers[key] = (handles, None, self)
+      return None
+    launcher = self.bind(buffers)
+    self._launchers[key] = (handles, launcher, self)
+    return launcher
 
   def _call_symbolic(self, buffers: list[Buffer], wait: bool, var_vals: dict[str, int]) -> float | None:
     """A launch of a kernel with symbolic sizes: the Variables' values follow the buffers as int arguments, and
@@ -151,9 +179,6 @@ class JitRecording:
 jit_recording = JitRecording()
 
 
-# what a kernel receives for a buffer: compared by identity between launches (the ids of handles the item keeps
-# alive, so no id is reused; numpy handles have no plain ==) to know whether a bound launcher still holds
-_HANDLE = operator.attrgetter("_handle")
 
 
 # DEBUG and PROFILE by their encoded names, and their raw values under which a launch is neither printed nor timed
@@ -168,23 +193,23 @@ _QUIET_PROFILE = frozenset({None, b"0", "0"})
 class ExecItem:
   """A runner bound to its buffers (outputs first, then inputs) and the values of its symbolic variables.
 
-  Fast path: a kernel launched twice with the same buffer handles gets a launcher with everything bound
-  (`CompiledRunner.bind`: argument arrays, launch sizes, the stream), and later launches with those handles only
-  call it and count. The buffers' handles are compared by identity at each launch, so a buffer swapped into `bufs`
-  (TinyJit's inputs), a buffer allocated, freed or moved onto planned memory all take the general path, which binds
-  again once the new handles are seen twice. The fast path runs only while DEBUG < 2, PROFILE is off and no profile()
-  block is open; it counts like the general path, and a capturing JIT records the item the same way."""
+  Fast path: a kernel launched twice with the same buffer handles, by this item or by another (an eager loop lowers
+  new items each step, on memory the allocator hands back), gets a launcher with everything bound
+  (`CompiledRunner.launcher_for`/`bind`: argument arrays, launch sizes, the stream), and later launches with those
+  handles only call it and count. The buffers' handles are compared by identity at each launch, so a buffer swapped
+  into `bufs` (TinyJit's inputs), a buffer allocated, freed or moved onto planned memory all take the general path,
+  which binds again once the kernel has seen the new handles twice. The fast path runs only while DEBUG < 2, PROFILE
+  is off and no profile() block is open; it counts like the general path, and a capturing JIT records the item the
+  same way."""
   runner: Runner
   bufs: list[Buffer]
   var_vals: dict[str, int] = field(default_factory=dict)
   device: str = ""
   _launch: Callable[[], Any] | None = field(default=None, init=False, repr=False)
   _launch_runner: Runner | None = field(default=None, init=False, repr=False)   # the runner _launch was bound for
-  # the handles _launch was bound to and their ids; the same of the last general launch (kept alive: see _HANDLE)
+  # the handles _launch was bound to and their ids (kept alive: see _HANDLE)
   _launch_handles: list[Any] | None = field(default=None, init=False, repr=False)
   _launch_ids: list[int] | None = field(default=None, init=False, repr=False)
-  _last_handles: list[Any] | None = field(default=None, init=False, repr=False)
-  _last_ids: list[int] | None = field(default=None, init=False, repr=False)
 
   def run(self, wait: bool = False) -> float | None:
     """Launch: allocate the buffers, run, count, print at DEBUG=2, and record the item if a JIT is capturing."""
@@ -206,12 +231,18 @@ class ExecItem:
     debug = DEBUG.value  # read once: each read looks the environment up
     plain = not wait and debug < 2 and not profiler.active()
     wait = not plain
-    seconds = self.runner(self.bufs, wait=wait, var_vals=self.var_vals) if self.var_vals else self.runner(self.bufs,
-                                                                                                          wait=wait)
+    runner = self.runner
+    launcher = runner.launcher_for(self.bufs) if plain and not self.var_vals and isinstance(runner, CompiledRunner) \
+        else None
+    if launcher is not None:
+      launcher()
+      seconds = None
+      self._adopt(launcher)
+    else:
+      seconds = runner(self.bufs, wait=wait, var_vals=self.var_vals) if self.var_vals else runner(self.bufs, wait=wait)
     if seconds is not None: self._record_profile(seconds)
     if isinstance(self.runner, CompiledRunner):
       GlobalCounters.kernel_count += 1
-      if plain and not self.var_vals: self._bind_if_repeated()
     GlobalCounters.global_ops += self.runner.op_count
     GlobalCounters.global_mem += self.runner.byte_count
     if seconds is not None: GlobalCounters.time_sum_s += seconds
@@ -219,17 +250,11 @@ class ExecItem:
     if _capture_lists: _capture_lists[-1].append(self)
     return seconds
 
-  def _bind_if_repeated(self) -> None:
-    """Bind a launcher for the fast path once a kernel ran twice on the same handles: an item lowered for one eager
-    launch never pays for binding, nor does one whose buffers change at every launch."""
-    handles = list(map(_HANDLE, self.bufs))
-    ids = list(map(id, handles))
-    if ids == self._launch_ids and self._launch_runner is self.runner: return  # bound already
-    if ids == self._last_ids:
-      assert isinstance(self.runner, CompiledRunner)
-      self._launch, self._launch_runner = self.runner.bind(self.bufs), self.runner
-      self._launch_ids, self._launch_handles = ids, handles
-    self._last_ids, self._last_handles = ids, handles
+  def _adopt(self, launcher: Callable[[], Any]) -> None:
+    """Take the kernel's launcher bound to this item's current handles for the fast path of `run`."""
+    self._launch, self._launch_runner = launcher, self.runner
+    self._launch_handles = list(map(_HANDLE, self.bufs))
+    self._launch_ids = list(map(id, self._launch_handles))
 
   def _record_profile(self, seconds: float) -> None:
     if isinstance(self.runner, CopyRunner):
