@@ -279,8 +279,9 @@ class LazyBuffer:
     grid_parts = self._matmul_split_parts(axes, out_shape)
     if grid_parts is not None: plan = ReduceSplit(max(axes, key=lambda a: self.shape[a]), grid_parts, True)
     else:
-      # the loads a value takes bound a GPU thread's loads in flight (only GPUs ask: the walk costs eager time)
-      loads = len(_fused_loads(self)) if self._gpu_renderer() is not None else 1
+      # the loads a value takes bound a GPU thread's loads in flight (only GPUs ask, and only where a split is still
+      # open after the cheap checks: the walk costs eager time)
+      loads = (lambda: len(_fused_loads(self))) if self._gpu_renderer() is not None else 1
       plan = plan_split(Device[self.device].renderer, self.shape, axes, self._reduce_kind(axes), self.dtype.itemsize,
                         loads)
       if plan is None: return None

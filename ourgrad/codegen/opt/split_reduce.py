@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from ourgrad.codegen.opt.heuristic import BLOCK_THREADS, COLUMN_LOCALS, SHORT_REDUCE
 from ourgrad.helpers import DEBUG, power_of_two_divisor, prod
@@ -167,18 +167,20 @@ def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, 
 
 
 def gpu_split_parts(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_per_output: int,
-                    split_size: int, itemsize: int = 4, loads_per_element: int = 1) -> int | None:
+                    split_size: int, itemsize: int = 4, loads_per_element: int | Callable[[], int] = 1) -> int | None:
   """Parts of the reduce axis of `split_size` elements, for a GPU: where one kernel would leave multiprocessors
   idle (leaves_device_idle), enough parts for a wave of blocks (`facts.wave_blocks`), each part at least
   `min_part(kind)` elements, at most MAX_PARTS; a divisor of `split_size`; and only where the split saves more than
   its second launch costs (saves_more_than_a_launch, for elements of `itemsize` bytes that each read
   `loads_per_element` buffers). None: no split (the reduce fills the device already, is too short to split into
-  MIN_PARTS parts, or one kernel is as fast)."""
+  MIN_PARTS parts, or one kernel is as fast). `loads_per_element` may be a function, asked only where the cheap
+  checks leave a split to decide (counting the loads walks the reduced expression: eager graph building pays it)."""
   per_block = outputs_per_block(kind)
   if not leaves_device_idle(facts, kind, outputs): return None
   wanted = min(MAX_PARTS, elements_per_output // min_part(kind), -(-facts.wave_blocks * per_block // outputs))
   parts = max((parts for parts in range(1, min(wanted, split_size) + 1) if split_size % parts == 0), default=1)
   if parts < MIN_PARTS: return None
+  if callable(loads_per_element): loads_per_element = loads_per_element()
   if not saves_more_than_a_launch(facts, kind, outputs, elements_per_output, itemsize, parts, loads_per_element):
     return None
   return parts
@@ -202,7 +204,7 @@ class ReduceSplit:
 
 
 def plan_split(renderer: Any, shape: tuple[int, ...], axes: tuple[int, ...], kind: ReduceKind,
-               itemsize: int, loads_per_element: int = 1) -> ReduceSplit | None:
+               itemsize: int, loads_per_element: int | Callable[[], int] = 1) -> ReduceSplit | None:
   """Whether (and how) a reduce of `shape` (elements of `itemsize` bytes, each reading `loads_per_element` buffers)
   over `axes` on `renderer`'s device is split (GPU: gpu_split_parts from the device's facts; CPU: cpu_split_parts).
   The longest reduce axis is split: the batch of a weight gradient or of batchnorm statistics, the tokens of a bias
@@ -216,7 +218,7 @@ def plan_split(renderer: Any, shape: tuple[int, ...], axes: tuple[int, ...], kin
     if DEBUG >= 3 and parts is not None:
       print(f"split reduce: {shape} over {axes} ({kind.value}, {outputs} outputs: "
             f"{-(-outputs // outputs_per_block(kind))} blocks for {facts.multiprocessors} multiprocessors, "
-            f"{loads_per_element} loads a value) -> "
+            f"{loads_per_element() if callable(loads_per_element) else loads_per_element} loads a value) -> "
             f"{parts} parts of axis {axis}")
     if parts is not None: return ReduceSplit(axis, parts, True)
   parts = cpu_split_parts(outputs, elements_per_output, shape[axis])
