@@ -10,7 +10,9 @@ cast, ...), realize and autograd (backward, detach, no_grad). The rest of
 Tensor's methods come from mixins, one module per job:
   ourgrad/tensor_creation.py  CreationMixin     zeros, full, arange, eye, *_like, new_*, rand, randn, manual_seed
   ourgrad/tensor_movement.py  MovementMixin     views (reshape, permute, pad, ...), indexing, cat/stack/split
-  ourgrad/tensor_math.py      ElementwiseMixin  broadcasting, operators, unary math, activations, rounding
+  ourgrad/tensor_scatter.py   ScatterMixin      gather, scatter, scatter_add, scatter_reduce, index_add
+  ourgrad/tensor_math.py      ElementwiseMixin  broadcasting, operators, unary math, rounding
+  ourgrad/tensor_activation.py ActivationMixin  relu, sigmoid, tanh, silu, gelu, elu, softplus, erf, ...
   ourgrad/tensor_reduce.py    ReduceMixin       reductions (sum, max, softmax, cumsum, ...) and matmul, triu, tril
   ourgrad/tensor_sort.py      SortMixin         sort, argsort, topk, multinomial
   ourgrad/tensor_special.py   SpecialMixin      atan, asin, acos, atan2, hypot, logit, xlogy, nansum, ...
@@ -43,12 +45,14 @@ from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import MultiLazyBuffer, Shard, shard_lazy
 from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import is_symbolic, sym_infer
+from ourgrad.tensor_activation import ActivationMixin
 from ourgrad.tensor_aliases import AliasMixin
 from ourgrad.tensor_creation import CreationMixin, canonical_devices
 from ourgrad.tensor_math import ElementwiseMixin
 from ourgrad.tensor_movement import MovementMixin
 from ourgrad.tensor_nn import NNMixin
 from ourgrad.tensor_reduce import ReduceMixin
+from ourgrad.tensor_scatter import ScatterMixin
 from ourgrad.tensor_sort import SortMixin
 from ourgrad.tensor_special import SpecialMixin
 
@@ -81,7 +85,8 @@ def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
                   f"array or a Tensor")
 
 
-class Tensor(CreationMixin, MovementMixin, ElementwiseMixin, ReduceMixin, SortMixin, SpecialMixin, AliasMixin, NNMixin):
+class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, ActivationMixin, ReduceMixin, SortMixin,
+             SpecialMixin, AliasMixin, NNMixin):
   """A multi-dimensional array on a device, computed lazily, with automatic differentiation.
 
   `Tensor(data, device=None, dtype=None, requires_grad=None)` takes a number, a nested list, a numpy array,
