@@ -191,12 +191,14 @@ def test_tall_tile_skips_lanes_in_one_l1_set():
 def test_reduce_parts_follow_the_page_positions():
   """Parts of a CPU matmul's reduce (1 MiB L2): rows 4 KiB apart (1024 float32) take one line position of a page,
   whose L2 lines (256) hold a panel of 512 lines at CPU_REDUCE_PANEL_SHARE 2; 6 KiB apart, two positions; a stride
-  that is no multiple of 64 bytes takes every position (the whole L2's lines)."""
+  that is no multiple of 64 bytes takes every position (the whole L2's lines), and more than CPU_REDUCE_MAX_POSITIONS
+  positions are not split."""
   assert cpu_reduce_parts(1024, 4096, 1 << 20) == 2
   assert cpu_reduce_parts(2048, 8192, 1 << 20) == 4
   assert cpu_reduce_parts(1536, 6144, 1 << 20) == 2
   assert cpu_reduce_parts(512, 4096, 1 << 20) == 1
   assert cpu_reduce_parts(1024, 4160, 1 << 20) == 1
+  assert cpu_reduce_parts(3072, 3072, 1 << 20) == 1   # rows 3 KiB apart: 4 positions, more than a split pays for
   assert cpu_reduce_parts(1024, 4096, 0) == 1   # a renderer that does not know its L2
 
 

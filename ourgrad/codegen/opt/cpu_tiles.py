@@ -215,16 +215,21 @@ def _cpu_cache_block(kernel: Kernel, columns: int, tile_columns: int) -> None:
 PAGE_BYTES = 4096
 CACHE_LINE_BYTES = 64
 CPU_REDUCE_PANEL_SHARE = 2.0
+# Only a panel whose lines take at most this many line positions of a page is split: rows 3 KiB apart (768 columns,
+# 4 positions) lost from a split at AVX-512 (one core, ms, whole / 2 parts / 3: 1536x3072x768 34 / 48 / 40,
+# 768x3072x768 18 / 21 / 20; AVX2 768x3072x768 34 / 39 / 35), where rows 4 and 6 KiB apart (1 and 2) win at both widths.
+CPU_REDUCE_MAX_POSITIONS = 2
 
 
 def cpu_reduce_parts(reduce_length: int, stride_bytes: int, l2_bytes: int) -> int:
   """Parts to split a CPU matmul's reduce of `reduce_length` into, where the streamed operand's consecutive reduce
   elements are `stride_bytes` apart and the core's L2 holds `l2_bytes`: 1 (no split) where the panel's lines fit the
-  L2 lines their page offsets may use, else the fewest parts (dividing the reduce) whose pieces fit."""
+  L2 lines their page offsets may use or take more than CPU_REDUCE_MAX_POSITIONS of them, else the fewest parts
+  (dividing the reduce) whose pieces fit."""
   if not l2_bytes or stride_bytes <= 0: return 1
   # the distinct line positions within a page that the panel's lines take, and the L2 lines each position has
   positions = PAGE_BYTES // max(math.gcd(stride_bytes, PAGE_BYTES), CACHE_LINE_BYTES)
   fitting_lines = int(positions * (l2_bytes // PAGE_BYTES) * CPU_REDUCE_PANEL_SHARE)
-  if reduce_length <= fitting_lines: return 1
+  if positions > CPU_REDUCE_MAX_POSITIONS or reduce_length <= fitting_lines: return 1
   return next((parts for parts in range(2, reduce_length + 1)
                if reduce_length % parts == 0 and reduce_length // parts <= fitting_lines), 1)
