@@ -23,6 +23,7 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
+from ourgrad.codegen.opt.cpu_tiles import cpu_reduce_parts
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
@@ -339,6 +340,7 @@ class LazyBuffer:
     the parts that matmul_grid.split_k_parts predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's feed-forward: 48
     blocks of 128x128 on 132 multiprocessors, 96 with the reduce in 2 parts), at most MATMUL_SUM_PARTS. None: no
     split (a matmul with few outputs splits by split_reduce.plan_split)."""
+    if self._gpu_renderer() is None: return self._cpu_matmul_split_parts(axes)
     renderer = self._gpu_renderer()
     if not MATMUL_GRID.value or renderer is None or not self._matmul_like_reduce(axes): return None
     if leaves_device_idle(SplitFacts.of(renderer), ReduceKind.MATMUL, prod(out_shape)): return None
@@ -346,6 +348,18 @@ class LazyBuffer:
     if dims is None: return None
     parts = split_k_parts(1, *dims, getattr(renderer, "multiprocessors", 0))
     return parts if 1 < parts <= MATMUL_SUM_PARTS else None
+
+  def _cpu_matmul_split_parts(self, axes: tuple[int, ...]) -> int | None:
+    """Reduce blocks for a float32 matmul on a CPU (cpu_tiles.cpu_reduce_parts): where the operand streamed along N
+    (read one row of it a reduce step) has rows so far apart in memory that its panel leaves the L2, the reduce goes
+    in parts of a length that stays. None: no split."""
+    if self.device.startswith("DISK") or self._dense_matmul_dims(axes) is None: return None
+    streamed = next(src for src in self.base.srcs if src.st.views[-1].strides[-2] != 0)
+    stride = streamed.st.views[-1].strides[-1]
+    if not isinstance(stride, int): return None
+    l2_bytes = getattr(Device[self.device].renderer, "l2_cache_bytes", 0)
+    parts = cpu_reduce_parts(self.shape[-1], abs(stride) * self.dtype.itemsize, l2_bytes)
+    return parts if parts > 1 else None
 
   def _dense_matmul_dims(self, axes: tuple[int, ...]) -> tuple[int, int, int] | None:
     """(M, N, K) of a float32 product (..., M, N, K) summed over K (the last axis), one factor varying along M and

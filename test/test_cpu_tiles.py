@@ -23,7 +23,7 @@ import pytest
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.opt.cpu_tiles import cpu_tile_rows
+from ourgrad.codegen.opt.cpu_tiles import cpu_reduce_parts, cpu_tile_rows
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine.schedule import create_schedule
@@ -186,3 +186,51 @@ def test_tall_tile_skips_lanes_in_one_l1_set():
   a_np, b_np = rng.standard_normal((48, 1024)).astype(np.float32), rng.standard_normal((64, 1024)).astype(np.float32)
   _, kernel = _kernel(Tensor(a_np).realize() @ Tensor(b_np).realize().T, "x86-64-v4")
   assert [kernel.full_shape[axis] for axis in kernel.upcast_axes][:2] == [8, 32]
+
+
+def test_reduce_parts_follow_the_page_positions():
+  """Parts of a CPU matmul's reduce (1 MiB L2): rows 4 KiB apart (1024 float32) take one line position of a page,
+  whose L2 lines (256) hold a panel of 512 lines at CPU_REDUCE_PANEL_SHARE 2; 6 KiB apart, two positions; a stride
+  that is no multiple of 64 bytes takes every position (the whole L2's lines), and more than CPU_REDUCE_MAX_POSITIONS
+  positions are not split."""
+  assert cpu_reduce_parts(1024, 4096, 1 << 20) == 2
+  assert cpu_reduce_parts(2048, 8192, 1 << 20) == 4
+  assert cpu_reduce_parts(1536, 6144, 1 << 20) == 2
+  assert cpu_reduce_parts(512, 4096, 1 << 20) == 1
+  assert cpu_reduce_parts(1024, 4160, 1 << 20) == 1
+  assert cpu_reduce_parts(3072, 3072, 1 << 20) == 1   # rows 3 KiB apart: 4 positions, more than a split pays for
+  assert cpu_reduce_parts(1024, 4096, 0) == 1   # a renderer that does not know its L2
+
+
+def _run_schedule_at(output: Tensor, march: str) -> tuple[int, np.ndarray]:
+  """Every kernel of `output`'s schedule optimized for `march`, compiled and run in order on numpy buffers: the
+  kernel count and the last kernel's output."""
+  arrays: dict[int, np.ndarray] = {}
+  items = [item for item in create_schedule([output.lazydata]) if item.outputs]
+  for item in items:
+    kernel = Kernel(item.ast, _renderer(march))
+    kernel.hand_coded_optimizations()
+    inputs = [arrays[id(buffer)] if id(buffer) in arrays else np.ascontiguousarray(buffer.numpy())
+              for buffer in item.inputs]
+    result = np.zeros(item.outputs[0].size, item.outputs[0].dtype.np)
+    _run_compiled(_source(kernel), kernel.name, march, [result, *inputs])
+    arrays[id(item.outputs[0])] = result
+  return len(items), result
+
+
+@pytest.mark.parametrize("march", sorted(TARGETS))
+@pytest.mark.parametrize("n,parts", [(1024, 2), (1040, 1)])
+def test_aliased_panel_splits_the_reduce(march: str, n: int, parts: int, monkeypatch: pytest.MonkeyPatch):
+  """A matmul whose B rows are 4 KiB apart (1024 columns) runs its reduce of 1024 in 2 parts (a kernel of partial
+  results, then their sum); 1040 columns stays one kernel. The values match numpy at both widths."""
+  _gcc()
+  _, _, cpu_flag = TARGETS[march]
+  monkeypatch.setattr(Device["CLANG"].renderer, "l2_cache_bytes", 1 << 20, raising=False)
+  output, a_np, b_np = _matmul(12, 1024, n)
+  assert Device[output.device].renderer is Device["CLANG"].renderer
+  if not _cpu_has(cpu_flag): pytest.skip(f"this CPU cannot run -march={march} code (no {cpu_flag})")
+  kernels, result = _run_schedule_at(output, march)
+  assert kernels == (2 if parts > 1 else 1)
+  np.testing.assert_allclose(result.reshape(12, n), a_np @ b_np, rtol=1e-4, atol=1e-3)
+  # the CLANG device's own path (a fresh product: the one above was scheduled by hand)
+  np.testing.assert_allclose((Tensor(a_np) @ Tensor(b_np)).numpy(), a_np @ b_np, rtol=1e-4, atol=1e-3)

@@ -5,6 +5,7 @@ column tiles sized from the L2 (docs/backends.md, "CPU matmul tiles").
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
@@ -199,3 +200,36 @@ def _cpu_cache_block(kernel: Kernel, columns: int, tile_columns: int) -> None:
   # a panel too long for the L2 on its own (a reduce of many thousands) would need the reduce blocked too: left as is
   amount = max((count for count in range(2, min(fitting, tiles) + 1) if tiles % count == 0), default=0)
   if amount: kernel.try_opt(Opt(OptOps.BLOCK, columns, amount))
+
+
+# Reduce blocks (split K): the streamed operand's panel (reduce length x a tile's columns) is read one cache line a
+# reduce step, a row stride apart. With 4 KiB pages, a line's place within its page picks which part of the L2 it may
+# use: lines a multiple of 4 KiB apart (a power-of-two row of 1024 or more float32) all land in 1/64 of the L2, lines
+# 6 KiB apart (1536 columns) in 2/64. Where the panel has more lines than that part holds, every row tile reads it
+# from L3 again (2048^3 float32 at AVX2: 2.1x numpy's time). The reduce is then split into parts whose panels fit
+# CPU_REDUCE_PANEL_SHARE of that part, each part a matmul of its own into partial results that are added after.
+# The share: how many lines a part's panel may have, in L2 lines of its page positions; measured (one AVX2 core, Zen 5,
+# 1 MiB L2, float32, ms by CPU time, parts of 128/256/512): 2048^3 238/202/201 (373 whole), 1536^3 72/66/65 (88),
+# 1024^3 26/30/25 (32); a stride that is not aliased (1000x1024x1040) 20/19/18 (18 whole): the hardware prefetcher
+# keeps a panel of twice the lines its positions hold flowing, more than those of one part miss again.
+PAGE_BYTES = 4096
+CACHE_LINE_BYTES = 64
+CPU_REDUCE_PANEL_SHARE = 2.0
+# Only a panel whose lines take at most this many line positions of a page is split: rows 3 KiB apart (768 columns,
+# 4 positions) lost from a split at AVX-512 (one core, ms, whole / 2 parts / 3: 1536x3072x768 34 / 48 / 40,
+# 768x3072x768 18 / 21 / 20; AVX2 768x3072x768 34 / 39 / 35), where rows 4 and 6 KiB apart (1 and 2) win at both widths.
+CPU_REDUCE_MAX_POSITIONS = 2
+
+
+def cpu_reduce_parts(reduce_length: int, stride_bytes: int, l2_bytes: int) -> int:
+  """Parts to split a CPU matmul's reduce of `reduce_length` into, where the streamed operand's consecutive reduce
+  elements are `stride_bytes` apart and the core's L2 holds `l2_bytes`: 1 (no split) where the panel's lines fit the
+  L2 lines their page offsets may use or take more than CPU_REDUCE_MAX_POSITIONS of them, else the fewest parts
+  (dividing the reduce) whose pieces fit."""
+  if not l2_bytes or stride_bytes <= 0: return 1
+  # the distinct line positions within a page that the panel's lines take, and the L2 lines each position has
+  positions = PAGE_BYTES // max(math.gcd(stride_bytes, PAGE_BYTES), CACHE_LINE_BYTES)
+  fitting_lines = int(positions * (l2_bytes // PAGE_BYTES) * CPU_REDUCE_PANEL_SHARE)
+  if positions > CPU_REDUCE_MAX_POSITIONS or reduce_length <= fitting_lines: return 1
+  return next((parts for parts in range(2, reduce_length + 1)
+               if reduce_length % parts == 0 and reduce_length // parts <= fitting_lines), 1)
