@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ourgrad.codegen.kernel import SHARED_ASYNC, Kernel, KernelOptError, Opt, OptOps, matmul_operands
 from ourgrad.dtype import DType, dtypes
-from ourgrad.codegen.opt.plans import Plan, Strategy, register_plan
+from ourgrad.codegen.opt.plans import Plan, Strategy, gpu_local_reduce, register_plan
 from ourgrad.helpers import power_of_two_divisor
 
 
@@ -187,7 +187,7 @@ class TensorCoreConvStrategy(Strategy):
   they divide. conv2d 64x64x56x56 3x3 f16 on the H100: 0.134 ms; the unstaged TC kernel 0.407."""
   name = "tensor_core_conv"
 
-  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel) and not kernel.applied_opts
+  def applies(self, kernel: Kernel) -> bool: return gpu_local_reduce(kernel) and not kernel.applied_opts
 
   def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
     for choice, tc in enumerate(getattr(kernel.renderer, "tensor_cores", ())):
@@ -332,11 +332,6 @@ def _repeat_plan(kernel: Kernel, plan: list[Opt], pixel_axes: list[int], tile: C
   return repeats
 
 
-def _gpu_local_reduce(kernel: Kernel) -> bool:
-  renderer = kernel.renderer
-  return renderer.has_threads and getattr(renderer, "has_local", False) and kernel.reduceop is not None
-
-
 @register_plan
 @dataclass(frozen=True)
 class ConvTilePlan(Plan):
@@ -350,7 +345,7 @@ class ConvTileStrategy(Strategy):
   """shared_conv_tiles: the first tile of CONV_TILES that fits the convolution."""
   name = "shared_conv"
 
-  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel)
+  def applies(self, kernel: Kernel) -> bool: return gpu_local_reduce(kernel)
 
   def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
     if kernel.applied_opts or _conv_sides(kernel) is None: return None
@@ -374,7 +369,7 @@ class WeightGradientStrategy(Strategy):
   """weight_gradient_tiles: the first tile of WEIGHT_GRADIENT_TILES that applies."""
   name = "weight_gradient"
 
-  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel)
+  def applies(self, kernel: Kernel) -> bool: return gpu_local_reduce(kernel)
 
   def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
     if kernel.applied_opts or _weight_gradient_sides(kernel) is None: return None

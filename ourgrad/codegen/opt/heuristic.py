@@ -42,7 +42,8 @@ from typing import Callable, Sequence
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import ConvTileStrategy, TensorCoreConvStrategy, WeightGradientStrategy
-from ourgrad.codegen.opt.plans import Plan, RecognizerStrategy, Strategy, first_plan, memory_loads, register_plan
+from ourgrad.codegen.opt.plans import (Plan, RecognizerStrategy, Strategy, cpu_reduce, first_plan, gpu_elementwise,
+                                       gpu_local_reduce, gpu_reduce, memory_loads, register_plan)
 from ourgrad.codegen.opt.shared_tile_plans import SharedTileStrategy, dense_matmul_axes
 from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrategy
 from ourgrad.codegen.opt.transpose_tiles import transpose_tiles
@@ -65,16 +66,6 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   """Apply the default Opts for the kernel's device in place: the plan of the first strategy of STRATEGIES that fits
   (kernel.plan records it)."""
   first_plan(STRATEGIES, kernel)
-
-
-def _gpu_reduce(kernel: Kernel) -> bool: return kernel.renderer.has_threads and kernel.reduceop is not None
-
-
-def _gpu_local_reduce(kernel: Kernel) -> bool:
-  return _gpu_reduce(kernel) and getattr(kernel.renderer, "has_local", False)
-
-
-def _cpu_reduce(kernel: Kernel) -> bool: return not kernel.renderer.has_threads and kernel.reduceop is not None
 
 
 def _sibling_reduces(kernel: Kernel) -> bool:
@@ -140,7 +131,7 @@ class ThinMatmulStrategy(Strategy):
   left is unrolled by 4 where it divides."""
   name = "thin_matmul"
 
-  def applies(self, kernel: Kernel) -> bool: return _gpu_local_reduce(kernel)
+  def applies(self, kernel: Kernel) -> bool: return gpu_local_reduce(kernel)
 
   def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
     axes = dense_matmul_axes(kernel)
@@ -463,14 +454,14 @@ STRATEGIES: list[Strategy] = [
   ConvTileStrategy(),
   WeightGradientStrategy(),
   ThinMatmulStrategy(),
-  RecognizerStrategy("window", _gpu_reduce, lambda kernel: window_tiles(kernel)),
-  RecognizerStrategy("group_reduce", lambda kernel: _gpu_local_reduce(kernel) and not _gpu_tiles_pay_off(kernel),
+  RecognizerStrategy("window", gpu_reduce, lambda kernel: window_tiles(kernel)),
+  RecognizerStrategy("group_reduce", lambda kernel: gpu_local_reduce(kernel) and not _gpu_tiles_pay_off(kernel),
                      lambda kernel: _group_reduce(kernel)),
-  RecognizerStrategy("transpose_tiles", lambda kernel: kernel.renderer.has_threads and kernel.reduceop is None,
+  RecognizerStrategy("transpose_tiles", gpu_elementwise,
                      lambda kernel: transpose_tiles(kernel)),
-  RecognizerStrategy("elementwise_rows", lambda kernel: kernel.renderer.has_threads and kernel.reduceop is None,
+  RecognizerStrategy("elementwise_rows", gpu_elementwise,
                      lambda kernel: elementwise_rows(kernel)),
-  RecognizerStrategy("cpu_matmul", _cpu_reduce, lambda kernel: cpu_matmul_tiles(kernel)),
-  RecognizerStrategy("cpu_vector_lanes", _cpu_reduce, lambda kernel: _cpu_vector_lanes(kernel)),
+  RecognizerStrategy("cpu_matmul", cpu_reduce, lambda kernel: cpu_matmul_tiles(kernel)),
+  RecognizerStrategy("cpu_vector_lanes", cpu_reduce, lambda kernel: _cpu_vector_lanes(kernel)),
   RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles),
 ]

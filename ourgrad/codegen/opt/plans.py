@@ -132,6 +132,27 @@ class RecognizerStrategy(Strategy):
     return OptsPlan(self.name, tuple(trial.applied_opts[len(kernel.applied_opts):])), trial
 
 
+# which kernels a strategy is for (its `applies`): the renderer's kind and whether the kernel reduces
+def gpu_reduce(kernel: Kernel) -> bool:
+  """A reduce kernel on a renderer of thread blocks."""
+  return kernel.renderer.has_threads and kernel.reduceop is not None
+
+
+def gpu_local_reduce(kernel: Kernel) -> bool:
+  """A reduce kernel on a renderer of thread blocks with local (shared) memory."""
+  return gpu_reduce(kernel) and getattr(kernel.renderer, "has_local", False)
+
+
+def gpu_elementwise(kernel: Kernel) -> bool:
+  """A kernel without a reduce on a renderer of thread blocks."""
+  return kernel.renderer.has_threads and kernel.reduceop is None
+
+
+def cpu_reduce(kernel: Kernel) -> bool:
+  """A reduce kernel on a CPU renderer (no thread blocks)."""
+  return not kernel.renderer.has_threads and kernel.reduceop is not None
+
+
 def memory_loads(kernel: Kernel) -> list[ShapeTracker]:
   """The views of the kernel's loads from memory (not its constants), in AST order: what strategies match on."""
   return [st for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]

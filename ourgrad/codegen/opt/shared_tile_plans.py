@@ -12,7 +12,7 @@ from typing import Iterator
 
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.opt import matmul_grid
-from ourgrad.codegen.opt.plans import Plan, Strategy, memory_loads, register_plan
+from ourgrad.codegen.opt.plans import Plan, Strategy, gpu_local_reduce, memory_loads, register_plan
 from ourgrad.codegen.opts import Opt, OptOps
 from ourgrad.codegen.shared_tiles import SHARED_TILE_PADDING, SharedStructure
 from ourgrad.dtype import dtypes
@@ -158,8 +158,7 @@ class SharedTileStrategy(Strategy):
   name = "shared_tiles"
   beam_ops = (OptOps.SHARED,)
 
-  def applies(self, kernel: Kernel) -> bool:
-    return kernel.renderer.has_threads and getattr(kernel.renderer, "has_local", False) and kernel.reduceop is not None
+  def applies(self, kernel: Kernel) -> bool: return gpu_local_reduce(kernel)
 
   def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
     axes = dense_matmul_axes(kernel)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, tensor_core_operands
-from ourgrad.codegen.opt.plans import Plan, Strategy, register_plan
+from ourgrad.codegen.opt.plans import Plan, Strategy, gpu_reduce, register_plan
 from ourgrad.codegen.opts import TC_TILE_STAGES, WGMMA_DEEP, WGMMA_SPECIALIZED, Opt, OptOps
 from ourgrad.helpers import DEBUG, prod
 from ourgrad.ops import Ops
@@ -54,8 +54,7 @@ class WgmmaStrategy(Strategy):
   beam_ops = (OptOps.WGMMA,)
 
   def applies(self, kernel: Kernel) -> bool:
-    return (kernel.renderer.has_threads and kernel.reduceop is not None and
-            getattr(kernel.renderer, "has_wgmma", False) and not kernel.applied_opts)
+    return gpu_reduce(kernel) and getattr(kernel.renderer, "has_wgmma", False) and not kernel.applied_opts
 
   def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
     if prod(kernel.full_shape) < WGMMA_MIN_WORK: return None
@@ -139,8 +138,7 @@ class TensorCoreStrategy(Strategy):
   name = "tensor_cores"
   beam_ops = (OptOps.TC,)
 
-  def applies(self, kernel: Kernel) -> bool:
-    return kernel.renderer.has_threads and kernel.reduceop is not None
+  def applies(self, kernel: Kernel) -> bool: return gpu_reduce(kernel)
 
   def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
     for choice, tc in enumerate(getattr(kernel.renderer, "tensor_cores", ())):
