@@ -56,12 +56,13 @@ class ScatterMixin:
       flat = flat + Tensor.arange(index.shape[a], device=self.device).reshape(shape) * strides[a]
     return ((picked >= 0) & (picked < size)).where(flat, self.numel())
 
-  def _scatter_hits(self, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+  def _scatter_hits(self, dim: int, index: Tensor, src: Tensor, name: str = "scatter") -> tuple[Tensor, Tensor]:
     """With `dim` moved last: a bool one-hot (..., k, n), True where source position k along `dim` targets position
-    n, and the sources (..., k, 1) in this tensor's dtype. Shapes checked as torch.scatter checks them."""
+    n, and the sources (..., k, 1) in this tensor's dtype. Shapes checked as torch.scatter checks them (errors name
+    the op `name`)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
-    self._check_scatter("scatter", dim, index, src)
+    self._check_scatter(name, dim, index, src)
     src = src.shrink([(0, size) for size in index.shape])
     size = self.shape[axis]
     index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
@@ -179,15 +180,8 @@ class ScatterMixin:
     """For scatter_reduce: with `dim` moved last, a bool (..., k, n) of which of the k sources along `dim` lands on
     each of the n places, and the sources' values (..., k, 1), both widened to this tensor's other sizes (the index
     may be smaller than it there: the extra places receive nothing)."""
-    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     axis = self._axis(dim)
-    self._check_scatter("scatter_reduce", dim, index, src)
-    src = src.shrink([(0, size) for size in index.shape])
-    size = self.shape[axis]
-    index_last = index.transpose(axis, -1).unsqueeze(-1)  # (..., k, 1)
-    index_last = (index_last < 0).where(index_last + size, index_last)
-    hits = index_last == Tensor.arange(size, device=self.device)  # (..., k, n)
-    values = src.cast(self.dtype).transpose(axis, -1).unsqueeze(-1)
+    hits, values = self._scatter_hits(dim, index, src, "scatter_reduce")
     grow = [(0, target - have) for target, have in zip(self.transpose(axis, -1).shape[:-1], hits.shape[:-2])]
     return hits.pad(grow + [None, None]), values.pad(grow + [None, None])
 
