@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (sm_90): the CUDA renderer's kernel prologue (griddepcontrol.wait) and the TinyJit graph's programmatic edges (runtime/ops_cuda.CUDAGraph).
+"""Programmatic dependent launch (sm_90): the CUDA renderer's kernel prologue (griddepcontrol.wait) and the TinyJit
+graph's programmatic edges (runtime/ops_cuda.CUDAGraph).
 
 Without a GPU: the rendered sources (sm_90 has the prologue as the first lines of every kernel body, the wgmma kernel
 included; sm_80 has none), NVRTC compiles them, and CUDAGraph wires its nodes with programmatic edges only when the
