@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ourgrad.device import Compiled, Compiler, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import CUDA_PTX
+from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH, CUDA_PTX
 from ourgrad.renderer.cuda import DYNAMIC_SHARED_SYMBOL, CUDARenderer
 
 try:
@@ -306,12 +306,24 @@ class CUDAProgram:
     return milliseconds / 1e3
 
 
+def programmatic_edge() -> Any:
+  """A graph edge after which the next kernel may launch once every block of the previous one has exited (or
+  triggered with griddepcontrol.launch_dependents), rather than when the grid has completed."""
+  edge = driver.CUgraphEdgeData()
+  edge.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+  edge.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+  return edge
+
+
 class CUDAGraph:
   """Kernels replayed by the JIT as one CUDA graph: one kernel node per launch, each depending on the one before (they
-  ran in that order on one stream), instantiated once. Each node's parameter struct and its argument array stay
-  alive for the graph's life: `set_argument` writes one pointer into that array and marks the node, and `launch`
-  hands each marked node's struct to the driver (cuGraphExecKernelNodeSetParams: no re-instantiation, nothing
-  rebuilt) before one cuGraphLaunch."""
+  ran in that order on one stream), instantiated once. Where the renderer writes the dependent-launch prologue
+  (sm_90, renderer/cuda.py DEPENDENT_LAUNCH_PROLOGUE) and CUDA_DEPENDENT_LAUNCH is on, the edges are programmatic: a
+  kernel is launched as the blocks of the one before exit, and waits in its prologue for that kernel to finish, so
+  the launch latency hides behind the previous kernel's last blocks. Each node's parameter struct
+  and its argument array stay alive for the graph's life: `set_argument` writes one pointer into that array and
+  marks the node, and `launch` hands each marked node's struct to the driver (cuGraphExecKernelNodeSetParams: no
+  re-instantiation, nothing rebuilt) before one cuGraphLaunch."""
 
   def __init__(self, device: CUDADevice,
                launches: list[tuple[CUDAProgram, tuple[int, ...], tuple[int, ...], list, list[int]]]):
@@ -324,6 +336,8 @@ class CUDAGraph:
     self.keep_alive: list[Any] = []  # per node: the array of pointers to those arguments
     self.changed: set[int] = set()   # nodes whose arguments changed since the last launch
     previous: list[Any] = []
+    renderer = getattr(device, "renderer", None)
+    programmatic = getattr(renderer, "dependent_launch", False) and bool(CUDA_DEPENDENT_LAUNCH)
     for program, global_size, local_size, handles, values in launches:
       # one 8-byte slot per argument: a buffer's device pointer, or a symbolic Variable's value (the kernel's `int`
       # reads the slot's low 4 bytes: little-endian)
@@ -338,7 +352,12 @@ class CUDAGraph:
       params.sharedMemBytes = program.shared_bytes
       params.kernelParams = ctypes.addressof(pointers)
       params.extra = 0
-      node = check(driver.cuGraphAddKernelNode(self.graph, previous, len(previous), params), "cuGraphAddKernelNode")
+      if programmatic and previous:
+        node = check(driver.cuGraphAddKernelNode(self.graph, [], 0, params), "cuGraphAddKernelNode")
+        check(driver.cuGraphAddDependencies(self.graph, previous, [node], [programmatic_edge()], 1),
+              "cuGraphAddDependencies")
+      else:
+        node = check(driver.cuGraphAddKernelNode(self.graph, previous, len(previous), params), "cuGraphAddKernelNode")
       previous = [node]
       self.nodes.append(node)
       self.node_params.append(params)

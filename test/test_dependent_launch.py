@@ -1,0 +1,142 @@
+"""Programmatic dependent launch (sm_90): the CUDA renderer's kernel prologue (griddepcontrol.wait) and the TinyJit
+graph's programmatic edges (runtime/ops_cuda.CUDAGraph).
+
+Without a GPU: the rendered sources (sm_90 has the prologue as the first lines of every kernel body, the wgmma kernel
+included; sm_80 has none), NVRTC compiles them, and CUDAGraph wires its nodes with programmatic edges only when the
+renderer writes the prologue (the driver's graph calls replaced by fakes that record them). On a GPU: a jitted chain
+of dependent kernels gives numpy's results with and without programmatic edges."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ourgrad import Tensor, TinyJit
+from ourgrad.device import Device
+from ourgrad.renderer.cuda import DEPENDENT_LAUNCH_PROLOGUE, CUDARenderer
+from ourgrad.codegen.wgmma_tiles import WgmmaMatmul
+
+
+def _elementwise_source(renderer: CUDARenderer) -> str:
+  """The CUDA source of a small elementwise kernel lowered for `renderer`."""
+  from ourgrad.codegen.kernel import Kernel
+  from ourgrad.codegen.lowering import lower_kernel
+  from ourgrad.engine.schedule import create_schedule
+  out = (Tensor.empty(64, device="PYTHON") * 2 + 1).lazydata
+  item = create_schedule([out])[-1]
+  kernel = Kernel(item.ast, renderer)
+  kernel.hand_coded_optimizations()
+  return lower_kernel(kernel, renderer, "E_test").source
+
+
+def _body_start(source: str) -> str:
+  start = source.index('extern "C" __global__')
+  return source[source.index("{\n", start) + 2:]
+
+
+def test_sm90_kernels_start_with_the_prologue():
+  source = _elementwise_source(CUDARenderer("sm_90"))
+  assert _body_start(source).startswith(DEPENDENT_LAUNCH_PROLOGUE)
+  assert source.count("griddepcontrol.wait") == 1
+
+
+def test_other_architectures_have_no_prologue():
+  assert "griddepcontrol" not in _elementwise_source(CUDARenderer("sm_80"))
+  assert "griddepcontrol" not in _elementwise_source(CUDARenderer())
+
+
+def test_the_wgmma_kernel_starts_with_the_prologue():
+  plan = WgmmaMatmul(m=256, n=256, k=128, block_n=128, dtype="float16", out_dtype="float16")
+  source = CUDARenderer("sm_90").render_wgmma("r_wgmma_test", plan, {"c": 0, "a": 1, "b": 2})
+  assert _body_start(source).startswith(DEPENDENT_LAUNCH_PROLOGUE)
+
+
+def test_nvrtc_compiles_the_prologue():
+  ops_cuda = pytest.importorskip("ourgrad.runtime.ops_cuda", exc_type=ImportError)
+  try:
+    cubin = ops_cuda.CUDACompiler("sm_90").compile(_elementwise_source(CUDARenderer("sm_90")))
+  except Exception as error:   # no NVRTC library in this environment
+    if "nvrtc" in str(error).lower() and "not" in str(error).lower(): pytest.skip(str(error))
+    raise
+  assert len(cubin) > 0
+
+
+class _RecordingDriver:
+  """The graph calls CUDAGraph makes, recorded; the rest of cuda-python's driver module passes through."""
+
+  def __init__(self, driver):
+    self.driver, self.kernel_nodes, self.edges = driver, [], []
+
+  def __getattr__(self, name):
+    return getattr(self.driver, name)
+
+  def cuGraphCreate(self, flags): return (self.driver.CUresult.CUDA_SUCCESS, "graph")
+
+  def cuGraphAddKernelNode(self, graph, dependencies, count, params):
+    node = f"node{len(self.kernel_nodes)}"
+    self.kernel_nodes.append((node, list(dependencies)))
+    return (self.driver.CUresult.CUDA_SUCCESS, node)
+
+  def cuGraphAddDependencies(self, graph, from_nodes, to_nodes, edges, count):
+    self.edges.append((list(from_nodes), list(to_nodes), [(edge.type, edge.from_port) for edge in edges]))
+    return (self.driver.CUresult.CUDA_SUCCESS,)
+
+  def cuGraphInstantiate(self, graph, flags): return (self.driver.CUresult.CUDA_SUCCESS, "exec")
+
+  def cuGraphExecDestroy(self, graph_exec): return (self.driver.CUresult.CUDA_SUCCESS,)
+
+  def cuGraphDestroy(self, graph): return (self.driver.CUresult.CUDA_SUCCESS,)
+
+
+class _FakeProgram:
+  function, shared_bytes = 0, 0   # the kernel handle: a CUfunction (an address) in a real program
+
+
+class _FakeDevice:
+  def __init__(self, arch: str): self.renderer = CUDARenderer(arch)
+
+  def make_current(self) -> None: pass
+
+
+@pytest.mark.parametrize("arch, enabled, programmatic", [("sm_90", 1, True), ("sm_90", 0, False), ("sm_80", 1, False)])
+def test_graph_edges_are_programmatic_only_with_the_prologue(monkeypatch, arch, enabled, programmatic):
+  ops_cuda = pytest.importorskip("ourgrad.runtime.ops_cuda", exc_type=ImportError)
+  recorder = _RecordingDriver(ops_cuda.driver)
+  monkeypatch.setattr(ops_cuda, "driver", recorder)
+  monkeypatch.setattr(ops_cuda, "CUDA_DEPENDENT_LAUNCH", enabled)
+  launches = [(_FakeProgram(), (1, 1, 1), (32, 1, 1), [1000 + index], []) for index in range(3)]
+  graph = ops_cuda.CUDAGraph(_FakeDevice(arch), launches)
+  nodes = [node for node, _ in recorder.kernel_nodes]
+  if programmatic:
+    assert all(dependencies == [] for _, dependencies in recorder.kernel_nodes)
+    kind = (recorder.driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC,
+            recorder.driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC)
+    assert recorder.edges == [([nodes[0]], [nodes[1]], [kind]), ([nodes[1]], [nodes[2]], [kind])]
+  else:
+    assert [dependencies for _, dependencies in recorder.kernel_nodes] == [[], [nodes[0]], [nodes[1]]]
+    assert recorder.edges == []
+  del graph
+
+
+@pytest.mark.skipif(Device.DEFAULT != "CUDA", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("enabled", [0, 1])
+def test_jitted_chain_matches_numpy(monkeypatch, enabled):
+  from ourgrad.runtime import ops_cuda
+  monkeypatch.setattr(ops_cuda, "CUDA_DEPENDENT_LAUNCH", enabled)
+  rng = np.random.default_rng(0)
+  values = rng.standard_normal((256, 512)).astype(np.float32)
+
+  @TinyJit
+  def chain(x: Tensor) -> Tensor:
+    # each kernel reads the one before's result: a reduce, an elementwise use of it, a matmul, a softmax
+    centered = x - x.mean(axis=1, keepdim=True)
+    return (centered @ centered.T).softmax(axis=1).sum(axis=0).realize()
+
+  for step in range(4):
+    x = Tensor(values + step).realize()
+    got = chain(x).numpy()
+    shifted = values + step
+    centered = shifted - shifted.mean(axis=1, keepdims=True)
+    scores = centered.astype(np.float64) @ centered.T.astype(np.float64)
+    expected = np.exp(scores - scores.max(axis=1, keepdims=True))
+    expected = (expected / expected.sum(axis=1, keepdims=True)).sum(axis=0)
+    np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3)
