@@ -1,6 +1,7 @@
 """Probe a GPT-2 training step's kernels: one 8 x 512 TinyJit step (PROBE_LAYERS layers, default 2; PROBE_CONFIG
-'batch,seq,width,heads,layers,vocab' overrides) with TF32 matmuls; writes the CUDA source of each kernel whose name
-matches PROBE_RE to $OUT/sources.txt, then replays one step between cuProfilerStart/Stop for ncu:
+'batch,seq,width,heads,layers,vocab' overrides) with TF32 matmuls (PROBE_AUTOCAST=bf16: under bf16 autocast);
+writes the CUDA source of each kernel whose name matches PROBE_RE to $OUT/sources.txt, then replays one step between
+cuProfilerStart/Stop for ncu:
 
     ncu --profile-from-start off --metrics $METRICS --csv --log-file k.csv python extra/bench/probe_gpt2_kernels.py
 
@@ -27,7 +28,7 @@ def main() -> None:
   batch = rng.integers(0, config.model.vocab_size, (config.batch, config.sequence + 1)).astype(np.int32)
   tokens, targets = Tensor(batch[:, :-1].copy()).realize(), Tensor(batch[:, 1:].copy()).realize()
   model = bg.ourgrad_model(config, weights, dev)
-  step = TinyJit(bg.ourgrad_step(model, None))
+  step = TinyJit(bg.ourgrad_step(model, os.environ.get("PROBE_AUTOCAST") or None))
   for _ in range(3): step(tokens, targets).item()
   pattern = re.compile(os.environ.get("PROBE_RE", "^E_|^r_8_12|^r_768|^r_2304|^r_3072"))
   seen = set()
