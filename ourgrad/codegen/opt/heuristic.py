@@ -376,10 +376,11 @@ def _vector_plan_takes_all(kernel: Kernel) -> bool:
 
 
 def _elementwise_rows(kernel: Kernel) -> None:
-  """GPU elementwise over several axes: each thread takes 4 outputs, so it has 4 loads in flight: along the
-  contiguous axis as one float4 load and store where the renderer has vector loads, else along an outer axis (every
+  """GPU elementwise: each thread takes 4 outputs, so it has 4 loads in flight: along the contiguous axis as one
+  float4 load and store where the renderer has vector loads (a flat kernel too: GELU over a whole activation, its
+  transcendentals included; one float a thread left the H200's DRAM at 42%), else along an outer axis (every
   scalar load instruction of a warp stays coalesced)."""
-  if kernel.first_reduce < 2: return
+  if kernel.first_reduce < 1: return
   contiguous = _contiguous_axis(kernel)
   width = getattr(kernel.renderer, "vector_width", 0)
   if width and contiguous is not None and contiguous < kernel.first_reduce and \
