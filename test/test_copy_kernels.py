@@ -195,3 +195,47 @@ def test_index_given_valid_matches_brute_force() -> None:
       if valid.evaluate(values): assert simplified.evaluate(values) == index.evaluate(values)
     # each piece's mask fixes the block index: it leaves the expression
     assert "gidx0" not in simplified.render(), simplified
+
+
+def test_packed_adamw_segments_load_and_store_float4() -> None:
+  """Two AdamW groups (nanoGPT's: decayed matrices, plain vectors) over parameters of 4-divisible sizes and one of 7
+  elements: the step's packed kernel (codegen/packed.py) takes 4 elements a thread in each 4-divisible segment
+  (float4 loads of parameter, gradient and moments, float4 stores of each output) and one in the odd one; two steps
+  on the PYTHON device (GPU-like: vector width 4) against torch.optim.AdamW."""
+  import torch
+  from ourgrad.codegen.packed import PackedKernel
+  from ourgrad.nn.optim import AdamW
+  from ourgrad.ops import Ops
+  shapes = [(24, 16), (40, 8), (64,), (7,), (12,)]
+  initial = [_array(*shape) for shape in shapes]
+  weights = [_array(*shape) for shape in shapes]
+  params = [Tensor(value.copy(), device="PYTHON", requires_grad=True) for value in initial]
+  decayed, plain = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+  optimizers = [AdamW(decayed, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
+                AdamW(plain, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)]
+  torch_params = [torch.tensor(value.copy(), requires_grad=True) for value in initial]
+  torch_optimizers = [torch.optim.AdamW([p for p in torch_params if p.ndim >= 2], lr=1e-2, betas=(0.9, 0.95),
+                                        weight_decay=0.1),
+                      torch.optim.AdamW([p for p in torch_params if p.ndim < 2], lr=1e-2, betas=(0.9, 0.95),
+                                        weight_decay=0.0)]
+  sources: list[str] = []
+  for _ in range(2):
+    for optimizer in optimizers: optimizer.zero_grad()
+    loss = sum(((param * Tensor(weight, device="PYTHON")) ** 2).sum() for param, weight in zip(params, weights))
+    loss.backward()
+    updates = [tensor for optimizer in optimizers for tensor in optimizer.schedule_step()]
+    schedule = create_schedule([tensor.lazydata for tensor in updates])
+    sources += [CUDARenderer().render("pack", PackedKernel(item.ast, CUDARenderer()).linearize())
+                for item in schedule if item.ast.op is Ops.PACK]
+    run_schedule(schedule)
+    for torch_optimizer in torch_optimizers: torch_optimizer.zero_grad()
+    torch_loss = sum(((param * torch.tensor(weight)) ** 2).sum() for param, weight in zip(torch_params, weights))
+    torch_loss.backward()
+    for torch_optimizer in torch_optimizers: torch_optimizer.step()
+  for param, expected in zip(params, torch_params):
+    np.testing.assert_allclose(param.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+  update = max(sources, key=len)   # the parameters' update pack
+  assert update.count("*((float4*)(") >= 3 * (len(shapes) - 1), update   # param, m, v of each 4-divisible one
+  assert re.search(r"\bdata\d+\[[^\]]*\] = ", update), update            # the 7-element segment: scalar stores
+  if NVRTC is not None:
+    for source in sources: NVRTC.compile(source)
