@@ -239,3 +239,23 @@ def test_packed_adamw_segments_load_and_store_float4() -> None:
   assert re.search(r"\bdata\d+\[[^\]]*\] = ", update), update            # the 7-element segment: scalar stores
   if NVRTC is not None:
     for source in sources: NVRTC.compile(source)
+
+
+@pytest.mark.parametrize("name", ["merge_heads", "split_heads"])
+def test_head_permutes_load_and_store_float4(name: str) -> None:
+  """Attention's head permutes, rows of D = 64 floats: merging (B, H, T, D) back into (B*T, H*D) rows (the biggest
+  input contiguous only in pieces of D along the channels: its vectors proven neighbours) and splitting (B, T, H*D)
+  into (B, H, T, D) heads (rows of 64: 16 float4 lanes a row). Every load and store a float4, values against numpy."""
+  if name == "merge_heads":
+    y = _array(2, 3, 16, 64)
+    result, expected = Tensor(y, device="PYTHON").permute(0, 2, 1, 3).reshape(32, 192), \
+      y.transpose(0, 2, 1, 3).reshape(32, 192)
+  else:
+    x = _array(2, 16, 192)
+    result, expected = Tensor(x, device="PYTHON").reshape(2, 16, 3, 64).permute(0, 2, 1, 3), \
+      x.reshape(2, 16, 3, 64).transpose(0, 2, 1, 3)
+  item = _last_item([(result * 2).contiguous()])
+  np.testing.assert_allclose(_run_emulated(item)[0].reshape(expected.shape), expected * 2)
+  source = _cuda_source(item)
+  assert _scalar_accesses(source) == 0, source
+  assert "*((const float4*)(data1+" in source and "*((float4*)(data0+" in source
