@@ -9,9 +9,9 @@ instruction counted with the sectors it touches (transpose_tiles.warp_sectors, f
 
 A row: the kernel, its load and store instructions per warp (lanes active), the bytes they move, the sectors they
 touch and bytes / (sectors x 32): 1.00 is every sector used whole. A packed kernel's rows count every segment's IF
-block as taken (the model does not follow branches): compare its bytes per instruction, not its totals. Compare a codegen change by running it on both
-trees (the figures of the copies branch, session 11: E_36_64_16_16_4_4 64 instructions and 1024 sectors a warp ->
-16 and 256).
+block as taken (the model does not follow branches): compare its bytes per instruction, not its totals. Compare a
+codegen change by running it on both trees (the copies branch, session 11, 2 layers: E_36_64_16_16_4_4 64
+instructions and 1024 sectors a warp -> 16 and 256).
 """
 from __future__ import annotations
 
