@@ -28,7 +28,7 @@ from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.symbolic import (AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, ProdNode, SumNode,
-                                    Variable, is_symbolic, sym_max)
+                                    Variable, given_valid, is_symbolic, sym_max)
 
 INDEX_DTYPE = dtypes.int32
 
@@ -185,9 +185,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       combined, group_index = self._combine_groups(accumulators, axis_idxs, accumulate_op)
       # one thread per group finishes the kernel: the others hold partial or duplicate results
       store_if = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, group_index, self._int(1)),))
-    # float4 stores where the single output allows them; several outputs go through _store_outputs lane by lane
-    vector_axis = self._vector_store_axis() if len(kernel.stores) == 1 else None
-    pending: dict[tuple[int, ...], UOp] = {}  # the lanes of one vector store, by element
+    # float4 stores where every output allows them along one axis; else _store_outputs lane by lane
+    vector_axis = self._vector_store_axis()
+    pending: dict[tuple[int, ...], list[UOp]] = {}  # each output's values at the lanes of one vector store
     for lane in output_lanes:
       zero_unrolls = (0,) * len(unroll_axes)
       idxs = self._fill_lanes(axis_idxs, upcast_axes, lane, unroll_axes, zero_unrolls)
@@ -195,7 +195,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       reduced = {id(sibling): combined[(number, *lane)] for number, sibling in enumerate(kernel.reduceops)
                  if (number, *lane) in combined}
       if vector_axis is not None:
-        pending[lane] = self.compute(kernel.stores[0].srcs[0], idxs, reduced)
+        pending[lane] = [self.compute(store.srcs[0], idxs, reduced) for store in kernel.stores]
         self._emit_vector_store(pending, lane, idxs, vector_axis, upcast_axes)
         continue
       self._store_outputs(idxs, reduced)
@@ -495,68 +495,104 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     return self.builder.add(UOps.LOAD, node.dtype, srcs)
 
   def _vector_store_axis(self) -> int | None:
-    """The upcast axis along which the output is stored as float4 vectors, if any: the renderer has them, the
-    output's view is contiguous and unmasked along it, and the axis splits into whole vectors."""
+    """The upcast axis along which every output is stored as float4 vectors, if any: the renderer has them, each
+    output's view is float32, contiguous and unmasked along it, and the axis splits into whole vectors (a cat stored
+    twice, an optimizer's parameter and moments: one vector store per output)."""
     kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
-    st = kernel.sts[0]
-    if width < 2 or kernel.stores[0].dtype != dtypes.float32 or len(st.views) != 1 or st.views[0].mask is not None:
-      return None
-    strides = st.real_strides()
-    return next((axis for axis in kernel.upcast_axes if strides[axis] == 1 and kernel.full_shape[axis] % width == 0),
-                None)
+    if width < 2: return None
+    candidates = [axis for axis in kernel.upcast_axes if kernel.full_shape[axis] % width == 0]
+    for number, store in enumerate(kernel.stores):
+      st = kernel.sts[number]
+      if store.dtype != dtypes.float32 or len(st.views) != 1 or st.views[0].mask is not None: return None
+      strides = st.real_strides()
+      candidates = [axis for axis in candidates if strides[axis] == 1]
+    return candidates[0] if candidates else None
 
-  def _emit_vector_store(self, pending: dict[tuple[int, ...], UOp], lane: tuple[int, ...], idxs: list[Node],
+  def _emit_vector_store(self, pending: dict[tuple[int, ...], list[UOp]], lane: tuple[int, ...], idxs: list[Node],
                          axis: int, upcast_axes: list[int]) -> None:
-    """Once the last element of a vector has its value, store the vector (aligned), or its elements one by one
-    (scalar fallback) when the first element's index is not provably a multiple of the width."""
+    """Once the last element of a vector has every output's value, store each output's vector (aligned), or its
+    elements one by one (scalar fallback) when the first element's index is not provably a multiple of the width.
+    All the vector's values are computed before its first store: an output may overwrite (in place) a buffer another
+    output's value loads."""
     width, position = self.kernel.renderer.vector_width, upcast_axes.index(axis)
     if lane[position] % width != width - 1: return
     lanes = [lane[:position] + (lane[position] - width + 1 + element,) + lane[position + 1:]
              for element in range(width)]
     first = list(idxs)
     first[axis] = NumNode(idxs[axis].b - width + 1)
-    index_node, _ = self._index_nodes(0, first)
-    buffer = self.buffers[self.kernel.stores[0].arg.idx]
-    values = tuple(pending.pop(element_lane) for element_lane in lanes)
-    if multiple_of(index_node, width):
-      self.builder.add(UOps.STORE, None, (buffer, self.node_to_uop(index_node)) + values, width)
-      return
-    for element, value in enumerate(values):
-      element_idxs = list(first)
-      element_idxs[axis] = NumNode(first[axis].b + element)
-      index, valid = self._index(0, element_idxs)
-      self.builder.add(UOps.STORE, None, (buffer, index, value) + ((valid,) if valid is not None else ()))
+    lane_values = [pending.pop(element_lane) for element_lane in lanes]
+    for number, store in enumerate(self.kernel.stores):
+      buffer = self.buffers[store.arg.idx]
+      values = tuple(values_at[number] for values_at in lane_values)
+      index_node, _ = self._index_nodes(number, first)
+      if multiple_of(index_node, width):
+        self.builder.add(UOps.STORE, None, (buffer, self.node_to_uop(index_node)) + values, width)
+        continue
+      for element, value in enumerate(values):
+        element_idxs = list(first)
+        element_idxs[axis] = NumNode(first[axis].b + element)
+        index, valid = self._index(number, element_idxs)
+        self.builder.add(UOps.STORE, None, (buffer, index, value) + ((valid,) if valid is not None else ()))
 
   def _vector_load(self, node: LazyOp, idxs: list[Node]) -> UOp | None:
     """One element of a vector load (float4) where the renderer has them, the view is contiguous along an upcast or
     unroll axis and the first element's index is a multiple of the width (aligned); None for a scalar load. The
     lanes of that axis share the vector LOAD (the builder merges the identical loads), each taking one element.
     A view of several unmasked views (a reshape of a permuted view: attention heads merged back into rows) counts
-    as contiguous along an axis where its real stride is unknown but the vector's elements are provably neighbours."""
+    as contiguous along an axis where its real stride is unknown but the vector's elements are provably neighbours.
+    A masked view (a piece of a cat, a padded edge) loads one gated vector where its validity is the same for the
+    whole vector (the piece's edges fall between vectors): where it is false the load touches no memory."""
     kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
     if width < 2 or node.dtype != dtypes.float32: return None
     leaf = self.leaf_index[id(node)]
-    st = kernel.sts[leaf]
-    if any(view.mask is not None for view in st.views): return None
-    strides = st.real_strides()
-    axis = next((axis for axis in kernel.upcast_axes + kernel.unroll_axes
-                 if strides[axis] in (1, None) and kernel.full_shape[axis] % width == 0), None)
-    if axis is None or not isinstance(idxs[axis], NumNode): return None
-    element = idxs[axis].b % width
-    first = list(idxs)
-    first[axis] = NumNode(idxs[axis].b - element)
-    index_node, _ = self._index_nodes(leaf, first)
-    if strides[axis] is None and not self._neighbours(leaf, first, axis, width, index_node): return None
-    if not multiple_of(index_node, width): return None
-    vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
-    return self.builder.add(UOps.GEP, node.dtype, (vector,), element)
+    strides = kernel.sts[leaf].real_strides()
+    # a known stride of 1 first; an unknown stride (several views) only where the elements prove to be neighbours
+    axes = sorted((axis for axis in kernel.upcast_axes + kernel.unroll_axes
+                   if strides[axis] in (1, None) and kernel.full_shape[axis] % width == 0 and
+                   isinstance(idxs[axis], NumNode)), key=lambda axis: strides[axis] is None)
+    for axis in axes:
+      vector = self._vector_along(node, leaf, idxs, axis, width, strides[axis] is None)
+      if vector is not None: return self.builder.add(UOps.GEP, node.dtype, (vector,), idxs[axis].b % width)
+    return None
 
-  def _neighbours(self, leaf: int, first: list[Node], axis: int, width: int, first_index: Node) -> bool:
-    """Whether the `width` elements from `first` along `axis` lie at first_index + 0, 1, ..., width - 1."""
+  def _vector_along(self, node: LazyOp, leaf: int, idxs: list[Node], axis: int, width: int,
+                    unknown_stride: bool) -> UOp | None:
+    """The vector LOAD holding this lane's element along `axis`, or None where the vector is not provably aligned
+    and contiguous, or its validity (a masked view) differs between its elements."""
+    first = list(idxs)
+    first[axis] = NumNode(idxs[axis].b - idxs[axis].b % width)
+    index_node, valid_node = self._index_nodes(leaf, first)
+    if isinstance(valid_node, NumNode) and valid_node.b == 0: return None   # never read: the scalar path's zero
+    masked = any(view.mask is not None for view in self.kernel.sts[leaf].views)
+    if masked and not self._uniform_validity(leaf, first, axis, width, valid_node): return None
+    # a gated vector's index only matters where its gate holds: simplified for that (a piece's block is known)
+    gated = not isinstance(valid_node, NumNode)
+    if gated: index_node = given_valid(index_node, valid_node)
+    if unknown_stride and not self._neighbours(leaf, first, axis, width, index_node, valid_node if gated else None):
+      return None
+    if not multiple_of(index_node, width): return None
+    gate = () if isinstance(valid_node, NumNode) else (self.node_to_uop(valid_node),)
+    return self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)) + gate,
+                            width)
+
+  def _uniform_validity(self, leaf: int, first: list[Node], axis: int, width: int, first_valid: Node) -> bool:
+    """Whether the `width` elements from `first` along `axis` share one validity expression (a masked view whose
+    mask edges do not cut the vector)."""
     for element in range(1, width):
       element_idxs = list(first)
       element_idxs[axis] = NumNode(first[axis].b + element)
-      step = self._index_nodes(leaf, element_idxs)[0] - first_index
+      if self._index_nodes(leaf, element_idxs)[1] != first_valid: return False
+    return True
+
+  def _neighbours(self, leaf: int, first: list[Node], axis: int, width: int, first_index: Node,
+                  valid: Node | None = None) -> bool:
+    """Whether the `width` elements from `first` along `axis` lie at first_index + 0, 1, ..., width - 1 (where
+    `valid` holds, when given)."""
+    for element in range(1, width):
+      element_idxs = list(first)
+      element_idxs[axis] = NumNode(first[axis].b + element)
+      index = self._index_nodes(leaf, element_idxs)[0]
+      step = (given_valid(index, valid) if valid is not None else index) - first_index
       if not isinstance(step, NumNode) or step.b != element: return False
     return True
 

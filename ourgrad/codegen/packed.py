@@ -8,15 +8,18 @@ index over total = size_0 + size_1 + ... (a reduce's size is its output count); 
 
 - on a GPU, one thread per element (blocks of up to 128 threads): segment i is an IF block
   (start_i <= index < start_i + size_i) computing its values at index - start_i, so each thread runs the one
-  segment it falls in;
+  segment it falls in. An elementwise segment whose size the renderer's vector width divides, and whose outputs
+  are float32, takes `vector_width` elements a thread instead (its flat axis UPCAST: float4 loads and stores, 4x
+  the bytes in flight per thread; the H200 ran the GPT-2 AdamW pack of scalar threads at 32-65% of DRAM
+  bandwidth); the flat index then counts threads, segment i owning size_i / lanes_i of them;
 - on a CPU, the segments' loops run one after another, with no branch per element. They are serial loops: the C
   renderer's parallel pragma collapses perfectly nested global loops, which loops side by side are not.
 
 Each segment is lowered by the ordinary `Linearizer` (its own `Kernel`, buffers renumbered from 0) into a shared
-UOp list. No opts (upcast, float4, locals): these kernels stream memory, and an opt would have to divide every
-segment. A reduce segment's thread computes one output: its flat number split into the output axes, a loop over
-the reduce axes with the innermost unrolled by up to PACKED_REDUCE_UNROLL (that many loads in flight), then the
-store. engine/packing.py decides which kernels form a pack.
+UOp list. No opts of the whole kernel (locals): an opt would have to divide every segment; the vector lanes are each
+segment's own (`segment_lanes`). A reduce segment's thread computes one output: its flat number split into the
+output axes, a loop over the reduce axes with the innermost unrolled by up to PACKED_REDUCE_UNROLL (that many loads in
+flight), then the store. engine/packing.py decides which kernels form a pack.
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ class PackedKernel:
     self.ast, self.renderer = ast, renderer
     self.segments: list[tuple[Kernel, dict[int, int]]] = [_segment_kernel(segment, renderer) for segment in ast.srcs]
     self.sizes: list[int] = [segment.stores()[0].arg.st.size for segment in ast.srcs]
+    # elements per thread of each segment on a GPU (1, or the vector width: its flat axis upcast)
+    self.lanes: list[int] = [segment_lanes(kernel, size) for (kernel, _), size in zip(self.segments, self.sizes)]
     # every leaf with its flat view and its packed buffer number (realize.estimate_cost counts bytes from them)
     self.leaves: list[LazyOp] = [leaf for segment in ast.srcs for leaf in segment.stores() + segment.leaves()]
     self.sts = [leaf.arg.st for leaf in self.leaves]
@@ -76,7 +81,8 @@ class PackedKernel:
     return build.uops
 
   def _linearize_threads(self, build: UOpBuilder, defines: dict[int, UOp]) -> None:
-    total = sum(self.sizes)
+    thread_counts = [size // lanes for size, lanes in zip(self.sizes, self.lanes)]
+    total = sum(thread_counts)
     threads = min(PACKED_BLOCK_THREADS, total)
     blocks = -(-total // threads)
     flat = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks, 0, AxisType.GLOBAL))
@@ -85,7 +91,7 @@ class PackedKernel:
       flat = build.alu(Ops.ADD, INDEX_DTYPE, build.alu(Ops.MUL, INDEX_DTYPE, flat, build.const(threads, INDEX_DTYPE)),
                        thread)
     start = 0
-    for number, ((kernel, buffer_of), size) in enumerate(zip(self.segments, self.sizes)):
+    for number, ((kernel, buffer_of), size) in enumerate(zip(self.segments, thread_counts)):
       end = start + size
       inside = build.alu(Ops.CMPLT, dtypes.bool, flat, build.const(end, INDEX_DTYPE))
       if start > 0:
@@ -118,7 +124,9 @@ class PackedKernel:
     its own segment's IF block; a reduce segment's loop body once per loop trip). `uops` is what `linearize`
     returned."""
     count = 0
-    for (kernel, _), (first, end), size in zip(self.segments, self.segment_spans, self.sizes):
+    threads = self.sizes if not self.renderer.has_threads else \
+      [size // lanes for size, lanes in zip(self.sizes, self.lanes)]
+    for (kernel, _), (first, end), size in zip(self.segments, self.segment_spans, threads):
       trips = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast]) if kernel.reduceop is not None else 1
       count += size * trips * sum(uop.op is UOps.ALU and uop.dtype not in (None, INDEX_DTYPE, dtypes.bool)
                                   for uop in uops[first:end])
@@ -135,7 +143,20 @@ def _lower_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int, int],
   if index is not None and kernel.shape_len:
     linearizer.loop_vars[name] = index
     idxs = [Variable(name, 0, kernel.full_shape[0] - 1)]
-  linearizer._store_outputs(idxs, None)
+  if not kernel.upcast_axes:
+    linearizer._store_outputs(idxs, None)
+    return
+  # a vector segment (segment_lanes): its lanes computed, then each output's vector stored
+  axis = kernel.upcast_axes[0]
+  vector_axis = linearizer._vector_store_axis()
+  pending: dict[tuple[int, ...], list[UOp]] = {}
+  for lane in range(kernel.full_shape[axis]):
+    lane_idxs = idxs + [NumNode(lane)]
+    if vector_axis is None:
+      linearizer._store_outputs(lane_idxs, None)
+      continue
+    pending[(lane,)] = [linearizer.compute(store.srcs[0], lane_idxs, None) for store in kernel.stores]
+    linearizer._emit_vector_store(pending, (lane,), lane_idxs, vector_axis, [axis])
 
 
 def _lower_reduce_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int, int], defines: dict[int, UOp],
@@ -172,6 +193,17 @@ def _lower_reduce_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int
   # the output's views are size 1 along the reduce axes: index 0 there
   linearizer._store_outputs(idxs[:kernel.first_reduce] + [NumNode(0)] * (kernel.shape_len - kernel.first_reduce),
                             accumulator)
+
+
+def segment_lanes(kernel: Kernel, size: int) -> int:
+  """Elements per GPU thread of a segment: the renderer's vector width for a flat elementwise segment of float32
+  outputs that the width divides into several vectors (its flat axis is then upcast by it, in place); else 1."""
+  width = getattr(kernel.renderer, "vector_width", 0)
+  if not kernel.renderer.has_threads or width < 2 or kernel.reduceop is not None or kernel.shape_len != 1: return 1
+  # (one vector alone: the upcast would take the whole axis, leaving no thread axis)
+  if size % width or size == width or any(store.dtype != dtypes.float32 for store in kernel.stores): return 1
+  kernel.apply_opt(Opt(OptOps.UPCAST, 0, width))
+  return width
 
 
 def _segment_kernel(segment: LazyOp, renderer: Any) -> tuple[Kernel, dict[int, int]]:

@@ -385,8 +385,11 @@ class CStyleLanguage(Renderer):
       elif uop.op is UOps.LOAD and uop.arg is not None:
         variable = new_name("vec")
         names[id(uop)] = variable
-        emit(f"{self.render_dtype(uop.dtype)}{uop.arg} {variable} = "
-             f"{self.render_vector_load(ref(uop.srcs[0]), ref(uop.srcs[1]), uop.arg, uop.dtype)};")
+        loaded = self.render_vector_load(ref(uop.srcs[0]), ref(uop.srcs[1]), uop.arg, uop.dtype)
+        # a gated vector (a cat's piece): zeros where the gate is false, and no memory touched
+        if len(uop.srcs) > 2:
+          loaded = f"(({ref(uop.srcs[2])}) ? {loaded} : {self.render_vector_zero(uop.arg, uop.dtype)})"
+        emit(f"{self.render_dtype(uop.dtype)}{uop.arg} {variable} = {loaded};")
       elif uop.op is UOps.GEP:
         names[id(uop)] = f"{ref(uop.srcs[0])}.{'xyzw'[uop.arg]}"
       elif uop.op is UOps.LOAD:
@@ -471,6 +474,10 @@ class CStyleLanguage(Renderer):
 
   def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
     raise NotImplementedError(f"{type(self).__name__} has no vector stores")
+
+  def render_vector_zero(self, width: int, dtype: DType) -> str:
+    """A `width`-wide vector of zeros (a gated vector load's value where its gate is false)."""
+    raise NotImplementedError(f"{type(self).__name__} has no vector loads")
 
   def render_local_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
     return self.render_vector_load(buffer, index, width, dtype).replace("const ", "")
@@ -611,6 +618,9 @@ class OpenCLRenderer(CStyleLanguage):
   def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
     vector = f"({self.render_dtype(dtype)}{len(values)})({', '.join(values)})"
     return f"vstore{len(values)}({vector}, 0, {buffer}+({index}));"
+
+  def render_vector_zero(self, width: int, dtype: DType) -> str:
+    return f"({self.render_dtype(dtype)}{width})({self.render_const(0, dtype)})"
   kernel_prefix = "__kernel "
   buffer_prefix = "__global "
   buffer_suffix = " restrict"

@@ -85,6 +85,9 @@ class CUDARenderer(CStyleLanguage):
   def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
     vector = f"{self.render_dtype(dtype)}{len(values)}"
     return f"*(({vector}*)({buffer}+({index}))) = make_{vector}({', '.join(values)});"
+
+  def render_vector_zero(self, width: int, dtype: DType) -> str:
+    return f"make_{self.render_dtype(dtype)}{width}({', '.join([self.render_const(0, dtype)] * width)})"
   buffer_suffix = " __restrict__"
   preamble = ""
   storage_names = {"float16": "unsigned short", "bfloat16": "unsigned short"}

@@ -412,15 +412,20 @@ class Interpreter:
     usable = len(raw) - len(raw) % element.itemsize  # an empty buffer is allocated as 1 byte
     return raw[:usable].view(element)
 
-  def vector_load(self, position: int, instruction: Instruction, buffer: np.ndarray, index: np.ndarray) -> np.ndarray:
+  def vector_load(self, position: int, instruction: Instruction, buffer: np.ndarray, index: np.ndarray,
+                  valid: np.ndarray | None = None) -> np.ndarray:
     """`width` neighbouring elements, stacked on a new first axis (GEP takes one); the index must be a multiple of
-    the width, as a GPU's aligned vector load needs."""
+    the width, as a GPU's aligned vector load needs. Where `valid` (a gated vector) is false: zeros, and the index is
+    neither read nor checked."""
     width, index = instruction.arg, np.asarray(index, dtype=np.int64)
     # threads outside the IF block they are in neither read nor are checked (a guard keeps them off the buffer's end)
-    if self.active is not None: index = np.where(self.active, index, 0)
+    if self.active is not None: valid = self.active if valid is None else np.asarray(valid, bool) & self.active
+    if valid is not None: index = np.where(valid, index, 0)
     if (index % width).any(): raise self.error(position, f"a {width}-wide vector load from an unaligned index")
     self.check_bounds(position, buffer, index + (width - 1), "read at")
-    return np.stack([from_memory(buffer[index + element], instruction.dtype) for element in range(width)])
+    elements = [from_memory(buffer[index + element], instruction.dtype) for element in range(width)]
+    if valid is not None: elements = [np.where(valid, values, np.zeros((), values.dtype)) for values in elements]
+    return np.stack(elements)
 
   def check_bounds(self, position: int, buffer: np.ndarray, index: np.ndarray, what: str) -> None:
     if index.size == 0: return

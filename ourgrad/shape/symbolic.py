@@ -24,7 +24,7 @@ from typing import Any, Union
 
 __all__ = ["Node", "Variable", "NumNode", "MulNode", "ProdNode", "DivNode", "ModNode", "SumNode", "LtNode", "AndNode",
            "sym_sum", "sym_and", "sym_int", "is_symbolic", "sym_max", "sym_infer", "bound_vars",
-           "sym_unbind", "sym_bind"]
+           "sym_unbind", "sym_bind", "given_valid"]
 
 NodeLike = Union["Node", int]
 
@@ -565,3 +565,32 @@ def _lt(node: Node, bound_like: NodeLike) -> Node:
     if split is not None: return _lt(split[1], bound)
   return LtNode(node, bound)
 
+
+
+def given_valid(node: Node, valid: Node) -> Node:
+  """`node` re-simplified for the variable values where `valid` (an AndNode of LtNodes, a masked view's validity)
+  holds: each clause linear in its variables tightens every variable's range (`x*c + rest < b` bounds x by the
+  least `rest` can be). A cat's piece reads `(t + 511) % 512` where the piece's own mask fixes the block's index:
+  the division and modulo fold away. The result equals `node` only where `valid` is true: for a gated access."""
+  clauses = valid.nodes if isinstance(valid, AndNode) else (valid,)
+  ranges: dict[Variable, tuple[int, int]] = {variable: (variable.min, variable.max) for variable in node.vars()}
+  for clause in clauses:
+    if not isinstance(clause, LtNode) or not isinstance(clause.b, int): continue
+    terms, constant = _linear_terms(clause.a)
+    if not all(isinstance(base, Variable) for base, _ in terms): continue
+    for base, coefficient in terms:
+      if base not in ranges: continue
+      # the least the other terms can add (at their ranges' ends)
+      rest = constant + sum(min(other_coefficient * other.min, other_coefficient * other.max)
+                            for other, other_coefficient in terms if other is not base)
+      limit = clause.b - rest - 1   # coefficient * x <= limit
+      low, high = ranges[base]
+      if coefficient > 0: high = min(high, limit // coefficient)
+      else: low = max(low, -(limit // -coefficient))
+      if low > high: return node   # never valid: nothing to simplify for
+      ranges[base] = (low, high)
+  tighter: dict[Variable, Node] = {}
+  for variable, (low, high) in ranges.items():
+    if (low, high) == (variable.min, variable.max) or variable.val is not None: continue
+    tighter[variable] = NumNode(low) if low == high else Variable(variable.expr, low, high)
+  return node.substitute(tighter) if tighter else node

@@ -49,7 +49,7 @@ from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrat
 from ourgrad.codegen.opt.transpose_tiles import transpose_tiles
 from ourgrad.codegen.opt.cpu_tiles import cpu_matmul_tiles
 from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
-from ourgrad.codegen.opt.coalesce import lane_axis
+from ourgrad.codegen.opt.coalesce import lane_axis, load_lane_axis
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer
 
@@ -60,6 +60,9 @@ ENOUGH_BLOCKS = 1024
 WARP_SIZE = 32
 # reduces shorter than this stay loops inside one thread when there are enough outputs to fill the GPU
 SHORT_REDUCE = 128
+# an elementwise kernel's rows take float4 columns where a row is at least this many vectors: a warp's loads and
+# stores then cover whole 128-byte lines (rows of 64 floats as much as rows of 128)
+VECTOR_ROW_LANES = 8
 
 
 def hand_coded_optimizations(kernel: Kernel) -> None:
@@ -376,19 +379,33 @@ def _vector_plan_takes_all(kernel: Kernel) -> bool:
 
 
 def _elementwise_rows(kernel: Kernel) -> None:
-  """GPU elementwise over several axes: each thread takes 4 outputs, so it has 4 loads in flight: along the
-  contiguous axis as one float4 load and store where the renderer has vector loads, else along an outer axis (every
-  scalar load instruction of a warp stays coalesced)."""
-  if kernel.first_reduce < 2: return
+  """GPU elementwise: each thread takes 4 outputs, so it has 4 loads in flight: along the contiguous axis as one
+  float4 load and store where the renderer has vector loads (a flat kernel too: GELU over a whole activation, its
+  transcendentals included; one float a thread left the H200's DRAM at 42%), else along an outer axis (every
+  scalar load instruction of a warp stays coalesced). A flat kernel only where its stores are float4 too (float32
+  outputs): 16-bit outputs would store 4 scalars a lane apart, a quarter of each sector per instruction."""
+  if kernel.first_reduce < 1: return
+  if kernel.first_reduce == 1 and any(store.dtype != dtypes.float32 for store in kernel.stores): return
   contiguous = _contiguous_axis(kernel)
+  if contiguous is None: contiguous = _pieces_axis(kernel)
   width = getattr(kernel.renderer, "vector_width", 0)
   if width and contiguous is not None and contiguous < kernel.first_reduce and \
-      kernel.full_shape[contiguous] % (width * 32) == 0 and kernel.try_opt(Opt(OptOps.UPCAST, contiguous, width)):
+      kernel.full_shape[contiguous] % (width * VECTOR_ROW_LANES) == 0 and \
+      kernel.try_opt(Opt(OptOps.UPCAST, contiguous, width)):
     return
   for axis in range(kernel.first_reduce):
     if axis != contiguous and kernel.full_shape[axis] % 4 == 0 and kernel.full_shape[axis] >= 16:
       kernel.try_opt(Opt(OptOps.UPCAST, axis, 4))
       return
+
+
+def _pieces_axis(kernel: Kernel) -> int | None:
+  """The output axis the biggest input reads in contiguous pieces of a warp's lanes though with no one stride (GPT-2's
+  heads merged back into rows: runs of 64 along the 768 channels), None if none (coalesce.load_lane_axis)."""
+  loads = memory_loads(kernel)
+  if not loads: return None
+  biggest = max(loads, key=lambda view: prod(size for size, stride in zip(view.shape, view.real_strides()) if stride))
+  return load_lane_axis(biggest, kernel.first_reduce, WARP_SIZE)
 
 
 def _pick_thread_blocks(kernel: Kernel) -> None:
