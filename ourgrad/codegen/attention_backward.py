@@ -1,0 +1,522 @@
+"""Flash-attention backward on CUDA: a plan, the two kernels' CUDA C source, and their numpy emulation.
+
+The forward (`Ops.ATTENTION`) computes O = softmax(scale Q K^T) V per (batch, head) and the per-row logsumexp
+LSE_i = log sum_j exp(scale q_i . k_j) (natural log, float32, (B, H, L); `lse_log2` reads a base-2 one). The backward
+recomputes the scores tile by tile instead of reading a T x T matrix (FlashAttention-2, Dao 2023):
+
+    P = exp(scale Q K^T - LSE)           dV = P^T dO          dP = dO V^T
+    delta_i = rowsum(dO * O)_i           dS = P (dP - delta)  dQ = scale dS K     dK = scale dS^T Q
+
+Two kernels, launched in this order on one stream (`AttentionBackwardPlan.launches`):
+
+- `attention_backward_dq`: one block per (Q tile of `block_q` rows, batch, head). It first writes delta for its rows
+  (rowsum(dO * O), float32, (B, H, L) contiguous) to a scratch buffer, then loops over the K/V tiles (only those a
+  causal mask leaves alive), recomputes S, P and dP, and accumulates dQ += dS K in registers: no atomics, so the
+  result does not depend on the schedule.
+- `attention_backward_dkdv`: one block per (K/V tile of `block_kv` keys, batch, kv head). It loops over the query
+  heads sharing that kv head (GQA: query head h reads kv head h // (heads // kv_heads)) and their Q tiles (skipping
+  those a causal mask kills), recomputes S^T and P^T, and accumulates dV += P^T dO and dK += dS^T Q; it reads the
+  delta the dQ kernel wrote.
+
+Inside a block each warp owns 16 rows (queries in the dQ kernel, keys in the dK/dV kernel). Every product is a
+warp-level `mma.sync` (m16n8k16 with float32 accumulation for float16/bfloat16, m16n8k8 TF32 for float32) whose
+fragments are gathered from shared-memory tiles with the maps of codegen/tensor_cores.py; P and dS pass through
+shared memory in the operand type (rounded to float16/bfloat16; TF32 rounds them as it loads the fragment).
+A causal mask is torch's `is_causal` (top-left aligned): key j is kept for query i when j <= i.
+
+`emulate_attention_backward` computes the same numbers with numpy (operands rounded where the tensor cores round
+them, float32 sums); it is the PYTHON device's model of the kernels and what the tests check against torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps, tf32_round
+from ourgrad.codegen.wgmma_tiles import C_TYPE, ITEMSIZE, PTX_TYPE
+from ourgrad.dtype import bfloat16_bits_to_float32, float32_to_bfloat16_bits, round_to_bfloat16
+from ourgrad.errors import DTypeError, ShapeError
+from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL   # the size ops_cuda.CUDAProgram reads at load
+
+Strides = tuple[int, int, int]   # element strides of (batch, head, row); the last dim (head_dim) is contiguous
+WARP_ROWS = 16                   # rows of an mma.sync tile (m16): each warp owns 16 rows of its block
+PAD_BYTES = 16                   # added to each shared-memory row so a fragment's 8 rows fall in different banks
+LOG2E = 1.4426950408889634
+DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
+
+
+def contiguous_strides(heads: int, rows: int, head_dim: int) -> Strides:
+  """The (batch, head, row) strides of a contiguous (B, heads, rows, head_dim) tensor."""
+  return (heads * rows * head_dim, rows * head_dim, head_dim)
+
+
+@dataclass(frozen=True)
+class AttentionBackwardPlan:
+  """One attention backward: shapes, dtype, mask, scale, every operand's layout and the block sizes.
+
+  q, o, do, dq are (batch, heads, q_len, head_dim); k, v, dk, dv (batch, kv_heads, kv_len, head_dim), each given by
+  its (batch, head, row) element strides (the last dim contiguous), so a (B, L, H, D) projection is read in place.
+  lse is float32 (batch, heads, q_len) by its own strides. The delta scratch buffer the kernels share is float32
+  (batch, heads, q_len) contiguous. dq, dk, dv have the input dtype."""
+  batch: int
+  heads: int
+  kv_heads: int
+  q_len: int
+  kv_len: int
+  head_dim: int
+  dtype: str                  # "float32" (multiplied as TF32), "float16" or "bfloat16"
+  causal: bool
+  scale: float
+  q_strides: Strides
+  k_strides: Strides
+  v_strides: Strides
+  o_strides: Strides
+  do_strides: Strides
+  dq_strides: Strides
+  dk_strides: Strides
+  dv_strides: Strides
+  lse_strides: Strides
+  block_q: int = 64
+  block_kv: int = 64
+  lse_log2: bool = False      # LSE holds log2 of the softmax sum of 2^(scale log2(e) q.k) instead of the natural log
+
+  def __post_init__(self) -> None:
+    if self.dtype not in ITEMSIZE:
+      raise DTypeError(f"attention backward kernels take float32, float16 or bfloat16, not {self.dtype}")
+    if self.head_dim % 16 or not 16 <= self.head_dim <= 256:
+      raise ShapeError(f"attention backward kernels need head_dim a multiple of 16 in [16, 256], got {self.head_dim}")
+    if self.kv_heads <= 0 or self.heads % self.kv_heads:
+      raise ShapeError(f"{self.heads} query heads cannot share {self.kv_heads} kv heads (heads % kv_heads != 0)")
+    if min(self.batch, self.q_len, self.kv_len) <= 0:
+      raise ShapeError(f"attention backward of an empty problem: batch {self.batch}, q_len {self.q_len}, "
+                       f"kv_len {self.kv_len}")
+    for name in ("block_q", "block_kv"):
+      if getattr(self, name) % WARP_ROWS or getattr(self, name) <= 0:
+        raise ShapeError(f"{name} must be a positive multiple of {WARP_ROWS}, got {getattr(self, name)}")
+
+  @staticmethod
+  def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
+                 causal: bool, scale: float | None = None, **blocks: int) -> AttentionBackwardPlan:
+    """A plan for contiguous (B, H, T, D) operands; scale defaults to 1/sqrt(head_dim) as SDPA's. The blocks default
+    to `default_blocks(head_dim)`."""
+    q_like, kv_like = contiguous_strides(heads, q_len, head_dim), contiguous_strides(kv_heads, kv_len, head_dim)
+    sizes = {**default_blocks(head_dim), **blocks}
+    return AttentionBackwardPlan(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal,
+                                 1 / math.sqrt(head_dim) if scale is None else scale, q_like, kv_like, kv_like,
+                                 q_like, q_like, q_like, kv_like, kv_like, (heads * q_len, q_len, 1), **sizes)
+
+  @property
+  def group(self) -> int:
+    """Query heads per kv head."""
+    return self.heads // self.kv_heads
+
+  @property
+  def itemsize(self) -> int: return ITEMSIZE[self.dtype]
+
+  @property
+  def row_pitch(self) -> int:
+    """Elements of one head_dim row of a shared-memory tile (padded)."""
+    return self.head_dim + PAD_BYTES // self.itemsize
+
+  @property
+  def delta_elements(self) -> int:
+    """Size (float32 elements) of the delta scratch buffer: (batch, heads, q_len) contiguous."""
+    return self.batch * self.heads * self.q_len
+
+  # ------------------------------------------------------------ launch sizes
+  @property
+  def dq_grid(self) -> tuple[int, int, int]: return (-(-self.q_len // self.block_q), self.batch * self.heads, 1)
+
+  @property
+  def dq_block(self) -> tuple[int, int, int]: return (32 * self.block_q // WARP_ROWS, 1, 1)
+
+  @property
+  def dq_shared_bytes(self) -> int:
+    """Q and dO tiles, K and V tiles, the dS tile (block_q x block_kv), then LSE and delta of the block's rows."""
+    tiles = 2 * self.block_q * self.row_pitch + 2 * self.block_kv * self.row_pitch
+    tiles += self.block_q * (self.block_kv + PAD_BYTES // self.itemsize)
+    return tiles * self.itemsize + 2 * self.block_q * 4
+
+  @property
+  def dkdv_grid(self) -> tuple[int, int, int]: return (-(-self.kv_len // self.block_kv), self.batch * self.kv_heads, 1)
+
+  @property
+  def dkdv_block(self) -> tuple[int, int, int]: return (32 * self.block_kv // WARP_ROWS, 1, 1)
+
+  @property
+  def dkdv_shared_bytes(self) -> int:
+    """K and V tiles, Q and dO tiles, the P^T and dS^T tiles (block_kv x block_q), then LSE and delta of the Q tile."""
+    tiles = 2 * self.block_kv * self.row_pitch + 2 * self.block_q * self.row_pitch
+    tiles += 2 * self.block_kv * (self.block_q + PAD_BYTES // self.itemsize)
+    return tiles * self.itemsize + 2 * self.block_q * 4
+
+  def fits(self, max_shared_bytes: int) -> bool:
+    """Whether both kernels' shared memory fits a block's limit (the device's opt-in maximum)."""
+    return max(self.dq_shared_bytes, self.dkdv_shared_bytes) <= max_shared_bytes
+
+  def launches(self) -> list[KernelLaunch]:
+    """The two kernels in launch order, with their arguments (names of the buffers) and sizes."""
+    return [KernelLaunch(DQ_KERNEL, render_dq_kernel(self), ("q", "k", "v", "o", "do", "lse", "dq", "delta"),
+                         self.dq_grid, self.dq_block, self.dq_shared_bytes),
+            KernelLaunch(DKDV_KERNEL, render_dkdv_kernel(self), ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
+                         self.dkdv_grid, self.dkdv_block, self.dkdv_shared_bytes)]
+
+
+def default_blocks(head_dim: int) -> dict[str, int]:
+  """Block sizes: 64 x 64 tiles; with head_dim over 64 the dK/dV kernel takes 32-query tiles, so that its four
+  accumulator sets (dK and dV: head_dim / 2 floats a thread each, S^T and dP^T: block_q / 2) stay in registers."""
+  return {"block_q": 64 if head_dim <= 64 else 32, "block_kv": 64}
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+  """One kernel of the backward: its name (the extern "C" symbol), CUDA source, the buffers it takes in order, and
+  its launch sizes (grid, block, dynamic shared memory bytes)."""
+  name: str
+  source: str = field(repr=False)
+  arguments: tuple[str, ...]
+  grid: tuple[int, int, int]
+  block: tuple[int, int, int]
+  shared_bytes: int
+
+
+# ---------------------------------------------------------------- CUDA source
+
+def _affine(position: tuple[int, int, int], offset: str) -> str:
+  """A fragment coordinate (constant, times group, times quad) of tensor_cores as C text, plus `offset`."""
+  constant, times_group, times_quad = position
+  return f"{offset} + {constant} + {times_group} * g + {times_quad} * quad"
+
+
+def _mma_helpers(dtype: str) -> str:
+  """The element type, conversions, the mma instruction, and `warp_mma`: a warp's 16 x (8 NT) accumulator tile
+  += A (16 x K) @ B (K x 8 NT) with A(r, c) at a[r * a_row + c * a_col] and B(r, c) at b[r * b_row + c * b_col]
+  in shared memory, gathered into fragments by the maps of codegen/tensor_cores.py."""
+  tf32 = dtype == "float32"
+  maps: FragmentMaps = M16N8K8_TF32_MAPS if tf32 else M16N8K16_MAPS
+  k_step = 8 if tf32 else 16
+  lines = [f"typedef {C_TYPE[dtype]} elem_t;"]
+  if dtype == "float32":
+    lines += ["__device__ __forceinline__ float to_float(elem_t x) { return x; }",
+              "__device__ __forceinline__ elem_t from_float(float x) { return x; }",
+              "__device__ __forceinline__ unsigned operand_bits(elem_t x) {",
+              '  unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }']
+  else:
+    if dtype == "float16":
+      lines += ["__device__ __forceinline__ float to_float(elem_t x) {",
+                '  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }']
+    else:
+      lines += ["__device__ __forceinline__ float to_float(elem_t x) { return __uint_as_float((unsigned)x << 16); }"]
+    lines += ["__device__ __forceinline__ elem_t from_float(float x) {",
+              f'  unsigned r; asm("cvt.rn.{PTX_TYPE[dtype]}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.0f), "f"(x));',
+              "  return (elem_t)(r & 0xFFFF); }",
+              "__device__ __forceinline__ unsigned pack(elem_t low, elem_t high) {",
+              "  return (unsigned)low | ((unsigned)high << 16); }"]
+  a_count, b_count = (4, 2)
+  instruction = (f"mma.sync.aligned.m16n8k{k_step}.row.col.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};")
+  lines += ["__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {",
+            f'  asm volatile("{instruction}"',
+            '    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])',
+            '    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));',
+            "}"]
+
+  def element(matrix: str, position, offsets: tuple[str, str]) -> str:
+    row, column = _affine(position[0], offsets[0]), _affine(position[1], offsets[1])
+    return f"{matrix}[({row}) * {matrix}_row + ({column}) * {matrix}_col]"
+
+  # one 32-bit register per TF32 element; two 16-bit elements (the lower-numbered in the low half) otherwise
+  def registers(matrix: str, positions, offsets: tuple[str, str], count: int) -> list[str]:
+    if tf32: return [f"operand_bits({element(matrix, positions[i], offsets)})" for i in range(count)]
+    return [f"pack({element(matrix, positions[2 * i], offsets)}, {element(matrix, positions[2 * i + 1], offsets)})"
+            for i in range(count)]
+
+  a_registers = registers("a", maps.a, ("0", "k0"), a_count)
+  b_registers = registers("b", maps.b, ("k0", "t * 8"), b_count)
+  lines += ["template <int NT, int K>",
+            "__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const elem_t* a, int a_row, int a_col,",
+            "                                         const elem_t* b, int b_row, int b_col) {",
+            "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
+            "#pragma unroll",
+            f"  for (int k0 = 0; k0 < K; k0 += {k_step}) {{",
+            f"    const unsigned ra[4] = {{{', '.join(a_registers)}}};",
+            "#pragma unroll",
+            "    for (int t = 0; t < NT; t++) {",
+            f"      const unsigned rb[2] = {{{', '.join(b_registers)}}};",
+            "      mma(acc[t], ra, rb);",
+            "    }",
+            "  }",
+            "}",
+            "// rows [0, valid) of a rows x D tile from global memory (row stride `stride`), zeros below; all threads",
+            "__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* source, long long stride,",
+            "                                          int valid, int rows) {",
+            "  for (int index = threadIdx.x; index < rows * D; index += blockDim.x) {",
+            "    const int r = index / D, c = index % D;",
+            "    tile[r * PITCH + c] = r < valid ? source[r * stride + c] : (elem_t)0;",
+            "  }",
+            "}"]
+  return "\n".join(lines) + "\n"
+
+
+def _header(plan: AttentionBackwardPlan, shared_bytes: int) -> str:
+  """Constants of the plan, the dynamic shared memory size the launcher reads, and the helpers."""
+  log2_scale = plan.scale * LOG2E
+  constants = {"D": plan.head_dim, "PITCH": plan.row_pitch, "BQ": plan.block_q, "BK": plan.block_kv,
+               "H": plan.heads, "KVH": plan.kv_heads, "GROUP": plan.group, "L": plan.q_len, "S": plan.kv_len,
+               "CAUSAL": int(plan.causal), "PAD": PAD_BYTES // plan.itemsize}
+  lines = [f"#define {name} {value}" for name, value in constants.items()]
+  lines += [f"#define SCALE {plan.scale!r}f", f"#define SCALE_LOG2E {log2_scale!r}f",
+            f"#define LSE_TO_LOG2 {1.0 if plan.lse_log2 else LOG2E!r}f",
+            f'extern "C" __device__ unsigned int {DYNAMIC_SHARED_SYMBOL} = {shared_bytes};',
+            "extern __shared__ __align__(16) unsigned char shared_bytes[];"]
+  return "\n".join(lines) + "\n" + _mma_helpers(plan.dtype)
+
+
+def _offset(strides: Strides, batch: str, head: str) -> str:
+  return f"(long long){batch} * {strides[0]}LL + (long long){head} * {strides[1]}LL"
+
+
+def render_dq_kernel(plan: AttentionBackwardPlan) -> str:
+  """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`."""
+  p = plan
+  body = f"""
+extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const elem_t* __restrict__ q,
+    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ o,
+    const elem_t* __restrict__ dout, const float* __restrict__ lse, elem_t* __restrict__ dq,
+    float* __restrict__ delta) {{
+  elem_t* q_tile = (elem_t*)shared_bytes;               // BQ x PITCH
+  elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
+  elem_t* k_tile = do_tile + BQ * PITCH;                // BK x PITCH
+  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH
+  elem_t* ds_tile = v_tile + BK * PITCH;                // BQ x (BK + PAD)
+  float* lse_tile = (float*)(ds_tile + BQ * (BK + PAD));  // BQ, as log2
+  float* delta_tile = lse_tile + BQ;                    // BQ
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
+  const int q_start = blockIdx.x * BQ, batch = blockIdx.y / H, head = blockIdx.y % H, kv_head = head / GROUP;
+  const int q_rows = min(BQ, L - q_start);
+  const long long q_row0 = {_offset(p.q_strides, "batch", "head")} + (long long)q_start * {p.q_strides[2]}LL;
+  const long long do_row0 = {_offset(p.do_strides, "batch", "head")} + (long long)q_start * {p.do_strides[2]}LL;
+  const long long o_row0 = {_offset(p.o_strides, "batch", "head")} + (long long)q_start * {p.o_strides[2]}LL;
+  const long long k_base = {_offset(p.k_strides, "batch", "kv_head")};
+  const long long v_base = {_offset(p.v_strides, "batch", "kv_head")};
+  const long long lse_row0 = {_offset(p.lse_strides, "batch", "head")} + (long long)q_start * {p.lse_strides[2]}LL;
+  const long long delta_row0 = ((long long)batch * H + head) * L + q_start;
+  load_tile(q_tile, q + q_row0, {p.q_strides[2]}LL, q_rows, BQ);
+  load_tile(do_tile, dout + do_row0, {p.do_strides[2]}LL, q_rows, BQ);
+  __syncthreads();
+  // delta = rowsum(dO * O) of the block's rows: one warp a row, written for the dK/dV kernel too
+  for (int r = warp; r < BQ; r += BQ / 16) {{
+    float sum = 0.0f;
+    if (r < q_rows) {{
+      const elem_t* o_row = o + o_row0 + (long long)r * {p.o_strides[2]}LL;
+      for (int c = lane; c < D; c += 32) sum += to_float(do_tile[r * PITCH + c]) * to_float(o_row[c]);
+    }}
+    for (int width = 16; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
+    if (lane == 0) {{
+      delta_tile[r] = sum;
+      lse_tile[r] = r < q_rows ? lse[lse_row0 + (long long)r * {p.lse_strides[2]}LL] * LSE_TO_LOG2 : 0.0f;
+      if (r < q_rows) delta[delta_row0 + r] = sum;
+    }}
+  }}
+  __syncthreads();
+  // this lane's two accumulator rows (C fragment rows g and g + 8 of the warp's 16)
+  const float row_lse[2] = {{lse_tile[warp * 16 + g], lse_tile[warp * 16 + g + 8]}};
+  const float row_delta[2] = {{delta_tile[warp * 16 + g], delta_tile[warp * 16 + g + 8]}};
+  float dq_acc[D / 8][4];
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) dq_acc[t][c] = 0.0f;
+  // a causal block's last live key is its last query
+  const int kv_end = CAUSAL ? min(S, q_start + BQ) : S;
+  for (int k_start = 0; k_start < kv_end; k_start += BK) {{
+    const int k_rows = min(BK, S - k_start);
+    __syncthreads();  // every warp is done with the previous K/V tiles
+    load_tile(k_tile, k + k_base + (long long)k_start * {p.k_strides[2]}LL, {p.k_strides[2]}LL, k_rows, BK);
+    load_tile(v_tile, v + v_base + (long long)k_start * {p.v_strides[2]}LL, {p.v_strides[2]}LL, k_rows, BK);
+    __syncthreads();
+    float s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+    for (int t = 0; t < BK / 8; t++) for (int c = 0; c < 4; c++) {{ s[t][c] = 0.0f; dp[t][c] = 0.0f; }}
+    warp_mma<BK / 8, D>(s, q_tile + warp * 16 * PITCH, PITCH, 1, k_tile, 1, PITCH);     // Q K^T
+    warp_mma<BK / 8, D>(dp, do_tile + warp * 16 * PITCH, PITCH, 1, v_tile, 1, PITCH);   // dO V^T
+#pragma unroll
+    for (int t = 0; t < BK / 8; t++) {{
+#pragma unroll
+      for (int c = 0; c < 4; c++) {{
+        const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+        const int i = q_start + row, j = k_start + column;
+        const bool keep = i < L && j < S && (!CAUSAL || j <= i);
+        const float prob = keep ? exp2f(fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1])) : 0.0f;
+        ds_tile[row * (BK + PAD) + column] = from_float(prob * (dp[t][c] - row_delta[c >> 1]));
+      }}
+    }}
+    __syncwarp();  // a warp reads back only its own rows of dS
+    warp_mma<D / 8, BK>(dq_acc, ds_tile + warp * 16 * (BK + PAD), BK + PAD, 1, k_tile, PITCH, 1);   // dS K
+  }}
+  const long long dq_row0 = {_offset(p.dq_strides, "batch", "head")} + (long long)q_start * {p.dq_strides[2]}LL;
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) {{
+#pragma unroll
+    for (int c = 0; c < 4; c++) {{
+      const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+      if (row < q_rows) dq[dq_row0 + (long long)row * {p.dq_strides[2]}LL + column] = from_float(SCALE * dq_acc[t][c]);
+    }}
+  }}
+}}
+"""
+  return _header(plan, plan.dq_shared_bytes) + body
+
+
+def render_dkdv_kernel(plan: AttentionBackwardPlan) -> str:
+  """CUDA source of the dK/dV kernel (reads delta): grid `dkdv_grid`, block `dkdv_block`, `dkdv_shared_bytes`."""
+  p = plan
+  body = f"""
+extern "C" __global__ void __launch_bounds__({p.dkdv_block[0]}) {DKDV_KERNEL}(const elem_t* __restrict__ q,
+    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, elem_t* __restrict__ dk,
+    elem_t* __restrict__ dv) {{
+  elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH
+  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH
+  elem_t* q_tile = v_tile + BK * PITCH;                 // BQ x PITCH
+  elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
+  elem_t* pt_tile = do_tile + BQ * PITCH;               // BK x (BQ + PAD): P^T
+  elem_t* dst_tile = pt_tile + BK * (BQ + PAD);         // BK x (BQ + PAD): dS^T
+  float* lse_tile = (float*)(dst_tile + BK * (BQ + PAD));  // BQ, as log2
+  float* delta_tile = lse_tile + BQ;                    // BQ
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
+  const int k_start = blockIdx.x * BK, batch = blockIdx.y / KVH, kv_head = blockIdx.y % KVH;
+  const int k_rows = min(BK, S - k_start);
+  const long long k_row0 = {_offset(p.k_strides, "batch", "kv_head")} + (long long)k_start * {p.k_strides[2]}LL;
+  const long long v_row0 = {_offset(p.v_strides, "batch", "kv_head")} + (long long)k_start * {p.v_strides[2]}LL;
+  load_tile(k_tile, k + k_row0, {p.k_strides[2]}LL, k_rows, BK);
+  load_tile(v_tile, v + v_row0, {p.v_strides[2]}LL, k_rows, BK);
+  float dk_acc[D / 8][4], dv_acc[D / 8][4];
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) {{ dk_acc[t][c] = 0.0f; dv_acc[t][c] = 0.0f; }}
+  // a causal Q tile whose last query precedes this block's first key is dead
+  const int q_first = CAUSAL ? (k_start / BQ) * BQ : 0;
+  for (int head = kv_head * GROUP; head < (kv_head + 1) * GROUP; head++) {{
+    const long long q_base = {_offset(p.q_strides, "batch", "head")};
+    const long long do_base = {_offset(p.do_strides, "batch", "head")};
+    const long long lse_base = {_offset(p.lse_strides, "batch", "head")};
+    const long long delta_base = ((long long)batch * H + head) * L;
+    for (int q_start = q_first; q_start < L; q_start += BQ) {{
+      const int q_rows = min(BQ, L - q_start);
+      __syncthreads();  // every warp is done with the previous Q and dO tiles
+      load_tile(q_tile, q + q_base + (long long)q_start * {p.q_strides[2]}LL, {p.q_strides[2]}LL, q_rows, BQ);
+      load_tile(do_tile, dout + do_base + (long long)q_start * {p.do_strides[2]}LL, {p.do_strides[2]}LL, q_rows, BQ);
+      for (int r = threadIdx.x; r < BQ; r += blockDim.x) {{
+        const bool valid = r < q_rows;
+        lse_tile[r] = valid ? lse[lse_base + (long long)(q_start + r) * {p.lse_strides[2]}LL] * LSE_TO_LOG2 : 0.0f;
+        delta_tile[r] = valid ? delta[delta_base + q_start + r] : 0.0f;
+      }}
+      __syncthreads();
+      float st[BQ / 8][4], dpt[BQ / 8][4];
+#pragma unroll
+      for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
+      warp_mma<BQ / 8, D>(st, k_tile + warp * 16 * PITCH, PITCH, 1, q_tile, 1, PITCH);    // K Q^T = S^T
+      warp_mma<BQ / 8, D>(dpt, v_tile + warp * 16 * PITCH, PITCH, 1, do_tile, 1, PITCH);  // V dO^T = dP^T
+#pragma unroll
+      for (int t = 0; t < BQ / 8; t++) {{
+#pragma unroll
+        for (int c = 0; c < 4; c++) {{
+          const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+          const int j = k_start + row, i = q_start + column;
+          const bool keep = i < L && j < S && (!CAUSAL || j <= i);
+          const float prob = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column])) : 0.0f;
+          pt_tile[row * (BQ + PAD) + column] = from_float(prob);
+          dst_tile[row * (BQ + PAD) + column] = from_float(prob * (dpt[t][c] - delta_tile[column]));
+        }}
+      }}
+      __syncwarp();  // a warp reads back only its own rows of P^T and dS^T
+      warp_mma<D / 8, BQ>(dv_acc, pt_tile + warp * 16 * (BQ + PAD), BQ + PAD, 1, do_tile, PITCH, 1);   // P^T dO
+      warp_mma<D / 8, BQ>(dk_acc, dst_tile + warp * 16 * (BQ + PAD), BQ + PAD, 1, q_tile, PITCH, 1);   // dS^T Q
+    }}
+  }}
+  const long long dk_row0 = {_offset(p.dk_strides, "batch", "kv_head")} + (long long)k_start * {p.dk_strides[2]}LL;
+  const long long dv_row0 = {_offset(p.dv_strides, "batch", "kv_head")} + (long long)k_start * {p.dv_strides[2]}LL;
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) {{
+#pragma unroll
+    for (int c = 0; c < 4; c++) {{
+      const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+      if (row < k_rows) {{
+        dk[dk_row0 + (long long)row * {p.dk_strides[2]}LL + column] = from_float(SCALE * dk_acc[t][c]);
+        dv[dv_row0 + (long long)row * {p.dv_strides[2]}LL + column] = from_float(dv_acc[t][c]);
+      }}
+    }}
+  }}
+}}
+"""
+  return _header(plan, plan.dkdv_shared_bytes) + body
+
+
+# ---------------------------------------------------------------- numpy emulation
+
+def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+  """Stored elements as float32: float16 values or bfloat16 bit patterns (uint16) widened; float32 as is."""
+  if dtype == "bfloat16": return bfloat16_bits_to_float32(values)
+  return np.asarray(values).astype(np.float32)
+
+
+def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+  """float32 values stored in `dtype` (to nearest even): float16 values, bfloat16 bit patterns, or float32."""
+  if dtype == "bfloat16": return float32_to_bfloat16_bits(values)
+  return values.astype(np.float16 if dtype == "float16" else np.float32)
+
+
+def _operand(values: np.ndarray, dtype: str) -> np.ndarray:
+  """A product's operand as the tensor cores read it: float32 rounded to TF32; 16-bit values are exact already."""
+  return tf32_round(values) if dtype == "float32" else values
+
+
+def _staged(values: np.ndarray, dtype: str) -> np.ndarray:
+  """float32 P or dS as the kernels stage it in shared memory (in the operand type) and multiply it."""
+  if dtype == "float16": return values.astype(np.float16).astype(np.float32)
+  if dtype == "bfloat16": return round_to_bfloat16(values)
+  return tf32_round(values)
+
+
+def emulate_attention_backward(plan: AttentionBackwardPlan, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                               o: np.ndarray, do: np.ndarray, lse: np.ndarray
+                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """dq, dk, dv as the two kernels of `plan` compute them. q, o, do: (batch, heads, q_len, head_dim), k, v:
+  (batch, kv_heads, kv_len, head_dim) in the stored form of plan.dtype (float32, float16, or bfloat16 bit patterns as
+  uint16); lse: float32 (batch, heads, q_len). Returns dq (as q), dk and dv (as k) in the same stored form. Sums are
+  float32 (their order differs from the tensor cores' in the last bits)."""
+  p = plan
+  _check_shapes(p, q=q, k=k, v=v, o=o, do=do, lse=lse)
+  q32, k32, v32, o32, do32 = (to_float32(array, p.dtype) for array in (q, k, v, o, do))
+  lse2 = np.asarray(lse, np.float32) * np.float32(1.0 if p.lse_log2 else LOG2E)
+  rows, columns = np.arange(p.q_len)[:, None], np.arange(p.kv_len)[None, :]
+  keep = columns <= rows if p.causal else np.ones((p.q_len, p.kv_len), dtype=bool)
+  dq = np.zeros(q32.shape, np.float32)
+  dk, dv = np.zeros(k32.shape, np.float32), np.zeros(v32.shape, np.float32)
+  for batch in range(p.batch):
+    for head in range(p.heads):
+      kv_head = head // p.group
+      query, key, value = q32[batch, head], k32[batch, kv_head], v32[batch, kv_head]
+      grad_out = do32[batch, head]
+      scores = _operand(query, p.dtype) @ _operand(key, p.dtype).T
+      exponent = scores * np.float32(p.scale * LOG2E) - lse2[batch, head][:, None]
+      prob = np.where(keep, np.exp2(exponent), np.float32(0)).astype(np.float32)
+      dprob = _operand(grad_out, p.dtype) @ _operand(value, p.dtype).T
+      delta = (grad_out * o32[batch, head]).sum(-1, dtype=np.float32)
+      dscores = (prob * (dprob - delta[:, None])).astype(np.float32)
+      staged_ds = _staged(dscores, p.dtype)
+      dq[batch, head] = staged_ds @ _operand(key, p.dtype)
+      dv[batch, kv_head] += _staged(prob, p.dtype).T @ _operand(grad_out, p.dtype)
+      dk[batch, kv_head] += staged_ds.T @ _operand(query, p.dtype)
+  scale = np.float32(p.scale)
+  return from_float32(dq * scale, p.dtype), from_float32(dk * scale, p.dtype), from_float32(dv, p.dtype)
+
+
+def _check_shapes(plan: AttentionBackwardPlan, **arrays: np.ndarray) -> None:
+  """Raise ShapeError naming the first operand whose shape is not the plan's."""
+  q_shape = (plan.batch, plan.heads, plan.q_len, plan.head_dim)
+  kv_shape = (plan.batch, plan.kv_heads, plan.kv_len, plan.head_dim)
+  expected = {"q": q_shape, "o": q_shape, "do": q_shape, "k": kv_shape, "v": kv_shape, "lse": q_shape[:3]}
+  for name, array in arrays.items():
+    if tuple(array.shape) != expected[name]:
+      raise ShapeError(f"attention backward: {name} has shape {tuple(array.shape)}, the plan needs {expected[name]}")
