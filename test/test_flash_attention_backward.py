@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from attention_backward_host import host_compiler, run_on_host
 from helpers import nvrtc_compiler
 
 from ourgrad.codegen.attention_backward import (AttentionBackwardPlan, contiguous_strides, emulate_attention_backward,
@@ -118,3 +119,34 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
   for launch in plan.launches():
     assert f'extern "C" __global__ void __launch_bounds__({launch.block[0]}) {launch.name}(' in launch.source
     assert compiler.compile(launch.source)
+
+
+HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causal), q/o/dq as a (B, L, H, D) projection
+  ("float32", (1, 2, 1, 70, 45, 32, True), False),
+  ("bfloat16", (1, 2, 2, 45, 70, 64, False), True),
+  ("float16", (1, 2, 1, 40, 40, 128, True), False),
+]
+
+
+@pytest.mark.skipif(host_compiler() is None, reason="no g++ to run the kernels' source on the host")
+@pytest.mark.parametrize("dtype,case,projected", HOST_CASES, ids=lambda value: str(value))
+def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, projected: bool):
+  """The CUDA source itself (index math, masks, barriers, fragment loads) run by attention_backward_host."""
+  batch, heads, kv_heads, q_len, kv_len, head_dim, causal = case
+  plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal)
+  arrays, expected = reference(plan)
+  if projected:
+    projection = (q_len * heads * head_dim, head_dim, heads * head_dim)
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "q_strides": projection, "o_strides": projection,
+                                    "dq_strides": projection})
+    for name in ("q", "o"): arrays[name] = arrays[name].transpose(0, 2, 1, 3)
+  buffers = {name: array.reshape(-1) for name, array in arrays.items()}
+  buffers.update(dq=np.zeros_like(buffers["q"]), dk=np.zeros_like(buffers["k"]), dv=np.zeros_like(buffers["v"]),
+                 delta=np.zeros(plan.delta_elements, np.float32))
+  state = run_on_host(plan, buffers)
+  dq = state["dq"].reshape((batch, q_len, heads, head_dim) if projected else (batch, heads, q_len, head_dim))
+  results = (dq.transpose(0, 2, 1, 3) if projected else dq, state["dk"].reshape(expected[1].shape),
+             state["dv"].reshape(expected[2].shape))
+  for name, result, want in zip(("dq", "dk", "dv"), results, expected):
+    error = np.abs(to_float32(result, dtype) - want).max() / np.abs(want).max()
+    assert error < TOLERANCE[dtype], f"{name} {dtype} {case}: relative error {error:.2e}"

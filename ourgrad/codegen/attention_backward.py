@@ -81,10 +81,13 @@ class AttentionBackwardPlan:
   block_q: int = 64
   block_kv: int = 64
   lse_log2: bool = False      # LSE holds log2 of the softmax sum of 2^(scale log2(e) q.k) instead of the natural log
+  o_dtype: str | None = None  # O's dtype where the forward keeps it in float32; None: plan.dtype
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
       raise DTypeError(f"attention backward kernels take float32, float16 or bfloat16, not {self.dtype}")
+    if self.o_dtype not in (None, self.dtype, "float32"):
+      raise DTypeError(f"attention backward reads O as {self.dtype} or float32, not {self.o_dtype}")
     if self.head_dim % 16 or not 16 <= self.head_dim <= 256:
       raise ShapeError(f"attention backward kernels need head_dim a multiple of 16 in [16, 256], got {self.head_dim}")
     if self.kv_heads <= 0 or self.heads % self.kv_heads:
@@ -114,6 +117,11 @@ class AttentionBackwardPlan:
 
   @property
   def itemsize(self) -> int: return ITEMSIZE[self.dtype]
+
+  @property
+  def stored_o_dtype(self) -> str:
+    """The dtype O is read in."""
+    return self.o_dtype or self.dtype
 
   @property
   def row_pitch(self) -> int:
@@ -190,13 +198,10 @@ def _affine(position: tuple[int, int, int], offset: str) -> str:
   return f"{offset} + {constant} + {times_group} * g + {times_quad} * quad"
 
 
-def _mma_helpers(dtype: str) -> str:
-  """The element type, conversions, the mma instruction, and `warp_mma`: a warp's 16 x (8 NT) accumulator tile
-  += A (16 x K) @ B (K x 8 NT) with A(r, c) at a[r * a_row + c * a_col] and B(r, c) at b[r * b_row + c * b_col]
-  in shared memory, gathered into fragments by the maps of codegen/tensor_cores.py."""
-  tf32 = dtype == "float32"
-  maps: FragmentMaps = M16N8K8_TF32_MAPS if tf32 else M16N8K16_MAPS
-  k_step = 8 if tf32 else 16
+def instruction_helpers(dtype: str) -> str:
+  """The element type `elem_t` and the device functions written with PTX: to_float / from_float (stored element <->
+  float32, to nearest even), the operand register of one element (TF32: `operand_bits`, cvt.rna) or of two
+  (`pack`), and `mma` (one m16n8k16 or m16n8k8 TF32 instruction, float32 accumulators updated in place)."""
   lines = [f"typedef {C_TYPE[dtype]} elem_t;"]
   if dtype == "float32":
     lines += ["__device__ __forceinline__ float to_float(elem_t x) { return x; }",
@@ -214,14 +219,34 @@ def _mma_helpers(dtype: str) -> str:
               "  return (elem_t)(r & 0xFFFF); }",
               "__device__ __forceinline__ unsigned pack(elem_t low, elem_t high) {",
               "  return (unsigned)low | ((unsigned)high << 16); }"]
-  a_count, b_count = (4, 2)
-  instruction = (f"mma.sync.aligned.m16n8k{k_step}.row.col.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}.f32 "
+  instruction = (f"mma.sync.aligned.m16n8k{_k_step(dtype)}.row.col.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};")
   lines += ["__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {",
             f'  asm volatile("{instruction}"',
             '    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])',
             '    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));',
             "}"]
+  return "\n".join(lines) + "\n"
+
+
+def _k_step(dtype: str) -> int:
+  """K of one mma instruction: m16n8k8 for TF32, m16n8k16 for 16-bit operands."""
+  return 8 if dtype == "float32" else 16
+
+
+def fragment_maps(dtype: str) -> FragmentMaps:
+  """Where each element of the A, B, C fragments lies (codegen/tensor_cores.py) for the instruction of `dtype`."""
+  return M16N8K8_TF32_MAPS if dtype == "float32" else M16N8K16_MAPS
+
+
+def _warp_helpers(dtype: str) -> str:
+  """`warp_mma`: a warp's 16 x (8 NT) accumulator tile += A (16 x K) @ B (K x 8 NT) with A(r, c) at
+  a[r * a_row + c * a_col] and B(r, c) at b[r * b_row + c * b_col] in shared memory, gathered into fragments by the
+  maps of codegen/tensor_cores.py; and `load_tile` (global rows -> a shared tile)."""
+  tf32 = dtype == "float32"
+  maps, k_step = fragment_maps(dtype), _k_step(dtype)
+  a_count, b_count = (4, 2)
+  lines: list[str] = []
 
   def element(matrix: str, position, offsets: tuple[str, str]) -> str:
     row, column = _affine(position[0], offsets[0]), _affine(position[1], offsets[1])
@@ -271,7 +296,9 @@ def _header(plan: AttentionBackwardPlan, shared_bytes: int) -> str:
             f"#define LSE_TO_LOG2 {1.0 if plan.lse_log2 else LOG2E!r}f",
             f'extern "C" __device__ unsigned int {DYNAMIC_SHARED_SYMBOL} = {shared_bytes};',
             "extern __shared__ __align__(16) unsigned char shared_bytes[];"]
-  return "\n".join(lines) + "\n" + _mma_helpers(plan.dtype)
+  if plan.stored_o_dtype == plan.dtype: o_helpers = "typedef elem_t o_t;\n#define o_to_float to_float\n"
+  else: o_helpers = "typedef float o_t;\n__device__ __forceinline__ float o_to_float(float x) { return x; }\n"
+  return "\n".join(lines) + "\n" + instruction_helpers(plan.dtype) + o_helpers + _warp_helpers(plan.dtype)
 
 
 def _offset(strides: Strides, batch: str, head: str) -> str:
@@ -283,7 +310,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan) -> str:
   p = plan
   body = f"""
 extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const elem_t* __restrict__ q,
-    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ o,
+    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
     const elem_t* __restrict__ dout, const float* __restrict__ lse, elem_t* __restrict__ dq,
     float* __restrict__ delta) {{
   elem_t* q_tile = (elem_t*)shared_bytes;               // BQ x PITCH
@@ -310,8 +337,8 @@ extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const 
   for (int r = warp; r < BQ; r += BQ / 16) {{
     float sum = 0.0f;
     if (r < q_rows) {{
-      const elem_t* o_row = o + o_row0 + (long long)r * {p.o_strides[2]}LL;
-      for (int c = lane; c < D; c += 32) sum += to_float(do_tile[r * PITCH + c]) * to_float(o_row[c]);
+      const o_t* o_row = o + o_row0 + (long long)r * {p.o_strides[2]}LL;
+      for (int c = lane; c < D; c += 32) sum += to_float(do_tile[r * PITCH + c]) * o_to_float(o_row[c]);
     }}
     for (int width = 16; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
     if (lane == 0) {{
@@ -483,11 +510,12 @@ def emulate_attention_backward(plan: AttentionBackwardPlan, q: np.ndarray, k: np
                                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """dq, dk, dv as the two kernels of `plan` compute them. q, o, do: (batch, heads, q_len, head_dim), k, v:
   (batch, kv_heads, kv_len, head_dim) in the stored form of plan.dtype (float32, float16, or bfloat16 bit patterns as
-  uint16); lse: float32 (batch, heads, q_len). Returns dq (as q), dk and dv (as k) in the same stored form. Sums are
-  float32 (their order differs from the tensor cores' in the last bits)."""
+  uint16; o in plan.stored_o_dtype); lse: float32 (batch, heads, q_len). Returns dq (as q), dk and dv (as k) in the
+  same stored form. Sums are float32 (their order differs from the tensor cores' in the last bits)."""
   p = plan
   _check_shapes(p, q=q, k=k, v=v, o=o, do=do, lse=lse)
-  q32, k32, v32, o32, do32 = (to_float32(array, p.dtype) for array in (q, k, v, o, do))
+  q32, k32, v32, do32 = (to_float32(array, p.dtype) for array in (q, k, v, do))
+  o32 = to_float32(o, p.stored_o_dtype)
   lse2 = np.asarray(lse, np.float32) * np.float32(1.0 if p.lse_log2 else LOG2E)
   rows, columns = np.arange(p.q_len)[:, None], np.arange(p.kv_len)[None, :]
   keep = columns <= rows if p.causal else np.ones((p.q_len, p.kv_len), dtype=bool)
