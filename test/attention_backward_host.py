@@ -61,6 +61,8 @@ inline float __shfl_xor_sync(unsigned, float value, int width) {
   float other = slots.value[lane ^ width]; __syncwarp();
   return other;
 }
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 inline float __uint_as_float(unsigned bits) { float f; memcpy(&f, &bits, 4); return f; }
 inline unsigned float_as_uint(float f) { unsigned bits; memcpy(&bits, &f, 4); return bits; }
 """

@@ -121,27 +121,36 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
     assert compiler.compile(launch.source)
 
 
-HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causal), q/o/dq as a (B, L, H, D) projection
-  ("float32", (1, 2, 1, 70, 45, 32, True), False),
-  ("bfloat16", (1, 2, 2, 45, 70, 64, False), True),
-  ("float16", (1, 2, 1, 40, 40, 128, True), False),
+HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causal), layout of q, o, dq, k
+  ("float32", (1, 2, 1, 70, 45, 32, True), "contiguous"),
+  ("bfloat16", (1, 2, 2, 45, 70, 64, False), "projected"),   # q, o, dq read as a (B, L, H, D) projection
+  ("float16", (1, 2, 1, 40, 40, 128, True), "contiguous"),
+  ("float16", (1, 2, 1, 33, 20, 16, False), "padded"),       # k rows D + 1 apart: no 16-byte loads
 ]
 
 
 @pytest.mark.skipif(host_compiler() is None, reason="no g++ to run the kernels' source on the host")
-@pytest.mark.parametrize("dtype,case,projected", HOST_CASES, ids=lambda value: str(value))
-def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, projected: bool):
+@pytest.mark.parametrize("dtype,case,layout", HOST_CASES, ids=lambda value: str(value))
+def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout: str):
   """The CUDA source itself (index math, masks, barriers, fragment loads) run by attention_backward_host."""
   batch, heads, kv_heads, q_len, kv_len, head_dim, causal = case
   plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal)
   arrays, expected = reference(plan)
+  projected = layout == "projected"
   if projected:
     projection = (q_len * heads * head_dim, head_dim, heads * head_dim)
     plan = AttentionBackwardPlan(**{**plan.__dict__, "q_strides": projection, "o_strides": projection,
                                     "dq_strides": projection})
     for name in ("q", "o"): arrays[name] = arrays[name].transpose(0, 2, 1, 3)
+  if layout == "padded":
+    padded = np.zeros((*arrays["k"].shape[:3], head_dim + 1), arrays["k"].dtype)
+    padded[..., :head_dim] = arrays["k"]
+    arrays["k"] = padded
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "k_strides": (kv_heads * kv_len * (head_dim + 1),
+                                                                   kv_len * (head_dim + 1), head_dim + 1)})
+    assert plan.vector_width == 1
   buffers = {name: array.reshape(-1) for name, array in arrays.items()}
-  buffers.update(dq=np.zeros_like(buffers["q"]), dk=np.zeros_like(buffers["k"]), dv=np.zeros_like(buffers["v"]),
+  buffers.update(dq=np.zeros_like(buffers["q"]), dk=np.zeros_like(buffers["v"]), dv=np.zeros_like(buffers["v"]),
                  delta=np.zeros(plan.delta_elements, np.float32))
   state = run_on_host(plan, buffers)
   dq = state["dq"].reshape((batch, q_len, heads, head_dim) if projected else (batch, heads, q_len, head_dim))

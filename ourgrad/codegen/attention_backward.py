@@ -129,6 +129,14 @@ class AttentionBackwardPlan:
     return self.head_dim + PAD_BYTES // self.itemsize
 
   @property
+  def vector_width(self) -> int:
+    """Elements of one 16-byte global load when every stride of q, k, v, do is a multiple of it (the buffers start
+    16-byte aligned, as allocations do), else 1."""
+    width = 16 // self.itemsize
+    strides = (*self.q_strides, *self.k_strides, *self.v_strides, *self.do_strides)
+    return width if all(stride % width == 0 for stride in strides) else 1
+
+  @property
   def delta_elements(self) -> int:
     """Size (float32 elements) of the delta scratch buffer: (batch, heads, q_len) contiguous."""
     return self.batch * self.heads * self.q_len
@@ -241,47 +249,64 @@ def fragment_maps(dtype: str) -> FragmentMaps:
 
 def _warp_helpers(dtype: str) -> str:
   """`warp_mma`: a warp's 16 x (8 NT) accumulator tile += A (16 x K) @ B (K x 8 NT) with A(r, c) at
-  a[r * a_row + c * a_col] and B(r, c) at b[r * b_row + c * b_col] in shared memory, gathered into fragments by the
-  maps of codegen/tensor_cores.py; and `load_tile` (global rows -> a shared tile)."""
+  a[r * A_ROW + c * A_COL] and B(r, c) at b[r * B_ROW + c * B_COL] in shared memory (the strides are template
+  constants), gathered into fragments by the maps of codegen/tensor_cores.py. Two 16-bit elements of one register
+  that lie next to each other in shared memory are read as one 32-bit word."""
   tf32 = dtype == "float32"
   maps, k_step = fragment_maps(dtype), _k_step(dtype)
-  a_count, b_count = (4, 2)
-  lines: list[str] = []
 
-  def element(matrix: str, position, offsets: tuple[str, str]) -> str:
+  def address(matrix: str, position, offsets: tuple[str, str]) -> str:
     row, column = _affine(position[0], offsets[0]), _affine(position[1], offsets[1])
-    return f"{matrix}[({row}) * {matrix}_row + ({column}) * {matrix}_col]"
+    upper = matrix.upper()
+    return f"{matrix}[({row}) * {upper}_ROW + ({column}) * {upper}_COL]"
 
-  # one 32-bit register per TF32 element; two 16-bit elements (the lower-numbered in the low half) otherwise
-  def registers(matrix: str, positions, offsets: tuple[str, str], count: int) -> list[str]:
-    if tf32: return [f"operand_bits({element(matrix, positions[i], offsets)})" for i in range(count)]
-    return [f"pack({element(matrix, positions[2 * i], offsets)}, {element(matrix, positions[2 * i + 1], offsets)})"
-            for i in range(count)]
+  def pair(matrix: str, first, second, offsets: tuple[str, str]) -> str:
+    """One register of two 16-bit elements (the lower-numbered in the low half)."""
+    packed = f"pack({address(matrix, first, offsets)}, {address(matrix, second, offsets)})"
+    step = tuple(b[0] - a[0] for a, b in zip(first, second))   # how far apart they are (rows, columns)
+    if step not in ((1, 0), (0, 1)): return packed
+    contiguous = f"{matrix.upper()}_{'ROW' if step == (1, 0) else 'COL'} == 1"
+    return f"({contiguous} ? *(const unsigned*)&{address(matrix, first, offsets)} : {packed})"
 
-  a_registers = registers("a", maps.a, ("0", "k0"), a_count)
-  b_registers = registers("b", maps.b, ("k0", "t * 8"), b_count)
-  lines += ["template <int NT, int K>",
-            "__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const elem_t* a, int a_row, int a_col,",
-            "                                         const elem_t* b, int b_row, int b_col) {",
-            "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
-            "#pragma unroll",
-            f"  for (int k0 = 0; k0 < K; k0 += {k_step}) {{",
-            f"    const unsigned ra[4] = {{{', '.join(a_registers)}}};",
-            "#pragma unroll",
-            "    for (int t = 0; t < NT; t++) {",
-            f"      const unsigned rb[2] = {{{', '.join(b_registers)}}};",
-            "      mma(acc[t], ra, rb);",
-            "    }",
-            "  }",
-            "}",
-            "// rows [0, valid) of a rows x D tile from global memory (row stride `stride`), zeros below; all threads",
-            "__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* source, long long stride,",
-            "                                          int valid, int rows) {",
-            "  for (int index = threadIdx.x; index < rows * D; index += blockDim.x) {",
-            "    const int r = index / D, c = index % D;",
-            "    tile[r * PITCH + c] = r < valid ? source[r * stride + c] : (elem_t)0;",
-            "  }",
-            "}"]
+  def registers(matrix: str, positions, offsets: tuple[str, str]) -> list[str]:
+    if tf32: return [f"operand_bits({address(matrix, position, offsets)})" for position in positions]
+    return [pair(matrix, positions[2 * i], positions[2 * i + 1], offsets) for i in range(len(positions) // 2)]
+
+  a_registers = registers("a", maps.a, ("0", "k0"))
+  b_registers = registers("b", maps.b, ("k0", "t * 8"))
+  lines = ["template <int NT, int K, int A_ROW, int A_COL, int B_ROW, int B_COL>",
+           "__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const elem_t* a, const elem_t* b) {",
+           "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
+           "#pragma unroll",
+           f"  for (int k0 = 0; k0 < K; k0 += {k_step}) {{",
+           f"    const unsigned ra[{len(a_registers)}] = {{{', '.join(a_registers)}}};",
+           "#pragma unroll",
+           "    for (int t = 0; t < NT; t++) {",
+           f"      const unsigned rb[{len(b_registers)}] = {{{', '.join(b_registers)}}};",
+           "      mma(acc[t], ra, rb);",
+           "    }",
+           "  }",
+           "}"]
+  return "\n".join(lines) + "\n"
+
+
+def _load_tile(plan: AttentionBackwardPlan) -> str:
+  """`load_tile`: rows [0, valid) of a rows x D tile from global memory (row stride `stride`) into shared memory,
+  zeros below, by all threads of the block; 16 bytes a load where every stride allows it."""
+  width = plan.vector_width
+  if width == 1:
+    copy = ["    tile[r * PITCH + c] = r < valid ? source[r * stride + c] : (elem_t)0;"]
+  else:
+    copy = ["    uint4 value = make_uint4(0u, 0u, 0u, 0u);",
+            "    if (r < valid) value = *(const uint4*)(source + r * stride + c);",
+            "    *(uint4*)(tile + r * PITCH + c) = value;"]
+  lines = ["__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* source, long long stride,",
+           "                                          int valid, int rows) {",
+           f"  for (int index = threadIdx.x; index < rows * (D / {width}); index += blockDim.x) {{",
+           f"    const int r = index / (D / {width}), c = (index % (D / {width})) * {width};",
+           *copy,
+           "  }",
+           "}"]
   return "\n".join(lines) + "\n"
 
 
@@ -298,7 +323,8 @@ def _header(plan: AttentionBackwardPlan, shared_bytes: int) -> str:
             "extern __shared__ __align__(16) unsigned char shared_bytes[];"]
   if plan.stored_o_dtype == plan.dtype: o_helpers = "typedef elem_t o_t;\n#define o_to_float to_float\n"
   else: o_helpers = "typedef float o_t;\n__device__ __forceinline__ float o_to_float(float x) { return x; }\n"
-  return "\n".join(lines) + "\n" + instruction_helpers(plan.dtype) + o_helpers + _warp_helpers(plan.dtype)
+  helpers = instruction_helpers(plan.dtype) + o_helpers + _warp_helpers(plan.dtype) + _load_tile(plan)
+  return "\n".join(lines) + "\n" + helpers
 
 
 def _offset(strides: Strides, batch: str, head: str) -> str:
@@ -365,8 +391,8 @@ extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const 
     float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) for (int c = 0; c < 4; c++) {{ s[t][c] = 0.0f; dp[t][c] = 0.0f; }}
-    warp_mma<BK / 8, D>(s, q_tile + warp * 16 * PITCH, PITCH, 1, k_tile, 1, PITCH);     // Q K^T
-    warp_mma<BK / 8, D>(dp, do_tile + warp * 16 * PITCH, PITCH, 1, v_tile, 1, PITCH);   // dO V^T
+    warp_mma<BK / 8, D, PITCH, 1, 1, PITCH>(s, q_tile + warp * 16 * PITCH, k_tile);     // Q K^T
+    warp_mma<BK / 8, D, PITCH, 1, 1, PITCH>(dp, do_tile + warp * 16 * PITCH, v_tile);   // dO V^T
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) {{
 #pragma unroll
@@ -379,7 +405,7 @@ extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const 
       }}
     }}
     __syncwarp();  // a warp reads back only its own rows of dS
-    warp_mma<D / 8, BK>(dq_acc, ds_tile + warp * 16 * (BK + PAD), BK + PAD, 1, k_tile, PITCH, 1);   // dS K
+    warp_mma<D / 8, BK, BK + PAD, 1, PITCH, 1>(dq_acc, ds_tile + warp * 16 * (BK + PAD), k_tile);   // dS K
   }}
   const long long dq_row0 = {_offset(p.dq_strides, "batch", "head")} + (long long)q_start * {p.dq_strides[2]}LL;
 #pragma unroll
@@ -442,8 +468,8 @@ extern "C" __global__ void __launch_bounds__({p.dkdv_block[0]}) {DKDV_KERNEL}(co
       float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
       for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
-      warp_mma<BQ / 8, D>(st, k_tile + warp * 16 * PITCH, PITCH, 1, q_tile, 1, PITCH);    // K Q^T = S^T
-      warp_mma<BQ / 8, D>(dpt, v_tile + warp * 16 * PITCH, PITCH, 1, do_tile, 1, PITCH);  // V dO^T = dP^T
+      warp_mma<BQ / 8, D, PITCH, 1, 1, PITCH>(st, k_tile + warp * 16 * PITCH, q_tile);    // K Q^T = S^T
+      warp_mma<BQ / 8, D, PITCH, 1, 1, PITCH>(dpt, v_tile + warp * 16 * PITCH, do_tile);  // V dO^T = dP^T
 #pragma unroll
       for (int t = 0; t < BQ / 8; t++) {{
 #pragma unroll
@@ -457,8 +483,8 @@ extern "C" __global__ void __launch_bounds__({p.dkdv_block[0]}) {DKDV_KERNEL}(co
         }}
       }}
       __syncwarp();  // a warp reads back only its own rows of P^T and dS^T
-      warp_mma<D / 8, BQ>(dv_acc, pt_tile + warp * 16 * (BQ + PAD), BQ + PAD, 1, do_tile, PITCH, 1);   // P^T dO
-      warp_mma<D / 8, BQ>(dk_acc, dst_tile + warp * 16 * (BQ + PAD), BQ + PAD, 1, q_tile, PITCH, 1);   // dS^T Q
+      warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dv_acc, pt_tile + warp * 16 * (BQ + PAD), do_tile);   // P^T dO
+      warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dk_acc, dst_tile + warp * 16 * (BQ + PAD), q_tile);   // dS^T Q
     }}
   }}
   const long long dk_row0 = {_offset(p.dk_strides, "batch", "kv_head")} + (long long)k_start * {p.dk_strides[2]}LL;
