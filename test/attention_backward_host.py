@@ -49,7 +49,7 @@ struct Barrier {
     else wake.wait(lock, [&] { return mine != generation; });
   }
 };
-struct WarpSlots { unsigned a[32][4]; unsigned b[32][2]; float value[32]; };
+struct WarpSlots { unsigned a[32][4]; unsigned b[32][2]; float value[32]; const void* row[32]; };
 Barrier block_barrier, warp_barriers[32];
 WarpSlots warp_slots[32];
 inline void __syncthreads() { block_barrier.wait(); }
@@ -91,6 +91,22 @@ PACKED_OPERANDS = r"""
 inline unsigned pack(elem_t low, elem_t high) { return (unsigned)low | ((unsigned)high << 16); }
 inline float operand_value(const unsigned* registers, int element) {
   return to_float((elem_t)(registers[element / 2] >> (16 * (element % 2)) & 0xFFFFu)); }
+// ldmatrix: lane l names row l % 8 of matrix l / 8; lane l receives (row l / 4, columns 2 (l % 4) and + 1) of each
+// matrix, or with .trans (rows 2 (l % 4) and + 1, column l / 4)
+inline void ldmatrix(unsigned (&r)[4], const elem_t* row, bool transposed) {
+  WarpSlots& slots = warp_slots[threadIdx.x / 32];
+  const int lane = threadIdx.x & 31;
+  slots.row[lane] = row; __syncwarp();
+  for (int m = 0; m < 4; m++) {
+    const elem_t* const* rows = (const elem_t* const*)&slots.row[8 * m];
+    const elem_t low = transposed ? rows[2 * (lane % 4)][lane / 4] : rows[lane / 4][2 * (lane % 4)];
+    const elem_t high = transposed ? rows[2 * (lane % 4) + 1][lane / 4] : rows[lane / 4][2 * (lane % 4) + 1];
+    r[m] = pack(low, high);
+  }
+  __syncwarp();
+}
+inline void ldmatrix_x4(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, false); }
+inline void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, true); }
 """
 
 ARGUMENT_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "dq": "elem_t", "dk": "elem_t",

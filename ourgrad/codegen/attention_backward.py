@@ -227,6 +227,11 @@ def instruction_helpers(dtype: str) -> str:
               "  return (elem_t)(r & 0xFFFF); }",
               "__device__ __forceinline__ unsigned pack(elem_t low, elem_t high) {",
               "  return (unsigned)low | ((unsigned)high << 16); }"]
+    for suffix, modifier in (("", ""), ("_trans", ".trans")):
+      lines += [f"__device__ __forceinline__ void ldmatrix_x4{suffix}(unsigned (&r)[4], const elem_t* row) {{",
+                f'  asm volatile("ldmatrix.sync.aligned.m8n8.x4{modifier}.shared.b16 {{%0, %1, %2, %3}}, [%4];"',
+                '    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(row)));',
+                "}"]
   instruction = (f"mma.sync.aligned.m16n8k{_k_step(dtype)}.row.col.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};")
   lines += ["__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {",
@@ -274,19 +279,41 @@ def _warp_helpers(dtype: str) -> str:
 
   a_registers = registers("a", maps.a, ("0", "k0"))
   b_registers = registers("b", maps.b, ("k0", "t * 8"))
+  b_next = registers("b", maps.b, ("k0", "(t + 1) * 8"))
   lines = ["template <int NT, int K, int A_ROW, int A_COL, int B_ROW, int B_COL>",
            "__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const elem_t* a, const elem_t* b) {",
            "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
            "#pragma unroll",
-           f"  for (int k0 = 0; k0 < K; k0 += {k_step}) {{",
-           f"    const unsigned ra[{len(a_registers)}] = {{{', '.join(a_registers)}}};",
-           "#pragma unroll",
-           "    for (int t = 0; t < NT; t++) {",
-           f"      const unsigned rb[{len(b_registers)}] = {{{', '.join(b_registers)}}};",
-           "      mma(acc[t], ra, rb);",
-           "    }",
-           "  }",
-           "}"]
+           f"  for (int k0 = 0; k0 < K; k0 += {k_step}) {{"]
+  if tf32:
+    lines += [f"    const unsigned ra[4] = {{{', '.join(a_registers)}}};",
+              "#pragma unroll",
+              "    for (int t = 0; t < NT; t++) {",
+              f"      const unsigned rb[2] = {{{', '.join(b_registers)}}};",
+              "      mma(acc[t], ra, rb);",
+              "    }"]
+  else:
+    # ldmatrix: lane l names row l % 8 of 8x8 matrix l / 8; the four matrices give A's four registers (rows 0-7 and
+    # 8-15 at k0, then at k0 + 8), or the two registers of B for two n8 tiles (.trans where B's rows run along K)
+    lines += ["    unsigned ra[4];",
+              "    if constexpr (A_COL == 1) ldmatrix_x4(ra, a + (lane & 15) * A_ROW + k0 + (lane >> 4) * 8);",
+              f"    else {{ const unsigned fill[4] = {{{', '.join(a_registers)}}}; for (int i = 0; i < 4; i++) "
+              "ra[i] = fill[i]; }",
+              "#pragma unroll",
+              "    for (int t = 0; t < NT; t += 2) {",
+              "      unsigned rb[4];",
+              "      if constexpr (B_ROW == 1)",
+              "        ldmatrix_x4(rb, b + ((t + (lane >> 4)) * 8 + (lane & 7)) * B_COL + k0 + ((lane >> 3) & 1) * 8);",
+              "      else if constexpr (B_COL == 1)",
+              "        ldmatrix_x4_trans(rb, b + (k0 + (lane & 15)) * B_ROW + (t + (lane >> 4)) * 8);",
+              f"      else {{ const unsigned fill[4] = {{{', '.join(b_registers + b_next)}}};",
+              "        for (int i = 0; i < 4; i++) rb[i] = fill[i]; }",
+              "      const unsigned first[2] = {rb[0], rb[1]}, second[2] = {rb[2], rb[3]};",
+              "      mma(acc[t], ra, first);",
+              "      mma(acc[t + 1], ra, second);",
+              "    }"]
+  lines += ["  }",
+            "}"]
   return "\n".join(lines) + "\n"
 
 
