@@ -38,7 +38,7 @@ PRELUDE = r"""
 #define __shared__
 struct Dim3 { int x, y, z; };
 thread_local Dim3 threadIdx, blockIdx;
-Dim3 blockDim;
+Dim3 blockDim, gridDim;
 using std::min;
 struct Barrier {
   std::mutex mutex; std::condition_variable wake; int count = 0, waiting = 0, generation = 0;
@@ -63,6 +63,13 @@ inline float __shfl_xor_sync(unsigned, float value, int width) {
 }
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+// cp.async copies at once on the host: nothing is in flight
+inline void copy_async_16(void* shared, const void* global, bool valid) {
+  if (valid) memcpy(shared, global, 16); else memset(shared, 0, 16); }
+inline void copy_async_4(void* shared, const void* global, bool valid) {
+  if (valid) memcpy(shared, global, 4); else memset(shared, 0, 4); }
+inline void copy_async_commit() {}
+template <int PENDING> inline void copy_async_wait() {}
 inline float __uint_as_float(unsigned bits) { float f; memcpy(&f, &bits, 4); return f; }
 inline unsigned float_as_uint(float f) { unsigned bits; memcpy(&bits, &f, 4); return bits; }
 """
@@ -176,6 +183,7 @@ int main(int argc, char** argv) {{
   }}
   const int threads = {launch.block[0]};
   blockDim = Dim3{{threads, 1, 1}};
+  gridDim = Dim3{{{launch.grid[0]}, {launch.grid[1]}, 1}};
   block_barrier.count = threads;
   for (int warp = 0; warp < threads / 32; warp++) warp_barriers[warp].count = 32;
   for (int y = 0; y < {launch.grid[1]}; y++) for (int x = 0; x < {launch.grid[0]}; x++) {{

@@ -119,6 +119,13 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
   for launch in plan.launches():
     assert f'extern "C" __global__ void __launch_bounds__({launch.block[0]}) {launch.name}(' in launch.source
     assert compiler.compile(launch.source)
+  # with the H100/H200's 228 KB of shared memory a multiprocessor: as many blocks as fit (3 of 64x64 bfloat16 tiles)
+  plan = AttentionBackwardPlan(**{**plan.__dict__, "shared_per_sm": 228 * 1024})
+  for launch in plan.launches():
+    resident = min(228 * 1024 // (launch.shared_bytes + 1024), 4)
+    bounds = f"__launch_bounds__({launch.block[0]}{f', {resident}' if resident > 1 else ''})"
+    assert f'extern "C" __global__ void {bounds} {launch.name}(' in launch.source
+    assert compiler.compile(launch.source)
 
 
 HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causal), layout of q, o, dq, k

@@ -163,7 +163,11 @@ def main() -> None:
   driver.cuInit(0)
   major, minor = torch.cuda.get_device_capability()
   compiler = CUDACompiler(f"sm_{major}{minor}")
-  print(f"device: {torch.cuda.get_device_name()} sm_{major}{minor}; torch {torch.__version__}", flush=True)
+  device = driver.cuDeviceGet(torch.cuda.current_device())[1]
+  shared_per_sm = driver.cuDeviceGetAttribute(
+    driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, device)[1]
+  print(f"device: {torch.cuda.get_device_name()} sm_{major}{minor}, {shared_per_sm} B shared a multiprocessor; "
+        f"torch {torch.__version__}", flush=True)
   checks = [  # batch, heads, kv_heads, q_len, kv_len, head_dim, causal
     (1, 2, 2, 64, 64, 64, False), (2, 4, 2, 300, 300, 64, True), (1, 4, 1, 257, 130, 64, False),
     (1, 2, 2, 130, 257, 128, True), (2, 3, 3, 200, 200, 128, False)]
@@ -175,7 +179,7 @@ def main() -> None:
     for case, timed in cases:
       name = f"B={case[0]} H={case[1]} KVH={case[2]} L={case[3]} S={case[4]} D={case[5]} causal={case[6]}"
       try:
-        plan = AttentionBackwardPlan.contiguous(*case[:6], dtype, case[6])
+        plan = AttentionBackwardPlan.contiguous(*case[:6], dtype, case[6], shared_per_sm=shared_per_sm)
         run_case(name, plan, compiler, timed, options.iters, against_float64=not timed or case[3] <= 1024)
       except Exception:
         print(f"  {name}: FAILED\n{traceback.format_exc()}", flush=True)

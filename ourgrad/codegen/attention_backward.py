@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,10 @@ Strides = tuple[int, int, int]   # element strides of (batch, head, row); the la
 WARP_ROWS = 16                   # rows of an mma.sync tile (m16): each warp owns 16 rows of its block
 PAD_BYTES = 16                   # added to each shared-memory row so a fragment's 8 rows fall in different banks
 LOG2E = 1.4426950408889634
+# the register file of a multiprocessor (every sm_80/sm_86/sm_89/sm_90 GPU), the registers a thread of these kernels
+# needs to keep its accumulators and fragments without spilling much, and the shared memory the driver reserves per
+# resident block (sm_80+)
+REGISTERS_PER_SM, REGISTER_FLOOR, BLOCK_RESERVED_SHARED = 65536, 128, 1024
 DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
 
 
@@ -82,6 +87,7 @@ class AttentionBackwardPlan:
   block_kv: int = 64
   lse_log2: bool = False      # LSE holds log2 of the softmax sum of 2^(scale log2(e) q.k) instead of the natural log
   o_dtype: str | None = None  # O's dtype where the forward keeps it in float32; None: plan.dtype
+  shared_per_sm: int = 0      # the device's shared memory per multiprocessor (0: unknown, no occupancy hint)
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -101,11 +107,11 @@ class AttentionBackwardPlan:
 
   @staticmethod
   def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
-                 causal: bool, scale: float | None = None, **blocks: int) -> AttentionBackwardPlan:
-    """A plan for contiguous (B, H, T, D) operands; scale defaults to 1/sqrt(head_dim) as SDPA's. The blocks default
-    to `default_blocks(head_dim)`."""
+                 causal: bool, scale: float | None = None, **options: Any) -> AttentionBackwardPlan:
+    """A plan for contiguous (B, H, T, D) operands; scale defaults to 1/sqrt(head_dim) as SDPA's. `options` sets
+    other fields (block sizes default to `default_blocks(head_dim)`)."""
     q_like, kv_like = contiguous_strides(heads, q_len, head_dim), contiguous_strides(kv_heads, kv_len, head_dim)
-    sizes = {**default_blocks(head_dim), **blocks}
+    sizes = {**default_blocks(head_dim), **options}
     return AttentionBackwardPlan(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal,
                                  1 / math.sqrt(head_dim) if scale is None else scale, q_like, kv_like, kv_like,
                                  q_like, q_like, q_like, kv_like, kv_like, (heads * q_len, q_len, 1), **sizes)
@@ -150,8 +156,9 @@ class AttentionBackwardPlan:
 
   @property
   def dq_shared_bytes(self) -> int:
-    """Q and dO tiles, K and V tiles, the dS tile (block_q x block_kv), then LSE and delta of the block's rows."""
-    tiles = 2 * self.block_q * self.row_pitch + 2 * self.block_kv * self.row_pitch
+    """Q and dO tiles, two K and V tiles (double-buffered), the dS tile (block_q x block_kv), then LSE and delta of
+    the block's rows."""
+    tiles = 2 * self.block_q * self.row_pitch + 4 * self.block_kv * self.row_pitch
     tiles += self.block_q * (self.block_kv + PAD_BYTES // self.itemsize)
     return tiles * self.itemsize + 2 * self.block_q * 4
 
@@ -163,10 +170,19 @@ class AttentionBackwardPlan:
 
   @property
   def dkdv_shared_bytes(self) -> int:
-    """K and V tiles, Q and dO tiles, the P^T and dS^T tiles (block_kv x block_q), then LSE and delta of the Q tile."""
-    tiles = 2 * self.block_kv * self.row_pitch + 2 * self.block_q * self.row_pitch
+    """K and V tiles, two Q and dO tiles (double-buffered), the P^T and dS^T tiles (block_kv x block_q), then two
+    LSE and delta rows of a Q tile."""
+    tiles = 2 * self.block_kv * self.row_pitch + 4 * self.block_q * self.row_pitch
     tiles += 2 * self.block_kv * (self.block_q + PAD_BYTES // self.itemsize)
-    return tiles * self.itemsize + 2 * self.block_q * 4
+    return tiles * self.itemsize + 4 * self.block_q * 4
+
+  def launch_bounds(self, threads: int, shared_bytes: int) -> str:
+    """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
+    known, the blocks that fit in it (so ptxas keeps registers for that many, down to REGISTER_FLOOR a thread)."""
+    if not self.shared_per_sm: return f"__launch_bounds__({threads})"
+    resident = min(self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED), REGISTERS_PER_SM // (threads *
+                                                                                                    REGISTER_FLOOR))
+    return f"__launch_bounds__({threads}, {resident})" if resident > 1 else f"__launch_bounds__({threads})"
 
   def fits(self, max_shared_bytes: int) -> bool:
     """Whether both kernels' shared memory fits a block's limit (the device's opt-in maximum)."""
@@ -232,6 +248,17 @@ def instruction_helpers(dtype: str) -> str:
                 f'  asm volatile("ldmatrix.sync.aligned.m8n8.x4{modifier}.shared.b16 {{%0, %1, %2, %3}}, [%4];"',
                 '    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(row)));',
                 "}"]
+  # cp.async (sm_80+): a copy to shared memory that the thread does not wait for; a source size of 0 writes zeros
+  for size, cache in ((16, "cg"), (4, "ca")):
+    lines += [f"__device__ __forceinline__ void copy_async_{size}(void* shared, const void* global, bool valid) {{",
+              f'  asm volatile("cp.async.{cache}.shared.global [%0], [%1], {size}, %2;"',
+              '    :: "r"((unsigned)__cvta_generic_to_shared(shared)), "l"(global), '
+              f'"r"(valid ? {size} : 0) : "memory");',
+              "}"]
+  lines += ["__device__ __forceinline__ void copy_async_commit() {",
+            '  asm volatile("cp.async.commit_group;" ::: "memory"); }',
+            "template <int PENDING> __device__ __forceinline__ void copy_async_wait() {",
+            '  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory"); }']
   instruction = (f"mma.sync.aligned.m16n8k{_k_step(dtype)}.row.col.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};")
   lines += ["__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {",
@@ -319,20 +346,25 @@ def _warp_helpers(dtype: str) -> str:
 
 def _load_tile(plan: AttentionBackwardPlan) -> str:
   """`load_tile`: rows [0, valid) of a rows x D tile from global memory (row stride `stride`) into shared memory,
-  zeros below, by all threads of the block; 16 bytes a load where every stride allows it."""
+  zeros below, by all threads of the block: 16-byte cp.async copies (waited for with copy_async_wait) where every
+  stride allows them, else plain loads and stores. `load_row`: `count` floats (element stride `stride`) the same way,
+  zeros from `valid` on."""
   width = plan.vector_width
   if width == 1:
     copy = ["    tile[r * PITCH + c] = r < valid ? source[r * stride + c] : (elem_t)0;"]
-  else:
-    copy = ["    uint4 value = make_uint4(0u, 0u, 0u, 0u);",
-            "    if (r < valid) value = *(const uint4*)(source + r * stride + c);",
-            "    *(uint4*)(tile + r * PITCH + c) = value;"]
+  else:   # a zero-filled row's copy still names a readable address: row 0's
+    copy = ["    copy_async_16(tile + r * PITCH + c, source + (r < valid ? r : 0) * stride + c, r < valid);"]
   lines = ["__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* source, long long stride,",
            "                                          int valid, int rows) {",
            f"  for (int index = threadIdx.x; index < rows * (D / {width}); index += blockDim.x) {{",
            f"    const int r = index / (D / {width}), c = (index % (D / {width})) * {width};",
            *copy,
            "  }",
+           "}",
+           "__device__ __forceinline__ void load_row(float* row, const float* source, long long stride, int valid,",
+           "                                         int count) {",
+           "  for (int r = threadIdx.x; r < count; r += blockDim.x)",
+           "    copy_async_4(row + r, source + (r < valid ? r : 0) * stride, r < valid);",
            "}"]
   return "\n".join(lines) + "\n"
 
@@ -359,22 +391,26 @@ def _offset(strides: Strides, batch: str, head: str) -> str:
 
 
 def render_dq_kernel(plan: AttentionBackwardPlan) -> str:
-  """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`."""
+  """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`.
+
+  The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
+  block's work grows with its Q tile, so the blocks are numbered from the last Q tile down (the longest start first)."""
   p = plan
   body = f"""
-extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const elem_t* __restrict__ q,
+extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {DQ_KERNEL}(const elem_t* __restrict__ q,
     const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
     const elem_t* __restrict__ dout, const float* __restrict__ lse, elem_t* __restrict__ dq,
     float* __restrict__ delta) {{
   elem_t* q_tile = (elem_t*)shared_bytes;               // BQ x PITCH
   elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
-  elem_t* k_tile = do_tile + BQ * PITCH;                // BK x PITCH
-  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH
-  elem_t* ds_tile = v_tile + BK * PITCH;                // BQ x (BK + PAD)
-  float* lse_tile = (float*)(ds_tile + BQ * (BK + PAD));  // BQ, as log2
+  elem_t* k_tiles = do_tile + BQ * PITCH;               // 2 x BK x PITCH
+  elem_t* v_tiles = k_tiles + 2 * BK * PITCH;           // 2 x BK x PITCH
+  elem_t* ds_tile = v_tiles + 2 * BK * PITCH;           // BQ x (BK + PAD)
+  float* lse_tile = (float*)(ds_tile + BQ * (BK + PAD));  // BQ
   float* delta_tile = lse_tile + BQ;                    // BQ
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
-  const int q_start = blockIdx.x * BQ, batch = blockIdx.y / H, head = blockIdx.y % H, kv_head = head / GROUP;
+  const int q_start = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BQ;
+  const int batch = blockIdx.y / H, head = blockIdx.y % H, kv_head = head / GROUP;
   const int q_rows = min(BQ, L - q_start);
   const long long q_row0 = {_offset(p.q_strides, "batch", "head")} + (long long)q_start * {p.q_strides[2]}LL;
   const long long do_row0 = {_offset(p.do_strides, "batch", "head")} + (long long)q_start * {p.do_strides[2]}LL;
@@ -383,8 +419,16 @@ extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const 
   const long long v_base = {_offset(p.v_strides, "batch", "kv_head")};
   const long long lse_row0 = {_offset(p.lse_strides, "batch", "head")} + (long long)q_start * {p.lse_strides[2]}LL;
   const long long delta_row0 = ((long long)batch * H + head) * L + q_start;
+  // a causal block's last live key is its last query
+  const int kv_end = CAUSAL ? min(S, q_start + BQ) : S;
+  const int kv_tiles = (kv_end + BK - 1) / BK;
   load_tile(q_tile, q + q_row0, {p.q_strides[2]}LL, q_rows, BQ);
   load_tile(do_tile, dout + do_row0, {p.do_strides[2]}LL, q_rows, BQ);
+  load_row(lse_tile, lse + lse_row0, {p.lse_strides[2]}LL, q_rows, BQ);
+  load_tile(k_tiles, k + k_base, {p.k_strides[2]}LL, min(BK, S), BK);
+  load_tile(v_tiles, v + v_base, {p.v_strides[2]}LL, min(BK, S), BK);
+  copy_async_commit();
+  copy_async_wait<0>();
   __syncthreads();
   // delta = rowsum(dO * O) of the block's rows: one warp a row, written for the dK/dV kernel too
   for (int r = warp; r < BQ; r += BQ / 16) {{
@@ -396,25 +440,32 @@ extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const 
     for (int width = 16; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
     if (lane == 0) {{
       delta_tile[r] = sum;
-      lse_tile[r] = r < q_rows ? lse[lse_row0 + (long long)r * {p.lse_strides[2]}LL] * LSE_TO_LOG2 : 0.0f;
       if (r < q_rows) delta[delta_row0 + r] = sum;
     }}
   }}
   __syncthreads();
   // this lane's two accumulator rows (C fragment rows g and g + 8 of the warp's 16)
-  const float row_lse[2] = {{lse_tile[warp * 16 + g], lse_tile[warp * 16 + g + 8]}};
+  const float row_lse[2] = {{lse_tile[warp * 16 + g] * LSE_TO_LOG2, lse_tile[warp * 16 + g + 8] * LSE_TO_LOG2}};
   const float row_delta[2] = {{delta_tile[warp * 16 + g], delta_tile[warp * 16 + g + 8]}};
   float dq_acc[D / 8][4];
 #pragma unroll
   for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) dq_acc[t][c] = 0.0f;
-  // a causal block's last live key is its last query
-  const int kv_end = CAUSAL ? min(S, q_start + BQ) : S;
-  for (int k_start = 0; k_start < kv_end; k_start += BK) {{
-    const int k_rows = min(BK, S - k_start);
-    __syncthreads();  // every warp is done with the previous K/V tiles
-    load_tile(k_tile, k + k_base + (long long)k_start * {p.k_strides[2]}LL, {p.k_strides[2]}LL, k_rows, BK);
-    load_tile(v_tile, v + v_base + (long long)k_start * {p.v_strides[2]}LL, {p.v_strides[2]}LL, k_rows, BK);
-    __syncthreads();
+  for (int tile = 0; tile < kv_tiles; tile++) {{
+    const int k_start = tile * BK;
+    if (tile + 1 < kv_tiles) {{  // the next K/V tiles into the other buffer, while this one is used
+      const int next = k_start + BK, buffer = (tile + 1) & 1;
+      load_tile(k_tiles + buffer * BK * PITCH, k + k_base + (long long)next * {p.k_strides[2]}LL, {p.k_strides[2]}LL,
+                min(BK, S - next), BK);
+      load_tile(v_tiles + buffer * BK * PITCH, v + v_base + (long long)next * {p.v_strides[2]}LL, {p.v_strides[2]}LL,
+                min(BK, S - next), BK);
+      copy_async_commit();
+      copy_async_wait<1>();
+    }} else {{
+      copy_async_wait<0>();
+    }}
+    __syncthreads();  // this tile's copies, by every thread, have landed
+    const elem_t* k_tile = k_tiles + (tile & 1) * BK * PITCH;
+    const elem_t* v_tile = v_tiles + (tile & 1) * BK * PITCH;
     float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) for (int c = 0; c < 4; c++) {{ s[t][c] = 0.0f; dp[t][c] = 0.0f; }}
@@ -433,6 +484,7 @@ extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const 
     }}
     __syncwarp();  // a warp reads back only its own rows of dS
     warp_mma<D / 8, BK, BK + PAD, 1, PITCH, 1>(dq_acc, ds_tile + warp * 16 * (BK + PAD), k_tile);   // dS K
+    __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }}
   const long long dq_row0 = {_offset(p.dq_strides, "batch", "head")} + (long long)q_start * {p.dq_strides[2]}LL;
 #pragma unroll
@@ -449,71 +501,97 @@ extern "C" __global__ void __launch_bounds__({p.dq_block[0]}) {DQ_KERNEL}(const 
 
 
 def render_dkdv_kernel(plan: AttentionBackwardPlan) -> str:
-  """CUDA source of the dK/dV kernel (reads delta): grid `dkdv_grid`, block `dkdv_block`, `dkdv_shared_bytes`."""
+  """CUDA source of the dK/dV kernel (reads delta): grid `dkdv_grid`, block `dkdv_block`, `dkdv_shared_bytes`.
+
+  The block's iterations run over (query head of its group, Q tile) pairs; their Q, dO, LSE and delta tiles are
+  double-buffered: the copies of iteration n + 1 are in flight while iteration n is multiplied."""
   p = plan
   body = f"""
-extern "C" __global__ void __launch_bounds__({p.dkdv_block[0]}) {DKDV_KERNEL}(const elem_t* __restrict__ q,
+__device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_first, int batch, int kv_head,
+    const elem_t* q, const elem_t* dout, const float* lse, const float* delta, elem_t* q_tile, elem_t* do_tile,
+    float* lse_tile, float* delta_tile) {{
+  const int head = kv_head * GROUP + iteration / q_tiles, q_start = q_first + (iteration % q_tiles) * BQ;
+  const int q_rows = min(BQ, L - q_start);
+  const long long q_row0 = {_offset(p.q_strides, "batch", "head")} + (long long)q_start * {p.q_strides[2]}LL;
+  const long long do_row0 = {_offset(p.do_strides, "batch", "head")} + (long long)q_start * {p.do_strides[2]}LL;
+  const long long lse_row0 = {_offset(p.lse_strides, "batch", "head")} + (long long)q_start * {p.lse_strides[2]}LL;
+  load_tile(q_tile, q + q_row0, {p.q_strides[2]}LL, q_rows, BQ);
+  load_tile(do_tile, dout + do_row0, {p.do_strides[2]}LL, q_rows, BQ);
+  load_row(lse_tile, lse + lse_row0, {p.lse_strides[2]}LL, q_rows, BQ);
+  load_row(delta_tile, delta + ((long long)batch * H + head) * L + q_start, 1, q_rows, BQ);
+}}
+
+extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes)} {DKDV_KERNEL}(
+    const elem_t* __restrict__ q,
     const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,
     const float* __restrict__ lse, const float* __restrict__ delta, elem_t* __restrict__ dk,
     elem_t* __restrict__ dv) {{
   elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH
   elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH
-  elem_t* q_tile = v_tile + BK * PITCH;                 // BQ x PITCH
-  elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
-  elem_t* pt_tile = do_tile + BQ * PITCH;               // BK x (BQ + PAD): P^T
+  elem_t* q_buffers = v_tile + BK * PITCH;                // 2 x BQ x PITCH
+  elem_t* do_buffers = q_buffers + 2 * BQ * PITCH;          // 2 x BQ x PITCH
+  elem_t* pt_tile = do_buffers + 2 * BQ * PITCH;          // BK x (BQ + PAD): P^T
   elem_t* dst_tile = pt_tile + BK * (BQ + PAD);         // BK x (BQ + PAD): dS^T
-  float* lse_tile = (float*)(dst_tile + BK * (BQ + PAD));  // BQ, as log2
-  float* delta_tile = lse_tile + BQ;                    // BQ
+  float* lse_buffers = (float*)(dst_tile + BK * (BQ + PAD));  // 2 x BQ
+  float* delta_buffers = lse_buffers + 2 * BQ;              // 2 x BQ
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
   const int k_start = blockIdx.x * BK, batch = blockIdx.y / KVH, kv_head = blockIdx.y % KVH;
   const int k_rows = min(BK, S - k_start);
   const long long k_row0 = {_offset(p.k_strides, "batch", "kv_head")} + (long long)k_start * {p.k_strides[2]}LL;
   const long long v_row0 = {_offset(p.v_strides, "batch", "kv_head")} + (long long)k_start * {p.v_strides[2]}LL;
+  // a causal Q tile whose last query precedes this block's first key is dead
+  const int q_first = CAUSAL ? (k_start / BQ) * BQ : 0;
+  const int q_tiles = q_first < L ? (L - q_first + BQ - 1) / BQ : 0;
+  const int iterations = GROUP * q_tiles;
   load_tile(k_tile, k + k_row0, {p.k_strides[2]}LL, k_rows, BK);
   load_tile(v_tile, v + v_row0, {p.v_strides[2]}LL, k_rows, BK);
+  if (iterations > 0)
+    load_q_tiles(0, q_tiles, q_first, batch, kv_head, q, dout, lse, delta, q_buffers, do_buffers, lse_buffers,
+                 delta_buffers);
+  copy_async_commit();
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
 #pragma unroll
   for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) {{ dk_acc[t][c] = 0.0f; dv_acc[t][c] = 0.0f; }}
-  // a causal Q tile whose last query precedes this block's first key is dead
-  const int q_first = CAUSAL ? (k_start / BQ) * BQ : 0;
-  for (int head = kv_head * GROUP; head < (kv_head + 1) * GROUP; head++) {{
-    const long long q_base = {_offset(p.q_strides, "batch", "head")};
-    const long long do_base = {_offset(p.do_strides, "batch", "head")};
-    const long long lse_base = {_offset(p.lse_strides, "batch", "head")};
-    const long long delta_base = ((long long)batch * H + head) * L;
-    for (int q_start = q_first; q_start < L; q_start += BQ) {{
-      const int q_rows = min(BQ, L - q_start);
-      __syncthreads();  // every warp is done with the previous Q and dO tiles
-      load_tile(q_tile, q + q_base + (long long)q_start * {p.q_strides[2]}LL, {p.q_strides[2]}LL, q_rows, BQ);
-      load_tile(do_tile, dout + do_base + (long long)q_start * {p.do_strides[2]}LL, {p.do_strides[2]}LL, q_rows, BQ);
-      for (int r = threadIdx.x; r < BQ; r += blockDim.x) {{
-        const bool valid = r < q_rows;
-        lse_tile[r] = valid ? lse[lse_base + (long long)(q_start + r) * {p.lse_strides[2]}LL] * LSE_TO_LOG2 : 0.0f;
-        delta_tile[r] = valid ? delta[delta_base + q_start + r] : 0.0f;
-      }}
-      __syncthreads();
-      float st[BQ / 8][4], dpt[BQ / 8][4];
-#pragma unroll
-      for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
-      warp_mma<BQ / 8, D, PITCH, 1, 1, PITCH>(st, k_tile + warp * 16 * PITCH, q_tile);    // K Q^T = S^T
-      warp_mma<BQ / 8, D, PITCH, 1, 1, PITCH>(dpt, v_tile + warp * 16 * PITCH, do_tile);  // V dO^T = dP^T
-#pragma unroll
-      for (int t = 0; t < BQ / 8; t++) {{
-#pragma unroll
-        for (int c = 0; c < 4; c++) {{
-          const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
-          const int j = k_start + row, i = q_start + column;
-          const bool keep = i < L && j < S && (!CAUSAL || j <= i);
-          const float prob = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column])) : 0.0f;
-          pt_tile[row * (BQ + PAD) + column] = from_float(prob);
-          dst_tile[row * (BQ + PAD) + column] = from_float(prob * (dpt[t][c] - delta_tile[column]));
-        }}
-      }}
-      __syncwarp();  // a warp reads back only its own rows of P^T and dS^T
-      warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dv_acc, pt_tile + warp * 16 * (BQ + PAD), do_tile);   // P^T dO
-      warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dk_acc, dst_tile + warp * 16 * (BQ + PAD), q_tile);   // dS^T Q
+  for (int iteration = 0; iteration < iterations; iteration++) {{
+    if (iteration + 1 < iterations) {{  // the next Q tiles into the other buffer, while this one is used
+      const int buffer = (iteration + 1) & 1;
+      load_q_tiles(iteration + 1, q_tiles, q_first, batch, kv_head, q, dout, lse, delta,
+                   q_buffers + buffer * BQ * PITCH, do_buffers + buffer * BQ * PITCH, lse_buffers + buffer * BQ,
+                   delta_buffers + buffer * BQ);
+      copy_async_commit();
+      copy_async_wait<1>();
+    }} else {{
+      copy_async_wait<0>();
     }}
+    __syncthreads();  // this iteration's copies, by every thread, have landed
+    const int q_start = q_first + (iteration % q_tiles) * BQ, buffer = iteration & 1;
+    const elem_t* q_tile = q_buffers + buffer * BQ * PITCH;
+    const elem_t* do_tile = do_buffers + buffer * BQ * PITCH;
+    const float* lse_tile = lse_buffers + buffer * BQ;
+    const float* delta_tile = delta_buffers + buffer * BQ;
+    float st[BQ / 8][4], dpt[BQ / 8][4];
+#pragma unroll
+    for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
+    warp_mma<BQ / 8, D, PITCH, 1, 1, PITCH>(st, k_tile + warp * 16 * PITCH, q_tile);    // K Q^T = S^T
+    warp_mma<BQ / 8, D, PITCH, 1, 1, PITCH>(dpt, v_tile + warp * 16 * PITCH, do_tile);  // V dO^T = dP^T
+#pragma unroll
+    for (int t = 0; t < BQ / 8; t++) {{
+#pragma unroll
+      for (int c = 0; c < 4; c++) {{
+        const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+        const int j = k_start + row, i = q_start + column;
+        const bool keep = i < L && j < S && (!CAUSAL || j <= i);
+        const float prob = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2)) : 0.0f;
+        pt_tile[row * (BQ + PAD) + column] = from_float(prob);
+        dst_tile[row * (BQ + PAD) + column] = from_float(prob * (dpt[t][c] - delta_tile[column]));
+      }}
+    }}
+    __syncwarp();  // a warp reads back only its own rows of P^T and dS^T
+    warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dv_acc, pt_tile + warp * 16 * (BQ + PAD), do_tile);   // P^T dO
+    warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dk_acc, dst_tile + warp * 16 * (BQ + PAD), q_tile);   // dS^T Q
+    __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }}
+  copy_async_wait<0>();  // a block without live Q tiles still has its K/V copies in flight
   const long long dk_row0 = {_offset(p.dk_strides, "batch", "kv_head")} + (long long)k_start * {p.dk_strides[2]}LL;
   const long long dv_row0 = {_offset(p.dv_strides, "batch", "kv_head")} + (long long)k_start * {p.dv_strides[2]}LL;
 #pragma unroll
