@@ -231,7 +231,10 @@ def instruction_helpers(dtype: str) -> str:
     lines += ["__device__ __forceinline__ float to_float(elem_t x) { return x; }",
               "__device__ __forceinline__ elem_t from_float(float x) { return x; }",
               "__device__ __forceinline__ unsigned operand_bits(elem_t x) {",
-              '  unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }']
+              '  unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }',
+              "// two neighbouring elements (8-byte aligned) in one store",
+              "__device__ __forceinline__ void store_pair(elem_t* p, float first, float second) {",
+              "  *(float2*)p = make_float2(first, second); }"]
   else:
     if dtype == "float16":
       lines += ["__device__ __forceinline__ float to_float(elem_t x) {",
@@ -241,6 +244,10 @@ def instruction_helpers(dtype: str) -> str:
     lines += ["__device__ __forceinline__ elem_t from_float(float x) {",
               f'  unsigned r; asm("cvt.rn.{PTX_TYPE[dtype]}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.0f), "f"(x));',
               "  return (elem_t)(r & 0xFFFF); }",
+              "// two neighbouring elements (4-byte aligned) rounded by one cvt and written by one store",
+              "__device__ __forceinline__ void store_pair(elem_t* p, float first, float second) {",
+              f'  unsigned r; asm("cvt.rn.{PTX_TYPE[dtype]}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));',
+              "  *(unsigned*)p = r; }",
               "__device__ __forceinline__ unsigned pack(elem_t low, elem_t high) {",
               "  return (unsigned)low | ((unsigned)high << 16); }"]
     for suffix, modifier in (("", ""), ("_trans", ".trans")):
@@ -474,13 +481,18 @@ extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) {{
 #pragma unroll
+      float ds[4];
+#pragma unroll
       for (int c = 0; c < 4; c++) {{
         const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
         const int i = q_start + row, j = k_start + column;
         const bool keep = i < L && j < S && (!CAUSAL || j <= i);
         const float prob = keep ? exp2f(fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1])) : 0.0f;
-        ds_tile[row * (BK + PAD) + column] = from_float(prob * (dp[t][c] - row_delta[c >> 1]));
+        ds[c] = prob * (dp[t][c] - row_delta[c >> 1]);
       }}
+      elem_t* ds_pair = ds_tile + (warp * 16 + g) * (BK + PAD) + t * 8 + 2 * quad;   // columns c & 1 side by side
+      store_pair(ds_pair, ds[0], ds[1]);
+      store_pair(ds_pair + 8 * (BK + PAD), ds[2], ds[3]);
     }}
     __syncwarp();  // a warp reads back only its own rows of dS
     warp_mma<D / 8, BK, BK + PAD, 1, PITCH, 1>(dq_acc, ds_tile + warp * 16 * (BK + PAD), k_tile);   // dS K
@@ -577,14 +589,20 @@ extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes
 #pragma unroll
     for (int t = 0; t < BQ / 8; t++) {{
 #pragma unroll
+      float prob[4], ds[4];
+#pragma unroll
       for (int c = 0; c < 4; c++) {{
         const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
         const int j = k_start + row, i = q_start + column;
         const bool keep = i < L && j < S && (!CAUSAL || j <= i);
-        const float prob = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2)) : 0.0f;
-        pt_tile[row * (BQ + PAD) + column] = from_float(prob);
-        dst_tile[row * (BQ + PAD) + column] = from_float(prob * (dpt[t][c] - delta_tile[column]));
+        prob[c] = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2)) : 0.0f;
+        ds[c] = prob[c] * (dpt[t][c] - delta_tile[column]);
       }}
+      const int pair = (warp * 16 + g) * (BQ + PAD) + t * 8 + 2 * quad;   // columns c & 1 side by side
+      store_pair(pt_tile + pair, prob[0], prob[1]);
+      store_pair(pt_tile + pair + 8 * (BQ + PAD), prob[2], prob[3]);
+      store_pair(dst_tile + pair, ds[0], ds[1]);
+      store_pair(dst_tile + pair + 8 * (BQ + PAD), ds[2], ds[3]);
     }}
     __syncwarp();  // a warp reads back only its own rows of P^T and dS^T
     warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dv_acc, pt_tile + warp * 16 * (BQ + PAD), do_tile);   // P^T dO
