@@ -5,9 +5,11 @@ computed by torch, the two kernels are compiled with NVRTC (ourgrad's CUDACompil
 on torch's current stream, and dq, dk, dv are compared with a reference:
 - "check" cases (small, odd lengths, GQA, L != S, head_dim 128): torch float64 autograd of SDPA;
 - "time" cases (the issue's shapes): torch's fused SDPA backward in the same dtype (its own error is printed too,
-  against float64 where that fits in memory), and both are timed: CUDA events around `--iters` back-to-back calls,
-  median of 5 batches after a warm-up. torch's time is `torch.autograd.grad` of its fused SDPA output (the backward
-  kernels alone; the forward ran before the timing). ourgrad's is the dQ kernel (with delta) then the dK/dV kernel.
+  against float64 where that fits in memory), and both are timed: CUDA events around `--iters` back-to-back calls
+  (fewer where a call is long), median of 5 batches after a warm-up. Each timed shape runs several plan variants
+  (block_q, with and without the occupancy hint), each printing its registers, spills, errors and times. torch's
+  time is `torch.autograd.grad` of its fused SDPA output (the backward kernels alone; the forward ran before).
+  ourgrad's is the dQ kernel (with delta) then the dK/dV kernel.
 Every case prints its errors and times and the next case runs even if one fails; each dtype runs in a process
 of its own.
 Run on the H200: `python extra/bench/bench_attention_backward.py` (`--quick` for the check cases alone).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import math
 import statistics
 import subprocess
@@ -85,8 +88,15 @@ def relative_error(result, reference) -> float:
 
 
 def median_seconds(function, iters: int) -> float:
-  """Median over 5 batches of `iters` back-to-back calls (after a warm-up batch) of the time per call."""
+  """Median over 5 batches of back-to-back calls (after a warm-up batch) of the time per call; a batch is `iters`
+  calls, fewer where one call is long (a batch of about 30 ms at least 2 calls)."""
   import torch
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  start.record()
+  function()
+  end.record()
+  end.synchronize()
+  iters = max(2, min(iters, int(0.03 / max(start.elapsed_time(end) / 1e3, 1e-6))))
   times = []
   for batch in range(6):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -98,8 +108,12 @@ def median_seconds(function, iters: int) -> float:
   return statistics.median(times)
 
 
-def run_case(name: str, plan: AttentionBackwardPlan, compiler, timed: bool, iters: int, against_float64: bool):
+def run_case(name: str, variants: dict[str, AttentionBackwardPlan], compiler, timed: bool, iters: int,
+             against_float64: bool) -> None:
+  """One shape: inputs and references made once, then each plan variant (same shape, other blocks or hints) checked
+  and, if `timed`, timed beside torch."""
   import torch
+  plan = next(iter(variants.values()))
   dtype = getattr(torch, TORCH_DTYPES[plan.dtype])
   generator = torch.Generator(device="cuda").manual_seed(0)
   q_shape = (plan.batch, plan.heads, plan.q_len, plan.head_dim)
@@ -111,36 +125,46 @@ def run_case(name: str, plan: AttentionBackwardPlan, compiler, timed: bool, iter
   out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=plan.causal, scale=plan.scale,
                                                          enable_gqa=gqa)
   lse = logsumexp_rows(q.detach(), k.detach(), plan)
-  buffers = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": out.detach(), "do": grad_out, "lse": lse,
-             "dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v),
-             "delta": torch.empty(plan.delta_elements, device="cuda", dtype=torch.float32)}
-  kernels = Kernels(plan, compiler, verbose=True)
-  stream = torch.cuda.current_stream().cuda_stream
-  launchers = kernels.bind(buffers)
-  kernels.run(launchers, stream)
-  torch.cuda.synchronize()
-  ours = (buffers["dq"], buffers["dk"], buffers["dv"])
   torch_grads = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
-  line = f"  {name}: "
   if against_float64:
     q64, k64, v64 = (tensor.detach().double().requires_grad_() for tensor in (q, k, v))
     out64 = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=plan.causal, scale=plan.scale,
                                                              enable_gqa=gqa)
-    reference = torch.autograd.grad(out64, (q64, k64, v64), grad_out.double())
-    line += "ours vs f64 " + " ".join(f"{n}={relative_error(a, b):.1e}" for n, a, b in zip("qkv", ours, reference))
-    line += " | torch vs f64 " + " ".join(f"{n}={relative_error(a, b):.1e}"
-                                         for n, a, b in zip("qkv", torch_grads, reference))
+    reference, label = torch.autograd.grad(out64, (q64, k64, v64), grad_out.double()), "f64"
+    del q64, k64, v64, out64
+    print(f"  {name}: torch vs f64 " + " ".join(f"{n}={relative_error(a, b):.1e}"
+                                                for n, a, b in zip("qkv", torch_grads, reference)), flush=True)
   else:
-    line += "ours vs torch " + " ".join(f"{n}={relative_error(a, b):.1e}" for n, a, b in zip("qkv", ours, torch_grads))
-  print(line, flush=True)
-  if not timed: return
+    reference, label = torch_grads, "torch"
+    print(f"  {name}:", flush=True)
+  stream = torch.cuda.current_stream().cuda_stream
   flops = 10 * plan.batch * plan.heads * plan.q_len * plan.kv_len * plan.head_dim * (0.5 if plan.causal else 1)
-  ours_seconds = median_seconds(lambda: kernels.run(launchers, stream), iters)
-  single = [median_seconds(lambda launcher=launcher: kernels.run([launcher], stream), iters) for launcher in launchers]
-  torch_seconds = median_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True), iters)
-  print(f"    time: ours {ours_seconds * 1e3:.3f} ms ({flops / ours_seconds / 1e12:.1f} TFLOP/s; dq+delta "
-        f"{single[0] * 1e3:.3f} ms, dkdv {single[1] * 1e3:.3f} ms) | torch fused {torch_seconds * 1e3:.3f} ms "
-        f"({flops / torch_seconds / 1e12:.1f} TFLOP/s) | torch/ours {torch_seconds / ours_seconds:.2f}", flush=True)
+  if timed:
+    torch_seconds = median_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True), iters)
+    print(f"    torch fused backward {torch_seconds * 1e3:.3f} ms ({flops / torch_seconds / 1e12:.1f} TFLOP/s)",
+          flush=True)
+  for variant, variant_plan in variants.items():
+    try:
+      buffers = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": out.detach(), "do": grad_out, "lse": lse,
+                 "dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
+                 "delta": torch.zeros(plan.delta_elements, device="cuda", dtype=torch.float32)}
+      kernels = Kernels(variant_plan, compiler, verbose=True)
+      launchers = kernels.bind(buffers)
+      kernels.run(launchers, stream)
+      torch.cuda.synchronize()
+      ours = (buffers["dq"], buffers["dk"], buffers["dv"])
+      line = f"    [{variant}] ours vs {label} " + " ".join(f"{n}={relative_error(a, b):.1e}"
+                                                         for n, a, b in zip("qkv", ours, reference))
+      if timed:
+        ours_seconds = median_seconds(lambda: kernels.run(launchers, stream), iters)
+        single = [median_seconds(lambda launcher=launcher: kernels.run([launcher], stream), iters)
+                  for launcher in launchers]
+        line += (f" | ours {ours_seconds * 1e3:.3f} ms ({flops / ours_seconds / 1e12:.1f} TFLOP/s; dq+delta "
+                 f"{single[0] * 1e3:.3f} ms, dkdv {single[1] * 1e3:.3f} ms) | torch/ours "
+                 f"{torch_seconds / ours_seconds:.2f}")
+      print(line, flush=True)
+    except Exception:
+      print(f"    [{variant}] FAILED\n{traceback.format_exc()}", flush=True)
 
 
 def main() -> None:
@@ -164,6 +188,7 @@ def main() -> None:
   major, minor = torch.cuda.get_device_capability()
   compiler = CUDACompiler(f"sm_{major}{minor}")
   device = driver.cuDeviceGet(torch.cuda.current_device())[1]
+  driver.cuCtxSetCurrent(driver.cuDevicePrimaryCtxRetain(device)[1])   # torch's context (the device's primary one)
   shared_per_sm = driver.cuDeviceGetAttribute(
     driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, device)[1]
   print(f"device: {torch.cuda.get_device_name()} sm_{major}{minor}, {shared_per_sm} B shared a multiprocessor; "
@@ -180,7 +205,12 @@ def main() -> None:
       name = f"B={case[0]} H={case[1]} KVH={case[2]} L={case[3]} S={case[4]} D={case[5]} causal={case[6]}"
       try:
         plan = AttentionBackwardPlan.contiguous(*case[:6], dtype, case[6], shared_per_sm=shared_per_sm)
-        run_case(name, plan, compiler, timed, options.iters, against_float64=not timed or case[3] <= 1024)
+        variants = {"default": plan}
+        if timed:   # the same shape with other blocks and without the occupancy hint
+          variants["no hint"] = dataclasses.replace(plan, shared_per_sm=0)
+          variants["block_q 32"] = dataclasses.replace(plan, block_q=32)
+          variants["block_q 32 no hint"] = dataclasses.replace(plan, block_q=32, shared_per_sm=0)
+        run_case(name, variants, compiler, timed, options.iters, against_float64=not timed or case[3] <= 1024)
       except Exception:
         print(f"  {name}: FAILED\n{traceback.format_exc()}", flush=True)
       finally:
