@@ -697,3 +697,26 @@ def _check_shapes(plan: AttentionBackwardPlan, **arrays: np.ndarray) -> None:
   for name, array in arrays.items():
     if tuple(array.shape) != expected[name]:
       raise ShapeError(f"attention backward: {name} has shape {tuple(array.shape)}, the plan needs {expected[name]}")
+
+
+def _strided(buffer: np.ndarray, strides: Strides, shape: tuple[int, int, int, int]) -> np.ndarray:
+  """The (batch, head, row, head_dim) view of a flat buffer given by its (batch, head, row) element strides."""
+  return np.lib.stride_tricks.as_strided(buffer, shape, tuple(stride * buffer.itemsize for stride in (*strides, 1)))
+
+
+def emulate_attention_backward_buffers(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray]) -> None:
+  """Both kernels of `plan` on flat buffers named as KernelLaunch.arguments names them (q, k, v, o, do, lse, dq, dk,
+  dv, delta; float16 as np.float16, bfloat16 as uint16 bits, lse and delta float32), laid out by the plan's strides:
+  dq, dk, dv and delta are written in place, as the launches do. The PYTHON device's way to run them."""
+  p = plan
+  q_shape = (p.batch, p.heads, p.q_len, p.head_dim)
+  kv_shape = (p.batch, p.kv_heads, p.kv_len, p.head_dim)
+  shapes = {"q": q_shape, "o": q_shape, "do": q_shape, "dq": q_shape, "k": kv_shape, "v": kv_shape, "dk": kv_shape,
+            "dv": kv_shape}
+  views = {name: _strided(buffers[name], getattr(p, f"{name}_strides"), shape) for name, shape in shapes.items()}
+  lse = np.lib.stride_tricks.as_strided(buffers["lse"], q_shape[:3],
+                                        tuple(stride * 4 for stride in p.lse_strides))
+  dq, dk, dv = emulate_attention_backward(p, views["q"], views["k"], views["v"], views["o"], views["do"], lse)
+  views["dq"][...], views["dk"][...], views["dv"][...] = dq, dk, dv
+  grad_out, out = to_float32(views["do"], p.dtype), to_float32(views["o"], p.stored_o_dtype)
+  buffers["delta"][:p.delta_elements] = (grad_out * out).sum(-1, dtype=np.float32).reshape(-1)
