@@ -130,7 +130,7 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
 
 HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causal), layout of q, o, dq, k
   ("float32", (1, 2, 1, 70, 45, 32, True), "contiguous"),
-  ("bfloat16", (1, 2, 2, 45, 70, 64, False), "projected"),   # q, o, dq read as a (B, L, H, D) projection
+  ("bfloat16", (1, 2, 2, 45, 70, 64, False), "projected"),   # q, o, dq as (B, L, H, D); o float32 before LSE
   ("float16", (1, 2, 1, 40, 40, 128, True), "contiguous"),
   ("float16", (1, 2, 1, 33, 20, 16, False), "padded"),       # k rows D + 1 apart: no 16-byte loads
 ]
@@ -157,6 +157,10 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
                                                                    kv_len * (head_dim + 1), head_dim + 1)})
     assert plan.vector_width == 1
   buffers = {name: array.reshape(-1) for name, array in arrays.items()}
+  if projected:   # O in float32, LSE after it in one buffer, as the fused forward writes them
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "lse_offset": buffers["o"].size, "o_dtype": "float32"})
+    buffers["o"] = to_float32(buffers["o"], dtype)
+    buffers["lse"] = buffers["o"] = np.concatenate([buffers["o"], buffers["lse"]])
   buffers.update(dq=np.zeros_like(buffers["q"]), dk=np.zeros_like(buffers["v"]), dv=np.zeros_like(buffers["v"]),
                  delta=np.zeros(plan.delta_elements, np.float32))
   state = run_on_host(plan, buffers)

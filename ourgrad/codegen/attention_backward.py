@@ -88,6 +88,7 @@ class AttentionBackwardPlan:
   lse_log2: bool = False      # LSE holds log2 of the softmax sum of 2^(scale log2(e) q.k) instead of the natural log
   o_dtype: str | None = None  # O's dtype where the forward keeps it in float32; None: plan.dtype
   shared_per_sm: int = 0      # the device's shared memory per multiprocessor (0: unknown, no occupancy hint)
+  lse_offset: int = 0         # where LSE starts in its buffer (elements): the forward may write it after O
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -424,7 +425,8 @@ extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {
   const long long o_row0 = {_offset(p.o_strides, "batch", "head")} + (long long)q_start * {p.o_strides[2]}LL;
   const long long k_base = {_offset(p.k_strides, "batch", "kv_head")};
   const long long v_base = {_offset(p.v_strides, "batch", "kv_head")};
-  const long long lse_row0 = {_offset(p.lse_strides, "batch", "head")} + (long long)q_start * {p.lse_strides[2]}LL;
+  const long long lse_row0 = {p.lse_offset}LL + {_offset(p.lse_strides, "batch", "head")}
+                             + (long long)q_start * {p.lse_strides[2]}LL;
   const long long delta_row0 = ((long long)batch * H + head) * L + q_start;
   // a causal block's last live key is its last query
   const int kv_end = CAUSAL ? min(S, q_start + BQ) : S;
@@ -526,7 +528,8 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
   const int q_rows = min(BQ, L - q_start);
   const long long q_row0 = {_offset(p.q_strides, "batch", "head")} + (long long)q_start * {p.q_strides[2]}LL;
   const long long do_row0 = {_offset(p.do_strides, "batch", "head")} + (long long)q_start * {p.do_strides[2]}LL;
-  const long long lse_row0 = {_offset(p.lse_strides, "batch", "head")} + (long long)q_start * {p.lse_strides[2]}LL;
+  const long long lse_row0 = {p.lse_offset}LL + {_offset(p.lse_strides, "batch", "head")}
+                             + (long long)q_start * {p.lse_strides[2]}LL;
   load_tile(q_tile, q + q_row0, {p.q_strides[2]}LL, q_rows, BQ);
   load_tile(do_tile, dout + do_row0, {p.do_strides[2]}LL, q_rows, BQ);
   load_row(lse_tile, lse + lse_row0, {p.lse_strides[2]}LL, q_rows, BQ);
@@ -714,7 +717,7 @@ def emulate_attention_backward_buffers(plan: AttentionBackwardPlan, buffers: dic
   shapes = {"q": q_shape, "o": q_shape, "do": q_shape, "dq": q_shape, "k": kv_shape, "v": kv_shape, "dk": kv_shape,
             "dv": kv_shape}
   views = {name: _strided(buffers[name], getattr(p, f"{name}_strides"), shape) for name, shape in shapes.items()}
-  lse = np.lib.stride_tricks.as_strided(buffers["lse"], q_shape[:3],
+  lse = np.lib.stride_tricks.as_strided(buffers["lse"][p.lse_offset:], q_shape[:3],
                                         tuple(stride * 4 for stride in p.lse_strides))
   dq, dk, dv = emulate_attention_backward(p, views["q"], views["k"], views["v"], views["o"], views["do"], lse)
   views["dq"][...], views["dk"][...], views["dv"][...] = dq, dk, dv
