@@ -181,8 +181,8 @@ class AttentionBackwardPlan:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
     known, the blocks that fit in it (so ptxas keeps registers for that many, down to REGISTER_FLOOR a thread)."""
     if not self.shared_per_sm: return f"__launch_bounds__({threads})"
-    resident = min(self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED), REGISTERS_PER_SM // (threads *
-                                                                                                    REGISTER_FLOOR))
+    by_shared = self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED)
+    resident = min(by_shared, REGISTERS_PER_SM // (threads * REGISTER_FLOOR))
     return f"__launch_bounds__({threads}, {resident})" if resident > 1 else f"__launch_bounds__({threads})"
 
   def fits(self, max_shared_bytes: int) -> bool:
