@@ -1,5 +1,6 @@
-"""The flash-attention backward kernels (codegen/attention_backward.py): their numpy emulation against torch's float64
-autograd of scaled_dot_product_attention, and every rendered variant compiled by NVRTC (no GPU needed)."""
+"""The flash-attention backward kernels (codegen/attention_backward.py): their numpy emulation
+(runtime/attention_backward_emulator.py) and their CUDA source run on the CPU (attention_backward_host.py) against
+torch's float64 autograd of scaled_dot_product_attention, and every rendered variant compiled by NVRTC (no GPU)."""
 from __future__ import annotations
 
 import math
@@ -10,8 +11,11 @@ import torch
 from attention_backward_host import host_compiler, run_on_host
 from helpers import nvrtc_compiler
 
-from ourgrad.codegen.attention_backward import (AttentionBackwardPlan, contiguous_strides, emulate_attention_backward,
-                                                emulate_attention_backward_buffers, from_float32, to_float32)
+from ourgrad.codegen.attention_backward import DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan, contiguous_strides
+from ourgrad.runtime.attention_backward_emulator import (STORAGE, AttentionBackwardProgram,
+                                                         attention_backward_program_text, emulate_attention_backward,
+                                                         emulate_attention_backward_buffers, from_float32,
+                                                         is_attention_backward_program, to_float32)
 from ourgrad.errors import DTypeError, ShapeError
 
 # max |emulated - float64| relative to max |float64| per gradient, by operand dtype (TF32: 10 mantissa bits,
@@ -176,3 +180,23 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
   for name, result, want in zip(("dq", "dk", "dv"), results, expected):
     error = np.abs(to_float32(result, dtype) - want).max() / np.abs(want).max()
     assert error < TOLERANCE[dtype], f"{name} {dtype} {case}: relative error {error:.2e}"
+
+
+def test_python_programs_run_the_launches_on_raw_buffers():
+  """The PYTHON device's programs, one per launch, on raw byte buffers in launch argument order."""
+  plan = AttentionBackwardPlan.contiguous(2, 4, 2, 50, 37, 32, "bfloat16", True)
+  arrays, expected = reference(plan)
+  raw = {name: array.reshape(-1).view(np.uint8).copy() for name, array in arrays.items()}
+  raw.update(dq=np.zeros_like(raw["q"]), dk=np.zeros_like(raw["k"]), dv=np.zeros_like(raw["v"]),
+             delta=np.zeros(plan.delta_elements * 4, np.uint8))
+  for kernel, launch in zip((DQ_KERNEL, DKDV_KERNEL), plan.launches()):
+    binary = attention_backward_program_text(launch.name, plan, kernel).encode()
+    assert is_attention_backward_program(binary)
+    program = AttentionBackwardProgram(launch.name, binary)
+    assert program.plan == plan
+    program(*(raw[name] for name in launch.arguments), global_size=launch.grid, local_size=launch.block)
+    with pytest.raises(ValueError, match="launched as"):
+      program(*(raw[name] for name in launch.arguments), global_size=(1, 1, 1), local_size=launch.block)
+  for name, want in zip(("dq", "dk", "dv"), expected):
+    result = to_float32(raw[name].view(STORAGE["bfloat16"]), "bfloat16").reshape(want.shape)
+    assert np.abs(result - want).max() / np.abs(want).max() < TOLERANCE["bfloat16"], name

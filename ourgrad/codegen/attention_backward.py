@@ -24,8 +24,9 @@ fragments are gathered from shared-memory tiles with the maps of codegen/tensor_
 shared memory in the operand type (rounded to float16/bfloat16; TF32 rounds them as it loads the fragment).
 A causal mask is torch's `is_causal` (top-left aligned): key j is kept for query i when j <= i.
 
-`emulate_attention_backward` computes the same numbers with numpy (operands rounded where the tensor cores round
-them, float32 sums); it is the PYTHON device's model of the kernels and what the tests check against torch.
+runtime/attention_backward_emulator.py computes the same numbers with numpy (operands rounded where the tensor cores
+round them, float32 sums), per launch on flat buffers: the PYTHON device's model of the kernels. test/
+attention_backward_host.py runs this CUDA source itself on the CPU (a host thread per CUDA thread).
 """
 from __future__ import annotations
 
@@ -33,11 +34,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps, tf32_round
+from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps
 from ourgrad.codegen.wgmma_tiles import C_TYPE, ITEMSIZE, PTX_TYPE
-from ourgrad.dtype import bfloat16_bits_to_float32, float32_to_bfloat16_bits, round_to_bfloat16
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL   # the size ops_cuda.CUDAProgram reads at load
 
@@ -629,97 +627,3 @@ extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes
 }}
 """
   return _header(plan, plan.dkdv_shared_bytes) + body
-
-
-# ---------------------------------------------------------------- numpy emulation
-
-def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
-  """Stored elements as float32: float16 values or bfloat16 bit patterns (uint16) widened; float32 as is."""
-  if dtype == "bfloat16": return bfloat16_bits_to_float32(values)
-  return np.asarray(values).astype(np.float32)
-
-
-def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
-  """float32 values stored in `dtype` (to nearest even): float16 values, bfloat16 bit patterns, or float32."""
-  if dtype == "bfloat16": return float32_to_bfloat16_bits(values)
-  return values.astype(np.float16 if dtype == "float16" else np.float32)
-
-
-def _operand(values: np.ndarray, dtype: str) -> np.ndarray:
-  """A product's operand as the tensor cores read it: float32 rounded to TF32; 16-bit values are exact already."""
-  return tf32_round(values) if dtype == "float32" else values
-
-
-def _staged(values: np.ndarray, dtype: str) -> np.ndarray:
-  """float32 P or dS as the kernels stage it in shared memory (in the operand type) and multiply it."""
-  if dtype == "float16": return values.astype(np.float16).astype(np.float32)
-  if dtype == "bfloat16": return round_to_bfloat16(values)
-  return tf32_round(values)
-
-
-def emulate_attention_backward(plan: AttentionBackwardPlan, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                               o: np.ndarray, do: np.ndarray, lse: np.ndarray
-                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """dq, dk, dv as the two kernels of `plan` compute them. q, o, do: (batch, heads, q_len, head_dim), k, v:
-  (batch, kv_heads, kv_len, head_dim) in the stored form of plan.dtype (float32, float16, or bfloat16 bit patterns as
-  uint16; o in plan.stored_o_dtype); lse: float32 (batch, heads, q_len). Returns dq (as q), dk and dv (as k) in the
-  same stored form. Sums are float32 (their order differs from the tensor cores' in the last bits)."""
-  p = plan
-  _check_shapes(p, q=q, k=k, v=v, o=o, do=do, lse=lse)
-  q32, k32, v32, do32 = (to_float32(array, p.dtype) for array in (q, k, v, do))
-  o32 = to_float32(o, p.stored_o_dtype)
-  lse2 = np.asarray(lse, np.float32) * np.float32(1.0 if p.lse_log2 else LOG2E)
-  rows, columns = np.arange(p.q_len)[:, None], np.arange(p.kv_len)[None, :]
-  keep = columns <= rows if p.causal else np.ones((p.q_len, p.kv_len), dtype=bool)
-  dq = np.zeros(q32.shape, np.float32)
-  dk, dv = np.zeros(k32.shape, np.float32), np.zeros(v32.shape, np.float32)
-  for batch in range(p.batch):
-    for head in range(p.heads):
-      kv_head = head // p.group
-      query, key, value = q32[batch, head], k32[batch, kv_head], v32[batch, kv_head]
-      grad_out = do32[batch, head]
-      scores = _operand(query, p.dtype) @ _operand(key, p.dtype).T
-      exponent = scores * np.float32(p.scale * LOG2E) - lse2[batch, head][:, None]
-      prob = np.where(keep, np.exp2(exponent), np.float32(0)).astype(np.float32)
-      dprob = _operand(grad_out, p.dtype) @ _operand(value, p.dtype).T
-      delta = (grad_out * o32[batch, head]).sum(-1, dtype=np.float32)
-      dscores = (prob * (dprob - delta[:, None])).astype(np.float32)
-      staged_ds = _staged(dscores, p.dtype)
-      dq[batch, head] = staged_ds @ _operand(key, p.dtype)
-      dv[batch, kv_head] += _staged(prob, p.dtype).T @ _operand(grad_out, p.dtype)
-      dk[batch, kv_head] += staged_ds.T @ _operand(query, p.dtype)
-  scale = np.float32(p.scale)
-  return from_float32(dq * scale, p.dtype), from_float32(dk * scale, p.dtype), from_float32(dv, p.dtype)
-
-
-def _check_shapes(plan: AttentionBackwardPlan, **arrays: np.ndarray) -> None:
-  """Raise ShapeError naming the first operand whose shape is not the plan's."""
-  q_shape = (plan.batch, plan.heads, plan.q_len, plan.head_dim)
-  kv_shape = (plan.batch, plan.kv_heads, plan.kv_len, plan.head_dim)
-  expected = {"q": q_shape, "o": q_shape, "do": q_shape, "k": kv_shape, "v": kv_shape, "lse": q_shape[:3]}
-  for name, array in arrays.items():
-    if tuple(array.shape) != expected[name]:
-      raise ShapeError(f"attention backward: {name} has shape {tuple(array.shape)}, the plan needs {expected[name]}")
-
-
-def _strided(buffer: np.ndarray, strides: Strides, shape: tuple[int, int, int, int]) -> np.ndarray:
-  """The (batch, head, row, head_dim) view of a flat buffer given by its (batch, head, row) element strides."""
-  return np.lib.stride_tricks.as_strided(buffer, shape, tuple(stride * buffer.itemsize for stride in (*strides, 1)))
-
-
-def emulate_attention_backward_buffers(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray]) -> None:
-  """Both kernels of `plan` on flat buffers named as KernelLaunch.arguments names them (q, k, v, o, do, lse, dq, dk,
-  dv, delta; float16 as np.float16, bfloat16 as uint16 bits, lse and delta float32), laid out by the plan's strides:
-  dq, dk, dv and delta are written in place, as the launches do. The PYTHON device's way to run them."""
-  p = plan
-  q_shape = (p.batch, p.heads, p.q_len, p.head_dim)
-  kv_shape = (p.batch, p.kv_heads, p.kv_len, p.head_dim)
-  shapes = {"q": q_shape, "o": q_shape, "do": q_shape, "dq": q_shape, "k": kv_shape, "v": kv_shape, "dk": kv_shape,
-            "dv": kv_shape}
-  views = {name: _strided(buffers[name], getattr(p, f"{name}_strides"), shape) for name, shape in shapes.items()}
-  lse = np.lib.stride_tricks.as_strided(buffers["lse"][p.lse_offset:], q_shape[:3],
-                                        tuple(stride * 4 for stride in p.lse_strides))
-  dq, dk, dv = emulate_attention_backward(p, views["q"], views["k"], views["v"], views["o"], views["do"], lse)
-  views["dq"][...], views["dk"][...], views["dv"][...] = dq, dk, dv
-  grad_out, out = to_float32(views["do"], p.dtype), to_float32(views["o"], p.stored_o_dtype)
-  buffers["delta"][:p.delta_elements] = (grad_out * out).sum(-1, dtype=np.float32).reshape(-1)
