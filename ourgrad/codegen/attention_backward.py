@@ -313,39 +313,70 @@ def _warp_helpers(dtype: str) -> str:
   a_registers = registers("a", maps.a, ("0", "k0"))
   b_registers = registers("b", maps.b, ("k0", "t * 8"))
   b_next = registers("b", maps.b, ("k0", "(t + 1) * 8"))
-  lines = ["template <int NT, int K, int A_ROW, int A_COL, int B_ROW, int B_COL>",
-           "__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const elem_t* a, const elem_t* b) {",
-           "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
-           "#pragma unroll",
-           f"  for (int k0 = 0; k0 < K; k0 += {k_step}) {{"]
+  # a_fragment: the A registers of the k step at k0; b_mma: acc += that A times the B of the same k step
+  lines = ["template <int A_ROW, int A_COL>",
+           "__device__ __forceinline__ void a_fragment(unsigned (&ra)[4], const elem_t* a, int k0) {",
+           "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;"]
   if tf32:
-    lines += [f"    const unsigned ra[4] = {{{', '.join(a_registers)}}};",
+    lines += [f"  const unsigned fill[4] = {{{', '.join(a_registers)}}};",
+              "  for (int i = 0; i < 4; i++) ra[i] = fill[i];",
+              "}",
+              "template <int NT, int B_ROW, int B_COL>",
+              "__device__ __forceinline__ void b_mma(float (&acc)[NT][4], const unsigned (&ra)[4], const elem_t* b,",
+              "                                      int k0) {",
+              "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
               "#pragma unroll",
-              "    for (int t = 0; t < NT; t++) {",
-              f"      const unsigned rb[2] = {{{', '.join(b_registers)}}};",
-              "      mma(acc[t], ra, rb);",
-              "    }"]
+              "  for (int t = 0; t < NT; t++) {",
+              f"    const unsigned rb[2] = {{{', '.join(b_registers)}}};",
+              "    mma(acc[t], ra, rb);",
+              "  }",
+              "}"]
   else:
     # ldmatrix: lane l names row l % 8 of 8x8 matrix l / 8; the four matrices give A's four registers (rows 0-7 and
     # 8-15 at k0, then at k0 + 8), or the two registers of B for two n8 tiles (.trans where B's rows run along K)
-    lines += ["    unsigned ra[4];",
-              "    if constexpr (A_COL == 1) ldmatrix_x4(ra, a + (lane & 15) * A_ROW + k0 + (lane >> 4) * 8);",
-              f"    else {{ const unsigned fill[4] = {{{', '.join(a_registers)}}}; for (int i = 0; i < 4; i++) "
+    lines += ["  if constexpr (A_COL == 1) ldmatrix_x4(ra, a + (lane & 15) * A_ROW + k0 + (lane >> 4) * 8);",
+              f"  else {{ const unsigned fill[4] = {{{', '.join(a_registers)}}}; for (int i = 0; i < 4; i++) "
               "ra[i] = fill[i]; }",
+              "}",
+              "template <int NT, int B_ROW, int B_COL>",
+              "__device__ __forceinline__ void b_mma(float (&acc)[NT][4], const unsigned (&ra)[4], const elem_t* b,",
+              "                                      int k0) {",
+              "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
               "#pragma unroll",
-              "    for (int t = 0; t < NT; t += 2) {",
-              "      unsigned rb[4];",
-              "      if constexpr (B_ROW == 1)",
-              "        ldmatrix_x4(rb, b + ((t + (lane >> 4)) * 8 + (lane & 7)) * B_COL + k0 + ((lane >> 3) & 1) * 8);",
-              "      else if constexpr (B_COL == 1)",
-              "        ldmatrix_x4_trans(rb, b + (k0 + (lane & 15)) * B_ROW + (t + (lane >> 4)) * 8);",
-              f"      else {{ const unsigned fill[4] = {{{', '.join(b_registers + b_next)}}};",
-              "        for (int i = 0; i < 4; i++) rb[i] = fill[i]; }",
-              "      const unsigned first[2] = {rb[0], rb[1]}, second[2] = {rb[2], rb[3]};",
-              "      mma(acc[t], ra, first);",
-              "      mma(acc[t + 1], ra, second);",
-              "    }"]
-  lines += ["  }",
+              "  for (int t = 0; t < NT; t += 2) {",
+              "    unsigned rb[4];",
+              "    if constexpr (B_ROW == 1)",
+              "      ldmatrix_x4(rb, b + ((t + (lane >> 4)) * 8 + (lane & 7)) * B_COL + k0 + ((lane >> 3) & 1) * 8);",
+              "    else if constexpr (B_COL == 1)",
+              "      ldmatrix_x4_trans(rb, b + (k0 + (lane & 15)) * B_ROW + (t + (lane >> 4)) * 8);",
+              f"    else {{ const unsigned fill[4] = {{{', '.join(b_registers + b_next)}}};",
+              "      for (int i = 0; i < 4; i++) rb[i] = fill[i]; }",
+              "    const unsigned first[2] = {rb[0], rb[1]}, second[2] = {rb[2], rb[3]};",
+              "    mma(acc[t], ra, first);",
+              "    mma(acc[t + 1], ra, second);",
+              "  }",
+              "}"]
+  lines += ["template <int NT, int K, int A_ROW, int A_COL, int B_ROW, int B_COL>",
+            "__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const elem_t* a, const elem_t* b) {",
+            "#pragma unroll",
+            f"  for (int k0 = 0; k0 < K; k0 += {k_step}) {{",
+            "    unsigned ra[4];",
+            "    a_fragment<A_ROW, A_COL>(ra, a, k0);",
+            "    b_mma<NT, B_ROW, B_COL>(acc, ra, b, k0);",
+            "  }",
+            "}",
+            "// the A fragments of a whole 16 x K row-major operand, held in registers across many products",
+            "template <int K, int A_ROW>",
+            f"__device__ __forceinline__ void load_fragments(unsigned (&held)[K / {k_step}][4], const elem_t* a) {{",
+            "#pragma unroll",
+            f"  for (int k0 = 0; k0 < K; k0 += {k_step}) a_fragment<A_ROW, 1>(held[k0 / {k_step}], a, k0);",
+            "}",
+            "template <int NT, int K, int B_ROW, int B_COL>",
+            "__device__ __forceinline__ void warp_mma_held(float (&acc)[NT][4],",
+            f"                                              const unsigned (&held)[K / {k_step}][4],",
+            "                                              const elem_t* b) {",
+            "#pragma unroll",
+            f"  for (int k0 = 0; k0 < K; k0 += {k_step}) b_mma<NT, B_ROW, B_COL>(acc, held[k0 / {k_step}], b, k0);",
             "}"]
   return "\n".join(lines) + "\n"
 
