@@ -137,6 +137,8 @@ HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causa
   ("bfloat16", (1, 2, 2, 45, 70, 64, False), "projected"),   # q, o, dq as (B, L, H, D); o float32 before LSE
   ("float16", (1, 2, 1, 40, 40, 128, True), "contiguous"),
   ("float16", (1, 2, 1, 33, 20, 16, False), "padded"),       # k rows D + 1 apart: no 16-byte loads
+  ("bfloat16", (1, 2, 1, 70, 70, 64, True), "held"),         # A fragments of Q, dO, K, V held in registers
+  ("float32", (1, 1, 1, 40, 50, 32, False), "held"),
 ]
 
 
@@ -148,6 +150,7 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
   plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal)
   arrays, expected = reference(plan)
   projected = layout == "projected"
+  if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "held_fragments": True})
   if projected:
     projection = (q_len * heads * head_dim, head_dim, heads * head_dim)
     plan = AttentionBackwardPlan(**{**plan.__dict__, "q_strides": projection, "o_strides": projection,

@@ -7,9 +7,9 @@ on torch's current stream, and dq, dk, dv are compared with a reference:
 - "time" cases (the issue's shapes): torch's fused SDPA backward in the same dtype (its own error is printed too,
   against float64 where that fits in memory), and both are timed: CUDA events around `--iters` back-to-back calls
   (fewer where a call is long), median of 5 batches after a warm-up. Each timed shape runs several plan variants
-  (block sizes, with and without the occupancy hint), each printing its registers, spills, errors and times. torch's
-  time is `torch.autograd.grad` of its fused SDPA output (the backward kernels alone; the forward ran before).
-  ourgrad's is the dQ kernel (with delta) then the dK/dV kernel.
+  (block sizes, held fragments, with and without the occupancy hint), each printing its registers, spills, errors
+  and times. torch's time is `torch.autograd.grad` of its fused SDPA output (the backward kernels alone; the forward
+  ran before). ourgrad's is the dQ kernel (with delta) then the dK/dV kernel.
 Every case prints its errors and times and the next case runs even if one fails; each dtype runs in a process
 of its own.
 Run on the H200: `python extra/bench/bench_attention_backward.py` (`--quick` for the check cases alone).
@@ -17,6 +17,7 @@ Run on the H200: `python extra/bench/bench_attention_backward.py` (`--quick` for
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import dataclasses
 import math
@@ -51,13 +52,12 @@ def compile_with_report(source: str, arch: str) -> tuple[bytes, str]:
 class Kernels:
   """The two kernels of a plan, compiled and loaded into torch's CUDA context."""
 
-  def __init__(self, plan: AttentionBackwardPlan, compiler, verbose: bool):
+  def __init__(self, plan: AttentionBackwardPlan, compiled: list[tuple[bytes, str]], verbose: bool):
     from cuda.bindings import driver
     from ourgrad.runtime.ops_cuda import check
     self.plan, self.driver, self.check = plan, driver, check
     self.loaded: list[tuple[KernelLaunch, object]] = []
-    for launch in plan.launches():
-      cubin, log = compile_with_report(launch.source, compiler.target(launch.source))
+    for launch, (cubin, log) in zip(plan.launches(), compiled):
       if verbose:
         report = [line for line in log.splitlines() if "registers" in line or "spill" in line]
         print(f"    {launch.name}: grid {launch.grid} block {launch.block} shared {launch.shared_bytes} B; "
@@ -130,6 +130,11 @@ def run_case(name: str, variants: dict[str, AttentionBackwardPlan], compiler, ti
   and, if `timed`, timed beside torch."""
   import torch
   plan = next(iter(variants.values()))
+  # every variant's kernels compiled at once (NVRTC releases the GIL), a failed one reported at its turn
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+  compiled = {variant: pool.submit(lambda chosen: [compile_with_report(launch.source, compiler.target(launch.source))
+                                                    for launch in chosen.launches()], variant_plan)
+              for variant, variant_plan in variants.items()}
   dtype = getattr(torch, TORCH_DTYPES[plan.dtype])
   generator = torch.Generator(device="cuda").manual_seed(0)
   q_shape = (plan.batch, plan.heads, plan.q_len, plan.head_dim)
@@ -164,7 +169,7 @@ def run_case(name: str, variants: dict[str, AttentionBackwardPlan], compiler, ti
       buffers = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": out.detach(), "do": grad_out, "lse": lse,
                  "dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
                  "delta": torch.zeros(plan.delta_elements, device="cuda", dtype=torch.float32)}
-      kernels = Kernels(variant_plan, compiler, verbose=True)
+      kernels = Kernels(variant_plan, compiled[variant].result(), verbose=True)
       launchers = kernels.bind(buffers)
       kernels.run(launchers, stream)
       torch.cuda.synchronize()
@@ -226,6 +231,8 @@ def main() -> None:
           variants["no hint"] = dataclasses.replace(plan, shared_per_sm=0)
           variants["block_q 32"] = dataclasses.replace(plan, block_q=32)
           variants["block_kv 32"] = dataclasses.replace(plan, block_kv=32)
+          variants["held"] = dataclasses.replace(plan, held_fragments=True)
+          variants["held no hint"] = dataclasses.replace(plan, held_fragments=True, shared_per_sm=0)
         run_case(name, variants, compiler, timed, options.iters, against_float64=not timed or case[3] <= 1024)
       except Exception:
         print(f"  {name}: FAILED\n{traceback.format_exc()}", flush=True)

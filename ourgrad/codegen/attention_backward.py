@@ -87,6 +87,7 @@ class AttentionBackwardPlan:
   o_dtype: str | None = None  # O's dtype where the forward keeps it in float32; None: plan.dtype
   shared_per_sm: int = 0      # the device's shared memory per multiprocessor (0: unknown, no occupancy hint)
   lse_offset: int = 0         # where LSE starts in its buffer (elements): the forward may write it after O
+  held_fragments: bool = False  # the owned tiles' A fragments (Q, dO; K, V) kept in registers across the loop
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -411,7 +412,7 @@ def _header(plan: AttentionBackwardPlan, shared_bytes: int) -> str:
   log2_scale = plan.scale * LOG2E
   constants = {"D": plan.head_dim, "PITCH": plan.row_pitch, "BQ": plan.block_q, "BK": plan.block_kv,
                "H": plan.heads, "KVH": plan.kv_heads, "GROUP": plan.group, "L": plan.q_len, "S": plan.kv_len,
-               "CAUSAL": int(plan.causal), "PAD": PAD_BYTES // plan.itemsize}
+               "CAUSAL": int(plan.causal), "PAD": PAD_BYTES // plan.itemsize, "KSTEP": _k_step(plan.dtype)}
   lines = [f"#define {name} {value}" for name, value in constants.items()]
   lines += [f"#define SCALE {plan.scale!r}f", f"#define SCALE_LOG2E {log2_scale!r}f",
             f"#define LSE_TO_LOG2 {1.0 if plan.lse_log2 else LOG2E!r}f",
@@ -427,12 +428,26 @@ def _offset(strides: Strides, batch: str, head: str) -> str:
   return f"(long long){batch} * {strides[0]}LL + (long long){head} * {strides[1]}LL"
 
 
+def _held_loads(plan: AttentionBackwardPlan, *tiles: tuple[str, str]) -> str:
+  """With held_fragments: declare and load each (registers, tile) pair's A fragments (the warp's 16 rows)."""
+  if not plan.held_fragments: return ""
+  return "".join(f"\n  unsigned {held}[D / KSTEP][4];\n  load_fragments<D, PITCH>({held}, {tile} + warp * 16 * PITCH);"
+                 for held, tile in tiles)
+
+
+def _owned_product(plan: AttentionBackwardPlan, columns: str, acc: str, held: str, tile: str, other: str) -> str:
+  """acc += (the warp's 16 rows of `tile`) @ `other`^T, from the held fragments or from shared memory."""
+  if plan.held_fragments: return f"warp_mma_held<{columns} / 8, D, 1, PITCH>({acc}, {held}, {other});"
+  return f"warp_mma<{columns} / 8, D, PITCH, 1, 1, PITCH>({acc}, {tile} + warp * 16 * PITCH, {other});"
+
+
 def render_dq_kernel(plan: AttentionBackwardPlan) -> str:
   """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`.
 
   The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
   block's work grows with its Q tile, so the blocks are numbered from the last Q tile down (the longest start first)."""
   p = plan
+  held_loads = _held_loads(p, ("q_held", "q_tile"), ("do_held", "do_tile"))
   body = f"""
 extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {DQ_KERNEL}(const elem_t* __restrict__ q,
     const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
@@ -487,7 +502,7 @@ extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {
   const float row_delta[2] = {{delta_tile[warp * 16 + g], delta_tile[warp * 16 + g + 8]}};
   float dq_acc[D / 8][4];
 #pragma unroll
-  for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) dq_acc[t][c] = 0.0f;
+  for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) dq_acc[t][c] = 0.0f;{held_loads}
   for (int tile = 0; tile < kv_tiles; tile++) {{
     const int k_start = tile * BK;
     if (tile + 1 < kv_tiles) {{  // the next K/V tiles into the other buffer, while this one is used
@@ -507,8 +522,8 @@ extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {
     float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) for (int c = 0; c < 4; c++) {{ s[t][c] = 0.0f; dp[t][c] = 0.0f; }}
-    warp_mma<BK / 8, D, PITCH, 1, 1, PITCH>(s, q_tile + warp * 16 * PITCH, k_tile);     // Q K^T
-    warp_mma<BK / 8, D, PITCH, 1, 1, PITCH>(dp, do_tile + warp * 16 * PITCH, v_tile);   // dO V^T
+    {_owned_product(p, "BK", "s", "q_held", "q_tile", "k_tile")}     // Q K^T
+    {_owned_product(p, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) {{
 #pragma unroll
@@ -549,6 +564,9 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan) -> str:
   The block's iterations run over (query head of its group, Q tile) pairs; their Q, dO, LSE and delta tiles are
   double-buffered: the copies of iteration n + 1 are in flight while iteration n is multiplied."""
   p = plan
+  # K and V have landed (their copy group is the older one) before their fragments are held
+  held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.held_fragments else "") + _held_loads(
+    p, ("k_held", "k_tile"), ("v_held", "v_tile"))
   body = f"""
 __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_first, int batch, int kv_head,
     const elem_t* q, const elem_t* dout, const float* lse, const float* delta, elem_t* q_tile, elem_t* do_tile,
@@ -589,6 +607,7 @@ extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes
   const int iterations = GROUP * q_tiles;
   load_tile(k_tile, k + k_row0, {p.k_strides[2]}LL, k_rows, BK);
   load_tile(v_tile, v + v_row0, {p.v_strides[2]}LL, k_rows, BK);
+  copy_async_commit();   // K and V: a group of their own, waited for first
   if (iterations > 0)
     load_q_tiles(0, q_tiles, q_first, batch, kv_head, q, dout, lse, delta, q_buffers, do_buffers, lse_buffers,
                  delta_buffers);
@@ -596,6 +615,7 @@ extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
 #pragma unroll
   for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) {{ dk_acc[t][c] = 0.0f; dv_acc[t][c] = 0.0f; }}
+{held_loads}
   for (int iteration = 0; iteration < iterations; iteration++) {{
     if (iteration + 1 < iterations) {{  // the next Q tiles into the other buffer, while this one is used
       const int buffer = (iteration + 1) & 1;
@@ -616,8 +636,8 @@ extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes
     float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
     for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
-    warp_mma<BQ / 8, D, PITCH, 1, 1, PITCH>(st, k_tile + warp * 16 * PITCH, q_tile);    // K Q^T = S^T
-    warp_mma<BQ / 8, D, PITCH, 1, 1, PITCH>(dpt, v_tile + warp * 16 * PITCH, do_tile);  // V dO^T = dP^T
+    {_owned_product(p, "BQ", "st", "k_held", "k_tile", "q_tile")}    // K Q^T = S^T
+    {_owned_product(p, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
 #pragma unroll
     for (int t = 0; t < BQ / 8; t++) {{
 #pragma unroll
