@@ -105,14 +105,14 @@ def relative_error(result, reference) -> float:
 
 def median_seconds(function, iters: int) -> float:
   """Median over 5 batches of back-to-back calls (after a warm-up batch) of the time per call; a batch is `iters`
-  calls, fewer where one call is long (a batch of about 30 ms at least 2 calls)."""
+  calls, fewer where one call is long (a batch of about 15 ms, at least 2 calls)."""
   import torch
   start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
   start.record()
   function()
   end.record()
   end.synchronize()
-  iters = max(2, min(iters, int(0.03 / max(start.elapsed_time(end) / 1e3, 1e-6))))
+  iters = max(2, min(iters, int(0.015 / max(start.elapsed_time(end) / 1e3, 1e-6))))
   times = []
   for batch in range(6):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
