@@ -526,7 +526,6 @@ extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {
     {_owned_product(p, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) {{
-#pragma unroll
       float ds[4];
 #pragma unroll
       for (int c = 0; c < 4; c++) {{
@@ -590,12 +589,12 @@ extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes
     elem_t* __restrict__ dv) {{
   elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH
   elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH
-  elem_t* q_buffers = v_tile + BK * PITCH;                // 2 x BQ x PITCH
-  elem_t* do_buffers = q_buffers + 2 * BQ * PITCH;          // 2 x BQ x PITCH
-  elem_t* pt_tile = do_buffers + 2 * BQ * PITCH;          // BK x (BQ + PAD): P^T
+  elem_t* q_buffers = v_tile + BK * PITCH;              // 2 x BQ x PITCH
+  elem_t* do_buffers = q_buffers + 2 * BQ * PITCH;     // 2 x BQ x PITCH
+  elem_t* pt_tile = do_buffers + 2 * BQ * PITCH;       // BK x (BQ + PAD): P^T
   elem_t* dst_tile = pt_tile + BK * (BQ + PAD);         // BK x (BQ + PAD): dS^T
   float* lse_buffers = (float*)(dst_tile + BK * (BQ + PAD));  // 2 x BQ
-  float* delta_buffers = lse_buffers + 2 * BQ;              // 2 x BQ
+  float* delta_buffers = lse_buffers + 2 * BQ;         // 2 x BQ
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
   const int k_start = blockIdx.x * BK, batch = blockIdx.y / KVH, kv_head = blockIdx.y % KVH;
   const int k_rows = min(BK, S - k_start);
@@ -640,7 +639,6 @@ extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes
     {_owned_product(p, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
 #pragma unroll
     for (int t = 0; t < BQ / 8; t++) {{
-#pragma unroll
       float prob[4], ds[4];
 #pragma unroll
       for (int c = 0; c < 4; c++) {{
