@@ -231,6 +231,7 @@ def main() -> None:
           variants["no hint"] = dataclasses.replace(plan, shared_per_sm=0)
           variants["block_q 32"] = dataclasses.replace(plan, block_q=32)
           variants["block_kv 32"] = dataclasses.replace(plan, block_kv=32)
+          variants["block_q 32 block_kv 32"] = dataclasses.replace(plan, block_q=32, block_kv=32)
           variants["held"] = dataclasses.replace(plan, held_fragments=True)
           variants["held no hint"] = dataclasses.replace(plan, held_fragments=True, shared_per_sm=0)
         run_case(name, variants, compiler, timed, options.iters, against_float64=not timed or case[3] <= 1024)
