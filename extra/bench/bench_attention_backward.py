@@ -130,11 +130,6 @@ def run_case(name: str, variants: dict[str, AttentionBackwardPlan], compiler, ti
   and, if `timed`, timed beside torch."""
   import torch
   plan = next(iter(variants.values()))
-  # every variant's kernels compiled at once (NVRTC releases the GIL), a failed one reported at its turn
-  pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
-  compiled = {variant: pool.submit(lambda chosen: [compile_with_report(launch.source, compiler.target(launch.source))
-                                                    for launch in chosen.launches()], variant_plan)
-              for variant, variant_plan in variants.items()}
   dtype = getattr(torch, TORCH_DTYPES[plan.dtype])
   generator = torch.Generator(device="cuda").manual_seed(0)
   q_shape = (plan.batch, plan.heads, plan.q_len, plan.head_dim)
@@ -146,6 +141,15 @@ def run_case(name: str, variants: dict[str, AttentionBackwardPlan], compiler, ti
   out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=plan.causal, scale=plan.scale,
                                                          enable_gqa=gqa)
   lse = logsumexp_rows(q.detach(), k.detach(), plan)
+  # torch's fused forward may return O as a transposed view ((B, L, H, D) memory): the kernels read it in place
+  o_view = out.detach() if out.stride()[-1] == 1 else out.detach().contiguous()
+  variants = {variant: dataclasses.replace(variant_plan, o_strides=tuple(o_view.stride()[:3]))
+              for variant, variant_plan in variants.items()}
+  # every variant's kernels compiled at once (NVRTC releases the GIL), a failed one reported at its turn
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+  compiled = {variant: pool.submit(lambda chosen: [compile_with_report(launch.source, compiler.target(launch.source))
+                                                    for launch in chosen.launches()], variant_plan)
+              for variant, variant_plan in variants.items()}
   torch_grads = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
   if against_float64:
     q64, k64, v64 = (tensor.detach().double().requires_grad_() for tensor in (q, k, v))
@@ -166,7 +170,7 @@ def run_case(name: str, variants: dict[str, AttentionBackwardPlan], compiler, ti
           flush=True)
   for variant, variant_plan in variants.items():
     try:
-      buffers = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": out.detach(), "do": grad_out, "lse": lse,
+      buffers = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": o_view, "do": grad_out, "lse": lse,
                  "dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
                  "delta": torch.zeros(plan.delta_elements, device="cuda", dtype=torch.float32)}
       kernels = Kernels(variant_plan, compiled[variant].result(), verbose=True)
