@@ -202,7 +202,8 @@ def default_blocks(head_dim: int, dtype: str) -> dict[str, int]:
   thread each, S^T and dP^T: block_q / 2) and the wider fragments stay in registers. On the H200, float32 D = 64:
   block_q 64 took 255 registers and 0.723 ms for B=4 H=12 T=1024 causal, block_q 32 160 registers and 0.688 ms;
   bfloat16 D = 64: 64 is faster (0.208 against 0.241 ms)."""
-  return {"block_q": 64 if head_dim * ITEMSIZE[dtype] <= 128 else 32, "block_kv": 64}
+  row_bytes = head_dim * ITEMSIZE.get(dtype, 4)   # an unknown dtype is refused by the plan itself
+  return {"block_q": 64 if row_bytes <= 128 else 32, "block_kv": 64}
 
 
 @dataclass(frozen=True)
