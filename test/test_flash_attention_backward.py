@@ -139,6 +139,7 @@ HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causa
   ("float16", (1, 2, 1, 33, 20, 16, False), "padded"),       # k rows D + 1 apart: no 16-byte loads
   ("bfloat16", (1, 2, 1, 70, 70, 64, True), "held"),         # A fragments of Q, dO, K, V held in registers
   ("float32", (1, 1, 1, 40, 50, 32, False), "held"),
+  ("float16", (1, 2, 1, 70, 60, 32, True), "split"),         # owned and streamed tiles of other sizes
 ]
 
 
@@ -151,6 +152,8 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
   arrays, expected = reference(plan)
   projected = layout == "projected"
   if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "held_fragments": True})
+  if layout == "split":
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "block_q": 32, "stream_kv": 16, "block_kv": 32, "stream_q": 48})
   if projected:
     projection = (q_len * heads * head_dim, head_dim, heads * head_dim)
     plan = AttentionBackwardPlan(**{**plan.__dict__, "q_strides": projection, "o_strides": projection,

@@ -7,7 +7,7 @@ on torch's current stream, and dq, dk, dv are compared with a reference:
 - "time" cases (the issue's shapes): torch's fused SDPA backward in the same dtype (its own error is printed too,
   against float64 where that fits in memory), and both are timed: CUDA events around `--iters` back-to-back calls
   (fewer where a call is long), median of 5 batches after a warm-up. Each timed shape runs several plan variants
-  (block sizes, held fragments, with and without the occupancy hint), each printing its registers, spills, errors
+  (owned and streamed tile sizes, held fragments, with and without the occupancy hint), each printing its registers, spills, errors
   and times. torch's time is `torch.autograd.grad` of its fused SDPA output (the backward kernels alone; the forward
   ran before). ourgrad's is the dQ kernel (with delta) then the dK/dV kernel.
 Every case prints its errors and times and the next case runs even if one fails; each dtype runs in a process
@@ -233,9 +233,11 @@ def main() -> None:
         variants = {"default": plan}
         if timed:   # the same shape with other blocks and without the occupancy hint
           variants["no hint"] = dataclasses.replace(plan, shared_per_sm=0)
+          other_stream = 96 - plan.dkdv_stream   # 32 <-> 64
+          variants[f"stream_q {other_stream}"] = dataclasses.replace(plan, stream_q=other_stream)
           variants["block_q 32"] = dataclasses.replace(plan, block_q=32)
-          variants["block_kv 32"] = dataclasses.replace(plan, block_kv=32)
-          variants["block_q 32 block_kv 32"] = dataclasses.replace(plan, block_q=32, block_kv=32)
+          variants["block_kv 32"] = dataclasses.replace(plan, block_kv=32, stream_kv=64)
+          variants["stream_kv 32"] = dataclasses.replace(plan, stream_kv=32)
           variants["held"] = dataclasses.replace(plan, held_fragments=True)
           variants["held no hint"] = dataclasses.replace(plan, held_fragments=True, shared_per_sm=0)
         run_case(name, variants, compiler, timed, options.iters, against_float64=not timed or case[3] <= 1024)

@@ -10,13 +10,13 @@ recomputes the scores tile by tile instead of reading a T x T matrix (FlashAtten
 Two kernels, launched in this order on one stream (`AttentionBackwardPlan.launches`):
 
 - `attention_backward_dq`: one block per (Q tile of `block_q` rows, batch, head). It first writes delta for its rows
-  (rowsum(dO * O), float32, (B, H, L) contiguous) to a scratch buffer, then loops over the K/V tiles (only those a
-  causal mask leaves alive), recomputes S, P and dP, and accumulates dQ += dS K in registers: no atomics, so the
-  result does not depend on the schedule.
+  (rowsum(dO * O), float32, (B, H, L) contiguous) to a scratch buffer, then loops over K/V tiles of `stream_kv`
+  keys (only those a causal mask leaves alive), recomputes S, P and dP, and accumulates dQ += dS K in registers: no
+  atomics, so the result does not depend on the schedule.
 - `attention_backward_dkdv`: one block per (K/V tile of `block_kv` keys, batch, kv head). It loops over the query
-  heads sharing that kv head (GQA: query head h reads kv head h // (heads // kv_heads)) and their Q tiles (skipping
-  those a causal mask kills), recomputes S^T and P^T, and accumulates dV += P^T dO and dK += dS^T Q; it reads the
-  delta the dQ kernel wrote.
+  heads sharing that kv head (GQA: query head h reads kv head h // (heads // kv_heads)) and their Q tiles of
+  `stream_q` rows (skipping those a causal mask kills), recomputes S^T and P^T, and accumulates dV += P^T dO and
+  dK += dS^T Q; it reads the delta the dQ kernel wrote.
 
 Inside a block each warp owns 16 rows (queries in the dQ kernel, keys in the dK/dV kernel). Every product is a
 warp-level `mma.sync` (m16n8k16 with float32 accumulation for float16/bfloat16, m16n8k8 TF32 for float32) whose
@@ -81,8 +81,10 @@ class AttentionBackwardPlan:
   dk_strides: Strides
   dv_strides: Strides
   lse_strides: Strides
-  block_q: int = 64
-  block_kv: int = 64
+  block_q: int = 64           # query rows a dQ block owns (a warp each 16)
+  block_kv: int = 64          # keys a dK/dV block owns
+  stream_q: int = 0           # the Q tile a dK/dV block streams (0: block_q)
+  stream_kv: int = 0          # the K/V tile a dQ block streams (0: block_kv)
   lse_log2: bool = False      # LSE holds log2 of the softmax sum of 2^(scale log2(e) q.k) instead of the natural log
   o_dtype: str | None = None  # O's dtype where the forward keeps it in float32; None: plan.dtype
   shared_per_sm: int = 0      # the device's shared memory per multiprocessor (0: unknown, no occupancy hint)
@@ -101,9 +103,10 @@ class AttentionBackwardPlan:
     if min(self.batch, self.q_len, self.kv_len) <= 0:
       raise ShapeError(f"attention backward of an empty problem: batch {self.batch}, q_len {self.q_len}, "
                        f"kv_len {self.kv_len}")
-    for name in ("block_q", "block_kv"):
-      if getattr(self, name) % WARP_ROWS or getattr(self, name) <= 0:
-        raise ShapeError(f"{name} must be a positive multiple of {WARP_ROWS}, got {getattr(self, name)}")
+    for name in ("block_q", "block_kv", "stream_q", "stream_kv"):
+      size = getattr(self, name)
+      if size % WARP_ROWS or size < 0 or (size == 0 and name.startswith("block")):
+        raise ShapeError(f"{name} must be a positive multiple of {WARP_ROWS}, got {size}")
 
   @staticmethod
   def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
@@ -149,6 +152,16 @@ class AttentionBackwardPlan:
 
   # ------------------------------------------------------------ launch sizes
   @property
+  def dq_stream(self) -> int:
+    """Keys of the K/V tiles a dQ block streams."""
+    return self.stream_kv or self.block_kv
+
+  @property
+  def dkdv_stream(self) -> int:
+    """Queries of the Q tiles a dK/dV block streams."""
+    return self.stream_q or self.block_q
+
+  @property
   def dq_grid(self) -> tuple[int, int, int]: return (-(-self.q_len // self.block_q), self.batch * self.heads, 1)
 
   @property
@@ -156,10 +169,10 @@ class AttentionBackwardPlan:
 
   @property
   def dq_shared_bytes(self) -> int:
-    """Q and dO tiles, two K and V tiles (double-buffered), the dS tile (block_q x block_kv), then LSE and delta of
+    """Q and dO tiles, two K and V tiles (double-buffered), the dS tile (block_q x dq_stream), then LSE and delta of
     the block's rows."""
-    tiles = 2 * self.block_q * self.row_pitch + 4 * self.block_kv * self.row_pitch
-    tiles += self.block_q * (self.block_kv + PAD_BYTES // self.itemsize)
+    tiles = 2 * self.block_q * self.row_pitch + 4 * self.dq_stream * self.row_pitch
+    tiles += self.block_q * (self.dq_stream + PAD_BYTES // self.itemsize)
     return tiles * self.itemsize + 2 * self.block_q * 4
 
   @property
@@ -170,11 +183,12 @@ class AttentionBackwardPlan:
 
   @property
   def dkdv_shared_bytes(self) -> int:
-    """K and V tiles, two Q and dO tiles (double-buffered), the P^T and dS^T tiles (block_kv x block_q), then two
-    LSE and delta rows of a Q tile."""
-    tiles = 2 * self.block_kv * self.row_pitch + 4 * self.block_q * self.row_pitch
-    tiles += 2 * self.block_kv * (self.block_q + PAD_BYTES // self.itemsize)
-    return tiles * self.itemsize + 4 * self.block_q * 4
+    """K and V tiles, two Q and dO tiles (double-buffered), the P^T and dS^T tiles (block_kv x dkdv_stream), then
+    two LSE and delta rows of a Q tile."""
+    stream = self.dkdv_stream
+    tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
+    tiles += 2 * self.block_kv * (stream + PAD_BYTES // self.itemsize)
+    return tiles * self.itemsize + 4 * stream * 4
 
   def launch_bounds(self, threads: int, shared_bytes: int) -> str:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
@@ -197,13 +211,15 @@ class AttentionBackwardPlan:
 
 
 def default_blocks(head_dim: int, dtype: str) -> dict[str, int]:
-  """Block sizes: 64 x 64 tiles, except where a head_dim row is over 128 bytes (float32 rows of 64, 16-bit rows of
-  128): there the dK/dV kernel takes 32-query tiles, so that its accumulators (dK and dV: head_dim / 2 floats a
-  thread each, S^T and dP^T: block_q / 2) and the wider fragments stay in registers. On the H200, float32 D = 64:
-  block_q 64 took 255 registers and 0.723 ms for B=4 H=12 T=1024 causal, block_q 32 160 registers and 0.688 ms;
-  bfloat16 D = 64: 64 is faster (0.208 against 0.241 ms)."""
+  """Block sizes by the bytes of a head_dim row: each block owns 64 rows (a warp 16) and streams 64-row tiles, except
+  that over 128 bytes (float32 rows of 64, 16-bit rows of 128) the dK/dV kernel streams 32-query tiles, so that its
+  accumulators (dK and dV: head_dim / 2 floats a thread each, S^T and dP^T: stream / 2) and the wider fragments stay
+  in registers, and over 256 bytes the dQ block owns 32 rows (its shared memory). On the H200, float32 D = 64, B=4
+  H=12 T=1024 causal: the dK/dV kernel took 0.366 ms streaming 64 queries (255 registers), 0.278 ms streaming 32
+  (160 registers); the dQ kernel 0.356 ms owning 64 rows, 0.408 owning 32. bfloat16 D = 64: 64 throughout is faster
+  (0.208 against 0.241 ms)."""
   row_bytes = head_dim * ITEMSIZE.get(dtype, 4)   # an unknown dtype is refused by the plan itself
-  return {"block_q": 64 if row_bytes <= 128 else 32, "block_kv": 64}
+  return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": 64 if row_bytes <= 128 else 32}
 
 
 @dataclass(frozen=True)
@@ -411,10 +427,10 @@ def _load_tile(plan: AttentionBackwardPlan) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _header(plan: AttentionBackwardPlan, shared_bytes: int) -> str:
+def _header(plan: AttentionBackwardPlan, shared_bytes: int, block_q: int, block_kv: int) -> str:
   """Constants of the plan, the dynamic shared memory size the launcher reads, and the helpers."""
   log2_scale = plan.scale * LOG2E
-  constants = {"D": plan.head_dim, "PITCH": plan.row_pitch, "BQ": plan.block_q, "BK": plan.block_kv,
+  constants = {"D": plan.head_dim, "PITCH": plan.row_pitch, "BQ": block_q, "BK": block_kv,
                "H": plan.heads, "KVH": plan.kv_heads, "GROUP": plan.group, "L": plan.q_len, "S": plan.kv_len,
                "CAUSAL": int(plan.causal), "PAD": PAD_BYTES // plan.itemsize, "KSTEP": _k_step(plan.dtype)}
   lines = [f"#define {name} {value}" for name, value in constants.items()]
@@ -558,7 +574,7 @@ extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {
   }}
 }}
 """
-  return _header(plan, plan.dq_shared_bytes) + body
+  return _header(plan, plan.dq_shared_bytes, plan.block_q, plan.dq_stream) + body
 
 
 def render_dkdv_kernel(plan: AttentionBackwardPlan) -> str:
@@ -679,4 +695,4 @@ extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes
   }}
 }}
 """
-  return _header(plan, plan.dkdv_shared_bytes) + body
+  return _header(plan, plan.dkdv_shared_bytes, plan.dkdv_stream, plan.block_kv) + body
