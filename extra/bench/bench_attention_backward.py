@@ -7,7 +7,7 @@ on torch's current stream, and dq, dk, dv are compared with a reference:
 - "time" cases (the issue's shapes): torch's fused SDPA backward in the same dtype (its own error is printed too,
   against float64 where that fits in memory), and both are timed: CUDA events around `--iters` back-to-back calls
   (fewer where a call is long), median of 5 batches after a warm-up. Each timed shape runs several plan variants
-  (owned and streamed tile sizes, held fragments, with and without the occupancy hint), each printing its registers, spills, errors
+  (tile sizes, held fragments, with and without the occupancy hint), each printing its registers, spills, errors
   and times. torch's time is `torch.autograd.grad` of its fused SDPA output (the backward kernels alone; the forward
   ran before). ourgrad's is the dQ kernel (with delta) then the dK/dV kernel.
 Every case prints its errors and times and the next case runs even if one fails; each dtype runs in a process
