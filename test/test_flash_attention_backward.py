@@ -140,6 +140,7 @@ HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causa
   ("bfloat16", (1, 2, 1, 70, 70, 64, True), "held"),         # A fragments of Q, dO, K, V held in registers
   ("float32", (1, 1, 1, 40, 50, 32, False), "held"),
   ("float16", (1, 2, 1, 70, 60, 32, True), "split"),         # owned and streamed tiles of other sizes
+  ("bfloat16", (1, 2, 1, 150, 140, 16, True), "wide"),       # blocks of 8 warps (128 rows)
 ]
 
 
@@ -152,6 +153,8 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
   arrays, expected = reference(plan)
   projected = layout == "projected"
   if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "held_fragments": True})
+  if layout == "wide":
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "block_q": 128, "block_kv": 128, "stream_q": 64, "stream_kv": 64})
   if layout == "split":
     plan = AttentionBackwardPlan(**{**plan.__dict__, "block_q": 32, "stream_kv": 16, "block_kv": 32, "stream_q": 48})
   if projected:

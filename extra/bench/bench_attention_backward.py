@@ -237,9 +237,9 @@ def main() -> None:
           variants[f"stream_q {other_stream}"] = dataclasses.replace(plan, stream_q=other_stream)
           variants["block_q 32"] = dataclasses.replace(plan, block_q=32)
           variants["block_kv 32"] = dataclasses.replace(plan, block_kv=32, stream_kv=64)
-          variants["stream_kv 32"] = dataclasses.replace(plan, stream_kv=32)
+          variants["block_q 128"] = dataclasses.replace(plan, block_q=128)      # 8 warps a dQ block
+          variants["block_kv 128"] = dataclasses.replace(plan, block_kv=128, stream_kv=64)   # 8 warps a dK/dV block
           variants["held"] = dataclasses.replace(plan, held_fragments=True)
-          variants["held no hint"] = dataclasses.replace(plan, held_fragments=True, shared_per_sm=0)
         run_case(name, variants, compiler, timed, options.iters, against_float64=not timed or case[3] <= 1024)
       except Exception:
         print(f"  {name}: FAILED\n{traceback.format_exc()}", flush=True)
