@@ -1,0 +1,698 @@
+"""Flash-attention backward on CUDA: a plan, the two kernels' CUDA C source, and their numpy emulation.
+
+The forward (`Ops.ATTENTION`) computes O = softmax(scale Q K^T) V per (batch, head) and the per-row logsumexp
+LSE_i = log sum_j exp(scale q_i . k_j) (natural log, float32, (B, H, L); `lse_log2` reads a base-2 one). The backward
+recomputes the scores tile by tile instead of reading a T x T matrix (FlashAttention-2, Dao 2023):
+
+    P = exp(scale Q K^T - LSE)           dV = P^T dO          dP = dO V^T
+    delta_i = rowsum(dO * O)_i           dS = P (dP - delta)  dQ = scale dS K     dK = scale dS^T Q
+
+Two kernels, launched in this order on one stream (`AttentionBackwardPlan.launches`):
+
+- `attention_backward_dq`: one block per (Q tile of `block_q` rows, batch, head). It first writes delta for its rows
+  (rowsum(dO * O), float32, (B, H, L) contiguous) to a scratch buffer, then loops over K/V tiles of `stream_kv`
+  keys (only those a causal mask leaves alive), recomputes S, P and dP, and accumulates dQ += dS K in registers: no
+  atomics, so the result does not depend on the schedule.
+- `attention_backward_dkdv`: one block per (K/V tile of `block_kv` keys, batch, kv head). It loops over the query
+  heads sharing that kv head (GQA: query head h reads kv head h // (heads // kv_heads)) and their Q tiles of
+  `stream_q` rows (skipping those a causal mask kills), recomputes S^T and P^T, and accumulates dV += P^T dO and
+  dK += dS^T Q; it reads the delta the dQ kernel wrote.
+
+Inside a block each warp owns 16 rows (queries in the dQ kernel, keys in the dK/dV kernel). Every product is a
+warp-level `mma.sync` (m16n8k16 with float32 accumulation for float16/bfloat16, m16n8k8 TF32 for float32) whose
+fragments are gathered from shared-memory tiles with the maps of codegen/tensor_cores.py; P and dS pass through
+shared memory in the operand type (rounded to float16/bfloat16; TF32 rounds them as it loads the fragment).
+A causal mask is torch's `is_causal` (top-left aligned): key j is kept for query i when j <= i.
+
+runtime/attention_backward_emulator.py computes the same numbers with numpy (operands rounded where the tensor cores
+round them, float32 sums), per launch on flat buffers: the PYTHON device's model of the kernels. test/
+attention_backward_host.py runs this CUDA source itself on the CPU (a host thread per CUDA thread).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps
+from ourgrad.codegen.wgmma_tiles import C_TYPE, ITEMSIZE, PTX_TYPE
+from ourgrad.errors import DTypeError, ShapeError
+from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL   # the size ops_cuda.CUDAProgram reads at load
+
+Strides = tuple[int, int, int]   # element strides of (batch, head, row); the last dim (head_dim) is contiguous
+WARP_ROWS = 16                   # rows of an mma.sync tile (m16): each warp owns 16 rows of its block
+PAD_BYTES = 16                   # added to each shared-memory row so a fragment's 8 rows fall in different banks
+LOG2E = 1.4426950408889634
+# the register file of a multiprocessor (every sm_80/sm_86/sm_89/sm_90 GPU), the registers a thread of these kernels
+# needs to keep its accumulators and fragments without spilling much, and the shared memory the driver reserves per
+# resident block (sm_80+)
+REGISTERS_PER_SM, REGISTER_FLOOR, BLOCK_RESERVED_SHARED = 65536, 128, 1024
+DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
+
+
+def contiguous_strides(heads: int, rows: int, head_dim: int) -> Strides:
+  """The (batch, head, row) strides of a contiguous (B, heads, rows, head_dim) tensor."""
+  return (heads * rows * head_dim, rows * head_dim, head_dim)
+
+
+@dataclass(frozen=True)
+class AttentionBackwardPlan:
+  """One attention backward: shapes, dtype, mask, scale, every operand's layout and the block sizes.
+
+  q, o, do, dq are (batch, heads, q_len, head_dim); k, v, dk, dv (batch, kv_heads, kv_len, head_dim), each given by
+  its (batch, head, row) element strides (the last dim contiguous), so a (B, L, H, D) projection is read in place.
+  lse is float32 (batch, heads, q_len) by its own strides. The delta scratch buffer the kernels share is float32
+  (batch, heads, q_len) contiguous. dq, dk, dv have the input dtype."""
+  batch: int
+  heads: int
+  kv_heads: int
+  q_len: int
+  kv_len: int
+  head_dim: int
+  dtype: str                  # "float32" (multiplied as TF32), "float16" or "bfloat16"
+  causal: bool
+  scale: float
+  q_strides: Strides
+  k_strides: Strides
+  v_strides: Strides
+  o_strides: Strides
+  do_strides: Strides
+  dq_strides: Strides
+  dk_strides: Strides
+  dv_strides: Strides
+  lse_strides: Strides
+  block_q: int = 64           # query rows a dQ block owns (a warp each 16)
+  block_kv: int = 64          # keys a dK/dV block owns
+  stream_q: int = 0           # the Q tile a dK/dV block streams (0: block_q)
+  stream_kv: int = 0          # the K/V tile a dQ block streams (0: block_kv)
+  lse_log2: bool = False      # LSE holds log2 of the softmax sum of 2^(scale log2(e) q.k) instead of the natural log
+  o_dtype: str | None = None  # O's dtype where the forward keeps it in float32; None: plan.dtype
+  shared_per_sm: int = 0      # the device's shared memory per multiprocessor (0: unknown, no occupancy hint)
+  lse_offset: int = 0         # where LSE starts in its buffer (elements): the forward may write it after O
+  held_fragments: bool = False  # the owned tiles' A fragments (Q, dO; K, V) kept in registers across the loop
+
+  def __post_init__(self) -> None:
+    if self.dtype not in ITEMSIZE:
+      raise DTypeError(f"attention backward kernels take float32, float16 or bfloat16, not {self.dtype}")
+    if self.o_dtype not in (None, self.dtype, "float32"):
+      raise DTypeError(f"attention backward reads O as {self.dtype} or float32, not {self.o_dtype}")
+    if self.head_dim % 16 or not 16 <= self.head_dim <= 256:
+      raise ShapeError(f"attention backward kernels need head_dim a multiple of 16 in [16, 256], got {self.head_dim}")
+    if self.kv_heads <= 0 or self.heads % self.kv_heads:
+      raise ShapeError(f"{self.heads} query heads cannot share {self.kv_heads} kv heads (heads % kv_heads != 0)")
+    if min(self.batch, self.q_len, self.kv_len) <= 0:
+      raise ShapeError(f"attention backward of an empty problem: batch {self.batch}, q_len {self.q_len}, "
+                       f"kv_len {self.kv_len}")
+    for name in ("block_q", "block_kv", "stream_q", "stream_kv"):
+      size = getattr(self, name)
+      if size % WARP_ROWS or size < 0 or (size == 0 and name.startswith("block")):
+        raise ShapeError(f"{name} must be a positive multiple of {WARP_ROWS}, got {size}")
+
+  @staticmethod
+  def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
+                 causal: bool, scale: float | None = None, **options: Any) -> AttentionBackwardPlan:
+    """A plan for contiguous (B, H, T, D) operands; scale defaults to 1/sqrt(head_dim) as SDPA's. `options` sets
+    other fields (block sizes default to `default_blocks(head_dim, dtype)`)."""
+    q_like, kv_like = contiguous_strides(heads, q_len, head_dim), contiguous_strides(kv_heads, kv_len, head_dim)
+    sizes = {**default_blocks(head_dim, dtype), **options}
+    return AttentionBackwardPlan(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal,
+                                 1 / math.sqrt(head_dim) if scale is None else scale, q_like, kv_like, kv_like,
+                                 q_like, q_like, q_like, kv_like, kv_like, (heads * q_len, q_len, 1), **sizes)
+
+  @property
+  def group(self) -> int:
+    """Query heads per kv head."""
+    return self.heads // self.kv_heads
+
+  @property
+  def itemsize(self) -> int: return ITEMSIZE[self.dtype]
+
+  @property
+  def stored_o_dtype(self) -> str:
+    """The dtype O is read in."""
+    return self.o_dtype or self.dtype
+
+  @property
+  def row_pitch(self) -> int:
+    """Elements of one head_dim row of a shared-memory tile (padded)."""
+    return self.head_dim + PAD_BYTES // self.itemsize
+
+  @property
+  def vector_width(self) -> int:
+    """Elements of one 16-byte global load when every stride of q, k, v, do is a multiple of it (the buffers start
+    16-byte aligned, as allocations do), else 1."""
+    width = 16 // self.itemsize
+    strides = (*self.q_strides, *self.k_strides, *self.v_strides, *self.do_strides)
+    return width if all(stride % width == 0 for stride in strides) else 1
+
+  @property
+  def delta_elements(self) -> int:
+    """Size (float32 elements) of the delta scratch buffer: (batch, heads, q_len) contiguous."""
+    return self.batch * self.heads * self.q_len
+
+  # ------------------------------------------------------------ launch sizes
+  @property
+  def dq_stream(self) -> int:
+    """Keys of the K/V tiles a dQ block streams."""
+    return self.stream_kv or self.block_kv
+
+  @property
+  def dkdv_stream(self) -> int:
+    """Queries of the Q tiles a dK/dV block streams."""
+    return self.stream_q or self.block_q
+
+  @property
+  def dq_grid(self) -> tuple[int, int, int]: return (-(-self.q_len // self.block_q), self.batch * self.heads, 1)
+
+  @property
+  def dq_block(self) -> tuple[int, int, int]: return (32 * self.block_q // WARP_ROWS, 1, 1)
+
+  @property
+  def dq_shared_bytes(self) -> int:
+    """Q and dO tiles, two K and V tiles (double-buffered), the dS tile (block_q x dq_stream), then LSE and delta of
+    the block's rows."""
+    tiles = 2 * self.block_q * self.row_pitch + 4 * self.dq_stream * self.row_pitch
+    tiles += self.block_q * (self.dq_stream + PAD_BYTES // self.itemsize)
+    return tiles * self.itemsize + 2 * self.block_q * 4
+
+  @property
+  def dkdv_grid(self) -> tuple[int, int, int]: return (-(-self.kv_len // self.block_kv), self.batch * self.kv_heads, 1)
+
+  @property
+  def dkdv_block(self) -> tuple[int, int, int]: return (32 * self.block_kv // WARP_ROWS, 1, 1)
+
+  @property
+  def dkdv_shared_bytes(self) -> int:
+    """K and V tiles, two Q and dO tiles (double-buffered), the P^T and dS^T tiles (block_kv x dkdv_stream), then
+    two LSE and delta rows of a Q tile."""
+    stream = self.dkdv_stream
+    tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
+    tiles += 2 * self.block_kv * (stream + PAD_BYTES // self.itemsize)
+    return tiles * self.itemsize + 4 * stream * 4
+
+  def launch_bounds(self, threads: int, shared_bytes: int) -> str:
+    """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
+    known, the blocks that fit in it (so ptxas keeps registers for that many, down to REGISTER_FLOOR a thread)."""
+    if not self.shared_per_sm: return f"__launch_bounds__({threads})"
+    by_shared = self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED)
+    resident = min(by_shared, REGISTERS_PER_SM // (threads * REGISTER_FLOOR))
+    return f"__launch_bounds__({threads}, {resident})" if resident > 1 else f"__launch_bounds__({threads})"
+
+  def fits(self, max_shared_bytes: int) -> bool:
+    """Whether both kernels' shared memory fits a block's limit (the device's opt-in maximum)."""
+    return max(self.dq_shared_bytes, self.dkdv_shared_bytes) <= max_shared_bytes
+
+  def launches(self) -> list[KernelLaunch]:
+    """The two kernels in launch order, with their arguments (names of the buffers) and sizes."""
+    return [KernelLaunch(DQ_KERNEL, render_dq_kernel(self), ("q", "k", "v", "o", "do", "lse", "dq", "delta"),
+                         self.dq_grid, self.dq_block, self.dq_shared_bytes),
+            KernelLaunch(DKDV_KERNEL, render_dkdv_kernel(self), ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
+                         self.dkdv_grid, self.dkdv_block, self.dkdv_shared_bytes)]
+
+
+def default_blocks(head_dim: int, dtype: str) -> dict[str, int]:
+  """Block sizes by the bytes of a head_dim row: each block owns 64 rows (a warp 16) and streams 64-row tiles, except
+  that over 128 bytes (float32 rows of 64, 16-bit rows of 128) the dK/dV kernel streams 32-query tiles, so that its
+  accumulators (dK and dV: head_dim / 2 floats a thread each, S^T and dP^T: stream / 2) and the wider fragments stay
+  in registers, and over 256 bytes the dQ block owns 32 rows (its shared memory). On the H200, float32 D = 64, B=4
+  H=12 T=1024 causal: the dK/dV kernel took 0.366 ms streaming 64 queries (255 registers), 0.278 ms streaming 32
+  (160 registers); the dQ kernel 0.356 ms owning 64 rows, 0.408 owning 32. bfloat16 D = 64: 64 throughout is faster
+  (0.208 against 0.241 ms)."""
+  row_bytes = head_dim * ITEMSIZE.get(dtype, 4)   # an unknown dtype is refused by the plan itself
+  return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": 64 if row_bytes <= 128 else 32}
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+  """One kernel of the backward: its name (the extern "C" symbol), CUDA source, the buffers it takes in order, and
+  its launch sizes (grid, block, dynamic shared memory bytes)."""
+  name: str
+  source: str = field(repr=False)
+  arguments: tuple[str, ...]
+  grid: tuple[int, int, int]
+  block: tuple[int, int, int]
+  shared_bytes: int
+
+
+# ---------------------------------------------------------------- CUDA source
+
+def _affine(position: tuple[int, int, int], offset: str) -> str:
+  """A fragment coordinate (constant, times group, times quad) of tensor_cores as C text, plus `offset`."""
+  constant, times_group, times_quad = position
+  return f"{offset} + {constant} + {times_group} * g + {times_quad} * quad"
+
+
+def instruction_helpers(dtype: str) -> str:
+  """The element type `elem_t` and the device functions written with PTX: to_float / from_float (stored element <->
+  float32, to nearest even), the operand register of one element (TF32: `operand_bits`, cvt.rna) or of two
+  (`pack`), and `mma` (one m16n8k16 or m16n8k8 TF32 instruction, float32 accumulators updated in place)."""
+  lines = [f"typedef {C_TYPE[dtype]} elem_t;"]
+  if dtype == "float32":
+    lines += ["__device__ __forceinline__ float to_float(elem_t x) { return x; }",
+              "__device__ __forceinline__ elem_t from_float(float x) { return x; }",
+              "__device__ __forceinline__ unsigned operand_bits(elem_t x) {",
+              '  unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }',
+              "// two neighbouring elements (8-byte aligned) in one store",
+              "__device__ __forceinline__ void store_pair(elem_t* p, float first, float second) {",
+              "  *(float2*)p = make_float2(first, second); }"]
+  else:
+    if dtype == "float16":
+      lines += ["__device__ __forceinline__ float to_float(elem_t x) {",
+                '  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }']
+    else:
+      lines += ["__device__ __forceinline__ float to_float(elem_t x) { return __uint_as_float((unsigned)x << 16); }"]
+    lines += ["__device__ __forceinline__ elem_t from_float(float x) {",
+              f'  unsigned r; asm("cvt.rn.{PTX_TYPE[dtype]}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.0f), "f"(x));',
+              "  return (elem_t)(r & 0xFFFF); }",
+              "// two neighbouring elements (4-byte aligned) rounded by one cvt and written by one store",
+              "__device__ __forceinline__ void store_pair(elem_t* p, float first, float second) {",
+              f'  unsigned r; asm("cvt.rn.{PTX_TYPE[dtype]}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));',
+              "  *(unsigned*)p = r; }",
+              "__device__ __forceinline__ unsigned pack(elem_t low, elem_t high) {",
+              "  return (unsigned)low | ((unsigned)high << 16); }"]
+    for suffix, modifier in (("", ""), ("_trans", ".trans")):
+      lines += [f"__device__ __forceinline__ void ldmatrix_x4{suffix}(unsigned (&r)[4], const elem_t* row) {{",
+                f'  asm volatile("ldmatrix.sync.aligned.m8n8.x4{modifier}.shared.b16 {{%0, %1, %2, %3}}, [%4];"',
+                '    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(row)));',
+                "}"]
+  # cp.async (sm_80+): a copy to shared memory that the thread does not wait for; a source size of 0 writes zeros
+  for size, cache in ((16, "cg"), (4, "ca")):
+    lines += [f"__device__ __forceinline__ void copy_async_{size}(void* shared, const void* global, bool valid) {{",
+              f'  asm volatile("cp.async.{cache}.shared.global [%0], [%1], {size}, %2;"',
+              '    :: "r"((unsigned)__cvta_generic_to_shared(shared)), "l"(global), '
+              f'"r"(valid ? {size} : 0) : "memory");',
+              "}"]
+  lines += ["__device__ __forceinline__ void copy_async_commit() {",
+            '  asm volatile("cp.async.commit_group;" ::: "memory"); }',
+            "template <int PENDING> __device__ __forceinline__ void copy_async_wait() {",
+            '  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory"); }']
+  instruction = (f"mma.sync.aligned.m16n8k{_k_step(dtype)}.row.col.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};")
+  lines += ["__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {",
+            f'  asm volatile("{instruction}"',
+            '    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])',
+            '    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));',
+            "}"]
+  return "\n".join(lines) + "\n"
+
+
+def _k_step(dtype: str) -> int:
+  """K of one mma instruction: m16n8k8 for TF32, m16n8k16 for 16-bit operands."""
+  return 8 if dtype == "float32" else 16
+
+
+def fragment_maps(dtype: str) -> FragmentMaps:
+  """Where each element of the A, B, C fragments lies (codegen/tensor_cores.py) for the instruction of `dtype`."""
+  return M16N8K8_TF32_MAPS if dtype == "float32" else M16N8K16_MAPS
+
+
+def _warp_helpers(dtype: str) -> str:
+  """`warp_mma`: a warp's 16 x (8 NT) accumulator tile += A (16 x K) @ B (K x 8 NT) with A(r, c) at
+  a[r * A_ROW + c * A_COL] and B(r, c) at b[r * B_ROW + c * B_COL] in shared memory (the strides are template
+  constants), gathered into fragments by the maps of codegen/tensor_cores.py. Two 16-bit elements of one register
+  that lie next to each other in shared memory are read as one 32-bit word."""
+  tf32 = dtype == "float32"
+  maps, k_step = fragment_maps(dtype), _k_step(dtype)
+
+  def address(matrix: str, position, offsets: tuple[str, str]) -> str:
+    row, column = _affine(position[0], offsets[0]), _affine(position[1], offsets[1])
+    upper = matrix.upper()
+    return f"{matrix}[({row}) * {upper}_ROW + ({column}) * {upper}_COL]"
+
+  def pair(matrix: str, first, second, offsets: tuple[str, str]) -> str:
+    """One register of two 16-bit elements (the lower-numbered in the low half)."""
+    packed = f"pack({address(matrix, first, offsets)}, {address(matrix, second, offsets)})"
+    step = tuple(b[0] - a[0] for a, b in zip(first, second))   # how far apart they are (rows, columns)
+    if step not in ((1, 0), (0, 1)): return packed
+    contiguous = f"{matrix.upper()}_{'ROW' if step == (1, 0) else 'COL'} == 1"
+    return f"({contiguous} ? *(const unsigned*)&{address(matrix, first, offsets)} : {packed})"
+
+  def registers(matrix: str, positions, offsets: tuple[str, str]) -> list[str]:
+    if tf32: return [f"operand_bits({address(matrix, position, offsets)})" for position in positions]
+    return [pair(matrix, positions[2 * i], positions[2 * i + 1], offsets) for i in range(len(positions) // 2)]
+
+  a_registers = registers("a", maps.a, ("0", "k0"))
+  b_registers = registers("b", maps.b, ("k0", "t * 8"))
+  b_next = registers("b", maps.b, ("k0", "(t + 1) * 8"))
+  # a_fragment: the A registers of the k step at k0; b_mma: acc += that A times the B of the same k step
+  lines = ["template <int A_ROW, int A_COL>",
+           "__device__ __forceinline__ void a_fragment(unsigned (&ra)[4], const elem_t* a, int k0) {",
+           "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;"]
+  if tf32:
+    lines += [f"  const unsigned fill[4] = {{{', '.join(a_registers)}}};",
+              "  for (int i = 0; i < 4; i++) ra[i] = fill[i];",
+              "}",
+              "template <int NT, int B_ROW, int B_COL>",
+              "__device__ __forceinline__ void b_mma(float (&acc)[NT][4], const unsigned (&ra)[4], const elem_t* b,",
+              "                                      int k0) {",
+              "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
+              "#pragma unroll",
+              "  for (int t = 0; t < NT; t++) {",
+              f"    const unsigned rb[2] = {{{', '.join(b_registers)}}};",
+              "    mma(acc[t], ra, rb);",
+              "  }",
+              "}"]
+  else:
+    # ldmatrix: lane l names row l % 8 of 8x8 matrix l / 8; the four matrices give A's four registers (rows 0-7 and
+    # 8-15 at k0, then at k0 + 8), or the two registers of B for two n8 tiles (.trans where B's rows run along K)
+    lines += ["  if constexpr (A_COL == 1) ldmatrix_x4(ra, a + (lane & 15) * A_ROW + k0 + (lane >> 4) * 8);",
+              f"  else {{ const unsigned fill[4] = {{{', '.join(a_registers)}}}; for (int i = 0; i < 4; i++) "
+              "ra[i] = fill[i]; }",
+              "}",
+              "template <int NT, int B_ROW, int B_COL>",
+              "__device__ __forceinline__ void b_mma(float (&acc)[NT][4], const unsigned (&ra)[4], const elem_t* b,",
+              "                                      int k0) {",
+              "  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
+              "#pragma unroll",
+              "  for (int t = 0; t < NT; t += 2) {",
+              "    unsigned rb[4];",
+              "    if constexpr (B_ROW == 1)",
+              "      ldmatrix_x4(rb, b + ((t + (lane >> 4)) * 8 + (lane & 7)) * B_COL + k0 + ((lane >> 3) & 1) * 8);",
+              "    else if constexpr (B_COL == 1)",
+              "      ldmatrix_x4_trans(rb, b + (k0 + (lane & 15)) * B_ROW + (t + (lane >> 4)) * 8);",
+              f"    else {{ const unsigned fill[4] = {{{', '.join(b_registers + b_next)}}};",
+              "      for (int i = 0; i < 4; i++) rb[i] = fill[i]; }",
+              "    const unsigned first[2] = {rb[0], rb[1]}, second[2] = {rb[2], rb[3]};",
+              "    mma(acc[t], ra, first);",
+              "    mma(acc[t + 1], ra, second);",
+              "  }",
+              "}"]
+  lines += ["template <int NT, int K, int A_ROW, int A_COL, int B_ROW, int B_COL>",
+            "__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const elem_t* a, const elem_t* b) {",
+            "#pragma unroll",
+            f"  for (int k0 = 0; k0 < K; k0 += {k_step}) {{",
+            "    unsigned ra[4];",
+            "    a_fragment<A_ROW, A_COL>(ra, a, k0);",
+            "    b_mma<NT, B_ROW, B_COL>(acc, ra, b, k0);",
+            "  }",
+            "}",
+            "// the A fragments of a whole 16 x K row-major operand, held in registers across many products",
+            "template <int K, int A_ROW>",
+            f"__device__ __forceinline__ void load_fragments(unsigned (&held)[K / {k_step}][4], const elem_t* a) {{",
+            "#pragma unroll",
+            f"  for (int k0 = 0; k0 < K; k0 += {k_step}) a_fragment<A_ROW, 1>(held[k0 / {k_step}], a, k0);",
+            "}",
+            "template <int NT, int K, int B_ROW, int B_COL>",
+            "__device__ __forceinline__ void warp_mma_held(float (&acc)[NT][4],",
+            f"                                              const unsigned (&held)[K / {k_step}][4],",
+            "                                              const elem_t* b) {",
+            "#pragma unroll",
+            f"  for (int k0 = 0; k0 < K; k0 += {k_step}) b_mma<NT, B_ROW, B_COL>(acc, held[k0 / {k_step}], b, k0);",
+            "}"]
+  return "\n".join(lines) + "\n"
+
+
+def _load_tile(plan: AttentionBackwardPlan) -> str:
+  """`load_tile`: rows [0, valid) of a rows x D tile from global memory (row stride `stride`) into shared memory,
+  zeros below, by all threads of the block: 16-byte cp.async copies (waited for with copy_async_wait) where every
+  stride allows them, else plain loads and stores. `load_row`: `count` floats (element stride `stride`) the same way,
+  zeros from `valid` on."""
+  width = plan.vector_width
+  if width == 1:
+    copy = ["    tile[r * PITCH + c] = r < valid ? source[r * stride + c] : (elem_t)0;"]
+  else:   # a zero-filled row's copy still names a readable address: row 0's
+    copy = ["    copy_async_16(tile + r * PITCH + c, source + (r < valid ? r : 0) * stride + c, r < valid);"]
+  lines = ["__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* source, long long stride,",
+           "                                          int valid, int rows) {",
+           f"  for (int index = threadIdx.x; index < rows * (D / {width}); index += blockDim.x) {{",
+           f"    const int r = index / (D / {width}), c = (index % (D / {width})) * {width};",
+           *copy,
+           "  }",
+           "}",
+           "__device__ __forceinline__ void load_row(float* row, const float* source, long long stride, int valid,",
+           "                                         int count) {",
+           "  for (int r = threadIdx.x; r < count; r += blockDim.x)",
+           "    copy_async_4(row + r, source + (r < valid ? r : 0) * stride, r < valid);",
+           "}"]
+  return "\n".join(lines) + "\n"
+
+
+def _header(plan: AttentionBackwardPlan, shared_bytes: int, block_q: int, block_kv: int) -> str:
+  """Constants of the plan, the dynamic shared memory size the launcher reads, and the helpers."""
+  log2_scale = plan.scale * LOG2E
+  constants = {"D": plan.head_dim, "PITCH": plan.row_pitch, "BQ": block_q, "BK": block_kv,
+               "H": plan.heads, "KVH": plan.kv_heads, "GROUP": plan.group, "L": plan.q_len, "S": plan.kv_len,
+               "CAUSAL": int(plan.causal), "PAD": PAD_BYTES // plan.itemsize, "KSTEP": _k_step(plan.dtype)}
+  lines = [f"#define {name} {value}" for name, value in constants.items()]
+  lines += [f"#define SCALE {plan.scale!r}f", f"#define SCALE_LOG2E {log2_scale!r}f",
+            f"#define LSE_TO_LOG2 {1.0 if plan.lse_log2 else LOG2E!r}f",
+            f'extern "C" __device__ unsigned int {DYNAMIC_SHARED_SYMBOL} = {shared_bytes};',
+            "extern __shared__ __align__(16) unsigned char shared_bytes[];"]
+  if plan.stored_o_dtype == plan.dtype: o_helpers = "typedef elem_t o_t;\n#define o_to_float to_float\n"
+  else: o_helpers = "typedef float o_t;\n__device__ __forceinline__ float o_to_float(float x) { return x; }\n"
+  helpers = instruction_helpers(plan.dtype) + o_helpers + _warp_helpers(plan.dtype) + _load_tile(plan)
+  return "\n".join(lines) + "\n" + helpers
+
+
+def _offset(strides: Strides, batch: str, head: str) -> str:
+  return f"(long long){batch} * {strides[0]}LL + (long long){head} * {strides[1]}LL"
+
+
+def _held_loads(plan: AttentionBackwardPlan, *tiles: tuple[str, str]) -> str:
+  """With held_fragments: declare and load each (registers, tile) pair's A fragments (the warp's 16 rows)."""
+  if not plan.held_fragments: return ""
+  return "".join(f"\n  unsigned {held}[D / KSTEP][4];\n  load_fragments<D, PITCH>({held}, {tile} + warp * 16 * PITCH);"
+                 for held, tile in tiles)
+
+
+def _owned_product(plan: AttentionBackwardPlan, columns: str, acc: str, held: str, tile: str, other: str) -> str:
+  """acc += (the warp's 16 rows of `tile`) @ `other`^T, from the held fragments or from shared memory."""
+  if plan.held_fragments: return f"warp_mma_held<{columns} / 8, D, 1, PITCH>({acc}, {held}, {other});"
+  return f"warp_mma<{columns} / 8, D, PITCH, 1, 1, PITCH>({acc}, {tile} + warp * 16 * PITCH, {other});"
+
+
+def render_dq_kernel(plan: AttentionBackwardPlan) -> str:
+  """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`.
+
+  The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
+  block's work grows with its Q tile, so the blocks are numbered from the last Q tile down (the longest start first)."""
+  p = plan
+  held_loads = _held_loads(p, ("q_held", "q_tile"), ("do_held", "do_tile"))
+  body = f"""
+extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {DQ_KERNEL}(const elem_t* __restrict__ q,
+    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
+    const elem_t* __restrict__ dout, const float* __restrict__ lse, elem_t* __restrict__ dq,
+    float* __restrict__ delta) {{
+  elem_t* q_tile = (elem_t*)shared_bytes;               // BQ x PITCH
+  elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
+  elem_t* k_tiles = do_tile + BQ * PITCH;               // 2 x BK x PITCH
+  elem_t* v_tiles = k_tiles + 2 * BK * PITCH;           // 2 x BK x PITCH
+  elem_t* ds_tile = v_tiles + 2 * BK * PITCH;           // BQ x (BK + PAD)
+  float* lse_tile = (float*)(ds_tile + BQ * (BK + PAD));  // BQ
+  float* delta_tile = lse_tile + BQ;                    // BQ
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
+  const int q_start = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BQ;
+  const int batch = blockIdx.y / H, head = blockIdx.y % H, kv_head = head / GROUP;
+  const int q_rows = min(BQ, L - q_start);
+  const long long q_row0 = {_offset(p.q_strides, "batch", "head")} + (long long)q_start * {p.q_strides[2]}LL;
+  const long long do_row0 = {_offset(p.do_strides, "batch", "head")} + (long long)q_start * {p.do_strides[2]}LL;
+  const long long o_row0 = {_offset(p.o_strides, "batch", "head")} + (long long)q_start * {p.o_strides[2]}LL;
+  const long long k_base = {_offset(p.k_strides, "batch", "kv_head")};
+  const long long v_base = {_offset(p.v_strides, "batch", "kv_head")};
+  const long long lse_row0 = {p.lse_offset}LL + {_offset(p.lse_strides, "batch", "head")}
+                             + (long long)q_start * {p.lse_strides[2]}LL;
+  const long long delta_row0 = ((long long)batch * H + head) * L + q_start;
+  // a causal block's last live key is its last query
+  const int kv_end = CAUSAL ? min(S, q_start + BQ) : S;
+  const int kv_tiles = (kv_end + BK - 1) / BK;
+  load_tile(q_tile, q + q_row0, {p.q_strides[2]}LL, q_rows, BQ);
+  load_tile(do_tile, dout + do_row0, {p.do_strides[2]}LL, q_rows, BQ);
+  load_row(lse_tile, lse + lse_row0, {p.lse_strides[2]}LL, q_rows, BQ);
+  load_tile(k_tiles, k + k_base, {p.k_strides[2]}LL, min(BK, S), BK);
+  load_tile(v_tiles, v + v_base, {p.v_strides[2]}LL, min(BK, S), BK);
+  copy_async_commit();
+  copy_async_wait<0>();
+  __syncthreads();
+  // delta = rowsum(dO * O) of the block's rows: one warp a row, written for the dK/dV kernel too
+  for (int r = warp; r < BQ; r += BQ / 16) {{
+    float sum = 0.0f;
+    if (r < q_rows) {{
+      const o_t* o_row = o + o_row0 + (long long)r * {p.o_strides[2]}LL;
+      for (int c = lane; c < D; c += 32) sum += to_float(do_tile[r * PITCH + c]) * o_to_float(o_row[c]);
+    }}
+    for (int width = 16; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
+    if (lane == 0) {{
+      delta_tile[r] = sum;
+      if (r < q_rows) delta[delta_row0 + r] = sum;
+    }}
+  }}
+  __syncthreads();
+  // this lane's two accumulator rows (C fragment rows g and g + 8 of the warp's 16)
+  const float row_lse[2] = {{lse_tile[warp * 16 + g] * LSE_TO_LOG2, lse_tile[warp * 16 + g + 8] * LSE_TO_LOG2}};
+  const float row_delta[2] = {{delta_tile[warp * 16 + g], delta_tile[warp * 16 + g + 8]}};
+  float dq_acc[D / 8][4];
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) dq_acc[t][c] = 0.0f;{held_loads}
+  for (int tile = 0; tile < kv_tiles; tile++) {{
+    const int k_start = tile * BK;
+    if (tile + 1 < kv_tiles) {{  // the next K/V tiles into the other buffer, while this one is used
+      const int next = k_start + BK, buffer = (tile + 1) & 1;
+      load_tile(k_tiles + buffer * BK * PITCH, k + k_base + (long long)next * {p.k_strides[2]}LL, {p.k_strides[2]}LL,
+                min(BK, S - next), BK);
+      load_tile(v_tiles + buffer * BK * PITCH, v + v_base + (long long)next * {p.v_strides[2]}LL, {p.v_strides[2]}LL,
+                min(BK, S - next), BK);
+      copy_async_commit();
+      copy_async_wait<1>();
+    }} else {{
+      copy_async_wait<0>();
+    }}
+    __syncthreads();  // this tile's copies, by every thread, have landed
+    const elem_t* k_tile = k_tiles + (tile & 1) * BK * PITCH;
+    const elem_t* v_tile = v_tiles + (tile & 1) * BK * PITCH;
+    float s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+    for (int t = 0; t < BK / 8; t++) for (int c = 0; c < 4; c++) {{ s[t][c] = 0.0f; dp[t][c] = 0.0f; }}
+    {_owned_product(p, "BK", "s", "q_held", "q_tile", "k_tile")}     // Q K^T
+    {_owned_product(p, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
+#pragma unroll
+    for (int t = 0; t < BK / 8; t++) {{
+      float ds[4];
+#pragma unroll
+      for (int c = 0; c < 4; c++) {{
+        const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+        const int i = q_start + row, j = k_start + column;
+        const bool keep = i < L && j < S && (!CAUSAL || j <= i);
+        const float prob = keep ? exp2f(fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1])) : 0.0f;
+        ds[c] = prob * (dp[t][c] - row_delta[c >> 1]);
+      }}
+      elem_t* ds_pair = ds_tile + (warp * 16 + g) * (BK + PAD) + t * 8 + 2 * quad;   // columns c & 1 side by side
+      store_pair(ds_pair, ds[0], ds[1]);
+      store_pair(ds_pair + 8 * (BK + PAD), ds[2], ds[3]);
+    }}
+    __syncwarp();  // a warp reads back only its own rows of dS
+    warp_mma<D / 8, BK, BK + PAD, 1, PITCH, 1>(dq_acc, ds_tile + warp * 16 * (BK + PAD), k_tile);   // dS K
+    __syncthreads();  // every warp is done with this buffer before the next iteration refills it
+  }}
+  const long long dq_row0 = {_offset(p.dq_strides, "batch", "head")} + (long long)q_start * {p.dq_strides[2]}LL;
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) {{
+#pragma unroll
+    for (int c = 0; c < 4; c++) {{
+      const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+      if (row < q_rows) dq[dq_row0 + (long long)row * {p.dq_strides[2]}LL + column] = from_float(SCALE * dq_acc[t][c]);
+    }}
+  }}
+}}
+"""
+  return _header(plan, plan.dq_shared_bytes, plan.block_q, plan.dq_stream) + body
+
+
+def render_dkdv_kernel(plan: AttentionBackwardPlan) -> str:
+  """CUDA source of the dK/dV kernel (reads delta): grid `dkdv_grid`, block `dkdv_block`, `dkdv_shared_bytes`.
+
+  The block's iterations run over (query head of its group, Q tile) pairs; their Q, dO, LSE and delta tiles are
+  double-buffered: the copies of iteration n + 1 are in flight while iteration n is multiplied."""
+  p = plan
+  # K and V have landed (their copy group is the older one) before their fragments are held
+  held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.held_fragments else "") + _held_loads(
+    p, ("k_held", "k_tile"), ("v_held", "v_tile"))
+  body = f"""
+__device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_first, int batch, int kv_head,
+    const elem_t* q, const elem_t* dout, const float* lse, const float* delta, elem_t* q_tile, elem_t* do_tile,
+    float* lse_tile, float* delta_tile) {{
+  const int head = kv_head * GROUP + iteration / q_tiles, q_start = q_first + (iteration % q_tiles) * BQ;
+  const int q_rows = min(BQ, L - q_start);
+  const long long q_row0 = {_offset(p.q_strides, "batch", "head")} + (long long)q_start * {p.q_strides[2]}LL;
+  const long long do_row0 = {_offset(p.do_strides, "batch", "head")} + (long long)q_start * {p.do_strides[2]}LL;
+  const long long lse_row0 = {p.lse_offset}LL + {_offset(p.lse_strides, "batch", "head")}
+                             + (long long)q_start * {p.lse_strides[2]}LL;
+  load_tile(q_tile, q + q_row0, {p.q_strides[2]}LL, q_rows, BQ);
+  load_tile(do_tile, dout + do_row0, {p.do_strides[2]}LL, q_rows, BQ);
+  load_row(lse_tile, lse + lse_row0, {p.lse_strides[2]}LL, q_rows, BQ);
+  load_row(delta_tile, delta + ((long long)batch * H + head) * L + q_start, 1, q_rows, BQ);
+}}
+
+extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes)} {DKDV_KERNEL}(
+    const elem_t* __restrict__ q,
+    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, elem_t* __restrict__ dk,
+    elem_t* __restrict__ dv) {{
+  elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH
+  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH
+  elem_t* q_buffers = v_tile + BK * PITCH;              // 2 x BQ x PITCH
+  elem_t* do_buffers = q_buffers + 2 * BQ * PITCH;     // 2 x BQ x PITCH
+  elem_t* pt_tile = do_buffers + 2 * BQ * PITCH;       // BK x (BQ + PAD): P^T
+  elem_t* dst_tile = pt_tile + BK * (BQ + PAD);         // BK x (BQ + PAD): dS^T
+  float* lse_buffers = (float*)(dst_tile + BK * (BQ + PAD));  // 2 x BQ
+  float* delta_buffers = lse_buffers + 2 * BQ;         // 2 x BQ
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
+  const int k_start = blockIdx.x * BK, batch = blockIdx.y / KVH, kv_head = blockIdx.y % KVH;
+  const int k_rows = min(BK, S - k_start);
+  const long long k_row0 = {_offset(p.k_strides, "batch", "kv_head")} + (long long)k_start * {p.k_strides[2]}LL;
+  const long long v_row0 = {_offset(p.v_strides, "batch", "kv_head")} + (long long)k_start * {p.v_strides[2]}LL;
+  // a causal Q tile whose last query precedes this block's first key is dead
+  const int q_first = CAUSAL ? (k_start / BQ) * BQ : 0;
+  const int q_tiles = q_first < L ? (L - q_first + BQ - 1) / BQ : 0;
+  const int iterations = GROUP * q_tiles;
+  load_tile(k_tile, k + k_row0, {p.k_strides[2]}LL, k_rows, BK);
+  load_tile(v_tile, v + v_row0, {p.v_strides[2]}LL, k_rows, BK);
+  copy_async_commit();   // K and V: a group of their own, waited for first
+  if (iterations > 0)
+    load_q_tiles(0, q_tiles, q_first, batch, kv_head, q, dout, lse, delta, q_buffers, do_buffers, lse_buffers,
+                 delta_buffers);
+  copy_async_commit();
+  float dk_acc[D / 8][4], dv_acc[D / 8][4];
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) {{ dk_acc[t][c] = 0.0f; dv_acc[t][c] = 0.0f; }}
+{held_loads}
+  for (int iteration = 0; iteration < iterations; iteration++) {{
+    if (iteration + 1 < iterations) {{  // the next Q tiles into the other buffer, while this one is used
+      const int buffer = (iteration + 1) & 1;
+      load_q_tiles(iteration + 1, q_tiles, q_first, batch, kv_head, q, dout, lse, delta,
+                   q_buffers + buffer * BQ * PITCH, do_buffers + buffer * BQ * PITCH, lse_buffers + buffer * BQ,
+                   delta_buffers + buffer * BQ);
+      copy_async_commit();
+      copy_async_wait<1>();
+    }} else {{
+      copy_async_wait<0>();
+    }}
+    __syncthreads();  // this iteration's copies, by every thread, have landed
+    const int q_start = q_first + (iteration % q_tiles) * BQ, buffer = iteration & 1;
+    const elem_t* q_tile = q_buffers + buffer * BQ * PITCH;
+    const elem_t* do_tile = do_buffers + buffer * BQ * PITCH;
+    const float* lse_tile = lse_buffers + buffer * BQ;
+    const float* delta_tile = delta_buffers + buffer * BQ;
+    float st[BQ / 8][4], dpt[BQ / 8][4];
+#pragma unroll
+    for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
+    {_owned_product(p, "BQ", "st", "k_held", "k_tile", "q_tile")}    // K Q^T = S^T
+    {_owned_product(p, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
+#pragma unroll
+    for (int t = 0; t < BQ / 8; t++) {{
+      float prob[4], ds[4];
+#pragma unroll
+      for (int c = 0; c < 4; c++) {{
+        const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+        const int j = k_start + row, i = q_start + column;
+        const bool keep = i < L && j < S && (!CAUSAL || j <= i);
+        prob[c] = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2)) : 0.0f;
+        ds[c] = prob[c] * (dpt[t][c] - delta_tile[column]);
+      }}
+      const int pair = (warp * 16 + g) * (BQ + PAD) + t * 8 + 2 * quad;   // columns c & 1 side by side
+      store_pair(pt_tile + pair, prob[0], prob[1]);
+      store_pair(pt_tile + pair + 8 * (BQ + PAD), prob[2], prob[3]);
+      store_pair(dst_tile + pair, ds[0], ds[1]);
+      store_pair(dst_tile + pair + 8 * (BQ + PAD), ds[2], ds[3]);
+    }}
+    __syncwarp();  // a warp reads back only its own rows of P^T and dS^T
+    warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dv_acc, pt_tile + warp * 16 * (BQ + PAD), do_tile);   // P^T dO
+    warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dk_acc, dst_tile + warp * 16 * (BQ + PAD), q_tile);   // dS^T Q
+    __syncthreads();  // every warp is done with this buffer before the next iteration refills it
+  }}
+  copy_async_wait<0>();  // a block without live Q tiles still has its K/V copies in flight
+  const long long dk_row0 = {_offset(p.dk_strides, "batch", "kv_head")} + (long long)k_start * {p.dk_strides[2]}LL;
+  const long long dv_row0 = {_offset(p.dv_strides, "batch", "kv_head")} + (long long)k_start * {p.dv_strides[2]}LL;
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) {{
+#pragma unroll
+    for (int c = 0; c < 4; c++) {{
+      const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+      if (row < k_rows) {{
+        dk[dk_row0 + (long long)row * {p.dk_strides[2]}LL + column] = from_float(SCALE * dk_acc[t][c]);
+        dv[dv_row0 + (long long)row * {p.dv_strides[2]}LL + column] = from_float(dv_acc[t][c]);
+      }}
+    }}
+  }}
+}}
+"""
+  return _header(plan, plan.dkdv_shared_bytes, plan.dkdv_stream, plan.block_kv) + body

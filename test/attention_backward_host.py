@@ -1,0 +1,234 @@
+"""Run the attention backward kernels' CUDA source on the CPU: a test harness, not a device.
+
+The source of codegen/attention_backward.py is compiled with g++ as C++ after a prelude that defines CUDA's keywords
+away and gives each CUDA thread of a block a host thread: __syncthreads and __syncwarp are barriers, __shfl_xor_sync
+swaps through per-warp slots. The PTX helpers (`instruction_helpers`) are replaced by host versions: the conversions
+round as cvt does, and `mma` gathers the 32 lanes' fragments of one warp (by the maps of codegen/tensor_cores.py),
+rebuilds A and B, and gives each lane its elements of A @ B + C. So the kernels' own index math, masks, tiles,
+barriers and fragment loads run as written; a wrong one gives wrong numbers here as on the GPU.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+from ourgrad.codegen.attention_backward import (AttentionBackwardPlan, KernelLaunch, _k_step, fragment_maps,
+                                                instruction_helpers)
+
+PRELUDE = r"""
+#include <math.h>
+#include <string.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__
+#define __align__(n)
+#define __shared__
+struct Dim3 { int x, y, z; };
+thread_local Dim3 threadIdx, blockIdx;
+Dim3 blockDim, gridDim;
+using std::min;
+struct Barrier {
+  std::mutex mutex; std::condition_variable wake; int count = 0, waiting = 0, generation = 0;
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex);
+    int mine = generation;
+    if (++waiting == count) { waiting = 0; generation++; wake.notify_all(); }
+    else wake.wait(lock, [&] { return mine != generation; });
+  }
+};
+struct WarpSlots { unsigned a[32][4]; unsigned b[32][2]; float value[32]; const void* row[32]; };
+Barrier block_barrier, warp_barriers[32];
+WarpSlots warp_slots[32];
+inline void __syncthreads() { block_barrier.wait(); }
+inline void __syncwarp() { warp_barriers[threadIdx.x / 32].wait(); }
+inline float __shfl_xor_sync(unsigned, float value, int width) {
+  WarpSlots& slots = warp_slots[threadIdx.x / 32];
+  int lane = threadIdx.x & 31;
+  slots.value[lane] = value; __syncwarp();
+  float other = slots.value[lane ^ width]; __syncwarp();
+  return other;
+}
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+// cp.async copies at once on the host: nothing is in flight
+inline void copy_async_16(void* shared, const void* global, bool valid) {
+  if (valid) memcpy(shared, global, 16); else memset(shared, 0, 16); }
+inline void copy_async_4(void* shared, const void* global, bool valid) {
+  if (valid) memcpy(shared, global, 4); else memset(shared, 0, 4); }
+inline void copy_async_commit() {}
+template <int PENDING> inline void copy_async_wait() {}
+inline float __uint_as_float(unsigned bits) { float f; memcpy(&f, &bits, 4); return f; }
+inline unsigned float_as_uint(float f) { unsigned bits; memcpy(&bits, &f, 4); return bits; }
+"""
+
+HOST_CONVERSIONS = {
+  "float32": r"""
+typedef float elem_t;
+inline float to_float(elem_t x) { return x; }
+inline elem_t from_float(float x) { return x; }
+inline unsigned operand_bits(elem_t x) { return (float_as_uint(x) + 0x1000u) & 0xFFFFE000u; }  // cvt.rna.tf32
+inline void store_pair(elem_t* p, float first, float second) { p[0] = first; p[1] = second; }
+inline float operand_value(const unsigned* registers, int element) { return __uint_as_float(registers[element]); }
+""",
+  "float16": r"""
+typedef unsigned short elem_t;
+inline float to_float(elem_t x) { _Float16 h; memcpy(&h, &x, 2); return (float)h; }
+inline elem_t from_float(float x) { _Float16 h = (_Float16)x; elem_t bits; memcpy(&bits, &h, 2); return bits; }
+""",
+  "bfloat16": r"""
+typedef unsigned short elem_t;
+inline float to_float(elem_t x) { return __uint_as_float((unsigned)x << 16); }
+inline elem_t from_float(float x) {
+  unsigned bits = float_as_uint(x); return (elem_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16); }
+""",
+}
+PACKED_OPERANDS = r"""
+inline unsigned pack(elem_t low, elem_t high) { return (unsigned)low | ((unsigned)high << 16); }
+inline void store_pair(elem_t* p, float first, float second) { p[0] = from_float(first); p[1] = from_float(second); }
+inline float operand_value(const unsigned* registers, int element) {
+  return to_float((elem_t)(registers[element / 2] >> (16 * (element % 2)) & 0xFFFFu)); }
+// ldmatrix: lane l names row l % 8 of matrix l / 8; lane l receives (row l / 4, columns 2 (l % 4) and + 1) of each
+// matrix, or with .trans (rows 2 (l % 4) and + 1, column l / 4)
+inline void ldmatrix(unsigned (&r)[4], const elem_t* row, bool transposed) {
+  WarpSlots& slots = warp_slots[threadIdx.x / 32];
+  const int lane = threadIdx.x & 31;
+  slots.row[lane] = row; __syncwarp();
+  for (int m = 0; m < 4; m++) {
+    const elem_t* const* rows = (const elem_t* const*)&slots.row[8 * m];
+    const elem_t low = transposed ? rows[2 * (lane % 4)][lane / 4] : rows[lane / 4][2 * (lane % 4)];
+    const elem_t high = transposed ? rows[2 * (lane % 4) + 1][lane / 4] : rows[lane / 4][2 * (lane % 4) + 1];
+    r[m] = pack(low, high);
+  }
+  __syncwarp();
+}
+inline void ldmatrix_x4(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, false); }
+inline void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, true); }
+"""
+
+ARGUMENT_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "dq": "elem_t", "dk": "elem_t",
+                  "dv": "elem_t", "o": "o_t", "lse": "float", "delta": "float"}
+
+
+def _position_table(name: str, positions) -> str:
+  """A C table of (row constant, row per group, row per quad, column constant, per group, per quad)."""
+  rows = ", ".join("{" + ", ".join(map(str, (*row, *column))) + "}" for row, column in positions)
+  return f"static const int {name}[{len(positions)}][6] = {{{rows}}};\n"
+
+
+def host_mma(dtype: str) -> str:
+  """`mma` on the host: every lane publishes its fragments, then computes its own accumulator elements from all."""
+  maps, k = fragment_maps(dtype), _k_step(dtype)
+  tables = _position_table("A_MAP", maps.a) + _position_table("B_MAP", maps.b) + _position_table("C_MAP", maps.c)
+  return tables + f"""
+inline void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {{
+  WarpSlots& slots = warp_slots[threadIdx.x / 32];
+  const int lane = threadIdx.x & 31;
+  memcpy(slots.a[lane], a, sizeof a); memcpy(slots.b[lane], b, sizeof b);
+  __syncwarp();
+  float A[16][{k}], B[{k}][8];
+  for (int other = 0; other < 32; other++) {{
+    const int g = other >> 2, quad = other & 3;
+    for (int e = 0; e < {len(maps.a)}; e++) {{
+      const int* m = A_MAP[e];
+      A[m[0] + m[1] * g + m[2] * quad][m[3] + m[4] * g + m[5] * quad] = operand_value(slots.a[other], e);
+    }}
+    for (int e = 0; e < {len(maps.b)}; e++) {{
+      const int* m = B_MAP[e];
+      B[m[0] + m[1] * g + m[2] * quad][m[3] + m[4] * g + m[5] * quad] = operand_value(slots.b[other], e);
+    }}
+  }}
+  const int g = lane >> 2, quad = lane & 3;
+  for (int e = 0; e < 4; e++) {{
+    const int* m = C_MAP[e];
+    const int row = m[0] + m[1] * g + m[2] * quad, column = m[3] + m[4] * g + m[5] * quad;
+    float sum = 0.0f;
+    for (int i = 0; i < {k}; i++) sum += A[row][i] * B[i][column];
+    c[e] += sum;
+  }}
+  __syncwarp();
+}}
+"""
+
+
+def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
+  """The kernel's source as a C++ program: it reads its buffers from the files named on its command line (in the
+  kernel's argument order), runs every block of the grid (one host thread per CUDA thread) and writes them back."""
+  device_helpers = instruction_helpers(plan.dtype)
+  if device_helpers not in launch.source: raise AssertionError("the kernel source has no instruction helpers")
+  host_helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS)
+  source = launch.source.replace(device_helpers, host_helpers + host_mma(plan.dtype))
+  source = source.replace("extern __shared__ __align__(16) unsigned char shared_bytes[];",
+                          "alignas(16) unsigned char shared_bytes[1 << 18];")
+  arguments = ", ".join(f"({ARGUMENT_TYPES[name]}*)buffers[{index}].data()"
+                        for index, name in enumerate(launch.arguments))
+  return PRELUDE + source + f"""
+int main(int argc, char** argv) {{
+  std::vector<std::vector<unsigned char>> buffers;
+  for (int index = 1; index < argc; index++) {{
+    FILE* file = fopen(argv[index], "rb"); fseek(file, 0, SEEK_END); long size = ftell(file); fseek(file, 0, SEEK_SET);
+    buffers.emplace_back(size + 16);
+    if (fread(buffers.back().data(), 1, size, file) != (size_t)size) return 1;
+    fclose(file);
+  }}
+  const int threads = {launch.block[0]};
+  blockDim = Dim3{{threads, 1, 1}};
+  gridDim = Dim3{{{launch.grid[0]}, {launch.grid[1]}, 1}};
+  block_barrier.count = threads;
+  for (int warp = 0; warp < threads / 32; warp++) warp_barriers[warp].count = 32;
+  for (int y = 0; y < {launch.grid[1]}; y++) for (int x = 0; x < {launch.grid[0]}; x++) {{
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; t++) workers.emplace_back([&, t] {{
+      threadIdx = Dim3{{t, 0, 0}}; blockIdx = Dim3{{x, y, 0}};
+      {launch.name}({arguments});
+    }});
+    for (std::thread& worker : workers) worker.join();
+  }}
+  for (int index = 1; index < argc; index++) {{
+    FILE* file = fopen(argv[index], "r+b");
+    fseek(file, 0, SEEK_END); long size = ftell(file); fseek(file, 0, SEEK_SET);
+    fwrite(buffers[index - 1].data(), 1, size, file); fclose(file);
+  }}
+  return 0;
+}}
+"""
+
+
+def host_compiler() -> str | None:
+  """g++ when it is installed (the harness needs C++17, threads and _Float16)."""
+  return shutil.which("g++")
+
+
+def run_on_host(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Run both kernels of `plan` on flat buffers (numpy arrays, by argument name: q, k, v, o, do, lse, dq, dk, dv,
+  delta), in launch order; returns the buffers after the run."""
+  compiler = host_compiler()
+  if compiler is None: raise RuntimeError("no g++ to run the kernels on the host")
+  state = {name: np.ascontiguousarray(array).copy() for name, array in buffers.items()}
+  with tempfile.TemporaryDirectory(prefix="ourgrad_attention_host_") as folder:
+    for launch in plan.launches():
+      source_path, binary_path = os.path.join(folder, f"{launch.name}.cpp"), os.path.join(folder, launch.name)
+      with open(source_path, "w") as source_file: source_file.write(host_source(plan, launch))
+      subprocess.run([compiler, "-std=c++17", "-O1", "-pthread", "-w", source_path, "-o", binary_path], check=True,
+                     capture_output=True, text=True)
+      paths = []
+      for name in launch.arguments:
+        path = os.path.join(folder, f"{name}.bin")
+        state[name].tofile(path)
+        paths.append(path)
+      subprocess.run([binary_path, *paths], check=True, capture_output=True)
+      for name, path in zip(launch.arguments, paths):
+        state[name] = np.fromfile(path, dtype=state[name].dtype)
+  return state

@@ -1,0 +1,211 @@
+"""The flash-attention backward kernels (codegen/attention_backward.py): their numpy emulation
+(runtime/attention_backward_emulator.py) and their CUDA source run on the CPU (attention_backward_host.py) against
+torch's float64 autograd of scaled_dot_product_attention, and every rendered variant compiled by NVRTC (no GPU)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from attention_backward_host import host_compiler, run_on_host
+from helpers import nvrtc_compiler
+
+from ourgrad.codegen.attention_backward import DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan, contiguous_strides
+from ourgrad.runtime.attention_backward_emulator import (STORAGE, AttentionBackwardProgram,
+                                                         attention_backward_program_text, emulate_attention_backward,
+                                                         emulate_attention_backward_buffers, from_float32,
+                                                         is_attention_backward_program, to_float32)
+from ourgrad.errors import DTypeError, ShapeError
+
+# max |emulated - float64| relative to max |float64| per gradient, by operand dtype (TF32: 10 mantissa bits,
+# bfloat16: 7; P and dS are rounded to the operand type before their products)
+TOLERANCE = {"float32": 4e-3, "float16": 2e-3, "bfloat16": 1.5e-2}
+
+
+def stored(values: torch.Tensor, dtype: str) -> np.ndarray:
+  """float64 values rounded into the stored form of `dtype` (bfloat16 as uint16 bit patterns)."""
+  return from_float32(values.to(torch.float32).numpy(), dtype)
+
+
+def reference(plan: AttentionBackwardPlan, seed: int = 0):
+  """Random q, k, v, dO in the plan's dtype, the forward's O and LSE, and torch's float64 gradients."""
+  generator = torch.Generator().manual_seed(seed)
+  q_shape = (plan.batch, plan.heads, plan.q_len, plan.head_dim)
+  kv_shape = (plan.batch, plan.kv_heads, plan.kv_len, plan.head_dim)
+  inputs = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in (q_shape, kv_shape, kv_shape)]
+  q, k, v = (torch.from_numpy(to_float32(stored(tensor, plan.dtype), plan.dtype)).double().requires_grad_()
+             for tensor in inputs)
+  grad_out = torch.from_numpy(to_float32(stored(torch.randn(q_shape, generator=generator, dtype=torch.float64),
+                                                plan.dtype), plan.dtype)).double()
+  out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=plan.causal, scale=plan.scale,
+                                                         enable_gqa=plan.kv_heads != plan.heads)
+  out.backward(grad_out)
+  keys = k.detach().repeat_interleave(plan.group, dim=1)
+  scores = plan.scale * q.detach() @ keys.transpose(-1, -2)
+  if plan.causal: scores = scores.masked_fill(torch.ones(plan.q_len, plan.kv_len).triu(1).bool(), -math.inf)
+  lse = torch.logsumexp(scores, -1)
+  operands = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": out.detach(), "do": grad_out}
+  arrays = {name: stored(tensor, plan.dtype) for name, tensor in operands.items()}
+  arrays["lse"] = lse.to(torch.float32).numpy()
+  return arrays, (q.grad.numpy(), k.grad.numpy(), v.grad.numpy())
+
+
+CASES = [  # batch, heads, kv_heads, q_len, kv_len, head_dim, causal
+  (1, 2, 2, 64, 64, 64, False),
+  (2, 2, 2, 100, 100, 64, True),      # not a tile multiple
+  (1, 4, 2, 37, 90, 64, False),       # GQA, L != S
+  (1, 4, 1, 90, 37, 32, True),        # GQA onto one kv head, L > S, causal
+  (1, 2, 2, 50, 130, 128, True),      # L < S causal: keys past a query's index masked (top-left aligned)
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda case: "_".join(map(str, case)))
+def test_emulation_matches_torch_float64(dtype: str, case: tuple):
+  batch, heads, kv_heads, q_len, kv_len, head_dim, causal = case
+  plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal)
+  arrays, expected = reference(plan)
+  results = emulate_attention_backward(plan, **arrays)
+  for name, result, want in zip(("dq", "dk", "dv"), results, expected):
+    assert result.shape == want.shape, name
+    error = np.abs(to_float32(result, dtype) - want).max() / np.abs(want).max()
+    assert error < TOLERANCE[dtype], f"{name} {dtype} {case}: relative error {error:.2e}"
+
+
+def test_emulation_reads_a_base2_lse():
+  plan = AttentionBackwardPlan.contiguous(1, 2, 2, 40, 40, 32, "float32", True)
+  arrays, expected = reference(plan)
+  base2 = AttentionBackwardPlan(**{**plan.__dict__, "lse_log2": True})
+  arrays["lse"] = arrays["lse"] * np.float32(1 / math.log(2))
+  for result, want in zip(emulate_attention_backward(base2, **arrays), expected):
+    assert np.abs(result - want).max() / np.abs(want).max() < TOLERANCE["float32"]
+
+
+def test_plan_checks_its_arguments():
+  with pytest.raises(DTypeError, match="float32, float16 or bfloat16"):
+    AttentionBackwardPlan.contiguous(1, 2, 2, 8, 8, 64, "int8", False)
+  with pytest.raises(ShapeError, match="multiple of 16"):
+    AttentionBackwardPlan.contiguous(1, 2, 2, 8, 8, 40, "float16", False)
+  with pytest.raises(ShapeError, match="kv heads"):
+    AttentionBackwardPlan.contiguous(1, 6, 4, 8, 8, 64, "float16", False)
+  plan = AttentionBackwardPlan.contiguous(1, 2, 2, 8, 8, 64, "float16", False)
+  with pytest.raises(ShapeError, match="k has shape"):
+    emulate_attention_backward(plan, *(np.zeros((1, 2, 8, 64), np.float16),) * 1, np.zeros((1, 2, 9, 64), np.float16),
+                               *(np.zeros((1, 2, 8, 64), np.float16),) * 3, np.zeros((1, 2, 8), np.float32))
+
+
+def test_launch_sizes():
+  plan = AttentionBackwardPlan.contiguous(4, 12, 4, 1000, 520, 64, "bfloat16", True)
+  dq, dkdv = plan.launches()
+  assert (dq.grid, dq.block) == ((16, 48, 1), (128, 1, 1))
+  assert (dkdv.grid, dkdv.block) == ((9, 16, 1), (128, 1, 1))
+  assert dq.arguments == ("q", "k", "v", "o", "do", "lse", "dq", "delta")
+  assert dkdv.arguments == ("q", "k", "v", "do", "lse", "delta", "dk", "dv")
+  assert plan.delta_elements == 4 * 12 * 1000
+
+
+VARIANTS = [(dtype, head_dim, causal, kv_heads) for dtype in ("float32", "float16", "bfloat16")
+            for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
+def test_kernels_compile_with_nvrtc(variant: tuple):
+  compiler = nvrtc_compiler()
+  if compiler is None: pytest.skip("cuda-python's NVRTC is not installed here")
+  dtype, head_dim, causal, kv_heads = variant
+  plan = AttentionBackwardPlan.contiguous(2, 12, kv_heads, 1000, 1000, head_dim, dtype, causal)
+  # q/o/do/dq read in place from a (B, L, H, D) projection
+  strided = contiguous_strides(12, 1000, head_dim)
+  projection = (1000 * 12 * head_dim, head_dim, 12 * head_dim)
+  plan = AttentionBackwardPlan(**{**plan.__dict__, "q_strides": projection, "o_strides": projection,
+                                  "do_strides": strided, "dq_strides": projection})
+  for launch in plan.launches():
+    assert f'extern "C" __global__ void __launch_bounds__({launch.block[0]}) {launch.name}(' in launch.source
+    assert compiler.compile(launch.source)
+  # with the H100/H200's 228 KB of shared memory a multiprocessor: as many blocks as fit (3 of 64x64 bfloat16 tiles)
+  plan = AttentionBackwardPlan(**{**plan.__dict__, "shared_per_sm": 228 * 1024})
+  for launch in plan.launches():
+    resident = min(228 * 1024 // (launch.shared_bytes + 1024), 4)
+    bounds = f"__launch_bounds__({launch.block[0]}{f', {resident}' if resident > 1 else ''})"
+    assert f'extern "C" __global__ void {bounds} {launch.name}(' in launch.source
+    assert compiler.compile(launch.source)
+
+
+HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causal), layout of q, o, dq, k
+  ("float32", (1, 2, 1, 70, 45, 32, True), "contiguous"),
+  ("bfloat16", (1, 2, 2, 45, 70, 64, False), "projected"),   # q, o, dq as (B, L, H, D); o float32 before LSE
+  ("float16", (1, 2, 1, 40, 40, 128, True), "contiguous"),
+  ("float16", (1, 2, 1, 33, 20, 16, False), "padded"),       # k rows D + 1 apart: no 16-byte loads
+  ("bfloat16", (1, 2, 1, 70, 70, 64, True), "held"),         # A fragments of Q, dO, K, V held in registers
+  ("float32", (1, 1, 1, 40, 50, 32, False), "held"),
+  ("float16", (1, 2, 1, 70, 60, 32, True), "split"),         # owned and streamed tiles of other sizes
+  ("bfloat16", (1, 2, 1, 150, 140, 16, True), "wide"),       # blocks of 8 warps (128 rows)
+]
+
+
+@pytest.mark.skipif(host_compiler() is None, reason="no g++ to run the kernels' source on the host")
+@pytest.mark.parametrize("dtype,case,layout", HOST_CASES, ids=lambda value: str(value))
+def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout: str):
+  """The CUDA source itself (index math, masks, barriers, fragment loads) run by attention_backward_host."""
+  batch, heads, kv_heads, q_len, kv_len, head_dim, causal = case
+  plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal)
+  arrays, expected = reference(plan)
+  projected = layout == "projected"
+  if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "held_fragments": True})
+  if layout == "wide":
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "block_q": 128, "block_kv": 128, "stream_q": 64, "stream_kv": 64})
+  if layout == "split":
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "block_q": 32, "stream_kv": 16, "block_kv": 32, "stream_q": 48})
+  if projected:
+    projection = (q_len * heads * head_dim, head_dim, heads * head_dim)
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "q_strides": projection, "o_strides": projection,
+                                    "dq_strides": projection})
+    for name in ("q", "o"): arrays[name] = arrays[name].transpose(0, 2, 1, 3)
+  if layout == "padded":
+    padded = np.zeros((*arrays["k"].shape[:3], head_dim + 1), arrays["k"].dtype)
+    padded[..., :head_dim] = arrays["k"]
+    arrays["k"] = padded
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "k_strides": (kv_heads * kv_len * (head_dim + 1),
+                                                                   kv_len * (head_dim + 1), head_dim + 1)})
+    assert plan.vector_width == 1
+  buffers = {name: array.reshape(-1) for name, array in arrays.items()}
+  if projected:   # O in float32, LSE after it in one buffer, as the fused forward writes them
+    plan = AttentionBackwardPlan(**{**plan.__dict__, "lse_offset": buffers["o"].size, "o_dtype": "float32"})
+    buffers["o"] = to_float32(buffers["o"], dtype)
+    buffers["lse"] = buffers["o"] = np.concatenate([buffers["o"], buffers["lse"]])
+  buffers.update(dq=np.zeros_like(buffers["q"]), dk=np.zeros_like(buffers["v"]), dv=np.zeros_like(buffers["v"]),
+                 delta=np.zeros(plan.delta_elements, np.float32))
+  state = run_on_host(plan, buffers)
+  emulated = {name: array.copy() for name, array in buffers.items()}
+  emulate_attention_backward_buffers(plan, emulated)
+  for name in ("dq", "dk", "dv", "delta"):   # the PYTHON device's emulation writes the same buffers
+    kind = "float32" if name == "delta" else dtype
+    difference = np.abs(to_float32(emulated[name], kind) - to_float32(state[name], kind)).max()
+    assert difference <= 1e-2 * np.abs(to_float32(state[name], kind)).max(), name
+  dq = state["dq"].reshape((batch, q_len, heads, head_dim) if projected else (batch, heads, q_len, head_dim))
+  results = (dq.transpose(0, 2, 1, 3) if projected else dq, state["dk"].reshape(expected[1].shape),
+             state["dv"].reshape(expected[2].shape))
+  for name, result, want in zip(("dq", "dk", "dv"), results, expected):
+    error = np.abs(to_float32(result, dtype) - want).max() / np.abs(want).max()
+    assert error < TOLERANCE[dtype], f"{name} {dtype} {case}: relative error {error:.2e}"
+
+
+def test_python_programs_run_the_launches_on_raw_buffers():
+  """The PYTHON device's programs, one per launch, on raw byte buffers in launch argument order."""
+  plan = AttentionBackwardPlan.contiguous(2, 4, 2, 50, 37, 32, "bfloat16", True)
+  arrays, expected = reference(plan)
+  raw = {name: array.reshape(-1).view(np.uint8).copy() for name, array in arrays.items()}
+  raw.update(dq=np.zeros_like(raw["q"]), dk=np.zeros_like(raw["k"]), dv=np.zeros_like(raw["v"]),
+             delta=np.zeros(plan.delta_elements * 4, np.uint8))
+  for kernel, launch in zip((DQ_KERNEL, DKDV_KERNEL), plan.launches()):
+    binary = attention_backward_program_text(launch.name, plan, kernel).encode()
+    assert is_attention_backward_program(binary)
+    program = AttentionBackwardProgram(launch.name, binary)
+    assert program.plan == plan
+    program(*(raw[name] for name in launch.arguments), global_size=launch.grid, local_size=launch.block)
+    with pytest.raises(ValueError, match="launched as"):
+      program(*(raw[name] for name in launch.arguments), global_size=(1, 1, 1), local_size=launch.block)
+  for name, want in zip(("dq", "dk", "dv"), expected):
+    result = to_float32(raw[name].view(STORAGE["bfloat16"]), "bfloat16").reshape(want.shape)
+    assert np.abs(result - want).max() / np.abs(want).max() < TOLERANCE["bfloat16"], name
