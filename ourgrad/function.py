@@ -36,14 +36,12 @@ class Function:
 
   def __init__(self, device: str, *tensors: Tensor):
     self.device = device
-    self.needs_input_grad = [tensor.requires_grad for tensor in tensors]
-    if True in self.needs_input_grad: self.requires_grad: bool | None = True
-    elif None in self.needs_input_grad: self.requires_grad = None
-    else: self.requires_grad = False
+    self.needs_input_grad = needs = [tensor.requires_grad for tensor in tensors]
+    self.requires_grad: bool | None = True if True in needs else None if None in needs else False
     if self.requires_grad:
       self.parents = tensors
       # each input's Function as it is now: an in-place write may give the input tensor a new one later (assign)
-      self.parent_ctxs: tuple[Function | None, ...] = tuple(tensor._ctx for tensor in tensors)
+      self.parent_ctxs: tuple[Function | None, ...] = tuple([tensor._ctx for tensor in tensors])
 
   def forward(self, *args: Any, **kwargs: Any) -> LazyBuffer: raise NotImplementedError
   def backward(self, grad_output: LazyBuffer) -> Any: raise NotImplementedError
@@ -62,11 +60,10 @@ class Function:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = cls(tensors[0]._lazydata.device, *tensors)   # (Tensor.device without the property call)
     output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
-    # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch
-    if not output.dtype.is_float: ctx.requires_grad = False
-    # under no_grad() nothing is recorded and the result does not require grad (PyTorch's rule: a later backward()
-    # through it raises instead of silently doing nothing)
-    if Tensor.no_grad: ctx.requires_grad = False
+    # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
+    # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
+    # of silently doing nothing)
+    if ctx.requires_grad is not False and (Tensor.no_grad or not output.dtype.is_float): ctx.requires_grad = False
     result = Tensor(output, device=ctx.device, requires_grad=ctx.requires_grad)
     if ctx.requires_grad: result._ctx = ctx
     return result
