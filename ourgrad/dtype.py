@@ -225,12 +225,18 @@ _UNSIGNED_BY_SIZE: dict[int, DType] = {1: dtypes.uint8, 2: dtypes.uint16, 4: dty
 
 def _scalar_category(value: Any, caller: str) -> int:
   """Category (_BOOL/_INT/_FLOAT) of a Python or numpy scalar; DTypeError for anything else."""
+  # the plain Python scalars by their exact type first (every `x * 0.9` asks): no isinstance with numpy's types
+  category = _PY_SCALAR_CATEGORIES.get(type(value))
+  if category is not None: return category
   # bool before int: bool is a subclass of int
   if isinstance(value, (_py_bool, np.bool_)): return _BOOL
   if isinstance(value, (_py_int, np.integer)): return _INT
   if isinstance(value, (_py_float, np.floating)): return _FLOAT
   raise DTypeError(f"{caller}: {value!r} (a {type(value).__name__}) has no ourgrad dtype; only bool, int and float "
                    f"scalars are supported (complex numbers and strings are not)")
+
+
+_PY_SCALAR_CATEGORIES = {_py_bool: _BOOL, _py_int: _INT, _py_float: _FLOAT}
 
 
 def _category(dt: DType) -> int:

@@ -31,6 +31,10 @@ def _tensor_class() -> Any:
   return Tensor
 
 
+# the attributes every Function sets for autograd itself (Function.__init__): never values its backward reads
+_BOOKKEEPING = frozenset(("device", "needs_input_grad", "requires_grad", "parents", "parent_ctxs"))
+
+
 class Function:
   """Base class: subclasses define forward(*lazybuffers, **kwargs) and backward(grad_output)."""
 
@@ -50,7 +54,8 @@ class Function:
     """The values backward reads (every LazyBuffer the forward kept), which must not have been written in place
     since (Tensor.backward checks them, as PyTorch's version counters do)."""
     saved = []
-    for value in vars(self).values():
+    for name, value in vars(self).items():
+      if name in _BOOKKEEPING: continue   # (the inputs' tensors and flags: hundreds of items per step, none saved)
       for item in value if isinstance(value, (tuple, list)) else (value,):
         if isinstance(item, LazyBuffer): saved.append(item)
     return saved

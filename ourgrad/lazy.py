@@ -54,8 +54,10 @@ _TRUNCATED_MAX = 4096
 
 def _truncated(dtype: DType, value: Any) -> Any:
   """truncate(dtype, value), remembered for hashable scalars."""
+  kind = type(value)
   try:
-    key = (dtype, type(value), value, math.copysign(1.0, value) if isinstance(value, (float, np.floating)) else 0)
+    if kind is float: key = (dtype, kind, value, math.copysign(1.0, value))   # (the common case: no isinstance)
+    else: key = (dtype, kind, value, math.copysign(1.0, value) if isinstance(value, np.floating) else 0)
     cached = _TRUNCATED.get(key)
   except TypeError:  # not a hashable scalar (a symbolic value): not remembered
     return truncate(dtype, value)
