@@ -176,6 +176,16 @@ class Exp(Function):
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _mul(self.result, grad_output)
 
 
+class Exp2(Function):
+  """2 ** x: one EXP2 (exp(x * ln 2) would round x * ln 2 and scale it back in the kernel)."""
+
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.result = _widen(x).elementwise(Ops.EXP2).cast(x.dtype)
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _scale(_mul(self.result, grad_output), math.log(2))
+
+
 class Sqrt(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     self.result = x.elementwise(Ops.SQRT)

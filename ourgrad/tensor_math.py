@@ -546,8 +546,8 @@ class ElementwiseMixin:
     return F.Exp.apply(self._float_operand())
 
   def exp2(self) -> Tensor:
-    """2 ** self, computed as exp(self * ln 2)."""
-    return F.Exp.apply(self._float_operand() * math.log(2))
+    """2 ** self (integers and bools promote to the default float)."""
+    return F.Exp2.apply(self._float_operand())
 
   @autocast_op(CastPolicy.FLOAT32)
   def log(self) -> Tensor:
