@@ -69,6 +69,10 @@ def _truncated(dtype: DType, value: Any) -> Any:
 
 class LazyBuffer:
   """A base (an op to compute) or a view (a ShapeTracker over a base). Build them with the class methods."""
+  # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
+  # allocate and for the cyclic garbage collector to visit (a view sets only the first six)
+  __slots__ = ("device", "st", "dtype", "shape", "_base", "_const", "op", "arg", "srcs", "realized", "forced_realize",
+               "_readers", "_readers_pruned_at", "_storage", "__weakref__")
 
   def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
                srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
