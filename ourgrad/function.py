@@ -475,13 +475,17 @@ class Permute(Function):
 
 
 class Expand(Function):
+  """x broadcast to `shape`; x may have fewer dims (size-1 dims are put in front first, as numpy broadcasts): one
+  Function for the reshape and the expand of a broadcast operand."""
+
   def forward(self, x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
     self.input_shape = x.shape
-    return x.expand(shape)
+    return x.reshape((1,) * (len(shape) - len(x.shape)) + x.shape).expand(shape)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    axes = tuple(axis for axis, (old, new) in enumerate(zip(self.input_shape, grad_output.shape)) if old != new)
-    return grad_output.reduce(Ops.SUM, axes)
+    padded = (1,) * (len(grad_output.shape) - len(self.input_shape)) + self.input_shape
+    axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad_output.shape)) if old != new)
+    return grad_output.reduce(Ops.SUM, axes).reshape(self.input_shape)
 
 
 class Pad(Function):
