@@ -199,9 +199,9 @@ class ExecItem:
   handles only call it and count (an item keeps the launcher for its own fast path from its second launch on: an
   eager step's items run once, and the kernel's launcher cache serves them). The buffers' handles are compared by
   identity at each launch, so a buffer swapped into `bufs` (TinyJit's inputs), a buffer allocated, freed or moved
-  onto planned memory all take the general path, which binds again once the kernel has seen the new handles twice. The fast path runs only while DEBUG < 2, PROFILE
-  is off and no profile() block is open; it counts like the general path, and a capturing JIT records the item the
-  same way."""
+  onto planned memory all take the general path, which binds again once the kernel has seen the new handles twice.
+  The fast path runs only while DEBUG < 2, PROFILE is off and no profile() block is open; it counts like the general
+  path, and a capturing JIT records the item the same way."""
   runner: Runner
   bufs: list[Buffer]
   var_vals: dict[str, int] = field(default_factory=dict)
