@@ -480,12 +480,15 @@ class Expand(Function):
 
   def forward(self, x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
     self.input_shape = x.shape
-    return x.reshape((1,) * (len(shape) - len(x.shape)) + x.shape).expand(shape)
+    # (reshaped only when dims are added: a sharded input's reshape maps whole shapes onto its shards)
+    if len(shape) != len(x.shape): x = x.reshape((1,) * (len(shape) - len(x.shape)) + x.shape)
+    return x.expand(shape)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
     padded = (1,) * (len(grad_output.shape) - len(self.input_shape)) + self.input_shape
     axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad_output.shape)) if old != new)
-    return grad_output.reduce(Ops.SUM, axes).reshape(self.input_shape)
+    grad = grad_output.reduce(Ops.SUM, axes)
+    return grad if padded == self.input_shape else grad.reshape(self.input_shape)
 
 
 class Pad(Function):
