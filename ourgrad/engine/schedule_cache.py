@@ -74,7 +74,7 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
   One walk: the bases in lazy.walk_bases' order (sources before users), each one's tokens written when it is placed,
   when every unrealized base it reads has its position already (the graph has no cycles). The key is one flat tuple
   (a nested tuple per base cost a third more to build and hash), unambiguous because each base's tokens have a fixed
-  layout: op, arg, dtype, device, shape, forced-realize flag, source count, then per source a reference (`_reference`).
+  layout: op, arg, dtype, device, shape, forced-realize flag, source count, then per source a reference (`reference`).
   Then the outputs' references, then each leaf's device, size, dtype and buffer type."""
   bases: list[LazyBuffer] = []
   position: dict[int, int] = {}
