@@ -41,7 +41,13 @@ _FLOAT_FORMATS: dict[str, tuple[int, int]] = {
 }
 
 
-@dataclass(frozen=True, eq=True)
+# every DType made, by its fields: DType(...) hands back the one instance of those fields (DType.__new__)
+_INTERNED_DTYPES: dict[tuple, DType] = {}
+
+
+# eq=False: one instance per dtype (interned, and pickled and copied as itself), so equality and hashing are the
+# object's own, done in C. The dataclass's generated __eq__ was a Python call at each `dtype == dtype` (several per op)
+@dataclass(frozen=True, eq=False)
 class DType:
   """One scalar data type. Instances live in `dtypes`; compare them with `==` (or `is`)."""
   priority: int      # order used only for sorting / tie breaks
@@ -49,11 +55,16 @@ class DType:
   name: str          # "float32", "bfloat16", "bool", ...
   fmt: str | None    # struct/memoryview format char; None for bfloat16, which neither knows
 
-  def __repr__(self) -> str: return f"dtypes.{self.name}"
+  def __new__(cls, priority: int, itemsize: int, name: str, fmt: str | None) -> DType:
+    fields = (cls, priority, itemsize, name, fmt)
+    existing = _INTERNED_DTYPES.get(fields)
+    if existing is None: existing = _INTERNED_DTYPES[fields] = super().__new__(cls)
+    return existing
 
-  # hashed in every schedule-cache key and AST node: the name alone (equal dtypes have equal names) is cheaper than
-  # the generated hash of all four fields
-  def __hash__(self) -> int: return hash(self.name)
+  def __reduce__(self) -> tuple:   # unpickled and copied through DType(...): the interned instance
+    return (type(self), (self.priority, self.itemsize, self.name, self.fmt))
+
+  def __repr__(self) -> str: return f"dtypes.{self.name}"
 
   def __lt__(self, other: DType) -> bool:
     """Order by priority, so sorted() lists dtypes bool, int8, uint8, ..., float64."""
@@ -225,12 +236,18 @@ _UNSIGNED_BY_SIZE: dict[int, DType] = {1: dtypes.uint8, 2: dtypes.uint16, 4: dty
 
 def _scalar_category(value: Any, caller: str) -> int:
   """Category (_BOOL/_INT/_FLOAT) of a Python or numpy scalar; DTypeError for anything else."""
+  # the plain Python scalars by their exact type first (every `x * 0.9` asks): no isinstance with numpy's types
+  category = _PY_SCALAR_CATEGORIES.get(type(value))
+  if category is not None: return category
   # bool before int: bool is a subclass of int
   if isinstance(value, (_py_bool, np.bool_)): return _BOOL
   if isinstance(value, (_py_int, np.integer)): return _INT
   if isinstance(value, (_py_float, np.floating)): return _FLOAT
   raise DTypeError(f"{caller}: {value!r} (a {type(value).__name__}) has no ourgrad dtype; only bool, int and float "
                    f"scalars are supported (complex numbers and strings are not)")
+
+
+_PY_SCALAR_CATEGORIES = {_py_bool: _BOOL, _py_int: _INT, _py_float: _FLOAT}
 
 
 def _category(dt: DType) -> int:

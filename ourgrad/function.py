@@ -31,19 +31,21 @@ def _tensor_class() -> Any:
   return Tensor
 
 
+# the attributes every Function sets for autograd itself (Function.__init__): never values its backward reads
+_BOOKKEEPING = frozenset(("device", "needs_input_grad", "requires_grad", "parents", "parent_ctxs"))
+
+
 class Function:
   """Base class: subclasses define forward(*lazybuffers, **kwargs) and backward(grad_output)."""
 
   def __init__(self, device: str, *tensors: Tensor):
     self.device = device
-    self.needs_input_grad = [tensor.requires_grad for tensor in tensors]
-    if True in self.needs_input_grad: self.requires_grad: bool | None = True
-    elif None in self.needs_input_grad: self.requires_grad = None
-    else: self.requires_grad = False
+    self.needs_input_grad = needs = [tensor.requires_grad for tensor in tensors]
+    self.requires_grad: bool | None = True if True in needs else None if None in needs else False
     if self.requires_grad:
       self.parents = tensors
       # each input's Function as it is now: an in-place write may give the input tensor a new one later (assign)
-      self.parent_ctxs: tuple[Function | None, ...] = tuple(tensor._ctx for tensor in tensors)
+      self.parent_ctxs: tuple[Function | None, ...] = tuple([tensor._ctx for tensor in tensors])
 
   def forward(self, *args: Any, **kwargs: Any) -> LazyBuffer: raise NotImplementedError
   def backward(self, grad_output: LazyBuffer) -> Any: raise NotImplementedError
@@ -52,7 +54,8 @@ class Function:
     """The values backward reads (every LazyBuffer the forward kept), which must not have been written in place
     since (Tensor.backward checks them, as PyTorch's version counters do)."""
     saved = []
-    for value in vars(self).values():
+    for name, value in vars(self).items():
+      if name in _BOOKKEEPING: continue   # (the inputs' tensors and flags: hundreds of items per step, none saved)
       for item in value if isinstance(value, (tuple, list)) else (value,):
         if isinstance(item, LazyBuffer): saved.append(item)
     return saved
@@ -62,11 +65,10 @@ class Function:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = cls(tensors[0]._lazydata.device, *tensors)   # (Tensor.device without the property call)
     output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
-    # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch
-    if not output.dtype.is_float: ctx.requires_grad = False
-    # under no_grad() nothing is recorded and the result does not require grad (PyTorch's rule: a later backward()
-    # through it raises instead of silently doing nothing)
-    if Tensor.no_grad: ctx.requires_grad = False
+    # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
+    # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
+    # of silently doing nothing)
+    if ctx.requires_grad is not False and (Tensor.no_grad or not output.dtype.is_float): ctx.requires_grad = False
     result = Tensor(output, device=ctx.device, requires_grad=ctx.requires_grad)
     if ctx.requires_grad: result._ctx = ctx
     return result
@@ -172,6 +174,16 @@ class Exp(Function):
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _mul(self.result, grad_output)
+
+
+class Exp2(Function):
+  """2 ** x: one EXP2 (exp(x * ln 2) would round x * ln 2 and scale it back in the kernel)."""
+
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.result = _widen(x).elementwise(Ops.EXP2).cast(x.dtype)
+    return self.result
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _scale(_mul(self.result, grad_output), math.log(2))
 
 
 class Sqrt(Function):
@@ -463,13 +475,20 @@ class Permute(Function):
 
 
 class Expand(Function):
+  """x broadcast to `shape`; x may have fewer dims (size-1 dims are put in front first, as numpy broadcasts): one
+  Function for the reshape and the expand of a broadcast operand."""
+
   def forward(self, x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
     self.input_shape = x.shape
+    # (reshaped only when dims are added: a sharded input's reshape maps whole shapes onto its shards)
+    if len(shape) != len(x.shape): x = x.reshape((1,) * (len(shape) - len(x.shape)) + x.shape)
     return x.expand(shape)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    axes = tuple(axis for axis, (old, new) in enumerate(zip(self.input_shape, grad_output.shape)) if old != new)
-    return grad_output.reduce(Ops.SUM, axes)
+    padded = (1,) * (len(grad_output.shape) - len(self.input_shape)) + self.input_shape
+    axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad_output.shape)) if old != new)
+    grad = grad_output.reduce(Ops.SUM, axes)
+    return grad if padded == self.input_shape else grad.reshape(self.input_shape)
 
 
 class Pad(Function):

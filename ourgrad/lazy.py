@@ -54,8 +54,10 @@ _TRUNCATED_MAX = 4096
 
 def _truncated(dtype: DType, value: Any) -> Any:
   """truncate(dtype, value), remembered for hashable scalars."""
+  kind = type(value)
   try:
-    key = (dtype, type(value), value, math.copysign(1.0, value) if isinstance(value, (float, np.floating)) else 0)
+    if kind is float: key = (dtype, kind, value, math.copysign(1.0, value))   # (the common case: no isinstance)
+    else: key = (dtype, kind, value, math.copysign(1.0, value) if isinstance(value, np.floating) else 0)
     cached = _TRUNCATED.get(key)
   except TypeError:  # not a hashable scalar (a symbolic value): not remembered
     return truncate(dtype, value)
@@ -67,6 +69,10 @@ def _truncated(dtype: DType, value: Any) -> Any:
 
 class LazyBuffer:
   """A base (an op to compute) or a view (a ShapeTracker over a base). Build them with the class methods."""
+  # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
+  # allocate and for the cyclic garbage collector to visit (a view sets only the first six)
+  __slots__ = ("device", "st", "dtype", "shape", "_base", "_const", "op", "arg", "srcs", "realized", "forced_realize",
+               "_readers", "_readers_pruned_at", "_storage", "__weakref__")
 
   def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
                srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
@@ -88,7 +94,7 @@ class LazyBuffer:
       # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding
       # this base or a view of it read its newest version (`current`), computed readers keep this one
       self._storage: Storage | None = None
-      for src in srcs: (src if src._base is None else src._base)._add_reader(self)   # (.base, without the call)
+      if srcs: _add_reader_to_sources(self, srcs)
 
   # ---------------------------------------------------------------- construction
 
@@ -156,14 +162,7 @@ class LazyBuffer:
   # ---------------------------------------------------------------- readers (for copy-on-write before an assign)
 
   def _add_reader(self, reader: LazyBuffer) -> None:
-    with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
-      if self._readers is None: self._readers = []
-      self._readers.append(weakref.ref(reader))
-      # a long-lived base (a weight) gets new readers every step: drop the dead references now and then, so the
-      # list stays proportional to the live readers (amortized O(1) per reader)
-      if len(self._readers) > 2 * self._readers_pruned_at + 16:
-        self._readers = [ref for ref in self._readers if ref() is not None]
-        self._readers_pruned_at = len(self._readers)
+    _add_reader_to_sources(reader, (self,))
 
   def live_readers(self) -> Iterator[LazyBuffer]:
     """The bases built from this one that are still alive (each at most once)."""
@@ -230,6 +229,11 @@ class LazyBuffer:
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
 
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
+    # most ops read no constant at all: nothing to fold, without a const_value call per source
+    for src in srcs:
+      if (src if src._base is None else src._base).op is Ops.CONST: break
+    else:
+      return None
     values = [src.const_value() for src in srcs]
     if None not in values and op not in (Ops.CAST, Ops.BITCAST):
       return self.const_like(exec_alu(op, out_dtype, tuple(values)), out_dtype)
@@ -561,6 +565,23 @@ class LazyBuffer:
     # kernel still reads it: copy it out first
     if value.base is self.base and value.st != self.st: value = value.clone()
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
+
+
+def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> None:
+  """Note `reader` (one weak reference, shared) among the readers of each source's base. One function for every
+  source of a new base, under one lock: it runs for every op built."""
+  reference = weakref.ref(reader)
+  with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
+    for src in srcs:
+      base = src if src._base is None else src._base   # (.base, without the property call)
+      readers = base._readers
+      if readers is None: readers = base._readers = []
+      readers.append(reference)
+      # a long-lived base (a weight) gets new readers every step: drop the dead references now and then, so the
+      # list stays proportional to the live readers (amortized O(1) per reader)
+      if len(readers) > 2 * base._readers_pruned_at + 16:
+        base._readers = [ref for ref in readers if ref() is not None]
+        base._readers_pruned_at = len(base._readers)
 
 
 class Storage:

@@ -330,6 +330,7 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
 
   def cast(self, dtype: DType | str) -> Tensor:
     """This tensor converted to `dtype` (the same tensor if it already has it); float to int truncates."""
+    if dtype is self._lazydata.dtype: return self   # the common no-op (promotions to the dtype a tensor has)
     dtype = dtypes.as_dtype(dtype)
     return self if dtype == self.dtype else F.Cast.apply(self, dtype=dtype)
 

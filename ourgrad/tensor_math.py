@@ -145,11 +145,18 @@ class ElementwiseMixin:
 
   def _broadcasted(self, other: Any, reverse: bool = False) -> tuple[Tensor, Tensor]:
     """Both operands as tensors of one dtype (promoted) and one shape (broadcast)."""
-    if type(other) in _PY_SCALARS and type(self.lazydata) is LazyBuffer:
+    mine = self._lazydata
+    if type(other) is type(self) and type(mine) is LazyBuffer:
+      theirs = other._lazydata
+      # two tensors of one shape, dtype and device (most binary ops of a model): nothing to promote or broadcast
+      if type(theirs) is LazyBuffer and theirs.shape == mine.shape and theirs.dtype is mine.dtype and \
+          theirs.device == mine.device:
+        return (other, self) if reverse else (self, other)
+    if type(other) in _PY_SCALARS and type(mine) is LazyBuffer:
       # a Python scalar (x * 0.9, the learning rates and betas of every step): the constant is made at the tensor's
       # shape at once. The general path below builds the same lazy graph through a Tensor reshape and expand
-      dtype = result_dtype(self.dtype, other)
-      x = self.cast(dtype)
+      dtype = result_dtype(mine.dtype, other)
+      x = self if dtype is mine.dtype else self.cast(dtype)
       constant = type(self)(LazyBuffer.full(other, x.shape, dtype, x.device))
       return (constant, x) if reverse else (x, constant)
     other_tensor = self._to_tensor(other)
@@ -539,8 +546,8 @@ class ElementwiseMixin:
     return F.Exp.apply(self._float_operand())
 
   def exp2(self) -> Tensor:
-    """2 ** self, computed as exp(self * ln 2)."""
-    return F.Exp.apply(self._float_operand() * math.log(2))
+    """2 ** self (integers and bools promote to the default float)."""
+    return F.Exp2.apply(self._float_operand())
 
   @autocast_op(CastPolicy.FLOAT32)
   def log(self) -> Tensor:

@@ -88,8 +88,7 @@ class MovementMixin:
     final = tuple(old if new == -1 else new for old, new in zip(padded, new_shape))
     for old, new in zip(padded, final):
       if old != new and old != 1: raise ShapeError(f"cannot expand shape {self.shape} to {new_shape}")
-    reshaped = self.reshape(padded)
-    return reshaped if final == padded else F.Expand.apply(reshaped, shape=final)
+    return self.reshape(padded) if final == padded else F.Expand.apply(self, shape=final)
 
   def broadcast_to(self, shape: Sequence[int]) -> Tensor:
     """A view of this tensor broadcast to `shape` (the same as expand)."""

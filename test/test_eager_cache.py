@@ -74,6 +74,42 @@ def test_constants_of_either_zero_sign_are_different_schedules():
     np.testing.assert_array_equal(np.signbit((x * -0.0).numpy()), np.signbit(np.array([-0.0, 0.0, 1.0]) * -0.0))
 
 
+def _shared(a: Tensor, b: Tensor, combine):
+  """`combine` of two computed values, each one base that every use reads (not a leaf)"""
+  return combine(a * 2, b * 3)
+
+
+# graphs of one size that differ only in which sources each op reads: the same leaf twice or two leaves, a computed
+# value shared or made twice, a view of a leaf or of a computed value, the order of a non-commuting op's sources.
+# The schedule cache's key is one flat token list: a wrong reference anywhere would hand back another graph's schedule
+WIRINGS = [
+  (lambda a, b: a - b, lambda a, b: a - b),
+  (lambda a, b: b - a, lambda a, b: b - a),
+  (lambda a, b: a - a.flip(0), lambda a, b: a - a[::-1]),
+  (lambda a, b: a - b.flip(0), lambda a, b: a - b[::-1]),
+  (lambda a, b: (a * 2) - (a * 2).flip(0), lambda a, b: a * 2 - (a * 2)[::-1]),
+  (lambda a, b: (a * 2) - (b * 2).flip(0), lambda a, b: a * 2 - (b * 2)[::-1]),
+  (lambda a, b: (a - b) * (b - a), lambda a, b: (a - b) * (b - a)),
+  (lambda a, b: (a - b) * (a - b), lambda a, b: (a - b) * (a - b)),   # two bases of a - b, not one shared
+  (lambda a, b: _shared(a, b, lambda x, y: (x - y) * (y - x)), lambda a, b: (a * 2 - b * 3) * (b * 3 - a * 2)),
+  (lambda a, b: _shared(a, b, lambda x, y: (x - y) * (x - y)), lambda a, b: (a * 2 - b * 3) ** 2),
+  (lambda a, b: (a - b) * (a - b).flip(0), lambda a, b: (a - b) * (a - b)[::-1]),
+  (lambda a, b: a.maximum(b) - b, lambda a, b: np.maximum(a, b) - b),
+  (lambda a, b: b.maximum(a) - a, lambda a, b: np.maximum(b, a) - a),
+]
+
+
+def test_graphs_differing_only_in_their_sources_never_share_a_schedule():
+  rng = np.random.default_rng(11)
+  hits_before = schedule_cache.stats.hits
+  for index in rng.permutation(np.repeat(np.arange(len(WIRINGS)), 4)):   # each wiring 4 times, in a random order
+    a_values, b_values = rng.standard_normal(5).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    a, b = Tensor(a_values).realize(), Tensor(b_values).realize()
+    ours, theirs = WIRINGS[index]
+    np.testing.assert_allclose(ours(a, b).numpy(), theirs(a_values, b_values), rtol=1e-6)
+  assert schedule_cache.stats.hits - hits_before >= 20
+
+
 class _MLP:
   def __init__(self, norm: bool):
     self.layers = [Linear(12, 16), Linear(16, 16), Linear(16, 4)]

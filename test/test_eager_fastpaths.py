@@ -1,15 +1,20 @@
 """The eager path's shortcuts give what the general paths give (numpy as the reference): a Python scalar operand made
 into a constant at the tensor's shape, remembered constant truncation (signed zeros, bool/int/float kept apart),
-remembered device names and ShapeTracker movement ops, and environment variables read from os.environ's store."""
+remembered device names and ShapeTracker movement ops, and environment variables read from os.environ's store; a
+broadcast is one Expand, exp2 one EXP2, and each dtype one instance (pickled and copied as itself)."""
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
 
 from ourgrad import Tensor, dtypes
 from ourgrad.device import Device
+from ourgrad.errors import ShapeError
+from ourgrad.ops import Ops
 from ourgrad.helpers import DEBUG, ENV_VARS, env_var
 
 
@@ -72,6 +77,40 @@ def test_remembered_movement_ops_match_fresh_ones():
     np.testing.assert_array_equal(x.reshape(4, 6).permute(1, 0).numpy(), values.reshape(4, 6).T)
     np.testing.assert_array_equal(Tensor(values[:, :1]).expand(2, 5, 4).numpy(), np.broadcast_to(values[:, :1],
                                                                                                    (2, 5, 4)))
+    # pad and shrink are remembered too: numpy ints and ints are one key, and the result is the same either way
+    np.testing.assert_array_equal(x.pad(((1, 0), (0, 2), (np.int64(1), 1))).shrink(((1, 3), (1, 4), (0, 3))).numpy(),
+                                  np.pad(values, ((1, 0), (0, 2), (1, 1)))[1:3, 1:4, 0:3])
+    with pytest.raises(ShapeError):   # an error is raised each time (never remembered as a result)
+      x.shrink(((0, 3), (0, 3), (0, 4)))
+
+
+def test_broadcast_is_one_function_with_numpy_gradients():
+  a_values = np.arange(6, dtype=np.float32).reshape(2, 3)
+  for b_values in (np.array([1.0, -2.0, 0.5], dtype=np.float32), np.array([[3.0], [-1.0]], dtype=np.float32)):
+    a, b = Tensor(a_values, requires_grad=True), Tensor(b_values, requires_grad=True)
+    out = a * b
+    assert out._ctx.parents[1]._ctx.__class__.__name__ == "Expand" and out._ctx.parents[1]._ctx.parents[0] is b
+    (out * out).sum().backward()
+    np.testing.assert_allclose(b.grad.numpy(), (2 * a_values ** 2 * b_values).sum(axis=0 if b_values.ndim == 1 else 1,
+                                                                                 keepdims=b_values.ndim == 2))
+    np.testing.assert_allclose(a.grad.numpy(), 2 * a_values * np.broadcast_to(b_values, (2, 3)) ** 2)
+
+
+def test_exp2_is_one_exp2_of_its_input():
+  values = np.array([0.0, 1.0, 10.0, -3.0, 0.5, 7.25], dtype=np.float32)
+  x = Tensor(values, requires_grad=True)
+  result = x.exp2()
+  assert result.lazydata.base.op is Ops.EXP2 and result.lazydata.base.srcs[0].base is x.lazydata.base
+  np.testing.assert_allclose(result.numpy(), np.exp2(values), rtol=1e-6)
+  result.sum().backward()
+  np.testing.assert_allclose(x.grad.numpy(), np.exp2(values) * np.log(2), rtol=1e-6)
+
+
+def test_dtypes_are_one_instance_each():
+  for dtype in dtypes.all():
+    assert pickle.loads(pickle.dumps(dtype)) is dtype and copy.deepcopy(dtype) is dtype
+    assert type(dtype)(dtype.priority, dtype.itemsize, dtype.name, dtype.fmt) is dtype
+  assert dtypes.float32 == dtypes.float and dtypes.float32 != dtypes.float16 and dtypes.float32 != "float32"
 
 
 def test_env_vars_see_changes_and_unsets(monkeypatch):

@@ -196,11 +196,12 @@ class ExecItem:
   Fast path: a kernel launched twice with the same buffer handles, by this item or by another (an eager loop lowers
   new items each step, on memory the allocator hands back), gets a launcher with everything bound
   (`CompiledRunner.launcher_for`/`bind`: argument arrays, launch sizes, the stream), and later launches with those
-  handles only call it and count. The buffers' handles are compared by identity at each launch, so a buffer swapped
-  into `bufs` (TinyJit's inputs), a buffer allocated, freed or moved onto planned memory all take the general path,
-  which binds again once the kernel has seen the new handles twice. The fast path runs only while DEBUG < 2, PROFILE
-  is off and no profile() block is open; it counts like the general path, and a capturing JIT records the item the
-  same way."""
+  handles only call it and count (an item keeps the launcher for its own fast path from its second launch on: an
+  eager step's items run once, and the kernel's launcher cache serves them). The buffers' handles are compared by
+  identity at each launch, so a buffer swapped into `bufs` (TinyJit's inputs), a buffer allocated, freed or moved
+  onto planned memory all take the general path, which binds again once the kernel has seen the new handles twice.
+  The fast path runs only while DEBUG < 2, PROFILE is off and no profile() block is open; it counts like the general
+  path, and a capturing JIT records the item the same way."""
   runner: Runner
   bufs: list[Buffer]
   var_vals: dict[str, int] = field(default_factory=dict)
@@ -210,6 +211,8 @@ class ExecItem:
   # the handles _launch was bound to and their ids (kept alive: see _HANDLE)
   _launch_handles: list[Any] | None = field(default=None, init=False, repr=False)
   _launch_ids: list[int] | None = field(default=None, init=False, repr=False)
+  # general-path launches so far: an eager step's items run once, so the fast path is set up from the second on
+  _general_runs: int = field(default=0, init=False, repr=False)
 
   def run(self, wait: bool = False) -> float | None:
     """Launch: allocate the buffers, run, count, print at DEBUG=2, and record the item if a JIT is capturing."""
@@ -237,7 +240,7 @@ class ExecItem:
     if launcher is not None:
       launcher()
       seconds = None
-      self._adopt(launcher)
+      if self._general_runs: self._adopt(launcher)
     else:
       seconds = runner(self.bufs, wait=wait, var_vals=self.var_vals) if self.var_vals else runner(self.bufs, wait=wait)
     if seconds is not None: self._record_profile(seconds)
@@ -248,6 +251,7 @@ class ExecItem:
     if seconds is not None: GlobalCounters.time_sum_s += seconds
     if debug >= 2: self._print(seconds)
     if _capture_lists: _capture_lists[-1].append(self)
+    self._general_runs += 1
     return seconds
 
   def _adopt(self, launcher: Callable[[], Any]) -> None:

@@ -71,24 +71,36 @@ _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
 def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], list[Buffer]]:
   """(the graph's structural key, the unrealized bases in walk order, the distinct realized leaf buffers).
 
-  One walk: the bases in lazy.walk_bases' order (sources before users), each one's token written when it is placed,
-  when every unrealized base it reads has its position already (the graph has no cycles)."""
+  One walk: the bases in lazy.walk_bases' order (sources before users), each one's tokens written when it is placed,
+  when every unrealized base it reads has its position already (the graph has no cycles). The key is one flat tuple
+  (a nested tuple per base cost a third more to build and hash), unambiguous because each base's tokens have a fixed
+  layout: op, arg, dtype, device, shape, forced-realize flag, source count, then per source a reference (`reference`).
+  Then the outputs' references, then each leaf's device, size, dtype and buffer type."""
   bases: list[LazyBuffer] = []
   position: dict[int, int] = {}
   leaves: list[Buffer] = []
   leaf_position: dict[int, int] = {}
   tokens: list[Any] = []
+  append = tokens.append
 
-  def reference(lazy: LazyBuffer) -> tuple:
+  def reference(lazy: LazyBuffer) -> None:
+    """A source read through its view: (a walked base's position, the view), or (-1 - a leaf's position, the view,
+    the leaf's shape); the sign of the first token tells which, so the key stays unambiguous."""
     base = lazy._base if lazy._base is not None else lazy   # (not the .base property: once per source per realize)
     walked = position.get(id(base))
-    if walked is not None: return ("b", walked, lazy.st)
+    if walked is not None:
+      append(walked)
+      append(lazy.st)
+      return
     buffer = base.realized
-    if id(buffer) not in leaf_position:
-      leaf_position[id(buffer)] = len(leaves)
+    leaf = leaf_position.get(id(buffer))
+    if leaf is None:
+      leaf = leaf_position[id(buffer)] = len(leaves)
       leaves.append(buffer)
     # the scheduler reads a realized base only as memory (its op no longer matters), and its size (copies)
-    return ("r", leaf_position[id(buffer)], lazy.st, base.shape)
+    append(-1 - leaf)
+    append(lazy.st)
+    append(base.shape)
 
   visited: set[int] = set()
   stack: list[tuple[LazyBuffer, bool]] = [(out if out._base is None else out._base, False) for out in reversed(outs)]
@@ -97,15 +109,20 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
     if sources_done:
       position[id(base)] = len(bases)
       bases.append(base)
-      tokens.append((base.op, _hashable(base.arg), base.dtype, base.device, base.shape, base.forced_realize,
-                     tuple(reference(src) for src in base.srcs)))
+      arg = base.arg
+      srcs = base.srcs
+      tokens.extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES else _hashable(arg), base.dtype, base.device,
+                     base.shape, base.forced_realize, len(srcs)))
+      for src in srcs: reference(src)
       continue
     if id(base) in visited or base.realized is not None: continue
     visited.add(id(base))
     stack.append((base, True))
     for src in reversed(base.srcs): stack.append((src if src._base is None else src._base, False))
-  tokens.append(tuple(reference(out) for out in outs))
-  tokens.append(tuple((buffer.device, buffer.size, buffer.dtype, type(buffer)) for buffer in leaves))
+  append(len(outs))
+  for out in outs: reference(out)
+  append(len(leaves))
+  for buffer in leaves: tokens.extend((buffer.device, buffer.size, buffer.dtype, type(buffer)))
   return tuple(tokens), bases, leaves
 
 

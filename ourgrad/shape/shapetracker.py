@@ -202,8 +202,8 @@ class ShapeTracker:
 
   # ---------------------------------------------------------------- movement ops
 
-  # reshape, permute and expand are pure functions of (the views, the argument), and a training step makes the same
-  # ones every step: each is remembered (bounded), like the views themselves (view.py)
+  # reshape, permute, expand, pad and shrink are pure functions of (the views, the argument), and a training step
+  # makes the same ones every step: each is remembered (bounded), like the views themselves (view.py)
   def reshape(self, new_shape: Sequence[int]) -> ShapeTracker:
     """Same elements in a new shape (same element count); pushes a second view when one cannot express it."""
     return _reshape_tracker(self, tuple(new_shape))
@@ -239,6 +239,9 @@ class ShapeTracker:
 
   def pad(self, arg: Sequence[tuple[int, int]]) -> ShapeTracker:
     """Add (before, after) zero-reading elements around each dim."""
+    return _pad_tracker(self, tuple(tuple(pads) for pads in arg))
+
+  def _pad(self, arg: tuple[tuple[sint, sint], ...]) -> ShapeTracker:
     arg = tuple((_as_sint(before), _as_sint(after)) for before, after in arg)
     if len(arg) != self.ndim or any(_known_negative(before) or _known_negative(after) for before, after in arg):
       raise ShapeError(f"bad pad {arg} for shape {self.shape}: need one non-negative (before, after) per dim")
@@ -246,6 +249,9 @@ class ShapeTracker:
 
   def shrink(self, arg: Sequence[tuple[int, int]]) -> ShapeTracker:
     """Keep the [start, end) window of each dim."""
+    return _shrink_tracker(self, tuple(tuple(window) for window in arg))
+
+  def _shrink(self, arg: tuple[tuple[sint, sint], ...]) -> ShapeTracker:
     arg = tuple((_as_sint(start), _as_sint(end)) for start, end in arg)
     if len(arg) != self.ndim or any(not valid_window(start, end, size) for (start, end), size in zip(arg, self.shape)):
       raise ShapeError(f"bad shrink {arg} for shape {self.shape}: need 0 <= start <= end <= size per dim")
@@ -387,6 +393,7 @@ def _known_negative(value: sint) -> bool:
 
 def valid_window(start: sint, end: sint, size: sint) -> bool:
   """0 <= start <= end <= size, checked with the bound values where the window is symbolic (unbound: its ranges)."""
+  if type(start) is int and type(end) is int and type(size) is int: return 0 <= start <= end <= size
   values = [_concrete(value) for value in (start, end, size)]
   if all(value is not None for value in values): return 0 <= values[0] <= values[1] <= values[2]  # type: ignore
   lows = [value.min if is_symbolic(value) else value for value in (start, end, size)]
@@ -430,3 +437,5 @@ def _identity_tracker(shape: tuple[sint, ...]) -> ShapeTracker: return ShapeTrac
 _reshape_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._reshape)
 _permute_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._permute)
 _expand_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._expand)
+_pad_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._pad)
+_shrink_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._shrink)
