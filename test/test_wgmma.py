@@ -27,7 +27,7 @@ from ourgrad.runtime.wgmma_emulator import emulate_wgmma_matmul, from_float, rea
 from helpers import device_opens, nvrtc_compiler
 
 NVRTC = nvrtc_compiler()
-TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 OURGRAD_DTYPE = {"float16": dtypes.float16, "bfloat16": dtypes.bfloat16}
 
 
@@ -79,7 +79,9 @@ def test_k_major_operand_reads_back_through_its_descriptor() -> None:
 # ================================================================ the emulated kernel against float64
 
 def _bits(rng: np.random.Generator, count: int, dtype: str) -> np.ndarray:
-  return from_float(rng.standard_normal(count).astype(np.float32), dtype)
+  """Random operand elements as the kernel reads them: 16-bit patterns, or float32 bits (TF32)."""
+  values = from_float(rng.standard_normal(count).astype(np.float32), dtype)
+  return values.view(np.uint32) if dtype == "float32" else values
 
 
 def _emulated_error(plan: WgmmaMatmul, seed: int = 0) -> tuple[float, float]:
@@ -88,8 +90,11 @@ def _emulated_error(plan: WgmmaMatmul, seed: int = 0) -> tuple[float, float]:
   a, b = _bits(rng, plan.m * plan.k, plan.dtype), _bits(rng, plan.k * plan.n, plan.dtype)
   a64 = to_float(a, plan.dtype).astype(np.float64).reshape(plan.m, plan.k)
   b64 = to_float(b, plan.dtype).astype(np.float64).reshape(plan.k, plan.n)
-  stored_b = from_float(b64.T.astype(np.float32).reshape(-1), plan.dtype) if plan.b_k_major else b
-  stored_a = a if plan.a_k_major else from_float(a64.T.astype(np.float32).reshape(-1), plan.dtype)
+  def stored(values: np.ndarray) -> np.ndarray:   # transposed operands, stored as the kernel's bits
+    bits = from_float(values.astype(np.float32).reshape(-1), plan.dtype)
+    return bits.view(np.uint32) if plan.dtype == "float32" else bits
+  stored_b = stored(b64.T) if plan.b_k_major else b
+  stored_a = a if plan.a_k_major else stored(a64.T)
   c = np.zeros(plan.m * plan.n, np.float32 if plan.out_dtype == "float32" else np.uint16)
   emulate_wgmma_matmul(plan, c, stored_a, stored_b)
   got = (c if plan.out_dtype == "float32" else to_float(c, plan.out_dtype)).reshape(plan.m, plan.n)
@@ -117,6 +122,16 @@ PLANS = {
   "bf16_a_kxm_specialized_256x128": dict(dtype="bfloat16", block_m=256, block_n=128, stages=4, specialized=True,
                                          a_k_major=False),
   "f16_a_kxm_deep": dict(dtype="float16", deep=True, a_k_major=False),
+  # grid variants (codegen/opt/matmul_grid.py's model picks among them): a 192-wide N tile, one consumer warpgroup
+  # with 2 CTAs per multiprocessor, persistent CTAs looping over tiles (fewer CTAs than tiles: several each, their
+  # stages counted across tiles), TF32
+  "bf16_128x192_specialized": dict(dtype="bfloat16", block_n=192, stages=4, specialized=True),
+  "f16_64x128_two_ctas": dict(dtype="float16", block_m=64, block_n=128, stages=4, specialized=True, ctas_per_sm=2),
+  "bf16_persistent_5_ctas": dict(dtype="bfloat16", block_n=128, stages=3, specialized=True, persistent_ctas=5),
+  "tf32_persistent_192": dict(dtype="float32", block_n=192, stages=5, specialized=True, persistent_ctas=7,
+                              a_k_major=True, b_k_major=True),
+  "tf32_64x128_persistent_two_ctas": dict(dtype="float32", block_m=64, block_n=128, stages=3, specialized=True,
+                                          ctas_per_sm=2, persistent_ctas=4, b_k_major=True),
 }
 
 
