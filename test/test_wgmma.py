@@ -14,7 +14,8 @@ import torch
 
 from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import WGMMA_DEEP, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps
-from ourgrad.codegen.opt import tensor_core_plans
+from ourgrad.codegen.opt import matmul_grid, tensor_core_plans
+from ourgrad.codegen.opt.tensor_core_plans import WgmmaPlan
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, accumulator_position, descriptor, render_wgmma_matmul, swizzled
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import bfloat16_bits_to_float32
@@ -218,22 +219,46 @@ def test_heuristic_takes_wgmma_only_where_it_fits(monkeypatch) -> None:
     kernel = Kernel(create_schedule([epilogue(a @ b).lazydata])[-1].ast, renderer)
     kernel.hand_coded_optimizations()
     return kernel.applied_opts
-  wide, narrow = tensor_core_plans.WGMMA_TILES
-  WIDE, NARROW = wide.opt, narrow.opt
-  assert (wide.block_n, narrow.block_n) == (256, 128)
+  def modeled(m: int, n: int, k: int, out_itemsize: int = 2, processors: int = 132) -> list[Opt]:
+    """The opt of the grid the model predicts fastest, computed here from the model's own functions."""
+    grid = matmul_grid.fastest_wgmma_grid(1, m, n, k, 2, processors, hopper.dynamic_local_memory_bytes, out_itemsize)
+    return [WgmmaPlan(grid.block_n, grid.stages, True, block_m=grid.block_m, ctas_per_sm=grid.ctas_per_sm,
+                      persistent=grid.persistent).opt]
   a, b = Tensor.empty(256, 128, dtype=dtypes.float16), Tensor.empty(128, 512, dtype=dtypes.float16)
-  assert opts(a, b) == [NARROW]   # 4 blocks of 128 x 256 would leave most multiprocessors idle
+  assert opts(a, b) == modeled(256, 512, 128)
   monkeypatch.setattr(hopper, "multiprocessors", 4)   # the renderer's count (CUDA reads it from the GPU)
-  assert opts(a, b) == [WIDE]
-  assert opts(a, Tensor.empty(128, 384, dtype=dtypes.float16)) == [NARROW]
+  assert opts(a, b) == modeled(256, 512, 128, processors=4)
+  assert opts(a, Tensor.empty(128, 384, dtype=dtypes.float16)) == modeled(256, 384, 128, processors=4)
   assert opts(a, b, PythonRenderer("CUDA"))[0] == Opt(OptOps.TC, 0, 0)
   assert OptOps.WGMMA not in [opt.op for opt in opts(a, b, epilogue=lambda x: x.relu())]
   ragged = opts(Tensor.empty(250, 128, dtype=dtypes.float16), b)
   assert OptOps.WGMMA not in [opt.op for opt in ragged] and Opt(OptOps.TC, 0, 0) in ragged
   # float16 inputs widened in the kernel are still a float16 matmul (float32 output); float32 inputs are not
-  assert opts(a.float(), b.float()) == [WIDE]
+  assert opts(a.float(), b.float()) == modeled(256, 512, 128, out_itemsize=4, processors=4)
   f32 = opts(Tensor.empty(256, 128), Tensor.empty(128, 512))
   assert OptOps.WGMMA not in [opt.op for opt in f32]
+  # without the multiprocessors' count, no model: the wide tile where its blocks fill them (with 0: always)
+  monkeypatch.setattr(hopper, "multiprocessors", 0)
+  assert opts(a, b) == [tensor_core_plans.WGMMA_TILES[0].opt]
+
+
+def test_model_fills_the_machine_on_gpt2_shapes() -> None:
+  """The grid model on an H200's 132 multiprocessors (TF32, K-major operands as staged): every choice fills at least
+  one wave of CTAs, or runs in one wave whose CTAs each take a larger share of the work than a fuller grid would
+  (the model's reason: fewer, larger tiles feed the tensor cores at a higher rate). The 4096 x 768 products take
+  the 192-wide tile (128 CTAs: one wave, where 128 x 128 took 192 in two), 768 x 768 x 4096 splits its reduce."""
+  shared = CUDARenderer.dynamic_local_memory_bytes
+  for m, n, k in [(4096, 768, 768), (4096, 768, 3072), (768, 3072, 4096), (768, 768, 4096), (2304, 768, 4096),
+                  (4096, 2304, 768), (4096, 768, 50304), (4096, 50304, 768), (50304, 768, 4096)]:
+    grid = matmul_grid.fastest_wgmma_grid(1, m, n, k, 4, 132, shared, split=True)
+    ctas = grid.parts * (m // grid.block_m) * (n // grid.block_n)
+    waves = ctas / (132 * grid.ctas_per_sm)
+    before = matmul_grid.WgmmaGrid(128, 128, 6)
+    assert matmul_grid.wgmma_seconds(grid, 1, m, n, k, 4, 132) <= matmul_grid.wgmma_seconds(before, 1, m, n, k, 4, 132)
+    # a partial last wave only where the waves are many (its idle share small) or the grid runs persistent
+    assert waves >= 0.7 and (waves <= 1 or waves >= 3 or grid.persistent or waves % 1 >= 0.7), (m, n, k, grid, waves)
+  assert matmul_grid.fastest_wgmma_grid(1, 4096, 768, 3072, 4, 132, shared).block_n == 192
+  assert matmul_grid.fastest_wgmma_grid(1, 768, 768, 4096, 4, 132, shared, split=True).parts > 1
 
 
 def test_wgmma_refuses_other_opts() -> None:
@@ -289,7 +314,7 @@ def test_tensor_matmul_takes_wgmma_end_to_end(monkeypatch, compiles, widened: bo
   a, b = _operands("float16", (512, 512), (512, 512), seed=4)
   result = (a.float() @ b.float() if widened else a @ b).realize()
   realize._runner_cache.clear()   # the kernels made for the emulated H100 stay out of later tests
-  assert any("wgmma128x128" in name for name in compiles), compiles   # 16 blocks: the narrow tile
+  assert any("wgmma" in name for name in compiles), compiles
   assert result.dtype == (dtypes.float32 if widened else dtypes.float16)
   _check(a, b, result.cast(dtypes.float32).numpy().astype(np.float64).reshape(-1), "float16")
 

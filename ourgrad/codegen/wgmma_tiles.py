@@ -94,6 +94,29 @@ def launch_registers(threads: int, ctas_per_sm: int) -> int:
 
 
 @dataclass(frozen=True)
+class WgmmaTile:
+  """What an OptOps.WGMMA asks of the kernel (its Opt's `arg`; plan_for_kernel adds the matmul's shape and layout):
+  the block tile (64 rows per consumer warpgroup), the shared-memory stages, the kernel's kind (`specialized`: a
+  producer warpgroup copies, the others compute; `deep`: the cooperative kernel copying stages - 1 steps ahead;
+  neither: the cooperative kernel), CTAs per multiprocessor, and a persistent grid (the renderer's multiprocessors x
+  ctas_per_sm CTAs looping over the tiles) or one CTA per tile."""
+  block_n: int = 256
+  stages: int = 4
+  block_m: int = 128
+  specialized: bool = False
+  deep: bool = False
+  ctas_per_sm: int = 1
+  persistent: bool = False
+
+  def describe(self) -> str:
+    """For a reader: "128x256, 4 stages, SPECIALIZED, PERSISTENT"."""
+    kinds = [name for flag, name in ((self.specialized, "SPECIALIZED"), (self.deep, "DEEP"),
+                                     (self.ctas_per_sm > 1, f"{self.ctas_per_sm} CTAS/SM"),
+                                     (self.persistent, "PERSISTENT")) if flag]
+    return f"{self.block_m}x{self.block_n}, {self.stages} stages" + "".join(", " + kind for kind in kinds)
+
+
+@dataclass(frozen=True)
 class WgmmaMatmul:
   """One wgmma matmul kernel's shape and tiling (see the module docstring)."""
   m: int
@@ -625,13 +648,13 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
   ]
 
 
-def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False,
-                    deep: bool = False) -> tuple[WgmmaMatmul, dict[str, int]]:
+def plan_for_kernel(kernel, tile: WgmmaTile) -> tuple[WgmmaMatmul, dict[str, int]]:
   """The plan of a Kernel (codegen/kernel.py, no opts applied) that is a plain float16/bfloat16 matmul (or float32,
   TF32, where the user allows it, with A M x K and B N x K): C (M x N, row-major, the inputs' dtype or float32) = A
   (M x K row-major, or its transpose stored K x M) @ B (K x N row-major, or its transpose stored N x K), a SUM in
   float32 of the product of the two loads, stored as it is (or cast), unmasked views from offset 0; and the argument
-  positions of C, A and B. Raises ValueError (or the matmul check's KernelOptError) naming what does not fit."""
+  positions of C, A and B; the block tile and kernel kind from `tile`. Raises ValueError (or the matmul check's
+  KernelOptError) naming what does not fit."""
   from ourgrad.codegen.kernel import KernelOptError, matmul_operands   # kernel.py imports this module
   from ourgrad.dtype import dtypes
   from ourgrad.helpers import tf32_allowed
@@ -670,14 +693,21 @@ def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False
   if not ((b_n == 1 and b_k >= n) or (b_k == 1 and b_n >= k)):
     raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
   out_dtype = store.dtype.name
-  plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_n=block_n, stages=stages,
-                     specialized=specialized, deep=deep, b_k_major=b_k == 1, a_k_major=a_k == 1,
+  processors = getattr(kernel.renderer, "multiprocessors", 0)
+  if tile.persistent and processors <= 0: raise ValueError(f"a persistent grid on {kernel.renderer.device}, whose "
+                                                           "multiprocessors are unknown")
+  plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_m=tile.block_m, block_n=tile.block_n,
+                     stages=tile.stages, specialized=tile.specialized, deep=tile.deep, ctas_per_sm=tile.ctas_per_sm,
+                     persistent_ctas=processors * tile.ctas_per_sm if tile.persistent else 0,
+                     b_k_major=b_k == 1, a_k_major=a_k == 1,
                      a_row_stride=a_m if a_k == 1 else a_k, b_row_stride=b_n if b_k == 1 else b_k,
                      batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)],
                      c_batch=batch_strides[id(store)])
   # the renderer's dynamic shared memory per block (the device's fact: 227 KB on sm_90)
+  # (each resident CTA also reserves a kilobyte of the multiprocessor's, which is a kilobyte over a block's limit)
   limit = getattr(kernel.renderer, "dynamic_local_memory_bytes", 0)
-  if plan.shared_bytes > limit:
-    raise ValueError(f"wgmma tile {plan.block_m}x{plan.block_n}, {plan.stages} stages: {plan.shared_bytes} bytes of "
-                     f"shared memory, over the {limit} a block of {kernel.renderer.device} may have")
+  if plan.ctas_per_sm * (plan.shared_bytes + ATOM_BYTES) > limit + ATOM_BYTES:
+    raise ValueError(f"wgmma tile {plan.block_m}x{plan.block_n}, {plan.stages} stages: {plan.ctas_per_sm} x "
+                     f"{plan.shared_bytes} bytes of shared memory, over the {limit} a block of "
+                     f"{kernel.renderer.device} may have")
   return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}
