@@ -127,6 +127,7 @@ PLANS = {
   # with 2 CTAs per multiprocessor, persistent CTAs looping over tiles (fewer CTAs than tiles: several each, their
   # stages counted across tiles), TF32
   "bf16_128x192_specialized": dict(dtype="bfloat16", block_n=192, stages=4, specialized=True),
+  "f16_specialized_lag1": dict(dtype="float16", block_n=128, stages=5, specialized=True, copy_lag=1),
   "f16_64x128_two_ctas": dict(dtype="float16", block_m=64, block_n=128, stages=4, specialized=True, ctas_per_sm=2),
   "bf16_persistent_5_ctas": dict(dtype="bfloat16", block_n=128, stages=3, specialized=True, persistent_ctas=5),
   "tf32_persistent_192": dict(dtype="float32", block_n=192, stages=5, specialized=True, persistent_ctas=7,
@@ -147,6 +148,17 @@ def test_emulated_kernel_matches_float64(name: str) -> None:
   if NVRTC is not None:
     info = NVRTC.ptxas_info(render_wgmma_matmul(plan))
     assert "0 bytes spill stores" in info or "ptxas info" not in info, info   # some NVRTC builds log nothing here
+
+
+def test_producer_keeps_stages_minus_two_steps_of_copies_in_flight() -> None:
+  """The specialized producer waits for the copies of the step `copy_lag` behind the one it issued (default stages
+  - 2, the most that cannot deadlock; 1 was the kernel before) and marks that step's stage full; more is refused."""
+  source = render_wgmma_matmul(WgmmaMatmul(256, 256, 512, block_n=128, stages=6, specialized=True))
+  assert "cp.async.wait_group 4;" in source and "(counted - 4) % 6" in source
+  lag1 = WgmmaMatmul(256, 256, 512, block_n=128, stages=6, specialized=True, copy_lag=1)
+  assert "cp.async.wait_group 1;" in render_wgmma_matmul(lag1) and lag1.name.endswith("_lag1")
+  with pytest.raises(ValueError): WgmmaMatmul(256, 256, 512, block_n=128, stages=6, specialized=True, copy_lag=5)
+  if NVRTC is not None: NVRTC.compile(render_wgmma_matmul(lag1))
 
 
 def test_exchanged_descriptor_strides_give_wrong_results() -> None:

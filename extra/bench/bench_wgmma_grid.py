@@ -60,10 +60,11 @@ def before_grid(m: int, n: int, processors: int) -> WgmmaGrid:
   return WgmmaGrid(128, 128, 6)
 
 
-def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int) -> list[tuple[str, WgmmaGrid]]:
-  """(label, grid): before, the model's choice, every 128-row grid of N tile 128 or more (persistent or not) unsplit,
-  the model's best 64-row grid and its best split into 2 and into 4 parts, then its next `top` ranked grids (no
-  repeats): the spread the model's constants are fitted on."""
+def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int) -> list[tuple[str, WgmmaGrid, int]]:
+  """(label, grid, copy lag): before (its producer one step of copies ahead, as before copy_lag), the model's choice
+  (with the default lag, stages - 2, and with 1), every 128-row grid of N tile 128 or more (persistent or not)
+  unsplit, the model's best 64-row grid and its best split into 2 and into 4 parts, then its next `top` ranked grids
+  (no repeats): the spread the model's constants are fitted on."""
   ranked = sorted(wgmma_grids(1, m, n, k, itemsize, SHARED_BYTES, split=True),
                   key=lambda grid: wgmma_seconds(grid, 1, m, n, k, itemsize, processors))
   chosen = [("before", before_grid(m, n, processors)), ("model", ranked[0])]
@@ -71,15 +72,15 @@ def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int) -
   chosen += [("64rows", grid) for grid in ranked if grid.parts == 1 and grid.block_m == 64][:1]
   for parts in (2, 4): chosen += [(f"split{parts}", grid) for grid in ranked if grid.parts == parts][:1]
   chosen += [(f"rank{number}", grid) for number, grid in enumerate(ranked[1:top + 1], 1)]
-  unique, seen = [], set()
-  for label, grid in chosen:
+  unique, seen = [("before", chosen[0][1], 1), ("model", ranked[0], 0), ("lag1", ranked[0], 1)], set()
+  for label, grid in chosen[1:]:
     if grid in seen: continue
     seen.add(grid)
-    unique.append((label, grid))
+    if label != "model": unique.append((label, grid, 0))
   return unique
 
 
-def plan_of(grid: WgmmaGrid, m: int, n: int, k: int, dtype: str, processors: int) -> WgmmaMatmul:
+def plan_of(grid: WgmmaGrid, m: int, n: int, k: int, dtype: str, processors: int, lag: int = 0) -> WgmmaMatmul:
   """The kernel of `grid`: K-major operands; split-K as a batch over the parts (each reading its K slice of the
   rows) into float32 partials."""
   part_k = k // grid.parts
@@ -88,12 +89,13 @@ def plan_of(grid: WgmmaGrid, m: int, n: int, k: int, dtype: str, processors: int
                      stages=grid.stages, specialized=True, a_k_major=True, b_k_major=True, a_row_stride=k,
                      b_row_stride=k, batch=grid.parts, a_batch=part_k, b_batch=part_k, c_batch=m * n,
                      ctas_per_sm=grid.ctas_per_sm,
-                     persistent_ctas=processors * grid.ctas_per_sm if grid.persistent else 0)
+                     persistent_ctas=processors * grid.ctas_per_sm if grid.persistent else 0, copy_lag=lag)
 
 
-def describe(grid: WgmmaGrid) -> str:
+def describe(grid: WgmmaGrid, lag: int = 0) -> str:
   return (f"{grid.block_m}x{grid.block_n} s{grid.stages}" + (f" c{grid.ctas_per_sm}" if grid.ctas_per_sm > 1 else "")
-          + (" persistent" if grid.persistent else "") + (f" split{grid.parts}" if grid.parts > 1 else ""))
+          + (" persistent" if grid.persistent else "") + (f" split{grid.parts}" if grid.parts > 1 else "")
+          + (f" lag{lag}" if lag else ""))
 
 
 def event_seconds(launch, iters: int) -> float:
@@ -125,14 +127,14 @@ def run_row(name: str, m: int, n: int, k: int, precision: str, processors: int, 
   chosen = variants(m, n, k, itemsize, processors, top)
   title = f"{name} {precision} {m}x{n}x{k}"
   if dry:
-    for label, grid in chosen:
+    for label, grid, lag in chosen:
       predicted = wgmma_seconds(grid, 1, m, n, k, itemsize, processors)
-      print(f"{title:<36} {label:<7} {describe(grid):<28} pred {predicted * 1e6:8.1f} us")
+      print(f"{title:<36} {label:<7} {describe(grid, lag):<34} pred {predicted * 1e6:8.1f} us")
     return
   from ourgrad.device import Buffer, Device
   from ourgrad.dtype import dtypes
   device = Device["CUDA"]
-  plans = [plan_of(grid, m, n, k, dtype, processors) for _, grid in chosen]
+  plans = [plan_of(grid, m, n, k, dtype, processors, lag) for _, grid, lag in chosen]
   binaries = [device.compiler.compile_cached(render_wgmma_matmul(plan)) for plan in plans]   # compiled in main()
   torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
   generator = torch.Generator(device="cuda").manual_seed(0)
@@ -145,7 +147,7 @@ def run_row(name: str, m: int, n: int, k: int, precision: str, processors: int, 
   a_buffer = Buffer("CUDA", m * k, ours_dtype).copyin(memoryview(a.view(-1).view(torch.uint8).cpu().numpy()))
   b_buffer = Buffer("CUDA", n * k, ours_dtype).copyin(memoryview(b.view(-1).view(torch.uint8).cpu().numpy()))
   print(f"{title:<36} cuBLAS{'':<29} {cublas * 1e3:9.3f} ms {work / cublas / 1e12:6.1f} TFLOP/s", flush=True)
-  for (label, grid), plan, binary in zip(chosen, plans, binaries):
+  for (label, grid, lag), plan, binary in zip(chosen, plans, binaries):
     program = device.program(plan.name, binary)
     out_dtype = dtypes.float32 if plan.out_dtype == "float32" else dtypes.bfloat16
     c_buffer = Buffer("CUDA", plan.batch * m * n, out_dtype).allocate()
@@ -162,7 +164,7 @@ def run_row(name: str, m: int, n: int, k: int, precision: str, processors: int, 
     expected = reference.float()
     error = float((result - expected).norm() / expected.norm())
     predicted = wgmma_seconds(grid, 1, m, n, k, itemsize, processors)
-    print(f"{title:<36} {label:<7} {describe(grid):<28} {seconds * 1e3:9.3f} ms {work / seconds / 1e12:6.1f} "
+    print(f"{title:<36} {label:<7} {describe(grid, lag):<34} {seconds * 1e3:9.3f} ms {work / seconds / 1e12:6.1f} "
           f"TFLOP/s {cublas / seconds * 100:5.0f}% cuBLAS  pred {predicted * 1e3:8.3f} ms  err {error:.1e}",
           flush=True)
 
@@ -171,9 +173,9 @@ def compile_all(jobs: list[tuple[str, int, int, int, str]], processors: int, top
   """Every variant's kernel compiled into the disk cache first, 16 at a time (NVRTC releases the GIL)."""
   from ourgrad.device import Device
   compiler = Device["CUDA"].compiler
-  sources = [render_wgmma_matmul(plan_of(grid, m, n, k, DTYPES[precision], processors))
+  sources = [render_wgmma_matmul(plan_of(grid, m, n, k, DTYPES[precision], processors, lag))
              for _, m, n, k, precision in jobs
-             for _, grid in variants(m, n, k, 4 if precision == "tf32" else 2, processors, top)]
+             for _, grid, lag in variants(m, n, k, 4 if precision == "tf32" else 2, processors, top)]
   def compile_one(source: str) -> str:
     try: compiler.compile_cached(source)
     except Exception as error:   # the row that needs it says so again when it loads

@@ -148,6 +148,9 @@ class WgmmaMatmul:
   # a persistent grid of this many CTAs (the multiprocessors x ctas_per_sm), each looping over tiles (its next tile's
   # copies overlap its epilogue; specialized only); 0: one CTA per tile
   persistent_ctas: int = 0
+  # the specialized producer's K steps of copies in flight beyond the one it just issued (0: stages - 2, the most
+  # that cannot deadlock; 1 waits for each step's copies before issuing the one after next)
+  copy_lag: int = 0
 
   def __post_init__(self):
     if self.dtype not in ITEMSIZE: raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16/float32 (TF32)")
@@ -175,6 +178,10 @@ class WgmmaMatmul:
     if self.m % self.block_m or self.n % self.block_n or self.k % self.block_k:
       raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n} is not a multiple of its block tile "
                        f"{self.block_m}x{self.block_k}x{self.block_n}")
+    if not self.copy_lag: object.__setattr__(self, "copy_lag", max(1, self.stages - 2))
+    if not 1 <= self.copy_lag <= max(1, self.stages - 2):
+      raise ValueError(f"wgmma producer with {self.copy_lag} steps of copies in flight over {self.stages} stages: "
+                       f"1 to {max(1, self.stages - 2)}")
     if self.persistent_ctas and not self.specialized:
       raise ValueError("a persistent wgmma grid needs the specialized kernel (its producer runs ahead into the next "
                        "tile)")
@@ -228,8 +235,9 @@ class WgmmaMatmul:
     batched = f"{self.batch}x" if self.batch > 1 else ""
     variant = ("_swapped" if self.b_lbo_sbo_swapped else "") + ("_ws" if self.specialized else "") + \
       ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "") + \
-      (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "") + (f"_p{self.persistent_ctas}" if self.persistent_ctas
-                                                                     else "")
+      (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "") + \
+      (f"_p{self.persistent_ctas}" if self.persistent_ctas else "") + \
+      (f"_lag{self.copy_lag}" if self.specialized and self.copy_lag != max(1, self.stages - 2) else "")
     dtype = "tf32" if self.dtype == "float32" else self.dtype
     dense = (self.k if self.a_k_major else self.m), (self.k if self.b_k_major else self.n)
     strides = (self.a_row_stride, self.b_row_stride)
@@ -587,14 +595,16 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
   reading it finished:
 
       producer, count u: wait empty[u % S] (phase u / S - 1) unless u < S; copy; commit
-                         then wait for count u - 1's copies; fence.proxy.async; arrive full[(u - 1) % S]
+                         then wait for count u - L's copies (L = copy_lag: L + 1 counts' copies in flight);
+                         fence.proxy.async; arrive full[(u - L) % S]
       consumer, count u: wait full[u % S] (phase u / S); 4 wgmma; commit; wait for count u - 1's; arrive
                          empty[(u - 1) % S]; after an item's last step: wait for all, arrive empty[u % S], store
 
   The producer runs on into the next item's copies while the consumers store, so a persistent CTA overlaps its
-  epilogue with the next tile's loads.
+  epilogue with the next tile's loads. L <= S - 2 keeps it free of deadlock: full[u] needs the producer at count
+  u + L, which needs empty of count u + L - S <= u - 2, which the consumers arrive at once they issued count u - 1.
   """
-  count, stages = plan.block_n // 2, plan.stages
+  count, stages, lag = plan.block_n // 2, plan.stages, plan.copy_lag
   consumers = plan.warpgroups * WARPGROUP_THREADS
   registers = plan.block_n > 128   # 128 x 128 consumers fit the launch's cap of 168 registers
   return [
@@ -616,16 +626,18 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
     f"        if (counted >= {stages}) barrier_wait(empty + 8 * stage, (counted / {stages} - 1) & 1);",
     "        copy_step(step, stage);",
     '        asm volatile("cp.async.commit_group;" ::: "memory");',
-    "        if (counted > 0) {",
-    '          asm volatile("cp.async.wait_group 1;" ::: "memory");',
+    f"        if (counted >= {lag}) {{",
+    f'          asm volatile("cp.async.wait_group {lag};" ::: "memory");',
     '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-    f"          barrier_arrive(full + 8 * ((counted - 1) % {stages}));",
+    f"          barrier_arrive(full + 8 * ((counted - {lag}) % {stages}));",
     "        }",
     "      }",
     "    }",
     '    asm volatile("cp.async.wait_group 0;" ::: "memory");',
     '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-    f"    if (counted > 0) barrier_arrive(full + 8 * ((counted - 1) % {stages}));",
+    # the last `lag` counts' stages (fewer where the CTA had fewer steps)
+    f"    for (int landed = counted < {lag} ? 0 : counted - {lag}; landed < counted; landed++)",
+    f"      barrier_arrive(full + 8 * (landed % {stages}));",
     "  } else {",
     *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {consumer_registers(plan)};");'] if registers else []),
     f"    float acc[{count}];",
