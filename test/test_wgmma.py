@@ -331,6 +331,45 @@ def test_tensor_matmul_takes_wgmma_end_to_end(monkeypatch, compiles, widened: bo
   _check(a, b, result.cast(dtypes.float32).numpy().astype(np.float64).reshape(-1), "float16")
 
 
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_split_k_by_the_wgmma_model(monkeypatch, precision: str) -> None:
+  """On an emulated H100 a matmul with few outputs and a long K splits by the WGMMA grid model (one 128 x 128 tile
+  over K = 2048: the reduce in parts, each a CTA): bfloat16 factors (either layout) and TF32 ones read along K run
+  the split as one batched WGMMA kernel whose parts the consumer adds; TF32 factors that need staging (g^T of a
+  weight gradient) run WGMMA whole instead of a split on other tensor cores. Against PyTorch in float64."""
+  from ourgrad.codegen.opt import split_reduce
+  from ourgrad.engine import realize
+  from ourgrad.helpers import set_float32_matmul_precision
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA_SM90"))
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(2, 2048))   # small outputs may split
+  from ourgrad.engine import operand_staging
+  for module in (tensor_core_plans, operand_staging): monkeypatch.setattr(module, "WGMMA_MIN_WORK", 1)
+  realize._runner_cache.clear()
+  set_float32_matmul_precision("high")
+  try:
+    rng = np.random.default_rng(7)
+    dtype = dtypes.bfloat16 if precision == "bf16" else dtypes.float32
+    a, b = (Tensor(rng.standard_normal((128, 2048)).astype(np.float32), device="PYTHON").cast(dtype).realize()
+            for _ in range(2))
+    a_t = a.T.contiguous().realize()
+    cases = {"along_k": (lambda: a @ b.T, True), "staged": (lambda: a_t.T @ b.T, precision == "bf16")}
+    for name, (build, splits) in cases.items():
+      kernels = [Kernel(item.ast, Device["PYTHON"].renderer) for item in create_schedule([build().lazydata])
+                 if item.ast.op is not None]
+      for kernel in kernels: kernel.hand_coded_optimizations()
+      plans = [kernel.wgmma[0] for kernel in kernels if kernel.wgmma is not None]
+      assert len(plans) == 1, (name, [kernel.name for kernel in kernels])
+      assert (plans[0].batch > 1) == splits, (name, plans[0])
+      got = build().cast(dtypes.float32).numpy().astype(np.float64)
+      a64, b64 = (torch.tensor(x.cast(dtypes.float32).numpy(), dtype=torch.float64) for x in (a, b))
+      reference = (a64 @ b64.T).numpy()
+      error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
+      assert error < (1e-2 if precision == "bf16" else 2e-3), (name, error)
+  finally:
+    set_float32_matmul_precision("highest")
+    realize._runner_cache.clear()
+
+
 # ================================================================ on an H100
 
 CUDA = device_opens("CUDA") and getattr(Device["CUDA"].renderer, "has_wgmma", False)
