@@ -606,7 +606,9 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
   """
   count, stages, lag = plan.block_n // 2, plan.stages, plan.copy_lag
   consumers = plan.warpgroups * WARPGROUP_THREADS
-  registers = plan.block_n > 128   # 128 x 128 consumers fit the launch's cap of 168 registers
+  # 128 x 128 consumers fit the launch's cap of 168 registers; setmaxnreg may only raise the consumers' count (a
+  # lone consumer warpgroup already has more at launch)
+  registers = plan.block_n > 128 and consumer_registers(plan) > launch_registers(plan.threads, plan.ctas_per_sm)
   return [
     f"  unsigned full = shared_base + {stages * plan.stage_bytes}, empty = full + {8 * stages};",
     "  if (threadIdx.x == 0) {",
