@@ -789,6 +789,7 @@ class Kernel(SharedTileLayout):
     if self.wgmma is not None:
       plan = self.wgmma[0]
       sizes += f"_wgmma{plan.block_m}x{plan.block_n}{'_ws' if plan.specialized else ''}{'_deep' if plan.deep else ''}"
+      sizes += (f"_c{plan.ctas_per_sm}" if plan.ctas_per_sm > 1 else "") + ("_p" if plan.persistent_ctas else "")
     return f"{prefix}_{sizes}"
 
   def colored_shape(self) -> str:
