@@ -114,11 +114,12 @@ WGMMA_FEED_BYTES_PER_SECOND = 58e9
 # a tile's fixed costs: its pipeline's fill (the first stage from DRAM/L2) and its accumulators' stores per second
 WGMMA_FILL_SECONDS = 1.5e-6
 WGMMA_STORE_BYTES_PER_SECOND = 40e9
-# the candidates: rows per CTA (64 per consumer warpgroup), N tiles, CTAs per multiprocessor, stages at most (more
-# shared memory buys no speed past 6 on the H200)
+# the candidates: rows per CTA (64 per consumer warpgroup), N tiles, CTAs per multiprocessor, one CTA per tile or a
+# persistent grid, stages at most (more shared memory buys no speed past 6 on the H200)
 WGMMA_BLOCK_MS = (128, 64)
 WGMMA_BLOCK_NS = (256, 192, 128, 64)
 WGMMA_CTAS_PER_SM = (1, 2)
+WGMMA_PERSISTENT = (False, True)
 WGMMA_MOST_STAGES = 6
 
 
@@ -185,7 +186,7 @@ def wgmma_grids(batch: int, m: int, n: int, k: int, itemsize: int, shared_bytes:
                            block_m=block_m, block_n=block_n, stages=stages, specialized=True, ctas_per_sm=ctas,
                            a_k_major=True, b_k_major=True)
           except ValueError: continue
-          grids += [WgmmaGrid(block_m, block_n, stages, ctas, persistent, parts) for persistent in (False, True)]
+          grids += [WgmmaGrid(block_m, block_n, stages, ctas, persistent, parts) for persistent in WGMMA_PERSISTENT]
   return grids
 
 
