@@ -128,6 +128,9 @@ PLANS = {
   # stages counted across tiles), TF32
   "bf16_128x192_specialized": dict(dtype="bfloat16", block_n=192, stages=4, specialized=True),
   "f16_specialized_lag1": dict(dtype="float16", block_n=128, stages=5, specialized=True, copy_lag=1),
+  "tf32_192x192_persistent": dict(dtype="float32", block_m=192, block_n=192, stages=4, specialized=True,
+                                  persistent_ctas=5, b_k_major=True),
+  "bf16_256x128_specialized": dict(dtype="bfloat16", block_m=256, block_n=128, stages=4, specialized=True),
   "f16_64x128_two_ctas": dict(dtype="float16", block_m=64, block_n=128, stages=4, specialized=True, ctas_per_sm=2),
   "bf16_persistent_5_ctas": dict(dtype="bfloat16", block_n=128, stages=3, specialized=True, persistent_ctas=5),
   "tf32_persistent_192": dict(dtype="float32", block_n=192, stages=5, specialized=True, persistent_ctas=7,

@@ -63,13 +63,14 @@ def before_grid(m: int, n: int, processors: int) -> WgmmaGrid:
 def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int) -> list[tuple[str, WgmmaGrid, int]]:
   """(label, grid, copy lag): before (its producer one step of copies ahead, as before copy_lag), the model's choice
   (with the default lag, stages - 2, and with 1), every 128-row grid of N tile 128 or more (persistent or not)
-  unsplit, the model's best 64-row grid and its best split into 2 and into 4 parts, then its next `top` ranked grids
-  (no repeats): the spread the model's constants are fitted on."""
+  unsplit, the model's best 64-, 192- and 256-row grids and its best split into 2 and into 4 parts, then its next
+  `top` ranked grids (no repeats): the spread the model's constants are fitted on."""
   ranked = sorted(wgmma_grids(1, m, n, k, itemsize, SHARED_BYTES, split=True),
                   key=lambda grid: wgmma_seconds(grid, 1, m, n, k, itemsize, processors))
   chosen = [("before", before_grid(m, n, processors)), ("model", ranked[0])]
   chosen += [("tile", grid) for grid in ranked if grid.parts == 1 and grid.block_m == 128 and grid.block_n >= 128]
-  chosen += [("64rows", grid) for grid in ranked if grid.parts == 1 and grid.block_m == 64][:1]
+  for rows_ in (64, 192, 256):
+    chosen += [(f"{rows_}rows", grid) for grid in ranked if grid.parts == 1 and grid.block_m == rows_][:1]
   for parts in (2, 4): chosen += [(f"split{parts}", grid) for grid in ranked if grid.parts == parts][:1]
   chosen += [(f"rank{number}", grid) for number, grid in enumerate(ranked[1:top + 1], 1)]
   unique, seen = [("before", chosen[0][1], 1), ("model", ranked[0], 0), ("lag1", ranked[0], 1)], set()

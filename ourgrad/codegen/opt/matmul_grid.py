@@ -114,9 +114,10 @@ WGMMA_FEED_BYTES_PER_SECOND = 58e9
 # a tile's fixed costs: its pipeline's fill (the first stage from DRAM/L2) and its accumulators' stores per second
 WGMMA_FILL_SECONDS = 1.5e-6
 WGMMA_STORE_BYTES_PER_SECOND = 40e9
-# the candidates: rows per CTA (64 per consumer warpgroup), N tiles, CTAs per multiprocessor, one CTA per tile or a
+# the candidates: rows per CTA (64 per consumer warpgroup: 192 x 192 and 256 x 128 feed more multiply-adds a byte
+# than 128 x 192, within the registers of 512 and 640 threads), N tiles, CTAs per multiprocessor, one CTA per tile or a
 # persistent grid, stages at most (more shared memory buys no speed past 6 on the H200)
-WGMMA_BLOCK_MS = (128, 64)
+WGMMA_BLOCK_MS = (128, 256, 192, 64)
 WGMMA_BLOCK_NS = (256, 192, 128, 64)
 WGMMA_CTAS_PER_SM = (1, 2)
 WGMMA_PERSISTENT = (False, True)
