@@ -34,7 +34,8 @@ except ImportError:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ourgrad.codegen.opt.matmul_grid import WgmmaGrid, wgmma_grids, wgmma_seconds  # noqa: E402
+from ourgrad.codegen.opt.matmul_grid import (WGMMA_BLOCK_MS, WGMMA_TALL_BLOCK_MS, WgmmaGrid, wgmma_grids,  # noqa: E402
+                                              wgmma_seconds)
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul  # noqa: E402
 
 TOKENS, WIDTH, VOCAB = 8 * 512, 768, 50304
@@ -61,19 +62,23 @@ def before_grid(m: int, n: int, processors: int) -> WgmmaGrid:
 
 
 def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int) -> list[tuple[str, WgmmaGrid, int]]:
-  """(label, grid, copy lag): before (its producer one step of copies ahead, as before copy_lag), the model's choice
-  (with the default lag, stages - 2, and with 1), every 128-row grid of N tile 128 or more (persistent or not)
-  unsplit, the model's best 64-, 192- and 256-row grids and its best split into 2 and into 4 parts, then its next
-  `top` ranked grids (no repeats): the spread the model's constants are fitted on."""
-  ranked = sorted(wgmma_grids(1, m, n, k, itemsize, SHARED_BYTES, split=True),
+  """(label, grid, copy lag): before, the model's choice (with the default copy lag, 1, and with stages - 2), every
+  128-row grid of N tile 128 or more (persistent or not) unsplit, the best 64-, 192- and 256-row grids and the
+  model's best split into 2 and into 4 parts, then its next `top` ranked grids (no repeats): the spread the model's
+  constants are fitted on."""
+  def rank(block_ms: tuple[int, ...]) -> list[WgmmaGrid]:
+    return sorted(wgmma_grids(1, m, n, k, itemsize, SHARED_BYTES, split=True, block_ms=block_ms),
                   key=lambda grid: wgmma_seconds(grid, 1, m, n, k, itemsize, processors))
+  ranked, tall = rank(WGMMA_BLOCK_MS), rank(WGMMA_TALL_BLOCK_MS)
   chosen = [("before", before_grid(m, n, processors)), ("model", ranked[0])]
   chosen += [("tile", grid) for grid in ranked if grid.parts == 1 and grid.block_m == 128 and grid.block_n >= 128]
   for rows_ in (64, 192, 256):
-    chosen += [(f"{rows_}rows", grid) for grid in ranked if grid.parts == 1 and grid.block_m == rows_][:1]
+    chosen += [(f"{rows_}rows", grid) for grid in ranked + tall if grid.parts == 1 and grid.block_m == rows_][:1]
   for parts in (2, 4): chosen += [(f"split{parts}", grid) for grid in ranked if grid.parts == parts][:1]
   chosen += [(f"rank{number}", grid) for number, grid in enumerate(ranked[1:top + 1], 1)]
-  unique, seen = [("before", chosen[0][1], 1), ("model", ranked[0], 0), ("lag1", ranked[0], 1)], set()
+  # the producer's lead: 1 (the default) and stages - 2 on the model's grid
+  unique, seen = [("before", chosen[0][1], 1), ("model", ranked[0], 0),
+                  ("lag", ranked[0], max(1, ranked[0].stages - 2))], set()
   for label, grid in chosen[1:]:
     if grid in seen: continue
     seen.add(grid)

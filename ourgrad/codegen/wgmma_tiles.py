@@ -148,8 +148,9 @@ class WgmmaMatmul:
   # a persistent grid of this many CTAs (the multiprocessors x ctas_per_sm), each looping over tiles (its next tile's
   # copies overlap its epilogue; specialized only); 0: one CTA per tile
   persistent_ctas: int = 0
-  # the specialized producer's K steps of copies in flight beyond the one it just issued (0: stages - 2, the most
-  # that cannot deadlock; 1 waits for each step's copies before issuing the one after next)
+  # the specialized producer's K steps of copies in flight beyond the one it just issued: 1 (0: that) waits for each
+  # step's copies before issuing the one after next; up to stages - 2 (the most that cannot deadlock) keep more in
+  # flight, measured 2-4% slower on the H200 (bench_wgmma_grid_h200_s11.txt)
   copy_lag: int = 0
 
   def __post_init__(self):
@@ -178,7 +179,7 @@ class WgmmaMatmul:
     if self.m % self.block_m or self.n % self.block_n or self.k % self.block_k:
       raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n} is not a multiple of its block tile "
                        f"{self.block_m}x{self.block_k}x{self.block_n}")
-    if not self.copy_lag: object.__setattr__(self, "copy_lag", max(1, self.stages - 2))
+    if not self.copy_lag: object.__setattr__(self, "copy_lag", 1)
     if not 1 <= self.copy_lag <= max(1, self.stages - 2):
       raise ValueError(f"wgmma producer with {self.copy_lag} steps of copies in flight over {self.stages} stages: "
                        f"1 to {max(1, self.stages - 2)}")
@@ -237,7 +238,7 @@ class WgmmaMatmul:
       ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "") + \
       (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "") + \
       (f"_p{self.persistent_ctas}" if self.persistent_ctas else "") + \
-      (f"_lag{self.copy_lag}" if self.specialized and self.copy_lag != max(1, self.stages - 2) else "")
+      (f"_lag{self.copy_lag}" if self.specialized and self.copy_lag != 1 else "")
     dtype = "tf32" if self.dtype == "float32" else self.dtype
     dense = (self.k if self.a_k_major else self.m), (self.k if self.b_k_major else self.n)
     strides = (self.a_row_stride, self.b_row_stride)

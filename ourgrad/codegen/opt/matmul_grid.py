@@ -98,28 +98,38 @@ def split_k_parts(batch: int, m: int, n: int, k: int, processors: int) -> int:
 # ---------------------------------------------------------------- the grid of a WGMMA matmul (codegen/wgmma_tiles.py)
 #
 # A WGMMA block tile streams (block_m + block_n) x K operand bytes from L2 through shared memory into the tensor cores
-# and does block_m x block_n x K multiply-adds: a multiprocessor runs it at the slower of its tensor-core rate and its
-# operand feed over that tile's intensity (multiply-adds per byte). The feed is the limit the H200 shows (ncu of the
-# GPT-2 step, probe_s11): 128x128 TF32 tiles (16 multiply-adds a byte) keep the tensor pipe ~50% busy, 128x256 ones
-# (21.3 a byte) 60-70%: about 58 GB/s of operands per multiprocessor (7.7 TB/s over 132). Blocks run in waves of
-# multiprocessors x CTAs per multiprocessor; the CTAs sharing a multiprocessor share its rates. Each tile also pays a
-# fill (its first stage's latency) and an epilogue (its accumulators stored) that a second resident CTA or a
-# persistent CTA's next tile hides, except the last. Split-K multiplies the tiles by the parts as the float32 path
-# does (SPLIT_SECONDS, SPLIT_BYTES_PER_SECOND: float32 partials written, then read by the consumer).
+# and does block_m x block_n x K multiply-adds: a multiprocessor runs it at the slower of its tensor cores' sustained
+# rate and its operand feed over that tile's intensity (multiply-adds per byte). The feed is the limit the H200 shows
+# (ncu of the GPT-2 step, probe_s11): 128x128 TF32 tiles (16 multiply-adds a byte) keep the tensor pipe ~50% busy,
+# 128x256 ones (21.3 a byte) 60-70%. Blocks run in waves of multiprocessors x CTAs per multiprocessor; each tile also
+# pays a fill (its first stages' latency) and an epilogue (its accumulators stored). A persistent CTA's next tile
+# hides a little of that per wave; a second resident CTA would hide it all (unmeasured: not ranked). Split-K
+# multiplies the tiles by the parts as the float32 path does (SPLIT_SECONDS, SPLIT_BYTES_PER_SECOND: float32 partials
+# written, then read by the consumer).
+# Fitted on the H200 (extra/bench/results/bench_wgmma_grid_h200_s11.txt: 147 unsplit and split grids of the GPT-2
+# Linear shapes, TF32 and bfloat16, least squares of log time): feed 58 GB/s a multiprocessor (7.7 TB/s over 132),
+# tensor cores at 65% of their dense peak, 5 us of fill, stores at 60 GB/s; predictions within 0.77-1.26x of the
+# measured times; a persistent grid saved 0.7-0.8 us a wave (lm-head forward: 64 and 95 waves).
 
 # dense multiply-adds per second of one H100/H200 multiprocessor, by operand bytes (989 TFLOP/s float16/bfloat16,
-# 495 TF32, on 132) and the operand bytes per second its shared-memory feed sustains (fitted, see above)
+# 495 TF32, on 132), the share of it a WGMMA tile sustains, and the operand bytes per second its feed sustains
 WGMMA_TENSOR_MACS = {2: 989e12 / 2 / 132, 4: 495e12 / 2 / 132}
+WGMMA_TENSOR_SHARE = 0.65
 WGMMA_FEED_BYTES_PER_SECOND = 58e9
-# a tile's fixed costs: its pipeline's fill (the first stage from DRAM/L2) and its accumulators' stores per second
-WGMMA_FILL_SECONDS = 1.5e-6
-WGMMA_STORE_BYTES_PER_SECOND = 40e9
-# the candidates: rows per CTA (64 per consumer warpgroup: 192 x 192 and 256 x 128 feed more multiply-adds a byte
-# than 128 x 192, within the registers of 512 and 640 threads), N tiles, CTAs per multiprocessor, one CTA per tile or a
-# persistent grid, stages at most (more shared memory buys no speed past 6 on the H200)
-WGMMA_BLOCK_MS = (128, 256, 192, 64)
+# a tile's fixed costs: its pipeline's fill and its accumulators' stores per second; what a persistent CTA's next
+# tile hides of them each wave
+WGMMA_FILL_SECONDS = 5e-6
+WGMMA_STORE_BYTES_PER_SECOND = 60e9
+WGMMA_PERSISTENT_HIDDEN_SECONDS = 0.75e-6
+# the candidates: rows per CTA (64 per consumer warpgroup), N tiles, CTAs per multiprocessor, one CTA per tile or a
+# persistent grid, stages at most (more shared memory buys no speed past 6 on the H200). The kernel also takes 192
+# and 256 rows (192 x 192 and 256 x 128 feed more multiply-adds a byte than 128 x 192, within the registers of 512
+# and 640 threads: WGMMA_TALL_BLOCK_MS) and 2 CTAs per multiprocessor; not yet measured, those are BEAM's and the
+# benchmark's to try, not ranked here
+WGMMA_BLOCK_MS = (128, 64)
+WGMMA_TALL_BLOCK_MS = (256, 192)
 WGMMA_BLOCK_NS = (256, 192, 128, 64)
-WGMMA_CTAS_PER_SM = (1, 2)
+WGMMA_CTAS_PER_SM = (1,)
 WGMMA_PERSISTENT = (False, True)
 WGMMA_MOST_STAGES = 6
 
@@ -153,31 +163,31 @@ def wgmma_seconds(grid: WgmmaGrid, batch: int, m: int, n: int, k: int, itemsize:
   tiles = batch * grid.parts * (m // grid.block_m) * (n // grid.block_n)
   part_k = k // grid.parts
   macs = grid.block_m * grid.block_n * part_k
-  main = max(macs / WGMMA_TENSOR_MACS[itemsize], (grid.block_m + grid.block_n) * part_k * itemsize /
-             WGMMA_FEED_BYTES_PER_SECOND)
+  main = max(macs / (WGMMA_TENSOR_MACS[itemsize] * WGMMA_TENSOR_SHARE),
+             (grid.block_m + grid.block_n) * part_k * itemsize / WGMMA_FEED_BYTES_PER_SECOND)
   stored = grid.block_m * grid.block_n * (4 if grid.parts > 1 else out_itemsize)
   overhead = WGMMA_FILL_SECONDS + stored / WGMMA_STORE_BYTES_PER_SECOND
   slots = max(processors, 1) * grid.ctas_per_sm
   waves = math.ceil(tiles / slots)
-  if grid.ctas_per_sm == 1 and not grid.persistent: seconds = waves * (main + overhead)
-  # a second resident CTA (or the persistent CTA's next tile) runs while one fills or stores: only the last shows
-  else: seconds = waves * grid.ctas_per_sm * main + overhead
+  # a second resident CTA runs while one fills or stores: only the last shows
+  if grid.ctas_per_sm > 1: seconds = waves * grid.ctas_per_sm * main + overhead
+  else: seconds = waves * (main + overhead) - (waves - 1) * WGMMA_PERSISTENT_HIDDEN_SECONDS * grid.persistent
   if grid.parts > 1: seconds += SPLIT_SECONDS + 2 * grid.parts * batch * m * n * 4 / SPLIT_BYTES_PER_SECOND
   return seconds
 
 
-def wgmma_grids(batch: int, m: int, n: int, k: int, itemsize: int, shared_bytes: int,
-                split: bool = False) -> list[WgmmaGrid]:
+def wgmma_grids(batch: int, m: int, n: int, k: int, itemsize: int, shared_bytes: int, split: bool = False,
+                block_ms: tuple[int, ...] = WGMMA_BLOCK_MS) -> list[WgmmaGrid]:
   """Every grid the WGMMA kernel can run for the matmul, in order of preference where times tie (larger tiles, one
   CTA per multiprocessor, not persistent, no split first); with `split`, also each split of K into SPLIT_PARTS that
-  keeps whole 128-byte steps of at least SPLIT_MIN_PART elements."""
+  keeps whole 128-byte steps of at least SPLIT_MIN_PART elements; `block_ms`: the rows per CTA tried."""
   from ourgrad.codegen.wgmma_tiles import WgmmaMatmul   # the kernel's own checks (registers) decide what is valid
   block_k = ROW_BYTES // itemsize
   options = [1] + [parts for parts in SPLIT_PARTS if split and k % (parts * block_k) == 0 and
                    k // parts >= SPLIT_MIN_PART]
   grids = []
   for parts in options:
-    for block_m in WGMMA_BLOCK_MS:
+    for block_m in block_ms:
       for block_n in WGMMA_BLOCK_NS:
         if m % block_m or n % block_n: continue
         for ctas in WGMMA_CTAS_PER_SM:
