@@ -25,9 +25,9 @@ from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.codegen.opt.cpu_tiles import cpu_reduce_parts
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
-from ourgrad.codegen.opt.matmul_grid import split_k_parts
+from ourgrad.codegen.opt.matmul_grid import split_k_parts, wgmma_split_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
-from ourgrad.helpers import MATMUL_GRID, prod
+from ourgrad.helpers import MATMUL_GRID, prod, tf32_allowed
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, ELEMENTWISE_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
@@ -350,8 +350,28 @@ class LazyBuffer:
     if leaves_device_idle(SplitFacts.of(renderer), ReduceKind.MATMUL, prod(out_shape)): return None
     dims = self._dense_matmul_dims(axes)
     if dims is None: return None
-    parts = split_k_parts(1, *dims, getattr(renderer, "multiprocessors", 0))
+    processors = getattr(renderer, "multiprocessors", 0)
+    wgmma_itemsize = self._wgmma_split_itemsize(dims) if getattr(renderer, "has_wgmma", False) else None
+    if wgmma_itemsize == 0: return None   # WGMMA runs it whole (its split could not: see _wgmma_split_itemsize)
+    if wgmma_itemsize is not None:
+      parts = wgmma_split_parts(1, *dims, wgmma_itemsize, processors, renderer.dynamic_local_memory_bytes)
+    else: parts = split_k_parts(1, *dims, processors)
     return parts if 1 < parts <= MATMUL_SUM_PARTS else None
+
+  def _wgmma_split_itemsize(self, dims: tuple[int, int, int]) -> int | None:
+    """On a device with WGMMA, for this dense float32 matmul (_dense_matmul_dims `dims`): the operand bytes the
+    WGMMA grid model splits it by (matmul_grid.wgmma_split_parts): 2 where both factors widen float16/bfloat16 data
+    (the instruction reads either layout), 4 where both are float32 read along K (TF32 allowed: it cannot transpose,
+    and operand staging, engine/operand_staging.py, stages no split's operands); 0 where WGMMA takes it only unsplit
+    (float32 factors to stage); None where WGMMA does not take it (sizes off its 64 tile, float32 without TF32)."""
+    m, n, _ = dims
+    if m % 64 or n % 64: return None
+    factors = self.base.srcs
+    low = [src.base.srcs[0].dtype for src in factors if src.base.op is Ops.CAST and src.base.srcs]
+    if len(low) == 2 and low[0] == low[1] and low[0] in (dtypes.float16, dtypes.bfloat16): return 2
+    if not all(src.dtype == dtypes.float32 for src in factors) or not tf32_allowed(): return None
+    along_k = all(len(src.st.views) == 1 and src.st.views[-1].strides[-1] == 1 for src in factors)
+    return 4 if along_k else 0
 
   def _cpu_matmul_split_parts(self, axes: tuple[int, ...]) -> int | None:
     """Reduce blocks for a float32 matmul on a CPU (cpu_tiles.cpu_reduce_parts): where the operand streamed along N

@@ -129,6 +129,9 @@ PLANS: list[Plan] = [
   ThinMatmulPlan(True, 8, 32, 4), ConvTilePlan(CONV_TILES[2]), TensorCoreConvPlan(1, batch_warps=False, k_steps=1),
   WeightGradientPlan(WEIGHT_GRADIENT_TILES[0]),
   OptsPlan("search", (Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.SHARED, 0, 4))),
+  # the WGMMA grid fields, and a BEAM result holding a WGMMA Opt whose arg is a WgmmaTile
+  WgmmaPlan(192, 5, specialized=True, block_m=64, ctas_per_sm=2, persistent=True),
+  OptsPlan("search", (WgmmaPlan(128, 6, specialized=True, persistent=True).opt,)),
 ]
 
 
@@ -140,7 +143,8 @@ def test_plan_json_round_trip_and_repr(plan: Plan) -> None:
 
 
 def test_readable_reprs() -> None:
-  assert repr(WgmmaPlan(256, 4, specialized=True)) == "WgmmaPlan(block_n=256, stages=4, specialized=True, deep=False)"
+  assert repr(WgmmaPlan(256, 4, specialized=True)) == ("WgmmaPlan(block_n=256, stages=4, specialized=True, deep=False, "
+                                                       "block_m=128, ctas_per_sm=1, persistent=False)")
   assert "SharedStructure(pad 4, VECTOR_FILL|TWO_BLOCKS|ROW_SKEW)" in repr(PLANS[4])
 
 

@@ -14,7 +14,8 @@ import torch
 
 from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import WGMMA_DEEP, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps
-from ourgrad.codegen.opt import tensor_core_plans
+from ourgrad.codegen.opt import matmul_grid, tensor_core_plans
+from ourgrad.codegen.opt.tensor_core_plans import WgmmaPlan
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, accumulator_position, descriptor, render_wgmma_matmul, swizzled
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import bfloat16_bits_to_float32
@@ -27,7 +28,7 @@ from ourgrad.runtime.wgmma_emulator import emulate_wgmma_matmul, from_float, rea
 from helpers import device_opens, nvrtc_compiler
 
 NVRTC = nvrtc_compiler()
-TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 OURGRAD_DTYPE = {"float16": dtypes.float16, "bfloat16": dtypes.bfloat16}
 
 
@@ -79,7 +80,9 @@ def test_k_major_operand_reads_back_through_its_descriptor() -> None:
 # ================================================================ the emulated kernel against float64
 
 def _bits(rng: np.random.Generator, count: int, dtype: str) -> np.ndarray:
-  return from_float(rng.standard_normal(count).astype(np.float32), dtype)
+  """Random operand elements as the kernel reads them: 16-bit patterns, or float32 bits (TF32)."""
+  values = from_float(rng.standard_normal(count).astype(np.float32), dtype)
+  return values.view(np.uint32) if dtype == "float32" else values
 
 
 def _emulated_error(plan: WgmmaMatmul, seed: int = 0) -> tuple[float, float]:
@@ -88,8 +91,11 @@ def _emulated_error(plan: WgmmaMatmul, seed: int = 0) -> tuple[float, float]:
   a, b = _bits(rng, plan.m * plan.k, plan.dtype), _bits(rng, plan.k * plan.n, plan.dtype)
   a64 = to_float(a, plan.dtype).astype(np.float64).reshape(plan.m, plan.k)
   b64 = to_float(b, plan.dtype).astype(np.float64).reshape(plan.k, plan.n)
-  stored_b = from_float(b64.T.astype(np.float32).reshape(-1), plan.dtype) if plan.b_k_major else b
-  stored_a = a if plan.a_k_major else from_float(a64.T.astype(np.float32).reshape(-1), plan.dtype)
+  def stored(values: np.ndarray) -> np.ndarray:   # transposed operands, stored as the kernel's bits
+    bits = from_float(values.astype(np.float32).reshape(-1), plan.dtype)
+    return bits.view(np.uint32) if plan.dtype == "float32" else bits
+  stored_b = stored(b64.T) if plan.b_k_major else b
+  stored_a = a if plan.a_k_major else stored(a64.T)
   c = np.zeros(plan.m * plan.n, np.float32 if plan.out_dtype == "float32" else np.uint16)
   emulate_wgmma_matmul(plan, c, stored_a, stored_b)
   got = (c if plan.out_dtype == "float32" else to_float(c, plan.out_dtype)).reshape(plan.m, plan.n)
@@ -117,6 +123,20 @@ PLANS = {
   "bf16_a_kxm_specialized_256x128": dict(dtype="bfloat16", block_m=256, block_n=128, stages=4, specialized=True,
                                          a_k_major=False),
   "f16_a_kxm_deep": dict(dtype="float16", deep=True, a_k_major=False),
+  # grid variants (codegen/opt/matmul_grid.py's model picks among them): a 192-wide N tile, one consumer warpgroup
+  # with 2 CTAs per multiprocessor, persistent CTAs looping over tiles (fewer CTAs than tiles: several each, their
+  # stages counted across tiles), TF32
+  "bf16_128x192_specialized": dict(dtype="bfloat16", block_n=192, stages=4, specialized=True),
+  "f16_specialized_lag3": dict(dtype="float16", block_n=128, stages=5, specialized=True, copy_lag=3),
+  "tf32_192x192_persistent": dict(dtype="float32", block_m=192, block_n=192, stages=4, specialized=True,
+                                  persistent_ctas=5, b_k_major=True),
+  "bf16_256x128_specialized": dict(dtype="bfloat16", block_m=256, block_n=128, stages=4, specialized=True),
+  "f16_64x128_two_ctas": dict(dtype="float16", block_m=64, block_n=128, stages=4, specialized=True, ctas_per_sm=2),
+  "bf16_persistent_5_ctas": dict(dtype="bfloat16", block_n=128, stages=3, specialized=True, persistent_ctas=5),
+  "tf32_persistent_192": dict(dtype="float32", block_n=192, stages=5, specialized=True, persistent_ctas=7,
+                              a_k_major=True, b_k_major=True),
+  "tf32_64x128_persistent_two_ctas": dict(dtype="float32", block_m=64, block_n=128, stages=3, specialized=True,
+                                          ctas_per_sm=2, persistent_ctas=4, b_k_major=True),
 }
 
 
@@ -131,6 +151,18 @@ def test_emulated_kernel_matches_float64(name: str) -> None:
   if NVRTC is not None:
     info = NVRTC.ptxas_info(render_wgmma_matmul(plan))
     assert "0 bytes spill stores" in info or "ptxas info" not in info, info   # some NVRTC builds log nothing here
+
+
+def test_producer_copy_lag() -> None:
+  """The specialized producer waits for the copies of the step `copy_lag` behind the one it issued (default 1: each
+  step's before the one after next) and marks that step's stage full; up to stages - 2 (the most that cannot
+  deadlock), more is refused."""
+  source = render_wgmma_matmul(WgmmaMatmul(256, 256, 512, block_n=128, stages=6, specialized=True))
+  assert "cp.async.wait_group 1;" in source and "(counted - 1) % 6" in source
+  lag4 = WgmmaMatmul(256, 256, 512, block_n=128, stages=6, specialized=True, copy_lag=4)
+  assert "cp.async.wait_group 4;" in render_wgmma_matmul(lag4) and lag4.name.endswith("_lag4")
+  with pytest.raises(ValueError): WgmmaMatmul(256, 256, 512, block_n=128, stages=6, specialized=True, copy_lag=5)
+  if NVRTC is not None: NVRTC.compile(render_wgmma_matmul(lag4))
 
 
 def test_exchanged_descriptor_strides_give_wrong_results() -> None:
@@ -203,22 +235,50 @@ def test_heuristic_takes_wgmma_only_where_it_fits(monkeypatch) -> None:
     kernel = Kernel(create_schedule([epilogue(a @ b).lazydata])[-1].ast, renderer)
     kernel.hand_coded_optimizations()
     return kernel.applied_opts
-  wide, narrow = tensor_core_plans.WGMMA_TILES
-  WIDE, NARROW = wide.opt, narrow.opt
-  assert (wide.block_n, narrow.block_n) == (256, 128)
+  def modeled(m: int, n: int, k: int, out_itemsize: int = 2, processors: int = 132) -> list[Opt]:
+    """The opt of the grid the model predicts fastest, computed here from the model's own functions."""
+    grid = matmul_grid.fastest_wgmma_grid(1, m, n, k, 2, processors, hopper.dynamic_local_memory_bytes, out_itemsize)
+    return [WgmmaPlan(grid.block_n, grid.stages, True, block_m=grid.block_m, ctas_per_sm=grid.ctas_per_sm,
+                      persistent=grid.persistent).opt]
   a, b = Tensor.empty(256, 128, dtype=dtypes.float16), Tensor.empty(128, 512, dtype=dtypes.float16)
-  assert opts(a, b) == [NARROW]   # 4 blocks of 128 x 256 would leave most multiprocessors idle
+  assert opts(a, b) == modeled(256, 512, 128)
   monkeypatch.setattr(hopper, "multiprocessors", 4)   # the renderer's count (CUDA reads it from the GPU)
-  assert opts(a, b) == [WIDE]
-  assert opts(a, Tensor.empty(128, 384, dtype=dtypes.float16)) == [NARROW]
+  assert opts(a, b) == modeled(256, 512, 128, processors=4)
+  assert opts(a, Tensor.empty(128, 384, dtype=dtypes.float16)) == modeled(256, 384, 128, processors=4)
   assert opts(a, b, PythonRenderer("CUDA"))[0] == Opt(OptOps.TC, 0, 0)
   assert OptOps.WGMMA not in [opt.op for opt in opts(a, b, epilogue=lambda x: x.relu())]
   ragged = opts(Tensor.empty(250, 128, dtype=dtypes.float16), b)
   assert OptOps.WGMMA not in [opt.op for opt in ragged] and Opt(OptOps.TC, 0, 0) in ragged
   # float16 inputs widened in the kernel are still a float16 matmul (float32 output); float32 inputs are not
-  assert opts(a.float(), b.float()) == [WIDE]
+  assert opts(a.float(), b.float()) == modeled(256, 512, 128, out_itemsize=4, processors=4)
   f32 = opts(Tensor.empty(256, 128), Tensor.empty(128, 512))
   assert OptOps.WGMMA not in [opt.op for opt in f32]
+  # without the multiprocessors' count, no model: the wide tile where its blocks fill them (with 0: always)
+  monkeypatch.setattr(hopper, "multiprocessors", 0)
+  assert opts(a, b) == [tensor_core_plans.WGMMA_TILES[0].opt]
+
+
+def test_model_fills_the_machine_on_gpt2_shapes() -> None:
+  """The grid model on an H200's 132 multiprocessors (TF32, K-major operands as staged): every choice fills at least
+  one wave of CTAs, or runs in one wave whose CTAs each take a larger share of the work than a fuller grid would
+  (the model's reason: fewer, larger tiles feed the tensor cores at a higher rate). The 4096 x 768 products take
+  the 192-wide tile (128 CTAs: one wave, where 128 x 128 took 192 in two), 768 x 768 x 4096 and the lm-head's input
+  gradient (K = 50304) split their reduce: the fastest of each row on the H200
+  (extra/bench/results/bench_wgmma_grid_h200_s11.txt: 0.074 ms against 0.086 for 128 x 256 and 0.125 for 128 x 128;
+  1.038 ms in 4 parts against 1.110 whole)."""
+  shared = CUDARenderer.dynamic_local_memory_bytes
+  for m, n, k in [(4096, 768, 768), (4096, 768, 3072), (768, 3072, 4096), (768, 768, 4096), (2304, 768, 4096),
+                  (4096, 2304, 768), (4096, 768, 50304), (4096, 50304, 768), (50304, 768, 4096)]:
+    grid = matmul_grid.fastest_wgmma_grid(1, m, n, k, 4, 132, shared, split=True)
+    ctas = grid.parts * (m // grid.block_m) * (n // grid.block_n)
+    waves = ctas / (132 * grid.ctas_per_sm)
+    before = matmul_grid.WgmmaGrid(128, 128, 6)
+    assert matmul_grid.wgmma_seconds(grid, 1, m, n, k, 4, 132) <= matmul_grid.wgmma_seconds(before, 1, m, n, k, 4, 132)
+    # a partial last wave only where the waves are many (its idle share small) or the grid runs persistent
+    assert waves >= 0.7 and (waves <= 1 or waves >= 3 or grid.persistent or waves % 1 >= 0.7), (m, n, k, grid, waves)
+  assert matmul_grid.fastest_wgmma_grid(1, 4096, 768, 3072, 4, 132, shared).block_n == 192
+  assert matmul_grid.fastest_wgmma_grid(1, 768, 768, 4096, 4, 132, shared, split=True).parts > 1
+  assert matmul_grid.fastest_wgmma_grid(1, 4096, 768, 50304, 4, 132, shared, split=True).parts == 4
 
 
 def test_wgmma_refuses_other_opts() -> None:
@@ -274,9 +334,48 @@ def test_tensor_matmul_takes_wgmma_end_to_end(monkeypatch, compiles, widened: bo
   a, b = _operands("float16", (512, 512), (512, 512), seed=4)
   result = (a.float() @ b.float() if widened else a @ b).realize()
   realize._runner_cache.clear()   # the kernels made for the emulated H100 stay out of later tests
-  assert any("wgmma128x128" in name for name in compiles), compiles   # 16 blocks: the narrow tile
+  assert any("wgmma" in name for name in compiles), compiles
   assert result.dtype == (dtypes.float32 if widened else dtypes.float16)
   _check(a, b, result.cast(dtypes.float32).numpy().astype(np.float64).reshape(-1), "float16")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_split_k_by_the_wgmma_model(monkeypatch, precision: str) -> None:
+  """On an emulated H100 a matmul with few outputs and a long K splits by the WGMMA grid model (one 128 x 128 tile
+  over K = 2048: the reduce in parts, each a CTA): bfloat16 factors (either layout) and TF32 ones read along K run
+  the split as one batched WGMMA kernel whose parts the consumer adds; TF32 factors that need staging (g^T of a
+  weight gradient) run WGMMA whole instead of a split on other tensor cores. Against PyTorch in float64."""
+  from ourgrad.codegen.opt import split_reduce
+  from ourgrad.engine import realize
+  from ourgrad.helpers import set_float32_matmul_precision
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA_SM90"))
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(2, 2048))   # small outputs may split
+  from ourgrad.engine import operand_staging
+  for module in (tensor_core_plans, operand_staging): monkeypatch.setattr(module, "WGMMA_MIN_WORK", 1)
+  realize._runner_cache.clear()
+  set_float32_matmul_precision("high")
+  try:
+    rng = np.random.default_rng(7)
+    dtype = dtypes.bfloat16 if precision == "bf16" else dtypes.float32
+    a, b = (Tensor(rng.standard_normal((128, 2048)).astype(np.float32), device="PYTHON").cast(dtype).realize()
+            for _ in range(2))
+    a_t = a.T.contiguous().realize()
+    cases = {"along_k": (lambda: a @ b.T, True), "staged": (lambda: a_t.T @ b.T, precision == "bf16")}
+    for name, (build, splits) in cases.items():
+      kernels = [Kernel(item.ast, Device["PYTHON"].renderer) for item in create_schedule([build().lazydata])
+                 if item.ast.op is not None]
+      for kernel in kernels: kernel.hand_coded_optimizations()
+      plans = [kernel.wgmma[0] for kernel in kernels if kernel.wgmma is not None]
+      assert len(plans) == 1, (name, [kernel.name for kernel in kernels])
+      assert (plans[0].batch > 1) == splits, (name, plans[0])
+      got = build().cast(dtypes.float32).numpy().astype(np.float64)
+      a64, b64 = (torch.tensor(x.cast(dtypes.float32).numpy(), dtype=torch.float64) for x in (a, b))
+      reference = (a64 @ b64.T).numpy()
+      error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
+      assert error < (1e-2 if precision == "bf16" else 2e-3), (name, error)
+  finally:
+    set_float32_matmul_precision("highest")
+    realize._runner_cache.clear()
 
 
 # ================================================================ on an H100

@@ -38,7 +38,7 @@ from ourgrad.codegen.shared_tiles import (SHARED_ASYNC, SHARED_ASYNC_MAX_STAGES,
 from ourgrad.codegen.matmul_operands import (is_plain_load, matmul_operands, operand_leaves,  # noqa: F401
                                             varying_axes)
 from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
-from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, plan_for_kernel
+from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, WgmmaTile, plan_for_kernel
 from ourgrad.codegen.uops import AxisType
 from ourgrad.helpers import DEBUG, colored, prod
 from ourgrad.ops import REDUCE_OPS, LazyOp, Ops, format_ast
@@ -457,10 +457,13 @@ class Kernel(SharedTileLayout):
     if not getattr(self.renderer, "has_wgmma", False):
       raise KernelOptError(f"WGMMA: {self.renderer.device} has no warpgroup MMA (CUDA sm_90)")
     if self.applied_opts: raise KernelOptError(f"WGMMA is the only opt of its kernel, after {self.applied_opts}")
-    specialized, deep = bool(opt.axis & WGMMA_SPECIALIZED), bool(opt.axis & WGMMA_DEEP)
-    stages = opt.axis % WGMMA_SPECIALIZED or WGMMA_DEFAULT_STAGES
+    tile = opt.arg
+    if tile is None:   # the older form: N tile, stages and kind in the amount and axis
+      tile = WgmmaTile(opt.amount or WGMMA_DEFAULT_N, opt.axis % WGMMA_SPECIALIZED or WGMMA_DEFAULT_STAGES,
+                       specialized=bool(opt.axis & WGMMA_SPECIALIZED), deep=bool(opt.axis & WGMMA_DEEP))
+    if not isinstance(tile, WgmmaTile): raise KernelOptError(f"WGMMA takes a WgmmaTile as its arg, got {tile!r}")
     try:
-      self.wgmma = plan_for_kernel(self, opt.amount or WGMMA_DEFAULT_N, stages, specialized, deep)
+      self.wgmma = plan_for_kernel(self, tile)
     except ValueError as error:
       raise KernelOptError(f"WGMMA: {error}") from None
 
@@ -786,6 +789,7 @@ class Kernel(SharedTileLayout):
     if self.wgmma is not None:
       plan = self.wgmma[0]
       sizes += f"_wgmma{plan.block_m}x{plan.block_n}{'_ws' if plan.specialized else ''}{'_deep' if plan.deep else ''}"
+      sizes += (f"_c{plan.ctas_per_sm}" if plan.ctas_per_sm > 1 else "") + ("_p" if plan.persistent_ctas else "")
     return f"{prefix}_{sizes}"
 
   def colored_shape(self) -> str:

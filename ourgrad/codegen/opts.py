@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Sequence
+from typing import Any, Sequence
 
 from ourgrad.codegen.shared_tiles import decode_shared_amount
 
@@ -41,18 +41,23 @@ class OptOps(Enum):
   TC = auto()       # tensor cores (GPU): the matmul-shaped reduce's 16x8x16 tiles go to one matrix instruction per
   #                   warp; `amount` picks the renderer's TensorCore (dtype), axis must be 0; see _apply_tensor_core
   WGMMA = auto()    # Hopper warpgroup MMA (CUDA sm_90a): a float16/bfloat16 matmul whose sizes are multiples of the
-  #                   tile becomes the kernel of codegen/wgmma_tiles.py; `amount` is the block's N tile (64..256),
-  #                   `axis` the shared-memory stages (0: 4), plus WGMMA_SPECIALIZED for the kernel with a producer
-  #                   warpgroup; the only opt of its kernel
+  #                   tile becomes the kernel of codegen/wgmma_tiles.py; `arg` is its wgmma_tiles.WgmmaTile (block
+  #                   tile, stages, kind, CTAs per multiprocessor, persistent grid); without one (the older form)
+  #                   `amount` is the block's N tile (64..256), `axis` the shared-memory stages (0: 4), plus
+  #                   WGMMA_SPECIALIZED / WGMMA_DEEP for those kinds; the only opt of its kernel
 
 
 @dataclass(frozen=True)
 class Opt:
+  """One optimization: its kind, the axis it applies to, an amount, and for a kind whose choice has several fields
+  a frozen dataclass of them (`arg`: OptOps.WGMMA's wgmma_tiles.WgmmaTile), never packed into the ints."""
   op: OptOps
   axis: int
   amount: int
+  arg: Any = None
 
-  def __repr__(self) -> str: return f"Opt({self.op.name}, {self.axis}, {self.amount})"
+  def __repr__(self) -> str:
+    return f"Opt({self.op.name}, {self.axis}, {self.amount}{'' if self.arg is None else ', ' + repr(self.arg)})"
 
 
 def describe_opt(opt: Opt, tensor_cores: bool = False) -> str:
@@ -62,6 +67,7 @@ def describe_opt(opt: Opt, tensor_cores: bool = False) -> str:
   if opt.op is OptOps.SHARED:
     if tensor_cores: return f"SHARED(axis {opt.axis}, TC tiles, {opt.amount or TC_TILE_STAGES} stages)"
     return f"SHARED(axis {opt.axis}, {decode_shared_amount(opt.amount).describe()})"
+  if opt.op is OptOps.WGMMA and opt.arg is not None: return f"WGMMA({opt.arg.describe()})"
   if opt.op is OptOps.WGMMA:
     stages = opt.axis % WGMMA_SPECIALIZED or WGMMA_DEFAULT_STAGES
     kinds = [name for flag, name in [(WGMMA_SPECIALIZED, "SPECIALIZED"), (WGMMA_DEEP, "DEEP")] if opt.axis & flag]

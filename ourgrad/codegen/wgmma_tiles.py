@@ -78,6 +78,44 @@ def accumulator_position(thread: int, element: int) -> tuple[int, int]:
   return 16 * warp + lane // 4 + 8 * ((element >> 1) & 1), 8 * (element >> 2) + 2 * (lane % 4) + (element & 1)
 
 
+# registers per thread: the most a thread may have, the producer's after setmaxnreg (what its copies need), the
+# granule setmaxnreg counts in, a multiprocessor's file, and what a consumer needs beside its accumulators
+MAX_THREAD_REGISTERS, PRODUCER_REGISTERS, REGISTER_GRANULE = 255, 40, 8
+MULTIPROCESSOR_REGISTERS = 65536
+ACCUMULATOR_OVERHEAD_REGISTERS = 32
+
+
+def _granule(value: int) -> int: return value // REGISTER_GRANULE * REGISTER_GRANULE
+
+
+def launch_registers(threads: int, ctas_per_sm: int) -> int:
+  """Registers per thread that __launch_bounds__(threads, ctas_per_sm) leaves each thread (ptxas's cap)."""
+  return _granule(min(MAX_THREAD_REGISTERS, MULTIPROCESSOR_REGISTERS // (threads * ctas_per_sm)))
+
+
+@dataclass(frozen=True)
+class WgmmaTile:
+  """What an OptOps.WGMMA asks of the kernel (its Opt's `arg`; plan_for_kernel adds the matmul's shape and layout):
+  the block tile (64 rows per consumer warpgroup), the shared-memory stages, the kernel's kind (`specialized`: a
+  producer warpgroup copies, the others compute; `deep`: the cooperative kernel copying stages - 1 steps ahead;
+  neither: the cooperative kernel), CTAs per multiprocessor, and a persistent grid (the renderer's multiprocessors x
+  ctas_per_sm CTAs looping over the tiles) or one CTA per tile."""
+  block_n: int = 256
+  stages: int = 4
+  block_m: int = 128
+  specialized: bool = False
+  deep: bool = False
+  ctas_per_sm: int = 1
+  persistent: bool = False
+
+  def describe(self) -> str:
+    """For a reader: "128x256, 4 stages, SPECIALIZED, PERSISTENT"."""
+    kinds = [name for flag, name in ((self.specialized, "SPECIALIZED"), (self.deep, "DEEP"),
+                                     (self.ctas_per_sm > 1, f"{self.ctas_per_sm} CTAS/SM"),
+                                     (self.persistent, "PERSISTENT")) if flag]
+    return f"{self.block_m}x{self.block_n}, {self.stages} stages" + "".join(", " + kind for kind in kinds)
+
+
 @dataclass(frozen=True)
 class WgmmaMatmul:
   """One wgmma matmul kernel's shape and tiling (see the module docstring)."""
@@ -105,6 +143,15 @@ class WgmmaMatmul:
   # of each row, so its rows are longer than its K.
   a_row_stride: int = 0
   b_row_stride: int = 0
+  # CTAs the launch bounds keep resident on one multiprocessor (registers per thread: 64K / (threads x this))
+  ctas_per_sm: int = 1
+  # a persistent grid of this many CTAs (the multiprocessors x ctas_per_sm), each looping over tiles (its next tile's
+  # copies overlap its epilogue; specialized only); 0: one CTA per tile
+  persistent_ctas: int = 0
+  # the specialized producer's K steps of copies in flight beyond the one it just issued: 1 (0: that) waits for each
+  # step's copies before issuing the one after next; up to stages - 2 (the most that cannot deadlock) keep more in
+  # flight, measured 2-4% slower on the H200 (bench_wgmma_grid_h200_s11.txt)
+  copy_lag: int = 0
 
   def __post_init__(self):
     if self.dtype not in ITEMSIZE: raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16/float32 (TF32)")
@@ -132,6 +179,22 @@ class WgmmaMatmul:
     if self.m % self.block_m or self.n % self.block_n or self.k % self.block_k:
       raise ValueError(f"wgmma matmul {self.m}x{self.k}x{self.n} is not a multiple of its block tile "
                        f"{self.block_m}x{self.block_k}x{self.block_n}")
+    if not self.copy_lag: object.__setattr__(self, "copy_lag", 1)
+    if not 1 <= self.copy_lag <= max(1, self.stages - 2):
+      raise ValueError(f"wgmma producer with {self.copy_lag} steps of copies in flight over {self.stages} stages: "
+                       f"1 to {max(1, self.stages - 2)}")
+    if self.persistent_ctas and not self.specialized:
+      raise ValueError("a persistent wgmma grid needs the specialized kernel (its producer runs ahead into the next "
+                       "tile)")
+    if self.ctas_per_sm < 1 or self.persistent_ctas < 0:
+      raise ValueError(f"wgmma kernel with {self.ctas_per_sm} CTAs per multiprocessor, {self.persistent_ctas} "
+                       "persistent CTAs")
+    # ptxas compiles the consumers under the launch's cap (setmaxnreg raises it only at run time): their N / 2
+    # accumulators and the addressing around them must fit it
+    if self.block_n // 2 + ACCUMULATOR_OVERHEAD_REGISTERS > launch_registers(self.threads, self.ctas_per_sm):
+      raise ValueError(f"wgmma tile {self.block_m}x{self.block_n} with {self.ctas_per_sm} CTAs of {self.threads} "
+                       f"threads per multiprocessor: {self.block_n // 2} accumulators a thread do not fit "
+                       f"{launch_registers(self.threads, self.ctas_per_sm)} registers")
 
   @property
   def warpgroups(self) -> int: return self.block_m // 64
@@ -172,7 +235,10 @@ class WgmmaMatmul:
     out = "_f32" if self.out_dtype == "float32" else ""
     batched = f"{self.batch}x" if self.batch > 1 else ""
     variant = ("_swapped" if self.b_lbo_sbo_swapped else "") + ("_ws" if self.specialized else "") + \
-      ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "")
+      ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "") + \
+      (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "") + \
+      (f"_p{self.persistent_ctas}" if self.persistent_ctas else "") + \
+      (f"_lag{self.copy_lag}" if self.specialized and self.copy_lag != 1 else "")
     dtype = "tf32" if self.dtype == "float32" else self.dtype
     dense = (self.k if self.a_k_major else self.m), (self.k if self.b_k_major else self.n)
     strides = (self.a_row_stride, self.b_row_stride)
@@ -181,8 +247,22 @@ class WgmmaMatmul:
             f"s{self.stages}_{major}{rows}{variant}")
 
   @property
-  def global_size(self) -> tuple[int, int, int]:
-    return ((self.m // self.block_m) * (self.n // self.block_n), self.batch, 1)
+  def tiles(self) -> int:
+    """Block tiles of one batch entry."""
+    return (self.m // self.block_m) * (self.n // self.block_n)
+
+  @property
+  def items(self) -> int:
+    """Block tiles of all batch entries: item i is tile i % tiles of entry i // tiles."""
+    return self.tiles * self.batch
+
+  @property
+  def ctas(self) -> int:
+    """CTAs of the grid: one per item, or the persistent grid's (no more than the items)."""
+    return min(self.items, self.persistent_ctas) if self.persistent_ctas else self.items
+
+  @property
+  def global_size(self) -> tuple[int, int, int]: return (self.ctas, 1, 1)
 
   @property
   def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
@@ -293,6 +373,17 @@ def tile_of_block(plan: WgmmaMatmul, block):
   return first_m + in_group % group_rows, in_group // group_rows
 
 
+def cta_items(plan: WgmmaMatmul, cta: int) -> range:
+  """The items (tiles of batch entries, see WgmmaMatmul.items) CTA `cta` computes, in order: every ctas-th."""
+  return range(cta, plan.items, plan.ctas)
+
+
+def item_tile(plan: WgmmaMatmul, item):
+  """(batch entry, M tile, N tile) of item `item`."""
+  entry, tile = item // plan.tiles, item % plan.tiles
+  return (entry, *tile_of_block(plan, tile))
+
+
 def _minimum(value, limit: int):
   return CExpr(f"min({value}, {limit})") if isinstance(value, CExpr) else min(value, limit)
 
@@ -321,17 +412,32 @@ def _store_lines(plan: WgmmaMatmul) -> list[str]:
 
 
 def _signature(plan: WgmmaMatmul, name: str, arguments: dict[str, int] | None) -> list[str]:
-  """The kernel's first lines: its parameters in argument order (`arguments`: the position of C, A and B; A and B
-  may be one buffer), and c, a, b naming them."""
+  """The kernel's first line: its parameters in argument order (`arguments`: the position of C, A and B; A and B
+  may be one buffer) as data0, data1, ..."""
   out_type, in_type = C_TYPE[plan.out_dtype], C_TYPE[plan.dtype]
   positions = arguments or {"c": 0, "a": 1, "b": 2}
   params = {position: f"{out_type if operand == 'c' else 'const ' + in_type}* __restrict__ data{position}"
             for operand, position in positions.items()}
-  return [f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1) {name}('
-          f'{", ".join(params[position] for position in sorted(params))}) {{',
-          f"  {out_type}* c = data{positions['c']} + (size_t)blockIdx.y * {plan.c_batch};",
-          f"  const {in_type}* a = data{positions['a']} + (size_t)blockIdx.y * {plan.a_batch};",
-          f"  const {in_type}* b = data{positions['b']} + (size_t)blockIdx.y * {plan.b_batch};"]
+  return [f'extern "C" __global__ void __launch_bounds__({plan.threads}, {plan.ctas_per_sm}) {name}('
+          f'{", ".join(params[position] for position in sorted(params))}) {{']
+
+
+def _select_item(plan: WgmmaMatmul, positions: dict[str, int]) -> list[str]:
+  """The lambda select(item): the item's tile (tile_m, tile_n) and its operands' and output's first elements
+  (a_block, b_block, c), as item_tile says."""
+  entry, tile_m, tile_n = item_tile(plan, CExpr("item"))
+  b_block = f"tile_n * {plan.block_n * plan.b_row_stride if plan.b_k_major else plan.block_n}"
+  a_block = f"tile_m * {plan.block_m * (plan.a_row_stride if plan.a_k_major else 1)}"
+  return [
+    "  auto select = [&](int item) {",
+    f"    size_t entry = {entry};",
+    # tiles in groups of group_m M tiles down one column of N tiles, so B's block columns are reused from L2
+    f"    tile_m = {tile_m}; tile_n = {tile_n};",
+    f"    a_block = data{positions['a']} + entry * {plan.a_batch} + {a_block};",
+    f"    b_block = data{positions['b']} + entry * {plan.b_batch} + {b_block};",
+    f"    c = data{positions['c']} + entry * {plan.c_batch};",
+    "  };",
+  ]
 
 
 def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: dict[str, int] | None = None,
@@ -343,12 +449,11 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
   count = plan.block_n // 2
   a_lbo, a_sbo = plan.a_leading_stride()
   b_lbo, b_sbo = plan.b_leading_stride()
-  tile_m, tile_n = tile_of_block(plan, CExpr("(int)blockIdx.x"))
-  b_block = "b + tile_n * " + (f"{plan.block_n * plan.b_row_stride}" if plan.b_k_major else f"{plan.block_n}")
-  a_block_elements = plan.block_m * (plan.a_row_stride if plan.a_k_major else 1)
   a_start, b_start = operand_starts(plan, CExpr("warpgroup"), CExpr("j"))
   row, column = accumulator_position(CExpr("thread"), CExpr("i"))
   copy_thread, copy_threads = ("thread", WARPGROUP_THREADS) if plan.specialized else ("threadIdx.x", plan.threads)
+  positions = arguments or {"c": 0, "a": 1, "b": 2}
+  in_type = C_TYPE[plan.dtype]
   lines = [
     f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
     "extern __shared__ __align__(1024) unsigned char wgmma_shared[];",
@@ -363,10 +468,11 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     *_signature(plan, name or plan.name, arguments),
     # the 128-byte swizzle is a function of address bits 7-9: the tiles start on a 1024-byte boundary
     "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
-    # CTAs in groups of group_m M tiles down one column of N tiles, so B's block columns are reused from L2
-    f"  int tile_m = {tile_m}, tile_n = {tile_n};",
-    f"  const {C_TYPE[plan.dtype]}* a_block = a + tile_m * {a_block_elements};",
-    f"  const {C_TYPE[plan.dtype]}* b_block = {b_block};",
+    "  int tile_m = 0, tile_n = 0;",
+    f"  const {in_type}* a_block = 0;",
+    f"  const {in_type}* b_block = 0;",
+    f"  {C_TYPE[plan.out_dtype]}* c = 0;",
+    *_select_item(plan, positions),
     # with a producer, warpgroup -1 copies and 0.. compute
     f"  int warpgroup = threadIdx.x / 128{' - 1' if plan.specialized else ''}, thread = threadIdx.x % 128;",
     f"  const int steps = {plan.k // plan.block_k};",
@@ -374,8 +480,8 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     f"    unsigned stage_base = shared_base + stage * {plan.stage_bytes};",
     *["  " + line for line in _copy_lines(plan, copy_thread, copy_threads)],
     "  };",
-    "  auto compute_step = [&](float* acc, int step) {",
-    f"    unsigned stage_base = shared_base + (step % {plan.stages}) * {plan.stage_bytes};",
+    "  auto compute_step = [&](float* acc, int stage) {",
+    f"    unsigned stage_base = shared_base + stage * {plan.stage_bytes};",
     '    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");',
     "#pragma unroll",
     f"    for (int j = 0; j < {plan.block_k // plan.instruction_k}; j++) {{",
@@ -407,6 +513,7 @@ def _cooperative_loop(plan: WgmmaMatmul) -> list[str]:
   if plan.deep: return _deep_cooperative_loop(plan)
   count = plan.block_n // 2
   return [
+    "  select(blockIdx.x);",
     f"  float acc[{count}];",
     "#pragma unroll",
     f"  for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
@@ -418,7 +525,7 @@ def _cooperative_loop(plan: WgmmaMatmul) -> list[str]:
     f'    asm volatile("cp.async.wait_group {plan.stages - 3};" ::: "memory");',
     '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
     "    __syncthreads();",
-    "    compute_step(acc, step);",
+    f"    compute_step(acc, step % {plan.stages});",
     # the copies go out while the tensor cores work: their stage's readers (step s - 2) finished before the barrier
     f"    int next = step + {plan.stages - 2};",
     f"    if (next < steps) copy_step(next, next % {plan.stages});",
@@ -434,6 +541,7 @@ def _deep_cooperative_loop(plan: WgmmaMatmul) -> list[str]:
   (while step s's run) tells every thread that stage (s - 1) % stages is free, and step s + stages - 1 goes there."""
   count, stages = plan.block_n // 2, plan.stages
   return [
+    "  select(blockIdx.x);",
     f"  float acc[{count}];",
     "#pragma unroll",
     f"  for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
@@ -445,7 +553,7 @@ def _deep_cooperative_loop(plan: WgmmaMatmul) -> list[str]:
     f'    asm volatile("cp.async.wait_group {stages - 2};" ::: "memory");',
     '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
     "    __syncthreads();",
-    "    compute_step(acc, step);",
+    f"    compute_step(acc, step % {stages});",
     '    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
     "    __syncthreads();",
     f"    int next = step + {stages - 1};",
@@ -472,21 +580,36 @@ _BARRIER_HELPERS = [
   "  }",
   "}",
 ]
-# registers per thread after setmaxnreg: the producer gives back what the 128 x 256 consumers need
-PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232
+def consumer_registers(plan: WgmmaMatmul) -> int:
+  """Registers per consumer thread after setmaxnreg: the CTA's share of the multiprocessor's registers (its launch
+  bounds: threads x ctas_per_sm resident) less the producer's PRODUCER_REGISTERS, over the consumers (1 CTA of
+  128 x 256: 168 a thread at launch, 232 a consumer after)."""
+  consumers = plan.warpgroups * WARPGROUP_THREADS
+  pool = launch_registers(plan.threads, plan.ctas_per_sm) * plan.threads - WARPGROUP_THREADS * PRODUCER_REGISTERS
+  return min(_granule(pool // consumers), 240)
 
 
 def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
-  """Warpgroup -1 copies, the others compute; stage s's `full` barrier (128 producer arrivals) says its tiles are in,
-  its `empty` barrier (every consumer thread) that the wgmmas reading it finished:
+  """Warpgroup -1 copies, the others compute, over the CTA's items (cta_items: one, or a persistent CTA's every
+  ctas-th) with one running count u of K steps across them (stage u % S, its (u / S)-th use); stage s's `full`
+  barrier (128 producer arrivals) says its tiles are in, its `empty` barrier (every consumer thread) that the wgmmas
+  reading it finished:
 
-      producer, step s: wait empty[s % S] (phase s / S - 1) unless s < S; copy step s; commit
-                        then wait for step s - 1's copies; fence.proxy.async; arrive full[(s - 1) % S]
-      consumer, step s: wait full[s % S] (phase s / S); 4 wgmma; commit; wait for step s - 1's; arrive empty[(s-1) % S]
+      producer, count u: wait empty[u % S] (phase u / S - 1) unless u < S; copy; commit
+                         then wait for count u - L's copies (L = copy_lag: L + 1 counts' copies in flight);
+                         fence.proxy.async; arrive full[(u - L) % S]
+      consumer, count u: wait full[u % S] (phase u / S); 4 wgmma; commit; wait for count u - 1's; arrive
+                         empty[(u - 1) % S]; after an item's last step: wait for all, arrive empty[u % S], store
+
+  The producer runs on into the next item's copies while the consumers store, so a persistent CTA overlaps its
+  epilogue with the next tile's loads. L <= S - 2 keeps it free of deadlock: full[u] needs the producer at count
+  u + L, which needs empty of count u + L - S <= u - 2, which the consumers arrive at once they issued count u - 1.
   """
-  count, stages = plan.block_n // 2, plan.stages
+  count, stages, lag = plan.block_n // 2, plan.stages, plan.copy_lag
   consumers = plan.warpgroups * WARPGROUP_THREADS
-  registers = plan.block_n > 128   # 128 x 128 consumers fit the launch's cap of 168 registers
+  # 128 x 128 consumers fit the launch's cap of 168 registers; setmaxnreg may only raise the consumers' count (a
+  # lone consumer warpgroup already has more at launch)
+  registers = plan.block_n > 128 and consumer_registers(plan) > launch_registers(plan.threads, plan.ctas_per_sm)
   return [
     f"  unsigned full = shared_base + {stages * plan.stage_bytes}, empty = full + {8 * stages};",
     "  if (threadIdx.x == 0) {",
@@ -496,45 +619,57 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
     "    }",
     "  }",
     "  __syncthreads();",
+    "  int counted = 0;",
     "  if (warpgroup < 0) {",
     *([f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGISTERS};");'] if registers else []),
-    "    for (int step = 0; step < steps; step++) {",
-    f"      int stage = step % {stages};",
-    f"      if (step >= {stages}) barrier_wait(empty + 8 * stage, (step / {stages} - 1) & 1);",
-    "      copy_step(step, stage);",
-    '      asm volatile("cp.async.commit_group;" ::: "memory");',
-    "      if (step > 0) {",
-    '        asm volatile("cp.async.wait_group 1;" ::: "memory");',
-    '        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-    f"        barrier_arrive(full + 8 * ((step - 1) % {stages}));",
+    f"    for (int item = blockIdx.x; item < {plan.items}; item += gridDim.x) {{",
+    "      select(item);",
+    "      for (int step = 0; step < steps; step++, counted++) {",
+    f"        int stage = counted % {stages};",
+    f"        if (counted >= {stages}) barrier_wait(empty + 8 * stage, (counted / {stages} - 1) & 1);",
+    "        copy_step(step, stage);",
+    '        asm volatile("cp.async.commit_group;" ::: "memory");',
+    f"        if (counted >= {lag}) {{",
+    f'          asm volatile("cp.async.wait_group {lag};" ::: "memory");',
+    '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+    f"          barrier_arrive(full + 8 * ((counted - {lag}) % {stages}));",
+    "        }",
     "      }",
     "    }",
     '    asm volatile("cp.async.wait_group 0;" ::: "memory");',
     '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-    f"    barrier_arrive(full + 8 * ((steps - 1) % {stages}));",
+    # the last `lag` counts' stages (fewer where the CTA had fewer steps)
+    f"    for (int landed = counted < {lag} ? 0 : counted - {lag}; landed < counted; landed++)",
+    f"      barrier_arrive(full + 8 * (landed % {stages}));",
     "  } else {",
-    *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGISTERS};");'] if registers else []),
+    *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {consumer_registers(plan)};");'] if registers else []),
     f"    float acc[{count}];",
+    f"    for (int item = blockIdx.x; item < {plan.items}; item += gridDim.x) {{",
+    "      select(item);",
     "#pragma unroll",
-    f"    for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
-    "    for (int step = 0; step < steps; step++) {",
-    f"      barrier_wait(full + 8 * (step % {stages}), (step / {stages}) & 1);",
-    "      compute_step(acc, step);",
-    '      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
-    f"      if (step > 0) barrier_arrive(empty + 8 * ((step - 1) % {stages}));",
+    f"      for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
+    "      for (int step = 0; step < steps; step++, counted++) {",
+    f"        barrier_wait(full + 8 * (counted % {stages}), (counted / {stages}) & 1);",
+    f"        compute_step(acc, counted % {stages});",
+    '        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
+    f"        if (step > 0) barrier_arrive(empty + 8 * ((counted - 1) % {stages}));",
+    "      }",
+    # the item's last stage is free once its wgmmas are done: the producer may fill it while this CTA stores
+    '      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");',
+    f"      barrier_arrive(empty + 8 * ((counted - 1) % {stages}));",
+    "      store(acc);",
     "    }",
-    "    store(acc);",
     "  }",
   ]
 
 
-def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False,
-                    deep: bool = False) -> tuple[WgmmaMatmul, dict[str, int]]:
+def plan_for_kernel(kernel, tile: WgmmaTile) -> tuple[WgmmaMatmul, dict[str, int]]:
   """The plan of a Kernel (codegen/kernel.py, no opts applied) that is a plain float16/bfloat16 matmul (or float32,
   TF32, where the user allows it, with A M x K and B N x K): C (M x N, row-major, the inputs' dtype or float32) = A
   (M x K row-major, or its transpose stored K x M) @ B (K x N row-major, or its transpose stored N x K), a SUM in
   float32 of the product of the two loads, stored as it is (or cast), unmasked views from offset 0; and the argument
-  positions of C, A and B. Raises ValueError (or the matmul check's KernelOptError) naming what does not fit."""
+  positions of C, A and B; the block tile and kernel kind from `tile`. Raises ValueError (or the matmul check's
+  KernelOptError) naming what does not fit."""
   from ourgrad.codegen.kernel import KernelOptError, matmul_operands   # kernel.py imports this module
   from ourgrad.dtype import dtypes
   from ourgrad.helpers import tf32_allowed
@@ -573,14 +708,21 @@ def plan_for_kernel(kernel, block_n: int, stages: int, specialized: bool = False
   if not ((b_n == 1 and b_k >= n) or (b_k == 1 and b_n >= k)):
     raise ValueError(f"needs B as K x N or N x K, strides {views[id(b)]}")
   out_dtype = store.dtype.name
-  plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_n=block_n, stages=stages,
-                     specialized=specialized, deep=deep, b_k_major=b_k == 1, a_k_major=a_k == 1,
+  processors = getattr(kernel.renderer, "multiprocessors", 0)
+  if tile.persistent and processors <= 0: raise ValueError(f"a persistent grid on {kernel.renderer.device}, whose "
+                                                           "multiprocessors are unknown")
+  plan = WgmmaMatmul(m, n, k, dtype=dtype.name, out_dtype=out_dtype, block_m=tile.block_m, block_n=tile.block_n,
+                     stages=tile.stages, specialized=tile.specialized, deep=tile.deep, ctas_per_sm=tile.ctas_per_sm,
+                     persistent_ctas=processors * tile.ctas_per_sm if tile.persistent else 0,
+                     b_k_major=b_k == 1, a_k_major=a_k == 1,
                      a_row_stride=a_m if a_k == 1 else a_k, b_row_stride=b_n if b_k == 1 else b_k,
                      batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)],
                      c_batch=batch_strides[id(store)])
   # the renderer's dynamic shared memory per block (the device's fact: 227 KB on sm_90)
+  # (each resident CTA also reserves a kilobyte of the multiprocessor's, which is a kilobyte over a block's limit)
   limit = getattr(kernel.renderer, "dynamic_local_memory_bytes", 0)
-  if plan.shared_bytes > limit:
-    raise ValueError(f"wgmma tile {plan.block_m}x{plan.block_n}, {plan.stages} stages: {plan.shared_bytes} bytes of "
-                     f"shared memory, over the {limit} a block of {kernel.renderer.device} may have")
+  if plan.ctas_per_sm * (plan.shared_bytes + ATOM_BYTES) > limit + ATOM_BYTES:
+    raise ValueError(f"wgmma tile {plan.block_m}x{plan.block_n}, {plan.stages} stages: {plan.ctas_per_sm} x "
+                     f"{plan.shared_bytes} bytes of shared memory, over the {limit} a block of "
+                     f"{kernel.renderer.device} may have")
   return plan, {"c": store.arg.idx, "a": a.arg.idx, "b": b.arg.idx}

@@ -250,6 +250,10 @@ class CUDAProgram:
     check(driver.cuMemcpyDtoH(ctypes.addressof(value), pointer, 4), "cuMemcpyDtoH")
     attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     check(driver.cuFuncSetAttribute(self.function, attribute, value.value), "cuFuncSetAttribute")
+    # all of the unified L1/shared memory as shared memory, so that as many CTAs as the kernel's launch bounds ask
+    # for are resident (a WGMMA kernel of 2 CTAs per multiprocessor, ~100 KB each); a hint the driver may override
+    carveout = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    check(driver.cuFuncSetAttribute(self.function, carveout, 100), "cuFuncSetAttribute")
     return value.value
 
   def _argument_arrays(self, count: int) -> Any:

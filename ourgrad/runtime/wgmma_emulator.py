@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from ourgrad.codegen.wgmma_tiles import (ROW_BYTES, WARPGROUP_THREADS, WgmmaMatmul, a_copy, accumulator_position,
-                                         b_copy, descriptor, operand_starts, swizzled, tile_of_block)
+                                         b_copy, cta_items, descriptor, item_tile, operand_starts, swizzled)
 
 # the unsigned integer type holding one operand element's bits, by its size in bytes
 WORDS = {2: np.uint16, 4: np.uint32}
@@ -69,13 +69,20 @@ def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
 def emulate_wgmma_matmul(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
   """Run the kernel of `plan` on flat buffers: a, b as bit patterns (uint16; TF32: uint32), c as the output's (uint16
   bits, or float32 where plan.out_dtype is float32), written in place; batch entry e's operands start plan.*_batch e
-  elements in."""
-  for entry in range(plan.batch):
-    _emulate_one(plan, c[entry * plan.c_batch:], a[entry * plan.a_batch:], b[entry * plan.b_batch:])
+  elements in. CTA by CTA, each over its items (wgmma_tiles.cta_items: one, or a persistent CTA's), its K steps
+  counted across them as the kernel counts its stages."""
+  for cta in range(plan.global_size[0]):
+    counted = 0
+    for item in cta_items(plan, cta):
+      entry, tile_m, tile_n = item_tile(plan, item)
+      _emulate_tile(plan, c[entry * plan.c_batch:], a[entry * plan.a_batch:], b[entry * plan.b_batch:], tile_m,
+                    tile_n, counted)
+      counted += plan.k // plan.block_k
 
 
-def _emulate_one(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-  """One batch entry (the CTAs of one grid row) of emulate_wgmma_matmul."""
+def _emulate_tile(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray, tile_m: int, tile_n: int,
+                  counted: int) -> None:
+  """One item: the (tile_m, tile_n) block tile of one batch entry, its K steps in stages from count `counted` on."""
   pieces_a = np.arange(plan.block_m * plan.block_k // plan.piece_elements)
   pieces_b = np.arange(plan.block_n * plan.block_k // plan.piece_elements)
   lanes = np.arange(plan.piece_elements)
@@ -84,33 +91,31 @@ def _emulate_one(plan: WgmmaMatmul, c: np.ndarray, a: np.ndarray, b: np.ndarray)
   element = np.arange(plan.block_n // 2)[None, :]
   fragment_rows, fragment_columns = accumulator_position(thread, element)
   shared = np.zeros(plan.stages * plan.stage_bytes // itemsize, dtype=WORDS[itemsize])
-  for block in range(plan.global_size[0]):
-    tile_m, tile_n = tile_of_block(plan, block)
-    a_block = tile_m * plan.block_m * (plan.a_row_stride if plan.a_k_major else 1)
-    b_block = tile_n * plan.block_n * (plan.b_row_stride if plan.b_k_major else 1)
-    fragments = np.zeros((plan.warpgroups, WARPGROUP_THREADS, plan.block_n // 2), dtype=np.float32)
-    for step in range(plan.k // plan.block_k):
-      stage_base = (step % plan.stages) * plan.stage_bytes
-      for pieces, copy, source, first in ((pieces_a, a_copy, a, a_block), (pieces_b, b_copy, b, b_block)):
-        source_offset, target = copy(plan, pieces, step)
-        shared[(stage_base + target)[:, None] // itemsize + lanes] = source[(first + source_offset)[:, None] + lanes]
-      for warpgroup in range(plan.warpgroups):
-        # the warpgroup's accumulators as the 64 x N matrix D they hold (fragment i of thread t is D at its position)
-        accumulator = np.zeros((64, plan.block_n), dtype=np.float32)
-        accumulator[fragment_rows, fragment_columns] = fragments[warpgroup]
-        for j in range(plan.block_k // plan.instruction_k):
-          a_start, b_start = operand_starts(plan, warpgroup, j)
-          a_leading, a_stride = plan.a_leading_stride()
-          b_leading, b_stride = plan.b_leading_stride()
-          operand_a = read_operand(shared, descriptor(stage_base + a_start, a_leading, a_stride), 64, plan.a_k_major)
-          operand_b = read_operand(shared, descriptor(stage_base + b_start, b_leading, b_stride), plan.block_n,
-                                   plan.b_k_major)
-          accumulator += to_float(operand_a, plan.dtype) @ to_float(operand_b, plan.dtype).T
-        fragments[warpgroup] = accumulator[fragment_rows, fragment_columns]
+  a_block = tile_m * plan.block_m * (plan.a_row_stride if plan.a_k_major else 1)
+  b_block = tile_n * plan.block_n * (plan.b_row_stride if plan.b_k_major else 1)
+  fragments = np.zeros((plan.warpgroups, WARPGROUP_THREADS, plan.block_n // 2), dtype=np.float32)
+  for step in range(plan.k // plan.block_k):
+    stage_base = ((counted + step) % plan.stages) * plan.stage_bytes
+    for pieces, copy, source, first in ((pieces_a, a_copy, a, a_block), (pieces_b, b_copy, b, b_block)):
+      source_offset, target = copy(plan, pieces, step)
+      shared[(stage_base + target)[:, None] // itemsize + lanes] = source[(first + source_offset)[:, None] + lanes]
     for warpgroup in range(plan.warpgroups):
-      rows = tile_m * plan.block_m + warpgroup * 64 + fragment_rows
-      columns = tile_n * plan.block_n + fragment_columns
-      c[rows * plan.n + columns] = from_float(fragments[warpgroup], plan.out_dtype)
+      # the warpgroup's accumulators as the 64 x N matrix D they hold (fragment i of thread t is D at its position)
+      accumulator = np.zeros((64, plan.block_n), dtype=np.float32)
+      accumulator[fragment_rows, fragment_columns] = fragments[warpgroup]
+      for j in range(plan.block_k // plan.instruction_k):
+        a_start, b_start = operand_starts(plan, warpgroup, j)
+        a_leading, a_stride = plan.a_leading_stride()
+        b_leading, b_stride = plan.b_leading_stride()
+        operand_a = read_operand(shared, descriptor(stage_base + a_start, a_leading, a_stride), 64, plan.a_k_major)
+        operand_b = read_operand(shared, descriptor(stage_base + b_start, b_leading, b_stride), plan.block_n,
+                                 plan.b_k_major)
+        accumulator += to_float(operand_a, plan.dtype) @ to_float(operand_b, plan.dtype).T
+      fragments[warpgroup] = accumulator[fragment_rows, fragment_columns]
+  for warpgroup in range(plan.warpgroups):
+    rows = tile_m * plan.block_m + warpgroup * 64 + fragment_rows
+    columns = tile_n * plan.block_n + fragment_columns
+    c[rows * plan.n + columns] = from_float(fragments[warpgroup], plan.out_dtype)
 
 
 # ---------------------------------------------------------------- the PYTHON device's wgmma program

@@ -18,6 +18,9 @@ heuristic.SHARED_TILES and GRID_EXTRA_TILES the tiles heuristic._shared_tile_ord
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+from ourgrad.codegen.wgmma_tiles import ATOM_BYTES, ROW_BYTES
 
 # multiply-adds per second of one H100 multiprocessor running 128x128 tiles (40.5 TFLOP/s at 4096^3 on 132)
 MULTIPROCESSOR_MACS = 40.5e12 / 2 / 132
@@ -90,3 +93,125 @@ def split_k_parts(batch: int, m: int, n: int, k: int, processors: int) -> int:
   def fastest(parts: int) -> float:
     return min(matmul_seconds(tile, batch, m, n, k, processors, parts) for tile in tiles)
   return min(options, key=fastest)
+
+
+# ---------------------------------------------------------------- the grid of a WGMMA matmul (codegen/wgmma_tiles.py)
+#
+# A WGMMA block tile streams (block_m + block_n) x K operand bytes from L2 through shared memory into the tensor cores
+# and does block_m x block_n x K multiply-adds: a multiprocessor runs it at the slower of its tensor cores' sustained
+# rate and its operand feed over that tile's intensity (multiply-adds per byte). The feed is the limit the H200 shows
+# (ncu of the GPT-2 step, probe_s11): 128x128 TF32 tiles (16 multiply-adds a byte) keep the tensor pipe ~50% busy,
+# 128x256 ones (21.3 a byte) 60-70%. Blocks run in waves of multiprocessors x CTAs per multiprocessor; each tile also
+# pays a fill (its first stages' latency) and an epilogue (its accumulators stored). A persistent CTA's next tile
+# hides a little of that per wave; a second resident CTA would hide it all (unmeasured: not ranked). Split-K
+# multiplies the tiles by the parts as the float32 path does (SPLIT_SECONDS, SPLIT_BYTES_PER_SECOND: float32 partials
+# written, then read by the consumer).
+# Fitted on the H200 (extra/bench/results/bench_wgmma_grid_h200_s11.txt: 147 unsplit and split grids of the GPT-2
+# Linear shapes, TF32 and bfloat16, least squares of log time): feed 58 GB/s a multiprocessor (7.7 TB/s over 132),
+# tensor cores at 65% of their dense peak, 5 us of fill, stores at 60 GB/s; predictions within 0.77-1.26x of the
+# measured times; a persistent grid saved 0.7-0.8 us a wave (lm-head forward: 64 and 95 waves).
+
+# dense multiply-adds per second of one H100/H200 multiprocessor, by operand bytes (989 TFLOP/s float16/bfloat16,
+# 495 TF32, on 132), the share of it a WGMMA tile sustains, and the operand bytes per second its feed sustains
+WGMMA_TENSOR_MACS = {2: 989e12 / 2 / 132, 4: 495e12 / 2 / 132}
+WGMMA_TENSOR_SHARE = 0.65
+WGMMA_FEED_BYTES_PER_SECOND = 58e9
+# a tile's fixed costs: its pipeline's fill and its accumulators' stores per second; what a persistent CTA's next
+# tile hides of them each wave
+WGMMA_FILL_SECONDS = 5e-6
+WGMMA_STORE_BYTES_PER_SECOND = 60e9
+WGMMA_PERSISTENT_HIDDEN_SECONDS = 0.75e-6
+# the candidates: rows per CTA (64 per consumer warpgroup), N tiles, CTAs per multiprocessor, one CTA per tile or a
+# persistent grid, stages at most (more shared memory buys no speed past 6 on the H200). The kernel also takes 192
+# and 256 rows (192 x 192 and 256 x 128 feed more multiply-adds a byte than 128 x 192, within the registers of 512
+# and 640 threads: WGMMA_TALL_BLOCK_MS) and 2 CTAs per multiprocessor; not yet measured, those are BEAM's and the
+# benchmark's to try, not ranked here
+WGMMA_BLOCK_MS = (128, 64)
+WGMMA_TALL_BLOCK_MS = (256, 192)
+WGMMA_BLOCK_NS = (256, 192, 128, 64)
+WGMMA_CTAS_PER_SM = (1,)
+WGMMA_PERSISTENT = (False, True)
+WGMMA_MOST_STAGES = 6
+
+
+@dataclass(frozen=True)
+class WgmmaGrid:
+  """One WGMMA grid choice: the block tile, its shared-memory stages, CTAs per multiprocessor, a persistent grid
+  (the multiprocessors x ctas_per_sm CTAs looping over tiles) or not, and the reduce's parts (1: no split-K)."""
+  block_m: int
+  block_n: int
+  stages: int
+  ctas_per_sm: int = 1
+  persistent: bool = False
+  parts: int = 1
+
+
+def wgmma_stages(block_m: int, block_n: int, ctas_per_sm: int, shared_bytes: int) -> int:
+  """The most stages (up to WGMMA_MOST_STAGES) of a block_m x block_n tile (128-byte rows of K: the same bytes for
+  every operand dtype) whose shared memory, ctas_per_sm times, fits `shared_bytes` (the multiprocessor's, less a
+  kilobyte each CTA reserves); 0 where fewer than 3 fit."""
+  stage_bytes = (block_m + block_n) * ROW_BYTES
+  per_cta = shared_bytes // ctas_per_sm - ATOM_BYTES * ctas_per_sm
+  stages = min(WGMMA_MOST_STAGES, per_cta // (stage_bytes + 16))   # + the specialized kernel's two mbarriers
+  return stages if stages >= 3 else 0
+
+
+def wgmma_seconds(grid: WgmmaGrid, batch: int, m: int, n: int, k: int, itemsize: int, processors: int,
+                  out_itemsize: int = 4) -> float:
+  """Predicted seconds of a WGMMA matmul (batch x M x N outputs of `out_itemsize` bytes, K long, operands of
+  `itemsize` bytes) in `grid` on `processors` multiprocessors (see the comment above)."""
+  tiles = batch * grid.parts * (m // grid.block_m) * (n // grid.block_n)
+  part_k = k // grid.parts
+  macs = grid.block_m * grid.block_n * part_k
+  main = max(macs / (WGMMA_TENSOR_MACS[itemsize] * WGMMA_TENSOR_SHARE),
+             (grid.block_m + grid.block_n) * part_k * itemsize / WGMMA_FEED_BYTES_PER_SECOND)
+  stored = grid.block_m * grid.block_n * (4 if grid.parts > 1 else out_itemsize)
+  overhead = WGMMA_FILL_SECONDS + stored / WGMMA_STORE_BYTES_PER_SECOND
+  slots = max(processors, 1) * grid.ctas_per_sm
+  waves = math.ceil(tiles / slots)
+  # a second resident CTA runs while one fills or stores: only the last shows
+  if grid.ctas_per_sm > 1: seconds = waves * grid.ctas_per_sm * main + overhead
+  else: seconds = waves * (main + overhead) - (waves - 1) * WGMMA_PERSISTENT_HIDDEN_SECONDS * grid.persistent
+  if grid.parts > 1: seconds += SPLIT_SECONDS + 2 * grid.parts * batch * m * n * 4 / SPLIT_BYTES_PER_SECOND
+  return seconds
+
+
+def wgmma_grids(batch: int, m: int, n: int, k: int, itemsize: int, shared_bytes: int, split: bool = False,
+                block_ms: tuple[int, ...] = WGMMA_BLOCK_MS) -> list[WgmmaGrid]:
+  """Every grid the WGMMA kernel can run for the matmul, in order of preference where times tie (larger tiles, one
+  CTA per multiprocessor, not persistent, no split first); with `split`, also each split of K into SPLIT_PARTS that
+  keeps whole 128-byte steps of at least SPLIT_MIN_PART elements; `block_ms`: the rows per CTA tried."""
+  from ourgrad.codegen.wgmma_tiles import WgmmaMatmul   # the kernel's own checks (registers) decide what is valid
+  block_k = ROW_BYTES // itemsize
+  options = [1] + [parts for parts in SPLIT_PARTS if split and k % (parts * block_k) == 0 and
+                   k // parts >= SPLIT_MIN_PART]
+  grids = []
+  for parts in options:
+    for block_m in block_ms:
+      for block_n in WGMMA_BLOCK_NS:
+        if m % block_m or n % block_n: continue
+        for ctas in WGMMA_CTAS_PER_SM:
+          stages = wgmma_stages(block_m, block_n, ctas, shared_bytes)
+          if not stages: continue
+          try: WgmmaMatmul(block_m, block_n, block_k, dtype="float32" if itemsize == 4 else "float16",
+                           block_m=block_m, block_n=block_n, stages=stages, specialized=True, ctas_per_sm=ctas,
+                           a_k_major=True, b_k_major=True)
+          except ValueError: continue
+          grids += [WgmmaGrid(block_m, block_n, stages, ctas, persistent, parts) for persistent in WGMMA_PERSISTENT]
+  return grids
+
+
+def fastest_wgmma_grid(batch: int, m: int, n: int, k: int, itemsize: int, processors: int, shared_bytes: int,
+                       out_itemsize: int = 4, split: bool = False) -> WgmmaGrid | None:
+  """The grid of wgmma_grids with the least wgmma_seconds (the first where they tie); None where none fits."""
+  grids = wgmma_grids(batch, m, n, k, itemsize, shared_bytes, split)
+  if not grids: return None
+  return min(grids, key=lambda grid: wgmma_seconds(grid, batch, m, n, k, itemsize, processors, out_itemsize))
+
+
+def wgmma_split_parts(batch: int, m: int, n: int, k: int, itemsize: int, processors: int, shared_bytes: int) -> int:
+  """The parts (1: none) of K that fastest_wgmma_grid picks for the matmul; 1 where the processors are unknown or K
+  is under SPLIT_MIN_K."""
+  if processors <= 0 or k < SPLIT_MIN_K: return 1
+  grid = fastest_wgmma_grid(batch, m, n, k, itemsize, processors, shared_bytes, split=True)
+  return grid.parts if grid is not None else 1

@@ -64,7 +64,9 @@ class OptsPlan(Plan):
 
 
 def _encode(value: Any) -> Any:
-  if isinstance(value, Opt): return {"type": "Opt", "op": value.op.name, "axis": value.axis, "amount": value.amount}
+  if isinstance(value, Opt):
+    encoded = {"type": "Opt", "op": value.op.name, "axis": value.axis, "amount": value.amount}
+    return encoded if value.arg is None else {**encoded, "arg": _encode(value.arg)}
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
     if type(value).__name__ not in _JSON_TYPES: raise TypeError(f"{type(value).__name__} is not a registered plan")
     return {"type": type(value).__name__, **{field.name: _encode(getattr(value, field.name))
@@ -78,7 +80,7 @@ def _decode(value: Any) -> Any:
   if isinstance(value, list): return tuple(_decode(item) for item in value)
   if not isinstance(value, dict): return value
   fields = {name: _decode(item) for name, item in value.items() if name != "type"}
-  if value.get("type") == "Opt": return Opt(OptOps[fields["op"]], fields["axis"], fields["amount"])
+  if value.get("type") == "Opt": return Opt(OptOps[fields["op"]], fields["axis"], fields["amount"], fields.get("arg"))
   return _JSON_TYPES[value["type"]](**fields)
 
 

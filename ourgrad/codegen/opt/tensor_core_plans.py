@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ourgrad.codegen.kernel import Kernel, KernelOptError, tensor_core_operands
+from ourgrad.codegen.opt import matmul_grid
 from ourgrad.codegen.opt.plans import Plan, Strategy, gpu_reduce, register_plan
-from ourgrad.codegen.opts import TC_TILE_STAGES, WGMMA_DEEP, WGMMA_SPECIALIZED, Opt, OptOps
+from ourgrad.codegen.opts import TC_TILE_STAGES, Opt, OptOps
+from ourgrad.codegen.wgmma_tiles import WgmmaTile
 from ourgrad.helpers import DEBUG, prod
 from ourgrad.ops import Ops
 
@@ -19,37 +21,54 @@ from ourgrad.ops import Ops
 @register_plan
 @dataclass(frozen=True)
 class WgmmaPlan(Plan):
-  """OptOps.WGMMA (CUDA sm_90): the block's N tile (its M is 128), the shared-memory stages, and the kernel's kind:
-  `specialized` (a producer warpgroup copies, the others compute) or `deep` (the cooperative kernel copying
-  stages - 1 steps ahead); neither: the cooperative kernel."""
+  """OptOps.WGMMA (CUDA sm_90): the block's N tile, the shared-memory stages, the kernel's kind (`specialized`: a
+  producer warpgroup copies, the others compute; `deep`: the cooperative kernel copying stages - 1 steps ahead;
+  neither: the cooperative kernel), the block's M tile (64 per consumer warpgroup), CTAs per multiprocessor and a
+  persistent grid (see wgmma_tiles.WgmmaTile, the Opt's arg)."""
   block_n: int
   stages: int
   specialized: bool = False
   deep: bool = False
+  block_m: int = 128
+  ctas_per_sm: int = 1
+  persistent: bool = False
+
+  @property
+  def tile(self) -> WgmmaTile:
+    return WgmmaTile(self.block_n, self.stages, self.block_m, self.specialized, self.deep, self.ctas_per_sm,
+                     self.persistent)
 
   @property
   def opt(self) -> Opt:
-    """The Opt the Kernel applies (its axis packs the stages and kind, see opts.py)."""
-    kinds = WGMMA_SPECIALIZED * self.specialized + WGMMA_DEEP * self.deep
-    return Opt(OptOps.WGMMA, self.stages % WGMMA_SPECIALIZED + kinds, self.block_n)
+    """The Opt the Kernel applies: its arg is the plan's WgmmaTile."""
+    return Opt(OptOps.WGMMA, 0, 0, self.tile)
 
   def apply(self, kernel: Kernel) -> bool: return kernel.try_opt(self.opt)
 
 
-# WGMMA plans in the order tried, and the least work (M N K) that takes one (a smaller matmul keeps mma.sync). The wide
-# tile first only where it gives every multiprocessor a block. (H100 run: the warp-specialized 128 x 256 kernel
-# 527-541 TFLOP/s at 4096^3, the cooperative one 455-492)
+register_plan(WgmmaTile)   # the arg of the WGMMA Opts a BEAM result holds
+
+# the plans without the grid model (the renderer's multiprocessors unknown): the wide tile first where it gives every
+# multiprocessor a block. (H100 run: the warp-specialized 128 x 256 kernel 527-541 TFLOP/s at 4096^3, the cooperative
+# one 455-492)
 WGMMA_TILES = (WgmmaPlan(256, 4, specialized=True), WgmmaPlan(128, 6, specialized=True))
+# the least work (M N K) that takes WGMMA (a smaller matmul keeps mma.sync)
 WGMMA_MIN_WORK = 512 ** 3
-# what BEAM may try beside them: the cooperative kernel in 4 and 2 stages, N tiles of 128 and 256
-WGMMA_SEARCH = WGMMA_TILES + tuple(WgmmaPlan(block_n, stages) for block_n in (128, 256) for stages in (4, 2))
-# the block tile of WGMMA along M
-WGMMA_BLOCK_M = 128
+# what BEAM may try beside the model's choice: the cooperative kernel in 4 and 2 stages, N tiles of 128 and 256; the
+# specialized one 192 wide, persistent, and in 64-row tiles two CTAs to a multiprocessor
+WGMMA_SEARCH = WGMMA_TILES + tuple(WgmmaPlan(block_n, stages) for block_n in (128, 256) for stages in (4, 2)) + (
+  WgmmaPlan(192, 5, specialized=True), WgmmaPlan(256, 4, specialized=True, persistent=True),
+  WgmmaPlan(192, 5, specialized=True, persistent=True), WgmmaPlan(128, 6, specialized=True, persistent=True),
+  WgmmaPlan(128, 4, specialized=True, block_m=64, ctas_per_sm=2))
+# the probe that reads a kernel's matmul (its sizes, dtypes) before the model ranks its grids: the smallest tile
+WGMMA_PROBE = WgmmaTile(64, 3, 64)
 
 
 class WgmmaStrategy(Strategy):
-  """WGMMA where the renderer has it and the kernel is a large enough plain float16/bfloat16 matmul whose sizes are
-  multiples of a tile (codegen/wgmma_tiles.plan_for_kernel); ragged ones keep TC with PADTO."""
+  """WGMMA where the renderer has it and the kernel is a large enough plain float16/bfloat16 (or TF32) matmul whose
+  sizes are multiples of a tile (codegen/wgmma_tiles.plan_for_kernel); ragged ones keep TC with PADTO. The grid is
+  the one codegen/opt/matmul_grid.py predicts fastest on the renderer's multiprocessors (block tile, stages, CTAs
+  per multiprocessor, persistent or not); without their count, WGMMA_TILES' rule."""
   name = "wgmma"
   beam_ops = (OptOps.WGMMA,)
 
@@ -58,16 +77,36 @@ class WgmmaStrategy(Strategy):
 
   def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
     if prod(kernel.full_shape) < WGMMA_MIN_WORK: return None
-    wide_blocks = prod(kernel.full_shape[:-1]) // (WGMMA_BLOCK_M * WGMMA_TILES[0].block_n)
-    # the wide tile where its blocks still fill every multiprocessor (the renderer's count: CUDA reads it from the GPU)
-    tiles = WGMMA_TILES if wide_blocks >= kernel.renderer.multiprocessors else WGMMA_TILES[::-1]
-    for plan in tiles:
+    processors = getattr(kernel.renderer, "multiprocessors", 0)
+    plans = _modeled_plans(kernel, processors) if processors > 0 else _unmodeled_plans(kernel)
+    for plan in plans:
       trial = kernel.copy()
       if plan.apply(trial): return plan, trial
     return None
 
   def beam_actions(self, kernel: Kernel) -> Iterator[Opt]:
     yield from (plan.opt for plan in WGMMA_SEARCH)   # a renderer without wgmma refuses them (Kernel._apply_wgmma)
+
+
+def _unmodeled_plans(kernel: Kernel) -> tuple[WgmmaPlan, ...]:
+  """WGMMA_TILES, the narrow tile first where the wide one's blocks would leave multiprocessors idle."""
+  wide_blocks = prod(kernel.full_shape[:-1]) // (WGMMA_TILES[0].block_m * WGMMA_TILES[0].block_n)
+  return WGMMA_TILES if wide_blocks >= kernel.renderer.multiprocessors else WGMMA_TILES[::-1]
+
+
+def _modeled_plans(kernel: Kernel, processors: int) -> list[WgmmaPlan]:
+  """The warp-specialized plans of every grid matmul_grid.wgmma_grids lists for the kernel's matmul, fastest first
+  by matmul_grid.wgmma_seconds; none where the kernel is no WGMMA matmul (the probe tile does not apply)."""
+  probe = kernel.copy()
+  if not probe.try_opt(Opt(OptOps.WGMMA, 0, 0, WGMMA_PROBE)): return []
+  matmul = probe.wgmma[0]
+  shared_bytes = getattr(kernel.renderer, "dynamic_local_memory_bytes", 0)
+  out_itemsize = 4 if matmul.out_dtype == "float32" else 2
+  grids = matmul_grid.wgmma_grids(matmul.batch, matmul.m, matmul.n, matmul.k, matmul.itemsize, shared_bytes)
+  grids.sort(key=lambda grid: matmul_grid.wgmma_seconds(grid, matmul.batch, matmul.m, matmul.n, matmul.k,
+                                                        matmul.itemsize, processors, out_itemsize))
+  return [WgmmaPlan(grid.block_n, grid.stages, specialized=True, block_m=grid.block_m, ctas_per_sm=grid.ctas_per_sm,
+                    persistent=grid.persistent) for grid in grids]
 
 
 @register_plan

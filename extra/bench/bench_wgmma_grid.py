@@ -1,0 +1,218 @@
+"""The WGMMA matmul's grid choices on every GPT-2 Linear matmul shape: each variant timed alone beside cuBLAS.
+
+Rows: for each Linear of GPT-2 small (qkv 768->2304, proj 768->768, fc 768->3072, fc-proj 3072->768, the tied lm-head
+768->50304) over 8 x 512 = 4096 tokens, its forward (M = tokens, N = out, K = in), input gradient (M = tokens, N =
+in, K = out) and weight gradient (M = out, N = in, K = tokens), in TF32 (float32 operands) and bfloat16. Every
+operand in the layout the WGMMA kernel reads after operand staging (A M x K and B N x K, both K contiguous: TF32
+cannot transpose), and cuBLAS (torch.matmul, a @ b.T) on the same layout.
+
+Variants of each row (codegen/wgmma_tiles.WgmmaMatmul, launched directly): `before` (the rule WgmmaStrategy had
+before the grid model: 128x256 where its blocks fill the multiprocessors, else 128x128, warp-specialized), `model`
+(codegen/opt/matmul_grid.fastest_wgmma_grid: block tile, stages, CTAs per multiprocessor, persistent grid, split-K
+parts) and the model's next `--top` ranked grids. A split-K variant is the batched kernel over the parts (float32
+partials) plus the parts' sum (timed as torch's sum over them: in a step the consumer adds them). Each time is the
+median of 3 batches of `--iters` back-to-back launches between two CUDA events on the device's stream. The
+`pred` column is the model's time; `err` the relative error against cuBLAS.
+
+Run on an H100/H200: `python extra/bench/bench_wgmma_grid.py` (`--only lm-head,tf32` keeps the rows whose name
+contains one of the words, `--top N` the ranked variants, `--dry` prints the variants and predictions without a GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+try:   # before ourgrad opens the GPU (see wgmma_proto.py)
+  import torch
+except ImportError:
+  torch = None
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ourgrad.codegen.opt.matmul_grid import (WGMMA_BLOCK_MS, WGMMA_TALL_BLOCK_MS, WgmmaGrid, wgmma_grids,  # noqa: E402
+                                              wgmma_seconds)
+from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul  # noqa: E402
+
+TOKENS, WIDTH, VOCAB = 8 * 512, 768, 50304
+LINEARS = [("qkv", WIDTH, 3 * WIDTH), ("proj", WIDTH, WIDTH), ("fc", WIDTH, 4 * WIDTH), ("fc-proj", 4 * WIDTH, WIDTH),
+           ("lm-head", WIDTH, VOCAB)]
+DTYPES = {"tf32": "float32", "bf16": "bfloat16"}
+SHARED_BYTES = 227 * 1024   # CUDARenderer.dynamic_local_memory_bytes (sm_90)
+
+
+def rows() -> list[tuple[str, int, int, int]]:
+  """(name, M, N, K) of every Linear matmul."""
+  found = []
+  for name, fan_in, fan_out in LINEARS:
+    found += [(f"{name} fwd", TOKENS, fan_out, fan_in), (f"{name} dx", TOKENS, fan_in, fan_out),
+              (f"{name} dW", fan_out, fan_in, TOKENS)]
+  return found
+
+
+def before_grid(m: int, n: int, processors: int) -> WgmmaGrid:
+  """WgmmaStrategy's rule before the grid model: 128x256 in 4 stages where N allows and its blocks fill the
+  multiprocessors, else 128x128 in 6 (both warp-specialized)."""
+  if n % 256 == 0 and m * n // (128 * 256) >= processors: return WgmmaGrid(128, 256, 4)
+  return WgmmaGrid(128, 128, 6)
+
+
+def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int) -> list[tuple[str, WgmmaGrid, int]]:
+  """(label, grid, copy lag): before, the model's choice (with the default copy lag, 1, and with stages - 2), every
+  128-row grid of N tile 128 or more (persistent or not) unsplit, the best 64-, 192- and 256-row grids and the
+  model's best split into 2 and into 4 parts, then its next `top` ranked grids (no repeats): the spread the model's
+  constants are fitted on."""
+  def rank(block_ms: tuple[int, ...]) -> list[WgmmaGrid]:
+    return sorted(wgmma_grids(1, m, n, k, itemsize, SHARED_BYTES, split=True, block_ms=block_ms),
+                  key=lambda grid: wgmma_seconds(grid, 1, m, n, k, itemsize, processors))
+  ranked, tall = rank(WGMMA_BLOCK_MS), rank(WGMMA_TALL_BLOCK_MS)
+  chosen = [("before", before_grid(m, n, processors)), ("model", ranked[0])]
+  chosen += [("tile", grid) for grid in ranked if grid.parts == 1 and grid.block_m == 128 and grid.block_n >= 128]
+  for rows_ in (64, 192, 256):
+    chosen += [(f"{rows_}rows", grid) for grid in ranked + tall if grid.parts == 1 and grid.block_m == rows_][:1]
+  for parts in (2, 4): chosen += [(f"split{parts}", grid) for grid in ranked if grid.parts == parts][:1]
+  chosen += [(f"rank{number}", grid) for number, grid in enumerate(ranked[1:top + 1], 1)]
+  # the producer's lead: 1 (the default) and stages - 2 on the model's grid
+  unique, seen = [("before", chosen[0][1], 1), ("model", ranked[0], 0),
+                  ("lag", ranked[0], max(1, ranked[0].stages - 2))], set()
+  for label, grid in chosen[1:]:
+    if grid in seen: continue
+    seen.add(grid)
+    if label != "model": unique.append((label, grid, 0))
+  return unique
+
+
+def plan_of(grid: WgmmaGrid, m: int, n: int, k: int, dtype: str, processors: int, lag: int = 0) -> WgmmaMatmul:
+  """The kernel of `grid`: K-major operands; split-K as a batch over the parts (each reading its K slice of the
+  rows) into float32 partials."""
+  part_k = k // grid.parts
+  out_dtype = "float32" if grid.parts > 1 or dtype == "float32" else dtype
+  return WgmmaMatmul(m, n, part_k, dtype=dtype, out_dtype=out_dtype, block_m=grid.block_m, block_n=grid.block_n,
+                     stages=grid.stages, specialized=True, a_k_major=True, b_k_major=True, a_row_stride=k,
+                     b_row_stride=k, batch=grid.parts, a_batch=part_k, b_batch=part_k, c_batch=m * n,
+                     ctas_per_sm=grid.ctas_per_sm,
+                     persistent_ctas=processors * grid.ctas_per_sm if grid.persistent else 0, copy_lag=lag)
+
+
+def describe(grid: WgmmaGrid, lag: int = 0) -> str:
+  return (f"{grid.block_m}x{grid.block_n} s{grid.stages}" + (f" c{grid.ctas_per_sm}" if grid.ctas_per_sm > 1 else "")
+          + (" persistent" if grid.persistent else "") + (f" split{grid.parts}" if grid.parts > 1 else "")
+          + (f" lag{lag}" if lag else ""))
+
+
+def event_seconds(launch, iters: int) -> float:
+  """Median over 3 batches of `iters` back-to-back launches, per launch (CUDA events on ourgrad's stream)."""
+  from timing import _event_seconds
+  launch()
+  return statistics.median(_event_seconds("CUDA", lambda: [launch() for _ in range(iters)]) / iters
+                           for _ in range(3))
+
+
+def torch_event_seconds(function, iters: int) -> float:
+  function()
+  times = []
+  for _ in range(3):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters): function()
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / iters)
+  return statistics.median(times)
+
+
+def run_row(name: str, m: int, n: int, k: int, precision: str, processors: int, top: int, iters: int,
+            dry: bool) -> None:
+  dtype = DTYPES[precision]
+  itemsize = 4 if dtype == "float32" else 2
+  work = 2.0 * m * n * k
+  chosen = variants(m, n, k, itemsize, processors, top)
+  title = f"{name} {precision} {m}x{n}x{k}"
+  if dry:
+    for label, grid, lag in chosen:
+      predicted = wgmma_seconds(grid, 1, m, n, k, itemsize, processors)
+      print(f"{title:<36} {label:<7} {describe(grid, lag):<34} pred {predicted * 1e6:8.1f} us")
+    return
+  from ourgrad.device import Buffer, Device
+  from ourgrad.dtype import dtypes
+  device = Device["CUDA"]
+  plans = [plan_of(grid, m, n, k, dtype, processors, lag) for _, grid, lag in chosen]
+  binaries = [device.compiler.compile_cached(render_wgmma_matmul(plan)) for plan in plans]   # compiled in main()
+  torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+  generator = torch.Generator(device="cuda").manual_seed(0)
+  a = torch.randn(m, k, device="cuda", generator=generator).to(torch_dtype)
+  b = torch.randn(n, k, device="cuda", generator=generator).to(torch_dtype)
+  torch.backends.cuda.matmul.allow_tf32 = True
+  reference = a @ b.T
+  cublas = torch_event_seconds(lambda: a @ b.T, iters)
+  ours_dtype = dtypes.float32 if dtype == "float32" else dtypes.bfloat16
+  a_buffer = Buffer("CUDA", m * k, ours_dtype).copyin(memoryview(a.view(-1).view(torch.uint8).cpu().numpy()))
+  b_buffer = Buffer("CUDA", n * k, ours_dtype).copyin(memoryview(b.view(-1).view(torch.uint8).cpu().numpy()))
+  print(f"{title:<36} cuBLAS{'':<29} {cublas * 1e3:9.3f} ms {work / cublas / 1e12:6.1f} TFLOP/s", flush=True)
+  for (label, grid, lag), plan, binary in zip(chosen, plans, binaries):
+    program = device.program(plan.name, binary)
+    out_dtype = dtypes.float32 if plan.out_dtype == "float32" else dtypes.bfloat16
+    c_buffer = Buffer("CUDA", plan.batch * m * n, out_dtype).allocate()
+    def launch(program=program, c_buffer=c_buffer, plan=plan):
+      program(c_buffer.handle, a_buffer.handle, b_buffer.handle, global_size=plan.global_size,
+              local_size=plan.local_size)
+    seconds = event_seconds(launch, iters)
+    result = np.frombuffer(c_buffer.as_bytes(), dtype=np.float32 if out_dtype == dtypes.float32 else np.uint16)
+    if out_dtype != dtypes.float32: result = (result.astype(np.uint32) << 16).view(np.float32)
+    result = torch.tensor(result.reshape(plan.batch, m, n)).cuda().sum(0)
+    if grid.parts > 1:   # the consumer's read of the partials
+      partials = torch.zeros(grid.parts, m, n, device="cuda")
+      seconds += torch_event_seconds(lambda: partials.sum(0), iters)
+    expected = reference.float()
+    error = float((result - expected).norm() / expected.norm())
+    predicted = wgmma_seconds(grid, 1, m, n, k, itemsize, processors)
+    print(f"{title:<36} {label:<7} {describe(grid, lag):<34} {seconds * 1e3:9.3f} ms {work / seconds / 1e12:6.1f} "
+          f"TFLOP/s {cublas / seconds * 100:5.0f}% cuBLAS  pred {predicted * 1e3:8.3f} ms  err {error:.1e}",
+          flush=True)
+
+
+def compile_all(jobs: list[tuple[str, int, int, int, str]], processors: int, top: int) -> None:
+  """Every variant's kernel compiled into the disk cache first, 16 at a time (NVRTC releases the GIL)."""
+  from ourgrad.device import Device
+  compiler = Device["CUDA"].compiler
+  sources = [render_wgmma_matmul(plan_of(grid, m, n, k, DTYPES[precision], processors, lag))
+             for _, m, n, k, precision in jobs
+             for _, grid, lag in variants(m, n, k, 4 if precision == "tf32" else 2, processors, top)]
+  def compile_one(source: str) -> str:
+    try: compiler.compile_cached(source)
+    except Exception as error:   # the row that needs it says so again when it loads
+      return f"{type(error).__name__}: {str(error)[-300:]}"
+    return ""
+  with ThreadPoolExecutor(16) as pool: failures = [failure for failure in pool.map(compile_one, sources) if failure]
+  print(f"{len(sources)} kernels compiled, {len(failures)} failed{': ' + failures[0] if failures else ''}", flush=True)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--top", type=int, default=0, help="the model's ranked grids timed beside its choice")
+  parser.add_argument("--only", default="", help="rows whose name contains one of these words (comma-separated)")
+  parser.add_argument("--dry", action="store_true", help="print the variants and predictions only (no GPU)")
+  parser.add_argument("--processors", type=int, default=0, help="multiprocessors (default: the GPU's; --dry 132)")
+  args = parser.parse_args()
+  processors = args.processors
+  if not args.dry:
+    from ourgrad.device import Device
+    processors = processors or Device["CUDA"].renderer.multiprocessors
+    print(f"device: {torch.cuda.get_device_name()}, {processors} multiprocessors")
+  processors = processors or 132
+  jobs = [(name, m, n, k, precision) for precision in DTYPES for name, m, n, k in rows()
+          if not args.only or all(word in f"{name} {precision}" for word in args.only.split(","))]
+  if not args.dry: compile_all(jobs, processors, args.top)
+  for name, m, n, k, precision in jobs:
+    try: run_row(name, m, n, k, precision, processors, args.top, args.iters, args.dry)
+    except Exception as error:   # a row that fails is a line saying so
+      print(f"{name} {precision}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
