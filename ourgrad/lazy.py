@@ -376,7 +376,10 @@ class LazyBuffer:
     if any(stride != 0 for stride in streamed.st.views[-1].strides[:-2]): return None
     # an operand widened on load (autocast's bfloat16) would be packed at float32: twice the bytes the product reads
     if streamed.base.op is Ops.CAST: return None
-    tile = cpu_pack_columns(rows, columns, renderer.vector_bytes, renderer.vector_registers, self.dtype.itemsize)
+    column_stride, reduce_stride = streamed.st.views[-1].strides[-2:]
+    if not isinstance(column_stride, int) or not isinstance(reduce_stride, int): return None
+    tile = cpu_pack_columns(rows, columns, column_stride, reduce_stride * self.dtype.itemsize, renderer.vector_bytes,
+                            renderer.vector_registers, self.dtype.itemsize)
     if not tile: return None
     *lead, reduce_length = self.shape
     matrix = streamed.shrink(tuple((0, 1) for _ in lead[:-1]) + ((0, columns), (0, reduce_length)))

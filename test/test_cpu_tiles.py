@@ -23,7 +23,9 @@ import pytest
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.opt.cpu_tiles import CPU_PACK_MIN_ROWS, buffer_loads, cpu_reduce_parts, cpu_tile_rows
+from ourgrad.codegen.opt.cpu_tiles import (CPU_PACK_MIN_ROWS, CPU_PACK_MIN_ROWS_GATHERED, buffer_loads,
+                                          cpu_reduce_parts,
+                                          cpu_tile_rows)
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine.schedule import create_schedule
@@ -247,16 +249,17 @@ def _at_width(monkeypatch: pytest.MonkeyPatch, march: str) -> None:
 @pytest.mark.parametrize("march", sorted(TARGETS))
 @pytest.mark.parametrize("layout", ["a@b", "a@w.T", "batched"])
 def test_streamed_operand_is_packed(march: str, layout: str, monkeypatch: pytest.MonkeyPatch):
-  """A matmul of 512 rows or more reads B from a packed copy (a kernel of its own: B's column tiles of T = the tile's
-  columns one after another, each (K, T) panel contiguous), so the matmul kernel loads one contiguous run of T
-  floats a reduce step (stride T along the reduce, 1 along the tile's columns) with the register tile rows x T. B
-  as a weight read transposed (x @ w.T) and rows that span a batch axis are packed alike. The values match numpy."""
+  """A matmul whose B rows lie 4 KiB apart (1024 columns) or whose B is read transposed (x @ w.T) reads B from a
+  packed copy (a kernel of its own: B's column tiles of T = the tile's columns one after another, each (K, T) panel
+  contiguous), so the matmul kernel loads one contiguous run of T floats a reduce step (stride T along the reduce, 1
+  along the tile's columns) with the register tile rows x T. Rows that span a batch axis count as rows. The values
+  match numpy."""
   _gcc()
   _at_width(monkeypatch, march)
   _, registers, cpu_flag = TARGETS[march]
   tile = {"x86-64-v3": 16, "x86-64-v4": 32}[march]
   rng = np.random.default_rng(1)
-  k, n = 96, 4 * tile
+  k, n = 96, 1024
   a_np = rng.standard_normal((2, 300, k) if layout == "batched" else (600, k)).astype(np.float32)
   b_np = rng.standard_normal((k, n)).astype(np.float32)
   a, b, w = (Tensor(array).realize() for array in (a_np, b_np, np.ascontiguousarray(b_np.T)))
@@ -274,11 +277,18 @@ def test_streamed_operand_is_packed(march: str, layout: str, monkeypatch: pytest
 
 
 @pytest.mark.parametrize("march", sorted(TARGETS))
-def test_few_rows_are_not_packed(march: str, monkeypatch: pytest.MonkeyPatch):
-  """Under CPU_PACK_MIN_ROWS rows the copy would not pay for itself: one kernel reads B in place."""
+@pytest.mark.parametrize("m,n,transposed", [(CPU_PACK_MIN_ROWS - 8, 1024, False), (1024, 1056, False),
+                                            (CPU_PACK_MIN_ROWS_GATHERED - 8, 1024, True)])
+def test_unpacked_matmuls(march: str, m: int, n: int, transposed: bool, monkeypatch: pytest.MonkeyPatch):
+  """One kernel reads B in place where the copy would not pay for itself: aliased rows under CPU_PACK_MIN_ROWS rows,
+  rows 4224 bytes apart (no aliasing; the tile's columns divide 1056 at both widths), a transposed B under
+  CPU_PACK_MIN_ROWS_GATHERED rows."""
   _at_width(monkeypatch, march)
-  output, _, _ = _matmul(CPU_PACK_MIN_ROWS - 8, 64, 128)
-  assert len([item for item in create_schedule([output.lazydata]) if item.outputs]) == 1
+  rng = np.random.default_rng(2)
+  a = Tensor(rng.standard_normal((m, 64)).astype(np.float32)).realize()
+  b_np = rng.standard_normal((64, n)).astype(np.float32)
+  b = Tensor(np.ascontiguousarray(b_np.T)).realize().T if transposed else Tensor(b_np).realize()
+  assert len([item for item in create_schedule([(a @ b).lazydata]) if item.outputs]) == 1
 
 
 @pytest.mark.parametrize("march", sorted(TARGETS))
