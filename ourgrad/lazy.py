@@ -23,7 +23,7 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
-from ourgrad.codegen.opt.cpu_tiles import cpu_reduce_parts
+from ourgrad.codegen.opt.cpu_tiles import cpu_pack_columns, cpu_reduce_parts
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts, wgmma_split_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
@@ -270,6 +270,7 @@ class LazyBuffer:
     if value is not None and not (op is Ops.SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
       return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
+    if op is Ops.SUM and (packed := self._cpu_packed_matmul(axes)) is not None: return packed
     if split and (split_reduce := self._split_large_reduce(op, axes, out_shape)) is not None: return split_reduce
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
 
@@ -384,6 +385,33 @@ class LazyBuffer:
     l2_bytes = getattr(Device[self.device].renderer, "l2_cache_bytes", 0)
     parts = cpu_reduce_parts(self.shape[-1], abs(stride) * self.dtype.itemsize, l2_bytes)
     return parts if parts > 1 else None
+
+  def _cpu_packed_matmul(self, axes: tuple[int, ...]) -> LazyBuffer | None:
+    """A float32 matmul on a CPU with its streamed operand B (one matrix, varying along N and K only) read from a
+    packed copy (cpu_tiles.cpu_pack_columns): B's column tiles one after another, each tile's panel contiguous in
+    reduce order. The product is summed over (..., M, N/T, T, K) and viewed back as (..., M, N, 1). None: not
+    packed (not a plain matmul, not a host CPU, or cpu_pack_columns declines)."""
+    if self.device.startswith("DISK") or (dims := self._dense_matmul_dims(axes)) is None: return None
+    renderer = Device[self.device].renderer
+    # only a host CPU's runtime tells its renderer the L2 size (runtime/ops_clang.py, ops_llvm.py)
+    if not getattr(renderer, "l2_cache_bytes", 0): return None
+    rows, columns, _ = dims
+    streamed, other = sorted(self.base.srcs, key=lambda src: src.st.views[-1].strides[-2] == 0)
+    if any(stride != 0 for stride in streamed.st.views[-1].strides[:-2]): return None
+    # an operand widened on load (autocast's bfloat16) would be packed at float32: twice the bytes the product reads
+    if streamed.base.op is Ops.CAST: return None
+    column_stride, reduce_stride = streamed.st.views[-1].strides[-2:]
+    if not isinstance(column_stride, int) or not isinstance(reduce_stride, int): return None
+    tile = cpu_pack_columns(rows, columns, column_stride, reduce_stride * self.dtype.itemsize, renderer.vector_bytes,
+                            renderer.vector_registers, self.dtype.itemsize)
+    if not tile: return None
+    *lead, reduce_length = self.shape
+    matrix = streamed.shrink(tuple((0, 1) for _ in lead[:-1]) + ((0, columns), (0, reduce_length)))
+    packed = matrix.reshape((columns // tile, tile, reduce_length)).permute((0, 2, 1)).contiguous()
+    tiled = (*lead[:-1], columns // tile, tile, reduce_length)
+    packed_view = packed.permute((0, 2, 1)).reshape((1,) * (len(lead) - 1) + tiled[-3:]).expand(tiled)
+    product = other.reshape(tiled).elementwise(Ops.MUL, packed_view)
+    return product.reduce(Ops.SUM, (len(tiled) - 1,)).reshape(self.shape[:-1] + (1,))
 
   def _dense_matmul_dims(self, axes: tuple[int, ...]) -> tuple[int, int, int] | None:
     """(M, N, K) of a float32 product (..., M, N, K) summed over K (the last axis), one factor varying along M and

@@ -23,7 +23,9 @@ import pytest
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.opt.cpu_tiles import cpu_reduce_parts, cpu_tile_rows
+from ourgrad.codegen.opt.cpu_tiles import (CPU_PACK_MIN_ROWS, CPU_PACK_MIN_ROWS_GATHERED, buffer_loads,
+                                          cpu_reduce_parts,
+                                          cpu_tile_rows)
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine.schedule import create_schedule
@@ -234,3 +236,71 @@ def test_aliased_panel_splits_the_reduce(march: str, n: int, parts: int, monkeyp
   np.testing.assert_allclose(result.reshape(12, n), a_np @ b_np, rtol=1e-4, atol=1e-3)
   # the CLANG device's own path (a fresh product: the one above was scheduled by hand)
   np.testing.assert_allclose((Tensor(a_np) @ Tensor(b_np)).numpy(), a_np @ b_np, rtol=1e-4, atol=1e-3)
+
+
+def _at_width(monkeypatch: pytest.MonkeyPatch, march: str) -> None:
+  """The CLANG renderer that lazy.py's packing decision reads, set to `march`'s width, registers and a 1 MiB L2."""
+  renderer = Device["CLANG"].renderer
+  monkeypatch.setattr(renderer, "vector_bytes", TARGETS[march][0], raising=False)
+  monkeypatch.setattr(renderer, "vector_registers", TARGETS[march][1], raising=False)
+  monkeypatch.setattr(renderer, "l2_cache_bytes", 1 << 20, raising=False)
+
+
+@pytest.mark.parametrize("march", sorted(TARGETS))
+@pytest.mark.parametrize("layout", ["a@b", "a@w.T", "batched"])
+def test_streamed_operand_is_packed(march: str, layout: str, monkeypatch: pytest.MonkeyPatch):
+  """A matmul whose B rows lie 4 KiB apart (1024 columns) or whose B is read transposed (x @ w.T) reads B from a
+  packed copy (a kernel of its own: B's column tiles of T = the tile's columns one after another, each (K, T) panel
+  contiguous), so the matmul kernel loads one contiguous run of T floats a reduce step (stride T along the reduce, 1
+  along the tile's columns) with the register tile rows x T. Rows that span a batch axis count as rows. The values
+  match numpy."""
+  _gcc()
+  _at_width(monkeypatch, march)
+  _, registers, cpu_flag = TARGETS[march]
+  tile = {"x86-64-v3": 16, "x86-64-v4": 32}[march]
+  rng = np.random.default_rng(1)
+  k, n = 96, 1024
+  a_np = rng.standard_normal((2, 300, k) if layout == "batched" else (600, k)).astype(np.float32)
+  b_np = rng.standard_normal((k, n)).astype(np.float32)
+  a, b, w = (Tensor(array).realize() for array in (a_np, b_np, np.ascontiguousarray(b_np.T)))
+  def product() -> Tensor: return a @ w.T if layout == "a@w.T" else a @ b
+  items = [item for item in create_schedule([product().lazydata]) if item.outputs]
+  assert len(items) == 2 and items[0].outputs[0].size == k * n   # the packed copy, then the matmul
+  kernel = Kernel(items[1].ast, _renderer(march))
+  kernel.hand_coded_optimizations()
+  assert [kernel.full_shape[axis] for axis in kernel.upcast_axes] == [cpu_tile_rows(registers), tile]
+  strides = [st.real_strides() for st in buffer_loads(kernel)]
+  assert any(stride[kernel.first_reduce] == tile and stride[kernel.upcast_axes[1]] == 1 for stride in strides)
+  if not _cpu_has(cpu_flag): pytest.skip(f"this CPU cannot run -march={march} code (no {cpu_flag})")
+  _, result = _run_schedule_at(product(), march)
+  np.testing.assert_allclose(result.reshape(a_np.shape[:-1] + (n,)), a_np @ b_np, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("march", sorted(TARGETS))
+@pytest.mark.parametrize("m,n,transposed", [(CPU_PACK_MIN_ROWS - 8, 1024, False), (1024, 1056, False),
+                                            (CPU_PACK_MIN_ROWS_GATHERED - 8, 1024, True)])
+def test_unpacked_matmuls(march: str, m: int, n: int, transposed: bool, monkeypatch: pytest.MonkeyPatch):
+  """One kernel reads B in place where the copy would not pay for itself: aliased rows under CPU_PACK_MIN_ROWS rows,
+  rows 4224 bytes apart (no aliasing; the tile's columns divide 1056 at both widths), a transposed B under
+  CPU_PACK_MIN_ROWS_GATHERED rows."""
+  _at_width(monkeypatch, march)
+  rng = np.random.default_rng(2)
+  a = Tensor(rng.standard_normal((m, 64)).astype(np.float32)).realize()
+  b_np = rng.standard_normal((64, n)).astype(np.float32)
+  b = Tensor(np.ascontiguousarray(b_np.T)).realize().T if transposed else Tensor(b_np).realize()
+  assert len([item for item in create_schedule([(a @ b).lazydata]) if item.outputs]) == 1
+
+
+@pytest.mark.parametrize("march", sorted(TARGETS))
+def test_packed_panels_are_cache_blocked(march: str, monkeypatch: pytest.MonkeyPatch):
+  """The packed column tiles' panels (1024 x T floats each) overflow a 1 MiB L2 together: the tiles go in blocks
+  whose panels fill half of it, the block loop outermost (BLOCK on the column-tiles axis)."""
+  _at_width(monkeypatch, march)
+  output, _, _ = _matmul(512, 1024, 1024)
+  items = [item for item in create_schedule([output.lazydata]) if item.outputs]
+  kernel = Kernel(items[-1].ast, _renderer(march))
+  kernel.hand_coded_optimizations()
+  tile = {"x86-64-v3": 16, "x86-64-v4": 32}[march]
+  blocks = [opt for opt in kernel.applied_opts if opt.op is OptOps.BLOCK]
+  assert len(blocks) == 1 and blocks[0].amount == (1 << 19) // (1024 * tile * 4)
+  assert kernel.full_shape[0] == 1024 // tile // blocks[0].amount

@@ -10,8 +10,15 @@ forward+backward, an MLP step (784-512-512-10, Adam, batch 256) and the examples
 32-32-64-64 with BatchNorm, batch 128), both TinyJit, then examples/mnist.py itself (--epochs 2 --limit 10240
 --eval-limit 1000; its last epoch's ms/step). The CNN step also prints a per-kernel table (time, GFLOP/s, share).
 
-Method: ourgrad at each width runs in its own subprocess (the compile cache and the kernels' SIMD width follow
-CLANG_MARCH, read once at import). Ops: the inputs are realized once; each run builds a fresh lazy graph (not timed)
+References at each width: numpy's OpenBLAS and PyTorch pick AVX-512 kernels on an AVX-512 machine, so the
+x86-64-v3 columns would compare our AVX2 code with their AVX-512 code. The references therefore run once per width in
+a subprocess whose environment caps them at that width before they load (REFERENCE_ENV: OPENBLAS_CORETYPE=Haswell,
+ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2; native clears them); the header
+prints what each one really picked (OpenBLAS core, PyTorch capability, oneDNN ISA). Each width's "/torch" and
+"/numpy" divide by that width's references (the goal's ratio); the last two columns divide the x86-64-v3 time by the
+native (AVX-512) references. MKL (PyTorch's matmul) runs its generic path on AMD CPUs whatever the cap. ourgrad at
+each width runs in its own subprocess (the compile cache and the kernels' SIMD width follow CLANG_MARCH, read once
+at import). Ops: the inputs are realized once; each run builds a fresh lazy graph (not timed)
 and times its realize (scheduling from the cache and the launches). numpy and torch time the whole expression.
 Training steps: the mean of --steps steps after warm-up. Every figure is a median; the machine is shared, so compare
 ratios from one run, not absolute times across runs (--cpu-time: one thread for every library and CPU time, which
@@ -245,6 +252,72 @@ def worker(args: argparse.Namespace) -> None:
 def wanted(name: str, args: argparse.Namespace) -> bool: return args.only is None or args.only in name
 
 
+# ---------------------------------------------------------------- references, one width per process
+
+# the environment that caps numpy's OpenBLAS, PyTorch's ATen kernels, oneDNN and MKL at a width; it must be set before
+# the libraries load, hence a subprocess per width. Native runs with these cleared (the libraries' own choice): a
+# caller's OPENBLAS_CORETYPE=Haswell would otherwise hand the native column an AVX2 BLAS.
+REFERENCE_ENV: dict[str, dict[str, str]] = {
+  "x86-64-v3": {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+REFERENCE_CAPS = ("OPENBLAS_CORETYPE", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def reference_env(march: str) -> dict[str, str]:
+  """This process's environment with the width caps cleared, then `march`'s caps set."""
+  env = {key: value for key, value in os.environ.items() if key not in REFERENCE_CAPS}
+  return {**env, **REFERENCE_ENV.get(march, {})}
+
+
+def reference_worker(args: argparse.Namespace) -> None:
+  """numpy and PyTorch rows under this process's environment, as one JSON object on stdout's last line."""
+  import torch
+  torch.set_num_threads(TORCH_THREADS)
+  rows: dict[str, tuple[float | None, float | None]] = {}
+  for name, arrays in op_inputs().items():
+    if wanted(name, args): rows[name] = (numpy_row(name, arrays, args.budget), torch_ops(name, arrays, args.budget))
+  if wanted("step", args): rows.update({name: (None, seconds) for name, seconds in torch_steps(args.steps).items()})
+  if wanted("mnist.py", args): rows["examples/mnist.py step"] = (None, None)
+  print(json.dumps({"rows": rows, "picked": reference_picks()}))
+
+
+def reference_picks() -> str:
+  """What the references really run: OpenBLAS's core, PyTorch's CPU capability, oneDNN's ISA, read in this process."""
+  import ctypes
+  import glob
+
+  import torch
+  np.ones((64, 64), np.float32) @ np.ones((64, 64), np.float32)  # OpenBLAS names its core once a kernel has run
+  core = "?"
+  for library in glob.glob(str(pathlib.Path(np.__file__).parent.parent / "numpy.libs" / "*openblas*")):
+    for symbol in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename"):
+      if hasattr(ctypes.CDLL(library), symbol):
+        get_core = getattr(ctypes.CDLL(library), symbol)
+        get_core.restype = ctypes.c_char_p
+        core = get_core().decode()
+  return f"OpenBLAS {core}, torch {torch.backends.cpu.get_cpu_capability()}, oneDNN {onednn_isa()}"
+
+
+def onednn_isa() -> str:
+  """oneDNN's ISA as its verbose mode prints it, from a one-convolution subprocess under this environment."""
+  # (a convolution this size goes through oneDNN; tiny ones do not)
+  probe = "import torch; torch.nn.functional.conv2d(torch.ones(2, 16, 16, 16), torch.ones(16, 16, 3, 3))"
+  done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                        env={**os.environ, "ONEDNN_VERBOSE": "1"})
+  found = re.search(r"isa:([^\n]+)", done.stdout)
+  return found.group(1).strip() if found else "?"
+
+
+def run_worker(flag: str, march: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+  """One worker subprocess (`flag` --worker or --reference) for `march` under `env`; its JSON result."""
+  command = [sys.executable, __file__, flag, "--budget", str(args.budget), "--steps", str(args.steps)]
+  if CPU_TIME: command.append("--cpu-time")
+  if args.only: command += ["--only", args.only]
+  done = subprocess.run(command, capture_output=True, text=True, env=env)
+  if done.returncode != 0: sys.exit(f"{flag} at CLANG_MARCH={march} failed:\n{done.stderr[-4000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 # ---------------------------------------------------------------- report
 
 def main() -> None:
@@ -256,46 +329,46 @@ def main() -> None:
   parser.add_argument("--cpu-time", action="store_true", help="one thread per library, timed by CPU time (for a "
                       "shared machine; examples/mnist.py's ms/step stays its own wall time)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   os.environ.setdefault("DEVICE", "CLANG")
   if args.worker: return worker(args)
-  import torch
-  torch.set_num_threads(TORCH_THREADS)
-  reference: dict[str, tuple[float | None, float | None]] = {}
-  for name, arrays in op_inputs().items():
-    if wanted(name, args):
-      reference[name] = (numpy_row(name, arrays, args.budget), torch_ops(name, arrays, args.budget))
-  if wanted("step", args):
-    reference.update({name: (None, seconds) for name, seconds in torch_steps(args.steps).items()})
-  if wanted("mnist.py", args): reference["examples/mnist.py step"] = (None, None)
-  ours: dict[str, dict[str, Any]] = {}
-  for march in args.marches.split(","):
-    command = [sys.executable, __file__, "--worker", "--budget", str(args.budget), "--steps", str(args.steps)]
-    if CPU_TIME: command.append("--cpu-time")
-    if args.only: command += ["--only", args.only]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CLANG_MARCH": march})
-    if done.returncode != 0: sys.exit(f"worker at CLANG_MARCH={march} failed:\n{done.stderr[-4000:]}")
-    ours[march] = json.loads(done.stdout.strip().splitlines()[-1])
-  report(reference, ours)
+  if args.reference: return reference_worker(args)
+  marches = args.marches.split(",")
+  references = {march: run_worker("--reference", march, args, reference_env(march)) for march in marches}
+  ours = {march: run_worker("--worker", march, args, {**os.environ, "CLANG_MARCH": march}) for march in marches}
+  report(references, ours)
 
 
-def report(reference: dict[str, tuple[float | None, float | None]], ours: dict[str, dict[str, Any]]) -> None:
+def report(references: dict[str, dict[str, Any]], ours: dict[str, dict[str, Any]]) -> None:
   load = os.getloadavg()[0]
   clock_name = "CPU time, one thread each" if CPU_TIME else "wall time"
   print(f"# python extra/bench/bench_cpu.py {' '.join(sys.argv[1:])}; {clock_name}; torch {TORCH_THREADS} threads; "
         f"load average {load:.1f}; simd bytes: " +
         ", ".join(f"{march}={result['simd_bytes']}" for march, result in ours.items()))
+  for march, reference in references.items():
+    capped = " ".join(f"{key}={value}" for key, value in REFERENCE_ENV.get(march, {}).items()) or "caps cleared"
+    print(f"# references at {march} ({capped}): {reference['picked']}")
   marches = list(ours)
-  header = f"{'row':34} {'numpy ms':>9} {'torch ms':>9}" + "".join(
-    f" {march + ' ms':>15} {'/torch':>7} {'/numpy':>7} {'GFLOP/s':>8} {'kern':>4}" for march in marches)
+  # the widest march's references (native) also divide the others' times: the figure before same-width references
+  widest = marches[0]
+  header = f"{'row':34}" + "".join(f" {march + ' numpy':>17} {'torch':>8} {'ours ms':>8} {'/torch':>7} {'/numpy':>7}"
+                                   f" {'GFLOP/s':>8} {'kern':>4}" for march in marches)
+  if len(marches) > 1: header += f" {'/torch@' + widest:>14} {'/numpy@' + widest:>14}"
   print(header)
-  for name, (numpy_s, torch_s) in reference.items():
-    line = f"{name:34} {fmt_ms(numpy_s):>9} {fmt_ms(torch_s):>9}"
+  for name in references[widest]["rows"]:
+    line = f"{name:34}"
     for march in marches:
+      numpy_s, torch_s = references[march]["rows"].get(name, (None, None))
       seconds, kernels = ours[march].get(name, (None, None))
       work = flops(name)
-      line += (f" {fmt_ms(seconds):>15} {ratio(seconds, torch_s):>7} {ratio(seconds, numpy_s):>7}"
-               f" {(f'{work / seconds / 1e9:.1f}' if work and seconds else '-'):>8} {kernels or '-':>4}")
+      line += (f" {fmt_ms(numpy_s):>17} {fmt_ms(torch_s):>8} {fmt_ms(seconds):>8} {ratio(seconds, torch_s):>7}"
+               f" {ratio(seconds, numpy_s):>7} {(f'{work / seconds / 1e9:.1f}' if work and seconds else '-'):>8}"
+               f" {kernels or '-':>4}")
+    if len(marches) > 1:
+      seconds = ours[marches[-1]].get(name, (None, None))[0]
+      numpy_s, torch_s = references[widest]["rows"][name]
+      line += f" {ratio(seconds, torch_s):>14} {ratio(seconds, numpy_s):>14}"
     print(line)
   for march in marches:
     table = ours[march].get("cnn_table")
