@@ -14,13 +14,15 @@ from typing import Any
 
 from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE
 from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.codegen.packed import PackedKernel
 from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOp, UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul
-from ourgrad.device import Device
+from ourgrad.device import Buffer, Device
+from ourgrad.dtype import dtypes
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
@@ -43,7 +45,12 @@ def get_kernel(ast: LazyOp, device: str) -> Kernel | PackedKernel | IndexAccumul
   kernel (PACK: several elementwise kernels in one launch) takes no opts (codegen/packed.py)."""
   if ast.op is Ops.PACK: return PackedKernel(ast, Device[device].renderer)
   if is_index_accumulate(ast): return IndexAccumulateKernel(ast, Device[device].renderer)   # sized by its own plan
-  kernel = Kernel(ast, Device[device].renderer)
+  # a one-kernel split reduce: the heuristic's opts (its layout was checked with them: engine/split_fusion.py)
+  kernel = SplitReduceKernel(ast, Device[device].renderer) if ast.op is Ops.SPLIT_REDUCE else \
+      Kernel(ast, Device[device].renderer)
+  if ast.op is Ops.SPLIT_REDUCE:
+    kernel.hand_coded_optimizations()
+    return kernel
   # a symbolic kernel keeps its plain loop nest: the optimizations split and pad sizes they must know
   if NOOPT or ast_is_symbolic(ast): return kernel
   if BEAM >= 1: return beam_optimize(kernel, device, BEAM.value)  # searched, verified and cached: codegen/opt/search.py
@@ -191,7 +198,24 @@ def lower_schedule_item(item: ScheduleItem) -> ExecItem:
   if item.ast.op is Ops.COPY: return ExecItem(CopyRunner(item.inputs[0].nbytes), buffers, device=buffers[0].device)
   device = item.outputs[0].device
   ast, var_vals = unbind_ast(item.ast)
-  return ExecItem(get_runner(device, ast), buffers, var_vals, device=device)
+  runner = get_runner(device, ast)
+  if ast.op is Ops.SPLIT_REDUCE: buffers.append(split_counters(device, runner))
+  return ExecItem(runner, buffers, var_vals, device=device)
+
+
+# the block counters of each one-kernel split reduce's runner (codegen/last_block.py), by (device, runner id): zeros
+# that every launch leaves zero again, so launches of one runner on one device (one stream, in order) share them
+_split_counters: dict[tuple[str, int], tuple[CompiledRunner, Buffer]] = {}
+
+
+def split_counters(device: str, runner: CompiledRunner) -> Buffer:
+  """The int32 counters of `runner`'s launches on `device`: one per group of blocks, allocated and zeroed once."""
+  key = (device, id(runner))
+  if key not in _split_counters:
+    counters = Buffer(device, max(prod(runner.global_size), 1), dtypes.int32).allocate()
+    counters.copyin(memoryview(bytearray(counters.nbytes)))
+    _split_counters[key] = (runner, counters)   # the runner kept alive: its id stays its own
+  return _split_counters[key][1]
 
 
 def lower_schedule(schedule: list[ScheduleItem]) -> list[ExecItem]:
