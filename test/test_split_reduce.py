@@ -33,7 +33,8 @@ rng = np.random.default_rng(10)
 
 
 def _kernels(*tensors: Tensor) -> list:
-  return [item for item in create_schedule([t.lazydata for t in tensors]) if item.ast.op in (Ops.STORE, Ops.SPLIT_REDUCE)]
+  kernels = (Ops.STORE, Ops.SPLIT_REDUCE)
+  return [item for item in create_schedule([t.lazydata for t in tensors]) if item.ast.op in kernels]
 
 
 def _split_kernels(device: str = "PYTHON", dtype: type = np.float32) -> int:
