@@ -36,7 +36,8 @@ def _check_cuda_rendering():
       cuda_kernel = IndexAccumulateKernel(kernel.ast, renderer)
     else:
       # a one-kernel split reduce (EMULATE=CUDA) is one for CUDA too, with the same heuristic opts
-      cuda_kernel = (SplitReduceKernel if isinstance(kernel, SplitReduceKernel) else Kernel)(kernel.ast, renderer)
+      one_kernel_split = isinstance(kernel, SplitReduceKernel)
+      cuda_kernel = SplitReduceKernel(kernel.split_ast, renderer) if one_kernel_split else Kernel(kernel.ast, renderer)
       # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device
       if not realize.ast_is_symbolic(kernel.ast): cuda_kernel.hand_coded_optimizations()
     compiler.compile_cached(lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source)

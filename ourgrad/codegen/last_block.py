@@ -38,6 +38,9 @@ from ourgrad.ops import LazyOp, MemBuffer, Ops
 MAX_FINISH_PARTS = 64
 # block x thread indices the layout check evaluates at most (numpy arrays of this many int64s)
 MAX_CHECKED_THREADS = 1 << 22
+# partials one last block of the whole grid sums at most (a group's blocks storing different outputs: the parts
+# merged with the outputs into one block axis): 32 KB, about a memory latency of one block's loads
+MAX_GRID_FINISH_VALUES = 8192
 # integer index math the layout check evaluates (anything else in a store's index or guard: no plan)
 _INDEX_OPS = {Ops.ADD: np.add, Ops.MUL: np.multiply, Ops.IDIV: np.floor_divide, Ops.MOD: np.mod,
               Ops.CMPLT: np.less, Ops.CMPNE: np.not_equal, Ops.AND: np.logical_and, Ops.OR: np.logical_or,
@@ -57,13 +60,16 @@ class PartialStore:
 
 @dataclass(frozen=True)
 class FinishPlan:
-  """How the first kernel's last block per group finishes: the block index of the part (`part`, a GLOBAL SPECIAL of
-  `parts` blocks), the other block indices (their flat index numbers the group's counter) and the partials' stores."""
-  part: UOp
+  """How the first kernel's last block finishes. Per group (`part` set): the block index of the part (a GLOBAL
+  SPECIAL of `parts` blocks), the other block indices (their flat index numbers the group's counter) and the
+  partials' stores, each finished by the thread that stored it. Grid-wide (`part` None): one counter for all
+  `blocks`, and the last block's threads take every output in turn."""
+  part: UOp | None
   groups: tuple[UOp, ...]
   stores: tuple[PartialStore, ...]
   parts: int
   outputs: int
+  blocks: int   # blocks each counter counts
 
   @property
   def counters(self) -> int:
@@ -147,8 +153,10 @@ def finish_plan(uops: list[UOp], parts: int, outputs: int) -> FinishPlan | None:
   for position, part in candidates:
     if all(_store_fits(store, grids, part, position, outputs) for store in stores):
       groups = tuple(special for special in specials if special.arg[3] is AxisType.GLOBAL and special is not part)
-      return FinishPlan(part, groups, tuple(stores), parts, outputs)
-  return None
+      return FinishPlan(part, groups, tuple(stores), parts, outputs, parts)
+  if parts * outputs > MAX_GRID_FINISH_VALUES: return None
+  blocks = int(np.prod([special.arg[1] for special in specials if special.arg[3] is AxisType.GLOBAL]))
+  return FinishPlan(None, (), tuple(stores), parts, outputs, blocks)
 
 
 def _store_fits(store: PartialStore, grids: dict[int, np.ndarray], part: UOp, axis: int, outputs: int) -> bool:
@@ -218,11 +226,13 @@ def append_finish(uops: list[UOp], plan: FinishPlan, combine: Ops, out_index: in
   builder.end_if(opened)
   builder.add(UOps.BARRIER, None)
   finished = builder.add(UOps.LOAD, dtypes.int32, (flag, zero))
-  last = builder.alu(Ops.CMPLT, dtypes.bool, builder.const(plan.parts - 2, index_dtype), finished)
+  last = builder.alu(Ops.CMPLT, dtypes.bool, builder.const(plan.blocks - 2, index_dtype), finished)
   last_block = builder.add(UOps.IF, None, (last,))
   builder.add(UOps.FENCE, None)
-  clone = _Cloner(builder)
-  for store in plan.stores: _finish_store(builder, clone, store, plan, combine, partials, out)
+  if plan.part is None: _finish_grid(builder, threads, plan, combine, partials, out)
+  else:
+    # a cloner per store: what one clones inside its IF is out of scope for the next
+    for store in plan.stores: _finish_store(builder, _Cloner(builder), store, plan, combine, partials, out)
   reset = builder.add(UOps.IF, None, (first_thread,))
   builder.add(UOps.STORE, None, (counter, group, zero))
   builder.end_if(reset)
@@ -232,6 +242,35 @@ def append_finish(uops: list[UOp], plan: FinishPlan, combine: Ops, out_index: in
   defines.sort(key=lambda uop: uop.arg[0])
   body = [uop for uop in uops if uop.op is not UOps.DEFINE_GLOBAL]
   return defines + body + [uop for uop in builder.uops if uop.op is not UOps.DEFINE_GLOBAL]
+
+
+def _sum_parts(builder: UOpBuilder, output: UOp, plan: FinishPlan, combine: Ops, partials: UOp, out: UOp) -> None:
+  """out[output] = every part's partial of it, loaded first, then combined in part order."""
+  loads = [builder.add(UOps.LOAD, dtypes.float32, (partials, builder.alu(
+    Ops.ADD, INDEX_DTYPE, output, builder.const(part * plan.outputs, INDEX_DTYPE)))) for part in range(plan.parts)]
+  total = loads[0]
+  for value in loads[1:]: total = builder.alu(combine, dtypes.float32, total, value)
+  builder.add(UOps.STORE, None, (out, output, total))
+
+
+def _finish_grid(builder: UOpBuilder, threads: list[UOp], plan: FinishPlan, combine: Ops, partials: UOp,
+                 out: UOp) -> None:
+  """The last block of the grid finishes every output: thread t takes outputs t, t + T, ... (T its threads)."""
+  thread, block_threads = builder.const(0, INDEX_DTYPE), 1
+  for special in threads:
+    thread = builder.alu(Ops.ADD, INDEX_DTYPE, builder.alu(Ops.MUL, INDEX_DTYPE, thread,
+                                                           builder.const(special.arg[1], INDEX_DTYPE)), special)
+    block_threads *= special.arg[1]
+  rounds = builder.add(UOps.RANGE, INDEX_DTYPE, (builder.const(0, INDEX_DTYPE),
+                                                 builder.const(-(-plan.outputs // block_threads), INDEX_DTYPE)),
+                       ("finish_round", AxisType.REDUCE))
+  output = builder.alu(Ops.ADD, INDEX_DTYPE, builder.alu(Ops.MUL, INDEX_DTYPE, rounds,
+                                                         builder.const(block_threads, INDEX_DTYPE)), thread)
+  inside = builder.add(UOps.IF, None, (builder.alu(Ops.CMPLT, dtypes.bool, output,
+                                                   builder.const(plan.outputs, INDEX_DTYPE)),))
+  _sum_parts(builder, output, plan, combine, partials, out)
+  builder.end_if(inside)
+  builder.end_range(rounds)
 
 
 def _finish_store(builder: UOpBuilder, clone: _Cloner, store: PartialStore, plan: FinishPlan, combine: Ops,
@@ -247,12 +286,8 @@ def _finish_store(builder: UOpBuilder, clone: _Cloner, store: PartialStore, plan
   rest = builder.alu(Ops.ADD, index_dtype, clone(store.index),
                      builder.alu(Ops.MUL, index_dtype, part_offset, builder.const(-1, index_dtype)))
   for element in range(store.width):
-    output = builder.alu(Ops.ADD, index_dtype, rest, builder.const(element, index_dtype))
-    loads = [builder.add(UOps.LOAD, dtypes.float32, (partials, builder.alu(
-      Ops.ADD, index_dtype, output, builder.const(part * plan.outputs, index_dtype)))) for part in range(plan.parts)]
-    total = loads[0]
-    for value in loads[1:]: total = builder.alu(combine, dtypes.float32, total, value)
-    builder.add(UOps.STORE, None, (out, output, total))
+    _sum_parts(builder, builder.alu(Ops.ADD, index_dtype, rest, builder.const(element, index_dtype)), plan, combine,
+               partials, out)
   if opened is not None: builder.end_if(opened)
 
 
@@ -265,6 +300,7 @@ class SplitReduceKernel(Kernel):
       raise AssertionError(f"a split reduce kernel's AST is SPLIT_REDUCE, not {ast.op}")
     first, second = ast.srcs
     super().__init__(first, renderer)
+    self.split_ast = ast   # `ast` is the first STORE, as the Kernel's opts see it
     stage = second_stage(second)
     if stage is None: raise AssertionError("SPLIT_REDUCE's second store is not a reduce over the parts")
     self.combine, self.parts, self.outputs = _COMBINE[stage[0]], stage[1], stage[2]
