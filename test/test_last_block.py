@@ -172,3 +172,16 @@ def test_one_kernel_split_on_cuda_matches_numpy() -> None:
   dy = rng.standard_normal((4096, 768)).astype(np.float32)
   got = (x * Tensor(dy, device="CUDA")).sum(axis=0).numpy()
   np.testing.assert_allclose(got, (data * dy).sum(axis=0), rtol=1e-4, atol=1e-3)
+
+
+def test_one_kernel_split_replays_in_tiny_jit(small_split: None, atomics: None) -> None:
+  """A jitted function with a one-kernel split reduce: every replay finishes (the counters are reset by the kernel,
+  never planned onto other memory) and equals numpy."""
+  from ourgrad import TinyJit
+
+  @TinyJit
+  def column_sums(x: Tensor) -> Tensor: return (x * 2).sum(axis=0).realize()
+  for step in range(4):
+    data = rng.standard_normal((64, 40)).astype(np.float32)
+    got = column_sums(Tensor(data, device="PYTHON")).numpy()
+    np.testing.assert_allclose(got, (data * 2).sum(axis=0), rtol=1e-5, atol=1e-4, err_msg=f"step {step}")
