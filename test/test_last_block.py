@@ -153,7 +153,7 @@ def test_one_kernel_splits_compile_with_nvrtc(atomics: None, monkeypatch: pytest
     kernel = SplitReduceKernel(item.ast, CUDARenderer("sm_90"))
     kernel.hand_coded_optimizations()
     source = CUDARenderer("sm_90").render(kernel.name, kernel.linearize())
-    assert "atomicAdd(" in source and "__threadfence();" in source
+    assert "atomicAdd(" in source and "__threadfence();" in source and "__ldcg(" in source
     compiler.compile(source)
     fused += 1
   assert fused >= 2

@@ -10,7 +10,8 @@ is SPLIT_REDUCE(first STORE, second STORE), and `SplitReduceKernel` lowers it as
     IF first thread: flag = ATOMIC_ADD(counter[group], 1)      group: the block's index without its part
     BARRIER; IF flag == parts - 1:          the block-uniform test: every other block of the group has finished
       FENCE                                 (the acquire side) then, for each output the block stored a partial of,
-      out[o] = P[0, o] op P[1, o] op ... op P[parts - 1, o]    in that fixed order: deterministic
+      out[o] = P[0, o] op P[1, o] op ... op P[parts - 1, o]    in that fixed order: deterministic; COHERENT_LOADs
+                                            (past the SM's L1, which may hold a line another group's block read)
       IF first thread: counter[group] = 0   ready for the next launch
 
 The blocks of a group (one per part) store the partials of the same outputs: that is what lets the group's last
@@ -246,7 +247,7 @@ def append_finish(uops: list[UOp], plan: FinishPlan, combine: Ops, out_index: in
 
 def _sum_parts(builder: UOpBuilder, output: UOp, plan: FinishPlan, combine: Ops, partials: UOp, out: UOp) -> None:
   """out[output] = every part's partial of it, loaded first, then combined in part order."""
-  loads = [builder.add(UOps.LOAD, dtypes.float32, (partials, builder.alu(
+  loads = [builder.add(UOps.COHERENT_LOAD, dtypes.float32, (partials, builder.alu(
     Ops.ADD, INDEX_DTYPE, output, builder.const(part * plan.outputs, INDEX_DTYPE)))) for part in range(plan.parts)]
   total = loads[0]
   for value in loads[1:]: total = builder.alu(combine, dtypes.float32, total, value)

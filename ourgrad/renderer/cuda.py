@@ -155,6 +155,10 @@ class CUDARenderer(CStyleLanguage):
 
   def render_fence(self) -> str: return "__threadfence();"
 
+  # ld.global.cg: cached in L2 only. Another block of the SM may have loaded the line into L1 before its neighbours'
+  # partials landed (a line shared by two groups)
+  def render_coherent_load(self, buffer: str, index: str) -> str: return f"__ldcg({buffer}+({index}))"
+
   def render_async_wait(self, keep: int) -> str:
     return ('asm volatile("cp.async.commit_group;" ::: "memory"); '
             f'asm volatile("cp.async.wait_group {keep};" ::: "memory");')

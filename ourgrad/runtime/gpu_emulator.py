@@ -28,7 +28,8 @@ from ourgrad.runtime.uop_interpreter import (Instruction, Interpreter, UOpProgra
 
 # the uops only a GPU runs (with LOAD and STORE of local memory), each handled by GpuInterpreter.execute
 GPU_UOPS = frozenset({UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.OCCUPANCY, UOps.SPECIAL, UOps.WARP_REDUCE, UOps.WMMA,
-                      UOps.COPY, UOps.ASYNC_WAIT, UOps.LDMATRIX, UOps.ATOMIC_ADD, UOps.FENCE})
+                      UOps.COPY, UOps.ASYNC_WAIT, UOps.LDMATRIX, UOps.ATOMIC_ADD, UOps.FENCE,
+                      UOps.COHERENT_LOAD})
 
 
 class LocalMemory:
@@ -94,6 +95,7 @@ class GpuInterpreter(Interpreter):
     if op is UOps.LDMATRIX: return self.ldmatrix(position, instruction, operands[0], operands[1])
     if op is UOps.SPECIAL: return self.special(position, instruction.arg)
     if op is UOps.ATOMIC_ADD: return self.atomic_add(position, *operands)
+    if op is UOps.COHERENT_LOAD: return self.load(position, instruction, *operands)   # one memory: always coherent
     if op is UOps.FENCE: return None   # every thread's stores land at once here: they are visible to all
     raise self.error(position, "the PYTHON device does not implement this uop")
 
