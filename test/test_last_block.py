@@ -185,3 +185,32 @@ def test_one_kernel_split_replays_in_tiny_jit(small_split: None, atomics: None) 
     data = rng.standard_normal((64, 40)).astype(np.float32)
     got = column_sums(Tensor(data, device="PYTHON")).numpy()
     np.testing.assert_allclose(got, (data * 2).sum(axis=0), rtol=1e-5, atol=1e-4, err_msg=f"step {step}")
+
+
+def test_emulated_atomic_add_returns_each_threads_old_value_in_launch_order() -> None:
+  """ATOMIC_ADD on the PYTHON device: the running threads add one after another in thread order (blocks in launch
+  order); each gets the element before its own add. Here every block's thread 0 counts its block on counter[block %
+  2]: blocks 0, 2, 4 see 0, 1, 2 and blocks 1, 3, 5 see 0, 1, 2; COHERENT_LOAD reads as LOAD; FENCE does nothing."""
+  from ourgrad.codegen.uops import AxisType, UOpBuilder, UOps
+  from ourgrad.dtype import dtypes
+  from ourgrad.runtime.ops_python import PythonCompiler, PythonProgram
+  build = UOpBuilder()
+  seen = build.add(UOps.DEFINE_GLOBAL, dtypes.int32, (), (0, True))
+  counters = build.add(UOps.DEFINE_GLOBAL, dtypes.int32, (), (1, True))
+  block = build.add(UOps.SPECIAL, dtypes.int32, (), ("gidx0", 6, 0, AxisType.GLOBAL))
+  thread = build.add(UOps.SPECIAL, dtypes.int32, (), ("lidx0", 4, 0, AxisType.LOCAL))
+  build.add(UOps.FENCE, None)
+  first = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, thread, build.const(1, dtypes.int32)),))
+  group = build.alu(Ops.MOD, dtypes.int32, block, build.const(2, dtypes.int32))
+  before = build.add(UOps.ATOMIC_ADD, dtypes.int32, (counters, group, build.const(1, dtypes.int32)))
+  total = build.add(UOps.COHERENT_LOAD, dtypes.int32, (counters, group))
+  build.add(UOps.STORE, None, (seen, block, build.alu(Ops.ADD, dtypes.int32, before,
+                                                      build.alu(Ops.MUL, dtypes.int32, total,
+                                                                build.const(100, dtypes.int32)))))
+  build.end_if(first)
+  program = PythonProgram("atomics", PythonCompiler().compile(PythonRenderer().render("atomics", build.uops)))
+  seen_bytes, counter_bytes = np.zeros(6, np.int32).view(np.uint8), np.zeros(2, np.int32).view(np.uint8)
+  program(seen_bytes, counter_bytes, global_size=(6, 1, 1), local_size=(4, 1, 1))
+  # the old value, plus 100 x the counter after every block's add (COHERENT_LOAD runs after the whole ATOMIC_ADD)
+  np.testing.assert_array_equal(seen_bytes.view(np.int32), [300, 300, 301, 301, 302, 302])
+  np.testing.assert_array_equal(counter_bytes.view(np.int32), [3, 3])
