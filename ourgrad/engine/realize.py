@@ -138,6 +138,7 @@ def estimate_cost(kernel: Kernel | PackedKernel | IndexAccumulateKernel, uops: l
   op_count, multiplier, multipliers = 0, prod(sym_max(size) for size in blocks + threads), []
   counts_own_ops = isinstance(kernel, (PackedKernel, IndexAccumulateKernel))
   for uop in (uops if not counts_own_ops else ()):
+    if uop.op is UOps.FENCE: break   # a split reduce's finish: its adds are counted below, not once per thread
     if uop.op is UOps.RANGE:
       multipliers.append(multiplier)
       multiplier *= loop_trip_bound(uop)
@@ -155,6 +156,9 @@ def estimate_cost(kernel: Kernel | PackedKernel | IndexAccumulateKernel, uops: l
     touched = min(st.real_size(), elements) if leaf.op is Ops.LOAD and not leaf.srcs else elements
     byte_count += touched * leaf.dtype.itemsize
   if counts_own_ops: op_count = kernel.op_count(uops)
+  if isinstance(kernel, SplitReduceKernel):   # the last blocks combine the parts and store the outputs
+    op_count += (kernel.parts - 1) * kernel.outputs
+    byte_count += kernel.outputs * dtypes.float32.itemsize
   return op_count, byte_count
 
 
