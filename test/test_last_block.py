@@ -214,3 +214,36 @@ def test_emulated_atomic_add_returns_each_threads_old_value_in_launch_order() ->
   # the old value, plus 100 x the counter after every block's add (COHERENT_LOAD runs after the whole ATOMIC_ADD)
   np.testing.assert_array_equal(seen_bytes.view(np.int32), [300, 300, 301, 301, 302, 302])
   np.testing.assert_array_equal(counter_bytes.view(np.int32), [3, 3])
+
+
+def _partials_uops(rest_depends_on_part: bool, outputs: int = 64) -> list:
+  """A partials kernel's stores: block (part, group) x 32 threads store P[part * outputs + group * 32 + thread], or
+  with the output rotated by the part (a layout whose group's blocks store different outputs)."""
+  from ourgrad.codegen.uops import AxisType, UOpBuilder, UOps
+  from ourgrad.dtype import dtypes
+  build = UOpBuilder()
+  partials = build.add(UOps.DEFINE_GLOBAL, dtypes.float32, (), (0, True))
+  part = build.add(UOps.SPECIAL, dtypes.int32, (), ("gidx0", 4, 1, AxisType.GLOBAL))
+  group = build.add(UOps.SPECIAL, dtypes.int32, (), ("gidx1", outputs // 32, 0, AxisType.GLOBAL))
+  thread = build.add(UOps.SPECIAL, dtypes.int32, (), ("lidx0", 32, 0, AxisType.LOCAL))
+  output = build.alu(Ops.ADD, dtypes.int32, build.alu(Ops.MUL, dtypes.int32, group, build.const(32, dtypes.int32)),
+                     thread)
+  if rest_depends_on_part:
+    output = build.alu(Ops.MOD, dtypes.int32, build.alu(Ops.ADD, dtypes.int32, output, part),
+                       build.const(outputs, dtypes.int32))
+  index = build.alu(Ops.ADD, dtypes.int32, build.alu(Ops.MUL, dtypes.int32, part, build.const(outputs, dtypes.int32)),
+                    output)
+  build.add(UOps.STORE, None, (partials, index, build.const(1.0, dtypes.float32)))
+  return build.uops
+
+
+def test_finish_plan_groups_blocks_only_where_they_store_the_same_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+  """The layout check: blocks that differ only in the part and store the same outputs are a group (a counter each);
+  where the part moves the outputs, the whole grid is one group, and beyond MAX_GRID_FINISH_VALUES no plan."""
+  from ourgrad.codegen import last_block
+  plan = last_block.finish_plan(_partials_uops(False), 4, 64)
+  assert plan is not None and plan.part is not None and plan.part.arg[0] == "gidx0" and plan.counters == 2
+  plan = last_block.finish_plan(_partials_uops(True), 4, 64)
+  assert plan is not None and plan.part is None and plan.counters == 1 and plan.blocks == 8
+  monkeypatch.setattr(last_block, "MAX_GRID_FINISH_VALUES", 128)
+  assert last_block.finish_plan(_partials_uops(True), 4, 64) is None
