@@ -17,8 +17,10 @@ is SPLIT_REDUCE(first STORE, second STORE), and `SplitReduceKernel` lowers it as
 The blocks of a group (one per part) store the partials of the same outputs: that is what lets the group's last
 block finish them alone. `finish_plan` checks it on the first kernel's UOps: the partials' index of every store is
 `part * outputs + rest` with `rest` in [0, outputs) and neither `rest` nor the store's guard depending on the part's
-block index (evaluated with numpy over every block and thread index). The counters are a buffer of int32 zeros, one
-per group, that the kernel takes as its last argument (engine/realize.py allocates it once per compiled kernel).
+block index (evaluated with numpy over every block and thread index). Where they do not (the parts merged with the
+outputs into one block axis), one counter counts every block of the grid and the last of them finishes all outputs,
+its threads taking them in turn (at most MAX_GRID_FINISH_VALUES partials). The counters are a buffer of int32 zeros,
+one per group, that the kernel takes as its last argument (engine/realize.py allocates it once per compiled kernel).
 The final sum loads every part's partial before adding them, so a thread waits one memory latency, not `parts`:
 MAX_FINISH_PARTS bounds the loads in flight (registers).
 """
@@ -42,8 +44,19 @@ MAX_CHECKED_THREADS = 1 << 22
 # partials one last block of the whole grid sums at most (a group's blocks storing different outputs: the parts
 # merged with the outputs into one block axis): 32 KB, about a memory latency of one block's loads
 MAX_GRID_FINISH_VALUES = 8192
-# integer index math the layout check evaluates (anything else in a store's index or guard: no plan)
-_INDEX_OPS = {Ops.ADD: np.add, Ops.MUL: np.multiply, Ops.IDIV: np.floor_divide, Ops.MOD: np.mod,
+
+
+def _c_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """Integer division as C does it (towards zero; index math may divide negative values)."""
+  return np.abs(a) // np.abs(b) * np.sign(a) * np.sign(b)
+
+
+def _c_modulo(a: np.ndarray, b: np.ndarray) -> np.ndarray: return a - b * _c_divide(a, b)
+
+
+# integer index math the layout check evaluates, as the kernel computes it (anything else in a store's index or
+# guard: no plan)
+_INDEX_OPS = {Ops.ADD: np.add, Ops.MUL: np.multiply, Ops.IDIV: _c_divide, Ops.MOD: _c_modulo,
               Ops.CMPLT: np.less, Ops.CMPNE: np.not_equal, Ops.AND: np.logical_and, Ops.OR: np.logical_or,
               Ops.MAX: np.maximum}
 # the reduce of the partials -> how two of them combine
