@@ -324,10 +324,13 @@ class SplitReduceKernel(Kernel):
   def name(self) -> str: return f"{super().name}_last"
 
   def last_block_plan(self) -> FinishPlan | None:
-    """The finish plan of this kernel as its opts lay it out (None: it cannot finish in one kernel)."""
+    """The finish plan of this kernel as its opts lay it out (None: it cannot finish in one kernel; a WGMMA plan is
+    rendered whole, without UOps to append to)."""
+    if self.wgmma is not None: return None
     return finish_plan(linearize(self), self.parts, self.outputs)
 
   def linearize(self) -> list[UOp]:
+    if self.wgmma is not None: raise AssertionError(f"{self.name}: a WGMMA plan has no UOps to finish")
     uops = linearize(self)
     plan = finish_plan(uops, self.parts, self.outputs)
     if plan is None: raise AssertionError(f"{self.name}: its blocks do not store each part's partials of one group")

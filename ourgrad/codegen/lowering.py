@@ -42,7 +42,7 @@ def lower_kernel(kernel: Kernel | PackedKernel | IndexAccumulateKernel, renderer
                  name: str) -> LoweredKernel:
   """`kernel` rendered by `renderer` as the function `name`: its wgmma plan if it has one, else its UOps."""
   wgmma = getattr(kernel, "wgmma", None)
-  if wgmma is not None:
+  if wgmma is not None and not isinstance(kernel, SplitReduceKernel):   # a split reduce's raises in its linearize
     plan, arguments = wgmma
     return LoweredKernel(name, renderer.render_wgmma(name, plan, arguments), plan.global_size, plan.local_size,
                          wgmma=plan)
