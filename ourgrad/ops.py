@@ -76,6 +76,9 @@ class Ops(Enum):
   # root of a packed kernel (several independent elementwise kernels of different shapes in one launch): srcs are the
   # segments' roots (STORE or SINK), every view in them flat (one dimension); buffer numbers are the packed kernel's
   PACK = auto()
+  # root of a one-kernel split reduce (codegen/last_block.py): srcs (the partials' STORE, the STORE of their reduce
+  # over the parts); buffers 0 the partials, 1 the outputs, then the first STORE's inputs
+  SPLIT_REDUCE = auto()
 
   # members are singletons compared by identity: hashing by identity is C code, where Enum's own __hash__ (a Python
   # method hashing the name, as randomized per process as this) ran for every op in every set test and cache key

@@ -17,6 +17,7 @@ def _check_cuda_rendering():
     return
   from ourgrad.codegen.index_accumulate import IndexAccumulateKernel
   from ourgrad.codegen.kernel import Kernel
+  from ourgrad.codegen.last_block import SplitReduceKernel
   from ourgrad.codegen.lowering import lower_kernel
   from ourgrad.codegen.packed import PackedKernel
   from ourgrad.engine import realize
@@ -34,7 +35,9 @@ def _check_cuda_rendering():
     elif isinstance(kernel, IndexAccumulateKernel):   # sized by its own plan (codegen/index_accumulate.py)
       cuda_kernel = IndexAccumulateKernel(kernel.ast, renderer)
     else:
-      cuda_kernel = Kernel(kernel.ast, renderer)
+      # a one-kernel split reduce (EMULATE=CUDA) is one for CUDA too, with the same heuristic opts
+      one_kernel_split = isinstance(kernel, SplitReduceKernel)
+      cuda_kernel = SplitReduceKernel(kernel.split_ast, renderer) if one_kernel_split else Kernel(kernel.ast, renderer)
       # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device
       if not realize.ast_is_symbolic(kernel.ast): cuda_kernel.hand_coded_optimizations()
     compiler.compile_cached(lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source)

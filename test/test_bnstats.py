@@ -36,6 +36,13 @@ from helpers import skip_unless_device
 rng = np.random.default_rng(11)
 
 
+@pytest.fixture(autouse=True)
+def _two_kernel_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+  """These tests look at each stage of a split reduce: two kernels even where the device has atomics (EMULATE=CUDA;
+  test_last_block.py covers the one-kernel form)."""
+  monkeypatch.setenv("SPLIT_LAST_BLOCK", "0")
+
+
 def _kernel_items(*tensors: Tensor) -> list:
   return [item for item in create_schedule([t.lazydata for t in tensors]) if item.ast.op in (Ops.STORE, Ops.SINK)]
 

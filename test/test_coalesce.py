@@ -61,6 +61,7 @@ def test_gpt2_c_attn_bias_gradient_partials_take_lanes_along_head_dim(monkeypatc
   reading 32 neighbouring floats (4 sectors), where it was a warp per channel, its lanes 64 floats apart. With v's
   gradient stored (B, H, D, T) (the GPT-2 step), v alone is read across the lanes (2 of 3 sources coalesced)."""
   monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts.of(PythonRenderer("CUDA")))
+  monkeypatch.setenv("SPLIT_LAST_BLOCK", "0")   # the partials' kernel alone (test_last_block.py: in one kernel)
   heads = _gpt2_heads(v_transposed)
   permuted = create_schedule([_heads_cat(heads).sum(axis=(0, 1)).lazydata])
   contiguous = create_schedule([Tensor.empty(8, 512, 2304, device="PYTHON").sum(axis=(0, 1)).lazydata])
@@ -105,6 +106,7 @@ def test_cat_of_permuted_heads_sum_on_emulated_cuda_matches_numpy(monkeypatch: p
   """Every kernel of the (split) sum, optimized with CUDA's heuristics and run on the PYTHON interpreter, against
   numpy; the partial sums' lanes along the head dim."""
   monkeypatch.setenv("PACK_KERNELS", "0")
+  monkeypatch.setenv("SPLIT_LAST_BLOCK", "0")   # each stage run on its own (test_last_block.py: in one kernel)
   data = _heads_data(*dims)
   out = _heads_cat(_heads_tensors(data, v_transposed, "PYTHON")).sum(axis=(0, 1))
   schedule = create_schedule([out.lazydata])

@@ -25,6 +25,14 @@ from ourgrad.runtime.ops_python import PythonRenderer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import nvrtc_compiler  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _two_kernel_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+  """These tests look at a split weight gradient's partial-sums kernel alone: two kernels even where the device has
+  atomics (EMULATE=CUDA; test_last_block.py covers the one-kernel form)."""
+  monkeypatch.setenv("SPLIT_LAST_BLOCK", "0")
+
+
 rng = np.random.default_rng(11)
 
 

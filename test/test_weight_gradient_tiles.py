@@ -21,6 +21,14 @@ from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
 from helpers import nvrtc_compiler, skip_unless_device, small_split_reduces
 
+
+@pytest.fixture(autouse=True)
+def _two_kernel_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+  """These tests look at a split weight gradient's partial-sums kernel alone: two kernels even where the device has
+  atomics (EMULATE=CUDA; test_last_block.py covers the one-kernel form)."""
+  monkeypatch.setenv("SPLIT_LAST_BLOCK", "0")
+
+
 rng = np.random.default_rng(10)
 
 # the default tiles and the shapes the benchmark compared them with (extra/bench/bench_conv_kernels.py --wgrad)

@@ -74,7 +74,8 @@ def main() -> None:
       name = "(packed with small kernels)" if item.ast.op is Ops.PACK else Kernel(item.ast, renderer).name
       print(f"{'copy':6} {name:42} {'':28} {written:10.2f}  (reads as much)")
       continue
-    if item.ast.op is Ops.PACK: continue   # small kernels packed into one launch (engine/packing.py): no matmul
+    # small kernels packed into one launch (engine/packing.py), a one-kernel split reduce (codegen/last_block.py)
+    if item.ast.op in (Ops.PACK, Ops.SPLIT_REDUCE): continue
     sums = [node for node in item.ast.walk() if node.op is Ops.SUM]
     if len(sums) != 1 or not any(node.op is Ops.MUL for node in sums[0].walk()): continue
     kernel = Kernel(item.ast, renderer)

@@ -142,7 +142,8 @@ class KernelKinds:
         accumulate = IndexAccumulateKernel(ast, Device[device].renderer)
         self.kinds[id(runner)] = ("indexed", accumulate.row_count * accumulate.width, accumulate.count)
         continue
-      kernel = Kernel(ast, Device[device].renderer)
+      # a one-kernel split reduce (codegen/last_block.py) is described by its partials' kernel, as when it was two
+      kernel = Kernel(ast.srcs[0] if ast.op is Ops.SPLIT_REDUCE else ast, Device[device].renderer)
       outputs = prod(kernel.full_shape[:kernel.first_reduce])
       if kernel.reduceop is None:
         self.kinds[id(runner)] = ("elementwise", outputs, 0)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from ourgrad import Tensor, dtypes, set_float32_matmul_precision  # noqa: E402
 from ourgrad.codegen.index_accumulate import is_index_accumulate  # noqa: E402
 from ourgrad.codegen.kernel import Kernel  # noqa: E402
+from ourgrad.codegen.last_block import SplitReduceKernel  # noqa: E402
 from ourgrad.codegen.lowering import lower_kernel  # noqa: E402
 from ourgrad.codegen.opts import describe_opts  # noqa: E402
 from ourgrad.device import Device  # noqa: E402
@@ -89,14 +90,15 @@ def asts_of(outputs: list[Tensor]) -> list[LazyOp]:
   """The kernel ASTs of the schedule that computes `outputs` (copies, packed kernels and indexed accumulates, which take
   no opts, left out)."""
   return [item.ast for item in create_schedule([t.lazydata for t in outputs])
-          if item.ast.op in (Ops.STORE, Ops.SINK) and not is_index_accumulate(item.ast)]
+          if item.ast.op in (Ops.STORE, Ops.SINK, Ops.SPLIT_REDUCE) and not is_index_accumulate(item.ast)]
 
 
 def dump(asts: list[LazyOp], renderer: object) -> str:
   """Each kernel's name, opts and source for `renderer`, hand-coded optimizations applied."""
   parts = []
   for ast in asts:
-    kernel = Kernel(ast, renderer)
+    # a one-kernel split reduce (codegen/last_block.py, EMULATE=CUDA) dumps as one kernel with its finish
+    kernel = SplitReduceKernel(ast, renderer) if ast.op is Ops.SPLIT_REDUCE else Kernel(ast, renderer)
     kernel.hand_coded_optimizations()
     name = function_name(kernel)
     try:

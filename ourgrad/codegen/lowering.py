@@ -14,6 +14,7 @@ from typing import Any
 
 from ourgrad.codegen.index_accumulate import IndexAccumulateKernel
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.packed import PackedKernel
 from ourgrad.codegen.uops import UOp, launch_dims
@@ -41,10 +42,11 @@ def lower_kernel(kernel: Kernel | PackedKernel | IndexAccumulateKernel, renderer
                  name: str) -> LoweredKernel:
   """`kernel` rendered by `renderer` as the function `name`: its wgmma plan if it has one, else its UOps."""
   wgmma = getattr(kernel, "wgmma", None)
-  if wgmma is not None:
+  if wgmma is not None and not isinstance(kernel, SplitReduceKernel):   # a split reduce's raises in its linearize
     plan, arguments = wgmma
     return LoweredKernel(name, renderer.render_wgmma(name, plan, arguments), plan.global_size, plan.local_size,
                          wgmma=plan)
-  uops = kernel.linearize() if isinstance(kernel, (PackedKernel, IndexAccumulateKernel)) else linearize(kernel)
+  own_linearize = isinstance(kernel, (PackedKernel, IndexAccumulateKernel, SplitReduceKernel))
+  uops = kernel.linearize() if own_linearize else linearize(kernel)
   global_size, local_size = launch_dims(uops)
   return LoweredKernel(name, renderer.render(name, uops), global_size, local_size, uops)

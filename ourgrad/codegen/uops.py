@@ -80,6 +80,12 @@ class UOps(Enum):
   #                          from lanes 8j..8j+7 (8 neighbouring elements each); lane l gets elements 2j, 2j+1 of the
   #                          result (GEP) from matrix j: row l // 4, columns 2 (l % 4) + (0, 1); transposed: rows
   #                          2 (l % 4) + (0, 1), column l // 4. Every lane of each warp runs it together
+  ATOMIC_ADD = auto()      # srcs = (buffer, index, value): an int32 add to global memory that no other thread's add
+  #                          interleaves with; the result is the element before this thread's add
+  COHERENT_LOAD = auto()   # srcs = (buffer, index): a scalar global load past the block's own cache (CUDA's __ldcg),
+  #                          so it reads what other blocks stored before their FENCE; the last-block finish's loads
+  FENCE = auto()           # this thread's global stores so far are visible to every block before its later ones
+  #                          (CUDA's __threadfence): the last-block handshake of a one-kernel split reduce
 
 
 @dataclass(eq=False)
@@ -115,7 +121,8 @@ def format_uops(uops: list[UOp]) -> str:
 # uops that are never merged with an earlier identical one: they have effects or open/close scopes
 _NOT_CACHED = frozenset({UOps.RANGE, UOps.ENDRANGE, UOps.STORE, UOps.DEFINE_ACC, UOps.ACCUMULATE, UOps.SPECIAL,
                          UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF, UOps.ENDIF, UOps.WMMA, UOps.COPY,
-                         UOps.ASYNC_WAIT, UOps.LDMATRIX, UOps.OCCUPANCY})
+                         UOps.ASYNC_WAIT, UOps.LDMATRIX, UOps.OCCUPANCY, UOps.ATOMIC_ADD, UOps.FENCE,
+                         UOps.COHERENT_LOAD})
 # uops that open a scope: values defined inside are not reused after its end
 _SCOPE_OPENERS = frozenset({UOps.RANGE, UOps.IF})
 

@@ -14,13 +14,15 @@ from typing import Any
 
 from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE
 from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.codegen.packed import PackedKernel
 from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOp, UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul
-from ourgrad.device import Device
+from ourgrad.device import Buffer, Device
+from ourgrad.dtype import dtypes
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
@@ -43,7 +45,12 @@ def get_kernel(ast: LazyOp, device: str) -> Kernel | PackedKernel | IndexAccumul
   kernel (PACK: several elementwise kernels in one launch) takes no opts (codegen/packed.py)."""
   if ast.op is Ops.PACK: return PackedKernel(ast, Device[device].renderer)
   if is_index_accumulate(ast): return IndexAccumulateKernel(ast, Device[device].renderer)   # sized by its own plan
-  kernel = Kernel(ast, Device[device].renderer)
+  # a one-kernel split reduce: the heuristic's opts (its layout was checked with them: engine/split_fusion.py)
+  kernel = SplitReduceKernel(ast, Device[device].renderer) if ast.op is Ops.SPLIT_REDUCE else \
+      Kernel(ast, Device[device].renderer)
+  if ast.op is Ops.SPLIT_REDUCE:
+    kernel.hand_coded_optimizations()
+    return kernel
   # a symbolic kernel keeps its plain loop nest: the optimizations split and pad sizes they must know
   if NOOPT or ast_is_symbolic(ast): return kernel
   if BEAM >= 1: return beam_optimize(kernel, device, BEAM.value)  # searched, verified and cached: codegen/opt/search.py
@@ -66,7 +73,8 @@ def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
     try:
       runner = compile_kernel(kernel, device)
     except (CompileError, DeviceError) as error:
-      if not kernel.applied_opts: raise
+      # a one-kernel split reduce's finish needs its opts' layout (checked when it was scheduled): no plain fallback
+      if not kernel.applied_opts or ast.op is Ops.SPLIT_REDUCE: raise
       reason = str(error).splitlines()[0] if str(error) else type(error).__name__
       # a warning, not a print: the test suite turns it into an error, so an optimizer bug cannot hide here
       warnings.warn(f"{kernel.name} with opts {kernel.applied_opts} failed to compile or load ({reason}); "
@@ -130,6 +138,7 @@ def estimate_cost(kernel: Kernel | PackedKernel | IndexAccumulateKernel, uops: l
   op_count, multiplier, multipliers = 0, prod(sym_max(size) for size in blocks + threads), []
   counts_own_ops = isinstance(kernel, (PackedKernel, IndexAccumulateKernel))
   for uop in (uops if not counts_own_ops else ()):
+    if uop.op is UOps.FENCE: break   # a split reduce's finish: its adds are counted below, not once per thread
     if uop.op is UOps.RANGE:
       multipliers.append(multiplier)
       multiplier *= loop_trip_bound(uop)
@@ -147,6 +156,9 @@ def estimate_cost(kernel: Kernel | PackedKernel | IndexAccumulateKernel, uops: l
     touched = min(st.real_size(), elements) if leaf.op is Ops.LOAD and not leaf.srcs else elements
     byte_count += touched * leaf.dtype.itemsize
   if counts_own_ops: op_count = kernel.op_count(uops)
+  if isinstance(kernel, SplitReduceKernel):   # the last blocks combine the parts and store the outputs
+    op_count += (kernel.parts - 1) * kernel.outputs
+    byte_count += kernel.outputs * dtypes.float32.itemsize
   return op_count, byte_count
 
 
@@ -191,7 +203,24 @@ def lower_schedule_item(item: ScheduleItem) -> ExecItem:
   if item.ast.op is Ops.COPY: return ExecItem(CopyRunner(item.inputs[0].nbytes), buffers, device=buffers[0].device)
   device = item.outputs[0].device
   ast, var_vals = unbind_ast(item.ast)
-  return ExecItem(get_runner(device, ast), buffers, var_vals, device=device)
+  runner = get_runner(device, ast)
+  if ast.op is Ops.SPLIT_REDUCE: buffers.append(split_counters(device, runner))
+  return ExecItem(runner, buffers, var_vals, device=device)
+
+
+# the block counters of each one-kernel split reduce's runner (codegen/last_block.py), by (device, runner id): zeros
+# that every launch leaves zero again, so launches of one runner on one device (one stream, in order) share them
+_split_counters: dict[tuple[str, int], tuple[CompiledRunner, Buffer]] = {}
+
+
+def split_counters(device: str, runner: CompiledRunner) -> Buffer:
+  """The int32 counters of `runner`'s launches on `device`: one per group of blocks, allocated and zeroed once."""
+  key = (device, id(runner))
+  if key not in _split_counters:
+    counters = Buffer(device, max(prod(runner.global_size), 1), dtypes.int32).allocate()
+    counters.copyin(memoryview(bytearray(counters.nbytes)))
+    _split_counters[key] = (runner, counters)   # the runner kept alive: its id stays its own
+  return _split_counters[key][1]
 
 
 def lower_schedule(schedule: list[ScheduleItem]) -> list[ExecItem]:

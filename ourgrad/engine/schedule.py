@@ -30,6 +30,7 @@ from ourgrad.engine.kernel_walk import (Realizations, final_reduces, item_preced
 from ourgrad.engine.multi_output import group_outputs, sibling_limit
 from ourgrad.engine.operand_staging import stage_matmul_operands
 from ourgrad.engine.packing import pack_kernels
+from ourgrad.engine.split_fusion import fuse_split_reduces
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.engine.snapshot import protect_lazy_readers
@@ -87,6 +88,7 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
         _schedule_group(group, realizes)
   ordered = order_items([base for base in bases if id(base) in items], groups, reads)
   schedule = [items[id(base)] for base in ordered]
+  schedule = fuse_split_reduces(schedule)   # a split reduce's two kernels in one where the device has atomics
   schedule = pack_kernels(schedule)   # independent elementwise kernels of different shapes: one launch (packing.py)
   assigns = [(base, base.srcs[1].base) for leader in ordered for base in groups[id(leader)] if base.op is Ops.ASSIGN]
   for group in groups.values():  # the graph behind a realized base is no longer needed: let it be freed

@@ -22,6 +22,9 @@ class Renderer:
   # bytes of memory traffic that take as long as one load waits for memory (latency x bandwidth; 0: unknown): a GPU
   # reduce with few blocks is bound by it (codegen/opt/split_reduce.py `stream_cost`)
   latency_bytes: int = 0
+  # int32 atomic adds to global memory and a device-wide fence (UOps.ATOMIC_ADD, FENCE): a split reduce's last block
+  # can sum its partials in the same kernel (codegen/split_finish.py); without, the partials take a second kernel
+  has_block_atomics: bool = False
   has_stack_arrays: bool = False  # a CPU kernel may declare per-thread arrays (DEFINE_LOCAL inside its loops)
   # per launch dimension (x, y, z): how many blocks and threads a launch may have
   global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)

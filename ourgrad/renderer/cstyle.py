@@ -373,6 +373,12 @@ class CStyleLanguage(Renderer):
         emit(self.render_copy(uop, ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2]), ref(uop.srcs[3]), valid))
       elif uop.op is UOps.ASYNC_WAIT:
         emit(self.render_async_wait(uop.arg))
+      elif uop.op is UOps.ATOMIC_ADD:
+        define(uop, "old", self.render_atomic_add(ref(uop.srcs[0]), ref(uop.srcs[1]), ref(uop.srcs[2])))
+      elif uop.op is UOps.COHERENT_LOAD:
+        define(uop, "val", self.render_coherent_load(ref(uop.srcs[0]), ref(uop.srcs[1])))
+      elif uop.op is UOps.FENCE:
+        emit(self.render_fence())
       elif uop.op is UOps.OCCUPANCY: continue   # read by render_kernel (launch bounds), no code
       elif uop.op is UOps.GEP and id(uop) in raw_loads:
         names[id(uop)] = f"((unsigned short)({ref(uop.srcs[0])} >> {16 * uop.arg}))"
@@ -495,6 +501,18 @@ class CStyleLanguage(Renderer):
 
   def render_async_wait(self, keep: int) -> str:
     raise NotImplementedError(f"{type(self).__name__} has no asynchronous copies")
+
+  def render_atomic_add(self, buffer: str, index: str, value: str) -> str:
+    """An expression adding `value` to buffer[index] atomically, whose value is the element before the add."""
+    raise NotImplementedError(f"{type(self).__name__} has no atomics")
+
+  def render_coherent_load(self, buffer: str, index: str) -> str:
+    """A load of buffer[index] that bypasses this block's cache (what other blocks stored and fenced)."""
+    raise NotImplementedError(f"{type(self).__name__} has no coherent loads")
+
+  def render_fence(self) -> str:
+    """The statement after which this thread's global stores are visible to every block."""
+    raise NotImplementedError(f"{type(self).__name__} has no memory fence")
 
   def render_ldmatrix(self, variable: str, uop: UOp, local: str, index: str) -> list[str]:
     raise NotImplementedError(f"{type(self).__name__} has no ldmatrix")

@@ -39,6 +39,7 @@ class CUDARenderer(CStyleLanguage):
   # staged tensor-core tiles may go beyond, in dynamic shared memory (H100: 227 KB per block)
   dynamic_local_memory_bytes = 227 * 1024
   has_async_copy = True   # COPY with cp.async (sm_80+): SHARED_ASYNC tiles without tensor cores
+  has_block_atomics = True   # ATOMIC_ADD and FENCE: one-kernel split reduces (codegen/split_finish.py)
   warp_size = 32
   # streaming multiprocessors: the H100's 132 unless the CUDA device reads its GPU's count (heuristics size grids by it)
   multiprocessors = 132
@@ -172,6 +173,15 @@ class CUDARenderer(CStyleLanguage):
     loaded = f"*((const {vector}*)({source}))"
     if valid is not None: loaded = f"({valid}) ? {loaded} : {zero}"
     return f"*(({vector}*)({local}+({local_index}))) = {loaded};"
+
+  def render_atomic_add(self, buffer: str, index: str, value: str) -> str:
+    return f"atomicAdd({buffer}+({index}), {value})"
+
+  def render_fence(self) -> str: return "__threadfence();"
+
+  # ld.global.cg: cached in L2 only. Another block of the SM may have loaded the line into L1 before its neighbours'
+  # partials landed (a line shared by two groups)
+  def render_coherent_load(self, buffer: str, index: str) -> str: return f"__ldcg({buffer}+({index}))"
 
   def render_async_wait(self, keep: int) -> str:
     return ('asm volatile("cp.async.commit_group;" ::: "memory"); '

@@ -28,7 +28,8 @@ from ourgrad.runtime.uop_interpreter import (Instruction, Interpreter, UOpProgra
 
 # the uops only a GPU runs (with LOAD and STORE of local memory), each handled by GpuInterpreter.execute
 GPU_UOPS = frozenset({UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.OCCUPANCY, UOps.SPECIAL, UOps.WARP_REDUCE, UOps.WMMA,
-                      UOps.COPY, UOps.ASYNC_WAIT, UOps.LDMATRIX})
+                      UOps.COPY, UOps.ASYNC_WAIT, UOps.LDMATRIX, UOps.ATOMIC_ADD, UOps.FENCE,
+                      UOps.COHERENT_LOAD})
 
 
 class LocalMemory:
@@ -93,7 +94,23 @@ class GpuInterpreter(Interpreter):
       return None
     if op is UOps.LDMATRIX: return self.ldmatrix(position, instruction, operands[0], operands[1])
     if op is UOps.SPECIAL: return self.special(position, instruction.arg)
+    if op is UOps.ATOMIC_ADD: return self.atomic_add(position, *operands)
+    if op is UOps.COHERENT_LOAD: return self.load(position, instruction, *operands)   # one memory: always coherent
+    if op is UOps.FENCE: return None   # every thread's stores land at once here: they are visible to all
     raise self.error(position, "the PYTHON device does not implement this uop")
+
+  def atomic_add(self, position: int, buffer: np.ndarray, index: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """The running threads' adds one after another in thread order (blocks in launch order, as if each block ran
+    to this point before the next), each getting the element as it was before its own add."""
+    index = np.broadcast_to(np.asarray(index, np.int64), (self.thread_count,))
+    value = np.broadcast_to(np.asarray(value), (self.thread_count,))
+    running = np.ones(self.thread_count, bool) if self.active is None else self.active
+    self.check_bounds(position, buffer, index[running], "atomic add at")
+    before = np.zeros(self.thread_count, buffer.dtype)
+    for thread in np.nonzero(running)[0]:
+      before[thread] = buffer[index[thread]]
+      buffer[index[thread]] += value[thread]
+    return before
 
   def special(self, position: int, arg: tuple) -> np.ndarray:
     """Block or thread index along one launch dimension of every thread: the flat thread id runs over blocks

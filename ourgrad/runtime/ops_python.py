@@ -94,7 +94,7 @@ class PythonRenderer(Renderer):
     self.has_wgmma = emulate.upper() == "CUDA_SM90"
     for limit in ("max_threads", "has_local", "local_memory_bytes", "dynamic_local_memory_bytes", "warp_size",
                   "vector_width", "global_max", "local_max", "tensor_cores", "multiprocessors",
-                  "threads_per_multiprocessor", "has_async_copy", "launch_bytes", "latency_bytes"):
+                  "threads_per_multiprocessor", "has_async_copy", "launch_bytes", "latency_bytes", "has_block_atomics"):
       setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:
