@@ -57,7 +57,7 @@ def test_replayed_diamond_and_shared_leaves_match_numpy_with_unchanged_kernel_co
   def graph(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     shared = (x * 2 + w).contiguous()               # one base, read by both outputs and by itself twice
     return (shared * shared + x.T).sum(0), (shared.exp2() - w.T).max(1)
-  x0, w0 = Tensor(rng.standard_normal((6, 6)).astype(np.float32)), Tensor(rng.standard_normal((6, 6)).astype(np.float32))
+  x0, w0 = (Tensor(rng.standard_normal((6, 6)).astype(np.float32)) for _ in range(2))
   kernels = _kernel_count(lambda: graph(x0, w0))
   hits = schedule_cache.stats.hits
   outputs = []
