@@ -714,6 +714,9 @@ def _expand_plan(shape: tuple[int, ...], new_shape: tuple[int, ...],
   again each time)."""
   if len(new_shape) < len(shape):
     raise ShapeError(f"cannot expand shape {shape} to {new_shape}: fewer dimensions")
+  for size in new_shape:   # (before the trackers, whose remembered answers would take 4.0 for 4)
+    if not isinstance(size, (int, np.integer)) and not is_symbolic(size):
+      raise ShapeError(f"cannot expand shape {shape} to {new_shape}: sizes must be integers")
   padded = (1,) * (len(new_shape) - len(shape)) + shape
   # numpy ints (sizes read from an array's shape) as Python ints: the trackers take ints or symbolic sizes
   final = tuple(old if new == -1 else int(new) if isinstance(new, np.integer) else new
