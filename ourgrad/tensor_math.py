@@ -14,6 +14,7 @@ when called.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,16 @@ _PY_SCALARS = (bool, int, float)
 def _broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
   """The shape every input broadcasts to (numpy/PyTorch rules), or ShapeError naming the shapes."""
   if all(shape == shapes[0] for shape in shapes[1:]): return shapes[0]  # the common case, without the walk below
+  try:
+    return _broadcast_shape_of(shapes)
+  except TypeError:   # an unhashable size: not remembered
+    return _broadcast_shape_of.__wrapped__(shapes)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _broadcast_shape_of(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+  """_broadcast_shape of differing shapes, remembered: a training step broadcasts the same pairs every step (errors
+  are raised again each time: lru_cache keeps only results)."""
   ndim = max(len(shape) for shape in shapes)
   padded = [(1,) * (ndim - len(shape)) + shape for shape in shapes]
   result = []

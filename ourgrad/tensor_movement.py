@@ -15,6 +15,7 @@ import that one at load time (it imports this one), so methods that make a Tenso
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -82,12 +83,12 @@ class MovementMixin:
     """Broadcast size-1 dimensions to `shape` (-1 keeps a size); no data is copied."""
     new_shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
     if new_shape == self.shape: return self  # broadcasting already-equal shapes (most binary ops): nothing to do
-    if len(new_shape) < self.ndim:
-      raise ShapeError(f"cannot expand shape {self.shape} to {new_shape}: fewer dimensions")
-    padded = (1,) * (len(new_shape) - self.ndim) + self.shape
-    final = tuple(old if new == -1 else new for old, new in zip(padded, new_shape))
-    for old, new in zip(padded, final):
-      if old != new and old != 1: raise ShapeError(f"cannot expand shape {self.shape} to {new_shape}")
+    # the sizes' types are in the key: 4, 4.0 and True equal and hash alike, and one must not answer for another
+    key = (self.shape, new_shape, tuple(map(type, new_shape)))
+    try:
+      padded, final = _expand_plan(*key)
+    except TypeError:   # an unhashable size: not remembered
+      padded, final = _expand_plan.__wrapped__(*key)
     return self.reshape(padded) if final == padded else F.Expand.apply(self, shape=final)
 
   def broadcast_to(self, shape: Sequence[int]) -> Tensor:
@@ -703,3 +704,23 @@ def _concrete_pairs(pairs: list, shape: tuple) -> list:
   """(pair, size) per dim, a symbolic pair or size read as 0-crop (it never crops)."""
   return [((0, 0), 0) if any(is_symbolic(v) for v in (*pair, size)) else (pair, size)
           for pair, size in zip(pairs, shape)]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _expand_plan(shape: tuple[int, ...], new_shape: tuple[int, ...],
+                 types: tuple[type, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(`shape` with leading 1s to the length of `new_shape`, the shape it expands to: -1 keeps a size), or ShapeError.
+  Remembered per sizes and their `types` (a training step expands the same shapes every step; errors are raised
+  again each time)."""
+  if len(new_shape) < len(shape):
+    raise ShapeError(f"cannot expand shape {shape} to {new_shape}: fewer dimensions")
+  for size in new_shape:   # (before the trackers, whose remembered answers would take 4.0 for 4)
+    if not isinstance(size, (int, np.integer)) and not is_symbolic(size):
+      raise ShapeError(f"cannot expand shape {shape} to {new_shape}: sizes must be integers")
+  padded = (1,) * (len(new_shape) - len(shape)) + shape
+  # numpy ints (sizes read from an array's shape) as Python ints: the trackers take ints or symbolic sizes
+  final = tuple(old if new == -1 else int(new) if isinstance(new, np.integer) else new
+                for old, new in zip(padded, new_shape))
+  for old, new in zip(padded, final):
+    if old != new and old != 1: raise ShapeError(f"cannot expand shape {shape} to {new_shape}")
+  return padded, final

@@ -126,3 +126,38 @@ def test_env_vars_see_changes_and_unsets(monkeypatch):
   assert flag.value == 3
   monkeypatch.setenv("DEBUG", "2")
   assert DEBUG.value == 2
+
+
+@pytest.mark.parametrize("shapes", [((3, 1), (1, 4)), ((2, 3, 4), (4,)), ((5, 1, 2), (3, 1)), ((1,), (2, 2))])
+def test_remembered_broadcast_shapes_match_numpy_each_time(shapes):
+  """_broadcast_shape and Tensor.expand remember their answers: the second and third step (hits) give numpy's
+  values and gradients as the first did."""
+  rng = np.random.default_rng(5)
+  for _ in range(3):
+    a_np, b_np = (rng.standard_normal(shape).astype(np.float32) for shape in shapes)
+    a, b = Tensor(a_np, requires_grad=True), Tensor(b_np, requires_grad=True)
+    out = a * b + a
+    np.testing.assert_allclose(out.numpy(), a_np * b_np + a_np, rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    full = np.broadcast_shapes(a_np.shape, b_np.shape)
+    # d/da sum(a*b + a) = sum over the broadcast dims of (b + 1); d/db = sum of a
+    grad_a = np.broadcast_to(b_np + 1, full).sum(axis=tuple(range(len(full) - a_np.ndim)))
+    grad_b = np.broadcast_to(a_np, full).sum(axis=tuple(range(len(full) - b_np.ndim)))
+    np.testing.assert_allclose(a.grad.numpy(), grad_a.reshape(full[len(full) - a_np.ndim:]).sum(
+      axis=tuple(i for i, size in enumerate(a_np.shape) if size == 1), keepdims=True), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b.grad.numpy(), grad_b.reshape(full[len(full) - b_np.ndim:]).sum(
+      axis=tuple(i for i, size in enumerate(b_np.shape) if size == 1), keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+def test_remembered_expand_raises_each_time_and_keeps_size_types_apart():
+  x = Tensor(np.arange(3, dtype=np.float32).reshape(3, 1))
+  for _ in range(2):   # errors are never remembered: raised again
+    with pytest.raises(ShapeError): x.expand(4, 4)
+    with pytest.raises(ShapeError): x + Tensor.ones(2, 5)
+    with pytest.raises(ShapeError): x.expand(4)
+  for sizes in [(2, 3, 4), (2, -1, np.int64(4)), (np.int32(2), 3, np.int64(4))]:
+    expanded = x.expand(*sizes)
+    assert expanded.shape == (2, 3, 4) and all(type(size) is int for size in expanded.shape)
+    np.testing.assert_array_equal(expanded.numpy(), np.broadcast_to(np.arange(3, dtype=np.float32)[:, None], (2, 3, 4)))
+  # a float size raises whether or not the same sizes as ints were expanded before (the types are in the key)
+  with pytest.raises(ShapeError): Tensor.ones(1).expand(4.0)

@@ -35,10 +35,6 @@ class CacheStats:
 
 stats = CacheStats()
 
-# a buffer slot of a cached item: ("leaf", index into the leaves) or ("base", index into the walked bases)
-Slot = tuple[str, int]
-
-
 class _Key:
   """A graph's structural key with its hash computed once: the key is a large nested tuple, and a hit looks it up
   twice (get, then move_to_end with the stored key object, which compares by identity)."""
@@ -55,15 +51,19 @@ class _Key:
 
 @dataclass
 class CachedSchedule:
+  """A schedule in terms of slots: indices into a replay's buffer pool, which holds this graph's leaf buffers (in
+  walk order), then a fresh buffer for each base in `fresh`, then one for each `scratch` entry. Resolved to plain
+  indices when recorded, so that a replay indexes one list per buffer."""
   asts: list[Any]
-  output_slots: list[tuple[Slot, ...]]
-  input_slots: list[tuple[Slot, ...]]
-  realized: list[tuple[int, Slot | None]]   # walked base index -> the leaf it shares (an assign) or None (fresh)
-  cleared: list[int]                        # walked bases whose sources create_schedule dropped
+  output_slots: list[tuple[int, ...]]
+  input_slots: list[tuple[int, ...]]
+  fresh: list[int]                  # walked bases realized into a fresh buffer, in pool order
+  shared: list[tuple[int, int]]     # (walked base, slot) for an assign: it writes a leaf's or an earlier base's buffer
+  cleared: list[int]                # walked bases whose sources create_schedule dropped
   # buffers of bases the scheduler made itself (staged matmul operands, snapshots): (device, size, dtype) each, a
-  # fresh buffer at every replay ("scratch" slots)
+  # fresh buffer at every replay
   scratch: list[tuple[str, int, Any]]
-  key: _Key | None = None                   # the key it is stored under
+  key: _Key | None = None           # the key it is stored under
 
 
 _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
@@ -185,17 +185,20 @@ def _with_canonical_ast(item: ScheduleItem) -> ScheduleItem:
 
 
 def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buffer]) -> CachedSchedule | None:
-  """The schedule in terms of slots; None if an item reads a buffer that is neither a leaf, a walked base's nor one
-  an earlier item wrote (a window of a DISK file), which a replay could not rebuild. A buffer an item writes that
-  no walked base owns (a base the scheduler made: a staged operand, a snapshot) is a scratch slot."""
-  slot_of: dict[int, Slot] = {id(buffer): ("leaf", index) for index, buffer in enumerate(leaves)}
-  realized: list[tuple[int, Slot | None]] = []
+  """The schedule in terms of slots (CachedSchedule); None if an item reads a buffer that is neither a leaf, a walked
+  base's nor one an earlier item wrote (a window of a DISK file), which a replay could not rebuild. A buffer an item
+  writes that no walked base owns (a base the scheduler made: a staged operand, a snapshot) is a scratch slot."""
+  slot_of: dict[int, int] = {id(buffer): index for index, buffer in enumerate(leaves)}
+  fresh: list[int] = []
+  shared: list[tuple[int, int]] = []
   for index, base in enumerate(bases):
     if base.realized is None: continue
-    shared = slot_of.get(id(base.realized))
-    if shared is None: slot_of[id(base.realized)] = ("base", index)
+    slot = slot_of.get(id(base.realized))
+    if slot is None:
+      slot_of[id(base.realized)] = len(leaves) + len(fresh)
+      fresh.append(index)
     elif base.op is not Ops.ASSIGN: return None
-    realized.append((index, shared))
+    else: shared.append((index, slot))
   scratch: list[tuple[str, int, Any]] = []
   outputs, inputs = [], []
   for item in items:
@@ -205,31 +208,27 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
       return None
     for buffer in item.outputs:
       if id(buffer) not in slot_of and isinstance(buffer, Buffer) and type(buffer) is Buffer:
-        slot_of[id(buffer)] = ("scratch", len(scratch))
+        slot_of[id(buffer)] = len(leaves) + len(fresh) + len(scratch)
         scratch.append((buffer.device, buffer.size, buffer.dtype))
     try:
       outputs.append(tuple(slot_of[id(buffer)] for buffer in item.outputs))
     except KeyError:
       return None
   cleared = [index for index, base in enumerate(bases) if base.realized is not None and not base.srcs]
-  return CachedSchedule([item.ast for item in items], outputs, inputs, realized, cleared, scratch=scratch)
+  return CachedSchedule([item.ast for item in items], outputs, inputs, fresh, shared, cleared, scratch)
 
 
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
-  fresh: dict[int, Buffer] = {}
-  for index, shared in cached.realized:
+  pool = list(leaves)
+  for index in cached.fresh:
     base = bases[index]
-    if shared is None:
-      fresh[index] = base.realized = Buffer(base.device, base.size, base.dtype)
-    else:   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain)
-      base.realized = leaves[shared[1]] if shared[0] == "leaf" else bases[shared[1]].realized
-
-  scratch = [Buffer(device, size, dtype) for device, size, dtype in cached.scratch]
-
-  def buffer(slot: Slot) -> Buffer:
-    if slot[0] == "scratch": return scratch[slot[1]]
-    return leaves[slot[1]] if slot[0] == "leaf" else fresh[slot[1]]
-  items = [ScheduleItem(ast, tuple(buffer(slot) for slot in outputs), tuple(buffer(slot) for slot in inputs))
+    buffer = base.realized = Buffer(base.device, base.size, base.dtype)
+    pool.append(buffer)
+  # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain): both in the pool
+  for index, slot in cached.shared: bases[index].realized = pool[slot]
+  for device, size, dtype in cached.scratch: pool.append(Buffer(device, size, dtype))
+  take = pool.__getitem__
+  items = [ScheduleItem(ast, tuple(map(take, outputs)), tuple(map(take, inputs)))
            for ast, outputs, inputs in zip(cached.asts, cached.output_slots, cached.input_slots)]
   for index in cached.cleared: bases[index].srcs = ()
   return items
