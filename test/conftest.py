@@ -15,6 +15,7 @@ def _check_cuda_rendering():
   if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):
     yield
     return
+  from ourgrad.codegen.attention import AttentionKernel
   from ourgrad.codegen.index_accumulate import IndexAccumulateKernel
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.lowering import lower_kernel
@@ -33,6 +34,8 @@ def _check_cuda_rendering():
       cuda_kernel = PackedKernel(kernel.ast, renderer)
     elif isinstance(kernel, IndexAccumulateKernel):   # sized by its own plan (codegen/index_accumulate.py)
       cuda_kernel = IndexAccumulateKernel(kernel.ast, renderer)
+    elif isinstance(kernel, AttentionKernel):   # a whole-kernel plan (codegen/attention.py)
+      cuda_kernel = AttentionKernel(kernel.ast, renderer)
     else:
       cuda_kernel = Kernel(kernel.ast, renderer)
       # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device
