@@ -4,8 +4,8 @@ A kernel with OptOps.WGMMA and a fused attention (codegen/attention.py) are whol
 that the renderer renders as they are; any other kernel is linearized to UOps (codegen/linearizer.py; a PackedKernel
 and an IndexAccumulateKernel by their own linearize) and the UOps are rendered. `lower_kernel` returns a
 `LoweredKernel`: the source and what its callers need beside it, the launch sizes, the UOps (to cost or print the
-kernel) and the wgmma or attention plan. Its callers: engine/realize.py (compile and launch a kernel), codegen/opt/search.py (compile BEAM's candidates) and
-test/conftest.py (CHECK_CUDA_RENDER's NVRTC check).
+kernel) and the wgmma or attention plan. Its callers: engine/realize.py (compile and launch a kernel),
+codegen/opt/search.py (compile BEAM's candidates) and test/conftest.py (CHECK_CUDA_RENDER's NVRTC check).
 """
 from __future__ import annotations
 
