@@ -150,6 +150,9 @@ BEAM_LOCAL_MAX = env_var("BEAM_LOCAL_MAX", 1024, "BEAM considers no kernel with 
 TF32 = env_var("TF32", 0, "1: float32 matmuls and convolutions may run on TensorFloat-32 tensor cores (inputs rounded "
               "to 10 mantissa bits, float32 sums), as set_float32_matmul_precision('high'); 0: full float32 (default). "
               "set_float32_matmul_precision overrides it")
+FUSED_ATTENTION = env_var("FUSED_ATTENTION", 1, "0: scaled_dot_product_attention always builds the composite graph "
+                          "(scores, softmax, weighted sum), even where the device has the fused kernel "
+                          "(tensor_attention.py)")
 
 
 # ---------------------------------------------------------------- float32 matmul precision

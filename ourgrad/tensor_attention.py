@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.function import Function, _tensor_class
-from ourgrad.helpers import DEBUG, tf32_allowed
+from ourgrad.helpers import DEBUG, FUSED_ATTENTION, tf32_allowed
 from ourgrad.lazy import LazyBuffer
 from ourgrad.shape.symbolic import is_symbolic
 
@@ -33,6 +33,7 @@ HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 128
 def fused_attention_refusal(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                             enable_gqa: bool) -> str | None:
   """None when this scaled_dot_product_attention runs as the fused kernel, else why not (the module docstring)."""
+  if not FUSED_ATTENTION: return "FUSED_ATTENTION=0"
   renderer = Device[q.device].renderer
   if not getattr(renderer, "has_fused_attention", False): return f"{q.device} has no fused attention kernel"
   if attn_mask is not None: return "an attn_mask tensor is given"

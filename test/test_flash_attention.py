@@ -29,7 +29,7 @@ from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 from ourgrad.tensor_attention import fused_attention_refusal
 
-from helpers import nvrtc_compiler
+from helpers import device_opens, nvrtc_compiler
 
 DEVICE = "PYTHON"
 TORCH_DTYPES = {dtypes.float32: torch.float32, dtypes.float16: torch.float16, dtypes.bfloat16: torch.bfloat16}
@@ -227,3 +227,29 @@ def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
                         causal, 0.125, CUDARenderer("sm_90"))
   assert plan.vector_copies == aligned and plan.shared_bytes <= CUDARenderer.dynamic_local_memory_bytes
   nvrtc_compiler().compile(render_attention(plan, "attention", {"out": 0, "q": 1, "k": 1, "v": 1}))
+
+
+# ---------------------------------------------------------------- on a real GPU (skipped without one)
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16, dtypes.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_device_against_torch(dtype, causal):
+  """The CUDA kernel itself (sm_80+), odd lengths and GQA, forward and backward, against float64."""
+  ourgrad.set_float32_matmul_precision("high")
+  try:
+    batch, heads, kv_heads, length, source, head_dim = 2, 4, 2, 300, 200, 64
+    arrays = [_random(batch, h, rows, head_dim, seed=s)
+              for s, h, rows in ((30, heads, length), (31, kv_heads, source), (32, kv_heads, source))]
+    q, k, v = (Tensor(array, device="CUDA").cast(dtype).realize() for array in arrays)
+    for tensor in (q, k, v): tensor.requires_grad = True
+    out = q.scaled_dot_product_attention(k, v, is_causal=causal, enable_gqa=True)
+    out.cast(dtypes.float32).sum().backward()
+    tq, tk, tv = _torch_inputs([q, k, v])
+    want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)
+    want.sum().backward()
+    assert _relative_error(out.cast(dtypes.float32).numpy(), want) < TOLERANCES[dtype]
+    for got, twin in ((q, tq), (k, tk), (v, tv)):
+      assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
+  finally:
+    _float32_matmul_precision[0] = None
