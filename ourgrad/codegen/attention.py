@@ -264,7 +264,9 @@ def _q_fragment_lines(plan: AttentionPlan) -> list[str]:
   read as 0)."""
   k_step, _, _ = MMA_SHAPES[plan.dtype]
   steps = plan.head_dim // k_step
+  # every loop unrolled: the fragments are indexed by constants, so they stay in registers
   lines = [f"  unsigned q_fragments[{steps}][4];",
+           "#pragma unroll",
            "  for (int half = 0; half < 2; half++) {",
            "    int row = first_row + half * 8;",
            f"    const {STORAGE_TYPE[plan.dtype]}* q_row = q_base + (long long)(row < {plan.length} ? row : 0) * "
