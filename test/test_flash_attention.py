@@ -10,6 +10,8 @@ composite graph.
 from __future__ import annotations
 
 import math
+import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -30,6 +32,9 @@ from ourgrad.runtime.ops_python import PythonRenderer
 from ourgrad.tensor_attention import fused_attention_refusal
 
 from helpers import device_opens, nvrtc_compiler
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
+from extra.models.gpt2 import GPT2, GPT2Config, load_torch_weights, make_torch_gpt2  # noqa: E402
 
 DEVICE = "PYTHON"
 TORCH_DTYPES = {dtypes.float32: torch.float32, dtypes.float16: torch.float16, dtypes.bfloat16: torch.bfloat16}
@@ -160,6 +165,27 @@ def test_head_dim_128_and_three_dims(emulated_cuda):
   assert len(_attention_items(out)) == 1
   want = torch.nn.functional.scaled_dot_product_attention(*_torch_inputs([q, k, v]), scale=0.3)
   assert _relative_error(out.numpy(), want) < TOLERANCES[dtypes.float32]
+
+
+def test_gpt2_loss_and_gradients(emulated_cuda, monkeypatch):
+  """A GPT-2 block (head size 64, TF32) whose attention is the fused kernel: loss and every gradient against the
+  PyTorch twin in float64."""
+  monkeypatch.setenv("DEVICE", DEVICE)   # the model's parameters too
+  config = GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=64, block_size=20)
+  torch_model = make_torch_gpt2(config).double()
+  model = GPT2(config)
+  load_torch_weights(model, torch_model)
+  rng = np.random.default_rng(27)
+  tokens, targets = (rng.integers(0, 64, (1, 20)).astype(np.int32) for _ in range(2))
+  with Tensor.train():
+    loss = model(Tensor(tokens, device=DEVICE), Tensor(targets, device=DEVICE))[1]
+    loss.backward()
+  want = torch_model(torch.from_numpy(tokens).long(), torch.from_numpy(targets).long())[1]
+  want.backward()
+  assert loss.item() == pytest.approx(want.item(), rel=1e-4)
+  theirs = dict(torch_model.named_parameters())
+  for name, param in model.named_parameters():
+    assert _relative_error(param.grad.numpy(), theirs[name].grad) < 5e-3, name
 
 
 # ---------------------------------------------------------------- kernel counts
