@@ -34,6 +34,8 @@ def fused_attention_refusal(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor |
                             enable_gqa: bool) -> str | None:
   """None when this scaled_dot_product_attention runs as the fused kernel, else why not (the module docstring)."""
   if not FUSED_ATTENTION: return "FUSED_ATTENTION=0"
+  if not isinstance(q.device, str) or not q.device == k.device == v.device:
+    return f"q, k, v on {q.device}, {k.device}, {v.device} (sharded or apart)"
   renderer = Device[q.device].renderer
   if not getattr(renderer, "has_fused_attention", False): return f"{q.device} has no fused attention kernel"
   if attn_mask is not None: return "an attn_mask tensor is given"

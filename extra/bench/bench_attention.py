@@ -89,9 +89,12 @@ def run_ourgrad(arrays: list[np.ndarray], grad: np.ndarray, dtype: str, backward
   def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> list[Tensor]:
     for t in (q, k, v): t.grad = None
     out = q.scaled_dot_product_attention(k, v, is_causal=True)
-    if not backward: return [out.realize()]
+    # returned as (B, L, H, D), what a projection after the heads reads (the fused kernel's layout; PyTorch's flash
+    # output is a transposed view of the same layout): no copy for the kernel, a transpose for the composite graph
+    heads_last = out.transpose(1, 2)
+    if not backward: return [heads_last.realize()]
     (out.cast(dtypes.float32) * g.cast(dtypes.float32)).sum().backward()
-    return [t.realize() for t in (out, q.grad, k.grad, v.grad)]
+    return [t.realize() for t in (heads_last, q.grad, k.grad, v.grad)]
   results: list[Tensor] = []
 
   def call() -> None: results[:] = step(q, k, v, g)
@@ -99,8 +102,9 @@ def run_ourgrad(arrays: list[np.ndarray], grad: np.ndarray, dtype: str, backward
     GlobalCounters.reset()
     seconds = timed(call, Device[args.device].synchronize, args.warmup, args.steps)
   kernels = GlobalCounters.kernel_count // (args.warmup + args.steps)
-  return seconds, [torch.tensor(r.cast(dtypes.float32).numpy(), dtype=torch.float64, device=TORCH_DEVICE)
-                   for r in results], peak[0], kernels
+  values = [torch.tensor(r.cast(dtypes.float32).numpy(), dtype=torch.float64, device=TORCH_DEVICE) for r in results]
+  values[0] = values[0].transpose(1, 2)   # O back to (B, H, L, D)
+  return seconds, values, peak[0], kernels
 
 
 def errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> str:
