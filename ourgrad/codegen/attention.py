@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ourgrad.dtype import DType, dtypes
-from ourgrad.helpers import DEBUG
+from ourgrad.helpers import DEBUG, env_var
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 
 # threads of a warp, and query rows one warp owns (the M of one mma.sync)
@@ -40,6 +40,8 @@ BLOCK_N_CHOICES = (64, 32, 16)
 CTAS_PER_PROCESSOR = 3
 # bytes of one cp.async copy
 COPY_BYTES = 16
+ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its 16-bit K and V "
+                             "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -77,6 +79,7 @@ class AttentionPlan:
   block_n: int = 64
   stages: int = 2
   vector_copies: bool = True   # k and v rows copied with 16-byte cp.async (else element by element)
+  ldmatrix: bool = False       # 16-bit K and V fragments read with ldmatrix (V with .trans), else 16/32-bit loads
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -141,7 +144,8 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   plan = None
   for block_n in BLOCK_N_CHOICES:
     plan = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v, 0,
-                         block_n=block_n, vector_copies=vector_copies)
+                         block_n=block_n, vector_copies=vector_copies,
+                         ldmatrix=dtype.itemsize == 2 and bool(ATTENTION_LDMATRIX))
     if plan.shared_bytes <= budget: break
   assert plan is not None
   return plan
@@ -234,6 +238,19 @@ __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, un
   asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+"""
+
+# ldmatrix: lanes 8j..8j+7 give the row addresses of 8x8 matrix j; with .trans each lane gets a column pair instead
+_LDMATRIX_HELPERS = """__device__ __forceinline__ void load_matrices(unsigned* r, const unsigned short* rows) {
+  unsigned address = (unsigned)__cvta_generic_to_shared(rows);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
+}
+__device__ __forceinline__ void load_matrices_transposed(unsigned* r, const unsigned short* rows) {
+  unsigned address = (unsigned)__cvta_generic_to_shared(rows);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
 }
 """
 
@@ -330,22 +347,11 @@ def _copy_tile_lines(plan: AttentionPlan) -> list[str]:
 
 def _scores_lines(plan: AttentionPlan) -> list[str]:
   """S = Q K^T for this warp's 16 rows and the tile's keys (n tiles of 8), scaled to log2 units and masked."""
-  k_step, _, _ = MMA_SHAPES[plan.dtype]
-  steps, n_tiles, pitch = plan.head_dim // k_step, plan.block_n // 8, plan.row_pitch
+  n_tiles = plan.block_n // 8
   lines = [f"    float scores[{n_tiles}][4];",
            "#pragma unroll",
-           f"    for (int n = 0; n < {n_tiles}; n++) {{",
-           "      scores[n][0] = scores[n][1] = scores[n][2] = scores[n][3] = 0.0f;",
-           f"      const {STORAGE_TYPE[plan.dtype]}* key_row = k_stage + (n * 8 + group) * {pitch};",
-           "#pragma unroll",
-           f"      for (int step = 0; step < {steps}; step++) {{"]
-  if plan.dtype == "float32":   # b0 (k q, n g), b1 (k q+4, n g): K[n][k] is B[k][n]
-    lines += ["        mma(scores[n], q_fragments[step], tf32(key_row[step * 8 + quad]), "
-              "tf32(key_row[step * 8 + quad + 4]));"]
-  else:   # b0b1 (k 2q.., n g), b2b3 (k 2q+8.., n g): neighbouring halves of one key row
-    lines += ["        const unsigned* pair = (const unsigned*)(key_row + step * 16 + quad * 2);",
-              "        mma(scores[n], q_fragments[step], pair[0], pair[4]);"]
-  lines += ["      }", "    }"]
+           f"    for (int n = 0; n < {n_tiles}; n++) scores[n][0] = scores[n][1] = scores[n][2] = scores[n][3] = 0.0f;"]
+  lines += _scores_ldmatrix_lines(plan) if plan.ldmatrix else _scores_load_lines(plan)
   # mask only the tiles that need it: the last (keys past S) and, causal, those crossing the diagonal
   crossing = f" || tile * {plan.block_n} + {plan.block_n - 1} > block_first_row" if plan.causal else ""
   lines += [f"    bool masked = (tile + 1) * {plan.block_n} > {plan.source}{crossing};",
@@ -361,6 +367,41 @@ def _scores_lines(plan: AttentionPlan) -> list[str]:
             "      }",
             "    }"]
   return lines
+
+
+def _scores_load_lines(plan: AttentionPlan) -> list[str]:
+  """S += Q K^T, K's B fragments read from shared memory element by element (TF32) or in 32-bit pairs (16-bit)."""
+  k_step, _, _ = MMA_SHAPES[plan.dtype]
+  lines = ["#pragma unroll",
+           f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
+           f"      const {STORAGE_TYPE[plan.dtype]}* key_row = k_stage + (n * 8 + group) * {plan.row_pitch};",
+           "#pragma unroll",
+           f"      for (int step = 0; step < {plan.head_dim // k_step}; step++) {{"]
+  if plan.dtype == "float32":   # b0 (k q, n g), b1 (k q+4, n g): K[n][k] is B[k][n]
+    lines += ["        mma(scores[n], q_fragments[step], tf32(key_row[step * 8 + quad]), "
+              "tf32(key_row[step * 8 + quad + 4]));"]
+  else:   # b0b1 (k 2q.., n g), b2b3 (k 2q+8.., n g): neighbouring halves of one key row
+    lines += ["        const unsigned* pair = (const unsigned*)(key_row + step * 16 + quad * 2);",
+              "        mma(scores[n], q_fragments[step], pair[0], pair[4]);"]
+  return lines + ["      }", "    }"]
+
+
+def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
+  """S += Q K^T (16-bit), one ldmatrix.x4 per two n tiles and k step: matrices (keys of tile n, k 0-7 and 8-15 of
+  the step), then tile n + 1's; K's rows as stored are B's columns, so no transpose."""
+  return ["#pragma unroll",
+          f"    for (int n = 0; n < {plan.block_n // 8}; n += 2) {{",
+          # lane l: row l % 8 of matrix l / 8 (tile n + (l / 16), k half (l / 8) % 2)
+          f"      const unsigned short* rows = k_stage + ((n + (lane >> 4)) * 8 + (lane & 7)) * {plan.row_pitch} + "
+          "((lane >> 3) & 1) * 8;",
+          "#pragma unroll",
+          f"      for (int step = 0; step < {plan.head_dim // 16}; step++) {{",
+          "        unsigned b[4];",
+          "        load_matrices(b, rows + step * 16);",
+          "        mma(scores[n], q_fragments[step], b[0], b[1]);",
+          "        mma(scores[n + 1], q_fragments[step], b[2], b[3]);",
+          "      }",
+          "    }"]
 
 
 def _softmax_lines(plan: AttentionPlan) -> list[str]:
@@ -412,6 +453,7 @@ def _weighted_sum_lines(plan: AttentionPlan) -> list[str]:
             f"      for (int d = 0; d < {d_tiles}; d++) "
             f"mma(outputs[d], p, tf32(value_rows[d * 8]), tf32(value_rows[{pitch} + d * 8]));",
             "    }"]
+  if plan.ldmatrix: return _weighted_sum_ldmatrix_lines(plan)
   return ["#pragma unroll",
           f"    for (int kk = 0; kk < {plan.block_n // 16}; kk++) {{",
           "      unsigned p[4] = {pack_floats(scores[2 * kk][0], scores[2 * kk][1]), "
@@ -425,6 +467,31 @@ def _weighted_sum_lines(plan: AttentionPlan) -> list[str]:
           f"        unsigned b0 = pack_bits(column[0], column[{pitch}]);",
           f"        unsigned b1 = pack_bits(column[{8 * pitch}], column[{9 * pitch}]);",
           "        mma(outputs[d], p, b0, b1);",
+          "      }",
+          "    }"]
+
+
+_P_FRAGMENT = ["      unsigned p[4] = {pack_floats(scores[2 * kk][0], scores[2 * kk][1]), "
+               "pack_floats(scores[2 * kk][2], scores[2 * kk][3]),",
+               "                       pack_floats(scores[2 * kk + 1][0], scores[2 * kk + 1][1]), "
+               "pack_floats(scores[2 * kk + 1][2], scores[2 * kk + 1][3])};"]
+
+
+def _weighted_sum_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
+  """O += P V (16-bit), V's B fragments by ldmatrix.x4.trans: matrices (keys 0-7, keys 8-15 of the 16) x (value
+  columns of d tile d, then d + 1); a lane gets a key pair of one column, B's layout."""
+  return ["#pragma unroll",
+          f"    for (int kk = 0; kk < {plan.block_n // 16}; kk++) {{",
+          *_P_FRAGMENT,
+          # lane l: row l % 8 of matrix l / 8 (keys 8 ((l / 8) % 2).., columns of d tile d + l / 16)
+          f"      const unsigned short* rows = v_stage + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * "
+          f"{plan.row_pitch} + (lane >> 4) * 8;",
+          "#pragma unroll",
+          f"      for (int d = 0; d < {plan.head_dim // 8}; d += 2) {{",
+          "        unsigned b[4];",
+          "        load_matrices_transposed(b, rows + d * 8);",
+          "        mma(outputs[d], p, b[0], b[1]);",
+          "        mma(outputs[d + 1], p, b[2], b[3]);",
           "      }",
           "    }"]
 
@@ -466,7 +533,7 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
     "extern __shared__ __align__(16) unsigned char attention_shared[];",
     "#define NEG_INF __int_as_float(0xff800000)",
-    helpers, _COPY_HELPER if plan.vector_copies else "",
+    helpers, _LDMATRIX_HELPERS if plan.ldmatrix else "", _COPY_HELPER if plan.vector_copies else "",
     *_signature(plan, name or plan.name, arguments),
     f"  {storage}* k_tiles = ({storage}*)attention_shared;",
     f"  {storage}* v_tiles = k_tiles + {plan.stages * plan.tile_elements};",
