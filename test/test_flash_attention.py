@@ -242,8 +242,8 @@ def test_devices_without_the_kernel_keep_the_composite_graph():
 @pytest.mark.skipif(nvrtc_compiler() is None, reason="NVRTC does not load here")
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16, dtypes.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("aligned", [False, True])
+# (head size, rows 16-byte aligned): cp.async copies at D = 64, element-by-element copies at D = 128 (fewer compiles)
+@pytest.mark.parametrize("head_dim, aligned", [(64, True), (128, False)])
 def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
   length, source, heads = 100, 77, 4
   row = 3 * heads * head_dim
