@@ -253,8 +253,8 @@ def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
   plan = plan_attention(*operands, ((2, heads, length, head_dim), (2, heads // 2, source, head_dim)), dtype,
                         causal, 0.125, CUDARenderer("sm_90"))
   assert plan.vector_copies == aligned and plan.shared_bytes <= CUDARenderer.dynamic_local_memory_bytes
-  assert plan.ldmatrix == (dtype != dtypes.float32)   # (ATTENTION_LDMATRIX=1, the default)
-  # 16-bit: with ldmatrix and with plain loads of the K and V fragments
+  assert plan.ldmatrix   # (ATTENTION_LDMATRIX=1, the default)
+  # with ldmatrix and with plain loads of the K (16-bit: and V) fragments
   for variant in {plan, dataclasses.replace(plan, ldmatrix=False)}:
     nvrtc_compiler().compile(render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1}))
 

@@ -40,7 +40,7 @@ BLOCK_N_CHOICES = (64, 32, 16)
 CTAS_PER_PROCESSOR = 3
 # bytes of one cp.async copy
 COPY_BYTES = 16
-ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its 16-bit K and V "
+ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its K (16-bit: and V) "
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = ("float32", "float16", "bfloat16")
@@ -79,7 +79,7 @@ class AttentionPlan:
   block_n: int = 64
   stages: int = 2
   vector_copies: bool = True   # k and v rows copied with 16-byte cp.async (else element by element)
-  ldmatrix: bool = False       # 16-bit K and V fragments read with ldmatrix (V with .trans), else 16/32-bit loads
+  ldmatrix: bool = False       # K fragments (16-bit: and V's, .trans) read with ldmatrix, else element loads
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -145,7 +145,7 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   for block_n in BLOCK_N_CHOICES:
     plan = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v, 0,
                          block_n=block_n, vector_copies=vector_copies,
-                         ldmatrix=dtype.itemsize == 2 and bool(ATTENTION_LDMATRIX))
+                         ldmatrix=bool(ATTENTION_LDMATRIX))
     if plan.shared_bytes <= budget: break
   assert plan is not None
   return plan
@@ -242,7 +242,7 @@ __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, un
 """
 
 # ldmatrix: lanes 8j..8j+7 give the row addresses of 8x8 matrix j; with .trans each lane gets a column pair instead
-_LDMATRIX_HELPERS = """__device__ __forceinline__ void load_matrices(unsigned* r, const unsigned short* rows) {
+_LDMATRIX_HELPERS = """__device__ __forceinline__ void load_matrices(unsigned* r, const void* rows) {
   unsigned address = (unsigned)__cvta_generic_to_shared(rows);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
@@ -388,7 +388,22 @@ def _scores_load_lines(plan: AttentionPlan) -> list[str]:
 
 def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
   """S += Q K^T (16-bit), one ldmatrix.x4 per two n tiles and k step: matrices (keys of tile n, k 0-7 and 8-15 of
-  the step), then tile n + 1's; K's rows as stored are B's columns, so no transpose."""
+  the step), then tile n + 1's; K's rows as stored are B's columns, so no transpose. TF32: an 8x8 matrix of 16-bit
+  elements is 8 rows of 4 floats, and lane l gets the float at row l / 4, column l % 4: B's (k q, n g) element; one
+  ldmatrix.x4 per n tile and two k steps (columns 0-3, 4-7 of each), rounded to TF32 after."""
+  if plan.dtype == "float32":
+    return ["#pragma unroll",
+            f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
+            # lane l: row l % 8 of matrix l / 8 (4 floats from column 4 (l / 8) of the step pair)
+            f"      const float* rows = k_stage + (n * 8 + (lane & 7)) * {plan.row_pitch} + (lane >> 3) * 4;",
+            "#pragma unroll",
+            f"      for (int step = 0; step < {plan.head_dim // 8}; step += 2) {{",
+            "        unsigned b[4];",
+            "        load_matrices(b, rows + step * 8);",
+            "        mma(scores[n], q_fragments[step], tf32(__uint_as_float(b[0])), tf32(__uint_as_float(b[1])));",
+            "        mma(scores[n], q_fragments[step + 1], tf32(__uint_as_float(b[2])), tf32(__uint_as_float(b[3])));",
+            "      }",
+            "    }"]
   return ["#pragma unroll",
           f"    for (int n = 0; n < {plan.block_n // 8}; n += 2) {{",
           # lane l: row l % 8 of matrix l / 8 (tile n + (l / 16), k half (l / 8) % 2)
