@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ourgrad.codegen.attention import OPERAND_DTYPES
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.function import Function, _tensor_class
@@ -43,7 +44,7 @@ def fused_attention_refusal(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor |
   if not q.ndim == k.ndim == v.ndim or q.ndim not in (3, 4): return f"q, k, v have {q.ndim}, {k.ndim}, {v.ndim} dims"
   if any(is_symbolic(size) for size in (*q.shape, *k.shape, *v.shape)): return "a symbolic size"
   if not q.dtype == k.dtype == v.dtype: return f"q, k, v are {q.dtype.name}, {k.dtype.name}, {v.dtype.name}"
-  if q.dtype not in (dtypes.float32, dtypes.float16, dtypes.bfloat16): return f"{q.dtype.name} operands"
+  if q.dtype not in OPERAND_DTYPES: return f"{q.dtype.name} operands"
   if q.dtype == dtypes.float32 and not tf32_allowed(): return "float32 at matmul precision 'highest' (no TF32)"
   head_dim = q.shape[-1]
   if head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM or v.shape[-1] != head_dim:

@@ -43,7 +43,7 @@ COPY_BYTES = 16
 ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its K (16-bit: and V) "
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
 # element dtypes the kernel reads (float32 only through TF32)
-OPERAND_DTYPES = ("float32", "float16", "bfloat16")
+OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,6 @@ class AttentionPlan:
   q: Operand
   k: Operand
   v: Operand
-  output_argument: int
   block_m: int = BLOCK_M
   block_n: int = 64
   stages: int = 2
@@ -128,11 +127,6 @@ class AttentionPlan:
             f"{'_causal' if self.causal else ''}")
 
 
-def attention_output_elements(batch: int, heads: int, length: int, head_dim: int) -> int:
-  """Float32 elements of an attention kernel's output buffer: O (B, L, H, D), then the logsumexp (B, H, L)."""
-  return batch * length * heads * head_dim + batch * heads * length
-
-
 def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, ...], ...], dtype: DType,
                    causal: bool, scale: float, renderer: Any) -> AttentionPlan:
   """The plan for one attention, the key tile sized from the device's shared memory: the largest that leaves room
@@ -143,7 +137,7 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
   plan = None
   for block_n in BLOCK_N_CHOICES:
-    plan = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v, 0,
+    plan = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
                          block_n=block_n, vector_copies=vector_copies,
                          ldmatrix=bool(ATTENTION_LDMATRIX))
     if plan.shared_bytes <= budget: break
@@ -591,7 +585,3 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
   ]
   return "\n".join(line for line in lines if line) + "\n"
 
-
-def attention_supported_dtype(dtype: DType) -> bool:
-  """Whether the kernel reads operands of `dtype` (float32 only where TF32 is allowed: the caller checks)."""
-  return dtype in (dtypes.float32, dtypes.float16, dtypes.bfloat16)
