@@ -9,8 +9,9 @@ attention), D a multiple of 16 up to 128, float16/bfloat16, or float32 where TF3
 
 `FusedAttention` is its autograd Function: forward is the kernel (O, and the logsumexp of each query row kept for
 the backward); backward is `attention_backward`, the seam where flash backward kernels plug in. Today it is the
-composite math recomputed from the logsumexp, in float32: P = exp(S * scale - LSE), dV = P^T dO, dP = dO V^T,
-dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK = dS^T Q * scale.
+composite math recomputed from the logsumexp, summed in float32: P = exp(S * scale - LSE), dV = P^T dO, dP = dO V^T,
+dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK = dS^T Q * scale; with 16-bit operands P and dS are rounded to
+the operand type before their products, as flash kernels do.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ourgrad.codegen.attention import OPERAND_DTYPES
 from ourgrad.device import Device
-from ourgrad.dtype import dtypes
+from ourgrad.dtype import DType, dtypes
 from ourgrad.function import Function, _tensor_class
 from ourgrad.helpers import DEBUG, FUSED_ATTENTION, tf32_allowed
 from ourgrad.lazy import LazyBuffer
@@ -110,14 +111,20 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     keep = type(q).arange(source, device=q.device).reshape(1, source) <= rows
     scores = keep.where(scores, -float("inf"))
   weights = (scores - lse.unsqueeze(-1)).exp()
-  grad_v = weights.transpose(-2, -1).matmul(grad32)
+  grad_v = _operand(weights, q.dtype).transpose(-2, -1).matmul(grad32)
   grad_weights = grad32.matmul(v32.transpose(-2, -1))
   row_dot = (grad32 * out).sum(-1, keepdim=True)
-  grad_scores = weights * (grad_weights - row_dot)
+  grad_scores = _operand(weights * (grad_weights - row_dot), q.dtype)
   grad_q = grad_scores.matmul(k32) * scale
   grad_k = grad_scores.transpose(-2, -1).matmul(q32) * scale
   if group > 1: grad_k, grad_v = _sum_groups(grad_k, group), _sum_groups(grad_v, group)
   return grad_q.cast(q.dtype), grad_k.cast(k.dtype), grad_v.cast(v.dtype)
+
+
+def _operand(x: Tensor, dtype: DType) -> Tensor:
+  """A float32 matmul operand rounded to the 16-bit operand type, as flash kernels round P and dS: the product then
+  reads 16-bit values (half the bytes, 16-bit tensor cores) and sums in float32. float32 operands stay as they are."""
+  return x if dtype == dtypes.float32 else x.cast(dtype).cast(dtypes.float32)
 
 
 def _repeat_kv(x: Tensor, group: int) -> Tensor:
