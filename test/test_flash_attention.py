@@ -283,3 +283,14 @@ def test_cuda_device_against_torch(dtype, causal):
       assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
   finally:
     _float32_matmul_precision[0] = None
+
+
+# ---------------------------------------------------------------- the decision, printed
+
+def test_decision_is_printed_at_debug_3(emulated_cuda, monkeypatch, capsys):
+  q, k, v = (Tensor(_random(1, 2, 16, 64, seed=seed), device=DEVICE) for seed in (33, 34, 35))
+  monkeypatch.setenv("DEBUG", "3")
+  q.scaled_dot_product_attention(k, v, is_causal=True)
+  q.scaled_dot_product_attention(k, v, dropout_p=0.5)
+  printed = capsys.readouterr().out
+  assert "attention: fused" in printed and "attention: composite because dropout_p=0.5" in printed
