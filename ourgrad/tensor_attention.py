@@ -110,8 +110,10 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     rows = type(q).arange(length, device=q.device).reshape(length, 1)
     keep = type(q).arange(source, device=q.device).reshape(1, source) <= rows
     scores = keep.where(scores, -float("inf"))
-  weights = (scores - lse.unsqueeze(-1)).exp()
-  grad_v = _operand(weights, q.dtype).transpose(-2, -1).matmul(grad32)
+  # P and dS are stored (in the operand type), as the composite graph's softmax output is: each feeds two products,
+  # which then read plain buffers on tensor cores instead of recomputing them inside their loops
+  weights = _operand((scores - lse.unsqueeze(-1)).exp(), q.dtype)
+  grad_v = weights.transpose(-2, -1).matmul(grad32)
   grad_weights = grad32.matmul(v32.transpose(-2, -1))
   row_dot = (grad32 * out).sum(-1, keepdim=True)
   grad_scores = _operand(weights * (grad_weights - row_dot), q.dtype)
@@ -122,9 +124,9 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
 
 
 def _operand(x: Tensor, dtype: DType) -> Tensor:
-  """A float32 matmul operand rounded to the 16-bit operand type, as flash kernels round P and dS: the product then
-  reads 16-bit values (half the bytes, 16-bit tensor cores) and sums in float32. float32 operands stay as they are."""
-  return x if dtype == dtypes.float32 else x.cast(dtype).cast(dtypes.float32)
+  """A (B, H, L, S) float32 matmul operand stored in a buffer of its own in the operand type (16-bit: rounded as flash
+  kernels round P and dS; the products read 16-bit values on 16-bit tensor cores and sum in float32)."""
+  return x.contiguous() if dtype == dtypes.float32 else x.cast(dtype).contiguous().cast(dtypes.float32)
 
 
 def _repeat_kv(x: Tensor, group: int) -> Tensor:

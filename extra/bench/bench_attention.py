@@ -6,12 +6,14 @@ ourgrad's composite graph (FUSED_ATTENTION=0 semantics) and PyTorch's fused SDPA
 
 Each row: median ms of `--steps` steps (each timed between two synchronizations; ourgrad under TinyJit), the max abs
 error of O (and of dq, dk, dv for fwd+bwd) against PyTorch's float64 math SDPA on the same device, and the peak
-memory (torch: max_memory_allocated; ourgrad: the largest bytes in live buffers at an allocation). A case that fails
+memory (torch: max_memory_allocated; ourgrad: the largest bytes in live buffers at an allocation, over what was
+alive before the row). A case that fails
 prints its error and the script goes on.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -80,6 +82,8 @@ def run_torch(arrays: list[np.ndarray], grad: np.ndarray, dtype: str, backward: 
 def run_ourgrad(arrays: list[np.ndarray], grad: np.ndarray, dtype: str, backward: bool, fused: bool, args) -> tuple:
   os.environ["FUSED_ATTENTION"] = "1" if fused else "0"
   realize._runner_cache.clear()
+  gc.collect()   # the previous row's captured buffers
+  baseline = GlobalCounters.mem_used
   low = getattr(dtypes, dtype)
   q, k, v = (Tensor(a, device=args.device).cast(low).contiguous().realize() for a in arrays)
   g = Tensor(grad, device=args.device).cast(low).contiguous().realize()
@@ -104,7 +108,7 @@ def run_ourgrad(arrays: list[np.ndarray], grad: np.ndarray, dtype: str, backward
   kernels = GlobalCounters.kernel_count // (args.warmup + args.steps)
   values = [torch.tensor(r.cast(dtypes.float32).numpy(), dtype=torch.float64, device=TORCH_DEVICE) for r in results]
   values[0] = values[0].transpose(1, 2)   # O back to (B, H, L, D)
-  return seconds, values, peak[0], kernels
+  return seconds, values, peak[0] - baseline, kernels
 
 
 def errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> str:
