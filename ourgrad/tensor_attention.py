@@ -3,9 +3,10 @@
 `fused_attention_refusal` decides, in one place, whether an SDPA call runs as one fused kernel (Ops.ATTENTION,
 codegen/attention.py) or as today's composite graph; DEBUG>=3 prints "attention: fused" or "attention: composite
 because ...". The fused kernel runs where the device's renderer has it (`has_fused_attention`: CUDA sm_80+, PYTHON
-with EMULATE=CUDA) for q (B, H, L, D) or (B, L, D), k and v (B, Hk, S, D) with Hk dividing H (grouped-query
-attention), D a multiple of 16 up to 128, float16/bfloat16, or float32 where TF32 is allowed
-(`set_float32_matmul_precision("high")`); no attn_mask tensor, no dropout.
+with EMULATE=CUDA) when no gradient is needed (FUSED_ATTENTION=2: also when training; 0: never) for q (B, H, L, D)
+or (B, L, D), k and v (B, Hk, S, D) with Hk dividing H (grouped-query attention), D a multiple of 16 up to 128,
+float16/bfloat16, or float32 where TF32 is allowed (`set_float32_matmul_precision("high")`); no attn_mask tensor, no
+dropout.
 
 `FusedAttention` is its autograd Function: forward is the kernel (O, and the logsumexp of each query row kept for
 the backward); backward is `attention_backward`, the seam where flash backward kernels plug in. Today it is the
@@ -36,6 +37,10 @@ def fused_attention_refusal(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor |
                             enable_gqa: bool) -> str | None:
   """None when this scaled_dot_product_attention runs as the fused kernel, else why not (the module docstring)."""
   if not FUSED_ATTENTION: return "FUSED_ATTENTION=0"
+  if int(FUSED_ATTENTION) < 2 and not _tensor_class().no_grad and any(t.requires_grad for t in (q, k, v)):
+    # the H200 (B=4, H=12, D=64, causal): fused forward + this backward 3-7x slower than the composite graph, whose
+    # products run as WGMMA; flash backward kernels plugged into attention_backward lift this
+    return "a gradient is needed (FUSED_ATTENTION=2 fuses the forward of training too)"
   if not isinstance(q.device, str) or not q.device == k.device == v.device:
     return f"q, k, v on {q.device}, {k.device}, {v.device} (sharded or apart)"
   renderer = Device[q.device].renderer

@@ -47,6 +47,7 @@ TOLERANCES = {dtypes.float32: 3e-3, dtypes.float16: 3e-3, dtypes.bfloat16: 2e-2}
 def emulated_cuda(monkeypatch):
   """The PYTHON device as a CUDA GPU (the fused kernel emulated), TF32 allowed; fresh kernel and schedule caches."""
   monkeypatch.setattr(Device[DEVICE], "renderer", PythonRenderer("CUDA"))
+  monkeypatch.setenv("FUSED_ATTENTION", "2")   # the fused forward under autograd too (the default fuses only without)
   monkeypatch.delenv("TF32", raising=False)
   ourgrad.set_float32_matmul_precision("high")
   realize._runner_cache.clear()
@@ -230,6 +231,19 @@ def test_refusals_keep_the_composite_graph(emulated_cuda, case, reason):
     np.testing.assert_allclose(out.numpy(), want.numpy(), atol=1e-5)
 
 
+def test_training_keeps_the_composite_graph_by_default(emulated_cuda, monkeypatch):
+  """FUSED_ATTENTION=1 (the default): the fused kernel only where no gradient is needed (its backward is still the
+  composite graph); under no_grad or without requires_grad it is fused."""
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  q, k, v = (Tensor(_random(1, 2, 16, 64, seed=seed), device=DEVICE, requires_grad=True) for seed in (36, 37, 38))
+  assert "a gradient is needed" in fused_attention_refusal(q, k, v, None, 0.0, False)
+  assert not _attention_items(q.scaled_dot_product_attention(k, v, is_causal=True))
+  with Tensor.no_grad_context():
+    assert fused_attention_refusal(q, k, v, None, 0.0, False) is None
+    assert len(_attention_items(q.scaled_dot_product_attention(k, v, is_causal=True))) == 1
+  assert fused_attention_refusal(*(t.detach() for t in (q, k, v)), None, 0.0, False) is None
+
+
 def test_devices_without_the_kernel_keep_the_composite_graph():
   """Plain PYTHON (no EMULATE) and CLANG have no fused attention: sdpa builds today's graph."""
   q, k, v = (Tensor(_random(1, 2, 16, 64, seed=seed), device=DEVICE) for seed in (24, 25, 26))
@@ -264,8 +278,9 @@ def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16, dtypes.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuda_device_against_torch(dtype, causal):
+def test_cuda_device_against_torch(dtype, causal, monkeypatch):
   """The CUDA kernel itself (sm_80+), odd lengths and GQA, forward and backward, against float64."""
+  monkeypatch.setenv("FUSED_ATTENTION", "2")
   ourgrad.set_float32_matmul_precision("high")
   try:
     batch, heads, kv_heads, length, source, head_dim = 2, 4, 2, 300, 200, 64
