@@ -40,8 +40,10 @@ BLOCK_N_CHOICES = (64, 32, 16)
 CTAS_PER_PROCESSOR = 3
 # bytes of one cp.async copy
 COPY_BYTES = 16
-ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its K (16-bit: and V) "
-                             "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
+# 0 by default until the ldmatrix variant has run on a GPU (the element loads were checked on the H200)
+ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 0, "1: the fused attention kernel reads its K (16-bit: and V) "
+                             "fragments with ldmatrix instead of plain shared-memory loads (codegen/attention.py; "
+                             "compiled by NVRTC in CI, not yet run on a GPU)")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
