@@ -543,6 +543,17 @@ class LazyBuffer:
     if index.shape[0] == 0 or self.size == 0: return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.INDEX_ACCUMULATE, None, (self, index, rows))
 
+  def attention(self, key: LazyBuffer, value: LazyBuffer, causal: bool, scale: float) -> LazyBuffer:
+    """Fused attention of this (B, H, L, D) query with (B, Hk, S, D) keys and values (H a multiple of Hk): one
+    float32 buffer of O laid out (B, L, H, D) followed by the natural-log logsumexp of each query row, (B, H, L)
+    (codegen/attention.py). Each operand is read in place through its strides where its view is one unmasked View
+    of a buffer; otherwise it is made contiguous first. The caller (tensor_attention.py) checks the shapes."""
+    operands = tuple(operand if _reads_in_place(operand) else operand.contiguous() for operand in (self, key, value))
+    batch, heads, length, head_dim = self.shape
+    elements = batch * length * heads * head_dim + batch * heads * length
+    return LazyBuffer.create_base(self.device, (elements,), dtypes.float32, Ops.ATTENTION, (causal, float(scale)),
+                                  operands)
+
   # ---------------------------------------------------------------- in-place writes (versions of a storage)
 
   @property
@@ -771,3 +782,10 @@ def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
     for src in reversed(base.srcs):  # (src.base without the property call: this walk runs at every realize)
       stack.append((src if src._base is None else src._base, False))
   return order
+
+
+def _reads_in_place(operand: LazyBuffer) -> bool:
+  """Whether a kernel can read `operand` through its view as it is: one unmasked View over a base that gets a buffer
+  of its own (not a constant, which has none)."""
+  views = operand.st.views
+  return len(views) == 1 and views[0].mask is None and operand.base.op is not Ops.CONST and not operand.st.symbolic

@@ -66,6 +66,7 @@ def why_not_packable(item: ScheduleItem) -> str | None:
   nodes = item.ast.walk()
   if any(node.op is Ops.LOAD and node.srcs for node in nodes): return "it has a gathered load"
   if any(node.op is Ops.INDEX_ACCUMULATE for node in nodes): return "an indexed accumulate (a kernel of its own)"
+  if any(node.op is Ops.ATTENTION for node in nodes): return "a fused attention (a kernel of its own)"
   if any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in nodes):
     return "a view with a symbolic size"
   reduces = [node for node in nodes if node.op in REDUCE_OPS]
