@@ -160,6 +160,9 @@ FUSED_ATTENTION = env_var("FUSED_ATTENTION", 1, "where the device has the fused 
                           "(tensor_attention.py): 1 scaled_dot_product_attention uses it when no gradient is needed "
                           "(the backward is still the composite graph, slower after the fused forward on an H200); "
                           "2 also when training; 0 never (the composite graph: scores, softmax, weighted sum)")
+FUSED_ATTENTION_BACKWARD = env_var("FUSED_ATTENTION_BACKWARD", 1, "1: the backward of a fused attention runs as the "
+                                   "flash backward kernels (codegen/attention_grad.py); 0: as composite math from its "
+                                   "logsumexp (tensor_attention.attention_backward)")
 
 
 # ---------------------------------------------------------------- float32 matmul precision

@@ -554,6 +554,24 @@ class LazyBuffer:
     return LazyBuffer.create_base(self.device, (elements,), dtypes.float32, Ops.ATTENTION, (causal, float(scale)),
                                   operands)
 
+  def attention_grads(self, key: LazyBuffer, value: LazyBuffer, forward: LazyBuffer, grad_out: LazyBuffer,
+                      causal: bool, scale: float) -> tuple[LazyBuffer, LazyBuffer]:
+    """The fused attention backward of this (B, H, L, D) query with (B, Hk, S, D) keys and values, `forward` the
+    Ops.ATTENTION buffer their forward wrote (O and LSE) and `grad_out` dO (B, H, L, D) in the operands' dtype: two
+    kernels (codegen/attention_grad.py). Returns (one float32 buffer of dq (B, H, L, D) contiguous then delta
+    (B, H, L); one float32 buffer of dk then dv, each (B, Hk, S, D) contiguous). Operands are read in place where
+    their view allows it (`_reads_in_place`, the last dim contiguous, 16-byte aligned start), else made contiguous."""
+    q, k, v, do = (operand if _reads_in_place_by_rows(operand) else operand.contiguous()
+                   for operand in (self, key, value, grad_out))
+    batch, heads, length, head_dim = self.shape
+    kv_elements = batch * key.shape[1] * key.shape[2] * head_dim
+    arg = (causal, float(scale))
+    dq = LazyBuffer.create_base(self.device, (batch * heads * length * (head_dim + 1),), dtypes.float32,
+                                Ops.ATTENTION_DQ, arg, (q, k, v, forward, do))
+    dkdv = LazyBuffer.create_base(self.device, (2 * kv_elements,), dtypes.float32, Ops.ATTENTION_DKDV, arg,
+                                  (q, k, v, do, forward, dq))
+    return dq, dkdv
+
   # ---------------------------------------------------------------- in-place writes (versions of a storage)
 
   @property
@@ -782,6 +800,14 @@ def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
     for src in reversed(base.srcs):  # (src.base without the property call: this walk runs at every realize)
       stack.append((src if src._base is None else src._base, False))
   return order
+
+
+def _reads_in_place_by_rows(operand: LazyBuffer) -> bool:
+  """`_reads_in_place`, the last dim contiguous and the first element 16-byte aligned (the attention backward
+  kernels copy rows with 16-byte cp.async where the strides allow)."""
+  if not _reads_in_place(operand): return False
+  view = operand.st.views[0]
+  return view.strides[-1] == 1 and view.offset % (16 // operand.dtype.itemsize) == 0
 
 
 def _reads_in_place(operand: LazyBuffer) -> bool:

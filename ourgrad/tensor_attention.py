@@ -16,13 +16,15 @@ the operand type before their products, as flash kernels do.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from ourgrad.codegen.attention import OPERAND_DTYPES
+from ourgrad.codegen.attention_backward import AttentionBackwardPlan
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.function import Function, _tensor_class
-from ourgrad.helpers import DEBUG, FUSED_ATTENTION, tf32_allowed
+from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, tf32_allowed
 from ourgrad.lazy import LazyBuffer
 from ourgrad.shape.symbolic import is_symbolic
 
@@ -84,19 +86,55 @@ def split_attention_output(flat: LazyBuffer, shape: tuple[int, int, int, int]) -
 
 
 class FusedAttention(Function):
-  """softmax(q k^T * scale (+ causal mask)) v as one kernel (LazyBuffer.attention); backward: attention_backward."""
+  """softmax(q k^T * scale (+ causal mask)) v as one kernel (LazyBuffer.attention); backward: two flash backward
+  kernels (`fused_backward`) where `fused_backward_refusal` allows, else attention_backward's composite math."""
 
   def forward(self, q: LazyBuffer, k: LazyBuffer, v: LazyBuffer, causal: bool, scale: float) -> LazyBuffer:
     self.q, self.k, self.v, self.causal, self.scale = q, k, v, causal, scale
-    self.out, self.lse = split_attention_output(q.attention(k, v, causal, scale), q.shape)
+    self.flat = q.attention(k, v, causal, scale)
+    self.operands = self.flat.srcs   # q, k, v as its kernel reads them (in place, or made contiguous once)
+    self.out, self.lse = split_attention_output(self.flat, q.shape)
     return self.out if q.dtype == dtypes.float32 else self.out.cast(q.dtype)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
+    refusal = fused_backward_refusal(self.q, self.k)
+    if DEBUG >= 3: print("attention backward: fused" if refusal is None else f"attention backward: composite because "
+                         f"{refusal}")
+    if refusal is None:
+      grads = fused_backward(self.operands, self.flat, grad_output, self.causal, self.scale)
+      return tuple(grad if needed else None for grad, needed in zip(grads, self.needs_input_grad))
     Tensor = _tensor_class()   # noqa: N806 (the class)
     with Tensor.no_grad_context():
       wrap = [Tensor(value, device=self.device) for value in (self.q, self.k, self.v, self.out, self.lse, grad_output)]
       grads = attention_backward(*wrap, causal=self.causal, scale=self.scale)
     return tuple(grad.lazydata if needed else None for grad, needed in zip(grads, self.needs_input_grad))
+
+
+def fused_backward_refusal(q: LazyBuffer, k: LazyBuffer) -> str | None:
+  """None when the backward of a fused attention of these operands runs as the flash backward kernels, else why not
+  (FUSED_ATTENTION_BACKWARD=0, or their shared memory is over the device's limit)."""
+  if not FUSED_ATTENTION_BACKWARD: return "FUSED_ATTENTION_BACKWARD=0"
+  batch, heads, length, head_dim = q.shape
+  plan = AttentionBackwardPlan.contiguous(batch, heads, k.shape[1], length, k.shape[2], head_dim, q.dtype.name, False)
+  limit = Device[q.device].renderer.dynamic_local_memory_bytes
+  if not plan.fits(limit): return f"its kernels need {plan.dkdv_shared_bytes} B of shared memory, over {limit}"
+  return None
+
+
+def fused_backward(operands: tuple[LazyBuffer, ...], flat: LazyBuffer, grad_output: LazyBuffer, causal: bool,
+                   scale: float) -> tuple[LazyBuffer, LazyBuffer, LazyBuffer]:
+  """(dq, dk, dv) of the fused attention of `operands` (q, k, v as the forward's kernel read them) whose forward
+  wrote `flat` (Ops.ATTENTION), in the operands' dtypes: the dQ and dK/dV kernels (LazyBuffer.attention_grads),
+  their float32 gradients cast for 16-bit operands."""
+  q, k, v = operands
+  dq_buffer, dkdv_buffer = q.attention_grads(k, v, flat, grad_output, causal, scale)
+  batch, heads, length, head_dim = q.shape
+  kv_shape = k.shape
+  q_elements, kv_elements = batch * heads * length * head_dim, math.prod(kv_shape)
+  grads = (dq_buffer.shrink(((0, q_elements),)).reshape(q.shape),
+           dkdv_buffer.shrink(((0, kv_elements),)).reshape(kv_shape),
+           dkdv_buffer.shrink(((kv_elements, 2 * kv_elements),)).reshape(kv_shape))
+  return tuple(grad if q.dtype == dtypes.float32 else grad.cast(q.dtype) for grad in grads)  # type: ignore[return-value]
 
 
 def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, causal: bool,

@@ -16,6 +16,7 @@ def _check_cuda_rendering():
     yield
     return
   from ourgrad.codegen.attention import AttentionKernel
+  from ourgrad.codegen.attention_grad import AttentionGradKernel
   from ourgrad.codegen.index_accumulate import IndexAccumulateKernel
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.last_block import SplitReduceKernel
@@ -37,6 +38,8 @@ def _check_cuda_rendering():
       cuda_kernel = IndexAccumulateKernel(kernel.ast, renderer)
     elif isinstance(kernel, AttentionKernel):   # a whole-kernel plan (codegen/attention.py)
       cuda_kernel = AttentionKernel(kernel.ast, renderer)
+    elif isinstance(kernel, AttentionGradKernel):   # its backward's (codegen/attention_grad.py)
+      cuda_kernel = AttentionGradKernel(kernel.ast, renderer)
     else:
       # a one-kernel split reduce (EMULATE=CUDA) is one for CUDA too, with the same heuristic opts
       one_kernel_split = isinstance(kernel, SplitReduceKernel)

@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 from ourgrad.codegen.attention import AttentionKernel, is_attention
+from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
 from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.last_block import SplitReduceKernel
@@ -39,7 +40,7 @@ NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedu
 
 # bounded: a long run that builds ever new kernels (changing shapes) must not keep every one (helpers.clear_caches)
 # every kind of kernel a schedule item lowers to
-AnyKernel = Kernel | PackedKernel | IndexAccumulateKernel | AttentionKernel
+AnyKernel = Kernel | PackedKernel | IndexAccumulateKernel | AttentionKernel | AttentionGradKernel
 
 _runner_cache: BoundedCache[tuple[str, LazyOp, bool], CompiledRunner] = BoundedCache(RUNNER_CACHE_SIZE)
 
@@ -50,6 +51,7 @@ def get_kernel(ast: LazyOp, device: str) -> AnyKernel:
   if ast.op is Ops.PACK: return PackedKernel(ast, Device[device].renderer)
   if is_index_accumulate(ast): return IndexAccumulateKernel(ast, Device[device].renderer)   # sized by its own plan
   if is_attention(ast): return AttentionKernel(ast, Device[device].renderer)   # a whole-kernel plan
+  if is_attention_grad(ast): return AttentionGradKernel(ast, Device[device].renderer)
   # a one-kernel split reduce: the heuristic's opts (its layout was checked with them: engine/split_fusion.py)
   if ast.op is Ops.SPLIT_REDUCE:
     kernel = SplitReduceKernel(ast, Device[device].renderer)
@@ -122,7 +124,8 @@ def compile_kernel(kernel: AnyKernel, device: str) -> CompiledRunner:
   if DEBUG >= 6: print(Device[device].compiler.disassemble(lowered.source))
   program = load_program(device, name, lowered.source)
   if lowered.wgmma is not None: op_count, byte_count = wgmma_cost(kernel, lowered.wgmma)
-  elif isinstance(kernel, AttentionKernel): op_count, byte_count = kernel.op_count(), kernel.byte_count()
+  elif isinstance(kernel, (AttentionKernel, AttentionGradKernel)):
+    op_count, byte_count = kernel.op_count(), kernel.byte_count()
   else: op_count, byte_count = estimate_cost(kernel, lowered.uops)
   var_names = tuple(uop.arg[0] for uop in lowered.uops if uop.op is UOps.DEFINE_VAR)
   return CompiledRunner(name, kernel.colored_shape(), lowered.source, program, lowered.global_size,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ourgrad.codegen.attention import AttentionPlan, render_attention
+from ourgrad.codegen.attention_grad import AttentionGradKernel, render_attention_grad_cuda
 from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
@@ -74,6 +75,10 @@ class CUDARenderer(CStyleLanguage):
   def render_attention(self, name: str, plan: AttentionPlan, arguments: dict[str, int]) -> str:
     """The fused attention kernel of `plan`, its buffers in argument order (see codegen/attention.py)."""
     return self._with_prologue(render_attention(plan, name, arguments, DYNAMIC_SHARED_SYMBOL))
+
+  def render_attention_grad(self, name: str, kernel: AttentionGradKernel) -> str:
+    """A fused attention backward kernel, its buffers in argument order (see codegen/attention_grad.py)."""
+    return self._with_prologue(render_attention_grad_cuda(name, kernel))
 
   def render_wgmma(self, name: str, plan: WgmmaMatmul, arguments: dict[str, int]) -> str:
     """The kernel of an OptOps.WGMMA plan, its buffers in argument order (see codegen/wgmma_tiles.py)."""

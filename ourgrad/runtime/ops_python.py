@@ -32,6 +32,9 @@ from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.codegen.attention import AttentionPlan
+from ourgrad.codegen.attention_grad import AttentionGradKernel
+from ourgrad.runtime.attention_backward_emulator import (AttentionBackwardProgram, attention_backward_program_text,
+                                                         is_attention_backward_program)
 from ourgrad.runtime.attention_emulator import AttentionProgram, attention_program_text, is_attention_program
 from ourgrad.runtime.gpu_emulator import GpuInterpreter
 from ourgrad.runtime.uop_interpreter import Instruction, UOpProgram
@@ -117,6 +120,9 @@ class PythonRenderer(Renderer):
   def render_attention(self, name: str, plan: AttentionPlan, arguments: dict[str, int]) -> str:
     return attention_program_text(name, plan, arguments)
 
+  def render_attention_grad(self, name: str, kernel: AttentionGradKernel) -> str:
+    return attention_backward_program_text(name, kernel.plan, kernel.kernel, kernel.bindings)
+
 
 class PythonCompiler(Compiler):
   """Nothing to compile: the serialized UOps are the binary."""
@@ -176,8 +182,10 @@ class PythonProgram(UOpProgram):
     return time.perf_counter() - start if wait else None
 
 
-def load_program(name: str, binary: bytes) -> PythonProgram | WgmmaProgram | AttentionProgram:
+def load_program(name: str, binary: bytes) -> (PythonProgram | WgmmaProgram | AttentionProgram |
+                                               AttentionBackwardProgram):
   if is_attention_program(binary): return AttentionProgram(name, binary)
+  if is_attention_backward_program(binary): return AttentionBackwardProgram(name, binary)
   return WgmmaProgram(name, binary) if is_wgmma_program(binary) else PythonProgram(name, binary)
 
 
