@@ -39,10 +39,6 @@ def fused_attention_refusal(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor |
                             enable_gqa: bool) -> str | None:
   """None when this scaled_dot_product_attention runs as the fused kernel, else why not (the module docstring)."""
   if not FUSED_ATTENTION: return "FUSED_ATTENTION=0"
-  if int(FUSED_ATTENTION) < 2 and not _tensor_class().no_grad and any(t.requires_grad for t in (q, k, v)):
-    # on the H200 (B=4, H=12, D=64, causal) fused forward + this backward ran 3-7x slower than the composite graph
-    # (not yet profiled per kernel); flash backward kernels plugged into attention_backward lift this
-    return "a gradient is needed (FUSED_ATTENTION=2 fuses the forward of training too)"
   if not isinstance(q.device, str) or not q.device == k.device == v.device:
     return f"q, k, v on {q.device}, {k.device}, {v.device} (sharded or apart)"
   renderer = Device[q.device].renderer

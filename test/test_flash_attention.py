@@ -2,10 +2,11 @@
 
 The device is the PYTHON interpreter with CUDA's facts (`PythonRenderer("CUDA")`, as `DEVICE=PYTHON EMULATE=CUDA`),
 whose attention emulator (runtime/attention_emulator.py) runs the kernel's plan; the CUDA source of every variant is
-compiled with NVRTC where it loads. Forward and backward (the composite backward from the logsumexp) are checked for
-causal and not, odd lengths (L != S, not multiples of the tiles), float32 (TF32), float16, bfloat16, strided q/k/v
-(GPT-2's views of one (B, T, 3, H, D) buffer), grouped-query attention; the cases the kernel does not take keep the
-composite graph.
+compiled with NVRTC where it loads. Forward and backward (the flash backward kernels, Ops.ATTENTION_DQ and
+ATTENTION_DKDV, emulated by runtime/attention_backward_emulator.py; FUSED_ATTENTION_BACKWARD=0 the composite math
+from the logsumexp) are checked for causal and not, odd lengths (L != S, not multiples of the tiles), float32 (TF32),
+float16, bfloat16, strided q/k/v (GPT-2's views of one (B, T, 3, H, D) buffer), grouped-query attention; the cases
+the kernel does not take keep the composite graph.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ourgrad.helpers import GlobalCounters, _float32_matmul_precision
 from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
+from ourgrad import tensor_attention
 from ourgrad.tensor_attention import fused_attention_refusal
 
 from helpers import device_opens, nvrtc_compiler
@@ -47,7 +49,8 @@ TOLERANCES = {dtypes.float32: 3e-3, dtypes.float16: 3e-3, dtypes.bfloat16: 2e-2}
 def emulated_cuda(monkeypatch):
   """The PYTHON device as a CUDA GPU (the fused kernel emulated), TF32 allowed; fresh kernel and schedule caches."""
   monkeypatch.setattr(Device[DEVICE], "renderer", PythonRenderer("CUDA"))
-  monkeypatch.setenv("FUSED_ATTENTION", "2")   # the fused forward under autograd too (the default fuses only without)
+  monkeypatch.setenv("FUSED_ATTENTION", "1")   # the default: fused forward and backward, training too
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
   monkeypatch.delenv("TF32", raising=False)
   ourgrad.set_float32_matmul_precision("high")
   realize._runner_cache.clear()
@@ -173,6 +176,10 @@ def test_gpt2_loss_and_gradients(emulated_cuda, monkeypatch):
   """A GPT-2 block (head size 64, TF32) whose attention is the fused kernel: loss and every gradient against the
   PyTorch twin in float64."""
   monkeypatch.setenv("DEVICE", DEVICE)   # the model's parameters too
+  fused_backwards: list[bool] = []
+  refusal = tensor_attention.fused_backward_refusal
+  monkeypatch.setattr(tensor_attention, "fused_backward_refusal",
+                      lambda q, k: fused_backwards.append(refusal(q, k) is None) or refusal(q, k))
   config = GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=64, block_size=20)
   torch_model = make_torch_gpt2(config).double()
   model = GPT2(config)
@@ -185,6 +192,7 @@ def test_gpt2_loss_and_gradients(emulated_cuda, monkeypatch):
   want = torch_model(torch.from_numpy(tokens).long(), torch.from_numpy(targets).long())[1]
   want.backward()
   assert loss.item() == pytest.approx(want.item(), rel=1e-4)
+  assert fused_backwards == [True]   # its backward ran as the flash backward kernels
   theirs = dict(torch_model.named_parameters())
   for name, param in model.named_parameters():
     assert _relative_error(param.grad.numpy(), theirs[name].grad) < 5e-3, name
@@ -231,17 +239,47 @@ def test_refusals_keep_the_composite_graph(emulated_cuda, case, reason):
     np.testing.assert_allclose(out.numpy(), want.numpy(), atol=1e-5)
 
 
-def test_training_keeps_the_composite_graph_by_default(emulated_cuda, monkeypatch):
-  """FUSED_ATTENTION=1 (the default): the fused kernel only where no gradient is needed (its backward is still the
-  composite graph); under no_grad or without requires_grad it is fused."""
-  monkeypatch.setenv("FUSED_ATTENTION", "1")
+def test_training_uses_the_fused_kernels_by_default(emulated_cuda, monkeypatch):
+  """FUSED_ATTENTION=1 (the default) fuses the forward of training too, and FUSED_ATTENTION_BACKWARD=1 (the default)
+  runs its backward as the two flash backward kernels; FUSED_ATTENTION_BACKWARD=0 keeps the composite backward math."""
   q, k, v = (Tensor(_random(1, 2, 16, 64, seed=seed), device=DEVICE, requires_grad=True) for seed in (36, 37, 38))
-  assert "a gradient is needed" in fused_attention_refusal(q, k, v, None, 0.0, False)
-  assert not _attention_items(q.scaled_dot_product_attention(k, v, is_causal=True))
-  with Tensor.no_grad_context():
-    assert fused_attention_refusal(q, k, v, None, 0.0, False) is None
-    assert len(_attention_items(q.scaled_dot_product_attention(k, v, is_causal=True))) == 1
-  assert fused_attention_refusal(*(t.detach() for t in (q, k, v)), None, 0.0, False) is None
+  assert fused_attention_refusal(q, k, v, None, 0.0, False) is None
+  assert _backward_attention_ops(q, k, v, causal=True) == [Ops.ATTENTION_DQ, Ops.ATTENTION_DKDV]
+  monkeypatch.setenv("FUSED_ATTENTION_BACKWARD", "0")
+  assert _backward_attention_ops(q, k, v, causal=True) == []
+
+
+def _backward_attention_ops(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> list[Ops]:
+  """The fused attention backward ops of the schedule of q, k and v's gradients (the forward run first)."""
+  for tensor in (q, k, v): tensor.grad = None
+  out = q.scaled_dot_product_attention(k, v, is_causal=causal)
+  assert len(_attention_items(out)) == 1
+  out.sum().backward()
+  schedule = create_schedule([t.grad.lazydata for t in (q, k, v)])
+  return [node.op for item in schedule for node in item.ast.walk() if node.op in (Ops.ATTENTION_DQ, Ops.ATTENTION_DKDV)]
+
+
+def test_training_step_attention_is_three_kernels(emulated_cuda):
+  """A training step's attention: the forward kernel, then the dQ and the dK/dV kernels (float32: each gradient a
+  view of their outputs, no other kernel; none of the composite backward's (B, H, L, S) matmuls)."""
+  q, k, v = _ourgrad_inputs([_random(2, 2, 64, 64, seed=seed) for seed in (39, 40, 41)], dtypes.float32, True)
+  grad = Tensor(_random(2, 2, 64, 64, seed=42), device=DEVICE).realize()
+  GlobalCounters.reset()
+  q.scaled_dot_product_attention(k, v, is_causal=True).backward(grad)
+  Tensor.realize(q.grad, k.grad, v.grad)
+  assert GlobalCounters.kernel_count == 3
+
+
+def test_composite_backward_still_matches(emulated_cuda, monkeypatch):
+  """FUSED_ATTENTION_BACKWARD=0: the fused forward with the composite backward (the A/B of the flash kernels)."""
+  monkeypatch.setenv("FUSED_ATTENTION_BACKWARD", "0")
+  arrays = [_random(1, 2, rows, 64, seed=seed) for seed, rows in ((43, 50), (44, 70), (45, 70))]
+  q, k, v = _ourgrad_inputs(arrays, dtypes.bfloat16, requires_grad=True)
+  q.scaled_dot_product_attention(k, v, is_causal=True).cast(dtypes.float32).sum().backward()
+  tq, tk, tv = _torch_inputs([q, k, v])
+  torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+  for got, twin in ((q, tq), (k, tk), (v, tv)):
+    assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtypes.bfloat16]
 
 
 def test_devices_without_the_kernel_keep_the_composite_graph():
@@ -271,6 +309,36 @@ def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
   # with plain loads and with ldmatrix of the K (16-bit: and V) fragments
   for variant in (plan, dataclasses.replace(plan, ldmatrix=True)):
     nvrtc_compiler().compile(render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1}))
+
+
+@pytest.mark.skipif(nvrtc_compiler() is None, reason="NVRTC does not load here")
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16, dtypes.float16])
+@pytest.mark.parametrize("case", ["gpt2", "gqa_d128"])
+def test_backward_cuda_sources_compile(emulated_cuda, dtype, case):
+  """The CUDA source of the dQ and dK/dV kernels of a training step (wrapper kernels binding the schedule item's
+  buffers, the dependent-launch prologue of sm_90), as the CUDA device would build them from the same ASTs: GPT-2's
+  strided q/k/v of one buffer, causal; GQA at D = 128 with contiguous operands, not causal."""
+  from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
+  from ourgrad.codegen.lowering import lower_kernel
+  if case == "gpt2":
+    qkv = _ourgrad_inputs([_random(2, 40, 3 * 2 * 64, seed=46)], dtype, requires_grad=True)[0]
+    q, k, v = (qkv.reshape(2, 40, 3, 2, 64)[:, :, i].transpose(1, 2) for i in range(3))
+    leaves, causal, gqa = [qkv], True, False
+  else:
+    arrays = [_random(1, h, 24, 128, seed=seed) for seed, h in ((47, 4), (48, 2), (49, 2))]
+    leaves, causal, gqa = _ourgrad_inputs(arrays, dtype, requires_grad=True), False, True
+    q, k, v = leaves
+  out = q.scaled_dot_product_attention(k, v, is_causal=causal, enable_gqa=gqa)
+  run_schedule(create_schedule([out.lazydata]))
+  out.cast(dtypes.float32).sum().backward()
+  items = [item for item in create_schedule([t.grad.lazydata for t in leaves]) if is_attention_grad(item.ast)]
+  assert len(items) == 2
+  renderer = CUDARenderer("sm_90")
+  for item in items:
+    kernel = AttentionGradKernel(item.ast, renderer)
+    source = lower_kernel(kernel, renderer, kernel.name).source
+    assert source.count('extern "C" __global__') == 1
+    nvrtc_compiler().compile(source)
 
 
 # ---------------------------------------------------------------- on a real GPU (skipped without one)
