@@ -3,16 +3,19 @@
 `fused_attention_refusal` decides, in one place, whether an SDPA call runs as one fused kernel (Ops.ATTENTION,
 codegen/attention.py) or as today's composite graph; DEBUG>=3 prints "attention: fused" or "attention: composite
 because ...". The fused kernel runs where the device's renderer has it (`has_fused_attention`: CUDA sm_80+, PYTHON
-with EMULATE=CUDA) when no gradient is needed (FUSED_ATTENTION=2: also when training; 0: never) for q (B, H, L, D)
+with EMULATE=CUDA), training included (FUSED_ATTENTION=1, the default, or 2; 0: never), for q (B, H, L, D)
 or (B, L, D), k and v (B, Hk, S, D) with Hk dividing H (grouped-query attention), D a multiple of 16 up to 128,
 float16/bfloat16, or float32 where TF32 is allowed (`set_float32_matmul_precision("high")`); no attn_mask tensor, no
 dropout.
 
 `FusedAttention` is its autograd Function: forward is the kernel (O, and the logsumexp of each query row kept for
-the backward); backward is `attention_backward`, the seam where flash backward kernels plug in. Today it is the
-composite math recomputed from the logsumexp, summed in float32: P = exp(S * scale - LSE), dV = P^T dO, dP = dO V^T,
-dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK = dS^T Q * scale; with 16-bit operands P and dS are rounded to
-the operand type before their products, as flash kernels do.
+the backward). Its backward is `fused_backward`: the flash backward kernels as two lazy ops (Ops.ATTENTION_DQ writes
+dq and delta = rowsum(dO * O), Ops.ATTENTION_DKDV dk and dv; codegen/attention_grad.py), reading the operands as the
+forward did and O and LSE from the forward's buffer, their float32 gradients cast for 16-bit operands. Where
+`fused_backward_refusal` says no (FUSED_ATTENTION_BACKWARD=0, or shared memory over the device's limit) it is
+`attention_backward`: the composite math recomputed from the logsumexp, summed in float32: P = exp(S * scale - LSE),
+dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK = dS^T Q * scale; with 16-bit operands
+P and dS are rounded to the operand type before their products, as flash kernels do.
 """
 from __future__ import annotations
 
@@ -137,7 +140,7 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
   """(dq, dk, dv) of the fused attention, in the operands' dtypes: q (B, H, L, D), k and v (B, Hk, S, D), out the
   forward's O (float32, (B, H, L, D)), lse its natural-log logsumexp (float32, (B, H, L)), grad_out dO like O.
-  The composite math in float32 (module docstring): the seam for flash backward kernels (dK/dV and dQ)."""
+  The composite math in float32 (module docstring): the fallback of `fused_backward`."""
   batch, heads, length, _ = q.shape
   kv_heads, source = k.shape[1], k.shape[2]
   group = heads // kv_heads
