@@ -126,24 +126,33 @@ def test_logsumexp_matches_torch(emulated_cuda):
   np.testing.assert_allclose(got, torch.logsumexp(scores, -1).numpy(), atol=2e-3)
 
 
-def test_gpt2_strided_views_read_in_place(emulated_cuda):
-  """q, k, v as GPT-2 makes them: views of one (B, T, 3, H, D) buffer, read through their strides (no copies); y
-  transposed back to (B, T, H * D)."""
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_gpt2_strided_views_read_in_place(emulated_cuda, dtype):
+  """q, k, v as GPT-2 makes them: views of one (B, T, 3, H, D) buffer, read through their strides (no copies) by the
+  forward and by both backward kernels; y transposed back to (B, T, H * D)."""
+  from ourgrad.codegen.attention_grad import is_attention_grad
   batch, tokens, heads, head_dim = 2, 80, 2, 64
-  qkv_np = _random(batch, tokens, 3 * heads * head_dim, seed=8)
-  qkv = Tensor(qkv_np, device=DEVICE, requires_grad=True)
+  qkv = _ourgrad_inputs([_random(batch, tokens, 3 * heads * head_dim, seed=8)], dtype, requires_grad=True)[0]
+  qkv_np = qkv.cast(dtypes.float32).numpy()
   q, k, v = (qkv.reshape(batch, tokens, 3, heads, head_dim)[:, :, i].transpose(1, 2) for i in range(3))
   y = q.scaled_dot_product_attention(k, v, is_causal=True).transpose(1, 2).reshape(batch, tokens, heads * head_dim)
   items = _attention_items(y)
   assert len(items) == 1 and len(items[0].inputs) == 1   # one buffer holds q, k and v
+  y = y.cast(dtypes.float32)
   y.sum().backward()
+  schedule = create_schedule([qkv.grad.lazydata])
+  run_schedule(list(schedule))   # (scheduling gave the bases buffers: their kernels must run)
+  backward = [item for item in schedule if is_attention_grad(item.ast)]
+  # dQ: qkv, the forward's buffer, dO; dK/dV: the same and the dQ buffer (delta)
+  assert [len(item.inputs) for item in backward] == [3, 4]
+  assert all(item.inputs[0] is items[0].inputs[0] for item in backward)
   tqkv = torch.tensor(qkv_np, dtype=torch.float64, requires_grad=True)
   tq, tk, tv = (tqkv.reshape(batch, tokens, 3, heads, head_dim)[:, :, i].transpose(1, 2) for i in range(3))
   want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
   want = want.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
   want.sum().backward()
-  assert _relative_error(y.numpy(), want) < TOLERANCES[dtypes.float32]
-  assert _relative_error(qkv.grad.numpy(), tqkv.grad) < 2 * TOLERANCES[dtypes.float32]
+  assert _relative_error(y.numpy(), want) < TOLERANCES[dtype]
+  assert _relative_error(qkv.grad.cast(dtypes.float32).numpy(), tqkv.grad) < 2 * TOLERANCES[dtype]
 
 
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
