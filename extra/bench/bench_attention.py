@@ -3,6 +3,7 @@ ourgrad's composite graph (FUSED_ATTENTION=0 semantics) and PyTorch's fused SDPA
 
     python extra/bench/bench_attention.py                       # B=4, H=12, D=64, T in 1024 4096, float32 (TF32), bf16
     python extra/bench/bench_attention.py --lengths 1024 --dtypes bfloat16 --modes fwd
+    FUSED_ATTENTION_BACKWARD=0 python extra/bench/bench_attention.py --rows fused --modes fwd+bwd   # composite bwd
 
 Each row: median ms of `--steps` steps (each timed between two synchronizations; ourgrad under TinyJit), the max abs
 error of O (and of dq, dk, dv for fwd+bwd) against PyTorch's float64 math SDPA on the same device, and the peak
@@ -80,7 +81,8 @@ def run_torch(arrays: list[np.ndarray], grad: np.ndarray, dtype: str, backward: 
 
 
 def run_ourgrad(arrays: list[np.ndarray], grad: np.ndarray, dtype: str, backward: bool, fused: bool, args) -> tuple:
-  os.environ["FUSED_ATTENTION"] = "2" if fused else "0"   # 2: the fused forward under autograd too
+  # 1: the fused forward and (unless FUSED_ATTENTION_BACKWARD=0) the flash backward kernels, training too
+  os.environ["FUSED_ATTENTION"] = "1" if fused else "0"
   realize._runner_cache.clear()
   gc.collect()   # the previous row's captured buffers
   baseline = GlobalCounters.mem_used
