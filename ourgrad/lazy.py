@@ -558,17 +558,19 @@ class LazyBuffer:
                       causal: bool, scale: float) -> tuple[LazyBuffer, LazyBuffer]:
     """The fused attention backward of this (B, H, L, D) query with (B, Hk, S, D) keys and values, `forward` the
     Ops.ATTENTION buffer their forward wrote (O and LSE) and `grad_out` dO (B, H, L, D) in the operands' dtype: two
-    kernels (codegen/attention_grad.py). Returns (one float32 buffer of dq (B, H, L, D) contiguous then delta
-    (B, H, L); one float32 buffer of dk then dv, each (B, Hk, S, D) contiguous). Operands are read in place where
-    their view allows it (`_reads_in_place`, the last dim contiguous, 16-byte aligned start), else made contiguous."""
+    kernels (codegen/attention_grad.py). Returns (one buffer of this dtype: dq (B, H, L, D) contiguous, then the
+    bytes of the float32 delta (B, H, L); one buffer of this dtype: dk then dv, each (B, Hk, S, D) contiguous).
+    Operands are read in place where their view allows it (`_reads_in_place`, the last dim contiguous, a 16-byte
+    aligned start), else made contiguous."""
     q, k, v, do = (operand if _reads_in_place_by_rows(operand) else operand.contiguous()
                    for operand in (self, key, value, grad_out))
     batch, heads, length, head_dim = self.shape
     kv_elements = batch * key.shape[1] * key.shape[2] * head_dim
+    delta_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
     arg = (causal, float(scale))
-    dq = LazyBuffer.create_base(self.device, (batch * heads * length * (head_dim + 1),), dtypes.float32,
+    dq = LazyBuffer.create_base(self.device, (batch * heads * length * head_dim + delta_elements,), self.dtype,
                                 Ops.ATTENTION_DQ, arg, (q, k, v, forward, do))
-    dkdv = LazyBuffer.create_base(self.device, (2 * kv_elements,), dtypes.float32, Ops.ATTENTION_DKDV, arg,
+    dkdv = LazyBuffer.create_base(self.device, (2 * kv_elements,), self.dtype, Ops.ATTENTION_DKDV, arg,
                                   (q, k, v, do, forward, dq))
     return dq, dkdv
 

@@ -11,7 +11,7 @@ dropout.
 `FusedAttention` is its autograd Function: forward is the kernel (O, and the logsumexp of each query row kept for
 the backward). Its backward is `fused_backward`: the flash backward kernels as two lazy ops (Ops.ATTENTION_DQ writes
 dq and delta = rowsum(dO * O), Ops.ATTENTION_DKDV dk and dv; codegen/attention_grad.py), reading the operands as the
-forward did and O and LSE from the forward's buffer, their float32 gradients cast for 16-bit operands. Where
+forward did and O and LSE from the forward's buffer, writing the gradients in the operands' dtype. Where
 `fused_backward_refusal` says no (FUSED_ATTENTION_BACKWARD=0, or shared memory over the device's limit) it is
 `attention_backward`: the composite math recomputed from the logsumexp, summed in float32: P = exp(S * scale - LSE),
 dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK = dS^T Q * scale; with 16-bit operands
@@ -123,17 +123,16 @@ def fused_backward_refusal(q: LazyBuffer, k: LazyBuffer) -> str | None:
 def fused_backward(operands: tuple[LazyBuffer, ...], flat: LazyBuffer, grad_output: LazyBuffer, causal: bool,
                    scale: float) -> tuple[LazyBuffer, LazyBuffer, LazyBuffer]:
   """(dq, dk, dv) of the fused attention of `operands` (q, k, v as the forward's kernel read them) whose forward
-  wrote `flat` (Ops.ATTENTION), in the operands' dtypes: the dQ and dK/dV kernels (LazyBuffer.attention_grads),
-  their float32 gradients cast for 16-bit operands."""
+  wrote `flat` (Ops.ATTENTION), in the operands' dtype: views of the dQ and dK/dV kernels' outputs
+  (LazyBuffer.attention_grads)."""
   q, k, v = operands
   dq_buffer, dkdv_buffer = q.attention_grads(k, v, flat, grad_output, causal, scale)
   batch, heads, length, head_dim = q.shape
   kv_shape = k.shape
   q_elements, kv_elements = batch * heads * length * head_dim, math.prod(kv_shape)
-  grads = (dq_buffer.shrink(((0, q_elements),)).reshape(q.shape),
-           dkdv_buffer.shrink(((0, kv_elements),)).reshape(kv_shape),
-           dkdv_buffer.shrink(((kv_elements, 2 * kv_elements),)).reshape(kv_shape))
-  return tuple(grad if q.dtype == dtypes.float32 else grad.cast(q.dtype) for grad in grads)  # type: ignore[return-value]
+  return (dq_buffer.shrink(((0, q_elements),)).reshape(q.shape),
+          dkdv_buffer.shrink(((0, kv_elements),)).reshape(kv_shape),
+          dkdv_buffer.shrink(((kv_elements, 2 * kv_elements),)).reshape(kv_shape))
 
 
 def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, causal: bool,

@@ -6,10 +6,10 @@ LOAD k, LOAD v, LOAD dO, LOAD fwd, LOAD dq_buffer)), arg (causal, scale), each l
 buffer whose last dim is contiguous (LazyBuffer.attention_grads). `fwd` is the forward's float32 buffer (Ops.ATTENTION:
 O laid out (B, L, H, D), then the natural-log LSE (B, H, L)): it is both the backward's O and its LSE.
 
-Each op writes ONE float32 buffer: ATTENTION_DQ dq (B, H, L, D) contiguous then delta = rowsum(dO * O) (B, H, L);
-ATTENTION_DKDV dk then dv, each (B, Hk, S, D) contiguous. The gradients are float32 for every operand dtype
-(AttentionBackwardPlan.grad_float32: the kernels store their float32 sums; a 16-bit gradient is a cast of them) so
-that dq and the float32 delta share a buffer and an op has one output.
+Each op writes ONE buffer in the operands' dtype: ATTENTION_DQ dq (B, H, L, D) contiguous, then delta = rowsum(dO * O)
+(B, H, L) float32, its bytes in the buffer's tail (4 bytes from 2 16-bit elements; the lazy graph reads only dq, the
+dK/dV kernel reads delta as float32); ATTENTION_DKDV dk then dv, each (B, Hk, S, D) contiguous. So each op has one
+output and the gradients need no cast.
 
 The kernels' parameters are fixed (KernelLaunch.arguments, each a whole buffer); a kernel here binds each parameter
 to one of its schedule item's buffers from an element offset on (q, k, v read in place as views of one projection,
@@ -26,8 +26,12 @@ from ourgrad.codegen.attention_backward import (BLOCK_RESERVED_SHARED, DKDV_KERN
 from ourgrad.helpers import DEBUG
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 
-# a launch parameter bound to a kernel argument: (parameter name, argument index, element offset into that buffer)
+# a launch parameter bound to a kernel argument: (parameter name, argument index, offset into that buffer in elements
+# of the parameter's type)
 Binding = tuple[str, int, int]
+# each parameter's C type (codegen/attention_backward.py's typedefs)
+PARAMETER_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "o": "o_t", "lse": "float",
+                   "delta": "float", "dq": "grad_t", "dk": "grad_t", "dv": "grad_t"}
 # the lazy ops' sources in order, by the kernels' parameter names ("fwd": O and LSE; "dq_buffer": the DQ op's output)
 SOURCES = {Ops.ATTENTION_DQ: ("q", "k", "v", "fwd", "do"),
            Ops.ATTENTION_DKDV: ("q", "k", "v", "do", "fwd", "dq_buffer")}
@@ -42,7 +46,7 @@ def is_attention_grad(ast: LazyOp) -> bool:
 def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: str, causal: bool, scale: float,
                   shared_per_sm: int) -> AttentionBackwardPlan:
   """The plan for views (ShapeTracker Views) q, do (B, H, L, D) and k, v (B, Hk, S, D), their last dim contiguous,
-  reading O and LSE from the forward's buffer and writing float32 gradients contiguous."""
+  reading O and LSE from the forward's buffer and writing the gradients contiguous in the operands' dtype."""
   batch, heads, length, head_dim = q_view.shape
   kv_heads, source = k_view.shape[1], k_view.shape[2]
   strides = [tuple(int(stride) for stride in view.strides[:3]) for view in (q_view, k_view, v_view, do_view)]
@@ -51,7 +55,7 @@ def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: st
     batch, heads, kv_heads, length, source, head_dim, dtype, causal, scale, strides[0], strides[1], strides[2],
     (length * heads * head_dim, head_dim, heads * head_dim), strides[3], q_like, kv_like, kv_like,
     (heads * length, length, 1), lse_offset=batch * length * heads * head_dim, o_dtype="float32",
-    shared_per_sm=shared_per_sm, grad_float32=True, **default_blocks(head_dim, dtype))
+    shared_per_sm=shared_per_sm, **default_blocks(head_dim, dtype))
 
 
 class AttentionGradKernel:
@@ -80,11 +84,11 @@ class AttentionGradKernel:
     q_elements, kv_elements = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
     place = {name: (load.arg.idx, int(views[name].offset)) for name, load in load_of.items()}
     place.update(o=place["fwd"], lse=place["fwd"], dq=(0, 0), dk=(0, 0), dv=(0, kv_elements))
-    place["delta"] = (0, q_elements) if op.op is Ops.ATTENTION_DQ else (place["dq_buffer"][0], q_elements)
+    # delta after dq, in float32 elements (q_elements is even: head_dim is a multiple of 16)
+    delta = q_elements * p.itemsize // 4
+    place["delta"] = (0, delta) if op.op is Ops.ATTENTION_DQ else (place["dq_buffer"][0], delta)
     self.bindings: list[Binding] = [(name, *place[name]) for name in self.launch.arguments]
-    # each argument's C type: float32 buffers (the output, fwd, the dq buffer) or the operands' element type
-    self.argument_types = {load.arg.idx: "float" if load.dtype.name == "float32" else "elem_t" for load in loads}
-    self.argument_types[0] = "float"
+    self.arguments = 1 + len({load.arg.idx for load in loads})
 
   @property
   def name(self) -> str:
@@ -110,12 +114,12 @@ class AttentionGradKernel:
     return full // 2 if p.causal else full
 
   def byte_count(self) -> int:
-    """Its operands read once (K and V, dQ kernel: Q and dO, dK/dV kernel, once per query block), the gradients
-    written once in float32."""
+    """Its operands read once (dQ kernel: also O in float32; dK/dV kernel: Q and dO once per block of keys, counted
+    once) and its gradients written once."""
     p = self.plan
     q_side, kv_side = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
-    if self.kernel == DQ_KERNEL: return (2 * q_side + 2 * kv_side) * p.itemsize + 2 * q_side * 4
-    return (2 * q_side + 2 * kv_side) * p.itemsize + 2 * kv_side * 4
+    if self.kernel == DQ_KERNEL: return (3 * q_side + 2 * kv_side) * p.itemsize + q_side * 4
+    return (2 * q_side + 4 * kv_side) * p.itemsize
 
 
 def render_attention_grad_cuda(name: str, kernel: AttentionGradKernel) -> str:
@@ -124,8 +128,8 @@ def render_attention_grad_cuda(name: str, kernel: AttentionGradKernel) -> str:
   plan, launch = kernel.plan, kernel.launch
   render = render_dq_kernel if kernel.kernel == DQ_KERNEL else render_dkdv_kernel
   body = render(plan, device_function=True)
-  parameters = [f"{'' if index == 0 else 'const '}{kind}* __restrict__ data{index}"
-                for index, kind in sorted(kernel.argument_types.items())]
-  bound = [f"data{index} + {offset}" for _, index, offset in kernel.bindings]
+  parameters = [f"{'' if index == 0 else 'const '}void* __restrict__ data{index}" for index in range(kernel.arguments)]
+  # (a C-style cast may drop const: the output is written through `data0` alone)
+  bound = [f"({PARAMETER_TYPES[name]}*)data{index} + {offset}" for name, index, offset in kernel.bindings]
   return (f'{body}\nextern "C" __global__ void {plan.launch_bounds(launch.block[0], launch.shared_bytes)} '
           f"{name}({', '.join(parameters)}) {{\n  {kernel.kernel}_body({', '.join(bound)});\n}}\n")
