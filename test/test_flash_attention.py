@@ -268,15 +268,18 @@ def _backward_attention_ops(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> li
   return [node.op for item in schedule for node in item.ast.walk() if node.op in (Ops.ATTENTION_DQ, Ops.ATTENTION_DKDV)]
 
 
-def test_training_step_attention_is_three_kernels(emulated_cuda):
-  """A training step's attention: the forward kernel, then the dQ and the dK/dV kernels (float32: each gradient a
-  view of their outputs, no other kernel; none of the composite backward's (B, H, L, S) matmuls)."""
-  q, k, v = _ourgrad_inputs([_random(2, 2, 64, 64, seed=seed) for seed in (39, 40, 41)], dtypes.float32, True)
-  grad = Tensor(_random(2, 2, 64, 64, seed=42), device=DEVICE).realize()
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_training_step_attention_is_three_kernels(emulated_cuda, dtype):
+  """A training step's attention: the forward kernel, then the dQ and the dK/dV kernels; each gradient is a view of
+  their outputs in the operands' dtype (no cast, none of the composite backward's (B, H, L, S) matmuls; bfloat16 O's
+  cast is not needed when only gradients are realized)."""
+  q, k, v = _ourgrad_inputs([_random(2, 2, 64, 64, seed=seed) for seed in (39, 40, 41)], dtype, True)
+  grad = Tensor(_random(2, 2, 64, 64, seed=42), device=DEVICE).cast(dtype).realize()
   GlobalCounters.reset()
   q.scaled_dot_product_attention(k, v, is_causal=True).backward(grad)
   Tensor.realize(q.grad, k.grad, v.grad)
   assert GlobalCounters.kernel_count == 3
+  assert q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
 
 
 def test_composite_backward_still_matches(emulated_cuda, monkeypatch):
