@@ -156,6 +156,13 @@ BEAM_LOCAL_MAX = env_var("BEAM_LOCAL_MAX", 1024, "BEAM considers no kernel with 
 TF32 = env_var("TF32", 0, "1: float32 matmuls and convolutions may run on TensorFloat-32 tensor cores (inputs rounded "
               "to 10 mantissa bits, float32 sums), as set_float32_matmul_precision('high'); 0: full float32 (default). "
               "set_float32_matmul_precision overrides it")
+FUSED_ATTENTION = env_var("FUSED_ATTENTION", 1, "where the device has the fused attention kernel "
+                          "(tensor_attention.py): 1 (or 2, its older spelling) scaled_dot_product_attention uses it, "
+                          "training too (the backward: FUSED_ATTENTION_BACKWARD); 0 never (the composite graph: "
+                          "scores, softmax, weighted sum)")
+FUSED_ATTENTION_BACKWARD = env_var("FUSED_ATTENTION_BACKWARD", 1, "1: the backward of a fused attention runs as the "
+                                   "flash backward kernels (codegen/attention_grad.py); 0: as composite math from its "
+                                   "logsumexp (tensor_attention.attention_backward)")
 
 
 # ---------------------------------------------------------------- float32 matmul precision

@@ -543,6 +543,37 @@ class LazyBuffer:
     if index.shape[0] == 0 or self.size == 0: return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.INDEX_ACCUMULATE, None, (self, index, rows))
 
+  def attention(self, key: LazyBuffer, value: LazyBuffer, causal: bool, scale: float) -> LazyBuffer:
+    """Fused attention of this (B, H, L, D) query with (B, Hk, S, D) keys and values (H a multiple of Hk): one
+    float32 buffer of O laid out (B, L, H, D) followed by the natural-log logsumexp of each query row, (B, H, L)
+    (codegen/attention.py). Each operand is read in place through its strides where its view is one unmasked View
+    of a buffer; otherwise it is made contiguous first. The caller (tensor_attention.py) checks the shapes."""
+    operands = tuple(operand if _reads_in_place(operand) else operand.contiguous() for operand in (self, key, value))
+    batch, heads, length, head_dim = self.shape
+    elements = batch * length * heads * head_dim + batch * heads * length
+    return LazyBuffer.create_base(self.device, (elements,), dtypes.float32, Ops.ATTENTION, (causal, float(scale)),
+                                  operands)
+
+  def attention_grads(self, key: LazyBuffer, value: LazyBuffer, forward: LazyBuffer, grad_out: LazyBuffer,
+                      causal: bool, scale: float) -> tuple[LazyBuffer, LazyBuffer]:
+    """The fused attention backward of this (B, H, L, D) query with (B, Hk, S, D) keys and values, `forward` the
+    Ops.ATTENTION buffer their forward wrote (O and LSE) and `grad_out` dO (B, H, L, D) in the operands' dtype: two
+    kernels (codegen/attention_grad.py). Returns (one buffer of this dtype: dq (B, H, L, D) contiguous, then the
+    bytes of the float32 delta (B, H, L); one buffer of this dtype: dk then dv, each (B, Hk, S, D) contiguous).
+    Operands are read in place where their view allows it (`_reads_in_place`, the last dim contiguous, a 16-byte
+    aligned start), else made contiguous."""
+    q, k, v, do = (operand if _reads_in_place_by_rows(operand) else operand.contiguous()
+                   for operand in (self, key, value, grad_out))
+    batch, heads, length, head_dim = self.shape
+    kv_elements = batch * key.shape[1] * key.shape[2] * head_dim
+    delta_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
+    arg = (causal, float(scale))
+    dq = LazyBuffer.create_base(self.device, (batch * heads * length * head_dim + delta_elements,), self.dtype,
+                                Ops.ATTENTION_DQ, arg, (q, k, v, forward, do))
+    dkdv = LazyBuffer.create_base(self.device, (2 * kv_elements,), self.dtype, Ops.ATTENTION_DKDV, arg,
+                                  (q, k, v, do, forward, dq))
+    return dq, dkdv
+
   # ---------------------------------------------------------------- in-place writes (versions of a storage)
 
   @property
@@ -771,3 +802,18 @@ def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
     for src in reversed(base.srcs):  # (src.base without the property call: this walk runs at every realize)
       stack.append((src if src._base is None else src._base, False))
   return order
+
+
+def _reads_in_place_by_rows(operand: LazyBuffer) -> bool:
+  """`_reads_in_place`, the last dim contiguous and the first element 16-byte aligned (the attention backward
+  kernels copy rows with 16-byte cp.async where the strides allow)."""
+  if not _reads_in_place(operand): return False
+  view = operand.st.views[0]
+  return view.strides[-1] == 1 and view.offset % (16 // operand.dtype.itemsize) == 0
+
+
+def _reads_in_place(operand: LazyBuffer) -> bool:
+  """Whether a kernel can read `operand` through its view as it is: one unmasked View over a base that gets a buffer
+  of its own (not a constant, which has none)."""
+  views = operand.st.views
+  return len(views) == 1 and views[0].mask is None and operand.base.op is not Ops.CONST and not operand.st.symbolic

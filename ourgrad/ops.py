@@ -68,6 +68,16 @@ class Ops(Enum):
   # row index[m] for m = 0, 1, ... in order (repeated indices summed; an index outside [0, N) adds nothing). Always a
   # kernel of its own (codegen/index_accumulate.py); its kernel AST is STORE(INDEX_ACCUMULATE(start, index, rows))
   INDEX_ACCUMULATE = auto()
+  # fused attention: srcs (q (B, H, L, D), k, v (B, Hk, S, D)), arg (causal, scale) -> one float32 buffer: O laid out
+  # (B, L, H, D), then the logsumexp of each query row (B, H, L). Always a kernel of its own (codegen/attention.py);
+  # its kernel AST is STORE(ATTENTION(LOAD q, LOAD k, LOAD v)), each load one View of a realized buffer
+  ATTENTION = auto()
+  # fused attention backward (codegen/attention_grad.py), each always a kernel of its own, arg (causal, scale), AST
+  # STORE(OP(LOAD ...)). ATTENTION_DQ: srcs (q, k, v, the ATTENTION buffer, dO (B, H, L, D))
+  # -> one float32 buffer: dq (B, H, L, D) then delta = rowsum(dO * O) (B, H, L). ATTENTION_DKDV: srcs (q, k, v, dO,
+  # the ATTENTION buffer, the ATTENTION_DQ buffer) -> one float32 buffer: dk then dv, each (B, Hk, S, D)
+  ATTENTION_DQ = auto()
+  ATTENTION_DKDV = auto()
   # leaves and root of a kernel AST
   LOAD = auto()
   STORE = auto()
@@ -93,6 +103,8 @@ REDUCE_OPS = frozenset({Ops.SUM, Ops.MAX_REDUCE})
 MOVEMENT_OPS = frozenset({Ops.RESHAPE, Ops.PERMUTE, Ops.EXPAND, Ops.PAD, Ops.SHRINK, Ops.FLIP})
 BUFFER_OPS = frozenset({Ops.EMPTY, Ops.CONST, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN, Ops.CUSTOM})
 COMPARISON_OPS = frozenset({Ops.CMPLT, Ops.CMPNE})
+# fused attention and its backward: whole-kernel plans reading each operand in place (STORE(OP(LOAD ...)))
+ATTENTION_OPS = frozenset({Ops.ATTENTION, Ops.ATTENTION_DQ, Ops.ATTENTION_DKDV})
 # ops with f(0) != 0 (or undefined at 0): a padded view cannot be pushed through them, because the padded
 # places read as 0 and must stay 0 after the op. A fused graph holding one of these is realized before padding.
 UNSAFE_PAD_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.RECIP, Ops.IDIV, Ops.MOD})

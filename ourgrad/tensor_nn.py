@@ -11,7 +11,8 @@ Losses: class-index targets never use a gather: `target.unsqueeze(-1) == arange(
 axis 1 for batched input ((N, C) or (N, C, d1, ...)) and at axis 0 for a single unbatched sample (C,);
 `sparse_categorical_crossentropy` (tinygrad's name) takes it last.
 
-Attention: softmax(q @ k^T * scale + mask) @ v, a matmul reduce, a fused masked softmax and a second matmul.
+Attention: softmax(q @ k^T * scale + mask) @ v, a matmul reduce, a fused masked softmax and a second matmul; where the
+device runs it, one fused (flash) kernel instead (tensor_attention.py decides, codegen/attention.py).
 
 This module sits below ourgrad/nn (whose functional.py, losses.py and attention.py re-export these methods) and
 never imports it, nor the Tensor class: new tensors come from `type(self)`'s constructors.
@@ -28,6 +29,7 @@ from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.tensor_conv import ConvMixin
 from ourgrad.tensor_einsum import EinsumMixin
 from ourgrad.tensor_resize import ResizeMixin
+from ourgrad.tensor_attention import explain_attention, fused_attention, fused_attention_refusal
 from ourgrad.mixed_precision import CastPolicy, autocast_op
 
 if TYPE_CHECKING:
@@ -316,10 +318,15 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
       if q.shape[-3] % k.shape[-3] or k.shape[-3] != v.shape[-3]:
         raise ShapeError(f"enable_gqa needs the query heads ({q.shape[-3]}) to be a multiple of the key/value "
                          f"heads ({k.shape[-3]}, {v.shape[-3]})")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # one kernel where the device has it (tensor_attention.py decides, and says why not at DEBUG>=3)
+    refusal = fused_attention_refusal(q, k, v, attn_mask, dropout_p, enable_gqa)
+    explain_attention(refusal)
+    if refusal is None: return fused_attention(q, k, v, is_causal, scale)
+    if enable_gqa and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
       k, v = _repeat_heads(k, q.shape[-3] // k.shape[-3]), _repeat_heads(v, q.shape[-3] // v.shape[-3])
 
     length, source = q.shape[-2], k.shape[-2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = q.matmul(k.transpose(-2, -1)) * scale
     if is_causal:
       rows = type(q).arange(length, device=q.device).reshape(length, 1)

@@ -118,8 +118,8 @@ inline void ldmatrix_x4(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, 
 inline void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, true); }
 """
 
-ARGUMENT_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "dq": "elem_t", "dk": "elem_t",
-                  "dv": "elem_t", "o": "o_t", "lse": "float", "delta": "float"}
+ARGUMENT_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "dq": "grad_t", "dk": "grad_t",
+                  "dv": "grad_t", "o": "o_t", "lse": "float", "delta": "float"}
 
 
 def _position_table(name: str, positions) -> str:

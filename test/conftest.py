@@ -15,6 +15,8 @@ def _check_cuda_rendering():
   if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):
     yield
     return
+  from ourgrad.codegen.attention import AttentionKernel
+  from ourgrad.codegen.attention_grad import AttentionGradKernel
   from ourgrad.codegen.index_accumulate import IndexAccumulateKernel
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.last_block import SplitReduceKernel
@@ -34,6 +36,10 @@ def _check_cuda_rendering():
       cuda_kernel = PackedKernel(kernel.ast, renderer)
     elif isinstance(kernel, IndexAccumulateKernel):   # sized by its own plan (codegen/index_accumulate.py)
       cuda_kernel = IndexAccumulateKernel(kernel.ast, renderer)
+    elif isinstance(kernel, AttentionKernel):   # a whole-kernel plan (codegen/attention.py)
+      cuda_kernel = AttentionKernel(kernel.ast, renderer)
+    elif isinstance(kernel, AttentionGradKernel):   # its backward's (codegen/attention_grad.py)
+      cuda_kernel = AttentionGradKernel(kernel.ast, renderer)
     else:
       # a one-kernel split reduce (EMULATE=CUDA) is one for CUDA too, with the same heuristic opts
       one_kernel_split = isinstance(kernel, SplitReduceKernel)

@@ -415,10 +415,12 @@ def _square_buffers(schedule: list, size: int) -> list:
   return [buffer.dtype for item in schedule for buffer in item.outputs if buffer.size == size]
 
 
-def test_attention_products_under_autocast_load_bf16_and_store_the_square_in_bf16():
+def test_attention_products_under_autocast_load_bf16_and_store_the_square_in_bf16(monkeypatch):
   # torch's autocast: the attention's products in bfloat16 forward AND backward (dV = P^T dO, dP = dO V^T,
   # dQ = dS K, dK = dS^T Q), softmax in float32 rounding once; every T x T tensor in memory is bfloat16: the scores,
   # the probabilities (the softmax's backward reads them, not float32 exps), dP and dS. The values are torch's.
+  # The composite graph's rules (on a GPU with the fused kernel, sdpa would be one kernel: test_flash_attention.py)
+  monkeypatch.setenv("FUSED_ATTENTION", "0")
   from ourgrad.engine.schedule import create_schedule
   batch, heads, length, width = 2, 2, 24, 32   # T x T (2304 values) unlike any other tensor's size
   data = np.random.default_rng(5)

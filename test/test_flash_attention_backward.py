@@ -141,6 +141,7 @@ HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causa
   ("float32", (1, 1, 1, 40, 50, 32, False), "held"),
   ("float16", (1, 2, 1, 70, 60, 32, True), "split"),         # owned and streamed tiles of other sizes
   ("bfloat16", (1, 2, 1, 150, 140, 16, True), "wide"),       # blocks of 8 warps (128 rows)
+  ("bfloat16", (1, 4, 2, 45, 70, 64, True), "grad32"),       # dq, dk, dv stored in float32 (Ops.ATTENTION_DQ/DKDV)
 ]
 
 
@@ -153,6 +154,7 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
   arrays, expected = reference(plan)
   projected = layout == "projected"
   if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "held_fragments": True})
+  if layout == "grad32": plan = AttentionBackwardPlan(**{**plan.__dict__, "grad_float32": True})
   if layout == "wide":
     plan = AttentionBackwardPlan(**{**plan.__dict__, "block_q": 128, "block_kv": 128, "stream_q": 64, "stream_kv": 64})
   if layout == "split":
@@ -174,20 +176,21 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
     plan = AttentionBackwardPlan(**{**plan.__dict__, "lse_offset": buffers["o"].size, "o_dtype": "float32"})
     buffers["o"] = to_float32(buffers["o"], dtype)
     buffers["lse"] = buffers["o"] = np.concatenate([buffers["o"], buffers["lse"]])
-  buffers.update(dq=np.zeros_like(buffers["q"]), dk=np.zeros_like(buffers["v"]), dv=np.zeros_like(buffers["v"]),
-                 delta=np.zeros(plan.delta_elements, np.float32))
+  grad_type = STORAGE[plan.grad_dtype]
+  buffers.update(dq=np.zeros(buffers["q"].size, grad_type), dk=np.zeros(buffers["v"].size, grad_type),
+                 dv=np.zeros(buffers["v"].size, grad_type), delta=np.zeros(plan.delta_elements, np.float32))
   state = run_on_host(plan, buffers)
   emulated = {name: array.copy() for name, array in buffers.items()}
   emulate_attention_backward_buffers(plan, emulated)
   for name in ("dq", "dk", "dv", "delta"):   # the PYTHON device's emulation writes the same buffers
-    kind = "float32" if name == "delta" else dtype
+    kind = "float32" if name == "delta" else plan.grad_dtype
     difference = np.abs(to_float32(emulated[name], kind) - to_float32(state[name], kind)).max()
     assert difference <= 1e-2 * np.abs(to_float32(state[name], kind)).max(), name
   dq = state["dq"].reshape((batch, q_len, heads, head_dim) if projected else (batch, heads, q_len, head_dim))
   results = (dq.transpose(0, 2, 1, 3) if projected else dq, state["dk"].reshape(expected[1].shape),
              state["dv"].reshape(expected[2].shape))
   for name, result, want in zip(("dq", "dk", "dv"), results, expected):
-    error = np.abs(to_float32(result, dtype) - want).max() / np.abs(want).max()
+    error = np.abs(to_float32(result, plan.grad_dtype) - want).max() / np.abs(want).max()
     assert error < TOLERANCE[dtype], f"{name} {dtype} {case}: relative error {error:.2e}"
 
 

@@ -62,7 +62,7 @@ class AttentionBackwardPlan:
   q, o, do, dq are (batch, heads, q_len, head_dim); k, v, dk, dv (batch, kv_heads, kv_len, head_dim), each given by
   its (batch, head, row) element strides (the last dim contiguous), so a (B, L, H, D) projection is read in place.
   lse is float32 (batch, heads, q_len) by its own strides. The delta scratch buffer the kernels share is float32
-  (batch, heads, q_len) contiguous. dq, dk, dv have the input dtype."""
+  (batch, heads, q_len) contiguous. dq, dk, dv have the input dtype, or float32 with `grad_float32`."""
   batch: int
   heads: int
   kv_heads: int
@@ -90,6 +90,7 @@ class AttentionBackwardPlan:
   shared_per_sm: int = 0      # the device's shared memory per multiprocessor (0: unknown, no occupancy hint)
   lse_offset: int = 0         # where LSE starts in its buffer (elements): the forward may write it after O
   held_fragments: bool = False  # the owned tiles' A fragments (Q, dO; K, V) kept in registers across the loop
+  grad_float32: bool = False  # dq, dk, dv written as float32 (the sums unrounded) instead of in plan.dtype
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -126,6 +127,11 @@ class AttentionBackwardPlan:
 
   @property
   def itemsize(self) -> int: return ITEMSIZE[self.dtype]
+
+  @property
+  def grad_dtype(self) -> str:
+    """The dtype dq, dk and dv are written in."""
+    return "float32" if self.grad_float32 else self.dtype
 
   @property
   def stored_o_dtype(self) -> str:
@@ -440,6 +446,8 @@ def _header(plan: AttentionBackwardPlan, shared_bytes: int, block_q: int, block_
             "extern __shared__ __align__(16) unsigned char shared_bytes[];"]
   if plan.stored_o_dtype == plan.dtype: o_helpers = "typedef elem_t o_t;\n#define o_to_float to_float\n"
   else: o_helpers = "typedef float o_t;\n__device__ __forceinline__ float o_to_float(float x) { return x; }\n"
+  if plan.grad_float32: o_helpers += "typedef float grad_t;\n#define grad_from_float(x) (x)\n"
+  else: o_helpers += "typedef elem_t grad_t;\n#define grad_from_float from_float\n"
   helpers = instruction_helpers(plan.dtype) + o_helpers + _warp_helpers(plan.dtype) + _load_tile(plan)
   return "\n".join(lines) + "\n" + helpers
 
@@ -461,7 +469,14 @@ def _owned_product(plan: AttentionBackwardPlan, columns: str, acc: str, held: st
   return f"warp_mma<{columns} / 8, D, PITCH, 1, 1, PITCH>({acc}, {tile} + warp * 16 * PITCH, {other});"
 
 
-def render_dq_kernel(plan: AttentionBackwardPlan) -> str:
+def _entry(launch_bounds: str, name: str, device_function: bool) -> str:
+  """A kernel's declaration up to its parameters: an extern "C" __global__ kernel, or (`device_function`) an inlined
+  __device__ function `name`_body that a wrapper kernel of another signature calls (codegen/attention_grad.py)."""
+  if device_function: return f"__device__ __forceinline__ void {name}_body"
+  return f'extern "C" __global__ void {launch_bounds} {name}'
+
+
+def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False) -> str:
   """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`.
 
   The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
@@ -469,9 +484,9 @@ def render_dq_kernel(plan: AttentionBackwardPlan) -> str:
   p = plan
   held_loads = _held_loads(p, ("q_held", "q_tile"), ("do_held", "do_tile"))
   body = f"""
-extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {DQ_KERNEL}(const elem_t* __restrict__ q,
+{_entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes), DQ_KERNEL, device_function)}(const elem_t* __restrict__ q,
     const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
-    const elem_t* __restrict__ dout, const float* __restrict__ lse, elem_t* __restrict__ dq,
+    const elem_t* __restrict__ dout, const float* __restrict__ lse, grad_t* __restrict__ dq,
     float* __restrict__ delta) {{
   elem_t* q_tile = (elem_t*)shared_bytes;               // BQ x PITCH
   elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
@@ -569,7 +584,8 @@ extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {
 #pragma unroll
     for (int c = 0; c < 4; c++) {{
       const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
-      if (row < q_rows) dq[dq_row0 + (long long)row * {p.dq_strides[2]}LL + column] = from_float(SCALE * dq_acc[t][c]);
+      if (row < q_rows)
+        dq[dq_row0 + (long long)row * {p.dq_strides[2]}LL + column] = grad_from_float(SCALE * dq_acc[t][c]);
     }}
   }}
 }}
@@ -577,7 +593,7 @@ extern "C" __global__ void {p.launch_bounds(p.dq_block[0], p.dq_shared_bytes)} {
   return _header(plan, plan.dq_shared_bytes, plan.block_q, plan.dq_stream) + body
 
 
-def render_dkdv_kernel(plan: AttentionBackwardPlan) -> str:
+def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = False) -> str:
   """CUDA source of the dK/dV kernel (reads delta): grid `dkdv_grid`, block `dkdv_block`, `dkdv_shared_bytes`.
 
   The block's iterations run over (query head of its group, Q tile) pairs; their Q, dO, LSE and delta tiles are
@@ -602,11 +618,11 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
   load_row(delta_tile, delta + ((long long)batch * H + head) * L + q_start, 1, q_rows, BQ);
 }}
 
-extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes)} {DKDV_KERNEL}(
+{_entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes), DKDV_KERNEL, device_function)}(
     const elem_t* __restrict__ q,
     const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ delta, elem_t* __restrict__ dk,
-    elem_t* __restrict__ dv) {{
+    const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,
+    grad_t* __restrict__ dv) {{
   elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH
   elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH
   elem_t* q_buffers = v_tile + BK * PITCH;              // 2 x BQ x PITCH
@@ -688,8 +704,8 @@ extern "C" __global__ void {p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes
     for (int c = 0; c < 4; c++) {{
       const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
       if (row < k_rows) {{
-        dk[dk_row0 + (long long)row * {p.dk_strides[2]}LL + column] = from_float(SCALE * dk_acc[t][c]);
-        dv[dv_row0 + (long long)row * {p.dv_strides[2]}LL + column] = from_float(dv_acc[t][c]);
+        dk[dk_row0 + (long long)row * {p.dk_strides[2]}LL + column] = grad_from_float(SCALE * dk_acc[t][c]);
+        dv[dv_row0 + (long long)row * {p.dv_strides[2]}LL + column] = grad_from_float(dv_acc[t][c]);
       }}
     }}
   }}

@@ -22,6 +22,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from ourgrad.codegen.attention import AttentionKernel, is_attention
+from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
 from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.kernel import Kernel
@@ -145,6 +147,8 @@ def kernel_name(item: ScheduleItem) -> str:
   if item.ast.op is Ops.COPY: return f"copy {item.inputs[0].device} -> {item.outputs[0].device}"
   if item.ast.op is Ops.PACK: return PackedKernel(item.ast, Device[item.outputs[0].device].renderer).name
   if is_index_accumulate(item.ast): return IndexAccumulateKernel(item.ast, Device[item.outputs[0].device].renderer).name
+  if is_attention(item.ast): return AttentionKernel(item.ast, Device[item.outputs[0].device].renderer).name
+  if is_attention_grad(item.ast): return AttentionGradKernel(item.ast, Device[item.outputs[0].device].renderer).name
   if item.ast.op is Ops.SPLIT_REDUCE: kernel = SplitReduceKernel(item.ast, Device[item.outputs[0].device].renderer)
   else: kernel = Kernel(item.ast, Device[item.outputs[0].device].renderer)
   if not NOOPT or item.ast.op is Ops.SPLIT_REDUCE: kernel.hand_coded_optimizations()

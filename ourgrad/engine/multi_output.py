@@ -20,7 +20,7 @@ from ourgrad.device import Device
 from ourgrad.engine.kernel_walk import (KernelPlan, Realizations, item_precedence, items_on_cycles, reads_assign_target,
                                         reuses_an_operand, walk_kernel)
 from ourgrad.lazy import LazyBuffer
-from ourgrad.ops import ELEMENTWISE_OPS, Ops
+from ourgrad.ops import ATTENTION_OPS, ELEMENTWISE_OPS, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 
 # a kernel writing more outputs than this passes more pointers than some launchers like, and gains little more
@@ -75,10 +75,11 @@ def _groups_on_cycles(groups: list[list[LazyBuffer]], plans: dict[int, KernelPla
 
 
 def _reads_of(base: LazyBuffer, plans: dict[int, KernelPlan]) -> list[LazyBuffer]:
-  """The realized bases the item of `base` reads: its kernel's loads, or a copy's source (a copy has no kernel walk,
-  and a cycle may pass through copies between devices: a gather, then a reshard of its result)."""
-  if id(base) in plans: return [loaded for loaded, _ in plans[id(base)].loads]
-  return [src.base for src in base.srcs] if base.op is Ops.COPY else []
+  """The realized bases the item of `base` reads: its kernel's loads, or a copy's or fused attention's sources (they
+  have no kernel walk; a cycle may pass through copies between devices: a gather, then a reshard of its result, or
+  through an attention backward: dO made contiguous in one group with a gradient computed from dQ)."""
+  if base.op is Ops.COPY or base.op in ATTENTION_OPS: return [src.base for src in base.srcs]
+  return [loaded for loaded, _ in plans[id(base)].loads] if id(base) in plans else []
 
 
 def _split_cyclic_groups(cyclic: list[list[LazyBuffer]], groupable: dict[int, LazyBuffer],

@@ -30,7 +30,7 @@ from collections import defaultdict
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.helpers import DEBUG, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, prod
-from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
+from ourgrad.ops import ATTENTION_OPS, ELEMENTWISE_OPS, REDUCE_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 
 
@@ -66,6 +66,7 @@ def why_not_packable(item: ScheduleItem) -> str | None:
   nodes = item.ast.walk()
   if any(node.op is Ops.LOAD and node.srcs for node in nodes): return "it has a gathered load"
   if any(node.op is Ops.INDEX_ACCUMULATE for node in nodes): return "an indexed accumulate (a kernel of its own)"
+  if any(node.op in ATTENTION_OPS for node in nodes): return "a fused attention (a kernel of its own)"
   if any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in nodes):
     return "a view with a symbolic size"
   reduces = [node for node in nodes if node.op in REDUCE_OPS]

@@ -12,6 +12,8 @@ import sys
 import warnings
 from typing import Any
 
+from ourgrad.codegen.attention import AttentionKernel, is_attention
+from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
 from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.last_block import SplitReduceKernel
@@ -37,20 +39,25 @@ from ourgrad.shape.symbolic import sym_max
 NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedule gets memory of its own")
 
 # bounded: a long run that builds ever new kernels (changing shapes) must not keep every one (helpers.clear_caches)
+# every kind of kernel a schedule item lowers to
+AnyKernel = Kernel | PackedKernel | IndexAccumulateKernel | AttentionKernel | AttentionGradKernel
+
 _runner_cache: BoundedCache[tuple[str, LazyOp, bool], CompiledRunner] = BoundedCache(RUNNER_CACHE_SIZE)
 
 
-def get_kernel(ast: LazyOp, device: str) -> Kernel | PackedKernel | IndexAccumulateKernel:
+def get_kernel(ast: LazyOp, device: str) -> AnyKernel:
   """The Kernel for an AST with the default optimizations applied (none with NOOPT=1, searched with BEAM=n). A packed
   kernel (PACK: several elementwise kernels in one launch) takes no opts (codegen/packed.py)."""
   if ast.op is Ops.PACK: return PackedKernel(ast, Device[device].renderer)
   if is_index_accumulate(ast): return IndexAccumulateKernel(ast, Device[device].renderer)   # sized by its own plan
+  if is_attention(ast): return AttentionKernel(ast, Device[device].renderer)   # a whole-kernel plan
+  if is_attention_grad(ast): return AttentionGradKernel(ast, Device[device].renderer)
   # a one-kernel split reduce: the heuristic's opts (its layout was checked with them: engine/split_fusion.py)
-  kernel = SplitReduceKernel(ast, Device[device].renderer) if ast.op is Ops.SPLIT_REDUCE else \
-      Kernel(ast, Device[device].renderer)
   if ast.op is Ops.SPLIT_REDUCE:
+    kernel = SplitReduceKernel(ast, Device[device].renderer)
     kernel.hand_coded_optimizations()
     return kernel
+  kernel = Kernel(ast, Device[device].renderer)
   # a symbolic kernel keeps its plain loop nest: the optimizations split and pad sizes they must know
   if NOOPT or ast_is_symbolic(ast): return kernel
   if BEAM >= 1: return beam_optimize(kernel, device, BEAM.value)  # searched, verified and cached: codegen/opt/search.py
@@ -109,7 +116,7 @@ def function_name(kernel: Kernel) -> str:
 
 
 @host_phase("codegen", lambda kernel, device: kernel.name)
-def compile_kernel(kernel: Kernel | PackedKernel | IndexAccumulateKernel, device: str) -> CompiledRunner:
+def compile_kernel(kernel: AnyKernel, device: str) -> CompiledRunner:
   name = function_name(kernel)
   lowered = lower_kernel(kernel, Device[device].renderer, name)
   if DEBUG >= 5 and lowered.linearized: print(format_uops(lowered.uops))
@@ -117,6 +124,8 @@ def compile_kernel(kernel: Kernel | PackedKernel | IndexAccumulateKernel, device
   if DEBUG >= 6: print(Device[device].compiler.disassemble(lowered.source))
   program = load_program(device, name, lowered.source)
   if lowered.wgmma is not None: op_count, byte_count = wgmma_cost(kernel, lowered.wgmma)
+  elif isinstance(kernel, (AttentionKernel, AttentionGradKernel)):
+    op_count, byte_count = kernel.op_count(), kernel.byte_count()
   else: op_count, byte_count = estimate_cost(kernel, lowered.uops)
   var_names = tuple(uop.arg[0] for uop in lowered.uops if uop.op is UOps.DEFINE_VAR)
   return CompiledRunner(name, kernel.colored_shape(), lowered.source, program, lowered.global_size,

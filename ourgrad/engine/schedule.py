@@ -36,8 +36,8 @@ from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.engine.snapshot import protect_lazy_readers
 from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, fmt_size, prod
 from ourgrad.lazy import LazyBuffer, walk_bases
-from ourgrad.ops import (ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer, Ops,
-                         is_identity_constant)
+from ourgrad.ops import (ATTENTION_OPS, ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer,
+                         Ops, is_identity_constant)
 from ourgrad.shape.shapetracker import ShapeTracker
 
 # Scheduling gives bases their buffers (base.realized) before the kernels that fill them run: another thread that
@@ -47,7 +47,8 @@ from ourgrad.shape.shapetracker import ShapeTracker
 REALIZE_LOCK = threading.RLock()
 
 # bases that always get their own buffer
-ALWAYS_REALIZED_OPS = frozenset({Ops.EMPTY, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN, Ops.CUSTOM, Ops.INDEX_ACCUMULATE})
+ALWAYS_REALIZED_OPS = frozenset({Ops.EMPTY, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN, Ops.CUSTOM, Ops.INDEX_ACCUMULATE,
+                                 *ATTENTION_OPS})
 
 
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
@@ -118,6 +119,8 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
       users[id(src.base)].add(id(base))
       if base.op is Ops.COPY: realizes.setdefault(id(src.base), "the source of a device copy")
       if base.op is Ops.ASSIGN and src is base.srcs[1]: realizes.setdefault(id(src.base), "the target of an assign")
+      if base.op in ATTENTION_OPS:   # its kernel reads each operand through its strides (codegen/attention.py)
+        realizes.setdefault(id(src.base), "an operand of a fused attention (read in place)")
       if base.op is Ops.GATHER and src is base.srcs[0]:  # loaded at computed offsets
         realizes.setdefault(id(src.base), "the table of a gather (read at computed offsets)")
       if any(view.mask is not None for view in src.st.views) and _has_unsafe_pad_op(src.base):
@@ -512,6 +515,7 @@ def _schedule_base(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleIt
     item = ScheduleItem(LazyOp(Ops.COPY, (), base.realized.nbytes, base.dtype), (base.realized,), (source_buffer,))
     return item, [source]
   if base.op is Ops.INDEX_ACCUMULATE: return _schedule_index_accumulate(base, realizes)
+  if base.op in ATTENTION_OPS: return _schedule_attention(base, realizes)
   builder = _KernelBuilder(base, realizes, outputs=(base.realized,))
   if base.op in (Ops.CONTIGUOUS, Ops.ASSIGN):
     value = builder.build(base.srcs[0].base, base.srcs[0].st)
@@ -535,6 +539,17 @@ def _schedule_index_accumulate(base: LazyBuffer, realizes: Realizations) -> tupl
   builder = _KernelBuilder(base, realizes, outputs=(base.realized,))
   values = tuple(builder.build(src.base, src.st) for src in base.srcs)
   value = LazyOp(Ops.INDEX_ACCUMULATE, values, None, base.dtype)
+  store = LazyOp(Ops.STORE, (value,), MemBuffer(0, base.dtype, ShapeTracker.from_shape(base.shape)), base.dtype)
+  return ScheduleItem(store, (base.realized,), tuple(builder.inputs)), builder.loaded_bases
+
+
+def _schedule_attention(base: LazyBuffer, realizes: Realizations) -> tuple[ScheduleItem, list[LazyBuffer]]:
+  """The kernel of a fused attention or of its backward: STORE(OP(LOAD ...)), e.g. STORE(ATTENTION(LOAD q, LOAD k,
+  LOAD v)), each operand realized and read through its view (codegen/attention.py, codegen/attention_grad.py)."""
+  assert base.realized is not None
+  builder = _KernelBuilder(base, realizes, outputs=(base.realized,))
+  loads = tuple(builder.build(src.base, src.st) for src in base.srcs)
+  value = LazyOp(base.op, loads, base.arg, base.dtype)
   store = LazyOp(Ops.STORE, (value,), MemBuffer(0, base.dtype, ShapeTracker.from_shape(base.shape)), base.dtype)
   return ScheduleItem(store, (base.realized,), tuple(builder.inputs)), builder.loaded_bases
 

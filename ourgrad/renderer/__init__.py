@@ -36,4 +36,7 @@ class Renderer:
     reduces in one kernel, a convolution's unpadded input gradient) ask this."""
     return self.has_threads and self.has_local
 
+  # runs the fused attention kernel (codegen/attention.py, Ops.ATTENTION): CUDA sm_80+, and PYTHON with EMULATE=CUDA
+  has_fused_attention: bool = False
+
   def render(self, name: str, uops: list[UOp]) -> str: raise NotImplementedError

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from ourgrad.codegen.attention import AttentionPlan, render_attention
+from ourgrad.codegen.attention_grad import AttentionGradKernel, render_attention_grad_cuda
 from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
@@ -67,6 +69,16 @@ class CUDARenderer(CStyleLanguage):
   def __init__(self, arch: str = "") -> None:
     """`arch`: the GPU's sm_XX when known (the CUDA device passes it): sm_90 enables wgmma and dependent launch."""
     self.has_wgmma = self.dependent_launch = arch == "sm_90"
+    # the fused attention kernel uses mma.sync (TF32, bfloat16) and cp.async: sm_80 and newer (unknown: assumed)
+    self.has_fused_attention = arch == "" or int(arch.removeprefix("sm_").rstrip("a")) >= 80
+
+  def render_attention(self, name: str, plan: AttentionPlan, arguments: dict[str, int]) -> str:
+    """The fused attention kernel of `plan`, its buffers in argument order (see codegen/attention.py)."""
+    return self._with_prologue(render_attention(plan, name, arguments, DYNAMIC_SHARED_SYMBOL))
+
+  def render_attention_grad(self, name: str, kernel: AttentionGradKernel) -> str:
+    """A fused attention backward kernel, its buffers in argument order (see codegen/attention_grad.py)."""
+    return self._with_prologue(render_attention_grad_cuda(name, kernel))
 
   def render_wgmma(self, name: str, plan: WgmmaMatmul, arguments: dict[str, int]) -> str:
     """The kernel of an OptOps.WGMMA plan, its buffers in argument order (see codegen/wgmma_tiles.py)."""

@@ -60,7 +60,8 @@ def emulate_attention_backward(plan: AttentionBackwardPlan, q: np.ndarray, k: np
   """dq, dk, dv as the two kernels of `plan` compute them. q, o, do: (batch, heads, q_len, head_dim), k, v:
   (batch, kv_heads, kv_len, head_dim) in the stored form of plan.dtype (float32, float16, or bfloat16 bit patterns as
   uint16; o in plan.stored_o_dtype); lse: float32 (batch, heads, q_len); delta: rowsum(dO * O) as the dQ kernel wrote
-  it (float32, (batch, heads, q_len)), else computed from o. Returns dq (as q), dk and dv (as k) in the stored form."""
+  it (float32, (batch, heads, q_len)), else computed from o. Returns dq (as q), dk and dv (as k) in the stored form of
+  plan.grad_dtype."""
   p = plan
   _check_shapes(p, q=q, k=k, v=v, do=do, lse=lse, **({} if o is None else {"o": o}))
   q32, k32, v32, do32 = (to_float32(array, p.dtype) for array in (q, k, v, do))
@@ -87,7 +88,7 @@ def emulate_attention_backward(plan: AttentionBackwardPlan, q: np.ndarray, k: np
       dv[batch, kv_head] += _staged(prob, p.dtype).T @ _operand(grad_out, p.dtype)
       dk[batch, kv_head] += staged_ds.T @ _operand(query, p.dtype)
   scale = np.float32(p.scale)
-  return from_float32(dq * scale, p.dtype), from_float32(dk * scale, p.dtype), from_float32(dv, p.dtype)
+  return from_float32(dq * scale, p.grad_dtype), from_float32(dk * scale, p.grad_dtype), from_float32(dv, p.grad_dtype)
 
 
 def _check_shapes(plan: AttentionBackwardPlan, **arrays: np.ndarray) -> None:
@@ -154,11 +155,17 @@ def emulate_attention_backward_buffers(plan: AttentionBackwardPlan, buffers: dic
 ATTENTION_BACKWARD_PROGRAM_FORMAT = "ourgrad-python-attention-backward-v1"
 
 
-def attention_backward_program_text(name: str, plan: AttentionBackwardPlan, kernel: str) -> str:
+# a launch parameter bound to a kernel argument: (parameter name, argument index, element offset into that buffer)
+Binding = tuple[str, int, int]
+
+
+def attention_backward_program_text(name: str, plan: AttentionBackwardPlan, kernel: str,
+                                    bindings: list[Binding] | None = None) -> str:
   """The PYTHON device's "source" of one launch (`kernel`: DQ_KERNEL or DKDV_KERNEL): its plan as JSON. Its buffers
-  come in the order of that launch's KernelLaunch.arguments."""
+  come in the order of that launch's KernelLaunch.arguments, or, with `bindings`, each parameter is the named
+  argument from an element offset on (codegen/attention_grad.py: the lazy ops' kernels)."""
   return json.dumps({"format": ATTENTION_BACKWARD_PROGRAM_FORMAT, "name": name, "kernel": kernel,
-                     "plan": dataclasses.asdict(plan)}) + "\n"
+                     "plan": dataclasses.asdict(plan), "bindings": bindings}) + "\n"
 
 
 def is_attention_backward_program(binary: bytes) -> bool:
@@ -172,6 +179,7 @@ class AttentionBackwardProgram:
     document = json.loads(binary.decode())
     fields = {key: tuple(value) if isinstance(value, list) else value for key, value in document["plan"].items()}
     self.name, self.kernel, self.plan = name, document["kernel"], AttentionBackwardPlan(**fields)
+    self.bindings: list[Binding] | None = document.get("bindings")
     self.launch = next(launch for launch in self.plan.launches() if launch.name == self.kernel)
 
   def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (1, 1, 1),
@@ -180,8 +188,10 @@ class AttentionBackwardProgram:
     if tuple(global_size) != self.launch.grid or tuple(local_size) != self.launch.block:
       raise ValueError(f"{self.name} launched as {global_size}x{local_size}, its plan needs "
                        f"{self.launch.grid}x{self.launch.block}")
-    element = STORAGE[self.plan.dtype]
-    types = {"o": STORAGE[self.plan.stored_o_dtype], "lse": np.float32, "delta": np.float32}
-    typed = {name: buffer.view(types.get(name, element)) for name, buffer in zip(self.launch.arguments, buffers)}
+    element, grad = STORAGE[self.plan.dtype], STORAGE[self.plan.grad_dtype]
+    types = {"o": STORAGE[self.plan.stored_o_dtype], "lse": np.float32, "delta": np.float32, "dq": grad, "dk": grad,
+             "dv": grad}
+    bindings = self.bindings or [(name, index, 0) for index, name in enumerate(self.launch.arguments)]
+    typed = {name: buffers[index].view(types.get(name, element))[offset:] for name, index, offset in bindings}
     EMULATORS[self.kernel](self.plan, typed)
     return time.perf_counter() - start if wait else None

@@ -10,7 +10,8 @@ optimizer makes exactly the kernels it makes for CUDA, and the interpreter runs 
 - `PythonProgram` parses the text back (plain JSON, no eval, `parse_program`) and runs the kernel for every
   (block, thread) at once with the interpreter: runtime/uop_interpreter.py (control flow, numbers, global memory)
   and runtime/gpu_emulator.py (thread indices, local memory and barriers, warp reduces, tensor cores, asynchronous
-  copies). wgmma kernels are their own program text, run by runtime/wgmma_emulator.py.
+  copies). wgmma kernels are their own program text, run by runtime/wgmma_emulator.py; fused attention kernels
+  too, run by runtime/attention_emulator.py.
 """
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ from ourgrad.shape.symbolic import Node
 from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
 from ourgrad.renderer.cuda import CUDARenderer
+from ourgrad.codegen.attention import AttentionPlan
+from ourgrad.codegen.attention_grad import AttentionGradKernel
+from ourgrad.runtime.attention_backward_emulator import (AttentionBackwardProgram, attention_backward_program_text,
+                                                         is_attention_backward_program)
+from ourgrad.runtime.attention_emulator import AttentionProgram, attention_program_text, is_attention_program
 from ourgrad.runtime.gpu_emulator import GpuInterpreter
 from ourgrad.runtime.uop_interpreter import Instruction, UOpProgram
 from ourgrad.runtime.wgmma_emulator import WgmmaMatmul, WgmmaProgram, is_wgmma_program, wgmma_program_text
@@ -92,6 +98,7 @@ class PythonRenderer(Renderer):
     if emulate.upper() not in ("CUDA", "CUDA_SM90"):
       raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA (CUDA_SM90: an H100, with wgmma)")
     self.has_wgmma = emulate.upper() == "CUDA_SM90"
+    self.has_fused_attention = True   # runtime/attention_emulator.py
     for limit in ("max_threads", "has_local", "local_memory_bytes", "dynamic_local_memory_bytes", "warp_size",
                   "vector_width", "global_max", "local_max", "tensor_cores", "multiprocessors",
                   "threads_per_multiprocessor", "has_async_copy", "launch_bytes", "latency_bytes", "has_block_atomics"):
@@ -109,6 +116,12 @@ class PythonRenderer(Renderer):
 
   def render_wgmma(self, name: str, plan: WgmmaMatmul, arguments: dict[str, int]) -> str:
     return wgmma_program_text(name, plan, arguments)
+
+  def render_attention(self, name: str, plan: AttentionPlan, arguments: dict[str, int]) -> str:
+    return attention_program_text(name, plan, arguments)
+
+  def render_attention_grad(self, name: str, kernel: AttentionGradKernel) -> str:
+    return attention_backward_program_text(name, kernel.plan, kernel.kernel, kernel.bindings)
 
 
 class PythonCompiler(Compiler):
@@ -169,7 +182,10 @@ class PythonProgram(UOpProgram):
     return time.perf_counter() - start if wait else None
 
 
-def load_program(name: str, binary: bytes) -> PythonProgram | WgmmaProgram:
+def load_program(name: str, binary: bytes) -> (PythonProgram | WgmmaProgram | AttentionProgram |
+                                               AttentionBackwardProgram):
+  if is_attention_program(binary): return AttentionProgram(name, binary)
+  if is_attention_backward_program(binary): return AttentionBackwardProgram(name, binary)
   return WgmmaProgram(name, binary) if is_wgmma_program(binary) else PythonProgram(name, binary)
 
 

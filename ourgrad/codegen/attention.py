@@ -1,0 +1,589 @@
+"""Fused (flash) attention kernels: O = softmax(Q K^T * scale (+ causal mask)) V and its per-row logsumexp, in one
+kernel that never writes the L x S scores to memory (Ops.ATTENTION).
+
+The kernel AST is `STORE(ATTENTION(LOAD q, LOAD k, LOAD v))` (engine/schedule.py `_schedule_attention`), arg
+`(causal, scale)`. q is (B, H, L, D), k and v (B, Hk, S, D) with H a multiple of Hk (grouped-query attention: query
+head h reads key/value head h // (H / Hk), no copies); each is read in place through its one View's strides and
+offset (GPT-2's q, k, v are strided views of one (B, T, 3, H, D) buffer). The output is one float32 buffer:
+O laid out (B, L, H, D) (what a projection after the heads reads as (B, L, H * D)), then the logsumexp of each
+query row at `lse_offset`, laid out (B, H, L), natural log: lse = max_j s_ij + log(sum_j exp(s_ij - max)), with
+s = q . k * scale and masked keys left out. The backward reads it (tensor_attention.py).
+
+`AttentionPlan` is the whole kernel as typed data (FlashAttention-2): a CTA owns `block_m` query rows of one
+(batch, head), one warp per 16 rows; it loops over tiles of `block_n` keys staged in shared memory (`stages`
+buffers; with 16-byte aligned rows they are filled by cp.async while the previous tile is computed), computes
+S = Q K^T with mma.sync (m16n8k8 TF32 for float32, m16n8k16 for float16/bfloat16), keeps a running max and sum per
+row in registers (exp2 with scale * log2(e) folded in), converts P to the operand type and adds P V with mma.sync.
+Causal CTAs stop at their last row's diagonal tile and mask the tiles that cross it; the CTAs with the most tiles
+start first. `render_attention` writes the CUDA C++ (runtime: renderer/cuda.py `render_attention`);
+runtime/attention_emulator.py runs the same plan with numpy for the PYTHON device (EMULATE=CUDA).
+
+`AttentionKernel` offers what engine/realize.py reads of a Kernel (name, leaves, sts, applied_opts, print_debug,
+colored_shape, op_count) and the plan it is rendered from (`attention`); no Opts apply.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ourgrad.dtype import DType, dtypes
+from ourgrad.helpers import DEBUG, env_var
+from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
+
+# threads of a warp, and query rows one warp owns (the M of one mma.sync)
+WARP_THREADS, WARP_ROWS = 32, 16
+# query rows per CTA (4 warps): enough rows to reuse each staged key tile, few enough for short causal diagonals
+BLOCK_M = 64
+# the key tile sizes tried, largest first, and how many CTAs at least should share a multiprocessor's shared memory
+BLOCK_N_CHOICES = (64, 32, 16)
+CTAS_PER_PROCESSOR = 3
+# bytes of one cp.async copy
+COPY_BYTES = 16
+# 0 by default until the ldmatrix variant has run on a GPU (the element loads were checked on the H200)
+ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 0, "1: the fused attention kernel reads its K (16-bit: and V) "
+                             "fragments with ldmatrix instead of plain shared-memory loads (codegen/attention.py; "
+                             "compiled by NVRTC in CI, not yet run on a GPU)")
+# element dtypes the kernel reads (float32 only through TF32)
+OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
+
+
+@dataclass(frozen=True)
+class Operand:
+  """How the kernel reads one of q, k, v: element (b, h, row, d) is at offset + b*strides[0] + h*strides[1] +
+  row*strides[2] + d*strides[3] of its buffer (argument `argument` of the kernel)."""
+  argument: int
+  offset: int
+  strides: tuple[int, int, int, int]
+
+  def vector_aligned(self, vector: int) -> bool:
+    """Whether rows can be read in pieces of `vector` neighbouring elements at aligned addresses (cp.async)."""
+    return self.strides[3] == 1 and all(value % vector == 0 for value in (self.offset, *self.strides[:3]))
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+  """One fused attention kernel (module docstring), everything its renderer and emulator need."""
+  dtype: str                 # the operands' element type: float32 (TF32 mma), float16, bfloat16
+  batch: int
+  heads: int
+  kv_heads: int
+  length: int                # L, query rows
+  source: int                # S, keys
+  head_dim: int              # D (q, k and v alike), a multiple of 16
+  causal: bool
+  scale: float
+  q: Operand
+  k: Operand
+  v: Operand
+  block_m: int = BLOCK_M
+  block_n: int = 64
+  stages: int = 2
+  vector_copies: bool = True   # k and v rows copied with 16-byte cp.async (else element by element)
+  ldmatrix: bool = False       # K fragments (16-bit: and V's, .trans) read with ldmatrix, else element loads
+
+  @property
+  def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
+
+  @property
+  def warps(self) -> int: return self.block_m // WARP_ROWS
+
+  @property
+  def threads(self) -> int: return self.warps * WARP_THREADS
+
+  @property
+  def row_pitch(self) -> int:
+    """Elements of one staged key/value row: D and 16 bytes of padding, so the fragment reads of a warp hit 32
+    different banks and each row starts 16-byte aligned."""
+    return self.head_dim + COPY_BYTES // self.itemsize
+
+  @property
+  def tile_elements(self) -> int: return self.block_n * self.row_pitch
+
+  @property
+  def shared_bytes(self) -> int: return self.stages * 2 * self.tile_elements * self.itemsize
+
+  @property
+  def group(self) -> int:
+    """Query heads per key/value head."""
+    return self.heads // self.kv_heads
+
+  @property
+  def query_blocks(self) -> int: return math.ceil(self.length / self.block_m)
+
+  @property
+  def global_size(self) -> tuple[int, int, int]: return (self.query_blocks, self.heads, self.batch)
+
+  @property
+  def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
+
+  @property
+  def lse_offset(self) -> int: return self.batch * self.length * self.heads * self.head_dim
+
+  @property
+  def output_elements(self) -> int: return self.lse_offset + self.batch * self.heads * self.length
+
+  @property
+  def name(self) -> str:
+    return (f"attn_{self.batch}_{self.heads}_{self.length}_{self.source}_{self.head_dim}"
+            f"{'_causal' if self.causal else ''}")
+
+
+def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, ...], ...], dtype: DType,
+                   causal: bool, scale: float, renderer: Any) -> AttentionPlan:
+  """The plan for one attention, the key tile sized from the device's shared memory: the largest that leaves room
+  for CTAS_PER_PROCESSOR CTAs per multiprocessor."""
+  (batch, heads, length, head_dim), (_, kv_heads, source, _) = shapes[0], shapes[1]
+  vector = COPY_BYTES // dtype.itemsize
+  vector_copies = k.vector_aligned(vector) and v.vector_aligned(vector)
+  budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
+  plan = None
+  for block_n in BLOCK_N_CHOICES:
+    plan = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
+                         block_n=block_n, vector_copies=vector_copies,
+                         ldmatrix=bool(ATTENTION_LDMATRIX))
+    if plan.shared_bytes <= budget: break
+  assert plan is not None
+  return plan
+
+
+def is_attention(ast: LazyOp) -> bool:
+  """Whether a kernel AST is a fused attention's (STORE(ATTENTION(q, k, v)))."""
+  return ast.op is Ops.STORE and ast.srcs[0].op is Ops.ATTENTION
+
+
+def operand_of(load: LazyOp) -> Operand:
+  """How the kernel reads a LOAD of the attention AST: its buffer argument and its one View's offset and strides."""
+  view = load.arg.st.views[-1]
+  if len(load.arg.st.views) != 1 or view.mask is not None or load.srcs:
+    raise AssertionError(f"an attention operand must be one unmasked view, got {load.arg.st}")
+  return Operand(load.arg.idx, int(view.offset), tuple(int(stride) for stride in view.strides))  # type: ignore[arg-type]
+
+
+class AttentionKernel:
+  """The kernel of one fused attention AST (module docstring)."""
+
+  def __init__(self, ast: LazyOp, renderer: Any):
+    if not is_attention(ast): raise AssertionError(f"not an attention's AST: {ast.op}")
+    self.ast, self.renderer = ast, renderer
+    loads = ast.srcs[0].srcs
+    if any(load.op is not Ops.LOAD or not isinstance(load.arg, MemBuffer) for load in loads):
+      raise AssertionError("attention sources must be loads of realized buffers (engine/schedule.py)")
+    self.leaves: list[LazyOp] = [ast, *loads]
+    self.sts = [leaf.arg.st for leaf in self.leaves]
+    self.applied_opts: list[Any] = []
+    causal, scale = ast.srcs[0].arg
+    shapes = tuple(load.arg.st.shape for load in loads)
+    q, k, v = (operand_of(load) for load in loads)
+    self.plan = plan_attention(q, k, v, shapes, loads[0].dtype, causal, scale, renderer)
+    self.attention = (self.plan, {"out": 0, "q": q.argument, "k": k.argument, "v": v.argument})
+
+  @property
+  def name(self) -> str: return self.plan.name
+
+  def colored_shape(self) -> str:
+    plan = self.plan
+    return f"{plan.batch} {plan.heads} {plan.length} {plan.source} {plan.head_dim}"
+
+  def print_debug(self) -> None:
+    if DEBUG >= 3:
+      print(format_ast(self.ast))
+      print(f"{self.name}: fused attention, plan {self.plan}")
+
+  def op_count(self) -> int:
+    """Multiply-adds of S = Q K^T and O = P V (each 2 ops), halved by a causal mask."""
+    plan = self.plan
+    full = 4 * plan.batch * plan.heads * plan.length * plan.source * plan.head_dim
+    return full // 2 if plan.causal else full
+
+  def byte_count(self) -> int:
+    """q, k, v read once, O and the logsumexp written once."""
+    plan = self.plan
+    inputs = plan.batch * (plan.heads * plan.length + 2 * plan.kv_heads * plan.source) * plan.head_dim
+    return inputs * plan.itemsize + plan.output_elements * 4
+
+
+# ---------------------------------------------------------------- the CUDA kernel
+
+STORAGE_TYPE = {"float32": "float", "float16": "unsigned short", "bfloat16": "unsigned short"}
+# m16n8k16 for 16-bit operands, m16n8k8 TF32 for float32: (k per instruction, A registers, PTX type)
+MMA_SHAPES = {"float32": (8, 4, "tf32"), "float16": (16, 4, "f16"), "bfloat16": (16, 4, "bf16")}
+LOG2_E, LN_2 = 1.4426950408889634, 0.6931471805599453
+
+_HELPERS_16 = """__device__ __forceinline__ unsigned pack_bits(unsigned short low, unsigned short high) {
+  return (unsigned)low | ((unsigned)high << 16);
+}
+__device__ __forceinline__ unsigned pack_floats(float low, float high) {
+  unsigned packed;
+  asm("cvt.rn.TYPEx2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+  return packed;
+}
+__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.TYPE.TYPE.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+"""
+
+_HELPERS_TF32 = """__device__ __forceinline__ unsigned tf32(float value) {
+  unsigned rounded;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(rounded) : "f"(value));
+  return rounded;
+}
+__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+"""
+
+# ldmatrix: lanes 8j..8j+7 give the row addresses of 8x8 matrix j; with .trans each lane gets a column pair instead
+_LDMATRIX_HELPERS = """__device__ __forceinline__ void load_matrices(unsigned* r, const void* rows) {
+  unsigned address = (unsigned)__cvta_generic_to_shared(rows);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
+}
+__device__ __forceinline__ void load_matrices_transposed(unsigned* r, const unsigned short* rows) {
+  unsigned address = (unsigned)__cvta_generic_to_shared(rows);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
+}
+"""
+
+_COPY_HELPER = """__device__ __forceinline__ void copy16(void* target, const void* source, bool inside) {
+  unsigned address = (unsigned)__cvta_generic_to_shared(target);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(address), "l"(source), "r"(inside ? 16 : 0)
+               : "memory");
+}
+"""
+
+
+def _element_offset(operand: Operand, batch: str, head: str) -> str:
+  return f"{operand.offset} + (long long)({batch}) * {operand.strides[0]} + (long long)({head}) * {operand.strides[1]}"
+
+
+def _signature(plan: AttentionPlan, name: str, arguments: dict[str, int]) -> list[str]:
+  """The kernel's parameters, one per distinct buffer in argument order (q, k and v may be one buffer)."""
+  storage = STORAGE_TYPE[plan.dtype]
+  count = max(arguments.values()) + 1
+  parameters = ", ".join("float* __restrict__ out" if position == arguments["out"] else
+                         f"const {storage}* __restrict__ buffer{position}" for position in range(count))
+  return [f'extern "C" __global__ void __launch_bounds__({plan.threads}) {name}({parameters}) {{',
+          *(f"  const {storage}* {role}_buffer = buffer{arguments[role]};" for role in ("q", "k", "v"))]
+
+
+def _q_fragment_lines(plan: AttentionPlan) -> list[str]:
+  """Q's A fragments of this warp's 16 rows, for every k step of S = Q K^T, loaded once into registers (rows past L
+  read as 0)."""
+  k_step, _, _ = MMA_SHAPES[plan.dtype]
+  steps = plan.head_dim // k_step
+  # every loop unrolled: the fragments are indexed by constants, so they stay in registers
+  lines = [f"  unsigned q_fragments[{steps}][4];",
+           "#pragma unroll",
+           "  for (int half = 0; half < 2; half++) {",
+           "    int row = first_row + half * 8;",
+           f"    const {STORAGE_TYPE[plan.dtype]}* q_row = q_base + (long long)(row < {plan.length} ? row : 0) * "
+           f"{plan.q.strides[2]};",
+           f"    bool inside = row < {plan.length};",
+           "#pragma unroll",
+           f"    for (int step = 0; step < {steps}; step++) {{"]
+  stride = plan.q.strides[3]
+  if plan.dtype == "float32":
+    # a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4)
+    lines += ["#pragma unroll",
+              "      for (int part = 0; part < 2; part++) {",
+              "        int column = step * 8 + part * 4 + quad;",
+              f"        q_fragments[step][part * 2 + half] = tf32(inside ? q_row[column * {stride}] : 0.0f);",
+              "      }"]
+  else:
+    # a0a1 (g, 2q..), a2a3 (g+8, 2q..), a4a5 (g, 2q+8..), a6a7 (g+8, 2q+8..)
+    lines += ["#pragma unroll",
+              "      for (int part = 0; part < 2; part++) {",
+              "        int column = step * 16 + part * 8 + quad * 2;",
+              f"        unsigned short low = inside ? q_row[column * {stride}] : 0;",
+              f"        unsigned short high = inside ? q_row[(column + 1) * {stride}] : 0;",
+              "        q_fragments[step][part * 2 + half] = pack_bits(low, high);",
+              "      }"]
+  return lines + ["    }", "  }"]
+
+
+def _copy_tile_lines(plan: AttentionPlan) -> list[str]:
+  """`copy_tile(tile, stage)`: the key and value rows of one tile into shared memory (rows past S as zeros)."""
+  storage = STORAGE_TYPE[plan.dtype]
+  lines = ["  auto copy_tile = [&](int tile, int stage) {",
+           f"    {storage}* k_stage = k_tiles + stage * {plan.tile_elements};",
+           f"    {storage}* v_stage = v_tiles + stage * {plan.tile_elements};"]
+  if plan.vector_copies:
+    vector = COPY_BYTES // plan.itemsize
+    pieces = plan.head_dim // vector
+    lines += [f"    for (int piece = threadIdx.x; piece < {plan.block_n * pieces}; piece += {plan.threads}) {{",
+              f"      int row = piece / {pieces}, column = (piece % {pieces}) * {vector};",
+              f"      int key = tile * {plan.block_n} + row;",
+              f"      bool inside = key < {plan.source};",
+              "      long long clamped = inside ? key : 0;",
+              f"      copy16(k_stage + row * {plan.row_pitch} + column, k_base + clamped * {plan.k.strides[2]} + "
+              "column, inside);",
+              f"      copy16(v_stage + row * {plan.row_pitch} + column, v_base + clamped * {plan.v.strides[2]} + "
+              "column, inside);",
+              "    }",
+              '    asm volatile("cp.async.commit_group;" ::: "memory");']
+  else:
+    lines += [f"    for (int element = threadIdx.x; element < {plan.block_n * plan.head_dim}; "
+              f"element += {plan.threads}) {{",
+              f"      int row = element / {plan.head_dim}, column = element % {plan.head_dim};",
+              f"      int key = tile * {plan.block_n} + row;",
+              f"      bool inside = key < {plan.source};",
+              f"      k_stage[row * {plan.row_pitch} + column] = inside ? k_base[(long long)key * {plan.k.strides[2]} "
+              f"+ (long long)column * {plan.k.strides[3]}] : ({storage})0;",
+              f"      v_stage[row * {plan.row_pitch} + column] = inside ? v_base[(long long)key * {plan.v.strides[2]} "
+              f"+ (long long)column * {plan.v.strides[3]}] : ({storage})0;",
+              "    }"]
+  return lines + ["  };"]
+
+
+def _scores_lines(plan: AttentionPlan) -> list[str]:
+  """S = Q K^T for this warp's 16 rows and the tile's keys (n tiles of 8), scaled to log2 units and masked."""
+  n_tiles = plan.block_n // 8
+  lines = [f"    float scores[{n_tiles}][4];",
+           "#pragma unroll",
+           f"    for (int n = 0; n < {n_tiles}; n++) scores[n][0] = scores[n][1] = scores[n][2] = scores[n][3] = 0.0f;"]
+  lines += _scores_ldmatrix_lines(plan) if plan.ldmatrix else _scores_load_lines(plan)
+  # mask only the tiles that need it: the last (keys past S) and, causal, those crossing the diagonal
+  crossing = f" || tile * {plan.block_n} + {plan.block_n - 1} > block_first_row" if plan.causal else ""
+  lines += [f"    bool masked = (tile + 1) * {plan.block_n} > {plan.source}{crossing};",
+            "#pragma unroll",
+            f"    for (int n = 0; n < {n_tiles}; n++) {{",
+            "#pragma unroll",
+            "      for (int i = 0; i < 4; i++) {",
+            "        scores[n][i] *= scale_log2;",
+            "        if (masked) {",
+            f"          int key = tile * {plan.block_n} + n * 8 + quad * 2 + (i & 1), row = first_row + (i >> 1) * 8;",
+            f"          if (key >= {plan.source}{' || key > row' if plan.causal else ''}) scores[n][i] = NEG_INF;",
+            "        }",
+            "      }",
+            "    }"]
+  return lines
+
+
+def _scores_load_lines(plan: AttentionPlan) -> list[str]:
+  """S += Q K^T, K's B fragments read from shared memory element by element (TF32) or in 32-bit pairs (16-bit)."""
+  k_step, _, _ = MMA_SHAPES[plan.dtype]
+  lines = ["#pragma unroll",
+           f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
+           f"      const {STORAGE_TYPE[plan.dtype]}* key_row = k_stage + (n * 8 + group) * {plan.row_pitch};",
+           "#pragma unroll",
+           f"      for (int step = 0; step < {plan.head_dim // k_step}; step++) {{"]
+  if plan.dtype == "float32":   # b0 (k q, n g), b1 (k q+4, n g): K[n][k] is B[k][n]
+    lines += ["        mma(scores[n], q_fragments[step], tf32(key_row[step * 8 + quad]), "
+              "tf32(key_row[step * 8 + quad + 4]));"]
+  else:   # b0b1 (k 2q.., n g), b2b3 (k 2q+8.., n g): neighbouring halves of one key row
+    lines += ["        const unsigned* pair = (const unsigned*)(key_row + step * 16 + quad * 2);",
+              "        mma(scores[n], q_fragments[step], pair[0], pair[4]);"]
+  return lines + ["      }", "    }"]
+
+
+def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
+  """S += Q K^T (16-bit), one ldmatrix.x4 per two n tiles and k step: matrices (keys of tile n, k 0-7 and 8-15 of
+  the step), then tile n + 1's; K's rows as stored are B's columns, so no transpose. TF32: an 8x8 matrix of 16-bit
+  elements is 8 rows of 4 floats, and lane l gets the float at row l / 4, column l % 4: B's (k q, n g) element; one
+  ldmatrix.x4 per n tile and two k steps (columns 0-3, 4-7 of each), rounded to TF32 after."""
+  if plan.dtype == "float32":
+    return ["#pragma unroll",
+            f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
+            # lane l: row l % 8 of matrix l / 8 (4 floats from column 4 (l / 8) of the step pair)
+            f"      const float* rows = k_stage + (n * 8 + (lane & 7)) * {plan.row_pitch} + (lane >> 3) * 4;",
+            "#pragma unroll",
+            f"      for (int step = 0; step < {plan.head_dim // 8}; step += 2) {{",
+            "        unsigned b[4];",
+            "        load_matrices(b, rows + step * 8);",
+            "        mma(scores[n], q_fragments[step], tf32(__uint_as_float(b[0])), tf32(__uint_as_float(b[1])));",
+            "        mma(scores[n], q_fragments[step + 1], tf32(__uint_as_float(b[2])), tf32(__uint_as_float(b[3])));",
+            "      }",
+            "    }"]
+  return ["#pragma unroll",
+          f"    for (int n = 0; n < {plan.block_n // 8}; n += 2) {{",
+          # lane l: row l % 8 of matrix l / 8 (tile n + (l / 16), k half (l / 8) % 2)
+          f"      const unsigned short* rows = k_stage + ((n + (lane >> 4)) * 8 + (lane & 7)) * {plan.row_pitch} + "
+          "((lane >> 3) & 1) * 8;",
+          "#pragma unroll",
+          f"      for (int step = 0; step < {plan.head_dim // 16}; step++) {{",
+          "        unsigned b[4];",
+          "        load_matrices(b, rows + step * 16);",
+          "        mma(scores[n], q_fragments[step], b[0], b[1]);",
+          "        mma(scores[n + 1], q_fragments[step], b[2], b[3]);",
+          "      }",
+          "    }"]
+
+
+def _softmax_lines(plan: AttentionPlan) -> list[str]:
+  """The online softmax: the rows' running max (a quad of lanes shares a row), the old sums and outputs rescaled,
+  P = exp2(S - max) in place of the scores."""
+  n_tiles, d_tiles = plan.block_n // 8, plan.head_dim // 8
+  return ["#pragma unroll",
+          "    for (int half = 0; half < 2; half++) {",
+          "      float tile_max = NEG_INF;",
+          "#pragma unroll",
+          f"      for (int n = 0; n < {n_tiles}; n++) "
+          "tile_max = fmaxf(tile_max, fmaxf(scores[n][half * 2], scores[n][half * 2 + 1]));",
+          "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));",
+          "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));",
+          "      float new_max = fmaxf(row_max[half], tile_max);",
+          # a row whose keys so far are all masked keeps max -inf: subtract 0 instead (its P is 0 either way)
+          "      float reference = new_max == NEG_INF ? 0.0f : new_max;",
+          "      float rescale = exp2f(row_max[half] - reference);",
+          "      row_max[half] = new_max;",
+          "      float partial = 0.0f;",
+          "#pragma unroll",
+          f"      for (int n = 0; n < {n_tiles}; n++) {{",
+          "        scores[n][half * 2] = exp2f(scores[n][half * 2] - reference);",
+          "        scores[n][half * 2 + 1] = exp2f(scores[n][half * 2 + 1] - reference);",
+          "        partial += scores[n][half * 2] + scores[n][half * 2 + 1];",
+          "      }",
+          # each lane keeps its own part of the sum: the quad adds them once, at the end
+          "      row_sum[half] = row_sum[half] * rescale + partial;",
+          "#pragma unroll",
+          f"      for (int d = 0; d < {d_tiles}; d++) {{",
+          "        outputs[d][half * 2] *= rescale;",
+          "        outputs[d][half * 2 + 1] *= rescale;",
+          "      }",
+          "    }"]
+
+
+def _weighted_sum_lines(plan: AttentionPlan) -> list[str]:
+  """O += P V. 16-bit: two neighbouring n tiles of P's accumulators are one A fragment of m16n8k16 as they are.
+  TF32: a lane holds P columns 2q, 2q+1 of each 8 keys but m16n8k8's A wants columns q, q+4: the keys are taken in
+  the order 0, 2, 4, 6, 1, 3, 5, 7 instead (column c of A is key pi(c), pi(q) = 2q, pi(q + 4) = 2q + 1), and B's
+  rows (value rows) in the same order, which leaves the sum unchanged."""
+  d_tiles, pitch = plan.head_dim // 8, plan.row_pitch
+  if plan.dtype == "float32":
+    return ["#pragma unroll",
+            f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
+            "      unsigned p[4] = {tf32(scores[n][0]), tf32(scores[n][2]), tf32(scores[n][1]), tf32(scores[n][3])};",
+            f"      const float* value_rows = v_stage + (n * 8 + quad * 2) * {pitch} + group;",
+            "#pragma unroll",
+            f"      for (int d = 0; d < {d_tiles}; d++) "
+            f"mma(outputs[d], p, tf32(value_rows[d * 8]), tf32(value_rows[{pitch} + d * 8]));",
+            "    }"]
+  if plan.ldmatrix: return _weighted_sum_ldmatrix_lines(plan)
+  return ["#pragma unroll",
+          f"    for (int kk = 0; kk < {plan.block_n // 16}; kk++) {{",
+          "      unsigned p[4] = {pack_floats(scores[2 * kk][0], scores[2 * kk][1]), "
+          "pack_floats(scores[2 * kk][2], scores[2 * kk][3]),",
+          "                       pack_floats(scores[2 * kk + 1][0], scores[2 * kk + 1][1]), "
+          "pack_floats(scores[2 * kk + 1][2], scores[2 * kk + 1][3])};",
+          f"      const unsigned short* value_rows = v_stage + (kk * 16 + quad * 2) * {pitch} + group;",
+          "#pragma unroll",
+          f"      for (int d = 0; d < {d_tiles}; d++) {{",
+          "        const unsigned short* column = value_rows + d * 8;",
+          f"        unsigned b0 = pack_bits(column[0], column[{pitch}]);",
+          f"        unsigned b1 = pack_bits(column[{8 * pitch}], column[{9 * pitch}]);",
+          "        mma(outputs[d], p, b0, b1);",
+          "      }",
+          "    }"]
+
+
+_P_FRAGMENT = ["      unsigned p[4] = {pack_floats(scores[2 * kk][0], scores[2 * kk][1]), "
+               "pack_floats(scores[2 * kk][2], scores[2 * kk][3]),",
+               "                       pack_floats(scores[2 * kk + 1][0], scores[2 * kk + 1][1]), "
+               "pack_floats(scores[2 * kk + 1][2], scores[2 * kk + 1][3])};"]
+
+
+def _weighted_sum_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
+  """O += P V (16-bit), V's B fragments by ldmatrix.x4.trans: matrices (keys 0-7, keys 8-15 of the 16) x (value
+  columns of d tile d, then d + 1); a lane gets a key pair of one column, B's layout."""
+  return ["#pragma unroll",
+          f"    for (int kk = 0; kk < {plan.block_n // 16}; kk++) {{",
+          *_P_FRAGMENT,
+          # lane l: row l % 8 of matrix l / 8 (keys 8 ((l / 8) % 2).., columns of d tile d + l / 16)
+          f"      const unsigned short* rows = v_stage + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * "
+          f"{plan.row_pitch} + (lane >> 4) * 8;",
+          "#pragma unroll",
+          f"      for (int d = 0; d < {plan.head_dim // 8}; d += 2) {{",
+          "        unsigned b[4];",
+          "        load_matrices_transposed(b, rows + d * 8);",
+          "        mma(outputs[d], p, b[0], b[1]);",
+          "        mma(outputs[d + 1], p, b[2], b[3]);",
+          "      }",
+          "    }"]
+
+
+def _store_lines(plan: AttentionPlan) -> list[str]:
+  """O / sum into (B, L, H, D) and the logsumexp into (B, H, L), rows past L left out."""
+  d_tiles, heads, dim = plan.head_dim // 8, plan.heads, plan.head_dim
+  return ["#pragma unroll",
+          "  for (int half = 0; half < 2; half++) {",
+          "    float total = row_sum[half];",
+          "    total += __shfl_xor_sync(0xffffffffu, total, 1);",
+          "    total += __shfl_xor_sync(0xffffffffu, total, 2);",
+          "    int row = first_row + half * 8;",
+          f"    if (row >= {plan.length}) continue;",
+          "    float inverse = 1.0f / total;",
+          f"    float* out_row = out + ((long long)(batch * {plan.length} + row) * {heads} + head) * {dim};",
+          "#pragma unroll",
+          f"    for (int d = 0; d < {d_tiles}; d++) {{",
+          "      float2 pair = make_float2(outputs[d][half * 2] * inverse, outputs[d][half * 2 + 1] * inverse);",
+          "      *(float2*)(out_row + d * 8 + quad * 2) = pair;",
+          "    }",
+          f"    if (quad == 0) out[{plan.lse_offset}ll + (long long)(batch * {heads} + head) * {plan.length} + row] "
+          f"= (row_max[half] + log2f(total)) * {LN_2!r}f;",
+          "  }"]
+
+
+def render_attention(plan: AttentionPlan, name: str | None = None, arguments: dict[str, int] | None = None,
+                     dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes") -> str:
+  """CUDA C++ (NVRTC, sm_80+) of the fused attention kernel `name` (default plan.name); its buffers in the order
+  `arguments` gives (default out, q, k, v); launch with plan.global_size x plan.local_size and plan.shared_bytes of
+  dynamic shared memory (exported as `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads at load)."""
+  arguments = arguments or {"out": 0, "q": 1, "k": 2, "v": 3}
+  storage = STORAGE_TYPE[plan.dtype]
+  helpers = _HELPERS_TF32 if plan.dtype == "float32" else _HELPERS_16.replace("TYPE", MMA_SHAPES[plan.dtype][2])
+  last_tile = f"(block_first_row + {plan.block_m - 1}) / {plan.block_n}"
+  tiles = f"min({math.ceil(plan.source / plan.block_n)}, {last_tile} + 1)" if plan.causal else \
+      f"{math.ceil(plan.source / plan.block_n)}"
+  lines = [
+    f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
+    "extern __shared__ __align__(16) unsigned char attention_shared[];",
+    "#define NEG_INF __int_as_float(0xff800000)",
+    helpers, _LDMATRIX_HELPERS if plan.ldmatrix else "", _COPY_HELPER if plan.vector_copies else "",
+    *_signature(plan, name or plan.name, arguments),
+    f"  {storage}* k_tiles = ({storage}*)attention_shared;",
+    f"  {storage}* v_tiles = k_tiles + {plan.stages * plan.tile_elements};",
+    "  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, quad = lane & 3;",
+    # causal: the last query blocks have the most tiles, so they are launched first
+    f"  int query_block = {'gridDim.x - 1 - ' if plan.causal else ''}blockIdx.x;",
+    "  int head = blockIdx.y, batch = blockIdx.z;",
+    f"  int kv_head = head / {plan.group};",
+    f"  int block_first_row = query_block * {plan.block_m};",
+    f"  int first_row = block_first_row + warp * {WARP_ROWS} + group;",
+    f"  const {storage}* q_base = q_buffer + {_element_offset(plan.q, 'batch', 'head')};",
+    f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
+    f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};",
+    f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
+    *_q_fragment_lines(plan),
+    f"  float outputs[{plan.head_dim // 8}][4];",
+    "#pragma unroll",
+    f"  for (int d = 0; d < {plan.head_dim // 8}; d++) outputs[d][0] = outputs[d][1] = outputs[d][2] = "
+    "outputs[d][3] = 0.0f;",
+    "  float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.0f, 0.0f};",
+    *_copy_tile_lines(plan),
+    f"  int tiles = {tiles};",
+    "  copy_tile(0, 0);",
+    "  for (int tile = 0; tile < tiles; tile++) {",
+    # the next tile streams in while this one is computed
+    f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {plan.stages});",
+    *(['    else asm volatile("cp.async.commit_group;" ::: "memory");',
+       '    asm volatile("cp.async.wait_group 1;" ::: "memory");'] if plan.vector_copies else []),
+    "    __syncthreads();",
+    f"    const {storage}* k_stage = k_tiles + (tile % {plan.stages}) * {plan.tile_elements};",
+    f"    const {storage}* v_stage = v_tiles + (tile % {plan.stages}) * {plan.tile_elements};",
+    *_scores_lines(plan),
+    *_softmax_lines(plan),
+    *_weighted_sum_lines(plan),
+    # every warp is done with this stage before a later copy_tile overwrites it
+    "    __syncthreads();",
+    "  }",
+    *_store_lines(plan),
+    "}",
+  ]
+  return "\n".join(line for line in lines if line) + "\n"
+

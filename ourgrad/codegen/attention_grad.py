@@ -1,0 +1,135 @@
+"""The kernels of the fused attention's backward lazy ops (Ops.ATTENTION_DQ, Ops.ATTENTION_DKDV): one launch each of
+the flash backward kernels of codegen/attention_backward.py, on the buffers of a schedule item.
+
+A kernel AST is STORE(ATTENTION_DQ(LOAD q, LOAD k, LOAD v, LOAD fwd, LOAD dO)) or STORE(ATTENTION_DKDV(LOAD q,
+LOAD k, LOAD v, LOAD dO, LOAD fwd, LOAD dq_buffer)), arg (causal, scale), each load one unmasked View of a realized
+buffer whose last dim is contiguous (LazyBuffer.attention_grads). `fwd` is the forward's float32 buffer (Ops.ATTENTION:
+O laid out (B, L, H, D), then the natural-log LSE (B, H, L)): it is both the backward's O and its LSE.
+
+Each op writes ONE buffer in the operands' dtype: ATTENTION_DQ dq (B, H, L, D) contiguous, then delta = rowsum(dO * O)
+(B, H, L) float32, its bytes in the buffer's tail (4 bytes from 2 16-bit elements; the lazy graph reads only dq, the
+dK/dV kernel reads delta as float32); ATTENTION_DKDV dk then dv, each (B, Hk, S, D) contiguous. So each op has one
+output and the gradients need no cast.
+
+The kernels' parameters are fixed (KernelLaunch.arguments, each a whole buffer); a kernel here binds each parameter
+to one of its schedule item's buffers from an element offset on (q, k, v read in place as views of one projection,
+O and LSE of one buffer): CUDA through a wrapper __global__ calling the kernel rendered as a __device__ function,
+PYTHON by the bindings in the emulator's program text (runtime/attention_backward_emulator.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ourgrad.codegen.attention_backward import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan,
+                                                KernelLaunch, contiguous_strides, default_blocks, render_dkdv_kernel,
+                                                render_dq_kernel)
+from ourgrad.helpers import DEBUG
+from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
+
+# a launch parameter bound to a kernel argument: (parameter name, argument index, offset into that buffer in elements
+# of the parameter's type)
+Binding = tuple[str, int, int]
+# each parameter's C type (codegen/attention_backward.py's typedefs)
+PARAMETER_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "o": "o_t", "lse": "float",
+                   "delta": "float", "dq": "grad_t", "dk": "grad_t", "dv": "grad_t"}
+# the lazy ops' sources in order, by the kernels' parameter names ("fwd": O and LSE; "dq_buffer": the DQ op's output)
+SOURCES = {Ops.ATTENTION_DQ: ("q", "k", "v", "fwd", "do"),
+           Ops.ATTENTION_DKDV: ("q", "k", "v", "do", "fwd", "dq_buffer")}
+KERNELS = {Ops.ATTENTION_DQ: DQ_KERNEL, Ops.ATTENTION_DKDV: DKDV_KERNEL}
+
+
+def is_attention_grad(ast: LazyOp) -> bool:
+  """Whether a kernel AST is one of the fused attention backward's (STORE(ATTENTION_DQ | ATTENTION_DKDV))."""
+  return ast.op is Ops.STORE and ast.srcs[0].op in KERNELS
+
+
+def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: str, causal: bool, scale: float,
+                  shared_per_sm: int) -> AttentionBackwardPlan:
+  """The plan for views (ShapeTracker Views) q, do (B, H, L, D) and k, v (B, Hk, S, D), their last dim contiguous,
+  reading O and LSE from the forward's buffer and writing the gradients contiguous in the operands' dtype."""
+  batch, heads, length, head_dim = q_view.shape
+  kv_heads, source = k_view.shape[1], k_view.shape[2]
+  strides = [tuple(int(stride) for stride in view.strides[:3]) for view in (q_view, k_view, v_view, do_view)]
+  q_like, kv_like = contiguous_strides(heads, length, head_dim), contiguous_strides(kv_heads, source, head_dim)
+  return AttentionBackwardPlan(
+    batch, heads, kv_heads, length, source, head_dim, dtype, causal, scale, strides[0], strides[1], strides[2],
+    (length * heads * head_dim, head_dim, heads * head_dim), strides[3], q_like, kv_like, kv_like,
+    (heads * length, length, 1), lse_offset=batch * length * heads * head_dim, o_dtype="float32",
+    shared_per_sm=shared_per_sm, **default_blocks(head_dim, dtype))
+
+
+class AttentionGradKernel:
+  """The kernel of one fused attention backward AST (module docstring): its plan, launch and parameter bindings."""
+
+  def __init__(self, ast: LazyOp, renderer: Any):
+    if not is_attention_grad(ast): raise AssertionError(f"not an attention backward's AST: {ast.op}")
+    self.ast, self.renderer = ast, renderer
+    op = ast.srcs[0]
+    loads = op.srcs
+    if any(load.op is not Ops.LOAD or not isinstance(load.arg, MemBuffer) or len(load.arg.st.views) != 1 or
+           load.arg.st.views[0].mask is not None for load in loads):
+      raise AssertionError("attention backward sources must be unmasked loads of realized buffers (engine/schedule.py)")
+    self.leaves: list[LazyOp] = [ast, *loads]
+    self.sts = [leaf.arg.st for leaf in self.leaves]
+    self.applied_opts: list[Any] = []
+    causal, scale = op.arg
+    load_of = dict(zip(SOURCES[op.op], loads))
+    views = {name: load.arg.st.views[0] for name, load in load_of.items()}
+    shared_per_sm = renderer.dynamic_local_memory_bytes + BLOCK_RESERVED_SHARED
+    self.plan = backward_plan(views["q"], views["k"], views["v"], views["do"], load_of["q"].dtype.name, causal,
+                              scale, shared_per_sm)
+    self.kernel = KERNELS[op.op]
+    self.launch: KernelLaunch = next(launch for launch in self.plan.launches() if launch.name == self.kernel)
+    p = self.plan
+    q_elements, kv_elements = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
+    place = {name: (load.arg.idx, int(views[name].offset)) for name, load in load_of.items()}
+    place.update(o=place["fwd"], lse=place["fwd"], dq=(0, 0), dk=(0, 0), dv=(0, kv_elements))
+    # delta after dq, in float32 elements (q_elements is even: head_dim is a multiple of 16)
+    delta = q_elements * p.itemsize // 4
+    place["delta"] = (0, delta) if op.op is Ops.ATTENTION_DQ else (place["dq_buffer"][0], delta)
+    self.bindings: list[Binding] = [(name, *place[name]) for name in self.launch.arguments]
+    self.arguments = 1 + len({load.arg.idx for load in loads})
+
+  @property
+  def name(self) -> str:
+    p = self.plan
+    return f"{self.kernel.replace('attention_backward', 'attn_bwd')}_{p.batch}_{p.heads}_{p.q_len}_{p.kv_len}_" \
+           f"{p.head_dim}{'_causal' if p.causal else ''}"
+
+  def colored_shape(self) -> str:
+    p = self.plan
+    return f"{p.batch} {p.heads} {p.q_len} {p.kv_len} {p.head_dim}"
+
+  def print_debug(self) -> None:
+    if DEBUG >= 3:
+      print(format_ast(self.ast))
+      print(f"{self.name}: fused attention backward, plan {self.plan}")
+
+  def op_count(self) -> int:
+    """Multiply-adds of the products it computes (dQ kernel: S, dP, dQ; dK/dV kernel: S, dP, dV, dK; each 2 ops),
+    halved by a causal mask."""
+    p = self.plan
+    products = 3 if self.kernel == DQ_KERNEL else 4
+    full = 2 * products * p.batch * p.heads * p.q_len * p.kv_len * p.head_dim
+    return full // 2 if p.causal else full
+
+  def byte_count(self) -> int:
+    """Its operands read once (dQ kernel: also O in float32; dK/dV kernel: Q and dO once per block of keys, counted
+    once) and its gradients written once."""
+    p = self.plan
+    q_side, kv_side = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
+    if self.kernel == DQ_KERNEL: return (3 * q_side + 2 * kv_side) * p.itemsize + q_side * 4
+    return (2 * q_side + 4 * kv_side) * p.itemsize
+
+
+def render_attention_grad_cuda(name: str, kernel: AttentionGradKernel) -> str:
+  """CUDA source of `kernel`: the backward kernel as a __device__ function and the __global__ `name` taking the
+  schedule item's buffers in argument order, binding each parameter to a buffer and element offset."""
+  plan, launch = kernel.plan, kernel.launch
+  render = render_dq_kernel if kernel.kernel == DQ_KERNEL else render_dkdv_kernel
+  body = render(plan, device_function=True)
+  parameters = [f"{'' if index == 0 else 'const '}void* __restrict__ data{index}" for index in range(kernel.arguments)]
+  # (a C-style cast may drop const: the output is written through `data0` alone)
+  bound = [f"({PARAMETER_TYPES[name]}*)data{index} + {offset}" for name, index, offset in kernel.bindings]
+  return (f'{body}\nextern "C" __global__ void {plan.launch_bounds(launch.block[0], launch.shared_bytes)} '
+          f"{name}({', '.join(parameters)}) {{\n  {kernel.kernel}_body({', '.join(bound)});\n}}\n")

@@ -1,0 +1,184 @@
+"""Fused attention for `Tensor.scaled_dot_product_attention` (tensor_nn.py): the decision and the autograd Function.
+
+`fused_attention_refusal` decides, in one place, whether an SDPA call runs as one fused kernel (Ops.ATTENTION,
+codegen/attention.py) or as today's composite graph; DEBUG>=3 prints "attention: fused" or "attention: composite
+because ...". The fused kernel runs where the device's renderer has it (`has_fused_attention`: CUDA sm_80+, PYTHON
+with EMULATE=CUDA), training included (FUSED_ATTENTION=1, the default, or 2; 0: never), for q (B, H, L, D)
+or (B, L, D), k and v (B, Hk, S, D) with Hk dividing H (grouped-query attention), D a multiple of 16 up to 128,
+float16/bfloat16, or float32 where TF32 is allowed (`set_float32_matmul_precision("high")`); no attn_mask tensor, no
+dropout.
+
+`FusedAttention` is its autograd Function: forward is the kernel (O, and the logsumexp of each query row kept for
+the backward). Its backward is `fused_backward`: the flash backward kernels as two lazy ops (Ops.ATTENTION_DQ writes
+dq and delta = rowsum(dO * O), Ops.ATTENTION_DKDV dk and dv; codegen/attention_grad.py), reading the operands as the
+forward did and O and LSE from the forward's buffer, writing the gradients in the operands' dtype. Where
+`fused_backward_refusal` says no (FUSED_ATTENTION_BACKWARD=0, or shared memory over the device's limit) it is
+`attention_backward`: the composite math recomputed from the logsumexp, summed in float32: P = exp(S * scale - LSE),
+dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK = dS^T Q * scale; with 16-bit operands
+P and dS are rounded to the operand type before their products, as flash kernels do.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ourgrad.codegen.attention import OPERAND_DTYPES
+from ourgrad.codegen.attention_backward import AttentionBackwardPlan
+from ourgrad.device import Device
+from ourgrad.dtype import DType, dtypes
+from ourgrad.function import Function, _tensor_class
+from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, tf32_allowed
+from ourgrad.lazy import LazyBuffer
+from ourgrad.shape.symbolic import is_symbolic
+
+if TYPE_CHECKING:
+  from ourgrad.tensor import Tensor
+
+# head sizes the kernel takes: whole mma k steps (16), registers for Q and O fragments up to 128
+HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 128
+
+
+def fused_attention_refusal(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                            enable_gqa: bool) -> str | None:
+  """None when this scaled_dot_product_attention runs as the fused kernel, else why not (the module docstring)."""
+  if not FUSED_ATTENTION: return "FUSED_ATTENTION=0"
+  if not isinstance(q.device, str) or not q.device == k.device == v.device:
+    return f"q, k, v on {q.device}, {k.device}, {v.device} (sharded or apart)"
+  renderer = Device[q.device].renderer
+  if not getattr(renderer, "has_fused_attention", False): return f"{q.device} has no fused attention kernel"
+  if attn_mask is not None: return "an attn_mask tensor is given"
+  if dropout_p > 0.0: return f"dropout_p={dropout_p}"
+  if not q.ndim == k.ndim == v.ndim or q.ndim not in (3, 4): return f"q, k, v have {q.ndim}, {k.ndim}, {v.ndim} dims"
+  if any(is_symbolic(size) for size in (*q.shape, *k.shape, *v.shape)): return "a symbolic size"
+  if not q.dtype == k.dtype == v.dtype: return f"q, k, v are {q.dtype.name}, {k.dtype.name}, {v.dtype.name}"
+  if q.dtype not in OPERAND_DTYPES: return f"{q.dtype.name} operands"
+  if q.dtype == dtypes.float32 and not tf32_allowed(): return "float32 at matmul precision 'highest' (no TF32)"
+  head_dim = q.shape[-1]
+  if head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM or v.shape[-1] != head_dim:
+    return f"head size {head_dim} (values {v.shape[-1]}): the kernel takes equal sizes, multiples of 16 up to 128"
+  if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0]: return "batch sizes differ (broadcast)"
+  if q.ndim == 4 and (q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1] or
+                      (k.shape[1] != q.shape[1] and not enable_gqa)):
+    return f"heads q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]}"
+  if q.ndim == 3 and k.shape[0] != q.shape[0]: return "batch sizes differ"
+  if 0 in (*q.shape, *k.shape): return "an empty operand"
+  return None
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> Tensor:
+  """The fused kernel's O for operands `fused_attention_refusal` accepted: (B, [H,] L, D) like q."""
+  if q.ndim == 3: return fused_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal, scale).squeeze(1)
+  return FusedAttention.apply(q, k, v, causal=is_causal, scale=scale)
+
+
+def explain_attention(refusal: str | None) -> None:
+  if DEBUG >= 3: print("attention: fused" if refusal is None else f"attention: composite because {refusal}")
+
+
+def split_attention_output(flat: LazyBuffer, shape: tuple[int, int, int, int]) -> tuple[LazyBuffer, LazyBuffer]:
+  """(O as a (B, H, L, D) float32 view, the logsumexp as (B, H, L)) of an attention kernel's output buffer."""
+  batch, heads, length, head_dim = shape
+  o_elements = batch * length * heads * head_dim
+  out = flat.shrink(((0, o_elements),)).reshape((batch, length, heads, head_dim)).permute((0, 2, 1, 3))
+  lse = flat.shrink(((o_elements, o_elements + batch * heads * length),)).reshape((batch, heads, length))
+  return out, lse
+
+
+class FusedAttention(Function):
+  """softmax(q k^T * scale (+ causal mask)) v as one kernel (LazyBuffer.attention); backward: two flash backward
+  kernels (`fused_backward`) where `fused_backward_refusal` allows, else attention_backward's composite math."""
+
+  def forward(self, q: LazyBuffer, k: LazyBuffer, v: LazyBuffer, causal: bool, scale: float) -> LazyBuffer:
+    self.q, self.k, self.v, self.causal, self.scale = q, k, v, causal, scale
+    self.flat = q.attention(k, v, causal, scale)
+    self.operands = self.flat.srcs   # q, k, v as its kernel reads them (in place, or made contiguous once)
+    self.out, self.lse = split_attention_output(self.flat, q.shape)
+    return self.out if q.dtype == dtypes.float32 else self.out.cast(q.dtype)
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
+    refusal = fused_backward_refusal(self.q, self.k)
+    if DEBUG >= 3: print("attention backward: fused" if refusal is None else f"attention backward: composite because "
+                         f"{refusal}")
+    if refusal is None:
+      grads = fused_backward(self.operands, self.flat, grad_output, self.causal, self.scale)
+      return tuple(grad if needed else None for grad, needed in zip(grads, self.needs_input_grad))
+    Tensor = _tensor_class()   # noqa: N806 (the class)
+    with Tensor.no_grad_context():
+      wrap = [Tensor(value, device=self.device) for value in (self.q, self.k, self.v, self.out, self.lse, grad_output)]
+      grads = attention_backward(*wrap, causal=self.causal, scale=self.scale)
+    return tuple(grad.lazydata if needed else None for grad, needed in zip(grads, self.needs_input_grad))
+
+
+def fused_backward_refusal(q: LazyBuffer, k: LazyBuffer) -> str | None:
+  """None when the backward of a fused attention of these operands runs as the flash backward kernels, else why not
+  (FUSED_ATTENTION_BACKWARD=0, or their shared memory is over the device's limit)."""
+  if not FUSED_ATTENTION_BACKWARD: return "FUSED_ATTENTION_BACKWARD=0"
+  batch, heads, length, head_dim = q.shape
+  plan = AttentionBackwardPlan.contiguous(batch, heads, k.shape[1], length, k.shape[2], head_dim, q.dtype.name, False)
+  limit = Device[q.device].renderer.dynamic_local_memory_bytes
+  if not plan.fits(limit): return f"its kernels need {plan.dkdv_shared_bytes} B of shared memory, over {limit}"
+  return None
+
+
+def fused_backward(operands: tuple[LazyBuffer, ...], flat: LazyBuffer, grad_output: LazyBuffer, causal: bool,
+                   scale: float) -> tuple[LazyBuffer, LazyBuffer, LazyBuffer]:
+  """(dq, dk, dv) of the fused attention of `operands` (q, k, v as the forward's kernel read them) whose forward
+  wrote `flat` (Ops.ATTENTION), in the operands' dtype: views of the dQ and dK/dV kernels' outputs
+  (LazyBuffer.attention_grads)."""
+  q, k, v = operands
+  dq_buffer, dkdv_buffer = q.attention_grads(k, v, flat, grad_output, causal, scale)
+  batch, heads, length, head_dim = q.shape
+  kv_shape = k.shape
+  q_elements, kv_elements = batch * heads * length * head_dim, math.prod(kv_shape)
+  return (dq_buffer.shrink(((0, q_elements),)).reshape(q.shape),
+          dkdv_buffer.shrink(((0, kv_elements),)).reshape(kv_shape),
+          dkdv_buffer.shrink(((kv_elements, 2 * kv_elements),)).reshape(kv_shape))
+
+
+def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, causal: bool,
+                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+  """(dq, dk, dv) of the fused attention, in the operands' dtypes: q (B, H, L, D), k and v (B, Hk, S, D), out the
+  forward's O (float32, (B, H, L, D)), lse its natural-log logsumexp (float32, (B, H, L)), grad_out dO like O.
+  The composite math in float32 (module docstring): the fallback of `fused_backward`."""
+  batch, heads, length, _ = q.shape
+  kv_heads, source = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  q32, k32, v32 = (x.cast(dtypes.float32) for x in (q, k, v))
+  if group > 1: k32, v32 = _repeat_kv(k32, group), _repeat_kv(v32, group)
+  grad32 = grad_out.cast(dtypes.float32)
+  scores = q32.matmul(k32.transpose(-2, -1)) * scale
+  if causal:
+    rows = type(q).arange(length, device=q.device).reshape(length, 1)
+    keep = type(q).arange(source, device=q.device).reshape(1, source) <= rows
+    scores = keep.where(scores, -float("inf"))
+  # P and dS are stored (in the operand type), as the composite graph's softmax output is: each feeds two products,
+  # which then read plain buffers on tensor cores instead of recomputing them inside their loops
+  weights = _operand((scores - lse.unsqueeze(-1)).exp(), q.dtype)
+  grad_v = weights.transpose(-2, -1).matmul(grad32)
+  grad_weights = grad32.matmul(v32.transpose(-2, -1))
+  row_dot = (grad32 * out).sum(-1, keepdim=True)
+  grad_scores = _operand(weights * (grad_weights - row_dot), q.dtype)
+  grad_q = grad_scores.matmul(k32) * scale
+  grad_k = grad_scores.transpose(-2, -1).matmul(q32) * scale
+  if group > 1: grad_k, grad_v = _sum_groups(grad_k, group), _sum_groups(grad_v, group)
+  return grad_q.cast(q.dtype), grad_k.cast(k.dtype), grad_v.cast(v.dtype)
+
+
+def _operand(x: Tensor, dtype: DType) -> Tensor:
+  """A (B, H, L, S) float32 matmul operand stored in a buffer of its own in the operand type (16-bit: rounded as flash
+  kernels round P and dS; the products read 16-bit values on 16-bit tensor cores and sum in float32)."""
+  return x.contiguous() if dtype == dtypes.float32 else x.cast(dtype).contiguous().cast(dtypes.float32)
+
+
+def _repeat_kv(x: Tensor, group: int) -> Tensor:
+  """(B, Hk, S, D) -> (B, Hk * group, S, D), query head h reading kv head h // group."""
+  batch, kv_heads, source, head_dim = x.shape
+  return x.unsqueeze(2).expand(batch, kv_heads, group, source, head_dim).reshape(batch, kv_heads * group, source,
+                                                                                head_dim)
+
+
+def _sum_groups(x: Tensor, group: int) -> Tensor:
+  """(B, Hk * group, S, D) -> (B, Hk, S, D): the gradients of the query heads sharing each kv head, summed."""
+  batch, heads, source, head_dim = x.shape
+  return x.reshape(batch, heads // group, group, source, head_dim).sum(2)
+

@@ -1,0 +1,391 @@
+"""The fused (flash) attention kernel (Ops.ATTENTION, codegen/attention.py) against PyTorch's float64 SDPA.
+
+The device is the PYTHON interpreter with CUDA's facts (`PythonRenderer("CUDA")`, as `DEVICE=PYTHON EMULATE=CUDA`),
+whose attention emulator (runtime/attention_emulator.py) runs the kernel's plan; the CUDA source of every variant is
+compiled with NVRTC where it loads. Forward and backward (the flash backward kernels, Ops.ATTENTION_DQ and
+ATTENTION_DKDV, emulated by runtime/attention_backward_emulator.py; FUSED_ATTENTION_BACKWARD=0 the composite math
+from the logsumexp) are checked for causal and not, odd lengths (L != S, not multiples of the tiles), float32 (TF32),
+float16, bfloat16, strided q/k/v (GPT-2's views of one (B, T, 3, H, D) buffer), grouped-query attention; the cases
+the kernel does not take keep the composite graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ourgrad
+from ourgrad import Tensor
+from ourgrad.codegen.attention import Operand, plan_attention, render_attention
+from ourgrad.device import Device
+from ourgrad.dtype import dtypes
+from ourgrad.engine import realize, schedule_cache
+from ourgrad.engine.realize import run_schedule
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.helpers import GlobalCounters, _float32_matmul_precision
+from ourgrad.ops import Ops
+from ourgrad.renderer.cuda import CUDARenderer
+from ourgrad.runtime.ops_python import PythonRenderer
+from ourgrad import tensor_attention
+from ourgrad.tensor_attention import fused_attention_refusal
+
+from helpers import device_opens, nvrtc_compiler
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
+from extra.models.gpt2 import GPT2, GPT2Config, load_torch_weights, make_torch_gpt2  # noqa: E402
+
+DEVICE = "PYTHON"
+TORCH_DTYPES = {dtypes.float32: torch.float32, dtypes.float16: torch.float16, dtypes.bfloat16: torch.bfloat16}
+# relative (Frobenius) error allowed against float64: operands rounded to TF32 / float16 / bfloat16, P rounded too
+TOLERANCES = {dtypes.float32: 3e-3, dtypes.float16: 3e-3, dtypes.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+  """The PYTHON device as a CUDA GPU (the fused kernel emulated), TF32 allowed; fresh kernel and schedule caches."""
+  monkeypatch.setattr(Device[DEVICE], "renderer", PythonRenderer("CUDA"))
+  monkeypatch.setenv("FUSED_ATTENTION", "1")   # the default: fused forward and backward, training too
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  monkeypatch.delenv("TF32", raising=False)
+  ourgrad.set_float32_matmul_precision("high")
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+  yield
+  _float32_matmul_precision[0] = None
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+
+
+def _random(*shape: int, seed: int) -> np.ndarray:
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _relative_error(got: np.ndarray, want: torch.Tensor) -> float:
+  want64 = want.detach().double().numpy()
+  return float(np.linalg.norm(got.astype(np.float64) - want64) / np.linalg.norm(want64))
+
+
+def _ourgrad_inputs(arrays: list[np.ndarray], dtype, requires_grad: bool = False) -> list[Tensor]:
+  """Realized tensors of `dtype` (the values rounded to it) on the emulated GPU."""
+  tensors = [Tensor(array, device=DEVICE).cast(dtype).realize() for array in arrays]
+  for tensor in tensors: tensor.requires_grad = requires_grad
+  return tensors
+
+
+def _torch_inputs(tensors: list[Tensor]) -> list[torch.Tensor]:
+  """float64 twins holding the same (rounded) values."""
+  return [torch.tensor(t.cast(dtypes.float32).numpy(), dtype=torch.float64, requires_grad=True) for t in tensors]
+
+
+def _attention_items(out: Tensor) -> list:
+  """The fused attention items of the schedule that realizes `out` (run: scheduling gives the bases buffers)."""
+  schedule = create_schedule([out.lazydata])
+  run_schedule(schedule)
+  return [item for item in schedule if any(node.op is Ops.ATTENTION for node in item.ast.walk())]
+
+
+# ---------------------------------------------------------------- forward and backward against torch
+
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16, dtypes.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("length, source", [(64, 64), (70, 45), (33, 100)])
+def test_forward_backward_against_torch(emulated_cuda, dtype, causal, length, source):
+  batch, heads, head_dim = 2, 3, 64
+  arrays = [_random(batch, heads, rows, head_dim, seed=seed) for seed, rows in ((1, length), (2, source), (3, source))]
+  q, k, v = _ourgrad_inputs(arrays, dtype, requires_grad=True)
+  out = q.scaled_dot_product_attention(k, v, is_causal=causal)
+  assert len(_attention_items(out)) == 1
+  grad_np = _random(batch, heads, length, head_dim, seed=4)
+  (out.cast(dtypes.float32) * Tensor(grad_np, device=DEVICE)).sum().backward()
+  tq, tk, tv = _torch_inputs([q, k, v])
+  want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+  (want * torch.tensor(grad_np, dtype=torch.float64)).sum().backward()
+  assert out.dtype == dtype and out.shape == (batch, heads, length, head_dim)
+  assert _relative_error(out.cast(dtypes.float32).numpy(), want) < TOLERANCES[dtype]
+  for got, twin in ((q, tq), (k, tk), (v, tv)):
+    assert got.grad.dtype == dtype
+    assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
+
+
+def test_logsumexp_matches_torch(emulated_cuda):
+  """The kernel's second output: the natural-log logsumexp of each query row, (B, H, L), float32."""
+  from ourgrad.tensor_attention import split_attention_output
+  batch, heads, length, source, head_dim = 1, 2, 50, 90, 64
+  arrays = [_random(batch, heads, rows, head_dim, seed=seed) for seed, rows in ((5, length), (6, source), (7, source))]
+  q, k, v = _ourgrad_inputs(arrays, dtypes.float32)
+  flat = q.lazydata.attention(k.lazydata, v.lazydata, True, 0.125)
+  _, lse = split_attention_output(flat, q.shape)
+  got = Tensor(lse, device=DEVICE).numpy()
+  scores = torch.tensor(arrays[0], dtype=torch.float64) @ torch.tensor(arrays[1], dtype=torch.float64).transpose(-1, -2)
+  scores = (scores * 0.125).masked_fill(~torch.ones(length, source, dtype=torch.bool).tril(), -math.inf)
+  np.testing.assert_allclose(got, torch.logsumexp(scores, -1).numpy(), atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_gpt2_strided_views_read_in_place(emulated_cuda, dtype):
+  """q, k, v as GPT-2 makes them: views of one (B, T, 3, H, D) buffer, read through their strides (no copies) by the
+  forward and by both backward kernels; y transposed back to (B, T, H * D)."""
+  from ourgrad.codegen.attention_grad import is_attention_grad
+  batch, tokens, heads, head_dim = 2, 80, 2, 64
+  qkv = _ourgrad_inputs([_random(batch, tokens, 3 * heads * head_dim, seed=8)], dtype, requires_grad=True)[0]
+  qkv_np = qkv.cast(dtypes.float32).numpy()
+  q, k, v = (qkv.reshape(batch, tokens, 3, heads, head_dim)[:, :, i].transpose(1, 2) for i in range(3))
+  y = q.scaled_dot_product_attention(k, v, is_causal=True).transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+  items = _attention_items(y)
+  assert len(items) == 1 and len(items[0].inputs) == 1   # one buffer holds q, k and v
+  y = y.cast(dtypes.float32)
+  y.sum().backward()
+  schedule = create_schedule([qkv.grad.lazydata])
+  run_schedule(list(schedule))   # (scheduling gave the bases buffers: their kernels must run)
+  backward = [item for item in schedule if is_attention_grad(item.ast)]
+  # dQ: qkv, the forward's buffer, dO; dK/dV: the same and the dQ buffer (delta)
+  assert [len(item.inputs) for item in backward] == [3, 4]
+  assert all(item.inputs[0] is items[0].inputs[0] for item in backward)
+  tqkv = torch.tensor(qkv_np, dtype=torch.float64, requires_grad=True)
+  tq, tk, tv = (tqkv.reshape(batch, tokens, 3, heads, head_dim)[:, :, i].transpose(1, 2) for i in range(3))
+  want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+  want = want.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+  want.sum().backward()
+  assert _relative_error(y.numpy(), want) < TOLERANCES[dtype]
+  assert _relative_error(qkv.grad.cast(dtypes.float32).numpy(), tqkv.grad) < 2 * TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_grouped_query_attention(emulated_cuda, dtype):
+  batch, heads, kv_heads, length, head_dim = 1, 4, 2, 40, 64
+  arrays = [_random(batch, h, length, head_dim, seed=s) for s, h in ((9, heads), (10, kv_heads), (11, kv_heads))]
+  q, k, v = _ourgrad_inputs(arrays, dtype, requires_grad=True)
+  out = q.scaled_dot_product_attention(k, v, is_causal=True, enable_gqa=True)
+  assert len(_attention_items(out)) == 1
+  out.cast(dtypes.float32).sum().backward()
+  tq, tk, tv = _torch_inputs([q, k, v])
+  want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+  want.sum().backward()
+  assert _relative_error(out.cast(dtypes.float32).numpy(), want) < TOLERANCES[dtype]
+  for got, twin in ((q, tq), (k, tk), (v, tv)):
+    assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
+
+
+def test_head_dim_128_and_three_dims(emulated_cuda):
+  """D = 128 (a narrower key tile for TF32), and q, k, v without a head axis (B, L, D)."""
+  arrays = [_random(3, rows, 128, seed=seed) for seed, rows in ((12, 20), (13, 36), (14, 36))]
+  q, k, v = _ourgrad_inputs(arrays, dtypes.float32)
+  out = q.scaled_dot_product_attention(k, v, scale=0.3)
+  assert len(_attention_items(out)) == 1
+  want = torch.nn.functional.scaled_dot_product_attention(*_torch_inputs([q, k, v]), scale=0.3)
+  assert _relative_error(out.numpy(), want) < TOLERANCES[dtypes.float32]
+
+
+def test_gpt2_loss_and_gradients(emulated_cuda, monkeypatch):
+  """A GPT-2 block (head size 64, TF32) whose attention is the fused kernel: loss and every gradient against the
+  PyTorch twin in float64."""
+  monkeypatch.setenv("DEVICE", DEVICE)   # the model's parameters too
+  fused_backwards: list[bool] = []
+  refusal = tensor_attention.fused_backward_refusal
+  monkeypatch.setattr(tensor_attention, "fused_backward_refusal",
+                      lambda q, k: fused_backwards.append(refusal(q, k) is None) or refusal(q, k))
+  config = GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=64, block_size=20)
+  torch_model = make_torch_gpt2(config).double()
+  model = GPT2(config)
+  load_torch_weights(model, torch_model)
+  rng = np.random.default_rng(27)
+  tokens, targets = (rng.integers(0, 64, (1, 20)).astype(np.int32) for _ in range(2))
+  with Tensor.train():
+    loss = model(Tensor(tokens, device=DEVICE), Tensor(targets, device=DEVICE))[1]
+    loss.backward()
+  want = torch_model(torch.from_numpy(tokens).long(), torch.from_numpy(targets).long())[1]
+  want.backward()
+  assert loss.item() == pytest.approx(want.item(), rel=1e-4)
+  assert fused_backwards == [True]   # its backward ran as the flash backward kernels
+  theirs = dict(torch_model.named_parameters())
+  for name, param in model.named_parameters():
+    assert _relative_error(param.grad.numpy(), theirs[name].grad) < 5e-3, name
+
+
+# ---------------------------------------------------------------- kernel counts
+
+def test_forward_is_one_kernel(emulated_cuda):
+  arrays = [_random(2, 2, 64, 64, seed=seed) for seed in (15, 16, 17)]
+  q, k, v = _ourgrad_inputs(arrays, dtypes.float32)
+  GlobalCounters.reset()
+  q.scaled_dot_product_attention(k, v, is_causal=True).realize()
+  assert GlobalCounters.kernel_count == 1
+
+
+def test_float16_forward_is_the_kernel_and_a_cast(emulated_cuda):
+  """O is written in float32 beside the logsumexp; the float16 result is one elementwise cast after it."""
+  q, k, v = _ourgrad_inputs([_random(1, 2, 64, 64, seed=seed) for seed in (18, 19, 20)], dtypes.float16)
+  GlobalCounters.reset()
+  q.scaled_dot_product_attention(k, v).realize()
+  assert GlobalCounters.kernel_count == 2
+
+
+# ---------------------------------------------------------------- the composite graph where the kernel does not run
+
+@pytest.mark.parametrize("case, reason", [
+  ("mask", "attn_mask"), ("dropout", "dropout_p"), ("head_dim", "head size 40"), ("highest", "no TF32"),
+  ("broadcast", "batch sizes differ")])
+def test_refusals_keep_the_composite_graph(emulated_cuda, case, reason):
+  head_dim = 40 if case == "head_dim" else 64
+  q, k, v = (Tensor(_random(2, 2, 16, head_dim, seed=seed), device=DEVICE) for seed in (21, 22, 23))
+  if case == "broadcast": k, v = k[:1], v[:1]
+  mask = Tensor(np.tril(np.ones((16, 16), dtype=bool)), device=DEVICE) if case == "mask" else None
+  dropout = 0.1 if case == "dropout" else 0.0
+  if case == "highest": ourgrad.set_float32_matmul_precision("highest")
+  refusal = fused_attention_refusal(q, k, v, mask, dropout, False)
+  assert refusal is not None and reason in refusal
+  out = q.scaled_dot_product_attention(k, v, attn_mask=mask, dropout_p=dropout)
+  assert not _attention_items(out)
+  if dropout == 0.0:
+    torch_mask = None if mask is None else torch.tensor(mask.numpy())
+    want = torch.nn.functional.scaled_dot_product_attention(*(torch.tensor(t.numpy()) for t in (q, k, v)),
+                                                            attn_mask=torch_mask)
+    np.testing.assert_allclose(out.numpy(), want.numpy(), atol=1e-5)
+
+
+def test_training_uses_the_fused_kernels_by_default(emulated_cuda, monkeypatch):
+  """FUSED_ATTENTION=1 (the default) fuses the forward of training too, and FUSED_ATTENTION_BACKWARD=1 (the default)
+  runs its backward as the two flash backward kernels; FUSED_ATTENTION_BACKWARD=0 keeps the composite backward math."""
+  q, k, v = (Tensor(_random(1, 2, 16, 64, seed=seed), device=DEVICE, requires_grad=True) for seed in (36, 37, 38))
+  assert fused_attention_refusal(q, k, v, None, 0.0, False) is None
+  assert _backward_attention_ops(q, k, v, causal=True) == [Ops.ATTENTION_DQ, Ops.ATTENTION_DKDV]
+  monkeypatch.setenv("FUSED_ATTENTION_BACKWARD", "0")
+  assert _backward_attention_ops(q, k, v, causal=True) == []
+
+
+def _backward_attention_ops(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> list[Ops]:
+  """The fused attention backward ops of the schedule of q, k and v's gradients (the forward run first)."""
+  for tensor in (q, k, v): tensor.grad = None
+  out = q.scaled_dot_product_attention(k, v, is_causal=causal)
+  assert len(_attention_items(out)) == 1
+  out.sum().backward()
+  schedule = create_schedule([t.grad.lazydata for t in (q, k, v)])
+  return [node.op for item in schedule for node in item.ast.walk() if node.op in (Ops.ATTENTION_DQ, Ops.ATTENTION_DKDV)]
+
+
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_training_step_attention_is_three_kernels(emulated_cuda, dtype):
+  """A training step's attention: the forward kernel, then the dQ and the dK/dV kernels; each gradient is a view of
+  their outputs in the operands' dtype (no cast, none of the composite backward's (B, H, L, S) matmuls; bfloat16 O's
+  cast is not needed when only gradients are realized)."""
+  q, k, v = _ourgrad_inputs([_random(2, 2, 64, 64, seed=seed) for seed in (39, 40, 41)], dtype, True)
+  grad = Tensor(_random(2, 2, 64, 64, seed=42), device=DEVICE).cast(dtype).realize()
+  GlobalCounters.reset()
+  q.scaled_dot_product_attention(k, v, is_causal=True).backward(grad)
+  Tensor.realize(q.grad, k.grad, v.grad)
+  assert GlobalCounters.kernel_count == 3
+  assert q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
+
+
+def test_composite_backward_still_matches(emulated_cuda, monkeypatch):
+  """FUSED_ATTENTION_BACKWARD=0: the fused forward with the composite backward (the A/B of the flash kernels)."""
+  monkeypatch.setenv("FUSED_ATTENTION_BACKWARD", "0")
+  arrays = [_random(1, 2, rows, 64, seed=seed) for seed, rows in ((43, 50), (44, 70), (45, 70))]
+  q, k, v = _ourgrad_inputs(arrays, dtypes.bfloat16, requires_grad=True)
+  q.scaled_dot_product_attention(k, v, is_causal=True).cast(dtypes.float32).sum().backward()
+  tq, tk, tv = _torch_inputs([q, k, v])
+  torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+  for got, twin in ((q, tq), (k, tk), (v, tv)):
+    assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtypes.bfloat16]
+
+
+def test_devices_without_the_kernel_keep_the_composite_graph():
+  """Plain PYTHON (no EMULATE) and CLANG have no fused attention: sdpa builds today's graph."""
+  q, k, v = (Tensor(_random(1, 2, 16, 64, seed=seed), device=DEVICE) for seed in (24, 25, 26))
+  assert "no fused attention" in fused_attention_refusal(q, k, v, None, 0.0, False)
+  assert not _attention_items(q.scaled_dot_product_attention(k, v, is_causal=True))
+
+
+# ---------------------------------------------------------------- the CUDA source compiles (NVRTC, no GPU needed)
+
+@pytest.mark.skipif(nvrtc_compiler() is None, reason="NVRTC does not load here")
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16, dtypes.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+# (head size, rows 16-byte aligned): cp.async copies at D = 64, element-by-element copies at D = 128 (fewer compiles)
+@pytest.mark.parametrize("head_dim, aligned", [(64, True), (128, False)])
+def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
+  length, source, heads = 100, 77, 4
+  row = 3 * heads * head_dim
+  # one (B, T, 3, H, D) buffer (aligned: cp.async copies) or rows with an odd offset (element by element)
+  operands = [Operand(1, head_dim * part + (0 if aligned else 1), (length * row, head_dim, row, 1))
+              for part in range(3)]
+  plan = plan_attention(*operands, ((2, heads, length, head_dim), (2, heads // 2, source, head_dim)), dtype,
+                        causal, 0.125, CUDARenderer("sm_90"))
+  assert plan.vector_copies == aligned and plan.shared_bytes <= CUDARenderer.dynamic_local_memory_bytes
+  assert not plan.ldmatrix   # (ATTENTION_LDMATRIX=0, the default)
+  # with plain loads and with ldmatrix of the K (16-bit: and V) fragments
+  for variant in (plan, dataclasses.replace(plan, ldmatrix=True)):
+    nvrtc_compiler().compile(render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1}))
+
+
+@pytest.mark.skipif(nvrtc_compiler() is None, reason="NVRTC does not load here")
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16, dtypes.float16])
+@pytest.mark.parametrize("case", ["gpt2", "gqa_d128"])
+def test_backward_cuda_sources_compile(emulated_cuda, dtype, case):
+  """The CUDA source of the dQ and dK/dV kernels of a training step (wrapper kernels binding the schedule item's
+  buffers, the dependent-launch prologue of sm_90), as the CUDA device would build them from the same ASTs: GPT-2's
+  strided q/k/v of one buffer, causal; GQA at D = 128 with contiguous operands, not causal."""
+  from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
+  from ourgrad.codegen.lowering import lower_kernel
+  if case == "gpt2":
+    qkv = _ourgrad_inputs([_random(2, 40, 3 * 2 * 64, seed=46)], dtype, requires_grad=True)[0]
+    q, k, v = (qkv.reshape(2, 40, 3, 2, 64)[:, :, i].transpose(1, 2) for i in range(3))
+    leaves, causal, gqa = [qkv], True, False
+  else:
+    arrays = [_random(1, h, 24, 128, seed=seed) for seed, h in ((47, 4), (48, 2), (49, 2))]
+    leaves, causal, gqa = _ourgrad_inputs(arrays, dtype, requires_grad=True), False, True
+    q, k, v = leaves
+  out = q.scaled_dot_product_attention(k, v, is_causal=causal, enable_gqa=gqa)
+  run_schedule(create_schedule([out.lazydata]))
+  out.cast(dtypes.float32).sum().backward()
+  items = [item for item in create_schedule([t.grad.lazydata for t in leaves]) if is_attention_grad(item.ast)]
+  assert len(items) == 2
+  renderer = CUDARenderer("sm_90")
+  for item in items:
+    kernel = AttentionGradKernel(item.ast, renderer)
+    source = lower_kernel(kernel, renderer, kernel.name).source
+    assert source.count('extern "C" __global__') == 1
+    nvrtc_compiler().compile(source)
+
+
+# ---------------------------------------------------------------- on a real GPU (skipped without one)
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16, dtypes.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_device_against_torch(dtype, causal, monkeypatch):
+  """The CUDA kernel itself (sm_80+), odd lengths and GQA, forward and backward, against float64."""
+  monkeypatch.setenv("FUSED_ATTENTION", "2")
+  ourgrad.set_float32_matmul_precision("high")
+  try:
+    batch, heads, kv_heads, length, source, head_dim = 2, 4, 2, 300, 200, 64
+    arrays = [_random(batch, h, rows, head_dim, seed=s)
+              for s, h, rows in ((30, heads, length), (31, kv_heads, source), (32, kv_heads, source))]
+    q, k, v = (Tensor(array, device="CUDA").cast(dtype).realize() for array in arrays)
+    for tensor in (q, k, v): tensor.requires_grad = True
+    out = q.scaled_dot_product_attention(k, v, is_causal=causal, enable_gqa=True)
+    out.cast(dtypes.float32).sum().backward()
+    tq, tk, tv = _torch_inputs([q, k, v])
+    want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)
+    want.sum().backward()
+    assert _relative_error(out.cast(dtypes.float32).numpy(), want) < TOLERANCES[dtype]
+    for got, twin in ((q, tq), (k, tk), (v, tv)):
+      assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
+  finally:
+    _float32_matmul_precision[0] = None
+
+
+# ---------------------------------------------------------------- the decision, printed
+
+def test_decision_is_printed_at_debug_3(emulated_cuda, monkeypatch, capsys):
+  q, k, v = (Tensor(_random(1, 2, 16, 64, seed=seed), device=DEVICE) for seed in (33, 34, 35))
+  monkeypatch.setenv("DEBUG", "3")
+  q.scaled_dot_product_attention(k, v, is_causal=True)
+  q.scaled_dot_product_attention(k, v, dropout_p=0.5)
+  printed = capsys.readouterr().out
+  assert "attention: fused" in printed and "attention: composite because dropout_p=0.5" in printed
