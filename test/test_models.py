@@ -604,3 +604,34 @@ def test_embed_command_line() -> None:
   vectors = np.array(json.loads(raw))
   assert vectors.shape == (2, 384)
   np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_llama_greedy_decode_is_the_logits_argmax(sequences: int, _no_cuda_render_check) -> None:
+  """`decode_greedy` (the argmax taken on the device, ids read back) gives the argmax of `decode`'s logits at every
+  step, for one sequence and for several at their own positions; the step is the logits' step plus the argmax
+  kernels (ARGMAX_KERNELS)."""
+  weights = _tiny_weights(TINY, seed=11)
+  prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]][:sequences]
+
+  def model() -> Llama:
+    built = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False,
+                  sequences=sequences)
+    for row, prompt in enumerate(prompts): built(Tensor([prompt], dtype=dtypes.int32), 0, sequence=row).numpy()
+    return built
+  with_logits, greedy = model(), model()
+  tokens = [prompt[-1] for prompt in prompts]
+  for step in range(4):
+    positions = [len(prompt) + step for prompt in prompts]
+    expected = with_logits.decode(tokens, positions).numpy().argmax(-1).tolist()
+    tokens = greedy.decode_greedy(tokens, positions)
+    assert tokens == expected, step
+  assert greedy._greedy_jit.captured is not None and with_logits._decode_jit.captured is not None
+  added = len(greedy._greedy_jit.captured.items) - len(with_logits._decode_jit.captured.items)
+  assert added == _expected_argmax_kernels(), added
+
+
+def _expected_argmax_kernels() -> int:
+  """Kernels the greedy step adds to the logits' step: the row's max, then the first index reaching it. A CPU runs
+  both in one row kernel; a GPU splits each long reduce of few rows in two (a partial per chunk, then their max)."""
+  return 4 if Device[Device.DEFAULT].renderer.runs_thread_blocks else 1

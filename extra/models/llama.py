@@ -344,7 +344,10 @@ class Llama:
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
     self.slots = Tensor(np.arange(max_context, dtype=np.int32), device=self.device).realize()  # cache slot numbers
+    vocab = self.output.shape[0]
+    self.countdown = Tensor(np.arange(vocab, 0, -1, dtype=np.int32), device=self.device).realize()  # vocab - index
     self._decode_jit = TinyJit(self._decode_graph)
+    self._greedy_jit = TinyJit(self._greedy_graph)   # the same step ending in the argmax (`decode_greedy`)
     self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
   @staticmethod
@@ -457,6 +460,25 @@ class Llama:
     logits = (x * self.norm).linear(as_tensor(self.output))
     return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps)
 
+  def _greedy_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
+                    position: Variable | None) -> Tensor:
+    """The greedy next token (S,) int32 of each sequence: `_decode_graph`'s logits reduced to their argmax on the
+    device, so a step reads back 4 bytes a sequence instead of its vocab-sized logits."""
+    logits = self._decode_graph(token, cos, sin, write, mask, position)
+    # the first index reaching the row's max has the largest countdown (vocab - index): a realized table, where an
+    # arange would be a kernel of its own in every step (NaN logits are not looked for, as Tensor.argmax does)
+    countdown = self.countdown.reshape(1, -1)
+    best = (logits == logits.max(-1, keepdim=True)).where(countdown, 0).max(-1)
+    return (logits.shape[-1] - best).cast(dtypes.int32)
+
+  def decode_greedy(self, token: int | Sequence[int], position: int | Sequence[int], jit: bool = True) -> list[int]:
+    """The greedy next token of each sequence after feeding `token` at `position` (as `decode`, whose logits'
+    argmax it is, taken on the device): for a caller that only needs ids (greedy generation, a benchmark)."""
+    step = self._greedy_jit if jit else self._greedy_graph
+    ids = step(*self._step_inputs(token, position))
+    if not jit: Tensor.realize_all(ids, *(block.cache for block in self.blocks))
+    return [int(value) for value in ids.numpy()]
+
   def decode(self, token: int | Sequence[int], position: int | Sequence[int], jit: bool = True) -> Tensor:
     """The logits (S, vocab) after feeding one `token` at `position` to each of the S = `sequences` sequences (ints
     for one sequence, sequences of S ints for several; each token's K and V are cached at its position in its row).
@@ -466,6 +488,14 @@ class Llama:
     reads only `cache[:, :position + 1]` (kernels compiled once for every position; several sequences must then be
     at one position). Without it attention reads the whole cache under a host-made mask per sequence: only
     fixed-shape kernels, which a CUDA graph replays as one launch."""
+    step = self._decode_jit if jit else self._decode_graph
+    logits = step(*self._step_inputs(token, position))
+    if not jit: Tensor.realize_all(logits, *(block.cache for block in self.blocks))
+    return logits
+
+  def _step_inputs(self, token: int | Sequence[int], position: int | Sequence[int]) -> tuple:
+    """The arguments of a decode step's graph for one `token` at `position` per sequence (checked): the tokens (S, 1)
+    int32, rope cos/sin, the cache-write marks, and the additive mask (fixed shapes) or the bound position."""
     tokens = [token] if isinstance(token, int) else [int(t) for t in token]
     positions = [position] if isinstance(position, int) else [int(p) for p in position]
     if len(tokens) != self.sequences or len(positions) != self.sequences:
@@ -485,7 +515,4 @@ class Llama:
       mask, bound = None, self.position.bind(positions[0])
     else:
       mask, bound = Tensor(np.where(slots <= at, 0.0, -np.inf).astype(np.float32), device=self.device), None
-    step = self._decode_jit if jit else self._decode_graph
-    logits = step(token_t, cos_t, sin_t, write, mask, bound)
-    if not jit: Tensor.realize_all(logits, *(block.cache for block in self.blocks))
-    return logits
+    return token_t, cos_t, sin_t, write, mask, bound
