@@ -115,15 +115,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   return x * inverse_rms(x, eps) * weight
 
 
-def inverse_rms_per_output(x: Tensor, outputs: int, eps: float) -> Tensor:
+def inverse_rms_per_output(x: Tensor, outputs: int, eps: float, row_layout: tuple[int, ...] | None = None) -> Tensor:
   """inverse_rms(x) broadcast to (..., `outputs`), its mean of squares computed in the loop shape of a product
   x @ W.T with `outputs` columns ((rows, outputs, k), reduced over k): the product's kernel then holds both reduces
   over the same rows (a row kernel) and recomputes the scale beside each output, where a scale of shape (..., 1)
   is a kernel of its own. For one short row of x (a decode step); with many rows it would turn a tiled matmul into
-  a row kernel."""
+  a row kernel. `row_layout`: the product's k in blocks (a packed weight's `PackedTensor.row_blocks`), so that both
+  reduces share its loop shape and axes."""
   flat = x.reshape(-1, x.shape[-1])
   squares = flat.unsqueeze(-2).expand(flat.shape[0], outputs, flat.shape[1]).square()
-  return (squares.mean(-1) + eps).rsqrt().reshape(*x.shape[:-1], outputs)
+  if row_layout is not None: squares = squares.reshape(flat.shape[0], outputs, *row_layout)
+  return (squares.mean(tuple(range(2, squares.ndim))) + eps).rsqrt().reshape(*x.shape[:-1], outputs)
 
 
 def softmax_weighted_sum(scores: Tensor, values: Tensor) -> Tensor:
@@ -135,6 +137,12 @@ def softmax_weighted_sum(scores: Tensor, values: Tensor) -> Tensor:
   exps = (rows - rows.max(-1, keepdim=True)).exp()
   weighted = (exps * values.transpose(-1, -2).unsqueeze(-3)).sum(-1)
   return (weighted / exps.sum(-1)).contiguous()   # stored by this kernel: a reader's kernel would refuse its reduces
+
+
+def row_layout(weight: Tensor | PackedTensor) -> tuple[int, ...] | None:
+  """How a decode step's product with `weight` lays out k (`LlamaBlock._linear(blocked=True)`): a packed weight's
+  blocks (`PackedTensor.row_blocks`), else None (one axis)."""
+  return weight.row_blocks if isinstance(weight, PackedTensor) else None
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -213,11 +221,14 @@ class LlamaBlock:
     self.recompute_rows = Device[wq.device].renderer.runs_thread_blocks
 
   @staticmethod
-  def _linear(x: Tensor, weight: Tensor | PackedTensor, norm: Tensor | None = None) -> Tensor:
+  def _linear(x: Tensor, weight: Tensor | PackedTensor, norm: Tensor | None = None, blocked: bool = False) -> Tensor:
     """x @ (weight * norm).T, the norm weight (packed weights) scaling the dequantized columns inside the product's
     kernel (on the input it would be a kernel of its own). A packed weight's dequantization is built afresh for each
     graph: a lazy tensor kept between calls would be stored as float32 by the first kernel that realizes it (a
-    prefill) and then read as float32 by every later one."""
+    prefill) and then read as float32 by every later one. `blocked`: a packed weight's product block by block
+    (`PackedTensor.linear`: its bytes read side by side), for the matrix-vector products of a GPU decode step; a
+    prefill's matrix product keeps the (n, k) values, which the scheduler stores once for the tiled matmul."""
+    if blocked and isinstance(weight, PackedTensor): return weight.linear(x, norm)
     return x.linear(as_tensor(weight) if norm is None else as_tensor(weight) * norm)
 
   def _inverse_rms(self, x: Tensor) -> Tensor: return inverse_rms(x, self.config.norm_eps)
@@ -250,9 +261,9 @@ class LlamaBlock:
     heads, head_dim = config.n_heads, config.head_dim
     # stored (two kernels read it), as float32 (a bfloat16 product's values, widened): the rotations read it per slot
     # (K, V) and per score (q) as a plain load, where a cast would make q's rotation too costly to recompute
-    product = self._linear(x, self.w_qkv, self.attn_norm)
-    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps) if self.recompute_rows else \
-        self._inverse_rms(x)
+    product = self._linear(x, self.w_qkv, self.attn_norm, self.recompute_rows)
+    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps, row_layout(self.w_qkv)) \
+        if self.recompute_rows else self._inverse_rms(x)
     projected = (product * scale).cast(dtypes.float32).contiguous()
     projected = projected.reshape(batch, length, -1, head_dim)
     cos, sin = cos.reshape(batch, length, 1, head_dim), sin.reshape(batch, length, 1, head_dim)  # one row per sequence
@@ -264,12 +275,14 @@ class LlamaBlock:
 
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
-    x = x + self._linear(attended, self.wo)
-    product = self._linear(x, self.w_gate_up, self.ffn_norm)
+    one_token_gpu = x.shape[1] == 1 and self.recompute_rows
+    x = x + self._linear(attended, self.wo, blocked=one_token_gpu)
+    product = self._linear(x, self.w_gate_up, self.ffn_norm, one_token_gpu)
     # one token on a GPU: the norm's scale recomputed inside the product's kernel (the scaled product stored for the
     # down projection); else one scale per row (a kernel of its own), applied on the down projection's loads
-    if x.shape[1] == 1 and self.recompute_rows:
-      product = (product * inverse_rms_per_output(x, product.shape[-1], self.config.norm_eps)).contiguous()
+    if one_token_gpu:
+      scale = inverse_rms_per_output(x, product.shape[-1], self.config.norm_eps, row_layout(self.w_gate_up))
+      product = (product * scale).contiguous()
     else:
       product = product * self._inverse_rms(x)
     gate, up = product.chunk(2, dim=-1)
@@ -277,7 +290,7 @@ class LlamaBlock:
     # several rows: the SwiGLU product in a buffer of its own. Fused into the down projection's loads it was
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
     if x.shape[1] > 1: hidden = hidden.contiguous()
-    return x + self._linear(hidden, self.w_down)
+    return x + self._linear(hidden, self.w_down, blocked=one_token_gpu)
 
   def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor,
                sequence: Tensor) -> Tensor:
@@ -457,8 +470,8 @@ class Llama:
     if not self.blocks[0].recompute_rows:
       return rms_norm(x, self.norm, self.config.norm_eps).linear(as_tensor(self.output))
     # a GPU: the final norm's scale recomputed beside each logit (one kernel, not a norm kernel before the product)
-    logits = (x * self.norm).linear(as_tensor(self.output))
-    return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps)
+    logits = LlamaBlock._linear(x * self.norm, self.output, blocked=True)
+    return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps, row_layout(self.output))
 
   def _greedy_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
                     position: Variable | None) -> Tensor:
