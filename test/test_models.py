@@ -635,3 +635,28 @@ def _expected_argmax_kernels() -> int:
   """Kernels the greedy step adds to the logits' step: the row's max, then the first index reaching it. A CPU runs
   both in one row kernel; a GPU splits each long reduce of few rows in two (a partial per chunk, then their max)."""
   return 4 if Device[Device.DEFAULT].renderer.runs_thread_blocks else 1
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_llama_generate_greedy_feeds_back_on_the_device(sequences: int, _no_cuda_render_check) -> None:
+  """`generate_greedy` (steps fed back on the device, ids read once) gives the ids of `decode_greedy` step by step,
+  for sequences at their own positions; a second call from other positions replays the same capture."""
+  weights = _tiny_weights(TINY, seed=13)
+  prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]][:sequences]
+
+  def model() -> Llama:
+    built = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False,
+                  sequences=sequences)
+    for row, prompt in enumerate(prompts): built(Tensor([prompt], dtype=dtypes.int32), 0, sequence=row).numpy()
+    return built
+  stepped, resident = model(), model()
+  tokens, positions = [prompt[-1] for prompt in prompts], [len(prompt) - 1 for prompt in prompts]
+  expected: list[list[int]] = [[] for _ in prompts]
+  for step in range(5):
+    tokens = stepped.decode_greedy(tokens, [p + step for p in positions])
+    for row, token in enumerate(tokens): expected[row].append(token)
+  first = resident.generate_greedy([prompt[-1] for prompt in prompts], positions, 3)
+  rest = resident.generate_greedy([ids[-1] for ids in first], [p + 3 for p in positions], 2)
+  assert [a + b for a, b in zip(first, rest)] == expected
+  assert resident._resident_jit.captured is not None
+  with pytest.raises(ValueError, match="context"): resident.generate_greedy([1] * sequences, [14] * sequences, 3)

@@ -361,6 +361,8 @@ class Llama:
     self.countdown = Tensor(np.arange(vocab, 0, -1, dtype=np.int32), device=self.device).realize()  # vocab - index
     self._decode_jit = TinyJit(self._decode_graph)
     self._greedy_jit = TinyJit(self._greedy_graph)   # the same step ending in the argmax (`decode_greedy`)
+    self._resident_jit = TinyJit(self._resident_graph)   # greedy steps fed back on the device (`generate_greedy`)
+    self._resident: dict[str, Tensor] | None = None   # its state buffers, made on first use
     self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
   @staticmethod
@@ -477,12 +479,60 @@ class Llama:
                     position: Variable | None) -> Tensor:
     """The greedy next token (S,) int32 of each sequence: `_decode_graph`'s logits reduced to their argmax on the
     device, so a step reads back 4 bytes a sequence instead of its vocab-sized logits."""
-    logits = self._decode_graph(token, cos, sin, write, mask, position)
+    return self._argmax(self._decode_graph(token, cos, sin, write, mask, position))
+
+  def _argmax(self, logits: Tensor) -> Tensor:
+    """The first index of each row's max, (S,) int32."""
     # the first index reaching the row's max has the largest countdown (vocab - index): a realized table, where an
     # arange would be a kernel of its own in every step (NaN logits are not looked for, as Tensor.argmax does)
     countdown = self.countdown.reshape(1, -1)
     best = (logits == logits.max(-1, keepdim=True)).where(countdown, 0).max(-1)
     return (logits.shape[-1] - best).cast(dtypes.int32)
+
+  def _resident_graph(self) -> Tensor:
+    """One greedy step fed from and back to device buffers (`generate_greedy`): each sequence's token (S, 1) and
+    position (S,) are read from the state, the rope angles gathered from tables by the position, the write marks
+    and the mask compared on the device; the argmax becomes the next step's token, also kept in the history at the
+    position it will be fed at, and the positions advance. No host input, nothing read back."""
+    state = self._resident
+    assert state is not None
+    positions, slots = state["positions"], self.slots.reshape(1, -1)
+    at = positions.reshape(-1, 1)
+    write = (slots == at).reshape(self.sequences, self.max_context, 1, 1)
+    mask = (slots <= at).where(0.0, -math.inf)
+    logits = self._decode_graph(state["tokens"], state["cos"][positions], state["sin"][positions], write, mask, None)
+    ids = self._argmax(logits).reshape(-1, 1)
+    state["history"].assign((slots == at + 1).where(ids, state["history"]))
+    state["tokens"].assign(ids)
+    state["positions"].assign(positions + 1)
+    return ids
+
+  def generate_greedy(self, token: int | Sequence[int], position: int | Sequence[int], steps: int) -> list[list[int]]:
+    """The next `steps` greedy tokens of each sequence after feeding `token` at `position` (ints for one sequence,
+    a sequence of S ints for several), as lists of ids. The steps run back to back on the device (fixed shapes
+    only): each one's argmax is the next one's token without a round trip through the host (`_resident_graph`, a
+    TinyJit of no inputs), the host launches them without waiting, and the ids are read back once at the end.
+    Stop tokens are not looked for: a caller that needs them asks for a few steps at a time."""
+    if self.symbolic: raise ValueError("generate_greedy runs fixed-shape steps: construct the model symbolic=False")
+    tokens = [token] if isinstance(token, int) else [int(t) for t in token]
+    positions = [position] if isinstance(position, int) else [int(p) for p in position]
+    if len(tokens) != self.sequences or len(positions) != self.sequences:
+      raise ShapeError(f"generate_greedy takes a token and a position for each of the model's {self.sequences} "
+                       f"sequences, got {len(tokens)} tokens and {len(positions)} positions")
+    if steps < 1 or not all(0 <= p and p + steps <= self.max_context for p in positions):
+      raise ValueError(f"{steps} steps from positions {positions} exceed the context of {self.max_context} tokens")
+    if self._resident is None:   # the rope tables of every position, the tokens, positions and ids of the steps
+      cos, sin = rope_inputs(np.arange(self.max_context), self.config.head_dim, self.config.rope_theta)
+      host = {"cos": cos, "sin": sin, "tokens": np.zeros((self.sequences, 1), np.int32),
+              "positions": np.zeros(self.sequences, np.int32),
+              "history": np.zeros((self.sequences, self.max_context), np.int32)}
+      self._resident = {name: Tensor(value, device=self.device).contiguous().realize() for name, value in host.items()}
+    state = self._resident
+    state["tokens"].assign(Tensor([[t] for t in tokens], dtype=dtypes.int32, device=self.device)).realize()
+    state["positions"].assign(Tensor(positions, dtype=dtypes.int32, device=self.device)).realize()
+    for _ in range(steps): self._resident_jit()
+    history = state["history"].numpy()
+    return [history[row, p + 1:p + 1 + steps].tolist() for row, p in enumerate(positions)]
 
   def decode_greedy(self, token: int | Sequence[int], position: int | Sequence[int], jit: bool = True) -> list[int]:
     """The greedy next token of each sequence after feeding `token` at `position` (as `decode`, whose logits'
