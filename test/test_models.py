@@ -518,7 +518,7 @@ def test_smollm2_greedy_answer(_no_cuda_render_check) -> None:
   chat = ChatModel.from_gguf(smollm2_path(), max_context=128)
   reply = chat.reply(messages, Sampler(temperature=0), 32)
   assert reply == "The capital of France is Paris."
-  assert chat.model._decode_jit.captured is not None  # the reply's steps replayed the capture
+  assert chat.model._greedy_jit.captured is not None  # the reply's steps replayed the capture (argmax on the device)
   chat.jit = False
   assert chat.reply(messages, Sampler(temperature=0), 32) == reply
 
