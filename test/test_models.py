@@ -660,3 +660,26 @@ def test_llama_generate_greedy_feeds_back_on_the_device(sequences: int, _no_cuda
   assert [a + b for a, b in zip(first, rest)] == expected
   assert resident._resident_jit.captured is not None
   with pytest.raises(ValueError, match="context"): resident.generate_greedy([1] * sequences, [14] * sequences, 3)
+
+
+@pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])
+def test_llama_decode_replays_keep_their_input_buffers(symbolic: bool, monkeypatch, _no_cuda_render_check) -> None:
+  """The step's host-made inputs are written into the same device buffers every step: a replay patches no kernel
+  argument (a CUDA graph would otherwise update every node reading them, one driver call each), and the logits stay
+  those of fresh inputs."""
+  from ourgrad.engine import jit
+  patched: list[int] = []
+  for replay in (jit.ItemReplay, jit.GraphReplay):
+    original = replay.set_buffer
+    monkeypatch.setattr(replay, "set_buffer", lambda self, *args, original=original: (patched.append(1),
+                                                                                      original(self, *args)))
+  weights = _tiny_weights(TINY, seed=5)
+  tokens = [4, 9, 31, 2, 17, 17, 40, 1]
+  expected = torch_llama_logits(weights, TINY, tokens)
+  model = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=symbolic)
+  got = [model(Tensor([tokens[:3]], dtype=dtypes.int32), 0).numpy()[0]]
+  for position in range(3, len(tokens)):
+    if position == 5: patched.clear()   # from the first replay on
+    got.append(model.decode(tokens[position], position).numpy()[0])
+  assert not patched
+  np.testing.assert_allclose(np.stack(got), expected[2:], rtol=1e-4, atol=1e-4)

@@ -363,6 +363,7 @@ class Llama:
     self._greedy_jit = TinyJit(self._greedy_graph)   # the same step ending in the argmax (`decode_greedy`)
     self._resident_jit = TinyJit(self._resident_graph)   # greedy steps fed back on the device (`generate_greedy`)
     self._resident: dict[str, Tensor] | None = None   # its state buffers, made on first use
+    self._step_buffers: dict[str, Tensor] = {}   # the decode step's host-made inputs (`_write_step_inputs`)
     self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
   @staticmethod
@@ -570,12 +571,23 @@ class Llama:
       raise ValueError(f"a symbolic decode attends to one length for all sequences, got positions {positions}: "
                        "construct the model with symbolic=False for sequences at different positions")
     cos, sin = rope_inputs(np.array(positions), self.config.head_dim, self.config.rope_theta)
-    cos_t, sin_t = Tensor(cos, device=self.device), Tensor(sin, device=self.device)
-    token_t = Tensor([[t] for t in tokens], dtype=dtypes.int32, device=self.device)
     slots, at = np.arange(self.max_context), np.array(positions).reshape(-1, 1)
-    write = Tensor((slots == at).reshape(self.sequences, self.max_context, 1, 1), device=self.device)
-    if self.symbolic:
-      mask, bound = None, self.position.bind(positions[0])
-    else:
-      mask, bound = Tensor(np.where(slots <= at, 0.0, -np.inf).astype(np.float32), device=self.device), None
-    return token_t, cos_t, sin_t, write, mask, bound
+    host = {"token": np.array(tokens, np.int32).reshape(-1, 1), "cos": cos, "sin": sin,
+            "write": (slots == at).reshape(self.sequences, self.max_context, 1, 1)}
+    if not self.symbolic: host["mask"] = np.where(slots <= at, 0.0, -np.inf).astype(np.float32)
+    inputs = self._write_step_inputs(host)
+    bound = self.position.bind(positions[0]) if self.symbolic else None
+    return inputs["token"], inputs["cos"], inputs["sin"], inputs["write"], inputs.get("mask"), bound
+
+  def _write_step_inputs(self, host: dict[str, np.ndarray]) -> dict[str, Tensor]:
+    """The step's host-made inputs, copied into the same device buffers at every step: a captured step's CUDA graph
+    then keeps its kernels' arguments (new buffers would make the replay patch every kernel node that reads them,
+    ~90 nodes a step, one driver call each)."""
+    kept = self._step_buffers
+    for name, value in host.items():
+      if name not in kept: kept[name] = Tensor(value, device=self.device).contiguous().realize()
+      else:
+        buffer = kept[name].lazydata.realized
+        assert buffer is not None
+        buffer.copyin(memoryview(np.ascontiguousarray(value)).cast("B"))
+    return kept
