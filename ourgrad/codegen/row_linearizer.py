@@ -276,7 +276,10 @@ class RowLinearizer(Linearizer):
     if kernel.final_reduces: return self._linearize_final_rows(rows, row_dims, units, width)
     stack_axis, stack = self._stacked_rows(row_dims)
     threads, per_block = self._row_layout(rows // stack, units)
-    if stack > 1 and math.ceil(units / threads) > PERSISTENT_UNITS:   # stacked rows keep their units in registers
+    # stacked rows keep their units in registers, and do not cost rows that share blocks (a warp's shuffles each) a
+    # block of their own (fewer rows: a barrier per reduce and stacked row)
+    if stack > 1 and (math.ceil(units / threads) > PERSISTENT_UNITS or
+                      (per_block == 1 and self._row_layout(rows, units)[1] > 1)):
       stack_axis, stack = None, 1
       threads, per_block = self._row_layout(rows, units)
     rows //= stack
