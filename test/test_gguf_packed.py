@@ -61,11 +61,12 @@ def test_dequantize_matches_numpy(ggml_type: int, rows: int, columns: int) -> No
   np.testing.assert_allclose(packed.dequantize().numpy(), expected, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 8, 9])
 @pytest.mark.parametrize("ggml_type, rows, columns", FORMATS, ids=["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
 def test_matvec_reads_packed_bytes_in_one_kernel(ggml_type: int, rows: int, columns: int, batch: int) -> None:
-  """x @ W.T on a packed W (odd row counts): for one row of x one kernel moving fewer bytes than a float32 W alone;
-  for several the product still matches numpy's dequantization of the same bytes."""
+  """x @ W.T on a packed W (odd row counts): for up to 8 rows of x (a batched decode step) one kernel, the values
+  dequantized in registers (for one row moving fewer bytes than a float32 W alone); for more the scheduler may
+  store the values once first. The product matches numpy's dequantization of the same bytes."""
   rng = np.random.default_rng(10 + ggml_type)
   raw = random_blocks(ggml_type, rows * columns // BLOCK[ggml_type][0], rng)
   packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
@@ -75,7 +76,9 @@ def test_matvec_reads_packed_bytes_in_one_kernel(ggml_type: int, rows: int, colu
   out = x.linear(packed.dequantize()).realize()
   if batch == 1:  # each weight value read once: dequantized in the product's kernel, read packed
     assert GlobalCounters.kernel_count == 1 and GlobalCounters.global_mem < rows * columns * 4
-  else:  # read `batch` times: the scheduler may store the values once for the product (docs: PackedTensor)
+  elif batch <= 8:  # read `batch` times, each computed once per register tile (schedule.REGISTER_ROW_VISITS)
+    assert GlobalCounters.kernel_count == 1
+  else:  # the scheduler may store the values once for the product (docs: PackedTensor)
     assert GlobalCounters.kernel_count <= 2
   expected = x_np @ numpy_dequantize(ggml_type, raw).reshape(rows, columns).T
   np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
