@@ -61,11 +61,12 @@ def test_dequantize_matches_numpy(ggml_type: int, rows: int, columns: int) -> No
   np.testing.assert_allclose(packed.dequantize().numpy(), expected, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 8, 9])
 @pytest.mark.parametrize("ggml_type, rows, columns", FORMATS, ids=["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
 def test_matvec_reads_packed_bytes_in_one_kernel(ggml_type: int, rows: int, columns: int, batch: int) -> None:
-  """x @ W.T on a packed W (odd row counts): for one row of x one kernel moving fewer bytes than a float32 W alone;
-  for several the product still matches numpy's dequantization of the same bytes."""
+  """x @ W.T on a packed W (odd row counts): for up to 8 rows of x (a batched decode step) one kernel, the values
+  dequantized in registers (for one row moving fewer bytes than a float32 W alone); for more the scheduler may
+  store the values once first. The product matches numpy's dequantization of the same bytes."""
   rng = np.random.default_rng(10 + ggml_type)
   raw = random_blocks(ggml_type, rows * columns // BLOCK[ggml_type][0], rng)
   packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
@@ -75,10 +76,53 @@ def test_matvec_reads_packed_bytes_in_one_kernel(ggml_type: int, rows: int, colu
   out = x.linear(packed.dequantize()).realize()
   if batch == 1:  # each weight value read once: dequantized in the product's kernel, read packed
     assert GlobalCounters.kernel_count == 1 and GlobalCounters.global_mem < rows * columns * 4
-  else:  # read `batch` times: the scheduler may store the values once for the product (docs: PackedTensor)
+  elif batch <= 8:  # read `batch` times, each computed once per register tile (schedule.REGISTER_ROW_VISITS)
+    assert GlobalCounters.kernel_count == 1
+  else:  # the scheduler may store the values once for the product (docs: PackedTensor)
     assert GlobalCounters.kernel_count <= 2
   expected = x_np @ numpy_dequantize(ggml_type, raw).reshape(rows, columns).T
   np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("ggml_type, rows, columns", FORMATS, ids=["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
+def test_blocked_linear_matches_numpy(ggml_type: int, rows: int, columns: int, batch: int) -> None:
+  """`PackedTensor.linear` (the product block by block, a decode step's form) with a column scale (a norm weight)
+  against numpy's dequantization of the same bytes; for one row of x one kernel moving fewer bytes than a float32 W."""
+  rng = np.random.default_rng(20 + ggml_type)
+  raw = random_blocks(ggml_type, rows * columns // BLOCK[ggml_type][0], rng)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
+  x_np = rng.standard_normal((batch, 1, columns)).astype(np.float32)
+  scale_np = rng.uniform(0.5, 1.5, columns).astype(np.float32)
+  x, scale = Tensor(x_np).realize(), Tensor(scale_np).realize()
+  GlobalCounters.reset()
+  out = packed.linear(x, scale).realize()
+  if batch == 1: assert GlobalCounters.kernel_count == 1 and GlobalCounters.global_mem < rows * columns * 4
+  expected = x_np @ (numpy_dequantize(ggml_type, raw).reshape(rows, columns) * scale_np).T
+  assert out.shape == (batch, 1, rows)
+  np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+  with pytest.raises(ShapeError): packed.linear(Tensor.empty(batch, columns + 1))
+
+
+def test_blocked_q8_0_product_reads_a_block_side_by_side() -> None:
+  """Lowered for CUDA, the blocked Q8_0 product of one row (a decode step's output projection, 576 x 576) gives
+  each output row a warp whose threads read neighbouring quant bytes (lane i: byte i of a block, coalesced), where
+  the (n, k) form's optimizer saw k as a strided axis and gave 18 blocks, each thread a row of its own."""
+  from ourgrad.codegen.kernel import Kernel
+  from ourgrad.codegen.linearizer import linearize
+  from ourgrad.codegen.uops import UOps, launch_dims
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.renderer.cuda import CUDARenderer
+  rng = np.random.default_rng(4)
+  packed = PackedTensor.from_blocks(GGML_Q8_0, Tensor(random_blocks(GGML_Q8_0, 576 * 18, rng)), (576, 576))
+  out = packed.linear(Tensor.empty(1, 576))
+  kernel = Kernel(create_schedule([out.lazydata])[-1].ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  uops = linearize(kernel)
+  global_size, local_size = launch_dims(uops)
+  assert global_size[0] == 576 and local_size[0] == 32, (global_size, local_size)
+  quant_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.dtype == dtypes.uint8]
+  assert len(quant_loads) == 1, "one byte a thread per step of the loop over the row's blocks"
 
 
 def test_take_rows_and_cat() -> None:

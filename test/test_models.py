@@ -518,7 +518,7 @@ def test_smollm2_greedy_answer(_no_cuda_render_check) -> None:
   chat = ChatModel.from_gguf(smollm2_path(), max_context=128)
   reply = chat.reply(messages, Sampler(temperature=0), 32)
   assert reply == "The capital of France is Paris."
-  assert chat.model._decode_jit.captured is not None  # the reply's steps replayed the capture
+  assert chat.model._greedy_jit.captured is not None  # the reply's steps replayed the capture (argmax on the device)
   chat.jit = False
   assert chat.reply(messages, Sampler(temperature=0), 32) == reply
 
@@ -604,3 +604,83 @@ def test_embed_command_line() -> None:
   vectors = np.array(json.loads(raw))
   assert vectors.shape == (2, 384)
   np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_llama_greedy_decode_is_the_logits_argmax(sequences: int, _no_cuda_render_check) -> None:
+  """`decode_greedy` (the argmax taken on the device, ids read back) gives the argmax of `decode`'s logits at every
+  step, for one sequence and for several at their own positions; the step is the logits' step plus the argmax
+  kernels (`_expected_argmax_kernels`)."""
+  weights = _tiny_weights(TINY, seed=11)
+  prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]][:sequences]
+
+  def model() -> Llama:
+    built = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False,
+                  sequences=sequences)
+    for row, prompt in enumerate(prompts): built(Tensor([prompt], dtype=dtypes.int32), 0, sequence=row).numpy()
+    return built
+  with_logits, greedy = model(), model()
+  tokens = [prompt[-1] for prompt in prompts]
+  for step in range(4):
+    positions = [len(prompt) + step for prompt in prompts]
+    expected = with_logits.decode(tokens, positions).numpy().argmax(-1).tolist()
+    tokens = greedy.decode_greedy(tokens, positions)
+    assert tokens == expected, step
+  assert greedy._greedy_jit.captured is not None and with_logits._decode_jit.captured is not None
+  added = len(greedy._greedy_jit.captured.items) - len(with_logits._decode_jit.captured.items)
+  assert added in _expected_argmax_kernels(), added
+
+
+def _expected_argmax_kernels() -> range:
+  """Kernels the greedy step adds to the logits' step: the row's max, then the first index reaching it. A CPU runs
+  both in one row kernel; a GPU runs them as two reduces (emulated CUDA, this vocabulary of 50), each split in two
+  where the rows are long and few (SmolLM2's 49152: a partial per chunk, then their max)."""
+  return range(2, 5) if Device[Device.DEFAULT].renderer.runs_thread_blocks else range(1, 2)
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_llama_generate_greedy_feeds_back_on_the_device(sequences: int, _no_cuda_render_check) -> None:
+  """`generate_greedy` (steps fed back on the device, ids read once) gives the ids of `decode_greedy` step by step,
+  for sequences at their own positions; a second call from other positions replays the same capture."""
+  weights = _tiny_weights(TINY, seed=13)
+  prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]][:sequences]
+
+  def model() -> Llama:
+    built = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False,
+                  sequences=sequences)
+    for row, prompt in enumerate(prompts): built(Tensor([prompt], dtype=dtypes.int32), 0, sequence=row).numpy()
+    return built
+  stepped, resident = model(), model()
+  tokens, positions = [prompt[-1] for prompt in prompts], [len(prompt) - 1 for prompt in prompts]
+  expected: list[list[int]] = [[] for _ in prompts]
+  for step in range(5):
+    tokens = stepped.decode_greedy(tokens, [p + step for p in positions])
+    for row, token in enumerate(tokens): expected[row].append(token)
+  first = resident.generate_greedy([prompt[-1] for prompt in prompts], positions, 3)
+  rest = resident.generate_greedy([ids[-1] for ids in first], [p + 3 for p in positions], 2)
+  assert [a + b for a, b in zip(first, rest)] == expected
+  assert resident._resident_jit.captured is not None
+  with pytest.raises(ValueError, match="context"): resident.generate_greedy([1] * sequences, [14] * sequences, 3)
+
+
+@pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])
+def test_llama_decode_replays_keep_their_input_buffers(symbolic: bool, monkeypatch, _no_cuda_render_check) -> None:
+  """The step's host-made inputs are written into the same device buffers every step: a replay patches no kernel
+  argument (a CUDA graph would otherwise update every node reading them, one driver call each), and the logits stay
+  those of fresh inputs."""
+  from ourgrad.engine import jit
+  patched: list[int] = []
+  for replay in (jit.ItemReplay, jit.GraphReplay):
+    original = replay.set_buffer
+    monkeypatch.setattr(replay, "set_buffer", lambda self, *args, original=original: (patched.append(1),
+                                                                                      original(self, *args)))
+  weights = _tiny_weights(TINY, seed=5)
+  tokens = [4, 9, 31, 2, 17, 17, 40, 1]
+  expected = torch_llama_logits(weights, TINY, tokens)
+  model = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=symbolic)
+  got = [model(Tensor([tokens[:3]], dtype=dtypes.int32), 0).numpy()[0]]
+  for position in range(3, len(tokens)):
+    if position == 5: patched.clear()   # from the first replay on
+    got.append(model.decode(tokens[position], position).numpy()[0])
+  assert not patched
+  np.testing.assert_allclose(np.stack(got), expected[2:], rtol=1e-4, atol=1e-4)

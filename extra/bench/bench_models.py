@@ -6,7 +6,9 @@ lookup moves, ourgrad beside PyTorch eager on the same device in one run.
   the host (both libraries pick the next token there). ourgrad's steps
   run through one TinyJit capture: "symbolic" takes the position as a bound Variable (attention reads
   cache[:, :pos + 1]); "fixed shapes" passes it as host-made inputs (a mask over the whole cache), which a CUDA
-  graph can replay.
+  graph can replay. Two more rows per fixed-shape mode: `Llama.decode_greedy` (the argmax taken on the device, each
+  step reading back one id instead of the logits: what a caller that only needs ids pays) and
+  `Llama.generate_greedy` (the steps fed back on the device, launched back to back, the ids read once at the end).
 - SmolLM2 prefill: seconds to run a `--prefill`-token prompt to the first token's logits (kernels compiled before):
   eager (scheduled each time, from the schedule cache), through the TinyJit Llama keeps per prompt bucket (the same
   length run before: a replay), and prompts of lengths never run before in that bucket (padded to it, replayed:
@@ -302,6 +304,9 @@ def decode_kernel_table(label: str, model: Llama) -> None:
     print(f"  {name:<28} {launches:>9} {written:>8} {moved:>12,}  {reads}", file=sys.stderr)
 
 
+ON_DEVICE, FED_BACK = ", argmax on the device", ", fed back on the device"   # the --batch rows' ways to step
+
+
 def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dict, kind: str, max_context: int,
                      prompt: list[int], torch_tokens: list[int], rows: list[Row]) -> None:
   """The `--batch` row: `args.batch` sequences decoded together (fixed shapes), each prefilled into its cache row
@@ -313,27 +318,35 @@ def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dic
   prompts = [prompt] + [[int(t) for t in rng.integers(100, config.vocab_size, len(prompt))]
                         for _ in range(args.batch - 1)]
 
-  def run(steps: int) -> tuple[list[int], float]:
-    """(sequence 0's greedy tokens, seconds of the decode steps alone)."""
+  def run(steps: int, how: str) -> tuple[list[int], float]:
+    """(sequence 0's greedy tokens, seconds of the decode steps alone): the logits read back ("") or the argmax on
+    the device (`decode_greedy`) each step, or the steps fed back on the device (`generate_greedy`)."""
     logits = np.stack([model(Tensor([p], dtype=dtypes.int32, device=args.device), 0, sequence=row).numpy()[0]
                        for row, p in enumerate(prompts)])
+    tokens = [int(t) for t in logits.argmax(-1)]
     first: list[int] = []
     started = time.perf_counter()
+    if how == FED_BACK:
+      generated = model.generate_greedy(tokens, [len(p) for p in prompts], steps)
+      return [tokens[0]] + generated[0][:steps - 1], time.perf_counter() - started
+    on_device = how == ON_DEVICE
     for step in range(steps):
-      tokens = [int(t) for t in logits.argmax(-1)]
       first.append(tokens[0])
-      logits = model.decode(tokens, [len(p) + step for p in prompts]).numpy()
+      positions = [len(p) + step for p in prompts]
+      if on_device: tokens = model.decode_greedy(tokens, positions)
+      else: tokens = [int(t) for t in model.decode(tokens, positions).numpy().argmax(-1)]
     return first, time.perf_counter() - started
-  run(2)
-  first, _ = run(args.decode_tokens)
-  same = next((i for i, (a, b) in enumerate(zip(first, torch_tokens)) if a != b), len(first))
-  print(f"SmolLM2 decode, batch {args.batch} ({kind} weights): sequence 0's greedy tokens identical to PyTorch's "
-        f"batch-1 decode for {same} of {len(first)} steps", file=sys.stderr)
-  if args.kernels: decode_kernel_table(f"batch {args.batch}, {kind} weights", model)
-  seconds = statistics.median(run(args.decode_tokens)[1] for _ in range(args.iters))
-  label = f"SmolLM2 decode, batch {args.batch} sequences, {args.decode_tokens} tokens each, TinyJit fixed shapes" + \
-      ("" if kind == "float32" else f", {kind} weights")
-  add_row(rows, (label, "tokens/s", f"{args.batch * args.decode_tokens / seconds:.2f}", ""))
+  for how in ("", ON_DEVICE, FED_BACK):
+    run(2, how)
+    first, _ = run(args.decode_tokens, how)
+    same = next((i for i, (a, b) in enumerate(zip(first, torch_tokens)) if a != b), len(first))
+    print(f"SmolLM2 decode, batch {args.batch} ({kind} weights{how}): sequence 0's greedy tokens identical to "
+          f"PyTorch's batch-1 decode for {same} of {len(first)} steps", file=sys.stderr)
+    if args.kernels and not how: decode_kernel_table(f"batch {args.batch}, {kind} weights", model)
+    seconds = statistics.median(run(args.decode_tokens, how)[1] for _ in range(args.iters))
+    label = f"SmolLM2 decode, batch {args.batch} sequences, {args.decode_tokens} tokens each, TinyJit fixed shapes" \
+        + ("" if kind == "float32" else f", {kind} weights") + how
+    add_row(rows, (label, "tokens/s", f"{args.batch * args.decode_tokens / seconds:.2f}", ""))
 
 
 def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) -> None:
@@ -370,6 +383,25 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
       all_logits.append(logits)
     return tokens, all_logits, time.perf_counter() - started
 
+  def decode_greedy_ours(model: Llama, steps: int) -> tuple[list[int], float]:
+    """(greedy tokens, seconds of the decode steps alone) with the argmax on the device (`decode_greedy`)."""
+    logits = model(Tensor([prompt], dtype=dtypes.int32, device=args.device), 0).numpy()[0]
+    tokens = [int(logits.argmax())]
+    started = time.perf_counter()
+    for position in range(len(prompt), len(prompt) + steps - 1):
+      tokens.append(model.decode_greedy(tokens[-1], position)[0])
+    # the logits path's last step computes one more token's logits: one step more here too, its id unused
+    model.decode_greedy(tokens[-1], len(prompt) + steps - 1)
+    return tokens, time.perf_counter() - started
+
+  def generate_resident(model: Llama, steps: int) -> tuple[list[int], float]:
+    """(greedy tokens, seconds of the decode steps alone) fed back on the device (`generate_greedy`)."""
+    logits = model(Tensor([prompt], dtype=dtypes.int32, device=args.device), 0).numpy()[0]
+    first = int(logits.argmax())
+    started = time.perf_counter()
+    generated = model.generate_greedy(first, len(prompt), steps)[0]
+    return [first] + generated[:steps - 1], time.perf_counter() - started
+
   def decode_torch(steps: int) -> tuple[list[int], list[np.ndarray], float]:
     with reference.torch.no_grad():
       logits = reference(prompt, 0)
@@ -393,24 +425,41 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     print(f"SmolLM2 decode ({mode}): max |ourgrad - torch| of the logits of the prompt and first {steps - 1} steps "
           f"= {diff:.2e}; greedy tokens identical for {same} of {len(ours_tokens)} steps", file=sys.stderr)
     working.append(mode)
+    if model.symbolic: return
+    decode_greedy_ours(model, 2)
+    greedy_tokens, _ = decode_greedy_ours(model, args.decode_tokens)
+    same = next((i for i, (a, b) in enumerate(zip(greedy_tokens, ours_tokens)) if a != b), len(greedy_tokens))
+    print(f"SmolLM2 decode ({mode}, argmax on the device): greedy tokens identical to the logits path's for {same} "
+          f"of {len(greedy_tokens)} steps", file=sys.stderr)
+    generate_resident(model, 2)
+    resident_tokens, _ = generate_resident(model, args.decode_tokens)
+    same = next((i for i, (a, b) in enumerate(zip(resident_tokens, ours_tokens)) if a != b), len(resident_tokens))
+    print(f"SmolLM2 decode ({mode}, fed back on the device): greedy tokens identical to the logits path's for {same} "
+          f"of {len(resident_tokens)} steps", file=sys.stderr)
+    greedy.append(mode)
   working: list[str] = []
+  greedy: list[str] = []   # fixed-shape modes whose `decode_greedy` rows are timed too
   for mode, model in models.items(): guarded(f"SmolLM2 decode ({mode})", rows, lambda: check_mode(mode, model))
   if args.kernels:
     for mode in working: decode_kernel_table(mode, models[mode])
   # timed runs interleaved (torch, llama.cpp, then each mode, `iters` times): a load that changes during the run (a
   # shared CPU) hits every column alike; only the decode loop is timed, not the prompt before it
   seconds: dict[str, list[float]] = {mode: [] for mode in ["torch", "llama.cpp"] + working}
+  seconds.update({f"{mode}{how}": [] for mode in greedy for how in (ON_DEVICE, FED_BACK)})
   for _ in range(args.iters):
     seconds["torch"].append(decode_torch(args.decode_tokens)[2])
     if anchor_command: seconds["llama.cpp"].append(llama_cpp_seconds(anchor_command, args.decode_tokens))
     for mode in working: seconds[mode].append(decode_ours(models[mode], args.decode_tokens)[2])
+    for mode in greedy:
+      seconds[f"{mode}{ON_DEVICE}"].append(decode_greedy_ours(models[mode], args.decode_tokens)[1])
+      seconds[f"{mode}{FED_BACK}"].append(generate_resident(models[mode], args.decode_tokens)[1])
   theirs = args.decode_tokens / statistics.median(seconds["torch"])
   anchor = ""
   if anchor_command:
     anchor = f"{args.decode_tokens / statistics.median(seconds['llama.cpp']):.2f} (Q4_1 file, -t {args.threads})"
     print(f"llama.cpp: {' '.join(anchor_command)}; tokens/s of each run "
           f"{[round(args.decode_tokens / s, 2) for s in seconds['llama.cpp']]}", file=sys.stderr)
-  for mode in working:
+  for mode in working + [f"{mode}{how}" for mode in greedy for how in (ON_DEVICE, FED_BACK)]:
     ours = args.decode_tokens / statistics.median(seconds[mode])
     add_row(rows, (f"SmolLM2 decode, batch 1, {args.decode_tokens} tokens, TinyJit {mode}", "tokens/s", f"{ours:.2f}",
                    f"{theirs:.2f}") + ((anchor,) if anchor else ()))

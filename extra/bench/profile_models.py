@@ -12,6 +12,7 @@ Two views of the same captured kernels:
 
     python extra/bench/profile_models.py --workload prefill [--prefill 512]
     python extra/bench/profile_models.py --workload minilm
+    python extra/bench/profile_models.py --workload decode [--sequences 8] [--weights bfloat16|q8_0]
 Without a GPU, `--device CLANG` runs the same (slowly, with `--layers 2` for a smoke test).
 """
 from __future__ import annotations
@@ -33,12 +34,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this che
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_models import MINILM_L6, SMOLLM2_135M, minilm_weights, random_llama_weights  # noqa: E402
 
-from ourgrad import Device, Tensor, TinyJit  # noqa: E402
+from ourgrad import Device, Tensor, TinyJit, dtypes  # noqa: E402
 from ourgrad.engine.exec_item import CompiledRunner, ExecItem  # noqa: E402
+from ourgrad.nn.gguf import GGML_Q8_0, PackedTensor, quantize_q8_0  # noqa: E402
 from ourgrad.nn.state import load_state_dict  # noqa: E402
 
 from extra.models.bert import BertEncoder  # noqa: E402
-from extra.models.llama import Llama  # noqa: E402
+
+from extra.models.llama import Llama, cast_weights  # noqa: E402
 
 
 def kernel_kind(source: str) -> str:
@@ -113,6 +116,27 @@ def prefill_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], An
   return model.prefill_jit_for(0, args.prefill), call
 
 
+def decode_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any]]:
+  """One jitted SmolLM2 decode step (fixed shapes) of `--sequences` sequences, weights as `--weights` (float32,
+  bfloat16, float16, or q8_0: every matrix quantized to Q8_0, kept packed), the cache of `--context` slots."""
+  config = dataclasses.replace(SMOLLM2_135M, n_layers=args.layers or SMOLLM2_135M.n_layers)
+  host = random_llama_weights(config)
+  weights: dict[str, Any] = {name: Tensor(value, device=args.device) for name, value in host.items()}
+  Tensor.realize_all(*weights.values())
+  if args.weights in ("bfloat16", "float16"): weights = cast_weights(weights, getattr(dtypes, args.weights))
+  elif args.weights == "q8_0":
+    weights = {name: PackedTensor.from_blocks(GGML_Q8_0, Tensor(quantize_q8_0(value), device=args.device),
+                                              value.shape) if value.ndim == 2 else weights[name]
+               for name, value in host.items()}
+  model = Llama(config, weights, max_context=args.context, symbolic=False, packed=args.weights == "q8_0",
+                sequences=args.sequences)
+  tokens, positions = [5] * args.sequences, [8] * args.sequences
+
+  def call() -> Any: return model.decode(tokens, positions).numpy()
+  for _ in range(3): call()
+  return model._decode_jit, call
+
+
 def minilm_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any]]:
   config = dataclasses.replace(MINILM_L6, num_hidden_layers=args.layers or MINILM_L6.num_hidden_layers)
   loaded = minilm_weights(True)
@@ -132,17 +156,22 @@ def minilm_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--workload", choices=("prefill", "minilm"), default="prefill")
+  parser.add_argument("--workload", choices=("prefill", "minilm", "decode"), default="prefill")
   parser.add_argument("--device", default="CUDA")
   parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill")
   parser.add_argument("--batch", type=int, default=64, help="MiniLM sentences per batch (32 tokens each)")
+  parser.add_argument("--sequences", type=int, default=1, help="decode: sequences decoded together")
+  parser.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "float16", "q8_0"),
+                      help="decode: how the weight matrices are kept")
+  parser.add_argument("--context", type=int, default=520, help="decode: cache slots (bench_models.py's 520)")
   parser.add_argument("--layers", type=int, default=0, help="fewer layers (a smoke test); 0: the model's")
   parser.add_argument("--repeats", type=int, default=5, help="launches per kernel for the per-kernel table")
   parser.add_argument("--no-table", action="store_true", help="only the profiled replay (under ncu)")
   args = parser.parse_args()
   args.device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) go to this device
-  jit, call = (prefill_workload if args.workload == "prefill" else minilm_workload)(args)
+  workloads = {"prefill": prefill_workload, "minilm": minilm_workload, "decode": decode_workload}
+  jit, call = workloads[args.workload](args)
   seconds = profiled_replay(args.device, call)
   print(f"{args.workload} on {args.device}: one replay {seconds * 1e3:.3f} ms (host, to the result on the host)")
   if not args.no_table: per_kernel_table(replay_items(jit), args.repeats)

@@ -105,15 +105,17 @@ class ChatModel:
     # jit: the prompt is padded to a bucket whose capture later turns of similar length replay (Llama.__call__)
     logits = self.model(np.array([prompt_ids], np.int32), self.position, jit=self.jit)
     self.position += len(prompt_ids)
+    token = sampler(logits.numpy())
     for produced in range(max_tokens):
-      token = sampler(logits.numpy())
       if token in self.stop_ids: return
       self.generated += 1
       yield token
       if produced == max_tokens - 1:
         self.pending = [token]  # no forward pass for a token whose successor nobody asked for
         return
-      logits = self.model.decode(token, self.position, jit=self.jit)
+      # greedy: the argmax on the device, one id read back instead of the vocabulary's logits
+      if sampler.temperature == 0: token = self.model.decode_greedy(token, self.position, jit=self.jit)[0]
+      else: token = sampler(self.model.decode(token, self.position, jit=self.jit).numpy())
       self.position += 1
 
   def reply_stream(self, messages: Sequence[dict[str, str]], sampler: Sampler, max_tokens: int = 256,

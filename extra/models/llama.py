@@ -115,15 +115,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   return x * inverse_rms(x, eps) * weight
 
 
-def inverse_rms_per_output(x: Tensor, outputs: int, eps: float) -> Tensor:
+def inverse_rms_per_output(x: Tensor, outputs: int, eps: float, row_layout: tuple[int, ...] | None = None) -> Tensor:
   """inverse_rms(x) broadcast to (..., `outputs`), its mean of squares computed in the loop shape of a product
   x @ W.T with `outputs` columns ((rows, outputs, k), reduced over k): the product's kernel then holds both reduces
   over the same rows (a row kernel) and recomputes the scale beside each output, where a scale of shape (..., 1)
   is a kernel of its own. For one short row of x (a decode step); with many rows it would turn a tiled matmul into
-  a row kernel."""
+  a row kernel. `row_layout`: the product's k in blocks (a packed weight's `PackedTensor.row_blocks`), so that both
+  reduces share its loop shape and axes."""
   flat = x.reshape(-1, x.shape[-1])
   squares = flat.unsqueeze(-2).expand(flat.shape[0], outputs, flat.shape[1]).square()
-  return (squares.mean(-1) + eps).rsqrt().reshape(*x.shape[:-1], outputs)
+  if row_layout is not None: squares = squares.reshape(flat.shape[0], outputs, *row_layout)
+  return (squares.mean(tuple(range(2, squares.ndim))) + eps).rsqrt().reshape(*x.shape[:-1], outputs)
 
 
 def softmax_weighted_sum(scores: Tensor, values: Tensor) -> Tensor:
@@ -135,6 +137,12 @@ def softmax_weighted_sum(scores: Tensor, values: Tensor) -> Tensor:
   exps = (rows - rows.max(-1, keepdim=True)).exp()
   weighted = (exps * values.transpose(-1, -2).unsqueeze(-3)).sum(-1)
   return (weighted / exps.sum(-1)).contiguous()   # stored by this kernel: a reader's kernel would refuse its reduces
+
+
+def row_layout(weight: Tensor | PackedTensor) -> tuple[int, ...] | None:
+  """How a decode step's product with `weight` lays out k (`LlamaBlock._linear(blocked=True)`): a packed weight's
+  blocks (`PackedTensor.row_blocks`), else None (one axis)."""
+  return weight.row_blocks if isinstance(weight, PackedTensor) else None
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -213,11 +221,14 @@ class LlamaBlock:
     self.recompute_rows = Device[wq.device].renderer.runs_thread_blocks
 
   @staticmethod
-  def _linear(x: Tensor, weight: Tensor | PackedTensor, norm: Tensor | None = None) -> Tensor:
+  def _linear(x: Tensor, weight: Tensor | PackedTensor, norm: Tensor | None = None, blocked: bool = False) -> Tensor:
     """x @ (weight * norm).T, the norm weight (packed weights) scaling the dequantized columns inside the product's
     kernel (on the input it would be a kernel of its own). A packed weight's dequantization is built afresh for each
     graph: a lazy tensor kept between calls would be stored as float32 by the first kernel that realizes it (a
-    prefill) and then read as float32 by every later one."""
+    prefill) and then read as float32 by every later one. `blocked`: a packed weight's product block by block
+    (`PackedTensor.linear`: its bytes read side by side), for the matrix-vector products of a GPU decode step; a
+    prefill's matrix product keeps the (n, k) values, which the scheduler stores once for the tiled matmul."""
+    if blocked and isinstance(weight, PackedTensor): return weight.linear(x, norm)
     return x.linear(as_tensor(weight) if norm is None else as_tensor(weight) * norm)
 
   def _inverse_rms(self, x: Tensor) -> Tensor: return inverse_rms(x, self.config.norm_eps)
@@ -250,9 +261,9 @@ class LlamaBlock:
     heads, head_dim = config.n_heads, config.head_dim
     # stored (two kernels read it), as float32 (a bfloat16 product's values, widened): the rotations read it per slot
     # (K, V) and per score (q) as a plain load, where a cast would make q's rotation too costly to recompute
-    product = self._linear(x, self.w_qkv, self.attn_norm)
-    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps) if self.recompute_rows else \
-        self._inverse_rms(x)
+    product = self._linear(x, self.w_qkv, self.attn_norm, self.recompute_rows)
+    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps, row_layout(self.w_qkv)) \
+        if self.recompute_rows else self._inverse_rms(x)
     projected = (product * scale).cast(dtypes.float32).contiguous()
     projected = projected.reshape(batch, length, -1, head_dim)
     cos, sin = cos.reshape(batch, length, 1, head_dim), sin.reshape(batch, length, 1, head_dim)  # one row per sequence
@@ -264,12 +275,14 @@ class LlamaBlock:
 
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
-    x = x + self._linear(attended, self.wo)
-    product = self._linear(x, self.w_gate_up, self.ffn_norm)
+    one_token_gpu = x.shape[1] == 1 and self.recompute_rows
+    x = x + self._linear(attended, self.wo, blocked=one_token_gpu)
+    product = self._linear(x, self.w_gate_up, self.ffn_norm, one_token_gpu)
     # one token on a GPU: the norm's scale recomputed inside the product's kernel (the scaled product stored for the
     # down projection); else one scale per row (a kernel of its own), applied on the down projection's loads
-    if x.shape[1] == 1 and self.recompute_rows:
-      product = (product * inverse_rms_per_output(x, product.shape[-1], self.config.norm_eps)).contiguous()
+    if one_token_gpu:
+      scale = inverse_rms_per_output(x, product.shape[-1], self.config.norm_eps, row_layout(self.w_gate_up))
+      product = (product * scale).contiguous()
     else:
       product = product * self._inverse_rms(x)
     gate, up = product.chunk(2, dim=-1)
@@ -277,7 +290,7 @@ class LlamaBlock:
     # several rows: the SwiGLU product in a buffer of its own. Fused into the down projection's loads it was
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
     if x.shape[1] > 1: hidden = hidden.contiguous()
-    return x + self._linear(hidden, self.w_down)
+    return x + self._linear(hidden, self.w_down, blocked=one_token_gpu)
 
   def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor,
                sequence: Tensor) -> Tensor:
@@ -344,7 +357,13 @@ class Llama:
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
     self.slots = Tensor(np.arange(max_context, dtype=np.int32), device=self.device).realize()  # cache slot numbers
+    vocab = self.output.shape[0]
+    self.countdown = Tensor(np.arange(vocab, 0, -1, dtype=np.int32), device=self.device).realize()  # vocab - index
     self._decode_jit = TinyJit(self._decode_graph)
+    self._greedy_jit = TinyJit(self._greedy_graph)   # the same step ending in the argmax (`decode_greedy`)
+    self._resident_jit = TinyJit(self._resident_graph)   # greedy steps fed back on the device (`generate_greedy`)
+    self._resident: dict[str, Tensor] | None = None   # its state buffers, made on first use
+    self._step_buffers: dict[str, Tensor] = {}   # the decode step's host-made inputs (`_write_step_inputs`)
     self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
   @staticmethod
@@ -454,8 +473,75 @@ class Llama:
     if not self.blocks[0].recompute_rows:
       return rms_norm(x, self.norm, self.config.norm_eps).linear(as_tensor(self.output))
     # a GPU: the final norm's scale recomputed beside each logit (one kernel, not a norm kernel before the product)
-    logits = (x * self.norm).linear(as_tensor(self.output))
-    return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps)
+    logits = LlamaBlock._linear(x * self.norm, self.output, blocked=True)
+    return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps, row_layout(self.output))
+
+  def _greedy_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
+                    position: Variable | None) -> Tensor:
+    """The greedy next token (S,) int32 of each sequence: `_decode_graph`'s logits reduced to their argmax on the
+    device, so a step reads back 4 bytes a sequence instead of its vocab-sized logits."""
+    return self._argmax(self._decode_graph(token, cos, sin, write, mask, position))
+
+  def _argmax(self, logits: Tensor) -> Tensor:
+    """The first index of each row's max, (S,) int32."""
+    # the first index reaching the row's max has the largest countdown (vocab - index): a realized table, where an
+    # arange would be a kernel of its own in every step (NaN logits are not looked for, as Tensor.argmax does)
+    countdown = self.countdown.reshape(1, -1)
+    best = (logits == logits.max(-1, keepdim=True)).where(countdown, 0).max(-1)
+    return (logits.shape[-1] - best).cast(dtypes.int32)
+
+  def _resident_graph(self) -> Tensor:
+    """One greedy step fed from and back to device buffers (`generate_greedy`): each sequence's token (S, 1) and
+    position (S,) are read from the state, the rope angles gathered from tables by the position, the write marks
+    and the mask compared on the device; the argmax becomes the next step's token, also kept in the history at the
+    position it will be fed at, and the positions advance. No host input, nothing read back."""
+    state = self._resident
+    assert state is not None
+    positions, slots = state["positions"], self.slots.reshape(1, -1)
+    at = positions.reshape(-1, 1)
+    write = (slots == at).reshape(self.sequences, self.max_context, 1, 1)
+    mask = (slots <= at).where(0.0, -math.inf)
+    logits = self._decode_graph(state["tokens"], state["cos"][positions], state["sin"][positions], write, mask, None)
+    ids = self._argmax(logits).reshape(-1, 1)
+    state["history"].assign((slots == at + 1).where(ids, state["history"]))
+    state["tokens"].assign(ids)
+    state["positions"].assign(positions + 1)
+    return ids
+
+  def generate_greedy(self, token: int | Sequence[int], position: int | Sequence[int], steps: int) -> list[list[int]]:
+    """The next `steps` greedy tokens of each sequence after feeding `token` at `position` (ints for one sequence,
+    a sequence of S ints for several), as lists of ids. The steps run back to back on the device (fixed shapes
+    only): each one's argmax is the next one's token without a round trip through the host (`_resident_graph`, a
+    TinyJit of no inputs), the host launches them without waiting, and the ids are read back once at the end.
+    Stop tokens are not looked for: a caller that needs them asks for a few steps at a time."""
+    if self.symbolic: raise ValueError("generate_greedy runs fixed-shape steps: construct the model symbolic=False")
+    tokens = [token] if isinstance(token, int) else [int(t) for t in token]
+    positions = [position] if isinstance(position, int) else [int(p) for p in position]
+    if len(tokens) != self.sequences or len(positions) != self.sequences:
+      raise ShapeError(f"generate_greedy takes a token and a position for each of the model's {self.sequences} "
+                       f"sequences, got {len(tokens)} tokens and {len(positions)} positions")
+    if steps < 1 or not all(0 <= p and p + steps <= self.max_context for p in positions):
+      raise ValueError(f"{steps} steps from positions {positions} exceed the context of {self.max_context} tokens")
+    if self._resident is None:   # the rope tables of every position, the tokens, positions and ids of the steps
+      cos, sin = rope_inputs(np.arange(self.max_context), self.config.head_dim, self.config.rope_theta)
+      host = {"cos": cos, "sin": sin, "tokens": np.zeros((self.sequences, 1), np.int32),
+              "positions": np.zeros(self.sequences, np.int32),
+              "history": np.zeros((self.sequences, self.max_context), np.int32)}
+      self._resident = {name: Tensor(value, device=self.device).contiguous().realize() for name, value in host.items()}
+    state = self._resident
+    state["tokens"].assign(Tensor([[t] for t in tokens], dtype=dtypes.int32, device=self.device)).realize()
+    state["positions"].assign(Tensor(positions, dtype=dtypes.int32, device=self.device)).realize()
+    for _ in range(steps): self._resident_jit()
+    history = state["history"].numpy()
+    return [history[row, p + 1:p + 1 + steps].tolist() for row, p in enumerate(positions)]
+
+  def decode_greedy(self, token: int | Sequence[int], position: int | Sequence[int], jit: bool = True) -> list[int]:
+    """The greedy next token of each sequence after feeding `token` at `position` (as `decode`, whose logits'
+    argmax it is, taken on the device): for a caller that only needs ids (greedy generation, a benchmark)."""
+    step = self._greedy_jit if jit else self._greedy_graph
+    ids = step(*self._step_inputs(token, position))
+    if not jit: Tensor.realize_all(ids, *(block.cache for block in self.blocks))
+    return [int(value) for value in ids.numpy()]
 
   def decode(self, token: int | Sequence[int], position: int | Sequence[int], jit: bool = True) -> Tensor:
     """The logits (S, vocab) after feeding one `token` at `position` to each of the S = `sequences` sequences (ints
@@ -466,6 +552,14 @@ class Llama:
     reads only `cache[:, :position + 1]` (kernels compiled once for every position; several sequences must then be
     at one position). Without it attention reads the whole cache under a host-made mask per sequence: only
     fixed-shape kernels, which a CUDA graph replays as one launch."""
+    step = self._decode_jit if jit else self._decode_graph
+    logits = step(*self._step_inputs(token, position))
+    if not jit: Tensor.realize_all(logits, *(block.cache for block in self.blocks))
+    return logits
+
+  def _step_inputs(self, token: int | Sequence[int], position: int | Sequence[int]) -> tuple:
+    """The arguments of a decode step's graph for one `token` at `position` per sequence (checked): the tokens (S, 1)
+    int32, rope cos/sin, the cache-write marks, and the additive mask (fixed shapes) or the bound position."""
     tokens = [token] if isinstance(token, int) else [int(t) for t in token]
     positions = [position] if isinstance(position, int) else [int(p) for p in position]
     if len(tokens) != self.sequences or len(positions) != self.sequences:
@@ -477,15 +571,23 @@ class Llama:
       raise ValueError(f"a symbolic decode attends to one length for all sequences, got positions {positions}: "
                        "construct the model with symbolic=False for sequences at different positions")
     cos, sin = rope_inputs(np.array(positions), self.config.head_dim, self.config.rope_theta)
-    cos_t, sin_t = Tensor(cos, device=self.device), Tensor(sin, device=self.device)
-    token_t = Tensor([[t] for t in tokens], dtype=dtypes.int32, device=self.device)
     slots, at = np.arange(self.max_context), np.array(positions).reshape(-1, 1)
-    write = Tensor((slots == at).reshape(self.sequences, self.max_context, 1, 1), device=self.device)
-    if self.symbolic:
-      mask, bound = None, self.position.bind(positions[0])
-    else:
-      mask, bound = Tensor(np.where(slots <= at, 0.0, -np.inf).astype(np.float32), device=self.device), None
-    step = self._decode_jit if jit else self._decode_graph
-    logits = step(token_t, cos_t, sin_t, write, mask, bound)
-    if not jit: Tensor.realize_all(logits, *(block.cache for block in self.blocks))
-    return logits
+    host = {"token": np.array(tokens, np.int32).reshape(-1, 1), "cos": cos, "sin": sin,
+            "write": (slots == at).reshape(self.sequences, self.max_context, 1, 1)}
+    if not self.symbolic: host["mask"] = np.where(slots <= at, 0.0, -np.inf).astype(np.float32)
+    inputs = self._write_step_inputs(host)
+    bound = self.position.bind(positions[0]) if self.symbolic else None
+    return inputs["token"], inputs["cos"], inputs["sin"], inputs["write"], inputs.get("mask"), bound
+
+  def _write_step_inputs(self, host: dict[str, np.ndarray]) -> dict[str, Tensor]:
+    """The step's host-made inputs, copied into the same device buffers at every step: a captured step's CUDA graph
+    then keeps its kernels' arguments (new buffers would make the replay patch every kernel node that reads them,
+    ~90 nodes a step, one driver call each)."""
+    kept = self._step_buffers
+    for name, value in host.items():
+      if name not in kept: kept[name] = Tensor(value, device=self.device).contiguous().realize()
+      else:
+        buffer = kept[name].lazydata.realized
+        assert buffer is not None
+        buffer.copyin(memoryview(np.ascontiguousarray(value)).cast("B"))
+    return kept

@@ -32,6 +32,7 @@ from ourgrad.codegen.shared_tile_fill import multiple_of
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
+from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import Node, NumNode, Variable
 
 # A GPU thread keeps at most this many units (float4s, or scalars) of its row in registers: 8 float4s = 32 floats,
@@ -53,6 +54,9 @@ MIN_ROW_THREADS = 128
 # (MiniLM, batch 64 x 32 tokens: softmax rows of 32 floats had a warp of which 8 lanes worked, 24576 blocks; layernorm
 # rows of 384 floats a block of 128 threads, one float4 each.)
 SHARED_ROW_UNITS = 2
+# Rows that share a broadcast operand and are computed by one thread group side by side (_stacked_rows): their
+# accumulators and their own loads stay in registers at once.
+MAX_STACKED_ROWS = 8
 SHARED_ROW_BLOCK = 128
 # the threads of the one block of a row kernel with final reduces (_linearize_final_rows)
 FINAL_ROWS_BLOCK = 256
@@ -264,14 +268,21 @@ class RowLinearizer(Linearizer):
 
   def _linearize_block_rows(self) -> list[UOp]:
     kernel, build, shape = self.kernel, self.builder, self.kernel.full_shape
-    renderer, row_axes = kernel.renderer, list(kernel.row_axes or ())
+    row_axes = list(kernel.row_axes or ())
     row_dims = [axis for axis in range(len(shape)) if axis not in row_axes]
     rows, length = math.prod(shape[axis] for axis in row_dims), math.prod(shape[axis] for axis in row_axes)
     width = self._row_vector_width()
     units = length // width
     if kernel.final_reduces: return self._linearize_final_rows(rows, row_dims, units, width)
-    threads, per_block = row_sharing(rows, units, renderer.warp_size, getattr(renderer, "multiprocessors", 0))
-    if per_block == 1: threads = row_block_threads(units, renderer.max_threads, renderer.warp_size)
+    stack_axis, stack = self._stacked_rows(row_dims)
+    threads, per_block = self._row_layout(rows // stack, units)
+    # stacked rows keep their units in registers, and do not cost rows that share blocks (a warp's shuffles each) a
+    # block of their own (fewer rows: a barrier per reduce and stacked row)
+    if stack > 1 and (math.ceil(units / threads) > PERSISTENT_UNITS or
+                      (per_block == 1 and self._row_layout(rows, units)[1] > 1)):
+      stack_axis, stack = None, 1
+      threads, per_block = self._row_layout(rows, units)
+    rows //= stack
     blocks, block_threads = rows // per_block, threads * per_block
     self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks, 0, AxisType.GLOBAL))
     self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", block_threads, 0, AxisType.LOCAL))
@@ -280,7 +291,10 @@ class RowLinearizer(Linearizer):
     row: Node = block if per_block == 1 else block * per_block + block_thread // threads
     thread: Node = block_thread if per_block == 1 else block_thread % threads
     idxs: list[Node] = [NumNode(0)] * len(shape)
-    for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
+    sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
+    for axis, node in zip(row_dims, _unflatten(row, sizes)): idxs[axis] = node
+    if stack_axis is not None:
+      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width)
     per_thread = math.ceil(units / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
@@ -293,6 +307,71 @@ class RowLinearizer(Linearizer):
     build.end_if(first_thread)
     return build.uops
 
+  def _row_layout(self, rows: int, units: int) -> tuple[int, int]:
+    """(threads per row, rows per block) of `rows` rows of `units` units on this GPU (row_sharing, else a block)."""
+    renderer = self.kernel.renderer
+    threads, per_block = row_sharing(rows, units, renderer.warp_size, getattr(renderer, "multiprocessors", 0))
+    if per_block == 1: threads = row_block_threads(units, renderer.max_threads, renderer.warp_size)
+    return threads, per_block
+
+  def _stacked_rows(self, row_dims: list[int]) -> tuple[int | None, int]:
+    """(axis, rows) of the rows one thread group computes side by side (`_linearize_stacked_rows`), else (None, 1):
+    along a row axis over which the kernel's largest operand is broadcast (a matrix-vector product's weights against
+    a few sequences, x (S, k) @ W.T: W is the same for every sequence; grouped-query attention's values for the
+    query heads of a group), at most MAX_STACKED_ROWS (a divisor of the axis). Only where the broadcast loads hold
+    more bytes than the kernel's other loads: a small operand (x against W's rows) is re-read from cache anyway, and
+    stacking would only take parallelism away. Rows with per-element outputs (softmax) are not stacked: each row's
+    store pass is its own."""
+    kernel = self.kernel
+    if self._per_element() or not kernel.renderer.has_local: return None, 1
+    shape = kernel.full_shape
+    loads = [leaf for leaf in kernel.leaves if leaf.op is Ops.LOAD]
+    best: tuple[float, int | None, int] = (0.0, None, 1)
+    for axis in row_dims:
+      stack = max(count for count in range(1, MAX_STACKED_ROWS + 1) if shape[axis] % count == 0)
+      if stack < 2: continue
+      broadcast = [not leaf.srcs and _broadcast_along(leaf.arg.st, axis) for leaf in loads]
+      shared = sum(_footprint(leaf, shape) for leaf, flag in zip(loads, broadcast) if flag)
+      others = sum(_footprint(leaf, shape) for leaf, flag in zip(loads, broadcast) if not flag)
+      saved = shared * (stack - 1) / stack
+      if shared > others and saved > best[0]: best = (saved, axis, stack)
+    return best[1], best[2]
+
+  def _linearize_stacked_rows(self, idxs: list[Node], axis: int, stack: int, thread: Node, threads: int, units: int,
+                              width: int) -> list[UOp]:
+    """Rows `stack` apart along `axis` (`_stacked_rows`), computed by one thread group one after another in
+    straight-line code: their units persistent in registers, the loads they share (a broadcast weight row) are the
+    same UOps, which the builder merges, so the shared operand is read once for all of them (a batched
+    matrix-vector product reads its weights once, not once per sequence). A reduce that does not vary along `axis`
+    (softmax's max and sum beside a weighted sum over several outputs) is computed for the first row only. The
+    outputs are stored after every row's reduces (all values computed first, as `_store_outputs` does)."""
+    build = self.builder
+    reduces = self._row_reduces()
+    independent = [reduce for reduce in reduces if not self._varies_along(reduce, axis)]
+    shared: dict[int, UOp] = {}
+    stacked: list[tuple[list[Node], dict[int, UOp]]] = []
+    for sub in range(stack):
+      sub_idxs = list(idxs)
+      sub_idxs[axis] = idxs[axis] * stack + sub
+      self.reduce_values = dict(shared)
+      passes = _RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
+      offset = sub * len(reduces)   # each row's local memory (a block's partials) of its own
+      self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
+        accumulator, _accumulate_op(reduce), thread, threads, number + offset))
+      if sub == 0: shared = {id(reduce): self.reduce_values[id(reduce)] for reduce in independent}
+      stacked.append((sub_idxs, dict(self.reduce_values)))
+    first_thread = build.add(UOps.IF, None, (self.node_to_uop(thread < 1),))   # per-row outputs: thread 0 stores
+    for sub_idxs, values in stacked:
+      self.reduce_values = values
+      self._store_outputs(sub_idxs, None)
+    build.end_if(first_thread)
+    return build.uops
+
+  def _varies_along(self, root: LazyOp, axis: int) -> bool:
+    """Whether `root`'s value may differ along `axis`: a leaf under it (gathered loads' offsets included) is not
+    broadcast along it."""
+    return any(node.op in (Ops.LOAD, Ops.CONST) and not _broadcast_along(node.arg.st, axis) for node in root.walk())
+
   def _run_row_reduces(self, passes: _RowPasses, combine: Callable[[UOp, LazyOp, int], UOp]) -> None:
     """Each row reduce of a GPU row kernel: a per-thread accumulator over a pass of the row, then the value
     `combine(accumulator, reduce, number)` gives the rest of the kernel (a later reduce may read it). A persistent row
@@ -301,6 +380,7 @@ class RowLinearizer(Linearizer):
     build = self.builder
     reduces = self._row_reduces()
     numbers = {id(reduce): number for number, reduce in enumerate(reduces)}
+    reduces = [reduce for reduce in reduces if id(reduce) not in self.reduce_values]   # stacked rows: shared ones
     groups = [RowPass([reduce]) for reduce in reduces] if passes.persistent else group_row_passes(reduces)
     for group in groups:
       accumulators = {id(reduce): build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
@@ -604,6 +684,20 @@ class _RowPasses:
         linearizer.vector_unit = None
       if guard is not None: build.end_if(guard)
     if loop is not None: build.end_range(loop)
+
+
+def _broadcast_along(st: ShapeTracker, axis: int) -> bool:
+  """Whether a view reads the same element (or the same padding) at every index of `axis`."""
+  if len(st.views) != 1: return False
+  view = st.views[0]
+  return (view.shape[axis] == 1 or view.strides[axis] == 0) and \
+      (view.mask is None or tuple(view.mask[axis]) == (0, view.shape[axis]))
+
+
+def _footprint(load: LazyOp, shape: tuple[int, ...]) -> int:
+  """Bytes of the elements a load reads over the whole loop shape (the axes it is broadcast along not counted)."""
+  strides = load.arg.st.real_strides()
+  return math.prod(size for size, stride in zip(shape, strides) if stride != 0) * load.dtype.itemsize
 
 
 def _accumulate_op(reduce: LazyOp) -> Ops: return Ops.ADD if reduce.op is Ops.SUM else Ops.MAX

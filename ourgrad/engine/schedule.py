@@ -427,6 +427,7 @@ def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: Realizations, limit: 
 # ops computed per element of the graph count: an op it reads through a broadcast (the reciprocal of a scalar count,
 # a per-row statistic) has one value per many elements.
 RECOMPUTE_COST_LIMIT = 4
+REGISTER_ROW_VISITS = 8   # codegen/row_linearizer.py MAX_STACKED_ROWS; the heuristic's upcasts of a thin product
 TRANSCENDENTAL_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP})
 
 
@@ -436,6 +437,9 @@ def _recomputation_is_costly(src: LazyBuffer, realizes: Realizations) -> bool:
   those reached without crossing a broadcast (RECOMPUTE_COST_LIMIT)."""
   base = src.base
   if base.realized is not None or base.op not in ELEMENTWISE_OPS or src.st.size < 2 * base.size: return False
+  # read at most REGISTER_ROW_VISITS times (a thin product's rows: a batched decode step's sequences), each element
+  # is computed once per register tile (the codegen upcasts or stacks those rows): nothing to save by storing it
+  if src.st.size <= REGISTER_ROW_VISITS * base.size: return False
   if _is_per_row_value(base): return False
   cost, stack, seen = 0, [base], set()
   while stack and cost < RECOMPUTE_COST_LIMIT:

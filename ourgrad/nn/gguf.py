@@ -379,11 +379,11 @@ def block_scales(ggml_type: int, raw: Tensor) -> Tensor:
 
 
 def _low_high_nibbles(packed: Tensor) -> Tensor:
-  """(blocks, 16) bytes -> (blocks, 32) 4-bit quants as float32: the low nibbles (elements 0..15), then the high.
+  """(blocks, 16) bytes -> (blocks, 2, 16) 4-bit quants as float32: the low nibbles (elements 0..15), then the high.
   A broadcast view of the bytes shifted by a per-half table (no cat: each element loads one byte, unmasked)."""
   blocks = packed.shape[0]
   both = packed.reshape(blocks, 1, 16).expand(blocks, 2, 16).cast(dtypes.int32)
-  return ((both >> _nibble_shifts(packed.device)) & 0xF).cast(dtypes.float32).reshape(blocks, 32)
+  return ((both >> _nibble_shifts(packed.device)) & 0xF).cast(dtypes.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -417,19 +417,34 @@ def _q6_k_quants(raw: Tensor) -> Tensor:
   return ((nibble | (bits << 4)).cast(dtypes.float32) - 32.0).reshape(blocks, 16, 16)
 
 
-def dequantize_blocks(ggml_type: int, raw: Tensor, scales: Tensor | None = None) -> Tensor:
-  """Quantized blocks `raw` (blocks, block_bytes) uint8 -> their values (blocks, block_size) float32, by lazy tensor
-  ops (so they fuse into the kernel that reads them). `scales`: the blocks' `block_scales` (any float dtype), when
-  they were decoded ahead of time; else they are decoded from `raw` here."""
+# The shape of one block's values as `block_values` builds them, in value order: each load of the decoding is one
+# view of the packed bytes in this shape (Q4's two halves are a broadcast of the same 16 bytes; merged into one axis
+# of 32 they would be indexed by k // 16 and k % 16). Q6_K's are computed in their (16, 16) sub-blocks and merged.
+BLOCK_VALUE_SHAPES: dict[int, tuple[int, ...]] = {GGML_Q8_0: (32,), GGML_Q4_0: (2, 16), GGML_Q4_1: (2, 16),
+                                                  GGML_Q6_K: (256,)}
+
+
+def block_values(ggml_type: int, raw: Tensor, scales: Tensor | None = None) -> Tensor:
+  """Quantized blocks `raw` (blocks, block_bytes) uint8 -> their values (blocks, *BLOCK_VALUE_SHAPES[type]) float32,
+  by lazy tensor ops (so they fuse into the kernel that reads them). `scales`: the blocks' `block_scales` (any float
+  dtype), when they were decoded ahead of time; else they are decoded from `raw` here."""
+  if ggml_type not in BLOCK_VALUE_SHAPES:
+    raise ValueError(f"ggml type {_type_name(ggml_type)} is not block-quantized (quantized: "
+                     f"{', '.join(_SUPPORTED_TYPES[t].name for t in QUANTIZED_TYPES)})")
   scales = (block_scales(ggml_type, raw) if scales is None else scales).cast(dtypes.float32)
   if ggml_type == GGML_Q8_0: return raw[:, 2:34].bitcast(dtypes.int8).cast(dtypes.float32) * scales
-  if ggml_type == GGML_Q4_0: return (_low_high_nibbles(raw[:, 2:18]) - 8.0) * scales
-  if ggml_type == GGML_Q4_1: return _low_high_nibbles(raw[:, 4:20]) * scales[:, 0:1] + scales[:, 1:2]
-  if ggml_type == GGML_Q6_K:
-    sub_scales = raw[:, 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # (block, 16): one per 16 values
-    return (_q6_k_quants(raw) * sub_scales.unsqueeze(2) * scales.unsqueeze(2)).reshape(raw.shape[0], 256)
-  raise ValueError(f"ggml type {_type_name(ggml_type)} is not block-quantized (quantized: "
-                   f"{', '.join(_SUPPORTED_TYPES[t].name for t in QUANTIZED_TYPES)})")
+  if ggml_type == GGML_Q4_0: return (_low_high_nibbles(raw[:, 2:18]) - 8.0) * scales.reshape(-1, 1, 1)
+  if ggml_type == GGML_Q4_1:
+    return _low_high_nibbles(raw[:, 4:20]) * scales[:, 0:1].reshape(-1, 1, 1) + scales[:, 1:2].reshape(-1, 1, 1)
+  sub_scales = raw[:, 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # Q6_K (block, 16): one per 16 values
+  return (_q6_k_quants(raw) * sub_scales.unsqueeze(2) * scales.unsqueeze(2)).reshape(raw.shape[0], 256)
+
+
+def dequantize_blocks(ggml_type: int, raw: Tensor, scales: Tensor | None = None) -> Tensor:
+  """Quantized blocks `raw` (blocks, block_bytes) uint8 -> their values (blocks, block_size) float32 (`block_values`
+  with each block's values in one axis)."""
+  values = block_values(ggml_type, raw, scales)
+  return values.reshape(raw.shape[0], _SUPPORTED_TYPES[ggml_type].block_size)
 
 
 def dequantize_q8_0(raw: Tensor) -> Tensor:
@@ -506,6 +521,26 @@ class PackedTensor:
   def dequantize(self) -> Tensor:
     """The values, float32 of `shape`, as lazy ops that fuse into the kernel reading them."""
     return dequantize_blocks(self.ggml_type, self.blocks, self.scales).reshape(self.shape)
+
+  @property
+  def row_blocks(self) -> tuple[int, ...]:
+    """The last dim (a matrix row) as its blocks' values are laid out: (blocks per row, *BLOCK_VALUE_SHAPES)."""
+    return (self.shape[-1] // _SUPPORTED_TYPES[self.ggml_type].block_size, *BLOCK_VALUE_SHAPES[self.ggml_type])
+
+  def linear(self, x: Tensor, column_scale: Tensor | None = None) -> Tensor:
+    """x @ (values * column_scale).T for this (n, k) matrix and x (..., k), computed block by block: x seen as
+    (..., 1, *row_blocks) against the values (n, *row_blocks), reduced over the block axes. Each load of the packed
+    bytes is then one view with unit strides inside a block (a row of blocks, the values of a block), where the
+    (n, k) values index the bytes by k // block and k % block: the kernel's optimizer reads a block's bytes side by
+    side (coalesced, a warp's threads along k) instead of treating k as a strided axis. `column_scale` (k,): a norm
+    weight folded into the columns (in the kernel, beside the dequantization)."""
+    if len(self.shape) != 2 or x.shape[-1] != self.shape[1]:
+      raise ShapeError(f"cannot multiply x of shape {x.shape} by a packed matrix of shape {self.shape} transposed")
+    layout = self.row_blocks
+    values = block_values(self.ggml_type, self.blocks, self.scales).reshape(self.shape[0], *layout)
+    if column_scale is not None: values = values * column_scale.reshape(1, *layout)
+    rows = x.reshape(-1, 1, *layout)   # (rows, 1, *layout): the loop shape (rows, n, *layout) of a row kernel's norm
+    return (rows * values).sum(tuple(range(2, 2 + len(layout)))).reshape(*x.shape[:-1], self.shape[0])
 
   def take_rows(self, index: Tensor) -> Tensor:
     """`self.dequantize()[index]` for an integer tensor `index` (an embedding lookup), reading and dequantizing only
