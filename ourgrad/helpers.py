@@ -116,9 +116,13 @@ MATMUL_GRID = env_var("MATMUL_GRID", 1, "1: a float32 matmul on a GPU (of at lea
                       "predicts fastest; 0: the largest tile whose grid gives every multiprocessor a block, no split")
 KERNEL_OPS_LIMIT = env_var("KERNEL_OPS_LIMIT", 1024, "most ops fused into one kernel; a bigger fused graph is split "
                            "by realizing intermediates, so compile time grows linearly with graph size (0: no limit)")
-SPLIT_LAST_BLOCK = env_var("SPLIT_LAST_BLOCK", 1, "1: on a device with atomics (CUDA), a split reduce's partials are "
-                           "summed by the last block of the first kernel (one launch: engine/split_fusion.py); 0: "
-                           "a second kernel sums them, as on other devices")
+SPLIT_LAST_BLOCK = env_var("SPLIT_LAST_BLOCK", 0, "1: on a device with atomics (CUDA), a split reduce's partials are "
+                           "summed by the last block of the first kernel (one launch: engine/split_fusion.py); 0 (the "
+                           "default: the H200's MNIST TinyJit step took 0.146 ms with 1, 0.134 with 0): a second "
+                           "kernel sums them, as on other devices")
+GATED_VECTOR_LOADS = env_var("GATED_VECTOR_LOADS", 1, "1: a masked view (a cat piece, a padded edge) whose validity is "
+                             "uniform over a float4 loads one gated vector (codegen/linearizer.py); 0: scalar masked "
+                             "loads (an A/B switch)")
 PACK_KERNELS = env_var("PACK_KERNELS", 1, "1: pack independent elementwise kernels of different shapes (an optimizer's "
                        "per-parameter updates) and, on GPUs, small reduces (split reduces' second kernels) into one "
                        "launch (engine/packing.py); 0: one launch per kernel")

@@ -26,6 +26,7 @@ from ourgrad.codegen.tensor_core_tiles import TensorCoreTiles
 from ourgrad.codegen.tensor_cores import WARP_LANES, evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
+from ourgrad.helpers import GATED_VECTOR_LOADS
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.symbolic import (AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, ProdNode, SumNode,
                                     Variable, given_valid, is_symbolic, sym_max)
@@ -564,6 +565,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     index_node, valid_node = self._index_nodes(leaf, first)
     if isinstance(valid_node, NumNode) and valid_node.b == 0: return None   # never read: the scalar path's zero
     masked = any(view.mask is not None for view in self.kernel.sts[leaf].views)
+    if masked and not GATED_VECTOR_LOADS: return None
     if masked and not self._uniform_validity(leaf, first, axis, width, valid_node): return None
     # a gated vector's index only matters where its gate holds: simplified for that (a piece's block is known)
     gated = not isinstance(valid_node, NumNode)
