@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 
-os.environ.setdefault("DEVICE", "PYTHON")
-
 import ourgrad  # noqa: E402
 from ourgrad import Tensor, autocast, dtypes  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, OptOps  # noqa: E402
@@ -43,6 +41,9 @@ def step_outputs(batch: int, sequence: int, width: int, heads: int, layers: int,
 
 
 def main() -> None:
+  # the script's default device; set here, not at import: tests import step_outputs, and a DEVICE set at import
+  # would make PYTHON every later test's default device
+  os.environ.setdefault("DEVICE", "PYTHON")
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="8,512,768,12,1,50304", help="batch,seq,width,heads,layers,vocab")
   parser.add_argument("--no-staging", action="store_true", help="schedule without engine/operand_staging.py")
