@@ -82,10 +82,11 @@ def test_rows_fused_into_reduce_and_pad() -> None:
   np.testing.assert_allclose(rows.sum(1).numpy(), table[index].sum(1), rtol=1e-5)
   np.testing.assert_allclose((rows * 2).max(0).numpy(), (table[index] * 2).max(0), rtol=1e-6)
   np.testing.assert_array_equal(rows.pad(((1, 0), (0, 2))).numpy(), np.pad(table[index], ((1, 0), (0, 2))))
-  # an index computed from the index buffer: realized once (it is read once per column), then the row reads
+  # an index computed from the index buffer, read once per column (7 times): recomputed in the row kernel rather
+  # than stored (engine/schedule.py REGISTER_ROW_VISITS: values read at most 8 times an element are not stored)
   GlobalCounters.reset()
   shifted = Tensor(table)[Tensor(index) * 2 - 6].realize()
-  assert GlobalCounters.kernel_count == 2
+  assert GlobalCounters.kernel_count == 1
   picked = index * 2 - 6  # [0, 12, -6, 0]: 12 is out of range
   expected = np.where(((picked >= -10) & (picked < 10))[:, None], table[picked % 10], 0)
   np.testing.assert_array_equal(shifted.numpy(), expected)

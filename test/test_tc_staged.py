@@ -133,7 +133,9 @@ def test_cuda_staged_kernel_ptx_and_registers(shape) -> None:
   """The heuristic's kernel for the benchmark's matmuls: ldmatrix (.x4 for A, .x4.trans for pairs of a row-major B),
   cp.async.cg, mma.sync in the PTX; no global loads in the 4096^3 one; no local-memory spills."""
   m, k, n = shape
-  a, b = Tensor.empty(m, k, dtype=dtypes.float16), Tensor.empty(k, n, dtype=dtypes.float16)
+  # scheduled on the PYTHON device (GPU-like decisions): a CPU default device may pack or split a large matmul
+  a, b = Tensor.empty(m, k, dtype=dtypes.float16, device="PYTHON"), Tensor.empty(k, n, dtype=dtypes.float16,
+                                                                                  device="PYTHON")
   kernel = Kernel(create_schedule([(a @ b).lazydata])[-1].ast, CUDARenderer())
   kernel.hand_coded_optimizations()
   assert kernel.shared_tiles and kernel.tensor_core is not None
@@ -210,7 +212,8 @@ def test_heuristic_stages_with_k_steps_of_16() -> None:
 def test_tiles_over_48kb_use_dynamic_shared_memory() -> None:
   """Three stages of 128x128x32 tiles (56 KB) fit the staged-TC limit (dynamic shared memory), not the static one:
   CUDA renders one extern shared array the tiles point into, and exports its size for the launch."""
-  a, b = Tensor.empty(4096, 4096, dtype=dtypes.float16), Tensor.empty(4096, 4096, dtype=dtypes.float16)
+  a = Tensor.empty(4096, 4096, dtype=dtypes.float16, device="PYTHON")   # GPU-like scheduling (see above)
+  b = Tensor.empty(4096, 4096, dtype=dtypes.float16, device="PYTHON")
   kernel = Kernel(create_schedule([(a @ b).lazydata])[-1].ast, CUDARenderer())
   for opt in [Opt(OptOps.TC, 0, 0), Opt(OptOps.UPCAST, 1, 8), Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.LOCAL, 1, 2),
               Opt(OptOps.LOCAL, 0, 2), Opt(OptOps.UNROLL, 0, 2), Opt(OptOps.SHARED, 0, 3)]: kernel.apply_opt(opt)
