@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -33,6 +30,7 @@ from ourgrad import Device, Tensor, TinyJit, dtypes, set_float32_matmul_precisio
 from ourgrad.engine import realize  # noqa: E402
 from ourgrad.helpers import GlobalCounters  # noqa: E402
 from bench_gpt2 import ourgrad_peak_memory  # noqa: E402
+from timing import synchronized_median_seconds  # noqa: E402
 
 TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,19 +38,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 def synchronize_torch() -> None:
   if TORCH_DEVICE == "cuda": torch.cuda.synchronize()
-
-
-def timed(step: Callable[[], None], synchronize: Callable[[], None], warmup: int, steps: int) -> float:
-  """Median seconds of `steps` calls of `step` after `warmup` calls, each between two synchronizations."""
-  for _ in range(warmup): step()
-  synchronize()
-  times = []
-  for _ in range(steps):
-    began = time.perf_counter()
-    step()
-    synchronize()
-    times.append(time.perf_counter() - began)
-  return statistics.median(times)
 
 
 def reference(arrays: list[np.ndarray], grad: np.ndarray, backward: bool) -> list[torch.Tensor]:
@@ -75,7 +60,7 @@ def run_torch(arrays: list[np.ndarray], grad: np.ndarray, dtype: str, backward: 
     if backward: out.backward(g)
     results[:] = [out.detach()] + ([q.grad, k.grad, v.grad] if backward else [])
   if TORCH_DEVICE == "cuda": torch.cuda.reset_peak_memory_stats()
-  seconds = timed(step, synchronize_torch, args.warmup, args.steps)
+  seconds = synchronized_median_seconds(step, synchronize_torch, args.steps, args.warmup)
   peak = torch.cuda.max_memory_allocated() if TORCH_DEVICE == "cuda" else 0
   return seconds, [r.double() for r in results], peak
 
@@ -106,7 +91,7 @@ def run_ourgrad(arrays: list[np.ndarray], grad: np.ndarray, dtype: str, backward
   def call() -> None: results[:] = step(q, k, v, g)
   with ourgrad_peak_memory() as peak:
     GlobalCounters.reset()
-    seconds = timed(call, Device[args.device].synchronize, args.warmup, args.steps)
+    seconds = synchronized_median_seconds(call, Device[args.device].synchronize, args.steps, args.warmup)
   kernels = GlobalCounters.kernel_count // (args.warmup + args.steps)
   values = [torch.tensor(r.cast(dtypes.float32).numpy(), dtype=torch.float64, device=TORCH_DEVICE) for r in results]
   values[0] = values[0].transpose(1, 2)   # O back to (B, H, L, D)

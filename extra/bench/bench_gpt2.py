@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -57,7 +56,7 @@ from ourgrad.helpers import GlobalCounters  # noqa: E402
 from extra.models.gpt2 import (GPT2, GPT2Config, configure_optimizers, make_torch_gpt2,  # noqa: E402
                                torch_optimizer, training_flops, training_step)
 from kernel_table import CopyReference, KernelKinds  # noqa: E402
-from timing import cold_kernel_seconds  # noqa: E402
+from timing import cold_kernel_seconds, synchronized_median_seconds  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = {"torch": "PyTorch eager", "compile": "torch.compile", "jit": "ourgrad TinyJit", "eager": "ourgrad eager"}
@@ -128,13 +127,7 @@ def timed_steps(step: Callable[[], float], synchronize: Callable[[], None], warm
   for _ in range(warmup - 1): step()
   synchronize()
   warmup_seconds = time.perf_counter() - began
-  times = []
-  for _ in range(steps):
-    began = time.perf_counter()
-    step()
-    synchronize()
-    times.append(time.perf_counter() - began)
-  return first_loss, warmup_seconds, statistics.median(times)
+  return first_loss, warmup_seconds, synchronized_median_seconds(step, synchronize, steps)
 
 
 @contextmanager

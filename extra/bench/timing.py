@@ -36,6 +36,21 @@ from typing import Any, Callable
 DEFAULT_L2_BYTES = 50 << 20   # an H100's L2, where the device cannot say its own
 
 
+def synchronized_median_seconds(step: Callable[[], Any], synchronize: Callable[[], None], steps: int,
+                                warmup: int = 0) -> float:
+  """Median seconds of `steps` calls of `step`, each timed on the host clock between two synchronizations, after
+  `warmup` untimed calls (whole training steps, attention fwd+bwd: long enough that the host clock is fair)."""
+  for _ in range(warmup): step()
+  synchronize()
+  times = []
+  for _ in range(steps):
+    began = time.perf_counter()
+    step()
+    synchronize()
+    times.append(time.perf_counter() - began)
+  return statistics.median(times)
+
+
 def torch_seconds(function: Callable[[], Any], iters: int, cuda: bool, warmup: int = 3) -> float:
   """Median seconds of `function` over `iters` runs after `warmup` runs: CUDA events on a GPU (device time of the
   work it launches), the host clock on the CPU."""

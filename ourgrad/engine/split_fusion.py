@@ -98,23 +98,8 @@ def _layout_fits(ast: LazyOp, device: str) -> bool:
 def _renumbered(ast: LazyOp, number: Callable[[int], int]) -> LazyOp:
   """`ast` with each MemBuffer's index mapped by `number` (a function of the old index)."""
   rebuilt: dict[int, LazyOp] = {}
-  for node in _post_order(ast):
+  for node in ast.walk():   # sources before the nodes that read them
     arg = node.arg
     if isinstance(arg, MemBuffer): arg = MemBuffer(number(arg.idx), arg.dtype, arg.st)
     rebuilt[id(node)] = LazyOp(node.op, tuple(rebuilt[id(src)] for src in node.srcs), arg, node.dtype)
   return rebuilt[id(ast)]
-
-
-def _post_order(ast: LazyOp) -> list[LazyOp]:
-  """The nodes of `ast`, each after its sources, each once (an explicit stack: ASTs can be deep)."""
-  order, seen, stack = [], set(), [(ast, False)]
-  while stack:
-    node, expanded = stack.pop()
-    if expanded:
-      order.append(node)
-      continue
-    if id(node) in seen: continue
-    seen.add(id(node))
-    stack.append((node, True))
-    stack.extend((src, False) for src in node.srcs if id(src) not in seen)
-  return order
