@@ -9,7 +9,8 @@ Main entry points:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -38,6 +39,27 @@ DTYPE_TOLERANCES: dict[DType, tuple[float, float]] = {
   dtypes.float16: (1e-3, 1e-3), dtypes.bfloat16: (1e-2, 1e-2), dtypes.float32: (1e-6, 1e-5),
   dtypes.float64: (1e-12, 1e-10),
 }
+
+
+@contextmanager
+def emulated_gpu_tf32(monkeypatch: pytest.MonkeyPatch, emulate: str) -> Iterator[None]:
+  """The PYTHON device lowering as the GPU `emulate` names ("CUDA", "CUDA_SM90": as EMULATE=...), TF32 allowed, with
+  fresh compiled-kernel and schedule caches before and after, so that nothing made for the emulated GPU (or under
+  TF32) reaches later tests; the float32 matmul precision is reset after."""
+  from ourgrad.engine import realize, schedule_cache
+  from ourgrad.helpers import _float32_matmul_precision, set_float32_matmul_precision
+  from ourgrad.runtime.ops_python import PythonRenderer
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer(emulate))
+  monkeypatch.delenv("TF32", raising=False)
+  set_float32_matmul_precision("high")
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+  try:
+    yield
+  finally:
+    _float32_matmul_precision[0] = None
+    realize._runner_cache.clear()
+    schedule_cache._cache.clear()
 
 
 def small_split_reduces(monkeypatch: pytest.MonkeyPatch, multiprocessors: int = 8, min_part: int = 8) -> None:

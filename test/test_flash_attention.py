@@ -22,19 +22,16 @@ import torch
 import ourgrad
 from ourgrad import Tensor
 from ourgrad.codegen.attention import Operand, plan_attention, render_attention
-from ourgrad.device import Device
 from ourgrad.dtype import dtypes
-from ourgrad.engine import realize, schedule_cache
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.helpers import GlobalCounters, _float32_matmul_precision
 from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
-from ourgrad.runtime.ops_python import PythonRenderer
 from ourgrad import tensor_attention
 from ourgrad.tensor_attention import fused_attention_refusal
 
-from helpers import device_opens, nvrtc_compiler
+from helpers import device_opens, emulated_gpu_tf32, nvrtc_compiler
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # extra/ lives at the repository root
 from extra.models.gpt2 import GPT2, GPT2Config, load_torch_weights, make_torch_gpt2  # noqa: E402
@@ -48,17 +45,9 @@ TOLERANCES = {dtypes.float32: 3e-3, dtypes.float16: 3e-3, dtypes.bfloat16: 2e-2}
 @pytest.fixture
 def emulated_cuda(monkeypatch):
   """The PYTHON device as a CUDA GPU (the fused kernel emulated), TF32 allowed; fresh kernel and schedule caches."""
-  monkeypatch.setattr(Device[DEVICE], "renderer", PythonRenderer("CUDA"))
   monkeypatch.setenv("FUSED_ATTENTION", "1")   # the default: fused forward and backward, training too
   monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
-  monkeypatch.delenv("TF32", raising=False)
-  ourgrad.set_float32_matmul_precision("high")
-  realize._runner_cache.clear()
-  schedule_cache._cache.clear()
-  yield
-  _float32_matmul_precision[0] = None
-  realize._runner_cache.clear()
-  schedule_cache._cache.clear()
+  with emulated_gpu_tf32(monkeypatch, "CUDA"): yield
 
 
 def _random(*shape: int, seed: int) -> np.ndarray:

@@ -18,7 +18,7 @@ from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, OptOps
 from ourgrad.codegen.opt import tensor_core_plans
 from ourgrad.device import Device
-from ourgrad.engine import operand_staging, realize, schedule_cache
+from ourgrad.engine import operand_staging, schedule_cache
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
@@ -26,7 +26,7 @@ from ourgrad.helpers import _float32_matmul_precision
 from ourgrad.ops import Ops
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from helpers import device_opens
+from helpers import device_opens, emulated_gpu_tf32
 
 DEVICE = "PYTHON"
 TOKENS, WIDTH, HIDDEN = 256, 128, 256
@@ -36,17 +36,9 @@ TOKENS, WIDTH, HIDDEN = 256, 128, 256
 def hopper(monkeypatch):
   """The PYTHON device as an H100 (wgmma), TF32 allowed, small matmuls taking WGMMA; fresh kernel and schedule
   caches, so that nothing made for the emulated GPU reaches later tests."""
-  monkeypatch.setattr(Device[DEVICE], "renderer", PythonRenderer("CUDA_SM90"))
   monkeypatch.setattr(tensor_core_plans, "WGMMA_MIN_WORK", 1)
   monkeypatch.setattr(operand_staging, "WGMMA_MIN_WORK", 1)
-  monkeypatch.delenv("TF32", raising=False)
-  ourgrad.set_float32_matmul_precision("high")
-  realize._runner_cache.clear()
-  schedule_cache._cache.clear()
-  yield
-  _float32_matmul_precision[0] = None
-  realize._runner_cache.clear()
-  schedule_cache._cache.clear()
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"): yield
 
 
 def _random(*shape: int, seed: int) -> np.ndarray:
