@@ -54,6 +54,19 @@ def test_elementwise_outputs_share_kernels_up_to_the_cap(cap: int, monkeypatch: 
     np.testing.assert_allclose(output.numpy(), a_np * (index + 2) + 1, rtol=1e-6)
 
 
+def test_independent_outputs_keep_their_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Elementwise results over one shape share a kernel only with results that read a common buffer: two from `a` and
+  two from `b` make two kernels of two outputs, not one of four (one kernel of unrelated outputs saves only launches
+  and holds all their loads in registers at once); numpy's values."""
+  monkeypatch.setenv("PACK_KERNELS", "0")
+  a_np, b_np = (rng.standard_normal((6, 10)).astype(np.float32) for _ in range(2))
+  a, b = Tensor(a_np, device="PYTHON").realize(), Tensor(b_np, device="PYTHON").realize()
+  outputs = [a * 2, b + 1, a - 3, b * b]
+  assert sorted(_output_counts(outputs)) == [2, 2]
+  for output, expected in zip(outputs, (a_np * 2, b_np + 1, a_np - 3, b_np * b_np)):
+    np.testing.assert_allclose(output.numpy(), expected, rtol=1e-6)
+
+
 # ================================================================ sibling reduces combined in one kernel's value
 
 def _kernels(outputs: list[Tensor]) -> list:
