@@ -427,7 +427,8 @@ class LazyBuffer:
     # only a host CPU's runtime tells its renderer the L2 size (runtime/ops_clang.py, ops_llvm.py)
     if not getattr(renderer, "l2_cache_bytes", 0): return None
     # a factor widened on load (autocast's bfloat16) would be packed at float32: twice the bytes the product reads
-    packable = [len(src.st.views) == 1 and src.base.op is not Ops.CAST for src in base.srcs]
+    packable = [len(src.st.views) == 1 and not (src.base.op is Ops.CAST and src.base.srcs[0].dtype.itemsize < 4)
+                for src in base.srcs]
     if not any(packable): return None
     choice = cpu_gathered_pack(self.shape, axes, [src.st.real_strides() for src in base.srcs], packable,
                                renderer.vector_bytes, self.dtype.itemsize)

@@ -124,7 +124,10 @@ def mean_seconds(step: Callable[[], Any], sync: Callable[[], None], steps: int, 
   return (clock() - began) / steps
 
 
-def torch_steps(steps: int) -> dict[str, float]:
+STEP_ROWS = ("MLP step (batch 256), TinyJit", "CNN step (batch 128), TinyJit")
+
+
+def torch_steps(steps: int, names: tuple[str, ...] = STEP_ROWS) -> dict[str, float]:
   import torch
   torch.manual_seed(0)
   mlp = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
@@ -140,8 +143,8 @@ def torch_steps(steps: int) -> dict[str, float]:
     layers.append(torch.nn.MaxPool2d(2))
   cnn = torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(576, 10))
   results = {}
-  for name, model, shape in (("MLP step (batch 256), TinyJit", mlp, (256, 784)),
-                             ("CNN step (batch 128), TinyJit", cnn, (128, 1, 28, 28))):
+  for name, model, shape in ((STEP_ROWS[0], mlp, (256, 784)), (STEP_ROWS[1], cnn, (128, 1, 28, 28))):
+    if name not in names: continue
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(*shape), torch.randint(0, 10, (shape[0],))
     def step(model: torch.nn.Module = model, optimizer: Any = optimizer, x: Any = x, y: Any = y) -> None:
@@ -192,16 +195,16 @@ def check(name: str, arrays: list[np.ndarray], results: list[np.ndarray]) -> Non
     np.testing.assert_allclose(got, want.numpy(), atol=1e-4 * scale, rtol=1e-3, err_msg=name)
 
 
-def ourgrad_steps(steps: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+def ourgrad_steps(steps: int, names: tuple[str, ...] = STEP_ROWS) -> tuple[dict[str, float], list[dict[str, Any]]]:
   """Seconds per TinyJit step of the MLP and the CNN, and the CNN step's per-kernel rows."""
   from bench_jit import MLP, load_mnist_example, ourgrad_step
   from ourgrad import Device, Tensor, TinyJit
   rng = np.random.default_rng(0)
   results, table = {}, []
   mnist = load_mnist_example()
-  for name, make, shape in (("MLP step (batch 256), TinyJit", MLP, (256, 784)),
-                            ("CNN step (batch 128), TinyJit", lambda: mnist.ConvNet(mnist.MODELS["full"]),
-                             (128, 1, 28, 28))):
+  for name, make, shape in ((STEP_ROWS[0], MLP, (256, 784)),
+                            (STEP_ROWS[1], lambda: mnist.ConvNet(mnist.MODELS["full"]), (128, 1, 28, 28))):
+    if name not in names: continue
     x = Tensor(rng.standard_normal(shape).astype(np.float32)).realize()
     y = Tensor(rng.integers(0, 10, shape[0]).astype(np.int32)).realize()
     jit_step = TinyJit(ourgrad_step(make())[0])
@@ -242,8 +245,8 @@ def worker(args: argparse.Namespace) -> None:
   results: dict[str, Any] = {"simd_bytes": Device["CLANG"].renderer.vector_bytes}
   for name, arrays in op_inputs().items():
     if wanted(name, args): results[name] = ourgrad_ops(name, arrays, args.budget)
-  if wanted("step", args):
-    steps, results["cnn_table"] = ourgrad_steps(args.steps)
+  if step_rows := tuple(name for name in STEP_ROWS if wanted(name, args)):
+    steps, results["cnn_table"] = ourgrad_steps(args.steps, step_rows)
     results.update({name: (seconds, None) for name, seconds in steps.items()})
   if wanted("mnist.py", args): results["examples/mnist.py step"] = (mnist_example_ms(), None)
   print(json.dumps(results))
@@ -276,7 +279,8 @@ def reference_worker(args: argparse.Namespace) -> None:
   rows: dict[str, tuple[float | None, float | None]] = {}
   for name, arrays in op_inputs().items():
     if wanted(name, args): rows[name] = (numpy_row(name, arrays, args.budget), torch_ops(name, arrays, args.budget))
-  if wanted("step", args): rows.update({name: (None, seconds) for name, seconds in torch_steps(args.steps).items()})
+  if step_rows := tuple(name for name in STEP_ROWS if wanted(name, args)):
+    rows.update({name: (None, seconds) for name, seconds in torch_steps(args.steps, step_rows).items()})
   if wanted("mnist.py", args): rows["examples/mnist.py step"] = (None, None)
   print(json.dumps({"rows": rows, "picked": reference_picks()}))
 

@@ -318,6 +318,8 @@ def cpu_gathered_pack(shape: tuple[int, ...], reduce_axes: tuple[int, ...],
   for index, (strides, other) in enumerate((operand_strides, operand_strides[::-1])):
     reuse = prod(shape[axis] for axis in outputs if strides[axis] == 0)
     if not packable[index] or reuse < CPU_PACK_MIN_ROWS_GATHERED: continue
+    # an operand contiguous along such an axis already (a packed copy) is not packed again
+    if any(strides[axis] == 1 and streams(strides, other, axis, lanes) for axis in outputs): continue
     size = prod(shape[axis] for axis in range(len(shape)) if strides[axis] != 0)
     # full tiles of columns first, then the smaller operand, then the innermost axis
     candidates += [(shape[axis] % tile_columns != 0, size, -axis, index) for axis in outputs
