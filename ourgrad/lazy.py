@@ -23,7 +23,8 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
-from ourgrad.codegen.opt.cpu_tiles import cpu_gathered_pack, cpu_pack_columns, cpu_reduce_parts
+from ourgrad.codegen.opt.cpu_tiles import (cpu_gathered_pack, cpu_gathered_reduce_parts, cpu_pack_columns,
+                                          cpu_reduce_parts)
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts, wgmma_split_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
@@ -436,7 +437,21 @@ class LazyBuffer:
     index, column = choice
     srcs = list(base.srcs)
     srcs[index] = _packed_along(srcs[index], column)
-    return srcs[0].elementwise(Ops.MUL, srcs[1]).reduce(Ops.SUM, axes)
+    product = srcs[0].elementwise(Ops.MUL, srcs[1])
+    # the reduce's outermost axis in parts whose operands stay in the L2 (cpu_tiles.cpu_gathered_reduce_parts)
+    outer = axes[0]
+    footprint = sum(src.base.size // self.shape[outer] for src in srcs if src.st.real_strides()[outer] != 0)
+    parts = cpu_gathered_reduce_parts(self.shape[outer], footprint * self.dtype.itemsize,
+                                      prod(self.shape) // prod(self.shape[axis] for axis in axes) * self.dtype.itemsize,
+                                      renderer.l2_cache_bytes)
+    if parts == 1: return product.reduce(Ops.SUM, axes)
+    split = product.reshape(self.shape[:outer] + (parts, self.shape[outer] // parts) + self.shape[outer + 1:])
+    inner_axes = tuple(axis + 1 if axis >= outer else axis for axis in axes)
+    # the parts outermost: every output tile of a part reads that part's operands from the L2
+    split, inner_axes = _parts_outermost(split, (outer,), inner_axes)
+    partials = split.reduce(Ops.SUM, inner_axes, split=False)
+    out_shape = tuple(1 if axis in axes else size for axis, size in enumerate(self.shape))
+    return partials.reduce(Ops.SUM, (0,), split=False).reshape(out_shape)
 
   def _dense_matmul_dims(self, axes: tuple[int, ...]) -> tuple[int, int, int] | None:
     """(M, N, K) of a float32 product (..., M, N, K) summed over K (the last axis), one factor varying along M and

@@ -58,6 +58,7 @@ def test_the_smaller_operand_is_packed():
 
 CASES = {  # name: (input shape, weight shape, stride, padding)
   "5x5": ((6, 16, 13, 13), (32, 16, 5, 5), 1, 0),
+  "5x5 larger": ((8, 16, 20, 20), (32, 16, 5, 5), 1, 0),
   "3x3 padded": ((5, 16, 11, 9), (16, 16, 3, 3), 1, 1),
   "3x3 strided": ((4, 16, 14, 15), (32, 16, 3, 3), 2, 1),
 }
@@ -110,4 +111,32 @@ def test_convolution_loads_contiguous_columns(march: str, name: str, part: str, 
   # contiguous(): a strided convolution's input gradient is a view of its kernel's output
   _, result = _run_schedule_at(ours[part].contiguous(), march)
   want = reference[part]
+  np.testing.assert_allclose(result.reshape(want.shape), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_reduce_parts_fit_the_l2():
+  """A weight gradient's images in the fewest parts whose operands fill half the L2 (125 KB an image, 1 MiB L2: 4
+  images a part), none where the operands fit already or the partial results would outweigh them."""
+  from ourgrad.codegen.opt.cpu_tiles import cpu_gathered_reduce_parts
+  assert cpu_gathered_reduce_parts(128, 125_000, 102_400, 1 << 20) == 32
+  assert cpu_gathered_reduce_parts(4, 125_000, 102_400, 1 << 20) == 1
+  assert cpu_gathered_reduce_parts(128, 125_000, 600_000, 1 << 20) == 1   # 32 x 600 KB of partials > 16 MB
+  assert cpu_gathered_reduce_parts(128, 125_000, 102_400, 0) == 1
+
+
+@pytest.mark.parametrize("march", sorted(TARGETS))
+def test_weight_gradient_in_parts(march: str, monkeypatch: pytest.MonkeyPatch):
+  """With a 256 KiB L2 the 5x5 weight gradient's 8 images (58 KB of operands each) go in 4 parts of 2: a kernel of
+  partial results (the parts outermost), then their sum. The values match PyTorch at that width."""
+  _gcc()
+  _at_width(monkeypatch, march)
+  from ourgrad.device import Device
+  monkeypatch.setattr(Device["CLANG"].renderer, "l2_cache_bytes", 256 << 10, raising=False)
+  ours, reference = _conv_grads("5x5 larger")
+  items = [item for item in create_schedule([ours["weight gradient"].lazydata]) if item.outputs]
+  assert [item.outputs[0].size for item in items[-2:]] == [4 * 32 * 16 * 25, 32 * 16 * 25]
+  if not _cpu_has(TARGETS[march][2]): pytest.skip(f"this CPU cannot run -march={march} code")
+  ours, reference = _conv_grads("5x5 larger")
+  _, result = _run_schedule_at(ours["weight gradient"], march)
+  want = reference["weight gradient"]
   np.testing.assert_allclose(result.reshape(want.shape), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

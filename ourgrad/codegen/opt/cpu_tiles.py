@@ -327,3 +327,22 @@ def cpu_gathered_pack(shape: tuple[int, ...], reduce_axes: tuple[int, ...],
   if not candidates: return None
   *_, axis, index = min(candidates)
   return index, -axis
+
+
+# A packed product with few outputs and a long reduce (a weight gradient: 32x32x5x5 outputs summed over 128 images of
+# 20x20 pixels) reads its operands once for every output tile; where they overflow the L2, each pass streams them from
+# the L3 again. Its reduce's outermost axis (the images) then goes in parts whose operands fill at most
+# CPU_GATHERED_PART_SHARE of the L2, the parts outermost (every output tile of a part reads the part from the L2), the
+# partial results summed after; only where those partials (parts x outputs) stay under the operands' bytes.
+CPU_GATHERED_PART_SHARE = 0.5
+
+
+def cpu_gathered_reduce_parts(length: int, bytes_per_step: int, output_bytes: int, l2_bytes: int) -> int:
+  """Parts to split a packed product's outermost reduce axis of `length` into, where one step of it reads
+  `bytes_per_step` of operands and the outputs take `output_bytes`: 1 where the operands fit the L2 share or the
+  partials would outweigh them, else the fewest parts (dividing `length`) whose operands fit."""
+  budget = l2_bytes * CPU_GATHERED_PART_SHARE
+  if not l2_bytes or length * bytes_per_step <= budget: return 1
+  parts = next((count for count in range(2, length + 1) if length % count == 0 and
+                length // count * bytes_per_step <= budget), 1)
+  return parts if parts * output_bytes < length * bytes_per_step else 1
