@@ -438,13 +438,13 @@ class LazyBuffer:
     srcs = list(base.srcs)
     srcs[index] = _packed_along(srcs[index], column)
     product = srcs[0].elementwise(Ops.MUL, srcs[1])
-    # the reduce's outermost axis in parts whose operands stay in the L2 (cpu_tiles.cpu_gathered_reduce_parts)
-    outer = axes[0]
-    footprint = sum(src.base.size // self.shape[outer] for src in srcs if src.st.real_strides()[outer] != 0)
-    parts = cpu_gathered_reduce_parts(self.shape[outer], footprint * self.dtype.itemsize,
-                                      prod(self.shape) // prod(self.shape[axis] for axis in axes) * self.dtype.itemsize,
-                                      renderer.l2_cache_bytes)
+    # a reduce axis in parts whose operands stay in the L2 (cpu_tiles.cpu_gathered_reduce_parts)
+    operand_bytes = sum(src.base.size for src in srcs) * self.dtype.itemsize
+    output_bytes = prod(self.shape) // prod(self.shape[axis] for axis in axes) * self.dtype.itemsize
+    which, parts = cpu_gathered_reduce_parts([self.shape[axis] for axis in axes], operand_bytes, output_bytes,
+                                             renderer.l2_cache_bytes)
     if parts == 1: return product.reduce(Ops.SUM, axes)
+    outer = axes[which]
     split = product.reshape(self.shape[:outer] + (parts, self.shape[outer] // parts) + self.shape[outer + 1:])
     inner_axes = tuple(axis + 1 if axis >= outer else axis for axis in axes)
     # the parts outermost: every output tile of a part reads that part's operands from the L2

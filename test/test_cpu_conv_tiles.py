@@ -116,12 +116,15 @@ def test_convolution_loads_contiguous_columns(march: str, name: str, part: str, 
 
 def test_reduce_parts_fit_the_l2():
   """A weight gradient's images in the fewest parts whose operands fill half the L2 (125 KB an image, 1 MiB L2: 4
-  images a part), none where the operands fit already or the partial results would outweigh them."""
+  images a part), the image rows where one image overflows it, none where the operands fit already or the partial
+  results would outweigh them."""
   from ourgrad.codegen.opt.cpu_tiles import cpu_gathered_reduce_parts
-  assert cpu_gathered_reduce_parts(128, 125_000, 102_400, 1 << 20) == 32
-  assert cpu_gathered_reduce_parts(4, 125_000, 102_400, 1 << 20) == 1
-  assert cpu_gathered_reduce_parts(128, 125_000, 600_000, 1 << 20) == 1   # 32 x 600 KB of partials > 16 MB
-  assert cpu_gathered_reduce_parts(128, 125_000, 102_400, 0) == 1
+  assert cpu_gathered_reduce_parts([128, 20, 20], 16_000_000, 102_400, 1 << 20) == (0, 32)
+  assert cpu_gathered_reduce_parts([4, 20, 20], 500_000, 102_400, 1 << 20) == (0, 1)
+  assert cpu_gathered_reduce_parts([128, 20, 20], 16_000_000, 600_000, 1 << 20) == (0, 1)   # 32 x 600 KB > 16 MB
+  assert cpu_gathered_reduce_parts([128, 20, 20], 16_000_000, 102_400, 0) == (0, 1)
+  # 32 images of 62x62 (24 MB): 32 parts of one image each would still take 750 KB; 62 parts of one row take 390 KB
+  assert cpu_gathered_reduce_parts([32, 62, 62], 24_000_000, 18_432, 1 << 20) == (1, 62)
 
 
 @pytest.mark.parametrize("march", sorted(TARGETS))

@@ -8,7 +8,7 @@ for this machine (CLANG_MARCH=native) and for AVX2 (CLANG_MARCH=x86-64-v3), on t
 Rows: matmul 1024^3 and 2048^3, softmax and layernorm over 4096x4096, conv 32x16x64^2 -> 32 3x3 forward and
 forward+backward, an MLP step (784-512-512-10, Adam, batch 256) and the examples/mnist.py "full" CNN step (4 convs
 32-32-64-64 with BatchNorm, batch 128), both TinyJit, then examples/mnist.py itself (--epochs 2 --limit 10240
---eval-limit 1000; its last epoch's ms/step). The CNN step also prints a per-kernel table (time, GFLOP/s, share).
+--eval-limit 1000; its last epoch's ms/step: CPU time with --cpu-time). The CNN step also prints a per-kernel table.
 
 References at each width: numpy's OpenBLAS and PyTorch pick AVX-512 kernels on an AVX-512 machine, so the
 x86-64-v3 columns would compare our AVX2 code with their AVX-512 code. The references therefore run once per width in
@@ -230,13 +230,14 @@ def kernel_rows(items: list[Any]) -> list[dict[str, Any]]:
 
 
 def mnist_example_ms() -> float | None:
-  """examples/mnist.py's last reported ms/step (the script trains, so compiles fall in its first epoch)."""
+  """examples/mnist.py's last reported ms/step (the script trains, so compiles fall in its first epoch): its CPU
+  time per step with --cpu-time (one thread: OMP_NUM_THREADS=1), else its wall time."""
   command = [sys.executable, str(ROOT / "examples" / "mnist.py"), "--epochs", "2", "--limit", "10240",
              "--eval-limit", "1000"]
   done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), cwd=ROOT)
-  found = re.findall(r"\((\d+) ms/step\)", done.stdout)
+  found = re.findall(r"\((\d+) ms/step, (\d+) ms CPU/step\)", done.stdout)
   if not found: print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
-  return float(found[-1]) / 1e3 if found else None
+  return float(found[-1][1 if CPU_TIME else 0]) / 1e3 if found else None
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -331,7 +332,7 @@ def main() -> None:
   parser.add_argument("--budget", type=float, default=3.0, help="seconds per op row and library")
   parser.add_argument("--steps", type=int, default=10, help="timed training steps")
   parser.add_argument("--cpu-time", action="store_true", help="one thread per library, timed by CPU time (for a "
-                      "shared machine; examples/mnist.py's ms/step stays its own wall time)")
+                      "shared machine; examples/mnist.py's row is its CPU time per step, on one thread)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
