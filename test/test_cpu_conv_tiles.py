@@ -17,7 +17,8 @@ from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.opt.cpu_tiles import CPU_PACK_MIN_ROWS_GATHERED, buffer_loads, cpu_gathered_pack
 from ourgrad.engine.schedule import create_schedule
-from test_cpu_tiles import TARGETS, _at_width, _cpu_has, _gcc, _renderer, _run_schedule_at, _source
+from test_cpu_tiles import (TARGETS, _at_width, _cpu_has, _gcc, _kernel, _renderer, _run_compiled, _run_schedule_at,
+                            _source)
 
 # in the C source: a vector loaded whole, and a vector built from scalar loads (renderer/cvector.py)
 VECTOR_LOAD = re.compile(r"\*\(const float\d+v_u\*\)\(data\d+")
@@ -157,3 +158,24 @@ def test_two_registers_of_channels_before_one_of_columns(monkeypatch: pytest.Mon
   kernel = _conv_kernel(x.conv2d(w), "x86-64-v3")
   assert kernel.full_shape[kernel.upcast_axes[-1]] == 16
   assert [opt.amount for opt in kernel.applied_opts if opt.op.name == "UPCAST"] == [6, 16]
+
+
+@pytest.mark.parametrize("march", sorted(TARGETS))
+def test_short_elementwise_loop_takes_fewer_lanes(march: str):
+  """An elementwise kernel's `omp simd` loop of 20 columns (a max-pool backward's: half-index loads) runs as 8 lanes
+  at AVX-512 (two vectors and 4 left, where 16 lanes made one vector and gathers), as the target's 8 lanes at AVX2
+  (no simdlen). The values match numpy."""
+  _gcc()
+  rng = np.random.default_rng(5)
+  a_np = rng.standard_normal((64, 20, 20)).astype(np.float32)
+  b_np = rng.standard_normal((64, 10, 10)).astype(np.float32)
+  a, b = Tensor(a_np).realize(), Tensor(b_np).realize()
+  output = a * b.reshape(64, 10, 1, 10, 1).expand(64, 10, 2, 10, 2).reshape(64, 20, 20) + 1
+  item, kernel = _kernel(output, march)
+  source = _source(kernel)
+  assert ("simdlen(8)" in source) == (march == "x86-64-v4"), source
+  if not _cpu_has(TARGETS[march][2]): pytest.skip(f"this CPU cannot run -march={march} code")
+  result = np.zeros(64 * 400, np.float32)
+  _run_compiled(source, kernel.name, march, [result, *[buffer.numpy() for buffer in item.inputs]])
+  want = a_np * np.repeat(np.repeat(b_np, 2, axis=1), 2, axis=2) + 1
+  np.testing.assert_allclose(result.reshape(64, 20, 20), want, rtol=1e-5, atol=1e-6)   # a fused multiply-add
