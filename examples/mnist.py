@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> float:
   accuracy = float("nan")
   for epoch in range(start_epoch, args.epochs):
     order = np.random.default_rng([args.seed, epoch]).permutation(len(x_train))
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     def run_step(step: int) -> tuple[float, float]:
       batch = order[step * batch_size:(step + 1) * batch_size]
       if parallel is not None: return data_parallel_step(parallel, x_train[batch], y_train[batch])
@@ -255,17 +255,20 @@ def main(argv: list[str] | None = None) -> float:
       with Tensor.train(): run_step(0)
       print(f" {time.perf_counter() - compile_started:.1f} s", flush=True)
       first = 1
-      started = time.perf_counter()  # the epoch's time per step counts the ordinary steps only
+      # the epoch's time per step counts the ordinary steps only
+      started, cpu_started = time.perf_counter(), time.process_time()
     progress = tqdm if tqdm is not None else PlainProgress
     with Tensor.train(), progress(range(first, steps_per_epoch), desc=f"epoch {epoch + 1}/{args.epochs}",
                                   unit="step") as bar:
       for step in bar:
         loss, batch_accuracy = run_step(step)
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{batch_accuracy:.3f}")
-    train_time = time.perf_counter() - started
+    train_time, cpu_time = time.perf_counter() - started, time.process_time() - cpu_started
     accuracy = evaluate(model, x_test, y_test, args.eval_batch_size, parallel.devices[0] if parallel else None)
     timed_steps = steps_per_epoch - first
-    print(f"epoch {epoch + 1}: {train_time:.1f} s training ({train_time / max(timed_steps, 1) * 1000:.0f} ms/step), "
+    # CPU time (every thread's) beside the wall time: on a shared machine the wall time also counts the waits for a core
+    print(f"epoch {epoch + 1}: {train_time:.1f} s training ({train_time / max(timed_steps, 1) * 1000:.0f} ms/step, "
+          f"{cpu_time / max(timed_steps, 1) * 1000:.0f} ms CPU/step), "
           f"{time.perf_counter() - started - train_time:.1f} s test; test accuracy {accuracy * 100:.2f}%")
     if args.checkpoint: save_checkpoint(args.checkpoint, model, optimizer, epoch + 1, args.model)
   if start_epoch >= args.epochs:

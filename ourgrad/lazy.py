@@ -23,7 +23,8 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
-from ourgrad.codegen.opt.cpu_tiles import cpu_pack_columns, cpu_reduce_parts
+from ourgrad.codegen.opt.cpu_tiles import (cpu_gathered_pack, cpu_gathered_reduce_parts, cpu_pack_columns,
+                                          cpu_reduce_parts)
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts, wgmma_split_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
@@ -271,6 +272,7 @@ class LazyBuffer:
       count = prod(self.shape[axis] for axis in axes)
       return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
     if op is Ops.SUM and (packed := self._cpu_packed_matmul(axes)) is not None: return packed
+    if op is Ops.SUM and (packed := self._cpu_packed_gathered(axes)) is not None: return packed
     if split and (split_reduce := self._split_large_reduce(op, axes, out_shape)) is not None: return split_reduce
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
 
@@ -412,6 +414,44 @@ class LazyBuffer:
     packed_view = packed.permute((0, 2, 1)).reshape((1,) * (len(lead) - 1) + tiled[-3:]).expand(tiled)
     product = other.reshape(tiled).elementwise(Ops.MUL, packed_view)
     return product.reduce(Ops.SUM, (len(tiled) - 1,)).reshape(self.shape[:-1] + (1,))
+
+  def _cpu_packed_gathered(self, axes: tuple[int, ...]) -> LazyBuffer | None:
+    """A float32 product summed on a host CPU (a convolution, its input or weight gradient) whose register tile would
+    gather its column vectors from scalar loads, with one factor read from a copy that has the tile's columns
+    innermost (cpu_tiles.cpu_gathered_pack: which factor, which axis). None: not packed."""
+    if self.dtype != dtypes.float32 or self.device.startswith("DISK") or any(is_symbolic(s) for s in self.shape):
+      return None
+    base = self.base
+    if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or len(base.srcs) != 2: return None
+    if base.op is not Ops.MUL or self._dense_matmul_dims(axes) is not None: return None
+    renderer = Device[self.device].renderer
+    # only a host CPU's runtime tells its renderer the L2 size (runtime/ops_clang.py, ops_llvm.py)
+    if not getattr(renderer, "l2_cache_bytes", 0): return None
+    # a factor widened on load (autocast's bfloat16) would be packed at float32: twice the bytes the product reads
+    packable = [len(src.st.views) == 1 and not (src.base.op is Ops.CAST and src.base.srcs[0].dtype.itemsize < 4)
+                for src in base.srcs]
+    if not any(packable): return None
+    choice = cpu_gathered_pack(self.shape, axes, [src.st.real_strides() for src in base.srcs], packable,
+                               renderer.vector_bytes, self.dtype.itemsize)
+    if choice is None: return None
+    index, column = choice
+    srcs = list(base.srcs)
+    srcs[index] = _packed_along(srcs[index], column)
+    product = srcs[0].elementwise(Ops.MUL, srcs[1])
+    # a reduce axis in parts whose operands stay in the L2 (cpu_tiles.cpu_gathered_reduce_parts)
+    operand_bytes = sum(src.base.size for src in srcs) * self.dtype.itemsize
+    output_bytes = prod(self.shape) // prod(self.shape[axis] for axis in axes) * self.dtype.itemsize
+    which, parts = cpu_gathered_reduce_parts([self.shape[axis] for axis in axes], operand_bytes, output_bytes,
+                                             renderer.l2_cache_bytes)
+    if parts == 1: return product.reduce(Ops.SUM, axes)
+    outer = axes[which]
+    split = product.reshape(self.shape[:outer] + (parts, self.shape[outer] // parts) + self.shape[outer + 1:])
+    inner_axes = tuple(axis + 1 if axis >= outer else axis for axis in axes)
+    # the parts outermost: every output tile of a part reads that part's operands from the L2
+    split, inner_axes = _parts_outermost(split, (outer,), inner_axes)
+    partials = split.reduce(Ops.SUM, inner_axes, split=False)
+    out_shape = tuple(1 if axis in axes else size for axis, size in enumerate(self.shape))
+    return partials.reduce(Ops.SUM, (0,), split=False).reshape(out_shape)
 
   def _dense_matmul_dims(self, axes: tuple[int, ...]) -> tuple[int, int, int] | None:
     """(M, N, K) of a float32 product (..., M, N, K) summed over K (the last axis), one factor varying along M and
@@ -745,6 +785,20 @@ def _parts_outermost(split: LazyBuffer, parts_axes: tuple[int, ...],
   order = (*parts_axes, *(a for a in range(len(split.shape)) if a not in parts_axes))
   moved = tuple(order.index(a) for a in inner_axes)
   return split.permute(order), moved
+
+
+def _packed_along(operand: LazyBuffer, column: int) -> LazyBuffer:
+  """`operand` (one View, expanded along some axes) read from a contiguous copy of the values it varies along, laid
+  out with axis `column` innermost (lazy.py _cpu_packed_gathered), then viewed and expanded back to its shape."""
+  strides = operand.st.real_strides()
+  varying = [axis for axis, stride in enumerate(strides) if stride != 0]
+  values = operand.shrink(tuple((0, size) if axis in varying else (0, 1) for axis, size in enumerate(operand.shape)))
+  values = values.reshape(tuple(operand.shape[axis] for axis in varying))
+  order = tuple(place for place, axis in enumerate(varying) if axis != column) + (varying.index(column),)
+  packed = values.permute(order).contiguous()
+  unpacked = packed.permute(tuple(order.index(place) for place in range(len(order))))
+  kept = tuple(size if axis in varying else 1 for axis, size in enumerate(operand.shape))
+  return unpacked.reshape(kept).expand(operand.shape)
 
 
 def _sum_parts(partials: LazyBuffer) -> LazyBuffer:

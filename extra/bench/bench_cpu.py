@@ -8,7 +8,7 @@ for this machine (CLANG_MARCH=native) and for AVX2 (CLANG_MARCH=x86-64-v3), on t
 Rows: matmul 1024^3 and 2048^3, softmax and layernorm over 4096x4096, conv 32x16x64^2 -> 32 3x3 forward and
 forward+backward, an MLP step (784-512-512-10, Adam, batch 256) and the examples/mnist.py "full" CNN step (4 convs
 32-32-64-64 with BatchNorm, batch 128), both TinyJit, then examples/mnist.py itself (--epochs 2 --limit 10240
---eval-limit 1000; its last epoch's ms/step). The CNN step also prints a per-kernel table (time, GFLOP/s, share).
+--eval-limit 1000; its last epoch's ms/step: CPU time with --cpu-time). The CNN step also prints a per-kernel table.
 
 References at each width: numpy's OpenBLAS and PyTorch pick AVX-512 kernels on an AVX-512 machine, so the
 x86-64-v3 columns would compare our AVX2 code with their AVX-512 code. The references therefore run once per width in
@@ -124,7 +124,10 @@ def mean_seconds(step: Callable[[], Any], sync: Callable[[], None], steps: int, 
   return (clock() - began) / steps
 
 
-def torch_steps(steps: int) -> dict[str, float]:
+STEP_ROWS = ("MLP step (batch 256), TinyJit", "CNN step (batch 128), TinyJit")
+
+
+def torch_steps(steps: int, names: tuple[str, ...] = STEP_ROWS) -> dict[str, float]:
   import torch
   torch.manual_seed(0)
   mlp = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
@@ -140,8 +143,8 @@ def torch_steps(steps: int) -> dict[str, float]:
     layers.append(torch.nn.MaxPool2d(2))
   cnn = torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(576, 10))
   results = {}
-  for name, model, shape in (("MLP step (batch 256), TinyJit", mlp, (256, 784)),
-                             ("CNN step (batch 128), TinyJit", cnn, (128, 1, 28, 28))):
+  for name, model, shape in ((STEP_ROWS[0], mlp, (256, 784)), (STEP_ROWS[1], cnn, (128, 1, 28, 28))):
+    if name not in names: continue
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(*shape), torch.randint(0, 10, (shape[0],))
     def step(model: torch.nn.Module = model, optimizer: Any = optimizer, x: Any = x, y: Any = y) -> None:
@@ -192,16 +195,16 @@ def check(name: str, arrays: list[np.ndarray], results: list[np.ndarray]) -> Non
     np.testing.assert_allclose(got, want.numpy(), atol=1e-4 * scale, rtol=1e-3, err_msg=name)
 
 
-def ourgrad_steps(steps: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+def ourgrad_steps(steps: int, names: tuple[str, ...] = STEP_ROWS) -> tuple[dict[str, float], list[dict[str, Any]]]:
   """Seconds per TinyJit step of the MLP and the CNN, and the CNN step's per-kernel rows."""
   from bench_jit import MLP, load_mnist_example, ourgrad_step
   from ourgrad import Device, Tensor, TinyJit
   rng = np.random.default_rng(0)
   results, table = {}, []
   mnist = load_mnist_example()
-  for name, make, shape in (("MLP step (batch 256), TinyJit", MLP, (256, 784)),
-                            ("CNN step (batch 128), TinyJit", lambda: mnist.ConvNet(mnist.MODELS["full"]),
-                             (128, 1, 28, 28))):
+  for name, make, shape in ((STEP_ROWS[0], MLP, (256, 784)),
+                            (STEP_ROWS[1], lambda: mnist.ConvNet(mnist.MODELS["full"]), (128, 1, 28, 28))):
+    if name not in names: continue
     x = Tensor(rng.standard_normal(shape).astype(np.float32)).realize()
     y = Tensor(rng.integers(0, 10, shape[0]).astype(np.int32)).realize()
     jit_step = TinyJit(ourgrad_step(make())[0])
@@ -227,13 +230,14 @@ def kernel_rows(items: list[Any]) -> list[dict[str, Any]]:
 
 
 def mnist_example_ms() -> float | None:
-  """examples/mnist.py's last reported ms/step (the script trains, so compiles fall in its first epoch)."""
+  """examples/mnist.py's last reported ms/step (the script trains, so compiles fall in its first epoch): its CPU
+  time per step with --cpu-time (one thread: OMP_NUM_THREADS=1), else its wall time."""
   command = [sys.executable, str(ROOT / "examples" / "mnist.py"), "--epochs", "2", "--limit", "10240",
              "--eval-limit", "1000"]
   done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), cwd=ROOT)
-  found = re.findall(r"\((\d+) ms/step\)", done.stdout)
+  found = re.findall(r"\((\d+) ms/step, (\d+) ms CPU/step\)", done.stdout)
   if not found: print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
-  return float(found[-1]) / 1e3 if found else None
+  return float(found[-1][1 if CPU_TIME else 0]) / 1e3 if found else None
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -242,8 +246,8 @@ def worker(args: argparse.Namespace) -> None:
   results: dict[str, Any] = {"simd_bytes": Device["CLANG"].renderer.vector_bytes}
   for name, arrays in op_inputs().items():
     if wanted(name, args): results[name] = ourgrad_ops(name, arrays, args.budget)
-  if wanted("step", args):
-    steps, results["cnn_table"] = ourgrad_steps(args.steps)
+  if step_rows := tuple(name for name in STEP_ROWS if wanted(name, args)):
+    steps, results["cnn_table"] = ourgrad_steps(args.steps, step_rows)
     results.update({name: (seconds, None) for name, seconds in steps.items()})
   if wanted("mnist.py", args): results["examples/mnist.py step"] = (mnist_example_ms(), None)
   print(json.dumps(results))
@@ -276,7 +280,8 @@ def reference_worker(args: argparse.Namespace) -> None:
   rows: dict[str, tuple[float | None, float | None]] = {}
   for name, arrays in op_inputs().items():
     if wanted(name, args): rows[name] = (numpy_row(name, arrays, args.budget), torch_ops(name, arrays, args.budget))
-  if wanted("step", args): rows.update({name: (None, seconds) for name, seconds in torch_steps(args.steps).items()})
+  if step_rows := tuple(name for name in STEP_ROWS if wanted(name, args)):
+    rows.update({name: (None, seconds) for name, seconds in torch_steps(args.steps, step_rows).items()})
   if wanted("mnist.py", args): rows["examples/mnist.py step"] = (None, None)
   print(json.dumps({"rows": rows, "picked": reference_picks()}))
 
@@ -327,7 +332,7 @@ def main() -> None:
   parser.add_argument("--budget", type=float, default=3.0, help="seconds per op row and library")
   parser.add_argument("--steps", type=int, default=10, help="timed training steps")
   parser.add_argument("--cpu-time", action="store_true", help="one thread per library, timed by CPU time (for a "
-                      "shared machine; examples/mnist.py's ms/step stays its own wall time)")
+                      "shared machine; examples/mnist.py's row is its CPU time per step, on one thread)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()

@@ -340,7 +340,7 @@ class CStyleLanguage(Renderer):
         if parallel_loops and kind is AxisType.GLOBAL and depth == 1:
           emit(self.parallel_pragma(parallel_loops))
         elif (kind in (AxisType.UPCAST, AxisType.UNROLL) or uop is self.simd_loop) and self.vector_loop_pragma:
-          emit(self.vector_loop_pragma)
+          emit(self.loop_pragma(uop))
         emit(f"for (int {variable} = {ref(uop.srcs[0])}; {variable} < {ref(uop.srcs[1])}; {variable}++) {{")
         depth += 1
       elif uop.op is UOps.ENDRANGE:
@@ -530,6 +530,10 @@ class CStyleLanguage(Renderer):
 
   def parallel_pragma(self, loop_count: int) -> str: return ""
 
+  def loop_pragma(self, loop: UOp) -> str:
+    """The pragma put before a vectorized loop (vector_loop_pragma)."""
+    return self.vector_loop_pragma
+
 
 class ClangRenderer(CStyleLanguage):
   """C for the CPU (gcc or clang): loops for every axis, `restrict` pointers, math.h functions.
@@ -561,6 +565,14 @@ class ClangRenderer(CStyleLanguage):
     # an elementwise kernel's innermost loop stays inside each thread's iteration as its `omp simd` loop; a kernel of
     # one loop shares it: `parallel for simd`
     return len(global_loops) - 1 if self.simd_loop is not None and len(global_loops) > 1 else len(global_loops)
+
+  def loop_pragma(self, loop: UOp) -> str:
+    """`omp simd`, with `simdlen(n)` for an elementwise loop too short for two vectors of the target's width: n the
+    largest power of two, at least 8 lanes, that runs twice (20 columns at AVX-512: 8 lanes; the CNN step's
+    batchnorm-and-max-pool backward, 128x32x20x20 with 3 gathered operands, one core: 2.5 -> 1.6 ms, AVX2 1.5)."""
+    trip, lanes = loop_trip_bound(loop), self.vector_bytes // 4
+    if loop is not self.simd_loop or trip >= 2 * lanes or trip < 16: return self.vector_loop_pragma
+    return f"{self.vector_loop_pragma} simdlen({1 << (trip // 2).bit_length() - 1})"
 
   def parallel_pragma(self, loop_count: int) -> str:
     simd = " simd" if self.simd_loop_is_parallel else ""

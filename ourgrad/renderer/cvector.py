@@ -131,6 +131,7 @@ class VectorPlan:
     if first.op is UOps.ALU and first.arg in VECTOR_INFIX:   # a scalar operand of + or * is broadcast by C itself
       left, right = (self._expression(operand, ref) for operand in operands)
       return f"({left}{VECTOR_INFIX[first.arg]}{right})"
+    if first.op is UOps.CAST and first.srcs[0].dtype == first.dtype: return self._expression(operands[0], ref, vector)
     vectors = [self._expression(operand, ref, True) for operand in operands]
     if first.op is UOps.CAST: return f"(({self.type})(({vectors[0]}) & {FLOAT_BITS_OF_ONE}))"   # mask -> 1.0f / 0.0f
     if first.arg is Ops.NEG: return f"(~{vectors[0]})" if first.dtype == dtypes.bool else f"(-{vectors[0]})"
@@ -148,8 +149,9 @@ class VectorPlan:
 
 def _lane_op(first: UOp) -> bool:
   """Whether lanes of this op (the others checked equal to it) have a vector form: float32 arithmetic of VECTOR_OPS,
-  a bool mask cast to float32, a compare of float32 lanes, or NOT of masks."""
-  if first.op is UOps.CAST: return first.dtype == dtypes.float32 and first.srcs[0].dtype == dtypes.bool
+  a bool mask (or float32) cast to float32, a compare of float32 lanes, or NOT of masks."""
+  # an identity cast (a fresh base of an in-place write: lazy.py LazyBuffer.write) is its operand
+  if first.op is UOps.CAST: return first.dtype == dtypes.float32 and first.srcs[0].dtype in (dtypes.bool, first.dtype)
   if first.op is not UOps.ALU: return False
   if first.dtype == dtypes.float32: return first.arg in VECTOR_OPS
   if first.dtype != dtypes.bool: return False

@@ -154,7 +154,12 @@ def _tile_tries(kernel: Kernel, registers: int, lanes: int,
       for choice, (rows_wanted, fit) in enumerate(_row_choices(tile_rows, float_reduce)):
         row_count = _cpu_tile_row_count(kernel.full_shape[rows], rows_wanted, fit)
         if row_count: tries.append((choice, rank, (rows, columns, row_count, column_count, fit)))
-    yield from (attempt for _, _, attempt in sorted(tries, key=lambda entry: entry[:2]))
+    # contiguous columns: the full rows (dividing or padded) with two registers of columns before one, then the fits
+    # in order: a packed filter's output channels (rows padded) before 8 image columns (one register; AVX2, the 3x3
+    # input gradient and forward of the CNN step: 89-94 -> 112-117 GFLOP/s) or 24 (the 5x5 input gradient)
+    def rank(entry: tuple[int, int, tuple[int, int, int, int, str]]) -> tuple[int, ...]:
+      return (entry[0] > 1, -entry[2][3], *entry[:2]) if contiguous else entry[:2]
+    yield from (attempt for _, _, attempt in sorted(tries, key=rank))
 
 
 def cpu_matmul_tiles(kernel: Kernel) -> bool:
@@ -284,3 +289,70 @@ def cpu_pack_columns(rows: int, columns: int, column_stride: int, reduce_stride_
   if abs(column_stride) != 1: return tile_columns if rows >= CPU_PACK_MIN_ROWS_GATHERED else 0
   positions = PAGE_BYTES // max(math.gcd(abs(reduce_stride_bytes), PAGE_BYTES), CACHE_LINE_BYTES)
   return tile_columns if rows >= CPU_PACK_MIN_ROWS and positions <= CPU_REDUCE_MAX_POSITIONS else 0
+
+
+# Gathered-operand packing for convolution-shaped reduces: a reduce of a product whose register tile has no full
+# contiguous columns (no output axis that the tile's two registers of columns divide along which one operand is stride
+# 1 and the other broadcast) takes one register of contiguous columns or builds each column vector from scalar loads,
+# one per lane (a convolution's filter read along its output channels, a weight gradient's output gradient along its
+# channels). Where an operand is a plain view (one View) that varies along an output axis the other operand
+# broadcasts, a copy of it with that axis innermost turns the gathers into vector loads and the reduce into the
+# register tile of a matmul. The copy costs one pass over the operand, so only an operand reused across at least
+# CPU_PACK_MIN_ROWS_GATHERED outputs per element is packed (the filter: every pixel of every image; the output gradient
+# of a weight gradient: input channels x taps), the smaller one where both qualify. The CNN step of examples/mnist.py
+# (batch 128, one core, ms by CPU time, Zen 5): AVX-512 135 -> 83 (its 5x5 convolutions 100-120 -> 208-233 GFLOP/s),
+# AVX2 178 -> 132.
+
+
+def cpu_gathered_pack(shape: tuple[int, ...], reduce_axes: tuple[int, ...],
+                      operand_strides: list[tuple[int | None, ...]], packable: list[bool],
+                      vector_bytes: int, itemsize: int = 4) -> tuple[int, int] | None:
+  """(operand, output axis) of a product of two operands (their `operand_strides` over `shape`, None where an axis
+  has no single stride) summed over `reduce_axes`, whose operand should be packed with that axis innermost; None where
+  a register tile already has full contiguous columns or no `packable` operand is reused enough (see above)."""
+  lanes = max(vector_bytes // itemsize, 1)
+  _, tile_columns = cpu_tile_shape(vector_bytes, itemsize)
+  outputs = [axis for axis in range(len(shape)) if axis not in reduce_axes and shape[axis] > 1]
+  def streams(strides: tuple[int | None, ...], other: tuple[int | None, ...], axis: int, columns: int) -> bool:
+    return other[axis] == 0 and strides[axis] not in (0, None) and shape[axis] % columns == 0
+  for axis in outputs:
+    if any(strides[axis] == 1 and streams(strides, other, axis, tile_columns)
+           for strides, other in (operand_strides, operand_strides[::-1])): return None
+  candidates = []
+  for index, (strides, other) in enumerate((operand_strides, operand_strides[::-1])):
+    reuse = prod(shape[axis] for axis in outputs if strides[axis] == 0)
+    if not packable[index] or reuse < CPU_PACK_MIN_ROWS_GATHERED: continue
+    # an operand contiguous along such an axis already (a packed copy) is not packed again
+    if any(strides[axis] == 1 and streams(strides, other, axis, lanes) for axis in outputs): continue
+    size = prod(shape[axis] for axis in range(len(shape)) if strides[axis] != 0)
+    # full tiles of columns first, then the smaller operand, then the innermost axis
+    candidates += [(shape[axis] % tile_columns != 0, size, -axis, index) for axis in outputs
+                   if streams(strides, other, axis, lanes)]
+  if not candidates: return None
+  *_, axis, index = min(candidates)
+  return index, -axis
+
+
+# A packed product with few outputs and a long reduce (a weight gradient: 32x32x5x5 outputs summed over 128 images of
+# 20x20 pixels) reads its operands once for every output tile; where they overflow the L2, each pass streams them from
+# the L3 (or memory) again. A reduce axis (the outermost that can: the images, else the image rows) then goes in parts
+# whose operands fill at most CPU_GATHERED_PART_SHARE of the L2, the parts outermost (every output tile of a part reads
+# the part from the L2), the partial results summed after; only where those partials (parts x outputs) stay under the
+# operands' bytes. AVX2, one core, ms: the CNN step's 5x5 weight gradient 26-38 -> 24 (32 parts of 4 images); the
+# conv 32x16x64^2 -> 32 3x3 weight gradient 36 -> 12.4 (62 parts of one row of 32 images; AVX-512 21.7 -> 6.7).
+CPU_GATHERED_PART_SHARE = 0.5
+
+
+def cpu_gathered_reduce_parts(lengths: list[int], operand_bytes: int, output_bytes: int,
+                              l2_bytes: int) -> tuple[int, int]:
+  """(which of the reduce axes of `lengths`, outermost first, parts) to split a packed product's reduce into, where
+  its operands take `operand_bytes` and its outputs `output_bytes`: (0, 1) (no split) where the operands fit the L2
+  share or the partials would outweigh them, else the first axis with a part count (dividing it) whose share of the
+  operands fits, the fewest such parts."""
+  budget = l2_bytes * CPU_GATHERED_PART_SHARE
+  if not l2_bytes or operand_bytes <= budget: return 0, 1
+  for index, length in enumerate(lengths):
+    parts = next((count for count in range(2, length + 1)
+                  if length % count == 0 and operand_bytes / count <= budget), 0)
+    if parts: return (index, parts) if parts * output_bytes < operand_bytes else (0, 1)
+  return 0, 1
