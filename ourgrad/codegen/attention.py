@@ -118,10 +118,18 @@ class AttentionPlan:
   def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
 
   @property
-  def lse_offset(self) -> int: return self.batch * self.length * self.heads * self.head_dim
+  def o_elements(self) -> int: return self.batch * self.length * self.heads * self.head_dim
 
   @property
-  def output_elements(self) -> int: return self.lse_offset + self.batch * self.heads * self.length
+  def lse_offset(self) -> int:
+    """Where the logsumexp starts in the output, in float32 elements (O's bytes before it: D is a multiple of 16, so
+    a 16-bit O ends on a 4-byte boundary)."""
+    return self.o_elements * self.itemsize // 4
+
+  @property
+  def output_elements(self) -> int:
+    """The output buffer's size in elements of the operand type: O, then the float32 logsumexp's bytes."""
+    return self.o_elements + self.batch * self.heads * self.length * 4 // self.itemsize
 
   @property
   def name(self) -> str:
@@ -200,7 +208,7 @@ class AttentionKernel:
     """q, k, v read once, O and the logsumexp written once."""
     plan = self.plan
     inputs = plan.batch * (plan.heads * plan.length + 2 * plan.kv_heads * plan.source) * plan.head_dim
-    return inputs * plan.itemsize + plan.output_elements * 4
+    return (inputs + plan.output_elements) * plan.itemsize
 
 
 # ---------------------------------------------------------------- the CUDA kernel
@@ -266,7 +274,7 @@ def _signature(plan: AttentionPlan, name: str, arguments: dict[str, int]) -> lis
   """The kernel's parameters, one per distinct buffer in argument order (q, k and v may be one buffer)."""
   storage = STORAGE_TYPE[plan.dtype]
   count = max(arguments.values()) + 1
-  parameters = ", ".join("float* __restrict__ out" if position == arguments["out"] else
+  parameters = ", ".join(f"{storage}* __restrict__ out" if position == arguments["out"] else
                          f"const {storage}* __restrict__ buffer{position}" for position in range(count))
   return [f'extern "C" __global__ void __launch_bounds__({plan.threads}) {name}({parameters}) {{',
           *(f"  const {storage}* {role}_buffer = buffer{arguments[role]};" for role in ("q", "k", "v"))]
@@ -508,8 +516,16 @@ def _weighted_sum_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
 
 
 def _store_lines(plan: AttentionPlan) -> list[str]:
-  """O / sum into (B, L, H, D) and the logsumexp into (B, H, L), rows past L left out."""
+  """O / sum into (B, L, H, D) in the operand type (16-bit: a lane's column pair rounded into one 32-bit store) and
+  the float32 logsumexp into (B, H, L) after it, rows past L left out."""
   d_tiles, heads, dim = plan.head_dim // 8, plan.heads, plan.head_dim
+  storage = STORAGE_TYPE[plan.dtype]
+  if plan.dtype == "float32":
+    store = ["      float2 pair = make_float2(outputs[d][half * 2] * inverse, outputs[d][half * 2 + 1] * inverse);",
+             "      *(float2*)(out_row + d * 8 + quad * 2) = pair;"]
+  else:
+    store = ["      *(unsigned*)(out_row + d * 8 + quad * 2) = "
+             "pack_floats(outputs[d][half * 2] * inverse, outputs[d][half * 2 + 1] * inverse);"]
   return ["#pragma unroll",
           "  for (int half = 0; half < 2; half++) {",
           "    float total = row_sum[half];",
@@ -518,13 +534,13 @@ def _store_lines(plan: AttentionPlan) -> list[str]:
           "    int row = first_row + half * 8;",
           f"    if (row >= {plan.length}) continue;",
           "    float inverse = 1.0f / total;",
-          f"    float* out_row = out + ((long long)(batch * {plan.length} + row) * {heads} + head) * {dim};",
+          f"    {storage}* out_row = out + ((long long)(batch * {plan.length} + row) * {heads} + head) * {dim};",
           "#pragma unroll",
           f"    for (int d = 0; d < {d_tiles}; d++) {{",
-          "      float2 pair = make_float2(outputs[d][half * 2] * inverse, outputs[d][half * 2 + 1] * inverse);",
-          "      *(float2*)(out_row + d * 8 + quad * 2) = pair;",
+          *store,
           "    }",
-          f"    if (quad == 0) out[{plan.lse_offset}ll + (long long)(batch * {heads} + head) * {plan.length} + row] "
+          f"    if (quad == 0) ((float*)out)[{plan.lse_offset}ll + (long long)(batch * {heads} + head) * {plan.length} "
+          "+ row] "
           f"= (row_max[half] + log2f(total)) * {LN_2!r}f;",
           "  }"]
 
