@@ -263,7 +263,16 @@ _COPY_HELPER = """__device__ __forceinline__ void copy16(void* target, const voi
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(address), "l"(source), "r"(inside ? 16 : 0)
                : "memory");
 }
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void copy_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 """
+
+
+def kernel_helpers(plan: AttentionPlan) -> str:
+  """The device functions the kernel calls, written with PTX: mma (and the operand conversions it needs), ldmatrix
+  loads, cp.async copies. test/attention_forward_host.py swaps them for host versions to run the kernel on a CPU."""
+  helpers = _HELPERS_TF32 if plan.dtype == "float32" else _HELPERS_16.replace("TYPE", MMA_SHAPES[plan.dtype][2])
+  return helpers + (_LDMATRIX_HELPERS if plan.ldmatrix else "") + (_COPY_HELPER if plan.vector_copies else "")
 
 
 def _element_offset(operand: Operand, batch: str, head: str) -> str:
@@ -334,7 +343,7 @@ def _copy_tile_lines(plan: AttentionPlan) -> list[str]:
               f"      copy16(v_stage + row * {plan.row_pitch} + column, v_base + clamped * {plan.v.strides[2]} + "
               "column, inside);",
               "    }",
-              '    asm volatile("cp.async.commit_group;" ::: "memory");']
+              "    copy_commit();"]
   else:
     lines += [f"    for (int element = threadIdx.x; element < {plan.block_n * plan.head_dim}; "
               f"element += {plan.threads}) {{",
@@ -546,13 +555,12 @@ def _store_lines(plan: AttentionPlan) -> list[str]:
 
 
 def render_attention(plan: AttentionPlan, name: str | None = None, arguments: dict[str, int] | None = None,
-                     dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes") -> str:
+                     dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes", helpers: str | None = None) -> str:
   """CUDA C++ (NVRTC, sm_80+) of the fused attention kernel `name` (default plan.name); its buffers in the order
   `arguments` gives (default out, q, k, v); launch with plan.global_size x plan.local_size and plan.shared_bytes of
   dynamic shared memory (exported as `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads at load)."""
   arguments = arguments or {"out": 0, "q": 1, "k": 2, "v": 3}
   storage = STORAGE_TYPE[plan.dtype]
-  helpers = _HELPERS_TF32 if plan.dtype == "float32" else _HELPERS_16.replace("TYPE", MMA_SHAPES[plan.dtype][2])
   last_tile = f"(block_first_row + {plan.block_m - 1}) / {plan.block_n}"
   tiles = f"min({math.ceil(plan.source / plan.block_n)}, {last_tile} + 1)" if plan.causal else \
       f"{math.ceil(plan.source / plan.block_n)}"
@@ -560,7 +568,7 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
     "extern __shared__ __align__(16) unsigned char attention_shared[];",
     "#define NEG_INF __int_as_float(0xff800000)",
-    helpers, _LDMATRIX_HELPERS if plan.ldmatrix else "", _COPY_HELPER if plan.vector_copies else "",
+    kernel_helpers(plan) if helpers is None else helpers,
     *_signature(plan, name or plan.name, arguments),
     f"  {storage}* k_tiles = ({storage}*)attention_shared;",
     f"  {storage}* v_tiles = k_tiles + {plan.stages * plan.tile_elements};",
@@ -587,8 +595,7 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     "  for (int tile = 0; tile < tiles; tile++) {",
     # the next tile streams in while this one is computed
     f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {plan.stages});",
-    *(['    else asm volatile("cp.async.commit_group;" ::: "memory");',
-       '    asm volatile("cp.async.wait_group 1;" ::: "memory");'] if plan.vector_copies else []),
+    *(["    else copy_commit();", "    copy_wait_all_but_one();"] if plan.vector_copies else []),
     "    __syncthreads();",
     f"    const {storage}* k_stage = k_tiles + (tile % {plan.stages}) * {plan.tile_elements};",
     f"    const {storage}* v_stage = v_tiles + (tile % {plan.stages}) * {plan.tile_elements};",
