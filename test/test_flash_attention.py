@@ -311,9 +311,11 @@ def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
   plan = plan_attention(*operands, ((2, heads, length, head_dim), (2, heads // 2, source, head_dim)), dtype,
                         causal, 0.125, CUDARenderer("sm_90"))
   assert plan.vector_copies == aligned and plan.shared_bytes <= CUDARenderer.dynamic_local_memory_bytes
-  assert not plan.ldmatrix   # (ATTENTION_LDMATRIX=0, the default)
-  # with plain loads and with ldmatrix of the K (16-bit: and V) fragments
-  for variant in (plan, dataclasses.replace(plan, ldmatrix=True)):
+  assert plan.ldmatrix   # (ATTENTION_LDMATRIX=1, the default)
+  # with ldmatrix of the K (16-bit: and V) fragments and with plain loads; the rule's tiles and the sweep's others
+  variants = [plan, dataclasses.replace(plan, ldmatrix=False), dataclasses.replace(plan, block_m=128, block_n=128),
+              dataclasses.replace(plan, block_m=64, block_n=32, stages=3)]
+  for variant in variants:
     nvrtc_compiler().compile(render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1}))
 
 

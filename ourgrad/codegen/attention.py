@@ -24,7 +24,7 @@ colored_shape, op_count) and the plan it is rendered from (`attention`); no Opts
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ourgrad.dtype import DType, dtypes
@@ -33,17 +33,22 @@ from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 
 # threads of a warp, and query rows one warp owns (the M of one mma.sync)
 WARP_THREADS, WARP_ROWS = 32, 16
-# query rows per CTA (4 warps): enough rows to reuse each staged key tile, few enough for short causal diagonals
-BLOCK_M = 64
+# query rows per CTA (one warp per 16): 64 (4 warps), or 128 (8 warps) where the grid still gives every
+# multiprocessor CTAS_PER_PROCESSOR_LARGE CTAs: each staged key/value tile then serves twice the rows
+BLOCK_M, BLOCK_M_LARGE, CTAS_PER_PROCESSOR_LARGE = 64, 128, 2
 # the key tile sizes tried, largest first, and how many CTAs at least should share a multiprocessor's shared memory
-BLOCK_N_CHOICES = (64, 32, 16)
+BLOCK_N_CHOICES = (128, 64, 32, 16)
 CTAS_PER_PROCESSOR = 3
+# registers per thread the tiles may hold across the key loop: Q's A fragments (D / 4 for 16-bit, D / 2 for TF32),
+# O's accumulators (D / 2) and S's (block_n / 2); the rest of the 255 hold P's and V's fragments and addresses
+FRAGMENT_REGISTERS = 144
 # bytes of one cp.async copy
 COPY_BYTES = 16
-# 0 by default until the ldmatrix variant has run on a GPU (the element loads were checked on the H200)
-ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 0, "1: the fused attention kernel reads its K (16-bit: and V) "
-                             "fragments with ldmatrix instead of plain shared-memory loads (codegen/attention.py; "
-                             "compiled by NVRTC in CI, not yet run on a GPU)")
+ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its K (16-bit: and V) "
+                             "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
+ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages] of the fused attention forward instead "
+                           "of its rule's (codegen/attention.py `plan_attention`), e.g. 128,64,2: what "
+                           "extra/bench/sweep_attention.py tries")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -104,6 +109,12 @@ class AttentionPlan:
   def shared_bytes(self) -> int: return self.stages * 2 * self.tile_elements * self.itemsize
 
   @property
+  def fragment_registers(self) -> int:
+    """Registers per thread of Q's A fragments, O's and S's accumulators (FRAGMENT_REGISTERS)."""
+    k_step, a_registers, _ = MMA_SHAPES[self.dtype]
+    return self.head_dim // k_step * a_registers + self.head_dim // 2 + self.block_n // 2
+
+  @property
   def group(self) -> int:
     """Query heads per key/value head."""
     return self.heads // self.kv_heads
@@ -139,20 +150,32 @@ class AttentionPlan:
 
 def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, ...], ...], dtype: DType,
                    causal: bool, scale: float, renderer: Any) -> AttentionPlan:
-  """The plan for one attention, the key tile sized from the device's shared memory: the largest that leaves room
-  for CTAS_PER_PROCESSOR CTAs per multiprocessor."""
+  """The plan for one attention. Query rows per CTA: BLOCK_M_LARGE for 16-bit operands where the grid keeps
+  CTAS_PER_PROCESSOR_LARGE CTAs per multiprocessor, else BLOCK_M (TF32's fragments and staged rows are twice the
+  bytes). Keys per tile: the largest whose fragments fit FRAGMENT_REGISTERS and whose staged tiles leave room for
+  CTAS_PER_PROCESSOR CTAs in a multiprocessor's shared memory. ATTENTION_BLOCKS overrides both (and the stages)."""
   (batch, heads, length, head_dim), (_, kv_heads, source, _) = shapes[0], shapes[1]
   vector = COPY_BYTES // dtype.itemsize
-  vector_copies = k.vector_aligned(vector) and v.vector_aligned(vector)
+  base = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
+                       vector_copies=k.vector_aligned(vector) and v.vector_aligned(vector),
+                       ldmatrix=bool(ATTENTION_LDMATRIX))
+  if ATTENTION_BLOCKS.value: return replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value)))
+  large = replace(base, block_m=BLOCK_M_LARGE)
+  processors = getattr(renderer, "multiprocessors", 0) or 1
+  if dtype.itemsize == 2 and math.prod(large.global_size) >= CTAS_PER_PROCESSOR_LARGE * processors: base = large
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
-  plan = None
-  for block_n in BLOCK_N_CHOICES:
-    plan = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
-                         block_n=block_n, vector_copies=vector_copies,
-                         ldmatrix=bool(ATTENTION_LDMATRIX))
-    if plan.shared_bytes <= budget: break
-  assert plan is not None
-  return plan
+  fitting = [replace(base, block_n=block_n) for block_n in BLOCK_N_CHOICES]
+  fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
+  return fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
+
+
+def _blocks_override(text: str) -> dict[str, int]:
+  """ATTENTION_BLOCKS's "block_m,block_n[,stages]" as plan fields."""
+  values = [int(part) for part in text.split(",")]
+  if len(values) not in (2, 3) or values[0] % WARP_ROWS or values[1] % 16:
+    raise ValueError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages], block_m a multiple of {WARP_ROWS}, "
+                     "block_n of 16")
+  return dict(zip(("block_m", "block_n", "stages"), values))
 
 
 def is_attention(ast: LazyOp) -> bool:
