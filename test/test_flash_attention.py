@@ -314,7 +314,8 @@ def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
   assert plan.ldmatrix   # (ATTENTION_LDMATRIX=1, the default)
   # with ldmatrix of the K (16-bit: and V) fragments and with plain loads; the rule's tiles and the sweep's others
   variants = [plan, dataclasses.replace(plan, ldmatrix=False), dataclasses.replace(plan, block_m=128, block_n=128),
-              dataclasses.replace(plan, block_m=64, block_n=32, stages=3)]
+              dataclasses.replace(plan, block_m=64, block_n=32, stages=3),
+              dataclasses.replace(plan, block_m=128, block_n=64, warp_tiles=2)]
   for variant in variants:
     nvrtc_compiler().compile(render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1}))
 

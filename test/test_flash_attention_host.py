@@ -47,7 +47,7 @@ def _run(dtype: str, causal: bool, batch: int, heads: int, kv_heads: int, length
   arrays = [rng.standard_normal((batch, count, rows, head_dim)).astype(np.float32)
             for count, rows in ((heads, length), (kv_heads, source), (kv_heads, source))]
   stored = [_stored(array, dtype) for array in arrays]
-  scale = 1 / math.sqrt(head_dim)
+  scale = blocks.pop("scale", 1 / math.sqrt(head_dim))
   operands = [_contiguous(1 + index, count, rows, head_dim)
               for index, (count, rows) in enumerate(((heads, length), (kv_heads, source), (kv_heads, source)))]
   plan = plan_attention(*operands, ((batch, heads, length, head_dim), (batch, kv_heads, source, head_dim)),
@@ -65,18 +65,22 @@ def _run(dtype: str, causal: bool, batch: int, heads: int, kv_heads: int, length
   return plan, o_error, float(np.abs(lse - torch.logsumexp(scores, -1).numpy()).max())
 
 
-# (block_m, block_n, stages, ldmatrix): the default tiles, larger and smaller ones, three stages
-CONFIGS = [(64, 64, 2, False), (64, 64, 2, True), (128, 64, 2, True), (128, 32, 3, True), (64, 128, 2, True)]
+# (block_m, block_n, stages, ldmatrix, warp_tiles): the rule's tiles, larger and smaller ones, three stages, two m
+# tiles of 16 rows per warp
+CONFIGS = [(64, 64, 2, False, 1), (64, 64, 2, True, 1), (128, 64, 2, True, 1), (128, 32, 3, True, 1),
+           (64, 128, 2, True, 1), (128, 64, 2, True, 2), (64, 32, 2, False, 2)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "m{}_n{}_s{}_{}".format(*c[:3], "ldm" if c[3] else "lds"))
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda c: "m{}_n{}_s{}_{}_w{}".format(*c[:3], "ldm" if c[3] else "lds", c[4]))
 def test_forward_kernel_on_host(dtype, causal, config):
-  block_m, block_n, stages, ldmatrix = config
+  block_m, block_n, stages, ldmatrix, warp_tiles = config
   # odd lengths (neither a multiple of the tiles), L != S, grouped-query heads
   plan, o_error, lse_error = _run(dtype, causal, 1, 2, 1, 83 if causal else 70, 83 if causal else 131, 64, seed=1,
-                                  block_m=block_m, block_n=block_n, stages=stages, ldmatrix=ldmatrix)
+                                  block_m=block_m, block_n=block_n, stages=stages, ldmatrix=ldmatrix,
+                                  warp_tiles=warp_tiles)
   assert plan.vector_copies
   assert o_error < TOLERANCES[dtype], (plan, o_error)
   assert lse_error < 2e-2, (plan, lse_error)
@@ -86,3 +90,10 @@ def test_forward_kernel_on_host(dtype, causal, config):
 def test_head_dim_128_on_host(dtype):
   _, o_error, lse_error = _run(dtype, True, 1, 1, 1, 45, 45, 128, seed=2)
   assert o_error < TOLERANCES[dtype] and lse_error < 2e-2
+
+
+def test_negative_scale_is_not_folded():
+  """A negative scale reverses the order of S: the kernel scales S before its max instead of folding the scale into
+  exp2 (AttentionPlan.folded_scale)."""
+  plan, o_error, lse_error = _run("bfloat16", False, 1, 1, 1, 40, 50, 64, seed=3, scale=-0.125)
+  assert not plan.folded_scale and o_error < TOLERANCES["bfloat16"] and lse_error < 2e-2

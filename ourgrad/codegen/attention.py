@@ -46,9 +46,9 @@ FRAGMENT_REGISTERS = 144
 COPY_BYTES = 16
 ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its K (16-bit: and V) "
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
-ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages] of the fused attention forward instead "
-                           "of its rule's (codegen/attention.py `plan_attention`), e.g. 128,64,2: what "
-                           "extra/bench/sweep_attention.py tries")
+ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles]] of the fused attention "
+                           "forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. 128,64,2,2: "
+                           "what extra/bench/sweep_attention.py tries")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -86,12 +86,22 @@ class AttentionPlan:
   stages: int = 2
   vector_copies: bool = True   # k and v rows copied with 16-byte cp.async (else element by element)
   ldmatrix: bool = False       # K fragments (16-bit: and V's, .trans) read with ldmatrix, else element loads
+  warp_tiles: int = 1          # m tiles of 16 query rows per warp: 2 uses each K/V fragment for twice the rows
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
 
   @property
-  def warps(self) -> int: return self.block_m // WARP_ROWS
+  def warp_rows(self) -> int: return WARP_ROWS * self.warp_tiles
+
+  @property
+  def warps(self) -> int: return self.block_m // self.warp_rows
+
+  @property
+  def folded_scale(self) -> bool:
+    """Whether scale * log2(e) is folded into the softmax's exp2 (S kept unscaled): the max of S commutes with a
+    positive scale only."""
+    return self.scale > 0
 
   @property
   def threads(self) -> int: return self.warps * WARP_THREADS
@@ -112,7 +122,7 @@ class AttentionPlan:
   def fragment_registers(self) -> int:
     """Registers per thread of Q's A fragments, O's and S's accumulators (FRAGMENT_REGISTERS)."""
     k_step, a_registers, _ = MMA_SHAPES[self.dtype]
-    return self.head_dim // k_step * a_registers + self.head_dim // 2 + self.block_n // 2
+    return (self.head_dim // k_step * a_registers + self.head_dim // 2 + self.block_n // 2) * self.warp_tiles
 
   @property
   def group(self) -> int:
@@ -170,12 +180,13 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
 
 
 def _blocks_override(text: str) -> dict[str, int]:
-  """ATTENTION_BLOCKS's "block_m,block_n[,stages]" as plan fields."""
+  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
-  if len(values) not in (2, 3) or values[0] % WARP_ROWS or values[1] % 16:
-    raise ValueError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages], block_m a multiple of {WARP_ROWS}, "
-                     "block_n of 16")
-  return dict(zip(("block_m", "block_n", "stages"), values))
+  warp_rows = WARP_ROWS * (values[3] if len(values) == 4 else 1)
+  if len(values) not in (2, 3, 4) or values[0] % warp_rows or values[1] % 16:
+    raise ValueError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles]], block_m a multiple of "
+                     f"{WARP_ROWS} * warp_tiles, block_n of 16")
+  return dict(zip(("block_m", "block_n", "stages", "warp_tiles"), values))
 
 
 def is_attention(ast: LazyOp) -> bool:
@@ -313,15 +324,17 @@ def _signature(plan: AttentionPlan, name: str, arguments: dict[str, int]) -> lis
 
 
 def _q_fragment_lines(plan: AttentionPlan) -> list[str]:
-  """Q's A fragments of this warp's 16 rows, for every k step of S = Q K^T, loaded once into registers (rows past L
-  read as 0)."""
+  """Q's A fragments of this warp's rows (warp_tiles m tiles of 16), for every k step of S = Q K^T, loaded once into
+  registers (rows past L read as 0)."""
   k_step, _, _ = MMA_SHAPES[plan.dtype]
   steps = plan.head_dim // k_step
   # every loop unrolled: the fragments are indexed by constants, so they stay in registers
-  lines = [f"  unsigned q_fragments[{steps}][4];",
+  lines = [f"  unsigned q_fragments[{plan.warp_tiles}][{steps}][4];",
+           "#pragma unroll",
+           f"  for (int mt = 0; mt < {plan.warp_tiles}; mt++) {{",
            "#pragma unroll",
            "  for (int half = 0; half < 2; half++) {",
-           "    int row = first_row + half * 8;",
+           f"    int row = first_row + mt * {WARP_ROWS} + half * 8;",
            f"    const {STORAGE_TYPE[plan.dtype]}* q_row = q_base + (long long)(row < {plan.length} ? row : 0) * "
            f"{plan.q.strides[2]};",
            f"    bool inside = row < {plan.length};",
@@ -333,7 +346,7 @@ def _q_fragment_lines(plan: AttentionPlan) -> list[str]:
     lines += ["#pragma unroll",
               "      for (int part = 0; part < 2; part++) {",
               "        int column = step * 8 + part * 4 + quad;",
-              f"        q_fragments[step][part * 2 + half] = tf32(inside ? q_row[column * {stride}] : 0.0f);",
+              f"        q_fragments[mt][step][part * 2 + half] = tf32(inside ? q_row[column * {stride}] : 0.0f);",
               "      }"]
   else:
     # a0a1 (g, 2q..), a2a3 (g+8, 2q..), a4a5 (g, 2q+8..), a6a7 (g+8, 2q+8..)
@@ -342,9 +355,9 @@ def _q_fragment_lines(plan: AttentionPlan) -> list[str]:
               "        int column = step * 16 + part * 8 + quad * 2;",
               f"        unsigned short low = inside ? q_row[column * {stride}] : 0;",
               f"        unsigned short high = inside ? q_row[(column + 1) * {stride}] : 0;",
-              "        q_fragments[step][part * 2 + half] = pack_bits(low, high);",
+              "        q_fragments[mt][step][part * 2 + half] = pack_bits(low, high);",
               "      }"]
-  return lines + ["    }", "  }"]
+  return lines + ["    }", "  }", "  }"]
 
 
 def _copy_tile_lines(plan: AttentionPlan) -> list[str]:
@@ -381,24 +394,36 @@ def _copy_tile_lines(plan: AttentionPlan) -> list[str]:
   return lines + ["  };"]
 
 
+def _each_tile(statement: str, plan: AttentionPlan, indent: str) -> list[str]:
+  """`statement` once per m tile of this warp (`mt`), unrolled."""
+  return ["#pragma unroll", f"{indent}for (int mt = 0; mt < {plan.warp_tiles}; mt++) {statement}"]
+
+
 def _scores_lines(plan: AttentionPlan) -> list[str]:
-  """S = Q K^T for this warp's 16 rows and the tile's keys (n tiles of 8), scaled to log2 units and masked."""
+  """S = Q K^T for this warp's rows (warp_tiles m tiles of 16) and the tile's keys (n tiles of 8), masked. With a
+  positive scale S stays unscaled: the softmax folds scale * log2(e) into its exp2's fma (and the max commutes)."""
   n_tiles = plan.block_n // 8
-  lines = [f"    float scores[{n_tiles}][4];",
+  lines = [f"    float scores[{plan.warp_tiles}][{n_tiles}][4];",
            "#pragma unroll",
-           f"    for (int n = 0; n < {n_tiles}; n++) scores[n][0] = scores[n][1] = scores[n][2] = scores[n][3] = 0.0f;"]
+           f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+           "#pragma unroll",
+           f"    for (int n = 0; n < {n_tiles}; n++) "
+           "scores[mt][n][0] = scores[mt][n][1] = scores[mt][n][2] = scores[mt][n][3] = 0.0f;"]
   lines += _scores_ldmatrix_lines(plan) if plan.ldmatrix else _scores_load_lines(plan)
   # mask only the tiles that need it: the last (keys past S) and, causal, those crossing the diagonal
   crossing = f" || tile * {plan.block_n} + {plan.block_n - 1} > block_first_row" if plan.causal else ""
   lines += [f"    bool masked = (tile + 1) * {plan.block_n} > {plan.source}{crossing};",
             "#pragma unroll",
+            f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+            "#pragma unroll",
             f"    for (int n = 0; n < {n_tiles}; n++) {{",
             "#pragma unroll",
             "      for (int i = 0; i < 4; i++) {",
-            "        scores[n][i] *= scale_log2;",
+            *([] if plan.folded_scale else ["        scores[mt][n][i] *= scale_log2;"]),
             "        if (masked) {",
-            f"          int key = tile * {plan.block_n} + n * 8 + quad * 2 + (i & 1), row = first_row + (i >> 1) * 8;",
-            f"          if (key >= {plan.source}{' || key > row' if plan.causal else ''}) scores[n][i] = NEG_INF;",
+            f"          int key = tile * {plan.block_n} + n * 8 + quad * 2 + (i & 1);",
+            f"          int row = first_row + mt * {WARP_ROWS} + (i >> 1) * 8;",
+            f"          if (key >= {plan.source}{' || key > row' if plan.causal else ''}) scores[mt][n][i] = NEG_INF;",
             "        }",
             "      }",
             "    }"]
@@ -406,7 +431,8 @@ def _scores_lines(plan: AttentionPlan) -> list[str]:
 
 
 def _scores_load_lines(plan: AttentionPlan) -> list[str]:
-  """S += Q K^T, K's B fragments read from shared memory element by element (TF32) or in 32-bit pairs (16-bit)."""
+  """S += Q K^T, K's B fragments read from shared memory element by element (TF32) or in 32-bit pairs (16-bit), each
+  used by every m tile of the warp."""
   k_step, _, _ = MMA_SHAPES[plan.dtype]
   lines = ["#pragma unroll",
            f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
@@ -414,11 +440,11 @@ def _scores_load_lines(plan: AttentionPlan) -> list[str]:
            "#pragma unroll",
            f"      for (int step = 0; step < {plan.head_dim // k_step}; step++) {{"]
   if plan.dtype == "float32":   # b0 (k q, n g), b1 (k q+4, n g): K[n][k] is B[k][n]
-    lines += ["        mma(scores[n], q_fragments[step], tf32(key_row[step * 8 + quad]), "
-              "tf32(key_row[step * 8 + quad + 4]));"]
+    lines += ["        unsigned b0 = tf32(key_row[step * 8 + quad]), b1 = tf32(key_row[step * 8 + quad + 4]);"]
   else:   # b0b1 (k 2q.., n g), b2b3 (k 2q+8.., n g): neighbouring halves of one key row
     lines += ["        const unsigned* pair = (const unsigned*)(key_row + step * 16 + quad * 2);",
-              "        mma(scores[n], q_fragments[step], pair[0], pair[4]);"]
+              "        unsigned b0 = pair[0], b1 = pair[4];"]
+  lines += _each_tile("mma(scores[mt][n], q_fragments[mt][step], b0, b1);", plan, "        ")
   return lines + ["      }", "    }"]
 
 
@@ -426,7 +452,8 @@ def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
   """S += Q K^T (16-bit), one ldmatrix.x4 per two n tiles and k step: matrices (keys of tile n, k 0-7 and 8-15 of
   the step), then tile n + 1's; K's rows as stored are B's columns, so no transpose. TF32: an 8x8 matrix of 16-bit
   elements is 8 rows of 4 floats, and lane l gets the float at row l / 4, column l % 4: B's (k q, n g) element; one
-  ldmatrix.x4 per n tile and two k steps (columns 0-3, 4-7 of each), rounded to TF32 after."""
+  ldmatrix.x4 per n tile and two k steps (columns 0-3, 4-7 of each), rounded to TF32 after. Each fragment serves
+  every m tile of the warp."""
   if plan.dtype == "float32":
     return ["#pragma unroll",
             f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
@@ -436,8 +463,10 @@ def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
             f"      for (int step = 0; step < {plan.head_dim // 8}; step += 2) {{",
             "        unsigned b[4];",
             "        load_matrices(b, rows + step * 8);",
-            "        mma(scores[n], q_fragments[step], tf32(__uint_as_float(b[0])), tf32(__uint_as_float(b[1])));",
-            "        mma(scores[n], q_fragments[step + 1], tf32(__uint_as_float(b[2])), tf32(__uint_as_float(b[3])));",
+            "#pragma unroll",
+            "        for (int i = 0; i < 4; i++) b[i] = tf32(__uint_as_float(b[i]));",
+            *_each_tile("{ mma(scores[mt][n], q_fragments[mt][step], b[0], b[1]); "
+                        "mma(scores[mt][n], q_fragments[mt][step + 1], b[2], b[3]); }", plan, "        "),
             "      }",
             "    }"]
   return ["#pragma unroll",
@@ -449,83 +478,97 @@ def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
           f"      for (int step = 0; step < {plan.head_dim // 16}; step++) {{",
           "        unsigned b[4];",
           "        load_matrices(b, rows + step * 16);",
-          "        mma(scores[n], q_fragments[step], b[0], b[1]);",
-          "        mma(scores[n + 1], q_fragments[step], b[2], b[3]);",
+          *_each_tile("{ mma(scores[mt][n], q_fragments[mt][step], b[0], b[1]); "
+                      "mma(scores[mt][n + 1], q_fragments[mt][step], b[2], b[3]); }", plan, "        "),
           "      }",
           "    }"]
 
 
 def _softmax_lines(plan: AttentionPlan) -> list[str]:
-  """The online softmax: the rows' running max (a quad of lanes shares a row), the old sums and outputs rescaled,
-  P = exp2(S - max) in place of the scores."""
+  """The online softmax per row (a quad of lanes shares a row): the running max (in log2 units: S scaled by
+  scale * log2(e)), the old sums and outputs rescaled, P = exp2(S scale log2(e) - max) in place of the scores, the
+  scale folded into one fma per element where it is positive."""
   n_tiles, d_tiles = plan.block_n // 8, plan.head_dim // 8
+  scaled_max = "tile_max * scale_log2" if plan.folded_scale else "tile_max"
+
+  def power(element: str) -> str:
+    if plan.folded_scale: return f"{element} = exp2f(fmaf({element}, scale_log2, -reference));"
+    return f"{element} = exp2f({element} - reference);"
   return ["#pragma unroll",
+          f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+          "#pragma unroll",
           "    for (int half = 0; half < 2; half++) {",
           "      float tile_max = NEG_INF;",
           "#pragma unroll",
           f"      for (int n = 0; n < {n_tiles}; n++) "
-          "tile_max = fmaxf(tile_max, fmaxf(scores[n][half * 2], scores[n][half * 2 + 1]));",
+          "tile_max = fmaxf(tile_max, fmaxf(scores[mt][n][half * 2], scores[mt][n][half * 2 + 1]));",
           "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));",
           "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));",
-          "      float new_max = fmaxf(row_max[half], tile_max);",
+          f"      float new_max = fmaxf(row_max[mt][half], {scaled_max});",
           # a row whose keys so far are all masked keeps max -inf: subtract 0 instead (its P is 0 either way)
           "      float reference = new_max == NEG_INF ? 0.0f : new_max;",
-          "      float rescale = exp2f(row_max[half] - reference);",
-          "      row_max[half] = new_max;",
+          "      float rescale = exp2f(row_max[mt][half] - reference);",
+          "      row_max[mt][half] = new_max;",
           "      float partial = 0.0f;",
           "#pragma unroll",
           f"      for (int n = 0; n < {n_tiles}; n++) {{",
-          "        scores[n][half * 2] = exp2f(scores[n][half * 2] - reference);",
-          "        scores[n][half * 2 + 1] = exp2f(scores[n][half * 2 + 1] - reference);",
-          "        partial += scores[n][half * 2] + scores[n][half * 2 + 1];",
+          "        " + power("scores[mt][n][half * 2]"),
+          "        " + power("scores[mt][n][half * 2 + 1]"),
+          "        partial += scores[mt][n][half * 2] + scores[mt][n][half * 2 + 1];",
           "      }",
           # each lane keeps its own part of the sum: the quad adds them once, at the end
-          "      row_sum[half] = row_sum[half] * rescale + partial;",
+          "      row_sum[mt][half] = row_sum[mt][half] * rescale + partial;",
           "#pragma unroll",
           f"      for (int d = 0; d < {d_tiles}; d++) {{",
-          "        outputs[d][half * 2] *= rescale;",
-          "        outputs[d][half * 2 + 1] *= rescale;",
+          "        outputs[mt][d][half * 2] *= rescale;",
+          "        outputs[mt][d][half * 2 + 1] *= rescale;",
           "      }",
           "    }"]
 
 
+def _p_fragment_lines(plan: AttentionPlan) -> list[str]:
+  """`p`: P's A fragments (16-bit) of keys 16 kk.. of every m tile: two neighbouring n tiles of P's accumulators are
+  one A fragment of m16n8k16 as they are, rounded to the operand type."""
+  return [f"      unsigned p[{plan.warp_tiles}][4];",
+          *_each_tile("{ p[mt][0] = pack_floats(scores[mt][2 * kk][0], scores[mt][2 * kk][1]); "
+                      "p[mt][1] = pack_floats(scores[mt][2 * kk][2], scores[mt][2 * kk][3]); "
+                      "p[mt][2] = pack_floats(scores[mt][2 * kk + 1][0], scores[mt][2 * kk + 1][1]); "
+                      "p[mt][3] = pack_floats(scores[mt][2 * kk + 1][2], scores[mt][2 * kk + 1][3]); }",
+                      plan, "      ")]
+
+
 def _weighted_sum_lines(plan: AttentionPlan) -> list[str]:
-  """O += P V. 16-bit: two neighbouring n tiles of P's accumulators are one A fragment of m16n8k16 as they are.
-  TF32: a lane holds P columns 2q, 2q+1 of each 8 keys but m16n8k8's A wants columns q, q+4: the keys are taken in
-  the order 0, 2, 4, 6, 1, 3, 5, 7 instead (column c of A is key pi(c), pi(q) = 2q, pi(q + 4) = 2q + 1), and B's
-  rows (value rows) in the same order, which leaves the sum unchanged."""
+  """O += P V, each V fragment used by every m tile of the warp. TF32: a lane holds P columns 2q, 2q+1 of each 8 keys
+  but m16n8k8's A wants columns q, q+4: the keys are taken in the order 0, 2, 4, 6, 1, 3, 5, 7 instead (column c of
+  A is key pi(c), pi(q) = 2q, pi(q + 4) = 2q + 1), and B's rows (value rows) in the same order, which leaves the sum
+  unchanged."""
   d_tiles, pitch = plan.head_dim // 8, plan.row_pitch
   if plan.dtype == "float32":
     return ["#pragma unroll",
             f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
-            "      unsigned p[4] = {tf32(scores[n][0]), tf32(scores[n][2]), tf32(scores[n][1]), tf32(scores[n][3])};",
+            f"      unsigned p[{plan.warp_tiles}][4];",
+            *_each_tile("{ p[mt][0] = tf32(scores[mt][n][0]); p[mt][1] = tf32(scores[mt][n][2]); "
+                        "p[mt][2] = tf32(scores[mt][n][1]); p[mt][3] = tf32(scores[mt][n][3]); }", plan, "      "),
             f"      const float* value_rows = v_stage + (n * 8 + quad * 2) * {pitch} + group;",
             "#pragma unroll",
-            f"      for (int d = 0; d < {d_tiles}; d++) "
-            f"mma(outputs[d], p, tf32(value_rows[d * 8]), tf32(value_rows[{pitch} + d * 8]));",
+            f"      for (int d = 0; d < {d_tiles}; d++) {{",
+            f"        unsigned b0 = tf32(value_rows[d * 8]), b1 = tf32(value_rows[{pitch} + d * 8]);",
+            *_each_tile("mma(outputs[mt][d], p[mt], b0, b1);", plan, "        "),
+            "      }",
             "    }"]
   if plan.ldmatrix: return _weighted_sum_ldmatrix_lines(plan)
   return ["#pragma unroll",
           f"    for (int kk = 0; kk < {plan.block_n // 16}; kk++) {{",
-          "      unsigned p[4] = {pack_floats(scores[2 * kk][0], scores[2 * kk][1]), "
-          "pack_floats(scores[2 * kk][2], scores[2 * kk][3]),",
-          "                       pack_floats(scores[2 * kk + 1][0], scores[2 * kk + 1][1]), "
-          "pack_floats(scores[2 * kk + 1][2], scores[2 * kk + 1][3])};",
+          *_p_fragment_lines(plan),
           f"      const unsigned short* value_rows = v_stage + (kk * 16 + quad * 2) * {pitch} + group;",
           "#pragma unroll",
           f"      for (int d = 0; d < {d_tiles}; d++) {{",
           "        const unsigned short* column = value_rows + d * 8;",
           f"        unsigned b0 = pack_bits(column[0], column[{pitch}]);",
           f"        unsigned b1 = pack_bits(column[{8 * pitch}], column[{9 * pitch}]);",
-          "        mma(outputs[d], p, b0, b1);",
+          *_each_tile("mma(outputs[mt][d], p[mt], b0, b1);", plan, "        "),
           "      }",
           "    }"]
-
-
-_P_FRAGMENT = ["      unsigned p[4] = {pack_floats(scores[2 * kk][0], scores[2 * kk][1]), "
-               "pack_floats(scores[2 * kk][2], scores[2 * kk][3]),",
-               "                       pack_floats(scores[2 * kk + 1][0], scores[2 * kk + 1][1]), "
-               "pack_floats(scores[2 * kk + 1][2], scores[2 * kk + 1][3])};"]
 
 
 def _weighted_sum_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
@@ -533,7 +576,7 @@ def _weighted_sum_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
   columns of d tile d, then d + 1); a lane gets a key pair of one column, B's layout."""
   return ["#pragma unroll",
           f"    for (int kk = 0; kk < {plan.block_n // 16}; kk++) {{",
-          *_P_FRAGMENT,
+          *_p_fragment_lines(plan),
           # lane l: row l % 8 of matrix l / 8 (keys 8 ((l / 8) % 2).., columns of d tile d + l / 16)
           f"      const unsigned short* rows = v_stage + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * "
           f"{plan.row_pitch} + (lane >> 4) * 8;",
@@ -541,8 +584,8 @@ def _weighted_sum_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
           f"      for (int d = 0; d < {plan.head_dim // 8}; d += 2) {{",
           "        unsigned b[4];",
           "        load_matrices_transposed(b, rows + d * 8);",
-          "        mma(outputs[d], p, b[0], b[1]);",
-          "        mma(outputs[d + 1], p, b[2], b[3]);",
+          *_each_tile("{ mma(outputs[mt][d], p[mt], b[0], b[1]); mma(outputs[mt][d + 1], p[mt], b[2], b[3]); }",
+                      plan, "        "),
           "      }",
           "    }"]
 
@@ -553,17 +596,20 @@ def _store_lines(plan: AttentionPlan) -> list[str]:
   d_tiles, heads, dim = plan.head_dim // 8, plan.heads, plan.head_dim
   storage = STORAGE_TYPE[plan.dtype]
   if plan.dtype == "float32":
-    store = ["      float2 pair = make_float2(outputs[d][half * 2] * inverse, outputs[d][half * 2 + 1] * inverse);",
+    store = ["      float2 pair = make_float2(outputs[mt][d][half * 2] * inverse, "
+             "outputs[mt][d][half * 2 + 1] * inverse);",
              "      *(float2*)(out_row + d * 8 + quad * 2) = pair;"]
   else:
     store = ["      *(unsigned*)(out_row + d * 8 + quad * 2) = "
-             "pack_floats(outputs[d][half * 2] * inverse, outputs[d][half * 2 + 1] * inverse);"]
+             "pack_floats(outputs[mt][d][half * 2] * inverse, outputs[mt][d][half * 2 + 1] * inverse);"]
   return ["#pragma unroll",
+          f"  for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+          "#pragma unroll",
           "  for (int half = 0; half < 2; half++) {",
-          "    float total = row_sum[half];",
+          "    float total = row_sum[mt][half];",
           "    total += __shfl_xor_sync(0xffffffffu, total, 1);",
           "    total += __shfl_xor_sync(0xffffffffu, total, 2);",
-          "    int row = first_row + half * 8;",
+          f"    int row = first_row + mt * {WARP_ROWS} + half * 8;",
           f"    if (row >= {plan.length}) continue;",
           "    float inverse = 1.0f / total;",
           f"    {storage}* out_row = out + ((long long)(batch * {plan.length} + row) * {heads} + head) * {dim};",
@@ -572,8 +618,7 @@ def _store_lines(plan: AttentionPlan) -> list[str]:
           *store,
           "    }",
           f"    if (quad == 0) ((float*)out)[{plan.lse_offset}ll + (long long)(batch * {heads} + head) * {plan.length} "
-          "+ row] "
-          f"= (row_max[half] + log2f(total)) * {LN_2!r}f;",
+          f"+ row] = (row_max[mt][half] + log2f(total)) * {LN_2!r}f;",
           "  }"]
 
 
@@ -601,17 +646,22 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     "  int head = blockIdx.y, batch = blockIdx.z;",
     f"  int kv_head = head / {plan.group};",
     f"  int block_first_row = query_block * {plan.block_m};",
-    f"  int first_row = block_first_row + warp * {WARP_ROWS} + group;",
+    f"  int first_row = block_first_row + warp * {plan.warp_rows} + group;",
     f"  const {storage}* q_base = q_buffer + {_element_offset(plan.q, 'batch', 'head')};",
     f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
     f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};",
     f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
     *_q_fragment_lines(plan),
-    f"  float outputs[{plan.head_dim // 8}][4];",
+    f"  float outputs[{plan.warp_tiles}][{plan.head_dim // 8}][4], row_max[{plan.warp_tiles}][2], "
+    f"row_sum[{plan.warp_tiles}][2];",
     "#pragma unroll",
-    f"  for (int d = 0; d < {plan.head_dim // 8}; d++) outputs[d][0] = outputs[d][1] = outputs[d][2] = "
-    "outputs[d][3] = 0.0f;",
-    "  float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.0f, 0.0f};",
+    f"  for (int mt = 0; mt < {plan.warp_tiles}; mt++) {{",
+    "#pragma unroll",
+    f"    for (int d = 0; d < {plan.head_dim // 8}; d++) outputs[mt][d][0] = outputs[mt][d][1] = outputs[mt][d][2] = "
+    "outputs[mt][d][3] = 0.0f;",
+    "    row_max[mt][0] = row_max[mt][1] = NEG_INF;",
+    "    row_sum[mt][0] = row_sum[mt][1] = 0.0f;",
+    "  }",
     *_copy_tile_lines(plan),
     f"  int tiles = {tiles};",
     "  copy_tile(0, 0);",
