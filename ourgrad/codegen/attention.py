@@ -4,16 +4,19 @@ kernel that never writes the L x S scores to memory (Ops.ATTENTION).
 The kernel AST is `STORE(ATTENTION(LOAD q, LOAD k, LOAD v))` (engine/schedule.py `_schedule_attention`), arg
 `(causal, scale)`. q is (B, H, L, D), k and v (B, Hk, S, D) with H a multiple of Hk (grouped-query attention: query
 head h reads key/value head h // (H / Hk), no copies); each is read in place through its one View's strides and
-offset (GPT-2's q, k, v are strided views of one (B, T, 3, H, D) buffer). The output is one float32 buffer:
-O laid out (B, L, H, D) (what a projection after the heads reads as (B, L, H * D)), then the logsumexp of each
-query row at `lse_offset`, laid out (B, H, L), natural log: lse = max_j s_ij + log(sum_j exp(s_ij - max)), with
-s = q . k * scale and masked keys left out. The backward reads it (tensor_attention.py).
+offset (GPT-2's q, k, v are strided views of one (B, T, 3, H, D) buffer). The output is one buffer in the operands'
+dtype: O laid out (B, L, H, D) (what a projection after the heads reads as (B, L, H * D)), then the float32
+logsumexp of each query row at `lse_offset` (in float32 elements: its bytes follow O's), laid out (B, H, L), natural
+log: lse = max_j s_ij + log(sum_j exp(s_ij - max)), with s = q . k * scale and masked keys left out. The backward
+reads both (tensor_attention.py).
 
 `AttentionPlan` is the whole kernel as typed data (FlashAttention-2): a CTA owns `block_m` query rows of one
-(batch, head), one warp per 16 rows; it loops over tiles of `block_n` keys staged in shared memory (`stages`
-buffers; with 16-byte aligned rows they are filled by cp.async while the previous tile is computed), computes
-S = Q K^T with mma.sync (m16n8k8 TF32 for float32, m16n8k16 for float16/bfloat16), keeps a running max and sum per
-row in registers (exp2 with scale * log2(e) folded in), converts P to the operand type and adds P V with mma.sync.
+(batch, head), one warp per `warp_tiles` m tiles of 16 rows; it loops over tiles of `block_n` keys staged in shared
+memory (`stages` buffers; with 16-byte aligned rows they are filled by cp.async while the previous tile is computed),
+computes S = Q K^T with mma.sync (m16n8k8 TF32 for float32, m16n8k16 for float16/bfloat16; K's fragments by ldmatrix),
+keeps a running max and sum per row in registers (exp2 with scale * log2(e) folded into its fma), converts P to the
+operand type in registers and adds P V with mma.sync (16-bit V's fragments by ldmatrix.trans). `plan_attention`
+sizes the tiles by a rule of the operand bytes, registers and shared memory; ATTENTION_BLOCKS overrides it.
 Causal CTAs stop at their last row's diagonal tile and mask the tiles that cross it; the CTAs with the most tiles
 start first. `render_attention` writes the CUDA C++ (runtime: renderer/cuda.py `render_attention`);
 runtime/attention_emulator.py runs the same plan with numpy for the PYTHON device (EMULATE=CUDA).
