@@ -678,8 +678,10 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     *_scores_lines(plan),
     *_softmax_lines(plan),
     *_weighted_sum_lines(plan),
-    # every warp is done with this stage before a later copy_tile overwrites it
-    "    __syncthreads();",
+    # every warp is done with this stage before a later copy_tile overwrites it. With 3 stages or more the next
+    # iteration's copy goes to a stage no warp can still read: a warp past that iteration's barrier knows every warp
+    # has finished the tile before this one, and this one's stage is not the copy's
+    *(["    __syncthreads();"] if plan.stages < 3 else []),
     "  }",
     *_store_lines(plan),
     "}",
