@@ -386,3 +386,36 @@ def test_decision_is_printed_at_debug_3(emulated_cuda, monkeypatch, capsys):
   q.scaled_dot_product_attention(k, v, dropout_p=0.5)
   printed = capsys.readouterr().out
   assert "attention: fused" in printed and "attention: composite because dropout_p=0.5" in printed
+
+
+# ---------------------------------------------------------------- the plan's tile rule and its override
+
+def _rule_plan(dtype, head_dim: int, batch: int = 4, heads: int = 12, length: int = 1024):
+  operand = Operand(1, 0, (heads * length * head_dim, length * head_dim, head_dim, 1))
+  shape = (batch, heads, length, head_dim)
+  return plan_attention(operand, operand, operand, (shape, shape), dtype, True, 0.125, CUDARenderer("sm_90"))
+
+
+def test_tile_rule(monkeypatch):
+  """16-bit operands take 128 query rows a CTA where the grid keeps 2 CTAs per multiprocessor (64 otherwise, and for
+  TF32); the key tile is the largest whose fragments fit the register budget and whose stages fit a third of the
+  shared memory."""
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  from ourgrad.codegen.attention import FRAGMENT_REGISTERS
+  renderer = CUDARenderer("sm_90")
+  for dtype, head_dim, want in ((dtypes.bfloat16, 64, (128, 128)), (dtypes.bfloat16, 128, (128, 64)),
+                                (dtypes.float32, 64, (64, 64)), (dtypes.float32, 128, (64, 32))):
+    plan = _rule_plan(dtype, head_dim)
+    assert (plan.block_m, plan.block_n) == want, (dtype, head_dim)
+    assert plan.fragment_registers <= FRAGMENT_REGISTERS
+    assert plan.shared_bytes <= renderer.dynamic_local_memory_bytes // 3
+  # a grid too small for 2 CTAs of 128 rows per multiprocessor keeps 64-row CTAs
+  assert _rule_plan(dtypes.bfloat16, 64, batch=1, heads=2, length=512).block_m == 64
+
+
+def test_blocks_override(monkeypatch):
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,32,3,2")
+  plan = _rule_plan(dtypes.bfloat16, 64)
+  assert (plan.block_m, plan.block_n, plan.stages, plan.warp_tiles, plan.warps) == (128, 32, 3, 2, 4)
+  monkeypatch.setenv("ATTENTION_BLOCKS", "48,64,2,2")   # 48 rows are not whole warps of 2 m tiles
+  with pytest.raises(ValueError, match="ATTENTION_BLOCKS"): _rule_plan(dtypes.bfloat16, 64)

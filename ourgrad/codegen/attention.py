@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ourgrad.dtype import DType, dtypes
+from ourgrad.errors import ShapeError
 from ourgrad.helpers import DEBUG, env_var
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 
@@ -187,7 +188,7 @@ def _blocks_override(text: str) -> dict[str, int]:
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) == 4 else 1)
   if len(values) not in (2, 3, 4) or values[0] % warp_rows or values[1] % 16:
-    raise ValueError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles]], block_m a multiple of "
+    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles]], block_m a multiple of "
                      f"{WARP_ROWS} * warp_tiles, block_n of 16")
   return dict(zip(("block_m", "block_n", "stages", "warp_tiles"), values))
 
