@@ -36,8 +36,8 @@ TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (block_m, block_n, stages[, warp_tiles]): the rule's neighbours for head size 64 (rows per CTA 64/128, keys per
 # tile 32-128, one or two m tiles of 16 rows per warp)
-DEFAULT_CONFIGS = ["64,64,2", "64,128,2", "128,32,2", "128,64,2", "128,64,3", "128,128,2", "128,64,2,2",
-                   "128,128,2,2", "64,64,2,2"]
+DEFAULT_CONFIGS = ["64,64,2", "64,64,3", "64,128,2", "128,32,2", "128,64,2", "128,64,3", "128,128,2", "128,64,2,2",
+                   "64,64,2,2"]
 
 
 def synchronize_torch() -> None:
