@@ -48,12 +48,15 @@ def _run(dtype: str, causal: bool, batch: int, heads: int, kv_heads: int, length
             for count, rows in ((heads, length), (kv_heads, source), (kv_heads, source))]
   stored = [_stored(array, dtype) for array in arrays]
   scale = blocks.pop("scale", 1 / math.sqrt(head_dim))
-  operands = [_contiguous(1 + index, count, rows, head_dim)
+  # offset 1: each buffer starts one element before its operand (rows not 4-byte aligned: element loads and copies)
+  offset = blocks.pop("offset", 0)
+  buffers = [np.concatenate([np.zeros(offset, dtype=array.dtype), array.reshape(-1)]) for array in stored]
+  operands = [dataclasses.replace(_contiguous(1 + index, count, rows, head_dim), offset=offset)
               for index, (count, rows) in enumerate(((heads, length), (kv_heads, source), (kv_heads, source)))]
   plan = plan_attention(*operands, ((batch, heads, length, head_dim), (batch, kv_heads, source, head_dim)),
                         getattr(dtypes, dtype), causal, scale, CUDARenderer("sm_90"))
   plan = dataclasses.replace(plan, **blocks)
-  out = run_forward_on_host(plan, *stored)
+  out = run_forward_on_host(plan, *buffers)
   o = _widened(out.view(STORED[dtype])[:plan.o_elements], dtype).reshape(batch, length, heads, head_dim)
   lse = out.view(np.float32)[plan.lse_offset:plan.lse_offset + batch * heads * length].reshape(batch, heads, length)
   q, k, v = (torch.tensor(_widened(array, dtype), dtype=torch.float64) for array in stored)
@@ -97,3 +100,10 @@ def test_negative_scale_is_not_folded():
   exp2 (AttentionPlan.folded_scale)."""
   plan, o_error, lse_error = _run("bfloat16", False, 1, 1, 1, 40, 50, 64, seed=3, scale=-0.125)
   assert not plan.folded_scale and o_error < TOLERANCES["bfloat16"] and lse_error < 2e-2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unaligned_rows_on_host(dtype):
+  """Operands one element past an aligned start: Q's pairs and K/V's rows are read element by element."""
+  plan, o_error, lse_error = _run(dtype, True, 1, 2, 2, 37, 37, 64, seed=4, offset=1)
+  assert not plan.vector_copies and o_error < TOLERANCES[dtype] and lse_error < 2e-2

@@ -353,13 +353,17 @@ def _q_fragment_lines(plan: AttentionPlan) -> list[str]:
               f"        q_fragments[mt][step][part * 2 + half] = tf32(inside ? q_row[column * {stride}] : 0.0f);",
               "      }"]
   else:
-    # a0a1 (g, 2q..), a2a3 (g+8, 2q..), a4a5 (g, 2q+8..), a6a7 (g+8, 2q+8..)
+    # a0a1 (g, 2q..), a2a3 (g+8, 2q..), a4a5 (g, 2q+8..), a6a7 (g+8, 2q+8..): one 32-bit load per pair where the
+    # rows are contiguous and 4-byte aligned
+    pair = (["        q_fragments[mt][step][part * 2 + half] = inside ? *(const unsigned*)(q_row + column) : 0u;"]
+            if plan.q.vector_aligned(2) else
+            [f"        unsigned short low = inside ? q_row[column * {stride}] : 0;",
+             f"        unsigned short high = inside ? q_row[(column + 1) * {stride}] : 0;",
+             "        q_fragments[mt][step][part * 2 + half] = pack_bits(low, high);"])
     lines += ["#pragma unroll",
               "      for (int part = 0; part < 2; part++) {",
               "        int column = step * 16 + part * 8 + quad * 2;",
-              f"        unsigned short low = inside ? q_row[column * {stride}] : 0;",
-              f"        unsigned short high = inside ? q_row[(column + 1) * {stride}] : 0;",
-              "        q_fragments[mt][step][part * 2 + half] = pack_bits(low, high);",
+              *pair,
               "      }"]
   return lines + ["    }", "  }", "  }"]
 
