@@ -315,7 +315,8 @@ def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
   # with ldmatrix of the K (16-bit: and V) fragments and with plain loads; the rule's tiles and the sweep's others
   variants = [plan, dataclasses.replace(plan, ldmatrix=False), dataclasses.replace(plan, block_m=128, block_n=128),
               dataclasses.replace(plan, block_m=64, block_n=32, stages=3),
-              dataclasses.replace(plan, block_m=128, block_n=64, warp_tiles=2)]
+              dataclasses.replace(plan, block_m=128, block_n=64, warp_tiles=2),
+              dataclasses.replace(plan, block_m=128, block_n=64, min_ctas=2)]
   for variant in variants:
     nvrtc_compiler().compile(render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1}))
 
@@ -417,5 +418,9 @@ def test_blocks_override(monkeypatch):
   monkeypatch.setenv("ATTENTION_BLOCKS", "128,32,3,2")
   plan = _rule_plan(dtypes.bfloat16, 64)
   assert (plan.block_m, plan.block_n, plan.stages, plan.warp_tiles, plan.warps) == (128, 32, 3, 2, 4)
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,2,1,2")
+  plan = _rule_plan(dtypes.bfloat16, 64)
+  assert (plan.warps, plan.min_ctas) == (8, 2)
+  assert "__launch_bounds__(256, 2)" in render_attention(plan)
   monkeypatch.setenv("ATTENTION_BLOCKS", "48,64,2,2")   # 48 rows are not whole warps of 2 m tiles
   with pytest.raises(ValueError, match="ATTENTION_BLOCKS"): _rule_plan(dtypes.bfloat16, 64)

@@ -34,10 +34,10 @@ from timing import back_to_back_seconds  # noqa: E402
 
 TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# (block_m, block_n, stages[, warp_tiles]): the rule's neighbours for head size 64 (rows per CTA 64/128, keys per
-# tile 32-128, one or two m tiles of 16 rows per warp)
-DEFAULT_CONFIGS = ["64,64,2", "64,64,3", "64,128,2", "128,32,2", "128,64,2", "128,64,3", "128,128,2", "128,64,2,2",
-                   "64,64,2,2"]
+# (block_m, block_n, stages[, warp_tiles[, min_ctas]]): the rule's neighbours for head size 64 (rows per CTA 64/128,
+# keys per tile 32-128, one or two m tiles of 16 rows per warp, registers capped for 2 CTAs of 8 warps)
+DEFAULT_CONFIGS = ["64,64,2", "64,64,3", "64,128,2", "128,32,2", "128,64,2", "128,64,2,1,2", "128,64,3,1,2",
+                   "128,128,2", "128,64,2,2", "64,64,2,2"]
 
 
 def synchronize_torch() -> None:
@@ -60,7 +60,8 @@ def ourgrad_forward(arrays: list[np.ndarray], dtype: str, causal: bool, device: 
   out = q.scaled_dot_product_attention(k, v, is_causal=causal)
   items = [item for item in create_schedule([out.lazydata]) if is_attention(item.ast)]
   plan = AttentionKernel(items[0].ast, Device[device].renderer).plan
-  blocks = f"{plan.block_m},{plan.block_n},{plan.stages},{plan.warp_tiles}{'' if plan.ldmatrix else ' lds'}"
+  blocks = f"{plan.block_m},{plan.block_n},{plan.stages},{plan.warp_tiles},{plan.min_ctas}"
+  blocks += "" if plan.ldmatrix else " lds"
 
   @TinyJit
   def step(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -79,7 +80,8 @@ def main() -> None:
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
   parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-  parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="block_m,block_n,stages[,warp_tiles] each")
+  parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+                      help="block_m,block_n,stages[,warp_tiles[,min_ctas]] each")
   parser.add_argument("--ldmatrix", nargs="+", type=int, default=[1, 0], help="1: ldmatrix fragments, 0: plain loads")
   parser.add_argument("--not-causal", action="store_true")
   parser.add_argument("--device", default="CUDA", help="ourgrad device (PYTHON with EMULATE=CUDA: a smoke test)")

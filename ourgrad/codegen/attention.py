@@ -50,9 +50,9 @@ FRAGMENT_REGISTERS = 144
 COPY_BYTES = 16
 ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its K (16-bit: and V) "
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
-ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles]] of the fused attention "
-                           "forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. 128,64,2,2: "
-                           "what extra/bench/sweep_attention.py tries")
+ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas]]] of the fused "
+                           "attention forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. "
+                           "128,64,2,1,2: what extra/bench/sweep_attention.py tries")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -91,6 +91,7 @@ class AttentionPlan:
   vector_copies: bool = True   # k and v rows copied with 16-byte cp.async (else element by element)
   ldmatrix: bool = False       # K fragments (16-bit: and V's, .trans) read with ldmatrix, else element loads
   warp_tiles: int = 1          # m tiles of 16 query rows per warp: 2 uses each K/V fragment for twice the rows
+  min_ctas: int = 1            # CTAs a multiprocessor must fit (__launch_bounds__): registers <= 64K / threads / it
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -184,13 +185,13 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
 
 
 def _blocks_override(text: str) -> dict[str, int]:
-  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles]]" as plan fields."""
+  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
-  warp_rows = WARP_ROWS * (values[3] if len(values) == 4 else 1)
-  if len(values) not in (2, 3, 4) or values[0] % warp_rows or values[1] % 16:
-    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles]], block_m a multiple of "
-                     f"{WARP_ROWS} * warp_tiles, block_n of 16")
-  return dict(zip(("block_m", "block_n", "stages", "warp_tiles"), values))
+  warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
+  if len(values) not in (2, 3, 4, 5) or values[0] % warp_rows or values[1] % 16:
+    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas]]], block_m a "
+                     f"multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
+  return dict(zip(("block_m", "block_n", "stages", "warp_tiles", "min_ctas"), values))
 
 
 def is_attention(ast: LazyOp) -> bool:
@@ -306,11 +307,23 @@ __device__ __forceinline__ void copy_wait_all_but_one() { asm volatile("cp.async
 """
 
 
+# 2^x as one MUFU.EX2 (exp2f without fast math adds a range check and two multiplies for subnormal results; a
+# probability under 2^-126 flushed to 0 changes no sum)
+_EXP2_HELPER = """__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+
+
 def kernel_helpers(plan: AttentionPlan) -> str:
-  """The device functions the kernel calls, written with PTX: mma (and the operand conversions it needs), ldmatrix
-  loads, cp.async copies. test/attention_forward_host.py swaps them for host versions to run the kernel on a CPU."""
+  """The device functions the kernel calls, written with PTX: mma (and the operand conversions it needs), exp2,
+  ldmatrix loads, cp.async copies. test/attention_forward_host.py swaps them for host versions to run the kernel on a
+  CPU."""
   helpers = _HELPERS_TF32 if plan.dtype == "float32" else _HELPERS_16.replace("TYPE", MMA_SHAPES[plan.dtype][2])
-  return helpers + (_LDMATRIX_HELPERS if plan.ldmatrix else "") + (_COPY_HELPER if plan.vector_copies else "")
+  return (helpers + _EXP2_HELPER + (_LDMATRIX_HELPERS if plan.ldmatrix else "") +
+          (_COPY_HELPER if plan.vector_copies else ""))
 
 
 def _element_offset(operand: Operand, batch: str, head: str) -> str:
@@ -323,7 +336,8 @@ def _signature(plan: AttentionPlan, name: str, arguments: dict[str, int]) -> lis
   count = max(arguments.values()) + 1
   parameters = ", ".join(f"{storage}* __restrict__ out" if position == arguments["out"] else
                          f"const {storage}* __restrict__ buffer{position}" for position in range(count))
-  return [f'extern "C" __global__ void __launch_bounds__({plan.threads}) {name}({parameters}) {{',
+  bounds = f"{plan.threads}, {plan.min_ctas}" if plan.min_ctas > 1 else f"{plan.threads}"
+  return [f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({parameters}) {{',
           *(f"  const {storage}* {role}_buffer = buffer{arguments[role]};" for role in ("q", "k", "v"))]
 
 
@@ -500,8 +514,8 @@ def _softmax_lines(plan: AttentionPlan) -> list[str]:
   scaled_max = "tile_max * scale_log2" if plan.folded_scale else "tile_max"
 
   def power(element: str) -> str:
-    if plan.folded_scale: return f"{element} = exp2f(fmaf({element}, scale_log2, -reference));"
-    return f"{element} = exp2f({element} - reference);"
+    if plan.folded_scale: return f"{element} = fast_exp2(fmaf({element}, scale_log2, -reference));"
+    return f"{element} = fast_exp2({element} - reference);"
   return ["#pragma unroll",
           f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
           "#pragma unroll",
@@ -515,7 +529,7 @@ def _softmax_lines(plan: AttentionPlan) -> list[str]:
           f"      float new_max = fmaxf(row_max[mt][half], {scaled_max});",
           # a row whose keys so far are all masked keeps max -inf: subtract 0 instead (its P is 0 either way)
           "      float reference = new_max == NEG_INF ? 0.0f : new_max;",
-          "      float rescale = exp2f(row_max[mt][half] - reference);",
+          "      float rescale = fast_exp2(row_max[mt][half] - reference);",
           "      row_max[mt][half] = new_max;",
           "      float partial = 0.0f;",
           "#pragma unroll",
