@@ -398,20 +398,17 @@ def _rule_plan(dtype, head_dim: int, batch: int = 4, heads: int = 12, length: in
 
 
 def test_tile_rule(monkeypatch):
-  """16-bit operands take 128 query rows a CTA where the grid keeps 2 CTAs per multiprocessor (64 otherwise, and for
-  TF32); the key tile is the largest whose fragments fit the register budget and whose stages fit a third of the
-  shared memory."""
+  """64 query rows a CTA; the key tile is the largest whose fragments fit the register budget and whose stages fit a
+  third of the shared memory."""
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   from ourgrad.codegen.attention import FRAGMENT_REGISTERS
   renderer = CUDARenderer("sm_90")
-  for dtype, head_dim, want in ((dtypes.bfloat16, 64, (128, 128)), (dtypes.bfloat16, 128, (128, 64)),
+  for dtype, head_dim, want in ((dtypes.bfloat16, 64, (64, 128)), (dtypes.bfloat16, 128, (64, 64)),
                                 (dtypes.float32, 64, (64, 64)), (dtypes.float32, 128, (64, 32))):
     plan = _rule_plan(dtype, head_dim)
     assert (plan.block_m, plan.block_n) == want, (dtype, head_dim)
     assert plan.fragment_registers <= FRAGMENT_REGISTERS
     assert plan.shared_bytes <= renderer.dynamic_local_memory_bytes // 3
-  # a grid too small for 2 CTAs of 128 rows per multiprocessor keeps 64-row CTAs
-  assert _rule_plan(dtypes.bfloat16, 64, batch=1, heads=2, length=512).block_m == 64
 
 
 def test_blocks_override(monkeypatch):

@@ -37,9 +37,9 @@ from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 
 # threads of a warp, and query rows one warp owns (the M of one mma.sync)
 WARP_THREADS, WARP_ROWS = 32, 16
-# query rows per CTA (one warp per 16): 64 (4 warps), or 128 (8 warps) where the grid still gives every
-# multiprocessor CTAS_PER_PROCESSOR_LARGE CTAs: each staged key/value tile then serves twice the rows
-BLOCK_M, BLOCK_M_LARGE, CTAS_PER_PROCESSOR_LARGE = 64, 128, 2
+# query rows per CTA, 4 warps of 16: on the H200 (bf16, D = 64, causal) 128-row CTAs (8 warps, or 4 of two m tiles)
+# were no faster at T = 4096 and slower at 1024 (shorter causal tails with 64; extra/bench/sweep_attention.py)
+BLOCK_M = 64
 # the key tile sizes tried, largest first, and how many CTAs at least should share a multiprocessor's shared memory
 BLOCK_N_CHOICES = (128, 64, 32, 16)
 CTAS_PER_PROCESSOR = 3
@@ -165,19 +165,16 @@ class AttentionPlan:
 
 def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, ...], ...], dtype: DType,
                    causal: bool, scale: float, renderer: Any) -> AttentionPlan:
-  """The plan for one attention. Query rows per CTA: BLOCK_M_LARGE for 16-bit operands where the grid keeps
-  CTAS_PER_PROCESSOR_LARGE CTAs per multiprocessor, else BLOCK_M (TF32's fragments and staged rows are twice the
-  bytes). Keys per tile: the largest whose fragments fit FRAGMENT_REGISTERS and whose staged tiles leave room for
-  CTAS_PER_PROCESSOR CTAs in a multiprocessor's shared memory. ATTENTION_BLOCKS overrides both (and the stages)."""
+  """The plan for one attention: BLOCK_M query rows per CTA; keys per tile the largest whose fragments fit
+  FRAGMENT_REGISTERS (16-bit D = 64: 128 keys; D = 128: 64; TF32 D = 64: 64, as its shared memory also asks) and
+  whose staged tiles leave room for CTAS_PER_PROCESSOR CTAs in a multiprocessor's shared memory. ATTENTION_BLOCKS
+  overrides the tiles (and stages, warp tiles, CTAs per multiprocessor)."""
   (batch, heads, length, head_dim), (_, kv_heads, source, _) = shapes[0], shapes[1]
   vector = COPY_BYTES // dtype.itemsize
   base = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
                        vector_copies=k.vector_aligned(vector) and v.vector_aligned(vector),
                        ldmatrix=bool(ATTENTION_LDMATRIX))
   if ATTENTION_BLOCKS.value: return replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value)))
-  large = replace(base, block_m=BLOCK_M_LARGE)
-  processors = getattr(renderer, "multiprocessors", 0) or 1
-  if dtype.itemsize == 2 and math.prod(large.global_size) >= CTAS_PER_PROCESSOR_LARGE * processors: base = large
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
   fitting = [replace(base, block_n=block_n) for block_n in BLOCK_N_CHOICES]
   fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
