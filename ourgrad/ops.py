@@ -68,8 +68,9 @@ class Ops(Enum):
   # row index[m] for m = 0, 1, ... in order (repeated indices summed; an index outside [0, N) adds nothing). Always a
   # kernel of its own (codegen/index_accumulate.py); its kernel AST is STORE(INDEX_ACCUMULATE(start, index, rows))
   INDEX_ACCUMULATE = auto()
-  # fused attention: srcs (q (B, H, L, D), k, v (B, Hk, S, D)), arg (causal, scale) -> one float32 buffer: O laid out
-  # (B, L, H, D), then the logsumexp of each query row (B, H, L). Always a kernel of its own (codegen/attention.py);
+  # fused attention: srcs (q (B, H, L, D), k, v (B, Hk, S, D)), arg (causal, scale) -> one buffer of q's dtype: O laid
+  # out (B, L, H, D), then the float32 logsumexp of each query row (B, H, L) as bytes. Always a kernel of its own
+  # (codegen/attention.py);
   # its kernel AST is STORE(ATTENTION(LOAD q, LOAD k, LOAD v)), each load one View of a realized buffer
   ATTENTION = auto()
   # fused attention backward (codegen/attention_grad.py), each always a kernel of its own, arg (causal, scale), AST

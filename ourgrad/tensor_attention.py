@@ -8,8 +8,9 @@ or (B, L, D), k and v (B, Hk, S, D) with Hk dividing H (grouped-query attention)
 float16/bfloat16, or float32 where TF32 is allowed (`set_float32_matmul_precision("high")`); no attn_mask tensor, no
 dropout.
 
-`FusedAttention` is its autograd Function: forward is the kernel (O, and the logsumexp of each query row kept for
-the backward). Its backward is `fused_backward`: the flash backward kernels as two lazy ops (Ops.ATTENTION_DQ writes
+`FusedAttention` is its autograd Function: forward is the kernel (O in the operands' dtype, no cast after it, and
+the float32 logsumexp of each query row kept for the backward).
+Its backward is `fused_backward`: the flash backward kernels as two lazy ops (Ops.ATTENTION_DQ writes
 dq and delta = rowsum(dO * O), Ops.ATTENTION_DKDV dk and dv; codegen/attention_grad.py), reading the operands as the
 forward did and O and LSE from the forward's buffer, writing the gradients in the operands' dtype. Where
 `fused_backward_refusal` says no (FUSED_ATTENTION_BACKWARD=0, or shared memory over the device's limit) it is
@@ -29,6 +30,7 @@ from ourgrad.dtype import DType, dtypes
 from ourgrad.function import Function, _tensor_class
 from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, tf32_allowed
 from ourgrad.lazy import LazyBuffer
+from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import is_symbolic
 
 if TYPE_CHECKING:
@@ -76,12 +78,23 @@ def explain_attention(refusal: str | None) -> None:
 
 
 def split_attention_output(flat: LazyBuffer, shape: tuple[int, int, int, int]) -> tuple[LazyBuffer, LazyBuffer]:
-  """(O as a (B, H, L, D) float32 view, the logsumexp as (B, H, L)) of an attention kernel's output buffer."""
+  """(O as a (B, H, L, D) view in the operands' dtype, the float32 logsumexp as (B, H, L)) of an attention kernel's
+  output buffer (O, then the logsumexp's bytes: LazyBuffer.attention)."""
   batch, heads, length, head_dim = shape
-  o_elements = batch * length * heads * head_dim
+  o_elements, rows = batch * length * heads * head_dim, batch * heads * length
   out = flat.shrink(((0, o_elements),)).reshape((batch, length, heads, head_dim)).permute((0, 2, 1, 3))
-  lse = flat.shrink(((o_elements, o_elements + batch * heads * length),)).reshape((batch, heads, length))
-  return out, lse
+  tail = flat.shrink(((o_elements, flat.shape[0]),))
+  lse = tail if flat.dtype == dtypes.float32 else _float32_from_halves(tail, rows)
+  return out, lse.reshape((batch, heads, length))
+
+
+def _float32_from_halves(halves: LazyBuffer, count: int) -> LazyBuffer:
+  """`count` float32 values whose bytes are the 2 * count 16-bit elements of `halves` (little-endian: the low half
+  first), as (count,) float32; elementwise (a bitcast cannot change the element size)."""
+  bits = halves.cast(dtypes.uint16, bitcast=True).cast(dtypes.uint32).reshape((count, 2))
+  low, high = bits.shrink(((0, count), (0, 1))), bits.shrink(((0, count), (1, 2)))
+  word = low.elementwise(Ops.OR, high.elementwise(Ops.SHL, high.const_like(16)))
+  return word.cast(dtypes.float32, bitcast=True).reshape((count,))
 
 
 class FusedAttention(Function):
@@ -93,7 +106,7 @@ class FusedAttention(Function):
     self.flat = q.attention(k, v, causal, scale)
     self.operands = self.flat.srcs   # q, k, v as its kernel reads them (in place, or made contiguous once)
     self.out, self.lse = split_attention_output(self.flat, q.shape)
-    return self.out if q.dtype == dtypes.float32 else self.out.cast(q.dtype)
+    return self.out
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
     refusal = fused_backward_refusal(self.q, self.k)
@@ -138,14 +151,14 @@ def fused_backward(operands: tuple[LazyBuffer, ...], flat: LazyBuffer, grad_outp
 def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, causal: bool,
                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
   """(dq, dk, dv) of the fused attention, in the operands' dtypes: q (B, H, L, D), k and v (B, Hk, S, D), out the
-  forward's O (float32, (B, H, L, D)), lse its natural-log logsumexp (float32, (B, H, L)), grad_out dO like O.
+  forward's O (in their dtype, (B, H, L, D)), lse its natural-log logsumexp (float32, (B, H, L)), grad_out dO like O.
   The composite math in float32 (module docstring): the fallback of `fused_backward`."""
   batch, heads, length, _ = q.shape
   kv_heads, source = k.shape[1], k.shape[2]
   group = heads // kv_heads
   q32, k32, v32 = (x.cast(dtypes.float32) for x in (q, k, v))
   if group > 1: k32, v32 = _repeat_kv(k32, group), _repeat_kv(v32, group)
-  grad32 = grad_out.cast(dtypes.float32)
+  grad32, out = grad_out.cast(dtypes.float32), out.cast(dtypes.float32)
   scores = q32.matmul(k32.transpose(-2, -1)) * scale
   if causal:
     rows = type(q).arange(length, device=q.device).reshape(length, 1)

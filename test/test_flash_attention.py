@@ -101,18 +101,22 @@ def test_forward_backward_against_torch(emulated_cuda, dtype, causal, length, so
     assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
 
 
-def test_logsumexp_matches_torch(emulated_cuda):
-  """The kernel's second output: the natural-log logsumexp of each query row, (B, H, L), float32."""
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_logsumexp_matches_torch(emulated_cuda, dtype):
+  """The kernel's second output: the natural-log logsumexp of each query row, (B, H, L), float32 (with 16-bit
+  operands its bytes follow the 16-bit O in the same buffer)."""
   from ourgrad.tensor_attention import split_attention_output
   batch, heads, length, source, head_dim = 1, 2, 50, 90, 64
   arrays = [_random(batch, heads, rows, head_dim, seed=seed) for seed, rows in ((5, length), (6, source), (7, source))]
-  q, k, v = _ourgrad_inputs(arrays, dtypes.float32)
+  q, k, v = _ourgrad_inputs(arrays, dtype)
   flat = q.lazydata.attention(k.lazydata, v.lazydata, True, 0.125)
   _, lse = split_attention_output(flat, q.shape)
   got = Tensor(lse, device=DEVICE).numpy()
-  scores = torch.tensor(arrays[0], dtype=torch.float64) @ torch.tensor(arrays[1], dtype=torch.float64).transpose(-1, -2)
-  scores = (scores * 0.125).masked_fill(~torch.ones(length, source, dtype=torch.bool).tril(), -math.inf)
-  np.testing.assert_allclose(got, torch.logsumexp(scores, -1).numpy(), atol=2e-3)
+  assert got.dtype == np.float32
+  q64, k64 = (torch.tensor(t.cast(dtypes.float32).numpy(), dtype=torch.float64) for t in (q, k))
+  scores = (q64 @ k64.transpose(-1, -2) * 0.125).masked_fill(~torch.ones(length, source, dtype=torch.bool).tril(),
+                                                             -math.inf)
+  np.testing.assert_allclose(got, torch.logsumexp(scores, -1).numpy(), atol=2e-3 if dtype == dtypes.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
@@ -206,12 +210,13 @@ def test_forward_is_one_kernel(emulated_cuda):
   assert GlobalCounters.kernel_count == 1
 
 
-def test_float16_forward_is_the_kernel_and_a_cast(emulated_cuda):
-  """O is written in float32 beside the logsumexp; the float16 result is one elementwise cast after it."""
-  q, k, v = _ourgrad_inputs([_random(1, 2, 64, 64, seed=seed) for seed in (18, 19, 20)], dtypes.float16)
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16])
+def test_16bit_forward_is_one_kernel(emulated_cuda, dtype):
+  """O is written in the operands' dtype beside the float32 logsumexp: no cast kernel after it."""
+  q, k, v = _ourgrad_inputs([_random(1, 2, 64, 64, seed=seed) for seed in (18, 19, 20)], dtype)
   GlobalCounters.reset()
-  q.scaled_dot_product_attention(k, v).realize()
-  assert GlobalCounters.kernel_count == 2
+  out = q.scaled_dot_product_attention(k, v).realize()
+  assert GlobalCounters.kernel_count == 1 and out.dtype == dtype
 
 
 # ---------------------------------------------------------------- the composite graph where the kernel does not run
@@ -306,9 +311,13 @@ def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
   plan = plan_attention(*operands, ((2, heads, length, head_dim), (2, heads // 2, source, head_dim)), dtype,
                         causal, 0.125, CUDARenderer("sm_90"))
   assert plan.vector_copies == aligned and plan.shared_bytes <= CUDARenderer.dynamic_local_memory_bytes
-  assert not plan.ldmatrix   # (ATTENTION_LDMATRIX=0, the default)
-  # with plain loads and with ldmatrix of the K (16-bit: and V) fragments
-  for variant in (plan, dataclasses.replace(plan, ldmatrix=True)):
+  assert plan.ldmatrix   # (ATTENTION_LDMATRIX=1, the default)
+  # with ldmatrix of the K (16-bit: and V) fragments and with plain loads; the rule's tiles and the sweep's others
+  variants = [plan, dataclasses.replace(plan, ldmatrix=False), dataclasses.replace(plan, block_m=128, block_n=128),
+              dataclasses.replace(plan, block_m=64, block_n=32, stages=3),
+              dataclasses.replace(plan, block_m=128, block_n=64, warp_tiles=2),
+              dataclasses.replace(plan, block_m=128, block_n=64, min_ctas=2)]
+  for variant in variants:
     nvrtc_compiler().compile(render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1}))
 
 
@@ -378,3 +387,37 @@ def test_decision_is_printed_at_debug_3(emulated_cuda, monkeypatch, capsys):
   q.scaled_dot_product_attention(k, v, dropout_p=0.5)
   printed = capsys.readouterr().out
   assert "attention: fused" in printed and "attention: composite because dropout_p=0.5" in printed
+
+
+# ---------------------------------------------------------------- the plan's tile rule and its override
+
+def _rule_plan(dtype, head_dim: int, batch: int = 4, heads: int = 12, length: int = 1024):
+  operand = Operand(1, 0, (heads * length * head_dim, length * head_dim, head_dim, 1))
+  shape = (batch, heads, length, head_dim)
+  return plan_attention(operand, operand, operand, (shape, shape), dtype, True, 0.125, CUDARenderer("sm_90"))
+
+
+def test_tile_rule(monkeypatch):
+  """64 query rows a CTA; the key tile is the largest whose fragments fit the register budget and whose stages fit a
+  third of the shared memory."""
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  from ourgrad.codegen.attention import FRAGMENT_REGISTERS
+  renderer = CUDARenderer("sm_90")
+  for dtype, head_dim, want in ((dtypes.bfloat16, 64, (64, 128)), (dtypes.bfloat16, 128, (64, 64)),
+                                (dtypes.float32, 64, (64, 64)), (dtypes.float32, 128, (64, 32))):
+    plan = _rule_plan(dtype, head_dim)
+    assert (plan.block_m, plan.block_n) == want, (dtype, head_dim)
+    assert plan.fragment_registers <= FRAGMENT_REGISTERS
+    assert plan.shared_bytes <= renderer.dynamic_local_memory_bytes // 3
+
+
+def test_blocks_override(monkeypatch):
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,32,3,2")
+  plan = _rule_plan(dtypes.bfloat16, 64)
+  assert (plan.block_m, plan.block_n, plan.stages, plan.warp_tiles, plan.warps) == (128, 32, 3, 2, 4)
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,2,1,2")
+  plan = _rule_plan(dtypes.bfloat16, 64)
+  assert (plan.warps, plan.min_ctas) == (8, 2)
+  assert "__launch_bounds__(256, 2)" in render_attention(plan)
+  monkeypatch.setenv("ATTENTION_BLOCKS", "48,64,2,2")   # 48 rows are not whole warps of 2 m tiles
+  with pytest.raises(ValueError, match="ATTENTION_BLOCKS"): _rule_plan(dtypes.bfloat16, 64)

@@ -4,16 +4,19 @@ kernel that never writes the L x S scores to memory (Ops.ATTENTION).
 The kernel AST is `STORE(ATTENTION(LOAD q, LOAD k, LOAD v))` (engine/schedule.py `_schedule_attention`), arg
 `(causal, scale)`. q is (B, H, L, D), k and v (B, Hk, S, D) with H a multiple of Hk (grouped-query attention: query
 head h reads key/value head h // (H / Hk), no copies); each is read in place through its one View's strides and
-offset (GPT-2's q, k, v are strided views of one (B, T, 3, H, D) buffer). The output is one float32 buffer:
-O laid out (B, L, H, D) (what a projection after the heads reads as (B, L, H * D)), then the logsumexp of each
-query row at `lse_offset`, laid out (B, H, L), natural log: lse = max_j s_ij + log(sum_j exp(s_ij - max)), with
-s = q . k * scale and masked keys left out. The backward reads it (tensor_attention.py).
+offset (GPT-2's q, k, v are strided views of one (B, T, 3, H, D) buffer). The output is one buffer in the operands'
+dtype: O laid out (B, L, H, D) (what a projection after the heads reads as (B, L, H * D)), then the float32
+logsumexp of each query row at `lse_offset` (in float32 elements: its bytes follow O's), laid out (B, H, L), natural
+log: lse = max_j s_ij + log(sum_j exp(s_ij - max)), with s = q . k * scale and masked keys left out. The backward
+reads both (tensor_attention.py).
 
 `AttentionPlan` is the whole kernel as typed data (FlashAttention-2): a CTA owns `block_m` query rows of one
-(batch, head), one warp per 16 rows; it loops over tiles of `block_n` keys staged in shared memory (`stages`
-buffers; with 16-byte aligned rows they are filled by cp.async while the previous tile is computed), computes
-S = Q K^T with mma.sync (m16n8k8 TF32 for float32, m16n8k16 for float16/bfloat16), keeps a running max and sum per
-row in registers (exp2 with scale * log2(e) folded in), converts P to the operand type and adds P V with mma.sync.
+(batch, head), one warp per `warp_tiles` m tiles of 16 rows; it loops over tiles of `block_n` keys staged in shared
+memory (`stages` buffers; with 16-byte aligned rows they are filled by cp.async while the previous tile is computed),
+computes S = Q K^T with mma.sync (m16n8k8 TF32 for float32, m16n8k16 for float16/bfloat16; K's fragments by ldmatrix),
+keeps a running max and sum per row in registers (exp2 with scale * log2(e) folded into its fma), converts P to the
+operand type in registers and adds P V with mma.sync (16-bit V's fragments by ldmatrix.trans). `plan_attention`
+sizes the tiles by a rule of the operand bytes, registers and shared memory; ATTENTION_BLOCKS overrides it.
 Causal CTAs stop at their last row's diagonal tile and mask the tiles that cross it; the CTAs with the most tiles
 start first. `render_attention` writes the CUDA C++ (runtime: renderer/cuda.py `render_attention`);
 runtime/attention_emulator.py runs the same plan with numpy for the PYTHON device (EMULATE=CUDA).
@@ -24,26 +27,32 @@ colored_shape, op_count) and the plan it is rendered from (`attention`); no Opts
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ourgrad.dtype import DType, dtypes
+from ourgrad.errors import ShapeError
 from ourgrad.helpers import DEBUG, env_var
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 
 # threads of a warp, and query rows one warp owns (the M of one mma.sync)
 WARP_THREADS, WARP_ROWS = 32, 16
-# query rows per CTA (4 warps): enough rows to reuse each staged key tile, few enough for short causal diagonals
+# query rows per CTA, 4 warps of 16: on the H200 (bf16, D = 64, causal) 128-row CTAs (8 warps, or 4 of two m tiles)
+# were no faster at T = 4096 and slower at 1024 (shorter causal tails with 64; extra/bench/sweep_attention.py)
 BLOCK_M = 64
 # the key tile sizes tried, largest first, and how many CTAs at least should share a multiprocessor's shared memory
-BLOCK_N_CHOICES = (64, 32, 16)
+BLOCK_N_CHOICES = (128, 64, 32, 16)
 CTAS_PER_PROCESSOR = 3
+# registers per thread the tiles may hold across the key loop: Q's A fragments (D / 4 for 16-bit, D / 2 for TF32),
+# O's accumulators (D / 2) and S's (block_n / 2); the rest of the 255 hold P's and V's fragments and addresses
+FRAGMENT_REGISTERS = 144
 # bytes of one cp.async copy
 COPY_BYTES = 16
-# 0 by default until the ldmatrix variant has run on a GPU (the element loads were checked on the H200)
-ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 0, "1: the fused attention kernel reads its K (16-bit: and V) "
-                             "fragments with ldmatrix instead of plain shared-memory loads (codegen/attention.py; "
-                             "compiled by NVRTC in CI, not yet run on a GPU)")
+ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its K (16-bit: and V) "
+                             "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
+ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas]]] of the fused "
+                           "attention forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. "
+                           "128,64,2,1,2: what extra/bench/sweep_attention.py tries")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -81,12 +90,23 @@ class AttentionPlan:
   stages: int = 2
   vector_copies: bool = True   # k and v rows copied with 16-byte cp.async (else element by element)
   ldmatrix: bool = False       # K fragments (16-bit: and V's, .trans) read with ldmatrix, else element loads
+  warp_tiles: int = 1          # m tiles of 16 query rows per warp: 2 uses each K/V fragment for twice the rows
+  min_ctas: int = 1            # CTAs a multiprocessor must fit (__launch_bounds__): registers <= 64K / threads / it
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
 
   @property
-  def warps(self) -> int: return self.block_m // WARP_ROWS
+  def warp_rows(self) -> int: return WARP_ROWS * self.warp_tiles
+
+  @property
+  def warps(self) -> int: return self.block_m // self.warp_rows
+
+  @property
+  def folded_scale(self) -> bool:
+    """Whether scale * log2(e) is folded into the softmax's exp2 (S kept unscaled): the max of S commutes with a
+    positive scale only."""
+    return self.scale > 0
 
   @property
   def threads(self) -> int: return self.warps * WARP_THREADS
@@ -104,6 +124,12 @@ class AttentionPlan:
   def shared_bytes(self) -> int: return self.stages * 2 * self.tile_elements * self.itemsize
 
   @property
+  def fragment_registers(self) -> int:
+    """Registers per thread of Q's A fragments, O's and S's accumulators (FRAGMENT_REGISTERS)."""
+    k_step, a_registers, _ = MMA_SHAPES[self.dtype]
+    return (self.head_dim // k_step * a_registers + self.head_dim // 2 + self.block_n // 2) * self.warp_tiles
+
+  @property
   def group(self) -> int:
     """Query heads per key/value head."""
     return self.heads // self.kv_heads
@@ -118,10 +144,18 @@ class AttentionPlan:
   def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
 
   @property
-  def lse_offset(self) -> int: return self.batch * self.length * self.heads * self.head_dim
+  def o_elements(self) -> int: return self.batch * self.length * self.heads * self.head_dim
 
   @property
-  def output_elements(self) -> int: return self.lse_offset + self.batch * self.heads * self.length
+  def lse_offset(self) -> int:
+    """Where the logsumexp starts in the output, in float32 elements (O's bytes before it: D is a multiple of 16, so
+    a 16-bit O ends on a 4-byte boundary)."""
+    return self.o_elements * self.itemsize // 4
+
+  @property
+  def output_elements(self) -> int:
+    """The output buffer's size in elements of the operand type: O, then the float32 logsumexp's bytes."""
+    return self.o_elements + self.batch * self.heads * self.length * 4 // self.itemsize
 
   @property
   def name(self) -> str:
@@ -131,20 +165,30 @@ class AttentionPlan:
 
 def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, ...], ...], dtype: DType,
                    causal: bool, scale: float, renderer: Any) -> AttentionPlan:
-  """The plan for one attention, the key tile sized from the device's shared memory: the largest that leaves room
-  for CTAS_PER_PROCESSOR CTAs per multiprocessor."""
+  """The plan for one attention: BLOCK_M query rows per CTA; keys per tile the largest whose fragments fit
+  FRAGMENT_REGISTERS (16-bit D = 64: 128 keys; D = 128: 64; TF32 D = 64: 64, as its shared memory also asks) and
+  whose staged tiles leave room for CTAS_PER_PROCESSOR CTAs in a multiprocessor's shared memory. ATTENTION_BLOCKS
+  overrides the tiles (and stages, warp tiles, CTAs per multiprocessor)."""
   (batch, heads, length, head_dim), (_, kv_heads, source, _) = shapes[0], shapes[1]
   vector = COPY_BYTES // dtype.itemsize
-  vector_copies = k.vector_aligned(vector) and v.vector_aligned(vector)
+  base = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
+                       vector_copies=k.vector_aligned(vector) and v.vector_aligned(vector),
+                       ldmatrix=bool(ATTENTION_LDMATRIX))
+  if ATTENTION_BLOCKS.value: return replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value)))
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
-  plan = None
-  for block_n in BLOCK_N_CHOICES:
-    plan = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
-                         block_n=block_n, vector_copies=vector_copies,
-                         ldmatrix=bool(ATTENTION_LDMATRIX))
-    if plan.shared_bytes <= budget: break
-  assert plan is not None
-  return plan
+  fitting = [replace(base, block_n=block_n) for block_n in BLOCK_N_CHOICES]
+  fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
+  return fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
+
+
+def _blocks_override(text: str) -> dict[str, int]:
+  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas]]]" as plan fields."""
+  values = [int(part) for part in text.split(",")]
+  warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
+  if len(values) not in (2, 3, 4, 5) or values[0] % warp_rows or values[1] % 16:
+    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas]]], block_m a "
+                     f"multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
+  return dict(zip(("block_m", "block_n", "stages", "warp_tiles", "min_ctas"), values))
 
 
 def is_attention(ast: LazyOp) -> bool:
@@ -200,7 +244,7 @@ class AttentionKernel:
     """q, k, v read once, O and the logsumexp written once."""
     plan = self.plan
     inputs = plan.batch * (plan.heads * plan.length + 2 * plan.kv_heads * plan.source) * plan.head_dim
-    return inputs * plan.itemsize + plan.output_elements * 4
+    return (inputs + plan.output_elements) * plan.itemsize
 
 
 # ---------------------------------------------------------------- the CUDA kernel
@@ -255,7 +299,28 @@ _COPY_HELPER = """__device__ __forceinline__ void copy16(void* target, const voi
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(address), "l"(source), "r"(inside ? 16 : 0)
                : "memory");
 }
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void copy_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 """
+
+
+# 2^x as one MUFU.EX2 (exp2f without fast math adds a range check and two multiplies for subnormal results; a
+# probability under 2^-126 flushed to 0 changes no sum)
+_EXP2_HELPER = """__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+
+
+def kernel_helpers(plan: AttentionPlan) -> str:
+  """The device functions the kernel calls, written with PTX: mma (and the operand conversions it needs), exp2,
+  ldmatrix loads, cp.async copies. test/attention_forward_host.py swaps them for host versions to run the kernel on a
+  CPU."""
+  helpers = _HELPERS_TF32 if plan.dtype == "float32" else _HELPERS_16.replace("TYPE", MMA_SHAPES[plan.dtype][2])
+  return (helpers + _EXP2_HELPER + (_LDMATRIX_HELPERS if plan.ldmatrix else "") +
+          (_COPY_HELPER if plan.vector_copies else ""))
 
 
 def _element_offset(operand: Operand, batch: str, head: str) -> str:
@@ -266,22 +331,25 @@ def _signature(plan: AttentionPlan, name: str, arguments: dict[str, int]) -> lis
   """The kernel's parameters, one per distinct buffer in argument order (q, k and v may be one buffer)."""
   storage = STORAGE_TYPE[plan.dtype]
   count = max(arguments.values()) + 1
-  parameters = ", ".join("float* __restrict__ out" if position == arguments["out"] else
+  parameters = ", ".join(f"{storage}* __restrict__ out" if position == arguments["out"] else
                          f"const {storage}* __restrict__ buffer{position}" for position in range(count))
-  return [f'extern "C" __global__ void __launch_bounds__({plan.threads}) {name}({parameters}) {{',
+  bounds = f"{plan.threads}, {plan.min_ctas}" if plan.min_ctas > 1 else f"{plan.threads}"
+  return [f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({parameters}) {{',
           *(f"  const {storage}* {role}_buffer = buffer{arguments[role]};" for role in ("q", "k", "v"))]
 
 
 def _q_fragment_lines(plan: AttentionPlan) -> list[str]:
-  """Q's A fragments of this warp's 16 rows, for every k step of S = Q K^T, loaded once into registers (rows past L
-  read as 0)."""
+  """Q's A fragments of this warp's rows (warp_tiles m tiles of 16), for every k step of S = Q K^T, loaded once into
+  registers (rows past L read as 0)."""
   k_step, _, _ = MMA_SHAPES[plan.dtype]
   steps = plan.head_dim // k_step
   # every loop unrolled: the fragments are indexed by constants, so they stay in registers
-  lines = [f"  unsigned q_fragments[{steps}][4];",
+  lines = [f"  unsigned q_fragments[{plan.warp_tiles}][{steps}][4];",
+           "#pragma unroll",
+           f"  for (int mt = 0; mt < {plan.warp_tiles}; mt++) {{",
            "#pragma unroll",
            "  for (int half = 0; half < 2; half++) {",
-           "    int row = first_row + half * 8;",
+           f"    int row = first_row + mt * {WARP_ROWS} + half * 8;",
            f"    const {STORAGE_TYPE[plan.dtype]}* q_row = q_base + (long long)(row < {plan.length} ? row : 0) * "
            f"{plan.q.strides[2]};",
            f"    bool inside = row < {plan.length};",
@@ -293,18 +361,22 @@ def _q_fragment_lines(plan: AttentionPlan) -> list[str]:
     lines += ["#pragma unroll",
               "      for (int part = 0; part < 2; part++) {",
               "        int column = step * 8 + part * 4 + quad;",
-              f"        q_fragments[step][part * 2 + half] = tf32(inside ? q_row[column * {stride}] : 0.0f);",
+              f"        q_fragments[mt][step][part * 2 + half] = tf32(inside ? q_row[column * {stride}] : 0.0f);",
               "      }"]
   else:
-    # a0a1 (g, 2q..), a2a3 (g+8, 2q..), a4a5 (g, 2q+8..), a6a7 (g+8, 2q+8..)
+    # a0a1 (g, 2q..), a2a3 (g+8, 2q..), a4a5 (g, 2q+8..), a6a7 (g+8, 2q+8..): one 32-bit load per pair where the
+    # rows are contiguous and 4-byte aligned
+    pair = (["        q_fragments[mt][step][part * 2 + half] = inside ? *(const unsigned*)(q_row + column) : 0u;"]
+            if plan.q.vector_aligned(2) else
+            [f"        unsigned short low = inside ? q_row[column * {stride}] : 0;",
+             f"        unsigned short high = inside ? q_row[(column + 1) * {stride}] : 0;",
+             "        q_fragments[mt][step][part * 2 + half] = pack_bits(low, high);"])
     lines += ["#pragma unroll",
               "      for (int part = 0; part < 2; part++) {",
               "        int column = step * 16 + part * 8 + quad * 2;",
-              f"        unsigned short low = inside ? q_row[column * {stride}] : 0;",
-              f"        unsigned short high = inside ? q_row[(column + 1) * {stride}] : 0;",
-              "        q_fragments[step][part * 2 + half] = pack_bits(low, high);",
+              *pair,
               "      }"]
-  return lines + ["    }", "  }"]
+  return lines + ["    }", "  }", "  }"]
 
 
 def _copy_tile_lines(plan: AttentionPlan) -> list[str]:
@@ -326,7 +398,7 @@ def _copy_tile_lines(plan: AttentionPlan) -> list[str]:
               f"      copy16(v_stage + row * {plan.row_pitch} + column, v_base + clamped * {plan.v.strides[2]} + "
               "column, inside);",
               "    }",
-              '    asm volatile("cp.async.commit_group;" ::: "memory");']
+              "    copy_commit();"]
   else:
     lines += [f"    for (int element = threadIdx.x; element < {plan.block_n * plan.head_dim}; "
               f"element += {plan.threads}) {{",
@@ -341,24 +413,36 @@ def _copy_tile_lines(plan: AttentionPlan) -> list[str]:
   return lines + ["  };"]
 
 
+def _each_tile(statement: str, plan: AttentionPlan, indent: str) -> list[str]:
+  """`statement` once per m tile of this warp (`mt`), unrolled."""
+  return ["#pragma unroll", f"{indent}for (int mt = 0; mt < {plan.warp_tiles}; mt++) {statement}"]
+
+
 def _scores_lines(plan: AttentionPlan) -> list[str]:
-  """S = Q K^T for this warp's 16 rows and the tile's keys (n tiles of 8), scaled to log2 units and masked."""
+  """S = Q K^T for this warp's rows (warp_tiles m tiles of 16) and the tile's keys (n tiles of 8), masked. With a
+  positive scale S stays unscaled: the softmax folds scale * log2(e) into its exp2's fma (and the max commutes)."""
   n_tiles = plan.block_n // 8
-  lines = [f"    float scores[{n_tiles}][4];",
+  lines = [f"    float scores[{plan.warp_tiles}][{n_tiles}][4];",
            "#pragma unroll",
-           f"    for (int n = 0; n < {n_tiles}; n++) scores[n][0] = scores[n][1] = scores[n][2] = scores[n][3] = 0.0f;"]
+           f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+           "#pragma unroll",
+           f"    for (int n = 0; n < {n_tiles}; n++) "
+           "scores[mt][n][0] = scores[mt][n][1] = scores[mt][n][2] = scores[mt][n][3] = 0.0f;"]
   lines += _scores_ldmatrix_lines(plan) if plan.ldmatrix else _scores_load_lines(plan)
   # mask only the tiles that need it: the last (keys past S) and, causal, those crossing the diagonal
   crossing = f" || tile * {plan.block_n} + {plan.block_n - 1} > block_first_row" if plan.causal else ""
   lines += [f"    bool masked = (tile + 1) * {plan.block_n} > {plan.source}{crossing};",
             "#pragma unroll",
+            f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+            "#pragma unroll",
             f"    for (int n = 0; n < {n_tiles}; n++) {{",
             "#pragma unroll",
             "      for (int i = 0; i < 4; i++) {",
-            "        scores[n][i] *= scale_log2;",
+            *([] if plan.folded_scale else ["        scores[mt][n][i] *= scale_log2;"]),
             "        if (masked) {",
-            f"          int key = tile * {plan.block_n} + n * 8 + quad * 2 + (i & 1), row = first_row + (i >> 1) * 8;",
-            f"          if (key >= {plan.source}{' || key > row' if plan.causal else ''}) scores[n][i] = NEG_INF;",
+            f"          int key = tile * {plan.block_n} + n * 8 + quad * 2 + (i & 1);",
+            f"          int row = first_row + mt * {WARP_ROWS} + (i >> 1) * 8;",
+            f"          if (key >= {plan.source}{' || key > row' if plan.causal else ''}) scores[mt][n][i] = NEG_INF;",
             "        }",
             "      }",
             "    }"]
@@ -366,7 +450,8 @@ def _scores_lines(plan: AttentionPlan) -> list[str]:
 
 
 def _scores_load_lines(plan: AttentionPlan) -> list[str]:
-  """S += Q K^T, K's B fragments read from shared memory element by element (TF32) or in 32-bit pairs (16-bit)."""
+  """S += Q K^T, K's B fragments read from shared memory element by element (TF32) or in 32-bit pairs (16-bit), each
+  used by every m tile of the warp."""
   k_step, _, _ = MMA_SHAPES[plan.dtype]
   lines = ["#pragma unroll",
            f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
@@ -374,11 +459,11 @@ def _scores_load_lines(plan: AttentionPlan) -> list[str]:
            "#pragma unroll",
            f"      for (int step = 0; step < {plan.head_dim // k_step}; step++) {{"]
   if plan.dtype == "float32":   # b0 (k q, n g), b1 (k q+4, n g): K[n][k] is B[k][n]
-    lines += ["        mma(scores[n], q_fragments[step], tf32(key_row[step * 8 + quad]), "
-              "tf32(key_row[step * 8 + quad + 4]));"]
+    lines += ["        unsigned b0 = tf32(key_row[step * 8 + quad]), b1 = tf32(key_row[step * 8 + quad + 4]);"]
   else:   # b0b1 (k 2q.., n g), b2b3 (k 2q+8.., n g): neighbouring halves of one key row
     lines += ["        const unsigned* pair = (const unsigned*)(key_row + step * 16 + quad * 2);",
-              "        mma(scores[n], q_fragments[step], pair[0], pair[4]);"]
+              "        unsigned b0 = pair[0], b1 = pair[4];"]
+  lines += _each_tile("mma(scores[mt][n], q_fragments[mt][step], b0, b1);", plan, "        ")
   return lines + ["      }", "    }"]
 
 
@@ -386,7 +471,8 @@ def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
   """S += Q K^T (16-bit), one ldmatrix.x4 per two n tiles and k step: matrices (keys of tile n, k 0-7 and 8-15 of
   the step), then tile n + 1's; K's rows as stored are B's columns, so no transpose. TF32: an 8x8 matrix of 16-bit
   elements is 8 rows of 4 floats, and lane l gets the float at row l / 4, column l % 4: B's (k q, n g) element; one
-  ldmatrix.x4 per n tile and two k steps (columns 0-3, 4-7 of each), rounded to TF32 after."""
+  ldmatrix.x4 per n tile and two k steps (columns 0-3, 4-7 of each), rounded to TF32 after. Each fragment serves
+  every m tile of the warp."""
   if plan.dtype == "float32":
     return ["#pragma unroll",
             f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
@@ -396,8 +482,10 @@ def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
             f"      for (int step = 0; step < {plan.head_dim // 8}; step += 2) {{",
             "        unsigned b[4];",
             "        load_matrices(b, rows + step * 8);",
-            "        mma(scores[n], q_fragments[step], tf32(__uint_as_float(b[0])), tf32(__uint_as_float(b[1])));",
-            "        mma(scores[n], q_fragments[step + 1], tf32(__uint_as_float(b[2])), tf32(__uint_as_float(b[3])));",
+            "#pragma unroll",
+            "        for (int i = 0; i < 4; i++) b[i] = tf32(__uint_as_float(b[i]));",
+            *_each_tile("{ mma(scores[mt][n], q_fragments[mt][step], b[0], b[1]); "
+                        "mma(scores[mt][n], q_fragments[mt][step + 1], b[2], b[3]); }", plan, "        "),
             "      }",
             "    }"]
   return ["#pragma unroll",
@@ -409,83 +497,97 @@ def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
           f"      for (int step = 0; step < {plan.head_dim // 16}; step++) {{",
           "        unsigned b[4];",
           "        load_matrices(b, rows + step * 16);",
-          "        mma(scores[n], q_fragments[step], b[0], b[1]);",
-          "        mma(scores[n + 1], q_fragments[step], b[2], b[3]);",
+          *_each_tile("{ mma(scores[mt][n], q_fragments[mt][step], b[0], b[1]); "
+                      "mma(scores[mt][n + 1], q_fragments[mt][step], b[2], b[3]); }", plan, "        "),
           "      }",
           "    }"]
 
 
 def _softmax_lines(plan: AttentionPlan) -> list[str]:
-  """The online softmax: the rows' running max (a quad of lanes shares a row), the old sums and outputs rescaled,
-  P = exp2(S - max) in place of the scores."""
+  """The online softmax per row (a quad of lanes shares a row): the running max (in log2 units: S scaled by
+  scale * log2(e)), the old sums and outputs rescaled, P = exp2(S scale log2(e) - max) in place of the scores, the
+  scale folded into one fma per element where it is positive."""
   n_tiles, d_tiles = plan.block_n // 8, plan.head_dim // 8
+  scaled_max = "tile_max * scale_log2" if plan.folded_scale else "tile_max"
+
+  def power(element: str) -> str:
+    if plan.folded_scale: return f"{element} = fast_exp2(fmaf({element}, scale_log2, -reference));"
+    return f"{element} = fast_exp2({element} - reference);"
   return ["#pragma unroll",
+          f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+          "#pragma unroll",
           "    for (int half = 0; half < 2; half++) {",
           "      float tile_max = NEG_INF;",
           "#pragma unroll",
           f"      for (int n = 0; n < {n_tiles}; n++) "
-          "tile_max = fmaxf(tile_max, fmaxf(scores[n][half * 2], scores[n][half * 2 + 1]));",
+          "tile_max = fmaxf(tile_max, fmaxf(scores[mt][n][half * 2], scores[mt][n][half * 2 + 1]));",
           "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));",
           "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));",
-          "      float new_max = fmaxf(row_max[half], tile_max);",
+          f"      float new_max = fmaxf(row_max[mt][half], {scaled_max});",
           # a row whose keys so far are all masked keeps max -inf: subtract 0 instead (its P is 0 either way)
           "      float reference = new_max == NEG_INF ? 0.0f : new_max;",
-          "      float rescale = exp2f(row_max[half] - reference);",
-          "      row_max[half] = new_max;",
+          "      float rescale = fast_exp2(row_max[mt][half] - reference);",
+          "      row_max[mt][half] = new_max;",
           "      float partial = 0.0f;",
           "#pragma unroll",
           f"      for (int n = 0; n < {n_tiles}; n++) {{",
-          "        scores[n][half * 2] = exp2f(scores[n][half * 2] - reference);",
-          "        scores[n][half * 2 + 1] = exp2f(scores[n][half * 2 + 1] - reference);",
-          "        partial += scores[n][half * 2] + scores[n][half * 2 + 1];",
+          "        " + power("scores[mt][n][half * 2]"),
+          "        " + power("scores[mt][n][half * 2 + 1]"),
+          "        partial += scores[mt][n][half * 2] + scores[mt][n][half * 2 + 1];",
           "      }",
           # each lane keeps its own part of the sum: the quad adds them once, at the end
-          "      row_sum[half] = row_sum[half] * rescale + partial;",
+          "      row_sum[mt][half] = row_sum[mt][half] * rescale + partial;",
           "#pragma unroll",
           f"      for (int d = 0; d < {d_tiles}; d++) {{",
-          "        outputs[d][half * 2] *= rescale;",
-          "        outputs[d][half * 2 + 1] *= rescale;",
+          "        outputs[mt][d][half * 2] *= rescale;",
+          "        outputs[mt][d][half * 2 + 1] *= rescale;",
           "      }",
           "    }"]
 
 
+def _p_fragment_lines(plan: AttentionPlan) -> list[str]:
+  """`p`: P's A fragments (16-bit) of keys 16 kk.. of every m tile: two neighbouring n tiles of P's accumulators are
+  one A fragment of m16n8k16 as they are, rounded to the operand type."""
+  return [f"      unsigned p[{plan.warp_tiles}][4];",
+          *_each_tile("{ p[mt][0] = pack_floats(scores[mt][2 * kk][0], scores[mt][2 * kk][1]); "
+                      "p[mt][1] = pack_floats(scores[mt][2 * kk][2], scores[mt][2 * kk][3]); "
+                      "p[mt][2] = pack_floats(scores[mt][2 * kk + 1][0], scores[mt][2 * kk + 1][1]); "
+                      "p[mt][3] = pack_floats(scores[mt][2 * kk + 1][2], scores[mt][2 * kk + 1][3]); }",
+                      plan, "      ")]
+
+
 def _weighted_sum_lines(plan: AttentionPlan) -> list[str]:
-  """O += P V. 16-bit: two neighbouring n tiles of P's accumulators are one A fragment of m16n8k16 as they are.
-  TF32: a lane holds P columns 2q, 2q+1 of each 8 keys but m16n8k8's A wants columns q, q+4: the keys are taken in
-  the order 0, 2, 4, 6, 1, 3, 5, 7 instead (column c of A is key pi(c), pi(q) = 2q, pi(q + 4) = 2q + 1), and B's
-  rows (value rows) in the same order, which leaves the sum unchanged."""
+  """O += P V, each V fragment used by every m tile of the warp. TF32: a lane holds P columns 2q, 2q+1 of each 8 keys
+  but m16n8k8's A wants columns q, q+4: the keys are taken in the order 0, 2, 4, 6, 1, 3, 5, 7 instead (column c of
+  A is key pi(c), pi(q) = 2q, pi(q + 4) = 2q + 1), and B's rows (value rows) in the same order, which leaves the sum
+  unchanged."""
   d_tiles, pitch = plan.head_dim // 8, plan.row_pitch
   if plan.dtype == "float32":
     return ["#pragma unroll",
             f"    for (int n = 0; n < {plan.block_n // 8}; n++) {{",
-            "      unsigned p[4] = {tf32(scores[n][0]), tf32(scores[n][2]), tf32(scores[n][1]), tf32(scores[n][3])};",
+            f"      unsigned p[{plan.warp_tiles}][4];",
+            *_each_tile("{ p[mt][0] = tf32(scores[mt][n][0]); p[mt][1] = tf32(scores[mt][n][2]); "
+                        "p[mt][2] = tf32(scores[mt][n][1]); p[mt][3] = tf32(scores[mt][n][3]); }", plan, "      "),
             f"      const float* value_rows = v_stage + (n * 8 + quad * 2) * {pitch} + group;",
             "#pragma unroll",
-            f"      for (int d = 0; d < {d_tiles}; d++) "
-            f"mma(outputs[d], p, tf32(value_rows[d * 8]), tf32(value_rows[{pitch} + d * 8]));",
+            f"      for (int d = 0; d < {d_tiles}; d++) {{",
+            f"        unsigned b0 = tf32(value_rows[d * 8]), b1 = tf32(value_rows[{pitch} + d * 8]);",
+            *_each_tile("mma(outputs[mt][d], p[mt], b0, b1);", plan, "        "),
+            "      }",
             "    }"]
   if plan.ldmatrix: return _weighted_sum_ldmatrix_lines(plan)
   return ["#pragma unroll",
           f"    for (int kk = 0; kk < {plan.block_n // 16}; kk++) {{",
-          "      unsigned p[4] = {pack_floats(scores[2 * kk][0], scores[2 * kk][1]), "
-          "pack_floats(scores[2 * kk][2], scores[2 * kk][3]),",
-          "                       pack_floats(scores[2 * kk + 1][0], scores[2 * kk + 1][1]), "
-          "pack_floats(scores[2 * kk + 1][2], scores[2 * kk + 1][3])};",
+          *_p_fragment_lines(plan),
           f"      const unsigned short* value_rows = v_stage + (kk * 16 + quad * 2) * {pitch} + group;",
           "#pragma unroll",
           f"      for (int d = 0; d < {d_tiles}; d++) {{",
           "        const unsigned short* column = value_rows + d * 8;",
           f"        unsigned b0 = pack_bits(column[0], column[{pitch}]);",
           f"        unsigned b1 = pack_bits(column[{8 * pitch}], column[{9 * pitch}]);",
-          "        mma(outputs[d], p, b0, b1);",
+          *_each_tile("mma(outputs[mt][d], p[mt], b0, b1);", plan, "        "),
           "      }",
           "    }"]
-
-
-_P_FRAGMENT = ["      unsigned p[4] = {pack_floats(scores[2 * kk][0], scores[2 * kk][1]), "
-               "pack_floats(scores[2 * kk][2], scores[2 * kk][3]),",
-               "                       pack_floats(scores[2 * kk + 1][0], scores[2 * kk + 1][1]), "
-               "pack_floats(scores[2 * kk + 1][2], scores[2 * kk + 1][3])};"]
 
 
 def _weighted_sum_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
@@ -493,7 +595,7 @@ def _weighted_sum_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
   columns of d tile d, then d + 1); a lane gets a key pair of one column, B's layout."""
   return ["#pragma unroll",
           f"    for (int kk = 0; kk < {plan.block_n // 16}; kk++) {{",
-          *_P_FRAGMENT,
+          *_p_fragment_lines(plan),
           # lane l: row l % 8 of matrix l / 8 (keys 8 ((l / 8) % 2).., columns of d tile d + l / 16)
           f"      const unsigned short* rows = v_stage + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * "
           f"{plan.row_pitch} + (lane >> 4) * 8;",
@@ -501,42 +603,51 @@ def _weighted_sum_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
           f"      for (int d = 0; d < {plan.head_dim // 8}; d += 2) {{",
           "        unsigned b[4];",
           "        load_matrices_transposed(b, rows + d * 8);",
-          "        mma(outputs[d], p, b[0], b[1]);",
-          "        mma(outputs[d + 1], p, b[2], b[3]);",
+          *_each_tile("{ mma(outputs[mt][d], p[mt], b[0], b[1]); mma(outputs[mt][d + 1], p[mt], b[2], b[3]); }",
+                      plan, "        "),
           "      }",
           "    }"]
 
 
 def _store_lines(plan: AttentionPlan) -> list[str]:
-  """O / sum into (B, L, H, D) and the logsumexp into (B, H, L), rows past L left out."""
+  """O / sum into (B, L, H, D) in the operand type (16-bit: a lane's column pair rounded into one 32-bit store) and
+  the float32 logsumexp into (B, H, L) after it, rows past L left out."""
   d_tiles, heads, dim = plan.head_dim // 8, plan.heads, plan.head_dim
+  storage = STORAGE_TYPE[plan.dtype]
+  if plan.dtype == "float32":
+    store = ["      float2 pair = make_float2(outputs[mt][d][half * 2] * inverse, "
+             "outputs[mt][d][half * 2 + 1] * inverse);",
+             "      *(float2*)(out_row + d * 8 + quad * 2) = pair;"]
+  else:
+    store = ["      *(unsigned*)(out_row + d * 8 + quad * 2) = "
+             "pack_floats(outputs[mt][d][half * 2] * inverse, outputs[mt][d][half * 2 + 1] * inverse);"]
   return ["#pragma unroll",
+          f"  for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+          "#pragma unroll",
           "  for (int half = 0; half < 2; half++) {",
-          "    float total = row_sum[half];",
+          "    float total = row_sum[mt][half];",
           "    total += __shfl_xor_sync(0xffffffffu, total, 1);",
           "    total += __shfl_xor_sync(0xffffffffu, total, 2);",
-          "    int row = first_row + half * 8;",
+          f"    int row = first_row + mt * {WARP_ROWS} + half * 8;",
           f"    if (row >= {plan.length}) continue;",
           "    float inverse = 1.0f / total;",
-          f"    float* out_row = out + ((long long)(batch * {plan.length} + row) * {heads} + head) * {dim};",
+          f"    {storage}* out_row = out + ((long long)(batch * {plan.length} + row) * {heads} + head) * {dim};",
           "#pragma unroll",
           f"    for (int d = 0; d < {d_tiles}; d++) {{",
-          "      float2 pair = make_float2(outputs[d][half * 2] * inverse, outputs[d][half * 2 + 1] * inverse);",
-          "      *(float2*)(out_row + d * 8 + quad * 2) = pair;",
+          *store,
           "    }",
-          f"    if (quad == 0) out[{plan.lse_offset}ll + (long long)(batch * {heads} + head) * {plan.length} + row] "
-          f"= (row_max[half] + log2f(total)) * {LN_2!r}f;",
+          f"    if (quad == 0) ((float*)out)[{plan.lse_offset}ll + (long long)(batch * {heads} + head) * {plan.length} "
+          f"+ row] = (row_max[mt][half] + log2f(total)) * {LN_2!r}f;",
           "  }"]
 
 
 def render_attention(plan: AttentionPlan, name: str | None = None, arguments: dict[str, int] | None = None,
-                     dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes") -> str:
+                     dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes", helpers: str | None = None) -> str:
   """CUDA C++ (NVRTC, sm_80+) of the fused attention kernel `name` (default plan.name); its buffers in the order
   `arguments` gives (default out, q, k, v); launch with plan.global_size x plan.local_size and plan.shared_bytes of
   dynamic shared memory (exported as `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads at load)."""
   arguments = arguments or {"out": 0, "q": 1, "k": 2, "v": 3}
   storage = STORAGE_TYPE[plan.dtype]
-  helpers = _HELPERS_TF32 if plan.dtype == "float32" else _HELPERS_16.replace("TYPE", MMA_SHAPES[plan.dtype][2])
   last_tile = f"(block_first_row + {plan.block_m - 1}) / {plan.block_n}"
   tiles = f"min({math.ceil(plan.source / plan.block_n)}, {last_tile} + 1)" if plan.causal else \
       f"{math.ceil(plan.source / plan.block_n)}"
@@ -544,7 +655,7 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     f'extern "C" __device__ unsigned int {dynamic_shared_symbol} = {plan.shared_bytes};',
     "extern __shared__ __align__(16) unsigned char attention_shared[];",
     "#define NEG_INF __int_as_float(0xff800000)",
-    helpers, _LDMATRIX_HELPERS if plan.ldmatrix else "", _COPY_HELPER if plan.vector_copies else "",
+    kernel_helpers(plan) if helpers is None else helpers,
     *_signature(plan, name or plan.name, arguments),
     f"  {storage}* k_tiles = ({storage}*)attention_shared;",
     f"  {storage}* v_tiles = k_tiles + {plan.stages * plan.tile_elements};",
@@ -554,33 +665,39 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     "  int head = blockIdx.y, batch = blockIdx.z;",
     f"  int kv_head = head / {plan.group};",
     f"  int block_first_row = query_block * {plan.block_m};",
-    f"  int first_row = block_first_row + warp * {WARP_ROWS} + group;",
+    f"  int first_row = block_first_row + warp * {plan.warp_rows} + group;",
     f"  const {storage}* q_base = q_buffer + {_element_offset(plan.q, 'batch', 'head')};",
     f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
     f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};",
     f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
     *_q_fragment_lines(plan),
-    f"  float outputs[{plan.head_dim // 8}][4];",
+    f"  float outputs[{plan.warp_tiles}][{plan.head_dim // 8}][4], row_max[{plan.warp_tiles}][2], "
+    f"row_sum[{plan.warp_tiles}][2];",
     "#pragma unroll",
-    f"  for (int d = 0; d < {plan.head_dim // 8}; d++) outputs[d][0] = outputs[d][1] = outputs[d][2] = "
-    "outputs[d][3] = 0.0f;",
-    "  float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.0f, 0.0f};",
+    f"  for (int mt = 0; mt < {plan.warp_tiles}; mt++) {{",
+    "#pragma unroll",
+    f"    for (int d = 0; d < {plan.head_dim // 8}; d++) outputs[mt][d][0] = outputs[mt][d][1] = outputs[mt][d][2] = "
+    "outputs[mt][d][3] = 0.0f;",
+    "    row_max[mt][0] = row_max[mt][1] = NEG_INF;",
+    "    row_sum[mt][0] = row_sum[mt][1] = 0.0f;",
+    "  }",
     *_copy_tile_lines(plan),
     f"  int tiles = {tiles};",
     "  copy_tile(0, 0);",
     "  for (int tile = 0; tile < tiles; tile++) {",
     # the next tile streams in while this one is computed
     f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {plan.stages});",
-    *(['    else asm volatile("cp.async.commit_group;" ::: "memory");',
-       '    asm volatile("cp.async.wait_group 1;" ::: "memory");'] if plan.vector_copies else []),
+    *(["    else copy_commit();", "    copy_wait_all_but_one();"] if plan.vector_copies else []),
     "    __syncthreads();",
     f"    const {storage}* k_stage = k_tiles + (tile % {plan.stages}) * {plan.tile_elements};",
     f"    const {storage}* v_stage = v_tiles + (tile % {plan.stages}) * {plan.tile_elements};",
     *_scores_lines(plan),
     *_softmax_lines(plan),
     *_weighted_sum_lines(plan),
-    # every warp is done with this stage before a later copy_tile overwrites it
-    "    __syncthreads();",
+    # every warp is done with this stage before a later copy_tile overwrites it. With 3 stages or more the next
+    # iteration's copy goes to a stage no warp can still read: a warp past that iteration's barrier knows every warp
+    # has finished the tile before this one, and this one's stage is not the copy's
+    *(["    __syncthreads();"] if plan.stages < 3 else []),
     "  }",
     *_store_lines(plan),
     "}",

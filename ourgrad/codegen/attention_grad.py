@@ -3,8 +3,9 @@ the flash backward kernels of codegen/attention_backward.py, on the buffers of a
 
 A kernel AST is STORE(ATTENTION_DQ(LOAD q, LOAD k, LOAD v, LOAD fwd, LOAD dO)) or STORE(ATTENTION_DKDV(LOAD q,
 LOAD k, LOAD v, LOAD dO, LOAD fwd, LOAD dq_buffer)), arg (causal, scale), each load one unmasked View of a realized
-buffer whose last dim is contiguous (LazyBuffer.attention_grads). `fwd` is the forward's float32 buffer (Ops.ATTENTION:
-O laid out (B, L, H, D), then the natural-log LSE (B, H, L)): it is both the backward's O and its LSE.
+buffer whose last dim is contiguous (LazyBuffer.attention_grads). `fwd` is the forward's buffer in the operands'
+dtype (Ops.ATTENTION: O laid out (B, L, H, D), then the bytes of the float32 natural-log LSE (B, H, L)): it is both the
+backward's O and its LSE.
 
 Each op writes ONE buffer in the operands' dtype: ATTENTION_DQ dq (B, H, L, D) contiguous, then delta = rowsum(dO * O)
 (B, H, L) float32, its bytes in the buffer's tail (4 bytes from 2 16-bit elements; the lazy graph reads only dq, the
@@ -23,6 +24,7 @@ from typing import Any
 from ourgrad.codegen.attention_backward import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan,
                                                 KernelLaunch, contiguous_strides, default_blocks, render_dkdv_kernel,
                                                 render_dq_kernel)
+from ourgrad.codegen.wgmma_tiles import ITEMSIZE
 from ourgrad.helpers import DEBUG
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 
@@ -46,7 +48,8 @@ def is_attention_grad(ast: LazyOp) -> bool:
 def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: str, causal: bool, scale: float,
                   shared_per_sm: int) -> AttentionBackwardPlan:
   """The plan for views (ShapeTracker Views) q, do (B, H, L, D) and k, v (B, Hk, S, D), their last dim contiguous,
-  reading O and LSE from the forward's buffer and writing the gradients contiguous in the operands' dtype."""
+  reading O (in the operands' dtype) and LSE (float32, after O's bytes) from the forward's buffer and writing the
+  gradients contiguous in the operands' dtype."""
   batch, heads, length, head_dim = q_view.shape
   kv_heads, source = k_view.shape[1], k_view.shape[2]
   strides = [tuple(int(stride) for stride in view.strides[:3]) for view in (q_view, k_view, v_view, do_view)]
@@ -54,7 +57,7 @@ def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: st
   return AttentionBackwardPlan(
     batch, heads, kv_heads, length, source, head_dim, dtype, causal, scale, strides[0], strides[1], strides[2],
     (length * heads * head_dim, head_dim, heads * head_dim), strides[3], q_like, kv_like, kv_like,
-    (heads * length, length, 1), lse_offset=batch * length * heads * head_dim, o_dtype="float32",
+    (heads * length, length, 1), lse_offset=batch * length * heads * head_dim * ITEMSIZE[dtype] // 4, o_dtype=dtype,
     shared_per_sm=shared_per_sm, **default_blocks(head_dim, dtype))
 
 
@@ -83,7 +86,10 @@ class AttentionGradKernel:
     p = self.plan
     q_elements, kv_elements = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
     place = {name: (load.arg.idx, int(views[name].offset)) for name, load in load_of.items()}
-    place.update(o=place["fwd"], lse=place["fwd"], dq=(0, 0), dk=(0, 0), dv=(0, kv_elements))
+    fwd_index, fwd_offset = place["fwd"]
+    # the LSE parameter is a float pointer: the view's offset in float32 elements
+    place.update(o=place["fwd"], lse=(fwd_index, fwd_offset * p.itemsize // 4), dq=(0, 0), dk=(0, 0),
+                 dv=(0, kv_elements))
     # delta after dq, in float32 elements (q_elements is even: head_dim is a multiple of 16)
     delta = q_elements * p.itemsize // 4
     place["delta"] = (0, delta) if op.op is Ops.ATTENTION_DQ else (place["dq_buffer"][0], delta)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ourgrad.codegen.attention import AttentionPlan, Operand
 from ourgrad.codegen.tensor_cores import tf32_round
-from ourgrad.dtype import bfloat16_bits_to_float32, round_to_bfloat16
+from ourgrad.dtype import bfloat16_bits_to_float32, float32_to_bfloat16_bits, round_to_bfloat16
 
 ATTENTION_PROGRAM_FORMAT = "ourgrad-python-attention-v1"
 
@@ -43,7 +43,8 @@ def _operand_rounding(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def emulate_attention(plan: AttentionPlan, out: np.ndarray, q_buffer: np.ndarray, k_buffer: np.ndarray,
                       v_buffer: np.ndarray) -> None:
-  """Run the kernel of `plan`: `out` the float32 output (O, then the logsumexp), q/k/v raw byte buffers."""
+  """Run the kernel of `plan` on raw byte buffers: `out` gets O in the operand type (rounded to nearest even) and
+  then the float32 logsumexp's bytes; q/k/v are read through the plan's offsets and strides."""
   q = _operand_rounding(_read_operand(q_buffer, plan.q, (plan.batch, plan.heads, plan.length, plan.head_dim),
                                       plan.dtype), plan.dtype)
   kv_shape = (plan.batch, plan.kv_heads, plan.source, plan.head_dim)
@@ -74,10 +75,12 @@ def emulate_attention(plan: AttentionPlan, out: np.ndarray, q_buffer: np.ndarray
     row_max = new_max
     outputs = outputs * rescale[..., None] + np.matmul(_operand_rounding(weights, plan.dtype), v_tile,
                                                        dtype=np.float32)
-  result = (outputs / row_sum[..., None]).astype(np.float32)
-  out[:plan.lse_offset] = result.transpose(0, 2, 1, 3).reshape(-1)   # O laid out (B, L, H, D)
+  result = (outputs / row_sum[..., None]).astype(np.float32).transpose(0, 2, 1, 3).reshape(-1)  # O as (B, L, H, D)
+  if plan.dtype == "float32": out.view(np.float32)[:plan.o_elements] = result
+  elif plan.dtype == "float16": out.view(np.float16)[:plan.o_elements] = result.astype(np.float16)
+  else: out.view(np.uint16)[:plan.o_elements] = float32_to_bfloat16_bits(result)
   lse = (row_max + np.log2(row_sum)) * np.float32(0.6931471805599453)
-  out[plan.lse_offset:plan.output_elements] = lse.astype(np.float32).reshape(-1)
+  out.view(np.float32)[plan.lse_offset:plan.lse_offset + lse.size] = lse.astype(np.float32).reshape(-1)
 
 
 # ---------------------------------------------------------------- the PYTHON device's attention program
@@ -114,6 +117,6 @@ class AttentionProgram:
       raise ValueError(f"{self.name} launched as {global_size}x{local_size}, its plan needs "
                        f"{self.plan.global_size}x{self.plan.local_size}")
     with np.errstate(all="ignore"):
-      emulate_attention(self.plan, buffers[self.arguments["out"]].view(np.float32),
+      emulate_attention(self.plan, buffers[self.arguments["out"]],
                         *(buffers[self.arguments[role]] for role in ("q", "k", "v")))
     return time.perf_counter() - start if wait else None

@@ -1,0 +1,120 @@
+"""Run the fused attention forward kernel's CUDA source on the CPU: a test harness, not a device.
+
+The same model as test/attention_backward_host.py (whose prelude and `mma` it reuses): the source of
+codegen/attention.py is compiled with g++ after a prelude that defines CUDA's keywords away and gives each CUDA thread
+of a block a host thread (barriers for __syncthreads/__syncwarp, shuffles through per-warp slots). The kernel's PTX
+helpers (`kernel_helpers`) are replaced by host versions: mma gathers the warp's fragments by the maps of
+codegen/tensor_cores.py, ldmatrix (and .trans) hands each lane its elements of the 8x8 matrices the lanes' row
+addresses name, cvt rounds as the hardware does, cp.async copies at once. So the kernel's own index math, masks,
+tiles, fragment loads and stores run as written: a wrong lane mapping gives wrong numbers here as on the GPU.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+
+from attention_backward_host import HOST_CONVERSIONS, PACKED_OPERANDS, PRELUDE, host_compiler, host_mma
+from ourgrad.codegen.attention import AttentionPlan, render_attention
+
+FORWARD_PRELUDE = r"""
+inline float __int_as_float(int bits) { float f; memcpy(&f, &bits, 4); return f; }
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+"""
+
+# the forward's helper names on the host: mma with pointer operands, packing, ldmatrix over 16-bit rows, copies
+FORWARD_HELPERS = r"""
+inline void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  const unsigned b[2] = {b0, b1};
+  mma(*(float (*)[4])c, *(const unsigned (*)[4])a, b);
+}
+inline unsigned pack_bits(unsigned short low, unsigned short high) { return (unsigned)low | ((unsigned)high << 16); }
+// ldmatrix.x4: lane l names row l % 8 of matrix l / 8 (8 16-bit elements); lane l receives the 32 bits at (row l / 4,
+// columns 2 (l % 4), + 1) of each matrix, or with .trans (rows 2 (l % 4) and + 1, column l / 4)
+inline void host_ldmatrix(unsigned* r, const void* row, bool transposed) {
+  WarpSlots& slots = warp_slots[threadIdx.x / 32];
+  const int lane = threadIdx.x & 31;
+  slots.row[lane] = row; __syncwarp();
+  for (int m = 0; m < 4; m++) {
+    const unsigned short* const* rows = (const unsigned short* const*)&slots.row[8 * m];
+    const unsigned short low = transposed ? rows[2 * (lane % 4)][lane / 4] : rows[lane / 4][2 * (lane % 4)];
+    const unsigned short high = transposed ? rows[2 * (lane % 4) + 1][lane / 4] : rows[lane / 4][2 * (lane % 4) + 1];
+    r[m] = (unsigned)low | ((unsigned)high << 16);
+  }
+  __syncwarp();
+}
+inline void load_matrices(unsigned* r, const void* rows) { host_ldmatrix(r, rows, false); }
+inline void load_matrices_transposed(unsigned* r, const unsigned short* rows) { host_ldmatrix(r, rows, true); }
+inline void copy16(void* target, const void* source, bool inside) {
+  if (inside) memcpy(target, source, 16); else memset(target, 0, 16); }
+inline float fast_exp2(float x) { return exp2f(x); }
+inline void copy_commit() {}
+inline void copy_wait_all_but_one() {}
+"""
+
+PACKING = {
+  "float32": "inline unsigned tf32(float value) { return operand_bits(value); }\n",
+  "float16": "inline unsigned pack_floats(float low, float high) { return pack(from_float(low), from_float(high)); }\n",
+}
+PACKING["bfloat16"] = PACKING["float16"]
+
+
+def host_source(plan: AttentionPlan) -> str:
+  """The kernel as a C++ program: it reads its buffers (out, q, k, v) from the files named on its command line, runs
+  every block of the grid (one host thread per CUDA thread) and writes them back."""
+  helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + \
+      host_mma(plan.dtype) + FORWARD_HELPERS + PACKING[plan.dtype]
+  source = render_attention(plan, "attention", {"out": 0, "q": 1, "k": 2, "v": 3}, helpers=helpers)
+  source = source.replace("extern __shared__ __align__(16) unsigned char attention_shared[];",
+                          "alignas(16) unsigned char attention_shared[1 << 18];")
+  storage = "float" if plan.dtype == "float32" else "unsigned short"
+  arguments = ", ".join(f"({storage}*)buffers[{index}].data()" for index in range(4))
+  (grid_x, grid_y, grid_z), threads = plan.global_size, plan.threads
+  return PRELUDE + FORWARD_PRELUDE + source + f"""
+int main(int argc, char** argv) {{
+  std::vector<std::vector<unsigned char>> buffers;
+  for (int index = 1; index < argc; index++) {{
+    FILE* file = fopen(argv[index], "rb"); fseek(file, 0, SEEK_END); long size = ftell(file); fseek(file, 0, SEEK_SET);
+    buffers.emplace_back(size + 16);
+    if (fread(buffers.back().data(), 1, size, file) != (size_t)size) return 1;
+    fclose(file);
+  }}
+  blockDim = Dim3{{{threads}, 1, 1}};
+  gridDim = Dim3{{{grid_x}, {grid_y}, {grid_z}}};
+  block_barrier.count = {threads};
+  for (int warp = 0; warp < {threads // 32}; warp++) warp_barriers[warp].count = 32;
+  for (int z = 0; z < {grid_z}; z++) for (int y = 0; y < {grid_y}; y++) for (int x = 0; x < {grid_x}; x++) {{
+    std::vector<std::thread> workers;
+    for (int t = 0; t < {threads}; t++) workers.emplace_back([&, t] {{
+      threadIdx = Dim3{{t, 0, 0}}; blockIdx = Dim3{{x, y, z}};
+      attention({arguments});
+    }});
+    for (std::thread& worker : workers) worker.join();
+  }}
+  FILE* file = fopen(argv[1], "r+b");
+  fseek(file, 0, SEEK_END); long size = ftell(file); fseek(file, 0, SEEK_SET);
+  fwrite(buffers[0].data(), 1, size, file); fclose(file);
+  return 0;
+}}
+"""
+
+
+def run_forward_on_host(plan: AttentionPlan, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+  """The kernel of `plan` run on the host on flat buffers q, k, v (numpy arrays of the stored elements, bfloat16 as
+  uint16 bits); returns the output buffer's bytes (plan.output_elements elements of the operand type)."""
+  compiler = host_compiler()
+  if compiler is None: raise RuntimeError("no g++ to run the kernel on the host")
+  itemsize = 4 if plan.dtype == "float32" else 2
+  with tempfile.TemporaryDirectory(prefix="ourgrad_attention_forward_host_") as folder:
+    source_path, binary_path = os.path.join(folder, "attention.cpp"), os.path.join(folder, "attention")
+    with open(source_path, "w") as source_file: source_file.write(host_source(plan))
+    subprocess.run([compiler, "-std=c++17", "-O1", "-pthread", "-w", source_path, "-o", binary_path], check=True,
+                   capture_output=True, text=True)
+    paths = [os.path.join(folder, f"{name}.bin") for name in ("out", "q", "k", "v")]
+    np.zeros(plan.output_elements * itemsize, dtype=np.uint8).tofile(paths[0])
+    for path, array in zip(paths[1:], (q, k, v)): np.ascontiguousarray(array).tofile(path)
+    subprocess.run([binary_path, *paths], check=True, capture_output=True)
+    return np.fromfile(paths[0], dtype=np.uint8)

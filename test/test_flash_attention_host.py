@@ -1,0 +1,109 @@
+"""The fused attention forward kernel's CUDA source run on the CPU (test/attention_forward_host.py) against PyTorch's
+float64 SDPA: every tile configuration the plan takes (query rows per CTA, keys per tile, stages, ldmatrix or plain
+fragment loads), float32 (TF32), float16 and bfloat16, causal and not, odd lengths, grouped-query attention, head
+sizes 64 and 128, rows copied by cp.async or element by element. O is checked in the operand type it is written in,
+and the float32 logsumexp after it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attention_forward_host import run_forward_on_host
+from ourgrad.codegen.attention import AttentionPlan, Operand, plan_attention
+from ourgrad.dtype import bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
+from ourgrad.renderer.cuda import CUDARenderer
+
+from attention_backward_host import host_compiler
+
+pytestmark = pytest.mark.skipif(host_compiler() is None, reason="no g++ to run the kernel on the host")
+
+# relative (Frobenius) error of O allowed against float64: operands and P rounded to TF32 / float16 / bfloat16, O
+# rounded to its type
+TOLERANCES = {"float32": 3e-3, "float16": 3e-3, "bfloat16": 2e-2}
+STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def _stored(values: np.ndarray, dtype: str) -> np.ndarray:
+  """float32 values as the kernel's buffer holds them (bfloat16: its bits)."""
+  return float32_to_bfloat16_bits(values) if dtype == "bfloat16" else values.astype(STORED[dtype])
+
+
+def _widened(elements: np.ndarray, dtype: str) -> np.ndarray:
+  return bfloat16_bits_to_float32(elements) if dtype == "bfloat16" else elements.astype(np.float32)
+
+
+def _contiguous(buffer: int, heads: int, rows: int, head_dim: int) -> Operand:
+  return Operand(buffer, 0, (heads * rows * head_dim, rows * head_dim, head_dim, 1))
+
+
+def _run(dtype: str, causal: bool, batch: int, heads: int, kv_heads: int, length: int, source: int, head_dim: int,
+         seed: int, **blocks) -> tuple[AttentionPlan, float, float]:
+  """The relative error of O and the max abs error of the logsumexp of the kernel on the host vs float64 torch."""
+  rng = np.random.default_rng(seed)
+  arrays = [rng.standard_normal((batch, count, rows, head_dim)).astype(np.float32)
+            for count, rows in ((heads, length), (kv_heads, source), (kv_heads, source))]
+  stored = [_stored(array, dtype) for array in arrays]
+  scale = blocks.pop("scale", 1 / math.sqrt(head_dim))
+  # offset 1: each buffer starts one element before its operand (rows not 4-byte aligned: element loads and copies)
+  offset = blocks.pop("offset", 0)
+  buffers = [np.concatenate([np.zeros(offset, dtype=array.dtype), array.reshape(-1)]) for array in stored]
+  operands = [dataclasses.replace(_contiguous(1 + index, count, rows, head_dim), offset=offset)
+              for index, (count, rows) in enumerate(((heads, length), (kv_heads, source), (kv_heads, source)))]
+  plan = plan_attention(*operands, ((batch, heads, length, head_dim), (batch, kv_heads, source, head_dim)),
+                        getattr(dtypes, dtype), causal, scale, CUDARenderer("sm_90"))
+  plan = dataclasses.replace(plan, **blocks)
+  out = run_forward_on_host(plan, *buffers)
+  o = _widened(out.view(STORED[dtype])[:plan.o_elements], dtype).reshape(batch, length, heads, head_dim)
+  lse = out.view(np.float32)[plan.lse_offset:plan.lse_offset + batch * heads * length].reshape(batch, heads, length)
+  q, k, v = (torch.tensor(_widened(array, dtype), dtype=torch.float64) for array in stored)
+  k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+  scores = q @ k.transpose(-1, -2) * scale
+  if causal: scores = scores.masked_fill(~torch.ones(length, source, dtype=torch.bool).tril(), -math.inf)
+  want_o = (torch.softmax(scores, -1) @ v).transpose(1, 2).numpy()
+  o_error = float(np.linalg.norm(o - want_o) / np.linalg.norm(want_o))
+  return plan, o_error, float(np.abs(lse - torch.logsumexp(scores, -1).numpy()).max())
+
+
+# (block_m, block_n, stages, ldmatrix, warp_tiles): the rule's tiles, larger and smaller ones, three stages, two m
+# tiles of 16 rows per warp
+CONFIGS = [(64, 64, 2, False, 1), (64, 64, 2, True, 1), (128, 64, 2, True, 1), (128, 32, 3, True, 1),
+           (64, 128, 2, True, 1), (128, 64, 2, True, 2), (64, 32, 2, False, 2)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda c: "m{}_n{}_s{}_{}_w{}".format(*c[:3], "ldm" if c[3] else "lds", c[4]))
+def test_forward_kernel_on_host(dtype, causal, config):
+  block_m, block_n, stages, ldmatrix, warp_tiles = config
+  # odd lengths (neither a multiple of the tiles), L != S, grouped-query heads
+  plan, o_error, lse_error = _run(dtype, causal, 1, 2, 1, 83 if causal else 70, 83 if causal else 131, 64, seed=1,
+                                  block_m=block_m, block_n=block_n, stages=stages, ldmatrix=ldmatrix,
+                                  warp_tiles=warp_tiles)
+  assert plan.vector_copies
+  assert o_error < TOLERANCES[dtype], (plan, o_error)
+  assert lse_error < 2e-2, (plan, lse_error)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_dim_128_on_host(dtype):
+  _, o_error, lse_error = _run(dtype, True, 1, 1, 1, 45, 45, 128, seed=2)
+  assert o_error < TOLERANCES[dtype] and lse_error < 2e-2
+
+
+def test_negative_scale_is_not_folded():
+  """A negative scale reverses the order of S: the kernel scales S before its max instead of folding the scale into
+  exp2 (AttentionPlan.folded_scale)."""
+  plan, o_error, lse_error = _run("bfloat16", False, 1, 1, 1, 40, 50, 64, seed=3, scale=-0.125)
+  assert not plan.folded_scale and o_error < TOLERANCES["bfloat16"] and lse_error < 2e-2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unaligned_rows_on_host(dtype):
+  """Operands one element past an aligned start: Q's pairs and K/V's rows are read element by element."""
+  plan, o_error, lse_error = _run(dtype, True, 1, 2, 2, 37, 37, 64, seed=4, offset=1)
+  assert not plan.vector_copies and o_error < TOLERANCES[dtype] and lse_error < 2e-2
