@@ -22,6 +22,7 @@ from ourgrad.codegen.opt.plans import OptsPlan, Plan, plan_from_json, plan_to_js
 from ourgrad.codegen.opt.shared_tile_plans import LARGE_TILE_STRUCTURE, SharedTilePlan
 from ourgrad.codegen.opt.tensor_core_plans import TensorCorePlan, TensorCoreTile, WgmmaPlan
 from ourgrad.codegen.opts import Opt, OptOps
+from ourgrad.codegen.shared_tiles import SharedStructure
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, bfloat16_bits_to_float32
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -171,8 +172,8 @@ def test_one_registry_orders_the_heuristic_and_lists_beams_owned_actions() -> No
   actions = list(search._all_actions(kernel))
   assert [opt for opt in actions if opt.op is OptOps.WGMMA] == [plan.opt for plan in tensor_core_plans.WGMMA_SEARCH]
   assert WgmmaPlan(256, 4, specialized=True).opt in actions
-  shared = {opt.amount for opt in actions if opt.op is OptOps.SHARED}
-  assert shared == {0, 4, LARGE_TILE_STRUCTURE.amount}
+  shared = {opt.arg for opt in actions if opt.op is OptOps.SHARED}
+  assert shared == {SharedStructure(), SharedStructure(padding=4), LARGE_TILE_STRUCTURE}
 
 
 @pytest.mark.parametrize("dtype, channels, plan_class", [(dtypes.float32, 8, ConvTilePlan),

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ourgrad.codegen.opts import (TC_TILE_PADDING, TC_TILE_STAGES, WGMMA_DEEP, WGMMA_DEFAULT_N,  # noqa: F401
-                                 WGMMA_DEFAULT_STAGES, WGMMA_SPECIALIZED, KernelOptError, Opt, OptOps, describe_opt,
-                                 describe_opts)
+                                 WGMMA_DEFAULT_STAGES, WGMMA_SPECIALIZED, KernelOptError, Opt, OptOps, TileStages,
+                                 describe_opt, describe_opts, shared_choice)
 from ourgrad.codegen.shared_tiles import (SHARED_ASYNC, SHARED_ASYNC_MAX_STAGES, SHARED_REDUCE_INNER,  # noqa: F401
                                          SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL,
-                                         SKEW_ROWS, SharedTileLayout, decode_shared_amount)
+                                         SKEW_ROWS, SharedStructure, SharedTileLayout, decode_shared_amount)
 from ourgrad.codegen.matmul_operands import (is_plain_load, matmul_operands, operand_leaves,  # noqa: F401
                                             varying_axes)
 from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
@@ -349,17 +349,18 @@ class Kernel(SharedTileLayout):
     if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
     if opt.op is OptOps.SHARED:
-      # with tensor cores the amount is the number of stages (0: the default, 2); without, the tiles' row padding
-      # plus flags (SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC times the stages less one)
-      if self.tensor_core is not None and (opt.axis != 0 or opt.amount not in (0, 2, 3, 4)):
-        raise KernelOptError(f"SHARED with TC takes axis 0 and amount in (0, 2, 3, 4), got {opt}")
+      # with tensor cores the tiles' stages (TileStages); without, their structure (SharedStructure: the rows' padding,
+      # float4 fills, two blocks, cp.async stages, skewed rows, reduce-inner rows); see opts.shared_choice
+      choice = shared_choice(opt, self.tensor_core is not None)
+      if self.tensor_core is not None and (opt.axis != 0 or not isinstance(choice, TileStages) or
+                                           choice.stages not in (2, 3, 4)):
+        raise KernelOptError(f"SHARED with TC takes axis 0 and 2, 3 or 4 stages, got {opt}")
       paddings = (0, SHARED_TILE_PADDING)
-      structure = decode_shared_amount(opt.amount)
-      if self.tensor_core is None and (opt.axis != 0 or structure.padding not in paddings or
-                                       structure.async_stages > SHARED_ASYNC_MAX_STAGES or structure.unknown):
-        raise KernelOptError(f"SHARED takes axis 0 and amount a padding in {paddings} plus SHARED_VECTOR_FILL, "
-                             f"SHARED_TWO_BLOCKS, SHARED_ASYNC times 1..{SHARED_ASYNC_MAX_STAGES - 1} or "
-                             f"SHARED_ROW_SKEW, SHARED_REDUCE_INNER, got {opt}")
+      if self.tensor_core is None and (opt.axis != 0 or not isinstance(choice, SharedStructure) or
+                                       choice.padding not in paddings or
+                                       choice.async_stages > SHARED_ASYNC_MAX_STAGES or choice.unknown):
+        raise KernelOptError(f"SHARED takes axis 0 and a SharedStructure: a padding in {paddings}, "
+                             f"cp.async stages up to {SHARED_ASYNC_MAX_STAGES}, got {opt}")
       return 0
     if self.shared_tiles and (opt.op is OptOps.GROUPTOP or (opt.op is OptOps.GROUP and self.tensor_core is not None)):
       raise KernelOptError(f"{opt.op.name} does not combine with SHARED (GROUP does, without TC)")
@@ -402,10 +403,11 @@ class Kernel(SharedTileLayout):
       self._apply_wgmma(opt)
       return
     if opt.op is OptOps.SHARED:
-      if self.tensor_core is None:
-        self.tile_padding = opt.amount % SHARED_VECTOR_FILL
-        self.tile_flags = opt.amount - self.tile_padding
-      self._apply_shared_tiles(opt.amount or TC_TILE_STAGES)
+      choice = shared_choice(opt, self.tensor_core is not None)
+      if isinstance(choice, SharedStructure):
+        # the structure's flags packed as the tile code reads them (shared_tiles.py SHARED_*)
+        self.tile_padding, self.tile_flags = choice.padding, choice.amount - choice.padding
+      self._apply_shared_tiles(choice.stages if isinstance(choice, TileStages) else TC_TILE_STAGES)
       return
     amount = opt.amount if opt.amount != 0 else size
     if amount <= 1 or size % amount != 0:
@@ -735,11 +737,13 @@ class Kernel(SharedTileLayout):
         candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
         continue
       if op is OptOps.SHARED:
-        # without TC also the 128x128 float32 tile's structure (shared_tile_plans.py LARGE_TILE_STRUCTURE: padded and
-        # skewed rows, float4 fills, two blocks per multiprocessor)
-        structured = SHARED_TILE_PADDING + SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL
-        candidates += [Opt(op, 0, 0), Opt(op, 0, 4)] + ([Opt(op, 0, 3)] if self.tensor_core is not None else
-                                                        [Opt(op, 0, structured)])
+        # with TC its stages; without, plain and padded rows and the 128x128 float32 tile's structure
+        # (shared_tile_plans.py LARGE_TILE_STRUCTURE: padded and skewed rows, float4 fills, two blocks per
+        # multiprocessor)
+        structured = SharedStructure(SHARED_TILE_PADDING, vector_fill=True, two_blocks=True, row_skew=True)
+        choices = [TileStages(2), TileStages(4), TileStages(3)] if self.tensor_core is not None else \
+          [SharedStructure(), SharedStructure(SHARED_TILE_PADDING), structured]
+        candidates += [Opt(op, 0, 0, choice) for choice in choices]
         continue
       axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
       candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]

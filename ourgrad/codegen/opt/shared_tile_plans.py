@@ -180,7 +180,7 @@ class SharedTileStrategy(Strategy):
     core strategy lists SHARED's stages)."""
     if kernel.tensor_core is not None: return
     structures = [SharedStructure()] + [tile.structure for tile in SHARED_TILES]
-    yield from (Opt(OptOps.SHARED, 0, amount) for amount in dict.fromkeys(s.amount for s in structures))
+    yield from (Opt(OptOps.SHARED, 0, 0, structure) for structure in dict.fromkeys(structures))
 
 
 def apply_shared_tile(kernel: Kernel, tile: SharedTile, step: int, group: int = 1) -> bool:
@@ -228,6 +228,6 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
   if not kernel.try_output_opts(plan): return False
   if tile.group > 1 and not kernel.try_opt(Opt(OptOps.GROUP, 0, tile.group)): return False
   # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
-  return (kernel.try_opt(Opt(OptOps.SHARED, 0, tile.structure.amount)) and
+  return (kernel.try_opt(Opt(OptOps.SHARED, 0, 0, tile.structure)) and
           kernel.try_opt(Opt(OptOps.UNROLL, 0, tile.step)))
 
