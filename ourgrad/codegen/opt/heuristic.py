@@ -42,13 +42,13 @@ from typing import Callable, Sequence
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import ConvTileStrategy, TensorCoreConvStrategy, WeightGradientStrategy
-from ourgrad.codegen.opt.plans import (Plan, RecognizerStrategy, Strategy, cpu_reduce, first_plan, gpu_elementwise,
-                                       gpu_local_reduce, gpu_reduce, memory_loads, register_plan)
+from ourgrad.codegen.opt.plans import (Plan, RecognizerStrategy, Strategy, cpu_reduce, first_plan, gpu_local_reduce,
+                                       memory_loads, register_plan)
 from ourgrad.codegen.opt.shared_tile_plans import SharedTileStrategy, dense_matmul_axes
 from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrategy
-from ourgrad.codegen.opt.transpose_tiles import transpose_tiles
+from ourgrad.codegen.opt.transpose_tiles import TransposeTileStrategy
 from ourgrad.codegen.opt.cpu_tiles import cpu_matmul_tiles
-from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
+from ourgrad.codegen.opt.window_tiles import ThreadWalkStrategy
 from ourgrad.codegen.opt.coalesce import lane_axis, load_lane_axis
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer
@@ -460,7 +460,7 @@ def _register_tiling(kernel: Kernel) -> None:
 
 # The heuristic's strategies in the order tried (the first whose plan fits wins); BEAM's action space asks the same
 # ones for the Opt kinds they own (search.py). A benchmark compares with a strategy switched off by
-# plans.strategies_left_out; the recognizers are called through this module's names (bench_window swaps two).
+# plans.strategies_left_out.
 STRATEGIES: list[Strategy] = [
   # several reduces (batchnorm's backward sums): no matmul tiles, GROUP threads on GPUs
   RecognizerStrategy("sibling_reduces", lambda kernel: bool(kernel.sibling_reduces), _sibling_reduces),
@@ -471,13 +471,11 @@ STRATEGIES: list[Strategy] = [
   ConvTileStrategy(),
   WeightGradientStrategy(),
   ThinMatmulStrategy(),
-  RecognizerStrategy("window", gpu_reduce, lambda kernel: window_tiles(kernel)),
+  ThreadWalkStrategy(window=True),
   RecognizerStrategy("group_reduce", lambda kernel: gpu_local_reduce(kernel) and not _gpu_tiles_pay_off(kernel),
                      lambda kernel: _group_reduce(kernel)),
-  RecognizerStrategy("transpose_tiles", gpu_elementwise,
-                     lambda kernel: transpose_tiles(kernel)),
-  RecognizerStrategy("elementwise_rows", gpu_elementwise,
-                     lambda kernel: elementwise_rows(kernel)),
+  TransposeTileStrategy(),
+  ThreadWalkStrategy(window=False),
   RecognizerStrategy("cpu_matmul", cpu_reduce, lambda kernel: cpu_matmul_tiles(kernel)),
   RecognizerStrategy("cpu_vector_lanes", cpu_reduce, lambda kernel: _cpu_vector_lanes(kernel)),
   RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles),
