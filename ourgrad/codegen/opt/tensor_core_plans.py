@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, tensor_core_operands
+from ourgrad.codegen.kernel import Kernel, KernelOptError
+from ourgrad.codegen.tensor_core_layout import tensor_core_operands
 from ourgrad.codegen.opt import matmul_grid
 from ourgrad.codegen.opt.plans import Plan, Strategy, gpu_reduce, register_plan
 from ourgrad.codegen.opts import TC_TILE_STAGES, Opt, OptOps, TileStages
