@@ -71,16 +71,6 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   first_plan(STRATEGIES, kernel)
 
 
-def _sibling_reduces(kernel: Kernel) -> bool:
-  """The defaults of a plain reduce, for a kernel of several sibling reduces (one loop, an accumulator each)."""
-  gpu, has_local = kernel.renderer.has_threads, getattr(kernel.renderer, "has_local", False)
-  if gpu and has_local and not _gpu_tiles_pay_off(kernel) and _group_reduce(kernel): return True
-  _register_tiling(kernel)
-  if gpu: _pick_thread_blocks(kernel)
-  if gpu and has_local: _group_for_parallelism(kernel)
-  return True
-
-
 def _loop_tiles(kernel: Kernel) -> bool:
   """The generic loop-nest default every other strategy falls back to: GPU elementwise kernels 4 outputs per thread,
   register tiles and unrolled reduces, then (GPUs) thread blocks from the innermost output axes and GROUP threads for
@@ -458,12 +448,32 @@ def _register_tiling(kernel: Kernel) -> None:
       if size % amount == 0 and kernel.try_opt(Opt(OptOps.UNROLL, last_reduce, amount)): break
 
 
+# the plain reduce's GROUP threads, and the generic loop-nest default every other strategy falls back to
+GROUP_REDUCE = RecognizerStrategy("group_reduce", lambda kernel: gpu_local_reduce(kernel) and
+                                  not _gpu_tiles_pay_off(kernel), lambda kernel: _group_reduce(kernel))
+LOOP_TILES = RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles)
+
+
+class SiblingReducesStrategy(Strategy):
+  """A kernel of several sibling reduces (batchnorm's backward sums: one loop, an accumulator each) takes no matmul or
+  window tiles: the plain reduce's strategies only, the first whose plan fits (GROUP_REDUCE, then LOOP_TILES)."""
+  name = "sibling_reduces"
+
+  def applies(self, kernel: Kernel) -> bool: return bool(kernel.sibling_reduces)
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    for strategy in (GROUP_REDUCE, LOOP_TILES):
+      chosen = strategy.choose(kernel) if strategy.applies(kernel) else None
+      if chosen is not None: return chosen
+    return None
+
+
 # The heuristic's strategies in the order tried (the first whose plan fits wins); BEAM's action space asks the same
 # ones for the Opt kinds they own (search.py). A benchmark compares with a strategy switched off by
 # plans.strategies_left_out.
 STRATEGIES: list[Strategy] = [
   # several reduces (batchnorm's backward sums): no matmul tiles, GROUP threads on GPUs
-  RecognizerStrategy("sibling_reduces", lambda kernel: bool(kernel.sibling_reduces), _sibling_reduces),
+  SiblingReducesStrategy(),
   TensorCoreConvStrategy(),
   WgmmaStrategy(),
   TensorCoreStrategy(),
@@ -472,11 +482,10 @@ STRATEGIES: list[Strategy] = [
   WeightGradientStrategy(),
   ThinMatmulStrategy(),
   ThreadWalkStrategy(window=True),
-  RecognizerStrategy("group_reduce", lambda kernel: gpu_local_reduce(kernel) and not _gpu_tiles_pay_off(kernel),
-                     lambda kernel: _group_reduce(kernel)),
+  GROUP_REDUCE,
   TransposeTileStrategy(),
   ThreadWalkStrategy(window=False),
   RecognizerStrategy("cpu_matmul", cpu_reduce, lambda kernel: cpu_matmul_tiles(kernel)),
   RecognizerStrategy("cpu_vector_lanes", cpu_reduce, lambda kernel: _cpu_vector_lanes(kernel)),
-  RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles),
+  LOOP_TILES,
 ]
