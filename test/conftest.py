@@ -15,13 +15,7 @@ def _check_cuda_rendering():
   if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):
     yield
     return
-  from ourgrad.codegen.attention import AttentionKernel
-  from ourgrad.codegen.attention_grad import AttentionGradKernel
-  from ourgrad.codegen.index_accumulate import IndexAccumulateKernel
-  from ourgrad.codegen.kernel import Kernel
-  from ourgrad.codegen.last_block import SplitReduceKernel
-  from ourgrad.codegen.lowering import lower_kernel
-  from ourgrad.codegen.packed import PackedKernel
+  from ourgrad.codegen.lowering import build_kernel, lower_kernel
   from ourgrad.engine import realize
   from ourgrad.renderer.cuda import CUDARenderer
   from ourgrad.runtime.ops_cuda import CUDACompiler
@@ -32,20 +26,9 @@ def _check_cuda_rendering():
   def compile_and_check_cuda(kernel, device):
     if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):  # a test may switch the check off (monkeypatch.delenv)
       return compile_for_device(kernel, device)
-    if isinstance(kernel, PackedKernel):   # a packed kernel takes no opts (codegen/packed.py)
-      cuda_kernel = PackedKernel(kernel.ast, renderer)
-    elif isinstance(kernel, IndexAccumulateKernel):   # sized by its own plan (codegen/index_accumulate.py)
-      cuda_kernel = IndexAccumulateKernel(kernel.ast, renderer)
-    elif isinstance(kernel, AttentionKernel):   # a whole-kernel plan (codegen/attention.py)
-      cuda_kernel = AttentionKernel(kernel.ast, renderer)
-    elif isinstance(kernel, AttentionGradKernel):   # its backward's (codegen/attention_grad.py)
-      cuda_kernel = AttentionGradKernel(kernel.ast, renderer)
-    else:
-      # a one-kernel split reduce (EMULATE=CUDA) is one for CUDA too, with the same heuristic opts
-      one_kernel_split = isinstance(kernel, SplitReduceKernel)
-      cuda_kernel = SplitReduceKernel(kernel.split_ast, renderer) if one_kernel_split else Kernel(kernel.ast, renderer)
-      # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device
-      if not realize.ast_is_symbolic(kernel.ast): cuda_kernel.hand_coded_optimizations()
+    # the same kind of kernel with the same default opts, built for CUDA (a one-kernel split reduce, EMULATE=CUDA, is
+    # one for CUDA too)
+    cuda_kernel = build_kernel(getattr(kernel, "split_ast", kernel.ast), renderer)
     compiler.compile_cached(lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source)
     return compile_for_device(kernel, device)
 

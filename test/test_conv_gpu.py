@@ -16,6 +16,7 @@ from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.conv_tiles import CONV_TILES, shared_conv_tiles
+from ourgrad.codegen.shared_tiles import SharedStructure
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel, function_name, run_schedule
 from ourgrad.engine.schedule import create_schedule
@@ -276,7 +277,8 @@ def test_benchmark_conv_kernel_choices() -> None:
   names = {name: kernel.name for name, kernel in kernels.items()}
   assert names == {"float32": "r_32_49_8_16_32_4_4_2_2_2_3_3", "float16": "r_32_49_2_2_2_2_3_3_4_2_2_16_8_16"}
   assert kernels["float32"].applied_opts == [Opt(U, 2, 4), Opt(U, 1, 4), Opt(L, 2, 16), Opt(L, 1, 8), Opt(U, 1, 2),
-                                             Opt(U, 0, 2), Opt(S, 0, 4), Opt(R, 0, 2), Opt(R, 1, 3), Opt(R, 1, 3)]
+                                             Opt(U, 0, 2), Opt(S, 0, 0, SharedStructure(4)), Opt(R, 0, 2), Opt(R, 1, 3),
+                                             Opt(R, 1, 3)]
 
 
 @pytest.mark.parametrize("channels, size, kernel_size", [(4, 9, 3), (1, 10, 5)])

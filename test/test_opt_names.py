@@ -76,12 +76,43 @@ def test_debug_printers_spell_shared_out(monkeypatch: pytest.MonkeyPatch, capsys
   """DEBUG=3's kernel line and BEAM's DEBUG=2 line print the applied Opts through describe_opts."""
   kernel = _hand_coded_matmul()
   shared = next(opt for opt in kernel.applied_opts if opt.op is OptOps.SHARED)
-  assert shared.amount >= SHARED_VECTOR_FILL, "the large float32 tile carries structure flags"
+  assert shared.arg.vector_fill and shared.arg.row_skew, "the large float32 tile carries its structure"
   described = describe_opts(kernel.applied_opts)
-  assert f"SHARED(axis 0, {decode_shared_amount(shared.amount).describe()})" in described
+  assert f"SHARED(axis 0, {shared.arg.describe()})" in described
   monkeypatch.setattr(kernel_module, "DEBUG", 3)
   kernel.print_debug()
   assert f"opts=[{described}]" in capsys.readouterr().out
   monkeypatch.setattr(search, "DEBUG", 2)
   search._report(kernel.name, kernel, 1e-3, 2e-3, 0.5)
   assert f"opts [{described}]" in capsys.readouterr().out
+
+
+def test_shared_typed_args_and_the_older_amounts_build_the_same_kernels() -> None:
+  """SHARED's typed arg (a SharedStructure; after TC, TileStages) and the older packed amount give the same kernel
+  source; an arg of the wrong kind for the kernel (stages without TC, a structure after it) is refused; both kinds
+  round-trip through a plan's JSON (BEAM's cache)."""
+  from ourgrad.codegen.lowering import lower_kernel
+  from ourgrad.codegen.opt.plans import OptsPlan, plan_from_json, plan_to_json
+  from ourgrad.codegen.opts import KernelOptError, TileStages
+  renderer = CUDARenderer("sm_80")
+  a, b = (Tensor.empty(256, 256, device="PYTHON") for _ in range(2))
+  f32 = create_schedule([(a @ b).lazydata])[-1].ast
+  a16, b16 = (Tensor.empty(256, 256, device="PYTHON", dtype="float16") for _ in range(2))
+  f16 = create_schedule([(a16 @ b16).lazydata])[-1].ast
+  tile = [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 16), Opt(OptOps.LOCAL, 1, 16)]
+  tc = [Opt(OptOps.TC, 0, 0), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 1, 2)]
+  structure = SharedStructure(4, vector_fill=True, row_skew=True)
+  for ast, before, older, typed in ((f32, tile, structure.amount, structure), (f32, tile, 0, SharedStructure()),
+                                    (f16, tc, 3, TileStages(3)), (f16, tc, 0, TileStages(TC_TILE_STAGES))):
+    sources = []
+    for shared in (Opt(OptOps.SHARED, 0, older), Opt(OptOps.SHARED, 0, 0, typed)):
+      kernel = Kernel(ast, renderer)
+      for opt in [*before, shared]: kernel.apply_opt(opt)
+      sources.append(lower_kernel(kernel, renderer, "k").source)
+    assert sources[0] == sources[1]
+    plan = OptsPlan("search", (*before, Opt(OptOps.SHARED, 0, 0, typed)))
+    assert plan_from_json(plan_to_json(plan)) == plan
+  for ast, before, wrong in ((f32, tile, TileStages(3)), (f16, tc, structure)):
+    kernel = Kernel(ast, renderer)
+    for opt in before: kernel.apply_opt(opt)
+    with pytest.raises(KernelOptError): kernel.apply_opt(Opt(OptOps.SHARED, 0, 0, wrong))

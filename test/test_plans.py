@@ -21,7 +21,10 @@ from ourgrad.codegen.opt.heuristic import STRATEGIES, ThinMatmulPlan
 from ourgrad.codegen.opt.plans import OptsPlan, Plan, plan_from_json, plan_to_json, replay
 from ourgrad.codegen.opt.shared_tile_plans import LARGE_TILE_STRUCTURE, SharedTilePlan
 from ourgrad.codegen.opt.tensor_core_plans import TensorCorePlan, TensorCoreTile, WgmmaPlan
-from ourgrad.codegen.opts import Opt, OptOps
+from ourgrad.codegen.opt.transpose_tiles import TransposeTile
+from ourgrad.codegen.opt.window_tiles import ThreadWalkPlan
+from ourgrad.codegen.opts import Opt, OptOps, TileStages
+from ourgrad.codegen.shared_tiles import SharedStructure
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, bfloat16_bits_to_float32
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -132,7 +135,31 @@ PLANS: list[Plan] = [
   # the WGMMA grid fields, and a BEAM result holding a WGMMA Opt whose arg is a WgmmaTile
   WgmmaPlan(192, 5, specialized=True, block_m=64, ctas_per_sm=2, persistent=True),
   OptsPlan("search", (WgmmaPlan(128, 6, specialized=True, persistent=True).opt,)),
+  # the thread walks of window_tiles.py (a pool's window, rows of float4 lanes) and a transposing copy's tile
+  ThreadWalkPlan(2, (), ((3, 12), (2, 12))), ThreadWalkPlan(0, (2, 4), ((2, 6), (1, 24)), (0, 2)),
+  TransposeTile(1, 0, 4, 4, 16, 16, out_pad=64),
+  # a BEAM result holding SHARED's typed args
+  OptsPlan("search", (Opt(OptOps.SHARED, 0, 0, LARGE_TILE_STRUCTURE), Opt(OptOps.SHARED, 0, 0, TileStages(3)))),
 ]
+
+
+@pytest.mark.parametrize("build, plan_class", [
+  (lambda: Tensor.empty(32, 8, 24, 24, device="PYTHON").max_pool2d(2), ThreadWalkPlan),
+  (lambda: Tensor.empty(64, 24, 32, device="PYTHON")[:, :, :24] * 2 + 1, ThreadWalkPlan),
+  (lambda: Tensor.empty(256, 512, device="PYTHON").T.contiguous(), TransposeTile),
+], ids=["window", "elementwise_rows", "transpose"])
+def test_thread_walk_and_transpose_plans_replay(build, plan_class) -> None:
+  """A max-pool, an elementwise kernel over rows of 24 and a transposing copy get their typed plans (window_tiles.py,
+  transpose_tiles.py); each plan, through BEAM's cache, replays to the same opts and source."""
+  renderer = PythonRenderer("CUDA")
+  item = create_schedule([build().lazydata])[-1]
+  optimized = Kernel(item.ast, renderer)
+  optimized.hand_coded_optimizations()
+  assert isinstance(optimized.plan, plan_class), optimized.plan
+  key = beam_cache.cache_key(item.ast, "PYTHON", 2)
+  beam_cache.cache_put(key, optimized.name, search.plan_of(optimized))
+  replayed = replay(beam_cache.cache_get(key), Kernel(item.ast, renderer))
+  assert replayed.applied_opts == optimized.applied_opts and _source(replayed) == _source(optimized)
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=repr)
@@ -171,8 +198,8 @@ def test_one_registry_orders_the_heuristic_and_lists_beams_owned_actions() -> No
   actions = list(search._all_actions(kernel))
   assert [opt for opt in actions if opt.op is OptOps.WGMMA] == [plan.opt for plan in tensor_core_plans.WGMMA_SEARCH]
   assert WgmmaPlan(256, 4, specialized=True).opt in actions
-  shared = {opt.amount for opt in actions if opt.op is OptOps.SHARED}
-  assert shared == {0, 4, LARGE_TILE_STRUCTURE.amount}
+  shared = {opt.arg for opt in actions if opt.op is OptOps.SHARED}
+  assert shared == {SharedStructure(), SharedStructure(padding=4), LARGE_TILE_STRUCTURE}
 
 
 @pytest.mark.parametrize("dtype, channels, plan_class", [(dtypes.float32, 8, ConvTilePlan),

@@ -23,6 +23,7 @@ from ourgrad.codegen.kernel import (SHARED_ASYNC, SHARED_REDUCE_INNER, SHARED_RO
                                    SHARED_VECTOR_FILL, Kernel, KernelOptError, Opt, OptOps)
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.shared_tile_plans import SHARED_TILES
+from ourgrad.codegen.shared_tiles import SharedStructure, decode_shared_amount
 from ourgrad.codegen.uops import UOps
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -259,7 +260,7 @@ def test_mlp_step_matmuls_pick_filling_tiles(name: str) -> None:
   # every tile's rows padded by 4 floats (their transposed fills store into different banks); the 128x128 tile also
   # skews them, stores B's float4s whole and asks for two blocks per multiprocessor
   flags = SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL if tile == (128, 128) else 0
-  assert Opt(OptOps.SHARED, 0, 4 + flags) in kernel.applied_opts
+  assert Opt(OptOps.SHARED, 0, 0, decode_shared_amount(4 + flags)) in kernel.applied_opts
   assert [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.GROUP] == ([group] if group > 1 else [])
   # the opts: float4 upcasts along M and N, threads along M and N, then the second float4 runs along N and M
   threads = [opt.amount for opt in kernel.applied_opts if opt.op is OptOps.LOCAL]
@@ -445,7 +446,8 @@ def test_square_4096_choice_is_pinned() -> None:
   kernel.hand_coded_optimizations()
   assert kernel.applied_opts == [Opt(OptOps.UPCAST, 0, 4), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.LOCAL, 0, 16),
                                  Opt(OptOps.LOCAL, 1, 8), Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.UPCAST, 0, 2),
-                                 Opt(OptOps.SHARED, 0, 4 + 16 + 32 + 256), Opt(OptOps.UNROLL, 0, 16)]
+                                 Opt(OptOps.SHARED, 0, 0, SharedStructure(4, vector_fill=True, two_blocks=True,
+                                                                          row_skew=True)), Opt(OptOps.UNROLL, 0, 16)]
   uops = linearize(kernel)
   source = CUDARenderer().render(kernel.name, uops)
   assert source.startswith(f'extern "C" __global__ void __launch_bounds__(128, 2) {kernel.name}(')
@@ -494,5 +496,6 @@ def test_large_tile_choice_matches_noopt(case: str) -> None:
   plain = _run(Kernel(item.ast, _renderer(1)), item)
   kernel = Kernel(item.ast, _renderer(1))
   kernel.hand_coded_optimizations()
-  assert np.prod(_block_tile(kernel)) == 128 * 128 and Opt(OptOps.SHARED, 0, 308) in kernel.applied_opts
+  assert np.prod(_block_tile(kernel)) == 128 * 128
+  assert Opt(OptOps.SHARED, 0, 0, decode_shared_amount(308)) in kernel.applied_opts
   _check_results(kernel, item, plain, build, values)

@@ -18,6 +18,7 @@ from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.search import candidate_opts
+from ourgrad.codegen.shared_tiles import SharedStructure
 from ourgrad.codegen.tensor_cores import (CUDA_TENSOR_CORES, FragmentMaps, a_position, b_position, c_position,
                                           evaluate)
 from ourgrad.codegen.uops import UOps
@@ -386,10 +387,11 @@ def test_illegal_shared_raises(case: str) -> None:
 
 def test_beam_sees_shared() -> None:
   kernel = _fp16_matmul_kernel(PythonRenderer("CUDA"), dtype=dtypes.float32)
-  assert Opt(OptOps.SHARED, 0, 0) not in kernel.legal_opts()   # no LOCAL axis yet: no thread shares a load
+  plain_rows = Opt(OptOps.SHARED, 0, 0, SharedStructure())
+  assert plain_rows not in kernel.legal_opts()   # no LOCAL axis yet: no thread shares a load
   kernel.apply_opt(Opt(OptOps.LOCAL, 0, 4))
-  assert Opt(OptOps.SHARED, 0, 0) in kernel.legal_opts()
-  assert Opt(OptOps.SHARED, 0, 0) in [opt for opt, _ in candidate_opts(kernel)]
+  assert plain_rows in kernel.legal_opts()
+  assert plain_rows in [opt for opt, _ in candidate_opts(kernel)]
 
 
 # ================================================================ on a real GPU (skipped without one)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # timing.py and kerne
 from ourgrad import Tensor  # noqa: E402
 from ourgrad.codegen.opt import split_reduce  # noqa: E402
 from ourgrad.device import Device  # noqa: E402
+from ourgrad.renderer import ASSUMED_THREAD_BLOCK_GPU  # noqa: E402
 from timing import back_to_back_seconds, cold_schedule_seconds, torch_seconds  # noqa: E402
 from kernel_table import CopyReference  # noqa: E402
 
@@ -58,7 +59,7 @@ def _unsplit_seconds(device: str, build: Callable[[], Tensor], replays: int) -> 
   """The reduce as one kernel: split_reduce's facts of a device with one multiprocessor (nothing leaves it idle), and
   no CPU split either (batchnorm statistics' 200704 values per channel would take it)."""
   saved = split_reduce.FACTS_OVERRIDE, split_reduce.CPU_SPLIT_MIN_ELEMENTS
-  split_reduce.FACTS_OVERRIDE = split_reduce.SplitFacts(1, split_reduce.DEFAULT_THREADS_PER_MULTIPROCESSOR)
+  split_reduce.FACTS_OVERRIDE = split_reduce.SplitFacts(1, ASSUMED_THREAD_BLOCK_GPU.threads_per_multiprocessor)
   split_reduce.CPU_SPLIT_MIN_ELEMENTS = 1 << 62
   try:
     return cold_schedule_seconds(device, build(), replays)

@@ -37,6 +37,7 @@ import ourgrad.codegen.opt.window_tiles as window_tiles  # noqa: E402
 import ourgrad.engine.packing as packing  # noqa: E402
 from ourgrad import Tensor  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps  # noqa: E402
+from ourgrad.codegen.opt.plans import strategies_left_out  # noqa: E402
 from ourgrad.codegen.opt.search import buffer_specs, outputs_match, random_fill, scratch_buffers  # noqa: E402
 from ourgrad.device import Device  # noqa: E402
 from ourgrad.engine.exec_item import ExecItem  # noqa: E402
@@ -62,10 +63,7 @@ def hand(kernel: Kernel) -> None: kernel.hand_coded_optimizations()
 
 def before(kernel: Kernel) -> None:
   """The heuristic as it was without window tiles and elementwise rows."""
-  originals = heuristic.window_tiles, heuristic.elementwise_rows
-  heuristic.window_tiles = heuristic.elementwise_rows = lambda kernel: False
-  try: kernel.hand_coded_optimizations()
-  finally: heuristic.window_tiles, heuristic.elementwise_rows = originals
+  with strategies_left_out(heuristic.STRATEGIES, "window", "elementwise_rows"): kernel.hand_coded_optimizations()
 
 
 def with_settings(**values: int) -> Callable[[Kernel], None]:

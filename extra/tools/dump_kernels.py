@@ -1,7 +1,10 @@
 """Dump the hand-coded kernels of a fixed set of programs, as each renderer writes them, to compare codegen changes:
-the MNIST CNN training step, a 1-layer GPT-2 training step, 4096^2 matmuls and a few ragged and batched ones,
-scheduled (not run) and lowered for CLANG, CUDA sm_80 (mma.sync) and CUDA sm_90 (wgmma) without a GPU. A refactor of
-the codegen must leave every file byte-identical (float32 matmuls also with TF32 allowed):
+the MNIST CNN and MLP training steps, a 1-layer GPT-2 training step, 4096^2 matmuls, a few ragged and batched ones and
+convolutions, scheduled (not run) on CLANG and lowered for CLANG, CUDA sm_80 (mma.sync), CUDA sm_90 (wgmma) and the
+PYTHON device as EMULATE=CUDA lowers (its program text); then the training steps scheduled as on a GPU (the PYTHON
+device with EMULATE=CUDA: fused attention, split reduces, packed kernels) and lowered for it and CUDA. Every kind of
+kernel is dumped (codegen/lowering.py KINDS). A refactor of the codegen must leave every file byte-identical (float32
+matmuls also with TF32 allowed):
 
     PYTHONPATH=. python extra/tools/dump_kernels.py /tmp/before   # on the old tree
     PYTHONPATH=. python extra/tools/dump_kernels.py /tmp/after    # on the new tree
@@ -10,6 +13,7 @@ the codegen must leave every file byte-identical (float32 matmuls also with TF32
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 from typing import Callable
@@ -17,16 +21,14 @@ from typing import Callable
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from ourgrad import Tensor, dtypes, set_float32_matmul_precision  # noqa: E402
-from ourgrad.codegen.index_accumulate import is_index_accumulate  # noqa: E402
-from ourgrad.codegen.kernel import Kernel  # noqa: E402
-from ourgrad.codegen.last_block import SplitReduceKernel  # noqa: E402
-from ourgrad.codegen.lowering import lower_kernel  # noqa: E402
+from ourgrad.codegen.lowering import build_kernel, lower_kernel  # noqa: E402
 from ourgrad.codegen.opts import describe_opts  # noqa: E402
 from ourgrad.device import Device  # noqa: E402
 from ourgrad.engine.realize import function_name  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 from ourgrad.ops import LazyOp, Ops  # noqa: E402
 from ourgrad.renderer.cuda import CUDARenderer  # noqa: E402
+from ourgrad.runtime.ops_python import PythonRenderer  # noqa: E402
 
 
 def mnist_step() -> list[Tensor]:
@@ -40,6 +42,20 @@ def mnist_step() -> list[Tensor]:
   optimizer = Adam([p for p in get_parameters(model) if p.requires_grad])
   images, labels = Tensor.rand(32, 1, 28, 28), Tensor.randint(32, high=10)
   loss = cross_entropy(model(images), labels)
+  loss.backward()
+  return [loss, *optimizer.schedule_step()]
+
+
+def mlp_step() -> list[Tensor]:
+  """The loss, gradients and SGD (momentum) update of examples/mlp.py's 784-128-10 perceptron on a batch of 128."""
+  from ourgrad.nn import Linear
+  from ourgrad.nn.losses import cross_entropy
+  from ourgrad.nn.optim import SGD
+  Tensor.training = True
+  hidden, out = Linear(784, 128), Linear(128, 10)
+  optimizer = SGD([hidden.weight, hidden.bias, out.weight, out.bias], lr=0.1, momentum=0.9)
+  images, labels = Tensor.rand(128, 784), Tensor.randint(128, high=10)
+  loss = cross_entropy(out(hidden(images).relu()), labels)
   loss.backward()
   return [loss, *optimizer.schedule_step()]
 
@@ -77,30 +93,34 @@ def conv(dtype_name: str) -> Callable[[], list[Tensor]]:
 
 
 PROGRAMS: dict[str, Callable[[], list[Tensor]]] = {
-  "mnist_step": mnist_step, "gpt2_1layer_step": gpt2_step,
+  "mnist_step": mnist_step, "mlp_step": mlp_step, "gpt2_1layer_step": gpt2_step,
   "matmul4096_float32": matmul("float32", 4096, 4096, 4096), "matmul4096_float16": matmul("float16", 4096, 4096, 4096),
   # ragged sizes (padded tiles) and small batched heads (the unstaged tensor-core kernel)
   "matmul1000_float16": matmul("float16", 1000, 512, 1000), "heads_float16": matmul("float16", 64, 64, 64, (4, 3)),
   "conv_float32": conv("float32"), "conv_float16": conv("float16"), "conv_bfloat16": conv("bfloat16"),
   "heads_float32": matmul("float32", 64, 64, 64, (4, 3)), "small_float16": matmul("float16", 32, 48, 40, (2,)),
+  # long reduces of few outputs (split across blocks on a GPU)
+  "column_sums": lambda: [Tensor.rand(262144, 64).sum(0)], "row_sums": lambda: [Tensor.rand(64, 262144).sum(1)],
 }
+# the programs scheduled for an emulated GPU too (the scheduler's choices depend on the device)
+GPU_PROGRAMS = ("mnist_step", "mlp_step", "gpt2_1layer_step", "conv_float16", "column_sums", "row_sums")
 
 
 def asts_of(outputs: list[Tensor]) -> list[LazyOp]:
-  """The kernel ASTs of the schedule that computes `outputs` (copies, packed kernels and indexed accumulates, which take
-  no opts, left out)."""
-  return [item.ast for item in create_schedule([t.lazydata for t in outputs])
-          if item.ast.op in (Ops.STORE, Ops.SINK, Ops.SPLIT_REDUCE) and not is_index_accumulate(item.ast)]
+  """The kernel ASTs of the schedule that computes `outputs` (copies left out)."""
+  return [item.ast for item in create_schedule([t.lazydata for t in outputs]) if item.ast.op is not Ops.COPY]
 
 
 def dump(asts: list[LazyOp], renderer: object) -> str:
-  """Each kernel's name, opts and source for `renderer`, hand-coded optimizations applied."""
+  """Each kernel's name, opts and source for `renderer`, built with its default opts (hand-coded ones)."""
   parts = []
   for ast in asts:
-    # a one-kernel split reduce (codegen/last_block.py, EMULATE=CUDA) dumps as one kernel with its finish
-    kernel = SplitReduceKernel(ast, renderer) if ast.op is Ops.SPLIT_REDUCE else Kernel(ast, renderer)
-    kernel.hand_coded_optimizations()
-    name = function_name(kernel)
+    try:
+      kernel = build_kernel(ast, renderer)
+      name = function_name(kernel)
+    except Exception as error:  # noqa: BLE001  a kernel a renderer cannot build is a fact to compare too
+      parts.append(f"==== <building failed: {type(error).__name__}: {error}>")
+      continue
     try:
       source = lower_kernel(kernel, renderer, name).source
     except Exception as error:  # noqa: BLE001  a kernel a renderer cannot lower is a fact to compare too
@@ -109,23 +129,37 @@ def dump(asts: list[LazyOp], renderer: object) -> str:
   return "\n".join(parts)
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("out", type=pathlib.Path)
-  args = parser.parse_args()
-  args.out.mkdir(parents=True, exist_ok=True)
-  renderers = {"clang": Device["CLANG"].renderer, "cuda_sm80": CUDARenderer("sm_80"),
-               "cuda_sm90": CUDARenderer("sm_90")}
-  for program, build in PROGRAMS.items():
+def dump_programs(out: pathlib.Path, programs: dict[str, Callable[[], list[Tensor]]], renderers: dict[str, object],
+                  suffix: str = "", schedule_tf32: bool = False) -> None:
+  """Each program's kernels for each renderer (float32 matmuls with TF32 too, on GPUs), one file each; scheduled with
+  TF32 allowed where `schedule_tf32` (a float32 attention is then fused)."""
+  for program, build in programs.items():
+    Tensor.manual_seed(0)
+    set_float32_matmul_precision("high" if schedule_tf32 else "highest")
     asts = asts_of(build())
     for renderer_name, renderer in renderers.items():
       for tf32 in (False, True):
         if tf32 and renderer_name == "clang": continue
         set_float32_matmul_precision("high" if tf32 else "highest")
-        path = args.out / f"{program}_{renderer_name}{'_tf32' if tf32 else ''}.txt"
+        path = out / f"{program}{suffix}_{renderer_name}{'_tf32' if tf32 else ''}.txt"
         path.write_text(dump(asts, renderer))
         print(f"{path}: {len(asts)} kernels", flush=True)
-  set_float32_matmul_precision("highest")
+      set_float32_matmul_precision("highest")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("out", type=pathlib.Path)
+  args = parser.parse_args()
+  args.out.mkdir(parents=True, exist_ok=True)
+  gpu_renderers = {"cuda_sm80": CUDARenderer("sm_80"), "cuda_sm90": CUDARenderer("sm_90"),
+                   "python_cuda": PythonRenderer("CUDA")}
+  dump_programs(args.out, PROGRAMS, {"clang": Device["CLANG"].renderer, **gpu_renderers})
+  # scheduled as for a GPU: the default device is the PYTHON one lowering as EMULATE=CUDA does, split reduces
+  # finished by their last blocks (one kernel) and float32 attention fused (TF32)
+  Device["PYTHON"].renderer = gpu_renderers["python_cuda"]
+  os.environ["DEVICE"], os.environ["SPLIT_LAST_BLOCK"] = "PYTHON", "1"
+  dump_programs(args.out, {name: PROGRAMS[name] for name in GPU_PROGRAMS}, gpu_renderers, "_gpu_schedule", True)
 
 
 if __name__ == "__main__":

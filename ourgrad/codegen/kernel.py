@@ -26,64 +26,24 @@ codegen/opts.py; it is imported from here too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ourgrad.codegen.opts import (TC_TILE_PADDING, TC_TILE_STAGES, WGMMA_DEEP, WGMMA_DEFAULT_N,  # noqa: F401
-                                 WGMMA_DEFAULT_STAGES, WGMMA_SPECIALIZED, KernelOptError, Opt, OptOps, describe_opt,
-                                 describe_opts)
+                                 WGMMA_DEFAULT_STAGES, WGMMA_SPECIALIZED, KernelOptError, Opt, OptOps, TileStages,
+                                 describe_opt, describe_opts, shared_choice)
 from ourgrad.codegen.shared_tiles import (SHARED_ASYNC, SHARED_ASYNC_MAX_STAGES, SHARED_REDUCE_INNER,  # noqa: F401
                                          SHARED_ROW_SKEW, SHARED_TILE_PADDING, SHARED_TWO_BLOCKS, SHARED_VECTOR_FILL,
-                                         SKEW_ROWS, SharedTileLayout, decode_shared_amount)
+                                         SKEW_ROWS, SharedStructure, SharedTileLayout, decode_shared_amount)
 from ourgrad.codegen.matmul_operands import (is_plain_load, matmul_operands, operand_leaves,  # noqa: F401
                                             varying_axes)
-from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
+from ourgrad.codegen.tensor_core_layout import AppliedTensorCore, TileLayout, tensor_core_operands, tensor_core_tiles
+from ourgrad.codegen.tensor_cores import WARP_LANES
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, WgmmaTile, plan_for_kernel
 from ourgrad.codegen.uops import AxisType
 from ourgrad.helpers import DEBUG, colored, prod
 from ourgrad.ops import REDUCE_OPS, LazyOp, Ops, format_ast
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import sym_max
-
-
-@dataclass(frozen=True)
-class AppliedTensorCore:
-  """OptOps.TC on a kernel: the instruction, and the A (m x k) and B (k x n) operands it reads (LOADs of the AST)."""
-  tc: TensorCore
-  a: LazyOp
-  b: LazyOp
-
-
-def tensor_core_operands(reduceop: LazyOp | None, tc: TensorCore) -> tuple[LazyOp, LazyOp]:
-  """The two operands a matmul-shaped reduce multiplies, when the instruction `tc` computes it: loads, or elementwise
-  expressions of loads evaluated per fragment element (see codegen/matmul_operands.py)."""
-  return matmul_operands(reduceop, tc.dtype_in, tc.dtype_out, f"TC {tc}", computed=True)
-
-
-@dataclass(frozen=True)
-class TileLayout:
-  """A tensor-core operand's block tile in local memory (OptOps.SHARED after TC). The tile holds the operand at
-  every index of its tile axes (the in-block axes it varies along) for one reduce step, in the operand's own memory
-  order (`axes`, outermost first): the last `row_axes` axes are contiguous in global memory and form a row of
-  `row_length` elements, copied in 16-byte pieces; each row is followed by `padding` unused elements so that the
-  8 rows one ldmatrix matrix reads fall in different banks. `transposed`: a row runs along M (N) rather than K, so
-  the fragments are loaded with ldmatrix .trans. `stages` copies of the tile (double buffering).
-
-  An operand whose view has no plain stride inside the block (a load through several views) is laid out K-contiguous
-  (rows along K, the instruction's k innermost) and copied element by element through its index math. `computed`:
-  the operand is an expression of loads (a fused bias, a sum of padded loads), so each element is computed and stored
-  (converted to the operand's dtype as a buffer holds it) rather than copied from one buffer."""
-  axes: tuple[int, ...]
-  row_axes: int
-  row_length: int
-  rows: int
-  padding: int
-  transposed: bool
-  stages: int
-  computed: bool = False
-
-  @property
-  def stage_size(self) -> int: return self.rows * (self.row_length + self.padding)
 
 
 # more registers than this per thread spills on every device we target
@@ -349,17 +309,18 @@ class Kernel(SharedTileLayout):
     if self.tensor_core is not None and opt.op in (OptOps.GROUP, OptOps.GROUPTOP):
       raise KernelOptError(f"{opt.op.name} does not combine with tensor cores (a warp owns each tile's reduce)")
     if opt.op is OptOps.SHARED:
-      # with tensor cores the amount is the number of stages (0: the default, 2); without, the tiles' row padding
-      # plus flags (SHARED_VECTOR_FILL, SHARED_TWO_BLOCKS, SHARED_ASYNC times the stages less one)
-      if self.tensor_core is not None and (opt.axis != 0 or opt.amount not in (0, 2, 3, 4)):
-        raise KernelOptError(f"SHARED with TC takes axis 0 and amount in (0, 2, 3, 4), got {opt}")
+      # with tensor cores the tiles' stages (TileStages); without, their structure (SharedStructure: the rows' padding,
+      # float4 fills, two blocks, cp.async stages, skewed rows, reduce-inner rows); see opts.shared_choice
+      choice = shared_choice(opt, self.tensor_core is not None)
+      if self.tensor_core is not None and (opt.axis != 0 or not isinstance(choice, TileStages) or
+                                           choice.stages not in (2, 3, 4)):
+        raise KernelOptError(f"SHARED with TC takes axis 0 and 2, 3 or 4 stages, got {opt}")
       paddings = (0, SHARED_TILE_PADDING)
-      structure = decode_shared_amount(opt.amount)
-      if self.tensor_core is None and (opt.axis != 0 or structure.padding not in paddings or
-                                       structure.async_stages > SHARED_ASYNC_MAX_STAGES or structure.unknown):
-        raise KernelOptError(f"SHARED takes axis 0 and amount a padding in {paddings} plus SHARED_VECTOR_FILL, "
-                             f"SHARED_TWO_BLOCKS, SHARED_ASYNC times 1..{SHARED_ASYNC_MAX_STAGES - 1} or "
-                             f"SHARED_ROW_SKEW, SHARED_REDUCE_INNER, got {opt}")
+      if self.tensor_core is None and (opt.axis != 0 or not isinstance(choice, SharedStructure) or
+                                       choice.padding not in paddings or
+                                       choice.async_stages > SHARED_ASYNC_MAX_STAGES or choice.unknown):
+        raise KernelOptError(f"SHARED takes axis 0 and a SharedStructure: a padding in {paddings}, "
+                             f"cp.async stages up to {SHARED_ASYNC_MAX_STAGES}, got {opt}")
       return 0
     if self.shared_tiles and (opt.op is OptOps.GROUPTOP or (opt.op is OptOps.GROUP and self.tensor_core is not None)):
       raise KernelOptError(f"{opt.op.name} does not combine with SHARED (GROUP does, without TC)")
@@ -402,10 +363,11 @@ class Kernel(SharedTileLayout):
       self._apply_wgmma(opt)
       return
     if opt.op is OptOps.SHARED:
-      if self.tensor_core is None:
-        self.tile_padding = opt.amount % SHARED_VECTOR_FILL
-        self.tile_flags = opt.amount - self.tile_padding
-      self._apply_shared_tiles(opt.amount or TC_TILE_STAGES)
+      choice = shared_choice(opt, self.tensor_core is not None)
+      if isinstance(choice, SharedStructure):
+        # the structure's flags packed as the tile code reads them (shared_tiles.py SHARED_*)
+        self.tile_padding, self.tile_flags = choice.padding, choice.amount - choice.padding
+      self._apply_shared_tiles(choice.stages if isinstance(choice, TileStages) else TC_TILE_STAGES)
       return
     amount = opt.amount if opt.amount != 0 else size
     if amount <= 1 or size % amount != 0:
@@ -526,74 +488,8 @@ class Kernel(SharedTileLayout):
       raise KernelOptError(f"SHARED: no load of {self.name} is shared by the block's threads along a reduce")
 
   def tensor_core_tiles(self) -> tuple[TileLayout, TileLayout]:
-    """With TC and SHARED: the local-memory layouts of the A and B tiles (see TileLayout). Raises KernelOptError
-    where they do not fit the staged path: a reduce loop at least, and tile rows of whole 8-element pieces. A load
-    with plain non-negative strides inside the block, innermost along the instruction's K or M (N) axis, is laid out
-    in its memory order (contiguous: 16-byte copies; else element by element, as a convolution's filter along its
-    input channels); any other operand K-contiguous, through its index math (_index_math_tile).
-    Several reduce loops (a convolution's channels and window) are walked as one flat loop of steps."""
-    applied = self.tensor_core
-    assert applied is not None
-    if self.first_upcast == self.first_loop_reduce:
-      raise KernelOptError(f"SHARED with TC needs a reduce loop to stage along, {self.name} has none (an UNROLL took "
-                           f"all of it)")
-    m_axis, n_axis, k_axis = self.shape_len - 3, self.shape_len - 2, self.shape_len - 1
-    return (self._tensor_core_tile(applied.a, m_axis, k_axis), self._tensor_core_tile(applied.b, n_axis, k_axis))
-
-  def _tensor_core_tile(self, operand: LazyOp, row_axis: int, k_axis: int) -> TileLayout:
-    in_block = list(range(self.global_dims, self.first_reduce)) + list(range(self.first_upcast, self.shape_len))
-    strides = self._layout_strides(operand, in_block)
-    if strides is None: return self._index_math_tile(operand, in_block, k_axis)
-    axes = sorted((axis for axis in in_block if strides[axis] != 0), key=lambda axis: -strides[axis])
-    innermost = axes[-1]
-    # innermost along another tile axis (an M tile's upcast): no 16-byte rows along the instruction's axes
-    if innermost not in (row_axis, k_axis): return self._index_math_tile(operand, in_block, k_axis)
-    transposed = innermost != k_axis
-    # the row: the innermost axes while they stay contiguous and along the same matrix direction (K, or M/N)
-    row_axes, row_length = 1, self.full_shape[innermost]
-    for outer, inner in zip(reversed(axes[:-1]), reversed(axes[1:])):
-      if strides[outer] != strides[inner] * self.full_shape[inner]: break
-      if self.is_reduce_axis(outer) == transposed: break
-      row_axes, row_length = row_axes + 1, row_length * self.full_shape[outer]
-    computed = not is_plain_load(operand)
-    if row_length % 8 and computed: return self._index_math_tile(operand, in_block, k_axis)
-    if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
-    rows = prod(self.full_shape[axis] for axis in axes) // row_length
-    # a K-contiguous TF32 tile: rows of 144 bytes put ldmatrix's 8 rows of 16 bytes (lane (group, quad) reading row
-    # group, float quad) in distinct banks; 8 floats of padding (160-byte rows) would put two rows in each
-    tf32_rows = self.tensor_core is not None and self.tensor_core.tc.is_tf32 and not transposed
-    padding = TC_TILE_PADDING // 2 if tf32_rows else TC_TILE_PADDING
-    return TileLayout(tuple(axes), row_axes, row_length, rows, padding, transposed, self.tile_stages, computed)
-
-  def _layout_strides(self, operand: LazyOp, in_block: list[int]) -> tuple[int, ...] | None:
-    """The strides that order an operand's tile: a load's own; for an expression of loads, those of one of its loads
-    that varies along every in-block axis the expression does (q of `q + bias`), so that neighbouring threads of the
-    fill read neighbouring memory. None where no such load has plain non-negative strides inside the block (or a
-    load's validity varies along an axis its index does not: a padded broadcast)."""
-    varies = self.operand_varies(operand)
-    wanted = {axis for axis in in_block if varies[axis]}
-    leaves = [operand] if is_plain_load(operand) else [leaf for leaf in operand_leaves(operand) if is_plain_load(leaf)]
-    for leaf in leaves:
-      strides = self.sts[self.leaf_number(leaf)].real_strides()
-      if any(strides[axis] is None or strides[axis] < 0 for axis in in_block): continue
-      if {axis for axis in in_block if strides[axis] != 0} == wanted: return strides
-    return None
-
-  def _index_math_tile(self, operand: LazyOp, in_block: list[int], k_axis: int) -> TileLayout:
-    """The tile of an operand without plain strides inside the block (an expression of loads, a load through several
-    views, a flipped view): the in-block axes it varies along, output axes first, then the reduce axes as one row
-    (the instruction's k innermost, so ldmatrix reads 8 K-neighbours), filled element by element through the
-    kernel's index math."""
-    varies = self.operand_varies(operand)
-    axes = [axis for axis in in_block if varies[axis] and not self.is_reduce_axis(axis)]
-    row = [axis for axis in in_block if varies[axis] and self.is_reduce_axis(axis) and axis != k_axis] + [k_axis]
-    row_length = prod(self.full_shape[axis] for axis in row)
-    if row_length % 8: raise KernelOptError(f"SHARED with TC: tile rows of {row_length} elements (ldmatrix reads 8)")
-    rows = prod(self.full_shape[axis] for axis in axes)
-    computed = not is_plain_load(operand)
-    tf32 = self.tensor_core is not None and self.tensor_core.tc.is_tf32
-    padding = TC_TILE_PADDING // 2 if tf32 else TC_TILE_PADDING   # 4-byte elements: see _tensor_core_tile
-    return TileLayout(tuple(axes + row), len(row), row_length, rows, padding, False, self.tile_stages, computed)
+    """With TC and SHARED: the local-memory layouts of the A and B tiles (codegen/tensor_core_layout.py)."""
+    return tensor_core_tiles(self)
 
   def operand_varies(self, operand: LazyOp) -> tuple[bool, ...]:
     """Per loop axis: whether a matmul operand (a load or an expression of loads) varies along it: the element one
@@ -735,11 +631,13 @@ class Kernel(SharedTileLayout):
         candidates += [Opt(op, 0, choice) for choice in range(len(getattr(self.renderer, "tensor_cores", ())))]
         continue
       if op is OptOps.SHARED:
-        # without TC also the 128x128 float32 tile's structure (shared_tile_plans.py LARGE_TILE_STRUCTURE: padded and
-        # skewed rows, float4 fills, two blocks per multiprocessor)
-        structured = SHARED_TILE_PADDING + SHARED_ROW_SKEW + SHARED_TWO_BLOCKS + SHARED_VECTOR_FILL
-        candidates += [Opt(op, 0, 0), Opt(op, 0, 4)] + ([Opt(op, 0, 3)] if self.tensor_core is not None else
-                                                        [Opt(op, 0, structured)])
+        # with TC its stages; without, plain and padded rows and the 128x128 float32 tile's structure
+        # (shared_tile_plans.py LARGE_TILE_STRUCTURE: padded and skewed rows, float4 fills, two blocks per
+        # multiprocessor)
+        structured = SharedStructure(SHARED_TILE_PADDING, vector_fill=True, two_blocks=True, row_skew=True)
+        choices = [TileStages(2), TileStages(4), TileStages(3)] if self.tensor_core is not None else \
+          [SharedStructure(), SharedStructure(SHARED_TILE_PADDING), structured]
+        candidates += [Opt(op, 0, 0, choice) for choice in choices]
         continue
       axis_count = reduce_loops if op in (OptOps.UNROLL, OptOps.GROUP, OptOps.GROUPTOP) else self.first_reduce
       candidates += [Opt(op, axis, amount) for axis in range(axis_count) for amount in OPT_AMOUNTS]

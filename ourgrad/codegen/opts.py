@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Sequence
 
-from ourgrad.codegen.shared_tiles import decode_shared_amount
+from ourgrad.codegen.shared_tiles import SharedStructure, decode_shared_amount
 
 # elements of padding after each row of a tensor-core tile (16 bytes of float16) and its stages (cp.async double
 # buffering)
@@ -35,9 +35,9 @@ class OptOps(Enum):
   #                   outermost loop, so the loops in between revisit only `amount` slices of that axis (an operand's
   #                   strip that stays in cache); see _apply_cache_block
   SHARED = auto()   # shared-memory tiles (GPU): each reduce step, the block's threads load the loads they share (a
-  #                   matmul's operands) into local memory together, then compute from it; axis 0, amount 0 (or
-  #                   SHARED_TILE_PADDING: each reduce element's row of a tile padded, see Kernel.tile_padding; with TC:
-  #                   the stages)
+  #                   matmul's operands) into local memory together, then compute from it; axis 0, `arg` the tiles'
+  #                   structure (shared_tiles.SharedStructure: row padding, fills, stages) or, after TC, their
+  #                   TileStages; without one (the older form) `amount` packs them (see shared_choice)
   TC = auto()       # tensor cores (GPU): the matmul-shaped reduce's 16x8x16 tiles go to one matrix instruction per
   #                   warp; `amount` picks the renderer's TensorCore (dtype), axis must be 0; see _apply_tensor_core
   WGMMA = auto()    # Hopper warpgroup MMA (CUDA sm_90a): a float16/bfloat16 matmul whose sizes are multiples of the
@@ -60,13 +60,29 @@ class Opt:
     return f"Opt({self.op.name}, {self.axis}, {self.amount}{'' if self.arg is None else ', ' + repr(self.arg)})"
 
 
+@dataclass(frozen=True)
+class TileStages:
+  """OptOps.SHARED's arg after TC: the shared-memory stages of the staged tensor-core tiles (cp.async, 2: double
+  buffered)."""
+  stages: int = TC_TILE_STAGES
+
+
+def shared_choice(opt: Opt, tensor_cores: bool) -> SharedStructure | TileStages:
+  """What an OptOps.SHARED asks: its typed `arg`, or the older int amount read as the kernel it applies to reads it
+  (`tensor_cores`: a TC opt came before, so the amount is the stages, 0 the default; else the rows' padding plus the
+  SHARED_* flags of shared_tiles.py)."""
+  if opt.arg is not None: return opt.arg
+  return TileStages(opt.amount or TC_TILE_STAGES) if tensor_cores else decode_shared_amount(opt.amount)
+
+
 def describe_opt(opt: Opt, tensor_cores: bool = False) -> str:
   """One Opt for a reader: "UPCAST(axis 0, by 4)", "SHARED(axis 0, pad 4, VECTOR_FILL|TWO_BLOCKS|ROW_SKEW)" (SHARED's
-  packed amount spelled out; `tensor_cores`: a TC opt came before it, so the amount is the tiles' stages),
+  choice spelled out, see shared_choice),
   "WGMMA(N 256, 4 stages, SPECIALIZED)". repr(opt) stays the Opt(...) a program can rebuild it from."""
   if opt.op is OptOps.SHARED:
-    if tensor_cores: return f"SHARED(axis {opt.axis}, TC tiles, {opt.amount or TC_TILE_STAGES} stages)"
-    return f"SHARED(axis {opt.axis}, {decode_shared_amount(opt.amount).describe()})"
+    choice = shared_choice(opt, tensor_cores)
+    if isinstance(choice, TileStages): return f"SHARED(axis {opt.axis}, TC tiles, {choice.stages} stages)"
+    return f"SHARED(axis {opt.axis}, {choice.describe()})"
   if opt.op is OptOps.WGMMA and opt.arg is not None: return f"WGMMA({opt.arg.describe()})"
   if opt.op is OptOps.WGMMA:
     stages = opt.axis % WGMMA_SPECIALIZED or WGMMA_DEFAULT_STAGES

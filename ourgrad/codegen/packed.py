@@ -51,7 +51,7 @@ class PackedKernel:
     self.sizes: list[int] = [segment.stores()[0].arg.st.size for segment in ast.srcs]
     # elements per thread of each segment on a GPU (1, or the vector width: its flat axis upcast)
     self.lanes: list[int] = [segment_lanes(kernel, size) for (kernel, _), size in zip(self.segments, self.sizes)]
-    # every leaf with its flat view and its packed buffer number (realize.estimate_cost counts bytes from them)
+    # every leaf with its flat view and its packed buffer number (codegen/kernel_cost.py counts bytes from them)
     self.leaves: list[LazyOp] = [leaf for segment in ast.srcs for leaf in segment.stores() + segment.leaves()]
     self.sts = [leaf.arg.st for leaf in self.leaves]
     self.applied_opts: list[Any] = []

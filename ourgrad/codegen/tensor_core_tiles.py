@@ -28,7 +28,7 @@ rows, and .trans transposes each 8x8 matrix as it loads.
 """
 from __future__ import annotations
 
-from ourgrad.codegen.kernel import TileLayout
+from ourgrad.codegen.tensor_core_layout import TileLayout
 from ourgrad.codegen.tensor_cores import evaluate
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.ops import LazyOp

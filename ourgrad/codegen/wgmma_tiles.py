@@ -48,6 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ourgrad.renderer import ASSUMED_CUDA_GPU
+
 # one row of a swizzled tile: 128 bytes; 8 rows form one swizzle atom of 1024 bytes (aligned to 1024)
 ROW_BYTES, ATOM_BYTES, PIECE_BYTES = 128, 1024, 16
 WARPGROUP_THREADS = 128
@@ -79,18 +81,19 @@ def accumulator_position(thread: int, element: int) -> tuple[int, int]:
 
 
 # registers per thread: the most a thread may have, the producer's after setmaxnreg (what its copies need), the
-# granule setmaxnreg counts in, a multiprocessor's file, and what a consumer needs beside its accumulators
+# granule setmaxnreg counts in, and what a consumer needs beside its accumulators (a multiprocessor's file is the
+# device's fact: WgmmaMatmul.multiprocessor_registers)
 MAX_THREAD_REGISTERS, PRODUCER_REGISTERS, REGISTER_GRANULE = 255, 40, 8
-MULTIPROCESSOR_REGISTERS = 65536
 ACCUMULATOR_OVERHEAD_REGISTERS = 32
 
 
 def _granule(value: int) -> int: return value // REGISTER_GRANULE * REGISTER_GRANULE
 
 
-def launch_registers(threads: int, ctas_per_sm: int) -> int:
-  """Registers per thread that __launch_bounds__(threads, ctas_per_sm) leaves each thread (ptxas's cap)."""
-  return _granule(min(MAX_THREAD_REGISTERS, MULTIPROCESSOR_REGISTERS // (threads * ctas_per_sm)))
+def launch_registers(threads: int, ctas_per_sm: int, multiprocessor_registers: int) -> int:
+  """Registers per thread that __launch_bounds__(threads, ctas_per_sm) leaves each thread (ptxas's cap) of a
+  multiprocessor with `multiprocessor_registers`."""
+  return _granule(min(MAX_THREAD_REGISTERS, multiprocessor_registers // (threads * ctas_per_sm)))
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,8 @@ class WgmmaMatmul:
   # step's copies before issuing the one after next; up to stages - 2 (the most that cannot deadlock) keep more in
   # flight, measured 2-4% slower on the H200 (bench_wgmma_grid_h200_s11.txt)
   copy_lag: int = 0
+  # 32-bit registers of the multiprocessor it runs on (the device's fact, Renderer.registers_per_multiprocessor)
+  multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
 
   def __post_init__(self):
     if self.dtype not in ITEMSIZE: raise ValueError(f"wgmma matmul of {self.dtype}: float16/bfloat16/float32 (TF32)")
@@ -191,10 +196,15 @@ class WgmmaMatmul:
                        "persistent CTAs")
     # ptxas compiles the consumers under the launch's cap (setmaxnreg raises it only at run time): their N / 2
     # accumulators and the addressing around them must fit it
-    if self.block_n // 2 + ACCUMULATOR_OVERHEAD_REGISTERS > launch_registers(self.threads, self.ctas_per_sm):
+    if self.block_n // 2 + ACCUMULATOR_OVERHEAD_REGISTERS > self.launch_registers:
       raise ValueError(f"wgmma tile {self.block_m}x{self.block_n} with {self.ctas_per_sm} CTAs of {self.threads} "
                        f"threads per multiprocessor: {self.block_n // 2} accumulators a thread do not fit "
-                       f"{launch_registers(self.threads, self.ctas_per_sm)} registers")
+                       f"{self.launch_registers} registers")
+
+  @property
+  def launch_registers(self) -> int:
+    """Registers per thread its launch bounds leave each thread (ptxas's cap)."""
+    return launch_registers(self.threads, self.ctas_per_sm, self.multiprocessor_registers)
 
   @property
   def warpgroups(self) -> int: return self.block_m // 64
@@ -585,7 +595,7 @@ def consumer_registers(plan: WgmmaMatmul) -> int:
   bounds: threads x ctas_per_sm resident) less the producer's PRODUCER_REGISTERS, over the consumers (1 CTA of
   128 x 256: 168 a thread at launch, 232 a consumer after)."""
   consumers = plan.warpgroups * WARPGROUP_THREADS
-  pool = launch_registers(plan.threads, plan.ctas_per_sm) * plan.threads - WARPGROUP_THREADS * PRODUCER_REGISTERS
+  pool = plan.launch_registers * plan.threads - WARPGROUP_THREADS * PRODUCER_REGISTERS
   return min(_granule(pool // consumers), 240)
 
 
@@ -609,7 +619,7 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
   consumers = plan.warpgroups * WARPGROUP_THREADS
   # 128 x 128 consumers fit the launch's cap of 168 registers; setmaxnreg may only raise the consumers' count (a
   # lone consumer warpgroup already has more at launch)
-  registers = plan.block_n > 128 and consumer_registers(plan) > launch_registers(plan.threads, plan.ctas_per_sm)
+  registers = plan.block_n > 128 and consumer_registers(plan) > plan.launch_registers
   return [
     f"  unsigned full = shared_base + {stages * plan.stage_bytes}, empty = full + {8 * stages};",
     "  if (threadIdx.x == 0) {",
@@ -717,7 +727,9 @@ def plan_for_kernel(kernel, tile: WgmmaTile) -> tuple[WgmmaMatmul, dict[str, int
                      b_k_major=b_k == 1, a_k_major=a_k == 1,
                      a_row_stride=a_m if a_k == 1 else a_k, b_row_stride=b_n if b_k == 1 else b_k,
                      batch=batch[0] if batch else 1, a_batch=batch_strides[id(a)], b_batch=batch_strides[id(b)],
-                     c_batch=batch_strides[id(store)])
+                     c_batch=batch_strides[id(store)],
+                     multiprocessor_registers=getattr(kernel.renderer, "registers_per_multiprocessor", 0) or
+                     ASSUMED_CUDA_GPU.registers_per_multiprocessor)
   # the renderer's dynamic shared memory per block (the device's fact: 227 KB on sm_90)
   # (each resident CTA also reserves a kilobyte of the multiprocessor's, which is a kilobyte over a block's limit)
   limit = getattr(kernel.renderer, "dynamic_local_memory_bytes", 0)

@@ -22,14 +22,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from ourgrad.codegen.attention import AttentionKernel, is_attention
-from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
-from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
-from ourgrad.codegen.last_block import SplitReduceKernel
-from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.packed import PackedKernel
+from ourgrad.codegen.lowering import build_kernel
 from ourgrad.device import Buffer, Device
-from ourgrad.helpers import GRAPH_DIR, NOOPT
+from ourgrad.helpers import GRAPH_DIR
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, Ops
 
@@ -142,17 +137,10 @@ def lazy_graph_dot(snapshot: LazyGraphSnapshot) -> str:
 
 
 def kernel_name(item: ScheduleItem) -> str:
-  """The name a kernel item runs under: the Kernel with the default optimizations, as engine/realize.py builds it
+  """The name a kernel item runs under: its kernel with the default optimizations, as engine/realize.py builds it
   (the optimizations split axes, so they change the name)."""
   if item.ast.op is Ops.COPY: return f"copy {item.inputs[0].device} -> {item.outputs[0].device}"
-  if item.ast.op is Ops.PACK: return PackedKernel(item.ast, Device[item.outputs[0].device].renderer).name
-  if is_index_accumulate(item.ast): return IndexAccumulateKernel(item.ast, Device[item.outputs[0].device].renderer).name
-  if is_attention(item.ast): return AttentionKernel(item.ast, Device[item.outputs[0].device].renderer).name
-  if is_attention_grad(item.ast): return AttentionGradKernel(item.ast, Device[item.outputs[0].device].renderer).name
-  if item.ast.op is Ops.SPLIT_REDUCE: kernel = SplitReduceKernel(item.ast, Device[item.outputs[0].device].renderer)
-  else: kernel = Kernel(item.ast, Device[item.outputs[0].device].renderer)
-  if not NOOPT or item.ast.op is Ops.SPLIT_REDUCE: kernel.hand_coded_optimizations()
-  return kernel.name
+  return build_kernel(item.ast, Device[item.outputs[0].device].renderer).name
 
 
 def schedule_dot(schedule: Sequence[ScheduleItem]) -> str:

@@ -12,17 +12,11 @@ import sys
 import warnings
 from typing import Any
 
-from ourgrad.codegen.attention import AttentionKernel, is_attention
-from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
-from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.last_block import SplitReduceKernel
-from ourgrad.codegen.linearizer import INDEX_DTYPE
-from ourgrad.codegen.lowering import lower_kernel
-from ourgrad.codegen.packed import PackedKernel
+from ourgrad.codegen.lowering import AnyKernel, OptPolicy, ast_is_symbolic, build_kernel, kernel_cost, kind_of, \
+  kind_of_ast, lower_kernel
 from ourgrad.codegen.opt.search import beam_optimize
-from ourgrad.codegen.uops import UOp, UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
-from ourgrad.codegen.wgmma_tiles import WgmmaMatmul
+from ourgrad.codegen.uops import UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner  # noqa: F401 (re-exported)
@@ -30,39 +24,22 @@ from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import BEAM, DEBUG, NOOPT, RUNNER_CACHE_SIZE, BoundedCache, env_var, prod, tf32_allowed
+from ourgrad.helpers import BEAM, DEBUG, RUNNER_CACHE_SIZE, BoundedCache, env_var, prod, tf32_allowed
 from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
-from ourgrad.renderer.cstyle import loop_trip_bound
-from ourgrad.shape.symbolic import sym_max
 
 
 NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedule gets memory of its own")
 
 # bounded: a long run that builds ever new kernels (changing shapes) must not keep every one (helpers.clear_caches)
-# every kind of kernel a schedule item lowers to
-AnyKernel = Kernel | PackedKernel | IndexAccumulateKernel | AttentionKernel | AttentionGradKernel
-
 _runner_cache: BoundedCache[tuple[str, LazyOp, bool], CompiledRunner] = BoundedCache(RUNNER_CACHE_SIZE)
 
 
 def get_kernel(ast: LazyOp, device: str) -> AnyKernel:
-  """The Kernel for an AST with the default optimizations applied (none with NOOPT=1, searched with BEAM=n). A packed
-  kernel (PACK: several elementwise kernels in one launch) takes no opts (codegen/packed.py)."""
-  if ast.op is Ops.PACK: return PackedKernel(ast, Device[device].renderer)
-  if is_index_accumulate(ast): return IndexAccumulateKernel(ast, Device[device].renderer)   # sized by its own plan
-  if is_attention(ast): return AttentionKernel(ast, Device[device].renderer)   # a whole-kernel plan
-  if is_attention_grad(ast): return AttentionGradKernel(ast, Device[device].renderer)
-  # a one-kernel split reduce: the heuristic's opts (its layout was checked with them: engine/split_fusion.py)
-  if ast.op is Ops.SPLIT_REDUCE:
-    kernel = SplitReduceKernel(ast, Device[device].renderer)
-    kernel.hand_coded_optimizations()
-    return kernel
-  kernel = Kernel(ast, Device[device].renderer)
-  # a symbolic kernel keeps its plain loop nest: the optimizations split and pad sizes they must know
-  if NOOPT or ast_is_symbolic(ast): return kernel
-  if BEAM >= 1: return beam_optimize(kernel, device, BEAM.value)  # searched, verified and cached: codegen/opt/search.py
-  kernel.hand_coded_optimizations()
-  return kernel
+  """The kernel of an AST with the opts it runs with (codegen/lowering.py build_kernel: the hand-coded ones, none with
+  NOOPT=1, searched with BEAM=n; a kind sized by its own plan takes none)."""
+  # searched, verified and cached: codegen/opt/search.py
+  search = (lambda kernel: beam_optimize(kernel, device, BEAM.value)) if BEAM >= 1 else None
+  return build_kernel(ast, Device[device].renderer, search)
 
 
 class OptimizationFallbackWarning(RuntimeWarning):
@@ -81,7 +58,7 @@ def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
       runner = compile_kernel(kernel, device)
     except (CompileError, DeviceError) as error:
       # a one-kernel split reduce's finish needs its opts' layout (checked when it was scheduled): no plain fallback
-      if not kernel.applied_opts or ast.op is Ops.SPLIT_REDUCE: raise
+      if not kernel.applied_opts or kind_of(kernel).opts is not OptPolicy.SEARCHED: raise
       reason = str(error).splitlines()[0] if str(error) else type(error).__name__
       # a warning, not a print: the test suite turns it into an error, so an optimizer bug cannot hide here
       warnings.warn(f"{kernel.name} with opts {kernel.applied_opts} failed to compile or load ({reason}); "
@@ -123,57 +100,10 @@ def compile_kernel(kernel: AnyKernel, device: str) -> CompiledRunner:
   if DEBUG >= 4: print(lowered.source)
   if DEBUG >= 6: print(Device[device].compiler.disassemble(lowered.source))
   program = load_program(device, name, lowered.source)
-  if lowered.wgmma is not None: op_count, byte_count = wgmma_cost(kernel, lowered.wgmma)
-  elif isinstance(kernel, (AttentionKernel, AttentionGradKernel)):
-    op_count, byte_count = kernel.op_count(), kernel.byte_count()
-  else: op_count, byte_count = estimate_cost(kernel, lowered.uops)
+  op_count, byte_count = kernel_cost(kernel, lowered)
   var_names = tuple(uop.arg[0] for uop in lowered.uops if uop.op is UOps.DEFINE_VAR)
   return CompiledRunner(name, kernel.colored_shape(), lowered.source, program, lowered.global_size,
                         lowered.local_size, op_count, byte_count, var_names)
-
-
-def wgmma_cost(kernel: Kernel, plan: WgmmaMatmul) -> tuple[int, int]:
-  """(arithmetic ops, bytes moved) of a kernel with OptOps.WGMMA (its plan: codegen/wgmma_tiles.py): a multiply and
-  an add per element of the loop nest; every operand and the output moved once."""
-  op_count = 2 * plan.m * plan.n * plan.k
-  byte_count = sum(leaf.arg.st.real_size() * leaf.dtype.itemsize for leaf in kernel.leaves)
-  return op_count, byte_count
-
-
-def estimate_cost(kernel: Kernel | PackedKernel | IndexAccumulateKernel, uops: list[UOp]) -> tuple[int, int]:
-  """(arithmetic ops, bytes moved) of one launch: ALUs weighted by the loops around them; each buffer's
-  bytes counted once over the elements its view can touch (twice for one both read and written)."""
-  blocks, threads = launch_dims(uops)
-  op_count, multiplier, multipliers = 0, prod(sym_max(size) for size in blocks + threads), []
-  counts_own_ops = isinstance(kernel, (PackedKernel, IndexAccumulateKernel))
-  for uop in (uops if not counts_own_ops else ()):
-    if uop.op is UOps.FENCE: break   # a split reduce's finish: its adds are counted below, not once per thread
-    if uop.op is UOps.RANGE:
-      multipliers.append(multiplier)
-      multiplier *= loop_trip_bound(uop)
-    elif uop.op is UOps.ENDRANGE:
-      multiplier = multipliers.pop()
-    elif uop.op in (UOps.ALU, UOps.ACCUMULATE) and uop.dtype is not None and uop.dtype != INDEX_DTYPE:
-      op_count += multiplier
-  byte_count = 0
-  seen: set[tuple[int, Ops]] = set()   # an output read in place (an assign's target) is read and written
-  for leaf, st in zip(kernel.leaves, kernel.sts):
-    if leaf.op not in (Ops.LOAD, Ops.STORE) or (leaf.arg.idx, leaf.op) in seen: continue
-    seen.add((leaf.arg.idx, leaf.op))
-    elements = prod(sym_max(size) for size in st.shape)  # a symbolic size counts at its largest
-    # a gathered load (srcs: a computed offset) reads at most one table element per element of its view
-    touched = min(st.real_size(), elements) if leaf.op is Ops.LOAD and not leaf.srcs else elements
-    byte_count += touched * leaf.dtype.itemsize
-  if counts_own_ops: op_count = kernel.op_count(uops)
-  if isinstance(kernel, SplitReduceKernel):   # the last blocks combine the parts and store the outputs
-    op_count += (kernel.parts - 1) * kernel.outputs
-    byte_count += kernel.outputs * dtypes.float32.itemsize
-  return op_count, byte_count
-
-
-def ast_is_symbolic(ast: LazyOp) -> bool:
-  """Whether a leaf's view has a symbolic size, stride, offset or mask (a Variable: docs/jit.md)."""
-  return any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in ast.walk())
 
 
 # AST -> (unbound AST, values). Bound values are part of an AST's identity, so the entry is exact; a step that
@@ -213,7 +143,7 @@ def lower_schedule_item(item: ScheduleItem) -> ExecItem:
   device = item.outputs[0].device
   ast, var_vals = unbind_ast(item.ast)
   runner = get_runner(device, ast)
-  if ast.op is Ops.SPLIT_REDUCE: buffers.append(split_counters(device, runner))
+  if kind_of_ast(ast).block_counters: buffers.append(split_counters(device, runner))
   return ExecItem(runner, buffers, var_vals, device=device)
 
 

@@ -1,7 +1,34 @@
-"""Renderers turn a kernel's UOps into source text for one language. See cstyle.py."""
+"""Renderers turn a kernel's UOps into source text for one language. See cstyle.py.
+
+A renderer also carries what the optimizer asks of its device. A GPU's facts (`GpuFacts`: multiprocessors, resident
+threads and registers per multiprocessor, shared memory per block) come from the device where it is open
+(runtime/ops_cuda.py reads them from the driver); the facts assumed where no device says them are the two below, and
+nowhere else.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ourgrad.codegen.uops import UOp
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+  """What the optimizer asks of a GPU (the Renderer fields of the same names)."""
+  multiprocessors: int               # blocks' processors running at once (CUDA's SMs)
+  threads_per_multiprocessor: int    # threads one multiprocessor keeps resident
+  registers_per_multiprocessor: int  # 32-bit registers of one multiprocessor's file (its resident threads share them)
+  dynamic_local_memory_bytes: int    # shared memory one block may use (dynamic, opted into)
+
+
+# a CUDA renderer built without its device (NVRTC checks, the PYTHON device's EMULATE=CUDA, extra/tools) is taken for
+# an H100 SXM
+ASSUMED_CUDA_GPU = GpuFacts(multiprocessors=132, threads_per_multiprocessor=2048, registers_per_multiprocessor=65536,
+                            dynamic_local_memory_bytes=227 * 1024)
+# a renderer with thread blocks that knows no multiprocessors (the PYTHON interpreter, OpenCL) is taken for this GPU
+# where a decision needs a count (codegen/opt/split_reduce.py); its other decisions treat the count as unknown
+ASSUMED_THREAD_BLOCK_GPU = GpuFacts(multiprocessors=128, threads_per_multiprocessor=2048,
+                                    registers_per_multiprocessor=65536, dynamic_local_memory_bytes=0)
 
 
 class Renderer:
@@ -13,6 +40,7 @@ class Renderer:
   local_memory_bytes: int = 0     # local memory a block may use
   multiprocessors: int = 0        # blocks' processors running at once (CUDA's SMs); 0: unknown (not a GPU)
   threads_per_multiprocessor: int = 0   # threads one multiprocessor keeps resident (CUDA: 2048); 0: unknown
+  registers_per_multiprocessor: int = 0   # 32-bit registers of a multiprocessor (CUDA: 65536); 0: unknown
   warp_size: int = 0              # threads that WARP_REDUCE can combine with shuffles (0: no shuffles)
   vector_width: int = 0           # float32 elements one vector LOAD reads (float4: 4; 0: scalar loads only)
   # bytes of memory traffic that cost about as much time as one kernel launch (launch overhead x memory bandwidth):
@@ -38,5 +66,11 @@ class Renderer:
 
   # runs the fused attention kernel (codegen/attention.py, Ops.ATTENTION): CUDA sm_80+, and PYTHON with EMULATE=CUDA
   has_fused_attention: bool = False
+
+  def set_gpu_facts(self, facts: GpuFacts) -> None:
+    """Take a GPU's facts (the device's own, or one assumed above)."""
+    self.multiprocessors, self.threads_per_multiprocessor = facts.multiprocessors, facts.threads_per_multiprocessor
+    self.registers_per_multiprocessor = facts.registers_per_multiprocessor
+    self.dynamic_local_memory_bytes = facts.dynamic_local_memory_bytes
 
   def render(self, name: str, uops: list[UOp]) -> str: raise NotImplementedError

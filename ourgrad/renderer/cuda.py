@@ -11,6 +11,7 @@ from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
 from ourgrad.dtype import DType, dtypes
+from ourgrad.renderer import ASSUMED_CUDA_GPU
 from ourgrad.renderer.cstyle import (BFLOAT16_IN_FLOAT, DYNAMIC_SHARED_ARRAY, DYNAMIC_SHARED_SYMBOL, CStyleLanguage,
                                      FloatInRegisters, block_threads,
                                      kernel_dtypes, stored_format_locals)
@@ -38,15 +39,16 @@ class CUDARenderer(CStyleLanguage):
   max_threads = 1024
   has_local = True
   local_memory_bytes = 48 * 1024  # static __shared__ memory per block
-  # staged tensor-core tiles may go beyond, in dynamic shared memory (H100: 227 KB per block)
-  dynamic_local_memory_bytes = 227 * 1024
+  # staged tensor-core tiles may go beyond, in dynamic shared memory, and the heuristics size grids by the
+  # multiprocessors, their resident threads and registers: the GPU's facts, ASSUMED_CUDA_GPU's unless the CUDA device
+  # sets its own (Renderer.set_gpu_facts)
+  dynamic_local_memory_bytes = ASSUMED_CUDA_GPU.dynamic_local_memory_bytes
+  multiprocessors = ASSUMED_CUDA_GPU.multiprocessors
+  threads_per_multiprocessor = ASSUMED_CUDA_GPU.threads_per_multiprocessor
+  registers_per_multiprocessor = ASSUMED_CUDA_GPU.registers_per_multiprocessor
   has_async_copy = True   # COPY with cp.async (sm_80+): SHARED_ASYNC tiles without tensor cores
   has_block_atomics = True   # ATOMIC_ADD and FENCE: one-kernel split reduces (codegen/split_finish.py)
   warp_size = 32
-  # streaming multiprocessors: the H100's 132 unless the CUDA device reads its GPU's count (heuristics size grids by it)
-  multiprocessors = 132
-  # resident threads per SM (sm_80, sm_90: 2048); the CUDA device reads its GPU's figure
-  threads_per_multiprocessor = 2048
   # ~1.5 us a launch inside a CUDA graph at ~3 TB/s of HBM; the CUDA device computes it from its own memory bandwidth
   launch_bytes = 4 << 20
   # a load waits ~0.6 us for HBM under load (MNIST's bn2 statistics backward on the H200: 0.65 us a loop iteration

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from ourgrad.device import Compiled, Compiler, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH, CUDA_PTX
+from ourgrad.renderer import GpuFacts
 from ourgrad.renderer.cuda import DYNAMIC_SHARED_SYMBOL, CUDARenderer
 
 try:
@@ -411,17 +412,12 @@ class CUDADevice(Compiled):
     minor = check(driver.cuDeviceGetAttribute(
       driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device), "cuDeviceGetAttribute")
     self.arch = f"sm_{major}{minor}"
-    multiprocessors = check(driver.cuDeviceGetAttribute(
-      driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device), "cuDeviceGetAttribute")
-    resident_threads = check(driver.cuDeviceGetAttribute(
-      driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, self.cu_device),
-      "cuDeviceGetAttribute")
+    facts = self._gpu_facts()
     self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
     self.start_event = check(driver.cuEventCreate(0), "cuEventCreate")
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
     renderer = CUDARenderer(self.arch)
-    renderer.multiprocessors = multiprocessors   # the heuristics size grids by this GPU's SMs
-    renderer.threads_per_multiprocessor = resident_threads   # and split reduces by its resident threads
+    renderer.set_gpu_facts(facts)   # the heuristics size grids, split reduces and tiles by this GPU's own
     renderer.launch_bytes = int(LAUNCH_SECONDS * self._memory_bandwidth())
     renderer.latency_bytes = int(MEMORY_LATENCY_SECONDS * self._memory_bandwidth())
     super().__init__(name, CUDAAllocator(self), renderer, CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
@@ -429,6 +425,17 @@ class CUDADevice(Compiled):
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
     self.graph = lambda launches: CUDAGraph(self, launches)
     self.compiler.warm_up()
+
+  def _gpu_facts(self) -> GpuFacts:
+    """The GPU's facts the heuristics ask (renderer/__init__.py GpuFacts), from the driver."""
+    attribute = driver.CUdevice_attribute
+
+    def read(name: str) -> int:
+      return check(driver.cuDeviceGetAttribute(getattr(attribute, name), self.cu_device), "cuDeviceGetAttribute")
+    return GpuFacts(read("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+                    read("CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR"),
+                    read("CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR"),
+                    read("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
 
   def _memory_bandwidth(self) -> float:
     """Peak DRAM bytes per second from the driver: memory clock (kHz) x bus width (bits), double data rate."""

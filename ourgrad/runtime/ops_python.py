@@ -29,7 +29,7 @@ from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import EMULATE
 from ourgrad.shape.symbolic import Node
 from ourgrad.ops import Ops
-from ourgrad.renderer import Renderer
+from ourgrad.renderer import ASSUMED_CUDA_GPU, Renderer
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.codegen.attention import AttentionPlan
 from ourgrad.codegen.attention_grad import AttentionGradKernel
@@ -99,9 +99,9 @@ class PythonRenderer(Renderer):
       raise DeviceError(f"EMULATE={emulate}: the PYTHON device emulates only CUDA (CUDA_SM90: an H100, with wgmma)")
     self.has_wgmma = emulate.upper() == "CUDA_SM90"
     self.has_fused_attention = True   # runtime/attention_emulator.py
-    for limit in ("max_threads", "has_local", "local_memory_bytes", "dynamic_local_memory_bytes", "warp_size",
-                  "vector_width", "global_max", "local_max", "tensor_cores", "multiprocessors",
-                  "threads_per_multiprocessor", "has_async_copy", "launch_bytes", "latency_bytes", "has_block_atomics"):
+    self.set_gpu_facts(ASSUMED_CUDA_GPU)
+    for limit in ("max_threads", "has_local", "local_memory_bytes", "warp_size", "vector_width", "global_max",
+                  "local_max", "tensor_cores", "has_async_copy", "launch_bytes", "latency_bytes", "has_block_atomics"):
       setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ourgrad.codegen.kernel import SHARED_ASYNC, Kernel, KernelOptError, Opt, OptOps, matmul_operands
+from ourgrad.codegen.kernel import Kernel, KernelOptError, Opt, OptOps, matmul_operands
+from ourgrad.codegen.opts import TileStages
+from ourgrad.codegen.shared_tiles import SharedStructure
 from ourgrad.dtype import DType, dtypes
 from ourgrad.codegen.opt.plans import Plan, Strategy, gpu_local_reduce, register_plan
 from ourgrad.helpers import power_of_two_divisor
@@ -39,9 +41,9 @@ class ConvTile:
   #                          sums combined through local memory at the end): more warps for a small convolution
 
   @property
-  def shared_amount(self) -> int:
-    """SHARED's amount: the rows' padding, and SHARED_ASYNC times the stages less one."""
-    return self.padding + (self.async_stages - 1) * SHARED_ASYNC if self.async_stages else self.padding
+  def shared_structure(self) -> SharedStructure:
+    """SHARED's choice: the rows' padding and the cp.async stages."""
+    return SharedStructure(self.padding, async_stages=self.async_stages)
 
 
 # largest first: 128 pixels (of 2 images) x 64 channels with 8x8 outputs per thread (4 FMAs per float read from the
@@ -83,7 +85,7 @@ def shared_conv_tiles(kernel: Kernel, tiles: tuple[ConvTile, ...] = CONV_TILES) 
     if repeats is None: continue
     groups = [Opt(OptOps.GROUP, 0, tile.reduce_groups)] if tile.reduce_groups else []
     if trial.try_output_opts(upcasts + locals_ + repeats) and all(trial.try_opt(opt) for opt in groups) and \
-        trial.try_opt(Opt(OptOps.SHARED, 0, tile.shared_amount)) and _unroll_reduce(trial, tile):
+        trial.try_opt(Opt(OptOps.SHARED, 0, 0, tile.shared_structure)) and _unroll_reduce(trial, tile):
       kernel.__dict__.update(trial.__dict__)
       return True
   return False
@@ -155,7 +157,7 @@ class TensorCoreConvPlan(Plan):
   def apply(self, kernel: Kernel) -> bool:
     if not self.apply_outputs(kernel): return False
     if self.k_steps > 1 and not kernel.try_opt(Opt(OptOps.UNROLL, 0, self.k_steps)): return False
-    return kernel.try_opt(Opt(OptOps.SHARED, 0, 0))
+    return kernel.try_opt(Opt(OptOps.SHARED, 0, 0, TileStages()))
 
   def apply_outputs(self, kernel: Kernel) -> bool:
     """TC and the output opts (warp tiles, warps, images per block): the plan before its reduce step and SHARED."""
@@ -196,7 +198,8 @@ class TensorCoreConvStrategy(Strategy):
         trial = kernel.copy()
         if not TensorCoreConvPlan(choice, batch_warps).apply_outputs(trial): continue
         k_steps = 2 if trial.try_opt(Opt(OptOps.UNROLL, 0, 2)) else 1   # steps of 32 input channels where they divide
-        if trial.try_opt(Opt(OptOps.SHARED, 0, 0)): return TensorCoreConvPlan(choice, batch_warps, k_steps), trial
+        if trial.try_opt(Opt(OptOps.SHARED, 0, 0, TileStages())):
+          return TensorCoreConvPlan(choice, batch_warps, k_steps), trial
     return None
 
 

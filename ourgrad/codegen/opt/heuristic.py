@@ -42,13 +42,13 @@ from typing import Callable, Sequence
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
 from ourgrad.dtype import dtypes
 from ourgrad.codegen.opt.conv_tiles import ConvTileStrategy, TensorCoreConvStrategy, WeightGradientStrategy
-from ourgrad.codegen.opt.plans import (Plan, RecognizerStrategy, Strategy, cpu_reduce, first_plan, gpu_elementwise,
-                                       gpu_local_reduce, gpu_reduce, memory_loads, register_plan)
+from ourgrad.codegen.opt.plans import (Plan, RecognizerStrategy, Strategy, cpu_reduce, first_plan, gpu_local_reduce,
+                                       memory_loads, register_plan)
 from ourgrad.codegen.opt.shared_tile_plans import SharedTileStrategy, dense_matmul_axes
 from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrategy
-from ourgrad.codegen.opt.transpose_tiles import transpose_tiles
+from ourgrad.codegen.opt.transpose_tiles import TransposeTileStrategy
 from ourgrad.codegen.opt.cpu_tiles import cpu_matmul_tiles
-from ourgrad.codegen.opt.window_tiles import elementwise_rows, window_tiles
+from ourgrad.codegen.opt.window_tiles import ThreadWalkStrategy
 from ourgrad.codegen.opt.coalesce import lane_axis, load_lane_axis
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer
@@ -69,16 +69,6 @@ def hand_coded_optimizations(kernel: Kernel) -> None:
   """Apply the default Opts for the kernel's device in place: the plan of the first strategy of STRATEGIES that fits
   (kernel.plan records it)."""
   first_plan(STRATEGIES, kernel)
-
-
-def _sibling_reduces(kernel: Kernel) -> bool:
-  """The defaults of a plain reduce, for a kernel of several sibling reduces (one loop, an accumulator each)."""
-  gpu, has_local = kernel.renderer.has_threads, getattr(kernel.renderer, "has_local", False)
-  if gpu and has_local and not _gpu_tiles_pay_off(kernel) and _group_reduce(kernel): return True
-  _register_tiling(kernel)
-  if gpu: _pick_thread_blocks(kernel)
-  if gpu and has_local: _group_for_parallelism(kernel)
-  return True
 
 
 def _loop_tiles(kernel: Kernel) -> bool:
@@ -458,12 +448,32 @@ def _register_tiling(kernel: Kernel) -> None:
       if size % amount == 0 and kernel.try_opt(Opt(OptOps.UNROLL, last_reduce, amount)): break
 
 
+# the plain reduce's GROUP threads, and the generic loop-nest default every other strategy falls back to
+GROUP_REDUCE = RecognizerStrategy("group_reduce", lambda kernel: gpu_local_reduce(kernel) and
+                                  not _gpu_tiles_pay_off(kernel), lambda kernel: _group_reduce(kernel))
+LOOP_TILES = RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles)
+
+
+class SiblingReducesStrategy(Strategy):
+  """A kernel of several sibling reduces (batchnorm's backward sums: one loop, an accumulator each) takes no matmul or
+  window tiles: the plain reduce's strategies only, the first whose plan fits (GROUP_REDUCE, then LOOP_TILES)."""
+  name = "sibling_reduces"
+
+  def applies(self, kernel: Kernel) -> bool: return bool(kernel.sibling_reduces)
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    for strategy in (GROUP_REDUCE, LOOP_TILES):
+      chosen = strategy.choose(kernel) if strategy.applies(kernel) else None
+      if chosen is not None: return chosen
+    return None
+
+
 # The heuristic's strategies in the order tried (the first whose plan fits wins); BEAM's action space asks the same
 # ones for the Opt kinds they own (search.py). A benchmark compares with a strategy switched off by
-# plans.strategies_left_out; the recognizers are called through this module's names (bench_window swaps two).
+# plans.strategies_left_out.
 STRATEGIES: list[Strategy] = [
   # several reduces (batchnorm's backward sums): no matmul tiles, GROUP threads on GPUs
-  RecognizerStrategy("sibling_reduces", lambda kernel: bool(kernel.sibling_reduces), _sibling_reduces),
+  SiblingReducesStrategy(),
   TensorCoreConvStrategy(),
   WgmmaStrategy(),
   TensorCoreStrategy(),
@@ -471,14 +481,11 @@ STRATEGIES: list[Strategy] = [
   ConvTileStrategy(),
   WeightGradientStrategy(),
   ThinMatmulStrategy(),
-  RecognizerStrategy("window", gpu_reduce, lambda kernel: window_tiles(kernel)),
-  RecognizerStrategy("group_reduce", lambda kernel: gpu_local_reduce(kernel) and not _gpu_tiles_pay_off(kernel),
-                     lambda kernel: _group_reduce(kernel)),
-  RecognizerStrategy("transpose_tiles", gpu_elementwise,
-                     lambda kernel: transpose_tiles(kernel)),
-  RecognizerStrategy("elementwise_rows", gpu_elementwise,
-                     lambda kernel: elementwise_rows(kernel)),
+  ThreadWalkStrategy(window=True),
+  GROUP_REDUCE,
+  TransposeTileStrategy(),
+  ThreadWalkStrategy(window=False),
   RecognizerStrategy("cpu_matmul", cpu_reduce, lambda kernel: cpu_matmul_tiles(kernel)),
   RecognizerStrategy("cpu_vector_lanes", cpu_reduce, lambda kernel: _cpu_vector_lanes(kernel)),
-  RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles),
+  LOOP_TILES,
 ]

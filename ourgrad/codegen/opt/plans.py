@@ -24,7 +24,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from ourgrad.codegen.opts import KernelOptError, Opt, OptOps
+from ourgrad.codegen.opts import KernelOptError, Opt, OptOps, TileStages
+from ourgrad.codegen.shared_tiles import SharedStructure
 from ourgrad.ops import MemBuffer
 
 if TYPE_CHECKING:
@@ -39,6 +40,11 @@ def register_plan(cls: type) -> type:
   """Class decorator: a Plan, or a frozen dataclass a plan holds, that plan_from_json can rebuild by its name."""
   _JSON_TYPES[cls.__name__] = cls
   return cls
+
+
+# the typed args of OptOps.SHARED (an Opt in a plan, BEAM's cache included, keeps them)
+register_plan(SharedStructure)
+register_plan(TileStages)
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ class SharedTileStrategy(Strategy):
     core strategy lists SHARED's stages)."""
     if kernel.tensor_core is not None: return
     structures = [SharedStructure()] + [tile.structure for tile in SHARED_TILES]
-    yield from (Opt(OptOps.SHARED, 0, amount) for amount in dict.fromkeys(s.amount for s in structures))
+    yield from (Opt(OptOps.SHARED, 0, 0, structure) for structure in dict.fromkeys(structures))
 
 
 def apply_shared_tile(kernel: Kernel, tile: SharedTile, step: int, group: int = 1) -> bool:
@@ -190,8 +190,9 @@ def apply_shared_tile(kernel: Kernel, tile: SharedTile, step: int, group: int = 
   return tile.plan(step, group).apply(kernel)
 
 
-# a multiprocessor hides the latency of the staged matmul's loads with about this many threads (16 warps)
-THREADS_PER_MULTIPROCESSOR = 512
+# a multiprocessor hides the latency of the staged matmul's loads with about this share of the threads it keeps
+# resident (a quarter: 16 warps of sm_80/sm_90's 64)
+LATENCY_HIDING_SHARE = 4
 # GROUP threads a SHARED tile may split its reduce over (split-K inside the block), and the block's threads after it.
 # H100, 512^3 in 32x32 tiles: GROUP 2 0.020-0.022 ms, GROUP 4 0.021-0.024, none 0.024-0.027; 512x784 weight gradient
 # in 64x16 tiles: 0.027, 0.033, 0.030
@@ -202,11 +203,13 @@ SPLIT_K_MAX_BLOCK = 256
 def _split_k_threads(kernel: Kernel, tile: SharedTile, m: int, n: int, k: int, step: int) -> int:
   """GROUP threads for the reduce of a SHARED tile whose grid has fewer threads than the device's multiprocessors
   can keep busy (512x512 in 32x32 tiles: 256 blocks of 64 threads on 132 SMs): the fewest of SPLIT_K_THREADS that
-  reach THREADS_PER_MULTIPROCESSOR per multiprocessor, else the most that fit; each must leave whole reduce steps,
-  at least two. 1: no split."""
+  reach 1 / LATENCY_HIDING_SHARE of the resident threads per multiprocessor, else the most that fit; each must leave
+  whole reduce steps, at least two. 1: no split."""
   blocks = prod(kernel.full_shape[:kernel.first_reduce - 2]) * (m // tile.block[0]) * (n // tile.block[1])
   block_threads = tile.threads_m * tile.threads_n
-  wanted = getattr(kernel.renderer, "multiprocessors", 0) * THREADS_PER_MULTIPROCESSOR
+  renderer = kernel.renderer
+  wanted = getattr(renderer, "multiprocessors", 0) * getattr(renderer, "threads_per_multiprocessor", 0) // \
+    LATENCY_HIDING_SHARE
   fitting = [group for group in SPLIT_K_THREADS if k % (group * step) == 0 and k // (group * step) >= 2 and
              block_threads * group <= SPLIT_K_MAX_BLOCK]
   if not fitting or blocks * block_threads >= wanted: return 1
@@ -225,6 +228,6 @@ def _apply_shared_tile(kernel: Kernel, m_axis: int, n_axis: int, tile: SharedTil
   if not kernel.try_output_opts(plan): return False
   if tile.group > 1 and not kernel.try_opt(Opt(OptOps.GROUP, 0, tile.group)): return False
   # SHARED before the unroll: with the tiles staged, an unrolled step holds only its operand values in registers
-  return (kernel.try_opt(Opt(OptOps.SHARED, 0, tile.structure.amount)) and
+  return (kernel.try_opt(Opt(OptOps.SHARED, 0, 0, tile.structure)) and
           kernel.try_opt(Opt(OptOps.UNROLL, 0, tile.step)))
 

@@ -13,7 +13,7 @@ piece long enough to be worth a partial's store and load.
 
 The facts come from the device's renderer (`SplitFacts.of`): its multiprocessors (CUDA reads the SM count from the
 driver) and the threads one multiprocessor keeps resident (CUDA: from the driver too). A renderer that does not know
-them (the PYTHON interpreter, OpenCL) is taken for a GPU of DEFAULT_MULTIPROCESSORS. CPUs (no thread blocks) split
+them (the PYTHON interpreter, OpenCL) is taken for renderer.ASSUMED_THREAD_BLOCK_GPU. CPUs (no thread blocks) split
 only huge reduces, for their cores (`cpu_split_parts`). DEBUG=3 prints each GPU split; docs/codegen.md ("Split-K")
 tells the rule with examples.
 """
@@ -25,11 +25,8 @@ from typing import Any, Callable
 
 from ourgrad.codegen.opt.heuristic import BLOCK_THREADS, COLUMN_LOCALS, SHORT_REDUCE
 from ourgrad.helpers import DEBUG, power_of_two_divisor, prod
+from ourgrad.renderer import ASSUMED_THREAD_BLOCK_GPU
 
-# a renderer with thread blocks that does not know its multiprocessors (the PYTHON interpreter, OpenCL) is taken for
-# a GPU of this many, resident threads as many as CUDA's (sm_80/sm_90 keep 2048 a multiprocessor)
-DEFAULT_MULTIPROCESSORS = 128
-DEFAULT_THREADS_PER_MULTIPROCESSOR = 2048
 # parts per output at most (the second kernel reduces this many: one block's row of 4 elements a thread)
 MAX_PARTS = 1024
 # a split below this many parts gains too little to pay for the second kernel's launch
@@ -71,10 +68,12 @@ class SplitFacts:
 
   @staticmethod
   def of(renderer: Any) -> SplitFacts:
-    """The renderer's facts (DEFAULT_* where it does not know them). FACTS_OVERRIDE, where a test sets it."""
+    """The renderer's facts (renderer.ASSUMED_THREAD_BLOCK_GPU's where it does not know them). FACTS_OVERRIDE, where a
+    test sets it."""
     if FACTS_OVERRIDE is not None: return FACTS_OVERRIDE
-    return SplitFacts(getattr(renderer, "multiprocessors", 0) or DEFAULT_MULTIPROCESSORS,
-                      getattr(renderer, "threads_per_multiprocessor", 0) or DEFAULT_THREADS_PER_MULTIPROCESSOR,
+    assumed = ASSUMED_THREAD_BLOCK_GPU
+    return SplitFacts(getattr(renderer, "multiprocessors", 0) or assumed.multiprocessors,
+                      getattr(renderer, "threads_per_multiprocessor", 0) or assumed.threads_per_multiprocessor,
                       getattr(renderer, "launch_bytes", 0), getattr(renderer, "latency_bytes", 0))
 
   @property

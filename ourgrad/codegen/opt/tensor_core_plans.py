@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from ourgrad.codegen.kernel import Kernel, KernelOptError, tensor_core_operands
+from ourgrad.codegen.kernel import Kernel, KernelOptError
+from ourgrad.codegen.tensor_core_layout import tensor_core_operands
 from ourgrad.codegen.opt import matmul_grid
 from ourgrad.codegen.opt.plans import Plan, Strategy, gpu_reduce, register_plan
-from ourgrad.codegen.opts import TC_TILE_STAGES, Opt, OptOps
+from ourgrad.codegen.opts import TC_TILE_STAGES, Opt, OptOps, TileStages
 from ourgrad.codegen.wgmma_tiles import WgmmaTile
 from ourgrad.helpers import DEBUG, prod
 from ourgrad.ops import Ops
@@ -146,8 +147,8 @@ class TensorCorePlan(Plan):
 
 
 def _shared_stages_opt(stages: int) -> Opt:
-  """SHARED after TC: its amount is the stages (0: the default, TC_TILE_STAGES)."""
-  return Opt(OptOps.SHARED, 0, 0 if stages == TC_TILE_STAGES else stages)
+  """SHARED after TC: the tiles' stages."""
+  return Opt(OptOps.SHARED, 0, 0, TileStages(stages))
 
 
 # the unstaged kernel's warp tile (m tiles x n tiles; n is tried at 4 then 2) and a block's warps (along m x along n)

@@ -20,14 +20,16 @@ memory and no barrier: the tile is transposed in registers.
 An axis whose size the tile does not divide is padded to the block's extent along it (PADTO: masked loads and
 stores at the edge); where that would pad more than half of it, or an axis is shorter than a sector, the kernel is
 left to the plain default. `TransposeTile` is the plan (which axes, upcasts, lanes and paddings), `plan_for` finds
-it, `transpose_tiles` applies it; `warp_sectors` counts the sectors each load and store of lowered UOps touches in
-one warp (the coalescing model behind the lane split, read from the real index expressions).
+it, `TransposeTileStrategy` is the heuristic's strategy (`transpose_tiles` applies it in place); `warp_sectors`
+counts the sectors each load and store of lowered UOps touches in one warp (the coalescing model behind the lane
+split, read from the real index expressions).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
+from ourgrad.codegen.opt.plans import Plan, Strategy, gpu_elementwise, register_plan
 from ourgrad.codegen.uops import UOp, UOps
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import power_of_two_divisor, prod
@@ -45,8 +47,9 @@ WARP_LANES = 32
 BLOCK_THREADS = 256
 
 
+@register_plan
 @dataclass(frozen=True)
-class TransposeTile:
+class TransposeTile(Plan):
   """How a transposing elementwise kernel is tiled: its output's contiguous axis and an input's, the elements of each
   a thread holds (upcast), the threads of a block along each (lanes; the output axis's lanes are the launch's x), and
   the multiple each axis is padded to first (1: none)."""
@@ -63,6 +66,10 @@ class TransposeTile:
     """The PADTO opts (they keep every axis's number)."""
     return [Opt(OptOps.PADTO, axis, multiple) for axis, multiple in ((self.out_axis, self.out_pad),
                                                                       (self.in_axis, self.in_pad)) if multiple > 1]
+
+  def apply(self, kernel: Kernel) -> bool:
+    """The paddings, then the upcasts and threads."""
+    return all(kernel.try_opt(pad) for pad in self.pads()) and kernel.try_output_opts(self.output_opts())
 
   def output_opts(self) -> list[Opt]:
     """Both upcasts, then the output axis's threads before the input axis's (the LOCAL applied first becomes the
@@ -168,15 +175,25 @@ def plan_for(kernel: Kernel) -> TransposeTile | None:
                        in_tiling[1])
 
 
+class TransposeTileStrategy(Strategy):
+  """A GPU elementwise kernel that transposes (module docstring): the register-tile plan `plan_for` finds."""
+  name = "transpose_tiles"
+
+  def applies(self, kernel: Kernel) -> bool: return gpu_elementwise(kernel)
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    plan = plan_for(kernel)
+    if plan is None: return None
+    trial = kernel.copy()
+    return (plan, trial) if plan.apply(trial) else None   # an opt may not apply (a renderer limit)
+
+
 def transpose_tiles(kernel: Kernel) -> bool:
-  """Apply the register-tile plan where `plan_for` finds one; False (the kernel untouched) where it finds none or
-  an opt does not apply (a renderer limit)."""
-  plan = plan_for(kernel)
-  if plan is None: return False
-  trial = kernel.copy()
-  if not all(trial.try_opt(pad) for pad in plan.pads()) or not trial.try_output_opts(plan.output_opts()): return False
-  kernel.__dict__.update(trial.__dict__)
-  return True
+  """Apply the register-tile plan in place where `plan_for` finds one; False (the kernel untouched) where it finds
+  none or an opt does not apply."""
+  chosen = TransposeTileStrategy().choose(kernel)
+  if chosen is not None: kernel.__dict__.update(chosen[1].__dict__)
+  return chosen is not None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ thread blocks from the innermost axes whose sizes are powers of two, which in MN
 channels: threadIdx.x walked the channels, so a warp's loads were 576 floats apart (H100, the first pool forward
 and backward: 21-23% of copy bandwidth, 288 blocks of 128 threads).
 
-`window_tiles(kernel)` instead:
+`window_plan(kernel)` (the heuristic's "window" strategy, a ThreadWalkStrategy) instead:
 - unrolls the window (every reduce axis, whole): no loop, the window's loads all in flight at once;
 - puts a block's threads along the output axis the output is contiguous on, then the next axes outward while the
   output stays contiguous over them, each taken whole while it fits (WINDOW_BLOCK_THREADS): a warp then stores 32
@@ -21,12 +21,15 @@ and backward: 21-23% of copy bandwidth, 288 blocks of 128 threads).
   (extra/bench/bench_window.py; docs/codegen.md has the table: the first pool 17.9 -> 5.6 us forward, 19.6 -> 6.5 us
   for the backward's tie count, 71-72% of copy bandwidth).
 
-`elementwise_rows(kernel)` gives the elementwise kernels around a pool (its backward over rows of 24) the same thread
-walk with float4 columns.
+`elementwise_rows_plan(kernel)` (its "elementwise_rows" strategy) gives the elementwise kernels around a pool (its
+backward over rows of 24) the same thread walk with float4 columns. Both plans are a ThreadWalkPlan.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
+from ourgrad.codegen.opt.plans import Plan, Strategy, gpu_elementwise, gpu_reduce, register_plan
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import MemBuffer
 
@@ -131,40 +134,81 @@ def _partial_threads(size: int, threads: int, limit: int) -> int:
   return max(powers or fitting, default=1)
 
 
-def window_tiles(kernel: Kernel) -> bool:
-  """Apply the small-window defaults (module docstring) where `is_window_reduce`; False (the kernel untouched)
-  where the kernel is not one or the opts do not apply."""
-  if not is_window_reduce(kernel): return False
+@register_plan
+@dataclass(frozen=True)
+class ThreadWalkPlan(Plan):
+  """A block's threads walking the output from its contiguous axis outward (window_tiles, elementwise_rows): `unrolled`
+  reduce axes unrolled whole first (a window; 0: none), `lanes` an UPCAST (axis, amount) of neighbouring outputs per
+  thread (elementwise rows; (): none), `threads` the LOCAL (axis, threads) pairs innermost first, numbered as the
+  kernel was before the first (Kernel.try_output_opts), and `outer` an UPCAST (axis, amount) of an outer axis after
+  them ((): none)."""
+  unrolled: int = 0
+  lanes: tuple[int, ...] = ()
+  threads: tuple[tuple[int, int], ...] = ()
+  outer: tuple[int, ...] = ()
+
+  def apply(self, kernel: Kernel) -> bool:
+    before = [Opt(OptOps.UNROLL, 0, 0)] * self.unrolled + ([Opt(OptOps.UPCAST, *self.lanes)] if self.lanes else [])
+    if not all(kernel.try_opt(opt) for opt in before): return False
+    if not kernel.try_output_opts([Opt(OptOps.LOCAL, axis, amount) for axis, amount in self.threads]): return False
+    return not self.outer or kernel.try_opt(Opt(OptOps.UPCAST, *self.outer))
+
+
+class ThreadWalkStrategy(Strategy):
+  """The thread walk of this module (ThreadWalkPlan) for a small-window reduce (`window`: window_plan) or for an
+  elementwise kernel over short rows (elementwise_rows_plan): one strategy, two places in the heuristic's order."""
+
+  def __init__(self, window: bool):
+    self.window, self.name = window, "window" if window else "elementwise_rows"
+
+  def applies(self, kernel: Kernel) -> bool: return gpu_reduce(kernel) if self.window else gpu_elementwise(kernel)
+
+  def choose(self, kernel: Kernel) -> tuple[Plan, Kernel] | None:
+    return window_plan(kernel) if self.window else elementwise_rows_plan(kernel)
+
+
+def window_plan(kernel: Kernel) -> tuple[ThreadWalkPlan, Kernel] | None:
+  """The small-window plan (module docstring) and its kernel where `is_window_reduce` and the opts apply; None
+  (the kernel untouched) otherwise."""
+  if not is_window_reduce(kernel): return None
   trial = kernel.copy()
   # the window unrolled whole, innermost reduce axis last (the fastest lanes walk neighbouring elements)
+  unrolled = 0
   while trial.first_upcast > trial.first_loop_reduce:
-    if not trial.try_opt(Opt(OptOps.UNROLL, 0, 0)): return False
-  plan = thread_axes(trial)
-  if not plan: return False
+    if not trial.try_opt(Opt(OptOps.UNROLL, 0, 0)): return None
+    unrolled += 1
+  threads = thread_axes(trial)
+  if not threads: return None
   # LOCAL axes numbered as the kernel was before the first (try_output_opts); applied innermost first, the first
   # becoming the launch's x
-  if not trial.try_output_opts([Opt(OptOps.LOCAL, axis, amount) for axis, amount in plan]): return False
-  _outer_upcast(trial)
-  kernel.__dict__.update(trial.__dict__)
-  return True
+  if not trial.try_output_opts([Opt(OptOps.LOCAL, axis, amount) for axis, amount in threads]): return None
+  return ThreadWalkPlan(unrolled, (), tuple(threads), _outer_upcast(trial)), trial
 
 
-def _outer_upcast(kernel: Kernel) -> None:
+def window_tiles(kernel: Kernel) -> bool:
+  """Apply the small-window defaults (window_plan) in place; False (the kernel untouched) where they do not apply."""
+  chosen = window_plan(kernel)
+  if chosen is not None: kernel.__dict__.update(chosen[1].__dict__)
+  return chosen is not None
+
+
+def _outer_upcast(kernel: Kernel) -> tuple[int, ...]:
   """UPCAST the outermost global axis that WINDOW_OUTER_UPCAST divides, where every multiprocessor still keeps
   WINDOW_THREADS_PER_PROCESSOR threads after it (a thread then computes outputs a whole image or channel apart: each
-  of its loads stays coalesced across the warp)."""
+  of its loads stays coalesced across the warp). The (axis, amount) applied; () where none."""
   amount = WINDOW_OUTER_UPCAST
   processors = getattr(kernel.renderer, "multiprocessors", 0)
-  if amount < 2 or processors <= 0: return
+  if amount < 2 or processors <= 0: return ()
   threads = prod(kernel.full_shape[:kernel.first_reduce])
-  if threads // amount < processors * WINDOW_THREADS_PER_PROCESSOR: return
+  if threads // amount < processors * WINDOW_THREADS_PER_PROCESSOR: return ()
   for axis in range(kernel.global_dims):
-    if kernel.full_shape[axis] % amount == 0 and kernel.try_opt(Opt(OptOps.UPCAST, axis, amount)): return
+    if kernel.full_shape[axis] % amount == 0 and kernel.try_opt(Opt(OptOps.UPCAST, axis, amount)): return axis, amount
+  return ()
 
 
 # ---------------------------------------------------------------- the elementwise kernels around a pool
 
-def elementwise_rows(kernel: Kernel) -> bool:
+def elementwise_rows_plan(kernel: Kernel) -> tuple[ThreadWalkPlan, Kernel] | None:
   """A GPU elementwise kernel whose output rows have a power-of-two part shorter than a warp (a pool's backward over
   24 x 24 images: 8). The plain default (heuristic._elementwise_rows) takes float4 columns only from rows of 128
   floats and otherwise gives each thread 4 outputs of an outer axis with blocks from power-of-two parts of the
@@ -177,25 +221,31 @@ def elementwise_rows(kernel: Kernel) -> bool:
     reuse, codegen/uops.py); H100, MNIST's pool backward over 24 x 24 images: 11.4 us instead of 12.6 with 4 images
     per thread (bench_window.py, run 1, before that reuse);
   - else outputs of an outer axis (an image apart: each scalar load stays coalesced across the warp).
-  False (the kernel untouched) where it does not apply."""
+  None (the kernel untouched) where it does not apply."""
   renderer, width = kernel.renderer, getattr(kernel.renderer, "vector_width", 0)
-  if not renderer.has_threads or kernel.reduceop is not None or kernel.applied_opts or width < 2: return False
-  if prod(kernel.full_shape) < WINDOW_MIN_OUTPUTS: return False
+  if not renderer.has_threads or kernel.reduceop is not None or kernel.applied_opts or width < 2: return None
+  if prod(kernel.full_shape) < WINDOW_MIN_OUTPUTS: return None
   columns = _contiguous_output_axis(kernel)
-  if columns is None or kernel.sts[0].real_strides()[columns] != 1: return False
+  if columns is None or kernel.sts[0].real_strides()[columns] != 1: return None
   size = kernel.full_shape[columns]
   # rows whose power-of-two part is a warp or more keep the plain default: its blocks already give each warp 32
   # neighbouring columns (transformer rows of 64, rows of 128 and more as float4 columns)
-  if power_of_two_divisor(size, WARP_LANES) >= WARP_LANES: return False
+  if power_of_two_divisor(size, WARP_LANES) >= WARP_LANES: return None
   lanes_axis = columns if size % width == 0 else _outer_axis(kernel, columns, width)
-  if lanes_axis is None: return False
+  if lanes_axis is None: return None
   trial = kernel.copy()
-  if not trial.try_opt(Opt(OptOps.UPCAST, lanes_axis, width)): return False
-  plan = thread_axes(trial)
-  if prod(amount for _, amount in plan) < WINDOW_BLOCK_THREADS // 2: return False
-  if not trial.try_output_opts([Opt(OptOps.LOCAL, axis, amount) for axis, amount in plan]): return False
-  kernel.__dict__.update(trial.__dict__)
-  return True
+  if not trial.try_opt(Opt(OptOps.UPCAST, lanes_axis, width)): return None
+  threads = thread_axes(trial)
+  if prod(amount for _, amount in threads) < WINDOW_BLOCK_THREADS // 2: return None
+  if not trial.try_output_opts([Opt(OptOps.LOCAL, axis, amount) for axis, amount in threads]): return None
+  return ThreadWalkPlan(0, (lanes_axis, width), tuple(threads)), trial
+
+
+def elementwise_rows(kernel: Kernel) -> bool:
+  """Apply elementwise_rows_plan in place; False (the kernel untouched) where it does not apply."""
+  chosen = elementwise_rows_plan(kernel)
+  if chosen is not None: kernel.__dict__.update(chosen[1].__dict__)
+  return chosen is not None
 
 
 def _outer_axis(kernel: Kernel, columns: int, amount: int) -> int | None:
