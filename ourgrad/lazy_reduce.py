@@ -39,15 +39,19 @@ def split_large_reduce(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...],
   plan_split, from its multiprocessors and resident threads); this applies it. None where nothing splits."""
   if prod(out_shape) == 0 or any(is_symbolic(size) for size in lazy.shape) or lazy.device.startswith("DISK"):
     return None
+  # (asked once: every reduce built makes this decision, and the device lookup is most of a small one's cost)
+  renderer = Device[lazy.device].renderer
+  gpu = renderer if renderer.runs_thread_blocks else None
   # a float32 matmul with many outputs splits its K by the grid model; its few parts are added elementwise
-  grid_parts = _matmul_split_parts(lazy, axes, out_shape)
+  if gpu is not None: grid_parts = _matmul_split_parts(lazy, gpu, axes, out_shape)
+  else: grid_parts = _cpu_matmul_split_parts(lazy, axes)
   if grid_parts is not None: plan = ReduceSplit(max(axes, key=lambda a: lazy.shape[a]), grid_parts, True)
   else:
     # the loads a value takes bound a GPU thread's loads in flight (only GPUs ask, and only where a split is still
-    # open after the cheap checks: the walk costs eager time)
-    loads = (lambda: len(_fused_loads(lazy))) if _gpu_renderer(lazy) is not None else 1
-    plan = plan_split(Device[lazy.device].renderer, lazy.shape, axes, _reduce_kind(lazy, axes), lazy.dtype.itemsize,
-                      loads)
+    # open after the cheap checks: the walk costs eager time). A CPU's plan reads neither the loads nor the kind
+    loads = (lambda: len(_fused_loads(lazy))) if gpu is not None else 1
+    kind = _reduce_kind(lazy, axes) if gpu is not None else ReduceKind.ROWS
+    plan = plan_split(renderer, lazy.shape, axes, kind, lazy.dtype.itemsize, loads)
     if plan is None: return None
   axis, parts = plan.axis, plan.parts
   size = lazy.shape[axis]
@@ -95,21 +99,13 @@ def _split_rows(lazy: LazyBuffer, split: LazyBuffer, axes: tuple[int, ...], axis
   return split, inner_axes, (axis + 1 if axis > at else axis, at)
 
 
-def _gpu_renderer(lazy: LazyBuffer) -> Any:
-  """The renderer of this buffer's device where it runs thread blocks (a GPU: split reduces pay off), else None."""
-  if lazy.device.startswith("DISK"): return None
-  renderer = Device[lazy.device].renderer
-  return renderer if renderer.runs_thread_blocks else None
-
-
-def _matmul_split_parts(lazy: LazyBuffer, axes: tuple[int, ...], out_shape: tuple[int, ...]) -> int | None:
-  """Split-K across blocks for a float32 matmul with many outputs on a GPU (MATMUL_GRID; see _dense_matmul_dims):
-  the parts that matmul_grid.split_k_parts predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's feed-forward: 48
-  blocks of 128x128 on 132 multiprocessors, 96 with the reduce in 2 parts), at most MATMUL_SUM_PARTS. None: no
-  split (a matmul with few outputs splits by split_reduce.plan_split)."""
-  if _gpu_renderer(lazy) is None: return _cpu_matmul_split_parts(lazy, axes)
-  renderer = _gpu_renderer(lazy)
-  if not MATMUL_GRID.value or renderer is None or not _matmul_like_reduce(lazy, axes): return None
+def _matmul_split_parts(lazy: LazyBuffer, renderer: Any, axes: tuple[int, ...],
+                        out_shape: tuple[int, ...]) -> int | None:
+  """Split-K across blocks for a float32 matmul with many outputs on a GPU (`renderer`, MATMUL_GRID; see
+  _dense_matmul_dims): the parts that matmul_grid.split_k_parts predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's
+  feed-forward: 48 blocks of 128x128 on 132 multiprocessors, 96 with the reduce in 2 parts), at most
+  MATMUL_SUM_PARTS. None: no split (a matmul with few outputs splits by split_reduce.plan_split)."""
+  if not MATMUL_GRID.value or not _matmul_like_reduce(lazy, axes): return None
   if leaves_device_idle(SplitFacts.of(renderer), ReduceKind.MATMUL, prod(out_shape)): return None
   dims = _dense_matmul_dims(lazy, axes)
   if dims is None: return None
