@@ -318,6 +318,10 @@ def fmt_size(num_bytes: float) -> str:
   return f"{num_bytes/1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes/1e6:.2f} MB"
 
 
+GC_FREEZE_IMPORT = env_var("GC_FREEZE_IMPORT", 1, "1: `import ourgrad` ends with gc.freeze(): the objects alive "
+                           "then (the modules, functions and classes of ourgrad and what it imports) leave the cyclic "
+                           "collector's generations, so its full passes no longer scan them (docs/jit.md, the schedule "
+                           "cache); 0: the collector is left as it is")
 NO_COLOR = env_var("NO_COLOR", "", "set (to anything): no ANSI colours in DEBUG output (https://no-color.org); "
                    "colours are also off when stdout is not a terminal")
 

@@ -21,6 +21,9 @@ calling thread, the wall time with every compiled kernel replaced by a no-op; be
 profiled steps run with those no-ops too, so the phases add up to Python time (cProfile's overhead inflates each phase:
 read the shares, and the unprofiled "Python per step" for the absolute figure).
 
+Beside them, the thread CPU time the cyclic garbage collector took per call (gc.callbacks; GC_FREEZE_IMPORT=0 shows
+it without the import-time freeze, ourgrad/__init__.py).
+
 Run: `python extra/bench/bench_eager.py` (the default device), `--device CLANG`, `--only op1,mlp`, `--no-torch`.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import os
 import pathlib
 import pstats
@@ -76,6 +80,22 @@ def host_kernels_disabled(enabled: bool) -> Iterator[None]:
     for runner, function in zip(runners, saved):
       runner.host_function = function
       getattr(runner, "_launchers", {}).clear()   # and those bound to `nothing`
+
+
+@contextlib.contextmanager
+def collector_time() -> Iterator[list[float]]:
+  """[thread CPU seconds the cyclic garbage collector ran in this block, collections], filled in as it runs."""
+  spent = [0.0, 0.0]
+  started = [0.0]
+
+  def note(phase: str, info: dict) -> None:
+    if phase == "start": started[0] = time.thread_time()
+    else: spent[0], spent[1] = spent[0] + time.thread_time() - started[0], spent[1] + 1
+  gc.callbacks.append(note)
+  try:
+    yield spent
+  finally:
+    gc.callbacks.remove(note)
 
 
 def cumulative(stats: pstats.Stats, suffix: str, name: str) -> float:
@@ -180,7 +200,9 @@ def bench(name: str, make: Callable[[str, int], Callable[[], Any]], device: str,
   host = device != "CUDA"
   with host_kernels_disabled(host):
     result["python"] = mean_seconds(step, sync if host else lambda: None, calls)
-    result["python_cpu"] = mean_seconds(step, sync if host else lambda: None, calls, time.thread_time)
+    with collector_time() as collector:
+      result["python_cpu"] = mean_seconds(step, sync if host else lambda: None, calls, time.thread_time)
+    result["gc"] = (collector[0] / (3 * calls), collector[1] / (3 * calls))   # (mean_seconds runs 3 x calls)
     sync()
     profile = cProfile.Profile()
     start = time.perf_counter()
@@ -208,6 +230,8 @@ def print_result(name: str, label: str, result: dict[str, Any]) -> None:
   print(f"wall per call {us(result['wall'])} | Python per call {us(result['python'])} (CPU time of the thread: "
         f"{us(result['python_cpu'])})"
         + (f" | PyTorch eager {us(result['torch'])}" if "torch" in result else ""))
+  print(f"cyclic garbage collector: {us(result['gc'][0])} of thread CPU time per call, {result['gc'][1]:.2f} "
+        f"collections per call (GC_FREEZE_IMPORT={os.environ.get('GC_FREEZE_IMPORT', '1')})")
   profiled = result["profiled"]
   print("| phase    | profiled us | share |\n| -------- | ----------- | ----- |")
   for phase in PHASES:
