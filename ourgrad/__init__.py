@@ -30,8 +30,11 @@ _tensor_module.__class__ = namespace.CallableModule  # ourgrad.tensor(data) is t
 # step, so the cyclic collector runs every step and a full pass every few dozen steps; a full pass scanned the ~30k
 # objects this import made (modules, functions, classes), which live until exit: most of the collector's time, 10-15%
 # of an eager MLP or CNN step's Python time on the CPU. Frozen, they are never scanned again; nothing else changes
-# (an object frozen here that later becomes cyclic garbage is not reclaimed: import-time objects are not)
-if _helpers.GC_FREEZE_IMPORT: _gc.freeze()
+# (an object frozen here that later becomes cyclic garbage is not reclaimed: import-time objects do not). Collected
+# first (~20 ms once), so that garbage the importing program had not collected yet is not frozen with them
+if _helpers.GC_FREEZE_IMPORT:
+  _gc.collect()
+  _gc.freeze()
 
 __all__ = ["Tensor", "TinyJit", "dtypes", "DType", "Device", "GlobalCounters", "no_grad", "profile",
            "set_float32_matmul_precision", "get_float32_matmul_precision", "autocast", "get_autocast_dtype",

@@ -29,3 +29,19 @@ def test_import_freezes_what_it_made_only_when_asked(setting: str) -> None:
     assert int(frozen) > 5000 and int(frozen) > int(tracked)
   else:
     assert int(frozen) == 0
+
+
+def test_garbage_from_before_the_import_is_still_collected() -> None:
+  """A reference cycle dropped before `import ourgrad` is collected at the import, not frozen (and leaked)."""
+  # (automatic collections off: the import's own allocations would otherwise collect the cycle by chance)
+  probe = ("import gc, weakref\n"
+           "gc.disable()\n"
+           "class Node: pass\n"
+           "a, b = Node(), Node(); a.other, b.other = b, a\n"
+           "alive = weakref.ref(a); del a, b\n"
+           "import ourgrad\n"
+           "gc.collect(); print(alive() is None, gc.get_freeze_count() > 0)")
+  env = {**os.environ, "GC_FREEZE_IMPORT": "1", "PYTHONPATH": str(REPO_ROOT), "DEVICE": "PYTHON"}
+  out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
+                       cwd=REPO_ROOT)
+  assert out.stdout.split() == ["True", "True"]
