@@ -69,6 +69,13 @@ class Function:
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
     # of silently doing nothing)
     if ctx.requires_grad is not False and (Tensor.no_grad or not output.dtype.is_float): ctx.requires_grad = False
+    if type(output) is LazyBuffer and output.device == ctx.device:
+      # the result of nearly every op: a tensor around `output` as it is. Its four slots set here cost a fraction of
+      # Tensor.__init__'s checks (none applies: one device, no dtype change, a gradient only for floats)
+      result = object.__new__(Tensor)
+      result._lazydata, result.requires_grad, result.grad = output, ctx.requires_grad, None
+      result._ctx = ctx if ctx.requires_grad else None
+      return result
     result = Tensor(output, device=ctx.device, requires_grad=ctx.requires_grad)
     if ctx.requires_grad: result._ctx = ctx
     return result

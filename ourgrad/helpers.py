@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
+# (errors.py imports nothing: no cycle. A function-level import cost every axis normalization ~1 us)
+from ourgrad.errors import AxisError, PrecisionError
+
 T = TypeVar("T")
 
 
@@ -183,7 +186,6 @@ def set_float32_matmul_precision(precision: str) -> None:
   summed in float32; about 1e-3 relative error, several times faster). Kernels compiled, searched (BEAM) or captured
   (TinyJit) under one precision are not reused under the other. Overrides the TF32 environment variable."""
   if precision not in FLOAT32_MATMUL_PRECISIONS:
-    from ourgrad.errors import PrecisionError
     raise PrecisionError(f"float32 matmul precision {precision!r} is not one of {FLOAT32_MATMUL_PRECISIONS} "
                          f"('highest': full float32, 'high': TF32 tensor cores allowed)")
   _float32_matmul_precision[0] = precision
@@ -302,7 +304,7 @@ def make_tuple(value: int | Sequence[int], count: int) -> tuple[int, ...]:
 
 def normalize_axis(axis: int, ndim: int) -> int:
   """A possibly negative axis as a non-negative one; raises AxisError naming the valid range."""
-  from ourgrad.errors import AxisError
+  if 0 <= axis < ndim: return axis   # the common case, without building the range
   lo, hi = (-ndim, ndim - 1) if ndim > 0 else (-1, 0)
   if not lo <= axis <= hi:
     raise AxisError(f"axis {axis} is out of range for a tensor with {ndim} dimensions (expected {lo}..{hi})")
@@ -315,6 +317,10 @@ def fmt_size(num_bytes: float) -> str:
   return f"{num_bytes/1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes/1e6:.2f} MB"
 
 
+GC_FREEZE_IMPORT = env_var("GC_FREEZE_IMPORT", 1, "1: `import ourgrad` ends with gc.freeze(): the objects alive "
+                           "then (the modules, functions and classes of ourgrad and what it imports) leave the cyclic "
+                           "collector's generations, so its full passes no longer scan them (docs/jit.md, the schedule "
+                           "cache); 0: the collector is left as it is")
 NO_COLOR = env_var("NO_COLOR", "", "set (to anything): no ANSI colours in DEBUG output (https://no-color.org); "
                    "colours are also off when stdout is not a terminal")
 

@@ -23,13 +23,9 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
-from ourgrad.codegen.opt.cpu_tiles import (cpu_gathered_pack, cpu_gathered_reduce_parts, cpu_pack_columns,
-                                          cpu_reduce_parts)
-from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
-from ourgrad.codegen.opt.matmul_grid import split_k_parts, wgmma_split_parts
-from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
-from ourgrad.helpers import MATMUL_GRID, prod, tf32_allowed
-from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, ELEMENTWISE_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
+from ourgrad.lazy_reduce import cpu_packed_gathered, cpu_packed_matmul, split_large_reduce
+from ourgrad.helpers import prod
+from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
@@ -38,12 +34,6 @@ _READERS_LOCK = threading.Lock()
 
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
-# a split matmul with many outputs (MATMUL_GRID) sums at most this many parts by elementwise adds in its consumer
-MATMUL_SUM_PARTS = 8
-# a matmul-like split whose parts are single slices of the split axis (MNIST's conv1 weight gradient: 256 parts, one
-# image each) also splits its second-longest reduce axis (the image rows) into this many row parts, where they divide
-# it: more blocks for a kernel that has one per image (1: no row split)
-GPU_SPLIT_ROW_PARTS = 1
 
 
 # (dtype, value's type, value, sign) -> truncate(dtype, value). Every step makes the same constants again (learning
@@ -260,7 +250,8 @@ class LazyBuffer:
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
     """Reduce over `axes`; the result keeps them as size-1 dimensions. `split`: the device may run it as two
-    kernels (_split_large_reduce); False for the stages of such a split (sized to fill the device already)."""
+    kernels (lazy_reduce.split_large_reduce); False for the stages of such a split (sized to fill the device
+    already)."""
     if op not in REDUCE_OPS: raise AssertionError(f"{op} is not a reduce op")
     axes = tuple(sorted(axis for axis in axes if self.shape[axis] != 1))
     if not axes: return self
@@ -271,211 +262,10 @@ class LazyBuffer:
     if value is not None and not (op is Ops.SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
       return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
-    if op is Ops.SUM and (packed := self._cpu_packed_matmul(axes)) is not None: return packed
-    if op is Ops.SUM and (packed := self._cpu_packed_gathered(axes)) is not None: return packed
-    if split and (split_reduce := self._split_large_reduce(op, axes, out_shape)) is not None: return split_reduce
+    if op is Ops.SUM and (packed := cpu_packed_matmul(self, axes)) is not None: return packed
+    if op is Ops.SUM and (packed := cpu_packed_gathered(self, axes)) is not None: return packed
+    if split and (split_reduce := split_large_reduce(self, op, axes, out_shape)) is not None: return split_reduce
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
-
-  def _split_large_reduce(self, op: Ops, axes: tuple[int, ...], out_shape: tuple[int, ...]) -> LazyBuffer | None:
-    """A reduce of many elements into few outputs runs as two: first into `parts` partial results per output,
-    then over the parts. One output per thread would leave a GPU (or the CPU's other cores) idle; the partial
-    results give each output `parts` threads of work. The decision is the device's (codegen/opt/split_reduce.py
-    plan_split, from its multiprocessors and resident threads); this applies it. None where nothing splits."""
-    if prod(out_shape) == 0 or any(is_symbolic(size) for size in self.shape) or self.device.startswith("DISK"):
-      return None
-    # a float32 matmul with many outputs splits its K by the grid model; its few parts are added elementwise
-    grid_parts = self._matmul_split_parts(axes, out_shape)
-    if grid_parts is not None: plan = ReduceSplit(max(axes, key=lambda a: self.shape[a]), grid_parts, True)
-    else:
-      # the loads a value takes bound a GPU thread's loads in flight (only GPUs ask, and only where a split is still
-      # open after the cheap checks: the walk costs eager time)
-      loads = (lambda: len(_fused_loads(self))) if self._gpu_renderer() is not None else 1
-      plan = plan_split(Device[self.device].renderer, self.shape, axes, self._reduce_kind(axes), self.dtype.itemsize,
-                        loads)
-      if plan is None: return None
-    axis, parts = plan.axis, plan.parts
-    size = self.shape[axis]
-    split = self.reshape(self.shape[:axis] + (parts, size // parts) + self.shape[axis + 1:])
-    # after the split, `axis` holds the parts and axis+1 the elements within a part
-    inner_axes = tuple(a + 1 if a >= axis else a for a in axes)
-    parts_axes = (axis,)
-    if plan.parts_outermost and grid_parts is None:
-      split, inner_axes, parts_axes = self._split_rows(split, axes, axis, inner_axes)
-    if plan.parts_outermost and parts_axes != tuple(range(len(parts_axes))):
-      split, inner_axes = _parts_outermost(split, parts_axes, inner_axes)
-    # a GPU plan's stages are sized to fill the device: neither splits again (a CPU's may, for a huge full sum)
-    again = not plan.parts_outermost
-    partials = split.reduce(op, inner_axes, split=again)
-    if grid_parts is not None: return _sum_parts(partials).reshape(out_shape)
-    parts_reduced = tuple(range(len(parts_axes))) if plan.parts_outermost else (axis,)
-    return partials.reduce(op, parts_reduced, split=again).reshape(out_shape)
-
-  def _reduce_kind(self, axes: tuple[int, ...]) -> ReduceKind:
-    """How a GPU kernel lays this reduce's outputs on threads (split_reduce.ReduceKind): MATMUL where matmul-like,
-    ROWS where the innermost axis in memory (stride 1 in this view; the last axis of a base) is reduced, else
-    COLUMNS."""
-    if self._matmul_like_reduce(axes): return ReduceKind.MATMUL
-    strides = self.st.real_strides() if not self.is_base else strides_for_shape(self.shape)
-    innermost = next((a for a in reversed(range(len(self.shape))) if strides[a] == 1 and self.shape[a] != 1), None)
-    return ReduceKind.COLUMNS if innermost is not None and innermost not in axes else ReduceKind.ROWS
-
-  def _split_rows(self, split: LazyBuffer, axes: tuple[int, ...], axis: int,
-                  inner_axes: tuple[int, ...]) -> tuple[LazyBuffer, tuple[int, ...], tuple[int, ...]]:
-    """A GPU split's second parts axis (GPU_SPLIT_ROW_PARTS): where the parts of `axis` are single slices of it and
-    the reduce is matmul-like, the second-longest reduce axis (the image rows) split into row parts too. Returns the
-    input, its reduce axes and its parts axes (numbered in the returned input); unchanged where nothing splits."""
-    row_parts = GPU_SPLIT_ROW_PARTS
-    others = [a for a in axes if a != axis]
-    if row_parts < 2 or split.shape[axis + 1] != 1 or not others or not self._matmul_like_reduce(axes):
-      return split, inner_axes, (axis,)
-    row = max(others, key=lambda a: self.shape[a])
-    if self.shape[row] % row_parts: return split, inner_axes, (axis,)
-    at = row + 1 if row > axis else row   # the row axis in `split`'s numbering
-    split = split.reshape(split.shape[:at] + (row_parts, split.shape[at] // row_parts) + split.shape[at + 1:])
-    # `at` holds the row parts now (an output of the first kernel), at+1 the rows within a part (reduced)
-    inner_axes = tuple(a + 1 if a >= at else a for a in inner_axes)
-    return split, inner_axes, (axis + 1 if axis > at else axis, at)
-
-  def _gpu_renderer(self) -> Any:
-    """The renderer of this buffer's device where it runs thread blocks (a GPU: split reduces pay off), else None."""
-    if self.device.startswith("DISK"): return None
-    renderer = Device[self.device].renderer
-    return renderer if renderer.runs_thread_blocks else None
-
-  def _matmul_split_parts(self, axes: tuple[int, ...], out_shape: tuple[int, ...]) -> int | None:
-    """Split-K across blocks for a float32 matmul with many outputs on a GPU (MATMUL_GRID; see _dense_matmul_dims):
-    the parts that matmul_grid.split_k_parts predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's feed-forward: 48
-    blocks of 128x128 on 132 multiprocessors, 96 with the reduce in 2 parts), at most MATMUL_SUM_PARTS. None: no
-    split (a matmul with few outputs splits by split_reduce.plan_split)."""
-    if self._gpu_renderer() is None: return self._cpu_matmul_split_parts(axes)
-    renderer = self._gpu_renderer()
-    if not MATMUL_GRID.value or renderer is None or not self._matmul_like_reduce(axes): return None
-    if leaves_device_idle(SplitFacts.of(renderer), ReduceKind.MATMUL, prod(out_shape)): return None
-    dims = self._dense_matmul_dims(axes)
-    if dims is None: return None
-    processors = getattr(renderer, "multiprocessors", 0)
-    wgmma_itemsize = self._wgmma_split_itemsize(dims) if getattr(renderer, "has_wgmma", False) else None
-    if wgmma_itemsize == 0: return None   # WGMMA runs it whole (its split could not: see _wgmma_split_itemsize)
-    if wgmma_itemsize is not None:
-      parts = wgmma_split_parts(1, *dims, wgmma_itemsize, processors, renderer.dynamic_local_memory_bytes)
-    else: parts = split_k_parts(1, *dims, processors)
-    return parts if 1 < parts <= MATMUL_SUM_PARTS else None
-
-  def _wgmma_split_itemsize(self, dims: tuple[int, int, int]) -> int | None:
-    """On a device with WGMMA, for this dense float32 matmul (_dense_matmul_dims `dims`): the operand bytes the
-    WGMMA grid model splits it by (matmul_grid.wgmma_split_parts): 2 where both factors widen float16/bfloat16 data
-    (the instruction reads either layout), 4 where both are float32 read along K (TF32 allowed: it cannot transpose,
-    and operand staging, engine/operand_staging.py, stages no split's operands); 0 where WGMMA takes it only unsplit
-    (float32 factors to stage); None where WGMMA does not take it (sizes off its 64 tile, float32 without TF32)."""
-    m, n, _ = dims
-    if m % 64 or n % 64: return None
-    factors = self.base.srcs
-    low = [src.base.srcs[0].dtype for src in factors if src.base.op is Ops.CAST and src.base.srcs]
-    if len(low) == 2 and low[0] == low[1] and low[0] in (dtypes.float16, dtypes.bfloat16): return 2
-    if not all(src.dtype == dtypes.float32 for src in factors) or not tf32_allowed(): return None
-    along_k = all(len(src.st.views) == 1 and src.st.views[-1].strides[-1] == 1 for src in factors)
-    return 4 if along_k else 0
-
-  def _cpu_matmul_split_parts(self, axes: tuple[int, ...]) -> int | None:
-    """Reduce blocks for a float32 matmul on a CPU (cpu_tiles.cpu_reduce_parts): where the operand streamed along N
-    (read one row of it a reduce step) has rows so far apart in memory that its panel leaves the L2, the reduce goes
-    in parts of a length that stays. None: no split."""
-    if self.device.startswith("DISK") or self._dense_matmul_dims(axes) is None: return None
-    streamed = next(src for src in self.base.srcs if src.st.views[-1].strides[-2] != 0)
-    stride = streamed.st.views[-1].strides[-1]
-    if not isinstance(stride, int): return None
-    l2_bytes = getattr(Device[self.device].renderer, "l2_cache_bytes", 0)
-    parts = cpu_reduce_parts(self.shape[-1], abs(stride) * self.dtype.itemsize, l2_bytes)
-    return parts if parts > 1 else None
-
-  def _cpu_packed_matmul(self, axes: tuple[int, ...]) -> LazyBuffer | None:
-    """A float32 matmul on a CPU with its streamed operand B (one matrix, varying along N and K only) read from a
-    packed copy (cpu_tiles.cpu_pack_columns): B's column tiles one after another, each tile's panel contiguous in
-    reduce order. The product is summed over (..., M, N/T, T, K) and viewed back as (..., M, N, 1). None: not
-    packed (not a plain matmul, not a host CPU, or cpu_pack_columns declines)."""
-    if self.device.startswith("DISK") or (dims := self._dense_matmul_dims(axes)) is None: return None
-    renderer = Device[self.device].renderer
-    # only a host CPU's runtime tells its renderer the L2 size (runtime/ops_clang.py, ops_llvm.py)
-    if not getattr(renderer, "l2_cache_bytes", 0): return None
-    rows, columns, _ = dims
-    streamed, other = sorted(self.base.srcs, key=lambda src: src.st.views[-1].strides[-2] == 0)
-    if any(stride != 0 for stride in streamed.st.views[-1].strides[:-2]): return None
-    # an operand widened on load (autocast's bfloat16) would be packed at float32: twice the bytes the product reads
-    if streamed.base.op is Ops.CAST: return None
-    column_stride, reduce_stride = streamed.st.views[-1].strides[-2:]
-    if not isinstance(column_stride, int) or not isinstance(reduce_stride, int): return None
-    tile = cpu_pack_columns(rows, columns, column_stride, reduce_stride * self.dtype.itemsize, renderer.vector_bytes,
-                            renderer.vector_registers, self.dtype.itemsize)
-    if not tile: return None
-    *lead, reduce_length = self.shape
-    matrix = streamed.shrink(tuple((0, 1) for _ in lead[:-1]) + ((0, columns), (0, reduce_length)))
-    packed = matrix.reshape((columns // tile, tile, reduce_length)).permute((0, 2, 1)).contiguous()
-    tiled = (*lead[:-1], columns // tile, tile, reduce_length)
-    packed_view = packed.permute((0, 2, 1)).reshape((1,) * (len(lead) - 1) + tiled[-3:]).expand(tiled)
-    product = other.reshape(tiled).elementwise(Ops.MUL, packed_view)
-    return product.reduce(Ops.SUM, (len(tiled) - 1,)).reshape(self.shape[:-1] + (1,))
-
-  def _cpu_packed_gathered(self, axes: tuple[int, ...]) -> LazyBuffer | None:
-    """A float32 product summed on a host CPU (a convolution, its input or weight gradient) whose register tile would
-    gather its column vectors from scalar loads, with one factor read from a copy that has the tile's columns
-    innermost (cpu_tiles.cpu_gathered_pack: which factor, which axis). None: not packed."""
-    if self.dtype != dtypes.float32 or self.device.startswith("DISK") or any(is_symbolic(s) for s in self.shape):
-      return None
-    base = self.base
-    if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or len(base.srcs) != 2: return None
-    if base.op is not Ops.MUL or self._dense_matmul_dims(axes) is not None: return None
-    renderer = Device[self.device].renderer
-    # only a host CPU's runtime tells its renderer the L2 size (runtime/ops_clang.py, ops_llvm.py)
-    if not getattr(renderer, "l2_cache_bytes", 0): return None
-    # a factor widened on load (autocast's bfloat16) would be packed at float32: twice the bytes the product reads
-    packable = [len(src.st.views) == 1 and not (src.base.op is Ops.CAST and src.base.srcs[0].dtype.itemsize < 4)
-                for src in base.srcs]
-    if not any(packable): return None
-    choice = cpu_gathered_pack(self.shape, axes, [src.st.real_strides() for src in base.srcs], packable,
-                               renderer.vector_bytes, self.dtype.itemsize)
-    if choice is None: return None
-    index, column = choice
-    srcs = list(base.srcs)
-    srcs[index] = _packed_along(srcs[index], column)
-    product = srcs[0].elementwise(Ops.MUL, srcs[1])
-    # a reduce axis in parts whose operands stay in the L2 (cpu_tiles.cpu_gathered_reduce_parts)
-    operand_bytes = sum(src.base.size for src in srcs) * self.dtype.itemsize
-    output_bytes = prod(self.shape) // prod(self.shape[axis] for axis in axes) * self.dtype.itemsize
-    which, parts = cpu_gathered_reduce_parts([self.shape[axis] for axis in axes], operand_bytes, output_bytes,
-                                             renderer.l2_cache_bytes)
-    if parts == 1: return product.reduce(Ops.SUM, axes)
-    outer = axes[which]
-    split = product.reshape(self.shape[:outer] + (parts, self.shape[outer] // parts) + self.shape[outer + 1:])
-    inner_axes = tuple(axis + 1 if axis >= outer else axis for axis in axes)
-    # the parts outermost: every output tile of a part reads that part's operands from the L2
-    split, inner_axes = _parts_outermost(split, (outer,), inner_axes)
-    partials = split.reduce(Ops.SUM, inner_axes, split=False)
-    out_shape = tuple(1 if axis in axes else size for axis, size in enumerate(self.shape))
-    return partials.reduce(Ops.SUM, (0,), split=False).reshape(out_shape)
-
-  def _dense_matmul_dims(self, axes: tuple[int, ...]) -> tuple[int, int, int] | None:
-    """(M, N, K) of a float32 product (..., M, N, K) summed over K (the last axis), one factor varying along M and
-    not N, the other along N and not M (batch axes counted in M); None for any other reduce."""
-    if self.dtype != dtypes.float32 or len(self.shape) < 3 or axes != (len(self.shape) - 1,): return None
-    base = self.base
-    if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or len(base.srcs) != 2: return None
-    if base.op is not Ops.MUL: return None
-    sides = set()
-    for src in base.srcs:
-      strides = src.st.views[-1].strides
-      if strides[-1] == 0: return None
-      sides.add((strides[-3] != 0, strides[-2] != 0))
-    if sides != {(True, False), (False, True)}: return None
-    return prod(self.shape[:-2]), self.shape[-2], self.shape[-1]
-
-  def _matmul_like_reduce(self, axes: tuple[int, ...]) -> bool:
-    """The reduced value is a product whose register tiles pay off on a GPU (heuristic.register_tiles_pay_off: a
-    factor is a matrix operand reused across outputs, none is read whole): a matmul or a convolution's weight
-    gradient, not a LayerNorm's weight gradient."""
-    base = self.base
-    # the axes of the base's sources are this buffer's axes only where this is the base or a plain view of it
-    if not (self.is_base or (self.st.contiguous and base.shape == self.shape)) or base.op is not Ops.MUL: return False
-    return register_tiles_pay_off(self.shape, axes, [src.st.views[-1].strides for src in base.srcs])
 
   def contiguous(self) -> LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""
@@ -585,15 +375,14 @@ class LazyBuffer:
 
   def attention(self, key: LazyBuffer, value: LazyBuffer, causal: bool, scale: float) -> LazyBuffer:
     """Fused attention of this (B, H, L, D) query with (B, Hk, S, D) keys and values (H a multiple of Hk): one
-    buffer of this dtype: O laid out (B, L, H, D), then the bytes of the float32 natural-log logsumexp of each query
-    row, (B, H, L) (codegen/attention.py). Each operand is read in place through its strides where its view is one
-    unmasked View of a buffer; otherwise it is made contiguous first. The caller (tensor_attention.py) checks the
-    shapes."""
+    float32 buffer of O laid out (B, L, H, D) followed by the natural-log logsumexp of each query row, (B, H, L)
+    (codegen/attention.py). Each operand is read in place through its strides where its view is one unmasked View
+    of a buffer; otherwise it is made contiguous first. The caller (tensor_attention.py) checks the shapes."""
     operands = tuple(operand if _reads_in_place(operand) else operand.contiguous() for operand in (self, key, value))
     batch, heads, length, head_dim = self.shape
-    lse_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
-    return LazyBuffer.create_base(self.device, (batch * length * heads * head_dim + lse_elements,), self.dtype,
-                                  Ops.ATTENTION, (causal, float(scale)), operands)
+    elements = batch * length * heads * head_dim + batch * heads * length
+    return LazyBuffer.create_base(self.device, (elements,), dtypes.float32, Ops.ATTENTION, (causal, float(scale)),
+                                  operands)
 
   def attention_grads(self, key: LazyBuffer, value: LazyBuffer, forward: LazyBuffer, grad_out: LazyBuffer,
                       causal: bool, scale: float) -> tuple[LazyBuffer, LazyBuffer]:
@@ -776,63 +565,10 @@ def _fit_last(lazy: LazyBuffer, length: int, current: int) -> LazyBuffer:
   return lazy
 
 
-def _parts_outermost(split: LazyBuffer, parts_axes: tuple[int, ...],
-                     inner_axes: tuple[int, ...]) -> tuple[LazyBuffer, tuple[int, ...]]:
-  """A split reduce's input with its parts axes moved first (in order), and the reduce axes renumbered. The first
-  kernel's outputs are then (parts, outputs...): the output axes a GPU kernel tiles into registers and thread blocks
-  (a weight gradient's channels) stay the innermost ones, as without the split. With the parts innermost (a weight
-  gradient's batch comes after its channels and window offsets), the heuristic made the 32 parts a warp's threads,
-  each reading another image: MNIST's conv2 weight gradient took 0.180 ms on the H100 instead of 0.061."""
-  order = (*parts_axes, *(a for a in range(len(split.shape)) if a not in parts_axes))
-  moved = tuple(order.index(a) for a in inner_axes)
-  return split.permute(order), moved
-
-
-def _packed_along(operand: LazyBuffer, column: int) -> LazyBuffer:
-  """`operand` (one View, expanded along some axes) read from a contiguous copy of the values it varies along, laid
-  out with axis `column` innermost (lazy.py _cpu_packed_gathered), then viewed and expanded back to its shape."""
-  strides = operand.st.real_strides()
-  varying = [axis for axis, stride in enumerate(strides) if stride != 0]
-  values = operand.shrink(tuple((0, size) if axis in varying else (0, 1) for axis, size in enumerate(operand.shape)))
-  values = values.reshape(tuple(operand.shape[axis] for axis in varying))
-  order = tuple(place for place, axis in enumerate(varying) if axis != column) + (varying.index(column),)
-  packed = values.permute(order).contiguous()
-  unpacked = packed.permute(tuple(order.index(place) for place in range(len(order))))
-  kept = tuple(size if axis in varying else 1 for axis, size in enumerate(operand.shape))
-  return unpacked.reshape(kept).expand(operand.shape)
-
-
-def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
-  """A split matmul's partial results (parts first) summed by elementwise adds of one part each: they fuse into the
-  consumer (the bias and residual adds, a LayerNorm's row kernel), where a reduce over the parts would be a kernel of
-  its own. The first axis is left with size 1."""
-  shape = partials.shape
-  pieces = [partials.shrink(((part, part + 1),) + tuple((0, size) for size in shape[1:])) for part in range(shape[0])]
-  total = pieces[0]
-  for piece in pieces[1:]: total = total.elementwise(Ops.ADD, piece)
-  return total
-
-
 @functools.lru_cache(maxsize=1 << 12)
 def _broadcast_scalar(shape: tuple[int, ...]) -> ShapeTracker:
   """The tracker of a scalar broadcast to `shape` (LazyBuffer.full's view), remembered: made for every constant."""
   return ShapeTracker.from_shape(()).reshape((1,) * len(shape)).expand(shape)
-
-
-def _fused_loads(lazy: LazyBuffer) -> set[LazyBuffer]:
-  """The buffers an elementwise expression reads (the bases it reaches through elementwise ops that are not realized
-  or forced to be; constants are not loads): what a reduce of it loads for each element (split_reduce's model)."""
-  loads: set[LazyBuffer] = set()
-  seen: set[int] = set()
-  stack = [lazy.base]
-  while stack:
-    base = stack.pop()
-    if id(base) in seen: continue
-    seen.add(id(base))
-    fused = base.realized is None and not base.forced_realize and base.op in ELEMENTWISE_OPS
-    if fused: stack.extend(src.base for src in base.srcs)
-    elif base.op is not Ops.CONST: loads.add(base)
-  return loads
 
 
 def _is_lazy(buffer: LazyBuffer) -> bool:

@@ -252,7 +252,7 @@ def _weight_gradient(x: Tensor, grad: Tensor, kernel: tuple[int, ...], pads: lis
   grad = grad.reshape(batch, groups, per_group, 1, *outs, *([1] * dims))
   # the reduce axes (batch, output positions) moved last, so the sum is one kernel with no stored product; the
   # operands are permuted, not the product, so the reduce reads its MUL base directly and the lazy layer sees a
-  # matmul-like reduce (split-K on GPUs, LazyBuffer._matmul_like_reduce)
+  # matmul-like reduce (split-K on GPUs, lazy_reduce._matmul_like_reduce)
   order = (1, 2, 3, *range(4 + dims, 4 + 2 * dims), 0, *range(4, 4 + dims))
   product = windows.permute(*order) * grad.permute(*order)
   return product.sum(tuple(range(-1 - dims, 0))).reshape(out_channels, group_channels, *kernel)

@@ -1,7 +1,7 @@
 """CPU convolutions at both x86 SIMD widths: a convolution, its input gradient and its weight gradient read the operand
 whose register-tile columns would be gathered from scalar loads (the filter along its output or input channels, the
 output gradient along its channels) from a packed copy with those columns innermost (codegen/opt/cpu_tiles.py
-cpu_gathered_pack, lazy.py _cpu_packed_gathered), so the convolution's kernel loads vectors of contiguous columns.
+cpu_gathered_pack, lazy_reduce.cpu_packed_gathered), so the convolution's kernel loads vectors of contiguous columns.
 Each schedule is optimized for AVX2 (-march=x86-64-v3) and AVX-512 (-march=x86-64-v4), compiled by gcc at that width
 and, where this CPU has it, run and compared with PyTorch (odd sizes, strides, padding).
 """

@@ -13,7 +13,7 @@ import pytest
 
 from ourgrad import Tensor, dtypes
 from ourgrad.device import Device
-from ourgrad.errors import ShapeError
+from ourgrad.errors import AxisError, ShapeError
 from ourgrad.ops import Ops
 from ourgrad.helpers import DEBUG, ENV_VARS, env_var
 
@@ -161,3 +161,34 @@ def test_remembered_expand_raises_each_time_and_keeps_size_types_apart():
     np.testing.assert_array_equal(expanded.numpy(), np.broadcast_to(np.arange(3, dtype=np.float32)[:, None], (2, 3, 4)))
   # a float size raises whether or not the same sizes as ints were expanded before (the types are in the key)
   with pytest.raises(ShapeError): Tensor.ones(1).expand(4.0)
+
+
+@pytest.mark.parametrize("requires_grad", [True, False, None])
+def test_op_results_carry_the_autograd_state_tensor_init_gives(requires_grad):
+  """Function.apply makes its result without Tensor.__init__: the same slots as the general path (a gradient only for
+  float results outside no_grad, no .grad yet), and the values and gradient of numpy."""
+  values = np.array([[1.5, -2.0, 3.0]], dtype=np.float32)
+  x = Tensor(values, requires_grad=requires_grad)
+  y = x * 2 + 1
+  assert type(y) is Tensor and y.grad is None and bool(y.requires_grad) == bool(requires_grad)
+  assert (y._ctx is not None) == bool(requires_grad)
+  comparison = x > 0
+  assert comparison.requires_grad is False and comparison._ctx is None
+  with Tensor.no_grad_context():
+    assert (x * 2).requires_grad is False and (x * 2)._ctx is None
+  np.testing.assert_allclose(y.numpy(), values * 2 + 1)
+  if requires_grad:
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), np.full_like(values, 2.0))
+
+
+@pytest.mark.parametrize("axis", [-4, -3, -1, 0, 2, 3])
+def test_axes_normalize_like_numpy(axis):
+  values = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+  if -3 <= axis < 3:
+    np.testing.assert_allclose(Tensor(values).sum(axis).numpy(), values.sum(axis))
+  else:
+    with pytest.raises(AxisError):
+      Tensor(values).sum(axis)
+    with pytest.raises(np.exceptions.AxisError):
+      values.sum(axis)

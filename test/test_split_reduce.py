@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor, lazy
+from ourgrad import Tensor, lazy_reduce
 from ourgrad.codegen.kernel import Kernel, OptOps
 from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.linearizer import linearize
@@ -200,13 +200,13 @@ def _batchnorm_statistics_backward(device: str, shape: tuple[int, ...] = (256, 3
 def _split_plans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], int, split_reduce.ReduceSplit | None]]:
   """Records each split decision the lazy layer asks for: (shape, loads per element, the plan)."""
   plans: list = []
-  decide = lazy.plan_split
+  decide = lazy_reduce.plan_split
   def recorded(renderer, shape, axes, kind, itemsize, loads_per_element=1):  # noqa: ANN001, ANN202
     plan = decide(renderer, shape, axes, kind, itemsize, loads_per_element)
     # (the lazy layer passes the count as a function, asked only where the cheap checks leave a split open)
     plans.append((shape, loads_per_element() if callable(loads_per_element) else loads_per_element, plan))
     return plan
-  monkeypatch.setattr(lazy, "plan_split", recorded)
+  monkeypatch.setattr(lazy_reduce, "plan_split", recorded)
   return plans
 
 

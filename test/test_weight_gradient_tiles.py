@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import ourgrad.lazy as lazy
+import ourgrad.lazy_reduce as lazy_reduce
 from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel, OptOps
 from ourgrad.codegen.linearizer import linearize
@@ -136,11 +136,11 @@ def test_mnist_weight_gradients_on_cuda_match_torch(images: tuple[int, ...], wei
 @pytest.mark.parametrize("row_parts", [2, 4])
 def test_weight_gradient_split_across_image_rows_matches_torch(monkeypatch: pytest.MonkeyPatch,
                                                                row_parts: int) -> None:
-  """lazy.GPU_SPLIT_ROW_PARTS: with one image per part, the image rows split into row parts too (the partial sums
-  have images x row parts per output); the partial-sums kernel with the hand-coded tile gives its plain kernel's
+  """lazy_reduce.GPU_SPLIT_ROW_PARTS: with one image per part, the image rows split into row parts too (the partial
+  sums have images x row parts per output); the partial-sums kernel with the hand-coded tile gives its plain kernel's
   results on the emulated GPU, and the gradient matches PyTorch in float64."""
   _small_split(monkeypatch)
-  monkeypatch.setattr(lazy, "GPU_SPLIT_ROW_PARTS", row_parts)
+  monkeypatch.setattr(lazy_reduce, "GPU_SPLIT_ROW_PARTS", row_parts)
   x_data = rng.standard_normal((8, 1, 12, 12)).astype(np.float32)
   w_data = rng.standard_normal((8, 1, 5, 5)).astype(np.float32)
   upstream = rng.standard_normal((8, 8, 8, 8)).astype(np.float32)

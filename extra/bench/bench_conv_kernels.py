@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import ourgrad  # noqa: E402
 import ourgrad.codegen.halo_tiles as halo_tiles  # noqa: E402
-import ourgrad.lazy as lazy  # noqa: E402
+import ourgrad.lazy_reduce as lazy_reduce  # noqa: E402
 from ourgrad.codegen.opt import split_reduce  # noqa: E402
 import ourgrad.tensor_conv as tensor_conv  # noqa: E402
 from ourgrad import Tensor, dtypes  # noqa: E402
@@ -474,7 +474,7 @@ def bench_weight_gradients(device: str, iters: int, scale: int, beam: int, rows:
   stage (hand-coded), and the sum of the hand-coded pair with its GFLOP/s."""
   for partials, readers in weight_gradients(device, scale):
     bench_ast(partials, device, iters, beam, f"weight gradient (split part {split_reduce.MIN_PART_MATMUL}, "
-              f"row parts {lazy.GPU_SPLIT_ROW_PARTS})", rows=rows)
+              f"row parts {lazy_reduce.GPU_SPLIT_ROW_PARTS})", rows=rows)
     hand = Kernel(partials, Device[device].renderer)
     hand.hand_coded_optimizations()
     buffers = scratch_buffers(partials, device)
@@ -628,8 +628,9 @@ def main() -> None:
                       "(split_reduce.MIN_PART_MATMUL) to run --wgrad at, e.g. 128,256,512")
   parser.add_argument("--tf32", action="store_true", help="allow TF32 tensor cores for the float32 kernels "
                       "(ourgrad.set_float32_matmul_precision('high'); cuDNN's allow_tf32 for the PyTorch rows)")
-  parser.add_argument("--split-rows", default="", help="comma-separated row parts (lazy.GPU_SPLIT_ROW_PARTS: a split "
-                      "of one image per part also splits the image rows) to run --wgrad at, e.g. 1,2,4")
+  parser.add_argument("--split-rows", default="", help="comma-separated row parts "
+                      "(lazy_reduce.GPU_SPLIT_ROW_PARTS: a split of one image per part also splits the image rows) "
+                      "to run --wgrad at, e.g. 1,2,4")
   args = parser.parse_args()
   if args.tf32: ourgrad.set_float32_matmul_precision("high")
   os.environ["DEVICE"] = args.device   # the MNIST step makes its tensors on the default device
@@ -637,14 +638,14 @@ def main() -> None:
   # labels hold commas: "|" separates the parts where it is used
   rows = tuple(part for part in args.rows.split("|" if "|" in args.rows else ",") if part)
   if args.wgrad:
-    original, original_rows = split_reduce.MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS
+    original, original_rows = split_reduce.MIN_PART_MATMUL, lazy_reduce.GPU_SPLIT_ROW_PARTS
     try:
       for part in [int(size) for size in args.split_part.split(",") if size] or [original]:
         for row_parts in [int(count) for count in args.split_rows.split(",") if count] or [original_rows]:
-          split_reduce.MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = part, row_parts
+          split_reduce.MIN_PART_MATMUL, lazy_reduce.GPU_SPLIT_ROW_PARTS = part, row_parts
           bench_weight_gradients(args.device, args.iters, args.scale, args.beam, rows)
     finally:
-      split_reduce.MIN_PART_MATMUL, lazy.GPU_SPLIT_ROW_PARTS = original, original_rows
+      split_reduce.MIN_PART_MATMUL, lazy_reduce.GPU_SPLIT_ROW_PARTS = original, original_rows
     return
   if "mnist".startswith(args.only) or args.only in "mnist":
     for ast in mnist_step_asts(args.scale):

@@ -21,6 +21,9 @@ calling thread, the wall time with every compiled kernel replaced by a no-op; be
 profiled steps run with those no-ops too, so the phases add up to Python time (cProfile's overhead inflates each phase:
 read the shares, and the unprofiled "Python per step" for the absolute figure).
 
+Beside them, the thread CPU time the cyclic garbage collector took per call (gc.callbacks; GC_FREEZE_IMPORT=0 shows
+it without the import-time freeze, ourgrad/__init__.py).
+
 Run: `python extra/bench/bench_eager.py` (the default device), `--device CLANG`, `--only op1,mlp`, `--no-torch`.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import os
 import pathlib
 import pstats
@@ -43,6 +47,7 @@ from bench_jit import MLP, load_mnist_example, ourgrad_step, torch_mlp, torch_mn
 
 from ourgrad import Device, Tensor  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
+from ourgrad.helpers import GC_FREEZE_IMPORT  # noqa: E402
 
 # (phase, file suffix, function name): a phase's time is the cumulative time of its functions
 PHASE_FUNCTIONS = {
@@ -76,6 +81,22 @@ def host_kernels_disabled(enabled: bool) -> Iterator[None]:
     for runner, function in zip(runners, saved):
       runner.host_function = function
       getattr(runner, "_launchers", {}).clear()   # and those bound to `nothing`
+
+
+@contextlib.contextmanager
+def collector_time() -> Iterator[list[float]]:
+  """[thread CPU seconds the cyclic garbage collector ran in this block, collections], filled in as it runs."""
+  spent = [0.0, 0.0]
+  started = [0.0]
+
+  def note(phase: str, info: dict) -> None:
+    if phase == "start": started[0] = time.thread_time()
+    else: spent[0], spent[1] = spent[0] + time.thread_time() - started[0], spent[1] + 1
+  gc.callbacks.append(note)
+  try:
+    yield spent
+  finally:
+    gc.callbacks.remove(note)
 
 
 def cumulative(stats: pstats.Stats, suffix: str, name: str) -> float:
@@ -180,7 +201,9 @@ def bench(name: str, make: Callable[[str, int], Callable[[], Any]], device: str,
   host = device != "CUDA"
   with host_kernels_disabled(host):
     result["python"] = mean_seconds(step, sync if host else lambda: None, calls)
-    result["python_cpu"] = mean_seconds(step, sync if host else lambda: None, calls, time.thread_time)
+    with collector_time() as collector:
+      result["python_cpu"] = mean_seconds(step, sync if host else lambda: None, calls, time.thread_time)
+    result["gc"] = (collector[0] / (3 * calls), collector[1] / (3 * calls))   # (mean_seconds runs 3 x calls)
     sync()
     profile = cProfile.Profile()
     start = time.perf_counter()
@@ -208,6 +231,8 @@ def print_result(name: str, label: str, result: dict[str, Any]) -> None:
   print(f"wall per call {us(result['wall'])} | Python per call {us(result['python'])} (CPU time of the thread: "
         f"{us(result['python_cpu'])})"
         + (f" | PyTorch eager {us(result['torch'])}" if "torch" in result else ""))
+  print(f"cyclic garbage collector: {us(result['gc'][0])} of thread CPU time per call, {result['gc'][1]:.2f} "
+        f"collections per call (GC_FREEZE_IMPORT={os.environ.get('GC_FREEZE_IMPORT', '1')})")
   profiled = result["profiled"]
   print("| phase    | profiled us | share |\n| -------- | ----------- | ----- |")
   for phase in PHASES:
@@ -217,6 +242,15 @@ def print_result(name: str, label: str, result: dict[str, Any]) -> None:
   print("top functions by own time (profiled us per call, calls per call):")
   for where, seconds, count in result["top"]: print(f"  {seconds * 1e6:9.1f} {count:6d}  {where}")
   print()
+
+
+def freeze_torch_import() -> None:
+  """Import PyTorch (for its rows) before anything is timed, and freeze what its import made as `import ourgrad` does
+  for its own (GC_FREEZE_IMPORT): imported mid-run, its ~10^5 module objects were scanned by every full pass of the
+  collector in ourgrad's steps (the H200's CNN step: 2.7 ms of collector time a call), a cost of the comparison, not
+  of ourgrad's eager path."""
+  import torch  # noqa: F401
+  if GC_FREEZE_IMPORT: gc.freeze()
 
 
 def main() -> None:
@@ -229,6 +263,7 @@ def main() -> None:
   parser.add_argument("--top", type=int, default=12, help="functions listed by own time")
   parser.add_argument("--no-torch", action="store_true")
   args = parser.parse_args()
+  if not args.no_torch: freeze_torch_import()
   device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = device   # models and optimizer state are made on the default device
   # torch's libgomp spinning beside ourgrad's CPU kernels slowed them several times on a shared machine (bench_gpt2)

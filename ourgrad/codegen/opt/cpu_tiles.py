@@ -196,8 +196,9 @@ def cpu_matmul_tiles(kernel: Kernel) -> bool:
 
 def _column_tiles_axis(kernel: Kernel, columns_left: int | None, streamed: list[int]) -> int | None:
   """The output axis that steps from one column tile to the next once the tile's columns are upcast: what is left of
-  the columns axis (`columns_left`), or where the tile took it whole (a packed operand, lazy.py _cpu_packed_matmul:
-  (N/T, K, T)) the output axis along which only the `streamed` loads vary. None where there is none."""
+  the columns axis (`columns_left`), or where the tile took it whole (a packed operand, lazy_reduce.py
+  cpu_packed_matmul: (N/T, K, T)) the output axis along which only the `streamed` loads vary. None where there is
+  none."""
   if columns_left is not None: return columns_left
   loads = buffer_loads(kernel)
   for axis in range(kernel.global_dims):
