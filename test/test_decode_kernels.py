@@ -1,0 +1,129 @@
+"""The GPU defaults of a decode step's small kernels (codegen/opt/heuristic.py): lowered for CUDA's limits (PYTHON's
+`EMULATE=CUDA` mode), run in the interpreter and compared with numpy, their launch shapes pinned; the CUDA source
+is compiled with NVRTC where it loads.
+
+- A thin product's rows plan (`ThinMatmulStrategy`): enough GROUP threads per row to keep the GPU's warps busy, and,
+  where its narrow operand is recomputed on the loads (a batched decode step's SwiGLU silu(gate) * up before the down
+  projection), 4 wide rows per thread so that each recomputed value serves 4 rows.
+- A short reduce with few outputs (a decode step's attention scores: a 64-long dot product per head and cache slot)
+  splits its reduce over a warp instead of leaving a few 2-thread blocks to loop over it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ourgrad import Tensor, dtypes
+from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.opt.heuristic import ThinMatmulPlan, hand_coded_optimizations
+from ourgrad.codegen.uops import launch_dims
+from ourgrad.device import Buffer
+from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.schedule import ScheduleItem, create_schedule
+from ourgrad.ops import Ops
+from ourgrad.renderer.cuda import CUDARenderer
+from ourgrad.runtime.ops_python import PythonRenderer
+
+from extra.models.llama import rotate_pairs, rope_inputs
+from helpers import nvrtc_compiler
+
+NVRTC = nvrtc_compiler()
+
+
+def _kernel_item(out: Tensor) -> ScheduleItem:
+  """The last kernel of `out`'s schedule, the ones before it run (its inputs)."""
+  schedule = create_schedule([out.lazydata])
+  run_schedule(schedule[:-1])
+  assert schedule[-1].ast.op is not Ops.COPY
+  return schedule[-1]
+
+
+def _emulated(item: ScheduleItem) -> tuple[Kernel, np.ndarray]:
+  """The kernel with the CUDA defaults (lowered for the PYTHON device's CUDA emulation) and its output, its CUDA
+  source compiled by NVRTC where available."""
+  if NVRTC is not None:
+    cuda = Kernel(item.ast, CUDARenderer())
+    hand_coded_optimizations(cuda)
+    NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  hand_coded_optimizations(kernel)
+  runner = compile_kernel(kernel, "PYTHON")
+  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  runner((output,) + item.inputs)
+  return kernel, output.numpy()
+
+
+def _launch_threads(kernel: Kernel) -> int:
+  global_size, local_size = launch_dims(linearize(kernel))
+  return int(np.prod(global_size) * np.prod(local_size))
+
+
+def _silu(x: np.ndarray) -> np.ndarray: return x / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize("sequences, outputs, hidden", [(8, 40, 1024), (5, 24, 384), (8, 42, 256)],
+                         ids=["8x40x1024", "5x24x384", "8x42x256_rows_not_a_multiple_of_4"])
+def test_batched_swiglu_down_projection(sequences: int, outputs: int, hidden: int) -> None:
+  """x + (silu(gate) * up) @ W.T as a batched decode step builds it (the gate/up product x @ W_gu.T stored by its
+  kernel, SwiGLU recomputed on the down projection's loads) against numpy: 4 rows of W a thread where they divide, a
+  thread block of GROUP threads per row group."""
+  rng = np.random.default_rng(sequences * 100 + outputs)
+  x_np = rng.standard_normal((sequences, 1, outputs)).astype(np.float32)
+  w_gate_up_np = (rng.standard_normal((2 * hidden, outputs)) / np.sqrt(outputs)).astype(np.float32)
+  w_np = (rng.standard_normal((outputs, hidden)) / np.sqrt(hidden)).astype(np.float32)
+  x, w = Tensor(x_np, device="PYTHON"), Tensor(w_np, device="PYTHON").cast(dtypes.bfloat16).contiguous().realize()
+  gate, up = x.linear(Tensor(w_gate_up_np, device="PYTHON")).contiguous().chunk(2, dim=-1)
+  kernel, got = _emulated(_kernel_item(x + (gate.silu() * up).linear(w)))
+  w_rounded = w.cast(dtypes.float32).numpy()
+  product_np = x_np.astype(np.float64) @ w_gate_up_np.T.astype(np.float64)
+  hidden_np = _silu(product_np[..., :hidden]) * product_np[..., hidden:]
+  expected = x_np + hidden_np @ w_rounded.T.astype(np.float64)
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
+  assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.rows, kernel.plan
+  rows_per_thread = 4 if outputs % 4 == 0 else 1
+  assert kernel.plan.upcast == rows_per_thread
+  # few rows (a thread each would leave the GPU idle): GROUP threads doubled from a warp while each keeps >= 4 elements
+  assert kernel.plan.group == min(256, 1 << (hidden // 4).bit_length() - 1), kernel.plan
+  assert _launch_threads(kernel) == outputs // rows_per_thread * kernel.plan.group
+
+
+def test_plain_thin_product_keeps_a_row_per_thread() -> None:
+  """A batched product whose narrow operand is a plain load (the attention output before the output projection): no
+  rows upcast (it would only take threads away), more GROUP threads than a warp where the reduce is long enough."""
+  x = Tensor.empty(8, 1, 576, device="PYTHON")
+  w = Tensor.empty(576, 576, dtype=dtypes.bfloat16, device="PYTHON")
+  item = create_schedule([x.linear(w).lazydata])[-1]
+  kernel = Kernel(item.ast, CUDARenderer())
+  hand_coded_optimizations(kernel)
+  assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.upcast == 1 and kernel.plan.group == 64, kernel.plan
+
+
+@pytest.mark.parametrize("sequences, slots", [(1, 24), (2, 40)])
+def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
+  """q (rotated on its loads) . K over every cache slot, plus the mask, as a fixed-shape decode step builds it
+  (3 KV heads x 3 query heads, head_dim 64) against numpy: a warp per score, each lane a piece of the head dim."""
+  rng = np.random.default_rng(slots)
+  kv_heads, group, head_dim = 3, 3, 64
+  cache_np = rng.standard_normal((sequences, slots, 2 * kv_heads, head_dim)).astype(np.float32)
+  projected_np = rng.standard_normal((sequences, 1, kv_heads * group + 2 * kv_heads, head_dim)).astype(np.float32)
+  mask_np = np.where(rng.random((sequences, slots)) < 0.8, 0.0, -np.inf).astype(np.float32)
+  cos_np, sin_np = rope_inputs(np.arange(3, 3 + sequences), head_dim, 10000.0)
+  cache, projected = Tensor(cache_np, device="PYTHON"), Tensor(projected_np, device="PYTHON")
+  cos = Tensor(cos_np.reshape(sequences, 1, 1, head_dim), device="PYTHON")
+  sin = Tensor(sin_np.reshape(sequences, 1, 1, head_dim), device="PYTHON")
+  q = rotate_pairs(projected[:, :, :kv_heads * group], cos, sin)
+  keys = cache[:, :, :kv_heads].permute(0, 2, 3, 1)
+  scores = q.reshape(sequences, kv_heads, group, head_dim) @ keys * (1.0 / 8)
+  scores = scores + Tensor(mask_np, device="PYTHON").reshape(sequences, 1, 1, -1)
+  kernel, got = _emulated(_kernel_item(scores.contiguous()))
+  # numpy: the same interleaved-pair rotation (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)
+  q_np = projected_np[:, 0, :kv_heads * group].astype(np.float64)
+  swapped = q_np.reshape(sequences, -1, head_dim // 2, 2)[..., ::-1].reshape(q_np.shape)
+  rotated = q_np * cos_np[:, None] + swapped * sin_np[:, None]
+  keys_np = cache_np[:, :, :kv_heads].astype(np.float64)   # (S, slots, kv, hd)
+  expected = np.einsum("skgd,snkd->skgn", rotated.reshape(sequences, kv_heads, group, head_dim), keys_np) / 8
+  expected = expected + mask_np[:, None, None, :]
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+  assert any(opt.op.name == "GROUP" for opt in kernel.applied_opts), kernel.applied_opts
+  assert _launch_threads(kernel) == sequences * kv_heads * group * slots * 32
