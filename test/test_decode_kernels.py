@@ -10,10 +10,15 @@ is compiled with NVRTC where it loads.
 """
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 import numpy as np
 import pytest
 
 from ourgrad import Tensor, dtypes
+from ourgrad.device import Device
+from ourgrad.dtype import round_to_bfloat16
+from ourgrad.nn.gguf import GGML_Q8_0, PackedTensor, quantize_q8_0
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import ThinMatmulPlan, hand_coded_optimizations
@@ -25,8 +30,10 @@ from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from extra.models.llama import rotate_pairs, rope_inputs
+from extra.models.llama import Llama, LlamaConfig, cast_weights, rotate_pairs, rope_inputs
 from helpers import nvrtc_compiler
+from test_gguf_packed import numpy_dequantize
+from test_models import _tiny_weights, torch_llama_logits
 
 NVRTC = nvrtc_compiler()
 
@@ -127,3 +134,80 @@ def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
   np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
   assert any(opt.op.name == "GROUP" for opt in kernel.applied_opts), kernel.applied_opts
   assert _launch_threads(kernel) == sequences * kv_heads * group * slots * 32
+
+
+# A decode-shaped model small enough for the interpreter whose kernels take the plans above: head_dim 64 (the scores'
+# 64-long reduce), hidden 256 (a thin down projection: k >= 4 warps), dim 128 (a multiple of 4 rows and of Q8_0's 32)
+DECODE = LlamaConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=256, vocab_size=64, norm_eps=1e-5,
+                     rope_theta=10000.0, context_length=16)
+
+
+def _decode_weights(seed: int) -> dict[str, np.ndarray]:
+  """Random weights (test_models._tiny_weights) with norm weights that are powers of two: folded into the matrices
+  before a cast to bfloat16 they round exactly as the matrices alone, so one rounded float32 reference serves."""
+  weights = _tiny_weights(DECODE, seed)
+  rng = np.random.default_rng(seed + 1)
+  for name in weights:
+    if name.endswith("norm.weight"): weights[name] = rng.choice([0.5, 1.0, 2.0], weights[name].shape).astype(np.float32)
+  return weights
+
+
+def _stored_as(weights: dict[str, np.ndarray], kind: str, device: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """(the model's weights kept as `kind` on `device`, the float32 values they hold: the reference's weights)."""
+  if kind == "bfloat16":
+    values = {name: round_to_bfloat16(value) if value.ndim == 2 else value for name, value in weights.items()}
+    tensors = cast_weights({name: Tensor(value, device=device) for name, value in weights.items()}, dtypes.bfloat16)
+    return tensors, values
+  if kind == "q8_0":
+    blocks = {name: quantize_q8_0(value) for name, value in weights.items() if value.ndim == 2}
+    values = {name: numpy_dequantize(GGML_Q8_0, blocks[name]).reshape(value.shape) if name in blocks else value
+              for name, value in weights.items()}
+    tensors = {name: PackedTensor.from_blocks(GGML_Q8_0, Tensor(blocks[name], device=device), value.shape)
+               if name in blocks else Tensor(value, device=device) for name, value in weights.items()}
+    return tensors, values
+  return {name: Tensor(value, device=device) for name, value in weights.items()}, weights
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+  """The PYTHON device lowering as for CUDA (EMULATE=CUDA), float32 matmuls in full precision, fresh caches."""
+  from ourgrad.engine import realize, schedule_cache
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA"))
+  monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)   # symbolic-free here, but the row kernels skip its opts
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+  yield
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+
+
+# (device, kernels per block, kernels outside the blocks) of a fixed-shape decode step: lowered for CUDA (thread blocks:
+# the norms' scales and the softmax recomputed in the row kernels that read them, test_models) and on a CPU
+DECODE_DEVICES = {"emulated_cuda": ("PYTHON", 7, 1), "clang": ("CLANG", 11, 2)}
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])
+@pytest.mark.parametrize("sequences", [1, 8])
+@pytest.mark.parametrize("target", ["emulated_cuda", pytest.param("clang", marks=pytest.mark.slow)])  # clang: ~20 s
+def test_decode_matches_float32_reference(kind: str, sequences: int, target: str, request) -> None:
+  """Jitted fixed-shape decode steps of `sequences` conversations, lowered for CUDA (the kernels above, the row
+  kernels of the norms and the softmax) or for the CPU, give each sequence's logits of torch's float32 forward over
+  the weights' stored values (bfloat16-rounded, or Q8_0 dequantized by numpy), in a pinned number of kernels."""
+  device, per_block, outside = DECODE_DEVICES[target]
+  if target == "emulated_cuda": request.getfixturevalue("emulated_cuda")
+  weights = _decode_weights(seed=11)
+  tensors, values = _stored_as(weights, kind, device)
+  model = Llama(DECODE, tensors, max_context=DECODE.context_length, symbolic=False, packed=kind == "q8_0",
+                sequences=sequences)
+  rng = np.random.default_rng(sequences)
+  prompts = [rng.integers(0, DECODE.vocab_size, 2 + row % 3).tolist() for row in range(sequences)]
+  for row, prompt in enumerate(prompts): model(Tensor([prompt], dtype=dtypes.int32, device=device), 0, sequence=row)
+  steps = 3
+  fed = [rng.integers(0, DECODE.vocab_size, steps).tolist() for _ in range(sequences)]
+  got = [model.decode([fed[row][step] for row in range(sequences)], [len(p) + step for p in prompts]).numpy()
+         for step in range(steps)]
+  for row, prompt in enumerate(prompts):
+    expected = torch_llama_logits(values, DECODE, prompt + fed[row])[len(prompt):]
+    np.testing.assert_allclose(np.stack([logits[row] for logits in got]), expected, rtol=2e-4, atol=2e-4)
+  assert model._decode_jit.captured is not None
+  assert len(model._decode_jit.captured.items) == per_block * DECODE.n_layers + outside
