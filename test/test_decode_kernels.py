@@ -22,7 +22,7 @@ from ourgrad.nn.gguf import GGML_Q8_0, PackedTensor, quantize_q8_0
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import ThinMatmulPlan, hand_coded_optimizations
-from ourgrad.codegen.uops import launch_dims
+from ourgrad.codegen.uops import UOps, launch_dims
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
@@ -211,3 +211,35 @@ def test_decode_matches_float32_reference(kind: str, sequences: int, target: str
     np.testing.assert_allclose(np.stack([logits[row] for logits in got]), expected, rtol=2e-4, atol=2e-4)
   assert model._decode_jit.captured is not None
   assert len(model._decode_jit.captured.items) == per_block * DECODE.n_layers + outside
+
+
+@pytest.mark.parametrize("target", ["emulated_cuda", "clang"])
+def test_masked_assign_is_a_gated_store(target: str, request) -> None:
+  """cache.assign(write.where(new, cache)) (a decode step's KV-cache write: one slot of each sequence's row) against
+  numpy: the kernel stores under the write mask (linearizer.kept_where) and never loads the cache it writes, where
+  it read and rewrote every slot."""
+  device = "PYTHON" if target == "emulated_cuda" else "CLANG"
+  if target == "emulated_cuda": request.getfixturevalue("emulated_cuda")
+  rng = np.random.default_rng(5)
+  cache_np = rng.standard_normal((3, 12, 4, 8)).astype(np.float32)
+  new_np = rng.standard_normal((3, 1, 4, 8)).astype(np.float32)
+  write_np = np.zeros((3, 12, 1, 1), bool)
+  write_np[[0, 1, 2], [2, 7, 11]] = True
+  cache = Tensor(cache_np, device=device).contiguous().realize()
+  write, new = Tensor(write_np, device=device), Tensor(new_np, device=device)
+  cache.assign(write.where((new * 2 + 1).expand(cache.shape), cache))
+  schedule = create_schedule([cache.lazydata])
+  kernel = Kernel(schedule[-1].ast, Device[device].renderer)
+  hand_coded_optimizations(kernel)
+  uops = linearize(kernel)
+  output = next(uop for uop in uops if uop.op is UOps.DEFINE_GLOBAL and uop.arg[1])
+  assert not [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0] is output], "the cache is not read"
+  assert all(len(uop.srcs) == 4 for uop in uops if uop.op is UOps.STORE and uop.srcs[0] is output), "gated stores"
+  if NVRTC is not None:
+    cuda = Kernel(schedule[-1].ast, CUDARenderer())
+    hand_coded_optimizations(cuda)
+    NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
+  run_schedule(schedule)
+  got = cache.numpy()
+  expected = np.where(write_np, new_np * 2 + 1, cache_np)
+  np.testing.assert_array_equal(got, expected)
