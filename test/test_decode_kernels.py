@@ -109,7 +109,8 @@ def test_plain_thin_product_keeps_a_row_per_thread() -> None:
 @pytest.mark.parametrize("sequences, slots", [(1, 24), (2, 40)])
 def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
   """q (rotated on its loads) . K over every cache slot, plus the mask, as a fixed-shape decode step builds it
-  (3 KV heads x 3 query heads, head_dim 64) against numpy: a warp per score, each lane a piece of the head dim."""
+  (3 KV heads x 3 query heads, head_dim 64) against numpy: a warp per KV head and slot, each lane a piece of the
+  head dim, the group's query heads side by side in each thread."""
   rng = np.random.default_rng(slots)
   kv_heads, group, head_dim = 3, 3, 64
   cache_np = rng.standard_normal((sequences, slots, 2 * kv_heads, head_dim)).astype(np.float32)
@@ -132,8 +133,9 @@ def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
   expected = np.einsum("skgd,snkd->skgn", rotated.reshape(sequences, kv_heads, group, head_dim), keys_np) / 8
   expected = expected + mask_np[:, None, None, :]
   np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
-  assert any(opt.op.name == "GROUP" for opt in kernel.applied_opts), kernel.applied_opts
-  assert _launch_threads(kernel) == sequences * kv_heads * group * slots * 32
+  assert [opt.op.name for opt in kernel.applied_opts] == ["GROUP", "UPCAST"], kernel.applied_opts
+  # a warp per (KV head, slot), its lanes along the head dim, the 3 query heads of the group upcast: keys read once
+  assert _launch_threads(kernel) == sequences * kv_heads * slots * 32
 
 
 # A decode-shaped model small enough for the interpreter whose kernels take the plans above: head_dim 64 (the scores'

@@ -375,6 +375,7 @@ def _group_reduce(kernel: Kernel) -> bool:
     budget = _more_group_threads(reduce_total, budget, outputs * budget, wanted, BLOCK_THREADS)
     reduce_axes = kernel.first_upcast - kernel.first_loop_reduce
     _group_reduce_axes(kernel, budget, GROUP_MAX_AXES, GROUP_POWERS_OF_TWO)
+    if kernel.group_dims: _upcast_shared_axis(kernel)
     # a reduce over several axes (N, H, W of batchnorm statistics) is left a short loop per thread: unrolled. A row
     # reduction (one axis) keeps its loop (the row kernels' choice)
     if kernel.group_dims and reduce_axes > 1: _unroll_group_loop(kernel)
@@ -388,6 +389,23 @@ def _group_reduce(kernel: Kernel) -> bool:
     group = _largest_divisor_at_most(first_reduce_size, BLOCK_THREADS // locals_)
     if group >= 2: kernel.try_opt(Opt(OptOps.GROUPTOP, 0, group))
   return True
+
+
+# a grouped row reduction's short output axis along which its biggest input is broadcast (grouped-query attention's
+# query heads sharing a KV head: a decode step's scores) is upcast whole up to this size, so that each element
+# loaded serves every index of it (the keys read once per KV head, not once per query head)
+SHARED_AXIS_UPCAST = 4
+
+
+def _upcast_shared_axis(kernel: Kernel) -> None:
+  """UPCAST whole the first output axis of at most SHARED_AXIS_UPCAST along which the biggest input is broadcast."""
+  loads = memory_loads(kernel)
+  if not loads: return
+  biggest = max(loads, key=lambda view: prod(size for size, stride in zip(view.shape, view.real_strides()) if stride))
+  strides = biggest.real_strides()
+  for axis in range(kernel.global_dims):
+    size = kernel.full_shape[axis]
+    if 1 < size <= SHARED_AXIS_UPCAST and strides[axis] == 0 and kernel.try_opt(Opt(OptOps.UPCAST, axis, size)): return
 
 
 def _short_reduce_few_outputs(kernel: Kernel) -> bool:
