@@ -95,12 +95,18 @@ def test_batched_swiglu_down_projection(sequences: int, outputs: int, hidden: in
   assert _launch_threads(kernel) == outputs // rows_per_thread * kernel.plan.group
 
 
-def test_plain_thin_product_keeps_a_row_per_thread() -> None:
+@pytest.mark.parametrize("residual", ["none", "embedding_rows"])
+def test_plain_thin_product_keeps_a_row_per_thread(residual: str) -> None:
   """A batched product whose narrow operand is a plain load (the attention output before the output projection): no
-  rows upcast (it would only take threads away), more GROUP threads than a warp where the reduce is long enough."""
+  rows upcast (it would only take threads away), more GROUP threads than a warp where the reduce is long enough.
+  The first block's residual, embedding rows gathered by token, is no recomputed operand (its offsets are addresses)."""
   x = Tensor.empty(8, 1, 576, device="PYTHON")
   w = Tensor.empty(576, 576, dtype=dtypes.bfloat16, device="PYTHON")
-  item = create_schedule([x.linear(w).lazydata])[-1]
+  out = x.linear(w)
+  if residual == "embedding_rows":
+    table = Tensor.empty(100, 576, dtype=dtypes.bfloat16, device="PYTHON")
+    out = table[Tensor.empty(8, 1, dtype=dtypes.int32, device="PYTHON")].cast(dtypes.float32) + out
+  item = create_schedule([out.lazydata])[-1]
   kernel = Kernel(item.ast, CUDARenderer())
   hand_coded_optimizations(kernel)
   assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.upcast == 1 and kernel.plan.group == 64, kernel.plan

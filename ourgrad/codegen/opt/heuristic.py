@@ -197,9 +197,16 @@ def _cost_broadcast_along(kernel: Kernel, axis: int) -> int:
   index of it: the narrow operand of a thin product, with the elementwise work fused into its loads), transcendental
   ops weighing 4."""
   broadcast = {id(leaf): st.real_strides()[axis] == 0 for st, leaf in zip(kernel.sts, kernel.leaves)}
+  # the values computed, not the addresses of gathered loads (an embedding row's offset from its token)
+  values, stack = set(), [kernel.ast]
+  while stack:
+    node = stack.pop()
+    if id(node) in values: continue
+    values.add(id(node))
+    if node.op is not Ops.LOAD: stack.extend(node.srcs)
   only_broadcast: dict[int, bool] = {}
   cost = 0
-  for node in kernel.ast.walk():
+  for node in (node for node in kernel.ast.walk() if id(node) in values):
     if node.op is Ops.LOAD: only_broadcast[id(node)] = broadcast.get(id(node), False)
     elif node.op is Ops.CONST: only_broadcast[id(node)] = True
     elif node.op in UNARY_OPS | BINARY_OPS | TERNARY_OPS:
