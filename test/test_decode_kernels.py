@@ -242,7 +242,10 @@ def test_masked_assign_is_a_gated_store(target: str, request) -> None:
   uops = linearize(kernel)
   output = next(uop for uop in uops if uop.op is UOps.DEFINE_GLOBAL and uop.arg[1])
   assert not [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0] is output], "the cache is not read"
-  assert all(len(uop.srcs) == 4 for uop in uops if uop.op is UOps.STORE and uop.srcs[0] is output), "gated stores"
+  # each store under an IF on the write mark, the new value computed inside it
+  stores = [position for position, uop in enumerate(uops) if uop.op is UOps.STORE and uop.srcs[0] is output]
+  assert stores and all(uops[position - 1].op is not UOps.IF and any(uop.op is UOps.IF for uop in uops[:position])
+                        and uops[position + 1].op is UOps.ENDIF for position in stores), "stores under an IF"
   if NVRTC is not None:
     cuda = Kernel(schedule[-1].ast, CUDARenderer())
     hand_coded_optimizations(cuda)

@@ -327,8 +327,12 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
   def _store_outputs(self, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None) -> None:
     """Store every output of the kernel at one lane. All values are computed before the first store: an output may
     overwrite (in place) a buffer that another output's value still loads (an optimizer's m and its parameter). An
-    output that keeps its own element where a condition is false (`kept_where`) is a store gated by it."""
+    output that keeps its own element where a condition is false (`kept_where`) is a store gated by it (the only
+    output: its value computed under the condition too, `_store_kept`)."""
     build, stores = self.builder, self.kernel.stores
+    if len(stores) == 1 and (kept := kept_where(self.kernel, 0)) is not None:
+      self._store_kept(idxs, reduce_value, *kept)
+      return
     values, gates = [], []
     for number, store in enumerate(stores):
       kept = kept_where(self.kernel, number)
@@ -340,6 +344,19 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       if gate is not None: valid = gate if valid is None else build.alu(Ops.AND, dtypes.bool, valid, gate)
       srcs = (self.buffers[store.arg.idx], index, value) + ((valid,) if valid is not None else ())
       build.add(UOps.STORE, None, srcs)
+
+  def _store_kept(self, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None, condition: LazyOp,
+                  value: LazyOp) -> None:
+    """The one output's store of where(condition, value, its own element) at one lane (kept_where): the value is
+    computed and stored inside an IF on the condition, so where it is false nothing is loaded or written."""
+    build = self.builder
+    index, valid = self._index(0, idxs)
+    gate = self.compute(condition, idxs, reduce_value)
+    if valid is not None: gate = build.alu(Ops.AND, dtypes.bool, valid, gate)
+    opened = build.add(UOps.IF, None, (gate,))
+    build.add(UOps.STORE, None, (self.buffers[self.kernel.stores[0].arg.idx], index,
+                                 self.compute(value, idxs, reduce_value)))
+    build.end_if(opened)
 
   def _flat_index(self, axis_idxs: list[Node], axes: range) -> Node:
     """The row-major flat index over `axes` (the last one varying fastest), as thread ids are numbered."""
