@@ -382,7 +382,9 @@ def _group_reduce(kernel: Kernel) -> bool:
     budget = _more_group_threads(reduce_total, budget, outputs * budget, wanted, BLOCK_THREADS)
     reduce_axes = kernel.first_upcast - kernel.first_loop_reduce
     _group_reduce_axes(kernel, budget, GROUP_MAX_AXES, GROUP_POWERS_OF_TWO)
-    if kernel.group_dims: _upcast_shared_axis(kernel)
+    if kernel.group_dims:
+      _upcast_shared_axis(kernel)
+      _fill_row_blocks(kernel)
     # a reduce over several axes (N, H, W of batchnorm statistics) is left a short loop per thread: unrolled. A row
     # reduction (one axis) keeps its loop (the row kernels' choice)
     if kernel.group_dims and reduce_axes > 1: _unroll_group_loop(kernel)
@@ -413,6 +415,23 @@ def _upcast_shared_axis(kernel: Kernel) -> None:
   for axis in range(kernel.global_dims):
     size = kernel.full_shape[axis]
     if 1 < size <= SHARED_AXIS_UPCAST and strides[axis] == 0 and kernel.try_opt(Opt(OptOps.UPCAST, axis, size)): return
+
+
+# a grouped row reduction's block takes LOCAL rows up to this many threads (a warp a row: a decode step's 12480 scores
+# of 8 sequences ran as 32-thread blocks, 30 us on the H200), while every multiprocessor keeps 2 blocks
+ROW_BLOCK_THREADS = 128
+
+
+def _fill_row_blocks(kernel: Kernel) -> None:
+  """LOCAL rows (innermost output axes first) into a grouped row reduction's blocks up to ROW_BLOCK_THREADS threads,
+  leaving at least 2 blocks per multiprocessor."""
+  blocks_wanted = 2 * getattr(kernel.renderer, "multiprocessors", 0)
+  for axis in reversed(range(kernel.global_dims)):
+    for amount in (8, 4, 2):
+      blocks = prod(kernel.full_shape[:kernel.global_dims]) // amount
+      if kernel.block_threads() * amount <= ROW_BLOCK_THREADS and kernel.full_shape[axis] % amount == 0 and \
+          blocks >= blocks_wanted and kernel.try_opt(Opt(OptOps.LOCAL, axis, amount)): break
+    if kernel.block_threads() * 2 > ROW_BLOCK_THREADS: return
 
 
 def _short_reduce_few_outputs(kernel: Kernel) -> bool:
