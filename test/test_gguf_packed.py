@@ -106,8 +106,10 @@ def test_blocked_linear_matches_numpy(ggml_type: int, rows: int, columns: int, b
 
 def test_blocked_q8_0_product_reads_a_block_side_by_side() -> None:
   """Lowered for CUDA, the blocked Q8_0 product of one row (a decode step's output projection, 576 x 576) gives
-  each output row a warp whose threads read neighbouring quant bytes (lane i: byte i of a block, coalesced), where
-  the (n, k) form's optimizer saw k as a strided axis and gave 18 blocks, each thread a row of its own."""
+  each output row warps whose lanes read neighbouring quant bytes (lane i: byte i of a block, coalesced), where
+  the (n, k) form's optimizer saw k as a strided axis and gave 18 blocks, each thread a row of its own. 576 rows of a
+  warp each are too few threads for the GPU: two warps a row, each taking every other block (heuristic.py
+  threads_in_flight_wanted), the 9 blocks left to each unrolled by 3, two rows a thread block."""
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.linearizer import linearize
   from ourgrad.codegen.uops import UOps, launch_dims
@@ -120,9 +122,9 @@ def test_blocked_q8_0_product_reads_a_block_side_by_side() -> None:
   kernel.hand_coded_optimizations()
   uops = linearize(kernel)
   global_size, local_size = launch_dims(uops)
-  assert global_size[0] == 576 and local_size[0] == 32, (global_size, local_size)
+  assert global_size[0] == 288 and local_size == (32, 2, 2), (global_size, local_size)
   quant_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.dtype == dtypes.uint8]
-  assert len(quant_loads) == 1, "one byte a thread per step of the loop over the row's blocks"
+  assert len(quant_loads) == 3, "one byte a thread per unrolled step of the loop over the row's blocks"
 
 
 def test_take_rows_and_cat() -> None:

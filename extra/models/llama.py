@@ -383,9 +383,11 @@ class Llama:
     return Llama(config, weights, min(max_context, config.context_length), symbolic, packed, sequences), metadata
 
   def embed(self, tokens: Tensor) -> Tensor:
-    """The embedding rows of `tokens` (an int32 tensor): only those rows are read (and dequantized, when packed)."""
-    if isinstance(self.embedding, PackedTensor): return self.embedding.take_rows(tokens)
-    return self.embedding[tokens]
+    """The embedding rows of `tokens` (an int32 tensor) as float32: only those rows are read (and dequantized, when
+    packed). Activations are float32 whatever the weights' dtype: bfloat16 rows would make the first block's norm and
+    products bfloat16 math (its RMS summed in bfloat16, its QKV product rounded to it)."""
+    if isinstance(self.embedding, PackedTensor): return self.embedding.take_rows(tokens).cast(dtypes.float32)
+    return self.embedding[tokens].cast(dtypes.float32)
 
   def reset(self) -> None:
     """Forget the cached keys and values (a new conversation). Positions already written are masked anyway when

@@ -41,6 +41,20 @@ def reduce_identity(op: Ops, dtype: DType) -> float | int | bool:
   return dtype.min
 
 
+
+def kept_where(kernel: Kernel, number: int) -> tuple[LazyOp, LazyOp] | None:
+  """(condition, value) where output `number` stores where(condition, value, its own element): an assign that
+  writes only where a mask holds (a KV cache's new row: `cache.assign(write.where(new, cache))`). Its store is gated
+  by the condition, so the elements kept are neither read nor written again (the whole cache was, at every decode
+  step). None for any other output."""
+  store = kernel.stores[number]
+  value = store.srcs[0]
+  if value.op is not Ops.WHERE: return None
+  condition, new, old = value.srcs
+  if old.op is not Ops.LOAD or not isinstance(old.arg, MemBuffer) or old.arg.idx != store.arg.idx: return None
+  if old.dtype != store.dtype or kernel.sts[kernel.leaf_number(old)] != kernel.sts[number]: return None
+  return condition, new
+
 class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
   """Builds the UOps of one kernel. `linearize(kernel)` is the entry point."""
 
@@ -312,13 +326,37 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
 
   def _store_outputs(self, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None) -> None:
     """Store every output of the kernel at one lane. All values are computed before the first store: an output may
-    overwrite (in place) a buffer that another output's value still loads (an optimizer's m and its parameter)."""
+    overwrite (in place) a buffer that another output's value still loads (an optimizer's m and its parameter). An
+    output that keeps its own element where a condition is false (`kept_where`) is a store gated by it (the only
+    output: its value computed under the condition too, `_store_kept`)."""
     build, stores = self.builder, self.kernel.stores
-    values = [self.compute(store.srcs[0], idxs, reduce_value) for store in stores]
-    for number, (store, value) in enumerate(zip(stores, values)):
+    if len(stores) == 1 and (kept := kept_where(self.kernel, 0)) is not None:
+      self._store_kept(idxs, reduce_value, *kept)
+      return
+    values, gates = [], []
+    for number, store in enumerate(stores):
+      kept = kept_where(self.kernel, number)
+      value = store.srcs[0] if kept is None else kept[1]
+      values.append(self.compute(value, idxs, reduce_value))
+      gates.append(None if kept is None else self.compute(kept[0], idxs, reduce_value))
+    for number, (store, value, gate) in enumerate(zip(stores, values, gates)):
       index, valid = self._index(number, idxs)   # leaf `number` is output `number` (stores lead kernel.leaves)
+      if gate is not None: valid = gate if valid is None else build.alu(Ops.AND, dtypes.bool, valid, gate)
       srcs = (self.buffers[store.arg.idx], index, value) + ((valid,) if valid is not None else ())
       build.add(UOps.STORE, None, srcs)
+
+  def _store_kept(self, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None, condition: LazyOp,
+                  value: LazyOp) -> None:
+    """The one output's store of where(condition, value, its own element) at one lane (kept_where): the value is
+    computed and stored inside an IF on the condition, so where it is false nothing is loaded or written."""
+    build = self.builder
+    index, valid = self._index(0, idxs)
+    gate = self.compute(condition, idxs, reduce_value)
+    if valid is not None: gate = build.alu(Ops.AND, dtypes.bool, valid, gate)
+    opened = build.add(UOps.IF, None, (gate,))
+    build.add(UOps.STORE, None, (self.buffers[self.kernel.stores[0].arg.idx], index,
+                                 self.compute(value, idxs, reduce_value)))
+    build.end_if(opened)
 
   def _flat_index(self, axis_idxs: list[Node], axes: range) -> Node:
     """The row-major flat index over `axes` (the last one varying fastest), as thread ids are numbered."""
@@ -501,6 +539,8 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     twice, an optimizer's parameter and moments: one vector store per output)."""
     kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
     if width < 2: return None
+    # a gated store (kept_where) writes few elements: scalar stores, each under its own condition
+    if any(kept_where(kernel, number) is not None for number in range(len(kernel.stores))): return None
     candidates = [axis for axis in kernel.upcast_axes if kernel.full_shape[axis] % width == 0]
     for number, store in enumerate(kernel.stores):
       st = kernel.sts[number]

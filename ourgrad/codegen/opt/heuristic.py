@@ -51,7 +51,7 @@ from ourgrad.codegen.opt.cpu_tiles import cpu_matmul_tiles
 from ourgrad.codegen.opt.window_tiles import ThreadWalkStrategy
 from ourgrad.codegen.opt.coalesce import lane_axis, load_lane_axis
 from ourgrad.helpers import power_of_two_divisor, prod
-from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer
+from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
 # threads per block the heuristics aim for on GPUs
 BLOCK_THREADS = 256
@@ -63,6 +63,19 @@ SHORT_REDUCE = 128
 # an elementwise kernel's rows take float4 columns where a row is at least this many vectors: a warp's loads and
 # stores then cover whole 128-byte lines (rows of 64 floats as much as rows of 128)
 VECTOR_ROW_LANES = 8
+
+
+# threads in flight per multiprocessor a reduce with few outputs aims for, splitting its reduce over more threads (a
+# decode step's products and attention scores: a warp per row of 576 rows left the H200 with 4 warps per
+# multiprocessor), and the reduce elements each such thread keeps at least
+THREADS_IN_FLIGHT_PER_MULTIPROCESSOR = 1024
+MIN_THREAD_LOOP = 4
+
+
+def threads_in_flight_wanted(kernel: Kernel) -> int:
+  """THREADS_IN_FLIGHT_PER_MULTIPROCESSOR times the device's multiprocessors (ENOUGH_BLOCKS warps where unknown)."""
+  processors = getattr(kernel.renderer, "multiprocessors", 0)
+  return processors * THREADS_IN_FLIGHT_PER_MULTIPROCESSOR if processors else ENOUGH_BLOCKS * WARP_SIZE
 
 
 def hand_coded_optimizations(kernel: Kernel) -> None:
@@ -87,26 +100,35 @@ def _loop_tiles(kernel: Kernel) -> bool:
 # the GPU, so threads split the reduce instead
 THIN_SIDE = 16
 THIN_BLOCKS_PER_MULTIPROCESSOR = 4
+# a rows plan's wide rows per thread where the narrow axis is at least this long and the narrow operand is computed on
+# its loads at a cost of at least THIN_RECOMPUTE_COST ops per element (transcendental ops weigh 4: a batched decode
+# step's SwiGLU silu(gate) * up, recomputed for every row of the down projection): each value then serves this many
+# rows. A plain load of it is cheaper than the threads the upcast takes away.
+THIN_ROWS_PER_THREAD = 4
+THIN_RECOMPUTE_COST = 4
 
 
 @register_plan
 @dataclass(frozen=True)
 class ThinMatmulPlan(Plan):
   """A thin float32 matmul's split reduce (see ThinMatmulStrategy): `rows` (the wide operand contiguous along the
-  reduce): `local` LOCAL threads along the wide output axis, the short axis UPCAST whole and `group` GROUP threads
-  over the reduce; else (columns): `local` neighbouring outputs on LOCAL threads and `group` GROUPTOP threads, the
-  short axis left to the grid. `unroll`: the reduce loop left unrolled by it (0: not)."""
+  reduce): `local` LOCAL threads along the wide output axis, the short axis UPCAST whole, `upcast` wide rows UPCAST
+  in each thread and `group` GROUP threads over the reduce; else (columns): `local` neighbouring outputs on LOCAL
+  threads and `group` GROUPTOP threads, the short axis left to the grid. `unroll`: the reduce loop left unrolled by it
+  (0: not)."""
   rows: bool
   local: int
   group: int
   unroll: int = 0
+  upcast: int = 1
 
   def apply(self, kernel: Kernel) -> bool:
     axes = dense_matmul_axes(kernel)
     if axes is None: return False
     sizes = kernel.full_shape
     narrow, wide = sorted(axes, key=lambda axis: sizes[axis])
-    outputs = [Opt(OptOps.LOCAL, wide, self.local)] + ([Opt(OptOps.UPCAST, narrow, sizes[narrow])] if self.rows else [])
+    outputs = [Opt(OptOps.LOCAL, wide, self.local)]
+    if self.rows: outputs += [Opt(OptOps.UPCAST, narrow, sizes[narrow]), Opt(OptOps.UPCAST, wide, self.upcast)]
     # an amount of 1 is no opt; the reduce split comes after the output axes' opts
     if not kernel.try_output_opts([opt for opt in outputs if opt.amount > 1]): return False
     reduce = OptOps.GROUP if self.rows else OptOps.GROUPTOP
@@ -134,21 +156,64 @@ class ThinMatmulStrategy(Strategy):
     if sizes[narrow] > THIN_SIDE or sizes[k_axis] < 4 * WARP_SIZE: return None
     wide_loads = [st for st in memory_loads(kernel) if st.real_strides()[wide] != 0 and st.real_strides()[k_axis] != 0]
     rows = all(st.real_strides()[k_axis] == 1 for st in wide_loads)
+    upcast = 1
     if rows:
+      recomputed = _cost_broadcast_along(kernel, wide) >= THIN_RECOMPUTE_COST
+      upcast = THIN_ROWS_PER_THREAD if recomputed and sizes[narrow] >= THIN_ROWS_PER_THREAD else 1
+      if sizes[wide] % upcast: upcast = 1
       group = power_of_two_divisor(sizes[k_axis], WARP_SIZE)
-      local = power_of_two_divisor(sizes[wide], BLOCK_THREADS // 2 // group)
+      local = power_of_two_divisor(sizes[wide] // upcast, BLOCK_THREADS // 2 // group)
       # a warp per row while that leaves 4 blocks per multiprocessor (H100, 512x10 outputs: a row per block 0.010 ms,
       # 2 rows 0.013)
       processors, batch = getattr(kernel.renderer, "multiprocessors", 0), prod(sizes[:min(axes)])
-      while local > 1 and batch * sizes[wide] // local < THIN_BLOCKS_PER_MULTIPROCESSOR * processors: local //= 2
+      rows_of = batch * sizes[wide] // upcast
+      while local > 1 and rows_of // local < THIN_BLOCKS_PER_MULTIPROCESSOR * processors: local //= 2
+      # few rows (a batched decode step's 576 x 8 outputs: a warp each left 4 warps per H200 multiprocessor, its down
+      # projection at 20 GB/s): more GROUP threads per row
+      group = _more_group_threads(sizes[k_axis], group, rows_of * group, threads_in_flight_wanted(kernel),
+                                  BLOCK_THREADS // local)
     else:
       local = power_of_two_divisor(sizes[wide], WARP_SIZE)
       group = power_of_two_divisor(sizes[k_axis] // 2, BLOCK_THREADS // local)
     loop = sizes[k_axis] // group
     for unroll in ((4, 0) if loop % 4 == 0 and loop > 4 else (0,)):
-      plan, trial = ThinMatmulPlan(rows, local, group, unroll), kernel.copy()
+      plan, trial = ThinMatmulPlan(rows, local, group, unroll, upcast), kernel.copy()
       if plan.apply(trial): return plan, trial
     return None
+
+
+def _cost_broadcast_along(kernel: Kernel, axis: int) -> int:
+  """The ops per element of the kernel's values that depend only on loads broadcast along `axis` (the same for every
+  index of it: the narrow operand of a thin product, with the elementwise work fused into its loads), transcendental
+  ops weighing 4."""
+  broadcast = {id(leaf): st.real_strides()[axis] == 0 for st, leaf in zip(kernel.sts, kernel.leaves)}
+  # the values computed, not the addresses of gathered loads (an embedding row's offset from its token)
+  values, stack = set(), [kernel.ast]
+  while stack:
+    node = stack.pop()
+    if id(node) in values: continue
+    values.add(id(node))
+    if node.op is not Ops.LOAD: stack.extend(node.srcs)
+  only_broadcast: dict[int, bool] = {}
+  cost = 0
+  for node in (node for node in kernel.ast.walk() if id(node) in values):
+    if node.op is Ops.LOAD: only_broadcast[id(node)] = broadcast.get(id(node), False)
+    elif node.op is Ops.CONST: only_broadcast[id(node)] = True
+    elif node.op in UNARY_OPS | BINARY_OPS | TERNARY_OPS:
+      only_broadcast[id(node)] = all(only_broadcast.get(id(src), False) for src in node.srcs)
+      if only_broadcast[id(node)] and node.op is not Ops.CAST:
+        cost += 4 if node.op in (Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP) else 1
+  return cost
+
+
+def _more_group_threads(reduce_size: int, group: int, threads: int, threads_wanted: int, group_limit: int) -> int:
+  """GROUP threads per output: `group` doubled while the kernel has fewer than `threads_wanted` threads (`threads` at
+  `group`), the doubled group divides the reduce, stays within `group_limit` and leaves each thread at least
+  MIN_THREAD_LOOP elements: more warps in flight to hide the loads' latency."""
+  while threads < threads_wanted and group * 2 <= group_limit and reduce_size % (group * 2) == 0 and \
+      reduce_size // (group * 2) >= MIN_THREAD_LOOP:
+    group, threads = group * 2, threads * 2
+  return group
 
 
 # an operand reused across fewer outputs than this is no reason for register tiles (a thread's tile: 4x4 outputs)
@@ -295,14 +360,21 @@ def _group_reduce(kernel: Kernel) -> bool:
   contiguous = lane_axis(memory_loads(kernel), kernel.first_reduce, COLUMN_LOCALS, _contiguous_axis(kernel))
   outputs = prod(kernel.full_shape[:kernel.first_reduce])
   reduce_total = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
-  # a short reduce (a pooling window) is cheaper as a loop in each thread than as threads that must meet
-  if reduce_total < SHORT_REDUCE and outputs >= ENOUGH_BLOCKS: return False
+  # a short reduce (a pooling window) is cheaper as a loop in each thread than as threads that must meet, unless the
+  # outputs are too few to keep the GPU busy
+  if reduce_total < SHORT_REDUCE and outputs >= ENOUGH_BLOCKS and not _short_reduce_few_outputs(kernel): return False
   if contiguous is None or contiguous >= kernel.first_reduce:
     # row reduction (or no stride-1 input): the block's threads stride over the row together (coalesced); a warp
     # for short rows
     budget = BLOCK_THREADS if reduce_total >= 4 * BLOCK_THREADS else WARP_SIZE
+    # few rows (a decode step's 576-row output projection): more threads per row
+    wanted = threads_in_flight_wanted(kernel)
+    budget = _more_group_threads(reduce_total, budget, outputs * budget, wanted, BLOCK_THREADS)
     reduce_axes = kernel.first_upcast - kernel.first_loop_reduce
     _group_reduce_axes(kernel, budget, GROUP_MAX_AXES, GROUP_POWERS_OF_TWO)
+    if kernel.group_dims:
+      _upcast_shared_axis(kernel)
+      _fill_row_blocks(kernel)
     # a reduce over several axes (N, H, W of batchnorm statistics) is left a short loop per thread: unrolled. A row
     # reduction (one axis) keeps its loop (the row kernels' choice)
     if kernel.group_dims and reduce_axes > 1: _unroll_group_loop(kernel)
@@ -316,6 +388,50 @@ def _group_reduce(kernel: Kernel) -> bool:
     group = _largest_divisor_at_most(first_reduce_size, BLOCK_THREADS // locals_)
     if group >= 2: kernel.try_opt(Opt(OptOps.GROUPTOP, 0, group))
   return True
+
+
+# a grouped row reduction's short output axis along which its biggest input is broadcast (grouped-query attention's
+# query heads sharing a KV head: a decode step's scores) is upcast whole up to this size, so that each element
+# loaded serves every index of it (the keys read once per KV head, not once per query head)
+SHARED_AXIS_UPCAST = 4
+
+
+def _upcast_shared_axis(kernel: Kernel) -> None:
+  """UPCAST whole the first output axis of at most SHARED_AXIS_UPCAST along which the biggest input is broadcast."""
+  loads = memory_loads(kernel)
+  if not loads: return
+  biggest = max(loads, key=lambda view: prod(size for size, stride in zip(view.shape, view.real_strides()) if stride))
+  strides = biggest.real_strides()
+  for axis in range(kernel.global_dims):
+    size = kernel.full_shape[axis]
+    if 1 < size <= SHARED_AXIS_UPCAST and strides[axis] == 0 and kernel.try_opt(Opt(OptOps.UPCAST, axis, size)): return
+
+
+# a grouped row reduction's block takes LOCAL rows up to this many threads (a warp a row: a decode step's 12480 scores
+# of 8 sequences ran as 32-thread blocks, 30 us on the H200), while every multiprocessor keeps 2 blocks
+ROW_BLOCK_THREADS = 128
+
+
+def _fill_row_blocks(kernel: Kernel) -> None:
+  """LOCAL rows (innermost output axes first) into a grouped row reduction's blocks up to ROW_BLOCK_THREADS threads,
+  leaving at least 2 blocks per multiprocessor."""
+  blocks_wanted = 2 * getattr(kernel.renderer, "multiprocessors", 0)
+  for axis in reversed(range(kernel.global_dims)):
+    for amount in (8, 4, 2):
+      blocks = prod(kernel.full_shape[:kernel.global_dims]) // amount
+      if kernel.block_threads() * amount <= ROW_BLOCK_THREADS and kernel.full_shape[axis] % amount == 0 and \
+          blocks >= blocks_wanted and kernel.try_opt(Opt(OptOps.LOCAL, axis, amount)): break
+    if kernel.block_threads() * 2 > ROW_BLOCK_THREADS: return
+
+
+def _short_reduce_few_outputs(kernel: Kernel) -> bool:
+  """Whether the kernel's reduce is at least a warp's elements but shorter than SHORT_REDUCE and its outputs, a thread
+  each, too few to fill the GPU (threads_in_flight_wanted; a decode step's attention scores: 4680 dot products of 64
+  on 2-thread blocks, 37440 at 8 sequences): its threads split the reduce instead, and register tiles, which take
+  outputs away from the threads, do not pay off."""
+  outputs = prod(kernel.full_shape[:kernel.first_reduce])
+  reduce_total = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
+  return WARP_SIZE <= reduce_total < SHORT_REDUCE and outputs < threads_in_flight_wanted(kernel)
 
 
 def _group_for_parallelism(kernel: Kernel) -> None:
@@ -450,7 +566,8 @@ def _register_tiling(kernel: Kernel) -> None:
 
 # the plain reduce's GROUP threads, and the generic loop-nest default every other strategy falls back to
 GROUP_REDUCE = RecognizerStrategy("group_reduce", lambda kernel: gpu_local_reduce(kernel) and
-                                  not _gpu_tiles_pay_off(kernel), lambda kernel: _group_reduce(kernel))
+                                  (not _gpu_tiles_pay_off(kernel) or _short_reduce_few_outputs(kernel)),
+                                  lambda kernel: _group_reduce(kernel))
 LOOP_TILES = RecognizerStrategy("loop_tiles", lambda kernel: True, _loop_tiles)
 
 

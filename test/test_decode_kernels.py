@@ -1,0 +1,256 @@
+"""The GPU defaults of a decode step's small kernels (codegen/opt/heuristic.py): lowered for CUDA's limits (PYTHON's
+`EMULATE=CUDA` mode), run in the interpreter and compared with numpy, their launch shapes pinned; the CUDA source
+is compiled with NVRTC where it loads.
+
+- A thin product's rows plan (`ThinMatmulStrategy`): enough GROUP threads per row to keep the GPU's warps busy, and,
+  where its narrow operand is recomputed on the loads (a batched decode step's SwiGLU silu(gate) * up before the down
+  projection), 4 wide rows per thread so that each recomputed value serves 4 rows.
+- A short reduce with few outputs (a decode step's attention scores: a 64-long dot product per head and cache slot)
+  splits its reduce over a warp instead of leaving a few 2-thread blocks to loop over it.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from ourgrad import Tensor, dtypes
+from ourgrad.device import Device
+from ourgrad.dtype import round_to_bfloat16
+from ourgrad.nn.gguf import GGML_Q8_0, PackedTensor, quantize_q8_0
+from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen.opt.heuristic import ThinMatmulPlan, hand_coded_optimizations
+from ourgrad.codegen.uops import UOps, launch_dims
+from ourgrad.device import Buffer
+from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.schedule import ScheduleItem, create_schedule
+from ourgrad.ops import Ops
+from ourgrad.renderer.cuda import CUDARenderer
+from ourgrad.runtime.ops_python import PythonRenderer
+
+from extra.models.llama import Llama, LlamaConfig, cast_weights, rotate_pairs, rope_inputs
+from helpers import nvrtc_compiler
+from test_gguf_packed import numpy_dequantize
+from test_models import _tiny_weights, torch_llama_logits
+
+NVRTC = nvrtc_compiler()
+
+
+def _kernel_item(out: Tensor) -> ScheduleItem:
+  """The last kernel of `out`'s schedule, the ones before it run (its inputs)."""
+  schedule = create_schedule([out.lazydata])
+  run_schedule(schedule[:-1])
+  assert schedule[-1].ast.op is not Ops.COPY
+  return schedule[-1]
+
+
+def _emulated(item: ScheduleItem) -> tuple[Kernel, np.ndarray]:
+  """The kernel with the CUDA defaults (lowered for the PYTHON device's CUDA emulation) and its output, its CUDA
+  source compiled by NVRTC where available."""
+  if NVRTC is not None:
+    cuda = Kernel(item.ast, CUDARenderer())
+    hand_coded_optimizations(cuda)
+    NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  hand_coded_optimizations(kernel)
+  runner = compile_kernel(kernel, "PYTHON")
+  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  runner((output,) + item.inputs)
+  return kernel, output.numpy()
+
+
+def _launch_threads(kernel: Kernel) -> int:
+  global_size, local_size = launch_dims(linearize(kernel))
+  return int(np.prod(global_size) * np.prod(local_size))
+
+
+def _silu(x: np.ndarray) -> np.ndarray: return x / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize("sequences, outputs, hidden", [(8, 40, 1024), (5, 24, 384), (8, 42, 256)],
+                         ids=["8x40x1024", "5x24x384", "8x42x256_rows_not_a_multiple_of_4"])
+def test_batched_swiglu_down_projection(sequences: int, outputs: int, hidden: int) -> None:
+  """x + (silu(gate) * up) @ W.T as a batched decode step builds it (the gate/up product x @ W_gu.T stored by its
+  kernel, SwiGLU recomputed on the down projection's loads) against numpy: 4 rows of W a thread where they divide, a
+  thread block of GROUP threads per row group."""
+  rng = np.random.default_rng(sequences * 100 + outputs)
+  x_np = rng.standard_normal((sequences, 1, outputs)).astype(np.float32)
+  w_gate_up_np = (rng.standard_normal((2 * hidden, outputs)) / np.sqrt(outputs)).astype(np.float32)
+  w_np = (rng.standard_normal((outputs, hidden)) / np.sqrt(hidden)).astype(np.float32)
+  x, w = Tensor(x_np, device="PYTHON"), Tensor(w_np, device="PYTHON").cast(dtypes.bfloat16).contiguous().realize()
+  gate, up = x.linear(Tensor(w_gate_up_np, device="PYTHON")).contiguous().chunk(2, dim=-1)
+  kernel, got = _emulated(_kernel_item(x + (gate.silu() * up).linear(w)))
+  w_rounded = w.cast(dtypes.float32).numpy()
+  product_np = x_np.astype(np.float64) @ w_gate_up_np.T.astype(np.float64)
+  hidden_np = _silu(product_np[..., :hidden]) * product_np[..., hidden:]
+  expected = x_np + hidden_np @ w_rounded.T.astype(np.float64)
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
+  assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.rows, kernel.plan
+  rows_per_thread = 4 if outputs % 4 == 0 else 1
+  assert kernel.plan.upcast == rows_per_thread
+  # few rows (a thread each would leave the GPU idle): GROUP threads doubled from a warp while each keeps >= 4 elements
+  assert kernel.plan.group == min(256, 1 << (hidden // 4).bit_length() - 1), kernel.plan
+  assert _launch_threads(kernel) == outputs // rows_per_thread * kernel.plan.group
+
+
+@pytest.mark.parametrize("residual", ["none", "embedding_rows"])
+def test_plain_thin_product_keeps_a_row_per_thread(residual: str) -> None:
+  """A batched product whose narrow operand is a plain load (the attention output before the output projection): no
+  rows upcast (it would only take threads away), more GROUP threads than a warp where the reduce is long enough.
+  The first block's residual, embedding rows gathered by token, is no recomputed operand (its offsets are addresses)."""
+  x = Tensor.empty(8, 1, 576, device="PYTHON")
+  w = Tensor.empty(576, 576, dtype=dtypes.bfloat16, device="PYTHON")
+  out = x.linear(w)
+  if residual == "embedding_rows":
+    table = Tensor.empty(100, 576, dtype=dtypes.bfloat16, device="PYTHON")
+    out = table[Tensor.empty(8, 1, dtype=dtypes.int32, device="PYTHON")].cast(dtypes.float32) + out
+  item = create_schedule([out.lazydata])[-1]
+  kernel = Kernel(item.ast, CUDARenderer())
+  hand_coded_optimizations(kernel)
+  assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.upcast == 1 and kernel.plan.group == 64, kernel.plan
+
+
+@pytest.mark.parametrize("sequences, slots", [(1, 24), (2, 40)])
+def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
+  """q (rotated on its loads) . K over every cache slot, plus the mask, as a fixed-shape decode step builds it
+  (3 KV heads x 3 query heads, head_dim 64) against numpy: a warp per KV head and slot, each lane a piece of the
+  head dim, the group's query heads side by side in each thread."""
+  rng = np.random.default_rng(slots)
+  kv_heads, group, head_dim = 3, 3, 64
+  cache_np = rng.standard_normal((sequences, slots, 2 * kv_heads, head_dim)).astype(np.float32)
+  projected_np = rng.standard_normal((sequences, 1, kv_heads * group + 2 * kv_heads, head_dim)).astype(np.float32)
+  mask_np = np.where(rng.random((sequences, slots)) < 0.8, 0.0, -np.inf).astype(np.float32)
+  cos_np, sin_np = rope_inputs(np.arange(3, 3 + sequences), head_dim, 10000.0)
+  cache, projected = Tensor(cache_np, device="PYTHON"), Tensor(projected_np, device="PYTHON")
+  cos = Tensor(cos_np.reshape(sequences, 1, 1, head_dim), device="PYTHON")
+  sin = Tensor(sin_np.reshape(sequences, 1, 1, head_dim), device="PYTHON")
+  q = rotate_pairs(projected[:, :, :kv_heads * group], cos, sin)
+  keys = cache[:, :, :kv_heads].permute(0, 2, 3, 1)
+  scores = q.reshape(sequences, kv_heads, group, head_dim) @ keys * (1.0 / 8)
+  scores = scores + Tensor(mask_np, device="PYTHON").reshape(sequences, 1, 1, -1)
+  kernel, got = _emulated(_kernel_item(scores.contiguous()))
+  # numpy: the same interleaved-pair rotation (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)
+  q_np = projected_np[:, 0, :kv_heads * group].astype(np.float64)
+  swapped = q_np.reshape(sequences, -1, head_dim // 2, 2)[..., ::-1].reshape(q_np.shape)
+  rotated = q_np * cos_np[:, None] + swapped * sin_np[:, None]
+  keys_np = cache_np[:, :, :kv_heads].astype(np.float64)   # (S, slots, kv, hd)
+  expected = np.einsum("skgd,snkd->skgn", rotated.reshape(sequences, kv_heads, group, head_dim), keys_np) / 8
+  expected = expected + mask_np[:, None, None, :]
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+  assert [opt.op.name for opt in kernel.applied_opts] == ["GROUP", "UPCAST"], kernel.applied_opts
+  # a warp per (KV head, slot), its lanes along the head dim, the 3 query heads of the group upcast: keys read once
+  assert _launch_threads(kernel) == sequences * kv_heads * slots * 32
+
+
+# A decode-shaped model small enough for the interpreter whose kernels take the plans above: head_dim 64 (the scores'
+# 64-long reduce), hidden 256 (a thin down projection: k >= 4 warps), dim 128 (a multiple of 4 rows and of Q8_0's 32)
+DECODE = LlamaConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=256, vocab_size=64, norm_eps=1e-5,
+                     rope_theta=10000.0, context_length=16)
+
+
+def _decode_weights(seed: int) -> dict[str, np.ndarray]:
+  """Random weights (test_models._tiny_weights) with norm weights that are powers of two: folded into the matrices
+  before a cast to bfloat16 they round exactly as the matrices alone, so one rounded float32 reference serves."""
+  weights = _tiny_weights(DECODE, seed)
+  rng = np.random.default_rng(seed + 1)
+  for name in weights:
+    if name.endswith("norm.weight"): weights[name] = rng.choice([0.5, 1.0, 2.0], weights[name].shape).astype(np.float32)
+  return weights
+
+
+def _stored_as(weights: dict[str, np.ndarray], kind: str, device: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """(the model's weights kept as `kind` on `device`, the float32 values they hold: the reference's weights)."""
+  if kind == "bfloat16":
+    values = {name: round_to_bfloat16(value) if value.ndim == 2 else value for name, value in weights.items()}
+    tensors = cast_weights({name: Tensor(value, device=device) for name, value in weights.items()}, dtypes.bfloat16)
+    return tensors, values
+  if kind == "q8_0":
+    blocks = {name: quantize_q8_0(value) for name, value in weights.items() if value.ndim == 2}
+    values = {name: numpy_dequantize(GGML_Q8_0, blocks[name]).reshape(value.shape) if name in blocks else value
+              for name, value in weights.items()}
+    tensors = {name: PackedTensor.from_blocks(GGML_Q8_0, Tensor(blocks[name], device=device), value.shape)
+               if name in blocks else Tensor(value, device=device) for name, value in weights.items()}
+    return tensors, values
+  return {name: Tensor(value, device=device) for name, value in weights.items()}, weights
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+  """The PYTHON device lowering as for CUDA (EMULATE=CUDA), float32 matmuls in full precision, fresh caches."""
+  from ourgrad.engine import realize, schedule_cache
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA"))
+  monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)   # symbolic-free here, but the row kernels skip its opts
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+  yield
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+
+
+# (device, kernels per block, kernels outside the blocks) of a fixed-shape decode step: lowered for CUDA (thread blocks:
+# the norms' scales and the softmax recomputed in the row kernels that read them, test_models) and on a CPU
+DECODE_DEVICES = {"emulated_cuda": ("PYTHON", 7, 1), "clang": ("CLANG", 11, 2)}
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])
+@pytest.mark.parametrize("sequences", [1, 8])
+@pytest.mark.parametrize("target", ["emulated_cuda", pytest.param("clang", marks=pytest.mark.slow)])  # clang: ~20 s
+def test_decode_matches_float32_reference(kind: str, sequences: int, target: str, request) -> None:
+  """Jitted fixed-shape decode steps of `sequences` conversations, lowered for CUDA (the kernels above, the row
+  kernels of the norms and the softmax) or for the CPU, give each sequence's logits of torch's float32 forward over
+  the weights' stored values (bfloat16-rounded, or Q8_0 dequantized by numpy), in a pinned number of kernels."""
+  device, per_block, outside = DECODE_DEVICES[target]
+  if target == "emulated_cuda": request.getfixturevalue("emulated_cuda")
+  weights = _decode_weights(seed=11)
+  tensors, values = _stored_as(weights, kind, device)
+  model = Llama(DECODE, tensors, max_context=DECODE.context_length, symbolic=False, packed=kind == "q8_0",
+                sequences=sequences)
+  rng = np.random.default_rng(sequences)
+  prompts = [rng.integers(0, DECODE.vocab_size, 2 + row % 3).tolist() for row in range(sequences)]
+  for row, prompt in enumerate(prompts): model(Tensor([prompt], dtype=dtypes.int32, device=device), 0, sequence=row)
+  steps = 3
+  fed = [rng.integers(0, DECODE.vocab_size, steps).tolist() for _ in range(sequences)]
+  got = [model.decode([fed[row][step] for row in range(sequences)], [len(p) + step for p in prompts]).numpy()
+         for step in range(steps)]
+  for row, prompt in enumerate(prompts):
+    expected = torch_llama_logits(values, DECODE, prompt + fed[row])[len(prompt):]
+    np.testing.assert_allclose(np.stack([logits[row] for logits in got]), expected, rtol=2e-4, atol=2e-4)
+  assert model._decode_jit.captured is not None
+  assert len(model._decode_jit.captured.items) == per_block * DECODE.n_layers + outside
+
+
+@pytest.mark.parametrize("target", ["emulated_cuda", "clang"])
+def test_masked_assign_is_a_gated_store(target: str, request) -> None:
+  """cache.assign(write.where(new, cache)) (a decode step's KV-cache write: one slot of each sequence's row) against
+  numpy: the kernel stores under the write mask (linearizer.kept_where) and never loads the cache it writes, where
+  it read and rewrote every slot."""
+  device = "PYTHON" if target == "emulated_cuda" else "CLANG"
+  if target == "emulated_cuda": request.getfixturevalue("emulated_cuda")
+  rng = np.random.default_rng(5)
+  cache_np = rng.standard_normal((3, 12, 4, 8)).astype(np.float32)
+  new_np = rng.standard_normal((3, 1, 4, 8)).astype(np.float32)
+  write_np = np.zeros((3, 12, 1, 1), bool)
+  write_np[[0, 1, 2], [2, 7, 11]] = True
+  cache = Tensor(cache_np, device=device).contiguous().realize()
+  write, new = Tensor(write_np, device=device), Tensor(new_np, device=device)
+  cache.assign(write.where((new * 2 + 1).expand(cache.shape), cache))
+  schedule = create_schedule([cache.lazydata])
+  kernel = Kernel(schedule[-1].ast, Device[device].renderer)
+  hand_coded_optimizations(kernel)
+  uops = linearize(kernel)
+  output = next(uop for uop in uops if uop.op is UOps.DEFINE_GLOBAL and uop.arg[1])
+  assert not [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0] is output], "the cache is not read"
+  # each store under an IF on the write mark, the new value computed inside it
+  stores = [position for position, uop in enumerate(uops) if uop.op is UOps.STORE and uop.srcs[0] is output]
+  assert stores and all(uops[position - 1].op is not UOps.IF and any(uop.op is UOps.IF for uop in uops[:position])
+                        and uops[position + 1].op is UOps.ENDIF for position in stores), "stores under an IF"
+  if NVRTC is not None:
+    cuda = Kernel(schedule[-1].ast, CUDARenderer())
+    hand_coded_optimizations(cuda)
+    NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
+  run_schedule(schedule)
+  got = cache.numpy()
+  expected = np.where(write_np, new_np * 2 + 1, cache_np)
+  np.testing.assert_array_equal(got, expected)
