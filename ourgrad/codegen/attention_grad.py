@@ -126,10 +126,11 @@ def render_attention_grad_cuda(name: str, kernel: AttentionGradKernel) -> str:
   """CUDA source of `kernel`: the backward kernel as a __device__ function and the __global__ `name` taking the
   schedule item's buffers in argument order, binding each parameter to a buffer and element offset."""
   plan, launch = kernel.plan, kernel.launch
+  registers = plan.dq_registers if kernel.kernel == DQ_KERNEL else plan.dkdv_registers
   render = render_dq_kernel if kernel.kernel == DQ_KERNEL else render_dkdv_kernel
   body = render(plan, device_function=True)
   parameters = [f"{'' if index == 0 else 'const '}void* __restrict__ data{index}" for index in range(kernel.arguments)]
   # (a C-style cast may drop const: the output is written through `data0` alone)
   bound = [f"({PARAMETER_TYPES[name]}*)data{index} + {offset}" for name, index, offset in kernel.bindings]
-  return (f'{body}\nextern "C" __global__ void {plan.launch_bounds(launch.block[0], launch.shared_bytes)} '
+  return (f'{body}\nextern "C" __global__ void {plan.launch_bounds(launch.block[0], launch.shared_bytes, registers)} '
           f"{name}({', '.join(parameters)}) {{\n  {kernel.kernel}_body({', '.join(bound)});\n}}\n")
