@@ -2,14 +2,17 @@
 the flash backward kernels of codegen/attention_backward.py, on the buffers of a schedule item.
 
 A kernel AST is STORE(ATTENTION_DQ(LOAD q, LOAD k, LOAD v, LOAD fwd, LOAD dO)) or STORE(ATTENTION_DKDV(LOAD q,
-LOAD k, LOAD v, LOAD dO, LOAD fwd, LOAD dq_buffer)), arg (causal, scale), each load one unmasked View of a realized
-buffer whose last dim is contiguous (LazyBuffer.attention_grads). `fwd` is the forward's float32 buffer (Ops.ATTENTION:
-O laid out (B, L, H, D), then the natural-log LSE (B, H, L)): it is both the backward's O and its LSE.
+LOAD k, LOAD v, LOAD dO, LOAD fwd, LOAD dq_buffer)), arg (causal, scale, packed), each load one unmasked View of a
+realized buffer whose last dim is contiguous (LazyBuffer.attention_grads). `fwd` is the forward's float32 buffer
+(Ops.ATTENTION: O laid out (B, L, H, D), then the natural-log LSE (B, H, L)): it is both the backward's O and its LSE.
 
 Each op writes ONE buffer in the operands' dtype: ATTENTION_DQ dq (B, H, L, D) contiguous, then delta = rowsum(dO * O)
 (B, H, L) float32, its bytes in the buffer's tail (4 bytes from 2 16-bit elements; the lazy graph reads only dq, the
 dK/dV kernel reads delta as float32); ATTENTION_DKDV dk then dv, each (B, Hk, S, D) contiguous. So each op has one
-output and the gradients need no cast.
+output and the gradients need no cast. Packed (arg[2]: q, k, v tile one base, as GPT-2's views of its c_attn output):
+the dQ op's buffer is the base's elements then delta, dq stored through q's view of the base; the dK/dV op writes dk
+and dv through k's and v's views into that same buffer (the scheduler gives both ops one buffer), which then holds
+the base's whole gradient in the base's layout.
 
 The kernels' parameters are fixed (KernelLaunch.arguments, each a whole buffer); a kernel here binds each parameter
 to one of its schedule item's buffers from an element offset on (q, k, v read in place as views of one projection,
@@ -18,6 +21,7 @@ PYTHON by the bindings in the emulator's program text (runtime/attention_backwar
 """
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 from ourgrad.codegen.attention_backward import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan,
@@ -44,16 +48,18 @@ def is_attention_grad(ast: LazyOp) -> bool:
 
 
 def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: str, causal: bool, scale: float,
-                  shared_per_sm: int) -> AttentionBackwardPlan:
+                  shared_per_sm: int, packed: bool = False) -> AttentionBackwardPlan:
   """The plan for views (ShapeTracker Views) q, do (B, H, L, D) and k, v (B, Hk, S, D), their last dim contiguous,
-  reading O and LSE from the forward's buffer and writing the gradients contiguous in the operands' dtype."""
+  reading O and LSE from the forward's buffer and writing the gradients contiguous in the operands' dtype, or
+  (`packed`) through q, k and v's own strides."""
   batch, heads, length, head_dim = q_view.shape
   kv_heads, source = k_view.shape[1], k_view.shape[2]
   strides = [tuple(int(stride) for stride in view.strides[:3]) for view in (q_view, k_view, v_view, do_view)]
   q_like, kv_like = contiguous_strides(heads, length, head_dim), contiguous_strides(kv_heads, source, head_dim)
+  grads = (strides[0], strides[1], strides[2]) if packed else (q_like, kv_like, kv_like)
   return AttentionBackwardPlan(
     batch, heads, kv_heads, length, source, head_dim, dtype, causal, scale, strides[0], strides[1], strides[2],
-    (length * heads * head_dim, head_dim, heads * head_dim), strides[3], q_like, kv_like, kv_like,
+    (length * heads * head_dim, head_dim, heads * head_dim), strides[3], *grads,
     (heads * length, length, 1), lse_offset=batch * length * heads * head_dim, o_dtype="float32",
     shared_per_sm=shared_per_sm, **default_blocks(head_dim, dtype))
 
@@ -72,23 +78,28 @@ class AttentionGradKernel:
     self.leaves: list[LazyOp] = [ast, *loads]
     self.sts = [leaf.arg.st for leaf in self.leaves]
     self.applied_opts: list[Any] = []
-    causal, scale = op.arg
+    causal, scale, packed = op.arg
     load_of = dict(zip(SOURCES[op.op], loads))
     views = {name: load.arg.st.views[0] for name, load in load_of.items()}
     shared_per_sm = renderer.dynamic_local_memory_bytes + BLOCK_RESERVED_SHARED
     self.plan = backward_plan(views["q"], views["k"], views["v"], views["do"], load_of["q"].dtype.name, causal,
-                              scale, shared_per_sm)
+                              scale, shared_per_sm, packed)
     self.kernel = KERNELS[op.op]
     self.launch: KernelLaunch = next(launch for launch in self.plan.launches() if launch.name == self.kernel)
     p = self.plan
     q_elements, kv_elements = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
     place = {name: (load.arg.idx, int(views[name].offset)) for name, load in load_of.items()}
     place.update(o=place["fwd"], lse=place["fwd"], dq=(0, 0), dk=(0, 0), dv=(0, kv_elements))
-    # delta after dq, in float32 elements (q_elements is even: head_dim is a multiple of 16)
-    delta = q_elements * p.itemsize // 4
+    gradient_elements = q_elements
+    if packed:   # each gradient where its operand lies in the base; delta after the base's elements
+      place.update(dq=(0, place["q"][1]), dk=(0, place["k"][1]), dv=(0, place["v"][1]))
+      gradient_elements = prod(ast.arg.st.shape) - p.delta_elements * 4 // p.itemsize
+    # delta after the gradients, in float32 elements (their count is even: head_dim is a multiple of 16)
+    delta = gradient_elements * p.itemsize // 4
     place["delta"] = (0, delta) if op.op is Ops.ATTENTION_DQ else (place["dq_buffer"][0], delta)
     self.bindings: list[Binding] = [(name, *place[name]) for name in self.launch.arguments]
-    self.arguments = 1 + len({load.arg.idx for load in loads})
+    # (a packed dK/dV op reads delta from its own output buffer: argument 0)
+    self.arguments = len({0} | {load.arg.idx for load in loads})
 
   @property
   def name(self) -> str:
