@@ -27,6 +27,7 @@ from typing import Any
 from ourgrad.codegen.attention_backward import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan,
                                                 KernelLaunch, contiguous_strides, default_blocks, render_dkdv_kernel,
                                                 render_dq_kernel)
+from ourgrad.codegen.wgmma_tiles import ITEMSIZE
 from ourgrad.helpers import DEBUG
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 
@@ -125,11 +126,11 @@ class AttentionGradKernel:
     return full // 2 if p.causal else full
 
   def byte_count(self) -> int:
-    """Its operands read once (dQ kernel: also O in float32; dK/dV kernel: Q and dO once per block of keys, counted
-    once) and its gradients written once."""
+    """Its operands read once (dQ kernel: also O, in the dtype the forward stored it in; dK/dV kernel: Q and dO once
+    per block of keys, counted once) and its gradients written once."""
     p = self.plan
     q_side, kv_side = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
-    if self.kernel == DQ_KERNEL: return (3 * q_side + 2 * kv_side) * p.itemsize + q_side * 4
+    if self.kernel == DQ_KERNEL: return (3 * q_side + 2 * kv_side) * p.itemsize + q_side * ITEMSIZE[p.stored_o_dtype]
     return (2 * q_side + 4 * kv_side) * p.itemsize
 
 
