@@ -119,6 +119,7 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
         launch, cubin, _ = compiled[(DQ_KERNEL, "default")].result()
         LoadedKernel(launch, cubin, buffers).run(stream)
       launch, cubin, log = compiled[(kernel, label)].result()
+      for name in (("dq",) if kernel == DQ_KERNEL else ("dk", "dv")): buffers[name].zero_()   # no stale results
       loaded = LoadedKernel(launch, cubin, buffers)
       loaded.run(stream)
       torch.cuda.synchronize()
