@@ -141,6 +141,7 @@ HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causa
   ("float16", (1, 2, 1, 33, 20, 16, False), "padded"),       # k rows D + 1 apart: no 16-byte loads
   ("bfloat16", (1, 2, 1, 70, 70, 64, True), "held"),         # A fragments of Q, dO, K, V held in registers
   ("float32", (1, 1, 1, 40, 50, 32, False), "held"),
+  ("bfloat16", (1, 2, 1, 60, 50, 32, True), "unheld"),      # the dQ kernel's Q and dO fragments from shared memory
   ("float16", (1, 2, 1, 70, 60, 32, True), "split"),         # owned and streamed tiles of other sizes
   ("bfloat16", (1, 2, 1, 150, 140, 16, True), "wide"),       # blocks of 8 warps (128 rows)
   ("bfloat16", (1, 4, 2, 45, 70, 64, True), "grad32"),       # dq, dk, dv stored in float32 (Ops.ATTENTION_DQ/DKDV)
@@ -155,7 +156,8 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
   plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal)
   arrays, expected = reference(plan)
   projected = layout == "projected"
-  if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "held_fragments": True})
+  if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "dq_held": True, "dkdv_held": True})
+  if layout == "unheld": plan = AttentionBackwardPlan(**{**plan.__dict__, "dq_held": False})
   if layout == "grad32": plan = AttentionBackwardPlan(**{**plan.__dict__, "grad_float32": True})
   if layout == "wide":
     plan = AttentionBackwardPlan(**{**plan.__dict__, "block_q": 128, "block_kv": 128, "stream_q": 64, "stream_kv": 64})

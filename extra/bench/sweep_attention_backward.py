@@ -38,10 +38,10 @@ PRODUCTS = {DQ_KERNEL: 3, DKDV_KERNEL: 4}
 def configs(plan: AttentionBackwardPlan) -> dict[str, dict[str, dict]]:
   """Per kernel, named plan overrides: the default, the owned and streamed tile sizes, held fragments, no hint."""
   dq = {f"block_q {owned} stream_kv {stream}{' held' if held else ''}": {"block_q": owned, "stream_kv": stream,
-                                                                        "held_fragments": held}
+                                                                        "dq_held": held}
         for owned in (64, 128) for stream in (32, 64) for held in (False, True)}
   dkdv = {f"block_kv {owned} stream_q {stream}{' held' if held else ''}": {"block_kv": owned, "stream_q": stream,
-                                                                          "held_fragments": held}
+                                                                          "dkdv_held": held}
           for owned in (64, 128) for stream in (32, 64) for held in (False, True)}
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
@@ -119,7 +119,7 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
         launch, cubin, _ = compiled[(DQ_KERNEL, "default")].result()
         LoadedKernel(launch, cubin, buffers).run(stream)
       launch, cubin, log = compiled[(kernel, label)].result()
-      for name in (("dq",) if kernel == DQ_KERNEL else ("dk", "dv")): buffers[name].zero_()   # no stale results
+      for gradient in (("dq",) if kernel == DQ_KERNEL else ("dk", "dv")): buffers[gradient].zero_()   # none stale
       loaded = LoadedKernel(launch, cubin, buffers)
       loaded.run(stream)
       torch.cuda.synchronize()

@@ -92,7 +92,8 @@ class AttentionBackwardPlan:
   o_dtype: str | None = None  # O's dtype where the forward keeps it in float32; None: plan.dtype
   shared_per_sm: int = 0      # the device's shared memory per multiprocessor (0: unknown, no occupancy hint)
   lse_offset: int = 0         # where LSE starts in its buffer (elements): the forward may write it after O
-  held_fragments: bool = False  # the owned tiles' A fragments (Q, dO; K, V) kept in registers across the loop
+  dq_held: bool = False       # the dQ kernel's owned Q and dO A fragments kept in registers across its loop
+  dkdv_held: bool = False     # the dK/dV kernel's owned K and V A fragments kept in registers across its loop
   grad_float32: bool = False  # dq, dk, dv written as float32 (the sums unrounded) instead of in plan.dtype
 
   def __post_init__(self) -> None:
@@ -228,19 +229,22 @@ class AttentionBackwardPlan:
                          self.dkdv_grid, self.dkdv_block, self.dkdv_shared_bytes)]
 
 
-def default_blocks(head_dim: int, dtype: str) -> dict[str, int]:
+def default_blocks(head_dim: int, dtype: str) -> dict[str, Any]:
   """Block sizes by the bytes of a head_dim row: each block owns 64 rows (a warp 16) and streams 64-row tiles, except
   that over 128 bytes (float32 rows of 64, 16-bit rows of 128) both kernels stream 32-row tiles, so that the
   accumulators (dQ: head_dim / 2 floats a thread, dK and dV: head_dim / 2 each; S and dP: stream / 2 each) and the
   wider fragments stay in registers with three blocks a multiprocessor, and over 256 bytes the dQ block owns 32 rows
-  (its shared memory). NVRTC sm_90, float32 D = 64: the dQ kernel streaming 64 keys takes 255 registers and spills
-  (2 blocks fit), streaming 32 it takes 168 (3 blocks, 70 KB of shared memory each); the dK/dV kernel 255 and spills
-  streaming 64 queries, 167 streaming 32. On the H200 (session 11, before P and dS stayed in registers): float32
-  B=4 H=12 T=1024 causal, dK/dV 0.366 ms streaming 64 queries, 0.278 ms streaming 32; bfloat16 D = 64: 64 throughout
-  was faster (0.208 against 0.241 ms). extra/bench/sweep_attention_backward.py times the alternatives."""
+  (its shared memory). The dQ kernel holds its Q and dO A fragments in registers (`dq_held`); the dK/dV kernel reads
+  K and V from shared memory (holding them spills at 64 keys a block).
+  H200, causal D = 64, each kernel alone (extra/bench/results/sweep_attention_backward_h200_s12.txt): float32 dQ
+  0.118 / 0.199 / 2.03 ms at T = 512 (B=8) / 1024 / 4096 (B=4) streaming 32 keys, 0.115 / 0.193 / 1.89 held,
+  0.130 / 0.206 / 2.13 streaming 64 (255 registers, 2 blocks a multiprocessor); dK/dV 0.146 / 0.257 / 2.73 streaming
+  32 queries, 0.145 / 0.251 / 2.77 streaming 64, 0.175 / 0.306 / 3.24 held (spills). bfloat16 dQ 0.057 / 0.088 /
+  0.800, held 0.056 / 0.086 / 0.768; dK/dV 0.068 / 0.109 / 1.077 (64 throughout, the fastest of the sweep)."""
   row_bytes = head_dim * ITEMSIZE.get(dtype, 4)   # an unknown dtype is refused by the plan itself
   stream = 64 if row_bytes <= 128 else 32
-  return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": stream, "stream_kv": stream}
+  return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": stream, "stream_kv": stream,
+          "dq_held": True}
 
 
 @dataclass(frozen=True)
@@ -506,16 +510,17 @@ def _offset(strides: Strides, batch: str, head: str) -> str:
   return f"(long long){batch} * {strides[0]}LL + (long long){head} * {strides[1]}LL"
 
 
-def _held_loads(plan: AttentionBackwardPlan, *tiles: tuple[str, str]) -> str:
-  """With held_fragments: declare and load each (registers, tile) pair's A fragments (the warp's 16 rows)."""
-  if not plan.held_fragments: return ""
+def _held_loads(holds: bool, *tiles: tuple[str, str]) -> str:
+  """With `holds` (the plan's dq_held or dkdv_held): declare and load each (registers, tile) pair's A fragments (the
+  warp's 16 rows)."""
+  if not holds: return ""
   return "".join(f"\n  unsigned {held}[D / KSTEP][4];\n  load_fragments<D, PITCH>({held}, {tile} + warp * 16 * PITCH);"
                  for held, tile in tiles)
 
 
-def _owned_product(plan: AttentionBackwardPlan, columns: str, acc: str, held: str, tile: str, other: str) -> str:
-  """acc += (the warp's 16 rows of `tile`) @ `other`^T, from the held fragments or from shared memory."""
-  if plan.held_fragments: return f"warp_mma_held<{columns} / 8, D, 1, PITCH>({acc}, {held}, {other});"
+def _owned_product(holds: bool, columns: str, acc: str, held: str, tile: str, other: str) -> str:
+  """acc += (the warp's 16 rows of `tile`) @ `other`^T, from the held fragments (`holds`) or from shared memory."""
+  if holds: return f"warp_mma_held<{columns} / 8, D, 1, PITCH>({acc}, {held}, {other});"
   return f"warp_mma<{columns} / 8, D, PITCH, 1, 1, PITCH>({acc}, {tile} + warp * 16 * PITCH, {other});"
 
 
@@ -532,7 +537,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
   block's work grows with its Q tile, so the blocks are numbered from the last Q tile down (the longest start first)."""
   p = plan
-  held_loads = _held_loads(p, ("q_held", "q_tile"), ("do_held", "do_tile"))
+  held_loads = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
   entry = _entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes, p.dq_registers), DQ_KERNEL, device_function)
   body = f"""
 {entry}(const elem_t* __restrict__ q,
@@ -607,8 +612,8 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
     float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) for (int c = 0; c < 4; c++) {{ s[t][c] = 0.0f; dp[t][c] = 0.0f; }}
-    {_owned_product(p, "BK", "s", "q_held", "q_tile", "k_tile")}     // Q K^T
-    {_owned_product(p, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
+    {_owned_product(p.dq_held, "BK", "s", "q_held", "q_tile", "k_tile")}     // Q K^T
+    {_owned_product(p.dq_held, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) {{
 #pragma unroll
@@ -645,8 +650,8 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   double-buffered: the copies of iteration n + 1 are in flight while iteration n is multiplied."""
   p = plan
   # K and V have landed (their copy group is the older one) before their fragments are held
-  held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.held_fragments else "") + _held_loads(
-    p, ("k_held", "k_tile"), ("v_held", "v_tile"))
+  held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.dkdv_held else "") + _held_loads(
+    p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
   entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
                  device_function)
   body = f"""
@@ -716,8 +721,8 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
     float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
     for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
-    {_owned_product(p, "BQ", "st", "k_held", "k_tile", "q_tile")}    // K Q^T = S^T
-    {_owned_product(p, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
+    {_owned_product(p.dkdv_held, "BQ", "st", "k_held", "k_tile", "q_tile")}    // K Q^T = S^T
+    {_owned_product(p.dkdv_held, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
 #pragma unroll
     for (int t = 0; t < BQ / 8; t++) {{
 #pragma unroll
