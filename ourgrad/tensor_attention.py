@@ -85,7 +85,9 @@ VIEW_FUNCTIONS = (Reshape, Permute, Shrink)
 def packed_source(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
   """The tensor that q, k and v (B, H, L, D) are views of (through reshapes, permutes and slices recorded by autograd)
   whose lazy value is the base they read and which they tile exactly (`LazyBuffer`'s `tiles_one_base`), when it
-  needs a gradient and the fused backward kernels will run; else None."""
+  needs a gradient and the fused backward kernels will run; else None. The attention is then a Function of that
+  tensor: `loss.gradient(q)` of a q used only by it finds no path (the gradients of leaves and of that tensor are
+  whole)."""
   base = q.lazydata.base
   if not (k.lazydata.base is base and v.lazydata.base is base): return None
   sources = [_view_source(tensor, base) for tensor in (q, k, v)]
