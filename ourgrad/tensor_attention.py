@@ -27,7 +27,7 @@ from ourgrad.codegen.attention_backward import AttentionBackwardPlan
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.function import Function, Permute, Reshape, Shrink, _tensor_class
-from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, tf32_allowed
+from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, FUSED_ATTENTION_PACKED, tf32_allowed
 from ourgrad.lazy import LazyBuffer, place_through_view, tiles_one_base
 from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import is_symbolic
@@ -89,7 +89,7 @@ def packed_source(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
   tensor: `loss.gradient(q)` of a q used only by it finds no path (the gradients of leaves and of that tensor are
   whole)."""
   base = q.lazydata.base
-  if not (k.lazydata.base is base and v.lazydata.base is base): return None
+  if not FUSED_ATTENTION_PACKED or not (k.lazydata.base is base and v.lazydata.base is base): return None
   sources = [_view_source(tensor, base) for tensor in (q, k, v)]
   if sources[0] is None or any(source is not sources[0] for source in sources) or not sources[0].requires_grad:
     return None

@@ -295,7 +295,7 @@ def test_gpt2_step_writes_the_qkv_gradient_in_place(monkeypatch):
   monkeypatch.setenv("DEVICE", DEVICE)   # the model's parameters too
   with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
     packed = {layers: _gpt2_step_kernels(layers) for layers in (1, 2)}
-    monkeypatch.setattr(tensor_attention, "packed_source", lambda q, k, v: None)
+    monkeypatch.setenv("FUSED_ATTENTION_PACKED", "0")
     concatenated = {layers: _gpt2_step_kernels(layers) for layers in (1, 2)}
   assert {layers: concatenated[layers] - packed[layers] for layers in (1, 2)} == {1: 1, 2: 2}
 
@@ -443,6 +443,30 @@ def test_cuda_device_against_torch(dtype, causal, monkeypatch):
     assert _relative_error(out.cast(dtypes.float32).numpy(), want) < TOLERANCES[dtype]
     for got, twin in ((q, tq), (k, tk), (v, tv)):
       assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
+  finally:
+    _float32_matmul_precision[0] = None
+
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_cuda_packed_qkv_gradient_against_torch(dtype, monkeypatch):
+  """GPT-2's q, k, v views of one (B, T, 3 C) tensor on the CUDA device: its gradient written whole by the two
+  backward kernels (packed), odd length, against float64."""
+  monkeypatch.setenv("FUSED_ATTENTION", "2")
+  ourgrad.set_float32_matmul_precision("high")
+  try:
+    batch, length, heads, head_dim = 2, 300, 4, 64
+    qkv = Tensor(_random(batch, length, 3 * heads * head_dim, seed=56), device="CUDA").cast(dtype).realize()
+    qkv.requires_grad = True
+    q, k, v = (t.reshape(batch, length, heads, head_dim).transpose(1, 2) for t in qkv.split(heads * head_dim, dim=2))
+    out = q.scaled_dot_product_attention(k, v, is_causal=True)
+    assert type(out._ctx).__name__ == "PackedFusedAttention"
+    out.cast(dtypes.float32).sum().backward()
+    twin = _torch_inputs([qkv])[0]
+    tq, tk, tv = (t.reshape(batch, length, heads, head_dim).transpose(1, 2)
+                  for t in twin.split(heads * head_dim, dim=2))
+    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+    assert _relative_error(qkv.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
   finally:
     _float32_matmul_precision[0] = None
 
