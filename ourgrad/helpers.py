@@ -170,6 +170,9 @@ FUSED_ATTENTION = env_var("FUSED_ATTENTION", 1, "where the device has the fused 
 FUSED_ATTENTION_BACKWARD = env_var("FUSED_ATTENTION_BACKWARD", 1, "1: the backward of a fused attention runs as the "
                                    "flash backward kernels (codegen/attention_grad.py); 0: as composite math from its "
                                    "logsumexp (tensor_attention.attention_backward)")
+FUSED_ATTENTION_PACKED = env_var("FUSED_ATTENTION_PACKED", 1, "1: where q, k, v are views tiling one tensor (GPT-2's "
+                                 "c_attn output), the flash backward kernels write that tensor's gradient whole "
+                                 "(tensor_attention.packed_source); 0: q, k, v's gradients apart, concatenated after")
 
 
 # ---------------------------------------------------------------- float32 matmul precision

@@ -385,24 +385,31 @@ class LazyBuffer:
                                   operands)
 
   def attention_grads(self, key: LazyBuffer, value: LazyBuffer, forward: LazyBuffer, grad_out: LazyBuffer,
-                      causal: bool, scale: float) -> tuple[LazyBuffer, LazyBuffer]:
+                      causal: bool, scale: float, packed: bool = False) -> tuple[LazyBuffer, LazyBuffer]:
     """The fused attention backward of this (B, H, L, D) query with (B, Hk, S, D) keys and values, `forward` the
     Ops.ATTENTION buffer their forward wrote (O and LSE) and `grad_out` dO (B, H, L, D) in the operands' dtype: two
     kernels (codegen/attention_grad.py). Returns (one buffer of this dtype: dq (B, H, L, D) contiguous, then the
     bytes of the float32 delta (B, H, L); one buffer of this dtype: dk then dv, each (B, Hk, S, D) contiguous).
     Operands are read in place where their view allows it (`_reads_in_place`, the last dim contiguous, a 16-byte
-    aligned start), else made contiguous."""
+    aligned start), else made contiguous.
+    `packed` (q, k, v tile one base: `tiles_one_base`): both ops write ONE buffer, the base's elements then delta's
+    bytes, dq, dk and dv stored through q, k and v's views (the gradient of the base, in its own layout: no
+    concatenation); the dK/dV op writes into the dQ op's buffer (engine/schedule.py gives them one) and is returned
+    twice."""
+    if packed and not tiles_one_base(self, key, value): raise AssertionError("packed gradients need tiled operands")
     q, k, v, do = (operand if _reads_in_place_by_rows(operand) else operand.contiguous()
                    for operand in (self, key, value, grad_out))
     batch, heads, length, head_dim = self.shape
     kv_elements = batch * key.shape[1] * key.shape[2] * head_dim
     delta_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
-    arg = (causal, float(scale))
-    dq = LazyBuffer.create_base(self.device, (batch * heads * length * head_dim + delta_elements,), self.dtype,
-                                Ops.ATTENTION_DQ, arg, (q, k, v, forward, do))
-    dkdv = LazyBuffer.create_base(self.device, (2 * kv_elements,), self.dtype, Ops.ATTENTION_DKDV, arg,
+    arg = (causal, float(scale), packed)
+    dq_elements = self.base.size if packed else batch * heads * length * head_dim
+    dq = LazyBuffer.create_base(self.device, (dq_elements + delta_elements,), self.dtype, Ops.ATTENTION_DQ, arg,
+                                (q, k, v, forward, do))
+    dkdv_shape = dq.shape if packed else (2 * kv_elements,)
+    dkdv = LazyBuffer.create_base(self.device, dkdv_shape, self.dtype, Ops.ATTENTION_DKDV, arg,
                                   (q, k, v, do, forward, dq))
-    return dq, dkdv
+    return (dkdv if packed else dq), dkdv
 
   # ---------------------------------------------------------------- in-place writes (versions of a storage)
 
@@ -593,6 +600,29 @@ def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
     for src in reversed(base.srcs):  # (src.base without the property call: this walk runs at every realize)
       stack.append((src if src._base is None else src._base, False))
   return order
+
+
+def tiles_one_base(q: LazyBuffer, k: LazyBuffer, v: LazyBuffer) -> bool:
+  """Whether attention operands q (B, H, L, D), k and v (B, Hk, L, D) are in-place views of one base that together
+  hold each of its elements once: the same strides, k's heads right after q's and v's after k's (offsets 0,
+  H * head stride, (H + Hk) * head stride), and the (B, H + 2 Hk, L, D) view they form a permutation of a contiguous
+  layout of the whole base. A fused projection's output split into q, k and v ((B, T, 3, H, D) as GPT-2's c_attn,
+  or (B, 3, H, T, D)) is such a base: the gradients of q, k, v stored through the same views are its gradient."""
+  operands = (q, k, v)
+  if not all(_reads_in_place_by_rows(x) for x in operands) or not q.base is k.base is v.base: return False
+  if q.shape[2] != k.shape[2] or k.shape != v.shape: return False
+  views = [x.st.views[0] for x in operands]
+  (batch, heads, length, head_dim), kv_heads = q.shape, k.shape[1]
+  head_stride = views[0].strides[1]
+  if any(view.strides != views[0].strides for view in views): return False
+  if tuple(view.offset for view in views) != (0, heads * head_stride, (heads + kv_heads) * head_stride): return False
+  sizes = (batch, heads + 2 * kv_heads, length, head_dim)
+  covered = 1   # the dims by stride, each must start where the smaller ones end
+  for size, stride in sorted(((size, stride) for size, stride in zip(sizes, views[0].strides) if size > 1),
+                             key=lambda pair: pair[1]):
+    if stride != covered: return False
+    covered *= size
+  return covered == q.base.size
 
 
 def _reads_in_place_by_rows(operand: LazyBuffer) -> bool:

@@ -73,10 +73,12 @@ class Ops(Enum):
   # (codegen/attention.py);
   # its kernel AST is STORE(ATTENTION(LOAD q, LOAD k, LOAD v)), each load one View of a realized buffer
   ATTENTION = auto()
-  # fused attention backward (codegen/attention_grad.py), each always a kernel of its own, arg (causal, scale), AST
-  # STORE(OP(LOAD ...)). ATTENTION_DQ: srcs (q, k, v, the ATTENTION buffer, dO (B, H, L, D))
-  # -> one float32 buffer: dq (B, H, L, D) then delta = rowsum(dO * O) (B, H, L). ATTENTION_DKDV: srcs (q, k, v, dO,
-  # the ATTENTION buffer, the ATTENTION_DQ buffer) -> one float32 buffer: dk then dv, each (B, Hk, S, D)
+  # fused attention backward (codegen/attention_grad.py), each always a kernel of its own, arg (causal, scale,
+  # packed), AST STORE(OP(LOAD ...)). ATTENTION_DQ: srcs (q, k, v, the ATTENTION buffer, dO (B, H, L, D))
+  # -> one buffer of the operands' dtype: dq (B, H, L, D) then the bytes of delta = rowsum(dO * O) (B, H, L, float32).
+  # ATTENTION_DKDV: srcs (q, k, v, dO, the ATTENTION buffer, the ATTENTION_DQ buffer) -> dk then dv, each (B, Hk, S,
+  # D). packed (q, k, v tile one base, LazyBuffer.attention_grads): both write one buffer, the base's elements (dq,
+  # dk, dv through q, k, v's views) then delta; the dK/dV op writes into the dQ op's buffer
   ATTENTION_DQ = auto()
   ATTENTION_DKDV = auto()
   # leaves and root of a kernel AST

@@ -27,9 +27,9 @@ from ourgrad.codegen.attention import OPERAND_DTYPES
 from ourgrad.codegen.attention_backward import AttentionBackwardPlan
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
-from ourgrad.function import Function, _tensor_class
-from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, tf32_allowed
-from ourgrad.lazy import LazyBuffer
+from ourgrad.function import Function, Permute, Reshape, Shrink, _tensor_class
+from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, FUSED_ATTENTION_PACKED, tf32_allowed
+from ourgrad.lazy import LazyBuffer, place_through_view, tiles_one_base
 from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import is_symbolic
 
@@ -68,9 +68,43 @@ def fused_attention_refusal(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor |
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> Tensor:
-  """The fused kernel's O for operands `fused_attention_refusal` accepted: (B, [H,] L, D) like q."""
+  """The fused kernel's O for operands `fused_attention_refusal` accepted: (B, [H,] L, D) like q. Where q, k and v
+  are views of one tensor that they tile (`packed_source`: GPT-2's split of its c_attn output), the Function takes
+  that tensor, and the backward kernels write its gradient whole, in its layout (no concatenation of three)."""
   if q.ndim == 3: return fused_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal, scale).squeeze(1)
+  source = packed_source(q, k, v)
+  if source is not None:
+    return PackedFusedAttention.apply(source, views=(q.lazydata, k.lazydata, v.lazydata), causal=is_causal,
+                                      scale=scale)
   return FusedAttention.apply(q, k, v, causal=is_causal, scale=scale)
+
+
+# the autograd Functions a view is made by (as q, k, v are made from a fused projection's output)
+VIEW_FUNCTIONS = (Reshape, Permute, Shrink)
+
+
+def packed_source(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+  """The tensor that q, k and v (B, H, L, D) are views of (through reshapes, permutes and slices recorded by autograd)
+  whose lazy value is the base they read and which they tile exactly (`LazyBuffer`'s `tiles_one_base`), when it
+  needs a gradient and the fused backward kernels will run; else None. The attention is then a Function of that
+  tensor: `loss.gradient(q)` of a q used only by it finds no path (the gradients of leaves and of that tensor are
+  whole)."""
+  base = q.lazydata.base
+  if not FUSED_ATTENTION_PACKED or not (k.lazydata.base is base and v.lazydata.base is base): return None
+  sources = [_view_source(tensor, base) for tensor in (q, k, v)]
+  if sources[0] is None or any(source is not sources[0] for source in sources) or not sources[0].requires_grad:
+    return None
+  if fused_backward_refusal(q.lazydata, k.lazydata) is not None: return None
+  return sources[0] if tiles_one_base(q.lazydata, k.lazydata, v.lazydata) else None
+
+
+def _view_source(tensor: Tensor, base: LazyBuffer) -> Tensor | None:
+  """The tensor whose lazy value is `base` that `tensor` was made from by view Functions alone, else None."""
+  while tensor.lazydata is not base:
+    ctx = tensor._ctx
+    if not isinstance(ctx, VIEW_FUNCTIONS): return None
+    tensor = ctx.parents[0]
+  return tensor
 
 
 def explain_attention(refusal: str | None) -> None:
@@ -120,6 +154,31 @@ class FusedAttention(Function):
       wrap = [Tensor(value, device=self.device) for value in (self.q, self.k, self.v, self.out, self.lse, grad_output)]
       grads = attention_backward(*wrap, causal=self.causal, scale=self.scale)
     return tuple(grad.lazydata if needed else None for grad, needed in zip(grads, self.needs_input_grad))
+
+
+class PackedFusedAttention(FusedAttention):
+  """FusedAttention of q, k, v that tile one tensor x (`packed_source`), as a Function of x: its backward is x's
+  gradient, the buffer the two backward kernels write dq, dk and dv into through q, k and v's views."""
+
+  def forward(self, x: LazyBuffer, views: tuple[LazyBuffer, LazyBuffer, LazyBuffer], causal: bool,  # type: ignore
+              scale: float) -> LazyBuffer:
+    self.source_shape = x.shape
+    return super().forward(*views, causal, scale)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:  # type: ignore[override]
+    if fused_backward_refusal(self.q, self.k) is None and tiles_one_base(*self.operands):
+      packed, _ = self.operands[0].attention_grads(self.operands[1], self.operands[2], self.flat, grad_output,
+                                                   self.causal, self.scale, packed=True)
+      return packed.shrink(((0, math.prod(self.source_shape)),)).reshape(self.source_shape)
+    # the kernels refused since the forward (FUSED_ATTENTION_BACKWARD changed): each gradient placed where its view
+    # lies in x, zeros elsewhere, summed
+    self.needs_input_grad = [True, True, True]
+    grads = super().backward(grad_output)
+    total = None
+    for grad, view in zip(grads, (self.q, self.k, self.v)):
+      placed = place_through_view(grad, view.st, self.source_shape)[0]
+      total = placed if total is None else total.elementwise(Ops.ADD, placed)
+    return total
 
 
 def fused_backward_refusal(q: LazyBuffer, k: LazyBuffer) -> str | None:

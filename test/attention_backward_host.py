@@ -80,7 +80,6 @@ typedef float elem_t;
 inline float to_float(elem_t x) { return x; }
 inline elem_t from_float(float x) { return x; }
 inline unsigned operand_bits(elem_t x) { return (float_as_uint(x) + 0x1000u) & 0xFFFFE000u; }  // cvt.rna.tf32
-inline void store_pair(elem_t* p, float first, float second) { p[0] = first; p[1] = second; }
 inline float operand_value(const unsigned* registers, int element) { return __uint_as_float(registers[element]); }
 """,
   "float16": r"""
@@ -97,7 +96,7 @@ inline elem_t from_float(float x) {
 }
 PACKED_OPERANDS = r"""
 inline unsigned pack(elem_t low, elem_t high) { return (unsigned)low | ((unsigned)high << 16); }
-inline void store_pair(elem_t* p, float first, float second) { p[0] = from_float(first); p[1] = from_float(second); }
+inline unsigned pack_floats(float first, float second) { return pack(from_float(first), from_float(second)); }
 inline float operand_value(const unsigned* registers, int element) {
   return to_float((elem_t)(registers[element / 2] >> (16 * (element % 2)) & 0xFFFFu)); }
 // ldmatrix: lane l names row l % 8 of matrix l / 8; lane l receives (row l / 4, columns 2 (l % 4) and + 1) of each

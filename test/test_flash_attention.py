@@ -136,9 +136,11 @@ def test_gpt2_strided_views_read_in_place(emulated_cuda, dtype):
   schedule = create_schedule([qkv.grad.lazydata])
   run_schedule(list(schedule))   # (scheduling gave the bases buffers: their kernels must run)
   backward = [item for item in schedule if is_attention_grad(item.ast)]
-  # dQ: qkv, the forward's buffer, dO; dK/dV: the same and the dQ buffer (delta)
-  assert [len(item.inputs) for item in backward] == [3, 4]
+  # dQ: qkv, the forward's buffer, dO; dK/dV: the same (and delta in the dQ buffer, which is its own output: the
+  # gradients of q, k, v tile qkv, so both write one buffer, qkv's gradient, in its (B, T, 3 * H * D) layout)
+  assert [len(item.inputs) for item in backward] == [3, 3]
   assert all(item.inputs[0] is items[0].inputs[0] for item in backward)
+  assert backward[0].outputs[0] is backward[1].outputs[0] is schedule[-1].outputs[0]   # no concatenation after them
   tqkv = torch.tensor(qkv_np, dtype=torch.float64, requires_grad=True)
   tq, tk, tv = (tqkv.reshape(batch, tokens, 3, heads, head_dim)[:, :, i].transpose(1, 2) for i in range(3))
   want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
@@ -194,7 +196,8 @@ def test_gpt2_loss_and_gradients(emulated_cuda, monkeypatch):
   want = torch_model(torch.from_numpy(tokens).long(), torch.from_numpy(targets).long())[1]
   want.backward()
   assert loss.item() == pytest.approx(want.item(), rel=1e-4)
-  assert fused_backwards == [True]   # its backward ran as the flash backward kernels
+  # its backward ran as the flash backward kernels (asked when q, k, v were packed at the forward, and at the backward)
+  assert fused_backwards == [True, True]
   theirs = dict(torch_model.named_parameters())
   for name, param in model.named_parameters():
     assert _relative_error(param.grad.numpy(), theirs[name].grad) < 5e-3, name
@@ -274,6 +277,81 @@ def test_training_step_attention_is_three_kernels(emulated_cuda, dtype):
   Tensor.realize(q.grad, k.grad, v.grad)
   assert GlobalCounters.kernel_count == 3
   assert q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
+
+
+def _gpt2_step_kernels(layers: int) -> int:
+  """Kernels of a GPT-2's training step (loss and every gradient; scheduled, not run) on the emulated GPU, at sizes
+  where its matmuls take the WGMMA plan (their operands staged in plain buffers)."""
+  config = GPT2Config(n_layer=layers, n_head=12, n_embd=768, vocab_size=512, block_size=512)
+  model = GPT2(config)
+  tokens, targets = (np.random.default_rng(seed).integers(0, 512, (8, 512)).astype(np.int32) for seed in (50, 51))
+  with Tensor.train():
+    loss = model(Tensor(tokens, device=DEVICE), Tensor(targets, device=DEVICE))[1]
+    loss.backward()
+    return len(create_schedule([t.lazydata for t in [loss] + [param.grad for param in model.parameters()]]))
+
+
+def test_gpt2_step_writes_the_qkv_gradient_in_place(monkeypatch):
+  """GPT-2's q, k, v are views of one c_attn output: the backward kernels write its gradient whole (packed), so a
+  step on an sm_90 GPU (WGMMA matmuls, which read plain operands) has one kernel less a layer than with q, k, v's
+  gradients concatenated after them."""
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  monkeypatch.setenv("DEVICE", DEVICE)   # the model's parameters too
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    packed = {layers: _gpt2_step_kernels(layers) for layers in (1, 2)}
+    monkeypatch.setenv("FUSED_ATTENTION_PACKED", "0")
+    concatenated = {layers: _gpt2_step_kernels(layers) for layers in (1, 2)}
+  assert {layers: concatenated[layers] - packed[layers] for layers in (1, 2)} == {1: 1, 2: 2}
+
+
+def test_packed_gradients_of_grouped_heads_match_torch(emulated_cuda):
+  """q, k, v of a (B, 3, H, T, D)-style buffer with grouped-query heads (H query heads, then Hk key and Hk value
+  heads): packed gradients, in the buffer's own layout, against torch float64."""
+  batch, heads, kv_heads, length, head_dim = 2, 4, 2, 40, 32
+  flat = _ourgrad_inputs([_random(batch, heads + 2 * kv_heads, length, head_dim, seed=52)], dtypes.bfloat16, True)[0]
+  q, k, v = flat[:, :heads], flat[:, heads:heads + kv_heads], flat[:, heads + kv_heads:]
+  assert tensor_attention.packed_source(q, k, v) is flat
+  q.scaled_dot_product_attention(k, v, is_causal=True, enable_gqa=True).cast(dtypes.float32).sum().backward()
+  twin = _torch_inputs([flat])[0]
+  tq, tk, tv = twin[:, :heads], twin[:, heads:heads + kv_heads], twin[:, heads + kv_heads:]
+  torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True).sum().backward()
+  assert _relative_error(flat.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtypes.bfloat16]
+
+
+def test_packed_gradients_replayed_by_the_schedule_cache(emulated_cuda):
+  """The same packed step twice on new values: the second realize replays the cached schedule (the dK/dV op's buffer
+  rebound to the dQ op's fresh one) and its gradient is still right."""
+  import ourgrad.engine.schedule_cache as schedule_cache
+  batch, heads, length, head_dim = 1, 2, 24, 32
+  for seed in (54, 55):
+    qkv = _ourgrad_inputs([_random(batch, length, 3 * heads * head_dim, seed=seed)], dtypes.float32, True)[0]
+    q, k, v = (t.reshape(batch, length, heads, head_dim).transpose(1, 2) for t in qkv.split(heads * head_dim, dim=2))
+    q.scaled_dot_product_attention(k, v, is_causal=True).sum().backward()
+    hits = schedule_cache.stats.hits
+    grad = qkv.grad.numpy()
+    twin = _torch_inputs([qkv])[0]
+    tq, tk, tv = (t.reshape(batch, length, heads, head_dim).transpose(1, 2)
+                  for t in twin.split(heads * head_dim, dim=2))
+    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+    assert _relative_error(grad, twin.grad) < 2 * TOLERANCES[dtypes.float32]
+  assert schedule_cache.stats.hits > hits   # the second gradient came from the cached schedule
+
+
+def test_packed_gradient_when_the_kernels_are_refused_at_the_backward(emulated_cuda, monkeypatch):
+  """Packed at the forward, FUSED_ATTENTION_BACKWARD=0 by the backward: the composite gradients, placed into the
+  tensor q, k, v tile, against torch float64."""
+  batch, heads, length, head_dim = 1, 2, 30, 32
+  qkv = _ourgrad_inputs([_random(batch, length, 3 * heads * head_dim, seed=53)], dtypes.float32, True)[0]
+  q, k, v = (t.reshape(batch, length, heads, head_dim).transpose(1, 2) for t in qkv.split(heads * head_dim, dim=2))
+  out = q.scaled_dot_product_attention(k, v, is_causal=True)
+  assert type(out._ctx).__name__ == "PackedFusedAttention"
+  monkeypatch.setenv("FUSED_ATTENTION_BACKWARD", "0")
+  out.sum().backward()
+  twin = _torch_inputs([qkv])[0]
+  tq, tk, tv = (t.reshape(batch, length, heads, head_dim).transpose(1, 2) for t in twin.split(heads * head_dim, dim=2))
+  torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+  assert _relative_error(qkv.grad.numpy(), twin.grad) < 2 * TOLERANCES[dtypes.float32]
 
 
 def test_composite_backward_still_matches(emulated_cuda, monkeypatch):
@@ -374,6 +452,30 @@ def test_cuda_device_against_torch(dtype, causal, monkeypatch):
     assert _relative_error(out.cast(dtypes.float32).numpy(), want) < TOLERANCES[dtype]
     for got, twin in ((q, tq), (k, tk), (v, tv)):
       assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
+  finally:
+    _float32_matmul_precision[0] = None
+
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_cuda_packed_qkv_gradient_against_torch(dtype, monkeypatch):
+  """GPT-2's q, k, v views of one (B, T, 3 C) tensor on the CUDA device: its gradient written whole by the two
+  backward kernels (packed), odd length, against float64."""
+  monkeypatch.setenv("FUSED_ATTENTION", "2")
+  ourgrad.set_float32_matmul_precision("high")
+  try:
+    batch, length, heads, head_dim = 2, 300, 4, 64
+    qkv = Tensor(_random(batch, length, 3 * heads * head_dim, seed=56), device="CUDA").cast(dtype).realize()
+    qkv.requires_grad = True
+    q, k, v = (t.reshape(batch, length, heads, head_dim).transpose(1, 2) for t in qkv.split(heads * head_dim, dim=2))
+    out = q.scaled_dot_product_attention(k, v, is_causal=True)
+    assert type(out._ctx).__name__ == "PackedFusedAttention"
+    out.cast(dtypes.float32).sum().backward()
+    twin = _torch_inputs([qkv])[0]
+    tq, tk, tv = (t.reshape(batch, length, heads, head_dim).transpose(1, 2)
+                  for t in twin.split(heads * head_dim, dim=2))
+    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+    assert _relative_error(qkv.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
   finally:
     _float32_matmul_precision[0] = None
 

@@ -123,10 +123,11 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
   for launch in plan.launches():
     assert f'extern "C" __global__ void __launch_bounds__({launch.block[0]}) {launch.name}(' in launch.source
     assert compiler.compile(launch.source)
-  # with the H100/H200's 228 KB of shared memory a multiprocessor: as many blocks as fit (3 of 64x64 bfloat16 tiles)
+  # with the H100/H200's 228 KB of shared memory a multiprocessor: as many blocks as fit in it and in the register
+  # file at the registers the accumulators need
   plan = AttentionBackwardPlan(**{**plan.__dict__, "shared_per_sm": 228 * 1024})
-  for launch in plan.launches():
-    resident = min(228 * 1024 // (launch.shared_bytes + 1024), 4)
+  for launch, registers in zip(plan.launches(), (plan.dq_registers, plan.dkdv_registers)):
+    resident = min(228 * 1024 // (launch.shared_bytes + 1024), 65536 // (launch.block[0] * registers))
     bounds = f"__launch_bounds__({launch.block[0]}{f', {resident}' if resident > 1 else ''})"
     assert f'extern "C" __global__ void {bounds} {launch.name}(' in launch.source
     assert compiler.compile(launch.source)
@@ -134,11 +135,13 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
 
 HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causal), layout of q, o, dq, k
   ("float32", (1, 2, 1, 70, 45, 32, True), "contiguous"),
+  ("float32", (1, 1, 1, 70, 75, 64, True), "contiguous"),    # 256-byte rows: 32-row streamed tiles (default_blocks)
   ("bfloat16", (1, 2, 2, 45, 70, 64, False), "projected"),   # q, o, dq as (B, L, H, D); o float32 before LSE
   ("float16", (1, 2, 1, 40, 40, 128, True), "contiguous"),
   ("float16", (1, 2, 1, 33, 20, 16, False), "padded"),       # k rows D + 1 apart: no 16-byte loads
   ("bfloat16", (1, 2, 1, 70, 70, 64, True), "held"),         # A fragments of Q, dO, K, V held in registers
   ("float32", (1, 1, 1, 40, 50, 32, False), "held"),
+  ("bfloat16", (1, 2, 1, 60, 50, 32, True), "unheld"),      # the dQ kernel's Q and dO fragments from shared memory
   ("float16", (1, 2, 1, 70, 60, 32, True), "split"),         # owned and streamed tiles of other sizes
   ("bfloat16", (1, 2, 1, 150, 140, 16, True), "wide"),       # blocks of 8 warps (128 rows)
   ("bfloat16", (1, 4, 2, 45, 70, 64, True), "grad32"),       # dq, dk, dv stored in float32 (Ops.ATTENTION_DQ/DKDV)
@@ -153,7 +156,8 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
   plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal)
   arrays, expected = reference(plan)
   projected = layout == "projected"
-  if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "held_fragments": True})
+  if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "dq_held": True, "dkdv_held": True})
+  if layout == "unheld": plan = AttentionBackwardPlan(**{**plan.__dict__, "dq_held": False})
   if layout == "grad32": plan = AttentionBackwardPlan(**{**plan.__dict__, "grad_float32": True})
   if layout == "wide":
     plan = AttentionBackwardPlan(**{**plan.__dict__, "block_q": 128, "block_kv": 128, "stream_q": 64, "stream_kv": 64})

@@ -239,7 +239,7 @@ def main() -> None:
           variants["block_kv 32"] = dataclasses.replace(plan, block_kv=32, stream_kv=64)
           variants["block_q 128"] = dataclasses.replace(plan, block_q=128)      # 8 warps a dQ block
           variants["block_kv 128"] = dataclasses.replace(plan, block_kv=128, stream_kv=64)   # 8 warps a dK/dV block
-          variants["held"] = dataclasses.replace(plan, held_fragments=True)
+          variants["held toggled"] = dataclasses.replace(plan, dq_held=not plan.dq_held, dkdv_held=not plan.dkdv_held)
         run_case(name, variants, compiler, timed, options.iters, against_float64=not timed or case[3] <= 1024)
       except Exception:
         print(f"  {name}: FAILED\n{traceback.format_exc()}", flush=True)

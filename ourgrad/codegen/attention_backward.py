@@ -20,8 +20,10 @@ Two kernels, launched in this order on one stream (`AttentionBackwardPlan.launch
 
 Inside a block each warp owns 16 rows (queries in the dQ kernel, keys in the dK/dV kernel). Every product is a
 warp-level `mma.sync` (m16n8k16 with float32 accumulation for float16/bfloat16, m16n8k8 TF32 for float32) whose
-fragments are gathered from shared-memory tiles with the maps of codegen/tensor_cores.py; P and dS pass through
-shared memory in the operand type (rounded to float16/bfloat16; TF32 rounds them as it loads the fragment).
+fragments are gathered from shared-memory tiles with the maps of codegen/tensor_cores.py. P and dS never touch shared
+memory: a warp's accumulator fragments of S (dP) are the A fragments of the next product (`warp_mma_c`), rounded to the
+operand type in registers (FlashAttention-2's register reuse); for TF32 the k index of that product is permuted within
+each 8-wide step so the accumulator layout matches, and B is read with the same permutation.
 A causal mask is torch's `is_causal` (top-left aligned): key j is kept for query i when j <= i.
 
 runtime/attention_backward_emulator.py computes the same numbers with numpy (operands rounded where the tensor cores
@@ -43,10 +45,11 @@ Strides = tuple[int, int, int]   # element strides of (batch, head, row); the la
 WARP_ROWS = 16                   # rows of an mma.sync tile (m16): each warp owns 16 rows of its block
 PAD_BYTES = 16                   # added to each shared-memory row so a fragment's 8 rows fall in different banks
 LOG2E = 1.4426950408889634
-# the register file of a multiprocessor (every sm_80/sm_86/sm_89/sm_90 GPU), the registers a thread of these kernels
-# needs to keep its accumulators and fragments without spilling much, and the shared memory the driver reserves per
-# resident block (sm_80+)
-REGISTERS_PER_SM, REGISTER_FLOOR, BLOCK_RESERVED_SHARED = 65536, 128, 1024
+# the register file of a multiprocessor (every sm_80/sm_86/sm_89/sm_90 GPU), the fewest registers a thread of these
+# kernels is given, those it needs beside its float32 accumulators (the operand fragments in flight, addresses, row
+# statistics, loop state: what ptxas used over the accumulators in NVRTC compiles of D=64 plans), and the shared
+# memory the driver reserves per resident block (sm_80+)
+REGISTERS_PER_SM, REGISTER_FLOOR, REGISTERS_BESIDE_ACCUMULATORS, BLOCK_RESERVED_SHARED = 65536, 128, 40, 1024
 DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
 
 
@@ -89,7 +92,8 @@ class AttentionBackwardPlan:
   o_dtype: str | None = None  # O's dtype where the forward keeps it in float32; None: plan.dtype
   shared_per_sm: int = 0      # the device's shared memory per multiprocessor (0: unknown, no occupancy hint)
   lse_offset: int = 0         # where LSE starts in its buffer (elements): the forward may write it after O
-  held_fragments: bool = False  # the owned tiles' A fragments (Q, dO; K, V) kept in registers across the loop
+  dq_held: bool = False       # the dQ kernel's owned Q and dO A fragments kept in registers across its loop
+  dkdv_held: bool = False     # the dK/dV kernel's owned K and V A fragments kept in registers across its loop
   grad_float32: bool = False  # dq, dk, dv written as float32 (the sums unrounded) instead of in plan.dtype
 
   def __post_init__(self) -> None:
@@ -175,10 +179,9 @@ class AttentionBackwardPlan:
 
   @property
   def dq_shared_bytes(self) -> int:
-    """Q and dO tiles, two K and V tiles (double-buffered), the dS tile (block_q x dq_stream), then LSE and delta of
-    the block's rows."""
+    """Q and dO tiles, two K and V tiles (double-buffered), then LSE and delta of the block's rows (dS stays in
+    registers)."""
     tiles = 2 * self.block_q * self.row_pitch + 4 * self.dq_stream * self.row_pitch
-    tiles += self.block_q * (self.dq_stream + PAD_BYTES // self.itemsize)
     return tiles * self.itemsize + 2 * self.block_q * 4
 
   @property
@@ -189,19 +192,29 @@ class AttentionBackwardPlan:
 
   @property
   def dkdv_shared_bytes(self) -> int:
-    """K and V tiles, two Q and dO tiles (double-buffered), the P^T and dS^T tiles (block_kv x dkdv_stream), then
-    two LSE and delta rows of a Q tile."""
+    """K and V tiles, two Q and dO tiles (double-buffered), then two LSE and delta rows of a Q tile (P^T and dS^T stay
+    in registers)."""
     stream = self.dkdv_stream
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
-    tiles += 2 * self.block_kv * (stream + PAD_BYTES // self.itemsize)
     return tiles * self.itemsize + 4 * stream * 4
 
-  def launch_bounds(self, threads: int, shared_bytes: int) -> str:
+  @property
+  def dq_registers(self) -> int:
+    """Registers a dQ thread needs: its share of the dQ accumulators (16 x D a warp) and of S and dP (16 x stream)."""
+    return max(REGISTER_FLOOR, self.head_dim // 2 + self.dq_stream + REGISTERS_BESIDE_ACCUMULATORS)
+
+  @property
+  def dkdv_registers(self) -> int:
+    """Registers a dK/dV thread needs: its share of dK and dV (16 x D each a warp) and of S^T and dP^T (16 x stream)."""
+    return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + REGISTERS_BESIDE_ACCUMULATORS)
+
+  def launch_bounds(self, threads: int, shared_bytes: int, registers: int) -> str:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
-    known, the blocks that fit in it (so ptxas keeps registers for that many, down to REGISTER_FLOOR a thread)."""
+    known, the blocks that fit in it and in the register file at `registers` a thread (so ptxas keeps registers for
+    that many blocks and no more: a tighter bound would spill the accumulators)."""
     if not self.shared_per_sm: return f"__launch_bounds__({threads})"
     by_shared = self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED)
-    resident = min(by_shared, REGISTERS_PER_SM // (threads * REGISTER_FLOOR))
+    resident = min(by_shared, REGISTERS_PER_SM // (threads * registers))
     return f"__launch_bounds__({threads}, {resident})" if resident > 1 else f"__launch_bounds__({threads})"
 
   def fits(self, max_shared_bytes: int) -> bool:
@@ -216,16 +229,22 @@ class AttentionBackwardPlan:
                          self.dkdv_grid, self.dkdv_block, self.dkdv_shared_bytes)]
 
 
-def default_blocks(head_dim: int, dtype: str) -> dict[str, int]:
+def default_blocks(head_dim: int, dtype: str) -> dict[str, Any]:
   """Block sizes by the bytes of a head_dim row: each block owns 64 rows (a warp 16) and streams 64-row tiles, except
-  that over 128 bytes (float32 rows of 64, 16-bit rows of 128) the dK/dV kernel streams 32-query tiles, so that its
-  accumulators (dK and dV: head_dim / 2 floats a thread each, S^T and dP^T: stream / 2) and the wider fragments stay
-  in registers, and over 256 bytes the dQ block owns 32 rows (its shared memory). On the H200, float32 D = 64, B=4
-  H=12 T=1024 causal: the dK/dV kernel took 0.366 ms streaming 64 queries (255 registers), 0.278 ms streaming 32
-  (160 registers); the dQ kernel 0.356 ms owning 64 rows, 0.408 owning 32. bfloat16 D = 64: 64 throughout is faster
-  (0.208 against 0.241 ms)."""
+  that over 128 bytes (float32 rows of 64, 16-bit rows of 128) both kernels stream 32-row tiles, so that the
+  accumulators (dQ: head_dim / 2 floats a thread, dK and dV: head_dim / 2 each; S and dP: stream / 2 each) and the
+  wider fragments stay in registers with three blocks a multiprocessor, and over 256 bytes the dQ block owns 32 rows
+  (its shared memory). The dQ kernel holds its Q and dO A fragments in registers (`dq_held`); the dK/dV kernel reads
+  K and V from shared memory (holding them spills at 64 keys a block).
+  H200, causal D = 64, each kernel alone (extra/bench/results/sweep_attention_backward_h200_s12.txt): float32 dQ
+  0.118 / 0.199 / 2.03 ms at T = 512 (B=8) / 1024 / 4096 (B=4) streaming 32 keys, 0.115 / 0.193 / 1.89 held,
+  0.130 / 0.206 / 2.13 streaming 64 (255 registers, 2 blocks a multiprocessor); dK/dV 0.146 / 0.257 / 2.73 streaming
+  32 queries, 0.145 / 0.251 / 2.77 streaming 64, 0.175 / 0.306 / 3.24 held (spills). bfloat16 dQ 0.057 / 0.088 /
+  0.800, held 0.056 / 0.086 / 0.768; dK/dV 0.068 / 0.109 / 1.077 (64 throughout, the fastest of the sweep)."""
   row_bytes = head_dim * ITEMSIZE.get(dtype, 4)   # an unknown dtype is refused by the plan itself
-  return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": 64 if row_bytes <= 128 else 32}
+  stream = 64 if row_bytes <= 128 else 32
+  return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": stream, "stream_kv": stream,
+          "dq_held": True}
 
 
 @dataclass(frozen=True)
@@ -258,9 +277,7 @@ def instruction_helpers(dtype: str) -> str:
               "__device__ __forceinline__ elem_t from_float(float x) { return x; }",
               "__device__ __forceinline__ unsigned operand_bits(elem_t x) {",
               '  unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }',
-              "// two neighbouring elements (8-byte aligned) in one store",
-              "__device__ __forceinline__ void store_pair(elem_t* p, float first, float second) {",
-              "  *(float2*)p = make_float2(first, second); }"]
+              ]
   else:
     if dtype == "float16":
       lines += ["__device__ __forceinline__ float to_float(elem_t x) {",
@@ -270,10 +287,10 @@ def instruction_helpers(dtype: str) -> str:
     lines += ["__device__ __forceinline__ elem_t from_float(float x) {",
               f'  unsigned r; asm("cvt.rn.{PTX_TYPE[dtype]}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.0f), "f"(x));',
               "  return (elem_t)(r & 0xFFFF); }",
-              "// two neighbouring elements (4-byte aligned) rounded by one cvt and written by one store",
-              "__device__ __forceinline__ void store_pair(elem_t* p, float first, float second) {",
+              "// two floats rounded by one cvt into one operand register (the first in the low half)",
+              "__device__ __forceinline__ unsigned pack_floats(float first, float second) {",
               f'  unsigned r; asm("cvt.rn.{PTX_TYPE[dtype]}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));',
-              "  *(unsigned*)p = r; }",
+              "  return r; }",
               "__device__ __forceinline__ unsigned pack(elem_t low, elem_t high) {",
               "  return (unsigned)low | ((unsigned)high << 16); }"]
     for suffix, modifier in (("", ""), ("_trans", ".trans")):
@@ -405,6 +422,43 @@ def _warp_helpers(dtype: str) -> str:
             "#pragma unroll",
             f"  for (int k0 = 0; k0 < K; k0 += {k_step}) b_mma<NT, B_ROW, B_COL>(acc, held[k0 / {k_step}], b, k0);",
             "}"]
+  return "\n".join(lines) + "\n" + _register_operand_helpers(dtype)
+
+
+def _register_operand_helpers(dtype: str) -> str:
+  """`warp_mma_c`: acc (16 x 8 NT) += A (16 x K) @ B (K x 8 NT), A being K / 8 accumulator tiles of an earlier product
+  (C fragments: rows g and g + 8, columns 2 quad and + 1 of each 8-wide tile), rounded to the operand type in
+  registers, B in shared memory as in warp_mma. 16-bit: two C tiles are exactly one k16 A fragment. TF32: the m16n8k8
+  A fragment holds columns quad and quad + 4, so the product's k index is permuted within each 8-wide step (A's
+  column quad is the tile's column 2 quad, quad + 4 is 2 quad + 1) and B's rows are read with the same permutation;
+  the sum over k is unchanged."""
+  lines = ["template <int NT, int K, int B_ROW, int B_COL>",
+           "__device__ __forceinline__ void warp_mma_c(float (&acc)[NT][4], const float (&a)[K / 8][4],",
+           "                                           const elem_t* b) {"]
+  if dtype == "float32":
+    lines += ["  const int lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;",
+              "#pragma unroll",
+              "  for (int u = 0; u < K / 8; u++) {",
+              "    const unsigned ra[4] = {operand_bits(a[u][0]), operand_bits(a[u][2]), operand_bits(a[u][1]),",
+              "                            operand_bits(a[u][3])};",
+              "    const elem_t* rows = b + (u * 8 + 2 * quad) * B_ROW + g * B_COL;   // k rows 2 quad and 2 quad + 1",
+              "#pragma unroll",
+              "    for (int t = 0; t < NT; t++) {",
+              "      const unsigned rb[2] = {operand_bits(rows[t * 8 * B_COL]),",
+              "                              operand_bits(rows[B_ROW + t * 8 * B_COL])};",
+              "      mma(acc[t], ra, rb);",
+              "    }",
+              "  }",
+              "}"]
+  else:
+    lines += ["#pragma unroll",
+              "  for (int u = 0; u < K / 8; u += 2) {",
+              "    const unsigned ra[4] = {pack_floats(a[u][0], a[u][1]), pack_floats(a[u][2], a[u][3]),",
+              "                            pack_floats(a[u + 1][0], a[u + 1][1]),",
+              "                            pack_floats(a[u + 1][2], a[u + 1][3])};",
+              "    b_mma<NT, B_ROW, B_COL>(acc, ra, b, u * 8);",
+              "  }",
+              "}"]
   return "\n".join(lines) + "\n"
 
 
@@ -438,7 +492,7 @@ def _header(plan: AttentionBackwardPlan, shared_bytes: int, block_q: int, block_
   log2_scale = plan.scale * LOG2E
   constants = {"D": plan.head_dim, "PITCH": plan.row_pitch, "BQ": block_q, "BK": block_kv,
                "H": plan.heads, "KVH": plan.kv_heads, "GROUP": plan.group, "L": plan.q_len, "S": plan.kv_len,
-               "CAUSAL": int(plan.causal), "PAD": PAD_BYTES // plan.itemsize, "KSTEP": _k_step(plan.dtype)}
+               "CAUSAL": int(plan.causal), "KSTEP": _k_step(plan.dtype)}
   lines = [f"#define {name} {value}" for name, value in constants.items()]
   lines += [f"#define SCALE {plan.scale!r}f", f"#define SCALE_LOG2E {log2_scale!r}f",
             f"#define LSE_TO_LOG2 {1.0 if plan.lse_log2 else LOG2E!r}f",
@@ -456,16 +510,17 @@ def _offset(strides: Strides, batch: str, head: str) -> str:
   return f"(long long){batch} * {strides[0]}LL + (long long){head} * {strides[1]}LL"
 
 
-def _held_loads(plan: AttentionBackwardPlan, *tiles: tuple[str, str]) -> str:
-  """With held_fragments: declare and load each (registers, tile) pair's A fragments (the warp's 16 rows)."""
-  if not plan.held_fragments: return ""
+def _held_loads(holds: bool, *tiles: tuple[str, str]) -> str:
+  """With `holds` (the plan's dq_held or dkdv_held): declare and load each (registers, tile) pair's A fragments (the
+  warp's 16 rows)."""
+  if not holds: return ""
   return "".join(f"\n  unsigned {held}[D / KSTEP][4];\n  load_fragments<D, PITCH>({held}, {tile} + warp * 16 * PITCH);"
                  for held, tile in tiles)
 
 
-def _owned_product(plan: AttentionBackwardPlan, columns: str, acc: str, held: str, tile: str, other: str) -> str:
-  """acc += (the warp's 16 rows of `tile`) @ `other`^T, from the held fragments or from shared memory."""
-  if plan.held_fragments: return f"warp_mma_held<{columns} / 8, D, 1, PITCH>({acc}, {held}, {other});"
+def _owned_product(holds: bool, columns: str, acc: str, held: str, tile: str, other: str) -> str:
+  """acc += (the warp's 16 rows of `tile`) @ `other`^T, from the held fragments (`holds`) or from shared memory."""
+  if holds: return f"warp_mma_held<{columns} / 8, D, 1, PITCH>({acc}, {held}, {other});"
   return f"warp_mma<{columns} / 8, D, PITCH, 1, 1, PITCH>({acc}, {tile} + warp * 16 * PITCH, {other});"
 
 
@@ -482,9 +537,10 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
   block's work grows with its Q tile, so the blocks are numbered from the last Q tile down (the longest start first)."""
   p = plan
-  held_loads = _held_loads(p, ("q_held", "q_tile"), ("do_held", "do_tile"))
+  held_loads = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
+  entry = _entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes, p.dq_registers), DQ_KERNEL, device_function)
   body = f"""
-{_entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes), DQ_KERNEL, device_function)}(const elem_t* __restrict__ q,
+{entry}(const elem_t* __restrict__ q,
     const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
     const elem_t* __restrict__ dout, const float* __restrict__ lse, grad_t* __restrict__ dq,
     float* __restrict__ delta) {{
@@ -492,8 +548,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
   elem_t* k_tiles = do_tile + BQ * PITCH;               // 2 x BK x PITCH
   elem_t* v_tiles = k_tiles + 2 * BK * PITCH;           // 2 x BK x PITCH
-  elem_t* ds_tile = v_tiles + 2 * BK * PITCH;           // BQ x (BK + PAD)
-  float* lse_tile = (float*)(ds_tile + BQ * (BK + PAD));  // BQ
+  float* lse_tile = (float*)(v_tiles + 2 * BK * PITCH);  // BQ
   float* delta_tile = lse_tile + BQ;                    // BQ
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
   const int q_start = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BQ;
@@ -557,25 +612,20 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
     float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) for (int c = 0; c < 4; c++) {{ s[t][c] = 0.0f; dp[t][c] = 0.0f; }}
-    {_owned_product(p, "BK", "s", "q_held", "q_tile", "k_tile")}     // Q K^T
-    {_owned_product(p, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
+    {_owned_product(p.dq_held, "BK", "s", "q_held", "q_tile", "k_tile")}     // Q K^T
+    {_owned_product(p.dq_held, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
 #pragma unroll
     for (int t = 0; t < BK / 8; t++) {{
-      float ds[4];
 #pragma unroll
-      for (int c = 0; c < 4; c++) {{
+      for (int c = 0; c < 4; c++) {{   // dS, in place of dP
         const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
         const int i = q_start + row, j = k_start + column;
         const bool keep = i < L && j < S && (!CAUSAL || j <= i);
         const float prob = keep ? exp2f(fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1])) : 0.0f;
-        ds[c] = prob * (dp[t][c] - row_delta[c >> 1]);
+        dp[t][c] = prob * (dp[t][c] - row_delta[c >> 1]);
       }}
-      elem_t* ds_pair = ds_tile + (warp * 16 + g) * (BK + PAD) + t * 8 + 2 * quad;   // columns c & 1 side by side
-      store_pair(ds_pair, ds[0], ds[1]);
-      store_pair(ds_pair + 8 * (BK + PAD), ds[2], ds[3]);
     }}
-    __syncwarp();  // a warp reads back only its own rows of dS
-    warp_mma<D / 8, BK, BK + PAD, 1, PITCH, 1>(dq_acc, ds_tile + warp * 16 * (BK + PAD), k_tile);   // dS K
+    warp_mma_c<D / 8, BK, PITCH, 1>(dq_acc, dp, k_tile);   // dS K, dS from registers
     __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }}
   const long long dq_row0 = {_offset(p.dq_strides, "batch", "head")} + (long long)q_start * {p.dq_strides[2]}LL;
@@ -600,8 +650,10 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   double-buffered: the copies of iteration n + 1 are in flight while iteration n is multiplied."""
   p = plan
   # K and V have landed (their copy group is the older one) before their fragments are held
-  held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.held_fragments else "") + _held_loads(
-    p, ("k_held", "k_tile"), ("v_held", "v_tile"))
+  held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.dkdv_held else "") + _held_loads(
+    p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
+  entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
+                 device_function)
   body = f"""
 __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_first, int batch, int kv_head,
     const elem_t* q, const elem_t* dout, const float* lse, const float* delta, elem_t* q_tile, elem_t* do_tile,
@@ -618,7 +670,7 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
   load_row(delta_tile, delta + ((long long)batch * H + head) * L + q_start, 1, q_rows, BQ);
 }}
 
-{_entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes), DKDV_KERNEL, device_function)}(
+{entry}(
     const elem_t* __restrict__ q,
     const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,
     const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,
@@ -627,9 +679,7 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
   elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH
   elem_t* q_buffers = v_tile + BK * PITCH;              // 2 x BQ x PITCH
   elem_t* do_buffers = q_buffers + 2 * BQ * PITCH;     // 2 x BQ x PITCH
-  elem_t* pt_tile = do_buffers + 2 * BQ * PITCH;       // BK x (BQ + PAD): P^T
-  elem_t* dst_tile = pt_tile + BK * (BQ + PAD);         // BK x (BQ + PAD): dS^T
-  float* lse_buffers = (float*)(dst_tile + BK * (BQ + PAD));  // 2 x BQ
+  float* lse_buffers = (float*)(do_buffers + 2 * BQ * PITCH);  // 2 x BQ
   float* delta_buffers = lse_buffers + 2 * BQ;         // 2 x BQ
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
   const int k_start = blockIdx.x * BK, batch = blockIdx.y / KVH, kv_head = blockIdx.y % KVH;
@@ -671,28 +721,21 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
     float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
     for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
-    {_owned_product(p, "BQ", "st", "k_held", "k_tile", "q_tile")}    // K Q^T = S^T
-    {_owned_product(p, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
+    {_owned_product(p.dkdv_held, "BQ", "st", "k_held", "k_tile", "q_tile")}    // K Q^T = S^T
+    {_owned_product(p.dkdv_held, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
 #pragma unroll
     for (int t = 0; t < BQ / 8; t++) {{
-      float prob[4], ds[4];
 #pragma unroll
-      for (int c = 0; c < 4; c++) {{
+      for (int c = 0; c < 4; c++) {{   // P^T in place of S^T, dS^T in place of dP^T
         const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
         const int j = k_start + row, i = q_start + column;
         const bool keep = i < L && j < S && (!CAUSAL || j <= i);
-        prob[c] = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2)) : 0.0f;
-        ds[c] = prob[c] * (dpt[t][c] - delta_tile[column]);
+        st[t][c] = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2)) : 0.0f;
+        dpt[t][c] = st[t][c] * (dpt[t][c] - delta_tile[column]);
       }}
-      const int pair = (warp * 16 + g) * (BQ + PAD) + t * 8 + 2 * quad;   // columns c & 1 side by side
-      store_pair(pt_tile + pair, prob[0], prob[1]);
-      store_pair(pt_tile + pair + 8 * (BQ + PAD), prob[2], prob[3]);
-      store_pair(dst_tile + pair, ds[0], ds[1]);
-      store_pair(dst_tile + pair + 8 * (BQ + PAD), ds[2], ds[3]);
     }}
-    __syncwarp();  // a warp reads back only its own rows of P^T and dS^T
-    warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dv_acc, pt_tile + warp * 16 * (BQ + PAD), do_tile);   // P^T dO
-    warp_mma<D / 8, BQ, BQ + PAD, 1, PITCH, 1>(dk_acc, dst_tile + warp * 16 * (BQ + PAD), q_tile);   // dS^T Q
+    warp_mma_c<D / 8, BQ, PITCH, 1>(dv_acc, st, do_tile);    // P^T dO, P^T from registers
+    warp_mma_c<D / 8, BQ, PITCH, 1>(dk_acc, dpt, q_tile);    // dS^T Q, dS^T from registers
     __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }}
   copy_async_wait<0>();  // a block without live Q tiles still has its K/V copies in flight

@@ -2,15 +2,18 @@
 the flash backward kernels of codegen/attention_backward.py, on the buffers of a schedule item.
 
 A kernel AST is STORE(ATTENTION_DQ(LOAD q, LOAD k, LOAD v, LOAD fwd, LOAD dO)) or STORE(ATTENTION_DKDV(LOAD q,
-LOAD k, LOAD v, LOAD dO, LOAD fwd, LOAD dq_buffer)), arg (causal, scale), each load one unmasked View of a realized
-buffer whose last dim is contiguous (LazyBuffer.attention_grads). `fwd` is the forward's buffer in the operands'
-dtype (Ops.ATTENTION: O laid out (B, L, H, D), then the bytes of the float32 natural-log LSE (B, H, L)): it is both the
-backward's O and its LSE.
+LOAD k, LOAD v, LOAD dO, LOAD fwd, LOAD dq_buffer)), arg (causal, scale, packed), each load one unmasked View of a
+realized buffer whose last dim is contiguous (LazyBuffer.attention_grads). `fwd` is the forward's buffer in the
+operands' dtype (Ops.ATTENTION: O laid out (B, L, H, D), then the bytes of the float32 natural-log LSE (B, H, L)): it
+is both the backward's O and its LSE.
 
 Each op writes ONE buffer in the operands' dtype: ATTENTION_DQ dq (B, H, L, D) contiguous, then delta = rowsum(dO * O)
 (B, H, L) float32, its bytes in the buffer's tail (4 bytes from 2 16-bit elements; the lazy graph reads only dq, the
 dK/dV kernel reads delta as float32); ATTENTION_DKDV dk then dv, each (B, Hk, S, D) contiguous. So each op has one
-output and the gradients need no cast.
+output and the gradients need no cast. Packed (arg[2]: q, k, v tile one base, as GPT-2's views of its c_attn output):
+the dQ op's buffer is the base's elements then delta, dq stored through q's view of the base; the dK/dV op writes dk
+and dv through k's and v's views into that same buffer (the scheduler gives both ops one buffer), which then holds
+the base's whole gradient in the base's layout.
 
 The kernels' parameters are fixed (KernelLaunch.arguments, each a whole buffer); a kernel here binds each parameter
 to one of its schedule item's buffers from an element offset on (q, k, v read in place as views of one projection,
@@ -19,6 +22,7 @@ PYTHON by the bindings in the emulator's program text (runtime/attention_backwar
 """
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 from ourgrad.codegen.attention_backward import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan,
@@ -46,17 +50,18 @@ def is_attention_grad(ast: LazyOp) -> bool:
 
 
 def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: str, causal: bool, scale: float,
-                  shared_per_sm: int) -> AttentionBackwardPlan:
+                  shared_per_sm: int, packed: bool = False) -> AttentionBackwardPlan:
   """The plan for views (ShapeTracker Views) q, do (B, H, L, D) and k, v (B, Hk, S, D), their last dim contiguous,
   reading O (in the operands' dtype) and LSE (float32, after O's bytes) from the forward's buffer and writing the
-  gradients contiguous in the operands' dtype."""
+  gradients contiguous in the operands' dtype, or (`packed`) through q, k and v's own strides."""
   batch, heads, length, head_dim = q_view.shape
   kv_heads, source = k_view.shape[1], k_view.shape[2]
   strides = [tuple(int(stride) for stride in view.strides[:3]) for view in (q_view, k_view, v_view, do_view)]
   q_like, kv_like = contiguous_strides(heads, length, head_dim), contiguous_strides(kv_heads, source, head_dim)
+  grads = (strides[0], strides[1], strides[2]) if packed else (q_like, kv_like, kv_like)
   return AttentionBackwardPlan(
     batch, heads, kv_heads, length, source, head_dim, dtype, causal, scale, strides[0], strides[1], strides[2],
-    (length * heads * head_dim, head_dim, heads * head_dim), strides[3], q_like, kv_like, kv_like,
+    (length * heads * head_dim, head_dim, heads * head_dim), strides[3], *grads,
     (heads * length, length, 1), lse_offset=batch * length * heads * head_dim * ITEMSIZE[dtype] // 4, o_dtype=dtype,
     shared_per_sm=shared_per_sm, **default_blocks(head_dim, dtype))
 
@@ -75,12 +80,12 @@ class AttentionGradKernel:
     self.leaves: list[LazyOp] = [ast, *loads]
     self.sts = [leaf.arg.st for leaf in self.leaves]
     self.applied_opts: list[Any] = []
-    causal, scale = op.arg
+    causal, scale, packed = op.arg
     load_of = dict(zip(SOURCES[op.op], loads))
     views = {name: load.arg.st.views[0] for name, load in load_of.items()}
     shared_per_sm = renderer.dynamic_local_memory_bytes + BLOCK_RESERVED_SHARED
     self.plan = backward_plan(views["q"], views["k"], views["v"], views["do"], load_of["q"].dtype.name, causal,
-                              scale, shared_per_sm)
+                              scale, shared_per_sm, packed)
     self.kernel = KERNELS[op.op]
     self.launch: KernelLaunch = next(launch for launch in self.plan.launches() if launch.name == self.kernel)
     p = self.plan
@@ -90,11 +95,16 @@ class AttentionGradKernel:
     # the LSE parameter is a float pointer: the view's offset in float32 elements
     place.update(o=place["fwd"], lse=(fwd_index, fwd_offset * p.itemsize // 4), dq=(0, 0), dk=(0, 0),
                  dv=(0, kv_elements))
-    # delta after dq, in float32 elements (q_elements is even: head_dim is a multiple of 16)
-    delta = q_elements * p.itemsize // 4
+    gradient_elements = q_elements
+    if packed:   # each gradient where its operand lies in the base; delta after the base's elements
+      place.update(dq=(0, place["q"][1]), dk=(0, place["k"][1]), dv=(0, place["v"][1]))
+      gradient_elements = prod(ast.arg.st.shape) - p.delta_elements * 4 // p.itemsize
+    # delta after the gradients, in float32 elements (their count is even: head_dim is a multiple of 16)
+    delta = gradient_elements * p.itemsize // 4
     place["delta"] = (0, delta) if op.op is Ops.ATTENTION_DQ else (place["dq_buffer"][0], delta)
     self.bindings: list[Binding] = [(name, *place[name]) for name in self.launch.arguments]
-    self.arguments = 1 + len({load.arg.idx for load in loads})
+    # (a packed dK/dV op reads delta from its own output buffer: argument 0)
+    self.arguments = len({0} | {load.arg.idx for load in loads})
 
   @property
   def name(self) -> str:
@@ -120,11 +130,11 @@ class AttentionGradKernel:
     return full // 2 if p.causal else full
 
   def byte_count(self) -> int:
-    """Its operands read once (dQ kernel: also O in float32; dK/dV kernel: Q and dO once per block of keys, counted
-    once) and its gradients written once."""
+    """Its operands read once (dQ kernel: also O, in the dtype the forward stored it in; dK/dV kernel: Q and dO once
+    per block of keys, counted once) and its gradients written once."""
     p = self.plan
     q_side, kv_side = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
-    if self.kernel == DQ_KERNEL: return (3 * q_side + 2 * kv_side) * p.itemsize + q_side * 4
+    if self.kernel == DQ_KERNEL: return (3 * q_side + 2 * kv_side) * p.itemsize + q_side * ITEMSIZE[p.stored_o_dtype]
     return (2 * q_side + 4 * kv_side) * p.itemsize
 
 
@@ -132,10 +142,11 @@ def render_attention_grad_cuda(name: str, kernel: AttentionGradKernel) -> str:
   """CUDA source of `kernel`: the backward kernel as a __device__ function and the __global__ `name` taking the
   schedule item's buffers in argument order, binding each parameter to a buffer and element offset."""
   plan, launch = kernel.plan, kernel.launch
+  registers = plan.dq_registers if kernel.kernel == DQ_KERNEL else plan.dkdv_registers
   render = render_dq_kernel if kernel.kernel == DQ_KERNEL else render_dkdv_kernel
   body = render(plan, device_function=True)
   parameters = [f"{'' if index == 0 else 'const '}void* __restrict__ data{index}" for index in range(kernel.arguments)]
   # (a C-style cast may drop const: the output is written through `data0` alone)
   bound = [f"({PARAMETER_TYPES[name]}*)data{index} + {offset}" for name, index, offset in kernel.bindings]
-  return (f'{body}\nextern "C" __global__ void {plan.launch_bounds(launch.block[0], launch.shared_bytes)} '
+  return (f'{body}\nextern "C" __global__ void {plan.launch_bounds(launch.block[0], launch.shared_bytes, registers)} '
           f"{name}({', '.join(parameters)}) {{\n  {kernel.kernel}_body({', '.join(bound)});\n}}\n")

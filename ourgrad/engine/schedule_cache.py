@@ -204,7 +204,7 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
     if slot is None:
       slot_of[id(base.realized)] = len(leaves) + len(fresh)
       fresh.append(index)
-    elif base.op is not Ops.ASSIGN: return None
+    elif not scheduler.writes_into_a_source(base): return None
     else: shared.append((index, slot))
   scratch: list[tuple[str, int, Any]] = []
   outputs, inputs = [], []
@@ -231,7 +231,8 @@ def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer
     base = bases[index]
     buffer = base.realized = Buffer(base.device, base.size, base.dtype)
     pool.append(buffer)
-  # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain): both in the pool
+  # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain), a packed attention
+  # dK/dV op the dQ op's: all in the pool
   for index, slot in cached.shared: bases[index].realized = pool[slot]
   for device, size, dtype in cached.scratch: pool.append(Buffer(device, size, dtype))
   take = pool.__getitem__

@@ -3,9 +3,9 @@
 `emulate_attention_backward` computes dq, dk, dv from logical (B, H, T, D) arrays with the kernels' arithmetic:
 operands rounded where the tensor cores round them (float32 to TF32 as cvt.rna does; float16/bfloat16 as they are),
 S = Q K^T and dP = dO V^T in float32, P = exp2(S scale log2(e) - LSE log2(e)) masked, delta = rowsum(dO O) in
-float32, dS = P (dP - delta), P and dS rounded to the operand type as the kernels stage them in shared memory, then
-dV = P^T dO, dK = scale dS^T Q (summed over the query heads of a kv head), dQ = scale dS K, stored to nearest even.
-Summation order differs from the hardware's in the last bits.
+float32, dS = P (dP - delta), P and dS rounded to the operand type as the kernels round them (in registers) for
+their products, then dV = P^T dO, dK = scale dS^T Q (summed over the query heads of a kv head), dQ = scale dS K,
+stored to nearest even. Summation order differs from the hardware's in the last bits.
 
 Per launch, as the PYTHON device runs them: `emulate_dq_kernel` writes dq and the delta scratch buffer,
 `emulate_dkdv_kernel` reads that delta and writes dk and dv, each through the plan's strides on flat buffers (a wrong
@@ -48,7 +48,7 @@ def _operand(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _staged(values: np.ndarray, dtype: str) -> np.ndarray:
-  """float32 P or dS as the kernels stage it in shared memory (in the operand type) and multiply it."""
+  """float32 P or dS as the kernels round it to the operand type (in registers) and multiply it."""
   if dtype == "float16": return values.astype(np.float16).astype(np.float32)
   if dtype == "bfloat16": return round_to_bfloat16(values)
   return tf32_round(values)
