@@ -375,14 +375,15 @@ class LazyBuffer:
 
   def attention(self, key: LazyBuffer, value: LazyBuffer, causal: bool, scale: float) -> LazyBuffer:
     """Fused attention of this (B, H, L, D) query with (B, Hk, S, D) keys and values (H a multiple of Hk): one
-    float32 buffer of O laid out (B, L, H, D) followed by the natural-log logsumexp of each query row, (B, H, L)
-    (codegen/attention.py). Each operand is read in place through its strides where its view is one unmasked View
-    of a buffer; otherwise it is made contiguous first. The caller (tensor_attention.py) checks the shapes."""
+    buffer of this dtype: O laid out (B, L, H, D), then the bytes of the float32 natural-log logsumexp of each query
+    row, (B, H, L) (codegen/attention.py). Each operand is read in place through its strides where its view is one
+    unmasked View of a buffer; otherwise it is made contiguous first. The caller (tensor_attention.py) checks the
+    shapes."""
     operands = tuple(operand if _reads_in_place(operand) else operand.contiguous() for operand in (self, key, value))
     batch, heads, length, head_dim = self.shape
-    elements = batch * length * heads * head_dim + batch * heads * length
-    return LazyBuffer.create_base(self.device, (elements,), dtypes.float32, Ops.ATTENTION, (causal, float(scale)),
-                                  operands)
+    lse_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
+    return LazyBuffer.create_base(self.device, (batch * length * heads * head_dim + lse_elements,), self.dtype,
+                                  Ops.ATTENTION, (causal, float(scale)), operands)
 
   def attention_grads(self, key: LazyBuffer, value: LazyBuffer, forward: LazyBuffer, grad_out: LazyBuffer,
                       causal: bool, scale: float, packed: bool = False) -> tuple[LazyBuffer, LazyBuffer]:

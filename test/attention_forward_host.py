@@ -57,7 +57,7 @@ inline void copy_wait_all_but_one() {}
 
 PACKING = {
   "float32": "inline unsigned tf32(float value) { return operand_bits(value); }\n",
-  "float16": "inline unsigned pack_floats(float low, float high) { return pack(from_float(low), from_float(high)); }\n",
+  "float16": "",   # pack_floats comes with the backward harness's PACKED_OPERANDS
 }
 PACKING["bfloat16"] = PACKING["float16"]
 
