@@ -22,6 +22,7 @@ def _check_cuda_rendering():
   from ourgrad.codegen.last_block import SplitReduceKernel
   from ourgrad.codegen.lowering import lower_kernel
   from ourgrad.codegen.packed import PackedKernel
+  from ourgrad.codegen.ride_along import RideAlongKernel
   from ourgrad.engine import realize
   from ourgrad.renderer.cuda import CUDARenderer
   from ourgrad.runtime.ops_cuda import CUDACompiler
@@ -40,13 +41,23 @@ def _check_cuda_rendering():
       cuda_kernel = AttentionKernel(kernel.ast, renderer)
     elif isinstance(kernel, AttentionGradKernel):   # its backward's (codegen/attention_grad.py)
       cuda_kernel = AttentionGradKernel(kernel.ast, renderer)
+    elif isinstance(kernel, RideAlongKernel):   # a kernel carrying a one-value reduce (codegen/ride_along.py)
+      cuda_kernel = RideAlongKernel(kernel.ride_ast, renderer)
+      cuda_kernel.hand_coded_optimizations()
     else:
       # a one-kernel split reduce (EMULATE=CUDA) is one for CUDA too, with the same heuristic opts
       one_kernel_split = isinstance(kernel, SplitReduceKernel)
       cuda_kernel = SplitReduceKernel(kernel.split_ast, renderer) if one_kernel_split else Kernel(kernel.ast, renderer)
       # as realize.get_kernel: a symbolic kernel keeps its plain loop nest on every device
       if not realize.ast_is_symbolic(kernel.ast): cuda_kernel.hand_coded_optimizations()
-    compiler.compile_cached(lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source)
+    try:
+      source = lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source
+    except AssertionError as error:   # a rider that fits the device's block but not CUDA's: check the host alone
+      if not isinstance(cuda_kernel, RideAlongKernel) or "does not fit" not in str(error): raise
+      host = Kernel(kernel.ast, renderer)
+      host.hand_coded_optimizations()
+      source = lower_kernel(host, renderer, realize.function_name(host)).source
+    compiler.compile_cached(source)
     return compile_for_device(kernel, device)
 
   realize.compile_kernel = compile_and_check_cuda

@@ -21,6 +21,7 @@ from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.packed import PackedKernel
+from ourgrad.codegen.ride_along import RideAlongKernel
 from ourgrad.codegen.uops import UOp, launch_dims
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul
 from ourgrad.renderer import Renderer
@@ -57,11 +58,12 @@ def lower_kernel(kernel: Kernel | PackedKernel | IndexAccumulateKernel | Attenti
     return LoweredKernel(name, renderer.render_attention_grad(name, kernel), launch.grid, launch.block,
                          attention_grad=kernel.plan)
   wgmma = getattr(kernel, "wgmma", None)
-  if wgmma is not None and not isinstance(kernel, SplitReduceKernel):   # a split reduce's raises in its linearize
+  # a split reduce's and a ride-along's raise in their linearize
+  if wgmma is not None and not isinstance(kernel, (SplitReduceKernel, RideAlongKernel)):
     plan, arguments = wgmma
     return LoweredKernel(name, renderer.render_wgmma(name, plan, arguments), plan.global_size, plan.local_size,
                          wgmma=plan)
-  own_linearize = isinstance(kernel, (PackedKernel, IndexAccumulateKernel, SplitReduceKernel))
+  own_linearize = isinstance(kernel, (PackedKernel, IndexAccumulateKernel, SplitReduceKernel, RideAlongKernel))
   uops = kernel.linearize() if own_linearize else linearize(kernel)
   global_size, local_size = launch_dims(uops)
   return LoweredKernel(name, renderer.render(name, uops), global_size, local_size, uops)

@@ -17,6 +17,7 @@ from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_gra
 from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.last_block import SplitReduceKernel
+from ourgrad.codegen.ride_along import RideAlongKernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE
 from ourgrad.codegen.lowering import lower_kernel
 from ourgrad.codegen.packed import PackedKernel
@@ -57,6 +58,11 @@ def get_kernel(ast: LazyOp, device: str) -> AnyKernel:
     kernel = SplitReduceKernel(ast, Device[device].renderer)
     kernel.hand_coded_optimizations()
     return kernel
+  # a kernel carrying a one-value reduce: the host's heuristic opts (it was checked with them: engine/ride_along.py)
+  if ast.op is Ops.RIDE_ALONG:
+    kernel = RideAlongKernel(ast, Device[device].renderer)
+    kernel.hand_coded_optimizations()
+    return kernel
   kernel = Kernel(ast, Device[device].renderer)
   # a symbolic kernel keeps its plain loop nest: the optimizations split and pad sizes they must know
   if NOOPT or ast_is_symbolic(ast): return kernel
@@ -81,7 +87,7 @@ def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
       runner = compile_kernel(kernel, device)
     except (CompileError, DeviceError) as error:
       # a one-kernel split reduce's finish needs its opts' layout (checked when it was scheduled): no plain fallback
-      if not kernel.applied_opts or ast.op is Ops.SPLIT_REDUCE: raise
+      if not kernel.applied_opts or ast.op in (Ops.SPLIT_REDUCE, Ops.RIDE_ALONG): raise
       reason = str(error).splitlines()[0] if str(error) else type(error).__name__
       # a warning, not a print: the test suite turns it into an error, so an optimizer bug cannot hide here
       warnings.warn(f"{kernel.name} with opts {kernel.applied_opts} failed to compile or load ({reason}); "
@@ -168,6 +174,7 @@ def estimate_cost(kernel: Kernel | PackedKernel | IndexAccumulateKernel, uops: l
   if isinstance(kernel, SplitReduceKernel):   # the last blocks combine the parts and store the outputs
     op_count += (kernel.parts - 1) * kernel.outputs
     byte_count += kernel.outputs * dtypes.float32.itemsize
+  if isinstance(kernel, RideAlongKernel): byte_count += kernel.rider_bytes()   # (its ops are in the UOps)
   return op_count, byte_count
 
 

@@ -537,6 +537,7 @@ class ClangRenderer(CStyleLanguage):
   C compilers do not all do arithmetic on bfloat16, so a bfloat16 value lives in a float register: loads
   widen the stored 16 bits, casts to bfloat16 round to its precision, and stores keep the top 16 bits."""
   device = "CLANG"
+  carries_riders = True   # a rider runs after the kernel's loops (engine/ride_along.py)
   preamble = "#include <math.h>\n#include <stdbool.h>\n"
   code_for_op = {**C_CODE_FOR_OP, Ops.MAX: _clang_max, Ops.WHERE: _clang_where}
   # below this many loop iterations times instructions, starting threads costs more than it saves

@@ -41,6 +41,7 @@ class CUDARenderer(CStyleLanguage):
   # staged tensor-core tiles may go beyond, in dynamic shared memory (H100: 227 KB per block)
   dynamic_local_memory_bytes = 227 * 1024
   has_async_copy = True   # COPY with cp.async (sm_80+): SHARED_ASYNC tiles without tensor cores
+  carries_riders = True   # a rider runs in the first block (engine/ride_along.py)
   has_block_atomics = True   # ATOMIC_ADD and FENCE: one-kernel split reduces (codegen/split_finish.py)
   warp_size = 32
   # streaming multiprocessors: the H100's 132 unless the CUDA device reads its GPU's count (heuristics size grids by it)
