@@ -22,6 +22,7 @@ from ourgrad.codegen.kernel import Kernel  # noqa: E402
 from ourgrad.codegen.last_block import SplitReduceKernel  # noqa: E402
 from ourgrad.codegen.lowering import lower_kernel  # noqa: E402
 from ourgrad.codegen.opts import describe_opts  # noqa: E402
+from ourgrad.codegen.ride_along import RideAlongKernel  # noqa: E402
 from ourgrad.device import Device  # noqa: E402
 from ourgrad.engine.realize import function_name  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
@@ -90,7 +91,8 @@ def asts_of(outputs: list[Tensor]) -> list[LazyOp]:
   """The kernel ASTs of the schedule that computes `outputs` (copies, packed kernels and indexed accumulates, which take
   no opts, left out)."""
   return [item.ast for item in create_schedule([t.lazydata for t in outputs])
-          if item.ast.op in (Ops.STORE, Ops.SINK, Ops.SPLIT_REDUCE) and not is_index_accumulate(item.ast)]
+          if item.ast.op in (Ops.STORE, Ops.SINK, Ops.SPLIT_REDUCE, Ops.RIDE_ALONG)
+          and not is_index_accumulate(item.ast)]
 
 
 def dump(asts: list[LazyOp], renderer: object) -> str:
@@ -98,7 +100,9 @@ def dump(asts: list[LazyOp], renderer: object) -> str:
   parts = []
   for ast in asts:
     # a one-kernel split reduce (codegen/last_block.py, EMULATE=CUDA) dumps as one kernel with its finish
-    kernel = SplitReduceKernel(ast, renderer) if ast.op is Ops.SPLIT_REDUCE else Kernel(ast, renderer)
+    # and a kernel carrying a one-value reduce (codegen/ride_along.py) with its rider
+    kernel = SplitReduceKernel(ast, renderer) if ast.op is Ops.SPLIT_REDUCE else \
+      RideAlongKernel(ast, renderer) if ast.op is Ops.RIDE_ALONG else Kernel(ast, renderer)
     kernel.hand_coded_optimizations()
     name = function_name(kernel)
     try:

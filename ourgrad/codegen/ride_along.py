@@ -29,6 +29,11 @@ from ourgrad.ops import LazyOp, Ops
 MAX_ONE_THREAD_ELEMENTS = 1024
 
 
+def host_of(ast: LazyOp) -> LazyOp:
+  """The kernel AST that describes `ast`'s launch: a ride-along's host, any other AST itself."""
+  return ast.srcs[0] if ast.op is Ops.RIDE_ALONG else ast
+
+
 def rider_elements(rider: LazyOp) -> int:
   """The elements the rider's reduce runs over (its loop nest's size)."""
   return max((prod(leaf.arg.st.shape) for leaf in rider.leaves() if hasattr(leaf.arg, "st")), default=1)
