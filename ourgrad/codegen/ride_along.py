@@ -62,7 +62,11 @@ def rider_kernel(rider: LazyOp, renderer: Any, threads: int) -> Kernel | None:
       return grouped
     except KernelOptError:
       pass
-  return kernel if rider_elements(rider) <= MAX_ONE_THREAD_ELEMENTS else None
+  if rider_elements(rider) > MAX_ONE_THREAD_ELEMENTS: return None
+  # one thread: unrolled, so that several iterations' loads are in flight together
+  for amount in (8, 4, 2):
+    if kernel.try_opt(Opt(OptOps.UNROLL, 0, amount)): break
+  return kernel
 
 
 def _thread_specials(uops: list[UOp], kind_global: bool) -> list[UOp]:
