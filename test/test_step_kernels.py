@@ -22,7 +22,7 @@ from ourgrad import Tensor
 from ourgrad.device import Device
 from ourgrad.codegen.opt import split_reduce
 from ourgrad.engine.schedule import create_schedule
-from ourgrad.helpers import GlobalCounters
+from ourgrad.helpers import SPLIT_LAST_BLOCK, GlobalCounters
 from ourgrad.nn import BatchNorm2d, Linear
 from ourgrad.nn.losses import cross_entropy
 from ourgrad.nn.optim import Adam
@@ -59,8 +59,9 @@ def _launches(outputs: list[Tensor]) -> int:
 
 
 def _one_kernel_splits() -> bool:
-  """Whether the PYTHON device merges a split reduce's two kernels (its renderer has atomics: EMULATE=CUDA)."""
-  return Device["PYTHON"].renderer.has_block_atomics
+  """Whether the PYTHON device merges a split reduce's two kernels (its renderer has atomics: EMULATE=CUDA, and
+  SPLIT_LAST_BLOCK is on)."""
+  return Device["PYTHON"].renderer.has_block_atomics and bool(SPLIT_LAST_BLOCK.value)
 
 
 @pytest.fixture
