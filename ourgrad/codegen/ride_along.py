@@ -59,11 +59,15 @@ def rider_kernel(rider: LazyOp, renderer: Any, threads: int) -> Kernel | None:
     grouped = kernel.copy()
     try:
       grouped.apply_opt(Opt(OptOps.GROUP, 0, threads))
-      return grouped
+      return _unrolled(grouped)
     except KernelOptError:
       pass
-  if rider_elements(rider) > MAX_ONE_THREAD_ELEMENTS: return None
-  # one thread: unrolled, so that several iterations' loads are in flight together
+  return _unrolled(kernel) if rider_elements(rider) <= MAX_ONE_THREAD_ELEMENTS else None
+
+
+def _unrolled(kernel: Kernel) -> Kernel:
+  """`kernel` with its reduce loop unrolled by 8, 4 or 2 where it has that many iterations: several iterations'
+  loads in flight together (a gathered load waits on the index it loads first)."""
   for amount in (8, 4, 2):
     if kernel.try_opt(Opt(OptOps.UNROLL, 0, amount)): break
   return kernel
