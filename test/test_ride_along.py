@@ -9,6 +9,8 @@ import torch
 
 from ourgrad import Tensor
 from ourgrad.codegen.opt import split_reduce
+from ourgrad.device import Device
+from ourgrad.engine import ride_along
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.helpers import GlobalCounters
 from ourgrad.ops import Ops
@@ -19,8 +21,21 @@ DEVICES = [None, "PYTHON"]
 @pytest.fixture(autouse=True)
 def no_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
   """Reduces stay one kernel each (a device of one multiprocessor is never idle: codegen/opt/split_reduce.py), so the
-  one-value reduces are one-block kernels whatever the emulated GPU."""
+  one-value reduces are one-block kernels whatever the emulated GPU; and hosts of a few hundred KB carry riders here
+  (on a GPU a host moves at least HOST_LATENCIES memory latencies' worth:
+  test_a_short_host_on_a_gpu_carries_nothing)."""
   monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(1, 2048, 0))
+  monkeypatch.setattr(ride_along, "HOST_LATENCIES", 0)
+
+
+def test_a_short_host_on_a_gpu_carries_nothing(monkeypatch: pytest.MonkeyPatch):
+  """A host of 512 KB on a device whose memory latency is worth 1.6 MB (CUDA's default) would wait at its end for the
+  rider's chain of latencies: the sum keeps its own kernel."""
+  monkeypatch.setattr(ride_along, "HOST_LATENCIES", 4)
+  monkeypatch.setattr(Device["PYTHON"].renderer, "latency_bytes", 1600 << 10)
+  items = _kernels(create_schedule([Tensor(_data(1024), device="PYTHON").sum().lazydata,
+                                    (Tensor(_data(256, 256), device="PYTHON") * 2).lazydata]))
+  assert len(items) == 2
 
 
 def _kernels(items: list[ScheduleItem]) -> list[ScheduleItem]:

@@ -3,8 +3,8 @@
 `carry_small_reduces(schedule)` runs once the scheduler has ordered its items (after split-reduce fusion and
 packing). A rider is a kernel storing one value, a reduce of at most MAX_RIDER_ELEMENTS elements (a loss's mean over
 its rows, the count of samples a loss does not ignore); its host is the nearest kernel before or after it that moves
-at least HOST_BYTES_FACTOR times its bytes, on the same device, such that moving the rider to the host's place
-changes nothing another item sees:
+at least HOST_BYTES_FACTOR times its bytes (and HOST_LATENCIES memory latencies' worth), on the same device, such
+that moving the rider to the host's place changes nothing another item sees:
 - moved earlier (host before it): neither the host nor an item between writes what the rider reads, nor touches its
   output;
 - moved later (host after it): neither the host nor an item between reads or writes the rider's output, nor writes
@@ -33,6 +33,10 @@ from ourgrad.ops import REDUCE_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
 MAX_RIDER_ELEMENTS = 1 << 16
 # a host moves at least this many times the rider's bytes: the first block's extra work hides among the others'
 HOST_BYTES_FACTOR = 16
+# and, on a device that knows its memory latency (Renderer.latency_bytes), at least this many latencies' worth of
+# bytes: the rider's chain (its loads, a shuffle, a few barriers) is a few latencies long, which a short host (a
+# small matmul of a few microseconds) would wait for at its end instead of hiding
+HOST_LATENCIES = 4
 
 # merged AST -> whether it lowers (a linearization each: cached)
 _lowers: BoundedCache[tuple[str, LazyOp], bool] = BoundedCache(RUNNER_CACHE_SIZE)
@@ -69,7 +73,9 @@ def _is_host(item: ScheduleItem, rider: ScheduleItem) -> bool:
     return False
   if item.outputs[0].device != rider.outputs[0].device: return False
   if any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in ast.walk()): return False
-  return sum({id(buffer): buffer.nbytes for buffer in item.bufs}.values()) >= HOST_BYTES_FACTOR * rider_bytes(rider.ast)
+  moved = sum({id(buffer): buffer.nbytes for buffer in item.bufs}.values())
+  latency_bytes = getattr(Device[item.outputs[0].device].renderer, "latency_bytes", 0)
+  return moved >= HOST_BYTES_FACTOR * rider_bytes(rider.ast) and moved >= HOST_LATENCIES * latency_bytes
 
 
 def _touches(buffers: tuple[Buffer, ...], targets: tuple[Buffer, ...]) -> bool:
