@@ -123,6 +123,9 @@ SPLIT_LAST_BLOCK = env_var("SPLIT_LAST_BLOCK", 0, "1: on a device with atomics (
                            "summed by the last block of the first kernel (one launch: engine/split_fusion.py); 0 (the "
                            "default: the H200's MNIST TinyJit step took 0.146 ms with 1, 0.134 with 0): a second "
                            "kernel sums them, as on other devices")
+RIDE_ALONG = env_var("RIDE_ALONG", 1, "1: a one-block reduce to one value (a loss's mean over rows, a count) runs in "
+                     "the first block of an independent larger kernel beside it in the schedule, one launch less "
+                     "(engine/ride_along.py); 0: in a kernel of its own")
 GATED_VECTOR_LOADS = env_var("GATED_VECTOR_LOADS", 1, "1 (the default): a masked view (a cat piece, a padded edge) "
                              "whose validity is uniform over a float4 loads one gated vector (codegen/linearizer.py; "
                              "the H200's 2-layer GPT-2 qkv-gradient cat: 50 us against 69 us); 0: scalar masked loads")

@@ -92,6 +92,10 @@ class Ops(Enum):
   # root of a one-kernel split reduce (codegen/last_block.py): srcs (the partials' STORE, the STORE of their reduce
   # over the parts); buffers 0 the partials, 1 the outputs, then the first STORE's inputs
   SPLIT_REDUCE = auto()
+  # root of a kernel that carries a one-block reduce (codegen/ride_along.py): srcs (the host kernel's root, STORE or
+  # SINK, its buffers numbered as the merged kernel's; the rider's STORE in its own numbers), arg: the merged number
+  # of each of the rider's buffers
+  RIDE_ALONG = auto()
 
   # members are singletons compared by identity: hashing by identity is C code, where Enum's own __hash__ (a Python
   # method hashing the name, as randomized per process as this) ran for every op in every set test and cache key

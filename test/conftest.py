@@ -17,6 +17,7 @@ def _check_cuda_rendering():
     return
   from ourgrad.codegen.lowering import build_kernel, lower_kernel
   from ourgrad.engine import realize
+  from ourgrad.ops import Ops
   from ourgrad.renderer.cuda import CUDARenderer
   from ourgrad.runtime.ops_cuda import CUDACompiler
 
@@ -27,9 +28,16 @@ def _check_cuda_rendering():
     if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):  # a test may switch the check off (monkeypatch.delenv)
       return compile_for_device(kernel, device)
     # the same kind of kernel with the same default opts, built for CUDA (a one-kernel split reduce, EMULATE=CUDA, is
-    # one for CUDA too)
-    cuda_kernel = build_kernel(getattr(kernel, "split_ast", kernel.ast), renderer)
-    compiler.compile_cached(lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source)
+    # one for CUDA too; a kernel carrying a one-value reduce, codegen/ride_along.py, is built from its whole AST)
+    ast = getattr(kernel, "split_ast", None) or getattr(kernel, "ride_ast", None) or kernel.ast
+    cuda_kernel = build_kernel(ast, renderer)
+    try:
+      source = lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source
+    except AssertionError as error:   # a rider that fits the device's block but not CUDA's: check the host alone
+      if ast.op is not Ops.RIDE_ALONG or "does not fit" not in str(error): raise
+      host = build_kernel(kernel.ast, renderer)
+      source = lower_kernel(host, renderer, realize.function_name(host)).source
+    compiler.compile_cached(source)
     return compile_for_device(kernel, device)
 
   realize.compile_kernel = compile_and_check_cuda

@@ -23,7 +23,7 @@ from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.device import Buffer, Device
-from ourgrad.helpers import prod
+from ourgrad.helpers import SPLIT_LAST_BLOCK, prod
 from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
@@ -38,9 +38,10 @@ def _kernels(*tensors: Tensor) -> list:
 
 
 def _split_kernels(device: str = "PYTHON", dtype: type = np.float32) -> int:
-  """Kernels of a float32 split reduce on `device`: one where it has atomics (the last block sums the partials:
-  codegen/last_block.py), else two."""
-  return 1 if Device[device].renderer.has_block_atomics and dtype == np.float32 else 2
+  """Kernels of a float32 split reduce on `device`: one where it has atomics and SPLIT_LAST_BLOCK is on (the last
+  block sums the partials: codegen/last_block.py), else two."""
+  one_kernel = Device[device].renderer.has_block_atomics and SPLIT_LAST_BLOCK.value and dtype == np.float32
+  return 1 if one_kernel else 2
 
 
 @pytest.fixture

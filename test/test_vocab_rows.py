@@ -24,7 +24,7 @@ from ourgrad.codegen.uops import UOps
 from ourgrad.device import Device
 from ourgrad.engine.kernel_walk import MAX_ROW_FUSION_LENGTH
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
-from ourgrad.ops import REDUCE_OPS, Ops
+from ourgrad.ops import REDUCE_OPS, LazyOp, Ops
 from ourgrad.renderer.cuda import CUDARenderer
 
 @pytest.fixture(autouse=True)
@@ -129,34 +129,59 @@ def _row_loops(item: ScheduleItem) -> int:
   return sum(1 for uop in _cuda_uops(item) if uop.op is UOps.RANGE)
 
 
+def _row_loops_of(ast: LazyOp, item: ScheduleItem) -> int:
+  """The loops of a kernel of `ast` (a ride-along's host) for CUDA's renderer."""
+  kernel = Kernel(ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  return sum(1 for uop in linearize(kernel) if uop.op is UOps.RANGE)
+
+
 def _reads_whole_rows(item: ScheduleItem, size: int) -> bool:
   return any(buffer.size == size for buffer in item.inputs)
 
 
-def test_cross_entropy_is_one_kernel_forward_and_one_backward():
-  """GPT-2's loss at its vocabulary (4096 tokens x 50304): in the step's one schedule the logsumexp row kernel reads
-  the logits once (one pass: max, sum of exps), the loss is a mean over rows of logsumexp - picked logit (4096
-  indexed loads, one small kernel), and the gradient (softmax - one_hot) * scale is one elementwise kernel reading
-  the saved logsumexp. The count of samples not ignored (the mean's divisor, which the gradient's per-row scale
-  reads too) is one more small kernel over the 4096 rows; the scale itself is computed in the backward."""
-  rows, classes = 4096, 50304
-  x = Tensor.empty(rows, classes, device="PYTHON", requires_grad=True)
-  target = Tensor.empty(rows, dtype="int32", device="PYTHON")
+def _rider(item: ScheduleItem) -> LazyOp | None:
+  return item.ast.srcs[1] if item.ast.op is Ops.RIDE_ALONG else None
+
+
+def _host(item: ScheduleItem) -> LazyOp: return item.ast.srcs[0] if item.ast.op is Ops.RIDE_ALONG else item.ast
+
+
+def _cross_entropy_items(rows: int, classes: int, device: str = "PYTHON") -> list[ScheduleItem]:
+  x = Tensor.empty(rows, classes, device=device, requires_grad=True)
+  target = Tensor.empty(rows, dtype="int32", device=device)
   loss = x.cross_entropy(target)
   loss.backward()
   assert x.grad is not None
-  items = _kernels(create_schedule([loss.lazydata, x.grad.lazydata]))
-  assert len(items) == 4
-  forward = [item for item in items if _reads_whole_rows(item, rows * classes) and item.outputs[0].size == rows]
-  assert len(forward) == 1 and _row_loops(forward[0]) == 1, "logsumexp: one pass over each row"
-  scalars = [item for item in items if item.outputs[0].size == 1]   # the count and the mean
-  gathers = [item for item in scalars if any(node.op is Ops.LOAD and len(node.srcs) == 2 for node in item.ast.walk())]
-  assert len(scalars) == 2 and len(gathers) == 1, "the mean gathers the picked logits; the count is its own kernel"
-  backward = [item for item in items if item.outputs[0].size == rows * classes]
-  assert len(backward) == 1 and not any(node.op in REDUCE_OPS for node in backward[0].ast.walk()), \
-    "the gradient is elementwise"
-  assert _row_loops(backward[0]) == 0
-  assert all(item.outputs[0].size <= rows for item in items if item is not backward[0])
+  return _kernels(create_schedule([loss.lazydata, x.grad.lazydata]))
+
+
+def test_cross_entropy_is_one_kernel_forward_and_one_backward():
+  """GPT-2's loss at its vocabulary (4096 tokens x 50304): 2 kernels. The logsumexp row kernel reads the logits once
+  (one pass: max, sum of exps); the gradient (softmax - one_hot) * scale is one elementwise kernel reading the saved
+  logsumexp. The loss's two reduces to one value each ride in the first block of one of them (engine/ride_along.py):
+  the count of samples not ignored (the mean's divisor, which the gradient's scale reads) in the row kernel, the
+  mean over rows of logsumexp - picked logit (4096 indexed loads) in the gradient's kernel."""
+  rows, classes = 4096, 50304
+  items = _cross_entropy_items(rows, classes)
+  assert len(items) == 2 and all(item.ast.op is Ops.RIDE_ALONG for item in items)
+  forward, backward = items
+  assert forward.outputs[0].size == rows and _row_loops_of(_host(forward), forward) == 1, \
+    "logsumexp: one pass over each row"
+  count, mean = _rider(forward), _rider(backward)
+  assert count is not None and mean is not None
+  assert not any(node.op is Ops.LOAD and len(node.srcs) == 2 for node in count.walk()), "the count reads the targets"
+  assert any(node.op is Ops.LOAD and len(node.srcs) == 2 for node in mean.walk()), "the mean gathers picked logits"
+  assert backward.outputs[0].size == rows * classes and backward.outputs[1].size == 1
+  assert not any(node.op in REDUCE_OPS for node in _host(backward).walk()), "the gradient is elementwise"
+  assert _row_loops_of(_host(backward), backward) == 0
+
+
+def test_cross_entropy_without_riding_is_four_kernels(monkeypatch: pytest.MonkeyPatch):
+  """RIDE_ALONG=0: the count and the mean are kernels of their own."""
+  monkeypatch.setenv("RIDE_ALONG", "0")
+  items = _cross_entropy_items(4096, 50304)
+  assert len(items) == 4 and sorted(item.outputs[0].size for item in items) == [1, 1, 4096, 4096 * 50304]
 
 
 def test_cross_entropy_loss_alone_is_one_row_kernel_and_the_mean():

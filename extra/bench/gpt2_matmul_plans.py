@@ -16,6 +16,7 @@ import os
 import ourgrad  # noqa: E402
 from ourgrad import Tensor, autocast, dtypes  # noqa: E402
 from ourgrad.codegen.kernel import Kernel, OptOps  # noqa: E402
+from ourgrad.codegen.ride_along import host_of  # noqa: E402
 from ourgrad.device import Device  # noqa: E402
 from ourgrad.engine import schedule as scheduler  # noqa: E402
 from ourgrad.ops import Ops  # noqa: E402
@@ -72,14 +73,15 @@ def main() -> None:
     written = sum(buffer.nbytes for buffer in item.outputs) / 1e6
     if any(id(buffer) in staged_buffers for buffer in item.outputs):
       copies += 1
-      name = "(packed with small kernels)" if item.ast.op is Ops.PACK else Kernel(item.ast, renderer).name
+      name = "(packed with small kernels)" if item.ast.op is Ops.PACK else Kernel(host_of(item.ast), renderer).name
       print(f"{'copy':6} {name:42} {'':28} {written:10.2f}  (reads as much)")
       continue
     # small kernels packed into one launch (engine/packing.py), a one-kernel split reduce (codegen/last_block.py)
     if item.ast.op in (Ops.PACK, Ops.SPLIT_REDUCE): continue
-    sums = [node for node in item.ast.walk() if node.op is Ops.SUM]
+    ast = host_of(item.ast)   # a kernel carrying a one-value reduce: its host (codegen/ride_along.py)
+    sums = [node for node in ast.walk() if node.op is Ops.SUM]
     if len(sums) != 1 or not any(node.op is Ops.MUL for node in sums[0].walk()): continue
-    kernel = Kernel(item.ast, renderer)
+    kernel = Kernel(ast, renderer)
     if len(kernel.full_shape) < 3: continue   # a row or column sum
     shape = str(kernel.full_shape)
     kernel.hand_coded_optimizations()

@@ -32,7 +32,7 @@ def time_step(name: str, make_model, shape: tuple[int, ...], batch: int) -> None
     for _ in range(50): step(x, y)
     Device[Device.DEFAULT].synchronize()
     times.append((time.perf_counter() - start) / 50)
-  keys = ("SPLIT_LAST_BLOCK", "CUDA_DEPENDENT_LAUNCH")
+  keys = ("SPLIT_LAST_BLOCK", "CUDA_DEPENDENT_LAUNCH", "RIDE_ALONG")
   settings = " ".join(f"{key}={os.environ[key]}" for key in keys if key in os.environ)
   print(f"{name} [{settings or 'defaults'}]: {np.median(times) * 1e3:.4f} ms ({len(step.captured.items)} kernels)")
 

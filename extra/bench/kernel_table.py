@@ -129,6 +129,7 @@ class KernelKinds:
     from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
     from ourgrad.codegen.kernel import Kernel
     from ourgrad.codegen.opt.cpu_tiles import matmul_like
+    from ourgrad.codegen.ride_along import host_of
     from ourgrad.device import Device
     from ourgrad.engine import realize
     from ourgrad.helpers import prod
@@ -142,8 +143,9 @@ class KernelKinds:
         accumulate = IndexAccumulateKernel(ast, Device[device].renderer)
         self.kinds[id(runner)] = ("indexed", accumulate.row_count * accumulate.width, accumulate.count)
         continue
-      # a one-kernel split reduce (codegen/last_block.py) is described by its partials' kernel, as when it was two
-      kernel = Kernel(ast.srcs[0] if ast.op is Ops.SPLIT_REDUCE else ast, Device[device].renderer)
+      # a one-kernel split reduce (codegen/last_block.py) is described by its partials' kernel, as when it was two;
+      # a kernel carrying a one-value reduce (codegen/ride_along.py) by its host
+      kernel = Kernel(ast.srcs[0] if ast.op is Ops.SPLIT_REDUCE else host_of(ast), Device[device].renderer)
       outputs = prod(kernel.full_shape[:kernel.first_reduce])
       if kernel.reduceop is None:
         self.kinds[id(runner)] = ("elementwise", outputs, 0)

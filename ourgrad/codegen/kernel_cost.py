@@ -62,6 +62,13 @@ def split_reduce_cost(kernel: Any, uops: list[UOp]) -> tuple[int, int]:
   return op_count + (kernel.parts - 1) * kernel.outputs, byte_count + kernel.outputs * dtypes.float32.itemsize
 
 
+def ride_along_cost(kernel: Any, uops: list[UOp]) -> tuple[int, int]:
+  """A kernel carrying a one-value reduce (codegen/ride_along.py): the host's and the rider's loop nests (both in the
+  UOps), the host's buffers and the rider's bytes."""
+  op_count, byte_count = loop_nest_cost(kernel, uops)
+  return op_count, byte_count + kernel.rider_bytes()
+
+
 def wgmma_cost(kernel: Any, plan: Any) -> tuple[int, int]:
   """A kernel with OptOps.WGMMA (its plan: codegen/wgmma_tiles.py): a multiply and an add per element of the loop
   nest; every operand and the output moved once."""

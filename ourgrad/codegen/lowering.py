@@ -10,6 +10,8 @@ The kinds, the first whose `matches` takes the AST:
 - attention, attention_grad: a fused attention and its backward's kernels (codegen/attention.py, attention_grad.py),
   whole-kernel plans that the renderer renders as they are;
 - split_reduce: a one-kernel split reduce whose last blocks finish it (codegen/last_block.py), the heuristic's opts;
+- ride_along: a kernel carrying a one-value reduce in its first block (codegen/ride_along.py), the host's heuristic
+  opts (engine/ride_along.py checked the rider fits with them);
 - loop_nest: any other kernel, with its Opts linearized to UOps (codegen/linearizer.py) and rendered; one whose opts
   chose OptOps.WGMMA is the whole-kernel plan of codegen/wgmma_tiles.py instead.
 `lower_kernel` returns a `LoweredKernel`: the source and what its callers need beside it, the launch sizes, the UOps
@@ -26,10 +28,11 @@ from ourgrad.codegen.attention_backward import AttentionBackwardPlan
 from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
 from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.kernel_cost import loop_nest_cost, own_ops_cost, split_reduce_cost, wgmma_cost
+from ourgrad.codegen.kernel_cost import loop_nest_cost, own_ops_cost, ride_along_cost, split_reduce_cost, wgmma_cost
 from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.packed import PackedKernel
+from ourgrad.codegen.ride_along import RideAlongKernel
 from ourgrad.codegen.uops import UOp, launch_dims
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul
 from ourgrad.helpers import NOOPT
@@ -81,7 +84,7 @@ class KernelKind:
 
 
 def _lower_own_linearize(kernel: Any, renderer: Renderer, name: str) -> LoweredKernel:
-  """A kernel that linearizes itself (packed, indexed accumulate, split reduce), its UOps rendered."""
+  """A kernel that linearizes itself (packed, indexed accumulate, split reduce, ride-along), its UOps rendered."""
   return _rendered_uops(kernel.linearize(), renderer, name)
 
 
@@ -131,6 +134,8 @@ KINDS: list[KernelKind] = [
   KernelKind("split_reduce", lambda ast: ast.op is Ops.SPLIT_REDUCE, SplitReduceKernel, _lower_own_linearize,
              lambda kernel, lowered: split_reduce_cost(kernel, lowered.uops), SplitReduceKernel,
              OptPolicy.HEURISTIC, block_counters=True),
+  KernelKind("ride_along", lambda ast: ast.op is Ops.RIDE_ALONG, RideAlongKernel, _lower_own_linearize,
+             lambda kernel, lowered: ride_along_cost(kernel, lowered.uops), RideAlongKernel, OptPolicy.HEURISTIC),
   KernelKind("loop_nest", lambda ast: True, Kernel, _lower_loop_nest, _loop_nest_cost, Kernel, OptPolicy.SEARCHED),
 ]
 

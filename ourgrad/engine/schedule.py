@@ -32,6 +32,7 @@ from ourgrad.engine.operand_staging import stage_matmul_operands
 from ourgrad.engine.packing import pack_kernels
 from ourgrad.engine.split_fusion import fuse_split_reduces
 from ourgrad.engine.profile import host_phase
+from ourgrad.engine.ride_along import carry_small_reduces
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.engine.snapshot import protect_lazy_readers
 from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, fmt_size, prod
@@ -91,6 +92,7 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   schedule = [items[id(base)] for base in ordered]
   schedule = fuse_split_reduces(schedule)   # a split reduce's two kernels in one where the device has atomics
   schedule = pack_kernels(schedule)   # independent elementwise kernels of different shapes: one launch (packing.py)
+  schedule = carry_small_reduces(schedule)   # a one-value reduce in the first block of a kernel beside it
   assigns = [(base, base.srcs[1].base) for leader in ordered for base in groups[id(leader)] if base.op is Ops.ASSIGN]
   for group in groups.values():  # the graph behind a realized base is no longer needed: let it be freed
     for base in group: base.srcs = ()

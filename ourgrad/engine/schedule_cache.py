@@ -18,8 +18,8 @@ from typing import Any, Sequence
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
-from ourgrad.helpers import (GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, SPLIT_LAST_BLOCK, env_var,
-                             tf32_allowed)
+from ourgrad.helpers import (GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG, SPLIT_LAST_BLOCK,
+                             env_var, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 
@@ -158,7 +158,7 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   if not bases: return []
   # (TF32 allowed: matmul operands are staged for the WGMMA plan only then, engine/operand_staging.py)
   key = _Key((key, int(KERNEL_OPS_LIMIT), int(PACK_KERNELS), int(MAX_PACK_BUFFERS), tf32_allowed(),
-                int(SPLIT_LAST_BLOCK)))
+                int(SPLIT_LAST_BLOCK), int(RIDE_ALONG)))
   cached = _cache.get(key)
   if cached is not None:
     _cache.move_to_end(cached.key)

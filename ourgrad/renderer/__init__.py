@@ -53,6 +53,9 @@ class Renderer:
   # int32 atomic adds to global memory and a device-wide fence (UOps.ATOMIC_ADD, FENCE): a split reduce's last block
   # can sum its partials in the same kernel (codegen/split_finish.py); without, the partials take a second kernel
   has_block_atomics: bool = False
+  # renders a one-value reduce after a kernel's own code, in its first block (a branch holding BARRIERs, uniform over
+  # the block; local arrays declared at any depth): engine/ride_along.py merges such a reduce into a kernel beside it
+  carries_riders: bool = False
   has_stack_arrays: bool = False  # a CPU kernel may declare per-thread arrays (DEFINE_LOCAL inside its loops)
   # per launch dimension (x, y, z): how many blocks and threads a launch may have
   global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)

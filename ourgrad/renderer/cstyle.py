@@ -16,7 +16,7 @@ from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import CPU_VECTORS
 from ourgrad.ops import Ops
 from ourgrad.renderer import Renderer
-from ourgrad.renderer.cvector import VectorPlan, elementwise_simd_loop, vector_typedefs
+from ourgrad.renderer.cvector import VectorPlan, elementwise_simd_loop, through_first_loop_nest, vector_typedefs
 
 
 # CUDA tiles over the 48 KB of static shared memory live in one dynamic array; the kernel's module exports its size
@@ -541,6 +541,7 @@ class ClangRenderer(CStyleLanguage):
   C compilers do not all do arithmetic on bfloat16, so a bfloat16 value lives in a float register: loads
   widen the stored 16 bits, casts to bfloat16 round to its precision, and stores keep the top 16 bits."""
   device = "CLANG"
+  carries_riders = True   # a rider runs after the kernel's loops (engine/ride_along.py)
   preamble = "#include <math.h>\n#include <stdbool.h>\n"
   code_for_op = {**C_CODE_FOR_OP, Ops.MAX: _clang_max, Ops.WHERE: _clang_where}
   # below this many loop iterations times instructions, starting threads costs more than it saves
@@ -589,7 +590,8 @@ class ClangRenderer(CStyleLanguage):
     # loop vectorizer is otherwise off, ops_clang.FLAG_RULES): the MNIST step's batchnorm-backward elementwise
     # kernel took 2.3 ms instead of 4.1 with 4 unrolled scalar outputs (one core, same data)
     self.simd_loop = elementwise_simd_loop(uops) if index_math_only(uops) else None
-    self.simd_loop_is_parallel = self.simd_loop is not None and sum(uop.op is UOps.RANGE for uop in uops) == 1
+    self.simd_loop_is_parallel = self.simd_loop is not None and \
+      sum(uop.op is UOps.RANGE for uop in through_first_loop_nest(uops)) == 1
     # A kernel with `omp simd` lane loops (a CPU row kernel) keeps the plain `?:` max and select: gcc if-converts them
     # inside the vectorized loop, while the bit-select helpers are calls it leaves scalar (softmax 4096^2 on 2 cores:
     # 40 ms with the helpers, PyTorch 20 ms). Elsewhere the helpers save mispredicted jumps (CLANG_SCALAR_SELECTS).

@@ -47,6 +47,7 @@ class CUDARenderer(CStyleLanguage):
   threads_per_multiprocessor = ASSUMED_CUDA_GPU.threads_per_multiprocessor
   registers_per_multiprocessor = ASSUMED_CUDA_GPU.registers_per_multiprocessor
   has_async_copy = True   # COPY with cp.async (sm_80+): SHARED_ASYNC tiles without tensor cores
+  carries_riders = True   # a rider runs in the first block (engine/ride_along.py)
   has_block_atomics = True   # ATOMIC_ADD and FENCE: one-kernel split reduces (codegen/split_finish.py)
   warp_size = 32
   # ~1.5 us a launch inside a CUDA graph at ~3 TB/s of HBM; the CUDA device computes it from its own memory bandwidth

@@ -214,6 +214,16 @@ def _base_and_offset(index: UOp) -> tuple[UOp | None, int]:
 _NOT_SIMD = frozenset({UOps.DEFINE_ACC, UOps.DEFINE_LOCAL, UOps.IF, UOps.BARRIER, UOps.DEFINE_VAR})
 
 
+def through_first_loop_nest(uops: list[UOp]) -> list[UOp]:
+  """The kernel's UOps up to the end of its first top-level loop nest: what follows runs once after it (a one-value
+  reduce riding along, codegen/ride_along.py), outside the nest's `omp` loops."""
+  first = next((index for index, uop in enumerate(uops) if uop.op is UOps.RANGE), None)
+  if first is None: return uops
+  end = next((index for index, uop in enumerate(uops) if uop.op is UOps.ENDRANGE and uop.srcs[0] is uops[first]),
+             len(uops) - 1)
+  return uops[:end + 1]
+
+
 def elementwise_simd_loop(uops: list[UOp]) -> UOp | None:
   """The innermost loop of a CPU elementwise kernel, for the C compiler to vectorize (`omp simd`: neighbouring
   outputs side by side, loads along a contiguous axis as vector loads); None where the kernel is not one.
@@ -221,12 +231,17 @@ def elementwise_simd_loop(uops: list[UOp]) -> UOp | None:
   An elementwise kernel's iterations are independent (each writes its own output), so `omp simd` is always
   correct; the caller also requires integer math to be index math only (the kernel compiles without -fwrapv).
   A negative index constant (a flipped view, or padding) keeps the kernel scalar: gcc 12's loop vectorizer
-  miscompiles some loops over flipped views (ops_clang.FLAG_RULES)."""
-  if any(uop.op in _NOT_SIMD for uop in uops): return None
-  ranges = [uop for uop in uops if uop.op is UOps.RANGE]
+  miscompiles some loops over flipped views (ops_clang.FLAG_RULES). A one-value reduce riding after the loop nest
+  (codegen/ride_along.py: no loop over outputs) does not count; a second nest over outputs (a packed kernel's
+  segments) keeps the kernel scalar."""
+  nest = through_first_loop_nest(uops)
+  after = uops[len(nest):]
+  if any(uop.op is UOps.RANGE and uop.arg[1] is AxisType.GLOBAL for uop in after): return None
+  if any(uop.op in _NOT_SIMD for uop in nest): return None
+  ranges = [uop for uop in nest if uop.op is UOps.RANGE]
   if not ranges or any(uop.arg[1] is not AxisType.GLOBAL for uop in ranges): return None
   # perfectly nested: every loop opens before the first one closes
-  first_end = next((index for index, uop in enumerate(uops) if uop.op is UOps.ENDRANGE), len(uops))
-  if any(uop.op is UOps.RANGE for uop in uops[first_end:]): return None
+  first_end = next((index for index, uop in enumerate(nest) if uop.op is UOps.ENDRANGE), len(nest))
+  if any(uop.op is UOps.RANGE for uop in nest[first_end:]): return None
   if any(uop.op is UOps.CONST and uop.dtype == dtypes.int32 and uop.arg < 0 for uop in uops): return None
   return ranges[-1]

@@ -41,7 +41,11 @@ class LocalMemory:
     self.data = np.zeros(blocks * size, compute_dtype(dtype))
     self.writer = np.full(blocks * size, -1, np.int64)
 
-  def barrier(self) -> None: self.writer[:] = -1
+  def barrier(self, blocks: np.ndarray | None = None) -> None:
+    """The stores so far are visible to every thread of the block: of every block, or of the `blocks` (a mask)
+    that reached this BARRIER."""
+    if blocks is None: self.writer[:] = -1
+    else: self.writer.reshape(-1, self.size)[blocks] = -1
 
 
 class GpuInterpreter(Interpreter):
@@ -74,8 +78,11 @@ class GpuInterpreter(Interpreter):
       self.store_local(position, *operands)
       return None
     if op is UOps.BARRIER:
-      if self.active is not None: raise self.error(position, "a BARRIER inside an IF block (threads would hang)")
-      for memory in self.locals: memory.barrier()
+      # a branch every thread of a block takes or none does (a carried reduce in the first block) may hold one
+      blocks = None if self.active is None else self.active.reshape(-1, self.threads_per_block)
+      if blocks is not None and (blocks.any(axis=1) != blocks.all(axis=1)).any():
+        raise self.error(position, "a BARRIER inside an IF block that some threads of a block skip (they would hang)")
+      for memory in self.locals: memory.barrier(None if blocks is None else blocks[:, 0])
       return None
     if op is UOps.OCCUPANCY: return None   # a compile hint (launch bounds), nothing to run
     if op is UOps.DEFINE_LOCAL:

@@ -83,6 +83,7 @@ class PythonRenderer(Renderer):
   partials meet in local memory. `emulate="CUDA"` takes CUDA's limits instead of its own."""
   device = "PYTHON"
   has_threads = True
+  carries_riders = True   # a rider runs in the first block (engine/ride_along.py; the interpreter checks its BARRIERs)
   max_threads = 128
   has_local = True
   local_memory_bytes = 16384
