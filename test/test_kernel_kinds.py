@@ -10,6 +10,7 @@ from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.lowering import KINDS, OptPolicy, build_kernel, kernel_cost, kind_of, kind_of_ast, lower_kernel
 from ourgrad.codegen.opt import split_reduce
+from ourgrad.engine import ride_along
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul
 from ourgrad.device import Device
 from ourgrad.engine import graph_viz, realize
@@ -40,7 +41,8 @@ def _items(*tensors: Tensor) -> list[ScheduleItem]:
 def _numpy(data: np.ndarray) -> Tensor: return Tensor(data, device="PYTHON")
 
 
-def test_each_kind_is_built_named_lowered_and_costed_through_the_table(emulated_cuda: None) -> None:
+def test_each_kind_is_built_named_lowered_and_costed_through_the_table(emulated_cuda: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
   """A program with a kernel of every kind: each schedule item's kernel is its kind's (realize.get_kernel), runs
   under the name graph_viz gives it, lowers to the kind's source, and costs what the kind says; the results match
   torch (float64)."""
@@ -48,6 +50,7 @@ def test_each_kind_is_built_named_lowered_and_costed_through_the_table(emulated_
   table, tokens = rng.standard_normal((10, 8)).astype(np.float32), np.array([1, 3, 3, 7, 0, 9], dtype=np.int32)
   tall = rng.standard_normal((200, 3)).astype(np.float32)
   small = [rng.standard_normal(size).astype(np.float32) for size in (5, 7)]
+  rider, host = rng.standard_normal(24).astype(np.float32), rng.standard_normal((256, 256)).astype(np.float32)
   tq, tk, tv = (_numpy(x).requires_grad_() for x in (q, k, v))
   ttable = _numpy(table).requires_grad_()
   attended = tq.scaled_dot_product_attention(tk, tv, is_causal=True)
@@ -56,6 +59,13 @@ def test_each_kind_is_built_named_lowered_and_costed_through_the_table(emulated_
   outputs = [attended, tq.grad, tk.grad, tv.grad, ttable.grad, _numpy(tall).sum(axis=0),
              *[_numpy(x) * 2 + 1 for x in small]]
   items = _items(*outputs)
+  # a one-value sum riding along in an independent larger kernel (engine/ride_along.py), scheduled apart with packing
+  # off (on a GPU it packs small reduces first) and the latency rule waived (the emulated GPU asks megabytes of a host)
+  monkeypatch.setenv("PACK_KERNELS", "0")
+  monkeypatch.setattr(ride_along, "HOST_LATENCIES", 0)
+  ride_outputs = [_numpy(rider).sum(), _numpy(host) * 3]
+  ride_items = _items(*ride_outputs)
+  outputs, items = outputs + ride_outputs, items + ride_items
   kinds = {kind_of_ast(item.ast).name for item in items}
   assert kinds == {kind.name for kind in KINDS}, f"every kind in the program: {sorted(kinds)}"
   renderer = Device["PYTHON"].renderer
@@ -69,7 +79,8 @@ def test_each_kind_is_built_named_lowered_and_costed_through_the_table(emulated_
     lowered = lower_kernel(kernel, renderer, runner.name)
     assert lowered.source == runner.source
     assert (runner.op_count, runner.byte_count) == kernel_cost(kernel, lowered) == kind.cost(kernel, lowered)
-  realize.run_schedule(items)
+  realize.run_schedule(items[:len(items) - len(ride_items)])
+  realize.run_schedule(ride_items)
   tq64, tk64, tv64 = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
   ttable64 = torch.tensor(table, dtype=torch.float64, requires_grad=True)
   expected = torch.nn.functional.scaled_dot_product_attention(tq64, tk64, tv64, is_causal=True)
@@ -78,6 +89,7 @@ def test_each_kind_is_built_named_lowered_and_costed_through_the_table(emulated_
   column_sums = torch.tensor(tall, dtype=torch.float64).sum(0)
   references = [expected, tq64.grad, tk64.grad, tv64.grad, ttable64.grad, column_sums]
   references += [torch.tensor(x, dtype=torch.float64) * 2 + 1 for x in small]
+  references += [torch.tensor(rider, dtype=torch.float64).sum(), torch.tensor(host, dtype=torch.float64) * 3]
   for output, reference in zip(outputs, references):   # TF32 products: a loose tolerance for attention
     np.testing.assert_allclose(output.numpy(), reference.detach().numpy(), rtol=2e-2, atol=2e-2)
 
