@@ -37,6 +37,7 @@ from ourgrad.codegen.shared_tiles import (SHARED_ASYNC, SHARED_ASYNC_MAX_STAGES,
                                          SKEW_ROWS, SharedTileLayout, decode_shared_amount)
 from ourgrad.codegen.matmul_operands import (is_plain_load, matmul_operands, operand_leaves,  # noqa: F401
                                             varying_axes)
+from ourgrad.codegen.streamed_rows import cpu_streams_rows
 from ourgrad.codegen.tensor_cores import WARP_LANES, TensorCore
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, WgmmaTile, plan_for_kernel
 from ourgrad.codegen.uops import AxisType
@@ -178,6 +179,8 @@ class Kernel(SharedTileLayout):
     self.row_axes: tuple[int, ...] | None = None if self.sibling_reduces else \
       _row_kernel_axes([reduce for reduce in self.reduceops if reduce not in self.final_reduces],
                        self.stores[0].arg.st, bool(self.final_reduces))
+    if self.row_axes is None and cpu_streams_rows(renderer, self.reduceops, self.stores, self.leaves, self.sts):
+      self.row_axes = tuple(self.reduceops[0].arg)   # SIMD lanes for a matrix-vector product (codegen/streamed_rows.py)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
     self._drop_size_one_axes()

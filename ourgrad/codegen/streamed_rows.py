@@ -1,0 +1,39 @@
+"""Streamed reduces on a CPU: a kernel of one float reduce whose large input is read exactly once (a matrix-vector
+product: each weight serves one output; a sum over the rows of a matrix) runs as a row kernel there.
+
+A register tile of the loop-nest heuristic (codegen/opt/cpu_tiles.py) pays off where an input is reused across
+outputs: a matmul. Here nothing is reused but the short vector, and the tile keeps each output's sum a serial chain
+of scalar adds the C compiler may not reorder, so it cannot vectorize the loads either (a Q4_1 matrix-vector product
+decoded its nibbles one byte at a time). A CPU row kernel (codegen/row_linearizer.py) gives the row's reduce SIMD
+lanes instead: an accumulator per lane, the lanes an `omp simd` loop over neighbouring elements, added up after the
+row. The sum is then taken in lane order: lane j adds elements j, j + lanes, j + 2 lanes, ... of the innermost reduce
+axis (in that order), and the lanes' totals are added 0, 1, ..., lanes - 1. Float results differ from the serial
+order by rounding only.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ourgrad.ops import LazyOp, MemBuffer, Ops
+from ourgrad.shape.shapetracker import ShapeTracker
+
+
+def cpu_streams_rows(renderer: Any, reduces: Sequence[LazyOp], stores: Sequence[LazyOp], leaves: Sequence[LazyOp],
+                     sts: Sequence[ShapeTracker]) -> bool:
+  """Whether a kernel (its reduces, stores, leaves and their views in the loop shape) is a streamed reduce on a CPU
+  renderer: one float SUM or MAX into one output, fixed sizes, and some buffer input that varies along the innermost
+  reduce axis with unit stride (vector loads) while no output axis of size > 1 reads it twice (stride 0)."""
+  cpu_lanes = not renderer.has_threads and renderer.has_stack_arrays and getattr(renderer, "vector_bytes", 0) > 0
+  if not cpu_lanes or len(reduces) != 1 or len(stores) != 1: return False
+  reduce = reduces[0]
+  if reduce.op not in (Ops.SUM, Ops.MAX) or not reduce.dtype.is_float: return False
+  shape = sts[0].shape
+  if any(not isinstance(size, int) for st in sts for size in st.shape): return False
+  reduced = sorted(reduce.arg)
+  innermost = reduced[-1]
+  outputs = [axis for axis in range(len(shape)) if axis not in reduced and shape[axis] > 1]
+  for leaf, st in zip(leaves, sts):
+    if leaf.op is not Ops.LOAD or not isinstance(leaf.arg, MemBuffer): continue
+    strides = st.real_strides()
+    if strides[innermost] == 1 and all(strides[axis] not in (0, None) for axis in outputs): return True
+  return False
