@@ -179,8 +179,6 @@ class Kernel(SharedTileLayout):
     self.row_axes: tuple[int, ...] | None = None if self.sibling_reduces else \
       _row_kernel_axes([reduce for reduce in self.reduceops if reduce not in self.final_reduces],
                        self.stores[0].arg.st, bool(self.final_reduces))
-    if self.row_axes is None and cpu_streams_rows(renderer, self.reduceops, self.stores, self.leaves, self.sts):
-      self.row_axes = tuple(self.reduceops[0].arg)   # SIMD lanes for a matrix-vector product (codegen/streamed_rows.py)
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
     self._drop_size_one_axes()
@@ -761,7 +759,12 @@ class Kernel(SharedTileLayout):
   def hand_coded_optimizations(self) -> None:
     """Apply the default heuristic for this device (codegen/opt/heuristic.py)."""
     from ourgrad.codegen.opt.heuristic import hand_coded_optimizations  # the heuristic module builds on Kernel
-    if self.row_axes is None: hand_coded_optimizations(self)
+    if self.row_axes is not None: return
+    reduce_axes = tuple(range(self.first_reduce, self.shape_len))
+    if not self.applied_opts and cpu_streams_rows(self.renderer, self.reduceops, self.leaves, self.sts, reduce_axes):
+      self.row_axes = reduce_axes   # a matrix-vector product's sum in SIMD lanes (codegen/streamed_rows.py)
+      return
+    hand_coded_optimizations(self)
 
   def try_opt(self, opt: Opt) -> bool:
     """Apply `opt` if it fits; True when it did."""

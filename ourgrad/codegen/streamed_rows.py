@@ -12,28 +12,37 @@ order by rounding only.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 
+# A row this many SIMD vectors long, at least, is worth its lanes: shorter rows (a compute-heavy reduce of a few dozen
+# elements per output, the MNIST step's batchnorm backward) do better with the heuristic's lanes over the outputs,
+# where no horizontal sum ends each row.
+STREAMED_ROW_VECTORS = 8
 
-def cpu_streams_rows(renderer: Any, reduces: Sequence[LazyOp], stores: Sequence[LazyOp], leaves: Sequence[LazyOp],
-                     sts: Sequence[ShapeTracker]) -> bool:
-  """Whether a kernel (its reduces, stores, leaves and their views in the loop shape) is a streamed reduce on a CPU
-  renderer: one float SUM or MAX into one output, fixed sizes, and some buffer input that varies along the innermost
-  reduce axis with unit stride (vector loads) while no output axis of size > 1 reads it twice (stride 0)."""
+
+def cpu_streams_rows(renderer: Any, reduces: Sequence[LazyOp], leaves: Sequence[LazyOp], sts: Sequence[ShapeTracker],
+                     reduce_axes: tuple[int, ...]) -> bool:
+  """Whether a kernel (its reduces, its leaves (outputs first) and their views in the loop shape, whose `reduce_axes`
+  are reduced) is a streamed reduce on a CPU renderer: one float SUM or MAX into one output, fixed sizes, rows of at
+  least STREAMED_ROW_VECTORS SIMD vectors whose innermost axis splits into whole vectors, and some buffer input that
+  varies along that axis with unit stride (vector loads) while no output axis of size > 1 reads it twice (stride 0)."""
   cpu_lanes = not renderer.has_threads and renderer.has_stack_arrays and getattr(renderer, "vector_bytes", 0) > 0
-  if not cpu_lanes or len(reduces) != 1 or len(stores) != 1: return False
-  reduce = reduces[0]
-  if reduce.op not in (Ops.SUM, Ops.MAX) or not reduce.dtype.is_float: return False
-  shape = sts[0].shape
+  outputs = [leaf for leaf in leaves if leaf.op is Ops.STORE]
+  if not cpu_lanes or len(reduces) != 1 or len(outputs) != 1 or not reduce_axes: return False
+  if reduces[0].op not in (Ops.SUM, Ops.MAX) or not reduces[0].dtype.is_float: return False
   if any(not isinstance(size, int) for st in sts for size in st.shape): return False
-  reduced = sorted(reduce.arg)
-  innermost = reduced[-1]
-  outputs = [axis for axis in range(len(shape)) if axis not in reduced and shape[axis] > 1]
+  lanes = max(renderer.vector_bytes // reduces[0].dtype.itemsize, 1)
+  full_shape = [max(st.shape[axis] for st in sts) for axis in range(len(sts[0].shape))]
+  row_length = math.prod(full_shape[axis] for axis in reduce_axes)
+  if full_shape[reduce_axes[-1]] % lanes or row_length < STREAMED_ROW_VECTORS * lanes: return False
+  shape = sts[0].shape
+  output_axes = [axis for axis in range(len(shape)) if axis not in reduce_axes and shape[axis] > 1]
   for leaf, st in zip(leaves, sts):
     if leaf.op is not Ops.LOAD or not isinstance(leaf.arg, MemBuffer): continue
     strides = st.real_strides()
-    if strides[innermost] == 1 and all(strides[axis] not in (0, None) for axis in outputs): return True
+    if strides[reduce_axes[-1]] == 1 and all(strides[axis] not in (0, None) for axis in output_axes): return True
   return False
