@@ -233,6 +233,14 @@ class LlamaBlock:
 
   def _inverse_rms(self, x: Tensor) -> Tensor: return inverse_rms(x, self.config.norm_eps)
 
+  def _normed(self, x: Tensor, norm: Tensor | None) -> Tensor:
+    """rms_norm(x) times the norm weight (packed weights; else it is folded into the matrix), stored: one row kernel
+    for a CPU decode step, whose products then read each normalized value once per output row as a plain load (fused
+    into a product the norm and its weight were two loads and two multiplies more per weight, in a kernel whose
+    speed is its arithmetic)."""
+    normed = x * self._inverse_rms(x)
+    return (normed if norm is None else normed * norm).contiguous()
+
   def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
     """q (1, B, heads, hd) of x (1, B, dim), rotated, after writing the rotated K and the V of its rows to the cache
     where `write` (1, max_context, 1, 1) is True: cache slot p takes row placement[p] (a host-made int32
@@ -261,10 +269,12 @@ class LlamaBlock:
     heads, head_dim = config.n_heads, config.head_dim
     # stored (two kernels read it), as float32 (a bfloat16 product's values, widened): the rotations read it per slot
     # (K, V) and per score (q) as a plain load, where a cast would make q's rotation too costly to recompute
-    product = self._linear(x, self.w_qkv, self.attn_norm, blocked=True)
-    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps, row_layout(self.w_qkv)) \
-        if self.recompute_rows else self._inverse_rms(x)
-    projected = (product * scale).cast(dtypes.float32).contiguous()
+    if self.recompute_rows:
+      product = self._linear(x, self.w_qkv, self.attn_norm, blocked=True)
+      product = product * inverse_rms_per_output(x, product.shape[-1], config.norm_eps, row_layout(self.w_qkv))
+    else:
+      product = self._linear(self._normed(x, self.attn_norm), self.w_qkv, blocked=True)
+    projected = product.cast(dtypes.float32).contiguous()
     projected = projected.reshape(batch, length, -1, head_dim)
     cos, sin = cos.reshape(batch, length, 1, head_dim), sin.reshape(batch, length, 1, head_dim)  # one row per sequence
     q = rotate_pairs(projected[:, :, :heads], cos, sin)
@@ -278,13 +288,17 @@ class LlamaBlock:
     one_token = x.shape[1] == 1
     one_token_gpu = one_token and self.recompute_rows
     x = x + self._linear(attended, self.wo, blocked=one_token)
-    product = self._linear(x, self.w_gate_up, self.ffn_norm, one_token)
     # one token on a GPU: the norm's scale recomputed inside the product's kernel (the scaled product stored for the
-    # down projection); else one scale per row (a kernel of its own), applied on the down projection's loads
+    # down projection); one token on a CPU: the normalized row stored first (`_normed`); else one scale per row (a
+    # kernel of its own), applied on the down projection's loads
+    if one_token and not self.recompute_rows:
+      product = self._linear(self._normed(x, self.ffn_norm), self.w_gate_up, blocked=True)
+    else:
+      product = self._linear(x, self.w_gate_up, self.ffn_norm, one_token)
     if one_token_gpu:
       scale = inverse_rms_per_output(x, product.shape[-1], self.config.norm_eps, row_layout(self.w_gate_up))
       product = (product * scale).contiguous()
-    else:
+    elif not one_token:
       product = product * self._inverse_rms(x)
     gate, up = product.chunk(2, dim=-1)
     hidden = gate.silu() * up
@@ -475,7 +489,7 @@ class Llama:
     # final norm's row kernel, which would otherwise refuse the product's reduce and leave the add a kernel of its own
     x = x.contiguous()[:, -1, :]
     if not self.blocks[0].recompute_rows:
-      return LlamaBlock._linear(rms_norm(x, self.norm, self.config.norm_eps), self.output, blocked=True)
+      return LlamaBlock._linear(rms_norm(x, self.norm, self.config.norm_eps).contiguous(), self.output, blocked=True)
     # a GPU: the final norm's scale recomputed beside each logit (one kernel, not a norm kernel before the product)
     logits = LlamaBlock._linear(x * self.norm, self.output, blocked=True)
     return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps, row_layout(self.output))
