@@ -46,3 +46,13 @@ def cpu_streams_rows(renderer: Any, reduces: Sequence[LazyOp], leaves: Sequence[
     strides = st.real_strides()
     if strides[reduce_axes[-1]] == 1 and all(strides[axis] not in (0, None) for axis in output_axes): return True
   return False
+
+
+def streamed_row_axes(kernel: Any) -> tuple[int, ...] | None:
+  """The row axes (its reduce axes, last in its loop shape) that make a Kernel with no opts yet a streamed row kernel,
+  or None: the heuristic's first choice (Kernel.hand_coded_optimizations). Explicit opts and BEAM keep the loop nest,
+  as do kernels whose loop nest another plan extends (`may_stream_rows`: a split reduce's last block)."""
+  if not kernel.may_stream_rows or kernel.applied_opts: return None
+  reduce_axes = tuple(range(kernel.first_reduce, kernel.shape_len))
+  if not cpu_streams_rows(kernel.renderer, kernel.reduceops, kernel.leaves, kernel.sts, reduce_axes): return None
+  return reduce_axes
