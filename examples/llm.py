@@ -14,7 +14,8 @@ extra/models/generate.py the template and sampling.
 Weights (`--dtype`): "stored" keeps them as the file stores them: Q4_1/Q8_0/Q4_0/Q6_K blocks stay packed on the
 device and are dequantized inside the matrix-vector kernels (4-8x fewer bytes a token than float32); "float32",
 "float16" or "bfloat16" dequantize them once at load. "auto" (default): float32 on the CPU devices (the packed
-kernels there are bound by the dequantizing arithmetic, not by memory: float32 decodes faster today), else stored.
+kernels there, SIMD lanes since session 12, are still bound by the dequantizing arithmetic: 19.6 ms of one core a
+token against float32's 18.0 on the 2-core dev box, extra/bench/results/bench_models_cpu_s12.txt), else stored.
 
 The first run compiles every kernel (cached on disk: later runs start at once); a status line counts the seconds
 and kernels meanwhile. Decode steps run through one TinyJit capture with the position as a symbolic Variable

@@ -12,8 +12,9 @@ Two views of the same captured kernels:
 
     python extra/bench/profile_models.py --workload prefill [--prefill 512]
     python extra/bench/profile_models.py --workload minilm
-    python extra/bench/profile_models.py --workload decode [--sequences 8] [--weights bfloat16|q8_0]
-Without a GPU, `--device CLANG` runs the same (slowly, with `--layers 2` for a smoke test).
+    python extra/bench/profile_models.py --workload decode [--sequences 8] [--weights bfloat16|q8_0|stored]
+Without a GPU, `--device CLANG` runs the same (slowly, with `--layers 2` for a smoke test); on a shared CPU
+`OMP_NUM_THREADS=1 ... --device CLANG --cpu-time` gives per-kernel figures the other jobs do not change.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from ourgrad.nn.state import load_state_dict  # noqa: E402
 
 from extra.models.bert import BertEncoder  # noqa: E402
 
+from extra.models.generate import smollm2_path  # noqa: E402
 from extra.models.llama import Llama, cast_weights  # noqa: E402
 
 
@@ -60,12 +62,21 @@ def replay_items(jit: TinyJit) -> list[ExecItem]:
   return jit.captured.items
 
 
-def per_kernel_table(items: list[ExecItem], repeats: int) -> None:
-  """Launch each captured item alone `repeats` times (median device time) and print the table grouped by name."""
+def thread_seconds(item: ExecItem) -> float:
+  """The CPU time of this thread running `item` once (a host kernel runs on the calling thread; with
+  OMP_NUM_THREADS=1 that is all of it): unlike wall time, the same on a CPU that other jobs share."""
+  started = time.thread_time()
+  item.run(wait=True)
+  return time.thread_time() - started
+
+
+def per_kernel_table(items: list[ExecItem], repeats: int, cpu_time: bool = False) -> None:
+  """Launch each captured item alone `repeats` times (median device time, or this thread's CPU time with
+  `cpu_time`) and print the table grouped by name."""
   groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"launches": 0, "seconds": 0.0, "ops": 0, "bytes": 0})
   order: list[str] = []
   for item in items:
-    times = [item.run(wait=True) or 0.0 for _ in range(repeats)]
+    times = [thread_seconds(item) if cpu_time else item.run(wait=True) or 0.0 for _ in range(repeats)]
     runner = item.runner
     name = runner.name if isinstance(runner, CompiledRunner) else type(runner).__name__
     if name not in groups:
@@ -116,9 +127,8 @@ def prefill_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], An
   return model.prefill_jit_for(0, args.prefill), call
 
 
-def decode_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any]]:
-  """One jitted SmolLM2 decode step (fixed shapes) of `--sequences` sequences, weights as `--weights` (float32,
-  bfloat16, float16, or q8_0: every matrix quantized to Q8_0, kept packed), the cache of `--context` slots."""
+def random_weight_llama(args: argparse.Namespace) -> Llama:
+  """SmolLM2's shapes with random weights kept as `--weights` says (float32, bfloat16, float16 or q8_0)."""
   config = dataclasses.replace(SMOLLM2_135M, n_layers=args.layers or SMOLLM2_135M.n_layers)
   host = random_llama_weights(config)
   weights: dict[str, Any] = {name: Tensor(value, device=args.device) for name, value in host.items()}
@@ -128,8 +138,18 @@ def decode_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any
     weights = {name: PackedTensor.from_blocks(GGML_Q8_0, Tensor(quantize_q8_0(value), device=args.device),
                                               value.shape) if value.ndim == 2 else weights[name]
                for name, value in host.items()}
-  model = Llama(config, weights, max_context=args.context, symbolic=False, packed=args.weights == "q8_0",
-                sequences=args.sequences)
+  return Llama(config, weights, max_context=args.context, symbolic=False, packed=args.weights == "q8_0",
+               sequences=args.sequences)
+
+
+def decode_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any]]:
+  """One jitted SmolLM2 decode step (fixed shapes) of `--sequences` sequences, weights as `--weights` (float32,
+  bfloat16, float16, or q8_0: every matrix quantized to Q8_0, kept packed), the cache of `--context` slots."""
+  if args.weights == "stored":
+    model, _ = Llama.from_gguf(smollm2_path(), args.context, args.device, symbolic=False, dtype="stored",
+                               sequences=args.sequences)
+  else:
+    model = random_weight_llama(args)
   tokens, positions = [5] * args.sequences, [8] * args.sequences
 
   def call() -> Any: return model.decode(tokens, positions).numpy()
@@ -161,8 +181,11 @@ def main() -> None:
   parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill")
   parser.add_argument("--batch", type=int, default=64, help="MiniLM sentences per batch (32 tokens each)")
   parser.add_argument("--sequences", type=int, default=1, help="decode: sequences decoded together")
-  parser.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "float16", "q8_0"),
-                      help="decode: how the weight matrices are kept")
+  parser.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "float16", "q8_0", "stored"),
+                      help="decode: how the weight matrices are kept (stored: the installed SmolLM2 GGUF's own "
+                           "Q4_1/Q8_0 blocks, packed; the others random weights)")
+  parser.add_argument("--cpu-time", action="store_true", help="per-kernel table in this thread's CPU time (a host "
+                      "device with OMP_NUM_THREADS=1: figures that other jobs on a shared CPU do not change)")
   parser.add_argument("--context", type=int, default=520, help="decode: cache slots (bench_models.py's 520)")
   parser.add_argument("--layers", type=int, default=0, help="fewer layers (a smoke test); 0: the model's")
   parser.add_argument("--repeats", type=int, default=5, help="launches per kernel for the per-kernel table")
@@ -174,7 +197,7 @@ def main() -> None:
   jit, call = workloads[args.workload](args)
   seconds = profiled_replay(args.device, call)
   print(f"{args.workload} on {args.device}: one replay {seconds * 1e3:.3f} ms (host, to the result on the host)")
-  if not args.no_table: per_kernel_table(replay_items(jit), args.repeats)
+  if not args.no_table: per_kernel_table(replay_items(jit), args.repeats, args.cpu_time)
 
 
 if __name__ == "__main__":

@@ -226,12 +226,20 @@ class LlamaBlock:
     kernel (on the input it would be a kernel of its own). A packed weight's dequantization is built afresh for each
     graph: a lazy tensor kept between calls would be stored as float32 by the first kernel that realizes it (a
     prefill) and then read as float32 by every later one. `blocked`: a packed weight's product block by block
-    (`PackedTensor.linear`: its bytes read side by side), for the matrix-vector products of a GPU decode step; a
+    (`PackedTensor.linear`: its bytes read side by side), for the matrix-vector products of a decode step; a
     prefill's matrix product keeps the (n, k) values, which the scheduler stores once for the tiled matmul."""
     if blocked and isinstance(weight, PackedTensor): return weight.linear(x, norm)
     return x.linear(as_tensor(weight) if norm is None else as_tensor(weight) * norm)
 
   def _inverse_rms(self, x: Tensor) -> Tensor: return inverse_rms(x, self.config.norm_eps)
+
+  def _normed(self, x: Tensor, norm: Tensor | None) -> Tensor:
+    """rms_norm(x) times the norm weight (packed weights; else it is folded into the matrix), stored: one row kernel
+    for a CPU decode step, whose products then read each normalized value once per output row as a plain load (fused
+    into a product the norm and its weight were two loads and two multiplies more per weight, in a kernel whose
+    speed is its arithmetic)."""
+    normed = x * self._inverse_rms(x)
+    return (normed if norm is None else normed * norm).contiguous()
 
   def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
     """q (1, B, heads, hd) of x (1, B, dim), rotated, after writing the rotated K and the V of its rows to the cache
@@ -261,10 +269,12 @@ class LlamaBlock:
     heads, head_dim = config.n_heads, config.head_dim
     # stored (two kernels read it), as float32 (a bfloat16 product's values, widened): the rotations read it per slot
     # (K, V) and per score (q) as a plain load, where a cast would make q's rotation too costly to recompute
-    product = self._linear(x, self.w_qkv, self.attn_norm, self.recompute_rows)
-    scale = inverse_rms_per_output(x, product.shape[-1], config.norm_eps, row_layout(self.w_qkv)) \
-        if self.recompute_rows else self._inverse_rms(x)
-    projected = (product * scale).cast(dtypes.float32).contiguous()
+    if self.recompute_rows:
+      product = self._linear(x, self.w_qkv, self.attn_norm, blocked=True)
+      product = product * inverse_rms_per_output(x, product.shape[-1], config.norm_eps, row_layout(self.w_qkv))
+    else:
+      product = self._linear(self._normed(x, self.attn_norm), self.w_qkv, blocked=True)
+    projected = product.cast(dtypes.float32).contiguous()
     projected = projected.reshape(batch, length, -1, head_dim)
     cos, sin = cos.reshape(batch, length, 1, head_dim), sin.reshape(batch, length, 1, head_dim)  # one row per sequence
     q = rotate_pairs(projected[:, :, :heads], cos, sin)
@@ -275,22 +285,30 @@ class LlamaBlock:
 
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
-    one_token_gpu = x.shape[1] == 1 and self.recompute_rows
-    x = x + self._linear(attended, self.wo, blocked=one_token_gpu)
-    product = self._linear(x, self.w_gate_up, self.ffn_norm, one_token_gpu)
+    one_token = x.shape[1] == 1
+    one_token_gpu = one_token and self.recompute_rows
+    x = x + self._linear(attended, self.wo, blocked=one_token)
     # one token on a GPU: the norm's scale recomputed inside the product's kernel (the scaled product stored for the
-    # down projection); else one scale per row (a kernel of its own), applied on the down projection's loads
+    # down projection); one token on a CPU: the normalized row stored first (`_normed`); else one scale per row (a
+    # kernel of its own), applied on the down projection's loads
+    if one_token and not self.recompute_rows:
+      product = self._linear(self._normed(x, self.ffn_norm), self.w_gate_up, blocked=True)
+    else:
+      product = self._linear(x, self.w_gate_up, self.ffn_norm, one_token)
     if one_token_gpu:
       scale = inverse_rms_per_output(x, product.shape[-1], self.config.norm_eps, row_layout(self.w_gate_up))
       product = (product * scale).contiguous()
-    else:
+    elif not one_token:
       product = product * self._inverse_rms(x)
     gate, up = product.chunk(2, dim=-1)
     hidden = gate.silu() * up
     # several rows: the SwiGLU product in a buffer of its own. Fused into the down projection's loads it was
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
-    if x.shape[1] > 1: hidden = hidden.contiguous()
-    return x + self._linear(hidden, self.w_down, blocked=one_token_gpu)
+    # One token on a CPU: stored too. The scheduler fuses math on reduce results as a per-row value (free in a row
+    # kernel), but here the down projection reads each element once per output row: exp2 and a division 576 times
+    # over (a third of a CPU decode step's time, measured with Q4_1 weights).
+    if x.shape[1] > 1 or not self.recompute_rows: hidden = hidden.contiguous()
+    return x + self._linear(hidden, self.w_down, blocked=one_token)
 
   def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor,
                sequence: Tensor) -> Tensor:
@@ -473,7 +491,7 @@ class Llama:
     # final norm's row kernel, which would otherwise refuse the product's reduce and leave the add a kernel of its own
     x = x.contiguous()[:, -1, :]
     if not self.blocks[0].recompute_rows:
-      return rms_norm(x, self.norm, self.config.norm_eps).linear(as_tensor(self.output))
+      return LlamaBlock._linear(rms_norm(x, self.norm, self.config.norm_eps).contiguous(), self.output, blocked=True)
     # a GPU: the final norm's scale recomputed beside each logit (one kernel, not a norm kernel before the product)
     logits = LlamaBlock._linear(x * self.norm, self.output, blocked=True)
     return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps, row_layout(self.output))

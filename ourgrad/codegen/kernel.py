@@ -36,6 +36,7 @@ from ourgrad.codegen.shared_tiles import (SHARED_ASYNC, SHARED_ASYNC_MAX_STAGES,
                                          SKEW_ROWS, SharedStructure, SharedTileLayout, decode_shared_amount)
 from ourgrad.codegen.matmul_operands import (is_plain_load, matmul_operands, operand_leaves,  # noqa: F401
                                             varying_axes)
+from ourgrad.codegen.streamed_rows import streamed_row_axes
 from ourgrad.codegen.tensor_core_layout import AppliedTensorCore, TileLayout, tensor_core_operands, tensor_core_tiles
 from ourgrad.codegen.tensor_cores import WARP_LANES
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, WgmmaTile, plan_for_kernel
@@ -99,6 +100,10 @@ def _final_reduces(reduces: list[LazyOp], rank: int) -> list[LazyOp]:
 
 class Kernel(SharedTileLayout):
   """Shape reasoning over all buffers of one AST, and the Opts that reshape its loop nest."""
+
+  # the heuristic may make a streamed reduce a CPU row kernel (codegen/streamed_rows.py); not a kernel whose loop nest
+  # another plan extends (a split reduce's last block)
+  may_stream_rows = True
 
   def __init__(self, ast: LazyOp, renderer: Any):
     self.ast, self.renderer = ast, renderer
@@ -656,6 +661,8 @@ class Kernel(SharedTileLayout):
   def hand_coded_optimizations(self) -> None:
     """Apply the default heuristic for this device (codegen/opt/heuristic.py)."""
     from ourgrad.codegen.opt.heuristic import hand_coded_optimizations  # the heuristic module builds on Kernel
+    if self.row_axes is not None: return
+    self.row_axes = streamed_row_axes(self)   # a matrix-vector product's sum in SIMD lanes on a CPU
     if self.row_axes is None: hand_coded_optimizations(self)
 
   def try_opt(self, opt: Opt) -> bool:

@@ -308,6 +308,7 @@ def _finish_store(builder: UOpBuilder, clone: _Cloner, store: PartialStore, plan
 class SplitReduceKernel(Kernel):
   """A SPLIT_REDUCE AST's kernel: the first kernel's Kernel (its opts apply as usual) whose linearize appends the
   last block's finish. Buffers: 0 the partials, 1 the outputs, then the first kernel's inputs, then the counters."""
+  may_stream_rows = False   # the finish extends the first kernel's loop nest
 
   def __init__(self, ast: LazyOp, renderer: Any):
     if ast.op is not Ops.SPLIT_REDUCE:

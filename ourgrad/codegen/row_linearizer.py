@@ -42,9 +42,10 @@ PERSISTENT_UNITS = 8
 # this many bytes a row (per thread; they stay in L1/L2).
 MAX_KEPT_BYTES = 64 * 1024
 TRANSCENDENTAL_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT})
-# ops whose integer results never wrap around (CPU lanes compile without -fwrapv)
+# ops whose integer results never wrap around (CPU lanes compile without -fwrapv); a right shift only drops bits (the
+# nibbles of a Q4 block)
 _NO_WRAP_OPS = frozenset({Ops.LOAD, Ops.CONST, Ops.CAST, Ops.BITCAST, Ops.STORE, Ops.SINK, Ops.MAX, Ops.CMPLT,
-                          Ops.CMPNE, Ops.WHERE, Ops.AND, Ops.OR, Ops.XOR})
+                          Ops.CMPNE, Ops.WHERE, Ops.AND, Ops.OR, Ops.XOR, Ops.SHR})
 # The smallest block a row gets when the row has that many units: enough threads in flight per SM for short rows.
 MIN_ROW_THREADS = 128
 

@@ -1,0 +1,117 @@
+"""Streamed reduces on the CPU (codegen/streamed_rows.py): a matrix-vector product, packed (Q4_1, Q8_0: dequantized
+in registers) or float32, and a long row sum run as row kernels whose sums are SIMD lanes, matching numpy; a product
+that reuses its weights (several rows of x) keeps the loop nest's register tiles; and a kernel split over OpenMP's
+threads gives the bytes it gives on one thread (each output is computed by one thread, in the same order)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ourgrad import Device, GlobalCounters, Tensor
+from ourgrad.codegen.kernel import Kernel
+from ourgrad.codegen.linearizer import linearize
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.nn.gguf import GGML_Q4_1, GGML_Q8_0, PackedTensor
+from ourgrad.ops import Ops
+
+from test_gguf_packed import BLOCK, numpy_dequantize, random_blocks
+
+RENDERER = Device[Device.DEFAULT].renderer
+pytestmark = pytest.mark.skipif(RENDERER.has_threads or not RENDERER.has_stack_arrays,
+                                reason="streamed rows are a CPU renderer's (C loops with stack arrays)")
+
+
+def _sources(tensor: Tensor) -> list[str]:
+  """The C source of every kernel computing `tensor` with the default heuristic (consumes the graph)."""
+  sources = []
+  for item in create_schedule([tensor.lazydata]):
+    if item.ast.op is Ops.COPY: continue
+    kernel = Kernel(item.ast, RENDERER)
+    kernel.hand_coded_optimizations()
+    sources.append(RENDERER.render("k", linearize(kernel)))
+  return sources
+
+
+def _in_lanes(source: str) -> bool:
+  """A row kernel whose reduce runs in SIMD lanes: an accumulator array and an `omp simd` loop over the lanes."""
+  return "lane_acc0[" in source and "#pragma omp simd" in source
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q8_0], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_packed_matvec_in_lanes_matches_numpy(ggml_type: int, rows: int) -> None:
+  """One row of x times a packed matrix of an odd row count, block by block (a decode step's form, with a norm
+  weight on the columns): one kernel reading the packed bytes, its sum in lanes, numpy's dequantization's product."""
+  columns = 8 * BLOCK[ggml_type][0]
+  rng = np.random.default_rng(rows + ggml_type)
+  raw = random_blocks(ggml_type, rows * columns // BLOCK[ggml_type][0], rng)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
+  x_np = rng.standard_normal((1, 1, columns)).astype(np.float32)
+  scale_np = rng.uniform(0.5, 1.5, columns).astype(np.float32)
+  x, scale = Tensor(x_np).realize(), Tensor(scale_np).realize()
+  assert _in_lanes(_sources(packed.linear(x, scale))[-1])
+  GlobalCounters.reset()
+  out = packed.linear(x, scale).realize()
+  # fewer bytes than the float32 matrix and the three vectors would be
+  assert GlobalCounters.kernel_count == 1 and GlobalCounters.global_mem < (rows * columns + 2 * columns + rows) * 4
+  expected = x_np @ (numpy_dequantize(ggml_type, raw).reshape(rows, columns) * scale_np).T
+  np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("rows, columns", [(33, 576), (7, 1000)])
+def test_float_matvec_in_lanes_matches_numpy(rows: int, columns: int) -> None:
+  """A float32 matrix-vector product (odd rows; 1000 columns: lanes of what divides them) and its max reduce."""
+  rng = np.random.default_rng(rows)
+  w_np, x_np = rng.standard_normal((rows, columns)).astype(np.float32), rng.standard_normal(columns).astype(np.float32)
+  w, x = Tensor(w_np).realize(), Tensor(x_np).realize()
+  sources = _sources(w @ x)
+  lanes = RENDERER.vector_bytes // 4
+  assert _in_lanes(sources[-1]) == (columns % lanes == 0)
+  np.testing.assert_allclose((w @ x).numpy(), w_np @ x_np, rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal((w * x).max(1).numpy(), (w_np * x_np).max(1))
+
+
+def test_row_sum_in_lanes_and_short_rows_not() -> None:
+  """A sum over long contiguous rows is streamed; rows shorter than STREAMED_ROW_VECTORS vectors are not."""
+  rng = np.random.default_rng(3)
+  long_np = rng.standard_normal((5, 4096)).astype(np.float32)
+  short_np = rng.standard_normal((64, 48)).astype(np.float32)
+  assert _in_lanes(_sources(Tensor(long_np).sum(1))[-1])
+  assert not _in_lanes(_sources(Tensor(short_np).sum(1))[-1])
+  np.testing.assert_allclose(Tensor(long_np).sum(1).numpy(), long_np.sum(1, dtype=np.float64), rtol=1e-5, atol=1e-3)
+
+
+def test_reused_weights_keep_register_tiles() -> None:
+  """Eight rows of x read every weight eight times (a batched decode step, a matmul): no streamed row kernel."""
+  rng = np.random.default_rng(4)
+  w_np, x_np = rng.standard_normal((40, 256)).astype(np.float32), rng.standard_normal((8, 256)).astype(np.float32)
+  w, x = Tensor(w_np).realize(), Tensor(x_np).realize()
+  assert not _in_lanes(_sources(x @ w.T)[-1])
+  np.testing.assert_allclose((x @ w.T).numpy(), x_np @ w_np.T, rtol=1e-5, atol=1e-4)
+
+
+THREADED_SCRIPT = """
+import numpy as np, sys
+from ourgrad import Tensor
+rng = np.random.default_rng(0)
+w, x = rng.standard_normal((3072, 576)).astype(np.float32), rng.standard_normal(576).astype(np.float32)
+a = rng.standard_normal(1 << 20).astype(np.float32)
+product = (Tensor(w) @ Tensor(x)).numpy()
+elementwise = (Tensor(a).exp() * 3 + 1).numpy()
+sys.stdout.buffer.write(product.tobytes() + elementwise.tobytes())
+"""
+
+
+def test_threads_give_the_single_thread_bytes() -> None:
+  """A matrix-vector product and an elementwise kernel, each large enough to run its outer loop on OpenMP's
+  threads, give the same bytes with OMP_NUM_THREADS=1 and 2: a thread owns whole outputs (rows), and a row's sum
+  runs in the same lane order whichever thread computes it."""
+  def run(threads: int) -> bytes:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return subprocess.run([sys.executable, "-c", THREADED_SCRIPT], env=env, capture_output=True, check=True).stdout
+  one, two = run(1), run(2)
+  assert len(one) == 4 * (3072 + (1 << 20)) and one == two
