@@ -186,7 +186,8 @@ def test_mnist_conv_kernel_choices() -> None:
     #                                                           channels, the window unrolled, 2 input channels a step
     "r_32_32_16_5_5_8_8_8": "r_32_2_4_4_4_5_4_8_2_5_4_8",     # weight gradient, 32 parts of 8 images: filter rows,
     #                                                           5 x 4 cin x 4 cout threads x 4 GROUP image rows
-    "r_12800_32": "r_100_128_8_4",                            # the parts summed
+    "r_12800_32": "r_400_32_8_4",                             # the parts summed (32 rows of 32 GROUP threads a
+    #                                                           block, decode branch's few-output rule, session 12)
     "r_256_16_12_12_32_5_5": "r_128_3_4_2_4_3_2_8_4_4_2_5_5",  # input gradient: halo tile over the unpadded
     #                                                           gradient, 4 rows x 12 pixels of 2 images x 16 channels,
     #                                                           the 32 output-gradient channels over 2 GROUP threads
