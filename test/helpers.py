@@ -119,6 +119,23 @@ def nvrtc_compiler() -> Any:
     return None
 
 
+def run_on_python_checking_cuda(kernel: Any, item: Any, nvrtc: Any) -> np.ndarray:
+  """The output of schedule item `item` computed by `kernel` (its opts applied) on the PYTHON device, after the same
+  kernel lowered for CUDA compiled with `nvrtc` (`nvrtc_compiler()`; None: no CUDA check here)."""
+  from ourgrad.codegen.kernel import Kernel
+  from ourgrad.codegen.linearizer import linearize
+  from ourgrad.device import Buffer
+  from ourgrad.engine.realize import compile_kernel
+  from ourgrad.renderer.cuda import CUDARenderer
+  if nvrtc is not None:
+    cuda = Kernel(kernel.ast, CUDARenderer())
+    nvrtc.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
+  runner = compile_kernel(kernel, "PYTHON")
+  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
+  runner((output,) + item.inputs)
+  return output.numpy()
+
+
 def ourgrad_dtype_of(torch_dtype: torch.dtype) -> DType:
   """The ourgrad dtype matching a torch dtype."""
   return OURGRAD_DTYPES[torch_dtype]

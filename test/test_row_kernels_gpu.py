@@ -21,15 +21,14 @@ from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.row_linearizer import PERSISTENT_UNITS, row_block_threads, row_sharing
 from ourgrad.codegen.uops import UOps, launch_dims
-from ourgrad.device import Buffer
-from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.helpers import GlobalCounters
 from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from helpers import ROW_NORMALIZATIONS, device_opens, nvrtc_compiler
+from helpers import ROW_NORMALIZATIONS, device_opens, nvrtc_compiler, run_on_python_checking_cuda
 
 
 NVRTC = nvrtc_compiler()
@@ -71,14 +70,7 @@ def _row_item(out: Tensor) -> ScheduleItem:
   return item
 
 
-def _run(kernel: Kernel, item: ScheduleItem) -> np.ndarray:
-  if NVRTC is not None:
-    cuda = Kernel(kernel.ast, CUDARenderer())
-    NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
-  runner = compile_kernel(kernel, "PYTHON")
-  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
-  runner((output,) + item.inputs)
-  return output.numpy()
+def _run(kernel: Kernel, item: ScheduleItem) -> np.ndarray: return run_on_python_checking_cuda(kernel, item, NVRTC)
 
 
 @pytest.mark.parametrize("renderer", sorted(RENDERERS))

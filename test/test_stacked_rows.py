@@ -16,15 +16,14 @@ from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.uops import UOps, launch_dims
-from ourgrad.device import Buffer
-from ourgrad.engine.realize import compile_kernel, run_schedule
+from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
 from extra.models.llama import inverse_rms_per_output, softmax_weighted_sum
-from helpers import nvrtc_compiler
+from helpers import nvrtc_compiler, run_on_python_checking_cuda
 
 NVRTC = nvrtc_compiler()
 RENDERERS = {"emulate_cuda": lambda: PythonRenderer("CUDA"), "python": lambda: PythonRenderer()}
@@ -43,14 +42,7 @@ def _kernel_item(out: Tensor) -> ScheduleItem:
   return schedule[-1]
 
 
-def _run(kernel: Kernel, item: ScheduleItem) -> np.ndarray:
-  if NVRTC is not None:
-    cuda = Kernel(kernel.ast, CUDARenderer())
-    NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
-  runner = compile_kernel(kernel, "PYTHON")
-  output = Buffer("PYTHON", item.outputs[0].size, item.outputs[0].dtype).allocate()
-  runner((output,) + item.inputs)
-  return output.numpy()
+def _run(kernel: Kernel, item: ScheduleItem) -> np.ndarray: return run_on_python_checking_cuda(kernel, item, NVRTC)
 
 
 def _normed_product(sequences: int, outputs: int, length: int) -> tuple[Tensor, np.ndarray, np.ndarray]:
