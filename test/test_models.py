@@ -606,6 +606,14 @@ def test_embed_command_line() -> None:
   np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
 
 
+def _prefilled_tiny_llama(weights: dict[str, np.ndarray], prompts: list[list[int]]) -> Llama:
+  """A fixed-shape TINY Llama of one decode slot per prompt, each prompt prefilled at position 0 in its slot."""
+  built = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False,
+                sequences=len(prompts))
+  for row, prompt in enumerate(prompts): built(Tensor([prompt], dtype=dtypes.int32), 0, sequence=row).numpy()
+  return built
+
+
 @pytest.mark.parametrize("sequences", [1, 3])
 def test_llama_greedy_decode_is_the_logits_argmax(sequences: int, _no_cuda_render_check) -> None:
   """`decode_greedy` (the argmax taken on the device, ids read back) gives the argmax of `decode`'s logits at every
@@ -614,12 +622,7 @@ def test_llama_greedy_decode_is_the_logits_argmax(sequences: int, _no_cuda_rende
   weights = _tiny_weights(TINY, seed=11)
   prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]][:sequences]
 
-  def model() -> Llama:
-    built = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False,
-                  sequences=sequences)
-    for row, prompt in enumerate(prompts): built(Tensor([prompt], dtype=dtypes.int32), 0, sequence=row).numpy()
-    return built
-  with_logits, greedy = model(), model()
+  with_logits, greedy = _prefilled_tiny_llama(weights, prompts), _prefilled_tiny_llama(weights, prompts)
   tokens = [prompt[-1] for prompt in prompts]
   for step in range(4):
     positions = [len(prompt) + step for prompt in prompts]
@@ -645,12 +648,7 @@ def test_llama_generate_greedy_feeds_back_on_the_device(sequences: int, _no_cuda
   weights = _tiny_weights(TINY, seed=13)
   prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]][:sequences]
 
-  def model() -> Llama:
-    built = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=False,
-                  sequences=sequences)
-    for row, prompt in enumerate(prompts): built(Tensor([prompt], dtype=dtypes.int32), 0, sequence=row).numpy()
-    return built
-  stepped, resident = model(), model()
+  stepped, resident = _prefilled_tiny_llama(weights, prompts), _prefilled_tiny_llama(weights, prompts)
   tokens, positions = [prompt[-1] for prompt in prompts], [len(prompt) - 1 for prompt in prompts]
   expected: list[list[int]] = [[] for _ in prompts]
   for step in range(5):
