@@ -173,7 +173,15 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
                           "alignas(16) unsigned char shared_bytes[1 << 18];")
   arguments = ", ".join(f"({ARGUMENT_TYPES[name]}*)buffers[{index}].data()"
                         for index, name in enumerate(launch.arguments))
-  return PRELUDE + source + f"""
+  return PRELUDE + source + host_main(f"{launch.name}({arguments})", launch.block[0], (*launch.grid[:2], 1))
+
+
+def host_main(call: str, threads: int, grid: tuple[int, int, int], written: int | None = None) -> str:
+  """A C++ main() that reads the kernel's buffers from the files named on its command line, runs `call` (the kernel
+  on `buffers`) for every block of `grid`, one host thread per CUDA thread of `threads`, and writes the first
+  `written` buffers (all: None) back to their files."""
+  grid_x, grid_y, grid_z = grid
+  return f"""
 int main(int argc, char** argv) {{
   std::vector<std::vector<unsigned char>> buffers;
   for (int index = 1; index < argc; index++) {{
@@ -182,20 +190,20 @@ int main(int argc, char** argv) {{
     if (fread(buffers.back().data(), 1, size, file) != (size_t)size) return 1;
     fclose(file);
   }}
-  const int threads = {launch.block[0]};
+  const int threads = {threads};
   blockDim = Dim3{{threads, 1, 1}};
-  gridDim = Dim3{{{launch.grid[0]}, {launch.grid[1]}, 1}};
+  gridDim = Dim3{{{grid_x}, {grid_y}, {grid_z}}};
   block_barrier.count = threads;
   for (int warp = 0; warp < threads / 32; warp++) warp_barriers[warp].count = 32;
-  for (int y = 0; y < {launch.grid[1]}; y++) for (int x = 0; x < {launch.grid[0]}; x++) {{
+  for (int z = 0; z < {grid_z}; z++) for (int y = 0; y < {grid_y}; y++) for (int x = 0; x < {grid_x}; x++) {{
     std::vector<std::thread> workers;
     for (int t = 0; t < threads; t++) workers.emplace_back([&, t] {{
-      threadIdx = Dim3{{t, 0, 0}}; blockIdx = Dim3{{x, y, 0}};
-      {launch.name}({arguments});
+      threadIdx = Dim3{{t, 0, 0}}; blockIdx = Dim3{{x, y, z}};
+      {call};
     }});
     for (std::thread& worker : workers) worker.join();
   }}
-  for (int index = 1; index < argc; index++) {{
+  for (int index = 1; index < {"argc" if written is None else written + 1}; index++) {{
     FILE* file = fopen(argv[index], "r+b");
     fseek(file, 0, SEEK_END); long size = ftell(file); fseek(file, 0, SEEK_SET);
     fwrite(buffers[index - 1].data(), 1, size, file); fclose(file);

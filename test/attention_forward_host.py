@@ -16,7 +16,7 @@ import tempfile
 
 import numpy as np
 
-from attention_backward_host import HOST_CONVERSIONS, PACKED_OPERANDS, PRELUDE, host_compiler, host_mma
+from attention_backward_host import HOST_CONVERSIONS, PACKED_OPERANDS, PRELUDE, host_compiler, host_main, host_mma
 from ourgrad.codegen.attention import AttentionPlan, render_attention
 
 FORWARD_PRELUDE = r"""
@@ -72,34 +72,8 @@ def host_source(plan: AttentionPlan) -> str:
                           "alignas(16) unsigned char attention_shared[1 << 18];")
   storage = "float" if plan.dtype == "float32" else "unsigned short"
   arguments = ", ".join(f"({storage}*)buffers[{index}].data()" for index in range(4))
-  (grid_x, grid_y, grid_z), threads = plan.global_size, plan.threads
-  return PRELUDE + FORWARD_PRELUDE + source + f"""
-int main(int argc, char** argv) {{
-  std::vector<std::vector<unsigned char>> buffers;
-  for (int index = 1; index < argc; index++) {{
-    FILE* file = fopen(argv[index], "rb"); fseek(file, 0, SEEK_END); long size = ftell(file); fseek(file, 0, SEEK_SET);
-    buffers.emplace_back(size + 16);
-    if (fread(buffers.back().data(), 1, size, file) != (size_t)size) return 1;
-    fclose(file);
-  }}
-  blockDim = Dim3{{{threads}, 1, 1}};
-  gridDim = Dim3{{{grid_x}, {grid_y}, {grid_z}}};
-  block_barrier.count = {threads};
-  for (int warp = 0; warp < {threads // 32}; warp++) warp_barriers[warp].count = 32;
-  for (int z = 0; z < {grid_z}; z++) for (int y = 0; y < {grid_y}; y++) for (int x = 0; x < {grid_x}; x++) {{
-    std::vector<std::thread> workers;
-    for (int t = 0; t < {threads}; t++) workers.emplace_back([&, t] {{
-      threadIdx = Dim3{{t, 0, 0}}; blockIdx = Dim3{{x, y, z}};
-      attention({arguments});
-    }});
-    for (std::thread& worker : workers) worker.join();
-  }}
-  FILE* file = fopen(argv[1], "r+b");
-  fseek(file, 0, SEEK_END); long size = ftell(file); fseek(file, 0, SEEK_SET);
-  fwrite(buffers[0].data(), 1, size, file); fclose(file);
-  return 0;
-}}
-"""
+  return PRELUDE + FORWARD_PRELUDE + source + host_main(f"attention({arguments})", plan.threads, plan.global_size,
+                                                       written=1)
 
 
 def run_forward_on_host(plan: AttentionPlan, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
