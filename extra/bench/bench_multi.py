@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.dirname(os.path.abspath(__file__))]
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+from timing import synchronized_median_seconds  # noqa: E402  (beside this script)
 
 WARMUP, RUNS = 3, 10
 
@@ -43,14 +42,8 @@ def device_names(kind: str, count: int) -> list[str]:
 
 
 def median_time(step: Callable[[], None], sync: Callable[[], None]) -> float:
-  for _ in range(WARMUP): step(); sync()
-  times = []
-  for _ in range(RUNS):
-    start = time.perf_counter()
-    step()
-    sync()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  """Median seconds of RUNS synchronized steps after WARMUP (timing.synchronized_median_seconds)."""
+  return synchronized_median_seconds(step, sync, RUNS, WARMUP)
 
 
 # ---------------------------------------------------------------- ourgrad
