@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from ourgrad.codegen.integer_rows import IntegerTerms, integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
 from ourgrad.codegen.online_rows import RowPass, ShiftTerms, group_row_passes
@@ -123,6 +124,10 @@ class RowLinearizer(Linearizer):
     scratch = {id(node): build.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"kept{number}", self._row_length()))
                for number, (node, _) in enumerate(kept)}
     for number, reduce in enumerate(self._row_reduces()):
+      split = integer_terms(kernel, reduce) if not any(keeper is reduce for _, keeper in kept) else None
+      if split is not None:   # a quantized product: integer sums per block, then a float sum of the blocks
+        self.reduce_values[id(reduce)] = self._integer_row_sum(idxs, reduce, split, number)
+        continue
       accumulators = _Accumulators(self, reduce, number, lanes)
       loops = self._open_row_loops(idxs, f"ridx{number}_", lanes)
       for node, keeper in kept:   # computed once here, read back by the store pass
@@ -205,6 +210,47 @@ class RowLinearizer(Linearizer):
       for node in _post_order(root, stops):
         if id(node) not in stops: found[id(node)] = node
     return list(found.values())
+
+  def _integer_row_sum(self, idxs: list[Node], reduce: LazyOp, split: IntegerTerms, number: int) -> UOp:
+    """A row reduce split by codegen/integer_rows.py: a loop over the outer row axes; inside it an int32 accumulator
+    per integer term summed over the inner axes (the innermost an `omp simd` loop the C compiler turns into integer
+    dot products), then one float addition of the terms times their factors (computed at inner index 0: they do
+    not vary there) and of the invariant rest times the inner count. Returns the float accumulator."""
+    build, shape, dtype = self.builder, self.kernel.full_shape, reduce.dtype
+    total = build.add(UOps.DEFINE_ACC, dtype, (), reduce_identity(reduce.op, dtype))
+    outer = [axis for axis in self.kernel.row_axes or () if axis not in split.inner_axes]
+    outer_loops = [self._open_index_loop(idxs, axis, f"ridx{number}_", AxisType.REDUCE) for axis in outer]
+    sums = [build.add(UOps.DEFINE_ACC, dtypes.int32, (), 0) for _ in split.terms]
+    inner_loops = [self._open_index_loop(idxs, axis, f"ridx{number}_",
+                                         AxisType.UNROLL if axis == split.inner_axes[-1] else AxisType.REDUCE)
+                   for axis in split.inner_axes]
+    for accumulator, (term, _) in zip(sums, split.terms):
+      value = self.compute(term.srcs[0], idxs, None)
+      if value.dtype != dtypes.int32: value = build.add(UOps.CAST, dtypes.int32, (value,))
+      build.add(UOps.ACCUMULATE, dtypes.int32, (accumulator, value), Ops.ADD)
+    for loop in reversed(inner_loops): build.end_range(loop)
+    for axis in split.inner_axes: idxs[axis] = NumNode(0)
+    inner_count = math.prod(shape[axis] for axis in split.inner_axes)
+    count = build.const(float(inner_count), dtype)
+    parts = [(build.add(UOps.CAST, dtype, (accumulator,)), factors)
+             for accumulator, (_, factors) in zip(sums, split.terms)]
+    parts += [(build.alu(Ops.MUL, dtype, self.compute(core, idxs, None), count), factors)
+              for core, factors in split.rest]
+    block_value: UOp | None = None
+    for value, factors in parts:
+      for factor in factors: value = build.alu(Ops.MUL, dtype, value, self.compute(factor, idxs, None))
+      block_value = value if block_value is None else build.alu(Ops.ADD, dtype, block_value, value)
+    assert block_value is not None
+    build.add(UOps.ACCUMULATE, dtype, (total, block_value), Ops.ADD)
+    for loop in reversed(outer_loops): build.end_range(loop)
+    for axis in outer: idxs[axis] = NumNode(0)
+    return total
+
+  def _open_index_loop(self, idxs: list[Node], axis: int, prefix: str, kind: AxisType) -> UOp:
+    """A loop over all of `axis` (its index variable put in `idxs`)."""
+    size = self.kernel.full_shape[axis]
+    idxs[axis] = Variable(f"{prefix}{axis}", 0, size - 1)
+    return self._open_loop(f"{prefix}{axis}", size, kind)
 
   def _row_length(self) -> int: return math.prod(self.kernel.full_shape[axis] for axis in self.kernel.row_axes or ())
 

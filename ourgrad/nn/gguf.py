@@ -485,6 +485,28 @@ def quantize_q8_0(values: np.ndarray) -> np.ndarray:
   return out
 
 
+# The 8-bit blocks an activation is quantized to for integer products (PackedTensor.integer_linear): 32 values each.
+ACTIVATION_BLOCK = 32
+# formats whose blocks have integer quants an 8-bit activation block multiplies exactly (PackedTensor.integer_linear)
+INTEGER_PRODUCT_TYPES = (GGML_Q8_0, GGML_Q4_0, GGML_Q4_1)
+
+
+def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+  """x (rows, k) float, k a multiple of 32 -> its 8-bit blocks as llama.cpp quantizes the vector of a quantized
+  product (quantize_row_q8_1): per block of 32 values d = max |x| / 127, q = round(x / d) (halves away from zero) as
+  int8 (rows, k / 32, 32), d as float32 (rows, k / 32, 1) (llama.cpp rounds it to f16; kept here), and d times the
+  sum of q (rows, k / 32, 1) float32 (the term a block's offset multiplies: Q4_1's minimum, Q4_0's -8)."""
+  if x.ndim != 2 or x.shape[1] % ACTIVATION_BLOCK:
+    raise ShapeError(f"cannot quantize x of shape {x.shape} to blocks of {ACTIVATION_BLOCK}: expected (rows, k) with "
+                     f"k a multiple of {ACTIVATION_BLOCK}")
+  blocks = x.cast(dtypes.float32).reshape(x.shape[0], -1, ACTIVATION_BLOCK)
+  scale = blocks.abs().max(-1, keepdim=True) / 127
+  scaled = blocks * (scale != 0).where(1 / scale, 0.0)
+  # |scaled| <= 127 (plus rounding): the conversion truncates, so half away from zero is +-0.5 first
+  quants = (scaled + (scaled < 0).where(-0.5, 0.5)).cast(dtypes.int32).cast(dtypes.int8).contiguous()
+  return quants, scale, scale * quants.sum(-1, keepdim=True, dtype=dtypes.int32).cast(dtypes.float32)
+
+
 @dataclass(frozen=True)
 class PackedTensor:
   """A block-quantized tensor kept in its stored precision on a device (`gguf_load(..., packed=True)`): the blocks'
@@ -541,6 +563,37 @@ class PackedTensor:
     if column_scale is not None: values = values * column_scale.reshape(1, *layout)
     rows = x.reshape(-1, 1, *layout)   # (rows, 1, *layout): the loop shape (rows, n, *layout) of a row kernel's norm
     return (rows * values).sum(tuple(range(2, 2 + len(layout)))).reshape(*x.shape[:-1], self.shape[0])
+
+  def integer_linear(self, x: Tensor) -> Tensor:
+    """x @ values.T for this (n, k) Q8_0, Q4_0 or Q4_1 matrix and x (..., k) as llama.cpp computes it on a CPU: x
+    quantized to 8-bit blocks first (`quantize_activation`: its own small kernel), then per block of 32 the integer
+    sum of quants times quants (int8 x int8, or a nibble x int8) times the two blocks' scales, plus the block's
+    offset term (Q4_1: minimum x d_x x sum(q_x); Q4_0: -8 d x d_x x sum(q_x)). The product is one sum over (blocks,
+    lanes) whose per-block factors the CPU row kernel takes out of the lanes' integer sums
+    (codegen/integer_rows.py); x's rounding to 8 bits is the only change from `linear` (within the formats'
+    quantization error). The offset term, one per block, is spread over its 16 byte lanes (a power of two: exact)."""
+    if self.ggml_type not in INTEGER_PRODUCT_TYPES:
+      raise ValueError(f"integer products take {', '.join(GGML_TYPE_NAMES[t] for t in INTEGER_PRODUCT_TYPES)} "
+                       f"weights, not {self.type_name}")
+    if len(self.shape) != 2 or x.shape[-1] != self.shape[1]:
+      raise ShapeError(f"cannot multiply x of shape {x.shape} by a packed matrix of shape {self.shape} transposed")
+    outputs, blocks = self.shape[0], self.shape[1] // ACTIVATION_BLOCK
+    quants, scale, offset = quantize_activation(x.reshape(-1, self.shape[1]))
+    rows = quants.shape[0]
+    quants = quants.reshape(rows, 1, blocks, ACTIVATION_BLOCK).cast(dtypes.int32)
+    scales = self.scales.cast(dtypes.float32).reshape(1, outputs, blocks, -1)
+    factor = scales[..., 0:1] * scale.reshape(rows, 1, blocks, 1)
+    if self.ggml_type == GGML_Q8_0:
+      weights = self.blocks[:, 2:34].bitcast(dtypes.int8).reshape(1, outputs, blocks, 32).cast(dtypes.int32)
+      return ((weights * quants).cast(dtypes.float32) * factor).sum((2, 3)).reshape(*x.shape[:-1], outputs)
+    start = 4 if self.ggml_type == GGML_Q4_1 else 2
+    packed = self.blocks[:, start:start + 16].reshape(1, outputs, blocks, 16)
+    low, high = (packed & 0xF).cast(dtypes.int32), (packed >> 4).cast(dtypes.int32)
+    products = low * quants[..., :16] + high * quants[..., 16:]
+    offset = offset.reshape(rows, 1, blocks, 1)
+    offset = offset * (scales[..., 1:2] if self.ggml_type == GGML_Q4_1 else scales[..., 0:1] * -8.0)
+    terms = products.cast(dtypes.float32) * factor + offset * (1 / 16)
+    return terms.sum((2, 3)).reshape(*x.shape[:-1], outputs)
 
   def take_rows(self, index: Tensor) -> Tensor:
     """`self.dequantize()[index]` for an integer tensor `index` (an embedding lookup), reading and dequantizing only

@@ -1,0 +1,136 @@
+"""Integer inner sums in a CPU row kernel: a float SUM over a row whose value is, per element, integer values cast to
+float times factors that stay the same along the row's innermost axes (a quantized product: per block of 32, quants
+times quants times the two blocks' scales) is taken as a nested reduce: for each position of the outer row axes (a
+block), an exact integer sum of each integer value over the inner axes, then the float sum adds each integer sum
+once times its factors. `sum_b sum_i f_b * q_bi = sum_b f_b * (sum_i q_bi)` with the inner sums exact: the result
+differs from the flat float sum by rounding only (fewer roundings).
+
+The inner loop is an `omp simd` loop of plain integer additions (`acc += (int)nibble * (int)x`), the form C compilers
+turn into SIMD integer dot products at any -march (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddubsw`/`vpmaddwd`, SSE
+`pmaddwd`): an integer sum may be reordered freely, where a float one keeps its order and needs lanes of its own.
+An integer value is taken only where its range (from its loads' dtypes through casts, shifts, masks, products and
+sums) times the inner count fits an int32: the sums never wrap (lanes compile without -fwrapv).
+
+Main entry: `integer_terms(kernel, reduce)` gives the split (`IntegerTerms`) or None; RowLinearizer lowers it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ourgrad.dtype import dtypes
+from ourgrad.ops import LazyOp, Ops
+
+INT32_LIMIT = 2 ** 31 - 1
+
+
+@dataclass(frozen=True)
+class IntegerTerms:
+  """A row reduce's value split along its `inner_axes` (the innermost row axes): sum over them of each of `terms`
+  (an integer node, summed exactly) times its factors, plus each of `rest` (nodes invariant along the inner axes,
+  added inner-count times) times its factors. Factors are float nodes invariant along the inner axes."""
+  terms: tuple[tuple[LazyOp, tuple[LazyOp, ...]], ...]
+  rest: tuple[tuple[LazyOp, tuple[LazyOp, ...]], ...]
+  inner_axes: tuple[int, ...]
+
+
+def integer_terms(kernel, reduce: LazyOp) -> IntegerTerms | None:
+  """The integer split of a CPU row kernel's `reduce` (a float SUM over `kernel.row_axes`), or None where its value
+  is not a sum of (integer values cast to float) x (factors invariant along the innermost row axis) plus invariant
+  values, or an integer sum could overflow an int32. The inner axes are the longest run of innermost row axes along
+  which every factor stays the same (at least one axis, never all the row axes: the outer sum needs a loop)."""
+  row_axes = tuple(kernel.row_axes or ())
+  if reduce.op is not Ops.SUM or not reduce.dtype.is_float or len(row_axes) < 2: return None
+  shape = kernel.full_shape
+  views = {id(leaf): st for leaf, st in zip(kernel.leaves, kernel.sts)}   # each leaf's view in the kernel's loop shape
+  best = None
+  for count in range(1, len(row_axes)):
+    inner_axes = row_axes[-count:]
+    entries = _split(reduce.srcs[0], lambda node, axes=inner_axes: _varies(node, axes, views))
+    if entries is None: break
+    terms = tuple(entry for entry in entries if entry[0].op is Ops.CAST and _varies(entry[0], inner_axes, views))
+    rest = tuple(entry for entry in entries if entry not in terms)
+    inner_count = math.prod(shape[axis] for axis in inner_axes)
+    bounds = [integer_bound(node.srcs[0]) for node, _ in terms]
+    if not terms or any(bound is None or bound * inner_count > INT32_LIMIT for bound in bounds): break
+    best = IntegerTerms(terms, rest, inner_axes)
+  return best
+
+
+def _varies(node: LazyOp, axes: tuple[int, ...], sts: dict) -> bool:
+  """Whether `node`'s value may change along any of `axes`: some load or constant under it (its view in `sts`, by
+  id) is not broadcast there (one view, size 1 or stride 0, unmasked along the axis)."""
+  for leaf in node.walk():
+    if leaf.op not in (Ops.LOAD, Ops.CONST): continue
+    views = sts[id(leaf)].views
+    for axis in axes:
+      view = views[0]
+      broadcast = len(views) == 1 and (view.shape[axis] == 1 or view.strides[axis] == 0) and \
+          (view.mask is None or tuple(view.mask[axis]) == (0, view.shape[axis]))
+      if not broadcast: return True
+  return False
+
+
+def _split(node: LazyOp, varies) -> list[tuple[LazyOp, tuple[LazyOp, ...]]] | None:
+  """`node` as a list of (core, factors) whose sum it is: a core is an integer value cast to float that varies, or
+  a node that does not vary; factors do not vary. None where a varying product of two varying values (or any other
+  varying op) is met. An explicit stack of pending (node, factors) pairs, no recursion."""
+  entries: list[tuple[LazyOp, tuple[LazyOp, ...]]] = []
+  pending: list[tuple[LazyOp, tuple[LazyOp, ...]]] = [(node, ())]
+  while pending:
+    current, factors = pending.pop()
+    if not varies(current): entries.append((current, factors))
+    elif current.op is Ops.ADD: pending += [(src, factors) for src in current.srcs]
+    elif current.op is Ops.MUL:
+      left, right = current.srcs
+      if not varies(right): pending.append((left, factors + (right,)))
+      elif not varies(left): pending.append((right, factors + (left,)))
+      else: return None
+    elif current.op is Ops.CAST and current.dtype.is_float and _is_integer(current.srcs[0].dtype):
+      entries.append((current, factors))
+    else: return None
+  return entries
+
+
+def _is_integer(dtype) -> bool: return not dtype.is_float and dtype != dtypes.bool
+
+
+def integer_bound(node: LazyOp) -> int | None:
+  """The largest |value| an integer node can take, from its leaves' dtypes through casts, masks (AND with a
+  non-negative side), right shifts by constants, products and sums; None where unknown (other ops)."""
+  ranges: dict[int, tuple[int, int]] = {}
+  for current in node.walk():
+    found = _range(current, [ranges.get(id(src)) for src in current.srcs])
+    if found is None: return None
+    ranges[id(current)] = found
+  low, high = ranges[id(node)]
+  return max(abs(low), abs(high))
+
+
+def _range(node: LazyOp, sources: list[tuple[int, int] | None]) -> tuple[int, int] | None:
+  """[low, high] of one integer node given its sources' ranges (None: unknown)."""
+  if not _is_integer(node.dtype) or any(source is None for source in sources): return None
+  limits = (int(node.dtype.min), int(node.dtype.max))
+  if node.op is Ops.CONST:   # a masked constant is 0 in the padding
+    value = int(node.arg.val)   # (masks only ever widen this range, so the AST's own view answers)
+    return (min(value, 0), max(value, 0)) if node.arg.st.views[-1].mask is not None else (value, value)
+  if node.op is Ops.LOAD: return limits
+  if node.op in (Ops.CAST, Ops.BITCAST):
+    source = sources[0]
+    if node.op is Ops.CAST and source is not None and limits[0] <= source[0] and source[1] <= limits[1]: return source
+    return limits
+  if node.op is Ops.AND:
+    masks = [source for source in sources if source is not None and source[0] >= 0]
+    return (0, min(mask[1] for mask in masks)) if masks else None
+  if node.op is Ops.SHR:
+    (low, high), shift = sources[0], sources[1]
+    if low < 0 or shift is None or shift[0] != shift[1]: return None
+    return low >> shift[0], high >> shift[0]
+  if node.op in (Ops.MUL, Ops.ADD):
+    (a_low, a_high), (b_low, b_high) = sources[0], sources[1]
+    if node.op is Ops.ADD: low, high = a_low + b_low, a_high + b_high
+    else:
+      products = [a_low * b_low, a_low * b_high, a_high * b_low, a_high * b_high]
+      low, high = min(products), max(products)
+    return (low, high) if limits[0] <= low and high <= limits[1] else None
+  return None
