@@ -100,6 +100,9 @@ CC = env_var("CC", "", "C compiler for the CLANG device (default: clang if prese
 CLANG_MARCH = env_var("CLANG_MARCH", "native", "the -march of CLANG kernels (x86-64-v2, x86-64-v3, znver3, ...; "
                       "native: this CPU): part of the compile-cache key, and the SIMD width the renderer assumes "
                       "follows it")
+INTEGER_PRODUCTS = env_var("INTEGER_PRODUCTS", 1, "1: a CPU decode step's products with Q8_0/Q4_0/Q4_1 weights "
+                           "quantize x to 8-bit blocks and take integer dot products, as llama.cpp (PackedTensor."
+                           "integer_linear); 0: x stays float32 (the weights dequantized in registers)")
 LLVM_CPU = env_var("LLVM_CPU", "native", "the CPU the LLVM device compiles for (x86-64-v2, x86-64-v3, znver3, ...; "
                    "native: this CPU with all its features); the SIMD width the renderer assumes follows it")
 LLVM_FEATURES = env_var("LLVM_FEATURES", "", "LLVM target features applied after LLVM_CPU's own (native's: the "

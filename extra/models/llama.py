@@ -44,8 +44,9 @@ import numpy as np
 
 from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.device import Device
+from ourgrad.helpers import INTEGER_PRODUCTS
 from ourgrad.errors import ShapeError
-from ourgrad.nn.gguf import PackedTensor, gguf_load
+from ourgrad.nn.gguf import INTEGER_PRODUCT_TYPES, PackedTensor, gguf_load
 from ourgrad.shape import Variable
 from ourgrad.shape.symbolic import Node
 
@@ -228,7 +229,11 @@ class LlamaBlock:
     prefill) and then read as float32 by every later one. `blocked`: a packed weight's product block by block
     (`PackedTensor.linear`: its bytes read side by side), for the matrix-vector products of a decode step; a
     prefill's matrix product keeps the (n, k) values, which the scheduler stores once for the tiled matmul."""
-    if blocked and isinstance(weight, PackedTensor): return weight.linear(x, norm)
+    if blocked and isinstance(weight, PackedTensor):
+      # a CPU: x quantized to 8-bit blocks and integer dot products per block, as llama.cpp (INTEGER_PRODUCTS)
+      integer = weight.ggml_type in INTEGER_PRODUCT_TYPES and not Device[weight.device].renderer.runs_thread_blocks
+      if norm is None and integer and INTEGER_PRODUCTS.value: return weight.integer_linear(x)
+      return weight.linear(x, norm)
     return x.linear(as_tensor(weight) if norm is None else as_tensor(weight) * norm)
 
   def _inverse_rms(self, x: Tensor) -> Tensor: return inverse_rms(x, self.config.norm_eps)
