@@ -47,8 +47,9 @@ SAFE_FLAGS = ["-fno-tree-loop-vectorize", "-fno-tree-slp-vectorize"]
 # kernels of at least this many lines of C compile at -O1 (see ClangCompiler.flags_for)
 LARGE_KERNEL_LINES = 2500
 # bumped when ClangCompiler.flags_for changes which flags a source gets (2: `omp simd` kernels, 3: `parallel for simd`,
-# 4: the FLAG_RULES table, -fno-tree-slp-vectorize for gcc 12's integer reduces, the safe flags, 5: -fno-trapping-math)
-FLAGS_FOR_VERSION = 5
+# 4: the FLAG_RULES table, -fno-tree-slp-vectorize for gcc 12's integer reduces, the safe flags, 5: -fno-trapping-math,
+# 6: no VNNI for gcc 12's integer reduces)
+FLAGS_FOR_VERSION = 6
 
 
 def find_c_compiler() -> str:
@@ -103,6 +104,11 @@ FLAG_RULES: tuple[FlagRule, ...] = (
   # at -march=x86-64, -v2, -v3, haswell, znver3; AVX-512's mask registers happen to be right). Only integer reduces
   # lose SLP; float kernels, where it packs the upcast lanes, keep it.
   FlagRule("gcc", 0, 12, ("-fno-tree-slp-vectorize",), applies=has_integer_reduce),
+  # gcc 12.2's loop vectorizer with VNNI (-march=native on AVX-512 VNNI / AVX-VNNI CPUs) takes an integer sum of
+  # `(int)(signed char)u8 * (int)s8` (a bitcast uint8 byte times an int8: a Q8_0 block's quants, read from the packed
+  # bytes, times an 8-bit activation) as an unsigned-by-signed `vpdpbusd` dot product: the byte's sign is lost (a
+  # 32-element sum gave 39651 instead of 23523). Without the VNNI extensions it uses vpmaddwd, which is right.
+  FlagRule("gcc", 0, 12, ("-mno-avx512vnni", "-mno-avxvnni"), applies=has_integer_reduce, optional=True),
   # gcc 13 with -march=native on CPUs with AVX512-FP16 (Sapphire Rapids) can emit masked `vmovsh` forms that its own
   # assembler rejects; float16 kernels then fail to build. Turning the extension off avoids it where the flag exists.
   FlagRule("any", 0, 999, ("-mno-avx512fp16",), optional=True),
