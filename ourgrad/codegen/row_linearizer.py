@@ -231,14 +231,18 @@ class RowLinearizer(Linearizer):
     for loop in reversed(inner_loops): build.end_range(loop)
     for axis in split.inner_axes: idxs[axis] = NumNode(0)
     inner_count = math.prod(shape[axis] for axis in split.inner_axes)
-    count = build.const(float(inner_count), dtype)
-    parts = [(build.add(UOps.CAST, dtype, (accumulator,)), factors)
+    parts = [(build.add(UOps.CAST, dtype, (accumulator,)), factors, 1.0)
              for accumulator, (_, factors) in zip(sums, split.terms)]
-    parts += [(build.alu(Ops.MUL, dtype, self.compute(core, idxs, None), count), factors)
-              for core, factors in split.rest]
+    for core, factors in split.rest:
+      core, constant = _peel_constants(core)
+      parts.append((self.compute(core, idxs, None), factors, constant * inner_count))
     block_value: UOp | None = None
-    for value, factors in parts:
-      for factor in factors: value = build.alu(Ops.MUL, dtype, value, self.compute(factor, idxs, None))
+    for value, factors, constant in parts:
+      # constant factors (and the inner count of an invariant part) multiplied here, once: `offset / 16 * 16` is 1
+      for factor in factors:
+        if _uniform_constant(factor) is not None: constant *= _uniform_constant(factor)
+        else: value = build.alu(Ops.MUL, dtype, value, self.compute(factor, idxs, None))
+      if constant != 1.0: value = build.alu(Ops.MUL, dtype, value, build.const(constant, dtype))
       block_value = value if block_value is None else build.alu(Ops.ADD, dtype, block_value, value)
     assert block_value is not None
     build.add(UOps.ACCUMULATE, dtype, (total, block_value), Ops.ADD)
@@ -745,6 +749,24 @@ def _footprint(load: LazyOp, shape: tuple[int, ...]) -> int:
   """Bytes of the elements a load reads over the whole loop shape (the axes it is broadcast along not counted)."""
   strides = load.arg.st.real_strides()
   return math.prod(size for size, stride in zip(shape, strides) if stride != 0) * load.dtype.itemsize
+
+
+def _uniform_constant(node: LazyOp) -> float | None:
+  """The value of an unmasked float constant (the same everywhere), else None."""
+  if node.op is not Ops.CONST or not node.dtype.is_float or any(view.mask is not None for view in node.arg.st.views):
+    return None
+  return float(node.arg.val)
+
+
+def _peel_constants(node: LazyOp) -> tuple[LazyOp, float]:
+  """(node without its constant factors, their product): MUL(MUL(x, 0.5), 2.0) -> (x, 1.0)."""
+  constant = 1.0
+  while node.op is Ops.MUL:
+    values = [_uniform_constant(src) for src in node.srcs]
+    if values[1] is not None: constant, node = constant * values[1], node.srcs[0]
+    elif values[0] is not None: constant, node = constant * values[0], node.srcs[1]
+    else: break
+  return node, constant
 
 
 def _accumulate_op(reduce: LazyOp) -> Ops: return Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
