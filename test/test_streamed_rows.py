@@ -120,7 +120,7 @@ def test_threads_give_the_single_thread_bytes() -> None:
 def _numpy_integer_product(ggml_type: int, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
   """llama.cpp's integer product (quantize_row_q8_1, then ggml_vec_dot_q*_q8_*) in numpy, in float64: x per block of
   32 as int8 quants q_x = round(x / d_x) (halves away from zero), d_x = max|x| / 127; per weight block the integer
-  sum of quants times q_x times d_w d_x, plus the block's offset times the sum of its x (llama.cpp: d_x sum(q_x))."""
+  sum of quants times q_x times d_w d_x, plus the block's offset times d_x sum(q_x)."""
   blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
   scale = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
   scaled = blocks * np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
@@ -136,7 +136,7 @@ def _numpy_integer_product(ggml_type: int, raw: np.ndarray, x: np.ndarray) -> np
   sums = np.einsum("nbk,rbk->rnb", weights, quants)   # exact integer block sums
   scale64 = scale[..., 0].astype(np.float64)
   out = (sums * half(0)[None] * scale64[:, None, :]).sum(-1)
-  if offset is not None: out += (offset[None] * blocks.astype(np.float64).sum(-1)[:, None, :]).sum(-1)
+  if offset is not None: out += (offset[None] * (scale64 * quants.sum(-1))[:, None, :]).sum(-1)
   return out
 
 

@@ -494,19 +494,20 @@ INTEGER_PRODUCT_TYPES = (GGML_Q8_0, GGML_Q4_0, GGML_Q4_1)
 def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
   """x (rows, k) float, k a multiple of 32 -> its 8-bit blocks as llama.cpp quantizes the vector of a quantized
   product (quantize_row_q8_1): per block of 32 values d = max |x| / 127 and q = round(x / d) (halves away from zero)
-  as int8 (rows, k / 32, 32), d as float32 (rows, k / 32, 1) (llama.cpp rounds it to f16; kept here), and the sum
-  of the block's x (rows, k / 32, 1) float32: the term a weight block's offset multiplies (Q4_1's minimum, Q4_0's
-  -8 d), taken from x itself (llama.cpp: d times the sum of q, x's rounding included). d and the sums are stored by
-  one kernel, the quants by a second."""
+  as int8 (rows, k / 32, 32), d as float32 (rows, k / 32, 1) (llama.cpp rounds it to f16; kept here), and d times the
+  sum of q (rows, k / 32, 1) float32: the term a weight block's offset multiplies (Q4_1's minimum, Q4_0's -8 d).
+  That term is the rounded x's, not x's own sum: a block's offset and its scaled quants then see the same x, whose
+  rounding errors cancel where the weights are small (with x's exact sum SmolLM2's logits moved 3x further)."""
   if x.ndim != 2 or x.shape[1] % ACTIVATION_BLOCK:
     raise ShapeError(f"cannot quantize x of shape {x.shape} to blocks of {ACTIVATION_BLOCK}: expected (rows, k) with "
                      f"k a multiple of {ACTIVATION_BLOCK}")
   blocks = x.cast(dtypes.float32).reshape(x.shape[0], -1, ACTIVATION_BLOCK)
-  scale = blocks.abs().max(-1, keepdim=True) / 127
+  scale = (blocks.abs().max(-1, keepdim=True) / 127).contiguous()
   scaled = blocks * (scale != 0).where(1 / scale, 0.0)
   # |scaled| <= 127 (plus rounding): the conversion truncates, so half away from zero is +-0.5 first
-  quants = (scaled + (scaled < 0).where(-0.5, 0.5)).cast(dtypes.int32).cast(dtypes.int8)
-  return quants.contiguous(), scale.contiguous(), blocks.sum(-1, keepdim=True).contiguous()
+  quants = (scaled + (scaled < 0).where(-0.5, 0.5)).cast(dtypes.int32).cast(dtypes.int8).contiguous()
+  offset = scale * quants.sum(-1, keepdim=True, dtype=dtypes.int32).cast(dtypes.float32)
+  return quants, scale, offset.contiguous()
 
 
 @dataclass(frozen=True)
@@ -570,7 +571,7 @@ class PackedTensor:
     """x @ values.T for this (n, k) Q8_0, Q4_0 or Q4_1 matrix and x (..., k) as llama.cpp computes it on a CPU: x
     quantized to 8-bit blocks first (`quantize_activation`: its own small kernel), then per block of 32 the integer
     sum of quants times quants (int8 x int8, or a nibble x int8) times the two blocks' scales, plus the block's
-    offset term (Q4_1: minimum x sum(x); Q4_0: -8 d x sum(x)). The product is one sum over (blocks,
+    offset term (Q4_1: minimum x d_x x sum(q_x); Q4_0: -8 d x d_x x sum(q_x)). The product is one sum over (blocks,
     lanes) whose per-block factors the CPU row kernel takes out of the lanes' integer sums
     (codegen/integer_rows.py); x's rounding to 8 bits is the only change from `linear` (within the formats'
     quantization error). The offset term, one per block, is spread over its 16 byte lanes (a power of two: exact)."""
