@@ -15,7 +15,7 @@ from ourgrad import Device, GlobalCounters, Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.engine.schedule import create_schedule
-from ourgrad.nn.gguf import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, PackedTensor
+from ourgrad.nn.gguf import GGML_Q4_1, GGML_Q8_0, PackedTensor
 from ourgrad.ops import Ops
 
 from test_gguf_packed import BLOCK, numpy_dequantize, random_blocks
@@ -115,48 +115,6 @@ def test_threads_give_the_single_thread_bytes() -> None:
     return subprocess.run([sys.executable, "-c", THREADED_SCRIPT], env=env, capture_output=True, check=True).stdout
   one, two = run(1), run(2)
   assert len(one) == 4 * (3072 + (1 << 20)) and one == two
-
-
-def _numpy_integer_product(ggml_type: int, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-  """llama.cpp's integer product (quantize_row_q8_1, then ggml_vec_dot_q*_q8_*) in numpy, in float64: x per block of
-  32 as int8 quants q_x = round(x / d_x) (halves away from zero), d_x = max|x| / 127; per weight block the integer
-  sum of quants times q_x times d_w d_x, plus the block's offset times d_x sum(q_x)."""
-  blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-  scale = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
-  scaled = blocks * np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
-  quants = np.trunc(scaled + np.where(scaled < 0, -0.5, 0.5)).astype(np.int64)   # (rows, blocks, 32)
-  per_row = blocks.shape[1]
-  half = lambda column: raw[:, column:column + 2].copy().view("<f2").astype(np.float64).reshape(-1, per_row)  # noqa: E731
-  if ggml_type == GGML_Q8_0:
-    weights, offset = raw[:, 2:34].view(np.int8).astype(np.int64).reshape(-1, per_row, 32), None
-  else:
-    packed = raw[:, 4:20] if ggml_type == GGML_Q4_1 else raw[:, 2:18]
-    weights = np.concatenate([packed & 0xF, packed >> 4], axis=1).astype(np.int64).reshape(-1, per_row, 32)
-    offset = half(2) if ggml_type == GGML_Q4_1 else -8 * half(0)
-  sums = np.einsum("nbk,rbk->rnb", weights, quants)   # exact integer block sums
-  scale64 = scale[..., 0].astype(np.float64)
-  out = (sums * half(0)[None] * scale64[:, None, :]).sum(-1)
-  if offset is not None: out += (offset[None] * (scale64 * quants.sum(-1))[:, None, :]).sum(-1)
-  return out
-
-
-@pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q8_0, GGML_Q4_0], ids=["Q4_1", "Q8_0", "Q4_0"])
-@pytest.mark.parametrize("rows, columns, batch", [(37, 256, 1), (5, 1536, 1), (3, 96, 2)])
-def test_integer_product_matches_numpy(ggml_type: int, rows: int, columns: int, batch: int) -> None:
-  """PackedTensor.integer_linear: llama.cpp's 8-bit activation blocks and integer block sums, against the same
-  algorithm in numpy (float64: only float rounding apart), and against numpy's float dequantization of the weights
-  times the float x within the error of x's rounding to 8 bits (each x off by at most d_x / 2)."""
-  rng = np.random.default_rng(rows + columns + ggml_type)
-  raw = random_blocks(ggml_type, rows * columns // 32, rng)
-  packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
-  x_np = rng.standard_normal((batch, columns)).astype(np.float32)
-  x_np[0, :32] = 0.0   # an all-zero block (d_x = 0)
-  out = packed.integer_linear(Tensor(x_np)).numpy()
-  np.testing.assert_allclose(out, _numpy_integer_product(ggml_type, raw, x_np), rtol=1e-4, atol=1e-4)
-  weights = numpy_dequantize(ggml_type, raw).reshape(rows, columns).astype(np.float64)
-  half_step = np.repeat(np.abs(x_np.reshape(batch, -1, 32)).max(-1) / 127 / 2, 32, axis=1)   # (batch, columns)
-  bound = half_step @ np.abs(weights).T + 1e-4
-  assert np.all(np.abs(out - x_np.astype(np.float64) @ weights.T) <= bound)
 
 
 @pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q8_0], ids=["Q4_1", "Q8_0"])

@@ -124,7 +124,9 @@ class RowLinearizer(Linearizer):
     scratch = {id(node): build.add(UOps.DEFINE_LOCAL, node.dtype, (), (f"kept{number}", self._row_length()))
                for number, (node, _) in enumerate(kept)}
     for number, reduce in enumerate(self._row_reduces()):
-      split = integer_terms(kernel, reduce) if not any(keeper is reduce for _, keeper in kept) else None
+      # (a CPU's thread per row: on a GPU without local memory the rows stay float loops)
+      cpu_row = not kernel.renderer.has_threads and not any(keeper is reduce for _, keeper in kept)
+      split = integer_terms(kernel, reduce) if cpu_row else None
       if split is not None:   # a quantized product: integer sums per block, then a float sum of the blocks
         self.reduce_values[id(reduce)] = self._integer_row_sum(idxs, reduce, split, number)
         continue
