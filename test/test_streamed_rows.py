@@ -142,3 +142,16 @@ def test_integer_terms_refuse_sums_that_could_wrap() -> None:
   product = ((a * b).cast(dtypes.float32).reshape(8, 16, 32) * Tensor.ones(1, 16, 1)).sum((1, 2))
   products = (a_np.astype(np.int64) * b_np).astype(np.int32).astype(np.float64)   # wraps as int32, as ourgrad
   np.testing.assert_allclose(product.numpy(), products.sum(1), atol=np.abs(products).sum(1).max() * 1e-6)
+
+
+def test_integer_terms_of_any_product() -> None:
+  """The split is not the GGUF formats': a uint8 image's rows (W = 64 values) times a float weight per row, summed
+  over (H, W), takes an exact int32 sum per row and one float multiply-add per row; it matches numpy's float64."""
+  rng = np.random.default_rng(6)
+  images_np = rng.integers(0, 256, (5, 16, 64)).astype(np.uint8)
+  weights_np = rng.uniform(-1, 1, (1, 16, 1)).astype(np.float32)
+  images, weights = Tensor(images_np), Tensor(weights_np)
+  source = _sources((images.cast(dtypes.float32) * weights).sum((1, 2)))[-1]
+  assert "int acc1 = 0;" in source and "#pragma omp simd" in source
+  expected = (images_np.astype(np.float64) * weights_np).sum((1, 2))
+  np.testing.assert_allclose((images.cast(dtypes.float32) * weights).sum((1, 2)).numpy(), expected, rtol=1e-6)
