@@ -11,15 +11,22 @@ turn into SIMD integer dot products at any -march (AVX-512 VNNI `vpdpbusd`, AVX2
 An integer value is taken only where its range (from its loads' dtypes through casts, shifts, masks, products and
 sums) times the inner count fits an int32: the sums never wrap (lanes compile without -fwrapv).
 
-Main entry: `integer_terms(kernel, reduce)` gives the split (`IntegerTerms`) or None; RowLinearizer lowers it.
+Main entries: `integer_terms(kernel, reduce)` gives the split (`IntegerTerms`) or None; `lower_integer_terms` emits
+its UOps for RowLinearizer.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from ourgrad.dtype import dtypes
+from ourgrad.codegen.linearizer import Linearizer, reduce_identity
+from ourgrad.codegen.uops import AxisType, UOp, UOps
+from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, Ops
+from ourgrad.shape.symbolic import Node, NumNode, Variable
+
+if TYPE_CHECKING: from ourgrad.codegen.kernel import Kernel
 
 INT32_LIMIT = 2 ** 31 - 1
 
@@ -34,7 +41,7 @@ class IntegerTerms:
   inner_axes: tuple[int, ...]
 
 
-def integer_terms(kernel, reduce: LazyOp) -> IntegerTerms | None:
+def integer_terms(kernel: "Kernel", reduce: LazyOp) -> IntegerTerms | None:
   """The integer split of a CPU row kernel's `reduce` (a float SUM over `kernel.row_axes`), or None where its value
   is not a sum of (integer values cast to float) x (factors invariant along the innermost row axis) plus invariant
   values, or an integer sum could overflow an int32. The inner axes are the longest run of innermost row axes along
@@ -57,7 +64,7 @@ def integer_terms(kernel, reduce: LazyOp) -> IntegerTerms | None:
   return best
 
 
-def _varies(node: LazyOp, axes: tuple[int, ...], sts: dict) -> bool:
+def _varies(node: LazyOp, axes: tuple[int, ...], sts: dict[int, Any]) -> bool:
   """Whether `node`'s value may change along any of `axes`: some load or constant under it (its view in `sts`, by
   id) is not broadcast there (one view, size 1 or stride 0, unmasked along the axis)."""
   for leaf in node.walk():
@@ -92,7 +99,7 @@ def _split(node: LazyOp, varies) -> list[tuple[LazyOp, tuple[LazyOp, ...]]] | No
   return entries
 
 
-def _is_integer(dtype) -> bool: return not dtype.is_float and dtype != dtypes.bool
+def _is_integer(dtype: DType) -> bool: return not dtype.is_float and dtype != dtypes.bool
 
 
 def integer_bound(node: LazyOp) -> int | None:
@@ -134,3 +141,72 @@ def _range(node: LazyOp, sources: list[tuple[int, int] | None]) -> tuple[int, in
       low, high = min(products), max(products)
     return (low, high) if limits[0] <= low and high <= limits[1] else None
   return None
+
+
+def lower_integer_terms(linearizer: Linearizer, idxs: list[Node], reduce: LazyOp, split: IntegerTerms,
+                        number: int) -> UOp:
+  """The UOps of a row reduce split by `integer_terms`, in a CPU row kernel (RowLinearizer: a thread per row), at the
+  row's `idxs` (its row axes' entries are set while the loops are open, 0 after): a loop over the outer row axes;
+  inside it an int32 accumulator per integer term summed over the inner axes (the innermost an `omp simd` loop the C
+  compiler turns into integer dot products), then one float addition of the terms times their factors (computed at
+  inner index 0: they do not vary there) and of the invariant rest times the inner count. Returns the float
+  accumulator (the reduce's value after the loops)."""
+  build, shape, dtype = linearizer.builder, linearizer.kernel.full_shape, reduce.dtype
+  total = build.add(UOps.DEFINE_ACC, dtype, (), reduce_identity(reduce.op, dtype))
+  outer = [axis for axis in linearizer.kernel.row_axes or () if axis not in split.inner_axes]
+  outer_loops = [_open_index_loop(linearizer, idxs, axis, f"ridx{number}_", AxisType.REDUCE) for axis in outer]
+  sums = [build.add(UOps.DEFINE_ACC, dtypes.int32, (), 0) for _ in split.terms]
+  # the innermost inner axis an UNROLL loop: the C renderer marks it `omp simd`
+  inner_loops = [_open_index_loop(linearizer, idxs, axis, f"ridx{number}_",
+                                  AxisType.UNROLL if axis == split.inner_axes[-1] else AxisType.REDUCE)
+                 for axis in split.inner_axes]
+  for accumulator, (term, _) in zip(sums, split.terms):
+    value = linearizer.compute(term.srcs[0], idxs, None)
+    if value.dtype != dtypes.int32: value = build.add(UOps.CAST, dtypes.int32, (value,))
+    build.add(UOps.ACCUMULATE, dtypes.int32, (accumulator, value), Ops.ADD)
+  for loop in reversed(inner_loops): build.end_range(loop)
+  for axis in split.inner_axes: idxs[axis] = NumNode(0)
+  inner_count = math.prod(shape[axis] for axis in split.inner_axes)
+  parts = [(build.add(UOps.CAST, dtype, (accumulator,)), factors, 1.0)
+           for accumulator, (_, factors) in zip(sums, split.terms)]
+  for core, factors in split.rest:
+    core, constant = _peel_constants(core)
+    parts.append((linearizer.compute(core, idxs, None), factors, constant * inner_count))
+  block_value: UOp | None = None
+  for value, factors, constant in parts:
+    # constant factors (and the inner count of an invariant part) multiplied here, once: `offset / 16 * 16` is 1
+    for factor in factors:
+      if _uniform_constant(factor) is not None: constant *= _uniform_constant(factor)
+      else: value = build.alu(Ops.MUL, dtype, value, linearizer.compute(factor, idxs, None))
+    if constant != 1.0: value = build.alu(Ops.MUL, dtype, value, build.const(constant, dtype))
+    block_value = value if block_value is None else build.alu(Ops.ADD, dtype, block_value, value)
+  assert block_value is not None
+  build.add(UOps.ACCUMULATE, dtype, (total, block_value), Ops.ADD)
+  for loop in reversed(outer_loops): build.end_range(loop)
+  for axis in outer: idxs[axis] = NumNode(0)
+  return total
+
+
+def _open_index_loop(linearizer: Linearizer, idxs: list[Node], axis: int, prefix: str, kind: AxisType) -> UOp:
+  """A loop over all of `axis` (its index variable put in `idxs`)."""
+  size = linearizer.kernel.full_shape[axis]
+  idxs[axis] = Variable(f"{prefix}{axis}", 0, size - 1)
+  return linearizer._open_loop(f"{prefix}{axis}", size, kind)
+
+
+def _uniform_constant(node: LazyOp) -> float | None:
+  """The value of an unmasked float constant (the same everywhere), else None."""
+  if node.op is not Ops.CONST or not node.dtype.is_float or any(view.mask is not None for view in node.arg.st.views):
+    return None
+  return float(node.arg.val)
+
+
+def _peel_constants(node: LazyOp) -> tuple[LazyOp, float]:
+  """(node without its constant factors, their product): MUL(MUL(x, 0.5), 2.0) -> (x, 1.0)."""
+  constant = 1.0
+  while node.op is Ops.MUL:
+    values = [_uniform_constant(src) for src in node.srcs]
+    if values[1] is not None: constant, node = constant * values[1], node.srcs[0]
+    elif values[0] is not None: constant, node = constant * values[0], node.srcs[1]
+    else: break
+  return node, constant

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ourgrad.codegen.integer_rows import IntegerTerms, integer_terms
+from ourgrad.codegen.integer_rows import integer_terms, lower_integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
 from ourgrad.codegen.online_rows import RowPass, ShiftTerms, group_row_passes
@@ -128,7 +128,7 @@ class RowLinearizer(Linearizer):
       cpu_row = not kernel.renderer.has_threads and not any(keeper is reduce for _, keeper in kept)
       split = integer_terms(kernel, reduce) if cpu_row else None
       if split is not None:   # a quantized product: integer sums per block, then a float sum of the blocks
-        self.reduce_values[id(reduce)] = self._integer_row_sum(idxs, reduce, split, number)
+        self.reduce_values[id(reduce)] = lower_integer_terms(self, idxs, reduce, split, number)
         continue
       accumulators = _Accumulators(self, reduce, number, lanes)
       loops = self._open_row_loops(idxs, f"ridx{number}_", lanes)
@@ -212,51 +212,6 @@ class RowLinearizer(Linearizer):
       for node in _post_order(root, stops):
         if id(node) not in stops: found[id(node)] = node
     return list(found.values())
-
-  def _integer_row_sum(self, idxs: list[Node], reduce: LazyOp, split: IntegerTerms, number: int) -> UOp:
-    """A row reduce split by codegen/integer_rows.py: a loop over the outer row axes; inside it an int32 accumulator
-    per integer term summed over the inner axes (the innermost an `omp simd` loop the C compiler turns into integer
-    dot products), then one float addition of the terms times their factors (computed at inner index 0: they do
-    not vary there) and of the invariant rest times the inner count. Returns the float accumulator."""
-    build, shape, dtype = self.builder, self.kernel.full_shape, reduce.dtype
-    total = build.add(UOps.DEFINE_ACC, dtype, (), reduce_identity(reduce.op, dtype))
-    outer = [axis for axis in self.kernel.row_axes or () if axis not in split.inner_axes]
-    outer_loops = [self._open_index_loop(idxs, axis, f"ridx{number}_", AxisType.REDUCE) for axis in outer]
-    sums = [build.add(UOps.DEFINE_ACC, dtypes.int32, (), 0) for _ in split.terms]
-    inner_loops = [self._open_index_loop(idxs, axis, f"ridx{number}_",
-                                         AxisType.UNROLL if axis == split.inner_axes[-1] else AxisType.REDUCE)
-                   for axis in split.inner_axes]
-    for accumulator, (term, _) in zip(sums, split.terms):
-      value = self.compute(term.srcs[0], idxs, None)
-      if value.dtype != dtypes.int32: value = build.add(UOps.CAST, dtypes.int32, (value,))
-      build.add(UOps.ACCUMULATE, dtypes.int32, (accumulator, value), Ops.ADD)
-    for loop in reversed(inner_loops): build.end_range(loop)
-    for axis in split.inner_axes: idxs[axis] = NumNode(0)
-    inner_count = math.prod(shape[axis] for axis in split.inner_axes)
-    parts = [(build.add(UOps.CAST, dtype, (accumulator,)), factors, 1.0)
-             for accumulator, (_, factors) in zip(sums, split.terms)]
-    for core, factors in split.rest:
-      core, constant = _peel_constants(core)
-      parts.append((self.compute(core, idxs, None), factors, constant * inner_count))
-    block_value: UOp | None = None
-    for value, factors, constant in parts:
-      # constant factors (and the inner count of an invariant part) multiplied here, once: `offset / 16 * 16` is 1
-      for factor in factors:
-        if _uniform_constant(factor) is not None: constant *= _uniform_constant(factor)
-        else: value = build.alu(Ops.MUL, dtype, value, self.compute(factor, idxs, None))
-      if constant != 1.0: value = build.alu(Ops.MUL, dtype, value, build.const(constant, dtype))
-      block_value = value if block_value is None else build.alu(Ops.ADD, dtype, block_value, value)
-    assert block_value is not None
-    build.add(UOps.ACCUMULATE, dtype, (total, block_value), Ops.ADD)
-    for loop in reversed(outer_loops): build.end_range(loop)
-    for axis in outer: idxs[axis] = NumNode(0)
-    return total
-
-  def _open_index_loop(self, idxs: list[Node], axis: int, prefix: str, kind: AxisType) -> UOp:
-    """A loop over all of `axis` (its index variable put in `idxs`)."""
-    size = self.kernel.full_shape[axis]
-    idxs[axis] = Variable(f"{prefix}{axis}", 0, size - 1)
-    return self._open_loop(f"{prefix}{axis}", size, kind)
 
   def _row_length(self) -> int: return math.prod(self.kernel.full_shape[axis] for axis in self.kernel.row_axes or ())
 
@@ -751,24 +706,6 @@ def _footprint(load: LazyOp, shape: tuple[int, ...]) -> int:
   """Bytes of the elements a load reads over the whole loop shape (the axes it is broadcast along not counted)."""
   strides = load.arg.st.real_strides()
   return math.prod(size for size, stride in zip(shape, strides) if stride != 0) * load.dtype.itemsize
-
-
-def _uniform_constant(node: LazyOp) -> float | None:
-  """The value of an unmasked float constant (the same everywhere), else None."""
-  if node.op is not Ops.CONST or not node.dtype.is_float or any(view.mask is not None for view in node.arg.st.views):
-    return None
-  return float(node.arg.val)
-
-
-def _peel_constants(node: LazyOp) -> tuple[LazyOp, float]:
-  """(node without its constant factors, their product): MUL(MUL(x, 0.5), 2.0) -> (x, 1.0)."""
-  constant = 1.0
-  while node.op is Ops.MUL:
-    values = [_uniform_constant(src) for src in node.srcs]
-    if values[1] is not None: constant, node = constant * values[1], node.srcs[0]
-    elif values[0] is not None: constant, node = constant * values[0], node.srcs[1]
-    else: break
-  return node, constant
 
 
 def _accumulate_op(reduce: LazyOp) -> Ops: return Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
