@@ -58,6 +58,13 @@ def _truncated(dtype: DType, value: Any) -> Any:
   return cached
 
 
+# uploaded host constants (LazyBuffer.from_host_constant): (device, dtype, shape, numpy dtype, bytes) -> a realized
+# base, bounded in count and in size (device memory held for the process)
+_HOST_CONSTANTS: dict[tuple, LazyBuffer] = {}
+_HOST_CONSTANTS_MAX = 64
+_HOST_CONSTANT_MAX_ELEMENTS = 1 << 16
+
+
 class LazyBuffer:
   """A base (an op to compute) or a view (a ShapeTracker over a base). Build them with the class methods."""
   # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
@@ -108,6 +115,23 @@ class LazyBuffer:
     buffer = Buffer(device, data.size, dtype)
     if data.size: buffer.copyin(memoryview(data.reshape(-1)).cast("B"))
     return LazyBuffer.from_buffer(buffer, tuple(array.shape))
+
+  @staticmethod
+  def from_host_constant(array: np.ndarray, dtype: DType, device: str) -> LazyBuffer:
+    """The values of a small host-computed array (Tensor.arange), uploaded once per (values, dtype, device) and read
+    through a new lazy identity op at each call: a one-hot target or a causal mask of an eager step makes the same
+    range every step, and each upload cost a buffer and a host-to-device copy. The op fuses into its readers, and it
+    is a base of its own, so an in-place write to the result never reaches the shared memory."""
+    data = np.ascontiguousarray(array)
+    if data.size > _HOST_CONSTANT_MAX_ELEMENTS or device.startswith("DISK"):
+      return LazyBuffer.from_numpy(data, dtype, device)
+    key = (device, dtype, data.shape, data.dtype.str, data.tobytes())
+    uploaded = _HOST_CONSTANTS.get(key)
+    if uploaded is None:
+      uploaded = LazyBuffer.from_numpy(data, dtype, device)
+      if len(_HOST_CONSTANTS) >= _HOST_CONSTANTS_MAX: _HOST_CONSTANTS.pop(next(iter(_HOST_CONSTANTS)))  # oldest first
+      _HOST_CONSTANTS[key] = uploaded
+    return LazyBuffer.create_base(device, uploaded.shape, dtype, Ops.CAST, dtype, (uploaded,))
 
   @staticmethod
   def empty(shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
