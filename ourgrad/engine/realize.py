@@ -110,8 +110,9 @@ def compile_kernel(kernel: AnyKernel, device: str) -> CompiledRunner:
                         lowered.local_size, op_count, byte_count, var_names)
 
 
-# AST -> (unbound AST, values, block counters: _lowering_facts). Bound values are part of an AST's identity, so the entry is exact; a step that
-# builds the same graph (the schedule cache hands back the same AST objects) pays one dict lookup per kernel
+# AST -> (unbound AST, values, block counters: _lowering_facts). Bound values are part of an AST's identity, so the
+# entry is exact; a step that builds the same graph (the schedule cache hands back the same AST objects) pays one dict
+# lookup per kernel
 _unbound_asts: BoundedCache[LazyOp, tuple[LazyOp, dict[str, int], bool]] = BoundedCache(RUNNER_CACHE_SIZE)
 
 
