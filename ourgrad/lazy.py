@@ -24,7 +24,7 @@ from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.lazy_reduce import cpu_packed_gathered, cpu_packed_matmul, split_large_reduce
-from ourgrad.helpers import prod
+from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
@@ -63,6 +63,7 @@ def _truncated(dtype: DType, value: Any) -> Any:
 _HOST_CONSTANTS: dict[tuple, LazyBuffer] = {}
 _HOST_CONSTANTS_MAX = 64
 _HOST_CONSTANT_MAX_ELEMENTS = 1 << 16
+register_cache_clearer(_HOST_CONSTANTS.clear)   # (clear_caches gives their device memory back)
 
 
 class LazyBuffer:

@@ -15,7 +15,7 @@ from ourgrad import Tensor, dtypes
 from ourgrad.device import Device
 from ourgrad.errors import AxisError, ShapeError
 from ourgrad.ops import Ops
-from ourgrad.helpers import DEBUG, ENV_VARS, env_var
+from ourgrad.helpers import DEBUG, ENV_VARS, clear_caches, env_var
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_])
@@ -208,3 +208,7 @@ def test_arange_reads_one_upload_and_in_place_writes_stay_private(args):
   np.testing.assert_allclose(Tensor.arange(*args).numpy(), expected)   # the upload kept its values
   for index, (value, want) in enumerate(zip(Tensor.arange(*args).tolist(), expected.tolist())):
     assert value == want, index
+  clear_caches()   # forgets the upload (its memory given back); a later arange uploads anew
+  again = Tensor.arange(*args)
+  assert again.lazydata.base.srcs[0].base.realized is not first.lazydata.base.srcs[0].base.realized
+  np.testing.assert_allclose(again.numpy(), expected)
