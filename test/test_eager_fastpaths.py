@@ -199,7 +199,8 @@ def test_arange_reads_one_upload_and_in_place_writes_stay_private(args):
   expected = np.arange(*args)
   first, second = Tensor.arange(*args), Tensor.arange(*args)
   # both read the same uploaded buffer (no new buffer and copy per call, as every eager step's one-hot makes them)
-  assert first.lazydata.base.srcs[0].base.realized is second.lazydata.base.srcs[0].base.realized is not None
+  upload = first.lazydata.base.srcs[0].base.realized
+  assert upload is second.lazydata.base.srcs[0].base.realized and upload is not None
   np.testing.assert_allclose(first.numpy(), expected)
   second[1] = 100
   first.assign(first * 2)
@@ -210,5 +211,5 @@ def test_arange_reads_one_upload_and_in_place_writes_stay_private(args):
     assert value == want, index
   clear_caches()   # forgets the upload (its memory given back); a later arange uploads anew
   again = Tensor.arange(*args)
-  assert again.lazydata.base.srcs[0].base.realized is not first.lazydata.base.srcs[0].base.realized
+  assert again.lazydata.base.srcs[0].base.realized is not upload
   np.testing.assert_allclose(again.numpy(), expected)
