@@ -51,10 +51,6 @@ def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
   the heuristics do not model: registers, shared memory, code size), the unoptimized one is used instead."""
   # the float32 matmul precision picks the code (TF32 tensor cores or not): kernels of each are kept apart
   key = (device, ast, tf32_allowed())
-  runner = _runner_cache.get(key)   # (a hit, every kernel of every eager step: the C methods, not __getitem__)
-  if runner is not None:
-    _runner_cache.move_to_end(key)
-    return runner
   if key not in _runner_cache:
     kernel = get_kernel(ast, device)
     kernel.print_debug()
