@@ -63,7 +63,16 @@ def _truncated(dtype: DType, value: Any) -> Any:
 _HOST_CONSTANTS: dict[tuple, LazyBuffer] = {}
 _HOST_CONSTANTS_MAX = 64
 _HOST_CONSTANT_MAX_ELEMENTS = 1 << 16
-register_cache_clearer(_HOST_CONSTANTS.clear)   # (clear_caches gives their device memory back)
+
+
+def _forget_host_constants() -> None:
+  """clear_caches' part: the uploads dropped, and the memory they free given back to the devices (the allocators'
+  own clearer ran before this one: their reuse caches would keep it)."""
+  _HOST_CONSTANTS.clear()
+  Device.free_allocator_caches()
+
+
+register_cache_clearer(_forget_host_constants)
 
 
 class LazyBuffer:
