@@ -24,7 +24,7 @@ from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.lazy_reduce import cpu_packed_gathered, cpu_packed_matmul, split_large_reduce
-from ourgrad.helpers import prod
+from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
@@ -56,6 +56,23 @@ def _truncated(dtype: DType, value: Any) -> Any:
     cached = truncate(dtype, value)
     if len(_TRUNCATED) < _TRUNCATED_MAX: _TRUNCATED[key] = cached
   return cached
+
+
+# uploaded host constants (LazyBuffer.from_host_constant): (device, dtype, shape, numpy dtype, bytes) -> a realized
+# base, bounded in count and in size (device memory held for the process)
+_HOST_CONSTANTS: dict[tuple, LazyBuffer] = {}
+_HOST_CONSTANTS_MAX = 64
+_HOST_CONSTANT_MAX_ELEMENTS = 1 << 16
+
+
+def _forget_host_constants() -> None:
+  """clear_caches' part: the uploads dropped, and the memory they free given back to the devices (the allocators'
+  own clearer ran before this one: their reuse caches would keep it)."""
+  _HOST_CONSTANTS.clear()
+  Device.free_allocator_caches()
+
+
+register_cache_clearer(_forget_host_constants)
 
 
 class LazyBuffer:
@@ -108,6 +125,23 @@ class LazyBuffer:
     buffer = Buffer(device, data.size, dtype)
     if data.size: buffer.copyin(memoryview(data.reshape(-1)).cast("B"))
     return LazyBuffer.from_buffer(buffer, tuple(array.shape))
+
+  @staticmethod
+  def from_host_constant(array: np.ndarray, dtype: DType, device: str) -> LazyBuffer:
+    """The values of a small host-computed array (Tensor.arange), uploaded once per (values, dtype, device) and read
+    through a new lazy identity op at each call: a one-hot target or a causal mask of an eager step makes the same
+    range every step, and each upload cost a buffer and a host-to-device copy. The op fuses into its readers, and it
+    is a base of its own, so an in-place write to the result never reaches the shared memory."""
+    data = np.ascontiguousarray(array)
+    if data.size > _HOST_CONSTANT_MAX_ELEMENTS or device.startswith("DISK"):
+      return LazyBuffer.from_numpy(data, dtype, device)
+    key = (device, dtype, data.shape, data.dtype.str, data.tobytes())
+    uploaded = _HOST_CONSTANTS.get(key)
+    if uploaded is None:
+      uploaded = LazyBuffer.from_numpy(data, dtype, device)
+      if len(_HOST_CONSTANTS) >= _HOST_CONSTANTS_MAX: _HOST_CONSTANTS.pop(next(iter(_HOST_CONSTANTS)))  # oldest first
+      _HOST_CONSTANTS[key] = uploaded
+    return LazyBuffer.create_base(device, uploaded.shape, dtype, Ops.CAST, dtype, (uploaded,))
 
   @staticmethod
   def empty(shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:

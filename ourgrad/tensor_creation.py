@@ -130,7 +130,10 @@ class CreationMixin:
     # computed on the host: exact in every dtype and O(n); a lazy form would cost O(n^2) work per element
     values = start + np.arange(count, dtype=np.float64 if is_float else np.int64) * step
     if dtype == dtypes.bfloat16: return cls(values, device=device, dtype=dtype, **kwargs)
-    return cls(values.astype(dtype.np), device=device, dtype=dtype, **kwargs)
+    device = canonical_devices(device) or Device.DEFAULT
+    if isinstance(device, tuple): return cls(values.astype(dtype.np), device=device, dtype=dtype, **kwargs)
+    # the same range again (every eager step's one-hot or causal mask) reads one upload of it
+    return cls(LazyBuffer.from_host_constant(values.astype(dtype.np), dtype, device), **kwargs)
 
   @classmethod
   def linspace(cls, start: Scalar, stop: Scalar, steps: int, dtype: DType | str | None = None,

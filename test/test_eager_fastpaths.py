@@ -15,7 +15,7 @@ from ourgrad import Tensor, dtypes
 from ourgrad.device import Device
 from ourgrad.errors import AxisError, ShapeError
 from ourgrad.ops import Ops
-from ourgrad.helpers import DEBUG, ENV_VARS, env_var
+from ourgrad.helpers import DEBUG, ENV_VARS, clear_caches, env_var
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_])
@@ -192,3 +192,24 @@ def test_axes_normalize_like_numpy(axis):
       Tensor(values).sum(axis)
     with pytest.raises(np.exceptions.AxisError):
       values.sum(axis)
+
+
+@pytest.mark.parametrize("args", [(10,), (2, 11, 3), (0.5, 3.0, 0.25), (5, -5, -2)])
+def test_arange_reads_one_upload_and_in_place_writes_stay_private(args):
+  expected = np.arange(*args)
+  first, second = Tensor.arange(*args), Tensor.arange(*args)
+  # both read the same uploaded buffer (no new buffer and copy per call, as every eager step's one-hot makes them)
+  upload = first.lazydata.base.srcs[0].base.realized
+  assert upload is second.lazydata.base.srcs[0].base.realized and upload is not None
+  np.testing.assert_allclose(first.numpy(), expected)
+  second[1] = 100
+  first.assign(first * 2)
+  np.testing.assert_allclose(first.numpy(), expected * 2)
+  np.testing.assert_allclose(second.numpy(), np.where(np.arange(len(expected)) == 1, 100, expected))
+  np.testing.assert_allclose(Tensor.arange(*args).numpy(), expected)   # the upload kept its values
+  for index, (value, want) in enumerate(zip(Tensor.arange(*args).tolist(), expected.tolist())):
+    assert value == want, index
+  clear_caches()   # forgets the upload (its memory given back); a later arange uploads anew
+  again = Tensor.arange(*args)
+  assert again.lazydata.base.srcs[0].base.realized is not upload
+  np.testing.assert_allclose(again.numpy(), expected)

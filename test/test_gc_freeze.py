@@ -1,6 +1,6 @@
 """GC_FREEZE_IMPORT: `import ourgrad` moves the objects alive at import to the collector's permanent generation (its
 full passes scan them no more); GC_FREEZE_IMPORT=0 leaves the collector alone. Each case runs in a fresh interpreter,
-so that the import is the first."""
+so that the import is the first. GC_THRESHOLD: the import raises the first-generation threshold."""
 from __future__ import annotations
 
 import os
@@ -45,3 +45,20 @@ def test_garbage_from_before_the_import_is_still_collected() -> None:
   out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
                        cwd=REPO_ROOT)
   assert out.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("setting, preset, expected", [("10000", 700, 10000), ("0", 700, 700), ("5000", 20000, 20000)])
+def test_import_raises_the_first_generation_threshold_only(setting: str, preset: int, expected: int) -> None:
+  """GC_THRESHOLD: `import ourgrad` raises the collector's first threshold (never lowers one the program set, and
+  leaves the other two); 0 leaves them alone. Garbage cycles are still collected."""
+  probe = ("import gc, weakref\n"
+           f"gc.set_threshold({preset}, 11, 12)\n"
+           "import ourgrad\n"
+           "class Node: pass\n"
+           "a, b = Node(), Node(); a.other, b.other = b, a\n"
+           "alive = weakref.ref(a); del a, b\n"
+           "gc.collect(); print(*gc.get_threshold(), alive() is None)")
+  env = {**os.environ, "GC_THRESHOLD": setting, "PYTHONPATH": str(REPO_ROOT), "DEVICE": "PYTHON"}
+  out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
+                       cwd=REPO_ROOT)
+  assert out.stdout.split() == [str(expected), "11", "12", "True"]

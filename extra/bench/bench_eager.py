@@ -232,7 +232,8 @@ def print_result(name: str, label: str, result: dict[str, Any]) -> None:
         f"{us(result['python_cpu'])})"
         + (f" | PyTorch eager {us(result['torch'])}" if "torch" in result else ""))
   print(f"cyclic garbage collector: {us(result['gc'][0])} of thread CPU time per call, {result['gc'][1]:.2f} "
-        f"collections per call (GC_FREEZE_IMPORT={os.environ.get('GC_FREEZE_IMPORT', '1')})")
+        f"collections per call (GC_FREEZE_IMPORT={os.environ.get('GC_FREEZE_IMPORT', '1')}, first-generation "
+        f"threshold {gc.get_threshold()[0]})")
   profiled = result["profiled"]
   print("| phase    | profiled us | share |\n| -------- | ----------- | ----- |")
   for phase in PHASES:

@@ -106,16 +106,26 @@ def compile_kernel(kernel: AnyKernel, device: str) -> CompiledRunner:
                         lowered.local_size, op_count, byte_count, var_names)
 
 
-# AST -> (unbound AST, values). Bound values are part of an AST's identity, so the entry is exact; a step that
-# builds the same graph (the schedule cache hands back the same AST objects) pays one dict lookup per kernel
-_unbound_asts: BoundedCache[LazyOp, tuple[LazyOp, dict[str, int]]] = BoundedCache(RUNNER_CACHE_SIZE)
+# AST -> (unbound AST, values, block counters: _lowering_facts). Bound values are part of an AST's identity, so the
+# entry is exact; a step that builds the same graph (the schedule cache hands back the same AST objects) pays one dict
+# lookup per kernel
+_unbound_asts: BoundedCache[LazyOp, tuple[LazyOp, dict[str, int], bool]] = BoundedCache(RUNNER_CACHE_SIZE)
 
 
 def unbind_ast(ast: LazyOp) -> tuple[LazyOp, dict[str, int]]:
   """(the AST with every bound Variable in its views unbound, {variable name: value}). The unbound AST is the
   compiled-kernel cache key, the same for every value; the values are the kernel's int arguments at launch."""
+  unbound, var_vals, _ = _lowering_facts(ast)
+  return unbound, var_vals
+
+
+def _lowering_facts(ast: LazyOp) -> tuple[LazyOp, dict[str, int], bool]:
+  """(unbind_ast's two, whether the kernel's kind needs block counters): pure functions of the AST, asked for every
+  kernel of every eager step (the kinds' matchers walk the AST), so remembered per AST."""
   cached = _unbound_asts.get(ast)
-  if cached is None: cached = _unbound_asts[ast] = _unbind_ast(ast)
+  if cached is None:
+    unbound, var_vals = _unbind_ast(ast)
+    cached = _unbound_asts[ast] = (unbound, var_vals, kind_of_ast(unbound).block_counters)
   return cached
 
 
@@ -141,9 +151,9 @@ def lower_schedule_item(item: ScheduleItem) -> ExecItem:
   buffers = [*item.outputs, *item.inputs]
   if item.ast.op is Ops.COPY: return ExecItem(CopyRunner(item.inputs[0].nbytes), buffers, device=buffers[0].device)
   device = item.outputs[0].device
-  ast, var_vals = unbind_ast(item.ast)
+  ast, var_vals, block_counters = _lowering_facts(item.ast)
   runner = get_runner(device, ast)
-  if kind_of_ast(ast).block_counters: buffers.append(split_counters(device, runner))
+  if block_counters: buffers.append(split_counters(device, runner))
   return ExecItem(runner, buffers, var_vals, device=device)
 
 

@@ -175,8 +175,8 @@ class ShapeTracker:
   def __hash__(self) -> int: return self._hash
 
   def __getstate__(self) -> dict:
-    # the cached hash stays behind: a Variable's name hashes differently in another process (as View's)
-    return {key: value for key, value in self.__dict__.items() if key != "_hash"}
+    # the cached hash and strides stay behind: a Variable's name hashes differently in another process (as View's)
+    return {key: value for key, value in self.__dict__.items() if key not in ("_hash", "_real_strides")}
 
   @staticmethod
   def from_shape(shape: Sequence[int]) -> ShapeTracker:
@@ -308,6 +308,12 @@ class ShapeTracker:
   def real_strides(self) -> tuple[int | None, ...]:
     """Per output dim, the stride in the real buffer when the index is exactly dim_idx*stride + (terms without
     dim_idx), else None (None is always safe)."""
+    return self._real_strides
+
+  # a pure function of the (immutable, interned) views, asked of the same trackers at every eager step (the CPU's
+  # packing decisions while the graph is built): the symbolic walk over several views runs once per tracker
+  @functools.cached_property
+  def _real_strides(self) -> tuple[int | None, ...]:
     if len(self.views) == 1: return tuple(0 if size == 1 else stride for size, stride in zip(self.shape, self.strides))
     idxs = self.default_idxs()
     index, _ = self.expr_idxs(idxs)

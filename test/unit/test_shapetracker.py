@@ -1,5 +1,6 @@
 """Tests of View/ShapeTracker: random movement-op sequences checked element by element against numpy."""
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -208,6 +209,20 @@ def test_real_strides_and_unit_axes():
   two_views = ShapeTracker.from_shape((4, 4)).permute((1, 0)).reshape((16,))
   assert two_views.real_strides() == (None,)
   assert ShapeTracker.from_shape((3, 1)).expand((3, 5)).real_strides() == (1, 0)
+
+
+def test_real_strides_remembered_per_tracker():
+  # eager steps ask the same (interned) trackers again: the multi-view walk runs once, and what it remembers stays
+  # out of the pickled state (like the cached hash) while the answer still matches numpy's strides
+  tracker = ShapeTracker.from_shape((4, 4)).permute((1, 0)).reshape((2, 8)).pad(((0, 0), (1, 0)))
+  expected = np.pad(np.arange(16).reshape(4, 4).T.reshape(2, 8), ((0, 0), (1, 0)), constant_values=PAD)
+  assert len(tracker.views) == 2
+  first = tracker.real_strides()
+  assert first[0] is not None
+  assert tracker.real_strides() is first
+  check_real_strides(tracker, expected)
+  restored = pickle.loads(pickle.dumps(tracker))
+  assert "_real_strides" not in restored.__dict__ and restored.real_strides() == first
 
 
 def test_masked_axes_and_real_size():
