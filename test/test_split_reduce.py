@@ -19,7 +19,7 @@ from ourgrad.codegen.kernel import Kernel, OptOps
 from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt import split_reduce
-from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
+from ourgrad.codegen.opt.heuristic import COLUMN_VECTOR, register_tiles_pay_off, threads_in_flight_wanted
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.device import Buffer, Device
@@ -246,7 +246,27 @@ def test_classifier_bias_gradient_stays_one_kernel_with_h200_facts() -> None:
   about what a split's first kernel would take; the second launch would not pay (H100: 3 us as one kernel)."""
   assert split_reduce.block_outputs(split_reduce.ReduceKind.COLUMNS, 10) == 2
   assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.COLUMNS, 10, 512, 512, 4, 6) is None
-  assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.COLUMNS, 768, 4096, 4096, 4, 1) == 32
+
+
+def test_bias_gradient_partials_fill_the_h200_with_vector_lanes(two_kernels: None,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+  """A 4096 x 768 column sum (GPT-2's Linear bias gradient) with the H200's 132 SMs: 64 parts (the second kernel's
+  loop stays short enough to share a packed launch), and the partials' kernel takes 2 outputs a lane
+  (heuristic.column_vector): 32 lanes x 8 GROUPTOP threads a block, 768 blocks, 196,608 threads (at least
+  132 x 1024) looping 8 times over a float2 each. Session 12's choice, 32 parts of one float a lane, looped 16 loads
+  in turn a thread and ran at 42% of the DRAM bandwidth (probe/ncu_fewout, session 13)."""
+  assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.COLUMNS, 768, 4096, 4096, 4, 1) == 64
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", H200_FACTS)
+  first, second = _kernels(Tensor.empty(4096, 768, device="PYTHON").sum(axis=0))
+  assert first.outputs[0].size == 64 * 768 and second.outputs[0].size == 768
+  kernel = Kernel(first.ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert [(opt.op, opt.amount) for opt in kernel.applied_opts] == \
+      [(OptOps.UPCAST, 2), (OptOps.LOCAL, 32), (OptOps.GROUPTOP, 8)], kernel.applied_opts
+  blocks = prod(kernel.full_shape[:kernel.global_dims])
+  assert (blocks, kernel.block_threads()) == (768, 256)
+  assert blocks * kernel.block_threads() >= H200_FACTS.threads_wanted
+  assert prod(kernel.full_shape[kernel.first_loop_reduce:kernel.first_upcast]) == 8, "iterations a thread"
 
 
 def test_batchnorm_statistics_split_on_cuda() -> None:
@@ -315,7 +335,9 @@ def test_gpt2_few_output_reduces_split_to_fill_the_gpu(two_kernels: None, monkey
   first = Kernel(kernels[0].ast, PythonRenderer("CUDA"))
   first.hand_coded_optimizations()
   assert prod(first.full_shape[:first.global_dims]) >= facts.multiprocessors, first.name
-  assert not any(opt.op is OptOps.UPCAST for opt in first.applied_opts), "a plain reduce: no register tiles"
+  # a plain reduce: no register tiles, only a vector of neighbouring outputs a lane (heuristic.column_vector)
+  upcasts = [opt for opt in first.applied_opts if opt.op is OptOps.UPCAST]
+  assert len(upcasts) <= 1 and all(opt.amount <= COLUMN_VECTOR for opt in upcasts), first.applied_opts
   assert kernels[1].outputs[0].size == out.numel()
 
 
@@ -404,6 +426,32 @@ def test_register_tiles_pay_off(strides: list, gathers: bool, expected: bool) ->
   (the split's MATMUL kind and the GPU heuristic's register tiles both ask it)."""
   shape = (16, 16, 8) if len(strides) == 2 and not gathers and strides[0][0] == 8 else (2, 16, 4)
   assert register_tiles_pay_off(shape, (2,), strides, gathers) is expected
+
+
+def test_short_reduce_read_whole_keeps_a_thread_per_output() -> None:
+  """GPT-2's position-embedding gradient: (512, 768) sums over a batch of 8 of a value read whole beside per-token
+  statistics (broadcast along the 768). Register tiles do not pay off (heuristic.register_tiles_pay_off), and 4 x 4
+  of them left the H200 24,576 threads (9% occupancy, half the copy bandwidth); the kernel keeps a thread per output
+  (at least heuristic.threads_in_flight_wanted), and its sums equal numpy's with CUDA's heuristics."""
+  x_data, statistic, dy_data = (rng.standard_normal(shape).astype(np.float32)
+                                for shape in ((8, 512, 768), (8, 512, 1), (8, 512, 768)))
+  x, s, dy = (Tensor(data, device="PYTHON") for data in (x_data, statistic, dy_data))
+  [item] = _kernels(((x - s) * dy).sum(axis=0))
+  kernel = Kernel(item.ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert not any(opt.op is OptOps.UPCAST for opt in kernel.applied_opts), kernel.applied_opts
+  threads = prod(kernel.full_shape[:kernel.global_dims]) * kernel.block_threads()
+  assert threads == 512 * 768 >= threads_in_flight_wanted(kernel)
+  small = Tensor(x_data[:, :8, :64], device="PYTHON"), Tensor(statistic[:, :8], device="PYTHON"), \
+      Tensor(dy_data[:, :8, :64], device="PYTHON")
+  [small_item] = _kernels(((small[0] - small[1]) * small[2]).sum(axis=0))
+  for buffer in small_item.outputs: buffer.allocate()
+  optimized = Kernel(small_item.ast, PythonRenderer("CUDA"))
+  optimized.hand_coded_optimizations()
+  output = Buffer("PYTHON", small_item.outputs[0].size, small_item.outputs[0].dtype).allocate()
+  compile_kernel(optimized, "PYTHON")((output,) + small_item.inputs)
+  expected = ((x_data[:, :8, :64] - statistic[:, :8]) * dy_data[:, :8, :64]).sum(axis=0)
+  np.testing.assert_allclose(output.numpy().reshape(8, 64), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_row_sums_of_gathered_embeddings_get_group_threads() -> None:

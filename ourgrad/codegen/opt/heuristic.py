@@ -279,6 +279,23 @@ GROUP_LOOP_UNROLL = 4
 GROUP_SHORT_LOOP = 16
 # a column reduction's LOCAL threads along its contiguous output axis (a warp reads that many neighbours)
 COLUMN_LOCALS = WARP_SIZE
+# neighbouring outputs of a column reduction one thread sums as a vector at most (float4 loads: a warp reads 512 bytes)
+COLUMN_VECTOR = 4
+
+
+def column_vector(contiguous_size: int, outputs: int, threads_wanted: int) -> int:
+  """Outputs one thread of a column reduction sums together (an UPCAST of the contiguous output axis: vector loads):
+  the widest power of two up to COLUMN_VECTOR where that axis takes COLUMN_LOCALS lanes of that many outputs and the
+  kernel, with a block's GROUPTOP threads (BLOCK_THREADS // COLUMN_LOCALS), still has `threads_wanted` threads; else
+  1. A thread's loop is that many times shorter and each load that many times wider: a split's partial sums over
+  4096 x 768 on the H200 ran 16 iterations of one float a thread, 4 memory latencies in turn (unrolled by 4), at 42%
+  of the DRAM bandwidth."""
+  vector = COLUMN_VECTOR
+  while vector > 1:
+    threads = outputs // vector * (BLOCK_THREADS // COLUMN_LOCALS)
+    if contiguous_size % (COLUMN_LOCALS * vector) == 0 and threads >= threads_wanted: return vector
+    vector //= 2
+  return 1
 # a plain reduce's GROUP prefers powers of two (see _group_amounts) where the innermost axis keeps at least
 # min(GROUP_COALESCED_LANES, what any divisor would give) neighbouring lanes on neighbouring elements
 GROUP_POWERS_OF_TWO = True
@@ -379,10 +396,17 @@ def _group_reduce(kernel: Kernel) -> bool:
     # reduction (one axis) keeps its loop (the row kernels' choice)
     if kernel.group_dims and reduce_axes > 1: _unroll_group_loop(kernel)
     return kernel.group_dims > 0
-  # column reduction: neighbouring threads take neighbouring outputs; split the reduce when blocks are few
+  # column reduction: neighbouring threads take neighbouring outputs (a vector each where threads are plenty); split
+  # the reduce when blocks are few
   locals_ = power_of_two_divisor(kernel.full_shape[contiguous], COLUMN_LOCALS)
-  if locals_ < 2 or not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)): return False
-  blocks = outputs // locals_
+  if locals_ < 2: return False
+  vector = column_vector(kernel.full_shape[contiguous], outputs, threads_in_flight_wanted(kernel))
+  start = kernel._state()
+  if vector > 1 and not kernel.try_opt(Opt(OptOps.UPCAST, contiguous, vector)): vector = 1
+  if not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)):
+    kernel._restore(start)
+    return False
+  blocks = outputs // (locals_ * vector)
   first_reduce_size = kernel.full_shape[kernel.first_reduce]
   if blocks < ENOUGH_BLOCKS:
     group = _largest_divisor_at_most(first_reduce_size, BLOCK_THREADS // locals_)
@@ -538,7 +562,17 @@ def _cpu_simd_elementwise(kernel: Kernel) -> bool:
   return not any(stride is not None and stride < 0 for st in buffer_sts for stride in st.real_strides())
 
 
+def _threads_fill_device(kernel: Kernel, upcast: int) -> bool:
+  """Whether the kernel's output threads, `upcast` times fewer, still number threads_in_flight_wanted."""
+  return prod(kernel.full_shape[:kernel.first_reduce]) // upcast >= threads_in_flight_wanted(kernel)
+
+
 def _register_tiling(kernel: Kernel) -> None:
+  """CPUs: unroll 4 neighbouring elementwise outputs; reduces: register tiles (UPCAST 4 of up to two output axes some
+  input broadcasts), then the innermost reduce axis unrolled. On a GPU a reduce whose tiles do not pay off (an input
+  read whole: bound by its bytes, _gpu_tiles_pay_off) takes a tile only where its threads still fill the device:
+  GPT-2's position-embedding gradient ((512, 768) sums of 8, the per-token statistics broadcast along the 768) as 4x4
+  tiles was 24,576 threads, 9% occupancy on the H200 at half the copy bandwidth."""
   if kernel.reduceop is None:
     # elementwise: unroll 4 neighbouring outputs so the C compiler sees straight-line vectorizable code. Not on
     # GPUs: there neighbouring threads must touch neighbouring addresses for loads to coalesce; not where the C
@@ -549,10 +583,12 @@ def _register_tiling(kernel: Kernel) -> None:
       kernel.try_opt(Opt(OptOps.UPCAST, last, 4))
     return
   upcast_done: set[int] = set()
+  threads_bound = kernel.renderer.has_threads and not _gpu_tiles_pay_off(kernel)
   for _ in range(2):
     for axis in reversed(range(kernel.first_reduce)):
       if axis in upcast_done: continue
       broadcast_by_some_input = any(st.real_strides()[axis] == 0 for st in kernel.sts[1:])
+      if threads_bound and not _threads_fill_device(kernel, 4): break
       if broadcast_by_some_input and kernel.full_shape[axis] % 4 == 0 and kernel.full_shape[axis] >= 8:
         if kernel.try_opt(Opt(OptOps.UPCAST, axis, 4)):
           upcast_done.add(axis)
