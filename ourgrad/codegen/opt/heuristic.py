@@ -49,7 +49,7 @@ from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrat
 from ourgrad.codegen.opt.transpose_tiles import TransposeTileStrategy
 from ourgrad.codegen.opt.cpu_tiles import cpu_matmul_tiles
 from ourgrad.codegen.opt.window_tiles import ThreadWalkStrategy
-from ourgrad.codegen.opt.coalesce import lane_axis, load_lane_axis
+from ourgrad.codegen.opt.coalesce import contiguous_in_pieces, lane_axis, load_lane_axis
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
@@ -401,6 +401,7 @@ def _group_reduce(kernel: Kernel) -> bool:
   locals_ = power_of_two_divisor(kernel.full_shape[contiguous], COLUMN_LOCALS)
   if locals_ < 2: return False
   vector = column_vector(kernel.full_shape[contiguous], outputs, threads_in_flight_wanted(kernel))
+  while vector > 1 and not _vector_keeps_pieces(kernel, contiguous, vector): vector //= 2
   start = kernel._state()
   if vector > 1 and not kernel.try_opt(Opt(OptOps.UPCAST, contiguous, vector)): vector = 1
   if not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)):
@@ -408,9 +409,20 @@ def _group_reduce(kernel: Kernel) -> bool:
     return False
   blocks = outputs // (locals_ * vector)
   first_reduce_size = kernel.full_shape[kernel.first_reduce]
-  if blocks < ENOUGH_BLOCKS:
+  # (a vector of outputs a lane counted on a block's GROUPTOP threads for its threads: column_vector)
+  if blocks < ENOUGH_BLOCKS or vector > 1:
     group = _largest_divisor_at_most(first_reduce_size, BLOCK_THREADS // locals_)
     if group >= 2: kernel.try_opt(Opt(OptOps.GROUPTOP, 0, group))
+  return True
+
+
+def _vector_keeps_pieces(kernel: Kernel, axis: int, vector: int) -> bool:
+  """Whether every load a warp's lanes read in contiguous pieces along `axis` (coalesce.contiguous_in_pieces: GPT-2's
+  c_attn bias gradient reads q and k in heads of 64 channels) still reads pieces of the lanes' `vector` outputs each
+  contiguously (a head then holds 32 lanes of 2, not of 4)."""
+  for view in memory_loads(kernel):
+    if view.real_strides()[axis] == 1 or not contiguous_in_pieces([view], axis, COLUMN_LOCALS): continue
+    if not contiguous_in_pieces([view], axis, COLUMN_LOCALS * vector): return False
   return True
 
 

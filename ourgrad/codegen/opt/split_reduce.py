@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
-from ourgrad.codegen.opt.heuristic import (BLOCK_THREADS, COLUMN_LOCALS, COLUMN_VECTOR, MIN_THREAD_LOOP,
+from ourgrad.codegen.opt.heuristic import (BLOCK_THREADS, COLUMN_LOCALS, COLUMN_VECTOR, SHORT_REDUCE,
                                           THREADS_IN_FLIGHT_PER_MULTIPROCESSOR, column_vector)
 from ourgrad.helpers import DEBUG, power_of_two_divisor, prod
 from ourgrad.renderer import ASSUMED_THREAD_BLOCK_GPU
@@ -38,14 +38,15 @@ MAX_COLUMN_PARTS = 64
 MIN_PARTS = 4
 # elements of one part at least, by kind: a ROWS part is reduced by a block of BLOCK_THREADS threads, 4 elements each
 # (more, smaller parts left MNIST's first batchnorm statistics 2 waves of blocks that combined more than they loaded);
-# a COLUMNS part by a warp of neighbouring outputs (a vector each: heuristic.column_vector) and a block's GROUPTOP
-# threads along the part, each looping MIN_THREAD_LOOP times at least (a part shorter than the heuristic's
-# SHORT_REDUCE keeps its GROUPTOP threads while the partials are too few to fill the GPU a thread each:
-# heuristic._short_reduce_few_outputs; 32 parts of 128 left GPT-2's 768-wide sums 16 loads in turn a thread); a
-# MATMUL part by threads that each hold a register tile of outputs (H100, MNIST conv2 weight gradient: 32 parts of
-# 512 products 0.061 ms; 128 of 128: 0.344 ms)
+# a COLUMNS part by a warp of neighbouring outputs, GROUPTOP threads along the part: each lane sums at least the
+# heuristic's SHORT_REDUCE values of a part (a part of fewer values a lane would be a loop per thread instead, and
+# register tiles where an input is broadcast: a LayerNorm weight gradient's per-token statistics, 12 blocks), so a
+# part is SHORT_REDUCE / vector long where each lane sums a vector of outputs (heuristic.column_vector: 32 parts of
+# 128 one float a lane left GPT-2's 768-wide sums 16 loads in turn a thread); a MATMUL part by threads that each hold
+# a register tile of outputs (H100, MNIST conv2 weight gradient: 32 parts of 512 products 0.061 ms; 128 of 128:
+# 0.344 ms)
 MIN_PART_ROWS = 4 * BLOCK_THREADS
-MIN_PART_COLUMNS = BLOCK_THREADS // COLUMN_LOCALS * MIN_THREAD_LOOP
+MIN_PART_COLUMNS = SHORT_REDUCE
 MIN_PART_MATMUL = 512
 # outputs of a matmul-like reduce one GPU thread computes (a register tile)
 MATMUL_THREAD_OUTPUTS = 16
@@ -119,10 +120,10 @@ def block_outputs(kind: ReduceKind, outputs: int, vector: int = 1) -> int:
   return 1 if kind is ReduceKind.ROWS else power_of_two_divisor(outputs, COLUMN_LOCALS) * vector
 
 
-def min_part(kind: ReduceKind) -> int:
-  """Elements of one part at least (MIN_PART_*)."""
+def min_part(kind: ReduceKind, vector: int = 1) -> int:
+  """Elements of one part at least (MIN_PART_*; COLUMNS: a lane's values, `vector` outputs a lane)."""
   if kind is ReduceKind.ROWS: return MIN_PART_ROWS
-  return MIN_PART_COLUMNS if kind is ReduceKind.COLUMNS else MIN_PART_MATMUL
+  return max(MIN_PART_COLUMNS // vector, 1) if kind is ReduceKind.COLUMNS else MIN_PART_MATMUL
 
 
 def leaves_device_idle(facts: SplitFacts, kind: ReduceKind, outputs: int) -> bool:
@@ -185,10 +186,11 @@ def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, 
 def _parts_for_a_wave(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_per_output: int, split_size: int,
                       vector: int) -> int:
   """Parts for a wave of blocks (`facts.wave_blocks`, each of outputs_per_block(kind, vector) outputs), each part at
-  least `min_part(kind)` elements, at most MAX_PARTS: the largest divisor of `split_size` within those bounds."""
+  least `min_part(kind, vector)` elements, at most MAX_PARTS (COLUMNS: MAX_COLUMN_PARTS): the largest divisor of
+  `split_size` within those bounds."""
   per_block = outputs_per_block(kind, vector)
   most = MAX_COLUMN_PARTS if kind is ReduceKind.COLUMNS else MAX_PARTS
-  wanted = min(most, elements_per_output // min_part(kind), -(-facts.wave_blocks * per_block // outputs))
+  wanted = min(most, elements_per_output // min_part(kind, vector), -(-facts.wave_blocks * per_block // outputs))
   return max((parts for parts in range(1, min(wanted, split_size) + 1) if split_size % parts == 0), default=1)
 
 
