@@ -19,7 +19,7 @@ from ourgrad.codegen.kernel import Kernel, OptOps
 from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt import split_reduce
-from ourgrad.codegen.opt.heuristic import COLUMN_VECTOR, register_tiles_pay_off, threads_in_flight_wanted
+from ourgrad.codegen.opt.heuristic import register_tiles_pay_off, threads_in_flight_wanted
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.device import Buffer, Device
@@ -181,8 +181,9 @@ def test_split_reduces_on_cuda_match_torch() -> None:
   np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-3, atol=5e-2)  # sums of 16384 products
 
 
-# the H200's facts as its CUDA device reads them (bench_fewout_h200_s9.txt: a launch worth 7.2 MB; 0.6 us latency)
-H200_FACTS = split_reduce.SplitFacts(132, 2048, 7_200_000, 2_880_000)
+# the H200's facts as its CUDA device reads them (bench_fewout_h200_s9.txt: a launch worth 7.2 MB; 0.6 us latency;
+# float4 loads)
+H200_FACTS = split_reduce.SplitFacts(132, 2048, 7_200_000, 2_880_000, 4)
 
 
 def _batchnorm_statistics_backward(device: str, shape: tuple[int, ...] = (256, 32, 8, 8)) -> Tensor:
@@ -251,10 +252,11 @@ def test_classifier_bias_gradient_stays_one_kernel_with_h200_facts() -> None:
 def test_bias_gradient_partials_fill_the_h200_with_vector_lanes(two_kernels: None,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
   """A 4096 x 768 column sum (GPT-2's Linear bias gradient) with the H200's 132 SMs: 64 parts (the second kernel's
-  loop stays short enough to share a packed launch), and the partials' kernel takes 2 outputs a lane
-  (heuristic.column_vector): 32 lanes x 8 GROUPTOP threads a block, 768 blocks, 196,608 threads (at least
-  132 x 1024) looping 8 times over a float2 each. Session 12's choice, 32 parts of one float a lane, looped 16 loads
-  in turn a thread and ran at 42% of the DRAM bandwidth (probe/ncu_fewout, session 13)."""
+  loop stays short enough to share a packed launch), and the partials' kernel takes a float4 of outputs a lane
+  (heuristic.column_vector): 32 lanes x 8 GROUPTOP threads a block, 384 blocks, each thread looping 8 times over a
+  float4 (64 parts x 768 outputs x 8 group threads = 393,216 values in flight a loop step, at least 132 x 1024).
+  Session 12's choice, 32 parts of one float a lane, looped 16 loads in turn a thread and ran at 42% of the DRAM
+  bandwidth (probe/ncu_fewout, session 13)."""
   assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.COLUMNS, 768, 4096, 4096, 4, 1) == 64
   monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", H200_FACTS)
   first, second = _kernels(Tensor.empty(4096, 768, device="PYTHON").sum(axis=0))
@@ -262,10 +264,11 @@ def test_bias_gradient_partials_fill_the_h200_with_vector_lanes(two_kernels: Non
   kernel = Kernel(first.ast, CUDARenderer())
   kernel.hand_coded_optimizations()
   assert [(opt.op, opt.amount) for opt in kernel.applied_opts] == \
-      [(OptOps.UPCAST, 2), (OptOps.LOCAL, 32), (OptOps.GROUPTOP, 8)], kernel.applied_opts
+      [(OptOps.UPCAST, 4), (OptOps.LOCAL, 32), (OptOps.GROUPTOP, 8)], kernel.applied_opts
   blocks = prod(kernel.full_shape[:kernel.global_dims])
-  assert (blocks, kernel.block_threads()) == (768, 256)
-  assert blocks * kernel.block_threads() >= H200_FACTS.threads_wanted
+  assert (blocks, kernel.block_threads()) == (384, 256)
+  assert blocks * kernel.block_threads() * 4 >= H200_FACTS.threads_wanted
+  assert "float4" in CUDARenderer().render(kernel.name, linearize(kernel)), "one vector load a lane"
   assert prod(kernel.full_shape[kernel.first_loop_reduce:kernel.first_upcast]) == 8, "iterations a thread"
 
 
@@ -337,7 +340,7 @@ def test_gpt2_few_output_reduces_split_to_fill_the_gpu(two_kernels: None, monkey
   assert prod(first.full_shape[:first.global_dims]) >= facts.multiprocessors, first.name
   # a plain reduce: no register tiles, only a vector of neighbouring outputs a lane (heuristic.column_vector)
   upcasts = [opt for opt in first.applied_opts if opt.op is OptOps.UPCAST]
-  assert len(upcasts) <= 1 and all(opt.amount <= COLUMN_VECTOR for opt in upcasts), first.applied_opts
+  assert len(upcasts) <= 1 and all(opt.amount == CUDARenderer.vector_width for opt in upcasts), first.applied_opts
   assert kernels[1].outputs[0].size == out.numel()
 
 

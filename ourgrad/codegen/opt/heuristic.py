@@ -279,23 +279,15 @@ GROUP_LOOP_UNROLL = 4
 GROUP_SHORT_LOOP = 16
 # a column reduction's LOCAL threads along its contiguous output axis (a warp reads that many neighbours)
 COLUMN_LOCALS = WARP_SIZE
-# neighbouring outputs of a column reduction one thread sums as a vector at most (float4 loads: a warp reads 512 bytes)
-COLUMN_VECTOR = 4
-
-
-def column_vector(contiguous_size: int, outputs: int, threads_wanted: int) -> int:
-  """Outputs one thread of a column reduction sums together (an UPCAST of the contiguous output axis: vector loads):
-  the widest power of two up to COLUMN_VECTOR where that axis takes COLUMN_LOCALS lanes of that many outputs and the
-  kernel, with a block's GROUPTOP threads (BLOCK_THREADS // COLUMN_LOCALS), still has `threads_wanted` threads; else
-  1. A thread's loop is that many times shorter and each load that many times wider: a split's partial sums over
-  4096 x 768 on the H200 ran 16 iterations of one float a thread, 4 memory latencies in turn (unrolled by 4), at 42%
-  of the DRAM bandwidth."""
-  vector = COLUMN_VECTOR
-  while vector > 1:
-    threads = outputs // vector * (BLOCK_THREADS // COLUMN_LOCALS)
-    if contiguous_size % (COLUMN_LOCALS * vector) == 0 and threads >= threads_wanted: return vector
-    vector //= 2
-  return 1
+def column_vector(contiguous_size: int, outputs: int, threads_wanted: int, vector_width: int) -> int:
+  """Outputs one thread of a column reduction sums together (an UPCAST of the contiguous output axis, loaded as one
+  vector): the renderer's `vector_width` (float4) where that axis takes COLUMN_LOCALS lanes of that many outputs and
+  the kernel's outputs, a block's GROUPTOP threads (BLOCK_THREADS // COLUMN_LOCALS) each, number `threads_wanted`
+  at least (the values in flight stay; the threads, that many times fewer, load that many times the bytes each);
+  else 1. A split's partial sums over 4096 x 768 on the H200 ran 16 iterations of one float a thread, 4 memory
+  latencies in turn (unrolled by 4), at 42% of the DRAM bandwidth."""
+  if vector_width < 2 or contiguous_size % (COLUMN_LOCALS * vector_width): return 1
+  return vector_width if outputs * (BLOCK_THREADS // COLUMN_LOCALS) >= threads_wanted else 1
 # a plain reduce's GROUP prefers powers of two (see _group_amounts) where the innermost axis keeps at least
 # min(GROUP_COALESCED_LANES, what any divisor would give) neighbouring lanes on neighbouring elements
 GROUP_POWERS_OF_TWO = True
@@ -400,8 +392,9 @@ def _group_reduce(kernel: Kernel) -> bool:
   # the reduce when blocks are few
   locals_ = power_of_two_divisor(kernel.full_shape[contiguous], COLUMN_LOCALS)
   if locals_ < 2: return False
-  vector = column_vector(kernel.full_shape[contiguous], outputs, threads_in_flight_wanted(kernel))
-  while vector > 1 and not _vector_keeps_pieces(kernel, contiguous, vector): vector //= 2
+  vector = column_vector(kernel.full_shape[contiguous], outputs, threads_in_flight_wanted(kernel),
+                         getattr(kernel.renderer, "vector_width", 0))
+  if vector > 1 and not _vector_keeps_pieces(kernel, contiguous, vector): vector = 1
   start = kernel._state()
   if vector > 1 and not kernel.try_opt(Opt(OptOps.UPCAST, contiguous, vector)): vector = 1
   if not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)):
@@ -409,8 +402,8 @@ def _group_reduce(kernel: Kernel) -> bool:
     return False
   blocks = outputs // (locals_ * vector)
   first_reduce_size = kernel.full_shape[kernel.first_reduce]
-  # (a vector of outputs a lane counted on a block's GROUPTOP threads for its threads: column_vector)
-  if blocks < ENOUGH_BLOCKS or vector > 1:
+  # few blocks, or threads too few to hide the loads' latency (a split's partials: column_vector counts on these)
+  if blocks < ENOUGH_BLOCKS or outputs // vector < threads_in_flight_wanted(kernel):
     group = _largest_divisor_at_most(first_reduce_size, BLOCK_THREADS // locals_)
     if group >= 2: kernel.try_opt(Opt(OptOps.GROUPTOP, 0, group))
   return True
@@ -419,7 +412,7 @@ def _group_reduce(kernel: Kernel) -> bool:
 def _vector_keeps_pieces(kernel: Kernel, axis: int, vector: int) -> bool:
   """Whether every load a warp's lanes read in contiguous pieces along `axis` (coalesce.contiguous_in_pieces: GPT-2's
   c_attn bias gradient reads q and k in heads of 64 channels) still reads pieces of the lanes' `vector` outputs each
-  contiguously (a head then holds 32 lanes of 2, not of 4)."""
+  contiguously (a head of 64 holds 32 lanes of 2 outputs, not of a float4: no vector there)."""
   for view in memory_loads(kernel):
     if view.real_strides()[axis] == 1 or not contiguous_in_pieces([view], axis, COLUMN_LOCALS): continue
     if not contiguous_in_pieces([view], axis, COLUMN_LOCALS * vector): return False

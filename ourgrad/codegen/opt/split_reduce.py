@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
-from ourgrad.codegen.opt.heuristic import (BLOCK_THREADS, COLUMN_LOCALS, COLUMN_VECTOR, SHORT_REDUCE,
+from ourgrad.codegen.opt.heuristic import (BLOCK_THREADS, COLUMN_LOCALS, SHORT_REDUCE,
                                           THREADS_IN_FLIGHT_PER_MULTIPROCESSOR, column_vector)
 from ourgrad.helpers import DEBUG, power_of_two_divisor, prod
 from ourgrad.renderer import ASSUMED_THREAD_BLOCK_GPU
@@ -73,6 +73,7 @@ class SplitFacts:
   threads_per_multiprocessor: int
   launch_bytes: int = 0   # bytes the device's memory moves in the time of one kernel launch (Renderer.launch_bytes)
   latency_bytes: int = 0  # bytes it moves in the time one load waits for memory (Renderer.latency_bytes; 0: no bound)
+  vector_width: int = 1   # float32 elements one vector load reads (Renderer.vector_width: CUDA's float4)
 
   @staticmethod
   def of(renderer: Any) -> SplitFacts:
@@ -82,7 +83,8 @@ class SplitFacts:
     assumed = ASSUMED_THREAD_BLOCK_GPU
     return SplitFacts(getattr(renderer, "multiprocessors", 0) or assumed.multiprocessors,
                       getattr(renderer, "threads_per_multiprocessor", 0) or assumed.threads_per_multiprocessor,
-                      getattr(renderer, "launch_bytes", 0), getattr(renderer, "latency_bytes", 0))
+                      getattr(renderer, "launch_bytes", 0), getattr(renderer, "latency_bytes", 0),
+                      max(getattr(renderer, "vector_width", 0), 1))
 
   @property
   def wave_threads(self) -> int:
@@ -206,12 +208,12 @@ def gpu_split_parts(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_
   MIN_PARTS parts, or one kernel is as fast). `loads_per_element` may be a function, asked only where the cheap
   checks leave a split to decide (counting the loads walks the reduced expression: eager graph building pays it)."""
   if not leaves_device_idle(facts, kind, outputs): return None
-  vector = COLUMN_VECTOR if kind is ReduceKind.COLUMNS else 1
+  vector = facts.vector_width if kind is ReduceKind.COLUMNS else 1
   lanes = outputs if lanes_size is None else lanes_size
   parts = _parts_for_a_wave(facts, kind, outputs, elements_per_output, split_size, vector)
-  # the widest vector whose parts leave the partials' kernel the threads the heuristic asks for it
-  while vector > 1 and column_vector(lanes, parts * outputs, facts.threads_wanted) < vector:
-    vector //= 2
+  # the vector where the partials' kernel takes one (as the heuristic will decide it)
+  if vector > 1 and column_vector(lanes, parts * outputs, facts.threads_wanted, vector) < vector:
+    vector = 1
     parts = _parts_for_a_wave(facts, kind, outputs, elements_per_output, split_size, vector)
   if parts < MIN_PARTS: return None
   if callable(loads_per_element): loads_per_element = loads_per_element()
