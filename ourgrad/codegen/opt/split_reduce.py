@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from ourgrad.codegen.opt.heuristic import (BLOCK_THREADS, COLUMN_LOCALS, SHORT_REDUCE,
                                           THREADS_IN_FLIGHT_PER_MULTIPROCESSOR, column_vector)
+from ourgrad.codegen.opt.window_tiles import WINDOW_MAX_ELEMENTS
 from ourgrad.helpers import DEBUG, power_of_two_divisor, prod
 from ourgrad.renderer import ASSUMED_THREAD_BLOCK_GPU
 
@@ -123,9 +124,12 @@ def block_outputs(kind: ReduceKind, outputs: int, vector: int = 1) -> int:
 
 
 def min_part(kind: ReduceKind, vector: int = 1) -> int:
-  """Elements of one part at least (MIN_PART_*; COLUMNS: a lane's values, `vector` outputs a lane)."""
+  """Elements of one part at least (MIN_PART_*; COLUMNS: a lane's values, `vector` outputs a lane, and with vector
+  lanes more than a pool's window, window_tiles.WINDOW_MAX_ELEMENTS: a part that short would be unrolled whole in a
+  thread per output)."""
   if kind is ReduceKind.ROWS: return MIN_PART_ROWS
-  return max(MIN_PART_COLUMNS // vector, 1) if kind is ReduceKind.COLUMNS else MIN_PART_MATMUL
+  if kind is ReduceKind.MATMUL: return MIN_PART_MATMUL
+  return MIN_PART_COLUMNS if vector == 1 else max(MIN_PART_COLUMNS // vector, WINDOW_MAX_ELEMENTS + 1)
 
 
 def leaves_device_idle(facts: SplitFacts, kind: ReduceKind, outputs: int) -> bool:
