@@ -410,9 +410,13 @@ def _group_reduce(kernel: Kernel) -> bool:
 
 
 def _vector_keeps_pieces(kernel: Kernel, axis: int, vector: int) -> bool:
-  """Whether every load a warp's lanes read in contiguous pieces along `axis` (coalesce.contiguous_in_pieces: GPT-2's
-  c_attn bias gradient reads q and k in heads of 64 channels) still reads pieces of the lanes' `vector` outputs each
-  contiguously (a head of 64 holds 32 lanes of 2 outputs, not of a float4: no vector there)."""
+  """Whether every load that varies along `axis` is float32 (the renderer's vector loads are float4s; a bfloat16 lane
+  would load its outputs one by one), and every one a warp's lanes read in contiguous pieces along it
+  (coalesce.contiguous_in_pieces: GPT-2's c_attn bias gradient reads q and k in heads of 64 channels) still reads
+  pieces of the lanes' `vector` outputs each contiguously (a head of 64 holds 32 lanes of 2 outputs, not of a float4:
+  no vector there)."""
+  loads = [(st, leaf) for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
+  if any(st.real_strides()[axis] != 0 and leaf.dtype != dtypes.float32 for st, leaf in loads): return False
   for view in memory_loads(kernel):
     if view.real_strides()[axis] == 1 or not contiguous_in_pieces([view], axis, COLUMN_LOCALS): continue
     if not contiguous_in_pieces([view], axis, COLUMN_LOCALS * vector): return False

@@ -212,7 +212,7 @@ def gpu_split_parts(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_
   MIN_PARTS parts, or one kernel is as fast). `loads_per_element` may be a function, asked only where the cheap
   checks leave a split to decide (counting the loads walks the reduced expression: eager graph building pays it)."""
   if not leaves_device_idle(facts, kind, outputs): return None
-  vector = facts.vector_width if kind is ReduceKind.COLUMNS else 1
+  vector = facts.vector_width if kind is ReduceKind.COLUMNS and itemsize == 4 else 1
   lanes = outputs if lanes_size is None else lanes_size
   parts = _parts_for_a_wave(facts, kind, outputs, elements_per_output, split_size, vector)
   # the vector where the partials' kernel takes one (as the heuristic will decide it)
