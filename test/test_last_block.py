@@ -95,13 +95,13 @@ def _cuda_facts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_gpt2_bias_gradient_is_one_kernel_with_cuda_facts(atomics: None, monkeypatch: pytest.MonkeyPatch) -> None:
-  """GPT-2's bias gradient, (4096, 768) summed over the tokens, split as on an H200 (64 parts: at most MAX_FINISH_PARTS
-  for the last block): one launch whose blocks store the partials and whose last block per 64 outputs sums them."""
+  """GPT-2's bias gradient, (4096, 768) summed over the tokens, split as on an H200 (32 parts): one launch whose
+  blocks store the partials and whose last block per 32 outputs sums them."""
   _cuda_facts(monkeypatch)
   kernels = _kernels(Tensor.empty(4096, 768, device="PYTHON").sum(axis=0))
   assert [item.ast.op for item in kernels] == [Ops.SPLIT_REDUCE]
-  assert [buffer.size for buffer in kernels[0].outputs] == [64 * 768, 768]   # the partials, then the outputs
-  assert second_stage(kernels[0].ast.srcs[1]) == (Ops.SUM, 64, 768)
+  assert [buffer.size for buffer in kernels[0].outputs] == [32 * 768, 768]   # the partials, then the outputs
+  assert second_stage(kernels[0].ast.srcs[1]) == (Ops.SUM, 32, 768)
 
 
 def test_split_stays_two_kernels_without_atomics(small_split: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,7 +49,7 @@ from ourgrad.codegen.opt.tensor_core_plans import TensorCoreStrategy, WgmmaStrat
 from ourgrad.codegen.opt.transpose_tiles import TransposeTileStrategy
 from ourgrad.codegen.opt.cpu_tiles import cpu_matmul_tiles
 from ourgrad.codegen.opt.window_tiles import ThreadWalkStrategy
-from ourgrad.codegen.opt.coalesce import contiguous_in_pieces, lane_axis, load_lane_axis
+from ourgrad.codegen.opt.coalesce import lane_axis, load_lane_axis
 from ourgrad.helpers import power_of_two_divisor, prod
 from ourgrad.ops import BINARY_OPS, TERNARY_OPS, UNARY_OPS, MemBuffer, Ops
 
@@ -279,15 +279,6 @@ GROUP_LOOP_UNROLL = 4
 GROUP_SHORT_LOOP = 16
 # a column reduction's LOCAL threads along its contiguous output axis (a warp reads that many neighbours)
 COLUMN_LOCALS = WARP_SIZE
-def column_vector(contiguous_size: int, outputs: int, threads_wanted: int, vector_width: int) -> int:
-  """Outputs one thread of a column reduction sums together (an UPCAST of the contiguous output axis, loaded as one
-  vector): the renderer's `vector_width` (float4) where that axis takes COLUMN_LOCALS lanes of that many outputs and
-  the kernel's outputs, a block's GROUPTOP threads (BLOCK_THREADS // COLUMN_LOCALS) each, number `threads_wanted`
-  at least (the values in flight stay; the threads, that many times fewer, load that many times the bytes each);
-  else 1. A split's partial sums over 4096 x 768 on the H200 ran 16 iterations of one float a thread, 4 memory
-  latencies in turn (unrolled by 4), at 42% of the DRAM bandwidth."""
-  if vector_width < 2 or contiguous_size % (COLUMN_LOCALS * vector_width): return 1
-  return vector_width if outputs * (BLOCK_THREADS // COLUMN_LOCALS) >= threads_wanted else 1
 # a plain reduce's GROUP prefers powers of two (see _group_amounts) where the innermost axis keeps at least
 # min(GROUP_COALESCED_LANES, what any divisor would give) neighbouring lanes on neighbouring elements
 GROUP_POWERS_OF_TWO = True
@@ -388,38 +379,14 @@ def _group_reduce(kernel: Kernel) -> bool:
     # reduction (one axis) keeps its loop (the row kernels' choice)
     if kernel.group_dims and reduce_axes > 1: _unroll_group_loop(kernel)
     return kernel.group_dims > 0
-  # column reduction: neighbouring threads take neighbouring outputs (a vector each where threads are plenty); split
-  # the reduce when blocks are few
+  # column reduction: neighbouring threads take neighbouring outputs; split the reduce when blocks are few
   locals_ = power_of_two_divisor(kernel.full_shape[contiguous], COLUMN_LOCALS)
-  if locals_ < 2: return False
-  vector = column_vector(kernel.full_shape[contiguous], outputs, threads_in_flight_wanted(kernel),
-                         getattr(kernel.renderer, "vector_width", 0))
-  if vector > 1 and not _vector_keeps_pieces(kernel, contiguous, vector): vector = 1
-  start = kernel._state()
-  if vector > 1 and not kernel.try_opt(Opt(OptOps.UPCAST, contiguous, vector)): vector = 1
-  if not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)):
-    kernel._restore(start)
-    return False
-  blocks = outputs // (locals_ * vector)
+  if locals_ < 2 or not kernel.try_opt(Opt(OptOps.LOCAL, contiguous, locals_)): return False
+  blocks = outputs // locals_
   first_reduce_size = kernel.full_shape[kernel.first_reduce]
-  # few blocks, or threads too few to hide the loads' latency (a split's partials: column_vector counts on these)
-  if blocks < ENOUGH_BLOCKS or outputs // vector < threads_in_flight_wanted(kernel):
+  if blocks < ENOUGH_BLOCKS:
     group = _largest_divisor_at_most(first_reduce_size, BLOCK_THREADS // locals_)
     if group >= 2: kernel.try_opt(Opt(OptOps.GROUPTOP, 0, group))
-  return True
-
-
-def _vector_keeps_pieces(kernel: Kernel, axis: int, vector: int) -> bool:
-  """Whether every load that varies along `axis` is float32 (the renderer's vector loads are float4s; a bfloat16 lane
-  would load its outputs one by one), and every one a warp's lanes read in contiguous pieces along it
-  (coalesce.contiguous_in_pieces: GPT-2's c_attn bias gradient reads q and k in heads of 64 channels) still reads
-  pieces of the lanes' `vector` outputs each contiguously (a head of 64 holds 32 lanes of 2 outputs, not of a float4:
-  no vector there)."""
-  loads = [(st, leaf) for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
-  if any(st.real_strides()[axis] != 0 and leaf.dtype != dtypes.float32 for st, leaf in loads): return False
-  for view in memory_loads(kernel):
-    if view.real_strides()[axis] == 1 or not contiguous_in_pieces([view], axis, COLUMN_LOCALS): continue
-    if not contiguous_in_pieces([view], axis, COLUMN_LOCALS * vector): return False
   return True
 
 
@@ -581,7 +548,7 @@ def _register_tiling(kernel: Kernel) -> None:
   input broadcasts), then the innermost reduce axis unrolled. On a GPU a reduce whose tiles do not pay off (an input
   read whole: bound by its bytes, _gpu_tiles_pay_off) takes a tile only where its threads still fill the device:
   GPT-2's position-embedding gradient ((512, 768) sums of 8, the per-token statistics broadcast along the 768) as 4x4
-  tiles was 24,576 threads, 9% occupancy on the H200 at half the copy bandwidth."""
+  tiles was 24,576 threads, 9% occupancy on the H200 (ncu, session 13: 28 us for 39 MB, 30% of the DRAM bandwidth)."""
   if kernel.reduceop is None:
     # elementwise: unroll 4 neighbouring outputs so the C compiler sees straight-line vectorizable code. Not on
     # GPUs: there neighbouring threads must touch neighbouring addresses for loads to coalesce; not where the C
@@ -596,8 +563,8 @@ def _register_tiling(kernel: Kernel) -> None:
   for _ in range(2):
     for axis in reversed(range(kernel.first_reduce)):
       if axis in upcast_done: continue
-      broadcast_by_some_input = any(st.real_strides()[axis] == 0 for st in kernel.sts[1:])
       if threads_bound and not _threads_fill_device(kernel, 4): break
+      broadcast_by_some_input = any(st.real_strides()[axis] == 0 for st in kernel.sts[1:])
       if broadcast_by_some_input and kernel.full_shape[axis] % 4 == 0 and kernel.full_shape[axis] >= 8:
         if kernel.try_opt(Opt(OptOps.UPCAST, axis, 4)):
           upcast_done.add(axis)

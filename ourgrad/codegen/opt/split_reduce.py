@@ -23,29 +23,20 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
-from ourgrad.codegen.opt.heuristic import (BLOCK_THREADS, COLUMN_LOCALS, SHORT_REDUCE,
-                                          THREADS_IN_FLIGHT_PER_MULTIPROCESSOR, column_vector)
-from ourgrad.codegen.opt.window_tiles import WINDOW_MAX_ELEMENTS
+from ourgrad.codegen.opt.heuristic import BLOCK_THREADS, COLUMN_LOCALS, SHORT_REDUCE
 from ourgrad.helpers import DEBUG, power_of_two_divisor, prod
 from ourgrad.renderer import ASSUMED_THREAD_BLOCK_GPU
 
 # parts per output at most (the second kernel reduces this many: one block's row of 4 elements a thread)
 MAX_PARTS = 1024
-# parts per output at most of a COLUMNS reduce: its second kernel, a loop over the parts per output, stays one that
-# packing takes beside the other second kernels (engine/packing.py PACK_REDUCE_MAX_LOOP); its first kernel fills the
-# device with vector lanes instead (heuristic.column_vector)
-MAX_COLUMN_PARTS = 64
 # a split below this many parts gains too little to pay for the second kernel's launch
 MIN_PARTS = 4
 # elements of one part at least, by kind: a ROWS part is reduced by a block of BLOCK_THREADS threads, 4 elements each
 # (more, smaller parts left MNIST's first batchnorm statistics 2 waves of blocks that combined more than they loaded);
-# a COLUMNS part by a warp of neighbouring outputs, GROUPTOP threads along the part: each lane sums at least the
-# heuristic's SHORT_REDUCE values of a part (a part of fewer values a lane would be a loop per thread instead, and
-# register tiles where an input is broadcast: a LayerNorm weight gradient's per-token statistics, 12 blocks), so a
-# part is SHORT_REDUCE / vector long where each lane sums a vector of outputs (heuristic.column_vector: 32 parts of
-# 128 one float a lane left GPT-2's 768-wide sums 16 loads in turn a thread); a MATMUL part by threads that each hold
-# a register tile of outputs (H100, MNIST conv2 weight gradient: 32 parts of 512 products 0.061 ms; 128 of 128:
-# 0.344 ms)
+# a COLUMNS part by a warp of neighbouring outputs, GROUPTOP threads along the part: a part shorter than the
+# heuristic's SHORT_REDUCE would be a loop per thread instead, and register tiles where an input is broadcast (a
+# LayerNorm weight gradient's per-token statistics: 12 blocks); a MATMUL part by threads that each hold a register
+# tile of outputs (H100, MNIST conv2 weight gradient: 32 parts of 512 products 0.061 ms; 128 of 128: 0.344 ms)
 MIN_PART_ROWS = 4 * BLOCK_THREADS
 MIN_PART_COLUMNS = SHORT_REDUCE
 MIN_PART_MATMUL = 512
@@ -74,7 +65,6 @@ class SplitFacts:
   threads_per_multiprocessor: int
   launch_bytes: int = 0   # bytes the device's memory moves in the time of one kernel launch (Renderer.launch_bytes)
   latency_bytes: int = 0  # bytes it moves in the time one load waits for memory (Renderer.latency_bytes; 0: no bound)
-  vector_width: int = 1   # float32 elements one vector load reads (Renderer.vector_width: CUDA's float4)
 
   @staticmethod
   def of(renderer: Any) -> SplitFacts:
@@ -84,18 +74,12 @@ class SplitFacts:
     assumed = ASSUMED_THREAD_BLOCK_GPU
     return SplitFacts(getattr(renderer, "multiprocessors", 0) or assumed.multiprocessors,
                       getattr(renderer, "threads_per_multiprocessor", 0) or assumed.threads_per_multiprocessor,
-                      getattr(renderer, "launch_bytes", 0), getattr(renderer, "latency_bytes", 0),
-                      max(getattr(renderer, "vector_width", 0), 1))
+                      getattr(renderer, "launch_bytes", 0), getattr(renderer, "latency_bytes", 0))
 
   @property
   def wave_threads(self) -> int:
     """Threads the whole device keeps resident at once."""
     return self.multiprocessors * self.threads_per_multiprocessor
-
-  @property
-  def threads_wanted(self) -> int:
-    """Threads a reduce with few outputs aims for (heuristic.threads_in_flight_wanted, from these facts)."""
-    return self.multiprocessors * THREADS_IN_FLIGHT_PER_MULTIPROCESSOR
 
   @property
   def wave_blocks(self) -> int:
@@ -107,29 +91,24 @@ class SplitFacts:
 FACTS_OVERRIDE: SplitFacts | None = None
 
 
-def outputs_per_block(kind: ReduceKind, vector: int = 1) -> int:
-  """Outputs one thread block of the heuristic's default kernel computes, for a reduce of this kind (COLUMNS: each
-  lane `vector` outputs)."""
+def outputs_per_block(kind: ReduceKind) -> int:
+  """Outputs one thread block of the heuristic's default kernel computes, for a reduce of this kind."""
   if kind is ReduceKind.ROWS: return 1
-  if kind is ReduceKind.COLUMNS: return COLUMN_LOCALS * vector
+  if kind is ReduceKind.COLUMNS: return COLUMN_LOCALS
   return BLOCK_THREADS * MATMUL_THREAD_OUTPUTS
 
 
-def block_outputs(kind: ReduceKind, outputs: int, vector: int = 1) -> int:
+def block_outputs(kind: ReduceKind, outputs: int) -> int:
   """Outputs one block of a plain (ROWS or COLUMNS) reduce's kernel computes, as the heuristic lays them out: one
   for ROWS; for COLUMNS the largest power of two dividing the outputs up to COLUMN_LOCALS (its LOCAL threads; the
-  block's other threads GROUPTOP over the reduce: a classifier's 10 bias gradients are 5 blocks of 2 x 128 threads),
-  times the `vector` of outputs each lane sums (heuristic.column_vector)."""
-  return 1 if kind is ReduceKind.ROWS else power_of_two_divisor(outputs, COLUMN_LOCALS) * vector
+  block's other threads GROUPTOP over the reduce: a classifier's 10 bias gradients are 5 blocks of 2 x 128 threads)."""
+  return 1 if kind is ReduceKind.ROWS else power_of_two_divisor(outputs, COLUMN_LOCALS)
 
 
-def min_part(kind: ReduceKind, vector: int = 1) -> int:
-  """Elements of one part at least (MIN_PART_*; COLUMNS: a lane's values, `vector` outputs a lane, and with vector
-  lanes more than a pool's window, window_tiles.WINDOW_MAX_ELEMENTS: a part that short would be unrolled whole in a
-  thread per output)."""
+def min_part(kind: ReduceKind) -> int:
+  """Elements of one part at least (MIN_PART_*)."""
   if kind is ReduceKind.ROWS: return MIN_PART_ROWS
-  if kind is ReduceKind.MATMUL: return MIN_PART_MATMUL
-  return MIN_PART_COLUMNS if vector == 1 else max(MIN_PART_COLUMNS // vector, WINDOW_MAX_ELEMENTS + 1)
+  return MIN_PART_COLUMNS if kind is ReduceKind.COLUMNS else MIN_PART_MATMUL
 
 
 def leaves_device_idle(facts: SplitFacts, kind: ReduceKind, outputs: int) -> bool:
@@ -160,7 +139,7 @@ def stream_cost(facts: SplitFacts, input_bytes: int, blocks: int, iterations: in
 
 
 def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_per_output: int,
-                             itemsize: int, parts: int, loads_per_element: int = 1, vector: int = 1) -> bool:
+                             itemsize: int, parts: int, loads_per_element: int = 1) -> bool:
   """Whether `parts` parts take less time than one kernel, the second kernel's launch included (stream_cost, in bytes
   at the device's bandwidth). One kernel has `blocks` blocks of BLOCK_THREADS threads, each thread looping over its
   share of its block's values; split, the first kernel has `parts` times the blocks, each thread's loop `parts` times
@@ -168,9 +147,7 @@ def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, 
   block of 16 iterations) stays one kernel; a bias gradient of 4096 x 768 floats (12.6 MB, 24 blocks) splits, and so
   does MNIST's bn2 statistics backward (32 blocks of 16,384 values of 6 loads: 64 iterations, 2 in flight). A
   matmul-like reduce (register tiles: many loads in flight), or a device whose latency is unknown, counts the
-  bandwidth alone: input bytes x (multiprocessors - blocks) > launch_bytes x blocks. `vector`: outputs each lane of
-  the first kernel sums (COLUMNS: heuristic.column_vector), so its blocks are that many times fewer; a thread's
-  iterations stay (each loads `vector` values)."""
+  bandwidth alone: input bytes x (multiprocessors - blocks) > launch_bytes x blocks."""
   input_bytes = outputs * elements_per_output * itemsize
   if kind is ReduceKind.MATMUL or facts.latency_bytes == 0:
     blocks = -(-outputs // outputs_per_block(kind))
@@ -179,8 +156,7 @@ def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, 
   blocks = -(-outputs // block_outputs(kind, outputs))
   block_values = elements_per_output * block_outputs(kind, outputs)
   one_kernel = stream_cost(facts, input_bytes, blocks, -(-block_values // BLOCK_THREADS), in_flight)
-  first_blocks = -(-outputs // block_outputs(kind, outputs, vector)) * parts
-  first = stream_cost(facts, input_bytes, first_blocks, -(-block_values // (parts * BLOCK_THREADS)), in_flight)
+  first = stream_cost(facts, input_bytes, blocks * parts, -(-block_values // (parts * BLOCK_THREADS)), in_flight)
   # the second kernel: a column reduce of the parts (the parts outermost), one load an element
   second_outputs = block_outputs(ReduceKind.COLUMNS, outputs)
   second_blocks = -(-outputs // second_outputs)
@@ -189,40 +165,22 @@ def saves_more_than_a_launch(facts: SplitFacts, kind: ReduceKind, outputs: int, 
   return one_kernel > first + facts.launch_bytes + second
 
 
-def _parts_for_a_wave(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_per_output: int, split_size: int,
-                      vector: int) -> int:
-  """Parts for a wave of blocks (`facts.wave_blocks`, each of outputs_per_block(kind, vector) outputs), each part at
-  least `min_part(kind, vector)` elements, at most MAX_PARTS (COLUMNS: MAX_COLUMN_PARTS): the largest divisor of
-  `split_size` within those bounds."""
-  per_block = outputs_per_block(kind, vector)
-  most = MAX_COLUMN_PARTS if kind is ReduceKind.COLUMNS else MAX_PARTS
-  wanted = min(most, elements_per_output // min_part(kind, vector), -(-facts.wave_blocks * per_block // outputs))
-  return max((parts for parts in range(1, min(wanted, split_size) + 1) if split_size % parts == 0), default=1)
-
-
 def gpu_split_parts(facts: SplitFacts, kind: ReduceKind, outputs: int, elements_per_output: int,
-                    split_size: int, itemsize: int = 4, loads_per_element: int | Callable[[], int] = 1,
-                    lanes_size: int | None = None) -> int | None:
+                    split_size: int, itemsize: int = 4, loads_per_element: int | Callable[[], int] = 1) -> int | None:
   """Parts of the reduce axis of `split_size` elements, for a GPU: where one kernel would leave multiprocessors
-  idle (leaves_device_idle), enough parts for a wave of blocks (_parts_for_a_wave; a COLUMNS reduce's first kernel
-  takes a vector of outputs a lane where its partials leave threads enough, heuristic.column_vector over the
-  contiguous output axis of `lanes_size`, the outputs unless given); and only where the split saves more than
+  idle (leaves_device_idle), enough parts for a wave of blocks (`facts.wave_blocks`), each part at least
+  `min_part(kind)` elements, at most MAX_PARTS; a divisor of `split_size`; and only where the split saves more than
   its second launch costs (saves_more_than_a_launch, for elements of `itemsize` bytes that each read
   `loads_per_element` buffers). None: no split (the reduce fills the device already, is too short to split into
   MIN_PARTS parts, or one kernel is as fast). `loads_per_element` may be a function, asked only where the cheap
   checks leave a split to decide (counting the loads walks the reduced expression: eager graph building pays it)."""
+  per_block = outputs_per_block(kind)
   if not leaves_device_idle(facts, kind, outputs): return None
-  vector = facts.vector_width if kind is ReduceKind.COLUMNS and itemsize == 4 else 1
-  lanes = outputs if lanes_size is None else lanes_size
-  parts = _parts_for_a_wave(facts, kind, outputs, elements_per_output, split_size, vector)
-  # the vector where the partials' kernel takes one (as the heuristic will decide it)
-  if vector > 1 and column_vector(lanes, parts * outputs, facts.threads_wanted, vector) < vector:
-    vector = 1
-    parts = _parts_for_a_wave(facts, kind, outputs, elements_per_output, split_size, vector)
+  wanted = min(MAX_PARTS, elements_per_output // min_part(kind), -(-facts.wave_blocks * per_block // outputs))
+  parts = max((parts for parts in range(1, min(wanted, split_size) + 1) if split_size % parts == 0), default=1)
   if parts < MIN_PARTS: return None
   if callable(loads_per_element): loads_per_element = loads_per_element()
-  if not saves_more_than_a_launch(facts, kind, outputs, elements_per_output, itemsize, parts, loads_per_element,
-                                  vector):
+  if not saves_more_than_a_launch(facts, kind, outputs, elements_per_output, itemsize, parts, loads_per_element):
     return None
   return parts
 
@@ -255,10 +213,7 @@ def plan_split(renderer: Any, shape: tuple[int, ...], axes: tuple[int, ...], kin
   elements_per_output = prod(shape) // outputs
   if renderer.runs_thread_blocks:
     facts = SplitFacts.of(renderer)
-    # the lanes of a COLUMNS reduce take its innermost output axis (contiguous in the input: lazy_reduce's kind)
-    lanes = next((size for a, size in reversed(list(enumerate(shape))) if a not in axes and size != 1), outputs)
-    parts = gpu_split_parts(facts, kind, outputs, elements_per_output, shape[axis], itemsize, loads_per_element,
-                            lanes)
+    parts = gpu_split_parts(facts, kind, outputs, elements_per_output, shape[axis], itemsize, loads_per_element)
     if DEBUG >= 3 and parts is not None:
       print(f"split reduce: {shape} over {axes} ({kind.value}, {outputs} outputs: "
             f"{-(-outputs // outputs_per_block(kind))} blocks for {facts.multiprocessors} multiprocessors, "
