@@ -19,7 +19,7 @@ from ourgrad.codegen.kernel import Kernel, OptOps
 from ourgrad.codegen.last_block import SplitReduceKernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt import split_reduce
-from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
+from ourgrad.codegen.opt.heuristic import register_tiles_pay_off, threads_in_flight_wanted
 from ourgrad.engine.realize import compile_kernel, run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.device import Buffer, Device
@@ -249,6 +249,24 @@ def test_classifier_bias_gradient_stays_one_kernel_with_h200_facts() -> None:
   assert split_reduce.gpu_split_parts(H200_FACTS, split_reduce.ReduceKind.COLUMNS, 768, 4096, 4096, 4, 1) == 32
 
 
+def test_bias_gradient_partials_layout_on_the_h200(two_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+  """A 4096 x 768 column sum (GPT-2's Linear bias gradient) with the H200's 132 SMs: 32 parts, and the partials'
+  kernel 768 blocks of 32 lanes (one output each) x 8 GROUPTOP threads, 196,608 threads looping 16 times. Session
+  13 measured the alternatives cold on the H200 (extra/bench/sweep_fewout.py): this layout 4.4 us (67% of copy; the
+  LayerNorm weight gradient 8.1 us, 74%), a float4 of outputs a lane 5.2-5.4 us (32 or 64 parts), 64 parts 4.6,
+  blocks of 512 or 1024 threads 9-19 us; the loop unrolled whole changed nothing (nvcc unrolls it by 4)."""
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", H200_FACTS)
+  first, second = _kernels(Tensor.empty(4096, 768, device="PYTHON").sum(axis=0))
+  assert first.outputs[0].size == 32 * 768 and second.outputs[0].size == 768
+  kernel = Kernel(first.ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert [(opt.op, opt.amount) for opt in kernel.applied_opts] == [(OptOps.LOCAL, 32), (OptOps.GROUPTOP, 8)]
+  blocks = prod(kernel.full_shape[:kernel.global_dims])
+  assert (blocks, kernel.block_threads()) == (768, 256)
+  assert blocks * kernel.block_threads() >= H200_FACTS.multiprocessors * 1024
+  assert prod(kernel.full_shape[kernel.first_loop_reduce:kernel.first_upcast]) == 16, "iterations a thread"
+
+
 def test_batchnorm_statistics_split_on_cuda() -> None:
   """On a real GPU, with the real facts (launch_bytes and latency_bytes from the driver): MNIST's second batchnorm
   statistics backward splits."""
@@ -404,6 +422,32 @@ def test_register_tiles_pay_off(strides: list, gathers: bool, expected: bool) ->
   (the split's MATMUL kind and the GPU heuristic's register tiles both ask it)."""
   shape = (16, 16, 8) if len(strides) == 2 and not gathers and strides[0][0] == 8 else (2, 16, 4)
   assert register_tiles_pay_off(shape, (2,), strides, gathers) is expected
+
+
+def test_short_reduce_read_whole_keeps_a_thread_per_output() -> None:
+  """GPT-2's position-embedding gradient: (512, 768) sums over a batch of 8 of a value read whole beside per-token
+  statistics (broadcast along the 768). Register tiles do not pay off (heuristic.register_tiles_pay_off), and 4 x 4
+  of them left the H200 24,576 threads (9% occupancy, half the copy bandwidth); the kernel keeps a thread per output
+  (at least heuristic.threads_in_flight_wanted), and its sums equal numpy's with CUDA's heuristics."""
+  x_data, statistic, dy_data = (rng.standard_normal(shape).astype(np.float32)
+                                for shape in ((8, 512, 768), (8, 512, 1), (8, 512, 768)))
+  x, s, dy = (Tensor(data, device="PYTHON") for data in (x_data, statistic, dy_data))
+  [item] = _kernels(((x - s) * dy).sum(axis=0))
+  kernel = Kernel(item.ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  assert not any(opt.op is OptOps.UPCAST for opt in kernel.applied_opts), kernel.applied_opts
+  threads = prod(kernel.full_shape[:kernel.global_dims]) * kernel.block_threads()
+  assert threads == 512 * 768 >= threads_in_flight_wanted(kernel)
+  small = Tensor(x_data[:, :8, :64], device="PYTHON"), Tensor(statistic[:, :8], device="PYTHON"), \
+      Tensor(dy_data[:, :8, :64], device="PYTHON")
+  [small_item] = _kernels(((small[0] - small[1]) * small[2]).sum(axis=0))
+  for buffer in small_item.outputs: buffer.allocate()
+  optimized = Kernel(small_item.ast, PythonRenderer("CUDA"))
+  optimized.hand_coded_optimizations()
+  output = Buffer("PYTHON", small_item.outputs[0].size, small_item.outputs[0].dtype).allocate()
+  compile_kernel(optimized, "PYTHON")((output,) + small_item.inputs)
+  expected = ((x_data[:, :8, :64] - statistic[:, :8]) * dy_data[:, :8, :64]).sum(axis=0)
+  np.testing.assert_allclose(output.numpy().reshape(8, 64), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_row_sums_of_gathered_embeddings_get_group_threads() -> None:

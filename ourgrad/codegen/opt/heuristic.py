@@ -538,7 +538,17 @@ def _cpu_simd_elementwise(kernel: Kernel) -> bool:
   return not any(stride is not None and stride < 0 for st in buffer_sts for stride in st.real_strides())
 
 
+def _threads_fill_device(kernel: Kernel, upcast: int) -> bool:
+  """Whether the kernel's output threads, `upcast` times fewer, still number threads_in_flight_wanted."""
+  return prod(kernel.full_shape[:kernel.first_reduce]) // upcast >= threads_in_flight_wanted(kernel)
+
+
 def _register_tiling(kernel: Kernel) -> None:
+  """CPUs: unroll 4 neighbouring elementwise outputs; reduces: register tiles (UPCAST 4 of up to two output axes some
+  input broadcasts), then the innermost reduce axis unrolled. On a GPU a reduce whose tiles do not pay off (an input
+  read whole: bound by its bytes, _gpu_tiles_pay_off) takes a tile only where its threads still fill the device:
+  GPT-2's position-embedding gradient ((512, 768) sums of 8, the per-token statistics broadcast along the 768) as 4x4
+  tiles was 24,576 threads, 9% occupancy on the H200 (ncu, session 13: 28 us for 39 MB, 30% of the DRAM bandwidth)."""
   if kernel.reduceop is None:
     # elementwise: unroll 4 neighbouring outputs so the C compiler sees straight-line vectorizable code. Not on
     # GPUs: there neighbouring threads must touch neighbouring addresses for loads to coalesce; not where the C
@@ -549,9 +559,11 @@ def _register_tiling(kernel: Kernel) -> None:
       kernel.try_opt(Opt(OptOps.UPCAST, last, 4))
     return
   upcast_done: set[int] = set()
+  threads_bound = kernel.renderer.has_threads and not _gpu_tiles_pay_off(kernel)
   for _ in range(2):
     for axis in reversed(range(kernel.first_reduce)):
       if axis in upcast_done: continue
+      if threads_bound and not _threads_fill_device(kernel, 4): break
       broadcast_by_some_input = any(st.real_strides()[axis] == 0 for st in kernel.sts[1:])
       if broadcast_by_some_input and kernel.full_shape[axis] % 4 == 0 and kernel.full_shape[axis] >= 8:
         if kernel.try_opt(Opt(OptOps.UPCAST, axis, 4)):
