@@ -16,8 +16,9 @@ median of 3 batches of `--iters` back-to-back launches between two CUDA events o
 
 Run on an H100/H200: `python extra/bench/bench_wgmma_grid.py` (`--only lm-head,tf32` keeps the rows whose name
 contains every word; given again, `--only` adds rows; `--square` adds 4096^3 in bfloat16 and float16; `--top N` the
-ranked variants; `--kinds model,256rows` only those variants; `--layouts` the best unsplit grid with each operand
-K-major or MN-major (16-bit); `--dry` prints the variants and predictions without a GPU).
+ranked variants; `--kinds model,256rows` only those variants; `--layouts "fc dW,square"` (or all) the best unsplit
+grid of those rows with each operand K-major or MN-major (16-bit); `--dry` prints the variants and predictions
+without a GPU).
 """
 from __future__ import annotations
 
@@ -207,15 +208,16 @@ def run_row(name: str, m: int, n: int, k: int, precision: str, processors: int, 
 
 
 def compile_all(jobs: list[tuple[str, int, int, int, str]], processors: int, top: int, kinds: tuple[str, ...] = (),
-                layouts: bool = False) -> None:
+                layouts: str = "") -> None:
   """Every variant's kernel compiled into the disk cache first, 16 at a time (NVRTC releases the GIL)."""
   from ourgrad.device import Device
   compiler = Device["CUDA"].compiler
   sources = [render_wgmma_matmul(plan_of(grid, m, n, k, {**DTYPES, **SQUARE_DTYPES}[precision], processors, lag,
                                          layout))
-             for _, m, n, k, precision in jobs
+             for name, m, n, k, precision in jobs
              for _, grid, lag, layout in variants(m, n, k, 4 if precision == "tf32" else 2, processors, top, kinds,
-                                                  layouts)]
+                                                  layouts == "all" or any(word and word in name
+                                                                          for word in layouts.split(",")))]
   def compile_one(source: str) -> str:
     try: compiler.compile_cached(source)
     except Exception as error:   # the row that needs it says so again when it loads
@@ -235,8 +237,8 @@ def main() -> None:
   parser.add_argument("--kinds", default="", help="only the variants whose label starts with one of these "
                       "(comma-separated: before, model, lag, tile, 64rows, 192rows, 256rows, split, rank, kk, mk, kn, "
                       "mn)")
-  parser.add_argument("--layouts", action="store_true", help="16-bit rows: the best unsplit grid also with A, B and "
-                      "both operands MN-major (kk, mk, kn, mn)")
+  parser.add_argument("--layouts", default="", help="16-bit rows whose name contains one of these (comma-separated; "
+                      "'all': every row): the best unsplit grid also with A, B and both operands MN-major (mk, kn, mn)")
   parser.add_argument("--dry", action="store_true", help="print the variants and predictions only (no GPU)")
   parser.add_argument("--processors", type=int, default=0, help="multiprocessors (default: the GPU's; --dry 132)")
   args = parser.parse_args()
@@ -252,7 +254,8 @@ def main() -> None:
   kinds = tuple(kind for kind in args.kinds.split(",") if kind)
   if not args.dry: compile_all(jobs, processors, args.top, kinds, args.layouts)
   for name, m, n, k, precision in jobs:
-    try: run_row(name, m, n, k, precision, processors, args.top, args.iters, args.dry, kinds, args.layouts)
+    layouts = args.layouts == "all" or any(word and word in name for word in args.layouts.split(","))
+    try: run_row(name, m, n, k, precision, processors, args.top, args.iters, args.dry, kinds, layouts)
     except Exception as error:   # a row that fails is a line saying so
       print(f"{name} {precision}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
 
