@@ -16,7 +16,8 @@ from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import WGMMA_DEEP, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.opt import matmul_grid, tensor_core_plans
 from ourgrad.codegen.opt.tensor_core_plans import WgmmaPlan
-from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, accumulator_position, descriptor, render_wgmma_matmul, swizzled
+from ourgrad.codegen.wgmma_tiles import (WARPGROUP_THREADS, WgmmaMatmul, a_copy, accumulator_position, b_copy,
+                                         descriptor, render_wgmma_matmul, swizzled, thread_copies)
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import bfloat16_bits_to_float32
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -151,6 +152,45 @@ def test_emulated_kernel_matches_float64(name: str) -> None:
   if NVRTC is not None:
     info = NVRTC.ptxas_info(render_wgmma_matmul(plan))
     assert "0 bytes spill stores" in info or "ptxas info" not in info, info   # some NVRTC builds log nothing here
+
+
+COPY_PLANS = {
+  "bf16_k_major": dict(dtype="bfloat16", block_n=192, stages=5, specialized=True, b_k_major=True),
+  "bf16_mn_major": dict(dtype="bfloat16", block_n=192, stages=5, specialized=True, a_k_major=False),
+  "f16_256x128_mn_major_a": dict(dtype="float16", block_m=256, block_n=128, stages=4, specialized=True,
+                                 a_k_major=False),
+  "f16_128x256_b_kxn": dict(dtype="float16", specialized=True),
+  "tf32_192x192": dict(dtype="float32", block_m=192, block_n=192, stages=4, specialized=True, b_k_major=True),
+  "bf16_64x64_cooperative": dict(dtype="bfloat16", block_m=64, block_n=64, stages=3),
+  "f16_192x128_cooperative": dict(dtype="float16", block_m=192, block_n=128, stages=3, a_k_major=False),
+}
+
+
+@pytest.mark.parametrize("name", list(COPY_PLANS))
+def test_thread_copies_are_the_pieces_of_each_thread(name: str) -> None:
+  """Where the kernel copies from one address plus constants (thread_copies), thread t's i-th copy is piece
+  t + threads * i of a_copy/b_copy (what the emulator checks against float64), in every K step; the specialized
+  producer's 128 threads take that form for every tile, MN-major ones included (no division per piece)."""
+  options = COPY_PLANS[name]
+  plan = WgmmaMatmul(2 * options.get("block_m", 128), 2 * options.get("block_n", 256), 512, **options)
+  threads = WARPGROUP_THREADS if plan.specialized else plan.threads
+  looped = False
+  for operand, copy, block in (("a", a_copy, plan.block_m), ("b", b_copy, plan.block_n)):
+    split = thread_copies(plan, operand, 0, threads, 0)
+    if split is None:
+      assert not plan.specialized
+      looped = True
+      continue
+    for step in (0, 3):
+      for thread in range(threads):
+        (source, target), offsets = thread_copies(plan, operand, thread, threads, step)
+        got = [(source + source_offset, target + target_offset) for source_offset, target_offset in offsets]
+        pieces = [thread + threads * number for number in range(len(offsets))]
+        assert got == [copy(plan, piece, step) for piece in pieces]
+    assert len(offsets) * threads == block * plan.block_k // plan.piece_elements
+  source = render_wgmma_matmul(plan)
+  assert ("for (int piece" in source) == looped
+  if NVRTC is not None: NVRTC.compile(source)
 
 
 def test_producer_copy_lag() -> None:
