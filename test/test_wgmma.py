@@ -321,6 +321,20 @@ def test_model_fills_the_machine_on_gpt2_shapes() -> None:
   assert matmul_grid.fastest_wgmma_grid(1, 4096, 768, 50304, 4, 132, shared, split=True).parts == 4
 
 
+def test_model_ranks_tall_tiles_where_they_feed_more() -> None:
+  """The 256- and 192-row tiles (4 and 3 consumer warpgroups) are ranked: where N = 50304 rules out 128 x 256, the
+  lm-head forward takes 256 x 128 (85 multiply-adds a byte of operands against 128 x 192's 77) and its weight
+  gradient 192 x 192 (96); where times tie, the 128-row tile stays first (4096^3: 128 x 256)."""
+  shared = CUDARenderer.dynamic_local_memory_bytes
+  for itemsize in (2, 4):
+    lm_head = matmul_grid.fastest_wgmma_grid(1, 4096, 50304, 768, itemsize, 132, shared)
+    assert (lm_head.block_m, lm_head.block_n, lm_head.persistent) == (256, 128, True)
+    weight_gradient = matmul_grid.fastest_wgmma_grid(1, 50304, 768, 4096, itemsize, 132, shared)
+    assert (weight_gradient.block_m, weight_gradient.block_n) == (192, 192)
+    square = matmul_grid.fastest_wgmma_grid(1, 4096, 4096, 4096, itemsize, 132, shared)
+    assert (square.block_m, square.block_n) == (128, 256)
+
+
 def test_wgmma_refuses_other_opts() -> None:
   a, b = Tensor.empty(128, 64, dtype=dtypes.float16), Tensor.empty(64, 256, dtype=dtypes.float16)
   kernel = Kernel(create_schedule([(a @ b).lazydata])[-1].ast, PythonRenderer("CUDA_SM90"))

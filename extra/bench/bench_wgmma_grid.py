@@ -75,16 +75,18 @@ LAYOUTS = ("kk", "mk", "kn", "mn")
 def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int, kinds: tuple[str, ...] = (),
              layouts: bool = False) -> list[Variant]:
   """(label, grid, copy lag, layout): before, the model's choice (with the default copy lag, 1, and with stages - 2),
-  every 128-row grid of N tile 128 or more (persistent or not) unsplit, the best 64-row grid, the best 192- and
-  256-row grid of each N tile and split predicted within TALL_WITHIN of the model's, the model's best split into 2
-  and into 4 parts, then its next `top` ranked grids (no repeats): the spread the model's constants are fitted on;
-  all K-major. With `layouts` (16-bit operands), the best unsplit grid again with A, B and both MN-major. `kinds`:
-  keep only the labels starting with one of these."""
+  its best grid of 128 or 64 rows (short), every 128-row grid of N tile 128 or more (persistent or not) unsplit, the
+  best 64-row grid, the best 192- and 256-row grid of each N tile and split predicted within TALL_WITHIN of the
+  model's, the model's best split into 2 and into 4 parts, then its next `top` ranked grids (no repeats): the
+  spread the model's constants are fitted on; all K-major. With `layouts` (16-bit operands), the best unsplit grid
+  again with A, B and both MN-major. `kinds`: keep only the labels starting with one of these."""
   def seconds(grid: WgmmaGrid) -> float: return wgmma_seconds(grid, 1, m, n, k, itemsize, processors)
   def rank(block_ms: tuple[int, ...]) -> list[WgmmaGrid]:
     return sorted(wgmma_grids(1, m, n, k, itemsize, SHARED_BYTES, split=True, block_ms=block_ms), key=seconds)
   ranked, tall = rank(WGMMA_BLOCK_MS), rank(WGMMA_TALL_BLOCK_MS)
-  chosen = [("before", before_grid(m, n, processors)), ("model", ranked[0])]
+  short = tuple(rows_ for rows_ in WGMMA_BLOCK_MS if rows_ not in WGMMA_TALL_BLOCK_MS)
+  best_short = rank(short)[0]   # the model's choice among 128- and 64-row tiles (before it ranked the tall ones)
+  chosen = [("before", before_grid(m, n, processors)), ("model", ranked[0]), ("short", best_short)]
   chosen += [("tile", grid) for grid in ranked if grid.parts == 1 and grid.block_m == 128 and grid.block_n >= 128]
   chosen += [("64rows", grid) for grid in ranked if grid.parts == 1 and grid.block_m == 64][:1]
   # the tall tiles (3 and 4 consumer warpgroups): the best of each shape and split whose predicted time is within
@@ -235,8 +237,8 @@ def main() -> None:
                       "words (comma-separated); several --only: the rows of any")
   parser.add_argument("--square", action="store_true", help=f"also {SQUARE}^3 in bfloat16 and float16")
   parser.add_argument("--kinds", default="", help="only the variants whose label starts with one of these "
-                      "(comma-separated: before, model, lag, tile, 64rows, 192rows, 256rows, split, rank, kk, mk, kn, "
-                      "mn)")
+                      "(comma-separated: before, model, short, lag, tile, 64rows, 192rows, 256rows, split, rank, "
+                      "kk, mk, kn, mn)")
   parser.add_argument("--layouts", default="", help="16-bit rows whose name contains one of these (comma-separated; "
                       "'all': every row): the best unsplit grid also with A, B and both operands MN-major (mk, kn, mn)")
   parser.add_argument("--dry", action="store_true", help="print the variants and predictions only (no GPU)")
