@@ -17,7 +17,8 @@ from ourgrad.codegen.kernel import WGMMA_DEEP, WGMMA_SPECIALIZED, Kernel, Kernel
 from ourgrad.codegen.opt import matmul_grid, tensor_core_plans
 from ourgrad.codegen.opt.tensor_core_plans import WgmmaPlan
 from ourgrad.codegen.wgmma_tiles import (WARPGROUP_THREADS, WgmmaMatmul, a_copy, accumulator_position, b_copy,
-                                         descriptor, render_wgmma_matmul, swizzled, thread_copies)
+                                         descriptor, paired_store_position, render_wgmma_matmul, swizzled,
+                                         thread_copies)
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import bfloat16_bits_to_float32
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -191,6 +192,39 @@ def test_thread_copies_are_the_pieces_of_each_thread(name: str) -> None:
   source = render_wgmma_matmul(plan)
   assert ("for (int piece" in source) == looped
   if NVRTC is not None: NVRTC.compile(source)
+
+
+def test_paired_stores_write_every_output_once() -> None:
+  """The paired 16-bit epilogue as the kernel does it, lane by lane: for column blocks j, j + 1 (j even) and each row
+  half, a lane packs its pairs `low` (block j) and `high` (j + 1), an odd lane sends `low` and an even one `high` to
+  its neighbour (shuffle xor 1), and stores 4 outputs at paired_store_position: even (low, received), odd (received,
+  high). Every output of the 64 x N tile is written once, with the accumulator that holds it, each 8-byte store
+  aligned, and a quad of lanes writes 32 contiguous bytes of a row."""
+  block_n = 192
+  written = {}
+  for thread in range(WARPGROUP_THREADS):
+    partner = thread ^ 1
+    for block in range(0, block_n // 2, 8):
+      for element in (block, block + 2):
+        low, high = (thread, element), (thread, element + 4)
+        received = (partner, element) if thread % 2 == 0 else (partner, element + 4)   # the neighbour sent it
+        row, column = paired_store_position(thread, element)
+        assert column % 4 == 0
+        pairs = (low, received) if thread % 2 == 0 else (received, high)
+        for number, (owner, first) in enumerate(pairs):
+          for half in (0, 1):
+            assert (row, column + 2 * number + half) not in written
+            written[(row, column + 2 * number + half)] = accumulator_position(owner, first + half)
+  assert len(written) == 64 * block_n and all(position == held for position, held in written.items())
+  quad = {paired_store_position(thread, 8)[1] for thread in range(4)}
+  assert sorted(quad) == [16, 20, 24, 28]
+  plan = WgmmaMatmul(256, 2 * block_n, 256, dtype="bfloat16", block_n=block_n, stages=5, specialized=True,
+                     paired_stores=True)
+  source = render_wgmma_matmul(plan)
+  assert "__shfl_xor_sync" in source and "uint2" in source and plan.name.endswith("_pairs")
+  if NVRTC is not None:
+    info = NVRTC.ptxas_info(source)
+    assert "0 bytes spill stores" in info or "ptxas info" not in info, info
 
 
 def test_producer_copy_lag() -> None:

@@ -67,7 +67,8 @@ def before_grid(m: int, n: int, processors: int) -> WgmmaGrid:
   return WgmmaGrid(128, 128, 6)
 
 
-Variant = tuple[str, WgmmaGrid, int, str]   # label, grid, copy lag (0: the default), operand layout (LAYOUTS)
+# label, grid, copy lag (0: the default), operand layout (LAYOUTS), paired 16-bit stores (WgmmaMatmul.paired_stores)
+Variant = tuple[str, WgmmaGrid, int, str, bool]
 # the operands' layouts: A K-major ("k": M x K) or MN-major ("m": K x M), B K-major ("k": N x K) or not ("n": K x N)
 LAYOUTS = ("kk", "mk", "kn", "mn")
 
@@ -98,20 +99,22 @@ def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int, k
   for parts in (2, 4): chosen += [(f"split{parts}", grid) for grid in ranked if grid.parts == parts][:1]
   chosen += [(f"rank{number}", grid) for number, grid in enumerate(ranked[1:top + 1], 1)]
   # the producer's lead: 1 (the default) and stages - 2 on the model's grid
-  unique, seen = [("before", chosen[0][1], 1, "kk"), ("model", ranked[0], 0, "kk"),
-                  ("lag", ranked[0], max(1, ranked[0].stages - 2), "kk")], set()
+  unique, seen = [("before", chosen[0][1], 1, "kk", False), ("model", ranked[0], 0, "kk", False),
+                  ("lag", ranked[0], max(1, ranked[0].stages - 2), "kk", False)], set()
   for label, grid in chosen[1:]:
     if grid in seen: continue
     seen.add(grid)
-    if label != "model": unique.append((label, grid, 0, "kk"))
+    if label != "model": unique.append((label, grid, 0, "kk", False))
+  # the model's grid with paired 16-bit stores (its output 16-bit: unsplit)
+  if itemsize == 2 and ranked[0].parts == 1: unique.append(("pairs", ranked[0], 0, "kk", True))
   if layouts and itemsize == 2:
     whole = next(grid for grid in ranked if grid.parts == 1)
-    unique += [(f"{layout}", whole, 0, layout) for layout in LAYOUTS]
+    unique += [(f"{layout}", whole, 0, layout, False) for layout in LAYOUTS]
   return [variant for variant in unique if not kinds or variant[0].startswith(kinds)]
 
 
 def plan_of(grid: WgmmaGrid, m: int, n: int, k: int, dtype: str, processors: int, lag: int = 0,
-            layout: str = "kk") -> WgmmaMatmul:
+            layout: str = "kk", paired: bool = False) -> WgmmaMatmul:
   """The kernel of `grid`: operands in `layout` (LAYOUTS; MN-major ones only unsplit); split-K as a batch over the
   parts (each reading its K slice of the rows) into float32 partials."""
   part_k = k // grid.parts
@@ -121,13 +124,14 @@ def plan_of(grid: WgmmaGrid, m: int, n: int, k: int, dtype: str, processors: int
                      stages=grid.stages, specialized=True, a_k_major=a_k_major, b_k_major=b_k_major,
                      a_row_stride=k if a_k_major else m, b_row_stride=k if b_k_major else n, batch=grid.parts,
                      a_batch=part_k, b_batch=part_k, c_batch=m * n, ctas_per_sm=grid.ctas_per_sm,
-                     persistent_ctas=processors * grid.ctas_per_sm if grid.persistent else 0, copy_lag=lag)
+                     persistent_ctas=processors * grid.ctas_per_sm if grid.persistent else 0, copy_lag=lag,
+                     paired_stores=paired)
 
 
-def describe(grid: WgmmaGrid, lag: int = 0, layout: str = "kk") -> str:
+def describe(grid: WgmmaGrid, lag: int = 0, layout: str = "kk", paired: bool = False) -> str:
   return (f"{grid.block_m}x{grid.block_n} s{grid.stages}" + (f" c{grid.ctas_per_sm}" if grid.ctas_per_sm > 1 else "")
           + (" persistent" if grid.persistent else "") + (f" split{grid.parts}" if grid.parts > 1 else "")
-          + (f" lag{lag}" if lag else "") + (f" {layout}" if layout != "kk" else ""))
+          + (f" lag{lag}" if lag else "") + (f" {layout}" if layout != "kk" else "") + (" pairs" if paired else ""))
 
 
 def event_seconds(launch, iters: int) -> float:
@@ -159,14 +163,14 @@ def run_row(name: str, m: int, n: int, k: int, precision: str, processors: int, 
   chosen = variants(m, n, k, itemsize, processors, top, kinds, layouts)
   title = f"{name} {precision} {m}x{n}x{k}"
   if dry:
-    for label, grid, lag, layout in chosen:
+    for label, grid, lag, layout, paired in chosen:
       predicted = wgmma_seconds(grid, 1, m, n, k, itemsize, processors)
-      print(f"{title:<36} {label:<7} {describe(grid, lag, layout):<34} pred {predicted * 1e6:8.1f} us")
+      print(f"{title:<36} {label:<7} {describe(grid, lag, layout, paired):<34} pred {predicted * 1e6:8.1f} us")
     return
   from ourgrad.device import Buffer, Device
   from ourgrad.dtype import dtypes
   device = Device["CUDA"]
-  plans = [plan_of(grid, m, n, k, dtype, processors, lag, layout) for _, grid, lag, layout in chosen]
+  plans = [plan_of(grid, m, n, k, dtype, processors, lag, layout, paired) for _, grid, lag, layout, paired in chosen]
   binaries = [device.compiler.compile_cached(render_wgmma_matmul(plan)) for plan in plans]   # compiled in main()
   torch_dtype = getattr(torch, dtype)
   generator = torch.Generator(device="cuda").manual_seed(0)
@@ -181,10 +185,10 @@ def run_row(name: str, m: int, n: int, k: int, precision: str, processors: int, 
     return Buffer("CUDA", tensor.numel(), ours_dtype).copyin(memoryview(host))
   # per layout letter: the operand as stored (K-major as drawn, MN-major transposed)
   operands = {"a": {"k": device_buffer(a)}, "b": {"k": device_buffer(b)}}
-  if any(layout != "kk" for *_, layout in chosen):
+  if any(layout != "kk" for *_, layout, _ in chosen):
     operands["a"]["m"], operands["b"]["n"] = device_buffer(a.T), device_buffer(b.T)
   print(f"{title:<36} cuBLAS{'':<29} {cublas * 1e3:9.3f} ms {work / cublas / 1e12:6.1f} TFLOP/s", flush=True)
-  for (label, grid, lag, layout), plan, binary in zip(chosen, plans, binaries):
+  for (label, grid, lag, layout, paired), plan, binary in zip(chosen, plans, binaries):
     a_buffer, b_buffer = operands["a"][layout[0]], operands["b"][layout[1]]
     program = device.program(plan.name, binary)
     out_dtype = getattr(dtypes, plan.out_dtype)
@@ -203,7 +207,7 @@ def run_row(name: str, m: int, n: int, k: int, precision: str, processors: int, 
     expected = reference.float()
     error = float((result - expected).norm() / expected.norm())
     predicted = wgmma_seconds(grid, 1, m, n, k, itemsize, processors)
-    print(f"{title:<36} {label:<7} {describe(grid, lag, layout):<34} {seconds * 1e3:9.3f} ms "
+    print(f"{title:<36} {label:<7} {describe(grid, lag, layout, paired):<34} {seconds * 1e3:9.3f} ms "
           f"{work / seconds / 1e12:6.1f} TFLOP/s {cublas / seconds * 100:5.0f}% cuBLAS  "
           f"pred {predicted * 1e3:8.3f} ms  err {error:.1e}",
           flush=True)
@@ -214,12 +218,13 @@ def compile_all(jobs: list[tuple[str, int, int, int, str]], processors: int, top
   """Every variant's kernel compiled into the disk cache first, 16 at a time (NVRTC releases the GIL)."""
   from ourgrad.device import Device
   compiler = Device["CUDA"].compiler
+  def with_layouts(name: str) -> bool:
+    return layouts == "all" or any(word and word in name for word in layouts.split(","))
   sources = [render_wgmma_matmul(plan_of(grid, m, n, k, {**DTYPES, **SQUARE_DTYPES}[precision], processors, lag,
-                                         layout))
+                                         layout, paired))
              for name, m, n, k, precision in jobs
-             for _, grid, lag, layout in variants(m, n, k, 4 if precision == "tf32" else 2, processors, top, kinds,
-                                                  layouts == "all" or any(word and word in name
-                                                                          for word in layouts.split(",")))]
+             for _, grid, lag, layout, paired in variants(m, n, k, 4 if precision == "tf32" else 2, processors, top,
+                                                          kinds, with_layouts(name))]
   def compile_one(source: str) -> str:
     try: compiler.compile_cached(source)
     except Exception as error:   # the row that needs it says so again when it loads
@@ -238,7 +243,7 @@ def main() -> None:
   parser.add_argument("--square", action="store_true", help=f"also {SQUARE}^3 in bfloat16 and float16")
   parser.add_argument("--kinds", default="", help="only the variants whose label starts with one of these "
                       "(comma-separated: before, model, short, lag, tile, 64rows, 192rows, 256rows, split, rank, "
-                      "kk, mk, kn, mn)")
+                      "pairs, kk, mk, kn, mn)")
   parser.add_argument("--layouts", default="", help="16-bit rows whose name contains one of these (comma-separated; "
                       "'all': every row): the best unsplit grid also with A, B and both operands MN-major (mk, kn, mn)")
   parser.add_argument("--dry", action="store_true", help="print the variants and predictions only (no GPU)")

@@ -80,6 +80,15 @@ def accumulator_position(thread: int, element: int) -> tuple[int, int]:
   return 16 * warp + lane // 4 + 8 * ((element >> 1) & 1), 8 * (element >> 2) + 2 * (lane % 4) + (element & 1)
 
 
+def paired_store_position(thread, element):
+  """(row, column) where thread `thread`'s 8-byte store of a paired 16-bit epilogue starts, for the accumulators
+  `element`, + 1 (column block j = element >> 2, j even) and element + 4, + 5 (block j + 1): an even lane keeps its
+  block-j pair and takes its odd neighbour's (columns 8 j + 2 lane .. + 3), an odd lane takes its even neighbour's
+  block-(j + 1) pair and keeps its own (8 (j + 1) + 2 lane - 2 .. + 3)."""
+  row, column = accumulator_position(thread, element)
+  return row, column + (thread & 1) * 6
+
+
 # registers per thread: the most a thread may have, the producer's after setmaxnreg (what its copies need), the
 # granule setmaxnreg counts in, and what a consumer needs beside its accumulators (a multiprocessor's file is the
 # device's fact: WgmmaMatmul.multiprocessor_registers)
@@ -155,6 +164,9 @@ class WgmmaMatmul:
   # step's copies before issuing the one after next; up to stages - 2 (the most that cannot deadlock) keep more in
   # flight, measured 2-4% slower on the H200 (bench_wgmma_grid_h200_s11.txt)
   copy_lag: int = 0
+  # 16-bit output: neighbouring lanes swap one packed pair so each thread stores 8 bytes (4 outputs) and a quad of
+  # lanes 32 contiguous bytes of a row (whole sectors; half the store instructions); False: 4 bytes a store
+  paired_stores: bool = False
   # 32-bit registers of the multiprocessor it runs on (the device's fact, Renderer.registers_per_multiprocessor)
   multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
 
@@ -248,7 +260,8 @@ class WgmmaMatmul:
       ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "") + \
       (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "") + \
       (f"_p{self.persistent_ctas}" if self.persistent_ctas else "") + \
-      (f"_lag{self.copy_lag}" if self.specialized and self.copy_lag != 1 else "")
+      (f"_lag{self.copy_lag}" if self.specialized and self.copy_lag != 1 else "") + \
+      ("_pairs" if self.paired_stores and self.out_dtype != "float32" else "")
     dtype = "tf32" if self.dtype == "float32" else self.dtype
     dense = (self.k if self.a_k_major else self.m), (self.k if self.b_k_major else self.n)
     strides = (self.a_row_stride, self.b_row_stride)
@@ -447,6 +460,39 @@ def _copy_lines(plan: WgmmaMatmul, thread: str, threads: int) -> list[str]:
   return lines
 
 
+def _store_body(plan: WgmmaMatmul) -> list[str]:
+  """The store lambda's loop over the thread's accumulators: pairs (i, i + 1) of neighbouring columns, each one
+  32-bit store of two halves (or a float2); with paired_stores (16-bit output) two such pairs a store
+  (paired_store_position), the neighbouring lanes swapping one through a shuffle."""
+  count = plan.block_n // 2
+  def index(row, column) -> str:
+    return (f"(tile_m * {plan.block_m} + warpgroup * 64 + {row}) * {plan.n} + tile_n * {plan.block_n} + {column}")
+  if not (plan.paired_stores and plan.out_dtype != "float32"):
+    row, column = accumulator_position(CExpr("thread"), CExpr("i"))
+    return ["#pragma unroll",
+            f"    for (int i = 0; i < {count}; i += 2) {{",
+            f"      int index = {index(row, column)};",
+            *["  " + line for line in _store_lines(plan)],
+            "    }"]
+  ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
+  row, column = paired_store_position(CExpr("thread"), CExpr("i"))
+  def pack(name: str, first: str) -> str:
+    return (f'        unsigned {name}; asm("cvt.rn.{ptx_type}x2.f32 %0, %1, %2;" : "=r"({name}) : '
+            f'"f"(acc[{first} + 1]), "f"(acc[{first}]));')
+  # i walks the pairs of column blocks 2 j', 2 j' + 1 (8 accumulators), both row halves (i, i + 2)
+  return ["    const int odd = thread & 1;",
+          "#pragma unroll",
+          f"    for (int block = 0; block < {count}; block += 8) {{",
+          "#pragma unroll",
+          "      for (int i = block; i < block + 4; i += 2) {",
+          pack("low", "i"), pack("high", "i + 4"),
+          "        unsigned swapped = __shfl_xor_sync(0xffffffffu, odd ? low : high, 1);",
+          f"        int index = {index(row, column)};",
+          "        *(uint2*)(c + index) = odd ? make_uint2(swapped, high) : make_uint2(low, swapped);",
+          "      }",
+          "    }"]
+
+
 def _store_lines(plan: WgmmaMatmul) -> list[str]:
   """Store accumulators i and i + 1 (neighbouring columns) at C[index]: float32 as a float2, else converted and
   packed two to a 32-bit word (cvt's first source goes to the upper half)."""
@@ -492,11 +538,9 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
   `arguments` gives (default c, a, b); launch with plan.global_size and plan.local_size, plan.shared_bytes of dynamic
   shared memory (the kernel exports that size as `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads back at
   load)."""
-  count = plan.block_n // 2
   a_lbo, a_sbo = plan.a_leading_stride()
   b_lbo, b_sbo = plan.b_leading_stride()
   a_start, b_start = operand_starts(plan, CExpr("warpgroup"), CExpr("j"))
-  row, column = accumulator_position(CExpr("thread"), CExpr("i"))
   copy_thread, copy_threads = ("thread", WARPGROUP_THREADS) if plan.specialized else ("threadIdx.x", plan.threads)
   positions = arguments or {"c": 0, "a": 1, "b": 2}
   in_type = C_TYPE[plan.dtype]
@@ -539,14 +583,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "  };",
     "  auto store = [&](float* acc) {",
     '    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");',
-    # each thread's accumulator pairs (i, i + 1) are neighbouring columns: one 32-bit store of two halves
-    "#pragma unroll",
-    f"    for (int i = 0; i < {count}; i += 2) {{",
-    f"      int row = {row}, column = {column};",
-    f"      int index = (tile_m * {plan.block_m} + warpgroup * 64 + row) * {plan.n} + tile_n * {plan.block_n} + "
-    "column;",
-    *["  " + line for line in _store_lines(plan)],
-    "    }",
+    *_store_body(plan),
     "  };",
     *(_specialized_loop(plan) if plan.specialized else _cooperative_loop(plan)),
     "}",
