@@ -130,6 +130,9 @@ PLANS = {
   # stages counted across tiles), TF32
   "bf16_128x192_specialized": dict(dtype="bfloat16", block_n=192, stages=4, specialized=True),
   "f16_specialized_lag3": dict(dtype="float16", block_n=128, stages=5, specialized=True, copy_lag=3),
+  # the copies arriving on their stage's barrier as they land (the emulator checks the layout; NVRTC the kernel)
+  "bf16_async_arrive_persistent": dict(dtype="bfloat16", block_n=192, stages=5, specialized=True, persistent_ctas=5,
+                                       async_arrive=True, paired_stores=True),
   "tf32_192x192_persistent": dict(dtype="float32", block_m=192, block_n=192, stages=4, specialized=True,
                                   persistent_ctas=5, b_k_major=True),
   "bf16_256x128_specialized": dict(dtype="bfloat16", block_m=256, block_n=128, stages=4, specialized=True),

@@ -67,7 +67,8 @@ def before_grid(m: int, n: int, processors: int) -> WgmmaGrid:
   return WgmmaGrid(128, 128, 6)
 
 
-# label, grid, copy lag (0: the default), operand layout (LAYOUTS), paired 16-bit stores (WgmmaMatmul.paired_stores)
+# label, grid, copy lag (0: the default; -1: the copies arrive on their barrier, WgmmaMatmul.async_arrive), operand
+# layout (LAYOUTS), paired 16-bit stores (WgmmaMatmul.paired_stores)
 Variant = tuple[str, WgmmaGrid, int, str, bool]
 # the operands' layouts: A K-major ("k": M x K) or MN-major ("m": K x M), B K-major ("k": N x K) or not ("n": K x N)
 LAYOUTS = ("kk", "mk", "kn", "mn")
@@ -105,8 +106,10 @@ def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int, k
     if grid in seen: continue
     seen.add(grid)
     if label != "model": unique.append((label, grid, 0, "kk", False))
-  # the model's grid with paired 16-bit stores (its output 16-bit: unsplit)
+  # the model's grid with paired 16-bit stores (its output 16-bit: unsplit), and with the copies arriving on their
+  # stage's barrier
   if itemsize == 2 and ranked[0].parts == 1: unique.append(("pairs", ranked[0], 0, "kk", True))
+  unique.append(("arrive", ranked[0], -1, "kk", False))
   if layouts and itemsize == 2:
     whole = next(grid for grid in ranked if grid.parts == 1)
     unique += [(f"{layout}", whole, 0, layout, False) for layout in LAYOUTS]
@@ -124,14 +127,15 @@ def plan_of(grid: WgmmaGrid, m: int, n: int, k: int, dtype: str, processors: int
                      stages=grid.stages, specialized=True, a_k_major=a_k_major, b_k_major=b_k_major,
                      a_row_stride=k if a_k_major else m, b_row_stride=k if b_k_major else n, batch=grid.parts,
                      a_batch=part_k, b_batch=part_k, c_batch=m * n, ctas_per_sm=grid.ctas_per_sm,
-                     persistent_ctas=processors * grid.ctas_per_sm if grid.persistent else 0, copy_lag=lag,
-                     paired_stores=paired)
+                     persistent_ctas=processors * grid.ctas_per_sm if grid.persistent else 0,
+                     copy_lag=max(lag, 0), async_arrive=lag < 0, paired_stores=paired)
 
 
 def describe(grid: WgmmaGrid, lag: int = 0, layout: str = "kk", paired: bool = False) -> str:
   return (f"{grid.block_m}x{grid.block_n} s{grid.stages}" + (f" c{grid.ctas_per_sm}" if grid.ctas_per_sm > 1 else "")
           + (" persistent" if grid.persistent else "") + (f" split{grid.parts}" if grid.parts > 1 else "")
-          + (f" lag{lag}" if lag else "") + (f" {layout}" if layout != "kk" else "") + (" pairs" if paired else ""))
+          + (f" lag{lag}" if lag > 0 else " arrive" if lag < 0 else "") + (f" {layout}" if layout != "kk" else "")
+          + (" pairs" if paired else ""))
 
 
 def event_seconds(launch, iters: int) -> float:
@@ -243,7 +247,7 @@ def main() -> None:
   parser.add_argument("--square", action="store_true", help=f"also {SQUARE}^3 in bfloat16 and float16")
   parser.add_argument("--kinds", default="", help="only the variants whose label starts with one of these "
                       "(comma-separated: before, model, short, lag, tile, 64rows, 192rows, 256rows, split, rank, "
-                      "pairs, kk, mk, kn, mn)")
+                      "pairs, arrive, kk, mk, kn, mn)")
   parser.add_argument("--layouts", default="", help="16-bit rows whose name contains one of these (comma-separated; "
                       "'all': every row): the best unsplit grid also with A, B and both operands MN-major (mk, kn, mn)")
   parser.add_argument("--dry", action="store_true", help="print the variants and predictions only (no GPU)")

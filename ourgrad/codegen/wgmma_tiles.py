@@ -167,6 +167,10 @@ class WgmmaMatmul:
   # 16-bit output: neighbouring lanes swap one packed pair so each thread stores 8 bytes (4 outputs) and a quad of
   # lanes 32 contiguous bytes of a row (whole sectors; half the store instructions); False: 4 bytes a store
   paired_stores: bool = False
+  # specialized: each producer thread's copies of a step arrive on the stage's `full` barrier when they land
+  # (cp.async.mbarrier.arrive), so the producer never waits for its copies (up to `stages` steps in flight) and the
+  # consumers fence the async proxy after their wait; False: the producer waits copy_lag steps behind (unmeasured)
+  async_arrive: bool = False
   # 32-bit registers of the multiprocessor it runs on (the device's fact, Renderer.registers_per_multiprocessor)
   multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
 
@@ -261,7 +265,8 @@ class WgmmaMatmul:
       (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "") + \
       (f"_p{self.persistent_ctas}" if self.persistent_ctas else "") + \
       (f"_lag{self.copy_lag}" if self.specialized and self.copy_lag != 1 else "") + \
-      ("_pairs" if self.paired_stores and self.out_dtype != "float32" else "")
+      ("_pairs" if self.paired_stores and self.out_dtype != "float32" else "") + \
+      ("_arrive" if self.async_arrive and self.specialized else "")
     dtype = "tf32" if self.dtype == "float32" else self.dtype
     dense = (self.k if self.a_k_major else self.m), (self.k if self.b_k_major else self.n)
     strides = (self.a_row_stride, self.b_row_stride)
@@ -711,19 +716,15 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
     f"        int stage = counted % {stages};",
     f"        if (counted >= {stages}) barrier_wait(empty + 8 * stage, (counted / {stages} - 1) & 1);",
     "        copy_step(step, stage);",
-    '        asm volatile("cp.async.commit_group;" ::: "memory");',
-    f"        if (counted >= {lag}) {{",
-    f'          asm volatile("cp.async.wait_group {lag};" ::: "memory");',
-    '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-    f"          barrier_arrive(full + 8 * ((counted - {lag}) % {stages}));",
-    "        }",
+    *(_landing_lines(plan) if plan.async_arrive else _lagged_landing_lines(plan)),
     "      }",
     "    }",
-    '    asm volatile("cp.async.wait_group 0;" ::: "memory");',
-    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-    # the last `lag` counts' stages (fewer where the CTA had fewer steps)
-    f"    for (int landed = counted < {lag} ? 0 : counted - {lag}; landed < counted; landed++)",
-    f"      barrier_arrive(full + 8 * (landed % {stages}));",
+    *(['    asm volatile("cp.async.wait_all;" ::: "memory");'] if plan.async_arrive else [
+      '    asm volatile("cp.async.wait_group 0;" ::: "memory");',
+      '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+      # the last `lag` counts' stages (fewer where the CTA had fewer steps)
+      f"    for (int landed = counted < {lag} ? 0 : counted - {lag}; landed < counted; landed++)",
+      f"      barrier_arrive(full + 8 * (landed % {stages}));"]),
     "  } else {",
     *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {consumer_registers(plan)};");'] if registers else []),
     f"    float acc[{count}];",
@@ -733,6 +734,8 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
     f"      for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
     "      for (int step = 0; step < steps; step++, counted++) {",
     f"        barrier_wait(full + 8 * (counted % {stages}), (counted / {stages}) & 1);",
+    # the copies landed through the generic proxy; the tensor cores read through the async one
+    *(['        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");'] if plan.async_arrive else []),
     f"        compute_step(acc, counted % {stages});",
     '        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
     f"        if (step > 0) barrier_arrive(empty + 8 * ((counted - 1) % {stages}));",
@@ -744,6 +747,24 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
     "    }",
     "  }",
   ]
+
+
+def _lagged_landing_lines(plan: WgmmaMatmul) -> list[str]:
+  """The producer after a step's copies: wait for the copies copy_lag steps back, fence, arrive on their `full`."""
+  lag, stages = plan.copy_lag, plan.stages
+  return ['        asm volatile("cp.async.commit_group;" ::: "memory");',
+          f"        if (counted >= {lag}) {{",
+          f'          asm volatile("cp.async.wait_group {lag};" ::: "memory");',
+          '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+          f"          barrier_arrive(full + 8 * ((counted - {lag}) % {stages}));",
+          "        }"]
+
+
+def _landing_lines(plan: WgmmaMatmul) -> list[str]:
+  """The producer after a step's copies (async_arrive): the stage's `full` barrier counts this thread's arrival
+  when its copies land (noinc: the arrival is one of the 128 the barrier expects)."""
+  return ['        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(full + 8 * stage) : '
+          '"memory");']
 
 
 def plan_for_kernel(kernel, tile: WgmmaTile) -> tuple[WgmmaMatmul, dict[str, int]]:
