@@ -132,7 +132,8 @@ PLANS = {
   "f16_specialized_lag3": dict(dtype="float16", block_n=128, stages=5, specialized=True, copy_lag=3),
   # the copies arriving on their stage's barrier as they land (the emulator checks the layout; NVRTC the kernel)
   "bf16_async_arrive_persistent": dict(dtype="bfloat16", block_n=192, stages=5, specialized=True, persistent_ctas=5,
-                                       async_arrive=True, paired_stores=True),
+                                       async_arrive=True),
+  "f16_single_stores": dict(dtype="float16", block_n=128, stages=5, specialized=True, paired_stores=False),
   "tf32_192x192_persistent": dict(dtype="float32", block_m=192, block_n=192, stages=4, specialized=True,
                                   persistent_ctas=5, b_k_major=True),
   "bf16_256x128_specialized": dict(dtype="bfloat16", block_m=256, block_n=128, stages=4, specialized=True),
@@ -221,10 +222,12 @@ def test_paired_stores_write_every_output_once() -> None:
   assert len(written) == 64 * block_n and all(position == held for position, held in written.items())
   quad = {paired_store_position(thread, 8)[1] for thread in range(4)}
   assert sorted(quad) == [16, 20, 24, 28]
-  plan = WgmmaMatmul(256, 2 * block_n, 256, dtype="bfloat16", block_n=block_n, stages=5, specialized=True,
-                     paired_stores=True)
+  plan = WgmmaMatmul(256, 2 * block_n, 256, dtype="bfloat16", block_n=block_n, stages=5, specialized=True)
   source = render_wgmma_matmul(plan)
-  assert "__shfl_xor_sync" in source and "uint2" in source and plan.name.endswith("_pairs")
+  assert plan.paired_stores and "__shfl_xor_sync" in source and "uint2" in source
+  single = WgmmaMatmul(256, 2 * block_n, 256, dtype="bfloat16", block_n=block_n, stages=5, specialized=True,
+                       paired_stores=False)
+  assert "__shfl_xor_sync" not in render_wgmma_matmul(single) and single.name.endswith("_single")
   if NVRTC is not None:
     info = NVRTC.ptxas_info(source)
     assert "0 bytes spill stores" in info or "ptxas info" not in info, info

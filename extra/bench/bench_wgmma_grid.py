@@ -100,24 +100,24 @@ def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int, k
   for parts in (2, 4): chosen += [(f"split{parts}", grid) for grid in ranked if grid.parts == parts][:1]
   chosen += [(f"rank{number}", grid) for number, grid in enumerate(ranked[1:top + 1], 1)]
   # the producer's lead: 1 (the default) and stages - 2 on the model's grid
-  unique, seen = [("before", chosen[0][1], 1, "kk", False), ("model", ranked[0], 0, "kk", False),
-                  ("lag", ranked[0], max(1, ranked[0].stages - 2), "kk", False)], set()
+  unique, seen = [("before", chosen[0][1], 1, "kk", True), ("model", ranked[0], 0, "kk", True),
+                  ("lag", ranked[0], max(1, ranked[0].stages - 2), "kk", True)], set()
   for label, grid in chosen[1:]:
     if grid in seen: continue
     seen.add(grid)
-    if label != "model": unique.append((label, grid, 0, "kk", False))
-  # the model's grid with paired 16-bit stores (its output 16-bit: unsplit), and with the copies arriving on their
-  # stage's barrier
-  if itemsize == 2 and ranked[0].parts == 1: unique.append(("pairs", ranked[0], 0, "kk", True))
-  unique.append(("arrive", ranked[0], -1, "kk", False))
+    if label != "model": unique.append((label, grid, 0, "kk", True))
+  # the model's grid with one 4-byte store per accumulator pair (its output 16-bit: unsplit; the kernel's default
+  # pairs them, WgmmaMatmul.paired_stores), and with the copies arriving on their stage's barrier
+  if itemsize == 2 and ranked[0].parts == 1: unique.append(("single", ranked[0], 0, "kk", False))
+  unique.append(("arrive", ranked[0], -1, "kk", True))
   if layouts and itemsize == 2:
     whole = next(grid for grid in ranked if grid.parts == 1)
-    unique += [(f"{layout}", whole, 0, layout, False) for layout in LAYOUTS]
+    unique += [(f"{layout}", whole, 0, layout, True) for layout in LAYOUTS]
   return [variant for variant in unique if not kinds or variant[0].startswith(kinds)]
 
 
 def plan_of(grid: WgmmaGrid, m: int, n: int, k: int, dtype: str, processors: int, lag: int = 0,
-            layout: str = "kk", paired: bool = False) -> WgmmaMatmul:
+            layout: str = "kk", paired: bool = True) -> WgmmaMatmul:
   """The kernel of `grid`: operands in `layout` (LAYOUTS; MN-major ones only unsplit); split-K as a batch over the
   parts (each reading its K slice of the rows) into float32 partials."""
   part_k = k // grid.parts
@@ -131,11 +131,11 @@ def plan_of(grid: WgmmaGrid, m: int, n: int, k: int, dtype: str, processors: int
                      copy_lag=max(lag, 0), async_arrive=lag < 0, paired_stores=paired)
 
 
-def describe(grid: WgmmaGrid, lag: int = 0, layout: str = "kk", paired: bool = False) -> str:
+def describe(grid: WgmmaGrid, lag: int = 0, layout: str = "kk", paired: bool = True) -> str:
   return (f"{grid.block_m}x{grid.block_n} s{grid.stages}" + (f" c{grid.ctas_per_sm}" if grid.ctas_per_sm > 1 else "")
           + (" persistent" if grid.persistent else "") + (f" split{grid.parts}" if grid.parts > 1 else "")
           + (f" lag{lag}" if lag > 0 else " arrive" if lag < 0 else "") + (f" {layout}" if layout != "kk" else "")
-          + (" pairs" if paired else ""))
+          + ("" if paired else " single"))
 
 
 def event_seconds(launch, iters: int) -> float:
@@ -247,7 +247,7 @@ def main() -> None:
   parser.add_argument("--square", action="store_true", help=f"also {SQUARE}^3 in bfloat16 and float16")
   parser.add_argument("--kinds", default="", help="only the variants whose label starts with one of these "
                       "(comma-separated: before, model, short, lag, tile, 64rows, 192rows, 256rows, split, rank, "
-                      "pairs, arrive, kk, mk, kn, mn)")
+                      "single, arrive, kk, mk, kn, mn)")
   parser.add_argument("--layouts", default="", help="16-bit rows whose name contains one of these (comma-separated; "
                       "'all': every row): the best unsplit grid also with A, B and both operands MN-major (mk, kn, mn)")
   parser.add_argument("--dry", action="store_true", help="print the variants and predictions only (no GPU)")
