@@ -16,7 +16,9 @@ from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import WGMMA_DEEP, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.opt import matmul_grid, tensor_core_plans
 from ourgrad.codegen.opt.tensor_core_plans import WgmmaPlan
-from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, accumulator_position, descriptor, render_wgmma_matmul, swizzled
+from ourgrad.codegen.wgmma_tiles import (WARPGROUP_THREADS, WgmmaMatmul, a_copy, accumulator_position, b_copy,
+                                         descriptor, paired_store_position, render_wgmma_matmul, swizzled,
+                                         thread_copies)
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import bfloat16_bits_to_float32
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -128,6 +130,10 @@ PLANS = {
   # stages counted across tiles), TF32
   "bf16_128x192_specialized": dict(dtype="bfloat16", block_n=192, stages=4, specialized=True),
   "f16_specialized_lag3": dict(dtype="float16", block_n=128, stages=5, specialized=True, copy_lag=3),
+  # the copies arriving on their stage's barrier as they land (the emulator checks the layout; NVRTC the kernel)
+  "bf16_async_arrive_persistent": dict(dtype="bfloat16", block_n=192, stages=5, specialized=True, persistent_ctas=5,
+                                       async_arrive=True),
+  "f16_single_stores": dict(dtype="float16", block_n=128, stages=5, specialized=True, paired_stores=False),
   "tf32_192x192_persistent": dict(dtype="float32", block_m=192, block_n=192, stages=4, specialized=True,
                                   persistent_ctas=5, b_k_major=True),
   "bf16_256x128_specialized": dict(dtype="bfloat16", block_m=256, block_n=128, stages=4, specialized=True),
@@ -151,6 +157,80 @@ def test_emulated_kernel_matches_float64(name: str) -> None:
   if NVRTC is not None:
     info = NVRTC.ptxas_info(render_wgmma_matmul(plan))
     assert "0 bytes spill stores" in info or "ptxas info" not in info, info   # some NVRTC builds log nothing here
+
+
+COPY_PLANS = {
+  "bf16_k_major": dict(dtype="bfloat16", block_n=192, stages=5, specialized=True, b_k_major=True),
+  "bf16_mn_major": dict(dtype="bfloat16", block_n=192, stages=5, specialized=True, a_k_major=False),
+  "f16_256x128_mn_major_a": dict(dtype="float16", block_m=256, block_n=128, stages=4, specialized=True,
+                                 a_k_major=False),
+  "f16_128x256_b_kxn": dict(dtype="float16", specialized=True),
+  "tf32_192x192": dict(dtype="float32", block_m=192, block_n=192, stages=4, specialized=True, b_k_major=True),
+  "bf16_64x64_cooperative": dict(dtype="bfloat16", block_m=64, block_n=64, stages=3),
+  "f16_192x128_cooperative": dict(dtype="float16", block_m=192, block_n=128, stages=3, a_k_major=False),
+}
+
+
+@pytest.mark.parametrize("name", list(COPY_PLANS))
+def test_thread_copies_are_the_pieces_of_each_thread(name: str) -> None:
+  """Where the kernel copies from one address plus constants (thread_copies), thread t's i-th copy is piece
+  t + threads * i of a_copy/b_copy (what the emulator checks against float64), in every K step; the specialized
+  producer's 128 threads take that form for every tile, MN-major ones included (no division per piece)."""
+  options = COPY_PLANS[name]
+  plan = WgmmaMatmul(2 * options.get("block_m", 128), 2 * options.get("block_n", 256), 512, **options)
+  threads = WARPGROUP_THREADS if plan.specialized else plan.threads
+  looped = False
+  for operand, copy, block in (("a", a_copy, plan.block_m), ("b", b_copy, plan.block_n)):
+    split = thread_copies(plan, operand, 0, threads, 0)
+    if split is None:
+      assert not plan.specialized
+      looped = True
+      continue
+    for step in (0, 3):
+      for thread in range(threads):
+        (source, target), offsets = thread_copies(plan, operand, thread, threads, step)
+        got = [(source + source_offset, target + target_offset) for source_offset, target_offset in offsets]
+        pieces = [thread + threads * number for number in range(len(offsets))]
+        assert got == [copy(plan, piece, step) for piece in pieces]
+    assert len(offsets) * threads == block * plan.block_k // plan.piece_elements
+  source = render_wgmma_matmul(plan)
+  assert ("for (int piece" in source) == looped
+  if NVRTC is not None: NVRTC.compile(source)
+
+
+def test_paired_stores_write_every_output_once() -> None:
+  """The paired 16-bit epilogue as the kernel does it, lane by lane: for column blocks j, j + 1 (j even) and each row
+  half, a lane packs its pairs `low` (block j) and `high` (j + 1), an odd lane sends `low` and an even one `high` to
+  its neighbour (shuffle xor 1), and stores 4 outputs at paired_store_position: even (low, received), odd (received,
+  high). Every output of the 64 x N tile is written once, with the accumulator that holds it, each 8-byte store
+  aligned, and a quad of lanes writes 32 contiguous bytes of a row."""
+  block_n = 192
+  written = {}
+  for thread in range(WARPGROUP_THREADS):
+    partner = thread ^ 1
+    for block in range(0, block_n // 2, 8):
+      for element in (block, block + 2):
+        low, high = (thread, element), (thread, element + 4)
+        received = (partner, element) if thread % 2 == 0 else (partner, element + 4)   # the neighbour sent it
+        row, column = paired_store_position(thread, element)
+        assert column % 4 == 0
+        pairs = (low, received) if thread % 2 == 0 else (received, high)
+        for number, (owner, first) in enumerate(pairs):
+          for half in (0, 1):
+            assert (row, column + 2 * number + half) not in written
+            written[(row, column + 2 * number + half)] = accumulator_position(owner, first + half)
+  assert len(written) == 64 * block_n and all(position == held for position, held in written.items())
+  quad = {paired_store_position(thread, 8)[1] for thread in range(4)}
+  assert sorted(quad) == [16, 20, 24, 28]
+  plan = WgmmaMatmul(256, 2 * block_n, 256, dtype="bfloat16", block_n=block_n, stages=5, specialized=True)
+  source = render_wgmma_matmul(plan)
+  assert plan.paired_stores and "__shfl_xor_sync" in source and "uint2" in source
+  single = WgmmaMatmul(256, 2 * block_n, 256, dtype="bfloat16", block_n=block_n, stages=5, specialized=True,
+                       paired_stores=False)
+  assert "__shfl_xor_sync" not in render_wgmma_matmul(single) and single.name.endswith("_single")
+  if NVRTC is not None:
+    info = NVRTC.ptxas_info(source)
+    assert "0 bytes spill stores" in info or "ptxas info" not in info, info
 
 
 def test_producer_copy_lag() -> None:
@@ -279,6 +359,20 @@ def test_model_fills_the_machine_on_gpt2_shapes() -> None:
   assert matmul_grid.fastest_wgmma_grid(1, 4096, 768, 3072, 4, 132, shared).block_n == 192
   assert matmul_grid.fastest_wgmma_grid(1, 768, 768, 4096, 4, 132, shared, split=True).parts > 1
   assert matmul_grid.fastest_wgmma_grid(1, 4096, 768, 50304, 4, 132, shared, split=True).parts == 4
+
+
+def test_model_ranks_tall_tiles_where_they_feed_more() -> None:
+  """The 256- and 192-row tiles (4 and 3 consumer warpgroups) are ranked: where N = 50304 rules out 128 x 256, the
+  lm-head forward takes 256 x 128 (85 multiply-adds a byte of operands against 128 x 192's 77) and its weight
+  gradient 192 x 192 (96); where times tie, the 128-row tile stays first (4096^3: 128 x 256)."""
+  shared = CUDARenderer.dynamic_local_memory_bytes
+  for itemsize in (2, 4):
+    lm_head = matmul_grid.fastest_wgmma_grid(1, 4096, 50304, 768, itemsize, 132, shared)
+    assert (lm_head.block_m, lm_head.block_n, lm_head.persistent) == (256, 128, True)
+    weight_gradient = matmul_grid.fastest_wgmma_grid(1, 50304, 768, 4096, itemsize, 132, shared)
+    assert (weight_gradient.block_m, weight_gradient.block_n) == (192, 192)
+    square = matmul_grid.fastest_wgmma_grid(1, 4096, 4096, 4096, itemsize, 132, shared)
+    assert (square.block_m, square.block_n) == (128, 256)
 
 
 def test_wgmma_refuses_other_opts() -> None:

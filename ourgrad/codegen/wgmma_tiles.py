@@ -80,6 +80,15 @@ def accumulator_position(thread: int, element: int) -> tuple[int, int]:
   return 16 * warp + lane // 4 + 8 * ((element >> 1) & 1), 8 * (element >> 2) + 2 * (lane % 4) + (element & 1)
 
 
+def paired_store_position(thread, element):
+  """(row, column) where thread `thread`'s 8-byte store of a paired 16-bit epilogue starts, for the accumulators
+  `element`, + 1 (column block j = element >> 2, j even) and element + 4, + 5 (block j + 1): an even lane keeps its
+  block-j pair and takes its odd neighbour's (columns 8 j + 2 lane .. + 3), an odd lane takes its even neighbour's
+  block-(j + 1) pair and keeps its own (8 (j + 1) + 2 lane - 2 .. + 3)."""
+  row, column = accumulator_position(thread, element)
+  return row, column + (thread & 1) * 6
+
+
 # registers per thread: the most a thread may have, the producer's after setmaxnreg (what its copies need), the
 # granule setmaxnreg counts in, and what a consumer needs beside its accumulators (a multiprocessor's file is the
 # device's fact: WgmmaMatmul.multiprocessor_registers)
@@ -155,6 +164,16 @@ class WgmmaMatmul:
   # step's copies before issuing the one after next; up to stages - 2 (the most that cannot deadlock) keep more in
   # flight, measured 2-4% slower on the H200 (bench_wgmma_grid_h200_s11.txt)
   copy_lag: int = 0
+  # 16-bit output: neighbouring lanes swap one packed pair so each thread stores 8 bytes (4 outputs) and a quad of
+  # lanes 32 contiguous bytes of a row (whole sectors; half the store instructions); False: 4 bytes a store. H200
+  # (results/matmul_h200_s13_checkpoint.txt): bf16 fc fwd 0.045 -> 0.033 ms, lm-head fwd 0.689 -> 0.486, 4096^3
+  # 0.197 -> 0.181
+  paired_stores: bool = True
+  # specialized: each producer thread's copies of a step arrive on the stage's `full` barrier when they land
+  # (cp.async.mbarrier.arrive), so the producer never waits for its copies (up to `stages` steps in flight) and the
+  # consumers fence the async proxy after their wait; False: the producer waits copy_lag steps behind. H200: bf16
+  # fc dW 0.040 -> 0.038 ms, qkv fwd unchanged (two rows measured: off until more are)
+  async_arrive: bool = False
   # 32-bit registers of the multiprocessor it runs on (the device's fact, Renderer.registers_per_multiprocessor)
   multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
 
@@ -248,7 +267,9 @@ class WgmmaMatmul:
       ("_deep" if self.deep else "") + (f"_g{self.group_m}" if self.group_m != 8 else "") + \
       (f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "") + \
       (f"_p{self.persistent_ctas}" if self.persistent_ctas else "") + \
-      (f"_lag{self.copy_lag}" if self.specialized and self.copy_lag != 1 else "")
+      (f"_lag{self.copy_lag}" if self.specialized and self.copy_lag != 1 else "") + \
+      ("_single" if not self.paired_stores and self.out_dtype != "float32" else "") + \
+      ("_arrive" if self.async_arrive and self.specialized else "")
     dtype = "tf32" if self.dtype == "float32" else self.dtype
     dense = (self.k if self.a_k_major else self.m), (self.k if self.b_k_major else self.n)
     strides = (self.a_row_stride, self.b_row_stride)
@@ -329,36 +350,61 @@ class CExpr:
   def __str__(self) -> str: return self.text
 
 
+def piece_fields(plan: WgmmaMatmul, piece, k_major: bool):
+  """(column, row, chunk) of an operand tile's 16-byte piece `piece`: 8 pieces (one 128-byte row) to a row, then the
+  rows (K-major: the tile's M or N rows; MN-major: block_k K rows), then the 64-element chunks along M or N (MN-major;
+  K-major: 0). The copying threads take consecutive pieces: a warp reads 4 rows of 128 bytes."""
+  column, rest = piece % 8, piece // 8
+  if k_major: return column, rest, 0
+  return column, rest % plan.block_k, rest // plan.block_k
+
+
+def operand_piece(plan: WgmmaMatmul, k_major: bool, row_stride: int, base: int, column, row, chunk, step):
+  """(element offset in the operand from the block's first row or column, byte offset in the stage) of the piece at
+  (column, row, chunk) of K step `step` (piece_fields), the tile starting `base` bytes into the stage. K-major: row
+  `row` (M or N) of the tile, its 128 bytes of K step `step`; MN-major: K row step * block_k + row, 64 elements of
+  M or N from chunk * 64, the next 64 after block_k rows. Rows of 128 bytes, swizzled (piece ^= row in the atom)."""
+  swizzle = (column ^ (row & 7)) << 4
+  if k_major: return (row * row_stride + step * plan.block_k + column * plan.piece_elements,
+                      base + row * ROW_BYTES + swizzle)
+  return ((step * plan.block_k + row) * row_stride + (chunk * 8 + column) * plan.piece_elements,
+          base + chunk * (plan.block_k * ROW_BYTES) + row * ROW_BYTES + swizzle)
+
+
 def a_copy(plan: WgmmaMatmul, piece, step):
   """(element offset in A from the block's first row (column for K x M), byte offset in the stage) of A's 16-byte
-  piece `piece` of K step `step`: K-major, row piece // 8 of the tile (8 elements along K; TF32: 4), 128-byte
-  swizzled rows; MN-major as B's (mn_major_copy)."""
-  if not plan.a_k_major: return mn_major_copy(plan, piece, step, plan.block_m, plan.a_row_stride)
-  row, column = piece // 8, piece % 8
-  return (row * plan.a_row_stride + step * plan.block_k + column * plan.piece_elements,
-          row * ROW_BYTES + ((column ^ (row & 7)) << 4))
-
-
-def mn_major_copy(plan: WgmmaMatmul, piece, step, block: int, row_stride: int):
-  """(element offset from the block's first column, byte offset in the operand's tile) of piece `piece` of an
-  MN-major operand (K rows `row_stride` elements apart, `block` of each in the tile): row = K index, 64 elements a
-  row, the next 64 after block_k rows."""
-  per_row = block // 8
-  row, along = piece // per_row, piece % per_row
-  column, chunk = along % 8, along // 8
-  return ((step * plan.block_k + row) * row_stride + along * 8,
-          chunk * (plan.block_k * ROW_BYTES) + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
+  piece `piece` of K step `step` (operand_piece)."""
+  return operand_piece(plan, plan.a_k_major, plan.a_row_stride, 0, *piece_fields(plan, piece, plan.a_k_major), step)
 
 
 def b_copy(plan: WgmmaMatmul, piece, step):
   """(element offset in B from the block's first column (row for N x K), byte offset in the stage) of B's piece
-  `piece`: K-major as A; MN-major: row = K index, 64 N a row, the next 64 N after block_k rows."""
-  if plan.b_k_major:
-    row, column = piece // 8, piece % 8
-    return (row * plan.b_row_stride + step * plan.block_k + column * plan.piece_elements,
-            plan.a_stage_bytes + row * ROW_BYTES + ((column ^ (row & 7)) << 4))
-  source, target = mn_major_copy(plan, piece, step, plan.block_n, plan.b_row_stride)
-  return source, plan.a_stage_bytes + target
+  `piece`: as A's, after A's tile in the stage."""
+  return operand_piece(plan, plan.b_k_major, plan.b_row_stride, plan.a_stage_bytes,
+                       *piece_fields(plan, piece, plan.b_k_major), step)
+
+
+def thread_copies(plan: WgmmaMatmul, operand: str, thread, threads: int, step):
+  """The pieces of `operand` ("a" or "b") that copying thread `thread` of `threads` moves in K step `step` (pieces
+  thread, thread + threads, ...), as (its first piece's (source, target), [(source, target) offsets of the others
+  from it: constants]); None where they are no such constants (the pieces do not divide evenly among the threads, or
+  an MN-major tile's block_k rows are no whole number of the threads' rows). Consecutive threads take consecutive
+  pieces, so a thread's column and the row in the swizzle atom stay the same from one of its pieces to the next:
+  the kernel adds constants to one address (no division per piece)."""
+  k_major, row_stride, block = ((plan.a_k_major, plan.a_row_stride, plan.block_m) if operand == "a" else
+                                (plan.b_k_major, plan.b_row_stride, plan.block_n))
+  base = 0 if operand == "a" else plan.a_stage_bytes
+  pieces, rows_per_pass = block * plan.block_k // plan.piece_elements, threads // 8
+  if pieces % threads or rows_per_pass % 8 or (not k_major and plan.block_k % rows_per_pass): return None
+  first = operand_piece(plan, k_major, row_stride, base, thread % 8, thread // 8, 0, step)
+  origin = operand_piece(plan, k_major, row_stride, base, 0, 0, 0, 0)
+  offsets = []
+  for number in range(pieces // threads):
+    rest = rows_per_pass * number
+    row, chunk = (rest, 0) if k_major else (rest % plan.block_k, rest // plan.block_k)
+    source, target = operand_piece(plan, k_major, row_stride, base, 0, row, chunk, 0)
+    offsets.append((source - origin[0], target - origin[1]))
+  return first, offsets
 
 
 def operand_starts(plan: WgmmaMatmul, warpgroup, j):
@@ -400,15 +446,59 @@ def _minimum(value, limit: int):
 
 def _copy_lines(plan: WgmmaMatmul, thread: str, threads: int) -> list[str]:
   """The body of copy_step(step, stage): the 16-byte cp.async pieces of A's and B's tiles of one K step that copying
-  thread `thread` (of `threads`) moves."""
+  thread `thread` (of `threads`) moves: from one address plus constants where thread_copies finds them, else a loop
+  over its pieces."""
   lines = []
   piece, step = CExpr("piece"), CExpr("step")
   for name, pieces, copy in (("a", plan.block_m * plan.block_k // plan.piece_elements, a_copy),
                              ("b", plan.block_n * plan.block_k // plan.piece_elements, b_copy)):
-    source, target = copy(plan, piece, step)
-    lines += [f"  for (int piece = {thread}; piece < {pieces}; piece += {threads})",
-              f"    copy16(stage_base + {target}, {name}_block + {source});"]
+    split = thread_copies(plan, name, CExpr(thread), threads, step)
+    if split is None:
+      source, target = copy(plan, piece, step)
+      lines += [f"  for (int piece = {thread}; piece < {pieces}; piece += {threads})",
+                f"    copy16(stage_base + {target}, {name}_block + {source});"]
+      continue
+    (source, target), offsets = split
+    lines += ["  {",
+              f"    const unsigned {name}_target = stage_base + {target};",
+              f"    const {C_TYPE[plan.dtype]}* {name}_source = {name}_block + {source};",
+              *[f"    copy16({name}_target + {target_offset}u, {name}_source + {source_offset});"
+                for source_offset, target_offset in offsets],
+              "  }"]
   return lines
+
+
+def _store_body(plan: WgmmaMatmul) -> list[str]:
+  """The store lambda's loop over the thread's accumulators: pairs (i, i + 1) of neighbouring columns, each one
+  32-bit store of two halves (or a float2); with paired_stores (16-bit output) two such pairs a store
+  (paired_store_position), the neighbouring lanes swapping one through a shuffle."""
+  count = plan.block_n // 2
+  def index(row, column) -> str:
+    return (f"(tile_m * {plan.block_m} + warpgroup * 64 + {row}) * {plan.n} + tile_n * {plan.block_n} + {column}")
+  if not (plan.paired_stores and plan.out_dtype != "float32"):
+    row, column = accumulator_position(CExpr("thread"), CExpr("i"))
+    return ["#pragma unroll",
+            f"    for (int i = 0; i < {count}; i += 2) {{",
+            f"      int index = {index(row, column)};",
+            *["  " + line for line in _store_lines(plan)],
+            "    }"]
+  ptx_type = {"float16": "f16", "bfloat16": "bf16"}[plan.dtype]
+  row, column = paired_store_position(CExpr("thread"), CExpr("i"))
+  def pack(name: str, first: str) -> str:
+    return (f'        unsigned {name}; asm("cvt.rn.{ptx_type}x2.f32 %0, %1, %2;" : "=r"({name}) : '
+            f'"f"(acc[{first} + 1]), "f"(acc[{first}]));')
+  # i walks the pairs of column blocks 2 j', 2 j' + 1 (8 accumulators), both row halves (i, i + 2)
+  return ["    const int odd = thread & 1;",
+          "#pragma unroll",
+          f"    for (int block = 0; block < {count}; block += 8) {{",
+          "#pragma unroll",
+          "      for (int i = block; i < block + 4; i += 2) {",
+          pack("low", "i"), pack("high", "i + 4"),
+          "        unsigned swapped = __shfl_xor_sync(0xffffffffu, odd ? low : high, 1);",
+          f"        int index = {index(row, column)};",
+          "        *(uint2*)(c + index) = odd ? make_uint2(swapped, high) : make_uint2(low, swapped);",
+          "      }",
+          "    }"]
 
 
 def _store_lines(plan: WgmmaMatmul) -> list[str]:
@@ -456,11 +546,9 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
   `arguments` gives (default c, a, b); launch with plan.global_size and plan.local_size, plan.shared_bytes of dynamic
   shared memory (the kernel exports that size as `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads back at
   load)."""
-  count = plan.block_n // 2
   a_lbo, a_sbo = plan.a_leading_stride()
   b_lbo, b_sbo = plan.b_leading_stride()
   a_start, b_start = operand_starts(plan, CExpr("warpgroup"), CExpr("j"))
-  row, column = accumulator_position(CExpr("thread"), CExpr("i"))
   copy_thread, copy_threads = ("thread", WARPGROUP_THREADS) if plan.specialized else ("threadIdx.x", plan.threads)
   positions = arguments or {"c": 0, "a": 1, "b": 2}
   in_type = C_TYPE[plan.dtype]
@@ -503,14 +591,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "  };",
     "  auto store = [&](float* acc) {",
     '    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");',
-    # each thread's accumulator pairs (i, i + 1) are neighbouring columns: one 32-bit store of two halves
-    "#pragma unroll",
-    f"    for (int i = 0; i < {count}; i += 2) {{",
-    f"      int row = {row}, column = {column};",
-    f"      int index = (tile_m * {plan.block_m} + warpgroup * 64 + row) * {plan.n} + tile_n * {plan.block_n} + "
-    "column;",
-    *["  " + line for line in _store_lines(plan)],
-    "    }",
+    *_store_body(plan),
     "  };",
     *(_specialized_loop(plan) if plan.specialized else _cooperative_loop(plan)),
     "}",
@@ -638,19 +719,15 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
     f"        int stage = counted % {stages};",
     f"        if (counted >= {stages}) barrier_wait(empty + 8 * stage, (counted / {stages} - 1) & 1);",
     "        copy_step(step, stage);",
-    '        asm volatile("cp.async.commit_group;" ::: "memory");',
-    f"        if (counted >= {lag}) {{",
-    f'          asm volatile("cp.async.wait_group {lag};" ::: "memory");',
-    '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-    f"          barrier_arrive(full + 8 * ((counted - {lag}) % {stages}));",
-    "        }",
+    *(_landing_lines(plan) if plan.async_arrive else _lagged_landing_lines(plan)),
     "      }",
     "    }",
-    '    asm volatile("cp.async.wait_group 0;" ::: "memory");',
-    '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-    # the last `lag` counts' stages (fewer where the CTA had fewer steps)
-    f"    for (int landed = counted < {lag} ? 0 : counted - {lag}; landed < counted; landed++)",
-    f"      barrier_arrive(full + 8 * (landed % {stages}));",
+    *(['    asm volatile("cp.async.wait_all;" ::: "memory");'] if plan.async_arrive else [
+      '    asm volatile("cp.async.wait_group 0;" ::: "memory");',
+      '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+      # the last `lag` counts' stages (fewer where the CTA had fewer steps)
+      f"    for (int landed = counted < {lag} ? 0 : counted - {lag}; landed < counted; landed++)",
+      f"      barrier_arrive(full + 8 * (landed % {stages}));"]),
     "  } else {",
     *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {consumer_registers(plan)};");'] if registers else []),
     f"    float acc[{count}];",
@@ -660,6 +737,8 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
     f"      for (int i = 0; i < {count}; i++) acc[i] = 0.0f;",
     "      for (int step = 0; step < steps; step++, counted++) {",
     f"        barrier_wait(full + 8 * (counted % {stages}), (counted / {stages}) & 1);",
+    # the copies landed through the generic proxy; the tensor cores read through the async one
+    *(['        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");'] if plan.async_arrive else []),
     f"        compute_step(acc, counted % {stages});",
     '        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");',
     f"        if (step > 0) barrier_arrive(empty + 8 * ((counted - 1) % {stages}));",
@@ -671,6 +750,24 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
     "    }",
     "  }",
   ]
+
+
+def _lagged_landing_lines(plan: WgmmaMatmul) -> list[str]:
+  """The producer after a step's copies: wait for the copies copy_lag steps back, fence, arrive on their `full`."""
+  lag, stages = plan.copy_lag, plan.stages
+  return ['        asm volatile("cp.async.commit_group;" ::: "memory");',
+          f"        if (counted >= {lag}) {{",
+          f'          asm volatile("cp.async.wait_group {lag};" ::: "memory");',
+          '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+          f"          barrier_arrive(full + 8 * ((counted - {lag}) % {stages}));",
+          "        }"]
+
+
+def _landing_lines(plan: WgmmaMatmul) -> list[str]:
+  """The producer after a step's copies (async_arrive): the stage's `full` barrier counts this thread's arrival
+  when its copies land (noinc: the arrival is one of the 128 the barrier expects)."""
+  return ['        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(full + 8 * stage) : '
+          '"memory");']
 
 
 def plan_for_kernel(kernel, tile: WgmmaTile) -> tuple[WgmmaMatmul, dict[str, int]]:

@@ -122,12 +122,13 @@ WGMMA_FILL_SECONDS = 5e-6
 WGMMA_STORE_BYTES_PER_SECOND = 60e9
 WGMMA_PERSISTENT_HIDDEN_SECONDS = 0.75e-6
 # the candidates: rows per CTA (64 per consumer warpgroup), N tiles, CTAs per multiprocessor, one CTA per tile or a
-# persistent grid, stages at most (more shared memory buys no speed past 6 on the H200). The kernel also takes 192
-# and 256 rows (192 x 192 and 256 x 128 feed more multiply-adds a byte than 128 x 192, within the registers of 512
-# and 640 threads: WGMMA_TALL_BLOCK_MS) and 2 CTAs per multiprocessor; not yet measured, those are BEAM's and the
-# benchmark's to try, not ranked here
-WGMMA_BLOCK_MS = (128, 64)
+# persistent grid, stages at most (more shared memory buys no speed past 6 on the H200). The tall tiles (192 and 256
+# rows: 3 and 4 consumer warpgroups, WGMMA_TALL_BLOCK_MS) feed more multiply-adds a byte where N rules out 128 x 256
+# (256 x 128 on the lm-head's N = 50304: 85 a byte against 128 x 192's 77; 192 x 192: 96), within the registers of
+# 640 and 512 threads; ranked after the 128- and 64-row ones (those first where times tie). 2 CTAs per
+# multiprocessor (unmeasured) are BEAM's and the benchmark's to try, not ranked here
 WGMMA_TALL_BLOCK_MS = (256, 192)
+WGMMA_BLOCK_MS = (128, 64) + WGMMA_TALL_BLOCK_MS
 WGMMA_BLOCK_NS = (256, 192, 128, 64)
 WGMMA_CTAS_PER_SM = (1,)
 WGMMA_PERSISTENT = (False, True)
