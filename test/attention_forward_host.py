@@ -81,6 +81,8 @@ inline void async_proxy_fence() {}
 inline void wgmma_fence() {}
 inline void wgmma_commit() {}
 inline void wgmma_wait_all() {}
+inline void wgmma_wait_one() {}
+inline void copy_wait_all() {}
 unsigned wgmma_a_slots[1024][4];
 // element (row along N, k) of the B operand of descriptor `b`: K-major (rows of K) or MN-major (transposed)
 inline float shared_operand(unsigned long long b, int row, int k, bool mn_major) {

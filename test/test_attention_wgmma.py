@@ -89,9 +89,11 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   monkeypatch.setenv("ATTENTION_BLOCKS", "64,128,2,1,3")
   plan = _plan(dtypes.bfloat16)
   assert (plan.mma, plan.block_m, plan.block_n, plan.min_ctas) == ("wgmma", 64, 128, 3)
-  for blocks in ("48,64,2", "128,64,2,2"):
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,3,1,2,1")
+  assert _plan(dtypes.bfloat16).overlap
+  for blocks in ("48,64,2", "128,64,2,2", "128,64,2,1,1,1"):
     monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
-    with pytest.raises(ShapeError, match="wgmma attention"): _plan(dtypes.bfloat16)
+    with pytest.raises(ShapeError, match="wgmma|overlap"): _plan(dtypes.bfloat16)
 
 
 @pytest.mark.skipif(NVRTC is None, reason="NVRTC does not load here")
@@ -108,7 +110,8 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
   plan = plan_attention(*operands, ((2, heads, length, head_dim), (2, heads // 2, source, head_dim)), dtype, causal,
                         0.125, CUDARenderer("sm_90"))
   assert plan.mma == "wgmma"
-  variants = [plan, dataclasses.replace(plan, block_m=64, min_ctas=3), dataclasses.replace(plan, block_n=32, stages=3)]
+  variants = [plan, dataclasses.replace(plan, block_m=64, min_ctas=3), dataclasses.replace(plan, block_n=32, stages=3),
+              dataclasses.replace(plan, block_n=64, stages=3, min_ctas=2 if head_dim == 64 else 1, overlap=True)]
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
     assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"
@@ -160,9 +163,9 @@ def test_emulated_h100_forward_takes_the_wgmma_plan(monkeypatch, dtype, causal):
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
 @pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3"])
+@pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3", "128,64,3,1,2,1", "64,64,3,1,4,1"])
 def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
-  """On an sm_90 GPU: the wgmma kernel (the rule's tiles and two others) against float64."""
+  """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped) against float64."""
   if not getattr(Device["CUDA"].renderer, "has_wgmma", False): pytest.skip("not an sm_90 GPU")
   monkeypatch.setenv("FUSED_ATTENTION", "2")
   monkeypatch.setenv("ATTENTION_WGMMA", "1")

@@ -110,18 +110,20 @@ def test_unaligned_rows_on_host(dtype):
   assert not plan.vector_copies and o_error < TOLERANCES[dtype] and lse_error < 2e-2
 
 
-# (block_m, block_n, stages, min_ctas) of the wgmma kernel: the rule's two warpgroups, one warpgroup, three, narrow
-# key tiles over three stages
-WGMMA_CONFIGS = [(128, 128, 2, 1), (64, 128, 2, 3), (192, 64, 2, 1), (128, 32, 3, 1)]
+# (block_m, block_n, stages, min_ctas, overlap) of the wgmma kernel: the rule's two warpgroups, one warpgroup, three,
+# narrow key tiles over three stages; P V in flight during the next tile's S and softmax
+WGMMA_CONFIGS = [(128, 128, 2, 1, False), (64, 128, 2, 3, False), (192, 64, 2, 1, False), (128, 32, 3, 1, False),
+                 (128, 128, 3, 1, True), (64, 16, 4, 4, True)]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", WGMMA_CONFIGS, ids=lambda c: "m{}_n{}_s{}_c{}".format(*c))
+@pytest.mark.parametrize("config", WGMMA_CONFIGS, ids=lambda c: "m{}_n{}_s{}_c{}_o{:d}".format(*c))
 def test_wgmma_forward_kernel_on_host(dtype, causal, config):
-  block_m, block_n, stages, min_ctas = config
+  block_m, block_n, stages, min_ctas, overlap = config
   plan, o_error, lse_error = _run(dtype, causal, 1, 2, 1, 83 if causal else 70, 83 if causal else 131, 64, seed=5,
-                                  mma="wgmma", block_m=block_m, block_n=block_n, stages=stages, min_ctas=min_ctas)
+                                  mma="wgmma", block_m=block_m, block_n=block_n, stages=stages, min_ctas=min_ctas,
+                                  overlap=overlap)
   assert o_error < TOLERANCES[dtype], (plan, o_error)
   assert lse_error < 2e-2, (plan, lse_error)
 

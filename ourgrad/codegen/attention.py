@@ -53,9 +53,10 @@ ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention ke
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
 ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 0, "1: the fused attention forward of float16/bfloat16 on sm_90 runs "
                           "on wgmma (codegen/attention_wgmma.py) instead of mma.sync")
-ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas]]] of the fused "
-                           "attention forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. "
-                           "128,64,2,1,2: what extra/bench/sweep_attention.py tries")
+ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap]]]] of "
+                           "the fused attention forward instead of its rule's (codegen/attention.py "
+                           "`plan_attention`), e.g. 128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap "
+                           "1 (wgmma, 3 stages or more): S and softmax while the previous P V runs")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -96,6 +97,7 @@ class AttentionPlan:
   warp_tiles: int = 1          # m tiles of 16 query rows per warp: 2 uses each K/V fragment for twice the rows
   min_ctas: int = 1            # CTAs a multiprocessor must fit (__launch_bounds__): registers <= 64K / threads / it
   mma: str = "mma_sync"        # "wgmma": warpgroups of 64 rows, swizzled K/V tiles (codegen/attention_wgmma.py)
+  overlap: bool = False        # wgmma: a tile's S and softmax run while the previous tile's P V is in flight
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -198,17 +200,21 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
   if plan.mma == "wgmma" and (plan.block_m % attention_wgmma.WARPGROUP_ROWS or plan.warp_tiles != 1):
     raise ShapeError(f"wgmma attention with {plan.block_m} rows a CTA, {plan.warp_tiles} m tiles a warp: want a "
                      f"multiple of {attention_wgmma.WARPGROUP_ROWS} rows and 1")
+  if plan.overlap and (plan.mma != "wgmma" or plan.stages < 3):
+    raise ShapeError(f"overlapped attention tiles with {plan.mma}, {plan.stages} stages: want wgmma and 3 or more")
   return plan
 
 
-def _blocks_override(text: str) -> dict[str, int]:
-  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas]]]" as plan fields."""
+def _blocks_override(text: str) -> dict[str, Any]:
+  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap]]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
-  if len(values) not in (2, 3, 4, 5) or values[0] % warp_rows or values[1] % 16:
-    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas]]], block_m a "
-                     f"multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
-  return dict(zip(("block_m", "block_n", "stages", "warp_tiles", "min_ctas"), values))
+  if len(values) not in (2, 3, 4, 5, 6) or values[0] % warp_rows or values[1] % 16:
+    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap]]]], "
+                     f"block_m a multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
+  fields: dict[str, Any] = dict(zip(("block_m", "block_n", "stages", "warp_tiles", "min_ctas"), values))
+  if len(values) == 6: fields["overlap"] = bool(values[5])
+  return fields
 
 
 def is_attention(ast: LazyOp) -> bool:
@@ -530,10 +536,11 @@ def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
           "    }"]
 
 
-def _softmax_lines(plan: AttentionPlan) -> list[str]:
+def _softmax_lines(plan: AttentionPlan, deferred: bool = False) -> list[str]:
   """The online softmax per row (a quad of lanes shares a row): the running max (in log2 units: S scaled by
   scale * log2(e)), the old sums and outputs rescaled, P = exp2(S scale log2(e) - max) in place of the scores, the
-  scale folded into one fma per element where it is positive."""
+  scale folded into one fma per element where it is positive. `deferred`: the outputs' factor is kept in
+  row_rescale for _rescale_lines (a P V still in flight adds to them)."""
   n_tiles, d_tiles = plan.block_n // 8, plan.head_dim // 8
   scaled_max = "tile_max * scale_log2" if plan.folded_scale else "tile_max"
 
@@ -564,12 +571,23 @@ def _softmax_lines(plan: AttentionPlan) -> list[str]:
           "      }",
           # each lane keeps its own part of the sum: the quad adds them once, at the end
           "      row_sum[mt][half] = row_sum[mt][half] * rescale + partial;",
-          "#pragma unroll",
-          f"      for (int d = 0; d < {d_tiles}; d++) {{",
-          "        outputs[mt][d][half * 2] *= rescale;",
-          "        outputs[mt][d][half * 2 + 1] *= rescale;",
-          "      }",
+          *(["      row_rescale[mt][half] = rescale;"] if deferred else
+            ["#pragma unroll",
+             f"      for (int d = 0; d < {d_tiles}; d++) {{",
+             "        outputs[mt][d][half * 2] *= rescale;",
+             "        outputs[mt][d][half * 2 + 1] *= rescale;",
+             "      }"]),
           "    }"]
+
+
+def _rescale_lines(plan: AttentionPlan) -> list[str]:
+  """The outputs times the factor a deferred softmax kept (row_rescale) of their row."""
+  return ["#pragma unroll",
+          f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+          "#pragma unroll",
+          f"    for (int d = 0; d < {plan.head_dim // 8}; d++)",
+          "#pragma unroll",
+          "      for (int i = 0; i < 4; i++) outputs[mt][d][i] *= row_rescale[mt][i >> 1];"]
 
 
 def _p_fragment_lines(plan: AttentionPlan) -> list[str]:
@@ -722,6 +740,18 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     *(attention_wgmma.copy_tile_lines(plan) if wgmma else _copy_tile_lines(plan)),
     f"  int tiles = {tiles};",
     "  copy_tile(0, 0);",
+    *(attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
+                                            _rescale_lines(plan)) if plan.overlap else _loop_lines(plan)),
+    *_store_lines(plan),
+    "}",
+  ]
+  return "\n".join(line for line in lines if line) + "\n"
+
+
+def _loop_lines(plan: AttentionPlan) -> list[str]:
+  """The loop over key tiles: the next tile's copies issued, this one's awaited, S, the softmax, O += P V."""
+  wgmma = plan.mma == "wgmma"
+  return [
     "  for (int tile = 0; tile < tiles; tile++) {",
     # the next tile streams in while this one is computed
     f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {plan.stages});",
@@ -737,9 +767,5 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     # iteration's copy goes to a stage no warp can still read: a warp past that iteration's barrier knows every warp
     # has finished the tile before this one, and this one's stage is not the copy's
     *(["    __syncthreads();"] if plan.stages < 3 else []),
-    "  }",
-    *_store_lines(plan),
-    "}",
-  ]
-  return "\n".join(line for line in lines if line) + "\n"
+    "  }"]
 

@@ -118,6 +118,8 @@ __device__ __forceinline__ void async_proxy_fence() {{ asm volatile("fence.proxy
 __device__ __forceinline__ void wgmma_fence() {{ asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }}
 __device__ __forceinline__ void wgmma_commit() {{ asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }}
 __device__ __forceinline__ void wgmma_wait_all() {{ asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }}
+__device__ __forceinline__ void wgmma_wait_one() {{ asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }}
+__device__ __forceinline__ void copy_wait_all() {{ asm volatile("cp.async.wait_group 0;" ::: "memory"); }}
 """
 
 
@@ -148,9 +150,10 @@ def copy_tile_lines(plan: AttentionPlan) -> list[str]:
           "  };"]
 
 
-def scores_lines(plan: AttentionPlan) -> list[str]:
-  """S = Q K^T of the warpgroup's 64 rows and the tile's keys: zeroed accumulators (scores[0][n][i] is element
-  4 n + i), one wgmma per 16 of D, waited for."""
+def _scores_issue_lines(plan: AttentionPlan) -> list[str]:
+  """S = Q K^T of the warpgroup's 64 rows and the tile's keys issued: zeroed accumulators (scores[0][n][i] is element
+  4 n + i), the fence that orders the registers' earlier writes before the wgmmas, one wgmma per 16 of D, one
+  group."""
   n_tiles = plan.block_n // 8
   lbo, sbo = key_strides()
   start = key_slice_start(plan.block_n, CExpr("j"))
@@ -163,27 +166,80 @@ def scores_lines(plan: AttentionPlan) -> list[str]:
           f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
           f"      wgmma_scores(&scores[0][0][0], q_fragments[0][j], wgmma_descriptor(k_stage + {start}, {lbo}, "
           f"{sbo}));",
-          "    wgmma_commit();",
-          "    wgmma_wait_all();"]
+          "    wgmma_commit();"]
 
 
-def weighted_sum_lines(plan: AttentionPlan) -> list[str]:
-  """O += P V: P's A fragments of every 16 keys packed first (the registers a wgmma reads must stay as they are until
-  it is waited for), then one wgmma per 16 keys, waited for."""
-  lbo, sbo = value_strides(plan.block_n)
+def _pack_lines(plan: AttentionPlan, declare: bool) -> list[str]:
+  """P's A fragments of every 16 keys (two neighbouring n tiles of S's accumulators packed to 16 bits), all before
+  the wgmmas that read them: a wgmma's registers must stay as they are until it is waited for."""
   steps = plan.block_n // 16
-  start = value_slice_start(CExpr("kk"))
-  return [f"    unsigned p[{steps}][4];",
+  return [*([f"    unsigned p[{steps}][4];"] if declare else []),
           "#pragma unroll",
           f"    for (int kk = 0; kk < {steps}; kk++) {{",
           "      p[kk][0] = pack_floats(scores[0][2 * kk][0], scores[0][2 * kk][1]);",
           "      p[kk][1] = pack_floats(scores[0][2 * kk][2], scores[0][2 * kk][3]);",
           "      p[kk][2] = pack_floats(scores[0][2 * kk + 1][0], scores[0][2 * kk + 1][1]);",
           "      p[kk][3] = pack_floats(scores[0][2 * kk + 1][2], scores[0][2 * kk + 1][3]);",
-          "    }",
-          "    wgmma_fence();",
-          "#pragma unroll",
-          f"    for (int kk = 0; kk < {steps}; kk++)",
-          f"      wgmma_values(&outputs[0][0][0], p[kk], wgmma_descriptor(v_stage + {start}, {lbo}, {sbo}));",
-          "    wgmma_commit();",
+          "    }"]
+
+
+def _values_issue_lines(plan: AttentionPlan, values: str, indent: str = "    ") -> list[str]:
+  """O += P V issued (one wgmma per 16 keys, V's tile at shared address `values`), one group."""
+  lbo, sbo = value_strides(plan.block_n)
+  start = value_slice_start(CExpr("kk"))
+  return ["#pragma unroll",
+          f"{indent}for (int kk = 0; kk < {plan.block_n // 16}; kk++)",
+          f"{indent}  wgmma_values(&outputs[0][0][0], p[kk], wgmma_descriptor({values} + {start}, {lbo}, {sbo}));",
+          f"{indent}wgmma_commit();"]
+
+
+def scores_lines(plan: AttentionPlan) -> list[str]:
+  """S = Q K^T of the warpgroup's rows and the tile's keys, waited for."""
+  return [*_scores_issue_lines(plan), "    wgmma_wait_all();"]
+
+
+def weighted_sum_lines(plan: AttentionPlan) -> list[str]:
+  """O += P V of the tile, waited for."""
+  return [*_pack_lines(plan, declare=True), "    wgmma_fence();", *_values_issue_lines(plan, "v_stage"),
           "    wgmma_wait_all();"]
+
+
+def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str], rescale: list[str]) -> list[str]:
+  """The loop over key tiles with the previous tile's P V in flight while this tile's S is masked and softmaxed
+  (FlashAttention-3's pipelining inside a warpgroup), from copy_tile(0, 0) on:
+
+      for tile t: wait for t's copies; fence.proxy.async; BARRIER; copy t + 1 into stage (t + 1) % stages
+                  issue S_t = Q K_t^T; issue O += P_{t-1} V_{t-1} (t > 0); wait for S_t (groups finish in order)
+                  mask and softmax S_t (the factor of O kept); wait for P V; O *= factor; pack P_t
+      issue and wait O += P_last V_last
+
+  Stage (t + 1) % stages was last read by P_{t-2} V_{t-2} (stages >= 3), waited for in iteration t - 1, which every
+  thread has finished once past iteration t's barrier."""
+  stages, stage = plan.stages, stage_bytes(plan)
+  return [
+    f"  unsigned p[{plan.block_n // 16}][4];",
+    "  float row_rescale[1][2];",
+    "  for (int tile = 0; tile < tiles; tile++) {",
+    "    copy_wait_all();",
+    "    async_proxy_fence();",
+    "    __syncthreads();",
+    f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {stages});",
+    f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
+    f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
+    *_scores_issue_lines(plan),
+    "    if (tile > 0) {",
+    *_values_issue_lines(plan, "previous_values", "      "),
+    "      wgmma_wait_one();",
+    "    } else {",
+    "      wgmma_wait_all();",
+    "    }",
+    *mask,
+    *softmax,
+    "    wgmma_wait_all();",
+    *rescale,
+    *_pack_lines(plan, declare=False),
+    "  }",
+    f"  unsigned last_values = shared_base + ((tiles - 1) % {stages}) * {stage} + {tile_bytes(plan)};",
+    "  wgmma_fence();",
+    *_values_issue_lines(plan, "last_values", "  "),
+    "  wgmma_wait_all();"]
