@@ -18,8 +18,10 @@ keeps a running max and sum per row in registers (exp2 with scale * log2(e) fold
 operand type in registers and adds P V with mma.sync (16-bit V's fragments by ldmatrix.trans). `plan_attention`
 sizes the tiles by a rule of the operand bytes, registers and shared memory; ATTENTION_BLOCKS overrides it.
 Causal CTAs stop at their last row's diagonal tile and mask the tiles that cross it; the CTAs with the most tiles
-start first. `render_attention` writes the CUDA C++ (runtime: renderer/cuda.py `render_attention`);
-runtime/attention_emulator.py runs the same plan with numpy for the PYTHON device (EMULATE=CUDA).
+start first. With `mma="wgmma"` (ATTENTION_WGMMA=1, sm_90, 16-bit operands) S and P V run on warpgroup MMA instead,
+K and V staged in swizzled tiles (codegen/attention_wgmma.py); the masks, softmax and store are the same.
+`render_attention` writes the CUDA C++ (runtime: renderer/cuda.py `render_attention`); runtime/attention_emulator.py
+runs the same plan with numpy for the PYTHON device (EMULATE=CUDA).
 
 `AttentionKernel` offers what engine/realize.py reads of a Kernel (name, leaves, sts, applied_opts, print_debug,
 colored_shape, op_count) and the plan it is rendered from (`attention`); no Opts apply.
