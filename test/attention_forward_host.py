@@ -95,7 +95,7 @@ inline float shared_operand(unsigned long long b, int row, int k, bool mn_major)
   elem_t bits; memcpy(&bits, attention_shared + address, 2);
   return to_float(bits);
 }
-inline void host_wgmma(float* acc, const unsigned* a, unsigned long long b, int n, bool mn_major) {
+inline void host_wgmma(float* acc, const unsigned* a, unsigned long long b, int n, bool mn_major, int accumulate) {
   memcpy(wgmma_a_slots[threadIdx.x], a, 16);
   __syncthreads();
   const int first = threadIdx.x / 128 * 128, thread = threadIdx.x % 128;
@@ -112,12 +112,14 @@ inline void host_wgmma(float* acc, const unsigned* a, unsigned long long b, int 
     const int row = ACC_ROW, column = ACC_COLUMN;
     float sum = 0.0f;
     for (int k = 0; k < 16; k++) sum += A[row][k] * shared_operand(b, column, k, mn_major);
-    acc[i] += sum;
+    acc[i] = accumulate ? acc[i] + sum : sum;
   }
   __syncthreads();
 }
-inline void wgmma_scores(float* acc, const unsigned* a, unsigned long long b) { host_wgmma(acc, a, b, BLOCK_N, false); }
-inline void wgmma_values(float* acc, const unsigned* a, unsigned long long b) { host_wgmma(acc, a, b, HEAD_DIM, true); }
+inline void wgmma_scores(float* acc, const unsigned* a, unsigned long long b, int accumulate) {
+  host_wgmma(acc, a, b, BLOCK_N, false, accumulate); }
+inline void wgmma_values(float* acc, const unsigned* a, unsigned long long b, int accumulate) {
+  host_wgmma(acc, a, b, HEAD_DIM, true, accumulate); }
 """
 
 

@@ -89,8 +89,9 @@ def value_strides(block_n: int) -> tuple[int, int]:
 # ---------------------------------------------------------------- the CUDA source
 
 def _wgmma_function(name: str, n: int, ptx_type: str, transposed: int) -> str:
-  """`name(acc, a, b)`: acc (64 x n per warpgroup, float32, n / 2 a thread) += A (64 x 16, from the 4 registers `a`)
-  @ B (16 x n, the shared-memory operand of descriptor `b`; transposed: MN-major)."""
+  """`name(acc, a, b, accumulate)`: acc (64 x n per warpgroup, float32, n / 2 a thread) = A (64 x 16, from the 4
+  registers `a`) @ B (16 x n, the shared-memory operand of descriptor `b`; transposed: MN-major), + acc where
+  `accumulate` is not 0 (the wgmma's scale-d: a first product needs no zeroed accumulators)."""
   count = n // 2
   registers = ", ".join(f"%{i}" for i in range(count))
   instruction = ("{ .reg .pred accumulate; setp.ne.b32 accumulate, %" + str(count + 5) + ", 0; "
@@ -98,9 +99,10 @@ def _wgmma_function(name: str, n: int, ptx_type: str, transposed: int) -> str:
                  f"{{%{count}, %{count + 1}, %{count + 2}, %{count + 3}}}, %{count + 4}, accumulate, 1, 1, "
                  f"{transposed}; }}")
   outputs = ", ".join(f'"+f"(acc[{i}])' for i in range(count))
-  return (f"__device__ __forceinline__ void {name}(float* acc, const unsigned* a, unsigned long long b) {{\n"
+  return (f"__device__ __forceinline__ void {name}(float* acc, const unsigned* a, unsigned long long b, "
+          "int accumulate) {\n"
           f'  asm volatile("{instruction}"\n    : {outputs}\n'
-          '    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));\n}\n')
+          '    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));\n}\n')
 
 
 _WGMMA_SYNC_HELPERS = f"""__device__ __forceinline__ unsigned shared_address(const void* pointer) {{
@@ -151,21 +153,18 @@ def copy_tile_lines(plan: AttentionPlan) -> list[str]:
 
 
 def _scores_issue_lines(plan: AttentionPlan) -> list[str]:
-  """S = Q K^T of the warpgroup's 64 rows and the tile's keys issued: zeroed accumulators (scores[0][n][i] is element
-  4 n + i), the fence that orders the registers' earlier writes before the wgmmas, one wgmma per 16 of D, one
-  group."""
+  """S = Q K^T of the warpgroup's 64 rows and the tile's keys issued (scores[0][n][i] is accumulator element 4 n + i):
+  the fence that orders the registers' earlier writes before the wgmmas, one wgmma per 16 of D (the first one not
+  adding to the accumulators, so they need no zeroing), one group."""
   n_tiles = plan.block_n // 8
   lbo, sbo = key_strides()
   start = key_slice_start(plan.block_n, CExpr("j"))
   return [f"    float scores[1][{n_tiles}][4];",
-          "#pragma unroll",
-          f"    for (int n = 0; n < {n_tiles}; n++) "
-          "scores[0][n][0] = scores[0][n][1] = scores[0][n][2] = scores[0][n][3] = 0.0f;",
           "    wgmma_fence();",
           "#pragma unroll",
           f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
           f"      wgmma_scores(&scores[0][0][0], q_fragments[0][j], wgmma_descriptor(k_stage + {start}, {lbo}, "
-          f"{sbo}));",
+          f"{sbo}), j > 0);",
           "    wgmma_commit();"]
 
 
@@ -189,7 +188,7 @@ def _values_issue_lines(plan: AttentionPlan, values: str, indent: str = "    ") 
   start = value_slice_start(CExpr("kk"))
   return ["#pragma unroll",
           f"{indent}for (int kk = 0; kk < {plan.block_n // 16}; kk++)",
-          f"{indent}  wgmma_values(&outputs[0][0][0], p[kk], wgmma_descriptor({values} + {start}, {lbo}, {sbo}));",
+          f"{indent}  wgmma_values(&outputs[0][0][0], p[kk], wgmma_descriptor({values} + {start}, {lbo}, {sbo}), 1);",
           f"{indent}wgmma_commit();"]
 
 
