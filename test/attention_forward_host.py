@@ -118,6 +118,16 @@ inline void host_wgmma(float* acc, const unsigned* a, unsigned long long b, int 
 }
 inline void wgmma_scores(float* acc, const unsigned* a, unsigned long long b, int accumulate) {
   host_wgmma(acc, a, b, BLOCK_N, false, accumulate); }
+// A from shared memory too (the Q tile), through its K-major descriptor
+inline void wgmma_scores(float* acc, unsigned long long a, unsigned long long b, int accumulate) {
+  const int thread = threadIdx.x % 128;
+  for (int i = 0; i < BLOCK_N / 2; i++) {
+    const int row = ACC_ROW, column = ACC_COLUMN;
+    float sum = 0.0f;
+    for (int k = 0; k < 16; k++) sum += shared_operand(a, row, k, false) * shared_operand(b, column, k, false);
+    acc[i] = accumulate ? acc[i] + sum : sum;
+  }
+}
 inline void wgmma_values(float* acc, const unsigned* a, unsigned long long b, int accumulate) {
   host_wgmma(acc, a, b, HEAD_DIM, true, accumulate); }
 """

@@ -91,6 +91,12 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   assert (plan.mma, plan.block_m, plan.block_n, plan.min_ctas) == ("wgmma", 64, 128, 3)
   monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,3,1,2,1")
   assert _plan(dtypes.bfloat16).overlap
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,3,1,2,1,1")
+  assert _plan(dtypes.bfloat16).q_shared
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,3,1,2,0,1")
+  with pytest.raises(ShapeError, match="Q in shared memory"): _plan(dtypes.bfloat16)
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
   for blocks in ("48,64,2", "128,64,2,2", "128,64,2,1,1,1"):
     monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
     with pytest.raises(ShapeError, match="wgmma|overlap"): _plan(dtypes.bfloat16)
@@ -113,7 +119,8 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
   # (64-row CTAs: 3 a multiprocessor at D = 64, 2 at D = 128, whose O takes twice the registers)
   variants = [plan, dataclasses.replace(plan, block_m=64, min_ctas=3 if head_dim == 64 else 2),
               dataclasses.replace(plan, block_n=32, stages=3),
-              dataclasses.replace(plan, block_n=64, stages=3, min_ctas=2 if head_dim == 64 else 1, overlap=True)]
+              dataclasses.replace(plan, block_n=64, stages=3, min_ctas=2 if head_dim == 64 else 1, overlap=True),
+              dataclasses.replace(plan, stages=3, overlap=True, q_shared=True)]
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
     assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"
@@ -165,7 +172,8 @@ def test_emulated_h100_forward_takes_the_wgmma_plan(monkeypatch, dtype, causal):
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
 @pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3", "128,64,3,1,2,1", "64,64,3,1,4,1"])
+@pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3", "128,64,3,1,2,1", "64,64,3,1,4,1",
+                                    "128,128,3,1,1,1,1"])
 def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
   """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped) against float64."""
   if not getattr(Device["CUDA"].renderer, "has_wgmma", False): pytest.skip("not an sm_90 GPU")

@@ -110,20 +110,22 @@ def test_unaligned_rows_on_host(dtype):
   assert not plan.vector_copies and o_error < TOLERANCES[dtype] and lse_error < 2e-2
 
 
-# (block_m, block_n, stages, min_ctas, overlap) of the wgmma kernel: the rule's two warpgroups, one warpgroup, three,
-# narrow key tiles over three stages; P V in flight during the next tile's S and softmax
-WGMMA_CONFIGS = [(128, 128, 2, 1, False), (64, 128, 2, 3, False), (192, 64, 2, 1, False), (128, 32, 3, 1, False),
-                 (128, 128, 3, 1, True), (64, 16, 4, 4, True)]
+# (block_m, block_n, stages, min_ctas, overlap, q_shared) of the wgmma kernel: the rule's two warpgroups, one
+# warpgroup, three, narrow key tiles over three stages; P V in flight during the next tile's S and softmax; Q staged
+# in shared memory
+WGMMA_CONFIGS = [(128, 128, 2, 1, False, False), (64, 128, 2, 3, False, False), (192, 64, 2, 1, False, False),
+                 (128, 32, 3, 1, False, False), (128, 128, 3, 1, True, False), (64, 16, 4, 4, True, False),
+                 (128, 64, 2, 1, False, True), (192, 32, 3, 1, True, True)]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", WGMMA_CONFIGS, ids=lambda c: "m{}_n{}_s{}_c{}_o{:d}".format(*c))
+@pytest.mark.parametrize("config", WGMMA_CONFIGS, ids=lambda c: "m{}_n{}_s{}_c{}_o{:d}_q{:d}".format(*c))
 def test_wgmma_forward_kernel_on_host(dtype, causal, config):
-  block_m, block_n, stages, min_ctas, overlap = config
+  block_m, block_n, stages, min_ctas, overlap, q_shared = config
   plan, o_error, lse_error = _run(dtype, causal, 1, 2, 1, 83 if causal else 70, 83 if causal else 131, 64, seed=5,
                                   mma="wgmma", block_m=block_m, block_n=block_n, stages=stages, min_ctas=min_ctas,
-                                  overlap=overlap)
+                                  overlap=overlap, q_shared=q_shared)
   assert o_error < TOLERANCES[dtype], (plan, o_error)
   assert lse_error < 2e-2, (plan, lse_error)
 
@@ -136,3 +138,5 @@ def test_wgmma_rule_and_head_dim_128_on_host(monkeypatch):
   plan, o_error, lse_error = _run("bfloat16", True, 1, 2, 1, 150, 150, 128, seed=6)
   assert plan.mma == "wgmma" and plan.block_m == 128 and plan.query_blocks == 2
   assert o_error < TOLERANCES["bfloat16"] and lse_error < 2e-2
+  _, o_error, lse_error = _run("float16", False, 1, 2, 2, 150, 90, 128, seed=7, q_shared=True, stages=3, overlap=True)
+  assert o_error < TOLERANCES["float16"] and lse_error < 2e-2

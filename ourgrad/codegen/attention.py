@@ -100,6 +100,7 @@ class AttentionPlan:
   min_ctas: int = 1            # CTAs a multiprocessor must fit (__launch_bounds__): registers <= 64K / threads / it
   mma: str = "mma_sync"        # "wgmma": warpgroups of 64 rows, swizzled K/V tiles (codegen/attention_wgmma.py)
   overlap: bool = False        # wgmma: a tile's S and softmax run while the previous tile's P V is in flight
+  q_shared: bool = False       # wgmma: Q staged in shared memory once (S's A operand by descriptor), not in registers
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -204,18 +205,20 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
                      f"multiple of {attention_wgmma.WARPGROUP_ROWS} rows and 1")
   if plan.overlap and (plan.mma != "wgmma" or plan.stages < 3):
     raise ShapeError(f"overlapped attention tiles with {plan.mma}, {plan.stages} stages: want wgmma and 3 or more")
+  if plan.q_shared and (plan.mma != "wgmma" or not plan.q.vector_aligned(COPY_BYTES // plan.itemsize)):
+    raise ShapeError(f"Q in shared memory with {plan.mma}, q {plan.q}: want wgmma and 16-byte aligned rows")
   return plan
 
 
 def _blocks_override(text: str) -> dict[str, Any]:
-  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap]]]]" as plan fields."""
+  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared]]]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
-  if len(values) not in (2, 3, 4, 5, 6) or values[0] % warp_rows or values[1] % 16:
-    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap]]]], "
-                     f"block_m a multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
+  if not 2 <= len(values) <= 7 or values[0] % warp_rows or values[1] % 16:
+    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
+                     f"[,q_shared]]]]], block_m a multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
   fields: dict[str, Any] = dict(zip(("block_m", "block_n", "stages", "warp_tiles", "min_ctas"), values))
-  if len(values) == 6: fields["overlap"] = bool(values[5])
+  fields.update({name: bool(value) for name, value in zip(("overlap", "q_shared"), values[5:])})
   return fields
 
 
@@ -728,7 +731,7 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
     f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};",
     f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
-    *_q_fragment_lines(plan),
+    *([] if plan.q_shared else _q_fragment_lines(plan)),
     f"  float outputs[{plan.warp_tiles}][{plan.head_dim // 8}][4], row_max[{plan.warp_tiles}][2], "
     f"row_sum[{plan.warp_tiles}][2];",
     "#pragma unroll",
@@ -740,6 +743,7 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     "    row_sum[mt][0] = row_sum[mt][1] = 0.0f;",
     "  }",
     *(attention_wgmma.copy_tile_lines(plan) if wgmma else _copy_tile_lines(plan)),
+    *(attention_wgmma.copy_q_lines(plan) if plan.q_shared else []),
     f"  int tiles = {tiles};",
     "  copy_tile(0, 0);",
     *(attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),

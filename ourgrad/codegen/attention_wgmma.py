@@ -52,10 +52,15 @@ def tile_bytes(plan: AttentionPlan) -> int:
 def stage_bytes(plan: AttentionPlan) -> int: return 2 * tile_bytes(plan)
 
 
+def q_tile_bytes(plan: AttentionPlan) -> int:
+  """Bytes of the CTA's staged Q tile (q_shared; else none): block_m rows, laid out as a K tile."""
+  return plan.block_m * plan.head_dim * plan.itemsize if plan.q_shared else 0
+
+
 def shared_bytes(plan: AttentionPlan) -> int:
-  """The stages' K and V tiles, and room to align their base to an atom (the swizzle is a function of address bits
-  7-9)."""
-  return plan.stages * stage_bytes(plan) + ATOM_BYTES
+  """The stages' K and V tiles, the Q tile after them (q_shared), and room to align their base to an atom (the
+  swizzle is a function of address bits 7-9)."""
+  return plan.stages * stage_bytes(plan) + q_tile_bytes(plan) + ATOM_BYTES
 
 
 def staged_offset(block_n: int, row, column):
@@ -125,11 +130,41 @@ __device__ __forceinline__ void copy_wait_all() {{ asm volatile("cp.async.wait_g
 """
 
 
+def _wgmma_shared_a_function(name: str, n: int, ptx_type: str) -> str:
+  """`name(acc, a, b, accumulate)` as _wgmma_function's, A (64 x 16) read from shared memory through the K-major
+  descriptor `a`."""
+  count = n // 2
+  registers = ", ".join(f"%{i}" for i in range(count))
+  instruction = ("{ .reg .pred accumulate; setp.ne.b32 accumulate, %" + str(count + 2) + ", 0; "
+                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} {{{registers}}}, "
+                 f"%{count}, %{count + 1}, accumulate, 1, 1, 0, 0; }}")
+  outputs = ", ".join(f'"+f"(acc[{i}])' for i in range(count))
+  return (f"__device__ __forceinline__ void {name}(float* acc, unsigned long long a, unsigned long long b, "
+          "int accumulate) {\n"
+          f'  asm volatile("{instruction}"\n    : {outputs}\n    : "l"(a), "l"(b), "r"(accumulate));\n}}\n')
+
+
 def wgmma_helpers(plan: AttentionPlan, ptx_type: str) -> str:
-  """The wgmma kernel's PTX helpers: the two wgmma shapes (S: n = block_n, K-major B; O: n = D, transposed B),
-  descriptors, swizzled cp.async copies to a shared address, and the fences and waits."""
-  return (_WGMMA_SYNC_HELPERS + _wgmma_function("wgmma_scores", plan.block_n, ptx_type, 0) +
-          _wgmma_function("wgmma_values", plan.head_dim, ptx_type, 1))
+  """The wgmma kernel's PTX helpers: the two wgmma shapes (S: n = block_n, K-major B, A from registers or (q_shared)
+  shared memory; O: n = D, transposed B), descriptors, swizzled cp.async copies to a shared address, and the fences
+  and waits."""
+  scores = (_wgmma_shared_a_function("wgmma_scores", plan.block_n, ptx_type) if plan.q_shared else
+            _wgmma_function("wgmma_scores", plan.block_n, ptx_type, 0))
+  return _WGMMA_SYNC_HELPERS + scores + _wgmma_function("wgmma_values", plan.head_dim, ptx_type, 1)
+
+
+def copy_q_lines(plan: AttentionPlan) -> list[str]:
+  """q_shared: the CTA's query rows into the Q tile after the stages (as a K tile of block_m rows; rows past L as
+  zeros), joining the first tile's commit group."""
+  pieces = plan.head_dim // 8
+  target = staged_offset(plan.block_m, CExpr("row"), CExpr("column"))
+  return [f"  const unsigned q_tile = shared_base + {plan.stages * stage_bytes(plan)};",
+          f"  for (int piece = threadIdx.x; piece < {plan.block_m * pieces}; piece += {plan.threads}) {{",
+          f"    int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
+          f"    bool inside = block_first_row + row < {plan.length};",
+          "    long long clamped = inside ? block_first_row + row : 0;",
+          f"    stage16(q_tile + {target}, q_base + clamped * {plan.q.strides[2]} + column, inside);",
+          "  }"]
 
 
 def copy_tile_lines(plan: AttentionPlan) -> list[str]:
@@ -159,12 +194,14 @@ def _scores_issue_lines(plan: AttentionPlan) -> list[str]:
   n_tiles = plan.block_n // 8
   lbo, sbo = key_strides()
   start = key_slice_start(plan.block_n, CExpr("j"))
+  # q_shared: this warpgroup's 64 rows of the Q tile, slice j as K's
+  queries = (f"wgmma_descriptor(q_tile + (threadIdx.x / 128) * {WARPGROUP_ROWS * ROW_BYTES} + "
+             f"{key_slice_start(plan.block_m, CExpr('j'))}, {lbo}, {sbo})" if plan.q_shared else "q_fragments[0][j]")
   return [f"    float scores[1][{n_tiles}][4];",
           "    wgmma_fence();",
           "#pragma unroll",
           f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
-          f"      wgmma_scores(&scores[0][0][0], q_fragments[0][j], wgmma_descriptor(k_stage + {start}, {lbo}, "
-          f"{sbo}), j > 0);",
+          f"      wgmma_scores(&scores[0][0][0], {queries}, wgmma_descriptor(k_stage + {start}, {lbo}, {sbo}), j > 0);",
           "    wgmma_commit();"]
 
 
