@@ -66,7 +66,7 @@ def ourgrad_forward(arrays: list[np.ndarray], dtype: str, causal: bool, device: 
   items = [item for item in create_schedule([out.lazydata]) if is_attention(item.ast)]
   plan = AttentionKernel(items[0].ast, Device[device].renderer).plan
   blocks = f"{plan.block_m},{plan.block_n},{plan.stages},{plan.warp_tiles},{plan.min_ctas}"
-  blocks += ",1" if plan.overlap else ""
+  blocks += f",{plan.overlap:d},{plan.q_shared:d}" if plan.overlap or plan.q_shared else ""
   blocks += "" if plan.ldmatrix or plan.mma == "wgmma" else " lds"
   blocks += " wgmma" if plan.mma == "wgmma" else ""
 

@@ -55,10 +55,11 @@ ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention ke
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
 ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 0, "1: the fused attention forward of float16/bfloat16 on sm_90 runs "
                           "on wgmma (codegen/attention_wgmma.py) instead of mma.sync")
-ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap]]]] of "
-                           "the fused attention forward instead of its rule's (codegen/attention.py "
+ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
+                           "[,q_shared]]]]] of the fused attention forward instead of its rule's (codegen/attention.py "
                            "`plan_attention`), e.g. 128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap "
-                           "1 (wgmma, 3 stages or more): S and softmax while the previous P V runs")
+                           "1 (wgmma, 3 stages or more): S and softmax while the previous P V runs; q_shared 1 "
+                           "(wgmma): Q staged in shared memory")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
