@@ -16,8 +16,14 @@ warps). Per key tile (block_n keys):
   packed to 16 bits are its A fragment, as for mma.sync), B = V through an MN-major descriptor with the transpose bit
   (`value_slice_start`: keys 16 j.. start at row 16 j; LBO = the bytes of one chunk of 64 columns, SBO = one atom).
 
-Every wgmma group is waited for before its results are read (no overlap of softmax and MMA inside a warpgroup yet;
-the warpgroups of a CTA and the CTAs of a multiprocessor overlap each other).
+Every wgmma group is waited for before its results are read. Without `overlap` a tile's S, softmax and P V follow
+each other (the warpgroups of a CTA and the CTAs of a multiprocessor overlap each other); with it
+(`overlapped_loop_lines`, 3+ stages) the previous tile's P V is in flight while this tile's S is computed, masked and
+softmaxed, O's rescale deferred until it lands (FlashAttention-3's pipelining inside a warpgroup). `q_shared`: Q is
+staged once in a swizzled tile after the stages (`copy_q_lines`) and S's A operand read through a K-major descriptor
+instead of registers.
+
+Not here yet: a producer warp with TMA copies and mbarriers, and two warpgroups taking turns on the tensor cores.
 """
 from __future__ import annotations
 
