@@ -67,13 +67,14 @@ def _plan(dtype, head_dim: int = 64, renderer=None, offset: int = 0, length: int
 
 
 def test_rule_picks_wgmma_for_16_bit_operands_on_sm90(monkeypatch):
-  """ATTENTION_WGMMA=1: float16/bfloat16 with D a multiple of 64 and aligned rows on sm_90 take the wgmma kernel (two
-  warpgroups a CTA); float32, D = 32, unaligned rows and sm_80 keep mma.sync; ATTENTION_WGMMA=0 (the default) too."""
+  """ATTENTION_WGMMA=1 (the default): float16/bfloat16 with D a multiple of 64 and aligned rows on sm_90 take the wgmma
+  kernel (one warpgroup a CTA, 3 CTAs a multiprocessor at D = 64, 2 at D = 128 by their registers); float32, D = 32,
+  unaligned rows and sm_80 keep mma.sync; ATTENTION_WGMMA=0 too."""
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
-  for dtype, head_dim in ((dtypes.bfloat16, 64), (dtypes.float16, 64), (dtypes.bfloat16, 128)):
+  for dtype, head_dim, ctas in ((dtypes.bfloat16, 64, 3), (dtypes.float16, 64, 3), (dtypes.bfloat16, 128, 2)):
     plan = _plan(dtype, head_dim)
-    assert (plan.mma, plan.block_m, plan.threads) == ("wgmma", 128, 256), (dtype, head_dim)
+    assert (plan.mma, plan.block_m, plan.threads, plan.min_ctas) == ("wgmma", 64, 128, ctas), (dtype, head_dim)
     assert plan.shared_bytes == plan.stages * 2 * plan.block_n * head_dim * 2 + 1024
   assert _plan(dtypes.float32).mma == "mma_sync"
   assert _plan(dtypes.bfloat16, 32).mma == "mma_sync"
@@ -116,11 +117,10 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
   plan = plan_attention(*operands, ((2, heads, length, head_dim), (2, heads // 2, source, head_dim)), dtype, causal,
                         0.125, CUDARenderer("sm_90"))
   assert plan.mma == "wgmma"
-  # (64-row CTAs: 3 a multiprocessor at D = 64, 2 at D = 128, whose O takes twice the registers)
-  variants = [plan, dataclasses.replace(plan, block_m=64, min_ctas=3 if head_dim == 64 else 2),
+  variants = [plan, dataclasses.replace(plan, block_m=128, min_ctas=1),
               dataclasses.replace(plan, block_n=32, stages=3),
               dataclasses.replace(plan, block_n=64, stages=3, min_ctas=2 if head_dim == 64 else 1, overlap=True),
-              dataclasses.replace(plan, stages=3, overlap=True, q_shared=True)]
+              dataclasses.replace(plan, stages=3, overlap=True, q_shared=True, min_ctas=2)]
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
     assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"

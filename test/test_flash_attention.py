@@ -404,7 +404,8 @@ def test_devices_without_the_kernel_keep_the_composite_graph():
 @pytest.mark.parametrize("causal", [False, True])
 # (head size, rows 16-byte aligned): cp.async copies at D = 64, element-by-element copies at D = 128 (fewer compiles)
 @pytest.mark.parametrize("head_dim, aligned", [(64, True), (128, False)])
-def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
+def test_cuda_source_compiles(monkeypatch, dtype, causal, head_dim, aligned):
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")   # the mma.sync kernel's variants (test_attention_wgmma.py: wgmma's)
   length, source, heads = 100, 77, 4
   row = 3 * heads * head_dim
   # one (B, T, 3, H, D) buffer (aligned: cp.async copies) or rows with an odd offset (element by element)
@@ -527,6 +528,7 @@ def test_tile_rule(monkeypatch):
   """64 query rows a CTA; the key tile is the largest whose fragments fit the register budget and whose stages fit a
   third of the shared memory."""
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")   # the mma.sync kernel's rule (test_attention_wgmma.py: wgmma's)
   from ourgrad.codegen.attention import FRAGMENT_REGISTERS
   renderer = CUDARenderer("sm_90")
   for dtype, head_dim, want in ((dtypes.bfloat16, 64, (64, 128)), (dtypes.bfloat16, 128, (64, 64)),
@@ -538,6 +540,7 @@ def test_tile_rule(monkeypatch):
 
 
 def test_blocks_override(monkeypatch):
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")
   monkeypatch.setenv("ATTENTION_BLOCKS", "128,32,3,2")
   plan = _rule_plan(dtypes.bfloat16, 64)
   assert (plan.block_m, plan.block_n, plan.stages, plan.warp_tiles, plan.warps) == (128, 32, 3, 2, 4)

@@ -28,6 +28,12 @@ TOLERANCES = {"float32": 3e-3, "float16": 3e-3, "bfloat16": 2e-2}
 STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
+@pytest.fixture(autouse=True)
+def _mma_sync_rule(monkeypatch):
+  """The plans start from the mma.sync kernel's rule (the wgmma tests ask for theirs)."""
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")
+
+
 def _stored(values: np.ndarray, dtype: str) -> np.ndarray:
   """float32 values as the kernel's buffer holds them (bfloat16: its bits)."""
   return float32_to_bfloat16_bits(values) if dtype == "bfloat16" else values.astype(STORED[dtype])
@@ -131,12 +137,13 @@ def test_wgmma_forward_kernel_on_host(dtype, causal, config):
 
 
 def test_wgmma_rule_and_head_dim_128_on_host(monkeypatch):
-  """ATTENTION_WGMMA=1: the rule's wgmma plan for D = 128 (two 64-column chunks per staged row: K's slices 4.. and
-  V's second 64 columns through the descriptors' strides), grouped heads, a length past the CTA's rows."""
+  """ATTENTION_WGMMA=1 (the default): the rule's wgmma plan for D = 128 (two 64-column chunks per staged row: K's
+  slices 4.. and V's second 64 columns through the descriptors' strides), grouped heads, a length past the CTA's
+  rows."""
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   plan, o_error, lse_error = _run("bfloat16", True, 1, 2, 1, 150, 150, 128, seed=6)
-  assert plan.mma == "wgmma" and plan.block_m == 128 and plan.query_blocks == 2
+  assert plan.mma == "wgmma" and plan.block_m == 64 and plan.query_blocks == 3
   assert o_error < TOLERANCES["bfloat16"] and lse_error < 2e-2
   _, o_error, lse_error = _run("float16", False, 1, 2, 2, 150, 90, 128, seed=7, q_shared=True, stages=3, overlap=True)
   assert o_error < TOLERANCES["float16"] and lse_error < 2e-2

@@ -18,7 +18,7 @@ keeps a running max and sum per row in registers (exp2 with scale * log2(e) fold
 operand type in registers and adds P V with mma.sync (16-bit V's fragments by ldmatrix.trans). `plan_attention`
 sizes the tiles by a rule of the operand bytes, registers and shared memory; ATTENTION_BLOCKS overrides it.
 Causal CTAs stop at their last row's diagonal tile and mask the tiles that cross it; the CTAs with the most tiles
-start first. With `mma="wgmma"` (ATTENTION_WGMMA=1, sm_90, 16-bit operands) S and P V run on warpgroup MMA instead,
+start first. With `mma="wgmma"` (sm_90, 16-bit operands; ATTENTION_WGMMA=0 opts out) S and P V run on warpgroup MMA,
 K and V staged in swizzled tiles (codegen/attention_wgmma.py); the masks, softmax and store are the same.
 `render_attention` writes the CUDA C++ (runtime: renderer/cuda.py `render_attention`); runtime/attention_emulator.py
 runs the same plan with numpy for the PYTHON device (EMULATE=CUDA).
@@ -37,6 +37,7 @@ from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.helpers import DEBUG, env_var
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
+from ourgrad.renderer import ASSUMED_CUDA_GPU
 
 # threads of a warp, and query rows one warp owns (the M of one mma.sync)
 WARP_THREADS, WARP_ROWS = 32, 16
@@ -53,8 +54,8 @@ FRAGMENT_REGISTERS = 144
 COPY_BYTES = 16
 ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its K (16-bit: and V) "
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
-ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 0, "1: the fused attention forward of float16/bfloat16 on sm_90 runs "
-                          "on wgmma (codegen/attention_wgmma.py) instead of mma.sync")
+ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 1, "0: the fused attention forward of float16/bfloat16 on sm_90 runs "
+                          "on mma.sync instead of wgmma (codegen/attention_wgmma.py)")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
                            "[,q_shared]]]]] of the fused attention forward instead of its rule's (codegen/attention.py "
                            "`plan_attention`), e.g. 128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap "
@@ -180,9 +181,10 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   """The plan for one attention: BLOCK_M query rows per CTA; keys per tile the largest whose fragments fit
   FRAGMENT_REGISTERS (16-bit D = 64: 128 keys; D = 128: 64; TF32 D = 64: 64, as its shared memory also asks) and
   whose staged tiles leave room for CTAS_PER_PROCESSOR CTAs in a multiprocessor's shared memory. ATTENTION_BLOCKS
-  overrides the tiles (and stages, warp tiles, CTAs per multiprocessor). With ATTENTION_WGMMA=1, a renderer with
-  wgmma (sm_90) and operands the wgmma kernel takes (attention_wgmma.wgmma_refusal): mma "wgmma", two warpgroups of
-  64 rows a CTA."""
+  overrides the tiles (and stages, warp tiles, CTAs per multiprocessor). With ATTENTION_WGMMA=1 (the default), a
+  renderer with wgmma (sm_90) and operands the wgmma kernel takes (attention_wgmma.wgmma_refusal): mma "wgmma", one
+  warpgroup of 64 rows a CTA, the launch bounds asking for as many CTAs a multiprocessor (up to
+  CTAS_PER_PROCESSOR) as the registers allow (attention_wgmma.resident_ctas: 3 at D = 64, 2 at D = 128)."""
   (batch, heads, length, head_dim), (_, kv_heads, source, _) = shapes[0], shapes[1]
   vector = COPY_BYTES // dtype.itemsize
   vector_copies = k.vector_aligned(vector) and v.vector_aligned(vector)
@@ -196,7 +198,10 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
   fitting = [replace(base, block_n=block_n) for block_n in BLOCK_N_CHOICES]
   fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
-  return fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
+  plan = fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
+  if not wgmma: return plan
+  registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
+  return replace(plan, min_ctas=attention_wgmma.resident_ctas(plan, CTAS_PER_PROCESSOR, registers))
 
 
 def _checked(plan: AttentionPlan) -> AttentionPlan:

@@ -29,15 +29,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ourgrad.codegen.wgmma_tiles import ATOM_BYTES, PIECE_BYTES, ROW_BYTES, SLICE_BYTES, SWIZZLE_128B, CExpr
+from ourgrad.codegen.wgmma_tiles import (ATOM_BYTES, PIECE_BYTES, ROW_BYTES, SLICE_BYTES, SWIZZLE_128B, CExpr,
+                                         launch_registers)
 
 if TYPE_CHECKING:
   from ourgrad.codegen.attention import AttentionPlan
 
 # query rows of one warpgroup (the M of one wgmma), elements of one 128-byte row of a staged tile (16-bit)
 WARPGROUP_ROWS, CHUNK_ELEMENTS = 64, 64
-# the wgmma kernel's query rows per CTA: two warpgroups, as cuDNN's and FlashAttention-3's forward kernels
-WGMMA_BLOCK_M = 128
+# the wgmma kernel's query rows per CTA: one warpgroup, and as many CTAs a multiprocessor as their registers allow
+# (up to CTAS_PER_PROCESSOR): on the H200 (bf16, D = 64, causal, B=4 H=12) 64 x 128 with 3 CTAs was the fastest at
+# T = 1024 and 4096, 13-25% ahead of two or three warpgroups a CTA and of the overlapped loop at 2 CTAs
+# (extra/bench/results/sweep_attention_wgmma_h200_s13.txt)
+WGMMA_BLOCK_M = 64
+# registers a thread needs beside Q's, S's and O's fragments (AttentionPlan.fragment_registers): ptxas gave 166 for
+# D = 64 with 128 keys a tile (112 of fragments)
+WGMMA_OVERHEAD_REGISTERS = 54
 WGMMA_DTYPES = ("float16", "bfloat16")
 
 
@@ -48,6 +55,15 @@ def wgmma_refusal(dtype: str, head_dim: int, vector_copies: bool) -> str | None:
   if head_dim % CHUNK_ELEMENTS: return f"head size {head_dim} (wgmma attention takes multiples of {CHUNK_ELEMENTS})"
   if not vector_copies: return "k or v rows not 16-byte aligned (cp.async copies)"
   return None
+
+
+def resident_ctas(plan: AttentionPlan, most: int, multiprocessor_registers: int) -> int:
+  """The most CTAs (at most `most`) a multiprocessor can hold by registers: the launch bounds' cap for that many
+  (wgmma_tiles.launch_registers) must fit the fragments and WGMMA_OVERHEAD_REGISTERS."""
+  needed = plan.fragment_registers + WGMMA_OVERHEAD_REGISTERS
+  fitting = [ctas for ctas in range(1, most + 1)
+             if launch_registers(plan.threads, ctas, multiprocessor_registers) >= needed]
+  return max(fitting, default=1)
 
 
 def tile_bytes(plan: AttentionPlan) -> int:
