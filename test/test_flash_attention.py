@@ -84,11 +84,34 @@ def _attention_items(out: Tensor) -> list:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("length, source", [(64, 64), (70, 45), (33, 100)])
 def test_forward_backward_against_torch(emulated_cuda, dtype, causal, length, source):
+  _check_forward_backward(dtype, causal, length, source)
+
+
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wgmma_forward_backward_against_torch(monkeypatch, dtype, causal):
+  """The PYTHON device as an H100 with ATTENTION_WGMMA=1: the forward's plan is the wgmma kernel's (emulated by its
+  plan's arithmetic; its source runs in test_flash_attention_host.py), the backward the flash kernels."""
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    plans = _check_forward_backward(dtype, causal, 70, 45)
+  assert [plan.mma for plan in plans] == ["wgmma"]
+
+
+def _check_forward_backward(dtype, causal: bool, length: int, source: int) -> list:
+  """Forward and backward of a (2, 3, length, 64) attention against float64 torch; the forward kernels' plans."""
+  from ourgrad.codegen.attention import AttentionKernel
+  from ourgrad.device import Device
   batch, heads, head_dim = 2, 3, 64
   arrays = [_random(batch, heads, rows, head_dim, seed=seed) for seed, rows in ((1, length), (2, source), (3, source))]
   q, k, v = _ourgrad_inputs(arrays, dtype, requires_grad=True)
   out = q.scaled_dot_product_attention(k, v, is_causal=causal)
-  assert len(_attention_items(out)) == 1
+  items = _attention_items(out)
+  assert len(items) == 1
+  plans = [AttentionKernel(item.ast, Device[DEVICE].renderer).plan for item in items]
   grad_np = _random(batch, heads, length, head_dim, seed=4)
   (out.cast(dtypes.float32) * Tensor(grad_np, device=DEVICE)).sum().backward()
   tq, tk, tv = _torch_inputs([q, k, v])
@@ -99,6 +122,7 @@ def test_forward_backward_against_torch(emulated_cuda, dtype, causal, length, so
   for got, twin in ((q, tq), (k, tk), (v, tv)):
     assert got.grad.dtype == dtype
     assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
+  return plans
 
 
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
@@ -380,7 +404,8 @@ def test_devices_without_the_kernel_keep_the_composite_graph():
 @pytest.mark.parametrize("causal", [False, True])
 # (head size, rows 16-byte aligned): cp.async copies at D = 64, element-by-element copies at D = 128 (fewer compiles)
 @pytest.mark.parametrize("head_dim, aligned", [(64, True), (128, False)])
-def test_cuda_source_compiles(dtype, causal, head_dim, aligned):
+def test_cuda_source_compiles(monkeypatch, dtype, causal, head_dim, aligned):
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")   # the mma.sync kernel's variants (test_attention_wgmma.py: wgmma's)
   length, source, heads = 100, 77, 4
   row = 3 * heads * head_dim
   # one (B, T, 3, H, D) buffer (aligned: cp.async copies) or rows with an odd offset (element by element)
@@ -503,6 +528,7 @@ def test_tile_rule(monkeypatch):
   """64 query rows a CTA; the key tile is the largest whose fragments fit the register budget and whose stages fit a
   third of the shared memory."""
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")   # the mma.sync kernel's rule (test_attention_wgmma.py: wgmma's)
   from ourgrad.codegen.attention import FRAGMENT_REGISTERS
   renderer = CUDARenderer("sm_90")
   for dtype, head_dim, want in ((dtypes.bfloat16, 64, (64, 128)), (dtypes.bfloat16, 128, (64, 64)),
@@ -514,6 +540,7 @@ def test_tile_rule(monkeypatch):
 
 
 def test_blocks_override(monkeypatch):
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")
   monkeypatch.setenv("ATTENTION_BLOCKS", "128,32,3,2")
   plan = _rule_plan(dtypes.bfloat16, 64)
   assert (plan.block_m, plan.block_n, plan.stages, plan.warp_tiles, plan.warps) == (128, 32, 3, 2, 4)

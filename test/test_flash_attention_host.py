@@ -1,8 +1,9 @@
 """The fused attention forward kernel's CUDA source run on the CPU (test/attention_forward_host.py) against PyTorch's
 float64 SDPA: every tile configuration the plan takes (query rows per CTA, keys per tile, stages, ldmatrix or plain
 fragment loads), float32 (TF32), float16 and bfloat16, causal and not, odd lengths, grouped-query attention, head
-sizes 64 and 128, rows copied by cp.async or element by element. O is checked in the operand type it is written in,
-and the float32 logsumexp after it."""
+sizes 64 and 128, rows copied by cp.async or element by element; and the wgmma kernel (codegen/attention_wgmma.py,
+16-bit: its swizzled tiles, descriptors and register fragments through the harness's wgmma). O is checked in the
+operand type it is written in, and the float32 logsumexp after it."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,12 @@ pytestmark = pytest.mark.skipif(host_compiler() is None, reason="no g++ to run t
 # rounded to its type
 TOLERANCES = {"float32": 3e-3, "float16": 3e-3, "bfloat16": 2e-2}
 STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+@pytest.fixture(autouse=True)
+def _mma_sync_rule(monkeypatch):
+  """The plans start from the mma.sync kernel's rule (the wgmma tests ask for theirs)."""
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")
 
 
 def _stored(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -107,3 +114,36 @@ def test_unaligned_rows_on_host(dtype):
   """Operands one element past an aligned start: Q's pairs and K/V's rows are read element by element."""
   plan, o_error, lse_error = _run(dtype, True, 1, 2, 2, 37, 37, 64, seed=4, offset=1)
   assert not plan.vector_copies and o_error < TOLERANCES[dtype] and lse_error < 2e-2
+
+
+# (block_m, block_n, stages, min_ctas, overlap, q_shared) of the wgmma kernel: the rule's two warpgroups, one
+# warpgroup, three, narrow key tiles over three stages; P V in flight during the next tile's S and softmax; Q staged
+# in shared memory
+WGMMA_CONFIGS = [(128, 128, 2, 1, False, False), (64, 128, 2, 3, False, False), (192, 64, 2, 1, False, False),
+                 (128, 32, 3, 1, False, False), (128, 128, 3, 1, True, False), (64, 16, 4, 4, True, False),
+                 (128, 64, 2, 1, False, True), (192, 32, 3, 1, True, True)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", WGMMA_CONFIGS, ids=lambda c: "m{}_n{}_s{}_c{}_o{:d}_q{:d}".format(*c))
+def test_wgmma_forward_kernel_on_host(dtype, causal, config):
+  block_m, block_n, stages, min_ctas, overlap, q_shared = config
+  plan, o_error, lse_error = _run(dtype, causal, 1, 2, 1, 83 if causal else 70, 83 if causal else 131, 64, seed=5,
+                                  mma="wgmma", block_m=block_m, block_n=block_n, stages=stages, min_ctas=min_ctas,
+                                  overlap=overlap, q_shared=q_shared)
+  assert o_error < TOLERANCES[dtype], (plan, o_error)
+  assert lse_error < 2e-2, (plan, lse_error)
+
+
+def test_wgmma_rule_and_head_dim_128_on_host(monkeypatch):
+  """ATTENTION_WGMMA=1 (the default): the rule's wgmma plan for D = 128 (two 64-column chunks per staged row: K's
+  slices 4.. and V's second 64 columns through the descriptors' strides), grouped heads, a length past the CTA's
+  rows."""
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  plan, o_error, lse_error = _run("bfloat16", True, 1, 2, 1, 150, 150, 128, seed=6)
+  assert plan.mma == "wgmma" and plan.block_m == 64 and plan.query_blocks == 3
+  assert o_error < TOLERANCES["bfloat16"] and lse_error < 2e-2
+  _, o_error, lse_error = _run("float16", False, 1, 2, 2, 150, 90, 128, seed=7, q_shared=True, stages=3, overlap=True)
+  assert o_error < TOLERANCES["float16"] and lse_error < 2e-2

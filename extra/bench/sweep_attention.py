@@ -5,12 +5,15 @@ on or off, beside PyTorch's fused SDPA forward in the same process, so the plan'
 
     python extra/bench/sweep_attention.py                                  # B=4 H=12 D=64 causal, T 1024 4096, bf16 f32
     python extra/bench/sweep_attention.py --lengths 4096 --dtypes bfloat16 --configs 128,64,2 128,128,2
+    python extra/bench/sweep_attention.py --dtypes bfloat16 --ldmatrix 1 --configs --wgmma-configs 64,128,2,1,3
     DEVICE=PYTHON EMULATE=CUDA python extra/bench/sweep_attention.py --device PYTHON --lengths 128 --batch 1 --heads 2
 
 Each row: the configuration ("rule" is the plan's own choice, printed as the blocks it picked), ms per forward, the
 TFLOP/s that makes (a causal forward counts half the 4 B H L S D of Q K^T and P V), its time over PyTorch's, and the
 max abs error of O against PyTorch's float64 math SDPA of the same rounded values. A configuration that fails (over
-the shared memory, a compile error) prints its error and the sweep goes on.
+the shared memory, a compile error) prints its error and the sweep goes on. --wgmma-configs runs the wgmma kernel
+(ATTENTION_WGMMA=1, codegen/attention_wgmma.py: 16-bit operands on sm_90) with its rule's and these tiles after the
+mma.sync ones, labelled "wgmma".
 """
 from __future__ import annotations
 
@@ -63,7 +66,9 @@ def ourgrad_forward(arrays: list[np.ndarray], dtype: str, causal: bool, device: 
   items = [item for item in create_schedule([out.lazydata]) if is_attention(item.ast)]
   plan = AttentionKernel(items[0].ast, Device[device].renderer).plan
   blocks = f"{plan.block_m},{plan.block_n},{plan.stages},{plan.warp_tiles},{plan.min_ctas}"
-  blocks += "" if plan.ldmatrix else " lds"
+  blocks += f",{plan.overlap:d},{plan.q_shared:d}" if plan.overlap or plan.q_shared else ""
+  blocks += "" if plan.ldmatrix or plan.mma == "wgmma" else " lds"
+  blocks += " wgmma" if plan.mma == "wgmma" else ""
 
   @TinyJit
   def step(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -82,8 +87,10 @@ def main() -> None:
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
   parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-  parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+  parser.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS,
                       help="block_m,block_n,stages[,warp_tiles[,min_ctas]] each")
+  parser.add_argument("--wgmma-configs", nargs="*", default=None,
+                      help="block_m,block_n,stages[,1[,min_ctas]] each for the wgmma kernel (its rule's always first)")
   parser.add_argument("--ldmatrix", nargs="+", type=int, default=[1, 0], help="1: ldmatrix fragments, 0: plain loads")
   parser.add_argument("--not-causal", action="store_true")
   parser.add_argument("--device", default="CUDA", help="ourgrad device (PYTHON with EMULATE=CUDA: a smoke test)")
@@ -110,21 +117,23 @@ def main() -> None:
       torch_error = float(np.abs(torch_out.double().cpu().numpy() - want).max())
       print(f"{length:>5} {dtype:>8} {'torch':>20} {torch_time * 1e3:>8.3f} {flops / torch_time / 1e12:>8.1f} "
             f"{1.0:>8.2f}  {torch_error:.2e}", flush=True)
-      for ldmatrix in args.ldmatrix:
-        for config in [None, *args.configs]:
-          os.environ["ATTENTION_LDMATRIX"] = str(ldmatrix)
-          if config is None: os.environ.pop("ATTENTION_BLOCKS", None)
-          else: os.environ["ATTENTION_BLOCKS"] = config
-          label = "rule" if config is None else config + ("" if ldmatrix else " lds")
-          try:
-            seconds, got, blocks = ourgrad_forward(arrays, dtype, causal, args.device, args.launches)
-            if config is None: label = f"rule {blocks}"
-            print(f"{length:>5} {dtype:>8} {label:>20} {seconds * 1e3:>8.3f} {flops / seconds / 1e12:>8.1f} "
-                  f"{seconds / torch_time:>8.2f}  {float(np.abs(got - want).max()):.2e}", flush=True)
-          except Exception as error:  # noqa: BLE001 (report and go on)
-            print(f"{length:>5} {dtype:>8} {label:>20} FAILED: {type(error).__name__}: {error}", flush=True)
-            traceback.print_exc(limit=2)
+      runs = [(ldmatrix, 0, config) for ldmatrix in args.ldmatrix for config in [None, *args.configs]]
+      if args.wgmma_configs is not None: runs += [(1, 1, config) for config in [None, *args.wgmma_configs]]
+      for ldmatrix, wgmma, config in runs:
+        os.environ["ATTENTION_LDMATRIX"], os.environ["ATTENTION_WGMMA"] = str(ldmatrix), str(wgmma)
+        if config is None: os.environ.pop("ATTENTION_BLOCKS", None)
+        else: os.environ["ATTENTION_BLOCKS"] = config
+        label = "rule" if config is None else config + ("" if ldmatrix else " lds") + (" wgmma" if wgmma else "")
+        try:
+          seconds, got, blocks = ourgrad_forward(arrays, dtype, causal, args.device, args.launches)
+          if config is None: label = f"rule {blocks}"
+          print(f"{length:>5} {dtype:>8} {label:>20} {seconds * 1e3:>8.3f} {flops / seconds / 1e12:>8.1f} "
+                f"{seconds / torch_time:>8.2f}  {float(np.abs(got - want).max()):.2e}", flush=True)
+        except Exception as error:  # noqa: BLE001 (report and go on)
+          print(f"{length:>5} {dtype:>8} {label:>20} FAILED: {type(error).__name__}: {error}", flush=True)
+          traceback.print_exc(limit=2)
   os.environ.pop("ATTENTION_BLOCKS", None)
+  os.environ.pop("ATTENTION_WGMMA", None)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ keeps a running max and sum per row in registers (exp2 with scale * log2(e) fold
 operand type in registers and adds P V with mma.sync (16-bit V's fragments by ldmatrix.trans). `plan_attention`
 sizes the tiles by a rule of the operand bytes, registers and shared memory; ATTENTION_BLOCKS overrides it.
 Causal CTAs stop at their last row's diagonal tile and mask the tiles that cross it; the CTAs with the most tiles
-start first. `render_attention` writes the CUDA C++ (runtime: renderer/cuda.py `render_attention`);
-runtime/attention_emulator.py runs the same plan with numpy for the PYTHON device (EMULATE=CUDA).
+start first. With `mma="wgmma"` (sm_90, 16-bit operands; ATTENTION_WGMMA=0 opts out) S and P V run on warpgroup MMA,
+K and V staged in swizzled tiles (codegen/attention_wgmma.py); the masks, softmax and store are the same.
+`render_attention` writes the CUDA C++ (runtime: renderer/cuda.py `render_attention`); runtime/attention_emulator.py
+runs the same plan with numpy for the PYTHON device (EMULATE=CUDA).
 
 `AttentionKernel` offers what engine/realize.py reads of a Kernel (name, leaves, sts, applied_opts, print_debug,
 colored_shape, op_count) and the plan it is rendered from (`attention`); no Opts apply.
@@ -30,10 +32,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ourgrad.codegen import attention_wgmma
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.helpers import DEBUG, env_var
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
+from ourgrad.renderer import ASSUMED_CUDA_GPU
 
 # threads of a warp, and query rows one warp owns (the M of one mma.sync)
 WARP_THREADS, WARP_ROWS = 32, 16
@@ -50,9 +54,13 @@ FRAGMENT_REGISTERS = 144
 COPY_BYTES = 16
 ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention kernel reads its K (16-bit: and V) "
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
-ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas]]] of the fused "
-                           "attention forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. "
-                           "128,64,2,1,2: what extra/bench/sweep_attention.py tries")
+ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 1, "0: the fused attention forward of float16/bfloat16 on sm_90 runs "
+                          "on mma.sync instead of wgmma (codegen/attention_wgmma.py)")
+ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
+                           "[,q_shared]]]]] of the fused attention forward instead of its rule's (codegen/attention.py "
+                           "`plan_attention`), e.g. 128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap "
+                           "1 (wgmma, 3 stages or more): S and softmax while the previous P V runs; q_shared 1 "
+                           "(wgmma): Q staged in shared memory")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -92,6 +100,9 @@ class AttentionPlan:
   ldmatrix: bool = False       # K fragments (16-bit: and V's, .trans) read with ldmatrix, else element loads
   warp_tiles: int = 1          # m tiles of 16 query rows per warp: 2 uses each K/V fragment for twice the rows
   min_ctas: int = 1            # CTAs a multiprocessor must fit (__launch_bounds__): registers <= 64K / threads / it
+  mma: str = "mma_sync"        # "wgmma": warpgroups of 64 rows, swizzled K/V tiles (codegen/attention_wgmma.py)
+  overlap: bool = False        # wgmma: a tile's S and softmax run while the previous tile's P V is in flight
+  q_shared: bool = False       # wgmma: Q staged in shared memory once (S's A operand by descriptor), not in registers
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -121,7 +132,9 @@ class AttentionPlan:
   def tile_elements(self) -> int: return self.block_n * self.row_pitch
 
   @property
-  def shared_bytes(self) -> int: return self.stages * 2 * self.tile_elements * self.itemsize
+  def shared_bytes(self) -> int:
+    if self.mma == "wgmma": return attention_wgmma.shared_bytes(self)
+    return self.stages * 2 * self.tile_elements * self.itemsize
 
   @property
   def fragment_registers(self) -> int:
@@ -168,27 +181,51 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   """The plan for one attention: BLOCK_M query rows per CTA; keys per tile the largest whose fragments fit
   FRAGMENT_REGISTERS (16-bit D = 64: 128 keys; D = 128: 64; TF32 D = 64: 64, as its shared memory also asks) and
   whose staged tiles leave room for CTAS_PER_PROCESSOR CTAs in a multiprocessor's shared memory. ATTENTION_BLOCKS
-  overrides the tiles (and stages, warp tiles, CTAs per multiprocessor)."""
+  overrides the tiles (and stages, warp tiles, CTAs per multiprocessor). With ATTENTION_WGMMA=1 (the default), a
+  renderer with wgmma (sm_90) and operands the wgmma kernel takes (attention_wgmma.wgmma_refusal): mma "wgmma", one
+  warpgroup of 64 rows a CTA, the launch bounds asking for as many CTAs a multiprocessor (up to
+  CTAS_PER_PROCESSOR) as the registers allow (attention_wgmma.resident_ctas: 3 at D = 64, 2 at D = 128)."""
   (batch, heads, length, head_dim), (_, kv_heads, source, _) = shapes[0], shapes[1]
   vector = COPY_BYTES // dtype.itemsize
+  vector_copies = k.vector_aligned(vector) and v.vector_aligned(vector)
+  wgmma = bool(ATTENTION_WGMMA) and getattr(renderer, "has_wgmma", False) and \
+    attention_wgmma.wgmma_refusal(dtype.name, head_dim, vector_copies) is None
   base = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
-                       vector_copies=k.vector_aligned(vector) and v.vector_aligned(vector),
-                       ldmatrix=bool(ATTENTION_LDMATRIX))
-  if ATTENTION_BLOCKS.value: return replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value)))
+                       vector_copies=vector_copies, ldmatrix=bool(ATTENTION_LDMATRIX),
+                       mma="wgmma" if wgmma else "mma_sync",
+                       block_m=attention_wgmma.WGMMA_BLOCK_M if wgmma else BLOCK_M)
+  if ATTENTION_BLOCKS.value: return _checked(replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value))))
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
   fitting = [replace(base, block_n=block_n) for block_n in BLOCK_N_CHOICES]
   fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
-  return fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
+  plan = fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
+  if not wgmma: return plan
+  registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
+  return replace(plan, min_ctas=attention_wgmma.resident_ctas(plan, CTAS_PER_PROCESSOR, registers))
 
 
-def _blocks_override(text: str) -> dict[str, int]:
-  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas]]]" as plan fields."""
+def _checked(plan: AttentionPlan) -> AttentionPlan:
+  """`plan` where its tiles suit its mma (wgmma: whole warpgroups of 64 rows, one m tile a warp), else ShapeError."""
+  if plan.mma == "wgmma" and (plan.block_m % attention_wgmma.WARPGROUP_ROWS or plan.warp_tiles != 1):
+    raise ShapeError(f"wgmma attention with {plan.block_m} rows a CTA, {plan.warp_tiles} m tiles a warp: want a "
+                     f"multiple of {attention_wgmma.WARPGROUP_ROWS} rows and 1")
+  if plan.overlap and (plan.mma != "wgmma" or plan.stages < 3):
+    raise ShapeError(f"overlapped attention tiles with {plan.mma}, {plan.stages} stages: want wgmma and 3 or more")
+  if plan.q_shared and (plan.mma != "wgmma" or not plan.q.vector_aligned(COPY_BYTES // plan.itemsize)):
+    raise ShapeError(f"Q in shared memory with {plan.mma}, q {plan.q}: want wgmma and 16-byte aligned rows")
+  return plan
+
+
+def _blocks_override(text: str) -> dict[str, Any]:
+  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared]]]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
-  if len(values) not in (2, 3, 4, 5) or values[0] % warp_rows or values[1] % 16:
-    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas]]], block_m a "
-                     f"multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
-  return dict(zip(("block_m", "block_n", "stages", "warp_tiles", "min_ctas"), values))
+  if not 2 <= len(values) <= 7 or values[0] % warp_rows or values[1] % 16:
+    raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
+                     f"[,q_shared]]]]], block_m a multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
+  fields: dict[str, Any] = dict(zip(("block_m", "block_n", "stages", "warp_tiles", "min_ctas"), values))
+  fields.update({name: bool(value) for name, value in zip(("overlap", "q_shared"), values[5:])})
+  return fields
 
 
 def is_attention(ast: LazyOp) -> bool:
@@ -319,6 +356,8 @@ def kernel_helpers(plan: AttentionPlan) -> str:
   ldmatrix loads, cp.async copies. test/attention_forward_host.py swaps them for host versions to run the kernel on a
   CPU."""
   helpers = _HELPERS_TF32 if plan.dtype == "float32" else _HELPERS_16.replace("TYPE", MMA_SHAPES[plan.dtype][2])
+  if plan.mma == "wgmma":
+    return helpers + _EXP2_HELPER + _COPY_HELPER + attention_wgmma.wgmma_helpers(plan, MMA_SHAPES[plan.dtype][2])
   return (helpers + _EXP2_HELPER + (_LDMATRIX_HELPERS if plan.ldmatrix else "") +
           (_COPY_HELPER if plan.vector_copies else ""))
 
@@ -429,24 +468,29 @@ def _scores_lines(plan: AttentionPlan) -> list[str]:
            f"    for (int n = 0; n < {n_tiles}; n++) "
            "scores[mt][n][0] = scores[mt][n][1] = scores[mt][n][2] = scores[mt][n][3] = 0.0f;"]
   lines += _scores_ldmatrix_lines(plan) if plan.ldmatrix else _scores_load_lines(plan)
-  # mask only the tiles that need it: the last (keys past S) and, causal, those crossing the diagonal
+  return lines + _mask_lines(plan)
+
+
+def _mask_lines(plan: AttentionPlan) -> list[str]:
+  """S of keys past S (and, causal, past the row) set to -inf, in the tiles that have any: the last one and, causal,
+  those crossing the diagonal; S scaled by scale * log2(e) here where the scale is not folded into the softmax."""
+  n_tiles = plan.block_n // 8
   crossing = f" || tile * {plan.block_n} + {plan.block_n - 1} > block_first_row" if plan.causal else ""
-  lines += [f"    bool masked = (tile + 1) * {plan.block_n} > {plan.source}{crossing};",
-            "#pragma unroll",
-            f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
-            "#pragma unroll",
-            f"    for (int n = 0; n < {n_tiles}; n++) {{",
-            "#pragma unroll",
-            "      for (int i = 0; i < 4; i++) {",
-            *([] if plan.folded_scale else ["        scores[mt][n][i] *= scale_log2;"]),
-            "        if (masked) {",
-            f"          int key = tile * {plan.block_n} + n * 8 + quad * 2 + (i & 1);",
-            f"          int row = first_row + mt * {WARP_ROWS} + (i >> 1) * 8;",
-            f"          if (key >= {plan.source}{' || key > row' if plan.causal else ''}) scores[mt][n][i] = NEG_INF;",
-            "        }",
-            "      }",
-            "    }"]
-  return lines
+  return [f"    bool masked = (tile + 1) * {plan.block_n} > {plan.source}{crossing};",
+        "#pragma unroll",
+        f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+        "#pragma unroll",
+        f"    for (int n = 0; n < {n_tiles}; n++) {{",
+        "#pragma unroll",
+        "      for (int i = 0; i < 4; i++) {",
+        *([] if plan.folded_scale else ["        scores[mt][n][i] *= scale_log2;"]),
+        "        if (masked) {",
+        f"          int key = tile * {plan.block_n} + n * 8 + quad * 2 + (i & 1);",
+        f"          int row = first_row + mt * {WARP_ROWS} + (i >> 1) * 8;",
+        f"          if (key >= {plan.source}{' || key > row' if plan.causal else ''}) scores[mt][n][i] = NEG_INF;",
+        "        }",
+        "      }",
+        "    }"]
 
 
 def _scores_load_lines(plan: AttentionPlan) -> list[str]:
@@ -503,10 +547,11 @@ def _scores_ldmatrix_lines(plan: AttentionPlan) -> list[str]:
           "    }"]
 
 
-def _softmax_lines(plan: AttentionPlan) -> list[str]:
+def _softmax_lines(plan: AttentionPlan, deferred: bool = False) -> list[str]:
   """The online softmax per row (a quad of lanes shares a row): the running max (in log2 units: S scaled by
   scale * log2(e)), the old sums and outputs rescaled, P = exp2(S scale log2(e) - max) in place of the scores, the
-  scale folded into one fma per element where it is positive."""
+  scale folded into one fma per element where it is positive. `deferred`: the outputs' factor is kept in
+  row_rescale for _rescale_lines (a P V still in flight adds to them)."""
   n_tiles, d_tiles = plan.block_n // 8, plan.head_dim // 8
   scaled_max = "tile_max * scale_log2" if plan.folded_scale else "tile_max"
 
@@ -537,12 +582,23 @@ def _softmax_lines(plan: AttentionPlan) -> list[str]:
           "      }",
           # each lane keeps its own part of the sum: the quad adds them once, at the end
           "      row_sum[mt][half] = row_sum[mt][half] * rescale + partial;",
-          "#pragma unroll",
-          f"      for (int d = 0; d < {d_tiles}; d++) {{",
-          "        outputs[mt][d][half * 2] *= rescale;",
-          "        outputs[mt][d][half * 2 + 1] *= rescale;",
-          "      }",
+          *(["      row_rescale[mt][half] = rescale;"] if deferred else
+            ["#pragma unroll",
+             f"      for (int d = 0; d < {d_tiles}; d++) {{",
+             "        outputs[mt][d][half * 2] *= rescale;",
+             "        outputs[mt][d][half * 2 + 1] *= rescale;",
+             "      }"]),
           "    }"]
+
+
+def _rescale_lines(plan: AttentionPlan) -> list[str]:
+  """The outputs times the factor a deferred softmax kept (row_rescale) of their row."""
+  return ["#pragma unroll",
+          f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+          "#pragma unroll",
+          f"    for (int d = 0; d < {plan.head_dim // 8}; d++)",
+          "#pragma unroll",
+          "      for (int i = 0; i < 4; i++) outputs[mt][d][i] *= row_rescale[mt][i >> 1];"]
 
 
 def _p_fragment_lines(plan: AttentionPlan) -> list[str]:
@@ -641,13 +697,23 @@ def _store_lines(plan: AttentionPlan) -> list[str]:
           "  }"]
 
 
+def _stage_lines(plan: AttentionPlan) -> list[str]:
+  """k_stage and v_stage: this tile's staged keys and values (wgmma: their shared addresses)."""
+  if plan.mma == "wgmma":
+    return [f"    unsigned k_stage = shared_base + (tile % {plan.stages}) * {attention_wgmma.stage_bytes(plan)}, "
+            f"v_stage = k_stage + {attention_wgmma.tile_bytes(plan)};"]
+  storage = STORAGE_TYPE[plan.dtype]
+  return [f"    const {storage}* k_stage = k_tiles + (tile % {plan.stages}) * {plan.tile_elements};",
+          f"    const {storage}* v_stage = v_tiles + (tile % {plan.stages}) * {plan.tile_elements};"]
+
+
 def render_attention(plan: AttentionPlan, name: str | None = None, arguments: dict[str, int] | None = None,
                      dynamic_shared_symbol: str = "ourgrad_dynamic_shared_bytes", helpers: str | None = None) -> str:
   """CUDA C++ (NVRTC, sm_80+) of the fused attention kernel `name` (default plan.name); its buffers in the order
   `arguments` gives (default out, q, k, v); launch with plan.global_size x plan.local_size and plan.shared_bytes of
   dynamic shared memory (exported as `dynamic_shared_symbol`, which ourgrad's CUDA runtime reads at load)."""
   arguments = arguments or {"out": 0, "q": 1, "k": 2, "v": 3}
-  storage = STORAGE_TYPE[plan.dtype]
+  storage, wgmma = STORAGE_TYPE[plan.dtype], plan.mma == "wgmma"
   last_tile = f"(block_first_row + {plan.block_m - 1}) / {plan.block_n}"
   tiles = f"min({math.ceil(plan.source / plan.block_n)}, {last_tile} + 1)" if plan.causal else \
       f"{math.ceil(plan.source / plan.block_n)}"
@@ -657,8 +723,9 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     "#define NEG_INF __int_as_float(0xff800000)",
     kernel_helpers(plan) if helpers is None else helpers,
     *_signature(plan, name or plan.name, arguments),
-    f"  {storage}* k_tiles = ({storage}*)attention_shared;",
-    f"  {storage}* v_tiles = k_tiles + {plan.stages * plan.tile_elements};",
+    *(["  unsigned shared_base = (shared_address(attention_shared) + 1023u) & ~1023u;"] if wgmma else
+      [f"  {storage}* k_tiles = ({storage}*)attention_shared;",
+       f"  {storage}* v_tiles = k_tiles + {plan.stages * plan.tile_elements};"]),
     "  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, quad = lane & 3;",
     # causal: the last query blocks have the most tiles, so they are launched first
     f"  int query_block = {'gridDim.x - 1 - ' if plan.causal else ''}blockIdx.x;",
@@ -670,7 +737,7 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
     f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};",
     f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
-    *_q_fragment_lines(plan),
+    *([] if plan.q_shared else _q_fragment_lines(plan)),
     f"  float outputs[{plan.warp_tiles}][{plan.head_dim // 8}][4], row_max[{plan.warp_tiles}][2], "
     f"row_sum[{plan.warp_tiles}][2];",
     "#pragma unroll",
@@ -681,26 +748,36 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     "    row_max[mt][0] = row_max[mt][1] = NEG_INF;",
     "    row_sum[mt][0] = row_sum[mt][1] = 0.0f;",
     "  }",
-    *_copy_tile_lines(plan),
+    *(attention_wgmma.copy_tile_lines(plan) if wgmma else _copy_tile_lines(plan)),
+    *(attention_wgmma.copy_q_lines(plan) if plan.q_shared else []),
     f"  int tiles = {tiles};",
     "  copy_tile(0, 0);",
-    "  for (int tile = 0; tile < tiles; tile++) {",
-    # the next tile streams in while this one is computed
-    f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {plan.stages});",
-    *(["    else copy_commit();", "    copy_wait_all_but_one();"] if plan.vector_copies else []),
-    "    __syncthreads();",
-    f"    const {storage}* k_stage = k_tiles + (tile % {plan.stages}) * {plan.tile_elements};",
-    f"    const {storage}* v_stage = v_tiles + (tile % {plan.stages}) * {plan.tile_elements};",
-    *_scores_lines(plan),
-    *_softmax_lines(plan),
-    *_weighted_sum_lines(plan),
-    # every warp is done with this stage before a later copy_tile overwrites it. With 3 stages or more the next
-    # iteration's copy goes to a stage no warp can still read: a warp past that iteration's barrier knows every warp
-    # has finished the tile before this one, and this one's stage is not the copy's
-    *(["    __syncthreads();"] if plan.stages < 3 else []),
-    "  }",
+    *(attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
+                                            _rescale_lines(plan)) if plan.overlap else _loop_lines(plan)),
     *_store_lines(plan),
     "}",
   ]
   return "\n".join(line for line in lines if line) + "\n"
+
+
+def _loop_lines(plan: AttentionPlan) -> list[str]:
+  """The loop over key tiles: the next tile's copies issued, this one's awaited, S, the softmax, O += P V."""
+  wgmma = plan.mma == "wgmma"
+  return [
+    "  for (int tile = 0; tile < tiles; tile++) {",
+    # the next tile streams in while this one is computed
+    f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {plan.stages});",
+    *(["    else copy_commit();", "    copy_wait_all_but_one();"] if plan.vector_copies else []),
+    # (wgmma: the copies' writes made visible to the tensor cores' async proxy before the barrier)
+    *(["    async_proxy_fence();"] if wgmma else []),
+    "    __syncthreads();",
+    *_stage_lines(plan),
+    *(attention_wgmma.scores_lines(plan) + _mask_lines(plan) if wgmma else _scores_lines(plan)),
+    *_softmax_lines(plan),
+    *(attention_wgmma.weighted_sum_lines(plan) if wgmma else _weighted_sum_lines(plan)),
+    # every warp is done with this stage before a later copy_tile overwrites it. With 3 stages or more the next
+    # iteration's copy goes to a stage no warp can still read: a warp past that iteration's barrier knows every warp
+    # has finished the tile before this one, and this one's stage is not the copy's
+    *(["    __syncthreads();"] if plan.stages < 3 else []),
+    "  }"]
 

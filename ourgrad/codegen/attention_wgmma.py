@@ -1,0 +1,303 @@
+"""The fused attention forward on Hopper's warpgroup MMA (wgmma, sm_90a) for float16/bfloat16 operands: the parts of
+codegen/attention.py's kernel that differ when its plan says `mma="wgmma"`.
+
+A CTA is block_m / 64 warpgroups, each owning 64 query rows (warp w of the CTA: rows 16 w.., as the mma.sync kernel's
+warps). Per key tile (block_n keys):
+
+- K and V rows are copied by cp.async into shared memory in the 128-byte-swizzled layout of codegen/wgmma_tiles.py
+  (`staged_offset`): a tile is block_n rows of 128 bytes (64 elements) per 64 columns of D, the chunks of 64 columns
+  one after another, 8 rows to a 1024-byte atom, 16-byte piece p of row r at piece p ^ (r % 8).
+- S (64 x block_n per warpgroup) = Q K^T: one m64n{block_n}k16 per 16 of D, A = Q from registers (loaded once, the
+  m16n8k16 A fragments the mma.sync kernel loads: wgmma's register A of warp w is that fragment of rows 16 w..), B = K
+  through a K-major descriptor (`key_slice_start`: slice j of D starts 32 (j % 4) bytes into the rows of chunk j / 4).
+- The accumulators hold S in the m16n8 C layout per warp (wgmma_tiles.accumulator_position: element 4 n + i is the
+  mma.sync kernel's scores[n][i]), so the masks and the online softmax are the mma.sync kernel's, unchanged.
+- O (64 x D) += P V: one m64n{D}k16 per 16 keys, A = P from registers (two neighbouring n tiles of S's accumulators
+  packed to 16 bits are its A fragment, as for mma.sync), B = V through an MN-major descriptor with the transpose bit
+  (`value_slice_start`: keys 16 j.. start at row 16 j; LBO = the bytes of one chunk of 64 columns, SBO = one atom).
+
+Every wgmma group is waited for before its results are read. Without `overlap` a tile's S, softmax and P V follow
+each other (the warpgroups of a CTA and the CTAs of a multiprocessor overlap each other); with it
+(`overlapped_loop_lines`, 3+ stages) the previous tile's P V is in flight while this tile's S is computed, masked and
+softmaxed, O's rescale deferred until it lands (FlashAttention-3's pipelining inside a warpgroup). `q_shared`: Q is
+staged once in a swizzled tile after the stages (`copy_q_lines`) and S's A operand read through a K-major descriptor
+instead of registers.
+
+Not here yet: a producer warp with TMA copies and mbarriers, and two warpgroups taking turns on the tensor cores.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ourgrad.codegen.wgmma_tiles import (ATOM_BYTES, PIECE_BYTES, ROW_BYTES, SLICE_BYTES, SWIZZLE_128B, CExpr,
+                                         launch_registers)
+
+if TYPE_CHECKING:
+  from ourgrad.codegen.attention import AttentionPlan
+
+# query rows of one warpgroup (the M of one wgmma), elements of one 128-byte row of a staged tile (16-bit)
+WARPGROUP_ROWS, CHUNK_ELEMENTS = 64, 64
+# the wgmma kernel's query rows per CTA: one warpgroup, and as many CTAs a multiprocessor as their registers allow
+# (up to CTAS_PER_PROCESSOR): on the H200 (bf16, D = 64, causal, B=4 H=12) 64 x 128 with 3 CTAs was the fastest at
+# T = 1024 and 4096, 13-25% ahead of two or three warpgroups a CTA and of the overlapped loop at 2 CTAs
+# (extra/bench/results/sweep_attention_wgmma_h200_s13.txt)
+WGMMA_BLOCK_M = 64
+# registers a thread needs beside Q's, S's and O's fragments (AttentionPlan.fragment_registers): ptxas gave 166 for
+# D = 64 with 128 keys a tile (112 of fragments)
+WGMMA_OVERHEAD_REGISTERS = 54
+WGMMA_DTYPES = ("float16", "bfloat16")
+
+
+def wgmma_refusal(dtype: str, head_dim: int, vector_copies: bool) -> str | None:
+  """Why the wgmma kernel cannot run an attention (None: it can): 16-bit operands, D a multiple of 64 (whole 128-byte
+  rows), rows copied as 16-byte pieces."""
+  if dtype not in WGMMA_DTYPES: return f"{dtype} operands (wgmma attention takes float16/bfloat16)"
+  if head_dim % CHUNK_ELEMENTS: return f"head size {head_dim} (wgmma attention takes multiples of {CHUNK_ELEMENTS})"
+  if not vector_copies: return "k or v rows not 16-byte aligned (cp.async copies)"
+  return None
+
+
+def resident_ctas(plan: AttentionPlan, most: int, multiprocessor_registers: int) -> int:
+  """The most CTAs (at most `most`) a multiprocessor can hold by registers: the launch bounds' cap for that many
+  (wgmma_tiles.launch_registers) must fit the fragments and WGMMA_OVERHEAD_REGISTERS."""
+  needed = plan.fragment_registers + WGMMA_OVERHEAD_REGISTERS
+  fitting = [ctas for ctas in range(1, most + 1)
+             if launch_registers(plan.threads, ctas, multiprocessor_registers) >= needed]
+  return max(fitting, default=1)
+
+
+def tile_bytes(plan: AttentionPlan) -> int:
+  """Bytes of one staged K (or V) tile: block_n rows of 128 bytes per 64 columns of D."""
+  return plan.block_n * plan.head_dim * plan.itemsize
+
+
+def stage_bytes(plan: AttentionPlan) -> int: return 2 * tile_bytes(plan)
+
+
+def q_tile_bytes(plan: AttentionPlan) -> int:
+  """Bytes of the CTA's staged Q tile (q_shared; else none): block_m rows, laid out as a K tile."""
+  return plan.block_m * plan.head_dim * plan.itemsize if plan.q_shared else 0
+
+
+def shared_bytes(plan: AttentionPlan) -> int:
+  """The stages' K and V tiles, the Q tile after them (q_shared), and room to align their base to an atom (the
+  swizzle is a function of address bits 7-9)."""
+  return plan.stages * stage_bytes(plan) + q_tile_bytes(plan) + ATOM_BYTES
+
+
+def staged_offset(block_n: int, row, column):
+  """The byte in a staged tile where element `column` (a multiple of 8: a 16-byte piece's first) of row `row` goes:
+  chunk column // 64 (block_n rows of 128 bytes each), piece (column % 64) // 8 swizzled with the row in its atom.
+  Evaluates on ints, numpy arrays and wgmma_tiles.CExpr alike."""
+  return (column // CHUNK_ELEMENTS) * (block_n * ROW_BYTES) + row * ROW_BYTES + \
+      ((((column % CHUNK_ELEMENTS) // 8) ^ (row & 7)) << 4)
+
+
+def key_slice_start(block_n: int, j):
+  """Byte offset in the K tile where the K-major descriptor of D's k16 slice j starts."""
+  return (j // 4) * (block_n * ROW_BYTES) + (j % 4) * SLICE_BYTES
+
+
+def value_slice_start(j):
+  """Byte offset in the V tile where the MN-major descriptor of keys 16 j .. 16 j + 15 starts."""
+  return 16 * j * ROW_BYTES
+
+
+def key_strides() -> tuple[int, int]:
+  """(LBO, SBO) of K's K-major descriptor: LBO unused with the 128-byte swizzle, SBO one atom (8 rows)."""
+  return PIECE_BYTES, ATOM_BYTES
+
+
+def value_strides(block_n: int) -> tuple[int, int]:
+  """(LBO, SBO) of V's MN-major descriptor: LBO from one 64-column chunk to the next, SBO one atom (8 keys)."""
+  return block_n * ROW_BYTES, ATOM_BYTES
+
+
+# ---------------------------------------------------------------- the CUDA source
+
+def _wgmma_function(name: str, n: int, ptx_type: str, transposed: int) -> str:
+  """`name(acc, a, b, accumulate)`: acc (64 x n per warpgroup, float32, n / 2 a thread) = A (64 x 16, from the 4
+  registers `a`) @ B (16 x n, the shared-memory operand of descriptor `b`; transposed: MN-major), + acc where
+  `accumulate` is not 0 (the wgmma's scale-d: a first product needs no zeroed accumulators)."""
+  count = n // 2
+  registers = ", ".join(f"%{i}" for i in range(count))
+  instruction = ("{ .reg .pred accumulate; setp.ne.b32 accumulate, %" + str(count + 5) + ", 0; "
+                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} {{{registers}}}, "
+                 f"{{%{count}, %{count + 1}, %{count + 2}, %{count + 3}}}, %{count + 4}, accumulate, 1, 1, "
+                 f"{transposed}; }}")
+  outputs = ", ".join(f'"+f"(acc[{i}])' for i in range(count))
+  return (f"__device__ __forceinline__ void {name}(float* acc, const unsigned* a, unsigned long long b, "
+          "int accumulate) {\n"
+          f'  asm volatile("{instruction}"\n    : {outputs}\n'
+          '    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));\n}\n')
+
+
+_WGMMA_SYNC_HELPERS = f"""__device__ __forceinline__ unsigned shared_address(const void* pointer) {{
+  return (unsigned)__cvta_generic_to_shared(pointer);
+}}
+__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned address, unsigned lbo, unsigned sbo) {{
+  return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | ({SWIZZLE_128B}ull << 62);
+}}
+__device__ __forceinline__ void stage16(unsigned target, const void* source, bool inside) {{
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(target), "l"(source), "r"(inside ? 16 : 0)
+               : "memory");
+}}
+__device__ __forceinline__ void async_proxy_fence() {{ asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }}
+__device__ __forceinline__ void wgmma_fence() {{ asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }}
+__device__ __forceinline__ void wgmma_commit() {{ asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }}
+__device__ __forceinline__ void wgmma_wait_all() {{ asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }}
+__device__ __forceinline__ void wgmma_wait_one() {{ asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }}
+__device__ __forceinline__ void copy_wait_all() {{ asm volatile("cp.async.wait_group 0;" ::: "memory"); }}
+"""
+
+
+def _wgmma_shared_a_function(name: str, n: int, ptx_type: str) -> str:
+  """`name(acc, a, b, accumulate)` as _wgmma_function's, A (64 x 16) read from shared memory through the K-major
+  descriptor `a`."""
+  count = n // 2
+  registers = ", ".join(f"%{i}" for i in range(count))
+  instruction = ("{ .reg .pred accumulate; setp.ne.b32 accumulate, %" + str(count + 2) + ", 0; "
+                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} {{{registers}}}, "
+                 f"%{count}, %{count + 1}, accumulate, 1, 1, 0, 0; }}")
+  outputs = ", ".join(f'"+f"(acc[{i}])' for i in range(count))
+  return (f"__device__ __forceinline__ void {name}(float* acc, unsigned long long a, unsigned long long b, "
+          "int accumulate) {\n"
+          f'  asm volatile("{instruction}"\n    : {outputs}\n    : "l"(a), "l"(b), "r"(accumulate));\n}}\n')
+
+
+def wgmma_helpers(plan: AttentionPlan, ptx_type: str) -> str:
+  """The wgmma kernel's PTX helpers: the two wgmma shapes (S: n = block_n, K-major B, A from registers or (q_shared)
+  shared memory; O: n = D, transposed B), descriptors, swizzled cp.async copies to a shared address, and the fences
+  and waits."""
+  scores = (_wgmma_shared_a_function("wgmma_scores", plan.block_n, ptx_type) if plan.q_shared else
+            _wgmma_function("wgmma_scores", plan.block_n, ptx_type, 0))
+  return _WGMMA_SYNC_HELPERS + scores + _wgmma_function("wgmma_values", plan.head_dim, ptx_type, 1)
+
+
+def copy_q_lines(plan: AttentionPlan) -> list[str]:
+  """q_shared: the CTA's query rows into the Q tile after the stages (as a K tile of block_m rows; rows past L as
+  zeros), joining the first tile's commit group."""
+  pieces = plan.head_dim // 8
+  target = staged_offset(plan.block_m, CExpr("row"), CExpr("column"))
+  return [f"  const unsigned q_tile = shared_base + {plan.stages * stage_bytes(plan)};",
+          f"  for (int piece = threadIdx.x; piece < {plan.block_m * pieces}; piece += {plan.threads}) {{",
+          f"    int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
+          f"    bool inside = block_first_row + row < {plan.length};",
+          "    long long clamped = inside ? block_first_row + row : 0;",
+          f"    stage16(q_tile + {target}, q_base + clamped * {plan.q.strides[2]} + column, inside);",
+          "  }"]
+
+
+def copy_tile_lines(plan: AttentionPlan) -> list[str]:
+  """`copy_tile(tile, stage)`: the key and value rows of one tile into the stage's swizzled K and V tiles by 16-byte
+  cp.async (rows past S as zeros), one commit group."""
+  pieces = plan.head_dim // 8
+  target = staged_offset(plan.block_n, CExpr("row"), CExpr("column"))
+  return ["  auto copy_tile = [&](int tile, int stage) {",
+          f"    unsigned k_stage = shared_base + stage * {stage_bytes(plan)}, v_stage = k_stage + {tile_bytes(plan)};",
+          f"    for (int piece = threadIdx.x; piece < {plan.block_n * pieces}; piece += {plan.threads}) {{",
+          f"      int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
+          f"      int key = tile * {plan.block_n} + row;",
+          f"      bool inside = key < {plan.source};",
+          "      long long clamped = inside ? key : 0;",
+          f"      unsigned target = {target};",
+          f"      stage16(k_stage + target, k_base + clamped * {plan.k.strides[2]} + column, inside);",
+          f"      stage16(v_stage + target, v_base + clamped * {plan.v.strides[2]} + column, inside);",
+          "    }",
+          "    copy_commit();",
+          "  };"]
+
+
+def _scores_issue_lines(plan: AttentionPlan) -> list[str]:
+  """S = Q K^T of the warpgroup's 64 rows and the tile's keys issued (scores[0][n][i] is accumulator element 4 n + i):
+  the fence that orders the registers' earlier writes before the wgmmas, one wgmma per 16 of D (the first one not
+  adding to the accumulators, so they need no zeroing), one group."""
+  n_tiles = plan.block_n // 8
+  lbo, sbo = key_strides()
+  start = key_slice_start(plan.block_n, CExpr("j"))
+  # q_shared: this warpgroup's 64 rows of the Q tile, slice j as K's
+  queries = (f"wgmma_descriptor(q_tile + (threadIdx.x / 128) * {WARPGROUP_ROWS * ROW_BYTES} + "
+             f"{key_slice_start(plan.block_m, CExpr('j'))}, {lbo}, {sbo})" if plan.q_shared else "q_fragments[0][j]")
+  return [f"    float scores[1][{n_tiles}][4];",
+          "    wgmma_fence();",
+          "#pragma unroll",
+          f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
+          f"      wgmma_scores(&scores[0][0][0], {queries}, wgmma_descriptor(k_stage + {start}, {lbo}, {sbo}), j > 0);",
+          "    wgmma_commit();"]
+
+
+def _pack_lines(plan: AttentionPlan, declare: bool) -> list[str]:
+  """P's A fragments of every 16 keys (two neighbouring n tiles of S's accumulators packed to 16 bits), all before
+  the wgmmas that read them: a wgmma's registers must stay as they are until it is waited for."""
+  steps = plan.block_n // 16
+  return [*([f"    unsigned p[{steps}][4];"] if declare else []),
+          "#pragma unroll",
+          f"    for (int kk = 0; kk < {steps}; kk++) {{",
+          "      p[kk][0] = pack_floats(scores[0][2 * kk][0], scores[0][2 * kk][1]);",
+          "      p[kk][1] = pack_floats(scores[0][2 * kk][2], scores[0][2 * kk][3]);",
+          "      p[kk][2] = pack_floats(scores[0][2 * kk + 1][0], scores[0][2 * kk + 1][1]);",
+          "      p[kk][3] = pack_floats(scores[0][2 * kk + 1][2], scores[0][2 * kk + 1][3]);",
+          "    }"]
+
+
+def _values_issue_lines(plan: AttentionPlan, values: str, indent: str = "    ") -> list[str]:
+  """O += P V issued (one wgmma per 16 keys, V's tile at shared address `values`), one group."""
+  lbo, sbo = value_strides(plan.block_n)
+  start = value_slice_start(CExpr("kk"))
+  return ["#pragma unroll",
+          f"{indent}for (int kk = 0; kk < {plan.block_n // 16}; kk++)",
+          f"{indent}  wgmma_values(&outputs[0][0][0], p[kk], wgmma_descriptor({values} + {start}, {lbo}, {sbo}), 1);",
+          f"{indent}wgmma_commit();"]
+
+
+def scores_lines(plan: AttentionPlan) -> list[str]:
+  """S = Q K^T of the warpgroup's rows and the tile's keys, waited for."""
+  return [*_scores_issue_lines(plan), "    wgmma_wait_all();"]
+
+
+def weighted_sum_lines(plan: AttentionPlan) -> list[str]:
+  """O += P V of the tile, waited for."""
+  return [*_pack_lines(plan, declare=True), "    wgmma_fence();", *_values_issue_lines(plan, "v_stage"),
+          "    wgmma_wait_all();"]
+
+
+def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str], rescale: list[str]) -> list[str]:
+  """The loop over key tiles with the previous tile's P V in flight while this tile's S is masked and softmaxed
+  (FlashAttention-3's pipelining inside a warpgroup), from copy_tile(0, 0) on:
+
+      for tile t: wait for t's copies; fence.proxy.async; BARRIER; copy t + 1 into stage (t + 1) % stages
+                  issue S_t = Q K_t^T; issue O += P_{t-1} V_{t-1} (t > 0); wait for S_t (groups finish in order)
+                  mask and softmax S_t (the factor of O kept); wait for P V; O *= factor; pack P_t
+      issue and wait O += P_last V_last
+
+  Stage (t + 1) % stages was last read by P_{t-2} V_{t-2} (stages >= 3), waited for in iteration t - 1, which every
+  thread has finished once past iteration t's barrier."""
+  stages, stage = plan.stages, stage_bytes(plan)
+  return [
+    f"  unsigned p[{plan.block_n // 16}][4];",
+    "  float row_rescale[1][2];",
+    "  for (int tile = 0; tile < tiles; tile++) {",
+    "    copy_wait_all();",
+    "    async_proxy_fence();",
+    "    __syncthreads();",
+    f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {stages});",
+    f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
+    f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
+    *_scores_issue_lines(plan),
+    "    if (tile > 0) {",
+    *_values_issue_lines(plan, "previous_values", "      "),
+    "      wgmma_wait_one();",
+    "    } else {",
+    "      wgmma_wait_all();",
+    "    }",
+    *mask,
+    *softmax,
+    "    wgmma_wait_all();",
+    *rescale,
+    *_pack_lines(plan, declare=False),
+    "  }",
+    f"  unsigned last_values = shared_base + ((tiles - 1) % {stages}) * {stage} + {tile_bytes(plan)};",
+    "  wgmma_fence();",
+    *_values_issue_lines(plan, "last_values", "  "),
+    "  wgmma_wait_all();"]

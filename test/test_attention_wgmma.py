@@ -1,0 +1,185 @@
+"""The fused attention forward on warpgroup MMA (codegen/attention_wgmma.py, plan mma="wgmma"): its shared-memory
+layout and descriptors against numpy (read back through runtime/wgmma_emulator.py's PTX-ISA model of what the tensor
+cores read), the plan's rule, the CUDA source compiled by NVRTC for sm_90a (no spills), and the forward on the PYTHON
+device emulating an H100 against PyTorch float64. The kernel's source itself runs on the CPU in
+test/test_flash_attention_host.py; on an sm_90 GPU the CUDA tests of test/test_flash_attention.py run it with
+ATTENTION_WGMMA=1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from ourgrad import Tensor
+from ourgrad.codegen import attention_wgmma
+from ourgrad.codegen.attention import AttentionKernel, Operand, is_attention, plan_attention, render_attention
+from ourgrad.codegen.attention_wgmma import (key_slice_start, key_strides, staged_offset, value_slice_start,
+                                             value_strides)
+from ourgrad.codegen.wgmma_tiles import descriptor
+from ourgrad.device import Device
+from ourgrad.dtype import dtypes
+from ourgrad.engine.realize import run_schedule
+from ourgrad.engine.schedule import create_schedule
+from ourgrad.errors import ShapeError
+from ourgrad.renderer.cuda import CUDARenderer
+from ourgrad.runtime.wgmma_emulator import read_operand
+
+from helpers import device_opens, emulated_gpu_tf32, nvrtc_compiler
+
+NVRTC = nvrtc_compiler()
+
+
+def _staged_tile(tile: np.ndarray) -> np.ndarray:
+  """A (rows, D) tile of 16-bit words written into a shared image by staged_offset, 16-byte piece by piece."""
+  rows, head_dim = tile.shape
+  shared = np.zeros(rows * head_dim, dtype=np.uint16)
+  row, column = np.meshgrid(np.arange(rows), np.arange(0, head_dim, 8), indexing="ij")
+  target = staged_offset(rows, row.reshape(-1), column.reshape(-1)) // 2
+  shared[target[:, None] + np.arange(8)] = tile[row.reshape(-1)[:, None], column.reshape(-1)[:, None] + np.arange(8)]
+  return shared
+
+
+@pytest.mark.parametrize("block_n, head_dim", [(128, 64), (64, 128), (32, 64), (16, 192)])
+def test_staged_tiles_read_back_through_the_descriptors(block_n, head_dim):
+  """Every element lands once; K's K-major descriptor of slice j reads keys x D[16 j:16 j + 16] and V's MN-major one
+  (transposed) reads D x keys[16 j:16 j + 16]: what S = Q K^T and O = P V need as B."""
+  tile = np.random.default_rng(0).integers(1, 60000, (block_n, head_dim)).astype(np.uint16)
+  shared = _staged_tile(tile)
+  assert sorted(shared.tolist()) == sorted(tile.reshape(-1).tolist())
+  for j in range(head_dim // 16):
+    got = read_operand(shared, descriptor(key_slice_start(block_n, j), *key_strides()), block_n, k_major=True)
+    np.testing.assert_array_equal(got, tile[:, 16 * j:16 * j + 16])
+  for j in range(block_n // 16):
+    got = read_operand(shared, descriptor(value_slice_start(j), *value_strides(block_n)), head_dim, k_major=False)
+    np.testing.assert_array_equal(got, tile[16 * j:16 * j + 16].T)
+
+
+def _plan(dtype, head_dim: int = 64, renderer=None, offset: int = 0, length: int = 1024):
+  batch, heads = 4, 12
+  operand = Operand(1, offset, (heads * length * head_dim, length * head_dim, head_dim, 1))
+  shape = (batch, heads, length, head_dim)
+  return plan_attention(operand, operand, operand, (shape, shape), dtype, True, 0.125,
+                        renderer or CUDARenderer("sm_90"))
+
+
+def test_rule_picks_wgmma_for_16_bit_operands_on_sm90(monkeypatch):
+  """ATTENTION_WGMMA=1 (the default): float16/bfloat16 with D a multiple of 64 and aligned rows on sm_90 take the wgmma
+  kernel (one warpgroup a CTA, 3 CTAs a multiprocessor at D = 64, 2 at D = 128 by their registers); float32, D = 32,
+  unaligned rows and sm_80 keep mma.sync; ATTENTION_WGMMA=0 too."""
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  for dtype, head_dim, ctas in ((dtypes.bfloat16, 64, 3), (dtypes.float16, 64, 3), (dtypes.bfloat16, 128, 2)):
+    plan = _plan(dtype, head_dim)
+    assert (plan.mma, plan.block_m, plan.threads, plan.min_ctas) == ("wgmma", 64, 128, ctas), (dtype, head_dim)
+    assert plan.shared_bytes == plan.stages * 2 * plan.block_n * head_dim * 2 + 1024
+  assert _plan(dtypes.float32).mma == "mma_sync"
+  assert _plan(dtypes.bfloat16, 32).mma == "mma_sync"
+  assert _plan(dtypes.bfloat16, offset=1).mma == "mma_sync"
+  assert _plan(dtypes.bfloat16, renderer=CUDARenderer("sm_80")).mma == "mma_sync"
+  assert attention_wgmma.wgmma_refusal("float32", 64, True) is not None
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")
+  assert _plan(dtypes.bfloat16).mma == "mma_sync"
+
+
+def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.setenv("ATTENTION_BLOCKS", "64,128,2,1,3")
+  plan = _plan(dtypes.bfloat16)
+  assert (plan.mma, plan.block_m, plan.block_n, plan.min_ctas) == ("wgmma", 64, 128, 3)
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,3,1,2,1")
+  assert _plan(dtypes.bfloat16).overlap
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,3,1,2,1,1")
+  assert _plan(dtypes.bfloat16).q_shared
+  monkeypatch.setenv("ATTENTION_WGMMA", "0")
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,3,1,2,0,1")
+  with pytest.raises(ShapeError, match="Q in shared memory"): _plan(dtypes.bfloat16)
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  for blocks in ("48,64,2", "128,64,2,2", "128,64,2,1,1,1"):
+    monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
+    with pytest.raises(ShapeError, match="wgmma|overlap"): _plan(dtypes.bfloat16)
+
+
+@pytest.mark.skipif(NVRTC is None, reason="NVRTC does not load here")
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causal, head_dim):
+  """GPT-2's q, k, v of one (B, T, 3, H, D) buffer, odd lengths; the rule's tiles and the sweep's others."""
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  length, source, heads = 100, 77, 4
+  row = 3 * heads * head_dim
+  operands = [Operand(1, head_dim * part, (length * row, head_dim, row, 1)) for part in range(3)]
+  plan = plan_attention(*operands, ((2, heads, length, head_dim), (2, heads // 2, source, head_dim)), dtype, causal,
+                        0.125, CUDARenderer("sm_90"))
+  assert plan.mma == "wgmma"
+  variants = [plan, dataclasses.replace(plan, block_m=128, min_ctas=1),
+              dataclasses.replace(plan, block_n=32, stages=3),
+              dataclasses.replace(plan, block_n=64, stages=3, min_ctas=2 if head_dim == 64 else 1, overlap=True),
+              dataclasses.replace(plan, stages=3, overlap=True, q_shared=True, min_ctas=2)]
+  for variant in variants:
+    source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
+    assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"
+    info = NVRTC.ptxas_info(source_text)
+    assert re.search(r" 0 bytes spill stores", info), info
+    assert "serialized" not in info, info   # ptxas keeps the wgmmas asynchronous
+
+
+def _strided_forward_errors(device: str, dtype, causal: bool) -> tuple[float, float]:
+  """The fused forward on `device` of q, k, v strided views of one (B, T, Hq + 2 Hk, D) buffer (grouped-query heads,
+  an odd length), its plan asserted to be the wgmma kernel's: (relative error of O, max abs error of the logsumexp)
+  against float64 PyTorch."""
+  from ourgrad.tensor_attention import split_attention_output
+  batch, heads, kv_heads, length, head_dim = 2, 4, 2, 300, 64
+  spans = ((0, heads), (heads, heads + kv_heads), (heads + kv_heads, heads + 2 * kv_heads))
+  packed = np.random.default_rng(7).standard_normal((batch, length, heads + 2 * kv_heads, head_dim))
+  flat = Tensor(packed.astype(np.float32), device=device).cast(dtype).realize()
+  q, k, v = (flat[:, :, first:last].transpose(1, 2) for first, last in spans)
+  lazy = q.lazydata.attention(k.lazydata, v.lazydata, causal, head_dim ** -0.5)
+  schedule = create_schedule([lazy])
+  run_schedule(list(schedule))   # (scheduling gave the buffers: their kernels must run)
+  items = [item for item in schedule if is_attention(item.ast)]
+  assert len(items) == 1 and AttentionKernel(items[0].ast, Device[device].renderer).plan.mma == "wgmma"
+  out, lse = split_attention_output(lazy, q.shape)
+  got_o, got_lse = Tensor(out, device=device).cast(dtypes.float32).numpy(), Tensor(lse, device=device).numpy()
+  twin = torch.tensor(flat.cast(dtypes.float32).numpy(), dtype=torch.float64)
+  tq, tk, tv = (twin[:, :, first:last].transpose(1, 2) for first, last in spans)
+  tk, tv = tk.repeat_interleave(heads // kv_heads, 1), tv.repeat_interleave(heads // kv_heads, 1)
+  scores = tq @ tk.transpose(-1, -2) * head_dim ** -0.5
+  if causal: scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), -float("inf"))
+  want = (torch.softmax(scores, -1) @ tv).numpy()
+  return (float(np.linalg.norm(got_o - want) / np.linalg.norm(want)),
+          float(np.abs(got_lse - torch.logsumexp(scores, -1).numpy()).max()))
+
+
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_emulated_h100_forward_takes_the_wgmma_plan(monkeypatch, dtype, causal):
+  """DEVICE=PYTHON EMULATE=CUDA_SM90 ATTENTION_WGMMA=1: the fused forward's plan is the wgmma kernel's and its output
+  matches float64 PyTorch (the emulator runs the plan's arithmetic; the kernel's layouts run in the host harness)."""
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    o_error, lse_error = _strided_forward_errors("PYTHON", dtype, causal)
+  assert o_error < 2e-2 and lse_error < 2e-2
+
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3", "128,64,3,1,2,1", "64,64,3,1,4,1",
+                                    "128,128,3,1,1,1,1"])
+def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
+  """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped) against float64."""
+  if not getattr(Device["CUDA"].renderer, "has_wgmma", False): pytest.skip("not an sm_90 GPU")
+  monkeypatch.setenv("FUSED_ATTENTION", "2")
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  if blocks: monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
+  else: monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  o_error, lse_error = _strided_forward_errors("CUDA", dtype, causal)
+  assert o_error < 2e-2 and lse_error < 2e-2
