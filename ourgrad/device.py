@@ -184,6 +184,15 @@ class Buffer:
         GlobalCounters.mem_used += self.nbytes
     return self
 
+  def release_memory(self) -> None:
+    """Give up the memory this buffer runs on (its contents are dropped): its own goes back to its allocator, a
+    backing buffer's share is let go. The next use allocates again (or the memory planner gives it a backing)."""
+    with MEMORY_LOCK:
+      if self._handle is not None and self._backing is None:
+        GlobalCounters.mem_used -= self.nbytes
+        Device[self.device].allocator.free(self._handle, max(self.nbytes, 1))
+      self._handle, self._backing, self._pointer = None, None, None
+
   def use_memory_of(self, backing: Buffer) -> None:
     """Run on the first bytes of `backing`'s memory from now on (the memory planner gives buffers whose lifetimes
     do not overlap one backing buffer). Memory this buffer held before goes back to its allocator."""

@@ -323,6 +323,36 @@ def test_upcast_of_a_contiguous_axis_loads_and_stores_float4(renderer_name: str)
   _close(_run(kernel, item, "PYTHON"), _run(Kernel(item.ast, PythonRenderer()), item, "PYTHON"))
 
 
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
+def test_16bit_flat_elementwise_loads_and_stores_packed_words_on_cuda(dtype) -> None:
+  # a flat 16-bit elementwise kernel (autocast's GELU backward: two bf16 inputs, a bf16 output) takes 4 elements a
+  # thread as one 8-byte load per input and one 8-byte store (uint2: two values a word), as float32 takes float4;
+  # one element a thread moved 64 bytes a warp instruction (GPT-2's bf16 GELU backward at 30% of the H200's DRAM)
+  x, g = (Tensor(rng.standard_normal(4096).astype(np.float32), device="PYTHON").cast(dtype).realize() for _ in range(2))
+  item = _last_item((x.float().gelu() * g.float()).cast(dtype))
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert _vector_uops(kernel) == (2, 1), kernel.applied_opts
+  source = CUDARenderer().render(kernel.name, linearize(_for_cuda(kernel)))
+  assert "uint2 vec0 = *((const uint2*)" in source and "*((uint2*)(data0+" in source and "make_uint2(" in source
+  np.testing.assert_array_equal(_run(kernel, item, "PYTHON"), _run(Kernel(item.ast, PythonRenderer()), item, "PYTHON"))
+
+
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
+def test_16bit_gated_vectors_of_a_cat_on_cuda(dtype) -> None:
+  # the pieces of a cat are masked views: each piece's 16-bit vector load is gated (zero words where it is false)
+  a, b = (Tensor(rng.standard_normal((8, 32)).astype(np.float32), device="PYTHON").cast(dtype).realize()
+          for _ in range(2))
+  item = _last_item(a.cat(b, dim=1) * 3)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.apply_opt(Opt(OptOps.UPCAST, 1, 4))
+  kernel.apply_opt(Opt(OptOps.LOCAL, 1, 16))
+  loads, stores = _vector_uops(kernel)
+  assert loads == 2 and stores == 1, (loads, stores)
+  assert "make_uint2(0u, 0u)" in CUDARenderer().render(kernel.name, linearize(_for_cuda(kernel)))
+  np.testing.assert_array_equal(_run(kernel, item, "PYTHON"), _run(Kernel(item.ast, PythonRenderer()), item, "PYTHON"))
+
+
 def test_unaligned_views_fall_back_to_scalar_loads() -> None:
   data = rng.standard_normal((16, 64)).astype(np.float32)
   item = _last_item(Tensor(data, device="PYTHON")[:, 1:61] + 1)  # rows start 1 element past a multiple of 4

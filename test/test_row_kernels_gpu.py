@@ -179,6 +179,26 @@ def test_softmax_row_is_read_once_and_exp_computed_once():
   assert sum(1 for uop in uops if uop.op is UOps.BARRIER) == 2, "one barrier per reduce"
 
 
+@pytest.mark.parametrize("shape", [(3, 40), (2, 40960)], ids=lambda shape: "x".join(map(str, shape)))
+def test_bfloat16_rows_load_and_store_vectors_on_the_emulated_gpu(shape: tuple[int, int]):
+  """bf16 rows (an autocast loss's logits, read by its logsumexp and its softmax gradient): 4 elements a unit are one
+  8-byte load (a uint2 of packed halves on CUDA) and the bf16 softmax one 8-byte store, as float32 rows take float4s;
+  GPT-2's bf16 cross-entropy row kernel read its 1.65 GB of logits 2 bytes a load at 1.9 TB/s on the H200."""
+  from ourgrad.dtype import bfloat16_bits_to_float32, dtypes
+  x_np = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32) * 3
+  x = Tensor(x_np, device="PYTHON").cast(dtypes.bfloat16).realize()
+  item = _row_item(x.float().softmax(-1).cast(dtypes.bfloat16))
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  uops = linearize(kernel)
+  loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL]
+  stores = [uop for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_GLOBAL]
+  assert loads and all(uop.arg == 4 for uop in loads + stores), ([uop.arg for uop in loads], [u.arg for u in stores])
+  got = bfloat16_bits_to_float32(_run(kernel, item))   # the buffer's bits as stored
+  rounded = torch.tensor(x_np).bfloat16().float()
+  expected = torch.softmax(rounded, -1).bfloat16().float().numpy()
+  np.testing.assert_allclose(got.reshape(shape), expected, rtol=2 ** -7, atol=1e-6)
+
+
 def test_long_rows_loop_and_reread():
   uops = _cuda_uops(Tensor.empty(2, 40960).softmax(-1))   # 10 float4s a thread in blocks of 1024
   assert launch_dims(uops) == ((2, 1, 1), (CUDARenderer.max_threads, 1, 1))

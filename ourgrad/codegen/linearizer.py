@@ -544,7 +544,8 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     candidates = [axis for axis in kernel.upcast_axes if kernel.full_shape[axis] % width == 0]
     for number, store in enumerate(kernel.stores):
       st = kernel.sts[number]
-      if store.dtype != dtypes.float32 or len(st.views) != 1 or st.views[0].mask is not None: return None
+      if store.dtype not in kernel.renderer.vector_dtypes or len(st.views) != 1 or st.views[0].mask is not None:
+        return None
       strides = st.real_strides()
       candidates = [axis for axis in candidates if strides[axis] == 1]
     return candidates[0] if candidates else None
@@ -584,7 +585,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     A masked view (a piece of a cat, a padded edge) loads one gated vector where its validity is the same for the
     whole vector (the piece's edges fall between vectors): where it is false the load touches no memory."""
     kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
-    if width < 2 or node.dtype != dtypes.float32: return None
+    if width < 2 or node.dtype not in kernel.renderer.vector_dtypes: return None
+    # a tensor-core kernel's 16-bit operands are loaded as the mma takes them (raw fragment loads), not unpacked
+    if node.dtype != dtypes.float32 and kernel.tensor_core is not None: return None
     leaf = self.leaf_index[id(node)]
     strides = kernel.sts[leaf].real_strides()
     # a known stride of 1 first; an unknown stride (several views) only where the elements prove to be neighbours

@@ -196,12 +196,14 @@ def _lower_reduce_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int
 
 
 def segment_lanes(kernel: Kernel, size: int) -> int:
-  """Elements per GPU thread of a segment: the renderer's vector width for a flat elementwise segment of float32
-  outputs that the width divides into several vectors (its flat axis is then upcast by it, in place); else 1."""
+  """Elements per GPU thread of a segment: the renderer's vector width for a flat elementwise segment whose outputs
+  it stores as vectors (vector_dtypes) and that the width divides into several vectors (its flat axis is then upcast
+  by it, in place); else 1."""
   width = getattr(kernel.renderer, "vector_width", 0)
   if not kernel.renderer.has_threads or width < 2 or kernel.reduceop is not None or kernel.shape_len != 1: return 1
   # (one vector alone: the upcast would take the whole axis, leaving no thread axis)
-  if size % width or size == width or any(store.dtype != dtypes.float32 for store in kernel.stores): return 1
+  if size % width or size == width or any(store.dtype not in kernel.renderer.vector_dtypes for store in kernel.stores):
+    return 1
   kernel.apply_opt(Opt(OptOps.UPCAST, 0, width))
   return width
 

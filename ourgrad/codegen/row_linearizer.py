@@ -525,12 +525,14 @@ class RowLinearizer(Linearizer):
     return build.uops
 
   def _row_vector_width(self) -> int:
-    """4 (float4 units) where the renderer has vectors and the innermost row axis splits into whole float4s; else 1.
-    Each load and store then checks its own view (contiguous along that axis, aligned) before reading a vector."""
+    """4 (vector units) where the renderer has vectors and the innermost row axis splits into whole vectors, and some
+    leaf is of a dtype it loads as vectors (float32; float16/bfloat16 on CUDA: the bf16 logits of an autocast loss);
+    else 1. Each load and store then checks its own view (contiguous along that axis, aligned) before reading a
+    vector."""
     kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
     innermost = (kernel.row_axes or ())[-1]
     if width < 2 or kernel.full_shape[innermost] % width != 0: return 1
-    if not any(leaf.dtype == dtypes.float32 for leaf in kernel.leaves): return 1
+    if not any(leaf.dtype in kernel.renderer.vector_dtypes for leaf in kernel.leaves): return 1
     return width
 
   def unit_idxs(self, idxs: list[Node], unit: Node, width: int, lane: int) -> list[Node]:
@@ -546,11 +548,12 @@ class RowLinearizer(Linearizer):
     return element_idxs
 
   def _vector_load(self, node: LazyOp, idxs: list[Node]) -> UOp | None:
-    """One element of a unit's vector load: the view is one unmasked float32 view, contiguous along the innermost
-    row axis, and the unit's first element is provably aligned. The lanes share the LOAD (the builder merges it)."""
+    """One element of a unit's vector load: the view is one unmasked view of a vector dtype (Renderer.vector_dtypes),
+    contiguous along the innermost row axis, and the unit's first element is provably aligned. The lanes share the
+    LOAD (the builder merges it)."""
     if self.vector_unit is None: return None
     first, width, lane = self.vector_unit
-    if node.dtype != dtypes.float32: return None
+    if node.dtype not in self.kernel.renderer.vector_dtypes: return None
     leaf = self.leaf_index[id(node)]
     st = self.kernel.sts[leaf]
     innermost = (self.kernel.row_axes or ())[-1]
@@ -563,8 +566,8 @@ class RowLinearizer(Linearizer):
   def store_unit(self, lanes: list[list[Node]], width: int) -> None:
     """Store every output at the `width` elements of one unit (indices per lane). All values are computed before
     the first store (an output may overwrite a buffer another output still loads); an output whose view is one
-    unmasked float32 view contiguous along the innermost row axis, with an aligned first element, is stored as one
-    vector, the others element by element."""
+    unmasked view of a vector dtype contiguous along the innermost row axis, with an aligned first element, is stored
+    as one vector, the others element by element."""
     build, stores = self.builder, self.kernel.stores
     values = []
     for lane, element_idxs in enumerate(lanes):
@@ -575,8 +578,8 @@ class RowLinearizer(Linearizer):
     for number, store in enumerate(stores):
       st = self.kernel.sts[number]
       index_node, _ = self._index_nodes(number, lanes[0])
-      if width > 1 and store.dtype == dtypes.float32 and len(st.views) == 1 and st.views[0].mask is None and \
-          st.real_strides()[innermost] == 1 and multiple_of(index_node, width):
+      if width > 1 and store.dtype in self.kernel.renderer.vector_dtypes and len(st.views) == 1 and \
+          st.views[0].mask is None and st.real_strides()[innermost] == 1 and multiple_of(index_node, width):
         lane_values = tuple(values[lane][number] for lane in range(width))
         build.add(UOps.STORE, None, (self.buffers[store.arg.idx], self.node_to_uop(index_node)) + lane_values, width)
         continue

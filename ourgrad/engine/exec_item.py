@@ -206,6 +206,7 @@ class ExecItem:
   bufs: list[Buffer]
   var_vals: dict[str, int] = field(default_factory=dict)
   device: str = ""
+  outputs: int = 1   # how many of `bufs` (the first ones) the item writes: a multi-output kernel writes several
   _launch: Callable[[], Any] | None = field(default=None, init=False, repr=False)
   _launch_runner: Runner | None = field(default=None, init=False, repr=False)   # the runner _launch was bound for
   # the handles _launch was bound to and their ids (kept alive: see _HANDLE)

@@ -463,7 +463,9 @@ def _first_written(items: list[ExecItem]) -> set[int]:
     for slot, buffer in enumerate(item.bufs):
       if id(buffer) in seen: continue
       seen.add(id(buffer))
-      if slot == 0 and sum(known is buffer for known in item.bufs) == 1: first_use_is_write.add(id(buffer))
+      # an output (every output of a multi-output kernel: its later ones were never planned, and each kept the
+      # whole backing the eager schedule had given it) that the same kernel does not also read
+      if slot < item.outputs and sum(known is buffer for known in item.bufs) == 1: first_use_is_write.add(id(buffer))
   return first_use_is_write
 
 

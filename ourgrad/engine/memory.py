@@ -49,6 +49,9 @@ def plan_memory(buffer_lists: Sequence[Sequence[Buffer]], is_internal: Callable[
     assigned[buffer] = device_backings[slot]
   naive = sum(buffer.nbytes for buffer in assigned)
   planned = sum(backing.nbytes for backing in set(assigned.values()))
+  # every planned buffer lets its old memory go before any backing is allocated: a JIT re-plans buffers its capture
+  # ran on (their contents are dead), and switching them one by one held the old and the new memory at once
+  for buffer in assigned: buffer.release_memory()
   for buffer, backing in assigned.items(): buffer.use_memory_of(backing)
   if DEBUG >= 1:
     print(f"memory planner ({label}): {len(assigned)} buffers in {len(set(assigned.values()))} backing buffers, "

@@ -12,7 +12,10 @@
   every earlier reader since that buffer's last write (an assign runs after the reads of the old contents). Items of
   one *height* (the longest chain of items depending on it) never depend on each other, so packs are taken among the
   kernels of one height and device: an optimizer's updates are the last items (height 0) and pack; a kernel that
-  reads another's output is a height above it and stays apart (Adam's step count, read by every update);
+  reads another's output is a height above it and stays apart (Adam's step count, read by every update). The
+  elementwise items that depend on no other item (roots) never depend on each other either, whatever their heights:
+  where every packable kernel at a height is one (each layer's weight and bias casts under autocast), those heights'
+  roots form one pack, which runs first (`_roots_together`);
 - on a CPU, no bigger than CPU_PACK_MAX_ELEMENTS: packed segments are serial loops, a big kernel alone is parallel;
 - within the caps: at most MAX_PACK_BUFFERS buffer arguments (CUDA passes at most 4 KB of them) and KERNEL_OPS_LIMIT
   ops per packed kernel, and 2^31 - 1 elements in all (the flat index is an int32); beyond them a new pack
@@ -42,7 +45,7 @@ def pack_kernels(schedule: list[ScheduleItem]) -> list[ScheduleItem]:
     if DEBUG >= 3: _print_reasons(schedule, reasons, [])
     return schedule
   predecessors = _dependencies(schedule)
-  heights = _heights(predecessors)
+  heights = _roots_together(schedule, reasons, predecessors, _heights(predecessors))
   packs = _choose_packs(schedule, reasons, heights)
   if DEBUG >= 3: _print_reasons(schedule, reasons, packs)
   if not any(len(pack) > 1 for pack in packs): return schedule
@@ -50,6 +53,8 @@ def pack_kernels(schedule: list[ScheduleItem]) -> list[ScheduleItem]:
           for pack in _order_packs(packs, predecessors)]
 
 
+# the packing "height" of the kernels that depend on no other kernel of the schedule (_roots_together)
+ROOTS = -1
 # the flat index of a packed kernel is an int32, as every kernel's index is
 MAX_PACK_ELEMENTS = 2**31 - 1
 # A CPU runs a packed kernel's segments as serial loops, while a kernel of its own this big is spread over the cores
@@ -131,6 +136,25 @@ def _heights(predecessors: list[set[int]]) -> list[int]:
   for position in reversed(range(len(predecessors))):   # every dependent comes later in run order
     for earlier in predecessors[position]: heights[earlier] = max(heights[earlier], heights[position] + 1)
   return heights
+
+
+def _roots_together(schedule: list[ScheduleItem], reasons: dict[int, str | None], predecessors: list[set[int]],
+                    heights: list[int]) -> list[int]:
+  """`heights` with ROOTS for the packable elementwise kernels that depend on no other (every layer's weight and bias
+  casts to bf16 under autocast, each layer's at its own heights) where every packable kernel at their height is one:
+  those pack together whatever their heights, in one launch instead of one per height, and their pack runs first,
+  before every kernel reading them. A root beside other kernels at its height stays in their pack (moved, it would
+  save no launch: Adam's step-count powers pack with the parameter updates); a small reduce keeps its place (it packs
+  with its siblings, or rides along in a kernel beside it: engine/ride_along.py)."""
+  def is_root(position: int) -> bool:
+    return not predecessors[position] and not any(node.op in REDUCE_OPS for node in schedule[position].ast.walk())
+  members: dict[tuple[str, int], list[int]] = defaultdict(list)
+  for position, item in enumerate(schedule):
+    if reasons[position] is None: members[(item.outputs[0].device, heights[position])].append(position)
+  moving = [group for group in members.values() if all(is_root(member) for member in group)]
+  if len(moving) < 2: return heights   # one launch either way
+  roots = {position for group in moving for position in group}
+  return [ROOTS if position in roots else height for position, height in enumerate(heights)]
 
 
 def _choose_packs(schedule: list[ScheduleItem], reasons: dict[int, str | None], heights: list[int]) -> list[list[int]]:

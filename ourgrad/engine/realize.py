@@ -154,7 +154,7 @@ def lower_schedule_item(item: ScheduleItem) -> ExecItem:
   ast, var_vals, block_counters = _lowering_facts(item.ast)
   runner = get_runner(device, ast)
   if block_counters: buffers.append(split_counters(device, runner))
-  return ExecItem(runner, buffers, var_vals, device=device)
+  return ExecItem(runner, buffers, var_vals, device=device, outputs=len(item.outputs))
 
 
 # the block counters of each one-kernel split reduce's runner (codegen/last_block.py), by (device, runner id): zeros

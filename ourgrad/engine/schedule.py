@@ -76,6 +76,7 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
   if not bases: return [], []
   realizes = _choose_realizes(bases, outs)
   bases = stage_matmul_operands(bases, realizes)   # matmul operands in the layout WGMMA reads (operand_staging.py)
+  _reconsider_reduce_stores(bases, realizes)
   _settle_fusion_groups(bases, realizes)
   if DEBUG >= 3: _print_realize_reasons(bases, realizes)
   lazy_graph = graph_viz.capture_lazy_graph(outs) if GRAPH else None   # before scheduling cuts the sources
@@ -204,19 +205,52 @@ def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: 
     if _recomputes_a_reduce(base, realizes):
       kernels = _kernels_reading(id(base), realizes, users, by_id)
       if len(kernels) > 1:
-        realizes[id(base)] = (f"stored, not recomputed: {len(kernels)} kernels read it, and each would compute the "
-                              "reduce (a matmul's product) inside it again")
+        realizes[id(base)] = f"stored, not recomputed: {len(kernels)} kernels read it, and {RECOMPUTES_A_REDUCE}"
       continue
-    input_bytes = _fused_input_bytes(base, realizes)
-    if input_bytes is None: continue
     if base.device not in launch_bytes:
       launch_bytes[base.device] = getattr(Device[base.device].renderer, "launch_bytes", 0)
-    output_bytes = base.size * base.dtype.itemsize
-    recompute_cost = len(readers) * input_bytes
-    store_cost = input_bytes + (1 + len(readers)) * output_bytes + launch_bytes[base.device]
-    if recompute_cost > store_cost:
-      realizes[id(base)] = (f"stored, not recomputed: {len(readers)} kernels read it; recomputing moves "
-                            f"{fmt_size(recompute_cost)}, storing {fmt_size(store_cost)} (one launch included)")
+    reason = _storing_saves_bytes(base, len(readers), realizes, launch_bytes[base.device])
+    if reason is not None: realizes[id(base)] = reason
+
+
+RECOMPUTES_A_REDUCE = "each would compute the reduce (a matmul's product) inside it again"
+
+
+def _storing_saves_bytes(base: LazyBuffer, readers: int, realizes: Realizations, launch_bytes: int) -> str | None:
+  """The reason to store `base`, read by `readers` kernels, where that moves fewer bytes than recomputing it in each
+  (one more launch counted as `launch_bytes`); None where recomputing is cheaper or a size is symbolic."""
+  input_bytes = _fused_input_bytes(base, realizes)
+  if input_bytes is None: return None
+  output_bytes = base.size * base.dtype.itemsize
+  recompute_cost = readers * input_bytes
+  store_cost = input_bytes + (1 + readers) * output_bytes + launch_bytes
+  if recompute_cost <= store_cost: return None
+  return (f"stored, not recomputed: {readers} kernels read it; recomputing moves {fmt_size(recompute_cost)}, "
+          f"storing {fmt_size(store_cost)} (one launch included)")
+
+
+def _reconsider_reduce_stores(bases: list[LazyBuffer], realizes: Realizations) -> None:
+  """Operand staging stores a matmul's result where WGMMA fuses no epilogue. An elementwise base stored only so that
+  its readers would not each compute that matmul again (a Linear's x @ W + b, read by GELU and by GELU's gradient)
+  now reads the stored product: it stays stored only where the byte rule says so (a bias add recomputed in its two
+  readers reads the same bytes as the stored sum, and saves its kernel: a full write and read of the activation).
+  Kept where a reader's kernel is not elementwise (a matmul's operand must stay a plain load for its plan)."""
+  candidates = [base for base in bases if realizes.get(id(base), "").endswith(RECOMPUTES_A_REDUCE)]
+  if not candidates: return
+  users: dict[int, set[int]] = defaultdict(set)
+  for base in bases:
+    for src in base.srcs: users[id(src.base)].add(id(base))
+  by_id = {id(base): base for base in bases}
+  for base in candidates:
+    reason = realizes.pop(id(base))
+    kernels = _kernels_reading(id(base), realizes, users, by_id)
+    if base.forced_realize or _recomputes_a_reduce(base, realizes) or \
+        any(kernel not in by_id or by_id[kernel].op not in ELEMENTWISE_OPS for kernel in kernels):
+      realizes[id(base)] = reason
+      continue
+    launch_bytes = getattr(Device[base.device].renderer, "launch_bytes", 0)
+    stored = _storing_saves_bytes(base, len(kernels), realizes, launch_bytes)
+    if stored is not None: realizes[id(base)] = stored
 
 
 def _kernels_reading(base_id: int, realizes: Realizations, users: dict[int, set[int]],

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ourgrad.codegen.uops import UOp
+from ourgrad.dtype import DType, dtypes
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class Renderer:
   registers_per_multiprocessor: int = 0   # 32-bit registers of a multiprocessor (CUDA: 65536); 0: unknown
   warp_size: int = 0              # threads that WARP_REDUCE can combine with shuffles (0: no shuffles)
   vector_width: int = 0           # float32 elements one vector LOAD reads (float4: 4; 0: scalar loads only)
+  # the dtypes of global buffers loaded and stored as vectors of vector_width elements (CUDA adds float16 and
+  # bfloat16: 4 of them are one 8-byte access)
+  vector_dtypes: tuple[DType, ...] = (dtypes.float32,)
   # bytes of memory traffic that cost about as much time as one kernel launch (launch overhead x memory bandwidth):
   # the scheduler stores an intermediate in a buffer of its own (one more launch) only when that saves more bytes
   # than this (engine/schedule.py `_store_or_recompute`). A CPU: ~5 us a call at ~10 GB/s.

@@ -395,7 +395,9 @@ class CStyleLanguage(Renderer):
         # a gated vector (a cat's piece): zeros where the gate is false, and no memory touched
         if len(uop.srcs) > 2:
           loaded = f"(({ref(uop.srcs[2])}) ? {loaded} : {self.render_vector_zero(uop.arg, uop.dtype)})"
-        emit(f"{self.render_dtype(uop.dtype)}{uop.arg} {variable} = {loaded};")
+        emit(f"{self.render_vector_type(uop.arg, uop.dtype)} {variable} = {loaded};")
+      elif uop.op is UOps.GEP and uop.srcs[0].op is UOps.LOAD and uop.srcs[0].srcs[0].op is UOps.DEFINE_GLOBAL:
+        names[id(uop)] = self.render_vector_element(ref(uop.srcs[0]), uop.arg, uop.dtype)
       elif uop.op is UOps.GEP:
         names[id(uop)] = f"{ref(uop.srcs[0])}.{'xyzw'[uop.arg]}"
       elif uop.op is UOps.LOAD:
@@ -484,6 +486,14 @@ class CStyleLanguage(Renderer):
   def render_vector_zero(self, width: int, dtype: DType) -> str:
     """A `width`-wide vector of zeros (a gated vector load's value where its gate is false)."""
     raise NotImplementedError(f"{type(self).__name__} has no vector loads")
+
+  def render_vector_type(self, width: int, dtype: DType) -> str:
+    """The type of a variable holding a `width`-wide vector loaded from a buffer of `dtype`."""
+    return f"{self.render_dtype(dtype)}{width}"
+
+  def render_vector_element(self, vector: str, element: int, dtype: DType) -> str:
+    """Element `element` of a vector loaded from a buffer of `dtype`, as a register value."""
+    return f"{vector}.{'xyzw'[element]}"
 
   def render_local_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
     return self.render_vector_load(buffer, index, width, dtype).replace("const ", "")

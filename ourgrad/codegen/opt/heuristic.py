@@ -488,10 +488,12 @@ def _elementwise_rows(kernel: Kernel) -> None:
   """GPU elementwise: each thread takes 4 outputs, so it has 4 loads in flight: along the contiguous axis as one
   float4 load and store where the renderer has vector loads (a flat kernel too: GELU over a whole activation, its
   transcendentals included; one float a thread left the H200's DRAM at 42%), else along an outer axis (every
-  scalar load instruction of a warp stays coalesced). A flat kernel only where its stores are float4 too (float32
-  outputs): 16-bit outputs would store 4 scalars a lane apart, a quarter of each sector per instruction."""
+  scalar load instruction of a warp stays coalesced). A flat kernel only where its stores are vectors too (a dtype
+  of the renderer's vector_dtypes): scalar stores 4 elements a lane apart write a quarter of each sector per
+  instruction."""
   if kernel.first_reduce < 1: return
-  if kernel.first_reduce == 1 and any(store.dtype != dtypes.float32 for store in kernel.stores): return
+  if kernel.first_reduce == 1 and any(store.dtype not in kernel.renderer.vector_dtypes for store in kernel.stores):
+    return
   contiguous = _contiguous_axis(kernel)
   if contiguous is None: contiguous = _pieces_axis(kernel)
   width = getattr(kernel.renderer, "vector_width", 0)
