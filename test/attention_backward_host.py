@@ -117,6 +117,8 @@ inline void ldmatrix_x4(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, 
 inline void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, true); }
 """
 
+HOST_EXP2 = "inline float fast_exp2(float x) { return exp2f(x); }   // ex2.approx.ftz.f32 on the GPU\n"
+
 ARGUMENT_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "dq": "grad_t", "dk": "grad_t",
                   "dv": "grad_t", "o": "o_t", "lse": "float", "delta": "float"}
 
@@ -167,7 +169,7 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
   kernel's argument order), runs every block of the grid (one host thread per CUDA thread) and writes them back."""
   device_helpers = instruction_helpers(plan.dtype)
   if device_helpers not in launch.source: raise AssertionError("the kernel source has no instruction helpers")
-  host_helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS)
+  host_helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + HOST_EXP2
   source = launch.source.replace(device_helpers, host_helpers + host_mma(plan.dtype))
   source = source.replace("extern __shared__ __align__(16) unsigned char shared_bytes[];",
                           "alignas(16) unsigned char shared_bytes[1 << 18];")

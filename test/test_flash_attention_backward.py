@@ -145,6 +145,8 @@ HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causa
   ("float16", (1, 2, 1, 70, 60, 32, True), "split"),         # owned and streamed tiles of other sizes
   ("bfloat16", (1, 2, 1, 150, 140, 16, True), "wide"),       # blocks of 8 warps (128 rows)
   ("bfloat16", (1, 4, 2, 45, 70, 64, True), "grad32"),       # dq, dk, dv stored in float32 (Ops.ATTENTION_DQ/DKDV)
+  ("bfloat16", (1, 2, 1, 192, 192, 32, True), "contiguous"),  # interior tiles below the diagonal: no mask tests
+  ("float32", (1, 1, 1, 128, 128, 32, True), "contiguous"),
 ]
 
 

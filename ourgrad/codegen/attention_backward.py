@@ -309,6 +309,10 @@ def instruction_helpers(dtype: str) -> str:
             '  asm volatile("cp.async.commit_group;" ::: "memory"); }',
             "template <int PENDING> __device__ __forceinline__ void copy_async_wait() {",
             '  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory"); }']
+  # 2^x as one MUFU.EX2: exp2f without fast math adds a range check and two multiplies for subnormal results, and a
+  # probability under 2^-126 flushed to 0 changes no gradient
+  lines += ["__device__ __forceinline__ float fast_exp2(float x) {",
+            '  float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }']
   instruction = (f"mma.sync.aligned.m16n8k{_k_step(dtype)}.row.col.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};")
   lines += ["__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {",
@@ -524,6 +528,35 @@ def _owned_product(holds: bool, columns: str, acc: str, held: str, tile: str, ot
   return f"warp_mma<{columns} / 8, D, PITCH, 1, 1, PITCH>({acc}, {tile} + warp * 16 * PITCH, {other});"
 
 
+# the elementwise step between the products, per accumulator element (`{prob}`: its probability, masked or not):
+# dQ kernel: P and then dS in place of dP; dK/dV kernel: P^T in place of S^T, dS^T in place of dP^T
+_DQ_ELEMENT = """const float prob = {prob}fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1]){close};
+          dp[t][c] = prob * (dp[t][c] - row_delta[c >> 1]);"""
+_DKDV_ELEMENT = """st[t][c] = {prob}fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2){close};
+          dpt[t][c] = st[t][c] * (dpt[t][c] - delta_tile[column]);"""
+
+
+def _masked_elements(columns: str, comment: str, element: str, query: str, key: str) -> str:
+  """The elementwise step over a warp's 16 x `columns` accumulator tiles, rendered twice: where the tile is `masked`
+  each element's query `query` and key `key` (C expressions of its `row` and `column`) are tested (past L or S, or
+  causal and the key after the query: probability 0); elsewhere (interior tiles, most of a long sequence's) not."""
+  def loop(masked: bool) -> str:
+    if masked:
+      indices = ("const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);\n"
+                 f"          const int i = {query}, j = {key};\n"
+                 "          const bool keep = i < L && j < S && (!CAUSAL || j <= i);\n          ")
+    else: indices = "const int column = t * 8 + 2 * quad + (c & 1);\n          " if "column" in element else ""
+    step = element.format(prob="keep ? fast_exp2(" if masked else "fast_exp2(", close=") : 0.0f" if masked else ")")
+    return f"""#pragma unroll
+      for (int t = 0; t < {columns} / 8; t++) {{
+#pragma unroll
+        for (int c = 0; c < 4; c++) {{   // {comment}
+          {indices}{step}
+        }}
+      }}"""
+  return f"    if (masked) {{\n{loop(True)}\n    }} else {{\n{loop(False)}\n    }}"
+
+
 def _entry(launch_bounds: str, name: str, device_function: bool) -> str:
   """A kernel's declaration up to its parameters: an extern "C" __global__ kernel, or (`device_function`) an inlined
   __device__ function `name`_body that a wrapper kernel of another signature calls (codegen/attention_grad.py)."""
@@ -614,17 +647,9 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
     for (int t = 0; t < BK / 8; t++) for (int c = 0; c < 4; c++) {{ s[t][c] = 0.0f; dp[t][c] = 0.0f; }}
     {_owned_product(p.dq_held, "BK", "s", "q_held", "q_tile", "k_tile")}     // Q K^T
     {_owned_product(p.dq_held, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
-#pragma unroll
-    for (int t = 0; t < BK / 8; t++) {{
-#pragma unroll
-      for (int c = 0; c < 4; c++) {{   // dS, in place of dP
-        const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
-        const int i = q_start + row, j = k_start + column;
-        const bool keep = i < L && j < S && (!CAUSAL || j <= i);
-        const float prob = keep ? exp2f(fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1])) : 0.0f;
-        dp[t][c] = prob * (dp[t][c] - row_delta[c >> 1]);
-      }}
-    }}
+    // mask only the tiles that need it: keys past S, rows past L, or (causal) keys past the tile's first query
+    const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);
+{_masked_elements("BK", "dS, in place of dP", _DQ_ELEMENT, "q_start + row", "k_start + column")}
     warp_mma_c<D / 8, BK, PITCH, 1>(dq_acc, dp, k_tile);   // dS K, dS from registers
     __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }}
@@ -723,17 +748,10 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
     for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
     {_owned_product(p.dkdv_held, "BQ", "st", "k_held", "k_tile", "q_tile")}    // K Q^T = S^T
     {_owned_product(p.dkdv_held, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
-#pragma unroll
-    for (int t = 0; t < BQ / 8; t++) {{
-#pragma unroll
-      for (int c = 0; c < 4; c++) {{   // P^T in place of S^T, dS^T in place of dP^T
-        const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
-        const int j = k_start + row, i = q_start + column;
-        const bool keep = i < L && j < S && (!CAUSAL || j <= i);
-        st[t][c] = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2)) : 0.0f;
-        dpt[t][c] = st[t][c] * (dpt[t][c] - delta_tile[column]);
-      }}
-    }}
+    // mask only the tiles that need it: keys past S, queries past L, or (causal) keys past the tile's first query
+    const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);
+{_masked_elements("BQ", "P^T in place of S^T, dS^T in place of dP^T", _DKDV_ELEMENT, "q_start + column",
+                  "k_start + row")}
     warp_mma_c<D / 8, BQ, PITCH, 1>(dv_acc, st, do_tile);    // P^T dO, P^T from registers
     warp_mma_c<D / 8, BQ, PITCH, 1>(dk_acc, dpt, q_tile);    // dS^T Q, dS^T from registers
     __syncthreads();  // every warp is done with this buffer before the next iteration refills it
