@@ -98,8 +98,9 @@ def test_plan_checks_its_arguments():
 def test_launch_sizes():
   plan = AttentionBackwardPlan.contiguous(4, 12, 4, 1000, 520, 64, "bfloat16", True)
   dq, dkdv = plan.launches()
-  assert (dq.grid, dq.block) == ((16, 48, 1), (128, 1, 1))
-  assert (dkdv.grid, dkdv.block) == ((9, 16, 1), (128, 1, 1))
+  # (heads, tiles): every head's first tile (a causal block's longest) has a lower linear index than any second tile
+  assert (dq.grid, dq.block) == ((48, 16, 1), (128, 1, 1))
+  assert (dkdv.grid, dkdv.block) == ((16, 9, 1), (128, 1, 1))
   assert dq.arguments == ("q", "k", "v", "o", "do", "lse", "dq", "delta")
   assert dkdv.arguments == ("q", "k", "v", "do", "lse", "delta", "dk", "dv")
   assert plan.delta_elements == 4 * 12 * 1000
