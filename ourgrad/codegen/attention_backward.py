@@ -163,6 +163,13 @@ class AttentionBackwardPlan:
     return width if all(stride % width == 0 for stride in strides) else 1
 
   @property
+  def o_vector_width(self) -> int:
+    """Elements of O in one 16-byte load when O's strides allow it (its buffer 16-byte aligned, as `vector_width`
+    assumes of the operands), else 1."""
+    width = 16 // ITEMSIZE[self.stored_o_dtype]
+    return width if all(stride % width == 0 for stride in self.o_strides) else 1
+
+  @property
   def delta_elements(self) -> int:
     """Size (float32 elements) of the delta scratch buffer: (batch, heads, q_len) contiguous."""
     return self.batch * self.heads * self.q_len
@@ -540,6 +547,60 @@ def _owned_product(holds: bool, columns: str, acc: str, held: str, tile: str, ot
   return f"warp_mma<{columns} / 8, D, PITCH, 1, 1, PITCH>({acc}, {tile} + warp * 16 * PITCH, {other});"
 
 
+def _delta_lines(plan: AttentionBackwardPlan) -> str:
+  """The dQ kernel's delta = rowsum(dO * O) of its rows into `delta_tile` and the delta buffer (for the dK/dV kernel).
+  With 16-byte aligned O rows (`o_vector_width`), LANES threads (a power of two, at most a warp) share a row, each
+  reading 16-byte chunks of O (every pass's loads independent, so in flight together) against dO in shared memory,
+  then summing over the LANES by shuffles; otherwise a warp a row, one element a lane."""
+  width, stride = plan.o_vector_width, plan.o_strides[2]
+  if width == 1:
+    return f"""  // delta = rowsum(dO * O) of the block's rows: one warp a row, written for the dK/dV kernel too
+  for (int r = warp; r < BQ; r += BQ / 16) {{
+    float sum = 0.0f;
+    if (r < q_rows) {{
+      const o_t* o_row = o + o_row0 + (long long)r * {stride}LL;
+      for (int c = lane; c < D; c += 32) sum += to_float(do_tile[r * PITCH + c]) * o_to_float(o_row[c]);
+    }}
+    for (int width = 16; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
+    if (lane == 0) {{
+      delta_tile[r] = sum;
+      if (r < q_rows) delta[delta_row0 + r] = sum;
+    }}
+  }}
+"""
+  chunks = plan.head_dim // width
+  lanes = min(32, 1 << (chunks.bit_length() - 1))   # the largest power of two <= the chunks of a row
+  return f"""  // delta = rowsum(dO * O) of the block's rows, written for the dK/dV kernel too: {lanes} threads a row,
+  // each reading 16-byte chunks of O ({width} elements)
+  {{
+    constexpr int CHUNKS = {chunks}, LANES = {lanes}, ROWS = 2 * BQ / LANES;   // a pass's rows: the block's threads
+    const int part = threadIdx.x % LANES;
+#pragma unroll
+    for (int r0 = 0; r0 < BQ; r0 += ROWS) {{
+      const int r = r0 + threadIdx.x / LANES;
+      float sum = 0.0f;
+      if (r < q_rows) {{
+        const o_t* o_row = o + o_row0 + (long long)r * {stride}LL;
+#pragma unroll
+        for (int chunk = part; chunk < CHUNKS; chunk += LANES) {{
+          union {{ uint4 vector; o_t values[{width}]; }} loaded;
+          loaded.vector = *(const uint4*)(o_row + chunk * {width});
+#pragma unroll
+          for (int e = 0; e < {width}; e++)
+            sum += to_float(do_tile[r * PITCH + chunk * {width} + e]) * o_to_float(loaded.values[e]);
+        }}
+      }}
+#pragma unroll
+      for (int width = LANES / 2; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
+      if (part == 0) {{
+        delta_tile[r] = sum;
+        if (r < q_rows) delta[delta_row0 + r] = sum;
+      }}
+    }}
+  }}
+"""
+
+
 # the elementwise step between the products, per accumulator element (`{prob}`: its probability, masked or not):
 # dQ kernel: P and then dS in place of dP; dK/dV kernel: P^T in place of S^T, dS^T in place of dP^T
 _DQ_ELEMENT = """const float prob = {prob}fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1]){close};
@@ -618,20 +679,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   copy_async_commit();
   copy_async_wait<0>();
   __syncthreads();
-  // delta = rowsum(dO * O) of the block's rows: one warp a row, written for the dK/dV kernel too
-  for (int r = warp; r < BQ; r += BQ / 16) {{
-    float sum = 0.0f;
-    if (r < q_rows) {{
-      const o_t* o_row = o + o_row0 + (long long)r * {p.o_strides[2]}LL;
-      for (int c = lane; c < D; c += 32) sum += to_float(do_tile[r * PITCH + c]) * o_to_float(o_row[c]);
-    }}
-    for (int width = 16; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
-    if (lane == 0) {{
-      delta_tile[r] = sum;
-      if (r < q_rows) delta[delta_row0 + r] = sum;
-    }}
-  }}
-  __syncthreads();
+{_delta_lines(p)}  __syncthreads();
   // this lane's two accumulator rows (C fragment rows g and g + 8 of the warp's 16)
   const float row_lse[2] = {{lse_tile[warp * 16 + g] * LSE_TO_LOG2, lse_tile[warp * 16 + g + 8] * LSE_TO_LOG2}};
   const float row_delta[2] = {{delta_tile[warp * 16 + g], delta_tile[warp * 16 + g + 8]}};
