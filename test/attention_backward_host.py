@@ -80,6 +80,12 @@ typedef float elem_t;
 inline float to_float(elem_t x) { return x; }
 inline elem_t from_float(float x) { return x; }
 inline unsigned operand_bits(elem_t x) { return (float_as_uint(x) + 0x1000u) & 0xFFFFE000u; }  // cvt.rna.tf32
+inline unsigned tf32_round_bits(unsigned bits) { return operand_bits(__uint_as_float(bits)); }
+inline unsigned tile_bits(elem_t x) {   // a fragment read of a tile that round_tile has rounded: no low bits left
+  const unsigned bits = float_as_uint(x);
+  if (bits & 0x1FFFu) { fprintf(stderr, "a TF32 fragment read an unrounded tile element\n"); abort(); }
+  return bits;
+}
 inline float operand_value(const unsigned* registers, int element) { return __uint_as_float(registers[element]); }
 """,
   "float16": r"""

@@ -296,6 +296,11 @@ def instruction_helpers(dtype: str) -> str:
               "__device__ __forceinline__ elem_t from_float(float x) { return x; }",
               "__device__ __forceinline__ unsigned operand_bits(elem_t x) {",
               '  unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }',
+              "// a shared-memory tile's element rounded to TF32 in place once (`round_tile`), its 13 low bits zero,",
+              "// so that the fragments read from it are its bits (`tile_bits`) with no cvt a read",
+              "__device__ __forceinline__ unsigned tf32_round_bits(unsigned bits) {",
+              "  return operand_bits(__uint_as_float(bits)) & 0xFFFFE000u; }",
+              "__device__ __forceinline__ unsigned tile_bits(elem_t x) { return __float_as_uint(x); }",
               ]
   else:
     if dtype == "float16":
@@ -356,7 +361,8 @@ def _warp_helpers(dtype: str) -> str:
   """`warp_mma`: a warp's 16 x (8 NT) accumulator tile += A (16 x K) @ B (K x 8 NT) with A(r, c) at
   a[r * A_ROW + c * A_COL] and B(r, c) at b[r * B_ROW + c * B_COL] in shared memory (the strides are template
   constants), gathered into fragments by the maps of codegen/tensor_cores.py. Two 16-bit elements of one register
-  that lie next to each other in shared memory are read as one 32-bit word."""
+  that lie next to each other in shared memory are read as one 32-bit word; TF32 elements are read as their bits,
+  the tiles having been rounded in place (`round_tile`)."""
   tf32 = dtype == "float32"
   maps, k_step = fragment_maps(dtype), _k_step(dtype)
 
@@ -374,7 +380,7 @@ def _warp_helpers(dtype: str) -> str:
     return f"({contiguous} ? *(const unsigned*)&{address(matrix, first, offsets)} : {packed})"
 
   def registers(matrix: str, positions, offsets: tuple[str, str]) -> list[str]:
-    if tf32: return [f"operand_bits({address(matrix, position, offsets)})" for position in positions]
+    if tf32: return [f"tile_bits({address(matrix, position, offsets)})" for position in positions]
     return [pair(matrix, positions[2 * i], positions[2 * i + 1], offsets) for i in range(len(positions) // 2)]
 
   a_registers = registers("a", maps.a, ("0", "k0"))
@@ -454,7 +460,7 @@ def _register_operand_helpers(dtype: str) -> str:
   registers, B in shared memory as in warp_mma. 16-bit: two C tiles are exactly one k16 A fragment. TF32: the m16n8k8
   A fragment holds columns quad and quad + 4, so the product's k index is permuted within each 8-wide step (A's
   column quad is the tile's column 2 quad, quad + 4 is 2 quad + 1) and B's rows are read with the same permutation;
-  the sum over k is unchanged."""
+  the sum over k is unchanged (B's elements already rounded in their tile, A's rounded here)."""
   lines = ["template <int NT, int K, int B_ROW, int B_COL>",
            "__device__ __forceinline__ void warp_mma_c(float (&acc)[NT][4], const float (&a)[K / 8][4],",
            "                                           const elem_t* b) {"]
@@ -467,8 +473,7 @@ def _register_operand_helpers(dtype: str) -> str:
               "    const elem_t* rows = b + (u * 8 + 2 * quad) * B_ROW + g * B_COL;   // k rows 2 quad and 2 quad + 1",
               "#pragma unroll",
               "    for (int t = 0; t < NT; t++) {",
-              "      const unsigned rb[2] = {operand_bits(rows[t * 8 * B_COL]),",
-              "                              operand_bits(rows[B_ROW + t * 8 * B_COL])};",
+              "      const unsigned rb[2] = {tile_bits(rows[t * 8 * B_COL]), tile_bits(rows[B_ROW + t * 8 * B_COL])};",
               "      mma(acc[t], ra, rb);",
               "    }",
               "  }",
@@ -489,7 +494,8 @@ def _load_tile(plan: AttentionBackwardPlan) -> str:
   """`load_tile`: rows [0, valid) of a rows x D tile from global memory (row stride `stride`) into shared memory,
   zeros below, by all threads of the block: 16-byte cp.async copies (waited for with copy_async_wait) where every
   stride allows them, else plain loads and stores. `load_row`: `count` floats (element stride `stride`) the same way,
-  zeros from `valid` on."""
+  zeros from `valid` on. float32: `round_tile`, a tile's elements rounded to TF32 in place by the threads that
+  copied them (the kernels round each tile once after it lands instead of each fragment read: 4 warps read it)."""
   width = plan.vector_width
   if width == 1:
     copy = ["    tile[r * PITCH + c] = r < valid ? source[r * stride + c] : (elem_t)0;"]
@@ -507,6 +513,21 @@ def _load_tile(plan: AttentionBackwardPlan) -> str:
            "  for (int r = threadIdx.x; r < count; r += blockDim.x)",
            "    copy_async_4(row + r, source + (r < valid ? r : 0) * stride, r < valid);",
            "}"]
+  if plan.dtype == "float32":
+    # each thread rounds the elements it copied itself (they have landed for it after its wait; the barrier that
+    # follows publishes them), so rounding needs no barrier of its own
+    if width == 1: rounding = ["    unsigned* word = (unsigned*)chunk;", "    *word = tf32_round_bits(*word);"]
+    else:   # one 16-byte shared-memory load and store a chunk (tile rows are 16-byte aligned)
+      rounding = ["    uint4 bits = *(uint4*)chunk;",
+                  "    bits = make_uint4(tf32_round_bits(bits.x), tf32_round_bits(bits.y), tf32_round_bits(bits.z),",
+                  "                      tf32_round_bits(bits.w));",
+                  "    *(uint4*)chunk = bits;"]
+    lines += ["__device__ __forceinline__ void round_tile(elem_t* tile, int rows) {",
+              f"  for (int index = threadIdx.x; index < rows * (D / {width}); index += blockDim.x) {{",
+              f"    elem_t* chunk = tile + index / (D / {width}) * PITCH + (index % (D / {width})) * {width};",
+              *rounding,
+              "  }",
+              "}"]
   return "\n".join(lines) + "\n"
 
 
@@ -527,6 +548,19 @@ def _header(plan: AttentionBackwardPlan, shared_bytes: int, block_q: int, block_
   else: o_helpers += "typedef elem_t grad_t;\n#define grad_from_float from_float\n"
   helpers = instruction_helpers(plan.dtype) + o_helpers + _warp_helpers(plan.dtype) + _load_tile(plan)
   return "\n".join(lines) + "\n" + helpers
+
+
+def _rounded(plan: AttentionBackwardPlan, barrier: str, *tiles: tuple[str, str], indent: int = 2,
+             wait: bool = False) -> str:
+  """float32: C lines rounding each (tile, rows) to TF32 in place (`round_tile`), after the copies of all but the
+  newest group have landed (`wait`), then a barrier where `barrier` names why one is needed here; nothing for 16-bit
+  operands."""
+  if plan.dtype != "float32": return ""
+  pad = " " * indent
+  lines = ([f"{pad}copy_async_wait<1>();   // K and V (the older group) have landed for this thread"] if wait else [])
+  lines += [f"{pad}round_tile({tile}, {rows});" for tile, rows in tiles]
+  if barrier: lines.append(f"{pad}__syncthreads();  // every tile rounded before it is read, {barrier}")
+  return "\n" + "\n".join(lines)
 
 
 def _offset(strides: Strides, batch: str, head: str) -> str:
@@ -644,6 +678,9 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   block's work grows with its Q tile, so blockIdx.y numbers the Q tiles from the last down (the longest start first)."""
   p = plan
   held_loads = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
+  round_owned = _rounded(p, "after delta, which reads dO unrounded", ("q_tile", "BQ"), ("do_tile", "BQ"))
+  round_streamed = _rounded(p, "", ("k_tiles + (tile & 1) * BK * PITCH", "BK"),
+                            ("v_tiles + (tile & 1) * BK * PITCH", "BK"), indent=4)
   entry = _entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes, p.dq_registers), DQ_KERNEL, device_function)
   body = f"""
 {entry}(const elem_t* __restrict__ q,
@@ -679,7 +716,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   copy_async_commit();
   copy_async_wait<0>();
   __syncthreads();
-{_delta_lines(p)}  __syncthreads();
+{_delta_lines(p)}  __syncthreads();{round_owned}
   // this lane's two accumulator rows (C fragment rows g and g + 8 of the warp's 16)
   const float row_lse[2] = {{lse_tile[warp * 16 + g] * LSE_TO_LOG2, lse_tile[warp * 16 + g + 8] * LSE_TO_LOG2}};
   const float row_delta[2] = {{delta_tile[warp * 16 + g], delta_tile[warp * 16 + g + 8]}};
@@ -698,7 +735,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
       copy_async_wait<1>();
     }} else {{
       copy_async_wait<0>();
-    }}
+    }}{round_streamed}
     __syncthreads();  // this tile's copies, by every thread, have landed
     const elem_t* k_tile = k_tiles + (tile & 1) * BK * PITCH;
     const elem_t* v_tile = v_tiles + (tile & 1) * BK * PITCH;
@@ -737,6 +774,9 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   # K and V have landed (their copy group is the older one) before their fragments are held
   held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.dkdv_held else "") + _held_loads(
     p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
+  round_owned = _rounded(p, "", ("k_tile", "BK"), ("v_tile", "BK"), wait=True)
+  round_streamed = _rounded(p, "", ("q_buffers + (iteration & 1) * BQ * PITCH", "BQ"),
+                            ("do_buffers + (iteration & 1) * BQ * PITCH", "BQ"), indent=4)
   entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
                  device_function)
   body = f"""
@@ -781,7 +821,7 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
   if (iterations > 0)
     load_q_tiles(0, q_tiles, q_first, batch, kv_head, q, dout, lse, delta, q_buffers, do_buffers, lse_buffers,
                  delta_buffers);
-  copy_async_commit();
+  copy_async_commit();{round_owned}
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
 #pragma unroll
   for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) {{ dk_acc[t][c] = 0.0f; dv_acc[t][c] = 0.0f; }}
@@ -796,7 +836,7 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
       copy_async_wait<1>();
     }} else {{
       copy_async_wait<0>();
-    }}
+    }}{round_streamed}
     __syncthreads();  // this iteration's copies, by every thread, have landed
     const int q_start = q_first + (iteration % q_tiles) * BQ, buffer = iteration & 1;
     const elem_t* q_tile = q_buffers + buffer * BQ * PITCH;
