@@ -783,7 +783,9 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
 __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_first, int batch, int kv_head,
     const elem_t* q, const elem_t* dout, const float* lse, const float* delta, elem_t* q_tile, elem_t* do_tile,
     float* lse_tile, float* delta_tile) {{
-  const int head = kv_head * GROUP + iteration / q_tiles, q_start = q_first + (iteration % q_tiles) * BQ;
+  // (without GQA the iterations are the Q tiles: no integer division)
+  const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);
+  const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;
   const int q_rows = min(BQ, L - q_start);
   const long long q_row0 = {_offset(p.q_strides, "batch", "head")} + (long long)q_start * {p.q_strides[2]}LL;
   const long long do_row0 = {_offset(p.do_strides, "batch", "head")} + (long long)q_start * {p.do_strides[2]}LL;
@@ -838,7 +840,7 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
       copy_async_wait<0>();
     }}{round_streamed}
     __syncthreads();  // this iteration's copies, by every thread, have landed
-    const int q_start = q_first + (iteration % q_tiles) * BQ, buffer = iteration & 1;
+    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ, buffer = iteration & 1;
     const elem_t* q_tile = q_buffers + buffer * BQ * PITCH;
     const elem_t* do_tile = do_buffers + buffer * BQ * PITCH;
     const float* lse_tile = lse_buffers + buffer * BQ;
