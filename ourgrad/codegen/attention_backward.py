@@ -259,7 +259,10 @@ def default_blocks(head_dim: int, dtype: str) -> dict[str, Any]:
   0.118 / 0.199 / 2.03 ms at T = 512 (B=8) / 1024 / 4096 (B=4) streaming 32 keys, 0.115 / 0.193 / 1.89 held,
   0.130 / 0.206 / 2.13 streaming 64 (255 registers, 2 blocks a multiprocessor); dK/dV 0.146 / 0.257 / 2.73 streaming
   32 queries, 0.145 / 0.251 / 2.77 streaming 64, 0.175 / 0.306 / 3.24 held (spills). bfloat16 dQ 0.057 / 0.088 /
-  0.800, held 0.056 / 0.086 / 0.768; dK/dV 0.068 / 0.109 / 1.077 (64 throughout, the fastest of the sweep)."""
+  0.800, held 0.056 / 0.086 / 0.768; dK/dV 0.068 / 0.109 / 1.077 (64 throughout, the fastest of the sweep).
+  Session 13 (interior tiles unmasked, heads-first block order, float32 tiles rounded once;
+  sweep_attention_backward_h200_s13.txt, T = 1024 / 4096): the defaults still the fastest configs within 1%;
+  bfloat16 dQ 0.053 / 0.574 ms, dK/dV 0.073 / 0.798; float32 dQ 0.130 / 1.59, dK/dV 0.162 / 2.06."""
   row_bytes = head_dim * ITEMSIZE.get(dtype, 4)   # an unknown dtype is refused by the plan itself
   stream = 64 if row_bytes <= 128 else 32
   return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": stream, "stream_kv": stream,
