@@ -80,6 +80,12 @@ typedef float elem_t;
 inline float to_float(elem_t x) { return x; }
 inline elem_t from_float(float x) { return x; }
 inline unsigned operand_bits(elem_t x) { return (float_as_uint(x) + 0x1000u) & 0xFFFFE000u; }  // cvt.rna.tf32
+inline unsigned tf32_round_bits(unsigned bits) { return operand_bits(__uint_as_float(bits)); }
+inline unsigned tile_bits(elem_t x) {   // a fragment read of a tile that round_tile has rounded: no low bits left
+  const unsigned bits = float_as_uint(x);
+  if (bits & 0x1FFFu) { fprintf(stderr, "a TF32 fragment read an unrounded tile element\n"); abort(); }
+  return bits;
+}
 inline float operand_value(const unsigned* registers, int element) { return __uint_as_float(registers[element]); }
 """,
   "float16": r"""
@@ -116,6 +122,8 @@ inline void ldmatrix(unsigned (&r)[4], const elem_t* row, bool transposed) {
 inline void ldmatrix_x4(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, false); }
 inline void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* row) { ldmatrix(r, row, true); }
 """
+
+HOST_EXP2 = "inline float fast_exp2(float x) { return exp2f(x); }   // ex2.approx.ftz.f32 on the GPU\n"
 
 ARGUMENT_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "dq": "grad_t", "dk": "grad_t",
                   "dv": "grad_t", "o": "o_t", "lse": "float", "delta": "float"}
@@ -167,7 +175,7 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
   kernel's argument order), runs every block of the grid (one host thread per CUDA thread) and writes them back."""
   device_helpers = instruction_helpers(plan.dtype)
   if device_helpers not in launch.source: raise AssertionError("the kernel source has no instruction helpers")
-  host_helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS)
+  host_helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + HOST_EXP2
   source = launch.source.replace(device_helpers, host_helpers + host_mma(plan.dtype))
   source = source.replace("extern __shared__ __align__(16) unsigned char shared_bytes[];",
                           "alignas(16) unsigned char shared_bytes[1 << 18];")

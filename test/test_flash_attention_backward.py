@@ -98,8 +98,9 @@ def test_plan_checks_its_arguments():
 def test_launch_sizes():
   plan = AttentionBackwardPlan.contiguous(4, 12, 4, 1000, 520, 64, "bfloat16", True)
   dq, dkdv = plan.launches()
-  assert (dq.grid, dq.block) == ((16, 48, 1), (128, 1, 1))
-  assert (dkdv.grid, dkdv.block) == ((9, 16, 1), (128, 1, 1))
+  # (heads, tiles): every head's first tile (a causal block's longest) has a lower linear index than any second tile
+  assert (dq.grid, dq.block) == ((48, 16, 1), (128, 1, 1))
+  assert (dkdv.grid, dkdv.block) == ((16, 9, 1), (128, 1, 1))
   assert dq.arguments == ("q", "k", "v", "o", "do", "lse", "dq", "delta")
   assert dkdv.arguments == ("q", "k", "v", "do", "lse", "delta", "dk", "dv")
   assert plan.delta_elements == 4 * 12 * 1000
@@ -138,13 +139,16 @@ HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causa
   ("float32", (1, 1, 1, 70, 75, 64, True), "contiguous"),    # 256-byte rows: 32-row streamed tiles (default_blocks)
   ("bfloat16", (1, 2, 2, 45, 70, 64, False), "projected"),   # q, o, dq as (B, L, H, D); o float32 before LSE
   ("float16", (1, 2, 1, 40, 40, 128, True), "contiguous"),
-  ("float16", (1, 2, 1, 33, 20, 16, False), "padded"),       # k rows D + 1 apart: no 16-byte loads
+  ("float16", (1, 2, 1, 33, 20, 16, False), "padded"),       # k, o rows D + 1 apart: no 16-byte loads
   ("bfloat16", (1, 2, 1, 70, 70, 64, True), "held"),         # A fragments of Q, dO, K, V held in registers
   ("float32", (1, 1, 1, 40, 50, 32, False), "held"),
   ("bfloat16", (1, 2, 1, 60, 50, 32, True), "unheld"),      # the dQ kernel's Q and dO fragments from shared memory
   ("float16", (1, 2, 1, 70, 60, 32, True), "split"),         # owned and streamed tiles of other sizes
   ("bfloat16", (1, 2, 1, 150, 140, 16, True), "wide"),       # blocks of 8 warps (128 rows)
   ("bfloat16", (1, 4, 2, 45, 70, 64, True), "grad32"),       # dq, dk, dv stored in float32 (Ops.ATTENTION_DQ/DKDV)
+  ("bfloat16", (1, 2, 1, 192, 192, 32, True), "contiguous"),  # interior tiles below the diagonal: no mask tests
+  ("float32", (1, 1, 1, 128, 128, 32, True), "contiguous"),
+  ("float32", (1, 2, 1, 40, 40, 48, True), "contiguous"),    # 12 16-byte chunks of an O row over 8 threads (delta)
 ]
 
 
@@ -168,13 +172,15 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
     plan = AttentionBackwardPlan(**{**plan.__dict__, "q_strides": projection, "o_strides": projection,
                                     "dq_strides": projection})
     for name in ("q", "o"): arrays[name] = arrays[name].transpose(0, 2, 1, 3)
-  if layout == "padded":
-    padded = np.zeros((*arrays["k"].shape[:3], head_dim + 1), arrays["k"].dtype)
-    padded[..., :head_dim] = arrays["k"]
-    arrays["k"] = padded
-    plan = AttentionBackwardPlan(**{**plan.__dict__, "k_strides": (kv_heads * kv_len * (head_dim + 1),
-                                                                   kv_len * (head_dim + 1), head_dim + 1)})
-    assert plan.vector_width == 1
+  if layout == "padded":   # k and o rows D + 1 apart: element loads of k's tiles and of O (delta)
+    for name, heads_of in (("k", kv_heads), ("o", heads)):
+      padded = np.zeros((*arrays[name].shape[:3], head_dim + 1), arrays[name].dtype)
+      padded[..., :head_dim] = arrays[name]
+      arrays[name] = padded
+      rows = arrays[name].shape[2]
+      plan = AttentionBackwardPlan(**{**plan.__dict__, f"{name}_strides": (heads_of * rows * (head_dim + 1),
+                                                                          rows * (head_dim + 1), head_dim + 1)})
+    assert plan.vector_width == plan.o_vector_width == 1
   buffers = {name: array.reshape(-1) for name, array in arrays.items()}
   if projected:   # O in float32, LSE after it in one buffer, as the fused forward writes them
     plan = AttentionBackwardPlan(**{**plan.__dict__, "lse_offset": buffers["o"].size, "o_dtype": "float32"})

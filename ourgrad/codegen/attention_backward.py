@@ -18,6 +18,13 @@ Two kernels, launched in this order on one stream (`AttentionBackwardPlan.launch
   `stream_q` rows (skipping those a causal mask kills), recomputes S^T and P^T, and accumulates dV += P^T dO and
   dK += dS^T Q; it reads the delta the dQ kernel wrote.
 
+Block order: a grid is (batch x heads, tiles), the heads varying fastest, and a causal block's tile index counts down
+its work (the dQ kernel numbers its Q tiles from the last, the dK/dV kernel its K/V tiles from the first). A GPU
+starts blocks in the order of their linear index, so every head's longest block starts before any shorter one, and
+the last blocks to start are the shortest (longest processing time first). Ordered the other way (tiles fastest) the
+longest blocks of the last heads start last: a tail that leaves most multiprocessors idle (a list-scheduling model of
+causal T = 1024, 48 heads, 396 resident blocks: 1.6x the balanced time; T = 4096: 1.15x).
+
 Inside a block each warp owns 16 rows (queries in the dQ kernel, keys in the dK/dV kernel). Every product is a
 warp-level `mma.sync` (m16n8k16 with float32 accumulation for float16/bfloat16, m16n8k8 TF32 for float32) whose
 fragments are gathered from shared-memory tiles with the maps of codegen/tensor_cores.py. P and dS never touch shared
@@ -156,6 +163,13 @@ class AttentionBackwardPlan:
     return width if all(stride % width == 0 for stride in strides) else 1
 
   @property
+  def o_vector_width(self) -> int:
+    """Elements of O in one 16-byte load when O's strides allow it (its buffer 16-byte aligned, as `vector_width`
+    assumes of the operands), else 1."""
+    width = 16 // ITEMSIZE[self.stored_o_dtype]
+    return width if all(stride % width == 0 for stride in self.o_strides) else 1
+
+  @property
   def delta_elements(self) -> int:
     """Size (float32 elements) of the delta scratch buffer: (batch, heads, q_len) contiguous."""
     return self.batch * self.heads * self.q_len
@@ -172,7 +186,10 @@ class AttentionBackwardPlan:
     return self.stream_q or self.block_q
 
   @property
-  def dq_grid(self) -> tuple[int, int, int]: return (-(-self.q_len // self.block_q), self.batch * self.heads, 1)
+  def dq_grid(self) -> tuple[int, int, int]:
+    """(batch x heads, Q tiles): the heads vary fastest, so blocks start in the order of their tiles (module
+    docstring)."""
+    return (self.batch * self.heads, -(-self.q_len // self.block_q), 1)
 
   @property
   def dq_block(self) -> tuple[int, int, int]: return (32 * self.block_q // WARP_ROWS, 1, 1)
@@ -185,7 +202,9 @@ class AttentionBackwardPlan:
     return tiles * self.itemsize + 2 * self.block_q * 4
 
   @property
-  def dkdv_grid(self) -> tuple[int, int, int]: return (-(-self.kv_len // self.block_kv), self.batch * self.kv_heads, 1)
+  def dkdv_grid(self) -> tuple[int, int, int]:
+    """(batch x kv heads, K/V tiles): the heads vary fastest, as `dq_grid`."""
+    return (self.batch * self.kv_heads, -(-self.kv_len // self.block_kv), 1)
 
   @property
   def dkdv_block(self) -> tuple[int, int, int]: return (32 * self.block_kv // WARP_ROWS, 1, 1)
@@ -240,7 +259,10 @@ def default_blocks(head_dim: int, dtype: str) -> dict[str, Any]:
   0.118 / 0.199 / 2.03 ms at T = 512 (B=8) / 1024 / 4096 (B=4) streaming 32 keys, 0.115 / 0.193 / 1.89 held,
   0.130 / 0.206 / 2.13 streaming 64 (255 registers, 2 blocks a multiprocessor); dK/dV 0.146 / 0.257 / 2.73 streaming
   32 queries, 0.145 / 0.251 / 2.77 streaming 64, 0.175 / 0.306 / 3.24 held (spills). bfloat16 dQ 0.057 / 0.088 /
-  0.800, held 0.056 / 0.086 / 0.768; dK/dV 0.068 / 0.109 / 1.077 (64 throughout, the fastest of the sweep)."""
+  0.800, held 0.056 / 0.086 / 0.768; dK/dV 0.068 / 0.109 / 1.077 (64 throughout, the fastest of the sweep).
+  Session 13 (interior tiles unmasked, heads-first block order, float32 tiles rounded once;
+  sweep_attention_backward_h200_s13.txt, T = 1024 / 4096): the defaults still the fastest configs within 1%;
+  bfloat16 dQ 0.053 / 0.574 ms, dK/dV 0.073 / 0.798; float32 dQ 0.130 / 1.59, dK/dV 0.162 / 2.06."""
   row_bytes = head_dim * ITEMSIZE.get(dtype, 4)   # an unknown dtype is refused by the plan itself
   stream = 64 if row_bytes <= 128 else 32
   return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": stream, "stream_kv": stream,
@@ -277,6 +299,11 @@ def instruction_helpers(dtype: str) -> str:
               "__device__ __forceinline__ elem_t from_float(float x) { return x; }",
               "__device__ __forceinline__ unsigned operand_bits(elem_t x) {",
               '  unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }',
+              "// a shared-memory tile's element rounded to TF32 in place once (`round_tile`), its 13 low bits zero,",
+              "// so that the fragments read from it are its bits (`tile_bits`) with no cvt a read",
+              "__device__ __forceinline__ unsigned tf32_round_bits(unsigned bits) {",
+              "  return operand_bits(__uint_as_float(bits)) & 0xFFFFE000u; }",
+              "__device__ __forceinline__ unsigned tile_bits(elem_t x) { return __float_as_uint(x); }",
               ]
   else:
     if dtype == "float16":
@@ -309,6 +336,10 @@ def instruction_helpers(dtype: str) -> str:
             '  asm volatile("cp.async.commit_group;" ::: "memory"); }',
             "template <int PENDING> __device__ __forceinline__ void copy_async_wait() {",
             '  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory"); }']
+  # 2^x as one MUFU.EX2: exp2f without fast math adds a range check and two multiplies for subnormal results, and a
+  # probability under 2^-126 flushed to 0 changes no gradient
+  lines += ["__device__ __forceinline__ float fast_exp2(float x) {",
+            '  float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }']
   instruction = (f"mma.sync.aligned.m16n8k{_k_step(dtype)}.row.col.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};")
   lines += ["__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {",
@@ -333,7 +364,8 @@ def _warp_helpers(dtype: str) -> str:
   """`warp_mma`: a warp's 16 x (8 NT) accumulator tile += A (16 x K) @ B (K x 8 NT) with A(r, c) at
   a[r * A_ROW + c * A_COL] and B(r, c) at b[r * B_ROW + c * B_COL] in shared memory (the strides are template
   constants), gathered into fragments by the maps of codegen/tensor_cores.py. Two 16-bit elements of one register
-  that lie next to each other in shared memory are read as one 32-bit word."""
+  that lie next to each other in shared memory are read as one 32-bit word; TF32 elements are read as their bits,
+  the tiles having been rounded in place (`round_tile`)."""
   tf32 = dtype == "float32"
   maps, k_step = fragment_maps(dtype), _k_step(dtype)
 
@@ -351,7 +383,7 @@ def _warp_helpers(dtype: str) -> str:
     return f"({contiguous} ? *(const unsigned*)&{address(matrix, first, offsets)} : {packed})"
 
   def registers(matrix: str, positions, offsets: tuple[str, str]) -> list[str]:
-    if tf32: return [f"operand_bits({address(matrix, position, offsets)})" for position in positions]
+    if tf32: return [f"tile_bits({address(matrix, position, offsets)})" for position in positions]
     return [pair(matrix, positions[2 * i], positions[2 * i + 1], offsets) for i in range(len(positions) // 2)]
 
   a_registers = registers("a", maps.a, ("0", "k0"))
@@ -431,7 +463,7 @@ def _register_operand_helpers(dtype: str) -> str:
   registers, B in shared memory as in warp_mma. 16-bit: two C tiles are exactly one k16 A fragment. TF32: the m16n8k8
   A fragment holds columns quad and quad + 4, so the product's k index is permuted within each 8-wide step (A's
   column quad is the tile's column 2 quad, quad + 4 is 2 quad + 1) and B's rows are read with the same permutation;
-  the sum over k is unchanged."""
+  the sum over k is unchanged (B's elements already rounded in their tile, A's rounded here)."""
   lines = ["template <int NT, int K, int B_ROW, int B_COL>",
            "__device__ __forceinline__ void warp_mma_c(float (&acc)[NT][4], const float (&a)[K / 8][4],",
            "                                           const elem_t* b) {"]
@@ -444,8 +476,7 @@ def _register_operand_helpers(dtype: str) -> str:
               "    const elem_t* rows = b + (u * 8 + 2 * quad) * B_ROW + g * B_COL;   // k rows 2 quad and 2 quad + 1",
               "#pragma unroll",
               "    for (int t = 0; t < NT; t++) {",
-              "      const unsigned rb[2] = {operand_bits(rows[t * 8 * B_COL]),",
-              "                              operand_bits(rows[B_ROW + t * 8 * B_COL])};",
+              "      const unsigned rb[2] = {tile_bits(rows[t * 8 * B_COL]), tile_bits(rows[B_ROW + t * 8 * B_COL])};",
               "      mma(acc[t], ra, rb);",
               "    }",
               "  }",
@@ -466,7 +497,8 @@ def _load_tile(plan: AttentionBackwardPlan) -> str:
   """`load_tile`: rows [0, valid) of a rows x D tile from global memory (row stride `stride`) into shared memory,
   zeros below, by all threads of the block: 16-byte cp.async copies (waited for with copy_async_wait) where every
   stride allows them, else plain loads and stores. `load_row`: `count` floats (element stride `stride`) the same way,
-  zeros from `valid` on."""
+  zeros from `valid` on. float32: `round_tile`, a tile's elements rounded to TF32 in place by the threads that
+  copied them (the kernels round each tile once after it lands instead of each fragment read: 4 warps read it)."""
   width = plan.vector_width
   if width == 1:
     copy = ["    tile[r * PITCH + c] = r < valid ? source[r * stride + c] : (elem_t)0;"]
@@ -484,6 +516,21 @@ def _load_tile(plan: AttentionBackwardPlan) -> str:
            "  for (int r = threadIdx.x; r < count; r += blockDim.x)",
            "    copy_async_4(row + r, source + (r < valid ? r : 0) * stride, r < valid);",
            "}"]
+  if plan.dtype == "float32":
+    # each thread rounds the elements it copied itself (they have landed for it after its wait; the barrier that
+    # follows publishes them), so rounding needs no barrier of its own
+    if width == 1: rounding = ["    unsigned* word = (unsigned*)chunk;", "    *word = tf32_round_bits(*word);"]
+    else:   # one 16-byte shared-memory load and store a chunk (tile rows are 16-byte aligned)
+      rounding = ["    uint4 bits = *(uint4*)chunk;",
+                  "    bits = make_uint4(tf32_round_bits(bits.x), tf32_round_bits(bits.y), tf32_round_bits(bits.z),",
+                  "                      tf32_round_bits(bits.w));",
+                  "    *(uint4*)chunk = bits;"]
+    lines += ["__device__ __forceinline__ void round_tile(elem_t* tile, int rows) {",
+              f"  for (int index = threadIdx.x; index < rows * (D / {width}); index += blockDim.x) {{",
+              f"    elem_t* chunk = tile + index / (D / {width}) * PITCH + (index % (D / {width})) * {width};",
+              *rounding,
+              "  }",
+              "}"]
   return "\n".join(lines) + "\n"
 
 
@@ -506,6 +553,19 @@ def _header(plan: AttentionBackwardPlan, shared_bytes: int, block_q: int, block_
   return "\n".join(lines) + "\n" + helpers
 
 
+def _rounded(plan: AttentionBackwardPlan, barrier: str, *tiles: tuple[str, str], indent: int = 2,
+             wait: bool = False) -> str:
+  """float32: C lines rounding each (tile, rows) to TF32 in place (`round_tile`), after the copies of all but the
+  newest group have landed (`wait`), then a barrier where `barrier` names why one is needed here; nothing for 16-bit
+  operands."""
+  if plan.dtype != "float32": return ""
+  pad = " " * indent
+  lines = ([f"{pad}copy_async_wait<1>();   // K and V (the older group) have landed for this thread"] if wait else [])
+  lines += [f"{pad}round_tile({tile}, {rows});" for tile, rows in tiles]
+  if barrier: lines.append(f"{pad}__syncthreads();  // every tile rounded before it is read, {barrier}")
+  return "\n" + "\n".join(lines)
+
+
 def _offset(strides: Strides, batch: str, head: str) -> str:
   return f"(long long){batch} * {strides[0]}LL + (long long){head} * {strides[1]}LL"
 
@@ -524,6 +584,89 @@ def _owned_product(holds: bool, columns: str, acc: str, held: str, tile: str, ot
   return f"warp_mma<{columns} / 8, D, PITCH, 1, 1, PITCH>({acc}, {tile} + warp * 16 * PITCH, {other});"
 
 
+def _delta_lines(plan: AttentionBackwardPlan) -> str:
+  """The dQ kernel's delta = rowsum(dO * O) of its rows into `delta_tile` and the delta buffer (for the dK/dV kernel).
+  With 16-byte aligned O rows (`o_vector_width`), LANES threads (a power of two, at most a warp) share a row, each
+  reading 16-byte chunks of O (every pass's loads independent, so in flight together) against dO in shared memory,
+  then summing over the LANES by shuffles; otherwise a warp a row, one element a lane."""
+  width, stride = plan.o_vector_width, plan.o_strides[2]
+  if width == 1:
+    return f"""  // delta = rowsum(dO * O) of the block's rows: one warp a row, written for the dK/dV kernel too
+  for (int r = warp; r < BQ; r += BQ / 16) {{
+    float sum = 0.0f;
+    if (r < q_rows) {{
+      const o_t* o_row = o + o_row0 + (long long)r * {stride}LL;
+      for (int c = lane; c < D; c += 32) sum += to_float(do_tile[r * PITCH + c]) * o_to_float(o_row[c]);
+    }}
+    for (int width = 16; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
+    if (lane == 0) {{
+      delta_tile[r] = sum;
+      if (r < q_rows) delta[delta_row0 + r] = sum;
+    }}
+  }}
+"""
+  chunks = plan.head_dim // width
+  lanes = min(32, 1 << (chunks.bit_length() - 1))   # the largest power of two <= the chunks of a row
+  return f"""  // delta = rowsum(dO * O) of the block's rows, written for the dK/dV kernel too: {lanes} threads a row,
+  // each reading 16-byte chunks of O ({width} elements)
+  {{
+    constexpr int CHUNKS = {chunks}, LANES = {lanes}, ROWS = 2 * BQ / LANES;   // a pass's rows: the block's threads
+    const int part = threadIdx.x % LANES;
+#pragma unroll
+    for (int r0 = 0; r0 < BQ; r0 += ROWS) {{
+      const int r = r0 + threadIdx.x / LANES;
+      float sum = 0.0f;
+      if (r < q_rows) {{
+        const o_t* o_row = o + o_row0 + (long long)r * {stride}LL;
+#pragma unroll
+        for (int chunk = part; chunk < CHUNKS; chunk += LANES) {{
+          union {{ uint4 vector; o_t values[{width}]; }} loaded;
+          loaded.vector = *(const uint4*)(o_row + chunk * {width});
+#pragma unroll
+          for (int e = 0; e < {width}; e++)
+            sum += to_float(do_tile[r * PITCH + chunk * {width} + e]) * o_to_float(loaded.values[e]);
+        }}
+      }}
+#pragma unroll
+      for (int width = LANES / 2; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
+      if (part == 0) {{
+        delta_tile[r] = sum;
+        if (r < q_rows) delta[delta_row0 + r] = sum;
+      }}
+    }}
+  }}
+"""
+
+
+# the elementwise step between the products, per accumulator element (`{prob}`: its probability, masked or not):
+# dQ kernel: P and then dS in place of dP; dK/dV kernel: P^T in place of S^T, dS^T in place of dP^T
+_DQ_ELEMENT = """const float prob = {prob}fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1]){close};
+          dp[t][c] = prob * (dp[t][c] - row_delta[c >> 1]);"""
+_DKDV_ELEMENT = """st[t][c] = {prob}fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2){close};
+          dpt[t][c] = st[t][c] * (dpt[t][c] - delta_tile[column]);"""
+
+
+def _masked_elements(columns: str, comment: str, element: str, query: str, key: str) -> str:
+  """The elementwise step over a warp's 16 x `columns` accumulator tiles, rendered twice: where the tile is `masked`
+  each element's query `query` and key `key` (C expressions of its `row` and `column`) are tested (past L or S, or
+  causal and the key after the query: probability 0); elsewhere (interior tiles, most of a long sequence's) not."""
+  def loop(masked: bool) -> str:
+    if masked:
+      indices = ("const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);\n"
+                 f"          const int i = {query}, j = {key};\n"
+                 "          const bool keep = i < L && j < S && (!CAUSAL || j <= i);\n          ")
+    else: indices = "const int column = t * 8 + 2 * quad + (c & 1);\n          " if "column" in element else ""
+    step = element.format(prob="keep ? fast_exp2(" if masked else "fast_exp2(", close=") : 0.0f" if masked else ")")
+    return f"""#pragma unroll
+      for (int t = 0; t < {columns} / 8; t++) {{
+#pragma unroll
+        for (int c = 0; c < 4; c++) {{   // {comment}
+          {indices}{step}
+        }}
+      }}"""
+  return f"    if (masked) {{\n{loop(True)}\n    }} else {{\n{loop(False)}\n    }}"
+
+
 def _entry(launch_bounds: str, name: str, device_function: bool) -> str:
   """A kernel's declaration up to its parameters: an extern "C" __global__ kernel, or (`device_function`) an inlined
   __device__ function `name`_body that a wrapper kernel of another signature calls (codegen/attention_grad.py)."""
@@ -535,9 +678,12 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`.
 
   The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
-  block's work grows with its Q tile, so the blocks are numbered from the last Q tile down (the longest start first)."""
+  block's work grows with its Q tile, so blockIdx.y numbers the Q tiles from the last down (the longest start first)."""
   p = plan
   held_loads = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
+  round_owned = _rounded(p, "after delta, which reads dO unrounded", ("q_tile", "BQ"), ("do_tile", "BQ"))
+  round_streamed = _rounded(p, "", ("k_tiles + (tile & 1) * BK * PITCH", "BK"),
+                            ("v_tiles + (tile & 1) * BK * PITCH", "BK"), indent=4)
   entry = _entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes, p.dq_registers), DQ_KERNEL, device_function)
   body = f"""
 {entry}(const elem_t* __restrict__ q,
@@ -551,8 +697,8 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   float* lse_tile = (float*)(v_tiles + 2 * BK * PITCH);  // BQ
   float* delta_tile = lse_tile + BQ;                    // BQ
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
-  const int q_start = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BQ;
-  const int batch = blockIdx.y / H, head = blockIdx.y % H, kv_head = head / GROUP;
+  const int q_start = (CAUSAL ? gridDim.y - 1 - blockIdx.y : blockIdx.y) * BQ;   // the longest first
+  const int batch = blockIdx.x / H, head = blockIdx.x % H, kv_head = head / GROUP;
   const int q_rows = min(BQ, L - q_start);
   const long long q_row0 = {_offset(p.q_strides, "batch", "head")} + (long long)q_start * {p.q_strides[2]}LL;
   const long long do_row0 = {_offset(p.do_strides, "batch", "head")} + (long long)q_start * {p.do_strides[2]}LL;
@@ -573,20 +719,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   copy_async_commit();
   copy_async_wait<0>();
   __syncthreads();
-  // delta = rowsum(dO * O) of the block's rows: one warp a row, written for the dK/dV kernel too
-  for (int r = warp; r < BQ; r += BQ / 16) {{
-    float sum = 0.0f;
-    if (r < q_rows) {{
-      const o_t* o_row = o + o_row0 + (long long)r * {p.o_strides[2]}LL;
-      for (int c = lane; c < D; c += 32) sum += to_float(do_tile[r * PITCH + c]) * o_to_float(o_row[c]);
-    }}
-    for (int width = 16; width > 0; width >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, width);
-    if (lane == 0) {{
-      delta_tile[r] = sum;
-      if (r < q_rows) delta[delta_row0 + r] = sum;
-    }}
-  }}
-  __syncthreads();
+{_delta_lines(p)}  __syncthreads();{round_owned}
   // this lane's two accumulator rows (C fragment rows g and g + 8 of the warp's 16)
   const float row_lse[2] = {{lse_tile[warp * 16 + g] * LSE_TO_LOG2, lse_tile[warp * 16 + g + 8] * LSE_TO_LOG2}};
   const float row_delta[2] = {{delta_tile[warp * 16 + g], delta_tile[warp * 16 + g + 8]}};
@@ -605,7 +738,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
       copy_async_wait<1>();
     }} else {{
       copy_async_wait<0>();
-    }}
+    }}{round_streamed}
     __syncthreads();  // this tile's copies, by every thread, have landed
     const elem_t* k_tile = k_tiles + (tile & 1) * BK * PITCH;
     const elem_t* v_tile = v_tiles + (tile & 1) * BK * PITCH;
@@ -614,17 +747,9 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
     for (int t = 0; t < BK / 8; t++) for (int c = 0; c < 4; c++) {{ s[t][c] = 0.0f; dp[t][c] = 0.0f; }}
     {_owned_product(p.dq_held, "BK", "s", "q_held", "q_tile", "k_tile")}     // Q K^T
     {_owned_product(p.dq_held, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
-#pragma unroll
-    for (int t = 0; t < BK / 8; t++) {{
-#pragma unroll
-      for (int c = 0; c < 4; c++) {{   // dS, in place of dP
-        const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
-        const int i = q_start + row, j = k_start + column;
-        const bool keep = i < L && j < S && (!CAUSAL || j <= i);
-        const float prob = keep ? exp2f(fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1])) : 0.0f;
-        dp[t][c] = prob * (dp[t][c] - row_delta[c >> 1]);
-      }}
-    }}
+    // mask only the tiles that need it: keys past S, rows past L, or (causal) keys past the tile's first query
+    const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);
+{_masked_elements("BK", "dS, in place of dP", _DQ_ELEMENT, "q_start + row", "k_start + column")}
     warp_mma_c<D / 8, BK, PITCH, 1>(dq_acc, dp, k_tile);   // dS K, dS from registers
     __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }}
@@ -652,13 +777,18 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   # K and V have landed (their copy group is the older one) before their fragments are held
   held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.dkdv_held else "") + _held_loads(
     p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
+  round_owned = _rounded(p, "", ("k_tile", "BK"), ("v_tile", "BK"), wait=True)
+  round_streamed = _rounded(p, "", ("q_buffers + (iteration & 1) * BQ * PITCH", "BQ"),
+                            ("do_buffers + (iteration & 1) * BQ * PITCH", "BQ"), indent=4)
   entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
                  device_function)
   body = f"""
 __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_first, int batch, int kv_head,
     const elem_t* q, const elem_t* dout, const float* lse, const float* delta, elem_t* q_tile, elem_t* do_tile,
     float* lse_tile, float* delta_tile) {{
-  const int head = kv_head * GROUP + iteration / q_tiles, q_start = q_first + (iteration % q_tiles) * BQ;
+  // (without GQA the iterations are the Q tiles: no integer division)
+  const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);
+  const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;
   const int q_rows = min(BQ, L - q_start);
   const long long q_row0 = {_offset(p.q_strides, "batch", "head")} + (long long)q_start * {p.q_strides[2]}LL;
   const long long do_row0 = {_offset(p.do_strides, "batch", "head")} + (long long)q_start * {p.do_strides[2]}LL;
@@ -682,7 +812,7 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
   float* lse_buffers = (float*)(do_buffers + 2 * BQ * PITCH);  // 2 x BQ
   float* delta_buffers = lse_buffers + 2 * BQ;         // 2 x BQ
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
-  const int k_start = blockIdx.x * BK, batch = blockIdx.y / KVH, kv_head = blockIdx.y % KVH;
+  const int k_start = blockIdx.y * BK, batch = blockIdx.x / KVH, kv_head = blockIdx.x % KVH;   // the longest first
   const int k_rows = min(BK, S - k_start);
   const long long k_row0 = {_offset(p.k_strides, "batch", "kv_head")} + (long long)k_start * {p.k_strides[2]}LL;
   const long long v_row0 = {_offset(p.v_strides, "batch", "kv_head")} + (long long)k_start * {p.v_strides[2]}LL;
@@ -696,7 +826,7 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
   if (iterations > 0)
     load_q_tiles(0, q_tiles, q_first, batch, kv_head, q, dout, lse, delta, q_buffers, do_buffers, lse_buffers,
                  delta_buffers);
-  copy_async_commit();
+  copy_async_commit();{round_owned}
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
 #pragma unroll
   for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) {{ dk_acc[t][c] = 0.0f; dv_acc[t][c] = 0.0f; }}
@@ -711,9 +841,9 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
       copy_async_wait<1>();
     }} else {{
       copy_async_wait<0>();
-    }}
+    }}{round_streamed}
     __syncthreads();  // this iteration's copies, by every thread, have landed
-    const int q_start = q_first + (iteration % q_tiles) * BQ, buffer = iteration & 1;
+    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ, buffer = iteration & 1;
     const elem_t* q_tile = q_buffers + buffer * BQ * PITCH;
     const elem_t* do_tile = do_buffers + buffer * BQ * PITCH;
     const float* lse_tile = lse_buffers + buffer * BQ;
@@ -723,17 +853,10 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
     for (int t = 0; t < BQ / 8; t++) for (int c = 0; c < 4; c++) {{ st[t][c] = 0.0f; dpt[t][c] = 0.0f; }}
     {_owned_product(p.dkdv_held, "BQ", "st", "k_held", "k_tile", "q_tile")}    // K Q^T = S^T
     {_owned_product(p.dkdv_held, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
-#pragma unroll
-    for (int t = 0; t < BQ / 8; t++) {{
-#pragma unroll
-      for (int c = 0; c < 4; c++) {{   // P^T in place of S^T, dS^T in place of dP^T
-        const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
-        const int j = k_start + row, i = q_start + column;
-        const bool keep = i < L && j < S && (!CAUSAL || j <= i);
-        st[t][c] = keep ? exp2f(fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2)) : 0.0f;
-        dpt[t][c] = st[t][c] * (dpt[t][c] - delta_tile[column]);
-      }}
-    }}
+    // mask only the tiles that need it: keys past S, queries past L, or (causal) keys past the tile's first query
+    const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);
+{_masked_elements("BQ", "P^T in place of S^T, dS^T in place of dP^T", _DKDV_ELEMENT, "q_start + column",
+                  "k_start + row")}
     warp_mma_c<D / 8, BQ, PITCH, 1>(dv_acc, st, do_tile);    // P^T dO, P^T from registers
     warp_mma_c<D / 8, BQ, PITCH, 1>(dk_acc, dpt, q_tile);    // dS^T Q, dS^T from registers
     __syncthreads();  // every warp is done with this buffer before the next iteration refills it
