@@ -162,8 +162,10 @@ def decode_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any
 def time_decode(model: Llama, call: Callable[[], Any], args: argparse.Namespace) -> None:
   """Tokens/s of `args.timed` decode steps (median of 3 runs) two ways, as bench_models.py's rows: the logits of
   every step read on the host, and the steps fed back on the device (`generate_greedy`, the ids read once)."""
+  results: list[Any] = []
+
   def median_seconds(run: Callable[[], Any]) -> float:
-    run()   # the first run compiles and captures (generate_greedy's resident step)
+    results.append(run())   # the first run compiles and captures (generate_greedy's resident step)
     times = []
     for _ in range(3):
       started = time.perf_counter()
@@ -176,7 +178,8 @@ def time_decode(model: Llama, call: Callable[[], Any], args: argparse.Namespace)
   label = f"decode {args.weights}, {sequences} sequence(s), {steps} steps"
   print(f"{label}: {sequences * steps / logits:.1f} tok/s (logits to the host each step), "
         f"{sequences * steps / fed_back:.1f} tok/s (fed back on the device) "
-        f"[CUDA_DEPENDENT_LAUNCH={os.environ.get('CUDA_DEPENDENT_LAUNCH', 'default')}]")
+        f"[CUDA_DEPENDENT_LAUNCH={os.environ.get('CUDA_DEPENDENT_LAUNCH', 'default')}]; first greedy ids of "
+        f"sequence 0: {results[-1][0][:8]} (a setting that changes no result keeps them)")
 
 
 def minilm_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any]]:
