@@ -174,8 +174,7 @@ class _FakeDevice:
   def make_current(self) -> None: pass
 
 
-@pytest.mark.parametrize("arch, enabled, programmatic", [("sm_90", 1, True), ("sm_90", 3, True), ("sm_90", 0, False),
-                                                        ("sm_80", 1, False)])
+@pytest.mark.parametrize("arch, enabled, programmatic", [("sm_90", 1, True), ("sm_90", 0, False), ("sm_80", 1, False)])
 def test_graph_edges_are_programmatic_only_with_the_prologue(monkeypatch, arch, enabled, programmatic):
   ops_cuda = pytest.importorskip("ourgrad.runtime.ops_cuda", exc_type=ImportError)
   recorder = _RecordingDriver(ops_cuda.driver)
