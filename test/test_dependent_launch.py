@@ -33,8 +33,7 @@ def _body_start(source: str) -> str:
   return source[source.index("{\n", start) + 2:]
 
 
-def test_sm90_kernels_start_with_the_prologue(monkeypatch):
-  monkeypatch.setenv("CUDA_DEPENDENT_LAUNCH", "1")   # the prologue alone (2 adds the trigger, 3 prefetches)
+def test_sm90_kernels_start_with_the_prologue():
   source = _elementwise_source(CUDARenderer("sm_90"))
   assert _body_start(source).startswith(DEPENDENT_LAUNCH_PROLOGUE)
   assert source.count("griddepcontrol.wait") == 1
@@ -113,8 +112,7 @@ def test_other_architectures_have_no_prologue():
   assert "griddepcontrol" not in _elementwise_source(CUDARenderer())
 
 
-def test_the_wgmma_kernel_starts_with_the_prologue(monkeypatch):
-  monkeypatch.setenv("CUDA_DEPENDENT_LAUNCH", "1")
+def test_the_wgmma_kernel_starts_with_the_prologue():
   plan = WgmmaMatmul(m=256, n=256, k=128, block_n=128, dtype="float16", out_dtype="float16")
   source = CUDARenderer("sm_90").render_wgmma("r_wgmma_test", plan, {"c": 0, "a": 1, "b": 2})
   assert _body_start(source).startswith(DEPENDENT_LAUNCH_PROLOGUE)
