@@ -13,7 +13,6 @@ from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH
 from ourgrad.renderer import ASSUMED_CUDA_GPU
-from ourgrad.renderer.cuda_prefetch import prefetch_addresses
 from ourgrad.renderer.cstyle import (BFLOAT16_IN_FLOAT, DYNAMIC_SHARED_ARRAY, DYNAMIC_SHARED_SYMBOL, CStyleLanguage,
                                      FloatInRegisters, block_threads,
                                      kernel_dtypes, stored_format_locals)
@@ -98,19 +97,13 @@ class CUDARenderer(CStyleLanguage):
     """The kernel of an OptOps.WGMMA plan, its buffers in argument order (see codegen/wgmma_tiles.py)."""
     return self._with_prologue(render_wgmma_matmul(plan, name, arguments, DYNAMIC_SHARED_SYMBOL))
 
-  def _with_prologue(self, source: str, uops: list[UOp] | None = None) -> str:
-    """`source` with DEPENDENT_LAUNCH_PROLOGUE as the first lines of its kernel's body (when dependent_launch),
-    DEPENDENT_LAUNCH_TRIGGER after it with CUDA_DEPENDENT_LAUNCH>=2, and with 3 (the kernel's `uops` given) L2
-    prefetches of the loads each thread surely makes before the wait (renderer/cuda_prefetch.py)."""
+  def _with_prologue(self, source: str) -> str:
+    """`source` with DEPENDENT_LAUNCH_PROLOGUE as the first lines of its kernel's body (when dependent_launch), and
+    DEPENDENT_LAUNCH_TRIGGER after it with CUDA_DEPENDENT_LAUNCH=2."""
     if not self.dependent_launch: return source
     start = source.index('extern "C" __global__')
     body = source.index("{\n", start) + 2
     prologue = DEPENDENT_LAUNCH_PROLOGUE + (DEPENDENT_LAUNCH_TRIGGER if CUDA_DEPENDENT_LAUNCH >= 2 else "")
-    if CUDA_DEPENDENT_LAUNCH >= 3 and uops is not None:
-      addresses = prefetch_addresses(uops, lambda uop: self.render_special(uop.arg),
-                                     lambda uop: self.render_const(uop.arg, uop.dtype), self._expression)
-      prefetches = "".join(f'  asm volatile("prefetch.global.L2 [%0];" :: "l"({address}));\n' for address in addresses)
-      if prefetches: prologue = "#if __CUDA_ARCH__ >= 900\n" + prefetches + "#endif\n" + prologue
     return source[:body] + prologue + source[body:]
 
   def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
@@ -324,5 +317,5 @@ class CUDARenderer(CStyleLanguage):
     blocks = next((uop.arg for uop in uops if uop.op is UOps.OCCUPANCY), 0)
     launch_bounds = f"__launch_bounds__({threads}{f', {blocks}' if blocks else ''}) " if threads > 1 else ""
     signature = f'extern "C" __global__ void {launch_bounds}{name}({", ".join(params)}) {{\n'
-    return self._with_prologue("".join(helpers) + signature + "\n".join(body) + "\n}\n", uops)
+    return self._with_prologue("".join(helpers) + signature + "\n".join(body) + "\n}\n")
 
