@@ -145,9 +145,7 @@ CUDA_PTX = env_var("CUDA_PTX", 0, "1: the CUDA device has NVRTC compile kernels 
                    "8-op kernel's first result took 41 ms with CUBIN, 57 ms with PTX (the driver's load: 22 ms)")
 CUDA_DEPENDENT_LAUNCH = env_var("CUDA_DEPENDENT_LAUNCH", 1, "1: on sm_90 a TinyJit's CUDA graph links its kernels "
                                 "by programmatic edges (each launches as the blocks of the one before exit and waits "
-                                "for it in its prologue); 2: also each kernel triggers the next one's launch right "
-                                "after its own wait (the launch hides behind its whole run); 0: plain edges (each "
-                                "launches when the one before completed)")
+                                "for it in its prologue); 0: plain edges (each launches when the one before completed)")
 COMPILE_TIMEOUT = env_var("COMPILE_TIMEOUT", 300.0, "seconds one kernel may take to compile before a CompileError "
                           "naming it (CLANG; 0: no limit)")
 BEAM = env_var("BEAM", 0, "n>0: pick each kernel's Opts by a beam search of width n, timed on the device and "

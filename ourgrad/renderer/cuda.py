@@ -11,7 +11,6 @@ from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul
 from ourgrad.dtype import DType, dtypes
-from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH
 from ourgrad.renderer import ASSUMED_CUDA_GPU
 from ourgrad.renderer.cstyle import (BFLOAT16_IN_FLOAT, DYNAMIC_SHARED_ARRAY, DYNAMIC_SHARED_SYMBOL, CStyleLanguage,
                                      FloatInRegisters, block_threads,
@@ -27,15 +26,6 @@ from ourgrad.renderer.cstyle import (BFLOAT16_IN_FLOAT, DYNAMIC_SHARED_ARRAY, DY
 DEPENDENT_LAUNCH_PROLOGUE = ("#if __CUDA_ARCH__ >= 900\n"
                              '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
                              "#endif\n")
-# CUDA_DEPENDENT_LAUNCH=2: the prologue also triggers the next kernel's launch right after the wait, so the launch
-# latency hides behind this kernel's whole run instead of its last blocks (a decode step's ~3 us kernels, launch-bound).
-# After the wait, not before: the trigger fires once every block of this grid has run it, i.e. once every block is
-# resident and the kernel before has finished, so at most this grid and the next are in flight (a trigger before the
-# wait let every later kernel of the graph launch and wait, a pile-up that made the MLP step 0.114 -> 0.222 ms).
-# The next kernel's own wait still waits for this grid's completion and writes: the trigger changes no results.
-DEPENDENT_LAUNCH_TRIGGER = ("#if __CUDA_ARCH__ >= 900\n"
-                            '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n'
-                            "#endif\n")
 
 
 class CUDARenderer(CStyleLanguage):
@@ -98,13 +88,11 @@ class CUDARenderer(CStyleLanguage):
     return self._with_prologue(render_wgmma_matmul(plan, name, arguments, DYNAMIC_SHARED_SYMBOL))
 
   def _with_prologue(self, source: str) -> str:
-    """`source` with DEPENDENT_LAUNCH_PROLOGUE as the first lines of its kernel's body (when dependent_launch), and
-    DEPENDENT_LAUNCH_TRIGGER after it with CUDA_DEPENDENT_LAUNCH=2."""
+    """`source` with DEPENDENT_LAUNCH_PROLOGUE as the first lines of its kernel's body (when dependent_launch)."""
     if not self.dependent_launch: return source
     start = source.index('extern "C" __global__')
     body = source.index("{\n", start) + 2
-    prologue = DEPENDENT_LAUNCH_PROLOGUE + (DEPENDENT_LAUNCH_TRIGGER if CUDA_DEPENDENT_LAUNCH >= 2 else "")
-    return source[:body] + prologue + source[body:]
+    return source[:body] + DEPENDENT_LAUNCH_PROLOGUE + source[body:]
 
   def render_vector_load(self, buffer: str, index: str, width: int, dtype: DType) -> str:
     # the index is a multiple of the width (the linearizer checks), so the address is 16-byte aligned
