@@ -306,8 +306,11 @@ class LlamaBlock:
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
     # One token on a CPU: stored too. The scheduler fuses math on reduce results as a per-row value (free in a row
     # kernel), but here the down projection reads each element once per output row: exp2 and a division 576 times
-    # over (a third of a CPU decode step's time, measured with Q4_1 weights).
-    if x.shape[1] > 1 or not self.recompute_rows: hidden = hidden.contiguous()
+    # over (a third of a CPU decode step's time, measured with Q4_1 weights). Several sequences on a GPU: stored too.
+    # Recomputed for 8 sequences the down projection was 144 blocks of 4 rows each (ncu on the H200: 26.7 us, the
+    # gate/up product beside it 10.1 us for twice the weights); stored, it is a plain thin product of 576 blocks and
+    # the SwiGLU a small kernel of its own
+    if x.shape[1] > 1 or x.shape[0] > 1 or not self.recompute_rows: hidden = hidden.contiguous()
     return x + self._linear(hidden, self.w_down, blocked=one_token)
 
   def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor,
