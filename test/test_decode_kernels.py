@@ -72,7 +72,7 @@ def _silu(x: np.ndarray) -> np.ndarray: return x / (1 + np.exp(-x))
 @pytest.mark.parametrize("sequences, outputs, hidden", [(8, 40, 1024), (5, 24, 384), (8, 42, 256)],
                          ids=["8x40x1024", "5x24x384", "8x42x256_rows_not_a_multiple_of_4"])
 def test_batched_swiglu_down_projection(sequences: int, outputs: int, hidden: int) -> None:
-  """x + (silu(gate) * up) @ W.T as a batched decode step builds it (the gate/up product x @ W_gu.T stored by its
+  """x + (silu(gate) * up) @ W.T as a batched decode step built it (the gate/up product x @ W_gu.T stored by its
   kernel, SwiGLU recomputed on the down projection's loads) against numpy: 4 rows of W a thread where they divide, a
   thread block of GROUP threads per row group."""
   rng = np.random.default_rng(sequences * 100 + outputs)
