@@ -235,9 +235,9 @@ def test_llama_jitted_decode_matches_torch(symbolic: bool, compiles, _no_cuda_re
   np.testing.assert_allclose(np.stack(again), expected[1:6], rtol=1e-4, atol=1e-4)
 
 
-def _decode_kernels(layers: int, symbolic: bool) -> int:
-  """Kernels (captured items) of one jitted decode step of TINY with `layers` blocks."""
-  config = dataclasses.replace(TINY, n_layers=layers)
+def _decode_kernels(layers: int, symbolic: bool, base: LlamaConfig = TINY) -> int:
+  """Kernels (captured items) of one jitted decode step of `base` (TINY) with `layers` blocks."""
+  config = dataclasses.replace(base, n_layers=layers)
   model = Llama(config, {name: Tensor(value) for name, value in _tiny_weights(config).items()}, max_context=16,
                 symbolic=symbolic)
   model(Tensor([[1, 2, 3]], dtype=dtypes.int32), 0).numpy()
@@ -266,6 +266,38 @@ def test_llama_decode_kernels_per_layer(symbolic: bool, _no_cuda_render_check) -
   per_layer, outside = _expected_decode_kernels(symbolic)
   assert two - one == per_layer, (one, two)
   assert one - per_layer == outside, one
+
+
+# SmolLM2's 9 query heads over 3 KV heads: each mask element is read 9 times, past the scheduler's 8 register rows
+NINE_HEADS = dataclasses.replace(TINY, dim=72, n_heads=9, n_kv_heads=3)
+
+
+def test_llama_decode_masks_add_no_kernel(_no_cuda_render_check) -> None:
+  """The step's write marks, additive mask and rope angles are computed on the device from the (S, 2) tokens and
+  positions, inside the kernels that read them: with 9 query heads (SmolLM2's) no kernel of its own stores the mask
+  (`slots <= position` as a compare and a negation was stored, read 9 times at 4 ops)."""
+  one, two = _decode_kernels(1, False, NINE_HEADS), _decode_kernels(2, False, NINE_HEADS)
+  per_layer, outside = _expected_decode_kernels(False)
+  assert (two - one, one - per_layer) == (per_layer, outside), (one, two)
+
+
+@pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])
+def test_llama_decode_step_uploads_one_buffer(symbolic: bool, monkeypatch, _no_cuda_render_check) -> None:
+  """A decode step's host input is one (S, 2) int32 copy (its tokens and positions); the logits match torch."""
+  from ourgrad.device import Buffer
+  copies: list[int] = []
+  original = Buffer.copyin
+  monkeypatch.setattr(Buffer, "copyin", lambda self, data: (copies.append(len(data)), original(self, data))[1])
+  weights = _tiny_weights(TINY, seed=3)
+  tokens = [4, 9, 31, 2, 17, 40]
+  expected = torch_llama_logits(weights, TINY, tokens)
+  model = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=16, symbolic=symbolic)
+  got = [model(Tensor([tokens[:3]], dtype=dtypes.int32), 0).numpy()[0]]
+  for position in range(3, len(tokens)):
+    copies.clear()
+    got.append(model.decode(tokens[position], position).numpy()[0])
+    if position > 3: assert copies == [2 * 4], copies   # after the first step made the buffer
+  np.testing.assert_allclose(np.stack(got), expected[2:], rtol=1e-4, atol=1e-4)
 
 
 def test_llama_batch_decode_matches_single_sequences() -> None:

@@ -13,6 +13,7 @@ Two views of the same captured kernels:
     python extra/bench/profile_models.py --workload prefill [--prefill 512]
     python extra/bench/profile_models.py --workload minilm
     python extra/bench/profile_models.py --workload decode [--sequences 8] [--weights bfloat16|q8_0|stored]
+    python extra/bench/profile_models.py --workload decode --weights bfloat16 --timed 64 --no-table   (tokens/s)
 Without a GPU, `--device CLANG` runs the same (slowly, with `--layers 2` for a smoke test); on a shared CPU
 `OMP_NUM_THREADS=1 ... --device CLANG --cpu-time` gives per-kernel figures the other jobs do not change.
 """
@@ -154,7 +155,31 @@ def decode_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any
 
   def call() -> Any: return model.decode(tokens, positions).numpy()
   for _ in range(3): call()
+  if args.timed: time_decode(model, call, args)
   return model._decode_jit, call
+
+
+def time_decode(model: Llama, call: Callable[[], Any], args: argparse.Namespace) -> None:
+  """Tokens/s of `args.timed` decode steps (median of 3 runs) two ways, as bench_models.py's rows: the logits of
+  every step read on the host, and the steps fed back on the device (`generate_greedy`, the ids read once)."""
+  results: list[Any] = []
+
+  def median_seconds(run: Callable[[], Any]) -> float:
+    results.append(run())   # the first run compiles and captures (generate_greedy's resident step)
+    times = []
+    for _ in range(3):
+      started = time.perf_counter()
+      run()
+      times.append(time.perf_counter() - started)
+    return statistics.median(times)
+  steps, sequences = args.timed, args.sequences
+  logits = median_seconds(lambda: [call() for _ in range(steps)])
+  fed_back = median_seconds(lambda: model.generate_greedy([5] * sequences, [8] * sequences, steps))
+  label = f"decode {args.weights}, {sequences} sequence(s), {steps} steps"
+  print(f"{label}: {sequences * steps / logits:.1f} tok/s (logits to the host each step), "
+        f"{sequences * steps / fed_back:.1f} tok/s (fed back on the device) "
+        f"[CUDA_DEPENDENT_LAUNCH={os.environ.get('CUDA_DEPENDENT_LAUNCH', 'default')}]; first greedy ids of "
+        f"sequence 0: {results[-1][0][:8]} (a setting that changes no result keeps them)")
 
 
 def minilm_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any]]:
@@ -190,6 +215,8 @@ def main() -> None:
   parser.add_argument("--layers", type=int, default=0, help="fewer layers (a smoke test); 0: the model's")
   parser.add_argument("--repeats", type=int, default=5, help="launches per kernel for the per-kernel table")
   parser.add_argument("--no-table", action="store_true", help="only the profiled replay (under ncu)")
+  parser.add_argument("--timed", type=int, default=0, help="decode: also the tokens/s of this many steps, logits read "
+                      "each step and fed back on the device (bench_models.py's rows, without PyTorch)")
   args = parser.parse_args()
   args.device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) go to this device

@@ -311,8 +311,11 @@ class LlamaBlock:
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
     # One token on a CPU: stored too. The scheduler fuses math on reduce results as a per-row value (free in a row
     # kernel), but here the down projection reads each element once per output row: exp2 and a division 576 times
-    # over (a third of a CPU decode step's time, measured with Q4_1 weights).
-    if x.shape[1] > 1 or not self.recompute_rows: hidden = hidden.contiguous()
+    # over (a third of a CPU decode step's time, measured with Q4_1 weights). Several sequences on a GPU: stored too.
+    # Recomputed for 8 sequences the down projection was 144 blocks of 4 rows each (ncu on the H200: 26.7 us, the
+    # gate/up product beside it 10.1 us for twice the weights); stored, it is a plain thin product of 576 blocks and
+    # the SwiGLU a small kernel of its own
+    if x.shape[1] > 1 or x.shape[0] > 1 or not self.recompute_rows: hidden = hidden.contiguous()
     return x + self._linear(hidden, self.w_down, blocked=one_token)
 
   def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor,
@@ -382,11 +385,14 @@ class Llama:
     self.slots = Tensor(np.arange(max_context, dtype=np.int32), device=self.device).realize()  # cache slot numbers
     vocab = self.output.shape[0]
     self.countdown = Tensor(np.arange(vocab, 0, -1, dtype=np.int32), device=self.device).realize()  # vocab - index
-    self._decode_jit = TinyJit(self._decode_graph)
+    # every position's rope angles, gathered by the decode steps' positions on the device (`_step_graph`)
+    cos, sin = rope_inputs(np.arange(max_context), config.head_dim, config.rope_theta)
+    self.rope_cos, self.rope_sin = (Tensor(table, device=self.device).realize() for table in (cos, sin))
+    self._decode_jit = TinyJit(self._step_graph)
     self._greedy_jit = TinyJit(self._greedy_graph)   # the same step ending in the argmax (`decode_greedy`)
     self._resident_jit = TinyJit(self._resident_graph)   # greedy steps fed back on the device (`generate_greedy`)
     self._resident: dict[str, Tensor] | None = None   # its state buffers, made on first use
-    self._step_buffers: dict[str, Tensor] = {}   # the decode step's host-made inputs (`_write_step_inputs`)
+    self._step_buffer: Tensor | None = None   # the decode step's host-made input (`_step_inputs`)
     self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
   @staticmethod
@@ -483,14 +489,26 @@ class Llama:
     for block in self.blocks: x = block(x, cos, sin, write, placement, visible, sequence)
     return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
 
-  def _decode_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
-                    position: Variable | None) -> Tensor:
-    """The logits (S, vocab) of one token per sequence (S, 1): symbolic (`position` a bound Variable, attention over
-    the first position + 1 cache slots, `mask` None) or fixed-shape (`position` None, attention over the whole cache
-    with the additive `mask`). Either way the cache write is the `where` of the host-made `write` marks: a kernel of
-    fixed shape that the optimizer handles (a symbolic write mask would make it a plain, unoptimized loop nest)."""
+  def _step_graph(self, step: Tensor, position: Variable | None) -> Tensor:
+    """`_decode_graph` of the host-made step (S, 2) int32: each sequence's token and position, one upload a step."""
+    return self._decode_graph(step[:, :1], step[:, 1], position)
+
+  def _decode_graph(self, tokens: Tensor, positions: Tensor, position: Variable | None) -> Tensor:
+    """The logits (S, vocab) of one token per sequence `tokens` (S, 1) at `positions` (S,), both int32 on the
+    device: symbolic (`position` a bound Variable, attention over the first position + 1 cache slots) or fixed-shape
+    (`position` None, attention over the whole cache with an additive mask hiding each row's unwritten tail). The
+    rope angles are gathered from tables and the cache-write marks and the mask compared here, inside the kernels
+    that read them: a step's only host input is its tokens and positions (made on the host they were 5 copies and
+    ~140 us of numpy a step on the 2-core CPU). Either way the cache write is the `where` of the write marks: a
+    kernel of fixed shape that the optimizer handles (a symbolic write mask would make it a plain loop nest)."""
     visible: int | Node = self.max_context if position is None else position + 1
-    x = self.embed(token)
+    slots, at = self.slots.reshape(1, -1), positions.reshape(-1, 1)
+    write = (slots == at).reshape(self.sequences, self.max_context, 1, 1)
+    cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+    x = self.embed(tokens)
+    # -inf past each row's position: one compare and a where, cheap enough to recompute in the kernels that read it
+    # (`slots <= at` was a compare and a negation, and the scheduler stored the mask by a kernel of its own)
+    mask = (at < slots).where(-math.inf, 0.0) if position is None else None
     for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask)
     # stored by the last down projection's kernel (its residual add in the epilogue, as in every block): read by the
     # final norm's row kernel, which would otherwise refuse the product's reduce and leave the add a kernel of its own
@@ -501,11 +519,10 @@ class Llama:
     logits = LlamaBlock._linear(x * self.norm, self.output, blocked=True)
     return logits * inverse_rms_per_output(x, logits.shape[-1], self.config.norm_eps, row_layout(self.output))
 
-  def _greedy_graph(self, token: Tensor, cos: Tensor, sin: Tensor, write: Tensor, mask: Tensor | None,
-                    position: Variable | None) -> Tensor:
-    """The greedy next token (S,) int32 of each sequence: `_decode_graph`'s logits reduced to their argmax on the
+  def _greedy_graph(self, step: Tensor, position: Variable | None) -> Tensor:
+    """The greedy next token (S,) int32 of each sequence: `_step_graph`'s logits reduced to their argmax on the
     device, so a step reads back 4 bytes a sequence instead of its vocab-sized logits."""
-    return self._argmax(self._decode_graph(token, cos, sin, write, mask, position))
+    return self._argmax(self._step_graph(step, position))
 
   def _argmax(self, logits: Tensor) -> Tensor:
     """The first index of each row's max, (S,) int32."""
@@ -517,16 +534,13 @@ class Llama:
 
   def _resident_graph(self) -> Tensor:
     """One greedy step fed from and back to device buffers (`generate_greedy`): each sequence's token (S, 1) and
-    position (S,) are read from the state, the rope angles gathered from tables by the position, the write marks
-    and the mask compared on the device; the argmax becomes the next step's token, also kept in the history at the
-    position it will be fed at, and the positions advance. No host input, nothing read back."""
+    position (S,) are read from the state (`_decode_graph`); the argmax becomes the next step's token, also kept in
+    the history at the position it will be fed at, and the positions advance. No host input, nothing read back."""
     state = self._resident
     assert state is not None
     positions, slots = state["positions"], self.slots.reshape(1, -1)
     at = positions.reshape(-1, 1)
-    write = (slots == at).reshape(self.sequences, self.max_context, 1, 1)
-    mask = (slots <= at).where(0.0, -math.inf)
-    logits = self._decode_graph(state["tokens"], state["cos"][positions], state["sin"][positions], write, mask, None)
+    logits = self._decode_graph(state["tokens"], positions, None)
     ids = self._argmax(logits).reshape(-1, 1)
     state["history"].assign((slots == at + 1).where(ids, state["history"]))
     state["tokens"].assign(ids)
@@ -547,9 +561,8 @@ class Llama:
                        f"sequences, got {len(tokens)} tokens and {len(positions)} positions")
     if steps < 1 or not all(0 <= p and p + steps <= self.max_context for p in positions):
       raise ValueError(f"{steps} steps from positions {positions} exceed the context of {self.max_context} tokens")
-    if self._resident is None:   # the rope tables of every position, the tokens, positions and ids of the steps
-      cos, sin = rope_inputs(np.arange(self.max_context), self.config.head_dim, self.config.rope_theta)
-      host = {"cos": cos, "sin": sin, "tokens": np.zeros((self.sequences, 1), np.int32),
+    if self._resident is None:   # the tokens, positions and ids of the steps
+      host = {"tokens": np.zeros((self.sequences, 1), np.int32),
               "positions": np.zeros(self.sequences, np.int32),
               "history": np.zeros((self.sequences, self.max_context), np.int32)}
       self._resident = {name: Tensor(value, device=self.device).contiguous().realize() for name, value in host.items()}
@@ -583,8 +596,8 @@ class Llama:
     return logits
 
   def _step_inputs(self, token: int | Sequence[int], position: int | Sequence[int]) -> tuple:
-    """The arguments of a decode step's graph for one `token` at `position` per sequence (checked): the tokens (S, 1)
-    int32, rope cos/sin, the cache-write marks, and the additive mask (fixed shapes) or the bound position."""
+    """The arguments of a decode step's graph (`_step_graph`) for one `token` at `position` per sequence (checked):
+    the (S, 2) int32 tokens and positions on the device, and the bound position (symbolic) or None."""
     tokens = [token] if isinstance(token, int) else [int(t) for t in token]
     positions = [position] if isinstance(position, int) else [int(p) for p in position]
     if len(tokens) != self.sequences or len(positions) != self.sequences:
@@ -595,24 +608,18 @@ class Llama:
     if self.symbolic and len(set(positions)) > 1:
       raise ValueError(f"a symbolic decode attends to one length for all sequences, got positions {positions}: "
                        "construct the model with symbolic=False for sequences at different positions")
-    cos, sin = rope_inputs(np.array(positions), self.config.head_dim, self.config.rope_theta)
-    slots, at = np.arange(self.max_context), np.array(positions).reshape(-1, 1)
-    host = {"token": np.array(tokens, np.int32).reshape(-1, 1), "cos": cos, "sin": sin,
-            "write": (slots == at).reshape(self.sequences, self.max_context, 1, 1)}
-    if not self.symbolic: host["mask"] = np.where(slots <= at, 0.0, -np.inf).astype(np.float32)
-    inputs = self._write_step_inputs(host)
+    host = np.array([tokens, positions], np.int32).T   # (S, 2): each sequence's token and position
     bound = self.position.bind(positions[0]) if self.symbolic else None
-    return inputs["token"], inputs["cos"], inputs["sin"], inputs["write"], inputs.get("mask"), bound
+    return self._upload_step(host), bound
 
-  def _write_step_inputs(self, host: dict[str, np.ndarray]) -> dict[str, Tensor]:
-    """The step's host-made inputs, copied into the same device buffers at every step: a captured step's CUDA graph
-    then keeps its kernels' arguments (new buffers would make the replay patch every kernel node that reads them,
-    ~90 nodes a step, one driver call each)."""
-    kept = self._step_buffers
-    for name, value in host.items():
-      if name not in kept: kept[name] = Tensor(value, device=self.device).contiguous().realize()
-      else:
-        buffer = kept[name].lazydata.realized
-        assert buffer is not None
-        buffer.copyin(memoryview(np.ascontiguousarray(value)).cast("B"))
-    return kept
+  def _upload_step(self, host: np.ndarray) -> Tensor:
+    """The step's host-made input, copied into the same device buffer at every step: a captured step's CUDA graph
+    then keeps its kernels' arguments (a new buffer would make the replay patch every kernel node that reads it,
+    one driver call each)."""
+    if self._step_buffer is None:
+      self._step_buffer = Tensor(host, device=self.device).contiguous().realize()
+      return self._step_buffer
+    buffer = self._step_buffer.lazydata.realized
+    assert buffer is not None
+    buffer.copyin(memoryview(np.ascontiguousarray(host)).cast("B"))
+    return self._step_buffer

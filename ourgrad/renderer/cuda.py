@@ -22,7 +22,10 @@ from ourgrad.renderer.cstyle import (BFLOAT16_IN_FLOAT, DYNAMIC_SHARED_ARRAY, DY
 # trigger), not after the whole grid has completed and been retired: its blocks are resident and waiting when this
 # kernel's last one ends. H200 (TinyJit replays): MLP step 0.120 -> 0.114 ms, MNIST CNN 0.144 -> 0.133, SmolLM2 decode
 # 728 -> 776 tok/s. An explicit griddepcontrol.launch_dependents at the kernel's start launched the next kernel even
-# earlier (decode 854 tok/s) but made the MLP step 0.222 ms: not used until that is understood.
+# earlier (decode 854 tok/s) but made the MLP step 0.222 ms: not used until that is understood. Session 13 (H200,
+# SmolLM2 bf16 decode, profile_models.py --timed 64): the trigger right after the wait gave 1191 tok/s with the logits
+# read each step (1336 without) and 1714 fed back (1671); that plus L2 prefetches, before the wait, of each thread's
+# first loads gave 656 / 747 tok/s and MLP / MNIST CNN steps of 0.218 / 0.389 ms: neither kept.
 DEPENDENT_LAUNCH_PROLOGUE = ("#if __CUDA_ARCH__ >= 900\n"
                              '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
                              "#endif\n")
