@@ -63,7 +63,8 @@ def test_each_kind_is_built_named_lowered_and_costed_through_the_table(emulated_
   # off (on a GPU it packs small reduces first) and the latency rule waived (the emulated GPU asks megabytes of a host)
   monkeypatch.setenv("PACK_KERNELS", "0")
   monkeypatch.setattr(ride_along, "HOST_LATENCIES", 0)
-  ride_outputs = [_numpy(rider).sum(), _numpy(host) * 3]
+  # and a plain loop nest (a small product): with packing on, independent small kernels share a packed launch
+  ride_outputs = [_numpy(rider).sum(), _numpy(host) * 3, _numpy(tall).T @ _numpy(tall)]
   ride_items = _items(*ride_outputs)
   outputs, items = outputs + ride_outputs, items + ride_items
   kinds = {kind_of_ast(item.ast).name for item in items}
@@ -89,7 +90,9 @@ def test_each_kind_is_built_named_lowered_and_costed_through_the_table(emulated_
   column_sums = torch.tensor(tall, dtype=torch.float64).sum(0)
   references = [expected, tq64.grad, tk64.grad, tv64.grad, ttable64.grad, column_sums]
   references += [torch.tensor(x, dtype=torch.float64) * 2 + 1 for x in small]
-  references += [torch.tensor(rider, dtype=torch.float64).sum(), torch.tensor(host, dtype=torch.float64) * 3]
+  tall64 = torch.tensor(tall, dtype=torch.float64)
+  references += [torch.tensor(rider, dtype=torch.float64).sum(), torch.tensor(host, dtype=torch.float64) * 3,
+                 tall64.T @ tall64]
   for output, reference in zip(outputs, references):   # TF32 products: a loose tolerance for attention
     np.testing.assert_allclose(output.numpy(), reference.detach().numpy(), rtol=2e-2, atol=2e-2)
 
