@@ -26,7 +26,7 @@ from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.function import Function, MaxToOne
-from ourgrad.helpers import normalize_axis
+from ourgrad.helpers import normalize_axis, register_cache_clearer
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op
 
@@ -135,8 +135,48 @@ def unfold_patches(x: Tensor, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
   return columns.reshape(*x.shape[:-3], channels * kernel[0] * kernel[1], out_h * out_w)
 
 
+# (device, the input's batch dims and spatial shape, the windows' shape, the pooling arguments) -> the ranks
+# `_build_window_ranks` made for them, a lazy graph of constants only (nothing loaded): every max pooling of every
+# training step rebuilt the same twenty-odd constant ops (a tenth of the MNIST CNN step's graph building)
+_WINDOW_RANKS: dict[tuple, LazyBuffer] = {}
+_WINDOW_RANKS_MAX = 64
+register_cache_clearer(_WINDOW_RANKS.clear)
+
+
 def _window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
                   stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
+  """`_build_window_ranks`, remembered per device and geometry while the graph it made stays lazy."""
+  batch = x.ndim - len(kernel)
+  key = (x.device, batch, x.shape[batch:], windows_shape, pads, kernel, stride, dilation)
+  try:
+    cached = _WINDOW_RANKS.get(key)
+  except TypeError:   # an unhashable argument (a list): not remembered
+    return _build_window_ranks(x, windows_shape, pads, kernel, stride, dilation)
+  # a value is never stale (constants), but a schedule may have realized a base of it: that buffer's memory may have
+  # been planned for reuse within its schedule, so only a graph with no realized base is read again
+  if cached is not None and _never_realized(cached): return type(x)(cached)
+  ranks = _build_window_ranks(x, windows_shape, pads, kernel, stride, dilation)
+  if type(ranks.lazydata) is LazyBuffer and _never_realized(ranks.lazydata):
+    if len(_WINDOW_RANKS) >= _WINDOW_RANKS_MAX: _WINDOW_RANKS.pop(next(iter(_WINDOW_RANKS)))  # oldest first
+    _WINDOW_RANKS[key] = ranks.lazydata
+  return ranks
+
+
+def _never_realized(lazy: LazyBuffer) -> bool:
+  """Whether no base of the graph behind `lazy` has a buffer (the graph is still only a description)."""
+  stack, seen = [lazy.base], set()
+  while stack:
+    base = stack.pop()
+    if base.realized is not None or base.forced_realize: return False
+    for src in base.srcs:
+      if id(src.base) not in seen:
+        seen.add(id(src.base))
+        stack.append(src.base)
+  return True
+
+
+def _build_window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
+                        stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
   """For the pooling windows (`windows_shape`, `_pool`'s layout) of `x` padded by `pads`, a rank of each window
   element: K down to 1 in the window's row-major order (K elements), 0 where the element is padding. Built from
   constants padded into place and expanded before any arithmetic, so kernels compute it from their indices: nothing
