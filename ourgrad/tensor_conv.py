@@ -263,12 +263,19 @@ def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ..
   return out if bias is None else out + bias.reshape(1, weight.shape[0], *([1] * dims))
 
 
+def _conv_windows(x: Tensor, kernel: tuple[int, ...], strides: tuple[int, ...], pads: Sequence[tuple[int, int]],
+                  dilations: tuple[int, ...]) -> Tensor:
+  """The pooling view (N, C, *out, *kernel) of x padded by `pads`: what a convolution multiplies by its weight."""
+  return _pool(x.pad([None, None, *pads]), kernel, strides, dilations)
+
+
 def _conv_sum(x: Tensor, weight: Tensor, strides: tuple[int, ...], pads: list[tuple[int, int]],
-              dilations: tuple[int, ...], groups: int) -> Tensor:
-  """The convolution as one multiply-and-sum over a pooling view of the padded x (no bias)."""
+              dilations: tuple[int, ...], groups: int, windows: Tensor | None = None) -> Tensor:
+  """The convolution as one multiply-and-sum over a pooling view of the padded x (no bias); `windows`: that view,
+  made already (`_conv_windows`)."""
   batch, dims = x.shape[0], weight.ndim - 2
   out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
-  windows = _pool(x.pad([None, None, *pads]), kernel, strides, dilations)   # (N, C, *out, *kernel), a view of x
+  if windows is None: windows = _conv_windows(x, kernel, strides, pads, dilations)   # a view of x
   outs = windows.shape[2:2 + dims]
   per_group = out_channels // groups
   # (N, groups, 1, *out, C/groups, *kernel) * (1, groups, C_out/groups, 1..., C/groups, *kernel), summed over the
@@ -280,14 +287,13 @@ def _conv_sum(x: Tensor, weight: Tensor, strides: tuple[int, ...], pads: list[tu
   return (windows * weight).sum(tuple(range(-1 - dims, 0))).reshape(batch, out_channels, *outs)
 
 
-def _weight_gradient(x: Tensor, grad: Tensor, kernel: tuple[int, ...], pads: list[tuple[int, int]],
-                     dilations: tuple[int, ...], groups: int) -> Tensor:
-  """d(stride-1 conv)/d(weight): sum over the batch and output positions of the windows of x times the output
-  gradient; (C_out, C_in / groups, *kernel). One reduce kernel, as the forward."""
-  batch, channels, dims = x.shape[0], x.shape[1], len(kernel)
+def _weight_gradient(windows: Tensor, grad: Tensor, kernel: tuple[int, ...], groups: int) -> Tensor:
+  """d(stride-1 conv)/d(weight): sum over the batch and output positions of the `windows` of x (the forward's
+  `_conv_windows`, (N, C, *out, *kernel)) times the output gradient; (C_out, C_in / groups, *kernel). One reduce
+  kernel, as the forward."""
+  batch, channels, dims = windows.shape[0], windows.shape[1], len(kernel)
   out_channels, outs = grad.shape[1], grad.shape[2:]
   group_channels, per_group = channels // groups, out_channels // groups
-  windows = _pool(x.pad([None, None, *pads]), kernel, (1,) * dims, dilations)   # (N, C, *out, *kernel)
   windows = windows.reshape(batch, groups, 1, group_channels, *outs, *kernel)
   grad = grad.reshape(batch, groups, per_group, 1, *outs, *([1] * dims))
   # the reduce axes (batch, output positions) moved last, so the sum is one kernel with no stored product; the
@@ -347,14 +353,17 @@ class StrideOneConv(Function):
     from ourgrad.tensor import Tensor
     self.x, self.weight, self.pads, self.dilations, self.groups = x, weight, pads, dilations, groups
     dims = len(weight.shape) - 2
-    return _conv_sum(Tensor(x), Tensor(weight), (1,) * dims, pads, dilations, groups).lazydata
+    windows = _conv_windows(Tensor(x), tuple(weight.shape[2:]), (1,) * dims, pads, dilations)
+    # the weight gradient multiplies the same view: kept (a view of x, which is kept anyway), not built again
+    self.windows = windows.lazydata
+    return _conv_sum(Tensor(x), Tensor(weight), (1,) * dims, pads, dilations, groups, windows).lazydata
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     from ourgrad.tensor import Tensor
     grad, x, weight = Tensor(grad_output), Tensor(self.x), Tensor(self.weight)
     grad_x = _input_gradient(grad, weight, x.shape, self.pads, self.dilations, self.groups).lazydata \
       if self.needs_input_grad[0] else None
-    grad_w = _weight_gradient(x, grad, weight.shape[2:], self.pads, self.dilations, self.groups).lazydata \
+    grad_w = _weight_gradient(Tensor(self.windows), grad, weight.shape[2:], self.groups).lazydata \
       if self.needs_input_grad[1] else None
     return grad_x, grad_w
 

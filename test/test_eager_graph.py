@@ -4,11 +4,13 @@ device and geometry, read again by later steps, and never read once a schedule r
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as TF
 
 from ourgrad import Tensor
 from ourgrad import tensor_conv
+from ourgrad.errors import AutogradError
 from ourgrad.helpers import clear_caches
 from ourgrad.lazy import LazyBuffer
 
@@ -79,3 +81,32 @@ def test_max_pool_ranks_are_kept_per_geometry():
     TF.max_pool2d(theirs_x, kernel_size=2, stride=2, padding=1).sum().backward()
     np.testing.assert_allclose(x.grad.numpy(), theirs_x.grad.numpy(), rtol=1e-6, atol=1e-6)
   assert len(_cached_ranks()) == 3
+
+
+def test_stride_one_conv_weight_gradient_reads_the_forward_windows():
+  # the backward multiplies the forward's pooling view of x (StrideOneConv keeps it) instead of building it again:
+  # gradients as PyTorch's, with groups, dilation and uneven padding
+  rng = np.random.default_rng(3)
+  values, weights = rng.standard_normal((2, 4, 9, 8)).astype(np.float32), rng.standard_normal((6, 2, 3, 2))
+  weights = weights.astype(np.float32)
+  upstream = rng.standard_normal((2, 6, 9, 9)).astype(np.float32)
+  x, w = Tensor(values, requires_grad=True), Tensor(weights, requires_grad=True)
+  out = x.conv2d(w, padding=(2, 1), dilation=(2, 1), groups=2)
+  assert type(out._ctx).__name__ == "StrideOneConv" and out._ctx.windows.base is x.lazydata.base
+  (out * Tensor(upstream)).sum().backward()
+  theirs_x, theirs_w = torch.tensor(values, requires_grad=True), torch.tensor(weights, requires_grad=True)
+  theirs = TF.conv2d(theirs_x, theirs_w, padding=(2, 1), dilation=(2, 1), groups=2)
+  (theirs * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(out.numpy(), theirs.detach().numpy(), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(x.grad.numpy(), theirs_x.grad.numpy(), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(w.grad.numpy(), theirs_w.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_stride_one_conv_backward_after_writing_its_input_raises():
+  x = Tensor(np.ones((1, 1, 5, 5), np.float32), requires_grad=True)
+  w = Tensor(np.ones((1, 1, 3, 3), np.float32), requires_grad=True)
+  hidden = x * 2
+  out = hidden.conv2d(w)
+  hidden.assign(Tensor(np.zeros((1, 1, 5, 5), np.float32)))   # the windows the backward would read are stale now
+  with pytest.raises(AutogradError):
+    out.sum().backward()
