@@ -26,7 +26,7 @@ from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.function import Function, MaxToOne
-from ourgrad.helpers import normalize_axis
+from ourgrad.helpers import normalize_axis, register_cache_clearer
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op
 
@@ -135,8 +135,48 @@ def unfold_patches(x: Tensor, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
   return columns.reshape(*x.shape[:-3], channels * kernel[0] * kernel[1], out_h * out_w)
 
 
+# (device, the input's batch dims and spatial shape, the windows' shape, the pooling arguments) -> the ranks
+# `_build_window_ranks` made for them, a lazy graph of constants only (nothing loaded): every max pooling of every
+# training step rebuilt the same twenty-odd constant ops (a tenth of the MNIST CNN step's graph building)
+_WINDOW_RANKS: dict[tuple, LazyBuffer] = {}
+_WINDOW_RANKS_MAX = 64
+register_cache_clearer(_WINDOW_RANKS.clear)
+
+
 def _window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
                   stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
+  """`_build_window_ranks`, remembered per device and geometry while the graph it made stays lazy."""
+  batch = x.ndim - len(kernel)
+  key = (x.device, batch, x.shape[batch:], windows_shape, pads, kernel, stride, dilation)
+  try:
+    cached = _WINDOW_RANKS.get(key)
+  except TypeError:   # an unhashable argument (a list): not remembered
+    return _build_window_ranks(x, windows_shape, pads, kernel, stride, dilation)
+  # a value is never stale (constants), but a schedule may have realized a base of it: that buffer's memory may have
+  # been planned for reuse within its schedule, so only a graph with no realized base is read again
+  if cached is not None and _never_realized(cached): return type(x)(cached)
+  ranks = _build_window_ranks(x, windows_shape, pads, kernel, stride, dilation)
+  if type(ranks.lazydata) is LazyBuffer and _never_realized(ranks.lazydata):
+    if len(_WINDOW_RANKS) >= _WINDOW_RANKS_MAX: _WINDOW_RANKS.pop(next(iter(_WINDOW_RANKS)))  # oldest first
+    _WINDOW_RANKS[key] = ranks.lazydata
+  return ranks
+
+
+def _never_realized(lazy: LazyBuffer) -> bool:
+  """Whether no base of the graph behind `lazy` has a buffer (the graph is still only a description)."""
+  stack, seen = [lazy.base], set()
+  while stack:
+    base = stack.pop()
+    if base.realized is not None or base.forced_realize: return False
+    for src in base.srcs:
+      if id(src.base) not in seen:
+        seen.add(id(src.base))
+        stack.append(src.base)
+  return True
+
+
+def _build_window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
+                        stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
   """For the pooling windows (`windows_shape`, `_pool`'s layout) of `x` padded by `pads`, a rank of each window
   element: K down to 1 in the window's row-major order (K elements), 0 where the element is padding. Built from
   constants padded into place and expanded before any arithmetic, so kernels compute it from their indices: nothing
@@ -223,12 +263,19 @@ def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ..
   return out if bias is None else out + bias.reshape(1, weight.shape[0], *([1] * dims))
 
 
+def _conv_windows(x: Tensor, kernel: tuple[int, ...], strides: tuple[int, ...], pads: Sequence[tuple[int, int]],
+                  dilations: tuple[int, ...]) -> Tensor:
+  """The pooling view (N, C, *out, *kernel) of x padded by `pads`: what a convolution multiplies by its weight."""
+  return _pool(x.pad([None, None, *pads]), kernel, strides, dilations)
+
+
 def _conv_sum(x: Tensor, weight: Tensor, strides: tuple[int, ...], pads: list[tuple[int, int]],
-              dilations: tuple[int, ...], groups: int) -> Tensor:
-  """The convolution as one multiply-and-sum over a pooling view of the padded x (no bias)."""
+              dilations: tuple[int, ...], groups: int, windows: Tensor | None = None) -> Tensor:
+  """The convolution as one multiply-and-sum over a pooling view of the padded x (no bias); `windows`: that view,
+  made already (`_conv_windows`)."""
   batch, dims = x.shape[0], weight.ndim - 2
   out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
-  windows = _pool(x.pad([None, None, *pads]), kernel, strides, dilations)   # (N, C, *out, *kernel), a view of x
+  if windows is None: windows = _conv_windows(x, kernel, strides, pads, dilations)   # a view of x
   outs = windows.shape[2:2 + dims]
   per_group = out_channels // groups
   # (N, groups, 1, *out, C/groups, *kernel) * (1, groups, C_out/groups, 1..., C/groups, *kernel), summed over the
@@ -240,14 +287,13 @@ def _conv_sum(x: Tensor, weight: Tensor, strides: tuple[int, ...], pads: list[tu
   return (windows * weight).sum(tuple(range(-1 - dims, 0))).reshape(batch, out_channels, *outs)
 
 
-def _weight_gradient(x: Tensor, grad: Tensor, kernel: tuple[int, ...], pads: list[tuple[int, int]],
-                     dilations: tuple[int, ...], groups: int) -> Tensor:
-  """d(stride-1 conv)/d(weight): sum over the batch and output positions of the windows of x times the output
-  gradient; (C_out, C_in / groups, *kernel). One reduce kernel, as the forward."""
-  batch, channels, dims = x.shape[0], x.shape[1], len(kernel)
+def _weight_gradient(windows: Tensor, grad: Tensor, kernel: tuple[int, ...], groups: int) -> Tensor:
+  """d(stride-1 conv)/d(weight): sum over the batch and output positions of the `windows` of x (the forward's
+  `_conv_windows`, (N, C, *out, *kernel)) times the output gradient; (C_out, C_in / groups, *kernel). One reduce
+  kernel, as the forward."""
+  batch, channels, dims = windows.shape[0], windows.shape[1], len(kernel)
   out_channels, outs = grad.shape[1], grad.shape[2:]
   group_channels, per_group = channels // groups, out_channels // groups
-  windows = _pool(x.pad([None, None, *pads]), kernel, (1,) * dims, dilations)   # (N, C, *out, *kernel)
   windows = windows.reshape(batch, groups, 1, group_channels, *outs, *kernel)
   grad = grad.reshape(batch, groups, per_group, 1, *outs, *([1] * dims))
   # the reduce axes (batch, output positions) moved last, so the sum is one kernel with no stored product; the
@@ -307,14 +353,17 @@ class StrideOneConv(Function):
     from ourgrad.tensor import Tensor
     self.x, self.weight, self.pads, self.dilations, self.groups = x, weight, pads, dilations, groups
     dims = len(weight.shape) - 2
-    return _conv_sum(Tensor(x), Tensor(weight), (1,) * dims, pads, dilations, groups).lazydata
+    windows = _conv_windows(Tensor(x), tuple(weight.shape[2:]), (1,) * dims, pads, dilations)
+    # the weight gradient multiplies the same view: kept (a view of x, which is kept anyway), not built again
+    self.windows = windows.lazydata
+    return _conv_sum(Tensor(x), Tensor(weight), (1,) * dims, pads, dilations, groups, windows).lazydata
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     from ourgrad.tensor import Tensor
     grad, x, weight = Tensor(grad_output), Tensor(self.x), Tensor(self.weight)
     grad_x = _input_gradient(grad, weight, x.shape, self.pads, self.dilations, self.groups).lazydata \
       if self.needs_input_grad[0] else None
-    grad_w = _weight_gradient(x, grad, weight.shape[2:], self.pads, self.dilations, self.groups).lazydata \
+    grad_w = _weight_gradient(Tensor(self.windows), grad, weight.shape[2:], self.groups).lazydata \
       if self.needs_input_grad[1] else None
     return grad_x, grad_w
 

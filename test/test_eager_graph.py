@@ -1,0 +1,112 @@
+"""Graph building remembered across eager steps gives what building it afresh gives (PyTorch on the CPU as the
+reference): max pooling's window ranks (a lazy graph of constants, tensor_conv._window_ranks) are built once per
+device and geometry, read again by later steps, and never read once a schedule realized a base of them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+from ourgrad import Tensor
+from ourgrad import tensor_conv
+from ourgrad.errors import AutogradError
+from ourgrad.helpers import clear_caches
+from ourgrad.lazy import LazyBuffer
+
+
+def _pool_step(values: np.ndarray, upstream: np.ndarray, x: Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """max_pool2d (kernel 2, stride 2, padding 1) forward and input gradient of `values` (in `x` when given)."""
+  x = Tensor(values, requires_grad=True) if x is None else x
+  out = x.max_pool2d(kernel_size=2, stride=2, padding=1)
+  (out * Tensor(upstream)).sum().backward()
+  return out.numpy(), x.grad.numpy()
+
+
+def _torch_pool_step(values: np.ndarray, upstream: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  x = torch.tensor(values, requires_grad=True)
+  out = TF.max_pool2d(x, kernel_size=2, stride=2, padding=1)
+  (out * torch.tensor(upstream)).sum().backward()
+  return out.detach().numpy(), x.grad.numpy()
+
+
+def _cached_ranks() -> list[LazyBuffer]: return list(tensor_conv._WINDOW_RANKS.values())
+
+
+def test_max_pool_ranks_are_remembered_and_stay_right_across_steps():
+  clear_caches()
+  rng = np.random.default_rng(0)
+  shape, out_shape = (2, 3, 7, 6), (2, 3, 4, 4)
+  # ties (rounded values) make the ranks decide which element gets the gradient
+  first = np.round(rng.standard_normal(shape), 1).astype(np.float32)
+  upstream = rng.standard_normal(out_shape).astype(np.float32)
+  for ours, theirs in zip(_pool_step(first, upstream), _torch_pool_step(first, upstream)):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+  assert len(_cached_ranks()) == 1
+  remembered = _cached_ranks()[0]
+  # the same geometry again, other values (ties, a NaN) in a tensor whose memory is then written in place
+  second = np.round(rng.standard_normal(shape), 0).astype(np.float32)
+  second[0, 0, 3, 3] = np.nan
+  x = Tensor(first, requires_grad=True)
+  x.assign(Tensor(second))
+  ours = _pool_step(second, upstream, x)
+  assert _cached_ranks() == [remembered]   # read again, not rebuilt
+  for mine, theirs in zip(ours, _torch_pool_step(second, upstream)):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_max_pool_ranks_are_rebuilt_once_a_base_of_them_was_realized():
+  clear_caches()
+  rng = np.random.default_rng(1)
+  values = np.round(rng.standard_normal((1, 2, 6, 6)), 1).astype(np.float32)
+  upstream = rng.standard_normal((1, 2, 4, 4)).astype(np.float32)
+  _pool_step(values, upstream)
+  (remembered,) = _cached_ranks()
+  Tensor(remembered).realize()   # its memory now belongs to that schedule: never read through the cache again
+  ours = _pool_step(values, upstream)
+  assert _cached_ranks() != [remembered]
+  for mine, theirs in zip(ours, _torch_pool_step(values, upstream)):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_max_pool_ranks_are_kept_per_geometry():
+  clear_caches()
+  rng = np.random.default_rng(2)
+  for shape in ((1, 1, 6, 6), (1, 1, 8, 6), (2, 1, 6, 6)):
+    values = rng.standard_normal(shape).astype(np.float32)
+    x = Tensor(values, requires_grad=True)
+    out = x.max_pool2d(kernel_size=2, stride=2, padding=1)
+    out.sum().backward()
+    theirs_x = torch.tensor(values, requires_grad=True)
+    TF.max_pool2d(theirs_x, kernel_size=2, stride=2, padding=1).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), theirs_x.grad.numpy(), rtol=1e-6, atol=1e-6)
+  assert len(_cached_ranks()) == 3
+
+
+def test_stride_one_conv_weight_gradient_reads_the_forward_windows():
+  # the backward multiplies the forward's pooling view of x (StrideOneConv keeps it) instead of building it again:
+  # gradients as PyTorch's, with groups, dilation and uneven padding
+  rng = np.random.default_rng(3)
+  values, weights = rng.standard_normal((2, 4, 9, 8)).astype(np.float32), rng.standard_normal((6, 2, 3, 2))
+  weights = weights.astype(np.float32)
+  upstream = rng.standard_normal((2, 6, 9, 9)).astype(np.float32)
+  x, w = Tensor(values, requires_grad=True), Tensor(weights, requires_grad=True)
+  out = x.conv2d(w, padding=(2, 1), dilation=(2, 1), groups=2)
+  assert type(out._ctx).__name__ == "StrideOneConv" and out._ctx.windows.base is x.lazydata.base
+  (out * Tensor(upstream)).sum().backward()
+  theirs_x, theirs_w = torch.tensor(values, requires_grad=True), torch.tensor(weights, requires_grad=True)
+  theirs = TF.conv2d(theirs_x, theirs_w, padding=(2, 1), dilation=(2, 1), groups=2)
+  (theirs * torch.tensor(upstream)).sum().backward()
+  np.testing.assert_allclose(out.numpy(), theirs.detach().numpy(), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(x.grad.numpy(), theirs_x.grad.numpy(), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(w.grad.numpy(), theirs_w.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_stride_one_conv_backward_after_writing_its_input_raises():
+  x = Tensor(np.ones((1, 1, 5, 5), np.float32), requires_grad=True)
+  w = Tensor(np.ones((1, 1, 3, 3), np.float32), requires_grad=True)
+  hidden = x * 2
+  out = hidden.conv2d(w)
+  hidden.assign(Tensor(np.zeros((1, 1, 5, 5), np.float32)))   # the windows the backward would read are stale now
+  with pytest.raises(AutogradError):
+    out.sum().backward()
