@@ -125,6 +125,43 @@ C_CODE_FOR_OP: dict[Ops, AluRendering] = {
 }
 
 
+# The integer sum of ((u >> shift) & mask) * s over `count` bytes (a multiple of 16, each masked u <= 127) for
+# UOps.BYTE_DOT: with SSSE3 (every x86-64-v2 and later) 16 lanes at once as `pmaddubsw` (unsigned x signed bytes,
+# adjacent pairs summed in 16 bits: 2 * 127 * 128 cannot saturate) and `pmaddwd` by ones (pairs of those in 32 bits),
+# 4 int32 partial sums added over the pairs and totalled once; elsewhere a plain loop (the same integers). gcc's own
+# vectorizer widens every byte to 16 bits and multiplies with `pmullw` (Q4_1 3072x576: 190 us against ~100).
+CLANG_BYTE_DOT = (
+  "#if defined(__SSSE3__)\n"
+  "#include <immintrin.h>\n"
+  "typedef __m128i og_dot_sums;\n"
+  "static inline og_dot_sums og_dot_start(void) { return _mm_setzero_si128(); }\n"
+  "static inline og_dot_sums og_dot_add(og_dot_sums sums, const unsigned char* u, int shift, int mask,\n"
+  "                                     const signed char* s, int count) {\n"
+  "  for (int i = 0; i < count; i += 16) {\n"
+  "    __m128i bytes = _mm_srli_epi16(_mm_loadu_si128((const __m128i*)(u + i)), shift);\n"
+  "    bytes = _mm_and_si128(bytes, _mm_set1_epi8((char)(mask & (255 >> shift))));\n"
+  "    __m128i pairs = _mm_maddubs_epi16(bytes, _mm_loadu_si128((const __m128i*)(s + i)));\n"
+  "    sums = _mm_add_epi32(sums, _mm_madd_epi16(pairs, _mm_set1_epi16(1)));\n"
+  "  }\n"
+  "  return sums;\n"
+  "}\n"
+  "static inline int og_dot_total(og_dot_sums sums) {\n"
+  "  sums = _mm_add_epi32(sums, _mm_unpackhi_epi64(sums, sums));\n"
+  "  return _mm_cvtsi128_si32(_mm_add_epi32(sums, _mm_shuffle_epi32(sums, 1)));\n"
+  "}\n"
+  "#else\n"
+  "typedef int og_dot_sums;\n"
+  "static inline og_dot_sums og_dot_start(void) { return 0; }\n"
+  "static inline og_dot_sums og_dot_add(og_dot_sums sums, const unsigned char* u, int shift, int mask,\n"
+  "                                     const signed char* s, int count) {\n"
+  "  for (int i = 0; i < count; i++) sums += (int)((u[i] >> shift) & mask) * (int)s[i];\n"
+  "  return sums;\n"
+  "}\n"
+  "static inline int og_dot_total(og_dot_sums sums) { return sums; }\n"
+  "#endif\n"
+)
+
+
 # Scalar float max and select for C on the CPU, written as bit selects on one SIMD lane: gcc turns the `?:` of a
 # float compare into a conditional jump, which data with random signs (a GELU's erf, a ReLU's mask) mispredicts
 # about half the time (measured: a fused matmul + GELU epilogue about 2x slower with the jumps)
@@ -448,6 +485,8 @@ class CStyleLanguage(Renderer):
         acc, value = uop.srcs
         combined = self.render_alu(uop.arg, acc.dtype, [ref(acc), ref(value)], [acc.dtype, value.dtype])
         emit(f"{ref(acc)} = {combined};")
+      elif uop.op is UOps.BYTE_DOT:
+        define(uop, "dot", self.render_byte_dot(uop, ref))
       elif uop.op in (UOps.ALU, UOps.CAST, UOps.BITCAST):
         expression = self._expression(uop, ref)
         # a value used once is written inline into its user, unless the expression is already long: long
@@ -554,6 +593,8 @@ class ClangRenderer(CStyleLanguage):
   has_stack_arrays = True
   # vectorized even where the loop vectorizer is off (gcc 12, ops_clang.FLAG_RULES); allows no reordering
   vector_loop_pragma = "#pragma omp simd"
+  # BYTE_DOT: integer products of bytes as SIMD byte multiply-adds (codegen/integer_rows.py byte_dots)
+  byte_dot_products = True
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """The global loops come first and are perfectly nested: collapse them all into one parallel loop when the
@@ -613,8 +654,20 @@ class ClangRenderer(CStyleLanguage):
     if from_dtype == dtypes.bool and to_dtype == dtypes.float32 and self.scalar_selects: return f"fbool({value})"
     return super().render_cast(value, from_dtype, to_dtype)
 
+  def render_byte_dot(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
+    """A BYTE_DOT as calls of the CLANG_BYTE_DOT helpers: each pair's lanes added into SIMD partial sums, then
+    their total."""
+    count, selects = uop.arg
+    sums = "og_dot_start()"
+    for (shift, mask), (u_buffer, u_index, s_buffer, s_index) in zip(selects, zip(*[iter(uop.srcs)] * 4)):
+      sums = (f"og_dot_add({sums}, {ref(u_buffer)} + {ref(u_index)}, {shift}, {mask}, "
+              f"{ref(s_buffer)} + {ref(s_index)}, {count})")
+    return f"og_dot_total({sums})"
+
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
+    if any(uop.op is UOps.BYTE_DOT for uop in uops):
+      source = source.replace(self.preamble, self.preamble + CLANG_BYTE_DOT, 1)
     if index_math_only(uops): source = INDEX_MATH_ONLY + source
     if any(helper in source for helper in CLANG_SELECT_HELPERS):
       source = source.replace(self.preamble, self.preamble + CLANG_SCALAR_SELECTS, 1)
