@@ -155,7 +155,8 @@ def lower_integer_terms(linearizer: Linearizer, idxs: list[Node], reduce: LazyOp
   total = build.add(UOps.DEFINE_ACC, dtype, (), reduce_identity(reduce.op, dtype))
   outer = [axis for axis in linearizer.kernel.row_axes or () if axis not in split.inner_axes]
   outer_loops = [_open_index_loop(linearizer, idxs, axis, f"ridx{number}_", AxisType.REDUCE) for axis in outer]
-  dots = byte_dots(linearizer.kernel, split) if getattr(linearizer.kernel.renderer, "byte_dot_products", False) else None
+  byte_dot_products = getattr(linearizer.kernel.renderer, "byte_dot_products", False)
+  dots = byte_dots(linearizer.kernel, split) if byte_dot_products else None
   if dots is not None: sums = [_lower_byte_dot(linearizer, idxs, split.inner_axes[0], pairs) for pairs in dots]
   else: sums = _lower_lane_loops(linearizer, idxs, split, number)
   for axis in split.inner_axes: idxs[axis] = NumNode(0)

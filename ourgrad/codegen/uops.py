@@ -86,10 +86,10 @@ class UOps(Enum):
   #                          so it reads what other blocks stored before their FENCE; the last-block finish's loads
   FENCE = auto()           # this thread's global stores so far are visible to every block before its later ones
   #                          (CUDA's __threadfence): the last-block handshake of a one-kernel split reduce
-  BYTE_DOT = auto()        # int32 sum over `count` lanes l of ((u[l] >> shift) & mask) * s[l], summed over pairs (u, s):
-  #                          srcs = (u buffer, u index, s buffer, s index) per pair, u uint8 and s int8 at consecutive
-  #                          addresses; arg = (count, ((shift, mask), ...)); each masked byte <= 127 (CPU C only:
-  #                          the renderer's byte_dot_products, codegen/integer_rows.py)
+  BYTE_DOT = auto()        # int32 sum over `count` lanes l of ((u[l] >> shift) & mask) * s[l], summed over pairs
+  #                          (u, s): srcs = (u buffer, u index, s buffer, s index) per pair, u uint8 and s int8
+  #                          at consecutive addresses; arg = (count, ((shift, mask), ...)); each masked byte <= 127
+  #                          (CPU C only: the renderer's byte_dot_products, codegen/integer_rows.py)
 
 
 @dataclass(eq=False)
