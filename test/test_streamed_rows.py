@@ -121,8 +121,9 @@ def test_threads_give_the_single_thread_bytes() -> None:
 def test_integer_product_kernel_sums_blocks_as_integers(ggml_type: int) -> None:
   """The product's row kernel takes each block's products as an int32 sum (no float lanes) and reads the packed
   bytes and the int8 activation: fewer bytes than the float32 product's vector and matrix. A Q4 block's nibbles
-  times the int8 activation is one byte dot product (UOps.BYTE_DOT: SIMD byte multiply-adds, the low and the high
-  nibbles each a pair); Q8_0's signed x signed bytes stay an `omp simd` loop."""
+  times the int8 activation is one byte dot product (UOps.BYTE_DOT_ADD: SIMD byte multiply-adds, the low and the
+  high nibbles each a pair, into float lanes totalled once a row); Q8_0's signed x signed bytes stay an `omp simd`
+  loop."""
   rows, columns = 64, 576
   rng = np.random.default_rng(3)
   raw = random_blocks(ggml_type, rows * columns // 32, rng)
@@ -131,7 +132,7 @@ def test_integer_product_kernel_sums_blocks_as_integers(ggml_type: int) -> None:
   source = _sources(packed.integer_linear(x))[-1]
   assert "lane_acc0[" not in source
   if ggml_type == GGML_Q8_0: assert "int acc1 = 0;" in source and "#pragma omp simd" in source
-  else: assert _kernel_body(source).count("og_dot_add(") == 2 and "int dot0 = og_dot_total(" in source
+  else: assert _kernel_body(source).count("og_dot_add(") == 2 and "og_lanes_total(lanes0)" in source
 
 
 def _kernel_body(source: str) -> str:

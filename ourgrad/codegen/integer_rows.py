@@ -149,18 +149,22 @@ def lower_integer_terms(linearizer: Linearizer, idxs: list[Node], reduce: LazyOp
   row's `idxs` (its row axes' entries are set while the loops are open, 0 after): a loop over the outer row axes;
   inside it an int32 accumulator per integer term summed over the inner axes (the innermost an `omp simd` loop the C
   compiler turns into integer dot products), then one float addition of the terms times their factors (computed at
-  inner index 0: they do not vary there) and of the invariant rest times the inner count. Returns the float
-  accumulator (the reduce's value after the loops)."""
+  inner index 0: they do not vary there) and of the invariant rest times the inner count. Where the renderer has
+  byte dot products and every term is one (`byte_dots`), each term's SIMD partial sums are instead multiplied by its
+  factors and added into float lanes (BYTE_DOT_ADD), totalled once after the loops: no horizontal sum a block.
+  Returns the float accumulator (the reduce's value after the loops)."""
   build, shape, dtype = linearizer.builder, linearizer.kernel.full_shape, reduce.dtype
   total = build.add(UOps.DEFINE_ACC, dtype, (), reduce_identity(reduce.op, dtype))
+  byte_dot_products = getattr(linearizer.kernel.renderer, "byte_dot_products", False) and dtype == dtypes.float32
+  dots = byte_dots(linearizer.kernel, split) if byte_dot_products else None
+  lanes = [build.add(UOps.DOT_LANES, dtypes.float32) for _ in dots] if dots is not None else []
   outer = [axis for axis in linearizer.kernel.row_axes or () if axis not in split.inner_axes]
   outer_loops = [_open_index_loop(linearizer, idxs, axis, f"ridx{number}_", AxisType.REDUCE) for axis in outer]
-  byte_dot_products = getattr(linearizer.kernel.renderer, "byte_dot_products", False)
-  dots = byte_dots(linearizer.kernel, split) if byte_dot_products else None
-  if dots is not None: sums = [_lower_byte_dot(linearizer, idxs, split.inner_axes[0], pairs) for pairs in dots]
-  else: sums = _lower_lane_loops(linearizer, idxs, split, number)
+  sums = _lower_lane_loops(linearizer, idxs, split, number) if dots is None else []
   for axis in split.inner_axes: idxs[axis] = NumNode(0)
   inner_count = math.prod(shape[axis] for axis in split.inner_axes)
+  for accumulator, pairs, (_, factors) in zip(lanes, dots or (), split.terms):
+    _add_byte_dot(linearizer, idxs, split.inner_axes[0], pairs, accumulator, _scaled(linearizer, idxs, None, factors))
   parts = [(build.add(UOps.CAST, dtype, (accumulator,)), factors, 1.0)
            for accumulator, (_, factors) in zip(sums, split.terms)]
   for core, factors in split.rest:
@@ -168,17 +172,28 @@ def lower_integer_terms(linearizer: Linearizer, idxs: list[Node], reduce: LazyOp
     parts.append((linearizer.compute(core, idxs, None), factors, constant * inner_count))
   block_value: UOp | None = None
   for value, factors, constant in parts:
-    # constant factors (and the inner count of an invariant part) multiplied here, once: `offset / 16 * 16` is 1
-    for factor in factors:
-      if _uniform_constant(factor) is not None: constant *= _uniform_constant(factor)
-      else: value = build.alu(Ops.MUL, dtype, value, linearizer.compute(factor, idxs, None))
-    if constant != 1.0: value = build.alu(Ops.MUL, dtype, value, build.const(constant, dtype))
+    value = _scaled(linearizer, idxs, value, factors, constant)
     block_value = value if block_value is None else build.alu(Ops.ADD, dtype, block_value, value)
-  assert block_value is not None
-  build.add(UOps.ACCUMULATE, dtype, (total, block_value), Ops.ADD)
+  if block_value is not None: build.add(UOps.ACCUMULATE, dtype, (total, block_value), Ops.ADD)
   for loop in reversed(outer_loops): build.end_range(loop)
   for axis in outer: idxs[axis] = NumNode(0)
+  for accumulator in lanes:
+    build.add(UOps.ACCUMULATE, dtype, (total, build.add(UOps.LANES_TOTAL, dtype, (accumulator,))), Ops.ADD)
   return total
+
+
+def _scaled(linearizer: Linearizer, idxs: list[Node], value: UOp | None, factors: tuple[LazyOp, ...],
+            constant: float = 1.0) -> UOp:
+  """`value` (None: 1) times `factors` and `constant` (float32), the constant factors multiplied here, once:
+  `offset / 16 * 16` is 1."""
+  build = linearizer.builder
+  for factor in factors:
+    if _uniform_constant(factor) is not None: constant *= _uniform_constant(factor)
+    else:
+      computed = linearizer.compute(factor, idxs, None)
+      value = computed if value is None else build.alu(Ops.MUL, computed.dtype, value, computed)
+  if value is None: return build.const(constant, dtypes.float32)
+  return value if constant == 1.0 else build.alu(Ops.MUL, value.dtype, value, build.const(constant, value.dtype))
 
 
 def _lower_lane_loops(linearizer: Linearizer, idxs: list[Node], split: IntegerTerms, number: int) -> list[UOp]:
@@ -287,17 +302,18 @@ def _unit_stride(st: Any, axis: int) -> bool:
   return len(st.views) == 1 and st.views[0].mask is None and st.views[0].strides[axis] == 1
 
 
-def _lower_byte_dot(linearizer: Linearizer, idxs: list[Node], axis: int, pairs: tuple[BytePair, ...]) -> UOp:
-  """One BYTE_DOT UOp for a term's pairs over the inner `axis`, addressed at its first lane."""
+def _add_byte_dot(linearizer: Linearizer, idxs: list[Node], axis: int, pairs: tuple[BytePair, ...], lanes: UOp,
+                  factor: UOp) -> None:
+  """One BYTE_DOT_ADD of a term's pairs over the inner `axis` (addressed at its first lane) into float `lanes`."""
   idxs[axis] = NumNode(0)
-  srcs: list[UOp] = []
+  srcs: list[UOp] = [lanes, factor]
   for pair in pairs:
     for load in (pair.unsigned, pair.signed):
       index, valid = linearizer._index(linearizer.leaf_index[id(load)], idxs)
       assert valid is None, "a byte dot's loads are unmasked (_unit_stride)"
       srcs += [linearizer.buffers[load.arg.idx], index]
   arg = (linearizer.kernel.full_shape[axis], tuple((pair.shift, pair.mask) for pair in pairs))
-  return linearizer.builder.add(UOps.BYTE_DOT, dtypes.int32, tuple(srcs), arg)
+  linearizer.builder.add(UOps.BYTE_DOT_ADD, None, tuple(srcs), arg)
 
 
 def _open_index_loop(linearizer: Linearizer, idxs: list[Node], axis: int, prefix: str, kind: AxisType) -> UOp:

@@ -126,10 +126,11 @@ C_CODE_FOR_OP: dict[Ops, AluRendering] = {
 
 
 # The integer sum of ((u >> shift) & mask) * s over `count` bytes (a multiple of 16, each masked u <= 127) for
-# UOps.BYTE_DOT: with SSSE3 (every x86-64-v2 and later) 16 lanes at once as `pmaddubsw` (unsigned x signed bytes,
-# adjacent pairs summed in 16 bits: 2 * 127 * 128 cannot saturate) and `pmaddwd` by ones (pairs of those in 32 bits),
-# 4 int32 partial sums added over the pairs and totalled once; elsewhere a plain loop (the same integers). gcc's own
-# vectorizer widens every byte to 16 bits and multiplies with `pmullw` (Q4_1 3072x576: 190 us against ~100).
+# UOps.BYTE_DOT_ADD: with SSSE3 (every x86-64-v2 and later) 16 lanes at once as `pmaddubsw` (unsigned x signed
+# bytes, adjacent pairs summed in 16 bits: 2 * 127 * 128 cannot saturate) and `pmaddwd` by ones (pairs of those in 32
+# bits), 4 int32 partial sums added over the pairs, converted, times the block's factor and added into 4 float lanes
+# a row totals once (no horizontal sum a block); elsewhere a plain loop and one float. gcc's own vectorizer widens
+# every byte to 16 bits and multiplies with `pmullw` (Q4_1 3072x576 at -march=native: 190 us against ~65).
 CLANG_BYTE_DOT = (
   "#if defined(__SSSE3__)\n"
   "#include <immintrin.h>\n"
@@ -145,9 +146,14 @@ CLANG_BYTE_DOT = (
   "  }\n"
   "  return sums;\n"
   "}\n"
-  "static inline int og_dot_total(og_dot_sums sums) {\n"
-  "  sums = _mm_add_epi32(sums, _mm_unpackhi_epi64(sums, sums));\n"
-  "  return _mm_cvtsi128_si32(_mm_add_epi32(sums, _mm_shuffle_epi32(sums, 1)));\n"
+  "typedef __m128 og_dot_lanes;\n"
+  "static inline og_dot_lanes og_lanes_zero(void) { return _mm_setzero_ps(); }\n"
+  "static inline og_dot_lanes og_lanes_add(og_dot_lanes lanes, og_dot_sums sums, float factor) {\n"
+  "  return _mm_add_ps(lanes, _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(factor)));\n"
+  "}\n"
+  "static inline float og_lanes_total(og_dot_lanes lanes) {\n"
+  "  lanes = _mm_add_ps(lanes, _mm_movehl_ps(lanes, lanes));\n"
+  "  return _mm_cvtss_f32(_mm_add_ss(lanes, _mm_shuffle_ps(lanes, lanes, 1)));\n"
   "}\n"
   "#else\n"
   "typedef int og_dot_sums;\n"
@@ -157,7 +163,12 @@ CLANG_BYTE_DOT = (
   "  for (int i = 0; i < count; i++) sums += (int)((u[i] >> shift) & mask) * (int)s[i];\n"
   "  return sums;\n"
   "}\n"
-  "static inline int og_dot_total(og_dot_sums sums) { return sums; }\n"
+  "typedef float og_dot_lanes;\n"
+  "static inline og_dot_lanes og_lanes_zero(void) { return 0.0f; }\n"
+  "static inline og_dot_lanes og_lanes_add(og_dot_lanes lanes, og_dot_sums sums, float factor) {\n"
+  "  return lanes + (float)sums * factor;\n"
+  "}\n"
+  "static inline float og_lanes_total(og_dot_lanes lanes) { return lanes; }\n"
   "#endif\n"
 )
 
@@ -485,8 +496,14 @@ class CStyleLanguage(Renderer):
         acc, value = uop.srcs
         combined = self.render_alu(uop.arg, acc.dtype, [ref(acc), ref(value)], [acc.dtype, value.dtype])
         emit(f"{ref(acc)} = {combined};")
-      elif uop.op is UOps.BYTE_DOT:
-        define(uop, "dot", self.render_byte_dot(uop, ref))
+      elif uop.op is UOps.DOT_LANES:
+        variable = new_name("lanes")
+        names[id(uop)] = variable
+        emit(f"og_dot_lanes {variable} = og_lanes_zero();")
+      elif uop.op is UOps.BYTE_DOT_ADD:
+        emit(f"{ref(uop.srcs[0])} = {self.render_byte_dot_add(uop, ref)};")
+      elif uop.op is UOps.LANES_TOTAL:
+        define(uop, "total", f"og_lanes_total({ref(uop.srcs[0])})")
       elif uop.op in (UOps.ALU, UOps.CAST, UOps.BITCAST):
         expression = self._expression(uop, ref)
         # a value used once is written inline into its user, unless the expression is already long: long
@@ -593,7 +610,7 @@ class ClangRenderer(CStyleLanguage):
   has_stack_arrays = True
   # vectorized even where the loop vectorizer is off (gcc 12, ops_clang.FLAG_RULES); allows no reordering
   vector_loop_pragma = "#pragma omp simd"
-  # BYTE_DOT: integer products of bytes as SIMD byte multiply-adds (codegen/integer_rows.py byte_dots)
+  # BYTE_DOT_ADD: integer products of bytes as SIMD byte multiply-adds (codegen/integer_rows.py byte_dots)
   byte_dot_products = True
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
@@ -654,19 +671,19 @@ class ClangRenderer(CStyleLanguage):
     if from_dtype == dtypes.bool and to_dtype == dtypes.float32 and self.scalar_selects: return f"fbool({value})"
     return super().render_cast(value, from_dtype, to_dtype)
 
-  def render_byte_dot(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
-    """A BYTE_DOT as calls of the CLANG_BYTE_DOT helpers: each pair's lanes added into SIMD partial sums, then
-    their total."""
+  def render_byte_dot_add(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
+    """A BYTE_DOT_ADD as calls of the CLANG_BYTE_DOT helpers: each pair's lanes added into SIMD int32 partial sums,
+    then those times the factor added into the float lanes."""
     count, selects = uop.arg
     sums = "og_dot_start()"
-    for (shift, mask), (u_buffer, u_index, s_buffer, s_index) in zip(selects, zip(*[iter(uop.srcs)] * 4)):
+    for (shift, mask), (u_buffer, u_index, s_buffer, s_index) in zip(selects, zip(*[iter(uop.srcs[2:])] * 4)):
       sums = (f"og_dot_add({sums}, {ref(u_buffer)} + {ref(u_index)}, {shift}, {mask}, "
               f"{ref(s_buffer)} + {ref(s_index)}, {count})")
-    return f"og_dot_total({sums})"
+    return f"og_lanes_add({ref(uop.srcs[0])}, {sums}, {ref(uop.srcs[1])})"
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
-    if any(uop.op is UOps.BYTE_DOT for uop in uops):
+    if any(uop.op is UOps.DOT_LANES for uop in uops):
       source = source.replace(self.preamble, self.preamble + CLANG_BYTE_DOT, 1)
     if index_math_only(uops): source = INDEX_MATH_ONLY + source
     if any(helper in source for helper in CLANG_SELECT_HELPERS):
