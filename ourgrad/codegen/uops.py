@@ -90,9 +90,13 @@ class UOps(Enum):
   BYTE_DOT_ADD = auto()    # lanes += (SIMD int32 partial sums of sum over `count` lanes l of ((u[l] >> shift) & mask) *
   #                          s[l], summed over pairs (u, s)) times a float factor: srcs = (DOT_LANES, factor, then
   #                          (u buffer, u index, s buffer, s index) per pair), u uint8 and s int8 at consecutive
-  #                          addresses; arg = (count, ((shift, mask), ...)); each masked byte <= 127 (CPU C only: the
-  #                          renderer's byte_dot_products, codegen/integer_rows.py)
+  #                          addresses (u int8 where shift is SIGNED_BYTES); arg = (count, ((shift, mask), ...)); each
+  #                          masked byte <= 127 (CPU C only: the renderer's byte_dot_products, codegen/integer_rows.py)
   LANES_TOTAL = auto()     # the float sum of a DOT_LANES' lanes; srcs = (DOT_LANES,)
+
+
+# a BYTE_DOT_ADD pair's shift where its first operand is int8 bytes too (signed x signed; the mask unused)
+SIGNED_BYTES = -1
 
 
 @dataclass(eq=False)
