@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ourgrad.codegen.uops import SIGNED_BYTES, AxisType, UOp, UOps
+from ourgrad.renderer.cbytedot import CLANG_BYTE_DOT
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import CPU_VECTORS
 from ourgrad.ops import Ops
@@ -123,74 +124,6 @@ C_CODE_FOR_OP: dict[Ops, AluRendering] = {
   Ops.ADD: _infix("+"), Ops.MUL: _infix("*"), Ops.CMPLT: _infix("<"), Ops.CMPNE: _infix("!="), Ops.AND: _infix("&"),
   Ops.OR: _infix("|"), Ops.XOR: _infix("^"), Ops.SHL: _infix("<<"), Ops.SHR: _infix(">>"),
 }
-
-
-# The integer sum of ((u >> shift) & mask) * s over `count` bytes (a multiple of 16, each masked u <= 127) for
-# UOps.BYTE_DOT_ADD: with SSSE3 (every x86-64-v2 and later) 16 lanes at once as `pmaddubsw` (unsigned x signed
-# bytes, adjacent pairs summed in 16 bits: 2 * 127 * 128 cannot saturate) and `pmaddwd` by ones (pairs of those in 32
-# bits), 4 int32 partial sums added over the pairs, converted, times the block's factor and added into 4 float lanes
-# a row totals once (no horizontal sum a block); elsewhere a plain loop and one float. gcc's own vectorizer widens
-# every byte to 16 bits and multiplies with `pmullw` (Q4_1 3072x576 at -march=native: 190 us against ~65). Signed x
-# signed bytes (Q8_0) widen to 16 bits (`pmovsxbw`, SSE4.1) for `pmaddwd`: exact for every int8, -128 included
-# (`pmaddubsw` with the sign trick would be faster but wrong for -128 x -128).
-CLANG_BYTE_DOT = (
-  "#if defined(__SSSE3__)\n"
-  "#include <immintrin.h>\n"
-  "typedef __m128i og_dot_sums;\n"
-  "static inline og_dot_sums og_dot_start(void) { return _mm_setzero_si128(); }\n"
-  "static inline og_dot_sums og_dot_add(og_dot_sums sums, const unsigned char* u, int shift, int mask,\n"
-  "                                     const signed char* s, int count) {\n"
-  "  for (int i = 0; i < count; i += 16) {\n"
-  "    __m128i bytes = _mm_srli_epi16(_mm_loadu_si128((const __m128i*)(u + i)), shift);\n"
-  "    bytes = _mm_and_si128(bytes, _mm_set1_epi8((char)(mask & (255 >> shift))));\n"
-  "    __m128i pairs = _mm_maddubs_epi16(bytes, _mm_loadu_si128((const __m128i*)(s + i)));\n"
-  "    sums = _mm_add_epi32(sums, _mm_madd_epi16(pairs, _mm_set1_epi16(1)));\n"
-  "  }\n"
-  "  return sums;\n"
-  "}\n"
-  "static inline og_dot_sums og_dot_add_s8(og_dot_sums sums, const signed char* a, const signed char* b, int count) {\n"
-  "#if defined(__SSE4_1__)\n"
-  "  for (int i = 0; i < count; i += 8) {\n"
-  "    __m128i wide_a = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(a + i)));\n"
-  "    __m128i wide_b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(b + i)));\n"
-  "    sums = _mm_add_epi32(sums, _mm_madd_epi16(wide_a, wide_b));\n"
-  "  }\n"
-  "#else\n"
-  "  int total = 0;\n"
-  "  for (int i = 0; i < count; i++) total += (int)a[i] * (int)b[i];\n"
-  "  sums = _mm_add_epi32(sums, _mm_cvtsi32_si128(total));\n"
-  "#endif\n"
-  "  return sums;\n"
-  "}\n"
-  "typedef __m128 og_dot_lanes;\n"
-  "static inline og_dot_lanes og_lanes_zero(void) { return _mm_setzero_ps(); }\n"
-  "static inline og_dot_lanes og_lanes_add(og_dot_lanes lanes, og_dot_sums sums, float factor) {\n"
-  "  return _mm_add_ps(lanes, _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(factor)));\n"
-  "}\n"
-  "static inline float og_lanes_total(og_dot_lanes lanes) {\n"
-  "  lanes = _mm_add_ps(lanes, _mm_movehl_ps(lanes, lanes));\n"
-  "  return _mm_cvtss_f32(_mm_add_ss(lanes, _mm_shuffle_ps(lanes, lanes, 1)));\n"
-  "}\n"
-  "#else\n"
-  "typedef int og_dot_sums;\n"
-  "static inline og_dot_sums og_dot_start(void) { return 0; }\n"
-  "static inline og_dot_sums og_dot_add(og_dot_sums sums, const unsigned char* u, int shift, int mask,\n"
-  "                                     const signed char* s, int count) {\n"
-  "  for (int i = 0; i < count; i++) sums += (int)((u[i] >> shift) & mask) * (int)s[i];\n"
-  "  return sums;\n"
-  "}\n"
-  "static inline og_dot_sums og_dot_add_s8(og_dot_sums sums, const signed char* a, const signed char* b, int count) {\n"
-  "  for (int i = 0; i < count; i++) sums += (int)a[i] * (int)b[i];\n"
-  "  return sums;\n"
-  "}\n"
-  "typedef float og_dot_lanes;\n"
-  "static inline og_dot_lanes og_lanes_zero(void) { return 0.0f; }\n"
-  "static inline og_dot_lanes og_lanes_add(og_dot_lanes lanes, og_dot_sums sums, float factor) {\n"
-  "  return lanes + (float)sums * factor;\n"
-  "}\n"
-  "static inline float og_lanes_total(og_dot_lanes lanes) { return lanes; }\n"
-  "#endif\n"
-)
 
 
 # Scalar float max and select for C on the CPU, written as bit selects on one SIMD lane: gcc turns the `?:` of a
