@@ -15,7 +15,7 @@ from ourgrad import Device, GlobalCounters, Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.engine.schedule import create_schedule
-from ourgrad.nn.gguf import GGML_Q4_1, GGML_Q8_0, PackedTensor
+from ourgrad.nn.gguf import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, PackedTensor
 from ourgrad.ops import Ops
 
 from test_gguf_packed import BLOCK, numpy_dequantize, random_blocks
@@ -117,17 +117,71 @@ def test_threads_give_the_single_thread_bytes() -> None:
   assert len(one) == 4 * (3072 + (1 << 20)) and one == two
 
 
-@pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q8_0], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q4_0, GGML_Q8_0], ids=["Q4_1", "Q4_0", "Q8_0"])
 def test_integer_product_kernel_sums_blocks_as_integers(ggml_type: int) -> None:
-  """The product's row kernel takes each block's products as an int32 sum in an `omp simd` loop (no float lanes)
-  and reads the packed bytes and the int8 activation: fewer bytes than the float32 product's vector and matrix."""
+  """The product's row kernel takes each block's products as an int32 sum (no float lanes) and reads the packed
+  bytes and the int8 activation: fewer bytes than the float32 product's vector and matrix. A Q4 block's nibbles
+  times the int8 activation is one byte dot product (UOps.BYTE_DOT_ADD: SIMD byte multiply-adds, the low and the
+  high nibbles each a pair, into float lanes totalled once a row); Q8_0's signed x signed bytes one pair widened to
+  16 bits."""
   rows, columns = 64, 576
   rng = np.random.default_rng(3)
   raw = random_blocks(ggml_type, rows * columns // 32, rng)
   packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
   x = Tensor(rng.standard_normal((1, columns)).astype(np.float32)).realize()
   source = _sources(packed.integer_linear(x))[-1]
-  assert "int acc1 = 0;" in source and "#pragma omp simd" in source and "lane_acc0[" not in source
+  assert "lane_acc0[" not in source
+  body = _kernel_body(source)
+  assert "og_lanes_total(lanes0)" in body and "#pragma omp simd" not in body
+  if ggml_type == GGML_Q8_0: assert body.count("og_dot_add_s8(") == 1 and "og_dot_add(" not in body
+  else: assert body.count("og_dot_add(") == 2
+
+
+def _kernel_body(source: str) -> str:
+  """The kernel function of a rendered source (after its helpers)."""
+  return source[source.index("void k("):]
+
+
+def _nibble_product(packed: Tensor, activation: Tensor, shift: int, scales: Tensor) -> Tensor:
+  """sum over (blocks, 16 lanes) of ((packed >> shift) & 15) * activation * scale per block, as an integer product's
+  terms: (rows, blocks, 16) uint8 times (blocks, 16) int8 and a float per (row, block)."""
+  nibbles = (packed >> shift) & 15 if shift else packed & 15
+  terms = (nibbles.cast(dtypes.int32) * activation.cast(dtypes.int32)).cast(dtypes.float32) * scales
+  return terms.sum((1, 2))
+
+
+def test_byte_dot_products_extremes_match_numpy() -> None:
+  """Byte dot products at the limits of their bytes: nibbles 15 times int8 -128 and 127 in every lane (the largest
+  pairwise 16-bit sums of `pmaddubsw`), int8 x int8 with -128 x -128, odd row counts, 48 lanes a block (three SIMD
+  loads), against numpy's int64; a full-range uint8 (255 x -128 pairs would saturate 16 bits) is not taken as one
+  and stays exact too."""
+  rng = np.random.default_rng(9)
+  packed_np = np.full((7, 5, 48), 0xFF, np.uint8)
+  packed_np[3] = rng.integers(0, 256, (5, 48), dtype=np.uint8)
+  activation_np = np.where(rng.random((5, 48)) < 0.5, -128, 127).astype(np.int8)
+  scales_np = rng.uniform(0.5, 2, (7, 5, 1)).astype(np.float32)
+  for shift in (0, 4):
+    packed, activation, scales = Tensor(packed_np), Tensor(activation_np), Tensor(scales_np)
+    source = _sources(_nibble_product(packed, activation, shift, scales))[-1]
+    assert "og_dot_add(" in _kernel_body(source)
+    nibbles = ((packed_np >> shift) & 15).astype(np.int64)
+    expected = ((nibbles * activation_np).astype(np.float64) * scales_np).sum((1, 2))
+    got = _nibble_product(Tensor(packed_np), Tensor(activation_np), shift, Tensor(scales_np)).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+  signed_np = packed_np.view(np.int8)   # -1 and, in row 3, every int8; -128 x -128 included
+  signed_np[5, :, :8] = -128
+  signed = Tensor(signed_np).cast(dtypes.int32) * Tensor(activation_np).cast(dtypes.int32)
+  source = _sources((signed.cast(dtypes.float32) * Tensor(scales_np)).sum((1, 2)))[-1]
+  assert "og_dot_add_s8(" in _kernel_body(source)
+  signed = Tensor(signed_np).cast(dtypes.int32) * Tensor(activation_np).cast(dtypes.int32)
+  expected = ((signed_np.astype(np.int64) * activation_np).astype(np.float64) * scales_np).sum((1, 2))
+  np.testing.assert_allclose((signed.cast(dtypes.float32) * Tensor(scales_np)).sum((1, 2)).numpy(), expected, rtol=1e-6)
+  full = (Tensor(packed_np).cast(dtypes.int32) * Tensor(activation_np).cast(dtypes.int32)).cast(dtypes.float32)
+  source = _sources((full * Tensor(scales_np)).sum((1, 2)))[-1]
+  assert "og_dot_add(" not in source and "int acc1 = 0;" in source
+  full = (Tensor(packed_np).cast(dtypes.int32) * Tensor(activation_np).cast(dtypes.int32)).cast(dtypes.float32)
+  expected = ((packed_np.astype(np.int64) * activation_np).astype(np.float64) * scales_np).sum((1, 2))
+  np.testing.assert_allclose((full * Tensor(scales_np)).sum((1, 2)).numpy(), expected, rtol=1e-6)
 
 
 def test_integer_terms_refuse_sums_that_could_wrap() -> None:

@@ -86,6 +86,17 @@ class UOps(Enum):
   #                          so it reads what other blocks stored before their FENCE; the last-block finish's loads
   FENCE = auto()           # this thread's global stores so far are visible to every block before its later ones
   #                          (CUDA's __threadfence): the last-block handshake of a one-kernel split reduce
+  DOT_LANES = auto()       # float32 SIMD lanes a row's byte dot products add into (CPU C only), 0 at the start
+  BYTE_DOT_ADD = auto()    # lanes += (SIMD int32 partial sums of sum over `count` lanes l of ((u[l] >> shift) & mask) *
+  #                          s[l], summed over pairs (u, s)) times a float factor: srcs = (DOT_LANES, factor, then
+  #                          (u buffer, u index, s buffer, s index) per pair), u uint8 and s int8 at consecutive
+  #                          addresses (u int8 where shift is SIGNED_BYTES); arg = (count, ((shift, mask), ...)); each
+  #                          masked byte <= 127 (CPU C only: the renderer's byte_dot_products, codegen/integer_rows.py)
+  LANES_TOTAL = auto()     # the float sum of a DOT_LANES' lanes; srcs = (DOT_LANES,)
+
+
+# a BYTE_DOT_ADD pair's shift where its first operand is int8 bytes too (signed x signed; the mask unused)
+SIGNED_BYTES = -1
 
 
 @dataclass(eq=False)
@@ -122,7 +133,7 @@ def format_uops(uops: list[UOp]) -> str:
 _NOT_CACHED = frozenset({UOps.RANGE, UOps.ENDRANGE, UOps.STORE, UOps.DEFINE_ACC, UOps.ACCUMULATE, UOps.SPECIAL,
                          UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF, UOps.ENDIF, UOps.WMMA, UOps.COPY,
                          UOps.ASYNC_WAIT, UOps.LDMATRIX, UOps.OCCUPANCY, UOps.ATOMIC_ADD, UOps.FENCE,
-                         UOps.COHERENT_LOAD})
+                         UOps.COHERENT_LOAD, UOps.DOT_LANES, UOps.BYTE_DOT_ADD})
 # uops that open a scope: values defined inside are not reused after its end
 _SCOPE_OPENERS = frozenset({UOps.RANGE, UOps.IF})
 

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from ourgrad.codegen.uops import AxisType, UOp, UOps
+from ourgrad.codegen.uops import SIGNED_BYTES, AxisType, UOp, UOps
+from ourgrad.renderer.cbytedot import CLANG_BYTE_DOT
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import CPU_VECTORS
 from ourgrad.ops import Ops
@@ -450,6 +451,14 @@ class CStyleLanguage(Renderer):
         acc, value = uop.srcs
         combined = self.render_alu(uop.arg, acc.dtype, [ref(acc), ref(value)], [acc.dtype, value.dtype])
         emit(f"{ref(acc)} = {combined};")
+      elif uop.op is UOps.DOT_LANES:
+        variable = new_name("lanes")
+        names[id(uop)] = variable
+        emit(f"og_dot_lanes {variable} = og_lanes_zero();")
+      elif uop.op is UOps.BYTE_DOT_ADD:
+        emit(f"{ref(uop.srcs[0])} = {self.render_byte_dot_add(uop, ref)};")
+      elif uop.op is UOps.LANES_TOTAL:
+        define(uop, "total", f"og_lanes_total({ref(uop.srcs[0])})")
       elif uop.op in (UOps.ALU, UOps.CAST, UOps.BITCAST):
         expression = self._expression(uop, ref)
         # a value used once is written inline into its user, unless the expression is already long: long
@@ -564,6 +573,8 @@ class ClangRenderer(CStyleLanguage):
   has_stack_arrays = True
   # vectorized even where the loop vectorizer is off (gcc 12, ops_clang.FLAG_RULES); allows no reordering
   vector_loop_pragma = "#pragma omp simd"
+  # BYTE_DOT_ADD: integer products of bytes as SIMD byte multiply-adds (codegen/integer_rows.py byte_dots)
+  byte_dot_products = True
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
     """The global loops come first and are perfectly nested: collapse them all into one parallel loop when the
@@ -623,8 +634,24 @@ class ClangRenderer(CStyleLanguage):
     if from_dtype == dtypes.bool and to_dtype == dtypes.float32 and self.scalar_selects: return f"fbool({value})"
     return super().render_cast(value, from_dtype, to_dtype)
 
+  def render_byte_dot_add(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
+    """A BYTE_DOT_ADD as calls of the CLANG_BYTE_DOT helpers: each pair's lanes added into SIMD int32 partial sums,
+    then those times the factor added into the float lanes."""
+    count, selects = uop.arg
+    sums = "og_dot_start()"
+    for (shift, mask), (u_buffer, u_index, s_buffer, s_index) in zip(selects, zip(*[iter(uop.srcs[2:])] * 4)):
+      if shift == SIGNED_BYTES:
+        sums = (f"og_dot_add_s8({sums}, (const signed char*)({ref(u_buffer)} + {ref(u_index)}), "
+                f"{ref(s_buffer)} + {ref(s_index)}, {count})")
+      else:
+        sums = (f"og_dot_add({sums}, {ref(u_buffer)} + {ref(u_index)}, {shift}, {mask}, "
+                f"{ref(s_buffer)} + {ref(s_index)}, {count})")
+    return f"og_lanes_add({ref(uop.srcs[0])}, {sums}, {ref(uop.srcs[1])})"
+
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
     source = super().render_kernel(name, params, body, uops)
+    if any(uop.op is UOps.DOT_LANES for uop in uops):
+      source = source.replace(self.preamble, self.preamble + CLANG_BYTE_DOT, 1)
     if index_math_only(uops): source = INDEX_MATH_ONLY + source
     if any(helper in source for helper in CLANG_SELECT_HELPERS):
       source = source.replace(self.preamble, self.preamble + CLANG_SCALAR_SELECTS, 1)
