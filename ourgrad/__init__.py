@@ -36,12 +36,12 @@ if _helpers.GC_FREEZE_IMPORT:
   _gc.collect()
   _gc.freeze()
 
-# The objects of an eager step (tensors, Functions, lazy buffers: ~2000 alive at a CNN step's peak) are freed by
-# reference count when the step's graph goes; none is cyclic garbage. With the default first-generation threshold (700
-# net allocations) the collector scanned them ~3 times a step and found nothing, and each pass promoted survivors
-# toward the full passes: 6-10% of the CNN step's thread time on the CPU, 2.7 ms a step on the H200's host (docs/jit.md,
-# session 12). A higher threshold keeps the collector for real garbage; a cycle waits at most that many more
-# allocations to be reclaimed
+# Most objects of an eager step (tensors, Functions, lazy buffers: ~2000 alive at a CNN step's peak) are freed by
+# reference count when the step's graph goes. With the default first-generation threshold (700 net allocations) the
+# collector scanned them ~3 times a step, and each pass promoted survivors toward the full passes: 6-10% of the CNN
+# step's thread time on the CPU, 2.7 ms a step on the H200's host (docs/jit.md, session 12). GC_THRESHOLD=10000 raises
+# the threshold; it is opt-in (default 0: Python's thresholds) because a cycle then waits that many more allocations
+# to be reclaimed, and a device buffer held by one stays allocated meanwhile (test_memory_planner's capture peak)
 if _helpers.GC_THRESHOLD.value > _gc.get_threshold()[0]:
   _gc.set_threshold(_helpers.GC_THRESHOLD.value, *_gc.get_threshold()[1:])
 
