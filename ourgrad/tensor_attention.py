@@ -24,7 +24,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ourgrad.codegen.attention import OPERAND_DTYPES
-from ourgrad.codegen.attention_backward import AttentionBackwardPlan
+from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.function import Function, Permute, Reshape, Shrink, _tensor_class

@@ -16,8 +16,8 @@ import tempfile
 
 import numpy as np
 
-from ourgrad.codegen.attention_backward import (AttentionBackwardPlan, KernelLaunch, _k_step, fragment_maps,
-                                                instruction_helpers)
+from ourgrad.codegen.attention_backward import _k_step, fragment_maps, instruction_helpers, launches
+from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan, KernelLaunch
 
 PRELUDE = r"""
 #include <math.h>
@@ -233,7 +233,7 @@ def run_on_host(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray]) -> 
   if compiler is None: raise RuntimeError("no g++ to run the kernels on the host")
   state = {name: np.ascontiguousarray(array).copy() for name, array in buffers.items()}
   with tempfile.TemporaryDirectory(prefix="ourgrad_attention_host_") as folder:
-    for launch in plan.launches():
+    for launch in launches(plan):
       source_path, binary_path = os.path.join(folder, f"{launch.name}.cpp"), os.path.join(folder, launch.name)
       with open(source_path, "w") as source_file: source_file.write(host_source(plan, launch))
       subprocess.run([compiler, "-std=c++17", "-O1", "-pthread", "-w", source_path, "-o", binary_path], check=True,

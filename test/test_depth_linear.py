@@ -1,10 +1,11 @@
 """A transformer's training step costs the same per layer at every depth (issue 24: GPT-2's step time grew with depth
 squared). The residual stream x = x + f(x) is read by a LayerNorm and by the next add; fused into every reader it was
 recomputed from all earlier layers' outputs, so the kernels of layer l read O(l) buffers. The scheduler's
-store-or-recompute rule (engine/schedule.py `_store_or_recompute`) stores it instead. These tests schedule (never run)
-the forward and backward pass of a small GPT-style stack at depths 2, 3 and 4 and pin what grows linearly with depth:
-kernels, the kernels' names and opts per added layer, and the bytes the kernels read and write; and that no kernel's
-inputs grow with depth. (The optimizer's step is per-parameter work, packed into launches: test_optim.py pins it.)"""
+store-or-recompute rule (engine/store_or_recompute.py `_store_or_recompute`) stores it instead. These tests schedule
+(never run) the forward and backward pass of a small GPT-style stack at depths 2, 3 and 4 and pin what grows linearly
+with depth: kernels, the kernels' names and opts per added layer, and the bytes the kernels read and write; and that
+no kernel's inputs grow with depth. (The optimizer's step is per-parameter work, packed into launches: test_optim.py
+pins it.)"""
 from __future__ import annotations
 
 import collections

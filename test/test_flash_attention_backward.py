@@ -11,7 +11,8 @@ import torch
 from attention_backward_host import host_compiler, run_on_host
 from helpers import nvrtc_compiler
 
-from ourgrad.codegen.attention_backward import DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan, contiguous_strides
+from ourgrad.codegen.attention_backward import launches
+from ourgrad.codegen.attention_backward_plan import DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan, contiguous_strides
 from ourgrad.runtime.attention_backward_emulator import (STORAGE, AttentionBackwardProgram,
                                                          attention_backward_program_text, emulate_attention_backward,
                                                          emulate_attention_backward_buffers, from_float32,
@@ -97,7 +98,7 @@ def test_plan_checks_its_arguments():
 
 def test_launch_sizes():
   plan = AttentionBackwardPlan.contiguous(4, 12, 4, 1000, 520, 64, "bfloat16", True)
-  dq, dkdv = plan.launches()
+  dq, dkdv = launches(plan)
   # (heads, tiles): every head's first tile (a causal block's longest) has a lower linear index than any second tile
   assert (dq.grid, dq.block) == ((48, 16, 1), (128, 1, 1))
   assert (dkdv.grid, dkdv.block) == ((16, 9, 1), (128, 1, 1))
@@ -121,13 +122,13 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
   projection = (1000 * 12 * head_dim, head_dim, 12 * head_dim)
   plan = AttentionBackwardPlan(**{**plan.__dict__, "q_strides": projection, "o_strides": projection,
                                   "do_strides": strided, "dq_strides": projection})
-  for launch in plan.launches():
+  for launch in launches(plan):
     assert f'extern "C" __global__ void __launch_bounds__({launch.block[0]}) {launch.name}(' in launch.source
     assert compiler.compile(launch.source)
   # with the H100/H200's 228 KB of shared memory a multiprocessor: as many blocks as fit in it and in the register
   # file at the registers the accumulators need
   plan = AttentionBackwardPlan(**{**plan.__dict__, "shared_per_sm": 228 * 1024})
-  for launch, registers in zip(plan.launches(), (plan.dq_registers, plan.dkdv_registers)):
+  for launch, registers in zip(launches(plan), (plan.dq_registers, plan.dkdv_registers)):
     resident = min(228 * 1024 // (launch.shared_bytes + 1024), 65536 // (launch.block[0] * registers))
     bounds = f"__launch_bounds__({launch.block[0]}{f', {resident}' if resident > 1 else ''})"
     assert f'extern "C" __global__ void {bounds} {launch.name}(' in launch.source
@@ -211,7 +212,7 @@ def test_python_programs_run_the_launches_on_raw_buffers():
   raw = {name: array.reshape(-1).view(np.uint8).copy() for name, array in arrays.items()}
   raw.update(dq=np.zeros_like(raw["q"]), dk=np.zeros_like(raw["k"]), dv=np.zeros_like(raw["v"]),
              delta=np.zeros(plan.delta_elements * 4, np.uint8))
-  for kernel, launch in zip((DQ_KERNEL, DKDV_KERNEL), plan.launches()):
+  for kernel, launch in zip((DQ_KERNEL, DKDV_KERNEL), launches(plan)):
     binary = attention_backward_program_text(launch.name, plan, kernel).encode()
     assert is_attention_backward_program(binary)
     program = AttentionBackwardProgram(launch.name, binary)

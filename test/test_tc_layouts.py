@@ -213,7 +213,7 @@ def test_every_gpt2_matmul_on_tensor_cores(emulate: str) -> None:
     (on_tensor_cores if tensor_cores else elsewhere).append(start)
   print(f"on tensor cores: {on_tensor_cores}\nelsewhere: {elsewhere}")
   # 4 Linears x 3 + the logits x 3 + attention x 6 (22 before the scheduler stored c_fc's x @ W + b: the GELU's
-  # backward computed the product again inside its kernel; schedule.py `_recomputes_a_reduce`)
+  # backward computed the product again inside its kernel; store_or_recompute.py `_recomputes_a_reduce`)
   assert not elsewhere and len(on_tensor_cores) == 21
 
 

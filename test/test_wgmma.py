@@ -16,9 +16,9 @@ from ourgrad import Tensor, dtypes
 from ourgrad.codegen.kernel import WGMMA_DEEP, WGMMA_SPECIALIZED, Kernel, KernelOptError, Opt, OptOps
 from ourgrad.codegen.opt import matmul_grid, tensor_core_plans
 from ourgrad.codegen.opt.tensor_core_plans import WgmmaPlan
-from ourgrad.codegen.wgmma_tiles import (WARPGROUP_THREADS, WgmmaMatmul, a_copy, accumulator_position, b_copy,
-                                         descriptor, paired_store_position, render_wgmma_matmul, swizzled,
-                                         thread_copies)
+from ourgrad.codegen.wgmma_copies import a_copy, b_copy, thread_copies
+from ourgrad.codegen.wgmma_tiles import (WARPGROUP_THREADS, WgmmaMatmul, accumulator_position, descriptor,
+                                         paired_store_position, render_wgmma_matmul, swizzled)
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import bfloat16_bits_to_float32
 from ourgrad.engine.realize import compile_kernel, run_schedule

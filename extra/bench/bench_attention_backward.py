@@ -28,7 +28,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ourgrad.codegen.attention_backward import AttentionBackwardPlan, KernelLaunch  # noqa: E402
+from ourgrad.codegen.attention_backward import launches  # noqa: E402
+from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan, KernelLaunch  # noqa: E402
 
 TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -57,7 +58,7 @@ class Kernels:
     from ourgrad.runtime.ops_cuda import check
     self.plan, self.driver, self.check = plan, driver, check
     self.loaded: list[tuple[KernelLaunch, object]] = []
-    for launch, (cubin, log) in zip(plan.launches(), compiled):
+    for launch, (cubin, log) in zip(launches(plan), compiled):
       if verbose:
         report = [line for line in log.splitlines() if "registers" in line or "spill" in line]
         print(f"    {launch.name}: grid {launch.grid} block {launch.block} shared {launch.shared_bytes} B; "
@@ -148,7 +149,7 @@ def run_case(name: str, variants: dict[str, AttentionBackwardPlan], compiler, ti
   # every variant's kernels compiled at once (NVRTC releases the GIL), a failed one reported at its turn
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
   compiled = {variant: pool.submit(lambda chosen: [compile_with_report(launch.source, compiler.target(launch.source))
-                                                    for launch in chosen.launches()], variant_plan)
+                                                    for launch in launches(chosen)], variant_plan)
               for variant, variant_plan in variants.items()}
   torch_grads = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
   if against_float64:

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's 
 sys.path.insert(0, str(Path(__file__).resolve().parent))      # bench_attention_backward.py, beside this script
 from bench_attention_backward import compile_with_report, logsumexp_rows, median_seconds  # noqa: E402
 
-from ourgrad.codegen.attention_backward import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL,  # noqa: E402
-                                                REGISTERS_PER_SM, AttentionBackwardPlan)
+from ourgrad.codegen.attention_backward import launches  # noqa: E402
+from ourgrad.codegen.attention_backward_plan import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL,  # noqa: E402
+                                                     REGISTERS_PER_SM, AttentionBackwardPlan)
 
 CASES = {512: (8, 12, 12, 512, 512, 64), 1024: (4, 12, 12, 1024, 1024, 64), 4096: (4, 12, 12, 4096, 4096, 64)}
 PRODUCTS = {DQ_KERNEL: 3, DKDV_KERNEL: 4}
@@ -107,7 +108,7 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
            for kernel, table in configs(base).items() for label, override in table.items()}
 
   def compile_one(plan: AttentionBackwardPlan, kernel: str):
-    launch = next(launch for launch in plan.launches() if launch.name == kernel)
+    launch = next(launch for launch in launches(plan) if launch.name == kernel)
     return launch, *compile_with_report(launch.source, compiler.target(launch.source))
 
   # every config's kernel compiled in parallel (NVRTC releases the GIL), a failed one reported at its turn

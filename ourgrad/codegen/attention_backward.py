@@ -1,4 +1,4 @@
-"""Flash-attention backward on CUDA: a plan, the two kernels' CUDA C source, and their numpy emulation.
+"""Flash-attention backward on CUDA: the two kernels' CUDA C source for a plan (codegen/attention_backward_plan.py).
 
 The forward (`Ops.ATTENTION`) computes O = softmax(scale Q K^T) V per (batch, head) and the per-row logsumexp
 LSE_i = log sum_j exp(scale q_i . k_j) (natural log, float32, (B, H, L); `lse_log2` reads a base-2 one). The backward
@@ -7,7 +7,7 @@ recomputes the scores tile by tile instead of reading a T x T matrix (FlashAtten
     P = exp(scale Q K^T - LSE)           dV = P^T dO          dP = dO V^T
     delta_i = rowsum(dO * O)_i           dS = P (dP - delta)  dQ = scale dS K     dK = scale dS^T Q
 
-Two kernels, launched in this order on one stream (`AttentionBackwardPlan.launches`):
+Two kernels, launched in this order on one stream (`launches`):
 
 - `attention_backward_dq`: one block per (Q tile of `block_q` rows, batch, head). It first writes delta for its rows
   (rowsum(dO * O), float32, (B, H, L) contiguous) to a scratch buffer, then loops over K/V tiles of `stream_kv`
@@ -39,247 +39,11 @@ attention_backward_host.py runs this CUDA source itself on the CPU (a host threa
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any
-
+from ourgrad.codegen.attention_backward_plan import (DKDV_KERNEL, DQ_KERNEL, LOG2E, AttentionBackwardPlan, KernelLaunch,
+                                                    Strides)
 from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps
-from ourgrad.codegen.wgmma_tiles import C_TYPE, ITEMSIZE, PTX_TYPE
-from ourgrad.errors import DTypeError, ShapeError
+from ourgrad.codegen.wgmma_tiles import C_TYPE, PTX_TYPE
 from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL   # the size ops_cuda.CUDAProgram reads at load
-
-Strides = tuple[int, int, int]   # element strides of (batch, head, row); the last dim (head_dim) is contiguous
-WARP_ROWS = 16                   # rows of an mma.sync tile (m16): each warp owns 16 rows of its block
-PAD_BYTES = 16                   # added to each shared-memory row so a fragment's 8 rows fall in different banks
-LOG2E = 1.4426950408889634
-# the register file of a multiprocessor (every sm_80/sm_86/sm_89/sm_90 GPU), the fewest registers a thread of these
-# kernels is given, those it needs beside its float32 accumulators (the operand fragments in flight, addresses, row
-# statistics, loop state: what ptxas used over the accumulators in NVRTC compiles of D=64 plans), and the shared
-# memory the driver reserves per resident block (sm_80+)
-REGISTERS_PER_SM, REGISTER_FLOOR, REGISTERS_BESIDE_ACCUMULATORS, BLOCK_RESERVED_SHARED = 65536, 128, 40, 1024
-DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
-
-
-def contiguous_strides(heads: int, rows: int, head_dim: int) -> Strides:
-  """The (batch, head, row) strides of a contiguous (B, heads, rows, head_dim) tensor."""
-  return (heads * rows * head_dim, rows * head_dim, head_dim)
-
-
-@dataclass(frozen=True)
-class AttentionBackwardPlan:
-  """One attention backward: shapes, dtype, mask, scale, every operand's layout and the block sizes.
-
-  q, o, do, dq are (batch, heads, q_len, head_dim); k, v, dk, dv (batch, kv_heads, kv_len, head_dim), each given by
-  its (batch, head, row) element strides (the last dim contiguous), so a (B, L, H, D) projection is read in place.
-  lse is float32 (batch, heads, q_len) by its own strides. The delta scratch buffer the kernels share is float32
-  (batch, heads, q_len) contiguous. dq, dk, dv have the input dtype, or float32 with `grad_float32`."""
-  batch: int
-  heads: int
-  kv_heads: int
-  q_len: int
-  kv_len: int
-  head_dim: int
-  dtype: str                  # "float32" (multiplied as TF32), "float16" or "bfloat16"
-  causal: bool
-  scale: float
-  q_strides: Strides
-  k_strides: Strides
-  v_strides: Strides
-  o_strides: Strides
-  do_strides: Strides
-  dq_strides: Strides
-  dk_strides: Strides
-  dv_strides: Strides
-  lse_strides: Strides
-  block_q: int = 64           # query rows a dQ block owns (a warp each 16)
-  block_kv: int = 64          # keys a dK/dV block owns
-  stream_q: int = 0           # the Q tile a dK/dV block streams (0: block_q)
-  stream_kv: int = 0          # the K/V tile a dQ block streams (0: block_kv)
-  lse_log2: bool = False      # LSE holds log2 of the softmax sum of 2^(scale log2(e) q.k) instead of the natural log
-  o_dtype: str | None = None  # O's dtype where the forward keeps it in float32; None: plan.dtype
-  shared_per_sm: int = 0      # the device's shared memory per multiprocessor (0: unknown, no occupancy hint)
-  lse_offset: int = 0         # where LSE starts in its buffer (elements): the forward may write it after O
-  dq_held: bool = False       # the dQ kernel's owned Q and dO A fragments kept in registers across its loop
-  dkdv_held: bool = False     # the dK/dV kernel's owned K and V A fragments kept in registers across its loop
-  grad_float32: bool = False  # dq, dk, dv written as float32 (the sums unrounded) instead of in plan.dtype
-
-  def __post_init__(self) -> None:
-    if self.dtype not in ITEMSIZE:
-      raise DTypeError(f"attention backward kernels take float32, float16 or bfloat16, not {self.dtype}")
-    if self.o_dtype not in (None, self.dtype, "float32"):
-      raise DTypeError(f"attention backward reads O as {self.dtype} or float32, not {self.o_dtype}")
-    if self.head_dim % 16 or not 16 <= self.head_dim <= 256:
-      raise ShapeError(f"attention backward kernels need head_dim a multiple of 16 in [16, 256], got {self.head_dim}")
-    if self.kv_heads <= 0 or self.heads % self.kv_heads:
-      raise ShapeError(f"{self.heads} query heads cannot share {self.kv_heads} kv heads (heads % kv_heads != 0)")
-    if min(self.batch, self.q_len, self.kv_len) <= 0:
-      raise ShapeError(f"attention backward of an empty problem: batch {self.batch}, q_len {self.q_len}, "
-                       f"kv_len {self.kv_len}")
-    for name in ("block_q", "block_kv", "stream_q", "stream_kv"):
-      size = getattr(self, name)
-      if size % WARP_ROWS or size < 0 or (size == 0 and name.startswith("block")):
-        raise ShapeError(f"{name} must be a positive multiple of {WARP_ROWS}, got {size}")
-
-  @staticmethod
-  def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
-                 causal: bool, scale: float | None = None, **options: Any) -> AttentionBackwardPlan:
-    """A plan for contiguous (B, H, T, D) operands; scale defaults to 1/sqrt(head_dim) as SDPA's. `options` sets
-    other fields (block sizes default to `default_blocks(head_dim, dtype)`)."""
-    q_like, kv_like = contiguous_strides(heads, q_len, head_dim), contiguous_strides(kv_heads, kv_len, head_dim)
-    sizes = {**default_blocks(head_dim, dtype), **options}
-    return AttentionBackwardPlan(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal,
-                                 1 / math.sqrt(head_dim) if scale is None else scale, q_like, kv_like, kv_like,
-                                 q_like, q_like, q_like, kv_like, kv_like, (heads * q_len, q_len, 1), **sizes)
-
-  @property
-  def group(self) -> int:
-    """Query heads per kv head."""
-    return self.heads // self.kv_heads
-
-  @property
-  def itemsize(self) -> int: return ITEMSIZE[self.dtype]
-
-  @property
-  def grad_dtype(self) -> str:
-    """The dtype dq, dk and dv are written in."""
-    return "float32" if self.grad_float32 else self.dtype
-
-  @property
-  def stored_o_dtype(self) -> str:
-    """The dtype O is read in."""
-    return self.o_dtype or self.dtype
-
-  @property
-  def row_pitch(self) -> int:
-    """Elements of one head_dim row of a shared-memory tile (padded)."""
-    return self.head_dim + PAD_BYTES // self.itemsize
-
-  @property
-  def vector_width(self) -> int:
-    """Elements of one 16-byte global load when every stride of q, k, v, do is a multiple of it (the buffers start
-    16-byte aligned, as allocations do), else 1."""
-    width = 16 // self.itemsize
-    strides = (*self.q_strides, *self.k_strides, *self.v_strides, *self.do_strides)
-    return width if all(stride % width == 0 for stride in strides) else 1
-
-  @property
-  def o_vector_width(self) -> int:
-    """Elements of O in one 16-byte load when O's strides allow it (its buffer 16-byte aligned, as `vector_width`
-    assumes of the operands), else 1."""
-    width = 16 // ITEMSIZE[self.stored_o_dtype]
-    return width if all(stride % width == 0 for stride in self.o_strides) else 1
-
-  @property
-  def delta_elements(self) -> int:
-    """Size (float32 elements) of the delta scratch buffer: (batch, heads, q_len) contiguous."""
-    return self.batch * self.heads * self.q_len
-
-  # ------------------------------------------------------------ launch sizes
-  @property
-  def dq_stream(self) -> int:
-    """Keys of the K/V tiles a dQ block streams."""
-    return self.stream_kv or self.block_kv
-
-  @property
-  def dkdv_stream(self) -> int:
-    """Queries of the Q tiles a dK/dV block streams."""
-    return self.stream_q or self.block_q
-
-  @property
-  def dq_grid(self) -> tuple[int, int, int]:
-    """(batch x heads, Q tiles): the heads vary fastest, so blocks start in the order of their tiles (module
-    docstring)."""
-    return (self.batch * self.heads, -(-self.q_len // self.block_q), 1)
-
-  @property
-  def dq_block(self) -> tuple[int, int, int]: return (32 * self.block_q // WARP_ROWS, 1, 1)
-
-  @property
-  def dq_shared_bytes(self) -> int:
-    """Q and dO tiles, two K and V tiles (double-buffered), then LSE and delta of the block's rows (dS stays in
-    registers)."""
-    tiles = 2 * self.block_q * self.row_pitch + 4 * self.dq_stream * self.row_pitch
-    return tiles * self.itemsize + 2 * self.block_q * 4
-
-  @property
-  def dkdv_grid(self) -> tuple[int, int, int]:
-    """(batch x kv heads, K/V tiles): the heads vary fastest, as `dq_grid`."""
-    return (self.batch * self.kv_heads, -(-self.kv_len // self.block_kv), 1)
-
-  @property
-  def dkdv_block(self) -> tuple[int, int, int]: return (32 * self.block_kv // WARP_ROWS, 1, 1)
-
-  @property
-  def dkdv_shared_bytes(self) -> int:
-    """K and V tiles, two Q and dO tiles (double-buffered), then two LSE and delta rows of a Q tile (P^T and dS^T stay
-    in registers)."""
-    stream = self.dkdv_stream
-    tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
-    return tiles * self.itemsize + 4 * stream * 4
-
-  @property
-  def dq_registers(self) -> int:
-    """Registers a dQ thread needs: its share of the dQ accumulators (16 x D a warp) and of S and dP (16 x stream)."""
-    return max(REGISTER_FLOOR, self.head_dim // 2 + self.dq_stream + REGISTERS_BESIDE_ACCUMULATORS)
-
-  @property
-  def dkdv_registers(self) -> int:
-    """Registers a dK/dV thread needs: its share of dK and dV (16 x D each a warp) and of S^T and dP^T (16 x stream)."""
-    return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + REGISTERS_BESIDE_ACCUMULATORS)
-
-  def launch_bounds(self, threads: int, shared_bytes: int, registers: int) -> str:
-    """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
-    known, the blocks that fit in it and in the register file at `registers` a thread (so ptxas keeps registers for
-    that many blocks and no more: a tighter bound would spill the accumulators)."""
-    if not self.shared_per_sm: return f"__launch_bounds__({threads})"
-    by_shared = self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED)
-    resident = min(by_shared, REGISTERS_PER_SM // (threads * registers))
-    return f"__launch_bounds__({threads}, {resident})" if resident > 1 else f"__launch_bounds__({threads})"
-
-  def fits(self, max_shared_bytes: int) -> bool:
-    """Whether both kernels' shared memory fits a block's limit (the device's opt-in maximum)."""
-    return max(self.dq_shared_bytes, self.dkdv_shared_bytes) <= max_shared_bytes
-
-  def launches(self) -> list[KernelLaunch]:
-    """The two kernels in launch order, with their arguments (names of the buffers) and sizes."""
-    return [KernelLaunch(DQ_KERNEL, render_dq_kernel(self), ("q", "k", "v", "o", "do", "lse", "dq", "delta"),
-                         self.dq_grid, self.dq_block, self.dq_shared_bytes),
-            KernelLaunch(DKDV_KERNEL, render_dkdv_kernel(self), ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
-                         self.dkdv_grid, self.dkdv_block, self.dkdv_shared_bytes)]
-
-
-def default_blocks(head_dim: int, dtype: str) -> dict[str, Any]:
-  """Block sizes by the bytes of a head_dim row: each block owns 64 rows (a warp 16) and streams 64-row tiles, except
-  that over 128 bytes (float32 rows of 64, 16-bit rows of 128) both kernels stream 32-row tiles, so that the
-  accumulators (dQ: head_dim / 2 floats a thread, dK and dV: head_dim / 2 each; S and dP: stream / 2 each) and the
-  wider fragments stay in registers with three blocks a multiprocessor, and over 256 bytes the dQ block owns 32 rows
-  (its shared memory). The dQ kernel holds its Q and dO A fragments in registers (`dq_held`); the dK/dV kernel reads
-  K and V from shared memory (holding them spills at 64 keys a block).
-  H200, causal D = 64, each kernel alone (extra/bench/results/sweep_attention_backward_h200_s12.txt): float32 dQ
-  0.118 / 0.199 / 2.03 ms at T = 512 (B=8) / 1024 / 4096 (B=4) streaming 32 keys, 0.115 / 0.193 / 1.89 held,
-  0.130 / 0.206 / 2.13 streaming 64 (255 registers, 2 blocks a multiprocessor); dK/dV 0.146 / 0.257 / 2.73 streaming
-  32 queries, 0.145 / 0.251 / 2.77 streaming 64, 0.175 / 0.306 / 3.24 held (spills). bfloat16 dQ 0.057 / 0.088 /
-  0.800, held 0.056 / 0.086 / 0.768; dK/dV 0.068 / 0.109 / 1.077 (64 throughout, the fastest of the sweep).
-  Session 13 (interior tiles unmasked, heads-first block order, float32 tiles rounded once;
-  sweep_attention_backward_h200_s13.txt, T = 1024 / 4096): the defaults still the fastest configs within 1%;
-  bfloat16 dQ 0.053 / 0.574 ms, dK/dV 0.073 / 0.798; float32 dQ 0.130 / 1.59, dK/dV 0.162 / 2.06."""
-  row_bytes = head_dim * ITEMSIZE.get(dtype, 4)   # an unknown dtype is refused by the plan itself
-  stream = 64 if row_bytes <= 128 else 32
-  return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": stream, "stream_kv": stream,
-          "dq_held": True}
-
-
-@dataclass(frozen=True)
-class KernelLaunch:
-  """One kernel of the backward: its name (the extern "C" symbol), CUDA source, the buffers it takes in order, and
-  its launch sizes (grid, block, dynamic shared memory bytes)."""
-  name: str
-  source: str = field(repr=False)
-  arguments: tuple[str, ...]
-  grid: tuple[int, int, int]
-  block: tuple[int, int, int]
-  shared_bytes: int
-
 
 # ---------------------------------------------------------------- CUDA source
 
@@ -878,3 +642,11 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
 }}
 """
   return _header(plan, plan.dkdv_shared_bytes, plan.dkdv_stream, plan.block_kv) + body
+
+
+def launches(plan: AttentionBackwardPlan) -> list[KernelLaunch]:
+  """The two kernels in launch order, with their arguments (names of the buffers) and sizes."""
+  return [KernelLaunch(DQ_KERNEL, render_dq_kernel(plan), ("q", "k", "v", "o", "do", "lse", "dq", "delta"),
+                       plan.dq_grid, plan.dq_block, plan.dq_shared_bytes),
+          KernelLaunch(DKDV_KERNEL, render_dkdv_kernel(plan), ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
+                       plan.dkdv_grid, plan.dkdv_block, plan.dkdv_shared_bytes)]

@@ -25,9 +25,10 @@ from __future__ import annotations
 from math import prod
 from typing import Any
 
-from ourgrad.codegen.attention_backward import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL, AttentionBackwardPlan,
-                                                KernelLaunch, contiguous_strides, default_blocks, render_dkdv_kernel,
-                                                render_dq_kernel)
+from ourgrad.codegen.attention_backward import launches, render_dkdv_kernel, render_dq_kernel
+from ourgrad.codegen.attention_backward_plan import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL,
+                                                     AttentionBackwardPlan, KernelLaunch, contiguous_strides,
+                                                     default_blocks)
 from ourgrad.codegen.wgmma_tiles import ITEMSIZE
 from ourgrad.helpers import DEBUG
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
@@ -87,7 +88,7 @@ class AttentionGradKernel:
     self.plan = backward_plan(views["q"], views["k"], views["v"], views["do"], load_of["q"].dtype.name, causal,
                               scale, shared_per_sm, packed)
     self.kernel = KERNELS[op.op]
-    self.launch: KernelLaunch = next(launch for launch in self.plan.launches() if launch.name == self.kernel)
+    self.launch: KernelLaunch = next(launch for launch in launches(self.plan) if launch.name == self.kernel)
     p = self.plan
     q_elements, kv_elements = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
     place = {name: (load.arg.idx, int(views[name].offset)) for name, load in load_of.items()}

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ourgrad.codegen.wgmma_tiles import (ATOM_BYTES, PIECE_BYTES, ROW_BYTES, SLICE_BYTES, SWIZZLE_128B, CExpr,
-                                         launch_registers)
+from ourgrad.codegen.wgmma_copies import ATOM_BYTES, PIECE_BYTES, ROW_BYTES
+from ourgrad.codegen.wgmma_tiles import SLICE_BYTES, SWIZZLE_128B, CExpr, launch_registers
 
 if TYPE_CHECKING:
   from ourgrad.codegen.attention import AttentionPlan

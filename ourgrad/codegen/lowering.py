@@ -24,7 +24,7 @@ from enum import Enum, auto
 from typing import Any, Callable
 
 from ourgrad.codegen.attention import AttentionKernel, AttentionPlan, is_attention
-from ourgrad.codegen.attention_backward import AttentionBackwardPlan
+from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
 from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
 from ourgrad.codegen.index_accumulate import IndexAccumulateKernel, is_index_accumulate
 from ourgrad.codegen.kernel import Kernel

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from ourgrad.codegen.matmul_operands import varying_axes
 from ourgrad.codegen.opt.tensor_core_plans import WGMMA_MIN_WORK
-from ourgrad.codegen.wgmma_tiles import ROW_BYTES
+from ourgrad.codegen.wgmma_copies import ROW_BYTES
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import DEBUG, fmt_size, prod, tf32_allowed

@@ -49,7 +49,7 @@ class Renderer:
   vector_dtypes: tuple[DType, ...] = (dtypes.float32,)
   # bytes of memory traffic that cost about as much time as one kernel launch (launch overhead x memory bandwidth):
   # the scheduler stores an intermediate in a buffer of its own (one more launch) only when that saves more bytes
-  # than this (engine/schedule.py `_store_or_recompute`). A CPU: ~5 us a call at ~10 GB/s.
+  # than this (engine/store_or_recompute.py `_store_or_recompute`). A CPU: ~5 us a call at ~10 GB/s.
   launch_bytes: int = 64 * 1024
   # bytes of memory traffic that take as long as one load waits for memory (latency x bandwidth; 0: unknown): a GPU
   # reduce with few blocks is bound by it (codegen/opt/split_reduce.py `stream_cost`)

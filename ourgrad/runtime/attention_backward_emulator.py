@@ -21,7 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from ourgrad.codegen.attention_backward import DKDV_KERNEL, DQ_KERNEL, LOG2E, AttentionBackwardPlan, Strides
+from ourgrad.codegen.attention_backward import launches
+from ourgrad.codegen.attention_backward_plan import DKDV_KERNEL, DQ_KERNEL, LOG2E, AttentionBackwardPlan, Strides
 from ourgrad.codegen.tensor_cores import tf32_round
 from ourgrad.dtype import bfloat16_bits_to_float32, float32_to_bfloat16_bits, round_to_bfloat16
 from ourgrad.errors import ShapeError
@@ -180,7 +181,7 @@ class AttentionBackwardProgram:
     fields = {key: tuple(value) if isinstance(value, list) else value for key, value in document["plan"].items()}
     self.name, self.kernel, self.plan = name, document["kernel"], AttentionBackwardPlan(**fields)
     self.bindings: list[Binding] | None = document.get("bindings")
-    self.launch = next(launch for launch in self.plan.launches() if launch.name == self.kernel)
+    self.launch = next(launch for launch in launches(self.plan) if launch.name == self.kernel)
 
   def __call__(self, *buffers: np.ndarray, global_size: tuple[int, ...] = (1, 1, 1),
                local_size: tuple[int, ...] = (1, 1, 1), wait: bool = False, vals: tuple[int, ...] = ()) -> float | None:

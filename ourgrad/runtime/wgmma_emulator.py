@@ -1,9 +1,9 @@
 """The wgmma matmul kernel (codegen/wgmma_tiles.py) emulated with numpy, for the PYTHON device and CI.
 
-It replays what the CUDA kernel does with the same address formulas (wgmma_tiles.a_copy, b_copy, operand_starts,
-tile_of_block, accumulator_position) and reads the operands back the way the PTX ISA says the tensor cores do: from a
-shared-memory image, through the 64-bit descriptors the kernel builds, by the canonical 128-byte-swizzled layouts
-("Shared Memory Matrix Layout", in CuTe notation, T = 8 elements of 16 bits):
+It replays what the CUDA kernel does with the same address formulas (wgmma_copies.a_copy, b_copy;
+wgmma_tiles.operand_starts, tile_of_block, accumulator_position) and reads the operands back the way the PTX ISA
+says the tensor cores do: from a shared-memory image, through the 64-bit descriptors the kernel builds, by the
+canonical 128-byte-swizzled layouts ("Shared Memory Matrix Layout", in CuTe notation, T = 8 elements of 16 bits):
 
     K-major:  ((8, m), (T, 2k)) : ((8T, SBO), (1, T))     row r, k  ->  (r // 8) SBO + (r % 8) 128 B + 2 k B
     MN-major: ((T, 8, m), (8, k)) : ((1, T, LBO), (8T, SBO))   mn, k  ->  (mn // 64) LBO + (k // 8) SBO + (k % 8) 128 B
@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
-from ourgrad.codegen.wgmma_tiles import (ROW_BYTES, WARPGROUP_THREADS, WgmmaMatmul, a_copy, accumulator_position,
-                                         b_copy, cta_items, descriptor, item_tile, operand_starts, swizzled)
+from ourgrad.codegen.wgmma_copies import ROW_BYTES, a_copy, b_copy
+from ourgrad.codegen.wgmma_tiles import (WARPGROUP_THREADS, WgmmaMatmul, accumulator_position, cta_items, descriptor,
+                                         item_tile, operand_starts, swizzled)
 
 # the unsigned integer type holding one operand element's bits, by its size in bytes
 WORDS = {2: np.uint16, 4: np.uint32}

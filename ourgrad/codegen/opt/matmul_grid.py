@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ourgrad.codegen.wgmma_tiles import ATOM_BYTES, ROW_BYTES
+from ourgrad.codegen.wgmma_copies import ATOM_BYTES, ROW_BYTES
 
 # multiply-adds per second of one H100 multiprocessor running 128x128 tiles (40.5 TFLOP/s at 4096^3 on 132)
 MULTIPROCESSOR_MACS = 40.5e12 / 2 / 132
