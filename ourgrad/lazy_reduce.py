@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ourgrad.codegen.opt.cpu_tiles import (cpu_gathered_pack, cpu_gathered_reduce_parts, cpu_pack_columns,
                                           cpu_reduce_parts)
+from ourgrad.codegen.opt import tensor_core_plans
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts, wgmma_split_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
@@ -44,8 +45,9 @@ def split_large_reduce(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...],
   renderer = Device[lazy.device].renderer
   gpu = renderer if renderer.runs_thread_blocks else None
   # a float32 matmul with many outputs splits its K by the grid model; its few parts are added elementwise
-  if gpu is not None: grid_parts = _matmul_split_parts(lazy, gpu, axes, out_shape)
-  else: grid_parts = _cpu_matmul_split_parts(lazy, axes)
+  if gpu is not None and (grid_parts := _matmul_split_parts(lazy, gpu, axes, out_shape)) is not None:
+    return _split_matmul(lazy, axes[0], grid_parts, out_shape)
+  grid_parts = _cpu_matmul_split_parts(lazy, axes) if gpu is None else None
   if grid_parts is not None: plan = ReduceSplit(max(axes, key=lambda a: lazy.shape[a]), grid_parts, True)
   else:
     # the loads a value takes bound a GPU thread's loads in flight (only GPUs ask, and only where a split is still
@@ -103,36 +105,42 @@ def _split_rows(lazy: LazyBuffer, split: LazyBuffer, axes: tuple[int, ...], axis
 def _matmul_split_parts(lazy: LazyBuffer, renderer: Any, axes: tuple[int, ...],
                         out_shape: tuple[int, ...]) -> int | None:
   """Split-K across blocks for a float32 matmul with many outputs on a GPU (`renderer`, MATMUL_GRID; see
-  _dense_matmul_dims): the parts that matmul_grid.split_k_parts predicts fastest (the 2048x1536 @ 1536x384 of MiniLM's
-  feed-forward: 48 blocks of 128x128 on 132 multiprocessors, 96 with the reduce in 2 parts), at most
-  MATMUL_SUM_PARTS. None: no split (a matmul with few outputs splits by split_reduce.plan_split)."""
+  _matmul_dims: its reduce axis anywhere, a weight gradient's token axis first as autograd builds it): the parts that
+  the grid model predicts fastest, at most MATMUL_SUM_PARTS (matmul_grid.wgmma_split_parts where WGMMA runs it,
+  else matmul_grid.split_k_parts: the 2048x1536 @ 1536x384 of MiniLM's feed-forward, 48 blocks of 128x128 on 132
+  multiprocessors, 96 with the reduce in 2 parts). None: no split (a matmul with few outputs splits by
+  split_reduce.plan_split)."""
   if not MATMUL_GRID.value or not _matmul_like_reduce(lazy, axes): return None
   if leaves_device_idle(SplitFacts.of(renderer), ReduceKind.MATMUL, prod(out_shape)): return None
-  dims = _dense_matmul_dims(lazy, axes)
+  dims = _matmul_dims(lazy, axes)
   if dims is None: return None
+  batch, m, n, k = dims
   processors = getattr(renderer, "multiprocessors", 0)
-  wgmma_itemsize = _wgmma_split_itemsize(lazy, dims) if getattr(renderer, "has_wgmma", False) else None
+  wgmma_itemsize = _wgmma_split_itemsize(lazy, axes[0], dims) if getattr(renderer, "has_wgmma", False) else None
   if wgmma_itemsize == 0: return None   # WGMMA runs it whole (its split could not: see _wgmma_split_itemsize)
   if wgmma_itemsize is not None:
-    parts = wgmma_split_parts(1, *dims, wgmma_itemsize, processors, renderer.dynamic_local_memory_bytes)
-  else: parts = split_k_parts(1, *dims, processors)
+    parts = wgmma_split_parts(batch, m, n, k, wgmma_itemsize, processors, renderer.dynamic_local_memory_bytes)
+  else: parts = split_k_parts(1, batch * m, n, k, processors)   # (the shared tiles' grid counts the batch in M)
   return parts if 1 < parts <= MATMUL_SUM_PARTS else None
 
 
-def _wgmma_split_itemsize(lazy: LazyBuffer, dims: tuple[int, int, int]) -> int | None:
-  """On a device with WGMMA, for this dense float32 matmul (_dense_matmul_dims `dims`): the operand bytes the
-  WGMMA grid model splits it by (matmul_grid.wgmma_split_parts): 2 where both factors widen float16/bfloat16 data
-  (the instruction reads either layout), 4 where both are float32 read along K (TF32 allowed: it cannot transpose,
-  and operand staging, engine/operand_staging.py, stages no split's operands); 0 where WGMMA takes it only unsplit
-  (float32 factors to stage); None where WGMMA does not take it (sizes off its 64 tile, float32 without TF32)."""
-  m, n, _ = dims
-  if m % 64 or n % 64: return None
+def _wgmma_split_itemsize(lazy: LazyBuffer, axis: int, dims: tuple[int, int, int, int]) -> int | None:
+  """On a device with WGMMA, for this float32 matmul summed over `axis` (_matmul_dims `dims`): the operand bytes
+  the WGMMA grid model splits it by (matmul_grid.wgmma_split_parts): 2 where both factors widen float16/bfloat16
+  data (the instruction reads either layout), 4 where both are float32 and TF32 is allowed (it cannot transpose:
+  factors not read along K are staged K-major by engine/operand_staging.py, a split's as (parts, M, K / parts),
+  where M and N are multiples of its WGMMA_STAGED_TILE); 0 where WGMMA takes it only unsplit (float32 factors to
+  stage, a side off that tile); None where WGMMA does not take it (sizes off its 64 tile, under WGMMA_MIN_WORK,
+  float32 without TF32)."""
+  batch, m, n, k = dims
+  if m % 64 or n % 64 or batch * m * n * k < tensor_core_plans.WGMMA_MIN_WORK: return None
   factors = lazy.base.srcs
   low = [src.base.srcs[0].dtype for src in factors if src.base.op is Ops.CAST and src.base.srcs]
   if len(low) == 2 and low[0] == low[1] and low[0] in (dtypes.float16, dtypes.bfloat16): return 2
   if not all(src.dtype == dtypes.float32 for src in factors) or not tf32_allowed(): return None
-  along_k = all(len(src.st.views) == 1 and src.st.views[-1].strides[-1] == 1 for src in factors)
-  return 4 if along_k else 0
+  along_k = all(len(src.st.views) == 1 and src.st.views[-1].strides[axis] == 1 for src in factors)
+  staged_tile = tensor_core_plans.WGMMA_STAGED_TILE
+  return 4 if along_k or (m % staged_tile == 0 and n % staged_tile == 0) else 0
 
 
 def _cpu_matmul_split_parts(lazy: LazyBuffer, axes: tuple[int, ...]) -> int | None:
@@ -227,6 +235,47 @@ def _packed_along(operand: LazyBuffer, column: int) -> LazyBuffer:
   unpacked = packed.permute(tuple(order.index(place) for place in range(len(order))))
   kept = tuple(size if axis in varying else 1 for axis, size in enumerate(operand.shape))
   return unpacked.reshape(kept).expand(operand.shape)
+
+
+def _matmul_dims(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[int, int, int, int] | None:
+  """(batch, M, N, K) of a float32 product summed over one axis (K) at any position: every other axis varied along
+  by both factors (batch), by one only (that factor's own axes: M those of the factor whose own axis comes first,
+  N the other's), both varying along K; None for any other reduce."""
+  if lazy.dtype != dtypes.float32 or len(axes) != 1: return None
+  base = lazy.base
+  if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or len(base.srcs) != 2: return None
+  if base.op is not Ops.MUL: return None
+  strides = [src.st.views[-1].strides for src in base.srcs]
+  if any(factor[axes[0]] == 0 for factor in strides): return None
+  sizes = {"batch": 1, 0: 1, 1: 1}
+  first = None   # the factor whose own axis comes first
+  for axis, size in enumerate(lazy.shape):
+    if axis in axes or size == 1: continue
+    varies = [factor[axis] != 0 for factor in strides]
+    if not any(varies): return None
+    kind = "batch" if all(varies) else varies.index(True)
+    if first is None and kind != "batch": first = kind
+    sizes[kind] *= size
+  if first is None or sizes[0] == 1 or sizes[1] == 1: return None
+  return sizes["batch"], sizes[first], sizes[1 - first], lazy.shape[axes[0]]
+
+
+def _split_matmul(lazy: LazyBuffer, axis: int, parts: int, out_shape: tuple[int, ...]) -> LazyBuffer:
+  """The matmul `lazy` summed over `axis` (_matmul_dims) as `parts` partial products summed by _sum_parts: each
+  factor viewed with K as (parts, K / parts) and the parts axis moved after the product's leading batch axes, then
+  multiplied again, so the partial products are one plain product, batched over the parts (operand staging,
+  engine/operand_staging.py, reads it as such: a factor it stages K-major is one (parts, M, K / parts) copy)."""
+  shape = lazy.shape
+  split_shape = shape[:axis] + (parts, shape[axis] // parts) + shape[axis + 1:]
+  # after the batch axes both factors vary along (in a stored factor they then merge with the parts: no copy), before
+  # the output axes the kernel tiles (a weight gradient's channels, as without the split)
+  strides = [src.st.views[-1].strides for src in lazy.base.srcs]
+  place = 0
+  while place < axis and (shape[place] == 1 or all(factor[place] != 0 for factor in strides)): place += 1
+  order = (*range(place), axis, *(a for a in range(place, len(split_shape)) if a != axis))
+  left, right = (factor.reshape(split_shape).permute(order) for factor in lazy.base.srcs)
+  partials = left.elementwise(Ops.MUL, right).reduce(Ops.SUM, (axis + 1,), split=False)
+  return _sum_parts(partials.permute((place, *(a for a in range(len(split_shape)) if a != place)))).reshape(out_shape)
 
 
 def _dense_matmul_dims(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[int, int, int] | None:

@@ -17,8 +17,8 @@ kernel plain K-major loads:
   laid out (batch axes, its own output axes, the reduce axes), read back by the matmul through a permute and an
   expand. The copy (a tiled transpose where the layout changes) moves 2 x the operand's bytes; every staged element
   then feeds `other` outputs of the matmul (the other operand's output size) at WGMMA's rate. It pays where
-  `other` is at least the plan's block tile (WGMMA_TILE): below that the matmul reads each element fewer times than
-  a block's tile of outputs and the copy's two passes are not amortized;
+  `other` is at least the plan's block tile (tensor_core_plans.WGMMA_STAGED_TILE): below that the matmul reads each
+  element fewer times than a block's tile of outputs and the copy's two passes are not amortized;
   An operand whose staged copy would hold more than MAX_STAGED_GROWTH times the elements of the base it reads (a
   convolution's window view: im2col repeats each element kh * kw times) is not staged: the matmul is left alone;
 - the reduce's result is stored as it is where an epilogue (a bias add, an activation) would fuse into it: the
@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ourgrad.codegen.matmul_operands import varying_axes
-from ourgrad.codegen.opt.tensor_core_plans import WGMMA_MIN_WORK
+from ourgrad.codegen.opt.tensor_core_plans import WGMMA_MIN_WORK, WGMMA_STAGED_TILE
 from ourgrad.codegen.wgmma_copies import ROW_BYTES
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
@@ -51,16 +51,12 @@ from ourgrad.helpers import DEBUG, fmt_size, prod, tf32_allowed
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 from ourgrad.shape.shapetracker import ShapeTracker
-from ourgrad.shape.view import strides_for_shape
 
 Realizations = dict   # base id -> why it gets its own buffer (as in engine/kernel_walk.py)
 
 # operand dtypes the WGMMA instruction reads in either layout (it transposes them; TF32 it cannot)
 LOW_DTYPES = (dtypes.float16, dtypes.bfloat16)
 
-# the smallest WGMMA block tile along M and N (codegen/opt/heuristic.py WGMMA_TILES: 128 x 128 or 128 x 256):
-# the plan needs M and N to be multiples of it, and it is the reuse at which a staging copy is amortized
-WGMMA_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -108,7 +104,7 @@ def stage_matmul_operands(bases: list[LazyBuffer], realizes: Realizations) -> li
       cast = f" (cast to {result.dtype.name})" if result is not base else ""
       realizes[id(result)] = (f"the result of a {loop.describe()} stored as it is{cast} (WGMMA fuses no epilogue): "
                               f"2 x {fmt_size(result.size * result.dtype.itemsize)} amortized over "
-                              f"K={loop.size(loop.k)} >= {WGMMA_TILE} products per output")
+                              f"K={loop.size(loop.k)} >= {WGMMA_STAGED_TILE} products per output")
     for side in (0, 1): _stage_operand(loop, side, realizes, staged, inserted)
   if not inserted: return bases
   ordered: list[LazyBuffer] = []
@@ -201,10 +197,10 @@ def _wgmma_refusal(loop: MatmulLoop, stored: bool) -> str | None:
             "allowed (set_float32_matmul_precision('high'))")
   m, n, k = loop.size(loop.own[0]), loop.size(loop.own[1]), loop.size(loop.k)
   block_k = ROW_BYTES // operands[0].dtype.itemsize
-  if m % WGMMA_TILE or n % WGMMA_TILE or k % block_k:
-    return f"M={m}, N={n} not multiples of the {WGMMA_TILE} tile or K={k} of {block_k}"
+  if m % WGMMA_STAGED_TILE or n % WGMMA_STAGED_TILE or k % block_k:
+    return f"M={m}, N={n} not multiples of the {WGMMA_STAGED_TILE} tile or K={k} of {block_k}"
   if loop.size(loop.batch) * m * n * k < WGMMA_MIN_WORK: return f"under WGMMA_MIN_WORK ({WGMMA_MIN_WORK}) products"
-  if not stored and k < WGMMA_TILE: return f"K={k} < {WGMMA_TILE}: its epilogue stays fused"
+  if not stored and k < WGMMA_STAGED_TILE: return f"K={k} < {WGMMA_STAGED_TILE}: its epilogue stays fused"
   return None
 
 
@@ -226,25 +222,49 @@ def _duplicating_operand(loop: MatmulLoop, realizes: Realizations) -> str | None
   return None
 
 
-def _plan_layouts(loop: MatmulLoop, side: int, operand: LazyBuffer) -> tuple[tuple[int, ...], ...]:
+# (batch axes, row axes, axes within a row) of an operand in one order the WGMMA plan reads
+Layout = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+# the plan's asynchronous copies move 16 bytes from 16-byte aligned addresses: each row and batch starts on one
+COPY_ALIGN_BYTES = 16
+
+
+def _plan_layouts(loop: MatmulLoop, side: int, operand: LazyBuffer) -> tuple[Layout, ...]:
   """The loop axes of operand `side` in each order the WGMMA plan reads it: K-major first; 16-bit operands also
   MN-major (the instruction transposes them: W of x @ W, g^T of a weight gradient)."""
-  k_major = loop.layout(side)
+  k_major = (loop.batch, loop.own[side], loop.k)
   if operand.dtype not in LOW_DTYPES: return (k_major,)
-  return (k_major, loop.batch + loop.k + loop.own[side])
+  return (k_major, (loop.batch, loop.k, loop.own[side]))
 
 
-def _reads_as_plan_layout(operand: LazyBuffer, layouts: tuple[tuple[int, ...], ...], realizes: Realizations) -> bool:
-  """Whether `operand` is already a plain load of a stored buffer laid out densely as one of `layouts`."""
+def _reads_as_plan_layout(operand: LazyBuffer, layouts: tuple[Layout, ...], realizes: Realizations) -> bool:
+  """Whether `operand` is already a plain load of a stored buffer that the plan reads in one of `layouts`
+  (wgmma_tiles.plan_for_kernel): one unmasked view from offset 0, each group of axes merging into one (the loop nest
+  then merges into (batch, M, N, K)), the axes within a row contiguous, rows at least a row apart (a split-K part
+  reads a slice of each row of its operand) and batches anywhere, every row and batch on an aligned address."""
   base = operand.base
   if base.realized is None and id(base) not in realizes: return False   # an expression: computed inside the matmul
   st = operand.st.simplify()
   if len(st.views) != 1 or st.views[0].mask is not None or st.views[0].offset != 0: return False
   shape, strides = st.shape, st.views[0].strides
-  for layout in layouts:
-    wanted = dict(zip(layout, strides_for_shape(tuple(shape[axis] for axis in layout))))
-    if all(shape[axis] == 1 or strides[axis] == wanted.get(axis, 0) for axis in range(len(shape))): return True
-  return False
+  if not all(isinstance(stride, int) for stride in strides): return False
+  align = COPY_ALIGN_BYTES // operand.dtype.itemsize
+  return any(_reads_as(shape, strides, layout, align) for layout in layouts)
+
+
+def _reads_as(shape: tuple[int, ...], strides: tuple[int, ...], layout: Layout, align: int) -> bool:
+  """_reads_as_plan_layout for one layout, given the view's `shape` and `strides` and the copies' alignment in
+  elements."""
+  in_layout = {axis for group in layout for axis in group}
+  if any(shape[axis] != 1 and strides[axis] != 0 for axis in range(len(shape)) if axis not in in_layout): return False
+  merged: list[tuple[int, int]] = []   # (size, stride) of each group merged into one axis
+  for group in layout:
+    sized = [axis for axis in group if shape[axis] != 1]
+    if any(strides[outer] != strides[inner] * shape[inner] for outer, inner in zip(sized, sized[1:])): return False
+    merged.append((prod(shape[axis] for axis in sized), strides[sized[-1]] if sized else 0))
+  (batches, batch_stride), (rows, row_stride), (row, element_stride) = merged
+  if row > 1 and element_stride != 1: return False
+  if rows > 1 and (row_stride < row or row_stride % align): return False
+  return batches == 1 or batch_stride % align == 0
 
 
 def _stage_operand(loop: MatmulLoop, side: int, realizes: Realizations,
@@ -274,7 +294,7 @@ def _stage_operand(loop: MatmulLoop, side: int, realizes: Realizations,
         "a view WGMMA does not read (not K-major, several views, masked or offset)"
     realizes[id(base)] = (f"operand {'AB'[side]} of a {loop.describe()} staged K-major for WGMMA ({why}): the copy "
                           f"moves 2 x {fmt_size(base.size * base.dtype.itemsize)}, each element then feeds {other} "
-                          f">= {WGMMA_TILE} outputs")
+                          f">= {WGMMA_STAGED_TILE} outputs")
   inverse = tuple(sorted(range(len(loop_shape)), key=(layout + dropped).__getitem__))
   back = base.reshape(shape + (1,) * len(dropped)).permute(inverse).expand(loop_shape)
   if back.dtype != operand.dtype:   # the 16-bit values widened in the matmul, as the operand did (a fused cast)

@@ -55,6 +55,10 @@ register_plan(WgmmaTile)   # the arg of the WGMMA Opts a BEAM result holds
 WGMMA_TILES = (WgmmaPlan(256, 4, specialized=True), WgmmaPlan(128, 6, specialized=True))
 # the least work (M N K) that takes WGMMA (a smaller matmul keeps mma.sync)
 WGMMA_MIN_WORK = 512 ** 3
+# the smallest block tile along M and N of the plans operand staging (engine/operand_staging.py) stages operands for:
+# M and N multiples of it, and the reuse at which a staging copy is amortized. The lazy layer's split-K of a TF32
+# matmul read M/N-major (lazy_reduce.py) asks it too: such a split runs on WGMMA only where its operands are staged
+WGMMA_STAGED_TILE = 128
 # what BEAM may try beside the model's choice: the cooperative kernel in 4 and 2 stages, N tiles of 128 and 256; the
 # specialized one 192 wide, persistent, and in 64-row tiles two CTAs to a multiprocessor
 WGMMA_SEARCH = WGMMA_TILES + tuple(WgmmaPlan(block_n, stages) for block_n in (128, 256) for stages in (4, 2)) + (
