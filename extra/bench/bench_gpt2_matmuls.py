@@ -16,7 +16,8 @@ PyTorch in the same precision. The kernel names (DEBUG=2's) and the opts say whi
 opts with TC or a wgmma kernel name).
 
 Run on a CUDA machine: `python extra/bench/bench_gpt2_matmuls.py` (both precisions), `--only tf32` or `--only bf16`
-for one, `--only attn` for the attention rows; `--device CLANG --scale 4` checks the script on a CPU in a minute.
+for one, `--only attn` for the attention rows, `--only dW` for the weight gradients; `--batch 32` for K = 16384 (the
+bf16 step's 16 x 1024 tokens); `--device CLANG --scale 4` checks the script on a CPU in a minute.
 """
 from __future__ import annotations
 
@@ -116,13 +117,15 @@ def main() -> None:
   parser.add_argument("--device", default="CUDA")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--scale", type=int, default=0, help="divide batch, sequence and width by 2**scale (a check)")
+  parser.add_argument("--batch", type=int, default=BATCH, help="sequences of 512 tokens: the weight gradients' K "
+                      "(32: K = 16384, the bf16 step's 16 x 1024)")
   parser.add_argument("--only", default="", help="rows whose name (with its precision) contains one of these, "
                       "comma-separated")
   args = parser.parse_args()
   import torch
   cuda = args.device.upper().startswith("CUDA")
   shrink = 2 ** args.scale
-  rows = gpt2_rows(max(BATCH // shrink, 1), SEQUENCE // shrink, WIDTH // shrink, HEADS, VOCAB // shrink)
+  rows = gpt2_rows(max(args.batch // shrink, 1), SEQUENCE // shrink, WIDTH // shrink, HEADS, VOCAB // shrink)
   jobs = [(row, precision) for precision in ("tf32", "bf16") for row in rows]
   jobs += [(row, precision) for precision in ("f16", "bf16") for row in square_rows(4096 // shrink)]
   print(f"device: {torch.cuda.get_device_name() if cuda else args.device}")
