@@ -29,7 +29,7 @@ from ourgrad.helpers import _float32_matmul_precision
 from ourgrad.lazy_reduce import _matmul_dims
 from ourgrad.ops import Ops
 
-from helpers import emulated_gpu_tf32
+from helpers import device_opens, emulated_gpu_tf32
 
 # where the reduce axis sits in the product: (numpy reference, the ourgrad product, operand shapes for M, N, K),
 # each operand's K-major-ness (whether it is read along K with stride 1) for the staged-copy count
@@ -174,3 +174,27 @@ def test_split_at_every_reduce_axis_odd_sizes(monkeypatch, position: str, device
     items = [item for item in create_schedule([build(a, b).lazydata]) if item.ast.op is not Ops.COPY]
     assert len(items) == 2, items   # the parts, their sum
     assert _relative_error(build(a, b).numpy(), want) < 1e-5
+
+
+# ================================================================ on an H100/H200
+
+HOPPER = device_opens("CUDA") and getattr(Device["CUDA"].renderer, "has_wgmma", False)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs CUDA on an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("precision, tokens", [("tf32", 4096), ("bf16", 16384)])
+def test_cuda_gpt2_projection_weight_gradient(precision: str, tokens: int) -> None:
+  """On the GPU, GPT-2's attention projection weight gradient (768 x 768) as autograd builds it, split by the grid
+  model (TF32: operands staged as (parts, 768, K / parts); bf16 read in place): values as torch's in float64."""
+  _float32_matmul_precision[0] = "high" if precision == "tf32" else "highest"
+  try:
+    dtype = dtypes.float32 if precision == "tf32" else dtypes.bfloat16
+    x_np, g_np = _inputs(((tokens, 768), (tokens, 768)), seed=9)
+    x, g = (Tensor(value, device="CUDA").cast(dtype).realize() for value in (x_np, g_np))
+    w = Tensor(np.zeros((768, 768), np.float32), device="CUDA", requires_grad=True)
+    (x.float().linear(w) * g.float()).sum().backward()
+    got = w.grad.numpy()
+    x64, g64 = (value.float().numpy().astype(np.float64) for value in (x, g))
+    assert _relative_error(got, g64.T @ x64) < (1e-2 if precision == "bf16" else 3e-3)
+  finally:
+    _float32_matmul_precision[0] = None
