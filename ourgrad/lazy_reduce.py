@@ -244,7 +244,8 @@ def _matmul_dims(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[int, int, int
   if lazy.dtype != dtypes.float32 or len(axes) != 1: return None
   base = lazy.base
   if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or len(base.srcs) != 2: return None
-  if base.op is not Ops.MUL: return None
+  # a product stored (or to be) is read, not multiplied again by a split (_split_matmul)
+  if base.op is not Ops.MUL or base.realized is not None or base.forced_realize: return None
   strides = [src.st.views[-1].strides for src in base.srcs]
   if any(factor[axes[0]] == 0 for factor in strides): return None
   sizes = {"batch": 1, 0: 1, 1: 1}
