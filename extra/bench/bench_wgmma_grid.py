@@ -38,7 +38,7 @@ except ImportError:
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ourgrad.codegen.opt.matmul_grid import (WGMMA_BLOCK_MS, WGMMA_TALL_BLOCK_MS, WgmmaGrid, wgmma_grids,  # noqa: E402
-                                              wgmma_seconds)
+                                              wgmma_seconds, wgmma_split_parts)
 from ourgrad.codegen.wgmma_tiles import WgmmaMatmul, render_wgmma_matmul  # noqa: E402
 
 TOKENS, WIDTH, VOCAB = 8 * 512, 768, 50304
@@ -86,6 +86,9 @@ def variants(m: int, n: int, k: int, itemsize: int, processors: int, top: int, k
   def rank(block_ms: tuple[int, ...]) -> list[WgmmaGrid]:
     return sorted(wgmma_grids(1, m, n, k, itemsize, SHARED_BYTES, split=True, block_ms=block_ms), key=seconds)
   ranked, tall = rank(WGMMA_BLOCK_MS), rank(WGMMA_TALL_BLOCK_MS)
+  # the model's choice: its fastest grid of the parts the lazy layer splits K into (wgmma_split_parts)
+  parts = wgmma_split_parts(1, m, n, k, itemsize, processors, SHARED_BYTES)
+  ranked.sort(key=lambda grid: grid.parts != parts)   # (stable: by predicted time within each)
   short = tuple(rows_ for rows_ in WGMMA_BLOCK_MS if rows_ not in WGMMA_TALL_BLOCK_MS)
   best_short = rank(short)[0]   # the model's choice among 128- and 64-row tiles (before it ranked the tall ones)
   chosen = [("before", before_grid(m, n, processors)), ("model", ranked[0]), ("short", best_short)]

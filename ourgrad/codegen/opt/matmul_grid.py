@@ -210,9 +210,26 @@ def fastest_wgmma_grid(batch: int, m: int, n: int, k: int, itemsize: int, proces
   return min(grids, key=lambda grid: wgmma_seconds(grid, batch, m, n, k, itemsize, processors, out_itemsize))
 
 
+# split-K gives idle multiprocessors work: where the fastest unsplit grid already fills its waves to this share, a
+# split can win only by its tile's feed (a larger tile over more waves), which the model over-rates beside the
+# partial sums' traffic. H200: the TF32 lm-head input gradient (4096 x 768, K = 50304: 128 tiles of 128 x 192 on
+# 132) 0.867 ms whole, 1.010 split in 4 of 128 x 256 (predicted 4% faster); the weight gradients whose grids fill
+# 55-82% of a wave gain (768 x 768, K = 4096: 0.069 -> 0.048 ms with the staging copies; extra/bench/results)
+WGMMA_SPLIT_MAX_FILL = 0.9
+
+
+def wave_fill(grid: WgmmaGrid, batch: int, m: int, n: int, processors: int) -> float:
+  """The share of its waves' CTA slots (processors x CTAs per multiprocessor) that `grid`'s tiles occupy."""
+  tiles = batch * grid.parts * (m // grid.block_m) * (n // grid.block_n)
+  slots = max(processors, 1) * grid.ctas_per_sm
+  return tiles / (math.ceil(tiles / slots) * slots)
+
+
 def wgmma_split_parts(batch: int, m: int, n: int, k: int, itemsize: int, processors: int, shared_bytes: int) -> int:
-  """The parts (1: none) of K that fastest_wgmma_grid picks for the matmul; 1 where the processors are unknown or K
-  is under SPLIT_MIN_K."""
+  """The parts (1: none) of K that fastest_wgmma_grid picks for the matmul; 1 where the processors are unknown, K is
+  under SPLIT_MIN_K, or the fastest unsplit grid fills its waves to WGMMA_SPLIT_MAX_FILL."""
   if processors <= 0 or k < SPLIT_MIN_K: return 1
+  whole = fastest_wgmma_grid(batch, m, n, k, itemsize, processors, shared_bytes)
+  if whole is not None and wave_fill(whole, batch, m, n, processors) >= WGMMA_SPLIT_MAX_FILL: return 1
   grid = fastest_wgmma_grid(batch, m, n, k, itemsize, processors, shared_bytes, split=True)
   return grid.parts if grid is not None else 1
