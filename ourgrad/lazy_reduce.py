@@ -129,18 +129,19 @@ def _wgmma_split_itemsize(lazy: LazyBuffer, axis: int, dims: tuple[int, int, int
   the WGMMA grid model splits it by (matmul_grid.wgmma_split_parts): 2 where both factors widen float16/bfloat16
   data (the instruction reads either layout), 4 where both are float32 and TF32 is allowed (it cannot transpose:
   factors not read along K are staged K-major by engine/operand_staging.py, a split's as (parts, M, K / parts),
-  where M and N are multiples of its WGMMA_STAGED_TILE); 0 where WGMMA takes it only unsplit (float32 factors to
-  stage, a side off that tile); None where WGMMA does not take it (sizes off its 64 tile, under WGMMA_MIN_WORK,
-  float32 without TF32)."""
+  where M and N are multiples of its WGMMA_STAGED_TILE and the work at least WGMMA_MIN_WORK); 0 where WGMMA takes
+  it only unsplit (float32 factors staging does not take); None where WGMMA does not take it (sizes off its 64
+  tile, float32 without TF32)."""
   batch, m, n, k = dims
-  if m % 64 or n % 64 or batch * m * n * k < tensor_core_plans.WGMMA_MIN_WORK: return None
+  if m % 64 or n % 64: return None
   factors = lazy.base.srcs
   low = [src.base.srcs[0].dtype for src in factors if src.base.op is Ops.CAST and src.base.srcs]
   if len(low) == 2 and low[0] == low[1] and low[0] in (dtypes.float16, dtypes.bfloat16): return 2
   if not all(src.dtype == dtypes.float32 for src in factors) or not tf32_allowed(): return None
-  along_k = all(len(src.st.views) == 1 and src.st.views[-1].strides[axis] == 1 for src in factors)
+  if all(len(src.st.views) == 1 and src.st.views[-1].strides[axis] == 1 for src in factors): return 4   # along K
   staged_tile = tensor_core_plans.WGMMA_STAGED_TILE
-  return 4 if along_k or (m % staged_tile == 0 and n % staged_tile == 0) else 0
+  if m % staged_tile or n % staged_tile or batch * m * n * k < tensor_core_plans.WGMMA_MIN_WORK: return 0
+  return 4
 
 
 def _cpu_matmul_split_parts(lazy: LazyBuffer, axes: tuple[int, ...]) -> int | None:
