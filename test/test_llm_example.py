@@ -46,6 +46,7 @@ def test_stream_counts_every_token(capsys: pytest.CaptureFixture[str]) -> None:
   out = capsys.readouterr()
   assert out.out == "The capital is Paris.\n"
   assert "[6 tokens; first after" in out.err and "then 5 in" in out.err and "first output" in out.err
+  assert "; steady " in out.err   # the median pace between tokens, beside the rate that counts every one
 
 
 def test_batch_answers_each_prompt_fresh(capsys: pytest.CaptureFixture[str]) -> None:
