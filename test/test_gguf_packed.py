@@ -60,6 +60,11 @@ def test_dequantize_matches_numpy(ggml_type: int, rows: int, columns: int) -> No
   packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
   expected = numpy_dequantize(ggml_type, raw).reshape(rows, columns)
   np.testing.assert_allclose(packed.dequantize().numpy(), expected, rtol=1e-6, atol=1e-7)
+  # the decoded scales: float16 on a GPU (bytes), float32 on a CPU (instructions); exact either way
+  on_gpu = Device[Device.DEFAULT].renderer.runs_thread_blocks
+  assert packed.scales.dtype == (dtypes.float16 if on_gpu else dtypes.float32)
+  if ggml_type != GGML_Q6_K:   # the block's leading f16 d is its first scale
+    np.testing.assert_array_equal(packed.scales.numpy()[:, 0], raw[:, 0:2].copy().view("<f2")[:, 0].astype(np.float32))
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 9])
