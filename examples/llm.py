@@ -20,15 +20,16 @@ bench_models_cpu_s13_final.txt) and on GPUs. The 8-bit rounding of x can change 
 two tokens are nearly tied; `--dtype float32` gives the float32 path's answers.
 
 The first run compiles every kernel (cached on disk: later runs start sooner); a status line counts the seconds
-and kernels meanwhile. A prompt of up to 64 tokens is fed through the decode step, one token a step (the reply's
-kernels, compiled once), a longer one as one prefill. Decode steps run through one TinyJit capture of fixed-shape
-kernels (attention over the whole cache under a mask: the optimizer handles every kernel, and a CUDA graph replays
-the step as one launch); `--symbolic` makes the position a symbolic Variable instead (attention over the cached
-positions only, plain loop nests: slower on the CPU and the GPU today), `--no-jit` runs eager steps. After each reply
-stderr gets: time to first token (the prompt, compiling included) and the decode speed of every later token
-(nothing excluded: the steps that compile and capture count), then the steady speed (from the median time between
-tokens). A batch (several --prompt, or --prompts-file) answers each prompt in a fresh conversation, one after
-another (sequences are not decoded together), then prints the totals.
+and kernels meanwhile. The prompt runs as one prefill (a TinyJit capture per bucket of 64 tokens). Decode steps run
+through one TinyJit capture of fixed-shape kernels (attention over the whole cache under a mask: the optimizer
+handles every kernel, and a CUDA graph replays the step as one launch); `--symbolic` makes the position a symbolic
+Variable instead (attention over the cached positions only, plain loop nests: slower on the CPU and the GPU today),
+`--no-jit` runs eager steps. The cache (`--max-context`) is sized to the need with --prompt/--prompts-file (the
+longest prompt plus --max-tokens, to a power of two: a fixed-shape step's attention reads all of it), 1024 tokens
+for a chat. After each reply stderr gets: time to first token (the prompt, compiling included) and the decode speed
+of every later token (nothing excluded: the steps that compile and capture count), then the steady speed (from the
+median time between tokens). A batch (several --prompt, or --prompts-file) answers each prompt in a fresh
+conversation, one after another (sequences are not decoded together), then prints the totals.
 """
 from __future__ import annotations
 
@@ -44,8 +45,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from ourgrad import Device, GlobalCounters  # noqa: E402
 
-from extra.models.generate import DEFAULT_SYSTEM, ChatModel, Sampler, chatml, smollm2_path  # noqa: E402
-from extra.models.llama import WEIGHT_DTYPES  # noqa: E402
+from ourgrad.nn.gguf import gguf_read_header  # noqa: E402
+
+from extra.models.generate import DEFAULT_SYSTEM, ChatModel, Sampler, chatml, smollm2_path, tokenizer_from_gguf  # noqa: E402,E501
+from extra.models.llama import WEIGHT_DTYPES, Llama  # noqa: E402
+
+CHAT_CONTEXT = 1024  # the KV cache of an interactive chat, in tokens (--max-context)
 
 STARTED = time.perf_counter()  # the process's start, for "first output after ... s"
 
@@ -162,6 +167,14 @@ def chat_loop(chat: ChatModel, system: str, sampler: Sampler, max_tokens: int) -
     first_turn = False
 
 
+def prompts_context(prompt_tokens: list[int], max_tokens: int) -> int:
+  """The KV cache a batch of one-shot prompts (their token counts) needs: the longest prompt and its reply, rounded up
+  to a power of two (at least 64, so that nearby sizes share compiled kernels). A fixed-shape decode step attends
+  over the whole cache, so a cache sized to the need keeps its attention as small as the bench's."""
+  needed = max(prompt_tokens) + max_tokens
+  return max(64, 1 << (needed - 1).bit_length())
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--prompt", action="append", help="answer this message and exit (repeat it for a batch; "
@@ -178,8 +191,9 @@ def main() -> int:
   parser.add_argument("--top-p", type=float, default=0.9, help="... and among the fewest whose probability >= p")
   parser.add_argument("--seed", type=int, help="seed of the sampler")
   parser.add_argument("--max-tokens", type=int, default=256, help="most tokens of one reply")
-  parser.add_argument("--max-context", "--context", dest="context", type=int, default=1024,
-                      help="KV cache size in tokens (the conversation limit)")
+  parser.add_argument("--max-context", "--context", dest="context", type=int,
+                      help=f"KV cache size in tokens, the conversation limit (default: {CHAT_CONTEXT} for a chat; for "
+                           "--prompt/--prompts-file the longest prompt plus --max-tokens, to a power of two)")
   parser.add_argument("--no-jit", action="store_true", help="run every decode step eagerly (no TinyJit replay)")
   parser.add_argument("--symbolic", action="store_true",
                       help="decode with the position as a symbolic Variable (attention over the cached positions "
@@ -199,11 +213,16 @@ def main() -> int:
   device = Device.canonicalize(args.device)
   # packed weights: integer products on a CPU (as llama.cpp), fewer bytes read on a GPU (docs/models.md)
   dtype = args.dtype if args.dtype != "auto" else "stored"
-  print(f"loading {os.path.basename(path)} on {device}, weights {dtype} ...", end="", file=sys.stderr,
-        flush=True)
   loading_started = time.perf_counter()
-  chat = ChatModel.from_gguf(path, args.context, jit=not args.no_jit, symbolic=args.symbolic, device=device,
-                             dtype=dtype)
+  tokenizer = tokenizer_from_gguf(gguf_read_header(path).metadata)
+  context = args.context or CHAT_CONTEXT
+  if prompts and args.context is None:
+    counts = [len(tokenizer.encode(chatml([{"role": "user", "content": prompt}], args.system))) for prompt in prompts]
+    context = prompts_context(counts, args.max_tokens)
+  print(f"loading {os.path.basename(path)} on {device}, weights {dtype}, context {context} tokens ...", end="",
+        file=sys.stderr, flush=True)
+  model, metadata = Llama.from_gguf(path, context, device=device, symbolic=args.symbolic, dtype=dtype)
+  chat = ChatModel(model, tokenizer, metadata, jit=not args.no_jit)
   print(f" {time.perf_counter() - loading_started:.1f} s", file=sys.stderr, flush=True)
   if len(prompts) == 1:
     stream(chat, chatml([{"role": "user", "content": prompts[0]}], args.system), sampler, args.max_tokens, True, True)

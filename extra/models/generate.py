@@ -18,12 +18,14 @@ from extra.models.llama import Llama
 from extra.models.tokenizers import ByteBPETokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types of special tokens (matched whole, never split)
-# A prompt of at most this many tokens is fed through the decode step, one token a step, rather than as one prefill:
-# the first prefill of a shape schedules, lowers and (cold cache) compiles ~40 kernels of its own, 2-3 s on the 2-core
-# CPU with a warm cache and 5 s or more cold, where a step that the reply needs anyway costs ~20 ms there (~1 ms on a
-# GPU) once captured. A chat turn changes the prefill's shape (its length and the attended slots, in buckets of 64)
-# every few turns, so longer prompts alone take the prefill.
-STEPPED_PROMPT_TOKENS = 64
+# `ChatModel(stepped_prompt_tokens=n)`: a prompt of at most n tokens is fed through the jitted decode step, one token a
+# step, rather than as one prefill. Only the reply's kernels then compile before the first token (SmolLM2 Q4_1 on the
+# 2-core CPU, cold cache: 5.9 s of CPU time to the first output against 7.3 s with the prefill's kernels too), and
+# a chat turn never waits for a new prefill shape's capture. Off by default: on a CPU with packed weights the steps'
+# integer products round x to 8 bits (llama.cpp's), so the first token is not the float prefill's where two are nearly
+# tied: the README's "What is the capital of France?" opens with "The" at 25.33 against "L" at 25.24 in float32, and
+# the steps pick "L" (then "'Étoile, la Marseillaise...").
+STEPPED_PROMPT_TOKENS = 0
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -86,7 +88,7 @@ class ChatModel:
   def __init__(self, model: Llama, tokenizer: ByteBPETokenizer, metadata: dict[str, Any], jit: bool = True,
                stepped_prompt_tokens: int = STEPPED_PROMPT_TOKENS):
     self.model, self.tokenizer, self.jit = model, tokenizer, jit  # jit: steps and prompts replay captures
-    # prompts up to this long are fed by jitted decode steps (0: never)
+    # prompts up to this long are fed by jitted decode steps (0: never; STEPPED_PROMPT_TOKENS)
     self.stepped_prompt_tokens = stepped_prompt_tokens
     self.stop_ids = {tokenizer.vocab[name] for name in ("<|im_end|>", "<|endoftext|>") if name in tokenizer.vocab}
     if "tokenizer.ggml.eos_token_id" in metadata: self.stop_ids.add(metadata["tokenizer.ggml.eos_token_id"])
