@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from ourgrad.device import Device
+from ourgrad.device import Device, HostAllocator
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.nn.state import CheckpointError, disk_tensor
@@ -378,6 +378,23 @@ def block_scales(ggml_type: int, raw: Tensor) -> Tensor:
   return half_bits_to_float(_unsigned(raw[:, where:where + 2], 2)).reshape(-1, 1)
 
 
+# where each block's f16 scales sit (byte offset, count), for `_host_block_scales`: the same as `block_scales` reads
+_SCALE_BYTES = {GGML_Q8_0: (0, 1), GGML_Q4_0: (0, 1), GGML_Q4_1: (0, 2), GGML_Q6_K: (208, 1)}
+
+
+def _host_block_scales(ggml_type: int, raw: np.ndarray) -> np.ndarray:
+  """`block_scales` of blocks in host memory, with numpy (a f16 is widened exactly): float32 (blocks, k)."""
+  start, count = _SCALE_BYTES[ggml_type]
+  halves = np.ascontiguousarray(raw[:, start:start + 2 * count]).view("<f2")
+  return halves.astype(np.float32).reshape(-1, count)
+
+
+def _on_host(device: str) -> bool:
+  """Whether `device` keeps its buffers in host memory (CLANG, LLVM, PYTHON): numpy reads and writes them there
+  without a kernel to compile, where a load-time kernel per tensor shape cost ~0.1 s of gcc each on a cold cache."""
+  return isinstance(Device[device].allocator, HostAllocator)
+
+
 def _low_high_nibbles(packed: Tensor) -> Tensor:
   """(blocks, 16) bytes -> (blocks, 2, 16) 4-bit quants as float32: the low nibbles (elements 0..15), then the high.
   A broadcast view of the bytes shifted by a per-half table (no cat: each element loads one byte, unmasked)."""
@@ -543,9 +560,11 @@ class PackedTensor:
   @staticmethod
   def from_blocks(ggml_type: int, blocks: Tensor, shape: tuple[int, ...]) -> "PackedTensor":
     """The tensor of `shape` stored as quantized blocks (n, block_bytes) uint8 of `ggml_type`, kept on their device."""
-    blocks = blocks.contiguous()
-    scales = block_scales(ggml_type, blocks).cast(PackedTensor.scale_dtype(blocks.device))
-    Tensor.realize_all(blocks, scales)
+    blocks, dtype = blocks.contiguous().realize(), PackedTensor.scale_dtype(blocks.device)
+    if _on_host(blocks.device):   # decoded with numpy: no kernel per tensor shape to compile at load
+      host = _host_block_scales(ggml_type, blocks.numpy()).astype(dtype.np)
+      return PackedTensor(ggml_type, tuple(shape), blocks, Tensor(host, device=blocks.device).realize())
+    scales = block_scales(ggml_type, blocks).cast(dtype).realize()
     return PackedTensor(ggml_type, tuple(shape), blocks, scales)
 
   @staticmethod
@@ -641,8 +660,12 @@ class PackedTensor:
       if part.ggml_type != first.ggml_type or part.shape[1:] != first.shape[1:]:
         raise ShapeError(f"cannot stack a {part.type_name} tensor of shape {part.shape} under a {first.type_name} "
                          f"tensor of shape {first.shape}: the types and trailing dims must match")
-    blocks = Tensor.cat([part.blocks for part in parts], dim=0).contiguous()
-    scales = Tensor.cat([part.scales for part in parts], dim=0).contiguous()
+    if _on_host(first.device):   # stacked with numpy: no kernel per stack shape to compile at load
+      blocks, scales = (Tensor(np.concatenate([getattr(part, name).numpy() for part in parts]), device=first.device)
+                        for name in ("blocks", "scales"))
+    else:
+      blocks = Tensor.cat([part.blocks for part in parts], dim=0).contiguous()
+      scales = Tensor.cat([part.scales for part in parts], dim=0).contiguous()
     Tensor.realize_all(blocks, scales)
     return PackedTensor(first.ggml_type, (sum(part.shape[0] for part in parts), *first.shape[1:]), blocks, scales)
 
