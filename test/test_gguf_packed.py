@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ourgrad import Device, GlobalCounters, Tensor, dtypes
+from ourgrad.device import HostAllocator
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import (GGML_Q4_0, GGML_Q4_1, GGML_Q6_K, GGML_Q8_0, PackedTensor, quantize_activation,
                              quantize_q8_0)
@@ -60,6 +61,11 @@ def test_dequantize_matches_numpy(ggml_type: int, rows: int, columns: int) -> No
   packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
   expected = numpy_dequantize(ggml_type, raw).reshape(rows, columns)
   np.testing.assert_allclose(packed.dequantize().numpy(), expected, rtol=1e-6, atol=1e-7)
+  # the decoded scales: float16 on a GPU (bytes), float32 on a CPU (instructions); exact either way
+  on_gpu = Device[Device.DEFAULT].renderer.runs_thread_blocks
+  assert packed.scales.dtype == (dtypes.float16 if on_gpu else dtypes.float32)
+  if ggml_type != GGML_Q6_K:   # the block's leading f16 d is its first scale
+    np.testing.assert_array_equal(packed.scales.numpy()[:, 0], raw[:, 0:2].copy().view("<f2")[:, 0].astype(np.float32))
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 9])
@@ -131,9 +137,13 @@ def test_blocked_q8_0_product_reads_a_block_side_by_side() -> None:
 def test_take_rows_and_cat() -> None:
   rng = np.random.default_rng(3)
   first, second = random_blocks(GGML_Q8_0, 4 * 2, rng), random_blocks(GGML_Q8_0, 3 * 2, rng)
-  a = PackedTensor.from_blocks(GGML_Q8_0, Tensor(first), (4, 64))
-  b = PackedTensor.from_blocks(GGML_Q8_0, Tensor(second), (3, 64))
+  sources = Tensor(first).realize(), Tensor(second).realize()
+  GlobalCounters.reset()
+  a = PackedTensor.from_blocks(GGML_Q8_0, sources[0], (4, 64))
+  b = PackedTensor.from_blocks(GGML_Q8_0, sources[1], (3, 64))
   both = PackedTensor.cat([a, b])
+  # host memory (a CPU device): the scales decoded and the blocks stacked with numpy, no kernel to compile at load
+  if isinstance(Device[Device.DEFAULT].allocator, HostAllocator): assert GlobalCounters.kernel_count == 0
   expected = np.concatenate([numpy_dequantize(GGML_Q8_0, first), numpy_dequantize(GGML_Q8_0, second)]).reshape(7, 64)
   assert both.shape == (7, 64)
   np.testing.assert_array_equal(both.dequantize().numpy(), expected)
@@ -205,6 +215,32 @@ def test_integer_product_matches_numpy(ggml_type: int, rows: int, columns: int, 
   half_step = np.repeat(np.abs(x_np.reshape(batch, -1, 32)).max(-1) / 127 / 2, 32, axis=1)   # (batch, columns)
   bound = half_step @ np.abs(weights).T + 1e-4
   assert np.all(np.abs(out - x_np.astype(np.float64) @ weights.T) <= bound)
+
+
+@pytest.mark.parametrize("rows, columns", [(1, 576), (3, 96), (2, 1536)])
+def test_quantize_activation_matches_numpy_in_two_kernels(rows: int, columns: int) -> None:
+  """quantize_activation against llama.cpp's quantize_row_q8_1 in numpy (d = max|x| / 127, q = round(x / d) halves
+  away from zero, d sum(q)), an all-zero block and exact halves included: two kernels, both reading x only."""
+  rng = np.random.default_rng(rows * columns)
+  x_np = rng.standard_normal((rows, columns)).astype(np.float32)
+  x_np[0, :32] = 0.0   # d = 0: quants 0
+  x_np[-1, 32:64] = np.arange(32, dtype=np.float32) - 15.5   # d = 1 (max 127): x / d on halves, both signs
+  x_np[-1, 32] = 127.0
+  x = Tensor(x_np).realize()
+  GlobalCounters.reset()
+  quants, scale, offset = quantize_activation(x)
+  Tensor.realize_all(quants, scale, offset)
+  assert GlobalCounters.kernel_count == 2
+  blocks = x_np.reshape(rows, -1, 32)
+  d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+  scaled = blocks * np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+  q = np.trunc(scaled + np.where(scaled < 0, np.float32(-0.5), np.float32(0.5))).astype(np.int8)
+  assert quants.dtype == dtypes.int8 and quants.shape == (rows, columns // 32, 32)
+  np.testing.assert_array_equal(quants.numpy(), q)
+  # `/ 127` runs as a product by its reciprocal (Tensor.div by a constant): an ulp from numpy's division at most
+  np.testing.assert_allclose(scale.numpy(), d, rtol=2.5e-7, atol=0)
+  total = d * q.astype(np.int32).sum(-1, keepdims=True).astype(np.float32)
+  np.testing.assert_allclose(offset.numpy(), total, rtol=5e-7, atol=0)
 
 
 def _rounded_x_product(self: PackedTensor, x: Tensor) -> Tensor:

@@ -46,6 +46,7 @@ def test_stream_counts_every_token(capsys: pytest.CaptureFixture[str]) -> None:
   out = capsys.readouterr()
   assert out.out == "The capital is Paris.\n"
   assert "[6 tokens; first after" in out.err and "then 5 in" in out.err and "first output" in out.err
+  assert "; steady " in out.err   # the median pace between tokens, beside the rate that counts every one
 
 
 def test_batch_answers_each_prompt_fresh(capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,3 +58,11 @@ def test_batch_answers_each_prompt_fresh(capsys: pytest.CaptureFixture[str]) -> 
   out = capsys.readouterr()
   assert out.out.count("Yes.") == 2 and "[2/2] two?" in out.out
   assert "[batch of 2 prompts: 4 tokens;" in out.err
+
+
+def test_prompts_context_fits_the_longest_reply() -> None:
+  """--prompt without --max-context: the cache holds the longest prompt and its reply, rounded up to a power of two
+  (at least 64); a fixed-shape decode step attends over all of it."""
+  llm = _llm_example()
+  assert llm.prompts_context([38], 32) == 128 and llm.prompts_context([38, 12], 256) == 512
+  assert llm.prompts_context([10], 5) == 64 and llm.prompts_context([64], 64) == 128

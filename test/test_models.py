@@ -397,6 +397,34 @@ def test_llama_context_overflow() -> None:
     model(Tensor([[1, 2, 3]], dtype=dtypes.int32), 2)
 
 
+class _NoTokenizer:
+  """What ChatModel reads of a tokenizer when only `generate` (token ids in and out) is used: its vocabulary."""
+  vocab: dict[str, int] = {}
+
+
+@pytest.mark.parametrize("stepped", [True, False], ids=["prompt_by_steps", "prompt_by_prefill"])
+def test_chat_generate_matches_torch_greedy(stepped: bool, _no_cuda_render_check) -> None:
+  """ChatModel.generate feeds a short prompt through the decode step one token at a time (STEPPED_PROMPT_TOKENS:
+  only the reply's kernels compile before the first token), a longer one as a prefill: both give the greedy tokens
+  of the full forward (PyTorch), in a first turn and in a second one after it (the cache kept)."""
+  from extra.models.generate import ChatModel
+  weights = _tiny_weights(TINY, seed=7)
+  model = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=24, symbolic=False)
+  chat = ChatModel(model, _NoTokenizer(), {}, stepped_prompt_tokens=64 if stepped else 0)
+  first, second = [3, 14, 15, 9, 26], [5, 35]
+  got = list(chat.generate(first, Sampler(temperature=0), 4))
+  got += list(chat.generate(second, Sampler(temperature=0), 4))
+  expected, history = [], list(first)
+  for turn_end in (4, 8):   # each turn: greedy tokens of the history; the last is pending (never fed) after a turn
+    while len(expected) < turn_end:
+      expected.append(int(torch_llama_logits(weights, TINY, history)[-1].argmax()))
+      history.append(expected[-1])
+    if turn_end == 4: history += second
+  assert got == expected
+  assert chat.position == len(first) + 3 + 1 + len(second) + 3 and chat.pending == [got[-1]]
+  assert model._greedy_jit.captured is not None   # the steps replayed one capture
+
+
 # ---------------------------------------------------------------- sampling and the chat template
 
 

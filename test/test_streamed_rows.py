@@ -125,8 +125,8 @@ def test_integer_product_kernel_sums_blocks_as_integers(ggml_type: int) -> None:
   """The product's row kernel takes each block's products as an int32 sum (no float lanes) and reads the packed
   bytes and the int8 activation: fewer bytes than the float32 product's vector and matrix. A Q4 block's nibbles
   times the int8 activation is one byte dot product (UOps.BYTE_DOT_ADD: SIMD byte multiply-adds, the low and the
-  high nibbles each a pair, into float lanes totalled once a row); Q8_0's signed x signed bytes one pair widened to
-  16 bits."""
+  high nibbles each a pair, both in one helper call: one 256-bit multiply-add with AVX2, into float lanes totalled
+  once a row); Q8_0's signed x signed bytes one pair widened to 16 bits."""
   rows, columns = 64, 576
   rng = np.random.default_rng(3)
   raw = random_blocks(ggml_type, rows * columns // 32, rng)
@@ -137,7 +137,7 @@ def test_integer_product_kernel_sums_blocks_as_integers(ggml_type: int) -> None:
   body = _kernel_body(source)
   assert "og_lanes_total(lanes0)" in body and "#pragma omp simd" not in body
   if ggml_type == GGML_Q8_0: assert body.count("og_dot_add_s8(") == 1 and "og_dot_add(" not in body
-  else: assert body.count("og_dot_add(") == 2
+  else: assert body.count("og_dot_add2(") == 1 and "og_dot_add(" not in body   # both nibbles' pairs in one call
 
 
 def _kernel_body(source: str) -> str:
@@ -155,9 +155,9 @@ def _nibble_product(packed: Tensor, activation: Tensor, shift: int, scales: Tens
 
 def test_byte_dot_products_extremes_match_numpy() -> None:
   """Byte dot products at the limits of their bytes: nibbles 15 times int8 -128 and 127 in every lane (the largest
-  pairwise 16-bit sums of `pmaddubsw`), int8 x int8 with -128 x -128, odd row counts, 48 lanes a block (three SIMD
-  loads), against numpy's int64; a full-range uint8 (255 x -128 pairs would saturate 16 bits) is not taken as one
-  and stays exact too."""
+  pairwise 16-bit sums of `pmaddubsw`), both nibbles of a byte in one sum (two pairs in one call), int8 x int8 with
+  -128 x -128, odd row counts, 48 lanes a block (three 128-bit loads; 32 + 16 lanes with AVX2), against numpy's
+  int64; a full-range uint8 (255 x -128 pairs would saturate 16 bits) is not taken as one and stays exact too."""
   rng = np.random.default_rng(9)
   packed_np = np.full((7, 5, 48), 0xFF, np.uint8)
   packed_np[3] = rng.integers(0, 256, (5, 48), dtype=np.uint8)
@@ -171,6 +171,17 @@ def test_byte_dot_products_extremes_match_numpy() -> None:
     expected = ((nibbles * activation_np).astype(np.float64) * scales_np).sum((1, 2))
     got = _nibble_product(Tensor(packed_np), Tensor(activation_np), shift, Tensor(scales_np)).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+  # both nibbles of each byte in one term (a Q4 block's two pairs: `og_dot_add2`), times two halves of the activation
+  halves_np = np.where(rng.random((5, 2, 48)) < 0.5, -128, 127).astype(np.int8)
+  def both_nibbles(packed: Tensor, halves: Tensor) -> Tensor:
+    low, high = (packed & 15).cast(dtypes.int32), (packed >> 4).cast(dtypes.int32)
+    products = low * halves[:, 0].cast(dtypes.int32) + high * halves[:, 1].cast(dtypes.int32)
+    return (products.cast(dtypes.float32) * Tensor(scales_np)).sum((1, 2))
+  assert "og_dot_add2(" in _kernel_body(_sources(both_nibbles(Tensor(packed_np), Tensor(halves_np)))[-1])
+  nibbles = [(packed_np & 15).astype(np.int64), (packed_np >> 4).astype(np.int64)]
+  products = nibbles[0] * halves_np[:, 0] + nibbles[1] * halves_np[:, 1]
+  expected = (products.astype(np.float64) * scales_np).sum((1, 2))
+  np.testing.assert_allclose(both_nibbles(Tensor(packed_np), Tensor(halves_np)).numpy(), expected, rtol=1e-6)
   signed_np = packed_np.view(np.int8)   # -1 and, in row 3, every int8; -128 x -128 included
   signed_np[5, :, :8] = -128
   signed = Tensor(signed_np).cast(dtypes.int32) * Tensor(activation_np).cast(dtypes.int32)

@@ -18,6 +18,14 @@ from extra.models.llama import Llama
 from extra.models.tokenizers import ByteBPETokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types of special tokens (matched whole, never split)
+# `ChatModel(stepped_prompt_tokens=n)`: a prompt of at most n tokens is fed through the jitted decode step, one token a
+# step, rather than as one prefill. Only the reply's kernels then compile before the first token (SmolLM2 Q4_1 on the
+# 2-core CPU, cold cache: 5.9 s of CPU time to the first output against 7.3 s with the prefill's kernels too), and
+# a chat turn never waits for a new prefill shape's capture. Off by default: on a CPU with packed weights the steps'
+# integer products round x to 8 bits (llama.cpp's), so the first token is not the float prefill's where two are nearly
+# tied: the README's "What is the capital of France?" opens with "The" at 25.33 against "L" at 25.24 in float32, and
+# the steps pick "L" (then "'Étoile, la Marseillaise...").
+STEPPED_PROMPT_TOKENS = 0
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -77,8 +85,11 @@ class Sampler:
 class ChatModel:
   """A Llama, its tokenizer and a conversation position: generates replies token by token."""
 
-  def __init__(self, model: Llama, tokenizer: ByteBPETokenizer, metadata: dict[str, Any], jit: bool = True):
+  def __init__(self, model: Llama, tokenizer: ByteBPETokenizer, metadata: dict[str, Any], jit: bool = True,
+               stepped_prompt_tokens: int = STEPPED_PROMPT_TOKENS):
     self.model, self.tokenizer, self.jit = model, tokenizer, jit  # jit: steps and prompts replay captures
+    # prompts up to this long are fed by jitted decode steps (0: never; STEPPED_PROMPT_TOKENS)
+    self.stepped_prompt_tokens = stepped_prompt_tokens
     self.stop_ids = {tokenizer.vocab[name] for name in ("<|im_end|>", "<|endoftext|>") if name in tokenizer.vocab}
     if "tokenizer.ggml.eos_token_id" in metadata: self.stop_ids.add(metadata["tokenizer.ggml.eos_token_id"])
     self.position = 0  # tokens already in the KV cache
@@ -102,10 +113,16 @@ class ChatModel:
     if self.position + len(prompt_ids) + max_tokens > self.model.max_context:
       raise ValueError(f"{self.position} cached + {len(prompt_ids)} prompt + {max_tokens} new tokens exceed the "
                        f"context of {self.model.max_context}; start a new conversation or raise --context")
-    # jit: the prompt is padded to a bucket whose capture later turns of similar length replay (Llama.__call__)
-    logits = self.model(np.array([prompt_ids], np.int32), self.position, jit=self.jit)
-    self.position += len(prompt_ids)
-    token = sampler(logits.numpy())
+    # eager (no jit), each step would schedule the whole model: one prefill then
+    if self.jit and 0 < len(prompt_ids) <= self.stepped_prompt_tokens:
+      for earlier in prompt_ids[:-1]: self._step(earlier, sampler, pick=False)
+      token = self._step(prompt_ids[-1], sampler)
+      assert token is not None
+    else:
+      # jit: the prompt is padded to a bucket whose capture later turns of similar length replay (Llama.__call__)
+      logits = self.model(np.array([prompt_ids], np.int32), self.position, jit=self.jit)
+      self.position += len(prompt_ids)
+      token = sampler(logits.numpy())
     for produced in range(max_tokens):
       if token in self.stop_ids: return
       self.generated += 1
@@ -113,10 +130,21 @@ class ChatModel:
       if produced == max_tokens - 1:
         self.pending = [token]  # no forward pass for a token whose successor nobody asked for
         return
-      # greedy: the argmax on the device, one id read back instead of the vocabulary's logits
-      if sampler.temperature == 0: token = self.model.decode_greedy(token, self.position, jit=self.jit)[0]
-      else: token = sampler(self.model.decode(token, self.position, jit=self.jit).numpy())
-      self.position += 1
+      token = self._step(token, sampler)
+      assert token is not None
+
+  def _step(self, token: int, sampler: Sampler, pick: bool = True) -> int | None:
+    """Feed `token` at the conversation's position through a decode step; the next token sampled from its logits
+    (`pick`), else None (a prompt's token: the sampler's random state is not drawn on). A prompt's tokens take the
+    same step (the same capture) as the reply's."""
+    picked = None
+    if sampler.temperature == 0:   # the argmax on the device: one id read back instead of the vocabulary's logits
+      picked = self.model.decode_greedy(token, self.position, jit=self.jit)[0]
+    else:
+      logits = self.model.decode(token, self.position, jit=self.jit)
+      if pick: picked = sampler(logits.numpy())
+    self.position += 1
+    return picked if pick else None
 
   def reply_stream(self, messages: Sequence[dict[str, str]], sampler: Sampler, max_tokens: int = 256,
                    system: str | None = DEFAULT_SYSTEM) -> Iterator[str]:

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from ourgrad.device import Device
+from ourgrad.device import Device, HostAllocator
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.nn.state import CheckpointError, disk_tensor
@@ -378,6 +378,23 @@ def block_scales(ggml_type: int, raw: Tensor) -> Tensor:
   return half_bits_to_float(_unsigned(raw[:, where:where + 2], 2)).reshape(-1, 1)
 
 
+# where each block's f16 scales sit (byte offset, count), for `_host_block_scales`: the same as `block_scales` reads
+_SCALE_BYTES = {GGML_Q8_0: (0, 1), GGML_Q4_0: (0, 1), GGML_Q4_1: (0, 2), GGML_Q6_K: (208, 1)}
+
+
+def _host_block_scales(ggml_type: int, raw: np.ndarray) -> np.ndarray:
+  """`block_scales` of blocks in host memory, with numpy (a f16 is widened exactly): float32 (blocks, k)."""
+  start, count = _SCALE_BYTES[ggml_type]
+  halves = np.ascontiguousarray(raw[:, start:start + 2 * count]).view("<f2")
+  return halves.astype(np.float32).reshape(-1, count)
+
+
+def _on_host(device: str) -> bool:
+  """Whether `device` keeps its buffers in host memory (CLANG, LLVM, PYTHON): numpy reads and writes them there
+  without a kernel to compile, where a load-time kernel per tensor shape cost ~0.1 s of gcc each on a cold cache."""
+  return isinstance(Device[device].allocator, HostAllocator)
+
+
 def _low_high_nibbles(packed: Tensor) -> Tensor:
   """(blocks, 16) bytes -> (blocks, 2, 16) 4-bit quants as float32: the low nibbles (elements 0..15), then the high.
   A broadcast view of the bytes shifted by a per-half table (no cat: each element loads one byte, unmasked)."""
@@ -497,27 +514,44 @@ def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
   as int8 (rows, k / 32, 32), d as float32 (rows, k / 32, 1) (llama.cpp rounds it to f16; kept here), and d times the
   sum of q (rows, k / 32, 1) float32: the term a weight block's offset multiplies (Q4_1's minimum, Q4_0's -8 d).
   That term is the rounded x's, not x's own sum: a block's offset and its scaled quants then see the same x, whose
-  rounding errors cancel where the weights are small (with x's exact sum SmolLM2's logits moved 3x further)."""
+  rounding errors cancel where the weights are small (with x's exact sum SmolLM2's logits moved 3x further).
+
+  Two kernels, both reading only x (a decode step quantizes 121 inputs: each launch counts): the quants, each block's
+  max recomputed in the row kernel that rounds it, and d beside d sum(q) in one (rows, k / 32, 2) buffer (d and sum(q)
+  computed twice over the pair axis: 32 values a block), where three kernels stored d, then the quants, then the sum."""
   if x.ndim != 2 or x.shape[1] % ACTIVATION_BLOCK:
     raise ShapeError(f"cannot quantize x of shape {x.shape} to blocks of {ACTIVATION_BLOCK}: expected (rows, k) with "
                      f"k a multiple of {ACTIVATION_BLOCK}")
-  blocks = x.cast(dtypes.float32).reshape(x.shape[0], -1, ACTIVATION_BLOCK)
-  scale = (blocks.abs().max(-1, keepdim=True) / 127).contiguous()
+  rows, blocks_per_row = x.shape[0], x.shape[1] // ACTIVATION_BLOCK
+  blocks = x.cast(dtypes.float32).reshape(rows, blocks_per_row, ACTIVATION_BLOCK)
+  _, quants = _rounded_blocks(blocks)
+  pairs = blocks.reshape(rows, blocks_per_row, 1, ACTIVATION_BLOCK).expand(rows, blocks_per_row, 2, ACTIVATION_BLOCK)
+  scale, rounded = _rounded_blocks(pairs)
+  offset = scale * rounded.sum(-1, keepdim=True, dtype=dtypes.int32).cast(dtypes.float32)
+  # True at the pair's first entry: a masked constant (no kernel), where an arange would be a kernel of its own
+  first = Tensor.ones(1, 1, 1, 1, dtype=dtypes.bool, device=x.device).pad(((0, 0), (0, 0), (0, 1), (0, 0)))
+  stats = first.where(scale, offset).reshape(rows, blocks_per_row, 2).contiguous()
+  return quants.cast(dtypes.int8).contiguous(), stats[..., 0:1], stats[..., 1:2]
+
+
+def _rounded_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
+  """(d, q int32) of `quantize_activation` over the last axis of `blocks`. d = max |x| / 127 is the max's only
+  reader: a reduce read by several ops would be stored by a kernel of its own (engine/schedule.py)."""
+  scale = blocks.abs().max(-1, keepdim=True) / 127
   scaled = blocks * (scale != 0).where(1 / scale, 0.0)
   # |scaled| <= 127 (plus rounding): the conversion truncates, so half away from zero is +-0.5 first
-  quants = (scaled + (scaled < 0).where(-0.5, 0.5)).cast(dtypes.int32).cast(dtypes.int8).contiguous()
-  offset = scale * quants.sum(-1, keepdim=True, dtype=dtypes.int32).cast(dtypes.float32)
-  return quants, scale, offset.contiguous()
+  return scale, (scaled + (scaled < 0).where(-0.5, 0.5)).cast(dtypes.int32)
 
 
 @dataclass(frozen=True)
 class PackedTensor:
   """A block-quantized tensor kept in its stored precision on a device (`gguf_load(..., packed=True)`): the blocks'
-  bytes as stored (`blocks`, (n, block_bytes) uint8) and their f16 scales decoded once (`scales`, (n, k) float16:
-  exact, and 2-4 bytes a block, as in the file), both realized. `dequantize()` is the float32 tensor of `shape` as
-  lazy ops on them, so the kernel that reads it (a matrix-vector product) loads the packed bytes and dequantizes
-  them in registers: no float32 copy of the weight is ever stored (unless a kernel reads each value many times,
-  as a prefill's matrix product does, when the scheduler stores the values once for that kernel)."""
+  bytes as stored (`blocks`, (n, block_bytes) uint8) and their f16 scales decoded once (`scales`, (n, k): float16
+  on a GPU, exact and 2-4 bytes a block as in the file; float32 on a CPU, `scale_dtype`), both realized.
+  `dequantize()` is the float32 tensor of `shape` as lazy ops on them, so the kernel that reads it (a matrix-vector
+  product) loads the packed bytes and dequantizes them in registers: no float32 copy of the weight is ever stored
+  (unless a kernel reads each value many times, as a prefill's matrix product does, when the scheduler stores the
+  values once for that kernel)."""
   ggml_type: int
   shape: tuple[int, ...]
   blocks: Tensor
@@ -526,10 +560,19 @@ class PackedTensor:
   @staticmethod
   def from_blocks(ggml_type: int, blocks: Tensor, shape: tuple[int, ...]) -> "PackedTensor":
     """The tensor of `shape` stored as quantized blocks (n, block_bytes) uint8 of `ggml_type`, kept on their device."""
-    blocks = blocks.contiguous()
-    scales = block_scales(ggml_type, blocks).cast(dtypes.float16)
-    Tensor.realize_all(blocks, scales)
+    blocks, dtype = blocks.contiguous().realize(), PackedTensor.scale_dtype(blocks.device)
+    if _on_host(blocks.device):   # decoded with numpy: no kernel per tensor shape to compile at load
+      host = _host_block_scales(ggml_type, blocks.numpy()).astype(dtype.np)
+      return PackedTensor(ggml_type, tuple(shape), blocks, Tensor(host, device=blocks.device).realize())
+    scales = block_scales(ggml_type, blocks).cast(dtype).realize()
     return PackedTensor(ggml_type, tuple(shape), blocks, scales)
+
+  @staticmethod
+  def scale_dtype(device: str) -> DType:
+    """How the decoded block scales are kept on `device` (both exact): float16 where a product is bound by the bytes
+    it reads (a GPU), float32 on a CPU, whose integer products are bound by instructions: a half's load and
+    conversion are 2 of ~30 a Q4_1 block (SmolLM2's step, one core: the Q4_1 products 5.0 -> 4.4 ms, Q8_0 same)."""
+    return dtypes.float16 if Device[device].renderer.runs_thread_blocks else dtypes.float32
 
   @property
   def device(self) -> str: return self.blocks.device
@@ -569,7 +612,7 @@ class PackedTensor:
 
   def integer_linear(self, x: Tensor) -> Tensor:
     """x @ values.T for this (n, k) Q8_0, Q4_0 or Q4_1 matrix and x (..., k) as llama.cpp computes it on a CPU: x
-    quantized to 8-bit blocks first (`quantize_activation`: its own small kernel), then per block of 32 the integer
+    quantized to 8-bit blocks first (`quantize_activation`: two small kernels), then per block of 32 the integer
     sum of quants times quants (int8 x int8, or a nibble x int8) times the two blocks' scales, plus the block's
     offset term (Q4_1: minimum x d_x x sum(q_x); Q4_0: -8 d x d_x x sum(q_x)). The product is one sum over (blocks,
     lanes) whose per-block factors the CPU row kernel takes out of the lanes' integer sums
@@ -617,8 +660,12 @@ class PackedTensor:
       if part.ggml_type != first.ggml_type or part.shape[1:] != first.shape[1:]:
         raise ShapeError(f"cannot stack a {part.type_name} tensor of shape {part.shape} under a {first.type_name} "
                          f"tensor of shape {first.shape}: the types and trailing dims must match")
-    blocks = Tensor.cat([part.blocks for part in parts], dim=0).contiguous()
-    scales = Tensor.cat([part.scales for part in parts], dim=0).contiguous()
+    if _on_host(first.device):   # stacked with numpy: no kernel per stack shape to compile at load
+      blocks, scales = (Tensor(np.concatenate([getattr(part, name).numpy() for part in parts]), device=first.device)
+                        for name in ("blocks", "scales"))
+    else:
+      blocks = Tensor.cat([part.blocks for part in parts], dim=0).contiguous()
+      scales = Tensor.cat([part.scales for part in parts], dim=0).contiguous()
     Tensor.realize_all(blocks, scales)
     return PackedTensor(first.ggml_type, (sum(part.shape[0] for part in parts), *first.shape[1:]), blocks, scales)
 

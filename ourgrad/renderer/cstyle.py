@@ -636,16 +636,22 @@ class ClangRenderer(CStyleLanguage):
 
   def render_byte_dot_add(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
     """A BYTE_DOT_ADD as calls of the CLANG_BYTE_DOT helpers: each pair's lanes added into SIMD int32 partial sums,
-    then those times the factor added into the float lanes."""
+    then those times the factor added into the float lanes. Unsigned pairs go two at a time (`og_dot_add2`: a Q4
+    block's low and high nibbles, one 256-bit multiply-add where the target has AVX2)."""
     count, selects = uop.arg
     sums = "og_dot_start()"
-    for (shift, mask), (u_buffer, u_index, s_buffer, s_index) in zip(selects, zip(*[iter(uop.srcs[2:])] * 4)):
+    pairs = [((shift, mask), *operands) for (shift, mask), operands in zip(selects, zip(*[iter(uop.srcs[2:])] * 4))]
+    waiting: list[str] = []   # an unsigned pair's arguments, until a second one joins it
+    for (shift, mask), u_buffer, u_index, s_buffer, s_index in pairs:
       if shift == SIGNED_BYTES:
         sums = (f"og_dot_add_s8({sums}, (const signed char*)({ref(u_buffer)} + {ref(u_index)}), "
                 f"{ref(s_buffer)} + {ref(s_index)}, {count})")
-      else:
-        sums = (f"og_dot_add({sums}, {ref(u_buffer)} + {ref(u_index)}, {shift}, {mask}, "
-                f"{ref(s_buffer)} + {ref(s_index)}, {count})")
+        continue
+      operands = f"{ref(u_buffer)} + {ref(u_index)}, {shift}, {mask}, {ref(s_buffer)} + {ref(s_index)}"
+      if waiting:
+        sums = f"og_dot_add2({sums}, {waiting.pop()}, {operands}, {count})"
+      else: waiting.append(operands)
+    if waiting: sums = f"og_dot_add({sums}, {waiting.pop()}, {count})"
     return f"og_lanes_add({ref(uop.srcs[0])}, {sums}, {ref(uop.srcs[1])})"
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
