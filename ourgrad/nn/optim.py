@@ -17,6 +17,12 @@ hyper-parameters; writing `group["lr"] = x` (what the schedulers of ourgrad.opti
 group's learning rate buffer, so it compiles nothing. Several groups are several optimizers of the same class, one
 per group (built by `_ParamGroupsMeta`), stepped in one schedule: the step code stays the one of a single group.
 
+Each parameter's update is built on lazy buffers directly (`_LazyUpdate`), not through Tensor methods: a step runs
+without autograd, and Tensor -> Function -> LazyBuffer per op was most of an eager step's optimizer time (~15 ops per
+parameter). What depends only on the step (the learning rate times the bias corrections, Adam's 1/sqrt(1 - b2^t),
+AdamW's decay factor) is one 0-d value per step, shared by every parameter as a broadcast view. The values are those
+of the Tensor formulas: the same operations in the same order.
+
 The formulas are PyTorch's (`torch.optim.SGD` with dampening=0, `torch.optim.Adam`, `torch.optim.AdamW`);
 LAMB follows the paper (You et al., 2019, "Large Batch Optimization for Deep Learning") as tinygrad does.
 """
@@ -28,11 +34,15 @@ from typing import Any
 
 import numpy as np
 
-from ourgrad.dtype import dtypes
+from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import AutogradError, DTypeError
+from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import LOW_FLOAT_DTYPES, suspend_autocast
 from ourgrad.multi import MultiLazyBuffer, is_assignable
+from ourgrad.ops import Ops
 from ourgrad.tensor import Tensor, no_grad
+
+Lazy = LazyBuffer | MultiLazyBuffer
 
 
 def _state_like(param: Tensor) -> Tensor:
@@ -48,6 +58,40 @@ def _scalar_buffer(value: float, device: str | tuple[str, ...]) -> Tensor:
   """A realized 0-d float32 Tensor holding `value` (kernels read it from memory: changing it recompiles nothing);
   replicated on every device of a tuple."""
   return Tensor(np.array(value, dtype=np.float32), device=device, dtype=dtypes.float32).realize()
+
+
+class _LazyUpdate:
+  """Elementwise math of an optimizer update on lazy buffers of one parameter's shape (a single device's LazyBuffer or
+  a MultiLazyBuffer: both have these methods). Python numbers become constants of that shape; `per_step` values
+  (0-d Tensors computed once per step) become broadcast views."""
+
+  def __init__(self, shape: tuple[int, ...]):
+    self.shape = shape
+
+  def per_step(self, scalar: Tensor) -> Lazy:
+    """A 0-d Tensor (the same for every parameter of a step) broadcast to this shape."""
+    return scalar.lazydata.reshape((1,) * len(self.shape)).expand(self.shape)
+
+  @staticmethod
+  def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.ADD, y)
+
+  @staticmethod
+  def mul(x: Lazy, y: Lazy | float) -> Lazy:
+    return x.elementwise(Ops.MUL, x.const_like(y) if isinstance(y, (int, float)) else y)
+
+  @staticmethod
+  def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.MUL, y.elementwise(Ops.RECIP))   # as Tensor.div
+
+  @staticmethod
+  def sqrt(x: Lazy) -> Lazy: return x.elementwise(Ops.SQRT)
+
+  @staticmethod
+  def cast(x: Lazy, dtype: DType) -> Lazy: return x.cast(dtype)
+
+
+def _write(tensor: Tensor, value: Lazy) -> Tensor:
+  """`tensor.assign(value)` for a lazy value (cast to the tensor's dtype); returns the tensor."""
+  return tensor.assign(Tensor(value))
 
 
 def _is_assignable(tensor: Tensor) -> bool:
@@ -271,15 +315,19 @@ class SGD(Optimizer):
   def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     updated: list[Tensor] = []
     buffer_of = {id(param): buffer for param, buffer in zip(self.params, self.buffers)}
+    minus_lr = -self.lr_tensor   # -(lr * g) is (-lr) * g exactly: p + (-lr) * g is p - lr * g
     for param, grad in active:
-      weights = param.detach()
-      g = grad + self.weight_decay * weights if self.weight_decay else grad
+      math_ = _LazyUpdate(param.shape)
+      weights, g = param.lazydata, grad.lazydata
+      if self.weight_decay: g = math_.add(g, math_.mul(weights, self.weight_decay))
       if self.momentum:
         buffer = buffer_of[id(param)]
-        buffer.assign(self.momentum * buffer + g)
-        g = g + self.momentum * buffer if self.nesterov else buffer
+        _write(buffer, math_.add(math_.mul(buffer.lazydata, self.momentum), math_.cast(g, buffer.dtype)))
+        new_buffer = math_.cast(buffer.lazydata, g.dtype)   # (float32 state; g in the parameter's dtype)
+        g = math_.add(g, math_.mul(new_buffer, self.momentum)) if self.nesterov else new_buffer
         updated.append(buffer)
-      updated.append(param.assign(weights - self.lr_tensor * g))
+      step = math_.mul(math_.cast(g, param.dtype), math_.cast(math_.per_step(minus_lr), param.dtype))
+      updated.append(_write(param, math_.add(weights, step)))
     return updated
 
 
@@ -303,12 +351,12 @@ class _AdamBase(Optimizer):
       return 1.0 - (self.t * math.log(beta)).exp()  # beta**t with t read from memory
     return one_minus_power(self.b1), one_minus_power(self.b2)
 
-  def _moments(self, index: int, g: Tensor) -> tuple[Tensor, Tensor]:
-    """m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g, assigned; returns (m, v)."""
+  def _moments(self, index: int, g: Lazy, math_: _LazyUpdate) -> tuple[Lazy, Lazy]:
+    """m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g (g float32), assigned; returns the new (m, v)."""
     m, v = self.m[index], self.v[index]
-    m.assign(self.b1 * m + (1.0 - self.b1) * g)
-    v.assign(self.b2 * v + (1.0 - self.b2) * (g * g))
-    return m, v
+    _write(m, math_.add(math_.mul(m.lazydata, self.b1), math_.mul(g, 1.0 - self.b1)))
+    _write(v, math_.add(math_.mul(v.lazydata, self.b2), math_.mul(math_.mul(g, g), 1.0 - self.b2)))
+    return m.lazydata, v.lazydata
 
 
 class Adam(_AdamBase):
@@ -323,22 +371,31 @@ class Adam(_AdamBase):
                eps: float = 1e-8, weight_decay: float = 0.0):
     super().__init__(params, lr, betas, eps, weight_decay)
 
-  def _decay(self, weights: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """(decayed weights, gradient) before the Adam update: L2 adds weight_decay * p to the gradient."""
-    return weights, (g + self.weight_decay * weights if self.weight_decay else g)
+  def _decay_factor(self) -> Tensor | None:
+    """The 0-d factor the weights are multiplied by before the update (AdamW's decoupled decay), or None."""
+    return None
 
   def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     index_of = {id(param): index for index, param in enumerate(self.params)}
     self.t.assign(self.t + 1.0)
     correction1, correction2 = self._bias_corrections()
-    step_size = self.lr_tensor / correction1
-    sqrt_correction2 = correction2.sqrt()
+    # per step, not per parameter: p + (-lr / c1) * m / (sqrt(v) / sqrt(c2) + eps), the Tensor formula's operations
+    minus_step_size = -(self.lr_tensor / correction1)
+    inverse_sqrt_correction2 = correction2.sqrt().reciprocal()
+    decay_factor = self._decay_factor()
     updated: list[Tensor] = [self.t]
     for param, grad in active:
-      weights, g = self._decay(param.detach(), grad)
-      m, v = self._moments(index_of[id(param)], g)
-      denominator = v.sqrt() / sqrt_correction2 + self.eps
-      updated += [m, v, param.assign(weights - step_size * m / denominator)]
+      math_ = _LazyUpdate(param.shape)
+      weights, g = param.lazydata, math_.cast(grad.lazydata, dtypes.float32)
+      if self.weight_decay and decay_factor is None:   # Adam's L2 term: weight_decay * p added to the gradient
+        g = math_.add(g, math_.mul(math_.cast(weights, dtypes.float32), self.weight_decay))
+      if decay_factor is not None: weights = math_.mul(weights, math_.cast(math_.per_step(decay_factor), param.dtype))
+      index = index_of[id(param)]
+      m, v = self._moments(index, g, math_)
+      denominator = math_.add(math_.mul(math_.sqrt(v), math_.per_step(inverse_sqrt_correction2)),
+                              v.const_like(self.eps))
+      step = math_.div(math_.mul(math_.per_step(minus_step_size), m), denominator)
+      updated += [self.m[index], self.v[index], _write(param, math_.add(weights, math_.cast(step, param.dtype)))]
     return updated
 
 
@@ -350,8 +407,8 @@ class AdamW(Adam):
                eps: float = 1e-8, weight_decay: float = 0.01):
     super().__init__(params, lr, betas, eps, weight_decay)
 
-  def _decay(self, weights: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    return (weights * (1.0 - self.lr_tensor * self.weight_decay) if self.weight_decay else weights), g
+  def _decay_factor(self) -> Tensor | None:
+    return 1.0 - self.lr_tensor * self.weight_decay if self.weight_decay else None
 
 
 class LAMB(_AdamBase):
@@ -374,8 +431,9 @@ class LAMB(_AdamBase):
     correction1, correction2 = self._bias_corrections()
     updated: list[Tensor] = [self.t]
     for param, grad in active:
-      weights = param.detach()
-      m, v = self._moments(index_of[id(param)], grad)
+      weights, index = param.detach(), index_of[id(param)]
+      self._moments(index, grad.lazydata.cast(dtypes.float32), _LazyUpdate(param.shape))
+      m, v = self.m[index], self.v[index]
       update = (m / correction1) / ((v / correction2).sqrt() + self.eps)
       if self.weight_decay: update = update + self.weight_decay * weights
       if self.adam:
