@@ -223,11 +223,11 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     if not 0.0 <= label_smoothing <= 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     scores = _class_last(self)
-    log_probs = scores.log_softmax(-1)
+    # (log_softmax only where it is read: the common case, index targets without weights, never builds its graph)
     if not target.dtype.is_float:
       _check_index_target(scores, target, "cross_entropy")
       if weight is None: return _logits_nll(scores, target, reduction, ignore_index, label_smoothing)
-      return _weighted_index_nll(log_probs, target, weight, reduction, ignore_index, label_smoothing)
+      return _weighted_index_nll(scores.log_softmax(-1), target, weight, reduction, ignore_index, label_smoothing)
     if target.shape != self.shape:
       raise ShapeError(f"cross_entropy: a probability target must have the input's shape {self.shape}, "
                        f"got {target.shape}")
@@ -237,7 +237,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     if weight is not None:
       _check_class_weight(weight, scores.shape[-1], "cross_entropy")
       probs = probs * weight
-    return _reduce(-(probs * log_probs).sum(-1), reduction)
+    return _reduce(-(probs * scores.log_softmax(-1)).sum(-1), reduction)
 
   @autocast_op(CastPolicy.FLOAT32)
   def sparse_categorical_crossentropy(self: Tensor, target: Tensor, ignore_index: int = -1,

@@ -110,3 +110,22 @@ def test_stride_one_conv_backward_after_writing_its_input_raises():
   hidden.assign(Tensor(np.zeros((1, 1, 5, 5), np.float32)))   # the windows the backward would read are stale now
   with pytest.raises(AutogradError):
     out.sum().backward()
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_cross_entropy_of_class_indices_builds_no_log_softmax(monkeypatch: pytest.MonkeyPatch,
+                                                              label_smoothing: float) -> None:
+  """Index targets without class weights go through logsumexp minus the picked logit: the log_softmax graph that
+  cross_entropy once built first for every target kind (and dropped unread) is not built at all."""
+  rng = np.random.default_rng(0)
+  logits, target = rng.standard_normal((6, 5)).astype(np.float32), rng.integers(0, 5, 6)
+  def no_log_softmax(*args, **kwargs): raise AssertionError("log_softmax built")
+  monkeypatch.setattr(Tensor, "log_softmax", no_log_softmax)
+  x = Tensor(logits, requires_grad=True)
+  loss = x.cross_entropy(Tensor(target.astype(np.int32)), label_smoothing=label_smoothing)
+  loss.backward()
+  reference = torch.tensor(logits, requires_grad=True)
+  expected = TF.cross_entropy(reference, torch.tensor(target), label_smoothing=label_smoothing)
+  expected.backward()
+  np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(x.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-6)
