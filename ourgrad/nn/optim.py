@@ -36,7 +36,7 @@ import numpy as np
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import AutogradError, DTypeError
-from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy import LazyBuffer, _broadcast_scalar
 from ourgrad.mixed_precision import LOW_FLOAT_DTYPES, suspend_autocast
 from ourgrad.multi import MultiLazyBuffer, is_assignable
 from ourgrad.ops import Ops
@@ -61,23 +61,37 @@ def _scalar_buffer(value: float, device: str | tuple[str, ...]) -> Tensor:
 
 
 class _LazyUpdate:
-  """Elementwise math of an optimizer update on lazy buffers of one parameter's shape (a single device's LazyBuffer or
-  a MultiLazyBuffer: both have these methods). Python numbers become constants of that shape; `per_step` values
-  (0-d Tensors computed once per step) become broadcast views."""
+  """Elementwise math of an optimizer step's updates on lazy buffers (a single device's LazyBuffer or a
+  MultiLazyBuffer: both have these methods), one per step. A Python number is one 0-d constant per step (per value
+  and dtype) and a per-step value a 0-d Tensor; every parameter reads them through one broadcast view of its shape."""
 
-  def __init__(self, shape: tuple[int, ...]):
-    self.shape = shape
+  def __init__(self) -> None:
+    self._constants: dict[tuple[float, DType, str], LazyBuffer] = {}
 
-  def per_step(self, scalar: Tensor) -> Lazy:
-    """A 0-d Tensor (the same for every parameter of a step) broadcast to this shape."""
-    return scalar.lazydata.reshape((1,) * len(self.shape)).expand(self.shape)
+  @staticmethod
+  def broadcast(scalar: Lazy, like: Lazy) -> Lazy:
+    """A 0-d value seen with `like`'s shape (one view of a single device's base)."""
+    if type(like) is LazyBuffer and type(scalar) is LazyBuffer and scalar.is_base and scalar.shape == ():
+      return scalar.view(_broadcast_scalar(like.shape))
+    return scalar.reshape((1,) * len(like.shape)).expand(like.shape)
+
+  def per_step(self, scalar: Tensor, like: Lazy) -> Lazy:
+    """A 0-d Tensor computed once per step (a learning rate times a bias correction), as `like`'s shape and dtype."""
+    return self.broadcast(scalar.lazydata.cast(like.dtype), like)
+
+  def constant(self, value: float, like: Lazy) -> Lazy:
+    """`value` with `like`'s shape and dtype."""
+    if type(like) is not LazyBuffer: return like.const_like(value)
+    key = (value, like.dtype, like.device)
+    scalar = self._constants.get(key)
+    if scalar is None: scalar = self._constants[key] = LazyBuffer.full(value, (), like.dtype, like.device)
+    return self.broadcast(scalar, like)
 
   @staticmethod
   def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.ADD, y)
 
-  @staticmethod
-  def mul(x: Lazy, y: Lazy | float) -> Lazy:
-    return x.elementwise(Ops.MUL, x.const_like(y) if isinstance(y, (int, float)) else y)
+  def mul(self, x: Lazy, y: Lazy | float) -> Lazy:
+    return x.elementwise(Ops.MUL, self.constant(y, x) if isinstance(y, (int, float)) else y)
 
   @staticmethod
   def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.MUL, y.elementwise(Ops.RECIP))   # as Tensor.div
@@ -316,18 +330,19 @@ class SGD(Optimizer):
     updated: list[Tensor] = []
     buffer_of = {id(param): buffer for param, buffer in zip(self.params, self.buffers)}
     minus_lr = -self.lr_tensor   # -(lr * g) is (-lr) * g exactly: p + (-lr) * g is p - lr * g
+    lazy = _LazyUpdate()
     for param, grad in active:
-      math_ = _LazyUpdate(param.shape)
       weights, g = param.lazydata, grad.lazydata
-      if self.weight_decay: g = math_.add(g, math_.mul(weights, self.weight_decay))
+      if self.weight_decay: g = lazy.add(g, lazy.mul(weights, self.weight_decay))
       if self.momentum:
         buffer = buffer_of[id(param)]
-        _write(buffer, math_.add(math_.mul(buffer.lazydata, self.momentum), math_.cast(g, buffer.dtype)))
-        new_buffer = math_.cast(buffer.lazydata, g.dtype)   # (float32 state; g in the parameter's dtype)
-        g = math_.add(g, math_.mul(new_buffer, self.momentum)) if self.nesterov else new_buffer
+        _write(buffer, lazy.add(lazy.mul(buffer.lazydata, self.momentum), lazy.cast(g, buffer.dtype)))
+        new_buffer = lazy.cast(buffer.lazydata, g.dtype)   # (float32 state; g in the parameter's dtype)
+        g = lazy.add(g, lazy.mul(new_buffer, self.momentum)) if self.nesterov else new_buffer
         updated.append(buffer)
-      step = math_.mul(math_.cast(g, param.dtype), math_.cast(math_.per_step(minus_lr), param.dtype))
-      updated.append(_write(param, math_.add(weights, step)))
+      g = lazy.cast(g, param.dtype)
+      step = lazy.mul(g, lazy.per_step(minus_lr, g))
+      updated.append(_write(param, lazy.add(weights, step)))
     return updated
 
 
@@ -351,11 +366,11 @@ class _AdamBase(Optimizer):
       return 1.0 - (self.t * math.log(beta)).exp()  # beta**t with t read from memory
     return one_minus_power(self.b1), one_minus_power(self.b2)
 
-  def _moments(self, index: int, g: Lazy, math_: _LazyUpdate) -> tuple[Lazy, Lazy]:
+  def _moments(self, index: int, g: Lazy, lazy: _LazyUpdate) -> tuple[Lazy, Lazy]:
     """m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g (g float32), assigned; returns the new (m, v)."""
     m, v = self.m[index], self.v[index]
-    _write(m, math_.add(math_.mul(m.lazydata, self.b1), math_.mul(g, 1.0 - self.b1)))
-    _write(v, math_.add(math_.mul(v.lazydata, self.b2), math_.mul(math_.mul(g, g), 1.0 - self.b2)))
+    _write(m, lazy.add(lazy.mul(m.lazydata, self.b1), lazy.mul(g, 1.0 - self.b1)))
+    _write(v, lazy.add(lazy.mul(v.lazydata, self.b2), lazy.mul(lazy.mul(g, g), 1.0 - self.b2)))
     return m.lazydata, v.lazydata
 
 
@@ -384,18 +399,18 @@ class Adam(_AdamBase):
     inverse_sqrt_correction2 = correction2.sqrt().reciprocal()
     decay_factor = self._decay_factor()
     updated: list[Tensor] = [self.t]
+    lazy = _LazyUpdate()
     for param, grad in active:
-      math_ = _LazyUpdate(param.shape)
-      weights, g = param.lazydata, math_.cast(grad.lazydata, dtypes.float32)
+      weights, g = param.lazydata, lazy.cast(grad.lazydata, dtypes.float32)
       if self.weight_decay and decay_factor is None:   # Adam's L2 term: weight_decay * p added to the gradient
-        g = math_.add(g, math_.mul(math_.cast(weights, dtypes.float32), self.weight_decay))
-      if decay_factor is not None: weights = math_.mul(weights, math_.cast(math_.per_step(decay_factor), param.dtype))
+        g = lazy.add(g, lazy.mul(lazy.cast(weights, dtypes.float32), self.weight_decay))
+      if decay_factor is not None: weights = lazy.mul(weights, lazy.per_step(decay_factor, weights))
       index = index_of[id(param)]
-      m, v = self._moments(index, g, math_)
-      denominator = math_.add(math_.mul(math_.sqrt(v), math_.per_step(inverse_sqrt_correction2)),
-                              v.const_like(self.eps))
-      step = math_.div(math_.mul(math_.per_step(minus_step_size), m), denominator)
-      updated += [self.m[index], self.v[index], _write(param, math_.add(weights, math_.cast(step, param.dtype)))]
+      m, v = self._moments(index, g, lazy)
+      denominator = lazy.add(lazy.mul(lazy.sqrt(v), lazy.per_step(inverse_sqrt_correction2, v)),
+                             lazy.constant(self.eps, v))
+      step = lazy.div(lazy.mul(lazy.per_step(minus_step_size, m), m), denominator)
+      updated += [self.m[index], self.v[index], _write(param, lazy.add(weights, lazy.cast(step, param.dtype)))]
     return updated
 
 
@@ -432,7 +447,7 @@ class LAMB(_AdamBase):
     updated: list[Tensor] = [self.t]
     for param, grad in active:
       weights, index = param.detach(), index_of[id(param)]
-      self._moments(index, grad.lazydata.cast(dtypes.float32), _LazyUpdate(param.shape))
+      self._moments(index, grad.lazydata.cast(dtypes.float32), _LazyUpdate())
       m, v = self.m[index], self.v[index]
       update = (m / correction1) / ((v / correction2).sqrt() + self.eps)
       if self.weight_decay: update = update + self.weight_decay * weights
