@@ -129,3 +129,22 @@ def test_cross_entropy_of_class_indices_builds_no_log_softmax(monkeypatch: pytes
   expected.backward()
   np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(x.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("target_dtype", [np.int64, np.uint8, np.int16])
+def test_cross_entropy_target_masks_in_any_integer_dtype(target_dtype: type) -> None:
+  """The masks of the integer targets (one-hot, picked positions, ignored samples) are built on lazy buffers in a
+  dtype that holds the class count: 300 classes with uint8 targets too; ignore_index samples are skipped."""
+  rng = np.random.default_rng(1)
+  classes = 300 if target_dtype is not np.uint8 else 256
+  logits = rng.standard_normal((5, classes)).astype(np.float32)
+  target = rng.integers(0, classes, 5).astype(target_dtype)
+  target[2] = 7
+  x = Tensor(logits, requires_grad=True)
+  loss = x.cross_entropy(Tensor(target), ignore_index=7)
+  loss.backward()
+  reference = torch.tensor(logits, requires_grad=True)
+  expected = TF.cross_entropy(reference, torch.tensor(target.astype(np.int64)), ignore_index=7)
+  expected.backward()
+  np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(x.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-6)
