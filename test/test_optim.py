@@ -367,3 +367,15 @@ def test_float64_parameters_match_torch(case: str) -> None:
       assert mine.dtype == Tensor(weights["w1"]).dtype
       np.testing.assert_allclose(mine.numpy(), reference.detach().numpy(), rtol=1e-5, atol=1e-5,
                                  err_msg=f"parameter {index} after step {step}")
+
+
+def test_numpy_scalar_hyper_parameters_match_torch() -> None:
+  """betas, momentum and weight decay given as numpy scalars (as read from a config array) work as Python floats."""
+  pair = _Pair(lambda p: Adam(p, lr=0.01, betas=(np.float32(0.8), np.float32(0.99)), weight_decay=np.float32(0.1)),
+               lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), weight_decay=0.1))
+  momentum = _Pair(lambda p: SGD(p, lr=0.1, momentum=np.float32(0.9), weight_decay=np.float16(0.5)),
+                   lambda p: torch.optim.SGD(p, lr=0.1, momentum=float(np.float32(0.9)), weight_decay=0.5))
+  for step in range(3):
+    for each in (pair, momentum):
+      each.step(step)
+      each.check(step)

@@ -91,7 +91,8 @@ class _LazyUpdate:
   def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.ADD, y)
 
   def mul(self, x: Lazy, y: Lazy | float) -> Lazy:
-    return x.elementwise(Ops.MUL, self.constant(y, x) if isinstance(y, (int, float)) else y)
+    # (a hyper-parameter may be a numpy scalar: anything not a lazy buffer is a number)
+    return x.elementwise(Ops.MUL, y if isinstance(y, (LazyBuffer, MultiLazyBuffer)) else self.constant(float(y), x))
 
   @staticmethod
   def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.MUL, y.elementwise(Ops.RECIP))   # as Tensor.div
