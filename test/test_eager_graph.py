@@ -148,3 +148,40 @@ def test_cross_entropy_target_masks_in_any_integer_dtype(target_dtype: type) -> 
   expected.backward()
   np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(x.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_training_builds_its_graphs_without_functions(monkeypatch: pytest.MonkeyPatch) -> None:
+  """BatchNorm in training: the statistics, running-stat updates, normalization and backward are built on lazy
+  buffers; the forward applies only its own Function, the batch count's increment and the two stored statistics
+  (69 Functions for a forward and backward before), the backward none. Values and gradients against torch."""
+  import ourgrad.function as F
+  from ourgrad import nn
+  rng = np.random.default_rng(2)
+  values, upstream = rng.standard_normal((3, 4, 5, 5)).astype(np.float32), rng.standard_normal((3, 4, 5, 5))
+  applied: list[str] = []
+  original = F.Function.apply.__func__   # type: ignore[attr-defined]
+
+  def counting_apply(cls: type, *tensors: Tensor, **kwargs: object) -> Tensor:
+    applied.append(cls.__name__)
+    return original(cls, *tensors, **kwargs)
+
+  norm, x = nn.BatchNorm2d(4), Tensor(values, requires_grad=True)
+  with Tensor.train():
+    monkeypatch.setattr(F.Function, "apply", classmethod(counting_apply))
+    out = norm(x)
+    monkeypatch.undo()
+    loss = (out * Tensor(upstream.astype(np.float32))).sum()
+    monkeypatch.setattr(F.Function, "apply", classmethod(counting_apply))
+    forward_functions = list(applied)
+    applied.clear()
+    loss.backward()
+    monkeypatch.undo()
+  assert sorted(forward_functions) == ["Add", "BatchNormNormalize", "Contiguous", "Contiguous"], forward_functions
+  assert applied == [], applied
+  reference_norm, reference_x = torch.nn.BatchNorm2d(4), torch.tensor(values, requires_grad=True)
+  reference = reference_norm(reference_x)
+  (reference * torch.tensor(upstream, dtype=torch.float32)).sum().backward()
+  np.testing.assert_allclose(out.numpy(), reference.detach().numpy(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(x.grad.numpy(), reference_x.grad.numpy(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(norm.weight.grad.numpy(), reference_norm.weight.grad.numpy(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(norm.running_var.numpy(), reference_norm.running_var.numpy(), rtol=1e-5, atol=1e-6)
