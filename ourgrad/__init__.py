@@ -39,9 +39,10 @@ if _helpers.GC_FREEZE_IMPORT:
 # Most objects of an eager step (tensors, Functions, lazy buffers: ~2000 alive at a CNN step's peak) are freed by
 # reference count when the step's graph goes. With the default first-generation threshold (700 net allocations) the
 # collector scanned them ~3 times a step, and each pass promoted survivors toward the full passes: 6-10% of the CNN
-# step's thread time on the CPU, 2.7 ms a step on the H200's host (docs/jit.md, session 12). GC_THRESHOLD=10000 raises
-# the threshold; it is opt-in (default 0: Python's thresholds) because a cycle then waits that many more allocations
-# to be reclaimed, and a device buffer held by one stays allocated meanwhile (test_memory_planner's capture peak)
+# step's thread time on the CPU (docs/jit.md). GC_THRESHOLD (default 10000) raises the threshold. A higher one only
+# delays what the collector frees, reference cycles: a training step, eager or jitted, makes none
+# (test/test_eager_cycles.py), so no device buffer of ourgrad's waits for a collection (a closure in the jit that called
+# itself once kept a step's outputs alive until one, which raised a capture's peak memory in test_memory_planner)
 if _helpers.GC_THRESHOLD.value > _gc.get_threshold()[0]:
   _gc.set_threshold(_helpers.GC_THRESHOLD.value, *_gc.get_threshold()[1:])
 

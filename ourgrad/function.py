@@ -118,7 +118,7 @@ class Clone(Function):
 class Cast(Function):
   def forward(self, x: LazyBuffer, dtype: DType, bitcast: bool = False) -> LazyBuffer:
     self.input_dtype, self.bitcast = x.dtype, bitcast
-    self.input_computed = x.base.realized is None
+    self.input_computed = not x.is_realized   # (is_realized: a MultiLazyBuffer has no single base)
     return x.cast(dtype, bitcast)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:

@@ -330,11 +330,11 @@ GC_FREEZE_IMPORT = env_var("GC_FREEZE_IMPORT", 1, "1: `import ourgrad` ends with
                            "then (the modules, functions and classes of ourgrad and what it imports) leave the cyclic "
                            "collector's generations, so its full passes no longer scan them (docs/jit.md, the schedule "
                            "cache); 0: the collector is left as it is")
-GC_THRESHOLD = env_var("GC_THRESHOLD", 0, "the cyclic collector's first-generation threshold that `import ourgrad` "
-                       "sets (gc.set_threshold; raised only, never lowered): an eager step keeps thousands of tracked "
-                       "objects alive that die by reference count, and a lower threshold has the collector scan them "
-                       "several times a step, finding no garbage (docs/jit.md); 0 (the default): the thresholds are "
-                       "left as they are (device buffers held by reference cycles are freed later at a higher one)")
+GC_THRESHOLD = env_var("GC_THRESHOLD", 10000, "the cyclic collector's first-generation threshold that `import "
+                       "ourgrad` sets (gc.set_threshold; raised only, never lowered): an eager step keeps thousands of "
+                       "tracked objects alive that die by reference count, and Python's threshold (700) has the "
+                       "collector scan them several times a step, finding no garbage (docs/jit.md; ourgrad's steps "
+                       "make no reference cycles, test_eager_cycles); 0: the thresholds are left as they are")
 NO_COLOR = env_var("NO_COLOR", "", "set (to anything): no ANSI colours in DEBUG output (https://no-color.org); "
                    "colours are also off when stdout is not a terminal")
 

@@ -50,12 +50,15 @@ def _positive(values: tuple[int, ...], name: str) -> None:
   if any(v <= 0 for v in values): raise ValueError(f"{name} must be positive, got {values}")
 
 
-def _pool(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
+def _pool(x: Tensor | LazyBuffer, kernel: tuple[int, ...], stride: tuple[int, ...],
+          dilation: tuple[int, ...]) -> Tensor | LazyBuffer:
   """Windows of the last len(kernel) dims of x, as a view: (..., i1, i2) -> (..., o1, o2, k1, k2) with
   result[..., a, b, p, q] = x[..., a*s1 + p*d1, b*s2 + q*d2] and o = floor((i - d*(k-1) - 1) / s) + 1.
 
   Nothing is copied: the window is built from movement ops only, so a consumer (a conv's multiply-and-sum, a
-  pool's max) reads x directly through the composed index expression. The caller pads x beforehand."""
+  pool's max) reads x directly through the composed index expression. The caller pads x beforehand.
+  x is a Tensor (a max pool, differentiable) or a lazy buffer (a stride-1 conv's forward, whose Function needs no
+  autograd of the view): only movement ops with explicit tuple arguments, which both take."""
   spatial = len(kernel)
   batch, sizes = x.shape[:-spatial], x.shape[-spatial:]
   for k, d, i in zip(kernel, dilation, sizes):
@@ -63,15 +66,15 @@ def _pool(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation:
       raise ShapeError(f"kernel {kernel} with dilation {dilation} is larger than the (padded) input {sizes} "
                        f"of shape {x.shape}")
   outs = tuple((i - d * (k - 1) - 1) // s + 1 for i, k, s, d in zip(sizes, kernel, stride, dilation))
-  keep = [None] * len(batch)
+  keep = tuple((0, size) for size in batch)
 
   if all(k <= s for k, s in zip(kernel, stride)) and all(d == 1 for d in dilation):
     # Windows do not overlap: pad/crop each dim to o*s, split it into (o, s) and keep the first k of each s.
-    x = x.pad(keep + [(0, o * s - i) for i, o, s in zip(sizes, outs, stride)])
+    x = x.pad(((0, 0),) * len(batch) + tuple((0, o * s - i) for i, o, s in zip(sizes, outs, stride)))
     x = x.reshape(batch + tuple(size for o, s in zip(outs, stride) for size in (o, s)))
-    x = x.shrink(keep + [bound for k in kernel for bound in (None, (0, k))])
-    order = [*range(len(batch)), *(len(batch) + 2 * a for a in range(spatial)),
-             *(len(batch) + 2 * a + 1 for a in range(spatial))]
+    x = x.shrink(keep + tuple(bound for o, k in zip(outs, kernel) for bound in ((0, o), (0, k))))
+    order = (*range(len(batch)), *(len(batch) + 2 * a for a in range(spatial)),
+             *(len(batch) + 2 * a + 1 for a in range(spatial)))
     return x.permute(order)
 
   # Windows overlap (k > s) or are dilated. Along one dim of size i, tile x (expand a new axis, merge it) so
@@ -86,16 +89,16 @@ def _pool(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation:
   x = x.expand(batch + tuple(size for r, i in zip(tiles, sizes) for size in (r, i)))
   x = x.reshape(batch + tuple(r * i for r, i in zip(tiles, sizes)))
   # rows of length L, one per kernel offset p: (k, L)
-  x = x.shrink(keep + [(0, k * row) for k, row in zip(kernel, rows)])
+  x = x.shrink(keep + tuple((0, k * row) for k, row in zip(kernel, rows)))
   x = x.reshape(batch + tuple(size for k, row in zip(kernel, rows) for size in (k, row)))
   # the first o*s columns, split into (o, s); column 0 of each stride step is output position a: (k, o, s)
-  x = x.shrink(keep + [bound for k, o, s in zip(kernel, outs, stride) for bound in ((0, k), (0, o * s))])
+  x = x.shrink(keep + tuple(bound for k, o, s in zip(kernel, outs, stride) for bound in ((0, k), (0, o * s))))
   x = x.reshape(batch + tuple(size for k, o, s in zip(kernel, outs, stride) for size in (k, o, s)))
-  x = x.shrink(keep + [bound for k, o in zip(kernel, outs) for bound in ((0, k), (0, o), (0, 1))])
+  x = x.shrink(keep + tuple(bound for k, o in zip(kernel, outs) for bound in ((0, k), (0, o), (0, 1))))
   x = x.reshape(batch + tuple(size for k, o in zip(kernel, outs) for size in (k, o)))
   # (..., k1, o1, k2, o2) -> (..., o1, o2, k1, k2): output positions first, window offsets last
-  order = [*range(len(batch)), *(len(batch) + 2 * a + 1 for a in range(spatial)),
-           *(len(batch) + 2 * a for a in range(spatial))]
+  order = (*range(len(batch)), *(len(batch) + 2 * a + 1 for a in range(spatial)),
+           *(len(batch) + 2 * a for a in range(spatial)))
   return x.permute(order)
 
 
@@ -263,10 +266,16 @@ def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ..
   return out if bias is None else out + bias.reshape(1, weight.shape[0], *([1] * dims))
 
 
-def _conv_windows(x: Tensor, kernel: tuple[int, ...], strides: tuple[int, ...], pads: Sequence[tuple[int, int]],
-                  dilations: tuple[int, ...]) -> Tensor:
-  """The pooling view (N, C, *out, *kernel) of x padded by `pads`: what a convolution multiplies by its weight."""
-  return _pool(x.pad([None, None, *pads]), kernel, strides, dilations)
+def _conv_windows(x: Tensor | LazyBuffer, kernel: tuple[int, ...], strides: tuple[int, ...],
+                  pads: Sequence[tuple[int, int]], dilations: tuple[int, ...]) -> Tensor | LazyBuffer:
+  """The pooling view (N, C, *out, *kernel) of x (a Tensor or a lazy buffer, as `_pool`) padded by `pads`: what a
+  convolution multiplies by its weight."""
+  # a negative pad crops: a shrink first, then the padding (a lazy buffer's pad takes no negative sides)
+  sizes = x.shape[2:]
+  x = x.shrink(((0, x.shape[0]), (0, x.shape[1]), *((max(0, -before), size - max(0, -after))
+                                                    for (before, after), size in zip(pads, sizes))))
+  x = x.pad(((0, 0), (0, 0), *((max(0, before), max(0, after)) for before, after in pads)))
+  return _pool(x, kernel, strides, dilations)
 
 
 def _conv_sum(x: Tensor, weight: Tensor, strides: tuple[int, ...], pads: list[tuple[int, int]],
@@ -353,10 +362,11 @@ class StrideOneConv(Function):
     from ourgrad.tensor import Tensor
     self.x, self.weight, self.pads, self.dilations, self.groups = x, weight, pads, dilations, groups
     dims = len(weight.shape) - 2
-    windows = _conv_windows(Tensor(x), tuple(weight.shape[2:]), (1,) * dims, pads, dilations)
+    # the view built on x's lazy buffer (no Function per movement op: this Function's own backward is the gradient)
+    windows = _conv_windows(x, tuple(weight.shape[2:]), (1,) * dims, pads, dilations)
     # the weight gradient multiplies the same view: kept (a view of x, which is kept anyway), not built again
-    self.windows = windows.lazydata
-    return _conv_sum(Tensor(x), Tensor(weight), (1,) * dims, pads, dilations, groups, windows).lazydata
+    self.windows = windows
+    return _conv_sum(Tensor(x), Tensor(weight), (1,) * dims, pads, dilations, groups, Tensor(windows)).lazydata
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     from ourgrad.tensor import Tensor

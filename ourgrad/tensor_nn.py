@@ -24,15 +24,18 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Sequence
 
 from ourgrad import function as F
-from ourgrad.dtype import dtypes
+from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.tensor_conv import ConvMixin
 from ourgrad.tensor_einsum import EinsumMixin
 from ourgrad.tensor_resize import ResizeMixin
 from ourgrad.tensor_attention import explain_attention, fused_attention, fused_attention_refusal
 from ourgrad.mixed_precision import CastPolicy, autocast_op
+from ourgrad.ops import Ops
 
 if TYPE_CHECKING:
+  from ourgrad.lazy import LazyBuffer
+  from ourgrad.multi import MultiLazyBuffer
   from ourgrad.tensor import Tensor
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -78,7 +81,7 @@ def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: 
   (codegen/row_linearizer.py), and the gradient is (softmax - one_hot) * grad with no reduce of its own."""
   _check_reduction(reduction)
   classes = log_probs.shape[-1]
-  one_hot = target.unsqueeze(-1) == type(log_probs).arange(classes, device=log_probs.device)
+  one_hot = _one_hot(target, classes)
   if normalizer is not None and log_probs.ndim == 2 and log_probs.numel() < 2 ** 31:
     loss = normalizer.squeeze(-1) - _picked_logits(log_probs, target, one_hot)
   else:
@@ -87,10 +90,27 @@ def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: 
   if label_smoothing:
     smooth = -log_probs.mean(-1) + (normalizer.squeeze(-1) if normalizer is not None else 0)
     loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
-  keep = target != ignore_index
+  targets = target.lazydata
+  keep = type(target)(targets.elementwise(Ops.CMPNE, targets.const_like(ignore_index)))
   loss = keep.where(loss, 0)
   if reduction == "mean": return loss.sum() / keep.sum().cast(loss.dtype)
   return _reduce(loss, reduction)
+
+
+def _one_hot(target: Tensor, classes: int) -> Tensor:
+  """(*target.shape, classes) bool, True at each sample's target class. Built on lazy buffers, as the other masks of
+  integer targets below: they carry no gradient, and a Tensor op's Function per operation was most of an eager
+  cross-entropy's graph building."""
+  targets, shape = _wide_targets(target), (*target.shape, classes)
+  class_range = type(target).arange(classes, device=target.device, dtype=targets.dtype).lazydata
+  class_range = class_range.reshape((*([1] * target.ndim), classes)).expand(shape)
+  return type(target)(F._equal(targets.reshape((*target.shape, 1)).expand(shape), class_range))
+
+
+def _wide_targets(target: Tensor) -> LazyBuffer | MultiLazyBuffer:
+  """The integer targets' lazy buffer in a dtype that holds any class count (int32 at least, as `target == arange`
+  promoted it)."""
+  return target.lazydata.cast(least_upper_dtype(target.dtype, dtypes.default_int))
 
 
 def _logits_nll(scores: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float) -> Tensor:
@@ -108,13 +128,16 @@ def _picked_logits(logits: Tensor, target: Tensor, one_hot: Tensor) -> Tensor:
   where(one_hot, grad, 0), which fuses into the logits' other gradient terms (F.PickPerRow)."""
   Tensor = type(logits)  # noqa: N806 (the concrete class; mixins never import it)
   rows, classes = logits.shape
-  in_range = (target >= 0) & (target < classes)
+  targets = _wide_targets(target)   # (integers: no gradient, so lazy buffers, as _one_hot)
+  in_range = F._not(targets.elementwise(Ops.CMPLT, targets.const_like(0)))   # target >= 0 (integers have no NaN)
+  in_range = in_range.elementwise(Ops.AND, targets.elementwise(Ops.CMPLT, targets.const_like(classes)))
   # the target clamped before the offset is computed: row * C + target never wraps (R * C < 2**31), whatever the
   # target's value (a CPU row kernel computes it without -fwrapv, RowLinearizer._lane_nodes)
-  column = in_range.where(target, 0).cast(dtypes.int32)
-  flat = Tensor.arange(rows, device=logits.device, dtype=dtypes.int32) * classes + column
-  flat_index = in_range.where(flat, -1).cast(dtypes.int32)
-  return F.PickPerRow.apply(logits, flat_index.detach(), one_hot.detach())
+  column = F._where(in_range, targets, targets.const_like(0)).cast(dtypes.int32)
+  row_starts = Tensor.arange(rows, device=logits.device, dtype=dtypes.int32).lazydata
+  flat = F._mul(row_starts, row_starts.const_like(classes)).elementwise(Ops.ADD, column)
+  flat_index = F._where(in_range, flat, flat.const_like(-1))
+  return F.PickPerRow.apply(logits, Tensor(flat_index), one_hot.detach())
 
 
 def _check_class_weight(weight: Tensor, classes: int, what: str) -> None:
@@ -223,11 +246,11 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     if not 0.0 <= label_smoothing <= 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     scores = _class_last(self)
-    log_probs = scores.log_softmax(-1)
+    # (log_softmax only where it is read: the common case, index targets without weights, never builds its graph)
     if not target.dtype.is_float:
       _check_index_target(scores, target, "cross_entropy")
       if weight is None: return _logits_nll(scores, target, reduction, ignore_index, label_smoothing)
-      return _weighted_index_nll(log_probs, target, weight, reduction, ignore_index, label_smoothing)
+      return _weighted_index_nll(scores.log_softmax(-1), target, weight, reduction, ignore_index, label_smoothing)
     if target.shape != self.shape:
       raise ShapeError(f"cross_entropy: a probability target must have the input's shape {self.shape}, "
                        f"got {target.shape}")
@@ -237,7 +260,7 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     if weight is not None:
       _check_class_weight(weight, scores.shape[-1], "cross_entropy")
       probs = probs * weight
-    return _reduce(-(probs * log_probs).sum(-1), reduction)
+    return _reduce(-(probs * scores.log_softmax(-1)).sum(-1), reduction)
 
   @autocast_op(CastPolicy.FLOAT32)
   def sparse_categorical_crossentropy(self: Tensor, target: Tensor, ignore_index: int = -1,

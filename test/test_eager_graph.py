@@ -110,3 +110,78 @@ def test_stride_one_conv_backward_after_writing_its_input_raises():
   hidden.assign(Tensor(np.zeros((1, 1, 5, 5), np.float32)))   # the windows the backward would read are stale now
   with pytest.raises(AutogradError):
     out.sum().backward()
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_cross_entropy_of_class_indices_builds_no_log_softmax(monkeypatch: pytest.MonkeyPatch,
+                                                              label_smoothing: float) -> None:
+  """Index targets without class weights go through logsumexp minus the picked logit: the log_softmax graph that
+  cross_entropy once built first for every target kind (and dropped unread) is not built at all."""
+  rng = np.random.default_rng(0)
+  logits, target = rng.standard_normal((6, 5)).astype(np.float32), rng.integers(0, 5, 6)
+  def no_log_softmax(*args, **kwargs): raise AssertionError("log_softmax built")
+  monkeypatch.setattr(Tensor, "log_softmax", no_log_softmax)
+  x = Tensor(logits, requires_grad=True)
+  loss = x.cross_entropy(Tensor(target.astype(np.int32)), label_smoothing=label_smoothing)
+  loss.backward()
+  reference = torch.tensor(logits, requires_grad=True)
+  expected = TF.cross_entropy(reference, torch.tensor(target), label_smoothing=label_smoothing)
+  expected.backward()
+  np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(x.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("target_dtype", [np.int64, np.uint8, np.int16])
+def test_cross_entropy_target_masks_in_any_integer_dtype(target_dtype: type) -> None:
+  """The masks of the integer targets (one-hot, picked positions, ignored samples) are built on lazy buffers in a
+  dtype that holds the class count: 300 classes with uint8 targets too; ignore_index samples are skipped."""
+  rng = np.random.default_rng(1)
+  classes = 300 if target_dtype is not np.uint8 else 256
+  logits = rng.standard_normal((5, classes)).astype(np.float32)
+  target = rng.integers(0, classes, 5).astype(target_dtype)
+  target[2] = 7
+  x = Tensor(logits, requires_grad=True)
+  loss = x.cross_entropy(Tensor(target), ignore_index=7)
+  loss.backward()
+  reference = torch.tensor(logits, requires_grad=True)
+  expected = TF.cross_entropy(reference, torch.tensor(target.astype(np.int64)), ignore_index=7)
+  expected.backward()
+  np.testing.assert_allclose(loss.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(x.grad.numpy(), reference.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_training_builds_its_graphs_without_functions(monkeypatch: pytest.MonkeyPatch) -> None:
+  """BatchNorm in training: the statistics, running-stat updates, normalization and backward are built on lazy
+  buffers; the forward applies only its own Function, the batch count's increment and the two stored statistics
+  (69 Functions for a forward and backward before), the backward none. Values and gradients against torch."""
+  import ourgrad.function as F
+  from ourgrad import nn
+  rng = np.random.default_rng(2)
+  values, upstream = rng.standard_normal((3, 4, 5, 5)).astype(np.float32), rng.standard_normal((3, 4, 5, 5))
+  applied: list[str] = []
+  original = F.Function.apply.__func__   # type: ignore[attr-defined]
+
+  def counting_apply(cls: type, *tensors: Tensor, **kwargs: object) -> Tensor:
+    applied.append(cls.__name__)
+    return original(cls, *tensors, **kwargs)
+
+  norm, x = nn.BatchNorm2d(4), Tensor(values, requires_grad=True)
+  with Tensor.train():
+    monkeypatch.setattr(F.Function, "apply", classmethod(counting_apply))
+    out = norm(x)
+    monkeypatch.undo()
+    loss = (out * Tensor(upstream.astype(np.float32))).sum()
+    monkeypatch.setattr(F.Function, "apply", classmethod(counting_apply))
+    forward_functions = list(applied)
+    applied.clear()
+    loss.backward()
+    monkeypatch.undo()
+  assert sorted(forward_functions) == ["Add", "BatchNormNormalize", "Contiguous", "Contiguous"], forward_functions
+  assert applied == [], applied
+  reference_norm, reference_x = torch.nn.BatchNorm2d(4), torch.tensor(values, requires_grad=True)
+  reference = reference_norm(reference_x)
+  (reference * torch.tensor(upstream, dtype=torch.float32)).sum().backward()
+  np.testing.assert_allclose(out.numpy(), reference.detach().numpy(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(x.grad.numpy(), reference_x.grad.numpy(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(norm.weight.grad.numpy(), reference_norm.weight.grad.numpy(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(norm.running_var.numpy(), reference_norm.running_var.numpy(), rtol=1e-5, atol=1e-6)

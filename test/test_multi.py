@@ -397,3 +397,35 @@ def test_launcher_returns_the_failing_exit_code(tmp_path):
   script = tmp_path / "fail.py"
   script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
   assert main(["--nproc", "2", str(script)]) == 3
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_training_on_a_batch_sharded_input_matches_torch(momentum):
+  """BatchNorm2d in training on input sharded along the batch: output, input/weight/bias gradients and running
+  statistics (its statistics, normalization and backward are built on lazy buffers, MultiLazyBuffers here)."""
+  import torch
+  from ourgrad import nn
+  rng = np.random.default_rng(3)
+  x_np = (rng.standard_normal((4, 3, 5, 5)) * 2 + 1).astype(np.float32)
+  upstream = rng.standard_normal((4, 3, 5, 5)).astype(np.float32)
+  ours = nn.BatchNorm2d(3, momentum=momentum)
+  for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+    getattr(ours, name).shard_(D2).realize()
+  theirs = torch.nn.BatchNorm2d(3, momentum=momentum)
+  for step in range(2):
+    x = Tensor(x_np + step, requires_grad=True)
+    x_sharded = x.shard(D2, axis=0)
+    with Tensor.train():
+      out = ours(x_sharded)
+      (out * Tensor(upstream).shard(D2, axis=0)).sum().backward()
+    reference_x = torch.tensor(x_np + step, requires_grad=True)
+    reference = theirs(reference_x)
+    (reference * torch.tensor(upstream)).sum().backward()
+    np.testing.assert_allclose(out.to("CLANG:0").numpy(), reference.detach().numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(x.grad.numpy(), reference_x.grad.numpy(), rtol=1e-4, atol=1e-4)
+    for name in ("running_mean", "running_var"):
+      np.testing.assert_allclose(getattr(ours, name).to("CLANG:0").numpy(), getattr(theirs, name).numpy(),
+                                 rtol=1e-5, atol=1e-6, err_msg=name)
+  for name in ("weight", "bias"):
+    np.testing.assert_allclose(getattr(ours, name).grad.to("CLANG:0").numpy(),
+                               getattr(theirs, name).grad.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)

@@ -316,3 +316,66 @@ def test_params_without_requires_grad(make: type[Optimizer]) -> None:
 def test_empty_params_raises(make: type[Optimizer]) -> None:
   with pytest.raises(AutogradError, match="empty parameter list"):
     make([])
+
+
+@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1, nesterov=True),
+                                  lambda p: Adam(p, weight_decay=0.01), lambda p: AdamW(p, weight_decay=0.1)],
+                         ids=["sgd_all", "adam", "adamw"])
+def test_update_graph_costs_no_functions_per_parameter(make: Callable[[list[Tensor]], Optimizer],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+  """A step runs without autograd: each parameter's update is built on lazy buffers (no Tensor op, no Function);
+  Tensor ops are made only for what is computed once per step (the step count, the bias corrections)."""
+  import ourgrad.function as F
+  applied: list[str] = []
+  original = F.Function.apply.__func__   # type: ignore[attr-defined]
+
+  def counting_apply(cls: type, *tensors: Tensor, **kwargs: Any) -> Tensor:
+    applied.append(cls.__name__)
+    return original(cls, *tensors, **kwargs)
+
+  functions_per_step = []
+  for count in (1, 4):
+    params = [Tensor(np.full((3, 2), float(index + 1), dtype=np.float32), requires_grad=True) for index in range(count)]
+    opt = make(params)
+    for param in params: param.grad = Tensor(np.ones((3, 2), dtype=np.float32))
+    applied.clear()
+    monkeypatch.setattr(F.Function, "apply", classmethod(counting_apply))
+    updated = opt.schedule_step()
+    monkeypatch.undo()
+    Tensor.realize_all(*updated)
+    functions_per_step.append(len(applied))
+  assert functions_per_step[0] == functions_per_step[1], functions_per_step
+
+
+@pytest.mark.parametrize("case", ["sgd_all", "adam_weight_decay", "adamw_weight_decay"])
+def test_float64_parameters_match_torch(case: str) -> None:
+  """float64 parameters (float32 optimizer state, as the constructor makes it): updates cast where the dtypes meet."""
+  make_ours, make_torch = TORCH_CASES[case]
+  weights = {name: value.astype(np.float64) for name, value in _initial_weights().items()}
+  ours = [Tensor(value, requires_grad=True) for value in weights.values()]
+  theirs = [torch.tensor(value, requires_grad=True) for value in weights.values()]
+  opt, torch_opt = make_ours(ours), make_torch(theirs)
+  for step in range(4):
+    x, target = (array.astype(np.float64) for array in _batch(step))
+    opt.zero_grad()
+    _loss(*ours, Tensor(x), Tensor(target)).backward()
+    opt.step()
+    torch_opt.zero_grad()
+    _loss(*theirs, torch.tensor(x), torch.tensor(target)).backward()
+    torch_opt.step()
+    for index, (mine, reference) in enumerate(zip(ours, theirs)):
+      assert mine.dtype == Tensor(weights["w1"]).dtype
+      np.testing.assert_allclose(mine.numpy(), reference.detach().numpy(), rtol=1e-5, atol=1e-5,
+                                 err_msg=f"parameter {index} after step {step}")
+
+
+def test_numpy_scalar_hyper_parameters_match_torch() -> None:
+  """betas, momentum and weight decay given as numpy scalars (as read from a config array) work as Python floats."""
+  pair = _Pair(lambda p: Adam(p, lr=0.01, betas=(np.float32(0.8), np.float32(0.99)), weight_decay=np.float32(0.1)),
+               lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), weight_decay=0.1))
+  momentum = _Pair(lambda p: SGD(p, lr=0.1, momentum=np.float32(0.9), weight_decay=np.float16(0.5)),
+                   lambda p: torch.optim.SGD(p, lr=0.1, momentum=float(np.float32(0.9)), weight_decay=0.5))
+  for step in range(3):
+    for each in (pair, momentum):
+      each.step(step)
+      each.check(step)

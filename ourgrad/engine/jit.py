@@ -25,7 +25,7 @@ import inspect
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.exec_item import CompiledRunner, ExecItem, capture_into, jit_recording
@@ -253,6 +253,26 @@ def _check_distinct(paths: list[str], buffers: list[Buffer]) -> None:
     seen[id(buffer)] = path
 
 
+def _contiguous_outputs(value: Any, path: str, outputs: list[Tensor]) -> Any:
+  """`value` (a function's result) with each Tensor that is a view made contiguous; appends the Tensors to
+  `outputs` in order. A module-level function, not a closure calling itself: such a closure is a reference cycle
+  (function -> cell -> function) that would keep `outputs`, and the device buffers of its Tensors, alive until the
+  cyclic collector runs."""
+  if isinstance(value, Tensor):
+    if not value.lazydata.is_base and not (value.lazydata.st.contiguous and
+                                           value.lazydata.size == value.lazydata.base.size):
+      value = value.contiguous()
+    outputs.append(value)
+    return value
+  if isinstance(value, (list, tuple)):
+    return type(value)(_contiguous_outputs(item, f"{path}[{index}]", outputs) for index, item in enumerate(value))
+  if isinstance(value, dict):
+    return {key: _contiguous_outputs(item, f"{path}[{key!r}]", outputs) for key, item in value.items()}
+  if value is None: return None
+  raise JitError(f"a jitted function returned {type(value).__name__} at {path}: only Tensors (in lists, tuples and "
+                 f"dicts) or None can be returned, a Python value would be frozen at its captured value")
+
+
 def _finish_call(result: Any, capturing: bool = False) -> tuple[Any, list[Tensor]]:
   """Realize the function's outputs (views made contiguous) and every assign it made, in one schedule. Returns the
   result with outputs replaced where they had to be made contiguous, and the output tensors in order.
@@ -262,22 +282,7 @@ def _finish_call(result: Any, capturing: bool = False) -> tuple[Any, list[Tensor
   capturing, such a tensor's new value is also copied into the buffer it read before the call, so each replay reads
   the previous replay's value and the tensor (bound to the new buffer) sees every replay's result."""
   outputs: list[Tensor] = []
-
-  def visit(value: Any, path: str) -> Any:
-    if isinstance(value, Tensor):
-      if not value.lazydata.is_base and not (value.lazydata.st.contiguous and
-                                             value.lazydata.size == value.lazydata.base.size):
-        value = value.contiguous()
-      outputs.append(value)
-      return value
-    if isinstance(value, (list, tuple)):
-      return type(value)(visit(item, f"{path}[{index}]") for index, item in enumerate(value))
-    if isinstance(value, dict): return {key: visit(item, f"{path}[{key!r}]") for key, item in value.items()}
-    if value is None: return None
-    raise JitError(f"a jitted function returned {type(value).__name__} at {path}: only Tensors (in lists, tuples and "
-                   f"dicts) or None can be returned, a Python value would be frozen at its captured value")
-
-  result = visit(result, "return value")
+  result = _contiguous_outputs(result, "return value", outputs)
   assigned = jit_recording.take_assigned()
   previous: dict[int, tuple[Tensor, LazyBuffer]] = {}
   for tensor, lazy in assigned: previous.setdefault(id(tensor), (tensor, lazy))
@@ -443,15 +448,15 @@ class CapturedJit:
 
   def _rebuild_result(self) -> Any:
     if self.result_template is _OUTPUT: return self._output_tensor(0)  # the common case: one Tensor
-    outputs = iter(range(len(self.output_buffers)))
+    return self._fill_template(self.result_template, iter(range(len(self.output_buffers))))
 
-    def visit(value: Any) -> Any:
-      if value is _OUTPUT: return self._output_tensor(next(outputs))
-      if isinstance(value, (list, tuple)): return type(value)(visit(item) for item in value)
-      if isinstance(value, dict): return {key: visit(item) for key, item in value.items()}
-      return value
-
-    return visit(self.result_template)
+  def _fill_template(self, value: Any, outputs: Iterator[int]) -> Any:
+    """`value` (the result template) with each output marker replaced by the next output's Tensor (a method, not a
+    closure calling itself: that is a reference cycle left for the cyclic collector on every replay)."""
+    if value is _OUTPUT: return self._output_tensor(next(outputs))
+    if isinstance(value, (list, tuple)): return type(value)(self._fill_template(item, outputs) for item in value)
+    if isinstance(value, dict): return {key: self._fill_template(item, outputs) for key, item in value.items()}
+    return value
 
 
 def _first_written(items: list[ExecItem]) -> set[int]:

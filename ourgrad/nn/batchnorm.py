@@ -19,20 +19,27 @@ The two sums read the same inputs and are independent: again one kernel of sibli
 (it fuses into the kernel that consumes it). Autograd through mean and variance would instead need the variance
 path's sum before the mean path's (d mean depends on d var): two reduce kernels in sequence.
 
-The backward graph is a plain LazyBuffer graph (built with Tensor ops on tensors without gradients), so it stays lazy
-and fuses; it is not itself differentiable (ourgrad has no double backward).
+The statistics, the normalization and the backward are built on lazy buffers directly (LazyBuffer or
+MultiLazyBuffer methods, the lazy helpers of function.py), not through Tensor methods: none of them needs autograd (the
+statistics are of a detached x, the normalization is this Function's own forward, and ourgrad has no double
+backward), and a Tensor op's Function per operation was ~40% of the Functions of an eager CNN step. The graphs are
+those the Tensor formulas built, operation for operation, so they fuse as before.
 """
 from __future__ import annotations
 
 import math
 
-from ourgrad.dtype import dtypes
-from ourgrad.function import Function
+from ourgrad.dtype import dtypes, least_upper_dtype
+from ourgrad.function import Function, _div, _mul, _sub
 from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import MultiLazyBuffer
+from ourgrad.ops import Ops
 from ourgrad.tensor import Tensor
 
-__all__ = ["batch_statistics", "BatchNormNormalize", "channel_reduce_axes", "channel_view", "stored_statistics"]
+Lazy = LazyBuffer | MultiLazyBuffer
+
+__all__ = ["batch_statistics", "BatchNormNormalize", "channel_reduce_axes", "channel_sum", "channel_view",
+           "per_channel", "stored_statistics"]
 
 
 def channel_reduce_axes(ndim: int) -> tuple[int, ...]:
@@ -45,24 +52,39 @@ def channel_view(t: Tensor, ndim: int) -> Tensor:
   return t.reshape(1, t.shape[0], *([1] * (ndim - 2)))
 
 
+def per_channel(values: Lazy, shape: tuple[int, ...]) -> Lazy:
+  """A per-channel (C,) lazy value broadcast to an (N, C, ...) input's `shape`."""
+  return values.reshape((1, shape[1], *([1] * (len(shape) - 2)))).expand(shape)
+
+
+def channel_sum(x: Lazy) -> Lazy:
+  """The per-channel (C,) sum of an (N, C, ...) lazy value over every axis but 1."""
+  return x.reduce(Ops.SUM, channel_reduce_axes(len(x.shape))).reshape((x.shape[1],))
+
+
 def batch_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
   """The per-channel mean and biased variance (each of shape (C,)) of an (N, C, ...) input, from the two shifted sums
   sum(x - s) and sum((x - s)^2) over all axes but 1 (one pass over x; see the module docstring). Half-precision
-  input is summed in float32; the results have x's dtype. Differentiable (the shift's gradient cancels)."""
+  input is summed in float32; the results have x's dtype. Not differentiable: pass a detached x (the backward of
+  BatchNormNormalize accounts for the statistics)."""
   axes = channel_reduce_axes(x.ndim)
   count = math.prod(x.shape[axis] for axis in axes)
-  if isinstance(x.lazydata, MultiLazyBuffer) and x.lazydata.axis in axes:
+  lazy = x.lazydata
+  if isinstance(lazy, MultiLazyBuffer) and lazy.axis in axes:
     # sharded along a reduced axis, a view of one sample would cross shards: shift by the mean (a pass of its own)
-    shift = x.mean(axes, keepdim=True)
+    shift = x.detach().mean(axes, keepdim=True).lazydata
   else:   # a view of x, not a copy: the first sample of each channel, broadcast over that channel
-    shift = x.shrink(tuple((0, 1) if axis in axes else None for axis in range(x.ndim)))
+    shift = lazy.shrink(tuple((0, 1) if axis in axes else (0, size) for axis, size in enumerate(x.shape)))
   accumulate = dtypes.float32 if x.dtype.itemsize < 4 else x.dtype
-  shifted = x.cast(accumulate) - shift.cast(accumulate)
-  shifted_mean = shifted.sum(axes) / count
+  shifted = _sub(lazy.cast(accumulate), shift.cast(accumulate).expand(x.shape))
+  shifted_sum = channel_sum(shifted)
+  shifted_mean = _div(shifted_sum, shifted_sum.const_like(count))
   # clamped at 0: rounding can leave E[d^2] a hair below E[d]^2 for a constant channel
-  variance = (shifted.square().sum(axes) / count - shifted_mean.square()).maximum(0.0)
-  mean = shift.reshape(x.shape[1]).cast(accumulate) + shifted_mean
-  return mean.cast(x.dtype), variance.cast(x.dtype)
+  squares_sum = channel_sum(_mul(shifted, shifted))
+  variance = _sub(_div(squares_sum, squares_sum.const_like(count)), _mul(shifted_mean, shifted_mean))
+  variance = variance.elementwise(Ops.MAX, variance.const_like(0.0))
+  mean = shift.reshape((x.shape[1],)).cast(accumulate).elementwise(Ops.ADD, shifted_mean)
+  return Tensor(mean.cast(x.dtype)), Tensor(variance.cast(x.dtype))
 
 
 def stored_statistics(mean: Tensor, invstd: Tensor) -> tuple[Tensor, Tensor]:
@@ -84,34 +106,36 @@ class BatchNormNormalize(Function):
 
   def forward(self, x: LazyBuffer, mean: LazyBuffer, invstd: LazyBuffer, weight: LazyBuffer | None = None,
               bias: LazyBuffer | None = None) -> LazyBuffer:
-    self.x, self.mean, self.invstd, self.weight = Tensor(x), Tensor(mean), Tensor(invstd), weight
-    ndim = len(x.shape)
+    # one dtype for all (the Tensor ops' promotion; a no-op when they agree, as under autocast's float32 policy)
+    dtype = least_upper_dtype(*(operand.dtype for operand in (x, mean, invstd, weight, bias) if operand is not None))
+    x, mean, invstd = x.cast(dtype), mean.cast(dtype), invstd.cast(dtype)
+    weight, bias = (None if operand is None else operand.cast(dtype) for operand in (weight, bias))
+    self.x, self.mean, self.invstd, self.weight = x, mean, invstd, weight
     out = self._normalized()
-    if weight is not None: out = out * channel_view(Tensor(weight), ndim)
-    if bias is not None: out = out + channel_view(Tensor(bias), ndim)
-    return out.lazydata
+    if weight is not None: out = _mul(out, per_channel(weight, x.shape))
+    if bias is not None: out = out.elementwise(Ops.ADD, per_channel(bias, x.shape))
+    return out
 
-  def _normalized(self) -> Tensor:
+  def _normalized(self) -> Lazy:
     """xhat = (x - mean) * invstd, recomputed elementwise wherever it is read (it fuses, never stored)."""
-    ndim = self.x.ndim
-    return (self.x - channel_view(self.mean, ndim)) * channel_view(self.invstd, ndim)
+    shape = self.x.shape
+    return _mul(_sub(self.x, per_channel(self.mean, shape)), per_channel(self.invstd, shape))
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
-    grad, ndim = Tensor(grad_output), self.x.ndim
-    axes = channel_reduce_axes(ndim)
-    count = math.prod(self.x.shape[axis] for axis in axes)
+    grad, shape = grad_output, self.x.shape
+    count = math.prod(shape[axis] for axis in channel_reduce_axes(len(shape)))
     xhat = self._normalized()
     # the two independent sums over the same inputs: one kernel of sibling reduces on a GPU
-    grad_sum, grad_xhat_sum = grad.sum(axes), (grad * xhat).sum(axes)
+    grad_sum, grad_xhat_sum = channel_sum(grad), channel_sum(_mul(grad, xhat))
     grad_x = None
     if self.needs_input_grad[0]:
-      centered = grad * count - channel_view(grad_sum, ndim) - xhat * channel_view(grad_xhat_sum, ndim)
+      centered = _sub(_sub(_mul(grad, grad.const_like(count)), per_channel(grad_sum, shape)),
+                      _mul(xhat, per_channel(grad_xhat_sum, shape)))
       # invstd / count and the weight multiply the full-size tensor one after the other: their product would be a
       # (C,) value the scheduler stores in a kernel of its own (it joins the optimizer's (C,) updates, which
       # overwrite the weight it read, and is split out again: engine/multi_output.py `_split_cyclic_groups`)
-      grad_x_tensor = centered * channel_view(self.invstd / count, ndim)
-      if self.weight is not None: grad_x_tensor = grad_x_tensor * channel_view(Tensor(self.weight), ndim)
-      grad_x = grad_x_tensor.lazydata
-    grad_weight = grad_xhat_sum.lazydata if len(self.needs_input_grad) > 3 and self.needs_input_grad[3] else None
-    grad_bias = grad_sum.lazydata if len(self.needs_input_grad) > 4 and self.needs_input_grad[4] else None
+      grad_x = _mul(centered, per_channel(_div(self.invstd, self.invstd.const_like(count)), shape))
+      if self.weight is not None: grad_x = _mul(grad_x, per_channel(self.weight, shape))
+    grad_weight = grad_xhat_sum if len(self.needs_input_grad) > 3 and self.needs_input_grad[3] else None
+    grad_bias = grad_sum if len(self.needs_input_grad) > 4 and self.needs_input_grad[4] else None
     return (grad_x, None, None, grad_weight, grad_bias)[:len(self.needs_input_grad)]

@@ -26,9 +26,13 @@ import numpy as np
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import make_tuple
 from ourgrad.errors import DTypeError, ShapeError
+from ourgrad.function import _mul
+from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op
+from ourgrad.multi import MultiLazyBuffer
 from ourgrad.nn.batchnorm import BatchNormNormalize, batch_statistics, channel_view, stored_statistics
 from ourgrad.nn.module import Module
+from ourgrad.ops import Ops
 from ourgrad.tensor import Tensor
 from ourgrad.tensor_conv import conv_padding
 
@@ -71,6 +75,17 @@ def _init_channel_norm(norm: Module, num_features: int, eps: float, momentum: fl
     norm.running_mean = Tensor.zeros(num_features, requires_grad=False)
     norm.running_var = Tensor.ones(num_features, requires_grad=False)
     norm.num_batches_tracked = Tensor.zeros(dtype=dtypes.int64, requires_grad=False)
+
+
+def _moving_average(running: Tensor, batch: LazyBuffer | MultiLazyBuffer, factor: Tensor | float) -> None:
+  """running = (1 - factor) * running + factor * batch, assigned (lazily); `factor` a number or a 0-d Tensor."""
+  old = running.lazydata
+  if isinstance(factor, Tensor):
+    keep = (1.0 - factor).lazydata.cast(old.dtype).reshape((1,)).expand(old.shape)
+    take = factor.lazydata.cast(old.dtype).reshape((1,)).expand(old.shape)
+  else:
+    keep, take = old.const_like(1.0 - factor), old.const_like(factor)
+  running.assign(Tensor(_mul(keep, old).elementwise(Ops.ADD, _mul(take, batch.cast(old.dtype)))))
 
 
 def _machine_epsilon(dtype: DType) -> float:
@@ -228,10 +243,10 @@ class BatchNorm(Module):
   def _update_running_stats(self, mean: Tensor, var: Tensor, count: int) -> None:
     self.num_batches_tracked.assign(self.num_batches_tracked + 1)
     factor: Tensor | float = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked.float()
-    # statistics are data, not part of the graph: detach so no autograd history is kept for them
-    mean, unbiased_var = mean.detach(), var.detach() * (count / (count - 1))
-    self.running_mean.assign((1.0 - factor) * self.running_mean + factor * mean)
-    self.running_var.assign((1.0 - factor) * self.running_var + factor * unbiased_var)
+    # statistics are data, not part of the graph: built on lazy buffers, no autograd history is kept for them
+    variance = var.lazydata
+    _moving_average(self.running_mean, mean.lazydata, factor)
+    _moving_average(self.running_var, _mul(variance, variance.const_like(count / (count - 1))), factor)
 
   def extra_repr(self) -> str:
     return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
@@ -250,7 +265,9 @@ class BatchNorm(Module):
     # one statistics pass over x, and a backward of one pass too (nn/batchnorm.py says how and why)
     mean, var = batch_statistics(x.detach())
     if self.training and self.track_running_stats: self._update_running_stats(mean, var, count)
-    mean, invstd = stored_statistics(mean, (var + self.eps).rsqrt())
+    variance = var.lazydata
+    invstd = variance.elementwise(Ops.ADD, variance.const_like(self.eps)).elementwise(Ops.SQRT).elementwise(Ops.RECIP)
+    mean, invstd = stored_statistics(mean, Tensor(invstd))   # (var + eps).rsqrt(), without autograd
     affine = (self.weight, self.bias) if self.affine else ()
     return BatchNormNormalize.apply(x, mean, invstd, *affine)
 

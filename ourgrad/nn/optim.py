@@ -17,6 +17,12 @@ hyper-parameters; writing `group["lr"] = x` (what the schedulers of ourgrad.opti
 group's learning rate buffer, so it compiles nothing. Several groups are several optimizers of the same class, one
 per group (built by `_ParamGroupsMeta`), stepped in one schedule: the step code stays the one of a single group.
 
+Each parameter's update is built on lazy buffers directly (`_LazyUpdate`), not through Tensor methods: a step runs
+without autograd, and Tensor -> Function -> LazyBuffer per op was most of an eager step's optimizer time (~15 ops per
+parameter). What depends only on the step (the learning rate times the bias corrections, Adam's 1/sqrt(1 - b2^t),
+AdamW's decay factor) is one 0-d value per step, shared by every parameter as a broadcast view. The values are those
+of the Tensor formulas: the same operations in the same order.
+
 The formulas are PyTorch's (`torch.optim.SGD` with dampening=0, `torch.optim.Adam`, `torch.optim.AdamW`);
 LAMB follows the paper (You et al., 2019, "Large Batch Optimization for Deep Learning") as tinygrad does.
 """
@@ -28,11 +34,15 @@ from typing import Any
 
 import numpy as np
 
-from ourgrad.dtype import dtypes
+from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import AutogradError, DTypeError
+from ourgrad.lazy import LazyBuffer, _broadcast_scalar
 from ourgrad.mixed_precision import LOW_FLOAT_DTYPES, suspend_autocast
 from ourgrad.multi import MultiLazyBuffer, is_assignable
+from ourgrad.ops import Ops
 from ourgrad.tensor import Tensor, no_grad
+
+Lazy = LazyBuffer | MultiLazyBuffer
 
 
 def _state_like(param: Tensor) -> Tensor:
@@ -48,6 +58,55 @@ def _scalar_buffer(value: float, device: str | tuple[str, ...]) -> Tensor:
   """A realized 0-d float32 Tensor holding `value` (kernels read it from memory: changing it recompiles nothing);
   replicated on every device of a tuple."""
   return Tensor(np.array(value, dtype=np.float32), device=device, dtype=dtypes.float32).realize()
+
+
+class _LazyUpdate:
+  """Elementwise math of an optimizer step's updates on lazy buffers (a single device's LazyBuffer or a
+  MultiLazyBuffer: both have these methods), one per step. A Python number is one 0-d constant per step (per value
+  and dtype) and a per-step value a 0-d Tensor; every parameter reads them through one broadcast view of its shape."""
+
+  def __init__(self) -> None:
+    self._constants: dict[tuple[float, DType, str], LazyBuffer] = {}
+
+  @staticmethod
+  def broadcast(scalar: Lazy, like: Lazy) -> Lazy:
+    """A 0-d value seen with `like`'s shape (one view of a single device's base)."""
+    if type(like) is LazyBuffer and type(scalar) is LazyBuffer and scalar.is_base and scalar.shape == ():
+      return scalar.view(_broadcast_scalar(like.shape))
+    return scalar.reshape((1,) * len(like.shape)).expand(like.shape)
+
+  def per_step(self, scalar: Tensor, like: Lazy) -> Lazy:
+    """A 0-d Tensor computed once per step (a learning rate times a bias correction), as `like`'s shape and dtype."""
+    return self.broadcast(scalar.lazydata.cast(like.dtype), like)
+
+  def constant(self, value: float, like: Lazy) -> Lazy:
+    """`value` with `like`'s shape and dtype."""
+    if type(like) is not LazyBuffer: return like.const_like(value)
+    key = (value, like.dtype, like.device)
+    scalar = self._constants.get(key)
+    if scalar is None: scalar = self._constants[key] = LazyBuffer.full(value, (), like.dtype, like.device)
+    return self.broadcast(scalar, like)
+
+  @staticmethod
+  def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.ADD, y)
+
+  def mul(self, x: Lazy, y: Lazy | float) -> Lazy:
+    # (a hyper-parameter may be a numpy scalar: anything not a lazy buffer is a number)
+    return x.elementwise(Ops.MUL, y if isinstance(y, (LazyBuffer, MultiLazyBuffer)) else self.constant(float(y), x))
+
+  @staticmethod
+  def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.MUL, y.elementwise(Ops.RECIP))   # as Tensor.div
+
+  @staticmethod
+  def sqrt(x: Lazy) -> Lazy: return x.elementwise(Ops.SQRT)
+
+  @staticmethod
+  def cast(x: Lazy, dtype: DType) -> Lazy: return x.cast(dtype)
+
+
+def _write(tensor: Tensor, value: Lazy) -> Tensor:
+  """`tensor.assign(value)` for a lazy value (cast to the tensor's dtype); returns the tensor."""
+  return tensor.assign(Tensor(value))
 
 
 def _is_assignable(tensor: Tensor) -> bool:
@@ -271,15 +330,20 @@ class SGD(Optimizer):
   def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     updated: list[Tensor] = []
     buffer_of = {id(param): buffer for param, buffer in zip(self.params, self.buffers)}
+    minus_lr = -self.lr_tensor   # -(lr * g) is (-lr) * g exactly: p + (-lr) * g is p - lr * g
+    lazy = _LazyUpdate()
     for param, grad in active:
-      weights = param.detach()
-      g = grad + self.weight_decay * weights if self.weight_decay else grad
+      weights, g = param.lazydata, grad.lazydata
+      if self.weight_decay: g = lazy.add(g, lazy.mul(weights, self.weight_decay))
       if self.momentum:
         buffer = buffer_of[id(param)]
-        buffer.assign(self.momentum * buffer + g)
-        g = g + self.momentum * buffer if self.nesterov else buffer
+        _write(buffer, lazy.add(lazy.mul(buffer.lazydata, self.momentum), lazy.cast(g, buffer.dtype)))
+        new_buffer = lazy.cast(buffer.lazydata, g.dtype)   # (float32 state; g in the parameter's dtype)
+        g = lazy.add(g, lazy.mul(new_buffer, self.momentum)) if self.nesterov else new_buffer
         updated.append(buffer)
-      updated.append(param.assign(weights - self.lr_tensor * g))
+      g = lazy.cast(g, param.dtype)
+      step = lazy.mul(g, lazy.per_step(minus_lr, g))
+      updated.append(_write(param, lazy.add(weights, step)))
     return updated
 
 
@@ -303,12 +367,12 @@ class _AdamBase(Optimizer):
       return 1.0 - (self.t * math.log(beta)).exp()  # beta**t with t read from memory
     return one_minus_power(self.b1), one_minus_power(self.b2)
 
-  def _moments(self, index: int, g: Tensor) -> tuple[Tensor, Tensor]:
-    """m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g, assigned; returns (m, v)."""
+  def _moments(self, index: int, g: Lazy, lazy: _LazyUpdate) -> tuple[Lazy, Lazy]:
+    """m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g (g float32), assigned; returns the new (m, v)."""
     m, v = self.m[index], self.v[index]
-    m.assign(self.b1 * m + (1.0 - self.b1) * g)
-    v.assign(self.b2 * v + (1.0 - self.b2) * (g * g))
-    return m, v
+    _write(m, lazy.add(lazy.mul(m.lazydata, self.b1), lazy.mul(g, 1.0 - self.b1)))
+    _write(v, lazy.add(lazy.mul(v.lazydata, self.b2), lazy.mul(lazy.mul(g, g), 1.0 - self.b2)))
+    return m.lazydata, v.lazydata
 
 
 class Adam(_AdamBase):
@@ -323,22 +387,31 @@ class Adam(_AdamBase):
                eps: float = 1e-8, weight_decay: float = 0.0):
     super().__init__(params, lr, betas, eps, weight_decay)
 
-  def _decay(self, weights: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """(decayed weights, gradient) before the Adam update: L2 adds weight_decay * p to the gradient."""
-    return weights, (g + self.weight_decay * weights if self.weight_decay else g)
+  def _decay_factor(self) -> Tensor | None:
+    """The 0-d factor the weights are multiplied by before the update (AdamW's decoupled decay), or None."""
+    return None
 
   def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     index_of = {id(param): index for index, param in enumerate(self.params)}
     self.t.assign(self.t + 1.0)
     correction1, correction2 = self._bias_corrections()
-    step_size = self.lr_tensor / correction1
-    sqrt_correction2 = correction2.sqrt()
+    # per step, not per parameter: p + (-lr / c1) * m / (sqrt(v) / sqrt(c2) + eps), the Tensor formula's operations
+    minus_step_size = -(self.lr_tensor / correction1)
+    inverse_sqrt_correction2 = correction2.sqrt().reciprocal()
+    decay_factor = self._decay_factor()
     updated: list[Tensor] = [self.t]
+    lazy = _LazyUpdate()
     for param, grad in active:
-      weights, g = self._decay(param.detach(), grad)
-      m, v = self._moments(index_of[id(param)], g)
-      denominator = v.sqrt() / sqrt_correction2 + self.eps
-      updated += [m, v, param.assign(weights - step_size * m / denominator)]
+      weights, g = param.lazydata, lazy.cast(grad.lazydata, dtypes.float32)
+      if self.weight_decay and decay_factor is None:   # Adam's L2 term: weight_decay * p added to the gradient
+        g = lazy.add(g, lazy.mul(lazy.cast(weights, dtypes.float32), self.weight_decay))
+      if decay_factor is not None: weights = lazy.mul(weights, lazy.per_step(decay_factor, weights))
+      index = index_of[id(param)]
+      m, v = self._moments(index, g, lazy)
+      denominator = lazy.add(lazy.mul(lazy.sqrt(v), lazy.per_step(inverse_sqrt_correction2, v)),
+                             lazy.constant(self.eps, v))
+      step = lazy.div(lazy.mul(lazy.per_step(minus_step_size, m), m), denominator)
+      updated += [self.m[index], self.v[index], _write(param, lazy.add(weights, lazy.cast(step, param.dtype)))]
     return updated
 
 
@@ -350,8 +423,8 @@ class AdamW(Adam):
                eps: float = 1e-8, weight_decay: float = 0.01):
     super().__init__(params, lr, betas, eps, weight_decay)
 
-  def _decay(self, weights: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    return (weights * (1.0 - self.lr_tensor * self.weight_decay) if self.weight_decay else weights), g
+  def _decay_factor(self) -> Tensor | None:
+    return 1.0 - self.lr_tensor * self.weight_decay if self.weight_decay else None
 
 
 class LAMB(_AdamBase):
@@ -374,8 +447,9 @@ class LAMB(_AdamBase):
     correction1, correction2 = self._bias_corrections()
     updated: list[Tensor] = [self.t]
     for param, grad in active:
-      weights = param.detach()
-      m, v = self._moments(index_of[id(param)], grad)
+      weights, index = param.detach(), index_of[id(param)]
+      self._moments(index, grad.lazydata.cast(dtypes.float32), _LazyUpdate())
+      m, v = self.m[index], self.v[index]
       update = (m / correction1) / ((v / correction2).sqrt() + self.eps)
       if self.weight_decay: update = update + self.weight_decay * weights
       if self.adam:
