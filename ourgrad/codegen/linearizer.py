@@ -533,11 +533,18 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     srcs = (self.buffers[node.arg.idx], index) + ((valid,) if valid is not None else ())
     return self.builder.add(UOps.LOAD, node.dtype, srcs)
 
+  def _store_vector_width(self) -> int:
+    """Elements of each output's vector store: the narrowest vector any output's dtype takes (Renderer.vector_lanes:
+    a float32 output beside a bfloat16 one stores 4 at a time, as two float4s where the axis is upcast by 8)."""
+    renderer = self.kernel.renderer
+    if not hasattr(renderer, "vector_lanes"): return 0
+    return min((renderer.vector_lanes(store.dtype) for store in self.kernel.stores), default=0)
+
   def _vector_store_axis(self) -> int | None:
-    """The upcast axis along which every output is stored as float4 vectors, if any: the renderer has them, each
-    output's view is float32, contiguous and unmasked along it, and the axis splits into whole vectors (a cat stored
+    """The upcast axis along which every output is stored as vectors, if any: the renderer has them, each output's
+    view is of a vector dtype, contiguous and unmasked along it, and the axis splits into whole vectors (a cat stored
     twice, an optimizer's parameter and moments: one vector store per output)."""
-    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
+    kernel, width = self.kernel, self._store_vector_width()
     if width < 2: return None
     # a gated store (kept_where) writes few elements: scalar stores, each under its own condition
     if any(kept_where(kernel, number) is not None for number in range(len(kernel.stores))): return None
@@ -556,7 +563,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     elements one by one (scalar fallback) when the first element's index is not provably a multiple of the width.
     All the vector's values are computed before its first store: an output may overwrite (in place) a buffer another
     output's value loads."""
-    width, position = self.kernel.renderer.vector_width, upcast_axes.index(axis)
+    width, position = self._store_vector_width(), upcast_axes.index(axis)
     if lane[position] % width != width - 1: return
     lanes = [lane[:position] + (lane[position] - width + 1 + element,) + lane[position + 1:]
              for element in range(width)]
@@ -584,8 +591,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     as contiguous along an axis where its real stride is unknown but the vector's elements are provably neighbours.
     A masked view (a piece of a cat, a padded edge) loads one gated vector where its validity is the same for the
     whole vector (the piece's edges fall between vectors): where it is false the load touches no memory."""
-    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
-    if width < 2 or node.dtype not in kernel.renderer.vector_dtypes: return None
+    kernel = self.kernel
+    width = kernel.renderer.vector_lanes(node.dtype) if hasattr(kernel.renderer, "vector_lanes") else 0
+    if width < 2: return None
     # a tensor-core kernel's 16-bit operands are loaded as the mma takes them (raw fragment loads), not unpacked
     if node.dtype != dtypes.float32 and kernel.tensor_core is not None: return None
     leaf = self.leaf_index[id(node)]

@@ -525,15 +525,20 @@ class RowLinearizer(Linearizer):
     return build.uops
 
   def _row_vector_width(self) -> int:
-    """4 (vector units) where the renderer has vectors and the innermost row axis splits into whole vectors, and some
-    leaf is of a dtype it loads as vectors (float32; float16/bfloat16 on CUDA: the bf16 logits of an autocast loss);
-    else 1. Each load and store then checks its own view (contiguous along that axis, aligned) before reading a
-    vector."""
-    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
+    """The elements of a vector unit where the renderer has vectors: the narrowest vector (Renderer.vector_lanes)
+    of the buffers read or written along the row in a dtype it loads as vectors (float32: 4; float16/bfloat16 on
+    CUDA: 8, 16 bytes, where no float32 buffer runs along the row: the bf16 logits of an autocast loss), where the
+    innermost row axis splits into whole units; else 1. Each load and store then checks its own view (contiguous
+    along that axis, aligned) before reading a vector."""
+    kernel = self.kernel
+    if getattr(kernel.renderer, "vector_width", 0) < 2: return 1
     innermost = (kernel.row_axes or ())[-1]
-    if width < 2 or kernel.full_shape[innermost] % width != 0: return 1
-    if not any(leaf.dtype in kernel.renderer.vector_dtypes for leaf in kernel.leaves): return 1
-    return width
+    buffers = [(leaf.dtype, kernel.sts[self.leaf_index[id(leaf)]]) for leaf in kernel.leaves
+               if isinstance(leaf.arg, MemBuffer)]
+    buffers += [(store.dtype, kernel.sts[number]) for number, store in enumerate(kernel.stores)]
+    lanes = [kernel.renderer.vector_lanes(dtype) for dtype, st in buffers if st.real_strides()[innermost] != 0]
+    width = min((lane for lane in lanes if lane >= 2), default=1)
+    return width if kernel.full_shape[innermost] % width == 0 else 1
 
   def unit_idxs(self, idxs: list[Node], unit: Node, width: int, lane: int) -> list[Node]:
     """The indices of element `lane` of a unit: the unit's position in the row (row axes, the last fastest), its

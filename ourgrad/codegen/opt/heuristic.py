@@ -496,15 +496,25 @@ def _elementwise_rows(kernel: Kernel) -> None:
     return
   contiguous = _contiguous_axis(kernel)
   if contiguous is None: contiguous = _pieces_axis(kernel)
-  width = getattr(kernel.renderer, "vector_width", 0)
-  if width and contiguous is not None and contiguous < kernel.first_reduce and \
-      kernel.full_shape[contiguous] % (width * VECTOR_ROW_LANES) == 0 and \
-      kernel.try_opt(Opt(OptOps.UPCAST, contiguous, width)):
-    return
+  for width in _vector_widths(kernel):
+    if contiguous is not None and contiguous < kernel.first_reduce and \
+        kernel.full_shape[contiguous] % (width * VECTOR_ROW_LANES) == 0 and \
+        kernel.try_opt(Opt(OptOps.UPCAST, contiguous, width)):
+      return
   for axis in range(kernel.first_reduce):
     if axis != contiguous and kernel.full_shape[axis] % 4 == 0 and kernel.full_shape[axis] >= 16:
       kernel.try_opt(Opt(OptOps.UPCAST, axis, 4))
       return
+
+
+def _vector_widths(kernel: Kernel) -> list[int]:
+  """The vector widths an elementwise kernel's columns may take, widest first: the most elements any of its buffers
+  moves in one vector access (8 where all are 16-bit floats: 16 bytes a lane), then the float32 width."""
+  renderer = kernel.renderer
+  if getattr(renderer, "vector_width", 0) < 2: return []
+  buffers = [leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)] + list(kernel.stores)
+  widest = max((renderer.vector_lanes(buffer.dtype) for buffer in buffers), default=0)
+  return sorted({widest, renderer.vector_width} - {0}, reverse=True)
 
 
 def _pieces_axis(kernel: Kernel) -> int | None:
