@@ -16,6 +16,9 @@ from ourgrad import function as F
 from ourgrad.dtype import dtypes
 from ourgrad.mixed_precision import CastPolicy, autocast_op
 
+# 16-bit floats whose composed activations compute in float32 and round once (PyTorch's opmath)
+HALF_FLOATS = (dtypes.float16, dtypes.bfloat16)
+
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
 
@@ -133,8 +136,11 @@ class ActivationMixin:
 
   @autocast_op(CastPolicy.NATIVE)
   def gelu(self, approximate: str = "none") -> Tensor:
-    """Gaussian error linear unit: exact (erf) by default, "tanh" for the approximation."""
+    """Gaussian error linear unit: exact (erf) by default, "tanh" for the approximation. float16/bfloat16 compute in
+    float32 and round once, as PyTorch's opmath: its constants and the tanh rounded to 8 bits moved a bf16 GELU
+    off torch's by up to an ulp, and the mid-way rounding cost the GPU's bf16 GELU instructions."""
     x = self._float_operand()
+    if x.dtype in HALF_FLOATS: return x.float().gelu(approximate).cast(x.dtype)
     if approximate == "tanh": return 0.5 * x * (1 + (math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)).tanh())
     return 0.5 * x * (1 + (x / math.sqrt(2)).erf())
 
