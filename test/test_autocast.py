@@ -679,3 +679,29 @@ def test_16bit_gelu_computes_in_float32_as_torch(dtype, approximate: str) -> Non
     # but where the float32 results straddle a rounding edge, or cancel in 1 + tanh far below zero
     np.testing.assert_allclose(got_np, expected_np, rtol=ulp, atol=1e-5)
     assert np.mean(got_np == expected_np) > 0.9, np.mean(got_np == expected_np)
+
+
+def test_weight_cast_pack_stores_16_bytes_a_thread_on_cuda(monkeypatch) -> None:
+  """Packed float32 -> bf16 weight casts (the autocast step's first kernel) take 8 elements a thread on CUDA: two
+  float4 loads and one 16-byte store of pairs rounded by cvt.rn.bf16x2 (4 elements a thread, 8-byte stores, before;
+  scalar 2-byte stores when the stores' width and the segment's disagreed); the values are torch's bf16 casts."""
+  from ourgrad.codegen.lowering import build_kernel, lower_kernel
+  from ourgrad.engine.realize import run_schedule
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+  from ourgrad.renderer.cuda import CUDARenderer
+  from helpers import emulated_gpu_tf32
+  data = np.random.default_rng(11)
+  values = [data.standard_normal(shape).astype(np.float32) for shape in ((64, 96), (96,), (32, 64))]
+  with emulated_gpu_tf32(monkeypatch, "CUDA"):
+    casts = [Tensor(value, device="PYTHON").cast(dtypes.bfloat16) for value in values]
+    schedule = create_schedule([cast.lazydata for cast in casts])
+    [pack] = [item for item in schedule if item.ast.op is Ops.PACK]
+    renderer = CUDARenderer("sm_90")
+    source = lower_kernel(build_kernel(pack.ast, renderer), renderer, "pack").source
+    assert source.count("*((uint4*)(data") == 3 and "] = float_to_bf16(" not in source, source
+    assert source.count("float4 vec") == 6, source
+    run_schedule(schedule)
+    for cast, value in zip(casts, values):
+      expected = torch.tensor(value).bfloat16().float().numpy()
+      np.testing.assert_array_equal(cast.float().numpy(), expected)

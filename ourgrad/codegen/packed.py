@@ -8,8 +8,8 @@ index over total = size_0 + size_1 + ... (a reduce's size is its output count); 
 
 - on a GPU, one thread per element (blocks of up to 128 threads): segment i is an IF block
   (start_i <= index < start_i + size_i) computing its values at index - start_i, so each thread runs the one
-  segment it falls in. An elementwise segment whose size the renderer's vector width divides, and whose outputs
-  are float32, takes `vector_width` elements a thread instead (its flat axis UPCAST: float4 loads and stores, 4x
+  segment it falls in. An elementwise segment whose outputs the renderer stores as vectors takes a vector of
+  elements a thread instead (segment_lanes; its flat axis UPCAST: float4 loads and stores, 8 16-bit floats, 4-8x
   the bytes in flight per thread; the H200 ran the GPT-2 AdamW pack of scalar threads at 32-65% of DRAM
   bandwidth); the flat index then counts threads, segment i owning size_i / lanes_i of them;
 - on a CPU, the segments' loops run one after another, with no branch per element. They are serial loops: the C
@@ -148,15 +148,15 @@ def _lower_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int, int],
     return
   # a vector segment (segment_lanes): its lanes computed, then each output's vector stored
   axis = kernel.upcast_axes[0]
-  vector_axis = linearizer._vector_store_axis()
+  vector_store = linearizer._vector_store_axis()
   pending: dict[tuple[int, ...], list[UOp]] = {}
   for lane in range(kernel.full_shape[axis]):
     lane_idxs = idxs + [NumNode(lane)]
-    if vector_axis is None:
+    if vector_store is None:
       linearizer._store_outputs(lane_idxs, None)
       continue
     pending[(lane,)] = [linearizer.compute(store.srcs[0], lane_idxs, None) for store in kernel.stores]
-    linearizer._emit_vector_store(pending, (lane,), lane_idxs, vector_axis, [axis])
+    linearizer._emit_vector_store(pending, (lane,), lane_idxs, *vector_store, [axis])
 
 
 def _lower_reduce_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int, int], defines: dict[int, UOp],
@@ -196,16 +196,22 @@ def _lower_reduce_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int
 
 
 def segment_lanes(kernel: Kernel, size: int) -> int:
-  """Elements per GPU thread of a segment: the renderer's vector width for a flat elementwise segment whose outputs
-  it stores as vectors (vector_dtypes) and that the width divides into several vectors (its flat axis is then upcast
-  by it, in place); else 1."""
-  width = getattr(kernel.renderer, "vector_width", 0)
-  if not kernel.renderer.has_threads or width < 2 or kernel.reduceop is not None or kernel.shape_len != 1: return 1
-  # (one vector alone: the upcast would take the whole axis, leaving no thread axis)
-  if size % width or size == width or any(store.dtype not in kernel.renderer.vector_dtypes for store in kernel.stores):
+  """Elements per GPU thread of a segment: for a flat elementwise segment whose outputs the renderer stores as vectors
+  (vector_dtypes), the widest vector any of its buffers takes (Renderer.vector_lanes: 8 where a bfloat16 weight cast
+  stores 16 bytes a thread from two float4 loads), else the float32 width, that divides it into several vectors (its
+  flat axis is then upcast by it, in place); else 1."""
+  renderer = kernel.renderer
+  if not renderer.has_threads or getattr(renderer, "vector_width", 0) < 2 or kernel.reduceop is not None or \
+      kernel.shape_len != 1 or any(store.dtype not in renderer.vector_dtypes for store in kernel.stores):
     return 1
-  kernel.apply_opt(Opt(OptOps.UPCAST, 0, width))
-  return width
+  buffers = [leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)]
+  widest = max(renderer.vector_lanes(buffer.dtype) for buffer in buffers)
+  for width in sorted({widest, renderer.vector_width}, reverse=True):
+    # (one vector alone: the upcast would take the whole axis, leaving no thread axis)
+    if width >= 2 and size % width == 0 and size != width:
+      kernel.apply_opt(Opt(OptOps.UPCAST, 0, width))
+      return width
+  return 1
 
 
 def _segment_kernel(segment: LazyOp, renderer: Any) -> tuple[Kernel, dict[int, int]]:
