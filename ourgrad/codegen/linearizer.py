@@ -598,12 +598,13 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     as contiguous along an axis where its real stride is unknown but the vector's elements are provably neighbours.
     A masked view (a piece of a cat, a padded edge) loads one gated vector where its validity is the same for the
     whole vector (the piece's edges fall between vectors): where it is false the load touches no memory."""
-    kernel = self.kernel
+    kernel, widths = self.kernel, self._vector_widths(node.dtype)
+    if not widths: return None
     # a tensor-core kernel's 16-bit operands are loaded as the mma takes them (raw fragment loads), not unpacked
     if node.dtype != dtypes.float32 and kernel.tensor_core is not None: return None
     leaf = self.leaf_index[id(node)]
     strides = kernel.sts[leaf].real_strides()
-    for width in self._vector_widths(node.dtype):
+    for width in widths:
       # a known stride of 1 first; an unknown stride (several views) only where the elements prove to be neighbours
       axes = sorted((axis for axis in kernel.upcast_axes + kernel.unroll_axes
                      if strides[axis] in (1, None) and kernel.full_shape[axis] % width == 0 and
