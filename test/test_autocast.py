@@ -705,3 +705,36 @@ def test_weight_cast_pack_stores_16_bytes_a_thread_on_cuda(monkeypatch) -> None:
     for cast, value in zip(casts, values):
       expected = torch.tensor(value).bfloat16().float().numpy()
       np.testing.assert_array_equal(cast.float().numpy(), expected)
+
+
+def test_cross_entropy_gradient_loads_the_class_range_as_vectors_on_cuda(monkeypatch) -> None:
+  """The bf16 cross-entropy gradient compares each class with an uploaded int32 range: on CUDA the range loads as
+  int4 vectors beside the logits' 16-byte vectors (scalar loads 8 classes a lane apart were 8 L1 requests per vector
+  of logits), and the gradient is torch's autocast one."""
+  from ourgrad.codegen.lowering import build_kernel, lower_kernel
+  from ourgrad.engine.realize import run_schedule
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+  from ourgrad.renderer.cuda import CUDARenderer
+  from helpers import emulated_gpu_tf32
+  data = np.random.default_rng(13)
+  x_value, w_value = (data.standard_normal(shape).astype(np.float32) for shape in ((64, 32), (256, 32)))
+  target_value = data.integers(0, 256, 64).astype(np.int32)
+  with emulated_gpu_tf32(monkeypatch, "CUDA"):
+    x = Tensor(x_value, device="PYTHON", requires_grad=True)
+    w = Tensor(w_value, device="PYTHON")
+    with ourgrad.autocast(dtypes.bfloat16):
+      loss = x.linear(w).sparse_categorical_crossentropy(Tensor(target_value, device="PYTHON"))
+    loss.backward()
+    renderer = CUDARenderer("sm_90")
+    schedule = create_schedule([x.grad.lazydata])
+    sources = [lower_kernel(build_kernel(item.ast, renderer), renderer, "kernel").source
+               for item in schedule if item.ast.op is not Ops.COPY]
+    assert any("int4 vec" in source and "uint4 vec" in source for source in sources)
+    run_schedule(schedule)
+    got = x.grad.numpy()
+  torch_x = torch.tensor(x_value, requires_grad=True)
+  with torch.autocast("cpu", dtype=torch.bfloat16):
+    torch_logits = TF.linear(torch_x, torch.tensor(w_value))
+  TF.cross_entropy(torch_logits.float(), torch.tensor(target_value).long()).backward()
+  np.testing.assert_allclose(got, torch_x.grad.numpy(), rtol=2e-2, atol=2e-3)

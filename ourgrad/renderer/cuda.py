@@ -113,9 +113,11 @@ class CUDARenderer(CStyleLanguage):
     body = source.index("{\n", start) + 2
     return source[:body] + DEPENDENT_LAUNCH_PROLOGUE + source[body:]
 
-  # float16 and bfloat16 vectors are their stored bits, two values a 32-bit word: 4 of them one 8-byte access (a warp's
-  # 16-bit loads one element a thread move 64 bytes an instruction: GPT-2's bf16 GELU backward ran at 30% of DRAM)
-  vector_dtypes = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
+  # float16 and bfloat16 vectors are their stored bits, two values a 32-bit word: 8 of them one 16-byte access (a
+  # warp's 16-bit loads one element a thread move 64 bytes an instruction: GPT-2's bf16 GELU backward ran at 30% of
+  # DRAM). int32 as int4 (an uploaded arange beside a cross-entropy gradient's columns: scalar loads 8 columns a lane
+  # apart were 8 L1 requests of 16 sectors per 16-byte vector of logits)
+  vector_dtypes = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.int32)
 
   def render_vector_type(self, width: int, dtype: DType) -> str:
     if dtype not in self.floats_in_registers: return super().render_vector_type(width, dtype)
