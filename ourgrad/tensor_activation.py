@@ -141,7 +141,13 @@ class ActivationMixin:
     off torch's by up to an ulp, and the mid-way rounding cost the GPU's bf16 GELU instructions."""
     x = self._float_operand()
     if x.dtype in HALF_FLOATS: return x.float().gelu(approximate).cast(x.dtype)
-    if approximate == "tanh": return 0.5 * x * (1 + (math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)).tanh())
+    if approximate == "tanh":
+      # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = k (x + c x^3); the derivative sigmoid(2u) + 2k x s (1 - s) (1 + 3c x^2)
+      # (1 - tanh(u)^2 = 4 s (1 - s)) written out: autograd of the composed form was ~50 SASS instructions an element
+      # of GPT-2's bf16 GELU backward, and 1 + tanh(u) cancels far below zero
+      value, k, c = x.detach(), math.sqrt(2 / math.pi), 0.044715
+      s = (2 * k * (value + c * value * value * value)).sigmoid()
+      return x._with_derivative(value * s, s + 2 * k * value * s * (1 - s) * (1 + 3 * c * value * value))
     return 0.5 * x * (1 + (x / math.sqrt(2)).erf())
 
   @autocast_op(CastPolicy.NATIVE)
