@@ -528,8 +528,9 @@ def _vector_widths(kernel: Kernel) -> list[int]:
   moves in one vector access (8 where all are 16-bit floats: 16 bytes a lane), then the float32 width."""
   renderer = kernel.renderer
   if getattr(renderer, "vector_width", 0) < 2: return []
-  buffers = [leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)] + list(kernel.stores)
-  widest = max((renderer.vector_lanes(buffer.dtype) for buffer in buffers), default=0)
+  # (the kernel's leaves begin with its stores)
+  widest = max((renderer.vector_lanes(leaf.dtype) for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)),
+               default=0)
   return sorted({widest, renderer.vector_width} - {0}, reverse=True)
 
 
