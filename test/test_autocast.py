@@ -654,3 +654,87 @@ def test_weight_casts_under_autocast_share_a_packed_kernel(monkeypatch):
     # another order (the first layer's weight: 9%; the same graph on the plain PYTHON device is bit for bit ours)
     error = np.linalg.norm(param.grad.numpy() - torch_param.grad.numpy()) / np.linalg.norm(torch_param.grad.numpy())
     assert error < 0.12, error
+
+
+@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_16bit_gelu_computes_in_float32_as_torch(dtype, approximate: str) -> None:
+  """GELU of a 16-bit tensor computes in float32 and rounds once (PyTorch's opmath), its value and its gradient: in
+  bf16 arithmetic the tanh form's constants (sqrt(2/pi) as 0.796875) and its rounded tanh put it up to an ulp off
+  torch's."""
+  data = np.random.default_rng(25)
+  x_value = (data.standard_normal(4096) * 3).astype(np.float32)
+  grad_value = data.standard_normal(4096).astype(np.float32)
+  x = Tensor(x_value).cast(dtype).realize().requires_grad_()
+  value = x.gelu(approximate=approximate)
+  (value.float() * Tensor(grad_value)).sum().backward()
+  torch_x = torch.tensor(x_value).to(TORCH_DTYPES[dtype]).requires_grad_()
+  torch_value = TF.gelu(torch_x, approximate=approximate)
+  (torch_value.float() * torch.tensor(grad_value)).sum().backward()
+  assert value.dtype == dtype and x.grad.dtype == dtype
+  ulp = 2.0 ** (-7 if dtype == dtypes.bfloat16 else -10)
+  for got, expected in ((value, torch_value), (x.grad, torch_x.grad)):
+    got_np, expected_np = got.float().numpy(), expected.detach().float().numpy()
+    # one rounding of nearly the same float32 value (ourgrad's tanh is 2 sigmoid(2x) - 1, its erf a polynomial): equal
+    # but where the float32 results straddle a rounding edge, or cancel in 1 + tanh far below zero
+    np.testing.assert_allclose(got_np, expected_np, rtol=ulp, atol=1e-5)
+    assert np.mean(got_np == expected_np) > 0.9, np.mean(got_np == expected_np)
+
+
+def test_weight_cast_pack_stores_16_bytes_a_thread_on_cuda(monkeypatch) -> None:
+  """Packed float32 -> bf16 weight casts (the autocast step's first kernel) take 8 elements a thread on CUDA: two
+  float4 loads and one 16-byte store of pairs rounded by cvt.rn.bf16x2 (4 elements a thread, 8-byte stores, before;
+  scalar 2-byte stores when the stores' width and the segment's disagreed); the values are torch's bf16 casts."""
+  from ourgrad.codegen.lowering import build_kernel, lower_kernel
+  from ourgrad.engine.realize import run_schedule
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+  from ourgrad.renderer.cuda import CUDARenderer
+  from helpers import emulated_gpu_tf32
+  data = np.random.default_rng(11)
+  values = [data.standard_normal(shape).astype(np.float32) for shape in ((64, 96), (96,), (32, 64))]
+  with emulated_gpu_tf32(monkeypatch, "CUDA"):
+    casts = [Tensor(value, device="PYTHON").cast(dtypes.bfloat16) for value in values]
+    schedule = create_schedule([cast.lazydata for cast in casts])
+    [pack] = [item for item in schedule if item.ast.op is Ops.PACK]
+    renderer = CUDARenderer("sm_90")
+    source = lower_kernel(build_kernel(pack.ast, renderer), renderer, "pack").source
+    assert source.count("*((uint4*)(data") == 3 and "] = float_to_bf16(" not in source, source
+    assert source.count("float4 vec") == 6, source
+    run_schedule(schedule)
+    for cast, value in zip(casts, values):
+      expected = torch.tensor(value).bfloat16().float().numpy()
+      np.testing.assert_array_equal(cast.float().numpy(), expected)
+
+
+def test_cross_entropy_gradient_loads_the_class_range_as_vectors_on_cuda(monkeypatch) -> None:
+  """The bf16 cross-entropy gradient compares each class with an uploaded int32 range: on CUDA the range loads as
+  int4 vectors beside the logits' 16-byte vectors (scalar loads 8 classes a lane apart were 8 L1 requests per vector
+  of logits), and the gradient is torch's autocast one."""
+  from ourgrad.codegen.lowering import build_kernel, lower_kernel
+  from ourgrad.engine.realize import run_schedule
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+  from ourgrad.renderer.cuda import CUDARenderer
+  from helpers import emulated_gpu_tf32
+  data = np.random.default_rng(13)
+  x_value, w_value = (data.standard_normal(shape).astype(np.float32) for shape in ((64, 32), (256, 32)))
+  target_value = data.integers(0, 256, 64).astype(np.int32)
+  with emulated_gpu_tf32(monkeypatch, "CUDA"):
+    x = Tensor(x_value, device="PYTHON", requires_grad=True)
+    w = Tensor(w_value, device="PYTHON")
+    with ourgrad.autocast(dtypes.bfloat16):
+      loss = x.linear(w).sparse_categorical_crossentropy(Tensor(target_value, device="PYTHON"))
+    loss.backward()
+    renderer = CUDARenderer("sm_90")
+    schedule = create_schedule([x.grad.lazydata])
+    sources = [lower_kernel(build_kernel(item.ast, renderer), renderer, "kernel").source
+               for item in schedule if item.ast.op is not Ops.COPY]
+    assert any("int4 vec" in source and "uint4 vec" in source for source in sources)
+    run_schedule(schedule)
+    got = x.grad.numpy()
+  torch_x = torch.tensor(x_value, requires_grad=True)
+  with torch.autocast("cpu", dtype=torch.bfloat16):
+    torch_logits = TF.linear(torch_x, torch.tensor(w_value))
+  TF.cross_entropy(torch_logits.float(), torch.tensor(target_value).long()).backward()
+  np.testing.assert_allclose(got, torch_x.grad.numpy(), rtol=2e-2, atol=2e-3)

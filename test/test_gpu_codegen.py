@@ -325,17 +325,51 @@ def test_upcast_of_a_contiguous_axis_loads_and_stores_float4(renderer_name: str)
 
 @pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
 def test_16bit_flat_elementwise_loads_and_stores_packed_words_on_cuda(dtype) -> None:
-  # a flat 16-bit elementwise kernel (autocast's GELU backward: two bf16 inputs, a bf16 output) takes 4 elements a
-  # thread as one 8-byte load per input and one 8-byte store (uint2: two values a word), as float32 takes float4;
-  # one element a thread moved 64 bytes a warp instruction (GPT-2's bf16 GELU backward at 30% of the H200's DRAM)
+  # a flat 16-bit elementwise kernel (autocast's GELU backward: two bf16 inputs, a bf16 output) takes 8 elements a
+  # thread as one 16-byte load per input and one 16-byte store (uint4: two values a word), the bytes of float32's
+  # float4; each pair of outputs rounded by one cvt.rn.*x2.f32. One element a thread moved 64 bytes a warp instruction
+  # (GPT-2's bf16 GELU backward at 30% of the H200's DRAM), 4 (8 bytes) left its GELU at about half.
   x, g = (Tensor(rng.standard_normal(4096).astype(np.float32), device="PYTHON").cast(dtype).realize() for _ in range(2))
   item = _last_item((x.float().gelu() * g.float()).cast(dtype))
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
   kernel.hand_coded_optimizations()
   assert _vector_uops(kernel) == (2, 1), kernel.applied_opts
+  assert Opt(OptOps.UPCAST, 0, 8) in kernel.applied_opts, kernel.applied_opts
   source = CUDARenderer().render(kernel.name, linearize(_for_cuda(kernel)))
-  assert "uint2 vec0 = *((const uint2*)" in source and "*((uint2*)(data0+" in source and "make_uint2(" in source
+  assert "uint4 vec0 = *((const uint4*)" in source and "*((uint4*)(data0+" in source and "make_uint4(" in source
+  pair = "floats_to_bf16x2(" if dtype == dtypes.bfloat16 else "floats_to_f16x2("
+  assert source.count(pair) == 4 + 1, "four pairs rounded by the paired cvt (and its helper)"
   np.testing.assert_array_equal(_run(kernel, item, "PYTHON"), _run(Kernel(item.ast, PythonRenderer()), item, "PYTHON"))
+
+
+def test_16bit_and_float32_buffers_share_an_upcast_of_8_on_cuda() -> None:
+  # a bf16 -> float32 cast (autocast's gradients into float32 master weights) upcasts by 8: one 16-byte bf16 load and
+  # two float4 stores a thread
+  x = Tensor(rng.standard_normal(4096).astype(np.float32), device="PYTHON").cast(dtypes.bfloat16).realize()
+  item = _last_item(x.float() * 3)
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  assert _vector_uops(kernel) == (1, 2), kernel.applied_opts
+  source = CUDARenderer().render(kernel.name, linearize(_for_cuda(kernel)))
+  assert "uint4 vec0 = *((const uint4*)" in source and source.count("*((float4*)(data0+") == 2
+  np.testing.assert_array_equal(_run(kernel, item, "PYTHON"), _run(Kernel(item.ast, PythonRenderer()), item, "PYTHON"))
+
+
+def test_bfloat16_rounds_with_cvt_from_sm_80() -> None:
+  # sm_80 and newer round float -> bfloat16 with one cvt.rn (torch's __float2bfloat16 there); older GPUs with the bit
+  # arithmetic every C dialect shares
+  x = Tensor(rng.standard_normal(4096).astype(np.float32), device="PYTHON")
+  item = _last_item((x * 3).cast(dtypes.bfloat16))
+  kernel = Kernel(item.ast, PythonRenderer("CUDA"))
+  kernel.hand_coded_optimizations()
+  uops = linearize(_for_cuda(kernel))
+  source = CUDARenderer("sm_90").render(kernel.name, uops)
+  assert "cvt.rn.bf16.f32" in source
+  # the cast used only by the store is the store's own rounding: not rounded twice
+  assert "bf16_round((float)" not in source
+  assert "cvt.rn.bf16x2.f32" in CUDARenderer("sm_80").render(kernel.name, uops)
+  older = CUDARenderer("sm_75").render(kernel.name, uops)
+  assert "cvt.rn.bf16" not in older and "0x7fffu" in older
 
 
 @pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
@@ -345,11 +379,11 @@ def test_16bit_gated_vectors_of_a_cat_on_cuda(dtype) -> None:
           for _ in range(2))
   item = _last_item(a.cat(b, dim=1) * 3)
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
-  kernel.apply_opt(Opt(OptOps.UPCAST, 1, 4))
-  kernel.apply_opt(Opt(OptOps.LOCAL, 1, 16))
+  kernel.apply_opt(Opt(OptOps.UPCAST, 1, 8))   # 8 16-bit elements: one 16-byte vector
+  kernel.apply_opt(Opt(OptOps.LOCAL, 1, 8))
   loads, stores = _vector_uops(kernel)
   assert loads == 2 and stores == 1, (loads, stores)
-  assert "make_uint2(0u, 0u)" in CUDARenderer().render(kernel.name, linearize(_for_cuda(kernel)))
+  assert "make_uint4(0u, 0u, 0u, 0u)" in CUDARenderer().render(kernel.name, linearize(_for_cuda(kernel)))
   np.testing.assert_array_equal(_run(kernel, item, "PYTHON"), _run(Kernel(item.ast, PythonRenderer()), item, "PYTHON"))
 
 

@@ -383,3 +383,22 @@ def test_plan_splits_long_runs_over_the_whole_block():
     assert plan.chunks * plan.block_features * 4 + plan.block_rows * 4 <= H200Like.local_memory_bytes
   gpt2 = index_accumulate.plan_index_accumulate(50304, 768, 4096, dtypes.float32, H200Like())
   assert (gpt2.chunks, gpt2.chunk_team, gpt2.chunk_length) == (8, 12, 512)
+
+
+def test_bfloat16_gradient_lowers_for_cuda() -> None:
+  """An embedding's gradient from a bf16 upstream gradient (autocast's GPT-2 step) lowers for CUDA: its index
+  computations load through the linearizer's vector-load path, whose source views have no tensor core to ask."""
+  from ourgrad.codegen.lowering import build_kernel, lower_kernel
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+  from ourgrad.renderer.cuda import CUDARenderer
+  data = np.random.default_rng(5)
+  table = Tensor(data.standard_normal((512, 64)).astype(np.float32), device="PYTHON", requires_grad=True)
+  tokens = Tensor(data.integers(0, 512, (4, 32)).astype(np.int32), device="PYTHON")
+  upstream = Tensor(data.standard_normal((4, 32, 64)).astype(np.float32), device="PYTHON").cast(dtypes.bfloat16)
+  (table[tokens].cast(dtypes.bfloat16) * upstream).float().sum().backward()
+  renderer = CUDARenderer("sm_90")
+  kernels = [build_kernel(item.ast, renderer) for item in create_schedule([table.grad.lazydata])
+             if item.ast.op is not Ops.COPY]
+  assert any(type(kernel).__name__ == "IndexAccumulateKernel" for kernel in kernels)
+  for kernel in kernels: assert lower_kernel(kernel, renderer, "kernel").source

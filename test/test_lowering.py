@@ -72,6 +72,28 @@ def test_a_packed_kernel_uses_its_own_linearize() -> None:
   assert sum(uop.op is UOps.IF for uop in lowered.uops) == 2
 
 
+def test_a_pack_of_many_segments_halves_them_under_ifs() -> None:
+  """16 independent casts in one pack: a GPU thread reaches its segment through two levels of halving IFs (16 -> 8
+  -> 4 segments tested in a row), not 16 bounds tests; every segment's values are numpy's."""
+  from ourgrad.codegen.packed import PACKED_FLAT_SEGMENTS
+  from ourgrad.engine.realize import run_schedule
+  data = np.random.default_rng(7)
+  values = [data.standard_normal(8 * (number + 1)).astype(np.float32) for number in range(16)]
+  results = [Tensor(value, device="PYTHON") * 3 for value in values]
+  items = create_schedule([result.lazydata for result in results])
+  [pack] = [item for item in items if item.ast.op is Ops.PACK]
+  packed = PackedKernel(pack.ast, PythonRenderer("CUDA"))
+  uops = packed.linearize()
+  assert len(packed.sizes) == 16 and PACKED_FLAT_SEGMENTS == 4
+  depth, deepest = 0, 0
+  for uop in uops:
+    depth += (uop.op is UOps.IF) - (uop.op is UOps.ENDIF)
+    deepest = max(deepest, depth)
+  assert sum(uop.op is UOps.IF for uop in uops) == 16 + 2 * 3 and deepest == 3
+  run_schedule(items)
+  for result, value in zip(results, values): np.testing.assert_allclose(result.numpy(), value * 3)
+
+
 def test_beam_compiles_what_lowering_renders() -> None:
   """A BEAM candidate's binary is the compiled source of lower_kernel for its kernel with its opts."""
   a, b = Tensor.empty(16, 16, device="PYTHON"), Tensor.empty(16, 16, device="PYTHON")

@@ -181,9 +181,10 @@ def test_softmax_row_is_read_once_and_exp_computed_once():
 
 @pytest.mark.parametrize("shape", [(3, 40), (2, 40960)], ids=lambda shape: "x".join(map(str, shape)))
 def test_bfloat16_rows_load_and_store_vectors_on_the_emulated_gpu(shape: tuple[int, int]):
-  """bf16 rows (an autocast loss's logits, read by its logsumexp and its softmax gradient): 4 elements a unit are one
-  8-byte load (a uint2 of packed halves on CUDA) and the bf16 softmax one 8-byte store, as float32 rows take float4s;
-  GPT-2's bf16 cross-entropy row kernel read its 1.65 GB of logits 2 bytes a load at 1.9 TB/s on the H200."""
+  """bf16 rows (an autocast loss's logits, read by its logsumexp and its softmax gradient): 8 elements a unit are one
+  16-byte load (a uint4 of packed halves on CUDA) and the bf16 softmax one 16-byte store, the bytes of float32's
+  float4s; GPT-2's bf16 cross-entropy row kernel read its 1.65 GB of logits 2 bytes a load at 1.9 TB/s on the H200
+  (4 elements, 8 bytes, a unit: 1.9 TB/s too)."""
   from ourgrad.dtype import bfloat16_bits_to_float32, dtypes
   x_np = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32) * 3
   x = Tensor(x_np, device="PYTHON").cast(dtypes.bfloat16).realize()
@@ -192,7 +193,7 @@ def test_bfloat16_rows_load_and_store_vectors_on_the_emulated_gpu(shape: tuple[i
   uops = linearize(kernel)
   loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL]
   stores = [uop for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_GLOBAL]
-  assert loads and all(uop.arg == 4 for uop in loads + stores), ([uop.arg for uop in loads], [u.arg for u in stores])
+  assert loads and all(uop.arg == 8 for uop in loads + stores), ([uop.arg for uop in loads], [u.arg for u in stores])
   got = bfloat16_bits_to_float32(_run(kernel, item))   # the buffer's bits as stored
   rounded = torch.tensor(x_np).bfloat16().float()
   expected = torch.softmax(rounded, -1).bfloat16().float().numpy()

@@ -201,7 +201,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       # one thread per group finishes the kernel: the others hold partial or duplicate results
       store_if = build.add(UOps.IF, None, (build.alu(Ops.CMPLT, dtypes.bool, group_index, self._int(1)),))
     # float4 stores where every output allows them along one axis; else _store_outputs lane by lane
-    vector_axis = self._vector_store_axis()
+    vector_store = self._vector_store_axis()
     pending: dict[tuple[int, ...], list[UOp]] = {}  # each output's values at the lanes of one vector store
     for lane in output_lanes:
       zero_unrolls = (0,) * len(unroll_axes)
@@ -209,9 +209,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       # id(reduce) -> its value at this lane
       reduced = {id(sibling): combined[(number, *lane)] for number, sibling in enumerate(kernel.reduceops)
                  if (number, *lane) in combined}
-      if vector_axis is not None:
+      if vector_store is not None:
         pending[lane] = [self.compute(store.srcs[0], idxs, reduced) for store in kernel.stores]
-        self._emit_vector_store(pending, lane, idxs, vector_axis, upcast_axes)
+        self._emit_vector_store(pending, lane, idxs, *vector_store, upcast_axes)
         continue
       self._store_outputs(idxs, reduced)
     if store_if is not None: build.end_if(store_if)
@@ -533,30 +533,44 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     srcs = (self.buffers[node.arg.idx], index) + ((valid,) if valid is not None else ())
     return self.builder.add(UOps.LOAD, node.dtype, srcs)
 
-  def _vector_store_axis(self) -> int | None:
-    """The upcast axis along which every output is stored as float4 vectors, if any: the renderer has them, each
-    output's view is float32, contiguous and unmasked along it, and the axis splits into whole vectors (a cat stored
-    twice, an optimizer's parameter and moments: one vector store per output)."""
-    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
-    if width < 2: return None
+  def _vector_widths(self, dtype: DType) -> list[int]:
+    """The vector widths a load or store of `dtype` may take, widest first: Renderer.vector_lanes (16 bytes), then
+    the float32 width (a 16-bit buffer along an axis upcast by 4, as a float32 kernel upcasts: 8-byte vectors)."""
+    renderer = self.kernel.renderer
+    width = renderer.vector_lanes(dtype) if hasattr(renderer, "vector_lanes") else 0
+    if width < 2: return []
+    return [width] + ([renderer.vector_width] if 2 <= renderer.vector_width < width else [])
+
+  def _vector_store_axis(self) -> tuple[int, int] | None:
+    """(the upcast axis along which every output is stored as vectors, the vector's width), if any: the renderer has
+    them, each output's view is of a vector dtype, contiguous and unmasked along it, and the axis splits into whole
+    vectors (a cat stored twice, an optimizer's parameter and moments: one vector store per output). The widest that
+    every output takes (the narrowest output dtype's: a float32 output beside a bfloat16 one stores 4 at a time, as
+    two float4s where the axis is upcast by 8)."""
+    kernel = self.kernel
+    if not kernel.stores: return None
     # a gated store (kept_where) writes few elements: scalar stores, each under its own condition
     if any(kept_where(kernel, number) is not None for number in range(len(kernel.stores))): return None
-    candidates = [axis for axis in kernel.upcast_axes if kernel.full_shape[axis] % width == 0]
+    contiguous = list(kernel.upcast_axes)
     for number, store in enumerate(kernel.stores):
       st = kernel.sts[number]
       if store.dtype not in kernel.renderer.vector_dtypes or len(st.views) != 1 or st.views[0].mask is not None:
         return None
       strides = st.real_strides()
-      candidates = [axis for axis in candidates if strides[axis] == 1]
-    return candidates[0] if candidates else None
+      contiguous = [axis for axis in contiguous if strides[axis] == 1]
+    narrowest = min(kernel.stores, key=lambda store: len(self._vector_widths(store.dtype))).dtype
+    for width in self._vector_widths(narrowest):
+      candidates = [axis for axis in contiguous if kernel.full_shape[axis] % width == 0]
+      if candidates: return candidates[0], width
+    return None
 
   def _emit_vector_store(self, pending: dict[tuple[int, ...], list[UOp]], lane: tuple[int, ...], idxs: list[Node],
-                         axis: int, upcast_axes: list[int]) -> None:
+                         axis: int, width: int, upcast_axes: list[int]) -> None:
     """Once the last element of a vector has every output's value, store each output's vector (aligned), or its
     elements one by one (scalar fallback) when the first element's index is not provably a multiple of the width.
     All the vector's values are computed before its first store: an output may overwrite (in place) a buffer another
     output's value loads."""
-    width, position = self.kernel.renderer.vector_width, upcast_axes.index(axis)
+    position = upcast_axes.index(axis)
     if lane[position] % width != width - 1: return
     lanes = [lane[:position] + (lane[position] - width + 1 + element,) + lane[position + 1:]
              for element in range(width)]
@@ -584,19 +598,20 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     as contiguous along an axis where its real stride is unknown but the vector's elements are provably neighbours.
     A masked view (a piece of a cat, a padded edge) loads one gated vector where its validity is the same for the
     whole vector (the piece's edges fall between vectors): where it is false the load touches no memory."""
-    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
-    if width < 2 or node.dtype not in kernel.renderer.vector_dtypes: return None
+    kernel, widths = self.kernel, self._vector_widths(node.dtype)
+    if not widths: return None
     # a tensor-core kernel's 16-bit operands are loaded as the mma takes them (raw fragment loads), not unpacked
     if node.dtype != dtypes.float32 and kernel.tensor_core is not None: return None
     leaf = self.leaf_index[id(node)]
     strides = kernel.sts[leaf].real_strides()
-    # a known stride of 1 first; an unknown stride (several views) only where the elements prove to be neighbours
-    axes = sorted((axis for axis in kernel.upcast_axes + kernel.unroll_axes
-                   if strides[axis] in (1, None) and kernel.full_shape[axis] % width == 0 and
-                   isinstance(idxs[axis], NumNode)), key=lambda axis: strides[axis] is None)
-    for axis in axes:
-      vector = self._vector_along(node, leaf, idxs, axis, width, strides[axis] is None)
-      if vector is not None: return self.builder.add(UOps.GEP, node.dtype, (vector,), idxs[axis].b % width)
+    for width in widths:
+      # a known stride of 1 first; an unknown stride (several views) only where the elements prove to be neighbours
+      axes = sorted((axis for axis in kernel.upcast_axes + kernel.unroll_axes
+                     if strides[axis] in (1, None) and kernel.full_shape[axis] % width == 0 and
+                     isinstance(idxs[axis], NumNode)), key=lambda axis: strides[axis] is None)
+      for axis in axes:
+        vector = self._vector_along(node, leaf, idxs, axis, width, strides[axis] is None)
+        if vector is not None: return self.builder.add(UOps.GEP, node.dtype, (vector,), idxs[axis].b % width)
     return None
 
   def _vector_along(self, node: LazyOp, leaf: int, idxs: list[Node], axis: int, width: int,

@@ -8,8 +8,8 @@ index over total = size_0 + size_1 + ... (a reduce's size is its output count); 
 
 - on a GPU, one thread per element (blocks of up to 128 threads): segment i is an IF block
   (start_i <= index < start_i + size_i) computing its values at index - start_i, so each thread runs the one
-  segment it falls in. An elementwise segment whose size the renderer's vector width divides, and whose outputs
-  are float32, takes `vector_width` elements a thread instead (its flat axis UPCAST: float4 loads and stores, 4x
+  segment it falls in. An elementwise segment whose outputs the renderer stores as vectors takes a vector of
+  elements a thread instead (segment_lanes; its flat axis UPCAST: float4 loads and stores, 8 16-bit floats, 4-8x
   the bytes in flight per thread; the H200 ran the GPT-2 AdamW pack of scalar threads at 32-65% of DRAM
   bandwidth); the flat index then counts threads, segment i owning size_i / lanes_i of them;
 - on a CPU, the segments' loops run one after another, with no branch per element. They are serial loops: the C
@@ -38,6 +38,8 @@ from ourgrad.shape.symbolic import Node, NumNode, Variable
 PACKED_BLOCK_THREADS = 128
 # a reduce segment's innermost reduce axis is unrolled by up to this much (a divisor of it)
 PACKED_REDUCE_UNROLL = 8
+# a GPU thread tests at most this many segments' bounds in a row; more segments are halved under IFs first
+PACKED_FLAT_SEGMENTS = 4
 
 
 class PackedKernel:
@@ -90,21 +92,44 @@ class PackedKernel:
       thread = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", threads, 0, AxisType.LOCAL))
       flat = build.alu(Ops.ADD, INDEX_DTYPE, build.alu(Ops.MUL, INDEX_DTYPE, flat, build.const(threads, INDEX_DTYPE)),
                        thread)
-    start = 0
-    for number, ((kernel, buffer_of), size) in enumerate(zip(self.segments, thread_counts)):
-      end = start + size
-      inside = build.alu(Ops.CMPLT, dtypes.bool, flat, build.const(end, INDEX_DTYPE))
-      if start > 0:
-        after_start = build.alu(Ops.CMPLT, dtypes.bool, build.const(start - 1, INDEX_DTYPE), flat)
-        inside = build.alu(Ops.AND, dtypes.bool, after_start, inside)
-      first = len(build.uops)
-      block = build.add(UOps.IF, None, (inside,))
-      index = build.alu(Ops.ADD, INDEX_DTYPE, flat, build.const(-start, INDEX_DTYPE)) if kernel.shape_len else None
-      lower = _lower_reduce_segment if kernel.reduceop is not None else _lower_segment
-      lower(build, kernel, buffer_of, defines, f"pidx{number}", index)
-      build.end_if(block)
-      self.segment_spans.append((first, len(build.uops)))
-      start = end
+    starts = list(itertools.accumulate(thread_counts, initial=0))
+    self._segment_tree(build, defines, flat, starts, 0, len(self.segments))
+
+  def _segment_tree(self, build: UOpBuilder, defines: dict[int, UOp], flat: UOp, starts: list[int], first: int,
+                    last: int) -> None:
+    """Segments first..last-1, their threads numbered from starts[first] to starts[last]: up to PACKED_FLAT_SEGMENTS,
+    an IF block each over its threads; more, the two halves each under an IF (flat below the middle segment's start,
+    or not), so a thread tests about 2 log2(segments) bounds on its way to its own segment, not every segment's
+    (GPT-2's 64 weight casts in one pack: 64 tests a thread, ~256 instructions for 4 elements, left the H200's DRAM
+    at 30%). The segment blocks stay in segment order, each one contiguous span of UOps."""
+    if last - first <= PACKED_FLAT_SEGMENTS:
+      for number in range(first, last):
+        self._segment_block(build, defines, flat, number, starts[number], starts[number + 1])
+      return
+    middle = (first + last) // 2
+    below_middle = build.alu(Ops.CMPLT, dtypes.bool, flat, build.const(starts[middle], INDEX_DTYPE))
+    from_middle = build.alu(Ops.CMPLT, dtypes.bool, build.const(starts[middle] - 1, INDEX_DTYPE), flat)
+    for low, high, inside in ((first, middle, below_middle), (middle, last, from_middle)):
+      half = build.add(UOps.IF, None, (inside,))
+      self._segment_tree(build, defines, flat, starts, low, high)
+      build.end_if(half)
+
+  def _segment_block(self, build: UOpBuilder, defines: dict[int, UOp], flat: UOp, number: int, start: int,
+                     end: int) -> None:
+    """Segment `number`'s IF block over its threads [start, end) (the bounds also keep the last block's spare threads
+    out), computing its values at flat - start."""
+    kernel, buffer_of = self.segments[number]
+    inside = build.alu(Ops.CMPLT, dtypes.bool, flat, build.const(end, INDEX_DTYPE))
+    if start > 0:
+      after_start = build.alu(Ops.CMPLT, dtypes.bool, build.const(start - 1, INDEX_DTYPE), flat)
+      inside = build.alu(Ops.AND, dtypes.bool, after_start, inside)
+    first = len(build.uops)
+    block = build.add(UOps.IF, None, (inside,))
+    index = build.alu(Ops.ADD, INDEX_DTYPE, flat, build.const(-start, INDEX_DTYPE)) if kernel.shape_len else None
+    lower = _lower_reduce_segment if kernel.reduceop is not None else _lower_segment
+    lower(build, kernel, buffer_of, defines, f"pidx{number}", index)
+    build.end_if(block)
+    self.segment_spans.append((first, len(build.uops)))
 
   def _linearize_loops(self, build: UOpBuilder, defines: dict[int, UOp]) -> None:
     for number, ((kernel, buffer_of), size) in enumerate(zip(self.segments, self.sizes)):
@@ -148,15 +173,15 @@ def _lower_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int, int],
     return
   # a vector segment (segment_lanes): its lanes computed, then each output's vector stored
   axis = kernel.upcast_axes[0]
-  vector_axis = linearizer._vector_store_axis()
+  vector_store = linearizer._vector_store_axis()
   pending: dict[tuple[int, ...], list[UOp]] = {}
   for lane in range(kernel.full_shape[axis]):
     lane_idxs = idxs + [NumNode(lane)]
-    if vector_axis is None:
+    if vector_store is None:
       linearizer._store_outputs(lane_idxs, None)
       continue
     pending[(lane,)] = [linearizer.compute(store.srcs[0], lane_idxs, None) for store in kernel.stores]
-    linearizer._emit_vector_store(pending, (lane,), lane_idxs, vector_axis, [axis])
+    linearizer._emit_vector_store(pending, (lane,), lane_idxs, *vector_store, [axis])
 
 
 def _lower_reduce_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int, int], defines: dict[int, UOp],
@@ -196,16 +221,22 @@ def _lower_reduce_segment(build: UOpBuilder, kernel: Kernel, buffer_of: dict[int
 
 
 def segment_lanes(kernel: Kernel, size: int) -> int:
-  """Elements per GPU thread of a segment: the renderer's vector width for a flat elementwise segment whose outputs
-  it stores as vectors (vector_dtypes) and that the width divides into several vectors (its flat axis is then upcast
-  by it, in place); else 1."""
-  width = getattr(kernel.renderer, "vector_width", 0)
-  if not kernel.renderer.has_threads or width < 2 or kernel.reduceop is not None or kernel.shape_len != 1: return 1
-  # (one vector alone: the upcast would take the whole axis, leaving no thread axis)
-  if size % width or size == width or any(store.dtype not in kernel.renderer.vector_dtypes for store in kernel.stores):
+  """Elements per GPU thread of a segment: for a flat elementwise segment whose outputs the renderer stores as vectors
+  (vector_dtypes), the widest vector any of its buffers takes (Renderer.vector_lanes: 8 where a bfloat16 weight cast
+  stores 16 bytes a thread from two float4 loads), else the float32 width, that divides it into several vectors (its
+  flat axis is then upcast by it, in place); else 1."""
+  renderer = kernel.renderer
+  if not renderer.has_threads or getattr(renderer, "vector_width", 0) < 2 or kernel.reduceop is not None or \
+      kernel.shape_len != 1 or any(store.dtype not in renderer.vector_dtypes for store in kernel.stores):
     return 1
-  kernel.apply_opt(Opt(OptOps.UPCAST, 0, width))
-  return width
+  buffers = [leaf for leaf in kernel.leaves if isinstance(leaf.arg, MemBuffer)]
+  widest = max(renderer.vector_lanes(buffer.dtype) for buffer in buffers)
+  for width in sorted({widest, renderer.vector_width}, reverse=True):
+    # (one vector alone: the upcast would take the whole axis, leaving no thread axis)
+    if width >= 2 and size % width == 0 and size != width:
+      kernel.apply_opt(Opt(OptOps.UPCAST, 0, width))
+      return width
+  return 1
 
 
 def _segment_kernel(segment: LazyOp, renderer: Any) -> tuple[Kernel, dict[int, int]]:

@@ -37,7 +37,8 @@ from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import Node, NumNode, Variable
 
 # A GPU thread keeps at most this many units (float4s, or scalars) of its row in registers: 8 float4s = 32 floats,
-# enough for 8192-float rows with 256 threads and 32768-float rows with 1024, without spilling.
+# enough for 8192-float rows with 256 threads and 32768-float rows with 1024, without spilling. A unit of 8 16-bit
+# floats (16 bytes) counts as two (register_units).
 PERSISTENT_UNITS = 8
 # A CPU row kernel keeps its transcendental per-element values (exp) for the store pass in stack arrays of at most
 # this many bytes a row (per thread; they stay in L1/L2).
@@ -76,6 +77,12 @@ def row_sharing(rows: int, units: int, warp_size: int, multiprocessors: int) -> 
   per_block = max(SHARED_ROW_BLOCK // threads, 1)
   while per_block > 1 and (rows % per_block or rows // per_block < 2 * multiprocessors): per_block //= 2
   return (threads, per_block) if per_block > 1 else (0, 1)
+
+
+def register_units(units: int, width: int) -> int:
+  """`units` units of `width` elements counted as the float4s of registers they take once loaded (PERSISTENT_UNITS,
+  the row layouts): a unit of 8 16-bit floats widens to two."""
+  return units * max(1, width // 4)
 
 
 def row_block_threads(units: int, max_threads: int, warp_size: int) -> int:
@@ -283,13 +290,14 @@ class RowLinearizer(Linearizer):
     units = length // width
     if kernel.final_reduces: return self._linearize_final_rows(rows, row_dims, units, width)
     stack_axis, stack = self._stacked_rows(row_dims)
-    threads, per_block = self._row_layout(rows // stack, units)
+    held = register_units(units, width)   # the layouts count a row in float4s of registers
+    threads, per_block = self._row_layout(rows // stack, held)
     # stacked rows keep their units in registers, and do not cost rows that share blocks (a warp's shuffles each) a
     # block of their own (fewer rows: a barrier per reduce and stacked row)
-    if stack > 1 and (math.ceil(units / threads) > PERSISTENT_UNITS or
-                      (per_block == 1 and self._row_layout(rows, units)[1] > 1)):
+    if stack > 1 and (math.ceil(held / threads) > PERSISTENT_UNITS or
+                      (per_block == 1 and self._row_layout(rows, held)[1] > 1)):
       stack_axis, stack = None, 1
-      threads, per_block = self._row_layout(rows, units)
+      threads, per_block = self._row_layout(rows, held)
     rows //= stack
     blocks, block_threads = rows // per_block, threads * per_block
     self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks, 0, AxisType.GLOBAL))
@@ -303,7 +311,7 @@ class RowLinearizer(Linearizer):
     for axis, node in zip(row_dims, _unflatten(row, sizes)): idxs[axis] = node
     if stack_axis is not None:
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width)
-    per_thread = math.ceil(units / threads)
+    per_thread = math.ceil(register_units(units, width) / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
       accumulator, _accumulate_op(reduce), thread, threads, number))
@@ -506,7 +514,7 @@ class RowLinearizer(Linearizer):
     row = Variable("fidx", 0, rows // groups - 1) * groups + group
     idxs: list[Node] = [NumNode(0)] * len(shape)
     for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
-    per_thread = math.ceil(units / threads)
+    per_thread = math.ceil(register_units(units, width) / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     # a group of one thread holds its row's reduce; larger groups combine by warp shuffles (no local memory)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: accumulator if threads == 1 else
@@ -525,15 +533,20 @@ class RowLinearizer(Linearizer):
     return build.uops
 
   def _row_vector_width(self) -> int:
-    """4 (vector units) where the renderer has vectors and the innermost row axis splits into whole vectors, and some
-    leaf is of a dtype it loads as vectors (float32; float16/bfloat16 on CUDA: the bf16 logits of an autocast loss);
-    else 1. Each load and store then checks its own view (contiguous along that axis, aligned) before reading a
-    vector."""
-    kernel, width = self.kernel, getattr(self.kernel.renderer, "vector_width", 0)
+    """The elements of a vector unit where the renderer has vectors: the narrowest vector (Renderer.vector_lanes)
+    of the buffers read or written along the row in a dtype it loads as vectors (float32: 4; float16/bfloat16 on
+    CUDA: 8, 16 bytes, where no float32 buffer runs along the row: the bf16 logits of an autocast loss), where the
+    innermost row axis splits into whole units; else 1. Each load and store then checks its own view (contiguous
+    along that axis, aligned) before reading a vector."""
+    kernel = self.kernel
+    if getattr(kernel.renderer, "vector_width", 0) < 2: return 1
     innermost = (kernel.row_axes or ())[-1]
-    if width < 2 or kernel.full_shape[innermost] % width != 0: return 1
-    if not any(leaf.dtype in kernel.renderer.vector_dtypes for leaf in kernel.leaves): return 1
-    return width
+    buffers = [(leaf.dtype, kernel.sts[self.leaf_index[id(leaf)]]) for leaf in kernel.leaves
+               if isinstance(leaf.arg, MemBuffer)]
+    buffers += [(store.dtype, kernel.sts[number]) for number, store in enumerate(kernel.stores)]
+    lanes = [kernel.renderer.vector_lanes(dtype) for dtype, st in buffers if st.real_strides()[innermost] != 0]
+    width = min((lane for lane in lanes if lane >= 2), default=1)
+    return width if kernel.full_shape[innermost] % width == 0 else 1
 
   def unit_idxs(self, idxs: list[Node], unit: Node, width: int, lane: int) -> list[Node]:
     """The indices of element `lane` of a unit: the unit's position in the row (row axes, the last fastest), its

@@ -44,8 +44,8 @@ class Renderer:
   registers_per_multiprocessor: int = 0   # 32-bit registers of a multiprocessor (CUDA: 65536); 0: unknown
   warp_size: int = 0              # threads that WARP_REDUCE can combine with shuffles (0: no shuffles)
   vector_width: int = 0           # float32 elements one vector LOAD reads (float4: 4; 0: scalar loads only)
-  # the dtypes of global buffers loaded and stored as vectors of vector_width elements (CUDA adds float16 and
-  # bfloat16: 4 of them are one 8-byte access)
+  # the dtypes of global buffers loaded and stored as vectors of the same bytes (vector_lanes: CUDA adds float16 and
+  # bfloat16, 8 of them one 16-byte access)
   vector_dtypes: tuple[DType, ...] = (dtypes.float32,)
   # bytes of memory traffic that cost about as much time as one kernel launch (launch overhead x memory bandwidth):
   # the scheduler stores an intermediate in a buffer of its own (one more launch) only when that saves more bytes
@@ -64,6 +64,13 @@ class Renderer:
   # per launch dimension (x, y, z): how many blocks and threads a launch may have
   global_max: tuple[int, ...] = (2**31 - 1, 65535, 65535)
   local_max: tuple[int, ...] = (1024, 1024, 64)
+
+  def vector_lanes(self, dtype: DType) -> int:
+    """Elements of `dtype` one vector access moves: the bytes of vector_width float32s (float4: 16 bytes, so 8 of a
+    16-bit float); 0 where `dtype` is not loaded as vectors. The linearizer makes vectors of this width and the
+    heuristics upcast by it: a warp's 16-bit accesses of 8 bytes a lane were half of what it can have in flight."""
+    if self.vector_width < 2 or dtype not in self.vector_dtypes: return 0
+    return self.vector_width * dtypes.float32.itemsize // dtype.itemsize
 
   @property
   def runs_thread_blocks(self) -> bool:

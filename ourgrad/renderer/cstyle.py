@@ -319,6 +319,7 @@ class CStyleLanguage(Renderer):
       emit(f"{self.render_dtype(uop.dtype)} {variable} = {expression};")
       names[id(uop)] = variable
 
+
     parallel_loops = self.parallel_loop_count(uops)
     vectors = self.vector_plan(uops)
     raw_loads = self.raw_fragment_loads(uops)
@@ -326,6 +327,7 @@ class CStyleLanguage(Renderer):
                      if uop.op is UOps.LOAD and uop.arg is not None and uop.srcs[0].op is UOps.DEFINE_LOCAL}
     copied_locals = stored_format_locals(uops)
     dynamic_offsets = self.dynamic_local_offsets(uops, copied_locals)
+    rounded_by_store = self.casts_rounded_by_stores(uops)
     for uop in uops:
       if uop.op is UOps.DEFINE_GLOBAL:
         names[id(uop)] = f"data{uop.arg[0]}"
@@ -459,6 +461,8 @@ class CStyleLanguage(Renderer):
         emit(f"{ref(uop.srcs[0])} = {self.render_byte_dot_add(uop, ref)};")
       elif uop.op is UOps.LANES_TOTAL:
         define(uop, "total", f"og_lanes_total({ref(uop.srcs[0])})")
+      elif id(uop) in rounded_by_store:   # the store's own conversion rounds it
+        names[id(uop)] = ref(uop.srcs[0])
       elif uop.op in (UOps.ALU, UOps.CAST, UOps.BITCAST):
         expression = self._expression(uop, ref)
         # a value used once is written inline into its user, unless the expression is already long: long
@@ -470,6 +474,18 @@ class CStyleLanguage(Renderer):
         raise NotImplementedError(f"{type(self).__name__} cannot render {uop.op}")
     source = self.render_kernel(name, params, body, uops)
     return source.replace(self.preamble, self.preamble + vector_typedefs(vectors.width), 1) if vectors else source
+
+  def casts_rounded_by_stores(self, uops: list[UOp]) -> set[int]:
+    """The CASTs of a float32 value to a 16-bit float kept in float registers whose one use is a store to a global
+    buffer: the store converts it to its bits, rounding it itself (rounding twice to one precision is rounding once),
+    so the cast renders as its operand (2 SASS instructions an element of a bf16 gradient on CUDA)."""
+    rounded = set()
+    for uop in uops:
+      if uop.op is not UOps.STORE or uop.srcs[0].op is not UOps.DEFINE_GLOBAL: continue
+      values = uop.srcs[2:] if uop.arg is not None else uop.srcs[2:3]
+      rounded.update(id(value) for value in values if value.op is UOps.CAST and value.uses == 1 and
+                     value.dtype in self.floats_in_registers and value.srcs[0].dtype == dtypes.float32)
+    return rounded
 
   def vector_plan(self, uops: list[UOp]) -> VectorPlan:
     """The accumulators rendered as lanes of explicit vectors (renderer/cvector.py); none unless a dialect says."""
@@ -618,6 +634,18 @@ class ClangRenderer(CStyleLanguage):
     # 40 ms with the helpers, PyTorch 20 ms). Elsewhere the helpers save mispredicted jumps (CLANG_SCALAR_SELECTS).
     self.scalar_selects = self.simd_loop is None and not any(
       uop.op is UOps.RANGE and uop.arg[1] in (AxisType.UPCAST, AxisType.UNROLL) for uop in uops)
+
+  def casts_rounded_by_stores(self, uops: list[UOp]) -> set[int]:
+    """The CASTs of a float32 value to a 16-bit float kept in float registers whose one use is a store to a global
+    buffer: the store converts it to its bits, rounding it itself (rounding twice to one precision is rounding once),
+    so the cast renders as its operand (2 SASS instructions an element of a bf16 gradient on CUDA)."""
+    rounded = set()
+    for uop in uops:
+      if uop.op is not UOps.STORE or uop.srcs[0].op is not UOps.DEFINE_GLOBAL: continue
+      values = uop.srcs[2:] if uop.arg is not None else uop.srcs[2:3]
+      rounded.update(id(value) for value in values if value.op is UOps.CAST and value.uses == 1 and
+                     value.dtype in self.floats_in_registers and value.srcs[0].dtype == dtypes.float32)
+    return rounded
 
   def vector_plan(self, uops: list[UOp]) -> VectorPlan:
     """Register tiles as explicit vectors of one SIMD register (renderer/cvector.py: gcc's own vectorizer drops

@@ -31,12 +31,26 @@ DEPENDENT_LAUNCH_PROLOGUE = ("#if __CUDA_ARCH__ >= 900\n"
                              "#endif\n")
 
 
+# the device function that rounds two floats to one word of two 16-bit floats (the first in the low half), per dtype
+PAIR_TO_BITS = {dtypes.float16: "floats_to_f16x2", dtypes.bfloat16: "floats_to_bf16x2"}
+
+
+def pair_helper(name: str, ptx_type: str) -> str:
+  """A device function `name(low, high)`: both floats rounded to nearest even into one word by one cvt.rn (sm_80 and
+  newer), `low` in the low half. PTX's cvt puts its first source operand in the high half."""
+  return (f"__device__ __forceinline__ unsigned int {name}(float low, float high) {{\n"
+          f'  unsigned int bits; asm("cvt.rn.{ptx_type}.f32 %0, %1, %2;" : "=r"(bits) : "f"(high), "f"(low)); '
+          "return bits; }\n")
+
+
 class CUDARenderer(CStyleLanguage):
   """CUDA C++ compiled by NVRTC: one thread block per block of local axes, blockIdx/threadIdx as thread indices.
 
   NVRTC compiles without the toolkit's headers, so the kernel needs none: float16 and bfloat16 values live
-  in float registers and are converted with one PTX instruction (half) or a bit shift (bfloat16) at loads
-  and stores, and infinities are spelled through their bit patterns."""
+  in float registers, widened at loads with one PTX instruction (half) or a bit shift (bfloat16) and rounded at
+  stores and casts with one PTX instruction (cvt.rn: bfloat16 on sm_80 and newer, else the bit arithmetic of
+  cstyle's BFLOAT16_HELPERS); a vector store rounds each pair of values with one instruction (cvt.rn.*x2.f32).
+  Infinities are spelled through their bit patterns."""
   device = "CUDA"
   has_threads = True
   max_threads = 1024
@@ -77,6 +91,8 @@ class CUDARenderer(CStyleLanguage):
     self.has_wgmma = self.dependent_launch = arch == "sm_90"
     # the fused attention kernel uses mma.sync (TF32, bfloat16) and cp.async: sm_80 and newer (unknown: assumed)
     self.has_fused_attention = arch == "" or int(arch.removeprefix("sm_").rstrip("a")) >= 80
+    # cvt.rn.bf16.f32 and the paired cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 (sm_80 and newer; unknown: assumed)
+    self.has_16bit_cvt = self.has_fused_attention
 
   def render_attention(self, name: str, plan: AttentionPlan, arguments: dict[str, int]) -> str:
     """The fused attention kernel of `plan`, its buffers in argument order (see codegen/attention.py)."""
@@ -97,9 +113,11 @@ class CUDARenderer(CStyleLanguage):
     body = source.index("{\n", start) + 2
     return source[:body] + DEPENDENT_LAUNCH_PROLOGUE + source[body:]
 
-  # float16 and bfloat16 vectors are their stored bits, two values a 32-bit word: 4 of them one 8-byte access (a warp's
-  # 16-bit loads one element a thread move 64 bytes an instruction: GPT-2's bf16 GELU backward ran at 30% of DRAM)
-  vector_dtypes = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
+  # float16 and bfloat16 vectors are their stored bits, two values a 32-bit word: 8 of them one 16-byte access (a
+  # warp's 16-bit loads one element a thread move 64 bytes an instruction: GPT-2's bf16 GELU backward ran at 30% of
+  # DRAM). int32 as int4 (an uploaded arange beside a cross-entropy gradient's columns: scalar loads 8 columns a lane
+  # apart were 8 L1 requests of 16 sectors per 16-byte vector of logits)
+  vector_dtypes = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.int32)
 
   def render_vector_type(self, width: int, dtype: DType) -> str:
     if dtype not in self.floats_in_registers: return super().render_vector_type(width, dtype)
@@ -117,9 +135,26 @@ class CUDARenderer(CStyleLanguage):
   def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
     vector = self.render_vector_type(len(values), dtype)
     if dtype in self.floats_in_registers:   # each pair of values packed into one word, the first in its low half
-      bits = [f"((unsigned int){self.floats_in_registers[dtype].from_float.format(value)})" for value in values]
-      values = [f"({low} | ({high} << 16))" for low, high in zip(bits[0::2], bits[1::2])]
+      if self.has_16bit_cvt:
+        pair = PAIR_TO_BITS[dtype]
+        values = [f"{pair}({low}, {high})" for low, high in zip(values[0::2], values[1::2])]
+      else:
+        bits = [f"((unsigned int){self.floats_in_registers[dtype].from_float.format(value)})" for value in values]
+        values = [f"({low} | ({high} << 16))" for low, high in zip(bits[0::2], bits[1::2])]
     return f"*(({vector}*)({buffer}+({index}))) = make_{vector}({', '.join(values)});"
+
+  def bfloat16_helpers(self) -> str:
+    """cstyle's bit arithmetic before sm_80; from sm_80 one cvt.rn rounds a float (a NaN becomes the canonical NaN,
+    as torch's __float2bfloat16 makes it on these GPUs) and one rounds a pair into a word: a bfloat16 GELU
+    spent 15 of its ~48 SASS instructions an element on the bit arithmetic and was issue-bound at half of the H200's
+    DRAM bandwidth."""
+    if not self.has_16bit_cvt: return super().bfloat16_helpers()
+    return ('__device__ __forceinline__ unsigned short float_to_bf16(float value) {\n'
+            '  unsigned short bits; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value)); return bits; }\n'
+            '__device__ __forceinline__ float bf16_to_float(unsigned short bits) { return '
+            '__uint_as_float(((unsigned int)bits) << 16); }\n'
+            '__device__ __forceinline__ float bf16_round(float value) { return bf16_to_float(float_to_bf16(value)); }\n'
+            f'{pair_helper("floats_to_bf16x2", "bf16x2")}')
 
   def render_vector_zero(self, width: int, dtype: DType) -> str:
     if dtype in self.floats_in_registers: return f"make_uint{width // 2}({', '.join(['0u'] * (width // 2))})"
@@ -309,7 +344,8 @@ class CUDARenderer(CStyleLanguage):
       helpers.append('__device__ __forceinline__ float half_to_float(unsigned short h) {\n'
                      '  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }\n'
                      '__device__ __forceinline__ unsigned short float_to_half(float f) {\n'
-                     '  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }\n')
+                     '  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }\n' +
+                     (pair_helper("floats_to_f16x2", "f16x2") if self.has_16bit_cvt else ""))
     if dtypes.bfloat16 in used: helpers.append(self.bfloat16_helpers())
     if any(uop.op is UOps.BITCAST for uop in uops):
       helpers.append("template <class To, class From> __device__ __forceinline__ To bitcast(From value) {\n"
