@@ -30,7 +30,7 @@ from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from extra.models.llama import Llama, LlamaConfig, cast_weights, rotate_pairs, rope_inputs
+from extra.models.llama import Llama, LlamaConfig, cast_weights, inverse_rms_per_output, rotate_pairs, rope_inputs
 from helpers import nvrtc_compiler
 from test_gguf_packed import numpy_dequantize
 from test_models import _tiny_weights, torch_llama_logits
@@ -142,6 +142,27 @@ def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
   assert [opt.op.name for opt in kernel.applied_opts] == ["GROUP", "UPCAST"], kernel.applied_opts
   # a warp per (KV head, slot), its lanes along the head dim, the 3 query heads of the group upcast: keys read once
   assert _launch_threads(kernel) == sequences * kv_heads * slots * 32
+
+
+def test_q8_0_row_product_reads_its_quants_in_pairs(emulated_cuda) -> None:
+  """A decode step's Q8_0 product with its input's RMS recomputed beside each output (a row kernel, as the QKV and
+  gate/up products) loads each thread's 4 neighbouring quants as two 2-byte vectors: a block is 34 bytes, its f16
+  scale first, so 4 quants start at an even address only (a byte a load was 4 load instructions where a bfloat16
+  weight's 4 values are one). Against numpy's dequantization."""
+  rng = np.random.default_rng(4)
+  rows, k, eps = 96, 128, 1e-5
+  w_np, x_np = rng.standard_normal((rows, k)).astype(np.float32), rng.standard_normal((1, 1, k)).astype(np.float32)
+  blocks = quantize_q8_0(w_np)
+  packed = PackedTensor.from_blocks(GGML_Q8_0, Tensor(blocks, device="PYTHON"), w_np.shape)
+  x = Tensor(x_np, device="PYTHON")
+  out = packed.linear(x) * inverse_rms_per_output(x, rows, eps, packed.row_blocks)
+  kernel, got = _emulated(_kernel_item(out))
+  values = numpy_dequantize(GGML_Q8_0, blocks).reshape(rows, k)
+  expected = values @ x_np[0, 0] / np.sqrt(np.mean(x_np[0, 0] ** 2) + eps)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+  uops = linearize(kernel)
+  byte_loads = [uop.arg for uop in uops if uop.op is UOps.LOAD and uop.dtype == dtypes.uint8]
+  assert byte_loads and set(byte_loads) == {2}, byte_loads
 
 
 # A decode-shaped model small enough for the interpreter whose kernels take the plans above: head_dim 64 (the scores'
