@@ -249,6 +249,38 @@ def test_decode_matches_float32_reference(kind: str, sequences: int, target: str
   assert len(model._decode_jit.captured.items) == per_block * DECODE.n_layers + outside
 
 
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_fused_decode_matches_the_unfused_path(sequences: int, emulated_cuda) -> None:
+  """The GPU decode step (the norms' scales and the softmax recomputed in the row kernels that read them, attention
+  reading this step's K and V rows recomputed from the projection, the blocks' cache writes one packed kernel after
+  the logits) against the same model's unfused step (`recompute_rows` off in every block: the normalized rows, the
+  softmax and each block's cache write kernels of their own, attention reading the written cache): the same logits
+  and caches at every step, and only the last kernel writes the caches."""
+  weights = _decode_weights(seed=7)
+  models = []
+  for fused in (True, False):
+    tensors, _ = _stored_as(weights, "float32", "PYTHON")
+    model = Llama(DECODE, tensors, max_context=DECODE.context_length, symbolic=False, sequences=sequences)
+    for block in model.blocks: block.recompute_rows = fused
+    models.append(model)
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(0, DECODE.vocab_size, 2 + row).tolist() for row in range(sequences)]
+  for model in models:
+    for row, prompt in enumerate(prompts): model(Tensor([prompt], dtype=dtypes.int32, device="PYTHON"), 0, sequence=row)
+  for step in range(3):
+    tokens, positions = rng.integers(0, DECODE.vocab_size, sequences).tolist(), [len(p) + step for p in prompts]
+    fused_logits, unfused_logits = (model.decode(tokens, positions).numpy() for model in models)
+    np.testing.assert_allclose(fused_logits, unfused_logits, rtol=1e-4, atol=1e-4)
+    for fused_block, unfused_block in zip(*(model.blocks for model in models)):
+      np.testing.assert_allclose(fused_block.cache.numpy(), unfused_block.cache.numpy(), rtol=1e-5, atol=1e-5)
+  captured = models[0]._decode_jit.captured
+  assert captured is not None
+  caches = {id(block.cache.lazydata.realized) for block in models[0].blocks}
+  writers = [position for position, item in enumerate(captured.items)
+             if caches & {id(buffer) for buffer in item.bufs[:item.outputs]}]
+  assert writers == [len(captured.items) - 1], writers
+
+
 @pytest.mark.parametrize("target", ["emulated_cuda", "clang"])
 def test_masked_assign_is_a_gated_store(target: str, request) -> None:
   """cache.assign(write.where(new, cache)) (a decode step's KV-cache write: one slot of each sequence's row) against
