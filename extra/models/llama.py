@@ -364,7 +364,7 @@ class LlamaBlock:
     if self.recompute_rows:
       # a GPU: attention reads the cache as this step's write leaves it, the new rows recomputed where `write` marks
       # them, so it does not wait for the write: nothing later in the step reads the cache, and the write kernels of
-      # every block (independent, elementwise) share one launch at the step's end (engine/packing.py), one kernel a
+      # every block (independent, elementwise) share packed launches at the step's end (engine/packing.py), one kernel a
       # block less. The old cache is read before the assign (a lazy value keeps what it held when it was made)
       keys = write.where(self._new_rows(projected, cos, sin, keys_heads), self.cache[:, :, keys_heads])
       values = write.where(self._new_rows(projected, cos, sin, values_heads), self.cache[:, :, values_heads])
