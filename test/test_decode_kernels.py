@@ -30,7 +30,7 @@ from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from extra.models.llama import Llama, LlamaConfig, cast_weights, rotate_pairs, rope_inputs
+from extra.models.llama import Llama, LlamaConfig, cast_weights, inverse_rms_per_output, rotate_pairs, rope_inputs
 from helpers import nvrtc_compiler
 from test_gguf_packed import numpy_dequantize
 from test_models import _tiny_weights, torch_llama_logits
@@ -144,6 +144,27 @@ def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
   assert _launch_threads(kernel) == sequences * kv_heads * slots * 32
 
 
+def test_q8_0_row_product_reads_its_quants_in_pairs(emulated_cuda) -> None:
+  """A decode step's Q8_0 product with its input's RMS recomputed beside each output (a row kernel, as the QKV and
+  gate/up products) loads each thread's 4 neighbouring quants as two 2-byte vectors: a block is 34 bytes, its f16
+  scale first, so 4 quants start at an even address only (a byte a load was 4 load instructions where a bfloat16
+  weight's 4 values are one). Against numpy's dequantization."""
+  rng = np.random.default_rng(4)
+  rows, k, eps = 96, 128, 1e-5
+  w_np, x_np = rng.standard_normal((rows, k)).astype(np.float32), rng.standard_normal((1, 1, k)).astype(np.float32)
+  blocks = quantize_q8_0(w_np)
+  packed = PackedTensor.from_blocks(GGML_Q8_0, Tensor(blocks, device="PYTHON"), w_np.shape)
+  x = Tensor(x_np, device="PYTHON")
+  out = packed.linear(x) * inverse_rms_per_output(x, rows, eps, packed.row_blocks)
+  kernel, got = _emulated(_kernel_item(out))
+  values = numpy_dequantize(GGML_Q8_0, blocks).reshape(rows, k)
+  expected = values @ x_np[0, 0] / np.sqrt(np.mean(x_np[0, 0] ** 2) + eps)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+  uops = linearize(kernel)
+  byte_loads = [uop.arg for uop in uops if uop.op is UOps.LOAD and uop.dtype == dtypes.uint8]
+  assert byte_loads and set(byte_loads) == {2}, byte_loads
+
+
 # A decode-shaped model small enough for the interpreter whose kernels take the plans above: head_dim 64 (the scores'
 # 64-long reduce), hidden 256 (a thin down projection: k >= 4 warps), dim 128 (a multiple of 4 rows and of Q8_0's 32)
 DECODE = LlamaConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=256, vocab_size=64, norm_eps=1e-5,
@@ -191,9 +212,9 @@ def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 # (device, kernels per block, kernels outside the blocks) of a fixed-shape decode step: lowered for CUDA (thread blocks:
 # the norms' scales and the softmax recomputed in the row kernels that read them, test_models; several sequences: the
-# SwiGLU product stored, one kernel more) and on a CPU (the normalized row and the SwiGLU product stored before the
-# products that read them: extra/models/llama.py)
-DECODE_DEVICES = {"emulated_cuda": ("PYTHON", 7, 1), "clang": ("CLANG", 12, 2)}
+# SwiGLU product stored, one kernel more; the blocks' cache writes one packed kernel after the logits) and on a CPU
+# (the normalized row and the SwiGLU product stored before the products that read them: extra/models/llama.py)
+DECODE_DEVICES = {"emulated_cuda": ("PYTHON", 6, 2), "clang": ("CLANG", 12, 2)}
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])
@@ -226,6 +247,38 @@ def test_decode_matches_float32_reference(kind: str, sequences: int, target: str
     np.testing.assert_allclose(np.stack([logits[row] for logits in got]), expected, rtol=2e-4, atol=2e-4)
   assert model._decode_jit.captured is not None
   assert len(model._decode_jit.captured.items) == per_block * DECODE.n_layers + outside
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_fused_decode_matches_the_unfused_path(sequences: int, emulated_cuda) -> None:
+  """The GPU decode step (the norms' scales and the softmax recomputed in the row kernels that read them, attention
+  reading this step's K and V rows recomputed from the projection, the blocks' cache writes one packed kernel after
+  the logits) against the same model's unfused step (`recompute_rows` off in every block: the normalized rows, the
+  softmax and each block's cache write kernels of their own, attention reading the written cache): the same logits
+  and caches at every step, and only the last kernel writes the caches."""
+  weights = _decode_weights(seed=7)
+  models = []
+  for fused in (True, False):
+    tensors, _ = _stored_as(weights, "float32", "PYTHON")
+    model = Llama(DECODE, tensors, max_context=DECODE.context_length, symbolic=False, sequences=sequences)
+    for block in model.blocks: block.recompute_rows = fused
+    models.append(model)
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(0, DECODE.vocab_size, 2 + row).tolist() for row in range(sequences)]
+  for model in models:
+    for row, prompt in enumerate(prompts): model(Tensor([prompt], dtype=dtypes.int32, device="PYTHON"), 0, sequence=row)
+  for step in range(3):
+    tokens, positions = rng.integers(0, DECODE.vocab_size, sequences).tolist(), [len(p) + step for p in prompts]
+    fused_logits, unfused_logits = (model.decode(tokens, positions).numpy() for model in models)
+    np.testing.assert_allclose(fused_logits, unfused_logits, rtol=1e-4, atol=1e-4)
+    for fused_block, unfused_block in zip(*(model.blocks for model in models)):
+      np.testing.assert_allclose(fused_block.cache.numpy(), unfused_block.cache.numpy(), rtol=1e-5, atol=1e-5)
+  captured = models[0]._decode_jit.captured
+  assert captured is not None
+  caches = {id(block.cache.lazydata.realized) for block in models[0].blocks}
+  writers = [position for position, item in enumerate(captured.items)
+             if caches & {id(buffer) for buffer in item.bufs[:item.outputs]}]
+  assert writers == [len(captured.items) - 1], writers
 
 
 @pytest.mark.parametrize("target", ["emulated_cuda", "clang"])

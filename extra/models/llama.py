@@ -263,12 +263,10 @@ class LlamaBlock:
     self.cache.assign(write.where(placed, self.cache))
     return rotated[:, :, :heads]
 
-  def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """(q (S, 1, heads, hd) rotated, the cache with each token's rotated K and its V written where `write` marks) of
-    one token per sequence x (S, 1, dim), cos/sin (S, hd): the new cache rows are computed in the cache's shape,
-    RoPE on the stored projection broadcast over the slots, so one kernel rotates K and writes the cache (rotating
-    the (S, 1, kv, hd) K first and broadcasting the result would store it: an elementwise graph read once per slot
-    is not recomputed)."""
+  def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q (S, 1, heads, hd) rotated, the stored K and V projection (S, 1, 2 * kv_heads, hd), cos and sin (S, 1, 1,
+    hd)) of one token per sequence x (S, 1, dim), cos/sin (S, hd). The new cache rows are made from them in the
+    cache's shape (`_new_rows`)."""
     config = self.config
     batch, length, _ = x.shape
     heads, head_dim = config.n_heads, config.head_dim
@@ -283,10 +281,21 @@ class LlamaBlock:
     projected = projected.reshape(batch, length, -1, head_dim)
     cos, sin = cos.reshape(batch, length, 1, head_dim), sin.reshape(batch, length, 1, head_dim)  # one row per sequence
     q = rotate_pairs(projected[:, :, :heads], cos, sin)
-    slots = self.cache.shape
-    cos, sin = cos.expand(slots), sin.expand(slots)
-    new = projected[:, :, heads:].expand(slots)
-    return q, self.value_heads[:, :, heads:].where(new, rotate_pairs(new, cos, sin))
+    return q, projected[:, :, heads:], cos, sin
+
+  def _new_rows(self, projected: Tensor, cos: Tensor, sin: Tensor, heads: slice) -> Tensor:
+    """The cache's `heads` (a slice of its 2 * kv_heads: K then V) as one token's projection `projected` (S, 1,
+    2 * kv_heads, hd) makes them, computed in the cache's shape (broadcast over the slots): K rotated (RoPE), V as
+    it is (`value_heads`, a constant mask, where the range holds both). RoPE on the stored projection broadcast over
+    the slots, so the kernel reading the rows rotates K itself (rotating the (S, 1, kv, hd) K first and broadcasting
+    the result would store it: an elementwise graph read once per slot is not recomputed)."""
+    kv_heads = self.config.n_kv_heads
+    shape = (*self.cache.shape[:2], len(range(2 * kv_heads)[heads]), self.cache.shape[3])
+    new = projected[:, :, heads].expand(shape)
+    if heads.start is not None and heads.start >= kv_heads: return new   # V heads only
+    rotated = rotate_pairs(new, cos.expand(shape), sin.expand(shape))
+    if heads.stop is not None and heads.stop <= kv_heads: return rotated   # K heads only
+    return self.value_heads[:, :, self.config.n_heads:].where(new, rotated)
 
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
@@ -350,12 +359,20 @@ class LlamaBlock:
     config = self.config
     kv_heads, head_dim = config.n_kv_heads, config.head_dim
     group = config.n_heads // kv_heads
-    q, new = self._project(x, cos, sin)
-    self.cache.assign(write.where(new, self.cache))
+    q, projected, cos, sin = self._project(x, cos, sin)
+    keys_heads, values_heads = slice(0, kv_heads), slice(kv_heads, 2 * kv_heads)
+    if self.recompute_rows:
+      # a GPU: attention reads the cache as this step's write leaves it, the new rows recomputed where `write` marks
+      # them, so it does not wait for the write: nothing later in the step reads the cache, and the write kernels of
+      # every block (independent, elementwise) share packed launches at the step's end (engine/packing.py), one kernel a
+      # block less. The old cache is read before the assign (a lazy value keeps what it held when it was made)
+      keys = write.where(self._new_rows(projected, cos, sin, keys_heads), self.cache[:, :, keys_heads])
+      values = write.where(self._new_rows(projected, cos, sin, values_heads), self.cache[:, :, values_heads])
+    self.cache.assign(write.where(self._new_rows(projected, cos, sin, slice(None)), self.cache))
+    if not self.recompute_rows: keys, values = self.cache[:, :, keys_heads], self.cache[:, :, values_heads]
     # shrink, not indexing: Python slices cannot hold a symbolic bound
     sequences = x.shape[0]
-    keys = self.cache.shrink((None, (0, visible), (0, kv_heads), None))
-    values = self.cache.shrink((None, (0, visible), (kv_heads, 2 * kv_heads), None))
+    keys, values = keys.shrink((None, (0, visible), None, None)), values.shrink((None, (0, visible), None, None))
     keys, values = keys.permute(0, 2, 3, 1), values.permute(0, 2, 1, 3)  # (S, kv, hd, visible), (S, kv, visible, hd)
     scores = q.reshape(sequences, kv_heads, group, head_dim) @ keys * (1.0 / math.sqrt(head_dim))  # (S, kv, g, vis)
     if mask is not None: scores = scores + mask.reshape(sequences, 1, 1, -1)

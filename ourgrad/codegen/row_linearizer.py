@@ -562,8 +562,9 @@ class RowLinearizer(Linearizer):
 
   def _vector_load(self, node: LazyOp, idxs: list[Node]) -> UOp | None:
     """One element of a unit's vector load: the view is one unmasked view of a vector dtype (Renderer.vector_dtypes),
-    contiguous along the innermost row axis, and the unit's first element is provably aligned. The lanes share the
-    LOAD (the builder merges it)."""
+    contiguous along the innermost row axis, and the unit's first element is provably aligned (to the unit's width,
+    else to a narrower power of two: the unit is then that many narrower vectors). The lanes share the LOAD (the
+    builder merges it)."""
     if self.vector_unit is None: return None
     first, width, lane = self.vector_unit
     if node.dtype not in self.kernel.renderer.vector_dtypes: return None
@@ -572,9 +573,14 @@ class RowLinearizer(Linearizer):
     innermost = (self.kernel.row_axes or ())[-1]
     if len(st.views) != 1 or st.views[0].mask is not None or st.real_strides()[innermost] != 1: return None
     index_node, _ = self._index_nodes(leaf, first)
-    if not multiple_of(index_node, width): return None
-    vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), width)
-    return self.builder.add(UOps.GEP, node.dtype, (vector,), lane)
+    # where the unit's first element is aligned only to a narrower vector (Q8_0's quants: blocks of 34 bytes, 2 of
+    # them the scale, so 4 quants start at an even address only), the unit is read as several of those
+    part = width
+    while part >= 2 and not multiple_of(index_node, part): part //= 2
+    if part < 2: return None
+    index_node = index_node + (lane // part) * part
+    vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), part)
+    return self.builder.add(UOps.GEP, node.dtype, (vector,), lane % part)
 
   def store_unit(self, lanes: list[list[Node]], width: int) -> None:
     """Store every output at the `width` elements of one unit (indices per lane). All values are computed before

@@ -116,10 +116,19 @@ class CUDARenderer(CStyleLanguage):
   # float16 and bfloat16 vectors are their stored bits, two values a 32-bit word: 8 of them one 16-byte access (a
   # warp's 16-bit loads one element a thread move 64 bytes an instruction: GPT-2's bf16 GELU backward ran at 30% of
   # DRAM). int32 as int4 (an uploaded arange beside a cross-entropy gradient's columns: scalar loads 8 columns a lane
-  # apart were 8 L1 requests of 16 sectors per 16-byte vector of logits)
-  vector_dtypes = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.int32)
+  # apart were 8 L1 requests of 16 sectors per 16-byte vector of logits). Bytes too (Q8_0's quants, read by a decode
+  # step's products: one byte a load was 4 load instructions for each of a bfloat16 weight's uint2), as CUDA's
+  # uchar2/uchar4 and char2/char4
+  vector_dtypes = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.int32, dtypes.uint8, dtypes.int8)
+  byte_vector_names = {dtypes.uint8: "uchar", dtypes.int8: "char"}
+
+  def vector_lanes(self, dtype: DType) -> int:
+    """As Renderer.vector_lanes, but bytes at most 4 a vector: CUDA's widest built-in byte vectors are uchar4/char4."""
+    lanes = super().vector_lanes(dtype)
+    return min(lanes, 4) if dtype in self.byte_vector_names else lanes
 
   def render_vector_type(self, width: int, dtype: DType) -> str:
+    if dtype in self.byte_vector_names: return f"{self.byte_vector_names[dtype]}{width}"
     if dtype not in self.floats_in_registers: return super().render_vector_type(width, dtype)
     return f"uint{width // 2}"   # uint1, uint2, uint4: a word per two values
 
@@ -158,6 +167,8 @@ class CUDARenderer(CStyleLanguage):
 
   def render_vector_zero(self, width: int, dtype: DType) -> str:
     if dtype in self.floats_in_registers: return f"make_uint{width // 2}({', '.join(['0u'] * (width // 2))})"
+    if dtype in self.byte_vector_names:
+      return f"make_{self.render_vector_type(width, dtype)}({', '.join(['0'] * width)})"
     return f"make_{self.render_dtype(dtype)}{width}({', '.join([self.render_const(0, dtype)] * width)})"
   buffer_suffix = " __restrict__"
   preamble = ""
