@@ -157,8 +157,34 @@ HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causa
 @pytest.mark.parametrize("dtype,case,layout", HOST_CASES, ids=lambda value: str(value))
 def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout: str):
   """The CUDA source itself (index math, masks, barriers, fragment loads) run by attention_backward_host."""
+  _check_on_host(dtype, case, layout, {})
+
+
+# the wgmma kernels (codegen/attention_backward_wgmma.py): (dtype, case, layout, plan fields)
+WGMMA_HOST_CASES = [
+  ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {}),              # odd lengths, causal
+  ("float16", (1, 4, 2, 70, 131, 64, False), "contiguous", {}),             # GQA, L < S
+  ("bfloat16", (1, 4, 1, 150, 97, 64, True), "projected", {}),   # GQA onto one kv head, L > S; q, o, dq strided
+  ("bfloat16", (1, 2, 1, 90, 90, 128, True), "grad32", {}),                 # D = 128: two 64-column chunks a row
+  ("float16", (1, 2, 2, 140, 130, 64, True), "contiguous",                  # two warpgroups, 32- and 128-row streams
+   {"block_q": 128, "block_kv": 128, "stream_q": 32, "stream_kv": 128}),
+  ("bfloat16", (1, 1, 1, 256, 256, 64, True), "contiguous", {"stream_q": 128, "stream_kv": 16}),   # unmasked tiles
+]
+
+
+@pytest.mark.skipif(host_compiler() is None, reason="no g++ to run the kernels' source on the host")
+@pytest.mark.parametrize("dtype,case,layout,fields", WGMMA_HOST_CASES, ids=lambda value: str(value))
+def test_wgmma_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout: str, fields: dict):
+  """The wgmma kernels' CUDA source (swizzled stage tiles, descriptors, register A fragments) through the harness's
+  wgmma (the PTX ISA's operand layouts) against torch's float64 gradients."""
+  _check_on_host(dtype, case, layout, {"mma": "wgmma", **fields})
+
+
+def _check_on_host(dtype: str, case: tuple, layout: str, fields: dict) -> None:
+  """Both kernels of the plan of `case` (its fields replaced by `layout`'s and `fields`) run on the host, against
+  the emulator and torch's float64 gradients."""
   batch, heads, kv_heads, q_len, kv_len, head_dim, causal = case
-  plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal)
+  plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal, **fields)
   arrays, expected = reference(plan)
   projected = layout == "projected"
   if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "dq_held": True, "dkdv_held": True})

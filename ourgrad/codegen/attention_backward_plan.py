@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ourgrad.codegen.attention_wgmma import WARPGROUP_ROWS, wgmma_refusal
+from ourgrad.codegen.wgmma_copies import ATOM_BYTES
 from ourgrad.codegen.wgmma_tiles import ITEMSIZE
 from ourgrad.errors import DTypeError, ShapeError
 
@@ -66,6 +68,7 @@ class AttentionBackwardPlan:
   dq_held: bool = False       # the dQ kernel's owned Q and dO A fragments kept in registers across its loop
   dkdv_held: bool = False     # the dK/dV kernel's owned K and V A fragments kept in registers across its loop
   grad_float32: bool = False  # dq, dk, dv written as float32 (the sums unrounded) instead of in plan.dtype
+  mma: str = "mma_sync"       # "wgmma": warpgroup MMAs on sm_90 (codegen/attention_backward_wgmma.py), 16-bit only
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -83,6 +86,15 @@ class AttentionBackwardPlan:
       size = getattr(self, name)
       if size % WARP_ROWS or size < 0 or (size == 0 and name.startswith("block")):
         raise ShapeError(f"{name} must be a positive multiple of {WARP_ROWS}, got {size}")
+    if self.mma not in ("mma_sync", "wgmma"):
+      raise ShapeError(f"attention backward mma {self.mma!r}: want mma_sync or wgmma")
+    if self.mma == "wgmma":
+      refusal = wgmma_refusal(self.dtype, self.head_dim, self.vector_width > 1)
+      if refusal is not None: raise ShapeError(f"wgmma attention backward refuses {refusal}")
+      streams = (self.dq_stream, self.dkdv_stream)
+      if self.block_q % WARPGROUP_ROWS or self.block_kv % WARPGROUP_ROWS or max(streams) > 256:
+        raise ShapeError(f"wgmma attention backward owns whole warpgroups of {WARPGROUP_ROWS} rows and streams at most "
+                         f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
 
   @staticmethod
   def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
@@ -161,9 +173,18 @@ class AttentionBackwardPlan:
   @property
   def dq_shared_bytes(self) -> int:
     """Q and dO tiles, two K and V tiles (double-buffered), then LSE and delta of the block's rows (dS stays in
-    registers)."""
+    registers). wgmma: the K and V tiles swizzled after the rest (`wgmma_shared_bytes`)."""
+    if self.mma == "wgmma": return self.wgmma_shared_bytes(self.block_q, 2 * self.block_q * 4, self.dq_stream)
     tiles = 2 * self.block_q * self.row_pitch + 4 * self.dq_stream * self.row_pitch
     return tiles * self.itemsize + 2 * self.block_q * 4
+
+  def wgmma_shared_bytes(self, owned: int, row_bytes: int, streamed: int) -> int:
+    """A wgmma kernel's shared memory: its two owned tiles of `owned` rows (padded rows: the A fragments held in
+    registers are read from them, and the dQ kernel's delta), `row_bytes` of float rows, then, from the next 1024-byte
+    atom (the 128-byte swizzle is a function of address bits 7-9), two stages of the two streamed tiles of `streamed`
+    rows of 128-byte swizzled pieces (codegen/attention_wgmma.staged_offset)."""
+    return 2 * owned * self.row_pitch * self.itemsize + row_bytes + 4 * streamed * self.head_dim * self.itemsize + \
+        ATOM_BYTES
 
   @property
   def dkdv_grid(self) -> tuple[int, int, int]:
@@ -178,18 +199,21 @@ class AttentionBackwardPlan:
     """K and V tiles, two Q and dO tiles (double-buffered), then two LSE and delta rows of a Q tile (P^T and dS^T stay
     in registers)."""
     stream = self.dkdv_stream
+    if self.mma == "wgmma": return self.wgmma_shared_bytes(self.block_kv, 4 * stream * 4, stream)
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
 
   @property
   def dq_registers(self) -> int:
     """Registers a dQ thread needs: its share of the dQ accumulators (16 x D a warp) and of S and dP (16 x stream)."""
-    return max(REGISTER_FLOOR, self.head_dim // 2 + self.dq_stream + REGISTERS_BESIDE_ACCUMULATORS)
+    held = self.head_dim // 2 if self.mma == "wgmma" else 0   # wgmma: Q's and dO's A fragments (dq_held's too)
+    return max(REGISTER_FLOOR, self.head_dim // 2 + self.dq_stream + held + REGISTERS_BESIDE_ACCUMULATORS)
 
   @property
   def dkdv_registers(self) -> int:
     """Registers a dK/dV thread needs: its share of dK and dV (16 x D each a warp) and of S^T and dP^T (16 x stream)."""
-    return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + REGISTERS_BESIDE_ACCUMULATORS)
+    held = self.head_dim // 2 if self.mma == "wgmma" else 0   # wgmma: K's and V's A fragments
+    return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + held + REGISTERS_BESIDE_ACCUMULATORS)
 
   def launch_bounds(self, threads: int, shared_bytes: int, registers: int) -> str:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
