@@ -262,7 +262,8 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
     device_wgmma = attention_backward_wgmma.wgmma_helpers(plan, stream)
     if device_wgmma not in source: raise AssertionError("the kernel source has no wgmma helpers")
     source = source.replace(device_wgmma, "#define attention_shared shared_bytes\n" +
-                            wgmma_host_helpers(stream, plan.head_dim))
+                            wgmma_host_helpers(stream, plan.head_dim) +
+                            "template <int N> inline void fence_accumulators(float (&)[N][4]) {}\n")
   source = source.replace("extern __shared__ __align__(16) unsigned char shared_bytes[];",
                           "alignas(16) unsigned char shared_bytes[1 << 18];")
   arguments = ", ".join(f"({ARGUMENT_TYPES[name]}*)buffers[{index}].data()"

@@ -107,16 +107,17 @@ def test_launch_sizes():
   assert plan.delta_elements == 4 * 12 * 1000
 
 
-VARIANTS = [(dtype, head_dim, causal, kv_heads) for dtype in ("float32", "float16", "bfloat16")
+VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float32", "float16", "bfloat16")
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
+VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
 def test_kernels_compile_with_nvrtc(variant: tuple):
   compiler = nvrtc_compiler()
   if compiler is None: pytest.skip("cuda-python's NVRTC is not installed here")
-  dtype, head_dim, causal, kv_heads = variant
-  plan = AttentionBackwardPlan.contiguous(2, 12, kv_heads, 1000, 1000, head_dim, dtype, causal)
+  dtype, head_dim, causal, kv_heads, mma = variant
+  plan = AttentionBackwardPlan.contiguous(2, 12, kv_heads, 1000, 1000, head_dim, dtype, causal, mma=mma)
   # q/o/do/dq read in place from a (B, L, H, D) projection
   strided = contiguous_strides(12, 1000, head_dim)
   projection = (1000 * 12 * head_dim, head_dim, 12 * head_dim)
@@ -229,6 +230,32 @@ def _check_on_host(dtype: str, case: tuple, layout: str, fields: dict) -> None:
   for name, result, want in zip(("dq", "dk", "dv"), results, expected):
     error = np.abs(to_float32(result, plan.grad_dtype) - want).max() / np.abs(want).max()
     assert error < TOLERANCE[dtype], f"{name} {dtype} {case}: relative error {error:.2e}"
+
+
+def test_device_mma_choice(monkeypatch):
+  """with_device_mma: wgmma for 16-bit operands with D a multiple of 64 and 16-byte aligned rows on a wgmma device;
+  float32, other head sizes, unaligned rows and other devices keep mma.sync; ATTENTION_BACKWARD_WGMMA=0 opts out."""
+  plan = AttentionBackwardPlan.contiguous(2, 12, 4, 1000, 1000, 64, "bfloat16", True)
+  assert plan.mma == "mma_sync" and plan.with_device_mma(False) == plan
+  chosen = plan.with_device_mma(True)
+  assert (chosen.mma, chosen.block_q, chosen.block_kv) == ("wgmma", 64, 64)
+  assert launches(chosen)[0].grid == launches(plan)[0].grid and launches(chosen)[1].block == launches(plan)[1].block
+  for other in (AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 64, "float32", True),
+                AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 32, "float16", True),
+                AttentionBackwardPlan(**{**plan.__dict__, "k_strides": (64 * 1000 * 5, 1000 * 65, 65)})):
+    assert other.with_device_mma(True).mma == "mma_sync"
+  with pytest.raises(ShapeError, match="wgmma attention backward refuses float32"):
+    AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 64, "float32", True, mma="wgmma")
+  with pytest.raises(ShapeError, match="whole warpgroups"):
+    AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 64, "bfloat16", True, mma="wgmma", block_kv=32)
+  from ourgrad.codegen.attention_grad import backward_plan
+  from ourgrad.shape.view import View
+  q_view = View.create((2, 12, 1000, 64))
+  k_view = View.create((2, 4, 1000, 64))
+  monkeypatch.setenv("ATTENTION_BACKWARD_WGMMA", "1")
+  assert backward_plan(q_view, k_view, k_view, q_view, "bfloat16", True, 0.125, 0, has_wgmma=True).mma == "wgmma"
+  monkeypatch.setenv("ATTENTION_BACKWARD_WGMMA", "0")
+  assert backward_plan(q_view, k_view, k_view, q_view, "bfloat16", True, 0.125, 0, has_wgmma=True).mma == "mma_sync"
 
 
 def test_python_programs_run_the_launches_on_raw_buffers():

@@ -407,29 +407,37 @@ def _delta_lines(plan: AttentionBackwardPlan) -> str:
 # dQ kernel: P and then dS in place of dP; dK/dV kernel: P^T in place of S^T, dS^T in place of dP^T
 _DQ_ELEMENT = """const float prob = {prob}fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1]){close};
           dp[t][c] = prob * (dp[t][c] - row_delta[c >> 1]);"""
-_DKDV_ELEMENT = """st[t][c] = {prob}fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2){close};
-          dpt[t][c] = st[t][c] * (dpt[t][c] - delta_tile[column]);"""
+_DKDV_PROBABILITY = "st[t][c] = {prob}fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2){close};"
+_DKDV_GRADIENT = "dpt[t][c] = st[t][c] * (dpt[t][c] - delta_tile[column]);"
+_DKDV_ELEMENT = _DKDV_PROBABILITY + "\n          " + _DKDV_GRADIENT
+# the wgmma kernels' step in two (codegen/attention_backward_wgmma.py): the probabilities (masked), then dS
+_DQ_PROBABILITY = "s[t][c] = {prob}fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1]){close};"
+_DQ_GRADIENT = "dp[t][c] = s[t][c] * (dp[t][c] - row_delta[c >> 1]);"
 
 
 def _masked_elements(columns: str, comment: str, element: str, query: str, key: str) -> str:
   """The elementwise step over a warp's 16 x `columns` accumulator tiles, rendered twice: where the tile is `masked`
   each element's query `query` and key `key` (C expressions of its `row` and `column`) are tested (past L or S, or
   causal and the key after the query: probability 0); elsewhere (interior tiles, most of a long sequence's) not."""
-  def loop(masked: bool) -> str:
-    if masked:
-      indices = ("const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);\n"
-                 f"          const int i = {query}, j = {key};\n"
-                 "          const bool keep = i < L && j < S && (!CAUSAL || j <= i);\n          ")
-    else: indices = "const int column = t * 8 + 2 * quad + (c & 1);\n          " if "column" in element else ""
-    step = element.format(prob="keep ? fast_exp2(" if masked else "fast_exp2(", close=") : 0.0f" if masked else ")")
-    return f"""#pragma unroll
+  return f"    if (masked) {{\n{_element_loop(columns, comment, element, query, key, True)}\n    }} else {{\n" \
+      f"{_element_loop(columns, comment, element, query, key, False)}\n    }}"
+
+
+def _element_loop(columns: str, comment: str, element: str, query: str, key: str, masked: bool) -> str:
+  """`element` (its `{prob}`, `{close}` filled in) for every element of the warp's tiles, its mask tested or not."""
+  if masked:
+    indices = ("const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);\n"
+               f"          const int i = {query}, j = {key};\n"
+               "          const bool keep = i < L && j < S && (!CAUSAL || j <= i);\n          ")
+  else: indices = "const int column = t * 8 + 2 * quad + (c & 1);\n          " if "column" in element else ""
+  step = element.format(prob="keep ? fast_exp2(" if masked else "fast_exp2(", close=") : 0.0f" if masked else ")")
+  return f"""#pragma unroll
       for (int t = 0; t < {columns} / 8; t++) {{
 #pragma unroll
         for (int c = 0; c < 4; c++) {{   // {comment}
           {indices}{step}
         }}
       }}"""
-  return f"    if (masked) {{\n{loop(True)}\n    }} else {{\n{loop(False)}\n    }}"
 
 
 def _entry(launch_bounds: str, name: str, device_function: bool) -> str:
@@ -518,6 +526,16 @@ def _dkdv_elementwise() -> str:
                           "k_start + row")
 
 
+def _wgmma_elementwise(kernel: str) -> tuple[str, str]:
+  """The wgmma kernels' elementwise step in two: the probabilities (masked where the tile is) and dS (unmasked: P is
+  0 where masked)."""
+  if kernel == DQ_KERNEL:
+    return (_masked_elements("BK", "P, in place of S", _DQ_PROBABILITY, "q_start + row", "k_start + column"),
+            _element_loop("BK", "dS, in place of dP", _DQ_GRADIENT, "", "", False))
+  return (_masked_elements("BQ", "P^T, in place of S^T", _DKDV_PROBABILITY, "q_start + column", "k_start + row"),
+          _element_loop("BQ", "dS^T, in place of dP^T", _DKDV_GRADIENT, "", "", False))
+
+
 def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False) -> str:
   """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`.
 
@@ -529,7 +547,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
     held = _held_loads(True, ("q_held", "q_tile"), ("do_held", "do_tile"))
     return _header(p, p.dq_shared_bytes, p.block_q, p.dq_stream) + attention_backward_wgmma.wgmma_helpers(
       p, p.dq_stream) + attention_backward_wgmma.dq_body(p, entry, _dq_prologue(p), _delta_lines(p), held,
-                                                         _dq_elementwise(), _dq_store(p))
+                                                         *_wgmma_elementwise(DQ_KERNEL), _dq_store(p))
   held_loads = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
   round_owned = _rounded(p, "after delta, which reads dO unrounded", ("q_tile", "BQ"), ("do_tile", "BQ"))
   round_streamed = _rounded(p, "", ("k_tiles + (tile & 1) * BK * PITCH", "BK"),
@@ -602,8 +620,8 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   if p.mma == "wgmma":
     held = _held_loads(True, ("k_held", "k_tile"), ("v_held", "v_tile"))
     return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(
-      p, p.dkdv_stream) + attention_backward_wgmma.dkdv_body(p, entry, _dkdv_prologue(p), held, _dkdv_elementwise(),
-                                                             _dkdv_store(p))
+      p, p.dkdv_stream) + attention_backward_wgmma.dkdv_body(p, entry, _dkdv_prologue(p), held,
+                                                             *_wgmma_elementwise(DKDV_KERNEL), _dkdv_store(p))
   # K and V have landed (their copy group is the older one) before their fragments are held
   held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.dkdv_held else "") + _held_loads(
     p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))

@@ -5,7 +5,7 @@ kernels of a plan; its module docstring describes them)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ourgrad.codegen.attention_wgmma import WARPGROUP_ROWS, wgmma_refusal
@@ -223,6 +223,14 @@ class AttentionBackwardPlan:
     by_shared = self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED)
     resident = min(by_shared, REGISTERS_PER_SM // (threads * registers))
     return f"__launch_bounds__({threads}, {resident})" if resident > 1 else f"__launch_bounds__({threads})"
+
+  def with_device_mma(self, has_wgmma: bool) -> AttentionBackwardPlan:
+    """This plan on wgmma (mma "wgmma", its blocks rounded up to whole warpgroups) where the device has it and the
+    wgmma kernels take its operands (16-bit, D a multiple of 64, 16-byte aligned rows), else unchanged.
+    H200, causal B=4 H=12 D=64 bfloat16 (extra/bench/results/sweep_attention_backward_h200_s14.txt): PENDING."""
+    if not has_wgmma or wgmma_refusal(self.dtype, self.head_dim, self.vector_width > 1) is not None: return self
+    def whole(rows: int) -> int: return -(-rows // WARPGROUP_ROWS) * WARPGROUP_ROWS
+    return replace(self, mma="wgmma", block_q=whole(self.block_q), block_kv=whole(self.block_kv))
 
   def fits(self, max_shared_bytes: int) -> bool:
     """Whether both kernels' shared memory fits a block's limit (the device's opt-in maximum)."""

@@ -19,8 +19,10 @@ of the forward (codegen/attention_wgmma.py `product_helpers`):
 
 A loop iteration: wait for its stage's copies, fence.proxy.async (cp.async writes seen by the tensor cores), a
 barrier, the next stage's copies issued (its stage last read two iterations back: waited for by every thread before
-the barrier), the two scores products issued and waited for, the elementwise step, the two values products issued and
-waited for. The dK/dV kernel's stages also hold the Q tile's LSE and delta rows (float, `row_buffers`).
+the barrier), the two scores products issued as two groups; the probabilities computed once the first has landed
+(while the second runs), the gradients once the second has (the dK/dV kernel's dV += P^T dO running meanwhile), then
+the last values product issued and waited for. The dK/dV kernel's stages also hold the Q tile's LSE and delta rows
+(float, `row_buffers`).
 """
 from __future__ import annotations
 
@@ -36,9 +38,22 @@ if TYPE_CHECKING:
 STAGES = 2
 
 
+# pins accumulators to their registers at a point of the program (CUTLASS's warpgroup_fence_operand): without it
+# NVVM may copy an accumulator between the wgmmas of a chain while they are in flight, and ptxas then waits for them
+# (C7517/C7511: "wgmma ... serialized")
+ACCUMULATOR_FENCE = """template <int N> __device__ __forceinline__ void fence_accumulators(float (&acc)[N][4]) {
+#pragma unroll
+  for (int t = 0; t < N; t++)
+#pragma unroll
+    for (int c = 0; c < 4; c++) asm volatile("" : "+f"(acc[t][c]) :: "memory");
+}
+"""
+
+
 def wgmma_helpers(plan: AttentionBackwardPlan, stream: int) -> str:
-  """The PTX helpers of a kernel streaming tiles of `stream` rows: scores n = stream, values n = D."""
-  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype])
+  """The PTX helpers of a kernel streaming tiles of `stream` rows: scores n = stream, values n = D; the accumulator
+  fence."""
+  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype]) + ACCUMULATOR_FENCE
 
 
 def _tile_bytes(plan: AttentionBackwardPlan, rows: int) -> int:
@@ -63,32 +78,36 @@ def copy_stage_lines(plan: AttentionBackwardPlan, rows: int, first_row: str, val
 
 
 def scores_lines(plan: AttentionBackwardPlan, stream: int, products: tuple[tuple[str, str, str], ...]) -> list[str]:
-  """Each (accumulators, held A fragments, shared address of a stage tile) product of the scores shape issued (one
-  wgmma per 16 of D, the first not adding), then waited for: accumulators (64 x stream a warpgroup) = held rows @
-  the tile's rows^T."""
+  """Each (accumulators, held A fragments, shared address of a stage tile) product of the scores shape issued as a
+  group of its own (one wgmma per 16 of D, the first not adding): accumulators (64 x stream a warpgroup) = held rows
+  @ the tile's rows^T. Groups complete in order: wgmma_wait_one leaves the last in flight."""
   lbo, sbo = key_strides()
   start = key_slice_start(stream, CExpr("j"))
   lines = [f"    float {acc}[{stream // 8}][4];" for acc, _, _ in products] + ["    wgmma_fence();"]
   for acc, held, tile in products:
-    lines += ["#pragma unroll",
+    lines += [f"    fence_accumulators({acc});",
+              "#pragma unroll",
               f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
-              f"      wgmma_scores(&{acc}[0][0], {held}[j], wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), j > 0);"]
-  return lines + ["    wgmma_commit();", "    wgmma_wait_all();"]
+              f"      wgmma_scores(&{acc}[0][0], {held}[j], wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), j > 0);",
+              "    wgmma_commit();",
+              f"    fence_accumulators({acc});"]
+  return lines
 
 
-def values_lines(stream: int, products: tuple[tuple[str, str, str, str], ...]) -> list[str]:
-  """Each (accumulators, accumulator tile of an earlier product, its packed name, shared address of a stage tile)
-  product of the values shape: the earlier tile packed into A fragments, all issued (one wgmma per 16 rows of the
-  stage tile), then waited for: accumulators (64 x D) += that tile @ the stage tile."""
+def values_lines(stream: int, acc: str, source: str, packed: str, tile: str) -> list[str]:
+  """A product of the values shape issued as a group: the accumulator tile `source` of an earlier product packed
+  into A fragments `packed`, then accumulators `acc` (64 x D) += that tile @ the stage tile at shared address `tile`
+  (one wgmma per 16 of its rows). `packed` and `acc` stay untouched until the group is waited for."""
   lbo, sbo = value_strides(stream)
   start = value_slice_start(CExpr("kk"))
-  lines = [line for _, source, packed, _ in products for line in pack_lines(source, packed, stream, declare=True)]
-  lines.append("    wgmma_fence();")
-  for acc, _, packed, tile in products:
-    lines += ["#pragma unroll",
-              f"    for (int kk = 0; kk < {stream // 16}; kk++)",
-              f"      wgmma_values(&{acc}[0][0], {packed}[kk], wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), 1);"]
-  return lines + ["    wgmma_commit();", "    wgmma_wait_all();"]
+  return [*pack_lines(source, packed, stream, declare=True),
+          "    wgmma_fence();",
+          f"    fence_accumulators({acc});",
+          "#pragma unroll",
+          f"    for (int kk = 0; kk < {stream // 16}; kk++)",
+          f"      wgmma_values(&{acc}[0][0], {packed}[kk], wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), 1);",
+          "    wgmma_commit();",
+          f"    fence_accumulators({acc});"]
 
 
 def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: str, stage: str) -> str:
@@ -97,18 +116,17 @@ def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: 
   return f"const unsigned {first} = stages + ({stage}) * {2 * tile}u, {second} = {first} + {tile}u;"
 
 
-def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads: str, elementwise: str,
-              store: str) -> str:
+def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads: str, probabilities: str,
+              gradients: str, store: str) -> str:
   """The dK/dV kernel (the parameters of attention_backward's): `prologue` (the block's keys and Q tiles), K and V
-  held, the loop over (query head, Q tile) iterations, `elementwise` (P^T and dS^T in place of S^T and dP^T),
-  `store`."""
+  held, the loop over (query head, Q tile) iterations, `probabilities` (P^T in place of S^T, masked) and `gradients`
+  (dS^T in place of dP^T), `store`. In an iteration dP^T runs while P^T is computed, and dV += P^T dO while dS^T is."""
   p, stream = plan, plan.dkdv_stream
   q_stride, do_stride, lse_stride = p.q_strides[2], p.do_strides[2], p.lse_strides[2]
   copy = copy_stage_lines(p, stream, "q_start", "q_rows", (("q_stage", "q + q_row0", q_stride),
                                                             ("do_stage", "dout + do_row0", do_stride)))
   offset = "(long long)batch * {0}LL + (long long)head * {1}LL"
   scores = scores_lines(p, stream, (("st", "k_held", "q_stage"), ("dpt", "v_held", "do_stage")))
-  values = values_lines(stream, (("dv_acc", "st", "pt", "do_stage"), ("dk_acc", "dpt", "dst", "q_stage")))
   body = "\n".join([
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,",
@@ -157,10 +175,19 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     "    const float* lse_tile = row_buffers + stage * 2 * BQ;",
     "    const float* delta_tile = lse_tile + BQ;",
     *scores,
+    "    wgmma_wait_one();   // S^T",
+    "    fence_accumulators(st);",
     "    // mask only the tiles that need it: keys past S, queries past L, or (causal) keys past its first query",
     "    const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);",
-    elementwise,
-    *values,
+    probabilities,
+    *values_lines(stream, "dv_acc", "st", "pt", "do_stage"),
+    "    wgmma_wait_one();   // dP^T",
+    "    fence_accumulators(dpt);",
+    gradients,
+    *values_lines(stream, "dk_acc", "dpt", "dst", "q_stage"),
+    "    wgmma_wait_all();",
+    "    fence_accumulators(dv_acc);",
+    "    fence_accumulators(dk_acc);",
     "  }",
     "  copy_async_wait<0>();",
     store,
@@ -168,17 +195,17 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
   return body + "\n"
 
 
-def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, held_loads: str, elementwise: str,
-            store: str) -> str:
+def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, held_loads: str, probabilities: str,
+            gradients: str, store: str) -> str:
   """The dQ kernel (the parameters of attention_backward's): `prologue` (the block's rows and K/V tiles), Q, dO and
-  LSE copied, `delta`, Q and dO held, the loop over K/V tiles, `elementwise` (dS in place of dP), `store`."""
+  LSE copied, `delta`, Q and dO held, the loop over K/V tiles, `probabilities` (P in place of S, masked) and
+  `gradients` (dS in place of dP), `store`. In an iteration dP runs while P is computed."""
   p, stream = plan, plan.dq_stream
   k_stride, v_stride = p.k_strides[2], p.v_strides[2]
   copy = copy_stage_lines(p, stream, "k_first", "S - k_first",
                           (("k_stage", "k + k_base + (long long)k_first * " + f"{k_stride}LL", k_stride),
                            ("v_stage", "v + v_base + (long long)k_first * " + f"{v_stride}LL", v_stride)))
   scores = scores_lines(p, stream, (("s", "q_held", "k_stage"), ("dp", "do_held", "v_stage")))
-  values = values_lines(stream, (("dq_acc", "dp", "ds", "k_stage"),))
   body = "\n".join([
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,",
@@ -222,10 +249,17 @@ def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, 
     "    const int k_start = tile * BK;",
     f"    {stage_addresses(p, stream, 'k_stage', 'v_stage', 'tile & 1')}",
     *scores,
+    "    wgmma_wait_one();   // S",
+    "    fence_accumulators(s);",
     "    // mask only the tiles that need it: keys past S, rows past L, or (causal) keys past the tile's first query",
     "    const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);",
-    elementwise,
-    *values,
+    probabilities,
+    "    wgmma_wait_all();   // dP",
+    "    fence_accumulators(dp);",
+    gradients,
+    *values_lines(stream, "dq_acc", "dp", "ds", "k_stage"),
+    "    wgmma_wait_all();",
+    "    fence_accumulators(dq_acc);",
     "  }",
     store,
     "}"])
