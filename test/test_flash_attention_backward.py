@@ -109,7 +109,8 @@ def test_launch_sizes():
 
 VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float32", "float16", "bfloat16")
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
-VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma")]
+VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
+             ("bfloat16", 64, True, 4, "overlap")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
@@ -117,7 +118,8 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
   compiler = nvrtc_compiler()
   if compiler is None: pytest.skip("cuda-python's NVRTC is not installed here")
   dtype, head_dim, causal, kv_heads, mma = variant
-  plan = AttentionBackwardPlan.contiguous(2, 12, kv_heads, 1000, 1000, head_dim, dtype, causal, mma=mma)
+  fields = {"mma": "wgmma", "wgmma_overlap": True} if mma == "overlap" else {"mma": mma}
+  plan = AttentionBackwardPlan.contiguous(2, 12, kv_heads, 1000, 1000, head_dim, dtype, causal, **fields)
   # q/o/do/dq read in place from a (B, L, H, D) projection
   strided = contiguous_strides(12, 1000, head_dim)
   projection = (1000 * 12 * head_dim, head_dim, 12 * head_dim)
@@ -170,6 +172,8 @@ WGMMA_HOST_CASES = [
   ("float16", (1, 2, 2, 140, 130, 64, True), "contiguous",                  # two warpgroups, 32- and 128-row streams
    {"block_q": 128, "block_kv": 128, "stream_q": 32, "stream_kv": 128}),
   ("bfloat16", (1, 1, 1, 256, 256, 64, True), "contiguous", {"stream_q": 128, "stream_kv": 16}),   # unmasked tiles
+  ("bfloat16", (1, 4, 2, 150, 150, 64, True), "contiguous", {"wgmma_overlap": True}),   # 3 stages, products overlapped
+  ("float16", (1, 2, 1, 200, 70, 64, False), "grad32", {"wgmma_overlap": True, "stream_q": 32, "stream_kv": 32}),
 ]
 
 

@@ -50,6 +50,7 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
                for owned in (64, 128) for stream in (32, 64, 128)})
     dkdv.update({f"wgmma block_kv {owned} stream_q {stream}": {"block_kv": owned, "stream_q": stream, "mma": "wgmma"}
                  for owned in (64, 128) for stream in (32, 64, 128)})
+    for table in (dq, dkdv): table["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True}
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
     if wgmma: table["mma_sync default"] = {"mma": "mma_sync"}

@@ -69,6 +69,9 @@ class AttentionBackwardPlan:
   dkdv_held: bool = False     # the dK/dV kernel's owned K and V A fragments kept in registers across its loop
   grad_float32: bool = False  # dq, dk, dv written as float32 (the sums unrounded) instead of in plan.dtype
   mma: str = "mma_sync"       # "wgmma": warpgroup MMAs on sm_90 (codegen/attention_backward_wgmma.py), 16-bit only
+  # wgmma: each iteration's last product runs on into the next one's (3 stages, not 2); ptxas (CUDA 12.x) serializes
+  # its wgmmas (C7515: accumulators defined by other instructions while in flight)
+  wgmma_overlap: bool = False
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -178,13 +181,19 @@ class AttentionBackwardPlan:
     tiles = 2 * self.block_q * self.row_pitch + 4 * self.dq_stream * self.row_pitch
     return tiles * self.itemsize + 2 * self.block_q * 4
 
+  @property
+  def wgmma_stages(self) -> int:
+    """Stages of the wgmma kernels' streamed tiles: 3 where a stage's last product may still run in the next
+    iteration (`wgmma_overlap`), else 2."""
+    return 3 if self.wgmma_overlap else 2
+
   def wgmma_shared_bytes(self, owned: int, row_bytes: int, streamed: int) -> int:
     """A wgmma kernel's shared memory: its two owned tiles of `owned` rows (padded rows: the A fragments held in
     registers are read from them, and the dQ kernel's delta), `row_bytes` of float rows, then, from the next 1024-byte
-    atom (the 128-byte swizzle is a function of address bits 7-9), two stages of the two streamed tiles of `streamed`
-    rows of 128-byte swizzled pieces (codegen/attention_wgmma.staged_offset)."""
-    return 2 * owned * self.row_pitch * self.itemsize + row_bytes + 4 * streamed * self.head_dim * self.itemsize + \
-        ATOM_BYTES
+    atom (the 128-byte swizzle is a function of address bits 7-9), `wgmma_stages` stages of the two streamed tiles of
+    `streamed` rows of 128-byte swizzled pieces (codegen/attention_wgmma.staged_offset)."""
+    streamed_bytes = 2 * self.wgmma_stages * streamed * self.head_dim * self.itemsize
+    return 2 * owned * self.row_pitch * self.itemsize + row_bytes + streamed_bytes + ATOM_BYTES
 
   @property
   def dkdv_grid(self) -> tuple[int, int, int]:
@@ -199,7 +208,7 @@ class AttentionBackwardPlan:
     """K and V tiles, two Q and dO tiles (double-buffered), then two LSE and delta rows of a Q tile (P^T and dS^T stay
     in registers)."""
     stream = self.dkdv_stream
-    if self.mma == "wgmma": return self.wgmma_shared_bytes(self.block_kv, 4 * stream * 4, stream)
+    if self.mma == "wgmma": return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream)
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
 

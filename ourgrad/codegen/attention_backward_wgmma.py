@@ -10,18 +10,19 @@ of the forward (codegen/attention_wgmma.py `product_helpers`):
 - the owned tile's rows (dQ: Q and dO; dK/dV: K and V) are copied once into padded shared tiles and their A
   fragments (the m16n8k16 A fragments of the warp's 16 rows, which are wgmma's register A) held in registers;
 - the streamed tiles (dQ: K and V of `stream_kv` keys; dK/dV: Q and dO of `stream_q` queries) go by cp.async into
-  two stages of 128-byte-swizzled tiles (attention_wgmma.staged_offset), rows whose D is contiguous: as K in the
-  forward they are the K-major B of the "scores" shape (`wgmma_scores`, n = the stream), and as V the transposed B of
-  the "values" shape (`wgmma_values`, n = D);
+  plan.wgmma_stages stages of 128-byte-swizzled tiles (attention_wgmma.staged_offset), rows whose D is contiguous: as
+  K in the forward they are the K-major B of the "scores" shape (`wgmma_scores`, n = the stream), and as V the
+  transposed B of the "values" shape (`wgmma_values`, n = D);
 - dQ kernel: S = Q K^T and dP = dO V^T (scores shape: B = K, V), dQ += dS K (values shape: A = dS packed from the
   accumulators, B = K transposed); dK/dV kernel: S^T = K Q^T and dP^T = V dO^T (B = Q, dO), dV += P^T dO and
   dK += dS^T Q (A = P^T, dS^T from registers, B = dO, Q transposed).
 
 A loop iteration: wait for its stage's copies, fence.proxy.async (cp.async writes seen by the tensor cores), a
-barrier, the next stage's copies issued (its stage last read two iterations back: waited for by every thread before
-the barrier), the two scores products issued as two groups; the probabilities computed once the first has landed
-(while the second runs), the gradients once the second has (the dK/dV kernel's dV += P^T dO running meanwhile), then
-the last values product issued and waited for. The dK/dV kernel's stages also hold the Q tile's LSE and delta rows
+barrier, the next stage's copies issued (its stage last read one iteration back, or two with `wgmma_overlap`: waited
+for by every thread before the barrier), the two scores products issued as two groups; the probabilities computed
+once the first has landed (while the second runs), the gradients once the second has (the dK/dV kernel's
+dV += P^T dO running meanwhile), then the last values product issued and waited for (`wgmma_overlap`: left running
+into the next iteration's scores products). The dK/dV kernel's stages also hold the Q tile's LSE and delta rows
 (float, `row_buffers`).
 """
 from __future__ import annotations
@@ -34,9 +35,6 @@ from ourgrad.codegen.wgmma_tiles import PTX_TYPE, CExpr
 
 if TYPE_CHECKING:
   from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
-
-STAGES = 2
-
 
 # pins accumulators to their registers at a point of the program (CUTLASS's warpgroup_fence_operand): without it
 # NVVM may copy an accumulator between the wgmmas of a chain while they are in flight, and ptxas then waits for them
@@ -85,8 +83,7 @@ def scores_lines(plan: AttentionBackwardPlan, stream: int, products: tuple[tuple
   start = key_slice_start(stream, CExpr("j"))
   lines = [f"    float {acc}[{stream // 8}][4];" for acc, _, _ in products] + ["    wgmma_fence();"]
   for acc, held, tile in products:
-    lines += [f"    fence_accumulators({acc});",
-              "#pragma unroll",
+    lines += ["#pragma unroll",
               f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
               f"      wgmma_scores(&{acc}[0][0], {held}[j], wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), j > 0);",
               "    wgmma_commit();",
@@ -108,6 +105,16 @@ def values_lines(stream: int, acc: str, source: str, packed: str, tile: str) -> 
           f"      wgmma_values(&{acc}[0][0], {packed}[kk], wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), 1);",
           "    wgmma_commit();",
           f"    fence_accumulators({acc});"]
+
+
+def _last_wait(plan: AttentionBackwardPlan, *accumulators: str) -> list[str]:
+  """The end of the loop: its last product waited for, or (`wgmma_overlap`) left in flight into the next iteration's
+  scores products (whose first wait finds it done: groups complete in order) and waited for after the loop. Its
+  stage is not refilled before then: with 3 stages the next copy into it is issued two iterations on, past a barrier
+  that every thread reaches after that wait."""
+  fences = [f"    fence_accumulators({acc});" for acc in accumulators]
+  if not plan.wgmma_overlap: return ["    wgmma_wait_all();", *fences, "  }"]
+  return ["  }", "  wgmma_wait_all();", *(fence[2:] for fence in fences)]
 
 
 def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: str, stage: str) -> str:
@@ -136,7 +143,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     "  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH",
     "  float* row_buffers = (float*)(v_tile + BK * PITCH);  // a stage's LSE and delta rows: 2 x 2 x BQ",
     "  // the stages' swizzled Q and dO tiles from the next 1024-byte atom",
-    "  const unsigned stages = (shared_address(row_buffers + 4 * BQ) + 1023u) & ~1023u;",
+    f"  const unsigned stages = (shared_address(row_buffers + {2 * p.wgmma_stages} * BQ) + 1023u) & ~1023u;",
     prologue,
     "  copy_async_commit();   // K and V: a group of their own",
     "  // the Q and dO tiles, LSE and delta rows of iteration `iteration` into stage `stage`, not committed",
@@ -167,10 +174,11 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     "    async_proxy_fence();",
     "    __syncthreads();   // this stage's copies, by every thread, have landed; the other stage is free",
     "    if (iteration + 1 < iterations) {",
-    "      copy_stage(iteration + 1, (iteration + 1) & 1);",
+    f"      copy_stage(iteration + 1, (iteration + 1) % {p.wgmma_stages});",
     "      copy_async_commit();",
     "    }",
-    "    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ, stage = iteration & 1;",
+    "    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;",
+    f"    const int stage = iteration % {p.wgmma_stages};",
     f"    {stage_addresses(p, stream, 'q_stage', 'do_stage', 'stage')}",
     "    const float* lse_tile = row_buffers + stage * 2 * BQ;",
     "    const float* delta_tile = lse_tile + BQ;",
@@ -185,10 +193,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     "    fence_accumulators(dpt);",
     gradients,
     *values_lines(stream, "dk_acc", "dpt", "dst", "q_stage"),
-    "    wgmma_wait_all();",
-    "    fence_accumulators(dv_acc);",
-    "    fence_accumulators(dk_acc);",
-    "  }",
+    *_last_wait(p, "dv_acc", "dk_acc"),
     "  copy_async_wait<0>();",
     store,
     "}"])
@@ -243,11 +248,11 @@ def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, 
     "    async_proxy_fence();",
     "    __syncthreads();   // this stage's copies, by every thread, have landed; the other stage is free",
     "    if (tile + 1 < kv_tiles) {",
-    "      copy_stage(tile + 1, (tile + 1) & 1);",
+    f"      copy_stage(tile + 1, (tile + 1) % {p.wgmma_stages});",
     "      copy_async_commit();",
     "    }",
     "    const int k_start = tile * BK;",
-    f"    {stage_addresses(p, stream, 'k_stage', 'v_stage', 'tile & 1')}",
+    f"    {stage_addresses(p, stream, 'k_stage', 'v_stage', f'tile % {p.wgmma_stages}')}",
     *scores,
     "    wgmma_wait_one();   // S",
     "    fence_accumulators(s);",
@@ -258,9 +263,7 @@ def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, 
     "    fence_accumulators(dp);",
     gradients,
     *values_lines(stream, "dq_acc", "dp", "ds", "k_stage"),
-    "    wgmma_wait_all();",
-    "    fence_accumulators(dq_acc);",
-    "  }",
+    *_last_wait(p, "dq_acc"),
     store,
     "}"])
   return body + "\n"
