@@ -259,7 +259,7 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
   source = launch.source.replace(device_helpers, host_helpers + host_mma(plan.dtype))
   if plan.mma == "wgmma":   # (shared addresses: offsets into shared_bytes)
     stream = plan.dq_stream if launch.name == DQ_KERNEL else plan.dkdv_stream
-    device_wgmma = attention_backward_wgmma.wgmma_helpers(plan, stream)
+    device_wgmma = attention_backward_wgmma.wgmma_helpers(plan, launch.name)
     if device_wgmma not in source: raise AssertionError("the kernel source has no wgmma helpers")
     source = source.replace(device_wgmma, "#define attention_shared shared_bytes\n" +
                             wgmma_host_helpers(stream, plan.head_dim) +

@@ -166,11 +166,13 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
 # the wgmma kernels (codegen/attention_backward_wgmma.py): (dtype, case, layout, plan fields)
 WGMMA_HOST_CASES = [
   ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {}),              # odd lengths, causal
+  ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {"dkdv_held": True}),   # K, V A fragments in registers
   ("float16", (1, 4, 2, 70, 131, 64, False), "contiguous", {}),             # GQA, L < S
   ("bfloat16", (1, 4, 1, 150, 97, 64, True), "projected", {}),   # GQA onto one kv head, L > S; q, o, dq strided
   ("bfloat16", (1, 2, 1, 90, 90, 128, True), "grad32", {}),                 # D = 128: two 64-column chunks a row
   ("float16", (1, 2, 2, 140, 130, 64, True), "contiguous",                  # two warpgroups, 32- and 128-row streams
    {"block_q": 128, "block_kv": 128, "stream_q": 32, "stream_kv": 128}),
+  ("bfloat16", (1, 2, 1, 140, 150, 128, False), "contiguous", {"block_kv": 128, "dkdv_held": True}),
   ("bfloat16", (1, 1, 1, 256, 256, 64, True), "contiguous", {"stream_q": 128, "stream_kv": 16}),   # unmasked tiles
   ("bfloat16", (1, 4, 2, 150, 150, 64, True), "contiguous", {"wgmma_overlap": True}),   # 3 stages, products overlapped
   ("float16", (1, 2, 1, 200, 70, 64, False), "grad32", {"wgmma_overlap": True, "stream_q": 32, "stream_kv": 32}),

@@ -48,8 +48,11 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
   if wgmma:
     dq.update({f"wgmma block_q {owned} stream_kv {stream}": {"block_q": owned, "stream_kv": stream, "mma": "wgmma"}
                for owned in (64, 128) for stream in (32, 64, 128)})
-    dkdv.update({f"wgmma block_kv {owned} stream_q {stream}": {"block_kv": owned, "stream_q": stream, "mma": "wgmma"}
-                 for owned in (64, 128) for stream in (32, 64, 128)})
+    dkdv.update({f"wgmma block_kv 64 stream_q {stream}{' held' if held else ''}": {
+      "block_kv": 64, "stream_q": stream, "dkdv_held": held, "mma": "wgmma"}
+      for stream in (32, 64, 128) for held in (False, True)})
+    dkdv.update({f"wgmma block_kv 128 stream_q {stream}": {"block_kv": 128, "stream_q": stream, "mma": "wgmma"}
+                 for stream in (32, 64)})
     for table in (dq, dkdv): table["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True}
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}

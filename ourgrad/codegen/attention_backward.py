@@ -484,8 +484,9 @@ def _dq_store(p: AttentionBackwardPlan) -> str:
   }}"""
 
 
-def _dkdv_prologue(p: AttentionBackwardPlan) -> str:
-  """The dK/dV kernel's block: its keys, live Q tiles and iterations, and the copies of its K and V rows."""
+def _dkdv_prologue(p: AttentionBackwardPlan, padded_tiles: bool = True) -> str:
+  """The dK/dV kernel's block: its keys, live Q tiles and iterations, and the copies of its K and V rows (into the
+  padded k_tile and v_tile, with `padded_tiles`)."""
   return f"""  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
   const int k_start = blockIdx.y * BK, batch = blockIdx.x / KVH, kv_head = blockIdx.x % KVH;   // the longest first
   const int k_rows = min(BK, S - k_start);
@@ -494,9 +495,9 @@ def _dkdv_prologue(p: AttentionBackwardPlan) -> str:
   // a causal Q tile whose last query precedes this block's first key is dead
   const int q_first = CAUSAL ? (k_start / BQ) * BQ : 0;
   const int q_tiles = q_first < L ? (L - q_first + BQ - 1) / BQ : 0;
-  const int iterations = GROUP * q_tiles;
+  const int iterations = GROUP * q_tiles;""" + (f"""
   load_tile(k_tile, k + k_row0, {p.k_strides[2]}LL, k_rows, BK);
-  load_tile(v_tile, v + v_row0, {p.v_strides[2]}LL, k_rows, BK);"""
+  load_tile(v_tile, v + v_row0, {p.v_strides[2]}LL, k_rows, BK);""" if padded_tiles else "")
 
 
 def _dkdv_store(p: AttentionBackwardPlan) -> str:
@@ -546,7 +547,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   if p.mma == "wgmma":
     held = _held_loads(True, ("q_held", "q_tile"), ("do_held", "do_tile"))
     return _header(p, p.dq_shared_bytes, p.block_q, p.dq_stream) + attention_backward_wgmma.wgmma_helpers(
-      p, p.dq_stream) + attention_backward_wgmma.dq_body(p, entry, _dq_prologue(p), _delta_lines(p), held,
+      p, DQ_KERNEL) + attention_backward_wgmma.dq_body(p, entry, _dq_prologue(p), _delta_lines(p), held,
                                                          *_wgmma_elementwise(DQ_KERNEL), _dq_store(p))
   held_loads = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
   round_owned = _rounded(p, "after delta, which reads dO unrounded", ("q_tile", "BQ"), ("do_tile", "BQ"))
@@ -618,9 +619,9 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
                  device_function)
   if p.mma == "wgmma":
-    held = _held_loads(True, ("k_held", "k_tile"), ("v_held", "v_tile"))
+    held = _held_loads(p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
     return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(
-      p, p.dkdv_stream) + attention_backward_wgmma.dkdv_body(p, entry, _dkdv_prologue(p), held,
+      p, DKDV_KERNEL) + attention_backward_wgmma.dkdv_body(p, entry, _dkdv_prologue(p, p.dkdv_held), held,
                                                              *_wgmma_elementwise(DKDV_KERNEL), _dkdv_store(p))
   # K and V have landed (their copy group is the older one) before their fragments are held
   held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.dkdv_held else "") + _held_loads(

@@ -208,7 +208,8 @@ class AttentionBackwardPlan:
     """K and V tiles, two Q and dO tiles (double-buffered), then two LSE and delta rows of a Q tile (P^T and dS^T stay
     in registers)."""
     stream = self.dkdv_stream
-    if self.mma == "wgmma": return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream)
+    if self.mma == "wgmma":   # (without dkdv_held K and V swizzled: no padding, the same bytes at most)
+      return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream)
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
 
@@ -221,8 +222,11 @@ class AttentionBackwardPlan:
   @property
   def dkdv_registers(self) -> int:
     """Registers a dK/dV thread needs: its share of dK and dV (16 x D each a warp) and of S^T and dP^T (16 x stream)."""
-    held = self.head_dim // 2 if self.mma == "wgmma" else 0   # wgmma: K's and V's A fragments
-    return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + held + REGISTERS_BESIDE_ACCUMULATORS)
+    if self.mma != "wgmma": return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + REGISTERS_BESIDE_ACCUMULATORS)
+    # wgmma: also P^T's packed A fragments (stream / 4), in flight while dS^T is computed (a tighter bound makes
+    # ptxas serialize the wgmmas), and K's and V's A fragments where held (D / 2)
+    held = self.head_dim // 2 if self.dkdv_held else 0
+    return self.head_dim + self.dkdv_stream + self.dkdv_stream // 4 + held + REGISTERS_BESIDE_ACCUMULATORS
 
   def launch_bounds(self, threads: int, shared_bytes: int, registers: int) -> str:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is

@@ -8,7 +8,9 @@ and the elementwise steps between the products are theirs, unchanged. Every prod
 of the forward (codegen/attention_wgmma.py `product_helpers`):
 
 - the owned tile's rows (dQ: Q and dO; dK/dV: K and V) are copied once into padded shared tiles and their A
-  fragments (the m16n8k16 A fragments of the warp's 16 rows, which are wgmma's register A) held in registers;
+  fragments (the m16n8k16 A fragments of the warp's 16 rows, which are wgmma's register A) held in registers; or
+  (the dK/dV kernel without `dkdv_held`) into swizzled tiles read as A through K-major descriptors (as the forward's
+  q_shared);
 - the streamed tiles (dQ: K and V of `stream_kv` keys; dK/dV: Q and dO of `stream_q` queries) go by cp.async into
   plan.wgmma_stages stages of 128-byte-swizzled tiles (attention_wgmma.staged_offset), rows whose D is contiguous: as
   K in the forward they are the K-major B of the "scores" shape (`wgmma_scores`, n = the stream), and as V the
@@ -33,6 +35,9 @@ from ourgrad.codegen.attention_wgmma import (key_slice_start, key_strides, pack_
                                              value_slice_start, value_strides)
 from ourgrad.codegen.wgmma_tiles import PTX_TYPE, CExpr
 
+from ourgrad.codegen.attention_backward_plan import DKDV_KERNEL, DQ_KERNEL
+from ourgrad.codegen.wgmma_copies import ROW_BYTES
+
 if TYPE_CHECKING:
   from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
 
@@ -48,10 +53,12 @@ ACCUMULATOR_FENCE = """template <int N> __device__ __forceinline__ void fence_ac
 """
 
 
-def wgmma_helpers(plan: AttentionBackwardPlan, stream: int) -> str:
-  """The PTX helpers of a kernel streaming tiles of `stream` rows: scores n = stream, values n = D; the accumulator
-  fence."""
-  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype]) + ACCUMULATOR_FENCE
+def wgmma_helpers(plan: AttentionBackwardPlan, kernel: str) -> str:
+  """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = its stream, A from registers or (the dK/dV
+  kernel without `dkdv_held`) shared memory, values n = D; the accumulator fence."""
+  stream = plan.dq_stream if kernel == DQ_KERNEL else plan.dkdv_stream
+  shared_a = kernel == DKDV_KERNEL and not plan.dkdv_held
+  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype], shared_a) + ACCUMULATOR_FENCE
 
 
 def _tile_bytes(plan: AttentionBackwardPlan, rows: int) -> int:
@@ -76,16 +83,18 @@ def copy_stage_lines(plan: AttentionBackwardPlan, rows: int, first_row: str, val
 
 
 def scores_lines(plan: AttentionBackwardPlan, stream: int, products: tuple[tuple[str, str, str], ...]) -> list[str]:
-  """Each (accumulators, held A fragments, shared address of a stage tile) product of the scores shape issued as a
-  group of its own (one wgmma per 16 of D, the first not adding): accumulators (64 x stream a warpgroup) = held rows
-  @ the tile's rows^T. Groups complete in order: wgmma_wait_one leaves the last in flight."""
+  """Each (accumulators, A: held fragments, or a descriptor of D's k16 slice `j` in shared memory, shared address of
+  a stage tile) product of the scores shape issued as a group of its own (one wgmma per 16 of D, the first not
+  adding): accumulators (64 x stream a warpgroup) = A's rows @ the tile's rows^T. Groups complete in order:
+  wgmma_wait_one leaves the last in flight."""
   lbo, sbo = key_strides()
   start = key_slice_start(stream, CExpr("j"))
   lines = [f"    float {acc}[{stream // 8}][4];" for acc, _, _ in products] + ["    wgmma_fence();"]
   for acc, held, tile in products:
     lines += ["#pragma unroll",
               f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
-              f"      wgmma_scores(&{acc}[0][0], {held}[j], wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), j > 0);",
+              f"      wgmma_scores(&{acc}[0][0], {held if '(' in held else held + '[j]'}, "
+      f"wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), j > 0);",
               "    wgmma_commit();",
               f"    fence_accumulators({acc});"]
   return lines
@@ -133,18 +142,34 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
   copy = copy_stage_lines(p, stream, "q_start", "q_rows", (("q_stage", "q + q_row0", q_stride),
                                                             ("do_stage", "dout + do_row0", do_stride)))
   offset = "(long long)batch * {0}LL + (long long)head * {1}LL"
-  scores = scores_lines(p, stream, (("st", "k_held", "q_stage"), ("dpt", "v_held", "do_stage")))
+  if p.dkdv_held:   # K's and V's A fragments in registers, loaded from padded tiles
+    owned = ["  elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH",
+             "  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH",
+             "  float* row_buffers = (float*)(v_tile + BK * PITCH);  // a stage's LSE and delta rows: 2 x stages x BQ",
+             "  // the stages' swizzled Q and dO tiles from the next 1024-byte atom",
+             f"  const unsigned stages = (shared_address(row_buffers + {2 * p.wgmma_stages} * BQ) + 1023u) & ~1023u;",
+             prologue]
+    scores = scores_lines(p, stream, (("st", "k_held", "q_stage"), ("dpt", "v_held", "do_stage")))
+  else:   # K and V in swizzled tiles before the stages, A read through descriptors (fewer registers)
+    owned_bytes = _tile_bytes(p, p.block_kv)
+    owned = ["  float* row_buffers = (float*)shared_bytes;   // a stage's LSE and delta rows: 2 x stages x BQ",
+             "  // the swizzled K and V tiles from the next 1024-byte atom, then the stages' Q and dO tiles",
+             f"  const unsigned k_owned = (shared_address(row_buffers + {2 * p.wgmma_stages} * BQ) + 1023u) & ~1023u;",
+             f"  const unsigned v_owned = k_owned + {owned_bytes}u, stages = v_owned + {owned_bytes}u;",
+             prologue,
+             *copy_stage_lines(p, p.block_kv, "k_start", "k_rows", (("k_owned", "k + k_row0", p.k_strides[2]),
+                                                                    ("v_owned", "v + v_row0", p.v_strides[2])))]
+    lbo, sbo = key_strides()
+    # this warpgroup's 64 rows of the owned tile, D's k16 slice j
+    rows = f"(threadIdx.x / 128) * {64 * ROW_BYTES} + {key_slice_start(p.block_kv, CExpr('j'))}"
+    scores = scores_lines(p, stream, ((("st", f"wgmma_descriptor(k_owned + {rows}, {lbo}, {sbo})", "q_stage"),
+                                       ("dpt", f"wgmma_descriptor(v_owned + {rows}, {lbo}, {sbo})", "do_stage"))))
   body = "\n".join([
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,",
     "    const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,",
     "    grad_t* __restrict__ dv) {",
-    "  elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH: K's A fragments are loaded from it",
-    "  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH",
-    "  float* row_buffers = (float*)(v_tile + BK * PITCH);  // a stage's LSE and delta rows: 2 x 2 x BQ",
-    "  // the stages' swizzled Q and dO tiles from the next 1024-byte atom",
-    f"  const unsigned stages = (shared_address(row_buffers + {2 * p.wgmma_stages} * BQ) + 1023u) & ~1023u;",
-    prologue,
+    *owned,
     "  copy_async_commit();   // K and V: a group of their own",
     "  // the Q and dO tiles, LSE and delta rows of iteration `iteration` into stage `stage`, not committed",
     "  auto copy_stage = [&](int iteration, int stage) {",
