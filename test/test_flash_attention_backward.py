@@ -167,6 +167,7 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
 WGMMA_HOST_CASES = [
   ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {}),              # odd lengths, causal
   ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {"dkdv_held": True}),   # K, V A fragments in registers
+  ("float16", (1, 4, 2, 100, 90, 64, True), "projected", {"dq_held": False}),   # Q, dO A by descriptor
   ("float16", (1, 4, 2, 70, 131, 64, False), "contiguous", {}),             # GQA, L < S
   ("bfloat16", (1, 4, 1, 150, 97, 64, True), "projected", {}),   # GQA onto one kv head, L > S; q, o, dq strided
   ("bfloat16", (1, 2, 1, 90, 90, 128, True), "grad32", {}),                 # D = 128: two 64-column chunks a row
@@ -245,6 +246,7 @@ def test_device_mma_choice(monkeypatch):
   assert plan.mma == "mma_sync" and plan.with_device_mma(False) == plan
   chosen = plan.with_device_mma(True)
   assert (chosen.mma, chosen.block_q, chosen.block_kv) == ("wgmma", 64, 64)
+  assert (chosen.dq_stream, chosen.dkdv_stream, chosen.dq_held, chosen.dkdv_held) == (32, 128, True, False)
   assert launches(chosen)[0].grid == launches(plan)[0].grid and launches(chosen)[1].block == launches(plan)[1].block
   for other in (AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 64, "float32", True),
                 AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 32, "float16", True),

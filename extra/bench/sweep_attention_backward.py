@@ -30,7 +30,7 @@ from bench_attention_backward import compile_with_report, logsumexp_rows, median
 
 from ourgrad.codegen.attention_backward import launches  # noqa: E402
 from ourgrad.codegen.attention_backward_plan import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL,  # noqa: E402
-                                                     REGISTERS_PER_SM, AttentionBackwardPlan)
+                                                     REGISTERS_PER_SM, AttentionBackwardPlan, default_blocks)
 
 CASES = {512: (8, 12, 12, 512, 512, 64), 1024: (4, 12, 12, 1024, 1024, 64), 4096: (4, 12, 12, 4096, 4096, 64)}
 PRODUCTS = {DQ_KERNEL: 3, DKDV_KERNEL: 4}
@@ -46,17 +46,22 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
                                                                           "dkdv_held": held, "mma": "mma_sync"}
           for owned in (64, 128) for stream in (32, 64) for held in (False, True)}
   if wgmma:
-    dq.update({f"wgmma block_q {owned} stream_kv {stream}": {"block_q": owned, "stream_kv": stream, "mma": "wgmma"}
-               for owned in (64, 128) for stream in (32, 64, 128)})
+    dq.update({f"wgmma block_q 64 stream_kv {stream}{'' if held else ' unheld'}": {
+      "block_q": 64, "stream_kv": stream, "dq_held": held, "mma": "wgmma"}
+      for stream in (32, 64, 128) for held in (True, False)})
+    dq.update({f"wgmma block_q 128 stream_kv {stream}": {"block_q": 128, "stream_kv": stream, "mma": "wgmma"}
+               for stream in (32, 64)})
     dkdv.update({f"wgmma block_kv 64 stream_q {stream}{' held' if held else ''}": {
       "block_kv": 64, "stream_q": stream, "dkdv_held": held, "mma": "wgmma"}
       for stream in (32, 64, 128) for held in (False, True)})
     dkdv.update({f"wgmma block_kv 128 stream_q {stream}": {"block_kv": 128, "stream_q": stream, "mma": "wgmma"}
                  for stream in (32, 64)})
-    for table in (dq, dkdv): table["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True}
+    dq["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_kv": 32}
+    dkdv["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_q": 64}
+    dkdv["wgmma block_kv 64 stream_q 64 held"] = {"block_kv": 64, "stream_q": 64, "dkdv_held": True, "mma": "wgmma"}
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
-    if wgmma: table["mma_sync default"] = {"mma": "mma_sync"}
+    if wgmma: table["mma_sync default"] = {"mma": "mma_sync", **default_blocks(plan.head_dim, plan.dtype)}
   return {DQ_KERNEL: {"default": {}, **dq}, DKDV_KERNEL: {"default": {}, **dkdv}}
 
 

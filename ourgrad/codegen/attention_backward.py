@@ -545,7 +545,7 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   p = plan
   entry = _entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes, p.dq_registers), DQ_KERNEL, device_function)
   if p.mma == "wgmma":
-    held = _held_loads(True, ("q_held", "q_tile"), ("do_held", "do_tile"))
+    held = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
     return _header(p, p.dq_shared_bytes, p.block_q, p.dq_stream) + attention_backward_wgmma.wgmma_helpers(
       p, DQ_KERNEL) + attention_backward_wgmma.dq_body(p, entry, _dq_prologue(p), _delta_lines(p), held,
                                                          *_wgmma_elementwise(DQ_KERNEL), _dq_store(p))

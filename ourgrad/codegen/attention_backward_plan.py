@@ -177,7 +177,9 @@ class AttentionBackwardPlan:
   def dq_shared_bytes(self) -> int:
     """Q and dO tiles, two K and V tiles (double-buffered), then LSE and delta of the block's rows (dS stays in
     registers). wgmma: the K and V tiles swizzled after the rest (`wgmma_shared_bytes`)."""
-    if self.mma == "wgmma": return self.wgmma_shared_bytes(self.block_q, 2 * self.block_q * 4, self.dq_stream)
+    if self.mma == "wgmma":   # (without dq_held: Q and dO in swizzled tiles too)
+      owned = 0 if self.dq_held else 2 * self.block_q * self.head_dim * self.itemsize
+      return self.wgmma_shared_bytes(self.block_q, 2 * self.block_q * 4, self.dq_stream) + owned
     tiles = 2 * self.block_q * self.row_pitch + 4 * self.dq_stream * self.row_pitch
     return tiles * self.itemsize + 2 * self.block_q * 4
 
@@ -216,7 +218,7 @@ class AttentionBackwardPlan:
   @property
   def dq_registers(self) -> int:
     """Registers a dQ thread needs: its share of the dQ accumulators (16 x D a warp) and of S and dP (16 x stream)."""
-    held = self.head_dim // 2 if self.mma == "wgmma" else 0   # wgmma: Q's and dO's A fragments (dq_held's too)
+    held = self.head_dim // 2 if self.mma == "wgmma" and self.dq_held else 0   # wgmma: Q's and dO's A fragments
     return max(REGISTER_FLOOR, self.head_dim // 2 + self.dq_stream + held + REGISTERS_BESIDE_ACCUMULATORS)
 
   @property
@@ -239,11 +241,16 @@ class AttentionBackwardPlan:
 
   def with_device_mma(self, has_wgmma: bool) -> AttentionBackwardPlan:
     """This plan on wgmma (mma "wgmma", its blocks rounded up to whole warpgroups) where the device has it and the
-    wgmma kernels take its operands (16-bit, D a multiple of 64, 16-byte aligned rows), else unchanged.
-    H200, causal B=4 H=12 D=64 bfloat16 (extra/bench/results/sweep_attention_backward_h200_s14.txt): PENDING."""
+    wgmma kernels take its operands (16-bit, D a multiple of 64, 16-byte aligned rows), else unchanged. At D = 64 the
+    dQ kernel streams 32 keys (Q and dO held) and the dK/dV kernel 128 queries (K and V read by descriptor).
+    H200, causal B=4 H=12 D=64 bfloat16, each kernel alone (session 14's checkpoint sweep, T = 1024 / 4096): dQ
+    0.042 / 0.388 ms (mma.sync 0.053 / 0.581), dK/dV 0.059 / 0.538 (0.073 / 0.796); held Q/dO or K/V streaming
+    64 rows gave wrong gradients on the GPU (not on the host harness: not understood), so those are not defaults."""
     if not has_wgmma or wgmma_refusal(self.dtype, self.head_dim, self.vector_width > 1) is not None: return self
     def whole(rows: int) -> int: return -(-rows // WARPGROUP_ROWS) * WARPGROUP_ROWS
-    return replace(self, mma="wgmma", block_q=whole(self.block_q), block_kv=whole(self.block_kv))
+    streams = {"stream_kv": 32, "stream_q": 128} if self.head_dim == 64 else {}
+    return replace(self, mma="wgmma", block_q=whole(self.block_q), block_kv=whole(self.block_kv), dq_held=True,
+                   dkdv_held=False, **streams)
 
   def fits(self, max_shared_bytes: int) -> bool:
     """Whether both kernels' shared memory fits a block's limit (the device's opt-in maximum)."""

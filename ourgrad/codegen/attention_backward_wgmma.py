@@ -9,8 +9,8 @@ of the forward (codegen/attention_wgmma.py `product_helpers`):
 
 - the owned tile's rows (dQ: Q and dO; dK/dV: K and V) are copied once into padded shared tiles and their A
   fragments (the m16n8k16 A fragments of the warp's 16 rows, which are wgmma's register A) held in registers; or
-  (the dK/dV kernel without `dkdv_held`) into swizzled tiles read as A through K-major descriptors (as the forward's
-  q_shared);
+  (without the plan's dq_held / dkdv_held) into swizzled tiles read as A through K-major descriptors (as the
+  forward's q_shared; the dQ kernel copies its padded tiles too, which delta reads);
 - the streamed tiles (dQ: K and V of `stream_kv` keys; dK/dV: Q and dO of `stream_q` queries) go by cp.async into
   plan.wgmma_stages stages of 128-byte-swizzled tiles (attention_wgmma.staged_offset), rows whose D is contiguous: as
   K in the forward they are the K-major B of the "scores" shape (`wgmma_scores`, n = the stream), and as V the
@@ -31,12 +31,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ourgrad.codegen.attention_backward_plan import DQ_KERNEL
 from ourgrad.codegen.attention_wgmma import (key_slice_start, key_strides, pack_lines, product_helpers, staged_offset,
                                              value_slice_start, value_strides)
-from ourgrad.codegen.wgmma_tiles import PTX_TYPE, CExpr
-
-from ourgrad.codegen.attention_backward_plan import DKDV_KERNEL, DQ_KERNEL
 from ourgrad.codegen.wgmma_copies import ROW_BYTES
+from ourgrad.codegen.wgmma_tiles import PTX_TYPE, CExpr
 
 if TYPE_CHECKING:
   from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
@@ -54,10 +53,10 @@ ACCUMULATOR_FENCE = """template <int N> __device__ __forceinline__ void fence_ac
 
 
 def wgmma_helpers(plan: AttentionBackwardPlan, kernel: str) -> str:
-  """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = its stream, A from registers or (the dK/dV
-  kernel without `dkdv_held`) shared memory, values n = D; the accumulator fence."""
+  """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = its stream, A from registers or (without the
+  plan's dq_held / dkdv_held) shared memory, values n = D; the accumulator fence."""
   stream = plan.dq_stream if kernel == DQ_KERNEL else plan.dkdv_stream
-  shared_a = kernel == DKDV_KERNEL and not plan.dkdv_held
+  shared_a = not (plan.dq_held if kernel == DQ_KERNEL else plan.dkdv_held)
   return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype], shared_a) + ACCUMULATOR_FENCE
 
 
@@ -235,19 +234,32 @@ def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, 
   copy = copy_stage_lines(p, stream, "k_first", "S - k_first",
                           (("k_stage", "k + k_base + (long long)k_first * " + f"{k_stride}LL", k_stride),
                            ("v_stage", "v + v_base + (long long)k_first * " + f"{v_stride}LL", v_stride)))
-  scores = scores_lines(p, stream, (("s", "q_held", "k_stage"), ("dp", "do_held", "v_stage")))
+  if p.dq_held:
+    owned = ["  // the stages' swizzled K and V tiles from the next 1024-byte atom",
+             "  const unsigned stages = (shared_address(delta_tile + BQ) + 1023u) & ~1023u;", prologue]
+    scores = scores_lines(p, stream, (("s", "q_held", "k_stage"), ("dp", "do_held", "v_stage")))
+  else:   # Q and dO also in swizzled tiles before the stages, A read through descriptors
+    owned_bytes = _tile_bytes(p, p.block_q)
+    owned = ["  // the swizzled Q and dO tiles from the next 1024-byte atom, then the stages' K and V tiles",
+             "  const unsigned q_owned = (shared_address(delta_tile + BQ) + 1023u) & ~1023u;",
+             f"  const unsigned do_owned = q_owned + {owned_bytes}u, stages = do_owned + {owned_bytes}u;",
+             prologue,
+             *copy_stage_lines(p, p.block_q, "q_start", "q_rows", (("q_owned", "q + q_row0", p.q_strides[2]),
+                                                                   ("do_owned", "dout + do_row0", p.do_strides[2])))]
+    lbo, sbo = key_strides()
+    rows = f"(threadIdx.x / 128) * {64 * ROW_BYTES} + {key_slice_start(p.block_q, CExpr('j'))}"
+    scores = scores_lines(p, stream, ((("s", f"wgmma_descriptor(q_owned + {rows}, {lbo}, {sbo})", "k_stage"),
+                                       ("dp", f"wgmma_descriptor(do_owned + {rows}, {lbo}, {sbo})", "v_stage"))))
   body = "\n".join([
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,",
     "    const elem_t* __restrict__ dout, const float* __restrict__ lse, grad_t* __restrict__ dq,",
     "    float* __restrict__ delta) {",
-    "  elem_t* q_tile = (elem_t*)shared_bytes;                // BQ x PITCH: Q's A fragments are loaded from it",
-    "  elem_t* do_tile = q_tile + BQ * PITCH;                 // BQ x PITCH",
+    "  elem_t* q_tile = (elem_t*)shared_bytes;                // BQ x PITCH (dq_held: Q's A fragments from it)",
+    "  elem_t* do_tile = q_tile + BQ * PITCH;                 // BQ x PITCH (delta reads it)",
     "  float* lse_tile = (float*)(do_tile + BQ * PITCH);      // BQ",
     "  float* delta_tile = lse_tile + BQ;                     // BQ",
-    "  // the stages' swizzled K and V tiles from the next 1024-byte atom",
-    "  const unsigned stages = (shared_address(delta_tile + BQ) + 1023u) & ~1023u;",
-    prologue,
+    *owned,
     "  copy_async_commit();   // Q, dO and LSE: a group of their own",
     "  // the K and V tiles of `tile` into stage `stage`, not committed",
     "  auto copy_stage = [&](int tile, int stage) {",
