@@ -462,12 +462,14 @@ def test_backward_cuda_sources_compile(emulated_cuda, dtype, case):
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16, dtypes.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuda_device_against_torch(dtype, causal, monkeypatch):
-  """The CUDA kernel itself (sm_80+), odd lengths and GQA, forward and backward, against float64."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_device_against_torch(dtype, causal, head_dim, monkeypatch):
+  """The CUDA kernel itself (sm_80+; 16-bit on sm_90: the wgmma forward and backward, whose tiles differ at D = 64 and
+  128), odd lengths and GQA, forward and backward, against float64."""
   monkeypatch.setenv("FUSED_ATTENTION", "2")
   ourgrad.set_float32_matmul_precision("high")
   try:
-    batch, heads, kv_heads, length, source, head_dim = 2, 4, 2, 300, 200, 64
+    batch, heads, kv_heads, length, source = 2, 4, 2, 300, 200
     arrays = [_random(batch, h, rows, head_dim, seed=s)
               for s, h, rows in ((30, heads, length), (31, kv_heads, source), (32, kv_heads, source))]
     q, k, v = (Tensor(array, device="CUDA").cast(dtype).realize() for array in arrays)
