@@ -250,6 +250,7 @@ def test_device_mma_choice(monkeypatch):
   assert launches(chosen)[0].grid == launches(plan)[0].grid and launches(chosen)[1].block == launches(plan)[1].block
   for other in (AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 64, "float32", True),
                 AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 32, "float16", True),
+                AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 192, "bfloat16", True),
                 AttentionBackwardPlan(**{**plan.__dict__, "k_strides": (64 * 1000 * 5, 1000 * 65, 65)})):
     assert other.with_device_mma(True).mma == "mma_sync"
   with pytest.raises(ShapeError, match="wgmma attention backward refuses float32"):

@@ -24,6 +24,7 @@ LOG2E = 1.4426950408889634
 # memory the driver reserves per resident block (sm_80+)
 REGISTERS_PER_SM, REGISTER_FLOOR, REGISTERS_BESIDE_ACCUMULATORS, BLOCK_RESERVED_SHARED = 65536, 128, 40, 1024
 DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
+WGMMA_MAX_HEAD_DIM = 128   # the largest head the wgmma kernels are chosen for (`with_device_mma`)
 
 
 def contiguous_strides(heads: int, rows: int, head_dim: int) -> Strides:
@@ -241,12 +242,14 @@ class AttentionBackwardPlan:
 
   def with_device_mma(self, has_wgmma: bool) -> AttentionBackwardPlan:
     """This plan on wgmma (mma "wgmma", its blocks rounded up to whole warpgroups) where the device has it and the
-    wgmma kernels take its operands (16-bit, D a multiple of 64, 16-byte aligned rows), else unchanged. At D = 64 the
+    wgmma kernels take its operands (16-bit, D 64 or 128, 16-byte aligned rows), else unchanged. At D = 64 the
     dQ kernel streams 32 keys (Q and dO held) and the dK/dV kernel 128 queries (K and V read by descriptor).
     H200, causal B=4 H=12 D=64 bfloat16, each kernel alone (session 14's checkpoint sweep, T = 1024 / 4096): dQ
     0.042 / 0.388 ms (mma.sync 0.053 / 0.581), dK/dV 0.059 / 0.538 (0.073 / 0.796); held Q/dO or K/V streaming
     64 rows gave wrong gradients on the GPU (not on the host harness: not understood), so those are not defaults."""
     if not has_wgmma or wgmma_refusal(self.dtype, self.head_dim, self.vector_width > 1) is not None: return self
+    # over D = 128 the dK and dV accumulators (D / 2 registers a thread each) would not fit beside the rest
+    if self.head_dim > WGMMA_MAX_HEAD_DIM: return self
     def whole(rows: int) -> int: return -(-rows // WARPGROUP_ROWS) * WARPGROUP_ROWS
     streams = {"stream_kv": 32, "stream_q": 128} if self.head_dim == 64 else {}
     return replace(self, mma="wgmma", block_q=whole(self.block_q), block_kv=whole(self.block_kv), dq_held=True,
