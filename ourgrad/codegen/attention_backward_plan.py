@@ -244,9 +244,10 @@ class AttentionBackwardPlan:
     """This plan on wgmma (mma "wgmma", its blocks rounded up to whole warpgroups) where the device has it and the
     wgmma kernels take its operands (16-bit, D 64 or 128, 16-byte aligned rows), else unchanged. At D = 64 the
     dQ kernel streams 32 keys (Q and dO held) and the dK/dV kernel 128 queries (K and V read by descriptor).
-    H200, causal B=4 H=12 D=64 bfloat16, each kernel alone (session 14's checkpoint sweep, T = 1024 / 4096): dQ
-    0.042 / 0.388 ms (mma.sync 0.053 / 0.581), dK/dV 0.059 / 0.538 (0.073 / 0.796); held Q/dO or K/V streaming
-    64 rows gave wrong gradients on the GPU (not on the host harness: not understood), so those are not defaults."""
+    H200, causal B=4 H=12 D=64 bfloat16, each kernel alone (extra/bench/results/sweep_attention_backward_h200_s14_2.txt,
+    T = 1024 / 4096): dQ 0.040 / 0.387 ms (mma.sync 0.052 / 0.571), dK/dV 0.059 / 0.546 (0.073 / 0.800); held A
+    fragments with 64-row streams gave wrong gradients on the GPU (not on the host harness: not understood), so no
+    default takes them."""
     if not has_wgmma or wgmma_refusal(self.dtype, self.head_dim, self.vector_width > 1) is not None: return self
     # over D = 128 the dK and dV accumulators (D / 2 registers a thread each) would not fit beside the rest
     if self.head_dim > WGMMA_MAX_HEAD_DIM: return self
