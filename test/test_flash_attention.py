@@ -91,7 +91,8 @@ def test_forward_backward_against_torch(emulated_cuda, dtype, causal, length, so
 @pytest.mark.parametrize("causal", [False, True])
 def test_wgmma_forward_backward_against_torch(monkeypatch, dtype, causal):
   """The PYTHON device as an H100 with ATTENTION_WGMMA=1: the forward's plan is the wgmma kernel's (emulated by its
-  plan's arithmetic; its source runs in test_flash_attention_host.py), the backward the flash kernels."""
+  plan's arithmetic; its source runs in test_flash_attention_host.py), the backward the flash kernels (their wgmma
+  plans; their source runs in test_flash_attention_backward.py)."""
   monkeypatch.setenv("FUSED_ATTENTION", "1")
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
@@ -449,6 +450,8 @@ def test_backward_cuda_sources_compile(emulated_cuda, dtype, case):
   renderer = CUDARenderer("sm_90")
   for item in items:
     kernel = AttentionGradKernel(item.ast, renderer)
+    # 16-bit operands on sm_90: the wgmma kernels (codegen/attention_backward_wgmma.py)
+    assert kernel.plan.mma == ("mma_sync" if dtype == dtypes.float32 else "wgmma")
     source = lower_kernel(kernel, renderer, kernel.name).source
     assert source.count('extern "C" __global__') == 1
     nvrtc_compiler().compile(source)
@@ -459,12 +462,14 @@ def test_backward_cuda_sources_compile(emulated_cuda, dtype, case):
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16, dtypes.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuda_device_against_torch(dtype, causal, monkeypatch):
-  """The CUDA kernel itself (sm_80+), odd lengths and GQA, forward and backward, against float64."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_device_against_torch(dtype, causal, head_dim, monkeypatch):
+  """The CUDA kernel itself (sm_80+; 16-bit on sm_90: the wgmma forward and backward, whose tiles differ at D = 64 and
+  128), odd lengths and GQA, forward and backward, against float64."""
   monkeypatch.setenv("FUSED_ATTENTION", "2")
   ourgrad.set_float32_matmul_precision("high")
   try:
-    batch, heads, kv_heads, length, source, head_dim = 2, 4, 2, 300, 200, 64
+    batch, heads, kv_heads, length, source = 2, 4, 2, 300, 200
     arrays = [_random(batch, h, rows, head_dim, seed=s)
               for s, h, rows in ((30, heads, length), (31, kv_heads, source), (32, kv_heads, source))]
     q, k, v = (Tensor(array, device="CUDA").cast(dtype).realize() for array in arrays)

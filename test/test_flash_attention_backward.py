@@ -107,16 +107,19 @@ def test_launch_sizes():
   assert plan.delta_elements == 4 * 12 * 1000
 
 
-VARIANTS = [(dtype, head_dim, causal, kv_heads) for dtype in ("float32", "float16", "bfloat16")
+VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float32", "float16", "bfloat16")
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
+VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
+             ("bfloat16", 64, True, 4, "overlap")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
 def test_kernels_compile_with_nvrtc(variant: tuple):
   compiler = nvrtc_compiler()
   if compiler is None: pytest.skip("cuda-python's NVRTC is not installed here")
-  dtype, head_dim, causal, kv_heads = variant
-  plan = AttentionBackwardPlan.contiguous(2, 12, kv_heads, 1000, 1000, head_dim, dtype, causal)
+  dtype, head_dim, causal, kv_heads, mma = variant
+  fields = {"mma": "wgmma", "wgmma_overlap": True} if mma == "overlap" else {"mma": mma}
+  plan = AttentionBackwardPlan.contiguous(2, 12, kv_heads, 1000, 1000, head_dim, dtype, causal, **fields)
   # q/o/do/dq read in place from a (B, L, H, D) projection
   strided = contiguous_strides(12, 1000, head_dim)
   projection = (1000 * 12 * head_dim, head_dim, 12 * head_dim)
@@ -157,8 +160,39 @@ HOST_CASES = [  # dtype, (batch, heads, kv_heads, q_len, kv_len, head_dim, causa
 @pytest.mark.parametrize("dtype,case,layout", HOST_CASES, ids=lambda value: str(value))
 def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout: str):
   """The CUDA source itself (index math, masks, barriers, fragment loads) run by attention_backward_host."""
+  _check_on_host(dtype, case, layout, {})
+
+
+# the wgmma kernels (codegen/attention_backward_wgmma.py): (dtype, case, layout, plan fields)
+WGMMA_HOST_CASES = [
+  ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {}),              # odd lengths, causal
+  ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {"dkdv_held": True}),   # K, V A fragments in registers
+  ("float16", (1, 4, 2, 100, 90, 64, True), "projected", {"dq_held": False}),   # Q, dO A by descriptor
+  ("float16", (1, 4, 2, 70, 131, 64, False), "contiguous", {}),             # GQA, L < S
+  ("bfloat16", (1, 4, 1, 150, 97, 64, True), "projected", {}),   # GQA onto one kv head, L > S; q, o, dq strided
+  ("bfloat16", (1, 2, 1, 90, 90, 128, True), "grad32", {}),                 # D = 128: two 64-column chunks a row
+  ("float16", (1, 2, 2, 140, 130, 64, True), "contiguous",                  # two warpgroups, 32- and 128-row streams
+   {"block_q": 128, "block_kv": 128, "stream_q": 32, "stream_kv": 128}),
+  ("bfloat16", (1, 2, 1, 140, 150, 128, False), "contiguous", {"block_kv": 128, "dkdv_held": True}),
+  ("bfloat16", (1, 1, 1, 256, 256, 64, True), "contiguous", {"stream_q": 128, "stream_kv": 16}),   # unmasked tiles
+  ("bfloat16", (1, 4, 2, 150, 150, 64, True), "contiguous", {"wgmma_overlap": True}),   # 3 stages, products overlapped
+  ("float16", (1, 2, 1, 200, 70, 64, False), "grad32", {"wgmma_overlap": True, "stream_q": 32, "stream_kv": 32}),
+]
+
+
+@pytest.mark.skipif(host_compiler() is None, reason="no g++ to run the kernels' source on the host")
+@pytest.mark.parametrize("dtype,case,layout,fields", WGMMA_HOST_CASES, ids=lambda value: str(value))
+def test_wgmma_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout: str, fields: dict):
+  """The wgmma kernels' CUDA source (swizzled stage tiles, descriptors, register A fragments) through the harness's
+  wgmma (the PTX ISA's operand layouts) against torch's float64 gradients."""
+  _check_on_host(dtype, case, layout, {"mma": "wgmma", **fields})
+
+
+def _check_on_host(dtype: str, case: tuple, layout: str, fields: dict) -> None:
+  """Both kernels of the plan of `case` (its fields replaced by `layout`'s and `fields`) run on the host, against
+  the emulator and torch's float64 gradients."""
   batch, heads, kv_heads, q_len, kv_len, head_dim, causal = case
-  plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal)
+  plan = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, causal, **fields)
   arrays, expected = reference(plan)
   projected = layout == "projected"
   if layout == "held": plan = AttentionBackwardPlan(**{**plan.__dict__, "dq_held": True, "dkdv_held": True})
@@ -203,6 +237,34 @@ def test_kernel_source_run_on_host_matches_torch(dtype: str, case: tuple, layout
   for name, result, want in zip(("dq", "dk", "dv"), results, expected):
     error = np.abs(to_float32(result, plan.grad_dtype) - want).max() / np.abs(want).max()
     assert error < TOLERANCE[dtype], f"{name} {dtype} {case}: relative error {error:.2e}"
+
+
+def test_device_mma_choice(monkeypatch):
+  """with_device_mma: wgmma for 16-bit operands with D a multiple of 64 and 16-byte aligned rows on a wgmma device;
+  float32, other head sizes, unaligned rows and other devices keep mma.sync; ATTENTION_BACKWARD_WGMMA=0 opts out."""
+  plan = AttentionBackwardPlan.contiguous(2, 12, 4, 1000, 1000, 64, "bfloat16", True)
+  assert plan.mma == "mma_sync" and plan.with_device_mma(False) == plan
+  chosen = plan.with_device_mma(True)
+  assert (chosen.mma, chosen.block_q, chosen.block_kv) == ("wgmma", 64, 64)
+  assert (chosen.dq_stream, chosen.dkdv_stream, chosen.dq_held, chosen.dkdv_held) == (32, 128, True, False)
+  assert launches(chosen)[0].grid == launches(plan)[0].grid and launches(chosen)[1].block == launches(plan)[1].block
+  for other in (AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 64, "float32", True),
+                AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 32, "float16", True),
+                AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 192, "bfloat16", True),
+                AttentionBackwardPlan(**{**plan.__dict__, "k_strides": (64 * 1000 * 5, 1000 * 65, 65)})):
+    assert other.with_device_mma(True).mma == "mma_sync"
+  with pytest.raises(ShapeError, match="wgmma attention backward refuses float32"):
+    AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 64, "float32", True, mma="wgmma")
+  with pytest.raises(ShapeError, match="whole warpgroups"):
+    AttentionBackwardPlan.contiguous(1, 2, 2, 64, 64, 64, "bfloat16", True, mma="wgmma", block_kv=32)
+  from ourgrad.codegen.attention_grad import backward_plan
+  from ourgrad.shape.view import View
+  q_view = View.create((2, 12, 1000, 64))
+  k_view = View.create((2, 4, 1000, 64))
+  monkeypatch.setenv("ATTENTION_BACKWARD_WGMMA", "1")
+  assert backward_plan(q_view, k_view, k_view, q_view, "bfloat16", True, 0.125, 0, has_wgmma=True).mma == "wgmma"
+  monkeypatch.setenv("ATTENTION_BACKWARD_WGMMA", "0")
+  assert backward_plan(q_view, k_view, k_view, q_view, "bfloat16", True, 0.125, 0, has_wgmma=True).mma == "mma_sync"
 
 
 def test_python_programs_run_the_launches_on_raw_buffers():

@@ -11,7 +11,7 @@ gradient's error relative to torch's backward in the same dtype (a broken config
 per case and kernel, the default config's time and the fastest one's, for choosing `default_blocks`.
 
 Run on the H200: `python extra/bench/sweep_attention_backward.py` (about a minute; `--cases 512` for one length,
-`--dtype bfloat16` for one dtype).
+`--dtype bfloat16` for one dtype, `--only wgmma` for the default and the wgmma configs).
 """
 from __future__ import annotations
 
@@ -30,22 +30,38 @@ from bench_attention_backward import compile_with_report, logsumexp_rows, median
 
 from ourgrad.codegen.attention_backward import launches  # noqa: E402
 from ourgrad.codegen.attention_backward_plan import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL,  # noqa: E402
-                                                     REGISTERS_PER_SM, AttentionBackwardPlan)
+                                                     REGISTERS_PER_SM, AttentionBackwardPlan, default_blocks)
 
 CASES = {512: (8, 12, 12, 512, 512, 64), 1024: (4, 12, 12, 1024, 1024, 64), 4096: (4, 12, 12, 4096, 4096, 64)}
 PRODUCTS = {DQ_KERNEL: 3, DKDV_KERNEL: 4}
 
 
-def configs(plan: AttentionBackwardPlan) -> dict[str, dict[str, dict]]:
-  """Per kernel, named plan overrides: the default, the owned and streamed tile sizes, held fragments, no hint."""
+def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dict]]:
+  """Per kernel, named plan overrides: the default, the owned and streamed tile sizes, held fragments, no hint; on
+  mma.sync and (`wgmma`: sm_90, 16-bit) on wgmma (codegen/attention_backward_wgmma.py)."""
   dq = {f"block_q {owned} stream_kv {stream}{' held' if held else ''}": {"block_q": owned, "stream_kv": stream,
-                                                                        "dq_held": held}
+                                                                        "dq_held": held, "mma": "mma_sync"}
         for owned in (64, 128) for stream in (32, 64) for held in (False, True)}
   dkdv = {f"block_kv {owned} stream_q {stream}{' held' if held else ''}": {"block_kv": owned, "stream_q": stream,
-                                                                          "dkdv_held": held}
+                                                                          "dkdv_held": held, "mma": "mma_sync"}
           for owned in (64, 128) for stream in (32, 64) for held in (False, True)}
+  if wgmma:
+    dq.update({f"wgmma block_q 64 stream_kv {stream}{'' if held else ' unheld'}": {
+      "block_q": 64, "stream_kv": stream, "dq_held": held, "mma": "wgmma"}
+      for stream in (32, 64, 128) for held in (True, False)})
+    dq.update({f"wgmma block_q 128 stream_kv {stream}": {"block_q": 128, "stream_kv": stream, "mma": "wgmma"}
+               for stream in (32, 64)})
+    dkdv.update({f"wgmma block_kv 64 stream_q {stream}{' held' if held else ''}": {
+      "block_kv": 64, "stream_q": stream, "dkdv_held": held, "mma": "wgmma"}
+      for stream in (32, 64, 128) for held in (False, True)})
+    dkdv.update({f"wgmma block_kv 128 stream_q {stream}": {"block_kv": 128, "stream_q": stream, "mma": "wgmma"}
+                 for stream in (32, 64)})
+    dq["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_kv": 32}
+    dkdv["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_q": 64}
+    dkdv["wgmma block_kv 64 stream_q 64 held"] = {"block_kv": 64, "stream_q": 64, "dkdv_held": True, "mma": "wgmma"}
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
+    if wgmma: table["mma_sync default"] = {"mma": "mma_sync", **default_blocks(plan.head_dim, plan.dtype)}
   return {DQ_KERNEL: {"default": {}, **dq}, DKDV_KERNEL: {"default": {}, **dkdv}}
 
 
@@ -79,12 +95,14 @@ class LoadedKernel:
                                           ctypes.addressof(self.pointers), 0), f"cuLaunchKernel({self.launch.name})")
 
 
-def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, iters: int) -> list[tuple]:
-  """Every config of both kernels on one case; returns (case, kernel, config, seconds) rows for the summary."""
+def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, iters: int, has_wgmma: bool,
+             only: list[str] | None) -> list[tuple]:
+  """Every config of both kernels on one case (`only`: the default and those whose label holds one of these);
+  returns (case, kernel, config, seconds) rows for the summary."""
   import torch
   batch, heads, kv_heads, q_len, kv_len, head_dim = CASES[length]
   base = AttentionBackwardPlan.contiguous(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype_name, True,
-                                          shared_per_sm=shared_per_sm)
+                                          shared_per_sm=shared_per_sm).with_device_mma(has_wgmma)
   dtype = getattr(torch, dtype_name)
   generator = torch.Generator(device="cuda").manual_seed(0)
   q_shape, kv_shape = (batch, heads, q_len, head_dim), (batch, kv_heads, kv_len, head_dim)
@@ -102,10 +120,12 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
              "delta": torch.zeros(base.delta_elements, device="cuda", dtype=torch.float32)}
   stream = torch.cuda.current_stream().cuda_stream
   name = f"{dtype_name} B={batch} H={heads} T={length} D={head_dim} causal"
-  print(f"== {name}: default block_q {base.block_q} block_kv {base.block_kv} stream_q {base.dkdv_stream} "
-        f"stream_kv {base.dq_stream}", flush=True)
+  print(f"== {name}: default {base.mma} block_q {base.block_q} block_kv {base.block_kv} stream_q "
+        f"{base.dkdv_stream} stream_kv {base.dq_stream}", flush=True)
+  wgmma = has_wgmma and base.mma == "wgmma"
   plans = {(kernel, label): dataclasses.replace(base, **override)
-           for kernel, table in configs(base).items() for label, override in table.items()}
+           for kernel, table in configs(base, wgmma).items() for label, override in table.items()
+           if only is None or label == "default" or any(part in label for part in only)}
 
   def compile_one(plan: AttentionBackwardPlan, kernel: str):
     launch = next(launch for launch in launches(plan) if launch.name == kernel)
@@ -159,6 +179,8 @@ def main() -> None:
                       help="sequence lengths to run")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), action="append")
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--only", nargs="+", help="run the default config and those whose label holds one of these "
+                      "(e.g. wgmma mma_sync)")
   options = parser.parse_args()
   import torch
   from cuda.bindings import driver
@@ -178,7 +200,7 @@ def main() -> None:
     for dtype in options.dtype or ("float32", "bfloat16"):
       for length in options.cases:
         try:
-          rows += run_case(length, dtype, compiler, shared_per_sm, pool, options.iters)
+          rows += run_case(length, dtype, compiler, shared_per_sm, pool, options.iters, major == 9, options.only)
         except Exception:
           print(f"  {dtype} T={length}: FAILED\n{traceback.format_exc()}", flush=True)
         finally:

@@ -39,6 +39,7 @@ attention_backward_host.py runs this CUDA source itself on the CPU (a host threa
 """
 from __future__ import annotations
 
+from ourgrad.codegen import attention_backward_wgmma
 from ourgrad.codegen.attention_backward_plan import (DKDV_KERNEL, DQ_KERNEL, LOG2E, AttentionBackwardPlan, KernelLaunch,
                                                     Strides)
 from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps
@@ -406,29 +407,37 @@ def _delta_lines(plan: AttentionBackwardPlan) -> str:
 # dQ kernel: P and then dS in place of dP; dK/dV kernel: P^T in place of S^T, dS^T in place of dP^T
 _DQ_ELEMENT = """const float prob = {prob}fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1]){close};
           dp[t][c] = prob * (dp[t][c] - row_delta[c >> 1]);"""
-_DKDV_ELEMENT = """st[t][c] = {prob}fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2){close};
-          dpt[t][c] = st[t][c] * (dpt[t][c] - delta_tile[column]);"""
+_DKDV_PROBABILITY = "st[t][c] = {prob}fmaf(st[t][c], SCALE_LOG2E, -lse_tile[column] * LSE_TO_LOG2){close};"
+_DKDV_GRADIENT = "dpt[t][c] = st[t][c] * (dpt[t][c] - delta_tile[column]);"
+_DKDV_ELEMENT = _DKDV_PROBABILITY + "\n          " + _DKDV_GRADIENT
+# the wgmma kernels' step in two (codegen/attention_backward_wgmma.py): the probabilities (masked), then dS
+_DQ_PROBABILITY = "s[t][c] = {prob}fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1]){close};"
+_DQ_GRADIENT = "dp[t][c] = s[t][c] * (dp[t][c] - row_delta[c >> 1]);"
 
 
 def _masked_elements(columns: str, comment: str, element: str, query: str, key: str) -> str:
   """The elementwise step over a warp's 16 x `columns` accumulator tiles, rendered twice: where the tile is `masked`
   each element's query `query` and key `key` (C expressions of its `row` and `column`) are tested (past L or S, or
   causal and the key after the query: probability 0); elsewhere (interior tiles, most of a long sequence's) not."""
-  def loop(masked: bool) -> str:
-    if masked:
-      indices = ("const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);\n"
-                 f"          const int i = {query}, j = {key};\n"
-                 "          const bool keep = i < L && j < S && (!CAUSAL || j <= i);\n          ")
-    else: indices = "const int column = t * 8 + 2 * quad + (c & 1);\n          " if "column" in element else ""
-    step = element.format(prob="keep ? fast_exp2(" if masked else "fast_exp2(", close=") : 0.0f" if masked else ")")
-    return f"""#pragma unroll
+  return f"    if (masked) {{\n{_element_loop(columns, comment, element, query, key, True)}\n    }} else {{\n" \
+      f"{_element_loop(columns, comment, element, query, key, False)}\n    }}"
+
+
+def _element_loop(columns: str, comment: str, element: str, query: str, key: str, masked: bool) -> str:
+  """`element` (its `{prob}`, `{close}` filled in) for every element of the warp's tiles, its mask tested or not."""
+  if masked:
+    indices = ("const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);\n"
+               f"          const int i = {query}, j = {key};\n"
+               "          const bool keep = i < L && j < S && (!CAUSAL || j <= i);\n          ")
+  else: indices = "const int column = t * 8 + 2 * quad + (c & 1);\n          " if "column" in element else ""
+  step = element.format(prob="keep ? fast_exp2(" if masked else "fast_exp2(", close=") : 0.0f" if masked else ")")
+  return f"""#pragma unroll
       for (int t = 0; t < {columns} / 8; t++) {{
 #pragma unroll
         for (int c = 0; c < 4; c++) {{   // {comment}
           {indices}{step}
         }}
       }}"""
-  return f"    if (masked) {{\n{loop(True)}\n    }} else {{\n{loop(False)}\n    }}"
 
 
 def _entry(launch_bounds: str, name: str, device_function: bool) -> str:
@@ -438,29 +447,9 @@ def _entry(launch_bounds: str, name: str, device_function: bool) -> str:
   return f'extern "C" __global__ void {launch_bounds} {name}'
 
 
-def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False) -> str:
-  """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`.
-
-  The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
-  block's work grows with its Q tile, so blockIdx.y numbers the Q tiles from the last down (the longest start first)."""
-  p = plan
-  held_loads = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
-  round_owned = _rounded(p, "after delta, which reads dO unrounded", ("q_tile", "BQ"), ("do_tile", "BQ"))
-  round_streamed = _rounded(p, "", ("k_tiles + (tile & 1) * BK * PITCH", "BK"),
-                            ("v_tiles + (tile & 1) * BK * PITCH", "BK"), indent=4)
-  entry = _entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes, p.dq_registers), DQ_KERNEL, device_function)
-  body = f"""
-{entry}(const elem_t* __restrict__ q,
-    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
-    const elem_t* __restrict__ dout, const float* __restrict__ lse, grad_t* __restrict__ dq,
-    float* __restrict__ delta) {{
-  elem_t* q_tile = (elem_t*)shared_bytes;               // BQ x PITCH
-  elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
-  elem_t* k_tiles = do_tile + BQ * PITCH;               // 2 x BK x PITCH
-  elem_t* v_tiles = k_tiles + 2 * BK * PITCH;           // 2 x BK x PITCH
-  float* lse_tile = (float*)(v_tiles + 2 * BK * PITCH);  // BQ
-  float* delta_tile = lse_tile + BQ;                    // BQ
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
+def _dq_prologue(p: AttentionBackwardPlan) -> str:
+  """The dQ kernel's block: its Q rows and K/V tiles, operand offsets, and the copies of its Q, dO and LSE rows."""
+  return f"""  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
   const int q_start = (CAUSAL ? gridDim.y - 1 - blockIdx.y : blockIdx.y) * BQ;   // the longest first
   const int batch = blockIdx.x / H, head = blockIdx.x % H, kv_head = head / GROUP;
   const int q_rows = min(BQ, L - q_start);
@@ -477,7 +466,105 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
   const int kv_tiles = (kv_end + BK - 1) / BK;
   load_tile(q_tile, q + q_row0, {p.q_strides[2]}LL, q_rows, BQ);
   load_tile(do_tile, dout + do_row0, {p.do_strides[2]}LL, q_rows, BQ);
-  load_row(lse_tile, lse + lse_row0, {p.lse_strides[2]}LL, q_rows, BQ);
+  load_row(lse_tile, lse + lse_row0, {p.lse_strides[2]}LL, q_rows, BQ);"""
+
+
+def _dq_store(p: AttentionBackwardPlan) -> str:
+  """dQ = SCALE dq_acc stored from the accumulators (C fragment rows g, g + 8 of the warp's 16)."""
+  first = f"{_offset(p.dq_strides, 'batch', 'head')} + (long long)q_start * {p.dq_strides[2]}LL"
+  return f"""  const long long dq_row0 = {first};
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) {{
+#pragma unroll
+    for (int c = 0; c < 4; c++) {{
+      const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+      if (row < q_rows)
+        dq[dq_row0 + (long long)row * {p.dq_strides[2]}LL + column] = grad_from_float(SCALE * dq_acc[t][c]);
+    }}
+  }}"""
+
+
+def _dkdv_prologue(p: AttentionBackwardPlan, padded_tiles: bool = True) -> str:
+  """The dK/dV kernel's block: its keys, live Q tiles and iterations, and the copies of its K and V rows (into the
+  padded k_tile and v_tile, with `padded_tiles`)."""
+  return f"""  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
+  const int k_start = blockIdx.y * BK, batch = blockIdx.x / KVH, kv_head = blockIdx.x % KVH;   // the longest first
+  const int k_rows = min(BK, S - k_start);
+  const long long k_row0 = {_offset(p.k_strides, "batch", "kv_head")} + (long long)k_start * {p.k_strides[2]}LL;
+  const long long v_row0 = {_offset(p.v_strides, "batch", "kv_head")} + (long long)k_start * {p.v_strides[2]}LL;
+  // a causal Q tile whose last query precedes this block's first key is dead
+  const int q_first = CAUSAL ? (k_start / BQ) * BQ : 0;
+  const int q_tiles = q_first < L ? (L - q_first + BQ - 1) / BQ : 0;
+  const int iterations = GROUP * q_tiles;""" + (f"""
+  load_tile(k_tile, k + k_row0, {p.k_strides[2]}LL, k_rows, BK);
+  load_tile(v_tile, v + v_row0, {p.v_strides[2]}LL, k_rows, BK);""" if padded_tiles else "")
+
+
+def _dkdv_store(p: AttentionBackwardPlan) -> str:
+  """dK = SCALE dk_acc and dV = dv_acc stored from the accumulators."""
+  first = f"{_offset(p.dk_strides, 'batch', 'kv_head')} + (long long)k_start * {p.dk_strides[2]}LL"
+  return f"""  const long long dk_row0 = {first};
+  const long long dv_row0 = {_offset(p.dv_strides, "batch", "kv_head")} + (long long)k_start * {p.dv_strides[2]}LL;
+#pragma unroll
+  for (int t = 0; t < D / 8; t++) {{
+#pragma unroll
+    for (int c = 0; c < 4; c++) {{
+      const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
+      if (row < k_rows) {{
+        dk[dk_row0 + (long long)row * {p.dk_strides[2]}LL + column] = grad_from_float(SCALE * dk_acc[t][c]);
+        dv[dv_row0 + (long long)row * {p.dv_strides[2]}LL + column] = grad_from_float(dv_acc[t][c]);
+      }}
+    }}
+  }}"""
+
+
+def _dq_elementwise() -> str:
+  return _masked_elements("BK", "dS, in place of dP", _DQ_ELEMENT, "q_start + row", "k_start + column")
+
+
+def _dkdv_elementwise() -> str:
+  return _masked_elements("BQ", "P^T in place of S^T, dS^T in place of dP^T", _DKDV_ELEMENT, "q_start + column",
+                          "k_start + row")
+
+
+def _wgmma_elementwise(kernel: str) -> tuple[str, str]:
+  """The wgmma kernels' elementwise step in two: the probabilities (masked where the tile is) and dS (unmasked: P is
+  0 where masked)."""
+  if kernel == DQ_KERNEL:
+    return (_masked_elements("BK", "P, in place of S", _DQ_PROBABILITY, "q_start + row", "k_start + column"),
+            _element_loop("BK", "dS, in place of dP", _DQ_GRADIENT, "", "", False))
+  return (_masked_elements("BQ", "P^T, in place of S^T", _DKDV_PROBABILITY, "q_start + column", "k_start + row"),
+          _element_loop("BQ", "dS^T, in place of dP^T", _DKDV_GRADIENT, "", "", False))
+
+
+def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False) -> str:
+  """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`.
+
+  The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
+  block's work grows with its Q tile, so blockIdx.y numbers the Q tiles from the last down (the longest start first)."""
+  p = plan
+  entry = _entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes, p.dq_registers), DQ_KERNEL, device_function)
+  if p.mma == "wgmma":
+    held = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
+    return _header(p, p.dq_shared_bytes, p.block_q, p.dq_stream) + attention_backward_wgmma.wgmma_helpers(
+      p, DQ_KERNEL) + attention_backward_wgmma.dq_body(p, entry, _dq_prologue(p), _delta_lines(p), held,
+                                                         *_wgmma_elementwise(DQ_KERNEL), _dq_store(p))
+  held_loads = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
+  round_owned = _rounded(p, "after delta, which reads dO unrounded", ("q_tile", "BQ"), ("do_tile", "BQ"))
+  round_streamed = _rounded(p, "", ("k_tiles + (tile & 1) * BK * PITCH", "BK"),
+                            ("v_tiles + (tile & 1) * BK * PITCH", "BK"), indent=4)
+  body = f"""
+{entry}(const elem_t* __restrict__ q,
+    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
+    const elem_t* __restrict__ dout, const float* __restrict__ lse, grad_t* __restrict__ dq,
+    float* __restrict__ delta) {{
+  elem_t* q_tile = (elem_t*)shared_bytes;               // BQ x PITCH
+  elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
+  elem_t* k_tiles = do_tile + BQ * PITCH;               // 2 x BK x PITCH
+  elem_t* v_tiles = k_tiles + 2 * BK * PITCH;           // 2 x BK x PITCH
+  float* lse_tile = (float*)(v_tiles + 2 * BK * PITCH);  // BQ
+  float* delta_tile = lse_tile + BQ;                    // BQ
+{_dq_prologue(p)}
   load_tile(k_tiles, k + k_base, {p.k_strides[2]}LL, min(BK, S), BK);
   load_tile(v_tiles, v + v_base, {p.v_strides[2]}LL, min(BK, S), BK);
   copy_async_commit();
@@ -513,20 +600,11 @@ def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False)
     {_owned_product(p.dq_held, "BK", "dp", "do_held", "do_tile", "v_tile")}   // dO V^T
     // mask only the tiles that need it: keys past S, rows past L, or (causal) keys past the tile's first query
     const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);
-{_masked_elements("BK", "dS, in place of dP", _DQ_ELEMENT, "q_start + row", "k_start + column")}
+{_dq_elementwise()}
     warp_mma_c<D / 8, BK, PITCH, 1>(dq_acc, dp, k_tile);   // dS K, dS from registers
     __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }}
-  const long long dq_row0 = {_offset(p.dq_strides, "batch", "head")} + (long long)q_start * {p.dq_strides[2]}LL;
-#pragma unroll
-  for (int t = 0; t < D / 8; t++) {{
-#pragma unroll
-    for (int c = 0; c < 4; c++) {{
-      const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
-      if (row < q_rows)
-        dq[dq_row0 + (long long)row * {p.dq_strides[2]}LL + column] = grad_from_float(SCALE * dq_acc[t][c]);
-    }}
-  }}
+{_dq_store(p)}
 }}
 """
   return _header(plan, plan.dq_shared_bytes, plan.block_q, plan.dq_stream) + body
@@ -538,14 +616,19 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   The block's iterations run over (query head of its group, Q tile) pairs; their Q, dO, LSE and delta tiles are
   double-buffered: the copies of iteration n + 1 are in flight while iteration n is multiplied."""
   p = plan
+  entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
+                 device_function)
+  if p.mma == "wgmma":
+    held = _held_loads(p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
+    return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(
+      p, DKDV_KERNEL) + attention_backward_wgmma.dkdv_body(p, entry, _dkdv_prologue(p, p.dkdv_held), held,
+                                                             *_wgmma_elementwise(DKDV_KERNEL), _dkdv_store(p))
   # K and V have landed (their copy group is the older one) before their fragments are held
   held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.dkdv_held else "") + _held_loads(
     p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
   round_owned = _rounded(p, "", ("k_tile", "BK"), ("v_tile", "BK"), wait=True)
   round_streamed = _rounded(p, "", ("q_buffers + (iteration & 1) * BQ * PITCH", "BQ"),
                             ("do_buffers + (iteration & 1) * BQ * PITCH", "BQ"), indent=4)
-  entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
-                 device_function)
   body = f"""
 __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_first, int batch, int kv_head,
     const elem_t* q, const elem_t* dout, const float* lse, const float* delta, elem_t* q_tile, elem_t* do_tile,
@@ -575,17 +658,7 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
   elem_t* do_buffers = q_buffers + 2 * BQ * PITCH;     // 2 x BQ x PITCH
   float* lse_buffers = (float*)(do_buffers + 2 * BQ * PITCH);  // 2 x BQ
   float* delta_buffers = lse_buffers + 2 * BQ;         // 2 x BQ
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
-  const int k_start = blockIdx.y * BK, batch = blockIdx.x / KVH, kv_head = blockIdx.x % KVH;   // the longest first
-  const int k_rows = min(BK, S - k_start);
-  const long long k_row0 = {_offset(p.k_strides, "batch", "kv_head")} + (long long)k_start * {p.k_strides[2]}LL;
-  const long long v_row0 = {_offset(p.v_strides, "batch", "kv_head")} + (long long)k_start * {p.v_strides[2]}LL;
-  // a causal Q tile whose last query precedes this block's first key is dead
-  const int q_first = CAUSAL ? (k_start / BQ) * BQ : 0;
-  const int q_tiles = q_first < L ? (L - q_first + BQ - 1) / BQ : 0;
-  const int iterations = GROUP * q_tiles;
-  load_tile(k_tile, k + k_row0, {p.k_strides[2]}LL, k_rows, BK);
-  load_tile(v_tile, v + v_row0, {p.v_strides[2]}LL, k_rows, BK);
+{_dkdv_prologue(p)}
   copy_async_commit();   // K and V: a group of their own, waited for first
   if (iterations > 0)
     load_q_tiles(0, q_tiles, q_first, batch, kv_head, q, dout, lse, delta, q_buffers, do_buffers, lse_buffers,
@@ -619,26 +692,13 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
     {_owned_product(p.dkdv_held, "BQ", "dpt", "v_held", "v_tile", "do_tile")}  // V dO^T = dP^T
     // mask only the tiles that need it: keys past S, queries past L, or (causal) keys past the tile's first query
     const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);
-{_masked_elements("BQ", "P^T in place of S^T, dS^T in place of dP^T", _DKDV_ELEMENT, "q_start + column",
-                  "k_start + row")}
+{_dkdv_elementwise()}
     warp_mma_c<D / 8, BQ, PITCH, 1>(dv_acc, st, do_tile);    // P^T dO, P^T from registers
     warp_mma_c<D / 8, BQ, PITCH, 1>(dk_acc, dpt, q_tile);    // dS^T Q, dS^T from registers
     __syncthreads();  // every warp is done with this buffer before the next iteration refills it
   }}
   copy_async_wait<0>();  // a block without live Q tiles still has its K/V copies in flight
-  const long long dk_row0 = {_offset(p.dk_strides, "batch", "kv_head")} + (long long)k_start * {p.dk_strides[2]}LL;
-  const long long dv_row0 = {_offset(p.dv_strides, "batch", "kv_head")} + (long long)k_start * {p.dv_strides[2]}LL;
-#pragma unroll
-  for (int t = 0; t < D / 8; t++) {{
-#pragma unroll
-    for (int c = 0; c < 4; c++) {{
-      const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
-      if (row < k_rows) {{
-        dk[dk_row0 + (long long)row * {p.dk_strides[2]}LL + column] = grad_from_float(SCALE * dk_acc[t][c]);
-        dv[dv_row0 + (long long)row * {p.dv_strides[2]}LL + column] = grad_from_float(dv_acc[t][c]);
-      }}
-    }}
-  }}
+{_dkdv_store(p)}
 }}
 """
   return _header(plan, plan.dkdv_shared_bytes, plan.dkdv_stream, plan.block_kv) + body

@@ -5,9 +5,11 @@ kernels of a plan; its module docstring describes them)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ourgrad.codegen.attention_wgmma import WARPGROUP_ROWS, wgmma_refusal
+from ourgrad.codegen.wgmma_copies import ATOM_BYTES
 from ourgrad.codegen.wgmma_tiles import ITEMSIZE
 from ourgrad.errors import DTypeError, ShapeError
 
@@ -22,6 +24,7 @@ LOG2E = 1.4426950408889634
 # memory the driver reserves per resident block (sm_80+)
 REGISTERS_PER_SM, REGISTER_FLOOR, REGISTERS_BESIDE_ACCUMULATORS, BLOCK_RESERVED_SHARED = 65536, 128, 40, 1024
 DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
+WGMMA_MAX_HEAD_DIM = 128   # the largest head the wgmma kernels are chosen for (`with_device_mma`)
 
 
 def contiguous_strides(heads: int, rows: int, head_dim: int) -> Strides:
@@ -66,6 +69,10 @@ class AttentionBackwardPlan:
   dq_held: bool = False       # the dQ kernel's owned Q and dO A fragments kept in registers across its loop
   dkdv_held: bool = False     # the dK/dV kernel's owned K and V A fragments kept in registers across its loop
   grad_float32: bool = False  # dq, dk, dv written as float32 (the sums unrounded) instead of in plan.dtype
+  mma: str = "mma_sync"       # "wgmma": warpgroup MMAs on sm_90 (codegen/attention_backward_wgmma.py), 16-bit only
+  # wgmma: each iteration's last product runs on into the next one's (3 stages, not 2); ptxas (CUDA 12.x) serializes
+  # its wgmmas (C7515: accumulators defined by other instructions while in flight)
+  wgmma_overlap: bool = False
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -83,6 +90,15 @@ class AttentionBackwardPlan:
       size = getattr(self, name)
       if size % WARP_ROWS or size < 0 or (size == 0 and name.startswith("block")):
         raise ShapeError(f"{name} must be a positive multiple of {WARP_ROWS}, got {size}")
+    if self.mma not in ("mma_sync", "wgmma"):
+      raise ShapeError(f"attention backward mma {self.mma!r}: want mma_sync or wgmma")
+    if self.mma == "wgmma":
+      refusal = wgmma_refusal(self.dtype, self.head_dim, self.vector_width > 1)
+      if refusal is not None: raise ShapeError(f"wgmma attention backward refuses {refusal}")
+      streams = (self.dq_stream, self.dkdv_stream)
+      if self.block_q % WARPGROUP_ROWS or self.block_kv % WARPGROUP_ROWS or max(streams) > 256:
+        raise ShapeError(f"wgmma attention backward owns whole warpgroups of {WARPGROUP_ROWS} rows and streams at most "
+                         f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
 
   @staticmethod
   def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
@@ -161,9 +177,26 @@ class AttentionBackwardPlan:
   @property
   def dq_shared_bytes(self) -> int:
     """Q and dO tiles, two K and V tiles (double-buffered), then LSE and delta of the block's rows (dS stays in
-    registers)."""
+    registers). wgmma: the K and V tiles swizzled after the rest (`wgmma_shared_bytes`)."""
+    if self.mma == "wgmma":   # (without dq_held: Q and dO in swizzled tiles too)
+      owned = 0 if self.dq_held else 2 * self.block_q * self.head_dim * self.itemsize
+      return self.wgmma_shared_bytes(self.block_q, 2 * self.block_q * 4, self.dq_stream) + owned
     tiles = 2 * self.block_q * self.row_pitch + 4 * self.dq_stream * self.row_pitch
     return tiles * self.itemsize + 2 * self.block_q * 4
+
+  @property
+  def wgmma_stages(self) -> int:
+    """Stages of the wgmma kernels' streamed tiles: 3 where a stage's last product may still run in the next
+    iteration (`wgmma_overlap`), else 2."""
+    return 3 if self.wgmma_overlap else 2
+
+  def wgmma_shared_bytes(self, owned: int, row_bytes: int, streamed: int) -> int:
+    """A wgmma kernel's shared memory: its two owned tiles of `owned` rows (padded rows: the A fragments held in
+    registers are read from them, and the dQ kernel's delta), `row_bytes` of float rows, then, from the next 1024-byte
+    atom (the 128-byte swizzle is a function of address bits 7-9), `wgmma_stages` stages of the two streamed tiles of
+    `streamed` rows of 128-byte swizzled pieces (codegen/attention_wgmma.staged_offset)."""
+    streamed_bytes = 2 * self.wgmma_stages * streamed * self.head_dim * self.itemsize
+    return 2 * owned * self.row_pitch * self.itemsize + row_bytes + streamed_bytes + ATOM_BYTES
 
   @property
   def dkdv_grid(self) -> tuple[int, int, int]:
@@ -178,18 +211,25 @@ class AttentionBackwardPlan:
     """K and V tiles, two Q and dO tiles (double-buffered), then two LSE and delta rows of a Q tile (P^T and dS^T stay
     in registers)."""
     stream = self.dkdv_stream
+    if self.mma == "wgmma":   # (without dkdv_held K and V swizzled: no padding, the same bytes at most)
+      return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream)
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
 
   @property
   def dq_registers(self) -> int:
     """Registers a dQ thread needs: its share of the dQ accumulators (16 x D a warp) and of S and dP (16 x stream)."""
-    return max(REGISTER_FLOOR, self.head_dim // 2 + self.dq_stream + REGISTERS_BESIDE_ACCUMULATORS)
+    held = self.head_dim // 2 if self.mma == "wgmma" and self.dq_held else 0   # wgmma: Q's and dO's A fragments
+    return max(REGISTER_FLOOR, self.head_dim // 2 + self.dq_stream + held + REGISTERS_BESIDE_ACCUMULATORS)
 
   @property
   def dkdv_registers(self) -> int:
     """Registers a dK/dV thread needs: its share of dK and dV (16 x D each a warp) and of S^T and dP^T (16 x stream)."""
-    return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + REGISTERS_BESIDE_ACCUMULATORS)
+    if self.mma != "wgmma": return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + REGISTERS_BESIDE_ACCUMULATORS)
+    # wgmma: also P^T's packed A fragments (stream / 4), in flight while dS^T is computed (a tighter bound makes
+    # ptxas serialize the wgmmas), and K's and V's A fragments where held (D / 2)
+    held = self.head_dim // 2 if self.dkdv_held else 0
+    return self.head_dim + self.dkdv_stream + self.dkdv_stream // 4 + held + REGISTERS_BESIDE_ACCUMULATORS
 
   def launch_bounds(self, threads: int, shared_bytes: int, registers: int) -> str:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
@@ -199,6 +239,22 @@ class AttentionBackwardPlan:
     by_shared = self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED)
     resident = min(by_shared, REGISTERS_PER_SM // (threads * registers))
     return f"__launch_bounds__({threads}, {resident})" if resident > 1 else f"__launch_bounds__({threads})"
+
+  def with_device_mma(self, has_wgmma: bool) -> AttentionBackwardPlan:
+    """This plan on wgmma (mma "wgmma", its blocks rounded up to whole warpgroups) where the device has it and the
+    wgmma kernels take its operands (16-bit, D 64 or 128, 16-byte aligned rows), else unchanged. At D = 64 the
+    dQ kernel streams 32 keys (Q and dO held) and the dK/dV kernel 128 queries (K and V read by descriptor).
+    H200, causal B=4 H=12 D=64 bfloat16, each kernel alone (extra/bench/results/sweep_attention_backward_h200_s14_2.txt,
+    T = 1024 / 4096): dQ 0.040 / 0.387 ms (mma.sync 0.052 / 0.571), dK/dV 0.059 / 0.546 (0.073 / 0.800); held A
+    fragments with 64-row streams gave wrong gradients on the GPU (not on the host harness: not understood), so no
+    default takes them."""
+    if not has_wgmma or wgmma_refusal(self.dtype, self.head_dim, self.vector_width > 1) is not None: return self
+    # over D = 128 the dK and dV accumulators (D / 2 registers a thread each) would not fit beside the rest
+    if self.head_dim > WGMMA_MAX_HEAD_DIM: return self
+    def whole(rows: int) -> int: return -(-rows // WARPGROUP_ROWS) * WARPGROUP_ROWS
+    streams = {"stream_kv": 32, "stream_q": 128} if self.head_dim == 64 else {}
+    return replace(self, mma="wgmma", block_q=whole(self.block_q), block_kv=whole(self.block_kv), dq_held=True,
+                   dkdv_held=False, **streams)
 
   def fits(self, max_shared_bytes: int) -> bool:
     """Whether both kernels' shared memory fits a block's limit (the device's opt-in maximum)."""

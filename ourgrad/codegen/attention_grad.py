@@ -30,7 +30,7 @@ from ourgrad.codegen.attention_backward_plan import (BLOCK_RESERVED_SHARED, DKDV
                                                      AttentionBackwardPlan, KernelLaunch, contiguous_strides,
                                                      default_blocks)
 from ourgrad.codegen.wgmma_tiles import ITEMSIZE
-from ourgrad.helpers import DEBUG
+from ourgrad.helpers import DEBUG, env_var
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 
 # a launch parameter bound to a kernel argument: (parameter name, argument index, offset into that buffer in elements
@@ -43,6 +43,9 @@ PARAMETER_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", 
 SOURCES = {Ops.ATTENTION_DQ: ("q", "k", "v", "fwd", "do"),
            Ops.ATTENTION_DKDV: ("q", "k", "v", "do", "fwd", "dq_buffer")}
 KERNELS = {Ops.ATTENTION_DQ: DQ_KERNEL, Ops.ATTENTION_DKDV: DKDV_KERNEL}
+ATTENTION_BACKWARD_WGMMA = env_var("ATTENTION_BACKWARD_WGMMA", 1, "0: the fused attention backward of "
+                                   "float16/bfloat16 on sm_90 runs on mma.sync instead of wgmma "
+                                   "(codegen/attention_backward_wgmma.py)")
 
 
 def is_attention_grad(ast: LazyOp) -> bool:
@@ -51,10 +54,11 @@ def is_attention_grad(ast: LazyOp) -> bool:
 
 
 def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: str, causal: bool, scale: float,
-                  shared_per_sm: int, packed: bool = False) -> AttentionBackwardPlan:
+                  shared_per_sm: int, packed: bool = False, has_wgmma: bool = False) -> AttentionBackwardPlan:
   """The plan for views (ShapeTracker Views) q, do (B, H, L, D) and k, v (B, Hk, S, D), their last dim contiguous,
   reading O (in the operands' dtype) and LSE (float32, after O's bytes) from the forward's buffer and writing the
-  gradients contiguous in the operands' dtype, or (`packed`) through q, k and v's own strides."""
+  gradients contiguous in the operands' dtype, or (`packed`) through q, k and v's own strides. On a device with
+  wgmma (`has_wgmma`: sm_90) its kernels run on warpgroup MMAs where the plan allows (`with_device_mma`)."""
   batch, heads, length, head_dim = q_view.shape
   kv_heads, source = k_view.shape[1], k_view.shape[2]
   strides = [tuple(int(stride) for stride in view.strides[:3]) for view in (q_view, k_view, v_view, do_view)]
@@ -64,7 +68,8 @@ def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: st
     batch, heads, kv_heads, length, source, head_dim, dtype, causal, scale, strides[0], strides[1], strides[2],
     (length * heads * head_dim, head_dim, heads * head_dim), strides[3], *grads,
     (heads * length, length, 1), lse_offset=batch * length * heads * head_dim * ITEMSIZE[dtype] // 4, o_dtype=dtype,
-    shared_per_sm=shared_per_sm, **default_blocks(head_dim, dtype))
+    shared_per_sm=shared_per_sm, **default_blocks(head_dim, dtype)).with_device_mma(
+      has_wgmma and bool(ATTENTION_BACKWARD_WGMMA))
 
 
 class AttentionGradKernel:
@@ -86,7 +91,7 @@ class AttentionGradKernel:
     views = {name: load.arg.st.views[0] for name, load in load_of.items()}
     shared_per_sm = renderer.dynamic_local_memory_bytes + BLOCK_RESERVED_SHARED
     self.plan = backward_plan(views["q"], views["k"], views["v"], views["do"], load_of["q"].dtype.name, causal,
-                              scale, shared_per_sm, packed)
+                              scale, shared_per_sm, packed, getattr(renderer, "has_wgmma", False))
     self.kernel = KERNELS[op.op]
     self.launch: KernelLaunch = next(launch for launch in launches(self.plan) if launch.name == self.kernel)
     p = self.plan

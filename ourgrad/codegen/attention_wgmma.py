@@ -166,13 +166,21 @@ def _wgmma_shared_a_function(name: str, n: int, ptx_type: str) -> str:
           f'  asm volatile("{instruction}"\n    : {outputs}\n    : "l"(a), "l"(b), "r"(accumulate));\n}}\n')
 
 
+def product_helpers(scores_n: int, head_dim: int, ptx_type: str, shared_a: bool = False) -> str:
+  """The PTX helpers of attention's two wgmma shapes: `wgmma_scores` (n = scores_n, K-major B: a tile of rows whose D
+  is contiguous, as K in S = Q K^T; A from registers, or (`shared_a`) from shared memory) and `wgmma_values` (n =
+  head_dim, transposed B: such a tile read along its rows, as V in O += P V), with the descriptors, swizzled cp.async
+  copies to a shared address, and the fences and waits. The backward's kernels (codegen/attention_backward_wgmma.py)
+  multiply by the same two shapes."""
+  scores = (_wgmma_shared_a_function("wgmma_scores", scores_n, ptx_type) if shared_a else
+            _wgmma_function("wgmma_scores", scores_n, ptx_type, 0))
+  return _WGMMA_SYNC_HELPERS + scores + _wgmma_function("wgmma_values", head_dim, ptx_type, 1)
+
+
 def wgmma_helpers(plan: AttentionPlan, ptx_type: str) -> str:
-  """The wgmma kernel's PTX helpers: the two wgmma shapes (S: n = block_n, K-major B, A from registers or (q_shared)
-  shared memory; O: n = D, transposed B), descriptors, swizzled cp.async copies to a shared address, and the fences
-  and waits."""
-  scores = (_wgmma_shared_a_function("wgmma_scores", plan.block_n, ptx_type) if plan.q_shared else
-            _wgmma_function("wgmma_scores", plan.block_n, ptx_type, 0))
-  return _WGMMA_SYNC_HELPERS + scores + _wgmma_function("wgmma_values", plan.head_dim, ptx_type, 1)
+  """The wgmma kernel's PTX helpers (`product_helpers`): S's n = block_n, A from registers or (q_shared) shared
+  memory; O's n = D."""
+  return product_helpers(plan.block_n, plan.head_dim, ptx_type, plan.q_shared)
 
 
 def copy_q_lines(plan: AttentionPlan) -> list[str]:
@@ -227,18 +235,24 @@ def _scores_issue_lines(plan: AttentionPlan) -> list[str]:
           "    wgmma_commit();"]
 
 
-def _pack_lines(plan: AttentionPlan, declare: bool) -> list[str]:
-  """P's A fragments of every 16 keys (two neighbouring n tiles of S's accumulators packed to 16 bits), all before
-  the wgmmas that read them: a wgmma's registers must stay as they are until it is waited for."""
-  steps = plan.block_n // 16
-  return [*([f"    unsigned p[{steps}][4];"] if declare else []),
+def pack_lines(source: str, target: str, columns: int, declare: bool) -> list[str]:
+  """The A fragments `target`[columns / 16][4] of a 64 x `columns` accumulator tile `source` ([columns / 8][4] a
+  thread: two neighbouring n tiles packed to 16 bits are one k16 A fragment, as for mma.sync), all before the wgmmas
+  that read them: a wgmma's registers must stay as they are until it is waited for."""
+  steps = columns // 16
+  return [*([f"    unsigned {target}[{steps}][4];"] if declare else []),
           "#pragma unroll",
           f"    for (int kk = 0; kk < {steps}; kk++) {{",
-          "      p[kk][0] = pack_floats(scores[0][2 * kk][0], scores[0][2 * kk][1]);",
-          "      p[kk][1] = pack_floats(scores[0][2 * kk][2], scores[0][2 * kk][3]);",
-          "      p[kk][2] = pack_floats(scores[0][2 * kk + 1][0], scores[0][2 * kk + 1][1]);",
-          "      p[kk][3] = pack_floats(scores[0][2 * kk + 1][2], scores[0][2 * kk + 1][3]);",
+          f"      {target}[kk][0] = pack_floats({source}[2 * kk][0], {source}[2 * kk][1]);",
+          f"      {target}[kk][1] = pack_floats({source}[2 * kk][2], {source}[2 * kk][3]);",
+          f"      {target}[kk][2] = pack_floats({source}[2 * kk + 1][0], {source}[2 * kk + 1][1]);",
+          f"      {target}[kk][3] = pack_floats({source}[2 * kk + 1][2], {source}[2 * kk + 1][3]);",
           "    }"]
+
+
+def _pack_lines(plan: AttentionPlan, declare: bool) -> list[str]:
+  """P's A fragments of every 16 keys (`pack_lines` of S's accumulators)."""
+  return pack_lines("scores[0]", "p", plan.block_n, declare)
 
 
 def _values_issue_lines(plan: AttentionPlan, values: str, indent: str = "    ") -> list[str]:

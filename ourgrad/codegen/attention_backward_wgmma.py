@@ -1,0 +1,306 @@
+"""The flash-attention backward's kernels on Hopper's warpgroup MMA (wgmma, sm_90a) for float16/bfloat16 operands:
+the parts of codegen/attention_backward.py's kernels that differ when their plan says `mma="wgmma"` (that module
+renders the header, the masks and elementwise steps, delta and the stores, the same for both).
+
+A block is block_q / 64 (dQ) or block_kv / 64 (dK/dV) warpgroups, warp w owning rows 16 w.. as in the mma.sync
+kernels, so the accumulators (wgmma_tiles.accumulator_position: element 4 n + i is the mma.sync kernels' acc[n][i])
+and the elementwise steps between the products are theirs, unchanged. Every product is one of the two wgmma shapes
+of the forward (codegen/attention_wgmma.py `product_helpers`):
+
+- the owned tile's rows (dQ: Q and dO; dK/dV: K and V) are copied once into padded shared tiles and their A
+  fragments (the m16n8k16 A fragments of the warp's 16 rows, which are wgmma's register A) held in registers; or
+  (without the plan's dq_held / dkdv_held) into swizzled tiles read as A through K-major descriptors (as the
+  forward's q_shared; the dQ kernel copies its padded tiles too, which delta reads);
+- the streamed tiles (dQ: K and V of `stream_kv` keys; dK/dV: Q and dO of `stream_q` queries) go by cp.async into
+  plan.wgmma_stages stages of 128-byte-swizzled tiles (attention_wgmma.staged_offset), rows whose D is contiguous: as
+  K in the forward they are the K-major B of the "scores" shape (`wgmma_scores`, n = the stream), and as V the
+  transposed B of the "values" shape (`wgmma_values`, n = D);
+- dQ kernel: S = Q K^T and dP = dO V^T (scores shape: B = K, V), dQ += dS K (values shape: A = dS packed from the
+  accumulators, B = K transposed); dK/dV kernel: S^T = K Q^T and dP^T = V dO^T (B = Q, dO), dV += P^T dO and
+  dK += dS^T Q (A = P^T, dS^T from registers, B = dO, Q transposed).
+
+A loop iteration: wait for its stage's copies, fence.proxy.async (cp.async writes seen by the tensor cores), a
+barrier, the next stage's copies issued (its stage last read one iteration back, or two with `wgmma_overlap`: waited
+for by every thread before the barrier), the two scores products issued as two groups; the probabilities computed
+once the first has landed (while the second runs), the gradients once the second has (the dK/dV kernel's
+dV += P^T dO running meanwhile), then the last values product issued and waited for (`wgmma_overlap`: left running
+into the next iteration's scores products). The dK/dV kernel's stages also hold the Q tile's LSE and delta rows
+(float, `row_buffers`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ourgrad.codegen.attention_backward_plan import DQ_KERNEL
+from ourgrad.codegen.attention_wgmma import (key_slice_start, key_strides, pack_lines, product_helpers, staged_offset,
+                                             value_slice_start, value_strides)
+from ourgrad.codegen.wgmma_copies import ROW_BYTES
+from ourgrad.codegen.wgmma_tiles import PTX_TYPE, CExpr
+
+if TYPE_CHECKING:
+  from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
+
+# pins accumulators to their registers at a point of the program (CUTLASS's warpgroup_fence_operand): without it
+# NVVM may copy an accumulator between the wgmmas of a chain while they are in flight, and ptxas then waits for them
+# (C7517/C7511: "wgmma ... serialized")
+ACCUMULATOR_FENCE = """template <int N> __device__ __forceinline__ void fence_accumulators(float (&acc)[N][4]) {
+#pragma unroll
+  for (int t = 0; t < N; t++)
+#pragma unroll
+    for (int c = 0; c < 4; c++) asm volatile("" : "+f"(acc[t][c]) :: "memory");
+}
+"""
+
+
+def wgmma_helpers(plan: AttentionBackwardPlan, kernel: str) -> str:
+  """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = its stream, A from registers or (without the
+  plan's dq_held / dkdv_held) shared memory, values n = D; the accumulator fence."""
+  stream = plan.dq_stream if kernel == DQ_KERNEL else plan.dkdv_stream
+  shared_a = not (plan.dq_held if kernel == DQ_KERNEL else plan.dkdv_held)
+  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype], shared_a) + ACCUMULATOR_FENCE
+
+
+def _tile_bytes(plan: AttentionBackwardPlan, rows: int) -> int:
+  return rows * plan.head_dim * plan.itemsize
+
+
+def copy_stage_lines(plan: AttentionBackwardPlan, rows: int, first_row: str, valid: str,
+                     tiles: tuple[tuple[str, str, int], tuple[str, str, int]]) -> list[str]:
+  """Copies (one 16-byte cp.async a piece) of rows [0, `rows`) of two tiles into their swizzled stage tiles: each
+  (shared address of the stage tile, first element of row `first_row` in global memory, row stride), rows from
+  `valid` on as zeros (a zero-filled copy still names row `first_row`'s address)."""
+  pieces = plan.head_dim // 8
+  target = staged_offset(rows, CExpr("row"), CExpr("column"))
+  return [f"    for (int piece = threadIdx.x; piece < {rows * pieces}; piece += blockDim.x) {{",
+          f"      const int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
+          f"      const bool inside = row < {valid};",
+          "      const long long clamped = inside ? row : 0;",
+          f"      const unsigned target = {target};",
+          *(f"      stage16({stage} + target, {source} + clamped * {stride}LL + column, inside);"
+            for stage, source, stride in tiles),
+          "    }"]
+
+
+def scores_lines(plan: AttentionBackwardPlan, stream: int, products: tuple[tuple[str, str, str], ...]) -> list[str]:
+  """Each (accumulators, A: held fragments, or a descriptor of D's k16 slice `j` in shared memory, shared address of
+  a stage tile) product of the scores shape issued as a group of its own (one wgmma per 16 of D, the first not
+  adding): accumulators (64 x stream a warpgroup) = A's rows @ the tile's rows^T. Groups complete in order:
+  wgmma_wait_one leaves the last in flight."""
+  lbo, sbo = key_strides()
+  start = key_slice_start(stream, CExpr("j"))
+  lines = [f"    float {acc}[{stream // 8}][4];" for acc, _, _ in products] + ["    wgmma_fence();"]
+  for acc, held, tile in products:
+    lines += ["#pragma unroll",
+              f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
+              f"      wgmma_scores(&{acc}[0][0], {held if '(' in held else held + '[j]'}, "
+      f"wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), j > 0);",
+              "    wgmma_commit();",
+              f"    fence_accumulators({acc});"]
+  return lines
+
+
+def values_lines(stream: int, acc: str, source: str, packed: str, tile: str) -> list[str]:
+  """A product of the values shape issued as a group: the accumulator tile `source` of an earlier product packed
+  into A fragments `packed`, then accumulators `acc` (64 x D) += that tile @ the stage tile at shared address `tile`
+  (one wgmma per 16 of its rows). `packed` and `acc` stay untouched until the group is waited for."""
+  lbo, sbo = value_strides(stream)
+  start = value_slice_start(CExpr("kk"))
+  return [*pack_lines(source, packed, stream, declare=True),
+          "    wgmma_fence();",
+          f"    fence_accumulators({acc});",
+          "#pragma unroll",
+          f"    for (int kk = 0; kk < {stream // 16}; kk++)",
+          f"      wgmma_values(&{acc}[0][0], {packed}[kk], wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), 1);",
+          "    wgmma_commit();",
+          f"    fence_accumulators({acc});"]
+
+
+def _last_wait(plan: AttentionBackwardPlan, *accumulators: str) -> list[str]:
+  """The end of the loop: its last product waited for, or (`wgmma_overlap`) left in flight into the next iteration's
+  scores products (whose first wait finds it done: groups complete in order) and waited for after the loop. Its
+  stage is not refilled before then: with 3 stages the next copy into it is issued two iterations on, past a barrier
+  that every thread reaches after that wait."""
+  fences = [f"    fence_accumulators({acc});" for acc in accumulators]
+  if not plan.wgmma_overlap: return ["    wgmma_wait_all();", *fences, "  }"]
+  return ["  }", "  wgmma_wait_all();", *(fence[2:] for fence in fences)]
+
+
+def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: str, stage: str) -> str:
+  """C declaring the shared addresses `first` and `second` of stage `stage`'s two tiles of `rows` rows."""
+  tile = _tile_bytes(plan, rows)
+  return f"const unsigned {first} = stages + ({stage}) * {2 * tile}u, {second} = {first} + {tile}u;"
+
+
+def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads: str, probabilities: str,
+              gradients: str, store: str) -> str:
+  """The dK/dV kernel (the parameters of attention_backward's): `prologue` (the block's keys and Q tiles), K and V
+  held, the loop over (query head, Q tile) iterations, `probabilities` (P^T in place of S^T, masked) and `gradients`
+  (dS^T in place of dP^T), `store`. In an iteration dP^T runs while P^T is computed, and dV += P^T dO while dS^T is."""
+  p, stream = plan, plan.dkdv_stream
+  q_stride, do_stride, lse_stride = p.q_strides[2], p.do_strides[2], p.lse_strides[2]
+  copy = copy_stage_lines(p, stream, "q_start", "q_rows", (("q_stage", "q + q_row0", q_stride),
+                                                            ("do_stage", "dout + do_row0", do_stride)))
+  offset = "(long long)batch * {0}LL + (long long)head * {1}LL"
+  if p.dkdv_held:   # K's and V's A fragments in registers, loaded from padded tiles
+    owned = ["  elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH",
+             "  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH",
+             "  float* row_buffers = (float*)(v_tile + BK * PITCH);  // a stage's LSE and delta rows: 2 x stages x BQ",
+             "  // the stages' swizzled Q and dO tiles from the next 1024-byte atom",
+             f"  const unsigned stages = (shared_address(row_buffers + {2 * p.wgmma_stages} * BQ) + 1023u) & ~1023u;",
+             prologue]
+    scores = scores_lines(p, stream, (("st", "k_held", "q_stage"), ("dpt", "v_held", "do_stage")))
+  else:   # K and V in swizzled tiles before the stages, A read through descriptors (fewer registers)
+    owned_bytes = _tile_bytes(p, p.block_kv)
+    owned = ["  float* row_buffers = (float*)shared_bytes;   // a stage's LSE and delta rows: 2 x stages x BQ",
+             "  // the swizzled K and V tiles from the next 1024-byte atom, then the stages' Q and dO tiles",
+             f"  const unsigned k_owned = (shared_address(row_buffers + {2 * p.wgmma_stages} * BQ) + 1023u) & ~1023u;",
+             f"  const unsigned v_owned = k_owned + {owned_bytes}u, stages = v_owned + {owned_bytes}u;",
+             prologue,
+             *copy_stage_lines(p, p.block_kv, "k_start", "k_rows", (("k_owned", "k + k_row0", p.k_strides[2]),
+                                                                    ("v_owned", "v + v_row0", p.v_strides[2])))]
+    lbo, sbo = key_strides()
+    # this warpgroup's 64 rows of the owned tile, D's k16 slice j
+    rows = f"(threadIdx.x / 128) * {64 * ROW_BYTES} + {key_slice_start(p.block_kv, CExpr('j'))}"
+    scores = scores_lines(p, stream, ((("st", f"wgmma_descriptor(k_owned + {rows}, {lbo}, {sbo})", "q_stage"),
+                                       ("dpt", f"wgmma_descriptor(v_owned + {rows}, {lbo}, {sbo})", "do_stage"))))
+  body = "\n".join([
+    f"{entry}(const elem_t* __restrict__ q,",
+    "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,",
+    "    const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,",
+    "    grad_t* __restrict__ dv) {",
+    *owned,
+    "  copy_async_commit();   // K and V: a group of their own",
+    "  // the Q and dO tiles, LSE and delta rows of iteration `iteration` into stage `stage`, not committed",
+    "  auto copy_stage = [&](int iteration, int stage) {",
+    "    const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
+    "    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;",
+    "    const int q_rows = min(BQ, L - q_start);",
+    f"    const long long q_row0 = {offset.format(*p.q_strides[:2])} + (long long)q_start * {q_stride}LL;",
+    f"    const long long do_row0 = {offset.format(*p.do_strides[:2])} + (long long)q_start * {do_stride}LL;",
+    f"    const long long lse_row0 = {p.lse_offset}LL + {offset.format(*p.lse_strides[:2])} + "
+    f"(long long)q_start * {lse_stride}LL;",
+    f"    {stage_addresses(p, stream, 'q_stage', 'do_stage', 'stage')}",
+    *copy,
+    f"    load_row(row_buffers + stage * 2 * BQ, lse + lse_row0, {lse_stride}LL, q_rows, BQ);",
+    "    load_row(row_buffers + stage * 2 * BQ + BQ, delta + ((long long)batch * H + head) * L + q_start, 1, q_rows,",
+    "             BQ);",
+    "  };",
+    "  if (iterations > 0) copy_stage(0, 0);",
+    "  copy_async_commit();",
+    "  copy_async_wait<1>();   // K and V have landed",
+    "  __syncthreads();",
+    held_loads,
+    "  float dk_acc[D / 8][4], dv_acc[D / 8][4];",
+    "#pragma unroll",
+    "  for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) { dk_acc[t][c] = 0.0f; dv_acc[t][c] = 0.0f; }",
+    "  for (int iteration = 0; iteration < iterations; iteration++) {",
+    "    copy_async_wait<0>();",
+    "    async_proxy_fence();",
+    "    __syncthreads();   // this stage's copies, by every thread, have landed; the other stage is free",
+    "    if (iteration + 1 < iterations) {",
+    f"      copy_stage(iteration + 1, (iteration + 1) % {p.wgmma_stages});",
+    "      copy_async_commit();",
+    "    }",
+    "    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;",
+    f"    const int stage = iteration % {p.wgmma_stages};",
+    f"    {stage_addresses(p, stream, 'q_stage', 'do_stage', 'stage')}",
+    "    const float* lse_tile = row_buffers + stage * 2 * BQ;",
+    "    const float* delta_tile = lse_tile + BQ;",
+    *scores,
+    "    wgmma_wait_one();   // S^T",
+    "    fence_accumulators(st);",
+    "    // mask only the tiles that need it: keys past S, queries past L, or (causal) keys past its first query",
+    "    const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);",
+    probabilities,
+    *values_lines(stream, "dv_acc", "st", "pt", "do_stage"),
+    "    wgmma_wait_one();   // dP^T",
+    "    fence_accumulators(dpt);",
+    gradients,
+    *values_lines(stream, "dk_acc", "dpt", "dst", "q_stage"),
+    *_last_wait(p, "dv_acc", "dk_acc"),
+    "  copy_async_wait<0>();",
+    store,
+    "}"])
+  return body + "\n"
+
+
+def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, held_loads: str, probabilities: str,
+            gradients: str, store: str) -> str:
+  """The dQ kernel (the parameters of attention_backward's): `prologue` (the block's rows and K/V tiles), Q, dO and
+  LSE copied, `delta`, Q and dO held, the loop over K/V tiles, `probabilities` (P in place of S, masked) and
+  `gradients` (dS in place of dP), `store`. In an iteration dP runs while P is computed."""
+  p, stream = plan, plan.dq_stream
+  k_stride, v_stride = p.k_strides[2], p.v_strides[2]
+  copy = copy_stage_lines(p, stream, "k_first", "S - k_first",
+                          (("k_stage", "k + k_base + (long long)k_first * " + f"{k_stride}LL", k_stride),
+                           ("v_stage", "v + v_base + (long long)k_first * " + f"{v_stride}LL", v_stride)))
+  if p.dq_held:
+    owned = ["  // the stages' swizzled K and V tiles from the next 1024-byte atom",
+             "  const unsigned stages = (shared_address(delta_tile + BQ) + 1023u) & ~1023u;", prologue]
+    scores = scores_lines(p, stream, (("s", "q_held", "k_stage"), ("dp", "do_held", "v_stage")))
+  else:   # Q and dO also in swizzled tiles before the stages, A read through descriptors
+    owned_bytes = _tile_bytes(p, p.block_q)
+    owned = ["  // the swizzled Q and dO tiles from the next 1024-byte atom, then the stages' K and V tiles",
+             "  const unsigned q_owned = (shared_address(delta_tile + BQ) + 1023u) & ~1023u;",
+             f"  const unsigned do_owned = q_owned + {owned_bytes}u, stages = do_owned + {owned_bytes}u;",
+             prologue,
+             *copy_stage_lines(p, p.block_q, "q_start", "q_rows", (("q_owned", "q + q_row0", p.q_strides[2]),
+                                                                   ("do_owned", "dout + do_row0", p.do_strides[2])))]
+    lbo, sbo = key_strides()
+    rows = f"(threadIdx.x / 128) * {64 * ROW_BYTES} + {key_slice_start(p.block_q, CExpr('j'))}"
+    scores = scores_lines(p, stream, ((("s", f"wgmma_descriptor(q_owned + {rows}, {lbo}, {sbo})", "k_stage"),
+                                       ("dp", f"wgmma_descriptor(do_owned + {rows}, {lbo}, {sbo})", "v_stage"))))
+  body = "\n".join([
+    f"{entry}(const elem_t* __restrict__ q,",
+    "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,",
+    "    const elem_t* __restrict__ dout, const float* __restrict__ lse, grad_t* __restrict__ dq,",
+    "    float* __restrict__ delta) {",
+    "  elem_t* q_tile = (elem_t*)shared_bytes;                // BQ x PITCH (dq_held: Q's A fragments from it)",
+    "  elem_t* do_tile = q_tile + BQ * PITCH;                 // BQ x PITCH (delta reads it)",
+    "  float* lse_tile = (float*)(do_tile + BQ * PITCH);      // BQ",
+    "  float* delta_tile = lse_tile + BQ;                     // BQ",
+    *owned,
+    "  copy_async_commit();   // Q, dO and LSE: a group of their own",
+    "  // the K and V tiles of `tile` into stage `stage`, not committed",
+    "  auto copy_stage = [&](int tile, int stage) {",
+    "    const int k_first = tile * BK;",
+    f"    {stage_addresses(p, stream, 'k_stage', 'v_stage', 'stage')}",
+    *copy,
+    "  };",
+    "  copy_stage(0, 0);",
+    "  copy_async_commit();",
+    "  copy_async_wait<1>();   // Q, dO and LSE have landed",
+    "  __syncthreads();",
+    delta,
+    "  __syncthreads();",
+    "  // this lane's two accumulator rows (C fragment rows g and g + 8 of the warp's 16)",
+    "  const float row_lse[2] = {lse_tile[warp * 16 + g] * LSE_TO_LOG2, lse_tile[warp * 16 + g + 8] * LSE_TO_LOG2};",
+    "  const float row_delta[2] = {delta_tile[warp * 16 + g], delta_tile[warp * 16 + g + 8]};",
+    held_loads,
+    "  float dq_acc[D / 8][4];",
+    "#pragma unroll",
+    "  for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) dq_acc[t][c] = 0.0f;",
+    "  for (int tile = 0; tile < kv_tiles; tile++) {",
+    "    copy_async_wait<0>();",
+    "    async_proxy_fence();",
+    "    __syncthreads();   // this stage's copies, by every thread, have landed; the other stage is free",
+    "    if (tile + 1 < kv_tiles) {",
+    f"      copy_stage(tile + 1, (tile + 1) % {p.wgmma_stages});",
+    "      copy_async_commit();",
+    "    }",
+    "    const int k_start = tile * BK;",
+    f"    {stage_addresses(p, stream, 'k_stage', 'v_stage', f'tile % {p.wgmma_stages}')}",
+    *scores,
+    "    wgmma_wait_one();   // S",
+    "    fence_accumulators(s);",
+    "    // mask only the tiles that need it: keys past S, rows past L, or (causal) keys past the tile's first query",
+    "    const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);",
+    probabilities,
+    "    wgmma_wait_all();   // dP",
+    "    fence_accumulators(dp);",
+    gradients,
+    *values_lines(stream, "dq_acc", "dp", "ds", "k_stage"),
+    *_last_wait(p, "dq_acc"),
+    store,
+    "}"])
+  return body + "\n"
