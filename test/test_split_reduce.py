@@ -338,12 +338,21 @@ def test_gpt2_few_output_reduces_split_to_fill_the_gpu(two_kernels: None, monkey
 
 
 def test_gpt2_few_output_kernels_compile_with_nvrtc(monkeypatch: pytest.MonkeyPatch) -> None:
-  """Every kernel of the split GPT-2 reduces, optimized for CUDA, compiles with NVRTC for sm_90 (skips without it)."""
+  """Every kernel of the split GPT-2 reduces, optimized for CUDA, compiles with NVRTC for sm_90 (skips without it),
+  the LayerNorm weight and bias gradients' partial sums as one kernel of sibling reduces included."""
   compiler = nvrtc_compiler()
   if compiler is None: pytest.skip("no NVRTC here")
   _cuda_facts(monkeypatch)
-  for build in GPT2_FEW_OUTPUTS.values():
-    for item in _kernels(build("PYTHON")):
+  x, dy = Tensor.empty(8, 512, 768, device="PYTHON"), Tensor.empty(8, 512, 768, device="PYTHON")
+  mean, rstd = Tensor.empty(8, 512, 1, device="PYTHON"), Tensor.empty(8, 512, 1, device="PYTHON")
+  siblings = [((x - mean) * rstd * dy).sum(axis=(0, 1)), dy.sum(axis=(0, 1))]
+  builds = [[build("PYTHON")] for build in GPT2_FEW_OUTPUTS.values()] + [siblings]
+  def kernels(outputs: list[Tensor]) -> list:   # a kernel of several outputs is a SINK of their stores
+    return [item for item in create_schedule([t.lazydata for t in outputs]) if item.ast.op in (Ops.STORE, Ops.SINK,
+                                                                                                   Ops.SPLIT_REDUCE)]
+  assert any(len(item.outputs) == 2 for item in kernels(siblings)), "the partial sums: one kernel, two outputs"
+  for outputs in builds:
+    for item in kernels(outputs):
       one_kernel = item.ast.op is Ops.SPLIT_REDUCE   # on an emulated CUDA (atomics): codegen/last_block.py
       kernel = (SplitReduceKernel if one_kernel else Kernel)(item.ast, CUDARenderer())
       kernel.hand_coded_optimizations()
