@@ -87,7 +87,8 @@ def workloads(tokens: int) -> list[tuple[str, list[tuple[int, ...]], Callable[[l
           ("layernorm weight 768", layernorm, _layernorm_weight),
           ("layernorm weight+bias 768", layernorm, _layernorm_weight_and_bias),
           ("layernorm weight+bias 768 step form", layernorm, _layernorm_weight_and_bias_step),
-          ("bias 3072", [(tokens, 3072)], _bias)]
+          ("bias 3072", [(tokens, 3072)], _bias),
+          ("bias 3072 step form", [(tokens, 3072)], _bias_step)]
 
 
 def _flat(built: Built) -> list[Tensor]:
