@@ -13,8 +13,7 @@ from ourgrad.codegen.opt.cpu_tiles import (cpu_gathered_pack, cpu_gathered_reduc
                                           cpu_reduce_parts)
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts, wgmma_split_parts
-from ourgrad.codegen.opt.split_reduce import (ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle,
-                                              merged_reduce_run, plan_split)
+from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import MATMUL_GRID, prod, tf32_allowed
@@ -25,9 +24,6 @@ from ourgrad.shape.view import strides_for_shape
 if TYPE_CHECKING:
   from ourgrad.lazy import LazyBuffer
 
-# a GPU split of a plain (not matmul-like) reduce over adjacent axes that merge cuts the merged run into parts
-# (split_reduce.merged_reduce_run): each part a contiguous range; False: parts of the longest axis alone
-MERGE_REDUCE_RUNS = True
 # a split matmul with many outputs (MATMUL_GRID) sums at most this many parts by elementwise adds in its consumer
 MATMUL_SUM_PARTS = 8
 # a matmul-like split whose parts are single slices of the split axis (MNIST's conv1 weight gradient: 256 parts, one
@@ -56,9 +52,6 @@ def split_large_reduce(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...],
     # open after the cheap checks: the walk costs eager time). A CPU's plan reads neither the loads nor the kind
     loads = (lambda: len(_fused_loads(lazy))) if gpu is not None else 1
     kind = _reduce_kind(lazy, axes) if gpu is not None else ReduceKind.ROWS
-    if gpu is not None and kind is not ReduceKind.MATMUL and MERGE_REDUCE_RUNS:
-      merged = _merged_reduce_run(lazy, axes)
-      if merged is not None: return split_large_reduce(lazy.reshape(merged[0]), op, merged[1], out_shape)
     plan = plan_split(renderer, lazy.shape, axes, kind, lazy.dtype.itemsize, loads)
     if plan is None: return None
   axis, parts = plan.axis, plan.parts
@@ -77,13 +70,6 @@ def split_large_reduce(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...],
   if grid_parts is not None: return _sum_parts(partials).reshape(out_shape)
   parts_reduced = tuple(range(len(parts_axes))) if plan.parts_outermost else (axis,)
   return partials.reduce(op, parts_reduced, split=again).reshape(out_shape)
-
-
-def _merged_reduce_run(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-  """split_reduce.merged_reduce_run for this buffer's view (a base's contiguous strides; a view of one View only)."""
-  if lazy.is_base: strides: tuple[int | None, ...] | None = strides_for_shape(lazy.shape)
-  else: strides = lazy.st.real_strides() if len(lazy.st.views) == 1 else None
-  return merged_reduce_run(lazy.shape, strides, axes)
 
 
 def _reduce_kind(lazy: LazyBuffer, axes: tuple[int, ...]) -> ReduceKind:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor, lazy_reduce
+from ourgrad import Tensor
 from ourgrad.codegen.last_block import MAX_FINISH_PARTS, SplitReduceKernel, second_stage
 from ourgrad.codegen.opt import split_reduce
 from ourgrad.device import Device
@@ -116,13 +116,9 @@ def test_split_stays_two_kernels_without_atomics(small_split: None, monkeypatch:
   assert not Device["CLANG"].renderer.has_block_atomics
 
 
-def test_blocks_storing_other_outputs_finish_grid_wide(small_split: None, atomics: None,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blocks_storing_other_outputs_finish_grid_wide(small_split: None, atomics: None) -> None:
   """Where a block's partials are not one group's (the heuristic merged the parts with the outputs into one block
-  axis, or spread the parts over threads), the last block of the whole grid finishes every output (few of them).
-  The splits here cut the longest reduce axis alone (lazy_reduce.MERGE_REDUCE_RUNS off: merged, (3, 40, 11)'s run of
-  120 is cut into contiguous parts, a block each, which finish per part)."""
-  monkeypatch.setattr(lazy_reduce, "MERGE_REDUCE_RUNS", False)
+  axis, or spread the parts over threads), the last block of the whole grid finishes every output (few of them)."""
   for shape, axes in [((3, 40, 11), (0, 1)), ((8, 12, 24), (0, 1)), ((16, 3, 8, 8), (0, 2, 3))]:
     data = rng.standard_normal(shape).astype(np.float32)
     x = Tensor(data, device="PYTHON")

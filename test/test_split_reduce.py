@@ -374,33 +374,6 @@ def test_reduces_saving_less_than_a_launch_stay_one_kernel(monkeypatch: pytest.M
   assert len(_kernels(Tensor.empty(768, 4096, device="PYTHON").sum(axis=1))) == 1
 
 
-@pytest.mark.parametrize("merge, shape, strides", [(True, (32, 768, 128), (98304, 1, 768)),
-                                                    (False, (32, 768, 8, 16), (12288, 1, 393216, 768))])
-def test_split_cuts_a_merged_run_of_reduce_axes_into_contiguous_parts(two_kernels: None,
-                                                                      monkeypatch: pytest.MonkeyPatch, merge: bool,
-                                                                      shape: tuple, strides: tuple) -> None:
-  """GPT-2's bias gradient, dy of (8, 512, 768) summed over (0, 1): the run of reduce axes merges (4096 tokens, one
-  stride), and its 32 parts are 128 consecutive tokens each (lazy_reduce.MERGE_REDUCE_RUNS); without the merge the
-  sequence alone was cut, a part being 16 tokens of each of the 8 sequences (a block's GROUP threads a sequence
-  apart)."""
-  _cuda_facts(monkeypatch)
-  monkeypatch.setattr(lazy_reduce, "MERGE_REDUCE_RUNS", merge)
-  kernels = _kernels(Tensor.empty(8, 512, 768, device="PYTHON").sum(axis=(0, 1)))
-  first = Kernel(kernels[0].ast, PythonRenderer("CUDA"))
-  assert len(kernels) == 2 and first.full_shape == shape and first.sts[1].real_strides() == strides
-
-
-@pytest.mark.parametrize("shape, strides, axes, expected", [
-  ((8, 512, 768), (393216, 768, 1), (0, 1), ((4096, 768), (0,))),
-  ((5, 7, 9, 4), (252, 36, 4, 1), (1, 2), ((5, 63, 4), (1,))),
-  ((256, 32, 28, 28), (25088, 784, 28, 1), (0, 2, 3), None),          # the run (2, 3) is not the longest axis's
-  ((512, 8, 768), (768, 393216, 1), (0, 1), None),                    # a transposed view: the axes do not merge
-  ((8, 512, 768), None, (0, 1), None),                                # strides unknown (several views)
-])
-def test_merged_reduce_run(shape: tuple, strides: tuple | None, axes: tuple, expected: tuple | None) -> None:
-  assert split_reduce.merged_reduce_run(shape, strides, axes) == expected
-
-
 # a reduce axis leading, trailing, in the middle, interleaved with an output axis, batchnorm-style, everything
 EVERY_AXIS_POSITION = [((91, 6), (0,)), ((5, 91), (1,)), ((4, 45, 3), (1,)), ((3, 35, 5), (0, 1)),
                        ((5, 3, 7, 9), (0, 2, 3)), ((16, 9), (0, 1))]

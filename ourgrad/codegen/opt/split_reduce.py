@@ -193,24 +193,6 @@ def cpu_split_parts(outputs: int, elements_per_output: int, split_size: int) -> 
               None)
 
 
-def merged_reduce_run(shape: tuple[int, ...], strides: tuple[int | None, ...] | None,
-                      axes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-  """The reduce's shape and axes with the run of adjacent reduce axes around the longest one merged into one axis,
-  where the input's `strides` (None: unknown) let them merge; None where there is no such run. A GPU split cuts its
-  axis into parts: merged, a part is a contiguous range of the whole run (GPT-2's bias and LayerNorm gradients over
-  (batch, sequence): a part is 128 consecutive tokens) rather than a piece of the longest axis repeated over the
-  others (16 tokens of each of 8 sequences: a block's GROUP threads read rows a whole sequence apart)."""
-  if strides is None or any(stride is None for stride in strides): return None
-  longest = max(axes, key=lambda a: shape[a])
-  start = end = longest
-  while start - 1 in axes and shape[start - 1] > 1 and strides[start - 1] == strides[start] * shape[start]: start -= 1
-  while end + 1 in axes and shape[end + 1] > 1 and strides[end] == strides[end + 1] * shape[end + 1]: end += 1
-  if start == end: return None
-  merged_shape = shape[:start] + (prod(shape[start:end + 1]),) + shape[end + 1:]
-  merged_axes = tuple(a if a <= start else a - (end - start) for a in axes if not start < a <= end)
-  return merged_shape, merged_axes
-
-
 @dataclass(frozen=True)
 class ReduceSplit:
   """A split decision: the input axis whose `parts` pieces the first kernel sums; `parts_outermost` (GPUs): the
