@@ -337,6 +337,24 @@ def test_gpt2_few_output_reduces_split_to_fill_the_gpu(two_kernels: None, monkey
   assert kernels[1].outputs[0].size == out.numel()
 
 
+def test_layernorm_backward_kernels_multiply_by_the_stored_rsqrt(monkeypatch: pytest.MonkeyPatch) -> None:
+  """GPT-2's LayerNorm (8 x 512 x 768), forward and backward: only the row kernel computing the per-token rsqrt holds
+  a reciprocal; the kernels of the backward (the weight and bias gradients' partial sums, the input gradient) read
+  it and multiply. Tensor.rsqrt's gradient comes from its result (function.Rsqrt): as 1 / sqrt, the backward read
+  sqrt(var + eps) and divided by it per element, 3 us more for the LayerNorm gradients' partial sums on the H200."""
+  _cuda_facts(monkeypatch)
+  x = Tensor.empty(8, 512, 768, device="PYTHON", requires_grad=True)
+  weight, bias = Tensor.empty(768, device="PYTHON", requires_grad=True), Tensor.empty(768, device="PYTHON",
+                                                                                      requires_grad=True)
+  y = x.layernorm(-1) * weight + bias
+  (y * Tensor.empty(8, 512, 768, device="PYTHON")).sum().backward()
+  schedule = create_schedule([y.lazydata, weight.grad.lazydata, bias.grad.lazydata, x.grad.lazydata])
+  kernels = [item for item in schedule if item.ast.op in (Ops.STORE, Ops.SINK)]
+  dividing = [[buffer.size for buffer in item.outputs] for item in kernels
+              if any(node.op is Ops.RECIP for node in item.ast.walk())]
+  assert dividing == [[4096]], dividing
+
+
 def test_gpt2_few_output_kernels_compile_with_nvrtc(monkeypatch: pytest.MonkeyPatch) -> None:
   """Every kernel of the split GPT-2 reduces, optimized for CUDA, compiles with NVRTC for sm_90 (skips without it),
   the LayerNorm weight and bias gradients' partial sums as one kernel of sibling reduces included."""
