@@ -21,7 +21,9 @@ The per-kernel table (--table-layers, default the config's depth; 0: none): ever
 step, its in-step time (launched one by one, each timed with device events as at DEBUG=2) and its cold time
 (timing.cold_kernel_seconds: scratch buffers beyond twice the L2, many launches in one CUDA graph; back to back on
 the CPU), GB/s, %copy (of the large-copy bandwidth, kernel_table.CopyReference), TFLOP/s, what it computes
-(kernel_table.KernelKinds: outputs x values per output) and its role in the step (GPT2Roles), then totals per role.
+(kernel_table.KernelKinds: outputs x values per output) and its role in the step (GPT2Roles), then the check line of
+issue 24's few-output reduces (few_output_check: each bias or LayerNorm gradient kernel's cold time against an ourgrad
+copy moving the same bytes timed the same way, >= 70% or <= 5 us) and the totals per role.
 
 Run (the defaults on CUDA are GPT-2 small, batch 8 x 512, TF32 matmuls allowed, all four rows at 12 layers):
   python extra/bench/bench_gpt2.py                                  # headline rows + the kernel table
