@@ -204,7 +204,7 @@ class Sqrt(Function):
 class Rsqrt(Function):
   """1 / sqrt(x), whose gradient is read off its result (-0.5 * result^3, as PyTorch's rsqrt_backward): a LayerNorm's
   backward then multiplies by the stored per-row rsqrt. As Reciprocal(Sqrt(x)) the backward read sqrt(x), and every
-  kernel of it divided by it per element (GPT-2's LayerNorm weight gradients: 12 us on the H200, 9 us without)."""
+  kernel of it divided by it per element (H200, GPT-2's LayerNorm weight+bias partial sums: 12.0 us, now 9.4)."""
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     self.result = x.elementwise(Ops.SQRT).elementwise(Ops.RECIP)
