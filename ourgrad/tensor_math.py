@@ -548,8 +548,8 @@ class ElementwiseMixin:
 
   @autocast_op(CastPolicy.FLOAT32)
   def rsqrt(self) -> Tensor:
-    """1 / sqrt(self)."""
-    return self.sqrt().reciprocal()
+    """1 / sqrt(self) (integers and bools promote to the default float)."""
+    return F.Rsqrt.apply(self._float_operand())
 
   @autocast_op(CastPolicy.FLOAT32)
   def exp(self) -> Tensor:

@@ -196,3 +196,33 @@ def test_bench_gpt2_tiny_cpu_config_runs(autocast: str | None) -> None:
   assert result.returncode == 0, result.stdout + result.stderr
   assert "ourgrad TinyJit vs PyTorch eager, 1 layers" in result.stdout and ": ok" in result.stdout
   assert "per role" in result.stdout
+
+
+def test_bench_gpt2_few_output_roles_and_check() -> None:
+  """bench_gpt2.py's roles of the step's reduces (the GPT-2 small kinds of the H200 table: the 32-part partials, wpe's
+  gradient, a reduce of one value) and its few-output check line: a kernel meets the goal at <= 5 us or at >= 70% of
+  the same-bytes copy; wpe's gradient is printed but not counted."""
+  sys.path.insert(0, str(ROOT / "extra" / "bench"))
+  import bench_gpt2
+  roles = bench_gpt2.GPT2Roles(bench_gpt2.BenchConfig.parse("8,512,768,12,2,50304"))
+  assert roles.role(("reduce", 24576, 128), False) == "bias / LayerNorm gradient partials (32 parts)"
+  assert roles.role(("reduce", 768, 32), False) == "bias / LayerNorm gradient second stage"
+  assert roles.role(("matmul", 393216, 8), False) == "wpe gradient (a sum over the batch)"
+  assert roles.role(("reduce", 3145728, 1), False) == "elementwise (backward)"
+
+  class Runner:
+    def __init__(self, name: str, byte_count: int): self.name, self.byte_count = name, byte_count
+
+  class Reference:   # the large copy at 4 TB/s, one of 25-32 MB at 3.5 TB/s
+    peak = 4e12
+    def same(self, moved: int) -> float: return 3.5e12
+
+  partials = "bias / LayerNorm gradient partials (32 parts)"
+  rows = [(Runner("slow", 25_000_000), 12e-6, partials), (Runner("short", 12_000_000), 4.8e-6, partials),
+          (Runner("fast", 25_000_000), 9e-6, partials), (Runner("wpe", 41_000_000), 17e-6, "wpe gradient (a sum)")]
+  report = bench_gpt2.Report()
+  assert not bench_gpt2.few_output_check(report, Reference(), rows)
+  text = "\n".join(report.lines)
+  assert "few-output reduces: 2 of 3 meet" in text and "misses: 1 x slow" in text and "60% of the same-bytes" in text
+  assert "not counted: wpe" in text
+  assert bench_gpt2.few_output_check(bench_gpt2.Report(), Reference(), rows[1:])

@@ -161,3 +161,28 @@ def test_a_group_on_a_cycle_is_split_and_other_groups_keep_their_kernels(small_s
   np.testing.assert_allclose(squares.numpy(), np.square(x_np).sum(axis=axes), rtol=1e-4, atol=1e-3)
   expected_gradient = (x_np * (p_np * 3).reshape(1, 4, 1, 1) * weight_np.reshape(1, 4, 1, 1)).sum(axis=axes)
   np.testing.assert_allclose(updated.numpy(), weight_np - 0.1 * expected_gradient, rtol=1e-4, atol=1e-3)
+
+
+def test_layernorm_weight_and_bias_gradients_share_their_loop(small_split: None) -> None:
+  """A LayerNorm's weight gradient (x and dy read whole beside per-token mean and rstd: a plain reduce, bound by its
+  bytes, not a matmul's operand reuse) and its bias gradient (a sum of the same dy) are sibling reduces: their
+  partial sums are one kernel of two outputs that reads dy once (GPT-2's step had a kernel of each, 25 + 13 MB on the
+  H200). The gradients are torch's."""
+  import torch
+  x_np, dy_np = (rng.standard_normal((4, 21, 5)).astype(np.float32) for _ in range(2))
+  weight_np, bias_np = rng.standard_normal(5).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+  x = Tensor(x_np, device="PYTHON").realize()
+  weight = Tensor(weight_np, device="PYTHON", requires_grad=True)
+  bias = Tensor(bias_np, device="PYTHON", requires_grad=True)
+  ((x.layernorm(-1) * weight + bias) * Tensor(dy_np, device="PYTHON")).sum().backward()
+  schedule = create_schedule([weight.grad.lazydata, bias.grad.lazydata])
+  reduce_kernels = [item for item in schedule if item.ast.op is not Ops.PACK and _reduce_count(item)]
+  # the first stage: partial sums, (parts, 5) values each of the two gradients (the rows' statistics are 84 values)
+  partials = [[buffer.size for buffer in item.outputs] for item in reduce_kernels
+              if all(buffer.size % 5 == 0 and buffer.size > 5 for buffer in item.outputs)]
+  assert len(partials) == 1 and len(partials[0]) == 2, [[b.size for b in item.outputs] for item in reduce_kernels]
+  run_schedule(schedule)
+  tx, tweight, tbias = (torch.tensor(a, requires_grad=True) for a in (x_np, weight_np, bias_np))
+  ((torch.nn.functional.layer_norm(tx, (5,)) * tweight + tbias) * torch.tensor(dy_np)).sum().backward()
+  np.testing.assert_allclose(weight.grad.numpy(), tweight.grad.numpy(), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(bias.grad.numpy(), tbias.grad.numpy(), rtol=1e-4, atol=1e-4)

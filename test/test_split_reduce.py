@@ -337,13 +337,40 @@ def test_gpt2_few_output_reduces_split_to_fill_the_gpu(two_kernels: None, monkey
   assert kernels[1].outputs[0].size == out.numel()
 
 
+def test_layernorm_backward_kernels_multiply_by_the_stored_rsqrt(monkeypatch: pytest.MonkeyPatch) -> None:
+  """GPT-2's LayerNorm (8 x 512 x 768), forward and backward: only the row kernel computing the per-token rsqrt holds
+  a reciprocal; the kernels of the backward (the weight and bias gradients' partial sums, the input gradient) read
+  it and multiply. Tensor.rsqrt's gradient comes from its result (function.Rsqrt): as 1 / sqrt, the backward read
+  sqrt(var + eps) and divided by it per element, 3 us more for the LayerNorm gradients' partial sums on the H200."""
+  _cuda_facts(monkeypatch)
+  x = Tensor.empty(8, 512, 768, device="PYTHON", requires_grad=True)
+  weight, bias = Tensor.empty(768, device="PYTHON", requires_grad=True), Tensor.empty(768, device="PYTHON",
+                                                                                      requires_grad=True)
+  y = x.layernorm(-1) * weight + bias
+  (y * Tensor.empty(8, 512, 768, device="PYTHON")).sum().backward()
+  schedule = create_schedule([y.lazydata, weight.grad.lazydata, bias.grad.lazydata, x.grad.lazydata])
+  kernels = [item for item in schedule if item.ast.op in (Ops.STORE, Ops.SINK)]
+  dividing = [[buffer.size for buffer in item.outputs] for item in kernels
+              if any(node.op is Ops.RECIP for node in item.ast.walk())]
+  assert dividing == [[4096]], dividing
+
+
 def test_gpt2_few_output_kernels_compile_with_nvrtc(monkeypatch: pytest.MonkeyPatch) -> None:
-  """Every kernel of the split GPT-2 reduces, optimized for CUDA, compiles with NVRTC for sm_90 (skips without it)."""
+  """Every kernel of the split GPT-2 reduces, optimized for CUDA, compiles with NVRTC for sm_90 (skips without it),
+  the LayerNorm weight and bias gradients' partial sums as one kernel of sibling reduces included."""
   compiler = nvrtc_compiler()
   if compiler is None: pytest.skip("no NVRTC here")
   _cuda_facts(monkeypatch)
-  for build in GPT2_FEW_OUTPUTS.values():
-    for item in _kernels(build("PYTHON")):
+  x, dy = Tensor.empty(8, 512, 768, device="PYTHON"), Tensor.empty(8, 512, 768, device="PYTHON")
+  mean, rstd = Tensor.empty(8, 512, 1, device="PYTHON"), Tensor.empty(8, 512, 1, device="PYTHON")
+  siblings = [((x - mean) * rstd * dy).sum(axis=(0, 1)), dy.sum(axis=(0, 1))]
+  builds = [[build("PYTHON")] for build in GPT2_FEW_OUTPUTS.values()] + [siblings]
+  def kernels(outputs: list[Tensor]) -> list:   # a kernel of several outputs is a SINK of their stores
+    return [item for item in create_schedule([t.lazydata for t in outputs]) if item.ast.op in (Ops.STORE, Ops.SINK,
+                                                                                                   Ops.SPLIT_REDUCE)]
+  assert any(len(item.outputs) == 2 for item in kernels(siblings)), "the partial sums: one kernel, two outputs"
+  for outputs in builds:
+    for item in kernels(outputs):
       one_kernel = item.ast.op is Ops.SPLIT_REDUCE   # on an emulated CUDA (atomics): codegen/last_block.py
       kernel = (SplitReduceKernel if one_kernel else Kernel)(item.ast, CUDARenderer())
       kernel.hand_coded_optimizations()

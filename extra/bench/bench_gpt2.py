@@ -21,7 +21,9 @@ The per-kernel table (--table-layers, default the config's depth; 0: none): ever
 step, its in-step time (launched one by one, each timed with device events as at DEBUG=2) and its cold time
 (timing.cold_kernel_seconds: scratch buffers beyond twice the L2, many launches in one CUDA graph; back to back on
 the CPU), GB/s, %copy (of the large-copy bandwidth, kernel_table.CopyReference), TFLOP/s, what it computes
-(kernel_table.KernelKinds: outputs x values per output) and its role in the step (GPT2Roles), then totals per role.
+(kernel_table.KernelKinds: outputs x values per output) and its role in the step (GPT2Roles), then the check line of
+issue 24's few-output reduces (few_output_check: each bias or LayerNorm gradient kernel's cold time against an ourgrad
+copy moving the same bytes timed the same way, >= 70% or <= 5 us) and the totals per role.
 
 Run (the defaults on CUDA are GPT-2 small, batch 8 x 512, TF32 matmuls allowed, all four rows at 12 layers):
   python extra/bench/bench_gpt2.py                                  # headline rows + the kernel table
@@ -320,6 +322,11 @@ class GPT2Roles:
     if outputs == self.attention_rows: return f"attention softmax rows ({direction})"
     if outputs == n and values == v: return f"cross-entropy rows over the vocabulary ({direction})"
     if outputs == n and values in (c, 4 * c): return f"LayerNorm rows ({direction})"
+    # a reduce over one value per output (an axis of size 1 the scheduler kept) is elementwise work
+    if values == 1: return f"elementwise ({direction})"
+    # wpe's gradient: the embedding's input gradient summed over the batch, (sequence x width) outputs of `batch`
+    # values each: many outputs, no few-output reduce (it computes that gradient on the way, from the first block)
+    if outputs == self.sequence * c and values == n // self.sequence: return "wpe gradient (a sum over the batch)"
     for features in (c, 3 * c, 4 * c):   # a sum over the tokens per feature: split into parts, then a second stage
       if outputs % features == 0 and outputs * values == n * features:
         parts = outputs // features
@@ -341,6 +348,43 @@ class GPT2Roles:
         return f"{name} weight gradient" + (f" partials ({parts} parts)" if parts > 1 else "")
       if outputs == size and values < n: return f"{name} weight gradient second stage"
     return ""
+
+
+# issue 24's goal for each few-output reduce of the step: this share of the copy bandwidth, or at most this long
+FEW_OUTPUT_COPY_SHARE = 0.70
+FEW_OUTPUT_SECONDS = 5e-6
+
+
+def few_output_check(report: Report, reference: CopyReference, rows: list[tuple[Any, float, str]]) -> bool:
+  """The check line of the few-output reduces (bias and LayerNorm gradients: their partial sums and second stages),
+  each launch of `rows` (runner, cold seconds, role): it meets the goal where its cold time is at most
+  FEW_OUTPUT_SECONDS or its GB/s at least FEW_OUTPUT_COPY_SHARE of the ourgrad copy kernel that moves the same bytes
+  (rounded up to a power of two), timed the same way (CopyReference.same). Cold, not in-step: the in-step column
+  times each launch between two events, which adds their cost to every kernel (the 12-layer step's in-step sum
+  exceeded its measured step by 6 ms, ~10 us a kernel); the cold sum matched the step. The same-bytes copy, not the
+  2 x 256 MB one: a kernel of 12-25 MB read from DRAM pays a launch and a ramp that a copy of its size pays too.
+  Prints the line, the kernels that miss, and wpe's gradient (many outputs: not in the count). Returns whether all
+  meet it."""
+  few = [(runner, seconds, role) for runner, seconds, role in rows if role.startswith("bias / LayerNorm gradient")]
+  misses: dict[str, list] = {}
+  for runner, seconds, role in few:
+    share = runner.byte_count / max(seconds, 1e-12) / reference.same(runner.byte_count)
+    if seconds > FEW_OUTPUT_SECONDS and share < FEW_OUTPUT_COPY_SHARE:
+      misses.setdefault(runner.name + " " + role, []).append((runner, seconds, share))
+  missed = sum(len(launches) for launches in misses.values())
+  report(f"\nfew-output reduces: {len(few) - missed} of {len(few)} meet >= {FEW_OUTPUT_COPY_SHARE:.0%} of copy or "
+         f"<= {FEW_OUTPUT_SECONDS * 1e6:.0f} us (cold; copy = an ourgrad copy kernel moving the same bytes, timed "
+         f"the same way){'' if missed else ': met'}")
+  for name, launches in sorted(misses.items(), key=lambda entry: -len(entry[1])):
+    runner, seconds, share = launches[0]
+    report(f"  misses: {len(launches)} x {name}: {seconds * 1e6:.1f} us, {runner.byte_count / 1e6:.2f} MB, "
+           f"{share:.0%} of the same-bytes copy, {runner.byte_count / seconds / reference.peak:.0%} of the large copy")
+  for runner, seconds, role in rows:
+    if role.startswith("wpe gradient"):
+      share = runner.byte_count / max(seconds, 1e-12) / reference.same(runner.byte_count)
+      report(f"  not counted: {runner.name} {role}: {seconds * 1e6:.1f} us, {runner.byte_count / 1e6:.2f} MB, "
+             f"{share:.0%} of the same-bytes copy")
+  return not missed
 
 
 def kernel_table(report: Report, config: BenchConfig, step: TinyJit, device: str) -> None:
@@ -374,6 +418,7 @@ def kernel_table(report: Report, config: BenchConfig, step: TinyJit, device: str
     report(f"{runner.name:<34} {seconds * 1e3:8.3f} {event * 1e3:8.3f} {runner.byte_count / 1e6:8.2f} "
            f"{gbs / 1e9:7.0f} {gbs / reference.peak * 100:5.1f}% {runner.op_count / max(seconds, 1e-12) / 1e12:8.3f}  "
            f"{kind:<24} {role}")
+  few_output_check(report, reference, [(row[0], row[1], row[4]) for row in rows])
   groups: dict[str, list[tuple]] = {}
   for row in rows: groups.setdefault(row[4] or row[3] or row[0].name, []).append(row)
   report(f"\nper role (kernels together)\n{'role':<50} {'kernels':>7} {'cold ms':>8} {'step ms':>8} {'GB/s':>7} "

@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ourgrad.codegen.opt.heuristic import reads_an_input_whole
 from ourgrad.device import Device
 from ourgrad.helpers import ROW_KERNELS, prod
 from ourgrad.lazy import LazyBuffer
@@ -208,14 +209,15 @@ def _is_sibling(reduce: LazyBuffer, first: LazyBuffer) -> bool:
 def reuses_an_operand(reduce: LazyBuffer, plan: KernelPlan) -> bool:
   """Whether a load of the kernel varies along a reduced axis of `reduce` but is broadcast along an output axis: a
   matmul's or a convolution's operand, whose tiles (tensor cores, local memory) serve one reduce; q, k and v
-  projections of one input stay three matmuls."""
+  projections of one input stay three matmuls. Not where another load is read whole (heuristic.reads_an_input_whole):
+  that reduce is bound by its bytes, a plain reduce (a LayerNorm weight gradient: x and dy beside per-token mean and
+  rstd), and may share its loop with the bias gradient's sum of dy."""
   loop_shape = reduce.srcs[0].shape
   outputs = [axis for axis, size in enumerate(loop_shape) if axis not in reduce.arg and size != 1]
-  for _, view in plan.loads:
-    if view is None or view.shape != loop_shape: continue
-    strides = view.real_strides()
-    if any(strides[axis] == 0 for axis in outputs) and any(strides[axis] != 0 for axis in reduce.arg): return True
-  return False
+  strides = [view.real_strides() for _, view in plan.loads if view is not None and view.shape == loop_shape]
+  if reads_an_input_whole(loop_shape, strides): return False
+  return any(any(load[axis] == 0 for axis in outputs) and any(load[axis] != 0 for axis in reduce.arg)
+             for load in strides)
 
 
 # A row kernel (several reduces in one kernel, docs/fusion.md) on a CPU loops over a row once per reduce and once

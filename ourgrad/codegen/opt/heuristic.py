@@ -221,6 +221,14 @@ def _more_group_threads(reduce_size: int, group: int, threads: int, threads_want
 MIN_TILE_REUSE = 16
 
 
+def reads_an_input_whole(shape: Sequence[int], input_strides: Sequence[Sequence[int | None]]) -> bool:
+  """Whether some input (its `input_strides` over `shape`; 0: broadcast) varies along every axis of size above one:
+  a reduce reading it is bound by its bytes, as a plain reduce is, whatever the other inputs' reuse (a LayerNorm
+  weight gradient reads x and dy whole beside per-token statistics)."""
+  sized = [axis for axis in range(len(shape)) if shape[axis] != 1]
+  return any(all(strides[axis] != 0 for axis in sized) for strides in input_strides)
+
+
 def register_tiles_pay_off(shape: Sequence[int], reduce_axes: Sequence[int],
                            input_strides: Sequence[Sequence[int | None]], gathers: bool = False) -> bool:
   """Whether register tiles of outputs pay off on a GPU for a reduce over `reduce_axes` of `shape` whose inputs have
@@ -237,7 +245,7 @@ def register_tiles_pay_off(shape: Sequence[int], reduce_axes: Sequence[int],
   sized = [axis for axis in range(len(shape)) if shape[axis] != 1]
   outputs = [axis for axis in sized if axis not in reduce_axes]
   reduces = [axis for axis in sized if axis in reduce_axes]
-  if any(all(strides[axis] != 0 for axis in sized) for strides in input_strides): return False
+  if reads_an_input_whole(shape, input_strides): return False
   for strides in input_strides:
     if prod(shape[axis] for axis in outputs if strides[axis] == 0) < MIN_TILE_REUSE: continue
     if not any(strides[axis] != 0 for axis in reduces): continue
