@@ -436,6 +436,8 @@ class _DeviceRegistry:
     return int(argument) if argument.isdigit() else 0
 
   def __getitem__(self, name: str) -> Compiled:
+    opened = self._opened.get(name)   # a canonical name of an opened device (every Buffer's): one dict lookup
+    if opened is not None: return opened
     name = self.canonicalize(name)
     if name not in self._opened:
       with _OPEN_LOCK:  # two threads' first use of a device opens it once

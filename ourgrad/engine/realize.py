@@ -151,8 +151,15 @@ def lower_schedule_item(item: ScheduleItem) -> ExecItem:
   buffers = [*item.outputs, *item.inputs]
   if item.ast.op is Ops.COPY: return ExecItem(CopyRunner(item.inputs[0].nbytes), buffers, device=buffers[0].device)
   device = item.outputs[0].device
-  ast, var_vals, block_counters = _lowering_facts(item.ast)
-  runner = get_runner(device, ast)
+  memo = item.lowering
+  if memo is not None and memo.source is _runner_cache and memo.generation == _runner_cache.generation:
+    runner, var_vals, block_counters = memo.runner, memo.var_vals, memo.block_counters
+  else:
+    ast, var_vals, block_counters = _lowering_facts(item.ast)
+    runner = get_runner(device, ast)
+    if memo is not None:   # (the generation after get_runner, whose insert may have evicted another kernel)
+      memo.runner, memo.var_vals, memo.block_counters = runner, var_vals, block_counters
+      memo.source, memo.generation = _runner_cache, _runner_cache.generation
   if block_counters: buffers.append(split_counters(device, runner))
   return ExecItem(runner, buffers, var_vals, device=device, outputs=len(item.outputs))
 
@@ -207,8 +214,9 @@ def count_new_kernels(schedule: list[ScheduleItem]) -> int:
 
 def note_compiles(schedule: list[ScheduleItem]) -> None:
   """The "compiling N kernels" note of COMPILE_NOTE: a first step that is silent for seconds looks hung."""
+  if len(schedule) < COMPILE_NOTE_MIN_KERNELS: return   # (before reading the setting: most realizes are short)
   setting = COMPILE_NOTE.value
-  if setting == 0 or len(schedule) < COMPILE_NOTE_MIN_KERNELS or (setting < 0 and not sys.stderr.isatty()): return
+  if setting == 0 or (setting < 0 and not sys.stderr.isatty()): return
   new = count_new_kernels(schedule)
   if new >= COMPILE_NOTE_MIN_KERNELS:
     print(f"ourgrad: compiling {new} kernels (once per process; compiled binaries are cached on disk)",

@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
+from ourgrad.engine.schedule_item import LoweringMemo
 from ourgrad.helpers import (GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG, SPLIT_LAST_BLOCK,
-                             env_var, tf32_allowed)
+                             EnvSnapshot, env_var, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 
 SCHEDULE_CACHE = env_var("SCHEDULE_CACHE", 1, "0: schedule every realize from scratch (no structural schedule cache)")
 CACHE_SIZE = 64  # graphs remembered (least recently used dropped first)
+# read at every realize: whether the cache is used (SCHEDULE_CACHE, GRAPH), then the settings the scheduler's decisions
+# depend on, which may change at run time (part of the key)
+_SETTINGS = EnvSnapshot(SCHEDULE_CACHE, GRAPH, KERNEL_OPS_LIMIT, PACK_KERNELS, MAX_PACK_BUFFERS, SPLIT_LAST_BLOCK,
+                        RIDE_ALONG)
 
 
 @dataclass
@@ -63,6 +68,9 @@ class CachedSchedule:
   # buffers of bases the scheduler made itself (staged matmul operands, snapshots): (device, size, dtype) each, a
   # fresh buffer at every replay
   scratch: list[tuple[str, int, Any]]
+  # per item, its lowering (runner, Variables' values) once the first replay lowered it: later replays skip the
+  # compiled-kernel cache (engine/realize.py lower_schedule_item)
+  lowerings: list[LoweringMemo] = field(default_factory=list)
   key: _Key | None = None           # the key it is stored under
 
 
@@ -152,13 +160,12 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   """create_schedule(outs), from the cache where a graph of the same structure was scheduled before."""
   # the scheduler's functions are looked up at each call, so tools that wrap them (benchmarks, tests) see misses
   # GRAPH=1 draws each graph as the scheduler walks it, so it schedules every realize from scratch
-  if not SCHEDULE_CACHE or GRAPH: return scheduler.create_schedule(outs)
+  settings = _SETTINGS.values()
+  if not settings[0] or settings[1]: return scheduler.create_schedule(outs)
   key, bases, leaves = _structure(outs)
-  # the scheduler's decisions depend on these settings, which may change at run time
   if not bases: return []
   # (TF32 allowed: matmul operands are staged for the WGMMA plan only then, engine/operand_staging.py)
-  key = _Key((key, int(KERNEL_OPS_LIMIT), int(PACK_KERNELS), int(MAX_PACK_BUFFERS), tf32_allowed(),
-                int(SPLIT_LAST_BLOCK), int(RIDE_ALONG)))
+  key = _Key((key, settings, tf32_allowed()))
   cached = _cache.get(key)
   if cached is not None:
     _cache.move_to_end(cached.key)
@@ -222,7 +229,8 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
     except KeyError:
       return None
   cleared = [index for index, base in enumerate(bases) if base.realized is not None and not base.srcs]
-  return CachedSchedule([item.ast for item in items], outputs, inputs, fresh, shared, cleared, scratch)
+  return CachedSchedule([item.ast for item in items], outputs, inputs, fresh, shared, cleared, scratch,
+                        [LoweringMemo() for _ in items])
 
 
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
@@ -236,7 +244,8 @@ def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer
   for index, slot in cached.shared: bases[index].realized = pool[slot]
   for device, size, dtype in cached.scratch: pool.append(Buffer(device, size, dtype))
   take = pool.__getitem__
-  items = [ScheduleItem(ast, tuple(map(take, outputs)), tuple(map(take, inputs)))
-           for ast, outputs, inputs in zip(cached.asts, cached.output_slots, cached.input_slots)]
+  items = [ScheduleItem(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
+           for ast, outputs, inputs, lowering in zip(cached.asts, cached.output_slots, cached.input_slots,
+                                                     cached.lowerings)]
   for index in cached.cleared: bases[index].srcs = ()
   return items
