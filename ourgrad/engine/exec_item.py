@@ -25,6 +25,12 @@ from ourgrad.shape.symbolic import sym_infer
 # what a kernel receives for a buffer: compared by identity between launches (the ids of handles the item keeps
 # alive, so no id is reused; numpy handles have no plain ==) to know whether a bound launcher still holds
 _HANDLE = operator.attrgetter("_handle")
+
+
+def _handle_now(buffer: Buffer) -> Any:
+  """The buffer's handle, allocated first if it has none (the output of an item rebound to a new replay's buffers)."""
+  handle = buffer._handle
+  return handle if handle is not None else buffer.allocate()._handle
 # buffer sets a kernel keeps bound launchers for (an eager step's kernel meets one or two; a JIT's items bind their own)
 LAUNCHERS_PER_KERNEL = 4
 
@@ -220,7 +226,7 @@ class ExecItem:
     quiet = not wait and environ_lookup(_DEBUG_KEY) in _QUIET_DEBUG and environ_lookup(_PROFILE_KEY) in _QUIET_PROFILE \
       and not profiler.open_blocks
     if quiet and self._launch is not None and self._launch_runner is self.runner and \
-        list(map(id, map(_HANDLE, self.bufs))) == self._launch_ids:
+        list(map(id, map(_handle_now, self.bufs))) == self._launch_ids:
       self._launch()
       runner = self.runner
       GlobalCounters.kernel_count += 1   # only CompiledRunners are bound

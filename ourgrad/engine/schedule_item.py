@@ -17,8 +17,10 @@ class LoweringMemo:
   """What lowering an item's AST gave (engine/realize.py: the runner, the bound Variables' values, whether it needs
   block counters), kept by the schedule cache for the items it replays, so that a repeated realize lowers each kernel
   once. Valid while the compiled-kernel cache it came from is the same object and has dropped nothing since
-  (`source`, `generation`): a cleared cache (a test, a new setting) lowers again."""
-  __slots__ = ("runner", "var_vals", "block_counters", "source", "generation")
+  (`source`, `generation`): a cleared cache (a test, a new setting) lowers again. `idle`: the ExecItem the last
+  replay ran, rebound to the next replay's buffers (its launcher stays bound while the allocator hands back the same
+  memory), held without buffers between runs."""
+  __slots__ = ("runner", "var_vals", "block_counters", "source", "generation", "idle")
 
   def __init__(self) -> None:
     self.runner: Any = None   # None: not lowered yet
@@ -26,6 +28,7 @@ class LoweringMemo:
     self.block_counters = False
     self.source: Any = None
     self.generation = -1
+    self.idle: list[Any] = []   # at most one ExecItem; a list, so that taking it (pop) is one atomic step
 
 
 @dataclass(frozen=True)
