@@ -71,6 +71,7 @@ class CachedSchedule:
   # per item, its lowering (runner, Variables' values) once the first replay lowered it: later replays skip the
   # compiled-kernel cache (engine/realize.py lower_schedule_item)
   lowerings: list[LoweringMemo] = field(default_factory=list)
+  assigns: list[int] = field(default_factory=list)   # walked bases that are ASSIGNs (copy-on-write at each replay)
   key: _Key | None = None           # the key it is stored under
 
 
@@ -90,26 +91,18 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
   leaves: list[Buffer] = []
   leaf_position: dict[int, int] = {}
   tokens: list[Any] = []
-  append = tokens.append
+  append, extend, find = tokens.append, tokens.extend, position.get
 
-  def reference(lazy: LazyBuffer) -> None:
-    """A source read through its view: (a walked base's position, the view), or (-1 - a leaf's position, the view,
-    the leaf's shape); the sign of the first token tells which, so the key stays unambiguous."""
-    base = lazy._base if lazy._base is not None else lazy   # (not the .base property: once per source per realize)
-    walked = position.get(id(base))
-    if walked is not None:
-      append(walked)
-      append(lazy.st)
-      return
+  def reference_leaf(lazy: LazyBuffer, base: LazyBuffer) -> None:
+    """A source whose base is realized: (-1 - the leaf's position, the view, the leaf's shape); a walked base's is
+    (its position, the view): the sign of the first token tells which, so the key stays unambiguous."""
     buffer = base.realized
     leaf = leaf_position.get(id(buffer))
     if leaf is None:
       leaf = leaf_position[id(buffer)] = len(leaves)
       leaves.append(buffer)
     # the scheduler reads a realized base only as memory (its op no longer matters), and its size (copies)
-    append(-1 - leaf)
-    append(lazy.st)
-    append(base.shape)
+    extend((-1 - leaf, lazy.st, base.shape))
 
   visited: set[int] = set()
   stack: list[tuple[LazyBuffer, bool]] = [(out if out._base is None else out._base, False) for out in reversed(outs)]
@@ -120,13 +113,13 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
       bases.append(base)
       arg = base.arg
       srcs = base.srcs
-      tokens.extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES else _hashable(arg), base.dtype, base.device,
-                     base.shape, base.forced_realize, len(srcs)))
+      # (most args are None, ints or nonzero floats: no call to _hashable)
+      extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else _hashable(arg),
+              base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
       for src in srcs:
-        # `reference` written out for the common case, a source computed in this graph (a call per source is a
-        # tenth of the walk)
-        walked = position.get(id(src if src._base is None else src._base))
-        if walked is None: reference(src)
+        src_base = src if src._base is None else src._base
+        walked = find(id(src_base))
+        if walked is None: reference_leaf(src, src_base)
         else:
           append(walked)
           append(src.st)
@@ -136,9 +129,13 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
     stack.append((base, True))
     for src in reversed(base.srcs): stack.append((src if src._base is None else src._base, False))
   append(len(outs))
-  for out in outs: reference(out)
+  for out in outs:
+    out_base = out if out._base is None else out._base
+    walked = find(id(out_base))
+    if walked is None: reference_leaf(out, out_base)
+    else: extend((walked, out.st))
   append(len(leaves))
-  for buffer in leaves: tokens.extend((buffer.device, buffer.size, buffer.dtype, type(buffer)))
+  for buffer in leaves: extend((buffer.device, buffer.size, buffer.dtype, type(buffer)))
   return tuple(tokens), bases, leaves
 
 
@@ -170,7 +167,8 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   if cached is not None:
     _cache.move_to_end(cached.key)
     stats.hits += 1
-    assigns = [(base, base.srcs[1].base) for base in bases if base.op is Ops.ASSIGN]  # before _replay drops srcs
+    # (before _replay drops sources)
+    assigns = [(bases[index], bases[index].srcs[1].base) for index in cached.assigns] if cached.assigns else []
     items = _replay(cached, bases, leaves)
   else:
     stats.misses += 1
@@ -229,8 +227,9 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
     except KeyError:
       return None
   cleared = [index for index, base in enumerate(bases) if base.realized is not None and not base.srcs]
+  assigns = [index for index, base in enumerate(bases) if base.op is Ops.ASSIGN]
   return CachedSchedule([item.ast for item in items], outputs, inputs, fresh, shared, cleared, scratch,
-                        [LoweringMemo() for _ in items])
+                        [LoweringMemo() for _ in items], assigns)
 
 
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
