@@ -159,7 +159,7 @@ def test_replayed_items_rebind_buffers_under_random_lifetimes():
   """A replayed schedule keeps each kernel's lowering and the ExecItem its last replay ran (schedule_item.LoweringMemo),
   rebound to each replay's buffers. Random steps keep or drop earlier results (so the allocator hands back the same
   memory or other memory), change the input buffer or write it in place, clear the compiled kernels, or run the same
-  graph under a capturing TinyJit; every result is checked against numpy, and the kept results must keep their values."""
+  graph under a capturing TinyJit; every result against numpy, and the kept results must keep their values."""
   from ourgrad.engine import realize
   rng = np.random.default_rng(2026)
   hits_before = schedule_cache.stats.hits
