@@ -99,9 +99,10 @@ class LRUAllocator(Allocator):
 
   def alloc(self, nbytes: int) -> Any:
     with MEMORY_LOCK:
-      if self.cache.get(nbytes):
+      handles = self.cache.get(nbytes)
+      if handles:
         self.cached_total -= nbytes
-        return self.cache[nbytes].pop()
+        return handles.pop()
       return super().alloc(nbytes)
 
   def free(self, handle: Any, nbytes: int) -> None:
@@ -180,8 +181,9 @@ class Buffer:
   def allocate(self) -> Buffer:
     with MEMORY_LOCK:
       if self._handle is None:
-        self._handle = Device[self.device].allocator.alloc(max(self.nbytes, 1))
-        GlobalCounters.mem_used += self.nbytes
+        nbytes = self.size * self.dtype.itemsize
+        self._handle = Device[self.device].allocator.alloc(max(nbytes, 1))
+        GlobalCounters.mem_used += nbytes
     return self
 
   def release_memory(self) -> None:
@@ -216,9 +218,10 @@ class Buffer:
     handle = getattr(self, "_handle", None)
     if handle is None or getattr(self, "_backing", None) is not None: return
     try:
+      nbytes = self.size * self.dtype.itemsize
       with MEMORY_LOCK:
-        GlobalCounters.mem_used -= self.nbytes
-        Device[self.device].allocator.free(handle, max(self.nbytes, 1))
+        GlobalCounters.mem_used -= nbytes
+        Device[self.device].allocator.free(handle, max(nbytes, 1))
     except Exception:  # interpreter shutdown: the device module (or the lock) may be gone already
       pass
 

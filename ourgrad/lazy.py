@@ -259,7 +259,7 @@ class LazyBuffer:
       if (src if src._base is None else src._base).op is Ops.CONST: break
     else:
       return None
-    values = [src.const_value() for src in srcs]
+    values = [src.const_value() for src in srcs] if len(srcs) != 2 else [srcs[0].const_value(), srcs[1].const_value()]
     if None not in values and op is not Ops.CAST and op is not Ops.BITCAST:
       if op is Ops.RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
       # rounded to the dtype by const_like, which remembers the rounding of each value (exec_alu's costs ~1 us)
@@ -271,9 +271,11 @@ class LazyBuffer:
       # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add. A result is a new tensor,
       # never x's own memory: folded only where x is still lazy (x * 1 of a stored x would alias it, and a later
       # x.assign(...) would change the result too)
-      if is_identity_constant(op, values[1], out_dtype) and _is_lazy(left): return left
-      if is_identity_constant(op, values[0], out_dtype) and _is_lazy(right): return right
-      if op is Ops.MUL and not out_dtype.is_float and 0 in (values[0], values[1]): return self.const_like(0, out_dtype)
+      left_value, right_value = values
+      if right_value is not None and is_identity_constant(op, right_value, out_dtype) and _is_lazy(left): return left
+      if left_value is not None and is_identity_constant(op, left_value, out_dtype) and _is_lazy(right): return right
+      if op is Ops.MUL and not out_dtype.is_float and 0 in (left_value, right_value):
+        return self.const_like(0, out_dtype)
     return None
 
   def cast(self, dtype: DType, bitcast: bool = False) -> LazyBuffer:
