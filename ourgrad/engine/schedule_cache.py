@@ -62,7 +62,8 @@ class CachedSchedule:
   asts: list[Any]
   output_slots: list[tuple[int, ...]]
   input_slots: list[tuple[int, ...]]
-  fresh: list[int]                  # walked bases realized into a fresh buffer, in pool order
+  # walked bases realized into a fresh buffer, in pool order: (base, the buffer's device, size and dtype)
+  fresh: list[tuple[int, str, int, Any]]
   shared: list[tuple[int, int]]     # (walked base, slot) for an assign: it writes a leaf's or an earlier base's buffer
   cleared: list[int]                # walked bases whose sources create_schedule dropped
   # buffers of bases the scheduler made itself (staged matmul operands, snapshots): (device, size, dtype) each, a
@@ -201,14 +202,14 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
   base's nor one an earlier item wrote (a window of a DISK file), which a replay could not rebuild. A buffer an item
   writes that no walked base owns (a base the scheduler made: a staged operand, a snapshot) is a scratch slot."""
   slot_of: dict[int, int] = {id(buffer): index for index, buffer in enumerate(leaves)}
-  fresh: list[int] = []
+  fresh: list[tuple[int, str, int, Any]] = []
   shared: list[tuple[int, int]] = []
   for index, base in enumerate(bases):
     if base.realized is None: continue
     slot = slot_of.get(id(base.realized))
     if slot is None:
       slot_of[id(base.realized)] = len(leaves) + len(fresh)
-      fresh.append(index)
+      fresh.append((index, base.realized.device, base.realized.size, base.realized.dtype))
     elif not scheduler.writes_into_a_source(base): return None
     else: shared.append((index, slot))
   scratch: list[tuple[str, int, Any]] = []
@@ -234,9 +235,8 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
 
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
   pool = list(leaves)
-  for index in cached.fresh:
-    base = bases[index]
-    buffer = base.realized = Buffer(base.device, base.size, base.dtype)
+  for index, device, size, dtype in cached.fresh:
+    buffer = bases[index].realized = Buffer(device, size, dtype)
     pool.append(buffer)
   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain), a packed attention
   # dK/dV op the dQ op's: all in the pool
