@@ -20,7 +20,7 @@ from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.engine.schedule_item import LoweringMemo
 from ourgrad.helpers import (GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG, SPLIT_LAST_BLOCK,
-                             EnvSnapshot, env_var, tf32_allowed)
+                             EnvSnapshot, env_var, register_cache_clearer, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 
@@ -77,6 +77,9 @@ class CachedSchedule:
 
 
 _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
+# clear_caches() drops the cached schedules too: they keep their kernels' runners and ExecItems (with the buffer handles
+# their launchers were bound to), which would otherwise outlive the compiled-kernel cache they came from
+register_cache_clearer(_cache.clear)
 
 
 def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], list[Buffer]]:
