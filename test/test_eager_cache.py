@@ -96,7 +96,32 @@ WIRINGS = [
   (lambda a, b: (a - b) * (a - b).flip(0), lambda a, b: (a - b) * (a - b)[::-1]),
   (lambda a, b: a.maximum(b) - b, lambda a, b: np.maximum(a, b) - b),
   (lambda a, b: b.maximum(a) - a, lambda a, b: np.maximum(b, a) - a),
+  # constants, written into their readers' references in the key (schedule_cache._INLINE): one read twice or two of
+  # one value, different values or views, a constant that is also an output, one forced into memory
+  (lambda a, b: _shared_constant(a, b, 2.0, 2.0), lambda a, b: a * 2 + b * 2),
+  (lambda a, b: _shared_constant(a, b, 2.0, 3.0), lambda a, b: a * 2 + b * 3),
+  (lambda a, b: (a * 2 + b * 2, Tensor.full((5,), 2.0))[0], lambda a, b: a * 2 + b * 2),
+  (lambda a, b: _constant_output(a, 2.0), lambda a, b: a * 2 + 2),
+  (lambda a, b: a * Tensor.full((5,), 2.0).contiguous() + b, lambda a, b: a * 2 + b),
+  (lambda a, b: a * Tensor.full((1,), 2.0).contiguous() + b, lambda a, b: a * 2 + b),
+  (lambda a, b: a * Tensor.full((5,), 2.0)[::-1] + b, lambda a, b: a * 2 + b),
 ]
+
+
+def _shared_constant(a: Tensor, b: Tensor, left: float, right: float) -> Tensor:
+  """a * c1 + b * c2 with c1 and c2 one constant tensor when their values agree, two otherwise."""
+  c1 = Tensor.full((5,), left)
+  c2 = c1 if left == right else Tensor.full((5,), right)
+  return a * c1 + b * c2
+
+
+def _constant_output(a: Tensor, value: float) -> Tensor:
+  """a * c + c with the constant c realized in the same schedule as the result (an output and a source at once)."""
+  c = Tensor.full((5,), value)
+  result = a * c + c
+  Tensor.realize_all(result, c)
+  np.testing.assert_array_equal(c.numpy(), np.full(5, value, np.float32))
+  return result
 
 
 def test_graphs_differing_only_in_their_sources_never_share_a_schedule():

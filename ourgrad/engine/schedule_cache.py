@@ -3,10 +3,11 @@ LazyBuffers, new buffers, the same ops, views and dtypes) is scheduled once.
 
 `schedule(outs)` walks the unrealized bases behind `outs` (as the scheduler does) and writes down each base's op,
 arg, dtype, device, shape and forced-realize flag, and each source as a reference: another base of the walk by its
-position, or a realized buffer by its position among the leaves (its device, size and dtype are in the key, its
-identity is not), always with the view it is read through. Equal keys mean the scheduler would make the same
-decisions and the same kernel ASTs; only the buffers differ. On a hit the cached items are rebound to this graph's
-leaf buffers and to fresh buffers for what it realizes, and the bases are marked realized as create_schedule does.
+position, a realized buffer by its position among the leaves (its device, size and dtype are in the key, its
+identity is not), or a constant that is only read by its value, always with the view it is read through. Equal
+keys mean the scheduler would make the same decisions and the same kernel ASTs; only the buffers differ. On a hit
+the cached items are rebound to this graph's leaf buffers and to fresh buffers for what it realizes, and the bases
+are marked realized as create_schedule does; each item keeps its lowering and ExecItem from one replay to the next (schedule_item.LoweringMemo, engine/realize.py).
 """
 from __future__ import annotations
 
@@ -88,7 +89,10 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
   One walk: the bases in lazy.walk_bases' order (sources before users), each one's tokens written when it is placed,
   when every unrealized base it reads has its position already (the graph has no cycles). The key is one flat tuple
   (a nested tuple per base cost a third more to build and hash), unambiguous because each base's tokens have a fixed
-  layout: op, arg, dtype, device, shape, forced-realize flag, source count, then per source a reference (`reference`).
+  layout: op, arg, dtype, device, shape, forced-realize flag, source count, then per source a reference: a walked
+  base's position and the view; -1 - a leaf's position, the view and the leaf's shape (`reference_leaf`); or for a
+  constant that is only read (not an output, not forced: the scheduler writes its value into each kernel reading it,
+  whichever base object holds it) _INLINE, its value, dtype, device, shape and the view, without walking it as a base.
   Then the outputs' references, then each leaf's device, size, dtype and buffer type."""
   bases: list[LazyBuffer] = []
   position: dict[int, int] = {}
@@ -110,6 +114,7 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
 
   visited: set[int] = set()
   stack: list[tuple[LazyBuffer, bool]] = [(out if out._base is None else out._base, False) for out in reversed(outs)]
+  roots = {id(base) for base, _ in stack}
   while stack:
     base, sources_done = stack.pop()
     if sources_done:
@@ -123,15 +128,26 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
       for src in srcs:
         src_base = src if src._base is None else src._base
         walked = find(id(src_base))
-        if walked is None: reference_leaf(src, src_base)
-        else:
+        if walked is not None:
           append(walked)
           append(src.st)
+        elif src_base.realized is not None: reference_leaf(src, src_base)
+        else:   # an inline constant (`inline`): its value, dtype, device and shape, and the view it is read through
+          arg = src_base.arg
+          extend((_INLINE, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else _hashable(arg),
+                  src_base.dtype, src_base.device, src_base.shape, src.st))
       continue
     if id(base) in visited or base.realized is not None: continue
     visited.add(id(base))
     stack.append((base, True))
-    for src in reversed(base.srcs): stack.append((src if src._base is None else src._base, False))
+    for src in reversed(base.srcs):
+      src_base = src if src._base is None else src._base
+      # a constant only read (not an output, not forced, never stored: the scheduler puts its value into every
+      # kernel reading it) is written into its readers' references instead of being walked and placed as a base
+      if src_base.op is _CONST and src_base.realized is None and not src_base.forced_realize and not src_base.srcs \
+          and id(src_base) not in roots:
+        continue
+      stack.append((src_base, False))
   append(len(outs))
   for out in outs:
     out_base = out if out._base is None else out._base
@@ -144,6 +160,9 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
 
 
 _PLAIN_ARG_TYPES = (type(None), int, bool, str)
+_CONST = Ops.CONST
+# the first token of an inline constant's reference (a walked base's is its position, a leaf's a negative int)
+_INLINE = "inline constant"
 
 
 def _hashable(arg: Any) -> Any:
