@@ -7,7 +7,8 @@ position, a realized buffer by its position among the leaves (its device, size a
 identity is not), or a constant that is only read by its value, always with the view it is read through. Equal
 keys mean the scheduler would make the same decisions and the same kernel ASTs; only the buffers differ. On a hit
 the cached items are rebound to this graph's leaf buffers and to fresh buffers for what it realizes, and the bases
-are marked realized as create_schedule does; each item keeps its lowering and ExecItem from one replay to the next (schedule_item.LoweringMemo, engine/realize.py).
+are marked realized as create_schedule does; each item keeps its lowering and ExecItem from one replay to the next
+(schedule_item.LoweringMemo, engine/realize.py).
 """
 from __future__ import annotations
 
