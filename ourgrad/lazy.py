@@ -85,7 +85,7 @@ class LazyBuffer:
   def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
                srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
     self.device, self.st, self.dtype = device, st, dtype
-    self.shape: tuple[int, ...] = st.shape
+    self.shape: tuple[int, ...] = st.views[-1].shape   # (ShapeTracker.shape without the property call: every op)
     self._base = base
     # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
     # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
