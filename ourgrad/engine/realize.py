@@ -239,8 +239,9 @@ def note_compiles(schedule: list[ScheduleItem]) -> None:
 
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
-  note_compiles(schedule)
-  plan_schedule_memory(schedule)
+  if len(schedule) > 1:   # (one item: nothing to plan, no note)
+    note_compiles(schedule)
+    plan_schedule_memory(schedule)
   if is_capturing():   # a capturing JIT keeps the items it sees: each one its own
     for item in schedule: lower_schedule_item(item).run()
     return
