@@ -153,7 +153,9 @@ def lower_schedule_item(item: ScheduleItem, reuse: bool = False) -> ExecItem:
   if item.ast.op is Ops.COPY: return ExecItem(CopyRunner(item.inputs[0].nbytes), buffers, device=buffers[0].device)
   device = item.outputs[0].device
   memo = item.lowering
-  if memo is not None and memo.source is _runner_cache and memo.generation == _runner_cache.generation:
+  # (a cache without a generation, as a test may swap in, keeps no lowering)
+  generation = getattr(_runner_cache, "generation", None)
+  if memo is not None and memo.source is _runner_cache and memo.generation == generation and generation is not None:
     runner, var_vals, block_counters = memo.runner, memo.var_vals, memo.block_counters
     if reuse and memo.idle:
       exec_item = memo.idle.pop()
@@ -165,7 +167,7 @@ def lower_schedule_item(item: ScheduleItem, reuse: bool = False) -> ExecItem:
     runner = get_runner(device, ast)
     if memo is not None:   # (the generation after get_runner, whose insert may have evicted another kernel)
       memo.runner, memo.var_vals, memo.block_counters = runner, var_vals, block_counters
-      memo.source, memo.generation, memo.idle = _runner_cache, _runner_cache.generation, []
+      memo.source, memo.generation, memo.idle = _runner_cache, getattr(_runner_cache, "generation", None), []
   if block_counters: buffers.append(split_counters(device, runner))
   return ExecItem(runner, buffers, var_vals, device=device, outputs=len(item.outputs))
 
