@@ -25,14 +25,14 @@ from ourgrad.shape.symbolic import sym_infer
 # what a kernel receives for a buffer: compared by identity between launches (the ids of handles the item keeps
 # alive, so no id is reused; numpy handles have no plain ==) to know whether a bound launcher still holds
 _HANDLE = operator.attrgetter("_handle")
+# buffer sets a kernel keeps bound launchers for (an eager step's kernel meets one or two; a JIT's items bind their own)
+LAUNCHERS_PER_KERNEL = 4
 
 
 def _handle_now(buffer: Buffer) -> Any:
   """The buffer's handle, allocated first if it has none (the output of an item rebound to a new replay's buffers)."""
   handle = buffer._handle
   return handle if handle is not None else buffer.allocate()._handle
-# buffer sets a kernel keeps bound launchers for (an eager step's kernel meets one or two; a JIT's items bind their own)
-LAUNCHERS_PER_KERNEL = 4
 
 
 class Runner:

@@ -133,7 +133,7 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
           append(walked)
           append(src.st)
         elif src_base.realized is not None: reference_leaf(src, src_base)
-        else:   # an inline constant (`inline`): its value, dtype, device and shape, and the view it is read through
+        else:   # a constant only read (see the walk below): its value, dtype, device, shape and view, after _INLINE
           arg = src_base.arg
           extend((_INLINE, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else _hashable(arg),
                   src_base.dtype, src_base.device, src_base.shape, src.st))
