@@ -99,9 +99,10 @@ class LRUAllocator(Allocator):
 
   def alloc(self, nbytes: int) -> Any:
     with MEMORY_LOCK:
-      if self.cache.get(nbytes):
+      handles = self.cache.get(nbytes)
+      if handles:
         self.cached_total -= nbytes
-        return self.cache[nbytes].pop()
+        return handles.pop()
       return super().alloc(nbytes)
 
   def free(self, handle: Any, nbytes: int) -> None:
@@ -180,8 +181,9 @@ class Buffer:
   def allocate(self) -> Buffer:
     with MEMORY_LOCK:
       if self._handle is None:
-        self._handle = Device[self.device].allocator.alloc(max(self.nbytes, 1))
-        GlobalCounters.mem_used += self.nbytes
+        nbytes = self.size * self.dtype.itemsize
+        self._handle = Device[self.device].allocator.alloc(max(nbytes, 1))
+        GlobalCounters.mem_used += nbytes
     return self
 
   def release_memory(self) -> None:
@@ -216,9 +218,10 @@ class Buffer:
     handle = getattr(self, "_handle", None)
     if handle is None or getattr(self, "_backing", None) is not None: return
     try:
+      nbytes = self.size * self.dtype.itemsize
       with MEMORY_LOCK:
-        GlobalCounters.mem_used -= self.nbytes
-        Device[self.device].allocator.free(handle, max(self.nbytes, 1))
+        GlobalCounters.mem_used -= nbytes
+        Device[self.device].allocator.free(handle, max(nbytes, 1))
     except Exception:  # interpreter shutdown: the device module (or the lock) may be gone already
       pass
 
@@ -436,6 +439,8 @@ class _DeviceRegistry:
     return int(argument) if argument.isdigit() else 0
 
   def __getitem__(self, name: str) -> Compiled:
+    opened = self._opened.get(name)   # a canonical name of an opened device (every Buffer's): one dict lookup
+    if opened is not None: return opened
     name = self.canonicalize(name)
     if name not in self._opened:
       with _OPEN_LOCK:  # two threads' first use of a device opens it once

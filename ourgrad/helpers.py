@@ -77,6 +77,26 @@ class EnvVar:
   def __lt__(self, other: int) -> bool: return self.value < other
 
 
+class EnvSnapshot:
+  """The values of several variables read at once: one tuple of their raw texts (a map over the environment's store)
+  and one dict lookup, where a `value` per variable costs a few Python calls each. For code that reads the same
+  settings at every realize (the schedule cache's key)."""
+
+  def __init__(self, *variables: EnvVar):
+    self.variables = variables
+    self._keys = tuple(variable._key for variable in variables)
+    self._parsed: dict[tuple, tuple] = {}
+
+  def values(self) -> tuple:
+    """The variables' values now, in the order given."""
+    raw = tuple(map(environ_lookup, self._keys))
+    parsed = self._parsed.get(raw)
+    if parsed is None:
+      parsed = tuple(variable.value for variable in self.variables)
+      if len(self._parsed) < 64: self._parsed[raw] = parsed   # bounded, as EnvVar's own
+    return parsed
+
+
 ENV_VARS: dict[str, EnvVar] = {}
 
 
@@ -266,7 +286,26 @@ class BoundedCache(OrderedDict[K, V]):
   def __init__(self, limit: EnvVar):
     super().__init__()
     self.limit = limit
+    # counts the times entries were dropped (cleared, evicted, deleted): a value taken from this cache and kept
+    # elsewhere (the schedule cache keeps its kernels' runners) is still the cache's while the count is unchanged
+    self.generation = 0
     register_cache_clearer(self.clear)
+
+  def clear(self) -> None:
+    self.generation += 1
+    super().clear()
+
+  def __delitem__(self, key: K) -> None:
+    self.generation += 1
+    super().__delitem__(key)
+
+  def popitem(self, last: bool = True) -> tuple[K, V]:
+    self.generation += 1
+    return super().popitem(last)
+
+  def pop(self, key: K, *default: Any) -> Any:
+    self.generation += 1
+    return super().pop(key, *default)
 
   def __getitem__(self, key: K) -> V:
     value = super().__getitem__(key)

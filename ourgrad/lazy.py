@@ -25,7 +25,7 @@ from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.lazy_reduce import cpu_packed_gathered, cpu_packed_matmul, split_large_reduce
 from ourgrad.helpers import prod, register_cache_clearer
-from ourgrad.ops import BINARY_OPS, COMPARISON_OPS, Ops, REDUCE_OPS, exec_alu, is_identity_constant
+from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
@@ -85,7 +85,7 @@ class LazyBuffer:
   def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
                srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
     self.device, self.st, self.dtype = device, st, dtype
-    self.shape: tuple[int, ...] = st.shape
+    self.shape: tuple[int, ...] = st.views[-1].shape   # (ShapeTracker.shape without the property call: every op)
     self._base = base
     # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
     # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
@@ -259,18 +259,23 @@ class LazyBuffer:
       if (src if src._base is None else src._base).op is Ops.CONST: break
     else:
       return None
-    values = [src.const_value() for src in srcs]
-    if None not in values and op not in (Ops.CAST, Ops.BITCAST):
-      return self.const_like(exec_alu(op, out_dtype, tuple(values)), out_dtype)
-    if op in BINARY_OPS and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
+    values = [src.const_value() for src in srcs] if len(srcs) != 2 else [srcs[0].const_value(), srcs[1].const_value()]
+    if None not in values and op is not Ops.CAST and op is not Ops.BITCAST:
+      if op is Ops.RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
+      # rounded to the dtype by const_like, which remembers the rounding of each value (exec_alu's costs ~1 us)
+      return self.const_like(PYTHON_ALU[op](*values), out_dtype)
+    # (only x + 0, x * 1 and integer x * 0 fold below)
+    if (op is Ops.ADD or op is Ops.MUL) and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
       # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools). For floats only -0.0 is
       # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add. A result is a new tensor,
       # never x's own memory: folded only where x is still lazy (x * 1 of a stored x would alias it, and a later
       # x.assign(...) would change the result too)
-      if is_identity_constant(op, values[1], out_dtype) and _is_lazy(left): return left
-      if is_identity_constant(op, values[0], out_dtype) and _is_lazy(right): return right
-      if op is Ops.MUL and not out_dtype.is_float and 0 in (values[0], values[1]): return self.const_like(0, out_dtype)
+      left_value, right_value = values
+      if right_value is not None and is_identity_constant(op, right_value, out_dtype) and _is_lazy(left): return left
+      if left_value is not None and is_identity_constant(op, left_value, out_dtype) and _is_lazy(right): return right
+      if op is Ops.MUL and not out_dtype.is_float and 0 in (left_value, right_value):
+        return self.const_like(0, out_dtype)
     return None
 
   def cast(self, dtype: DType, bitcast: bool = False) -> LazyBuffer:

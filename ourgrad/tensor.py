@@ -247,7 +247,10 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
     with REALIZE_LOCK:  # one thread at a time between scheduling and running (see REALIZE_LOCK)
       start = time.perf_counter()
       # cached by the graph's structure
-      schedule = schedule_cache.schedule([lazy for tensor in (self, *others) for lazy in _per_device(tensor.lazydata)])
+      lazy = self.lazydata
+      outs = [lazy] if not others and type(lazy) is LazyBuffer else \
+          [lazy for tensor in (self, *others) for lazy in _per_device(tensor.lazydata)]
+      schedule = schedule_cache.schedule(outs)
       scheduled = time.perf_counter()
       engine_realize.run_schedule(schedule)
     if DEBUG >= 1 and schedule:

@@ -205,6 +205,10 @@ class ElementwiseMixin:
 
   def sub(self, other: Any, reverse: bool = False) -> Tensor:
     """self - other (other - self if `reverse`), broadcast and type-promoted; DTypeError for bool tensors."""
+    if not reverse and (type(other) is float or type(other) is int) and self.dtype != dtypes.bool:
+      # x - c is x + (-c), the very graph Sub builds (an ADD of the negated constant, folded), without making c first
+      # and folding its negation: exact for floats, and for integers modulo the dtype's range as the fold is
+      return self.add(-other)
     x, y = self._broadcasted(other, reverse)
     if x.dtype == dtypes.bool: raise DTypeError("subtraction of bool tensors is not supported; use ^ or logical_xor")
     return F.Sub.apply(x, y)

@@ -96,7 +96,32 @@ WIRINGS = [
   (lambda a, b: (a - b) * (a - b).flip(0), lambda a, b: (a - b) * (a - b)[::-1]),
   (lambda a, b: a.maximum(b) - b, lambda a, b: np.maximum(a, b) - b),
   (lambda a, b: b.maximum(a) - a, lambda a, b: np.maximum(b, a) - a),
+  # constants, written into their readers' references in the key (schedule_cache._INLINE): one read twice or two of
+  # one value, different values or views, a constant that is also an output, one forced into memory
+  (lambda a, b: _shared_constant(a, b, 2.0, 2.0), lambda a, b: a * 2 + b * 2),
+  (lambda a, b: _shared_constant(a, b, 2.0, 3.0), lambda a, b: a * 2 + b * 3),
+  (lambda a, b: (a * 2 + b * 2, Tensor.full((5,), 2.0))[0], lambda a, b: a * 2 + b * 2),
+  (lambda a, b: _constant_output(a, 2.0), lambda a, b: a * 2 + 2),
+  (lambda a, b: a * Tensor.full((5,), 2.0).contiguous() + b, lambda a, b: a * 2 + b),
+  (lambda a, b: a * Tensor.full((1,), 2.0).contiguous() + b, lambda a, b: a * 2 + b),
+  (lambda a, b: a * Tensor.full((5,), 2.0)[::-1] + b, lambda a, b: a * 2 + b),
 ]
+
+
+def _shared_constant(a: Tensor, b: Tensor, left: float, right: float) -> Tensor:
+  """a * c1 + b * c2 with c1 and c2 one constant tensor when their values agree, two otherwise."""
+  c1 = Tensor.full((5,), left)
+  c2 = c1 if left == right else Tensor.full((5,), right)
+  return a * c1 + b * c2
+
+
+def _constant_output(a: Tensor, value: float) -> Tensor:
+  """a * c + c with the constant c realized in the same schedule as the result (an output and a source at once)."""
+  c = Tensor.full((5,), value)
+  result = a * c + c
+  Tensor.realize_all(result, c)
+  np.testing.assert_array_equal(c.numpy(), np.full(5, value, np.float32))
+  return result
 
 
 def test_graphs_differing_only_in_their_sources_never_share_a_schedule():
@@ -153,3 +178,48 @@ def test_eager_steps_bit_identical_to_tinyjit(norm, optimizer_name):
   assert jit_step.captured is not None
   for eager, jitted in zip(get_parameters(eager_model), get_parameters(jit_model)):
     assert eager.numpy().tobytes() == jitted.numpy().tobytes()
+
+
+def test_replayed_items_rebind_buffers_under_random_lifetimes():
+  """A replayed schedule keeps each kernel's lowering and the ExecItem its last replay ran (schedule_item.LoweringMemo),
+  rebound to each replay's buffers. Random steps keep or drop earlier results (so the allocator hands back the same
+  memory or other memory), change the input buffer or write it in place, clear the compiled kernels, or run the same
+  graph under a capturing TinyJit; every result against numpy, and the kept results must keep their values."""
+  from ourgrad.engine import realize
+  rng = np.random.default_rng(2026)
+  hits_before = schedule_cache.stats.hits
+  values = rng.standard_normal(9).astype(np.float32)
+  x = Tensor(values).realize()
+  kept: list[tuple[Tensor, np.ndarray]] = []
+
+  def expression(t: Tensor, c: float) -> Tensor: return ((t * c + 1.5).exp2() - 0.25).relu() * t + c
+
+  def reference(v: np.ndarray, c: float) -> np.ndarray:
+    return np.maximum(np.exp2(v * np.float32(c) + np.float32(1.5)) - np.float32(0.25), 0) * v + np.float32(c)
+
+  jitted = TinyJit(lambda t: expression(t, 0.5).realize())
+  for _ in range(80):
+    change = rng.choice(["none", "keep", "drop", "buffer", "contents", "clear", "jit"])
+    if change == "keep": kept.append((expression(x, 0.5).realize(), reference(values, 0.5)))
+    elif change == "drop": kept = kept[len(kept) // 2:]
+    elif change == "buffer":
+      values = rng.standard_normal(9).astype(np.float32)
+      x = Tensor(values).realize()
+    elif change == "contents":
+      values = rng.standard_normal(9).astype(np.float32)
+      x.assign(Tensor(values)).realize()
+    elif change == "clear": realize._runner_cache.clear()   # the kept lowerings must not outlive the kernels
+    elif change == "jit":
+      np.testing.assert_allclose(jitted(Tensor(values)).numpy(), reference(values, 0.5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(expression(x, 0.5).numpy(), reference(values, 0.5), rtol=1e-5, atol=1e-6)
+    for result, expected in kept: np.testing.assert_allclose(result.numpy(), expected, rtol=1e-5, atol=1e-6)
+  assert schedule_cache.stats.hits - hits_before >= 40
+
+
+def test_a_cleared_kernel_cache_is_not_bypassed_by_a_replayed_schedule():
+  from ourgrad.engine import realize
+  x = Tensor(np.arange(4, dtype=np.float32)).realize()
+  for _ in range(3): (x * 3 + 1).realize()   # cached, replayed, its lowering kept
+  realize._runner_cache.clear()
+  np.testing.assert_array_equal((x * 3 + 1).numpy(), np.arange(4, dtype=np.float32) * 3 + 1)
+  assert len(realize._runner_cache) >= 1   # lowered (and compiled) again through the kernel cache

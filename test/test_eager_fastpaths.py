@@ -213,3 +213,23 @@ def test_arange_reads_one_upload_and_in_place_writes_stay_private(args):
   again = Tensor.arange(*args)
   assert again.lazydata.base.srcs[0].base.realized is not upload
   np.testing.assert_allclose(again.numpy(), expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.uint8, np.int64])
+@pytest.mark.parametrize("scalar", [0.25, -0.0, 0.0, 3, -300, 2**63 - 1, float("inf")])
+def test_scalar_subtraction_matches_numpy_and_the_tensor_operand_path(dtype, scalar):
+  """x - c is built as x + (-c): the same values as numpy (integers wrap) and as a tensor operand c, bit for bit."""
+  if isinstance(scalar, float) and np.dtype(dtype).kind in "iu" and not math.isfinite(scalar): pytest.skip("int - inf")
+  values = np.array([0, 1, -5, 7, 100], dtype=np.int64).astype(dtype)
+  x = Tensor(values)
+  ours = (x - scalar).numpy()
+  theirs = (x - Tensor(scalar, dtype=(x - scalar).dtype)).numpy()
+  assert ours.tobytes() == theirs.tobytes()
+  if np.dtype(dtype).kind == "f" or isinstance(scalar, float):
+    expected = values.astype(np.float32) - np.float32(scalar)
+  else:
+    bits = np.dtype(dtype).itemsize * 8   # exact integer differences, wrapped to the dtype's width
+    wrapped = [(int(value) - scalar) % (1 << bits) for value in values]
+    expected = np.array(wrapped, dtype=np.uint64).astype(f"u{bits // 8}").view(dtype)
+  np.testing.assert_array_equal(ours, expected)
+  np.testing.assert_array_equal(np.signbit(ours), np.signbit(expected))

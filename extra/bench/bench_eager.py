@@ -76,11 +76,15 @@ def host_kernels_disabled(enabled: bool) -> Iterator[None]:
     for runner in runners:
       runner.host_function = nothing
       getattr(runner, "_launchers", {}).clear()   # launchers bound to the real function (CompiledRunner.launcher_for)
+    # and the ExecItems replayed schedules keep (schedule_item.LoweringMemo), bound to it too: a changed generation
+    # makes their schedules lower again
+    realize._runner_cache.generation += 1
     yield
   finally:
     for runner, function in zip(runners, saved):
       runner.host_function = function
       getattr(runner, "_launchers", {}).clear()   # and those bound to `nothing`
+    realize._runner_cache.generation += 1
 
 
 @contextlib.contextmanager

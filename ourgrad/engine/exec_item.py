@@ -29,6 +29,12 @@ _HANDLE = operator.attrgetter("_handle")
 LAUNCHERS_PER_KERNEL = 4
 
 
+def _handle_now(buffer: Buffer) -> Any:
+  """The buffer's handle, allocated first if it has none (the output of an item rebound to a new replay's buffers)."""
+  handle = buffer._handle
+  return handle if handle is not None else buffer.allocate()._handle
+
+
 class Runner:
   """Something that runs on buffers: `runner(buffers, wait)` returns device seconds when `wait` (else None)."""
   # plain class attributes, not dataclass fields: subclasses set them (name, display_name, op_count, byte_count)
@@ -217,9 +223,10 @@ class ExecItem:
 
   def run(self, wait: bool = False) -> float | None:
     """Launch: allocate the buffers, run, count, print at DEBUG=2, and record the item if a JIT is capturing."""
-    if self._launch is not None and not wait and environ_lookup(_DEBUG_KEY) in _QUIET_DEBUG and \
-        environ_lookup(_PROFILE_KEY) in _QUIET_PROFILE and not profiler.open_blocks and \
-        self._launch_runner is self.runner and list(map(id, map(_HANDLE, self.bufs))) == self._launch_ids:
+    quiet = not wait and environ_lookup(_DEBUG_KEY) in _QUIET_DEBUG and environ_lookup(_PROFILE_KEY) in _QUIET_PROFILE \
+      and not profiler.open_blocks
+    if quiet and self._launch is not None and self._launch_runner is self.runner and \
+        list(map(id, map(_handle_now, self.bufs))) == self._launch_ids:
       self._launch()
       runner = self.runner
       GlobalCounters.kernel_count += 1   # only CompiledRunners are bound
@@ -227,13 +234,17 @@ class ExecItem:
       GlobalCounters.global_mem += runner.byte_count
       if _capture_lists: _capture_lists[-1].append(self)
       return None
-    return self._run_general(wait)
+    return self._run_general(wait, quiet)
 
-  def _run_general(self, wait: bool) -> float | None:
+  def _run_general(self, wait: bool, quiet: bool = False) -> float | None:
+    """A launch that binds (or finds) its launcher; `quiet`: the caller found DEBUG < 2, PROFILE off and no profile()
+    block open, so nothing is printed or timed (an eager realize's items, each launched once)."""
     for buffer in self.bufs:
       if buffer._handle is None: buffer.allocate()
-    debug = DEBUG.value  # read once: each read looks the environment up
-    plain = not wait and debug < 2 and not profiler.active()
+    if quiet: debug, plain = 0, True
+    else:
+      debug = DEBUG.value  # read once: each read looks the environment up
+      plain = not wait and debug < 2 and not profiler.active()
     wait = not plain
     runner = self.runner
     launcher = runner.launcher_for(self.bufs) if plain and not self.var_vals and isinstance(runner, CompiledRunner) \

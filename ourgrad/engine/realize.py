@@ -19,7 +19,7 @@ from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
-from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner  # noqa: F401 (re-exported)
+from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ScheduleItem
@@ -145,16 +145,39 @@ def _unbind_ast(ast: LazyOp) -> tuple[LazyOp, dict[str, int]]:
   return rebuilt[id(ast)], var_vals
 
 
-def lower_schedule_item(item: ScheduleItem) -> ExecItem:
+def lower_schedule_item(item: ScheduleItem, reuse: bool = False) -> ExecItem:
   """The ExecItem that runs one ScheduleItem: a copy, or the compiled kernel of its AST (from the cache) with the
-  values of its bound Variables."""
+  values of its bound Variables. `reuse`: the caller runs it at once and hands it back (`release`), so a replayed
+  schedule's item may be the ExecItem its last replay ran, rebound to these buffers."""
   buffers = [*item.outputs, *item.inputs]
   if item.ast.op is Ops.COPY: return ExecItem(CopyRunner(item.inputs[0].nbytes), buffers, device=buffers[0].device)
   device = item.outputs[0].device
-  ast, var_vals, block_counters = _lowering_facts(item.ast)
-  runner = get_runner(device, ast)
+  memo = item.lowering
+  # (a cache without a generation, as a test may swap in, keeps no lowering)
+  generation = getattr(_runner_cache, "generation", None)
+  if memo is not None and memo.source is _runner_cache and memo.generation == generation and generation is not None:
+    runner, var_vals, block_counters = memo.runner, memo.var_vals, memo.block_counters
+    if reuse and memo.idle:
+      exec_item = memo.idle.pop()
+      if block_counters: buffers.append(split_counters(device, runner))
+      exec_item.bufs = buffers
+      return exec_item
+  else:
+    ast, var_vals, block_counters = _lowering_facts(item.ast)
+    runner = get_runner(device, ast)
+    if memo is not None:   # (the generation after get_runner, whose insert may have evicted another kernel)
+      memo.runner, memo.var_vals, memo.block_counters = runner, var_vals, block_counters
+      memo.source, memo.generation, memo.idle = _runner_cache, getattr(_runner_cache, "generation", None), []
   if block_counters: buffers.append(split_counters(device, runner))
   return ExecItem(runner, buffers, var_vals, device=device, outputs=len(item.outputs))
+
+
+def release(item: ScheduleItem, exec_item: ExecItem) -> None:
+  """Hand back an ExecItem that lower_schedule_item(item, reuse=True) gave and that has run: it lets go of its
+  buffers, and a replayed schedule keeps it for its next replay (nothing else holds it: no JIT was capturing)."""
+  exec_item.bufs = []
+  memo = item.lowering
+  if memo is not None and memo.runner is exec_item.runner and not memo.idle: memo.idle.append(exec_item)
 
 
 # the block counters of each one-kernel split reduce's runner (codegen/last_block.py), by (device, runner id): zeros
@@ -207,8 +230,9 @@ def count_new_kernels(schedule: list[ScheduleItem]) -> int:
 
 def note_compiles(schedule: list[ScheduleItem]) -> None:
   """The "compiling N kernels" note of COMPILE_NOTE: a first step that is silent for seconds looks hung."""
+  if len(schedule) < COMPILE_NOTE_MIN_KERNELS: return   # (before reading the setting: most realizes are short)
   setting = COMPILE_NOTE.value
-  if setting == 0 or len(schedule) < COMPILE_NOTE_MIN_KERNELS or (setting < 0 and not sys.stderr.isatty()): return
+  if setting == 0 or (setting < 0 and not sys.stderr.isatty()): return
   new = count_new_kernels(schedule)
   if new >= COMPILE_NOTE_MIN_KERNELS:
     print(f"ourgrad: compiling {new} kernels (once per process; compiled binaries are cached on disk)",
@@ -217,6 +241,13 @@ def note_compiles(schedule: list[ScheduleItem]) -> None:
 
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
-  note_compiles(schedule)
-  plan_schedule_memory(schedule)
-  for item in schedule: lower_schedule_item(item).run()
+  if len(schedule) > 1:   # (one item: nothing to plan, no note)
+    note_compiles(schedule)
+    plan_schedule_memory(schedule)
+  if is_capturing():   # a capturing JIT keeps the items it sees: each one its own
+    for item in schedule: lower_schedule_item(item).run()
+    return
+  for item in schedule:
+    exec_item = lower_schedule_item(item, reuse=True)
+    exec_item.run()
+    release(item, exec_item)

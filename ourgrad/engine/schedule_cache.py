@@ -3,28 +3,35 @@ LazyBuffers, new buffers, the same ops, views and dtypes) is scheduled once.
 
 `schedule(outs)` walks the unrealized bases behind `outs` (as the scheduler does) and writes down each base's op,
 arg, dtype, device, shape and forced-realize flag, and each source as a reference: another base of the walk by its
-position, or a realized buffer by its position among the leaves (its device, size and dtype are in the key, its
-identity is not), always with the view it is read through. Equal keys mean the scheduler would make the same
-decisions and the same kernel ASTs; only the buffers differ. On a hit the cached items are rebound to this graph's
-leaf buffers and to fresh buffers for what it realizes, and the bases are marked realized as create_schedule does.
+position, a realized buffer by its position among the leaves (its device, size and dtype are in the key, its
+identity is not), or a constant that is only read by its value, always with the view it is read through. Equal
+keys mean the scheduler would make the same decisions and the same kernel ASTs; only the buffers differ. On a hit
+the cached items are rebound to this graph's leaf buffers and to fresh buffers for what it realizes, and the bases
+are marked realized as create_schedule does; each item keeps its lowering and ExecItem from one replay to the next
+(schedule_item.LoweringMemo, engine/realize.py).
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
+from ourgrad.engine.schedule_item import LoweringMemo
 from ourgrad.helpers import (GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG, SPLIT_LAST_BLOCK,
-                             env_var, tf32_allowed)
+                             EnvSnapshot, env_var, register_cache_clearer, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 
 SCHEDULE_CACHE = env_var("SCHEDULE_CACHE", 1, "0: schedule every realize from scratch (no structural schedule cache)")
 CACHE_SIZE = 64  # graphs remembered (least recently used dropped first)
+# read at every realize: whether the cache is used (SCHEDULE_CACHE, GRAPH), then the settings the scheduler's decisions
+# depend on, which may change at run time (part of the key)
+_SETTINGS = EnvSnapshot(SCHEDULE_CACHE, GRAPH, KERNEL_OPS_LIMIT, PACK_KERNELS, MAX_PACK_BUFFERS, SPLIT_LAST_BLOCK,
+                        RIDE_ALONG)
 
 
 @dataclass
@@ -57,16 +64,24 @@ class CachedSchedule:
   asts: list[Any]
   output_slots: list[tuple[int, ...]]
   input_slots: list[tuple[int, ...]]
-  fresh: list[int]                  # walked bases realized into a fresh buffer, in pool order
+  # walked bases realized into a fresh buffer, in pool order: (base, the buffer's device, size and dtype)
+  fresh: list[tuple[int, str, int, Any]]
   shared: list[tuple[int, int]]     # (walked base, slot) for an assign: it writes a leaf's or an earlier base's buffer
   cleared: list[int]                # walked bases whose sources create_schedule dropped
   # buffers of bases the scheduler made itself (staged matmul operands, snapshots): (device, size, dtype) each, a
   # fresh buffer at every replay
   scratch: list[tuple[str, int, Any]]
+  # per item, its lowering (runner, Variables' values) once the first replay lowered it: later replays skip the
+  # compiled-kernel cache (engine/realize.py lower_schedule_item)
+  lowerings: list[LoweringMemo] = field(default_factory=list)
+  assigns: list[int] = field(default_factory=list)   # walked bases that are ASSIGNs (copy-on-write at each replay)
   key: _Key | None = None           # the key it is stored under
 
 
 _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
+# clear_caches() drops the cached schedules too: they keep their kernels' runners and ExecItems (with the buffer handles
+# their launchers were bound to), which would otherwise outlive the compiled-kernel cache they came from
+register_cache_clearer(_cache.clear)
 
 
 def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], list[Buffer]]:
@@ -75,36 +90,32 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
   One walk: the bases in lazy.walk_bases' order (sources before users), each one's tokens written when it is placed,
   when every unrealized base it reads has its position already (the graph has no cycles). The key is one flat tuple
   (a nested tuple per base cost a third more to build and hash), unambiguous because each base's tokens have a fixed
-  layout: op, arg, dtype, device, shape, forced-realize flag, source count, then per source a reference (`reference`).
+  layout: op, arg, dtype, device, shape, forced-realize flag, source count, then per source a reference: a walked
+  base's position and the view; -1 - a leaf's position, the view and the leaf's shape (`reference_leaf`); or for a
+  constant that is only read (not an output, not forced: the scheduler writes its value into each kernel reading it,
+  whichever base object holds it) _INLINE, its value, dtype, device, shape and the view, without walking it as a base.
   Then the outputs' references, then each leaf's device, size, dtype and buffer type."""
   bases: list[LazyBuffer] = []
   position: dict[int, int] = {}
   leaves: list[Buffer] = []
   leaf_position: dict[int, int] = {}
   tokens: list[Any] = []
-  append = tokens.append
+  append, extend, find = tokens.append, tokens.extend, position.get
 
-  def reference(lazy: LazyBuffer) -> None:
-    """A source read through its view: (a walked base's position, the view), or (-1 - a leaf's position, the view,
-    the leaf's shape); the sign of the first token tells which, so the key stays unambiguous."""
-    base = lazy._base if lazy._base is not None else lazy   # (not the .base property: once per source per realize)
-    walked = position.get(id(base))
-    if walked is not None:
-      append(walked)
-      append(lazy.st)
-      return
+  def reference_leaf(lazy: LazyBuffer, base: LazyBuffer) -> None:
+    """A source whose base is realized: (-1 - the leaf's position, the view, the leaf's shape); a walked base's is
+    (its position, the view): the sign of the first token tells which, so the key stays unambiguous."""
     buffer = base.realized
     leaf = leaf_position.get(id(buffer))
     if leaf is None:
       leaf = leaf_position[id(buffer)] = len(leaves)
       leaves.append(buffer)
     # the scheduler reads a realized base only as memory (its op no longer matters), and its size (copies)
-    append(-1 - leaf)
-    append(lazy.st)
-    append(base.shape)
+    extend((-1 - leaf, lazy.st, base.shape))
 
   visited: set[int] = set()
   stack: list[tuple[LazyBuffer, bool]] = [(out if out._base is None else out._base, False) for out in reversed(outs)]
+  roots = {id(base) for base, _ in stack}
   while stack:
     base, sources_done = stack.pop()
     if sources_done:
@@ -112,29 +123,47 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
       bases.append(base)
       arg = base.arg
       srcs = base.srcs
-      tokens.extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES else _hashable(arg), base.dtype, base.device,
-                     base.shape, base.forced_realize, len(srcs)))
+      # (most args are None, ints or nonzero floats: no call to _hashable)
+      extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else _hashable(arg),
+              base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
       for src in srcs:
-        # `reference` written out for the common case, a source computed in this graph (a call per source is a
-        # tenth of the walk)
-        walked = position.get(id(src if src._base is None else src._base))
-        if walked is None: reference(src)
-        else:
+        src_base = src if src._base is None else src._base
+        walked = find(id(src_base))
+        if walked is not None:
           append(walked)
           append(src.st)
+        elif src_base.realized is not None: reference_leaf(src, src_base)
+        else:   # a constant only read (see the walk below): its value, dtype, device, shape and view, after _INLINE
+          arg = src_base.arg
+          extend((_INLINE, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else _hashable(arg),
+                  src_base.dtype, src_base.device, src_base.shape, src.st))
       continue
     if id(base) in visited or base.realized is not None: continue
     visited.add(id(base))
     stack.append((base, True))
-    for src in reversed(base.srcs): stack.append((src if src._base is None else src._base, False))
+    for src in reversed(base.srcs):
+      src_base = src if src._base is None else src._base
+      # a constant only read (not an output, not forced, never stored: the scheduler puts its value into every
+      # kernel reading it) is written into its readers' references instead of being walked and placed as a base
+      if src_base.op is _CONST and src_base.realized is None and not src_base.forced_realize and not src_base.srcs \
+          and id(src_base) not in roots:
+        continue
+      stack.append((src_base, False))
   append(len(outs))
-  for out in outs: reference(out)
+  for out in outs:
+    out_base = out if out._base is None else out._base
+    walked = find(id(out_base))
+    if walked is None: reference_leaf(out, out_base)
+    else: extend((walked, out.st))
   append(len(leaves))
-  for buffer in leaves: tokens.extend((buffer.device, buffer.size, buffer.dtype, type(buffer)))
+  for buffer in leaves: extend((buffer.device, buffer.size, buffer.dtype, type(buffer)))
   return tuple(tokens), bases, leaves
 
 
 _PLAIN_ARG_TYPES = (type(None), int, bool, str)
+_CONST = Ops.CONST
+# the first token of an inline constant's reference (a walked base's is its position, a leaf's a negative int)
+_INLINE = "inline constant"
 
 
 def _hashable(arg: Any) -> Any:
@@ -152,18 +181,18 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   """create_schedule(outs), from the cache where a graph of the same structure was scheduled before."""
   # the scheduler's functions are looked up at each call, so tools that wrap them (benchmarks, tests) see misses
   # GRAPH=1 draws each graph as the scheduler walks it, so it schedules every realize from scratch
-  if not SCHEDULE_CACHE or GRAPH: return scheduler.create_schedule(outs)
+  settings = _SETTINGS.values()
+  if not settings[0] or settings[1]: return scheduler.create_schedule(outs)
   key, bases, leaves = _structure(outs)
-  # the scheduler's decisions depend on these settings, which may change at run time
   if not bases: return []
   # (TF32 allowed: matmul operands are staged for the WGMMA plan only then, engine/operand_staging.py)
-  key = _Key((key, int(KERNEL_OPS_LIMIT), int(PACK_KERNELS), int(MAX_PACK_BUFFERS), tf32_allowed(),
-                int(SPLIT_LAST_BLOCK), int(RIDE_ALONG)))
+  key = _Key((key, settings, tf32_allowed()))
   cached = _cache.get(key)
   if cached is not None:
     _cache.move_to_end(cached.key)
     stats.hits += 1
-    assigns = [(base, base.srcs[1].base) for base in bases if base.op is Ops.ASSIGN]  # before _replay drops srcs
+    # (before _replay drops sources)
+    assigns = [(bases[index], bases[index].srcs[1].base) for index in cached.assigns] if cached.assigns else []
     items = _replay(cached, bases, leaves)
   else:
     stats.misses += 1
@@ -196,14 +225,14 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
   base's nor one an earlier item wrote (a window of a DISK file), which a replay could not rebuild. A buffer an item
   writes that no walked base owns (a base the scheduler made: a staged operand, a snapshot) is a scratch slot."""
   slot_of: dict[int, int] = {id(buffer): index for index, buffer in enumerate(leaves)}
-  fresh: list[int] = []
+  fresh: list[tuple[int, str, int, Any]] = []
   shared: list[tuple[int, int]] = []
   for index, base in enumerate(bases):
     if base.realized is None: continue
     slot = slot_of.get(id(base.realized))
     if slot is None:
       slot_of[id(base.realized)] = len(leaves) + len(fresh)
-      fresh.append(index)
+      fresh.append((index, base.realized.device, base.realized.size, base.realized.dtype))
     elif not scheduler.writes_into_a_source(base): return None
     else: shared.append((index, slot))
   scratch: list[tuple[str, int, Any]] = []
@@ -222,21 +251,23 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
     except KeyError:
       return None
   cleared = [index for index, base in enumerate(bases) if base.realized is not None and not base.srcs]
-  return CachedSchedule([item.ast for item in items], outputs, inputs, fresh, shared, cleared, scratch)
+  assigns = [index for index, base in enumerate(bases) if base.op is Ops.ASSIGN]
+  return CachedSchedule([item.ast for item in items], outputs, inputs, fresh, shared, cleared, scratch,
+                        [LoweringMemo() for _ in items], assigns)
 
 
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
   pool = list(leaves)
-  for index in cached.fresh:
-    base = bases[index]
-    buffer = base.realized = Buffer(base.device, base.size, base.dtype)
+  for index, device, size, dtype in cached.fresh:
+    buffer = bases[index].realized = Buffer(device, size, dtype)
     pool.append(buffer)
   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain), a packed attention
   # dK/dV op the dQ op's: all in the pool
   for index, slot in cached.shared: bases[index].realized = pool[slot]
   for device, size, dtype in cached.scratch: pool.append(Buffer(device, size, dtype))
   take = pool.__getitem__
-  items = [ScheduleItem(ast, tuple(map(take, outputs)), tuple(map(take, inputs)))
-           for ast, outputs, inputs in zip(cached.asts, cached.output_slots, cached.input_slots)]
+  items = [ScheduleItem(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
+           for ast, outputs, inputs, lowering in zip(cached.asts, cached.output_slots, cached.input_slots,
+                                                     cached.lowerings)]
   for index in cached.cleared: bases[index].srcs = ()
   return items

@@ -6,19 +6,39 @@ imports it at the top.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from ourgrad.device import Buffer
 from ourgrad.ops import LazyOp
 
 
+class LoweringMemo:
+  """What lowering an item's AST gave (engine/realize.py: the runner, the bound Variables' values, whether it needs
+  block counters), kept by the schedule cache for the items it replays, so that a repeated realize lowers each kernel
+  once. Valid while the compiled-kernel cache it came from is the same object and has dropped nothing since
+  (`source`, `generation`): a cleared cache (a test, a new setting) lowers again. `idle`: the ExecItem the last
+  replay ran, rebound to the next replay's buffers (its launcher stays bound while the allocator hands back the same
+  memory), held without buffers between runs."""
+  __slots__ = ("runner", "var_vals", "block_counters", "source", "generation", "idle")
+
+  def __init__(self) -> None:
+    self.runner: Any = None   # None: not lowered yet
+    self.var_vals: dict[str, int] = {}
+    self.block_counters = False
+    self.source: Any = None
+    self.generation = -1
+    self.idle: list[Any] = []   # at most one ExecItem; a list, so that taking it (pop) is one atomic step
+
+
 @dataclass(frozen=True)
 class ScheduleItem:
   """One kernel (ast is a STORE, a SINK of STOREs or a PACK) or one copy (ast is a COPY) and the buffers it writes
-  and reads."""
+  and reads; `lowering`: where a replayed schedule keeps its lowering (None: lowered from the AST)."""
   ast: LazyOp
   outputs: tuple[Buffer, ...]
   inputs: tuple[Buffer, ...]
+  lowering: LoweringMemo | None = field(default=None, compare=False, repr=False)
 
   @property
   def bufs(self) -> tuple[Buffer, ...]: return self.outputs + self.inputs

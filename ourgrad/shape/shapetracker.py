@@ -181,7 +181,7 @@ class ShapeTracker:
   @staticmethod
   def from_shape(shape: Sequence[int]) -> ShapeTracker:
     """The identity tracker of a contiguous buffer of this shape."""
-    return _identity_tracker(tuple(shape))
+    return _identity_tracker(shape if type(shape) is tuple else tuple(shape))   # (every new lazy base asks)
 
   @property
   def shape(self) -> tuple[int, ...]: return self.views[-1].shape
