@@ -13,8 +13,8 @@ import warnings
 from typing import Any
 
 from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.lowering import AnyKernel, OptPolicy, ast_is_symbolic, build_kernel, kernel_cost, kind_of, \
-  kind_of_ast, lower_kernel
+from ourgrad.codegen.lowering import AnyKernel, LoweredKernel, OptPolicy, ast_is_symbolic, build_kernel, kernel_cost, \
+  kind_of, kind_of_ast, lower_kernel
 from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.device import Buffer, Device
@@ -94,12 +94,22 @@ def function_name(kernel: Kernel) -> str:
 
 @host_phase("codegen", lambda kernel, device: kernel.name)
 def compile_kernel(kernel: AnyKernel, device: str) -> CompiledRunner:
+  name, lowered = render_kernel(kernel, device)
+  return kernel_runner(kernel, name, lowered, load_program(device, name, lowered.source))
+
+
+def render_kernel(kernel: AnyKernel, device: str) -> tuple[str, LoweredKernel]:
+  """(the kernel's function name, its lowering: UOps and source for `device`), printed as DEBUG asks."""
   name = function_name(kernel)
   lowered = lower_kernel(kernel, Device[device].renderer, name)
   if DEBUG >= 5 and lowered.linearized: print(format_uops(lowered.uops))
   if DEBUG >= 4: print(lowered.source)
   if DEBUG >= 6: print(Device[device].compiler.disassemble(lowered.source))
-  program = load_program(device, name, lowered.source)
+  return name, lowered
+
+
+def kernel_runner(kernel: AnyKernel, name: str, lowered: LoweredKernel, program: Any) -> CompiledRunner:
+  """The runner of a rendered kernel, given its loaded program."""
   op_count, byte_count = kernel_cost(kernel, lowered)
   var_names = tuple(uop.arg[0] for uop in lowered.uops if uop.op is UOps.DEFINE_VAR)
   return CompiledRunner(name, kernel.colored_shape(), lowered.source, program, lowered.global_size,
@@ -217,6 +227,11 @@ def note_compiles(schedule: list[ScheduleItem]) -> None:
 
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
+  # here, not at the top: compile_ahead builds on this module's kernel cache and rendering
+  from ourgrad.engine.compile_ahead import compile_ahead
   note_compiles(schedule)
   plan_schedule_memory(schedule)
-  for item in schedule: lower_schedule_item(item).run()
+  ahead = compile_ahead(schedule)   # the new kernels' compiles under way side by side (COMPILE_THREADS)
+  for index, item in enumerate(schedule):
+    if ahead is not None: ahead.ready(index)
+    lower_schedule_item(item).run()
