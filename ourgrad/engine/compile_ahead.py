@@ -7,12 +7,13 @@ safe: it stays in this thread, in schedule order) and hands the compiles the dis
 of threads. `CompileAhead.ready(index)` then waits for that item's own binary only, loads it and puts its runner in
 the compiled-kernel cache, so kernel i launches as soon as its compile ends while later ones still compile.
 
-Only who produces the binaries changes: the disk cache (device.Compiler) stays the one place binaries live and the
-compiled-kernel cache (realize._runner_cache) the one place runners live. A kernel whose rendering or compile fails,
-or whose binary does not load, is left to get_runner, which redoes it as with COMPILE_THREADS=1: it raises, or falls
-back to the unoptimized kernel with the same OptimizationFallbackWarning, at the item's turn.
-Compilers whose compile holds the GIL or is not known to be thread safe (Compiler.concurrent_compiles False) keep
-the serial path.
+Only who produces the binaries changes: the disk cache (device.Compiler) stays the one place binaries live, and
+each runner is still made by realize's compile path (compile_or_fall_back, with the rendering handed over, loading
+the binary from the disk cache), at its item's turn: a kernel that fails to compile falls back to its unoptimized
+version with the same OptimizationFallbackWarning, or raises, as with COMPILE_THREADS=1. A compile that failed in a
+thread, or a kernel that failed to render, is left to get_runner, which redoes it serially and reports it in full.
+Compilers whose compile holds the GIL or is not known to be thread safe (Compiler.concurrent_compiles False: so far
+all but CLANG) keep the serial path.
 """
 from __future__ import annotations
 
@@ -25,11 +26,10 @@ from typing import Any
 from ourgrad.codegen.lowering import AnyKernel, LoweredKernel
 from ourgrad.device import Device
 from ourgrad.engine.profile import host_phase
-from ourgrad.engine.realize import _lowering_facts, _runner_cache, get_kernel, kernel_runner, load_program, \
-  render_kernel
+from ourgrad.engine import realize
 from ourgrad.engine.schedule import ScheduleItem
-from ourgrad.helpers import env_var, tf32_allowed
-from ourgrad.ops import Ops
+from ourgrad.helpers import DISABLE_COMPILER_CACHE, env_var, tf32_allowed
+from ourgrad.ops import LazyOp, Ops
 
 COMPILE_THREADS = env_var("COMPILE_THREADS", 0, "threads that compile a schedule's new kernels side by side "
                           "(engine/compile_ahead.py); 0: min(CPU count, 8); 1: one at a time, as each kernel launches")
@@ -61,9 +61,10 @@ def compile_pool(threads: int) -> ThreadPoolExecutor:
 
 @dataclass
 class RenderedKernel:
-  """A new kernel of the schedule, rendered in this thread: its binary comes from the disk cache (compile is None)
-  or from a compile thread."""
+  """A new kernel of the schedule, rendered in this thread, with its compile under way (None: the disk cache has its
+  binary)."""
   device: str
+  ast: LazyOp
   kernel: AnyKernel
   name: str
   lowered: LoweredKernel
@@ -78,29 +79,32 @@ class CompileAhead:
     self.stored: set[int] = set()   # ids of the compiles whose binary is in the disk cache (kernels may share one)
 
   def ready(self, index: int) -> None:
-    """Before item `index` is lowered: if it is the first launch of a new kernel, wait for that kernel's binary and
-    cache its runner. A failure leaves the kernel to get_runner (the serial path, with its errors and fallback)."""
+    """Before item `index` is lowered: if it is the first launch of a new kernel, wait for that kernel's compile and
+    cache its runner, through realize's compile path (compile_or_fall_back: the disk cache now answers it)."""
     entry = self.rendered.pop(index, None)
     if entry is None: return
     key, rendered = entry
-    runner = _finish(rendered, self.stored)
-    if runner is not None: _runner_cache[key] = runner
+    if rendered.compile is not None and not self._store(rendered): return
+    realize.rendered_ahead[id(rendered.kernel)] = (rendered.kernel, rendered.name, rendered.lowered)
+    # at the item's turn, as get_runner would: a kernel that fails falls back, or raises, here
+    try:
+      realize._runner_cache[key] = realize.compile_or_fall_back(rendered.kernel, rendered.ast, rendered.device)
+    finally:
+      del realize.rendered_ahead[id(rendered.kernel)]
 
-
-@host_phase("compile", lambda rendered, stored: rendered.name)
-def _finish(rendered: RenderedKernel, stored: set[int]) -> Any:
-  device = Device[rendered.device]
-  source = rendered.lowered.source
-  try:
-    if rendered.compile is None: program = load_program(rendered.device, rendered.name, source)
-    else:
+  @host_phase("compile", lambda self, rendered: rendered.name)
+  def _store(self, rendered: RenderedKernel) -> bool:
+    """Wait for the kernel's compile and write its binary into the disk cache (once per compile). False where the
+    compile failed: get_runner compiles it again at the item's turn and raises or falls back as the serial path."""
+    assert rendered.compile is not None
+    try:
       binary = rendered.compile.result()
-      if id(rendered.compile) not in stored: device.compiler.store_cached(source, binary)
-      stored.add(id(rendered.compile))
-      program = device.program(rendered.name, binary)
-  except Exception:  # compilers and loaders raise what their tools raise: get_runner redoes it and reports it
-    return None
-  return kernel_runner(rendered.kernel, rendered.name, rendered.lowered, program)
+    except Exception:  # compilers raise what their tools raise; the serial compile reports it in full
+      return False
+    if id(rendered.compile) not in self.stored:
+      Device[rendered.device].compiler.store_cached(rendered.lowered.source, binary)
+      self.stored.add(id(rendered.compile))
+    return True
 
 
 def new_kernel_keys(schedule: list[ScheduleItem]) -> dict[int, RunnerKey]:
@@ -110,8 +114,8 @@ def new_kernel_keys(schedule: list[ScheduleItem]) -> dict[int, RunnerKey]:
   tf32 = tf32_allowed()
   for index, item in enumerate(schedule):
     if item.ast.op is Ops.COPY: continue
-    key = (item.outputs[0].device, _lowering_facts(item.ast)[0], tf32)
-    if key in seen or key in _runner_cache: continue
+    key = (item.outputs[0].device, realize._lowering_facts(item.ast)[0], tf32)
+    if key in seen or key in realize._runner_cache: continue
     seen.add(key)
     new[index] = key
   return new
@@ -121,18 +125,19 @@ def new_kernel_keys(schedule: list[ScheduleItem]) -> dict[int, RunnerKey]:
 def _render(key: RunnerKey) -> tuple[AnyKernel, str, LoweredKernel] | None:
   device, ast, _ = key
   try:
-    kernel = get_kernel(ast, device)
+    kernel = realize.get_kernel(ast, device)
     kernel.print_debug()
-    return (kernel, *render_kernel(kernel, device))
+    return (kernel, *realize.render_kernel(kernel, device))
   except Exception:  # raised again by get_runner at the item's turn, after the items before it ran, as today
     return None
 
 
 def compile_ahead(schedule: list[ScheduleItem]) -> CompileAhead | None:
   """Render the schedule's new kernels and start the compiles the disk cache does not answer, or None where there is
-  nothing to overlap: COMPILE_THREADS=1, fewer than two new kernels, or compilers that compile one at a time."""
+  nothing to overlap: COMPILE_THREADS=1, fewer than two new kernels, compilers that compile one at a time, or no
+  disk cache (it hands the binaries to realize's compile path)."""
   threads = compile_threads()
-  if threads <= 1 or len(schedule) < 2: return None
+  if threads <= 1 or len(schedule) < 2 or DISABLE_COMPILER_CACHE: return None
   new = new_kernel_keys(schedule)
   if len(new) < 2 or not all(Device[key[0]].compiler.concurrent_compiles for key in new.values()): return None
   pool = compile_pool(threads)
@@ -147,5 +152,5 @@ def compile_ahead(schedule: list[ScheduleItem]) -> CompileAhead | None:
     future = compiles.get((device, lowered.source))
     if future is None and compiler.load_cached(lowered.source) is None:
       future = compiles[(device, lowered.source)] = pool.submit(compiler.compile, lowered.source)
-    rendered[index] = (key, RenderedKernel(device, kernel, name, lowered, future))
+    rendered[index] = (key, RenderedKernel(device, key[1], kernel, name, lowered, future))
   return CompileAhead(rendered)

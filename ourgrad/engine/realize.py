@@ -54,20 +54,25 @@ def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
   if key not in _runner_cache:
     kernel = get_kernel(ast, device)
     kernel.print_debug()
-    try:
-      runner = compile_kernel(kernel, device)
-    except (CompileError, DeviceError) as error:
-      # a one-kernel split reduce's finish needs its opts' layout (checked when it was scheduled): no plain fallback
-      if not kernel.applied_opts or kind_of(kernel).opts is not OptPolicy.SEARCHED: raise
-      reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-      # a warning, not a print: the test suite turns it into an error, so an optimizer bug cannot hide here
-      warnings.warn(f"{kernel.name} with opts {kernel.applied_opts} failed to compile or load ({reason}); "
-                    f"using the unoptimized kernel", OptimizationFallbackWarning, stacklevel=2)
-      plain = Kernel(ast, Device[device].renderer)
-      plain.print_debug()
-      runner = compile_kernel(plain, device)
-    _runner_cache[key] = runner
+    _runner_cache[key] = compile_or_fall_back(kernel, ast, device)
   return _runner_cache[key]
+
+
+def compile_or_fall_back(kernel: AnyKernel, ast: LazyOp, device: str) -> CompiledRunner:
+  """The runner of `kernel` (get_kernel's kernel of `ast`), or of the unoptimized kernel where it fails to compile
+  or load (get_runner)."""
+  try:
+    return compile_kernel(kernel, device)
+  except (CompileError, DeviceError) as error:
+    # a one-kernel split reduce's finish needs its opts' layout (checked when it was scheduled): no plain fallback
+    if not kernel.applied_opts or kind_of(kernel).opts is not OptPolicy.SEARCHED: raise
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    # a warning, not a print: the test suite turns it into an error, so an optimizer bug cannot hide here
+    warnings.warn(f"{kernel.name} with opts {kernel.applied_opts} failed to compile or load ({reason}); "
+                  f"using the unoptimized kernel", OptimizationFallbackWarning, stacklevel=3)
+    plain = Kernel(ast, Device[device].renderer)
+    plain.print_debug()
+    return compile_kernel(plain, device)
 
 
 @host_phase("compile", lambda device, name, source: name)
@@ -95,25 +100,28 @@ def function_name(kernel: Kernel) -> str:
 @host_phase("codegen", lambda kernel, device: kernel.name)
 def compile_kernel(kernel: AnyKernel, device: str) -> CompiledRunner:
   name, lowered = render_kernel(kernel, device)
-  return kernel_runner(kernel, name, lowered, load_program(device, name, lowered.source))
+  program = load_program(device, name, lowered.source)
+  op_count, byte_count = kernel_cost(kernel, lowered)
+  var_names = tuple(uop.arg[0] for uop in lowered.uops if uop.op is UOps.DEFINE_VAR)
+  return CompiledRunner(name, kernel.colored_shape(), lowered.source, program, lowered.global_size,
+                        lowered.local_size, op_count, byte_count, var_names)
+
+
+# kernels that engine/compile_ahead.py rendered before their compile, by id (with the kernel: an id is unique only
+# while its object lives): compile_kernel takes that rendering instead of lowering the kernel again
+rendered_ahead: dict[int, tuple[AnyKernel, str, LoweredKernel]] = {}
 
 
 def render_kernel(kernel: AnyKernel, device: str) -> tuple[str, LoweredKernel]:
   """(the kernel's function name, its lowering: UOps and source for `device`), printed as DEBUG asks."""
+  ahead = rendered_ahead.get(id(kernel))
+  if ahead is not None and ahead[0] is kernel: return ahead[1], ahead[2]
   name = function_name(kernel)
   lowered = lower_kernel(kernel, Device[device].renderer, name)
   if DEBUG >= 5 and lowered.linearized: print(format_uops(lowered.uops))
   if DEBUG >= 4: print(lowered.source)
   if DEBUG >= 6: print(Device[device].compiler.disassemble(lowered.source))
   return name, lowered
-
-
-def kernel_runner(kernel: AnyKernel, name: str, lowered: LoweredKernel, program: Any) -> CompiledRunner:
-  """The runner of a rendered kernel, given its loaded program."""
-  op_count, byte_count = kernel_cost(kernel, lowered)
-  var_names = tuple(uop.arg[0] for uop in lowered.uops if uop.op is UOps.DEFINE_VAR)
-  return CompiledRunner(name, kernel.colored_shape(), lowered.source, program, lowered.global_size,
-                        lowered.local_size, op_count, byte_count, var_names)
 
 
 # AST -> (unbound AST, values, block counters: _lowering_facts). Bound values are part of an AST's identity, so the
