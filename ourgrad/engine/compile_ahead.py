@@ -28,11 +28,9 @@ from ourgrad.device import Device
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine import realize
 from ourgrad.engine.schedule import ScheduleItem
-from ourgrad.helpers import DISABLE_COMPILER_CACHE, env_var, tf32_allowed
+from ourgrad.helpers import COMPILE_THREADS, DISABLE_COMPILER_CACHE, tf32_allowed
 from ourgrad.ops import LazyOp, Ops
 
-COMPILE_THREADS = env_var("COMPILE_THREADS", 0, "threads that compile a schedule's new kernels side by side "
-                          "(engine/compile_ahead.py); 0: min(CPU count, 8); 1: one at a time, as each kernel launches")
 MAX_DEFAULT_THREADS = 8
 
 RunnerKey = tuple[str, Any, bool]   # realize._runner_cache's key: (device, unbound AST, TF32 allowed)
