@@ -1,11 +1,12 @@
-"""Compile a schedule's new kernels side by side before it runs (COMPILE_THREADS).
+"""Compile a schedule's new kernels side by side (COMPILE_THREADS).
 
 A cold first step (a model's first token, a training step) meets dozens of kernels this process has not compiled,
-and each compile is a C compiler subprocess that the engine would otherwise wait for one at a time. Before
-run_schedule launches anything, `compile_ahead` renders every new kernel (code generation is Python and not thread
-safe: it stays in this thread, in schedule order) and hands the compiles the disk cache cannot answer to a small pool
-of threads. `CompileAhead.ready(index)` then waits for that item's own binary only, loads it and puts its runner in
-the compiled-kernel cache, so kernel i launches as soon as its compile ends while later ones still compile.
+and each compile is a C compiler subprocess that the engine would otherwise wait for one at a time. When
+run_schedule meets its schedule's first new kernel (compiled as usual), `compile_ahead` renders every later new
+kernel (code generation is Python and not thread safe: it stays in this thread, in schedule order) and hands the
+compiles the disk cache cannot answer to a small pool of threads. `CompileAhead.ready(index)` then waits for that
+item's own binary only and caches its runner, so kernel i launches as soon as its compile ends while later ones
+still compile. A warm schedule (no new kernel) never gets here: it pays one comparison per item.
 
 Only who produces the binaries changes: the disk cache (device.Compiler) stays the one place binaries live, and
 each runner is still made by realize's compile path (compile_or_fall_back, with the rendering handed over, loading
@@ -105,12 +106,14 @@ class CompileAhead:
     return True
 
 
-def new_kernel_keys(schedule: list[ScheduleItem]) -> dict[int, RunnerKey]:
-  """{index of the first item of each kernel not compiled yet in this process: its runner-cache key}."""
+def new_kernel_keys(schedule: list[ScheduleItem], start: int = 0) -> dict[int, RunnerKey]:
+  """{index of the first item (from `start` on) of each kernel not compiled yet in this process: its runner-cache
+  key}."""
   new: dict[int, RunnerKey] = {}
   seen: set[RunnerKey] = set()
   tf32 = tf32_allowed()
-  for index, item in enumerate(schedule):
+  for index in range(start, len(schedule)):
+    item = schedule[index]
     if item.ast.op is Ops.COPY: continue
     key = (item.outputs[0].device, realize._lowering_facts(item.ast)[0], tf32)
     if key in seen or key in realize._runner_cache: continue
@@ -130,13 +133,13 @@ def _render(key: RunnerKey) -> tuple[AnyKernel, str, LoweredKernel] | None:
     return None
 
 
-def compile_ahead(schedule: list[ScheduleItem]) -> CompileAhead | None:
-  """Render the schedule's new kernels and start the compiles the disk cache does not answer, or None where there is
-  nothing to overlap: COMPILE_THREADS=1, fewer than two new kernels, compilers that compile one at a time, or no
-  disk cache (it hands the binaries to realize's compile path)."""
+def compile_ahead(schedule: list[ScheduleItem], start: int = 0) -> CompileAhead | None:
+  """Render the new kernels of schedule[start:] and start the compiles the disk cache does not answer, or None where
+  there is nothing to overlap: COMPILE_THREADS=1, fewer than two new kernels, compilers that compile one at a time,
+  or no disk cache (it hands the binaries to realize's compile path)."""
   threads = compile_threads()
-  if threads <= 1 or len(schedule) < 2 or DISABLE_COMPILER_CACHE: return None
-  new = new_kernel_keys(schedule)
+  if threads <= 1 or DISABLE_COMPILER_CACHE or len(schedule) - start < 2: return None
+  new = new_kernel_keys(schedule, start)
   if len(new) < 2 or not all(Device[key[0]].compiler.concurrent_compiles for key in new.values()): return None
   pool = compile_pool(threads)
   compiles: dict[tuple[str, str], Future[bytes]] = {}   # by (device, source): one compile per distinct source

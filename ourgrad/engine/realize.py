@@ -46,12 +46,17 @@ class OptimizationFallbackWarning(RuntimeWarning):
   """An optimized kernel failed to compile or load, and its unoptimized version runs instead."""
 
 
+# kernels get_runner did not find compiled: run_schedule starts compiling ahead after its schedule's first one
+_runner_misses = [0]
+
+
 def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
   """The compiled kernel of an AST. If the optimized kernel fails to compile or load (it may exceed a device limit
   the heuristics do not model: registers, shared memory, code size), the unoptimized one is used instead."""
   # the float32 matmul precision picks the code (TF32 tensor cores or not): kernels of each are kept apart
   key = (device, ast, tf32_allowed())
   if key not in _runner_cache:
+    _runner_misses[0] += 1
     kernel = get_kernel(ast, device)
     kernel.print_debug()
     _runner_cache[key] = compile_or_fall_back(kernel, ast, device)
@@ -235,11 +240,16 @@ def note_compiles(schedule: list[ScheduleItem]) -> None:
 
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
-  # here, not at the top: compile_ahead builds on this module's kernel cache and rendering
-  from ourgrad.engine.compile_ahead import compile_ahead
   note_compiles(schedule)
   plan_schedule_memory(schedule)
-  ahead = compile_ahead(schedule)   # the new kernels' compiles under way side by side (COMPILE_THREADS)
+  ahead: Any = None   # the later new kernels' compiles under way side by side (COMPILE_THREADS)
+  misses = _runner_misses[0]
   for index, item in enumerate(schedule):
     if ahead is not None: ahead.ready(index)
     lower_schedule_item(item).run()
+    # after the schedule's first new kernel (a warm schedule pays this one comparison per item, no look ahead)
+    if misses >= 0 and _runner_misses[0] != misses:
+      misses = -1
+      # here, not at the top: compile_ahead builds on this module's kernel cache and rendering
+      from ourgrad.engine.compile_ahead import compile_ahead
+      ahead = compile_ahead(schedule, index + 1)
