@@ -3,7 +3,8 @@ and launch it. `get_kernel` is where a kernel's optimizations are chosen (the ha
 there); `run_schedule` plans the schedule's memory first (ourgrad/engine/memory.py).
 
 Compiled kernels are cached in memory by (device, AST, whether TF32 is allowed) and on disk by source (see
-device.Compiler), so the same kernel is generated once per process and compiled once per machine.
+device.Compiler), so the same kernel is generated once per process and compiled once per machine. After a schedule's
+first new kernel, its later new ones compile side by side (engine/compile_ahead.py, COMPILE_THREADS).
 """
 from __future__ import annotations
 
