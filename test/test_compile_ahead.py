@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 
+from helpers import nvrtc_compiler
 from ourgrad import Device, Tensor
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.engine import compile_ahead, realize
@@ -13,7 +14,7 @@ from ourgrad.engine.schedule import create_schedule
 from ourgrad.errors import CompileError
 from ourgrad.runtime.ops_clang import kernel_name
 
-pytestmark = pytest.mark.skipif(not Device[Device.DEFAULT].compiler.concurrent_compiles,
+concurrent_device = pytest.mark.skipif(not Device[Device.DEFAULT].compiler.concurrent_compiles,
                                 reason="the default device's compiler compiles one kernel at a time")
 
 KERNELS = 8
@@ -55,6 +56,7 @@ def realize_all(outputs: list[Tensor]) -> list[np.ndarray]:
   return [output.numpy() for output in outputs]
 
 
+@concurrent_device
 @pytest.mark.parametrize("threads", ["1", "4"])
 def test_results_match_numpy(threads: str, cold: pathlib.Path, compiled_sources: list, monkeypatch) -> None:
   monkeypatch.setenv("COMPILE_THREADS", threads)
@@ -65,6 +67,7 @@ def test_results_match_numpy(threads: str, cold: pathlib.Path, compiled_sources:
   assert len(in_pool) == (0 if threads == "1" else KERNELS - 1)
 
 
+@concurrent_device
 def test_one_compile_and_one_cache_write_per_kernel(cold: pathlib.Path, compiled_sources: list, monkeypatch) -> None:
   monkeypatch.setenv("COMPILE_THREADS", "4")
   writes: list[str] = []
@@ -101,6 +104,7 @@ def optimized_name(tensor: Tensor) -> str:
   return realize.function_name(kernel)
 
 
+@concurrent_device
 def test_compile_failure_in_a_thread_falls_back(cold: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
   monkeypatch.setenv("COMPILE_THREADS", "4")
   compiler = Device[Device.DEFAULT].compiler
@@ -125,6 +129,7 @@ def test_compile_failure_in_a_thread_falls_back(cold: pathlib.Path, monkeypatch:
   assert len(threads) == 2 and threads[0].startswith("ourgrad-compile") and threads[1] == "MainThread"
 
 
+@concurrent_device
 def test_serial_where_nothing_overlaps(cold: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
   monkeypatch.setenv("COMPILE_THREADS", "4")
   outputs, _ = many_kernels(seed=4)
@@ -135,3 +140,14 @@ def test_serial_where_nothing_overlaps(cold: pathlib.Path, monkeypatch: pytest.M
   monkeypatch.setenv("COMPILE_THREADS", "2")
   monkeypatch.setenv("DISABLE_COMPILER_CACHE", "1")
   assert compile_ahead.compile_ahead(schedule) is None, "the rendered kernels' binaries go through the disk cache"
+
+
+def test_nvrtc_compiles_the_same_in_threads() -> None:
+  """CUDACompiler.concurrent_compiles: NVRTC in several threads at once gives the binaries it gives one at a time."""
+  compiler = nvrtc_compiler()
+  if compiler is None: pytest.skip("no NVRTC here")
+  sources = [f'extern "C" __global__ void k{index}(float* a) {{ a[threadIdx.x] = sinf(a[threadIdx.x]) * {index}.0f; }}'
+             for index in range(8)]
+  serial = [compiler.compile(source) for source in sources]
+  assert compiler.concurrent_compiles
+  assert list(compile_ahead.compile_pool(4).map(compiler.compile, sources)) == serial

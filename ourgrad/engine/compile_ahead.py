@@ -13,8 +13,8 @@ each runner is still made by realize's compile path (compile_or_fall_back, with 
 the binary from the disk cache), at its item's turn: a kernel that fails to compile falls back to its unoptimized
 version with the same OptimizationFallbackWarning, or raises, as with COMPILE_THREADS=1. A compile that failed in a
 thread, or a kernel that failed to render, is left to get_runner, which redoes it serially and reports it in full.
-Compilers whose compile holds the GIL or is not known to be thread safe (Compiler.concurrent_compiles False: so far
-all but CLANG) keep the serial path.
+Compilers whose compile holds the GIL or is not known to be thread safe (Compiler.concurrent_compiles False: all
+but CLANG and CUDA) keep the serial path.
 """
 from __future__ import annotations
 
