@@ -263,6 +263,9 @@ CACHE_ENTRY_MAGIC = b"ourgrad compiled binary v1\n"
 class Compiler:
   """Turns kernel source into a binary, caching the result on disk by a hash of (compiler, source)."""
   cache_key: str = "compiler"
+  # compile() may run in several threads at once and spends its time outside the GIL (a compiler subprocess), so a
+  # schedule's new kernels can compile side by side (engine/compile_ahead.py)
+  concurrent_compiles: bool = False
 
   def compile(self, source: str) -> bytes: raise NotImplementedError
 
@@ -307,6 +310,11 @@ class Compiler:
     binary = None if refresh else self.load_cached(source)
     if binary is not None: return binary
     binary = self.compile(source)
+    self.store_cached(source, binary)
+    return binary
+
+  def store_cached(self, source: str, binary: bytes) -> None:
+    """Write `binary` into the disk cache as the entry of `source` (nothing with DISABLE_COMPILER_CACHE=1)."""
     # concurrent writers of one entry each rename a complete file into place: readers see one whole entry
     if not DISABLE_COMPILER_CACHE:
       try:
@@ -317,8 +325,7 @@ class Compiler:
         warnings.warn(f"cannot write the compile cache ({type(error).__name__}: {error.strerror}); kernels are "
                       f"compiled again in each process. "
                       f"Set OURGRAD_CACHE_DIR to a writable folder, or DISABLE_COMPILER_CACHE=1", RuntimeWarning,
-                      stacklevel=2)
-    return binary
+                      stacklevel=3)
 
 
 # the size bound is checked every this many writes of a process (a walk of the cache folder, so not at every write)

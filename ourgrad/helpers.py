@@ -171,6 +171,9 @@ CUDA_DEPENDENT_LAUNCH = env_var("CUDA_DEPENDENT_LAUNCH", 1, "1: on sm_90 a TinyJ
                                 "for it in its prologue); 0: plain edges (each launches when the one before completed)")
 COMPILE_TIMEOUT = env_var("COMPILE_TIMEOUT", 300.0, "seconds one kernel may take to compile before a CompileError "
                           "naming it (CLANG; 0: no limit)")
+COMPILE_THREADS = env_var("COMPILE_THREADS", 0, "threads that compile a schedule's new kernels side by side "
+                          "(CLANG, CUDA; engine/compile_ahead.py); 0: min(CPU count, 8); 1: one at a time, as each "
+                          "kernel launches")
 BEAM = env_var("BEAM", 0, "n>0: pick each kernel's Opts by a beam search of width n, timed on the device and "
                "cached on disk (docs/beam.md)")
 IGNORE_BEAM_CACHE = env_var("IGNORE_BEAM_CACHE", 0, "1: BEAM searches again even when its cache has the kernel")

@@ -3,7 +3,8 @@ and launch it. `get_kernel` is where a kernel's optimizations are chosen (the ha
 there); `run_schedule` plans the schedule's memory first (ourgrad/engine/memory.py).
 
 Compiled kernels are cached in memory by (device, AST, whether TF32 is allowed) and on disk by source (see
-device.Compiler), so the same kernel is generated once per process and compiled once per machine.
+device.Compiler), so the same kernel is generated once per process and compiled once per machine. After a schedule's
+first new kernel, its later new ones compile side by side (engine/compile_ahead.py, COMPILE_THREADS).
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import warnings
 from typing import Any
 
 from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.lowering import AnyKernel, OptPolicy, ast_is_symbolic, build_kernel, kernel_cost, kind_of, \
-  kind_of_ast, lower_kernel
+from ourgrad.codegen.lowering import AnyKernel, LoweredKernel, OptPolicy, ast_is_symbolic, build_kernel, kernel_cost, \
+  kind_of, kind_of_ast, lower_kernel
 from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.device import Buffer, Device
@@ -46,28 +47,38 @@ class OptimizationFallbackWarning(RuntimeWarning):
   """An optimized kernel failed to compile or load, and its unoptimized version runs instead."""
 
 
+# kernels get_runner did not find compiled: run_schedule starts compiling ahead after its schedule's first one
+_runner_misses = [0]
+
+
 def get_runner(device: str, ast: LazyOp) -> CompiledRunner:
   """The compiled kernel of an AST. If the optimized kernel fails to compile or load (it may exceed a device limit
   the heuristics do not model: registers, shared memory, code size), the unoptimized one is used instead."""
   # the float32 matmul precision picks the code (TF32 tensor cores or not): kernels of each are kept apart
   key = (device, ast, tf32_allowed())
   if key not in _runner_cache:
+    _runner_misses[0] += 1
     kernel = get_kernel(ast, device)
     kernel.print_debug()
-    try:
-      runner = compile_kernel(kernel, device)
-    except (CompileError, DeviceError) as error:
-      # a one-kernel split reduce's finish needs its opts' layout (checked when it was scheduled): no plain fallback
-      if not kernel.applied_opts or kind_of(kernel).opts is not OptPolicy.SEARCHED: raise
-      reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-      # a warning, not a print: the test suite turns it into an error, so an optimizer bug cannot hide here
-      warnings.warn(f"{kernel.name} with opts {kernel.applied_opts} failed to compile or load ({reason}); "
-                    f"using the unoptimized kernel", OptimizationFallbackWarning, stacklevel=2)
-      plain = Kernel(ast, Device[device].renderer)
-      plain.print_debug()
-      runner = compile_kernel(plain, device)
-    _runner_cache[key] = runner
+    _runner_cache[key] = compile_or_fall_back(kernel, ast, device)
   return _runner_cache[key]
+
+
+def compile_or_fall_back(kernel: AnyKernel, ast: LazyOp, device: str) -> CompiledRunner:
+  """The runner of `kernel` (get_kernel's kernel of `ast`), or of the unoptimized kernel where it fails to compile
+  or load (get_runner)."""
+  try:
+    return compile_kernel(kernel, device)
+  except (CompileError, DeviceError) as error:
+    # a one-kernel split reduce's finish needs its opts' layout (checked when it was scheduled): no plain fallback
+    if not kernel.applied_opts or kind_of(kernel).opts is not OptPolicy.SEARCHED: raise
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    # a warning, not a print: the test suite turns it into an error, so an optimizer bug cannot hide here
+    warnings.warn(f"{kernel.name} with opts {kernel.applied_opts} failed to compile or load ({reason}); "
+                  f"using the unoptimized kernel", OptimizationFallbackWarning, stacklevel=3)
+    plain = Kernel(ast, Device[device].renderer)
+    plain.print_debug()
+    return compile_kernel(plain, device)
 
 
 @host_phase("compile", lambda device, name, source: name)
@@ -94,16 +105,29 @@ def function_name(kernel: Kernel) -> str:
 
 @host_phase("codegen", lambda kernel, device: kernel.name)
 def compile_kernel(kernel: AnyKernel, device: str) -> CompiledRunner:
-  name = function_name(kernel)
-  lowered = lower_kernel(kernel, Device[device].renderer, name)
-  if DEBUG >= 5 and lowered.linearized: print(format_uops(lowered.uops))
-  if DEBUG >= 4: print(lowered.source)
-  if DEBUG >= 6: print(Device[device].compiler.disassemble(lowered.source))
+  name, lowered = render_kernel(kernel, device)
   program = load_program(device, name, lowered.source)
   op_count, byte_count = kernel_cost(kernel, lowered)
   var_names = tuple(uop.arg[0] for uop in lowered.uops if uop.op is UOps.DEFINE_VAR)
   return CompiledRunner(name, kernel.colored_shape(), lowered.source, program, lowered.global_size,
                         lowered.local_size, op_count, byte_count, var_names)
+
+
+# kernels that engine/compile_ahead.py rendered before their compile, by id (with the kernel: an id is unique only
+# while its object lives): compile_kernel takes that rendering instead of lowering the kernel again
+rendered_ahead: dict[int, tuple[AnyKernel, str, LoweredKernel]] = {}
+
+
+def render_kernel(kernel: AnyKernel, device: str) -> tuple[str, LoweredKernel]:
+  """(the kernel's function name, its lowering: UOps and source for `device`), printed as DEBUG asks."""
+  ahead = rendered_ahead.get(id(kernel))
+  if ahead is not None and ahead[0] is kernel: return ahead[1], ahead[2]
+  name = function_name(kernel)
+  lowered = lower_kernel(kernel, Device[device].renderer, name)
+  if DEBUG >= 5 and lowered.linearized: print(format_uops(lowered.uops))
+  if DEBUG >= 4: print(lowered.source)
+  if DEBUG >= 6: print(Device[device].compiler.disassemble(lowered.source))
+  return name, lowered
 
 
 # AST -> (unbound AST, values, block counters: _lowering_facts). Bound values are part of an AST's identity, so the
@@ -244,10 +268,19 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
   if len(schedule) > 1:   # (one item: nothing to plan, no note)
     note_compiles(schedule)
     plan_schedule_memory(schedule)
-  if is_capturing():   # a capturing JIT keeps the items it sees: each one its own
-    for item in schedule: lower_schedule_item(item).run()
-    return
-  for item in schedule:
-    exec_item = lower_schedule_item(item, reuse=True)
-    exec_item.run()
-    release(item, exec_item)
+  capturing = is_capturing()   # a capturing JIT keeps the items it sees: each one its own
+  ahead: Any = None   # the later new kernels' compiles under way side by side (COMPILE_THREADS)
+  misses = _runner_misses[0]
+  for index, item in enumerate(schedule):
+    if ahead is not None: ahead.ready(index)
+    if capturing: lower_schedule_item(item).run()
+    else:
+      exec_item = lower_schedule_item(item, reuse=True)
+      exec_item.run()
+      release(item, exec_item)
+    # after the schedule's first new kernel (a warm schedule pays this one comparison per item, no look ahead)
+    if misses >= 0 and _runner_misses[0] != misses:
+      misses = -1
+      # here, not at the top: compile_ahead builds on this module's kernel cache and rendering
+      from ourgrad.engine.compile_ahead import compile_ahead
+      ahead = compile_ahead(schedule, index + 1)

@@ -178,6 +178,7 @@ _WARNED: set[str] = set()   # toolchains whose fallback to the safe flags was al
 class ClangCompiler(Compiler):
   """C source -> shared object with the host C compiler, at the -march CLANG_MARCH names, with the flags FLAG_RULES
   picks for this compiler's version, checked by the known-answer self-test before the first kernel compiles."""
+  concurrent_compiles = True  # each compile is a subprocess in a folder of its own
 
   def __init__(self) -> None:
     self.compiler = find_c_compiler()
