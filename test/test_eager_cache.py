@@ -131,7 +131,8 @@ def test_graphs_differing_only_in_their_sources_never_share_a_schedule():
     a_values, b_values = rng.standard_normal(5).astype(np.float32), rng.standard_normal(5).astype(np.float32)
     a, b = Tensor(a_values).realize(), Tensor(b_values).realize()
     ours, theirs = WIRINGS[index]
-    np.testing.assert_allclose(ours(a, b).numpy(), theirs(a_values, b_values), rtol=1e-6)
+    # (rtol: a GPU's float32 exp/log differ from numpy's in the last bits; a stale schedule is off by far more)
+    np.testing.assert_allclose(ours(a, b).numpy(), theirs(a_values, b_values), rtol=1e-5)
   assert schedule_cache.stats.hits - hits_before >= 20
 
 

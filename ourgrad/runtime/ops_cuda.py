@@ -17,6 +17,8 @@ import tempfile
 import threading
 from typing import Any, Callable
 
+import numpy as np
+
 from ourgrad.device import Compiled, Compiler, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH, CUDA_PTX
@@ -85,15 +87,20 @@ class CUDAAllocator(LRUAllocator):
   def copyin(self, dest: Any, src: memoryview) -> None:
     staging = self._staging(src.nbytes)
     self.device.synchronize()  # the staging buffer may still feed an earlier copy
-    ctypes.memmove(staging, (ctypes.c_char * src.nbytes).from_buffer_copy(src) if src.readonly else
-                   (ctypes.c_char * src.nbytes).from_buffer(src), src.nbytes)
+    ctypes.memmove(staging, _host_address(src), src.nbytes)
     check(driver.cuMemcpyHtoDAsync(dest, staging, src.nbytes, self.device.stream), "cuMemcpyHtoDAsync")
 
   def copyout(self, dest: memoryview, src: Any) -> None:
     staging = self._staging(dest.nbytes)
     check(driver.cuMemcpyDtoHAsync(staging, src, dest.nbytes, self.device.stream), "cuMemcpyDtoHAsync")
     self.device.synchronize()
-    ctypes.memmove((ctypes.c_char * dest.nbytes).from_buffer(dest), staging, dest.nbytes)
+    ctypes.memmove(_host_address(dest), staging, dest.nbytes)
+
+
+def _host_address(view: memoryview) -> int:
+  """The address of a contiguous host buffer. Not through `(ctypes.c_char * nbytes).from_buffer`: that makes an
+  array class per size, and a dropped class is cyclic garbage (an eager step's uploads left some each step)."""
+  return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
 # NVRTC's --minimal (12.4 and newer) leaves out of its builtin header what generated kernels never use: textures
