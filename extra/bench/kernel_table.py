@@ -10,6 +10,7 @@ KernelKinds (kind of a compiled kernel), MnistRoles (role of a kernel in the ste
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from contextlib import contextmanager
@@ -281,7 +282,10 @@ def recorded_launches() -> Iterator[list[tuple[ExecItem, float | None]]]:
   original = ExecItem._print
 
   def record(item: ExecItem, seconds: float | None) -> None:
-    if isinstance(item.runner, CompiledRunner): launches.append((item, seconds))
+    # a copy: an eager realize hands its ExecItems back after the launch (engine/realize.release empties their
+    # buffers, and the next replay of the schedule runs the same objects on new buffers)
+    if isinstance(item.runner, CompiledRunner):
+      launches.append((dataclasses.replace(item, bufs=list(item.bufs), var_vals=dict(item.var_vals)), seconds))
   previous = os.environ.get("DEBUG")
   os.environ["DEBUG"] = "2"
   ExecItem._print = record  # type: ignore[method-assign]
