@@ -217,32 +217,6 @@ def test_integer_product_matches_numpy(ggml_type: int, rows: int, columns: int, 
   assert np.all(np.abs(out - x_np.astype(np.float64) @ weights.T) <= bound)
 
 
-@pytest.mark.parametrize("rows, columns", [(1, 576), (3, 96), (2, 1536)])
-def test_quantize_activation_matches_numpy_in_two_kernels(rows: int, columns: int) -> None:
-  """quantize_activation against llama.cpp's quantize_row_q8_1 in numpy (d = max|x| / 127, q = round(x / d) halves
-  away from zero, d sum(q)), an all-zero block and exact halves included: two kernels, both reading x only."""
-  rng = np.random.default_rng(rows * columns)
-  x_np = rng.standard_normal((rows, columns)).astype(np.float32)
-  x_np[0, :32] = 0.0   # d = 0: quants 0
-  x_np[-1, 32:64] = np.arange(32, dtype=np.float32) - 15.5   # d = 1 (max 127): x / d on halves, both signs
-  x_np[-1, 32] = 127.0
-  x = Tensor(x_np).realize()
-  GlobalCounters.reset()
-  quants, scale, offset = quantize_activation(x)
-  Tensor.realize_all(quants, scale, offset)
-  assert GlobalCounters.kernel_count == 2
-  blocks = x_np.reshape(rows, -1, 32)
-  d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
-  scaled = blocks * np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-  q = np.trunc(scaled + np.where(scaled < 0, np.float32(-0.5), np.float32(0.5))).astype(np.int8)
-  assert quants.dtype == dtypes.int8 and quants.shape == (rows, columns // 32, 32)
-  np.testing.assert_array_equal(quants.numpy(), q)
-  # `/ 127` runs as a product by its reciprocal (Tensor.div by a constant): an ulp from numpy's division at most
-  np.testing.assert_allclose(scale.numpy(), d, rtol=2.5e-7, atol=0)
-  total = d * q.astype(np.int32).sum(-1, keepdims=True).astype(np.float32)
-  np.testing.assert_allclose(offset.numpy(), total, rtol=5e-7, atol=0)
-
-
 def _rounded_x_product(self: PackedTensor, x: Tensor) -> Tensor:
   """PackedTensor.integer_linear's math as a float product: x rounded to its 8-bit blocks (q_x d_x) times the
   dequantized weights (their sum sum_b (d_w q_w + m_w) d_x q_x is the integer path's, up to float rounding)."""

@@ -514,33 +514,17 @@ def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
   as int8 (rows, k / 32, 32), d as float32 (rows, k / 32, 1) (llama.cpp rounds it to f16; kept here), and d times the
   sum of q (rows, k / 32, 1) float32: the term a weight block's offset multiplies (Q4_1's minimum, Q4_0's -8 d).
   That term is the rounded x's, not x's own sum: a block's offset and its scaled quants then see the same x, whose
-  rounding errors cancel where the weights are small (with x's exact sum SmolLM2's logits moved 3x further).
-
-  Two kernels, both reading only x (a decode step quantizes 121 inputs: each launch counts): the quants, each block's
-  max recomputed in the row kernel that rounds it, and d beside d sum(q) in one (rows, k / 32, 2) buffer (d and sum(q)
-  computed twice over the pair axis: 32 values a block), where three kernels stored d, then the quants, then the sum."""
+  rounding errors cancel where the weights are small (with x's exact sum SmolLM2's logits moved 3x further)."""
   if x.ndim != 2 or x.shape[1] % ACTIVATION_BLOCK:
     raise ShapeError(f"cannot quantize x of shape {x.shape} to blocks of {ACTIVATION_BLOCK}: expected (rows, k) with "
                      f"k a multiple of {ACTIVATION_BLOCK}")
-  rows, blocks_per_row = x.shape[0], x.shape[1] // ACTIVATION_BLOCK
-  blocks = x.cast(dtypes.float32).reshape(rows, blocks_per_row, ACTIVATION_BLOCK)
-  _, quants = _rounded_blocks(blocks)
-  pairs = blocks.reshape(rows, blocks_per_row, 1, ACTIVATION_BLOCK).expand(rows, blocks_per_row, 2, ACTIVATION_BLOCK)
-  scale, rounded = _rounded_blocks(pairs)
-  offset = scale * rounded.sum(-1, keepdim=True, dtype=dtypes.int32).cast(dtypes.float32)
-  # True at the pair's first entry: a masked constant (no kernel), where an arange would be a kernel of its own
-  first = Tensor.ones(1, 1, 1, 1, dtype=dtypes.bool, device=x.device).pad(((0, 0), (0, 0), (0, 1), (0, 0)))
-  stats = first.where(scale, offset).reshape(rows, blocks_per_row, 2).contiguous()
-  return quants.cast(dtypes.int8).contiguous(), stats[..., 0:1], stats[..., 1:2]
-
-
-def _rounded_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
-  """(d, q int32) of `quantize_activation` over the last axis of `blocks`. d = max |x| / 127 is the max's only
-  reader: a reduce read by several ops would be stored by a kernel of its own (engine/schedule.py)."""
-  scale = blocks.abs().max(-1, keepdim=True) / 127
+  blocks = x.cast(dtypes.float32).reshape(x.shape[0], -1, ACTIVATION_BLOCK)
+  scale = (blocks.abs().max(-1, keepdim=True) / 127).contiguous()
   scaled = blocks * (scale != 0).where(1 / scale, 0.0)
   # |scaled| <= 127 (plus rounding): the conversion truncates, so half away from zero is +-0.5 first
-  return scale, (scaled + (scaled < 0).where(-0.5, 0.5)).cast(dtypes.int32)
+  quants = (scaled + (scaled < 0).where(-0.5, 0.5)).cast(dtypes.int32).cast(dtypes.int8).contiguous()
+  offset = scale * quants.sum(-1, keepdim=True, dtype=dtypes.int32).cast(dtypes.float32)
+  return quants, scale, offset.contiguous()
 
 
 @dataclass(frozen=True)
@@ -612,7 +596,7 @@ class PackedTensor:
 
   def integer_linear(self, x: Tensor) -> Tensor:
     """x @ values.T for this (n, k) Q8_0, Q4_0 or Q4_1 matrix and x (..., k) as llama.cpp computes it on a CPU: x
-    quantized to 8-bit blocks first (`quantize_activation`: two small kernels), then per block of 32 the integer
+    quantized to 8-bit blocks first (`quantize_activation`: its own small kernel), then per block of 32 the integer
     sum of quants times quants (int8 x int8, or a nibble x int8) times the two blocks' scales, plus the block's
     offset term (Q4_1: minimum x d_x x sum(q_x); Q4_0: -8 d x d_x x sum(q_x)). The product is one sum over (blocks,
     lanes) whose per-block factors the CPU row kernel takes out of the lanes' integer sums
