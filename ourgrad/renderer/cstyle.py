@@ -635,18 +635,6 @@ class ClangRenderer(CStyleLanguage):
     self.scalar_selects = self.simd_loop is None and not any(
       uop.op is UOps.RANGE and uop.arg[1] in (AxisType.UPCAST, AxisType.UNROLL) for uop in uops)
 
-  def casts_rounded_by_stores(self, uops: list[UOp]) -> set[int]:
-    """The CASTs of a float32 value to a 16-bit float kept in float registers whose one use is a store to a global
-    buffer: the store converts it to its bits, rounding it itself (rounding twice to one precision is rounding once),
-    so the cast renders as its operand (2 SASS instructions an element of a bf16 gradient on CUDA)."""
-    rounded = set()
-    for uop in uops:
-      if uop.op is not UOps.STORE or uop.srcs[0].op is not UOps.DEFINE_GLOBAL: continue
-      values = uop.srcs[2:] if uop.arg is not None else uop.srcs[2:3]
-      rounded.update(id(value) for value in values if value.op is UOps.CAST and value.uses == 1 and
-                     value.dtype in self.floats_in_registers and value.srcs[0].dtype == dtypes.float32)
-    return rounded
-
   def vector_plan(self, uops: list[UOp]) -> VectorPlan:
     """Register tiles as explicit vectors of one SIMD register (renderer/cvector.py: gcc's own vectorizer drops
     whole tiles). CPU_VECTORS=0 leaves them to the compiler."""
