@@ -131,6 +131,26 @@ def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: 
   return f"const unsigned {first} = stages + ({stage}) * {2 * tile}u, {second} = {first} + {tile}u;"
 
 
+def _owned_tiles(plan: AttentionBackwardPlan, rows: int, base: str, prologue: str, start: str, count: str,
+                 tiles: tuple[tuple[str, str, int], tuple[str, str, int]]) -> list[str]:
+  """C placing a kernel's two owned swizzled tiles of `rows` rows (`tiles`: (shared address name, source pointer,
+  row stride) each) from the first 1024-byte atom at or after shared address `base`, the stages after them, then
+  `prologue` and the tiles' copies (rows `start` on, `count` of them)."""
+  (first, _, _), (second, _, _) = tiles
+  tile = _tile_bytes(plan, rows)
+  return [f"  const unsigned {first} = ({base} + 1023u) & ~1023u;",
+          f"  const unsigned {second} = {first} + {tile}u, stages = {second} + {tile}u;",
+          prologue, *copy_stage_lines(plan, rows, start, count, tiles)]
+
+
+def _owned_descriptor(rows: int, tile: str) -> str:
+  """The descriptor of this warpgroup's 64 rows of the owned tile of `rows` rows at shared address `tile`, D's k16
+  slice j: the A operand of a scores product read from shared memory."""
+  lbo, sbo = key_strides()
+  offset = f"(threadIdx.x / 128) * {64 * ROW_BYTES} + {key_slice_start(rows, CExpr('j'))}"
+  return f"wgmma_descriptor({tile} + {offset}, {lbo}, {sbo})"
+
+
 def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads: str, probabilities: str,
               gradients: str, store: str) -> str:
   """The dK/dV kernel (the parameters of attention_backward's): `prologue` (the block's keys and Q tiles), K and V
@@ -150,19 +170,13 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
              prologue]
     scores = scores_lines(p, stream, (("st", "k_held", "q_stage"), ("dpt", "v_held", "do_stage")))
   else:   # K and V in swizzled tiles before the stages, A read through descriptors (fewer registers)
-    owned_bytes = _tile_bytes(p, p.block_kv)
     owned = ["  float* row_buffers = (float*)shared_bytes;   // a stage's LSE and delta rows: 2 x stages x BQ",
              "  // the swizzled K and V tiles from the next 1024-byte atom, then the stages' Q and dO tiles",
-             f"  const unsigned k_owned = (shared_address(row_buffers + {2 * p.wgmma_stages} * BQ) + 1023u) & ~1023u;",
-             f"  const unsigned v_owned = k_owned + {owned_bytes}u, stages = v_owned + {owned_bytes}u;",
-             prologue,
-             *copy_stage_lines(p, p.block_kv, "k_start", "k_rows", (("k_owned", "k + k_row0", p.k_strides[2]),
-                                                                    ("v_owned", "v + v_row0", p.v_strides[2])))]
-    lbo, sbo = key_strides()
-    # this warpgroup's 64 rows of the owned tile, D's k16 slice j
-    rows = f"(threadIdx.x / 128) * {64 * ROW_BYTES} + {key_slice_start(p.block_kv, CExpr('j'))}"
-    scores = scores_lines(p, stream, ((("st", f"wgmma_descriptor(k_owned + {rows}, {lbo}, {sbo})", "q_stage"),
-                                       ("dpt", f"wgmma_descriptor(v_owned + {rows}, {lbo}, {sbo})", "do_stage"))))
+             *_owned_tiles(p, p.block_kv, f"shared_address(row_buffers + {2 * p.wgmma_stages} * BQ)", prologue,
+                           "k_start", "k_rows", (("k_owned", "k + k_row0", p.k_strides[2]),
+                                                 ("v_owned", "v + v_row0", p.v_strides[2])))]
+    scores = scores_lines(p, stream, (("st", _owned_descriptor(p.block_kv, "k_owned"), "q_stage"),
+                                      ("dpt", _owned_descriptor(p.block_kv, "v_owned"), "do_stage")))
   body = "\n".join([
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,",
@@ -239,17 +253,12 @@ def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, 
              "  const unsigned stages = (shared_address(delta_tile + BQ) + 1023u) & ~1023u;", prologue]
     scores = scores_lines(p, stream, (("s", "q_held", "k_stage"), ("dp", "do_held", "v_stage")))
   else:   # Q and dO also in swizzled tiles before the stages, A read through descriptors
-    owned_bytes = _tile_bytes(p, p.block_q)
     owned = ["  // the swizzled Q and dO tiles from the next 1024-byte atom, then the stages' K and V tiles",
-             "  const unsigned q_owned = (shared_address(delta_tile + BQ) + 1023u) & ~1023u;",
-             f"  const unsigned do_owned = q_owned + {owned_bytes}u, stages = do_owned + {owned_bytes}u;",
-             prologue,
-             *copy_stage_lines(p, p.block_q, "q_start", "q_rows", (("q_owned", "q + q_row0", p.q_strides[2]),
-                                                                   ("do_owned", "dout + do_row0", p.do_strides[2])))]
-    lbo, sbo = key_strides()
-    rows = f"(threadIdx.x / 128) * {64 * ROW_BYTES} + {key_slice_start(p.block_q, CExpr('j'))}"
-    scores = scores_lines(p, stream, ((("s", f"wgmma_descriptor(q_owned + {rows}, {lbo}, {sbo})", "k_stage"),
-                                       ("dp", f"wgmma_descriptor(do_owned + {rows}, {lbo}, {sbo})", "v_stage"))))
+             *_owned_tiles(p, p.block_q, "shared_address(delta_tile + BQ)", prologue, "q_start", "q_rows",
+                           (("q_owned", "q + q_row0", p.q_strides[2]),
+                            ("do_owned", "dout + do_row0", p.do_strides[2])))]
+    scores = scores_lines(p, stream, (("s", _owned_descriptor(p.block_q, "q_owned"), "k_stage"),
+                                      ("dp", _owned_descriptor(p.block_q, "do_owned"), "v_stage")))
   body = "\n".join([
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,",
