@@ -22,6 +22,7 @@ import pytest
 
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel, Opt, OptOps
+from ourgrad.codegen.kernel_cost import bytes_moved
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.cpu_tiles import (CPU_PACK_MIN_ROWS, CPU_PACK_MIN_ROWS_GATHERED, buffer_loads,
                                           cpu_reduce_parts,
@@ -150,6 +151,16 @@ def test_padded_rows_keep_vector_loads():
   source = _source(kernel)
   vector_loads = [line for line in source.splitlines() if "(const float8v_u*)" in line]
   assert vector_loads and not [line for line in vector_loads if "?" in line]
+
+
+def test_padded_rows_are_not_counted_as_moved_bytes():
+  """Padded rows are masked (never loaded or stored): a kernel's bytes (GlobalCounters.global_mem, DEBUG=2's GB/s)
+  are its buffers' own, at any width. At SSE2 width a 16-row matmul padded to 18 rows counted 448 bytes too many."""
+  output, _, _ = _matmul(100, 40, 64)
+  _, kernel = _kernel(output, "x86-64-v3")
+  assert any(opt.op is OptOps.PADTO for opt in kernel.applied_opts)
+  linearize(kernel)
+  assert bytes_moved(kernel) == (100 * 40 + 40 * 64 + 100 * 64) * 4
 
 
 def test_integer_matmul_is_not_padded():

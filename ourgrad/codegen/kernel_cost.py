@@ -32,15 +32,18 @@ def loop_ops(uops: list[UOp]) -> int:
 
 def bytes_moved(kernel: Any) -> int:
   """Bytes one launch moves: each buffer's bytes counted once over the elements its view can touch (twice for one
-  both read and written)."""
+  both read and written). Padding (OptOps.PADTO) adds masked elements that are never read or stored, so each view
+  counts at most the elements of the kernel's view before its opts (`leaf.arg.st`)."""
   byte_count = 0
   seen: set[tuple[int, Ops]] = set()   # an output read in place (an assign's target) is read and written
   for leaf, st in zip(kernel.leaves, kernel.sts):
     if leaf.op not in (Ops.LOAD, Ops.STORE) or (leaf.arg.idx, leaf.op) in seen: continue
     seen.add((leaf.arg.idx, leaf.op))
-    elements = prod(sym_max(size) for size in st.shape)  # a symbolic size counts at its largest
+    unpadded = leaf.arg.st
+    # a symbolic size counts at its largest
+    elements = min(prod(sym_max(size) for size in st.shape), prod(sym_max(size) for size in unpadded.shape))
     # a gathered load (srcs: a computed offset) reads at most one table element per element of its view
-    touched = min(st.real_size(), elements) if leaf.op is Ops.LOAD and not leaf.srcs else elements
+    touched = min(st.real_size(), unpadded.real_size(), elements) if leaf.op is Ops.LOAD and not leaf.srcs else elements
     byte_count += touched * leaf.dtype.itemsize
   return byte_count
 
