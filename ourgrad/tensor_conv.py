@@ -386,14 +386,15 @@ class StrideOneConv(Function):
 
   def forward(self, x: LazyBuffer, weight: LazyBuffer, pads: list[tuple[int, int]] = (),
               dilations: tuple[int, ...] = (), groups: int = 1) -> LazyBuffer:
-    from ourgrad.tensor import Tensor
     self.x, self.weight, self.pads, self.dilations, self.groups = x, weight, pads, dilations, groups
     dims = len(weight.shape) - 2
-    # the view built on x's lazy buffer (no Function per movement op: this Function's own backward is the gradient)
+    # built on the lazy buffers (no Function per operation: this Function's own backward is the gradient). The
+    # convolutions that reach here are autocast policy ops, whose inner ops follow no policy: the graph is the one
+    # Tensor's ops build
     windows = _conv_windows(x, tuple(weight.shape[2:]), (1,) * dims, pads, dilations)
     # the weight gradient multiplies the same view: kept (a view of x, which is kept anyway), not built again
     self.windows = windows
-    return _conv_sum(Tensor(x), Tensor(weight), (1,) * dims, pads, dilations, groups, Tensor(windows)).lazydata
+    return _conv_sum(x, weight, (1,) * dims, pads, dilations, groups, windows)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     # built on the lazy buffers (the graphs Tensor's ops would build, without a Function and a tensor per operation):
