@@ -538,14 +538,16 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
     for ctx in reversed(order):
       grad_output = grads.pop(ctx, None)
       if grad_output is None: continue
-      if ctx in wanted_outputs: found[id(wanted_outputs[ctx])] = (wanted_outputs[ctx], grad_output)
+      if wanted_outputs and ctx in wanted_outputs:
+        found[id(wanted_outputs[ctx])] = (wanted_outputs[ctx], grad_output)
       _check_saved_values(ctx)
       input_grads = ctx.backward(grad_output)
       if type(input_grads) is not tuple: input_grads = (input_grads,)
       for parent, parent_ctx, needed, parent_grad in zip(ctx.parents, ctx.parent_ctxs, ctx.needs_input_grad,
                                                          input_grads):
         if parent_grad is None or not needed: continue
-        if parent_grad.shape != parent.shape: raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
+        if parent_grad.shape != parent._lazydata.shape:
+          raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
         parent_grad = _gradient_for(parent, parent_grad)
         if parent_ctx is None:  # a leaf: its gradient is complete at the end of the walk
           known = found.get(id(parent))
@@ -627,10 +629,12 @@ def _check_saved_values(ctx: F.Function) -> None:
 def _gradient_for(parent: Tensor, grad: Lazy) -> Lazy:
   """A Function's gradient for its input `parent`, as a value of its own (`_own_value`) on the parent's device(s):
   a Function may move data between devices (Shard)."""
-  grad = _own_value(grad)
   parent_lazy = parent._lazydata
-  if type(grad) is LazyBuffer and type(parent_lazy) is LazyBuffer and grad.device == parent_lazy.device: return grad
-  return Tensor(grad, device=parent.device, requires_grad=False).lazydata
+  if type(grad) is LazyBuffer and type(parent_lazy) is LazyBuffer and grad.device == parent_lazy.device:
+    # (the common case, checked here without _own_value's call: a computed gradient on the parent's device)
+    base = grad._base if grad._base is not None else grad
+    return grad if base.realized is None and base.op is not Ops.ASSIGN else _own_value(grad)
+  return Tensor(_own_value(grad), device=parent.device, requires_grad=False).lazydata
 
 
 def _accumulate(total: Lazy, grad: Lazy) -> Lazy:
