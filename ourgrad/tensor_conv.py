@@ -7,7 +7,8 @@ offset) pairs with only reshape/expand/shrink/pad/permute: a convolution is then
 weight and one sum, which the scheduler fuses into a single reduce kernel (the bias add and an activation after
 it fuse into the same kernel). One implementation serves every number of spatial dims.
 A stride-1 convolution is one autograd node (`StrideOneConv`) whose backward is two convolution-shaped reduces (the
-input gradient as a transposed convolution, the weight gradient); other strides differentiate through the view.
+input gradient as a transposed convolution, the weight gradient), forward and backward built on lazy buffers by the
+same helpers (`_conv_sum`, `_product_sum`); other strides differentiate through the view.
 
 Semantics follow torch.nn.functional: channels-first layout (N, C, *spatial), weights (C_out, C_in / groups, *k)
 for convolutions and (C_in, C_out / groups, *k) for transposed ones, int-or-tuple arguments, floor
