@@ -168,3 +168,18 @@ def test_gradient_of_an_intermediate_target_with_the_graph_kept() -> None:
   # (a graph of its own: kernels fused otherwise than with grad_h's, so equal up to rounding)
   np.testing.assert_allclose(again.numpy(), grad_w.numpy(), rtol=1e-6, atol=1e-6)
   assert x.grad is None and w.grad is None
+
+
+def test_gradients_of_different_dtypes_for_one_tensor_add_up_promoted() -> None:
+  """A float16 input normalized with float32 statistics (its gradient from BatchNormNormalize in float32) and read by
+  a float16 product: the two gradients meet in different dtypes and are added as Tensor's + adds them (promoted)."""
+  values = np.random.default_rng(6).standard_normal((2, 3, 4, 4)).astype(np.float16)
+  x, reference_x = Tensor(values, requires_grad=True), torch.tensor(values, requires_grad=True)
+  norm, reference_norm = nn.BatchNorm2d(3), torch.nn.BatchNorm2d(3)
+  upstream = np.random.default_rng(7).standard_normal((2, 3, 4, 4)).astype(np.float32)
+  with Tensor.train():
+    ((norm(x).float() * Tensor(upstream)).sum() + (x * 2).float().sum()).backward()
+  reference_out = reference_norm(reference_x.float())
+  ((reference_out * torch.tensor(upstream)).sum() + (reference_x * 2).float().sum()).backward()
+  np.testing.assert_allclose(x.grad.numpy().astype(np.float32), reference_x.grad.float().numpy(), rtol=1e-2,
+                             atol=1e-2)
