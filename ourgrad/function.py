@@ -402,6 +402,41 @@ class Sum(Function):
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.expand(self.input_shape)
 
 
+class Matmul(Function):
+  """x (..., m, k) @ y (..., k, n) -> (..., m, n), operands of one dtype: the multiply of x (..., m, 1, k) and y's
+  transpose (..., 1, n, k) broadcast to `shape` (..., m, n, k), summed over k. Its graph is the one the Tensor ops
+  build for it (unsqueeze, transpose, the broadcast, the product, the sum), and so is its backward's, operation for
+  operation: one autograd node in place of nine, a product's gradient for each operand summed to its shape in one
+  reduce, y's put back with a permute (a view)."""
+
+  def forward(self, x: LazyBuffer, y: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+    self.x_shape, self.y_shape, self.shape = x.shape, y.shape, shape
+    rank = len(y.shape)
+    self.y_order = (*range(rank - 2), rank - 1, rank - 2)   # y's transpose (its own inverse)
+    x_rows = x.reshape(x.shape[:-1] + (1, x.shape[-1]))
+    y_columns = y.permute(self.y_order)
+    self.y_transposed_shape = y_columns.shape
+    y_columns = y_columns.reshape(y_columns.shape[:-2] + (1,) + y_columns.shape[-2:])
+    self.x_rows_shape, self.y_columns_shape = x_rows.shape, y_columns.shape
+    self.x, self.y = _broadcast_to(x_rows, shape), _broadcast_to(y_columns, shape)
+    return _mul(self.x, self.y).reduce(Ops.SUM, (len(shape) - 1,)).reshape(shape[:-1])
+
+  def saved_values(self) -> list[LazyBuffer]:   # each operand is needed only for the other's gradient (as Mul)
+    return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))
+            if needed]
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    # the sum's gradient: the output's, broadcast over k
+    grad = grad_output.reshape(self.shape[:-1] + (1,)).expand(self.shape)
+    grad_x = grad_y = None
+    if self.needs_input_grad[0]:
+      grad_x = _sum_to_shape(_mul(self.y, grad), self.x_rows_shape).reshape(self.x_shape)
+    if self.needs_input_grad[1]:
+      grad_y = _sum_to_shape(_mul(self.x, grad), self.y_columns_shape).reshape(self.y_transposed_shape)
+      grad_y = grad_y.permute(self.y_order)
+    return grad_x, grad_y
+
+
 class Max(Function):
   """Max reduce; the gradient is shared equally among the maximal elements, as in PyTorch's amax."""
 
@@ -504,11 +539,22 @@ class Expand(Function):
     if len(shape) != len(x.shape): x = x.reshape((1,) * (len(shape) - len(x.shape)) + x.shape)
     return x.expand(shape)
 
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    padded = (1,) * (len(grad_output.shape) - len(self.input_shape)) + self.input_shape
-    axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad_output.shape)) if old != new)
-    grad = grad_output.reduce(Ops.SUM, axes)
-    return grad if padded == self.input_shape else grad.reshape(self.input_shape)
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _sum_to_shape(grad_output, self.input_shape)
+
+
+def _broadcast_to(x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+  """x broadcast to `shape` as Expand's forward does it (size-1 dims put in front first, then the expand)."""
+  if len(shape) != len(x.shape): x = x.reshape((1,) * (len(shape) - len(x.shape)) + x.shape)
+  return x.expand(shape)
+
+
+def _sum_to_shape(grad: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+  """The gradient of a value broadcast from `shape` (`_broadcast_to`): `grad` summed over the broadcast axes, in one
+  reduce, and reshaped to `shape` where dims were added."""
+  padded = (1,) * (len(grad.shape) - len(shape)) + shape
+  axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad.shape)) if old != new)
+  summed = grad.reduce(Ops.SUM, axes)
+  return summed if padded == shape else summed.reshape(shape)
 
 
 class Pad(Function):

@@ -58,6 +58,7 @@ from ourgrad.tensor_special import SpecialMixin
 
 Scalar = bool | int | float
 Devices = str | tuple[str, ...]
+Lazy = LazyBuffer | MultiLazyBuffer
 
 
 def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
@@ -474,21 +475,25 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
   # ---------------------------------------------------------------- autograd
 
   def _toposort(self) -> list[F.Function]:
-    """The Functions that lead to this tensor's, inputs first (iterative, no recursion limit). The graph's edges
-    are each Function's inputs with the Functions they had when it was applied (`parent_ctxs`): an in-place write
-    that later gave an input tensor a new Function does not change what the older ones read."""
+    """The Functions that lead to this tensor's, inputs first: a depth-first post-order from this tensor's Function
+    that enters each Function's inputs last to first (iterative, no recursion limit). The graph's edges are each
+    Function's inputs with the Functions they had when it was applied (`parent_ctxs`): an in-place write that later
+    gave an input tensor a new Function does not change what the older ones read."""
+    if self._ctx is None: return []
     order: list[F.Function] = []
-    visited: set[int] = set()
-    stack: list[tuple[F.Function, bool]] = [(self._ctx, False)] if self._ctx is not None else []
+    entered: set[F.Function] = set()   # (a Function hashes by identity)
+    # a Function on the stack is to be entered; a 1-tuple holding one is to be emitted, its inputs all emitted
+    stack: list[Any] = [self._ctx]
     while stack:
-      ctx, children_done = stack.pop()
-      if children_done:
-        order.append(ctx)
+      item = stack.pop()
+      if type(item) is tuple:
+        order.append(item[0])
         continue
-      if id(ctx) in visited: continue
-      visited.add(id(ctx))
-      stack.append((ctx, True))
-      stack.extend((parent_ctx, False) for parent_ctx in ctx.parent_ctxs if parent_ctx is not None)
+      if item in entered: continue
+      entered.add(item)
+      stack.append((item,))
+      for parent_ctx in item.parent_ctxs:
+        if parent_ctx is not None and parent_ctx not in entered: stack.append(parent_ctx)
     return order
 
   def backward(self, gradient: Tensor | None = None) -> Tensor:
@@ -519,34 +524,40 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
     applied, so a later in-place write does not reroute the walk). Returns {id: (tensor, its total gradient)} for
     every leaf that requires grad and for each intermediate tensor whose id is in `wanted` (complete when the walk
     reaches its Function: every consumer comes before it). `free_graph` drops the Functions once used, as PyTorch
-    does without retain_graph."""
+    does without retain_graph.
+
+    Gradients travel as lazy buffers (a Function's backward takes and returns them) and become tensors only at the
+    end: a tensor per gradient in between was a wrapper and an Add Function per accumulation, no graph of its own."""
     assert self._ctx is not None
-    grads: dict[int, Tensor] = {id(self._ctx): gradient}   # id(Function) -> the gradient of its output
+    grads: dict[F.Function, Lazy] = {self._ctx: gradient.lazydata}   # Function -> the gradient of its output
     order = self._toposort()
     # the intermediate tensors asked for, by the Function that made them
-    wanted_outputs = {id(parent._ctx): parent for ctx in order for parent in ctx.parents
+    wanted_outputs = {parent._ctx: parent for ctx in order for parent in ctx.parents
                       if id(parent) in wanted and parent._ctx is not None} if wanted else {}
-    found: dict[int, tuple[Tensor, Tensor]] = {}
+    found: dict[int, tuple[Tensor, Lazy]] = {}
     for ctx in reversed(order):
-      grad_output = grads.pop(id(ctx), None)
+      grad_output = grads.pop(ctx, None)
       if grad_output is None: continue
-      if id(ctx) in wanted_outputs: found[id(wanted_outputs[id(ctx)])] = (wanted_outputs[id(ctx)], grad_output)
+      if wanted_outputs and ctx in wanted_outputs:
+        found[id(wanted_outputs[ctx])] = (wanted_outputs[ctx], grad_output)
       _check_saved_values(ctx)
-      input_grads = ctx.backward(grad_output.lazydata)
-      if not isinstance(input_grads, tuple): input_grads = (input_grads,)
+      input_grads = ctx.backward(grad_output)
+      if type(input_grads) is not tuple: input_grads = (input_grads,)
       for parent, parent_ctx, needed, parent_grad in zip(ctx.parents, ctx.parent_ctxs, ctx.needs_input_grad,
                                                          input_grads):
         if parent_grad is None or not needed: continue
-        if parent_grad.shape != parent.shape: raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
-        # on the parent's device(s): a Function may move data between devices (Shard)
-        new_grad = Tensor(_own_value(parent_grad), device=parent.device, requires_grad=False)
+        if parent_grad.shape != parent._lazydata.shape:
+          raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
+        parent_grad = _gradient_for(parent, parent_grad)
         if parent_ctx is None:  # a leaf: its gradient is complete at the end of the walk
-          found[id(parent)] = (parent, new_grad if id(parent) not in found else found[id(parent)][1] + new_grad)
+          known = found.get(id(parent))
+          found[id(parent)] = (parent, parent_grad if known is None else _accumulate(known[1], parent_grad))
         else:
-          grads[id(parent_ctx)] = new_grad if id(parent_ctx) not in grads else grads[id(parent_ctx)] + new_grad
+          known_grad = grads.get(parent_ctx)
+          grads[parent_ctx] = parent_grad if known_grad is None else _accumulate(known_grad, parent_grad)
         if free_graph and parent._ctx is parent_ctx: parent._ctx = None
     if free_graph: self._ctx = None
-    return found
+    return {key: (tensor, Tensor(grad, requires_grad=False)) for key, (tensor, grad) in found.items()}
 
   def gradient(self, *targets: Tensor, gradient: Tensor | None = None,
                materialize_grads: bool = False) -> list[Tensor]:
@@ -604,11 +615,34 @@ def _check_saved_values(ctx: F.Function) -> None:
   another value now (PyTorch raises this error from its version counters; here an in-place write makes a newer
   version of the buffer's base, LazyBuffer.write)."""
   for saved in ctx.saved_values():
+    if type(saved) is LazyBuffer:
+      # (LazyBuffer.stale without the property call: every saved value of every step is checked)
+      base = saved._base if saved._base is not None else saved
+      if (base._storage is None or base._storage.head is base) and saved._const is None: continue
     if any(lazy.stale for lazy in _per_device(saved)):
       raise AutogradError(f"one of the variables needed for gradient computation has been modified by an inplace "
                           f"operation: the {saved.shape} {saved.dtype} tensor that {type(ctx).__name__} saved for "
                           f"backward was written in place (assign, +=, setitem, an optimizer step) after the forward "
                           f"pass; write it after backward(), or use a clone() in the forward")
+
+
+def _gradient_for(parent: Tensor, grad: Lazy) -> Lazy:
+  """A Function's gradient for its input `parent`, as a value of its own (`_own_value`) on the parent's device(s):
+  a Function may move data between devices (Shard)."""
+  parent_lazy = parent._lazydata
+  if type(grad) is LazyBuffer and type(parent_lazy) is LazyBuffer and grad.device == parent_lazy.device:
+    # (the common case, checked here without _own_value's call: a computed gradient on the parent's device)
+    base = grad._base if grad._base is not None else grad
+    return grad if base.realized is None and base.op is not Ops.ASSIGN else _own_value(grad)
+  return Tensor(_own_value(grad), device=parent.device, requires_grad=False).lazydata
+
+
+def _accumulate(total: Lazy, grad: Lazy) -> Lazy:
+  """total + grad: the gradients of a tensor that several Functions read, summed in the order the walk reaches them.
+  One lazy ADD where they agree in dtype and shape (the graph Tensor's + builds), Tensor's + (promotion) otherwise."""
+  if total.dtype == grad.dtype and total.shape == grad.shape and type(total) is type(grad):
+    return total.elementwise(Ops.ADD, grad)
+  return (Tensor(total, requires_grad=False) + Tensor(grad, requires_grad=False)).lazydata
 
 
 # Storage -> the tensors made views of a rebased tensor (`_rebase_viewed_tensor`), rebuilt at each later write

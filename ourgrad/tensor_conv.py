@@ -7,7 +7,8 @@ offset) pairs with only reshape/expand/shrink/pad/permute: a convolution is then
 weight and one sum, which the scheduler fuses into a single reduce kernel (the bias add and an activation after
 it fuse into the same kernel). One implementation serves every number of spatial dims.
 A stride-1 convolution is one autograd node (`StrideOneConv`) whose backward is two convolution-shaped reduces (the
-input gradient as a transposed convolution, the weight gradient); other strides differentiate through the view.
+input gradient as a transposed convolution, the weight gradient), forward and backward built on lazy buffers by the
+same helpers (`_conv_sum`, `_product_sum`); other strides differentiate through the view.
 
 Semantics follow torch.nn.functional: channels-first layout (N, C, *spatial), weights (C_out, C_in / groups, *k)
 for convolutions and (C_in, C_out / groups, *k) for transposed ones, int-or-tuple arguments, floor
@@ -23,12 +24,13 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Sequence
 
 from ourgrad.device import Device
-from ourgrad.dtype import dtypes
+from ourgrad.dtype import dtypes, operands_dtype
 from ourgrad.errors import ShapeError
-from ourgrad.function import Function, MaxToOne
+from ourgrad.function import Function, MaxToOne, _mul
 from ourgrad.helpers import normalize_axis, register_cache_clearer
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op
+from ourgrad.ops import Ops
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -278,61 +280,85 @@ def _conv_windows(x: Tensor | LazyBuffer, kernel: tuple[int, ...], strides: tupl
   return _pool(x, kernel, strides, dilations)
 
 
-def _conv_sum(x: Tensor, weight: Tensor, strides: tuple[int, ...], pads: list[tuple[int, int]],
-              dilations: tuple[int, ...], groups: int, windows: Tensor | None = None) -> Tensor:
+def _conv_sum(x: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, strides: tuple[int, ...],
+              pads: Sequence[tuple[int, int]], dilations: tuple[int, ...], groups: int,
+              windows: Tensor | LazyBuffer | None = None) -> Tensor | LazyBuffer:
   """The convolution as one multiply-and-sum over a pooling view of the padded x (no bias); `windows`: that view,
-  made already (`_conv_windows`)."""
-  batch, dims = x.shape[0], weight.ndim - 2
-  out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+  made already (`_conv_windows`). Tensors (differentiated through the view) or lazy buffers (StrideOneConv's
+  backward), as `_pool`."""
+  batch, dims = x.shape[0], len(weight.shape) - 2
+  out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
   if windows is None: windows = _conv_windows(x, kernel, strides, pads, dilations)   # a view of x
-  outs = windows.shape[2:2 + dims]
+  outs = tuple(windows.shape[2:2 + dims])
   per_group = out_channels // groups
   # (N, groups, 1, *out, C/groups, *kernel) * (1, groups, C_out/groups, 1..., C/groups, *kernel), summed over the
   # last 1 + dims axes: the reduce axes come last, so the product is never stored and the sum is one kernel.
-  windows = windows.reshape(batch, groups, group_channels, *outs, *kernel)
-  windows = windows.permute(0, 1, *range(3, 3 + dims), 2, *range(3 + dims, 3 + 2 * dims))
-  windows = windows.reshape(batch, groups, 1, *outs, group_channels, *kernel)
-  weight = weight.reshape(1, groups, per_group, *([1] * dims), group_channels, *kernel)
-  return (windows * weight).sum(tuple(range(-1 - dims, 0))).reshape(batch, out_channels, *outs)
+  windows = windows.reshape((batch, groups, group_channels, *outs, *kernel))
+  windows = windows.permute((0, 1, *range(3, 3 + dims), 2, *range(3 + dims, 3 + 2 * dims)))
+  windows = windows.reshape((batch, groups, 1, *outs, group_channels, *kernel))
+  weight = weight.reshape((1, groups, per_group, *([1] * dims), group_channels, *kernel))
+  return _product_sum(windows, weight, tuple(range(-1 - dims, 0))).reshape((batch, out_channels, *outs))
 
 
-def _weight_gradient(windows: Tensor, grad: Tensor, kernel: tuple[int, ...], groups: int) -> Tensor:
+def _product_sum(a: Tensor | LazyBuffer, b: Tensor | LazyBuffer, axes: tuple[int, ...]) -> Tensor | LazyBuffer:
+  """(a * b).sum(axes), a and b of one rank broadcast against each other: for tensors Tensor's ops, for lazy buffers
+  the graph those ops build (promotion, the broadcast, the product, the sum over the positive axes in float32 for
+  half-precision operands, the reduced axes dropped, the cast back), without a Function per operation."""
+  if not isinstance(a, LazyBuffer) or not isinstance(b, LazyBuffer): return (a * b).sum(axes)
+  if a.dtype != b.dtype:
+    dtype = operands_dtype([a.dtype, b.dtype])
+    a, b = a.cast(dtype), b.cast(dtype)
+  shape = tuple(size_a if size_b == 1 else size_b for size_a, size_b in zip(a.shape, b.shape))
+  product = _mul(a.expand(shape), b.expand(shape))
+  accumulate = dtypes.float32 if product.dtype in (dtypes.float16, dtypes.bfloat16) else product.dtype
+  reduce_axes = tuple(normalize_axis(axis, len(shape)) for axis in axes)
+  summed = product.cast(accumulate).reduce(Ops.SUM, reduce_axes)
+  kept = tuple(size for axis, size in enumerate(shape) if axis not in reduce_axes)
+  return summed.reshape(kept).cast(product.dtype)
+
+
+def _weight_gradient(windows: Tensor | LazyBuffer, grad: Tensor | LazyBuffer, kernel: tuple[int, ...],
+                     groups: int) -> Tensor | LazyBuffer:
   """d(stride-1 conv)/d(weight): sum over the batch and output positions of the `windows` of x (the forward's
   `_conv_windows`, (N, C, *out, *kernel)) times the output gradient; (C_out, C_in / groups, *kernel). One reduce
   kernel, as the forward."""
   batch, channels, dims = windows.shape[0], windows.shape[1], len(kernel)
-  out_channels, outs = grad.shape[1], grad.shape[2:]
+  out_channels, outs = grad.shape[1], tuple(grad.shape[2:])
   group_channels, per_group = channels // groups, out_channels // groups
-  windows = windows.reshape(batch, groups, 1, group_channels, *outs, *kernel)
-  grad = grad.reshape(batch, groups, per_group, 1, *outs, *([1] * dims))
+  windows = windows.reshape((batch, groups, 1, group_channels, *outs, *kernel))
+  grad = grad.reshape((batch, groups, per_group, 1, *outs, *([1] * dims)))
   # the reduce axes (batch, output positions) moved last, so the sum is one kernel with no stored product; the
   # operands are permuted, not the product, so the reduce reads its MUL base directly and the lazy layer sees a
   # matmul-like reduce (split-K on GPUs, lazy_reduce._matmul_like_reduce)
   order = (1, 2, 3, *range(4 + dims, 4 + 2 * dims), 0, *range(4, 4 + dims))
-  product = windows.permute(*order) * grad.permute(*order)
-  return product.sum(tuple(range(-1 - dims, 0))).reshape(out_channels, group_channels, *kernel)
+  product_sum = _product_sum(windows.permute(order), grad.permute(order), tuple(range(-1 - dims, 0)))
+  return product_sum.reshape((out_channels, group_channels, *kernel))
 
 
-def _input_gradient(grad: Tensor, weight: Tensor, input_shape: tuple[int, ...], pads: list[tuple[int, int]],
-                    dilations: tuple[int, ...], groups: int) -> Tensor:
+def _input_gradient(grad: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, input_shape: tuple[int, ...],
+                    pads: Sequence[tuple[int, int]], dilations: tuple[int, ...], groups: int) -> Tensor | LazyBuffer:
   """d(stride-1 conv)/d(input): the transposed convolution of the output gradient (a convolution with the flipped,
   regrouped weight, padded by dilation*(k-1) on each side), then the input's padding taken back off. One reduce
   kernel shaped like the forward, instead of every window's gradient stored and summed back (col2im)."""
-  kernel, dims = weight.shape[2:], weight.ndim - 2
+  kernel, dims = weight.shape[2:], len(weight.shape) - 2
   padded = [size + before + after for size, (before, after) in zip(input_shape[2:], pads)]
   # rows of the padded input past the last window get no gradient: pad the transposed conv's output up to them
   used = [out + d * (k - 1) for out, k, d in zip(grad.shape[2:], kernel, dilations)]
-  transposed_pads = [(d * (k - 1), d * (k - 1) + size - reach)
-                     for k, d, size, reach in zip(kernel, dilations, padded, used)]
+  transposed_pads = ((0, 0), (0, 0), *((d * (k - 1), d * (k - 1) + size - reach)
+                                       for k, d, size, reach in zip(kernel, dilations, padded, used)))
   flipped = _transposed_weight(weight, groups)
   # the gradient is stored once, so that the convolution does not recompute its producer (a batchnorm backward) for
   # every tap of the window; on the CPU padded (a copy the size of the padded gradient: the convolution then reads it
   # without a bounds check per element, which keeps its register tile vectorizable), on GPUs as it is (the
   # convolution's loads are masked at the padding)
-  if store_padded_gradient(grad.device): grad = grad.pad([None, None, *transposed_pads]).contiguous()
-  else: grad = grad.contiguous().pad([None, None, *transposed_pads])
+  if store_padded_gradient(grad.device): grad = grad.pad(transposed_pads).contiguous()
+  else: grad = grad.contiguous().pad(transposed_pads)
   grad_padded = _conv_sum(grad, flipped, (1,) * dims, [(0, 0)] * dims, dilations, groups)
-  return grad_padded.pad([None, None, *((-before, -after) for before, after in pads)])
+  # the input's padding taken back off (and the part a negative padding cropped put back as zeros)
+  batch_channels = ((0, grad_padded.shape[0]), (0, grad_padded.shape[1]))
+  cropped = grad_padded.shrink((*batch_channels, *((max(0, before), size - max(0, after))
+                                                   for (before, after), size in zip(pads, grad_padded.shape[2:]))))
+  return cropped.pad(((0, 0), (0, 0), *((max(0, -before), max(0, -after)) for before, after in pads)))
 
 
 def store_padded_gradient(device: str) -> bool:
@@ -342,13 +368,15 @@ def store_padded_gradient(device: str) -> bool:
   return not Device[device].renderer.runs_thread_blocks
 
 
-def _transposed_weight(weight: Tensor, groups: int) -> Tensor:
+def _transposed_weight(weight: Tensor | LazyBuffer, groups: int) -> Tensor | LazyBuffer:
   """A weight (A, B, *k) of `groups` groups (A/groups rows each) -> (groups*B, A/groups, *k), flipped in space: the
   conv weight of the transposed convolution, which maps a conv's output back onto its input."""
-  first, per_group, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+  first, per_group, kernel = weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
   dims = len(kernel)
-  w = weight.reshape(groups, first // groups, per_group, *kernel).transpose(1, 2)
-  return w.flip(*range(3, 3 + dims)).reshape(groups * per_group, first // groups, *kernel)
+  w = weight.reshape((groups, first // groups, per_group, *kernel)).permute((0, 2, 1, *range(3, 3 + dims)))
+  # (a lazy buffer's flip takes a mask of the axes, a tensor's the axes)
+  w = w.flip(tuple(axis >= 3 for axis in range(3 + dims))) if isinstance(w, LazyBuffer) else w.flip(*range(3, 3 + dims))
+  return w.reshape((groups * per_group, first // groups, *kernel))
 
 
 class StrideOneConv(Function):
@@ -359,21 +387,23 @@ class StrideOneConv(Function):
 
   def forward(self, x: LazyBuffer, weight: LazyBuffer, pads: list[tuple[int, int]] = (),
               dilations: tuple[int, ...] = (), groups: int = 1) -> LazyBuffer:
-    from ourgrad.tensor import Tensor
     self.x, self.weight, self.pads, self.dilations, self.groups = x, weight, pads, dilations, groups
     dims = len(weight.shape) - 2
-    # the view built on x's lazy buffer (no Function per movement op: this Function's own backward is the gradient)
+    # built on the lazy buffers (no Function per operation: this Function's own backward is the gradient). The
+    # convolutions that reach here are autocast policy ops, whose inner ops follow no policy: the graph is the one
+    # Tensor's ops build
     windows = _conv_windows(x, tuple(weight.shape[2:]), (1,) * dims, pads, dilations)
     # the weight gradient multiplies the same view: kept (a view of x, which is kept anyway), not built again
     self.windows = windows
-    return _conv_sum(Tensor(x), Tensor(weight), (1,) * dims, pads, dilations, groups, Tensor(windows)).lazydata
+    return _conv_sum(x, weight, (1,) * dims, pads, dilations, groups, windows)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
-    from ourgrad.tensor import Tensor
-    grad, x, weight = Tensor(grad_output), Tensor(self.x), Tensor(self.weight)
-    grad_x = _input_gradient(grad, weight, x.shape, self.pads, self.dilations, self.groups).lazydata \
+    # built on the lazy buffers (the graphs Tensor's ops would build, without a Function and a tensor per operation):
+    # nothing here needs autograd, and like every backward it follows no autocast policy (PyTorch's backward ops
+    # run in the dtypes of their forward)
+    grad_x = _input_gradient(grad_output, self.weight, self.x.shape, self.pads, self.dilations, self.groups) \
       if self.needs_input_grad[0] else None
-    grad_w = _weight_gradient(Tensor(self.windows), grad, weight.shape[2:], self.groups).lazydata \
+    grad_w = _weight_gradient(self.windows, grad_output, tuple(self.weight.shape[2:]), self.groups) \
       if self.needs_input_grad[1] else None
     return grad_x, grad_w
 

@@ -24,6 +24,7 @@ from ourgrad.dtype import DType, dtypes, least_upper_dtype, sum_dtype
 from ourgrad.errors import AxisError, DeviceError, ShapeError
 from ourgrad.helpers import prod
 from ourgrad.mixed_precision import CastPolicy, autocast_op, store_low_precision
+from ourgrad.tensor_math import _broadcast_shape
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -436,8 +437,11 @@ class ReduceMixin:
     accumulate = dtypes.float32 if dtype in (dtypes.float16, dtypes.bfloat16) else dtype
     if dtype == dtypes.bool: accumulate = dtypes.int32
     x, y = x.cast(accumulate), y.cast(accumulate)
-    product = x.unsqueeze(-2) * y.transpose(-1, -2).unsqueeze(-3)   # (..., n, m, k)
-    result = product.sum(-1, dtype=accumulate)
+    # x (..., m, 1, k) times y's transpose (..., 1, n, k), summed over k: one Function (its backward's graph as the
+    # Tensor ops' would be, without their nine autograd nodes)
+    x_rows = x.shape[:-1] + (1, x.shape[-1])
+    y_columns = y.shape[:-2] + (1, y.shape[-1], y.shape[-2])
+    result = F.Matmul.apply(x, y, shape=_broadcast_shape(x_rows, y_columns))
     result = result.cast(dtype) if dtype != dtypes.bool else (result != 0)
     if self.ndim == 1: result = result.squeeze(-2)
     if other.ndim == 1: result = result.squeeze(-1)
