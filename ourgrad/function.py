@@ -36,16 +36,18 @@ _BOOKKEEPING = frozenset(("device", "needs_input_grad", "requires_grad", "parent
 
 
 class Function:
-  """Base class: subclasses define forward(*lazybuffers, **kwargs) and backward(grad_output)."""
+  """Base class: subclasses define forward(*lazybuffers, **kwargs) and backward(grad_output). `apply` makes the
+  instance without calling __init__ (one frame less for every op), so subclasses keep their state in forward and do
+  not define __init__."""
 
   def __init__(self, device: str, *tensors: Tensor):
-    self.device = device
-    self.needs_input_grad = needs = [tensor.requires_grad for tensor in tensors]
-    self.requires_grad: bool | None = True if True in needs else None if None in needs else False
-    if self.requires_grad:
-      self.parents = tensors
-      # each input's Function as it is now: an in-place write may give the input tensor a new one later (assign)
-      self.parent_ctxs: tuple[Function | None, ...] = tuple([tensor._ctx for tensor in tensors])
+    _record_inputs(self, device, tensors)
+
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)
+    if "__init__" in cls.__dict__:
+      raise TypeError(f"{cls.__name__} defines __init__, which Function.apply does not call: keep what forward needs "
+                      f"in forward (self.x = ...)")
 
   def forward(self, *args: Any, **kwargs: Any) -> LazyBuffer: raise NotImplementedError
   def backward(self, grad_output: LazyBuffer) -> Any: raise NotImplementedError
@@ -63,7 +65,8 @@ class Function:
   @classmethod
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
-    ctx = cls(tensors[0]._lazydata.device, *tensors)   # (Tensor.device without the property call)
+    ctx = _new_function(cls)
+    _record_inputs(ctx, tensors[0]._lazydata.device, tensors)   # (Tensor.device without the property call)
     output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
@@ -81,19 +84,33 @@ class Function:
     return result
 
 
+_new_function = object.__new__
+
+
+def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> None:
+  """A new Function's autograd bookkeeping: its device, which inputs need a gradient, and, when one does, the inputs
+  with the Functions they have now (an in-place write may give an input tensor a new one later: assign)."""
+  ctx.device = device
+  ctx.needs_input_grad = needs = [tensor.requires_grad for tensor in tensors]
+  ctx.requires_grad = True if True in needs else None if None in needs else False
+  if ctx.requires_grad:
+    ctx.parents = tensors
+    ctx.parent_ctxs = tuple([tensor._ctx for tensor in tensors])
+
+
 # ---------------------------------------------------------------- lazy helpers used by the backward passes
 
 def _sub(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(Ops.ADD, b.elementwise(Ops.NEG))
 def _mul(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(Ops.MUL, b)
 def _div(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(Ops.MUL, b.elementwise(Ops.RECIP))
-def _scale(a: LazyBuffer, factor: float) -> LazyBuffer: return a.elementwise(Ops.MUL, a.const_like(factor))
+def _scale(a: LazyBuffer, factor: float) -> LazyBuffer: return a.elementwise(Ops.MUL, a.operand_like(factor))
 
 
 def _where(cond: LazyBuffer, a: LazyBuffer, b: LazyBuffer) -> LazyBuffer:
   return cond.elementwise(Ops.WHERE, a, b)
 
 
-def _not(mask: LazyBuffer) -> LazyBuffer: return mask.elementwise(Ops.CMPNE, mask.const_like(True))
+def _not(mask: LazyBuffer) -> LazyBuffer: return mask.elementwise(Ops.CMPNE, mask.operand_like(True))
 def _equal(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return _not(a.elementwise(Ops.CMPNE, b))
 
 
@@ -158,7 +175,7 @@ class Sin(Function):
 
 class Relu(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = x.elementwise(Ops.MAX, x.const_like(0))
+    self.result = x.elementwise(Ops.MAX, x.operand_like(0))
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
@@ -248,7 +265,7 @@ class Sigmoid(Function):
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(Ops.EXP2)
-    self.result = exp_neg.const_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
+    self.result = exp_neg.operand_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:

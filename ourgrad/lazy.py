@@ -65,6 +65,13 @@ _HOST_CONSTANTS_MAX = 64
 _HOST_CONSTANT_MAX_ELEMENTS = 1 << 16
 
 
+# LazyBuffer.operand_constant's shared constants: (value, sign, value's type, dtype, device, shape) -> a view of a CONST
+# base. Bounded: cleared when full (a long run with ever new shapes starts over rather than keeping them all)
+_OPERAND_CONSTANTS: dict[tuple, LazyBuffer] = {}
+_OPERAND_CONSTANTS_MAX = 4096
+register_cache_clearer(_OPERAND_CONSTANTS.clear)
+
+
 def _forget_host_constants() -> None:
   """clear_caches' part: the uploads dropped, and the memory they free given back to the devices (the allocators'
   own clearer ran before this one: their reuse caches would keep it)."""
@@ -84,32 +91,18 @@ class LazyBuffer:
 
   def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
                srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
-    self.device, self.st, self.dtype = device, st, dtype
-    self.shape: tuple[int, ...] = st.views[-1].shape   # (ShapeTracker.shape without the property call: every op)
-    self._base = base
-    # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
-    # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
-    # through its views reach every view (Storage.of_constant)
-    self._const: tuple[Storage, ShapeTracker | None] | None = None
-    if base is None:
-      self.op, self.arg, self.srcs = op, arg, srcs
-      self.realized: Buffer | None = None  # set when the scheduler gives this base a buffer
-      self.forced_realize = False          # realize even if it could be fused (contiguous(), realize())
-      # weak references to the bases that read this one: an in-place write to this base's buffer finds the lazy
-      # readers that must still see the old contents (engine/snapshot.py); created on the first reader
-      self._readers: list[weakref.ref[LazyBuffer]] | None = None
-      self._readers_pruned_at = 0
-      # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding
-      # this base or a view of it read its newest version (`current`), computed readers keep this one
-      self._storage: Storage | None = None
-      if srcs: _add_reader_to_sources(self, srcs)
+    if base is None: _init_base(self, device, st, dtype, op, arg, srcs)
+    else: _init_view(self, device, st, dtype, base)
 
   # ---------------------------------------------------------------- construction
 
   @staticmethod
   def create_base(device: str, shape: tuple[int, ...], dtype: DType, op: Ops, arg: Any = None,
                   srcs: tuple[LazyBuffer, ...] = ()) -> LazyBuffer:
-    return LazyBuffer(device, ShapeTracker.from_shape(shape), dtype, op, arg, srcs)
+    """A new base computing `op` (with `arg`) over `srcs`, of `shape` and `dtype`: the node every op builds."""
+    base = _new_lazy_buffer(LazyBuffer)   # (no __init__ call with keywords: this runs for every op built)
+    _init_base(base, device, ShapeTracker.from_shape(shape), dtype, op, arg, srcs)
+    return base
 
   @staticmethod
   def from_buffer(buffer: Buffer, shape: tuple[int, ...]) -> LazyBuffer:
@@ -155,8 +148,35 @@ class LazyBuffer:
     # the remembered tracker of the shape (what reshape + expand would make, without the buffer in between)
     return Storage.of_constant(const_base.view(_broadcast_scalar(shape)))
 
+  @staticmethod
+  def operand_constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
+    """`value` broadcast to `shape` as an operand of an op being built (the 1.5 of `x + 1.5`, relu's 0, a gradient's
+    scale): equal to `full`'s, but one shared LazyBuffer per (value, dtype, device, shape), made once. Such a
+    constant is only read by the op built from it, never held by a tensor the user can write to, so it needs no
+    storage of its own (`full` tags one per call), and a constant is never written in place. Shapes of one element
+    are not shared (their view is contiguous: `contiguous()` of it would mark the shared base)."""
+    kind = type(value)
+    try:
+      sign = math.copysign(1.0, value) if kind is float or isinstance(value, np.floating) else 0
+      key = (value, sign, kind, dtype, device, shape)
+      shared = _OPERAND_CONSTANTS.get(key)
+    except TypeError:   # a symbolic value or size: not shared
+      return LazyBuffer.full(value, shape, dtype, device)
+    if shared is not None: return shared
+    shared = LazyBuffer.full(value, shape, dtype, device)
+    shared._const = None   # (not a tensor's storage: see above)
+    if shared.is_base or value != value: return shared   # one element, or NaN (never equal to its key)
+    if len(_OPERAND_CONSTANTS) >= _OPERAND_CONSTANTS_MAX: _OPERAND_CONSTANTS.clear()
+    _OPERAND_CONSTANTS[key] = shared
+    return shared
+
   def const_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
+    """`value` in this buffer's shape (and device; in `dtype` or this dtype), as a tensor of its own (`full`)."""
     return LazyBuffer.full(value, self.shape, dtype or self.dtype, self.device)
+
+  def operand_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
+    """`value` in this buffer's shape as an operand of an op being built (`operand_constant`), not a result."""
+    return LazyBuffer.operand_constant(value, self.shape, dtype or self.dtype, self.device)
 
   # ---------------------------------------------------------------- properties
 
@@ -205,7 +225,9 @@ class LazyBuffer:
     base = self._base if self._base is not None else self
     # a base's tracker is the identity (contiguous): any contiguous view of all of it is the base
     if st is base.st or (st.contiguous and st.shape == base.shape): return base
-    return LazyBuffer(self.device, st, self.dtype, base=base)
+    view = _new_lazy_buffer(LazyBuffer)
+    _init_view(view, self.device, st, self.dtype, base)
+    return view
 
   def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
     return self if shape == self.shape else self._moved(lambda st: st.reshape(shape))
@@ -248,7 +270,7 @@ class LazyBuffer:
     if op is Ops.NEG and self.dtype.is_float and self.const_value() is None:
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
-      return self.elementwise(Ops.MUL, self.const_like(-1, self.dtype))
+      return self.elementwise(Ops.MUL, self.operand_like(-1, self.dtype))
     folded = self._fold_constants(op, srcs, out_dtype)
     if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
@@ -523,6 +545,37 @@ class LazyBuffer:
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
 
 
+_new_lazy_buffer = object.__new__
+
+
+def _init_base(base: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, op: Ops | None, arg: Any,
+               srcs: tuple[LazyBuffer, ...]) -> None:
+  """Set the slots of a new base (LazyBuffer.create_base, LazyBuffer(...) without `base`)."""
+  base.device, base.st, base.dtype = device, st, dtype
+  base.shape = st.views[-1].shape   # (ShapeTracker.shape without the property call: every op)
+  # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
+  # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
+  # through its views reach every view (Storage.of_constant)
+  base._base = base._const = None
+  base.op, base.arg, base.srcs = op, arg, srcs
+  base.realized = None          # set when the scheduler gives this base a buffer
+  base.forced_realize = False   # realize even if it could be fused (contiguous(), realize())
+  # weak references to the bases that read this one: an in-place write to this base's buffer finds the lazy readers
+  # that must still see the old contents (engine/snapshot.py); created on the first reader
+  base._readers = None
+  base._readers_pruned_at = 0
+  # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
+  # base or a view of it read its newest version (`current`), computed readers keep this one
+  base._storage = None
+  if srcs: _add_reader_to_sources(base, srcs)
+
+
+def _init_view(view: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, base: LazyBuffer) -> None:
+  """Set the slots of a new view of `base` (a view has only these six)."""
+  view.device, view.st, view.dtype, view.shape = device, st, dtype, st.views[-1].shape
+  view._base, view._const = base, None
+
+
 def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> None:
   """Note `reader` (one weak reference, shared) among the readers of each source's base. One function for every
   source of a new base, under one lock: it runs for every op built."""
@@ -530,6 +583,9 @@ def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> No
   with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
     for src in srcs:
       base = src if src._base is None else src._base   # (.base, without the property call)
+      # a constant is never written in place (a write to one makes a new base: `_write_constant`), so no reader of it
+      # needs protecting; and a shared constant (`operand_constant`) would collect every step's readers
+      if base.op is Ops.CONST: continue
       readers = base._readers
       if readers is None: readers = base._readers = []
       readers.append(reference)

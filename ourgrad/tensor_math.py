@@ -168,7 +168,7 @@ class ElementwiseMixin:
       # shape at once. The general path below builds the same lazy graph through a Tensor reshape and expand
       dtype = result_dtype(mine.dtype, other)
       x = self if dtype is mine.dtype else self.cast(dtype)
-      constant = type(self)(LazyBuffer.full(other, x.shape, dtype, x.device))
+      constant = type(self)(LazyBuffer.operand_constant(other, x.shape, dtype, x.device))
       return (constant, x) if reverse else (x, constant)
     other_tensor = self._to_tensor(other)
     if other_tensor.device != self.device:
