@@ -284,6 +284,12 @@ class NotEqual(Function):
   def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
 
 
+class Equal(Function):
+  """x == y as (x != y) != True: one Function for what `(x != y).logical_not()` built with two."""
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return _equal(x, y)
+  def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
+
+
 class BitwiseOp(Function):
   """AND, OR, XOR, SHL, SHR: integer and bool only, not differentiable."""
 
@@ -412,22 +418,29 @@ class Where(Function):
 # ---------------------------------------------------------------- reduce
 
 class Sum(Function):
-  def forward(self, x: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
-    self.input_shape = x.shape
-    return x.reduce(Ops.SUM, axes)
+  """Sum over `axes`, kept as size-1 dims, or viewed as `shape` (those dims dropped: keepdim=False), so that a reduce
+  and its reshape are one Function; the backward is the same reshape back, then the expand."""
 
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.expand(self.input_shape)
+  def forward(self, x: LazyBuffer, axes: tuple[int, ...], shape: tuple[int, ...] | None = None) -> LazyBuffer:
+    self.input_shape = x.shape
+    reduced = x.reduce(Ops.SUM, axes)
+    self.reduced_shape = reduced.shape
+    return reduced if shape is None else reduced.reshape(shape)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    return grad_output.reshape(self.reduced_shape).expand(self.input_shape)
 
 
 class Max(Function):
   """Max reduce; the gradient is shared equally among the maximal elements, as in PyTorch's amax."""
 
-  def forward(self, x: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
+  def forward(self, x: LazyBuffer, axes: tuple[int, ...], shape: tuple[int, ...] | None = None) -> LazyBuffer:
     self.x, self.axes = x, axes
     self.result = x.reduce(Ops.MAX_REDUCE, axes)
-    return self.result
+    return self.result if shape is None else self.result.reshape(shape)   # (as Sum's `shape`)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    grad_output = grad_output.reshape(self.result.shape)
     is_max = self.x.elementwise(Ops.CMPNE, self.result.expand(self.x.shape)).elementwise(Ops.NEG)
     is_max = is_max.cast(grad_output.dtype)
     count = is_max.reduce(Ops.SUM, self.axes).expand(self.x.shape)

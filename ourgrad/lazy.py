@@ -23,7 +23,7 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
-from ourgrad.lazy_reduce import cpu_packed_gathered, cpu_packed_matmul, split_large_reduce
+from ourgrad.lazy_reduce import cpu_packed_reduce, split_large_reduce
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -153,8 +153,7 @@ class LazyBuffer:
     """`value` broadcast to `shape` as an operand of an op being built (the 1.5 of `x + 1.5`, relu's 0, a gradient's
     scale): equal to `full`'s, but one shared LazyBuffer per (value, dtype, device, shape), made once. Such a
     constant is only read by the op built from it, never held by a tensor the user can write to, so it needs no
-    storage of its own (`full` tags one per call), and a constant is never written in place. Shapes of one element
-    are not shared (their view is contiguous: `contiguous()` of it would mark the shared base)."""
+    storage of its own (`full` tags one per call), and a constant is never written in place."""
     kind = type(value)
     try:
       sign = math.copysign(1.0, value) if kind is float or isinstance(value, np.floating) else 0
@@ -165,7 +164,9 @@ class LazyBuffer:
     if shared is not None: return shared
     shared = LazyBuffer.full(value, shape, dtype, device)
     shared._const = None   # (not a tensor's storage: see above)
-    if shared.is_base or value != value: return shared   # one element, or NaN (never equal to its key)
+    # one element (or none): a contiguous view, which `contiguous()` would answer by marking the shared base; NaN:
+    # never equal to its key
+    if shared.st.contiguous or value != value: return shared
     if len(_OPERAND_CONSTANTS) >= _OPERAND_CONSTANTS_MAX: _OPERAND_CONSTANTS.clear()
     _OPERAND_CONSTANTS[key] = shared
     return shared
@@ -230,30 +231,31 @@ class LazyBuffer:
     return view
 
   def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self._moved(lambda st: st.reshape(shape))
+    return self if shape == self.shape else self._moved(ShapeTracker.reshape, shape)
 
   def permute(self, axes: tuple[int, ...]) -> LazyBuffer:
-    return self if axes == tuple(range(len(self.shape))) else self._moved(lambda st: st.permute(axes))
+    return self if axes == tuple(range(len(self.shape))) else self._moved(ShapeTracker.permute, axes)
 
   def expand(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self._moved(lambda st: st.expand(shape))
+    return self if shape == self.shape else self._moved(ShapeTracker.expand, shape)
 
   def pad(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    return self if all(pads == (0, 0) for pads in arg) else self._moved(lambda st: st.pad(arg))
+    return self if all(pads == (0, 0) for pads in arg) else self._moved(ShapeTracker.pad, arg)
 
   def shrink(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
     if all(bounds == (0, size) for bounds, size in zip(arg, self.shape)): return self
-    return self._moved(lambda st: st.shrink(arg))
+    return self._moved(ShapeTracker.shrink, arg)
 
   def flip(self, axes_mask: tuple[bool, ...]) -> LazyBuffer:
-    return self if not any(axes_mask) else self._moved(lambda st: st.flip(axes_mask))
+    return self if not any(axes_mask) else self._moved(ShapeTracker.flip, axes_mask)
 
-  def _moved(self, move: Callable[[ShapeTracker], ShapeTracker]) -> LazyBuffer:
-    """The view `move` makes of this buffer; a view of a constant tensor's storage stays one (Storage)."""
-    out = self.view(move(self.st))
+  def _moved(self, move: Callable[[ShapeTracker, Any], ShapeTracker], arg: Any) -> LazyBuffer:
+    """The view `move(tracker, arg)` makes of this buffer (a ShapeTracker movement method and its argument: no
+    closure made per op); a view of a constant tensor's storage stays one (Storage)."""
+    out = self.view(move(self.st, arg))
     if self._const is not None and out is not self:
       storage, st = self._const
-      out._const = (storage, move(st if st is not None else ShapeTracker.from_shape(storage.shape)))
+      out._const = (storage, move(st if st is not None else ShapeTracker.from_shape(storage.shape), arg))
     return out
 
   # ---------------------------------------------------------------- compute
@@ -323,8 +325,7 @@ class LazyBuffer:
     if value is not None and not (op is Ops.SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
       return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
-    if op is Ops.SUM and (packed := cpu_packed_matmul(self, axes)) is not None: return packed
-    if op is Ops.SUM and (packed := cpu_packed_gathered(self, axes)) is not None: return packed
+    if op is Ops.SUM and (packed := cpu_packed_reduce(self, axes)) is not None: return packed
     if split and (split_reduce := split_large_reduce(self, op, axes, out_shape)) is not None: return split_reduce
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
 

@@ -24,6 +24,7 @@ from ourgrad.dtype import DType, dtypes, least_upper_dtype, sum_dtype
 from ourgrad.errors import AxisError, DeviceError, ShapeError
 from ourgrad.helpers import prod
 from ourgrad.mixed_precision import CastPolicy, autocast_op, store_low_precision
+from ourgrad.tensor_math import _broadcast_shape
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -82,9 +83,9 @@ class ReduceMixin:
 
   def _reduce(self, function: type[F.Function], axis: int | Sequence[int] | None, keepdim: bool) -> Tensor:
     axes = self._reduce_axes(axis)
-    reduced = function.apply(self, axes=axes)
-    if keepdim: return reduced
-    return reduced.reshape(tuple(size for a, size in enumerate(self.shape) if a not in axes))
+    if keepdim: return function.apply(self, axes=axes)
+    # the reduced dims dropped by the Function itself (F.Sum's `shape`): no Reshape Function after it
+    return function.apply(self, axes=axes, shape=tuple(size for a, size in enumerate(self.shape) if a not in axes))
 
   @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
@@ -436,8 +437,14 @@ class ReduceMixin:
     accumulate = dtypes.float32 if dtype in (dtypes.float16, dtypes.bfloat16) else dtype
     if dtype == dtypes.bool: accumulate = dtypes.int32
     x, y = x.cast(accumulate), y.cast(accumulate)
-    product = x.unsqueeze(-2) * y.transpose(-1, -2).unsqueeze(-3)   # (..., n, m, k)
-    result = product.sum(-1, dtype=accumulate)
+    # x.unsqueeze(-2) * y.transpose(-1, -2).unsqueeze(-3), summed over k, with the Functions applied directly (the
+    # shapes are checked above): the same autograd and lazy graph without each Tensor method's checks
+    x_rows = F.Reshape.apply(x, shape=x.shape[:-1] + (1, x.shape[-1]))                           # (..., m, 1, k)
+    y_swapped = F.Permute.apply(y, order=(*range(y.ndim - 2), y.ndim - 1, y.ndim - 2))
+    y_columns = F.Reshape.apply(y_swapped, shape=y.shape[:-2] + (1, y.shape[-1], y.shape[-2]))  # (..., 1, n, k)
+    shape = _broadcast_shape(x_rows.shape, y_columns.shape)                                      # (..., m, n, k)
+    product = F.Mul.apply(x_rows.expand(shape), y_columns.expand(shape))
+    result = F.Sum.apply(product, axes=(len(shape) - 1,), shape=shape[:-1])
     result = result.cast(dtype) if dtype != dtypes.bool else (result != 0)
     if self.ndim == 1: result = result.squeeze(-2)
     if other.ndim == 1: result = result.squeeze(-1)
