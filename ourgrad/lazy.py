@@ -32,6 +32,11 @@ from ourgrad.shape.view import View, strides_for_shape
 
 _READERS_LOCK = threading.Lock()
 
+# The Ops members the per-op paths below compare with, read as module globals: in Python 3.11 an attribute of an Enum
+# class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
+_CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
+_CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
+
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
 
@@ -196,7 +201,7 @@ class LazyBuffer:
   def const_value(self) -> Any | None:
     """The constant this buffer holds everywhere, or None if it is not an unpadded constant."""
     base = self._base if self._base is not None else self
-    if base.op is not Ops.CONST or base.realized is not None: return None
+    if base.op is not _CONST or base.realized is not None: return None
     for view in self.st.views:
       if view.mask is not None: return None
     return base.arg
@@ -269,10 +274,10 @@ class LazyBuffer:
                           f"move one with .to({self.device!r})")
       if src.shape != self.shape: raise AssertionError(f"elementwise shapes differ: {self.shape} vs {src.shape}")
     out_dtype = dtype or (dtypes.bool if op in COMPARISON_OPS else srcs[-1].dtype)
-    if op is Ops.NEG and self.dtype.is_float and self.const_value() is None:
+    if op is _NEG and self.dtype.is_float and self.const_value() is None:
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
-      return self.elementwise(Ops.MUL, self.operand_like(-1, self.dtype))
+      return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
     folded = self._fold_constants(op, srcs, out_dtype)
     if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
@@ -280,16 +285,16 @@ class LazyBuffer:
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
     # most ops read no constant at all: nothing to fold, without a const_value call per source
     for src in srcs:
-      if (src if src._base is None else src._base).op is Ops.CONST: break
+      if (src if src._base is None else src._base).op is _CONST: break
     else:
       return None
     values = [src.const_value() for src in srcs] if len(srcs) != 2 else [srcs[0].const_value(), srcs[1].const_value()]
-    if None not in values and op is not Ops.CAST and op is not Ops.BITCAST:
-      if op is Ops.RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
+    if None not in values and op is not _CAST and op is not _BITCAST:
+      if op is _RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
       # rounded to the dtype by const_like, which remembers the rounding of each value (exec_alu's costs ~1 us)
       return self.const_like(PYTHON_ALU[op](*values), out_dtype)
     # (only x + 0, x * 1 and integer x * 0 fold below)
-    if (op is Ops.ADD or op is Ops.MUL) and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
+    if (op is _ADD or op is _MUL) and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
       # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools). For floats only -0.0 is
       # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add. A result is a new tensor,
@@ -298,7 +303,7 @@ class LazyBuffer:
       left_value, right_value = values
       if right_value is not None and is_identity_constant(op, right_value, out_dtype) and _is_lazy(left): return left
       if left_value is not None and is_identity_constant(op, left_value, out_dtype) and _is_lazy(right): return right
-      if op is Ops.MUL and not out_dtype.is_float and 0 in (left_value, right_value):
+      if op is _MUL and not out_dtype.is_float and 0 in (left_value, right_value):
         return self.const_like(0, out_dtype)
     return None
 
@@ -309,7 +314,7 @@ class LazyBuffer:
                        f"{dtype} is {dtype.itemsize}")
     value = self.const_value()
     if value is not None and not bitcast: return self.const_like(_truncated(dtype, value), dtype)
-    return LazyBuffer.create_base(self.device, self.shape, dtype, Ops.BITCAST if bitcast else Ops.CAST, dtype, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, dtype, _BITCAST if bitcast else _CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
     """Reduce over `axes`; the result keeps them as size-1 dimensions. `split`: the device may run it as two
@@ -322,10 +327,10 @@ class LazyBuffer:
     if any(self.shape[axis] == 0 for axis in axes):
       return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
     value = self.const_value()
-    if value is not None and not (op is Ops.SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
+    if value is not None and not (op is _SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
-      return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
-    if op is Ops.SUM and (packed := cpu_packed_reduce(self, axes)) is not None: return packed
+      return LazyBuffer.full(value * count if op is _SUM else value, out_shape, self.dtype, self.device)
+    if op is _SUM and (packed := cpu_packed_reduce(self, axes)) is not None: return packed
     if split and (split_reduce := split_large_reduce(self, op, axes, out_shape)) is not None: return split_reduce
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
 
@@ -586,7 +591,7 @@ def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> No
       base = src if src._base is None else src._base   # (.base, without the property call)
       # a constant is never written in place (a write to one makes a new base: `_write_constant`), so no reader of it
       # needs protecting; and a shared constant (`operand_constant`) would collect every step's readers
-      if base.op is Ops.CONST: continue
+      if base.op is _CONST: continue
       readers = base._readers
       if readers is None: readers = base._readers = []
       readers.append(reference)
@@ -678,7 +683,7 @@ def _broadcast_scalar(shape: tuple[int, ...]) -> ShapeTracker:
 def _is_lazy(buffer: LazyBuffer) -> bool:
   """Whether `buffer` is still a computation (its base not stored, not a constant): returning it as the result of
   another op shares no memory with a tensor the user holds."""
-  return buffer.base.realized is None and buffer.base.op is not Ops.CONST
+  return buffer.base.realized is None and buffer.base.op is not _CONST
 
 
 def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:

@@ -196,3 +196,51 @@ def test_function_subclass_may_not_define_init() -> None:
   with pytest.raises(TypeError, match="__init__"):
     class Broken(F.Function):  # noqa: F841
       def __init__(self, device: str, *tensors: Tensor): super().__init__(device, *tensors)
+
+
+# ---------------------------------------------------------------- composites built on lazy buffers
+
+def _structure(tensor: Tensor) -> tuple:
+  from ourgrad.engine.schedule_cache import _structure as structure
+  return structure([tensor.lazydata])[0]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("axis", [-1, 0, (0, 1)])
+def test_logsumexp_and_softmax_build_the_tensor_formulas_graph(dtype: type, axis: int | tuple) -> None:
+  from ourgrad.tensor_reduce import _logsumexp_lazy, _softmax_lazy
+  values = np.array([[1.0, -np.inf, 3.0], [-np.inf, -np.inf, -np.inf]], dtype)
+  source = Tensor(values)
+  axes = source._reduce_axes(axis)
+  peak = source.max(axis, keepdim=True)
+  peak = peak.isinf().where(0, peak)
+  formula = (source - peak).exp().sum(axis, keepdim=True).log() + peak
+  assert _structure(Tensor(_logsumexp_lazy(source.lazydata, axes))) == _structure(formula)
+  if isinstance(axis, int):
+    exps = (source - source.max(axis, keepdim=True)).exp()
+    assert _structure(Tensor(_softmax_lazy(source.lazydata, axes))) == _structure(exps / exps.sum(axis, keepdim=True))
+  theirs = torch.logsumexp(torch.tensor(values), dim=axis, keepdim=True).numpy()
+  np.testing.assert_allclose(Tensor(values).logsumexp(axis, keepdim=True).numpy(), theirs, rtol=1e-6)
+
+
+def test_logsumexp_softmax_values_and_gradients_match_torch() -> None:
+  values = _values(4, 7) * 3
+  for name in ("logsumexp", "softmax"):
+    ours, theirs = Tensor(values, requires_grad=True), torch.tensor(values, requires_grad=True)
+    our_out = ours.logsumexp(1) if name == "logsumexp" else ours.softmax(1)
+    their_out = torch.logsumexp(theirs, 1) if name == "logsumexp" else torch.softmax(theirs, 1)
+    np.testing.assert_allclose(our_out.numpy(), their_out.detach().numpy(), rtol=1e-5, atol=1e-6)
+    weights = _values(*their_out.shape)
+    (our_out * Tensor(weights)).sum().backward()
+    (their_out * torch.tensor(weights)).sum().backward()
+    np.testing.assert_allclose(ours.grad.numpy(), theirs.grad.numpy(), rtol=1e-4, atol=1e-6)
+  half = Tensor(values.astype(np.float16))
+  np.testing.assert_allclose(half.softmax(-1).numpy().astype(np.float32),
+                             torch.softmax(torch.tensor(values.astype(np.float16)).float(), -1).numpy(), atol=1e-3)
+
+
+@pytest.mark.parametrize("left,right", [((3, 5), (5, 4)), ((2, 3, 5), (2, 5, 4)), ((64, 128), (128, 32))])
+def test_matmul_builds_the_tensor_formulas_graph(left: tuple, right: tuple) -> None:
+  a, b = Tensor(_values(*left), requires_grad=True), Tensor(_values(*right), requires_grad=True)
+  formula = (a.unsqueeze(-2) * b.transpose(-1, -2).unsqueeze(-3)).sum(-1)
+  assert _structure(a @ b) == _structure(formula)
