@@ -160,9 +160,12 @@ class ElementwiseMixin:
     if type(other) is type(self) and type(mine) is LazyBuffer:
       theirs = other._lazydata
       # two tensors of one shape, dtype and device (most binary ops of a model): nothing to promote or broadcast
-      if type(theirs) is LazyBuffer and theirs.shape == mine.shape and theirs.dtype is mine.dtype and \
-          theirs.device == mine.device:
-        return (other, self) if reverse else (self, other)
+      if type(theirs) is LazyBuffer and theirs.dtype is mine.dtype and theirs.device == mine.device:
+        x, y = (other, self) if reverse else (self, other)
+        if theirs.shape == mine.shape: return x, y
+        # one dtype and device, shapes to broadcast (a bias, a per-row statistic): expand's graph without its checks
+        shape = _broadcast_shape(x.shape, y.shape)
+        return x._broadcast_to(shape), y._broadcast_to(shape)
     if type(other) in _PY_SCALARS and type(mine) is LazyBuffer:
       # a Python scalar (x * 0.9, the learning rates and betas of every step): the constant is made at the tensor's
       # shape at once. The general path below builds the same lazy graph through a Tensor reshape and expand
@@ -178,6 +181,13 @@ class ElementwiseMixin:
     dtype = x.dtype if x.dtype == y.dtype else _tensors_dtype(x, y)
     shape = _broadcast_shape(x.shape, y.shape)
     return x.cast(dtype).expand(shape), y.cast(dtype).expand(shape)
+
+  def _broadcast_to(self, shape: tuple[int, ...]) -> Tensor:
+    """This tensor broadcast to `shape`, a shape _broadcast_shape gave for it: the Functions expand(shape) applies
+    (a Reshape where only leading dims are added, else an Expand), without expand's checks of the shape."""
+    if self.shape == shape: return self
+    padded = (1,) * (len(shape) - len(self.shape)) + self.shape
+    return F.Reshape.apply(self, shape=padded) if padded == shape else F.Expand.apply(self, shape=shape)
 
   def _float_operand(self) -> Tensor:
     """Float math on ints and bools promotes to the default float, as in PyTorch."""

@@ -244,3 +244,33 @@ def test_matmul_builds_the_tensor_formulas_graph(left: tuple, right: tuple) -> N
   a, b = Tensor(_values(*left), requires_grad=True), Tensor(_values(*right), requires_grad=True)
   formula = (a.unsqueeze(-2) * b.transpose(-1, -2).unsqueeze(-3)).sum(-1)
   assert _structure(a @ b) == _structure(formula)
+
+
+@pytest.mark.parametrize("left,right", [((4, 5), (5,)), ((4, 1), (1, 5)), ((2, 1, 5), (3, 1)), ((5,), (3, 4, 5))])
+def test_broadcast_of_one_dtype_matches_torch_and_expand(left: tuple, right: tuple) -> None:
+  a, b = _values(*left), _values(*right)
+  ours_a, ours_b = Tensor(a, requires_grad=True), Tensor(b, requires_grad=True)
+  theirs_a, theirs_b = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+  ours, theirs = ours_a * ours_b - ours_b, theirs_a * theirs_b - theirs_b
+  np.testing.assert_allclose(ours.numpy(), theirs.detach().numpy(), rtol=1e-6)
+  (ours * 2).sum().backward()
+  (theirs * 2).sum().backward()
+  np.testing.assert_allclose(ours_a.grad.numpy(), theirs_a.grad.numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(ours_b.grad.numpy(), theirs_b.grad.numpy(), rtol=1e-5, atol=1e-6)
+  shape = tuple(theirs.shape)
+  expanded = Tensor(a).expand(shape) + Tensor(b).expand(shape)
+  assert _structure(Tensor(a) + Tensor(b)) == _structure(expanded)
+
+
+def test_sharded_tensors_take_the_operand_constant_paths() -> None:
+  devices = tuple(f"{Tensor([1.0]).device}:{index}" for index in range(2))
+  values = _values(4, 6)
+  x = Tensor(values, requires_grad=True)
+  sharded = x.shard(devices, axis=0)
+  out = ((sharded * 2.0).relu().exp() + 1.5).softmax(-1).logsumexp(-1)
+  reference = torch.tensor(values, requires_grad=True)
+  expected = torch.logsumexp(torch.softmax(torch.exp(torch.relu(reference * 2.0)) + 1.5, -1), -1)
+  np.testing.assert_allclose(out.numpy(), expected.detach().numpy(), rtol=1e-5)
+  out.sum().backward()
+  expected.sum().backward()
+  np.testing.assert_allclose(x.grad.numpy(), reference.grad.numpy(), rtol=1e-4, atol=1e-6)
