@@ -2,9 +2,12 @@
 
 Each row times one Tensor call in a loop (nothing is realized: only the graph is built), as microseconds per op, the
 best of several runs of `--calls` calls, in thread CPU time. Operands are realized tensors made once, so a row is the
-cost of the call alone; with requires_grad (`--grad`) the autograd
-bookkeeping a training step's forward pays is included.
-`--profile NAME` prints a cProfile table (own time, calls per op) of one row.
+cost of the call alone; with requires_grad (`--grad`) the autograd bookkeeping a training step's forward pays is
+included.
+`--profile NAME` prints a cProfile table (own time, calls per op) of one row. `--steps mlp,cnn` splits an eager
+training step (bench_eager's MLP and examples/mnist.py CNN, Adam, batch 64) into its phases, in thread CPU time per
+step: the forward graph, backward(), the optimizer's graph, and the realize (kernels replaced by no-ops on CPU
+devices, as bench_eager's Python time).
 
 Run: `python extra/bench/bench_graph_ops.py` (CLANG by default: no kernel is compiled or run), `--only add,sum`.
 Alternate two checkouts in one shell for ratios (the machine is shared): PYTHONPATH=<checkout> selects the library.
@@ -14,14 +17,19 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
+import pathlib
 import pstats
+import sys
 import time
 from typing import Any, Callable
 
 import numpy as np
 
 os.environ.setdefault("DEVICE", "CLANG")
-from ourgrad import Tensor, dtypes  # noqa: E402
+# bench_jit's models and bench_eager's no-op kernels for --steps; the library is PYTHONPATH's (or the installed one),
+# so one copy of this script measures any checkout
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from ourgrad import Device, Tensor, dtypes  # noqa: E402
 
 
 def operands(grad: bool) -> dict[str, Any]:
@@ -68,13 +76,65 @@ def per_op_seconds(call: Callable[[], Any], calls: int, repeats: int = 7) -> flo
   return best
 
 
+def step_phases(name: str, steps: int = 20, rounds: int = 3) -> dict[str, float]:
+  """Thread CPU seconds per step of each phase of an eager training step (the best round of `steps` steps)."""
+  from bench_eager import host_kernels_disabled
+  from bench_jit import MLP, load_mnist_example
+  from ourgrad.nn.losses import cross_entropy
+  from ourgrad.nn.optim import Adam
+  from ourgrad.nn.state import get_parameters
+  if name == "mlp": model, shape = MLP(), (784,)
+  else:
+    mnist = load_mnist_example()
+    model, shape = mnist.ConvNet(mnist.MODELS["small"]), (1, 28, 28)
+  parameters = get_parameters(model)
+  optimizer = Adam([tensor for tensor in parameters if tensor.requires_grad], lr=1e-3)
+  stats = [tensor for tensor in parameters if not tensor.requires_grad]
+  rng = np.random.default_rng(0)
+  x = Tensor(rng.standard_normal((64, *shape)).astype(np.float32)).realize()
+  y = Tensor(rng.integers(0, 10, 64).astype(np.int32)).realize()
+  phases = ("forward", "backward", "optimizer", "realize")
+
+  def step(spent: dict[str, float]) -> None:
+    with Tensor.train():
+      start = time.thread_time()
+      optimizer.zero_grad()
+      loss = cross_entropy(model(x), y)
+      forward = time.thread_time()
+      loss.backward()
+      backward = time.thread_time()
+      updated = optimizer.schedule_step()
+      scheduled = time.thread_time()
+      Tensor.realize_all(loss, *updated, *stats)
+      done = time.thread_time()
+    for phase, seconds in zip(phases, (forward - start, backward - forward, scheduled - backward, done - scheduled)):
+      spent[phase] += seconds
+  for _ in range(3): step(dict.fromkeys(phases, 0.0))   # compile, fill the caches
+  best: dict[str, float] = {}
+  with host_kernels_disabled(Device.DEFAULT != "CUDA"):
+    for _ in range(rounds):
+      spent = dict.fromkeys(phases, 0.0)
+      for _ in range(steps): step(spent)
+      if not best or sum(spent.values()) < sum(best.values()): best = spent
+  return {phase: seconds / steps for phase, seconds in best.items()}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", default="", help="comma-separated rows (default: all)")
   parser.add_argument("--calls", type=int, default=2000)
   parser.add_argument("--grad", action="store_true", help="operands require grad (a training step's forward)")
   parser.add_argument("--profile", default="", help="print a cProfile table of this row")
+  parser.add_argument("--steps", default="", help="comma-separated training steps (mlp, cnn) split into phases")
   args = parser.parse_args()
+  if args.steps:
+    print("| step | forward us | backward us | optimizer us | realize us | total us |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in args.steps.split(","):
+      phases = step_phases(name)
+      print(f"| {name} | " + " | ".join(f"{seconds * 1e6:.0f}" for seconds in phases.values())
+            + f" | {sum(phases.values()) * 1e6:.0f} |")
+    return
   table = rows(operands(args.grad))
   names = args.only.split(",") if args.only else list(table)
   for name in names: table[name]()   # warm the caches a repeated step finds warm
