@@ -10,7 +10,8 @@ step: the forward graph, backward(), the optimizer's graph, and the realize (ker
 devices, as bench_eager's Python time).
 
 Run: `python extra/bench/bench_graph_ops.py` (CLANG by default: no kernel is compiled or run), `--only add,sum`.
-Alternate two checkouts in one shell for ratios (the machine is shared): PYTHONPATH=<checkout> selects the library.
+Alternate two checkouts in one shell for ratios (the machine is shared): PYTHONPATH=<checkout> selects the library
+(without it, this checkout's).
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from typing import Any, Callable
 import numpy as np
 
 os.environ.setdefault("DEVICE", "CLANG")
-# bench_jit's models and bench_eager's no-op kernels for --steps; the library is PYTHONPATH's (or the installed one),
-# so one copy of this script measures any checkout
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+# the library: PYTHONPATH's where it is set (one copy of this script measures any checkout), else this checkout's
+if not os.environ.get("PYTHONPATH"): sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # bench_jit's models, bench_eager's no-op kernels
 from ourgrad import Device, Tensor, dtypes  # noqa: E402
 
 
