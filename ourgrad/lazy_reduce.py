@@ -7,6 +7,7 @@ the graph only around the reduced value (its sources' views).
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.codegen.opt.cpu_tiles import (cpu_gathered_pack, cpu_gathered_reduce_parts, cpu_pack_columns,
@@ -302,6 +303,11 @@ def _dense_matmul_dims(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[int, in
   return prod(lazy.shape[:-2]), lazy.shape[-2], lazy.shape[-1]
 
 
+# a pure function of the product's shape, reduce axes and operand strides, asked of the same products at every eager
+# step (twice per reduce a GPU builds: the grid split, then the reduce's kind): remembered, bounded
+_tiles_pay_off = functools.lru_cache(maxsize=1 << 12)(register_tiles_pay_off)
+
+
 def _matmul_like_reduce(lazy: LazyBuffer, axes: tuple[int, ...]) -> bool:
   """The reduced value is a product whose register tiles pay off on a GPU (heuristic.register_tiles_pay_off: a
   factor is a matrix operand reused across outputs, none is read whole): a matmul or a convolution's weight
@@ -309,7 +315,11 @@ def _matmul_like_reduce(lazy: LazyBuffer, axes: tuple[int, ...]) -> bool:
   base = lazy.base
   # the axes of the base's sources are this buffer's axes only where this is the base or a plain view of it
   if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or base.op is not Ops.MUL: return False
-  return register_tiles_pay_off(lazy.shape, axes, [src.st.views[-1].strides for src in base.srcs])
+  strides = tuple(src.st.views[-1].strides for src in base.srcs)
+  try:
+    return _tiles_pay_off(lazy.shape, axes, strides)
+  except TypeError:   # an unhashable size: not remembered
+    return register_tiles_pay_off(lazy.shape, axes, strides)
 
 
 def _parts_outermost(split: LazyBuffer, parts_axes: tuple[int, ...],
