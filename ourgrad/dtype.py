@@ -8,6 +8,8 @@ refuses (uint16/uint32 mixed with signed integers).
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -70,22 +72,22 @@ class DType:
     """Order by priority, so sorted() lists dtypes bool, int8, uint8, ..., float64."""
     return (self.priority, self.itemsize, self.name) < (other.priority, other.itemsize, other.name)
 
-  @property
+  @functools.cached_property   # (read several times per op built: a plain attribute after the first)
   def is_float(self) -> bool:
     """True for float16, bfloat16, float32, float64."""
     return self.name in _FLOAT_NAMES
 
-  @property
+  @functools.cached_property
   def is_int(self) -> bool:
     """True for signed and unsigned integers; bool is not an integer here."""
     return self.name in _SIGNED_NAMES or self.name in _UNSIGNED_NAMES
 
-  @property
+  @functools.cached_property
   def is_unsigned(self) -> bool:
     """True for uint8/16/32/64 (not bool)."""
     return self.name in _UNSIGNED_NAMES
 
-  @property
+  @functools.cached_property
   def is_bool(self) -> bool:
     """True only for dtypes.bool."""
     return self.name == "bool"

@@ -36,16 +36,18 @@ _BOOKKEEPING = frozenset(("device", "needs_input_grad", "requires_grad", "parent
 
 
 class Function:
-  """Base class: subclasses define forward(*lazybuffers, **kwargs) and backward(grad_output)."""
+  """Base class: subclasses define forward(*lazybuffers, **kwargs) and backward(grad_output). `apply` makes the
+  instance without calling __init__ (one frame less for every op), so subclasses keep their state in forward and do
+  not define __init__."""
 
   def __init__(self, device: str, *tensors: Tensor):
-    self.device = device
-    self.needs_input_grad = needs = [tensor.requires_grad for tensor in tensors]
-    self.requires_grad: bool | None = True if True in needs else None if None in needs else False
-    if self.requires_grad:
-      self.parents = tensors
-      # each input's Function as it is now: an in-place write may give the input tensor a new one later (assign)
-      self.parent_ctxs: tuple[Function | None, ...] = tuple([tensor._ctx for tensor in tensors])
+    _record_inputs(self, device, tensors)
+
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)
+    if "__init__" in cls.__dict__:
+      raise TypeError(f"{cls.__name__} defines __init__, which Function.apply does not call: keep what forward needs "
+                      f"in forward (self.x = ...)")
 
   def forward(self, *args: Any, **kwargs: Any) -> LazyBuffer: raise NotImplementedError
   def backward(self, grad_output: LazyBuffer) -> Any: raise NotImplementedError
@@ -63,7 +65,8 @@ class Function:
   @classmethod
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
-    ctx = cls(tensors[0]._lazydata.device, *tensors)   # (Tensor.device without the property call)
+    ctx = _new_function(cls)
+    _record_inputs(ctx, tensors[0]._lazydata.device, tensors)   # (Tensor.device without the property call)
     output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
@@ -81,26 +84,56 @@ class Function:
     return result
 
 
+_new_function = object.__new__
+
+
+def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> None:
+  """A new Function's autograd bookkeeping: its device, which inputs need a gradient, and, when one does, the inputs
+  with the Functions they have now (an in-place write may give an input tensor a new one later: assign)."""
+  ctx.device = device
+  ctx.needs_input_grad = needs = [tensor.requires_grad for tensor in tensors]
+  ctx.requires_grad = True if True in needs else None if None in needs else False
+  if ctx.requires_grad:
+    ctx.parents = tensors
+    ctx.parent_ctxs = tuple([tensor._ctx for tensor in tensors])
+
+
 # ---------------------------------------------------------------- lazy helpers used by the backward passes
 
-def _sub(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(Ops.ADD, b.elementwise(Ops.NEG))
-def _mul(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(Ops.MUL, b)
-def _div(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(Ops.MUL, b.elementwise(Ops.RECIP))
-def _scale(a: LazyBuffer, factor: float) -> LazyBuffer: return a.elementwise(Ops.MUL, a.const_like(factor))
+# the Ops members the helpers and forwards below use, read as module globals: in Python 3.11 an attribute of an Enum
+# class (`Ops.ADD`) goes through EnumType's __getattr__ hook, ~0.2 us a read, once or twice for every op built
+_ADD, _MUL, _NEG, _RECIP, _WHERE, _CMPNE, _CMPLT = Ops.ADD, Ops.MUL, Ops.NEG, Ops.RECIP, Ops.WHERE, Ops.CMPNE, Ops.CMPLT
+_EXP2, _LOG2, _MAX, _SQRT, _SUM, _MAX_REDUCE = Ops.EXP2, Ops.LOG2, Ops.MAX, Ops.SQRT, Ops.SUM, Ops.MAX_REDUCE
+
+
+def _sub(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_ADD, b.elementwise(_NEG))
+def _mul(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_MUL, b)
+def _div(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_MUL, b.elementwise(_RECIP))
+def _scale(a: LazyBuffer, factor: float) -> LazyBuffer: return a.elementwise(_MUL, a.operand_like(factor))
 
 
 def _where(cond: LazyBuffer, a: LazyBuffer, b: LazyBuffer) -> LazyBuffer:
-  return cond.elementwise(Ops.WHERE, a, b)
+  return cond.elementwise(_WHERE, a, b)
 
 
-def _not(mask: LazyBuffer) -> LazyBuffer: return mask.elementwise(Ops.CMPNE, mask.const_like(True))
-def _equal(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return _not(a.elementwise(Ops.CMPNE, b))
+def _not(mask: LazyBuffer) -> LazyBuffer: return mask.elementwise(_CMPNE, mask.operand_like(True))
+def _equal(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return _not(a.elementwise(_CMPNE, b))
 
 
 def _widen(x: LazyBuffer) -> LazyBuffer:
   """float16/bfloat16 as float32: their exp, log and sigmoid compute in float32 and round once, as in PyTorch. In 11
   (or 8) bits the constant 1/ln 2 and the scaled argument would each be rounded: several ulps off for large |x|."""
   return x.cast(dtypes.float32) if x.dtype in (dtypes.float16, dtypes.bfloat16) else x
+
+
+def _exp(x: LazyBuffer) -> LazyBuffer:
+  """e ** x (Exp's forward, and composites built on lazy buffers: Tensor.logsumexp, softmax)."""
+  return _scale(_widen(x), 1 / math.log(2)).elementwise(_EXP2).cast(x.dtype)
+
+
+def _log(x: LazyBuffer) -> LazyBuffer:
+  """The natural logarithm of x (Log's forward, and composites built on lazy buffers)."""
+  return _scale(_widen(x).elementwise(_LOG2), math.log(2)).cast(x.dtype)
 
 
 # ---------------------------------------------------------------- unary
@@ -133,13 +166,13 @@ class Cast(Function):
 
 
 class Neg(Function):
-  def forward(self, x: LazyBuffer) -> LazyBuffer: return x.elementwise(Ops.NEG)
+  def forward(self, x: LazyBuffer) -> LazyBuffer: return x.elementwise(_NEG)
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.elementwise(Ops.NEG)
 
 
 class Reciprocal(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = x.elementwise(Ops.RECIP)
+    self.result = x.elementwise(_RECIP)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
@@ -158,7 +191,7 @@ class Sin(Function):
 
 class Relu(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = x.elementwise(Ops.MAX, x.const_like(0))
+    self.result = x.elementwise(_MAX, x.operand_like(0))
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
@@ -170,14 +203,14 @@ class Relu(Function):
 class Log(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     self.x = x
-    return _scale(_widen(x).elementwise(Ops.LOG2), math.log(2)).cast(x.dtype)
+    return _log(x)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _div(grad_output, self.x)
 
 
 class Exp(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = _scale(_widen(x), 1 / math.log(2)).elementwise(Ops.EXP2).cast(x.dtype)
+    self.result = _exp(x)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _mul(self.result, grad_output)
@@ -195,7 +228,7 @@ class Exp2(Function):
 
 class Sqrt(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = x.elementwise(Ops.SQRT)
+    self.result = x.elementwise(_SQRT)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _div(grad_output, _scale(self.result, 2))
@@ -207,7 +240,7 @@ class Rsqrt(Function):
   kernel of it divided by it per element (H200, GPT-2's LayerNorm weight+bias partial sums: 12.0 us, now 9.4)."""
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = x.elementwise(Ops.SQRT).elementwise(Ops.RECIP)
+    self.result = x.elementwise(_SQRT).elementwise(_RECIP)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
@@ -248,7 +281,7 @@ class Sigmoid(Function):
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(Ops.EXP2)
-    self.result = exp_neg.const_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
+    self.result = exp_neg.operand_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
@@ -258,12 +291,18 @@ class Sigmoid(Function):
 # ---------------------------------------------------------------- binary and ternary
 
 class Less(Function):
-  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(Ops.CMPLT, y)
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(_CMPLT, y)
   def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
 
 
 class NotEqual(Function):
-  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(Ops.CMPNE, y)
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(_CMPNE, y)
+  def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
+
+
+class Equal(Function):
+  """x == y as (x != y) != True: one Function for what `(x != y).logical_not()` built with two."""
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return _equal(x, y)
   def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
 
 
@@ -282,7 +321,7 @@ class IntDiv(Function):
 
 
 class Add(Function):
-  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(Ops.ADD, y)
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(_ADD, y)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     return (grad_output if self.needs_input_grad[0] else None, grad_output if self.needs_input_grad[1] else None)
@@ -383,7 +422,7 @@ class Pow(Function):
 class Where(Function):
   def forward(self, cond: LazyBuffer, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.cond = cond
-    return cond.elementwise(Ops.WHERE, x, y)
+    return cond.elementwise(_WHERE, x, y)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[None, LazyBuffer | None, LazyBuffer | None]:
     zeros = grad_output.const_like(0)
@@ -395,11 +434,17 @@ class Where(Function):
 # ---------------------------------------------------------------- reduce
 
 class Sum(Function):
-  def forward(self, x: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
-    self.input_shape = x.shape
-    return x.reduce(Ops.SUM, axes)
+  """Sum over `axes`, kept as size-1 dims, or viewed as `shape` (those dims dropped: keepdim=False), so that a reduce
+  and its reshape are one Function; the backward is the same reshape back, then the expand."""
 
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.expand(self.input_shape)
+  def forward(self, x: LazyBuffer, axes: tuple[int, ...], shape: tuple[int, ...] | None = None) -> LazyBuffer:
+    self.input_shape = x.shape
+    reduced = x.reduce(_SUM, axes)
+    self.reduced_shape = reduced.shape
+    return reduced if shape is None else reduced.reshape(shape)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    return grad_output.reshape(self.reduced_shape).expand(self.input_shape)
 
 
 class Matmul(Function):
@@ -440,12 +485,13 @@ class Matmul(Function):
 class Max(Function):
   """Max reduce; the gradient is shared equally among the maximal elements, as in PyTorch's amax."""
 
-  def forward(self, x: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
+  def forward(self, x: LazyBuffer, axes: tuple[int, ...], shape: tuple[int, ...] | None = None) -> LazyBuffer:
     self.x, self.axes = x, axes
-    self.result = x.reduce(Ops.MAX_REDUCE, axes)
-    return self.result
+    self.result = x.reduce(_MAX_REDUCE, axes)
+    return self.result if shape is None else self.result.reshape(shape)   # (as Sum's `shape`)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
+    grad_output = grad_output.reshape(self.result.shape)
     is_max = self.x.elementwise(Ops.CMPNE, self.result.expand(self.x.shape)).elementwise(Ops.NEG)
     is_max = is_max.cast(grad_output.dtype)
     count = is_max.reduce(Ops.SUM, self.axes).expand(self.x.shape)
@@ -493,7 +539,7 @@ class MaxToOne(Function):
 
   def forward(self, x: LazyBuffer, rank: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
     self.x, self.rank, self.axes = x, rank, axes
-    self.result = x.reduce(Ops.MAX_REDUCE, axes)
+    self.result = x.reduce(_MAX_REDUCE, axes)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:

@@ -23,7 +23,7 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
-from ourgrad.lazy_reduce import cpu_packed_gathered, cpu_packed_matmul, split_large_reduce
+from ourgrad.lazy_reduce import cpu_packed_reduce, split_large_reduce
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -31,6 +31,11 @@ from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
 
 _READERS_LOCK = threading.Lock()
+
+# The Ops members the per-op paths below compare with, read as module globals: in Python 3.11 an attribute of an Enum
+# class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
+_CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
+_CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
 
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
@@ -65,6 +70,13 @@ _HOST_CONSTANTS_MAX = 64
 _HOST_CONSTANT_MAX_ELEMENTS = 1 << 16
 
 
+# LazyBuffer.operand_constant's shared constants: (value, sign, value's type, dtype, device, shape) -> a view of a CONST
+# base. Bounded: cleared when full (a long run with ever new shapes starts over rather than keeping them all)
+_OPERAND_CONSTANTS: dict[tuple, LazyBuffer] = {}
+_OPERAND_CONSTANTS_MAX = 4096
+register_cache_clearer(_OPERAND_CONSTANTS.clear)
+
+
 def _forget_host_constants() -> None:
   """clear_caches' part: the uploads dropped, and the memory they free given back to the devices (the allocators'
   own clearer ran before this one: their reuse caches would keep it)."""
@@ -84,32 +96,18 @@ class LazyBuffer:
 
   def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
                srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
-    self.device, self.st, self.dtype = device, st, dtype
-    self.shape: tuple[int, ...] = st.views[-1].shape   # (ShapeTracker.shape without the property call: every op)
-    self._base = base
-    # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
-    # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
-    # through its views reach every view (Storage.of_constant)
-    self._const: tuple[Storage, ShapeTracker | None] | None = None
-    if base is None:
-      self.op, self.arg, self.srcs = op, arg, srcs
-      self.realized: Buffer | None = None  # set when the scheduler gives this base a buffer
-      self.forced_realize = False          # realize even if it could be fused (contiguous(), realize())
-      # weak references to the bases that read this one: an in-place write to this base's buffer finds the lazy
-      # readers that must still see the old contents (engine/snapshot.py); created on the first reader
-      self._readers: list[weakref.ref[LazyBuffer]] | None = None
-      self._readers_pruned_at = 0
-      # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding
-      # this base or a view of it read its newest version (`current`), computed readers keep this one
-      self._storage: Storage | None = None
-      if srcs: _add_reader_to_sources(self, srcs)
+    if base is None: _init_base(self, device, st, dtype, op, arg, srcs)
+    else: _init_view(self, device, st, dtype, base)
 
   # ---------------------------------------------------------------- construction
 
   @staticmethod
   def create_base(device: str, shape: tuple[int, ...], dtype: DType, op: Ops, arg: Any = None,
                   srcs: tuple[LazyBuffer, ...] = ()) -> LazyBuffer:
-    return LazyBuffer(device, ShapeTracker.from_shape(shape), dtype, op, arg, srcs)
+    """A new base computing `op` (with `arg`) over `srcs`, of `shape` and `dtype`: the node every op builds."""
+    base = _new_lazy_buffer(LazyBuffer)   # (no __init__ call with keywords: this runs for every op built)
+    _init_base(base, device, ShapeTracker.from_shape(shape), dtype, op, arg, srcs)
+    return base
 
   @staticmethod
   def from_buffer(buffer: Buffer, shape: tuple[int, ...]) -> LazyBuffer:
@@ -155,8 +153,36 @@ class LazyBuffer:
     # the remembered tracker of the shape (what reshape + expand would make, without the buffer in between)
     return Storage.of_constant(const_base.view(_broadcast_scalar(shape)))
 
+  @staticmethod
+  def operand_constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
+    """`value` broadcast to `shape` as an operand of an op being built (the 1.5 of `x + 1.5`, relu's 0, a gradient's
+    scale): equal to `full`'s, but one shared LazyBuffer per (value, dtype, device, shape), made once. Such a
+    constant is only read by the op built from it, never held by a tensor the user can write to, so it needs no
+    storage of its own (`full` tags one per call), and a constant is never written in place."""
+    kind = type(value)
+    try:
+      sign = math.copysign(1.0, value) if kind is float or isinstance(value, np.floating) else 0
+      key = (value, sign, kind, dtype, device, shape)
+      shared = _OPERAND_CONSTANTS.get(key)
+    except TypeError:   # a symbolic value or size: not shared
+      return LazyBuffer.full(value, shape, dtype, device)
+    if shared is not None: return shared
+    shared = LazyBuffer.full(value, shape, dtype, device)
+    shared._const = None   # (not a tensor's storage: see above)
+    # one element (or none): a contiguous view, which `contiguous()` would answer by marking the shared base; NaN:
+    # never equal to its key
+    if shared.st.contiguous or value != value: return shared
+    if len(_OPERAND_CONSTANTS) >= _OPERAND_CONSTANTS_MAX: _OPERAND_CONSTANTS.clear()
+    _OPERAND_CONSTANTS[key] = shared
+    return shared
+
   def const_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
+    """`value` in this buffer's shape (and device; in `dtype` or this dtype), as a tensor of its own (`full`)."""
     return LazyBuffer.full(value, self.shape, dtype or self.dtype, self.device)
+
+  def operand_like(self, value: Any, dtype: DType | None = None) -> LazyBuffer:
+    """`value` in this buffer's shape as an operand of an op being built (`operand_constant`), not a result."""
+    return LazyBuffer.operand_constant(value, self.shape, dtype or self.dtype, self.device)
 
   # ---------------------------------------------------------------- properties
 
@@ -175,7 +201,7 @@ class LazyBuffer:
   def const_value(self) -> Any | None:
     """The constant this buffer holds everywhere, or None if it is not an unpadded constant."""
     base = self._base if self._base is not None else self
-    if base.op is not Ops.CONST or base.realized is not None: return None
+    if base.op is not _CONST or base.realized is not None: return None
     for view in self.st.views:
       if view.mask is not None: return None
     return base.arg
@@ -205,33 +231,36 @@ class LazyBuffer:
     base = self._base if self._base is not None else self
     # a base's tracker is the identity (contiguous): any contiguous view of all of it is the base
     if st is base.st or (st.contiguous and st.shape == base.shape): return base
-    return LazyBuffer(self.device, st, self.dtype, base=base)
+    view = _new_lazy_buffer(LazyBuffer)
+    _init_view(view, self.device, st, self.dtype, base)
+    return view
 
   def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self._moved(lambda st: st.reshape(shape))
+    return self if shape == self.shape else self._moved(ShapeTracker.reshape, shape)
 
   def permute(self, axes: tuple[int, ...]) -> LazyBuffer:
-    return self if axes == tuple(range(len(self.shape))) else self._moved(lambda st: st.permute(axes))
+    return self if axes == tuple(range(len(self.shape))) else self._moved(ShapeTracker.permute, axes)
 
   def expand(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self._moved(lambda st: st.expand(shape))
+    return self if shape == self.shape else self._moved(ShapeTracker.expand, shape)
 
   def pad(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    return self if all(pads == (0, 0) for pads in arg) else self._moved(lambda st: st.pad(arg))
+    return self if all(pads == (0, 0) for pads in arg) else self._moved(ShapeTracker.pad, arg)
 
   def shrink(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
     if all(bounds == (0, size) for bounds, size in zip(arg, self.shape)): return self
-    return self._moved(lambda st: st.shrink(arg))
+    return self._moved(ShapeTracker.shrink, arg)
 
   def flip(self, axes_mask: tuple[bool, ...]) -> LazyBuffer:
-    return self if not any(axes_mask) else self._moved(lambda st: st.flip(axes_mask))
+    return self if not any(axes_mask) else self._moved(ShapeTracker.flip, axes_mask)
 
-  def _moved(self, move: Callable[[ShapeTracker], ShapeTracker]) -> LazyBuffer:
-    """The view `move` makes of this buffer; a view of a constant tensor's storage stays one (Storage)."""
-    out = self.view(move(self.st))
+  def _moved(self, move: Callable[[ShapeTracker, Any], ShapeTracker], arg: Any) -> LazyBuffer:
+    """The view `move(tracker, arg)` makes of this buffer (a ShapeTracker movement method and its argument: no
+    closure made per op); a view of a constant tensor's storage stays one (Storage)."""
+    out = self.view(move(self.st, arg))
     if self._const is not None and out is not self:
       storage, st = self._const
-      out._const = (storage, move(st if st is not None else ShapeTracker.from_shape(storage.shape)))
+      out._const = (storage, move(st if st is not None else ShapeTracker.from_shape(storage.shape), arg))
     return out
 
   # ---------------------------------------------------------------- compute
@@ -245,10 +274,10 @@ class LazyBuffer:
                           f"move one with .to({self.device!r})")
       if src.shape != self.shape: raise AssertionError(f"elementwise shapes differ: {self.shape} vs {src.shape}")
     out_dtype = dtype or (dtypes.bool if op in COMPARISON_OPS else srcs[-1].dtype)
-    if op is Ops.NEG and self.dtype.is_float and self.const_value() is None:
+    if op is _NEG and self.dtype.is_float and self.const_value() is None:
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
-      return self.elementwise(Ops.MUL, self.const_like(-1, self.dtype))
+      return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
     folded = self._fold_constants(op, srcs, out_dtype)
     if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
@@ -256,16 +285,16 @@ class LazyBuffer:
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
     # most ops read no constant at all: nothing to fold, without a const_value call per source
     for src in srcs:
-      if (src if src._base is None else src._base).op is Ops.CONST: break
+      if (src if src._base is None else src._base).op is _CONST: break
     else:
       return None
     values = [src.const_value() for src in srcs] if len(srcs) != 2 else [srcs[0].const_value(), srcs[1].const_value()]
-    if None not in values and op is not Ops.CAST and op is not Ops.BITCAST:
-      if op is Ops.RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
+    if None not in values and op is not _CAST and op is not _BITCAST:
+      if op is _RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
       # rounded to the dtype by const_like, which remembers the rounding of each value (exec_alu's costs ~1 us)
       return self.const_like(PYTHON_ALU[op](*values), out_dtype)
     # (only x + 0, x * 1 and integer x * 0 fold below)
-    if (op is Ops.ADD or op is Ops.MUL) and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
+    if (op is _ADD or op is _MUL) and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
       # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools). For floats only -0.0 is
       # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add. A result is a new tensor,
@@ -274,7 +303,7 @@ class LazyBuffer:
       left_value, right_value = values
       if right_value is not None and is_identity_constant(op, right_value, out_dtype) and _is_lazy(left): return left
       if left_value is not None and is_identity_constant(op, left_value, out_dtype) and _is_lazy(right): return right
-      if op is Ops.MUL and not out_dtype.is_float and 0 in (left_value, right_value):
+      if op is _MUL and not out_dtype.is_float and 0 in (left_value, right_value):
         return self.const_like(0, out_dtype)
     return None
 
@@ -285,7 +314,7 @@ class LazyBuffer:
                        f"{dtype} is {dtype.itemsize}")
     value = self.const_value()
     if value is not None and not bitcast: return self.const_like(_truncated(dtype, value), dtype)
-    return LazyBuffer.create_base(self.device, self.shape, dtype, Ops.BITCAST if bitcast else Ops.CAST, dtype, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, dtype, _BITCAST if bitcast else _CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
     """Reduce over `axes`; the result keeps them as size-1 dimensions. `split`: the device may run it as two
@@ -298,11 +327,10 @@ class LazyBuffer:
     if any(self.shape[axis] == 0 for axis in axes):
       return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
     value = self.const_value()
-    if value is not None and not (op is Ops.SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
+    if value is not None and not (op is _SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
-      return LazyBuffer.full(value * count if op is Ops.SUM else value, out_shape, self.dtype, self.device)
-    if op is Ops.SUM and (packed := cpu_packed_matmul(self, axes)) is not None: return packed
-    if op is Ops.SUM and (packed := cpu_packed_gathered(self, axes)) is not None: return packed
+      return LazyBuffer.full(value * count if op is _SUM else value, out_shape, self.dtype, self.device)
+    if op is _SUM and (packed := cpu_packed_reduce(self, axes)) is not None: return packed
     if split and (split_reduce := split_large_reduce(self, op, axes, out_shape)) is not None: return split_reduce
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
 
@@ -523,6 +551,37 @@ class LazyBuffer:
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
 
 
+_new_lazy_buffer = object.__new__
+
+
+def _init_base(base: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, op: Ops | None, arg: Any,
+               srcs: tuple[LazyBuffer, ...]) -> None:
+  """Set the slots of a new base (LazyBuffer.create_base, LazyBuffer(...) without `base`)."""
+  base.device, base.st, base.dtype = device, st, dtype
+  base.shape = st.views[-1].shape   # (ShapeTracker.shape without the property call: every op)
+  # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
+  # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
+  # through its views reach every view (Storage.of_constant)
+  base._base = base._const = None
+  base.op, base.arg, base.srcs = op, arg, srcs
+  base.realized = None          # set when the scheduler gives this base a buffer
+  base.forced_realize = False   # realize even if it could be fused (contiguous(), realize())
+  # weak references to the bases that read this one: an in-place write to this base's buffer finds the lazy readers
+  # that must still see the old contents (engine/snapshot.py); created on the first reader
+  base._readers = None
+  base._readers_pruned_at = 0
+  # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
+  # base or a view of it read its newest version (`current`), computed readers keep this one
+  base._storage = None
+  if srcs: _add_reader_to_sources(base, srcs)
+
+
+def _init_view(view: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, base: LazyBuffer) -> None:
+  """Set the slots of a new view of `base` (a view has only these six)."""
+  view.device, view.st, view.dtype, view.shape = device, st, dtype, st.views[-1].shape
+  view._base, view._const = base, None
+
+
 def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> None:
   """Note `reader` (one weak reference, shared) among the readers of each source's base. One function for every
   source of a new base, under one lock: it runs for every op built."""
@@ -530,6 +589,9 @@ def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> No
   with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
     for src in srcs:
       base = src if src._base is None else src._base   # (.base, without the property call)
+      # a constant is never written in place (a write to one makes a new base: `_write_constant`), so no reader of it
+      # needs protecting; and a shared constant (`operand_constant`) would collect every step's readers
+      if base.op is _CONST: continue
       readers = base._readers
       if readers is None: readers = base._readers = []
       readers.append(reference)
@@ -621,7 +683,7 @@ def _broadcast_scalar(shape: tuple[int, ...]) -> ShapeTracker:
 def _is_lazy(buffer: LazyBuffer) -> bool:
   """Whether `buffer` is still a computation (its base not stored, not a constant): returning it as the result of
   another op shares no memory with a tensor the user holds."""
-  return buffer.base.realized is None and buffer.base.op is not Ops.CONST
+  return buffer.base.realized is None and buffer.base.op is not _CONST
 
 
 def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:

@@ -7,6 +7,7 @@ the graph only around the reduced value (its sources' views).
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.codegen.opt.cpu_tiles import (cpu_gathered_pack, cpu_gathered_reduce_parts, cpu_pack_columns,
@@ -157,15 +158,24 @@ def _cpu_matmul_split_parts(lazy: LazyBuffer, axes: tuple[int, ...]) -> int | No
   return parts if parts > 1 else None
 
 
-def cpu_packed_matmul(lazy: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer | None:
-  """A float32 matmul on a CPU with its streamed operand B (one matrix, varying along N and K only) read from a
-  packed copy (cpu_tiles.cpu_pack_columns): B's column tiles one after another, each tile's panel contiguous in
-  reduce order. The product is summed over (..., M, N/T, T, K) and viewed back as (..., M, N, 1). None: not
-  packed (not a plain matmul, not a host CPU, or cpu_pack_columns declines)."""
-  if lazy.device.startswith("DISK") or (dims := _dense_matmul_dims(lazy, axes)) is None: return None
+def cpu_packed_reduce(lazy: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer | None:
+  """A sum on a host CPU with one factor read from a packed copy: a plain matmul's streamed operand in column tiles
+  (cpu_packed_matmul), another product's factor with the register tile's columns innermost (cpu_packed_gathered).
+  None: not packed. The device is asked first (one lookup), so other devices pay nothing more for each reduce."""
+  if lazy.device.startswith("DISK"): return None
   renderer = Device[lazy.device].renderer
   # only a host CPU's runtime tells its renderer the L2 size (runtime/ops_clang.py, ops_llvm.py)
   if not getattr(renderer, "l2_cache_bytes", 0): return None
+  dims = _dense_matmul_dims(lazy, axes)
+  if dims is not None: return cpu_packed_matmul(lazy, dims, renderer)
+  return cpu_packed_gathered(lazy, axes, renderer)
+
+
+def cpu_packed_matmul(lazy: LazyBuffer, dims: tuple[int, int, int], renderer: Any) -> LazyBuffer | None:
+  """A float32 matmul (`dims`: _dense_matmul_dims) on a host CPU (`renderer`) with its streamed operand B (one
+  matrix, varying along N and K only) read from a packed copy (cpu_tiles.cpu_pack_columns): B's column tiles one
+  after another, each tile's panel contiguous in reduce order. The product is summed over (..., M, N/T, T, K) and
+  viewed back as (..., M, N, 1). None: not packed (cpu_pack_columns declines)."""
   rows, columns, _ = dims
   streamed, other = sorted(lazy.base.srcs, key=lambda src: src.st.views[-1].strides[-2] == 0)
   if any(stride != 0 for stride in streamed.st.views[-1].strides[:-2]): return None
@@ -185,18 +195,15 @@ def cpu_packed_matmul(lazy: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer | N
   return product.reduce(Ops.SUM, (len(tiled) - 1,)).reshape(lazy.shape[:-1] + (1,))
 
 
-def cpu_packed_gathered(lazy: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer | None:
-  """A float32 product summed on a host CPU (a convolution, its input or weight gradient) whose register tile would
-  gather its column vectors from scalar loads, with one factor read from a copy that has the tile's columns
-  innermost (cpu_tiles.cpu_gathered_pack: which factor, which axis). None: not packed."""
-  if lazy.dtype != dtypes.float32 or lazy.device.startswith("DISK") or any(is_symbolic(s) for s in lazy.shape):
-    return None
+def cpu_packed_gathered(lazy: LazyBuffer, axes: tuple[int, ...], renderer: Any) -> LazyBuffer | None:
+  """A float32 product (not a plain matmul: cpu_packed_reduce) summed on a host CPU (`renderer`: a convolution, its
+  input or weight gradient) whose register tile would gather its column vectors from scalar loads, with one factor
+  read from a copy that has the tile's columns innermost (cpu_tiles.cpu_gathered_pack: which factor, which axis).
+  None: not packed."""
+  if lazy.dtype != dtypes.float32 or any(is_symbolic(s) for s in lazy.shape): return None
   base = lazy.base
   if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or len(base.srcs) != 2: return None
-  if base.op is not Ops.MUL or _dense_matmul_dims(lazy, axes) is not None: return None
-  renderer = Device[lazy.device].renderer
-  # only a host CPU's runtime tells its renderer the L2 size (runtime/ops_clang.py, ops_llvm.py)
-  if not getattr(renderer, "l2_cache_bytes", 0): return None
+  if base.op is not Ops.MUL: return None
   # a factor widened on load (autocast's bfloat16) would be packed at float32: twice the bytes the product reads
   packable = [len(src.st.views) == 1 and not (src.base.op is Ops.CAST and src.base.srcs[0].dtype.itemsize < 4)
               for src in base.srcs]
@@ -296,6 +303,11 @@ def _dense_matmul_dims(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[int, in
   return prod(lazy.shape[:-2]), lazy.shape[-2], lazy.shape[-1]
 
 
+# a pure function of the product's shape, reduce axes and operand strides, asked of the same products at every eager
+# step (twice per reduce a GPU builds: the grid split, then the reduce's kind): remembered, bounded
+_tiles_pay_off = functools.lru_cache(maxsize=1 << 12)(register_tiles_pay_off)
+
+
 def _matmul_like_reduce(lazy: LazyBuffer, axes: tuple[int, ...]) -> bool:
   """The reduced value is a product whose register tiles pay off on a GPU (heuristic.register_tiles_pay_off: a
   factor is a matrix operand reused across outputs, none is read whole): a matmul or a convolution's weight
@@ -303,7 +315,11 @@ def _matmul_like_reduce(lazy: LazyBuffer, axes: tuple[int, ...]) -> bool:
   base = lazy.base
   # the axes of the base's sources are this buffer's axes only where this is the base or a plain view of it
   if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or base.op is not Ops.MUL: return False
-  return register_tiles_pay_off(lazy.shape, axes, [src.st.views[-1].strides for src in base.srcs])
+  strides = tuple(src.st.views[-1].strides for src in base.srcs)
+  try:
+    return _tiles_pay_off(lazy.shape, axes, strides)
+  except TypeError:   # an unhashable size: not remembered
+    return register_tiles_pay_off(lazy.shape, axes, strides)
 
 
 def _parts_outermost(split: LazyBuffer, parts_axes: tuple[int, ...],

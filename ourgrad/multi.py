@@ -155,6 +155,10 @@ class MultiLazyBuffer:
   def const_like(self, value: Any, dtype: DType | None = None) -> MultiLazyBuffer:
     return self._map("const_like", value, dtype)
 
+  def operand_like(self, value: Any, dtype: DType | None = None) -> MultiLazyBuffer:
+    """LazyBuffer.operand_like per shard: a constant only read by the op being built."""
+    return self._map("operand_like", value, dtype)
+
   def reduce(self, op: Ops, axes: tuple[int, ...]) -> MultiLazyBuffer:
     """Per shard; when the shard axis is reduced, the partial results are combined by an allreduce (replicated)."""
     partials = [lb.reduce(op, axes) for lb in self.lbs]

@@ -160,15 +160,18 @@ class ElementwiseMixin:
     if type(other) is type(self) and type(mine) is LazyBuffer:
       theirs = other._lazydata
       # two tensors of one shape, dtype and device (most binary ops of a model): nothing to promote or broadcast
-      if type(theirs) is LazyBuffer and theirs.shape == mine.shape and theirs.dtype is mine.dtype and \
-          theirs.device == mine.device:
-        return (other, self) if reverse else (self, other)
+      if type(theirs) is LazyBuffer and theirs.dtype is mine.dtype and theirs.device == mine.device:
+        x, y = (other, self) if reverse else (self, other)
+        if theirs.shape == mine.shape: return x, y
+        # one dtype and device, shapes to broadcast (a bias, a per-row statistic): expand's graph without its checks
+        shape = _broadcast_shape(x.shape, y.shape)
+        return x._broadcast_to(shape), y._broadcast_to(shape)
     if type(other) in _PY_SCALARS and type(mine) is LazyBuffer:
       # a Python scalar (x * 0.9, the learning rates and betas of every step): the constant is made at the tensor's
       # shape at once. The general path below builds the same lazy graph through a Tensor reshape and expand
       dtype = result_dtype(mine.dtype, other)
       x = self if dtype is mine.dtype else self.cast(dtype)
-      constant = type(self)(LazyBuffer.full(other, x.shape, dtype, x.device))
+      constant = type(self)(LazyBuffer.operand_constant(other, x.shape, dtype, x.device))
       return (constant, x) if reverse else (x, constant)
     other_tensor = self._to_tensor(other)
     if other_tensor.device != self.device:
@@ -178,6 +181,13 @@ class ElementwiseMixin:
     dtype = x.dtype if x.dtype == y.dtype else _tensors_dtype(x, y)
     shape = _broadcast_shape(x.shape, y.shape)
     return x.cast(dtype).expand(shape), y.cast(dtype).expand(shape)
+
+  def _broadcast_to(self, shape: tuple[int, ...]) -> Tensor:
+    """This tensor broadcast to `shape`, a shape _broadcast_shape gave for it: the Functions expand(shape) applies
+    (a Reshape where only leading dims are added, else an Expand), without expand's checks of the shape."""
+    if self.shape == shape: return self
+    padded = (1,) * (len(shape) - len(self.shape)) + self.shape
+    return F.Reshape.apply(self, shape=padded) if padded == shape else F.Expand.apply(self, shape=shape)
 
   def _float_operand(self) -> Tensor:
     """Float math on ints and bools promotes to the default float, as in PyTorch."""
@@ -358,7 +368,7 @@ class ElementwiseMixin:
   def __lt__(self, other: Any) -> Tensor: return F.Less.apply(*self._broadcasted(other))
   def __gt__(self, other: Any) -> Tensor: return F.Less.apply(*self._broadcasted(other, reverse=True))
   def __ne__(self, other: Any) -> Tensor: return F.NotEqual.apply(*self._broadcasted(other))  # type: ignore[override]
-  def __eq__(self, other: Any) -> Tensor: return (self != other).logical_not()  # type: ignore[override]
+  def __eq__(self, other: Any) -> Tensor: return F.Equal.apply(*self._broadcasted(other))  # type: ignore[override]
   # not `~(a > b)`: every comparison with NaN is False
   def __le__(self, other: Any) -> Tensor: return (self < other) | (self == other)
   def __ge__(self, other: Any) -> Tensor: return (self > other) | (self == other)
@@ -441,6 +451,8 @@ class ElementwiseMixin:
     """self ? x : y, broadcasting all three (self is the condition)."""
     Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
     cond = self if self.dtype == dtypes.bool else self != 0
+    if type(x) in _PY_SCALARS and isinstance(y, Tensor): return cond._where_scalar(y, x, scalar_first=True)
+    if type(y) in _PY_SCALARS and isinstance(x, Tensor): return cond._where_scalar(x, y, scalar_first=False)
     x_tensor, y_tensor = cond._to_tensor(x), cond._to_tensor(y)
     if isinstance(x, Tensor) and not isinstance(y, Tensor): y_tensor = x_tensor._to_tensor(y)
     if isinstance(y, Tensor) and not isinstance(x, Tensor): x_tensor = y_tensor._to_tensor(x)
@@ -450,6 +462,20 @@ class ElementwiseMixin:
     x_tensor, y_tensor = x_tensor._broadcasted(y_tensor)
     shape = _broadcast_shape(cond.shape, x_tensor.shape)
     return F.Where.apply(cond.expand(shape), x_tensor.expand(shape), y_tensor.expand(shape))
+
+  def _where_scalar(self, tensor: Tensor, scalar: bool | int | float, scalar_first: bool) -> Tensor:
+    """where() of this bool condition between a tensor and a Python number (`mask.where(x, 0)`): the number made at
+    the broadcast shape at once, as a shared operand constant (LazyBuffer.operand_constant) of the dtype the tensor
+    and the number promote to; the same graph as the general path, without a Tensor and an Expand for the number."""
+    Tensor = type(self)  # noqa: N806 (the concrete class; mixins never import it)
+    dtype = result_dtype(tensor.dtype, scalar)
+    if dtype is not tensor.dtype: tensor = tensor.cast(dtype)
+    shape = _broadcast_shape(self.shape, tensor.shape)
+    lazy = tensor._lazydata
+    if type(lazy) is not LazyBuffer: constant = Tensor(scalar, dtype=dtype, device=tensor.device).expand(shape)
+    else: constant = Tensor(LazyBuffer.operand_constant(scalar, shape, dtype, lazy.device))
+    tensor = tensor.expand(shape)
+    return F.Where.apply(self.expand(shape), *((constant, tensor) if scalar_first else (tensor, constant)))
 
   def maximum(self, other: Any) -> Tensor:
     """The larger of self and other elementwise, broadcast and type-promoted."""

@@ -91,7 +91,7 @@ def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: 
     smooth = -log_probs.mean(-1) + (normalizer.squeeze(-1) if normalizer is not None else 0)
     loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
   targets = target.lazydata
-  keep = type(target)(targets.elementwise(Ops.CMPNE, targets.const_like(ignore_index)))
+  keep = type(target)(targets.elementwise(Ops.CMPNE, targets.operand_like(ignore_index)))
   loss = keep.where(loss, 0)
   if reduction == "mean": return loss.sum() / keep.sum().cast(loss.dtype)
   return _reduce(loss, reduction)
@@ -129,14 +129,14 @@ def _picked_logits(logits: Tensor, target: Tensor, one_hot: Tensor) -> Tensor:
   Tensor = type(logits)  # noqa: N806 (the concrete class; mixins never import it)
   rows, classes = logits.shape
   targets = _wide_targets(target)   # (integers: no gradient, so lazy buffers, as _one_hot)
-  in_range = F._not(targets.elementwise(Ops.CMPLT, targets.const_like(0)))   # target >= 0 (integers have no NaN)
-  in_range = in_range.elementwise(Ops.AND, targets.elementwise(Ops.CMPLT, targets.const_like(classes)))
+  in_range = F._not(targets.elementwise(Ops.CMPLT, targets.operand_like(0)))   # target >= 0 (integers have no NaN)
+  in_range = in_range.elementwise(Ops.AND, targets.elementwise(Ops.CMPLT, targets.operand_like(classes)))
   # the target clamped before the offset is computed: row * C + target never wraps (R * C < 2**31), whatever the
   # target's value (a CPU row kernel computes it without -fwrapv, RowLinearizer._lane_nodes)
-  column = F._where(in_range, targets, targets.const_like(0)).cast(dtypes.int32)
+  column = F._where(in_range, targets, targets.operand_like(0)).cast(dtypes.int32)
   row_starts = Tensor.arange(rows, device=logits.device, dtype=dtypes.int32).lazydata
-  flat = F._mul(row_starts, row_starts.const_like(classes)).elementwise(Ops.ADD, column)
-  flat_index = F._where(in_range, flat, flat.const_like(-1))
+  flat = F._mul(row_starts, row_starts.operand_like(classes)).elementwise(Ops.ADD, column)
+  flat_index = F._where(in_range, flat, flat.operand_like(-1))
   return F.PickPerRow.apply(logits, Tensor(flat_index), one_hot.detach())
 
 

@@ -23,7 +23,9 @@ from ourgrad import function as F
 from ourgrad.dtype import DType, dtypes, least_upper_dtype, sum_dtype
 from ourgrad.errors import AxisError, DeviceError, ShapeError
 from ourgrad.helpers import prod
+from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op, store_low_precision
+from ourgrad.ops import Ops
 from ourgrad.tensor_math import _broadcast_shape
 
 if TYPE_CHECKING:
@@ -66,6 +68,24 @@ def _with_indices(method: Callable[..., Any], arg_method: str) -> Callable[..., 
   return values_or_pair
 
 
+def _logsumexp_lazy(source: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
+  """Tensor.logsumexp's formula for a float32/float64 input cut from the graph, on lazy buffers: the very graph the
+  Tensor ops build, op for op, without a Function and a Tensor per op (LogSumExpGrad gives the gradient)."""
+  peak = source.reduce(Ops.MAX_REDUCE, axes)
+  infinite = F._equal(peak, peak.operand_like(math.inf)).elementwise(Ops.OR,
+                                                                     F._equal(peak, peak.operand_like(-math.inf)))
+  peak = infinite.elementwise(Ops.WHERE, peak.operand_like(0), peak)   # (peak.isinf().where(0, peak))
+  shifted = F._sub(source, peak.expand(source.shape))
+  return F._log(F._exp(shifted).reduce(Ops.SUM, axes)).elementwise(Ops.ADD, peak)
+
+
+def _softmax_lazy(source: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
+  """Tensor.softmax's formula for a float32/float64 input cut from the graph, on lazy buffers, op for op; SoftmaxGrad
+  gives the gradient."""
+  exps = F._exp(F._sub(source, source.reduce(Ops.MAX_REDUCE, axes).expand(source.shape)))
+  return F._div(exps, exps.reduce(Ops.SUM, axes).expand(source.shape))
+
+
 class ReduceMixin:
   """Tensor's reductions (sum, max, mean, var, argmax, softmax, cumsum, ...) and linear algebra (matmul, ...)."""
   __slots__ = ()
@@ -83,9 +103,9 @@ class ReduceMixin:
 
   def _reduce(self, function: type[F.Function], axis: int | Sequence[int] | None, keepdim: bool) -> Tensor:
     axes = self._reduce_axes(axis)
-    reduced = function.apply(self, axes=axes)
-    if keepdim: return reduced
-    return reduced.reshape(tuple(size for a, size in enumerate(self.shape) if a not in axes))
+    if keepdim: return function.apply(self, axes=axes)
+    # the reduced dims dropped by the Function itself (F.Sum's `shape`): no Reshape Function after it
+    return function.apply(self, axes=axes, shape=tuple(size for a, size in enumerate(self.shape) if a not in axes))
 
   @autocast_op(CastPolicy.FLOAT32)
   @accepts_dim
@@ -225,9 +245,12 @@ class ReduceMixin:
     # computed from x cut from the graph: the gradient is exp(x - result) * grad (F.LogSumExpGrad), an elementwise
     # kernel reading the saved result, with no reduce (the max is only a shift, and the sum's work is done)
     source = x.detach()
-    peak = source.max(axis, keepdim=True)
-    peak = peak.isinf().where(0, peak)  # all -inf (or an inf) would give nan through x - peak
-    total = (source - peak).exp().sum(axis, keepdim=True).log() + peak
+    if type(source._lazydata) is LazyBuffer and source.dtype in (dtypes.float32, dtypes.float64):
+      total = type(self)(_logsumexp_lazy(source.lazydata, self._reduce_axes(axis)))   # (the formula below)
+    else:
+      peak = source.max(axis, keepdim=True)
+      peak = peak.isinf().where(0, peak)  # all -inf (or an inf) would give nan through x - peak
+      total = (source - peak).exp().sum(axis, keepdim=True).log() + peak
     if x.requires_grad: total = F.LogSumExpGrad.apply(x, total)
     return total if keepdim else total.reshape(tuple(s for a, s in enumerate(self.shape)
                                                      if a not in self._reduce_axes(axis)))
@@ -247,8 +270,11 @@ class ReduceMixin:
       # a computed input (attention's scores) is stored in its own dtype, not as the float32 the rows read
       store_low_precision(x.lazydata)
       source = source.float()
-    exps = (source - source.max(axis, keepdim=True)).exp()
-    probs = (exps / exps.sum(axis, keepdim=True)).cast(x.dtype)
+    if type(source._lazydata) is LazyBuffer:   # (the formula below, op for op, on lazy buffers)
+      probs = type(self)(_softmax_lazy(source.lazydata, self._reduce_axes(axis)).cast(x.dtype))
+    else:
+      exps = (source - source.max(axis, keepdim=True)).exp()
+      probs = (exps / exps.sum(axis, keepdim=True)).cast(x.dtype)
     return F.SoftmaxGrad.apply(x, probs, axis=self._axis(axis)) if x.requires_grad else probs
 
   @autocast_op(CastPolicy.FLOAT32)

@@ -183,7 +183,8 @@ class ShapeTracker:
     """The identity tracker of a contiguous buffer of this shape."""
     return _identity_tracker(shape if type(shape) is tuple else tuple(shape))   # (every new lazy base asks)
 
-  @property
+  # shape and contiguous are asked of the same (interned) trackers at every op built: plain attributes after the first
+  @functools.cached_property
   def shape(self) -> tuple[int, ...]: return self.views[-1].shape
 
   @property
@@ -192,7 +193,7 @@ class ShapeTracker:
   @property
   def ndim(self) -> int: return len(self.shape)
 
-  @property
+  @functools.cached_property
   def contiguous(self) -> bool:
     """True when the tracker is the identity on its buffer (one contiguous view)."""
     return len(self.views) == 1 and self.views[0].contiguous
