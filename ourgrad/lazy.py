@@ -23,6 +23,7 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
+from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import cpu_packed_gathered, cpu_packed_matmul, split_large_reduce
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
@@ -80,7 +81,7 @@ class LazyBuffer:
   # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
   # allocate and for the cyclic garbage collector to visit (a view sets only the first six)
   __slots__ = ("device", "st", "dtype", "shape", "_base", "_const", "op", "arg", "srcs", "realized", "forced_realize",
-               "_readers", "_readers_pruned_at", "_storage", "__weakref__")
+               "_readers", "_readers_pruned_at", "_storage", "_trace_index", "__weakref__")
 
   def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
                srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
@@ -102,7 +103,10 @@ class LazyBuffer:
       # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding
       # this base or a view of it read its newest version (`current`), computed readers keep this one
       self._storage: Storage | None = None
-      if srcs: _add_reader_to_sources(self, srcs)
+      self._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
+      if srcs:
+        _add_reader_to_sources(self, srcs)
+        lazy_trace.record(self)
 
   # ---------------------------------------------------------------- construction
 
@@ -310,6 +314,7 @@ class LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""
     # a base, or a plain reshape of one, already is row-major data: realize the base, no copy
     if self.is_base or (self.st.contiguous and self.size == self.base.size):
+      if not self.base.forced_realize: lazy_trace.note_forced(self.base)
       self.base.forced_realize = True
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))

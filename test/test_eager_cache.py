@@ -224,3 +224,68 @@ def test_a_cleared_kernel_cache_is_not_bypassed_by_a_replayed_schedule():
   realize._runner_cache.clear()
   np.testing.assert_array_equal((x * 3 + 1).numpy(), np.arange(4, dtype=np.float32) * 3 + 1)
   assert len(realize._runner_cache) >= 1   # lowered (and compiled) again through the kernel cache
+
+
+# ---------------------------------------------------------------- the creation trace (ourgrad/lazy_trace.py)
+
+def test_graphs_changed_between_building_and_realizing_never_reuse_a_traced_schedule():
+  """A schedule found by the creation trace (no graph walk) is the one the graph needs as it is when realized: random
+  steps build the same graph, and between building and realizing it realize a part of it, force a part into memory
+  (contiguous() after its readers were made), overwrite its leaf in place (its lazy readers keep the old values),
+  read a lazy value kept from an earlier step (made before the trace started) or a remembered lazy graph of
+  constants, or swap the leaf for a new buffer; every result against numpy."""
+  rng = np.random.default_rng(15)
+  a_values, b_values = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+  a, b = Tensor(a_values).realize(), Tensor(b_values).realize()
+  constants = Tensor.full((3,), 1.5).pad(((0, 3),)) + Tensor.full((6,), 0.5)   # never realized: kept lazy
+  constants_values = np.array([2, 2, 2, 0.5, 0.5, 0.5], np.float32)
+  kept, kept_values = None, None
+  traced_before = schedule_cache.stats.traced_hits
+  for _ in range(160):
+    event = rng.choice(["none", "none", "part", "force", "assign", "kept", "constants", "leaf", "keep"])
+    if event == "leaf":
+      a_values = rng.standard_normal(6).astype(np.float32)
+      a = Tensor(a_values).realize()
+    scale = float(rng.choice([1.5, 2.0]))
+    shared, shared_values = a * scale, a_values * np.float32(scale)
+    if event == "kept" and kept is not None: shared, shared_values = shared + kept, shared_values + kept_values
+    result = (shared - b).maximum(shared * 0.5) + shared.sum()
+    expected = np.maximum(shared_values - b_values, shared_values * np.float32(0.5)) + shared_values.sum()
+    if event == "constants": result, expected = result * constants, expected * constants_values
+    if event == "part": shared.realize()
+    elif event == "force": shared.contiguous()
+    elif event == "assign":
+      a_values = rng.standard_normal(6).astype(np.float32)
+      a.assign(Tensor(a_values)).realize()
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-5, atol=1e-6)
+    if event == "keep": kept, kept_values = a * 3 + b, a_values * np.float32(3) + b_values
+  assert schedule_cache.stats.traced_hits - traced_before >= 40   # the trace was in play, not bypassed
+
+
+def test_traced_wirings_and_eager_steps_use_the_trace():
+  """The graphs of test_graphs_differing_only_in_their_sources_never_share_a_schedule and an eager training step
+  are found by their creation trace from the second time on (what the checks above and below test through)."""
+  a, b = Tensor(np.ones(5, np.float32)).realize(), Tensor(np.ones(5, np.float32)).realize()
+  for ours, _ in WIRINGS:
+    ours(a, b).realize()
+    before = schedule_cache.stats.traced_hits
+    ours(a, b).realize()
+    assert schedule_cache.stats.traced_hits == before + 1
+  _, step = _training(True, "adam")
+  x, y = Tensor(np.ones((6, 12), np.float32)).realize(), Tensor(np.zeros(6, np.int32)).realize()
+  for _ in range(2): step(x, y)
+  before = schedule_cache.stats.traced_hits
+  for _ in range(3): step(x, y)
+  assert schedule_cache.stats.traced_hits - before == 3
+
+
+def test_the_trace_keeps_no_base_alive_past_a_realize():
+  """Bases made and dropped before a realize are freed by it (the trace held them until then): their lazy readers
+  must not look alive to the copy-on-write of a later assign."""
+  import weakref
+  a = Tensor(np.ones(4, np.float32)).realize()
+  dropped = a * 5
+  reference = weakref.ref(dropped.lazydata)
+  del dropped
+  (a + 1).realize()
+  assert reference() is None
