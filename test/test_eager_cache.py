@@ -258,6 +258,7 @@ def test_graphs_changed_between_building_and_realizing_never_reuse_a_traced_sche
       a_values = rng.standard_normal(6).astype(np.float32)
       a.assign(Tensor(a_values)).realize()
     np.testing.assert_allclose(result.numpy(), expected, rtol=1e-5, atol=1e-6)
+    if event == "force": assert shared.lazydata.base.realized is not None   # in memory as asked, not fused
     if event == "keep": kept, kept_values = a * 3 + b, a_values * np.float32(3) + b_values
   assert schedule_cache.stats.traced_hits - traced_before >= 40   # the trace was in play, not bypassed
 
@@ -271,6 +272,14 @@ def test_traced_wirings_and_eager_steps_use_the_trace():
     before = schedule_cache.stats.traced_hits
     ours(a, b).realize()
     assert schedule_cache.stats.traced_hits == before + 1
+  # a remembered lazy graph of constants, made before the trace started (as max pooling's window ranks): written into
+  # the trace when a traced base first reads it
+  constants = Tensor.full((3,), 1.5).pad(((0, 3),)) + Tensor.full((6,), 0.5)
+  x = Tensor(np.ones(6, np.float32)).realize()
+  (x * constants).realize()
+  before = schedule_cache.stats.traced_hits
+  np.testing.assert_array_equal((x * constants).numpy(), [2, 2, 2, 0.5, 0.5, 0.5])
+  assert schedule_cache.stats.traced_hits == before + 1
   _, step = _training(True, "adam")
   x, y = Tensor(np.ones((6, 12), np.float32)).realize(), Tensor(np.zeros(6, np.int32)).realize()
   for _ in range(2): step(x, y)
