@@ -15,7 +15,7 @@ as the schedule cache's graph walk does, because the graph below the outputs is 
 - a source that is an unrealized base made before the trace started (a remembered constant graph, a graph kept
   across a realize) is written down, with the unrealized graph below it, when the first traced base reads it;
 - whatever changes a base after it was made (the scheduler marking bases realized or dropping their sources, a
-  snapshot redirecting a reader) calls `invalidate`, which ends the trace (a generation counter); `contiguous()`
+  snapshot redirecting a reader) calls `invalidate`, which ends the trace; `contiguous()`
   of a traced base adds a token, of a constant (which traced bases may have read inlined) taints the trace;
 - a realize whose outputs are not all bases of the trace (or of a tainted one) walks its graph as before.
 The trace holds its bases (and through them their sources) until the next schedule takes it (`take`); `MAX_TRACED`
@@ -42,10 +42,10 @@ _CONST = Ops.CONST
 
 class Trace:
   """The bases made since the last schedule, and the tokens describing them (see the module docstring)."""
-  __slots__ = ("generation", "bases", "tokens", "leaves", "leaf_index", "tainted")
+  __slots__ = ("thread", "bases", "tokens", "leaves", "leaf_index", "tainted")
 
-  def __init__(self, generation: int):
-    self.generation = generation
+  def __init__(self) -> None:
+    self.thread = threading.get_ident()
     self.bases: list[LazyBuffer] = []
     self.tokens: list[Any] = []
     self.leaves: list[Any] = []            # distinct realized Buffers read by traced bases, in first-read order
@@ -59,22 +59,21 @@ class Trace:
 
 
 # One trace for the process, not one per thread: a base's position (LazyBuffer._trace_index) is then unambiguous.
-# Graphs that threads build at once interleave in it (their realizes then miss it and walk their graphs).
-_LOCK = threading.Lock()
-_trace: list[Trace | None] = [None]
-_generation = [0]
+# It belongs to the thread that started it: a base another thread makes taints it (no lock on this path, which
+# every op takes; graphs built by two threads at once walk their graphs when realized).
+_trace: list[Trace | None] = [None]   # None: none started since the last schedule
+_get_ident = threading.get_ident
 
 
 def invalidate() -> None:
   """End the trace: bases may have changed after they were made (a schedule, a redirected reader)."""
-  _generation[0] += 1
+  _trace[0] = None
 
 
 def take() -> Trace | None:
-  """The trace if it is still valid and untainted (else None); a new one starts either way."""
-  with _LOCK:
-    trace, _trace[0] = _trace[0], None
-  if trace is None or trace.generation != _generation[0] or trace.tainted: return None
+  """The trace if it is untainted (else None); a new one starts with the next base made."""
+  trace, _trace[0] = _trace[0], None
+  if trace is None or trace.tainted or trace.thread != _get_ident(): return None
   return trace
 
 
@@ -90,27 +89,51 @@ def hashable_arg(arg: Any) -> Any:
   return arg
 
 
-def _current() -> Trace:
-  trace = _trace[0]
-  if trace is None or trace.generation != _generation[0]: trace = _trace[0] = Trace(_generation[0])
-  return trace
-
-
 def record(base: LazyBuffer) -> None:
   """Write down a new base with sources in the trace (its position in `base._trace_index`). A source that is an
   unrealized base made before the trace started (a remembered constant graph, a graph kept across a realize) is
-  written down first, with the unrealized graph below it, as it is now."""
-  with _LOCK:
-    trace = _current()
-    if trace.tainted: return
-    if len(trace.bases) >= MAX_TRACED:
-      _drop(trace)
+  written down first, with the unrealized graph below it, as it is now. (Every op made runs this: one loop, no calls
+  on the common path.)"""
+  trace = _trace[0]
+  if trace is None: trace = _trace[0] = Trace()
+  if trace.tainted: return
+  bases, tokens = trace.bases, trace.tokens
+  count = len(bases)
+  if count >= MAX_TRACED or trace.thread != _get_ident():
+    _drop(trace)
+    return
+  start, leaves = len(tokens), len(trace.leaves)
+  arg, srcs = base.arg, base.srcs
+  tokens.extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
+                 base.dtype, base.device, base.shape, len(srcs)))
+  for src in srcs:
+    src_base = src if src._base is None else src._base
+    index = src_base._trace_index
+    if 0 <= index < count and bases[index] is src_base:
+      tokens.extend((index, src.st))
+      continue
+    buffer = src_base.realized
+    if buffer is not None:
+      leaf = trace.leaf_index.get(id(buffer))
+      if leaf is None:
+        leaf = trace.leaf_index[id(buffer)] = len(trace.leaves)
+        trace.leaves.append(buffer)
+        tokens.extend((_LEAF, leaf, src.st, src_base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
+      else:
+        tokens.extend((_LEAF, leaf, src.st, src_base.shape))
+    elif src_base.op is _CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
+      arg = src_base.arg
+      tokens.extend((_INLINE, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else
+                     hashable_arg(arg), src_base.dtype, src_base.device, src_base.shape, src.st))
+    else:   # a lazy base made before the trace: written in first, then this base again from its start
+      del tokens[start:]
+      for buffer in trace.leaves[leaves:]: del trace.leaf_index[id(buffer)]
+      del trace.leaves[leaves:]
+      _import(trace, src_base)
+      record(base)
       return
-    for src in base.srcs:
-      src_base = src if src._base is None else src._base
-      if src_base.realized is None and trace.position(src_base) < 0 and not _inlined(src_base):
-        _import(trace, src_base)
-    _write(trace, base)
+  base._trace_index = count
+  bases.append(base)
 
 
 def _inlined(base: LazyBuffer) -> bool:
@@ -125,10 +148,10 @@ def _import(trace: Trace, root: LazyBuffer) -> None:
   stack: list[tuple[LazyBuffer, bool]] = [(root, False)]
   while stack:
     base, sources_done = stack.pop()
-    if trace.position(base) >= 0: continue
+    if trace.position(base) >= 0 or trace.tainted: continue
     if sources_done:
-      _write(trace, base)
-      if base.forced_realize: trace.tokens.extend((_FORCED, base._trace_index))
+      record(base)
+      if base.forced_realize and not trace.tainted: trace.tokens.extend((_FORCED, base._trace_index))
       continue
     stack.append((base, True))
     for src in base.srcs:
@@ -137,47 +160,16 @@ def _import(trace: Trace, root: LazyBuffer) -> None:
         stack.append((src_base, False))
 
 
-def _write(trace: Trace, base: LazyBuffer) -> None:
-  """Append `base`'s tokens (every unrealized, not inlined source of it in the trace already) and the base."""
-  bases, tokens = trace.bases, trace.tokens
-  arg, srcs = base.arg, base.srcs
-  tokens.extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
-                 base.dtype, base.device, base.shape, len(srcs)))
-  count = len(bases)
-  for src in srcs:
-    src_base = src if src._base is None else src._base
-    index = src_base._trace_index
-    if 0 <= index < count and bases[index] is src_base:
-      tokens.append(index)
-      tokens.append(src.st)
-      continue
-    buffer = src_base.realized
-    if buffer is not None:
-      leaf = trace.leaf_index.get(id(buffer))
-      if leaf is None:
-        leaf = trace.leaf_index[id(buffer)] = len(trace.leaves)
-        trace.leaves.append(buffer)
-        tokens.extend((_LEAF, leaf, src.st, src_base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
-      else:
-        tokens.extend((_LEAF, leaf, src.st, src_base.shape))
-    else:   # a constant only read (_inlined)
-      arg = src_base.arg
-      tokens.extend((_INLINE, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else
-                     hashable_arg(arg), src_base.dtype, src_base.device, src_base.shape, src.st))
-  base._trace_index = count
-  bases.append(base)
-
-
 def note_forced(base: LazyBuffer) -> None:
   """`base` must now be realized even where it could be fused (contiguous()): a token for a traced base. A constant
   that traced bases may read inlined changes meaning: the trace is tainted."""
-  with _LOCK:
-    trace = _trace[0]
-    if trace is None or trace.generation != _generation[0] or trace.tainted or base.realized is not None: return
-    index = trace.position(base)
-    if index >= 0: trace.tokens.extend((_FORCED, index))
-    elif _inlined(base): _drop(trace)
-    # (any other base is not traced: a traced base reading it imported it, and will import it again)
+  trace = _trace[0]
+  if trace is None or trace.tainted or base.realized is not None: return
+  index = trace.position(base)
+  if trace.thread != _get_ident(): _drop(trace)
+  elif index >= 0: trace.tokens.extend((_FORCED, index))
+  elif _inlined(base): _drop(trace)
+  # (any other base is not traced: a traced base reading it imported it, and will import it again)
 
 
 def _drop(trace: Trace) -> None:

@@ -60,7 +60,9 @@ def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   of a buffer that an assign in it overwrites, and that outlive it, keep the old contents (engine/snapshot.py)."""
   schedule, assigns = build_schedule(outs)
   # after build_schedule returned, the graph it fused is alive only where someone else holds it
-  return protect_and_pack(schedule, assigns) if assigns else schedule
+  schedule = protect_and_pack(schedule, assigns) if assigns else schedule
+  lazy_trace.invalidate()   # the bases it made (staged operands, snapshots) are no part of what is built next
+  return schedule
 
 
 def protect_and_pack(schedule: list[ScheduleItem], assigns: list[tuple[LazyBuffer, LazyBuffer]]) -> list[ScheduleItem]:

@@ -49,8 +49,8 @@ class _Key:
   twice (get, then move_to_end with the stored key object, which compares by identity)."""
   __slots__ = ("tokens", "hash")
 
-  def __init__(self, tokens: tuple):
-    self.tokens, self.hash = tokens, hash(tokens)
+  def __init__(self, tokens: tuple, hash_value: int | None = None):
+    self.tokens, self.hash = tokens, hash(tokens) if hash_value is None else hash_value
 
   def __hash__(self) -> int: return self.hash
 
@@ -191,7 +191,14 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   else:
     return []   # nothing to compute: the trace goes on (no base changes)
   trace = lazy_trace.take()
-  lazy_trace.invalidate()   # this schedule changes bases (realized, sources dropped): every trace ends here
+  try:
+    return _schedule(outs, trace)
+  finally:
+    # the bases scheduling made (staged operands, snapshots) are no part of what the caller builds next
+    lazy_trace.invalidate()
+
+
+def _schedule(outs: Sequence[LazyBuffer], trace: lazy_trace.Trace | None) -> list[ScheduleItem]:
   # the scheduler's functions are looked up at each call, so tools that wrap them (benchmarks, tests) see misses
   # GRAPH=1 draws each graph as the scheduler walks it, so it schedules every realize from scratch
   settings = _SETTINGS.values()
@@ -251,7 +258,11 @@ def _trace_key(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings: tu
     if index < 0: return None
     references.append(index)
     references.append(out.st)
-  return _Key((tuple(trace.tokens), tuple(references), settings, tf32_allowed()))
+  tokens = tuple(trace.tokens)
+  # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__): keys
+  # that share those are told apart by comparing their tokens, which a hit does once anyway
+  described = (tuple(references), settings, tf32_allowed())
+  return _Key((tokens, described), hash((len(tokens), described)))
 
 
 def _in_trace_terms(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer],
