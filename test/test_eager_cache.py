@@ -298,3 +298,31 @@ def test_the_trace_keeps_no_base_alive_past_a_realize():
   del dropped
   (a + 1).realize()
   assert reference() is None
+
+
+def test_a_dropped_reader_costs_no_snapshot_though_the_trace_held_it(monkeypatch):
+  """The trace holds every base made since the last schedule; the schedule lets go of it before the copy-on-write
+  decisions of an assign, so a lazy reader the user dropped does not look alive there (it would cost a snapshot
+  copy); and a training step launches the kernels it launches with no trace at all."""
+  from ourgrad import lazy_trace
+  from ourgrad.helpers import GlobalCounters
+  w = Tensor(np.ones(8, np.float32)).realize()
+  dropped = w * 2
+  del dropped
+  GlobalCounters.reset()
+  w.assign(w + 1).realize()
+  assert GlobalCounters.kernel_count == 1
+  np.testing.assert_array_equal(w.numpy(), np.full(8, 2, np.float32))
+
+  def kernels_per_step() -> list[int]:
+    _, step = _training(False, "adam")
+    x, y = Tensor(np.ones((6, 12), np.float32)).realize(), Tensor(np.zeros(6, np.int32)).realize()
+    counts = []
+    for _ in range(3):
+      GlobalCounters.reset()
+      step(x, y)
+      counts.append(GlobalCounters.kernel_count)
+    return counts
+  traced = kernels_per_step()
+  monkeypatch.setattr(lazy_trace, "record", lambda base: None)   # nothing traced: every realize walks its graph
+  assert traced == kernels_per_step()

@@ -190,19 +190,21 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
     if (out if out._base is None else out._base).realized is None: break
   else:
     return []   # nothing to compute: the trace goes on (no base changes)
-  trace = lazy_trace.take()
   try:
-    return _schedule(outs, trace)
+    return _schedule(outs)
   finally:
     # the bases scheduling made (staged operands, snapshots) are no part of what the caller builds next
     lazy_trace.invalidate()
 
 
-def _schedule(outs: Sequence[LazyBuffer], trace: lazy_trace.Trace | None) -> list[ScheduleItem]:
+def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
+  # (the trace is this frame's alone: it holds every base made since the last schedule, and is let go of below before
+  # the copy-on-write decisions, which must see only the readers someone else holds)
   # the scheduler's functions are looked up at each call, so tools that wrap them (benchmarks, tests) see misses
   # GRAPH=1 draws each graph as the scheduler walks it, so it schedules every realize from scratch
   settings = _SETTINGS.values()
   if not settings[0] or settings[1]: return scheduler.create_schedule(outs)
+  trace = lazy_trace.take()
   trace_key = _trace_key(trace, outs, settings) if trace is not None else None
   if trace_key is not None:
     traced = _traced.get(trace_key)
