@@ -9,6 +9,10 @@ keys mean the scheduler would make the same decisions and the same kernel ASTs; 
 the cached items are rebound to this graph's leaf buffers and to fresh buffers for what it realizes, and the bases
 are marked realized as create_schedule does; each item keeps its lowering and ExecItem from one replay to the next
 (schedule_item.LoweringMemo, engine/realize.py).
+
+A realize whose graph was all made since the last schedule skips the walk: the creation trace (ourgrad/lazy_trace.py)
+wrote the same facts down as each base was made, so the trace's tokens and the outputs' positions in it are the key
+(`_traced`, each entry the walk's schedule in the trace's positions: `_in_trace_terms`).
 """
 from __future__ import annotations
 
