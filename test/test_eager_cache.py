@@ -43,7 +43,7 @@ def _second_device() -> str:
 def test_randomized_changes_never_reuse_a_stale_schedule():
   rng = np.random.default_rng(26)
   devices = [Device.DEFAULT, _second_device()]
-  hits_before = schedule_cache.stats.hits
+  hits_before, traced_before = schedule_cache.stats.hits, schedule_cache.stats.traced_hits
   inputs = {}   # (device, dtype) -> the realized input tensor now in use
   expression_index, constant, dtype, device = 0, 2, dtypes.float32, devices[0]
   for _ in range(120):
@@ -65,6 +65,7 @@ def test_randomized_changes_never_reuse_a_stale_schedule():
     assert result.device == device   # (a sum of int32 is int64, as in PyTorch: values are compared below)
     np.testing.assert_array_equal(result.numpy(), _reference(theirs, x.numpy(), constant, dtype))
   assert schedule_cache.stats.hits - hits_before >= 20   # the cache was in play, not bypassed
+  assert schedule_cache.stats.traced_hits - traced_before >= 20   # found by the creation trace (lazy_trace.py)
 
 
 def test_constants_of_either_zero_sign_are_different_schedules():
@@ -72,6 +73,17 @@ def test_constants_of_either_zero_sign_are_different_schedules():
   for _ in range(2):
     np.testing.assert_array_equal(np.signbit((x * 0.0).numpy()), np.signbit(np.array([-0.0, 0.0, 1.0]) * 0.0))
     np.testing.assert_array_equal(np.signbit((x * -0.0).numpy()), np.signbit(np.array([-0.0, 0.0, 1.0]) * -0.0))
+
+
+def test_a_leaf_of_another_dtype_or_size_read_the_same_way_is_another_schedule():
+  """Only the leaf differs (its dtype behind a cast to one dtype; its size behind one view): the key has each leaf's
+  dtype and size, the walk's and the creation trace's alike."""
+  rng = np.random.default_rng(7)
+  for index in rng.permutation(np.repeat(np.arange(4), 3)):
+    np_dtype = (np.float32, np.float16)[index % 2]
+    values = (np.arange(12 if index >= 2 else 6) * 1.5).astype(np_dtype)
+    x = Tensor(values).realize()
+    np.testing.assert_array_equal((x[:6].cast(dtypes.int32) + 1).numpy(), values[:6].astype(np.int32) + 1)
 
 
 def _shared(a: Tensor, b: Tensor, combine):
