@@ -54,7 +54,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this che
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_jit import MLP, load_mnist_example, ourgrad_step, torch_mlp, torch_mnist  # noqa: E402
 
-from ourgrad import Device, Tensor, TinyJit  # noqa: E402
+from ourgrad import Device, Tensor, TinyJit, get_float32_matmul_precision, set_float32_matmul_precision  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
 from ourgrad.helpers import GC_FREEZE_IMPORT  # noqa: E402
 
@@ -167,10 +167,12 @@ def training_step(make_model: Callable[[], Any], shape: tuple[int, ...]) -> Call
 
 
 def gpt2_step(jit: bool) -> Callable[[str, int], Callable[[], Any]]:
-  """A GPT-2 training step (loss, backward, AdamW) on a fixed batch of random tokens, eager or under TinyJit."""
+  """A GPT-2 training step (loss, backward, AdamW) on a fixed batch of random tokens, eager or under TinyJit; TF32
+  matmuls allowed, as bench_gpt2.py runs it by default."""
   def make(device: str, batch: int) -> Callable[[], Any]:
     from bench_gpt2 import CPU_CONFIG, BenchConfig
     from extra.models.gpt2 import GPT2, configure_optimizers, training_step
+    set_float32_matmul_precision("high")
     config = BenchConfig.parse("8,512,768,12,2,50304" if device == "CUDA" else CPU_CONFIG)
     model = GPT2(config.model)
     rng = np.random.default_rng(0)
@@ -185,8 +187,9 @@ def gpt2_step(jit: bool) -> Callable[[str, int], Callable[[], Any]]:
 
 def prefill_step(jit: bool) -> Callable[[str, int], Callable[[], Any]]:
   """SmolLM2's prefill of one prompt from position 0 (random weights of the real shapes), eager or under the model's
-  own TinyJit (Llama(..., jit=True))."""
+  own TinyJit (Llama(..., jit=True)); full float32 matmuls, as bench_models.py runs it."""
   def make(device: str, batch: int) -> Callable[[], Any]:
+    set_float32_matmul_precision("highest")
     from bench_models import SMOLLM2_135M, random_llama_weights
     from extra.models.llama import Llama
     cuda = device == "CUDA"
@@ -341,7 +344,9 @@ def main() -> None:
   for name in args.only.split(","):
     label, make, batch, calls = workloads[name]
     batch = args.batch or batch if name in ("mlp", "cnn") else batch
+    precision = get_float32_matmul_precision()   # (the large-graph workloads set their own: restored after each)
     result = bench(name, make, device, batch, args.calls or calls, args, jitted.get(name))
+    set_float32_matmul_precision(precision)
     print_result(name, label + (f", batch {batch}" if name in ("mlp", "cnn") else ""), result)
 
 
