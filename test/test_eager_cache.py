@@ -338,3 +338,26 @@ def test_a_dropped_reader_costs_no_snapshot_though_the_trace_held_it(monkeypatch
   traced = kernels_per_step()
   monkeypatch.setattr(lazy_trace, "record", lambda base: None)   # nothing traced: every realize walks its graph
   assert traced == kernels_per_step()
+
+
+def test_graphs_built_by_two_threads_at_once_are_right():
+  """The trace belongs to the thread that started it: graphs two threads build at once taint it and walk their graph
+  when realized (never a schedule keyed by the other thread's bases)."""
+  import threading
+  errors: list[BaseException] = []
+
+  def work(seed: int) -> None:
+    try:
+      rng = np.random.default_rng(seed)
+      for _ in range(30):
+        values = rng.standard_normal(5).astype(np.float32)
+        x = Tensor(values).realize()
+        scale = float(rng.integers(1, 4))
+        np.testing.assert_allclose(((x * scale + 1) * x).numpy(), (values * np.float32(scale) + 1) * values, atol=1e-6,
+                                   rtol=1e-5)
+    except BaseException as error:   # noqa: BLE001 (re-raised in the main thread)
+      errors.append(error)
+  threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+  for thread in threads: thread.start()
+  for thread in threads: thread.join()
+  assert not errors, errors
