@@ -353,8 +353,8 @@ def test_graphs_built_by_two_threads_at_once_are_right():
         values = rng.standard_normal(5).astype(np.float32)
         x = Tensor(values).realize()
         scale = float(rng.integers(1, 4))
-        np.testing.assert_allclose(((x * scale + 1) * x).numpy(), (values * np.float32(scale) + 1) * values, atol=1e-6,
-                                   rtol=1e-5)
+        expected = (values * np.float32(scale) + 1) * values
+        np.testing.assert_allclose(((x * scale + 1) * x).numpy(), expected, rtol=1e-5, atol=1e-6)
     except BaseException as error:   # noqa: BLE001 (re-raised in the main thread)
       errors.append(error)
   threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
