@@ -314,7 +314,6 @@ class LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""
     # a base, or a plain reshape of one, already is row-major data: realize the base, no copy
     if self.is_base or (self.st.contiguous and self.size == self.base.size):
-      if not self.base.forced_realize: lazy_trace.note_forced(self.base)
       self.base.forced_realize = True
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))

@@ -1,30 +1,27 @@
-"""The creation trace: every lazy base made between two schedules, written down as it is made, so that a realize of
-a graph built the same way as an earlier one finds that one's schedule without walking the graph
-(engine/schedule_cache.py; issue 26).
+"""The creation trace: the list of lazy bases made since the last schedule, in creation order, so that a realize
+finds its graph's schedule (engine/schedule_cache.py) without walking the graph (issue 26).
 
-A `Trace` holds, in creation order, the bases with sources made since the last schedule (`bases`; each base knows
-its position, `LazyBuffer._trace_index`), and one flat list of tokens describing them: per base its op, arg, dtype,
-device, shape and source count, then per source a reference: a traced base's position and the view; `_LEAF`, the
-position of the source's realized buffer among the trace's distinct leaf buffers (`leaves`; its device, size, dtype,
-type at its first read) and the view and the base's shape; or `_INLINE` and a constant's value, dtype, device, shape
-and view (a constant base has no sources and is not traced: the scheduler writes its value into each kernel that
-reads it). `_FORCED` and a position note a later `contiguous()` of a traced base.
+Making a base with sources costs one append here (`record`: the base and its position, `LazyBuffer._trace_index`).
+A realize whose outputs are bases of the trace describes the trace in one pass over that list (`describe`): per base
+its op, arg, dtype, device, shape, forced-realize flag and source count, then per source a reference: `_LEAF`, the
+position of the source's realized buffer among the distinct buffers read (`Trace.leaves`; its device, size, dtype
+and type at its first read), the view and the base's shape; `_INLINE` and a constant's value, dtype, device, shape
+and view (a constant base has no sources and is not traced: the scheduler writes its value into each kernel reading
+it); or a traced base's position and the view. A source that is an unrealized base made before the trace (a
+remembered constant graph such as max pooling's window ranks, a value kept across a realize) is appended to the
+trace there and described in turn. The description is of the bases as they are at the realize, as the walk's key
+is: the list holds every unrealized base below the outputs, sources referenced by position, so equal descriptions
+mean the scheduler makes the same decisions, as equal walk keys do. Each base's position is checked in the pass
+(two threads appending at once make the trace inconsistent: that realize then walks its graph).
 
-The trace's tokens and the positions and views of a realize's outputs determine every decision the scheduler makes,
-as the schedule cache's graph walk does, because the graph below the outputs is all in the trace as it is now:
-- a source that is an unrealized base made before the trace started (a remembered constant graph, a graph kept
-  across a realize) is written down, with the unrealized graph below it, when the first traced base reads it;
-- whatever changes a base after it was made (the scheduler marking bases realized or dropping their sources, a
-  snapshot redirecting a reader) calls `invalidate`, which ends the trace; `contiguous()`
-  of a traced base adds a token, of a constant (which traced bases may have read inlined) taints the trace;
-- a realize whose outputs are not all bases of the trace (or of a tainted one) walks its graph as before.
-The trace holds its bases (and through them their sources) until the next schedule takes it (`take`); `MAX_TRACED`
-bounds it for a long run of graph building without a realize (then it is dropped and tainted until then).
+The trace holds its bases (and through them their sources) until the next schedule takes it (`take`), which lets go
+of it before the copy-on-write decisions of assigns; bases a schedule itself makes go to a trace it drops
+(`invalidate`). `MAX_TRACED` bounds it for a long run of graph building without a realize (then it is dropped and
+tainted until the next schedule).
 """
 from __future__ import annotations
 
 import math
-import threading
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.ops import Ops
@@ -35,22 +32,21 @@ if TYPE_CHECKING:
 MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tainted) until the next schedule
 _LEAF = "leaf buffer"
 _INLINE = "inline constant"
-_FORCED = "forced realize"
 _PLAIN_ARG_TYPES = (type(None), int, bool, str)
 _CONST = Ops.CONST
 
 
 class Trace:
-  """The bases made since the last schedule, and the tokens describing them (see the module docstring)."""
-  __slots__ = ("thread", "bases", "tokens", "leaves", "leaf_index", "tainted")
+  """The bases made since the last schedule, in creation order; after `describe`, its tokens and the distinct
+  realized buffers they read."""
+  __slots__ = ("bases", "tainted", "tokens", "leaves", "leaf_index")
 
   def __init__(self) -> None:
-    self.thread = threading.get_ident()
     self.bases: list[LazyBuffer] = []
-    self.tokens: list[Any] = []
-    self.leaves: list[Any] = []            # distinct realized Buffers read by traced bases, in first-read order
-    self.leaf_index: dict[int, int] = {}   # id(Buffer) -> position in leaves
     self.tainted = False
+    self.tokens: list[Any] = []
+    self.leaves: list[Any] = []            # distinct realized Buffers read, in first-read order (describe)
+    self.leaf_index: dict[int, int] = {}   # id(Buffer) -> position in leaves
 
   def position(self, base: LazyBuffer) -> int:
     """The position of `base` in this trace, -1 if it is not traced here."""
@@ -58,23 +54,30 @@ class Trace:
     return index if 0 <= index < len(self.bases) and self.bases[index] is base else -1
 
 
-# One trace for the process, not one per thread: a base's position (LazyBuffer._trace_index) is then unambiguous.
-# It belongs to the thread that started it: a base another thread makes taints it (no lock on this path, which
-# every op takes; graphs built by two threads at once walk their graphs when realized).
-_trace: list[Trace | None] = [None]   # None: none started since the last schedule
-_get_ident = threading.get_ident
+_trace: list[Trace | None] = [None]   # None: no base made since the last schedule
+
+
+def record(base: LazyBuffer) -> None:
+  """Append a new base with sources to the trace (every op made runs this)."""
+  trace = _trace[0]
+  if trace is None: trace = _trace[0] = Trace()
+  bases = trace.bases
+  if len(bases) >= MAX_TRACED:
+    if not trace.tainted: trace.tainted, trace.bases = True, []
+    return
+  base._trace_index = len(bases)
+  bases.append(base)
 
 
 def invalidate() -> None:
-  """End the trace: bases may have changed after they were made (a schedule, a redirected reader)."""
+  """End the trace (the bases a schedule makes are no part of what is built next)."""
   _trace[0] = None
 
 
 def take() -> Trace | None:
-  """The trace if it is untainted (else None); a new one starts with the next base made."""
+  """The trace (None if tainted or empty); the next base made starts a new one."""
   trace, _trace[0] = _trace[0], None
-  if trace is None or trace.tainted or trace.thread != _get_ident(): return None
-  return trace
+  return None if trace is None or trace.tainted else trace
 
 
 def hashable_arg(arg: Any) -> Any:
@@ -89,90 +92,45 @@ def hashable_arg(arg: Any) -> Any:
   return arg
 
 
-def record(base: LazyBuffer) -> None:
-  """Write down a new base with sources in the trace (its position in `base._trace_index`). A source that is an
-  unrealized base made before the trace started (a remembered constant graph, a graph kept across a realize) is
-  written down first, with the unrealized graph below it, as it is now. (Every op made runs this: one loop, no calls
-  on the common path.)"""
-  trace = _trace[0]
-  if trace is None: trace = _trace[0] = Trace()
-  if trace.tainted: return
-  bases, tokens = trace.bases, trace.tokens
-  count = len(bases)
-  if count >= MAX_TRACED or trace.thread != _get_ident():
-    _drop(trace)
-    return
-  start, leaves = len(tokens), len(trace.leaves)
-  arg, srcs = base.arg, base.srcs
-  tokens.extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
-                 base.dtype, base.device, base.shape, len(srcs)))
-  for src in srcs:
-    src_base = src if src._base is None else src._base
-    index = src_base._trace_index
-    if 0 <= index < count and bases[index] is src_base:
-      tokens.extend((index, src.st))
-      continue
-    buffer = src_base.realized
-    if buffer is not None:
-      leaf = trace.leaf_index.get(id(buffer))
-      if leaf is None:
-        leaf = trace.leaf_index[id(buffer)] = len(trace.leaves)
-        trace.leaves.append(buffer)
-        tokens.extend((_LEAF, leaf, src.st, src_base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
-      else:
-        tokens.extend((_LEAF, leaf, src.st, src_base.shape))
-    elif src_base.op is _CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
-      arg = src_base.arg
-      tokens.extend((_INLINE, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else
-                     hashable_arg(arg), src_base.dtype, src_base.device, src_base.shape, src.st))
-    else:   # a lazy base made before the trace: written in first, then this base again from its start
-      del tokens[start:]
-      for buffer in trace.leaves[leaves:]: del trace.leaf_index[id(buffer)]
-      del trace.leaves[leaves:]
-      _import(trace, src_base)
-      record(base)
-      return
-  base._trace_index = count
-  bases.append(base)
-
-
-def _inlined(base: LazyBuffer) -> bool:
-  """Whether `base` is a constant only read: its value is written into its readers' tokens (the scheduler writes it
-  into each kernel reading it), it is not traced."""
-  return base.op is _CONST and not base.srcs and not base.forced_realize
-
-
-def _import(trace: Trace, root: LazyBuffer) -> None:
-  """Write down `root`, an unrealized base not in the trace, and every unrealized base below it not in the trace yet,
-  sources before users (explicit stack), each with a token for its forced-realize flag where set."""
-  stack: list[tuple[LazyBuffer, bool]] = [(root, False)]
-  while stack:
-    base, sources_done = stack.pop()
-    if trace.position(base) >= 0 or trace.tainted: continue
-    if sources_done:
-      record(base)
-      if base.forced_realize and not trace.tainted: trace.tokens.extend((_FORCED, base._trace_index))
-      continue
-    stack.append((base, True))
-    for src in base.srcs:
+def describe(trace: Trace) -> bool:
+  """Write `trace.tokens`, `leaves` and `leaf_index` (the module docstring); False if the trace is inconsistent (a
+  base not at its position: graphs two threads built at once). One loop over the list, which grows as bases made
+  before the trace are appended."""
+  bases = trace.bases
+  tokens: list[Any] = []
+  extend = tokens.extend
+  leaves: list[Any] = []
+  leaf_index: dict[int, int] = {}
+  position = 0
+  while position < len(bases):
+    base = bases[position]
+    if base._trace_index != position: return False
+    position += 1
+    arg, srcs = base.arg, base.srcs
+    extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
+            base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
+    for src in srcs:
       src_base = src if src._base is None else src._base
-      if src_base.realized is None and trace.position(src_base) < 0 and not _inlined(src_base):
-        stack.append((src_base, False))
-
-
-def note_forced(base: LazyBuffer) -> None:
-  """`base` must now be realized even where it could be fused (contiguous()): a token for a traced base. A constant
-  that traced bases may read inlined changes meaning: the trace is tainted."""
-  trace = _trace[0]
-  if trace is None or trace.tainted or base.realized is not None: return
-  index = trace.position(base)
-  if trace.thread != _get_ident(): _drop(trace)
-  elif index >= 0: trace.tokens.extend((_FORCED, index))
-  elif _inlined(base): _drop(trace)
-  # (any other base is not traced: a traced base reading it imported it, and will import it again)
-
-
-def _drop(trace: Trace) -> None:
-  """Taint `trace` and let go of what it holds."""
-  trace.tainted = True
-  trace.bases, trace.tokens, trace.leaves, trace.leaf_index = [], [], [], {}
+      buffer = src_base.realized
+      if buffer is not None:
+        leaf = leaf_index.get(id(buffer))
+        if leaf is None:
+          leaf = leaf_index[id(buffer)] = len(leaves)
+          leaves.append(buffer)
+          extend((_LEAF, leaf, src.st, src_base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
+        else:
+          extend((_LEAF, leaf, src.st, src_base.shape))
+        continue
+      index = src_base._trace_index
+      if not (0 <= index < len(bases) and bases[index] is src_base):
+        if src_base.op is _CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
+          value = src_base.arg
+          extend((_INLINE, value if type(value) in _PLAIN_ARG_TYPES or (type(value) is float and value) else
+                  hashable_arg(value), src_base.dtype, src_base.device, src_base.shape, src.st))
+          continue
+        # a lazy base made before the trace (or a constant forced into memory): described after the ones listed
+        index = src_base._trace_index = len(bases)
+        bases.append(src_base)
+      extend((index, src.st))
+  trace.tokens, trace.leaves, trace.leaf_index = tokens, leaves, leaf_index
+  return True

@@ -11,7 +11,6 @@ import os
 from typing import Callable, Sequence
 
 from ourgrad.device import Buffer, Device
-from ourgrad import lazy_trace
 from ourgrad.distributed import nccl
 from ourgrad.helpers import env_var, prod
 from ourgrad.lazy import LazyBuffer
@@ -38,7 +37,6 @@ def realized_pointer(buffer: LazyBuffer) -> int:
   from ourgrad.engine.schedule_cache import schedule
   lazy = buffer if buffer.st.contiguous and buffer.size == buffer.base.size else buffer.contiguous()
   if lazy.base.realized is None:
-    if not lazy.base.forced_realize: lazy_trace.note_forced(lazy.base)
     lazy.base.forced_realize = True
     run_schedule(schedule([lazy]))
   return int(lazy.base.realized.handle)

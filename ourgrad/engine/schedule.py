@@ -77,7 +77,6 @@ def protect_and_pack(schedule: list[ScheduleItem], assigns: list[tuple[LazyBuffe
 def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list[tuple[LazyBuffer, LazyBuffer]]]:
   """The schedule, and (assign base, target base) for every assign it runs. Readers outside the schedule are not
   protected yet: callers pass the assigns to protect_lazy_readers once they let go of the graph."""
-  lazy_trace.invalidate()   # bases below change (realized, sources dropped): creation traces no longer describe them
   bases = walk_bases(outs)
   if not bases: return [], []
   realizes = _choose_realizes(bases, outs)

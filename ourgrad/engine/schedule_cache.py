@@ -10,9 +10,10 @@ the cached items are rebound to this graph's leaf buffers and to fresh buffers f
 are marked realized as create_schedule does; each item keeps its lowering and ExecItem from one replay to the next
 (schedule_item.LoweringMemo, engine/realize.py).
 
-A realize whose graph was all made since the last schedule skips the walk: the creation trace (ourgrad/lazy_trace.py)
-wrote the same facts down as each base was made, so the trace's tokens and the outputs' positions in it are the key
-(`_traced`, each entry the walk's schedule in the trace's positions: `_in_trace_terms`).
+A realize whose outputs were made since the last schedule skips the walk: the creation trace (ourgrad/lazy_trace.py)
+lists those bases in creation order, and its description (the same facts, written in one loop over the list) and the
+outputs' positions in it are the key (`_traced`, each entry the walk's schedule in the trace's positions:
+`_in_trace_terms`).
 """
 from __future__ import annotations
 
@@ -256,14 +257,17 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
 
 
 def _trace_key(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings: tuple) -> _Key | None:
-  """The key of realizing `outs` from the creation trace: the trace's tokens and each output's position there and
-  view; None when an output is not a base of the trace (realized, a constant, made before it)."""
+  """The key of realizing `outs` from the creation trace: the trace's description (lazy_trace.describe) and each
+  output's position there and view; None when an output is not an unrealized base of the trace (a constant, made
+  before it) or the trace is inconsistent."""
   references: list[Any] = []
   for out in outs:
-    index = trace.position(out if out._base is None else out._base)
-    if index < 0: return None
+    base = out if out._base is None else out._base
+    index = trace.position(base)
+    if index < 0 or base.realized is not None: return None
     references.append(index)
     references.append(out.st)
+  if not lazy_trace.describe(trace): return None
   tokens = tuple(trace.tokens)
   # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__): keys
   # that share those are told apart by comparing their tokens, which a hit does once anyway

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ourgrad import lazy_trace
 from ourgrad.device import Buffer
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.lazy import LazyBuffer
@@ -62,7 +61,6 @@ def snapshot_item(source: Buffer, snapshot: Buffer, shape: tuple[int, ...]) -> S
 
 def redirect_reader(reader: LazyBuffer, target: LazyBuffer, snapshot: LazyBuffer) -> None:
   """Make `reader` read `snapshot` (through the same views) wherever it read `target`'s values."""
-  lazy_trace.invalidate()   # the reader's sources change: creation traces no longer describe it
   value_count = len(_value_srcs(reader))
   reader.srcs = tuple(snapshot.view(src.st) if index < value_count and src.base is target else src
                       for index, src in enumerate(reader.srcs))
