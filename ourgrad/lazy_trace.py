@@ -62,8 +62,8 @@ def record(base: LazyBuffer) -> None:
   trace = _trace[0]
   if trace is None: trace = _trace[0] = Trace()
   bases = trace.bases
-  if len(bases) >= MAX_TRACED:
-    if not trace.tainted: trace.tainted, trace.bases = True, []
+  if len(bases) >= MAX_TRACED or trace.tainted:
+    trace.tainted, trace.bases = True, []   # (what it held is let go of)
     return
   base._trace_index = len(bases)
   bases.append(base)

@@ -361,3 +361,22 @@ def test_graphs_built_by_two_threads_at_once_are_right():
   for thread in threads: thread.start()
   for thread in threads: thread.join()
   assert not errors, errors
+
+
+def test_a_trace_past_its_bound_is_dropped_and_the_realize_walks(monkeypatch):
+  """A long run of graph building without a realize: past MAX_TRACED bases the trace lets go of them (and stays
+  empty until the next schedule); that realize walks its graph, the next is traced again."""
+  from ourgrad import lazy_trace
+  monkeypatch.setattr(lazy_trace, "MAX_TRACED", 8)
+  x = Tensor(np.arange(4, dtype=np.float32)).realize()
+  for _ in range(2):
+    result = x
+    for _ in range(12): result = result * 1.5 + 1
+    trace = lazy_trace._trace[0]
+    assert trace is not None and trace.tainted and not trace.bases
+    expected = np.arange(4, dtype=np.float32)
+    for _ in range(12): expected = expected * np.float32(1.5) + np.float32(1)
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6)
+  before = schedule_cache.stats.traced_hits
+  for _ in range(3): (x * 2 + 1).realize()
+  assert schedule_cache.stats.traced_hits == before + 2
