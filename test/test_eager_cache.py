@@ -380,3 +380,23 @@ def test_a_trace_past_its_bound_is_dropped_and_the_realize_walks(monkeypatch):
   before = schedule_cache.stats.traced_hits
   for _ in range(3): (x * 2 + 1).realize()
   assert schedule_cache.stats.traced_hits == before + 2
+
+
+def test_a_dropped_reader_of_a_jit_output_costs_no_snapshot_at_the_next_replay():
+  """A replay protects lazy readers of the outputs it overwrites (a snapshot copy); one the user dropped, which only
+  the creation trace still held, is not one of them: the replay launches its one kernel. A kept reader keeps its
+  values through the snapshot."""
+  from ourgrad.helpers import GlobalCounters
+  jitted = TinyJit(lambda t: (t * 2).realize())
+  x = Tensor(np.ones(4, np.float32)).realize()
+  for _ in range(3): out = jitted(x)   # captured, then replayed
+  dropped = out * 3
+  del dropped
+  GlobalCounters.reset()
+  out = jitted(x)
+  assert GlobalCounters.kernel_count == 1
+  kept = out + 1
+  GlobalCounters.reset()
+  jitted(x)
+  assert GlobalCounters.kernel_count == 2   # the replay and the snapshot
+  np.testing.assert_array_equal(kept.numpy(), np.full(4, 3, np.float32))
