@@ -341,8 +341,8 @@ def test_a_dropped_reader_costs_no_snapshot_though_the_trace_held_it(monkeypatch
 
 
 def test_graphs_built_by_two_threads_at_once_are_right():
-  """The trace belongs to the thread that started it: graphs two threads build at once taint it and walk their graph
-  when realized (never a schedule keyed by the other thread's bases)."""
+  """Graphs two threads build at once land in one trace: a realize describes all it holds (the other thread's bases
+  too, as they are then), or walks its graph where two appends raced (a base not at its position)."""
   import threading
   errors: list[BaseException] = []
 
