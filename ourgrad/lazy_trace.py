@@ -101,11 +101,9 @@ def describe(trace: Trace) -> bool:
   extend = tokens.extend
   leaves: list[Any] = []
   leaf_index: dict[int, int] = {}
-  position = 0
-  while position < len(bases):
-    base = bases[position]
+  count = len(bases)   # (grows as bases made before the trace are appended: the loop reaches them too)
+  for position, base in enumerate(bases):
     if base._trace_index != position: return False
-    position += 1
     arg, srcs = base.arg, base.srcs
     extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
             base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
@@ -122,15 +120,16 @@ def describe(trace: Trace) -> bool:
           extend((_LEAF, leaf, src.st, src_base.shape))
         continue
       index = src_base._trace_index
-      if not (0 <= index < len(bases) and bases[index] is src_base):
+      if not (0 <= index < count and bases[index] is src_base):
         if src_base.op is _CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
           value = src_base.arg
           extend((_INLINE, value if type(value) in _PLAIN_ARG_TYPES or (type(value) is float and value) else
                   hashable_arg(value), src_base.dtype, src_base.device, src_base.shape, src.st))
           continue
         # a lazy base made before the trace (or a constant forced into memory): described after the ones listed
-        index = src_base._trace_index = len(bases)
+        index = src_base._trace_index = count
         bases.append(src_base)
+        count += 1
       extend((index, src.st))
   trace.tokens, trace.leaves, trace.leaf_index = tokens, leaves, leaf_index
   return True
