@@ -33,11 +33,13 @@ from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 
 SCHEDULE_CACHE = env_var("SCHEDULE_CACHE", 1, "0: schedule every realize from scratch (no structural schedule cache)")
+SCHEDULE_TRACE = env_var("SCHEDULE_TRACE", 1, "0: the schedule cache keys every realize by walking its graph, not "
+                         "by the creation trace (ourgrad/lazy_trace.py)")
 CACHE_SIZE = 64  # graphs remembered (least recently used dropped first)
-# read at every realize: whether the cache is used (SCHEDULE_CACHE, GRAPH), then the settings the scheduler's decisions
-# depend on, which may change at run time (part of the key)
-_SETTINGS = EnvSnapshot(SCHEDULE_CACHE, GRAPH, KERNEL_OPS_LIMIT, PACK_KERNELS, MAX_PACK_BUFFERS, SPLIT_LAST_BLOCK,
-                        RIDE_ALONG)
+# read at every realize: whether the cache is used (SCHEDULE_CACHE, GRAPH) and the trace (SCHEDULE_TRACE), then the
+# settings the scheduler's decisions depend on, which may change at run time (part of the key)
+_SETTINGS = EnvSnapshot(SCHEDULE_CACHE, SCHEDULE_TRACE, GRAPH, KERNEL_OPS_LIMIT, PACK_KERNELS, MAX_PACK_BUFFERS,
+                        SPLIT_LAST_BLOCK, RIDE_ALONG)
 
 
 @dataclass
@@ -208,9 +210,9 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   # the scheduler's functions are looked up at each call, so tools that wrap them (benchmarks, tests) see misses
   # GRAPH=1 draws each graph as the scheduler walks it, so it schedules every realize from scratch
   settings = _SETTINGS.values()
-  if not settings[0] or settings[1]: return scheduler.create_schedule(outs)
+  if not settings[0] or settings[2]: return scheduler.create_schedule(outs)
   trace = lazy_trace.take()
-  trace_key = _trace_key(trace, outs, settings) if trace is not None else None
+  trace_key = _trace_key(trace, outs, settings) if trace is not None and settings[1] else None
   if trace_key is not None:
     traced = _traced.get(trace_key)
     if traced is not None:
