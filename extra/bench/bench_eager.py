@@ -17,7 +17,9 @@ Per workload: the wall time of a step, its Python time, PyTorch eager's step, an
 Python time into phases:
   graph    building the lazy graph (Tensor methods -> Functions -> LazyBuffers -> views), forward and optimizer
   autograd Tensor.backward (the walk over Functions and the gradient graphs they build)
-  key      the schedule cache's structural key and lookup (schedule_cache._structure)
+  key      the schedule cache's structural key: the creation trace's description (schedule_cache._trace_key; the
+           trace's appends are in graph and autograd) or, where the trace cannot describe the realize, the graph walk
+           (schedule_cache._structure)
   schedule the rest of scheduling: replaying a cached schedule (or scheduling a miss), snapshots and packing
   lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and planning memory
   launch   ExecItem.run: binding arguments and the ctypes/driver call (the kernel itself excluded on the CPU)
@@ -62,7 +64,7 @@ from ourgrad.helpers import GC_FREEZE_IMPORT  # noqa: E402
 PHASE_FUNCTIONS = {
   "autograd": [("ourgrad/tensor.py", "backward")],
   "realize": [("ourgrad/tensor.py", "realize")],
-  "key": [("ourgrad/engine/schedule_cache.py", "_structure")],
+  "key": [("ourgrad/engine/schedule_cache.py", "_structure"), ("ourgrad/engine/schedule_cache.py", "_trace_key")],
   "schedule": [("ourgrad/engine/schedule_cache.py", "schedule")],
   "lower": [("ourgrad/engine/realize.py", "lower_schedule_item"), ("ourgrad/engine/realize.py", "plan_schedule_memory"),
             ("ourgrad/engine/realize.py", "note_compiles")],
