@@ -23,6 +23,7 @@ import numpy as np
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
+from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import cpu_packed_reduce, split_large_reduce
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
@@ -92,7 +93,7 @@ class LazyBuffer:
   # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
   # allocate and for the cyclic garbage collector to visit (a view sets only the first six)
   __slots__ = ("device", "st", "dtype", "shape", "_base", "_const", "op", "arg", "srcs", "realized", "forced_realize",
-               "_readers", "_readers_pruned_at", "_storage", "__weakref__")
+               "_readers", "_readers_pruned_at", "_storage", "_trace_index", "__weakref__")
 
   def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
                srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
@@ -573,7 +574,10 @@ def _init_base(base: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, op
   # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
   # base or a view of it read its newest version (`current`), computed readers keep this one
   base._storage = None
-  if srcs: _add_reader_to_sources(base, srcs)
+  base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
+  if srcs:
+    _add_reader_to_sources(base, srcs)
+    lazy_trace.record(base)
 
 
 def _init_view(view: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, base: LazyBuffer) -> None:

@@ -43,7 +43,7 @@ def _second_device() -> str:
 def test_randomized_changes_never_reuse_a_stale_schedule():
   rng = np.random.default_rng(26)
   devices = [Device.DEFAULT, _second_device()]
-  hits_before = schedule_cache.stats.hits
+  hits_before, traced_before = schedule_cache.stats.hits, schedule_cache.stats.traced_hits
   inputs = {}   # (device, dtype) -> the realized input tensor now in use
   expression_index, constant, dtype, device = 0, 2, dtypes.float32, devices[0]
   for _ in range(120):
@@ -65,6 +65,7 @@ def test_randomized_changes_never_reuse_a_stale_schedule():
     assert result.device == device   # (a sum of int32 is int64, as in PyTorch: values are compared below)
     np.testing.assert_array_equal(result.numpy(), _reference(theirs, x.numpy(), constant, dtype))
   assert schedule_cache.stats.hits - hits_before >= 20   # the cache was in play, not bypassed
+  assert schedule_cache.stats.traced_hits - traced_before >= 20   # found by the creation trace (lazy_trace.py)
 
 
 def test_constants_of_either_zero_sign_are_different_schedules():
@@ -72,6 +73,17 @@ def test_constants_of_either_zero_sign_are_different_schedules():
   for _ in range(2):
     np.testing.assert_array_equal(np.signbit((x * 0.0).numpy()), np.signbit(np.array([-0.0, 0.0, 1.0]) * 0.0))
     np.testing.assert_array_equal(np.signbit((x * -0.0).numpy()), np.signbit(np.array([-0.0, 0.0, 1.0]) * -0.0))
+
+
+def test_a_leaf_of_another_dtype_or_size_read_the_same_way_is_another_schedule():
+  """Only the leaf differs (its dtype behind a cast to one dtype; its size behind one view): the key has each leaf's
+  dtype and size, the walk's and the creation trace's alike."""
+  rng = np.random.default_rng(7)
+  for index in rng.permutation(np.repeat(np.arange(4), 3)):
+    np_dtype = (np.float32, np.float16)[index % 2]
+    values = (np.arange(12 if index >= 2 else 6) * 1.5).astype(np_dtype)
+    x = Tensor(values).realize()
+    np.testing.assert_array_equal((x[:6].cast(dtypes.int32) + 1).numpy(), values[:6].astype(np.int32) + 1)
 
 
 def _shared(a: Tensor, b: Tensor, combine):
@@ -224,3 +236,167 @@ def test_a_cleared_kernel_cache_is_not_bypassed_by_a_replayed_schedule():
   realize._runner_cache.clear()
   np.testing.assert_array_equal((x * 3 + 1).numpy(), np.arange(4, dtype=np.float32) * 3 + 1)
   assert len(realize._runner_cache) >= 1   # lowered (and compiled) again through the kernel cache
+
+
+# ---------------------------------------------------------------- the creation trace (ourgrad/lazy_trace.py)
+
+def test_graphs_changed_between_building_and_realizing_never_reuse_a_traced_schedule():
+  """A schedule found by the creation trace (no graph walk) is the one the graph needs as it is when realized: random
+  steps build the same graph, and between building and realizing it realize a part of it, force a part into memory
+  (contiguous() after its readers were made), overwrite its leaf in place (its lazy readers keep the old values),
+  read a lazy value kept from an earlier step (made before the trace started) or a remembered lazy graph of
+  constants, or swap the leaf for a new buffer; every result against numpy."""
+  rng = np.random.default_rng(15)
+  a_values, b_values = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+  a, b = Tensor(a_values).realize(), Tensor(b_values).realize()
+  constants = Tensor.full((3,), 1.5).pad(((0, 3),)) + Tensor.full((6,), 0.5)   # never realized: kept lazy
+  constants_values = np.array([2, 2, 2, 0.5, 0.5, 0.5], np.float32)
+  kept, kept_values = None, None
+  traced_before = schedule_cache.stats.traced_hits
+  for _ in range(160):
+    event = rng.choice(["none", "none", "part", "force", "assign", "kept", "constants", "leaf", "keep"])
+    if event == "leaf":
+      a_values = rng.standard_normal(6).astype(np.float32)
+      a = Tensor(a_values).realize()
+    scale = float(rng.choice([1.5, 2.0]))
+    shared, shared_values = a * scale, a_values * np.float32(scale)
+    if event == "kept" and kept is not None: shared, shared_values = shared + kept, shared_values + kept_values
+    result = (shared - b).maximum(shared * 0.5) + shared.sum()
+    expected = np.maximum(shared_values - b_values, shared_values * np.float32(0.5)) + shared_values.sum()
+    if event == "constants": result, expected = result * constants, expected * constants_values
+    if event == "part": shared.realize()
+    elif event == "force": shared.contiguous()
+    elif event == "assign":
+      a_values = rng.standard_normal(6).astype(np.float32)
+      a.assign(Tensor(a_values)).realize()
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-5, atol=1e-6)
+    if event == "force": assert shared.lazydata.base.realized is not None   # in memory as asked, not fused
+    if event == "keep": kept, kept_values = a * 3 + b, a_values * np.float32(3) + b_values
+  assert schedule_cache.stats.traced_hits - traced_before >= 40   # the trace was in play, not bypassed
+
+
+def test_traced_wirings_and_eager_steps_use_the_trace():
+  """The graphs of test_graphs_differing_only_in_their_sources_never_share_a_schedule and an eager training step
+  are found by their creation trace from the second time on (what the checks above and below test through)."""
+  a, b = Tensor(np.ones(5, np.float32)).realize(), Tensor(np.ones(5, np.float32)).realize()
+  for ours, _ in WIRINGS:
+    ours(a, b).realize()
+    before = schedule_cache.stats.traced_hits
+    ours(a, b).realize()
+    assert schedule_cache.stats.traced_hits == before + 1
+  # a remembered lazy graph of constants, made before the trace started (as max pooling's window ranks): appended to
+  # the trace when a traced base reads it (the first realize still had it in its own trace, at another position)
+  constants = Tensor.full((3,), 1.5).pad(((0, 3),)) + Tensor.full((6,), 0.5)
+  x = Tensor(np.ones(6, np.float32)).realize()
+  for _ in range(2): (x * constants).realize()
+  before = schedule_cache.stats.traced_hits
+  np.testing.assert_array_equal((x * constants).numpy(), [2, 2, 2, 0.5, 0.5, 0.5])
+  assert schedule_cache.stats.traced_hits == before + 1
+  _, step = _training(True, "adam")
+  x, y = Tensor(np.ones((6, 12), np.float32)).realize(), Tensor(np.zeros(6, np.int32)).realize()
+  for _ in range(2): step(x, y)
+  before = schedule_cache.stats.traced_hits
+  for _ in range(3): step(x, y)
+  assert schedule_cache.stats.traced_hits - before == 3
+
+
+def test_the_trace_keeps_no_base_alive_past_a_realize():
+  """Bases made and dropped before a realize are freed by it (the trace held them until then): their lazy readers
+  must not look alive to the copy-on-write of a later assign."""
+  import weakref
+  a = Tensor(np.ones(4, np.float32)).realize()
+  dropped = a * 5
+  reference = weakref.ref(dropped.lazydata)
+  del dropped
+  (a + 1).realize()
+  assert reference() is None
+
+
+def test_a_dropped_reader_costs_no_snapshot_though_the_trace_held_it(monkeypatch):
+  """The trace holds every base made since the last schedule; the schedule lets go of it before the copy-on-write
+  decisions of an assign, so a lazy reader the user dropped does not look alive there (it would cost a snapshot
+  copy); and a training step launches the kernels it launches with no trace at all."""
+  from ourgrad import lazy_trace
+  from ourgrad.helpers import GlobalCounters
+  w = Tensor(np.ones(8, np.float32)).realize()
+  dropped = w * 2
+  del dropped
+  GlobalCounters.reset()
+  w.assign(w + 1).realize()
+  assert GlobalCounters.kernel_count == 1
+  np.testing.assert_array_equal(w.numpy(), np.full(8, 2, np.float32))
+
+  def kernels_per_step() -> list[int]:
+    _, step = _training(False, "adam")
+    x, y = Tensor(np.ones((6, 12), np.float32)).realize(), Tensor(np.zeros(6, np.int32)).realize()
+    counts = []
+    for _ in range(3):
+      GlobalCounters.reset()
+      step(x, y)
+      counts.append(GlobalCounters.kernel_count)
+    return counts
+  traced = kernels_per_step()
+  monkeypatch.setattr(lazy_trace, "record", lambda base: None)   # nothing traced: every realize walks its graph
+  assert traced == kernels_per_step()
+
+
+def test_graphs_built_by_two_threads_at_once_are_right():
+  """Graphs two threads build at once land in one trace: a realize describes all it holds (the other thread's bases
+  too, as they are then), or walks its graph where two appends raced (a base not at its position)."""
+  import threading
+  errors: list[BaseException] = []
+
+  def work(seed: int) -> None:
+    try:
+      rng = np.random.default_rng(seed)
+      for _ in range(30):
+        values = rng.standard_normal(5).astype(np.float32)
+        x = Tensor(values).realize()
+        scale = float(rng.integers(1, 4))
+        expected = (values * np.float32(scale) + 1) * values
+        np.testing.assert_allclose(((x * scale + 1) * x).numpy(), expected, rtol=1e-5, atol=1e-6)
+    except BaseException as error:   # noqa: BLE001 (re-raised in the main thread)
+      errors.append(error)
+  threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+  for thread in threads: thread.start()
+  for thread in threads: thread.join()
+  assert not errors, errors
+
+
+def test_a_trace_past_its_bound_is_dropped_and_the_realize_walks(monkeypatch):
+  """A long run of graph building without a realize: past MAX_TRACED bases the trace lets go of them (and stays
+  empty until the next schedule); that realize walks its graph, the next is traced again."""
+  from ourgrad import lazy_trace
+  monkeypatch.setattr(lazy_trace, "MAX_TRACED", 8)
+  x = Tensor(np.arange(4, dtype=np.float32)).realize()
+  for _ in range(2):
+    result = x
+    for _ in range(12): result = result * 1.5 + 1
+    trace = lazy_trace._trace[0]
+    assert trace is not None and trace.tainted and not trace.bases
+    expected = np.arange(4, dtype=np.float32)
+    for _ in range(12): expected = expected * np.float32(1.5) + np.float32(1)
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6)
+  before = schedule_cache.stats.traced_hits
+  for _ in range(3): (x * 2 + 1).realize()
+  assert schedule_cache.stats.traced_hits == before + 2
+
+
+def test_a_dropped_reader_of_a_jit_output_costs_no_snapshot_at_the_next_replay():
+  """A replay protects lazy readers of the outputs it overwrites (a snapshot copy); one the user dropped, which only
+  the creation trace still held, is not one of them: the replay launches its one kernel. A kept reader keeps its
+  values through the snapshot."""
+  from ourgrad.helpers import GlobalCounters
+  jitted = TinyJit(lambda t: (t * 2).realize())
+  x = Tensor(np.ones(4, np.float32)).realize()
+  for _ in range(3): out = jitted(x)   # captured, then replayed
+  dropped = out * 3
+  del dropped
+  GlobalCounters.reset()
+  out = jitted(x)
+  assert GlobalCounters.kernel_count == 1
+  kept = out + 1
+  GlobalCounters.reset()
+  jitted(x)
+  assert GlobalCounters.kernel_count == 2   # the replay and the snapshot
+  np.testing.assert_array_equal(kept.numpy(), np.full(4, 3, np.float32))

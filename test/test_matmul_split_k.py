@@ -214,3 +214,20 @@ def test_cuda_gpt2_projection_weight_gradient(precision: str, tokens: int) -> No
     assert _relative_error(got, g64.T @ x64) < (1e-2 if precision == "bf16" else 3e-3)
   finally:
     _float32_matmul_precision[0] = None
+
+
+def test_remembered_split_choices_follow_the_thresholds(monkeypatch) -> None:
+  """The lazy layer asks the grid model for every matmul it builds, each eager step again: the choices are
+  remembered, keyed by the module's thresholds too, so a changed threshold is a new choice and a repeated question
+  gets the model's answer (the unremembered function's)."""
+  shared = 227 * 1024
+  shapes = ((1, 768, 768, 4096), (1, 4096, 768, 50304), (1, 2304, 768, 16384), (1, 2048, 384, 1536))
+  for _ in range(2):
+    for shape in shapes:
+      fresh = matmul_grid._remembered_wgmma_split_parts.__wrapped__(*shape, 4, 132, shared, matmul_grid._tunables())
+      assert matmul_grid.wgmma_split_parts(*shape, 4, 132, shared) == fresh
+      fresh = matmul_grid._remembered_split_k_parts.__wrapped__(*shape, 132, matmul_grid._tunables())
+      assert matmul_grid.split_k_parts(*shape, 132) == fresh
+  assert matmul_grid.wgmma_split_parts(1, 768, 768, 4096, 4, 132, shared) > 1
+  monkeypatch.setattr(matmul_grid, "SPLIT_MIN_K", 1 << 20)
+  assert matmul_grid.wgmma_split_parts(1, 768, 768, 4096, 4, 132, shared) == 1

@@ -1,16 +1,25 @@
 """Where a repeated eager step spends its Python time, with PyTorch eager beside it (issue 26).
 
-Four workloads, each called in a loop without TinyJit:
-  op1   `(x + 1).realize()` on a 1-element tensor
-  expr8 an 8-op elementwise expression on 2^20 floats, realized
-  mlp   an MLP training step (784-512-512-10, Adam)
-  cnn   the examples/mnist.py CNN training step (Adam)
+Six workloads, each called in a loop without TinyJit:
+  op1     `(x + 1).realize()` on a 1-element tensor
+  expr8   an 8-op elementwise expression on 2^20 floats, realized
+  mlp     an MLP training step (784-512-512-10, Adam)
+  cnn     the examples/mnist.py CNN training step (Adam)
+  gpt2    a GPT-2 training step (extra/models/gpt2.py, AdamW): 2 layers of GPT-2 small, batch 8 x 512 on CUDA; a tiny
+          config (bench_gpt2.CPU_CONFIG) on CPU devices
+  prefill SmolLM2-135M's prefill of a 512-token prompt (random weights of the real shapes, extra/models/llama.py,
+          fixed shapes); 2 layers and 32 tokens on CPU devices
+The last two are the issue's large-graph rows: beside the eager call, the same call under TinyJit in the same process
+(the eager goal of GPT-2 is <= 1.2 x its TinyJit step), and no PyTorch row (bench_gpt2.py and bench_models.py have
+them).
 
 Per workload: the wall time of a step, its Python time, PyTorch eager's step, and a cProfile table splitting the
 Python time into phases:
   graph    building the lazy graph (Tensor methods -> Functions -> LazyBuffers -> views), forward and optimizer
   autograd Tensor.backward (the walk over Functions and the gradient graphs they build)
-  key      the schedule cache's structural key and lookup (schedule_cache._structure)
+  key      the schedule cache's structural key: the creation trace's description (schedule_cache._trace_key; the
+           trace's appends are in graph and autograd) or, where the trace cannot describe the realize, the graph walk
+           (schedule_cache._structure)
   schedule the rest of scheduling: replaying a cached schedule (or scheduling a miss), snapshots and packing
   lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and planning memory
   launch   ExecItem.run: binding arguments and the ctypes/driver call (the kernel itself excluded on the CPU)
@@ -24,13 +33,15 @@ read the shares, and the unprofiled "Python per step" for the absolute figure).
 Beside them, the thread CPU time the cyclic garbage collector took per call (gc.callbacks; GC_FREEZE_IMPORT=0 shows
 it without the import-time freeze, ourgrad/__init__.py).
 
-Run: `python extra/bench/bench_eager.py` (the default device), `--device CLANG`, `--only op1,mlp`, `--no-torch`.
+Run: `python extra/bench/bench_eager.py` (the default device: op1,expr8,mlp,cnn), `--device CLANG`, `--only op1,mlp`,
+`--only gpt2,prefill`, `--no-torch`.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import gc
 import os
 import pathlib
@@ -45,7 +56,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this che
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_jit import MLP, load_mnist_example, ourgrad_step, torch_mlp, torch_mnist  # noqa: E402
 
-from ourgrad import Device, Tensor  # noqa: E402
+from ourgrad import Device, Tensor, TinyJit, get_float32_matmul_precision, set_float32_matmul_precision  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
 from ourgrad.helpers import GC_FREEZE_IMPORT  # noqa: E402
 
@@ -53,7 +64,7 @@ from ourgrad.helpers import GC_FREEZE_IMPORT  # noqa: E402
 PHASE_FUNCTIONS = {
   "autograd": [("ourgrad/tensor.py", "backward")],
   "realize": [("ourgrad/tensor.py", "realize")],
-  "key": [("ourgrad/engine/schedule_cache.py", "_structure")],
+  "key": [("ourgrad/engine/schedule_cache.py", "_structure"), ("ourgrad/engine/schedule_cache.py", "_trace_key")],
   "schedule": [("ourgrad/engine/schedule_cache.py", "schedule")],
   "lower": [("ourgrad/engine/realize.py", "lower_schedule_item"), ("ourgrad/engine/realize.py", "plan_schedule_memory"),
             ("ourgrad/engine/realize.py", "note_compiles")],
@@ -157,6 +168,43 @@ def training_step(make_model: Callable[[], Any], shape: tuple[int, ...]) -> Call
   return make
 
 
+def gpt2_step(jit: bool) -> Callable[[str, int], Callable[[], Any]]:
+  """A GPT-2 training step (loss, backward, AdamW) on a fixed batch of random tokens, eager or under TinyJit; TF32
+  matmuls allowed, as bench_gpt2.py runs it by default."""
+  def make(device: str, batch: int) -> Callable[[], Any]:
+    from bench_gpt2 import CPU_CONFIG, BenchConfig
+    from extra.models.gpt2 import GPT2, configure_optimizers, training_step
+    set_float32_matmul_precision("high")
+    config = BenchConfig.parse("8,512,768,12,2,50304" if device == "CUDA" else CPU_CONFIG)
+    model = GPT2(config.model)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config.model.vocab_size, (config.batch, config.sequence + 1)).astype(np.int32)
+    inputs = Tensor(tokens[:, :-1].copy(), device=device).realize()
+    targets = Tensor(tokens[:, 1:].copy(), device=device).realize()
+    step = training_step(model, configure_optimizers(model))
+    if jit: step = TinyJit(step)
+    return lambda: step(inputs, targets)
+  return make
+
+
+def prefill_step(jit: bool) -> Callable[[str, int], Callable[[], Any]]:
+  """SmolLM2's prefill of one prompt from position 0 (random weights of the real shapes), eager or under the model's
+  own TinyJit (Llama(..., jit=True)); full float32 matmuls, as bench_models.py runs it."""
+  def make(device: str, batch: int) -> Callable[[], Any]:
+    set_float32_matmul_precision("highest")
+    from bench_models import SMOLLM2_135M, random_llama_weights
+    from extra.models.llama import Llama
+    cuda = device == "CUDA"
+    config = SMOLLM2_135M if cuda else dataclasses.replace(SMOLLM2_135M, n_layers=2)
+    length = 512 if cuda else 32
+    weights = {name: Tensor(value, device=device) for name, value in random_llama_weights(config).items()}
+    Tensor.realize_all(*weights.values())
+    model = Llama(config, weights, length + 8, symbolic=False)
+    prompt = np.random.default_rng(0).integers(100, config.vocab_size, (1, length)).astype(np.int32)
+    return lambda: model(prompt, 0, jit=jit)
+  return make
+
+
 def torch_step(name: str, batch: int, cuda: bool) -> Callable[[], Any]:
   import torch
   device = "cuda" if cuda else "cpu"
@@ -196,7 +244,9 @@ def mean_seconds(step: Callable[[], Any], sync: Callable[[], None], calls: int,
 
 
 def bench(name: str, make: Callable[[str, int], Callable[[], Any]], device: str, batch: int, calls: int,
-          args: argparse.Namespace) -> dict[str, Any]:
+          args: argparse.Namespace, make_jit: Callable[[str, int], Callable[[], Any]] | None = None) -> dict[str, Any]:
+  """The figures of one workload (print_result); with `make_jit`, the same call under TinyJit beside the eager one
+  (and no PyTorch row)."""
   step = make(device, batch)
   sync = Device[device].synchronize
   for _ in range(3): step()   # compile, fill the schedule cache, bind launchers
@@ -220,7 +270,11 @@ def bench(name: str, make: Callable[[str, int], Callable[[], Any]], device: str,
   result["profiled"] = total / calls
   result["top"] = [(where, seconds / calls, count // calls) for where, seconds, count in
                    top_functions(profile, args.top)]
-  if not args.no_torch:
+  if make_jit is not None:
+    jitted = make_jit(device, batch)
+    for _ in range(3): jitted()   # captured on the second call, replayed from the third
+    result["jit"] = mean_seconds(jitted, sync, calls)
+  elif not args.no_torch:
     import torch
     cuda = device == "CUDA"
     theirs = torch_step(name, batch, cuda)
@@ -234,7 +288,9 @@ def print_result(name: str, label: str, result: dict[str, Any]) -> None:
   print(f"## {name}: {label}")
   print(f"wall per call {us(result['wall'])} | Python per call {us(result['python'])} (CPU time of the thread: "
         f"{us(result['python_cpu'])})"
-        + (f" | PyTorch eager {us(result['torch'])}" if "torch" in result else ""))
+        + (f" | PyTorch eager {us(result['torch'])}" if "torch" in result else "")
+        + (f" | TinyJit {us(result['jit'])} (eager / TinyJit {result['wall'] / result['jit']:.2f}x)"
+           if "jit" in result else ""))
   print(f"cyclic garbage collector: {us(result['gc'][0])} of thread CPU time per call, {result['gc'][1]:.2f} "
         f"collections per call (GC_FREEZE_IMPORT={os.environ.get('GC_FREEZE_IMPORT', '1')}, first-generation "
         f"threshold {gc.get_threshold()[0]})")
@@ -261,10 +317,11 @@ def freeze_torch_import() -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--device", default=Device.DEFAULT)
-  parser.add_argument("--only", default="op1,expr8,mlp,cnn", help="comma-separated workloads")
+  parser.add_argument("--only", default="op1,expr8,mlp,cnn", help="comma-separated workloads (also: gpt2, prefill)")
   parser.add_argument("--batch", type=int, default=0, help="training batch (default: 512 MLP / 256 CNN on CUDA, 64 on "
                       "CPU devices)")
-  parser.add_argument("--calls", type=int, default=0, help="calls per timing (default: 1000 op1, 100 expr8, 20 steps)")
+  parser.add_argument("--calls", type=int, default=0, help="calls per timing (default: 1000 op1, 100 expr8, 20 steps, "
+                      "5 GPT-2 steps or prefills)")
   parser.add_argument("--top", type=int, default=12, help="functions listed by own time")
   parser.add_argument("--no-torch", action="store_true")
   args = parser.parse_args()
@@ -281,12 +338,17 @@ def main() -> None:
     "mlp": ("MLP step 784-512-512-10, Adam", training_step(MLP, (784,)), 512 if cuda else 64, 20),
     "cnn": ("examples/mnist.py CNN step, Adam", training_step(lambda: mnist.ConvNet(mnist.MODELS["small"]),
                                                                (1, 28, 28)), 256 if cuda else 64, 20),
+    "gpt2": ("GPT-2 step, 2 layers, AdamW, " + ("batch 8 x 512" if cuda else "tiny config"), gpt2_step(False), 0, 5),
+    "prefill": (f"SmolLM2 prefill, {'30 layers, 512' if cuda else '2 layers, 32'} tokens", prefill_step(False), 0, 5),
   }
+  jitted = {"gpt2": gpt2_step(True), "prefill": prefill_step(True)}
   print(f"device: {device}")
   for name in args.only.split(","):
     label, make, batch, calls = workloads[name]
     batch = args.batch or batch if name in ("mlp", "cnn") else batch
-    result = bench(name, make, device, batch, args.calls or calls, args)
+    precision = get_float32_matmul_precision()   # (the large-graph workloads set their own: restored after each)
+    result = bench(name, make, device, batch, args.calls or calls, args, jitted.get(name))
+    set_float32_matmul_precision(precision)
     print_result(name, label + (f", batch {batch}" if name in ("mlp", "cnn") else ""), result)
 
 

@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
+from ourgrad import lazy_trace
 from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.exec_item import CompiledRunner, ExecItem, capture_into, jit_recording
 from ourgrad.engine.memory import held_only_by_items, plan_memory
@@ -406,6 +407,8 @@ class CapturedJit:
     """Before the replay overwrites the outputs: a lazy tensor built from an output of an earlier call (`total =
     total + loss`, still unrealized) keeps the value it was built from (a snapshot copy, as before an assign:
     engine/snapshot.py). A Tensor that is the earlier output itself is an alias of the buffer and sees new values."""
+    # the creation trace holds every base made since the last schedule: a reader the user dropped must not look alive
+    lazy_trace.invalidate()
     for index in self.owned_outputs:
       for ref in self.given_out[index]:
         lazy = ref()

@@ -23,6 +23,7 @@ import threading
 from collections import defaultdict
 from typing import Sequence
 
+from ourgrad import lazy_trace
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.engine import graph_viz
@@ -57,9 +58,14 @@ ALWAYS_REALIZED_OPS = frozenset({Ops.EMPTY, Ops.COPY, Ops.CONTIGUOUS, Ops.ASSIGN
 def create_schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   """The kernels and copies that compute every base in `outs`, each after the items it depends on. Lazy readers
   of a buffer that an assign in it overwrites, and that outlive it, keep the old contents (engine/snapshot.py)."""
+  # the creation trace (lazy_trace.py) holds every base made since the last schedule: let go of it, so that only
+  # readers someone else holds look alive to the copy-on-write below; and of the one the bases made here start
+  lazy_trace.invalidate()
   schedule, assigns = build_schedule(outs)
   # after build_schedule returned, the graph it fused is alive only where someone else holds it
-  return protect_and_pack(schedule, assigns) if assigns else schedule
+  schedule = protect_and_pack(schedule, assigns) if assigns else schedule
+  lazy_trace.invalidate()
+  return schedule
 
 
 def protect_and_pack(schedule: list[ScheduleItem], assigns: list[tuple[LazyBuffer, LazyBuffer]]) -> list[ScheduleItem]:

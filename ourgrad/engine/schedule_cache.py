@@ -9,6 +9,11 @@ keys mean the scheduler would make the same decisions and the same kernel ASTs; 
 the cached items are rebound to this graph's leaf buffers and to fresh buffers for what it realizes, and the bases
 are marked realized as create_schedule does; each item keeps its lowering and ExecItem from one replay to the next
 (schedule_item.LoweringMemo, engine/realize.py).
+
+A realize whose outputs were made since the last schedule skips the walk: the creation trace (ourgrad/lazy_trace.py)
+lists those bases in creation order, and its description (the same facts, written in one loop over the list) and the
+outputs' positions in it are the key (`_traced`, each entry the walk's schedule in the trace's positions:
+`_in_trace_terms`).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ourgrad import lazy_trace
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
@@ -27,17 +33,20 @@ from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 
 SCHEDULE_CACHE = env_var("SCHEDULE_CACHE", 1, "0: schedule every realize from scratch (no structural schedule cache)")
+SCHEDULE_TRACE = env_var("SCHEDULE_TRACE", 1, "0: the schedule cache keys every realize by walking its graph, not "
+                         "by the creation trace (ourgrad/lazy_trace.py)")
 CACHE_SIZE = 64  # graphs remembered (least recently used dropped first)
-# read at every realize: whether the cache is used (SCHEDULE_CACHE, GRAPH), then the settings the scheduler's decisions
-# depend on, which may change at run time (part of the key)
-_SETTINGS = EnvSnapshot(SCHEDULE_CACHE, GRAPH, KERNEL_OPS_LIMIT, PACK_KERNELS, MAX_PACK_BUFFERS, SPLIT_LAST_BLOCK,
-                        RIDE_ALONG)
+# read at every realize: whether the cache is used (SCHEDULE_CACHE, GRAPH) and the trace (SCHEDULE_TRACE), then the
+# settings the scheduler's decisions depend on, which may change at run time (part of the key)
+_SETTINGS = EnvSnapshot(SCHEDULE_CACHE, SCHEDULE_TRACE, GRAPH, KERNEL_OPS_LIMIT, PACK_KERNELS, MAX_PACK_BUFFERS,
+                        SPLIT_LAST_BLOCK, RIDE_ALONG)
 
 
 @dataclass
 class CacheStats:
   hits: int = 0
   misses: int = 0
+  traced_hits: int = 0   # hits found by the creation trace (no graph walk), counted in hits too
 
 
 stats = CacheStats()
@@ -47,8 +56,8 @@ class _Key:
   twice (get, then move_to_end with the stored key object, which compares by identity)."""
   __slots__ = ("tokens", "hash")
 
-  def __init__(self, tokens: tuple):
-    self.tokens, self.hash = tokens, hash(tokens)
+  def __init__(self, tokens: tuple, hash_value: int | None = None):
+    self.tokens, self.hash = tokens, hash(tokens) if hash_value is None else hash_value
 
   def __hash__(self) -> int: return self.hash
 
@@ -79,9 +88,12 @@ class CachedSchedule:
 
 
 _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
+# the same schedules keyed by creation traces (lazy_trace.py), in the trace's terms (_in_trace_terms)
+_traced: OrderedDict[_Key, CachedSchedule] = OrderedDict()
 # clear_caches() drops the cached schedules too: they keep their kernels' runners and ExecItems (with the buffer handles
 # their launchers were bound to), which would otherwise outlive the compiled-kernel cache they came from
 register_cache_clearer(_cache.clear)
+register_cache_clearer(_traced.clear)
 
 
 def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], list[Buffer]]:
@@ -178,11 +190,41 @@ def _hashable(arg: Any) -> Any:
 
 
 def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
-  """create_schedule(outs), from the cache where a graph of the same structure was scheduled before."""
+  """create_schedule(outs), from the cache where a graph of the same structure was scheduled before: found by the
+  creation trace of the graph (lazy_trace.py: no graph walk) where the whole graph was made since the last schedule,
+  else by the graph walk (_structure)."""
+  for out in outs:
+    if (out if out._base is None else out._base).realized is None: break
+  else:
+    return []   # nothing to compute: the trace goes on (no base changes)
+  try:
+    return _schedule(outs)
+  finally:
+    # the bases scheduling made (staged operands, snapshots) are no part of what the caller builds next
+    lazy_trace.invalidate()
+
+
+def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
+  # (the trace is this frame's alone: it holds every base made since the last schedule, and is let go of below before
+  # the copy-on-write decisions, which must see only the readers someone else holds)
   # the scheduler's functions are looked up at each call, so tools that wrap them (benchmarks, tests) see misses
   # GRAPH=1 draws each graph as the scheduler walks it, so it schedules every realize from scratch
   settings = _SETTINGS.values()
-  if not settings[0] or settings[1]: return scheduler.create_schedule(outs)
+  if not settings[0] or settings[2]: return scheduler.create_schedule(outs)
+  trace = lazy_trace.take()
+  trace_key = _trace_key(trace, outs, settings) if trace is not None and settings[1] else None
+  if trace_key is not None:
+    traced = _traced.get(trace_key)
+    if traced is not None:
+      _traced.move_to_end(traced.key)
+      stats.hits += 1
+      stats.traced_hits += 1
+      bases, leaves = trace.bases, trace.leaves
+      del trace
+      assigns = [(bases[index], bases[index].srcs[1].base) for index in traced.assigns] if traced.assigns else []
+      items = _replay(traced, bases, leaves)
+      del bases, leaves   # (see below)
+      return scheduler.protect_and_pack(items, assigns) if assigns else items
   key, bases, leaves = _structure(outs)
   if not bases: return []
   # (TF32 allowed: matmul operands are staged for the WGMMA plan only then, engine/operand_staging.py)
@@ -198,15 +240,61 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
     stats.misses += 1
     items, assigns = scheduler.build_schedule(outs)
     items = [_with_canonical_ast(item) for item in items]
-    entry = _record(items, bases, leaves)
-    if entry is not None:
-      entry.key = key
-      _cache[key] = entry
+    cached = _record(items, bases, leaves)
+    if cached is not None:
+      cached.key = key
+      _cache[key] = cached
       if len(_cache) > CACHE_SIZE: _cache.popitem(last=False)
+  if trace_key is not None and cached is not None:
+    traced = _in_trace_terms(cached, bases, leaves, trace)
+    if traced is not None:
+      traced.key = trace_key
+      _traced[trace_key] = traced
+      if len(_traced) > CACHE_SIZE: _traced.popitem(last=False)
   # copy-on-write for lazy readers of an assigned buffer is decided on every call, hit or miss, and only after this
-  # frame lets go of the walked graph: only readers someone else still holds may need the old contents
-  del bases, leaves
+  # frame lets go of the walked graph (and of the trace, which holds every base made since the last schedule): only
+  # readers someone else still holds may need the old contents
+  del bases, leaves, trace
   return scheduler.protect_and_pack(items, assigns) if assigns else items
+
+
+def _trace_key(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings: tuple) -> _Key | None:
+  """The key of realizing `outs` from the creation trace: the trace's description (lazy_trace.describe) and each
+  output's position there and view; None when an output is not an unrealized base of the trace (a constant, made
+  before it) or the trace is inconsistent."""
+  references: list[Any] = []
+  for out in outs:
+    base = out if out._base is None else out._base
+    index = trace.position(base)
+    if index < 0 or base.realized is not None: return None
+    references.append(index)
+    references.append(out.st)
+  if not lazy_trace.describe(trace): return None
+  tokens = tuple(trace.tokens)
+  # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__): keys
+  # that share those are told apart by comparing their tokens, which a hit does once anyway
+  described = (tuple(references), settings, tf32_allowed())
+  return _Key((tokens, described), hash((len(tokens), described)))
+
+
+def _in_trace_terms(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer],
+                    trace: lazy_trace.Trace) -> CachedSchedule | None:
+  """`cached` (in the terms of the walk that found `bases` and `leaves`) with its bases as positions in `trace` and
+  its slots in a pool of the trace's leaves (all it read, in first-read order), then the same fresh and scratch
+  buffers; its items keep the same lowerings. None if a walked base or leaf is not in the trace."""
+  position = [trace.position(base) for base in bases]
+  leaf_position = [trace.leaf_index.get(id(buffer), -1) for buffer in leaves]
+  if -1 in position or -1 in leaf_position: return None
+  walk_leaves, trace_leaves = len(leaves), len(trace.leaves)
+
+  def slot(walk_slot: int) -> int:
+    return leaf_position[walk_slot] if walk_slot < walk_leaves else walk_slot - walk_leaves + trace_leaves
+  return CachedSchedule(cached.asts, [tuple(map(slot, slots)) for slots in cached.output_slots],
+                        [tuple(map(slot, slots)) for slots in cached.input_slots],
+                        [(position[index], device, size, dtype) for index, device, size, dtype in cached.fresh],
+                        [(position[index], slot(walk_slot)) for index, walk_slot in cached.shared],
+                        [position[index] for index in cached.cleared], cached.scratch, cached.lowerings,
+                        [position[index] for index in cached.assigns])
 
 
 # One object for each distinct kernel AST seen here: the compiled-kernel cache (realize.get_runner) is keyed by ASTs,

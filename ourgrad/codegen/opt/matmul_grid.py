@@ -17,6 +17,7 @@ heuristic.SHARED_TILES and GRID_EXTRA_TILES the tiles heuristic._shared_tile_ord
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -83,7 +84,17 @@ def matmul_seconds(tile: tuple[int, int, int, int], batch: int, m: int, n: int, 
 def split_k_parts(batch: int, m: int, n: int, k: int, processors: int) -> int:
   """The parts (1: none) that minimize matmul_seconds over the tiles dividing M and N, each part at least
   SPLIT_MIN_PART of K. 1 where the processors are unknown (0), the matmul has under GRID_MIN_MACS multiply-adds or
-  K is under SPLIT_MIN_K."""
+  K is under SPLIT_MIN_K. Remembered: the lazy layer asks for every matmul it builds, each eager step again."""
+  return _remembered_split_k_parts(batch, m, n, k, processors, _tunables())
+
+
+def _tunables() -> tuple:
+  """The module's thresholds the split choices read (in the remembered choices' keys: tests change them)."""
+  return (GRID_MIN_MACS, SPLIT_MIN_K, SPLIT_MIN_PART, SPLIT_PARTS, WGMMA_SPLIT_MAX_FILL)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _remembered_split_k_parts(batch: int, m: int, n: int, k: int, processors: int, tunables: tuple) -> int:
   if processors <= 0 or batch * m * n * k < GRID_MIN_MACS: return 1
   tiles = [tile for tile in TILE_RATES if m % tile_block(tile)[0] == 0 and n % tile_block(tile)[1] == 0]
   if not tiles: return 1
@@ -227,7 +238,15 @@ def wave_fill(grid: WgmmaGrid, batch: int, m: int, n: int, processors: int) -> f
 
 def wgmma_split_parts(batch: int, m: int, n: int, k: int, itemsize: int, processors: int, shared_bytes: int) -> int:
   """The parts (1: none) of K that fastest_wgmma_grid picks for the matmul; 1 where the processors are unknown, K is
-  under SPLIT_MIN_K, or the fastest unsplit grid fills its waves to WGMMA_SPLIT_MAX_FILL."""
+  under SPLIT_MIN_K, or the fastest unsplit grid fills its waves to WGMMA_SPLIT_MAX_FILL. Remembered: the lazy layer
+  asks for every matmul it builds, each eager step again (an eager GPT-2 step validated ~700 WgmmaMatmul candidates
+  in wgmma_grids, ~4 ms of its graph building on the H200)."""
+  return _remembered_wgmma_split_parts(batch, m, n, k, itemsize, processors, shared_bytes, _tunables())
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _remembered_wgmma_split_parts(batch: int, m: int, n: int, k: int, itemsize: int, processors: int,
+                                  shared_bytes: int, tunables: tuple) -> int:
   if processors <= 0 or k < SPLIT_MIN_K: return 1
   whole = fastest_wgmma_grid(batch, m, n, k, itemsize, processors, shared_bytes)
   if whole is not None and wave_fill(whole, batch, m, n, processors) >= WGMMA_SPLIT_MAX_FILL: return 1
