@@ -4,6 +4,7 @@ exit, 2 CUDARenderer.early_launches' rule, 3 every kernel as soon as the blocks 
 all graphs built in one process from the same captured kernels.
 
     python extra/bench/bench_pdl.py [--kernels 200] [--modes 0,1,2,3] [--explain]
+    python extra/bench/bench_pdl.py --decode bfloat16 --only none   (SmolLM2 decode, random weights: tokens/s a mode)
 
 Chains: `tiny` (one block each), `wave` (one wave of small blocks), `waves` (4 million elements: many waves),
 `matmul+tiny` (a 512x512x512 float32 matmul, compute-bound, then a one-block kernel on its result, alternating: do
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("DEVICE", "CUDA")
 from ourgrad import Tensor, TinyJit  # noqa: E402
 from ourgrad.device import Device  # noqa: E402
-from ourgrad.engine.jit import _graph_launch  # noqa: E402
+from ourgrad.engine.jit import GraphReplay, _graph_launch  # noqa: E402
 from ourgrad.runtime.ops_cuda import CUDAGraph  # noqa: E402
 
 
@@ -74,12 +75,40 @@ def bench(name: str, function: Callable[[Tensor], Tensor], x: Tensor, modes: lis
   print(f"{name:<12} {len(launches):>4} kernels: " + " | ".join(results))
 
 
+def bench_decode(weights: str, modes: list[int], steps: int, explain: bool) -> None:
+  """SmolLM2 decode (profile_models.py's random-weight model, `weights` as its --weights): the captured step's graph
+  rebuilt per mode; tokens/s with the logits read on the host each step, and of the graph replays alone."""
+  sys.path.insert(0, str(Path(__file__).resolve().parent))
+  import profile_models
+  args = argparse.Namespace(weights=weights, device="CUDA", context=520, layers=0, sequences=1, timed=0)
+  jit, call = profile_models.decode_workload(args)
+  captured = jit.captured
+  assert captured is not None
+  launches = [_graph_launch(item) for item in captured.items]
+  device = Device["CUDA"]
+  for mode in modes:
+    graph = CUDAGraph(device, launches, mode)
+    if mode == 2: print(graph.describe(launches) if explain else graph.describe(launches).splitlines()[0])
+    captured.replay_runner = GraphReplay(captured.items, graph)
+    host = []
+    for _ in range(3):
+      call()
+      start = time.perf_counter()
+      for _ in range(steps): call()
+      host.append((time.perf_counter() - start) / steps)
+    replay = time_graph(graph, steps)
+    print(f"decode {weights} mode {mode}: {1 / statistics.median(host):7.1f} tok/s (logits to the host each step), "
+          f"graph alone {replay * 1e3:.3f} ms = {replay * 1e6 / len(launches):.2f} us/kernel ({len(launches)} kernels)")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kernels", type=int, default=200)
   parser.add_argument("--modes", default="0,1,2,3")
   parser.add_argument("--only", default="", help="comma-separated chain names")
   parser.add_argument("--explain", action="store_true", help="print mode 2's decision for each kernel")
+  parser.add_argument("--decode", default="", help="also SmolLM2 decode with these weights (bfloat16, q8_0, ...)")
+  parser.add_argument("--steps", type=int, default=64, help="decode steps timed (median of 3)")
   args = parser.parse_args()
   modes = [int(mode) for mode in args.modes.split(",")]
   count = args.kernels
@@ -93,6 +122,7 @@ def main() -> None:
   only = [name for name in args.only.split(",") if name]
   for name, (function, x) in chains.items():
     if not only or name in only: bench(name, function, x, modes, args.explain)
+  for weights in filter(None, args.decode.split(",")): bench_decode(weights, modes, args.steps, args.explain)
 
 
 if __name__ == "__main__":
