@@ -131,6 +131,35 @@ def test_graph_edges_follow_the_mode_and_the_prologue(monkeypatch, arch, mode, e
   del graph
 
 
+def test_footprints_take_the_programs_occupancy(monkeypatch):
+  """Each node's footprint: its grid's blocks and the blocks of its block size the program says a multiprocessor
+  holds (the driver's occupancy on a GPU); 132 multiprocessors (the assumed H100)."""
+  ops_cuda = pytest.importorskip("ourgrad.runtime.ops_cuda", exc_type=ImportError)
+  recorder = _RecordingDriver(ops_cuda.driver)
+  monkeypatch.setattr(ops_cuda, "driver", recorder)
+  monkeypatch.setattr(ops_cuda, "CUDA_DEPENDENT_LAUNCH", 2)
+
+  class OccupancyProgram(_FakeProgram):
+    name = "r_test"
+
+    def __init__(self, resident: int): self.resident, self.asked = resident, []
+
+    def resident_blocks(self, threads: int) -> int:
+      self.asked.append(threads)
+      return self.resident
+  programs = [OccupancyProgram(8), OccupancyProgram(8), OccupancyProgram(2)]
+  # 528 blocks at 8 a multiprocessor: half a wave each; then 132 at 2: another half: the third waits for exits
+  launches = [(programs[0], (528, 1, 1), (16, 8, 1), [1], []), (programs[1], (264, 2, 1), (128, 1, 1), [2], []),
+              (programs[2], (132, 1, 1), (8, 8, 4), [3], [])]
+  graph = ops_cuda.CUDAGraph(_FakeDevice("sm_90"), launches)
+  assert [program.asked for program in programs] == [[128], [128], [256]]
+  assert [(footprint.blocks, footprint.resident_per_multiprocessor) for footprint in graph.footprints] == \
+    [(528, 8), (528, 8), (132, 2)]
+  assert graph.edges == ["first", "start", "exit"]
+  assert "r_test" in graph.describe(launches) and "start 1" in graph.describe(launches).splitlines()[0]
+  del graph
+
+
 def test_early_launches_fit_one_wave_together():
   """The rule from given device facts: 100 multiprocessors, footprints as (blocks, resident blocks a multiprocessor)."""
   from ourgrad.renderer import GpuFacts
