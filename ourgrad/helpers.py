@@ -171,7 +171,8 @@ CUDA_DEPENDENT_LAUNCH = env_var("CUDA_DEPENDENT_LAUNCH", 2, "on sm_90, how a Tin
                                 "0: plain edges (launched when the one before completed); 1: programmatic edges, "
                                 "launched as the blocks of the one before exit; 2: as 1, but a kernel whose blocks fit "
                                 "beside those still resident is launched as soon as the blocks of the one before have "
-                                "started (CUDARenderer.early_launches); 3: every kernel that early (measurements)")
+                                "started (CUDARenderer.early_launches); 3: every kernel that early; 4: as 2, and only "
+                                "after a kernel that takes at most a launch's time (measurements)")
 COMPILE_TIMEOUT = env_var("COMPILE_TIMEOUT", 300.0, "seconds one kernel may take to compile before a CompileError "
                           "naming it (CLANG; 0: no limit)")
 COMPILE_THREADS = env_var("COMPILE_THREADS", 0, "threads that compile a schedule's new kernels side by side "

@@ -112,6 +112,7 @@ _GRIDS = [1, 1, 1, 1000, 1]
   ("sm_90", 1, [False, False, False, False]),
   ("sm_90", 2, [True, True, False, False]),   # the 1000-block grid is several waves: it and the next wait for exits
   ("sm_90", 3, [True, True, True, True]),
+  ("sm_90", 4, [True, True, False, False]),   # the fakes carry no costs: short
   ("sm_90", 0, None), ("sm_80", 1, None), ("sm_80", 2, None)])
 def test_graph_edges_follow_the_mode_and_the_prologue(monkeypatch, arch, mode, early):
   ops_cuda = pytest.importorskip("ourgrad.runtime.ops_cuda", exc_type=ImportError)
@@ -182,8 +183,22 @@ def test_early_launches_fit_one_wave_together():
   assert decide((200, 4), (100, 4), (50, 2), (100, 4), (100, 4)) == [False, True, True, True, True]
 
 
+def test_short_only_launches_early_after_short_kernels():
+  """short_only: a kernel is launched early only after one that moves at most launch_bytes and computes at most
+  launch_ops (what the GPU does in one launch's time)."""
+  from ourgrad.renderer.cuda import GridFootprint
+  renderer = CUDARenderer("sm_90")
+  renderer.multiprocessors, renderer.launch_bytes, renderer.launch_ops = 100, 1000, 5000
+  footprints = [GridFootprint(1, 1, op_count=5000, byte_count=1000),   # short: the next may launch early
+                GridFootprint(1, 1, op_count=5001, byte_count=10),     # too many ops
+                GridFootprint(1, 1, op_count=10, byte_count=1001),     # too many bytes
+                GridFootprint(1, 1), GridFootprint(1, 1)]
+  assert renderer.early_launches(footprints, short_only=True) == [False, True, False, False, True]
+  assert renderer.early_launches(footprints) == [False, True, True, True, True]
+
+
 @pytest.mark.skipif(Device.DEFAULT != "CUDA", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("enabled", [0, 1, 2, 3])
+@pytest.mark.parametrize("enabled", [0, 1, 2, 3, 4])
 def test_jitted_chain_matches_numpy(monkeypatch, enabled):
   from ourgrad.runtime import ops_cuda
   monkeypatch.setattr(ops_cuda, "CUDA_DEPENDENT_LAUNCH", enabled)

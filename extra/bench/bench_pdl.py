@@ -1,9 +1,10 @@
 """Programmatic dependent launch on CUDA: microseconds a kernel of a CUDA graph of N dependent kernels, each chain
 replayed as one graph per CUDA_DEPENDENT_LAUNCH mode (0 plain edges, 1 launched as the blocks of the kernel before
-exit, 2 CUDARenderer.early_launches' rule, 3 every kernel as soon as the blocks of the one before have started),
+exit, 2 CUDARenderer.early_launches' rule, 3 every kernel as soon as the blocks of the one before have started, 4 the
+rule with short_only: only after a kernel that takes at most a launch's time),
 all graphs built in one process from the same captured kernels.
 
-    python extra/bench/bench_pdl.py [--kernels 200] [--modes 0,1,2,3] [--explain]
+    python extra/bench/bench_pdl.py [--kernels 200] [--modes 0,1,2,3,4] [--explain]
     python extra/bench/bench_pdl.py --decode bfloat16 --only none   (SmolLM2 decode, random weights: tokens/s a mode)
 
 Chains: `tiny` (one block each), `wave` (one wave of small blocks), `waves` (4 million elements: many waves),
@@ -88,7 +89,7 @@ def bench_decode(weights: str, modes: list[int], steps: int, explain: bool) -> N
   device = Device["CUDA"]
   for mode in modes:
     graph = CUDAGraph(device, launches, mode)
-    if mode == 2: print(graph.describe(launches) if explain else graph.describe(launches).splitlines()[0])
+    if mode in (2, 4): print(graph.describe(launches) if explain else graph.describe(launches).splitlines()[0])
     captured.replay_runner = GraphReplay(captured.items, graph)
     host = []
     for _ in range(3):
@@ -104,7 +105,7 @@ def bench_decode(weights: str, modes: list[int], steps: int, explain: bool) -> N
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kernels", type=int, default=200)
-  parser.add_argument("--modes", default="0,1,2,3")
+  parser.add_argument("--modes", default="0,1,2,3,4")
   parser.add_argument("--only", default="", help="comma-separated chain names")
   parser.add_argument("--explain", action="store_true", help="print mode 2's decision for each kernel")
   parser.add_argument("--decode", default="", help="also SmolLM2 decode with these weights (bfloat16, q8_0, ...)")

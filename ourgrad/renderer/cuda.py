@@ -39,6 +39,8 @@ class GridFootprint:
   holds at once (the device's occupancy from the kernel's registers, shared memory and threads)."""
   blocks: int
   resident_per_multiprocessor: int
+  op_count: int = 0      # arithmetic ops and bytes moved by one launch (0: not known)
+  byte_count: int = 0
 
   def waves(self, multiprocessors: int) -> float:
     """The share of the whole GPU's room for this kernel's blocks that its grid takes (1.0: exactly one wave)."""
@@ -86,6 +88,9 @@ class CUDARenderer(CStyleLanguage):
   # a load waits ~0.6 us for HBM under load (MNIST's bn2 statistics backward on the H200: 0.65 us a loop iteration
   # whose loads are not overlapped): 0.4 launches; the CUDA device computes it from its own memory bandwidth
   latency_bytes = 1600 << 10
+  # float32 ops in one launch's time (132 multiprocessors x 128 lanes x 2 ops x 1.98 GHz x 1.5 us); the CUDA device
+  # computes it from its own multiprocessors and clock
+  launch_ops = 100_000_000
   local_prefix = "__shared__ "
   local_align = "__align__(16) "
   barrier = "__syncthreads();"
@@ -109,7 +114,7 @@ class CUDARenderer(CStyleLanguage):
     # cvt.rn.bf16.f32 and the paired cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 (sm_80 and newer; unknown: assumed)
     self.has_16bit_cvt = self.has_fused_attention
 
-  def early_launches(self, footprints: list[GridFootprint]) -> list[bool]:
+  def early_launches(self, footprints: list[GridFootprint], short_only: bool = False) -> list[bool]:
     """Per kernel of a CUDA graph's chain, whether it is launched as soon as every block of the kernel before it has
     started (True) instead of as those blocks exit (the implicit trigger; always so for the first kernel).
 
@@ -118,16 +123,22 @@ class CUDARenderer(CStyleLanguage):
     of every kernel that may still be resident (the run of early launches before it, back to the last kernel launched
     as its predecessor's blocks exited) fit in one wave of this GPU together, each spread over all multiprocessors. A
     decode step's small one-wave kernels chain that way; a grid of several waves is never launched early, nor is the
-    kernel after it (its predecessor's last blocks start only as its first ones exit: no latency left to hide)."""
+    kernel after it (its predecessor's last blocks start only as its first ones exit: no latency left to hide).
+    `short_only`: also only after a kernel whose bytes and ops take at most one launch's time on this GPU
+    (launch_bytes, launch_ops), so that no block waits long beside a running kernel."""
     early, resident = [False] * len(footprints), 0.0
     for index, footprint in enumerate(footprints):
       share = footprint.waves(self.multiprocessors)
-      if index > 0 and resident + share <= 1.0:
+      if index > 0 and resident + share <= 1.0 and (not short_only or self._short(footprints[index - 1])):
         early[index] = True
         resident += share
       else:
         resident = share
     return early
+
+  def _short(self, footprint: GridFootprint) -> bool:
+    """Whether a launch moves and computes at most what this GPU does in one launch's time."""
+    return footprint.byte_count <= self.launch_bytes and footprint.op_count <= self.launch_ops
 
   def render_attention(self, name: str, plan: AttentionPlan, arguments: dict[str, int]) -> str:
     """The fused attention kernel of `plan`, its buffers in argument order (see codegen/attention.py)."""

@@ -342,11 +342,14 @@ def programmatic_edge(early: bool) -> Any:
   return edge
 
 
-def launch_footprint(program: Any, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> GridFootprint:
-  """A launch's blocks and the blocks of its size one multiprocessor holds (1 where the program cannot say)."""
+def launch_footprint(launch: tuple) -> GridFootprint:
+  """A graph launch's blocks, the blocks of its size one multiprocessor holds (1 where the program cannot say) and,
+  where the launch carries them (a 6th entry), its ops and bytes."""
+  program, global_size, local_size = launch[:3]
   threads = local_size[0] * local_size[1] * local_size[2]
   resident = program.resident_blocks(threads) if hasattr(program, "resident_blocks") else 1
-  return GridFootprint(global_size[0] * global_size[1] * global_size[2], max(int(resident), 1))
+  op_count, byte_count = launch[5] if len(launch) > 5 else (0, 0)
+  return GridFootprint(global_size[0] * global_size[1] * global_size[2], max(int(resident), 1), op_count, byte_count)
 
 
 def launch_edges(renderer: Any, footprints: list[GridFootprint], mode: int) -> list[str]:
@@ -355,7 +358,8 @@ def launch_edges(renderer: Any, footprints: list[GridFootprint], mode: int) -> l
   all of its blocks have started); the first kernel's entry is "first"."""
   if not getattr(renderer, "dependent_launch", False) or mode <= 0: kinds = ["plain"] * len(footprints)
   elif mode == 1: kinds = ["exit"] * len(footprints)
-  elif mode == 2: kinds = ["start" if early else "exit" for early in renderer.early_launches(footprints)]
+  elif mode in (2, 4):
+    kinds = ["start" if early else "exit" for early in renderer.early_launches(footprints, short_only=mode == 4)]
   else: kinds = ["start"] * len(footprints)
   return ["first"] + kinds[1:] if kinds else kinds
 
@@ -372,10 +376,9 @@ class CUDAGraph:
   pointer into that array and marks the node, and `launch` hands each marked node's struct to the driver
   (cuGraphExecKernelNodeSetParams: no re-instantiation, nothing rebuilt) before one cuGraphLaunch."""
 
-  def __init__(self, device: CUDADevice,
-               launches: list[tuple[CUDAProgram, tuple[int, ...], tuple[int, ...], list, list[int]]],
-               mode: int | None = None):
-    """`mode`: CUDA_DEPENDENT_LAUNCH's value unless given (a benchmark builds one chain several ways)."""
+  def __init__(self, device: CUDADevice, launches: list[tuple], mode: int | None = None):
+    """`launches`: (program, global size, local size, buffer handles, int arguments[, (ops, bytes)]) each; `mode`:
+    CUDA_DEPENDENT_LAUNCH's value unless given (a benchmark builds one chain several ways)."""
     self.device = device
     device.make_current()
     self.graph = check(driver.cuGraphCreate(0), "cuGraphCreate")
@@ -385,11 +388,11 @@ class CUDAGraph:
     self.keep_alive: list[Any] = []  # per node: the array of pointers to those arguments
     self.changed: set[int] = set()   # nodes whose arguments changed since the last launch
     renderer = getattr(device, "renderer", None)
-    self.footprints = [launch_footprint(program, global_size, local_size)
-                       for program, global_size, local_size, _, _ in launches]
+    self.footprints = [launch_footprint(launch) for launch in launches]
     self.edges = launch_edges(renderer, self.footprints, int(CUDA_DEPENDENT_LAUNCH) if mode is None else mode)
     previous: list[Any] = []
-    for (program, global_size, local_size, handles, values), edge_kind in zip(launches, self.edges):
+    for launch, edge_kind in zip(launches, self.edges):
+      program, global_size, local_size, handles, values = launch[:5]
       # one 8-byte slot per argument: a buffer's device pointer, or a symbolic Variable's value (the kernel's `int`
       # reads the slot's low 4 bytes: little-endian)
       words = [int(handle) for handle in handles] + [value & 0xFFFFFFFF for value in values]
@@ -479,6 +482,7 @@ class CUDADevice(Compiled):
     renderer.set_gpu_facts(facts)   # the heuristics size grids, split reduces and tiles by this GPU's own
     renderer.launch_bytes = int(LAUNCH_SECONDS * self._memory_bandwidth())
     renderer.latency_bytes = int(MEMORY_LATENCY_SECONDS * self._memory_bandwidth())
+    renderer.launch_ops = int(LAUNCH_SECONDS * self._float32_ops_per_second(facts.multiprocessors))
     super().__init__(name, CUDAAllocator(self), renderer, CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
@@ -495,6 +499,14 @@ class CUDADevice(Compiled):
                     read("CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR"),
                     read("CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR"),
                     read("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
+
+  def _float32_ops_per_second(self, multiprocessors: int) -> float:
+    """Peak float32 ops a second from the driver's clock: an FMA (2 ops) a lane a cycle, 128 lanes a multiprocessor
+    (sm_86 and newer; sm_80's have 64)."""
+    clock_khz = check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
+                                                  self.cu_device), "cuDeviceGetAttribute")
+    lanes = 64 if self.arch == "sm_80" else 128
+    return 2.0 * lanes * multiprocessors * clock_khz * 1e3
 
   def _memory_bandwidth(self) -> float:
     """Peak DRAM bytes per second from the driver: memory clock (kHz) x bus width (bits), double data rate."""
