@@ -19,15 +19,16 @@ from ourgrad.renderer.cstyle import (BFLOAT16_IN_FLOAT, DYNAMIC_SHARED_ARRAY, DY
 
 # Programmatic dependent launch (PTX griddepcontrol, sm_90): a kernel waits here until the kernel before it has
 # finished and its writes are visible (a no-op when it was launched the ordinary way). In a CUDA graph with programmatic
-# edges (runtime/ops_cuda.CUDAGraph) the next kernel is launched before this one has completed, so its launch latency
-# hides behind this kernel's run. When is CUDARenderer.early_launches' rule: as this kernel's blocks exit (the
-# implicit trigger), or as soon as all of them have started (the edge's launch-order port, which is what an explicit
-# griddepcontrol.launch_dependents at the kernel's start did, without a recompile). H200 (TinyJit replays), implicit
-# trigger against plain edges: MLP step 0.120 -> 0.114 ms, MNIST CNN 0.144 -> 0.133, SmolLM2 decode 728 -> 776 tok/s.
-# Session 11: the trigger at every kernel's start gave decode 854 tok/s but made the MLP step 0.222 ms (the launched
-# dependents sit resident beside a running kernel); session 13 (bf16 decode, the trigger right after the wait): 1191
-# tok/s with the logits read each step (1336 without) and 1714 fed back (1671); L2 prefetches of each thread's first
-# loads before the wait gave 656 / 747 tok/s and MLP / MNIST CNN steps of 0.218 / 0.389 ms: not kept.
+# edges (runtime/ops_cuda.CUDAGraph) the next kernel is launched before this one has completed: by default as this
+# kernel's blocks exit (the implicit trigger; H200 against plain edges: MLP step 0.120 -> 0.114 ms, MNIST CNN 0.144 ->
+# 0.133, SmolLM2 decode 728 -> 776 tok/s), or, for measurements, as soon as all of them have started where
+# CUDARenderer.early_launches says (the edge's launch-order port: what a griddepcontrol.launch_dependents at the
+# kernel's start does, without a recompile). Launched early, the next kernel's blocks wait resident beside this one
+# and slow it: session 15 (bench_pdl.py) MLP step 0.114 -> 0.218 ms with the one-wave rule, bf16 decode 1436 -> 1408
+# tok/s (a graph's own cost is ~0.6 us a kernel either way). Session 11, the trigger at every kernel's start: decode
+# 854 tok/s but the MLP step 0.222 ms; session 13 (bf16 decode, the trigger right after the wait): 1191 tok/s with the
+# logits read each step (1336 without) and 1714 fed back (1671); L2 prefetches of each thread's first loads before the
+# wait gave 656 / 747 tok/s and MLP / MNIST CNN steps of 0.218 / 0.389 ms: none kept.
 DEPENDENT_LAUNCH_PROLOGUE = ("#if __CUDA_ARCH__ >= 900\n"
                              '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
                              "#endif\n")
@@ -102,8 +103,7 @@ class CUDARenderer(CStyleLanguage):
   # warpgroup MMA (OptOps.WGMMA, codegen/wgmma_tiles.py): on sm_90 (H100, H200), compiled for sm_90a
   has_wgmma = False
   # programmatic dependent launch (sm_90): every kernel starts with DEPENDENT_LAUNCH_PROLOGUE, so a CUDA graph whose
-  # edges are programmatic (runtime/ops_cuda.CUDAGraph) launches each kernel while the one before still runs, when
-  # early_launches says
+  # edges are programmatic (runtime/ops_cuda.CUDAGraph) launches each kernel while the one before still runs
   dependent_launch = False
 
   def __init__(self, arch: str = "") -> None:

@@ -369,9 +369,12 @@ class CUDAGraph:
   ran in that order on one stream), instantiated once. Where the renderer writes the dependent-launch prologue
   (sm_90, renderer/cuda.py DEPENDENT_LAUNCH_PROLOGUE) and CUDA_DEPENDENT_LAUNCH is on, the edges are programmatic: a
   kernel is launched before the one before it has completed, and waits in its prologue for it to finish, so the
-  launch latency hides behind the previous kernel's run. With mode 2 (the default) CUDARenderer.early_launches says
-  which kernels launch as soon as every block of the one before has started, the others as those blocks exit (the
-  footprints come from the capture's launch sizes; a later size of a symbolic kernel changes only the timing).
+  launch latency hides behind the previous kernel's run. By default (mode 1) each is launched as the blocks of the one
+  before exit; modes 2 and 4 launch those CUDARenderer.early_launches picks as soon as every block of the one before
+  has started (the footprints come from the capture's launch sizes; a later size of a symbolic kernel changes only the
+  timing), mode 3 all of them. H200 (extra/bench/bench_pdl.py): a graph's own cost is ~0.6 us a kernel on the exits,
+  ~0.56 launched early, while an early-launched kernel's resident blocks slow the kernel they wait beside (MLP step
+  0.114 -> 0.218 ms in mode 2), so the exits are the default.
   Each node's parameter struct and its argument array stay alive for the graph's life: `set_argument` writes one
   pointer into that array and marks the node, and `launch` hands each marked node's struct to the driver
   (cuGraphExecKernelNodeSetParams: no re-instantiation, nothing rebuilt) before one cuGraphLaunch."""
