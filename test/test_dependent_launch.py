@@ -158,6 +158,7 @@ def test_footprints_take_the_programs_occupancy(monkeypatch):
     [(528, 8), (528, 8), (132, 2)]
   assert graph.edges == ["first", "start", "exit"]
   assert "r_test" in graph.describe(launches) and "start 1" in graph.describe(launches).splitlines()[0]
+  assert graph.describe(launches, per_kernel=False) == "CUDA graph: 3 kernels, edges first 1, start 1, exit 1"
   del graph
 
 

@@ -421,14 +421,16 @@ class CUDAGraph:
       self.arguments.append(arguments)
       self.keep_alive.append(pointers)
     self.graph_exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
-    # DEBUG=1 only: at DEBUG>=2 the JIT replays kernel by kernel, without a graph, to time each
-    if DEBUG >= 1: print(self.describe(launches))
+    # DEBUG=1 only: at DEBUG>=2 the JIT replays kernel by kernel, without a graph, to time each. Each kernel's line
+    # where the rule decided (modes 2 and 4), else the counts
+    if DEBUG >= 1: print(self.describe(launches, per_kernel=len(set(self.edges[1:])) > 1))
 
-  def describe(self, launches: list) -> str:
-    """The counts of each edge kind, then each kernel's dependent-launch decision: its name, blocks, resident blocks
-    a multiprocessor, share of a wave and edge from the kernel before."""
+  def describe(self, launches: list, per_kernel: bool = True) -> str:
+    """The counts of each edge kind, then (`per_kernel`) each kernel's dependent-launch decision: its name, blocks,
+    resident blocks a multiprocessor, share of a wave and edge from the kernel before."""
     counts = {kind: self.edges.count(kind) for kind in dict.fromkeys(self.edges)}
     summary = f"CUDA graph: {len(self.edges)} kernels, edges " + ", ".join(f"{kind} {n}" for kind, n in counts.items())
+    if not per_kernel: return summary
     multiprocessors = getattr(getattr(self.device, "renderer", None), "multiprocessors", 0) or 1
     lines = [f"  {getattr(launch[0], 'name', '?'):<40} blocks {footprint.blocks:>6} resident/SM "
              f"{footprint.resident_per_multiprocessor:>3} wave {footprint.waves(multiprocessors):6.3f} {edge}"
