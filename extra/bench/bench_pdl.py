@@ -9,7 +9,8 @@ all graphs built in one process from the same captured kernels.
 
 Chains: `tiny` (one block each), `wave` (one wave of small blocks), `waves` (4 million elements: many waves),
 `matmul+tiny` (a 512x512x512 float32 matmul, compute-bound, then a one-block kernel on its result, alternating: do
-early-launched kernels waiting beside a running one slow it?).
+early-launched kernels waiting beside a running one slow it?), `matmul+wide` (the same with an elementwise kernel of
+512 blocks after each matmul: many waiting blocks beside it).
 """
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ def matmul_then_tiny(weights: Tensor, count: int) -> Callable[[Tensor], Tensor]:
       scale = (product[0:1, 0:1] * 1e-3 + 1).realize()
       x = product * scale   # fused into the next matmul's loads
     return x.realize()
+  return run
+
+
+def matmul_then_wide(weights: Tensor, count: int) -> Callable[[Tensor], Tensor]:
+  """`count` times: a matmul, then an elementwise kernel over its result (512 blocks) that the next matmul reads."""
+  def run(x: Tensor) -> Tensor:
+    for _ in range(count): x = ((x @ weights).realize() * 0.5 + 0.25).realize()
+    return x
   return run
 
 
@@ -119,6 +128,7 @@ def main() -> None:
     "wave": (chain(lambda x: x * 0.999 + 0.5, count), Tensor.rand(132 * 4 * 128).realize()),
     "waves": (chain(lambda x: x * 0.999 + 0.5, count // 4), Tensor.rand(1 << 22).realize()),
     "matmul+tiny": (matmul_then_tiny(weights.realize(), count // 4), Tensor.rand(512, 512).realize()),
+    "matmul+wide": (matmul_then_wide(weights.realize(), count // 4), Tensor.rand(512, 512).realize()),
   }
   only = [name for name in args.only.split(",") if name]
   for name, (function, x) in chains.items():
