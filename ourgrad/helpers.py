@@ -166,9 +166,13 @@ COMPILE_CACHE_BYTES = env_var("COMPILE_CACHE_BYTES", 2 << 30, "most bytes the on
 CUDA_PTX = env_var("CUDA_PTX", 0, "1: the CUDA device has NVRTC compile kernels to PTX only and the driver compile "
                    "the PTX when it loads it; 0: NVRTC compiles to the GPU's machine code (CUBIN). On the H100 a new "
                    "8-op kernel's first result took 41 ms with CUBIN, 57 ms with PTX (the driver's load: 22 ms)")
-CUDA_DEPENDENT_LAUNCH = env_var("CUDA_DEPENDENT_LAUNCH", 1, "1: on sm_90 a TinyJit's CUDA graph links its kernels "
-                                "by programmatic edges (each launches as the blocks of the one before exit and waits "
-                                "for it in its prologue); 0: plain edges (each launches when the one before completed)")
+CUDA_DEPENDENT_LAUNCH = env_var("CUDA_DEPENDENT_LAUNCH", 1, "on sm_90, how a TinyJit's CUDA graph launches each "
+                                "kernel before the one before it has completed (each waits for it in its prologue): "
+                                "0: plain edges (launched when the one before completed); 1: programmatic edges, "
+                                "launched as the blocks of the one before exit; 2: as 1, but a kernel whose blocks fit "
+                                "beside those still resident is launched as soon as the blocks of the one before have "
+                                "started (CUDARenderer.early_launches); 3: every kernel that early; 4: as 2, and only "
+                                "after a kernel that takes at most a launch's time (2-4: measurements, docs/jit.md)")
 COMPILE_TIMEOUT = env_var("COMPILE_TIMEOUT", 300.0, "seconds one kernel may take to compile before a CompileError "
                           "naming it (CLANG; 0: no limit)")
 COMPILE_THREADS = env_var("COMPILE_THREADS", 0, "threads that compile a schedule's new kernels side by side "

@@ -399,7 +399,7 @@ def _recording_graph(built: list, updates: list, launches: list, sizes: list | N
     def __init__(self, kernel_launches):
       built.append(len(kernel_launches))
       self.kernels = [(program, len(handles), [*handles, *values])
-                      for program, _, _, handles, values in kernel_launches]
+                      for program, _, _, handles, values, _costs in kernel_launches]
 
     def set_argument(self, index, position, value):
       updates.append((index, position))

@@ -34,7 +34,10 @@ def time_step(name: str, make_model, shape: tuple[int, ...], batch: int) -> None
     times.append((time.perf_counter() - start) / 50)
   keys = ("SPLIT_LAST_BLOCK", "CUDA_DEPENDENT_LAUNCH", "RIDE_ALONG")
   settings = " ".join(f"{key}={os.environ[key]}" for key in keys if key in os.environ)
-  print(f"{name} [{settings or 'defaults'}]: {np.median(times) * 1e3:.4f} ms ({len(step.captured.items)} kernels)")
+  edges = getattr(getattr(step.captured.replay_runner, "graph", None), "edges", [])   # CUDAGraph's dependent launches
+  counts = ", ".join(f"{kind} {edges.count(kind)}" for kind in dict.fromkeys(edges))
+  print(f"{name} [{settings or 'defaults'}]: {np.median(times) * 1e3:.4f} ms ({len(step.captured.items)} kernels"
+        f"{'; edges ' + counts if counts else ''})")
 
 
 if __name__ == "__main__":

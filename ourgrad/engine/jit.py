@@ -601,8 +601,9 @@ class GraphReplay:
 def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
   """A device graph when every item is a kernel of one device that has a graph class, else an item loop.
 
-  A graph launch is (program, global size, local size, buffer handles, int arguments): kernels with symbolic sizes
-  get their Variables' values at capture, and GraphReplay.set_var_vals changes them (and the sizes) per call."""
+  A graph launch is (program, global size, local size, buffer handles, int arguments, (ops, bytes)): kernels with
+  symbolic sizes get their Variables' values at capture, and GraphReplay.set_var_vals changes them (and the sizes)
+  per call."""
   devices = {item.device for item in items}
   if len(devices) == 1 and all(isinstance(item.runner, CompiledRunner) for item in items) and DEBUG < 2:
     graph_class = getattr(Device[next(iter(devices))], "graph", None)
@@ -618,10 +619,12 @@ def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
   return ItemReplay(items)
 
 
-def _graph_launch(item: ExecItem) -> tuple[Any, tuple[int, ...], tuple[int, ...], list[Any], list[int]]:
+def _graph_launch(item: ExecItem) -> tuple[Any, tuple[int, ...], tuple[int, ...], list[Any], list[int],
+                                           tuple[int, int]]:
   runner = item.runner
   assert isinstance(runner, CompiledRunner)
   values = [item.var_vals[name] for name in runner.var_names]
   global_size = tuple(sym_infer(size, item.var_vals) for size in runner.global_size)
   local_size = tuple(sym_infer(size, item.var_vals) for size in runner.local_size)
-  return runner.program, global_size, local_size, [buffer.handle for buffer in item.bufs], values
+  costs = (runner.op_count, runner.byte_count)   # what one launch computes and moves (a graph's launch policy)
+  return runner.program, global_size, local_size, [buffer.handle for buffer in item.bufs], values, costs

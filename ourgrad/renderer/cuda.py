@@ -4,6 +4,7 @@ the wgmma matmul kernel of codegen/wgmma_tiles.py."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ourgrad.codegen.attention import AttentionPlan, render_attention
 from ourgrad.codegen.attention_grad import AttentionGradKernel, render_attention_grad_cuda
@@ -18,17 +19,33 @@ from ourgrad.renderer.cstyle import (BFLOAT16_IN_FLOAT, DYNAMIC_SHARED_ARRAY, DY
 
 # Programmatic dependent launch (PTX griddepcontrol, sm_90): a kernel waits here until the kernel before it has
 # finished and its writes are visible (a no-op when it was launched the ordinary way). In a CUDA graph with programmatic
-# edges (runtime/ops_cuda.CUDAGraph) the next kernel is then launched as the blocks of this one exit (the implicit
-# trigger), not after the whole grid has completed and been retired: its blocks are resident and waiting when this
-# kernel's last one ends. H200 (TinyJit replays): MLP step 0.120 -> 0.114 ms, MNIST CNN 0.144 -> 0.133, SmolLM2 decode
-# 728 -> 776 tok/s. An explicit griddepcontrol.launch_dependents at the kernel's start launched the next kernel even
-# earlier (decode 854 tok/s) but made the MLP step 0.222 ms: not used until that is understood. Session 13 (H200,
-# SmolLM2 bf16 decode, profile_models.py --timed 64): the trigger right after the wait gave 1191 tok/s with the logits
-# read each step (1336 without) and 1714 fed back (1671); that plus L2 prefetches, before the wait, of each thread's
-# first loads gave 656 / 747 tok/s and MLP / MNIST CNN steps of 0.218 / 0.389 ms: neither kept.
+# edges (runtime/ops_cuda.CUDAGraph) the next kernel is launched before this one has completed: by default as this
+# kernel's blocks exit (the implicit trigger; H200 against plain edges: MLP step 0.120 -> 0.114 ms, MNIST CNN 0.144 ->
+# 0.133, SmolLM2 decode 728 -> 776 tok/s), or, for measurements, as soon as all of them have started where
+# CUDARenderer.early_launches says (the edge's launch-order port: what a griddepcontrol.launch_dependents at the
+# kernel's start does, without a recompile). Launched early, the next kernel's blocks wait resident beside this one
+# and slow it: session 15 (bench_pdl.py) MLP step 0.114 -> 0.218 ms with the one-wave rule, bf16 decode 1436 -> 1408
+# tok/s (a graph's own cost is ~0.6 us a kernel either way). Session 11, the trigger at every kernel's start: decode
+# 854 tok/s but the MLP step 0.222 ms; session 13 (bf16 decode, the trigger right after the wait): 1191 tok/s with the
+# logits read each step (1336 without) and 1714 fed back (1671); L2 prefetches of each thread's first loads before the
+# wait gave 656 / 747 tok/s and MLP / MNIST CNN steps of 0.218 / 0.389 ms: none kept.
 DEPENDENT_LAUNCH_PROLOGUE = ("#if __CUDA_ARCH__ >= 900\n"
                              '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
                              "#endif\n")
+
+
+@dataclass(frozen=True)
+class GridFootprint:
+  """One kernel launch as dependent launch sees it: its grid's blocks and how many of its blocks one multiprocessor
+  holds at once (the device's occupancy from the kernel's registers, shared memory and threads)."""
+  blocks: int
+  resident_per_multiprocessor: int
+  op_count: int = 0      # arithmetic ops and bytes moved by one launch (0: not known)
+  byte_count: int = 0
+
+  def waves(self, multiprocessors: int) -> float:
+    """The share of the whole GPU's room for this kernel's blocks that its grid takes (1.0: exactly one wave)."""
+    return self.blocks / (multiprocessors * max(self.resident_per_multiprocessor, 1))
 
 
 # the device function that rounds two floats to one word of two 16-bit floats (the first in the low half), per dtype
@@ -72,6 +89,9 @@ class CUDARenderer(CStyleLanguage):
   # a load waits ~0.6 us for HBM under load (MNIST's bn2 statistics backward on the H200: 0.65 us a loop iteration
   # whose loads are not overlapped): 0.4 launches; the CUDA device computes it from its own memory bandwidth
   latency_bytes = 1600 << 10
+  # float32 ops in one launch's time (132 multiprocessors x 128 lanes x 2 ops x 1.98 GHz x 1.5 us); the CUDA device
+  # computes it from its own multiprocessors and clock
+  launch_ops = 100_000_000
   local_prefix = "__shared__ "
   local_align = "__align__(16) "
   barrier = "__syncthreads();"
@@ -93,6 +113,32 @@ class CUDARenderer(CStyleLanguage):
     self.has_fused_attention = arch == "" or int(arch.removeprefix("sm_").rstrip("a")) >= 80
     # cvt.rn.bf16.f32 and the paired cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 (sm_80 and newer; unknown: assumed)
     self.has_16bit_cvt = self.has_fused_attention
+
+  def early_launches(self, footprints: list[GridFootprint], short_only: bool = False) -> list[bool]:
+    """Per kernel of a CUDA graph's chain, whether it is launched as soon as every block of the kernel before it has
+    started (True) instead of as those blocks exit (the implicit trigger; always so for the first kernel).
+
+    A kernel launched early waits, resident, until the one before completes: its blocks take room beside the running
+    kernels, and once placed they stay where they were put. So it is launched early only where its blocks and those
+    of every kernel that may still be resident (the run of early launches before it, back to the last kernel launched
+    as its predecessor's blocks exited) fit in one wave of this GPU together, each spread over all multiprocessors. A
+    decode step's small one-wave kernels chain that way; a grid of several waves is never launched early, nor is the
+    kernel after it (its predecessor's last blocks start only as its first ones exit: no latency left to hide).
+    `short_only`: also only after a kernel whose bytes and ops take at most one launch's time on this GPU
+    (launch_bytes, launch_ops), so that no block waits long beside a running kernel."""
+    early, resident = [False] * len(footprints), 0.0
+    for index, footprint in enumerate(footprints):
+      share = footprint.waves(self.multiprocessors)
+      if index > 0 and resident + share <= 1.0 and (not short_only or self._short(footprints[index - 1])):
+        early[index] = True
+        resident += share
+      else:
+        resident = share
+    return early
+
+  def _short(self, footprint: GridFootprint) -> bool:
+    """Whether a launch moves and computes at most what this GPU does in one launch's time."""
+    return footprint.byte_count <= self.launch_bytes and footprint.op_count <= self.launch_ops
 
   def render_attention(self, name: str, plan: AttentionPlan, arguments: dict[str, int]) -> str:
     """The fused attention kernel of `plan`, its buffers in argument order (see codegen/attention.py)."""

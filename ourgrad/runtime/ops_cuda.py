@@ -21,9 +21,9 @@ import numpy as np
 
 from ourgrad.device import Compiled, Compiler, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH, CUDA_PTX
+from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH, CUDA_PTX, DEBUG
 from ourgrad.renderer import GpuFacts
-from ourgrad.renderer.cuda import DYNAMIC_SHARED_SYMBOL, CUDARenderer
+from ourgrad.renderer.cuda import DYNAMIC_SHARED_SYMBOL, CUDARenderer, GridFootprint
 
 try:
   from cuda.bindings import driver, nvrtc
@@ -251,6 +251,7 @@ class CUDAProgram:
     self._arguments: Any = None   # (ctypes.c_uint64 * n): the buffer pointers of the launch being made
     self._pointers: Any = None    # (ctypes.c_void_p * n): the address of each of those values (kernelParams)
     self._params_address = 0
+    self._resident_blocks: dict[int, int] = {}   # threads a block -> blocks a multiprocessor holds (resident_blocks)
 
   def _dynamic_shared_bytes(self) -> int:
     """The dynamic shared memory the kernel declares (CUDARenderer: `ourgrad_dynamic_shared_bytes`, where its tiles
@@ -266,6 +267,14 @@ class CUDAProgram:
     carveout = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
     check(driver.cuFuncSetAttribute(self.function, carveout, 100), "cuFuncSetAttribute")
     return value.value
+
+  def resident_blocks(self, threads: int) -> int:
+    """Blocks of `threads` threads one multiprocessor holds at once (the driver's occupancy: registers, shared
+    memory, threads and block slots of this kernel on this GPU), asked once per block size."""
+    if threads not in self._resident_blocks:
+      self._resident_blocks[threads] = check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        self.function, threads, self.shared_bytes), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    return self._resident_blocks[threads]
 
   def _argument_arrays(self, count: int) -> Any:
     """The argument values array for `count` buffer pointers, made on the first launch (and again if a launch passes
@@ -321,27 +330,58 @@ class CUDAProgram:
     return milliseconds / 1e3
 
 
-def programmatic_edge() -> Any:
-  """A graph edge after which the next kernel may launch once every block of the previous one has exited (or
-  triggered with griddepcontrol.launch_dependents), rather than when the grid has completed."""
+def programmatic_edge(early: bool) -> Any:
+  """A graph edge after which the next kernel may launch before the previous one has completed (it waits for it in
+  DEPENDENT_LAUNCH_PROLOGUE): once every block of the previous one has exited (or triggered with
+  griddepcontrol.launch_dependents, which no kernel does), or, `early`, once every one of them has started (the
+  launch-order port: a trigger at each block's start, without one in the kernel's source)."""
   edge = driver.CUgraphEdgeData()
   edge.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
-  edge.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+  edge.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER if early else \
+    driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
   return edge
+
+
+def launch_footprint(launch: tuple) -> GridFootprint:
+  """A graph launch's blocks, the blocks of its size one multiprocessor holds (1 where the program cannot say) and,
+  where the launch carries them (a 6th entry), its ops and bytes."""
+  program, global_size, local_size = launch[:3]
+  threads = local_size[0] * local_size[1] * local_size[2]
+  resident = program.resident_blocks(threads) if hasattr(program, "resident_blocks") else 1
+  op_count, byte_count = launch[5] if len(launch) > 5 else (0, 0)
+  return GridFootprint(global_size[0] * global_size[1] * global_size[2], max(int(resident), 1), op_count, byte_count)
+
+
+def launch_edges(renderer: Any, footprints: list[GridFootprint], mode: int) -> list[str]:
+  """How each kernel of a graph's chain follows the one before (CUDA_DEPENDENT_LAUNCH's `mode`): "plain" (after it
+  completed; always so without the dependent-launch prologue), "exit" (as its blocks exit) or "start" (as soon as
+  all of its blocks have started); the first kernel's entry is "first"."""
+  if not getattr(renderer, "dependent_launch", False) or mode <= 0: kinds = ["plain"] * len(footprints)
+  elif mode == 1: kinds = ["exit"] * len(footprints)
+  elif mode in (2, 4):
+    kinds = ["start" if early else "exit" for early in renderer.early_launches(footprints, short_only=mode == 4)]
+  else: kinds = ["start"] * len(footprints)
+  return ["first"] + kinds[1:] if kinds else kinds
 
 
 class CUDAGraph:
   """Kernels replayed by the JIT as one CUDA graph: one kernel node per launch, each depending on the one before (they
   ran in that order on one stream), instantiated once. Where the renderer writes the dependent-launch prologue
   (sm_90, renderer/cuda.py DEPENDENT_LAUNCH_PROLOGUE) and CUDA_DEPENDENT_LAUNCH is on, the edges are programmatic: a
-  kernel is launched as the blocks of the one before exit, and waits in its prologue for that kernel to finish, so
-  the launch latency hides behind the previous kernel's last blocks. Each node's parameter struct
-  and its argument array stay alive for the graph's life: `set_argument` writes one pointer into that array and
-  marks the node, and `launch` hands each marked node's struct to the driver (cuGraphExecKernelNodeSetParams: no
-  re-instantiation, nothing rebuilt) before one cuGraphLaunch."""
+  kernel is launched before the one before it has completed, and waits in its prologue for it to finish, so the
+  launch latency hides behind the previous kernel's run. By default (mode 1) each is launched as the blocks of the one
+  before exit; modes 2 and 4 launch those CUDARenderer.early_launches picks as soon as every block of the one before
+  has started (the footprints come from the capture's launch sizes; a later size of a symbolic kernel changes only the
+  timing), mode 3 all of them. H200 (extra/bench/bench_pdl.py): a graph's own cost is ~0.6 us a kernel on the exits,
+  ~0.56 launched early, while an early-launched kernel's resident blocks slow the kernel they wait beside (MLP step
+  0.114 -> 0.218 ms in mode 2), so the exits are the default.
+  Each node's parameter struct and its argument array stay alive for the graph's life: `set_argument` writes one
+  pointer into that array and marks the node, and `launch` hands each marked node's struct to the driver
+  (cuGraphExecKernelNodeSetParams: no re-instantiation, nothing rebuilt) before one cuGraphLaunch."""
 
-  def __init__(self, device: CUDADevice,
-               launches: list[tuple[CUDAProgram, tuple[int, ...], tuple[int, ...], list, list[int]]]):
+  def __init__(self, device: CUDADevice, launches: list[tuple], mode: int | None = None):
+    """`launches`: (program, global size, local size, buffer handles, int arguments[, (ops, bytes)]) each; `mode`:
+    CUDA_DEPENDENT_LAUNCH's value unless given (a benchmark builds one chain several ways)."""
     self.device = device
     device.make_current()
     self.graph = check(driver.cuGraphCreate(0), "cuGraphCreate")
@@ -350,10 +390,12 @@ class CUDAGraph:
     self.arguments: list[Any] = []   # per node: the kernel's pointer arguments (the memory kernelParams points into)
     self.keep_alive: list[Any] = []  # per node: the array of pointers to those arguments
     self.changed: set[int] = set()   # nodes whose arguments changed since the last launch
-    previous: list[Any] = []
     renderer = getattr(device, "renderer", None)
-    programmatic = getattr(renderer, "dependent_launch", False) and bool(CUDA_DEPENDENT_LAUNCH)
-    for program, global_size, local_size, handles, values in launches:
+    self.footprints = [launch_footprint(launch) for launch in launches]
+    self.edges = launch_edges(renderer, self.footprints, int(CUDA_DEPENDENT_LAUNCH) if mode is None else mode)
+    previous: list[Any] = []
+    for launch, edge_kind in zip(launches, self.edges):
+      program, global_size, local_size, handles, values = launch[:5]
       # one 8-byte slot per argument: a buffer's device pointer, or a symbolic Variable's value (the kernel's `int`
       # reads the slot's low 4 bytes: little-endian)
       words = [int(handle) for handle in handles] + [value & 0xFFFFFFFF for value in values]
@@ -367,9 +409,9 @@ class CUDAGraph:
       params.sharedMemBytes = program.shared_bytes
       params.kernelParams = ctypes.addressof(pointers)
       params.extra = 0
-      if programmatic and previous:
+      if edge_kind in ("exit", "start"):
         node = check(driver.cuGraphAddKernelNode(self.graph, [], 0, params), "cuGraphAddKernelNode")
-        check(driver.cuGraphAddDependencies(self.graph, previous, [node], [programmatic_edge()], 1),
+        check(driver.cuGraphAddDependencies(self.graph, previous, [node], [programmatic_edge(edge_kind == "start")], 1),
               "cuGraphAddDependencies")
       else:
         node = check(driver.cuGraphAddKernelNode(self.graph, previous, len(previous), params), "cuGraphAddKernelNode")
@@ -379,6 +421,21 @@ class CUDAGraph:
       self.arguments.append(arguments)
       self.keep_alive.append(pointers)
     self.graph_exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+    # DEBUG=1 only: at DEBUG>=2 the JIT replays kernel by kernel, without a graph, to time each. Each kernel's line
+    # where the rule decided (modes 2 and 4), else the counts
+    if DEBUG >= 1: print(self.describe(launches, per_kernel=len(set(self.edges[1:])) > 1))
+
+  def describe(self, launches: list, per_kernel: bool = True) -> str:
+    """The counts of each edge kind, then (`per_kernel`) each kernel's dependent-launch decision: its name, blocks,
+    resident blocks a multiprocessor, share of a wave and edge from the kernel before."""
+    counts = {kind: self.edges.count(kind) for kind in dict.fromkeys(self.edges)}
+    summary = f"CUDA graph: {len(self.edges)} kernels, edges " + ", ".join(f"{kind} {n}" for kind, n in counts.items())
+    if not per_kernel: return summary
+    multiprocessors = getattr(getattr(self.device, "renderer", None), "multiprocessors", 0) or 1
+    lines = [f"  {getattr(launch[0], 'name', '?'):<40} blocks {footprint.blocks:>6} resident/SM "
+             f"{footprint.resident_per_multiprocessor:>3} wave {footprint.waves(multiprocessors):6.3f} {edge}"
+             for launch, footprint, edge in zip(launches, self.footprints, self.edges)]
+    return "\n".join([summary, *lines])
 
   def set_argument(self, index: int, position: int, handle: Any) -> None:
     """Kernel `index` gets the buffer `handle` (or, after the buffers, the int value) as its argument `position`
@@ -430,6 +487,7 @@ class CUDADevice(Compiled):
     renderer.set_gpu_facts(facts)   # the heuristics size grids, split reduces and tiles by this GPU's own
     renderer.launch_bytes = int(LAUNCH_SECONDS * self._memory_bandwidth())
     renderer.latency_bytes = int(MEMORY_LATENCY_SECONDS * self._memory_bandwidth())
+    renderer.launch_ops = int(LAUNCH_SECONDS * self._float32_ops_per_second(facts.multiprocessors))
     super().__init__(name, CUDAAllocator(self), renderer, CUDACompiler(self.arch, ptx=bool(CUDA_PTX)),
                      lambda kernel_name, cubin: CUDAProgram(self, kernel_name, cubin))
     # what TinyJit replays captured kernels with (ourgrad/engine/jit.py)
@@ -446,6 +504,14 @@ class CUDADevice(Compiled):
                     read("CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR"),
                     read("CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR"),
                     read("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
+
+  def _float32_ops_per_second(self, multiprocessors: int) -> float:
+    """Peak float32 ops a second from the driver's clock: an FMA (2 ops) a lane a cycle, 128 lanes a multiprocessor
+    (sm_86 and newer; sm_80's have 64)."""
+    clock_khz = check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
+                                                  self.cu_device), "cuDeviceGetAttribute")
+    lanes = 64 if self.arch == "sm_80" else 128
+    return 2.0 * lanes * multiprocessors * clock_khz * 1e3
 
   def _memory_bandwidth(self) -> float:
     """Peak DRAM bytes per second from the driver: memory clock (kHz) x bus width (bits), double data rate."""
