@@ -73,18 +73,11 @@ def host_kernels_disabled(enabled: bool) -> Iterator[None]:
   runners = [runner for runner in realize._runner_cache.values() if runner.host_function is not None]
   saved = [runner.host_function for runner in runners]
   try:
-    for runner in runners:
-      runner.host_function = nothing
-      getattr(runner, "_launchers", {}).clear()   # launchers bound to the real function (CompiledRunner.launcher_for)
-    # and the ExecItems replayed schedules keep (schedule_item.LoweringMemo), bound to it too: a changed generation
-    # makes their schedules lower again
-    realize._runner_cache.generation += 1
+    # (launchers read a runner's host_function at each launch: ExecItems keep theirs)
+    for runner in runners: runner.host_function = nothing
     yield
   finally:
-    for runner, function in zip(runners, saved):
-      runner.host_function = function
-      getattr(runner, "_launchers", {}).clear()   # and those bound to `nothing`
-    realize._runner_cache.generation += 1
+    for runner, function in zip(runners, saved): runner.host_function = function
 
 
 @contextlib.contextmanager
