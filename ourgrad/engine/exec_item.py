@@ -167,6 +167,12 @@ _QUIET_DEBUG = frozenset({None, b"0", b"1", "0", "1"})   # str where the environ
 _QUIET_PROFILE = frozenset({None, b"0", "0"})
 
 
+def quiet_launches() -> bool:
+  """Whether launches now are neither printed nor timed: DEBUG < 2, PROFILE off and no profile() block open."""
+  return environ_lookup(_DEBUG_KEY) in _QUIET_DEBUG and environ_lookup(_PROFILE_KEY) in _QUIET_PROFILE and \
+    not profiler.open_blocks
+
+
 @dataclass(eq=False)
 class ExecItem:
   """A runner bound to its buffers (outputs first, then inputs) and the values of its symbolic variables.

@@ -20,6 +20,7 @@ from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
+from ourgrad.engine.capture import run_captured
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
@@ -269,6 +270,10 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
     note_compiles(schedule)
     plan_schedule_memory(schedule)
   capturing = is_capturing()   # a capturing JIT keeps the items it sees: each one its own
+  # a cached schedule realized again and again runs as one graph (engine/capture.py; one kernel: one launch already)
+  if len(schedule) > 1 and not capturing and schedule[0].lowering is not None and \
+      run_captured(schedule, getattr(_runner_cache, "generation", None)):
+    return
   ahead: Any = None   # the later new kernels' compiles under way side by side (COMPILE_THREADS)
   misses = _runner_misses[0]
   for index, item in enumerate(schedule):
