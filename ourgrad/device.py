@@ -117,7 +117,7 @@ class LRUAllocator(Allocator):
         self._free(handle, nbytes)
         return
       handles = self.cache.get(nbytes)
-      if handles is None: self.cache[nbytes] = [handle]
+      if not handles: self.cache[nbytes] = [handle]
       else: bisect.insort(handles, handle, key=id)   # (handles are kept alive here: no id is reused meanwhile)
       self.cached_total += nbytes
 
@@ -207,7 +207,13 @@ class Buffer:
     with MEMORY_LOCK:
       if self._handle is None:
         nbytes = self.size * self.dtype.itemsize
-        self._handle = Device[self.device].allocator.alloc(max(nbytes, 1))
+        allocator = Device[self.device].allocator
+        handle = self._handle = allocator.alloc(max(nbytes, 1))
+        # a host array's address, remembered by its allocator (HostAllocator.pointers): what host kernels take
+        pointers = getattr(allocator, "pointers", None)
+        if pointers is not None:
+          entry = pointers.get(id(handle))
+          if entry is not None and entry[0] is handle: self._pointer = entry[1]
         GlobalCounters.mem_used += nbytes
     return self
 
@@ -237,13 +243,14 @@ class Buffer:
     """The address of a host buffer's memory (a numpy array) as a ctypes pointer, made once: kernels of host devices
     take it as their argument, and `array.ctypes.data` costs microseconds per call."""
     if self._pointer is None:
+      if self._handle is None: self.allocate()   # (which remembers the address of host allocators' memory)
       # a planned buffer runs on the first bytes of its backing's memory: the same address
-      if self._backing is not None: self._pointer = self._backing.host_pointer()
+      if self._pointer is not None: pass
+      elif self._backing is not None: self._pointer = self._backing.host_pointer()
       else:
         allocator = Device[self.device].allocator
-        handle = self.handle
-        self._pointer = allocator.pointer(handle) if isinstance(allocator, HostAllocator) else \
-          ctypes.c_void_p(handle.ctypes.data)
+        self._pointer = allocator.pointer(self._handle) if isinstance(allocator, HostAllocator) else \
+          ctypes.c_void_p(self._handle.ctypes.data)
     return self._pointer
 
   def __del__(self) -> None:

@@ -167,7 +167,7 @@ def _rebind(state: ScheduleCapture, schedule: list[ScheduleItem]) -> bool:
     position = 0
     for buffers in (item.outputs, item.inputs):
       for buffer in buffers:
-        if host: argument = buffer.host_pointer()
+        if host: argument = buffer._pointer or buffer.host_pointer()   # (see CompiledRunner.launcher)
         else:
           argument = buffer._handle
           if argument is None: argument = buffer.allocate()._handle

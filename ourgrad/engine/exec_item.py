@@ -60,7 +60,8 @@ class CompiledRunner(Runner):
       runner = self
 
       def launch_host(buffers: list[Buffer]) -> None:   # (host_function read at launch: a tool may swap it)
-        runner.host_function(*[buffer.host_pointer() for buffer in buffers])
+        # (a buffer's remembered address first: no method call; an address is never 0, so a pointer is true)
+        runner.host_function(*[buffer._pointer or buffer.host_pointer() for buffer in buffers])
       return launch_host
     positional = getattr(self.program, "positional_launcher", None)
     if positional is not None: return positional(self.global_size, self.local_size)
