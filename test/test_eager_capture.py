@@ -155,3 +155,22 @@ def test_a_device_graph_is_told_only_the_arguments_that_changed(monkeypatch):
   x_position = next(position for position, handle in enumerate(graph.nodes[0][1])
                     if handle is x.lazydata.base.realized.handle)
   assert graph.updates and set(graph.updates) == {(0, x_position)}
+
+
+@needs_capture
+def test_calls_with_copy_on_write_snapshots_run_item_by_item_and_stay_right():
+  """Two in-place updates realized together, again and again; in some calls a lazy reader of the old values is alive,
+  so that call's schedule adds snapshot copies (items the cache does not keep): it runs item by item, the others as
+  the captured graph, and every value is numpy's."""
+  rng = np.random.default_rng(11)
+  a_values, b_values = rng.standard_normal(16).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+  a, b = Tensor(a_values).realize(), Tensor(b_values).realize()
+  launches = capture.stats.graph_launches
+  for call in range(10):
+    reader = a * 3 if call % 3 == 2 else None
+    Tensor.realize_all(a.assign(a + b), b.assign(b * 0.5 + 1))
+    if reader is not None: np.testing.assert_allclose(reader.numpy(), a_values * 3, rtol=1e-6)
+    a_values, b_values = a_values + b_values, b_values * np.float32(0.5) + 1
+    np.testing.assert_allclose(a.numpy(), a_values, rtol=1e-6)
+    np.testing.assert_allclose(b.numpy(), b_values, rtol=1e-6)
+  assert capture.stats.graph_launches > launches

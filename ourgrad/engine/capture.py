@@ -60,17 +60,17 @@ class ScheduleCapture:
 
 
 def structural_reason(schedule: list[ScheduleItem]) -> str | None:
-  """Why a schedule can never run as one graph; None if it can, or if its kernels are not lowered yet (the first
-  replay lowers them: `ScheduleCapture.checked` stays False until then)."""
+  """Why a schedule whose items the cache all keeps can never run as one graph; None if it can, or if its kernels
+  are not lowered yet (the first replay lowers them: `ScheduleCapture.checked` stays False until then)."""
   if len(schedule) < 2: return "one kernel"
   devices = set()
   for item in schedule:
     if item.ast.op is Ops.COPY:
       return f"a copy {item.inputs[0].device} -> {item.outputs[0].device} (the host waits for it)"
-    if item.lowering is None: return "an item the schedule cache does not keep (a snapshot or a packed kernel)"
     devices.add(item.outputs[0].device)
   if len(devices) > 1: return f"kernels on several devices ({', '.join(sorted(devices))})"
   if any(item.lowering.runner is None for item in schedule): return None
+  if not all(isinstance(item.lowering.runner, CompiledRunner) for item in schedule): return "an item that is no kernel"
   if any(item.lowering.var_vals for item in schedule): return "symbolic shapes (bound Variables)"
   device = next(iter(devices))
   if getattr(Device[device], "graph", None) is None and \
@@ -100,16 +100,23 @@ def run_captured(schedule: list[ScheduleItem], generation: Any) -> bool:
   if memo is None or not EAGER_CAPTURE: return False
   state: ScheduleCapture | None = memo.capture
   if state is None: state = memo.capture = ScheduleCapture()
-  if not state.checked:
+  quiet = quiet_launches()
+  if state.graph is not None and state.generation == generation and quiet:
+    if _rebind(state, schedule):
+      _launch(state)
+      return True
+    return False   # this call brings other items than the capture (copy-on-write snapshots): item by item
+  # an item the cache does not keep: a copy-on-write snapshot (or a pack of them), decided per call
+  kept = all(item.lowering is not None for item in schedule)
+  if kept and not state.checked:
     state.reason = structural_reason(schedule)
     state.checked = state.reason is not None or all(item.lowering.runner is not None for item in schedule)
-  if not quiet_launches():
-    if DEBUG >= 2: _explain(schedule, state.reason or "DEBUG >= 2 launches kernel by kernel")
+  if not quiet:
+    if DEBUG >= 2:
+      snapshots = "this call's copy-on-write snapshots (items the schedule cache does not keep)"
+      _explain(schedule, state.reason or ("DEBUG >= 2 launches kernel by kernel" if kept else snapshots))
     return False
-  if state.reason is not None: return False
-  if state.graph is not None and state.generation == generation and _rebind(state, schedule):
-    _launch(state)
-    return True
+  if state.reason is not None or not kept: return False
   state.seen += 1
   if state.seen <= CAPTURE_AFTER_REPLAYS or generation is None or \
       any(item.lowering.generation != generation for item in schedule):
