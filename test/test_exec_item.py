@@ -241,12 +241,14 @@ def test_training_steps_launch_every_kernel_on_the_fast_path(monkeypatch):
   launchers do not depend on which memory the allocator hands out), and the losses match numpy's."""
   from ourgrad.engine import exec_item
   from ourgrad.nn import Linear
+  monkeypatch.setenv("EAGER_CAPTURE", "0")   # every kernel through ExecItem.run (no graph of the replayed step)
   from ourgrad.nn.optim import SGD
   rng = np.random.default_rng(7)
   layer = Linear(6, 3)
   weight, bias = layer.weight.numpy().astype(np.float64), layer.bias.numpy().astype(np.float64)
   optimizer = SGD([layer.weight, layer.bias], lr=0.1)
   general: list[int] = []
+  launches = GlobalCounters.kernel_count
   original = exec_item.ExecItem._run_general
   monkeypatch.setattr(exec_item.ExecItem, "_run_general",
                       lambda self, *args: general.append(1) or original(self, *args))
@@ -262,4 +264,4 @@ def test_training_steps_launch_every_kernel_on_the_fast_path(monkeypatch):
     np.testing.assert_allclose(loss.item(), (out ** 2).mean(), rtol=1e-4)
     grad_out = 2 * out / out.size
     weight, bias = weight - 0.1 * grad_out.T @ x, bias - 0.1 * grad_out.sum(0)
-  assert not general
+  assert not general and GlobalCounters.kernel_count - launches >= 6 * 3
