@@ -40,6 +40,7 @@ class CompiledRunner(Runner):
     self.var_names = var_names
     # host kernels (CLANG, LLVM) are called straight through ctypes with each buffer's cached address
     self.host_function = program.function if isinstance(program, HostProgram) else None
+
   def __call__(self, buffers: list[Buffer], wait: bool = False, var_vals: dict[str, int] | None = None) -> float | None:
     if self.var_names: return self._call_symbolic(buffers, wait, var_vals or {})
     if self.host_function is not None and not wait:
