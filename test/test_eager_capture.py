@@ -40,10 +40,12 @@ GRAPHS = [(_graph_a, _numpy_a), (_graph_b, _numpy_b)]
 @pytest.mark.parametrize("seed", range(4))
 def test_values_are_identical_with_capture_on_and_off(seed, monkeypatch):
   """Repeated realizes of random graphs: inputs swapped for new buffers, written in place (assign), scalars changed
-  (another schedule) between calls; each result matches numpy, and the outputs of capture on and off are bitwise
-  equal."""
+  (another schedule), results kept alive (later calls write other memory) between calls; each result matches numpy,
+  a kept result never changes, and the outputs of capture on and off are bitwise equal."""
   rng = np.random.default_rng(seed)
-  plan = [(int(rng.integers(len(GRAPHS))), float(rng.choice([0.5, 1.5])), int(rng.integers(3))) for _ in range(14)]
+  # per call: (graph, scalar, input change: none, new buffer, assign; whether the result is kept alive)
+  plan = [(int(rng.integers(len(GRAPHS))), float(rng.choice([0.5, 1.5])), int(rng.integers(3)),
+           bool(rng.random() < 0.3)) for _ in range(14)]
   arrays = [rng.standard_normal((4, 6)).astype(np.float32) for _ in range(3 * len(plan))]
   results = {}
   for setting in ("0", "1"):
@@ -51,14 +53,17 @@ def test_values_are_identical_with_capture_on_and_off(seed, monkeypatch):
     schedule_cache._cache.clear()
     launches = capture.stats.graph_launches
     inputs = [Tensor(array).realize() for array in arrays[:3]]
-    outputs = []
-    for call, (graph, scalar, change) in enumerate(plan):
+    outputs, kept = [], []
+    for call, (graph, scalar, change, keep) in enumerate(plan):
       if change == 1: inputs[call % 3] = Tensor(arrays[3 * call]).realize()       # a new buffer
       if change == 2: inputs[call % 3].assign(Tensor(arrays[3 * call + 1])).realize()  # the same buffer, new values
       expected = GRAPHS[graph][1](*[tensor.numpy() for tensor in inputs], np.float32(scalar))
-      got = GRAPHS[graph][0](*inputs, scalar).numpy()
+      result = GRAPHS[graph][0](*inputs, scalar)
+      got = result.numpy()
+      if keep: kept.append((result, got))   # held: the next calls' outputs get other memory
       np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=f"call {call}, capture {setting}")
       outputs.append(got.tobytes())
+    for result, got in kept: assert result.numpy().tobytes() == got.tobytes()   # never overwritten by a later call
     results[setting] = outputs
     if setting == "0": assert capture.stats.graph_launches == launches
   assert results["0"] == results["1"]
