@@ -8,6 +8,7 @@ when garbage collected.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import hashlib
 import importlib
@@ -87,9 +88,13 @@ MEMORY_LOCK = threading.RLock()
 
 class LRUAllocator(Allocator):
   """Keeps freed buffers by size and hands them out again instead of asking the device each time. At most
-  `ALLOCATOR_CACHE_BYTES` bytes are kept; a freed buffer that would pass the bound goes back to the device."""
+  `ALLOCATOR_CACHE_BYTES` bytes are kept; a freed buffer that would pass the bound goes back to the device.
 
-  shares_memory = True
+  The buffers of one size are kept in a stable order (by the identity of their handles) and handed out from one end:
+  which buffer an allocation gets depends on the set of cached buffers, not on the order they were freed in. A repeated
+  eager step allocates and frees in the same order every time, so from its second run on each of its buffers gets the
+  very memory it got the step before (a replayed device graph then needs no argument updated: engine/capture.py). A
+  most-recently-freed order would hand the same memory to other buffers each step (a permutation that cycles)."""
 
   shares_memory = True
 
@@ -111,7 +116,9 @@ class LRUAllocator(Allocator):
       if limit >= 0 and self.cached_total + nbytes > limit:
         self._free(handle, nbytes)
         return
-      self.cache.setdefault(nbytes, []).append(handle)
+      handles = self.cache.get(nbytes)
+      if not handles: self.cache[nbytes] = [handle]
+      else: bisect.insort(handles, handle, key=id)   # (handles are kept alive here: no id is reused meanwhile)
       self.cached_total += nbytes
 
   def free_cache(self) -> None:
@@ -141,12 +148,30 @@ def host_l2_cache_bytes() -> int:
 
 
 class HostAllocator(LRUAllocator):
-  """Host memory as numpy byte arrays (uninitialized, 64-byte aligned for vector loads)."""
+  """Host memory as numpy byte arrays (uninitialized, 64-byte aligned for vector loads). The address of each array it
+  made is kept as a ctypes pointer while the array is in use or cached (`pointer`): host kernels take it as their
+  argument, and `array.ctypes.data` costs microseconds per call, which a new Buffer on reused memory would otherwise
+  pay at every eager step."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    # id(array) -> (the array, its address): the array is kept, so no id is reused while its entry lives
+    self.pointers: dict[int, tuple[np.ndarray, ctypes.c_void_p]] = {}
 
   def _alloc(self, nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + 64, dtype=np.uint8)
     start = (-raw.ctypes.data) % 64
-    return raw[start:start + nbytes]
+    array = raw[start:start + nbytes]
+    self.pointers[id(array)] = (array, ctypes.c_void_p(array.ctypes.data))
+    return array
+
+  def _free(self, handle: np.ndarray, nbytes: int) -> None: self.pointers.pop(id(handle), None)
+
+  def pointer(self, handle: np.ndarray) -> ctypes.c_void_p:
+    """The address of a host array as a ctypes pointer: remembered for the arrays this allocator made."""
+    entry = self.pointers.get(id(handle))
+    if entry is not None and entry[0] is handle: return entry[1]
+    return ctypes.c_void_p(handle.ctypes.data)
 
   def shared_handle(self, handle: np.ndarray, nbytes: int) -> np.ndarray: return handle[:nbytes]
 
@@ -182,7 +207,13 @@ class Buffer:
     with MEMORY_LOCK:
       if self._handle is None:
         nbytes = self.size * self.dtype.itemsize
-        self._handle = Device[self.device].allocator.alloc(max(nbytes, 1))
+        allocator = Device[self.device].allocator
+        handle = self._handle = allocator.alloc(max(nbytes, 1))
+        # a host array's address, remembered by its allocator (HostAllocator.pointers): what host kernels take
+        pointers = getattr(allocator, "pointers", None)
+        if pointers is not None:
+          entry = pointers.get(id(handle))
+          if entry is not None and entry[0] is handle: self._pointer = entry[1]
         GlobalCounters.mem_used += nbytes
     return self
 
@@ -211,7 +242,15 @@ class Buffer:
   def host_pointer(self) -> ctypes.c_void_p:
     """The address of a host buffer's memory (a numpy array) as a ctypes pointer, made once: kernels of host devices
     take it as their argument, and `array.ctypes.data` costs microseconds per call."""
-    if self._pointer is None: self._pointer = ctypes.c_void_p(self.handle.ctypes.data)
+    if self._pointer is None:
+      if self._handle is None: self.allocate()   # (which remembers the address of host allocators' memory)
+      # a planned buffer runs on the first bytes of its backing's memory: the same address
+      if self._pointer is not None: pass
+      elif self._backing is not None: self._pointer = self._backing.host_pointer()
+      else:
+        allocator = Device[self.device].allocator
+        self._pointer = allocator.pointer(self._handle) if isinstance(allocator, HostAllocator) else \
+          ctypes.c_void_p(self._handle.ctypes.data)
     return self._pointer
 
   def __del__(self) -> None:

@@ -138,7 +138,7 @@ def test_a_failed_bound_launch_names_the_kernel(program, monkeypatch):
 
 
 def test_exec_item_fast_path_launches_the_current_buffers(program, monkeypatch):
-  """ExecItem.run on a CUDA kernel: after two launches on the same buffers it launches through the bound launcher,
+  """ExecItem.run on a CUDA kernel: it takes one positional launcher (its own argument arrays) for all its launches,
   and a buffer swapped in (TinyJit's new input) or moved onto other memory is what the kernel gets next."""
   from ourgrad import GlobalCounters, dtypes
   from ourgrad.device import Buffer
@@ -148,8 +148,8 @@ def test_exec_item_fast_path_launches_the_current_buffers(program, monkeypatch):
   recorder = LaunchRecorder(count=2)
   monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
   binds: list[int] = []
-  original_bind = program.bind
-  monkeypatch.setattr(program, "bind", lambda *args: binds.append(1) or original_bind(*args))
+  original_bind = program.positional_launcher
+  monkeypatch.setattr(program, "positional_launcher", lambda *args: binds.append(1) or original_bind(*args))
   buffers = [Buffer("CUDA", 4, dtypes.float32) for _ in range(3)]
   for buffer, address in zip(buffers, (0x1000, 0x2000, 0x3000)): buffer._handle = driver.CUdeviceptr(address)
   runner = CompiledRunner("E_4", "E_4", "", program, (4, 1, 1), (32, 1, 1), op_count=4, byte_count=48)
@@ -162,7 +162,7 @@ def test_exec_item_fast_path_launches_the_current_buffers(program, monkeypatch):
   item.run()
   arguments = [launch[2] for launch in recorder.launches]
   assert arguments == [(0x1000, 0x2000)] * 4 + [(0x1000, 0x3000)] * 3 + [(0x9000, 0x3000)]
-  assert len(binds) == 2 and GlobalCounters.kernel_count == 8 and GlobalCounters.global_mem == 8 * 48
+  assert len(binds) == 1 and GlobalCounters.kernel_count == 8 and GlobalCounters.global_mem == 8 * 48
   for buffer in buffers: buffer._handle = None   # fake handles: nothing to free
 
 
@@ -172,3 +172,26 @@ def test_a_launcher_bound_to_another_stream_launches_there(program, monkeypatch)
   program.bind(pointers(0x10), (1, 1, 1), (1, 1, 1))()
   program.bind(pointers(0x10), (1, 1, 1), (1, 1, 1), stream="another stream")()
   assert streams == [FakeDevice.stream, "another stream"]
+
+
+def test_a_positional_launch_rewrites_only_the_slots_whose_buffer_changed(program, monkeypatch):
+  recorder = LaunchRecorder(count=3)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+
+  class Handle:
+    """A device pointer that counts its conversions to int (one per slot rewrite)."""
+    def __init__(self, address: int): self.address, self.conversions = address, 0
+    def __int__(self) -> int:
+      self.conversions += 1
+      return self.address
+
+  class FakeBuffer:
+    def __init__(self, handle: Handle): self._handle = handle
+
+  a, b, c, d = (Handle(address) for address in (0x100, 0x200, 0x300, 0x400))
+  launch = program.positional_launcher((2, 1, 1), (32, 1, 1))
+  for _ in range(3): launch([FakeBuffer(a), FakeBuffer(b), FakeBuffer(c)])   # new Buffer objects, the same memory
+  launch([FakeBuffer(a), FakeBuffer(d), FakeBuffer(c)])
+  assert [values for _, _, values in recorder.launches] == [(0x100, 0x200, 0x300)] * 3 + [(0x100, 0x400, 0x300)]
+  assert recorder.launches[0][:2] == ((2, 1, 1), (32, 1, 1))
+  assert (a.conversions, b.conversions, c.conversions, d.conversions) == (1, 1, 1, 1)

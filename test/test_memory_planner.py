@@ -215,3 +215,54 @@ def _compare_capture_with_eager(step, x: Tensor, y: Tensor, monkeypatch) -> None
   capture_peak = _peak_memory_of(lambda: jitted(x, y), monkeypatch)
   assert jitted.captured is not None and any(item.outputs > 1 for item in jitted.captured.items)
   assert capture_peak <= eager_peak and GlobalCounters.mem_used <= eager_peak, (capture_peak, eager_peak)
+
+
+def _sharing(schedule) -> tuple:
+  """Which of a schedule's distinct buffers (in first-use order) run on which backing (numbered in first-use order)."""
+  seen: dict[int, int] = {}
+  backings: dict[int, int] = {}
+  pattern = []
+  for item in schedule:
+    for buffer in (*item.outputs, *item.inputs):
+      if id(buffer) in seen: continue
+      seen[id(buffer)] = len(seen)
+      backing = buffer._backing
+      pattern.append(None if backing is None else backings.setdefault(id(backing), len(backings)))
+  return tuple(pattern)
+
+
+def _chain(inputs: list[Tensor], keep: bool) -> tuple[Tensor, Tensor | None]:
+  """A chain of intermediates (only its output held, and one intermediate if `keep`)."""
+  first = (inputs[1] + inputs[2]).contiguous()
+  second = (inputs[0] * 2 @ first).relu().contiguous()
+  third = (second - second.sum(axis=1, keepdim=True) / 16).contiguous()
+  fourth = (third.exp2() * 0.01).contiguous()
+  return (fourth + first).sum(0), (second if keep else None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_replayed_schedule_replays_the_plan_it_would_make(seed, monkeypatch):
+  """Realizes of one structure replay one cached schedule, which plans once per set of internal buffers and then
+  replays that plan: the same sharing as planning every time, and the same results. Some calls keep an intermediate
+  (a user's reference: another set of internal buffers, planned for itself)."""
+  from ourgrad.engine import realize
+  rng = np.random.default_rng(seed)
+  data = [[rng.standard_normal((16, 16)).astype(np.float32) for _ in range(3)] for _ in range(7)]
+  keep = [bool(rng.random() < 0.4) for _ in data]
+  runs = {}
+  for recorded in (False, True):
+    if not recorded: monkeypatch.setattr(realize, "_recorded_plans", lambda schedule: None)
+    else: monkeypatch.undo()
+    sharings: list[tuple] = []
+    original = realize.plan_schedule_memory
+    monkeypatch.setattr(realize, "plan_schedule_memory",
+                        lambda schedule: (original(schedule), sharings.append(_sharing(schedule)))[0])
+    results = []
+    for arrays, held in zip(data, keep):
+      out, kept = _chain([Tensor(array).realize() for array in arrays], held)
+      results.append(out.numpy().tobytes())
+      del kept
+    runs[recorded] = (results, sharings)
+    monkeypatch.setattr(realize, "plan_schedule_memory", original)
+  assert runs[True] == runs[False]
+  assert any(pattern.count(None) < len(pattern) for pattern in runs[True][1])   # something was planned

@@ -22,7 +22,8 @@ Python time into phases:
            (schedule_cache._structure)
   schedule the rest of scheduling: replaying a cached schedule (or scheduling a miss), snapshots and packing
   lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and planning memory
-  launch   ExecItem.run: binding arguments and the ctypes/driver call (the kernel itself excluded on the CPU)
+  launch   ExecItem.run: passing the arguments and the ctypes/driver call (the kernel itself excluded on the CPU), and
+           a captured schedule's graph launch (engine/capture.py run_captured; EAGER_CAPTURE=0 launches item by item)
   other    the rest of realize (locks, the per-device split)
 Python time: on CUDA the host time of the calls (launches are asynchronous); on CPU devices, where kernels run on the
 calling thread, the wall time with every compiled kernel replaced by a no-op; beside it the thread's CPU time
@@ -68,7 +69,7 @@ PHASE_FUNCTIONS = {
   "schedule": [("ourgrad/engine/schedule_cache.py", "schedule")],
   "lower": [("ourgrad/engine/realize.py", "lower_schedule_item"), ("ourgrad/engine/realize.py", "plan_schedule_memory"),
             ("ourgrad/engine/realize.py", "note_compiles")],
-  "launch": [("ourgrad/engine/exec_item.py", "run")],
+  "launch": [("ourgrad/engine/exec_item.py", "run"), ("ourgrad/engine/capture.py", "run_captured")],
 }
 PHASES = ("graph", "autograd", "key", "schedule", "lower", "launch", "other")
 
@@ -84,18 +85,11 @@ def host_kernels_disabled(enabled: bool) -> Iterator[None]:
   runners = [runner for runner in realize._runner_cache.values() if runner.host_function is not None]
   saved = [runner.host_function for runner in runners]
   try:
-    for runner in runners:
-      runner.host_function = nothing
-      getattr(runner, "_launchers", {}).clear()   # launchers bound to the real function (CompiledRunner.launcher_for)
-    # and the ExecItems replayed schedules keep (schedule_item.LoweringMemo), bound to it too: a changed generation
-    # makes their schedules lower again
-    realize._runner_cache.generation += 1
+    # (launchers read a runner's host_function at each launch: ExecItems keep theirs)
+    for runner in runners: runner.host_function = nothing
     yield
   finally:
-    for runner, function in zip(runners, saved):
-      runner.host_function = function
-      getattr(runner, "_launchers", {}).clear()   # and those bound to `nothing`
-    realize._runner_cache.generation += 1
+    for runner, function in zip(runners, saved): runner.host_function = function
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """Launch cost of a 1-element kernel on CUDA at each layer of the engine, beside PyTorch's `x.add_(1)`:
-  ExecItem.run                  the fast path: a kernel launched again on the same buffers calls its bound launcher
+  ExecItem.run                  the fast path: the item calls its positional launcher with its buffers
   ExecItem.run, general path    what every launch cost before the fast path (and what a launch with DEBUG or PROFILE
                                 set, a first launch, or one on new buffers costs now)
-  bound launcher                CUDAProgram.bind's launcher alone: cuLaunchKernel with every argument bound
+  bound launcher                the item's launcher alone (CUDAProgram.positional_launcher): its argument slots
+                                checked against the buffers, then cuLaunchKernel with every argument bound
   CompiledRunner.__call__, CUDAProgram.__call__   the layers below the general path
   ..., driver call a no-op      the same with cuLaunchKernel replaced by a no-op: the Python part of each row
 
@@ -72,7 +73,7 @@ def python_only_rows(item: ExecItem, rounds: int, launches: int) -> dict[str, fl
     handles = [buffer.handle for buffer in copy.bufs]
     paths: dict[str, Callable[[], None]] = {
       "ExecItem.run": copy.run, "ExecItem.run, general path": lambda: copy._run_general(False),
-      "bound launcher": copy._launch, "CompiledRunner.__call__": lambda: runner(copy.bufs),
+      "bound launcher": lambda: copy._launch(copy.bufs), "CompiledRunner.__call__": lambda: runner(copy.bufs),
       "CUDAProgram.__call__": lambda: program(*handles, global_size=runner.global_size, local_size=runner.local_size)}
     results: dict[str, list[float]] = {name: [] for name in paths}
     for round_index in range(rounds + 1):
@@ -118,7 +119,7 @@ def diagnose(item: ExecItem, device: Any) -> None:
   rows.append(("ExecItem.run, p50 / p90 / p99 / max of single launches", percentiles_us(item.run, sync)))
   ops_cuda._finish_warm_ups()
   rows.append(("ExecItem.run, mean of 2000, warm-up thread joined", f"{mean_us(item.run, sync):.2f}"))
-  rows.append(("bound launcher, mean of 2000", f"{mean_us(item._launch, sync):.2f}"))
+  rows.append(("bound launcher, mean of 2000", f"{mean_us(lambda: item._launch(item.bufs), sync):.2f}"))
   gc.disable()
   rows.append(("ExecItem.run, mean of 2000, gc disabled", f"{mean_us(item.run, sync):.2f}"))
   gc.enable()
@@ -153,14 +154,14 @@ def main() -> None:
   if args.diagnose:
     diagnose(item, device)
     return
-  for _ in range(2): item.run()   # the same buffers twice: the item binds its launcher
+  for _ in range(2): item.run()   # the item takes its launcher at its first launch
   runner, program, launcher = item.runner, item.runner.program, item._launch
   assert launcher is not None, "the ExecItem did not bind a launcher (is DEBUG or PROFILE set?)"
   handles = [buffer.handle for buffer in item.bufs]
   paths: dict[str, Callable[[], None]] = {
     "ExecItem.run": item.run,
     "ExecItem.run, general path": lambda: item._run_general(False),   # a launch before the fast path existed
-    "bound launcher": launcher,
+    "bound launcher": lambda: launcher(item.bufs),
     "CompiledRunner.__call__": lambda: runner(item.bufs),
     "CUDAProgram.__call__": lambda: program(*handles, global_size=runner.global_size, local_size=runner.local_size),
   }

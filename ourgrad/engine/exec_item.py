@@ -8,8 +8,6 @@ where anything is launched, so it is also the one place where
 """
 from __future__ import annotations
 
-import functools
-import operator
 import os
 import time
 from contextlib import contextmanager
@@ -20,19 +18,6 @@ from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.profile import profiler
 from ourgrad.helpers import DEBUG, PROFILE, GlobalCounters, colored, environ_lookup
 from ourgrad.shape.symbolic import sym_infer
-
-
-# what a kernel receives for a buffer: compared by identity between launches (the ids of handles the item keeps
-# alive, so no id is reused; numpy handles have no plain ==) to know whether a bound launcher still holds
-_HANDLE = operator.attrgetter("_handle")
-# buffer sets a kernel keeps bound launchers for (an eager step's kernel meets one or two; a JIT's items bind their own)
-LAUNCHERS_PER_KERNEL = 4
-
-
-def _handle_now(buffer: Buffer) -> Any:
-  """The buffer's handle, allocated first if it has none (the output of an item rebound to a new replay's buffers)."""
-  handle = buffer._handle
-  return handle if handle is not None else buffer.allocate()._handle
 
 
 class Runner:
@@ -55,9 +40,6 @@ class CompiledRunner(Runner):
     self.var_names = var_names
     # host kernels (CLANG, LLVM) are called straight through ctypes with each buffer's cached address
     self.host_function = program.function if isinstance(program, HostProgram) else None
-    # launchers bound to the buffer handles this kernel ran on (by their ids; the handles are kept, so no id is
-    # reused while its entry lives): None the first time a set is seen, bound the second (`launcher_for`)
-    self._launchers: dict[tuple[int, ...], tuple[list[Any], Callable[[], Any] | None, CompiledRunner]] = {}
 
   def __call__(self, buffers: list[Buffer], wait: bool = False, var_vals: dict[str, int] | None = None) -> float | None:
     if self.var_names: return self._call_symbolic(buffers, wait, var_vals or {})
@@ -67,36 +49,28 @@ class CompiledRunner(Runner):
     return self.program(*[buffer.handle for buffer in buffers], global_size=self.global_size,
                         local_size=self.local_size, wait=wait)
 
-  def bind(self, buffers: list[Buffer]) -> Callable[[], Any] | None:
-    """A launcher of this kernel on these (allocated) buffers that computes nothing per launch, for ExecItem.run's
-    fast path: a host kernel's ctypes function with its pointers bound, a program's own `bind` where it has one
-    (CUDA: pre-filled argument arrays), else the program with its arguments bound. None for a kernel with symbolic
-    sizes (its values and launch sizes can change between launches)."""
+  def launcher(self) -> Callable[[list[Buffer]], None] | None:
+    """A launcher of this kernel for ExecItem.run's fast path: called with the item's buffers, it reads each one's
+    memory at launch (a buffer's address or handle in its argument position), so it serves whichever buffers the item
+    holds. A host kernel's ctypes function with each buffer's remembered address; a program's own
+    `positional_launcher` where it has one (CUDA: argument arrays of its own, a slot rewritten only when that
+    argument's buffer changed); else the program called with its sizes bound. None for a kernel with symbolic sizes
+    (its values and launch sizes can change between launches)."""
     if self.var_names: return None
-    if self.host_function is not None: return functools.partial(self.host_function,
-                                                                *[buffer.host_pointer() for buffer in buffers])
-    handles = [buffer.handle for buffer in buffers]
-    bind = getattr(self.program, "bind", None)
-    if bind is not None: return bind(handles, self.global_size, self.local_size)
-    return functools.partial(self.program, *handles, global_size=self.global_size, local_size=self.local_size)
+    if self.host_function is not None:
+      runner = self
 
-  def launcher_for(self, buffers: list[Buffer]) -> Callable[[], Any] | None:
-    """A bound launcher of this kernel on these (allocated) buffers where it ran on their very handles before, else
-    None (the handles are remembered, and bound if they come again). An eager loop lowers new ExecItems at every
-    step, but the allocator's cache hands the same memory back, so each kernel meets the same handles step after
-    step: the per-launch argument work (ctypes pointers, CUDA argument arrays) is done once per (kernel, buffers)."""
-    handles = list(map(_HANDLE, buffers))
-    key = tuple(map(id, handles))
-    entry = self._launchers.get(key)
-    if entry is not None and entry[2] is not self: entry = None   # a copy of this runner shares the dict: not its own
-    if entry is not None and entry[1] is not None: return entry[1]
-    if entry is None:
-      if len(self._launchers) >= LAUNCHERS_PER_KERNEL: self._launchers.clear()
-      self._launchers[key] = (handles, None, self)
-      return None
-    launcher = self.bind(buffers)
-    self._launchers[key] = (handles, launcher, self)
-    return launcher
+      def launch_host(buffers: list[Buffer]) -> None:   # (host_function read at launch: a tool may swap it)
+        # (a buffer's remembered address first: no method call; an address is never 0, so a pointer is true)
+        runner.host_function(*[buffer._pointer or buffer.host_pointer() for buffer in buffers])
+      return launch_host
+    positional = getattr(self.program, "positional_launcher", None)
+    if positional is not None: return positional(self.global_size, self.local_size)
+    program, global_size, local_size = self.program, self.global_size, self.local_size
+
+    def launch(buffers: list[Buffer]) -> None:
+      program(*[buffer.handle for buffer in buffers], global_size=global_size, local_size=local_size)
+    return launch
 
   def _call_symbolic(self, buffers: list[Buffer], wait: bool, var_vals: dict[str, int]) -> float | None:
     """A launch of a kernel with symbolic sizes: the Variables' values follow the buffers as int arguments, and
@@ -195,17 +169,21 @@ _QUIET_DEBUG = frozenset({None, b"0", b"1", "0", "1"})   # str where the environ
 _QUIET_PROFILE = frozenset({None, b"0", "0"})
 
 
+def quiet_launches() -> bool:
+  """Whether launches now are neither printed nor timed: DEBUG < 2, PROFILE off and no profile() block open."""
+  return environ_lookup(_DEBUG_KEY) in _QUIET_DEBUG and environ_lookup(_PROFILE_KEY) in _QUIET_PROFILE and \
+    not profiler.open_blocks
+
+
 @dataclass(eq=False)
 class ExecItem:
   """A runner bound to its buffers (outputs first, then inputs) and the values of its symbolic variables.
 
-  Fast path: a kernel launched twice with the same buffer handles, by this item or by another (an eager loop lowers
-  new items each step, on memory the allocator hands back), gets a launcher with everything bound
-  (`CompiledRunner.launcher_for`/`bind`: argument arrays, launch sizes, the stream), and later launches with those
-  handles only call it and count (an item keeps the launcher for its own fast path from its second launch on: an
-  eager step's items run once, and the kernel's launcher cache serves them). The buffers' handles are compared by
-  identity at each launch, so a buffer swapped into `bufs` (TinyJit's inputs), a buffer allocated, freed or moved
-  onto planned memory all take the general path, which binds again once the kernel has seen the new handles twice.
+  Fast path: a kernel item (no symbolic sizes) takes its runner's launcher once (`CompiledRunner.launcher`) and every
+  launch calls it with `bufs` as they are then: the launcher reads each buffer's memory in its argument position (a
+  host kernel: the buffer's remembered address; CUDA: a slot of the item's own argument array, rewritten only where
+  that position's buffer changed). So an item rebound to other buffers (a replayed schedule's, TinyJit's new inputs),
+  a buffer allocated, freed or moved onto planned memory all launch fast, whichever memory the allocator handed out.
   The fast path runs only while DEBUG < 2, PROFILE is off and no profile() block is open; it counts like the general
   path, and a capturing JIT records the item the same way."""
   runner: Runner
@@ -213,32 +191,36 @@ class ExecItem:
   var_vals: dict[str, int] = field(default_factory=dict)
   device: str = ""
   outputs: int = 1   # how many of `bufs` (the first ones) the item writes: a multi-output kernel writes several
-  _launch: Callable[[], Any] | None = field(default=None, init=False, repr=False)
-  _launch_runner: Runner | None = field(default=None, init=False, repr=False)   # the runner _launch was bound for
-  # the handles _launch was bound to and their ids (kept alive: see _HANDLE)
-  _launch_handles: list[Any] | None = field(default=None, init=False, repr=False)
-  _launch_ids: list[int] | None = field(default=None, init=False, repr=False)
-  # general-path launches so far: an eager step's items run once, so the fast path is set up from the second on
-  _general_runs: int = field(default=0, init=False, repr=False)
+  _launch: Callable[[list[Buffer]], None] | None = field(default=None, init=False, repr=False)
+  _launch_runner: Runner | None = field(default=None, init=False, repr=False)   # the runner _launch was made by
 
   def run(self, wait: bool = False) -> float | None:
     """Launch: allocate the buffers, run, count, print at DEBUG=2, and record the item if a JIT is capturing."""
     quiet = not wait and environ_lookup(_DEBUG_KEY) in _QUIET_DEBUG and environ_lookup(_PROFILE_KEY) in _QUIET_PROFILE \
       and not profiler.open_blocks
-    if quiet and self._launch is not None and self._launch_runner is self.runner and \
-        list(map(id, map(_handle_now, self.bufs))) == self._launch_ids:
-      self._launch()
+    if quiet:
       runner = self.runner
-      GlobalCounters.kernel_count += 1   # only CompiledRunners are bound
-      GlobalCounters.global_ops += runner.op_count
-      GlobalCounters.global_mem += runner.byte_count
-      if _capture_lists: _capture_lists[-1].append(self)
-      return None
+      launch = self._launch if self._launch_runner is runner else self._take_launcher()
+      if launch is not None:
+        launch(self.bufs)
+        GlobalCounters.kernel_count += 1   # only CompiledRunners have launchers
+        GlobalCounters.global_ops += runner.op_count
+        GlobalCounters.global_mem += runner.byte_count
+        if _capture_lists: _capture_lists[-1].append(self)
+        return None
     return self._run_general(wait, quiet)
 
+  def _take_launcher(self) -> Callable[[list[Buffer]], None] | None:
+    """The current runner's launcher for the fast path (None: a copy, a kernel with symbolic sizes), kept until the
+    runner changes."""
+    runner = self.runner
+    launch = runner.launcher() if isinstance(runner, CompiledRunner) and not self.var_vals else None
+    self._launch, self._launch_runner = launch, runner
+    return launch
+
   def _run_general(self, wait: bool, quiet: bool = False) -> float | None:
-    """A launch that binds (or finds) its launcher; `quiet`: the caller found DEBUG < 2, PROFILE off and no profile()
-    block open, so nothing is printed or timed (an eager realize's items, each launched once)."""
+    """A launch through the runner itself: timed where `wait`, DEBUG >= 2 or a profiler asks; `quiet`: the caller
+    found DEBUG < 2, PROFILE off and no profile() block open, so nothing is printed or timed."""
     for buffer in self.bufs:
       if buffer._handle is None: buffer.allocate()
     if quiet: debug, plain = 0, True
@@ -247,30 +229,16 @@ class ExecItem:
       plain = not wait and debug < 2 and not profiler.active()
     wait = not plain
     runner = self.runner
-    launcher = runner.launcher_for(self.bufs) if plain and not self.var_vals and isinstance(runner, CompiledRunner) \
-        else None
-    if launcher is not None:
-      launcher()
-      seconds = None
-      if self._general_runs: self._adopt(launcher)
-    else:
-      seconds = runner(self.bufs, wait=wait, var_vals=self.var_vals) if self.var_vals else runner(self.bufs, wait=wait)
+    seconds = runner(self.bufs, wait=wait, var_vals=self.var_vals) if self.var_vals else runner(self.bufs, wait=wait)
     if seconds is not None: self._record_profile(seconds)
-    if isinstance(self.runner, CompiledRunner):
+    if isinstance(runner, CompiledRunner):
       GlobalCounters.kernel_count += 1
-    GlobalCounters.global_ops += self.runner.op_count
-    GlobalCounters.global_mem += self.runner.byte_count
+    GlobalCounters.global_ops += runner.op_count
+    GlobalCounters.global_mem += runner.byte_count
     if seconds is not None: GlobalCounters.time_sum_s += seconds
     if debug >= 2: self._print(seconds)
     if _capture_lists: _capture_lists[-1].append(self)
-    self._general_runs += 1
     return seconds
-
-  def _adopt(self, launcher: Callable[[], Any]) -> None:
-    """Take the kernel's launcher bound to this item's current handles for the fast path of `run`."""
-    self._launch, self._launch_runner = launcher, self.runner
-    self._launch_handles = list(map(_HANDLE, self.bufs))
-    self._launch_ids = list(map(id, self._launch_handles))
 
   def _record_profile(self, seconds: float) -> None:
     if isinstance(self.runner, CopyRunner):

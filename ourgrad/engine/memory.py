@@ -59,6 +59,41 @@ def plan_memory(buffer_lists: Sequence[Sequence[Buffer]], is_internal: Callable[
   return assigned
 
 
+class RecordedPlan:
+  """What plan_memory decided for one list of items, by buffer ordinal (a buffer's position among the distinct
+  buffers of the items, in first-use order): which buffers got which backing, and each backing's device and size.
+  The decision depends only on the lifetimes, sizes and devices of the internal buffers, so a list of the same
+  structure with the same internal ordinals (a replayed schedule) gets the same plan without planning again."""
+  __slots__ = ("assigned", "backings", "naive", "label")
+
+  def __init__(self, assigned: list[tuple[int, int]], backings: list[tuple[str, int]], naive: int, label: str):
+    self.assigned, self.backings, self.naive, self.label = assigned, backings, naive, label
+
+  @staticmethod
+  def of(ordinal: dict[int, int], assigned: dict[Buffer, Buffer], label: str) -> RecordedPlan:
+    """The plan `assigned` (plan_memory's answer) in terms of `ordinal` (id(buffer) -> its ordinal)."""
+    slot_of: dict[int, int] = {}
+    backings: list[tuple[str, int]] = []
+    pairs = []
+    for buffer, backing in assigned.items():
+      if id(backing) not in slot_of:
+        slot_of[id(backing)] = len(backings)
+        backings.append((backing.device, backing.size))
+      pairs.append((ordinal[id(buffer)], slot_of[id(backing)]))
+    return RecordedPlan(pairs, backings, sum(buffer.nbytes for buffer in assigned), label)
+
+  def apply(self, buffers: Sequence[Buffer]) -> None:
+    """Run the buffers (`buffers[ordinal]`) on fresh backing buffers as recorded, as plan_memory would."""
+    backings = [Buffer(device, size, dtypes.uint8) for device, size in self.backings]
+    targets = [buffers[ordinal] for ordinal, _ in self.assigned]
+    for buffer in targets: buffer.release_memory()   # (all first, as plan_memory does)
+    for buffer, (_, slot) in zip(targets, self.assigned): buffer.use_memory_of(backings[slot])
+    if DEBUG >= 1:
+      planned = sum(size for _, size in self.backings)
+      print(f"memory planner ({self.label}, replayed): {len(targets)} buffers in {len(backings)} backing buffers, "
+            f"{fmt_size(planned)} planned vs {fmt_size(self.naive)} naive ({planned} vs {self.naive} bytes)")
+
+
 class _Occupancy:
   """Which backing buffers (slots, numbered in creation order) are in use at each item: a segment tree over the
   items whose nodes hold bit masks of slots (bit j: slot j). `place` marks a slot busy over an item range, as `tag`s

@@ -20,8 +20,9 @@ from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
+from ourgrad.engine.capture import run_captured
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing  # noqa: F401 (re-exported)
-from ourgrad.engine.memory import held_only_by_items, plan_memory
+from ourgrad.engine.memory import RecordedPlan, held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
@@ -226,14 +227,49 @@ def lower_schedule(schedule: list[ScheduleItem]) -> list[ExecItem]:
 
 def plan_schedule_memory(schedule: list[ScheduleItem]) -> None:
   """Let the schedule's internal buffers (ones that only its items hold and that are not allocated yet) share
-  memory where their lifetimes do not overlap."""
+  memory where their lifetimes do not overlap. A replayed schedule (every item kept by the schedule cache) plans once
+  per set of internal buffers and replays that plan (memory.RecordedPlan) at its later realizes."""
   if len(schedule) < 3 or NO_MEMORY_PLANNER: return
   containers = [container for item in schedule for container in (item.outputs, item.inputs)]
   internal = held_only_by_items(containers)
   if len(internal) < 2: return
   internal = {id(buffer) for item in schedule for buffer in item.outputs if id(buffer) in internal
               and not buffer.is_allocated}
-  plan_memory([item.outputs + item.inputs for item in schedule], lambda buffer: id(buffer) in internal)
+  buffer_lists = [item.outputs + item.inputs for item in schedule]
+  plans = _recorded_plans(schedule)
+  if plans is None:
+    plan_memory(buffer_lists, lambda buffer: id(buffer) in internal)
+    return
+  # the distinct buffers in first-use order: a replay of the same schedule has the same pattern of them
+  ordinal: dict[int, int] = {}
+  buffers: list[Buffer] = []
+  for buffer_list in buffer_lists:
+    for buffer in buffer_list:
+      if id(buffer) not in ordinal:
+        ordinal[id(buffer)] = len(buffers)
+        buffers.append(buffer)
+  pattern = tuple(ordinal[key] for key in ordinal if key in internal)
+  recorded = plans.get(pattern)
+  if recorded is not None:
+    recorded.apply(buffers)
+    return
+  assigned = plan_memory(buffer_lists, lambda buffer: id(buffer) in internal)
+  if len(plans) >= RECORDED_PLANS_PER_SCHEDULE: plans.clear()
+  plans[pattern] = RecordedPlan.of(ordinal, assigned, "schedule")
+
+
+# sets of internal buffers a replayed schedule keeps a plan for (a loop meets one or two: the first step's outputs
+# may still be held by the user when the next step runs)
+RECORDED_PLANS_PER_SCHEDULE = 4
+
+
+def _recorded_plans(schedule: list[ScheduleItem]) -> dict[tuple[int, ...], RecordedPlan] | None:
+  """The plans a replayed schedule recorded (kept on its first item's LoweringMemo), or None for a schedule that is
+  not one (an item the cache does not keep: a snapshot or a packed kernel, whose structure may change per call)."""
+  memo = schedule[0].lowering
+  if memo is None or any(item.lowering is None for item in schedule): return None
+  if memo.memory_plans is None: memo.memory_plans = {}
+  return memo.memory_plans
 
 
 COMPILE_NOTE = env_var("COMPILE_NOTE", -1, "-1: before a schedule that compiles at least 8 new kernels (a first "
@@ -269,6 +305,10 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
     note_compiles(schedule)
     plan_schedule_memory(schedule)
   capturing = is_capturing()   # a capturing JIT keeps the items it sees: each one its own
+  # a cached schedule realized again and again runs as one graph (engine/capture.py; one kernel: one launch already)
+  if len(schedule) > 1 and not capturing and schedule[0].lowering is not None and \
+      run_captured(schedule, getattr(_runner_cache, "generation", None)):
+    return
   ahead: Any = None   # the later new kernels' compiles under way side by side (COMPILE_THREADS)
   misses = _runner_misses[0]
   for index, item in enumerate(schedule):

@@ -313,6 +313,10 @@ class CUDAProgram:
     launch.argument_arrays = (arguments, pointers)  # type: ignore[attr-defined]  # alive as long as the launcher
     return launch
 
+  def positional_launcher(self, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> PositionalLaunch:
+    """A launcher of this kernel with these sizes that takes the buffers at each call (ExecItem.run's fast path)."""
+    return PositionalLaunch(self, global_size, local_size)
+
   def _launch_general(self, buffers: tuple, global_size: tuple[int, ...], local_size: tuple[int, ...], wait: bool,
                       vals: tuple[int, ...]) -> float | None:
     """A launch with int arguments (vals: the symbolic Variables' values, after the buffer pointers) or a timed one."""
@@ -328,6 +332,43 @@ class CUDAProgram:
     milliseconds = check(driver.cuEventElapsedTime(self.device.start_event, self.device.end_event),
                          "cuEventElapsedTime")
     return milliseconds / 1e3
+
+
+class PositionalLaunch:
+  """One ExecItem's launches of a kernel: `launch(buffers)` passes each buffer's memory in its argument position. The
+  argument arrays are its own (no lock) and persist from launch to launch; a slot is rewritten only where its
+  buffer's handle is another object than at the last launch (the allocator hands the same handle objects back), so a
+  repeated launch creates no Python object but the driver call's result. The driver copies the values at the call,
+  so a slot may change again right after it."""
+  __slots__ = ("program", "global_size", "local_size", "handles", "arguments", "pointers", "call_driver")
+
+  def __init__(self, program: CUDAProgram, global_size: tuple[int, ...], local_size: tuple[int, ...]):
+    self.program, self.global_size, self.local_size = program, global_size, local_size
+    self.handles: list[Any] = []   # the handle each slot holds (kept alive: compared by identity)
+    self.arguments: Any = None
+    self.pointers: Any = None
+    self.call_driver: Callable[[], tuple] | None = None
+
+  def _make_arrays(self, count: int) -> None:
+    """Argument arrays for `count` buffers and the driver call bound to them (at the first launch)."""
+    self.arguments, self.pointers = pointer_arguments([0] * count)
+    self.handles = [None] * count
+    program = self.program
+    self.call_driver = functools.partial(driver.cuLaunchKernel, program.function, *self.global_size,
+                                         *self.local_size, program.shared_bytes, program.device.stream,
+                                         ctypes.addressof(self.pointers), 0)
+
+  def __call__(self, buffers: list[Any]) -> None:
+    if len(self.handles) != len(buffers) or self.call_driver is None: self._make_arrays(len(buffers))
+    handles, arguments = self.handles, self.arguments
+    for index, buffer in enumerate(buffers):
+      handle = buffer._handle
+      if handle is None: handle = buffer.allocate()._handle
+      if handle is not handles[index]:
+        arguments[index] = int(handle)
+        handles[index] = handle
+    (status,) = self.call_driver()
+    if status is not CUDA_SUCCESS: check((status,), f"cuLaunchKernel({self.program.name})")
 
 
 def programmatic_edge(early: bool) -> Any:
