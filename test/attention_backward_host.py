@@ -128,7 +128,7 @@ inline void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* row) { ldmatrix(r,
 HOST_EXP2 = "inline float fast_exp2(float x) { return exp2f(x); }   // ex2.approx.ftz.f32 on the GPU\n"
 
 ARGUMENT_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "dq": "grad_t", "dk": "grad_t",
-                  "dv": "grad_t", "o": "o_t", "lse": "float", "delta": "float"}
+                  "dv": "grad_t", "o": "o_t", "lse": "float", "delta": "float", "dq_accum": "float"}
 
 
 def _position_table(name: str, positions) -> str:
@@ -239,6 +239,24 @@ inline void wgmma_scores(float* acc, unsigned long long a, unsigned long long b,
 }
 inline void wgmma_values(float* acc, const unsigned* a, unsigned long long b, int accumulate) {
   host_wgmma(acc, a, b, HEAD_DIM, true, accumulate); }
+// the single pass (plan.dq_accumulate): dQ += dS K with A (the dS tile) through its K-major descriptor, the
+// warpgroup's named barrier, and the float32 reductions into dq_accum (the blocks run one after another here; the
+// threads of a block do not, so the additions take a lock)
+inline void wgmma_values(float* acc, unsigned long long a, unsigned long long b, int accumulate) {
+  const int thread = threadIdx.x % 128;
+  for (int i = 0; i < HEAD_DIM / 2; i++) {
+    const int row = ACC_ROW, column = ACC_COLUMN;
+    float sum = 0.0f;
+    for (int k = 0; k < 16; k++) sum += shared_operand(a, row, k, false) * shared_operand(b, column, k, true);
+    acc[i] = accumulate ? acc[i] + sum : sum;
+  }
+}
+struct WarpgroupBarriers { Barrier of[8]; WarpgroupBarriers() { for (Barrier& b : of) b.count = 128; } };
+WarpgroupBarriers warpgroup_barriers;
+inline void warpgroup_sync() { warpgroup_barriers.of[threadIdx.x / 128].wait(); }
+std::mutex reduction_lock;
+inline void red_add2(float* address, float first, float second) {
+  std::lock_guard<std::mutex> hold(reduction_lock); address[0] += first; address[1] += second; }
 """
 
 

@@ -110,7 +110,9 @@ def test_launch_sizes():
 VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float32", "float16", "bfloat16")
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
 VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
-             ("bfloat16", 64, True, 4, "overlap")]
+             ("bfloat16", 64, True, 4, "overlap"), ("bfloat16", 64, True, 4, "single_pass")]
+VARIANT_FIELDS = {"overlap": {"mma": "wgmma", "wgmma_overlap": True},
+                  "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
@@ -118,7 +120,7 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
   compiler = nvrtc_compiler()
   if compiler is None: pytest.skip("cuda-python's NVRTC is not installed here")
   dtype, head_dim, causal, kv_heads, mma = variant
-  fields = {"mma": "wgmma", "wgmma_overlap": True} if mma == "overlap" else {"mma": mma}
+  fields = VARIANT_FIELDS.get(mma, {"mma": mma})
   plan = AttentionBackwardPlan.contiguous(2, 12, kv_heads, 1000, 1000, head_dim, dtype, causal, **fields)
   # q/o/do/dq read in place from a (B, L, H, D) projection
   strided = contiguous_strides(12, 1000, head_dim)
@@ -177,6 +179,11 @@ WGMMA_HOST_CASES = [
   ("bfloat16", (1, 1, 1, 256, 256, 64, True), "contiguous", {"stream_q": 128, "stream_kv": 16}),   # unmasked tiles
   ("bfloat16", (1, 4, 2, 150, 150, 64, True), "contiguous", {"wgmma_overlap": True}),   # 3 stages, products overlapped
   ("float16", (1, 2, 1, 200, 70, 64, False), "grad32", {"wgmma_overlap": True, "stream_q": 32, "stream_kv": 32}),
+  # the single pass: dQ added into a float32 buffer by the dK/dV kernel (odd lengths, GQA, two warpgroups, D = 128)
+  ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {"dq_accumulate": True, "stream_q": 128}),
+  ("float16", (1, 4, 2, 70, 131, 64, False), "projected", {"dq_accumulate": True, "stream_q": 64}),
+  ("bfloat16", (1, 4, 1, 150, 97, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128, "stream_q": 64}),
+  ("bfloat16", (1, 2, 1, 90, 90, 128, True), "contiguous", {"dq_accumulate": True, "stream_q": 64}),
 ]
 
 
@@ -224,7 +231,12 @@ def _check_on_host(dtype: str, case: tuple, layout: str, fields: dict) -> None:
   grad_type = STORAGE[plan.grad_dtype]
   buffers.update(dq=np.zeros(buffers["q"].size, grad_type), dk=np.zeros(buffers["v"].size, grad_type),
                  dv=np.zeros(buffers["v"].size, grad_type), delta=np.zeros(plan.delta_elements, np.float32))
+  if plan.dq_accumulate: buffers["dq_accum"] = np.zeros(batch * heads * q_len * head_dim, np.float32)
   state = run_on_host(plan, buffers)
+  if plan.dq_accumulate:   # the single pass's float32 dQ, (B, H, L, D) whatever dq's layout
+    accumulated = state.pop("dq_accum").reshape(expected[0].shape)
+    error = np.abs(accumulated - expected[0]).max() / np.abs(expected[0]).max()
+    assert error < TOLERANCE[dtype], f"dq_accum {dtype} {case}: relative error {error:.2e}"
   emulated = {name: array.copy() for name, array in buffers.items()}
   emulate_attention_backward_buffers(plan, emulated)
   for name in ("dq", "dk", "dv", "delta"):   # the PYTHON device's emulation writes the same buffers

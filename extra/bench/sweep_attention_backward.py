@@ -7,7 +7,8 @@ the occupancy hint of __launch_bounds__) is compiled with NVRTC (all in parallel
 timed alone: CUDA events around back-to-back launches, median of 5 batches (bench_attention_backward.median_seconds).
 Each row prints the kernel's registers, spills, shared memory, the blocks a multiprocessor holds (by shared memory
 and registers), ms, TFLOP/s (the kernel's products: dQ 3, dK/dV 4, each 2 B H L S D, halved when causal), and its
-gradient's error relative to torch's backward in the same dtype (a broken config shows here). A last table gives,
+gradient's error relative to torch's backward in the same dtype (a broken config shows here; the single pass's
+dK/dV kernel, plan.dq_accumulate, also counts and checks dQ: 5 products). A last table gives,
 per case and kernel, the default config's time and the fastest one's, for choosing `default_blocks`.
 
 Run on the H200: `python extra/bench/sweep_attention_backward.py` (about a minute; `--cases 512` for one length,
@@ -59,6 +60,10 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
     dq["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_kv": 32}
     dkdv["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_q": 64}
     dkdv["wgmma block_kv 64 stream_q 64 held"] = {"block_kv": 64, "stream_q": 64, "dkdv_held": True, "mma": "wgmma"}
+    # the single pass: dQ added into a float32 buffer by the dK/dV kernel (5 products; the dQ kernel only for delta)
+    dkdv.update({f"wgmma single pass block_kv {owned} stream_q {stream}": {
+      "block_kv": owned, "stream_q": stream, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True}
+      for owned, stream in ((64, 64), (64, 128), (128, 64), (128, 128))})
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
     if wgmma: table["mma_sync default"] = {"mma": "mma_sync", **default_blocks(plan.head_dim, plan.dtype)}
@@ -117,7 +122,8 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
   lse = logsumexp_rows(q.detach(), k.detach(), base)
   buffers = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": o_view, "do": grad_out, "lse": lse,
              "dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
-             "delta": torch.zeros(base.delta_elements, device="cuda", dtype=torch.float32)}
+             "delta": torch.zeros(base.delta_elements, device="cuda", dtype=torch.float32),
+             "dq_accum": torch.zeros(q_shape, device="cuda", dtype=torch.float32)}
   stream = torch.cuda.current_stream().cuda_stream
   name = f"{dtype_name} B={batch} H={heads} T={length} D={head_dim} causal"
   print(f"== {name}: default {base.mma} block_q {base.block_q} block_kv {base.block_kv} stream_q "
@@ -140,17 +146,18 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
         launch, cubin, _ = compiled[(DQ_KERNEL, "default")].result()
         LoadedKernel(launch, cubin, buffers).run(stream)
       launch, cubin, log = compiled[(kernel, label)].result()
-      for gradient in (("dq",) if kernel == DQ_KERNEL else ("dk", "dv")): buffers[gradient].zero_()   # none stale
+      for gradient in (("dq",) if kernel == DQ_KERNEL else ("dk", "dv", "dq_accum")): buffers[gradient].zero_()
       loaded = LoadedKernel(launch, cubin, buffers)
       loaded.run(stream)
       torch.cuda.synchronize()
       errors = ([relative_error(buffers["dq"], reference[0])] if kernel == DQ_KERNEL else
                 [relative_error(buffers["dk"], reference[1]), relative_error(buffers["dv"], reference[2])])
+      if plan.dq_accumulate: errors.append(relative_error(buffers["dq_accum"], reference[0]))   # (then dK, dV, dQ)
       seconds = median_seconds(lambda: loaded.run(stream), iters)
       registers, spills = resources(log)
       resident = min(shared_per_sm // (launch.shared_bytes + BLOCK_RESERVED_SHARED),
                      REGISTERS_PER_SM // (launch.block[0] * max(registers, 1)))
-      flops = PRODUCTS[kernel] * 2 * batch * heads * q_len * kv_len * head_dim / 2
+      flops = (PRODUCTS[kernel] + plan.dq_accumulate) * 2 * batch * heads * q_len * kv_len * head_dim / 2
       print(f"  {kernel.replace('attention_backward_', ''):5s} {label:32s} regs {registers:3d} spill {spills:4d} "
             f"smem {launch.shared_bytes:6d} blocks/SM {resident} | {seconds * 1e3:7.3f} ms "
             f"{flops / seconds / 1e12:6.1f} TFLOP/s | err vs torch " + " ".join(f"{e:.1e}" for e in errors),

@@ -705,8 +705,10 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
 
 
 def launches(plan: AttentionBackwardPlan) -> list[KernelLaunch]:
-  """The two kernels in launch order, with their arguments (names of the buffers) and sizes."""
+  """The two kernels in launch order, with their arguments (names of the buffers) and sizes (the single pass,
+  plan.dq_accumulate: the dK/dV kernel also takes dq_accum, float32, zeroed before it runs)."""
   return [KernelLaunch(DQ_KERNEL, render_dq_kernel(plan), ("q", "k", "v", "o", "do", "lse", "dq", "delta"),
                        plan.dq_grid, plan.dq_block, plan.dq_shared_bytes),
-          KernelLaunch(DKDV_KERNEL, render_dkdv_kernel(plan), ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
+          KernelLaunch(DKDV_KERNEL, render_dkdv_kernel(plan), ("q", "k", "v", "do", "lse", "delta", "dk", "dv") +
+                       (("dq_accum",) if plan.dq_accumulate else ()),
                        plan.dkdv_grid, plan.dkdv_block, plan.dkdv_shared_bytes)]

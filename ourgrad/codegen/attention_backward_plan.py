@@ -73,6 +73,10 @@ class AttentionBackwardPlan:
   # wgmma: each iteration's last product runs on into the next one's (3 stages, not 2); ptxas (CUDA 12.x) serializes
   # its wgmmas (C7515: accumulators defined by other instructions while in flight)
   wgmma_overlap: bool = False
+  # wgmma: the single pass: the dK/dV kernel also adds SCALE dS K of each of its iterations into `dq_accum`, float32
+  # (batch, heads, q_len, head_dim) contiguous and zeroed before it runs (red.global.add), 5 products a K/V block
+  # and Q tile instead of the two kernels' 7 (codegen/attention_backward_wgmma.py `dq_accumulate_lines`)
+  dq_accumulate: bool = False
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -99,6 +103,11 @@ class AttentionBackwardPlan:
       if self.block_q % WARPGROUP_ROWS or self.block_kv % WARPGROUP_ROWS or max(streams) > 256:
         raise ShapeError(f"wgmma attention backward owns whole warpgroups of {WARPGROUP_ROWS} rows and streams at most "
                          f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
+    if self.dq_accumulate and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap or
+                               self.dkdv_stream % WARPGROUP_ROWS):
+      raise ShapeError("the single-pass backward (dq_accumulate) runs on wgmma with K and V read by descriptor, "
+                       f"without wgmma_overlap, and streams whole warpgroups of queries: mma {self.mma}, dkdv_held "
+                       f"{self.dkdv_held}, wgmma_overlap {self.wgmma_overlap}, stream_q {self.dkdv_stream}")
 
   @staticmethod
   def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
@@ -212,9 +221,16 @@ class AttentionBackwardPlan:
     in registers)."""
     stream = self.dkdv_stream
     if self.mma == "wgmma":   # (without dkdv_held K and V swizzled: no padding, the same bytes at most)
-      return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream)
+      return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream) + self.ds_tile_bytes
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
+
+  @property
+  def ds_tile_bytes(self) -> int:
+    """dq_accumulate: the dK/dV kernel's dS tiles after its stages, one a warpgroup (its 64 keys of the stream's
+    queries, 128-byte rows: the K-major A of dQ += dS K); else none."""
+    return (self.block_kv // WARPGROUP_ROWS) * self.dkdv_stream * WARPGROUP_ROWS * self.itemsize \
+        if self.dq_accumulate else 0
 
   @property
   def dq_registers(self) -> int:
@@ -229,7 +245,10 @@ class AttentionBackwardPlan:
     # wgmma: also P^T's packed A fragments (stream / 4), in flight while dS^T is computed (a tighter bound makes
     # ptxas serialize the wgmmas), and K's and V's A fragments where held (D / 2)
     held = self.head_dim // 2 if self.dkdv_held else 0
-    return self.head_dim + self.dkdv_stream + self.dkdv_stream // 4 + held + REGISTERS_BESIDE_ACCUMULATORS
+    # dq_accumulate: dQ's accumulators (the stream's queries x D a warpgroup) where S^T's and dP^T's were
+    accumulated = max(0, self.dkdv_stream * self.head_dim // 128 - self.dkdv_stream) if self.dq_accumulate else 0
+    return (self.head_dim + self.dkdv_stream + self.dkdv_stream // 4 + held + accumulated +
+            REGISTERS_BESIDE_ACCUMULATORS)
 
   def launch_bounds(self, threads: int, shared_bytes: int, registers: int) -> str:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is

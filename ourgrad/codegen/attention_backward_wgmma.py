@@ -32,8 +32,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ourgrad.codegen.attention_backward_plan import DQ_KERNEL
-from ourgrad.codegen.attention_wgmma import (key_slice_start, key_strides, pack_lines, product_helpers, staged_offset,
-                                             value_slice_start, value_strides)
+from ourgrad.codegen.attention_wgmma import (WARPGROUP_ROWS, key_slice_start, key_strides, pack_lines, product_helpers,
+                                             staged_offset, value_slice_start, value_strides)
 from ourgrad.codegen.wgmma_copies import ROW_BYTES
 from ourgrad.codegen.wgmma_tiles import PTX_TYPE, CExpr
 
@@ -52,12 +52,27 @@ ACCUMULATOR_FENCE = """template <int N> __device__ __forceinline__ void fence_ac
 """
 
 
+# the single pass's helpers (plan.dq_accumulate): a barrier of the 128 threads of this thread's warpgroup (named
+# barrier 1 + warpgroup; __syncthreads is barrier 0), and two neighbouring float32 sums added to global memory by one
+# vector reduction (sm_90: red.global.add.v2.f32, no value returned)
+SINGLE_PASS_HELPERS = """__device__ __forceinline__ void warpgroup_sync() {
+  asm volatile("bar.sync %0, 128;" :: "r"(1 + (int)(threadIdx.x / 128)) : "memory");
+}
+__device__ __forceinline__ void red_add2(float* address, float first, float second) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(first), "f"(second) : "memory");
+}
+"""
+
+
 def wgmma_helpers(plan: AttentionBackwardPlan, kernel: str) -> str:
   """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = its stream, A from registers or (without the
-  plan's dq_held / dkdv_held) shared memory, values n = D; the accumulator fence."""
+  plan's dq_held / dkdv_held) shared memory, values n = D (the single pass's dK/dV kernel: also with A from shared
+  memory, and SINGLE_PASS_HELPERS); the accumulator fence."""
   stream = plan.dq_stream if kernel == DQ_KERNEL else plan.dkdv_stream
   shared_a = not (plan.dq_held if kernel == DQ_KERNEL else plan.dkdv_held)
-  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype], shared_a) + ACCUMULATOR_FENCE
+  single_pass = plan.dq_accumulate and kernel != DQ_KERNEL
+  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype], shared_a, single_pass) + ACCUMULATOR_FENCE + \
+      (SINGLE_PASS_HELPERS if single_pass else "")
 
 
 def _tile_bytes(plan: AttentionBackwardPlan, rows: int) -> int:
@@ -125,6 +140,66 @@ def _last_wait(plan: AttentionBackwardPlan, *accumulators: str) -> list[str]:
   return ["  }", "  wgmma_wait_all();", *(fence[2:] for fence in fences)]
 
 
+def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
+  """The single pass's dQ (plan.dq_accumulate), after dK += dS^T Q is issued: dS (the stream's queries x this
+  warpgroup's 64 keys, rounded as dS^T's A fragments are) stored from the accumulators dpt into the warpgroup's
+  K-major dS tile after the stages (staged_offset, as a K tile of `stream` rows), made visible to the tensor cores
+  (fence.proxy.async, then the warpgroup's barrier), and dQ (64 queries a wgmma, `stream` / 64 of them) = dS K issued
+  as one group: A = the dS tile, B = this warpgroup's 64 rows of the owned K tile read transposed (as V in O += P V).
+  The tile is rewritten in the next iteration only after the loop's barrier, which every thread reaches after its
+  wait for this group."""
+  p, stream = plan, plan.dkdv_stream
+  a_lbo, a_sbo = key_strides()
+  b_lbo, b_sbo = value_strides(p.block_kv)
+  ds_byte = staged_offset(stream, CExpr("query"), CExpr("(key & ~7)"))
+  a_start = f"ds_tile + m * {WARPGROUP_ROWS * ROW_BYTES} + {key_slice_start(stream, CExpr('kk'))}"
+  b_start = f"k_owned + {value_slice_start(CExpr(f'({WARPGROUP_ROWS // 16} * (threadIdx.x / 128) + kk)'))}"
+  return [f"    const unsigned ds_tile = stages + {p.wgmma_stages * 2 * _tile_bytes(p, stream)}u + "
+          f"(threadIdx.x / 128) * {stream * ROW_BYTES}u;",
+          "    unsigned char* ds_bytes = shared_bytes + (ds_tile - shared_address(shared_bytes));",
+          "#pragma unroll",
+          f"    for (int t = 0; t < {stream // 8}; t++) {{",
+          "#pragma unroll",
+          "      for (int c = 0; c < 4; c++) {   // dS^T's (key, query) element at dS's (query, key)",
+          "        const int key = (warp & 3) * 16 + g + (c >> 1) * 8, query = t * 8 + 2 * quad + (c & 1);",
+          f"        *(elem_t*)(ds_bytes + {ds_byte} + (key & 7) * 2) = from_float(dpt[t][c]);",
+          "      }",
+          "    }",
+          "    async_proxy_fence();",
+          "    warpgroup_sync();   // the warpgroup's dS tile written",
+          f"    float dq_part[{stream // WARPGROUP_ROWS}][D / 8][4];",
+          "    wgmma_fence();",
+          "#pragma unroll",
+          f"    for (int m = 0; m < {stream // WARPGROUP_ROWS}; m++)",
+          "#pragma unroll",
+          f"      for (int kk = 0; kk < {WARPGROUP_ROWS // 16}; kk++)",
+          f"        wgmma_values(&dq_part[m][0][0], wgmma_descriptor({a_start}, {a_lbo}, {a_sbo}), "
+          f"wgmma_descriptor({b_start}, {b_lbo}, {b_sbo}), kk > 0);",
+          "    wgmma_commit();",
+          *(f"    fence_accumulators(dq_part[{m}]);" for m in range(stream // WARPGROUP_ROWS))]
+
+
+def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
+  """The single pass's dQ parts, once waited for, added (scaled by SCALE) into dq_accum's rows of this iteration's
+  query head: two neighbouring columns a vector reduction, rows past L left out."""
+  stream = plan.dkdv_stream
+  return ["    {",
+          "      const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
+          "      float* dq_rows = dq_accum + (((long long)batch * H + head) * L + q_start) * D;",
+          "#pragma unroll",
+          f"      for (int m = 0; m < {stream // WARPGROUP_ROWS}; m++)",
+          "#pragma unroll",
+          "        for (int t = 0; t < D / 8; t++)",
+          "#pragma unroll",
+          "          for (int half = 0; half < 2; half++) {",
+          "            const int query = m * 64 + (warp & 3) * 16 + g + half * 8;",
+          "            if (q_start + query < L)",
+          "              red_add2(dq_rows + (long long)query * D + t * 8 + 2 * quad, SCALE * dq_part[m][t][2 * half],",
+          "                       SCALE * dq_part[m][t][2 * half + 1]);",
+          "          }",
+          "    }"]
+
+
 def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: str, stage: str) -> str:
   """C declaring the shared addresses `first` and `second` of stage `stage`'s two tiles of `rows` rows."""
   tile = _tile_bytes(plan, rows)
@@ -181,7 +256,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,",
     "    const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,",
-    "    grad_t* __restrict__ dv) {",
+    f"    grad_t* __restrict__ dv{', float* __restrict__ dq_accum' if p.dq_accumulate else ''}) {{",
     *owned,
     "  copy_async_commit();   // K and V: a group of their own",
     "  // the Q and dO tiles, LSE and delta rows of iteration `iteration` into stage `stage`, not committed",
@@ -231,7 +306,9 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     "    fence_accumulators(dpt);",
     gradients,
     *values_lines(stream, "dk_acc", "dpt", "dst", "q_stage"),
-    *_last_wait(p, "dv_acc", "dk_acc"),
+    *(dq_accumulate_lines(p) if p.dq_accumulate else []),
+    *(_last_wait(p, "dv_acc", "dk_acc") if not p.dq_accumulate else
+      [*_last_wait(p, "dv_acc", "dk_acc")[:-1], *dq_reduce_lines(p), "  }"]),
     "  copy_async_wait<0>();",
     store,
     "}"])

@@ -38,7 +38,7 @@ from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 Binding = tuple[str, int, int]
 # each parameter's C type (codegen/attention_backward.py's typedefs)
 PARAMETER_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "o": "o_t", "lse": "float",
-                   "delta": "float", "dq": "grad_t", "dk": "grad_t", "dv": "grad_t"}
+                   "delta": "float", "dq": "grad_t", "dk": "grad_t", "dv": "grad_t", "dq_accum": "float"}
 # the lazy ops' sources in order, by the kernels' parameter names ("fwd": O and LSE; "dq_buffer": the DQ op's output)
 SOURCES = {Ops.ATTENTION_DQ: ("q", "k", "v", "fwd", "do"),
            Ops.ATTENTION_DKDV: ("q", "k", "v", "do", "fwd", "dq_buffer")}
