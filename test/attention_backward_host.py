@@ -254,6 +254,19 @@ inline void wgmma_values(float* acc, unsigned long long a, unsigned long long b,
 struct WarpgroupBarriers { Barrier of[8]; WarpgroupBarriers() { for (Barrier& b : of) b.count = 128; } };
 WarpgroupBarriers warpgroup_barriers;
 inline void warpgroup_sync() { warpgroup_barriers.of[threadIdx.x / 128].wait(); }
+// stmatrix .x4 .trans: lane l's register i holds (row l / 4, columns 2 (l % 4) and + 1) of matrix i; the row
+// address lane l names (row l % 8 of matrix l / 8) receives that matrix's column l % 8
+inline void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {
+  WarpSlots& slots = warp_slots[threadIdx.x / 32];
+  const int lane = threadIdx.x & 31;
+  memcpy(slots.a[lane], r, 16); __syncwarp();
+  const int matrix = lane / 8, column = lane % 8;
+  for (int row = 0; row < 8; row++) {
+    const unsigned short half = (unsigned short)(slots.a[4 * row + column / 2][matrix] >> (16 * (column % 2)));
+    memcpy(attention_shared + address + 2 * row, &half, 2);
+  }
+  __syncwarp();
+}
 std::mutex reduction_lock;
 inline void red_add2(float* address, float first, float second) {
   std::lock_guard<std::mutex> hold(reduction_lock); address[0] += first; address[1] += second; }

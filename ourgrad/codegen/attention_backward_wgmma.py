@@ -58,6 +58,13 @@ ACCUMULATOR_FENCE = """template <int N> __device__ __forceinline__ void fence_ac
 SINGLE_PASS_HELPERS = """__device__ __forceinline__ void warpgroup_sync() {
   asm volatile("bar.sync %0, 128;" :: "r"(1 + (int)(threadIdx.x / 128)) : "memory");
 }
+// four 8x8 16-bit matrices, each thread's register i two neighbouring elements of a row of matrix i (the C fragment
+// layout, as packed A fragments hold them), stored transposed: lane l names the shared address of row l % 8 of
+// matrix l / 8, which receives column l % 8
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
 __device__ __forceinline__ void red_add2(float* address, float first, float second) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(first), "f"(second) : "memory");
 }
@@ -142,8 +149,9 @@ def _last_wait(plan: AttentionBackwardPlan, *accumulators: str) -> list[str]:
 
 def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass's dQ (plan.dq_accumulate), after dK += dS^T Q is issued: dS (the stream's queries x this
-  warpgroup's 64 keys, rounded as dS^T's A fragments are) stored from the accumulators dpt into the warpgroup's
-  K-major dS tile after the stages (staged_offset, as a K tile of `stream` rows), made visible to the tensor cores
+  warpgroup's 64 keys) stored from dS^T's packed A fragments `dst` into the warpgroup's K-major dS tile after the
+  stages (staged_offset, as a K tile of `stream` rows) by transposing matrix stores (fragment kk's four 8x8
+  matrices are keys 0-7 / 8-15 of the warp's 16 by queries 16 kk.. / 16 kk + 8..), made visible to the tensor cores
   (fence.proxy.async, then the warpgroup's barrier), and dQ (64 queries a wgmma, `stream` / 64 of them) = dS K issued
   as one group: A = the dS tile, B = this warpgroup's 64 rows of the owned K tile read transposed (as V in O += P V).
   The tile is rewritten in the next iteration only after the loop's barrier, which every thread reaches after its
@@ -151,19 +159,15 @@ def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
   p, stream = plan, plan.dkdv_stream
   a_lbo, a_sbo = key_strides()
   b_lbo, b_sbo = value_strides(p.block_kv)
-  ds_byte = staged_offset(stream, CExpr("query"), CExpr("(key & ~7)"))
+  ds_byte = staged_offset(stream, CExpr("query"), CExpr("key"))
   a_start = f"ds_tile + m * {WARPGROUP_ROWS * ROW_BYTES} + {key_slice_start(stream, CExpr('kk'))}"
   b_start = f"k_owned + {value_slice_start(CExpr(f'({WARPGROUP_ROWS // 16} * (threadIdx.x / 128) + kk)'))}"
   return [f"    const unsigned ds_tile = stages + {p.wgmma_stages * 2 * _tile_bytes(p, stream)}u + "
           f"(threadIdx.x / 128) * {stream * ROW_BYTES}u;",
-          "    unsigned char* ds_bytes = shared_bytes + (ds_tile - shared_address(shared_bytes));",
           "#pragma unroll",
-          f"    for (int t = 0; t < {stream // 8}; t++) {{",
-          "#pragma unroll",
-          "      for (int c = 0; c < 4; c++) {   // dS^T's (key, query) element at dS's (query, key)",
-          "        const int key = (warp & 3) * 16 + g + (c >> 1) * 8, query = t * 8 + 2 * quad + (c & 1);",
-          f"        *(elem_t*)(ds_bytes + {ds_byte} + (key & 7) * 2) = from_float(dpt[t][c]);",
-          "      }",
+          f"    for (int kk = 0; kk < {stream // 16}; kk++) {{   // this lane's row: a query's 8 keys",
+          "      const int query = kk * 16 + ((lane >> 4) << 3) + (lane & 7), key = (warp & 3) * 16 + (lane & 8);",
+          f"      stmatrix_x4_trans(ds_tile + {ds_byte}, dst[kk]);",
           "    }",
           "    async_proxy_fence();",
           "    warpgroup_sync();   // the warpgroup's dS tile written",
