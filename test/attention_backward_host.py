@@ -64,6 +64,8 @@ inline float __shfl_xor_sync(unsigned, float value, int width) {
   return other;
 }
 struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 // cp.async copies at once on the host: nothing is in flight
 inline void copy_async_16(void* shared, const void* global, bool valid) {
@@ -288,7 +290,8 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
   if device_helpers not in launch.source: raise AssertionError("the kernel source has no instruction helpers")
   host_helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + HOST_EXP2
   source = launch.source.replace(device_helpers, host_helpers + host_mma(plan.dtype))
-  if plan.mma == "wgmma":   # (shared addresses: offsets into shared_bytes)
+  # (shared addresses: offsets into shared_bytes; the single pass's delta kernel multiplies nothing)
+  if plan.mma == "wgmma" and not (plan.dq_accumulate and launch.name == DQ_KERNEL):
     stream = plan.dq_stream if launch.name == DQ_KERNEL else plan.dkdv_stream
     device_wgmma = attention_backward_wgmma.wgmma_helpers(plan, launch.name)
     if device_wgmma not in source: raise AssertionError("the kernel source has no wgmma helpers")

@@ -58,6 +58,8 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
     dkdv.update({f"wgmma block_kv 128 stream_q {stream}": {"block_kv": 128, "stream_q": stream, "mma": "wgmma"}
                  for stream in (32, 64)})
     dq["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_kv": 32}
+    # the single pass's first kernel in the dQ kernel's place: delta, dq_accum zeroed (no products, no dq)
+    dq["wgmma single pass delta"] = {"mma": "wgmma", "dq_accumulate": True, "dkdv_held": False, "stream_q": 128}
     dkdv["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_q": 64}
     dkdv["wgmma block_kv 64 stream_q 64 held"] = {"block_kv": 64, "stream_q": 64, "dkdv_held": True, "mma": "wgmma"}
     # the single pass: dQ added into a float32 buffer by the dK/dV kernel (5 products; the dQ kernel only for delta)
@@ -152,15 +154,17 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
       torch.cuda.synchronize()
       errors = ([relative_error(buffers["dq"], reference[0])] if kernel == DQ_KERNEL else
                 [relative_error(buffers["dk"], reference[1]), relative_error(buffers["dv"], reference[2])])
-      if plan.dq_accumulate: errors.append(relative_error(buffers["dq_accum"], reference[0]))   # (then dK, dV, dQ)
+      if plan.dq_accumulate:   # dK/dV: then dQ's float32 sums; the delta kernel: no gradient
+        errors = [] if kernel == DQ_KERNEL else [*errors, relative_error(buffers["dq_accum"], reference[0])]
       seconds = median_seconds(lambda: loaded.run(stream), iters)
       registers, spills = resources(log)
       resident = min(shared_per_sm // (launch.shared_bytes + BLOCK_RESERVED_SHARED),
                      REGISTERS_PER_SM // (launch.block[0] * max(registers, 1)))
-      flops = (PRODUCTS[kernel] + plan.dq_accumulate) * 2 * batch * heads * q_len * kv_len * head_dim / 2
+      products = (0 if kernel == DQ_KERNEL else PRODUCTS[kernel] + 1) if plan.dq_accumulate else PRODUCTS[kernel]
+      flops = products * 2 * batch * heads * q_len * kv_len * head_dim / 2
       print(f"  {kernel.replace('attention_backward_', ''):5s} {label:32s} regs {registers:3d} spill {spills:4d} "
             f"smem {launch.shared_bytes:6d} blocks/SM {resident} | {seconds * 1e3:7.3f} ms "
-            f"{flops / seconds / 1e12:6.1f} TFLOP/s | err vs torch " + " ".join(f"{e:.1e}" for e in errors),
+            f"{flops / seconds / 1e12:6.1f} TFLOP/s | err vs torch " + (" ".join(f"{e:.1e}" for e in errors) or "-"),
             flush=True)
       rows.append((name, kernel, label, seconds))
     except Exception:
