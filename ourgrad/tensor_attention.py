@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from ourgrad.codegen.attention import OPERAND_DTYPES
 from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
+from ourgrad.codegen.attention_grad import single_pass_backward
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.function import Function, Permute, Reshape, Shrink, _tensor_class
@@ -198,10 +199,17 @@ def fused_backward(operands: tuple[LazyBuffer, ...], flat: LazyBuffer, grad_outp
   wrote `flat` (Ops.ATTENTION), in the operands' dtype: views of the dQ and dK/dV kernels' outputs
   (LazyBuffer.attention_grads)."""
   q, k, v = operands
-  dq_buffer, dkdv_buffer = q.attention_grads(k, v, flat, grad_output, causal, scale)
   batch, heads, length, head_dim = q.shape
+  single_pass = single_pass_backward(q.dtype.name, head_dim, getattr(Device[q.device].renderer, "has_wgmma", False))
+  dq_buffer, dkdv_buffer = q.attention_grads(k, v, flat, grad_output, causal, scale, single_pass=single_pass)
   kv_shape = k.shape
   q_elements, kv_elements = batch * heads * length * head_dim, math.prod(kv_shape)
+  if dkdv_buffer.arg[3]:   # the single pass: the float32 dq, delta, then dk and dv (one buffer)
+    accumulated = q_elements * 4 // q.dtype.itemsize
+    first = accumulated + batch * heads * length * 4 // q.dtype.itemsize
+    dq = _float32_from_halves(dkdv_buffer.shrink(((0, accumulated),)), q_elements).cast(q.dtype)
+    return (dq.reshape(q.shape), dkdv_buffer.shrink(((first, first + kv_elements),)).reshape(kv_shape),
+            dkdv_buffer.shrink(((first + kv_elements, first + 2 * kv_elements),)).reshape(kv_shape))
   return (dq_buffer.shrink(((0, q_elements),)).reshape(q.shape),
           dkdv_buffer.shrink(((0, kv_elements),)).reshape(kv_shape),
           dkdv_buffer.shrink(((kv_elements, 2 * kv_elements),)).reshape(kv_shape))

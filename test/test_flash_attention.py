@@ -102,6 +102,36 @@ def test_wgmma_forward_backward_against_torch(monkeypatch, dtype, causal):
   assert [plan.mma for plan in plans] == ["wgmma"]
 
 
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("length, source, kv_heads", [(70, 45, 2), (33, 100, 1)])
+def test_single_pass_forward_backward_against_torch(monkeypatch, dtype, causal, length, source, kv_heads):
+  """ATTENTION_SINGLE_PASS=1 on the PYTHON device as an H100: the backward's delta kernel, the dK/dV kernel adding dQ
+  into a float32 buffer (their plans' dq_accumulate) and dq's cast, against float64 torch (odd lengths, GQA)."""
+  from ourgrad.codegen.attention_grad import AttentionGradKernel
+  from ourgrad.device import Device
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    arrays = [_random(1, heads, rows, 64, seed=seed) for seed, heads, rows in ((7, 2, length), (8, kv_heads, source),
+                                                                                 (9, kv_heads, source))]
+    q, k, v = _ourgrad_inputs(arrays, dtype, requires_grad=True)
+    grad = Tensor(_random(1, 2, length, 64, seed=10), device=DEVICE).cast(dtype).realize()
+    q.scaled_dot_product_attention(k, v, is_causal=causal, enable_gqa=True).backward(grad)
+    schedule = create_schedule([q.grad.lazydata, k.grad.lazydata, v.grad.lazydata])
+    kernels = [AttentionGradKernel(item.ast, Device[DEVICE].renderer) for item in schedule
+               if any(node.op in (Ops.ATTENTION_DQ, Ops.ATTENTION_DKDV) for node in item.ast.walk())]
+    assert [kernel.plan.dq_accumulate for kernel in kernels] == [True, True]
+    run_schedule(schedule)
+    tq, tk, tv = _torch_inputs([q, k, v])
+    want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)
+    want.backward(torch.tensor(grad.cast(dtypes.float32).numpy(), dtype=torch.float64))
+    for got, twin in ((q, tq), (k, tk), (v, tv)):
+      assert got.grad.dtype == dtype
+      assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
+
+
 def _check_forward_backward(dtype, causal: bool, length: int, source: int) -> list:
   """Forward and backward of a (2, 3, length, 64) attention against float64 torch; the forward kernels' plans."""
   from ourgrad.codegen.attention import AttentionKernel
@@ -484,6 +514,17 @@ def test_cuda_device_against_torch(dtype, causal, head_dim, monkeypatch):
       assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
   finally:
     _float32_matmul_precision[0] = None
+
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_single_pass_against_torch(dtype, causal, head_dim, monkeypatch):
+  """The single-pass backward (ATTENTION_SINGLE_PASS=1; sm_90 only, else the two kernels) on the CUDA device: odd
+  lengths and GQA against float64, as test_cuda_device_against_torch."""
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  test_cuda_device_against_torch(dtype, causal, head_dim, monkeypatch)
 
 
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")

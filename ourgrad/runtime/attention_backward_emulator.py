@@ -198,7 +198,7 @@ class AttentionBackwardProgram:
                        f"{self.launch.grid}x{self.launch.block}")
     element, grad = STORAGE[self.plan.dtype], STORAGE[self.plan.grad_dtype]
     types = {"o": STORAGE[self.plan.stored_o_dtype], "lse": np.float32, "delta": np.float32, "dq": grad, "dk": grad,
-             "dv": grad}
+             "dv": grad, "dq_accum": np.float32}
     bindings = self.bindings or [(name, index, 0) for index, name in enumerate(self.launch.arguments)]
     typed = {name: buffers[index].view(types.get(name, element))[offset:] for name, index, offset in bindings}
     EMULATORS[self.kernel](self.plan, typed)
