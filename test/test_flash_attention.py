@@ -393,6 +393,26 @@ def test_packed_gradients_replayed_by_the_schedule_cache(emulated_cuda):
   assert schedule_cache.stats.hits > hits   # the second gradient came from the cached schedule
 
 
+def test_single_pass_replayed_by_the_schedule_cache(monkeypatch):
+  """The single-pass step twice on new values: the second realize replays the cached schedule (the dK/dV op's buffer
+  rebound to the delta kernel's fresh one, whose float32 dq it zeroes again) and its gradients are still right."""
+  import ourgrad.engine.schedule_cache as schedule_cache
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    hits = schedule_cache.stats.hits
+    for seed in (60, 63):
+      q, k, v = _ourgrad_inputs([_random(1, 2, 40, 64, seed=seed + i) for i in range(3)], dtypes.bfloat16, True)
+      q.scaled_dot_product_attention(k, v, is_causal=True).cast(dtypes.float32).sum().backward()
+      grads = [t.grad.cast(dtypes.float32).numpy() for t in (q, k, v)]
+      tq, tk, tv = _torch_inputs([q, k, v])
+      torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+      for grad, twin in zip(grads, (tq, tk, tv)):
+        assert _relative_error(grad, twin.grad) < 2 * TOLERANCES[dtypes.bfloat16]
+  assert schedule_cache.stats.hits > hits   # the second step's gradients came from the cached schedule
+
+
 def test_packed_gradient_when_the_kernels_are_refused_at_the_backward(emulated_cuda, monkeypatch):
   """Packed at the forward, FUSED_ATTENTION_BACKWARD=0 by the backward: the composite gradients, placed into the
   tensor q, k, v tile, against torch float64."""
