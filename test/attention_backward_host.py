@@ -241,9 +241,9 @@ inline void wgmma_scores(float* acc, unsigned long long a, unsigned long long b,
 }
 inline void wgmma_values(float* acc, const unsigned* a, unsigned long long b, int accumulate) {
   host_wgmma(acc, a, b, HEAD_DIM, true, accumulate); }
-// the single pass (plan.dq_accumulate): dQ += dS K with A (the dS tile) through its K-major descriptor, the
-// warpgroup's named barrier, and the float32 reductions into dq_accum (the blocks run one after another here; the
-// threads of a block do not, so the additions take a lock)
+// the single pass (plan.dq_accumulate): dQ += dS K with A (the dS tile) through its K-major descriptor, and the
+// float32 reductions into dq_accum (the blocks run one after another here; the threads of a block do not, so the
+// additions take a lock)
 inline void wgmma_values(float* acc, unsigned long long a, unsigned long long b, int accumulate) {
   const int thread = threadIdx.x % 128;
   for (int i = 0; i < HEAD_DIM / 2; i++) {
@@ -253,9 +253,6 @@ inline void wgmma_values(float* acc, unsigned long long a, unsigned long long b,
     acc[i] = accumulate ? acc[i] + sum : sum;
   }
 }
-struct WarpgroupBarriers { Barrier of[8]; WarpgroupBarriers() { for (Barrier& b : of) b.count = 128; } };
-WarpgroupBarriers warpgroup_barriers;
-inline void warpgroup_sync() { warpgroup_barriers.of[threadIdx.x / 128].wait(); }
 // stmatrix .x4 .trans: lane l's register i holds (row l / 4, columns 2 (l % 4) and + 1) of matrix i; the row
 // address lane l names (row l % 8 of matrix l / 8) receives that matrix's column l % 8
 inline void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {

@@ -182,7 +182,8 @@ WGMMA_HOST_CASES = [
   # the single pass: dQ added into a float32 buffer by the dK/dV kernel (odd lengths, GQA, two warpgroups, D = 128)
   ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {"dq_accumulate": True, "stream_q": 128}),
   ("float16", (1, 4, 2, 70, 131, 64, False), "projected", {"dq_accumulate": True, "stream_q": 64}),
-  ("bfloat16", (1, 4, 1, 150, 97, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128, "stream_q": 64}),
+  ("bfloat16", (1, 4, 1, 150, 97, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128}),
+  ("float16", (1, 2, 1, 300, 290, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128, "stream_q": 256}),
   ("bfloat16", (1, 2, 1, 90, 90, 128, True), "contiguous", {"dq_accumulate": True, "stream_q": 64}),
 ]
 

@@ -65,7 +65,7 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
     # the single pass: dQ added into a float32 buffer by the dK/dV kernel (5 products; the dQ kernel only for delta)
     dkdv.update({f"wgmma single pass block_kv {owned} stream_q {stream}": {
       "block_kv": owned, "stream_q": stream, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True}
-      for owned, stream in ((64, 64), (64, 128), (128, 64), (128, 128))})
+      for owned, stream in ((64, 64), (64, 128), (128, 128))})
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
     if wgmma: table["mma_sync default"] = {"mma": "mma_sync", **default_blocks(plan.head_dim, plan.dtype)}

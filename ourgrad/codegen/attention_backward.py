@@ -548,10 +548,8 @@ def _delta_kernel(plan: AttentionBackwardPlan, entry: str) -> str:
     const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
     const elem_t* __restrict__ dout, const float* __restrict__ lse, grad_t* __restrict__ dq,
     float* __restrict__ delta, float* __restrict__ dq_accum) {{
-  elem_t* q_tile = (elem_t*)shared_bytes;               // (unused)
-  elem_t* do_tile = q_tile + BQ * PITCH;                // BQ x PITCH
-  float* lse_tile = (float*)(do_tile + BQ * PITCH);     // (unused)
-  float* delta_tile = lse_tile + BQ;                    // BQ
+  elem_t* do_tile = (elem_t*)shared_bytes;              // BQ x PITCH
+  float* delta_tile = (float*)(do_tile + BQ * PITCH);   // BQ
 {_dq_prologue(p, ("do",))}
   copy_async_commit();
   copy_async_wait<0>();

@@ -104,10 +104,11 @@ class AttentionBackwardPlan:
         raise ShapeError(f"wgmma attention backward owns whole warpgroups of {WARPGROUP_ROWS} rows and streams at most "
                          f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
     if self.dq_accumulate and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap or
-                               self.dkdv_stream % WARPGROUP_ROWS):
+                               self.dkdv_stream % self.block_kv):
       raise ShapeError("the single-pass backward (dq_accumulate) runs on wgmma with K and V read by descriptor, "
-                       f"without wgmma_overlap, and streams whole warpgroups of queries: mma {self.mma}, dkdv_held "
-                       f"{self.dkdv_held}, wgmma_overlap {self.wgmma_overlap}, stream_q {self.dkdv_stream}")
+                       "without wgmma_overlap, and streams a multiple of block_kv queries (each warpgroup's dQ a "
+                       f"64-row slice of them): mma {self.mma}, dkdv_held {self.dkdv_held}, wgmma_overlap "
+                       f"{self.wgmma_overlap}, block_kv {self.block_kv}, stream_q {self.dkdv_stream}")
 
   @staticmethod
   def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
@@ -187,6 +188,8 @@ class AttentionBackwardPlan:
   def dq_shared_bytes(self) -> int:
     """Q and dO tiles, two K and V tiles (double-buffered), then LSE and delta of the block's rows (dS stays in
     registers). wgmma: the K and V tiles swizzled after the rest (`wgmma_shared_bytes`)."""
+    if self.dq_accumulate:   # the single pass's delta kernel: a dO tile and the delta of its rows
+      return self.block_q * self.row_pitch * self.itemsize + self.block_q * 4
     if self.mma == "wgmma":   # (without dq_held: Q and dO in swizzled tiles too)
       owned = 0 if self.dq_held else 2 * self.block_q * self.head_dim * self.itemsize
       return self.wgmma_shared_bytes(self.block_q, 2 * self.block_q * 4, self.dq_stream) + owned
@@ -227,14 +230,16 @@ class AttentionBackwardPlan:
 
   @property
   def ds_tile_bytes(self) -> int:
-    """dq_accumulate: the dK/dV kernel's dS tiles after its stages, one a warpgroup (its 64 keys of the stream's
-    queries, 128-byte rows: the K-major A of dQ += dS K); else none."""
+    """dq_accumulate: the dK/dV kernel's dS tile after its stages (the stream's queries x the block's keys, in
+    128-byte rows of 64 keys: the K-major A of dQ += dS K); else none."""
     return (self.block_kv // WARPGROUP_ROWS) * self.dkdv_stream * WARPGROUP_ROWS * self.itemsize \
         if self.dq_accumulate else 0
 
   @property
   def dq_registers(self) -> int:
-    """Registers a dQ thread needs: its share of the dQ accumulators (16 x D a warp) and of S and dP (16 x stream)."""
+    """Registers a dQ thread needs: its share of the dQ accumulators (16 x D a warp) and of S and dP (16 x stream);
+    the single pass's delta kernel: no accumulators (REGISTER_FLOOR / 2: as many blocks as its shared memory lets)."""
+    if self.dq_accumulate: return REGISTER_FLOOR // 2
     held = self.head_dim // 2 if self.mma == "wgmma" and self.dq_held else 0   # wgmma: Q's and dO's A fragments
     return max(REGISTER_FLOOR, self.head_dim // 2 + self.dq_stream + held + REGISTERS_BESIDE_ACCUMULATORS)
 
@@ -245,8 +250,9 @@ class AttentionBackwardPlan:
     # wgmma: also P^T's packed A fragments (stream / 4), in flight while dS^T is computed (a tighter bound makes
     # ptxas serialize the wgmmas), and K's and V's A fragments where held (D / 2)
     held = self.head_dim // 2 if self.dkdv_held else 0
-    # dq_accumulate: dQ's accumulators (the stream's queries x D a warpgroup) where S^T's and dP^T's were
-    accumulated = max(0, self.dkdv_stream * self.head_dim // 128 - self.dkdv_stream) if self.dq_accumulate else 0
+    # dq_accumulate: dQ's accumulators (a warpgroup's share of the stream's queries x D) where S^T's and dP^T's were
+    accumulated = max(0, self.dkdv_stream * self.head_dim * WARPGROUP_ROWS // self.block_kv // 128 -
+                      self.dkdv_stream) if self.dq_accumulate else 0
     return (self.head_dim + self.dkdv_stream + self.dkdv_stream // 4 + held + accumulated +
             REGISTERS_BESIDE_ACCUMULATORS)
 
@@ -299,6 +305,13 @@ def default_blocks(head_dim: int, dtype: str) -> dict[str, Any]:
   stream = 64 if row_bytes <= 128 else 32
   return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": stream, "stream_kv": stream,
           "dq_held": True}
+
+
+def single_pass_blocks(head_dim: int) -> dict[str, int]:
+  """The single pass's dK/dV blocks (plan.dq_accumulate): one warpgroup of 64 keys streaming 128 queries at D = 64
+  (NVRTC sm_90: 244 registers, 2 blocks a multiprocessor), 64 at D = 128 (250 registers; 128 spilled 880 bytes and
+  serialized its wgmmas)."""
+  return {"block_kv": 64, "stream_q": 128 if head_dim <= 64 else 64}
 
 
 @dataclass(frozen=True)

@@ -52,15 +52,11 @@ ACCUMULATOR_FENCE = """template <int N> __device__ __forceinline__ void fence_ac
 """
 
 
-# the single pass's helpers (plan.dq_accumulate): a barrier of the 128 threads of this thread's warpgroup (named
-# barrier 1 + warpgroup; __syncthreads is barrier 0), and two neighbouring float32 sums added to global memory by one
-# vector reduction (sm_90: red.global.add.v2.f32, no value returned)
-SINGLE_PASS_HELPERS = """__device__ __forceinline__ void warpgroup_sync() {
-  asm volatile("bar.sync %0, 128;" :: "r"(1 + (int)(threadIdx.x / 128)) : "memory");
-}
-// four 8x8 16-bit matrices, each thread's register i two neighbouring elements of a row of matrix i (the C fragment
-// layout, as packed A fragments hold them), stored transposed: lane l names the shared address of row l % 8 of
-// matrix l / 8, which receives column l % 8
+# the single pass's helpers (plan.dq_accumulate): transposing matrix stores, and two neighbouring float32 sums added
+# to global memory by one vector reduction (sm_90: red.global.add.v2.f32, no value returned)
+SINGLE_PASS_HELPERS = """// four 8x8 16-bit matrices, each thread's register i two neighbouring elements of a row of
+// matrix i (the C fragment layout, as packed A fragments hold them), stored transposed: lane l names the shared
+// address of row l % 8 of matrix l / 8, which receives column l % 8
 __device__ __forceinline__ void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
                :: "r"(address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
@@ -148,58 +144,62 @@ def _last_wait(plan: AttentionBackwardPlan, *accumulators: str) -> list[str]:
 
 
 def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
-  """The single pass's dQ (plan.dq_accumulate), after dK += dS^T Q is issued: dS (the stream's queries x this
-  warpgroup's 64 keys) stored from dS^T's packed A fragments `dst` into the warpgroup's K-major dS tile after the
-  stages (staged_offset, as a K tile of `stream` rows) by transposing matrix stores (fragment kk's four 8x8
-  matrices are keys 0-7 / 8-15 of the warp's 16 by queries 16 kk.. / 16 kk + 8..), made visible to the tensor cores
-  (fence.proxy.async, then the warpgroup's barrier), and dQ (64 queries a wgmma, `stream` / 64 of them) = dS K issued
-  as one group: A = the dS tile, B = this warpgroup's 64 rows of the owned K tile read transposed (as V in O += P V).
-  The tile is rewritten in the next iteration only after the loop's barrier, which every thread reaches after its
-  wait for this group."""
+  """The single pass's dQ (plan.dq_accumulate), after dK += dS^T Q is issued: dS (the stream's queries x the block's
+  keys) stored from dS^T's packed A fragments `dst` into the K-major dS tile after the stages (staged_offset, as a K
+  tile of `stream` rows whose D is the block's keys) by transposing matrix stores (fragment kk's four 8x8 matrices are
+  keys 0-7 / 8-15 of the warp's 16 by queries 16 kk.. / 16 kk + 8..), made visible to the tensor cores
+  (fence.proxy.async, then the block's barrier), and dQ = dS K issued as one group, each warpgroup its share of the
+  stream's queries (stream / block_kv of its 64-row slices: the dQ parts of all the block's keys are summed before
+  they are added to global memory) over all the block's keys: A = the dS tile, B = the owned K tile read transposed
+  (as V in O += P V). The tile is rewritten in the next iteration only after the loop's barrier, which every thread
+  reaches after its wait for this group."""
   p, stream = plan, plan.dkdv_stream
+  slices = stream // p.block_kv   # a warpgroup's 64-query slices
   a_lbo, a_sbo = key_strides()
   b_lbo, b_sbo = value_strides(p.block_kv)
   ds_byte = staged_offset(stream, CExpr("query"), CExpr("key"))
-  a_start = f"ds_tile + m * {WARPGROUP_ROWS * ROW_BYTES} + {key_slice_start(stream, CExpr('kk'))}"
-  b_start = f"k_owned + {value_slice_start(CExpr(f'({WARPGROUP_ROWS // 16} * (threadIdx.x / 128) + kk)'))}"
-  return [f"    const unsigned ds_tile = stages + {p.wgmma_stages * 2 * _tile_bytes(p, stream)}u + "
-          f"(threadIdx.x / 128) * {stream * ROW_BYTES}u;",
+  a_start = f"ds_tile + slice * {WARPGROUP_ROWS * ROW_BYTES} + {key_slice_start(stream, CExpr('kk'))}"
+  b_start = f"k_owned + {value_slice_start(CExpr('kk'))}"
+  return [f"    const unsigned ds_tile = stages + {p.wgmma_stages * 2 * _tile_bytes(p, stream)}u;",
           "#pragma unroll",
           f"    for (int kk = 0; kk < {stream // 16}; kk++) {{   // this lane's row: a query's 8 keys",
-          "      const int query = kk * 16 + ((lane >> 4) << 3) + (lane & 7), key = (warp & 3) * 16 + (lane & 8);",
+          "      const int query = kk * 16 + ((lane >> 4) << 3) + (lane & 7), key = warp * 16 + (lane & 8);",
           f"      stmatrix_x4_trans(ds_tile + {ds_byte}, dst[kk]);",
           "    }",
           "    async_proxy_fence();",
-          "    warpgroup_sync();   // the warpgroup's dS tile written",
-          f"    float dq_part[{stream // WARPGROUP_ROWS}][D / 8][4];",
+          "    __syncthreads();   // the block's dS tile written",
+          f"    float dq_part[{slices}][D / 8][4];",
           "    wgmma_fence();",
           "#pragma unroll",
-          f"    for (int m = 0; m < {stream // WARPGROUP_ROWS}; m++)",
+          f"    for (int part = 0; part < {slices}; part++) {{",
+          f"      const int slice = (threadIdx.x / 128) * {slices} + part;",
           "#pragma unroll",
-          f"      for (int kk = 0; kk < {WARPGROUP_ROWS // 16}; kk++)",
-          f"        wgmma_values(&dq_part[m][0][0], wgmma_descriptor({a_start}, {a_lbo}, {a_sbo}), "
+          f"      for (int kk = 0; kk < {p.block_kv // 16}; kk++)",
+          f"        wgmma_values(&dq_part[part][0][0], wgmma_descriptor({a_start}, {a_lbo}, {a_sbo}), "
           f"wgmma_descriptor({b_start}, {b_lbo}, {b_sbo}), kk > 0);",
+          "    }",
           "    wgmma_commit();",
-          *(f"    fence_accumulators(dq_part[{m}]);" for m in range(stream // WARPGROUP_ROWS))]
+          *(f"    fence_accumulators(dq_part[{part}]);" for part in range(slices))]
 
 
 def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass's dQ parts, once waited for, added (scaled by SCALE) into dq_accum's rows of this iteration's
   query head: two neighbouring columns a vector reduction, rows past L left out."""
-  stream = plan.dkdv_stream
+  slices = plan.dkdv_stream // plan.block_kv
   return ["    {",
           "      const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
           "      float* dq_rows = dq_accum + (((long long)batch * H + head) * L + q_start) * D;",
           "#pragma unroll",
-          f"      for (int m = 0; m < {stream // WARPGROUP_ROWS}; m++)",
+          f"      for (int part = 0; part < {slices}; part++)",
           "#pragma unroll",
           "        for (int t = 0; t < D / 8; t++)",
           "#pragma unroll",
           "          for (int half = 0; half < 2; half++) {",
-          "            const int query = m * 64 + (warp & 3) * 16 + g + half * 8;",
+          f"            const int query = ((threadIdx.x / 128) * {slices} + part) * 64 + (warp & 3) * 16 + g +",
+          "                              half * 8;",
           "            if (q_start + query < L)",
-          "              red_add2(dq_rows + (long long)query * D + t * 8 + 2 * quad, SCALE * dq_part[m][t][2 * half],",
-          "                       SCALE * dq_part[m][t][2 * half + 1]);",
+          "              red_add2(dq_rows + (long long)query * D + t * 8 + 2 * quad,",
+          "                       SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
           "          }",
           "    }"]
 

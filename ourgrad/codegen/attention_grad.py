@@ -29,7 +29,7 @@ from typing import Any
 from ourgrad.codegen.attention_backward import launches, render_dkdv_kernel, render_dq_kernel
 from ourgrad.codegen.attention_backward_plan import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL,
                                                      WGMMA_MAX_HEAD_DIM, AttentionBackwardPlan, KernelLaunch,
-                                                     contiguous_strides, default_blocks)
+                                                     contiguous_strides, default_blocks, single_pass_blocks)
 from ourgrad.codegen.attention_wgmma import wgmma_refusal
 from ourgrad.codegen.wgmma_tiles import ITEMSIZE
 from ourgrad.helpers import DEBUG, env_var
@@ -73,7 +73,7 @@ def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: st
   reading O (in the operands' dtype) and LSE (float32, after O's bytes) from the forward's buffer and writing the
   gradients contiguous in the operands' dtype, or (`packed`) through q, k and v's own strides. On a device with
   wgmma (`has_wgmma`: sm_90) its kernels run on warpgroup MMAs where the plan allows (`with_device_mma`);
-  `single_pass` (the lazy graph chose it: `single_pass_backward`): in one pass, 128 queries a streamed tile."""
+  `single_pass` (the lazy graph chose it: `single_pass_backward`): in one pass (`single_pass_blocks`)."""
   batch, heads, length, head_dim = q_view.shape
   kv_heads, source = k_view.shape[1], k_view.shape[2]
   strides = [tuple(int(stride) for stride in view.strides[:3]) for view in (q_view, k_view, v_view, do_view)]
@@ -87,7 +87,7 @@ def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: st
       has_wgmma and bool(ATTENTION_BACKWARD_WGMMA))
   if not single_pass: return plan
   if plan.mma != "wgmma": raise AssertionError(f"the single-pass attention backward needs wgmma kernels: {plan}")
-  return replace(plan, dq_accumulate=True, dkdv_held=False, wgmma_overlap=False, stream_q=128)
+  return replace(plan, dq_accumulate=True, dkdv_held=False, wgmma_overlap=False, **single_pass_blocks(head_dim))
 
 
 class AttentionGradKernel:
