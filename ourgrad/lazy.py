@@ -437,10 +437,11 @@ class LazyBuffer:
     bytes, dq, dk and dv stored through q, k and v's views (the gradient of the base, in its own layout: no
     concatenation); the dK/dV op writes into the dQ op's buffer (engine/schedule.py gives them one) and is returned
     twice.
-    `single_pass` (not packed; the caller asks where the device runs it: codegen/attention_grad.single_pass_backward):
-    the dQ op computes delta and zeroes a float32 dQ, the dK/dV op adds dQ into it beside writing dk and dv, both in
-    ONE buffer of this dtype (the dK/dV op's, returned twice): the float32 dQ (B, H, L, D), delta, then dk and dv.
-    Refused (two kernels) where an operand's rows are not 16-byte aligned (the wgmma kernels' copies)."""
+    `single_pass` (the caller asks where the device runs it: codegen/attention_grad.single_pass_backward): the dQ op
+    computes delta and zeroes a float32 dQ and its counts, the dK/dV op adds dQ into it and writes dq, dk and dv, both
+    in ONE buffer of this dtype (the dK/dV op's, returned twice): the gradients (dq, dk, dv contiguous, or packed: the
+    base's elements), then the float32 dQ (B, H, L, D), delta, and the uint32 counts. Refused (two kernels) where an
+    operand's rows are not 16-byte aligned (the wgmma kernels' copies)."""
     if packed and not tiles_one_base(self, key, value): raise AssertionError("packed gradients need tiled operands")
     q, k, v, do = (operand if _reads_in_place_by_rows(operand) else operand.contiguous()
                    for operand in (self, key, value, grad_out))
@@ -448,12 +449,14 @@ class LazyBuffer:
     kv_elements = batch * key.shape[1] * key.shape[2] * head_dim
     delta_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
     width = 16 // self.dtype.itemsize
-    single_pass = single_pass and not packed and all(stride % width == 0 for operand in (q, k, v, do)
-                                                     for stride in operand.st.views[0].strides[:3])
+    single_pass = single_pass and all(stride % width == 0 for operand in (q, k, v, do)
+                                      for stride in operand.st.views[0].strides[:3])
     arg = (causal, float(scale), packed, single_pass)
-    if single_pass:
-      accumulated_elements = batch * heads * length * head_dim * 4 // self.dtype.itemsize
-      size = accumulated_elements + delta_elements + 2 * kv_elements
+    if single_pass:   # (the float32 dQ starts 16-byte aligned: head_dim is a multiple of 64 here)
+      q_elements = batch * heads * length * head_dim
+      gradients = self.base.size if packed else q_elements + 2 * kv_elements
+      counts = batch * heads * -(-length // 16)   # codegen/attention_backward_plan.DQ_COUNT_ROWS
+      size = gradients + (q_elements + counts) * 4 // self.dtype.itemsize + delta_elements
       dq = LazyBuffer.create_base(self.device, (size,), self.dtype, Ops.ATTENTION_DQ, arg, (q, k, v, forward, do))
       dkdv = LazyBuffer.create_base(self.device, (size,), self.dtype, Ops.ATTENTION_DKDV, arg,
                                     (q, k, v, do, forward, dq))

@@ -168,8 +168,11 @@ class PackedFusedAttention(FusedAttention):
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:  # type: ignore[override]
     if fused_backward_refusal(self.q, self.k) is None and tiles_one_base(*self.operands):
-      packed, _ = self.operands[0].attention_grads(self.operands[1], self.operands[2], self.flat, grad_output,
-                                                   self.causal, self.scale, packed=True)
+      q = self.operands[0]
+      single_pass = single_pass_backward(q.dtype.name, q.shape[3], getattr(Device[q.device].renderer, "has_wgmma",
+                                                                           False))
+      packed, _ = q.attention_grads(self.operands[1], self.operands[2], self.flat, grad_output, self.causal,
+                                    self.scale, packed=True, single_pass=single_pass)
       return packed.shrink(((0, math.prod(self.source_shape)),)).reshape(self.source_shape)
     # the kernels refused since the forward (FUSED_ATTENTION_BACKWARD changed): each gradient placed where its view
     # lies in x, zeros elsewhere, summed
@@ -204,12 +207,10 @@ def fused_backward(operands: tuple[LazyBuffer, ...], flat: LazyBuffer, grad_outp
   dq_buffer, dkdv_buffer = q.attention_grads(k, v, flat, grad_output, causal, scale, single_pass=single_pass)
   kv_shape = k.shape
   q_elements, kv_elements = batch * heads * length * head_dim, math.prod(kv_shape)
-  if dkdv_buffer.arg[3]:   # the single pass: the float32 dq, delta, then dk and dv (one buffer)
-    accumulated = q_elements * 4 // q.dtype.itemsize
-    first = accumulated + batch * heads * length * 4 // q.dtype.itemsize
-    dq = _float32_from_halves(dkdv_buffer.shrink(((0, accumulated),)), q_elements).cast(q.dtype)
-    return (dq.reshape(q.shape), dkdv_buffer.shrink(((first, first + kv_elements),)).reshape(kv_shape),
-            dkdv_buffer.shrink(((first + kv_elements, first + 2 * kv_elements),)).reshape(kv_shape))
+  if dkdv_buffer.arg[3]:   # the single pass: dq, dk, dv at the start of one buffer
+    return (dkdv_buffer.shrink(((0, q_elements),)).reshape(q.shape),
+            dkdv_buffer.shrink(((q_elements, q_elements + kv_elements),)).reshape(kv_shape),
+            dkdv_buffer.shrink(((q_elements + kv_elements, q_elements + 2 * kv_elements),)).reshape(kv_shape))
   return (dq_buffer.shrink(((0, q_elements),)).reshape(q.shape),
           dkdv_buffer.shrink(((0, kv_elements),)).reshape(kv_shape),
           dkdv_buffer.shrink(((kv_elements, 2 * kv_elements),)).reshape(kv_shape))

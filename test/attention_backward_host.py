@@ -130,7 +130,8 @@ inline void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* row) { ldmatrix(r,
 HOST_EXP2 = "inline float fast_exp2(float x) { return exp2f(x); }   // ex2.approx.ftz.f32 on the GPU\n"
 
 ARGUMENT_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "dq": "grad_t", "dk": "grad_t",
-                  "dv": "grad_t", "o": "o_t", "lse": "float", "delta": "float", "dq_accum": "float"}
+                  "dv": "grad_t", "o": "o_t", "lse": "float", "delta": "float", "dq_accum": "float",
+                  "dq_counts": "unsigned"}
 
 
 def _position_table(name: str, positions) -> str:
@@ -269,6 +270,10 @@ inline void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {
 std::mutex reduction_lock;
 inline void red_add2(float* address, float first, float second) {
   std::lock_guard<std::mutex> hold(reduction_lock); address[0] += first; address[1] += second; }
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+  std::lock_guard<std::mutex> hold(reduction_lock); unsigned old = *address; *address += value; return old; }
+inline void __threadfence() {}
+inline float4 __ldcg(const float4* address) { return *address; }
 """
 
 

@@ -393,6 +393,27 @@ def test_packed_gradients_replayed_by_the_schedule_cache(emulated_cuda):
   assert schedule_cache.stats.hits > hits   # the second gradient came from the cached schedule
 
 
+def test_single_pass_packed_qkv_gradient(monkeypatch):
+  """ATTENTION_SINGLE_PASS=1 with q, k, v views of one (B, T, 3 C) tensor on the emulated H100: the dK/dV kernel
+  writes dq (converted from its float32 sums), dk and dv through the views into the base's gradient, odd length."""
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    batch, length, heads, head_dim = 2, 75, 2, 64
+    qkv = _ourgrad_inputs([_random(batch, length, 3 * heads * head_dim, seed=57)], dtypes.bfloat16, True)[0]
+    q, k, v = (t.reshape(batch, length, heads, head_dim).transpose(1, 2) for t in qkv.split(heads * head_dim, dim=2))
+    out = q.scaled_dot_product_attention(k, v, is_causal=True)
+    assert type(out._ctx).__name__ == "PackedFusedAttention"
+    out.cast(dtypes.float32).sum().backward()
+    assert qkv.grad.lazydata.base.op is Ops.ATTENTION_DKDV and qkv.grad.lazydata.base.arg[2:] == (True, True)
+    twin = _torch_inputs([qkv])[0]
+    tq, tk, tv = (t.reshape(batch, length, heads, head_dim).transpose(1, 2)
+                  for t in twin.split(heads * head_dim, dim=2))
+    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+    assert _relative_error(qkv.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtypes.bfloat16]
+
+
 def test_single_pass_replayed_by_the_schedule_cache(monkeypatch):
   """The single-pass step twice on new values: the second realize replays the cached schedule (the dK/dV op's buffer
   rebound to the delta kernel's fresh one, whose float32 dq it zeroes again) and its gradients are still right."""
@@ -545,6 +566,13 @@ def test_cuda_single_pass_against_torch(dtype, causal, head_dim, monkeypatch):
   lengths and GQA against float64, as test_cuda_device_against_torch."""
   monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
   test_cuda_device_against_torch(dtype, causal, head_dim, monkeypatch)
+
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
+def test_cuda_single_pass_packed_qkv_gradient(monkeypatch):
+  """The single-pass backward of GPT-2's packed q, k, v views on the CUDA device (bfloat16, odd length)."""
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  test_cuda_packed_qkv_gradient_against_torch(dtypes.bfloat16, monkeypatch)
 
 
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")

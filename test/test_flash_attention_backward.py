@@ -232,8 +232,9 @@ def _check_on_host(dtype: str, case: tuple, layout: str, fields: dict) -> None:
   grad_type = STORAGE[plan.grad_dtype]
   buffers.update(dq=np.zeros(buffers["q"].size, grad_type), dk=np.zeros(buffers["v"].size, grad_type),
                  dv=np.zeros(buffers["v"].size, grad_type), delta=np.zeros(plan.delta_elements, np.float32))
-  if plan.dq_accumulate:   # the single pass's float32 dQ, (B, H, L, D) whatever dq's layout; stale values zeroed
-    buffers["dq_accum"] = np.full(batch * heads * q_len * head_dim, 7.0, np.float32)
+  if plan.dq_accumulate:   # the single pass's float32 dQ, (B, H, L, D) whatever dq's layout, and counts: stale
+    buffers["dq_accum"] = np.full(batch * heads * q_len * head_dim, 7.0, np.float32)   # values zeroed first
+    buffers["dq_counts"] = np.full(plan.count_elements, 5, np.uint32)
   state = run_on_host(plan, buffers)
   emulated = {name: array.copy() for name, array in buffers.items()}
   emulate_attention_backward_buffers(plan, emulated)
@@ -246,9 +247,10 @@ def _check_on_host(dtype: str, case: tuple, layout: str, fields: dict) -> None:
   results = (dq.transpose(0, 2, 1, 3) if projected else dq, state["dk"].reshape(expected[1].shape),
              state["dv"].reshape(expected[2].shape))
   kinds = (plan.grad_dtype,) * 3
-  if plan.dq_accumulate:   # the single pass writes no dq: its float32 sums instead
-    results, kinds = (state["dq_accum"].reshape(expected[0].shape), *results[1:]), ("float32", *kinds[1:])
-  for name, result, want, kind in zip(("dq", "dk", "dv"), results, expected, kinds):
+  if plan.dq_accumulate:   # the single pass: its float32 sums too
+    results, kinds = (*results, state["dq_accum"].reshape(expected[0].shape)), (*kinds, "float32")
+    expected = (*expected, expected[0])
+  for name, result, want, kind in zip(("dq", "dk", "dv", "dq_accum"), results, expected, kinds):
     error = np.abs(to_float32(result, kind) - want).max() / np.abs(want).max()
     assert error < TOLERANCE[dtype], f"{name} {dtype} {case}: relative error {error:.2e}"
 

@@ -40,8 +40,8 @@ attention_backward_host.py runs this CUDA source itself on the CPU (a host threa
 from __future__ import annotations
 
 from ourgrad.codegen import attention_backward_wgmma
-from ourgrad.codegen.attention_backward_plan import (DKDV_KERNEL, DQ_KERNEL, LOG2E, AttentionBackwardPlan, KernelLaunch,
-                                                    Strides)
+from ourgrad.codegen.attention_backward_plan import (DKDV_KERNEL, DQ_COUNT_ROWS, DQ_KERNEL, LOG2E,
+                                                    AttentionBackwardPlan, KernelLaunch, Strides)
 from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps
 from ourgrad.codegen.wgmma_tiles import C_TYPE, PTX_TYPE
 from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL   # the size ops_cuda.CUDAProgram reads at load
@@ -547,16 +547,20 @@ def _delta_kernel(plan: AttentionBackwardPlan, entry: str) -> str:
 {entry}(const elem_t* __restrict__ q,
     const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
     const elem_t* __restrict__ dout, const float* __restrict__ lse, grad_t* __restrict__ dq,
-    float* __restrict__ delta, float* __restrict__ dq_accum) {{
+    float* __restrict__ delta, float* __restrict__ dq_accum, unsigned* __restrict__ dq_counts) {{
   elem_t* do_tile = (elem_t*)shared_bytes;              // BQ x PITCH
   float* delta_tile = (float*)(do_tile + BQ * PITCH);   // BQ
 {_dq_prologue(p, ("do",))}
   copy_async_commit();
   copy_async_wait<0>();
   __syncthreads();
-{_delta_lines(p)}  // the block's rows of dq_accum (B, H, L, D) contiguous, zeroed 16 bytes a store
+{_delta_lines(p)}  // the block's rows of dq_accum (B, H, L, D) contiguous, zeroed 16 bytes a store, and the counts of
+  // the dK/dV kernel's Q tiles ({p.dkdv_stream} rows) that start in them
   float4* accumulated = (float4*)(dq_accum + delta_row0 * D);
   for (int i = threadIdx.x; i < q_rows * (D / 4); i += blockDim.x) accumulated[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  constexpr int TILE = {p.dkdv_stream}, COUNTED_TILES = {-(-p.q_len // DQ_COUNT_ROWS)};
+  for (int tile = (q_start + TILE - 1) / TILE + threadIdx.x; tile * TILE < q_start + q_rows; tile += blockDim.x)
+    dq_counts[((long long)batch * H + head) * COUNTED_TILES + tile] = 0u;
 }}
 """
 
@@ -732,11 +736,11 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
 
 def launches(plan: AttentionBackwardPlan) -> list[KernelLaunch]:
   """The two kernels in launch order, with their arguments (names of the buffers) and sizes (the single pass,
-  plan.dq_accumulate: both also take dq_accum, float32 (B, H, L, D) contiguous, which the first zeroes and the
-  second adds dQ into; dq is not written)."""
-  accumulated = ("dq_accum",) if plan.dq_accumulate else ()
+  plan.dq_accumulate: both also take dq_accum, float32 (B, H, L, D) contiguous, and dq_counts, uint32
+  (plan.count_elements), which the first zeroes and the second adds into; the second writes dq)."""
+  accumulated = ("dq_accum", "dq_counts") if plan.dq_accumulate else ()
   return [KernelLaunch(DQ_KERNEL, render_dq_kernel(plan), ("q", "k", "v", "o", "do", "lse", "dq", "delta") +
                        accumulated, plan.dq_grid, plan.dq_block, plan.dq_shared_bytes),
           KernelLaunch(DKDV_KERNEL, render_dkdv_kernel(plan), ("q", "k", "v", "do", "lse", "delta", "dk", "dv") +
-                       accumulated,
+                       accumulated + (("dq",) if plan.dq_accumulate else ()),
                        plan.dkdv_grid, plan.dkdv_block, plan.dkdv_shared_bytes)]

@@ -24,6 +24,7 @@ LOG2E = 1.4426950408889634
 # memory the driver reserves per resident block (sm_80+)
 REGISTERS_PER_SM, REGISTER_FLOOR, REGISTERS_BESIDE_ACCUMULATORS, BLOCK_RESERVED_SHARED = 65536, 128, 40, 1024
 DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
+DQ_COUNT_ROWS = 16   # the single pass: dq_counts has a count per 16 query rows (at least one per streamed Q tile)
 WGMMA_MAX_HEAD_DIM = 128   # the largest head the wgmma kernels are chosen for (`with_device_mma`)
 
 
@@ -224,9 +225,16 @@ class AttentionBackwardPlan:
     in registers)."""
     stream = self.dkdv_stream
     if self.mma == "wgmma":   # (without dkdv_held K and V swizzled: no padding, the same bytes at most)
-      return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream) + self.ds_tile_bytes
+      # (the single pass: the dS tile, then 4 flags)
+      return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream) + \
+          (self.ds_tile_bytes + 16 if self.dq_accumulate else 0)
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
+
+  @property
+  def count_elements(self) -> int:
+    """The single pass's dq_counts (uint32): a count per DQ_COUNT_ROWS query rows of each (batch, head)."""
+    return self.batch * self.heads * -(-self.q_len // DQ_COUNT_ROWS)
 
   @property
   def ds_tile_bytes(self) -> int:

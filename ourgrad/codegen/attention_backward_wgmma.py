@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ourgrad.codegen.attention_backward_plan import DQ_KERNEL
+from ourgrad.codegen.attention_backward_plan import DQ_COUNT_ROWS, DQ_KERNEL
 from ourgrad.codegen.attention_wgmma import (WARPGROUP_ROWS, key_slice_start, key_strides, pack_lines, product_helpers,
                                              staged_offset, value_slice_start, value_strides)
 from ourgrad.codegen.wgmma_copies import ROW_BYTES
@@ -39,6 +39,9 @@ from ourgrad.codegen.wgmma_tiles import PTX_TYPE, CExpr
 
 if TYPE_CHECKING:
   from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
+
+# C of the element offset of (batch, head) by a tensor's (batch, head) strides
+HEAD_OFFSET = "(long long)batch * {0}LL + (long long)head * {1}LL"
 
 # pins accumulators to their registers at a point of the program (CUTLASS's warpgroup_fence_operand): without it
 # NVVM may copy an accumulator between the wgmmas of a chain while they are in flight, and ptxas then waits for them
@@ -186,7 +189,9 @@ def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass's dQ parts, once waited for, added (scaled by SCALE) into dq_accum's rows of this iteration's
   query head: two neighbouring columns a vector reduction, rows past L left out."""
   slices = plan.dkdv_stream // plan.block_kv
-  return ["    {",
+  return ["    // the previous iteration's reductions (long performed) ordered before its count (dq_count_top_lines)",
+          "    if (iteration > 0) __threadfence();",
+          "    {",
           "      const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
           "      float* dq_rows = dq_accum + (((long long)batch * H + head) * L + q_start) * D;",
           "#pragma unroll",
@@ -201,7 +206,72 @@ def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
           "              red_add2(dq_rows + (long long)query * D + t * 8 + 2 * quad,",
           "                       SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
           "          }",
+          "    }",
+          "    if (threadIdx.x == 0 && iteration >= 2) {   // whether this block's count completed tile iteration - 2",
+          "      done[0] = arrived == contributors(iteration - 2);",
+          "      if (done[0]) __threadfence();   // (the others' reductions, seen through the count, before the reads)",
           "    }"]
+
+
+def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
+  """The single pass's dq (plan.dq_accumulate): each (query head, Q tile) of dq_accum has a count in dq_counts (the
+  delta kernel zeroes it) of the K/V blocks that have added into it; the block whose addition completes the count
+  (`contributors`: the causal blocks whose first Q tile is at or before it) rounds the tile's sums into dq. A block
+  counts an iteration's tile two iterations later (`dq_count_top_lines`), after a fence that finds its reductions
+  long performed and a barrier, and converts it in the next; the last tiles after the loop (`dq_count_final_lines`).
+  `done`: flags in shared memory after the dS tile."""
+  p = plan
+  ds_bytes = p.ds_tile_bytes
+  return [f"  constexpr int COUNTED_TILES = (L + {DQ_COUNT_ROWS - 1}) / {DQ_COUNT_ROWS};   // dq_counts of a head",
+          "  unsigned* done = (unsigned*)(shared_bytes + (stages - shared_address(shared_bytes)) + "
+          f"{p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + ds_bytes});",
+          "  unsigned arrived = 0;   // thread 0: the count of an earlier iteration's tile after its addition",
+          "  auto tile_head = [&](int it) { return kv_head * GROUP + (GROUP == 1 ? 0 : it / q_tiles); };",
+          "  auto tile_start = [&](int it) { return q_first + (GROUP == 1 ? it : it % q_tiles) * BQ; };",
+          "  auto tile_count = [&](int it) {",
+          "    return dq_counts + ((long long)batch * H + tile_head(it)) * COUNTED_TILES + tile_start(it) / BQ; };",
+          "  auto contributors = [&](int it) {",
+          "    return (unsigned)(CAUSAL ? min((int)gridDim.y, (tile_start(it) + BQ + BK - 1) / BK) : (int)gridDim.y);",
+          "  };",
+          "  auto convert_tile = [&](int it) {   // dq of the tile's rows from dq_accum's (read in L2)",
+          "    const int head = tile_head(it), first = tile_start(it), rows = min(BQ, L - first);",
+          "    const float* sums = dq_accum + (((long long)batch * H + head) * L + first) * D;",
+          f"    grad_t* target = dq + {HEAD_OFFSET.format(*p.dq_strides[:2])} + (long long)first * "
+          f"{p.dq_strides[2]}LL;",
+          "    for (int i = threadIdx.x; i < rows * (D / 4); i += blockDim.x) {",
+          "      const int row = i / (D / 4), column = (i % (D / 4)) * 4;",
+          "      const float4 sum = __ldcg((const float4*)(sums + (long long)row * D + column));",
+          f"      grad_t* out = target + (long long)row * {p.dq_strides[2]}LL + column;",
+          "      out[0] = grad_from_float(sum.x); out[1] = grad_from_float(sum.y);",
+          "      out[2] = grad_from_float(sum.z); out[3] = grad_from_float(sum.w);",
+          "    }",
+          "  };"]
+
+
+def dq_count_top_lines() -> list[str]:
+  """The single pass, after an iteration's first barrier: the tile of iteration - 3 converted where its count
+  completed (flag written before the barrier), and iteration - 2's tile counted (its reductions fenced by every
+  thread before the barrier; the result read at the iteration's end)."""
+  return ["    if (iteration >= 3 && done[0]) convert_tile(iteration - 3);",
+          "    if (threadIdx.x == 0 && iteration >= 2) arrived = atomicAdd(tile_count(iteration - 2), 1u) + 1u;"]
+
+
+def dq_count_final_lines() -> list[str]:
+  """The single pass after the loop: the last two tiles counted (every reduction fenced, a barrier), then the last
+  three converted where their counts completed."""
+  return ["  __threadfence();",
+          "  __syncthreads();",
+          "  if (threadIdx.x == 0) {",
+          "    done[1] = iterations >= 2 &&",
+          "              atomicAdd(tile_count(iterations - 2), 1u) + 1u == contributors(iterations - 2);",
+          "    done[2] = iterations >= 1 &&",
+          "              atomicAdd(tile_count(iterations - 1), 1u) + 1u == contributors(iterations - 1);",
+          "    if (done[1] || done[2]) __threadfence();",
+          "  }",
+          "  __syncthreads();",
+          "  if (iterations >= 3 && done[0]) convert_tile(iterations - 3);",
+          "  if (done[1]) convert_tile(iterations - 2);",
+          "  if (done[2]) convert_tile(iterations - 1);"]
 
 
 def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: str, stage: str) -> str:
@@ -239,7 +309,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
   q_stride, do_stride, lse_stride = p.q_strides[2], p.do_strides[2], p.lse_strides[2]
   copy = copy_stage_lines(p, stream, "q_start", "q_rows", (("q_stage", "q + q_row0", q_stride),
                                                             ("do_stage", "dout + do_row0", do_stride)))
-  offset = "(long long)batch * {0}LL + (long long)head * {1}LL"
+  offset = HEAD_OFFSET
   if p.dkdv_held:   # K's and V's A fragments in registers, loaded from padded tiles
     owned = ["  elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH",
              "  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH",
@@ -260,9 +330,11 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,",
     "    const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,",
-    f"    grad_t* __restrict__ dv{', float* __restrict__ dq_accum' if p.dq_accumulate else ''}) {{",
+    "    grad_t* __restrict__ dv" + (", float* __restrict__ dq_accum, unsigned* __restrict__ dq_counts, grad_t* "
+                                    "__restrict__ dq" if p.dq_accumulate else "") + ") {",
     *owned,
     "  copy_async_commit();   // K and V: a group of their own",
+    *(dq_count_helpers(p) if p.dq_accumulate else []),
     "  // the Q and dO tiles, LSE and delta rows of iteration `iteration` into stage `stage`, not committed",
     "  auto copy_stage = [&](int iteration, int stage) {",
     "    const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
@@ -294,6 +366,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     f"      copy_stage(iteration + 1, (iteration + 1) % {p.wgmma_stages});",
     "      copy_async_commit();",
     "    }",
+    *(dq_count_top_lines() if p.dq_accumulate else []),
     "    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;",
     f"    const int stage = iteration % {p.wgmma_stages};",
     f"    {stage_addresses(p, stream, 'q_stage', 'do_stage', 'stage')}",
@@ -312,7 +385,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     *values_lines(stream, "dk_acc", "dpt", "dst", "q_stage"),
     *(dq_accumulate_lines(p) if p.dq_accumulate else []),
     *(_last_wait(p, "dv_acc", "dk_acc") if not p.dq_accumulate else
-      [*_last_wait(p, "dv_acc", "dk_acc")[:-1], *dq_reduce_lines(p), "  }"]),
+      [*_last_wait(p, "dv_acc", "dk_acc")[:-1], *dq_reduce_lines(p), "  }", *dq_count_final_lines()]),
     "  copy_async_wait<0>();",
     store,
     "}"])

@@ -40,7 +40,8 @@ from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 Binding = tuple[str, int, int]
 # each parameter's C type (codegen/attention_backward.py's typedefs)
 PARAMETER_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "o": "o_t", "lse": "float",
-                   "delta": "float", "dq": "grad_t", "dk": "grad_t", "dv": "grad_t", "dq_accum": "float"}
+                   "delta": "float", "dq": "grad_t", "dk": "grad_t", "dv": "grad_t", "dq_accum": "float",
+                   "dq_counts": "unsigned"}
 # the lazy ops' sources in order, by the kernels' parameter names ("fwd": O and LSE; "dq_buffer": the DQ op's output)
 SOURCES = {Ops.ATTENTION_DQ: ("q", "k", "v", "fwd", "do"),
            Ops.ATTENTION_DKDV: ("q", "k", "v", "do", "fwd", "dq_buffer")}
@@ -126,9 +127,14 @@ class AttentionGradKernel:
     # delta after the gradients, in float32 elements (their count is even: head_dim is a multiple of 16)
     delta = gradient_elements * p.itemsize // 4
     place["delta"] = (0, delta) if op.op is Ops.ATTENTION_DQ else (place["dq_buffer"][0], delta)
-    if single_pass:   # one buffer (argument 0 of both ops): the float32 dQ, delta, then dk and dv
-      gradients = (q_elements + p.delta_elements) * 4 // p.itemsize
-      place.update(dq_accum=(0, 0), delta=(0, q_elements), dk=(0, gradients), dv=(0, gradients + kv_elements))
+    if single_pass:   # one buffer: the gradients, then (float32 / uint32 elements) dQ's sums, delta, the counts
+      shared = 0 if op.op is Ops.ATTENTION_DQ else place["dq_buffer"][0]
+      if not packed: place.update(dq=(0, 0), dk=(0, q_elements), dv=(0, q_elements + kv_elements))
+      gradients = prod(ast.arg.st.shape) - (q_elements + p.count_elements) * 4 // p.itemsize - \
+          p.delta_elements * 4 // p.itemsize
+      sums = gradients * p.itemsize // 4
+      place.update(dq_accum=(shared, sums), delta=(shared, sums + q_elements),
+                   dq_counts=(shared, sums + q_elements + p.delta_elements))
     self.bindings: list[Binding] = [(name, *place[name]) for name in self.launch.arguments]
     # (a packed dK/dV op reads delta from its own output buffer: argument 0)
     self.arguments = len({0} | {load.arg.idx for load in loads})

@@ -133,8 +133,9 @@ def emulate_dq_kernel(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray
   views = _views(plan, buffers)
   grad_out, out = to_float32(views["do"], plan.dtype), to_float32(views["o"], plan.stored_o_dtype)
   views["delta"][...] = (grad_out * out).sum(-1, dtype=np.float32)
-  if plan.dq_accumulate:
+  if plan.dq_accumulate:   # (the dK/dV kernel's counts zeroed too)
     views["dq_accum"][...] = 0
+    buffers["dq_counts"][:plan.count_elements] = 0
     return
   views["dq"][...] = emulate_attention_backward(plan, views["q"], views["k"], views["v"], None, views["do"],
                                                 views["lse"], views["delta"])[0]
@@ -142,11 +143,11 @@ def emulate_dq_kernel(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray
 
 def emulate_dkdv_kernel(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray]) -> None:
   """The dK/dV launch on flat buffers: reads the delta the dQ launch wrote, writes dk and dv in place (the single
-  pass: also adds dQ, float32, into dq_accum)."""
+  pass: dQ's float32 sums into dq_accum, and dq)."""
   views = _views(plan, buffers)
   dq, views["dk"][...], views["dv"][...] = emulate_attention_backward(
     plan, views["q"], views["k"], views["v"], None, views["do"], views["lse"], views["delta"])
-  if plan.dq_accumulate: views["dq_accum"][...] += to_float32(dq, plan.grad_dtype)
+  if plan.dq_accumulate: views["dq"][...], views["dq_accum"][...] = dq, to_float32(dq, plan.grad_dtype)
 
 
 EMULATORS: dict[str, Callable[[AttentionBackwardPlan, dict[str, np.ndarray]], None]] = {
@@ -198,7 +199,7 @@ class AttentionBackwardProgram:
                        f"{self.launch.grid}x{self.launch.block}")
     element, grad = STORAGE[self.plan.dtype], STORAGE[self.plan.grad_dtype]
     types = {"o": STORAGE[self.plan.stored_o_dtype], "lse": np.float32, "delta": np.float32, "dq": grad, "dk": grad,
-             "dv": grad, "dq_accum": np.float32}
+             "dv": grad, "dq_accum": np.float32, "dq_counts": np.uint32}
     bindings = self.bindings or [(name, index, 0) for index, name in enumerate(self.launch.arguments)]
     typed = {name: buffers[index].view(types.get(name, element))[offset:] for name, index, offset in bindings}
     EMULATORS[self.kernel](self.plan, typed)
