@@ -8,7 +8,8 @@ timed alone: CUDA events around back-to-back launches, median of 5 batches (benc
 Each row prints the kernel's registers, spills, shared memory, the blocks a multiprocessor holds (by shared memory
 and registers), ms, TFLOP/s (the kernel's products: dQ 3, dK/dV 4, each 2 B H L S D, halved when causal), and its
 gradient's error relative to torch's backward in the same dtype (a broken config shows here; the single pass's
-dK/dV kernel, plan.dq_accumulate, also counts and checks dQ: 5 products). A last table gives,
+dK/dV kernel, plan.dq_accumulate, runs after its own delta kernel, timed together: 5 products, dQ checked too). A
+last table gives,
 per case and kernel, the default config's time and the fastest one's, for choosing `default_blocks`.
 
 Run on the H200: `python extra/bench/sweep_attention_backward.py` (about a minute; `--cases 512` for one length,
@@ -125,7 +126,8 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
   buffers = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": o_view, "do": grad_out, "lse": lse,
              "dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
              "delta": torch.zeros(base.delta_elements, device="cuda", dtype=torch.float32),
-             "dq_accum": torch.zeros(q_shape, device="cuda", dtype=torch.float32)}
+             "dq_accum": torch.zeros(q_shape, device="cuda", dtype=torch.float32),
+             "dq_counts": torch.zeros(base.count_elements, device="cuda", dtype=torch.int32)}
   stream = torch.cuda.current_stream().cuda_stream
   name = f"{dtype_name} B={batch} H={heads} T={length} D={head_dim} causal"
   print(f"== {name}: default {base.mma} block_q {base.block_q} block_kv {base.block_kv} stream_q "
@@ -141,6 +143,9 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
 
   # every config's kernel compiled in parallel (NVRTC releases the GIL), a failed one reported at its turn
   compiled = {key: pool.submit(compile_one, plan, key[0]) for key, plan in plans.items()}
+  # a single-pass dK/dV kernel runs and is timed after its own delta kernel (which zeroes its sums and counts)
+  deltas = {key: pool.submit(compile_one, plan, DQ_KERNEL) for key, plan in plans.items()
+            if key[0] == DKDV_KERNEL and plan.dq_accumulate}
   rows = []
   for (kernel, label), plan in plans.items():
     try:
@@ -148,15 +153,19 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
         launch, cubin, _ = compiled[(DQ_KERNEL, "default")].result()
         LoadedKernel(launch, cubin, buffers).run(stream)
       launch, cubin, log = compiled[(kernel, label)].result()
-      for gradient in (("dq",) if kernel == DQ_KERNEL else ("dk", "dv", "dq_accum")): buffers[gradient].zero_()
+      for gradient in ("dq", "dk", "dv"): buffers[gradient].zero_()
       loaded = LoadedKernel(launch, cubin, buffers)
-      loaded.run(stream)
+      runners = [loaded]
+      if (kernel, label) in deltas: runners.insert(0, LoadedKernel(*deltas[(kernel, label)].result()[:2], buffers))
+      def run() -> None:
+        for runner in runners: runner.run(stream)
+      run()
       torch.cuda.synchronize()
       errors = ([relative_error(buffers["dq"], reference[0])] if kernel == DQ_KERNEL else
                 [relative_error(buffers["dk"], reference[1]), relative_error(buffers["dv"], reference[2])])
-      if plan.dq_accumulate:   # dK/dV: then dQ's float32 sums; the delta kernel: no gradient
-        errors = [] if kernel == DQ_KERNEL else [*errors, relative_error(buffers["dq_accum"], reference[0])]
-      seconds = median_seconds(lambda: loaded.run(stream), iters)
+      if plan.dq_accumulate:   # the single pass (with its delta kernel): dK, dV, dQ; its delta kernel alone: none
+        errors = [] if kernel == DQ_KERNEL else [*errors, relative_error(buffers["dq"], reference[0])]
+      seconds = median_seconds(run, iters)
       registers, spills = resources(log)
       resident = min(shared_per_sm // (launch.shared_bytes + BLOCK_RESERVED_SHARED),
                      REGISTERS_PER_SM // (launch.block[0] * max(registers, 1)))
