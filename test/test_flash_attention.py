@@ -528,6 +528,31 @@ def test_backward_cuda_sources_compile(emulated_cuda, dtype, case):
     nvrtc_compiler().compile(source)
 
 
+@pytest.mark.skipif(nvrtc_compiler() is None, reason="cuda-python's NVRTC is not installed here")
+@pytest.mark.parametrize("packed", [False, True])
+def test_single_pass_cuda_sources_compile(monkeypatch, packed):
+  """The single pass's two kernels as the CUDA device builds them (wrappers binding the float32 dq, delta and the
+  counts in the schedule item's one buffer), compiled by NVRTC for sm_90."""
+  from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
+  from ourgrad.codegen.lowering import lower_kernel
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    if packed:
+      leaves = _ourgrad_inputs([_random(2, 40, 3 * 2 * 64, seed=46)], dtypes.bfloat16, requires_grad=True)
+      q, k, v = (leaves[0].reshape(2, 40, 3, 2, 64)[:, :, i].transpose(1, 2) for i in range(3))
+    else:
+      leaves = _ourgrad_inputs([_random(1, 2, 24, 128, seed=seed) for seed in (47, 48, 49)], dtypes.bfloat16, True)
+      q, k, v = leaves
+    q.scaled_dot_product_attention(k, v, is_causal=True).cast(dtypes.float32).sum().backward()
+    items = [item for item in create_schedule([t.grad.lazydata for t in leaves]) if is_attention_grad(item.ast)]
+  renderer = CUDARenderer("sm_90")
+  kernels = [AttentionGradKernel(item.ast, renderer) for item in items]
+  assert [kernel.plan.dq_accumulate for kernel in kernels] == [True, True]
+  for kernel in kernels: nvrtc_compiler().compile(lower_kernel(kernel, renderer, kernel.name).source)
+
+
 # ---------------------------------------------------------------- on a real GPU (skipped without one)
 
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
