@@ -270,6 +270,9 @@ inline void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {
 std::mutex reduction_lock;
 inline void red_add2(float* address, float first, float second) {
   std::lock_guard<std::mutex> hold(reduction_lock); address[0] += first; address[1] += second; }
+inline void red_add4(float* address, float first, float second, float third, float fourth) {
+  std::lock_guard<std::mutex> hold(reduction_lock);
+  address[0] += first; address[1] += second; address[2] += third; address[3] += fourth; }
 inline unsigned atomicAdd(unsigned* address, unsigned value) {
   std::lock_guard<std::mutex> hold(reduction_lock); unsigned old = *address; *address += value; return old; }
 inline void __threadfence() {}

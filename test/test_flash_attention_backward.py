@@ -112,7 +112,7 @@ VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float
 VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
              ("bfloat16", 64, True, 4, "overlap"), ("bfloat16", 64, True, 4, "single_pass")]
 VARIANT_FIELDS = {"overlap": {"mma": "wgmma", "wgmma_overlap": True},
-                  "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128}}
+                  "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128, "dq_reduce_width": 4}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
@@ -185,6 +185,8 @@ WGMMA_HOST_CASES = [
   ("bfloat16", (1, 4, 1, 150, 97, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128}),
   ("float16", (1, 2, 1, 300, 290, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128, "stream_q": 256}),
   ("bfloat16", (1, 2, 1, 90, 90, 128, True), "contiguous", {"dq_accumulate": True, "stream_q": 64}),
+  ("bfloat16", (1, 4, 2, 83, 83, 64, True), "contiguous", {"dq_accumulate": True, "stream_q": 128,
+                                                            "dq_reduce_width": 4}),
 ]
 
 

@@ -78,6 +78,7 @@ class AttentionBackwardPlan:
   # (batch, heads, q_len, head_dim) contiguous and zeroed before it runs (red.global.add), 5 products a K/V block
   # and Q tile instead of the two kernels' 7 (codegen/attention_backward_wgmma.py `dq_accumulate_lines`)
   dq_accumulate: bool = False
+  dq_reduce_width: int = 2   # dq_accumulate: the float32 sums a reduction adds (2 or 4: red.global.add.v2 / .v4.f32)
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -104,6 +105,8 @@ class AttentionBackwardPlan:
       if self.block_q % WARPGROUP_ROWS or self.block_kv % WARPGROUP_ROWS or max(streams) > 256:
         raise ShapeError(f"wgmma attention backward owns whole warpgroups of {WARPGROUP_ROWS} rows and streams at most "
                          f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
+    if self.dq_reduce_width not in (2, 4):
+      raise ShapeError(f"dq_reduce_width {self.dq_reduce_width}: the reductions add 2 or 4 float32 sums")
     if self.dq_accumulate and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap or
                                self.dkdv_stream % self.block_kv):
       raise ShapeError("the single-pass backward (dq_accumulate) runs on wgmma with K and V read by descriptor, "

@@ -55,14 +55,18 @@ ACCUMULATOR_FENCE = """template <int N> __device__ __forceinline__ void fence_ac
 """
 
 
-# the single pass's helpers (plan.dq_accumulate): transposing matrix stores, and two neighbouring float32 sums added
-# to global memory by one vector reduction (sm_90: red.global.add.v2.f32, no value returned)
+# the single pass's helpers (plan.dq_accumulate): transposing matrix stores, and two or four neighbouring float32 sums
+# added to global memory by one vector reduction (sm_90: red.global.add.v2.f32 / .v4.f32, no value returned)
 SINGLE_PASS_HELPERS = """// four 8x8 16-bit matrices, each thread's register i two neighbouring elements of a row of
 // matrix i (the C fragment layout, as packed A fragments hold them), stored transposed: lane l names the shared
 // address of row l % 8 of matrix l / 8, which receives column l % 8
 __device__ __forceinline__ void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
                :: "r"(address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+__device__ __forceinline__ void red_add4(float* address, float first, float second, float third, float fourth) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(address), "f"(first), "f"(second),
+               "f"(third), "f"(fourth) : "memory");
 }
 __device__ __forceinline__ void red_add2(float* address, float first, float second) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(first), "f"(second) : "memory");
@@ -187,8 +191,31 @@ def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
 
 def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass's dQ parts, once waited for, added (scaled by SCALE) into dq_accum's rows of this iteration's
-  query head: two neighbouring columns a vector reduction, rows past L left out."""
+  query head, rows past L left out: two neighbouring columns a vector reduction, or (plan.dq_reduce_width 4) four,
+  neighbouring quads trading halves (the even one takes row g's four columns, the odd one row g + 8's)."""
   slices = plan.dkdv_stream // plan.block_kv
+  first = f"((threadIdx.x / 128) * {slices} + part) * 64 + (warp & 3) * 16 + g"
+  if plan.dq_reduce_width == 4:
+    reductions = ["        for (int t = 0; t < D / 8; t++) {",
+                  "          const float* mine = dq_part[part][t];",
+                  "          const bool even = (quad & 1) == 0;",
+                  "          const float given0 = __shfl_xor_sync(0xffffffffu, even ? mine[2] : mine[0], 1);",
+                  "          const float given1 = __shfl_xor_sync(0xffffffffu, even ? mine[3] : mine[1], 1);",
+                  f"          const int query = {first} + (even ? 0 : 8);",
+                  "          if (q_start + query < L)",
+                  "            red_add4(dq_rows + (long long)query * D + t * 8 + 2 * (quad & ~1),",
+                  "                     SCALE * (even ? mine[0] : given0), SCALE * (even ? mine[1] : given1),",
+                  "                     SCALE * (even ? given0 : mine[2]), SCALE * (even ? given1 : mine[3]));",
+                  "        }"]
+  else:
+    reductions = ["        for (int t = 0; t < D / 8; t++)",
+                  "#pragma unroll",
+                  "          for (int half = 0; half < 2; half++) {",
+                  f"            const int query = {first} + half * 8;",
+                  "            if (q_start + query < L)",
+                  "              red_add2(dq_rows + (long long)query * D + t * 8 + 2 * quad,",
+                  "                       SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
+                  "          }"]
   return ["    // the previous iteration's reductions (long performed) ordered before its count (dq_count_top_lines)",
           "    if (iteration > 0) __threadfence();",
           "    {",
@@ -197,15 +224,7 @@ def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
           "#pragma unroll",
           f"      for (int part = 0; part < {slices}; part++)",
           "#pragma unroll",
-          "        for (int t = 0; t < D / 8; t++)",
-          "#pragma unroll",
-          "          for (int half = 0; half < 2; half++) {",
-          f"            const int query = ((threadIdx.x / 128) * {slices} + part) * 64 + (warp & 3) * 16 + g +",
-          "                              half * 8;",
-          "            if (q_start + query < L)",
-          "              red_add2(dq_rows + (long long)query * D + t * 8 + 2 * quad,",
-          "                       SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
-          "          }",
+          *reductions,
           "    }",
           "    if (threadIdx.x == 0 && iteration >= 2) {   // whether this block's count completed tile iteration - 2",
           "      done[0] = arrived == contributors(iteration - 2);",
