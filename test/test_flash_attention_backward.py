@@ -285,13 +285,17 @@ def test_device_mma_choice(monkeypatch):
   assert backward_plan(q_view, k_view, k_view, q_view, "bfloat16", True, 0.125, 0, has_wgmma=True).mma == "mma_sync"
 
 
-def test_python_programs_run_the_launches_on_raw_buffers():
-  """The PYTHON device's programs, one per launch, on raw byte buffers in launch argument order."""
-  plan = AttentionBackwardPlan.contiguous(2, 4, 2, 50, 37, 32, "bfloat16", True)
+@pytest.mark.parametrize("fields", [{}, {"mma": "wgmma", "dq_accumulate": True, "dq_reduce_width": 4}],
+                         ids=["two_kernels", "single_pass"])
+def test_python_programs_run_the_launches_on_raw_buffers(fields):
+  """The PYTHON device's programs, one per launch, on raw byte buffers in launch argument order; the plan (the
+  single pass's fields too) read back from the program text."""
+  plan = AttentionBackwardPlan.contiguous(2, 4, 2, 50, 37, 32 if not fields else 64, "bfloat16", True, **fields)
   arrays, expected = reference(plan)
   raw = {name: array.reshape(-1).view(np.uint8).copy() for name, array in arrays.items()}
   raw.update(dq=np.zeros_like(raw["q"]), dk=np.zeros_like(raw["k"]), dv=np.zeros_like(raw["v"]),
-             delta=np.zeros(plan.delta_elements * 4, np.uint8))
+             delta=np.zeros(plan.delta_elements * 4, np.uint8), dq_accum=np.zeros(raw["q"].size * 2, np.uint8),
+             dq_counts=np.zeros(plan.count_elements * 4, np.uint8))
   for kernel, launch in zip((DQ_KERNEL, DKDV_KERNEL), launches(plan)):
     binary = attention_backward_program_text(launch.name, plan, kernel).encode()
     assert is_attention_backward_program(binary)
