@@ -64,11 +64,9 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
     dkdv["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_q": 64}
     dkdv["wgmma block_kv 64 stream_q 64 held"] = {"block_kv": 64, "stream_q": 64, "dkdv_held": True, "mma": "wgmma"}
     # the single pass: dQ added into a float32 buffer by the dK/dV kernel (5 products; the dQ kernel only for delta)
-    dkdv.update({f"wgmma single pass block_kv {owned} stream_q {stream}": {
-      "block_kv": owned, "stream_q": stream, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True}
-      for owned, stream in ((64, 64), (64, 128), (128, 128))})
-    dkdv["wgmma single pass block_kv 64 stream_q 128 red.v4"] = {
-      "block_kv": 64, "stream_q": 128, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True, "dq_reduce_width": 4}
+    dkdv.update({f"wgmma single pass block_kv {owned} stream_q {stream} red.v{width}": {
+      "block_kv": owned, "stream_q": stream, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
+      "dq_reduce_width": width} for owned, stream, width in ((64, 128, 4), (128, 128, 2), (128, 128, 4))})
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
     if wgmma: table["mma_sync default"] = {"mma": "mma_sync", **default_blocks(plan.head_dim, plan.dtype)}

@@ -228,9 +228,9 @@ class AttentionBackwardPlan:
     in registers)."""
     stream = self.dkdv_stream
     if self.mma == "wgmma":   # (without dkdv_held K and V swizzled: no padding, the same bytes at most)
-      # (the single pass: the dS tile, then 4 flags)
+      # (the single pass: the dS tile, then a flag a thread)
       return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream) + \
-          (self.ds_tile_bytes + 16 if self.dq_accumulate else 0)
+          (self.ds_tile_bytes + 4 * self.dkdv_block[0] if self.dq_accumulate else 0)
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
 
@@ -319,10 +319,14 @@ def default_blocks(head_dim: int, dtype: str) -> dict[str, Any]:
 
 
 def single_pass_blocks(head_dim: int) -> dict[str, int]:
-  """The single pass's dK/dV blocks (plan.dq_accumulate): one warpgroup of 64 keys streaming 128 queries at D = 64
-  (NVRTC sm_90: 244 registers, 2 blocks a multiprocessor), 64 at D = 128 (250 registers; 128 spilled 880 bytes and
-  serialized its wgmmas)."""
-  return {"block_kv": 64, "stream_q": 128 if head_dim <= 64 else 64}
+  """The single pass's dK/dV blocks (plan.dq_accumulate): at D = 64 two warpgroups of 64 keys streaming 128 queries
+  (their dQ parts summed over 128 keys before the reductions, which go 4 sums a reduction); at D = 128 one streaming
+  64 (NVRTC sm_90: 128 spilled 880 bytes and serialized its wgmmas). H200, causal B=4 H=12 T=4096 D=64 bfloat16,
+  with its delta kernel (extra/bench/results/sweep_attention_backward_h200_s15.txt): 1.037 ms at 128 keys and 128
+  queries, 1.249 at 64 and 128 (1.193 with 4-sum reductions), 1.460 at 64 and 64, against 0.544 + 0.389 for the dK/dV
+  and dQ kernels: not the default (ATTENTION_SINGLE_PASS)."""
+  return {"block_kv": 128, "stream_q": 128, "dq_reduce_width": 4} if head_dim <= 64 else \
+      {"block_kv": 64, "stream_q": 64, "dq_reduce_width": 4}
 
 
 @dataclass(frozen=True)

@@ -216,35 +216,25 @@ def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
                   "              red_add2(dq_rows + (long long)query * D + t * 8 + 2 * quad,",
                   "                       SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
                   "          }"]
-  return ["    // the previous iteration's reductions (long performed) ordered before its count (dq_count_top_lines)",
-          "    if (iteration > 0) __threadfence();",
-          "    {",
+  return ["    {",
           "      const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
           "      float* dq_rows = dq_accum + (((long long)batch * H + head) * L + q_start) * D;",
           "#pragma unroll",
           f"      for (int part = 0; part < {slices}; part++)",
           "#pragma unroll",
           *reductions,
-          "    }",
-          "    if (threadIdx.x == 0 && iteration >= 2) {   // whether this block's count completed tile iteration - 2",
-          "      done[0] = arrived == contributors(iteration - 2);",
-          "      if (done[0]) __threadfence();   // (the others' reductions, seen through the count, before the reads)",
           "    }"]
 
 
 def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass's dq (plan.dq_accumulate): each (query head, Q tile) of dq_accum has a count in dq_counts (the
   delta kernel zeroes it) of the K/V blocks that have added into it; the block whose addition completes the count
-  (`contributors`: the causal blocks whose first Q tile is at or before it) rounds the tile's sums into dq. A block
-  counts an iteration's tile two iterations later (`dq_count_top_lines`), after a fence that finds its reductions
-  long performed and a barrier, and converts it in the next; the last tiles after the loop (`dq_count_final_lines`).
-  `done`: flags in shared memory after the dS tile."""
+  (`contributors`: the causal blocks whose first Q tile is at or before it) rounds the tile's sums into dq
+  (`dq_count_final_lines`). `done`: a flag a thread in shared memory after the dS tile."""
   p = plan
-  ds_bytes = p.ds_tile_bytes
   return [f"  constexpr int COUNTED_TILES = (L + {DQ_COUNT_ROWS - 1}) / {DQ_COUNT_ROWS};   // dq_counts of a head",
           "  unsigned* done = (unsigned*)(shared_bytes + (stages - shared_address(shared_bytes)) + "
-          f"{p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + ds_bytes});",
-          "  unsigned arrived = 0;   // thread 0: the count of an earlier iteration's tile after its addition",
+          f"{p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + p.ds_tile_bytes});",
           "  auto tile_head = [&](int it) { return kv_head * GROUP + (GROUP == 1 ? 0 : it / q_tiles); };",
           "  auto tile_start = [&](int it) { return q_first + (GROUP == 1 ? it : it % q_tiles) * BQ; };",
           "  auto tile_count = [&](int it) {",
@@ -267,30 +257,21 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
           "  };"]
 
 
-def dq_count_top_lines() -> list[str]:
-  """The single pass, after an iteration's first barrier: the tile of iteration - 3 converted where its count
-  completed (flag written before the barrier), and iteration - 2's tile counted (its reductions fenced by every
-  thread before the barrier; the result read at the iteration's end)."""
-  return ["    if (iteration >= 3 && done[0]) convert_tile(iteration - 3);",
-          "    if (threadIdx.x == 0 && iteration >= 2) arrived = atomicAdd(tile_count(iteration - 2), 1u) + 1u;"]
-
-
 def dq_count_final_lines() -> list[str]:
-  """The single pass after the loop: the last two tiles counted (every reduction fenced, a barrier), then the last
-  three converted where their counts completed."""
+  """The single pass after the loop: every thread's reductions fenced, a barrier, then the block's tiles counted (a
+  thread a tile, blockDim of them at a time), and the tiles whose counts this block completed converted by the whole
+  block (the threadFenceReduction pattern: the counting thread fences again before the block reads the sums)."""
   return ["  __threadfence();",
           "  __syncthreads();",
-          "  if (threadIdx.x == 0) {",
-          "    done[1] = iterations >= 2 &&",
-          "              atomicAdd(tile_count(iterations - 2), 1u) + 1u == contributors(iterations - 2);",
-          "    done[2] = iterations >= 1 &&",
-          "              atomicAdd(tile_count(iterations - 1), 1u) + 1u == contributors(iterations - 1);",
-          "    if (done[1] || done[2]) __threadfence();",
-          "  }",
-          "  __syncthreads();",
-          "  if (iterations >= 3 && done[0]) convert_tile(iterations - 3);",
-          "  if (done[1]) convert_tile(iterations - 2);",
-          "  if (done[2]) convert_tile(iterations - 1);"]
+          "  for (int base = 0; base < iterations; base += blockDim.x) {",
+          "    const int it = base + threadIdx.x;",
+          "    done[threadIdx.x] = it < iterations && atomicAdd(tile_count(it), 1u) + 1u == contributors(it);",
+          "    if (done[threadIdx.x]) __threadfence();",
+          "    __syncthreads();",
+          "    for (int j = 0; j < blockDim.x && base + j < iterations; j++)",
+          "      if (done[j]) convert_tile(base + j);",
+          "    __syncthreads();   // (done rewritten next)",
+          "  }"]
 
 
 def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: str, stage: str) -> str:
@@ -385,7 +366,6 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     f"      copy_stage(iteration + 1, (iteration + 1) % {p.wgmma_stages});",
     "      copy_async_commit();",
     "    }",
-    *(dq_count_top_lines() if p.dq_accumulate else []),
     "    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;",
     f"    const int stage = iteration % {p.wgmma_stages};",
     f"    {stage_addresses(p, stream, 'q_stage', 'do_stage', 'stage')}",
