@@ -273,6 +273,18 @@ inline void red_add2(float* address, float first, float second) {
 inline void red_add4(float* address, float first, float second, float third, float fourth) {
   std::lock_guard<std::mutex> hold(reduction_lock);
   address[0] += first; address[1] += second; address[2] += third; address[3] += fourth; }
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+struct WarpgroupBarriers { Barrier of[8]; WarpgroupBarriers() { for (Barrier& b : of) b.count = 128; } };
+WarpgroupBarriers warpgroup_barriers;
+inline void warpgroup_sync() { warpgroup_barriers.of[threadIdx.x / 128].wait(); }
+inline void bulk_reduce_add(float* target, unsigned source, unsigned bytes) {   // at once: nothing in flight
+  std::lock_guard<std::mutex> hold(reduction_lock);
+  const float* values = (const float*)(attention_shared + source);
+  for (unsigned i = 0; i < bytes / 4; i++) target[i] += values[i]; }
+inline void bulk_commit() {}
+inline void bulk_wait_read() {}
+inline void bulk_wait_all() {}
 inline unsigned atomicAdd(unsigned* address, unsigned value) {
   std::lock_guard<std::mutex> hold(reduction_lock); unsigned old = *address; *address += value; return old; }
 inline void __threadfence() {}

@@ -110,9 +110,12 @@ def test_launch_sizes():
 VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float32", "float16", "bfloat16")
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
 VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
-             ("bfloat16", 64, True, 4, "overlap"), ("bfloat16", 64, True, 4, "single_pass")]
+             ("bfloat16", 64, True, 4, "overlap"), ("bfloat16", 64, True, 4, "single_pass"),
+             ("bfloat16", 64, True, 12, "single_pass_bulk")]
 VARIANT_FIELDS = {"overlap": {"mma": "wgmma", "wgmma_overlap": True},
-                  "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128, "dq_reduce_width": 4}}
+                  "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128, "dq_reduce_width": 4},
+                  "single_pass_bulk": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                       "dq_bulk_reduce": True}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
@@ -187,6 +190,10 @@ WGMMA_HOST_CASES = [
   ("bfloat16", (1, 2, 1, 90, 90, 128, True), "contiguous", {"dq_accumulate": True, "stream_q": 64}),
   ("bfloat16", (1, 4, 2, 83, 83, 64, True), "contiguous", {"dq_accumulate": True, "stream_q": 128,
                                                             "dq_reduce_width": 4}),
+  ("bfloat16", (1, 4, 2, 150, 150, 64, True), "projected", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                                            "dq_bulk_reduce": True}),   # TMA bulk reductions
+  ("float16", (1, 2, 1, 90, 70, 128, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
+                                                           "dq_bulk_reduce": True}),
 ]
 
 

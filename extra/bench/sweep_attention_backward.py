@@ -67,6 +67,9 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
     dkdv.update({f"wgmma single pass block_kv {owned} stream_q {stream} red.v{width}": {
       "block_kv": owned, "stream_q": stream, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
       "dq_reduce_width": width} for owned, stream, width in ((64, 128, 4), (128, 128, 2), (128, 128, 4))})
+    dkdv["wgmma single pass block_kv 128 stream_q 128 bulk"] = {
+      "block_kv": 128, "stream_q": 128, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
+      "dq_bulk_reduce": True}
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
     if wgmma: table["mma_sync default"] = {"mma": "mma_sync", **default_blocks(plan.head_dim, plan.dtype)}

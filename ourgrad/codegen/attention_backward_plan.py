@@ -79,6 +79,7 @@ class AttentionBackwardPlan:
   # and Q tile instead of the two kernels' 7 (codegen/attention_backward_wgmma.py `dq_accumulate_lines`)
   dq_accumulate: bool = False
   dq_reduce_width: int = 2   # dq_accumulate: the float32 sums a reduction adds (2 or 4: red.global.add.v2 / .v4.f32)
+  dq_bulk_reduce: bool = False   # dq_accumulate: dQ staged in shared memory, added by TMA bulk reductions instead
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -105,6 +106,8 @@ class AttentionBackwardPlan:
       if self.block_q % WARPGROUP_ROWS or self.block_kv % WARPGROUP_ROWS or max(streams) > 256:
         raise ShapeError(f"wgmma attention backward owns whole warpgroups of {WARPGROUP_ROWS} rows and streams at most "
                          f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
+    if self.dq_bulk_reduce and not self.dq_accumulate:
+      raise ShapeError("dq_bulk_reduce adds the single pass's dQ (dq_accumulate)")
     if self.dq_reduce_width not in (2, 4):
       raise ShapeError(f"dq_reduce_width {self.dq_reduce_width}: the reductions add 2 or 4 float32 sums")
     if self.dq_accumulate and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap or
@@ -230,7 +233,8 @@ class AttentionBackwardPlan:
     if self.mma == "wgmma":   # (without dkdv_held K and V swizzled: no padding, the same bytes at most)
       # (the single pass: the dS tile, then a flag a thread)
       return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream) + \
-          (self.ds_tile_bytes + 4 * self.dkdv_block[0] if self.dq_accumulate else 0)
+          (self.ds_tile_bytes + 4 * self.dkdv_block[0] if self.dq_accumulate else 0) + \
+          (stream * self.head_dim * 4 if self.dq_bulk_reduce else 0)
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
 

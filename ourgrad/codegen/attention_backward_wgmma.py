@@ -68,6 +68,16 @@ __device__ __forceinline__ void red_add4(float* address, float first, float seco
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(address), "f"(first), "f"(second),
                "f"(third), "f"(fourth) : "memory");
 }
+__device__ __forceinline__ void warpgroup_sync() {   // named barrier 1 + warpgroup (0 is __syncthreads)
+  asm volatile("bar.sync %0, 128;" :: "r"(1 + (int)(threadIdx.x / 128)) : "memory");
+}
+__device__ __forceinline__ void bulk_reduce_add(float* target, unsigned source, unsigned bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(target), "r"(source), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 __device__ __forceinline__ void red_add2(float* address, float first, float second) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(first), "f"(second) : "memory");
 }
@@ -192,7 +202,10 @@ def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
 def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass's dQ parts, once waited for, added (scaled by SCALE) into dq_accum's rows of this iteration's
   query head, rows past L left out: two neighbouring columns a vector reduction, or (plan.dq_reduce_width 4) four,
-  neighbouring quads trading halves (the even one takes row g's four columns, the odd one row g + 8's)."""
+  neighbouring quads trading halves (the even one takes row g's four columns, the odd one row g + 8's); or
+  (plan.dq_bulk_reduce) staged row-major in shared memory (`dq_staging`, after the flags) and added by one thread of
+  the warpgroup as bulk reductions (cp.reduce.async.bulk, the TMA unit), whose reads of the staging rows it waits
+  for before the next iteration's first barrier and whose completion before the block's counts."""
   slices = plan.dkdv_stream // plan.block_kv
   first = f"((threadIdx.x / 128) * {slices} + part) * 64 + (warp & 3) * 16 + g"
   if plan.dq_reduce_width == 4:
@@ -216,6 +229,33 @@ def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
                   "              red_add2(dq_rows + (long long)query * D + t * 8 + 2 * quad,",
                   "                       SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
                   "          }"]
+  if plan.dq_bulk_reduce:
+    return ["    {",
+            "      const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
+            "      float* dq_rows = dq_accum + (((long long)batch * H + head) * L + q_start) * D;",
+            "      float* staged = (float*)(shared_bytes + (dq_staging - shared_address(shared_bytes)));",
+            "#pragma unroll",
+            f"      for (int part = 0; part < {slices}; part++)",
+            "#pragma unroll",
+            "        for (int t = 0; t < D / 8; t++)",
+            "#pragma unroll",
+            "          for (int half = 0; half < 2; half++) {",
+            f"            const int query = {first} + half * 8;",
+            "            *(float2*)(staged + query * D + t * 8 + 2 * quad) =",
+            "                make_float2(SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
+            "          }",
+            "      async_proxy_fence();",
+            "      warpgroup_sync();   // the warpgroup's rows staged",
+            "      if (threadIdx.x % 128 == 0) {   // one thread adds them by bulk reductions (rows past L left out)",
+            f"        for (int part = 0; part < {slices}; part++) {{",
+            f"          const int slice = (threadIdx.x / 128) * {slices} + part;",
+            "          const int rows = min(64, L - q_start - slice * 64);",
+            "          if (rows > 0)",
+            "            bulk_reduce_add(dq_rows + slice * 64 * D, dq_staging + slice * 64 * D * 4, rows * D * 4);",
+            "        }",
+            "        bulk_commit();",
+            "      }",
+            "    }"]
   return ["    {",
           "      const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
           "      float* dq_rows = dq_accum + (((long long)batch * H + head) * L + q_start) * D;",
@@ -232,9 +272,10 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
   (`contributors`: the causal blocks whose first Q tile is at or before it) rounds the tile's sums into dq
   (`dq_count_final_lines`). `done`: a flag a thread in shared memory after the dS tile."""
   p = plan
+  flags = p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + p.ds_tile_bytes
   return [f"  constexpr int COUNTED_TILES = (L + {DQ_COUNT_ROWS - 1}) / {DQ_COUNT_ROWS};   // dq_counts of a head",
-          "  unsigned* done = (unsigned*)(shared_bytes + (stages - shared_address(shared_bytes)) + "
-          f"{p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + p.ds_tile_bytes});",
+          f"  unsigned* done = (unsigned*)(shared_bytes + (stages - shared_address(shared_bytes)) + {flags});",
+          f"  const unsigned dq_staging = stages + {flags + 4 * p.dkdv_block[0]}u;   // (dq_bulk_reduce)",
           "  auto tile_head = [&](int it) { return kv_head * GROUP + (GROUP == 1 ? 0 : it / q_tiles); };",
           "  auto tile_start = [&](int it) { return q_first + (GROUP == 1 ? it : it % q_tiles) * BQ; };",
           "  auto tile_count = [&](int it) {",
@@ -257,11 +298,13 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
           "  };"]
 
 
-def dq_count_final_lines() -> list[str]:
+def dq_count_final_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass after the loop: every thread's reductions fenced, a barrier, then the block's tiles counted (a
   thread a tile, blockDim of them at a time), and the tiles whose counts this block completed converted by the whole
   block (the threadFenceReduction pattern: the counting thread fences again before the block reads the sums)."""
-  return ["  __threadfence();",
+  return [*(["  if (threadIdx.x % 128 == 0) bulk_wait_all();   // the bulk reductions performed"]
+            if plan.dq_bulk_reduce else []),
+          "  __threadfence();",
           "  __syncthreads();",
           "  for (int base = 0; base < iterations; base += blockDim.x) {",
           "    const int it = base + threadIdx.x;",
@@ -361,6 +404,8 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     "  for (int iteration = 0; iteration < iterations; iteration++) {",
     "    copy_async_wait<0>();",
     "    async_proxy_fence();",
+    *(["    if (threadIdx.x % 128 == 0) bulk_wait_read();   // the staged dQ rows read: free to rewrite"]
+      if p.dq_bulk_reduce else []),
     "    __syncthreads();   // this stage's copies, by every thread, have landed; the other stage is free",
     "    if (iteration + 1 < iterations) {",
     f"      copy_stage(iteration + 1, (iteration + 1) % {p.wgmma_stages});",
@@ -384,7 +429,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     *values_lines(stream, "dk_acc", "dpt", "dst", "q_stage"),
     *(dq_accumulate_lines(p) if p.dq_accumulate else []),
     *(_last_wait(p, "dv_acc", "dk_acc") if not p.dq_accumulate else
-      [*_last_wait(p, "dv_acc", "dk_acc")[:-1], *dq_reduce_lines(p), "  }", *dq_count_final_lines()]),
+      [*_last_wait(p, "dv_acc", "dk_acc")[:-1], *dq_reduce_lines(p), "  }", *dq_count_final_lines(p)]),
     "  copy_async_wait<0>();",
     store,
     "}"])
