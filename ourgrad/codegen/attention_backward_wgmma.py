@@ -26,6 +26,11 @@ once the first has landed (while the second runs), the gradients once the second
 dV += P^T dO running meanwhile), then the last values product issued and waited for (`wgmma_overlap`: left running
 into the next iteration's scores products). The dK/dV kernel's stages also hold the Q tile's LSE and delta rows
 (float, `row_buffers`).
+
+The single pass (plan.dq_accumulate; its first kernel is attention_backward's delta kernel): the dK/dV kernel also
+computes dQ = dS K an iteration (`dq_accumulate_lines`: dS through a swizzled shared tile), adds it into a float32
+dq_accum (`dq_reduce_lines`: vector reductions, or TMA bulk reductions from shared memory), and the block that
+completes a Q tile's count converts it into dq (`dq_count_helpers`, `dq_count_final_lines`).
 """
 from __future__ import annotations
 
