@@ -326,9 +326,10 @@ def single_pass_blocks(head_dim: int) -> dict[str, int]:
   """The single pass's dK/dV blocks (plan.dq_accumulate): at D = 64 two warpgroups of 64 keys streaming 128 queries
   (their dQ parts summed over 128 keys before the reductions, which go 4 sums a reduction); at D = 128 one streaming
   64 (NVRTC sm_90: 128 spilled 880 bytes and serialized its wgmmas). H200, causal B=4 H=12 T=4096 D=64 bfloat16,
-  with its delta kernel (extra/bench/results/sweep_attention_backward_h200_s15.txt): 1.037 ms at 128 keys and 128
-  queries, 1.249 at 64 and 128 (1.193 with 4-sum reductions), 1.460 at 64 and 64, against 0.544 + 0.389 for the dK/dV
-  and dQ kernels: not the default (ATTENTION_SINGLE_PASS)."""
+  with its delta kernel (0.030 ms; extra/bench/results/sweep_attention_backward_h200_s15.txt, third checkpoint):
+  0.927 ms at 128 keys and 128 queries (0.925 with 2-sum reductions, 0.994 with TMA bulk reductions), 1.020 at 64
+  keys, against 0.387 + 0.540 for the dQ and dK/dV kernels; SDPA forward + backward 1.325 ms against 1.322: equal,
+  so not the default (ATTENTION_SINGLE_PASS)."""
   return {"block_kv": 128, "stream_q": 128, "dq_reduce_width": 4} if head_dim <= 64 else \
       {"block_kv": 64, "stream_q": 64, "dq_reduce_width": 4}
 
