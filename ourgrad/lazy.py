@@ -454,7 +454,8 @@ class LazyBuffer:
                                   Ops.ATTENTION, (causal, float(scale)), operands)
 
   def attention_grads(self, key: LazyBuffer, value: LazyBuffer, forward: LazyBuffer, grad_out: LazyBuffer,
-                      causal: bool, scale: float, packed: bool = False) -> tuple[LazyBuffer, LazyBuffer]:
+                      causal: bool, scale: float, packed: bool = False,
+                      single_pass: bool = False) -> tuple[LazyBuffer, LazyBuffer]:
     """The fused attention backward of this (B, H, L, D) query with (B, Hk, S, D) keys and values, `forward` the
     Ops.ATTENTION buffer their forward wrote (O and LSE) and `grad_out` dO (B, H, L, D) in the operands' dtype: two
     kernels (codegen/attention_grad.py). Returns (one buffer of this dtype: dq (B, H, L, D) contiguous, then the
@@ -464,14 +465,31 @@ class LazyBuffer:
     `packed` (q, k, v tile one base: `tiles_one_base`): both ops write ONE buffer, the base's elements then delta's
     bytes, dq, dk and dv stored through q, k and v's views (the gradient of the base, in its own layout: no
     concatenation); the dK/dV op writes into the dQ op's buffer (engine/schedule.py gives them one) and is returned
-    twice."""
+    twice.
+    `single_pass` (the caller asks where the device runs it: codegen/attention_grad.single_pass_backward): the dQ op
+    computes delta and zeroes a float32 dQ and its counts, the dK/dV op adds dQ into it and writes dq, dk and dv, both
+    in ONE buffer of this dtype (the dK/dV op's, returned twice): the gradients (dq, dk, dv contiguous, or packed: the
+    base's elements), then the float32 dQ (B, H, L, D), delta, and the uint32 counts. Refused (two kernels) where an
+    operand's rows are not 16-byte aligned (the wgmma kernels' copies)."""
     if packed and not tiles_one_base(self, key, value): raise AssertionError("packed gradients need tiled operands")
     q, k, v, do = (operand if _reads_in_place_by_rows(operand) else operand.contiguous()
                    for operand in (self, key, value, grad_out))
     batch, heads, length, head_dim = self.shape
     kv_elements = batch * key.shape[1] * key.shape[2] * head_dim
     delta_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
-    arg = (causal, float(scale), packed)
+    width = 16 // self.dtype.itemsize
+    single_pass = single_pass and all(stride % width == 0 for operand in (q, k, v, do)
+                                      for stride in operand.st.views[0].strides[:3])
+    arg = (causal, float(scale), packed, single_pass)
+    if single_pass:   # (the float32 dQ starts 16-byte aligned: head_dim is a multiple of 64 here)
+      q_elements = batch * heads * length * head_dim
+      gradients = self.base.size if packed else q_elements + 2 * kv_elements
+      counts = batch * heads * -(-length // 16)   # codegen/attention_backward_plan.DQ_COUNT_ROWS
+      size = gradients + (q_elements + counts) * 4 // self.dtype.itemsize + delta_elements
+      dq = LazyBuffer.create_base(self.device, (size,), self.dtype, Ops.ATTENTION_DQ, arg, (q, k, v, forward, do))
+      dkdv = LazyBuffer.create_base(self.device, (size,), self.dtype, Ops.ATTENTION_DKDV, arg,
+                                    (q, k, v, do, forward, dq))
+      return dkdv, dkdv
     dq_elements = self.base.size if packed else batch * heads * length * head_dim
     dq = LazyBuffer.create_base(self.device, (dq_elements + delta_elements,), self.dtype, Ops.ATTENTION_DQ, arg,
                                 (q, k, v, forward, do))

@@ -74,11 +74,12 @@ class Ops(Enum):
   # its kernel AST is STORE(ATTENTION(LOAD q, LOAD k, LOAD v)), each load one View of a realized buffer
   ATTENTION = auto()
   # fused attention backward (codegen/attention_grad.py), each always a kernel of its own, arg (causal, scale,
-  # packed), AST STORE(OP(LOAD ...)). ATTENTION_DQ: srcs (q, k, v, the ATTENTION buffer, dO (B, H, L, D))
+  # packed, single_pass), AST STORE(OP(LOAD ...)). ATTENTION_DQ: srcs (q, k, v, the ATTENTION buffer, dO (B, H, L, D))
   # -> one buffer of the operands' dtype: dq (B, H, L, D) then the bytes of delta = rowsum(dO * O) (B, H, L, float32).
   # ATTENTION_DKDV: srcs (q, k, v, dO, the ATTENTION buffer, the ATTENTION_DQ buffer) -> dk then dv, each (B, Hk, S,
   # D). packed (q, k, v tile one base, LazyBuffer.attention_grads): both write one buffer, the base's elements (dq,
-  # dk, dv through q, k, v's views) then delta; the dK/dV op writes into the dQ op's buffer
+  # dk, dv through q, k, v's views) then delta; the dK/dV op writes into the dQ op's buffer. single_pass: one buffer
+  # too, a float32 dq (B, H, L, D) that the dQ op zeroes and the dK/dV op adds into, delta, then dk and dv
   ATTENTION_DQ = auto()
   ATTENTION_DKDV = auto()
   # leaves and root of a kernel AST

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from ourgrad.codegen.attention import OPERAND_DTYPES
 from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
+from ourgrad.codegen.attention_grad import single_pass_backward
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.function import Function, Permute, Reshape, Shrink, _tensor_class
@@ -167,8 +168,11 @@ class PackedFusedAttention(FusedAttention):
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:  # type: ignore[override]
     if fused_backward_refusal(self.q, self.k) is None and tiles_one_base(*self.operands):
-      packed, _ = self.operands[0].attention_grads(self.operands[1], self.operands[2], self.flat, grad_output,
-                                                   self.causal, self.scale, packed=True)
+      q = self.operands[0]
+      single_pass = single_pass_backward(q.dtype.name, q.shape[3], getattr(Device[q.device].renderer, "has_wgmma",
+                                                                           False))
+      packed, _ = q.attention_grads(self.operands[1], self.operands[2], self.flat, grad_output, self.causal,
+                                    self.scale, packed=True, single_pass=single_pass)
       return packed.shrink(((0, math.prod(self.source_shape)),)).reshape(self.source_shape)
     # the kernels refused since the forward (FUSED_ATTENTION_BACKWARD changed): each gradient placed where its view
     # lies in x, zeros elsewhere, summed
@@ -198,10 +202,15 @@ def fused_backward(operands: tuple[LazyBuffer, ...], flat: LazyBuffer, grad_outp
   wrote `flat` (Ops.ATTENTION), in the operands' dtype: views of the dQ and dK/dV kernels' outputs
   (LazyBuffer.attention_grads)."""
   q, k, v = operands
-  dq_buffer, dkdv_buffer = q.attention_grads(k, v, flat, grad_output, causal, scale)
   batch, heads, length, head_dim = q.shape
+  single_pass = single_pass_backward(q.dtype.name, head_dim, getattr(Device[q.device].renderer, "has_wgmma", False))
+  dq_buffer, dkdv_buffer = q.attention_grads(k, v, flat, grad_output, causal, scale, single_pass=single_pass)
   kv_shape = k.shape
   q_elements, kv_elements = batch * heads * length * head_dim, math.prod(kv_shape)
+  if dkdv_buffer.arg[3]:   # the single pass: dq, dk, dv at the start of one buffer
+    return (dkdv_buffer.shrink(((0, q_elements),)).reshape(q.shape),
+            dkdv_buffer.shrink(((q_elements, q_elements + kv_elements),)).reshape(kv_shape),
+            dkdv_buffer.shrink(((q_elements + kv_elements, q_elements + 2 * kv_elements),)).reshape(kv_shape))
   return (dq_buffer.shrink(((0, q_elements),)).reshape(q.shape),
           dkdv_buffer.shrink(((0, kv_elements),)).reshape(kv_shape),
           dkdv_buffer.shrink(((kv_elements, 2 * kv_elements),)).reshape(kv_shape))

@@ -64,6 +64,8 @@ inline float __shfl_xor_sync(unsigned, float value, int width) {
   return other;
 }
 struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 // cp.async copies at once on the host: nothing is in flight
 inline void copy_async_16(void* shared, const void* global, bool valid) {
@@ -128,7 +130,8 @@ inline void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* row) { ldmatrix(r,
 HOST_EXP2 = "inline float fast_exp2(float x) { return exp2f(x); }   // ex2.approx.ftz.f32 on the GPU\n"
 
 ARGUMENT_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "dq": "grad_t", "dk": "grad_t",
-                  "dv": "grad_t", "o": "o_t", "lse": "float", "delta": "float"}
+                  "dv": "grad_t", "o": "o_t", "lse": "float", "delta": "float", "dq_accum": "float",
+                  "dq_counts": "unsigned"}
 
 
 def _position_table(name: str, positions) -> str:
@@ -239,6 +242,53 @@ inline void wgmma_scores(float* acc, unsigned long long a, unsigned long long b,
 }
 inline void wgmma_values(float* acc, const unsigned* a, unsigned long long b, int accumulate) {
   host_wgmma(acc, a, b, HEAD_DIM, true, accumulate); }
+// the single pass (plan.dq_accumulate): dQ += dS K with A (the dS tile) through its K-major descriptor, and the
+// float32 reductions into dq_accum (the blocks run one after another here; the threads of a block do not, so the
+// additions take a lock)
+inline void wgmma_values(float* acc, unsigned long long a, unsigned long long b, int accumulate) {
+  const int thread = threadIdx.x % 128;
+  for (int i = 0; i < HEAD_DIM / 2; i++) {
+    const int row = ACC_ROW, column = ACC_COLUMN;
+    float sum = 0.0f;
+    for (int k = 0; k < 16; k++) sum += shared_operand(a, row, k, false) * shared_operand(b, column, k, true);
+    acc[i] = accumulate ? acc[i] + sum : sum;
+  }
+}
+// stmatrix .x4 .trans: lane l's register i holds (row l / 4, columns 2 (l % 4) and + 1) of matrix i; the row
+// address lane l names (row l % 8 of matrix l / 8) receives that matrix's column l % 8
+inline void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {
+  WarpSlots& slots = warp_slots[threadIdx.x / 32];
+  const int lane = threadIdx.x & 31;
+  memcpy(slots.a[lane], r, 16); __syncwarp();
+  const int matrix = lane / 8, column = lane % 8;
+  for (int row = 0; row < 8; row++) {
+    const unsigned short half = (unsigned short)(slots.a[4 * row + column / 2][matrix] >> (16 * (column % 2)));
+    memcpy(attention_shared + address + 2 * row, &half, 2);
+  }
+  __syncwarp();
+}
+std::mutex reduction_lock;
+inline void red_add2(float* address, float first, float second) {
+  std::lock_guard<std::mutex> hold(reduction_lock); address[0] += first; address[1] += second; }
+inline void red_add4(float* address, float first, float second, float third, float fourth) {
+  std::lock_guard<std::mutex> hold(reduction_lock);
+  address[0] += first; address[1] += second; address[2] += third; address[3] += fourth; }
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+struct WarpgroupBarriers { Barrier of[8]; WarpgroupBarriers() { for (Barrier& b : of) b.count = 128; } };
+WarpgroupBarriers warpgroup_barriers;
+inline void warpgroup_sync() { warpgroup_barriers.of[threadIdx.x / 128].wait(); }
+inline void bulk_reduce_add(float* target, unsigned source, unsigned bytes) {   // at once: nothing in flight
+  std::lock_guard<std::mutex> hold(reduction_lock);
+  const float* values = (const float*)(attention_shared + source);
+  for (unsigned i = 0; i < bytes / 4; i++) target[i] += values[i]; }
+inline void bulk_commit() {}
+inline void bulk_wait_read() {}
+inline void bulk_wait_all() {}
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+  std::lock_guard<std::mutex> hold(reduction_lock); unsigned old = *address; *address += value; return old; }
+inline void __threadfence() {}
+inline float4 __ldcg(const float4* address) { return *address; }
 """
 
 
@@ -257,7 +307,8 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
   if device_helpers not in launch.source: raise AssertionError("the kernel source has no instruction helpers")
   host_helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + HOST_EXP2
   source = launch.source.replace(device_helpers, host_helpers + host_mma(plan.dtype))
-  if plan.mma == "wgmma":   # (shared addresses: offsets into shared_bytes)
+  # (shared addresses: offsets into shared_bytes; the single pass's delta kernel multiplies nothing)
+  if plan.mma == "wgmma" and not (plan.dq_accumulate and launch.name == DQ_KERNEL):
     stream = plan.dq_stream if launch.name == DQ_KERNEL else plan.dkdv_stream
     device_wgmma = attention_backward_wgmma.wgmma_helpers(plan, launch.name)
     if device_wgmma not in source: raise AssertionError("the kernel source has no wgmma helpers")

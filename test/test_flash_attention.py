@@ -102,6 +102,36 @@ def test_wgmma_forward_backward_against_torch(monkeypatch, dtype, causal):
   assert [plan.mma for plan in plans] == ["wgmma"]
 
 
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("length, source, kv_heads", [(70, 45, 2), (33, 100, 1)])
+def test_single_pass_forward_backward_against_torch(monkeypatch, dtype, causal, length, source, kv_heads):
+  """ATTENTION_SINGLE_PASS=1 on the PYTHON device as an H100: the backward's delta kernel, the dK/dV kernel adding dQ
+  into a float32 buffer (their plans' dq_accumulate) and dq's cast, against float64 torch (odd lengths, GQA)."""
+  from ourgrad.codegen.attention_grad import AttentionGradKernel
+  from ourgrad.device import Device
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    arrays = [_random(1, heads, rows, 64, seed=seed) for seed, heads, rows in ((7, 2, length), (8, kv_heads, source),
+                                                                                 (9, kv_heads, source))]
+    q, k, v = _ourgrad_inputs(arrays, dtype, requires_grad=True)
+    grad = Tensor(_random(1, 2, length, 64, seed=10), device=DEVICE).cast(dtype).realize()
+    q.scaled_dot_product_attention(k, v, is_causal=causal, enable_gqa=True).backward(grad)
+    schedule = create_schedule([q.grad.lazydata, k.grad.lazydata, v.grad.lazydata])
+    kernels = [AttentionGradKernel(item.ast, Device[DEVICE].renderer) for item in schedule
+               if any(node.op in (Ops.ATTENTION_DQ, Ops.ATTENTION_DKDV) for node in item.ast.walk())]
+    assert [kernel.plan.dq_accumulate for kernel in kernels] == [True, True]
+    run_schedule(schedule)
+    tq, tk, tv = _torch_inputs([q, k, v])
+    want = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)
+    want.backward(torch.tensor(grad.cast(dtypes.float32).numpy(), dtype=torch.float64))
+    for got, twin in ((q, tq), (k, tk), (v, tv)):
+      assert got.grad.dtype == dtype
+      assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
+
+
 def _check_forward_backward(dtype, causal: bool, length: int, source: int) -> list:
   """Forward and backward of a (2, 3, length, 64) attention against float64 torch; the forward kernels' plans."""
   from ourgrad.codegen.attention import AttentionKernel
@@ -363,6 +393,47 @@ def test_packed_gradients_replayed_by_the_schedule_cache(emulated_cuda):
   assert schedule_cache.stats.hits > hits   # the second gradient came from the cached schedule
 
 
+def test_single_pass_packed_qkv_gradient(monkeypatch):
+  """ATTENTION_SINGLE_PASS=1 with q, k, v views of one (B, T, 3 C) tensor on the emulated H100: the dK/dV kernel
+  writes dq (converted from its float32 sums), dk and dv through the views into the base's gradient, odd length."""
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    batch, length, heads, head_dim = 2, 75, 2, 64
+    qkv = _ourgrad_inputs([_random(batch, length, 3 * heads * head_dim, seed=57)], dtypes.bfloat16, True)[0]
+    q, k, v = (t.reshape(batch, length, heads, head_dim).transpose(1, 2) for t in qkv.split(heads * head_dim, dim=2))
+    out = q.scaled_dot_product_attention(k, v, is_causal=True)
+    assert type(out._ctx).__name__ == "PackedFusedAttention"
+    out.cast(dtypes.float32).sum().backward()
+    assert qkv.grad.lazydata.base.op is Ops.ATTENTION_DKDV and qkv.grad.lazydata.base.arg[2:] == (True, True)
+    twin = _torch_inputs([qkv])[0]
+    tq, tk, tv = (t.reshape(batch, length, heads, head_dim).transpose(1, 2)
+                  for t in twin.split(heads * head_dim, dim=2))
+    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+    assert _relative_error(qkv.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtypes.bfloat16]
+
+
+def test_single_pass_replayed_by_the_schedule_cache(monkeypatch):
+  """The single-pass step twice on new values: the second realize replays the cached schedule (the dK/dV op's buffer
+  rebound to the delta kernel's fresh one, whose float32 dq it zeroes again) and its gradients are still right."""
+  import ourgrad.engine.schedule_cache as schedule_cache
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    hits = schedule_cache.stats.hits
+    for seed in (60, 63):
+      q, k, v = _ourgrad_inputs([_random(1, 2, 40, 64, seed=seed + i) for i in range(3)], dtypes.bfloat16, True)
+      q.scaled_dot_product_attention(k, v, is_causal=True).cast(dtypes.float32).sum().backward()
+      grads = [t.grad.cast(dtypes.float32).numpy() for t in (q, k, v)]
+      tq, tk, tv = _torch_inputs([q, k, v])
+      torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).sum().backward()
+      for grad, twin in zip(grads, (tq, tk, tv)):
+        assert _relative_error(grad, twin.grad) < 2 * TOLERANCES[dtypes.bfloat16]
+  assert schedule_cache.stats.hits > hits   # the second step's gradients came from the cached schedule
+
+
 def test_packed_gradient_when_the_kernels_are_refused_at_the_backward(emulated_cuda, monkeypatch):
   """Packed at the forward, FUSED_ATTENTION_BACKWARD=0 by the backward: the composite gradients, placed into the
   tensor q, k, v tile, against torch float64."""
@@ -457,6 +528,31 @@ def test_backward_cuda_sources_compile(emulated_cuda, dtype, case):
     nvrtc_compiler().compile(source)
 
 
+@pytest.mark.skipif(nvrtc_compiler() is None, reason="cuda-python's NVRTC is not installed here")
+@pytest.mark.parametrize("packed", [False, True])
+def test_single_pass_cuda_sources_compile(monkeypatch, packed):
+  """The single pass's two kernels as the CUDA device builds them (wrappers binding the float32 dq, delta and the
+  counts in the schedule item's one buffer), compiled by NVRTC for sm_90."""
+  from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
+  from ourgrad.codegen.lowering import lower_kernel
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    if packed:
+      leaves = _ourgrad_inputs([_random(2, 40, 3 * 2 * 64, seed=46)], dtypes.bfloat16, requires_grad=True)
+      q, k, v = (leaves[0].reshape(2, 40, 3, 2, 64)[:, :, i].transpose(1, 2) for i in range(3))
+    else:
+      leaves = _ourgrad_inputs([_random(1, 2, 24, 128, seed=seed) for seed in (47, 48, 49)], dtypes.bfloat16, True)
+      q, k, v = leaves
+    q.scaled_dot_product_attention(k, v, is_causal=True).cast(dtypes.float32).sum().backward()
+    items = [item for item in create_schedule([t.grad.lazydata for t in leaves]) if is_attention_grad(item.ast)]
+  renderer = CUDARenderer("sm_90")
+  kernels = [AttentionGradKernel(item.ast, renderer) for item in items]
+  assert [kernel.plan.dq_accumulate for kernel in kernels] == [True, True]
+  for kernel in kernels: nvrtc_compiler().compile(lower_kernel(kernel, renderer, kernel.name).source)
+
+
 # ---------------------------------------------------------------- on a real GPU (skipped without one)
 
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
@@ -484,6 +580,24 @@ def test_cuda_device_against_torch(dtype, causal, head_dim, monkeypatch):
       assert _relative_error(got.grad.cast(dtypes.float32).numpy(), twin.grad) < 2 * TOLERANCES[dtype]
   finally:
     _float32_matmul_precision[0] = None
+
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_single_pass_against_torch(dtype, causal, head_dim, monkeypatch):
+  """The single-pass backward (ATTENTION_SINGLE_PASS=1; sm_90 only, else the two kernels) on the CUDA device: odd
+  lengths and GQA against float64, as test_cuda_device_against_torch."""
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  test_cuda_device_against_torch(dtype, causal, head_dim, monkeypatch)
+
+
+@pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
+def test_cuda_single_pass_packed_qkv_gradient(monkeypatch):
+  """The single-pass backward of GPT-2's packed q, k, v views on the CUDA device (bfloat16, odd length)."""
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  test_cuda_packed_qkv_gradient_against_torch(dtypes.bfloat16, monkeypatch)
 
 
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")

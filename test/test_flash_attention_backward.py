@@ -110,7 +110,12 @@ def test_launch_sizes():
 VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float32", "float16", "bfloat16")
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
 VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
-             ("bfloat16", 64, True, 4, "overlap")]
+             ("bfloat16", 64, True, 4, "overlap"), ("bfloat16", 64, True, 4, "single_pass"),
+             ("bfloat16", 64, True, 12, "single_pass_bulk")]
+VARIANT_FIELDS = {"overlap": {"mma": "wgmma", "wgmma_overlap": True},
+                  "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128, "dq_reduce_width": 4},
+                  "single_pass_bulk": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                       "dq_bulk_reduce": True}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
@@ -118,7 +123,7 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
   compiler = nvrtc_compiler()
   if compiler is None: pytest.skip("cuda-python's NVRTC is not installed here")
   dtype, head_dim, causal, kv_heads, mma = variant
-  fields = {"mma": "wgmma", "wgmma_overlap": True} if mma == "overlap" else {"mma": mma}
+  fields = VARIANT_FIELDS.get(mma, {"mma": mma})
   plan = AttentionBackwardPlan.contiguous(2, 12, kv_heads, 1000, 1000, head_dim, dtype, causal, **fields)
   # q/o/do/dq read in place from a (B, L, H, D) projection
   strided = contiguous_strides(12, 1000, head_dim)
@@ -177,6 +182,18 @@ WGMMA_HOST_CASES = [
   ("bfloat16", (1, 1, 1, 256, 256, 64, True), "contiguous", {"stream_q": 128, "stream_kv": 16}),   # unmasked tiles
   ("bfloat16", (1, 4, 2, 150, 150, 64, True), "contiguous", {"wgmma_overlap": True}),   # 3 stages, products overlapped
   ("float16", (1, 2, 1, 200, 70, 64, False), "grad32", {"wgmma_overlap": True, "stream_q": 32, "stream_kv": 32}),
+  # the single pass: dQ added into a float32 buffer by the dK/dV kernel (odd lengths, GQA, two warpgroups, D = 128)
+  ("bfloat16", (1, 2, 2, 83, 83, 64, True), "contiguous", {"dq_accumulate": True, "stream_q": 128}),
+  ("float16", (1, 4, 2, 70, 131, 64, False), "projected", {"dq_accumulate": True, "stream_q": 64}),
+  ("bfloat16", (1, 4, 1, 150, 97, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128}),
+  ("float16", (1, 2, 1, 300, 290, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128, "stream_q": 256}),
+  ("bfloat16", (1, 2, 1, 90, 90, 128, True), "contiguous", {"dq_accumulate": True, "stream_q": 64}),
+  ("bfloat16", (1, 4, 2, 83, 83, 64, True), "contiguous", {"dq_accumulate": True, "stream_q": 128,
+                                                            "dq_reduce_width": 4}),
+  ("bfloat16", (1, 4, 2, 150, 150, 64, True), "projected", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                                            "dq_bulk_reduce": True}),   # TMA bulk reductions
+  ("float16", (1, 2, 1, 90, 70, 128, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
+                                                           "dq_bulk_reduce": True}),
 ]
 
 
@@ -224,18 +241,26 @@ def _check_on_host(dtype: str, case: tuple, layout: str, fields: dict) -> None:
   grad_type = STORAGE[plan.grad_dtype]
   buffers.update(dq=np.zeros(buffers["q"].size, grad_type), dk=np.zeros(buffers["v"].size, grad_type),
                  dv=np.zeros(buffers["v"].size, grad_type), delta=np.zeros(plan.delta_elements, np.float32))
+  if plan.dq_accumulate:   # the single pass's float32 dQ, (B, H, L, D) whatever dq's layout, and counts: stale
+    buffers["dq_accum"] = np.full(batch * heads * q_len * head_dim, 7.0, np.float32)   # values zeroed first
+    buffers["dq_counts"] = np.full(plan.count_elements, 5, np.uint32)
   state = run_on_host(plan, buffers)
   emulated = {name: array.copy() for name, array in buffers.items()}
   emulate_attention_backward_buffers(plan, emulated)
-  for name in ("dq", "dk", "dv", "delta"):   # the PYTHON device's emulation writes the same buffers
-    kind = "float32" if name == "delta" else plan.grad_dtype
+  for name in ("dq", "dk", "dv", "delta") + (("dq_accum",) if plan.dq_accumulate else ()):
+    # (the PYTHON device's emulation writes the same buffers)
+    kind = "float32" if name in ("delta", "dq_accum") else plan.grad_dtype
     difference = np.abs(to_float32(emulated[name], kind) - to_float32(state[name], kind)).max()
     assert difference <= 1e-2 * np.abs(to_float32(state[name], kind)).max(), name
   dq = state["dq"].reshape((batch, q_len, heads, head_dim) if projected else (batch, heads, q_len, head_dim))
   results = (dq.transpose(0, 2, 1, 3) if projected else dq, state["dk"].reshape(expected[1].shape),
              state["dv"].reshape(expected[2].shape))
-  for name, result, want in zip(("dq", "dk", "dv"), results, expected):
-    error = np.abs(to_float32(result, plan.grad_dtype) - want).max() / np.abs(want).max()
+  kinds = (plan.grad_dtype,) * 3
+  if plan.dq_accumulate:   # the single pass: its float32 sums too
+    results, kinds = (*results, state["dq_accum"].reshape(expected[0].shape)), (*kinds, "float32")
+    expected = (*expected, expected[0])
+  for name, result, want, kind in zip(("dq", "dk", "dv", "dq_accum"), results, expected, kinds):
+    error = np.abs(to_float32(result, kind) - want).max() / np.abs(want).max()
     assert error < TOLERANCE[dtype], f"{name} {dtype} {case}: relative error {error:.2e}"
 
 
@@ -267,13 +292,17 @@ def test_device_mma_choice(monkeypatch):
   assert backward_plan(q_view, k_view, k_view, q_view, "bfloat16", True, 0.125, 0, has_wgmma=True).mma == "mma_sync"
 
 
-def test_python_programs_run_the_launches_on_raw_buffers():
-  """The PYTHON device's programs, one per launch, on raw byte buffers in launch argument order."""
-  plan = AttentionBackwardPlan.contiguous(2, 4, 2, 50, 37, 32, "bfloat16", True)
+@pytest.mark.parametrize("fields", [{}, {"mma": "wgmma", "dq_accumulate": True, "dq_reduce_width": 4}],
+                         ids=["two_kernels", "single_pass"])
+def test_python_programs_run_the_launches_on_raw_buffers(fields):
+  """The PYTHON device's programs, one per launch, on raw byte buffers in launch argument order; the plan (the
+  single pass's fields too) read back from the program text."""
+  plan = AttentionBackwardPlan.contiguous(2, 4, 2, 50, 37, 32 if not fields else 64, "bfloat16", True, **fields)
   arrays, expected = reference(plan)
   raw = {name: array.reshape(-1).view(np.uint8).copy() for name, array in arrays.items()}
   raw.update(dq=np.zeros_like(raw["q"]), dk=np.zeros_like(raw["k"]), dv=np.zeros_like(raw["v"]),
-             delta=np.zeros(plan.delta_elements * 4, np.uint8))
+             delta=np.zeros(plan.delta_elements * 4, np.uint8), dq_accum=np.zeros(raw["q"].size * 2, np.uint8),
+             dq_counts=np.zeros(plan.count_elements * 4, np.uint8))
   for kernel, launch in zip((DQ_KERNEL, DKDV_KERNEL), launches(plan)):
     binary = attention_backward_program_text(launch.name, plan, kernel).encode()
     assert is_attention_backward_program(binary)

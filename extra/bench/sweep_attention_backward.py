@@ -7,7 +7,9 @@ the occupancy hint of __launch_bounds__) is compiled with NVRTC (all in parallel
 timed alone: CUDA events around back-to-back launches, median of 5 batches (bench_attention_backward.median_seconds).
 Each row prints the kernel's registers, spills, shared memory, the blocks a multiprocessor holds (by shared memory
 and registers), ms, TFLOP/s (the kernel's products: dQ 3, dK/dV 4, each 2 B H L S D, halved when causal), and its
-gradient's error relative to torch's backward in the same dtype (a broken config shows here). A last table gives,
+gradient's error relative to torch's backward in the same dtype (a broken config shows here; the single pass's
+dK/dV kernel, plan.dq_accumulate, runs after its own delta kernel, timed together: 5 products, dQ checked too). A
+last table gives,
 per case and kernel, the default config's time and the fastest one's, for choosing `default_blocks`.
 
 Run on the H200: `python extra/bench/sweep_attention_backward.py` (about a minute; `--cases 512` for one length,
@@ -57,8 +59,17 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
     dkdv.update({f"wgmma block_kv 128 stream_q {stream}": {"block_kv": 128, "stream_q": stream, "mma": "wgmma"}
                  for stream in (32, 64)})
     dq["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_kv": 32}
+    # the single pass's first kernel in the dQ kernel's place: delta, dq_accum zeroed (no products, no dq)
+    dq["wgmma single pass delta"] = {"mma": "wgmma", "dq_accumulate": True, "dkdv_held": False, "stream_q": 128}
     dkdv["wgmma overlap"] = {"mma": "wgmma", "wgmma_overlap": True, "stream_q": 64}
     dkdv["wgmma block_kv 64 stream_q 64 held"] = {"block_kv": 64, "stream_q": 64, "dkdv_held": True, "mma": "wgmma"}
+    # the single pass: dQ added into a float32 buffer by the dK/dV kernel (5 products; the dQ kernel only for delta)
+    dkdv.update({f"wgmma single pass block_kv {owned} stream_q {stream} red.v{width}": {
+      "block_kv": owned, "stream_q": stream, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
+      "dq_reduce_width": width} for owned, stream, width in ((64, 128, 4), (128, 128, 2), (128, 128, 4))})
+    dkdv["wgmma single pass block_kv 128 stream_q 128 bulk"] = {
+      "block_kv": 128, "stream_q": 128, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
+      "dq_bulk_reduce": True}
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
     if wgmma: table["mma_sync default"] = {"mma": "mma_sync", **default_blocks(plan.head_dim, plan.dtype)}
@@ -117,7 +128,9 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
   lse = logsumexp_rows(q.detach(), k.detach(), base)
   buffers = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": o_view, "do": grad_out, "lse": lse,
              "dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
-             "delta": torch.zeros(base.delta_elements, device="cuda", dtype=torch.float32)}
+             "delta": torch.zeros(base.delta_elements, device="cuda", dtype=torch.float32),
+             "dq_accum": torch.zeros(q_shape, device="cuda", dtype=torch.float32),
+             "dq_counts": torch.zeros(base.count_elements, device="cuda", dtype=torch.int32)}
   stream = torch.cuda.current_stream().cuda_stream
   name = f"{dtype_name} B={batch} H={heads} T={length} D={head_dim} causal"
   print(f"== {name}: default {base.mma} block_q {base.block_q} block_kv {base.block_kv} stream_q "
@@ -133,6 +146,9 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
 
   # every config's kernel compiled in parallel (NVRTC releases the GIL), a failed one reported at its turn
   compiled = {key: pool.submit(compile_one, plan, key[0]) for key, plan in plans.items()}
+  # a single-pass dK/dV kernel runs and is timed after its own delta kernel (which zeroes its sums and counts)
+  deltas = {key: pool.submit(compile_one, plan, DQ_KERNEL) for key, plan in plans.items()
+            if key[0] == DKDV_KERNEL and plan.dq_accumulate}
   rows = []
   for (kernel, label), plan in plans.items():
     try:
@@ -140,20 +156,27 @@ def run_case(length: int, dtype_name: str, compiler, shared_per_sm: int, pool, i
         launch, cubin, _ = compiled[(DQ_KERNEL, "default")].result()
         LoadedKernel(launch, cubin, buffers).run(stream)
       launch, cubin, log = compiled[(kernel, label)].result()
-      for gradient in (("dq",) if kernel == DQ_KERNEL else ("dk", "dv")): buffers[gradient].zero_()   # none stale
+      for gradient in ("dq", "dk", "dv"): buffers[gradient].zero_()
       loaded = LoadedKernel(launch, cubin, buffers)
-      loaded.run(stream)
+      runners = [loaded]
+      if (kernel, label) in deltas: runners.insert(0, LoadedKernel(*deltas[(kernel, label)].result()[:2], buffers))
+      def run() -> None:
+        for runner in runners: runner.run(stream)
+      run()
       torch.cuda.synchronize()
       errors = ([relative_error(buffers["dq"], reference[0])] if kernel == DQ_KERNEL else
                 [relative_error(buffers["dk"], reference[1]), relative_error(buffers["dv"], reference[2])])
-      seconds = median_seconds(lambda: loaded.run(stream), iters)
+      if plan.dq_accumulate:   # the single pass (with its delta kernel): dK, dV, dQ; its delta kernel alone: none
+        errors = [] if kernel == DQ_KERNEL else [*errors, relative_error(buffers["dq"], reference[0])]
+      seconds = median_seconds(run, iters)
       registers, spills = resources(log)
       resident = min(shared_per_sm // (launch.shared_bytes + BLOCK_RESERVED_SHARED),
                      REGISTERS_PER_SM // (launch.block[0] * max(registers, 1)))
-      flops = PRODUCTS[kernel] * 2 * batch * heads * q_len * kv_len * head_dim / 2
+      products = (0 if kernel == DQ_KERNEL else PRODUCTS[kernel] + 1) if plan.dq_accumulate else PRODUCTS[kernel]
+      flops = products * 2 * batch * heads * q_len * kv_len * head_dim / 2
       print(f"  {kernel.replace('attention_backward_', ''):5s} {label:32s} regs {registers:3d} spill {spills:4d} "
             f"smem {launch.shared_bytes:6d} blocks/SM {resident} | {seconds * 1e3:7.3f} ms "
-            f"{flops / seconds / 1e12:6.1f} TFLOP/s | err vs torch " + " ".join(f"{e:.1e}" for e in errors),
+            f"{flops / seconds / 1e12:6.1f} TFLOP/s | err vs torch " + (" ".join(f"{e:.1e}" for e in errors) or "-"),
             flush=True)
       rows.append((name, kernel, label, seconds))
     except Exception:

@@ -40,8 +40,8 @@ attention_backward_host.py runs this CUDA source itself on the CPU (a host threa
 from __future__ import annotations
 
 from ourgrad.codegen import attention_backward_wgmma
-from ourgrad.codegen.attention_backward_plan import (DKDV_KERNEL, DQ_KERNEL, LOG2E, AttentionBackwardPlan, KernelLaunch,
-                                                    Strides)
+from ourgrad.codegen.attention_backward_plan import (DKDV_KERNEL, DQ_COUNT_ROWS, DQ_KERNEL, LOG2E,
+                                                    AttentionBackwardPlan, KernelLaunch, Strides)
 from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps
 from ourgrad.codegen.wgmma_tiles import C_TYPE, PTX_TYPE
 from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL   # the size ops_cuda.CUDAProgram reads at load
@@ -447,8 +447,12 @@ def _entry(launch_bounds: str, name: str, device_function: bool) -> str:
   return f'extern "C" __global__ void {launch_bounds} {name}'
 
 
-def _dq_prologue(p: AttentionBackwardPlan) -> str:
-  """The dQ kernel's block: its Q rows and K/V tiles, operand offsets, and the copies of its Q, dO and LSE rows."""
+def _dq_prologue(p: AttentionBackwardPlan, loads: tuple[str, ...] = ("q", "do", "lse")) -> str:
+  """The dQ kernel's block: its Q rows and K/V tiles, operand offsets, and the copies of its rows of `loads` (Q, dO,
+  LSE)."""
+  copies = {"q": f"  load_tile(q_tile, q + q_row0, {p.q_strides[2]}LL, q_rows, BQ);",
+            "do": f"  load_tile(do_tile, dout + do_row0, {p.do_strides[2]}LL, q_rows, BQ);",
+            "lse": f"  load_row(lse_tile, lse + lse_row0, {p.lse_strides[2]}LL, q_rows, BQ);"}
   return f"""  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
   const int q_start = (CAUSAL ? gridDim.y - 1 - blockIdx.y : blockIdx.y) * BQ;   // the longest first
   const int batch = blockIdx.x / H, head = blockIdx.x % H, kv_head = head / GROUP;
@@ -464,9 +468,7 @@ def _dq_prologue(p: AttentionBackwardPlan) -> str:
   // a causal block's last live key is its last query
   const int kv_end = CAUSAL ? min(S, q_start + BQ) : S;
   const int kv_tiles = (kv_end + BK - 1) / BK;
-  load_tile(q_tile, q + q_row0, {p.q_strides[2]}LL, q_rows, BQ);
-  load_tile(do_tile, dout + do_row0, {p.do_strides[2]}LL, q_rows, BQ);
-  load_row(lse_tile, lse + lse_row0, {p.lse_strides[2]}LL, q_rows, BQ);"""
+""" + "\n".join(copies[name] for name in loads)
 
 
 def _dq_store(p: AttentionBackwardPlan) -> str:
@@ -537,13 +539,41 @@ def _wgmma_elementwise(kernel: str) -> tuple[str, str]:
           _element_loop("BQ", "dS^T, in place of dP^T", _DKDV_GRADIENT, "", "", False))
 
 
+def _delta_kernel(plan: AttentionBackwardPlan, entry: str) -> str:
+  """The single pass's first kernel (plan.dq_accumulate) in the dQ kernel's place: delta of its rows, and its rows of
+  dq_accum zeroed for the dK/dV kernel's additions (its dq parameter unused)."""
+  p = plan
+  return _header(p, p.dq_shared_bytes, p.block_q, p.dq_stream) + f"""
+{entry}(const elem_t* __restrict__ q,
+    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const o_t* __restrict__ o,
+    const elem_t* __restrict__ dout, const float* __restrict__ lse, grad_t* __restrict__ dq,
+    float* __restrict__ delta, float* __restrict__ dq_accum, unsigned* __restrict__ dq_counts) {{
+  elem_t* do_tile = (elem_t*)shared_bytes;              // BQ x PITCH
+  float* delta_tile = (float*)(do_tile + BQ * PITCH);   // BQ
+{_dq_prologue(p, ("do",))}
+  copy_async_commit();
+  copy_async_wait<0>();
+  __syncthreads();
+{_delta_lines(p)}  // the block's rows of dq_accum (B, H, L, D) contiguous, zeroed 16 bytes a store, and the counts of
+  // the dK/dV kernel's Q tiles ({p.dkdv_stream} rows) that start in them
+  float4* accumulated = (float4*)(dq_accum + delta_row0 * D);
+  for (int i = threadIdx.x; i < q_rows * (D / 4); i += blockDim.x) accumulated[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  constexpr int TILE = {p.dkdv_stream}, COUNTED_TILES = {-(-p.q_len // DQ_COUNT_ROWS)};
+  for (int tile = (q_start + TILE - 1) / TILE + threadIdx.x; tile * TILE < q_start + q_rows; tile += blockDim.x)
+    dq_counts[((long long)batch * H + head) * COUNTED_TILES + tile] = 0u;
+}}
+"""
+
+
 def render_dq_kernel(plan: AttentionBackwardPlan, device_function: bool = False) -> str:
-  """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`.
+  """CUDA source of the dQ kernel (also writes delta): grid `dq_grid`, block `dq_block`, `dq_shared_bytes`; with the
+  plan's dq_accumulate (the single pass) the delta kernel in its place (`_delta_kernel`).
 
   The K/V tiles are double-buffered: the copies of tile n + 1 are in flight while tile n is multiplied. A causal
   block's work grows with its Q tile, so blockIdx.y numbers the Q tiles from the last down (the longest start first)."""
   p = plan
   entry = _entry(p.launch_bounds(p.dq_block[0], p.dq_shared_bytes, p.dq_registers), DQ_KERNEL, device_function)
+  if p.dq_accumulate: return _delta_kernel(p, entry)
   if p.mma == "wgmma":
     held = _held_loads(p.dq_held, ("q_held", "q_tile"), ("do_held", "do_tile"))
     return _header(p, p.dq_shared_bytes, p.block_q, p.dq_stream) + attention_backward_wgmma.wgmma_helpers(
@@ -705,8 +735,12 @@ __device__ __forceinline__ void load_q_tiles(int iteration, int q_tiles, int q_f
 
 
 def launches(plan: AttentionBackwardPlan) -> list[KernelLaunch]:
-  """The two kernels in launch order, with their arguments (names of the buffers) and sizes."""
-  return [KernelLaunch(DQ_KERNEL, render_dq_kernel(plan), ("q", "k", "v", "o", "do", "lse", "dq", "delta"),
-                       plan.dq_grid, plan.dq_block, plan.dq_shared_bytes),
-          KernelLaunch(DKDV_KERNEL, render_dkdv_kernel(plan), ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
+  """The two kernels in launch order, with their arguments (names of the buffers) and sizes (the single pass,
+  plan.dq_accumulate: both also take dq_accum, float32 (B, H, L, D) contiguous, and dq_counts, uint32
+  (plan.count_elements), which the first zeroes and the second adds into; the second writes dq)."""
+  accumulated = ("dq_accum", "dq_counts") if plan.dq_accumulate else ()
+  return [KernelLaunch(DQ_KERNEL, render_dq_kernel(plan), ("q", "k", "v", "o", "do", "lse", "dq", "delta") +
+                       accumulated, plan.dq_grid, plan.dq_block, plan.dq_shared_bytes),
+          KernelLaunch(DKDV_KERNEL, render_dkdv_kernel(plan), ("q", "k", "v", "do", "lse", "delta", "dk", "dv") +
+                       accumulated + (("dq",) if plan.dq_accumulate else ()),
                        plan.dkdv_grid, plan.dkdv_block, plan.dkdv_shared_bytes)]

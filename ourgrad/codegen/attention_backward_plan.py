@@ -24,6 +24,7 @@ LOG2E = 1.4426950408889634
 # memory the driver reserves per resident block (sm_80+)
 REGISTERS_PER_SM, REGISTER_FLOOR, REGISTERS_BESIDE_ACCUMULATORS, BLOCK_RESERVED_SHARED = 65536, 128, 40, 1024
 DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
+DQ_COUNT_ROWS = 16   # the single pass: dq_counts has a count per 16 query rows (at least one per streamed Q tile)
 WGMMA_MAX_HEAD_DIM = 128   # the largest head the wgmma kernels are chosen for (`with_device_mma`)
 
 
@@ -73,6 +74,12 @@ class AttentionBackwardPlan:
   # wgmma: each iteration's last product runs on into the next one's (3 stages, not 2); ptxas (CUDA 12.x) serializes
   # its wgmmas (C7515: accumulators defined by other instructions while in flight)
   wgmma_overlap: bool = False
+  # wgmma: the single pass: the dK/dV kernel also adds SCALE dS K of each of its iterations into `dq_accum`, float32
+  # (batch, heads, q_len, head_dim) contiguous and zeroed before it runs (red.global.add), 5 products a K/V block
+  # and Q tile instead of the two kernels' 7 (codegen/attention_backward_wgmma.py `dq_accumulate_lines`)
+  dq_accumulate: bool = False
+  dq_reduce_width: int = 2   # dq_accumulate: the float32 sums a reduction adds (2 or 4: red.global.add.v2 / .v4.f32)
+  dq_bulk_reduce: bool = False   # dq_accumulate: dQ staged in shared memory, added by TMA bulk reductions instead
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -99,6 +106,16 @@ class AttentionBackwardPlan:
       if self.block_q % WARPGROUP_ROWS or self.block_kv % WARPGROUP_ROWS or max(streams) > 256:
         raise ShapeError(f"wgmma attention backward owns whole warpgroups of {WARPGROUP_ROWS} rows and streams at most "
                          f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
+    if self.dq_bulk_reduce and not self.dq_accumulate:
+      raise ShapeError("dq_bulk_reduce adds the single pass's dQ (dq_accumulate)")
+    if self.dq_reduce_width not in (2, 4):
+      raise ShapeError(f"dq_reduce_width {self.dq_reduce_width}: the reductions add 2 or 4 float32 sums")
+    if self.dq_accumulate and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap or
+                               self.dkdv_stream % self.block_kv):
+      raise ShapeError("the single-pass backward (dq_accumulate) runs on wgmma with K and V read by descriptor, "
+                       "without wgmma_overlap, and streams a multiple of block_kv queries (each warpgroup's dQ a "
+                       f"64-row slice of them): mma {self.mma}, dkdv_held {self.dkdv_held}, wgmma_overlap "
+                       f"{self.wgmma_overlap}, block_kv {self.block_kv}, stream_q {self.dkdv_stream}")
 
   @staticmethod
   def contiguous(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
@@ -178,6 +195,8 @@ class AttentionBackwardPlan:
   def dq_shared_bytes(self) -> int:
     """Q and dO tiles, two K and V tiles (double-buffered), then LSE and delta of the block's rows (dS stays in
     registers). wgmma: the K and V tiles swizzled after the rest (`wgmma_shared_bytes`)."""
+    if self.dq_accumulate:   # the single pass's delta kernel: a dO tile and the delta of its rows
+      return self.block_q * self.row_pitch * self.itemsize + self.block_q * 4
     if self.mma == "wgmma":   # (without dq_held: Q and dO in swizzled tiles too)
       owned = 0 if self.dq_held else 2 * self.block_q * self.head_dim * self.itemsize
       return self.wgmma_shared_bytes(self.block_q, 2 * self.block_q * 4, self.dq_stream) + owned
@@ -212,13 +231,30 @@ class AttentionBackwardPlan:
     in registers)."""
     stream = self.dkdv_stream
     if self.mma == "wgmma":   # (without dkdv_held K and V swizzled: no padding, the same bytes at most)
-      return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream)
+      # (the single pass: the dS tile, then a flag a thread)
+      return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream) + \
+          (self.ds_tile_bytes + 4 * self.dkdv_block[0] if self.dq_accumulate else 0) + \
+          (stream * self.head_dim * 4 if self.dq_bulk_reduce else 0)
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
 
   @property
+  def count_elements(self) -> int:
+    """The single pass's dq_counts (uint32): a count per DQ_COUNT_ROWS query rows of each (batch, head)."""
+    return self.batch * self.heads * -(-self.q_len // DQ_COUNT_ROWS)
+
+  @property
+  def ds_tile_bytes(self) -> int:
+    """dq_accumulate: the dK/dV kernel's dS tile after its stages (the stream's queries x the block's keys, in
+    128-byte rows of 64 keys: the K-major A of dQ += dS K); else none."""
+    return (self.block_kv // WARPGROUP_ROWS) * self.dkdv_stream * WARPGROUP_ROWS * self.itemsize \
+        if self.dq_accumulate else 0
+
+  @property
   def dq_registers(self) -> int:
-    """Registers a dQ thread needs: its share of the dQ accumulators (16 x D a warp) and of S and dP (16 x stream)."""
+    """Registers a dQ thread needs: its share of the dQ accumulators (16 x D a warp) and of S and dP (16 x stream);
+    the single pass's delta kernel: no accumulators (REGISTER_FLOOR / 2: as many blocks as its shared memory lets)."""
+    if self.dq_accumulate: return REGISTER_FLOOR // 2
     held = self.head_dim // 2 if self.mma == "wgmma" and self.dq_held else 0   # wgmma: Q's and dO's A fragments
     return max(REGISTER_FLOOR, self.head_dim // 2 + self.dq_stream + held + REGISTERS_BESIDE_ACCUMULATORS)
 
@@ -229,7 +265,11 @@ class AttentionBackwardPlan:
     # wgmma: also P^T's packed A fragments (stream / 4), in flight while dS^T is computed (a tighter bound makes
     # ptxas serialize the wgmmas), and K's and V's A fragments where held (D / 2)
     held = self.head_dim // 2 if self.dkdv_held else 0
-    return self.head_dim + self.dkdv_stream + self.dkdv_stream // 4 + held + REGISTERS_BESIDE_ACCUMULATORS
+    # dq_accumulate: dQ's accumulators (a warpgroup's share of the stream's queries x D) where S^T's and dP^T's were
+    accumulated = max(0, self.dkdv_stream * self.head_dim * WARPGROUP_ROWS // self.block_kv // 128 -
+                      self.dkdv_stream) if self.dq_accumulate else 0
+    return (self.head_dim + self.dkdv_stream + self.dkdv_stream // 4 + held + accumulated +
+            REGISTERS_BESIDE_ACCUMULATORS)
 
   def launch_bounds(self, threads: int, shared_bytes: int, registers: int) -> str:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
@@ -280,6 +320,18 @@ def default_blocks(head_dim: int, dtype: str) -> dict[str, Any]:
   stream = 64 if row_bytes <= 128 else 32
   return {"block_q": 64 if row_bytes <= 256 else 32, "block_kv": 64, "stream_q": stream, "stream_kv": stream,
           "dq_held": True}
+
+
+def single_pass_blocks(head_dim: int) -> dict[str, int]:
+  """The single pass's dK/dV blocks (plan.dq_accumulate): at D = 64 two warpgroups of 64 keys streaming 128 queries
+  (their dQ parts summed over 128 keys before the reductions, which go 4 sums a reduction); at D = 128 one streaming
+  64 (NVRTC sm_90: 128 spilled 880 bytes and serialized its wgmmas). H200, causal B=4 H=12 T=4096 D=64 bfloat16,
+  with its delta kernel (0.030 ms; extra/bench/results/sweep_attention_backward_h200_s15.txt, third checkpoint):
+  0.927 ms at 128 keys and 128 queries (0.925 with 2-sum reductions, 0.994 with TMA bulk reductions), 1.020 at 64
+  keys, against 0.387 + 0.540 for the dQ and dK/dV kernels; SDPA forward + backward 1.325 ms against 1.322: equal,
+  so not the default (ATTENTION_SINGLE_PASS)."""
+  return {"block_kv": 128, "stream_q": 128, "dq_reduce_width": 4} if head_dim <= 64 else \
+      {"block_kv": 64, "stream_q": 64, "dq_reduce_width": 4}
 
 
 @dataclass(frozen=True)

@@ -26,19 +26,27 @@ once the first has landed (while the second runs), the gradients once the second
 dV += P^T dO running meanwhile), then the last values product issued and waited for (`wgmma_overlap`: left running
 into the next iteration's scores products). The dK/dV kernel's stages also hold the Q tile's LSE and delta rows
 (float, `row_buffers`).
+
+The single pass (plan.dq_accumulate; its first kernel is attention_backward's delta kernel): the dK/dV kernel also
+computes dQ = dS K an iteration (`dq_accumulate_lines`: dS through a swizzled shared tile), adds it into a float32
+dq_accum (`dq_reduce_lines`: vector reductions, or TMA bulk reductions from shared memory), and the block that
+completes a Q tile's count converts it into dq (`dq_count_helpers`, `dq_count_final_lines`).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ourgrad.codegen.attention_backward_plan import DQ_KERNEL
-from ourgrad.codegen.attention_wgmma import (key_slice_start, key_strides, pack_lines, product_helpers, staged_offset,
-                                             value_slice_start, value_strides)
+from ourgrad.codegen.attention_backward_plan import DQ_COUNT_ROWS, DQ_KERNEL
+from ourgrad.codegen.attention_wgmma import (WARPGROUP_ROWS, key_slice_start, key_strides, pack_lines, product_helpers,
+                                             staged_offset, value_slice_start, value_strides)
 from ourgrad.codegen.wgmma_copies import ROW_BYTES
 from ourgrad.codegen.wgmma_tiles import PTX_TYPE, CExpr
 
 if TYPE_CHECKING:
   from ourgrad.codegen.attention_backward_plan import AttentionBackwardPlan
+
+# C of the element offset of (batch, head) by a tensor's (batch, head) strides
+HEAD_OFFSET = "(long long)batch * {0}LL + (long long)head * {1}LL"
 
 # pins accumulators to their registers at a point of the program (CUTLASS's warpgroup_fence_operand): without it
 # NVVM may copy an accumulator between the wgmmas of a chain while they are in flight, and ptxas then waits for them
@@ -52,12 +60,44 @@ ACCUMULATOR_FENCE = """template <int N> __device__ __forceinline__ void fence_ac
 """
 
 
+# the single pass's helpers (plan.dq_accumulate): transposing matrix stores, and two or four neighbouring float32 sums
+# added to global memory by one vector reduction (sm_90: red.global.add.v2.f32 / .v4.f32, no value returned)
+SINGLE_PASS_HELPERS = """// four 8x8 16-bit matrices, each thread's register i two neighbouring elements of a row of
+// matrix i (the C fragment layout, as packed A fragments hold them), stored transposed: lane l names the shared
+// address of row l % 8 of matrix l / 8, which receives column l % 8
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+__device__ __forceinline__ void red_add4(float* address, float first, float second, float third, float fourth) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(address), "f"(first), "f"(second),
+               "f"(third), "f"(fourth) : "memory");
+}
+__device__ __forceinline__ void warpgroup_sync() {   // named barrier 1 + warpgroup (0 is __syncthreads)
+  asm volatile("bar.sync %0, 128;" :: "r"(1 + (int)(threadIdx.x / 128)) : "memory");
+}
+__device__ __forceinline__ void bulk_reduce_add(float* target, unsigned source, unsigned bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(target), "r"(source), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void red_add2(float* address, float first, float second) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(first), "f"(second) : "memory");
+}
+"""
+
+
 def wgmma_helpers(plan: AttentionBackwardPlan, kernel: str) -> str:
   """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = its stream, A from registers or (without the
-  plan's dq_held / dkdv_held) shared memory, values n = D; the accumulator fence."""
+  plan's dq_held / dkdv_held) shared memory, values n = D (the single pass's dK/dV kernel: also with A from shared
+  memory, and SINGLE_PASS_HELPERS); the accumulator fence."""
   stream = plan.dq_stream if kernel == DQ_KERNEL else plan.dkdv_stream
   shared_a = not (plan.dq_held if kernel == DQ_KERNEL else plan.dkdv_held)
-  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype], shared_a) + ACCUMULATOR_FENCE
+  single_pass = plan.dq_accumulate and kernel != DQ_KERNEL
+  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype], shared_a, single_pass) + ACCUMULATOR_FENCE + \
+      (SINGLE_PASS_HELPERS if single_pass else "")
 
 
 def _tile_bytes(plan: AttentionBackwardPlan, rows: int) -> int:
@@ -125,6 +165,163 @@ def _last_wait(plan: AttentionBackwardPlan, *accumulators: str) -> list[str]:
   return ["  }", "  wgmma_wait_all();", *(fence[2:] for fence in fences)]
 
 
+def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
+  """The single pass's dQ (plan.dq_accumulate), after dK += dS^T Q is issued: dS (the stream's queries x the block's
+  keys) stored from dS^T's packed A fragments `dst` into the K-major dS tile after the stages (staged_offset, as a K
+  tile of `stream` rows whose D is the block's keys) by transposing matrix stores (fragment kk's four 8x8 matrices are
+  keys 0-7 / 8-15 of the warp's 16 by queries 16 kk.. / 16 kk + 8..), made visible to the tensor cores
+  (fence.proxy.async, then the block's barrier), and dQ = dS K issued as one group, each warpgroup its share of the
+  stream's queries (stream / block_kv of its 64-row slices: the dQ parts of all the block's keys are summed before
+  they are added to global memory) over all the block's keys: A = the dS tile, B = the owned K tile read transposed
+  (as V in O += P V). The tile is rewritten in the next iteration only after the loop's barrier, which every thread
+  reaches after its wait for this group."""
+  p, stream = plan, plan.dkdv_stream
+  slices = stream // p.block_kv   # a warpgroup's 64-query slices
+  a_lbo, a_sbo = key_strides()
+  b_lbo, b_sbo = value_strides(p.block_kv)
+  ds_byte = staged_offset(stream, CExpr("query"), CExpr("key"))
+  a_start = f"ds_tile + slice * {WARPGROUP_ROWS * ROW_BYTES} + {key_slice_start(stream, CExpr('kk'))}"
+  b_start = f"k_owned + {value_slice_start(CExpr('kk'))}"
+  return [f"    const unsigned ds_tile = stages + {p.wgmma_stages * 2 * _tile_bytes(p, stream)}u;",
+          "#pragma unroll",
+          f"    for (int kk = 0; kk < {stream // 16}; kk++) {{   // this lane's row: a query's 8 keys",
+          "      const int query = kk * 16 + ((lane >> 4) << 3) + (lane & 7), key = warp * 16 + (lane & 8);",
+          f"      stmatrix_x4_trans(ds_tile + {ds_byte}, dst[kk]);",
+          "    }",
+          "    async_proxy_fence();",
+          "    __syncthreads();   // the block's dS tile written",
+          f"    float dq_part[{slices}][D / 8][4];",
+          "    wgmma_fence();",
+          "#pragma unroll",
+          f"    for (int part = 0; part < {slices}; part++) {{",
+          f"      const int slice = (threadIdx.x / 128) * {slices} + part;",
+          "#pragma unroll",
+          f"      for (int kk = 0; kk < {p.block_kv // 16}; kk++)",
+          f"        wgmma_values(&dq_part[part][0][0], wgmma_descriptor({a_start}, {a_lbo}, {a_sbo}), "
+          f"wgmma_descriptor({b_start}, {b_lbo}, {b_sbo}), kk > 0);",
+          "    }",
+          "    wgmma_commit();",
+          *(f"    fence_accumulators(dq_part[{part}]);" for part in range(slices))]
+
+
+def dq_reduce_lines(plan: AttentionBackwardPlan) -> list[str]:
+  """The single pass's dQ parts, once waited for, added (scaled by SCALE) into dq_accum's rows of this iteration's
+  query head, rows past L left out: two neighbouring columns a vector reduction, or (plan.dq_reduce_width 4) four,
+  neighbouring quads trading halves (the even one takes row g's four columns, the odd one row g + 8's); or
+  (plan.dq_bulk_reduce) staged row-major in shared memory (`dq_staging`, after the flags) and added by one thread of
+  the warpgroup as bulk reductions (cp.reduce.async.bulk, the TMA unit), whose reads of the staging rows it waits
+  for before the next iteration's first barrier and whose completion before the block's counts."""
+  slices = plan.dkdv_stream // plan.block_kv
+  first = f"((threadIdx.x / 128) * {slices} + part) * 64 + (warp & 3) * 16 + g"
+  if plan.dq_reduce_width == 4:
+    reductions = ["        for (int t = 0; t < D / 8; t++) {",
+                  "          const float* mine = dq_part[part][t];",
+                  "          const bool even = (quad & 1) == 0;",
+                  "          const float given0 = __shfl_xor_sync(0xffffffffu, even ? mine[2] : mine[0], 1);",
+                  "          const float given1 = __shfl_xor_sync(0xffffffffu, even ? mine[3] : mine[1], 1);",
+                  f"          const int query = {first} + (even ? 0 : 8);",
+                  "          if (q_start + query < L)",
+                  "            red_add4(dq_rows + (long long)query * D + t * 8 + 2 * (quad & ~1),",
+                  "                     SCALE * (even ? mine[0] : given0), SCALE * (even ? mine[1] : given1),",
+                  "                     SCALE * (even ? given0 : mine[2]), SCALE * (even ? given1 : mine[3]));",
+                  "        }"]
+  else:
+    reductions = ["        for (int t = 0; t < D / 8; t++)",
+                  "#pragma unroll",
+                  "          for (int half = 0; half < 2; half++) {",
+                  f"            const int query = {first} + half * 8;",
+                  "            if (q_start + query < L)",
+                  "              red_add2(dq_rows + (long long)query * D + t * 8 + 2 * quad,",
+                  "                       SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
+                  "          }"]
+  if plan.dq_bulk_reduce:
+    return ["    {",
+            "      const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
+            "      float* dq_rows = dq_accum + (((long long)batch * H + head) * L + q_start) * D;",
+            "      float* staged = (float*)(shared_bytes + (dq_staging - shared_address(shared_bytes)));",
+            "#pragma unroll",
+            f"      for (int part = 0; part < {slices}; part++)",
+            "#pragma unroll",
+            "        for (int t = 0; t < D / 8; t++)",
+            "#pragma unroll",
+            "          for (int half = 0; half < 2; half++) {",
+            f"            const int query = {first} + half * 8;",
+            "            *(float2*)(staged + query * D + t * 8 + 2 * quad) =",
+            "                make_float2(SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
+            "          }",
+            "      async_proxy_fence();",
+            "      warpgroup_sync();   // the warpgroup's rows staged",
+            "      if (threadIdx.x % 128 == 0) {   // one thread adds them by bulk reductions (rows past L left out)",
+            f"        for (int part = 0; part < {slices}; part++) {{",
+            f"          const int slice = (threadIdx.x / 128) * {slices} + part;",
+            "          const int rows = min(64, L - q_start - slice * 64);",
+            "          if (rows > 0)",
+            "            bulk_reduce_add(dq_rows + slice * 64 * D, dq_staging + slice * 64 * D * 4, rows * D * 4);",
+            "        }",
+            "        bulk_commit();",
+            "      }",
+            "    }"]
+  return ["    {",
+          "      const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
+          "      float* dq_rows = dq_accum + (((long long)batch * H + head) * L + q_start) * D;",
+          "#pragma unroll",
+          f"      for (int part = 0; part < {slices}; part++)",
+          "#pragma unroll",
+          *reductions,
+          "    }"]
+
+
+def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
+  """The single pass's dq (plan.dq_accumulate): each (query head, Q tile) of dq_accum has a count in dq_counts (the
+  delta kernel zeroes it) of the K/V blocks that have added into it; the block whose addition completes the count
+  (`contributors`: the causal blocks whose first Q tile is at or before it) rounds the tile's sums into dq
+  (`dq_count_final_lines`). `done`: a flag a thread in shared memory after the dS tile."""
+  p = plan
+  flags = p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + p.ds_tile_bytes
+  return [f"  constexpr int COUNTED_TILES = (L + {DQ_COUNT_ROWS - 1}) / {DQ_COUNT_ROWS};   // dq_counts of a head",
+          f"  unsigned* done = (unsigned*)(shared_bytes + (stages - shared_address(shared_bytes)) + {flags});",
+          f"  const unsigned dq_staging = stages + {flags + 4 * p.dkdv_block[0]}u;   // (dq_bulk_reduce)",
+          "  auto tile_head = [&](int it) { return kv_head * GROUP + (GROUP == 1 ? 0 : it / q_tiles); };",
+          "  auto tile_start = [&](int it) { return q_first + (GROUP == 1 ? it : it % q_tiles) * BQ; };",
+          "  auto tile_count = [&](int it) {",
+          "    return dq_counts + ((long long)batch * H + tile_head(it)) * COUNTED_TILES + tile_start(it) / BQ; };",
+          "  auto contributors = [&](int it) {",
+          "    return (unsigned)(CAUSAL ? min((int)gridDim.y, (tile_start(it) + BQ + BK - 1) / BK) : (int)gridDim.y);",
+          "  };",
+          "  auto convert_tile = [&](int it) {   // dq of the tile's rows from dq_accum's (read in L2)",
+          "    const int head = tile_head(it), first = tile_start(it), rows = min(BQ, L - first);",
+          "    const float* sums = dq_accum + (((long long)batch * H + head) * L + first) * D;",
+          f"    grad_t* target = dq + {HEAD_OFFSET.format(*p.dq_strides[:2])} + (long long)first * "
+          f"{p.dq_strides[2]}LL;",
+          "    for (int i = threadIdx.x; i < rows * (D / 4); i += blockDim.x) {",
+          "      const int row = i / (D / 4), column = (i % (D / 4)) * 4;",
+          "      const float4 sum = __ldcg((const float4*)(sums + (long long)row * D + column));",
+          f"      grad_t* out = target + (long long)row * {p.dq_strides[2]}LL + column;",
+          "      out[0] = grad_from_float(sum.x); out[1] = grad_from_float(sum.y);",
+          "      out[2] = grad_from_float(sum.z); out[3] = grad_from_float(sum.w);",
+          "    }",
+          "  };"]
+
+
+def dq_count_final_lines(plan: AttentionBackwardPlan) -> list[str]:
+  """The single pass after the loop: every thread's reductions fenced, a barrier, then the block's tiles counted (a
+  thread a tile, blockDim of them at a time), and the tiles whose counts this block completed converted by the whole
+  block (the threadFenceReduction pattern: the counting thread fences again before the block reads the sums)."""
+  return [*(["  if (threadIdx.x % 128 == 0) bulk_wait_all();   // the bulk reductions performed"]
+            if plan.dq_bulk_reduce else []),
+          "  __threadfence();",
+          "  __syncthreads();",
+          "  for (int base = 0; base < iterations; base += blockDim.x) {",
+          "    const int it = base + threadIdx.x;",
+          "    done[threadIdx.x] = it < iterations && atomicAdd(tile_count(it), 1u) + 1u == contributors(it);",
+          "    if (done[threadIdx.x]) __threadfence();",
+          "    __syncthreads();",
+          "    for (int j = 0; j < blockDim.x && base + j < iterations; j++)",
+          "      if (done[j]) convert_tile(base + j);",
+          "    __syncthreads();   // (done rewritten next)",
+          "  }"]
+
+
 def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: str, stage: str) -> str:
   """C declaring the shared addresses `first` and `second` of stage `stage`'s two tiles of `rows` rows."""
   tile = _tile_bytes(plan, rows)
@@ -160,7 +357,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
   q_stride, do_stride, lse_stride = p.q_strides[2], p.do_strides[2], p.lse_strides[2]
   copy = copy_stage_lines(p, stream, "q_start", "q_rows", (("q_stage", "q + q_row0", q_stride),
                                                             ("do_stage", "dout + do_row0", do_stride)))
-  offset = "(long long)batch * {0}LL + (long long)head * {1}LL"
+  offset = HEAD_OFFSET
   if p.dkdv_held:   # K's and V's A fragments in registers, loaded from padded tiles
     owned = ["  elem_t* k_tile = (elem_t*)shared_bytes;               // BK x PITCH",
              "  elem_t* v_tile = k_tile + BK * PITCH;                 // BK x PITCH",
@@ -181,9 +378,11 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,",
     "    const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,",
-    "    grad_t* __restrict__ dv) {",
+    "    grad_t* __restrict__ dv" + (", float* __restrict__ dq_accum, unsigned* __restrict__ dq_counts, grad_t* "
+                                    "__restrict__ dq" if p.dq_accumulate else "") + ") {",
     *owned,
     "  copy_async_commit();   // K and V: a group of their own",
+    *(dq_count_helpers(p) if p.dq_accumulate else []),
     "  // the Q and dO tiles, LSE and delta rows of iteration `iteration` into stage `stage`, not committed",
     "  auto copy_stage = [&](int iteration, int stage) {",
     "    const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
@@ -210,6 +409,8 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     "  for (int iteration = 0; iteration < iterations; iteration++) {",
     "    copy_async_wait<0>();",
     "    async_proxy_fence();",
+    *(["    if (threadIdx.x % 128 == 0) bulk_wait_read();   // the staged dQ rows read: free to rewrite"]
+      if p.dq_bulk_reduce else []),
     "    __syncthreads();   // this stage's copies, by every thread, have landed; the other stage is free",
     "    if (iteration + 1 < iterations) {",
     f"      copy_stage(iteration + 1, (iteration + 1) % {p.wgmma_stages});",
@@ -231,7 +432,9 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     "    fence_accumulators(dpt);",
     gradients,
     *values_lines(stream, "dk_acc", "dpt", "dst", "q_stage"),
-    *_last_wait(p, "dv_acc", "dk_acc"),
+    *(dq_accumulate_lines(p) if p.dq_accumulate else []),
+    *(_last_wait(p, "dv_acc", "dk_acc") if not p.dq_accumulate else
+      [*_last_wait(p, "dv_acc", "dk_acc")[:-1], *dq_reduce_lines(p), "  }", *dq_count_final_lines(p)]),
     "  copy_async_wait<0>();",
     store,
     "}"])

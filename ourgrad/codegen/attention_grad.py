@@ -22,13 +22,15 @@ PYTHON by the bindings in the emulator's program text (runtime/attention_backwar
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod
 from typing import Any
 
 from ourgrad.codegen.attention_backward import launches, render_dkdv_kernel, render_dq_kernel
 from ourgrad.codegen.attention_backward_plan import (BLOCK_RESERVED_SHARED, DKDV_KERNEL, DQ_KERNEL,
-                                                     AttentionBackwardPlan, KernelLaunch, contiguous_strides,
-                                                     default_blocks)
+                                                     WGMMA_MAX_HEAD_DIM, AttentionBackwardPlan, KernelLaunch,
+                                                     contiguous_strides, default_blocks, single_pass_blocks)
+from ourgrad.codegen.attention_wgmma import wgmma_refusal
 from ourgrad.codegen.wgmma_tiles import ITEMSIZE
 from ourgrad.helpers import DEBUG, env_var
 from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
@@ -38,7 +40,8 @@ from ourgrad.ops import LazyOp, MemBuffer, Ops, format_ast
 Binding = tuple[str, int, int]
 # each parameter's C type (codegen/attention_backward.py's typedefs)
 PARAMETER_TYPES = {"q": "elem_t", "k": "elem_t", "v": "elem_t", "do": "elem_t", "o": "o_t", "lse": "float",
-                   "delta": "float", "dq": "grad_t", "dk": "grad_t", "dv": "grad_t"}
+                   "delta": "float", "dq": "grad_t", "dk": "grad_t", "dv": "grad_t", "dq_accum": "float",
+                   "dq_counts": "unsigned"}
 # the lazy ops' sources in order, by the kernels' parameter names ("fwd": O and LSE; "dq_buffer": the DQ op's output)
 SOURCES = {Ops.ATTENTION_DQ: ("q", "k", "v", "fwd", "do"),
            Ops.ATTENTION_DKDV: ("q", "k", "v", "do", "fwd", "dq_buffer")}
@@ -46,6 +49,17 @@ KERNELS = {Ops.ATTENTION_DQ: DQ_KERNEL, Ops.ATTENTION_DKDV: DKDV_KERNEL}
 ATTENTION_BACKWARD_WGMMA = env_var("ATTENTION_BACKWARD_WGMMA", 1, "0: the fused attention backward of "
                                    "float16/bfloat16 on sm_90 runs on mma.sync instead of wgmma "
                                    "(codegen/attention_backward_wgmma.py)")
+ATTENTION_SINGLE_PASS = env_var("ATTENTION_SINGLE_PASS", 0, "1: the fused attention backward on wgmma (sm_90) in one "
+                                "pass: the dK/dV kernel adds dQ into a float32 buffer (plan.dq_accumulate), delta "
+                                "from a kernel of its own, dq cast after; 0: the dQ and dK/dV kernels")
+
+
+def single_pass_backward(dtype: str, head_dim: int, has_wgmma: bool) -> bool:
+  """Whether the fused attention backward of these operands runs in one pass (ATTENTION_SINGLE_PASS; the plan's
+  dq_accumulate): where its kernels run on wgmma (`AttentionBackwardPlan.with_device_mma`; the lazy graph refuses it
+  for operands whose rows are not 16-byte aligned)."""
+  return bool(ATTENTION_SINGLE_PASS) and has_wgmma and bool(ATTENTION_BACKWARD_WGMMA) and \
+      wgmma_refusal(dtype, head_dim, True) is None and head_dim <= WGMMA_MAX_HEAD_DIM
 
 
 def is_attention_grad(ast: LazyOp) -> bool:
@@ -54,22 +68,27 @@ def is_attention_grad(ast: LazyOp) -> bool:
 
 
 def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: str, causal: bool, scale: float,
-                  shared_per_sm: int, packed: bool = False, has_wgmma: bool = False) -> AttentionBackwardPlan:
+                  shared_per_sm: int, packed: bool = False, has_wgmma: bool = False,
+                  single_pass: bool = False) -> AttentionBackwardPlan:
   """The plan for views (ShapeTracker Views) q, do (B, H, L, D) and k, v (B, Hk, S, D), their last dim contiguous,
   reading O (in the operands' dtype) and LSE (float32, after O's bytes) from the forward's buffer and writing the
   gradients contiguous in the operands' dtype, or (`packed`) through q, k and v's own strides. On a device with
-  wgmma (`has_wgmma`: sm_90) its kernels run on warpgroup MMAs where the plan allows (`with_device_mma`)."""
+  wgmma (`has_wgmma`: sm_90) its kernels run on warpgroup MMAs where the plan allows (`with_device_mma`);
+  `single_pass` (the lazy graph chose it: `single_pass_backward`): in one pass (`single_pass_blocks`)."""
   batch, heads, length, head_dim = q_view.shape
   kv_heads, source = k_view.shape[1], k_view.shape[2]
   strides = [tuple(int(stride) for stride in view.strides[:3]) for view in (q_view, k_view, v_view, do_view)]
   q_like, kv_like = contiguous_strides(heads, length, head_dim), contiguous_strides(kv_heads, source, head_dim)
   grads = (strides[0], strides[1], strides[2]) if packed else (q_like, kv_like, kv_like)
-  return AttentionBackwardPlan(
+  plan = AttentionBackwardPlan(
     batch, heads, kv_heads, length, source, head_dim, dtype, causal, scale, strides[0], strides[1], strides[2],
     (length * heads * head_dim, head_dim, heads * head_dim), strides[3], *grads,
     (heads * length, length, 1), lse_offset=batch * length * heads * head_dim * ITEMSIZE[dtype] // 4, o_dtype=dtype,
     shared_per_sm=shared_per_sm, **default_blocks(head_dim, dtype)).with_device_mma(
       has_wgmma and bool(ATTENTION_BACKWARD_WGMMA))
+  if not single_pass: return plan
+  if plan.mma != "wgmma": raise AssertionError(f"the single-pass attention backward needs wgmma kernels: {plan}")
+  return replace(plan, dq_accumulate=True, dkdv_held=False, wgmma_overlap=False, **single_pass_blocks(head_dim))
 
 
 class AttentionGradKernel:
@@ -86,12 +105,12 @@ class AttentionGradKernel:
     self.leaves: list[LazyOp] = [ast, *loads]
     self.sts = [leaf.arg.st for leaf in self.leaves]
     self.applied_opts: list[Any] = []
-    causal, scale, packed = op.arg
+    causal, scale, packed, single_pass = op.arg
     load_of = dict(zip(SOURCES[op.op], loads))
     views = {name: load.arg.st.views[0] for name, load in load_of.items()}
     shared_per_sm = renderer.dynamic_local_memory_bytes + BLOCK_RESERVED_SHARED
     self.plan = backward_plan(views["q"], views["k"], views["v"], views["do"], load_of["q"].dtype.name, causal,
-                              scale, shared_per_sm, packed, getattr(renderer, "has_wgmma", False))
+                              scale, shared_per_sm, packed, getattr(renderer, "has_wgmma", False), single_pass)
     self.kernel = KERNELS[op.op]
     self.launch: KernelLaunch = next(launch for launch in launches(self.plan) if launch.name == self.kernel)
     p = self.plan
@@ -108,6 +127,14 @@ class AttentionGradKernel:
     # delta after the gradients, in float32 elements (their count is even: head_dim is a multiple of 16)
     delta = gradient_elements * p.itemsize // 4
     place["delta"] = (0, delta) if op.op is Ops.ATTENTION_DQ else (place["dq_buffer"][0], delta)
+    if single_pass:   # one buffer: the gradients, then (float32 / uint32 elements) dQ's sums, delta, the counts
+      shared = 0 if op.op is Ops.ATTENTION_DQ else place["dq_buffer"][0]
+      if not packed: place.update(dq=(0, 0), dk=(0, q_elements), dv=(0, q_elements + kv_elements))
+      gradients = prod(ast.arg.st.shape) - (q_elements + p.count_elements) * 4 // p.itemsize - \
+          p.delta_elements * 4 // p.itemsize
+      sums = gradients * p.itemsize // 4
+      place.update(dq_accum=(shared, sums), delta=(shared, sums + q_elements),
+                   dq_counts=(shared, sums + q_elements + p.delta_elements))
     self.bindings: list[Binding] = [(name, *place[name]) for name in self.launch.arguments]
     # (a packed dK/dV op reads delta from its own output buffer: argument 0)
     self.arguments = len({0} | {load.arg.idx for load in loads})
@@ -132,6 +159,7 @@ class AttentionGradKernel:
     halved by a causal mask."""
     p = self.plan
     products = 3 if self.kernel == DQ_KERNEL else 4
+    if p.dq_accumulate: products = 0 if self.kernel == DQ_KERNEL else 5   # the single pass
     full = 2 * products * p.batch * p.heads * p.q_len * p.kv_len * p.head_dim
     return full // 2 if p.causal else full
 
@@ -140,6 +168,10 @@ class AttentionGradKernel:
     per block of keys, counted once) and its gradients written once."""
     p = self.plan
     q_side, kv_side = p.batch * p.heads * p.q_len * p.head_dim, p.batch * p.kv_heads * p.kv_len * p.head_dim
+    if p.dq_accumulate:   # the single pass: delta's kernel reads dO and O and zeroes the float32 dQ, which the dK/dV
+      # kernel adds into once a block of keys (counted once)
+      if self.kernel == DQ_KERNEL: return q_side * (p.itemsize + ITEMSIZE[p.stored_o_dtype] + 4)
+      return (2 * q_side + 4 * kv_side) * p.itemsize + 4 * q_side
     if self.kernel == DQ_KERNEL: return (3 * q_side + 2 * kv_side) * p.itemsize + q_side * ITEMSIZE[p.stored_o_dtype]
     return (2 * q_side + 4 * kv_side) * p.itemsize
 

@@ -152,29 +152,32 @@ __device__ __forceinline__ void copy_wait_all() {{ asm volatile("cp.async.wait_g
 """
 
 
-def _wgmma_shared_a_function(name: str, n: int, ptx_type: str) -> str:
+def _wgmma_shared_a_function(name: str, n: int, ptx_type: str, transposed: int = 0) -> str:
   """`name(acc, a, b, accumulate)` as _wgmma_function's, A (64 x 16) read from shared memory through the K-major
   descriptor `a`."""
   count = n // 2
   registers = ", ".join(f"%{i}" for i in range(count))
   instruction = ("{ .reg .pred accumulate; setp.ne.b32 accumulate, %" + str(count + 2) + ", 0; "
                  f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} {{{registers}}}, "
-                 f"%{count}, %{count + 1}, accumulate, 1, 1, 0, 0; }}")
+                 f"%{count}, %{count + 1}, accumulate, 1, 1, 0, {transposed}; }}")
   outputs = ", ".join(f'"+f"(acc[{i}])' for i in range(count))
   return (f"__device__ __forceinline__ void {name}(float* acc, unsigned long long a, unsigned long long b, "
           "int accumulate) {\n"
           f'  asm volatile("{instruction}"\n    : {outputs}\n    : "l"(a), "l"(b), "r"(accumulate));\n}}\n')
 
 
-def product_helpers(scores_n: int, head_dim: int, ptx_type: str, shared_a: bool = False) -> str:
+def product_helpers(scores_n: int, head_dim: int, ptx_type: str, shared_a: bool = False,
+                    values_shared_a: bool = False) -> str:
   """The PTX helpers of attention's two wgmma shapes: `wgmma_scores` (n = scores_n, K-major B: a tile of rows whose D
   is contiguous, as K in S = Q K^T; A from registers, or (`shared_a`) from shared memory) and `wgmma_values` (n =
-  head_dim, transposed B: such a tile read along its rows, as V in O += P V), with the descriptors, swizzled cp.async
-  copies to a shared address, and the fences and waits. The backward's kernels (codegen/attention_backward_wgmma.py)
-  multiply by the same two shapes."""
+  head_dim, transposed B: such a tile read along its rows, as V in O += P V; with `values_shared_a` also an overload
+  reading A through a descriptor), with the descriptors, swizzled cp.async copies to a shared address, and the fences
+  and waits. The backward's kernels (codegen/attention_backward_wgmma.py) multiply by the same two shapes."""
   scores = (_wgmma_shared_a_function("wgmma_scores", scores_n, ptx_type) if shared_a else
             _wgmma_function("wgmma_scores", scores_n, ptx_type, 0))
-  return _WGMMA_SYNC_HELPERS + scores + _wgmma_function("wgmma_values", head_dim, ptx_type, 1)
+  values = _wgmma_function("wgmma_values", head_dim, ptx_type, 1)
+  if values_shared_a: values += _wgmma_shared_a_function("wgmma_values", head_dim, ptx_type, 1)
+  return _WGMMA_SYNC_HELPERS + scores + values
 
 
 def wgmma_helpers(plan: AttentionPlan, ptx_type: str) -> str:

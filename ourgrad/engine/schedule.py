@@ -113,15 +113,15 @@ def build_schedule(outs: Sequence[LazyBuffer]) -> tuple[list[ScheduleItem], list
 def writes_into_a_source(base: LazyBuffer) -> bool:
   """Whether `base` writes into the buffer of one of its sources instead of a fresh one (by its op and arg alone: the
   schedule cache asks after the sources are dropped): an assign (its target), a packed attention dK/dV op (the dQ
-  op's buffer, beside dq: LazyBuffer.attention_grads)."""
-  return base.op is Ops.ASSIGN or (base.op is Ops.ATTENTION_DKDV and base.arg[2])
+  op's buffer, beside dq: LazyBuffer.attention_grads), a single-pass one (beside the float32 dq it adds into)."""
+  return base.op is Ops.ASSIGN or (base.op is Ops.ATTENTION_DKDV and (base.arg[2] or base.arg[3]))
 
 
 def _give_buffer(base: LazyBuffer) -> None:
   if base.realized is not None: return
   if base.op is Ops.ASSIGN:
     base.realized = base.srcs[1].base.realized  # an assign writes into its target's memory
-  elif writes_into_a_source(base):   # a packed dK/dV op: the dQ op's buffer (given first: it is its source)
+  elif writes_into_a_source(base):   # a packed or single-pass dK/dV op: the dQ op's buffer (given first: its source)
     _give_buffer(base.srcs[5].base)
     base.realized = base.srcs[5].base.realized
   else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from typing import Callable
 
@@ -122,24 +123,31 @@ def _views(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray]) -> dict[
            for name, shape in shapes.items() if name in buffers}
   views["lse"] = _strided(buffers["lse"], p.lse_strides, q_shape[:3], p.lse_offset)
   views["delta"] = buffers["delta"][:p.delta_elements].reshape(q_shape[:3])
+  if "dq_accum" in buffers: views["dq_accum"] = buffers["dq_accum"][:math.prod(q_shape)].reshape(q_shape)
   return views
 
 
 def emulate_dq_kernel(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray]) -> None:
   """The dQ launch on flat buffers (by its argument names, typed as STORAGE says; lse and delta float32): writes dq
-  and delta in place."""
+  and delta in place (the single pass, plan.dq_accumulate: delta, and dq_accum zeroed)."""
   views = _views(plan, buffers)
   grad_out, out = to_float32(views["do"], plan.dtype), to_float32(views["o"], plan.stored_o_dtype)
   views["delta"][...] = (grad_out * out).sum(-1, dtype=np.float32)
+  if plan.dq_accumulate:   # (the dK/dV kernel's counts zeroed too)
+    views["dq_accum"][...] = 0
+    buffers["dq_counts"][:plan.count_elements] = 0
+    return
   views["dq"][...] = emulate_attention_backward(plan, views["q"], views["k"], views["v"], None, views["do"],
                                                 views["lse"], views["delta"])[0]
 
 
 def emulate_dkdv_kernel(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray]) -> None:
-  """The dK/dV launch on flat buffers: reads the delta the dQ launch wrote, writes dk and dv in place."""
+  """The dK/dV launch on flat buffers: reads the delta the dQ launch wrote, writes dk and dv in place (the single
+  pass: dQ's float32 sums into dq_accum, and dq)."""
   views = _views(plan, buffers)
-  _, views["dk"][...], views["dv"][...] = emulate_attention_backward(
+  dq, views["dk"][...], views["dv"][...] = emulate_attention_backward(
     plan, views["q"], views["k"], views["v"], None, views["do"], views["lse"], views["delta"])
+  if plan.dq_accumulate: views["dq"][...], views["dq_accum"][...] = dq, to_float32(dq, plan.grad_dtype)
 
 
 EMULATORS: dict[str, Callable[[AttentionBackwardPlan, dict[str, np.ndarray]], None]] = {
@@ -191,7 +199,7 @@ class AttentionBackwardProgram:
                        f"{self.launch.grid}x{self.launch.block}")
     element, grad = STORAGE[self.plan.dtype], STORAGE[self.plan.grad_dtype]
     types = {"o": STORAGE[self.plan.stored_o_dtype], "lse": np.float32, "delta": np.float32, "dq": grad, "dk": grad,
-             "dv": grad}
+             "dv": grad, "dq_accum": np.float32, "dq_counts": np.uint32}
     bindings = self.bindings or [(name, index, 0) for index, name in enumerate(self.launch.arguments)]
     typed = {name: buffers[index].view(types.get(name, element))[offset:] for name, index, offset in bindings}
     EMULATORS[self.kernel](self.plan, typed)
