@@ -55,6 +55,8 @@ BLOCK_THREADS = 256
 MAX_VECTORS_PER_THREAD = 4
 # indices each thread reads per window (loads in flight)
 WINDOW_UNROLL = 4
+# source-row elements a thread loads together while it walks a window's hits (registers), at most
+MAX_BATCH_ELEMENTS = 32
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class AccumulatePlan:
   row_blocks: int         # blocks along the rows (B): block b owns the rows r with r mod B = b
   lanes: int              # indices one mask marks: the warp size where warps vote, else 1
   unroll: int             # indices each thread reads per window
+  batch: int              # members of a mask whose source rows one thread loads together (dividing `lanes`)
 
   @property
   def threads(self) -> int: return self.feature_threads * self.row_groups
@@ -116,8 +119,11 @@ def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, rende
   per_processor = int(ACCUMULATE_THREADS_PER_SM.value) or THREADS_PER_PROCESSOR
   resident = max(1, renderer.multiprocessors) * max(1, per_processor // threads)
   row_blocks = max(1, min(math.ceil(rows / row_groups), resident))
+  # registers: a batch holds its members' source rows at the thread's features
+  elements = vectors_per_thread * vector
+  batch = max(size for size in (1, 2, 4, 8) if lanes % size == 0 and size * elements <= MAX_BATCH_ELEMENTS)
   return AccumulatePlan(rows, width, count, vector, vectors_per_thread, feature_threads, row_groups, row_blocks,
-                        lanes, WINDOW_UNROLL)
+                        lanes, WINDOW_UNROLL, batch)
 
 
 def _fits_locally(plan: AccumulatePlan, dtype: DType, renderer: Any) -> bool:
@@ -371,30 +377,47 @@ class _Lowering:
 
   def _walk_window(self, plan: AccumulatePlan, window_start: UOp, row_group: UOp, positions: UOp, masks: UOp,
                    carry: _Carry) -> None:
-    """Every thread walks the window's masks in position order and adds the marked rows of its row group."""
+    """Every thread walks the window's masks in position order and adds the marked rows of its row group. A mask's
+    members go `plan.batch` at a time: their source rows are loaded together (several loads in flight: a hot row's
+    hits would otherwise each wait for their load), a member that is not the thread's reading the mask's first
+    position instead (a row loaded anyway, from cache), then added to the carry one after another, in order."""
     build = self.build
     group = self.loop("mask", plan.window // plan.lanes)
     mask = build.add(UOps.LOAD, dtypes.uint32, (masks, group))
     marked = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, mask, build.const(0, dtypes.uint32)),))
-    member: UOp = self.index_const(0)
-    is_set = None
+    first_place = self.mul(group, self.index_const(plan.lanes))
+    members: list[UOp] = [self.index_const(0)]
+    batch: UOp | None = None
+    batch_marked: UOp | None = None
     if plan.lanes > 1:
-      member = self.loop("member", plan.lanes)
-      bit = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(member)),
-                      build.const(1, dtypes.uint32))
-      is_set = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, bit, build.const(0, dtypes.uint32)),))
-    place = self.add(self.mul(group, self.index_const(plan.lanes)), member)
-    target = build.add(UOps.LOAD, dtypes.int32, (positions, place))
-    mine = None
-    if plan.row_groups > 1:   # the row's group: (r div B) mod G
-      local_row = build.alu(Ops.IDIV, INDEX_DTYPE, target, self.index_const(plan.row_blocks))
-      owner = build.alu(Ops.MOD, INDEX_DTYPE, local_row, self.index_const(plan.row_groups))
-      mine = build.add(UOps.IF, None, (self._is(owner, row_group),))
-    carry.add(target, self.add(window_start, place))
-    if mine is not None: build.end_if(mine)
-    if is_set is not None:
-      build.end_if(is_set)
-      build.end_range(member)
+      batch = self.loop("members", plan.lanes // plan.batch)
+      batch_start = self.mul(batch, self.index_const(plan.batch))
+      members = [self.add(batch_start, self.index_const(j)) for j in range(plan.batch)]
+      bits = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(batch_start)),
+                       build.const((1 << plan.batch) - 1, dtypes.uint32))
+      batch_marked = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, bits, build.const(0, dtypes.uint32)),))
+    hits = []
+    for member in members:
+      place = self.add(first_place, member)
+      target = build.add(UOps.LOAD, dtypes.int32, (positions, place))
+      ours = build.const(True, dtypes.bool)
+      if plan.lanes > 1:
+        bit = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(member)),
+                        build.const(1, dtypes.uint32))
+        ours = build.alu(Ops.CMPNE, dtypes.bool, bit, build.const(0, dtypes.uint32))
+      if plan.row_groups > 1:   # the row's group: (r div B) mod G
+        local_row = build.alu(Ops.IDIV, INDEX_DTYPE, target, self.index_const(plan.row_blocks))
+        owner = build.alu(Ops.MOD, INDEX_DTYPE, local_row, self.index_const(plan.row_groups))
+        ours = self.both(ours, self._is(owner, row_group))
+      source = self.add(window_start, build.alu(Ops.WHERE, INDEX_DTYPE, ours, place, first_place))
+      hits.append((ours, target, carry.source_values(source)))
+    for ours, target, values in hits:
+      hit = build.add(UOps.IF, None, (ours,))
+      carry.add(target, values)
+      build.end_if(hit)
+    if batch is not None and batch_marked is not None:
+      build.end_if(batch_marked)
+      build.end_range(batch)
     build.end_if(marked)
     build.end_range(group)
 
@@ -425,8 +448,14 @@ class _Carry:
     for j, feature in enumerate(self.features):
       lower.store(self._row_index(row, feature), values[j * vector:(j + 1) * vector])
 
-  def add(self, target: UOp, source: UOp) -> None:
-    """carry (switched to row `target` first) += rows[source]."""
+  def source_values(self, source: UOp) -> list[UOp]:
+    """rows[source] at the thread's features."""
+    lower, kernel = self.lower, self.lower.kernel
+    return [value for feature in self.features
+            for value in lower.row_values(kernel.rows, source, kernel.count, feature, self.plan.vector)]
+
+  def add(self, target: UOp, added: list[UOp]) -> None:
+    """carry (switched to row `target` first) += `added` (rows[source] at the thread's features)."""
     lower, build, kernel = self.lower, self.lower.build, self.lower.kernel
     current = build.add(UOps.LOAD, dtypes.int32, (self.row, self.thread))
     other = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, current, target),))
@@ -438,8 +467,6 @@ class _Carry:
     for place, value in zip(self.places, loaded): build.add(UOps.STORE, None, (self.values, place, value))
     build.add(UOps.STORE, None, (self.row, self.thread, target))
     build.end_if(other)
-    added = [value for feature in self.features
-             for value in lower.row_values(kernel.rows, source, kernel.count, feature, self.plan.vector)]
     for place, value in zip(self.places, added):
       total = build.alu(Ops.ADD, kernel.dtype, build.add(UOps.LOAD, kernel.dtype, (self.values, place)), value)
       build.add(UOps.STORE, None, (self.values, place, total))
