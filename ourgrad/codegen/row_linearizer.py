@@ -40,6 +40,8 @@ from ourgrad.shape.symbolic import Node, NumNode, Variable
 # enough for 8192-float rows with 256 threads and 32768-float rows with 1024, without spilling. A unit of 8 16-bit
 # floats (16 bytes) counts as two (register_units).
 PERSISTENT_UNITS = 8
+# A GPU thread whose row loops takes this many units' worth of registers (float4s) an iteration, loaded together
+LOOP_REGISTER_UNITS = 4
 # A CPU row kernel keeps its transcendental per-element values (exp) for the store pass in stack arrays of at most
 # this many bytes a row (per thread; they stay in L1/L2).
 MAX_KEPT_BYTES = 64 * 1024
@@ -680,40 +682,56 @@ class _Accumulators:
 class _RowPasses:
   """The passes of a block over its row: thread t takes units t, t + T, ... (a unit: `width` neighbouring elements).
   Persistent: the thread's units are unrolled (constant iteration numbers), so every pass emits the same loads and
-  the builder reuses them: the row is read once. Otherwise a loop over the thread's units, re-read at each pass.
-  A unit past the row's end (the row's units not a multiple of T) is skipped under an IF."""
+  the builder reuses them: the row is read once. Otherwise a loop over the thread's units, re-read at each pass, that
+  takes `loop_units` units an iteration (their loads issued together: a 16-byte load a thread in flight left a
+  vocabulary row at half the copy rate) with no guard; the iterations left over (fewer than `loop_units`, and the one
+  past the row's end when the row's units are not a multiple of T, under an IF) follow, unrolled."""
 
   def __init__(self, linearizer: RowLinearizer, idxs: list[Node], thread: Node, threads: int, units: int, width: int,
                persistent: bool):
     self.linearizer, self.idxs, self.thread, self.threads = linearizer, idxs, thread, threads
     self.units, self.width, self.persistent = units, width, persistent
     self.per_thread = math.ceil(units / threads)
+    # units an iteration of the loop: their loaded values live together (LOOP_REGISTER_UNITS float4s of registers)
+    self.loop_units = max(1, LOOP_REGISTER_UNITS // register_units(1, width))
 
   def run(self, name: str, element: Callable[[list[Node]], None] | None, store: bool = False,
           each_unit: Callable[[list[list[Node]]], None] | None = None) -> None:
     """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store, or
     `each_unit(indices of each element)` once per unit."""
     linearizer = self.linearizer
+    first_unrolled = 0
+    if not self.persistent:
+      full = self.units // self.threads   # iterations where every thread's unit is inside the row
+      steps = full // self.loop_units
+      if steps:
+        loop = linearizer._open_loop(name, steps, AxisType.REDUCE)
+        step = Variable(name, 0, steps - 1)
+        for offset in range(self.loop_units):
+          self._unit(step * self.loop_units + offset, False, element, store, each_unit)
+        linearizer.builder.end_range(loop)
+      first_unrolled = steps * self.loop_units
+    for number in range(first_unrolled, self.per_thread):
+      ragged = self.units % self.threads != 0 and number == self.per_thread - 1
+      self._unit(NumNode(number), ragged, element, store, each_unit)
+
+  def _unit(self, iteration: Node, ragged: bool, element: Callable[[list[Node]], None] | None, store: bool,
+            each_unit: Callable[[list[list[Node]]], None] | None) -> None:
+    """The thread's unit of an iteration (under an IF where it may lie past the row's end)."""
+    linearizer = self.linearizer
     build = linearizer.builder
-    loop = None
-    if self.persistent: iterations: list[Node] = [NumNode(number) for number in range(self.per_thread)]
+    unit = iteration * self.threads + self.thread
+    guard = build.add(UOps.IF, None, (linearizer.node_to_uop(unit < self.units),)) if ragged else None
+    lanes = [linearizer.unit_idxs(self.idxs, unit, self.width, lane) for lane in range(self.width)]
+    if store: linearizer.store_unit(lanes, self.width)
+    elif each_unit is not None: each_unit(lanes)
     else:
-      loop = linearizer._open_loop(name, self.per_thread, AxisType.REDUCE)
-      iterations = [Variable(name, 0, self.per_thread - 1)]
-    for iteration in iterations:
-      unit = iteration * self.threads + self.thread
-      ragged = self.units % self.threads != 0 and (loop is not None or iteration.b == self.per_thread - 1)
-      guard = build.add(UOps.IF, None, (linearizer.node_to_uop(unit < self.units),)) if ragged else None
-      lanes = [linearizer.unit_idxs(self.idxs, unit, self.width, lane) for lane in range(self.width)]
-      if store: linearizer.store_unit(lanes, self.width)
-      elif each_unit is not None: each_unit(lanes)
-      else:
-        for lane, element_idxs in enumerate(lanes):
-          linearizer.vector_unit = (lanes[0], self.width, lane) if self.width > 1 else None
-          element(element_idxs)
-        linearizer.vector_unit = None
-      if guard is not None: build.end_if(guard)
-    if loop is not None: build.end_range(loop)
+      assert element is not None
+      for lane, element_idxs in enumerate(lanes):
+        linearizer.vector_unit = (lanes[0], self.width, lane) if self.width > 1 else None
+        element(element_idxs)
+      linearizer.vector_unit = None
+    if guard is not None: build.end_if(guard)
 
 
 def _broadcast_along(st: ShapeTracker, axis: int) -> bool:
