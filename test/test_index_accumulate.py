@@ -353,3 +353,29 @@ def test_bfloat16_gradient_lowers_for_cuda() -> None:
              if item.ast.op is not Ops.COPY]
   assert any(type(kernel).__name__ == "IndexAccumulateKernel" for kernel in kernels)
   for kernel in kernels: assert lower_kernel(kernel, renderer, "kernel").source
+
+
+def test_gpu_kernel_reads_the_index_once_per_block() -> None:
+  """GPT-2's embedding gradient lowered for CUDA: each thread reads `unroll` indices a window (the block reads the
+  array once), and the walk loads its hits' source rows `batch` at a time before adding them."""
+  from ourgrad.codegen.lowering import build_kernel
+  from ourgrad.codegen.uops import UOps
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+  from ourgrad.renderer.cuda import CUDARenderer
+  table = Tensor.empty(50304, 768, device="PYTHON", requires_grad=True)
+  tokens = Tensor.empty(16, 1024, dtype=dtypes.int32, device="PYTHON")
+  (table[tokens] * Tensor.empty(16, 1024, 768, device="PYTHON")).sum().backward()
+  kernels = [build_kernel(item.ast, CUDARenderer("sm_90")) for item in create_schedule([table.grad.lazydata])
+             if item.ast.op is not Ops.COPY]
+  kernel = next(kernel for kernel in kernels if isinstance(kernel, index_accumulate.IndexAccumulateKernel))
+  plan = kernel.plan
+  assert plan is not None and plan.windows * plan.window >= 16384 and plan.lanes == 32
+  uops = kernel.linearize()
+  index_buffer = next(uop for uop in uops if uop.op is UOps.DEFINE_GLOBAL and uop.dtype == dtypes.int32)
+  index_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0] is index_buffer]
+  assert len(index_loads) == plan.unroll
+  row_buffer = next(uop for uop in uops
+                    if uop.op is UOps.DEFINE_GLOBAL and uop.arg[0] != 0 and uop.dtype == dtypes.float32)
+  row_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0] is row_buffer]
+  assert len(row_loads) == plan.batch * plan.vectors_per_thread and plan.batch == 8

@@ -16,10 +16,10 @@ element has one owner thread, which adds its sources in ascending m.
   warp's accesses are contiguous). A thread writes its part of `start`, then the block reads the index array a
   *window* at a time, all its threads together: each thread reads `unroll` indices of the window (coalesced), keeps
   them in local memory, and marks the ones that fall in the block's rows (with warp shuffles, a warp's marks add up
-  into one 32-bit mask: WARP_REDUCE of distinct bits). After a BARRIER every thread walks the window's masks in
-  order, skips the empty ones, and adds each marked source row that falls in its row group into its features
-  (`_add_hit`). So the index array is read once per block, not once per thread, and a block's threads share the
-  work of reading it.
+  into one 32-bit mask: WARP_REDUCE of distinct bits). After a BARRIER the marks become an ordered list of hits
+  (`_list_hits`), and every thread walks it, a batch of hits at a time, adding each that falls in its row group
+  into its features (`_walk_hits`). So the index array is read once per block, not once per thread, and a block's
+  threads share the work of reading it.
 - The thread adds through a *carry* in local memory: the current value of the last row it added to and that row's
   number. A hit on the same row adds to the carry (a local read-modify-write); a hit on another row stores the
   carry back to the table and loads the new row's value. A row repeated k times in a row of the thread's hits costs
@@ -72,7 +72,7 @@ class AccumulatePlan:
   row_blocks: int         # blocks along the rows (B): block b owns the rows r with r mod B = b
   lanes: int              # indices one mask marks: the warp size where warps vote, else 1
   unroll: int             # indices each thread reads per window
-  batch: int              # members of a mask whose source rows one thread loads together (dividing `lanes`)
+  batch: int              # hits whose source rows one thread loads together
 
   @property
   def threads(self) -> int: return self.feature_threads * self.row_groups
@@ -95,9 +95,21 @@ class AccumulatePlan:
     return math.ceil(self.rows / (self.row_blocks * self.row_groups))
 
   @property
+  def masks(self) -> int: return self.window // self.lanes
+
+  @property
+  def masks_per_thread(self) -> int:
+    """Masks one thread counts and lists in the compaction (threads t < listing_threads: masks t m .. t m + m - 1)."""
+    return math.ceil(self.masks / self.threads)
+
+  @property
+  def listing_threads(self) -> int: return math.ceil(self.masks / self.masks_per_thread)
+
+  @property
   def local_elements(self) -> int:
-    """int32/uint32 elements of local memory besides the carry: the window's indices, its masks, the carry rows."""
-    return self.window + self.window // self.lanes + self.threads
+    """int32/uint32 elements of local memory besides the carry: the window's indices, its masks, its hit list, the
+    listing threads' counts and the hits' total, the carry rows."""
+    return 2 * self.window + self.masks + self.listing_threads + 1 + self.threads
 
 
 def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, renderer: Any) -> AccumulatePlan:
@@ -121,7 +133,7 @@ def plan_index_accumulate(rows: int, width: int, count: int, dtype: DType, rende
   row_blocks = max(1, min(math.ceil(rows / row_groups), resident))
   # registers: a batch holds its members' source rows at the thread's features
   elements = vectors_per_thread * vector
-  batch = max(size for size in (1, 2, 4, 8) if lanes % size == 0 and size * elements <= MAX_BATCH_ELEMENTS)
+  batch = max(size for size in (1, 2, 4, 8) if size * elements <= MAX_BATCH_ELEMENTS)
   return AccumulatePlan(rows, width, count, vector, vectors_per_thread, feature_threads, row_groups, row_blocks,
                         lanes, WINDOW_UNROLL, batch)
 
@@ -316,12 +328,16 @@ class _Lowering:
     self._write_start(plan, row_block, row_group, features)
     carry = _Carry(self, plan, thread, features)
     positions = build.add(UOps.DEFINE_LOCAL, dtypes.int32, (), ("window_rows", plan.window))
-    masks = build.add(UOps.DEFINE_LOCAL, dtypes.uint32, (), ("window_masks", plan.window // plan.lanes))
+    masks = build.add(UOps.DEFINE_LOCAL, dtypes.uint32, (), ("window_masks", plan.masks))
+    hits = build.add(UOps.DEFINE_LOCAL, dtypes.int32, (), ("window_hits", plan.window))
+    # the listing threads' hit counts, then (at listing_threads) the window's total
+    counts = build.add(UOps.DEFINE_LOCAL, dtypes.int32, (), ("hit_counts", plan.listing_threads + 1))
     window = self.loop("window", plan.windows)
     window_start = self.mul(window, self.index_const(plan.window))
     self._mark_window(plan, window_start, thread, row_block, positions, masks)
     build.add(UOps.BARRIER, None)
-    self._walk_window(plan, window_start, row_group, positions, masks, carry)
+    self._list_hits(plan, thread, masks, hits, counts)
+    self._walk_hits(plan, window_start, row_group, positions, hits, counts, carry)
     build.add(UOps.BARRIER, None)   # the next window's marks overwrite these
     build.end_range(window)
     carry.flush()
@@ -375,51 +391,95 @@ class _Lowering:
       build.add(UOps.STORE, None, (masks, build.alu(Ops.IDIV, INDEX_DTYPE, place, self.index_const(plan.lanes)), mask))
       build.end_if(first_lane)
 
-  def _walk_window(self, plan: AccumulatePlan, window_start: UOp, row_group: UOp, positions: UOp, masks: UOp,
-                   carry: _Carry) -> None:
-    """Every thread walks the window's masks in position order and adds the marked rows of its row group. A mask's
-    members go `plan.batch` at a time: their source rows are loaded together (several loads in flight: a hot row's
-    hits would otherwise each wait for their load), a member that is not the thread's reading the mask's first
-    position instead (a row loaded anyway, from cache), then added to the carry one after another, in order."""
+  def _popcount(self, plan: AccumulatePlan, mask: UOp) -> UOp:
+    """The set bits of a uint32 mask (as an index), by halving sums (SWAR); a mask of one position is its count."""
     build = self.build
-    group = self.loop("mask", plan.window // plan.lanes)
-    mask = build.add(UOps.LOAD, dtypes.uint32, (masks, group))
-    marked = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, mask, build.const(0, dtypes.uint32)),))
-    first_place = self.mul(group, self.index_const(plan.lanes))
-    members: list[UOp] = [self.index_const(0)]
-    batch: UOp | None = None
-    batch_marked: UOp | None = None
-    if plan.lanes > 1:
-      batch = self.loop("members", plan.lanes // plan.batch)
-      batch_start = self.mul(batch, self.index_const(plan.batch))
-      members = [self.add(batch_start, self.index_const(j)) for j in range(plan.batch)]
-      bits = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(batch_start)),
-                       build.const((1 << plan.batch) - 1, dtypes.uint32))
-      batch_marked = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, bits, build.const(0, dtypes.uint32)),))
-    hits = []
-    for member in members:
-      place = self.add(first_place, member)
+    if plan.lanes == 1: return build.add(UOps.CAST, INDEX_DTYPE, (mask,))
+
+    def u(value: int) -> UOp: return build.const(value, dtypes.uint32)
+
+    def op(alu: Ops, a: UOp, b: UOp) -> UOp: return build.alu(alu, dtypes.uint32, a, b)
+    pairs = op(Ops.ADD, op(Ops.AND, mask, u(0x55555555)), op(Ops.AND, op(Ops.SHR, mask, u(1)), u(0x55555555)))
+    nibbles = op(Ops.ADD, op(Ops.AND, pairs, u(0x33333333)), op(Ops.AND, op(Ops.SHR, pairs, u(2)), u(0x33333333)))
+    octets = op(Ops.AND, op(Ops.ADD, nibbles, op(Ops.SHR, nibbles, u(4))), u(0x0F0F0F0F))
+    return build.add(UOps.CAST, INDEX_DTYPE, (op(Ops.SHR, op(Ops.MUL, octets, u(0x01010101)), u(24)),))
+
+  def _list_hits(self, plan: AccumulatePlan, thread: UOp, masks: UOp, hits: UOp, counts: UOp) -> None:
+    """The window's marked places, in order, into `hits` (and their number after the counts): listing thread t
+    counts the marks of its masks, adds the counts of the threads before it, and writes its places from there. So
+    the walk reads only hits, `batch` at a time, however sparse the marks (a hot row's block: a few to a mask)."""
+    build = self.build
+    per_thread = plan.masks_per_thread
+    own = [self.add(self.mul(thread, self.index_const(per_thread)), self.index_const(j)) for j in range(per_thread)]
+    inside = [self.less(index, self.index_const(plan.masks)) for index in own]
+
+    def own_masks() -> list[UOp]:   # (read again in each IF: a value of a closed scope is out of C's scope)
+      return [build.alu(Ops.WHERE, dtypes.uint32, valid,
+                        build.add(UOps.LOAD, dtypes.uint32, (masks, build.alu(Ops.WHERE, INDEX_DTYPE, valid, index,
+                                                                              self.index_const(0)))),
+                        build.const(0, dtypes.uint32)) for index, valid in zip(own, inside)]
+    listing = build.add(UOps.IF, None, (self.less(thread, self.index_const(plan.listing_threads)),))
+    counted = [self._popcount(plan, mask) for mask in own_masks()]
+    count = counted[0]
+    for more in counted[1:]: count = self.add(count, more)
+    build.add(UOps.STORE, None, (counts, thread, count))
+    build.end_if(listing)
+    build.add(UOps.BARRIER, None)
+    listing = build.add(UOps.IF, None, (self.less(thread, self.index_const(plan.listing_threads)),))
+    count = build.add(UOps.LOAD, dtypes.int32, (counts, thread))
+    place = build.add(UOps.DEFINE_ACC, INDEX_DTYPE, (), 0)
+    before = self.loop("before", plan.listing_threads)
+    earlier = build.alu(Ops.WHERE, INDEX_DTYPE, self.less(before, thread), build.add(UOps.LOAD, dtypes.int32,
+                                                                                     (counts, before)),
+                        self.index_const(0))
+    build.add(UOps.ACCUMULATE, INDEX_DTYPE, (place, earlier), Ops.ADD)
+    build.end_range(before)
+    last = build.add(UOps.IF, None, (self._is(thread, self.index_const(plan.listing_threads - 1)),))
+    build.add(UOps.STORE, None, (counts, self.index_const(plan.listing_threads), self.add(place, count)))
+    build.end_if(last)
+    for index, mask in zip(own, own_masks()):
+      member = self.loop("member", plan.lanes) if plan.lanes > 1 else self.index_const(0)
+      bit = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(member)),
+                      build.const(1, dtypes.uint32))
+      marked = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, bit, build.const(0, dtypes.uint32)),))
+      build.add(UOps.STORE, None, (hits, place, self.add(self.mul(index, self.index_const(plan.lanes)), member)))
+      build.add(UOps.ACCUMULATE, INDEX_DTYPE, (place, self.index_const(1)), Ops.ADD)
+      build.end_if(marked)
+      if plan.lanes > 1: build.end_range(member)
+    build.end_if(listing)
+    build.add(UOps.BARRIER, None)
+
+  def _walk_hits(self, plan: AccumulatePlan, window_start: UOp, row_group: UOp, positions: UOp, hits: UOp,
+                 counts: UOp, carry: _Carry) -> None:
+    """Every thread walks the window's hits in order, `plan.batch` at a time: their source rows of its row group
+    are loaded together (several loads in flight: a hot row's hits would otherwise each wait for their load; a hit
+    that is not the thread's, or past the list's end, reads the first hit's row instead, from cache), then added to
+    the carry one after another, in order."""
+    build = self.build
+    total = build.add(UOps.LOAD, dtypes.int32, (counts, self.index_const(plan.listing_threads)))
+    batch = self.loop("hits", math.ceil(plan.window / plan.batch))
+    batch_start = self.mul(batch, self.index_const(plan.batch))
+    listed = build.add(UOps.IF, None, (self.less(batch_start, total),))
+    first_place = build.add(UOps.LOAD, dtypes.int32, (hits, self.index_const(0)))
+    found = []
+    for j in range(plan.batch):
+      entry = self.add(batch_start, self.index_const(j))
+      ours = self.less(entry, total)
+      place = build.add(UOps.LOAD, dtypes.int32, (hits, build.alu(Ops.WHERE, INDEX_DTYPE, ours, entry,
+                                                                  self.index_const(0))))
       target = build.add(UOps.LOAD, dtypes.int32, (positions, place))
-      ours = build.const(True, dtypes.bool)
-      if plan.lanes > 1:
-        bit = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(member)),
-                        build.const(1, dtypes.uint32))
-        ours = build.alu(Ops.CMPNE, dtypes.bool, bit, build.const(0, dtypes.uint32))
       if plan.row_groups > 1:   # the row's group: (r div B) mod G
         local_row = build.alu(Ops.IDIV, INDEX_DTYPE, target, self.index_const(plan.row_blocks))
         owner = build.alu(Ops.MOD, INDEX_DTYPE, local_row, self.index_const(plan.row_groups))
         ours = self.both(ours, self._is(owner, row_group))
       source = self.add(window_start, build.alu(Ops.WHERE, INDEX_DTYPE, ours, place, first_place))
-      hits.append((ours, target, carry.source_values(source)))
-    for ours, target, values in hits:
+      found.append((ours, target, carry.source_values(source)))
+    for ours, target, values in found:
       hit = build.add(UOps.IF, None, (ours,))
       carry.add(target, values)
       build.end_if(hit)
-    if batch is not None and batch_marked is not None:
-      build.end_if(batch_marked)
-      build.end_range(batch)
-    build.end_if(marked)
-    build.end_range(group)
+    build.end_if(listed)
+    build.end_range(batch)
 
 
 class _Carry:
