@@ -32,7 +32,7 @@ from ourgrad.codegen.online_rows import RowPass, ShiftTerms, group_row_passes
 from ourgrad.codegen.shared_tile_fill import multiple_of
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
-from ourgrad.ops import LazyOp, MemBuffer, Ops
+from ourgrad.ops import REDUCE_OPS, LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import Node, NumNode, Variable
 
@@ -410,10 +410,11 @@ class RowLinearizer(Linearizer):
         def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
           value = self.compute(reduce.srcs[0], element_idxs, None)
           build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
-        passes.run(name, accumulate)
+        passes.run(name, accumulate, reads=[reduce.srcs[0]])
       else:
         passes.run(name, None, each_unit=lambda lanes, group=group: self._accumulate_unit(group, accumulators, lanes,
-                                                                                      passes.width, passes.idxs))
+                                                                                      passes.width, passes.idxs),
+                   reads=[reduce.srcs[0] for reduce in group.reduces])
       for reduce in group.reduces:   # the maxes first: the online sums are rescaled to the block's max
         if id(reduce) not in group.online:
           self.reduce_values[id(reduce)] = combine(accumulators[id(reduce)], reduce, numbers[id(reduce)])
@@ -696,9 +697,10 @@ class _RowPasses:
     self.loop_units = max(1, LOOP_REGISTER_UNITS // register_units(1, width))
 
   def run(self, name: str, element: Callable[[list[Node]], None] | None, store: bool = False,
-          each_unit: Callable[[list[list[Node]]], None] | None = None) -> None:
+          each_unit: Callable[[list[list[Node]]], None] | None = None, reads: list[LazyOp] | None = None) -> None:
     """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store, or
-    `each_unit(indices of each element)` once per unit."""
+    `each_unit(indices of each element)` once per unit. `reads`: the values the pass computes, whose loads a loop
+    iteration issues for all its units first (the computations then reuse them)."""
     linearizer = self.linearizer
     first_unrolled = 0
     if not self.persistent:
@@ -707,8 +709,13 @@ class _RowPasses:
       if steps:
         loop = linearizer._open_loop(name, steps, AxisType.REDUCE)
         step = Variable(name, 0, steps - 1)
-        for offset in range(self.loop_units):
-          self._unit(step * self.loop_units + offset, False, element, store, each_unit)
+        iterations = [step * self.loop_units + offset for offset in range(self.loop_units)]
+        loads = _loads_under(reads or [])
+        for iteration in iterations:
+          lanes = [linearizer.unit_idxs(self.idxs, iteration * self.threads + self.thread, self.width, lane)
+                   for lane in range(self.width)]
+          for load in loads: linearizer._lane_values(load, lanes, self.width)
+        for iteration in iterations: self._unit(iteration, False, element, store, each_unit)
         linearizer.builder.end_range(loop)
       first_unrolled = steps * self.loop_units
     for number in range(first_unrolled, self.per_thread):
@@ -732,6 +739,17 @@ class _RowPasses:
         element(element_idxs)
       linearizer.vector_unit = None
     if guard is not None: build.end_if(guard)
+
+
+def _loads_under(roots: list[LazyOp]) -> list[LazyOp]:
+  """The LOADs the values `roots` compute read (not those under a reduce: its value is known), each once."""
+  found: dict[int, LazyOp] = {}
+  stack = list(roots)
+  while stack:
+    node = stack.pop()
+    if node.op is Ops.LOAD: found.setdefault(id(node), node)
+    elif node.op not in REDUCE_OPS: stack.extend(node.srcs)
+  return list(found.values())
 
 
 def _broadcast_along(st: ShapeTracker, axis: int) -> bool:
