@@ -315,6 +315,11 @@ class RowLinearizer(Linearizer):
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width)
     per_thread = math.ceil(register_units(units, width) / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
+    if not passes.persistent and resident > 1:
+      # a streamed row's loads in flight come from its resident blocks: the compiler's unrolling of the loop must not
+      # take the registers of one of them (GPT-2's vocabulary softmax: 24 -> 38 registers, 2 -> 1 block of 1024)
+      build.add(UOps.OCCUPANCY, None, (), resident)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
       accumulator, _accumulate_op(reduce), thread, threads, number))
     if self._per_element():
