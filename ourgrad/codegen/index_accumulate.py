@@ -57,6 +57,8 @@ MAX_VECTORS_PER_THREAD = 4
 WINDOW_UNROLL = 4
 # source-row elements a thread loads together while it walks a window's hits (registers), at most
 MAX_BATCH_ELEMENTS = 32
+# batches of the walk over a window's hits that one test of the list's length skips
+WALK_GROUP = 8
 
 
 @dataclass(frozen=True)
@@ -438,6 +440,8 @@ class _Lowering:
     build.add(UOps.STORE, None, (counts, self.index_const(plan.listing_threads), self.add(place, count)))
     build.end_if(last)
     for index, mask in zip(own, own_masks()):
+      # (most masks are empty: a block owns a small part of the table)
+      any_marks = build.add(UOps.IF, None, (build.alu(Ops.CMPNE, dtypes.bool, mask, build.const(0, dtypes.uint32)),))
       member = self.loop("member", plan.lanes) if plan.lanes > 1 else self.index_const(0)
       bit = build.alu(Ops.AND, dtypes.uint32, build.alu(Ops.SHR, dtypes.uint32, mask, self._unsigned(member)),
                       build.const(1, dtypes.uint32))
@@ -446,6 +450,7 @@ class _Lowering:
       build.add(UOps.ACCUMULATE, INDEX_DTYPE, (place, self.index_const(1)), Ops.ADD)
       build.end_if(marked)
       if plan.lanes > 1: build.end_range(member)
+      build.end_if(any_marks)
     build.end_if(listing)
     build.add(UOps.BARRIER, None)
 
@@ -457,8 +462,13 @@ class _Lowering:
     the carry one after another, in order."""
     build = self.build
     total = build.add(UOps.LOAD, dtypes.int32, (counts, self.index_const(plan.listing_threads)))
-    batch = self.loop("hits", math.ceil(plan.window / plan.batch))
-    batch_start = self.mul(batch, self.index_const(plan.batch))
+    # batches in groups of WALK_GROUP, each group skipped whole past the list's end (a window's list is mostly short)
+    groups = math.ceil(math.ceil(plan.window / plan.batch) / WALK_GROUP)
+    group = self.loop("hitgroups", groups)
+    group_start = self.mul(group, self.index_const(WALK_GROUP * plan.batch))
+    group_listed = build.add(UOps.IF, None, (self.less(group_start, total),))
+    batch = self.loop("hits", WALK_GROUP)
+    batch_start = self.add(group_start, self.mul(batch, self.index_const(plan.batch)))
     listed = build.add(UOps.IF, None, (self.less(batch_start, total),))
     first_place = build.add(UOps.LOAD, dtypes.int32, (hits, self.index_const(0)))
     found = []
@@ -480,6 +490,8 @@ class _Lowering:
       build.end_if(hit)
     build.end_if(listed)
     build.end_range(batch)
+    build.end_if(group_listed)
+    build.end_range(group)
 
 
 class _Carry:
