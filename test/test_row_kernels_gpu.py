@@ -218,6 +218,21 @@ def test_long_rows_loop_and_reread():
   assert [uop.arg for uop in uops if uop.op is UOps.OCCUPANCY] == [2]
 
 
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "logsumexp"])
+def test_streamed_rows_take_smaller_blocks_and_match_torch(name: str):
+  # rows that loop even with 1024 threads, and rows enough to give each multiprocessor (one, here) a block of 256 for
+  # each of its 8 slots: blocks of STREAMED_ROW_THREADS, 40 float4 units a thread, 4 an iteration of its loop
+  renderer = PythonRenderer("CUDA")
+  renderer.multiprocessors = 1
+  ours, theirs = GRAPHS[name] if name in GRAPHS else (lambda x: x.logsumexp(-1), lambda t: t.logsumexp(-1))
+  x_np = np.random.default_rng(8).standard_normal((8, 40960)).astype(np.float32) * 3
+  item = _row_item(ours(Tensor(x_np, device="PYTHON")))
+  kernel = Kernel(item.ast, renderer)
+  assert launch_dims(linearize(Kernel(item.ast, renderer)))[1][0] == row_linearizer.STREAMED_ROW_THREADS
+  expected = theirs(torch.tensor(x_np)).numpy()
+  np.testing.assert_allclose(_run(kernel, item).reshape(expected.shape), expected, rtol=2e-5, atol=2e-5)
+
+
 def test_per_row_output_is_stored_by_one_thread():
   uops = _cuda_uops(Tensor.empty(16, 512).var(-1))
   stores = [uop for uop in uops if uop.op is UOps.STORE and uop.srcs[0].op is UOps.DEFINE_GLOBAL]

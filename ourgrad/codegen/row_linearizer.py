@@ -42,6 +42,8 @@ from ourgrad.shape.symbolic import Node, NumNode, Variable
 PERSISTENT_UNITS = 8
 # A GPU thread whose row loops takes this many units' worth of registers (float4s) an iteration, loaded together
 LOOP_REGISTER_UNITS = 4
+# the block of a streamed row (one that loops at any block size) where the kernel has rows enough (_row_layout)
+STREAMED_ROW_THREADS = 256
 # A CPU row kernel keeps its transcendental per-element values (exp) for the store pass in stack arrays of at most
 # this many bytes a row (per thread; they stay in L1/L2).
 MAX_KEPT_BYTES = 64 * 1024
@@ -335,6 +337,13 @@ class RowLinearizer(Linearizer):
     renderer = self.kernel.renderer
     threads, per_block = row_sharing(rows, units, renderer.warp_size, getattr(renderer, "multiprocessors", 0))
     if per_block == 1: threads = row_block_threads(units, renderer.max_threads, renderer.warp_size)
+    # a row that loops even with the largest block is streamed: with rows enough to fill every multiprocessor with
+    # blocks of STREAMED_ROW_THREADS, smaller blocks, several resident at once, whose passes and block combines (no
+    # load in flight) do not coincide; one block of 1024 a row left GPT-2's bf16 cross-entropy row at 55% of copy
+    resident = getattr(renderer, "threads_per_multiprocessor", 0) // STREAMED_ROW_THREADS
+    if per_block == 1 and math.ceil(units / threads) > PERSISTENT_UNITS and threads > STREAMED_ROW_THREADS and \
+        resident > 1 and rows >= resident * max(1, getattr(renderer, "multiprocessors", 0)):
+      threads = STREAMED_ROW_THREADS
     return threads, per_block
 
   def _stacked_rows(self, row_dims: list[int]) -> tuple[int | None, int]:
