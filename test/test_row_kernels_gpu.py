@@ -19,7 +19,7 @@ from ourgrad import Tensor
 from ourgrad.codegen.opt import split_reduce
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen import row_linearizer
+from ourgrad.codegen import row_linearizer, row_passes
 from ourgrad.codegen.row_linearizer import PERSISTENT_UNITS, row_block_threads, row_sharing
 from ourgrad.codegen.uops import UOps, launch_dims
 from ourgrad.engine.realize import run_schedule
@@ -208,7 +208,7 @@ def test_long_rows_loop_and_reread():
   assert sum(1 for uop in uops if uop.op is UOps.RANGE) == 2, "a loop per pass: max and sum, store"
   rescales = [uop for uop in uops if uop.op is UOps.ACCUMULATE and uop.arg is Ops.MUL]
   # the running sum is rescaled once per unit: 4 units an iteration of the loop (2 iterations), the 2 left after it
-  assert row_linearizer.LOOP_REGISTER_UNITS == 4 and len(rescales) == 4 + 2
+  assert row_passes.LOOP_REGISTER_UNITS == 4 and len(rescales) == 4 + 2
   first_loop = next(index for index, uop in enumerate(uops) if uop.op is UOps.RANGE)
   loop_end = next(index for index, uop in enumerate(uops) if uop.op is UOps.ENDRANGE)
   loads = [uop for uop in uops[first_loop:loop_end] if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL]

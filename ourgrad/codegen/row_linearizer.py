@@ -29,10 +29,11 @@ from ourgrad.codegen.integer_rows import integer_terms, lower_integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
 from ourgrad.codegen.online_rows import RowPass, ShiftTerms, group_row_passes
+from ourgrad.codegen.row_passes import RowPasses, register_units
 from ourgrad.codegen.shared_tile_fill import multiple_of
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
-from ourgrad.ops import REDUCE_OPS, LazyOp, MemBuffer, Ops
+from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import Node, NumNode, Variable
 
@@ -40,8 +41,6 @@ from ourgrad.shape.symbolic import Node, NumNode, Variable
 # enough for 8192-float rows with 256 threads and 32768-float rows with 1024, without spilling. A unit of 8 16-bit
 # floats (16 bytes) counts as two (register_units).
 PERSISTENT_UNITS = 8
-# A GPU thread whose row loops takes this many units' worth of registers (float4s) an iteration, loaded together
-LOOP_REGISTER_UNITS = 4
 # the block of a streamed row (one that loops at any block size) where the kernel has rows enough (_row_layout)
 STREAMED_ROW_THREADS = 256
 # A CPU row kernel keeps its transcendental per-element values (exp) for the store pass in stack arrays of at most
@@ -81,12 +80,6 @@ def row_sharing(rows: int, units: int, warp_size: int, multiprocessors: int) -> 
   per_block = max(SHARED_ROW_BLOCK // threads, 1)
   while per_block > 1 and (rows % per_block or rows // per_block < 2 * multiprocessors): per_block //= 2
   return (threads, per_block) if per_block > 1 else (0, 1)
-
-
-def register_units(units: int, width: int) -> int:
-  """`units` units of `width` elements counted as the float4s of registers they take once loaded (PERSISTENT_UNITS,
-  the row layouts): a unit of 8 16-bit floats widens to two."""
-  return units * max(1, width // 4)
 
 
 def row_block_threads(units: int, max_threads: int, warp_size: int) -> int:
@@ -316,7 +309,7 @@ class RowLinearizer(Linearizer):
     if stack_axis is not None:
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width)
     per_thread = math.ceil(register_units(units, width) / threads)
-    passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
     if not passes.persistent and resident > 1:
       # a streamed row's loads in flight come from its resident blocks: the compiler's unrolling of the loop must not
@@ -386,7 +379,7 @@ class RowLinearizer(Linearizer):
       sub_idxs = list(idxs)
       sub_idxs[axis] = idxs[axis] * stack + sub
       self.reduce_values = dict(shared)
-      passes = _RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
+      passes = RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
       offset = sub * len(reduces)   # each row's local memory (a block's partials) of its own
       self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
         accumulator, _accumulate_op(reduce), thread, threads, number + offset))
@@ -404,7 +397,7 @@ class RowLinearizer(Linearizer):
     broadcast along it."""
     return any(node.op in (Ops.LOAD, Ops.CONST) and not _broadcast_along(node.arg.st, axis) for node in root.walk())
 
-  def _run_row_reduces(self, passes: _RowPasses, combine: Callable[[UOp, LazyOp, int], UOp]) -> None:
+  def _run_row_reduces(self, passes: RowPasses, combine: Callable[[UOp, LazyOp, int], UOp]) -> None:
     """Each row reduce of a GPU row kernel: a per-thread accumulator over a pass of the row, then the value
     `combine(accumulator, reduce, number)` gives the rest of the kernel (a later reduce may read it). A persistent row
     (in registers) takes a pass per reduce, the loads shared; a looping row groups its reduces into as few passes as
@@ -532,7 +525,7 @@ class RowLinearizer(Linearizer):
     idxs: list[Node] = [NumNode(0)] * len(shape)
     for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
     per_thread = math.ceil(register_units(units, width) / threads)
-    passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     # a group of one thread holds its row's reduce; larger groups combine by warp shuffles (no local memory)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: accumulator if threads == 1 else
                           self._block_combine(accumulator, _accumulate_op(reduce), thread, threads, number))
@@ -692,78 +685,6 @@ class _Accumulators:
     for lane in range(1, self.lanes):
       total = build.alu(self.op, dtype, total, build.add(UOps.LOAD, dtype, (self.storage, self.linearizer._int(lane))))
     return total
-
-
-class _RowPasses:
-  """The passes of a block over its row: thread t takes units t, t + T, ... (a unit: `width` neighbouring elements).
-  Persistent: the thread's units are unrolled (constant iteration numbers), so every pass emits the same loads and
-  the builder reuses them: the row is read once. Otherwise a loop over the thread's units, re-read at each pass, that
-  takes `loop_units` units an iteration (their loads issued together: a 16-byte load a thread in flight left a
-  vocabulary row at half the copy rate) with no guard; the iterations left over (fewer than `loop_units`, and the one
-  past the row's end when the row's units are not a multiple of T, under an IF) follow, unrolled."""
-
-  def __init__(self, linearizer: RowLinearizer, idxs: list[Node], thread: Node, threads: int, units: int, width: int,
-               persistent: bool):
-    self.linearizer, self.idxs, self.thread, self.threads = linearizer, idxs, thread, threads
-    self.units, self.width, self.persistent = units, width, persistent
-    self.per_thread = math.ceil(units / threads)
-    # units an iteration of the loop: their loaded values live together (LOOP_REGISTER_UNITS float4s of registers)
-    self.loop_units = max(1, LOOP_REGISTER_UNITS // register_units(1, width))
-
-  def run(self, name: str, element: Callable[[list[Node]], None] | None, store: bool = False,
-          each_unit: Callable[[list[list[Node]]], None] | None = None, reads: list[LazyOp] | None = None) -> None:
-    """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store, or
-    `each_unit(indices of each element)` once per unit. `reads`: the values the pass computes, whose loads a loop
-    iteration issues for all its units first (the computations then reuse them)."""
-    linearizer = self.linearizer
-    first_unrolled = 0
-    if not self.persistent:
-      full = self.units // self.threads   # iterations where every thread's unit is inside the row
-      steps = full // self.loop_units
-      if steps:
-        loop = linearizer._open_loop(name, steps, AxisType.REDUCE)
-        step = Variable(name, 0, steps - 1)
-        iterations = [step * self.loop_units + offset for offset in range(self.loop_units)]
-        loads = _loads_under(reads or [])
-        for iteration in iterations:
-          lanes = [linearizer.unit_idxs(self.idxs, iteration * self.threads + self.thread, self.width, lane)
-                   for lane in range(self.width)]
-          for load in loads: linearizer._lane_values(load, lanes, self.width)
-        for iteration in iterations: self._unit(iteration, False, element, store, each_unit)
-        linearizer.builder.end_range(loop)
-      first_unrolled = steps * self.loop_units
-    for number in range(first_unrolled, self.per_thread):
-      ragged = self.units % self.threads != 0 and number == self.per_thread - 1
-      self._unit(NumNode(number), ragged, element, store, each_unit)
-
-  def _unit(self, iteration: Node, ragged: bool, element: Callable[[list[Node]], None] | None, store: bool,
-            each_unit: Callable[[list[list[Node]]], None] | None) -> None:
-    """The thread's unit of an iteration (under an IF where it may lie past the row's end)."""
-    linearizer = self.linearizer
-    build = linearizer.builder
-    unit = iteration * self.threads + self.thread
-    guard = build.add(UOps.IF, None, (linearizer.node_to_uop(unit < self.units),)) if ragged else None
-    lanes = [linearizer.unit_idxs(self.idxs, unit, self.width, lane) for lane in range(self.width)]
-    if store: linearizer.store_unit(lanes, self.width)
-    elif each_unit is not None: each_unit(lanes)
-    else:
-      assert element is not None
-      for lane, element_idxs in enumerate(lanes):
-        linearizer.vector_unit = (lanes[0], self.width, lane) if self.width > 1 else None
-        element(element_idxs)
-      linearizer.vector_unit = None
-    if guard is not None: build.end_if(guard)
-
-
-def _loads_under(roots: list[LazyOp]) -> list[LazyOp]:
-  """The LOADs the values `roots` compute read (not those under a reduce: its value is known), each once."""
-  found: dict[int, LazyOp] = {}
-  stack = list(roots)
-  while stack:
-    node = stack.pop()
-    if node.op is Ops.LOAD: found.setdefault(id(node), node)
-    elif node.op not in REDUCE_OPS: stack.extend(node.srcs)
-  return list(found.values())
 
 
 def _broadcast_along(st: ShapeTracker, axis: int) -> bool:
