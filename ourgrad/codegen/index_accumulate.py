@@ -24,7 +24,8 @@ element has one owner thread, which adds its sources in ascending m.
   number. A hit on the same row adds to the carry (a local read-modify-write); a hit on another row stores the
   carry back to the table and loads the new row's value. A row repeated k times in a row of the thread's hits costs
   one global read-modify-write instead of k dependent ones (each waiting on the previous store, from L2). The sums
-  run in m order from the start value, so the result is np.add.at's bit for bit.
+  run in m order from the start value, so the result is np.add.at's bit for bit (for a 16-bit table on CUDA, whose
+  local memory holds the carry as float32, a run is rounded once, where it is stored: PyTorch's float accumulation).
 - On a CPU (loops), one thread writes `start`, then walks m = 0 .. M-1 and adds row m into row index[m] (a loop over
   R the C compiler vectorizes).
 
