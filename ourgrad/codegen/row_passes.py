@@ -22,7 +22,6 @@ def register_units(units: int, width: int) -> int:
   return units * max(1, width // 4)
 
 
-
 class RowPasses:
   """The passes of a block over its row: thread t takes units t, t + T, ... (a unit: `width` neighbouring elements).
   Persistent: the thread's units are unrolled (constant iteration numbers), so every pass emits the same loads and
