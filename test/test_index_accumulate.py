@@ -80,18 +80,21 @@ def test_whole_warp_blocks(device, rows, width, count):
   np.testing.assert_array_equal(_accumulate(start, index, values, device), _add_at(start, index, values))
 
 
+class H200Like:   # the facts plan_index_accumulate reads of the CUDA renderer on an H200
+  has_threads, has_local, max_threads, multiprocessors, vector_width, warp_size = True, True, 1024, 132, 4, 32
+  local_memory_bytes = 48 * 1024
+
+
 def test_plan_covers_every_row_and_feature_once():
-  class H200Like:   # the facts plan_index_accumulate reads
-    has_threads, max_threads, multiprocessors, vector_width, warp_size = True, 1024, 132, 4, 32
-  for rows, width, count in [(50304, 768, 4096), (1000, 3, 17), (13, 1, 5), (4096, 64, 1)]:
+  for rows, width, count in [(50304, 768, 16384), (50304, 768, 4096), (1000, 3, 17), (13, 1, 5), (4096, 64, 1),
+                             (9, 8192, 130)]:
     plan = index_accumulate.plan_index_accumulate(rows, width, count, dtypes.float32, H200Like())
-    blocks_x, blocks_y = plan.blocks
-    assert blocks_x * plan.row_threads * plan.rows_per_thread >= rows
-    assert (blocks_x - 1) * plan.row_threads * plan.rows_per_thread < rows   # no block owns only rows past the end
-    assert blocks_y * plan.feature_threads * plan.features_per_thread == width
-    assert plan.features_per_thread % plan.vector == 0 and count % plan.scan_unroll == 0
-    assert plan.feature_threads * plan.row_threads <= H200Like.max_threads
-    assert plan.warp in (0, 32) and (plan.feature_threads * plan.row_threads) % max(plan.warp, 1) == 0
+    assert plan.feature_blocks * plan.block_features == width and width % plan.block_features == 0
+    assert plan.row_blocks * plan.row_groups * plan.row_slots >= rows
+    assert plan.row_blocks * plan.row_groups * (plan.row_slots - 1) < rows   # no thread owns only rows past the end
+    assert plan.threads <= H200Like.max_threads and plan.lanes in (1, 32) and plan.threads % plan.lanes == 0
+    assert plan.windows * plan.window >= count and plan.window % plan.lanes == 0
+    assert index_accumulate._fits_locally(plan, dtypes.float32, H200Like())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -122,13 +125,10 @@ def _zipf_indices(rng: np.random.Generator, rows: int, count: int, exponent: flo
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("threads_per_processor,rows", [(512, 301), (2, 389)])
 def test_zipf_repeats_match_numpy_bitwise_run_to_run(device, threads_per_processor, rows, monkeypatch):
-  # a few rows repeated hundreds of times, many times within one warp's group of indices (the GPU adds a group's
-  # repeats of a row in registers, one read-modify-write); with 2 threads per multiprocessor each thread owns
-  # several strided rows, the table ending inside a stride (a shape of its own: a new kernel, not the cached one)
+  # a few rows repeated hundreds of times, many times in a row of one thread's hits (the GPU adds them to its
+  # carry, one read-modify-write of the table per change of row); with 2 threads per multiprocessor one block owns
+  # every row (a shape of its own: a new kernel, not the cached one)
   monkeypatch.setattr(index_accumulate, "THREADS_PER_PROCESSOR", threads_per_processor)
-  # no run counts as long: every row is added by its owner, in np.add.at's order (the chunked order of long runs:
-  # test_long_runs_added_in_chunks_match_the_plan_bitwise_run_to_run)
-  monkeypatch.setattr(index_accumulate, "LONG_RUN", 400)
   rng = np.random.default_rng(threads_per_processor)
   start = rng.standard_normal((rows, 4)).astype(np.float32)
   index = _zipf_indices(rng, rows, 400, 1.3)
@@ -141,16 +141,18 @@ def test_zipf_repeats_match_numpy_bitwise_run_to_run(device, threads_per_process
 
 
 def test_plan_strides_rows_over_the_grid():
-  class H200Like:   # the facts plan_index_accumulate reads
-    has_threads, max_threads, multiprocessors, vector_width, warp_size = True, 1024, 132, 4, 32
-  plan = index_accumulate.plan_index_accumulate(50304, 768, 4096, dtypes.float32, H200Like())
-  # row r's owner is row group r mod G: every row has one owner, and neighbouring rows (the hot ones of text) have
-  # different owners
-  owners = np.arange(50304) % plan.row_stride
-  slots = np.arange(50304) // plan.row_stride
-  assert plan.row_stride == plan.blocks[0] * plan.row_threads and slots.max() < plan.rows_per_thread
-  assert len(np.unique(owners[:plan.row_stride])) == plan.row_stride
-  assert plan.ragged == (plan.row_stride * plan.rows_per_thread != 50304)
+  plan = index_accumulate.plan_index_accumulate(50304, 768, 16384, dtypes.float32, H200Like())
+  # row r's owner is block r mod B, row group (r div B) mod G, slot r div (B G): every row one owner, and
+  # neighbouring rows (the hot ones of text) in different blocks
+  rows = np.arange(50304)
+  blocks, groups = rows % plan.row_blocks, (rows // plan.row_blocks) % plan.row_groups
+  slots = rows // (plan.row_blocks * plan.row_groups)
+  assert slots.max() < plan.row_slots
+  owners = (blocks * plan.row_groups + groups) * plan.row_slots + slots
+  assert len(np.unique(owners)) == 50304
+  assert (blocks[1:] != blocks[:-1]).all()
+  # the GPT-2 step's embedding gradient: the index array read once per block, a few hundred blocks
+  assert plan.lanes == 32 and plan.row_blocks >= H200Like.multiprocessors and plan.feature_blocks == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -314,75 +316,24 @@ def test_scatter_add_assigned_in_place_keeps_lazy_readers_old_values():
   np.testing.assert_array_equal(reader.numpy(), start + 1)
 
 
-def _chunked_add_at(start: np.ndarray, index: np.ndarray, rows: np.ndarray, long_run: int,
-                    chunks: int) -> np.ndarray:
-  """The GPU plan's order (codegen/index_accumulate.py `_add_long_runs`), in numpy: a row indexed at most
-  `long_run` times gets its rows added one after another in index order (np.add.at's); a longer one gets, per chunk
-  c of the index array (positions [c * L, (c + 1) * L), L = ceil(count / chunks)), the float32 sum of the chunk's
-  rows for it in index order from -0.0, and then start + P0 + P1 + ..."""
-  result = _add_at(start, index, rows)
-  wrapped = np.where(index < 0, index + start.shape[0], index)
-  repeats = np.bincount(wrapped[(wrapped >= 0) & (wrapped < start.shape[0])], minlength=start.shape[0])
-  length = -(-len(index) // chunks)
-  for row in np.nonzero(repeats > long_run)[0]:
-    total = start[row].copy()
-    for chunk in range(chunks):
-      partial = np.full(start.shape[1], -0.0, start.dtype)
-      for position in range(chunk * length, min((chunk + 1) * length, len(index))):
-        if wrapped[position] == row: partial = partial + rows[position]
-      total = total + partial
-    result[row] = total
-  return result
-
-
-def _cuda_like_plan(rows: int, width: int, count: int):
-  device = Device["PYTHON"]
-  return index_accumulate.plan_index_accumulate(rows, width, count, dtypes.float32, device.renderer)
-
-
 @pytest.mark.skipif("PYTHON" not in DEVICES, reason="the PYTHON device runs the GPU lowering")
-@pytest.mark.parametrize("rows,width,count,long_run,threads_per_processor",
-                         [(301, 8, 400, 20, 512), (97, 256, 300, 5, 2), (64, 4, 256, 0, 512),
-                          (9, 4096, 130, 10, 512)])   # the last: a row's features in two blocks
-def test_long_runs_added_in_chunks_match_the_plan_bitwise_run_to_run(rows, width, count, long_run,
-                                                                      threads_per_processor, monkeypatch):
-  # Zipf repeats with a low long-run threshold: the hot rows are added in chunks of the index array by the block's
-  # teams, bit for bit the numpy model's order, every run; the others in np.add.at's order. Where the emulated
-  # device votes (EMULATE=CUDA), else the plan has no chunks and the model is np.add.at.
-  monkeypatch.setattr(index_accumulate, "LONG_RUN", long_run)
-  monkeypatch.setattr(index_accumulate, "THREADS_PER_PROCESSOR", threads_per_processor)   # several rows a thread
-  rng = np.random.default_rng(rows + long_run)
+@pytest.mark.parametrize("rows,width,count,threads_per_processor",
+                         [(301, 8, 400, 1024), (97, 256, 300, 2), (64, 4, 256, 1024), (9, 4096, 130, 1024),
+                          (700, 12, 1000, 64)])   # (9, 4096): a row's features in several blocks
+def test_hot_rows_through_the_carry_match_numpy_bitwise_run_to_run(rows, width, count, threads_per_processor,
+                                                                   monkeypatch):
+  # Zipf repeats: a hot row's hits run one after another in its owner's carry, others interleave (each change of row
+  # stores the carry back and loads the next row), windows end inside the index array; np.add.at's order, every run
+  monkeypatch.setattr(index_accumulate, "THREADS_PER_PROCESSOR", threads_per_processor)
+  rng = np.random.default_rng(rows + count)
   start = rng.standard_normal((rows, width)).astype(np.float32)
   index = _zipf_indices(rng, rows, count, 1.2)
   index[::37] = -1   # counts from the end
   index[5::41] = rows + 3   # outside: adds nothing
   values = (rng.standard_normal((count, width)) * 1e3).astype(np.float32)   # large: the order shows in the bits
-  plan = _cuda_like_plan(rows, width, count)
-  expected = _chunked_add_at(start, index, values, long_run, plan.chunks) if plan.chunks > 1 else \
-      _add_at(start, index, values)
   first = _accumulate(start, index, values, "PYTHON")
-  np.testing.assert_array_equal(first, expected)
+  np.testing.assert_array_equal(first, _add_at(start, index, values))
   assert _accumulate(start, index, values, "PYTHON").tobytes() == first.tobytes()
-  np.testing.assert_allclose(first, _add_at(start, index, values), rtol=1e-4, atol=1e-1)
-
-
-def test_plan_splits_long_runs_over_the_whole_block():
-  class H200Like:   # the facts plan_index_accumulate reads, local memory included
-    has_threads, has_local, max_threads, multiprocessors, vector_width, warp_size = True, True, 1024, 132, 4, 32
-    local_memory_bytes = 48 * 1024
-  for rows, width, count in [(50304, 768, 4096), (1000, 256, 500), (4096, 64, 65), (300, 8, 64)]:
-    plan = index_accumulate.plan_index_accumulate(rows, width, count, dtypes.float32, H200Like())
-    if count <= index_accumulate.LONG_RUN:   # no row can be long
-      assert plan.chunks == 1
-      continue
-    # every thread of the block is in one team; a team covers the block's features once; the chunks cover the index
-    assert plan.chunks * plan.chunk_team == plan.feature_threads * plan.row_threads and plan.chunks >= 2
-    assert plan.chunk_vectors * plan.chunk_team * plan.vector == plan.block_features
-    assert plan.chunk_vectors <= index_accumulate.MAX_CHUNK_VECTORS
-    assert plan.chunk_length == -(-count // plan.chunks)   # the last chunks may be short, or empty
-    assert plan.chunks * plan.block_features * 4 + plan.block_rows * 4 <= H200Like.local_memory_bytes
-  gpt2 = index_accumulate.plan_index_accumulate(50304, 768, 4096, dtypes.float32, H200Like())
-  assert (gpt2.chunks, gpt2.chunk_team, gpt2.chunk_length) == (8, 12, 512)
 
 
 def test_bfloat16_gradient_lowers_for_cuda() -> None:
@@ -402,3 +353,29 @@ def test_bfloat16_gradient_lowers_for_cuda() -> None:
              if item.ast.op is not Ops.COPY]
   assert any(type(kernel).__name__ == "IndexAccumulateKernel" for kernel in kernels)
   for kernel in kernels: assert lower_kernel(kernel, renderer, "kernel").source
+
+
+def test_gpu_kernel_reads_the_index_once_per_block() -> None:
+  """GPT-2's embedding gradient lowered for CUDA: each thread reads `unroll` indices a window (the block reads the
+  array once), and the walk loads its hits' source rows `batch` at a time before adding them."""
+  from ourgrad.codegen.lowering import build_kernel
+  from ourgrad.codegen.uops import UOps
+  from ourgrad.engine.schedule import create_schedule
+  from ourgrad.ops import Ops
+  from ourgrad.renderer.cuda import CUDARenderer
+  table = Tensor.empty(50304, 768, device="PYTHON", requires_grad=True)
+  tokens = Tensor.empty(16, 1024, dtype=dtypes.int32, device="PYTHON")
+  (table[tokens] * Tensor.empty(16, 1024, 768, device="PYTHON")).sum().backward()
+  kernels = [build_kernel(item.ast, CUDARenderer("sm_90")) for item in create_schedule([table.grad.lazydata])
+             if item.ast.op is not Ops.COPY]
+  kernel = next(kernel for kernel in kernels if isinstance(kernel, index_accumulate.IndexAccumulateKernel))
+  plan = kernel.plan
+  assert plan is not None and plan.windows * plan.window >= 16384 and plan.lanes == 32
+  uops = kernel.linearize()
+  index_buffer = next(uop for uop in uops if uop.op is UOps.DEFINE_GLOBAL and uop.dtype == dtypes.int32)
+  index_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0] is index_buffer]
+  assert len(index_loads) == plan.unroll
+  row_buffer = next(uop for uop in uops
+                    if uop.op is UOps.DEFINE_GLOBAL and uop.arg[0] != 0 and uop.dtype == dtypes.float32)
+  row_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0] is row_buffer]
+  assert len(row_loads) == plan.batch * plan.vectors_per_thread and plan.batch == 8

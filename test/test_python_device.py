@@ -446,6 +446,29 @@ def test_nested_reduce_loops_run_at_once() -> None:
   assert memory.view(np.float32)[0] == sequential, "the fold adds in loop order, rounding after each step"
 
 
+def test_a_reduce_loop_reading_local_memory_runs_one_iteration_at_a_time() -> None:
+  """A loop that sums local memory (a prefix of a block's counts: codegen/index_accumulate.py) is not run at once:
+  local memory is read at one index per thread, so it runs iteration by iteration, and sums what was stored."""
+  build = UOpBuilder()
+  output = build.add(UOps.DEFINE_GLOBAL, INT32, (), (0, True))
+  zero = build.const(0, INT32)
+  counts = build.add(UOps.DEFINE_LOCAL, INT32, (), ("counts", 8))
+  fill = build.add(UOps.RANGE, INT32, (zero, build.const(8, INT32)), ("fill", AxisType.REDUCE))
+  build.add(UOps.STORE, None, (counts, fill, build.alu(Ops.MUL, INT32, fill, build.const(3, INT32))))
+  build.end_range(fill)
+  total = build.add(UOps.DEFINE_ACC, INT32, (), 0)
+  walk = build.add(UOps.RANGE, INT32, (zero, build.const(8, INT32)), ("walk", AxisType.REDUCE))
+  build.add(UOps.ACCUMULATE, INT32, (total, build.add(UOps.LOAD, INT32, (counts, walk))), Ops.ADD)
+  build.end_range(walk)
+  build.add(UOps.STORE, None, (output, zero, total))
+  program = build_program(build.uops)
+  positions = {id(uop): index for index, uop in enumerate(build.uops)}
+  assert positions[id(walk)] not in program.vectorizable
+  memory = np.zeros(1, np.int32).view(np.uint8)
+  program(memory)
+  assert memory.view(np.int32)[0] == 3 * sum(range(8))
+
+
 def test_matmul_uses_local_upcast_and_unroll() -> None:
   a = rng.standard_normal((32, 48)).astype(np.float32)
   b = rng.standard_normal((48, 16)).astype(np.float32)

@@ -19,6 +19,7 @@ from ourgrad import Tensor
 from ourgrad.codegen.opt import split_reduce
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
+from ourgrad.codegen import row_linearizer, row_passes
 from ourgrad.codegen.row_linearizer import PERSISTENT_UNITS, row_block_threads, row_sharing
 from ourgrad.codegen.uops import UOps, launch_dims
 from ourgrad.engine.realize import run_schedule
@@ -206,7 +207,30 @@ def test_long_rows_loop_and_reread():
   # the max and the sum of exp(x - max) share a pass (online: the sum rescaled as the running max grows)
   assert sum(1 for uop in uops if uop.op is UOps.RANGE) == 2, "a loop per pass: max and sum, store"
   rescales = [uop for uop in uops if uop.op is UOps.ACCUMULATE and uop.arg is Ops.MUL]
-  assert len(rescales) == 1, "the running sum is rescaled once per unit"
+  # the running sum is rescaled once per unit: 4 units an iteration of the loop (2 iterations), the 2 left after it
+  assert row_passes.LOOP_REGISTER_UNITS == 4 and len(rescales) == 4 + 2
+  first_loop = next(index for index, uop in enumerate(uops) if uop.op is UOps.RANGE)
+  loop_end = next(index for index, uop in enumerate(uops) if uop.op is UOps.ENDRANGE)
+  loads = [uop for uop in uops[first_loop:loop_end] if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL]
+  assert [load.arg for load in loads] == [4] * 4, "an iteration's four float4 loads, under no IF"
+  assert not any(uop.op is UOps.IF for uop in uops[first_loop:loop_end])
+  # compiled for two resident blocks of 1024: the loop's unrolling may not cost one of them (the row's loads in flight)
+  assert [uop.arg for uop in uops if uop.op is UOps.OCCUPANCY] == [2]
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "logsumexp"])
+def test_streamed_rows_take_smaller_blocks_and_match_torch(name: str):
+  # rows that loop even with 1024 threads, and rows enough to give each multiprocessor (one, here) a block of 256 for
+  # each of its 8 slots: blocks of STREAMED_ROW_THREADS, 40 float4 units a thread, 4 an iteration of its loop
+  renderer = PythonRenderer("CUDA")
+  renderer.multiprocessors = 1
+  ours, theirs = GRAPHS[name] if name in GRAPHS else (lambda x: x.logsumexp(-1), lambda t: t.logsumexp(-1))
+  x_np = np.random.default_rng(8).standard_normal((8, 40960)).astype(np.float32) * 3
+  item = _row_item(ours(Tensor(x_np, device="PYTHON")))
+  kernel = Kernel(item.ast, renderer)
+  assert launch_dims(linearize(Kernel(item.ast, renderer)))[1][0] == row_linearizer.STREAMED_ROW_THREADS
+  expected = theirs(torch.tensor(x_np)).numpy()
+  np.testing.assert_allclose(_run(kernel, item).reshape(expected.shape), expected, rtol=2e-5, atol=2e-5)
 
 
 def test_per_row_output_is_stored_by_one_thread():

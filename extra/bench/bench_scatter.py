@@ -7,7 +7,7 @@ PyTorch's `embedding_dense_backward` (what torch.nn.functional.embedding's backw
 
 Method: the table, the indices (uniform over the vocabulary; `--zipf S` draws text-like repeats, probability
 ~ 1/rank^S, row r of rank r + 1, as a tokenizer numbers frequent tokens first: one row gets many of the tokens, and
-its owner thread adds them, a warp's group of indices at a time in registers) and
+its owner thread adds them one after another in its carry, codegen/index_accumulate.py) and
 the upstream gradient are realized first. ourgrad: the gradient `weight[index].backward(upstream)` builds (one
 kernel) is timed cold on CUDA (timing.cold_schedule_seconds: it moves more than twice the L2, so it runs on its own
 realized buffers, replayed in one CUDA graph); '1-launch' is one launch between two CUDA events (DEBUG=2's figure),

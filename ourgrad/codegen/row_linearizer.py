@@ -29,6 +29,7 @@ from ourgrad.codegen.integer_rows import integer_terms, lower_integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
 from ourgrad.codegen.online_rows import RowPass, ShiftTerms, group_row_passes
+from ourgrad.codegen.row_passes import RowPasses, register_units
 from ourgrad.codegen.shared_tile_fill import multiple_of
 from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
 from ourgrad.dtype import DType, dtypes
@@ -40,6 +41,8 @@ from ourgrad.shape.symbolic import Node, NumNode, Variable
 # enough for 8192-float rows with 256 threads and 32768-float rows with 1024, without spilling. A unit of 8 16-bit
 # floats (16 bytes) counts as two (register_units).
 PERSISTENT_UNITS = 8
+# the block of a streamed row (one that loops at any block size) where the kernel has rows enough (_row_layout)
+STREAMED_ROW_THREADS = 256
 # A CPU row kernel keeps its transcendental per-element values (exp) for the store pass in stack arrays of at most
 # this many bytes a row (per thread; they stay in L1/L2).
 MAX_KEPT_BYTES = 64 * 1024
@@ -77,12 +80,6 @@ def row_sharing(rows: int, units: int, warp_size: int, multiprocessors: int) -> 
   per_block = max(SHARED_ROW_BLOCK // threads, 1)
   while per_block > 1 and (rows % per_block or rows // per_block < 2 * multiprocessors): per_block //= 2
   return (threads, per_block) if per_block > 1 else (0, 1)
-
-
-def register_units(units: int, width: int) -> int:
-  """`units` units of `width` elements counted as the float4s of registers they take once loaded (PERSISTENT_UNITS,
-  the row layouts): a unit of 8 16-bit floats widens to two."""
-  return units * max(1, width // 4)
 
 
 def row_block_threads(units: int, max_threads: int, warp_size: int) -> int:
@@ -312,7 +309,12 @@ class RowLinearizer(Linearizer):
     if stack_axis is not None:
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width)
     per_thread = math.ceil(register_units(units, width) / threads)
-    passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
+    if not passes.persistent and resident > 1:
+      # a streamed row's loads in flight come from its resident blocks: the compiler's unrolling of the loop must not
+      # take the registers of one of them (GPT-2's vocabulary softmax: 24 -> 38 registers, 2 -> 1 block of 1024)
+      build.add(UOps.OCCUPANCY, None, (), resident)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
       accumulator, _accumulate_op(reduce), thread, threads, number))
     if self._per_element():
@@ -328,6 +330,13 @@ class RowLinearizer(Linearizer):
     renderer = self.kernel.renderer
     threads, per_block = row_sharing(rows, units, renderer.warp_size, getattr(renderer, "multiprocessors", 0))
     if per_block == 1: threads = row_block_threads(units, renderer.max_threads, renderer.warp_size)
+    # a row that loops even with the largest block is streamed: with rows enough to fill every multiprocessor with
+    # blocks of STREAMED_ROW_THREADS, smaller blocks, several resident at once, whose passes and block combines (no
+    # load in flight) do not coincide; one block of 1024 a row left GPT-2's bf16 cross-entropy row at 55% of copy
+    resident = getattr(renderer, "threads_per_multiprocessor", 0) // STREAMED_ROW_THREADS
+    if per_block == 1 and math.ceil(units / threads) > PERSISTENT_UNITS and threads > STREAMED_ROW_THREADS and \
+        resident > 1 and rows >= resident * max(1, getattr(renderer, "multiprocessors", 0)):
+      threads = STREAMED_ROW_THREADS
     return threads, per_block
 
   def _stacked_rows(self, row_dims: list[int]) -> tuple[int | None, int]:
@@ -370,7 +379,7 @@ class RowLinearizer(Linearizer):
       sub_idxs = list(idxs)
       sub_idxs[axis] = idxs[axis] * stack + sub
       self.reduce_values = dict(shared)
-      passes = _RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
+      passes = RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
       offset = sub * len(reduces)   # each row's local memory (a block's partials) of its own
       self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
         accumulator, _accumulate_op(reduce), thread, threads, number + offset))
@@ -388,7 +397,7 @@ class RowLinearizer(Linearizer):
     broadcast along it."""
     return any(node.op in (Ops.LOAD, Ops.CONST) and not _broadcast_along(node.arg.st, axis) for node in root.walk())
 
-  def _run_row_reduces(self, passes: _RowPasses, combine: Callable[[UOp, LazyOp, int], UOp]) -> None:
+  def _run_row_reduces(self, passes: RowPasses, combine: Callable[[UOp, LazyOp, int], UOp]) -> None:
     """Each row reduce of a GPU row kernel: a per-thread accumulator over a pass of the row, then the value
     `combine(accumulator, reduce, number)` gives the rest of the kernel (a later reduce may read it). A persistent row
     (in registers) takes a pass per reduce, the loads shared; a looping row groups its reduces into as few passes as
@@ -408,10 +417,11 @@ class RowLinearizer(Linearizer):
         def accumulate(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
           value = self.compute(reduce.srcs[0], element_idxs, None)
           build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
-        passes.run(name, accumulate)
+        passes.run(name, accumulate, reads=[reduce.srcs[0]])
       else:
         passes.run(name, None, each_unit=lambda lanes, group=group: self._accumulate_unit(group, accumulators, lanes,
-                                                                                      passes.width, passes.idxs))
+                                                                                      passes.width, passes.idxs),
+                   reads=[reduce.srcs[0] for reduce in group.reduces])
       for reduce in group.reduces:   # the maxes first: the online sums are rescaled to the block's max
         if id(reduce) not in group.online:
           self.reduce_values[id(reduce)] = combine(accumulators[id(reduce)], reduce, numbers[id(reduce)])
@@ -515,7 +525,7 @@ class RowLinearizer(Linearizer):
     idxs: list[Node] = [NumNode(0)] * len(shape)
     for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
     per_thread = math.ceil(register_units(units, width) / threads)
-    passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     # a group of one thread holds its row's reduce; larger groups combine by warp shuffles (no local memory)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: accumulator if threads == 1 else
                           self._block_combine(accumulator, _accumulate_op(reduce), thread, threads, number))
@@ -675,45 +685,6 @@ class _Accumulators:
     for lane in range(1, self.lanes):
       total = build.alu(self.op, dtype, total, build.add(UOps.LOAD, dtype, (self.storage, self.linearizer._int(lane))))
     return total
-
-
-class _RowPasses:
-  """The passes of a block over its row: thread t takes units t, t + T, ... (a unit: `width` neighbouring elements).
-  Persistent: the thread's units are unrolled (constant iteration numbers), so every pass emits the same loads and
-  the builder reuses them: the row is read once. Otherwise a loop over the thread's units, re-read at each pass.
-  A unit past the row's end (the row's units not a multiple of T) is skipped under an IF."""
-
-  def __init__(self, linearizer: RowLinearizer, idxs: list[Node], thread: Node, threads: int, units: int, width: int,
-               persistent: bool):
-    self.linearizer, self.idxs, self.thread, self.threads = linearizer, idxs, thread, threads
-    self.units, self.width, self.persistent = units, width, persistent
-    self.per_thread = math.ceil(units / threads)
-
-  def run(self, name: str, element: Callable[[list[Node]], None] | None, store: bool = False,
-          each_unit: Callable[[list[list[Node]]], None] | None = None) -> None:
-    """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store, or
-    `each_unit(indices of each element)` once per unit."""
-    linearizer = self.linearizer
-    build = linearizer.builder
-    loop = None
-    if self.persistent: iterations: list[Node] = [NumNode(number) for number in range(self.per_thread)]
-    else:
-      loop = linearizer._open_loop(name, self.per_thread, AxisType.REDUCE)
-      iterations = [Variable(name, 0, self.per_thread - 1)]
-    for iteration in iterations:
-      unit = iteration * self.threads + self.thread
-      ragged = self.units % self.threads != 0 and (loop is not None or iteration.b == self.per_thread - 1)
-      guard = build.add(UOps.IF, None, (linearizer.node_to_uop(unit < self.units),)) if ragged else None
-      lanes = [linearizer.unit_idxs(self.idxs, unit, self.width, lane) for lane in range(self.width)]
-      if store: linearizer.store_unit(lanes, self.width)
-      elif each_unit is not None: each_unit(lanes)
-      else:
-        for lane, element_idxs in enumerate(lanes):
-          linearizer.vector_unit = (lanes[0], self.width, lane) if self.width > 1 else None
-          element(element_idxs)
-        linearizer.vector_unit = None
-      if guard is not None: build.end_if(guard)
-    if loop is not None: build.end_range(loop)
 
 
 def _broadcast_along(st: ShapeTracker, axis: int) -> bool:

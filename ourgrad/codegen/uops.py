@@ -148,6 +148,8 @@ class UOpBuilder:
     self._scopes: list[list[tuple]] = [[]]
     # (buffer, index base, constant offset) of each element a vector load in scope read -> (that load, its element)
     self._vector_lanes: dict[tuple, tuple[UOp, int]] = {}
+    # id(DEFINE_ACC) -> the cache keys of the uops that read it: an ACCUMULATE changes it, so they are not reused after
+    self._accumulator_readers: dict[int, list[tuple]] = {}
 
   def add(self, op: UOps, dtype: DType | None, srcs: tuple[UOp, ...] = (), arg: Any = None) -> UOp:
     if op is UOps.ALU:
@@ -162,6 +164,7 @@ class UOpBuilder:
     # local memory changes between barriers: a load from it is never the same value as an earlier identical load
     cacheable = op not in _NOT_CACHED and not (op is UOps.LOAD and srcs[0].op is UOps.DEFINE_LOCAL)
     if cacheable and key in self._cache: return self._cache[key]
+    if op is UOps.ACCUMULATE or op is UOps.WMMA: self._forget_readers(srcs)
     uop = UOp(op, dtype, srcs, arg)
     for src in srcs: src.uses += 1
     self.uops.append(uop)
@@ -171,8 +174,17 @@ class UOpBuilder:
       scope = self._scopes[0] if op in (UOps.CONST, UOps.DEFINE_GLOBAL, UOps.DEFINE_VAR) else self._scopes[-1]
       self._cache[key] = uop
       scope.append(key)
+      for src in srcs:
+        if src.op is UOps.DEFINE_ACC: self._accumulator_readers.setdefault(id(src), []).append(key)
     if op is UOps.LOAD and isinstance(arg, int) and _reusable_load(dtype, srcs): self._register_lanes(uop)
     return uop
+
+  def _forget_readers(self, srcs: tuple[UOp, ...]) -> None:
+    """An accumulator among `srcs` is about to change: a value computed from it before (a running max's negation,
+    an online sum's test for zero) is not that value after, so a later identical request builds a new uop."""
+    for src in srcs:
+      if src.op is not UOps.DEFINE_ACC: continue
+      for key in self._accumulator_readers.pop(id(src), ()): self._cache.pop(key, None)
 
   def _drop_if_unused(self, uop: UOp) -> None:
     """Take back the last uop added where nothing reads it (an ALU computed for a load that was not emitted)."""

@@ -85,6 +85,8 @@ def vectorizable_loops(instructions: list[Instruction], loop_ends: dict[int, int
       op = instruction.op
       if op in (UOps.STORE, UOps.DEFINE_ACC, UOps.DEFINE_GLOBAL, UOps.DEFINE_LOCAL, UOps.BARRIER, UOps.IF,
                 UOps.WARP_REDUCE, UOps.WMMA, UOps.COPY, UOps.ASYNC_WAIT, UOps.LDMATRIX): eligible = False
+      elif op is UOps.LOAD and instructions[instruction.srcs[0]].op is UOps.DEFINE_LOCAL:
+        eligible = False   # local memory is read one iteration (a thread's index) at a time
       elif op is UOps.RANGE:
         # a loop after an inner one closed is a sibling, not a chain; bounds must be known before the block runs
         eligible = not closed and all(instructions[src].op is UOps.CONST for src in instruction.srcs)

@@ -220,6 +220,17 @@ def test_values_from_a_closed_loop_are_not_reused() -> None:
   assert outer_value.op is UOps.CONST and build.const(7, INDEX_DTYPE) is outer_value   # constants stay shared
 
 
+def test_values_read_from_an_accumulator_are_not_reused_after_it_changes() -> None:
+  # an online softmax's units in one loop body: each reads the running max before updating it
+  build = UOpBuilder()
+  running = build.add(UOps.DEFINE_ACC, dtypes.float32, (), -math.inf)
+  before = build.alu(Ops.NEG, dtypes.float32, running)
+  assert build.alu(Ops.NEG, dtypes.float32, running) is before   # unchanged: shared
+  build.add(UOps.ACCUMULATE, dtypes.float32, (running, build.const(2.0, dtypes.float32)), Ops.MAX)
+  after = build.alu(Ops.NEG, dtypes.float32, running)
+  assert after is not before and build.alu(Ops.NEG, dtypes.float32, running) is after
+
+
 def test_constant_arithmetic_folds_to_one_constant() -> None:
   ast = store(alu(Ops.MUL, alu(Ops.ADD, const(2.0, st(6)), const(3.0, st(6))), const(4.0, st(6))), (6,))
   kernel = kernel_for(ast)
