@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ourgrad.codegen.uops import UOp, UOps
+from ourgrad.helpers import ROW_INTERLEAVE
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.symbolic import Node
 
@@ -32,9 +33,9 @@ def interleaved_rows(kernel: Kernel, row_dims: list[int], rows: int) -> int:
   """How many neighbouring rows (along the last row axis `row_dims[-1]`) a block runs on neighbouring threads, else
   1: enough that a warp's load of the strided operand covers a sector, where the loads strided along the row but
   contiguous across the rows outweigh the loads contiguous along the row that differ across the rows (interleaving
-  scatters those). Only on devices with warp shuffles."""
+  scatters those). Only on devices with warp shuffles; ROW_INTERLEAVE=0 turns it off."""
   warp_size, row_axes = kernel.renderer.warp_size, kernel.row_axes or ()
-  if warp_size < 2 or not row_dims or not row_axes: return 1
+  if not ROW_INTERLEAVE.value or warp_size < 2 or not row_dims or not row_axes: return 1
   shape, inner, across_rows = kernel.full_shape, row_axes[-1], row_dims[-1]
   strided_bytes, contiguous_bytes, itemsizes = 0, 0, []
   for leaf in kernel.leaves:
