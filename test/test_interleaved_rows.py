@@ -102,3 +102,19 @@ def test_rows_read_along_their_length_are_not_interleaved() -> None:
   """A softmax over the last axis reads its rows contiguously: rows keep their own warps (shuffles 1 lane apart)."""
   _, shuffles = _launch_and_shuffles(Tensor.empty(64, 300).softmax(-1))
   assert shuffles and all(stride == 1 for _, stride in shuffles)
+
+
+def test_persistent_rows_issue_every_load_before_the_first_barrier() -> None:
+  """The values P @ V reads after the softmax's max are loaded before the max's block combine (a BARRIER, across
+  which the compiler does not move loads): all of a thread's reads are in flight at once. Only the ragged last unit
+  (under an IF) is read where it is used."""
+  out, _ = _decode_attention(1, 3, 3, 520, 64, device="CPU")
+  uops = linearize(Kernel(create_schedule([out.lazydata])[-1].ast, CUDARenderer()))
+  barrier = next(position for position, uop in enumerate(uops) if uop.op is UOps.BARRIER)
+  depth, late = 0, []
+  for position, uop in enumerate(uops):
+    depth += (uop.op is UOps.IF) - (uop.op is UOps.ENDIF)
+    if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL and depth == 0 and position > barrier:
+      late.append(uop)
+  assert late == [], late
+  assert sum(1 for uop in uops[:barrier] if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL) > 16 * 2

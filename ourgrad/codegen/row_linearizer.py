@@ -322,6 +322,7 @@ class RowLinearizer(Linearizer):
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width)
     per_thread = math.ceil(register_units(units, width) / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    if passes.persistent: self._prefetch_row(passes)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
       accumulator, _accumulate_op(reduce), thread, threads, number, lanes))
     if self._per_element():
@@ -331,6 +332,17 @@ class RowLinearizer(Linearizer):
     self._store_outputs(idxs, None)
     build.end_if(first_thread)
     return build.uops
+
+  def _prefetch_row(self, passes: _RowPasses) -> None:
+    """Every plain load of the row reduces' inputs at each of the thread's persistent units (but a ragged last one,
+    under an IF), before the first reduce:
+    the passes after it reuse them (the builder merges equal loads), so all of the row's reads are in flight at once.
+    Emitted in the pass that first reads them, a later pass's loads (softmax @ V's values, after the max) would wait
+    for the block combine before them: a BARRIER, across which the compiler does not move loads."""
+    reduces = {id(reduce) for reduce in self.kernel.reduceops}
+    leaves = {id(node): node for reduce in self._row_reduces() for node in _post_order(reduce.srcs[0], reduces)
+              if node.op is Ops.LOAD and isinstance(node.arg, MemBuffer) and not node.srcs}
+    passes.run("prefetch", lambda idxs: [self.compute(leaf, idxs, None) for leaf in leaves.values()], unguarded=True)
 
   def _row_layout(self, rows: int, units: int) -> tuple[int, int]:
     """(threads per row, rows per block) of `rows` rows of `units` units on this GPU (row_sharing, else a block)."""
@@ -703,9 +715,10 @@ class _RowPasses:
     self.per_thread = math.ceil(units / threads)
 
   def run(self, name: str, element: Callable[[list[Node]], None] | None, store: bool = False,
-          each_unit: Callable[[list[list[Node]]], None] | None = None) -> None:
+          each_unit: Callable[[list[list[Node]]], None] | None = None, unguarded: bool = False) -> None:
     """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store, or
-    `each_unit(indices of each element)` once per unit."""
+    `each_unit(indices of each element)` once per unit. `unguarded`: only the units every thread has (what a unit
+    under an IF computes is not seen outside it)."""
     linearizer = self.linearizer
     build = linearizer.builder
     loop = None
@@ -716,6 +729,7 @@ class _RowPasses:
     for iteration in iterations:
       unit = iteration * self.threads + self.thread
       ragged = self.units % self.threads != 0 and (loop is not None or iteration.b == self.per_thread - 1)
+      if ragged and unguarded: continue
       guard = build.add(UOps.IF, None, (linearizer.node_to_uop(unit < self.units),)) if ragged else None
       lanes = [linearizer.unit_idxs(self.idxs, unit, self.width, lane) for lane in range(self.width)]
       if store: linearizer.store_unit(lanes, self.width)
