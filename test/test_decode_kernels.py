@@ -165,6 +165,29 @@ def test_q8_0_row_product_reads_its_quants_in_pairs(emulated_cuda) -> None:
   assert byte_loads and set(byte_loads) == {2}, byte_loads
 
 
+@pytest.mark.parametrize("k", [576, 1536])
+def test_output_projection_reads_its_residual_first(k: int) -> None:
+  """x + a @ W.T as a decode step's output and down projections build it (one token, bfloat16 W (576, k)) against
+  numpy: the residual x is read before the reduce loop (in flight while the products run, not a memory round trip
+  after the threads' combine) and the 8 warps' totals meet in one BARRIER, each thread adding them up (no tree)."""
+  rng = np.random.default_rng(k)
+  x_np, a_np = rng.standard_normal((1, 1, 576)).astype(np.float32), rng.standard_normal((1, 1, k)).astype(np.float32)
+  w_np = (rng.standard_normal((576, k)) / np.sqrt(k)).astype(np.float32)
+  x, a = Tensor(x_np, device="PYTHON"), Tensor(a_np, device="PYTHON")
+  w = Tensor(w_np, device="PYTHON").cast(dtypes.bfloat16).contiguous().realize()
+  kernel, got = _emulated(_kernel_item(x + a.linear(w)))
+  expected = x_np + a_np.astype(np.float64) @ w.cast(dtypes.float32).numpy().T.astype(np.float64)
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+  uops = linearize(kernel)
+  residual = next(leaf.arg.idx for leaf, st in zip(kernel.leaves, kernel.sts) if leaf.op is Ops.LOAD
+                  and all(stride == 0 for stride in st.real_strides()[kernel.first_reduce:]))   # not along the reduce
+  first_loop = next(position for position, uop in enumerate(uops) if uop.op is UOps.RANGE)
+  residual_loads = [position for position, uop in enumerate(uops) if uop.op is UOps.LOAD
+                    and uop.srcs[0].op is UOps.DEFINE_GLOBAL and uop.srcs[0].arg[0] == residual]
+  assert residual_loads and all(position < first_loop for position in residual_loads), (residual_loads, first_loop)
+  assert sum(1 for uop in uops if uop.op is UOps.BARRIER) == 1
+
+
 # A decode-shaped model small enough for the interpreter whose kernels take the plans above: head_dim 64 (the scores'
 # 64-long reduce), hidden 256 (a thin down projection: k >= 4 warps), dim 128 (a multiple of 4 rows and of Q8_0's 32)
 DECODE = LlamaConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=256, vocab_size=64, norm_eps=1e-5,
