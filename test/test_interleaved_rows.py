@@ -69,11 +69,12 @@ def _launch_and_shuffles(out: Tensor) -> tuple[tuple, list[tuple]]:
 
 
 @pytest.mark.parametrize("renderer", sorted(RENDERERS))
-@pytest.mark.parametrize("shape", [(1, 3, 3, 40, 64), (2, 2, 2, 136, 16), (1, 1, 2, 12, 8)],
+@pytest.mark.parametrize("shape", [(1, 3, 3, 40, 64), (2, 2, 2, 136, 16), (1, 1, 2, 12, 8), (8, 2, 3, 24, 16)],
                          ids=lambda shape: "x".join(map(str, shape)))
 def test_decode_attention_matches_numpy(shape: tuple[int, int, int, int, int], renderer: str) -> None:
   """Sequences x kv heads x group x slots x head_dim: 8 threads a row over two warps (each warp's partial through
-  local memory), 32 threads a row over 8 warps with a ragged last unit (34 float4s), a row of 3 units on one warp."""
+  local memory), 32 threads a row over 8 warps with a ragged last unit (34 float4s), a row of 3 units on one warp,
+  8 sequences (the group's 3 query heads stacked in each thread, interleaved along head_dim)."""
   out, expected = _decode_attention(*shape)
   item = _kernel_item(out)
   got = run_on_python_checking_cuda(Kernel(item.ast, RENDERERS[renderer]()), item, NVRTC)
@@ -90,6 +91,15 @@ def test_decode_attention_lanes_run_along_head_dim() -> None:
   assert shuffles == [(4, 8)] * 3   # max, weighted sum, sum: 4 lanes of a row in a warp, 8 apart
 
 
+def test_stacked_rows_interleave_too() -> None:
+  """8 sequences: the group's 3 query heads stacked in each thread (the values read once for them), 8 neighbouring
+  head_dim outputs a block."""
+  out, _ = _decode_attention(8, 3, 3, 520, 64, device="CPU")
+  (global_size, local_size), shuffles = _launch_and_shuffles(out)
+  assert (global_size, local_size) == ((8 * 3 * 64 // 8, 1, 1), (8 * 32, 1, 1))
+  assert shuffles and all(arg == (4, 8) for arg in shuffles)
+
+
 def test_bfloat16_values_interleave_a_sector_of_rows() -> None:
   """Values of 2 bytes (a head a query, nothing stacked): 16 neighbouring outputs fill a sector."""
   scores, values = Tensor.empty(1, 4, 1, 256), Tensor.empty(1, 4, 256, 64, dtype=dtypes.bfloat16)
@@ -104,11 +114,12 @@ def test_rows_read_along_their_length_are_not_interleaved() -> None:
   assert shuffles and all(stride == 1 for _, stride in shuffles)
 
 
-def test_persistent_rows_issue_every_load_before_the_first_barrier() -> None:
+@pytest.mark.parametrize("sequences", [1, 8])
+def test_persistent_rows_issue_every_load_before_the_first_barrier(sequences: int) -> None:
   """The values P @ V reads after the softmax's max are loaded before the max's block combine (a BARRIER, across
-  which the compiler does not move loads): all of a thread's reads are in flight at once. Only the ragged last unit
-  (under an IF) is read where it is used."""
-  out, _ = _decode_attention(1, 3, 3, 520, 64, device="CPU")
+  which the compiler does not move loads): all of a thread's reads are in flight at once, those of every stacked row
+  too (8 sequences). Only the ragged last unit (under an IF) is read where it is used."""
+  out, _ = _decode_attention(sequences, 3, 3, 520, 64, device="CPU")
   uops = linearize(Kernel(create_schedule([out.lazydata])[-1].ast, CUDARenderer()))
   barrier = next(position for position, uop in enumerate(uops) if uop.op is UOps.BARRIER)
   depth, late = 0, []

@@ -127,10 +127,12 @@ def test_stacking_keeps_rows_that_share_blocks():
   multiprocessors: not stacked. Stacking the group's 3 rows would leave 192 rows, too few to share blocks (a block
   each, a barrier per reduce and stacked row); the values (strided along the slots, contiguous along head_dim) make
   the rows interleaved instead: 8 neighbouring outputs a block, a warp's lanes side by side along head_dim
-  (test_interleaved_rows.py). At 8 sequences the stacked rows still share blocks, a warp each."""
+  (test_interleaved_rows.py). At 8 sequences the rows are stacked by the group's 3 query heads (the values read
+  once for the three) and interleaved along head_dim."""
   def launch(sequences: int) -> tuple:
     scores, values = Tensor.empty(sequences, 3, 3, 1, 520), Tensor.empty(sequences, 3, 1, 520, 64)
     item = create_schedule([softmax_weighted_sum(scores, values).lazydata])[-1]
     return launch_dims(linearize(Kernel(item.ast, CUDARenderer())))   # its 132 multiprocessors (an H100's)
   assert launch(1) == ((72, 1, 1), (256, 1, 1))   # 576 rows, 8 a block, a warp of threads each
-  assert launch(8) == ((384, 1, 1), (128, 1, 1))   # 8 x 3 x 64 stacked row groups of 3, four warps a block
+  # 8 x 3 x 64 stacked row groups of 3, interleaved too: 8 neighbouring outputs a block, a warp of threads each
+  assert launch(8) == ((192, 1, 1), (256, 1, 1))

@@ -301,7 +301,8 @@ class RowLinearizer(Linearizer):
       stack_axis, stack = None, 1
       threads, per_block = self._row_layout(rows, held)
     rows //= stack
-    interleave = interleaved_rows(kernel, row_dims, rows) if stack_axis is None else 1
+    # stacked rows interleave along another row axis (the stacked one's rows are a thread's, side by side)
+    interleave = interleaved_rows(kernel, row_dims, rows) if stack_axis is None or stack_axis != row_dims[-1] else 1
     if interleave > 1:   # a block of `interleave` rows, at least a warp of threads, at most the device's block
       threads = max(min(threads, kernel.renderer.max_threads // interleave), kernel.renderer.warp_size // interleave)
       per_block = interleave
@@ -319,7 +320,7 @@ class RowLinearizer(Linearizer):
     sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
     for axis, node in zip(row_dims, _unflatten(row, sizes)): idxs[axis] = node
     if stack_axis is not None:
-      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width)
+      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
     per_thread = math.ceil(register_units(units, width) / threads)
     passes = _RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     if passes.persistent: self._prefetch_row(passes)
@@ -375,7 +376,7 @@ class RowLinearizer(Linearizer):
     return best[1], best[2]
 
   def _linearize_stacked_rows(self, idxs: list[Node], axis: int, stack: int, thread: Node, threads: int, units: int,
-                              width: int) -> list[UOp]:
+                              width: int, lanes: tuple[Node, int] | None = None) -> list[UOp]:
     """Rows `stack` apart along `axis` (`_stacked_rows`), computed by one thread group one after another in
     straight-line code: their units persistent in registers, the loads they share (a broadcast weight row) are the
     same UOps, which the builder merges, so the shared operand is read once for all of them (a batched
@@ -387,14 +388,14 @@ class RowLinearizer(Linearizer):
     independent = [reduce for reduce in reduces if not self._varies_along(reduce, axis)]
     shared: dict[int, UOp] = {}
     stacked: list[tuple[list[Node], dict[int, UOp]]] = []
-    for sub in range(stack):
-      sub_idxs = list(idxs)
-      sub_idxs[axis] = idxs[axis] * stack + sub
+    every_idxs = [[*idxs[:axis], idxs[axis] * stack + sub, *idxs[axis + 1:]] for sub in range(stack)]
+    for sub_idxs in every_idxs: self._prefetch_row(_RowPasses(self, sub_idxs, thread, threads, units, width, True))
+    for sub, sub_idxs in enumerate(every_idxs):
       self.reduce_values = dict(shared)
       passes = _RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
       offset = sub * len(reduces)   # each row's local memory (a block's partials) of its own
       self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
-        accumulator, _accumulate_op(reduce), thread, threads, number + offset))
+        accumulator, _accumulate_op(reduce), thread, threads, number + offset, lanes))
       if sub == 0: shared = {id(reduce): self.reduce_values[id(reduce)] for reduce in independent}
       stacked.append((sub_idxs, dict(self.reduce_values)))
     first_thread = build.add(UOps.IF, None, (self.node_to_uop(thread < 1),))   # per-row outputs: thread 0 stores
