@@ -137,6 +137,9 @@ PROFILE_PATH = env_var("PROFILE_PATH", "", "file of the PROFILE=1 trace (default
 ROW_KERNELS = env_var("ROW_KERNELS", -1, "1: fuse reduces over the same rows (softmax, layernorm) into one kernel on "
                       "every device; 0: never; -1: on CPUs (a thread per row) and on GPUs with local memory (a block "
                       "per row)")
+ROW_INTERLEAVE = env_var("ROW_INTERLEAVE", 1, "1: a GPU row kernel whose largest loads are strided along the row but "
+                         "contiguous across rows runs neighbouring rows on neighbouring threads (whole 32-byte "
+                         "sectors a warp load); 0: a row's threads side by side")
 MATMUL_GRID = env_var("MATMUL_GRID", 1, "1: a float32 matmul on a GPU (of at least 2^28 multiply-adds) takes the block "
                       "tile and the split of its reduce across blocks (split-K) that codegen/opt/matmul_grid.py "
                       "predicts fastest; 0: the largest tile whose grid gives every multiprocessor a block, no split")

@@ -22,6 +22,7 @@ from ourgrad.nn.gguf import GGML_Q8_0, PackedTensor, quantize_q8_0
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.opt.heuristic import ThinMatmulPlan, hand_coded_optimizations
+from ourgrad.codegen.opts import Opt, OptOps
 from ourgrad.codegen.uops import UOps, launch_dims
 from ourgrad.device import Buffer
 from ourgrad.engine.realize import compile_kernel, run_schedule
@@ -163,6 +164,57 @@ def test_q8_0_row_product_reads_its_quants_in_pairs(emulated_cuda) -> None:
   uops = linearize(kernel)
   byte_loads = [uop.arg for uop in uops if uop.op is UOps.LOAD and uop.dtype == dtypes.uint8]
   assert byte_loads and set(byte_loads) == {2}, byte_loads
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "q8_0"])
+def test_one_token_down_projection_shares_each_silu(kind: str) -> None:
+  """x + (silu(gate) * up) @ W.T for one token, the SwiGLU recomputed on the down projection's loads (as a decode
+  step on a GPU builds it), against numpy: 4 rows of W a thread, so that each silu serves 4 outputs and the gate/up
+  values are read by 576 / 4 blocks, not 576 (the residual read as one float4 before the loop)."""
+  rng = np.random.default_rng(6)
+  dim, hidden = 576, 256
+  x_np = rng.standard_normal((1, 1, dim)).astype(np.float32)
+  w_gate_up_np = (rng.standard_normal((2 * hidden, dim)) / np.sqrt(dim)).astype(np.float32)
+  w_np = (rng.standard_normal((dim, hidden)) / np.sqrt(hidden)).astype(np.float32)
+  x = Tensor(x_np, device="PYTHON")
+  gate, up = x.linear(Tensor(w_gate_up_np, device="PYTHON")).contiguous().chunk(2, dim=-1)
+  if kind == "q8_0":
+    blocks = quantize_q8_0(w_np)
+    out = x + PackedTensor.from_blocks(GGML_Q8_0, Tensor(blocks, device="PYTHON"), w_np.shape).linear(gate.silu() * up)
+    w_values = numpy_dequantize(GGML_Q8_0, blocks).reshape(w_np.shape)
+  else:
+    w = Tensor(w_np, device="PYTHON").cast(dtypes.bfloat16).contiguous().realize()
+    out, w_values = x + (gate.silu() * up).linear(w), w.cast(dtypes.float32).numpy()
+  kernel, got = _emulated(_kernel_item(out))
+  product_np = x_np.astype(np.float64) @ w_gate_up_np.T.astype(np.float64)
+  expected = x_np + (_silu(product_np[..., :hidden]) * product_np[..., hidden:]) @ w_values.T.astype(np.float64)
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
+  assert Opt(OptOps.UPCAST, 0, 4) in kernel.applied_opts, kernel.applied_opts
+  assert launch_dims(linearize(kernel))[0] == (dim // 4, 1, 1)
+  assert sum(1 for uop in linearize(kernel) if uop.op is UOps.ALU and uop.arg is Ops.EXP2) == 1   # once, 4 rows
+
+
+@pytest.mark.parametrize("k", [576, 1536])
+def test_output_projection_reads_its_residual_first(k: int) -> None:
+  """x + a @ W.T as a decode step's output and down projections build it (one token, bfloat16 W (576, k)) against
+  numpy: the residual x is read before the reduce loop (in flight while the products run, not a memory round trip
+  after the threads' combine) and the 8 warps' totals meet in one BARRIER, each thread adding them up (no tree)."""
+  rng = np.random.default_rng(k)
+  x_np, a_np = rng.standard_normal((1, 1, 576)).astype(np.float32), rng.standard_normal((1, 1, k)).astype(np.float32)
+  w_np = (rng.standard_normal((576, k)) / np.sqrt(k)).astype(np.float32)
+  x, a = Tensor(x_np, device="PYTHON"), Tensor(a_np, device="PYTHON")
+  w = Tensor(w_np, device="PYTHON").cast(dtypes.bfloat16).contiguous().realize()
+  kernel, got = _emulated(_kernel_item(x + a.linear(w)))
+  expected = x_np + a_np.astype(np.float64) @ w.cast(dtypes.float32).numpy().T.astype(np.float64)
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+  uops = linearize(kernel)
+  residual = next(leaf.arg.idx for leaf, st in zip(kernel.leaves, kernel.sts) if leaf.op is Ops.LOAD
+                  and all(stride == 0 for stride in st.real_strides()[kernel.first_reduce:]))   # not along the reduce
+  first_loop = next(position for position, uop in enumerate(uops) if uop.op is UOps.RANGE)
+  residual_loads = [position for position, uop in enumerate(uops) if uop.op is UOps.LOAD
+                    and uop.srcs[0].op is UOps.DEFINE_GLOBAL and uop.srcs[0].arg[0] == residual]
+  assert residual_loads and all(position < first_loop for position in residual_loads), (residual_loads, first_loop)
+  assert sum(1 for uop in uops if uop.op is UOps.BARRIER) == 1
 
 
 # A decode-shaped model small enough for the interpreter whose kernels take the plans above: head_dim 64 (the scores'

@@ -14,7 +14,7 @@ import torch
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen.row_linearizer import vector_exp2
+from ourgrad.codegen.vector_exp2 import vector_exp2
 from ourgrad.codegen.uops import AxisType, UOpBuilder, UOps
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes

@@ -124,12 +124,15 @@ def test_small_shared_operand_is_not_stacked():
 
 def test_stacking_keeps_rows_that_share_blocks():
   """One sequence's attention (SmolLM2: 3 KV heads x 3 query heads x 64 outputs over 520 slots) on 132
-  multiprocessors: a warp a row, two rows a block. Stacking the group's 3 rows would leave 192 rows, too few to
-  share blocks (a block each, a barrier per reduce and stacked row): they stay as they are. At 8 sequences the
-  stacked rows still share blocks, a warp each."""
+  multiprocessors: not stacked. Stacking the group's 3 rows would leave 192 rows, too few to share blocks (a block
+  each, a barrier per reduce and stacked row); the values (strided along the slots, contiguous along head_dim) make
+  the rows interleaved instead: 8 neighbouring outputs a block, a warp's lanes side by side along head_dim
+  (test_interleaved_rows.py). At 8 sequences the rows are stacked by the group's 3 query heads (the values read
+  once for the three) and interleaved along head_dim."""
   def launch(sequences: int) -> tuple:
     scores, values = Tensor.empty(sequences, 3, 3, 1, 520), Tensor.empty(sequences, 3, 1, 520, 64)
     item = create_schedule([softmax_weighted_sum(scores, values).lazydata])[-1]
     return launch_dims(linearize(Kernel(item.ast, CUDARenderer())))   # its 132 multiprocessors (an H100's)
-  assert launch(1) == ((288, 1, 1), (64, 1, 1))
-  assert launch(8) == ((384, 1, 1), (128, 1, 1))   # 8 x 3 x 64 stacked row groups of 3, four warps a block
+  assert launch(1) == ((72, 1, 1), (256, 1, 1))   # 576 rows, 8 a block, a warp of threads each
+  # 8 x 3 x 64 stacked row groups of 3, interleaved too: 8 neighbouring outputs a block, a warp of threads each
+  assert launch(8) == ((192, 1, 1), (256, 1, 1))

@@ -55,6 +55,11 @@ def kept_where(kernel: Kernel, number: int) -> tuple[LazyOp, LazyOp] | None:
   if old.dtype != store.dtype or kernel.sts[kernel.leaf_number(old)] != kernel.sts[number]: return None
   return condition, new
 
+# a GROUP reduce's epilogue loads are issued before its reduce loop (_prefetch_epilogue) for at most this many output
+# lanes a thread (each holds a register through the loop)
+PREFETCHED_EPILOGUE_LANES = 4
+
+
 class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
   """Builds the UOps of one kernel. `linearize(kernel)` is the entry point."""
 
@@ -166,6 +171,8 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
           self._store_tile(local, address, values)
         build.add(UOps.BARRIER, None)
       if async_stages: self._copy_first_tile_steps(tiles, axis_idxs, async_stages)
+      if kernel.group_dims and not tiles and len(output_lanes) <= PREFETCHED_EPILOGUE_LANES:
+        self._prefetch_epilogue(axis_idxs, output_lanes)
       reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
                       for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
       next_tiles = []
@@ -364,6 +371,20 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     for axis in axes: flat = flat * self.kernel.full_shape[axis] + axis_idxs[axis]
     return flat
 
+  def _prefetch_epilogue(self, axis_idxs: list[Node], output_lanes: list[tuple[int, ...]]) -> None:
+    """The plain loads of the outputs' values outside the reduce (a residual added to a matrix-vector product), at
+    each output lane, before the reduce loop: read while the reduce runs, where after the GROUP threads' combine
+    (BARRIERs) they were a memory round trip at the kernel's end. The store reuses them (the builder merges equal
+    loads); a load's view is size 1 along the reduced axes, so its index is the same inside and outside the loop."""
+    kernel = self.kernel
+    reduces = {id(reduce) for reduce in kernel.reduceops}
+    leaves = {id(node): node for store in kernel.stores for node in _post_order(store.srcs[0], reduces)
+              if node.op is Ops.LOAD and isinstance(node.arg, MemBuffer) and not node.srcs}
+    zeros = (0,) * len(kernel.unroll_axes)
+    for lane in output_lanes:
+      idxs = self._fill_lanes(axis_idxs, kernel.upcast_axes, lane, kernel.unroll_axes, zeros)
+      for leaf in leaves.values(): self.compute(leaf, idxs, None)
+
   def _combine_groups(self, accumulators: dict[tuple[int, ...], UOp], axis_idxs: list[Node],
                       op: Ops) -> tuple[dict[tuple[int, ...], UOp], UOp]:
     """Combine the per-thread partials of each output across the GROUP threads; returns the combined values (valid
@@ -396,6 +417,16 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     for number, lane in enumerate(lanes): build.add(UOps.STORE, None, (local, address(number, slot), values[lane]))
     if writer is not None: build.end_if(writer)
     build.add(UOps.BARRIER, None)
+    if width > 1 and slots <= width:
+      # a warp total per warp-run (a few): every thread combines them itself, one BARRIER in all where a tree takes
+      # one per halving (a decode step's output projections: 8 warps, 3 barriers less)
+      combined = {}
+      for number, lane in enumerate(lanes):
+        total = build.add(UOps.LOAD, dtype, (local, address(number, self._int(0))))
+        for part in range(1, slots):
+          total = build.alu(op, dtype, total, build.add(UOps.LOAD, dtype, (local, address(number, self._int(part)))))
+        combined[lane] = total
+      return combined, group_index
     # a tree: while `count` partials are left, the first count//2 threads each combine a pair, in parallel
     count = slots
     while count > 1:

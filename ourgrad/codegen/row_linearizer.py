@@ -29,9 +29,11 @@ from ourgrad.codegen.integer_rows import integer_terms, lower_integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
 from ourgrad.codegen.online_rows import RowPass, ShiftTerms, group_row_passes
+from ourgrad.codegen.row_interleave import footprint, interleaved_combine, interleaved_rows
 from ourgrad.codegen.row_passes import RowPasses, register_units
 from ourgrad.codegen.shared_tile_fill import multiple_of
-from ourgrad.codegen.uops import AxisType, UOp, UOpBuilder, UOps
+from ourgrad.codegen.uops import AxisType, UOp, UOps
+from ourgrad.codegen.vector_exp2 import vector_exp2
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -296,18 +298,26 @@ class RowLinearizer(Linearizer):
       stack_axis, stack = None, 1
       threads, per_block = self._row_layout(rows, held)
     rows //= stack
+    # stacked rows interleave along another row axis (the stacked one's rows are a thread's, side by side)
+    interleave = interleaved_rows(kernel, row_dims, rows) if stack_axis is None or stack_axis != row_dims[-1] else 1
+    if interleave > 1:   # a block of `interleave` rows, at least a warp of threads, at most the device's block
+      threads = max(min(threads, kernel.renderer.max_threads // interleave), kernel.renderer.warp_size // interleave)
+      per_block = interleave
     blocks, block_threads = rows // per_block, threads * per_block
     self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks, 0, AxisType.GLOBAL))
     self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", block_threads, 0, AxisType.LOCAL))
     block, block_thread = Variable("gidx0", 0, blocks - 1), Variable("lidx0", 0, block_threads - 1)
-    # rows sharing a block: neighbouring groups of `threads` threads take neighbouring rows
+    # rows sharing a block: neighbouring groups of `threads` threads take neighbouring rows; interleaved rows:
+    # neighbouring threads take neighbouring rows, the threads of a row `interleave` apart
     row: Node = block if per_block == 1 else block * per_block + block_thread // threads
     thread: Node = block_thread if per_block == 1 else block_thread % threads
+    if interleave > 1: row, thread = block * per_block + block_thread % interleave, block_thread // interleave
+    lanes = (block_thread % interleave, interleave) if interleave > 1 else None
     idxs: list[Node] = [NumNode(0)] * len(shape)
     sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
     for axis, node in zip(row_dims, _unflatten(row, sizes)): idxs[axis] = node
     if stack_axis is not None:
-      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width)
+      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
     per_thread = math.ceil(register_units(units, width) / threads)
     passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
@@ -315,8 +325,9 @@ class RowLinearizer(Linearizer):
       # a streamed row's loads in flight come from its resident blocks: the compiler's unrolling of the loop must not
       # take the registers of one of them (GPT-2's vocabulary softmax: 24 -> 38 registers, 2 -> 1 block of 1024)
       build.add(UOps.OCCUPANCY, None, (), resident)
+    if passes.persistent: self._prefetch_row(passes)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
-      accumulator, _accumulate_op(reduce), thread, threads, number))
+      accumulator, _accumulate_op(reduce), thread, threads, number, lanes))
     if self._per_element():
       passes.run("sidx", None, store=True)
       return build.uops
@@ -324,6 +335,17 @@ class RowLinearizer(Linearizer):
     self._store_outputs(idxs, None)
     build.end_if(first_thread)
     return build.uops
+
+  def _prefetch_row(self, passes: RowPasses) -> None:
+    """Every plain load of the row reduces' inputs at each of the thread's persistent units (but a ragged last one,
+    under an IF), before the first reduce:
+    the passes after it reuse them (the builder merges equal loads), so all of the row's reads are in flight at once.
+    Emitted in the pass that first reads them, a later pass's loads (softmax @ V's values, after the max) would wait
+    for the block combine before them: a BARRIER, across which the compiler does not move loads."""
+    reduces = {id(reduce) for reduce in self.kernel.reduceops}
+    leaves = {id(node): node for reduce in self._row_reduces() for node in _post_order(reduce.srcs[0], reduces)
+              if node.op is Ops.LOAD and isinstance(node.arg, MemBuffer) and not node.srcs}
+    passes.run("prefetch", lambda idxs: [self.compute(leaf, idxs, None) for leaf in leaves.values()], unguarded=True)
 
   def _row_layout(self, rows: int, units: int) -> tuple[int, int]:
     """(threads per row, rows per block) of `rows` rows of `units` units on this GPU (row_sharing, else a block)."""
@@ -356,14 +378,14 @@ class RowLinearizer(Linearizer):
       stack = max(count for count in range(1, MAX_STACKED_ROWS + 1) if shape[axis] % count == 0)
       if stack < 2: continue
       broadcast = [not leaf.srcs and _broadcast_along(leaf.arg.st, axis) for leaf in loads]
-      shared = sum(_footprint(leaf, shape) for leaf, flag in zip(loads, broadcast) if flag)
-      others = sum(_footprint(leaf, shape) for leaf, flag in zip(loads, broadcast) if not flag)
+      shared = sum(footprint(leaf, shape) for leaf, flag in zip(loads, broadcast) if flag)
+      others = sum(footprint(leaf, shape) for leaf, flag in zip(loads, broadcast) if not flag)
       saved = shared * (stack - 1) / stack
       if shared > others and saved > best[0]: best = (saved, axis, stack)
     return best[1], best[2]
 
   def _linearize_stacked_rows(self, idxs: list[Node], axis: int, stack: int, thread: Node, threads: int, units: int,
-                              width: int) -> list[UOp]:
+                              width: int, lanes: tuple[Node, int] | None = None) -> list[UOp]:
     """Rows `stack` apart along `axis` (`_stacked_rows`), computed by one thread group one after another in
     straight-line code: their units persistent in registers, the loads they share (a broadcast weight row) are the
     same UOps, which the builder merges, so the shared operand is read once for all of them (a batched
@@ -375,14 +397,14 @@ class RowLinearizer(Linearizer):
     independent = [reduce for reduce in reduces if not self._varies_along(reduce, axis)]
     shared: dict[int, UOp] = {}
     stacked: list[tuple[list[Node], dict[int, UOp]]] = []
-    for sub in range(stack):
-      sub_idxs = list(idxs)
-      sub_idxs[axis] = idxs[axis] * stack + sub
+    every_idxs = [[*idxs[:axis], idxs[axis] * stack + sub, *idxs[axis + 1:]] for sub in range(stack)]
+    for sub_idxs in every_idxs: self._prefetch_row(RowPasses(self, sub_idxs, thread, threads, units, width, True))
+    for sub, sub_idxs in enumerate(every_idxs):
       self.reduce_values = dict(shared)
       passes = RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
       offset = sub * len(reduces)   # each row's local memory (a block's partials) of its own
       self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
-        accumulator, _accumulate_op(reduce), thread, threads, number + offset))
+        accumulator, _accumulate_op(reduce), thread, threads, number + offset, lanes))
       if sub == 0: shared = {id(reduce): self.reduce_values[id(reduce)] for reduce in independent}
       stacked.append((sub_idxs, dict(self.reduce_values)))
     first_thread = build.add(UOps.IF, None, (self.node_to_uop(thread < 1),))   # per-row outputs: thread 0 stores
@@ -617,10 +639,14 @@ class RowLinearizer(Linearizer):
         srcs = (self.buffers[store.arg.idx], index, values[lane][number]) + ((valid,) if valid is not None else ())
         build.add(UOps.STORE, None, srcs)
 
-  def _block_combine(self, partial: UOp, op: Ops, thread: Node, threads: int, number: int) -> UOp:
-    """The combination of every thread's partial, held by every thread of the block afterwards."""
+  def _block_combine(self, partial: UOp, op: Ops, thread: Node, threads: int, number: int,
+                     lanes: tuple[Node, int] | None = None) -> UOp:
+    """The combination of every thread's partial, held by every thread of the block afterwards. `lanes`: (the
+    row's place among the block's interleaved rows, their count), each row's threads that many lanes apart
+    (codegen/row_interleave.py)."""
     build, warp_size = self.builder, self.kernel.renderer.warp_size
     dtype = partial.dtype
+    if lanes is not None: return interleaved_combine(self, partial, op, thread, threads, number, *lanes)
     if 2 <= threads < warp_size and threads & (threads - 1) == 0:   # a row of a block's rows: part of a warp
       return build.add(UOps.WARP_REDUCE, dtype, (partial,), (op, threads, 1))
     if warp_size >= 2 and threads % warp_size == 0:
@@ -695,12 +721,6 @@ def _broadcast_along(st: ShapeTracker, axis: int) -> bool:
       (view.mask is None or tuple(view.mask[axis]) == (0, view.shape[axis]))
 
 
-def _footprint(load: LazyOp, shape: tuple[int, ...]) -> int:
-  """Bytes of the elements a load reads over the whole loop shape (the axes it is broadcast along not counted)."""
-  strides = load.arg.st.real_strides()
-  return math.prod(size for size, stride in zip(shape, strides) if stride != 0) * load.dtype.itemsize
-
-
 def _accumulate_op(reduce: LazyOp) -> Ops: return Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
 
 
@@ -720,41 +740,3 @@ def _unflatten(flat: Node, sizes: list[int]) -> list[Node]:
     nodes.append((flat // inner) % size)
     inner *= size
   return list(reversed(nodes))
-
-
-# 2**f for f in [-0.5, 0.5]: the Taylor series of exp(f ln 2) to degree 7 (truncation error < 6e-9, under half an ulp)
-_EXP2_COEFFICIENTS = tuple(math.log(2) ** power / math.factorial(power) for power in range(8))
-
-
-def vector_exp2(build: UOpBuilder, x: UOp) -> UOp:
-  """exp2(x) for float32 in plain arithmetic (a C compiler vectorizes it; libm's exp2f is a call per element):
-  x = n + f with n = round(x) (x clamped to [-252, 256], beyond which the result is 0 or inf anyway) and |f| <= 0.5,
-  2**f by a polynomial, 2**n as two float exponents (n split in halves, so that 2**128 overflows to inf and 2**-140
-  underflows gradually, as exp2f does). Within 1 ulp of the rounded exact result; NaN stays NaN.
-  Written for gcc's if-conversion: selects on one comparison each, and no float/int conversions (they may trap,
-  which keeps a loop with selects from vectorizing): n is rounded by adding 1.5 * 2**23 and read from the bits."""
-  f32, i32 = dtypes.float32, dtypes.int32
-
-  def const(value: float, dtype: DType = f32) -> UOp: return build.const(value, dtype)
-
-  def select(condition: UOp, yes: UOp, no: UOp) -> UOp: return build.alu(Ops.WHERE, f32, condition, yes, no)
-  low = select(build.alu(Ops.CMPLT, dtypes.bool, const(-252.0), x), x, const(-252.0))
-  clamped = select(build.alu(Ops.CMPLT, dtypes.bool, low, const(256.0)), low, const(256.0))
-  rounding = 1.5 * 2 ** 23   # adding it rounds a float of magnitude < 2**22 to an integer, kept in the low bits
-  shifted = build.alu(Ops.ADD, f32, clamped, const(rounding))
-  n = build.alu(Ops.ADD, i32, build.add(UOps.BITCAST, i32, (shifted,)), const(-0x4B400000, i32))
-  rounded = build.alu(Ops.ADD, f32, shifted, const(-rounding))
-  fraction = build.alu(Ops.ADD, f32, clamped, build.alu(Ops.NEG, f32, rounded))
-  power = const(_EXP2_COEFFICIENTS[-1])
-  for coefficient in reversed(_EXP2_COEFFICIENTS[:-1]):
-    power = build.alu(Ops.ADD, f32, build.alu(Ops.MUL, f32, power, fraction), const(coefficient))
-  # n = half + rest, each in [-126, 128]: (n + 256) >> 1 is a shift of a non-negative number
-  half = build.alu(Ops.ADD, i32, build.alu(Ops.SHR, i32, build.alu(Ops.ADD, i32, n, const(256, i32)), const(1, i32)),
-                   const(-128, i32))
-  rest = build.alu(Ops.ADD, i32, n, build.alu(Ops.NEG, i32, half))
-
-  def two_to(exponent: UOp) -> UOp:   # 2**e for e in [-126, 128] (128: inf), from the float's exponent bits
-    bits = build.alu(Ops.SHL, i32, build.alu(Ops.ADD, i32, exponent, const(127, i32)), const(23, i32))
-    return build.add(UOps.BITCAST, f32, (bits,))
-  result = build.alu(Ops.MUL, f32, build.alu(Ops.MUL, f32, power, two_to(half)), two_to(rest))
-  return select(build.alu(Ops.CMPNE, dtypes.bool, x, x), x, result)

@@ -39,10 +39,12 @@ class RowPasses:
     self.loop_units = max(1, LOOP_REGISTER_UNITS // register_units(1, width))
 
   def run(self, name: str, element: Callable[[list[Node]], None] | None, store: bool = False,
-          each_unit: Callable[[list[list[Node]]], None] | None = None, reads: list[LazyOp] | None = None) -> None:
+          each_unit: Callable[[list[list[Node]]], None] | None = None, reads: list[LazyOp] | None = None,
+          unguarded: bool = False) -> None:
     """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store, or
     `each_unit(indices of each element)` once per unit. `reads`: the values the pass computes, whose loads a loop
-    iteration issues for all its units first (the computations then reuse them)."""
+    iteration issues for all its units first (the computations then reuse them). `unguarded`: only the units every
+    thread has (what a unit under an IF computes is not seen outside it)."""
     linearizer = self.linearizer
     first_unrolled = 0
     if not self.persistent:
@@ -62,6 +64,7 @@ class RowPasses:
       first_unrolled = steps * self.loop_units
     for number in range(first_unrolled, self.per_thread):
       ragged = self.units % self.threads != 0 and number == self.per_thread - 1
+      if ragged and unguarded: continue
       self._unit(NumNode(number), ragged, element, store, each_unit)
 
   def _unit(self, iteration: Node, ragged: bool, element: Callable[[list[Node]], None] | None, store: bool,

@@ -398,6 +398,7 @@ def _group_reduce(kernel: Kernel) -> bool:
     _group_reduce_axes(kernel, budget, GROUP_MAX_AXES, GROUP_POWERS_OF_TWO)
     if kernel.group_dims:
       _upcast_shared_axis(kernel)
+      _upcast_recomputed_rows(kernel)
       _fill_row_blocks(kernel)
     # a reduce over several axes (N, H, W of batchnorm statistics) is left a short loop per thread: unrolled. A row
     # reduction (one axis) keeps its loop (the row kernels' choice)
@@ -429,6 +430,19 @@ def _upcast_shared_axis(kernel: Kernel) -> None:
   for axis in range(kernel.global_dims):
     size = kernel.full_shape[axis]
     if 1 < size <= SHARED_AXIS_UPCAST and strides[axis] == 0 and kernel.try_opt(Opt(OptOps.UPCAST, axis, size)): return
+
+
+def _upcast_recomputed_rows(kernel: Kernel) -> None:
+  """A grouped row reduction whose operand broadcast along its (one) output axis is computed on its loads at a cost
+  of at least THIN_RECOMPUTE_COST ops per element (one token's SwiGLU silu(gate) * up, recomputed by every row of
+  the down projection: each of its 576 blocks read the 3072 gate/up values and took 1536 exp2s): THIN_ROWS_PER_THREAD
+  rows UPCAST in each thread, each recomputed value serving them all, where the blocks left still cover every
+  multiprocessor. As ThinMatmulStrategy does for several tokens."""
+  if kernel.global_dims != 1 or kernel.upcast_axes: return
+  size, processors = kernel.full_shape[0], getattr(kernel.renderer, "multiprocessors", 0)
+  if size % THIN_ROWS_PER_THREAD or size // THIN_ROWS_PER_THREAD < processors: return
+  if _cost_broadcast_along(kernel, 0) >= THIN_RECOMPUTE_COST:
+    kernel.try_opt(Opt(OptOps.UPCAST, 0, THIN_ROWS_PER_THREAD))
 
 
 # a grouped row reduction's block takes LOCAL rows up to this many threads (a warp a row: a decode step's 12480 scores
