@@ -76,6 +76,8 @@ inline void copy_async_commit() {}
 template <int PENDING> inline void copy_async_wait() {}
 inline float __uint_as_float(unsigned bits) { float f; memcpy(&f, &bits, 4); return f; }
 inline unsigned float_as_uint(float f) { unsigned bits; memcpy(&bits, &f, 4); return bits; }
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 """
 
 HOST_CONVERSIONS = {
@@ -273,8 +275,6 @@ inline void red_add2(float* address, float first, float second) {
 inline void red_add4(float* address, float first, float second, float third, float fourth) {
   std::lock_guard<std::mutex> hold(reduction_lock);
   address[0] += first; address[1] += second; address[2] += third; address[3] += fourth; }
-struct float2 { float x, y; };
-inline float2 make_float2(float x, float y) { return float2{x, y}; }
 struct WarpgroupBarriers { Barrier of[8]; WarpgroupBarriers() { for (Barrier& b : of) b.count = 128; } };
 WarpgroupBarriers warpgroup_barriers;
 inline void warpgroup_sync() { warpgroup_barriers.of[threadIdx.x / 128].wait(); }

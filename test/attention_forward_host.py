@@ -22,9 +22,7 @@ from ourgrad.codegen.attention import AttentionPlan, render_attention
 
 FORWARD_PRELUDE = r"""
 inline float __int_as_float(int bits) { float f; memcpy(&f, &bits, 4); return f; }
-struct float2 { float x, y; };
-inline float2 make_float2(float x, float y) { return float2{x, y}; }
-"""
+"""   # (float2 and make_float2: the PRELUDE of attention_backward_host.py)
 
 # the forward's helper names on the host: mma with pointer operands, packing, ldmatrix over 16-bit rows, copies
 FORWARD_HELPERS = r"""
