@@ -12,7 +12,7 @@ what launching item by item gives: the graph runs on the same stream, in the sam
 A schedule is not captured (DEBUG=2 says why, once per realize) when it holds a copy (to or from the host, or between
 devices), a kernel with symbolic sizes, a single kernel (one launch already), kernels on several devices, or its device
 has no graph; nor while DEBUG >= 2, PROFILE or a profile() block asks for each launch, nor while TinyJit records.
-EAGER_CAPTURE=0 turns it off.
+EAGER_CAPTURE=0 turns it off; host devices (CLANG, LLVM) are captured only with EAGER_CAPTURE=2.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from ourgrad.helpers import DEBUG, GlobalCounters, env_var
 from ourgrad.ops import Ops
 
 EAGER_CAPTURE = env_var("EAGER_CAPTURE", 1, "0: launch a repeated eager realize kernel by kernel, never as one "
-                        "captured graph (a CUDA graph on CUDA); docs/jit.md, transparent capture")
+                        "captured graph; 1: capture on devices with a device graph (a CUDA graph on CUDA); 2: also on "
+                        "host devices (CLANG, LLVM: one loop of ctypes calls); docs/jit.md, transparent capture")
 # replays of a cached schedule launched kernel by kernel before it is captured: a realize repeated a few times is a loop
 CAPTURE_AFTER_REPLAYS = 2
 
@@ -73,9 +74,12 @@ def structural_reason(schedule: list[ScheduleItem]) -> str | None:
   if not all(isinstance(item.lowering.runner, CompiledRunner) for item in schedule): return "an item that is no kernel"
   if any(item.lowering.var_vals for item in schedule): return "symbolic shapes (bound Variables)"
   device = next(iter(devices))
-  if getattr(Device[device], "graph", None) is None and \
-      not all(item.lowering.runner.host_function is not None for item in schedule):
-    return f"{device} has no device graph"
+  if getattr(Device[device], "graph", None) is None:
+    if not all(item.lowering.runner.host_function is not None for item in schedule):
+      return f"{device} has no device graph"
+    # off by default on host devices: the CPU SmolLM2 decode loop (logits read each step) measured 54 -> 44-47 tok/s
+    # with it (session 15; not understood yet), where it saved ~40 us an MLP step
+    if EAGER_CAPTURE < 2: return f"{device} runs host kernels (EAGER_CAPTURE=2 captures them as one ctypes loop)"
   return None
 
 
