@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tainted) until the next schedule
 _LEAF = "leaf buffer"
 _INLINE = "inline constant"
-_PLAIN_ARG_TYPES = (type(None), int, bool, str)
+PLAIN_ARG_TYPES = (type(None), int, bool, str)
 _CONST = Ops.CONST
 
 
@@ -83,7 +83,7 @@ def take() -> Trace | None:
 def hashable_arg(arg: Any) -> Any:
   """`arg` as a key token: 0.0 and -0.0 apart (equal, and equal hashes, but different kernels); unhashable args by
   their repr."""
-  if type(arg) in _PLAIN_ARG_TYPES: return arg
+  if type(arg) in PLAIN_ARG_TYPES: return arg
   if type(arg) is float: return (arg, math.copysign(1.0, arg)) if arg == 0 else arg
   try:
     hash(arg)
@@ -105,7 +105,7 @@ def describe(trace: Trace) -> bool:
   for position, base in enumerate(bases):
     if base._trace_index != position: return False
     arg, srcs = base.arg, base.srcs
-    extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
+    extend((base.op, arg if type(arg) in PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
             base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
     for src in srcs:
       src_base = src if src._base is None else src._base
@@ -123,7 +123,7 @@ def describe(trace: Trace) -> bool:
       if not (0 <= index < count and bases[index] is src_base):
         if src_base.op is _CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
           value = src_base.arg
-          extend((_INLINE, value if type(value) in _PLAIN_ARG_TYPES or (type(value) is float and value) else
+          extend((_INLINE, value if type(value) in PLAIN_ARG_TYPES or (type(value) is float and value) else
                   hashable_arg(value), src_base.dtype, src_base.device, src_base.shape, src.st))
           continue
         # a lazy base made before the trace (or a constant forced into memory): described after the ones listed

@@ -17,12 +17,12 @@ outputs' positions in it are the key (`_traced`, each entry the walk's schedule 
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ourgrad import lazy_trace
+from ourgrad.lazy_trace import PLAIN_ARG_TYPES, hashable_arg
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
@@ -135,8 +135,8 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
       bases.append(base)
       arg = base.arg
       srcs = base.srcs
-      # (most args are None, ints or nonzero floats: no call to _hashable)
-      extend((base.op, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else _hashable(arg),
+      # (most args are None, ints or nonzero floats: no call to hashable_arg)
+      extend((base.op, arg if type(arg) in PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
               base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
       for src in srcs:
         src_base = src if src._base is None else src._base
@@ -147,7 +147,7 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
         elif src_base.realized is not None: reference_leaf(src, src_base)
         else:   # a constant only read (see the walk below): its value, dtype, device, shape and view, after _INLINE
           arg = src_base.arg
-          extend((_INLINE, arg if type(arg) in _PLAIN_ARG_TYPES or (type(arg) is float and arg) else _hashable(arg),
+          extend((_INLINE, arg if type(arg) in PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
                   src_base.dtype, src_base.device, src_base.shape, src.st))
       continue
     if id(base) in visited or base.realized is not None: continue
@@ -172,21 +172,9 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
   return tuple(tokens), bases, leaves
 
 
-_PLAIN_ARG_TYPES = (type(None), int, bool, str)
 _CONST = Ops.CONST
 # the first token of an inline constant's reference (a walked base's is its position, a leaf's a negative int)
 _INLINE = "inline constant"
-
-
-def _hashable(arg: Any) -> Any:
-  if type(arg) in _PLAIN_ARG_TYPES: return arg   # most args (None for elementwise ops, ints): no hash() to try
-  # 0.0 == -0.0 (and both hash alike), but constants of either sign make different kernels
-  if type(arg) is float: return (arg, math.copysign(1.0, arg)) if arg == 0 else arg
-  try:
-    hash(arg)
-  except TypeError:
-    return repr(arg)
-  return arg
 
 
 def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
