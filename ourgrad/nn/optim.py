@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ourgrad.dtype import DType, dtypes
+from ourgrad.engine.exec_item import jit_recording
 from ourgrad.errors import AutogradError, DTypeError
 from ourgrad.lazy import LazyBuffer, _broadcast_scalar
 from ourgrad.mixed_precision import LOW_FLOAT_DTYPES, suspend_autocast
@@ -62,11 +63,15 @@ def _scalar_buffer(value: float, device: str | tuple[str, ...]) -> Tensor:
 
 class _LazyUpdate:
   """Elementwise math of an optimizer step's updates on lazy buffers (a single device's LazyBuffer or a
-  MultiLazyBuffer: both have these methods), one per step. A Python number is one 0-d constant per step (per value
-  and dtype) and a per-step value a 0-d Tensor; every parameter reads them through one broadcast view of its shape."""
+  MultiLazyBuffer: both have these methods), one per step. A Python number read by a parameter's update is one shared
+  constant per (value, dtype, device, shape), made once for all steps (LazyBuffer.operand_constant); a 0-d number
+  (the per-step math) one 0-d constant per step. A per-step value is read by every parameter of one shape and dtype
+  through one broadcast view."""
 
   def __init__(self) -> None:
     self._constants: dict[tuple[float, DType, str], LazyBuffer] = {}
+    # (id of a per-step 0-d value, shape, dtype) -> its broadcast view; the step keeps those values alive
+    self._broadcasts: dict[tuple[int, tuple[int, ...], DType], Lazy] = {}
 
   @staticmethod
   def broadcast(scalar: Lazy, like: Lazy) -> Lazy:
@@ -75,17 +80,21 @@ class _LazyUpdate:
       return scalar.view(_broadcast_scalar(like.shape))
     return scalar.reshape((1,) * len(like.shape)).expand(like.shape)
 
-  def per_step(self, scalar: Tensor, like: Lazy) -> Lazy:
-    """A 0-d Tensor computed once per step (a learning rate times a bias correction), as `like`'s shape and dtype."""
-    return self.broadcast(scalar.lazydata.cast(like.dtype), like)
+  def per_step(self, scalar: Lazy, like: Lazy) -> Lazy:
+    """A 0-d value computed once per step (a learning rate times a bias correction), as `like`'s shape and dtype."""
+    key = (id(scalar), like.shape, like.dtype)
+    view = self._broadcasts.get(key)
+    if view is None: view = self._broadcasts[key] = self.broadcast(scalar.cast(like.dtype), like)
+    return view
 
   def constant(self, value: float, like: Lazy) -> Lazy:
-    """`value` with `like`'s shape and dtype."""
+    """`value` with `like`'s shape and dtype, only as an operand of the op being built (never a tensor's value)."""
     if type(like) is not LazyBuffer: return like.const_like(value)
+    if like.shape: return like.operand_like(value)
     key = (value, like.dtype, like.device)
     scalar = self._constants.get(key)
     if scalar is None: scalar = self._constants[key] = LazyBuffer.full(value, (), like.dtype, like.device)
-    return self.broadcast(scalar, like)
+    return scalar
 
   @staticmethod
   def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.ADD, y)
@@ -93,6 +102,17 @@ class _LazyUpdate:
   def mul(self, x: Lazy, y: Lazy | float) -> Lazy:
     # (a hyper-parameter may be a numpy scalar: anything not a lazy buffer is a number)
     return x.elementwise(Ops.MUL, y if isinstance(y, (LazyBuffer, MultiLazyBuffer)) else self.constant(float(y), x))
+
+  @staticmethod
+  def neg(x: Lazy) -> Lazy: return x.elementwise(Ops.NEG)   # (x * -1 for floats, as Tensor's neg)
+
+  def one_minus(self, x: Lazy) -> Lazy:
+    """1 - x, as Tensor's `1.0 - x` builds it: 1 + (-x)."""
+    return self.add(self.constant(1.0, x), self.neg(x))
+
+  def exp(self, x: Lazy) -> Lazy:
+    """e ** x of a float32 value, as Tensor.exp builds it: exp2(x * (1 / ln 2))."""
+    return self.mul(x, 1 / math.log(2)).elementwise(Ops.EXP2)
 
   @staticmethod
   def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.MUL, y.elementwise(Ops.RECIP))   # as Tensor.div
@@ -105,7 +125,15 @@ class _LazyUpdate:
 
 
 def _write(tensor: Tensor, value: Lazy) -> Tensor:
-  """`tensor.assign(value)` for a lazy value (cast to the tensor's dtype); returns the tensor."""
+  """`tensor.assign(value)` for a lazy value (cast to the tensor's dtype); returns the tensor. A value of the
+  tensor's shape, dtype and device written into a single device's buffer takes the short way, what assign does for
+  it: optimizer state and parameters are leaves and the value has no Function, so there is no autograd to adopt."""
+  target = tensor._lazydata
+  if type(target) is LazyBuffer and type(value) is LazyBuffer and tensor._ctx is None and \
+      value.shape == target.shape and value.dtype == target.dtype and value.device == target.device:
+    jit_recording.note_assign(tensor)   # (as Tensor.assign: a TinyJit call realizes the assigns it made)
+    tensor.lazydata = tensor.lazydata.write(value)
+    return tensor
   return tensor.assign(Tensor(value))
 
 
@@ -330,8 +358,8 @@ class SGD(Optimizer):
   def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     updated: list[Tensor] = []
     buffer_of = {id(param): buffer for param, buffer in zip(self.params, self.buffers)}
-    minus_lr = -self.lr_tensor   # -(lr * g) is (-lr) * g exactly: p + (-lr) * g is p - lr * g
     lazy = _LazyUpdate()
+    minus_lr = lazy.neg(self.lr_tensor.lazydata)   # -(lr * g) is (-lr) * g exactly: p + (-lr) * g is p - lr * g
     for param, grad in active:
       weights, g = param.lazydata, grad.lazydata
       if self.weight_decay: g = lazy.add(g, lazy.mul(weights, self.weight_decay))
@@ -360,11 +388,18 @@ class _AdamBase(Optimizer):
     self.v: list[Tensor] = [_state_like(param) for param in self.params]
     self.t: Tensor = _scalar_buffer(0.0, self.device)  # steps taken (a buffer, so every step runs the same kernels)
 
-  def _bias_corrections(self) -> tuple[Tensor, Tensor]:
-    """(1 - b1**t, 1 - b2**t) for the step count t after this step's increment, as lazy 0-d Tensors."""
-    def one_minus_power(beta: float) -> Tensor:
-      if beta == 0.0: return Tensor.ones_like(self.t)
-      return 1.0 - (self.t * math.log(beta)).exp()  # beta**t with t read from memory
+  def _count_step(self, lazy: _LazyUpdate) -> None:
+    """t = t + 1, assigned."""
+    _write(self.t, lazy.add(self.t.lazydata, lazy.constant(1.0, self.t.lazydata)))
+
+  def _bias_corrections(self, lazy: _LazyUpdate) -> tuple[Lazy, Lazy]:
+    """(1 - b1**t, 1 - b2**t) for the step count t after this step's increment, as lazy 0-d values (the operations
+    of the Tensor formula `1.0 - (t * math.log(beta)).exp()`, built without Tensors: the optimizer's own math needs
+    no autograd)."""
+    t = self.t.lazydata
+    def one_minus_power(beta: float) -> Lazy:
+      if beta == 0.0: return t.const_like(1.0)
+      return lazy.one_minus(lazy.exp(lazy.mul(t, math.log(beta))))  # beta**t with t read from memory
     return one_minus_power(self.b1), one_minus_power(self.b2)
 
   def _moments(self, index: int, g: Lazy, lazy: _LazyUpdate) -> tuple[Lazy, Lazy]:
@@ -387,20 +422,20 @@ class Adam(_AdamBase):
                eps: float = 1e-8, weight_decay: float = 0.0):
     super().__init__(params, lr, betas, eps, weight_decay)
 
-  def _decay_factor(self) -> Tensor | None:
+  def _decay_factor(self, lazy: _LazyUpdate) -> Lazy | None:
     """The 0-d factor the weights are multiplied by before the update (AdamW's decoupled decay), or None."""
     return None
 
   def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     index_of = {id(param): index for index, param in enumerate(self.params)}
-    self.t.assign(self.t + 1.0)
-    correction1, correction2 = self._bias_corrections()
-    # per step, not per parameter: p + (-lr / c1) * m / (sqrt(v) / sqrt(c2) + eps), the Tensor formula's operations
-    minus_step_size = -(self.lr_tensor / correction1)
-    inverse_sqrt_correction2 = correction2.sqrt().reciprocal()
-    decay_factor = self._decay_factor()
-    updated: list[Tensor] = [self.t]
     lazy = _LazyUpdate()
+    self._count_step(lazy)
+    correction1, correction2 = self._bias_corrections(lazy)
+    # per step, not per parameter: p + (-lr / c1) * m / (sqrt(v) / sqrt(c2) + eps), the Tensor formula's operations
+    minus_step_size = lazy.neg(lazy.div(self.lr_tensor.lazydata, correction1))
+    inverse_sqrt_correction2 = lazy.sqrt(correction2).elementwise(Ops.RECIP)
+    decay_factor = self._decay_factor(lazy)
+    updated: list[Tensor] = [self.t]
     for param, grad in active:
       weights, g = param.lazydata, lazy.cast(grad.lazydata, dtypes.float32)
       if self.weight_decay and decay_factor is None:   # Adam's L2 term: weight_decay * p added to the gradient
@@ -423,8 +458,8 @@ class AdamW(Adam):
                eps: float = 1e-8, weight_decay: float = 0.01):
     super().__init__(params, lr, betas, eps, weight_decay)
 
-  def _decay_factor(self) -> Tensor | None:
-    return 1.0 - self.lr_tensor * self.weight_decay if self.weight_decay else None
+  def _decay_factor(self, lazy: _LazyUpdate) -> Lazy | None:
+    return lazy.one_minus(lazy.mul(self.lr_tensor.lazydata, self.weight_decay)) if self.weight_decay else None
 
 
 class LAMB(_AdamBase):
@@ -443,12 +478,13 @@ class LAMB(_AdamBase):
 
   def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     index_of = {id(param): index for index, param in enumerate(self.params)}
-    self.t.assign(self.t + 1.0)
-    correction1, correction2 = self._bias_corrections()
+    lazy = _LazyUpdate()
+    self._count_step(lazy)
+    correction1, correction2 = (Tensor(value, requires_grad=False) for value in self._bias_corrections(lazy))
     updated: list[Tensor] = [self.t]
     for param, grad in active:
       weights, index = param.detach(), index_of[id(param)]
-      self._moments(index, grad.lazydata.cast(dtypes.float32), _LazyUpdate())
+      self._moments(index, grad.lazydata.cast(dtypes.float32), lazy)
       m, v = self.m[index], self.v[index]
       update = (m / correction1) / ((v / correction2).sqrt() + self.eps)
       if self.weight_decay: update = update + self.weight_decay * weights
