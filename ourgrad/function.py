@@ -100,6 +100,10 @@ def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> N
 
 # ---------------------------------------------------------------- lazy helpers used by the backward passes
 
+# A constant a backward reads only as an operand (relu's 0, where's zeros) is `operand_like`: one shared LazyBuffer per
+# (value, dtype, device, shape), made once for all steps; `const_like` (a new one, a tensor's storage) only where the
+# constant is itself a gradient handed on.
+
 # the Ops members the helpers and forwards below use, read as module globals: in Python 3.11 an attribute of an Enum
 # class (`Ops.ADD`) goes through EnumType's __getattr__ hook, ~0.2 us a read, once or twice for every op built
 _ADD, _MUL, _NEG, _RECIP, _WHERE, _CMPNE, _CMPLT = Ops.ADD, Ops.MUL, Ops.NEG, Ops.RECIP, Ops.WHERE, Ops.CMPNE, Ops.CMPLT
@@ -196,7 +200,7 @@ class Relu(Function):
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
     # the result is >= 0 or NaN: the gradient passes where it is not 0 (at NaN too, as in torch)
-    passes = self.result.elementwise(Ops.CMPNE, self.result.const_like(0))
+    passes = self.result.elementwise(Ops.CMPNE, self.result.operand_like(0))
     return _mul(passes.cast(grad_output.dtype), grad_output)
 
 
@@ -285,7 +289,7 @@ class Sigmoid(Function):
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    return _mul(_mul(self.result, _sub(self.result.const_like(1), self.result)), grad_output)
+    return _mul(_mul(self.result, _sub(self.result.operand_like(1), self.result)), grad_output)
 
 
 # ---------------------------------------------------------------- binary and ternary
@@ -376,7 +380,7 @@ class Maximum(Function):
     return x.elementwise(Ops.MAX, y)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
-    zero = grad_output.const_like(0)
+    zero = grad_output.operand_like(0)
     shared = _where(_equal(self.x, self.y), _scale(grad_output, 0.5), grad_output)
     return (_where(self.x.elementwise(Ops.CMPLT, self.y), zero, shared) if self.needs_input_grad[0] else None,
             _where(self.y.elementwise(Ops.CMPLT, self.x), zero, shared) if self.needs_input_grad[1] else None)
@@ -425,7 +429,7 @@ class Where(Function):
     return cond.elementwise(_WHERE, x, y)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[None, LazyBuffer | None, LazyBuffer | None]:
-    zeros = grad_output.const_like(0)
+    zeros = grad_output.operand_like(0)
     return (None,
             _where(self.cond, grad_output, zeros) if self.needs_input_grad[1] else None,
             _where(self.cond, zeros, grad_output) if self.needs_input_grad[2] else None)
@@ -548,10 +552,10 @@ class MaxToOne(Function):
     # a NaN peak makes every comparison false, so the NaNs are the candidates there; the smallest rank wins among them.
     # Two nested selects, not one on `x == max | x != x`: gcc 12 does not vectorize that OR of an equality and a NaN
     # test (the CPU's max-pool backward then ran scalar, 3.5x slower).
-    not_max = _where(is_nan, rank.elementwise(Ops.NEG), rank.const_like(rank.dtype.min))
+    not_max = _where(is_nan, rank.elementwise(Ops.NEG), rank.operand_like(rank.dtype.min))
     key = _where(_equal(x, self.result.expand(x.shape)), rank, not_max)
     chosen = _equal(key, key.reduce(Ops.MAX_REDUCE, self.axes).expand(x.shape))
-    grad = _where(chosen, grad_output.expand(x.shape), grad_output.const_like(0).expand(x.shape))
+    grad = _where(chosen, grad_output.expand(x.shape), grad_output.operand_like(0).expand(x.shape))
     return grad, None
 
 
