@@ -183,3 +183,46 @@ def test_gradients_of_different_dtypes_for_one_tensor_add_up_promoted() -> None:
   ((reference_out * torch.tensor(upstream)).sum() + (reference_x * 2).float().sum()).backward()
   np.testing.assert_allclose(x.grad.numpy().astype(np.float32), reference_x.grad.float().numpy(), rtol=1e-2,
                              atol=1e-2)
+
+
+def _constants_built(run: Callable[[], Any]) -> int:
+  """How many CONST bases are made while `run` runs."""
+  from ourgrad import lazy
+  from ourgrad.ops import Ops
+  made = [0]
+  original = lazy._init_base
+
+  def counting(base: Any, device: str, st: Any, dtype: Any, op: Any, arg: Any, srcs: Any) -> None:
+    if op is Ops.CONST: made[0] += 1
+    original(base, device, st, dtype, op, arg, srcs)
+  lazy._init_base = counting
+  try:
+    run()
+  finally:
+    lazy._init_base = original
+  return made[0]
+
+
+def test_backward_reads_shared_constants_and_matches_torch() -> None:
+  """relu's, where's, maximum's and sigmoid's backward read their 0s and 1s as shared operand constants (made once,
+  for every later step): a second backward of the same graph makes only the seed gradient's constant. Gradients
+  against PyTorch."""
+  rng = np.random.default_rng(0)
+  x_value, w_value, v_value = (rng.standard_normal((4, 6)).astype(np.float32) for _ in range(3))
+
+  def ours() -> tuple[int, np.ndarray, np.ndarray]:
+    x, w = Tensor(x_value, requires_grad=True), Tensor(w_value, requires_grad=True)
+    product = x * w
+    mixed = product.relu() + (product > 0.5).where(product, w) + product.maximum(w) + product.sigmoid()
+    loss = (mixed * Tensor(v_value)).sum()   # (a gradient that is no constant: nothing folds)
+    constants = _constants_built(loss.backward)
+    return constants, x.grad.numpy(), w.grad.numpy()
+  ours()   # the first backward makes the shared constants
+  constants, grad_x, grad_w = ours()
+  assert constants == 1, f"backward made {constants} constants, expected only the seed gradient's"
+  x, w = torch.tensor(x_value, requires_grad=True), torch.tensor(w_value, requires_grad=True)
+  product = x * w
+  mixed = product.relu() + torch.where(product > 0.5, product, w) + torch.maximum(product, w) + product.sigmoid()
+  (mixed * torch.tensor(v_value)).sum().backward()
+  np.testing.assert_allclose(grad_x, x.grad.numpy(), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(grad_w, w.grad.numpy(), rtol=1e-6, atol=1e-6)

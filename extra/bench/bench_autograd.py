@@ -1,5 +1,5 @@
 """What autograd and the optimizer step cost in an eager training step (issue 26): per phase of the step, the lazy
-nodes built (bases, views) and the thread CPU time, on the bench_eager workloads (mlp, cnn, gpt2).
+nodes built (bases, views) and the thread CPU time, on bench_eager's workloads mlp, cnn and gpt2.
 
 Phases of a step (ourgrad_step in bench_jit.py, split apart):
   forward   zero_grad and the model's forward + loss (graph building)
@@ -37,27 +37,48 @@ PHASES = ("forward", "backward", "optimizer", "realize")
 
 
 class PhasedStep:
-  """An Adam training step of `model` on (x, y) whose phases (PHASES) can be run and timed one by one."""
+  """A training step whose phases (PHASES) can be run and timed one by one: `loss()` builds the forward and the loss,
+  then backward, every optimizer's schedule_step, and one realize of the loss, the updates and `stats`."""
 
-  def __init__(self, model: Any, x: Tensor, y: Tensor):
-    self.model, self.x, self.y = model, x, y
-    self.trainable = [tensor for tensor in get_parameters(model) if tensor.requires_grad]
-    self.stats = [tensor for tensor in get_parameters(model) if not tensor.requires_grad]
-    self.optimizer = Adam(self.trainable, lr=1e-3)
+  def __init__(self, loss: Callable[[], Tensor], optimizers: list[Any], stats: list[Tensor]):
+    self.make_loss, self.optimizers, self.stats = loss, optimizers, stats
     self.loss: Tensor | None = None
     self.updates: list[Tensor] = []
+
+  @staticmethod
+  def classifier(model: Any, x: Tensor, y: Tensor) -> PhasedStep:
+    """An Adam step of an image classifier `model` on (x, y) with a cross-entropy loss (bench_jit's ourgrad_step)."""
+    trainable = [tensor for tensor in get_parameters(model) if tensor.requires_grad]
+    stats = [tensor for tensor in get_parameters(model) if not tensor.requires_grad]
+    return PhasedStep(lambda: cross_entropy(model(x), y), [Adam(trainable, lr=1e-3)], stats)
 
   def run(self, phase: str) -> None:
     with Tensor.train():
       if phase == "forward":
-        self.optimizer.zero_grad()
-        self.loss = cross_entropy(self.model(self.x), self.y)
+        for optimizer in self.optimizers: optimizer.zero_grad()
+        self.loss = self.make_loss()
       elif phase == "backward": self.loss.backward()
-      elif phase == "optimizer": self.updates = self.optimizer.schedule_step()
+      elif phase == "optimizer":
+        self.updates = [tensor for optimizer in self.optimizers for tensor in optimizer.schedule_step()]
       else: Tensor.realize_all(self.loss, *self.updates, *self.stats)
 
   def step(self) -> None:
     for phase in PHASES: self.run(phase)
+
+
+def gpt2_step(device: str) -> PhasedStep:
+  """bench_eager's gpt2 workload: 2 layers of GPT-2 small, batch 8 x 512 on CUDA, the tiny config elsewhere."""
+  from bench_gpt2 import CPU_CONFIG, BenchConfig
+  from extra.models.gpt2 import GPT2, configure_optimizers
+  from ourgrad import set_float32_matmul_precision
+  set_float32_matmul_precision("high")
+  config = BenchConfig.parse("8,512,768,12,2,50304" if device == "CUDA" else CPU_CONFIG)
+  model = GPT2(config.model)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, config.model.vocab_size, (config.batch, config.sequence + 1)).astype(np.int32)
+  inputs = Tensor(tokens[:, :-1].copy(), device=device).realize()
+  targets = Tensor(tokens[:, 1:].copy(), device=device).realize()
+  return PhasedStep(lambda: model(inputs, targets)[1], configure_optimizers(model), [])
 
 
 def count_nodes(step: PhasedStep) -> dict[str, tuple[int, int]]:
@@ -113,11 +134,13 @@ def main() -> None:
   sync = Device[device].synchronize
   print(f"device: {device}, batch {args.batch}")
   for name in args.only.split(","):
-    make_model, shape = models[name]
-    rng = np.random.default_rng(0)
-    x = Tensor(rng.standard_normal((args.batch, *shape)).astype(np.float32), device=device).realize()
-    y = Tensor(rng.integers(0, 10, args.batch).astype(np.int32), device=device).realize()
-    step = PhasedStep(make_model(), x, y)
+    if name == "gpt2": step = gpt2_step(device)
+    else:
+      make_model, shape = models[name]
+      rng = np.random.default_rng(0)
+      x = Tensor(rng.standard_normal((args.batch, *shape)).astype(np.float32), device=device).realize()
+      y = Tensor(rng.integers(0, 10, args.batch).astype(np.int32), device=device).realize()
+      step = PhasedStep.classifier(make_model(), x, y)
     for _ in range(3): step.step()   # compile, fill the schedule cache
     sync()
     counts = count_nodes(step)
