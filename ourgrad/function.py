@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import DType, dtypes
-from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy import LazyBuffer, Storage
 from ourgrad.mixed_precision import store_low_precision
 from ourgrad.ops import Ops
 
@@ -32,7 +32,7 @@ def _tensor_class() -> Any:
 
 
 # the attributes every Function sets for autograd itself (Function.__init__): never values its backward reads
-_BOOKKEEPING = frozenset(("device", "needs_input_grad", "requires_grad", "parents", "parent_ctxs"))
+_BOOKKEEPING = frozenset(("device", "needs_input_grad", "requires_grad", "parents", "parent_ctxs", "versions_seen"))
 
 
 class Function:
@@ -96,6 +96,8 @@ def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> N
   if ctx.requires_grad:
     ctx.parents = tensors
     ctx.parent_ctxs = tuple([tensor._ctx for tensor in tensors])
+    # no in-place write since (the count unchanged at backward): nothing it saves can have gone stale
+    ctx.versions_seen = Storage.versions_made
 
 
 # ---------------------------------------------------------------- lazy helpers used by the backward passes

@@ -629,6 +629,9 @@ class Storage:
   base of `shape`), None for a constant not written yet. Every version links here, not to the next one,
   so versions no tensor holds are freed however many writes follow."""
   __slots__ = ("shape", "head", "__weakref__")
+  # new versions made so far, by every storage: a value that was current when this count was n is still current
+  # while it is n (the only way a buffer goes stale is `become`); the backward walk skips its saved-value checks so
+  versions_made = 0
 
   def __init__(self, shape: tuple[int, ...]):
     self.shape, self.head = shape, None
@@ -636,6 +639,7 @@ class Storage:
   def become(self, version: LazyBuffer) -> None:
     """Make `version` (a base) the newest."""
     version._storage, self.head = self, version
+    Storage.versions_made += 1
 
   @staticmethod
   def of_constant(lazy: LazyBuffer) -> LazyBuffer:

@@ -41,7 +41,7 @@ from ourgrad.engine import schedule_cache
 from ourgrad.engine.schedule import REALIZE_LOCK
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
-from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy import LazyBuffer, Storage
 from ourgrad.multi import MultiLazyBuffer, Shard, shard_lazy
 from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import is_symbolic, sym_infer
@@ -535,12 +535,14 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
     wanted_outputs = {parent._ctx: parent for ctx in order for parent in ctx.parents
                       if id(parent) in wanted and parent._ctx is not None} if wanted else {}
     found: dict[int, tuple[Tensor, Lazy]] = {}
+    versions_made = Storage.versions_made   # (backward bodies write nothing)
     for ctx in reversed(order):
       grad_output = grads.pop(ctx, None)
       if grad_output is None: continue
       if wanted_outputs and ctx in wanted_outputs:
         found[id(wanted_outputs[ctx])] = (wanted_outputs[ctx], grad_output)
-      _check_saved_values(ctx)
+      # a Function applied after the last in-place write saved only current values
+      if ctx.versions_seen != versions_made: _check_saved_values(ctx)
       input_grads = ctx.backward(grad_output)
       if type(input_grads) is not tuple: input_grads = (input_grads,)
       for parent, parent_ctx, needed, parent_grad in zip(ctx.parents, ctx.parent_ctxs, ctx.needs_input_grad,

@@ -226,3 +226,33 @@ def test_backward_reads_shared_constants_and_matches_torch() -> None:
   (mixed * torch.tensor(v_value)).sum().backward()
   np.testing.assert_allclose(grad_x, x.grad.numpy(), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(grad_w, w.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_saved_values_are_checked_only_after_an_in_place_write(monkeypatch: pytest.MonkeyPatch) -> None:
+  """The backward walk checks a Function's saved values for in-place writes only where a write came after it was
+  applied (Storage.versions_made): none without writes, and a write to a saved value still raises."""
+  import ourgrad.tensor as tensor_module
+  checked: list[str] = []
+  original = tensor_module._check_saved_values
+
+  def counting(ctx: F.Function) -> None:
+    checked.append(type(ctx).__name__)
+    original(ctx)
+  monkeypatch.setattr(tensor_module, "_check_saved_values", counting)
+  x_value, w_value = np.arange(1.0, 7.0, dtype=np.float32), np.linspace(-1, 1, 6, dtype=np.float32)
+  x, w = Tensor(x_value, requires_grad=True), Tensor(w_value).realize()
+  (x * w).exp().sum().backward()
+  assert checked == []
+  # a write to another tensor after the product: the product is checked (and passes), the exp after it is not
+  other = Tensor(np.zeros(6, np.float32)).realize()
+  x.grad = None
+  product = x * w
+  other.assign(Tensor(np.ones(6, np.float32)))
+  (product * x).sum().backward()
+  assert checked == ["Mul"]
+  np.testing.assert_allclose(x.grad.numpy(), 2 * x_value * w_value, rtol=1e-6)
+  # a write to the saved factor itself raises, as PyTorch does
+  product = x * w
+  w.assign(Tensor(np.ones(6, np.float32)))
+  with pytest.raises(AutogradError, match="modified by an inplace operation"):
+    product.sum().backward()
