@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ourgrad.dtype import DType, dtypes
 from ourgrad.lazy import LazyBuffer, Storage
 from ourgrad.mixed_precision import store_low_precision
-from ourgrad.ops import Ops
+from ourgrad.ops import PYTHON_ALU, Ops
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -114,7 +114,16 @@ _EXP2, _LOG2, _MAX, _SQRT, _SUM, _MAX_REDUCE = Ops.EXP2, Ops.LOG2, Ops.MAX, Ops.
 
 def _sub(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_ADD, b.elementwise(_NEG))
 def _mul(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_MUL, b)
-def _div(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_MUL, b.elementwise(_RECIP))
+def _div(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_MUL, _reciprocal(b))
+
+
+def _reciprocal(x: LazyBuffer) -> LazyBuffer:
+  """1 / x. A float constant's (a mean's divisor, dividing every step's gradient) is the value the constant fold
+  makes, as a shared operand constant (made once) instead of a new constant per op."""
+  if type(x) is LazyBuffer and x.dtype.is_float:
+    value = x.const_value()
+    if value is not None: return x.operand_like(PYTHON_ALU[_RECIP](value))
+  return x.elementwise(_RECIP)
 def _scale(a: LazyBuffer, factor: float) -> LazyBuffer: return a.elementwise(_MUL, a.operand_like(factor))
 
 
@@ -705,7 +714,7 @@ class PickPerRow(Function):
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None, None]:
     spread = grad_output.reshape((grad_output.shape[0], 1)).expand(self.one_hot.shape)
-    return _where(self.one_hot, spread, spread.const_like(0)), None, None
+    return _where(self.one_hot, spread, spread.operand_like(0)), None, None
 
 
 class AccumulateRows(Function):

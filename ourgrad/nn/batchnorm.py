@@ -129,12 +129,12 @@ class BatchNormNormalize(Function):
     grad_sum, grad_xhat_sum = channel_sum(grad), channel_sum(_mul(grad, xhat))
     grad_x = None
     if self.needs_input_grad[0]:
-      centered = _sub(_sub(_mul(grad, grad.const_like(count)), per_channel(grad_sum, shape)),
+      centered = _sub(_sub(_mul(grad, grad.operand_like(count)), per_channel(grad_sum, shape)),
                       _mul(xhat, per_channel(grad_xhat_sum, shape)))
       # invstd / count and the weight multiply the full-size tensor one after the other: their product would be a
       # (C,) value the scheduler stores in a kernel of its own (it joins the optimizer's (C,) updates, which
       # overwrite the weight it read, and is split out again: engine/multi_output.py `_split_cyclic_groups`)
-      grad_x = _mul(centered, per_channel(_div(self.invstd, self.invstd.const_like(count)), shape))
+      grad_x = _mul(centered, per_channel(_div(self.invstd, self.invstd.operand_like(count)), shape))
       if self.weight is not None: grad_x = _mul(grad_x, per_channel(self.weight, shape))
     grad_weight = grad_xhat_sum if len(self.needs_input_grad) > 3 and self.needs_input_grad[3] else None
     grad_bias = grad_sum if len(self.needs_input_grad) > 4 and self.needs_input_grad[4] else None
