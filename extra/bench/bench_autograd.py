@@ -6,16 +6,20 @@ Phases of a step (ourgrad_step in bench_jit.py, split apart):
   backward  loss.backward()
   optimizer optimizer.schedule_step() (the update expressions, unrealized)
   realize   Tensor.realize_all of the loss, the updates and the statistics
-Times are thread CPU time (time.thread_time: waiting for one of a shared machine's cores does not count), the best of
-3 runs of `--calls` steps, with every compiled host kernel a no-op. Counts come from a separate counted step.
+Python calls: cProfile's count of function calls in one step's phase (deterministic: compare runs by it on a
+loaded machine). Times are thread CPU time (time.thread_time: waiting for one of a shared machine's cores does not
+count), the best of 3 runs of `--calls` steps, with every compiled host kernel a no-op. Counts come from separate
+counted steps.
 
 Run: `python extra/bench/bench_autograd.py --device CLANG --only mlp,cnn`.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import pathlib
+import pstats
 import sys
 import time
 from typing import Any, Callable
@@ -105,6 +109,19 @@ def count_nodes(step: PhasedStep) -> dict[str, tuple[int, int]]:
   return result
 
 
+def count_calls(step: PhasedStep) -> dict[str, int]:
+  """Python function calls (cProfile's count, builtins included) in each phase of one step: a measure of the Python
+  work that a loaded machine does not move."""
+  result = {}
+  for phase in PHASES:
+    profile = cProfile.Profile()
+    profile.enable()
+    step.run(phase)
+    profile.disable()
+    result[phase] = pstats.Stats(profile).total_calls   # type: ignore[attr-defined]
+  return result
+
+
 def phase_times(step: PhasedStep, calls: int, sync: Callable[[], None]) -> dict[str, float]:
   """Thread CPU seconds per call of each phase: the best of 3 runs of `calls` steps."""
   best = dict.fromkeys(PHASES, float("inf"))
@@ -143,13 +160,14 @@ def main() -> None:
       step = PhasedStep.classifier(make_model(), x, y)
     for _ in range(3): step.step()   # compile, fill the schedule cache
     sync()
-    counts = count_nodes(step)
+    counts, calls = count_nodes(step), count_calls(step)
     with host_kernels_disabled(device != "CUDA"):
       times = phase_times(step, args.calls, sync)
     print(f"## {name}")
-    print("| phase     | bases | views | thread CPU us |")
+    print("| phase     | bases | views | Python calls | thread CPU us |")
     for phase in PHASES:
-      print(f"| {phase:9} | {counts[phase][0]:5} | {counts[phase][1]:5} | {times[phase] * 1e6:13.1f} |")
+      print(f"| {phase:9} | {counts[phase][0]:5} | {counts[phase][1]:5} | {calls[phase]:12} | "
+            f"{times[phase] * 1e6:13.1f} |")
 
 
 if __name__ == "__main__":
