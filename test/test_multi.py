@@ -14,7 +14,7 @@ from ourgrad.dtype import dtypes
 from ourgrad.errors import DeviceError, ShardingError
 from ourgrad.multi import MultiLazyBuffer
 from ourgrad.nn import Linear
-from ourgrad.nn.optim import SGD, Adam
+from ourgrad.nn.optim import SGD, Adam, AdamW
 from ourgrad.nn.state import get_state_dict, load_state_dict
 
 D2 = ("CLANG:0", "CLANG:1")
@@ -238,12 +238,14 @@ def test_load_state_dict_into_a_sharded_model_keeps_the_sharding_and_the_buffers
   assert lazy_layer.weight.lazydata.axis == 0
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam"])
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "adamw"])
 def test_optimizer_over_sharded_parameters_matches_torch(name):
   import torch
   w, b = values((5, 4)), values((4,))
   make = {"sgd_momentum": (lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
-          "adam": (lambda p: Adam(p, lr=0.05), lambda p: torch.optim.Adam(p, lr=0.05))}[name]
+          "adam": (lambda p: Adam(p, lr=0.05), lambda p: torch.optim.Adam(p, lr=0.05)),
+          "adamw": (lambda p: AdamW(p, lr=0.05, weight_decay=0.1),
+                    lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1))}[name]
   weight = Tensor(w, requires_grad=True).shard_(D2, 0)   # rows over the devices; still lazy
   bias = Tensor(b, requires_grad=True).shard_(D2)        # replicated
   torch_weight, torch_bias = torch.tensor(w, requires_grad=True), torch.tensor(b, requires_grad=True)
