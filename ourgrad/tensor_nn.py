@@ -2,9 +2,9 @@
 
 Every method is composed from Tensor ops, so it stays lazy, fuses with the layer before it and gets its gradient
 from the primitives; layernorm builds that same graph as one autograd node (LayerNormalize: a dozen Functions fewer
-per LayerNorm, forward and backward, in an eager step). NNMixin also brings in the convolutions and pooling (ourgrad/tensor_conv.py, ConvMixin),
-resampling and padding modes (ourgrad/tensor_resize.py, ResizeMixin) and einsum (ourgrad/tensor_einsum.py,
-EinsumMixin), so `class Tensor(..., NNMixin)` gets all of them.
+per LayerNorm, forward and backward, in an eager step). NNMixin also brings in the convolutions and pooling
+(ourgrad/tensor_conv.py, ConvMixin), resampling and padding modes (ourgrad/tensor_resize.py, ResizeMixin) and einsum
+(ourgrad/tensor_einsum.py, EinsumMixin), so `class Tensor(..., NNMixin)` gets all of them.
 
 Losses: class-index targets never use a gather: `target.unsqueeze(-1) == arange(C)` makes a one-hot mask that
 `where` + `sum` turn into one fused reduce, and log-probabilities come from the max-shifted (numerically stable)
@@ -214,13 +214,14 @@ def _one_layernorm_node(x: Tensor, operands: list[Tensor]) -> bool:
 
 
 class LayerNormalize(F.Function):
-  """y = (x - mean) * rsqrt(var + eps) [* weight] [+ bias] over `axes` as one autograd node (`affine`: which of
-  weight and bias follow x among the inputs). Forward and backward build, op for op, the lazy graphs that the
+  """y = (x - mean) * rsqrt(var + eps) [* weight] [+ bias] over `axes` as one autograd node, x given twice (the
+  gradient of its direct path goes to the first, that of its path through the mean to the second; `affine`: which of
+  weight and bias follow). Forward and backward build, op for op, the lazy graphs that the
   composed Tensor ops (a mean, a subtraction, a square, a mean, an add, an rsqrt, a product, the affine product and
   sum, and the broadcasts between them) and the backward walk through their ~12 Functions built, so the kernels are
   the same; one node instead of a dozen costs a GPT-2 eager step a fraction of its graph building and autograd."""
 
-  def forward(self, x: LazyBuffer, *affine_operands: LazyBuffer, axes: tuple[int, ...], eps: float,
+  def forward(self, x: LazyBuffer, _x: LazyBuffer, *affine_operands: LazyBuffer, axes: tuple[int, ...], eps: float,
               affine: tuple[bool, bool]) -> LazyBuffer:
     operands = list(affine_operands)
     weight = operands.pop(0) if affine[0] else None
@@ -243,7 +244,7 @@ class LayerNormalize(F.Function):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
     shape = self.centered.shape
     needs = list(self.needs_input_grad)
-    grads: list[LazyBuffer | None] = [None]
+    grads: list[LazyBuffer | None] = [None, None]
     # the affine inputs' gradients, as Mul and Add with their Expand backward give them
     grad = grad_output
     if self.weight is not None:
@@ -265,7 +266,7 @@ class LayerNormalize(F.Function):
     grad_centered = grad_centered.elementwise(Ops.ADD, F._mul(self.centered, grad_squares))
     # centered = x - mean: x directly, then through the mean
     grad_mean = F._sum_to_shape(grad_centered.elementwise(Ops.NEG), reduced)
-    grads[0] = grad_centered.elementwise(Ops.ADD, _mean_backward(grad_mean, shape, self.count))
+    grads[0], grads[1] = grad_centered, _mean_backward(grad_mean, shape, self.count)
     return tuple(grads)
 
 
@@ -297,7 +298,9 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     operands = [operand for operand in (weight, bias) if operand is not None]
     normalized_axes = tuple(sorted({self._axis(axis) for axis in axes}))
     if len(normalized_axes) == len(axes) and _one_layernorm_node(self, operands):
-      return LayerNormalize.apply(self, *operands, axes=normalized_axes, eps=eps,
+      # x twice: the gradients of its two paths (direct, through the mean) reach the backward walk one after the other,
+      # as the composed graph's Sub and mean gave them, so a tensor that others read too sums them in the same order
+      return LayerNormalize.apply(self, self, *operands, axes=normalized_axes, eps=eps,
                                   affine=(weight is not None, bias is not None))
     centered = self - self.mean(axes, keepdim=True)
     normalized = centered * (centered.square().mean(axes, keepdim=True) + eps).rsqrt()
