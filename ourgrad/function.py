@@ -276,12 +276,17 @@ class WithDerivatives(Function):
     return (None,) * (count + 1) + input_grads
 
 
+def _sigmoid(x: LazyBuffer) -> LazyBuffer:
+  """1 / (1 + exp(-x)) on a lazy buffer (Sigmoid's forward, and composites built on lazy buffers: GELU)."""
+  exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(Ops.EXP2)
+  return exp_neg.operand_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
+
+
 class Sigmoid(Function):
   """1 / (1 + exp(-x)), as one Function so its backward reuses the forward result."""
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(Ops.EXP2)
-    self.result = exp_neg.operand_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
+    self.result = _sigmoid(x)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:

@@ -174,3 +174,28 @@ def test_gpt2_training_is_bitwise_the_composed_graphs(monkeypatch):
   composed_losses, composed_parameters = run()
   assert losses == composed_losses
   for ours, theirs in zip(parameters, composed_parameters): np.testing.assert_array_equal(ours, theirs)
+
+
+def test_tanh_gelu_built_on_lazy_buffers_is_the_composed_graph_and_torch(monkeypatch):
+  from ourgrad.lazy import LazyBuffer
+  values = np.linspace(-6, 6, 97, dtype=np.float32).reshape(1, 97)
+
+  def run() -> tuple[np.ndarray, np.ndarray]:
+    x = Tensor(values, requires_grad=True)
+    y = (x * 1.0).gelu(approximate="tanh")
+    (y * Tensor(values + 2)).sum().backward()
+    return y.numpy(), x.grad.numpy()
+  lazy_value, lazy_grad = run()
+  # the composed path: gelu's Tensor ops, taken where the input is no single-device lazy buffer
+  import ourgrad.tensor_activation as activation
+  monkeypatch.setattr(activation, "LazyBuffer", type("NotALazyBuffer", (), {}))
+  composed_value, composed_grad = run()
+  monkeypatch.undo()
+  assert LazyBuffer is activation.LazyBuffer
+  np.testing.assert_array_equal(lazy_value, composed_value)
+  np.testing.assert_array_equal(lazy_grad, composed_grad)
+  x = torch.tensor(values, requires_grad=True)
+  y = torch.nn.functional.gelu(x, approximate="tanh")
+  (y * torch.tensor(values + 2)).sum().backward()
+  np.testing.assert_allclose(lazy_value, y.detach().numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lazy_grad, x.grad.numpy(), rtol=1e-4, atol=1e-5)
