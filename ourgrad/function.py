@@ -291,12 +291,17 @@ class WithDerivatives(Function):
     return (None,) * (count + 1) + input_grads
 
 
+def _sigmoid(x: LazyBuffer) -> LazyBuffer:
+  """1 / (1 + exp(-x)) on a lazy buffer (Sigmoid's forward, and composites built on lazy buffers: GELU)."""
+  exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(Ops.EXP2)
+  return exp_neg.operand_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
+
+
 class Sigmoid(Function):
   """1 / (1 + exp(-x)), as one Function so its backward reuses the forward result."""
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(Ops.EXP2)
-    self.result = exp_neg.operand_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
+    self.result = _sigmoid(x)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
@@ -495,6 +500,29 @@ class Matmul(Function):
       grad_y = _sum_to_shape(_mul(self.x, grad), self.y_columns_shape).reshape(self.y_transposed_shape)
       grad_y = grad_y.permute(self.y_order)
     return grad_x, grad_y
+
+
+class Linear(Matmul):
+  """x (..., k) @ weight (n, k).T [+ bias (n,)] -> (..., n), operands of one dtype: Tensor.linear's graph as one
+  autograd node. The Tensor ops build weight.T (a Permute), x viewed as (rows, k) (a Reshape, where x has more than two
+  dims), the Matmul, its result viewed back, and the bias broadcast (an Expand) and added: five nodes where this is
+  one, and its backward the graph their backward walk built, operation for operation (so the kernels are the same)."""
+
+  def forward(self, x: LazyBuffer, weight: LazyBuffer, *bias: LazyBuffer) -> LazyBuffer:   # type: ignore[override]
+    self.input_shape, outputs = x.shape, weight.shape[0]
+    rows = x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if len(x.shape) > 2 else x
+    product = super().forward(rows, weight.permute((1, 0)), (rows.shape[0], outputs, x.shape[-1]))
+    product = product.reshape(x.shape[:-1] + (outputs,))
+    self.bias_shape = bias[0].shape if bias else None
+    return product.elementwise(_ADD, _broadcast_to(bias[0], product.shape)) if bias else product
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:   # type: ignore[override]
+    grad_bias = None
+    if self.bias_shape is not None and self.needs_input_grad[2]: grad_bias = _sum_to_shape(grad_output, self.bias_shape)
+    grad_x, grad_weight = super().backward(grad_output.reshape(self.shape[:-1]))
+    if grad_x is not None: grad_x = grad_x.reshape(self.input_shape)
+    if grad_weight is not None: grad_weight = grad_weight.permute((1, 0))
+    return (grad_x, grad_weight) if self.bias_shape is None else (grad_x, grad_weight, grad_bias)
 
 
 class Max(Function):

@@ -160,8 +160,9 @@ PACK_KERNELS = env_var("PACK_KERNELS", 1, "1: pack independent elementwise kerne
                        "launch (engine/packing.py); 0: one launch per kernel")
 MAX_PACK_BUFFERS = env_var("MAX_PACK_BUFFERS", 128, "most buffer arguments of one packed kernel; more kernels are "
                            "split into several packs (CUDA passes at most 4 KB of kernel arguments)")
-ALLOCATOR_CACHE_BYTES = env_var("ALLOCATOR_CACHE_BYTES", 2 << 30, "most bytes of freed buffers an allocator keeps for "
-                                "reuse per device; more are given back to the device (-1: no limit)")
+ALLOCATOR_CACHE_BYTES = env_var("ALLOCATOR_CACHE_BYTES", -2, "most bytes of freed buffers an allocator keeps for "
+                                "reuse per device; more are given back to the device (-1: no limit; -2: a quarter of "
+                                "the device's memory, at least 2 GiB, 2 GiB where the device does not say)")
 RUNNER_CACHE_SIZE = env_var("RUNNER_CACHE_SIZE", 4096, "most compiled kernels kept in memory; the least recently "
                             "used is dropped past it (-1: no limit)")
 COMPILE_CACHE_BYTES = env_var("COMPILE_CACHE_BYTES", 2 << 30, "most bytes the on-disk compile cache keeps; past it the "

@@ -398,11 +398,45 @@ class MovementMixin:
   def __getitem__(self, index: Any) -> Tensor:
     """Basic indexing (ints, slices with steps, None, Ellipsis) as views, integer-Tensor indexing, and boolean
     masks (x[mask]: realizes the mask, as its count of True sets the result's size)."""
+    plain = self._plain_view_index(index)
+    if plain is not None: return plain
     index = self._bool_masks_as_indices(index)
     steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
     x = self
     for forward, _ in steps: x = forward(x)
     return x._index_with_tensors(tensor_dims) if tensor_dims else x
+
+  def _plain_view_index(self, index: Any) -> Tensor | None:
+    """self[index] for an index of ints, unit-step slices, None and at most one ... over concrete sizes: one shrink
+    and one reshape, where the general path builds a view step per indexed dim (a model's cache and head slicing ran
+    it ~8 times a layer). None for any other index, and for an int out of range (the general path raises then)."""
+    items = index if type(index) is tuple else (index,)
+    shape = self.shape
+    if not all(type(item) in _PLAIN_INDEX_TYPES for item in items) or not all(type(size) is int for size in shape):
+      return None
+    ellipses = [number for number, item in enumerate(items) if item is Ellipsis]
+    used = sum(1 for item in items if item is not None and item is not Ellipsis)
+    if len(ellipses) > 1 or used > len(shape): return None   # the general path's errors
+    if ellipses: items = items[:ellipses[0]] + (slice(None),) * (len(shape) - used) + items[ellipses[0] + 1:]
+    bounds: list[tuple[int, int]] = []
+    new_shape: list[int] = []
+    for item in items:
+      if item is None:
+        new_shape.append(1)
+        continue
+      size = shape[len(bounds)]
+      if type(item) is int:
+        position = item + size if item < 0 else item
+        if not 0 <= position < size: return None
+        bounds.append((position, position + 1))   # and no dim in the result
+        continue
+      if item.step is not None and item.step != 1: return None
+      start, stop, _ = item.indices(size)
+      bounds.append((start, max(start, stop)))
+      new_shape.append(max(start, stop) - start)
+    new_shape.extend(shape[len(bounds):])
+    bounds.extend((0, size) for size in shape[len(bounds):])
+    return self.shrink(bounds).reshape(tuple(new_shape))
 
   def _take_rows(self, index: Tensor) -> Tensor:
     """self[index] along dim 0 for an integer tensor `index` of any shape -> index.shape + self.shape[1:], reading
@@ -671,6 +705,10 @@ def _as_bool_mask(item: Any, tensor_class: Any, device: Any) -> Any:
   if isinstance(item, list) and item and all(isinstance(part, (bool, np.bool_)) for part in item):
     return tensor_class(item, device=device)
   return None
+
+
+# the index items `MovementMixin._plain_view_index` takes (exact types: a bool is no int index)
+_PLAIN_INDEX_TYPES = (int, slice, type(None), type(Ellipsis))
 
 
 def _narrow_step(dim: int, start: int, end: int, size: int) -> tuple[Any, Any]:

@@ -1,9 +1,10 @@
 """Neural-network operations as Tensor methods (NNMixin): normalization, dropout, losses and attention.
 
 Every method is composed from Tensor ops, so it stays lazy, fuses with the layer before it and gets its gradient
-from the primitives. NNMixin also brings in the convolutions and pooling (ourgrad/tensor_conv.py, ConvMixin),
-resampling and padding modes (ourgrad/tensor_resize.py, ResizeMixin) and einsum (ourgrad/tensor_einsum.py,
-EinsumMixin), so `class Tensor(..., NNMixin)` gets all of them.
+from the primitives; layernorm builds that same graph as one autograd node (LayerNormalize: a dozen Functions fewer
+per LayerNorm, forward and backward, in an eager step). NNMixin also brings in the convolutions and pooling
+(ourgrad/tensor_conv.py, ConvMixin), resampling and padding modes (ourgrad/tensor_resize.py, ResizeMixin) and einsum
+(ourgrad/tensor_einsum.py, EinsumMixin), so `class Tensor(..., NNMixin)` gets all of them.
 
 Losses: class-index targets never use a gather: `target.unsqueeze(-1) == arange(C)` makes a one-hot mask that
 `where` + `sum` turn into one fused reduce, and log-probabilities come from the max-shifted (numerically stable)
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 from ourgrad import function as F
 from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import DTypeError, ShapeError
+from ourgrad.helpers import prod
 from ourgrad.tensor_conv import ConvMixin
 from ourgrad.tensor_einsum import EinsumMixin
 from ourgrad.tensor_resize import ResizeMixin
@@ -194,6 +196,91 @@ def _masked_softmax(scores: Tensor) -> Tensor:
   return exps / (total == 0).where(1.0, total)
 
 
+def _one_layernorm_node(x: Tensor, operands: list[Tensor]) -> bool:
+  """Whether `layernorm` builds its graph as one LayerNormalize node: x a float32 or float64 lazy buffer (half
+  precision sums in float32 and rounds: the composed path) with nonzero normalized axes, and the affine operands of
+  its dtype and device, shaped to broadcast against it without growing it."""
+  from ourgrad.lazy import LazyBuffer
+  lazy = x._lazydata
+  if type(lazy) is not LazyBuffer or lazy.dtype not in (dtypes.float32, dtypes.float64) or 0 in lazy.shape:
+    return False
+  if not all(type(size) is int for size in lazy.shape): return False
+  for operand in operands:
+    theirs = operand._lazydata
+    if type(theirs) is not LazyBuffer or theirs.dtype is not lazy.dtype or theirs.device != lazy.device: return False
+    if len(theirs.shape) > len(lazy.shape): return False
+    if any(mine != size and size != 1 for mine, size in zip(lazy.shape[::-1], theirs.shape[::-1])): return False
+  return True
+
+
+class LayerNormalize(F.Function):
+  """y = (x - mean) * rsqrt(var + eps) [* weight] [+ bias] over `axes` as one autograd node, x given twice (the
+  gradient of its direct path goes to the first, that of its path through the mean to the second; `affine`: which of
+  weight and bias follow). Forward and backward build, op for op, the lazy graphs that the
+  composed Tensor ops (a mean, a subtraction, a square, a mean, an add, an rsqrt, a product, the affine product and
+  sum, and the broadcasts between them) and the backward walk through their ~12 Functions built, so the kernels are
+  the same; one node instead of a dozen costs a GPT-2 eager step a fraction of its graph building and autograd."""
+
+  def forward(self, x: LazyBuffer, _x: LazyBuffer, *affine_operands: LazyBuffer, axes: tuple[int, ...], eps: float,
+              affine: tuple[bool, bool]) -> LazyBuffer:
+    operands = list(affine_operands)
+    weight = operands.pop(0) if affine[0] else None
+    bias = operands.pop(0) if affine[1] else None
+    shape = x.shape
+    self.axes, self.count = axes, prod(shape[axis] for axis in axes)
+    self.weight_shape = None if weight is None else weight.shape
+    self.bias_shape = None if bias is None else bias.shape
+    mean = _mean_of(x, axes, self.count)
+    self.centered = F._sub(x, mean.expand(shape))
+    variance = _mean_of(F._mul(self.centered, self.centered), axes, self.count)
+    # Rsqrt's forward on var + eps (a Python scalar made at the reduced shape, as Tensor's + makes it)
+    self.rstd = variance.elementwise(Ops.ADD, variance.operand_like(eps)).elementwise(Ops.SQRT).elementwise(Ops.RECIP)
+    self.normalized = F._mul(self.centered, self.rstd.expand(shape))
+    out = self.normalized
+    self.weight = None if weight is None else F._broadcast_to(weight, shape)
+    if self.weight is not None: out = F._mul(out, self.weight)
+    return out if bias is None else out.elementwise(Ops.ADD, F._broadcast_to(bias, shape))
+
+  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
+    shape = self.centered.shape
+    needs = list(self.needs_input_grad)
+    grads: list[LazyBuffer | None] = [None, None]
+    # the affine inputs' gradients, as Mul and Add with their Expand backward give them
+    grad = grad_output
+    if self.weight is not None:
+      needed = needs[len(grads)]
+      grads.append(F._sum_to_shape(F._mul(self.normalized, grad), self.weight_shape) if needed else None)
+      grad = F._mul(self.weight, grad)
+    if self.bias_shape is not None:
+      grads.append(F._sum_to_shape(grad_output, self.bias_shape) if needs[len(grads)] else None)
+    if not needs[0]: return tuple(grads)
+    # normalized = centered * rstd: the rstd branch back through Rsqrt, the + eps, the mean and the square
+    reduced = self.rstd.shape
+    grad_centered = F._mul(self.rstd.expand(shape), grad)
+    grad_rstd = F._sum_to_shape(F._mul(self.centered, grad), reduced)
+    result = self.rstd
+    grad_variance = F._scale(F._mul(grad_rstd, F._mul(result, F._mul(result, result))), -0.5)
+    grad_squares = _mean_backward(grad_variance, shape, self.count)
+    # the square's two factors, each added to the gradient of `centered` in the order the walk reached them
+    grad_centered = grad_centered.elementwise(Ops.ADD, F._mul(self.centered, grad_squares))
+    grad_centered = grad_centered.elementwise(Ops.ADD, F._mul(self.centered, grad_squares))
+    # centered = x - mean: x directly, then through the mean
+    grad_mean = F._sum_to_shape(grad_centered.elementwise(Ops.NEG), reduced)
+    grads[0], grads[1] = grad_centered, _mean_backward(grad_mean, shape, self.count)
+    return tuple(grads)
+
+
+def _mean_of(x: LazyBuffer, axes: tuple[int, ...], count: int) -> LazyBuffer:
+  """Tensor.mean(axes, keepdim=True)'s graph on a float lazy buffer: the sum, divided by the count."""
+  total = x.reduce(Ops.SUM, axes)
+  return F._div(total, total.operand_like(count))
+
+
+def _mean_backward(grad: LazyBuffer, shape: tuple[int, ...], count: int) -> LazyBuffer:
+  """The gradient of x (of `shape`) from that of its mean (`_mean_of`): Div's backward, then Sum's."""
+  return F._div(grad, grad.operand_like(count)).expand(shape)
+
+
 class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
   """Tensor methods for neural networks: layernorm, dropout, losses, attention (and, through the base mixins,
   convolutions, pooling, interpolate, padding modes, einsum)."""
@@ -202,12 +289,23 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
   # ---------------------------------------------------------------- normalization and dropout
 
   @autocast_op(CastPolicy.FLOAT32)
-  def layernorm(self: Tensor, axis: int | Sequence[int] = -1, eps: float = 1e-5) -> Tensor:
+  def layernorm(self: Tensor, axis: int | Sequence[int] = -1, eps: float = 1e-5, weight: Tensor | None = None,
+                bias: Tensor | None = None) -> Tensor:
     """(x - mean) / sqrt(var + eps) over `axis` (an int or a tuple of axes), with the biased variance as in
-    torch.nn.functional.layer_norm; no affine weight or bias (nn.LayerNorm adds those)."""
+    torch.nn.functional.layer_norm, then times `weight` and plus `bias` if given (each broadcast against x, as
+    nn.LayerNorm's affine parameters of the normalized shape)."""
     axes = (int(axis),) if isinstance(axis, Integral) else tuple(axis)
+    operands = [operand for operand in (weight, bias) if operand is not None]
+    normalized_axes = tuple(sorted({self._axis(axis) for axis in axes}))
+    if len(normalized_axes) == len(axes) and _one_layernorm_node(self, operands):
+      # x twice: the gradients of its two paths (direct, through the mean) reach the backward walk one after the other,
+      # as the composed graph's Sub and mean gave them, so a tensor that others read too sums them in the same order
+      return LayerNormalize.apply(self, self, *operands, axes=normalized_axes, eps=eps,
+                                  affine=(weight is not None, bias is not None))
     centered = self - self.mean(axes, keepdim=True)
-    return centered * (centered.square().mean(axes, keepdim=True) + eps).rsqrt()
+    normalized = centered * (centered.square().mean(axes, keepdim=True) + eps).rsqrt()
+    if weight is not None: normalized = normalized * weight
+    return normalized if bias is None else normalized + bias
 
   def dropout(self: Tensor, p: float = 0.5, training: bool | None = None) -> Tensor:
     """While training, zero each element with probability p and scale the others by 1 / (1 - p), so the

@@ -86,6 +86,22 @@ def _softmax_lazy(source: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
   return F._div(exps, exps.reduce(Ops.SUM, axes).expand(source.shape))
 
 
+def _one_linear_node(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+  """Whether `linear` builds its graph as one F.Linear node: x (at least 2-D), a 2-D weight and a (n,) bias, all
+  float32 or float64 lazy buffers of one dtype and device, of concrete nonzero sizes that agree (otherwise the matmul
+  path: casts, 1-D operands, broadcasting, its errors)."""
+  mine, theirs = x._lazydata, weight._lazydata
+  if type(mine) is not LazyBuffer or type(theirs) is not LazyBuffer: return False
+  if mine.dtype not in (dtypes.float32, dtypes.float64) or theirs.dtype is not mine.dtype: return False
+  if theirs.device != mine.device or len(mine.shape) < 2 or len(theirs.shape) != 2: return False
+  if not all(type(size) is int and size > 0 for size in mine.shape + theirs.shape): return False
+  if mine.shape[-1] != theirs.shape[1]: return False
+  if bias is None: return True
+  extra = bias._lazydata
+  return type(extra) is LazyBuffer and extra.dtype is mine.dtype and extra.device == mine.device and \
+      extra.shape == (theirs.shape[0],)
+
+
 class ReduceMixin:
   """Tensor's reductions (sum, max, mean, var, argmax, softmax, cumsum, ...) and linear algebra (matmul, ...)."""
   __slots__ = ()
@@ -476,6 +492,8 @@ class ReduceMixin:
   @autocast_op(CastPolicy.LOWER)
   def linear(self, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias, with weight of shape (out_features, in_features) as in torch.nn.functional.linear."""
+    if _one_linear_node(self, weight, bias):
+      return F.Linear.apply(self, weight, *(() if bias is None else (bias,)))
     result = self.matmul(weight.T)
     return result + bias if bias is not None else result
 

@@ -233,3 +233,42 @@ def test_scalar_subtraction_matches_numpy_and_the_tensor_operand_path(dtype, sca
     expected = np.array(wrapped, dtype=np.uint64).astype(f"u{bits // 8}").view(dtype)
   np.testing.assert_array_equal(ours, expected)
   np.testing.assert_array_equal(np.signbit(ours), np.signbit(expected))
+
+
+def _function_chain(tensor: Tensor, stop: Tensor) -> list[str]:
+  """The Function names from `tensor` back to `stop` along first parents."""
+  names = []
+  while tensor is not stop:
+    names.append(tensor._ctx.__class__.__name__)
+    tensor = tensor._ctx.parents[0]
+  return names
+
+
+@pytest.mark.parametrize("index", [
+  (slice(None), slice(1, 3)), (1, slice(None), slice(2, None)), (Ellipsis, 0), (None, 0, Ellipsis, None),
+  (slice(-3, -1), None, -1), (slice(2, 1),), (slice(-100, 100), 2), (0, 1, 2), (), 1, Ellipsis, None,
+  (slice(None), slice(None), slice(None, 4, 1))])
+def test_plain_index_is_one_shrink_and_one_reshape_with_numpy_values_and_gradients(index):
+  values = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+  x = Tensor(values, requires_grad=True)
+  picked = x[index]
+  assert len(_function_chain(picked, x)) <= 2 and set(_function_chain(picked, x)) <= {"Shrink", "Reshape"}
+  np.testing.assert_array_equal(picked.numpy(), values[index])
+  weights = np.arange(picked.numel(), dtype=np.float32).reshape(picked.shape) + 1
+  (picked * Tensor(weights)).sum().backward()
+  expected = np.zeros_like(values)
+  expected[index] += weights
+  np.testing.assert_array_equal(x.grad.numpy(), expected)
+
+
+@pytest.mark.parametrize("index", [(slice(None, None, 2),), (slice(None, None, -1), 0), (np.int64(1),),
+                                   (0, np.array([1, 2]))])
+def test_other_indices_take_the_general_path_with_numpy_values(index):
+  values = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+  np.testing.assert_array_equal(Tensor(values)[index].numpy(), values[index])
+
+
+@pytest.mark.parametrize("index", [(3,), (0, -5), (0, 0, 0, 0), (Ellipsis, Ellipsis), (True,)])
+def test_plain_index_errors_are_the_general_paths(index):
+  with pytest.raises(IndexError):
+    Tensor(np.zeros((3, 4, 5), np.float32))[index]

@@ -423,6 +423,28 @@ def test_allocator_cache_is_bounded(monkeypatch):
   assert 0 < allocator.cached_bytes() <= 4096
 
 
+@pytest.mark.parametrize("device_memory, setting, kept", [
+  (16 << 30, None, True),        # default: a quarter of 16 GiB keeps a 3 GiB buffer
+  (4 << 30, None, False),        # at least 2 GiB: a quarter of 4 GiB is 1 GiB, the bound is 2 GiB
+  (0, None, False),              # a device that does not say: 2 GiB
+  (16 << 30, str(2 << 30), False),   # an explicit bound wins
+  (0, "-1", True)])              # no bound
+def test_allocator_cache_bound_follows_the_device_memory(monkeypatch, device_memory, setting, kept):
+  from ourgrad.device import LRUAllocator
+
+  class FakeAllocator(LRUAllocator):
+    freed: list = []
+    def _alloc(self, nbytes): return object()
+    def _free(self, handle, nbytes): self.freed.append(nbytes)
+    def device_memory_bytes(self): return device_memory
+
+  if setting is None: monkeypatch.delenv("ALLOCATOR_CACHE_BYTES", raising=False)
+  else: monkeypatch.setenv("ALLOCATOR_CACHE_BYTES", setting)
+  allocator = FakeAllocator()
+  allocator.free(allocator.alloc(3 << 30), 3 << 30)
+  assert (allocator.cached_bytes() == 3 << 30) is kept and (allocator.freed == []) is kept
+
+
 def test_clear_caches():
   from ourgrad import Device
   from ourgrad.engine import realize as realize_module

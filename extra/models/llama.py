@@ -340,7 +340,7 @@ class LlamaBlock:
     q = self._project_prefill(x, cos, sin, write, placement)  # (1, B, heads, hd)
     # read after the write (one kernel writes the cache, none copies it); several sequences: the prompt's row, an
     # indexed read of a host-made index, so one capture serves every row
-    cache = (self.cache[0] if self.cache.shape[0] == 1 else self.cache[sequence][0])[:attended_slots]
+    cache = self.cache[0, :attended_slots] if self.cache.shape[0] == 1 else self.cache[sequence][0, :attended_slots]
     keys = cache[:, :kv_heads].permute(1, 2, 0)  # (kv, hd, A)
     values = cache[:, kv_heads:].permute(1, 0, 2)  # (kv, A, hd)
     q = q.reshape(length, heads, head_dim).permute(1, 0, 2).reshape(kv_heads, group * length, head_dim)
@@ -502,6 +502,8 @@ class Llama:
     itself; padded rows see stale slots, harmlessly: their outputs are never read, and every row sees slot 0, so no
     row is all -inf)."""
     visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
+    # in the (1, B, 1, head_dim) shape every block reads them in (its own reshape is then none: 2 Functions a block)
+    cos, sin = (table.reshape(1, table.shape[0], 1, table.shape[1]) for table in (cos, sin))
     x = self.embed(tokens)
     for block in self.blocks: x = block(x, cos, sin, write, placement, visible, sequence)
     return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(as_tensor(self.output))

@@ -68,9 +68,7 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
   """torch.nn.functional.layer_norm: normalize over the last len(normalized_shape) dims, then scale and shift."""
   dims = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-  y = x.layernorm(tuple(range(x.ndim - dims, x.ndim)), eps)
-  if weight is not None: y = y * weight
-  return y if bias is None else y + bias
+  return x.layernorm(tuple(range(x.ndim - dims, x.ndim)), eps, weight, bias)
 
 
 def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Tensor:

@@ -306,10 +306,7 @@ class LayerNorm(Module):
     if x.shape[x.ndim - dims:] != self.normalized_shape or x.ndim < dims:
       raise ShapeError(f"LayerNorm{self.normalized_shape} expects input ending in {self.normalized_shape}, "
                        f"got {x.shape}")
-    y = x.layernorm(tuple(range(x.ndim - dims, x.ndim)), self.eps)
-    if self.weight is not None: y = y * self.weight
-    if self.bias is not None: y = y + self.bias
-    return y
+    return x.layernorm(tuple(range(x.ndim - dims, x.ndim)), self.eps, self.weight, self.bias)
 
 
 class GroupNorm(Module):

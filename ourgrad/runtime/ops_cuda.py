@@ -67,6 +67,7 @@ class CUDAAllocator(LRUAllocator):
     super().__init__()
     self.device = device
     self.staging, self.staging_size = None, 0
+    self.memory_bytes: int | None = None   # the device's, asked once (device_memory_bytes)
 
   def _alloc(self, nbytes: int) -> Any:
     self.device.make_current()
@@ -76,6 +77,11 @@ class CUDAAllocator(LRUAllocator):
     return pointer
 
   def _free(self, handle: Any, nbytes: int) -> None: check(driver.cuMemFree(handle), "cuMemFree")
+
+  def device_memory_bytes(self) -> int:
+    if self.memory_bytes is None: self.memory_bytes = int(check(driver.cuDeviceTotalMem(self.device.cu_device),
+                                                                "cuDeviceTotalMem"))
+    return self.memory_bytes
 
   def _staging(self, nbytes: int) -> int:
     if nbytes > self.staging_size:
