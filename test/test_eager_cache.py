@@ -239,6 +239,40 @@ def test_a_cleared_kernel_cache_is_not_bypassed_by_a_replayed_schedule():
   assert len(realize._runner_cache) >= 1   # lowered (and compiled) again through the kernel cache
 
 
+def test_replayed_kernels_launch_without_exec_items_and_count_the_same(monkeypatch, capsys):
+  """A quiet replay calls each lowered kernel's launcher with the item's buffers (no ExecItem made); it counts kernels,
+  ops and bytes as ExecItem.run does, gives numpy's values on new and reused buffers, and DEBUG=2 still launches
+  through an ExecItem (a printed line per kernel)."""
+  from ourgrad.engine import exec_item, realize
+  from ourgrad.helpers import GlobalCounters
+  made = [0]
+  original_init = exec_item.ExecItem.__init__
+
+  def counting_init(self, *args, **kwargs):
+    made[0] += 1
+    original_init(self, *args, **kwargs)
+  monkeypatch.setattr(exec_item.ExecItem, "__init__", counting_init)
+  values = np.linspace(-2, 2, 7, dtype=np.float32)
+  x = Tensor(values).realize()
+  kept = []
+  for step in range(6):
+    counted = (GlobalCounters.kernel_count, GlobalCounters.global_ops, GlobalCounters.global_mem)
+    made[0] = 0
+    result = (x * 3 + 1).realize()
+    if step % 2: kept.append((result, values * 3 + 1))   # some results kept: the next one runs on other memory
+    launched = (GlobalCounters.kernel_count - counted[0], GlobalCounters.global_ops - counted[1],
+                GlobalCounters.global_mem - counted[2])
+    if step == 1: first_replay = launched
+    if step >= 2:
+      assert made[0] == 0 and launched == first_replay
+    np.testing.assert_allclose(result.numpy(), values * 3 + 1, rtol=1e-6)
+  for result, expected in kept: np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6)
+  capsys.readouterr()
+  monkeypatch.setenv("DEBUG", "2")
+  np.testing.assert_allclose((x * 3 + 1).numpy(), values * 3 + 1, rtol=1e-6)
+  assert realize.quiet_launches() is False and "***" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- the creation trace (ourgrad/lazy_trace.py)
 
 def test_graphs_changed_between_building_and_realizing_never_reuse_a_traced_schedule():
