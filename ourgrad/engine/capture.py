@@ -12,7 +12,8 @@ what launching item by item gives: the graph runs on the same stream, in the sam
 A schedule is not captured (DEBUG=2 says why, once per realize) when it holds a copy (to or from the host, or between
 devices), a kernel with symbolic sizes, a single kernel (one launch already), kernels on several devices, or its device
 has no graph; nor while DEBUG >= 2, PROFILE or a profile() block asks for each launch, nor while TinyJit records.
-EAGER_CAPTURE=0 turns it off; host devices (CLANG, LLVM) are captured only with EAGER_CAPTURE=2.
+EAGER_CAPTURE=0 turns it off; host devices (CLANG, LLVM) are captured only with EAGER_CAPTURE=2 (read at each realize;
+docs/jit.md says what was measured).
 """
 from __future__ import annotations
 
