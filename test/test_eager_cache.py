@@ -438,3 +438,25 @@ def test_a_dropped_reader_of_a_jit_output_costs_no_snapshot_at_the_next_replay()
   jitted(x)
   assert GlobalCounters.kernel_count == 2   # the replay and the snapshot
   np.testing.assert_array_equal(kept.numpy(), np.full(4, 3, np.float32))
+
+
+def test_a_changed_scheduler_setting_is_another_traced_schedule(monkeypatch):
+  """The settings the scheduler's decisions read (here KERNEL_OPS_LIMIT, which splits a long elementwise chain into
+  several kernels) are part of the traced key: the same graph built again under another value is scheduled for that
+  value, and a hit under the first value again gives the first schedule. Values and kernel counts each time."""
+  from ourgrad.helpers import GlobalCounters
+  values = np.linspace(0.1, 1.0, 16, dtype=np.float32)
+  x = Tensor(values).realize()
+
+  def chain(t: Tensor) -> Tensor:
+    for step in range(12): t = t * 1.01 + step
+    return t
+  expected = values.copy()
+  for step in range(12): expected = expected * np.float32(1.01) + np.float32(step)
+  kernels = {}
+  for limit in ("0", "8", "0", "8", "0"):
+    monkeypatch.setenv("KERNEL_OPS_LIMIT", limit)
+    before = GlobalCounters.kernel_count
+    np.testing.assert_allclose(chain(x).numpy(), expected, rtol=1e-5)
+    kernels.setdefault(limit, set()).add(GlobalCounters.kernel_count - before)
+  assert len(kernels["0"]) == 1 and len(kernels["8"]) == 1 and kernels["0"] != kernels["8"]
