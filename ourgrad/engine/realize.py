@@ -302,6 +302,16 @@ def note_compiles(schedule: list[ScheduleItem]) -> None:
           file=sys.stderr, flush=True)
 
 
+def launch_replayed(item: ScheduleItem, memo: Any) -> None:
+  """Launch a replayed item through its memo's launcher (run_schedule's quiet path) and count it as ExecItem.run
+  does."""
+  memo.launch([*item.outputs, *item.inputs])
+  runner = memo.runner
+  GlobalCounters.kernel_count += 1
+  GlobalCounters.global_ops += runner.op_count
+  GlobalCounters.global_mem += runner.byte_count
+
+
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
   if len(schedule) > 1:   # (one item: nothing to plan, no note)
@@ -322,11 +332,7 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
     memo = item.lowering
     if generation is not None and memo is not None and memo.launch is not None and memo.generation == generation \
         and memo.source is _runner_cache:
-      memo.launch([*item.outputs, *item.inputs])
-      runner = memo.runner
-      GlobalCounters.kernel_count += 1
-      GlobalCounters.global_ops += runner.op_count
-      GlobalCounters.global_mem += runner.byte_count
+      launch_replayed(item, memo)
       continue
     if capturing: lower_schedule_item(item).run()
     else:
