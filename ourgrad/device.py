@@ -25,7 +25,7 @@ import numpy as np
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import DeviceError, OutOfMemoryError
 from ourgrad.shape.symbolic import sym_max
-from ourgrad.helpers import (ALLOCATOR_CACHE_BYTES, COMPILE_CACHE_BYTES, DEVICE, DISABLE_COMPILER_CACHE,
+from ourgrad.helpers import (ALLOCATOR_CACHE_BYTES, COMPILE_CACHE_BYTES, DEVICE, DISABLE_COMPILER_CACHE, EnvSnapshot,
                              GlobalCounters, cache_dir, fmt_size, register_cache_clearer)
 
 # user-facing aliases of device names
@@ -64,6 +64,8 @@ class Allocator:
           f"smaller dtypes") from error
 
   def free(self, handle: Any, nbytes: int) -> None: self._free(handle, nbytes)
+  # host allocators: id(handle) -> (handle, its address as a ctypes pointer) for the memory they made (HostAllocator)
+  pointers: dict[int, tuple[Any, Any]] | None = None
   # whether buffers may run on a part of another buffer's memory (the memory planner's sharing)
   shares_memory: bool = False
   def shared_handle(self, handle: Any, nbytes: int) -> Any:
@@ -87,6 +89,10 @@ class Allocator:
 # buffers (copyin/copyout) and the byte counter are used under this lock. Re-entrant, because a __del__ can run
 # inside a locked section of the same thread.
 MEMORY_LOCK = threading.RLock()
+
+
+# read at every free (an EnvSnapshot: one dict lookup where the variable's `value` costs a few calls)
+_CACHE_LIMIT = EnvSnapshot(ALLOCATOR_CACHE_BYTES)
 
 
 class LRUAllocator(Allocator):
@@ -117,7 +123,7 @@ class LRUAllocator(Allocator):
     """The most bytes kept (-1: no limit): ALLOCATOR_CACHE_BYTES, by default (-2) a quarter of the device's memory and
     at least 2 GiB. A fixed 2 GiB on an H200 gave an 824 MB GPT-2 logits buffer back to the device every eager step,
     and cuMemFree waits for the device: the step's Python stalled until its kernels had run (6.7 ms a step)."""
-    limit = int(ALLOCATOR_CACHE_BYTES.value)
+    limit = int(_CACHE_LIMIT.values()[0])
     return limit if limit != -2 else max(2 << 30, self.device_memory_bytes() // 4)
 
   def free(self, handle: Any, nbytes: int) -> None:
@@ -197,7 +203,7 @@ class Buffer:
 
   def __init__(self, device: str, size: int, dtype: DType):
     # a symbolic size (a shape with a bound Variable) gets memory for the Variable's largest value
-    self.device, self.size, self.dtype = device, sym_max(size), dtype
+    self.device, self.size, self.dtype = device, size if type(size) is int else sym_max(size), dtype
     self._handle: Any = None
     self._backing: Buffer | None = None  # set when the memory planner makes this buffer use another's memory
     self._pointer: ctypes.c_void_p | None = None  # host devices: the memory's address, made once (host_pointer)
@@ -218,9 +224,9 @@ class Buffer:
       if self._handle is None:
         nbytes = self.size * self.dtype.itemsize
         allocator = Device[self.device].allocator
-        handle = self._handle = allocator.alloc(max(nbytes, 1))
+        handle = self._handle = allocator.alloc(nbytes or 1)
         # a host array's address, remembered by its allocator (HostAllocator.pointers): what host kernels take
-        pointers = getattr(allocator, "pointers", None)
+        pointers = allocator.pointers
         if pointers is not None:
           entry = pointers.get(id(handle))
           if entry is not None and entry[0] is handle: self._pointer = entry[1]
@@ -265,12 +271,12 @@ class Buffer:
 
   def __del__(self) -> None:
     handle = getattr(self, "_handle", None)
-    if handle is None or getattr(self, "_backing", None) is not None: return
+    if handle is None or self._backing is not None: return   # (_backing is set before _handle ever is)
     try:
       nbytes = self.size * self.dtype.itemsize
       with MEMORY_LOCK:
         GlobalCounters.mem_used -= nbytes
-        Device[self.device].allocator.free(handle, max(nbytes, 1))
+        Device[self.device].allocator.free(handle, nbytes or 1)
     except Exception:  # interpreter shutdown: the device module (or the lock) may be gone already
       pass
 

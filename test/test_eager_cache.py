@@ -239,6 +239,40 @@ def test_a_cleared_kernel_cache_is_not_bypassed_by_a_replayed_schedule():
   assert len(realize._runner_cache) >= 1   # lowered (and compiled) again through the kernel cache
 
 
+def test_replayed_kernels_launch_without_exec_items_and_count_the_same(monkeypatch, capsys):
+  """A quiet replay calls each lowered kernel's launcher with the item's buffers (no ExecItem made); it counts kernels,
+  ops and bytes as ExecItem.run does, gives numpy's values on new and reused buffers, and DEBUG=2 still launches
+  through an ExecItem (a printed line per kernel)."""
+  from ourgrad.engine import exec_item, realize
+  from ourgrad.helpers import GlobalCounters
+  made = [0]
+  original_init = exec_item.ExecItem.__init__
+
+  def counting_init(self, *args, **kwargs):
+    made[0] += 1
+    original_init(self, *args, **kwargs)
+  monkeypatch.setattr(exec_item.ExecItem, "__init__", counting_init)
+  values = np.linspace(-2, 2, 7, dtype=np.float32)
+  x = Tensor(values).realize()
+  kept = []
+  for step in range(6):
+    counted = (GlobalCounters.kernel_count, GlobalCounters.global_ops, GlobalCounters.global_mem)
+    made[0] = 0
+    result = (x * 3 + 1).realize()
+    if step % 2: kept.append((result, values * 3 + 1))   # some results kept: the next one runs on other memory
+    launched = (GlobalCounters.kernel_count - counted[0], GlobalCounters.global_ops - counted[1],
+                GlobalCounters.global_mem - counted[2])
+    if step == 1: first_replay = launched
+    if step >= 2:
+      assert made[0] == 0 and launched == first_replay
+    np.testing.assert_allclose(result.numpy(), values * 3 + 1, rtol=1e-6)
+  for result, expected in kept: np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6)
+  capsys.readouterr()
+  monkeypatch.setenv("DEBUG", "2")
+  np.testing.assert_allclose((x * 3 + 1).numpy(), values * 3 + 1, rtol=1e-6)
+  assert realize.quiet_launches() is False and "***" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- the creation trace (ourgrad/lazy_trace.py)
 
 def test_graphs_changed_between_building_and_realizing_never_reuse_a_traced_schedule():
@@ -404,3 +438,25 @@ def test_a_dropped_reader_of_a_jit_output_costs_no_snapshot_at_the_next_replay()
   jitted(x)
   assert GlobalCounters.kernel_count == 2   # the replay and the snapshot
   np.testing.assert_array_equal(kept.numpy(), np.full(4, 3, np.float32))
+
+
+def test_a_changed_scheduler_setting_is_another_traced_schedule(monkeypatch):
+  """The settings the scheduler's decisions read (here KERNEL_OPS_LIMIT, which splits a long elementwise chain into
+  several kernels) are part of the traced key: the same graph built again under another value is scheduled for that
+  value, and a hit under the first value again gives the first schedule. Values and kernel counts each time."""
+  from ourgrad.helpers import GlobalCounters
+  values = np.linspace(0.1, 1.0, 16, dtype=np.float32)
+  x = Tensor(values).realize()
+
+  def chain(t: Tensor) -> Tensor:
+    for step in range(12): t = t * 1.01 + step
+    return t
+  expected = values.copy()
+  for step in range(12): expected = expected * np.float32(1.01) + np.float32(step)
+  kernels = {}
+  for limit in ("0", "8", "0", "8", "0"):
+    monkeypatch.setenv("KERNEL_OPS_LIMIT", limit)
+    before = GlobalCounters.kernel_count
+    np.testing.assert_allclose(chain(x).numpy(), expected, rtol=1e-5)
+    kernels.setdefault(limit, set()).add(GlobalCounters.kernel_count - before)
+  assert len(kernels["0"]) == 1 and len(kernels["8"]) == 1 and kernels["0"] != kernels["8"]

@@ -123,6 +123,34 @@ def test_debug_2_says_why_a_schedule_is_not_captured(monkeypatch, capsys):
   assert any("DEBUG >= 2" in line for line in _explanations(capsys))
 
 
+@pytest.mark.skipif(Device.DEFAULT not in ("CLANG", "LLVM"), reason="host capture is for host devices")
+def test_host_capture_follows_the_setting_of_each_realize(monkeypatch, capsys):
+  """A schedule replayed on a host device while EAGER_CAPTURE=1 (not captured, DEBUG=2 says why) is captured once the
+  setting is 2, and launched item by item again at 1: the setting is no lasting part of the schedule's capture
+  state (it was: a schedule first seen at 1 was never captured in the process). Values against numpy throughout."""
+  values = np.random.default_rng(5).standard_normal((4, 6)).astype(np.float32)
+  x = Tensor(values).realize()
+
+  def step() -> np.ndarray: return ((x * 1.5).exp2().contiguous().sum(1) - 0.5).numpy()
+  expected = np.exp2(values * np.float32(1.5)).sum(1) - np.float32(0.5)
+  monkeypatch.setenv("EAGER_CAPTURE", "1")
+  launches = capture.stats.graph_launches
+  for _ in range(5): np.testing.assert_allclose(step(), expected, rtol=1e-5)
+  assert capture.stats.graph_launches == launches
+  monkeypatch.setenv("DEBUG", "2")
+  capsys.readouterr()
+  step()
+  assert any("runs host kernels" in line for line in _explanations(capsys))
+  monkeypatch.delenv("DEBUG")
+  monkeypatch.setenv("EAGER_CAPTURE", "2")
+  for _ in range(5): np.testing.assert_allclose(step(), expected, rtol=1e-5)
+  assert capture.stats.graph_launches - launches >= 2
+  monkeypatch.setenv("EAGER_CAPTURE", "1")
+  launches = capture.stats.graph_launches
+  for _ in range(3): np.testing.assert_allclose(step(), expected, rtol=1e-5)
+  assert capture.stats.graph_launches == launches
+
+
 class FakeDeviceGraph:
   """A device graph as CUDAGraph's interface gives it (launches; set_argument; launch), running each kernel through
   its host program on the handles its nodes hold: what a driver would run."""

@@ -22,8 +22,9 @@ Python time into phases:
            (schedule_cache._structure)
   schedule the rest of scheduling: replaying a cached schedule (or scheduling a miss), snapshots and packing
   lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and planning memory
-  launch   ExecItem.run: passing the arguments and the ctypes/driver call (the kernel itself excluded on the CPU), and
-           a captured schedule's graph launch (engine/capture.py run_captured; EAGER_CAPTURE=0 launches item by item)
+  launch   ExecItem.run or a replayed item's launcher (realize.launch_replayed): passing the arguments and the
+           ctypes/driver call (the kernel itself excluded on the CPU), and a captured schedule's graph launch
+           (engine/capture.py run_captured; EAGER_CAPTURE=0 launches item by item)
   other    the rest of realize (locks, the per-device split)
 Python time: on CUDA the host time of the calls (launches are asynchronous); on CPU devices, where kernels run on the
 calling thread, the wall time with every compiled kernel replaced by a no-op; beside it the thread's CPU time
@@ -69,7 +70,8 @@ PHASE_FUNCTIONS = {
   "schedule": [("ourgrad/engine/schedule_cache.py", "schedule")],
   "lower": [("ourgrad/engine/realize.py", "lower_schedule_item"), ("ourgrad/engine/realize.py", "plan_schedule_memory"),
             ("ourgrad/engine/realize.py", "note_compiles")],
-  "launch": [("ourgrad/engine/exec_item.py", "run"), ("ourgrad/engine/capture.py", "run_captured")],
+  "launch": [("ourgrad/engine/exec_item.py", "run"), ("ourgrad/engine/capture.py", "run_captured"),
+             ("ourgrad/engine/realize.py", "launch_replayed")],
 }
 PHASES = ("graph", "autograd", "key", "schedule", "lower", "launch", "other")
 

@@ -12,7 +12,8 @@ what launching item by item gives: the graph runs on the same stream, in the sam
 A schedule is not captured (DEBUG=2 says why, once per realize) when it holds a copy (to or from the host, or between
 devices), a kernel with symbolic sizes, a single kernel (one launch already), kernels on several devices, or its device
 has no graph; nor while DEBUG >= 2, PROFILE or a profile() block asks for each launch, nor while TinyJit records.
-EAGER_CAPTURE=0 turns it off; host devices (CLANG, LLVM) are captured only with EAGER_CAPTURE=2.
+EAGER_CAPTURE=0 turns it off; host devices (CLANG, LLVM) are captured only with EAGER_CAPTURE=2 (read at each realize;
+docs/jit.md says what was measured).
 """
 from __future__ import annotations
 
@@ -45,13 +46,14 @@ stats = CaptureStats()
 class ScheduleCapture:
   """The capture state of one cached schedule, kept on its first item's LoweringMemo: how many times it was seen,
   and once captured the graph, the argument each kernel's graph node holds per position, and what a launch counts."""
-  __slots__ = ("seen", "checked", "reason", "graph", "host", "memos", "arguments", "generation", "kernel_count",
-               "op_count", "byte_count")
+  __slots__ = ("seen", "checked", "reason", "host_kernels", "graph", "host", "memos", "arguments", "generation",
+               "kernel_count", "op_count", "byte_count")
 
   def __init__(self) -> None:
     self.seen = 0
     self.checked = False             # whether `reason` is final (the schedule's kernels were lowered)
     self.reason: str | None = None   # why this schedule is never captured (None: it may be)
+    self.host_kernels = False        # host kernels (CLANG, LLVM): captured only with EAGER_CAPTURE=2 (once checked)
     self.graph: Any = None
     self.host = False                # a HostGraph: arguments are Buffer.host_pointer()s, not handles
     self.memos: list[Any] = []       # the LoweringMemo of each item it captured (a replay must bring the same items)
@@ -74,13 +76,16 @@ def structural_reason(schedule: list[ScheduleItem]) -> str | None:
   if not all(isinstance(item.lowering.runner, CompiledRunner) for item in schedule): return "an item that is no kernel"
   if any(item.lowering.var_vals for item in schedule): return "symbolic shapes (bound Variables)"
   device = next(iter(devices))
-  if getattr(Device[device], "graph", None) is None:
-    if not all(item.lowering.runner.host_function is not None for item in schedule):
-      return f"{device} has no device graph"
-    # off by default on host devices: the CPU SmolLM2 decode loop (logits read each step) measured 54 -> 44-47 tok/s
-    # with it (session 15; not understood yet), where it saved ~40 us an MLP step
-    if EAGER_CAPTURE < 2: return f"{device} runs host kernels (EAGER_CAPTURE=2 captures them as one ctypes loop)"
+  if getattr(Device[device], "graph", None) is None and \
+      not all(item.lowering.runner.host_function is not None for item in schedule):
+    return f"{device} has no device graph"
   return None
+
+
+def runs_host_kernels(schedule: list[ScheduleItem]) -> bool:
+  """Whether a schedule that structural_reason lets through runs on a host device (a HostGraph, not a device graph):
+  captured only while EAGER_CAPTURE is 2, read at each realize (not part of the schedule's lasting reason)."""
+  return getattr(Device[schedule[0].outputs[0].device], "graph", None) is None
 
 
 class HostGraph:
@@ -101,11 +106,14 @@ def run_captured(schedule: list[ScheduleItem], generation: Any) -> bool:
   """Launch `schedule` as its captured graph and count it (True), or leave it to the caller's launch loop (False).
   `generation`: the compiled-kernel cache's, which a capture's runners must come from."""
   memo = schedule[0].lowering
-  if memo is None or not EAGER_CAPTURE: return False
+  setting = EAGER_CAPTURE.value
+  if memo is None or not setting: return False
   state: ScheduleCapture | None = memo.capture
   if state is None: state = memo.capture = ScheduleCapture()
+  # (the setting is read at each realize: a schedule checked while it was 1 is captured once it is 2, and back)
+  host_off = state.host_kernels and setting < 2
   quiet = quiet_launches()
-  if state.graph is not None and state.generation == generation and quiet:
+  if state.graph is not None and state.generation == generation and quiet and not host_off:
     if _rebind(state, schedule):
       _launch(state)
       return True
@@ -115,10 +123,15 @@ def run_captured(schedule: list[ScheduleItem], generation: Any) -> bool:
   if kept and not state.checked:
     state.reason = structural_reason(schedule)
     state.checked = state.reason is not None or all(item.lowering.runner is not None for item in schedule)
-  if not quiet:
+    state.host_kernels = state.checked and state.reason is None and runs_host_kernels(schedule)
+    host_off = state.host_kernels and setting < 2
+  if not quiet or host_off:
     if DEBUG >= 2:
       snapshots = "this call's copy-on-write snapshots (items the schedule cache does not keep)"
-      _explain(schedule, state.reason or ("DEBUG >= 2 launches kernel by kernel" if kept else snapshots))
+      device = schedule[0].outputs[0].device
+      host = f"{device} runs host kernels (EAGER_CAPTURE=2 captures them as one ctypes loop)"
+      _explain(schedule, state.reason or (host if host_off else "DEBUG >= 2 launches kernel by kernel" if kept else
+                                          snapshots))
     return False
   if state.reason is not None or not kept: return False
   state.seen += 1

@@ -21,12 +21,13 @@ from ourgrad.codegen.uops import UOps, format_uops, launch_dims  # noqa: F401 (l
 from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine.capture import run_captured
-from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing  # noqa: F401 (re-exported)
+from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing, \
+  quiet_launches  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import RecordedPlan, held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import BEAM, DEBUG, RUNNER_CACHE_SIZE, BoundedCache, env_var, prod, tf32_allowed
+from ourgrad.helpers import BEAM, DEBUG, RUNNER_CACHE_SIZE, BoundedCache, GlobalCounters, env_var, prod, tf32_allowed
 from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
 
 
@@ -193,6 +194,8 @@ def lower_schedule_item(item: ScheduleItem, reuse: bool = False) -> ExecItem:
     if memo is not None:   # (the generation after get_runner, whose insert may have evicted another kernel)
       memo.runner, memo.var_vals, memo.block_counters = runner, var_vals, block_counters
       memo.source, memo.generation, memo.idle = _runner_cache, getattr(_runner_cache, "generation", None), []
+      # (a kernel with bound Variables or block counters takes more than the item's buffers: an ExecItem runs it)
+      memo.launch = runner.launcher() if not var_vals and not block_counters else None
   if block_counters: buffers.append(split_counters(device, runner))
   return ExecItem(runner, buffers, var_vals, device=device, outputs=len(item.outputs))
 
@@ -299,6 +302,16 @@ def note_compiles(schedule: list[ScheduleItem]) -> None:
           file=sys.stderr, flush=True)
 
 
+def launch_replayed(item: ScheduleItem, memo: Any) -> None:
+  """Launch a replayed item through its memo's launcher (run_schedule's quiet path) and count it as ExecItem.run
+  does."""
+  memo.launch([*item.outputs, *item.inputs])
+  runner = memo.runner
+  GlobalCounters.kernel_count += 1
+  GlobalCounters.global_ops += runner.op_count
+  GlobalCounters.global_mem += runner.byte_count
+
+
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
   if len(schedule) > 1:   # (one item: nothing to plan, no note)
@@ -311,8 +324,16 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
     return
   ahead: Any = None   # the later new kernels' compiles under way side by side (COMPILE_THREADS)
   misses = _runner_misses[0]
+  # a replayed item lowered before, launched while nothing prints, times or records launches: its memo's launcher
+  # called with its buffers (what ExecItem.run's fast path does, without an ExecItem)
+  generation = getattr(_runner_cache, "generation", None) if not capturing and quiet_launches() else None
   for index, item in enumerate(schedule):
     if ahead is not None: ahead.ready(index)
+    memo = item.lowering
+    if generation is not None and memo is not None and memo.launch is not None and memo.generation == generation \
+        and memo.source is _runner_cache:
+      launch_replayed(item, memo)
+      continue
     if capturing: lower_schedule_item(item).run()
     else:
       exec_item = lower_schedule_item(item, reuse=True)

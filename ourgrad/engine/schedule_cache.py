@@ -200,7 +200,8 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   settings = _SETTINGS.values()
   if not settings[0] or settings[2]: return scheduler.create_schedule(outs)
   trace = lazy_trace.take()
-  trace_key = _trace_key(trace, outs, settings) if trace is not None and settings[1] else None
+  tf32 = tf32_allowed()   # (TF32 allowed: matmul operands are staged for the WGMMA plan only then, operand_staging.py)
+  trace_key = _trace_key(trace, outs, (settings, tf32)) if trace is not None and settings[1] else None
   if trace_key is not None:
     traced = _traced.get(trace_key)
     if traced is not None:
@@ -215,8 +216,7 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
       return scheduler.protect_and_pack(items, assigns) if assigns else items
   key, bases, leaves = _structure(outs)
   if not bases: return []
-  # (TF32 allowed: matmul operands are staged for the WGMMA plan only then, engine/operand_staging.py)
-  key = _Key((key, settings, tf32_allowed()))
+  key = _Key((key, settings, tf32))
   cached = _cache.get(key)
   if cached is not None:
     _cache.move_to_end(cached.key)
@@ -247,9 +247,9 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
 
 
 def _trace_key(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings: tuple) -> _Key | None:
-  """The key of realizing `outs` from the creation trace: the trace's description (lazy_trace.describe) and each
-  output's position there and view; None when an output is not an unrealized base of the trace (a constant, made
-  before it) or the trace is inconsistent."""
+  """The key of realizing `outs` from the creation trace: the trace's description (lazy_trace.describe), each
+  output's position there and view, and `settings` (what else the scheduler's decisions read); None when an output is
+  not an unrealized base of the trace (a constant, made before it) or the trace is inconsistent."""
   references: list[Any] = []
   for out in outs:
     base = out if out._base is None else out._base
@@ -259,10 +259,11 @@ def _trace_key(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings: tu
     references.append(out.st)
   if not lazy_trace.describe(trace): return None
   tokens = tuple(trace.tokens)
-  # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__): keys
-  # that share those are told apart by comparing their tokens, which a hit does once anyway
-  described = (tuple(references), settings, tf32_allowed())
-  return _Key((tokens, described), hash((len(tokens), described)))
+  # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__; the
+  # settings rarely differ): keys that share those are told apart by comparing their tokens and settings, which a hit
+  # does once anyway
+  references_key = tuple(references)
+  return _Key((tokens, references_key, settings), hash((len(tokens), references_key)))
 
 
 def _in_trace_terms(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer],

@@ -19,9 +19,12 @@ class LoweringMemo:
   once. Valid while the compiled-kernel cache it came from is the same object and has dropped nothing since
   (`source`, `generation`): a cleared cache (a test, a new setting) lowers again. `idle`: the ExecItem the last
   replay ran, rebound to the next replay's buffers (its launcher stays bound while the allocator hands back the same
-  memory), held without buffers between runs. `capture`: on a schedule's first item, its capture state
+  memory), held without buffers between runs. `launch`: the runner's launcher (CompiledRunner.launcher) for a kernel
+with no bound Variables and no block counters: a quiet replay calls it with the item's buffers, no ExecItem at all
+(engine/realize.py run_schedule). `capture`: on a schedule's first item, its capture state
   (engine/capture.py: how often it was replayed, its device graph), and its recorded memory plans."""
-  __slots__ = ("runner", "var_vals", "block_counters", "source", "generation", "idle", "capture", "memory_plans")
+  __slots__ = ("runner", "var_vals", "block_counters", "source", "generation", "idle", "launch", "capture",
+               "memory_plans")
 
   def __init__(self) -> None:
     self.runner: Any = None   # None: not lowered yet
@@ -30,6 +33,7 @@ class LoweringMemo:
     self.source: Any = None
     self.generation = -1
     self.idle: list[Any] = []   # at most one ExecItem; a list, so that taking it (pop) is one atomic step
+    self.launch: Any = None     # None: launched through an ExecItem (a copy, symbolic sizes, block counters)
     self.capture: Any = None
     self.memory_plans: Any = None   # on a schedule's first item: its memory plans (engine/realize.py)
 
