@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from ourgrad.codegen.element_reduces import ElementStage, is_element_leaf, shared_across_rows
 from ourgrad.codegen.integer_rows import integer_terms, lower_integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
@@ -101,6 +102,9 @@ class RowLinearizer(Linearizer):
     # while a GPU pass computes one element of a unit: (the unit's first element's indices, width, lane), which
     # _vector_load uses to read the unit as one vector
     self.vector_unit: tuple[list[Node], int, int] | None = None
+    # a GPU block's element reduces, computed into local memory before the row passes (codegen/element_reduces.py)
+    self.element_stage: ElementStage | None = None
+    self._element_reads: dict[int, list[LazyOp]] = {}   # id(root) -> the element reduces `compute(root)` reads
 
   def linearize(self) -> list[UOp]:
     kernel, build = self.kernel, self.builder
@@ -240,6 +244,21 @@ class RowLinearizer(Linearizer):
   def _known_reduces(self, reduce_value: UOp | dict[int, UOp] | None) -> dict[int, UOp]:
     return {**self.reduce_values, **self.kept_values}
 
+  def compute(self, root: LazyOp, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None) -> UOp:
+    stage = self.element_stage
+    if stage is None: return super().compute(root, idxs, reduce_value)
+    reads = self._element_reads.get(id(root))
+    if reads is None:
+      under = {id(node) for node in root.walk()}
+      reads = self._element_reads[id(root)] = [reduce for reduce in self.kernel.element_reduces if id(reduce) in under]
+    if not reads: return super().compute(root, idxs, reduce_value)
+    saved = self.reduce_values   # the element reduces at this element: read back from the block's staged row
+    self.reduce_values = {**saved, **{id(reduce): stage.value(reduce, idxs) for reduce in reads}}
+    try:
+      return super().compute(root, idxs, reduce_value)
+    finally:
+      self.reduce_values = saved
+
   def _row_position(self, idxs: list[Node]) -> UOp:
     """The element's position in its row (row-major over the row axes), the index into a kept-value array."""
     position: Node = NumNode(0)
@@ -283,12 +302,13 @@ class RowLinearizer(Linearizer):
   def _linearize_block_rows(self) -> list[UOp]:
     kernel, build, shape = self.kernel, self.builder, self.kernel.full_shape
     row_axes = list(kernel.row_axes or ())
-    row_dims = [axis for axis in range(len(shape)) if axis not in row_axes]
+    row_dims = [axis for axis in range(len(shape)) if axis not in row_axes and axis not in kernel.element_axes]
     rows, length = math.prod(shape[axis] for axis in row_dims), math.prod(shape[axis] for axis in row_axes)
     width = self._row_vector_width()
     units = length // width
     if kernel.final_reduces: return self._linearize_final_rows(rows, row_dims, units, width)
-    stack_axis, stack = self._stacked_rows(row_dims)
+    # element reduces: a block's rows share one staged row (no stacked rows, whose units are a thread's own)
+    stack_axis, stack = self._stacked_rows(row_dims) if not kernel.element_reduces else (None, 1)
     held = register_units(units, width)   # the layouts count a row in float4s of registers
     threads, per_block = self._row_layout(rows // stack, held)
     # stacked rows keep their units in registers, and do not cost rows that share blocks (a warp's shuffles each) a
@@ -303,6 +323,9 @@ class RowLinearizer(Linearizer):
     if interleave > 1:   # a block of `interleave` rows, at least a warp of threads, at most the device's block
       threads = max(min(threads, kernel.renderer.max_threads // interleave), kernel.renderer.warp_size // interleave)
       per_block = interleave
+    if kernel.element_reduces and not shared_across_rows(self, row_dims, per_block):
+      interleave, per_block = 1, 1   # a block a row: its own staged row
+      threads = row_block_threads(register_units(units, width), kernel.renderer.max_threads, kernel.renderer.warp_size)
     blocks, block_threads = rows // per_block, threads * per_block
     self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks, 0, AxisType.GLOBAL))
     self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", block_threads, 0, AxisType.LOCAL))
@@ -318,6 +341,10 @@ class RowLinearizer(Linearizer):
     for axis, node in zip(row_dims, _unflatten(row, sizes)): idxs[axis] = node
     if stack_axis is not None:
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
+    if kernel.element_reduces:   # computed for the block's first row, which every row of the block reads
+      first_row = [NumNode(0)] * len(shape)
+      for axis, node in zip(row_dims, _unflatten(block * per_block, sizes)): first_row[axis] = node
+      self.element_stage = ElementStage(self, first_row, block_thread, block_threads)
     per_thread = math.ceil(register_units(units, width) / threads)
     passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
@@ -574,7 +601,7 @@ class RowLinearizer(Linearizer):
     if getattr(kernel.renderer, "vector_width", 0) < 2: return 1
     innermost = (kernel.row_axes or ())[-1]
     buffers = [(leaf.dtype, kernel.sts[self.leaf_index[id(leaf)]]) for leaf in kernel.leaves
-               if isinstance(leaf.arg, MemBuffer)]
+               if isinstance(leaf.arg, MemBuffer) and not is_element_leaf(kernel, leaf)]
     buffers += [(store.dtype, kernel.sts[number]) for number, store in enumerate(kernel.stores)]
     lanes = [kernel.renderer.vector_lanes(dtype) for dtype, st in buffers if st.real_strides()[innermost] != 0]
     width = min((lane for lane in lanes if lane >= 2), default=1)
