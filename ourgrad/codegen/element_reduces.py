@@ -15,6 +15,7 @@ the elements t, t + T, ... of the staged row, each a loop over the reduce's own 
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,11 @@ from ourgrad.codegen.linearizer import reduce_identity
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.ops import LazyOp, Ops
 from ourgrad.shape.symbolic import Node, NumNode, Variable
+
+# a thread's elements of the staged row are unrolled up to this many (else a loop), and an element's own reduce up to
+# this length (a decode head_dim of 64; else a loop): straight-line code whose loads are all in flight at once
+UNROLLED_ELEMENTS = 4
+UNROLLED_LENGTH = 64
 
 if TYPE_CHECKING:
   from ourgrad.codegen.kernel import Kernel
@@ -62,31 +68,47 @@ class ElementStage:
     for number, reduce in enumerate(kernel.element_reduces):
       self.locals[id(reduce)] = build.add(UOps.DEFINE_LOCAL, reduce.dtype, (), (f"element{number}", self.length))
     iterations = math.ceil(self.length / block_threads)
-    loop = linearizer._open_loop("eidx", iterations, AxisType.REDUCE) if iterations > 1 else None
-    iteration: Node = Variable("eidx", 0, iterations - 1) if loop is not None else NumNode(0)
-    element = iteration * block_threads + block_thread
-    ragged = iterations * block_threads != self.length
-    guard = build.add(UOps.IF, None, (linearizer.node_to_uop(element < self.length),)) if ragged else None
-    idxs = linearizer.unit_idxs(row_idxs, element, 1, 0)   # the element's place in the row
-    for number, reduce in enumerate(kernel.element_reduces):
-      value = self._reduce(reduce, idxs, number)
-      build.add(UOps.STORE, None, (self.locals[id(reduce)], linearizer.node_to_uop(element), value))
-    if guard is not None: build.end_if(guard)
+    # a few elements a thread: unrolled, so that all their loads are in flight at once; more: a loop
+    unrolled = iterations <= UNROLLED_ELEMENTS
+    loop = linearizer._open_loop("eidx", iterations, AxisType.REDUCE) if not unrolled else None
+    steps: list[Node] = [Variable("eidx", 0, iterations - 1)] if loop is not None else \
+        [NumNode(step) for step in range(iterations)]
+    for step in steps:
+      element = step * block_threads + block_thread
+      ragged = (step.max + 1) * block_threads > self.length
+      guard = build.add(UOps.IF, None, (linearizer.node_to_uop(element < self.length),)) if ragged else None
+      idxs = linearizer.unit_idxs(row_idxs, element, 1, 0)   # the element's place in the row
+      for number, reduce in enumerate(kernel.element_reduces):
+        value = self._reduce(reduce, idxs, number)
+        build.add(UOps.STORE, None, (self.locals[id(reduce)], linearizer.node_to_uop(element), value))
+      if guard is not None: build.end_if(guard)
     if loop is not None: build.end_range(loop)
     build.add(UOps.BARRIER, None)
 
   def _reduce(self, reduce: LazyOp, idxs: list[Node], number: int) -> UOp:
-    """`reduce` at one element of the row (`idxs`): a loop over its own axes, accumulated in a register."""
+    """`reduce` at one element of the row (`idxs`), accumulated in a register: its own axes unrolled when short
+    (their loads in flight together), else a loop."""
     linearizer, build = self.linearizer, self.linearizer.builder
     shape = linearizer.kernel.full_shape
+    sizes = [shape[axis] for axis in reduce.arg]
     accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+    operation = Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
+    if math.prod(sizes) <= UNROLLED_LENGTH:
+      positions = [[NumNode(index) for index in combination] for combination in itertools.product(*map(range, sizes))]
+      values = []
+      for position in positions:
+        element_idxs = list(idxs)
+        for axis, index in zip(reduce.arg, position): element_idxs[axis] = index
+        values.append(linearizer.compute(reduce.srcs[0], element_idxs, None))
+      for value in values: build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), operation)
+      return accumulator
     loops, element_idxs = [], list(idxs)
     for axis in reduce.arg:
       name = f"e{number}idx{axis}"
       loops.append(linearizer._open_loop(name, shape[axis], AxisType.REDUCE))
       element_idxs[axis] = Variable(name, 0, shape[axis] - 1)
     value = linearizer.compute(reduce.srcs[0], element_idxs, None)
-    build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), Ops.ADD if reduce.op is Ops.SUM else Ops.MAX)
+    build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), operation)
     for loop in reversed(loops): build.end_range(loop)
     return accumulator
 

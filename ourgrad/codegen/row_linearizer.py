@@ -104,7 +104,6 @@ class RowLinearizer(Linearizer):
     self.vector_unit: tuple[list[Node], int, int] | None = None
     # a GPU block's element reduces, computed into local memory before the row passes (codegen/element_reduces.py)
     self.element_stage: ElementStage | None = None
-    self._element_reads: dict[int, list[LazyOp]] = {}   # id(root) -> the element reduces `compute(root)` reads
 
   def linearize(self) -> list[UOp]:
     kernel, build = self.kernel, self.builder
@@ -173,8 +172,11 @@ class RowLinearizer(Linearizer):
     return super()._alu(op, dtype, srcs)
 
   def _row_reduces(self) -> list[LazyOp]:
-    """The reduces over each row (sources first), not the final reduces over the rows' results."""
-    return [reduce for reduce in self.kernel.reduceops if reduce not in self.kernel.final_reduces]
+    """The reduces over each row (sources first), not the final reduces over the rows' results nor the element
+    reduces their rows read."""
+    kernel = self.kernel
+    return [reduce for reduce in kernel.reduceops if reduce not in kernel.final_reduces
+            and not any(reduce is inner for inner in kernel.element_reduces)]
 
   def _accumulate_finals(self, accumulators: list[UOp], idxs: list[Node]) -> None:
     """Add this row's value of each final reduce's input (computed from the row's reduces) to its accumulator; the
@@ -247,10 +249,9 @@ class RowLinearizer(Linearizer):
   def compute(self, root: LazyOp, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None) -> UOp:
     stage = self.element_stage
     if stage is None: return super().compute(root, idxs, reduce_value)
-    reads = self._element_reads.get(id(root))
-    if reads is None:
-      under = {id(node) for node in root.walk()}
-      reads = self._element_reads[id(root)] = [reduce for reduce in self.kernel.element_reduces if id(reduce) in under]
+    # the element reduces this value reads (not those under a reduce whose value is known: the store's)
+    reached = {id(node) for node in _post_order(root, set(self._known_reduces(reduce_value)))}
+    reads = [reduce for reduce in self.kernel.element_reduces if id(reduce) in reached]
     if not reads: return super().compute(root, idxs, reduce_value)
     saved = self.reduce_values   # the element reduces at this element: read back from the block's staged row
     self.reduce_values = {**saved, **{id(reduce): stage.value(reduce, idxs) for reduce in reads}}

@@ -177,7 +177,8 @@ def element_reduce_refusal(reduce: LazyBuffer, view: ShapeTracker, row_loop_shap
   if reduce.size > MAX_ELEMENT_REDUCE_RESULTS or prod(loop_shape[axis] for axis in reduce.arg) > \
       MAX_ELEMENT_REDUCE_LENGTH: return "too large to compute per element of the rows"
   row_length = prod(row_loop_shape[axis] for axis in row_axes or ())
-  if row_length * reduce.dtype.itemsize > min(ELEMENT_ROW_BYTES, renderer.local_memory_bytes // 2): return "its rows exceed local memory"
+  if row_length * reduce.dtype.itemsize > min(ELEMENT_ROW_BYTES, renderer.local_memory_bytes // 2):
+    return "its rows exceed local memory"
   return None
 
 
