@@ -152,7 +152,8 @@ class Kernel(SharedTileLayout):
     # kernel_walk.final_reduces); its other reduces run over the rows
     self.final_reduces: list[LazyOp] = _final_reduces(self.reduceops, len(self.stores[0].arg.st.shape))
     # a row kernel's element reduces: over trailing axes of their own (`element_axes`), read per element of its rows
-    self.element_reduces: list[LazyOp] = [] if self.final_reduces else _element_reduces(self.reduceops)
+    self.element_reduces: list[LazyOp] = [] if self.final_reduces or len(self.reduceops) < 2 else \
+        _element_reduces(self.reduceops)
     self.element_axes: tuple[int, ...] = tuple(sorted({axis for reduce in self.element_reduces for axis in reduce.arg}))
     self.row_axes: tuple[int, ...] | None = None if self.sibling_reduces else \
       _row_kernel_axes([reduce for reduce in self.reduceops if reduce not in self.final_reduces
