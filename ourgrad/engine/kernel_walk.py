@@ -174,6 +174,8 @@ def element_reduce_refusal(reduce: LazyBuffer, view: ShapeTracker, row_loop_shap
   if tuple(reduce.arg) != tuple(range(len(loop_shape) - len(reduce.arg), len(loop_shape))):
     return "it reduces axes other than the trailing ones"
   if len(view.views) != 1 or view.shape != row_loop_shape: return "read through more than one view"
+  # a padded place reads 0, where the reduce of its (masked, zero) inputs may not be 0 (a sum of exp(0))
+  if view.views[0].mask is not None: return "read through a pad"
   if reduce.size > MAX_ELEMENT_REDUCE_RESULTS or prod(loop_shape[axis] for axis in reduce.arg) > \
       MAX_ELEMENT_REDUCE_LENGTH: return "too large to compute per element of the rows"
   row_length = prod(row_loop_shape[axis] for axis in row_axes or ())
