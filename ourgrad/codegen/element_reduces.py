@@ -15,19 +15,17 @@ the elements t, t + T, ... of the staged row, each a loop over the reduce's own 
 """
 from __future__ import annotations
 
-import itertools
 import math
 from typing import TYPE_CHECKING
 
 from ourgrad.codegen.linearizer import reduce_identity
-from ourgrad.codegen.uops import AxisType, UOp, UOps
+from ourgrad.codegen.uops import UOp, UOps
 from ourgrad.ops import LazyOp, Ops
-from ourgrad.shape.symbolic import Node, NumNode, Variable
+from ourgrad.shape.symbolic import Node, NumNode, sym_and
 
-# a thread's elements of the staged row are unrolled up to this many (else a loop), and an element's own reduce up to
-# this length (a decode head_dim of 64; else a loop): straight-line code whose loads are all in flight at once
-UNROLLED_ELEMENTS = 4
-UNROLLED_LENGTH = 64
+# the elements of an element reduce's own axes one lane takes: a 64-long dot product is 8 lanes of 8 (a warp's load
+# reads 4 key rows' 32 contiguous bytes each; the lanes combine in 3 shuffles)
+LANE_ELEMENTS = 8
 
 if TYPE_CHECKING:
   from ourgrad.codegen.kernel import Kernel
@@ -37,6 +35,30 @@ if TYPE_CHECKING:
 def is_element_leaf(kernel: Kernel, leaf: LazyOp) -> bool:
   """Whether `leaf` is read by an element reduce (its view spans the element reduces' own axes): not a row's load."""
   return any(leaf.arg.st.shape[axis] != 1 for axis in kernel.element_axes)
+
+
+def element_lanes(kernel: Kernel, block_threads: int) -> int:
+  """Neighbouring threads that compute one element together (`ElementStage`): a power of two up to a warp (and the
+  block), dividing every element reduce's length, about LANE_ELEMENTS elements a lane; 1 without warp shuffles."""
+  warp_size = getattr(kernel.renderer, "warp_size", 0)
+  if warp_size < 2: return 1
+  shape = kernel.full_shape
+  lengths = [math.prod(shape[axis] for axis in reduce.arg) for reduce in kernel.element_reduces]
+  lanes = 1
+  while lanes * 2 <= min(warp_size, block_threads) and all(length % (lanes * 2) == 0 and length // (lanes * 2) >=
+                                                             LANE_ELEMENTS for length in lengths):
+    lanes *= 2
+  return lanes
+
+
+def unflatten(flat: Node, sizes: list[int]) -> list[Node]:
+  """Per-axis indices of a row-major flat index over `sizes` (the last varying fastest)."""
+  if len(sizes) == 1: return [flat]
+  indices, inner = [], 1
+  for size in reversed(sizes):
+    indices.append((flat // inner) % size)
+    inner *= size
+  return list(reversed(indices))
 
 
 def varies_along(linearizer: RowLinearizer, reduce: LazyOp, axis: int) -> bool:
@@ -55,7 +77,11 @@ def shared_across_rows(linearizer: RowLinearizer, row_dims: list[int], per_block
 
 
 class ElementStage:
-  """The element reduces of one block's row, computed into local memory (one array per reduce, a row long)."""
+  """The element reduces of one block's row, computed into local memory (one array per reduce, a row long). Where
+  the device has warp shuffles, `lanes` neighbouring threads compute one element together (lane j takes the
+  reduce's elements j, j + lanes, ...: neighbouring threads read neighbouring addresses of the element's input, a
+  cache slot's key row) and combine by shuffles; the block's `block_threads / lanes` groups take the row's elements
+  g, g + G, ... (unrolled, so that all of a thread's loads are in flight at once)."""
 
   def __init__(self, linearizer: RowLinearizer, row_idxs: list[Node], block_thread: Node, block_threads: int):
     self.linearizer = linearizer
@@ -67,50 +93,41 @@ class ElementStage:
     build = linearizer.builder
     for number, reduce in enumerate(kernel.element_reduces):
       self.locals[id(reduce)] = build.add(UOps.DEFINE_LOCAL, reduce.dtype, (), (f"element{number}", self.length))
-    iterations = math.ceil(self.length / block_threads)
-    # a few elements a thread: unrolled, so that all their loads are in flight at once; more: a loop
-    unrolled = iterations <= UNROLLED_ELEMENTS
-    loop = linearizer._open_loop("eidx", iterations, AxisType.REDUCE) if not unrolled else None
-    steps: list[Node] = [Variable("eidx", 0, iterations - 1)] if loop is not None else \
-        [NumNode(step) for step in range(iterations)]
-    for step in steps:
-      element = step * block_threads + block_thread
-      ragged = (step.max + 1) * block_threads > self.length
-      guard = build.add(UOps.IF, None, (linearizer.node_to_uop(element < self.length),)) if ragged else None
-      idxs = linearizer.unit_idxs(row_idxs, element, 1, 0)   # the element's place in the row
-      for number, reduce in enumerate(kernel.element_reduces):
-        value = self._reduce(reduce, idxs, number)
+    lanes = element_lanes(kernel, block_threads)
+    groups = block_threads // lanes
+    group, lane = (block_thread // lanes, block_thread % lanes) if lanes > 1 else (block_thread, NumNode(0))
+    iterations = math.ceil(self.length / groups)
+    for step in range(iterations):
+      element = group + step * groups
+      ragged = (step + 1) * groups > self.length
+      # past the row's end (the last step) a group computes an element again (every lane of a warp takes part in
+      # its shuffles) and does not store it
+      idxs = linearizer.unit_idxs(row_idxs, element % self.length if ragged else element, 1, 0)
+      for reduce in kernel.element_reduces:
+        value = self._reduce(reduce, idxs, lane, lanes)
+        # the group's first lane stores the element (inside the row)
+        writes = sym_and(([lane < 1] if lanes > 1 else []) + ([element < self.length] if ragged else []))
+        writer = build.add(UOps.IF, None, (linearizer.node_to_uop(writes),)) if writes != NumNode(1) else None
         build.add(UOps.STORE, None, (self.locals[id(reduce)], linearizer.node_to_uop(element), value))
-      if guard is not None: build.end_if(guard)
-    if loop is not None: build.end_range(loop)
+        if writer is not None: build.end_if(writer)
     build.add(UOps.BARRIER, None)
 
-  def _reduce(self, reduce: LazyOp, idxs: list[Node], number: int) -> UOp:
-    """`reduce` at one element of the row (`idxs`), accumulated in a register: its own axes unrolled when short
-    (their loads in flight together), else a loop."""
+  def _reduce(self, reduce: LazyOp, idxs: list[Node], lane: Node, lanes: int) -> UOp:
+    """`reduce` at one element of the row (`idxs`): this lane's share of its own axes (unrolled), accumulated in a
+    register, then the lanes' partials combined by shuffles (every lane holds the result)."""
     linearizer, build = self.linearizer, self.linearizer.builder
     shape = linearizer.kernel.full_shape
     sizes = [shape[axis] for axis in reduce.arg]
     accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
     operation = Ops.ADD if reduce.op is Ops.SUM else Ops.MAX
-    if math.prod(sizes) <= UNROLLED_LENGTH:
-      positions = [[NumNode(index) for index in combination] for combination in itertools.product(*map(range, sizes))]
-      values = []
-      for position in positions:
-        element_idxs = list(idxs)
-        for axis, index in zip(reduce.arg, position): element_idxs[axis] = index
-        values.append(linearizer.compute(reduce.srcs[0], element_idxs, None))
-      for value in values: build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), operation)
-      return accumulator
-    loops, element_idxs = [], list(idxs)
-    for axis in reduce.arg:
-      name = f"e{number}idx{axis}"
-      loops.append(linearizer._open_loop(name, shape[axis], AxisType.REDUCE))
-      element_idxs[axis] = Variable(name, 0, shape[axis] - 1)
-    value = linearizer.compute(reduce.srcs[0], element_idxs, None)
-    build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), operation)
-    for loop in reversed(loops): build.end_range(loop)
-    return accumulator
+    values = []
+    for step in range(math.prod(sizes) // lanes):
+      element_idxs = list(idxs)
+      for axis, index in zip(reduce.arg, unflatten(lane + step * lanes, sizes)): element_idxs[axis] = index
+      values.append(linearizer.compute(reduce.srcs[0], element_idxs, None))
+    for value in values: build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), operation)
+    if lanes == 1: return accumulator
+    return build.add(UOps.WARP_REDUCE, reduce.dtype, (accumulator,), (operation, lanes, 1))
 
   def value(self, reduce: LazyOp, idxs: list[Node]) -> UOp:
     """Element reduce `reduce` at the row element `idxs` points at, read back from local memory."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ourgrad.codegen.element_reduces import ElementStage, is_element_leaf, shared_across_rows
+from ourgrad.codegen.element_reduces import ElementStage, is_element_leaf, shared_across_rows, unflatten
 from ourgrad.codegen.integer_rows import integer_terms, lower_integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
@@ -296,7 +296,7 @@ class RowLinearizer(Linearizer):
     if threads > 1:
       self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", threads, 0, AxisType.LOCAL))
       flat = flat * threads + Variable("lidx0", 0, threads - 1)
-    return _unflatten(flat, sizes)
+    return unflatten(flat, sizes)
 
   # ---------------------------------------------------------------- GPU: a block per row
 
@@ -339,12 +339,12 @@ class RowLinearizer(Linearizer):
     lanes = (block_thread % interleave, interleave) if interleave > 1 else None
     idxs: list[Node] = [NumNode(0)] * len(shape)
     sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
-    for axis, node in zip(row_dims, _unflatten(row, sizes)): idxs[axis] = node
+    for axis, node in zip(row_dims, unflatten(row, sizes)): idxs[axis] = node
     if stack_axis is not None:
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
     if kernel.element_reduces:   # computed for the block's first row, which every row of the block reads
       first_row = [NumNode(0)] * len(shape)
-      for axis, node in zip(row_dims, _unflatten(block * per_block, sizes)): first_row[axis] = node
+      for axis, node in zip(row_dims, unflatten(block * per_block, sizes)): first_row[axis] = node
       self.element_stage = ElementStage(self, first_row, block_thread, block_threads)
     per_thread = math.ceil(register_units(units, width) / threads)
     passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
@@ -573,7 +573,7 @@ class RowLinearizer(Linearizer):
     row_loop = self._open_loop("fidx", rows // groups, AxisType.REDUCE)
     row = Variable("fidx", 0, rows // groups - 1) * groups + group
     idxs: list[Node] = [NumNode(0)] * len(shape)
-    for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
+    for axis, node in zip(row_dims, unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
     per_thread = math.ceil(register_units(units, width) / threads)
     passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     # a group of one thread holds its row's reduce; larger groups combine by warp shuffles (no local memory)
@@ -616,7 +616,7 @@ class RowLinearizer(Linearizer):
     sizes = [kernel.full_shape[axis] for axis in row_axes]
     sizes[-1] //= width
     element_idxs = list(idxs)
-    for axis, node in zip(row_axes, _unflatten(unit, sizes)): element_idxs[axis] = node
+    for axis, node in zip(row_axes, unflatten(unit, sizes)): element_idxs[axis] = node
     element_idxs[row_axes[-1]] = element_idxs[row_axes[-1]] * width + lane
     return element_idxs
 
@@ -759,12 +759,3 @@ def _counts_without_wrapping(node: LazyOp, finals: list[LazyOp]) -> bool:
   value = node.srcs[0]
   return value.op is Ops.CAST and value.srcs[0].dtype.itemsize <= 4
 
-
-def _unflatten(flat: Node, sizes: list[int]) -> list[Node]:
-  """Per-axis indices of a row-major flat index over `sizes` (the last varying fastest)."""
-  if len(sizes) == 1: return [flat]
-  nodes, inner = [], 1
-  for size in reversed(sizes):
-    nodes.append((flat // inner) % size)
-    inner *= size
-  return list(reversed(nodes))
