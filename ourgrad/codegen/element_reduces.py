@@ -61,9 +61,17 @@ def unflatten(flat: Node, sizes: list[int]) -> list[Node]:
   return list(reversed(indices))
 
 
-def varies_along(linearizer: RowLinearizer, reduce: LazyOp, axis: int) -> bool:
-  """Whether element reduce `reduce`'s value may differ along row axis `axis` (a leaf under it is not broadcast)."""
-  return linearizer._varies_along(reduce, axis)
+def varies_along(reduce: LazyOp, axis: int) -> bool:
+  """Whether element reduce `reduce`'s value may differ along row axis `axis`: a leaf under it is not broadcast along
+  it (the view the kernel indexes, its last, has a stride there or a mask; the views under it are then indexed alike
+  at every index of the axis, a RoPE pair swap's flip included)."""
+  for node in reduce.walk():
+    if node.op not in (Ops.LOAD, Ops.CONST): continue
+    view = node.arg.st.views[-1]
+    if view.shape[axis] != 1 and (view.strides[axis] != 0 or
+                                  (view.mask is not None and tuple(view.mask[axis]) != (0, view.shape[axis]))):
+      return True
+  return False
 
 
 def shared_across_rows(linearizer: RowLinearizer, row_dims: list[int], per_block: int) -> bool:
@@ -73,7 +81,7 @@ def shared_across_rows(linearizer: RowLinearizer, row_dims: list[int], per_block
   if per_block == 1: return True
   last = row_dims[-1] if row_dims else None
   if last is None or kernel.full_shape[last] % per_block != 0: return False
-  return not any(varies_along(linearizer, reduce, last) for reduce in kernel.element_reduces)
+  return not any(varies_along(reduce, last) for reduce in kernel.element_reduces)
 
 
 class ElementStage:
