@@ -22,8 +22,9 @@ from ourgrad.engine import schedule_cache
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from extra.models.llama import softmax_weighted_sum
+from extra.models.llama import Llama, LlamaConfig, softmax_weighted_sum
 from helpers import nvrtc_compiler
+from test_models import _tiny_weights
 
 NVRTC = nvrtc_compiler()
 
@@ -139,3 +140,23 @@ def test_rows_with_their_own_element_values(emulated_cuda: None) -> None:
   peak = totals.max(-1)
   expected = np.exp(totals - peak[..., None]).sum(-1)
   np.testing.assert_allclose(denominators().numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_smollm2_decode_step_shares_staged_scores(emulated_cuda: None) -> None:
+  """A SmolLM2-shaped decode step (9 query heads, 3 KV heads, head_dim 64, 520 cache slots; one block, random
+  weights) lowered for CUDA: its attention is one kernel whose K is RoPE'd and this step's row recomputed (a where
+  over two-view loads: the pair swap), and a block's 8 interleaved head_dim rows share one staged row of scores
+  (72 blocks, not a block per row)."""
+  config = LlamaConfig(dim=576, n_layers=1, n_heads=9, n_kv_heads=3, hidden_dim=1536, vocab_size=64, norm_eps=1e-5,
+                       rope_theta=10000.0, context_length=520)
+  weights = {name: Tensor(value, device="PYTHON") for name, value in _tiny_weights(config, 0).items()}
+  model = Llama(config, weights, max_context=520, symbolic=False)
+  logits = model._step_graph(Tensor(np.array([[1, 5]], np.int32), device="PYTHON"), None)
+  schedule = create_schedule([logits.lazydata, model.blocks[0].cache.lazydata])
+  kernels = [Kernel(item.ast, CUDARenderer()) for item in schedule if item.ast.op.name != "COPY"]
+  attention = [kernel for kernel in kernels if kernel.element_reduces]
+  assert len(attention) == 1
+  uops = linearize(attention[0])
+  blocks = next(uop.arg[1] for uop in uops if uop.op is UOps.SPECIAL and uop.arg[0] == "gidx0")
+  staged = [uop for uop in uops if uop.op is UOps.DEFINE_LOCAL and uop.arg[0].startswith("element")]
+  assert blocks == 3 * 3 * 64 // 8 and len(staged) == 1 and staged[0].arg[1] == 520
