@@ -566,6 +566,10 @@ class _KernelBuilder:
   def element_ids(self) -> set[int]:
     """The ids of the kernel's element reduces (walked once, when a reduce is first met inside another)."""
     if self._element_ids is None:
+      renderer = Device[self.root.device].renderer
+      if not (renderer.has_threads and renderer.has_local):   # element reduces need local memory (kernel_walk)
+        self._element_ids = set()
+        return self._element_ids
       _, plan = walk_kernel(self.root, self.realizes, sibling_limit)
       self._element_ids = {id(reduce) for reduce in plan.element_reduces} if plan is not None else set()
     return self._element_ids
