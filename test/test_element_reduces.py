@@ -71,9 +71,13 @@ def _numpy_attention(inputs: dict[str, np.ndarray]) -> np.ndarray:
   return np.einsum("skgv,svkh->skgh", weights, v)
 
 
-@pytest.mark.parametrize("sequences, kv_heads, group, slots", [(1, 3, 3, 40), (8, 3, 3, 40), (2, 1, 2, 300)],
+# (sequences, kv_heads, group, slots, staged rows a block): one sequence's rows interleave 8 head_dim outputs of one
+# query head (one staged row); more stack the group's query heads in each thread (codegen/row_linearizer.py stacked
+# rows: the values read once for them), each head's scores a staged row of its own
+@pytest.mark.parametrize("sequences, kv_heads, group, slots, staged", [(1, 3, 3, 40, 1), (8, 3, 3, 40, 3),
+                                                                        (2, 1, 2, 300, 2)],
                          ids=["smollm2_heads", "smollm2_heads_8_sequences", "two_heads_long_cache"])
-def test_decode_attention_is_one_kernel(sequences: int, kv_heads: int, group: int, slots: int,
+def test_decode_attention_is_one_kernel(sequences: int, kv_heads: int, group: int, slots: int, staged: int,
                                         emulated_cuda: None) -> None:
   """Lowered for CUDA, decode attention (grouped-query heads, head_dim 64, several sequences, a mask) is one kernel
   whose scores are an element reduce staged in local memory before the row passes (a BARRIER after the staging),
@@ -86,7 +90,7 @@ def test_decode_attention_is_one_kernel(sequences: int, kv_heads: int, group: in
   assert len(kernel.element_reduces) == 1 and kernel.row_axes is not None
   uops = linearize(kernel)
   locals_ = [uop for uop in uops if uop.op is UOps.DEFINE_LOCAL and uop.arg[0].startswith("element")]
-  assert len(locals_) == 1 and locals_[0].arg[1] == slots   # one staged row a block (its rows share the scores)
+  assert len(locals_) == 1 and locals_[0].arg[1] == staged * slots   # a block's rows share the scores
   first_barrier = next(position for position, uop in enumerate(uops) if uop.op is UOps.BARRIER)
   assert all(not (uop.op is UOps.STORE and uop.srcs[0] is locals_[0]) for uop in uops[first_barrier:])
   if NVRTC is not None:

@@ -84,6 +84,14 @@ def shared_across_rows(linearizer: RowLinearizer, row_dims: list[int], per_block
   return not any(varies_along(reduce, last) for reduce in kernel.element_reduces)
 
 
+def stacked_rows(first_row: list[Node], axis: int | None, stack: int, kernel: Kernel) -> list[list[Node]]:
+  """The rows a block stages: its first row, or with stacked rows (`stack` rows along `axis` in each thread) the
+  first row's `stack` rows where the element reduces vary along `axis` (one staged row each)."""
+  if axis is None or not any(varies_along(reduce, axis) for reduce in kernel.element_reduces): return [first_row]
+  return [[index * stack + sub if number == axis else index for number, index in enumerate(first_row)]
+          for sub in range(stack)]
+
+
 class ElementStage:
   """The element reduces of one block's row, computed into local memory (one array per reduce, a row long). Where
   the device has warp shuffles, `lanes` neighbouring threads compute one element together (lane j takes the
@@ -91,34 +99,44 @@ class ElementStage:
   cache slot's key row) and combine by shuffles; the block's `block_threads / lanes` groups take the row's elements
   g, g + G, ... (unrolled, so that all of a thread's loads are in flight at once)."""
 
-  def __init__(self, linearizer: RowLinearizer, row_idxs: list[Node], block_thread: Node, block_threads: int):
+  def __init__(self, linearizer: RowLinearizer, staged_rows: list[list[Node]], block_thread: Node,
+               block_threads: int):
     self.linearizer = linearizer
     kernel = linearizer.kernel
     self.row_axes = list(kernel.row_axes or ())
     self.sizes = [kernel.full_shape[axis] for axis in self.row_axes]
     self.length = math.prod(self.sizes)
+    self.slot = 0   # the staged row the rows computed now read (`select`)
     self.locals: dict[int, UOp] = {}
     build = linearizer.builder
     for number, reduce in enumerate(kernel.element_reduces):
-      self.locals[id(reduce)] = build.add(UOps.DEFINE_LOCAL, reduce.dtype, (), (f"element{number}", self.length))
+      self.locals[id(reduce)] = build.add(UOps.DEFINE_LOCAL, reduce.dtype, (),
+                                          (f"element{number}", self.length * len(staged_rows)))
     lanes = element_lanes(kernel, block_threads)
     groups = block_threads // lanes
     group, lane = (block_thread // lanes, block_thread % lanes) if lanes > 1 else (block_thread, NumNode(0))
     iterations = math.ceil(self.length / groups)
-    for step in range(iterations):
-      element = group + step * groups
-      ragged = (step + 1) * groups > self.length
-      # past the row's end (the last step) a group computes an element again (every lane of a warp takes part in
-      # its shuffles) and does not store it
-      idxs = linearizer.unit_idxs(row_idxs, element % self.length if ragged else element, 1, 0)
-      for reduce in kernel.element_reduces:
-        value = self._reduce(reduce, idxs, lane, lanes)
-        # the group's first lane stores the element (inside the row)
-        writes = sym_and(([lane < 1] if lanes > 1 else []) + ([element < self.length] if ragged else []))
-        writer = build.add(UOps.IF, None, (linearizer.node_to_uop(writes),)) if writes != NumNode(1) else None
-        build.add(UOps.STORE, None, (self.locals[id(reduce)], linearizer.node_to_uop(element), value))
-        if writer is not None: build.end_if(writer)
+    for slot, row_idxs in enumerate(staged_rows):
+      for step in range(iterations):
+        element = group + step * groups
+        ragged = (step + 1) * groups > self.length
+        # past the row's end (the last step) a group computes an element again (every lane of a warp takes part in
+        # its shuffles) and does not store it
+        idxs = linearizer.unit_idxs(row_idxs, element % self.length if ragged else element, 1, 0)
+        for reduce in kernel.element_reduces:
+          value = self._reduce(reduce, idxs, lane, lanes)
+          # the group's first lane stores the element (inside the row)
+          writes = sym_and(([lane < 1] if lanes > 1 else []) + ([element < self.length] if ragged else []))
+          writer = build.add(UOps.IF, None, (linearizer.node_to_uop(writes),)) if writes != NumNode(1) else None
+          position = linearizer.node_to_uop(element + slot * self.length)
+          build.add(UOps.STORE, None, (self.locals[id(reduce)], position, value))
+          if writer is not None: build.end_if(writer)
+    self.slots = len(staged_rows)
     build.add(UOps.BARRIER, None)
+
+  def select(self, row: int) -> None:
+    """The block's stacked row `row` (of `stacked_rows`) is computed next: it reads its own staged row, if any."""
+    self.slot = row if self.slots > 1 else 0
 
   def _reduce(self, reduce: LazyOp, idxs: list[Node], lane: Node, lanes: int) -> UOp:
     """`reduce` at one element of the row (`idxs`): this lane's share of its own axes (unrolled), accumulated in a
@@ -139,7 +157,7 @@ class ElementStage:
 
   def value(self, reduce: LazyOp, idxs: list[Node]) -> UOp:
     """Element reduce `reduce` at the row element `idxs` points at, read back from local memory."""
-    position: Node = NumNode(0)
+    position: Node = NumNode(self.slot)
     for axis, size in zip(self.row_axes, self.sizes): position = position * size + idxs[axis]
     return self.linearizer.builder.add(UOps.LOAD, reduce.dtype,
                                        (self.locals[id(reduce)], self.linearizer.node_to_uop(position)))

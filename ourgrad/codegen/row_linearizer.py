@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ourgrad.codegen.element_reduces import ElementStage, is_element_leaf, shared_across_rows, unflatten
+from ourgrad.codegen.element_reduces import ElementStage, is_element_leaf, shared_across_rows, stacked_rows, unflatten
 from ourgrad.codegen.integer_rows import integer_terms, lower_integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
@@ -308,8 +308,7 @@ class RowLinearizer(Linearizer):
     width = self._row_vector_width()
     units = length // width
     if kernel.final_reduces: return self._linearize_final_rows(rows, row_dims, units, width)
-    # element reduces: a block's rows share one staged row (no stacked rows, whose units are a thread's own)
-    stack_axis, stack = self._stacked_rows(row_dims) if not kernel.element_reduces else (None, 1)
+    stack_axis, stack = self._stacked_rows(row_dims)
     held = register_units(units, width)   # the layouts count a row in float4s of registers
     threads, per_block = self._row_layout(rows // stack, held)
     # stacked rows keep their units in registers, and do not cost rows that share blocks (a warp's shuffles each) a
@@ -340,12 +339,13 @@ class RowLinearizer(Linearizer):
     idxs: list[Node] = [NumNode(0)] * len(shape)
     sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
     for axis, node in zip(row_dims, unflatten(row, sizes)): idxs[axis] = node
-    if stack_axis is not None:
-      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
-    if kernel.element_reduces:   # computed for the block's first row, which every row of the block reads
+    if kernel.element_reduces:   # staged for the block's first row, which every row of the block reads
       first_row = [NumNode(0)] * len(shape)
       for axis, node in zip(row_dims, unflatten(block * per_block, sizes)): first_row[axis] = node
-      self.element_stage = ElementStage(self, first_row, block_thread, block_threads)
+      self.element_stage = ElementStage(self, stacked_rows(first_row, stack_axis, stack, kernel), block_thread,
+                                        block_threads)
+    if stack_axis is not None:
+      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
     per_thread = math.ceil(register_units(units, width) / threads)
     passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
@@ -429,6 +429,7 @@ class RowLinearizer(Linearizer):
     for sub_idxs in every_idxs: self._prefetch_row(RowPasses(self, sub_idxs, thread, threads, units, width, True))
     for sub, sub_idxs in enumerate(every_idxs):
       self.reduce_values = dict(shared)
+      if self.element_stage is not None: self.element_stage.select(sub)
       passes = RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
       offset = sub * len(reduces)   # each row's local memory (a block's partials) of its own
       self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
