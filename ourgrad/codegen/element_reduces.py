@@ -26,6 +26,8 @@ from ourgrad.shape.symbolic import Node, NumNode, sym_and
 # the elements of an element reduce's own axes one lane takes: a 64-long dot product is 8 lanes of 8 (a warp's load
 # reads 4 key rows' 32 contiguous bytes each; the lanes combine in 3 shuffles)
 LANE_ELEMENTS = 8
+# local memory a block's staged rows may take (a row of 4096 float32 scores; several stacked rows at most this in all)
+ELEMENT_ROW_BYTES = 16 * 1024
 
 if TYPE_CHECKING:
   from ourgrad.codegen.kernel import Kernel
@@ -82,6 +84,13 @@ def shared_across_rows(linearizer: RowLinearizer, row_dims: list[int], per_block
   last = row_dims[-1] if row_dims else None
   if last is None or kernel.full_shape[last] % per_block != 0: return False
   return not any(varies_along(reduce, last) for reduce in kernel.element_reduces)
+
+
+def staged_bytes(kernel: Kernel, axis: int | None, stack: int) -> int:
+  """Local memory the staged rows of a block take with `stack` rows stacked along `axis` (`stacked_rows`)."""
+  length = math.prod(kernel.full_shape[row_axis] for row_axis in kernel.row_axes or ())
+  rows = stack if axis is not None and any(varies_along(reduce, axis) for reduce in kernel.element_reduces) else 1
+  return rows * length * sum(reduce.dtype.itemsize for reduce in kernel.element_reduces)
 
 
 def stacked_rows(first_row: list[Node], axis: int | None, stack: int, kernel: Kernel) -> list[list[Node]]:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ourgrad.codegen.element_reduces import ElementStage, is_element_leaf, shared_across_rows, stacked_rows, unflatten
+from ourgrad.codegen.element_reduces import (ELEMENT_ROW_BYTES, ElementStage, is_element_leaf, shared_across_rows,
+                                             staged_bytes, stacked_rows, unflatten)
 from ourgrad.codegen.integer_rows import integer_terms, lower_integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
@@ -309,6 +310,9 @@ class RowLinearizer(Linearizer):
     units = length // width
     if kernel.final_reduces: return self._linearize_final_rows(rows, row_dims, units, width)
     stack_axis, stack = self._stacked_rows(row_dims)
+    # element reduces: a staged row for each stacked row they differ along, within the local memory of one row's
+    if kernel.element_reduces and staged_bytes(kernel, stack_axis, stack) > staged_bytes(kernel, None, 1) and \
+        staged_bytes(kernel, stack_axis, stack) > ELEMENT_ROW_BYTES: stack_axis, stack = None, 1
     held = register_units(units, width)   # the layouts count a row in float4s of registers
     threads, per_block = self._row_layout(rows // stack, held)
     # stacked rows keep their units in registers, and do not cost rows that share blocks (a warp's shuffles each) a

@@ -5,10 +5,11 @@
 inside a reduce, a reduce read out of its element order, a row kernel's output neither per element nor per row, the
 value of an assign that reads its target through another view), and the `KernelPlan`: the realized bases the kernel
 loads and its reduces. Row kernels (several reduces over the same rows: `ROW_KERNELS`, `MAX_ROW_FUSION_LENGTH`,
-docs/fusion.md) are admitted here. `order_items` puts scheduled items in a run order: after the items whose results
-they read, and before the assigns that overwrite what they read. The scheduler (engine/schedule.py: settling the
-realizations, building each kernel) and the multi-output grouping (engine/multi_output.py) both read this module,
-which imports neither of them.
+docs/fusion.md) are admitted here, and their element reduces (a short reduce read per element of the rows, staged
+by a GPU block in local memory: `element_reduce_refusal`). `order_items` puts scheduled items in a run order: after
+the items whose results they read, and before the assigns that overwrite what they read. The scheduler
+(engine/schedule.py: settling the realizations, building each kernel) and the multi-output grouping
+(engine/multi_output.py) both read this module, which imports neither of them.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ourgrad.codegen.element_reduces import ELEMENT_ROW_BYTES
 from ourgrad.codegen.opt.heuristic import reads_an_input_whole
 from ourgrad.device import Device
 from ourgrad.helpers import ELEMENT_REDUCES, ROW_KERNELS, prod
@@ -156,10 +158,10 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
 # their own (decode attention's scores, a 64-long dot product per cache slot, under the softmax x V row kernel). Its
 # blocks compute them into local memory before the row passes (codegen/element_reduces.py). Only small ones: the
 # results (all of them) at most this many elements, as a matrix-vector product's (a large one is a matmul, which
-# tiles and tensor cores serve), each at most this long, and a block's row of them fits local memory.
+# tiles and tensor cores serve), each at most this long, and a block's row of them fits local memory
+# (element_reduces.ELEMENT_ROW_BYTES).
 MAX_ELEMENT_REDUCE_RESULTS = 1 << 17
 MAX_ELEMENT_REDUCE_LENGTH = 256
-ELEMENT_ROW_BYTES = 16 * 1024
 
 
 def element_reduce_refusal(reduce: LazyBuffer, view: ShapeTracker, row_loop_shape: tuple[int, ...],
