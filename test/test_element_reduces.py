@@ -164,3 +164,19 @@ def test_smollm2_decode_step_shares_staged_scores(emulated_cuda: None) -> None:
   blocks = next(uop.arg[1] for uop in uops if uop.op is UOps.SPECIAL and uop.arg[0] == "gidx0")
   staged = [uop for uop in uops if uop.op is UOps.DEFINE_LOCAL and uop.arg[0].startswith("element")]
   assert blocks == 3 * 3 * 64 // 8 and len(staged) == 1 and staged[0].arg[1] == 520
+
+
+def test_softmax_of_small_scores_stores_per_element(emulated_cuda: None) -> None:
+  """softmax(q @ k.T * scale) of a few short rows (a composed attention's weights): the scores are an element reduce
+  of the softmax row kernel, read back from local memory by its per-element store as well; numpy's values."""
+  rng = np.random.default_rng(0)
+  q_np, k_np = (rng.standard_normal((2, 4, 8, 16)).astype(np.float32) for _ in range(2))
+
+  def weights() -> Tensor:
+    return (Tensor(q_np, device="PYTHON") @ Tensor(k_np, device="PYTHON").transpose(-1, -2) * 0.25).softmax(-1)
+  schedule = create_schedule([weights().lazydata])
+  assert len(schedule) == 1 and len(Kernel(schedule[0].ast, Device["PYTHON"].renderer).element_reduces) == 1
+  scores = q_np.astype(np.float64) @ k_np.astype(np.float64).transpose(0, 1, 3, 2) * 0.25
+  expected = np.exp(scores - scores.max(-1, keepdims=True))
+  expected /= expected.sum(-1, keepdims=True)
+  np.testing.assert_allclose(weights().numpy(), expected, rtol=1e-5, atol=1e-6)
