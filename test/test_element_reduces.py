@@ -2,7 +2,7 @@
 results a GPU row kernel reads per element of its rows is computed by the row kernel's blocks into local memory,
 one kernel where it was two. Decode attention is the case: softmax(q . K * scale + mask) @ V in one kernel, the
 scores staged per block. Lowered for CUDA (the PYTHON device's EMULATE=CUDA mode) and compared with numpy and with
-the two-kernel path (ELEMENT_REDUCES=0); on a CPU nothing changes (no local memory: two kernels)."""
+the two-kernel path (ELEMENT_REDUCES=0, the default); on a CPU nothing changes (no local memory: two kernels)."""
 from __future__ import annotations
 
 import math
@@ -18,7 +18,7 @@ from ourgrad.codegen.opt.heuristic import hand_coded_optimizations
 from ourgrad.codegen.uops import UOps
 from ourgrad.device import Device
 from ourgrad.engine.schedule import create_schedule
-from ourgrad.engine import schedule_cache
+from ourgrad.helpers import clear_caches
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
@@ -31,14 +31,12 @@ NVRTC = nvrtc_compiler()
 
 @pytest.fixture
 def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-  """The PYTHON device lowering as for CUDA (EMULATE=CUDA), fresh caches."""
-  from ourgrad.engine import realize
+  """The PYTHON device lowering as for CUDA (EMULATE=CUDA), element reduces on (ELEMENT_REDUCES=1), fresh caches."""
   monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA"))
-  realize._runner_cache.clear()
-  schedule_cache._cache.clear()
+  monkeypatch.setenv("ELEMENT_REDUCES", "1")
+  clear_caches()   # schedules made without element reduces
   yield
-  realize._runner_cache.clear()
-  schedule_cache._cache.clear()
+  clear_caches()
 
 
 def _attention_inputs(sequences: int, kv_heads: int, group: int, head_dim: int, slots: int,
@@ -107,14 +105,16 @@ def test_two_kernels_without_element_reduces(emulated_cuda: None, monkeypatch: p
   inputs = _attention_inputs(2, 3, 3, 64, 24, seed=3)
   fused = _decode_attention(inputs, "PYTHON").numpy()
   monkeypatch.setenv("ELEMENT_REDUCES", "0")
-  schedule_cache._cache.clear()
+  clear_caches()
   out = _decode_attention(inputs, "PYTHON")
   assert len(create_schedule([out.lazydata])) == 2
   np.testing.assert_allclose(_decode_attention(inputs, "PYTHON").numpy(), fused, rtol=1e-6, atol=1e-6)
 
 
-def test_cpu_keeps_two_kernels() -> None:
+def test_cpu_keeps_two_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
   """A CPU has no local memory to stage the scores in: the scores kernel, then the row kernel, numpy's values."""
+  monkeypatch.setenv("ELEMENT_REDUCES", "1")
+  clear_caches()
   inputs = _attention_inputs(2, 3, 3, 64, 24, seed=4)
   out = _decode_attention(inputs, "CLANG")
   schedule = create_schedule([out.lazydata])
