@@ -10,8 +10,12 @@ block first computes the scores of its row into local memory, then a BARRIER, th
 there (`ElementStage.value`).
 
 A block's rows share one staged row when the element reduces do not vary across them (the rows of the weighted sum's
-head_dim outputs read the same scores: `shared_across_rows`); otherwise a block owns one row. Thread t of T computes
-the elements t, t + T, ... of the staged row, each a loop over the reduce's own axes.
+head_dim outputs read the same scores: `shared_across_rows`); stacked rows (a thread's rows along another axis) stage
+a row each where the element reduces vary along it (`stacked_rows`); otherwise a block owns one row. Lanes of a warp
+compute an element together (`ElementStage`).
+
+Off by default (ELEMENT_REDUCES, helpers.py): on the H200 the fused decode attention was slower than the scores
+kernel and the row kernel apart, each block reading its head's whole key cache from L2 (docs/fusion.md).
 """
 from __future__ import annotations
 
