@@ -140,6 +140,10 @@ ROW_KERNELS = env_var("ROW_KERNELS", -1, "1: fuse reduces over the same rows (so
 ROW_INTERLEAVE = env_var("ROW_INTERLEAVE", 1, "1: a GPU row kernel whose largest loads are strided along the row but "
                          "contiguous across rows runs neighbouring rows on neighbouring threads (whole 32-byte "
                          "sectors a warp load); 0: a row's threads side by side")
+ELEMENT_REDUCES = env_var("ELEMENT_REDUCES", 0, "1: a short reduce whose results a GPU row kernel reads per element of "
+                          "its rows (decode attention's scores inside the softmax x V row kernel) is computed by that "
+                          "kernel's blocks into local memory (codegen/element_reduces.py); 0 (default: slower on the "
+                          "H200's decode, docs/fusion.md): a kernel of its own")
 MATMUL_GRID = env_var("MATMUL_GRID", 1, "1: a float32 matmul on a GPU (of at least 2^28 multiply-adds) takes the block "
                       "tile and the split of its reduce across blocks (split-K) that codegen/opt/matmul_grid.py "
                       "predicts fastest; 0: the largest tile whose grid gives every multiprocessor a block, no split")

@@ -18,6 +18,7 @@ import pytest
 from ourgrad import Tensor, dtypes
 from ourgrad.device import Device
 from ourgrad.dtype import round_to_bfloat16
+from ourgrad.helpers import clear_caches
 from ourgrad.nn.gguf import GGML_Q8_0, PackedTensor, quantize_q8_0
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
@@ -263,15 +264,19 @@ def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 # (device, kernels per block, kernels outside the blocks) of a fixed-shape decode step: lowered for CUDA (thread blocks:
-# the norms' scales and the softmax recomputed in the row kernels that read them, test_models; several sequences: the
-# SwiGLU product stored, one kernel more; the blocks' cache writes one packed kernel after the logits) and on a CPU
-# (the normalized row and the SwiGLU product stored before the products that read them: extra/models/llama.py)
-DECODE_DEVICES = {"emulated_cuda": ("PYTHON", 6, 2), "clang": ("CLANG", 12, 2)}
+# the norms' scales and the softmax recomputed in the row kernels that read them, test_models; with ELEMENT_REDUCES=1
+# attention's scores an element reduce of the softmax x V row kernel, codegen/element_reduces.py, one kernel less;
+# several sequences: the SwiGLU product
+# stored, one kernel more; the blocks' cache writes one packed kernel after the logits) and on a CPU (the normalized
+# row and the SwiGLU product stored before the products that read them: extra/models/llama.py)
+DECODE_DEVICES = {"emulated_cuda": ("PYTHON", 6, 2), "emulated_cuda_element_reduces": ("PYTHON", 5, 2),
+                  "clang": ("CLANG", 12, 2)}
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])
 @pytest.mark.parametrize("sequences", [1, 8])
-@pytest.mark.parametrize("target", ["emulated_cuda", pytest.param("clang", marks=pytest.mark.slow)])  # clang: ~20 s
+@pytest.mark.parametrize("target", ["emulated_cuda", "emulated_cuda_element_reduces",
+                                    pytest.param("clang", marks=pytest.mark.slow)])  # clang: ~20 s
 def test_decode_matches_float32_reference(kind: str, sequences: int, target: str, request,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
   """Jitted fixed-shape decode steps of `sequences` conversations, lowered for CUDA (the kernels above, the row
@@ -281,8 +286,11 @@ def test_decode_matches_float32_reference(kind: str, sequences: int, target: str
   reference does not (test_gguf_packed checks them against a reference rounding x the same way)."""
   monkeypatch.setenv("INTEGER_PRODUCTS", "0")
   device, per_block, outside = DECODE_DEVICES[target]
-  if target == "emulated_cuda": request.getfixturevalue("emulated_cuda")
-  if target == "emulated_cuda" and sequences > 1: per_block += 1   # the SwiGLU product, stored
+  if target.startswith("emulated_cuda"): request.getfixturevalue("emulated_cuda")
+  if target == "emulated_cuda_element_reduces":
+    monkeypatch.setenv("ELEMENT_REDUCES", "1")
+    clear_caches()   # schedules made without element reduces (the same graphs, earlier tests)
+  if target.startswith("emulated_cuda") and sequences > 1: per_block += 1   # the SwiGLU product, stored
   weights = _decode_weights(seed=11)
   tensors, values = _stored_as(weights, kind, device)
   model = Llama(DECODE, tensors, max_context=DECODE.context_length, symbolic=False, packed=kind == "q8_0",

@@ -98,6 +98,17 @@ def _final_reduces(reduces: list[LazyOp], rank: int) -> list[LazyOp]:
   return [reduce for reduce in reduces if len(reduce.arg) == rank]
 
 
+def _element_reduces(reduces: list[LazyOp]) -> list[LazyOp]:
+  """The reduces inside another reduce's input over none of its axes: a row kernel's element reduces, read per
+  element of its rows (engine/kernel_walk.py element_reduce_refusal; lowered by codegen/element_reduces.py)."""
+  inner: list[LazyOp] = []
+  for reduce in reduces:
+    for node in reduce.srcs[0].walk():
+      if node.op in REDUCE_OPS and not set(node.arg) & set(reduce.arg) and not any(node is known for known in inner):
+        inner.append(node)
+  return inner
+
+
 class Kernel(SharedTileLayout):
   """Shape reasoning over all buffers of one AST, and the Opts that reshape its loop nest."""
 
@@ -140,9 +151,14 @@ class Kernel(SharedTileLayout):
     # a row kernel's final reduces: of its per-row results down to one value, over every axis (the scheduler's
     # kernel_walk.final_reduces); its other reduces run over the rows
     self.final_reduces: list[LazyOp] = _final_reduces(self.reduceops, len(self.stores[0].arg.st.shape))
+    # a row kernel's element reduces: over trailing axes of their own (`element_axes`), read per element of its rows
+    self.element_reduces: list[LazyOp] = [] if self.final_reduces or len(self.reduceops) < 2 else \
+        _element_reduces(self.reduceops)
+    self.element_axes: tuple[int, ...] = tuple(sorted({axis for reduce in self.element_reduces for axis in reduce.arg}))
     self.row_axes: tuple[int, ...] | None = None if self.sibling_reduces else \
-      _row_kernel_axes([reduce for reduce in self.reduceops if reduce not in self.final_reduces],
-                       self.stores[0].arg.st, bool(self.final_reduces))
+      _row_kernel_axes([reduce for reduce in self.reduceops if reduce not in self.final_reduces
+                        and not any(reduce is inner for inner in self.element_reduces)],
+                       self.stores[0].arg.st, bool(self.final_reduces or self.element_reduces))
     if self.row_axes is not None: return   # a row kernel loops in its reduces' input shape as it is
     self._move_reduce_axes_last()
     self._drop_size_one_axes()

@@ -40,6 +40,7 @@ def interleaved_rows(kernel: Kernel, row_dims: list[int], rows: int) -> int:
   strided_bytes, contiguous_bytes, itemsizes = 0, 0, []
   for leaf in kernel.leaves:
     if leaf.op is not Ops.LOAD or not isinstance(leaf.arg, MemBuffer) or leaf.srcs: continue
+    if any(leaf.arg.st.shape[axis] != 1 for axis in kernel.element_axes): continue   # an element reduce's load
     strides = leaf.arg.st.real_strides()
     if strides[inner] not in (0, 1, None) and strides[across_rows] == 1:
       strided_bytes += footprint(leaf, shape)

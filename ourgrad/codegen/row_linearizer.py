@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from ourgrad.codegen.element_reduces import (ELEMENT_ROW_BYTES, ElementStage, is_element_leaf, shared_across_rows,
+                                             staged_bytes, stacked_rows, unflatten)
 from ourgrad.codegen.integer_rows import integer_terms, lower_integer_terms
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import INDEX_DTYPE, Linearizer, _post_order, reduce_identity
@@ -101,6 +103,8 @@ class RowLinearizer(Linearizer):
     # while a GPU pass computes one element of a unit: (the unit's first element's indices, width, lane), which
     # _vector_load uses to read the unit as one vector
     self.vector_unit: tuple[list[Node], int, int] | None = None
+    # a GPU block's element reduces, computed into local memory before the row passes (codegen/element_reduces.py)
+    self.element_stage: ElementStage | None = None
 
   def linearize(self) -> list[UOp]:
     kernel, build = self.kernel, self.builder
@@ -169,8 +173,11 @@ class RowLinearizer(Linearizer):
     return super()._alu(op, dtype, srcs)
 
   def _row_reduces(self) -> list[LazyOp]:
-    """The reduces over each row (sources first), not the final reduces over the rows' results."""
-    return [reduce for reduce in self.kernel.reduceops if reduce not in self.kernel.final_reduces]
+    """The reduces over each row (sources first), not the final reduces over the rows' results nor the element
+    reduces their rows read."""
+    kernel = self.kernel
+    return [reduce for reduce in kernel.reduceops if reduce not in kernel.final_reduces
+            and not any(reduce is inner for inner in kernel.element_reduces)]
 
   def _accumulate_finals(self, accumulators: list[UOp], idxs: list[Node]) -> None:
     """Add this row's value of each final reduce's input (computed from the row's reduces) to its accumulator; the
@@ -240,6 +247,20 @@ class RowLinearizer(Linearizer):
   def _known_reduces(self, reduce_value: UOp | dict[int, UOp] | None) -> dict[int, UOp]:
     return {**self.reduce_values, **self.kept_values}
 
+  def compute(self, root: LazyOp, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None) -> UOp:
+    stage = self.element_stage
+    if stage is None: return super().compute(root, idxs, reduce_value)
+    # the element reduces this value reads (not those under a reduce whose value is known: the store's)
+    reached = {id(node) for node in _post_order(root, set(self._known_reduces(reduce_value)))}
+    reads = [reduce for reduce in self.kernel.element_reduces if id(reduce) in reached]
+    if not reads: return super().compute(root, idxs, reduce_value)
+    saved = self.reduce_values   # the element reduces at this element: read back from the block's staged row
+    self.reduce_values = {**saved, **{id(reduce): stage.value(reduce, idxs) for reduce in reads}}
+    try:
+      return super().compute(root, idxs, reduce_value)
+    finally:
+      self.reduce_values = saved
+
   def _row_position(self, idxs: list[Node]) -> UOp:
     """The element's position in its row (row-major over the row axes), the index into a kept-value array."""
     position: Node = NumNode(0)
@@ -276,19 +297,22 @@ class RowLinearizer(Linearizer):
     if threads > 1:
       self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", threads, 0, AxisType.LOCAL))
       flat = flat * threads + Variable("lidx0", 0, threads - 1)
-    return _unflatten(flat, sizes)
+    return unflatten(flat, sizes)
 
   # ---------------------------------------------------------------- GPU: a block per row
 
   def _linearize_block_rows(self) -> list[UOp]:
     kernel, build, shape = self.kernel, self.builder, self.kernel.full_shape
     row_axes = list(kernel.row_axes or ())
-    row_dims = [axis for axis in range(len(shape)) if axis not in row_axes]
+    row_dims = [axis for axis in range(len(shape)) if axis not in row_axes and axis not in kernel.element_axes]
     rows, length = math.prod(shape[axis] for axis in row_dims), math.prod(shape[axis] for axis in row_axes)
     width = self._row_vector_width()
     units = length // width
     if kernel.final_reduces: return self._linearize_final_rows(rows, row_dims, units, width)
     stack_axis, stack = self._stacked_rows(row_dims)
+    # element reduces: a staged row for each stacked row they differ along, within the local memory of one row's
+    if kernel.element_reduces and staged_bytes(kernel, stack_axis, stack) > staged_bytes(kernel, None, 1) and \
+        staged_bytes(kernel, stack_axis, stack) > ELEMENT_ROW_BYTES: stack_axis, stack = None, 1
     held = register_units(units, width)   # the layouts count a row in float4s of registers
     threads, per_block = self._row_layout(rows // stack, held)
     # stacked rows keep their units in registers, and do not cost rows that share blocks (a warp's shuffles each) a
@@ -303,6 +327,9 @@ class RowLinearizer(Linearizer):
     if interleave > 1:   # a block of `interleave` rows, at least a warp of threads, at most the device's block
       threads = max(min(threads, kernel.renderer.max_threads // interleave), kernel.renderer.warp_size // interleave)
       per_block = interleave
+    if kernel.element_reduces and not shared_across_rows(self, row_dims, per_block):
+      interleave, per_block = 1, 1   # a block a row: its own staged row
+      threads = row_block_threads(register_units(units, width), kernel.renderer.max_threads, kernel.renderer.warp_size)
     blocks, block_threads = rows // per_block, threads * per_block
     self.loop_vars["gidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("gidx0", blocks, 0, AxisType.GLOBAL))
     self.loop_vars["lidx0"] = build.add(UOps.SPECIAL, INDEX_DTYPE, (), ("lidx0", block_threads, 0, AxisType.LOCAL))
@@ -315,7 +342,12 @@ class RowLinearizer(Linearizer):
     lanes = (block_thread % interleave, interleave) if interleave > 1 else None
     idxs: list[Node] = [NumNode(0)] * len(shape)
     sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
-    for axis, node in zip(row_dims, _unflatten(row, sizes)): idxs[axis] = node
+    for axis, node in zip(row_dims, unflatten(row, sizes)): idxs[axis] = node
+    if kernel.element_reduces:   # staged for the block's first row, which every row of the block reads
+      first_row = [NumNode(0)] * len(shape)
+      for axis, node in zip(row_dims, unflatten(block * per_block, sizes)): first_row[axis] = node
+      self.element_stage = ElementStage(self, stacked_rows(first_row, stack_axis, stack, kernel), block_thread,
+                                        block_threads)
     if stack_axis is not None:
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
     per_thread = math.ceil(register_units(units, width) / threads)
@@ -401,6 +433,7 @@ class RowLinearizer(Linearizer):
     for sub_idxs in every_idxs: self._prefetch_row(RowPasses(self, sub_idxs, thread, threads, units, width, True))
     for sub, sub_idxs in enumerate(every_idxs):
       self.reduce_values = dict(shared)
+      if self.element_stage is not None: self.element_stage.select(sub)
       passes = RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
       offset = sub * len(reduces)   # each row's local memory (a block's partials) of its own
       self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
@@ -545,7 +578,7 @@ class RowLinearizer(Linearizer):
     row_loop = self._open_loop("fidx", rows // groups, AxisType.REDUCE)
     row = Variable("fidx", 0, rows // groups - 1) * groups + group
     idxs: list[Node] = [NumNode(0)] * len(shape)
-    for axis, node in zip(row_dims, _unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
+    for axis, node in zip(row_dims, unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
     per_thread = math.ceil(register_units(units, width) / threads)
     passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     # a group of one thread holds its row's reduce; larger groups combine by warp shuffles (no local memory)
@@ -574,7 +607,7 @@ class RowLinearizer(Linearizer):
     if getattr(kernel.renderer, "vector_width", 0) < 2: return 1
     innermost = (kernel.row_axes or ())[-1]
     buffers = [(leaf.dtype, kernel.sts[self.leaf_index[id(leaf)]]) for leaf in kernel.leaves
-               if isinstance(leaf.arg, MemBuffer)]
+               if isinstance(leaf.arg, MemBuffer) and not is_element_leaf(kernel, leaf)]
     buffers += [(store.dtype, kernel.sts[number]) for number, store in enumerate(kernel.stores)]
     lanes = [kernel.renderer.vector_lanes(dtype) for dtype, st in buffers if st.real_strides()[innermost] != 0]
     width = min((lane for lane in lanes if lane >= 2), default=1)
@@ -588,7 +621,7 @@ class RowLinearizer(Linearizer):
     sizes = [kernel.full_shape[axis] for axis in row_axes]
     sizes[-1] //= width
     element_idxs = list(idxs)
-    for axis, node in zip(row_axes, _unflatten(unit, sizes)): element_idxs[axis] = node
+    for axis, node in zip(row_axes, unflatten(unit, sizes)): element_idxs[axis] = node
     element_idxs[row_axes[-1]] = element_idxs[row_axes[-1]] * width + lane
     return element_idxs
 
@@ -731,12 +764,3 @@ def _counts_without_wrapping(node: LazyOp, finals: list[LazyOp]) -> bool:
   value = node.srcs[0]
   return value.op is Ops.CAST and value.srcs[0].dtype.itemsize <= 4
 
-
-def _unflatten(flat: Node, sizes: list[int]) -> list[Node]:
-  """Per-axis indices of a row-major flat index over `sizes` (the last varying fastest)."""
-  if len(sizes) == 1: return [flat]
-  nodes, inner = [], 1
-  for size in reversed(sizes):
-    nodes.append((flat // inner) % size)
-    inner *= size
-  return list(reversed(nodes))

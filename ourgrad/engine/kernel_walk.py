@@ -5,10 +5,11 @@
 inside a reduce, a reduce read out of its element order, a row kernel's output neither per element nor per row, the
 value of an assign that reads its target through another view), and the `KernelPlan`: the realized bases the kernel
 loads and its reduces. Row kernels (several reduces over the same rows: `ROW_KERNELS`, `MAX_ROW_FUSION_LENGTH`,
-docs/fusion.md) are admitted here. `order_items` puts scheduled items in a run order: after the items whose results
-they read, and before the assigns that overwrite what they read. The scheduler (engine/schedule.py: settling the
-realizations, building each kernel) and the multi-output grouping (engine/multi_output.py) both read this module,
-which imports neither of them.
+docs/fusion.md) are admitted here, and their element reduces (a short reduce read per element of the rows, staged
+by a GPU block in local memory: `element_reduce_refusal`). `order_items` puts scheduled items in a run order: after
+the items whose results they read, and before the assigns that overwrite what they read. The scheduler
+(engine/schedule.py: settling the realizations, building each kernel) and the multi-output grouping
+(engine/multi_output.py) both read this module, which imports neither of them.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ourgrad.codegen.element_reduces import ELEMENT_ROW_BYTES
 from ourgrad.codegen.opt.heuristic import reads_an_input_whole
 from ourgrad.device import Device
-from ourgrad.helpers import ROW_KERNELS, prod
+from ourgrad.helpers import ELEMENT_REDUCES, ROW_KERNELS, prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -39,6 +41,8 @@ class KernelPlan:
   row_kernel: bool = False   # the reduces share rows (`_RowKernel`): per element reads, or several per-row reduces
   # reduces of the row kernel's per-row results down to one value, after its rows (`final_reduces`)
   final_reduces: list[LazyBuffer] = field(default_factory=list)
+  # reduces whose results the row kernel's reduces read per element of their rows (`element_reduce_refusal`)
+  element_reduces: list[LazyBuffer] = field(default_factory=list)
 
 def kernel_value(root: LazyBuffer) -> tuple[LazyBuffer, ShapeTracker] | None:
   """Where the kernel computing `root` starts its walk: the value it stores, or None for an item with no walk."""
@@ -68,6 +72,7 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
   reduce_base: LazyBuffer | None = None
   rows = _RowKernel()
   one_reduce_kernel = False
+  element_views: dict[int, ShapeTracker] = {}   # id of an element reduce -> the one view the rows read it through
   stack: list[tuple[LazyBuffer, ShapeTracker, bool, bool]] = [(start[0], start[1], False, False)]
   done: set[tuple[int, ShapeTracker]] = set()
   while stack:
@@ -90,6 +95,14 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
       stack.append((node.srcs[0].base, node.srcs[0].st, False, False))
     elif node.op in REDUCE_OPS and root.op is Ops.INDEX_ACCUMULATE:
       return (node, "a reduce in a source of an indexed accumulate (whose kernel has no reduce loop)"), plan
+    elif node.op in REDUCE_OPS and under_reduce and rows.loop_shape is not None and \
+        element_views.get(id(node), view) == view and \
+        element_reduce_refusal(node, view, rows.loop_shape, rows.axes) is None:
+      # computed per element of the rows, beside the row kernel (its blocks stage the results in local memory)
+      plan.has_reduce, plan.reduces = True, plan.reduces + 1
+      element_views[id(node)] = view
+      if not any(node is known for known in plan.element_reduces): plan.element_reduces.append(node)
+      stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
     elif node.op in REDUCE_OPS:
       plain_reshape = view.contiguous and view.size == node.size
       row_reason = rows.admit(node, view, under_reduce, plain_reshape) if not one_reduce_kernel else "closed"
@@ -119,7 +132,10 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
       if target is not None and reads_assign_target(node.srcs[0].base, target): target_reads.append((None, False))
       plan.loads.append((node.srcs[0].base, None))
       stack.append((node.srcs[1].base, node.srcs[1].st + view, under_reduce, False))
-  plan.row_kernel = rows.is_row_kernel or bool(finals)
+  plan.row_kernel = rows.is_row_kernel or bool(finals) or bool(plan.element_reduces)
+  if plan.element_reduces and (finals or target is not None):
+    return (plan.element_reduces[0], "a reduce read per element of a row kernel's rows, in a kernel with final "
+                                     "reduces or an assign"), plan
   if finals:
     if not rows.reduces:   # the reduce under the final one is no row reduce (the rows refused it): it goes first
       return (plan.reduce_bases[0], "a reduce under a reduce of its results, over rows no row kernel takes"), plan
@@ -136,6 +152,38 @@ def walk_kernel(root: LazyBuffer, realizes: Realizations, sibling_limit: Callabl
     first_fused = (rows.broadcast_reads + rows.reduces[1:])[0]
     return (first_fused, "an assign reading its own target keeps to one reduce"), plan
   return _assign_hazard(root, start[0], target_reads, reduce_base, realizes), plan
+
+
+# A GPU row kernel may read, per element of its rows, the results of *element reduces*: short reduces over axes of
+# their own (decode attention's scores, a 64-long dot product per cache slot, under the softmax x V row kernel). Its
+# blocks compute them into local memory before the row passes (codegen/element_reduces.py). Only small ones: the
+# results (all of them) at most this many elements, as a matrix-vector product's (a large one is a matmul, which
+# tiles and tensor cores serve), each at most this long, and a block's row of them fits local memory
+# (element_reduces.ELEMENT_ROW_BYTES).
+MAX_ELEMENT_REDUCE_RESULTS = 1 << 17
+MAX_ELEMENT_REDUCE_LENGTH = 256
+
+
+def element_reduce_refusal(reduce: LazyBuffer, view: ShapeTracker, row_loop_shape: tuple[int, ...],
+                           row_axes: tuple[int, ...] | None) -> str | None:
+  """Why `reduce`, read through `view` (one view of its result in the row kernel's loop shape `row_loop_shape`) by a
+  row reduce over `row_axes`, cannot be an element reduce of that row kernel, else None."""
+  renderer = Device[reduce.device].renderer
+  if not ELEMENT_REDUCES.value or not (renderer.has_threads and renderer.has_local):
+    return "element reduces are off (ELEMENT_REDUCES) or need a GPU with local memory"
+  loop_shape = reduce.srcs[0].shape
+  if loop_shape == row_loop_shape and reduce.arg == row_axes: return "a reduce over the kernel's rows"
+  if tuple(reduce.arg) != tuple(range(len(loop_shape) - len(reduce.arg), len(loop_shape))):
+    return "it reduces axes other than the trailing ones"
+  if len(view.views) != 1 or view.shape != row_loop_shape: return "read through more than one view"
+  # a padded place reads 0, where the reduce of its (masked, zero) inputs may not be 0 (a sum of exp(0))
+  if view.views[0].mask is not None: return "read through a pad"
+  if reduce.size > MAX_ELEMENT_REDUCE_RESULTS or prod(loop_shape[axis] for axis in reduce.arg) > \
+      MAX_ELEMENT_REDUCE_LENGTH: return "too large to compute per element of the rows"
+  row_length = prod(row_loop_shape[axis] for axis in row_axes or ())
+  if row_length * reduce.dtype.itemsize > min(ELEMENT_ROW_BYTES, renderer.local_memory_bytes // 2):
+    return "its rows exceed local memory"
+  return None
 
 
 # A row kernel may end with *final reduces*: reduces of its rows' results down to one value (a loss's mean over the

@@ -43,6 +43,7 @@ from ourgrad.lazy import LazyBuffer, walk_bases
 from ourgrad.ops import (ATTENTION_OPS, ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer,
                          Ops, is_identity_constant)
 from ourgrad.shape.shapetracker import ShapeTracker
+from ourgrad.shape.view import View
 
 # Scheduling gives bases their buffers (base.realized) before the kernels that fill them run: another thread that
 # scheduled in between would take them for computed. Tensor.realize holds this lock from create_schedule to the end
@@ -514,6 +515,9 @@ class _KernelBuilder:
     # reduces of a row kernel's per-row results to one value (kernel_walk.final_reduces): they reduce every axis of
     # the loop shape, after its rows
     self.final_ids: set[int] = {id(final) for final in final_reduces(root, realizes)} if output_count == 1 else set()
+    # element reduces (kernel_walk.element_reduce_refusal): built in the row loop shape plus their own axes at the end
+    self._element_ids: set[int] | None = None
+    self.element_axes = 0   # how many axes the element reduces add after the row loop shape (0: none)
 
   def buffer_index(self, buffer: Buffer) -> int:
     """Kernel argument number of an input buffer (0 is the output). An input that is also an output (an assign's
@@ -545,7 +549,9 @@ class _KernelBuilder:
         self.cache[key] = leaf
         continue
       stack.append((node, view, under_reduce, True))
-      if node.op in REDUCE_OPS:
+      if node.op in REDUCE_OPS and under_reduce and id(node) in self.element_ids():
+        stack.append((node.srcs[0].base, node.srcs[0].st + self._element_view(node, view), True, False))
+      elif node.op in REDUCE_OPS:
         self._claim_reduce(node, view, under_reduce)
         stack.append((node.srcs[0].base, node.srcs[0].st, True, False))
       elif node.op in ELEMENTWISE_OPS:
@@ -556,6 +562,30 @@ class _KernelBuilder:
       else:
         raise AssertionError(f"cannot fuse a {node.op} base")
     return self.cache[(id(base), st.simplify())]
+
+  def element_ids(self) -> set[int]:
+    """The ids of the kernel's element reduces (walked once, when a reduce is first met inside another)."""
+    if self._element_ids is None:
+      renderer = Device[self.root.device].renderer
+      if not (renderer.has_threads and renderer.has_local):   # element reduces need local memory (kernel_walk)
+        self._element_ids = set()
+        return self._element_ids
+      _, plan = walk_kernel(self.root, self.realizes, sibling_limit)
+      self._element_ids = {id(reduce) for reduce in plan.element_reduces} if plan is not None else set()
+    return self._element_ids
+
+  def _element_view(self, reduce: LazyBuffer, view: ShapeTracker) -> ShapeTracker:
+    """The view of element reduce `reduce`'s input in the row loop shape followed by its reduced axes, from `view`
+    (one view of its result in the row loop shape): its reduced axes are its input's trailing ones, so an element
+    of the result at flat position r covers the input's positions r * length .. r * length + length - 1."""
+    outer = view.views[0]
+    inner_shape = tuple(reduce.srcs[0].shape[axis] for axis in reduce.arg)
+    length = prod(inner_shape)
+    inner_strides = ShapeTracker.from_shape(inner_shape).views[0].strides
+    mask = None if outer.mask is None else tuple(outer.mask) + tuple((0, size) for size in inner_shape)
+    self.element_axes = len(inner_shape)
+    return ShapeTracker((View.create(outer.shape + inner_shape, tuple(stride * length for stride in outer.strides)
+                                     + inner_strides, outer.offset * length, mask),))
 
   def _leaf(self, base: LazyBuffer, st: ShapeTracker) -> LazyOp | None:
     """A LOAD of a realized base or a CONST; None for a base this kernel computes."""
@@ -582,6 +612,12 @@ class _KernelBuilder:
     if base.op in REDUCE_OPS:
       if id(base) in self.reduces: return self.reduces[id(base)]  # read twice (through other views): one node
       src = base.srcs[0]
+      if self._element_ids and id(base) in self._element_ids:   # over the axes after the row loop shape
+        reduce_input = self.cache[(id(src.base), (src.st + self._element_view(base, st)).simplify())]
+        rank = len(st.shape)
+        axes = tuple(range(rank, rank + len(base.arg)))
+        self.reduces[id(base)] = LazyOp(base.op, (reduce_input,), axes, base.dtype)
+        return self.reduces[id(base)]
       reduce_input = self.cache[(id(src.base), src.st.simplify())]
       self.reduces[id(base)] = LazyOp(base.op, (reduce_input,), base.arg, base.dtype)
       return self.reduces[id(base)]
@@ -621,20 +657,38 @@ class _KernelBuilder:
   # in the reduce's shape, so their views are reshaped to it.
   def fit_to_reduce(self, st: ShapeTracker) -> ShapeTracker:
     # a row kernel's per-element views are in the loop shape already (softmax stores per element)
-    if self.reduce_shape is None or st.shape in (self.reduce_shape, self.loop_shape): return st
+    if self.reduce_shape is None or st.shape in (self.reduce_shape, self.loop_shape): return self._widen(st)
     if self.final_ids and st.size != prod(self.reduce_shape):   # a final reduce's one value
       return st.reshape((1,) * len(self.reduce_shape))
-    return st.reshape(self.reduce_shape)
+    return self._widen(st.reshape(self.reduce_shape))
+
+  def _widen(self, st: ShapeTracker) -> ShapeTracker:
+    """`st` with the element reduces' axes after it, size 1 (unchanged without element reduces)."""
+    return st.reshape(st.shape + (1,) * self.element_axes) if self.element_axes else st
 
   def reshape_post_reduce(self, node: LazyOp) -> LazyOp:
     if self.reduce_shape is None: return node
     reduce_nodes = {id(node) for reduce_id, reduce in self.reduces.items() if reduce_id not in self.final_ids
                     for node in reduce.walk()}
     final_nodes = {id(self.reduces[reduce_id]) for reduce_id in self.final_ids if reduce_id in self.reduces}
+    # element reduces' inputs are in the row loop shape and their own axes already; every other view gets those
+    # axes as size 1 (one loop shape for the kernel)
+    element_nodes = {id(node) for reduce_id in (self._element_ids or ()) if reduce_id in self.reduces
+                     for node in self.reduces[reduce_id].srcs[0].walk()}
     rebuilt: dict[int, LazyOp] = {}
     for current in node.walk():
-      if id(current) in reduce_nodes:  # the reduce and what it reads keep the reduce's input shape
-        rebuilt[id(current)] = current
+      if id(current) in element_nodes or (id(current) in reduce_nodes and not self.element_axes):
+        rebuilt[id(current)] = current   # the reduce and what it reads keep the reduce's input shape
+        continue
+      if id(current) in reduce_nodes:
+        if current.op in (Ops.LOAD, Ops.CONST):
+          arg = current.arg
+          new_arg = type(arg)(arg.idx if isinstance(arg, MemBuffer) else arg.val, arg.dtype, self._widen(arg.st))
+          rebuilt[id(current)] = LazyOp(current.op, tuple(rebuilt[id(src)] for src in current.srcs), new_arg,
+                                        current.dtype)
+        else:
+          rebuilt[id(current)] = LazyOp(current.op, tuple(rebuilt[id(src)] for src in current.srcs), current.arg,
+                                        current.dtype)
         continue
       if id(current) in final_nodes:   # a final reduce reduces every axis of the rows' result shape
         axes = tuple(range(len(self.reduce_shape)))
