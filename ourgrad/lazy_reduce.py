@@ -84,6 +84,7 @@ _PLANS_MAX = 4096
 _NEEDS_LOADS = "needs the loads a value takes"
 _MISSING = object()
 register_cache_clearer(_PLANS.clear)
+_MUL, _CAST = Ops.MUL, Ops.CAST   # (module globals: an Enum class attribute is a slow read in Python 3.11)
 
 
 @dataclass
@@ -138,20 +139,25 @@ def _remember(key: Any, plan: Any) -> Any:
 
 def _plan_key(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], split: bool, renderer: Any) -> tuple | None:
   """Every fact the decisions read (_decide and the functions it calls), the loads a value takes aside; None where a
-  size is symbolic (not remembered)."""
-  shape = lazy.shape
-  for size in shape:
+  size is symbolic (not remembered). Built at every reduce, so it reads plain attributes only."""
+  for size in lazy.shape:
     if type(size) is not int: return None
-  base = lazy.base
-  plain = lazy._base is None or (lazy.st.contiguous and base.shape == shape)
-  # the factors of a product are read only where the reduced value is the product or a plain view of it
-  if plain and base.op is Ops.MUL:
-    sources: Any = tuple((src.st, src.dtype, src.base.op, src.base.size,
-                          src.base.srcs[0].dtype if src.base.op is Ops.CAST and src.base.srcs else None)
-                         for src in base.srcs)
-  else: sources = len(base.srcs)
-  return (op, axes, split, lazy.device, lazy.dtype, lazy.st, plain, base.op, base.realized is not None,
+  base = lazy._base
+  if base is None: base = lazy
+  # a product's factors are read (where the reduced value is the product or a plain view of it: lazy.st and
+  # base.shape below tell which)
+  sources: Any = tuple(map(_factor_facts, base.srcs)) if base.op is _MUL else len(base.srcs)
+  return (op, axes, split, lazy.device, lazy.dtype, lazy.st, base.shape, base.op, base.realized is not None,
           base.forced_realize, sources, _device_facts(renderer))
+
+
+def _factor_facts(factor: LazyBuffer) -> tuple:
+  """What the decisions read of a product's factor: its view and dtype, its base's op and shape (a packed copy's
+  bytes), and the dtype a cast widens from."""
+  base = factor._base
+  if base is None: base = factor
+  widened_from = base.srcs[0].dtype if base.op is _CAST and base.srcs else None
+  return (factor.st, factor.dtype, base.op, base.shape, widened_from)
 
 
 def _device_facts(renderer: Any) -> tuple:
