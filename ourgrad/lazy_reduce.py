@@ -104,6 +104,8 @@ def reduce_plan(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], out_shape: tup
   module docstring."""
   if lazy.device.startswith("DISK"): return None
   renderer = Device[lazy.device].renderer
+  # unsplit, only a host CPU's packing is left to decide (the stages of a GPU split: no key to build)
+  if not split and not getattr(renderer, "l2_cache_bytes", 0): return None
   key = _plan_key(lazy, op, axes, split, renderer)
   if key is None: return _decide(lazy, op, axes, out_shape, split, renderer, lambda: _count_loads(lazy))
   plan = _PLANS.get(key, _MISSING)
