@@ -147,10 +147,13 @@ def _plan_key(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], split: bool, ren
   base = lazy._base
   if base is None: base = lazy
   # a product's factors are read (where the reduced value is the product or a plain view of it: lazy.st and
-  # base.shape below tell which)
-  sources: Any = tuple(map(_factor_facts, base.srcs)) if base.op is _MUL else len(base.srcs)
+  # base.shape below tell which), and on a GPU the matmul settings (only a product is split as a matmul)
+  if base.op is _MUL:
+    sources: Any = tuple(map(_factor_facts, base.srcs))
+    settings = (MATMUL_GRID.value, tf32_allowed()) if renderer.runs_thread_blocks else None
+  else: sources, settings = len(base.srcs), None
   return (op, axes, split, lazy.device, lazy.dtype, lazy.st, base.shape, base.op, base.realized is not None,
-          base.forced_realize, sources, _device_facts(renderer))
+          base.forced_realize, sources, settings, _device_facts(renderer))
 
 
 def _factor_facts(factor: LazyBuffer) -> tuple:
@@ -163,15 +166,15 @@ def _factor_facts(factor: LazyBuffer) -> tuple:
 
 
 def _device_facts(renderer: Any) -> tuple:
-  """The device facts and settings the decisions read (tests change them at run time)."""
+  """The device facts and module settings the decisions read (tests change them at run time)."""
   if not renderer.runs_thread_blocks:
     return (id(renderer), getattr(renderer, "l2_cache_bytes", 0), getattr(renderer, "vector_bytes", 0),
             getattr(renderer, "vector_registers", 0))
   return (id(renderer), True, split_reduce.FACTS_OVERRIDE, getattr(renderer, "multiprocessors", 0),
           getattr(renderer, "threads_per_multiprocessor", 0), getattr(renderer, "launch_bytes", 0),
           getattr(renderer, "latency_bytes", 0), getattr(renderer, "has_wgmma", False),
-          getattr(renderer, "dynamic_local_memory_bytes", 0), MATMUL_GRID.value, tf32_allowed(),
-          tensor_core_plans.WGMMA_MIN_WORK, tensor_core_plans.WGMMA_STAGED_TILE, MATMUL_SUM_PARTS)
+          getattr(renderer, "dynamic_local_memory_bytes", 0), tensor_core_plans.WGMMA_MIN_WORK,
+          tensor_core_plans.WGMMA_STAGED_TILE, MATMUL_SUM_PARTS)
 
 
 def _decide(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], out_shape: tuple[int, ...], split: bool,
