@@ -84,7 +84,8 @@ _PLANS_MAX = 4096
 _NEEDS_LOADS = "needs the loads a value takes"
 _MISSING = object()
 register_cache_clearer(_PLANS.clear)
-_MUL, _CAST = Ops.MUL, Ops.CAST   # (module globals: an Enum class attribute is a slow read in Python 3.11)
+# (module globals: an Enum class attribute is a slow read in Python 3.11)
+_MUL, _CAST, _CONST = Ops.MUL, Ops.CAST, Ops.CONST
 
 
 @dataclass
@@ -543,7 +544,7 @@ def _fused_loads(lazy: LazyBuffer, limit: int | None = None) -> set[LazyBuffer]:
     base = stack.pop()
     if id(base) in seen: continue
     seen.add(id(base))
-    fused = base.realized is None and not base.forced_realize and base.op in ELEMENTWISE_OPS
-    if fused: stack.extend(src.base for src in base.srcs)
-    elif base.op is not Ops.CONST: loads.add(base)
+    if base.realized is None and not base.forced_realize and base.op in ELEMENTWISE_OPS:
+      for src in base.srcs: stack.append(src if src._base is None else src._base)   # (.base without the property)
+    elif base.op is not _CONST: loads.add(base)
   return loads

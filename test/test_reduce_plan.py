@@ -43,11 +43,12 @@ def _kernel_count(*tensors: Tensor) -> int:
 
 
 def _mlp_gradients(device: str, x: np.ndarray, weights: list[np.ndarray]) -> list[Tensor]:
-  """The weight gradients of a 3-layer ReLU MLP's summed output (a fresh graph each call)."""
+  """The weight gradients of a 3-layer ReLU MLP's summed output, weights stored (out, in) as a Linear layer's (a fresh
+  graph each call)."""
   params = [Tensor(w, device=device, requires_grad=True) for w in weights]
   out = Tensor(x, device=device)
   for i, w in enumerate(params):
-    out = out @ w
+    out = out @ w.T
     if i < len(params) - 1: out = out.relu()
   (out * out).sum().backward()
   return [w.grad for w in params]
@@ -57,7 +58,7 @@ def _torch_mlp_gradients(x: np.ndarray, weights: list[np.ndarray]) -> list[np.nd
   params = [torch.tensor(w, requires_grad=True) for w in weights]
   out = torch.tensor(x)
   for i, w in enumerate(params):
-    out = out @ w
+    out = out @ w.T
     if i < len(params) - 1: out = out.relu()
   (out * out).sum().backward()
   return [w.grad.numpy() for w in params]
@@ -76,8 +77,8 @@ def _torch_conv_gradients(x: np.ndarray, w: np.ndarray) -> list[np.ndarray]:
   return [image.grad.numpy(), weight.grad.numpy()]
 
 
-MLP_WEIGHTS = [rng.standard_normal(shape).astype(np.float32) * 0.1 for shape in ((96, 64), (64, 48), (48, 10))]
-MLP_INPUT = rng.standard_normal((32, 96)).astype(np.float32)
+MLP_WEIGHTS = [rng.standard_normal(shape).astype(np.float32) * 0.1 for shape in ((64, 96), (64, 64), (10, 64))]
+MLP_INPUT = rng.standard_normal((128, 96)).astype(np.float32)
 CONV_INPUT = rng.standard_normal((8, 3, 12, 12)).astype(np.float32)
 CONV_WEIGHT = rng.standard_normal((16, 3, 3, 3)).astype(np.float32) * 0.2
 CASES: dict[str, tuple[Callable[[str], list[Tensor]], Callable[[], list[np.ndarray]]]] = {
@@ -179,3 +180,24 @@ def test_a_product_stored_is_decided_apart(decisions: list[tuple], monkeypatch: 
   lazy_reduce.reduce_plan(lazy_product, Ops.SUM, (2,), (64, 64, 1), True)
   lazy_reduce.reduce_plan(stored, Ops.SUM, (2,), (64, 64, 1), True)
   assert len(decisions) == 2
+
+
+def test_a_gpu_split_k_is_decided_once_per_device_facts(decisions: list[tuple],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+  """A weight gradient's split-K on a GPU (SplitMatmul: 256 x 256 outputs, K = 4096) on 132 multiprocessors: decided
+  by the first build only, the same kernels after; on 8 multiprocessors (another device) decided again."""
+  renderer = Device["PYTHON"].renderer
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(2, 2048))
+  monkeypatch.setattr(renderer, "has_wgmma", False, raising=False)
+  monkeypatch.setattr(renderer, "multiprocessors", 132)
+  def weight_gradient() -> Tensor:
+    tokens, features = Tensor.empty(4096, 256, device="PYTHON"), Tensor.empty(4096, 256, device="PYTHON")
+    return (tokens.reshape(4096, 256, 1) * features.reshape(4096, 1, 256)).sum(0)
+  kernels = _kernel_count(weight_gradient())
+  plans = [plan for _, _, plan in decisions]
+  assert any(isinstance(plan, lazy_reduce.SplitMatmul) for plan in plans), plans
+  decided = len(decisions)
+  assert _kernel_count(weight_gradient()) == kernels and len(decisions) == decided
+  monkeypatch.setattr(renderer, "multiprocessors", 8)
+  weight_gradient()
+  assert len(decisions) > decided
