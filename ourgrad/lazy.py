@@ -322,11 +322,18 @@ class LazyBuffer:
     kernels (lazy_reduce.reduce_plan, a remembered decision); False for the stages of such a split (sized to fill the
     device already)."""
     if op not in REDUCE_OPS: raise AssertionError(f"{op} is not a reduce op")
-    axes = tuple(sorted(axis for axis in axes if self.shape[axis] != 1))
-    if not axes: return self
-    out_shape = tuple(1 if axis in axes else size for axis, size in enumerate(self.shape))
-    if any(self.shape[axis] == 0 for axis in axes):
-      return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
+    shape = self.shape
+    # (loops, not generator expressions: every reduce built runs this)
+    reduced = sorted(axis for axis in axes if shape[axis] != 1)
+    if not reduced: return self
+    axes = tuple(reduced)
+    kept = list(shape)
+    empty = False
+    for axis in axes:
+      if shape[axis] == 0: empty = True
+      kept[axis] = 1
+    out_shape = tuple(kept)
+    if empty: return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
     value = self.const_value()
     if value is not None and not (op is _SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
