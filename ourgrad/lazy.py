@@ -24,7 +24,7 @@ from ourgrad.device import Buffer, Device
 from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad import lazy_trace
-from ourgrad.lazy_reduce import cpu_packed_reduce, split_large_reduce
+from ourgrad.lazy_reduce import build_reduce, reduce_plan
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -319,20 +319,28 @@ class LazyBuffer:
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
     """Reduce over `axes`; the result keeps them as size-1 dimensions. `split`: the device may run it as two
-    kernels (lazy_reduce.split_large_reduce); False for the stages of such a split (sized to fill the device
-    already)."""
+    kernels (lazy_reduce.reduce_plan, a remembered decision); False for the stages of such a split (sized to fill the
+    device already)."""
     if op not in REDUCE_OPS: raise AssertionError(f"{op} is not a reduce op")
-    axes = tuple(sorted(axis for axis in axes if self.shape[axis] != 1))
-    if not axes: return self
-    out_shape = tuple(1 if axis in axes else size for axis, size in enumerate(self.shape))
-    if any(self.shape[axis] == 0 for axis in axes):
-      return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
+    shape = self.shape
+    # (loops, not generator expressions: every reduce built runs this)
+    reduced = sorted(axis for axis in axes if shape[axis] != 1)
+    if not reduced: return self
+    axes = tuple(reduced)
+    kept = list(shape)
+    empty = False
+    for axis in axes:
+      if shape[axis] == 0: empty = True
+      kept[axis] = 1
+    out_shape = tuple(kept)
+    if empty: return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
     value = self.const_value()
     if value is not None and not (op is _SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
       return LazyBuffer.full(value * count if op is _SUM else value, out_shape, self.dtype, self.device)
-    if op is _SUM and (packed := cpu_packed_reduce(self, axes)) is not None: return packed
-    if split and (split_reduce := split_large_reduce(self, op, axes, out_shape)) is not None: return split_reduce
+    # a host CPU's packed sum, or the device's split into stages (lazy_reduce.py)
+    if (op is _SUM or split) and (plan := reduce_plan(self, op, axes, out_shape, split)) is not None:
+      return build_reduce(self, op, axes, out_shape, plan)
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
 
   def contiguous(self) -> LazyBuffer:

@@ -3,22 +3,29 @@ their sum (GPU split-K, a CPU's reduce blocks), and the CPU's packed matmul (its
 tiles first). LazyBuffer.reduce asks here; everything is made of LazyBuffer ops, so nothing here runs a kernel.
 
 These are decisions that need the device's facts (its renderer: multiprocessors, L2, vector registers); they read
-the graph only around the reduced value (its sources' views).
+the graph only around the reduced value (its sources' views). Each is made in two steps: `reduce_plan` decides (a
+typed plan: PackedMatmul, PackedGathered, SplitMatmul, SplitReduce, or None) and `build_reduce` builds the plan's
+lazy ops. An eager loop builds the same reduces at every step, so the decisions are remembered, keyed by every fact
+they read (`_plan_key`: the reduce, its view, its base's sources' views and dtypes, the device's facts and the
+settings; the loads a value takes, the one fact that walks the graph, only where a decision asked for it): a
+repeated step pays a key per reduce, not the decisions (3-9 us a reduce before, most of a GPU backward's graph
+building).
 """
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from ourgrad.codegen.opt.cpu_tiles import (cpu_gathered_pack, cpu_gathered_reduce_parts, cpu_pack_columns,
                                           cpu_reduce_parts)
-from ourgrad.codegen.opt import tensor_core_plans
+from ourgrad.codegen.opt import split_reduce, tensor_core_plans
 from ourgrad.codegen.opt.heuristic import register_tiles_pay_off
 from ourgrad.codegen.opt.matmul_grid import split_k_parts, wgmma_split_parts
 from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts, leaves_device_idle, plan_split
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
-from ourgrad.helpers import MATMUL_GRID, prod, tf32_allowed
+from ourgrad.helpers import MATMUL_GRID, prod, register_cache_clearer, tf32_allowed
 from ourgrad.ops import ELEMENTWISE_OPS, Ops
 from ourgrad.shape.symbolic import is_symbolic
 from ourgrad.shape.view import strides_for_shape
@@ -34,44 +41,215 @@ MATMUL_SUM_PARTS = 8
 GPU_SPLIT_ROW_PARTS = 1
 
 
-def split_large_reduce(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...],
-                       out_shape: tuple[int, ...]) -> LazyBuffer | None:
+# ---------------------------------------------------------------- plans: what a reduce is built as
+
+
+@dataclass(frozen=True)
+class PackedMatmul:
+  """A float32 matmul on a host CPU read with its streamed operand packed in column tiles of `tile` columns
+  (cpu_packed_matmul)."""
+  tile: int
+
+
+@dataclass(frozen=True)
+class PackedGathered:
+  """A product summed on a host CPU with factor `factor` read from a copy whose axis `column` is innermost, its
+  reduce axis number `reduce_axis` (of the reduce's axes) summed in `parts` parts (cpu_packed_gathered)."""
+  factor: int
+  column: int
+  reduce_axis: int
+  parts: int
+
+
+@dataclass(frozen=True)
+class SplitMatmul:
+  """A float32 matmul on a GPU summed over its reduce axis in `parts` partial products (_split_matmul)."""
+  parts: int
+
+
+@dataclass(frozen=True)
+class SplitReduce:
+  """A reduce in two stages (split_reduce.ReduceSplit); `grid`: the CPU matmul's reduce blocks, whose partials are
+  added elementwise (_sum_parts) rather than reduced."""
+  split: ReduceSplit
+  grid: bool
+
+
+ReducePlan = Union[PackedMatmul, PackedGathered, SplitMatmul, SplitReduce]
+
+# the remembered decisions: _plan_key -> a plan, None, or _NEEDS_LOADS (the decision asked how many buffers a value
+# loads: then (key, loads) -> a plan or None). Bounded: cleared when full
+_PLANS: dict[Any, Any] = {}
+_PLANS_MAX = 4096
+_NEEDS_LOADS = "needs the loads a value takes"
+_MISSING = object()
+register_cache_clearer(_PLANS.clear)
+# (module globals: an Enum class attribute is a slow read in Python 3.11)
+_MUL, _CAST, _CONST = Ops.MUL, Ops.CAST, Ops.CONST
+
+
+@dataclass
+class PlanStats:
+  """How often reduce_plan decided (made the decisions) and how often it found them remembered."""
+  decided: int = 0
+  remembered: int = 0
+
+
+plan_stats = PlanStats()
+
+
+def reduce_plan(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], out_shape: tuple[int, ...],
+                split: bool) -> ReducePlan | None:
+  """How LazyBuffer.reduce builds `op` of `lazy` over `axes` (sorted, none of size 1; `out_shape` the kept shape):
+  None for one plain reduce. `split`: a split may be planned (False for the stages of a split). Remembered: see the
+  module docstring."""
+  if lazy.device.startswith("DISK"): return None
+  renderer = Device[lazy.device].renderer
+  # unsplit, only a host CPU's packing is left to decide (the stages of a GPU split: no key to build)
+  if not split and not getattr(renderer, "l2_cache_bytes", 0): return None
+  key = _plan_key(lazy, op, axes, split, renderer)
+  if key is None: return _decide(lazy, op, axes, out_shape, split, renderer, lambda: _count_loads(lazy))
+  plan = _PLANS.get(key, _MISSING)
+  if plan is _NEEDS_LOADS:
+    key = (key, _count_loads(lazy))
+    plan = _PLANS.get(key, _MISSING)
+    if plan is not _MISSING:
+      plan_stats.remembered += 1
+      return plan
+    plan_stats.decided += 1
+    return _remember(key, _decide(lazy, op, axes, out_shape, split, renderer, key[1]))
+  if plan is not _MISSING:
+    plan_stats.remembered += 1
+    return plan
+  plan_stats.decided += 1
+  asked: list[int] = []
+  def loads() -> int:
+    asked.append(_count_loads(lazy))
+    return asked[-1]
+  plan = _decide(lazy, op, axes, out_shape, split, renderer, loads)
+  # a decision that asked for the loads asks for them wherever its key is met again (the key holds every other fact)
+  if asked:
+    _remember(key, _NEEDS_LOADS)
+    key = (key, asked[0])
+  return _remember(key, plan)
+
+
+def _remember(key: Any, plan: Any) -> Any:
+  if len(_PLANS) >= _PLANS_MAX: _PLANS.clear()
+  _PLANS[key] = plan
+  return plan
+
+
+def _plan_key(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], split: bool, renderer: Any) -> tuple | None:
+  """Every fact the decisions read (_decide and the functions it calls), the loads a value takes aside; None where a
+  size is symbolic (not remembered). Built at every reduce, so it reads plain attributes only."""
+  for size in lazy.shape:
+    if type(size) is not int: return None
+  base = lazy._base
+  if base is None: base = lazy
+  # a product's factors are read (where the reduced value is the product or a plain view of it: lazy.st and
+  # base.shape below tell which), and on a GPU the matmul settings (only a product is split as a matmul)
+  if base.op is _MUL:
+    sources: Any = tuple(map(_factor_facts, base.srcs))
+    settings = (MATMUL_GRID.value, tf32_allowed()) if renderer.runs_thread_blocks else None
+  else: sources, settings = len(base.srcs), None
+  return (op, axes, split, lazy.device, lazy.dtype, lazy.st, base.shape, base.op, base.realized is not None,
+          base.forced_realize, sources, settings, _device_facts(renderer))
+
+
+def _factor_facts(factor: LazyBuffer) -> tuple:
+  """What the decisions read of a product's factor: its view and dtype, its base's op and shape (a packed copy's
+  bytes), and the dtype a cast widens from."""
+  base = factor._base
+  if base is None: base = factor
+  widened_from = base.srcs[0].dtype if base.op is _CAST and base.srcs else None
+  return (factor.st, factor.dtype, base.op, base.shape, widened_from)
+
+
+def _device_facts(renderer: Any) -> tuple:
+  """The device facts and module settings the decisions read (tests change them at run time)."""
+  if not renderer.runs_thread_blocks:
+    return (id(renderer), getattr(renderer, "l2_cache_bytes", 0), getattr(renderer, "vector_bytes", 0),
+            getattr(renderer, "vector_registers", 0))
+  return (id(renderer), True, split_reduce.FACTS_OVERRIDE, getattr(renderer, "multiprocessors", 0),
+          getattr(renderer, "threads_per_multiprocessor", 0), getattr(renderer, "launch_bytes", 0),
+          getattr(renderer, "latency_bytes", 0), getattr(renderer, "has_wgmma", False),
+          getattr(renderer, "dynamic_local_memory_bytes", 0), tensor_core_plans.WGMMA_MIN_WORK,
+          tensor_core_plans.WGMMA_STAGED_TILE, MATMUL_SUM_PARTS)
+
+
+def _decide(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], out_shape: tuple[int, ...], split: bool,
+            renderer: Any, loads: int | Callable[[], int]) -> ReducePlan | None:
+  """The decisions themselves: a host CPU's packed sum first, then the device's split (`split` only)."""
+  if op is Ops.SUM and getattr(renderer, "l2_cache_bytes", 0):   # (only a host CPU's runtime tells it the L2 size)
+    dims = _dense_matmul_dims(lazy, axes)
+    if dims is not None:
+      tile = _packed_matmul_tile(lazy, dims, renderer)
+      if tile: return PackedMatmul(tile)
+    else:
+      gathered = _packed_gathered_plan(lazy, axes, renderer)
+      if gathered is not None: return gathered
+  if not split: return None
+  return _split_plan(lazy, axes, out_shape, renderer, loads)
+
+
+def build_reduce(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], out_shape: tuple[int, ...],
+                 plan: ReducePlan) -> LazyBuffer:
+  """The lazy ops `plan` (reduce_plan's) builds for `op` of `lazy` over `axes`, viewed as `out_shape`."""
+  if isinstance(plan, SplitReduce): return _build_split(lazy, op, axes, out_shape, plan)
+  if isinstance(plan, PackedGathered): return cpu_packed_gathered(lazy, axes, plan)
+  if isinstance(plan, PackedMatmul): return cpu_packed_matmul(lazy, plan.tile)
+  return _split_matmul(lazy, axes[0], plan.parts, out_shape)
+
+
+def _count_loads(lazy: LazyBuffer) -> int:
+  """The buffers a value of `lazy` loads (_fused_loads), counted up to one past split_reduce.LOADS_IN_FLIGHT: the
+  split model reads any larger count as that one (a thread then keeps one iteration in flight)."""
+  return len(_fused_loads(lazy, split_reduce.LOADS_IN_FLIGHT + 1))
+
+
+# ---------------------------------------------------------------- splits
+
+
+def _split_plan(lazy: LazyBuffer, axes: tuple[int, ...], out_shape: tuple[int, ...], renderer: Any,
+                loads: int | Callable[[], int]) -> ReducePlan | None:
   """A reduce of many elements into few outputs runs as two: first into `parts` partial results per output,
   then over the parts. One output per thread would leave a GPU (or the CPU's other cores) idle; the partial
   results give each output `parts` threads of work. The decision is the device's (codegen/opt/split_reduce.py
-  plan_split, from its multiprocessors and resident threads); this applies it. None where nothing splits."""
-  if prod(out_shape) == 0 or any(is_symbolic(size) for size in lazy.shape) or lazy.device.startswith("DISK"):
-    return None
-  # (asked once: every reduce built makes this decision, and the device lookup is most of a small one's cost)
-  renderer = Device[lazy.device].renderer
+  plan_split, from its multiprocessors and resident threads). None where nothing splits."""
+  if prod(out_shape) == 0 or any(is_symbolic(size) for size in lazy.shape): return None
   gpu = renderer if renderer.runs_thread_blocks else None
   # a float32 matmul with many outputs splits its K by the grid model; its few parts are added elementwise
   if gpu is not None and (grid_parts := _matmul_split_parts(lazy, gpu, axes, out_shape)) is not None:
-    return _split_matmul(lazy, axes[0], grid_parts, out_shape)
-  grid_parts = _cpu_matmul_split_parts(lazy, axes) if gpu is None else None
-  if grid_parts is not None: plan = ReduceSplit(max(axes, key=lambda a: lazy.shape[a]), grid_parts, True)
-  else:
-    # the loads a value takes bound a GPU thread's loads in flight (only GPUs ask, and only where a split is still
-    # open after the cheap checks: the walk costs eager time). A CPU's plan reads neither the loads nor the kind
-    loads = (lambda: len(_fused_loads(lazy))) if gpu is not None else 1
-    kind = _reduce_kind(lazy, axes) if gpu is not None else ReduceKind.ROWS
-    plan = plan_split(renderer, lazy.shape, axes, kind, lazy.dtype.itemsize, loads)
-    if plan is None: return None
-  axis, parts = plan.axis, plan.parts
+    return SplitMatmul(grid_parts)
+  grid_parts = _cpu_matmul_split_parts(lazy, axes, renderer) if gpu is None else None
+  if grid_parts is not None:
+    return SplitReduce(ReduceSplit(max(axes, key=lambda a: lazy.shape[a]), grid_parts, True), True)
+  # the loads a value takes bound a GPU thread's loads in flight (only GPUs ask, and only where a split is still open
+  # after the cheap checks: the walk costs eager time). A CPU's plan reads neither the loads nor the kind
+  kind = _reduce_kind(lazy, axes) if gpu is not None else ReduceKind.ROWS
+  plan = plan_split(renderer, lazy.shape, axes, kind, lazy.dtype.itemsize, loads if gpu is not None else 1)
+  return SplitReduce(plan, False) if plan is not None else None
+
+
+def _build_split(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], out_shape: tuple[int, ...],
+                 plan: SplitReduce) -> LazyBuffer:
+  """The two stages of a split reduce (_split_plan's SplitReduce)."""
+  axis, parts = plan.split.axis, plan.split.parts
   size = lazy.shape[axis]
   split = lazy.reshape(lazy.shape[:axis] + (parts, size // parts) + lazy.shape[axis + 1:])
   # after the split, `axis` holds the parts and axis+1 the elements within a part
   inner_axes = tuple(a + 1 if a >= axis else a for a in axes)
   parts_axes = (axis,)
-  if plan.parts_outermost and grid_parts is None:
+  if plan.split.parts_outermost and not plan.grid:
     split, inner_axes, parts_axes = _split_rows(lazy, split, axes, axis, inner_axes)
-  if plan.parts_outermost and parts_axes != tuple(range(len(parts_axes))):
+  if plan.split.parts_outermost and parts_axes != tuple(range(len(parts_axes))):
     split, inner_axes = _parts_outermost(split, parts_axes, inner_axes)
   # a GPU plan's stages are sized to fill the device: neither splits again (a CPU's may, for a huge full sum)
-  again = not plan.parts_outermost
+  again = not plan.split.parts_outermost
   partials = split.reduce(op, inner_axes, split=again)
-  if grid_parts is not None: return _sum_parts(partials).reshape(out_shape)
-  parts_reduced = tuple(range(len(parts_axes))) if plan.parts_outermost else (axis,)
+  if plan.grid: return _sum_parts(partials).reshape(out_shape)
+  parts_reduced = tuple(range(len(parts_axes))) if plan.split.parts_outermost else (axis,)
   return partials.reduce(op, parts_reduced, split=again).reshape(out_shape)
 
 
@@ -145,48 +323,49 @@ def _wgmma_split_itemsize(lazy: LazyBuffer, axis: int, dims: tuple[int, int, int
   return 4
 
 
-def _cpu_matmul_split_parts(lazy: LazyBuffer, axes: tuple[int, ...]) -> int | None:
-  """Reduce blocks for a float32 matmul on a CPU (cpu_tiles.cpu_reduce_parts): where the operand streamed along N
-  (read one row of it a reduce step) has rows so far apart in memory that its panel leaves the L2, the reduce goes
-  in parts of a length that stays. None: no split."""
-  if lazy.device.startswith("DISK") or _dense_matmul_dims(lazy, axes) is None: return None
+def _cpu_matmul_split_parts(lazy: LazyBuffer, axes: tuple[int, ...], renderer: Any) -> int | None:
+  """Reduce blocks for a float32 matmul on a CPU (`renderer`; cpu_tiles.cpu_reduce_parts): where the operand
+  streamed along N (read one row of it a reduce step) has rows so far apart in memory that its panel leaves the L2,
+  the reduce goes in parts of a length that stays. None: no split."""
+  if _dense_matmul_dims(lazy, axes) is None: return None
   streamed = next(src for src in lazy.base.srcs if src.st.views[-1].strides[-2] != 0)
   stride = streamed.st.views[-1].strides[-1]
   if not isinstance(stride, int): return None
-  l2_bytes = getattr(Device[lazy.device].renderer, "l2_cache_bytes", 0)
+  l2_bytes = getattr(renderer, "l2_cache_bytes", 0)
   parts = cpu_reduce_parts(lazy.shape[-1], abs(stride) * lazy.dtype.itemsize, l2_bytes)
   return parts if parts > 1 else None
 
 
-def cpu_packed_reduce(lazy: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer | None:
-  """A sum on a host CPU with one factor read from a packed copy: a plain matmul's streamed operand in column tiles
-  (cpu_packed_matmul), another product's factor with the register tile's columns innermost (cpu_packed_gathered).
-  None: not packed. The device is asked first (one lookup), so other devices pay nothing more for each reduce."""
-  if lazy.device.startswith("DISK"): return None
-  renderer = Device[lazy.device].renderer
-  # only a host CPU's runtime tells its renderer the L2 size (runtime/ops_clang.py, ops_llvm.py)
-  if not getattr(renderer, "l2_cache_bytes", 0): return None
-  dims = _dense_matmul_dims(lazy, axes)
-  if dims is not None: return cpu_packed_matmul(lazy, dims, renderer)
-  return cpu_packed_gathered(lazy, axes, renderer)
+# ---------------------------------------------------------------- a host CPU's packed sums
 
 
-def cpu_packed_matmul(lazy: LazyBuffer, dims: tuple[int, int, int], renderer: Any) -> LazyBuffer | None:
-  """A float32 matmul (`dims`: _dense_matmul_dims) on a host CPU (`renderer`) with its streamed operand B (one
-  matrix, varying along N and K only) read from a packed copy (cpu_tiles.cpu_pack_columns): B's column tiles one
-  after another, each tile's panel contiguous in reduce order. The product is summed over (..., M, N/T, T, K) and
-  viewed back as (..., M, N, 1). None: not packed (cpu_pack_columns declines)."""
+def _packed_matmul_tile(lazy: LazyBuffer, dims: tuple[int, int, int], renderer: Any) -> int:
+  """The column tile of a float32 matmul (`dims`: _dense_matmul_dims) on a host CPU (`renderer`) whose streamed
+  operand B (one matrix, varying along N and K only) is read from a packed copy (cpu_tiles.cpu_pack_columns); 0:
+  not packed."""
   rows, columns, _ = dims
-  streamed, other = sorted(lazy.base.srcs, key=lambda src: src.st.views[-1].strides[-2] == 0)
-  if any(stride != 0 for stride in streamed.st.views[-1].strides[:-2]): return None
+  streamed, _ = _streamed_first(lazy)
+  if any(stride != 0 for stride in streamed.st.views[-1].strides[:-2]): return 0
   # an operand widened on load (autocast's bfloat16) would be packed at float32: twice the bytes the product reads
-  if streamed.base.op is Ops.CAST: return None
+  if streamed.base.op is Ops.CAST: return 0
   column_stride, reduce_stride = streamed.st.views[-1].strides[-2:]
-  if not isinstance(column_stride, int) or not isinstance(reduce_stride, int): return None
-  tile = cpu_pack_columns(rows, columns, column_stride, reduce_stride * lazy.dtype.itemsize, renderer.vector_bytes,
-                          renderer.vector_registers, lazy.dtype.itemsize)
-  if not tile: return None
+  if not isinstance(column_stride, int) or not isinstance(reduce_stride, int): return 0
+  return cpu_pack_columns(rows, columns, column_stride, reduce_stride * lazy.dtype.itemsize, renderer.vector_bytes,
+                          renderer.vector_registers, lazy.dtype.itemsize) or 0
+
+
+def _streamed_first(lazy: LazyBuffer) -> list[LazyBuffer]:
+  """A dense matmul's factors (_dense_matmul_dims): the one streamed along N first, then the other."""
+  return sorted(lazy.base.srcs, key=lambda src: src.st.views[-1].strides[-2] == 0)
+
+
+def cpu_packed_matmul(lazy: LazyBuffer, tile: int) -> LazyBuffer:
+  """The float32 matmul `lazy` (_dense_matmul_dims) with its streamed operand read from a copy packed in column tiles
+  of `tile` columns (_packed_matmul_tile): B's column tiles one after another, each tile's panel contiguous in reduce
+  order. The product is summed over (..., M, N/T, T, K) and viewed back as (..., M, N, 1)."""
+  streamed, other = _streamed_first(lazy)
   *lead, reduce_length = lazy.shape
+  columns = lead[-1]
   matrix = streamed.shrink(tuple((0, 1) for _ in lead[:-1]) + ((0, columns), (0, reduce_length)))
   packed = matrix.reshape((columns // tile, tile, reduce_length)).permute((0, 2, 1)).contiguous()
   tiled = (*lead[:-1], columns // tile, tile, reduce_length)
@@ -195,11 +374,11 @@ def cpu_packed_matmul(lazy: LazyBuffer, dims: tuple[int, int, int], renderer: An
   return product.reduce(Ops.SUM, (len(tiled) - 1,)).reshape(lazy.shape[:-1] + (1,))
 
 
-def cpu_packed_gathered(lazy: LazyBuffer, axes: tuple[int, ...], renderer: Any) -> LazyBuffer | None:
-  """A float32 product (not a plain matmul: cpu_packed_reduce) summed on a host CPU (`renderer`: a convolution, its
-  input or weight gradient) whose register tile would gather its column vectors from scalar loads, with one factor
-  read from a copy that has the tile's columns innermost (cpu_tiles.cpu_gathered_pack: which factor, which axis).
-  None: not packed."""
+def _packed_gathered_plan(lazy: LazyBuffer, axes: tuple[int, ...], renderer: Any) -> PackedGathered | None:
+  """A float32 product (not a plain matmul: a convolution, its input or weight gradient) summed on a host CPU
+  (`renderer`) whose register tile would gather its column vectors from scalar loads: which factor is read from a
+  copy with the tile's columns innermost (cpu_tiles.cpu_gathered_pack), and the reduce axis summed in parts whose
+  operands stay in the L2 (cpu_tiles.cpu_gathered_reduce_parts). None: not packed."""
   if lazy.dtype != dtypes.float32 or any(is_symbolic(s) for s in lazy.shape): return None
   base = lazy.base
   if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or len(base.srcs) != 2: return None
@@ -211,18 +390,27 @@ def cpu_packed_gathered(lazy: LazyBuffer, axes: tuple[int, ...], renderer: Any) 
   choice = cpu_gathered_pack(lazy.shape, axes, [src.st.real_strides() for src in base.srcs], packable,
                              renderer.vector_bytes, lazy.dtype.itemsize)
   if choice is None: return None
-  index, column = choice
-  srcs = list(base.srcs)
-  srcs[index] = _packed_along(srcs[index], column)
-  product = srcs[0].elementwise(Ops.MUL, srcs[1])
-  # a reduce axis in parts whose operands stay in the L2 (cpu_tiles.cpu_gathered_reduce_parts)
-  operand_bytes = sum(src.base.size for src in srcs) * lazy.dtype.itemsize
+  factor, column = choice
+  # the packed copy's bytes replace the factor's base's (_packed_along: the values the factor varies along)
+  sizes = [src.base.size for src in base.srcs]
+  strides = base.srcs[factor].st.real_strides()
+  sizes[factor] = prod(size for size, stride in zip(lazy.shape, strides) if stride != 0)
+  operand_bytes = sum(sizes) * lazy.dtype.itemsize
   output_bytes = prod(lazy.shape) // prod(lazy.shape[axis] for axis in axes) * lazy.dtype.itemsize
   which, parts = cpu_gathered_reduce_parts([lazy.shape[axis] for axis in axes], operand_bytes, output_bytes,
                                            renderer.l2_cache_bytes)
-  if parts == 1: return product.reduce(Ops.SUM, axes)
-  outer = axes[which]
-  split = product.reshape(lazy.shape[:outer] + (parts, lazy.shape[outer] // parts) + lazy.shape[outer + 1:])
+  return PackedGathered(factor, column, which, parts)
+
+
+def cpu_packed_gathered(lazy: LazyBuffer, axes: tuple[int, ...], plan: PackedGathered) -> LazyBuffer:
+  """The product `lazy` summed over `axes` with factor `plan.factor` read from a copy that has axis `plan.column`
+  innermost (_packed_gathered_plan), in `plan.parts` parts of reduce axis `plan.reduce_axis` where more than one."""
+  srcs = list(lazy.base.srcs)
+  srcs[plan.factor] = _packed_along(srcs[plan.factor], plan.column)
+  product = srcs[0].elementwise(Ops.MUL, srcs[1])
+  if plan.parts == 1: return product.reduce(Ops.SUM, axes)
+  outer = axes[plan.reduce_axis]
+  split = product.reshape(lazy.shape[:outer] + (plan.parts, lazy.shape[outer] // plan.parts) + lazy.shape[outer + 1:])
   inner_axes = tuple(axis + 1 if axis >= outer else axis for axis in axes)
   # the parts outermost: every output tile of a part reads that part's operands from the L2
   split, inner_axes = _parts_outermost(split, (outer,), inner_axes)
@@ -345,19 +533,18 @@ def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
   return total
 
 
-def _fused_loads(lazy: LazyBuffer) -> set[LazyBuffer]:
+def _fused_loads(lazy: LazyBuffer, limit: int | None = None) -> set[LazyBuffer]:
   """The buffers an elementwise expression reads (the bases it reaches through elementwise ops that are not realized
-  or forced to be; constants are not loads): what a reduce of it loads for each element (split_reduce's model)."""
+  or forced to be; constants are not loads): what a reduce of it loads for each element (split_reduce's model). With
+  `limit`, the walk stops once it has found that many."""
   loads: set[LazyBuffer] = set()
   seen: set[int] = set()
   stack = [lazy.base]
-  while stack:
+  while stack and (limit is None or len(loads) < limit):
     base = stack.pop()
     if id(base) in seen: continue
     seen.add(id(base))
-    fused = base.realized is None and not base.forced_realize and base.op in ELEMENTWISE_OPS
-    if fused: stack.extend(src.base for src in base.srcs)
-    elif base.op is not Ops.CONST: loads.add(base)
+    if base.realized is None and not base.forced_realize and base.op in ELEMENTWISE_OPS:
+      for src in base.srcs: stack.append(src if src._base is None else src._base)   # (.base without the property)
+    elif base.op is not _CONST: loads.add(base)
   return loads
-
-

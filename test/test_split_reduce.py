@@ -208,6 +208,7 @@ def _split_plans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...],
     plans.append((shape, loads_per_element() if callable(loads_per_element) else loads_per_element, plan))
     return plan
   monkeypatch.setattr(lazy_reduce, "plan_split", recorded)
+  lazy_reduce._PLANS.clear()   # (remembered decisions would not ask it: lazy_reduce.reduce_plan)
   return plans
 
 
