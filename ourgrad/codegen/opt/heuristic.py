@@ -207,12 +207,14 @@ def _cost_broadcast_along(kernel: Kernel, axis: int) -> int:
   return cost
 
 
-def _more_group_threads(reduce_size: int, group: int, threads: int, threads_wanted: int, group_limit: int) -> int:
+def _more_group_threads(reduce_size: int, group: int, threads: int, threads_wanted: int, group_limit: int,
+                        min_loop: int = MIN_THREAD_LOOP) -> int:
   """GROUP threads per output: `group` doubled while the kernel has fewer than `threads_wanted` threads (`threads` at
   `group`), the doubled group divides the reduce, stays within `group_limit` and leaves each thread at least
-  MIN_THREAD_LOOP elements: more warps in flight to hide the loads' latency."""
+  `min_loop` elements (vectors, where the reduce was unrolled by them): more warps in flight to hide the loads'
+  latency."""
   while threads < threads_wanted and group * 2 <= group_limit and reduce_size % (group * 2) == 0 and \
-      reduce_size // (group * 2) >= MIN_THREAD_LOOP:
+      reduce_size // (group * 2) >= min_loop:
     group, threads = group * 2, threads * 2
   return group
 
@@ -377,6 +379,35 @@ def _unroll_group_loop(kernel: Kernel) -> None:
   if amount: kernel.try_opt(Opt(OptOps.UNROLL, loops - 1, amount))
 
 
+# a row reduction whose biggest load is narrower than this (bytes an element: bfloat16/float16 weights, Q8_0's int8
+# quants) is unrolled by a vector a thread before its threads are grouped: see _unroll_vector_lanes
+NARROW_LOAD_BYTES = 4
+
+
+def _unroll_vector_lanes(kernel: Kernel) -> int:
+  """UNROLL the innermost reduce loop axis by the vector width (Renderer.vector_lanes: 16 bytes) of the biggest
+  load where that load is narrow (NARROW_LOAD_BYTES) and contiguous along it, so that each thread reads one vector
+  an iteration and the GROUP threads then stride over whole vectors. A decode step's matrix-vector products (576
+  outputs, k 576-1536: few rows, each a few KB) are bound by the latency of each thread's chain of loads, not by
+  bandwidth: a 16-bit weight loaded one element a thread moved 64 bytes a warp instruction and took 6 dependent
+  trips of the thread's loop where one 16-byte vector (8 weights) and its operands' float4s take one or two. Q8_0's
+  quants (blocks of 34 bytes) are aligned only to 2 bytes: their lanes are then 4 byte loads in flight together,
+  sharing one load of the block's scale. Returns the amount unrolled (1: the kernel untouched)."""
+  axis = kernel.first_upcast - 1
+  if axis < kernel.first_loop_reduce or kernel.upcasted: return 1
+  loads = [(st, leaf) for st, leaf in zip(kernel.sts[1:], kernel.leaves[1:]) if isinstance(leaf.arg, MemBuffer)]
+  if not loads: return 1
+  st, leaf = max(loads, key=lambda load: prod(size for size, stride in zip(load[0].shape, load[0].real_strides())
+                                              if stride != 0) * load[1].dtype.itemsize)
+  lanes = kernel.renderer.vector_lanes(leaf.dtype) if hasattr(kernel.renderer, "vector_lanes") else 0
+  size = kernel.full_shape[axis]
+  if leaf.dtype.itemsize >= NARROW_LOAD_BYTES or lanes < 2 or st.real_strides()[axis] != 1 or size % lanes: return 1
+  # each warp keeps at least a warp's worth of vectors to read (a short row stays one element a thread)
+  reduce_total = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
+  if reduce_total // lanes < WARP_SIZE: return 1
+  return lanes if kernel.try_opt(Opt(OptOps.UNROLL, axis - kernel.first_reduce, lanes)) else 1
+
+
 def _group_reduce(kernel: Kernel) -> bool:
   """GROUP-based defaults for reduces that are not matmul-like. False (kernel untouched) where they do not apply."""
   if kernel.first_upcast <= kernel.first_reduce: return False
@@ -389,11 +420,13 @@ def _group_reduce(kernel: Kernel) -> bool:
   if reduce_total < SHORT_REDUCE and outputs >= ENOUGH_BLOCKS and not _short_reduce_few_outputs(kernel): return False
   if contiguous is None or contiguous >= kernel.first_reduce:
     # row reduction (or no stride-1 input): the block's threads stride over the row together (coalesced); a warp
-    # for short rows
-    budget = BLOCK_THREADS if reduce_total >= 4 * BLOCK_THREADS else WARP_SIZE
+    # for short rows. A narrow load's vectors first: the threads then count vectors, each at least one
+    lanes = _unroll_vector_lanes(kernel)
+    loop_total, min_loop = reduce_total // lanes, max(1, MIN_THREAD_LOOP // lanes)
+    budget = BLOCK_THREADS if loop_total >= 4 * BLOCK_THREADS else WARP_SIZE
     # few rows (a decode step's 576-row output projection): more threads per row
     wanted = threads_in_flight_wanted(kernel)
-    budget = _more_group_threads(reduce_total, budget, outputs * budget, wanted, BLOCK_THREADS)
+    budget = _more_group_threads(loop_total, budget, outputs * budget, wanted, BLOCK_THREADS, min_loop)
     reduce_axes = kernel.first_upcast - kernel.first_loop_reduce
     _group_reduce_axes(kernel, budget, GROUP_MAX_AXES, GROUP_POWERS_OF_TWO)
     if kernel.group_dims:
