@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import math
+
 import numpy as np
 import pytest
 
@@ -191,7 +193,9 @@ def test_one_token_down_projection_shares_each_silu(kind: str) -> None:
   np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
   assert Opt(OptOps.UPCAST, 0, 4) in kernel.applied_opts, kernel.applied_opts
   assert launch_dims(linearize(kernel))[0] == (dim // 4, 1, 1)
-  assert sum(1 for uop in linearize(kernel) if uop.op is UOps.ALU and uop.arg is Ops.EXP2) == 1   # once, 4 rows
+  # once per element of the thread's vector (the unrolled reduce lanes), serving its 4 rows
+  unrolled = math.prod(kernel.full_shape[axis] for axis in kernel.unroll_axes)
+  assert sum(1 for uop in linearize(kernel) if uop.op is UOps.ALU and uop.arg is Ops.EXP2) == unrolled
 
 
 @pytest.mark.parametrize("k", [576, 1536])

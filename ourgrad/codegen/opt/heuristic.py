@@ -400,12 +400,16 @@ def _unroll_vector_lanes(kernel: Kernel) -> int:
   st, leaf = max(loads, key=lambda load: prod(size for size, stride in zip(load[0].shape, load[0].real_strides())
                                               if stride != 0) * load[1].dtype.itemsize)
   lanes = kernel.renderer.vector_lanes(leaf.dtype) if hasattr(kernel.renderer, "vector_lanes") else 0
-  size = kernel.full_shape[axis]
-  if leaf.dtype.itemsize >= NARROW_LOAD_BYTES or lanes < 2 or st.real_strides()[axis] != 1 or size % lanes: return 1
-  # each warp keeps at least a warp's worth of vectors to read (a short row stays one element a thread)
+  if leaf.dtype.itemsize >= NARROW_LOAD_BYTES or st.real_strides()[axis] != 1: return 1
   reduce_total = prod(kernel.full_shape[kernel.first_reduce:kernel.first_upcast])
-  if reduce_total // lanes < WARP_SIZE: return 1
-  return lanes if kernel.try_opt(Opt(OptOps.UNROLL, axis - kernel.first_reduce, lanes)) else 1
+  # the widths the linearizer loads as one vector (its _vector_widths), where the vectors left still give a warp of
+  # threads a power of two (combined by shuffles): 576 bfloat16s as 72 vectors of 8 took 24 threads and a tree of 5
+  # barriers, so a row that short stays one element a thread
+  for width in (lanes, getattr(kernel.renderer, "vector_width", 0)):
+    if width >= 2 and kernel.full_shape[axis] % width == 0 and \
+        power_of_two_divisor(reduce_total // width, BLOCK_THREADS) >= WARP_SIZE:
+      return width if kernel.try_opt(Opt(OptOps.UNROLL, axis - kernel.first_reduce, width)) else 1
+  return 1
 
 
 def _group_reduce(kernel: Kernel) -> bool:
