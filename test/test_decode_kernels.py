@@ -147,11 +147,12 @@ def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
   assert _launch_threads(kernel) == sequences * kv_heads * slots * 32
 
 
-def test_q8_0_row_product_reads_its_quants_in_pairs(emulated_cuda) -> None:
+def test_q8_0_row_product_reads_its_quants_as_vectors(emulated_cuda) -> None:
   """A decode step's Q8_0 product with its input's RMS recomputed beside each output (a row kernel, as the QKV and
-  gate/up products) loads each thread's 4 neighbouring quants as two 2-byte vectors: a block is 34 bytes, its f16
-  scale first, so 4 quants start at an even address only (a byte a load was 4 load instructions where a bfloat16
-  weight's 4 values are one). Against numpy's dequantization."""
+  gate/up products) loads each thread's 4 neighbouring quants as one 4-byte vector: on a GPU the blocks are kept
+  without their f16 scale (PackedTensor.quants_apart), so each block's 32 quants start at a multiple of 32 (in the
+  stored 34-byte blocks 4 quants started at an even address only: two 2-byte vectors). Against numpy's
+  dequantization of the stored blocks."""
   rng = np.random.default_rng(4)
   rows, k, eps = 96, 128, 1e-5
   w_np, x_np = rng.standard_normal((rows, k)).astype(np.float32), rng.standard_normal((1, 1, k)).astype(np.float32)
@@ -165,7 +166,8 @@ def test_q8_0_row_product_reads_its_quants_in_pairs(emulated_cuda) -> None:
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
   uops = linearize(kernel)
   byte_loads = [uop.arg for uop in uops if uop.op is UOps.LOAD and uop.dtype == dtypes.uint8]
-  assert byte_loads and set(byte_loads) == {2}, byte_loads
+  assert byte_loads and set(byte_loads) == {4}, byte_loads
+  assert packed.blocks.shape == (rows * k // 32, 32)
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "q8_0"])

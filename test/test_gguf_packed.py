@@ -12,7 +12,8 @@ from ourgrad import Device, GlobalCounters, Tensor, dtypes
 from ourgrad.device import HostAllocator
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import (GGML_Q4_0, GGML_Q4_1, GGML_Q6_K, GGML_Q8_0, PackedTensor, quantize_activation,
-                             quantize_q8_0)
+                             quantize_q8_0, scale_prefix_bytes)
+from ourgrad.runtime.ops_python import PythonRenderer
 
 from extra.models.generate import smollm2_path
 from extra.models.llama import Llama, LlamaConfig, cast_weights
@@ -49,6 +50,16 @@ def numpy_dequantize(ggml_type: int, raw: np.ndarray) -> np.ndarray:
         out[:, 128 * half_index + l + 32 * group] = (d[:, 0] * scale[:, l // 16 + 2 * group] *
                                                      (q[group].astype(np.float32) - 32))
   return out
+
+
+def stored_blocks(packed: PackedTensor) -> np.ndarray:
+  """`packed`'s blocks as the file stores them: on a GPU (PackedTensor.quants_apart) their leading f16 scale bytes,
+  kept apart as the decoded scales, put back first."""
+  blocks = packed.blocks.numpy()
+  if blocks.shape[1] == BLOCK[packed.ggml_type][1]: return blocks
+  scales = packed.scales.numpy().astype("<f2").view(np.uint8).reshape(len(blocks), -1)
+  assert scales.shape[1] == scale_prefix_bytes(packed.ggml_type)
+  return np.concatenate([scales, blocks], axis=1)
 
 
 FORMATS = [(GGML_Q8_0, 7, 96), (GGML_Q4_0, 5, 160), (GGML_Q4_1, 9, 64), (GGML_Q6_K, 3, 512)]
@@ -153,6 +164,42 @@ def test_take_rows_and_cat() -> None:
   with pytest.raises(ShapeError, match="Q4_0"): PackedTensor.cat([a, other])
 
 
+@pytest.fixture
+def emulated_cuda(monkeypatch: pytest.MonkeyPatch):
+  """The PYTHON device lowering as for CUDA (EMULATE=CUDA: it runs thread blocks), fresh kernel caches."""
+  from ourgrad.engine import realize, schedule_cache
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA"))
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+  yield
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+
+
+@pytest.mark.parametrize("ggml_type, rows, columns", FORMATS, ids=["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
+def test_gpu_blocks_keep_their_scales_apart(ggml_type: int, rows: int, columns: int, emulated_cuda) -> None:
+  """On a device that runs thread blocks the blocks are kept without their leading f16 scale bytes (Q8_0, Q4_0,
+  Q4_1; Q6_K's scale is at its end), so that each block's quants start aligned: the values, a matrix-vector product
+  (odd row counts), the rows an embedding picks and a stack of two read them there, against numpy's dequantization
+  of the stored blocks."""
+  rng = np.random.default_rng(ggml_type + 40)
+  block_size, block_bytes = BLOCK[ggml_type]
+  raw = random_blocks(ggml_type, rows * columns // block_size, rng)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(raw, device="PYTHON"), (rows, columns))
+  assert PackedTensor.quants_apart("PYTHON")
+  assert packed.blocks.shape == (len(raw), block_bytes - scale_prefix_bytes(ggml_type))
+  np.testing.assert_array_equal(stored_blocks(packed), raw)
+  expected = numpy_dequantize(ggml_type, raw).reshape(rows, columns)
+  np.testing.assert_array_equal(packed.dequantize().numpy(), expected)
+  x_np = rng.standard_normal((1, 1, columns)).astype(np.float32)
+  got = packed.linear(Tensor(x_np, device="PYTHON")).numpy()
+  np.testing.assert_allclose(got, x_np @ expected.T, rtol=1e-4, atol=1e-4 * np.abs(x_np @ expected.T).max())
+  index = np.array([rows - 1, 0, 2], np.int32)
+  np.testing.assert_array_equal(packed.take_rows(Tensor(index, device="PYTHON")).numpy(), expected[index])
+  both = PackedTensor.cat([packed, packed])
+  np.testing.assert_array_equal(both.dequantize().numpy(), np.concatenate([expected, expected]))
+
+
 def _quantized_llama_weights(config: LlamaConfig, rng: np.random.Generator) -> dict[str, PackedTensor | np.ndarray]:
   kv = config.n_kv_heads * config.head_dim
   weights: dict[str, PackedTensor | np.ndarray] = {}
@@ -236,7 +283,7 @@ def test_llama_on_packed_weights_matches_float32(integer_products: str, monkeypa
   config = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=96,
                        rope_theta=10000.0)
   weights = _quantized_llama_weights(config, np.random.default_rng(5))
-  floats = {name: Tensor(numpy_dequantize(w.ggml_type, w.blocks.numpy()).reshape(w.shape)
+  floats = {name: Tensor(numpy_dequantize(w.ggml_type, stored_blocks(w)).reshape(w.shape)
                          if isinstance(w, PackedTensor) else w).realize() for name, w in weights.items()}
   as_tensors = {name: w if isinstance(w, PackedTensor) else Tensor(w) for name, w in weights.items()}
   ours = Llama(config, as_tensors, max_context=16, packed=True)
