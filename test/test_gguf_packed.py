@@ -122,27 +122,30 @@ def test_blocked_linear_matches_numpy(ggml_type: int, rows: int, columns: int, b
   with pytest.raises(ShapeError): packed.linear(Tensor.empty(batch, columns + 1))
 
 
-def test_blocked_q8_0_product_reads_a_block_side_by_side() -> None:
+def test_blocked_q8_0_product_reads_a_block_side_by_side(emulated_cuda) -> None:
   """Lowered for CUDA, the blocked Q8_0 product of one row (a decode step's output projection, 576 x 576) gives
-  each output row warps whose lanes read neighbouring quant bytes (lane i: byte i of a block, coalesced), where
-  the (n, k) form's optimizer saw k as a strided axis and gave 18 blocks, each thread a row of its own. 576 rows of a
-  warp each are too few threads for the GPU: two warps a row, each taking every other block (heuristic.py
-  threads_in_flight_wanted), the 9 blocks left to each unrolled by 3, two rows a thread block."""
+  each output row lanes that read neighbouring quants of a block (coalesced), where the (n, k) form's optimizer saw
+  k as a strided axis and gave 18 blocks, each thread a row of its own. The blocks kept without their scale bytes
+  (PackedTensor.quants_apart), each lane reads 4 quants as one aligned vector (heuristic.py _unroll_vector_lanes):
+  8 lanes a block, 2 blocks side by side (16 threads a row: a power of two, combined by shuffles, no barrier), the
+  9 pairs of blocks left a loop, two rows a thread block."""
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.linearizer import linearize
   from ourgrad.codegen.uops import UOps, launch_dims
   from ourgrad.engine.schedule import create_schedule
   from ourgrad.renderer.cuda import CUDARenderer
   rng = np.random.default_rng(4)
-  packed = PackedTensor.from_blocks(GGML_Q8_0, Tensor(random_blocks(GGML_Q8_0, 576 * 18, rng)), (576, 576))
-  out = packed.linear(Tensor.empty(1, 576))
+  blocks = Tensor(random_blocks(GGML_Q8_0, 576 * 18, rng), device="PYTHON")
+  packed = PackedTensor.from_blocks(GGML_Q8_0, blocks, (576, 576))
+  out = packed.linear(Tensor.empty(1, 576, device="PYTHON"))
   kernel = Kernel(create_schedule([out.lazydata])[-1].ast, CUDARenderer())
   kernel.hand_coded_optimizations()
   uops = linearize(kernel)
   global_size, local_size = launch_dims(uops)
-  assert global_size[0] == 288 and local_size == (32, 2, 2), (global_size, local_size)
+  assert global_size[0] == 288 and local_size == (8, 2, 2), (global_size, local_size)
   quant_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.dtype == dtypes.uint8]
-  assert len(quant_loads) == 3, "one byte a thread per unrolled step of the loop over the row's blocks"
+  assert [uop.arg for uop in quant_loads] == [4], "one 4-byte vector a thread per trip of the loop over the blocks"
+  assert not any(uop.op is UOps.BARRIER for uop in uops)
 
 
 def test_take_rows_and_cat() -> None:

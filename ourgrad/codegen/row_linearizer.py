@@ -34,6 +34,7 @@ from ourgrad.codegen.row_passes import RowPasses, register_units
 from ourgrad.codegen.shared_tile_fill import multiple_of
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.codegen.vector_exp2 import vector_exp2
+from ourgrad.helpers import STACK_MANY_ROWS
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -396,7 +397,7 @@ class RowLinearizer(Linearizer):
     renderer = kernel.renderer
     capacity = getattr(renderer, "threads_per_multiprocessor", 0) * getattr(renderer, "multiprocessors", 0)
     axis = row_dims[-1] if row_dims else None
-    if not capacity or axis is None: return None, 1
+    if not STACK_MANY_ROWS.value or not capacity or axis is None: return None, 1
     if not any(not leaf.srcs and _broadcast_along(leaf.arg.st, axis) for leaf in loads): return None, 1
     rows = math.prod(shape[dim] for dim in row_dims)
     length = math.prod(shape[dim] for dim in kernel.row_axes or ())

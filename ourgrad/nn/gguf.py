@@ -50,6 +50,7 @@ import numpy as np
 from ourgrad.device import Device, HostAllocator
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import ShapeError
+from ourgrad.helpers import QUANTS_APART
 from ourgrad.nn.state import CheckpointError, disk_tensor
 from ourgrad.tensor import Tensor
 
@@ -583,7 +584,7 @@ class PackedTensor:
     34 bytes put its 32 quants at addresses aligned to 2 bytes only (uchar2 loads, or single bytes); without the
     scale they start at a multiple of 32 (the same bytes in all). A CPU keeps the stored blocks (its integer
     products read them as llama.cpp lays them out)."""
-    return Device[device].renderer.runs_thread_blocks
+    return bool(QUANTS_APART.value) and Device[device].renderer.runs_thread_blocks
 
   @staticmethod
   def scale_dtype(device: str) -> DType:
