@@ -140,8 +140,8 @@ ROW_KERNELS = env_var("ROW_KERNELS", -1, "1: fuse reduces over the same rows (so
 ROW_INTERLEAVE = env_var("ROW_INTERLEAVE", 1, "1: a GPU row kernel whose largest loads are strided along the row but "
                          "contiguous across rows runs neighbouring rows on neighbouring threads (whole 32-byte "
                          "sectors a warp load); 0: a row's threads side by side")
-VECTOR_GROUP_REDUCE = env_var("VECTOR_GROUP_REDUCE", 1, "1: a GPU row reduction over a narrow load (bf16/f16, "
-                              "bytes) contiguous along its reduce reads a vector a thread (its innermost reduce "
+VECTOR_GROUP_REDUCE = env_var("VECTOR_GROUP_REDUCE", 1, "1: a GPU row reduction over a byte load (Q8_0's "
+                              "quants) contiguous along its reduce reads a vector a thread (its innermost reduce "
                               "axis unrolled by the vector width before GROUP); 0: one element a thread")
 STACK_MANY_ROWS = env_var("STACK_MANY_ROWS", 1, "1: a GPU row kernel whose rows fill the GPU several times over, "
                           "with a load broadcast along them (a vocabulary's logits), stacks rows side by side in a "
