@@ -144,6 +144,14 @@ ELEMENT_REDUCES = env_var("ELEMENT_REDUCES", 0, "1: a short reduce whose results
                           "its rows (decode attention's scores inside the softmax x V row kernel) is computed by that "
                           "kernel's blocks into local memory (codegen/element_reduces.py); 0 (default: slower on the "
                           "H200's decode, docs/fusion.md): a kernel of its own")
+VECTOR_GROUP_REDUCE = env_var("VECTOR_GROUP_REDUCE", 1, "1: a GPU row reduction over a byte load (Q8_0's "
+                              "quants) contiguous along its reduce reads a vector a thread (its innermost reduce "
+                              "axis unrolled by the vector width before GROUP); 0: one element a thread")
+STACK_MANY_ROWS = env_var("STACK_MANY_ROWS", 1, "1: a GPU row kernel whose rows fill the GPU several times over, "
+                          "with a load broadcast along them (a vocabulary's logits), stacks rows side by side in a "
+                          "thread group while a wave stays full; 0: a row a thread group")
+QUANTS_APART = env_var("QUANTS_APART", 1, "1: a GPU PackedTensor keeps its blocks without their leading f16 scale "
+                       "bytes (Q8_0, Q4_0, Q4_1: the quants aligned); 0: the blocks as stored")
 MATMUL_GRID = env_var("MATMUL_GRID", 1, "1: a float32 matmul on a GPU (of at least 2^28 multiply-adds) takes the block "
                       "tile and the split of its reduce across blocks (split-K) that codegen/opt/matmul_grid.py "
                       "predicts fastest; 0: the largest tile whose grid gives every multiprocessor a block, no split")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import math
+
 import numpy as np
 import pytest
 
@@ -146,11 +148,12 @@ def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
   assert _launch_threads(kernel) == sequences * kv_heads * slots * 32
 
 
-def test_q8_0_row_product_reads_its_quants_in_pairs(emulated_cuda) -> None:
+def test_q8_0_row_product_reads_its_quants_as_vectors(emulated_cuda) -> None:
   """A decode step's Q8_0 product with its input's RMS recomputed beside each output (a row kernel, as the QKV and
-  gate/up products) loads each thread's 4 neighbouring quants as two 2-byte vectors: a block is 34 bytes, its f16
-  scale first, so 4 quants start at an even address only (a byte a load was 4 load instructions where a bfloat16
-  weight's 4 values are one). Against numpy's dequantization."""
+  gate/up products) loads each thread's 4 neighbouring quants as one 4-byte vector: on a GPU the blocks are kept
+  without their f16 scale (PackedTensor.quants_apart), so each block's 32 quants start at a multiple of 32 (in the
+  stored 34-byte blocks 4 quants started at an even address only: two 2-byte vectors). Against numpy's
+  dequantization of the stored blocks."""
   rng = np.random.default_rng(4)
   rows, k, eps = 96, 128, 1e-5
   w_np, x_np = rng.standard_normal((rows, k)).astype(np.float32), rng.standard_normal((1, 1, k)).astype(np.float32)
@@ -164,7 +167,8 @@ def test_q8_0_row_product_reads_its_quants_in_pairs(emulated_cuda) -> None:
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
   uops = linearize(kernel)
   byte_loads = [uop.arg for uop in uops if uop.op is UOps.LOAD and uop.dtype == dtypes.uint8]
-  assert byte_loads and set(byte_loads) == {2}, byte_loads
+  assert byte_loads and set(byte_loads) == {4}, byte_loads
+  assert packed.blocks.shape == (rows * k // 32, 32)
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "q8_0"])
@@ -192,14 +196,18 @@ def test_one_token_down_projection_shares_each_silu(kind: str) -> None:
   np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
   assert Opt(OptOps.UPCAST, 0, 4) in kernel.applied_opts, kernel.applied_opts
   assert launch_dims(linearize(kernel))[0] == (dim // 4, 1, 1)
-  assert sum(1 for uop in linearize(kernel) if uop.op is UOps.ALU and uop.arg is Ops.EXP2) == 1   # once, 4 rows
+  # once per element of the thread's vector (the unrolled reduce lanes), serving its 4 rows
+  unrolled = math.prod(kernel.full_shape[axis] for axis in kernel.unroll_axes)
+  assert sum(1 for uop in linearize(kernel) if uop.op is UOps.ALU and uop.arg is Ops.EXP2) == unrolled
 
 
 @pytest.mark.parametrize("k", [576, 1536])
 def test_output_projection_reads_its_residual_first(k: int) -> None:
   """x + a @ W.T as a decode step's output and down projections build it (one token, bfloat16 W (576, k)) against
   numpy: the residual x is read before the reduce loop (in flight while the products run, not a memory round trip
-  after the threads' combine) and the 8 warps' totals meet in one BARRIER, each thread adding them up (no tree)."""
+  after the threads' combine) and the warps' totals meet in one BARRIER, each thread adding them up (no tree). The
+  bf16 weights are read one element a thread (heuristic.py NARROW_LOAD_BYTES: as vectors the H200's step was
+  slower)."""
   rng = np.random.default_rng(k)
   x_np, a_np = rng.standard_normal((1, 1, 576)).astype(np.float32), rng.standard_normal((1, 1, k)).astype(np.float32)
   w_np = (rng.standard_normal((576, k)) / np.sqrt(k)).astype(np.float32)
@@ -216,6 +224,10 @@ def test_output_projection_reads_its_residual_first(k: int) -> None:
                     and uop.srcs[0].op is UOps.DEFINE_GLOBAL and uop.srcs[0].arg[0] == residual]
   assert residual_loads and all(position < first_loop for position in residual_loads), (residual_loads, first_loop)
   assert sum(1 for uop in uops if uop.op is UOps.BARRIER) == 1
+  weight = next(leaf.arg.idx for leaf in kernel.leaves if leaf.op is Ops.LOAD and leaf.dtype == dtypes.bfloat16)
+  weight_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL
+                  and uop.srcs[0].arg[0] == weight]
+  assert weight_loads and all(uop.arg is None for uop in weight_loads), weight_loads
 
 
 # A decode-shaped model small enough for the interpreter whose kernels take the plans above: head_dim 64 (the scores'

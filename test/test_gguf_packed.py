@@ -12,7 +12,8 @@ from ourgrad import Device, GlobalCounters, Tensor, dtypes
 from ourgrad.device import HostAllocator
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import (GGML_Q4_0, GGML_Q4_1, GGML_Q6_K, GGML_Q8_0, PackedTensor, quantize_activation,
-                             quantize_q8_0)
+                             quantize_q8_0, scale_prefix_bytes)
+from ourgrad.runtime.ops_python import PythonRenderer
 
 from extra.models.generate import smollm2_path
 from extra.models.llama import Llama, LlamaConfig, cast_weights
@@ -49,6 +50,16 @@ def numpy_dequantize(ggml_type: int, raw: np.ndarray) -> np.ndarray:
         out[:, 128 * half_index + l + 32 * group] = (d[:, 0] * scale[:, l // 16 + 2 * group] *
                                                      (q[group].astype(np.float32) - 32))
   return out
+
+
+def stored_blocks(packed: PackedTensor) -> np.ndarray:
+  """`packed`'s blocks as the file stores them: on a GPU (PackedTensor.quants_apart) their leading f16 scale bytes,
+  kept apart as the decoded scales, put back first."""
+  blocks = packed.blocks.numpy()
+  if blocks.shape[1] == BLOCK[packed.ggml_type][1]: return blocks
+  scales = packed.scales.numpy().astype("<f2").view(np.uint8).reshape(len(blocks), -1)
+  assert scales.shape[1] == scale_prefix_bytes(packed.ggml_type)
+  return np.concatenate([scales, blocks], axis=1)
 
 
 FORMATS = [(GGML_Q8_0, 7, 96), (GGML_Q4_0, 5, 160), (GGML_Q4_1, 9, 64), (GGML_Q6_K, 3, 512)]
@@ -111,27 +122,30 @@ def test_blocked_linear_matches_numpy(ggml_type: int, rows: int, columns: int, b
   with pytest.raises(ShapeError): packed.linear(Tensor.empty(batch, columns + 1))
 
 
-def test_blocked_q8_0_product_reads_a_block_side_by_side() -> None:
+def test_blocked_q8_0_product_reads_a_block_side_by_side(emulated_cuda) -> None:
   """Lowered for CUDA, the blocked Q8_0 product of one row (a decode step's output projection, 576 x 576) gives
-  each output row warps whose lanes read neighbouring quant bytes (lane i: byte i of a block, coalesced), where
-  the (n, k) form's optimizer saw k as a strided axis and gave 18 blocks, each thread a row of its own. 576 rows of a
-  warp each are too few threads for the GPU: two warps a row, each taking every other block (heuristic.py
-  threads_in_flight_wanted), the 9 blocks left to each unrolled by 3, two rows a thread block."""
+  each output row lanes that read neighbouring quants of a block (coalesced), where the (n, k) form's optimizer saw
+  k as a strided axis and gave 18 blocks, each thread a row of its own. The blocks kept without their scale bytes
+  (PackedTensor.quants_apart), each lane reads 4 quants as one aligned vector (heuristic.py _unroll_vector_lanes):
+  8 lanes a block, 2 blocks side by side (16 threads a row: a power of two, combined by shuffles, no barrier), the
+  9 pairs of blocks left a loop, two rows a thread block."""
   from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.linearizer import linearize
   from ourgrad.codegen.uops import UOps, launch_dims
   from ourgrad.engine.schedule import create_schedule
   from ourgrad.renderer.cuda import CUDARenderer
   rng = np.random.default_rng(4)
-  packed = PackedTensor.from_blocks(GGML_Q8_0, Tensor(random_blocks(GGML_Q8_0, 576 * 18, rng)), (576, 576))
-  out = packed.linear(Tensor.empty(1, 576))
+  blocks = Tensor(random_blocks(GGML_Q8_0, 576 * 18, rng), device="PYTHON")
+  packed = PackedTensor.from_blocks(GGML_Q8_0, blocks, (576, 576))
+  out = packed.linear(Tensor.empty(1, 576, device="PYTHON"))
   kernel = Kernel(create_schedule([out.lazydata])[-1].ast, CUDARenderer())
   kernel.hand_coded_optimizations()
   uops = linearize(kernel)
   global_size, local_size = launch_dims(uops)
-  assert global_size[0] == 288 and local_size == (32, 2, 2), (global_size, local_size)
+  assert global_size[0] == 288 and local_size == (8, 2, 2), (global_size, local_size)
   quant_loads = [uop for uop in uops if uop.op is UOps.LOAD and uop.dtype == dtypes.uint8]
-  assert len(quant_loads) == 3, "one byte a thread per unrolled step of the loop over the row's blocks"
+  assert [uop.arg for uop in quant_loads] == [4], "one 4-byte vector a thread per trip of the loop over the blocks"
+  assert not any(uop.op is UOps.BARRIER for uop in uops)
 
 
 def test_take_rows_and_cat() -> None:
@@ -151,6 +165,42 @@ def test_take_rows_and_cat() -> None:
   np.testing.assert_array_equal(both.take_rows(Tensor(index)).numpy(), expected[index])
   other = PackedTensor.from_blocks(GGML_Q4_0, Tensor(random_blocks(GGML_Q4_0, 2, rng)), (1, 64))
   with pytest.raises(ShapeError, match="Q4_0"): PackedTensor.cat([a, other])
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch: pytest.MonkeyPatch):
+  """The PYTHON device lowering as for CUDA (EMULATE=CUDA: it runs thread blocks), fresh kernel caches."""
+  from ourgrad.engine import realize, schedule_cache
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA"))
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+  yield
+  realize._runner_cache.clear()
+  schedule_cache._cache.clear()
+
+
+@pytest.mark.parametrize("ggml_type, rows, columns", FORMATS, ids=["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
+def test_gpu_blocks_keep_their_scales_apart(ggml_type: int, rows: int, columns: int, emulated_cuda) -> None:
+  """On a device that runs thread blocks the blocks are kept without their leading f16 scale bytes (Q8_0, Q4_0,
+  Q4_1; Q6_K's scale is at its end), so that each block's quants start aligned: the values, a matrix-vector product
+  (odd row counts), the rows an embedding picks and a stack of two read them there, against numpy's dequantization
+  of the stored blocks."""
+  rng = np.random.default_rng(ggml_type + 40)
+  block_size, block_bytes = BLOCK[ggml_type]
+  raw = random_blocks(ggml_type, rows * columns // block_size, rng)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(raw, device="PYTHON"), (rows, columns))
+  assert PackedTensor.quants_apart("PYTHON")
+  assert packed.blocks.shape == (len(raw), block_bytes - scale_prefix_bytes(ggml_type))
+  np.testing.assert_array_equal(stored_blocks(packed), raw)
+  expected = numpy_dequantize(ggml_type, raw).reshape(rows, columns)
+  np.testing.assert_array_equal(packed.dequantize().numpy(), expected)
+  x_np = rng.standard_normal((1, 1, columns)).astype(np.float32)
+  got = packed.linear(Tensor(x_np, device="PYTHON")).numpy()
+  np.testing.assert_allclose(got, x_np @ expected.T, rtol=1e-4, atol=1e-4 * np.abs(x_np @ expected.T).max())
+  index = np.array([rows - 1, 0, 2], np.int32)
+  np.testing.assert_array_equal(packed.take_rows(Tensor(index, device="PYTHON")).numpy(), expected[index])
+  both = PackedTensor.cat([packed, packed])
+  np.testing.assert_array_equal(both.dequantize().numpy(), np.concatenate([expected, expected]))
 
 
 def _quantized_llama_weights(config: LlamaConfig, rng: np.random.Generator) -> dict[str, PackedTensor | np.ndarray]:
@@ -236,7 +286,7 @@ def test_llama_on_packed_weights_matches_float32(integer_products: str, monkeypa
   config = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=96,
                        rope_theta=10000.0)
   weights = _quantized_llama_weights(config, np.random.default_rng(5))
-  floats = {name: Tensor(numpy_dequantize(w.ggml_type, w.blocks.numpy()).reshape(w.shape)
+  floats = {name: Tensor(numpy_dequantize(w.ggml_type, stored_blocks(w)).reshape(w.shape)
                          if isinstance(w, PackedTensor) else w).realize() for name, w in weights.items()}
   as_tensors = {name: w if isinstance(w, PackedTensor) else Tensor(w) for name, w in weights.items()}
   ours = Llama(config, as_tensors, max_context=16, packed=True)

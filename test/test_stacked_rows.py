@@ -136,3 +136,36 @@ def test_stacking_keeps_rows_that_share_blocks():
   assert launch(1) == ((72, 1, 1), (256, 1, 1))   # 576 rows, 8 a block, a warp of threads each
   # 8 x 3 x 64 stacked row groups of 3, interleaved too: 8 neighbouring outputs a block, a warp of threads each
   assert launch(8) == ((192, 1, 1), (256, 1, 1))
+
+
+def test_many_rows_are_stacked():
+  """One sequence against a vocabulary's W (49152, 576) as a decode step's logits: the rows are so many (a warp each:
+  ~6 times the H100's resident threads) that 4 neighbouring rows are one warp's, side by side, every row's units
+  loaded before the first reduce (all of the warp's loads in flight at once), the norm's sum of squares once."""
+  out, _, _ = _normed_product(1, 49152, 576)
+  item = create_schedule([out.lazydata])[-1]
+  kernel = Kernel(item.ast, CUDARenderer())
+  uops = linearize(kernel)
+  global_size, local_size = launch_dims(uops)
+  assert global_size[0] * local_size[0] == 49152 * 32 // 4, "4 rows a warp"
+  first_shuffle = next(position for position, uop in enumerate(uops) if uop.op is UOps.WARP_REDUCE)
+  weight = next(leaf.arg.idx for leaf in kernel.leaves if leaf.op is Ops.LOAD and leaf.arg.st.shape[-1] == 576
+                and leaf.arg.st.real_strides()[-1] == 1 and leaf.arg.st.real_strides()[-2] != 0)
+  before = [uop for uop in _global_loads(uops, weight)[:16]]
+  assert all(uops.index(uop) < first_shuffle for uop in before), "each row's 4 whole units loaded up front"
+
+
+@pytest.mark.parametrize("renderer", sorted(RENDERERS))
+def test_many_stacked_rows_match_numpy(renderer: str):
+  """The same stacking on a GPU of 2 multiprocessors (1024 rows of 96: 16 threads a row, 4 times its resident
+  threads: stacked by 4), against numpy; with PYTHON's own limits (no resident-thread count) they stay unstacked."""
+  out, expected, _ = _normed_product(1, 1024, 96)
+  item = _kernel_item(out)
+  kernel_renderer = RENDERERS[renderer]()
+  kernel_renderer.multiprocessors = 2
+  kernel = Kernel(item.ast, kernel_renderer)
+  got = _run(kernel, item)
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=3e-5, atol=3e-5)
+  if renderer == "emulate_cuda":
+    global_size, local_size = launch_dims(linearize(kernel))
+    assert global_size[0] * local_size[0] == 1024 * 16 // 4

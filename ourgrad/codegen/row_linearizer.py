@@ -36,6 +36,7 @@ from ourgrad.codegen.row_passes import RowPasses, register_units
 from ourgrad.codegen.shared_tile_fill import multiple_of
 from ourgrad.codegen.uops import AxisType, UOp, UOps
 from ourgrad.codegen.vector_exp2 import vector_exp2
+from ourgrad.helpers import STACK_MANY_ROWS
 from ourgrad.dtype import DType, dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -414,7 +415,31 @@ class RowLinearizer(Linearizer):
       others = sum(footprint(leaf, shape) for leaf, flag in zip(loads, broadcast) if not flag)
       saved = shared * (stack - 1) / stack
       if shared > others and saved > best[0]: best = (saved, axis, stack)
-    return best[1], best[2]
+    return best[1:] if best[1] is not None else self._stacked_many_rows(row_dims, loads)
+
+  def _stacked_many_rows(self, row_dims: list[int], loads: list[LazyOp]) -> tuple[int | None, int]:
+    """(axis, rows) where a kernel's rows are so many that their thread groups fill the GPU several times over (a
+    vocabulary's logits, 49152 rows x a warp: ~6 waves of the H200's resident threads) and some load is broadcast
+    along the innermost row axis (x and its norm's weight): a thread group computes that many rows side by side,
+    as many (a power of two, at most MAX_STACKED_ROWS) as still leave every resident thread of every multiprocessor
+    a row's share. Each wave of such a kernel was a round trip to memory with a few hundred bytes in flight a warp;
+    stacked, each warp has its rows' loads in flight at once, and what the rows share (x times the norm's weight,
+    the norm's sum of squares) is computed once for them. Else (None, 1)."""
+    kernel, shape = self.kernel, self.kernel.full_shape
+    renderer = kernel.renderer
+    capacity = getattr(renderer, "threads_per_multiprocessor", 0) * getattr(renderer, "multiprocessors", 0)
+    axis = row_dims[-1] if row_dims else None
+    if not STACK_MANY_ROWS.value or not capacity or axis is None: return None, 1
+    if not any(not leaf.srcs and _broadcast_along(leaf.arg.st, axis) for leaf in loads): return None, 1
+    rows = math.prod(shape[dim] for dim in row_dims)
+    length = math.prod(shape[dim] for dim in kernel.row_axes or ())
+    width = self._row_vector_width()
+    threads, _ = self._row_layout(rows, register_units(length // width, width))
+    stack = 1
+    while stack * 2 <= MAX_STACKED_ROWS and shape[axis] % (stack * 2) == 0 and \
+        rows // (stack * 2) * threads >= capacity:
+      stack *= 2
+    return (axis, stack) if stack > 1 else (None, 1)
 
   def _linearize_stacked_rows(self, idxs: list[Node], axis: int, stack: int, thread: Node, threads: int, units: int,
                               width: int, lanes: tuple[Node, int] | None = None) -> list[UOp]:

@@ -50,6 +50,7 @@ import numpy as np
 from ourgrad.device import Device, HostAllocator
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import ShapeError
+from ourgrad.helpers import QUANTS_APART
 from ourgrad.nn.state import CheckpointError, disk_tensor
 from ourgrad.tensor import Tensor
 
@@ -373,6 +374,8 @@ def _plain_values(raw: Tensor, dtype: DType) -> Tensor:
 def block_scales(ggml_type: int, raw: Tensor) -> Tensor:
   """The f16 scales of quantized blocks `raw` (blocks, block_bytes) uint8 decoded to float32 (blocks, k): d for
   Q8_0, Q4_0 and Q6_K (Q6_K's int8 sub-block scales stay in the bytes), d and m for Q4_1."""
+  if _quant_shift(ggml_type, raw): raise ValueError(f"{_type_name(ggml_type)} blocks of {raw.shape[1]} bytes have no "
+                                                    f"scales (kept apart): pass them to block_values")
   if ggml_type == GGML_Q4_1: return half_bits_to_float(_unsigned(raw[:, 0:4].reshape(-1, 2), 2)).reshape(-1, 2)
   where = 208 if ggml_type == GGML_Q6_K else 0
   return half_bits_to_float(_unsigned(raw[:, where:where + 2], 2)).reshape(-1, 1)
@@ -380,6 +383,21 @@ def block_scales(ggml_type: int, raw: Tensor) -> Tensor:
 
 # where each block's f16 scales sit (byte offset, count), for `_host_block_scales`: the same as `block_scales` reads
 _SCALE_BYTES = {GGML_Q8_0: (0, 1), GGML_Q4_0: (0, 1), GGML_Q4_1: (0, 2), GGML_Q6_K: (208, 1)}
+
+
+def scale_prefix_bytes(ggml_type: int) -> int:
+  """The bytes at the start of a block that hold its f16 scales (Q8_0, Q4_0: d; Q4_1: d and m), else 0 (Q6_K's d
+  is at its end). A PackedTensor that runs on thread blocks keeps its blocks without them (`PackedTensor.quants`)."""
+  start, count = _SCALE_BYTES.get(ggml_type, (1, 0))
+  return 2 * count if start == 0 else 0
+
+
+def _quant_shift(ggml_type: int, raw: Tensor) -> int:
+  """How many bytes earlier than in a stored block each quant sits in the rows of `raw`: 0 for whole blocks, the
+  scale prefix for blocks stored without it (`PackedTensor.quants`)."""
+  prefix = scale_prefix_bytes(ggml_type)
+  if prefix and raw.shape[-1] == _SUPPORTED_TYPES[ggml_type].block_bytes - prefix: return prefix
+  return 0
 
 
 def _host_block_scales(ggml_type: int, raw: np.ndarray) -> np.ndarray:
@@ -449,10 +467,12 @@ def block_values(ggml_type: int, raw: Tensor, scales: Tensor | None = None) -> T
     raise ValueError(f"ggml type {_type_name(ggml_type)} is not block-quantized (quantized: "
                      f"{', '.join(_SUPPORTED_TYPES[t].name for t in QUANTIZED_TYPES)})")
   scales = (block_scales(ggml_type, raw) if scales is None else scales).cast(dtypes.float32)
-  if ggml_type == GGML_Q8_0: return raw[:, 2:34].bitcast(dtypes.int8).cast(dtypes.float32) * scales
-  if ggml_type == GGML_Q4_0: return (_low_high_nibbles(raw[:, 2:18]) - 8.0) * scales.reshape(-1, 1, 1)
+  shift = _quant_shift(ggml_type, raw)   # blocks kept without their scale bytes: the quants start at byte 0
+  if ggml_type == GGML_Q8_0: return raw[:, 2 - shift:34 - shift].bitcast(dtypes.int8).cast(dtypes.float32) * scales
+  if ggml_type == GGML_Q4_0: return (_low_high_nibbles(raw[:, 2 - shift:18 - shift]) - 8.0) * scales.reshape(-1, 1, 1)
   if ggml_type == GGML_Q4_1:
-    return _low_high_nibbles(raw[:, 4:20]) * scales[:, 0:1].reshape(-1, 1, 1) + scales[:, 1:2].reshape(-1, 1, 1)
+    quants = _low_high_nibbles(raw[:, 4 - shift:20 - shift])
+    return quants * scales[:, 0:1].reshape(-1, 1, 1) + scales[:, 1:2].reshape(-1, 1, 1)
   sub_scales = raw[:, 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # Q6_K (block, 16): one per 16 values
   return (_q6_k_quants(raw) * sub_scales.unsqueeze(2) * scales.unsqueeze(2)).reshape(raw.shape[0], 256)
 
@@ -530,8 +550,9 @@ def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 @dataclass(frozen=True)
 class PackedTensor:
   """A block-quantized tensor kept in its stored precision on a device (`gguf_load(..., packed=True)`): the blocks'
-  bytes as stored (`blocks`, (n, block_bytes) uint8) and their f16 scales decoded once (`scales`, (n, k): float16
-  on a GPU, exact and 2-4 bytes a block as in the file; float32 on a CPU, `scale_dtype`), both realized.
+  bytes (`blocks`, (n, block_bytes) uint8 as stored; on a GPU without their leading scale bytes, `quants_apart`)
+  and their f16 scales decoded once (`scales`, (n, k): float16 on a GPU, exact and 2-4 bytes a block as in the
+  file; float32 on a CPU, `scale_dtype`), both realized.
   `dequantize()` is the float32 tensor of `shape` as lazy ops on them, so the kernel that reads it (a matrix-vector
   product) loads the packed bytes and dequantizes them in registers: no float32 copy of the weight is ever stored
   (unless a kernel reads each value many times, as a prefill's matrix product does, when the scheduler stores the
@@ -545,11 +566,25 @@ class PackedTensor:
   def from_blocks(ggml_type: int, blocks: Tensor, shape: tuple[int, ...]) -> "PackedTensor":
     """The tensor of `shape` stored as quantized blocks (n, block_bytes) uint8 of `ggml_type`, kept on their device."""
     blocks, dtype = blocks.contiguous().realize(), PackedTensor.scale_dtype(blocks.device)
+    prefix = scale_prefix_bytes(ggml_type) if PackedTensor.quants_apart(blocks.device) else 0
     if _on_host(blocks.device):   # decoded with numpy: no kernel per tensor shape to compile at load
-      host = _host_block_scales(ggml_type, blocks.numpy()).astype(dtype.np)
+      stored = blocks.numpy()
+      host = _host_block_scales(ggml_type, stored).astype(dtype.np)
+      if prefix: blocks = Tensor(np.ascontiguousarray(stored[:, prefix:]), device=blocks.device).realize()
       return PackedTensor(ggml_type, tuple(shape), blocks, Tensor(host, device=blocks.device).realize())
-    scales = block_scales(ggml_type, blocks).cast(dtype).realize()
+    scales = block_scales(ggml_type, blocks).cast(dtype)
+    if prefix: blocks = blocks[:, prefix:].contiguous()
+    Tensor.realize_all(blocks, scales)
     return PackedTensor(ggml_type, tuple(shape), blocks, scales)
+
+  @staticmethod
+  def quants_apart(device: str) -> bool:
+    """Whether the blocks are kept on `device` without their leading f16 scale bytes (`scale_prefix_bytes`; the
+    scales are decoded apart anyway): on a GPU, whose products read each block's quants as vectors. A Q8_0 block of
+    34 bytes put its 32 quants at addresses aligned to 2 bytes only (uchar2 loads, or single bytes); without the
+    scale they start at a multiple of 32 (the same bytes in all). A CPU keeps the stored blocks (its integer
+    products read them as llama.cpp lays them out)."""
+    return bool(QUANTS_APART.value) and Device[device].renderer.runs_thread_blocks
 
   @staticmethod
   def scale_dtype(device: str) -> DType:
@@ -613,10 +648,12 @@ class PackedTensor:
     quants = quants.reshape(rows, 1, blocks, ACTIVATION_BLOCK).cast(dtypes.int32)
     scales = self.scales.cast(dtypes.float32).reshape(1, outputs, blocks, -1)
     factor = scales[..., 0:1] * scale.reshape(rows, 1, blocks, 1)
+    shift = _quant_shift(self.ggml_type, self.blocks)
     if self.ggml_type == GGML_Q8_0:
-      weights = self.blocks[:, 2:34].bitcast(dtypes.int8).reshape(1, outputs, blocks, 32).cast(dtypes.int32)
+      weights = self.blocks[:, 2 - shift:34 - shift].bitcast(dtypes.int8).reshape(1, outputs, blocks, 32)
+      weights = weights.cast(dtypes.int32)
       return ((weights * quants).cast(dtypes.float32) * factor).sum((2, 3)).reshape(*x.shape[:-1], outputs)
-    start = 4 if self.ggml_type == GGML_Q4_1 else 2
+    start = (4 if self.ggml_type == GGML_Q4_1 else 2) - shift
     packed = self.blocks[:, start:start + 16].reshape(1, outputs, blocks, 16)
     low, high = (packed & 0xF).cast(dtypes.int32), (packed >> 4).cast(dtypes.int32)
     products = low * quants[..., :16] + high * quants[..., 16:]
