@@ -111,11 +111,13 @@ VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
 VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
              ("bfloat16", 64, True, 4, "overlap"), ("bfloat16", 64, True, 4, "single_pass"),
-             ("bfloat16", 64, True, 12, "single_pass_bulk")]
+             ("bfloat16", 64, True, 12, "single_pass_bulk"), ("bfloat16", 64, True, 4, "warp_specialized")]
 VARIANT_FIELDS = {"overlap": {"mma": "wgmma", "wgmma_overlap": True},
                   "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128, "dq_reduce_width": 4},
                   "single_pass_bulk": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
-                                       "dq_bulk_reduce": True}}
+                                       "dq_bulk_reduce": True},
+                  "warp_specialized": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                       "dq_reduce_width": 4, "warp_specialized": True}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
@@ -194,6 +196,14 @@ WGMMA_HOST_CASES = [
                                                             "dq_bulk_reduce": True}),   # TMA bulk reductions
   ("float16", (1, 2, 1, 90, 70, 128, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
                                                            "dq_bulk_reduce": True}),
+  # warp-specialized: a producer warpgroup filling a ring of stages counted by mbarriers (2 and 3 stages, GQA)
+  ("bfloat16", (1, 4, 2, 300, 300, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128,
+                                                             "stream_q": 128, "dq_reduce_width": 4,
+                                                             "warp_specialized": True}),
+  ("float16", (1, 4, 1, 150, 97, 64, True), "projected", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                                          "warp_specialized": True, "ring_stages": 3}),
+  ("bfloat16", (1, 2, 2, 83, 90, 64, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
+                                                            "warp_specialized": True}),
 ]
 
 

@@ -39,7 +39,7 @@ attention_backward_host.py runs this CUDA source itself on the CPU (a host threa
 """
 from __future__ import annotations
 
-from ourgrad.codegen import attention_backward_wgmma
+from ourgrad.codegen import attention_backward_producer, attention_backward_wgmma
 from ourgrad.codegen.attention_backward_plan import (DKDV_KERNEL, DQ_COUNT_ROWS, DQ_KERNEL, LOG2E,
                                                     AttentionBackwardPlan, KernelLaunch, Strides)
 from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps
@@ -648,6 +648,10 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   p = plan
   entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
                  device_function)
+  if p.warp_specialized:   # the single pass with a producer warpgroup
+    return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(
+      p, DKDV_KERNEL) + attention_backward_producer.producer_helpers(p) + attention_backward_producer.dkdv_body(
+        p, entry, _dkdv_prologue(p, False), *_wgmma_elementwise(DKDV_KERNEL), _dkdv_store(p))
   if p.mma == "wgmma":
     held = _held_loads(p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
     return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(

@@ -24,6 +24,8 @@ LOG2E = 1.4426950408889634
 # memory the driver reserves per resident block (sm_80+)
 REGISTERS_PER_SM, REGISTER_FLOOR, REGISTERS_BESIDE_ACCUMULATORS, BLOCK_RESERVED_SHARED = 65536, 128, 40, 1024
 DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
+PRODUCER_THREADS = 128   # warp_specialized: the dK/dV block's producer warpgroup (setmaxnreg acts on whole warpgroups)
+PRODUCER_REGISTERS = 24  # warp_specialized: the producer's registers after setmaxnreg.dec (the least it allows)
 DQ_COUNT_ROWS = 16   # the single pass: dq_counts has a count per 16 query rows (at least one per streamed Q tile)
 WGMMA_MAX_HEAD_DIM = 128   # the largest head the wgmma kernels are chosen for (`with_device_mma`)
 
@@ -80,6 +82,12 @@ class AttentionBackwardPlan:
   dq_accumulate: bool = False
   dq_reduce_width: int = 2   # dq_accumulate: the float32 sums a reduction adds (2 or 4: red.global.add.v2 / .v4.f32)
   dq_bulk_reduce: bool = False   # dq_accumulate: dQ staged in shared memory, added by TMA bulk reductions instead
+  # the single pass warp-specialized (FlashAttention-3's structure): a producer warpgroup after the consumer
+  # warpgroups copies each iteration's Q, dO, LSE and delta into a ring of `wgmma_stages` stages whose fills and
+  # releases mbarriers count, and gives its registers to the consumers (setmaxnreg); the consumers never wait at a
+  # block barrier for copies (codegen/attention_backward_producer.py)
+  warp_specialized: bool = False
+  ring_stages: int = 0   # the wgmma kernels' stages of streamed tiles where set (0: `wgmma_stages`'s rule)
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -108,6 +116,11 @@ class AttentionBackwardPlan:
                          f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
     if self.dq_bulk_reduce and not self.dq_accumulate:
       raise ShapeError("dq_bulk_reduce adds the single pass's dQ (dq_accumulate)")
+    if self.warp_specialized and (not self.dq_accumulate or self.dq_bulk_reduce):
+      raise ShapeError("warp_specialized is a form of the single pass (dq_accumulate) with vector reductions, "
+                       f"not dq_bulk_reduce: dq_accumulate {self.dq_accumulate}, dq_bulk_reduce {self.dq_bulk_reduce}")
+    if self.ring_stages not in (0, 2, 3, 4):
+      raise ShapeError(f"ring_stages {self.ring_stages}: want 2, 3 or 4 stages (0: by the plan's rule)")
     if self.dq_reduce_width not in (2, 4):
       raise ShapeError(f"dq_reduce_width {self.dq_reduce_width}: the reductions add 2 or 4 float32 sums")
     if self.dq_accumulate and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap or
@@ -207,7 +220,7 @@ class AttentionBackwardPlan:
   def wgmma_stages(self) -> int:
     """Stages of the wgmma kernels' streamed tiles: 3 where a stage's last product may still run in the next
     iteration (`wgmma_overlap`), else 2."""
-    return 3 if self.wgmma_overlap else 2
+    return self.ring_stages or (3 if self.wgmma_overlap else 2)
 
   def wgmma_shared_bytes(self, owned: int, row_bytes: int, streamed: int) -> int:
     """A wgmma kernel's shared memory: its two owned tiles of `owned` rows (padded rows: the A fragments held in
@@ -223,7 +236,26 @@ class AttentionBackwardPlan:
     return (self.batch * self.kv_heads, -(-self.kv_len // self.block_kv), 1)
 
   @property
-  def dkdv_block(self) -> tuple[int, int, int]: return (32 * self.block_kv // WARP_ROWS, 1, 1)
+  def dkdv_block(self) -> tuple[int, int, int]:
+    """A warp a 16 keys (the consumers), then (warp_specialized) the producer warpgroup."""
+    return (self.consumer_threads + (PRODUCER_THREADS if self.warp_specialized else 0), 1, 1)
+
+  @property
+  def consumer_threads(self) -> int:
+    """The dK/dV block's threads that multiply: a warp a 16 keys."""
+    return 32 * self.block_kv // WARP_ROWS
+
+  @property
+  def consumer_registers(self) -> int:
+    """warp_specialized: the registers a consumer thread asks for by setmaxnreg.inc: what the producer's
+    setmaxnreg.dec frees of the block's launch share (one block a multiprocessor: the register file over its threads,
+    a multiple of 8), shared by the consumers, at most 240 (FlashAttention-3's two-consumer figure); 0 where that is
+    not more than the launch share (no setmaxnreg)."""
+    if not self.warp_specialized: return 0
+    launch = REGISTERS_PER_SM // self.dkdv_block[0] // 8 * 8
+    given = (launch * self.dkdv_block[0] - PRODUCER_REGISTERS * PRODUCER_THREADS) // self.consumer_threads // 8 * 8
+    given = min(240, given)
+    return given if given > launch else 0
 
   @property
   def dkdv_shared_bytes(self) -> int:
@@ -234,7 +266,8 @@ class AttentionBackwardPlan:
       # (the single pass: the dS tile, then a flag a thread)
       return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream) + \
           (self.ds_tile_bytes + 4 * self.dkdv_block[0] if self.dq_accumulate else 0) + \
-          (stream * self.head_dim * 4 if self.dq_bulk_reduce else 0)
+          (stream * self.head_dim * 4 if self.dq_bulk_reduce else 0) + \
+          (2 * 8 * self.wgmma_stages if self.warp_specialized else 0)   # a full and an empty mbarrier a stage
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
 
@@ -246,9 +279,20 @@ class AttentionBackwardPlan:
   @property
   def ds_tile_bytes(self) -> int:
     """dq_accumulate: the dK/dV kernel's dS tile after its stages (the stream's queries x the block's keys, in
-    128-byte rows of 64 keys: the K-major A of dQ += dS K); else none."""
+    128-byte rows of 64 keys: the K-major A of dQ += dS K; warp_specialized: two, used in turn); else none."""
+    return self.ds_buffers * self.ds_buffer_bytes
+
+  @property
+  def ds_buffer_bytes(self) -> int:
+    """One dS tile of `ds_tile_bytes` (0 without dq_accumulate)."""
     return (self.block_kv // WARPGROUP_ROWS) * self.dkdv_stream * WARPGROUP_ROWS * self.itemsize \
         if self.dq_accumulate else 0
+
+  @property
+  def ds_buffers(self) -> int:
+    """dS tiles: two where warp_specialized (the consumers meet once an iteration, after writing one: the other's
+    readers have waited for their products before that), else one."""
+    return 2 if self.warp_specialized else 1
 
   @property
   def dq_registers(self) -> int:

@@ -165,6 +165,17 @@ def _last_wait(plan: AttentionBackwardPlan, *accumulators: str) -> list[str]:
   return ["  }", "  wgmma_wait_all();", *(fence[2:] for fence in fences)]
 
 
+def block_sync(plan: AttentionBackwardPlan) -> str:
+  """C of the barrier of the threads that multiply: the block's, or (warp_specialized: the producer warpgroup has
+  left) the consumers' named barrier (codegen/attention_backward_producer.py)."""
+  return "consumer_sync()" if plan.warp_specialized else "__syncthreads()"
+
+
+def block_threads(plan: AttentionBackwardPlan) -> str:
+  """C of the number of threads that multiply (the threads `block_sync` waits for)."""
+  return f"{plan.consumer_threads}" if plan.warp_specialized else "blockDim.x"
+
+
 def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass's dQ (plan.dq_accumulate), after dK += dS^T Q is issued: dS (the stream's queries x the block's
   keys) stored from dS^T's packed A fragments `dst` into the K-major dS tile after the stages (staged_offset, as a K
@@ -182,14 +193,17 @@ def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
   ds_byte = staged_offset(stream, CExpr("query"), CExpr("key"))
   a_start = f"ds_tile + slice * {WARPGROUP_ROWS * ROW_BYTES} + {key_slice_start(stream, CExpr('kk'))}"
   b_start = f"k_owned + {value_slice_start(CExpr('kk'))}"
-  return [f"    const unsigned ds_tile = stages + {p.wgmma_stages * 2 * _tile_bytes(p, stream)}u;",
+  ds_first = f"stages + {p.wgmma_stages * 2 * _tile_bytes(p, stream)}u"
+  # (warp_specialized: the tiles in turn, the consumers' barrier in place of the block's)
+  ds_tile = f"{ds_first} + (iteration & 1) * {p.ds_buffer_bytes}u" if p.ds_buffers == 2 else ds_first
+  return [f"    const unsigned ds_tile = {ds_tile};",
           "#pragma unroll",
           f"    for (int kk = 0; kk < {stream // 16}; kk++) {{   // this lane's row: a query's 8 keys",
           "      const int query = kk * 16 + ((lane >> 4) << 3) + (lane & 7), key = warp * 16 + (lane & 8);",
           f"      stmatrix_x4_trans(ds_tile + {ds_byte}, dst[kk]);",
           "    }",
           "    async_proxy_fence();",
-          "    __syncthreads();   // the block's dS tile written",
+          f"    {block_sync(p)};   // the block's dS tile written",
           f"    float dq_part[{slices}][D / 8][4];",
           "    wgmma_fence();",
           "#pragma unroll",
@@ -276,7 +290,7 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
   delta kernel zeroes it) of the K/V blocks that have added into it; the block whose addition completes the count
   (`contributors`: the causal blocks whose first Q tile is at or before it) rounds the tile's sums into dq
   (`dq_count_final_lines`). `done`: a flag a thread in shared memory after the dS tile."""
-  p = plan
+  p, threads = plan, block_threads(plan)
   flags = p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + p.ds_tile_bytes
   return [f"  constexpr int COUNTED_TILES = (L + {DQ_COUNT_ROWS - 1}) / {DQ_COUNT_ROWS};   // dq_counts of a head",
           f"  unsigned* done = (unsigned*)(shared_bytes + (stages - shared_address(shared_bytes)) + {flags});",
@@ -293,7 +307,7 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
           "    const float* sums = dq_accum + (((long long)batch * H + head) * L + first) * D;",
           f"    grad_t* target = dq + {HEAD_OFFSET.format(*p.dq_strides[:2])} + (long long)first * "
           f"{p.dq_strides[2]}LL;",
-          "    for (int i = threadIdx.x; i < rows * (D / 4); i += blockDim.x) {",
+          f"    for (int i = threadIdx.x; i < rows * (D / 4); i += {threads}) {{",
           "      const int row = i / (D / 4), column = (i % (D / 4)) * 4;",
           "      const float4 sum = __ldcg((const float4*)(sums + (long long)row * D + column));",
           f"      grad_t* out = target + (long long)row * {p.dq_strides[2]}LL + column;",
@@ -307,18 +321,19 @@ def dq_count_final_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass after the loop: every thread's reductions fenced, a barrier, then the block's tiles counted (a
   thread a tile, blockDim of them at a time), and the tiles whose counts this block completed converted by the whole
   block (the threadFenceReduction pattern: the counting thread fences again before the block reads the sums)."""
+  sync, threads = block_sync(plan), block_threads(plan)
   return [*(["  if (threadIdx.x % 128 == 0) bulk_wait_all();   // the bulk reductions performed"]
             if plan.dq_bulk_reduce else []),
           "  __threadfence();",
-          "  __syncthreads();",
-          "  for (int base = 0; base < iterations; base += blockDim.x) {",
+          f"  {sync};",
+          f"  for (int base = 0; base < iterations; base += {threads}) {{",
           "    const int it = base + threadIdx.x;",
           "    done[threadIdx.x] = it < iterations && atomicAdd(tile_count(it), 1u) + 1u == contributors(it);",
           "    if (done[threadIdx.x]) __threadfence();",
-          "    __syncthreads();",
-          "    for (int j = 0; j < blockDim.x && base + j < iterations; j++)",
+          f"    {sync};",
+          f"    for (int j = 0; j < {threads} && base + j < iterations; j++)",
           "      if (done[j]) convert_tile(base + j);",
-          "    __syncthreads();   // (done rewritten next)",
+          f"    {sync};   // (done rewritten next)",
           "  }"]
 
 

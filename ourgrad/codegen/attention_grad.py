@@ -51,7 +51,8 @@ ATTENTION_BACKWARD_WGMMA = env_var("ATTENTION_BACKWARD_WGMMA", 1, "0: the fused 
                                    "(codegen/attention_backward_wgmma.py)")
 ATTENTION_SINGLE_PASS = env_var("ATTENTION_SINGLE_PASS", 0, "1: the fused attention backward on wgmma (sm_90) in one "
                                 "pass: the dK/dV kernel adds dQ into a float32 buffer (plan.dq_accumulate), delta "
-                                "from a kernel of its own, dq cast after; 0: the dQ and dK/dV kernels")
+                                "from a kernel of its own, dq cast after; 2: that dK/dV kernel warp-specialized "
+                                "(plan.warp_specialized: a producer warpgroup, mbarriers); 0: the dQ and dK/dV kernels")
 
 
 def single_pass_backward(dtype: str, head_dim: int, has_wgmma: bool) -> bool:
@@ -88,7 +89,8 @@ def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: st
       has_wgmma and bool(ATTENTION_BACKWARD_WGMMA))
   if not single_pass: return plan
   if plan.mma != "wgmma": raise AssertionError(f"the single-pass attention backward needs wgmma kernels: {plan}")
-  return replace(plan, dq_accumulate=True, dkdv_held=False, wgmma_overlap=False, **single_pass_blocks(head_dim))
+  return replace(plan, dq_accumulate=True, dkdv_held=False, wgmma_overlap=False, **single_pass_blocks(head_dim),
+                 warp_specialized=int(ATTENTION_SINGLE_PASS) >= 2)
 
 
 class AttentionGradKernel:
