@@ -204,6 +204,11 @@ WGMMA_HOST_CASES = [
                                                           "warp_specialized": True, "ring_stages": 3}),
   ("bfloat16", (1, 2, 2, 83, 90, 64, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
                                                             "warp_specialized": True}),
+  # and its dQ staged, added by the producer's writer thread (bulk reductions)
+  ("bfloat16", (1, 4, 2, 300, 290, 64, True), "projected", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                                            "warp_specialized": True, "dq_bulk_reduce": True}),
+  ("float16", (1, 2, 1, 90, 70, 128, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
+                                                           "warp_specialized": True, "dq_bulk_reduce": True}),
 ]
 
 

@@ -85,7 +85,8 @@ class AttentionBackwardPlan:
   # the single pass warp-specialized (FlashAttention-3's structure): a producer warpgroup after the consumer
   # warpgroups copies each iteration's Q, dO, LSE and delta into a ring of `wgmma_stages` stages whose fills and
   # releases mbarriers count, and gives its registers to the consumers (setmaxnreg); the consumers never wait at a
-  # block barrier for copies (codegen/attention_backward_producer.py)
+  # block barrier for copies (codegen/attention_backward_producer.py); with dq_bulk_reduce the producer's second
+  # warp issues the staged dQ's bulk reductions
   warp_specialized: bool = False
   ring_stages: int = 0   # the wgmma kernels' stages of streamed tiles where set (0: `wgmma_stages`'s rule)
 
@@ -116,9 +117,8 @@ class AttentionBackwardPlan:
                          f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
     if self.dq_bulk_reduce and not self.dq_accumulate:
       raise ShapeError("dq_bulk_reduce adds the single pass's dQ (dq_accumulate)")
-    if self.warp_specialized and (not self.dq_accumulate or self.dq_bulk_reduce):
-      raise ShapeError("warp_specialized is a form of the single pass (dq_accumulate) with vector reductions, "
-                       f"not dq_bulk_reduce: dq_accumulate {self.dq_accumulate}, dq_bulk_reduce {self.dq_bulk_reduce}")
+    if self.warp_specialized and not self.dq_accumulate:
+      raise ShapeError("warp_specialized is a form of the single pass (dq_accumulate)")
     if self.ring_stages not in (0, 2, 3, 4):
       raise ShapeError(f"ring_stages {self.ring_stages}: want 2, 3 or 4 stages (0: by the plan's rule)")
     if self.dq_reduce_width not in (2, 4):
@@ -267,9 +267,16 @@ class AttentionBackwardPlan:
       return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream) + \
           (self.ds_tile_bytes + 4 * self.dkdv_block[0] if self.dq_accumulate else 0) + \
           (stream * self.head_dim * 4 if self.dq_bulk_reduce else 0) + \
-          (2 * 8 * self.wgmma_stages if self.warp_specialized else 0)   # a full and an empty mbarrier a stage
+          self.mbarrier_bytes
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
+
+  @property
+  def mbarrier_bytes(self) -> int:
+    """warp_specialized: the dK/dV kernel's mbarriers (8 bytes each): a full and an empty one a stage, and with
+    dq_bulk_reduce the staged dQ's full, empty and done ones; else none."""
+    if not self.warp_specialized: return 0
+    return 8 * (2 * self.wgmma_stages + (3 if self.dq_bulk_reduce else 0))
 
   @property
   def count_elements(self) -> int:

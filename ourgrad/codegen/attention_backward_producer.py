@@ -25,7 +25,7 @@ from ourgrad.codegen.attention_backward_wgmma import (HEAD_OFFSET, _last_wait, _
                                                       _tile_bytes, dq_accumulate_lines, dq_count_final_lines,
                                                       dq_count_helpers, dq_reduce_lines, scores_lines,
                                                       stage_addresses, values_lines)
-from ourgrad.codegen.attention_wgmma import staged_offset
+from ourgrad.codegen.attention_wgmma import WARPGROUP_ROWS, staged_offset
 from ourgrad.codegen.wgmma_tiles import CExpr
 
 if TYPE_CHECKING:
@@ -71,18 +71,58 @@ def producer_helpers(plan: AttentionBackwardPlan) -> str:
   return f"#define CONSUMER_THREADS {plan.consumer_threads}\n" + PRODUCER_HELPERS
 
 
+def copier_threads(plan: AttentionBackwardPlan) -> int:
+  """The producer threads that copy: the warpgroup, less its second warp where that one's first thread is the
+  writer (dq_bulk_reduce)."""
+  return PRODUCER_THREADS - (32 if plan.dq_bulk_reduce else 0)
+
+
+def _writer_lines(plan: AttentionBackwardPlan) -> list[str]:
+  """dq_bulk_reduce: the writer (the producer warpgroup's second warp's first thread; the rest of that warp leaves):
+  each iteration's staged dQ added into dq_accum by bulk reductions once the consumers have written it (dq_full),
+  dq_empty once they have been read; dq_done once all have been performed."""
+  if not plan.dq_bulk_reduce: return []
+  return ["    if (producer / 32 == 1) {",
+          "      if (producer == 32) {   // the writer",
+          "        for (int iteration = 0; iteration < iterations; iteration++) {",
+          "          mbarrier_wait(dq_full, iteration & 1);",
+          "          const int head = kv_head * GROUP + (GROUP == 1 ? 0 : iteration / q_tiles);",
+          "          const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;",
+          "          float* dq_rows = dq_accum + (((long long)batch * H + head) * L + q_start) * D;",
+          f"          for (int slice = 0; slice < {plan.dkdv_stream // WARPGROUP_ROWS}; slice++) {{   // rows past L "
+          "left out",
+          "            const int rows = min(64, L - q_start - slice * 64);",
+          "            if (rows > 0)",
+          "              bulk_reduce_add(dq_rows + slice * 64 * D, dq_staging + slice * 64 * D * 4, rows * D * 4);",
+          "          }",
+          "          bulk_commit();",
+          "          bulk_wait_read();",
+          "          mbarrier_arrive(dq_empty);",
+          "        }",
+          "        bulk_wait_all();",
+          "        mbarrier_arrive(dq_done);",
+          "      }",
+          "      return;",
+          "    }"]
+
+
 def _producer_lines(plan: AttentionBackwardPlan) -> list[str]:
-  """The producer warpgroup: each iteration's Q and dO rows (swizzled, rows past L as zeros) and LSE and delta rows
-  copied into stage iteration % STAGES once its `empty` barrier has completed the previous round's phase."""
+  """The producer warpgroup: setmaxnreg.dec (the whole warpgroup), the writer (`_writer_lines`), and the copiers:
+  each iteration's Q and dO rows (swizzled, rows past L as zeros) and LSE and delta rows copied into stage
+  iteration % STAGES once its `empty` barrier has completed the previous round's phase."""
   p, stream = plan, plan.dkdv_stream
   pieces = p.head_dim // 8
   q_stride, do_stride, lse_stride = p.q_strides[2], p.do_strides[2], p.lse_strides[2]
   target = staged_offset(stream, CExpr("row"), CExpr("column"))
   registers = [f"    registers_decrease<{PRODUCER_REGISTERS}>();"] if p.consumer_registers else []
+  copiers = copier_threads(p)
+  copier = "producer - (producer >= 64 ? 32 : 0)" if p.dq_bulk_reduce else "producer"
   return [
     "  if (threadIdx.x >= CONSUMER_THREADS) {   // the producer warpgroup",
     *registers,
     "    const int producer = threadIdx.x - CONSUMER_THREADS;",
+    *_writer_lines(p),
+    f"    const int copier = {copier};",
     "    for (int iteration = 0; iteration < iterations; iteration++) {",
     "      const int stage = iteration % STAGES;",
     "      if (iteration >= STAGES) mbarrier_wait(empty_bar + 8 * stage, (iteration / STAGES - 1) & 1);",
@@ -93,7 +133,7 @@ def _producer_lines(plan: AttentionBackwardPlan) -> list[str]:
     f"      const elem_t* do_rows0 = dout + {HEAD_OFFSET.format(*p.do_strides[:2])} + "
     f"(long long)q_start * {do_stride}LL;",
     f"      {stage_addresses(p, stream, 'q_stage', 'do_stage', 'stage')}",
-    f"      for (int piece = producer; piece < {stream * pieces}; piece += {PRODUCER_THREADS}) {{",
+    f"      for (int piece = copier; piece < {stream * pieces}; piece += {copiers}) {{",
     f"        const int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
     "        const bool inside = row < q_rows;",
     "        const long long clamped = inside ? row : 0;",
@@ -105,7 +145,7 @@ def _producer_lines(plan: AttentionBackwardPlan) -> list[str]:
     f"(long long)q_start * {lse_stride}LL;",
     "      const float* delta_rows0 = delta + ((long long)batch * H + head) * L + q_start;",
     "      const unsigned rows = shared_address(row_buffers + stage * 2 * BQ);",
-    f"      for (int r = producer; r < BQ; r += {PRODUCER_THREADS}) {{",
+    f"      for (int r = copier; r < BQ; r += {copiers}) {{",
     "        const int clamped = r < q_rows ? r : 0;",
     f"        copy_async_4_shared(rows + 4 * r, lse_rows0 + (long long)clamped * {lse_stride}LL, r < q_rows);",
     "        copy_async_4_shared(rows + 4 * (BQ + r), delta_rows0 + clamped, r < q_rows);",
@@ -117,6 +157,30 @@ def _producer_lines(plan: AttentionBackwardPlan) -> list[str]:
     "  }"]
 
 
+def _dq_stage_lines(plan: AttentionBackwardPlan) -> list[str]:
+  """dq_bulk_reduce: the consumers' dQ parts (SCALE dQ, once waited for) written row-major into dq_staging once the
+  writer has read the previous iteration's (dq_empty), made visible to the bulk copies (fence.proxy.async) and
+  announced (dq_full)."""
+  slices = plan.dkdv_stream // plan.block_kv
+  first = f"((threadIdx.x / 128) * {slices} + part) * 64 + (warp & 3) * 16 + g"
+  return ["    {",
+          "      if (iteration > 0) mbarrier_wait(dq_empty, (iteration - 1) & 1);",
+          "      float* staged = (float*)(shared_bytes + (dq_staging - shared_address(shared_bytes)));",
+          "#pragma unroll",
+          f"      for (int part = 0; part < {slices}; part++)",
+          "#pragma unroll",
+          "        for (int t = 0; t < D / 8; t++)",
+          "#pragma unroll",
+          "          for (int half = 0; half < 2; half++) {",
+          f"            const int query = {first} + half * 8;",
+          "            *(float2*)(staged + query * D + t * 8 + 2 * quad) =",
+          "                make_float2(SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
+          "          }",
+          "      async_proxy_fence();",
+          "      mbarrier_arrive(dq_full);",
+          "    }"]
+
+
 def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilities: str, gradients: str,
               store: str) -> str:
   """The warp-specialized single-pass dK/dV kernel (the parameters of the single pass's): `prologue` (the block's
@@ -124,6 +188,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
   of S^T, masked), `gradients` (dS^T in place of dP^T), dQ, `store`."""
   p, stream = plan, plan.dkdv_stream
   flags = p.wgmma_stages * 2 * _tile_bytes(p, stream) + p.ds_tile_bytes + 4 * p.dkdv_block[0]
+  staging = stream * p.head_dim * 4 if p.dq_bulk_reduce else 0   # (dq_staging: after the flags)
   scores = scores_lines(p, stream, (("st", _owned_descriptor(p.block_kv, "k_owned"), "q_stage"),
                                     ("dpt", _owned_descriptor(p.block_kv, "v_owned"), "do_stage")))
   registers = [f"  registers_increase<{p.consumer_registers}>();"] if p.consumer_registers else []
@@ -141,12 +206,19 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
                                         ("v_owned", "v + v_row0", p.v_strides[2]))),
     "  copy_async_commit();",
     *dq_count_helpers(p),
-    f"  const unsigned full_bar = stages + {flags}u, empty_bar = full_bar + 8 * STAGES;   // (8-byte aligned)",
-    "  if (threadIdx.x == 0)",
+    f"  const unsigned full_bar = stages + {flags + staging}u, empty_bar = full_bar + 8 * STAGES;   // (8-byte "
+    "aligned)",
+    *(["  // the staged dQ: written (the consumers), its reductions' reads done, all of them done (the writer)",
+       "  const unsigned dq_full = empty_bar + 8 * STAGES, dq_empty = dq_full + 8, dq_done = dq_full + 16;"]
+      if p.dq_bulk_reduce else []),
+    "  if (threadIdx.x == 0) {",
     "    for (int stage = 0; stage < STAGES; stage++) {",
-    f"      mbarrier_init(full_bar + 8 * stage, {PRODUCER_THREADS});",
+    f"      mbarrier_init(full_bar + 8 * stage, {copier_threads(p)});",
     "      mbarrier_init(empty_bar + 8 * stage, CONSUMER_THREADS);",
     "    }",
+    *(["    mbarrier_init(dq_full, CONSUMER_THREADS);", "    mbarrier_init(dq_empty, 1);",
+       "    mbarrier_init(dq_done, 1);"] if p.dq_bulk_reduce else []),
+    "  }",
     "  copy_async_wait<0>();   // K and V have landed",
     "  async_proxy_fence();",
     "  __syncthreads();   // K, V and the barriers ready: the last barrier of the whole block",
@@ -177,8 +249,9 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
     *dq_accumulate_lines(p),
     *_last_wait(p, "dv_acc", "dk_acc")[:-1],
     "    mbarrier_arrive(empty_bar + 8 * stage);   // this stage's tiles read",
-    *dq_reduce_lines(p),
+    *(_dq_stage_lines(p) if p.dq_bulk_reduce else dq_reduce_lines(p)),
     "  }",
+    *(["  mbarrier_wait(dq_done, 0);   // every bulk reduction performed"] if p.dq_bulk_reduce else []),
     *dq_count_final_lines(p),
     store,
     "}"])
