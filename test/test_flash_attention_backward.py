@@ -260,6 +260,10 @@ def _check_on_host(dtype: str, case: tuple, layout: str, fields: dict) -> None:
     buffers["dq_accum"] = np.full(batch * heads * q_len * head_dim, 7.0, np.float32)   # values zeroed first
     buffers["dq_counts"] = np.full(plan.count_elements, 5, np.uint32)
   state = run_on_host(plan, buffers)
+  if plan.dq_swizzled:   # the emulator writes dq_accum's columns in order: column c of row r is stored at c ^ 8 (r % 8)
+    rows, columns = np.arange(q_len)[:, None], np.arange(head_dim)[None, :]
+    stored = state["dq_accum"].reshape(batch, heads, q_len, head_dim)
+    state["dq_accum"] = stored[:, :, rows, columns ^ ((rows & 7) << 3)].reshape(-1)
   emulated = {name: array.copy() for name, array in buffers.items()}
   emulate_attention_backward_buffers(plan, emulated)
   for name in ("dq", "dk", "dv", "delta") + (("dq_accum",) if plan.dq_accumulate else ()):

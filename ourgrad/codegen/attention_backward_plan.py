@@ -272,6 +272,13 @@ class AttentionBackwardPlan:
     return tiles * self.itemsize + 4 * stream * 4
 
   @property
+  def dq_swizzled(self) -> bool:
+    """Whether dq_accum's rows hold their columns permuted: column c of row r at c ^ 8 (r % 8) (warp_specialized with
+    dq_bulk_reduce: the staging rows so, a warp's stores of 8 rows' same columns fall in different banks; the bulk
+    reductions copy rows whole, and the tile's conversion reads them back so)."""
+    return self.warp_specialized and self.dq_bulk_reduce
+
+  @property
   def mbarrier_bytes(self) -> int:
     """warp_specialized: the dK/dV kernel's mbarriers (8 bytes each): a full and an empty one a stage, and with
     dq_bulk_reduce the staged dQ's full, empty and done ones; else none."""

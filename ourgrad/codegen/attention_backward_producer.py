@@ -158,9 +158,9 @@ def _producer_lines(plan: AttentionBackwardPlan) -> list[str]:
 
 
 def _dq_stage_lines(plan: AttentionBackwardPlan) -> list[str]:
-  """dq_bulk_reduce: the consumers' dQ parts (SCALE dQ, once waited for) written row-major into dq_staging once the
-  writer has read the previous iteration's (dq_empty), made visible to the bulk copies (fence.proxy.async) and
-  announced (dq_full)."""
+  """dq_bulk_reduce: the consumers' dQ parts (SCALE dQ, once waited for) written row-major into dq_staging, each
+  row's columns permuted (plan.dq_swizzled; g is the row's index mod 8), once the writer has read the previous
+  iteration's (dq_empty), made visible to the bulk copies (fence.proxy.async) and announced (dq_full)."""
   slices = plan.dkdv_stream // plan.block_kv
   first = f"((threadIdx.x / 128) * {slices} + part) * 64 + (warp & 3) * 16 + g"
   return ["    {",
@@ -173,7 +173,7 @@ def _dq_stage_lines(plan: AttentionBackwardPlan) -> list[str]:
           "#pragma unroll",
           "          for (int half = 0; half < 2; half++) {",
           f"            const int query = {first} + half * 8;",
-          "            *(float2*)(staged + query * D + t * 8 + 2 * quad) =",
+          "            *(float2*)(staged + query * D + ((t * 8 + 2 * quad) ^ (g << 3))) =   // (plan.dq_swizzled)",
           "                make_float2(SCALE * dq_part[part][t][2 * half], SCALE * dq_part[part][t][2 * half + 1]);",
           "          }",
           "      async_proxy_fence();",

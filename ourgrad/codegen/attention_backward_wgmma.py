@@ -291,6 +291,7 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
   (`contributors`: the causal blocks whose first Q tile is at or before it) rounds the tile's sums into dq
   (`dq_count_final_lines`). `done`: a flag a thread in shared memory after the dS tile."""
   p, threads = plan, block_threads(plan)
+  stored = "(column ^ ((row & 7) << 3))" if p.dq_swizzled else "column"   # (rows start at multiples of 16)
   flags = p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + p.ds_tile_bytes
   return [f"  constexpr int COUNTED_TILES = (L + {DQ_COUNT_ROWS - 1}) / {DQ_COUNT_ROWS};   // dq_counts of a head",
           f"  unsigned* done = (unsigned*)(shared_bytes + (stages - shared_address(shared_bytes)) + {flags});",
@@ -309,7 +310,7 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
           f"{p.dq_strides[2]}LL;",
           f"    for (int i = threadIdx.x; i < rows * (D / 4); i += {threads}) {{",
           "      const int row = i / (D / 4), column = (i % (D / 4)) * 4;",
-          "      const float4 sum = __ldcg((const float4*)(sums + (long long)row * D + column));",
+          f"      const float4 sum = __ldcg((const float4*)(sums + (long long)row * D + {stored}));",
           f"      grad_t* out = target + (long long)row * {p.dq_strides[2]}LL + column;",
           "      out[0] = grad_from_float(sum.x); out[1] = grad_from_float(sum.y);",
           "      out[2] = grad_from_float(sum.z); out[3] = grad_from_float(sum.w);",
