@@ -152,7 +152,8 @@ def _producer_lines(plan: AttentionBackwardPlan) -> list[str]:
     "      }",
     "      copy_async_arrive(full_bar + 8 * stage);",
     "    }",
-    "    copy_wait_all();",
+    "    copy_async_commit();",
+    "    copy_async_wait<0>();   // (its copies tracked by the barriers, committed only to be waited for)",
     "    return;",
     "  }"]
 
