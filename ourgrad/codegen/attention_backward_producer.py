@@ -133,6 +133,7 @@ def _producer_lines(plan: AttentionBackwardPlan) -> list[str]:
     f"      const elem_t* do_rows0 = dout + {HEAD_OFFSET.format(*p.do_strides[:2])} + "
     f"(long long)q_start * {do_stride}LL;",
     f"      {stage_addresses(p, stream, 'q_stage', 'do_stage', 'stage')}",
+    "#pragma unroll 1",   # (unrolled, its addresses did not fit the producer's registers: spilled)
     f"      for (int piece = copier; piece < {stream * pieces}; piece += {copiers}) {{",
     f"        const int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
     "        const bool inside = row < q_rows;",
