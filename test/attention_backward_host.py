@@ -341,7 +341,7 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
   source = launch.source.replace(device_helpers, host_helpers + host_mma(plan.dtype))
   # (shared addresses: offsets into shared_bytes; the single pass's delta kernel multiplies nothing)
   if plan.mma == "wgmma" and not (plan.dq_accumulate and launch.name == DQ_KERNEL):
-    stream = plan.dq_stream if launch.name == DQ_KERNEL else plan.dkdv_stream
+    stream = attention_backward_wgmma.scores_width(plan, launch.name)
     device_wgmma = attention_backward_wgmma.wgmma_helpers(plan, launch.name)
     if device_wgmma not in source: raise AssertionError("the kernel source has no wgmma helpers")
     source = source.replace(device_wgmma, "#define attention_shared shared_bytes\n" +

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ourgrad.codegen.attention_backward_plan import DQ_COUNT_ROWS, DQ_KERNEL
+from ourgrad.codegen.attention_backward_plan import DKDV_KERNEL, DQ_COUNT_ROWS, DQ_KERNEL
 from ourgrad.codegen.attention_wgmma import (WARPGROUP_ROWS, key_slice_start, key_strides, pack_lines, product_helpers,
                                              staged_offset, value_slice_start, value_strides)
 from ourgrad.codegen.wgmma_copies import ROW_BYTES
@@ -89,15 +89,32 @@ __device__ __forceinline__ void red_add2(float* address, float first, float seco
 """
 
 
-def wgmma_helpers(plan: AttentionBackwardPlan, kernel: str) -> str:
-  """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = its stream, A from registers or (without the
-  plan's dq_held / dkdv_held) shared memory, values n = D (the single pass's dK/dV kernel: also with A from shared
-  memory, and SINGLE_PASS_HELPERS); the accumulator fence."""
+def scores_halved(plan: AttentionBackwardPlan, kernel: str) -> bool:
+  """Whether `kernel`'s scores products go as two wgmmas of half its stream each: where A is held in registers and
+  the stream equals D, so that the scores and values products would be register-A wgmmas of one shape (m64nDk16)
+  differing only in B's transpose. Those kernels (dQ streaming 64 keys, dK/dV 64 queries, D = 64, held) gave
+  wrong gradients on the H200 (relative error 0.3-0.8, sweep_attention_backward_h200_s14.txt) while the same
+  kernels with A by descriptor, held A at other widths, and the host harness agreed with torch: every case of
+  the failure and none of the others is the two products sharing that shape (a ptxas fault suspected, not proven)."""
   stream = plan.dq_stream if kernel == DQ_KERNEL else plan.dkdv_stream
+  held = plan.dq_held if kernel == DQ_KERNEL else plan.dkdv_held
+  return held and stream == plan.head_dim
+
+
+def scores_width(plan: AttentionBackwardPlan, kernel: str) -> int:
+  """n of `kernel`'s wgmma_scores: its stream, or half of it (`scores_halved`)."""
+  stream = plan.dq_stream if kernel == DQ_KERNEL else plan.dkdv_stream
+  return stream // 2 if scores_halved(plan, kernel) else stream
+
+
+def wgmma_helpers(plan: AttentionBackwardPlan, kernel: str) -> str:
+  """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = `scores_width`, A from registers or (without
+  the plan's dq_held / dkdv_held) shared memory, values n = D (the single pass's dK/dV kernel: also with A from
+  shared memory, and SINGLE_PASS_HELPERS); the accumulator fence."""
   shared_a = not (plan.dq_held if kernel == DQ_KERNEL else plan.dkdv_held)
   single_pass = plan.dq_accumulate and kernel != DQ_KERNEL
-  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype], shared_a, single_pass) + ACCUMULATOR_FENCE + \
-      (SINGLE_PASS_HELPERS if single_pass else "")
+  return product_helpers(scores_width(plan, kernel), plan.head_dim, PTX_TYPE[plan.dtype], shared_a, single_pass) + \
+      ACCUMULATOR_FENCE + (SINGLE_PASS_HELPERS if single_pass else "")
 
 
 def _tile_bytes(plan: AttentionBackwardPlan, rows: int) -> int:
@@ -121,19 +138,24 @@ def copy_stage_lines(plan: AttentionBackwardPlan, rows: int, first_row: str, val
           "    }"]
 
 
-def scores_lines(plan: AttentionBackwardPlan, stream: int, products: tuple[tuple[str, str, str], ...]) -> list[str]:
+def scores_lines(plan: AttentionBackwardPlan, stream: int, products: tuple[tuple[str, str, str], ...],
+                 halves: bool = False) -> list[str]:
   """Each (accumulators, A: held fragments, or a descriptor of D's k16 slice `j` in shared memory, shared address of
   a stage tile) product of the scores shape issued as a group of its own (one wgmma per 16 of D, the first not
-  adding): accumulators (64 x stream a warpgroup) = A's rows @ the tile's rows^T. Groups complete in order:
-  wgmma_wait_one leaves the last in flight."""
+  adding): accumulators (64 x stream a warpgroup) = A's rows @ the tile's rows^T; `halves` (`scores_halved`): two
+  wgmmas a slice, each half the tile's rows (its accumulator elements the first or second half of the thread's: 4
+  a group of 8 columns). Groups complete in order: wgmma_wait_one leaves the last in flight."""
   lbo, sbo = key_strides()
   start = key_slice_start(stream, CExpr("j"))
+  parts = ((0, 0), (stream // 16, stream // 2 * ROW_BYTES)) if halves else ((0, 0),)
   lines = [f"    float {acc}[{stream // 8}][4];" for acc, _, _ in products] + ["    wgmma_fence();"]
   for acc, held, tile in products:
     lines += ["#pragma unroll",
-              f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
-              f"      wgmma_scores(&{acc}[0][0], {held if '(' in held else held + '[j]'}, "
-      f"wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), j > 0);",
+              f"    for (int j = 0; j < {plan.head_dim // 16}; j++) {{",
+              *(f"      wgmma_scores(&{acc}[{group}][0], {held if '(' in held else held + '[j]'}, "
+                f"wgmma_descriptor({tile} + {start}{f' + {offset}' if offset else ''}, {lbo}, {sbo}), j > 0);"
+                for group, offset in parts),
+              "    }",
               "    wgmma_commit();",
               f"    fence_accumulators({acc});"]
   return lines
@@ -381,7 +403,8 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
              "  // the stages' swizzled Q and dO tiles from the next 1024-byte atom",
              f"  const unsigned stages = (shared_address(row_buffers + {2 * p.wgmma_stages} * BQ) + 1023u) & ~1023u;",
              prologue]
-    scores = scores_lines(p, stream, (("st", "k_held", "q_stage"), ("dpt", "v_held", "do_stage")))
+    scores = scores_lines(p, stream, (("st", "k_held", "q_stage"), ("dpt", "v_held", "do_stage")),
+                          scores_halved(p, DKDV_KERNEL))
   else:   # K and V in swizzled tiles before the stages, A read through descriptors (fewer registers)
     owned = ["  float* row_buffers = (float*)shared_bytes;   // a stage's LSE and delta rows: 2 x stages x BQ",
              "  // the swizzled K and V tiles from the next 1024-byte atom, then the stages' Q and dO tiles",
@@ -470,7 +493,8 @@ def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, 
   if p.dq_held:
     owned = ["  // the stages' swizzled K and V tiles from the next 1024-byte atom",
              "  const unsigned stages = (shared_address(delta_tile + BQ) + 1023u) & ~1023u;", prologue]
-    scores = scores_lines(p, stream, (("s", "q_held", "k_stage"), ("dp", "do_held", "v_stage")))
+    scores = scores_lines(p, stream, (("s", "q_held", "k_stage"), ("dp", "do_held", "v_stage")),
+                          scores_halved(p, DQ_KERNEL))
   else:   # Q and dO also in swizzled tiles before the stages, A read through descriptors
     owned = ["  // the swizzled Q and dO tiles from the next 1024-byte atom, then the stages' K and V tiles",
              *_owned_tiles(p, p.block_q, "shared_address(delta_tile + BQ)", prologue, "q_start", "q_rows",
