@@ -111,13 +111,16 @@ VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
 VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
              ("bfloat16", 64, True, 4, "overlap"), ("bfloat16", 64, True, 4, "single_pass"),
-             ("bfloat16", 64, True, 12, "single_pass_bulk"), ("bfloat16", 64, True, 4, "warp_specialized")]
+             ("bfloat16", 64, True, 12, "single_pass_bulk"), ("bfloat16", 64, True, 4, "warp_specialized"),
+             ("bfloat16", 64, True, 4, "warp_specialized_dkdv")]
 VARIANT_FIELDS = {"overlap": {"mma": "wgmma", "wgmma_overlap": True},
                   "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128, "dq_reduce_width": 4},
                   "single_pass_bulk": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
                                        "dq_bulk_reduce": True},
                   "warp_specialized": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
-                                       "dq_reduce_width": 4, "warp_specialized": True}}
+                                       "dq_reduce_width": 4, "warp_specialized": True},
+                  "warp_specialized_dkdv": {"mma": "wgmma", "block_kv": 128, "stream_q": 128, "dkdv_held": False,
+                                            "warp_specialized": True}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
@@ -204,6 +207,10 @@ WGMMA_HOST_CASES = [
                                                           "warp_specialized": True, "ring_stages": 3}),
   ("bfloat16", (1, 2, 2, 83, 90, 64, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
                                                             "warp_specialized": True}),
+  # the two kernels' dK/dV kernel warp-specialized (two consumer warpgroups that never meet; one)
+  ("bfloat16", (1, 4, 2, 300, 290, 64, True), "contiguous", {"block_kv": 128, "stream_q": 128,
+                                                             "warp_specialized": True}),
+  ("float16", (1, 2, 1, 90, 70, 128, False), "projected", {"stream_q": 64, "warp_specialized": True}),
   # and its dQ staged, added by the producer's writer thread (bulk reductions)
   ("bfloat16", (1, 4, 2, 300, 290, 64, True), "projected", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128,
                                                             "warp_specialized": True, "dq_bulk_reduce": True}),

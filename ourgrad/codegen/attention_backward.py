@@ -648,7 +648,7 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   p = plan
   entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
                  device_function)
-  if p.warp_specialized:   # the single pass with a producer warpgroup
+  if p.warp_specialized:   # with a producer warpgroup (the single pass's or the two kernels' dK/dV kernel)
     return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(
       p, DKDV_KERNEL) + attention_backward_producer.producer_helpers(p) + attention_backward_producer.dkdv_body(
         p, entry, _dkdv_prologue(p, False), *_wgmma_elementwise(DKDV_KERNEL), _dkdv_store(p))

@@ -82,11 +82,11 @@ class AttentionBackwardPlan:
   dq_accumulate: bool = False
   dq_reduce_width: int = 2   # dq_accumulate: the float32 sums a reduction adds (2 or 4: red.global.add.v2 / .v4.f32)
   dq_bulk_reduce: bool = False   # dq_accumulate: dQ staged in shared memory, added by TMA bulk reductions instead
-  # the single pass warp-specialized (FlashAttention-3's structure): a producer warpgroup after the consumer
-  # warpgroups copies each iteration's Q, dO, LSE and delta into a ring of `wgmma_stages` stages whose fills and
-  # releases mbarriers count, and gives its registers to the consumers (setmaxnreg); the consumers never wait at a
-  # block barrier for copies (codegen/attention_backward_producer.py); with dq_bulk_reduce the producer's second
-  # warp issues the staged dQ's bulk reductions
+  # the dK/dV kernel warp-specialized (FlashAttention-3's structure; the single pass's or the two kernels'): a
+  # producer warpgroup after the consumer warpgroups copies each iteration's Q, dO, LSE and delta into a ring of
+  # `wgmma_stages` stages whose fills and releases mbarriers count, and gives its registers to the consumers
+  # (setmaxnreg); the consumers never wait at a block barrier for copies (codegen/attention_backward_producer.py);
+  # with dq_bulk_reduce the producer's second warp issues the staged dQ's bulk reductions
   warp_specialized: bool = False
   ring_stages: int = 0   # the wgmma kernels' stages of streamed tiles where set (0: `wgmma_stages`'s rule)
 
@@ -117,8 +117,9 @@ class AttentionBackwardPlan:
                          f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
     if self.dq_bulk_reduce and not self.dq_accumulate:
       raise ShapeError("dq_bulk_reduce adds the single pass's dQ (dq_accumulate)")
-    if self.warp_specialized and not self.dq_accumulate:
-      raise ShapeError("warp_specialized is a form of the single pass (dq_accumulate)")
+    if self.warp_specialized and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap):
+      raise ShapeError("the warp-specialized dK/dV kernel runs on wgmma with K and V read by descriptor, without "
+                       f"wgmma_overlap: mma {self.mma}, dkdv_held {self.dkdv_held}, wgmma_overlap {self.wgmma_overlap}")
     if self.ring_stages not in (0, 2, 3, 4):
       raise ShapeError(f"ring_stages {self.ring_stages}: want 2, 3 or 4 stages (0: by the plan's rule)")
     if self.dq_reduce_width not in (2, 4):
@@ -305,7 +306,7 @@ class AttentionBackwardPlan:
   @property
   def ds_buffers(self) -> int:
     """dS tiles: two where warp_specialized (the consumers meet once an iteration, after writing one: the other's
-    readers have waited for their products before that), else one."""
+    readers have waited for their products before that), else one (none without dq_accumulate)."""
     return 2 if self.warp_specialized else 1
 
   @property
@@ -320,6 +321,8 @@ class AttentionBackwardPlan:
   def dkdv_registers(self) -> int:
     """Registers a dK/dV thread needs: its share of dK and dV (16 x D each a warp) and of S^T and dP^T (16 x stream)."""
     if self.mma != "wgmma": return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + REGISTERS_BESIDE_ACCUMULATORS)
+    # warp-specialized: one block a multiprocessor, its launch share (setmaxnreg moves them to the consumers)
+    if self.warp_specialized: return REGISTERS_PER_SM // self.dkdv_block[0] // 8 * 8
     # wgmma: also P^T's packed A fragments (stream / 4), in flight while dS^T is computed (a tighter bound makes
     # ptxas serialize the wgmmas), and K's and V's A fragments where held (D / 2)
     held = self.head_dim // 2 if self.dkdv_held else 0

@@ -1,20 +1,21 @@
-"""The single-pass attention backward's dK/dV kernel warp-specialized (plan.warp_specialized; FlashAttention-3's
-structure on Hopper): the consumer warpgroups of codegen/attention_backward_wgmma.py's single pass, threads
-[0, consumer_threads), then one producer warpgroup.
+"""The attention backward's dK/dV kernel warp-specialized (plan.warp_specialized; FlashAttention-3's structure on
+Hopper): the consumer warpgroups of codegen/attention_backward_wgmma.py's dK/dV kernel (the single pass's, or
+without dq_accumulate the two kernels'), threads [0, consumer_threads), then one producer warpgroup.
 
 - Before the roles split, the whole block copies the owned K and V tiles and thread 0 initialises two mbarriers a
-  stage: `full` (PRODUCER_THREADS arrivals: each producer thread's cp.async.mbarrier.arrive, which fires once that
-  thread's copies into the stage have landed) and `empty` (consumer_threads arrivals: every consumer thread once the
+  stage: `full` (`copier_threads` arrivals: each copier's cp.async.mbarrier.arrive, which fires once that thread's
+  copies into the stage have landed) and `empty` (consumer_threads arrivals: every consumer thread once the
   products reading the stage are done). The block's barrier after it is the last one all threads meet.
 - The producer warpgroup gives back registers (setmaxnreg.dec) and, for every iteration, waits for its stage to be
   empty (from the ring's second round on), issues the 16-byte cp.async copies of the Q and dO tiles (swizzled as the
-  single pass's) and the 4-byte copies of the LSE and delta rows, and arrives on the stage's `full` barrier. It then
-  leaves.
-- The consumers take the registers (setmaxnreg.inc, `consumer_registers`) and run the single pass's iteration with
-  the stage's `full` barrier in place of the copy wait and block barrier; after the iteration's products they arrive
-  on `empty`, then add dQ (red.global.add). The dS tile is double-buffered, so the consumers meet once an iteration
-  (a named barrier, the producer absent), after writing it: a tile is rewritten two iterations after it was read, and
-  its readers have waited for their products before they reached the barrier in between.
+  consumers read them) and the 4-byte copies of the LSE and delta rows, and arrives on the stage's `full` barrier.
+  It then leaves. With dq_bulk_reduce its second warp's first thread is the writer instead (`_writer_lines`).
+- The consumers take the registers (setmaxnreg.inc, `consumer_registers`) and run the iteration with the stage's
+  `full` barrier in place of the copy wait and block barrier; after the iteration's products they arrive on `empty`,
+  then (the single pass) add dQ (red.global.add, or staged for the writer). The single pass's dS tile is
+  double-buffered, so the consumers meet once an iteration (a named barrier, the producer absent), after writing
+  it: a tile is rewritten two iterations after it was read, and its readers have waited for their products before
+  they reached the barrier in between. Without dq_accumulate the consumer warpgroups never meet.
 """
 from __future__ import annotations
 
@@ -185,11 +186,13 @@ def _dq_stage_lines(plan: AttentionBackwardPlan) -> list[str]:
 
 def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilities: str, gradients: str,
               store: str) -> str:
-  """The warp-specialized single-pass dK/dV kernel (the parameters of the single pass's): `prologue` (the block's
-  keys and Q tiles), the owned K and V tiles, the producer, then the consumers' loop: `probabilities` (P^T in place
-  of S^T, masked), `gradients` (dS^T in place of dP^T), dQ, `store`."""
-  p, stream = plan, plan.dkdv_stream
-  flags = p.wgmma_stages * 2 * _tile_bytes(p, stream) + p.ds_tile_bytes + 4 * p.dkdv_block[0]
+  """The warp-specialized dK/dV kernel (the parameters of the single pass's, or without dq_accumulate of the two
+  kernels'): `prologue` (the block's keys and Q tiles), the owned K and V tiles, the producer, then the consumers'
+  loop: `probabilities` (P^T in place of S^T, masked), `gradients` (dS^T in place of dP^T), (the single pass) dQ,
+  `store`."""
+  p, stream, single = plan, plan.dkdv_stream, plan.dq_accumulate
+  # (the single pass: the dS tiles and a flag a thread after the stages)
+  flags = p.wgmma_stages * 2 * _tile_bytes(p, stream) + (p.ds_tile_bytes + 4 * p.dkdv_block[0] if single else 0)
   staging = stream * p.head_dim * 4 if p.dq_bulk_reduce else 0   # (dq_staging: after the flags)
   scores = scores_lines(p, stream, (("st", _owned_descriptor(p.block_kv, "k_owned"), "q_stage"),
                                     ("dpt", _owned_descriptor(p.block_kv, "v_owned"), "do_stage")))
@@ -198,8 +201,8 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
     f"{entry}(const elem_t* __restrict__ q,",
     "    const elem_t* __restrict__ k, const elem_t* __restrict__ v, const elem_t* __restrict__ dout,",
     "    const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,",
-    "    grad_t* __restrict__ dv, float* __restrict__ dq_accum, unsigned* __restrict__ dq_counts,",
-    "    grad_t* __restrict__ dq) {",
+    "    grad_t* __restrict__ dv" + (", float* __restrict__ dq_accum, unsigned* __restrict__ dq_counts, grad_t* "
+                                    "__restrict__ dq" if single else "") + ") {",
     f"  constexpr int STAGES = {p.wgmma_stages};",
     "  float* row_buffers = (float*)shared_bytes;   // a stage's LSE and delta rows: 2 x stages x BQ",
     "  // the swizzled K and V tiles from the next 1024-byte atom, then the stages' Q and dO tiles",
@@ -207,7 +210,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
                   "k_start", "k_rows", (("k_owned", "k + k_row0", p.k_strides[2]),
                                         ("v_owned", "v + v_row0", p.v_strides[2]))),
     "  copy_async_commit();",
-    *dq_count_helpers(p),
+    *(dq_count_helpers(p) if single else []),
     f"  const unsigned full_bar = stages + {flags + staging}u, empty_bar = full_bar + 8 * STAGES;   // (8-byte "
     "aligned)",
     *(["  // the staged dQ: written (the consumers), its reductions' reads done, all of them done (the writer)",
@@ -243,18 +246,19 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
     "    // mask only the tiles that need it: keys past S, queries past L, or (causal) keys past its first query",
     "    const bool masked = k_start + BK > S || q_start + BQ > L || (CAUSAL && k_start + BK - 1 > q_start);",
     probabilities,
-    *values_lines(stream, "dv_acc", "st", "pt", "do_stage"),
-    "    wgmma_wait_one();   // dP^T",
+    *(values_lines(stream, "dv_acc", "st", "pt", "do_stage") if single else []),
+    f"    wgmma_wait_{'one' if single else 'all'}();   // dP^T",
     "    fence_accumulators(dpt);",
     gradients,
+    *([] if single else values_lines(stream, "dv_acc", "st", "pt", "do_stage")),
     *values_lines(stream, "dk_acc", "dpt", "dst", "q_stage"),
-    *dq_accumulate_lines(p),
+    *(dq_accumulate_lines(p) if single else []),
     *_last_wait(p, "dv_acc", "dk_acc")[:-1],
     "    mbarrier_arrive(empty_bar + 8 * stage);   // this stage's tiles read",
-    *(_dq_stage_lines(p) if p.dq_bulk_reduce else dq_reduce_lines(p)),
+    *(_dq_stage_lines(p) if p.dq_bulk_reduce else dq_reduce_lines(p) if single else []),
     "  }",
     *(["  mbarrier_wait(dq_done, 0);   // every bulk reduction performed"] if p.dq_bulk_reduce else []),
-    *dq_count_final_lines(p),
+    *(dq_count_final_lines(p) if single else []),
     store,
     "}"])
   return body + "\n"
