@@ -74,6 +74,9 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
     dkdv.update({f"wgmma single pass producer stages {stages}": {
       "block_kv": 128, "stream_q": 128, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
       "dq_reduce_width": 4, "warp_specialized": True, "ring_stages": stages} for stages in (2, 3)})
+    dkdv.update({f"wgmma producer block_kv 128 stream_q 64 stages {stages}": {   # the two kernels' dK/dV
+      "block_kv": 128, "stream_q": 64, "dkdv_held": False, "mma": "wgmma", "warp_specialized": True,
+      "ring_stages": stages} for stages in (2, 3)})
     dkdv["wgmma single pass producer bulk"] = {   # dQ staged, added by the producer's writer thread
       "block_kv": 128, "stream_q": 128, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
       "warp_specialized": True, "dq_bulk_reduce": True}

@@ -646,8 +646,8 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   The block's iterations run over (query head of its group, Q tile) pairs; their Q, dO, LSE and delta tiles are
   double-buffered: the copies of iteration n + 1 are in flight while iteration n is multiplied."""
   p = plan
-  entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
-                 device_function)
+  entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers, p.warp_specialized),
+                 DKDV_KERNEL, device_function)
   if p.warp_specialized:   # with a producer warpgroup (the single pass's or the two kernels' dK/dV kernel)
     return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(
       p, DKDV_KERNEL) + attention_backward_producer.producer_helpers(p) + attention_backward_producer.dkdv_body(

@@ -332,10 +332,13 @@ class AttentionBackwardPlan:
     return (self.head_dim + self.dkdv_stream + self.dkdv_stream // 4 + held + accumulated +
             REGISTERS_BESIDE_ACCUMULATORS)
 
-  def launch_bounds(self, threads: int, shared_bytes: int, registers: int) -> str:
+  def launch_bounds(self, threads: int, shared_bytes: int, registers: int, specialized: bool = False) -> str:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
     known, the blocks that fit in it and in the register file at `registers` a thread (so ptxas keeps registers for
-    that many blocks and no more: a tighter bound would spill the accumulators)."""
+    that many blocks and no more: a tighter bound would spill the accumulators). `specialized` (the warp-specialized
+    dK/dV kernel): one block, always (without the 1, ptxas could not tell the registers at entry and ignored
+    setmaxnreg, C7508, where the kernel needed fewer than its share)."""
+    if specialized: return f"__launch_bounds__({threads}, 1)"
     if not self.shared_per_sm: return f"__launch_bounds__({threads})"
     by_shared = self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED)
     resident = min(by_shared, REGISTERS_PER_SM // (threads * registers))

@@ -188,5 +188,7 @@ def render_attention_grad_cuda(name: str, kernel: AttentionGradKernel) -> str:
   parameters = [f"{'' if index == 0 else 'const '}void* __restrict__ data{index}" for index in range(kernel.arguments)]
   # (a C-style cast may drop const: the output is written through `data0` alone)
   bound = [f"({PARAMETER_TYPES[name]}*)data{index} + {offset}" for name, index, offset in kernel.bindings]
-  return (f'{body}\nextern "C" __global__ void {plan.launch_bounds(launch.block[0], launch.shared_bytes, registers)} '
+  bounds = plan.launch_bounds(launch.block[0], launch.shared_bytes, registers,
+                              plan.warp_specialized and kernel.kernel == DKDV_KERNEL)
+  return (f'{body}\nextern "C" __global__ void {bounds} '
           f"{name}({', '.join(parameters)}) {{\n  {kernel.kernel}_body({', '.join(bound)});\n}}\n")
