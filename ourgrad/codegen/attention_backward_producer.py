@@ -253,8 +253,12 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
     *([] if single else values_lines(stream, "dv_acc", "st", "pt", "do_stage")),
     *values_lines(stream, "dk_acc", "dpt", "dst", "q_stage"),
     *(dq_accumulate_lines(p) if single else []),
+    # (the single pass: the stage's last readers, dV's and dK's products, done while dQ's may still run: groups
+    # complete in order)
+    *(["    wgmma_wait_one();   // dV, dK", "    fence_accumulators(dv_acc);", "    fence_accumulators(dk_acc);",
+       "    mbarrier_arrive(empty_bar + 8 * stage);   // this stage's tiles read"] if single else []),
     *_last_wait(p, "dv_acc", "dk_acc")[:-1],
-    "    mbarrier_arrive(empty_bar + 8 * stage);   // this stage's tiles read",
+    *([] if single else ["    mbarrier_arrive(empty_bar + 8 * stage);   // this stage's tiles read"]),
     *(_dq_stage_lines(p) if p.dq_bulk_reduce else dq_reduce_lines(p) if single else []),
     "  }",
     *(["  mbarrier_wait(dq_done, 0);   // every bulk reduction performed"] if p.dq_bulk_reduce else []),
