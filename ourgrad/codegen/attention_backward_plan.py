@@ -350,8 +350,8 @@ class AttentionBackwardPlan:
     dQ kernel streams 32 keys (Q and dO held) and the dK/dV kernel 128 queries (K and V read by descriptor).
     H200, causal B=4 H=12 D=64 bfloat16, each kernel alone (extra/bench/results/sweep_attention_backward_h200_s14_2.txt,
     T = 1024 / 4096): dQ 0.040 / 0.387 ms (mma.sync 0.052 / 0.571), dK/dV 0.059 / 0.546 (0.073 / 0.800); held A
-    fragments with 64-row streams gave wrong gradients on the GPU (not on the host harness: not understood), so no
-    default takes them."""
+    fragments with 64-row streams gave wrong gradients on the GPU until their scores went as two half-width wgmmas
+    (attention_backward_wgmma.scores_halved; session 16: correct, 0.389 / 0.601 ms at T = 4096, slower)."""
     if not has_wgmma or wgmma_refusal(self.dtype, self.head_dim, self.vector_width > 1) is not None: return self
     # over D = 128 the dK and dV accumulators (D / 2 registers a thread each) would not fit beside the rest
     if self.head_dim > WGMMA_MAX_HEAD_DIM: return self
@@ -392,8 +392,9 @@ def single_pass_blocks(head_dim: int) -> dict[str, int]:
   64 (NVRTC sm_90: 128 spilled 880 bytes and serialized its wgmmas). H200, causal B=4 H=12 T=4096 D=64 bfloat16,
   with its delta kernel (0.030 ms; extra/bench/results/sweep_attention_backward_h200_s15.txt, third checkpoint):
   0.927 ms at 128 keys and 128 queries (0.925 with 2-sum reductions, 0.994 with TMA bulk reductions), 1.020 at 64
-  keys, against 0.387 + 0.540 for the dQ and dK/dV kernels; SDPA forward + backward 1.325 ms against 1.322: equal,
-  so not the default (ATTENTION_SINGLE_PASS)."""
+  keys, against 0.387 + 0.540 for the dQ and dK/dV kernels; SDPA forward + backward 1.325 ms against 1.322: equal.
+  Warp-specialized with the producer's bulk reductions (session 16, sweep_attention_backward_h200_s16.txt): 0.757
+  ms, the default where ATTENTION_SINGLE_PASS is unset (codegen/attention_grad.single_pass_mode)."""
   return {"block_kv": 128, "stream_q": 128, "dq_reduce_width": 4} if head_dim <= 64 else \
       {"block_kv": 64, "stream_q": 64, "dq_reduce_width": 4}
 
