@@ -96,6 +96,23 @@ def test_plan_checks_its_arguments():
                                *(np.zeros((1, 2, 8, 64), np.float16),) * 3, np.zeros((1, 2, 8), np.float32))
 
 
+def test_warp_specialized_plan_round_trips_and_sizes():
+  """The warp-specialized single pass's plan through pickle (as a cache stores it): equal, the same kernels; its
+  dK/dV block is the consumers' warpgroups and a producer one, the consumers given 240 registers of the 168 a thread
+  one block has (24 left to the producer)."""
+  import pickle
+  plan = AttentionBackwardPlan.contiguous(4, 12, 12, 4096, 4096, 64, "bfloat16", True, mma="wgmma",
+                                          dq_accumulate=True, block_kv=128, stream_q=128, warp_specialized=True,
+                                          dq_bulk_reduce=True, ring_stages=2)
+  copy = pickle.loads(pickle.dumps(plan))
+  assert copy == plan and [launch.source for launch in launches(copy)] == [launch.source for launch in launches(plan)]
+  dq, dkdv = launches(plan)
+  assert dkdv.block == (384, 1, 1) and plan.consumer_threads == 256 and plan.consumer_registers == 240
+  assert 168 * 384 == 24 * 128 + 240 * 256
+  assert dkdv.shared_bytes <= 227 * 1024 and plan.dq_swizzled
+  with pytest.raises(ShapeError): AttentionBackwardPlan(**{**plan.__dict__, "dkdv_held": True})
+
+
 def test_launch_sizes():
   plan = AttentionBackwardPlan.contiguous(4, 12, 4, 1000, 520, 64, "bfloat16", True)
   dq, dkdv = launches(plan)
