@@ -16,7 +16,7 @@ import tempfile
 
 import numpy as np
 
-from ourgrad.codegen import attention_backward_wgmma
+from ourgrad.codegen import attention_backward_producer, attention_backward_wgmma
 from ourgrad.codegen.attention_backward import _k_step, fragment_maps, instruction_helpers, launches
 from ourgrad.codegen.attention_backward_plan import DQ_KERNEL, AttentionBackwardPlan, KernelLaunch
 from ourgrad.codegen.wgmma_tiles import CExpr, accumulator_position
@@ -209,9 +209,13 @@ inline float shared_operand(unsigned long long b, int row, int k, bool mn_major)
   elem_t bits; memcpy(&bits, attention_shared + address, 2);
   return to_float(bits);
 }
+struct WarpgroupBarriers { Barrier of[8]; WarpgroupBarriers() { for (Barrier& b : of) b.count = 128; } };
+WarpgroupBarriers warpgroup_barriers;
+inline void warpgroup_sync() { warpgroup_barriers.of[threadIdx.x / 128].wait(); }
+// (a warpgroup's gather: the producer warpgroup of a warp-specialized kernel never multiplies)
 inline void host_wgmma(float* acc, const unsigned* a, unsigned long long b, int n, bool mn_major, int accumulate) {
   memcpy(wgmma_a_slots[threadIdx.x], a, 16);
-  __syncthreads();
+  warpgroup_sync();
   const int first = threadIdx.x / 128 * 128, thread = threadIdx.x % 128;
   float A[64][16];
   for (int other = 0; other < 128; other++) {
@@ -228,7 +232,7 @@ inline void host_wgmma(float* acc, const unsigned* a, unsigned long long b, int 
     for (int k = 0; k < 16; k++) sum += A[row][k] * shared_operand(b, column, k, mn_major);
     acc[i] = accumulate ? acc[i] + sum : sum;
   }
-  __syncthreads();
+  warpgroup_sync();
 }
 inline void wgmma_scores(float* acc, const unsigned* a, unsigned long long b, int accumulate) {
   host_wgmma(acc, a, b, BLOCK_N, false, accumulate); }
@@ -275,9 +279,6 @@ inline void red_add2(float* address, float first, float second) {
 inline void red_add4(float* address, float first, float second, float third, float fourth) {
   std::lock_guard<std::mutex> hold(reduction_lock);
   address[0] += first; address[1] += second; address[2] += third; address[3] += fourth; }
-struct WarpgroupBarriers { Barrier of[8]; WarpgroupBarriers() { for (Barrier& b : of) b.count = 128; } };
-WarpgroupBarriers warpgroup_barriers;
-inline void warpgroup_sync() { warpgroup_barriers.of[threadIdx.x / 128].wait(); }
 inline void bulk_reduce_add(float* target, unsigned source, unsigned bytes) {   // at once: nothing in flight
   std::lock_guard<std::mutex> hold(reduction_lock);
   const float* values = (const float*)(attention_shared + source);
@@ -289,6 +290,37 @@ inline unsigned atomicAdd(unsigned* address, unsigned value) {
   std::lock_guard<std::mutex> hold(reduction_lock); unsigned old = *address; *address += value; return old; }
 inline void __threadfence() {}
 inline float4 __ldcg(const float4* address) { return *address; }
+"""
+
+
+# the warp-specialized dK/dV kernel's helpers (codegen/attention_backward_producer.py) on the host: copies land at
+# once, so a cp.async arrival is an arrival; an mbarrier counts arrivals to its phase's end, a wait for a parity
+# returns once the current phase has the other one
+PRODUCER_HOST_HELPERS = r"""
+struct HostMbarrier { std::mutex mutex; std::condition_variable wake; unsigned expected = 0, pending = 0, phase = 0; };
+HostMbarrier host_mbarriers[64];
+inline HostMbarrier& mbarrier_at(unsigned bar) { return host_mbarriers[(bar / 8) % 64]; }
+inline void mbarrier_init(unsigned bar, unsigned count) {
+  HostMbarrier& m = mbarrier_at(bar);
+  std::lock_guard<std::mutex> hold(m.mutex); m.expected = m.pending = count; m.phase = 0; }
+inline void mbarrier_arrive(unsigned bar) {
+  HostMbarrier& m = mbarrier_at(bar);
+  std::lock_guard<std::mutex> hold(m.mutex);
+  if (--m.pending == 0) { m.pending = m.expected; m.phase++; m.wake.notify_all(); }
+}
+inline void copy_async_arrive(unsigned bar) { mbarrier_arrive(bar); }
+inline void mbarrier_wait(unsigned bar, unsigned parity) {
+  HostMbarrier& m = mbarrier_at(bar);
+  std::unique_lock<std::mutex> lock(m.mutex);
+  m.wake.wait(lock, [&] { return (m.phase & 1u) != parity; });
+}
+inline void copy_async_4_shared(unsigned target, const void* source, bool inside) {
+  if (inside) memcpy(attention_shared + target, source, 4); else memset(attention_shared + target, 0, 4); }
+struct ConsumerBarrier { Barrier barrier; ConsumerBarrier() { barrier.count = CONSUMER_THREADS; } };
+ConsumerBarrier consumer_barrier;
+inline void consumer_sync() { consumer_barrier.barrier.wait(); }
+template <int N> inline void registers_decrease() {}
+template <int N> inline void registers_increase() {}
 """
 
 
@@ -309,12 +341,16 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
   source = launch.source.replace(device_helpers, host_helpers + host_mma(plan.dtype))
   # (shared addresses: offsets into shared_bytes; the single pass's delta kernel multiplies nothing)
   if plan.mma == "wgmma" and not (plan.dq_accumulate and launch.name == DQ_KERNEL):
-    stream = plan.dq_stream if launch.name == DQ_KERNEL else plan.dkdv_stream
+    stream = attention_backward_wgmma.scores_width(plan, launch.name)
     device_wgmma = attention_backward_wgmma.wgmma_helpers(plan, launch.name)
     if device_wgmma not in source: raise AssertionError("the kernel source has no wgmma helpers")
     source = source.replace(device_wgmma, "#define attention_shared shared_bytes\n" +
                             wgmma_host_helpers(stream, plan.head_dim) +
                             "template <int N> inline void fence_accumulators(float (&)[N][4]) {}\n")
+    if plan.warp_specialized and launch.name != DQ_KERNEL:
+      device_producer = attention_backward_producer.PRODUCER_HELPERS
+      if device_producer not in source: raise AssertionError("the kernel source has no producer helpers")
+      source = source.replace(device_producer, PRODUCER_HOST_HELPERS)
   source = source.replace("extern __shared__ __align__(16) unsigned char shared_bytes[];",
                           "alignas(16) unsigned char shared_bytes[1 << 18];")
   arguments = ", ".join(f"({ARGUMENT_TYPES[name]}*)buffers[{index}].data()"

@@ -530,13 +530,15 @@ def test_backward_cuda_sources_compile(emulated_cuda, dtype, case):
 
 @pytest.mark.skipif(nvrtc_compiler() is None, reason="cuda-python's NVRTC is not installed here")
 @pytest.mark.parametrize("packed", [False, True])
-def test_single_pass_cuda_sources_compile(monkeypatch, packed):
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_single_pass_cuda_sources_compile(monkeypatch, packed, mode):
   """The single pass's two kernels as the CUDA device builds them (wrappers binding the float32 dq, delta and the
-  counts in the schedule item's one buffer), compiled by NVRTC for sm_90."""
+  counts in the schedule item's one buffer), compiled by NVRTC for sm_90; mode 2: the dK/dV kernel
+  warp-specialized (a producer warpgroup: 384 threads)."""
   from ourgrad.codegen.attention_grad import AttentionGradKernel, is_attention_grad
   from ourgrad.codegen.lowering import lower_kernel
   monkeypatch.setenv("FUSED_ATTENTION", "1")
-  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", mode)
   monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
   with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
     if packed:
@@ -550,6 +552,7 @@ def test_single_pass_cuda_sources_compile(monkeypatch, packed):
   renderer = CUDARenderer("sm_90")
   kernels = [AttentionGradKernel(item.ast, renderer) for item in items]
   assert [kernel.plan.dq_accumulate for kernel in kernels] == [True, True]
+  assert [kernel.plan.warp_specialized for kernel in kernels] == [mode == "2"] * 2
   for kernel in kernels: nvrtc_compiler().compile(lower_kernel(kernel, renderer, kernel.name).source)
 
 
@@ -586,17 +589,19 @@ def test_cuda_device_against_torch(dtype, causal, head_dim, monkeypatch):
 @pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cuda_single_pass_against_torch(dtype, causal, head_dim, monkeypatch):
-  """The single-pass backward (ATTENTION_SINGLE_PASS=1; sm_90 only, else the two kernels) on the CUDA device: odd
-  lengths and GQA against float64, as test_cuda_device_against_torch."""
-  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_cuda_single_pass_against_torch(dtype, causal, head_dim, mode, monkeypatch):
+  """The single-pass backward (ATTENTION_SINGLE_PASS=1, 2: warp-specialized; sm_90 only, else the two kernels) on
+  the CUDA device: odd lengths and GQA against float64, as test_cuda_device_against_torch."""
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", mode)
   test_cuda_device_against_torch(dtype, causal, head_dim, monkeypatch)
 
 
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
-def test_cuda_single_pass_packed_qkv_gradient(monkeypatch):
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_cuda_single_pass_packed_qkv_gradient(mode, monkeypatch):
   """The single-pass backward of GPT-2's packed q, k, v views on the CUDA device (bfloat16, odd length)."""
-  monkeypatch.setenv("ATTENTION_SINGLE_PASS", "1")
+  monkeypatch.setenv("ATTENTION_SINGLE_PASS", mode)
   test_cuda_packed_qkv_gradient_against_torch(dtypes.bfloat16, monkeypatch)
 
 

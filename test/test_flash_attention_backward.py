@@ -96,6 +96,23 @@ def test_plan_checks_its_arguments():
                                *(np.zeros((1, 2, 8, 64), np.float16),) * 3, np.zeros((1, 2, 8), np.float32))
 
 
+def test_warp_specialized_plan_round_trips_and_sizes():
+  """The warp-specialized single pass's plan through pickle (as a cache stores it): equal, the same kernels; its
+  dK/dV block is the consumers' warpgroups and a producer one, the consumers given 240 registers of the 168 a thread
+  one block has (24 left to the producer)."""
+  import pickle
+  plan = AttentionBackwardPlan.contiguous(4, 12, 12, 4096, 4096, 64, "bfloat16", True, mma="wgmma",
+                                          dq_accumulate=True, block_kv=128, stream_q=128, warp_specialized=True,
+                                          dq_bulk_reduce=True, ring_stages=2)
+  copy = pickle.loads(pickle.dumps(plan))
+  assert copy == plan and [launch.source for launch in launches(copy)] == [launch.source for launch in launches(plan)]
+  dq, dkdv = launches(plan)
+  assert dkdv.block == (384, 1, 1) and plan.consumer_threads == 256 and plan.consumer_registers == 240
+  assert 168 * 384 == 24 * 128 + 240 * 256
+  assert dkdv.shared_bytes <= 227 * 1024 and plan.dq_swizzled
+  with pytest.raises(ShapeError): AttentionBackwardPlan(**{**plan.__dict__, "dkdv_held": True})
+
+
 def test_launch_sizes():
   plan = AttentionBackwardPlan.contiguous(4, 12, 4, 1000, 520, 64, "bfloat16", True)
   dq, dkdv = launches(plan)
@@ -111,11 +128,16 @@ VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
 VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
              ("bfloat16", 64, True, 4, "overlap"), ("bfloat16", 64, True, 4, "single_pass"),
-             ("bfloat16", 64, True, 12, "single_pass_bulk")]
+             ("bfloat16", 64, True, 12, "single_pass_bulk"), ("bfloat16", 64, True, 4, "warp_specialized"),
+             ("bfloat16", 64, True, 4, "warp_specialized_dkdv")]
 VARIANT_FIELDS = {"overlap": {"mma": "wgmma", "wgmma_overlap": True},
                   "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128, "dq_reduce_width": 4},
                   "single_pass_bulk": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
-                                       "dq_bulk_reduce": True}}
+                                       "dq_bulk_reduce": True},
+                  "warp_specialized": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                       "dq_reduce_width": 4, "warp_specialized": True},
+                  "warp_specialized_dkdv": {"mma": "wgmma", "block_kv": 128, "stream_q": 128, "dkdv_held": False,
+                                            "warp_specialized": True}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
@@ -130,15 +152,18 @@ def test_kernels_compile_with_nvrtc(variant: tuple):
   projection = (1000 * 12 * head_dim, head_dim, 12 * head_dim)
   plan = AttentionBackwardPlan(**{**plan.__dict__, "q_strides": projection, "o_strides": projection,
                                   "do_strides": strided, "dq_strides": projection})
+  def one_block(launch) -> str:   # the warp-specialized dK/dV kernel: one block a multiprocessor, always
+    return ", 1" if plan.warp_specialized and launch.name != DQ_KERNEL else ""
   for launch in launches(plan):
-    assert f'extern "C" __global__ void __launch_bounds__({launch.block[0]}) {launch.name}(' in launch.source
+    assert f'extern "C" __global__ void __launch_bounds__({launch.block[0]}{one_block(launch)}) {launch.name}(' \
+        in launch.source
     assert compiler.compile(launch.source)
   # with the H100/H200's 228 KB of shared memory a multiprocessor: as many blocks as fit in it and in the register
   # file at the registers the accumulators need
   plan = AttentionBackwardPlan(**{**plan.__dict__, "shared_per_sm": 228 * 1024})
   for launch, registers in zip(launches(plan), (plan.dq_registers, plan.dkdv_registers)):
     resident = min(228 * 1024 // (launch.shared_bytes + 1024), 65536 // (launch.block[0] * registers))
-    bounds = f"__launch_bounds__({launch.block[0]}{f', {resident}' if resident > 1 else ''})"
+    bounds = f"__launch_bounds__({launch.block[0]}{f', {resident}' if resident > 1 else one_block(launch)})"
     assert f'extern "C" __global__ void {bounds} {launch.name}(' in launch.source
     assert compiler.compile(launch.source)
 
@@ -194,6 +219,23 @@ WGMMA_HOST_CASES = [
                                                             "dq_bulk_reduce": True}),   # TMA bulk reductions
   ("float16", (1, 2, 1, 90, 70, 128, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
                                                            "dq_bulk_reduce": True}),
+  # warp-specialized: a producer warpgroup filling a ring of stages counted by mbarriers (2 and 3 stages, GQA)
+  ("bfloat16", (1, 4, 2, 300, 300, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128,
+                                                             "stream_q": 128, "dq_reduce_width": 4,
+                                                             "warp_specialized": True}),
+  ("float16", (1, 4, 1, 150, 97, 64, True), "projected", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                                          "warp_specialized": True, "ring_stages": 3}),
+  ("bfloat16", (1, 2, 2, 83, 90, 64, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
+                                                            "warp_specialized": True}),
+  # the two kernels' dK/dV kernel warp-specialized (two consumer warpgroups that never meet; one)
+  ("bfloat16", (1, 4, 2, 300, 290, 64, True), "contiguous", {"block_kv": 128, "stream_q": 128,
+                                                             "warp_specialized": True}),
+  ("float16", (1, 2, 1, 90, 70, 128, False), "projected", {"stream_q": 64, "warp_specialized": True}),
+  # and its dQ staged, added by the producer's writer thread (bulk reductions)
+  ("bfloat16", (1, 4, 2, 300, 290, 64, True), "projected", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128,
+                                                            "warp_specialized": True, "dq_bulk_reduce": True}),
+  ("float16", (1, 2, 1, 90, 70, 128, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
+                                                           "warp_specialized": True, "dq_bulk_reduce": True}),
 ]
 
 
@@ -245,6 +287,10 @@ def _check_on_host(dtype: str, case: tuple, layout: str, fields: dict) -> None:
     buffers["dq_accum"] = np.full(batch * heads * q_len * head_dim, 7.0, np.float32)   # values zeroed first
     buffers["dq_counts"] = np.full(plan.count_elements, 5, np.uint32)
   state = run_on_host(plan, buffers)
+  if plan.dq_swizzled:   # the emulator writes dq_accum's columns in order: column c of row r is stored at c ^ 8 (r % 8)
+    rows, columns = np.arange(q_len)[:, None], np.arange(head_dim)[None, :]
+    stored = state["dq_accum"].reshape(batch, heads, q_len, head_dim)
+    state["dq_accum"] = stored[:, :, rows, columns ^ ((rows & 7) << 3)].reshape(-1)
   emulated = {name: array.copy() for name, array in buffers.items()}
   emulate_attention_backward_buffers(plan, emulated)
   for name in ("dq", "dk", "dv", "delta") + (("dq_accum",) if plan.dq_accumulate else ()):

@@ -70,6 +70,16 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
     dkdv["wgmma single pass block_kv 128 stream_q 128 bulk"] = {
       "block_kv": 128, "stream_q": 128, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
       "dq_bulk_reduce": True}
+    # the single pass warp-specialized: a producer warpgroup and mbarriers (codegen/attention_backward_producer.py)
+    dkdv.update({f"wgmma single pass producer stages {stages}": {
+      "block_kv": 128, "stream_q": 128, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
+      "dq_reduce_width": 4, "warp_specialized": True, "ring_stages": stages} for stages in (2, 3)})
+    dkdv.update({f"wgmma producer block_kv 128 stream_q 64 stages {stages}": {   # the two kernels' dK/dV
+      "block_kv": 128, "stream_q": 64, "dkdv_held": False, "mma": "wgmma", "warp_specialized": True,
+      "ring_stages": stages} for stages in (2, 3)})
+    dkdv["wgmma single pass producer bulk"] = {   # dQ staged, added by the producer's writer thread
+      "block_kv": 128, "stream_q": 128, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
+      "warp_specialized": True, "dq_bulk_reduce": True}
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
     if wgmma: table["mma_sync default"] = {"mma": "mma_sync", **default_blocks(plan.head_dim, plan.dtype)}

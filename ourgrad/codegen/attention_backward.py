@@ -39,7 +39,7 @@ attention_backward_host.py runs this CUDA source itself on the CPU (a host threa
 """
 from __future__ import annotations
 
-from ourgrad.codegen import attention_backward_wgmma
+from ourgrad.codegen import attention_backward_producer, attention_backward_wgmma
 from ourgrad.codegen.attention_backward_plan import (DKDV_KERNEL, DQ_COUNT_ROWS, DQ_KERNEL, LOG2E,
                                                     AttentionBackwardPlan, KernelLaunch, Strides)
 from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps
@@ -646,8 +646,12 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   The block's iterations run over (query head of its group, Q tile) pairs; their Q, dO, LSE and delta tiles are
   double-buffered: the copies of iteration n + 1 are in flight while iteration n is multiplied."""
   p = plan
-  entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers), DKDV_KERNEL,
-                 device_function)
+  entry = _entry(p.launch_bounds(p.dkdv_block[0], p.dkdv_shared_bytes, p.dkdv_registers, p.warp_specialized),
+                 DKDV_KERNEL, device_function)
+  if p.warp_specialized:   # with a producer warpgroup (the single pass's or the two kernels' dK/dV kernel)
+    return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(
+      p, DKDV_KERNEL) + attention_backward_producer.producer_helpers(p) + attention_backward_producer.dkdv_body(
+        p, entry, _dkdv_prologue(p, False), *_wgmma_elementwise(DKDV_KERNEL), _dkdv_store(p))
   if p.mma == "wgmma":
     held = _held_loads(p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
     return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(

@@ -24,6 +24,8 @@ LOG2E = 1.4426950408889634
 # memory the driver reserves per resident block (sm_80+)
 REGISTERS_PER_SM, REGISTER_FLOOR, REGISTERS_BESIDE_ACCUMULATORS, BLOCK_RESERVED_SHARED = 65536, 128, 40, 1024
 DQ_KERNEL, DKDV_KERNEL = "attention_backward_dq", "attention_backward_dkdv"
+PRODUCER_THREADS = 128   # warp_specialized: the dK/dV block's producer warpgroup (setmaxnreg acts on whole warpgroups)
+PRODUCER_REGISTERS = 24  # warp_specialized: the producer's registers after setmaxnreg.dec (the least it allows)
 DQ_COUNT_ROWS = 16   # the single pass: dq_counts has a count per 16 query rows (at least one per streamed Q tile)
 WGMMA_MAX_HEAD_DIM = 128   # the largest head the wgmma kernels are chosen for (`with_device_mma`)
 
@@ -80,6 +82,13 @@ class AttentionBackwardPlan:
   dq_accumulate: bool = False
   dq_reduce_width: int = 2   # dq_accumulate: the float32 sums a reduction adds (2 or 4: red.global.add.v2 / .v4.f32)
   dq_bulk_reduce: bool = False   # dq_accumulate: dQ staged in shared memory, added by TMA bulk reductions instead
+  # the dK/dV kernel warp-specialized (FlashAttention-3's structure; the single pass's or the two kernels'): a
+  # producer warpgroup after the consumer warpgroups copies each iteration's Q, dO, LSE and delta into a ring of
+  # `wgmma_stages` stages whose fills and releases mbarriers count, and gives its registers to the consumers
+  # (setmaxnreg); the consumers never wait at a block barrier for copies (codegen/attention_backward_producer.py);
+  # with dq_bulk_reduce the producer's second warp issues the staged dQ's bulk reductions
+  warp_specialized: bool = False
+  ring_stages: int = 0   # the wgmma kernels' stages of streamed tiles where set (0: `wgmma_stages`'s rule)
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -108,6 +117,11 @@ class AttentionBackwardPlan:
                          f"256: block_q {self.block_q}, block_kv {self.block_kv}, streams {streams}")
     if self.dq_bulk_reduce and not self.dq_accumulate:
       raise ShapeError("dq_bulk_reduce adds the single pass's dQ (dq_accumulate)")
+    if self.warp_specialized and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap):
+      raise ShapeError("the warp-specialized dK/dV kernel runs on wgmma with K and V read by descriptor, without "
+                       f"wgmma_overlap: mma {self.mma}, dkdv_held {self.dkdv_held}, wgmma_overlap {self.wgmma_overlap}")
+    if self.ring_stages not in (0, 2, 3, 4):
+      raise ShapeError(f"ring_stages {self.ring_stages}: want 2, 3 or 4 stages (0: by the plan's rule)")
     if self.dq_reduce_width not in (2, 4):
       raise ShapeError(f"dq_reduce_width {self.dq_reduce_width}: the reductions add 2 or 4 float32 sums")
     if self.dq_accumulate and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap or
@@ -207,7 +221,7 @@ class AttentionBackwardPlan:
   def wgmma_stages(self) -> int:
     """Stages of the wgmma kernels' streamed tiles: 3 where a stage's last product may still run in the next
     iteration (`wgmma_overlap`), else 2."""
-    return 3 if self.wgmma_overlap else 2
+    return self.ring_stages or (3 if self.wgmma_overlap else 2)
 
   def wgmma_shared_bytes(self, owned: int, row_bytes: int, streamed: int) -> int:
     """A wgmma kernel's shared memory: its two owned tiles of `owned` rows (padded rows: the A fragments held in
@@ -223,7 +237,26 @@ class AttentionBackwardPlan:
     return (self.batch * self.kv_heads, -(-self.kv_len // self.block_kv), 1)
 
   @property
-  def dkdv_block(self) -> tuple[int, int, int]: return (32 * self.block_kv // WARP_ROWS, 1, 1)
+  def dkdv_block(self) -> tuple[int, int, int]:
+    """A warp a 16 keys (the consumers), then (warp_specialized) the producer warpgroup."""
+    return (self.consumer_threads + (PRODUCER_THREADS if self.warp_specialized else 0), 1, 1)
+
+  @property
+  def consumer_threads(self) -> int:
+    """The dK/dV block's threads that multiply: a warp a 16 keys."""
+    return 32 * self.block_kv // WARP_ROWS
+
+  @property
+  def consumer_registers(self) -> int:
+    """warp_specialized: the registers a consumer thread asks for by setmaxnreg.inc: what the producer's
+    setmaxnreg.dec frees of the block's launch share (one block a multiprocessor: the register file over its threads,
+    a multiple of 8), shared by the consumers, at most 240 (FlashAttention-3's two-consumer figure); 0 where that is
+    not more than the launch share (no setmaxnreg)."""
+    if not self.warp_specialized: return 0
+    launch = REGISTERS_PER_SM // self.dkdv_block[0] // 8 * 8
+    given = (launch * self.dkdv_block[0] - PRODUCER_REGISTERS * PRODUCER_THREADS) // self.consumer_threads // 8 * 8
+    given = min(240, given)
+    return given if given > launch else 0
 
   @property
   def dkdv_shared_bytes(self) -> int:
@@ -234,9 +267,24 @@ class AttentionBackwardPlan:
       # (the single pass: the dS tile, then a flag a thread)
       return self.wgmma_shared_bytes(self.block_kv, 2 * self.wgmma_stages * stream * 4, stream) + \
           (self.ds_tile_bytes + 4 * self.dkdv_block[0] if self.dq_accumulate else 0) + \
-          (stream * self.head_dim * 4 if self.dq_bulk_reduce else 0)
+          (stream * self.head_dim * 4 if self.dq_bulk_reduce else 0) + \
+          self.mbarrier_bytes
     tiles = 2 * self.block_kv * self.row_pitch + 4 * stream * self.row_pitch
     return tiles * self.itemsize + 4 * stream * 4
+
+  @property
+  def dq_swizzled(self) -> bool:
+    """Whether dq_accum's rows hold their columns permuted: column c of row r at c ^ 8 (r % 8) (warp_specialized with
+    dq_bulk_reduce: the staging rows so, a warp's stores of 8 rows' same columns fall in different banks; the bulk
+    reductions copy rows whole, and the tile's conversion reads them back so)."""
+    return self.warp_specialized and self.dq_bulk_reduce
+
+  @property
+  def mbarrier_bytes(self) -> int:
+    """warp_specialized: the dK/dV kernel's mbarriers (8 bytes each): a full and an empty one a stage, and with
+    dq_bulk_reduce the staged dQ's full, empty and done ones; else none."""
+    if not self.warp_specialized: return 0
+    return 8 * (2 * self.wgmma_stages + (3 if self.dq_bulk_reduce else 0))
 
   @property
   def count_elements(self) -> int:
@@ -246,9 +294,20 @@ class AttentionBackwardPlan:
   @property
   def ds_tile_bytes(self) -> int:
     """dq_accumulate: the dK/dV kernel's dS tile after its stages (the stream's queries x the block's keys, in
-    128-byte rows of 64 keys: the K-major A of dQ += dS K); else none."""
+    128-byte rows of 64 keys: the K-major A of dQ += dS K; warp_specialized: two, used in turn); else none."""
+    return self.ds_buffers * self.ds_buffer_bytes
+
+  @property
+  def ds_buffer_bytes(self) -> int:
+    """One dS tile of `ds_tile_bytes` (0 without dq_accumulate)."""
     return (self.block_kv // WARPGROUP_ROWS) * self.dkdv_stream * WARPGROUP_ROWS * self.itemsize \
         if self.dq_accumulate else 0
+
+  @property
+  def ds_buffers(self) -> int:
+    """dS tiles: two where warp_specialized (the consumers meet once an iteration, after writing one: the other's
+    readers have waited for their products before that), else one (none without dq_accumulate)."""
+    return 2 if self.warp_specialized else 1
 
   @property
   def dq_registers(self) -> int:
@@ -262,6 +321,8 @@ class AttentionBackwardPlan:
   def dkdv_registers(self) -> int:
     """Registers a dK/dV thread needs: its share of dK and dV (16 x D each a warp) and of S^T and dP^T (16 x stream)."""
     if self.mma != "wgmma": return max(REGISTER_FLOOR, self.head_dim + self.dkdv_stream + REGISTERS_BESIDE_ACCUMULATORS)
+    # warp-specialized: one block a multiprocessor, its launch share (setmaxnreg moves them to the consumers)
+    if self.warp_specialized: return REGISTERS_PER_SM // self.dkdv_block[0] // 8 * 8
     # wgmma: also P^T's packed A fragments (stream / 4), in flight while dS^T is computed (a tighter bound makes
     # ptxas serialize the wgmmas), and K's and V's A fragments where held (D / 2)
     held = self.head_dim // 2 if self.dkdv_held else 0
@@ -271,10 +332,13 @@ class AttentionBackwardPlan:
     return (self.head_dim + self.dkdv_stream + self.dkdv_stream // 4 + held + accumulated +
             REGISTERS_BESIDE_ACCUMULATORS)
 
-  def launch_bounds(self, threads: int, shared_bytes: int, registers: int) -> str:
+  def launch_bounds(self, threads: int, shared_bytes: int, registers: int, specialized: bool = False) -> str:
     """`__launch_bounds__` of a kernel: its threads, and where the device's shared memory per multiprocessor is
     known, the blocks that fit in it and in the register file at `registers` a thread (so ptxas keeps registers for
-    that many blocks and no more: a tighter bound would spill the accumulators)."""
+    that many blocks and no more: a tighter bound would spill the accumulators). `specialized` (the warp-specialized
+    dK/dV kernel): one block, always (without the 1, ptxas could not tell the registers at entry and ignored
+    setmaxnreg, C7508, where the kernel needed fewer than its share)."""
+    if specialized: return f"__launch_bounds__({threads}, 1)"
     if not self.shared_per_sm: return f"__launch_bounds__({threads})"
     by_shared = self.shared_per_sm // (shared_bytes + BLOCK_RESERVED_SHARED)
     resident = min(by_shared, REGISTERS_PER_SM // (threads * registers))
@@ -286,8 +350,8 @@ class AttentionBackwardPlan:
     dQ kernel streams 32 keys (Q and dO held) and the dK/dV kernel 128 queries (K and V read by descriptor).
     H200, causal B=4 H=12 D=64 bfloat16, each kernel alone (extra/bench/results/sweep_attention_backward_h200_s14_2.txt,
     T = 1024 / 4096): dQ 0.040 / 0.387 ms (mma.sync 0.052 / 0.571), dK/dV 0.059 / 0.546 (0.073 / 0.800); held A
-    fragments with 64-row streams gave wrong gradients on the GPU (not on the host harness: not understood), so no
-    default takes them."""
+    fragments with 64-row streams gave wrong gradients on the GPU until their scores went as two half-width wgmmas
+    (attention_backward_wgmma.scores_halved; session 16: correct, 0.389 / 0.601 ms at T = 4096, slower)."""
     if not has_wgmma or wgmma_refusal(self.dtype, self.head_dim, self.vector_width > 1) is not None: return self
     # over D = 128 the dK and dV accumulators (D / 2 registers a thread each) would not fit beside the rest
     if self.head_dim > WGMMA_MAX_HEAD_DIM: return self
@@ -328,8 +392,9 @@ def single_pass_blocks(head_dim: int) -> dict[str, int]:
   64 (NVRTC sm_90: 128 spilled 880 bytes and serialized its wgmmas). H200, causal B=4 H=12 T=4096 D=64 bfloat16,
   with its delta kernel (0.030 ms; extra/bench/results/sweep_attention_backward_h200_s15.txt, third checkpoint):
   0.927 ms at 128 keys and 128 queries (0.925 with 2-sum reductions, 0.994 with TMA bulk reductions), 1.020 at 64
-  keys, against 0.387 + 0.540 for the dQ and dK/dV kernels; SDPA forward + backward 1.325 ms against 1.322: equal,
-  so not the default (ATTENTION_SINGLE_PASS)."""
+  keys, against 0.387 + 0.540 for the dQ and dK/dV kernels; SDPA forward + backward 1.325 ms against 1.322: equal.
+  Warp-specialized with the producer's bulk reductions (session 16, sweep_attention_backward_h200_s16.txt): 0.757
+  ms, the default where ATTENTION_SINGLE_PASS is unset (codegen/attention_grad.single_pass_mode)."""
   return {"block_kv": 128, "stream_q": 128, "dq_reduce_width": 4} if head_dim <= 64 else \
       {"block_kv": 64, "stream_q": 64, "dq_reduce_width": 4}
 

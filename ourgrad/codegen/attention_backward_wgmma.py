@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ourgrad.codegen.attention_backward_plan import DQ_COUNT_ROWS, DQ_KERNEL
+from ourgrad.codegen.attention_backward_plan import DKDV_KERNEL, DQ_COUNT_ROWS, DQ_KERNEL
 from ourgrad.codegen.attention_wgmma import (WARPGROUP_ROWS, key_slice_start, key_strides, pack_lines, product_helpers,
                                              staged_offset, value_slice_start, value_strides)
 from ourgrad.codegen.wgmma_copies import ROW_BYTES
@@ -89,15 +89,32 @@ __device__ __forceinline__ void red_add2(float* address, float first, float seco
 """
 
 
-def wgmma_helpers(plan: AttentionBackwardPlan, kernel: str) -> str:
-  """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = its stream, A from registers or (without the
-  plan's dq_held / dkdv_held) shared memory, values n = D (the single pass's dK/dV kernel: also with A from shared
-  memory, and SINGLE_PASS_HELPERS); the accumulator fence."""
+def scores_halved(plan: AttentionBackwardPlan, kernel: str) -> bool:
+  """Whether `kernel`'s scores products go as two wgmmas of half its stream each: where A is held in registers and
+  the stream equals D, so that the scores and values products would be register-A wgmmas of one shape (m64nDk16)
+  differing only in B's transpose. Those kernels (dQ streaming 64 keys, dK/dV 64 queries, D = 64, held) gave
+  wrong gradients on the H200 (relative error 0.3-0.8, sweep_attention_backward_h200_s14.txt) while the same
+  kernels with A by descriptor, held A at other widths, and the host harness agreed with torch: every case of
+  the failure and none of the others is the two products sharing that shape (a ptxas fault suspected, not proven)."""
   stream = plan.dq_stream if kernel == DQ_KERNEL else plan.dkdv_stream
+  held = plan.dq_held if kernel == DQ_KERNEL else plan.dkdv_held
+  return held and stream == plan.head_dim
+
+
+def scores_width(plan: AttentionBackwardPlan, kernel: str) -> int:
+  """n of `kernel`'s wgmma_scores: its stream, or half of it (`scores_halved`)."""
+  stream = plan.dq_stream if kernel == DQ_KERNEL else plan.dkdv_stream
+  return stream // 2 if scores_halved(plan, kernel) else stream
+
+
+def wgmma_helpers(plan: AttentionBackwardPlan, kernel: str) -> str:
+  """The PTX helpers of `kernel` (DQ_KERNEL or DKDV_KERNEL): scores n = `scores_width`, A from registers or (without
+  the plan's dq_held / dkdv_held) shared memory, values n = D (the single pass's dK/dV kernel: also with A from
+  shared memory, and SINGLE_PASS_HELPERS); the accumulator fence."""
   shared_a = not (plan.dq_held if kernel == DQ_KERNEL else plan.dkdv_held)
   single_pass = plan.dq_accumulate and kernel != DQ_KERNEL
-  return product_helpers(stream, plan.head_dim, PTX_TYPE[plan.dtype], shared_a, single_pass) + ACCUMULATOR_FENCE + \
-      (SINGLE_PASS_HELPERS if single_pass else "")
+  return product_helpers(scores_width(plan, kernel), plan.head_dim, PTX_TYPE[plan.dtype], shared_a, single_pass) + \
+      ACCUMULATOR_FENCE + (SINGLE_PASS_HELPERS if single_pass else "")
 
 
 def _tile_bytes(plan: AttentionBackwardPlan, rows: int) -> int:
@@ -121,19 +138,24 @@ def copy_stage_lines(plan: AttentionBackwardPlan, rows: int, first_row: str, val
           "    }"]
 
 
-def scores_lines(plan: AttentionBackwardPlan, stream: int, products: tuple[tuple[str, str, str], ...]) -> list[str]:
+def scores_lines(plan: AttentionBackwardPlan, stream: int, products: tuple[tuple[str, str, str], ...],
+                 halves: bool = False) -> list[str]:
   """Each (accumulators, A: held fragments, or a descriptor of D's k16 slice `j` in shared memory, shared address of
   a stage tile) product of the scores shape issued as a group of its own (one wgmma per 16 of D, the first not
-  adding): accumulators (64 x stream a warpgroup) = A's rows @ the tile's rows^T. Groups complete in order:
-  wgmma_wait_one leaves the last in flight."""
+  adding): accumulators (64 x stream a warpgroup) = A's rows @ the tile's rows^T; `halves` (`scores_halved`): two
+  wgmmas a slice, each half the tile's rows (its accumulator elements the first or second half of the thread's: 4
+  a group of 8 columns). Groups complete in order: wgmma_wait_one leaves the last in flight."""
   lbo, sbo = key_strides()
   start = key_slice_start(stream, CExpr("j"))
+  parts = ((0, 0), (stream // 16, stream // 2 * ROW_BYTES)) if halves else ((0, 0),)
   lines = [f"    float {acc}[{stream // 8}][4];" for acc, _, _ in products] + ["    wgmma_fence();"]
   for acc, held, tile in products:
     lines += ["#pragma unroll",
-              f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
-              f"      wgmma_scores(&{acc}[0][0], {held if '(' in held else held + '[j]'}, "
-      f"wgmma_descriptor({tile} + {start}, {lbo}, {sbo}), j > 0);",
+              f"    for (int j = 0; j < {plan.head_dim // 16}; j++) {{",
+              *(f"      wgmma_scores(&{acc}[{group}][0], {held if '(' in held else held + '[j]'}, "
+                f"wgmma_descriptor({tile} + {start}{f' + {offset}' if offset else ''}, {lbo}, {sbo}), j > 0);"
+                for group, offset in parts),
+              "    }",
               "    wgmma_commit();",
               f"    fence_accumulators({acc});"]
   return lines
@@ -165,6 +187,17 @@ def _last_wait(plan: AttentionBackwardPlan, *accumulators: str) -> list[str]:
   return ["  }", "  wgmma_wait_all();", *(fence[2:] for fence in fences)]
 
 
+def block_sync(plan: AttentionBackwardPlan) -> str:
+  """C of the barrier of the threads that multiply: the block's, or (warp_specialized: the producer warpgroup has
+  left) the consumers' named barrier (codegen/attention_backward_producer.py)."""
+  return "consumer_sync()" if plan.warp_specialized else "__syncthreads()"
+
+
+def block_threads(plan: AttentionBackwardPlan) -> str:
+  """C of the number of threads that multiply (the threads `block_sync` waits for)."""
+  return f"{plan.consumer_threads}" if plan.warp_specialized else "blockDim.x"
+
+
 def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass's dQ (plan.dq_accumulate), after dK += dS^T Q is issued: dS (the stream's queries x the block's
   keys) stored from dS^T's packed A fragments `dst` into the K-major dS tile after the stages (staged_offset, as a K
@@ -182,14 +215,17 @@ def dq_accumulate_lines(plan: AttentionBackwardPlan) -> list[str]:
   ds_byte = staged_offset(stream, CExpr("query"), CExpr("key"))
   a_start = f"ds_tile + slice * {WARPGROUP_ROWS * ROW_BYTES} + {key_slice_start(stream, CExpr('kk'))}"
   b_start = f"k_owned + {value_slice_start(CExpr('kk'))}"
-  return [f"    const unsigned ds_tile = stages + {p.wgmma_stages * 2 * _tile_bytes(p, stream)}u;",
+  ds_first = f"stages + {p.wgmma_stages * 2 * _tile_bytes(p, stream)}u"
+  # (warp_specialized: the tiles in turn, the consumers' barrier in place of the block's)
+  ds_tile = f"{ds_first} + (iteration & 1) * {p.ds_buffer_bytes}u" if p.ds_buffers == 2 else ds_first
+  return [f"    const unsigned ds_tile = {ds_tile};",
           "#pragma unroll",
           f"    for (int kk = 0; kk < {stream // 16}; kk++) {{   // this lane's row: a query's 8 keys",
           "      const int query = kk * 16 + ((lane >> 4) << 3) + (lane & 7), key = warp * 16 + (lane & 8);",
           f"      stmatrix_x4_trans(ds_tile + {ds_byte}, dst[kk]);",
           "    }",
           "    async_proxy_fence();",
-          "    __syncthreads();   // the block's dS tile written",
+          f"    {block_sync(p)};   // the block's dS tile written",
           f"    float dq_part[{slices}][D / 8][4];",
           "    wgmma_fence();",
           "#pragma unroll",
@@ -276,7 +312,8 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
   delta kernel zeroes it) of the K/V blocks that have added into it; the block whose addition completes the count
   (`contributors`: the causal blocks whose first Q tile is at or before it) rounds the tile's sums into dq
   (`dq_count_final_lines`). `done`: a flag a thread in shared memory after the dS tile."""
-  p = plan
+  p, threads = plan, block_threads(plan)
+  stored = "(column ^ ((row & 7) << 3))" if p.dq_swizzled else "column"   # (rows start at multiples of 16)
   flags = p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + p.ds_tile_bytes
   return [f"  constexpr int COUNTED_TILES = (L + {DQ_COUNT_ROWS - 1}) / {DQ_COUNT_ROWS};   // dq_counts of a head",
           f"  unsigned* done = (unsigned*)(shared_bytes + (stages - shared_address(shared_bytes)) + {flags});",
@@ -293,9 +330,9 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
           "    const float* sums = dq_accum + (((long long)batch * H + head) * L + first) * D;",
           f"    grad_t* target = dq + {HEAD_OFFSET.format(*p.dq_strides[:2])} + (long long)first * "
           f"{p.dq_strides[2]}LL;",
-          "    for (int i = threadIdx.x; i < rows * (D / 4); i += blockDim.x) {",
+          f"    for (int i = threadIdx.x; i < rows * (D / 4); i += {threads}) {{",
           "      const int row = i / (D / 4), column = (i % (D / 4)) * 4;",
-          "      const float4 sum = __ldcg((const float4*)(sums + (long long)row * D + column));",
+          f"      const float4 sum = __ldcg((const float4*)(sums + (long long)row * D + {stored}));",
           f"      grad_t* out = target + (long long)row * {p.dq_strides[2]}LL + column;",
           "      out[0] = grad_from_float(sum.x); out[1] = grad_from_float(sum.y);",
           "      out[2] = grad_from_float(sum.z); out[3] = grad_from_float(sum.w);",
@@ -307,18 +344,19 @@ def dq_count_final_lines(plan: AttentionBackwardPlan) -> list[str]:
   """The single pass after the loop: every thread's reductions fenced, a barrier, then the block's tiles counted (a
   thread a tile, blockDim of them at a time), and the tiles whose counts this block completed converted by the whole
   block (the threadFenceReduction pattern: the counting thread fences again before the block reads the sums)."""
+  sync, threads = block_sync(plan), block_threads(plan)
   return [*(["  if (threadIdx.x % 128 == 0) bulk_wait_all();   // the bulk reductions performed"]
             if plan.dq_bulk_reduce else []),
           "  __threadfence();",
-          "  __syncthreads();",
-          "  for (int base = 0; base < iterations; base += blockDim.x) {",
+          f"  {sync};",
+          f"  for (int base = 0; base < iterations; base += {threads}) {{",
           "    const int it = base + threadIdx.x;",
           "    done[threadIdx.x] = it < iterations && atomicAdd(tile_count(it), 1u) + 1u == contributors(it);",
           "    if (done[threadIdx.x]) __threadfence();",
-          "    __syncthreads();",
-          "    for (int j = 0; j < blockDim.x && base + j < iterations; j++)",
+          f"    {sync};",
+          f"    for (int j = 0; j < {threads} && base + j < iterations; j++)",
           "      if (done[j]) convert_tile(base + j);",
-          "    __syncthreads();   // (done rewritten next)",
+          f"    {sync};   // (done rewritten next)",
           "  }"]
 
 
@@ -365,7 +403,8 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
              "  // the stages' swizzled Q and dO tiles from the next 1024-byte atom",
              f"  const unsigned stages = (shared_address(row_buffers + {2 * p.wgmma_stages} * BQ) + 1023u) & ~1023u;",
              prologue]
-    scores = scores_lines(p, stream, (("st", "k_held", "q_stage"), ("dpt", "v_held", "do_stage")))
+    scores = scores_lines(p, stream, (("st", "k_held", "q_stage"), ("dpt", "v_held", "do_stage")),
+                          scores_halved(p, DKDV_KERNEL))
   else:   # K and V in swizzled tiles before the stages, A read through descriptors (fewer registers)
     owned = ["  float* row_buffers = (float*)shared_bytes;   // a stage's LSE and delta rows: 2 x stages x BQ",
              "  // the swizzled K and V tiles from the next 1024-byte atom, then the stages' Q and dO tiles",
@@ -454,7 +493,8 @@ def dq_body(plan: AttentionBackwardPlan, entry: str, prologue: str, delta: str, 
   if p.dq_held:
     owned = ["  // the stages' swizzled K and V tiles from the next 1024-byte atom",
              "  const unsigned stages = (shared_address(delta_tile + BQ) + 1023u) & ~1023u;", prologue]
-    scores = scores_lines(p, stream, (("s", "q_held", "k_stage"), ("dp", "do_held", "v_stage")))
+    scores = scores_lines(p, stream, (("s", "q_held", "k_stage"), ("dp", "do_held", "v_stage")),
+                          scores_halved(p, DQ_KERNEL))
   else:   # Q and dO also in swizzled tiles before the stages, A read through descriptors
     owned = ["  // the swizzled Q and dO tiles from the next 1024-byte atom, then the stages' K and V tiles",
              *_owned_tiles(p, p.block_q, "shared_address(delta_tile + BQ)", prologue, "q_start", "q_rows",

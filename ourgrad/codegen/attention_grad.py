@@ -49,16 +49,30 @@ KERNELS = {Ops.ATTENTION_DQ: DQ_KERNEL, Ops.ATTENTION_DKDV: DKDV_KERNEL}
 ATTENTION_BACKWARD_WGMMA = env_var("ATTENTION_BACKWARD_WGMMA", 1, "0: the fused attention backward of "
                                    "float16/bfloat16 on sm_90 runs on mma.sync instead of wgmma "
                                    "(codegen/attention_backward_wgmma.py)")
-ATTENTION_SINGLE_PASS = env_var("ATTENTION_SINGLE_PASS", 0, "1: the fused attention backward on wgmma (sm_90) in one "
-                                "pass: the dK/dV kernel adds dQ into a float32 buffer (plan.dq_accumulate), delta "
-                                "from a kernel of its own, dq cast after; 0: the dQ and dK/dV kernels")
+ATTENTION_SINGLE_PASS = env_var("ATTENTION_SINGLE_PASS", 2, "the fused attention backward on wgmma (sm_90) in one "
+                                "pass: delta from a kernel of its own, the dK/dV kernel adding dQ into a float32 "
+                                "buffer (plan.dq_accumulate) and converting it; 2 (default; unset: where head_dim <= "
+                                "64, measured there, larger heads keep the two kernels): that dK/dV kernel "
+                                "warp-specialized, its dQ added by its producer's bulk reductions "
+                                "(plan.warp_specialized, dq_bulk_reduce); 1: added by its consumers' red.global.add; "
+                                "0: the dQ and dK/dV kernels")
+# the largest head the single pass is chosen for where ATTENTION_SINGLE_PASS is unset: H200, causal B=4 H=12 T=4096
+# D=64 bfloat16 (sweep_attention_backward_h200_s16.txt): 0.757 ms with its delta kernel against 0.385 + 0.541 for
+# the two kernels; D = 128 not measured
+SINGLE_PASS_HEAD_DIM = 64
+
+
+def single_pass_mode(head_dim: int) -> int:
+  """ATTENTION_SINGLE_PASS for a head of `head_dim` (0: the two kernels; unset: 2 up to SINGLE_PASS_HEAD_DIM)."""
+  mode = int(ATTENTION_SINGLE_PASS)
+  return 0 if ATTENTION_SINGLE_PASS.raw() is None and head_dim > SINGLE_PASS_HEAD_DIM else mode
 
 
 def single_pass_backward(dtype: str, head_dim: int, has_wgmma: bool) -> bool:
-  """Whether the fused attention backward of these operands runs in one pass (ATTENTION_SINGLE_PASS; the plan's
+  """Whether the fused attention backward of these operands runs in one pass (`single_pass_mode`; the plan's
   dq_accumulate): where its kernels run on wgmma (`AttentionBackwardPlan.with_device_mma`; the lazy graph refuses it
   for operands whose rows are not 16-byte aligned)."""
-  return bool(ATTENTION_SINGLE_PASS) and has_wgmma and bool(ATTENTION_BACKWARD_WGMMA) and \
+  return single_pass_mode(head_dim) > 0 and has_wgmma and bool(ATTENTION_BACKWARD_WGMMA) and \
       wgmma_refusal(dtype, head_dim, True) is None and head_dim <= WGMMA_MAX_HEAD_DIM
 
 
@@ -88,7 +102,9 @@ def backward_plan(q_view: Any, k_view: Any, v_view: Any, do_view: Any, dtype: st
       has_wgmma and bool(ATTENTION_BACKWARD_WGMMA))
   if not single_pass: return plan
   if plan.mma != "wgmma": raise AssertionError(f"the single-pass attention backward needs wgmma kernels: {plan}")
-  return replace(plan, dq_accumulate=True, dkdv_held=False, wgmma_overlap=False, **single_pass_blocks(head_dim))
+  specialized = single_pass_mode(head_dim) >= 2
+  return replace(plan, dq_accumulate=True, dkdv_held=False, wgmma_overlap=False, **single_pass_blocks(head_dim),
+                 warp_specialized=specialized, dq_bulk_reduce=specialized)
 
 
 class AttentionGradKernel:
@@ -186,5 +202,7 @@ def render_attention_grad_cuda(name: str, kernel: AttentionGradKernel) -> str:
   parameters = [f"{'' if index == 0 else 'const '}void* __restrict__ data{index}" for index in range(kernel.arguments)]
   # (a C-style cast may drop const: the output is written through `data0` alone)
   bound = [f"({PARAMETER_TYPES[name]}*)data{index} + {offset}" for name, index, offset in kernel.bindings]
-  return (f'{body}\nextern "C" __global__ void {plan.launch_bounds(launch.block[0], launch.shared_bytes, registers)} '
+  bounds = plan.launch_bounds(launch.block[0], launch.shared_bytes, registers,
+                              plan.warp_specialized and kernel.kernel == DKDV_KERNEL)
+  return (f'{body}\nextern "C" __global__ void {bounds} '
           f"{name}({', '.join(parameters)}) {{\n  {kernel.kernel}_body({', '.join(bound)});\n}}\n")
