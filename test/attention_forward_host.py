@@ -60,13 +60,51 @@ PACKING = {
 }
 PACKING["bfloat16"] = PACKING["float16"]
 
+# plan.producer on the host: mbarriers (by shared address) whose phase flips when the expected arrivals are in, and
+# whose wait blocks until the phase of the asked parity is over; copies land at once, so copies_arrive arrives; the
+# register hand-over does nothing. A wgmma waits for its own warpgroup only (the producer never multiplies)
+PRODUCER_HELPERS = r"""
+struct HostMbarrier {
+  std::mutex mutex; std::condition_variable wake; int expected = 0, pending = 0, phase = 0;
+};
+HostMbarrier host_mbarriers[(1 << 18) / 8];
+inline void barrier_init(unsigned barrier, unsigned count) {
+  HostMbarrier& b = host_mbarriers[barrier / 8];
+  std::lock_guard<std::mutex> lock(b.mutex); b.expected = b.pending = (int)count; b.phase = 0; }
+inline void barrier_arrive(unsigned barrier) {
+  HostMbarrier& b = host_mbarriers[barrier / 8];
+  std::lock_guard<std::mutex> lock(b.mutex);
+  if (--b.pending == 0) { b.pending = b.expected; b.phase ^= 1; b.wake.notify_all(); }
+}
+inline void barrier_wait(unsigned barrier, unsigned parity) {
+  HostMbarrier& b = host_mbarriers[barrier / 8];
+  std::unique_lock<std::mutex> lock(b.mutex);
+  b.wake.wait(lock, [&] { return b.phase != (int)parity; });
+}
+inline void copies_arrive(unsigned barrier) { barrier_arrive(barrier); }
+inline void producer_registers() {}
+inline void consumer_registers() {}
+struct WgmmaGroups { Barrier of[8]; WgmmaGroups() { for (Barrier& b : of) b.count = 128; } };
+WgmmaGroups wgmma_groups;
+inline void wgmma_group_sync() { wgmma_groups.of[threadIdx.x / 128].wait(); }
+"""
+
+
+def _wgmma_helpers(plan: AttentionPlan) -> str:
+  """The host wgmma (test/attention_backward_host.py); with a producer warpgroup also PRODUCER_HELPERS, and each
+  wgmma's meeting of threads narrowed from the CTA to its warpgroup."""
+  helpers = wgmma_host_helpers(plan.block_n, plan.head_dim)
+  if not plan.producer: return helpers
+  if helpers.count("__syncthreads();") != 2: raise AssertionError("the host wgmma is not the one this narrows")
+  return PRODUCER_HELPERS + helpers.replace("__syncthreads();", "wgmma_group_sync();")
+
 
 def host_source(plan: AttentionPlan) -> str:
   """The kernel as a C++ program: it reads its buffers (out, q, k, v) from the files named on its command line, runs
   every block of the grid (one host thread per CUDA thread) and writes them back."""
   helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + \
       host_mma(plan.dtype) + FORWARD_HELPERS + PACKING[plan.dtype] + \
-      (wgmma_host_helpers(plan.block_n, plan.head_dim) if plan.mma == "wgmma" else "")
+      (_wgmma_helpers(plan) if plan.mma == "wgmma" else "")
   source = render_attention(plan, "attention", {"out": 0, "q": 1, "k": 2, "v": 3}, helpers=helpers)
   source = source.replace("extern __shared__ __align__(16) unsigned char attention_shared[];",
                           "alignas(16) unsigned char attention_shared[1 << 18];")

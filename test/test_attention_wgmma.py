@@ -16,7 +16,8 @@ import torch
 
 from ourgrad import Tensor
 from ourgrad.codegen import attention_wgmma
-from ourgrad.codegen.attention import AttentionKernel, Operand, is_attention, plan_attention, render_attention
+from ourgrad.codegen.attention import (AttentionKernel, Operand, blocks_text, is_attention, plan_attention,
+                                      render_attention)
 from ourgrad.codegen.attention_wgmma import (key_slice_start, key_strides, staged_offset, value_slice_start,
                                              value_strides)
 from ourgrad.codegen.wgmma_tiles import descriptor
@@ -98,9 +99,18 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,3,1,2,0,1")
   with pytest.raises(ShapeError, match="Q in shared memory"): _plan(dtypes.bfloat16)
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
-  for blocks in ("48,64,2", "128,64,2,2", "128,64,2,1,1,1"):
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,128,2,1,1,1,0,1")
+  plan = _plan(dtypes.bfloat16)
+  # the producer gives 128 x (168 - 40) registers to the 256 consumers: 168 + 64 each
+  assert (plan.producer, plan.overlap, plan.threads, plan.consumer_registers) == (True, True, 384, 232)
+  assert blocks_text(plan) == "128,128,2,1,1,1,0,1,232"
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,128,2,1,1,0,0,1,200")
+  assert _plan(dtypes.bfloat16).consumer_registers == 200
+  monkeypatch.setenv("ATTENTION_BLOCKS", "64,128,2,1,1,0,0,1")
+  assert _plan(dtypes.bfloat16).consumer_registers == 0   # 255 a thread at launch: nothing to take
+  for blocks in ("48,64,2", "128,64,2,2", "128,64,2,1,1,1", "128,64,2,1,1,0,1,1", "128,64,2,1,1,0,0,0,200"):
     monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
-    with pytest.raises(ShapeError, match="wgmma|overlap"): _plan(dtypes.bfloat16)
+    with pytest.raises(ShapeError, match="wgmma|overlap|producer"): _plan(dtypes.bfloat16)
 
 
 @pytest.mark.skipif(NVRTC is None, reason="NVRTC does not load here")
@@ -120,7 +130,10 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
   variants = [plan, dataclasses.replace(plan, block_m=128, min_ctas=1),
               dataclasses.replace(plan, block_n=32, stages=3),
               dataclasses.replace(plan, block_n=64, stages=3, min_ctas=2 if head_dim == 64 else 1, overlap=True),
-              dataclasses.replace(plan, stages=3, overlap=True, q_shared=True, min_ctas=2)]
+              dataclasses.replace(plan, stages=3, overlap=True, q_shared=True, min_ctas=2),
+              # a producer warpgroup: the consumers at their setmaxnreg share (232 for two at D = 64 and 128)
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, consumer_registers=232),
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232)]
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
     assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"

@@ -57,10 +57,12 @@ ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention ke
 ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 1, "0: the fused attention forward of float16/bfloat16 on sm_90 runs "
                           "on mma.sync instead of wgmma (codegen/attention_wgmma.py)")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                           "[,q_shared]]]]] of the fused attention forward instead of its rule's (codegen/attention.py "
-                           "`plan_attention`), e.g. 128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap "
-                           "1 (wgmma, 3 stages or more): S and softmax while the previous P V runs; q_shared 1 "
-                           "(wgmma): Q staged in shared memory")
+                           "[,q_shared[,producer[,consumer_registers]]]]]]] of the fused attention forward instead of "
+                           "its rule's (codegen/attention.py `plan_attention`), e.g. 128,64,2,1,2: what "
+                           "extra/bench/sweep_attention.py tries; overlap 1 (wgmma, 3 stages or more, 2 with a "
+                           "producer): S and softmax while the previous P V runs; q_shared 1 (wgmma): Q staged in "
+                           "shared memory; producer 1 (wgmma): a producer warpgroup fills a ring of stages through "
+                           "mbarriers; consumer_registers: the consumers' setmaxnreg")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -103,6 +105,12 @@ class AttentionPlan:
   mma: str = "mma_sync"        # "wgmma": warpgroups of 64 rows, swizzled K/V tiles (codegen/attention_wgmma.py)
   overlap: bool = False        # wgmma: a tile's S and softmax run while the previous tile's P V is in flight
   q_shared: bool = False       # wgmma: Q staged in shared memory once (S's A operand by descriptor), not in registers
+  # wgmma: a producer warpgroup after the block_m / 64 consumer ones copies the key tiles into a ring of `stages`
+  # (mbarriers between them, no barrier of the CTA in the loop; FlashAttention-3's warp specialization)
+  producer: bool = False
+  # producer: the consumers' registers a thread after setmaxnreg.inc (the producer's fall to wgmma_tiles'
+  # PRODUCER_REGISTERS); 0: none, every thread keeps the launch bounds' share
+  consumer_registers: int = 0
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -120,7 +128,12 @@ class AttentionPlan:
     return self.scale > 0
 
   @property
-  def threads(self) -> int: return self.warps * WARP_THREADS
+  def consumer_threads(self) -> int:
+    """Threads that compute (all but the producer warpgroup's)."""
+    return self.warps * WARP_THREADS
+
+  @property
+  def threads(self) -> int: return self.consumer_threads + attention_wgmma.WARPGROUP_THREADS * self.producer
 
   @property
   def row_pitch(self) -> int:
@@ -194,14 +207,24 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
                        vector_copies=vector_copies, ldmatrix=bool(ATTENTION_LDMATRIX),
                        mma="wgmma" if wgmma else "mma_sync",
                        block_m=attention_wgmma.WGMMA_BLOCK_M if wgmma else BLOCK_M)
-  if ATTENTION_BLOCKS.value: return _checked(replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value))))
+  registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
+  if ATTENTION_BLOCKS.value: return _with_consumer_registers(
+      _checked(replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value)))), registers)
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
   fitting = [replace(base, block_n=block_n) for block_n in BLOCK_N_CHOICES]
   fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
   plan = fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
   if not wgmma: return plan
-  registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
   return replace(plan, min_ctas=attention_wgmma.resident_ctas(plan, CTAS_PER_PROCESSOR, registers))
+
+
+def _with_consumer_registers(plan: AttentionPlan, multiprocessor_registers: int) -> AttentionPlan:
+  """A producer's plan with consumer_registers left 0: the consumers take their share of the registers
+  (attention_wgmma.consumer_register_share) where it is more than the launch bounds give every thread."""
+  if not plan.producer or plan.consumer_registers: return plan
+  share = attention_wgmma.consumer_register_share(plan, multiprocessor_registers)
+  at_launch = attention_wgmma.launch_registers(plan.threads, plan.min_ctas, multiprocessor_registers)
+  return replace(plan, consumer_registers=share) if share > at_launch else plan
 
 
 def _checked(plan: AttentionPlan) -> AttentionPlan:
@@ -209,23 +232,42 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
   if plan.mma == "wgmma" and (plan.block_m % attention_wgmma.WARPGROUP_ROWS or plan.warp_tiles != 1):
     raise ShapeError(f"wgmma attention with {plan.block_m} rows a CTA, {plan.warp_tiles} m tiles a warp: want a "
                      f"multiple of {attention_wgmma.WARPGROUP_ROWS} rows and 1")
-  if plan.overlap and (plan.mma != "wgmma" or plan.stages < 3):
-    raise ShapeError(f"overlapped attention tiles with {plan.mma}, {plan.stages} stages: want wgmma and 3 or more")
+  # (the CTA's barrier orders the reuse of a stage with 3 or more; the producer's ring with 2)
+  if plan.overlap and (plan.mma != "wgmma" or plan.stages < (2 if plan.producer else 3)):
+    raise ShapeError(f"overlapped attention tiles with {plan.mma}, {plan.stages} stages: want wgmma and 3 or more "
+                     "(2 with a producer warpgroup)")
   if plan.q_shared and (plan.mma != "wgmma" or not plan.q.vector_aligned(COPY_BYTES // plan.itemsize)):
     raise ShapeError(f"Q in shared memory with {plan.mma}, q {plan.q}: want wgmma and 16-byte aligned rows")
+  if plan.producer and (plan.mma != "wgmma" or plan.q_shared or plan.stages < 2):
+    raise ShapeError(f"a producer warpgroup with {plan.mma}, q_shared {plan.q_shared}, {plan.stages} stages: want "
+                     "wgmma, Q in registers and 2 stages or more")
+  if plan.consumer_registers and not plan.producer:
+    raise ShapeError(f"{plan.consumer_registers} consumer registers without a producer warpgroup to take them from")
   return plan
 
 
+BLOCKS_FIELDS = ("block_m", "block_n", "stages", "warp_tiles", "min_ctas", "overlap", "q_shared", "producer",
+                 "consumer_registers")
+_FLAG_FIELDS = ("overlap", "q_shared", "producer")
+
+
 def _blocks_override(text: str) -> dict[str, Any]:
-  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared]]]]]" as plan fields."""
+  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared[,producer
+  [,consumer_registers]]]]]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
-  if not 2 <= len(values) <= 7 or values[0] % warp_rows or values[1] % 16:
+  if not 2 <= len(values) <= len(BLOCKS_FIELDS) or values[0] % warp_rows or values[1] % 16:
     raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                     f"[,q_shared]]]]], block_m a multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
-  fields: dict[str, Any] = dict(zip(("block_m", "block_n", "stages", "warp_tiles", "min_ctas"), values))
-  fields.update({name: bool(value) for name, value in zip(("overlap", "q_shared"), values[5:])})
-  return fields
+                     f"[,q_shared[,producer[,consumer_registers]]]]]]], block_m a multiple of {WARP_ROWS} * "
+                     "warp_tiles, block_n of 16")
+  return {name: bool(value) if name in _FLAG_FIELDS else value for name, value in zip(BLOCKS_FIELDS, values)}
+
+
+def blocks_text(plan: AttentionPlan) -> str:
+  """The plan's tiles as ATTENTION_BLOCKS writes them (the fields after min_ctas only as far as one is set)."""
+  values = [int(getattr(plan, name)) for name in BLOCKS_FIELDS]
+  while len(values) > 5 and not values[-1]: values.pop()
+  return ",".join(map(str, values))
 
 
 def is_attention(ast: LazyOp) -> bool:
@@ -737,6 +779,8 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
     f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};",
     f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
+    # (a producer warpgroup copies the tiles from here on and leaves; the consumers go on)
+    *([f"  int tiles = {tiles};", *attention_wgmma.producer_lines(plan)] if plan.producer else []),
     *([] if plan.q_shared else _q_fragment_lines(plan)),
     f"  float outputs[{plan.warp_tiles}][{plan.head_dim // 8}][4], row_max[{plan.warp_tiles}][2], "
     f"row_sum[{plan.warp_tiles}][2];",
@@ -748,16 +792,25 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     "    row_max[mt][0] = row_max[mt][1] = NEG_INF;",
     "    row_sum[mt][0] = row_sum[mt][1] = 0.0f;",
     "  }",
-    *(attention_wgmma.copy_tile_lines(plan) if wgmma else _copy_tile_lines(plan)),
-    *(attention_wgmma.copy_q_lines(plan) if plan.q_shared else []),
-    f"  int tiles = {tiles};",
-    "  copy_tile(0, 0);",
-    *(attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
-                                            _rescale_lines(plan)) if plan.overlap else _loop_lines(plan)),
+    *(_consumer_loop_lines(plan) if plan.producer else [
+      *(attention_wgmma.copy_tile_lines(plan) if wgmma else _copy_tile_lines(plan)),
+      *(attention_wgmma.copy_q_lines(plan) if plan.q_shared else []),
+      f"  int tiles = {tiles};",
+      "  copy_tile(0, 0);",
+      *(attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
+                                              _rescale_lines(plan)) if plan.overlap else _loop_lines(plan))]),
     *_store_lines(plan),
     "}",
   ]
   return "\n".join(line for line in lines if line) + "\n"
+
+
+def _consumer_loop_lines(plan: AttentionPlan) -> list[str]:
+  """The consumer warpgroups' loop over the tiles a producer warpgroup copies (attention_wgmma.producer_lines)."""
+  if plan.overlap:
+    return attention_wgmma.consumer_overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
+                                                          _rescale_lines(plan))
+  return attention_wgmma.consumer_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan))
 
 
 def _loop_lines(plan: AttentionPlan) -> list[str]:

@@ -30,7 +30,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ourgrad.codegen.wgmma_copies import ATOM_BYTES, PIECE_BYTES, ROW_BYTES
-from ourgrad.codegen.wgmma_tiles import SLICE_BYTES, SWIZZLE_128B, CExpr, launch_registers
+from ourgrad.codegen.wgmma_tiles import (BARRIER_HELPERS, PRODUCER_REGISTERS, SLICE_BYTES, SWIZZLE_128B,
+                                         WARPGROUP_THREADS, CExpr, launch_registers)
 
 if TYPE_CHECKING:
   from ourgrad.codegen.attention import AttentionPlan
@@ -66,6 +67,15 @@ def resident_ctas(plan: AttentionPlan, most: int, multiprocessor_registers: int)
   return max(fitting, default=1)
 
 
+def consumer_register_share(plan: AttentionPlan, multiprocessor_registers: int) -> int:
+  """Registers a consumer thread of plan.producer may take by setmaxnreg: the CTA's share of the multiprocessor's
+  registers (its launch bounds: threads x min_ctas resident) less the producer's PRODUCER_REGISTERS, over the
+  consumers, in granules of 8, at most 240 (1 CTA of 2 consumer warpgroups: 168 a thread at launch, 232 after)."""
+  pool = launch_registers(plan.threads, plan.min_ctas, multiprocessor_registers) * plan.threads - \
+      WARPGROUP_THREADS * PRODUCER_REGISTERS
+  return min(pool // plan.consumer_threads // 8 * 8, 240)
+
+
 def tile_bytes(plan: AttentionPlan) -> int:
   """Bytes of one staged K (or V) tile: block_n rows of 128 bytes per 64 columns of D."""
   return plan.block_n * plan.head_dim * plan.itemsize
@@ -79,10 +89,15 @@ def q_tile_bytes(plan: AttentionPlan) -> int:
   return plan.block_m * plan.head_dim * plan.itemsize if plan.q_shared else 0
 
 
+def barrier_offset(plan: AttentionPlan) -> int:
+  """Where the producer's mbarriers start from the aligned base: after the stages and the Q tile."""
+  return plan.stages * stage_bytes(plan) + q_tile_bytes(plan)
+
+
 def shared_bytes(plan: AttentionPlan) -> int:
-  """The stages' K and V tiles, the Q tile after them (q_shared), and room to align their base to an atom (the
-  swizzle is a function of address bits 7-9)."""
-  return plan.stages * stage_bytes(plan) + q_tile_bytes(plan) + ATOM_BYTES
+  """The stages' K and V tiles, the Q tile after them (q_shared), the producer's mbarriers (8 bytes, `full` and
+  `empty` a stage), and room to align their base to an atom (the swizzle is a function of address bits 7-9)."""
+  return barrier_offset(plan) + 16 * plan.stages * plan.producer + ATOM_BYTES
 
 
 def staged_offset(block_n: int, row, column):
@@ -183,7 +198,25 @@ def product_helpers(scores_n: int, head_dim: int, ptx_type: str, shared_a: bool 
 def wgmma_helpers(plan: AttentionPlan, ptx_type: str) -> str:
   """The wgmma kernel's PTX helpers (`product_helpers`): S's n = block_n, A from registers or (q_shared) shared
   memory; O's n = D."""
-  return product_helpers(plan.block_n, plan.head_dim, ptx_type, plan.q_shared)
+  helpers = product_helpers(plan.block_n, plan.head_dim, ptx_type, plan.q_shared)
+  return helpers + producer_helpers(plan) if plan.producer else helpers
+
+
+def producer_helpers(plan: AttentionPlan) -> str:
+  """plan.producer's helpers: the mbarriers (wgmma_tiles.BARRIER_HELPERS), `copies_arrive` (this thread's cp.async
+  copies so far arrive on a barrier when they land) and the register hand-over (setmaxnreg; no-ops without
+  consumer_registers)."""
+  def registers(kind: str, count: int) -> str:
+    return f'asm volatile("setmaxnreg.{kind}.sync.aligned.u32 {count};");' if plan.consumer_registers else ""
+  return "\n".join([*BARRIER_HELPERS,
+                    "__device__ __forceinline__ void copies_arrive(unsigned barrier) {",
+                    '  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(barrier) : '
+                    '"memory");',
+                    "}",
+                    "__device__ __forceinline__ void producer_registers() "
+                    f"{{ {registers('dec', PRODUCER_REGISTERS)} }}",
+                    "__device__ __forceinline__ void consumer_registers() "
+                    f"{{ {registers('inc', plan.consumer_registers)} }}", ""])
 
 
 def copy_q_lines(plan: AttentionPlan) -> list[str]:
@@ -200,14 +233,16 @@ def copy_q_lines(plan: AttentionPlan) -> list[str]:
           "  }"]
 
 
-def copy_tile_lines(plan: AttentionPlan) -> list[str]:
+def copy_tile_lines(plan: AttentionPlan, thread: str = "threadIdx.x", threads: int = 0,
+                    landing: str = "    copy_commit();") -> list[str]:
   """`copy_tile(tile, stage)`: the key and value rows of one tile into the stage's swizzled K and V tiles by 16-byte
-  cp.async (rows past S as zeros), one commit group."""
+  cp.async (rows past S as zeros), copying thread `thread` of `threads` (default: every thread of the CTA), then
+  `landing` (one commit group; the producer: an arrival on the stage's `full` barrier when the copies land)."""
   pieces = plan.head_dim // 8
   target = staged_offset(plan.block_n, CExpr("row"), CExpr("column"))
   return ["  auto copy_tile = [&](int tile, int stage) {",
           f"    unsigned k_stage = shared_base + stage * {stage_bytes(plan)}, v_stage = k_stage + {tile_bytes(plan)};",
-          f"    for (int piece = threadIdx.x; piece < {plan.block_n * pieces}; piece += {plan.threads}) {{",
+          f"    for (int piece = {thread}; piece < {plan.block_n * pieces}; piece += {threads or plan.threads}) {{",
           f"      int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
           f"      int key = tile * {plan.block_n} + row;",
           f"      bool inside = key < {plan.source};",
@@ -216,7 +251,7 @@ def copy_tile_lines(plan: AttentionPlan) -> list[str]:
           f"      stage16(k_stage + target, k_base + clamped * {plan.k.strides[2]} + column, inside);",
           f"      stage16(v_stage + target, v_base + clamped * {plan.v.strides[2]} + column, inside);",
           "    }",
-          "    copy_commit();",
+          landing,
           "  };"]
 
 
@@ -311,6 +346,94 @@ def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[st
     *mask,
     *softmax,
     "    wgmma_wait_all();",
+    *rescale,
+    *_pack_lines(plan, declare=False),
+    "  }",
+    f"  unsigned last_values = shared_base + ((tiles - 1) % {stages}) * {stage} + {tile_bytes(plan)};",
+    "  wgmma_fence();",
+    *_values_issue_lines(plan, "last_values", "  "),
+    "  wgmma_wait_all();"]
+
+
+# ---------------------------------------------------------------- the producer warpgroup (plan.producer)
+
+def producer_lines(plan: AttentionPlan) -> list[str]:
+  """The CTA's mbarriers set up, then the producer warpgroup (the threads after the consumers') copying the key tiles
+  into the ring of `stages` and leaving: tile t goes to stage t % stages once the consumers released the tile before
+  it there (`empty`: every consumer thread arrives, phase t / stages - 1), and each producer thread's copies arrive
+  on the stage's `full` barrier (128 arrivals) as they land (cp.async.mbarrier.arrive.noinc: no wait in the
+  producer, up to `stages` tiles in flight). With `consumer_registers` the producer gives registers back
+  (setmaxnreg.dec) for the consumers to take."""
+  stages, consumers = plan.stages, plan.consumer_threads
+  return [f"  unsigned full = shared_base + {barrier_offset(plan)}, empty = full + {8 * stages};",
+          "  if (threadIdx.x == 0) {",
+          f"    for (int stage = 0; stage < {stages}; stage++) {{",
+          f"      barrier_init(full + 8 * stage, {WARPGROUP_THREADS});",
+          f"      barrier_init(empty + 8 * stage, {consumers});",
+          "    }",
+          "  }",
+          "  __syncthreads();",
+          f"  if (threadIdx.x >= {consumers}) {{",
+          "    producer_registers();",
+          *("  " + line for line in copy_tile_lines(plan, f"(threadIdx.x - {consumers})", WARPGROUP_THREADS,
+                                                    "    copies_arrive(full + 8 * stage);")),
+          "    for (int tile = 0; tile < tiles; tile++) {",
+          f"      int stage = tile % {stages};",
+          f"      if (tile >= {stages}) barrier_wait(empty + 8 * stage, (tile / {stages} - 1) & 1);",
+          "      copy_tile(tile, stage);",
+          "    }",
+          "    copy_commit();",
+          "    copy_wait_all();",
+          "    return;",
+          "  }",
+          "  consumer_registers();"]
+
+
+def _await_tile_lines(plan: AttentionPlan) -> list[str]:
+  """A consumer waiting for tile `tile` in its stage (`full`, phase tile / stages), then fencing the async proxy:
+  the copies landed through the generic one, the tensor cores read through the async one."""
+  return [f"    barrier_wait(full + 8 * (tile % {plan.stages}), (tile / {plan.stages}) & 1);",
+          "    async_proxy_fence();"]
+
+
+def consumer_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str]) -> list[str]:
+  """The consumers' loop over key tiles (plan.producer, without overlap): wait for the tile, S, mask, softmax,
+  O += P V, release the stage (`empty`). No barrier of the CTA: each warpgroup runs at its own pace, the ring keeps
+  them within `stages` tiles of each other."""
+  stage = stage_bytes(plan)
+  return ["  for (int tile = 0; tile < tiles; tile++) {",
+          *_await_tile_lines(plan),
+          f"    unsigned k_stage = shared_base + (tile % {plan.stages}) * {stage}, v_stage = k_stage + "
+          f"{tile_bytes(plan)};",
+          *scores_lines(plan), *mask, *softmax, *weighted_sum_lines(plan),
+          f"    barrier_arrive(empty + 8 * (tile % {plan.stages}));",
+          "  }"]
+
+
+def consumer_overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str],
+                                   rescale: list[str]) -> list[str]:
+  """overlapped_loop_lines for the consumers of plan.producer: the tile's stage awaited on its `full` barrier instead
+  of the CTA's barrier, and the previous tile's stage released (`empty`) once its P V is done (two stages suffice:
+  a consumer holds tile t - 1's values while it waits for tile t)."""
+  stages, stage = plan.stages, stage_bytes(plan)
+  return [
+    f"  unsigned p[{plan.block_n // 16}][4];",
+    "  float row_rescale[1][2];",
+    "  for (int tile = 0; tile < tiles; tile++) {",
+    *_await_tile_lines(plan),
+    f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
+    f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
+    *_scores_issue_lines(plan),
+    "    if (tile > 0) {",
+    *_values_issue_lines(plan, "previous_values", "      "),
+    "      wgmma_wait_one();",
+    "    } else {",
+    "      wgmma_wait_all();",
+    "    }",
+    *mask,
+    *softmax,
+    "    wgmma_wait_all();",
+    f"    if (tile > 0) barrier_arrive(empty + 8 * ((tile + {stages - 1}) % {stages}));",
     *rescale,
     *_pack_lines(plan, declare=False),
     "  }",
