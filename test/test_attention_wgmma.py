@@ -186,9 +186,11 @@ def test_emulated_h100_forward_takes_the_wgmma_plan(monkeypatch, dtype, causal):
 @pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3", "128,64,3,1,2,1", "64,64,3,1,4,1",
-                                    "128,128,3,1,1,1,1"])
+                                    "128,128,3,1,1,1,1", "128,128,2,1,1,0,0,1", "128,128,2,1,1,1,0,1",
+                                    "64,64,3,1,2,1,0,1", "192,32,2,1,1,1,0,1"])
 def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
-  """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped) against float64."""
+  """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped, with a producer warpgroup) against
+  float64."""
   if not getattr(Device["CUDA"].renderer, "has_wgmma", False): pytest.skip("not an sm_90 GPU")
   monkeypatch.setenv("FUSED_ATTENTION", "2")
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
