@@ -82,6 +82,23 @@ inline void barrier_wait(unsigned barrier, unsigned parity) {
   b.wake.wait(lock, [&] { return b.phase != (int)parity; });
 }
 inline void copies_arrive(unsigned barrier) { barrier_arrive(barrier); }
+// bar.sync / bar.arrive: a phase ends when `count` threads arrived; sync also waits for its end
+struct NamedBarrier { std::mutex mutex; std::condition_variable wake; int arrived = 0, generation = 0; };
+NamedBarrier named_barriers[16];
+inline int named_arrival(unsigned id, unsigned count) {
+  NamedBarrier& b = named_barriers[id];
+  std::lock_guard<std::mutex> lock(b.mutex);
+  const int mine = b.generation;
+  if (++b.arrived == (int)count) { b.arrived = 0; b.generation++; b.wake.notify_all(); }
+  return mine;
+}
+inline void named_arrive(unsigned id, unsigned count) { named_arrival(id, count); }
+inline void named_sync(unsigned id, unsigned count) {
+  const int mine = named_arrival(id, count);
+  NamedBarrier& b = named_barriers[id];
+  std::unique_lock<std::mutex> lock(b.mutex);
+  b.wake.wait(lock, [&] { return b.generation != mine; });
+}
 inline void producer_registers() {}
 inline void consumer_registers() {}
 struct WgmmaGroups { Barrier of[8]; WgmmaGroups() { for (Barrier& b : of) b.count = 128; } };

@@ -108,9 +108,14 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   assert _plan(dtypes.bfloat16).consumer_registers == 200
   monkeypatch.setenv("ATTENTION_BLOCKS", "64,128,2,1,1,0,0,1")
   assert _plan(dtypes.bfloat16).consumer_registers == 0   # 255 a thread at launch: nothing to take
-  for blocks in ("48,64,2", "128,64,2,2", "128,64,2,1,1,1", "128,64,2,1,1,0,1,1", "128,64,2,1,1,0,0,0,200"):
+  monkeypatch.setenv("ATTENTION_BLOCKS", "192,64,2,1,1,1,0,1,0,1")
+  plan = _plan(dtypes.bfloat16)
+  assert (plan.pingpong, plan.threads, plan.consumer_registers) == (True, 512, 152)
+  assert blocks_text(plan) == "192,64,2,1,1,1,0,1,152,1"
+  for blocks in ("48,64,2", "128,64,2,2", "128,64,2,1,1,1", "128,64,2,1,1,0,1,1", "128,64,2,1,1,0,0,0,200",
+                 "128,64,2,1,1,0,0,1,0,1", "64,64,2,1,1,1,0,1,0,1"):
     monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
-    with pytest.raises(ShapeError, match="wgmma|overlap|producer"): _plan(dtypes.bfloat16)
+    with pytest.raises(ShapeError, match="wgmma|overlap|producer|ping-pong"): _plan(dtypes.bfloat16)
 
 
 @pytest.mark.skipif(NVRTC is None, reason="NVRTC does not load here")
@@ -133,7 +138,9 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
               dataclasses.replace(plan, stages=3, overlap=True, q_shared=True, min_ctas=2),
               # a producer warpgroup: the consumers at their setmaxnreg share (232 for two at D = 64 and 128)
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, consumer_registers=232),
-              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232)]
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232),
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
+                                  pingpong=True)]
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
     assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"
@@ -187,7 +194,8 @@ def test_emulated_h100_forward_takes_the_wgmma_plan(monkeypatch, dtype, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3", "128,64,3,1,2,1", "64,64,3,1,4,1",
                                     "128,128,3,1,1,1,1", "128,128,2,1,1,0,0,1", "128,128,2,1,1,1,0,1",
-                                    "64,64,3,1,2,1,0,1", "192,32,2,1,1,1,0,1"])
+                                    "64,64,3,1,2,1,0,1", "192,32,2,1,1,1,0,1", "128,128,2,1,1,1,0,1,0,1",
+                                    "192,64,2,1,1,1,0,1,0,1"])
 def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
   """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped, with a producer warpgroup) against
   float64."""

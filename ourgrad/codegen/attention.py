@@ -57,12 +57,14 @@ ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention ke
 ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 1, "0: the fused attention forward of float16/bfloat16 on sm_90 runs "
                           "on mma.sync instead of wgmma (codegen/attention_wgmma.py)")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                           "[,q_shared[,producer[,consumer_registers]]]]]]] of the fused attention forward instead of "
-                           "its rule's (codegen/attention.py `plan_attention`), e.g. 128,64,2,1,2: what "
+                           "[,q_shared[,producer[,consumer_registers[,pingpong]]]]]]]] of the fused attention "
+                           "forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. 128,64,2,1,2: "
+                           "what "
                            "extra/bench/sweep_attention.py tries; overlap 1 (wgmma, 3 stages or more, 2 with a "
                            "producer): S and softmax while the previous P V runs; q_shared 1 (wgmma): Q staged in "
                            "shared memory; producer 1 (wgmma): a producer warpgroup fills a ring of stages through "
-                           "mbarriers; consumer_registers: the consumers' setmaxnreg")
+                           "mbarriers; consumer_registers: the consumers' setmaxnreg (0: their share); pingpong 1: "
+                           "the consumer warpgroups take turns on the tensor cores")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -111,6 +113,9 @@ class AttentionPlan:
   # producer: the consumers' registers a thread after setmaxnreg.inc (the producer's fall to wgmma_tiles'
   # PRODUCER_REGISTERS); 0: none, every thread keeps the launch bounds' share
   consumer_registers: int = 0
+  # producer and overlap, 2+ consumer warpgroups: they take turns issuing their products (named barriers), so one's
+  # softmax overlaps the next one's wgmmas (FlashAttention-3's ping-pong)
+  pingpong: bool = False
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -241,24 +246,27 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
   if plan.producer and (plan.mma != "wgmma" or plan.q_shared or plan.stages < 2):
     raise ShapeError(f"a producer warpgroup with {plan.mma}, q_shared {plan.q_shared}, {plan.stages} stages: want "
                      "wgmma, Q in registers and 2 stages or more")
+  if plan.pingpong and not (plan.producer and plan.overlap and plan.block_m >= 2 * attention_wgmma.WARPGROUP_ROWS):
+    raise ShapeError(f"ping-pong of {plan.block_m // attention_wgmma.WARPGROUP_ROWS} consumer warpgroups, producer "
+                     f"{plan.producer}, overlap {plan.overlap}: want a producer, overlap and 2 warpgroups or more")
   if plan.consumer_registers and not plan.producer:
     raise ShapeError(f"{plan.consumer_registers} consumer registers without a producer warpgroup to take them from")
   return plan
 
 
 BLOCKS_FIELDS = ("block_m", "block_n", "stages", "warp_tiles", "min_ctas", "overlap", "q_shared", "producer",
-                 "consumer_registers")
-_FLAG_FIELDS = ("overlap", "q_shared", "producer")
+                 "consumer_registers", "pingpong")
+_FLAG_FIELDS = ("overlap", "q_shared", "producer", "pingpong")
 
 
 def _blocks_override(text: str) -> dict[str, Any]:
   """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared[,producer
-  [,consumer_registers]]]]]]]" as plan fields."""
+  [,consumer_registers[,pingpong]]]]]]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
   if not 2 <= len(values) <= len(BLOCKS_FIELDS) or values[0] % warp_rows or values[1] % 16:
     raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                     f"[,q_shared[,producer[,consumer_registers]]]]]]], block_m a multiple of {WARP_ROWS} * "
+                     f"[,q_shared[,producer[,consumer_registers[,pingpong]]]]]]]], block_m a multiple of {WARP_ROWS} * "
                      "warp_tiles, block_n of 16")
   return {name: bool(value) if name in _FLAG_FIELDS else value for name, value in zip(BLOCKS_FIELDS, values)}
 

@@ -216,7 +216,14 @@ def producer_helpers(plan: AttentionPlan) -> str:
                     "__device__ __forceinline__ void producer_registers() "
                     f"{{ {registers('dec', PRODUCER_REGISTERS)} }}",
                     "__device__ __forceinline__ void consumer_registers() "
-                    f"{{ {registers('inc', plan.consumer_registers)} }}", ""])
+                    f"{{ {registers('inc', plan.consumer_registers)} }}",
+                    # named barriers (0 is __syncthreads): wait with `count` threads arrived, or arrive and go on
+                    "__device__ __forceinline__ void named_sync(unsigned id, unsigned count) {",
+                    '  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");',
+                    "}",
+                    "__device__ __forceinline__ void named_arrive(unsigned id, unsigned count) {",
+                    '  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");',
+                    "}", ""])
 
 
 def copy_q_lines(plan: AttentionPlan) -> list[str]:
@@ -410,24 +417,51 @@ def consumer_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str]
           "  }"]
 
 
+# the named barrier of consumer warpgroup w's turn on the tensor cores (plan.pingpong) is PINGPONG_BARRIER + w (0 is
+# __syncthreads)
+PINGPONG_BARRIER = 1
+
+
+def _turn_lines(plan: AttentionPlan) -> tuple[list[str], list[str], list[str]]:
+  """plan.pingpong: (before the loop, before a tile's wgmmas are issued, after) of the consumer warpgroups' turns:
+  warpgroup w issues once warpgroup w - 1 has issued its own (named barrier PINGPONG_BARRIER + w: its 128 threads
+  wait, w - 1's arrive), so one's softmax runs while the next one's products do (FlashAttention-3's ping-pong). The
+  last warpgroup opens the first turn before its loop, and the first one takes the turn the last one hands it after
+  the last tile once more after its loop (each barrier gets as many arrivals as waits; an arrival under a condition
+  between the wgmmas and their wait would make ptxas serialize them). Without pingpong: nothing."""
+  if not plan.pingpong: return [], [], [], []
+  groups, pair = plan.consumer_threads // WARPGROUP_THREADS, 2 * WARPGROUP_THREADS
+  return ([f"  int warpgroup = threadIdx.x / {WARPGROUP_THREADS};",
+           f"  if (warpgroup == {groups - 1}) named_arrive({PINGPONG_BARRIER}, {pair});"],
+          [f"    named_sync({PINGPONG_BARRIER} + warpgroup, {pair});"],
+          [f"    named_arrive({PINGPONG_BARRIER} + (warpgroup + 1) % {groups}, {pair});"],
+          [f"  if (warpgroup == 0) named_sync({PINGPONG_BARRIER}, {pair});"])
+
+
 def consumer_overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str],
                                    rescale: list[str]) -> list[str]:
   """overlapped_loop_lines for the consumers of plan.producer: the tile's stage awaited on its `full` barrier instead
   of the CTA's barrier, and the previous tile's stage released (`empty`) once its P V is done (two stages suffice:
-  a consumer holds tile t - 1's values while it waits for tile t)."""
+  a consumer holds tile t - 1's values while it waits for tile t); with pingpong the warpgroups take turns issuing
+  (_turn_lines)."""
   stages, stage = plan.stages, stage_bytes(plan)
+  opening, turn, turn_over, closing = _turn_lines(plan)
   return [
     f"  unsigned p[{plan.block_n // 16}][4];",
     "  float row_rescale[1][2];",
+    *opening,
     "  for (int tile = 0; tile < tiles; tile++) {",
     *_await_tile_lines(plan),
     f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
     f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
+    *turn,
     *_scores_issue_lines(plan),
     "    if (tile > 0) {",
     *_values_issue_lines(plan, "previous_values", "      "),
+    *("  " + line for line in turn_over),
     "      wgmma_wait_one();",
     "    } else {",
+    *("  " + line for line in turn_over),
     "      wgmma_wait_all();",
     "    }",
     *mask,
@@ -440,4 +474,5 @@ def consumer_overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax
     f"  unsigned last_values = shared_base + ((tiles - 1) % {stages}) * {stage} + {tile_bytes(plan)};",
     "  wgmma_fence();",
     *_values_issue_lines(plan, "last_values", "  "),
-    "  wgmma_wait_all();"]
+    "  wgmma_wait_all();",
+    *closing]
