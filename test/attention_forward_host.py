@@ -18,10 +18,11 @@ import numpy as np
 
 from attention_backward_host import (HOST_CONVERSIONS, PACKED_OPERANDS, PRELUDE, host_compiler, host_main, host_mma,
                                      wgmma_host_helpers)
-from ourgrad.codegen.attention import AttentionPlan, render_attention
+from ourgrad.codegen.attention import POLY_EXP2_HELPER, AttentionPlan, render_attention
 
 FORWARD_PRELUDE = r"""
 inline float __int_as_float(int bits) { float f; memcpy(&f, &bits, 4); return f; }
+inline int __float_as_int(float f) { int bits; memcpy(&bits, &f, 4); return bits; }
 """   # (float2 and make_float2: the PRELUDE of attention_backward_host.py)
 
 # the forward's helper names on the host: mma with pointer operands, packing, ldmatrix over 16-bit rows, copies
@@ -120,7 +121,7 @@ def host_source(plan: AttentionPlan) -> str:
   """The kernel as a C++ program: it reads its buffers (out, q, k, v) from the files named on its command line, runs
   every block of the grid (one host thread per CUDA thread) and writes them back."""
   helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + \
-      host_mma(plan.dtype) + FORWARD_HELPERS + PACKING[plan.dtype] + \
+      host_mma(plan.dtype) + FORWARD_HELPERS + PACKING[plan.dtype] + (POLY_EXP2_HELPER if plan.exp_poly else "") + \
       (_wgmma_helpers(plan) if plan.mma == "wgmma" else "")
   source = render_attention(plan, "attention", {"out": 0, "q": 1, "k": 2, "v": 3}, helpers=helpers)
   source = source.replace("extern __shared__ __align__(16) unsigned char attention_shared[];",
@@ -147,3 +148,24 @@ def run_forward_on_host(plan: AttentionPlan, q: np.ndarray, k: np.ndarray, v: np
     for path, array in zip(paths[1:], (q, k, v)): np.ascontiguousarray(array).tofile(path)
     subprocess.run([binary_path, *paths], check=True, capture_output=True)
     return np.fromfile(paths[0], dtype=np.uint8)
+
+
+def evaluate_poly_exp2_on_host(points: np.ndarray) -> np.ndarray:
+  """codegen/attention.py's POLY_EXP2_HELPER compiled with g++ and evaluated at float32 `points`."""
+  compiler = host_compiler()
+  if compiler is None: raise RuntimeError("no g++ to run the helper on the host")
+  main = r"""
+int main(int argc, char** argv) {
+  FILE* in = fopen(argv[1], "rb"); FILE* out = fopen(argv[2], "wb"); float x;
+  while (fread(&x, 4, 1, in) == 1) { float y = poly_exp2(x); fwrite(&y, 4, 1, out); }
+  fclose(in); fclose(out); return 0;
+}
+"""
+  with tempfile.TemporaryDirectory(prefix="ourgrad_poly_exp2_") as folder:
+    source_path, binary_path = os.path.join(folder, "poly.cpp"), os.path.join(folder, "poly")
+    with open(source_path, "w") as source_file: source_file.write(PRELUDE + FORWARD_PRELUDE + POLY_EXP2_HELPER + main)
+    subprocess.run([compiler, "-std=c++17", "-O1", "-pthread", "-w", source_path, "-o", binary_path], check=True)
+    inputs, outputs = os.path.join(folder, "in.bin"), os.path.join(folder, "out.bin")
+    np.ascontiguousarray(points, dtype=np.float32).tofile(inputs)
+    subprocess.run([binary_path, inputs, outputs], check=True)
+    return np.fromfile(outputs, dtype=np.float32)

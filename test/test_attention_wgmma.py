@@ -140,7 +140,7 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, consumer_registers=232),
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232),
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
-                                  pingpong=True)]
+                                  pingpong=True, exp_poly=4)]
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
     assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"
@@ -195,7 +195,7 @@ def test_emulated_h100_forward_takes_the_wgmma_plan(monkeypatch, dtype, causal):
 @pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3", "128,64,3,1,2,1", "64,64,3,1,4,1",
                                     "128,128,3,1,1,1,1", "128,128,2,1,1,0,0,1", "128,128,2,1,1,1,0,1",
                                     "64,64,3,1,2,1,0,1", "192,32,2,1,1,1,0,1", "128,128,2,1,1,1,0,1,0,1",
-                                    "192,64,2,1,1,1,0,1,0,1"])
+                                    "192,64,2,1,1,1,0,1,0,1", "128,128,2,1,1,1,0,1,0,1,3"])
 def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
   """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped, with a producer warpgroup) against
   float64."""

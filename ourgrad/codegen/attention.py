@@ -57,14 +57,14 @@ ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention ke
 ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 1, "0: the fused attention forward of float16/bfloat16 on sm_90 runs "
                           "on mma.sync instead of wgmma (codegen/attention_wgmma.py)")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                           "[,q_shared[,producer[,consumer_registers[,pingpong]]]]]]]] of the fused attention "
-                           "forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. 128,64,2,1,2: "
-                           "what "
-                           "extra/bench/sweep_attention.py tries; overlap 1 (wgmma, 3 stages or more, 2 with a "
-                           "producer): S and softmax while the previous P V runs; q_shared 1 (wgmma): Q staged in "
-                           "shared memory; producer 1 (wgmma): a producer warpgroup fills a ring of stages through "
-                           "mbarriers; consumer_registers: the consumers' setmaxnreg (0: their share); pingpong 1: "
-                           "the consumer warpgroups take turns on the tensor cores")
+                           "[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly]]]]]]]]] of the fused "
+                           "attention forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. "
+                           "128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap 1 (wgmma, 3 stages or "
+                           "more, 2 with a producer): S and softmax while the previous P V runs; q_shared 1 (wgmma): "
+                           "Q staged in shared memory; producer 1 (wgmma): a producer warpgroup fills a ring of "
+                           "stages through mbarriers; consumer_registers: the consumers' setmaxnreg (0: their share); "
+                           "pingpong 1: the consumer warpgroups take turns on the tensor cores; exp_poly k: every "
+                           "k-th 8 keys' exp2 by a polynomial on the FMA pipe")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -116,6 +116,9 @@ class AttentionPlan:
   # producer and overlap, 2+ consumer warpgroups: they take turns issuing their products (named barriers), so one's
   # softmax overlaps the next one's wgmmas (FlashAttention-3's ping-pong)
   pingpong: bool = False
+  # every exp_poly-th 8 keys of a tile take exp2 by POLY_EXP2_HELPER on the FMA pipe, the rest by MUFU (at D = 64 a
+  # tile's exponentials take MUFU as long as its products take the tensor cores); 0: all by MUFU
+  exp_poly: int = 0
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -249,25 +252,26 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
   if plan.pingpong and not (plan.producer and plan.overlap and plan.block_m >= 2 * attention_wgmma.WARPGROUP_ROWS):
     raise ShapeError(f"ping-pong of {plan.block_m // attention_wgmma.WARPGROUP_ROWS} consumer warpgroups, producer "
                      f"{plan.producer}, overlap {plan.overlap}: want a producer, overlap and 2 warpgroups or more")
+  if plan.exp_poly < 0: raise ShapeError(f"exp_poly {plan.exp_poly}: want every k-th 8 keys, k >= 1, or 0 for none")
   if plan.consumer_registers and not plan.producer:
     raise ShapeError(f"{plan.consumer_registers} consumer registers without a producer warpgroup to take them from")
   return plan
 
 
 BLOCKS_FIELDS = ("block_m", "block_n", "stages", "warp_tiles", "min_ctas", "overlap", "q_shared", "producer",
-                 "consumer_registers", "pingpong")
+                 "consumer_registers", "pingpong", "exp_poly")
 _FLAG_FIELDS = ("overlap", "q_shared", "producer", "pingpong")
 
 
 def _blocks_override(text: str) -> dict[str, Any]:
   """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared[,producer
-  [,consumer_registers[,pingpong]]]]]]]]" as plan fields."""
+  [,consumer_registers[,pingpong[,exp_poly]]]]]]]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
   if not 2 <= len(values) <= len(BLOCKS_FIELDS) or values[0] % warp_rows or values[1] % 16:
     raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                     f"[,q_shared[,producer[,consumer_registers[,pingpong]]]]]]]], block_m a multiple of {WARP_ROWS} * "
-                     "warp_tiles, block_n of 16")
+                     f"[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly]]]]]]]]], block_m a multiple of "
+                     f"{WARP_ROWS} * warp_tiles, block_n of 16")
   return {name: bool(value) if name in _FLAG_FIELDS else value for name, value in zip(BLOCKS_FIELDS, values)}
 
 
@@ -401,11 +405,26 @@ _EXP2_HELPER = """__device__ __forceinline__ float fast_exp2(float x) {
 """
 
 
+# 2^x (x <= 0) on the FMA and integer pipes instead of MUFU (plan.exp_poly): x = j + f, j the nearest integer (the
+# 1.5 * 2^23 addition leaves it in the low mantissa bits), 2^f for f in [-1/2, 1/2] by a cubic fitted to relative
+# error 8e-5 (under bfloat16's and float16's rounding of P), 2^j added to its exponent. x is clamped to -126, so the
+# exponent stays >= 0 (2^-126 for masked scores: P under 1e-37, nothing to any sum)
+POLY_EXP2_HELPER = """__device__ __forceinline__ float poly_exp2(float x) {
+  x = fmaxf(x, -126.0f);
+  float rounded = x + 12582912.0f;
+  float f = x - (rounded - 12582912.0f);
+  float power = fmaf(fmaf(fmaf(0.05508877f, f, 0.24260466f), f, 0.69327628f), f, 0.99992890f);
+  return __int_as_float(__float_as_int(power) + (__float_as_int(rounded) << 23));
+}
+"""
+
+
 def kernel_helpers(plan: AttentionPlan) -> str:
   """The device functions the kernel calls, written with PTX: mma (and the operand conversions it needs), exp2,
   ldmatrix loads, cp.async copies. test/attention_forward_host.py swaps them for host versions to run the kernel on a
   CPU."""
   helpers = _HELPERS_TF32 if plan.dtype == "float32" else _HELPERS_16.replace("TYPE", MMA_SHAPES[plan.dtype][2])
+  if plan.exp_poly: helpers += POLY_EXP2_HELPER
   if plan.mma == "wgmma":
     return helpers + _EXP2_HELPER + _COPY_HELPER + attention_wgmma.wgmma_helpers(plan, MMA_SHAPES[plan.dtype][2])
   return (helpers + _EXP2_HELPER + (_LDMATRIX_HELPERS if plan.ldmatrix else "") +
@@ -606,8 +625,11 @@ def _softmax_lines(plan: AttentionPlan, deferred: bool = False) -> list[str]:
   scaled_max = "tile_max * scale_log2" if plan.folded_scale else "tile_max"
 
   def power(element: str) -> str:
-    if plan.folded_scale: return f"{element} = fast_exp2(fmaf({element}, scale_log2, -reference));"
-    return f"{element} = fast_exp2({element} - reference);"
+    argument = f"fmaf({element}, scale_log2, -reference)" if plan.folded_scale else f"{element} - reference"
+    # (n is a constant in the unrolled loop: each element is one or the other)
+    if plan.exp_poly: return (f"{element} = n % {plan.exp_poly} == {plan.exp_poly - 1} ? poly_exp2({argument}) : "
+                              f"fast_exp2({argument});")
+    return f"{element} = fast_exp2({argument});"
   return ["#pragma unroll",
           f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
           "#pragma unroll",
