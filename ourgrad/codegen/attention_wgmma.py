@@ -27,6 +27,7 @@ Not here yet: a producer warp with TMA copies and mbarriers, and two warpgroups 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ourgrad.codegen.wgmma_copies import ATOM_BYTES, PIECE_BYTES, ROW_BYTES
@@ -47,6 +48,9 @@ WGMMA_BLOCK_M = 64
 # D = 64 with 128 keys a tile (112 of fragments)
 WGMMA_OVERHEAD_REGISTERS = 54
 WGMMA_DTYPES = ("float16", "bfloat16")
+# the rule's kernel where it fits (producer_plan): a producer warpgroup and two consumers of 64 rows each over a ring
+# of 2 stages, ping-pong. H200, bf16 causal B=4 H=12 D=64: TODO
+RULE_PRODUCER, PRODUCER_CONSUMERS, PRODUCER_STAGES = False, 2, 2
 
 
 def wgmma_refusal(dtype: str, head_dim: int, vector_copies: bool) -> str | None:
@@ -74,6 +78,21 @@ def consumer_register_share(plan: AttentionPlan, multiprocessor_registers: int) 
   pool = launch_registers(plan.threads, plan.min_ctas, multiprocessor_registers) * plan.threads - \
       WARPGROUP_THREADS * PRODUCER_REGISTERS
   return min(pool // plan.consumer_threads // 8 * 8, 240)
+
+
+def producer_plan(plan: AttentionPlan, key_tiles: tuple[int, ...], multiprocessor_registers: int,
+                  shared_limit: int) -> AttentionPlan | None:
+  """The rule's producer kernel for a wgmma plan (RULE_PRODUCER): PRODUCER_CONSUMERS consumer warpgroups, a ring of
+  PRODUCER_STAGES, overlap and ping-pong, one CTA a multiprocessor, the consumers at their setmaxnreg share, keys a
+  tile the most of `key_tiles` whose fragments, P's A registers (overlap) and WGMMA_OVERHEAD_REGISTERS fit that share
+  (D = 64 and 128: 128 keys) and whose stages fit `shared_limit`; None where none fits."""
+  for block_n in key_tiles:
+    candidate = replace(plan, block_m=PRODUCER_CONSUMERS * WARPGROUP_ROWS, block_n=block_n, stages=PRODUCER_STAGES,
+                        min_ctas=1, producer=True, overlap=True, pingpong=True)
+    share = consumer_register_share(candidate, multiprocessor_registers)
+    needed = candidate.fragment_registers + block_n // 4 + WGMMA_OVERHEAD_REGISTERS
+    if needed <= share and candidate.shared_bytes <= shared_limit: return replace(candidate, consumer_registers=share)
+  return None
 
 
 def tile_bytes(plan: AttentionPlan) -> int:
