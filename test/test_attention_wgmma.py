@@ -112,8 +112,11 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   plan = _plan(dtypes.bfloat16)
   assert (plan.pingpong, plan.threads, plan.consumer_registers) == (True, 512, 152)
   assert blocks_text(plan) == "192,64,2,1,1,1,0,1,152,1"
-  for blocks in ("48,64,2", "128,64,2,2", "128,64,2,1,1,1", "128,64,2,1,1,0,1,1", "128,64,2,1,1,0,0,0,200",
-                 "128,64,2,1,1,0,0,1,0,1", "64,64,2,1,1,1,0,1,0,1"):
+  # three consumers at 160 leave the producer 32 (setmaxnreg.dec), at 176 none
+  monkeypatch.setenv("ATTENTION_BLOCKS", "192,96,4,1,1,1,0,1,160")
+  assert attention_wgmma.producer_registers(_plan(dtypes.bfloat16)) == 32
+  for blocks in ("48,64,2", "128,64,2,2", "192,96,4,1,1,1,0,1,176", "128,64,2,1,1,1", "128,64,2,1,1,0,1,1",
+                 "128,64,2,1,1,0,0,0,200", "128,64,2,1,1,0,0,1,0,1", "64,64,2,1,1,1,0,1,0,1"):
     monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
     with pytest.raises(ShapeError, match="wgmma|overlap|producer|ping-pong"): _plan(dtypes.bfloat16)
 

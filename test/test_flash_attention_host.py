@@ -140,7 +140,8 @@ def test_wgmma_forward_kernel_on_host(dtype, causal, config):
 # over a two-stage ring, one over three, three consumers with P V in flight over two stages, narrow tiles over four;
 # two and three consumers taking turns
 PRODUCER_CONFIGS = [(128, 128, 2, False, False), (64, 64, 3, False, False), (192, 32, 2, True, False),
-                    (128, 16, 4, True, False), (128, 64, 2, True, True), (192, 16, 3, True, True)]
+                    (128, 16, 4, True, False), (128, 64, 2, True, True), (192, 16, 3, True, True),
+                    (192, 96, 4, True, True)]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -119,6 +119,8 @@ class AttentionPlan:
   # every exp_poly-th 8 keys of a tile take exp2 by POLY_EXP2_HELPER on the FMA pipe, the rest by MUFU (at D = 64 a
   # tile's exponentials take MUFU as long as its products take the tensor cores); 0: all by MUFU
   exp_poly: int = 0
+  # 32-bit registers of the multiprocessor it runs on (the device's fact: what setmaxnreg divides)
+  multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -216,6 +218,7 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
                        mma="wgmma" if wgmma else "mma_sync",
                        block_m=attention_wgmma.WGMMA_BLOCK_M if wgmma else BLOCK_M)
   registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
+  base = replace(base, multiprocessor_registers=registers)
   if ATTENTION_BLOCKS.value: return _with_consumer_registers(
       _checked(replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value)))), registers)
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
@@ -255,6 +258,11 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
     raise ShapeError(f"ping-pong of {plan.block_m // attention_wgmma.WARPGROUP_ROWS} consumer warpgroups, producer "
                      f"{plan.producer}, overlap {plan.overlap}: want a producer, overlap and 2 warpgroups or more")
   if plan.exp_poly < 0: raise ShapeError(f"exp_poly {plan.exp_poly}: want every k-th 8 keys, k >= 1, or 0 for none")
+  if plan.consumer_registers and plan.producer and \
+      attention_wgmma.producer_registers(plan) < attention_wgmma.LEAST_PRODUCER_REGISTERS:
+    raise ShapeError(f"{plan.consumer_registers} registers for each of {plan.consumer_threads} consumer threads leave "
+                     f"the producer {attention_wgmma.producer_registers(plan)} a thread: want "
+                     f"{attention_wgmma.LEAST_PRODUCER_REGISTERS} or more")
   if plan.consumer_registers and not plan.producer:
     raise ShapeError(f"{plan.consumer_registers} consumer registers without a producer warpgroup to take them from")
   return plan

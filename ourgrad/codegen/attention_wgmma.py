@@ -51,6 +51,8 @@ WGMMA_DTYPES = ("float16", "bfloat16")
 # the rule's kernel where it fits (producer_plan): a producer warpgroup and two consumers of 64 rows each over a ring
 # of 2 stages, ping-pong. H200, bf16 causal B=4 H=12 D=64: TODO
 RULE_PRODUCER, PRODUCER_CONSUMERS, PRODUCER_STAGES = False, 2, 2
+# the fewest registers the producer's copy loop runs in (setmaxnreg's least is 24)
+LEAST_PRODUCER_REGISTERS = 24
 
 
 def wgmma_refusal(dtype: str, head_dim: int, vector_copies: bool) -> str | None:
@@ -93,6 +95,15 @@ def producer_plan(plan: AttentionPlan, key_tiles: tuple[int, ...], multiprocesso
     needed = candidate.fragment_registers + block_n // 4 + WGMMA_OVERHEAD_REGISTERS
     if needed <= share and candidate.shared_bytes <= shared_limit: return replace(candidate, consumer_registers=share)
   return None
+
+
+def producer_registers(plan: AttentionPlan) -> int:
+  """Registers a producer thread keeps after setmaxnreg.dec: the CTA's launch registers less the consumers'
+  consumer_registers, over the producer's 128 threads, in granules of 8, at most PRODUCER_REGISTERS (its copies
+  need 24 to 40; 3 consumers at 160 leave 32)."""
+  pool = launch_registers(plan.threads, plan.min_ctas, plan.multiprocessor_registers) * plan.threads
+  return min((pool - plan.consumer_threads * plan.consumer_registers) // WARPGROUP_THREADS // 8 * 8,
+             PRODUCER_REGISTERS)
 
 
 def tile_bytes(plan: AttentionPlan) -> int:
@@ -233,7 +244,7 @@ def producer_helpers(plan: AttentionPlan) -> str:
                     '"memory");',
                     "}",
                     "__device__ __forceinline__ void producer_registers() "
-                    f"{{ {registers('dec', PRODUCER_REGISTERS)} }}",
+                    f"{{ {registers('dec', producer_registers(plan))} }}",
                     "__device__ __forceinline__ void consumer_registers() "
                     f"{{ {registers('inc', plan.consumer_registers)} }}",
                     # named barriers (0 is __syncthreads): wait with `count` threads arrived, or arrive and go on
