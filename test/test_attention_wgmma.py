@@ -198,7 +198,7 @@ def test_emulated_h100_forward_takes_the_wgmma_plan(monkeypatch, dtype, causal):
 @pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3", "128,64,3,1,2,1", "64,64,3,1,4,1",
                                     "128,128,3,1,1,1,1", "128,128,2,1,1,0,0,1", "128,128,2,1,1,1,0,1",
                                     "64,64,3,1,2,1,0,1", "192,32,2,1,1,1,0,1", "128,128,2,1,1,1,0,1,0,1",
-                                    "192,64,2,1,1,1,0,1,0,1", "128,128,2,1,1,1,0,1,0,1,3"])
+                                    "192,96,4,1,1,1,0,1,160,1", "128,128,2,1,1,1,0,1,0,1,3"])
 def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
   """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped, with a producer warpgroup) against
   float64."""
