@@ -226,7 +226,8 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
   plan = fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
   if not wgmma: return plan
-  producer = attention_wgmma.producer_plan(plan, BLOCK_N_CHOICES, registers, renderer.dynamic_local_memory_bytes) \
+  multiprocessors = getattr(renderer, "multiprocessors", 0) or ASSUMED_CUDA_GPU.multiprocessors
+  producer = attention_wgmma.producer_plan(plan, multiprocessors, registers, renderer.dynamic_local_memory_bytes) \
       if attention_wgmma.RULE_PRODUCER else None
   return producer or replace(plan, min_ctas=attention_wgmma.resident_ctas(plan, CTAS_PER_PROCESSOR, registers))
 

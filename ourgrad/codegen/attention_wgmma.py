@@ -48,11 +48,14 @@ WGMMA_BLOCK_M = 64
 # D = 64 with 128 keys a tile (112 of fragments)
 WGMMA_OVERHEAD_REGISTERS = 54
 WGMMA_DTYPES = ("float16", "bfloat16")
-# the rule's kernel where it fits (producer_plan): a producer warpgroup and two consumers of 64 rows each over a ring
-# of 2 stages, ping-pong. H200, bf16 causal B=4 H=12 D=64: TODO
-RULE_PRODUCER, PRODUCER_CONSUMERS, PRODUCER_STAGES = False, 2, 2
-# the fewest registers the producer's copy loop runs in (setmaxnreg's least is 24)
-LEAST_PRODUCER_REGISTERS = 24
+# the rule's kernel where it fits (producer_plan): a producer warpgroup and consumers of 64 rows each over a ring of
+# stages, overlapped, ping-pong; off: measured on the H200 below (bf16 causal B=4 H=12 D=64)
+RULE_PRODUCER, PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_LEAST_WAVES = False, 3, 4, 4
+# registers a producer thread keeps when the consumers take their share (its cp.async loop fits 32), and the fewest
+# it may be left with (setmaxnreg's least is 24)
+PRODUCER_KEEPS, LEAST_PRODUCER_REGISTERS = 32, 24
+# the fewest keys a tile of the rule's producer kernel (fewer: more rescales and waits than the shared tiles save)
+PRODUCER_LEAST_KEYS = 64
 
 
 def wgmma_refusal(dtype: str, head_dim: int, vector_copies: bool) -> str | None:
@@ -75,25 +78,30 @@ def resident_ctas(plan: AttentionPlan, most: int, multiprocessor_registers: int)
 
 def consumer_register_share(plan: AttentionPlan, multiprocessor_registers: int) -> int:
   """Registers a consumer thread of plan.producer may take by setmaxnreg: the CTA's share of the multiprocessor's
-  registers (its launch bounds: threads x min_ctas resident) less the producer's PRODUCER_REGISTERS, over the
-  consumers, in granules of 8, at most 240 (1 CTA of 2 consumer warpgroups: 168 a thread at launch, 232 after)."""
+  registers (its launch bounds: threads x min_ctas resident) less the producer's PRODUCER_KEEPS, over the consumers,
+  in granules of 8, at most 240 (1 CTA of 2 consumer warpgroups: 168 a thread at launch, 232 after; of 3: 160)."""
   pool = launch_registers(plan.threads, plan.min_ctas, multiprocessor_registers) * plan.threads - \
-      WARPGROUP_THREADS * PRODUCER_REGISTERS
+      WARPGROUP_THREADS * PRODUCER_KEEPS
   return min(pool // plan.consumer_threads // 8 * 8, 240)
 
 
-def producer_plan(plan: AttentionPlan, key_tiles: tuple[int, ...], multiprocessor_registers: int,
+def producer_plan(plan: AttentionPlan, multiprocessors: int, multiprocessor_registers: int,
                   shared_limit: int) -> AttentionPlan | None:
-  """The rule's producer kernel for a wgmma plan (RULE_PRODUCER): PRODUCER_CONSUMERS consumer warpgroups, a ring of
-  PRODUCER_STAGES, overlap and ping-pong, one CTA a multiprocessor, the consumers at their setmaxnreg share, keys a
-  tile the most of `key_tiles` whose fragments, P's A registers (overlap) and WGMMA_OVERHEAD_REGISTERS fit that share
-  (D = 64 and 128: 128 keys) and whose stages fit `shared_limit`; None where none fits."""
-  for block_n in key_tiles:
-    candidate = replace(plan, block_m=PRODUCER_CONSUMERS * WARPGROUP_ROWS, block_n=block_n, stages=PRODUCER_STAGES,
-                        min_ctas=1, producer=True, overlap=True, pingpong=True)
-    share = consumer_register_share(candidate, multiprocessor_registers)
-    needed = candidate.fragment_registers + block_n // 4 + WGMMA_OVERHEAD_REGISTERS
-    if needed <= share and candidate.shared_bytes <= shared_limit: return replace(candidate, consumer_registers=share)
+  """The rule's producer kernel for a wgmma plan (RULE_PRODUCER): PRODUCER_CONSUMERS consumer warpgroups over a ring
+  of PRODUCER_STAGES, overlapped and ping-pong, one CTA a multiprocessor, the consumers at their setmaxnreg share
+  (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to PRODUCER_LEAST_KEYS) whose fragments
+  and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160: 112; ptxas fits them without spills) and
+  whose stages fit `shared_limit`; None where none fits (D = 128 with 3 consumers) or where the grid
+  is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs more of them to even out the
+  causal tails than the 1-warpgroup ones)."""
+  consumers = replace(plan, block_m=PRODUCER_CONSUMERS * WARPGROUP_ROWS, stages=PRODUCER_STAGES, min_ctas=1,
+                      producer=True, overlap=True, pingpong=PRODUCER_CONSUMERS > 1)
+  if consumers.query_blocks * plan.heads * plan.batch < PRODUCER_LEAST_WAVES * multiprocessors: return None
+  share = consumer_register_share(consumers, multiprocessor_registers)
+  for block_n in range(128, PRODUCER_LEAST_KEYS - 1, -16):
+    candidate = replace(consumers, block_n=block_n, consumer_registers=share)
+    if candidate.fragment_registers + WGMMA_OVERHEAD_REGISTERS <= share and candidate.shared_bytes <= shared_limit:
+      return candidate
   return None
 
 
