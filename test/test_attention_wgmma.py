@@ -86,6 +86,20 @@ def test_rule_picks_wgmma_for_16_bit_operands_on_sm90(monkeypatch):
   assert _plan(dtypes.bfloat16).mma == "mma_sync"
 
 
+def test_producer_rule_by_registers_and_waves(monkeypatch):
+  """attention_wgmma.RULE_PRODUCER: three consumer warpgroups at their setmaxnreg share (160) take the most keys a
+  tile that share fits (D = 64: 112) where the grid has PRODUCER_LEAST_WAVES CTAs a multiprocessor (T = 4096; not
+  T = 1024's 288 CTAs on 132); D = 128 fits no 64 keys at 160 and keeps the one-warpgroup rule."""
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.setattr(attention_wgmma, "RULE_PRODUCER", True)
+  plan = _plan(dtypes.bfloat16, length=4096)
+  assert blocks_text(plan) == "192,112,4,1,1,1,0,1,160,1" and plan.threads == 512
+  assert attention_wgmma.producer_registers(plan) == 32
+  assert blocks_text(_plan(dtypes.bfloat16, length=1024)) == "64,128,2,1,3"
+  assert blocks_text(_plan(dtypes.bfloat16, 128, length=4096)) == "64,64,2,1,2"
+
+
 def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.setenv("ATTENTION_BLOCKS", "64,128,2,1,3")
@@ -101,7 +115,7 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.setenv("ATTENTION_BLOCKS", "128,128,2,1,1,1,0,1")
   plan = _plan(dtypes.bfloat16)
-  # the producer gives 128 x (168 - 40) registers to the 256 consumers: 168 + 64 each
+  # the producer keeps 32 of 168: 128 x 136 registers to the 256 consumers, 168 + 64 each (in granules of 8)
   assert (plan.producer, plan.overlap, plan.threads, plan.consumer_registers) == (True, True, 384, 232)
   assert blocks_text(plan) == "128,128,2,1,1,1,0,1,232"
   monkeypatch.setenv("ATTENTION_BLOCKS", "128,128,2,1,1,0,0,1,200")
@@ -110,8 +124,8 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   assert _plan(dtypes.bfloat16).consumer_registers == 0   # 255 a thread at launch: nothing to take
   monkeypatch.setenv("ATTENTION_BLOCKS", "192,64,2,1,1,1,0,1,0,1")
   plan = _plan(dtypes.bfloat16)
-  assert (plan.pingpong, plan.threads, plan.consumer_registers) == (True, 512, 152)
-  assert blocks_text(plan) == "192,64,2,1,1,1,0,1,152,1"
+  assert (plan.pingpong, plan.threads, plan.consumer_registers) == (True, 512, 160)
+  assert blocks_text(plan) == "192,64,2,1,1,1,0,1,160,1"
   # three consumers at 160 leave the producer 32 (setmaxnreg.dec), at 176 none
   monkeypatch.setenv("ATTENTION_BLOCKS", "192,96,4,1,1,1,0,1,160")
   assert attention_wgmma.producer_registers(_plan(dtypes.bfloat16)) == 32
