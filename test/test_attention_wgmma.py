@@ -100,6 +100,19 @@ def test_producer_rule_by_registers_and_waves(monkeypatch):
   assert blocks_text(_plan(dtypes.bfloat16, 128, length=4096)) == "64,64,2,1,2"
 
 
+def test_producer_plan_round_trips_through_the_python_program(monkeypatch):
+  """The PYTHON device's attention program (runtime/attention_emulator.py: the plan as JSON, what the compile cache
+  stores) gives back the producer plan's every field."""
+  from ourgrad.runtime.attention_emulator import AttentionProgram, attention_program_text
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.setenv("ATTENTION_BLOCKS", "192,96,4,1,1,1,0,1,160,1,4")
+  plan = _plan(dtypes.bfloat16)
+  assert (plan.producer, plan.pingpong, plan.consumer_registers, plan.exp_poly) == (True, True, 160, 4)
+  program = AttentionProgram("attention", attention_program_text("attention", plan, {"out": 0, "q": 1, "k": 1,
+                                                                                       "v": 1}).encode())
+  assert program.plan == plan
+
+
 def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.setenv("ATTENTION_BLOCKS", "64,128,2,1,3")
@@ -203,6 +216,17 @@ def test_emulated_h100_forward_takes_the_wgmma_plan(monkeypatch, dtype, causal):
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
     o_error, lse_error = _strided_forward_errors("PYTHON", dtype, causal)
+  assert o_error < 2e-2 and lse_error < 2e-2
+
+
+def test_emulated_h100_forward_with_a_producer_plan(monkeypatch):
+  """DEVICE=PYTHON EMULATE=CUDA_SM90 with ATTENTION_BLOCKS asking for three consumers and a producer: the plan
+  reaches the emulator through the program's JSON and its output matches float64 PyTorch."""
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.setenv("ATTENTION_BLOCKS", "192,96,4,1,1,1,0,1,160,1")
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    o_error, lse_error = _strided_forward_errors("PYTHON", dtypes.bfloat16, True)
   assert o_error < 2e-2 and lse_error < 2e-2
 
 
