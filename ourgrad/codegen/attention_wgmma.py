@@ -50,7 +50,7 @@ WGMMA_OVERHEAD_REGISTERS = 54
 WGMMA_DTYPES = ("float16", "bfloat16")
 # the rule's kernel where it fits (producer_plan): a producer warpgroup and consumers of 64 rows each over a ring of
 # stages, overlapped, ping-pong; off: measured on the H200 below (bf16 causal B=4 H=12 D=64)
-RULE_PRODUCER, PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_LEAST_WAVES = False, 3, 4, 4
+RULE_PRODUCER, PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_OVERLAP, PRODUCER_LEAST_WAVES = False, 3, 4, True, 4
 # registers a producer thread keeps when the consumers take their share (its cp.async loop fits 32), and the fewest
 # it may be left with (setmaxnreg's least is 24)
 PRODUCER_KEEPS, LEAST_PRODUCER_REGISTERS = 32, 24
@@ -88,14 +88,14 @@ def consumer_register_share(plan: AttentionPlan, multiprocessor_registers: int) 
 def producer_plan(plan: AttentionPlan, multiprocessors: int, multiprocessor_registers: int,
                   shared_limit: int) -> AttentionPlan | None:
   """The rule's producer kernel for a wgmma plan (RULE_PRODUCER): PRODUCER_CONSUMERS consumer warpgroups over a ring
-  of PRODUCER_STAGES, overlapped and ping-pong, one CTA a multiprocessor, the consumers at their setmaxnreg share
+  of PRODUCER_STAGES, overlapped and ping-pong (PRODUCER_OVERLAP), one CTA a multiprocessor, the consumers at their setmaxnreg share
   (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to PRODUCER_LEAST_KEYS) whose fragments
   and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160: 112; ptxas fits them without spills) and
   whose stages fit `shared_limit`; None where none fits (D = 128 with 3 consumers) or where the grid
   is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs more of them to even out the
   causal tails than the 1-warpgroup ones)."""
   consumers = replace(plan, block_m=PRODUCER_CONSUMERS * WARPGROUP_ROWS, stages=PRODUCER_STAGES, min_ctas=1,
-                      producer=True, overlap=True, pingpong=PRODUCER_CONSUMERS > 1)
+                      producer=True, overlap=PRODUCER_OVERLAP, pingpong=PRODUCER_OVERLAP and PRODUCER_CONSUMERS > 1)
   if consumers.query_blocks * plan.heads * plan.batch < PRODUCER_LEAST_WAVES * multiprocessors: return None
   share = consumer_register_share(consumers, multiprocessor_registers)
   for block_n in range(128, PRODUCER_LEAST_KEYS - 1, -16):
