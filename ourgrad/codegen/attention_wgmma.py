@@ -89,11 +89,11 @@ def producer_plan(plan: AttentionPlan, multiprocessors: int, multiprocessor_regi
                   shared_limit: int) -> AttentionPlan | None:
   """The rule's producer kernel for a wgmma plan (RULE_PRODUCER): PRODUCER_CONSUMERS consumer warpgroups over a ring
   of PRODUCER_STAGES, overlapped and ping-pong (PRODUCER_OVERLAP), one CTA a multiprocessor, the consumers at their
-  setmaxnreg share (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to PRODUCER_LEAST_KEYS) whose fragments
-  and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160: 112; ptxas fits them without spills) and
-  whose stages fit `shared_limit`; None where none fits (D = 128 with 3 consumers) or where the grid
-  is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs more of them to even out the
-  causal tails than the 1-warpgroup ones)."""
+  setmaxnreg share (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to
+  PRODUCER_LEAST_KEYS) whose fragments and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160: 112;
+  ptxas fits them without spills) and whose stages fit `shared_limit`; None where none fits (D = 128 with 3
+  consumers) or where the grid is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs
+  more of them to even out the causal tails than the 1-warpgroup ones)."""
   consumers = replace(plan, block_m=PRODUCER_CONSUMERS * WARPGROUP_ROWS, stages=PRODUCER_STAGES, min_ctas=1,
                       producer=True, overlap=PRODUCER_OVERLAP, pingpong=PRODUCER_OVERLAP and PRODUCER_CONSUMERS > 1)
   if consumers.query_blocks * plan.heads * plan.batch < PRODUCER_LEAST_WAVES * multiprocessors: return None
