@@ -87,12 +87,12 @@ def test_rule_picks_wgmma_for_16_bit_operands_on_sm90(monkeypatch):
 
 
 def test_producer_rule_by_registers_and_waves(monkeypatch):
-  """attention_wgmma.RULE_PRODUCER: three consumer warpgroups at their setmaxnreg share (160) take the most keys a
+  """ATTENTION_PRODUCER=1 (the default): three consumer warpgroups at their setmaxnreg share (160) take the most keys a
   tile that share fits (D = 64: 112) where the grid has PRODUCER_LEAST_WAVES CTAs a multiprocessor (T = 4096; not
   T = 1024's 288 CTAs on 132); D = 128 fits no 64 keys at 160 and keeps the one-warpgroup rule."""
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
-  monkeypatch.setattr(attention_wgmma, "RULE_PRODUCER", True)
+  monkeypatch.setenv("ATTENTION_PRODUCER", "1")
   plan = _plan(dtypes.bfloat16, length=4096)
   assert blocks_text(plan) == "192,112,4,1,1,1,0,1,160,1" and plan.threads == 512
   assert attention_wgmma.producer_registers(plan) == 32

@@ -56,6 +56,10 @@ ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention ke
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
 ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 1, "0: the fused attention forward of float16/bfloat16 on sm_90 runs "
                           "on mma.sync instead of wgmma (codegen/attention_wgmma.py)")
+ATTENTION_PRODUCER = env_var("ATTENTION_PRODUCER", 1, "1: the wgmma attention forward's rule takes the producer "
+                             "kernel (three consumer warpgroups fed by a producer warpgroup, "
+                             "codegen/attention_wgmma.py `producer_plan`) where it fits and the grid is large enough; "
+                             "0: one warpgroup a CTA")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
                            "[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly]]]]]]]]] of the fused "
                            "attention forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. "
@@ -228,7 +232,7 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   if not wgmma: return plan
   multiprocessors = getattr(renderer, "multiprocessors", 0) or ASSUMED_CUDA_GPU.multiprocessors
   producer = attention_wgmma.producer_plan(plan, multiprocessors, registers, renderer.dynamic_local_memory_bytes) \
-      if attention_wgmma.RULE_PRODUCER else None
+      if ATTENTION_PRODUCER else None
   return producer or replace(plan, min_ctas=attention_wgmma.resident_ctas(plan, CTAS_PER_PROCESSOR, registers))
 
 

@@ -48,9 +48,12 @@ WGMMA_BLOCK_M = 64
 # D = 64 with 128 keys a tile (112 of fragments)
 WGMMA_OVERHEAD_REGISTERS = 54
 WGMMA_DTYPES = ("float16", "bfloat16")
-# the rule's kernel where it fits (producer_plan): a producer warpgroup and consumers of 64 rows each over a ring of
-# stages, overlapped, ping-pong; off: measured on the H200 below (bf16 causal B=4 H=12 D=64)
-RULE_PRODUCER, PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_OVERLAP, PRODUCER_LEAST_WAVES = False, 3, 4, True, 4
+# the rule's kernel where it fits (producer_plan, ATTENTION_PRODUCER=1): a producer warpgroup and three consumers of
+# 64 rows each over a ring of 4 stages, overlapped, ping-pong. H200, bf16 causal B=4 H=12 D=64 T=4096, one call
+# (results/sweep_attention_producer_h200_s16_2.txt): 192 x 112 0.320 ms, 192 x 96 0.319 (with or without
+# ping-pong), the one-warpgroup rule 0.333, PyTorch 0.259; 3 stages without overlap 0.348, two consumers 0.367+,
+# 2 stages with overlap (no prefetch left) 0.46-0.72, exp_poly slower (results/sweep_attention_producer_h200_s16.txt)
+PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_OVERLAP, PRODUCER_LEAST_WAVES = 3, 4, True, 4
 # registers a producer thread keeps when the consumers take their share (its cp.async loop fits 32), and the fewest
 # it may be left with (setmaxnreg's least is 24)
 PRODUCER_KEEPS, LEAST_PRODUCER_REGISTERS = 32, 24
@@ -87,9 +90,9 @@ def consumer_register_share(plan: AttentionPlan, multiprocessor_registers: int) 
 
 def producer_plan(plan: AttentionPlan, multiprocessors: int, multiprocessor_registers: int,
                   shared_limit: int) -> AttentionPlan | None:
-  """The rule's producer kernel for a wgmma plan (RULE_PRODUCER): PRODUCER_CONSUMERS consumer warpgroups over a ring
-  of PRODUCER_STAGES, overlapped and ping-pong (PRODUCER_OVERLAP), one CTA a multiprocessor, the consumers at their
-  setmaxnreg share (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to
+  """The rule's producer kernel for a wgmma plan (ATTENTION_PRODUCER=1): PRODUCER_CONSUMERS consumer warpgroups over
+  a ring of PRODUCER_STAGES, overlapped and ping-pong (PRODUCER_OVERLAP), one CTA a multiprocessor, the consumers at
+  their setmaxnreg share (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to
   PRODUCER_LEAST_KEYS) whose fragments and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160: 112;
   ptxas fits them without spills) and whose stages fit `shared_limit`; None where none fits (D = 128 with 3
   consumers) or where the grid is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs
