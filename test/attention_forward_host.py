@@ -18,7 +18,8 @@ import numpy as np
 
 from attention_backward_host import (HOST_CONVERSIONS, PACKED_OPERANDS, PRELUDE, host_compiler, host_main, host_mma,
                                      wgmma_host_helpers)
-from ourgrad.codegen.attention import POLY_EXP2_HELPER, AttentionPlan, render_attention
+from ourgrad.codegen.attention import AttentionPlan, render_attention
+from ourgrad.codegen.attention_helpers import POLY_EXP2_HELPER
 
 FORWARD_PRELUDE = r"""
 inline float __int_as_float(int bits) { float f; memcpy(&f, &bits, 4); return f; }
@@ -151,7 +152,7 @@ def run_forward_on_host(plan: AttentionPlan, q: np.ndarray, k: np.ndarray, v: np
 
 
 def evaluate_poly_exp2_on_host(points: np.ndarray) -> np.ndarray:
-  """codegen/attention.py's POLY_EXP2_HELPER compiled with g++ and evaluated at float32 `points`."""
+  """codegen/attention_helpers.py's POLY_EXP2_HELPER compiled with g++ and evaluated at float32 `points`."""
   compiler = host_compiler()
   if compiler is None: raise RuntimeError("no g++ to run the helper on the host")
   main = r"""
